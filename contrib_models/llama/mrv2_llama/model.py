@@ -1,0 +1,154 @@
+"""Llama decoder (``LlamaForCausalLM``): GQA, optional attention/MLP biases, Llama 3 RoPE."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from mrv2.layers import (
+    Attention,
+    LMHead,
+    MergedColumnLinear,
+    QKVLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowLinear,
+    SiluAndMul,
+    VocabEmbedding,
+    get_rope,
+)
+from mrv2.model_loader import load_stacked_weights
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    """``config.head_dim``, or ``hidden_size // num_attention_heads`` when it is unset."""
+    head_dim = getattr(config, "head_dim", None)
+    return int(head_dim or config.hidden_size // config.num_attention_heads)
+
+
+class LlamaAttention(nn.Module):
+    """Fused QKV projection, RoPE, paged attention, output projection."""
+
+    def __init__(self, config: PretrainedConfig, layer_idx: int, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        head_dim = head_dim_of(config)
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVLinear(config.hidden_size, head_dim, num_heads, num_kv_heads, bias=bias)
+        self.o_proj = RowLinear(num_heads * head_dim, config.hidden_size, bias=bias)
+        self.rotary_emb = rope
+        self.attn = Attention(num_heads, num_kv_heads, head_dim, head_dim**-0.5, layer_idx)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU MLP with fused gate/up projection."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(
+                f"Llama MLP supports hidden_act 'silu' only, got {config.hidden_act!r}"
+            )
+        size = config.intermediate_size
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = MergedColumnLinear(config.hidden_size, [size, size], bias=bias)
+        self.act_fn = SiluAndMul()
+        self.down_proj = RowLinear(size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm decoder layer; the residual add is fused into the following norm."""
+
+    def __init__(self, config: PretrainedConfig, layer_idx: int, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, rope)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        rope = get_rope(config, head_dim_of(config))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, rope) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama causal LM in the mrv2 model contract (flat token batch, paged attention)."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.model = LlamaModel(config)
+        tied_to = self.model.embed_tokens if self.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied_to)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``input_ids``, ``positions`` ``[T]`` -> final hidden states ``[T, hidden_size]``."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` -> ``[N, vocab_size]`` in the model dtype."""
+        return self.lm_head(hidden_states)
+
+    def _rename(self, name: str) -> str | None:
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if self.tie_word_embeddings and name == "lm_head.weight":
+            return "model.embed_tokens.weight"
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF checkpoint tensors; returns the parameter names loaded."""
+        return load_stacked_weights(self, weights, STACKED_PARAMS, self._rename)

@@ -1,0 +1,73 @@
+"""The attention backend interface and the metadata every backend reads.
+
+KV cache layout, one tensor per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
+(index 0 keys, 1 values). A token at absolute position ``p`` of request ``r`` lives in block
+``block_table[r, p // block_size]`` at offset ``p % block_size``; ``slot_mapping`` holds the flat
+slot ``block * block_size + offset`` of every token of the step.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one step, all device tensors plus CPU-known bounds.
+
+    Tokens of the step are laid out request after request: request ``i`` owns query rows
+    ``query_start_loc[i]:query_start_loc[i+1]``; its queries sit at the last positions of its
+    sequence, whose total length after this step is ``seq_lens[i]``.
+    """
+
+    num_reqs: int
+    """Requests in the batch (B). Rows past the real ones may be padding with zero queries."""
+    num_tokens: int
+    """Query tokens in the step (T), padding included."""
+    max_query_len: int
+    """Upper bound of any request's query length this step (known on the CPU)."""
+    max_seq_len: int
+    """Upper bound of any ``seq_lens`` entry this step (known on the CPU, never read back)."""
+    query_start_loc: torch.Tensor
+    """``[B + 1]`` int32, exclusive prefix sum of query lengths."""
+    seq_lens: torch.Tensor
+    """``[B]`` int32, tokens in each sequence after this step (context + new queries)."""
+    block_table: torch.Tensor
+    """``[B, max_blocks_per_req]`` int32, KV block ids of each request."""
+    slot_mapping: torch.Tensor
+    """``[T]`` int64, flat KV slot of each query token; negative for padding (not written)."""
+    block_size: int
+    """Tokens per KV block."""
+
+
+class AttentionBackend(ABC):
+    """A paged attention implementation: writes new K/V into the cache, attends over it."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Store ``key``/``value`` ``[T, num_kv_heads, head_dim]`` at ``slot_mapping`` slots."""
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of ``query`` ``[T, num_heads, head_dim]`` over the paged cache.
+
+        Grouped-query attention: query head ``h`` reads KV head ``h // (num_heads //
+        num_kv_heads)``. Returns ``[T, num_heads, head_dim]`` in the query's dtype.
+        """

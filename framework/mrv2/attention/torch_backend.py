@@ -1,0 +1,99 @@
+"""The plain-torch reference paged attention backend (CPU or any device; slow, exact).
+
+No host syncs: every shape comes from the tensors or from the CPU bounds in the metadata
+(``num_reqs``, ``max_query_len``, ``max_seq_len``), never from reading device values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mrv2.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Reference backend: scatter writes for the cache, dense masked attention in fp32.
+
+    ``forward`` pads the step's queries to ``[num_reqs, max_query_len]``, gathers each request's
+    keys and values through its block table up to ``max_seq_len``, masks by causal position
+    and sequence length, and scatters the result back to the token layout. Padding query rows
+    (past ``query_start_loc[num_reqs]``) come out as zeros.
+    """
+
+    name = "torch"
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Store ``key``/``value`` at their slots; tokens with a negative slot are not stored.
+
+        Every row is written somewhere (a data-dependent row count would need a host sync):
+        a padding row takes the slot and value of the first real row, so the duplicate write is
+        harmless; when no row is real, each writes slot 0's own value back.
+        """
+        num_tokens = key.shape[0]
+        flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+        slots = slot_mapping[:num_tokens]
+        valid = slots >= 0
+        first_valid = torch.argmax(valid.to(torch.int32))
+        rows = torch.arange(num_tokens, device=slots.device)
+        src = torch.where(valid, rows, first_valid)
+        target = slots[src].clamp(min=0)
+        keep_old = ~valid[src][:, None, None]
+        for i, new in enumerate((key, value)):
+            new_rows = new[src].to(kv_cache.dtype)
+            flat[i].index_copy_(0, target, torch.where(keep_old, flat[i][target], new_rows))
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal GQA attention of ``query`` ``[T, H, D]``; returns ``[T, H, D]``."""
+        num_tokens, num_heads, head_dim = query.shape
+        block_size, num_kv_heads = kv_cache.shape[2:4]
+        group = num_heads // num_kv_heads
+        device = query.device
+        num_reqs = metadata.num_reqs
+        max_q = metadata.max_query_len
+        max_len = metadata.max_seq_len
+        if num_tokens == 0 or num_reqs == 0 or max_q == 0:
+            return torch.zeros_like(query)
+        starts = metadata.query_start_loc[: num_reqs + 1].long()
+        seq_lens = metadata.seq_lens[:num_reqs].long()
+        query_lens = starts[1:] - starts[:-1]
+
+        # Queries padded per request: [B, Q, Hk, G, D], with their absolute positions [B, Q].
+        offsets = torch.arange(max_q, device=device)
+        q_rows = (starts[:-1, None] + offsets).clamp(max=num_tokens - 1)
+        q = query.float()[q_rows].view(num_reqs, max_q, num_kv_heads, group, head_dim)
+        q_pos = (seq_lens - query_lens)[:, None] + offsets
+
+        # Keys and values of each request up to max_len: [B, L, Hk, D].
+        blocks_needed = -(-max_len // block_size)
+        block_ids = metadata.block_table[:num_reqs, :blocks_needed].long()
+        k = kv_cache[0][block_ids].flatten(1, 2)[:, :max_len].float()
+        v = kv_cache[1][block_ids].flatten(1, 2)[:, :max_len].float()
+        k_pos = torch.arange(max_len, device=device)
+        in_seq = k_pos[None, :] < seq_lens[:, None]  # [B, L]
+        v = torch.where(in_seq[:, :, None, None], v, 0.0)  # unwritten slots may hold NaN
+
+        scores = torch.einsum("bqhgd,blhd->bhgql", q, k) * scale
+        mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, Q, L]; real queries: < seq_len
+        scores = scores.masked_fill(~mask[:, None, None], torch.finfo(torch.float32).min)
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.einsum("bhgql,blhd->bqhgd", probs, v).reshape(num_reqs, max_q, num_heads, -1)
+
+        # Back to token rows; tokens past the last request's queries are padding.
+        tokens = torch.arange(num_tokens, device=device)
+        req = torch.searchsorted(starts[1:], tokens, right=True).clamp(max=num_reqs - 1)
+        pos_in_req = (tokens - starts[req]).clamp(0, max_q - 1)
+        is_real = tokens < starts[-1]
+        result = torch.where(is_real[:, None, None], out[req, pos_in_req], 0.0)
+        return result.to(query.dtype)

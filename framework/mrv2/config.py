@@ -1,0 +1,233 @@
+"""Engine configuration: pydantic models, one section per concern.
+
+Every section validates at construction: a bad value raises ``pydantic.ValidationError`` naming
+the field and what is allowed. ``EngineConfig.from_kwargs`` takes vLLM's flat EngineArgs names
+(``max_model_len=...``), ``EngineConfig.from_file`` a YAML or JSON file of the same flat names or
+of sections, and :func:`add_cli_args` / :func:`config_from_cli` turn them into CLI flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class ModelConfig(_Section):
+    """What to load and how: checkpoint directory, dtype, context length, seed."""
+
+    model: str | None = Field(
+        default=None, description="HF checkpoint directory; None means the default model"
+    )
+    tokenizer: str | None = Field(default=None, description="tokenizer directory (default: model)")
+    dtype: DType = Field(default="auto", description="weights and activations dtype")
+    max_model_len: int | None = Field(
+        default=None, ge=1, description="longest sequence (prompt + output); default from config"
+    )
+    seed: int = Field(default=0, ge=0, description="seed of unseeded requests and dummy weights")
+    load_format: Literal["auto", "safetensors", "dummy"] = Field(
+        default="auto", description="'dummy' draws random weights (benchmarks)"
+    )
+
+
+class CacheConfig(_Section):
+    """Paged KV cache: block size, how many blocks, prefix caching."""
+
+    block_size: Literal[1, 2, 4, 8, 16, 32, 64, 128] = Field(
+        default=16, description="tokens per KV block"
+    )
+    num_gpu_blocks_override: int | None = Field(
+        default=None, ge=1, description="KV block count (on whatever device)"
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.9, gt=0.0, le=1.0, description="fraction of device memory mrv2 may use"
+    )
+    cpu_kv_cache_gb: float = Field(
+        default=2.0, gt=0.0, description="KV cache size on the CPU device, in GiB"
+    )
+    enable_prefix_caching: bool = Field(default=False, description="reuse cached prefix blocks")
+
+    @model_validator(mode="after")
+    def _no_prefix_caching_yet(self) -> CacheConfig:
+        if self.enable_prefix_caching:
+            raise ValueError("enable_prefix_caching=True is not supported yet; leave it off")
+        return self
+
+
+class SchedulerConfig(_Section):
+    """Continuous batching: batch width, token budget, chunked prefill, async scheduling."""
+
+    max_num_seqs: int = Field(default=256, ge=1, description="requests in one step at most")
+    max_num_batched_tokens: int = Field(
+        default=8192, ge=1, description="tokens in one step at most (the token budget)"
+    )
+    enable_chunked_prefill: bool = Field(default=True, description="split long prompts")
+    async_scheduling: bool = Field(
+        default=True, description="schedule step N+1 while step N runs"
+    )
+    max_waiting: int = Field(default=100_000, ge=1, description="bound of the waiting queue")
+
+
+class ParallelConfig(_Section):
+    """Parallelism. Only one device for now; the seam is here for tensor parallelism."""
+
+    tensor_parallel_size: Literal[1] = Field(default=1, description="only 1 is supported yet")
+
+
+class SpeculativeConfig(_Section):
+    """Speculative decoding: which speculator plugin and how many draft tokens."""
+
+    method: str | None = Field(default=None, description="registered speculator name")
+    num_speculative_tokens: int = Field(default=0, ge=0, le=16)
+
+    @model_validator(mode="after")
+    def _tokens_need_method(self) -> SpeculativeConfig:
+        if self.num_speculative_tokens and self.method is None:
+            raise ValueError("num_speculative_tokens > 0 needs a speculative method")
+        return self
+
+
+class DeviceConfig(_Section):
+    """Where the engine runs and whether CUDA graphs are used."""
+
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="compute device")
+    enforce_eager: bool = Field(default=False, description="never capture CUDA graphs")
+    attention_backend: str | None = Field(
+        default=None, description="registered attention backend (default: per device)"
+    )
+
+
+class EngineConfig(_Section):
+    """The whole engine configuration."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    device: DeviceConfig = Field(default_factory=DeviceConfig)
+    logits_processors: list[str] = Field(
+        default_factory=list, description="registered logits processors to apply, by name"
+    )
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from vLLM-style flat keywords (``dtype="bfloat16", max_model_len=512``).
+
+        Section dicts (``cache={"block_size": 16}``) are accepted too. Unknown names raise a
+        ``ValueError`` listing the known ones.
+        """
+        sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        top: dict[str, Any] = {}
+        for key, value in kwargs.items():
+            if key in _SECTIONS and isinstance(value, dict):
+                sections[key].update(value)
+            elif key in _FLAT_TO_SECTION:
+                sections[_FLAT_TO_SECTION[key]][key] = value
+            elif key in cls.model_fields and key not in _SECTIONS:
+                top[key] = value
+            else:
+                known = ", ".join(sorted({*_FLAT_TO_SECTION, *_SECTIONS, "logits_processors"}))
+                raise ValueError(f"unknown engine argument {key!r}; known arguments: {known}")
+        data: dict[str, Any] = {**top, **{k: v for k, v in sections.items() if v}}
+        return cls.model_validate(data)
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides: Any) -> EngineConfig:
+        """Load a YAML (``.yaml``/``.yml``) or JSON file of flat names or sections."""
+        path = Path(path)
+        text = path.read_text()
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of engine arguments, got {type(data)}")
+        return cls.from_kwargs(**{**data, **overrides})
+
+
+_SECTIONS: dict[str, type[_Section]] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+    "speculative": SpeculativeConfig,
+    "device": DeviceConfig,
+}
+_FLAT_TO_SECTION: dict[str, str] = {
+    field: section for section, model in _SECTIONS.items() for field in model.model_fields
+}
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Add one ``--flag`` per engine field (``--max-model-len``), plus ``--config FILE``."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--config", default=None, help="YAML or JSON file of engine arguments")
+    for section, model in _SECTIONS.items():
+        for name, field in model.model_fields.items():
+            if section == "model" and name == "model":
+                continue
+            flag = "--" + name.replace("_", "-")
+            help_text = field.description or ""
+            if field.annotation is bool:
+                group.add_argument(
+                    flag, dest=name, default=None, action=argparse.BooleanOptionalAction,
+                    help=help_text,
+                )
+            else:
+                group.add_argument(
+                    flag, dest=name, default=None, type=_cli_type(field.annotation),
+                    help=help_text,
+                )
+    group.add_argument(
+        "--logits-processors", dest="logits_processors", default=None, nargs="*",
+        help="registered logits processors to apply",
+    )
+
+
+def _cli_type(annotation: Any) -> Any:
+    """The argparse ``type`` of a field: int or float where every allowed value is one."""
+    values = get_args(annotation) or (annotation,)
+    if get_origin(annotation) is Literal and all(isinstance(v, int) for v in values):
+        return int
+    kinds = {v for v in values if v is not type(None)}
+    if kinds == {int}:
+        return int
+    if kinds == {float}:
+        return float
+    return str
+
+
+def config_from_cli(args: argparse.Namespace, model: str | None) -> EngineConfig:
+    """Build the config from parsed CLI flags; flags given override the ``--config`` file."""
+    given: dict[str, Any] = {
+        name: getattr(args, name)
+        for name in [*_FLAT_TO_SECTION, "logits_processors"]
+        if name != "model" and getattr(args, name, None) is not None
+    }
+    if model is not None:
+        given["model"] = model
+    config_file = getattr(args, "config", None)
+    if config_file:
+        return EngineConfig.from_file(config_file, **given)
+    return EngineConfig.from_kwargs(**given)
+
+
+def format_validation_error(error: ValidationError) -> str:
+    """One line per problem: ``field: message (got value)``."""
+    lines = []
+    for item in error.errors():
+        where = ".".join(str(part) for part in item["loc"])
+        lines.append(f"{where}: {item['msg']} (got {item.get('input')!r})")
+    return "invalid engine configuration:\n  " + "\n  ".join(lines)

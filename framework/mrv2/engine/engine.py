@@ -1,0 +1,228 @@
+"""The engine loop: validate, schedule, launch, and read outputs one step late.
+
+With ``async_scheduling`` (the default) step N+1 is scheduled and launched before step N's
+tokens are read; a request that stops at step N wastes at most the one token of step N+1,
+which is discarded here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from mrv2.config import EngineConfig
+from mrv2.engine.block_manager import BlockManager
+from mrv2.engine.detokenizer import IncrementalDetokenizer
+from mrv2.engine.outputs import CompletionOutput, RequestOutput
+from mrv2.engine.request import Request
+from mrv2.engine.scheduler import Scheduler
+from mrv2.engine.tokenizer import Tokenizer, load_generation_eos
+from mrv2.plugins import PluginManager
+from mrv2.runner.async_output import AsyncStepOutput
+from mrv2.runner.runner import Runner
+from mrv2.sample.params import SamplingParams
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer | None
+    sent_tokens: int = 0
+    sent_text: int = 0
+
+
+class LLMEngine:
+    """Owns a :class:`Runner`, a :class:`Scheduler` and the requests in flight."""
+
+    def __init__(self, config: EngineConfig, plugins: PluginManager | None = None) -> None:
+        self.config = config
+        self.runner = Runner.from_config(config, plugins)
+        model_dir = config.model.model or self.runner.model_dir
+        self.tokenizer: Tokenizer | None = _load_tokenizer(config.model.tokenizer or model_dir)
+        eos = load_generation_eos(model_dir)
+        if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = {self.tokenizer.eos_token_id}
+        self.eos_token_ids = frozenset(eos)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, self.runner.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.max_model_len = self.runner.max_model_len
+        self._requests: dict[str, _Tracked] = {}
+        self._in_flight: deque[AsyncStepOutput] = deque()
+        self._seeds = random.Random(config.model.seed)
+        self._ids = itertools.count()
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request can run; returns its effective max_tokens. Raises ``ValueError``."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens, but max_model_len is {self.max_model_len}: "
+                f"prompts may have at most {self.max_model_len - 1} tokens"
+            )
+        vocab = self.runner.vocab_size
+        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+        params.check_vocab(vocab)
+        room = self.max_model_len - n
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if not self.config.scheduler.enable_chunked_prefill:
+            budget = self.config.scheduler.max_num_batched_tokens
+            if n > budget:
+                raise ValueError(
+                    f"the prompt has {n} tokens, more than max_num_batched_tokens={budget}; "
+                    "enable chunked prefill or raise max_num_batched_tokens"
+                )
+        needed = self.block_manager.blocks_needed(n + max_tokens, 0)
+        if needed > self.block_manager.num_blocks:
+            raise ValueError(
+                f"prompt + max_tokens = {n + max_tokens} tokens needs {needed} KV blocks; the "
+                f"cache has {self.block_manager.num_blocks}"
+            )
+        return max_tokens
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        prompt: str | None = None,
+    ) -> str:
+        """Validate and queue a request; returns its id. Nothing is queued if it is invalid."""
+        max_tokens = self.validate(prompt_token_ids, params)
+        req_id = request_id if request_id is not None else str(next(self._ids))
+        if req_id in self._requests:
+            raise ValueError(f"request id {req_id!r} is already in use")
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        request = Request(
+            req_id=req_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            seed=seed,
+            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+            max_tokens=max_tokens,
+        )
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, params.skip_special_tokens
+            )
+        self.scheduler.add(request)
+        self._requests[req_id] = _Tracked(request, prompt, detok)
+        return req_id
+
+    def abort(self, req_id: str) -> None:
+        """Cancel a request wherever it is; unknown or finished ids are ignored."""
+        tracked = self._requests.pop(req_id, None)
+        if tracked is not None:
+            self.scheduler.finish(tracked.request, "abort")
+
+    def has_unfinished(self) -> bool:
+        """True while any request waits, runs or has output in flight."""
+        return self.scheduler.num_unfinished > 0 or bool(self._in_flight)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Launch the next step, then process the oldest step whose output is due."""
+        scheduled = self.scheduler.schedule()
+        if scheduled.num_scheduled_tokens:
+            self._in_flight.append(self.runner.execute(scheduled))
+        else:
+            self.runner.remove_requests(scheduled.finished_req_ids)
+        outputs: list[RequestOutput] = []
+        keep = 1 if self.config.scheduler.async_scheduling and scheduled.num_scheduled_tokens else 0
+        while len(self._in_flight) > keep:
+            outputs.extend(self._process(self._in_flight.popleft().result()))
+        if not self.has_unfinished():
+            self.runner.remove_requests(self.scheduler.take_finished_ids())  # idle: free now
+        return outputs
+
+    def _process(self, sampled: dict[str, int]) -> list[RequestOutput]:
+        outputs = []
+        for req_id, token in sampled.items():
+            tracked = self._requests.get(req_id)
+            if tracked is None:
+                continue  # aborted or finished: its one extra token is discarded
+            request = tracked.request
+            request.num_pending -= 1
+            if request.finished:
+                continue
+            request.output_token_ids.append(token)
+            self._check_stop(tracked, token)
+            outputs.append(self._make_output(tracked))
+            if request.finished:
+                del self._requests[req_id]
+        return outputs
+
+    def _check_stop(self, tracked: _Tracked, token: int) -> None:
+        request = tracked.request
+        params = request.sampling_params
+        if tracked.detokenizer is not None:
+            tracked.detokenizer.add_tokens([token])
+        num_out = len(request.output_token_ids)
+        if num_out >= params.min_tokens:
+            if token in (params.stop_token_ids or ()):
+                self.scheduler.finish(request, "stop", token)
+                return
+            if token in request.eos_token_ids:
+                self.scheduler.finish(request, "stop")
+                return
+            if params.stop and tracked.detokenizer is not None:
+                hit = tracked.detokenizer.check_stop(
+                    list(params.stop), params.include_stop_str_in_output
+                )
+                if hit is not None:
+                    self.scheduler.finish(request, "stop", hit)
+                    return
+        if num_out >= request.max_tokens:
+            self.scheduler.finish(request, "length")
+
+    def _make_output(self, tracked: _Tracked) -> RequestOutput:
+        request = tracked.request
+        text = tracked.detokenizer.output_text if tracked.detokenizer is not None else ""
+        new_tokens = request.output_token_ids[tracked.sent_tokens :]
+        new_text = text[tracked.sent_text :]
+        tracked.sent_tokens, tracked.sent_text = len(request.output_token_ids), len(text)
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(request.output_token_ids),
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+        )
+        return RequestOutput(
+            request_id=request.req_id,
+            prompt=tracked.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=request.finished,
+            new_token_ids=new_tokens,
+            new_text=new_text,
+        )
+
+    # -- introspection -----------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: running/waiting requests, KV usage, preemptions."""
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_usage": self.block_manager.usage,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }
+
+
+def _load_tokenizer(path: str) -> Tokenizer | None:
+    try:
+        return Tokenizer(path)
+    except (OSError, ValueError):
+        return None

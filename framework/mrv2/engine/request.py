@@ -1,0 +1,68 @@
+"""A request as the engine sees it: tokens, counts, status, blocks."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from mrv2.sample.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """One generation request.
+
+    Counts, not values, drive scheduling: ``num_pending`` tokens were sampled on the device but
+    have not reached the CPU yet; the scheduler plans with them already counted.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int
+    eos_token_ids: frozenset[int]
+    max_tokens: int
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_pending: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Tokens of the prompt."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + generated tokens, counting those still on their way to the CPU."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens, counting those still on their way."""
+        return len(self.output_token_ids) + self.num_pending
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt and received output tokens."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        """True once stopped, aborted or out of room."""
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,203 @@
+"""Thin wrapper over a HF tokenizer loaded from a local model directory.
+
+Decoding never applies ``clean_up_tokenization_spaces``: the clean-up is not local to a token
+window, so incremental detokenization (see ``detokenizer.py``) could not reproduce it. Text from
+``Tokenizer.decode`` is therefore exactly what the tokenizer's own decoder produces.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "spiece.model",
+)
+
+
+class Tokenizer:
+    """A HF tokenizer (``.hf``) with the small API the engine needs.
+
+    ``Tokenizer(model_dir)`` loads the tokenizer of a local model directory (never downloads);
+    ``Tokenizer(hf_tokenizer)`` wraps an already loaded HF tokenizer.
+    """
+
+    def __init__(self, source: str | Path | Any, **kwargs: Any) -> None:
+        if isinstance(source, (str, Path)):
+            self.model_dir: Path | None = Path(source)
+            self.hf: Any = _load_hf_tokenizer(self.model_dir, **kwargs)
+        else:
+            self.model_dir = None
+            self.hf = source
+        # Fast tokenizers: decode through the Rust object directly (same result, less overhead).
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        self._backend: Any = backend if getattr(self.hf, "is_fast", False) else None
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, **kwargs: Any) -> Tokenizer:
+        return cls(Path(model_dir), **kwargs)
+
+    # -- encoding -------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def render_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """The chat template applied to ``messages``, as text."""
+        if not self.chat_template:
+            raise ValueError(
+                f"tokenizer of {self.model_dir or type(self.hf).__name__} has no chat template; "
+                "send a plain prompt instead of chat messages"
+            )
+        text = self.hf.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
+        )
+        if not isinstance(text, str):
+            raise TypeError(f"chat template rendered {type(text).__name__}, expected str")
+        return text
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
+        """Token ids of the rendered chat template (its text carries any BOS it wants)."""
+        text = self.render_chat_template(messages, add_generation_prompt, **kwargs)
+        return self.encode(text, add_special_tokens=False)
+
+    # -- decoding -------------------------------------------------------------------------
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        ids = ids if isinstance(ids, list) else list(ids)
+        if self._backend is not None:
+            return str(self._backend.decode(ids, skip_special_tokens=skip_special_tokens))
+        return str(
+            self.hf.decode(
+                ids,
+                skip_special_tokens=skip_special_tokens,
+                clean_up_tokenization_spaces=False,
+            )
+        )
+
+    def convert_ids_to_tokens(
+        self, ids: Sequence[int], skip_special_tokens: bool = False
+    ) -> list[str]:
+        return list(
+            self.hf.convert_ids_to_tokens(list(ids), skip_special_tokens=skip_special_tokens)
+        )
+
+    # -- metadata -------------------------------------------------------------------------
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = self.hf.eos_token_id
+        return None if eos is None else int(eos)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        bos = self.hf.bos_token_id
+        return None if bos is None else int(bos)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        pad = self.hf.pad_token_id
+        return None if pad is None else int(pad)
+
+    @cached_property
+    def all_special_ids(self) -> list[int]:
+        """Ids of special tokens: the named ones plus added tokens flagged special."""
+        ids = {int(i) for i in self.hf.all_special_ids}
+        for i, tok in getattr(self.hf, "added_tokens_decoder", {}).items():
+            if getattr(tok, "special", False):
+                ids.add(int(i))
+        return sorted(ids)
+
+    @cached_property
+    def byte_fallback_ids(self) -> frozenset[int]:
+        """Ids of sentencepiece byte-fallback tokens (``<0x41>``); empty for byte-level BPE."""
+        pattern = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+        vocab: dict[str, int] = self.hf.get_vocab()
+        return frozenset(int(i) for t, i in vocab.items() if pattern.fullmatch(t))
+
+    @cached_property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included (``len(hf)``, not ``hf.vocab_size``)."""
+        return int(len(self.hf))
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    @property
+    def chat_template(self) -> str | dict[str, str] | None:
+        template = getattr(self.hf, "chat_template", None)
+        return template or None
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({type(self.hf).__name__}, dir={self.model_dir}, vocab={self.vocab_size})"
+
+
+def _load_hf_tokenizer(path: Path, **kwargs: Any) -> Any:
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {path} does not exist")
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"no tokenizer files in {path} (looked for {', '.join(_TOKENIZER_FILES)})"
+        )
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True, **kwargs)
+    except Exception as e:
+        if not (path / "tokenizer.json").is_file():
+            raise RuntimeError(f"could not load the tokenizer in {path}: {e}") from e
+        # e.g. an unknown tokenizer_class in tokenizer_config.json: use tokenizer.json alone.
+        hf = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+        hf.chat_template = _read_chat_template(path)
+        return hf
+
+
+def _read_chat_template(path: Path) -> str | None:
+    jinja = path / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    config = path / "tokenizer_config.json"
+    if config.is_file():
+        template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+        if isinstance(template, str):
+            return template
+    return None
+
+
+def _eos_ids(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, (list, tuple)):
+        return {int(v) for v in value if v is not None}
+    return {int(value)}
+
+
+def load_generation_eos(model_dir: str | Path) -> set[int]:
+    """EOS ids of a model: generation_config.json's ``eos_token_id`` plus config.json's.
+
+    Either may be an int or a list; a multimodal config's ``text_config`` counts too.
+    """
+    path = Path(model_dir)
+    eos: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        file = path / name
+        if not file.is_file():
+            continue
+        data = json.loads(file.read_text(encoding="utf-8"))
+        eos |= _eos_ids(data.get("eos_token_id"))
+        text_config = data.get("text_config")
+        if isinstance(text_config, dict):
+            eos |= _eos_ids(text_config.get("eos_token_id"))
+    return eos

@@ -1,0 +1,103 @@
+"""The ``mrv2`` command: generate, plugins, prepare-default-model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+from mrv2.config import add_cli_args, config_from_cli, format_validation_error
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from mrv2.engine.llm import LLM
+    from mrv2.sample.params import SamplingParams
+
+    config = config_from_cli(args, args.model)
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        max_tokens=args.max_tokens, seed=args.sampling_seed, ignore_eos=args.ignore_eos,
+    )
+    llm = LLM(config=config)
+    tokenizer = llm.get_tokenizer()
+    prompts = args.prompt or ["What is the capital of France?"]
+    for prompt in prompts:
+        if not args.raw and tokenizer is not None and tokenizer.chat_template:
+            output = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]
+        else:
+            output = llm.generate(prompt, params, use_tqdm=False)[0]
+        print(output.outputs[0].text.strip())
+    return 0
+
+
+def _plugins(args: argparse.Namespace) -> int:
+    from mrv2.plugins import get_plugin_manager
+
+    manager = get_plugin_manager()
+    for info in manager.list_plugins():
+        version = f" {info.version}" if info.version else ""
+        print(f"{info.name}{version}  [{info.source}]")
+        print(f"    hooks: {', '.join(info.hooks)}")
+    registries = manager.registries
+    print("architectures:")
+    for entry in registries.models.values():
+        print(f"    {entry.architecture}  ({entry.plugin}: {entry.model})")
+    print("attention backends: " + ", ".join(registries.attention_backends))
+    print("speculators: " + (", ".join(registries.speculators) or "none"))
+    print("logits processors: " + (", ".join(registries.logits_processors) or "none"))
+    return 0
+
+
+def _prepare_default(args: argparse.Namespace) -> int:
+    from mrv2.model_loader.default_model import ensure_default_model
+
+    print(ensure_default_model(force=args.force))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    parser = argparse.ArgumentParser(prog="mrv2", description="mrv2 inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    gen.add_argument("prompt", nargs="*", help="prompt text (default: a sample question)")
+    gen.add_argument("--model", default=None, help="HF checkpoint dir (default: SmolLM2-135M)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None, help="seed of the request")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    add_cli_args(gen)
+    gen.set_defaults(func=_generate)
+
+    plugins = sub.add_parser("plugins", help="list loaded plugins and what they registered")
+    plugins.set_defaults(func=_plugins)
+
+    prep = sub.add_parser(
+        "prepare-default-model", help="convert the bundled SmolLM2 GGUF once, print its dir"
+    )
+    prep.add_argument("--force", action="store_true", help="convert again")
+    prep.set_defaults(func=_prepare_default)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``mrv2`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ValidationError as error:
+        print(f"mrv2: {format_validation_error(error)}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, RuntimeError, ImportError) as error:
+        print(f"mrv2: error: {error}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""The attention layer models use: paged KV write + attention through the step's backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mrv2.attention.context import get_forward_context
+
+
+class Attention(nn.Module):
+    """Causal paged attention over layer ``layer_idx``'s KV cache (no parameters).
+
+    The metadata, the per-layer KV caches and the backend come from the forward context the
+    runner sets around each forward (:func:`mrv2.attention.set_forward_context`).
+    """
+
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.layer_idx = layer_idx
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q [T, H*D]``, ``k``/``v`` ``[T, Hk*D]`` -> ``[T, H*D]``."""
+        ctx = get_forward_context()
+        kv_cache = ctx.kv_caches[self.layer_idx]
+        num_tokens = q.shape[0]
+        key = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        value = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        ctx.backend.write_kv(key, value, kv_cache, ctx.metadata.slot_mapping)
+        query = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        out = ctx.backend.forward(query, kv_cache, ctx.metadata, self.scale)
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"scale={self.scale}, layer_idx={self.layer_idx}"
+        )

@@ -1,0 +1,141 @@
+"""Linear layers. Each parameter carries a ``weight_loader(param, loaded[, shard_id])``.
+
+Column layers split their output dimension across tensor-parallel ranks, row layers their input
+dimension. Only ``tp_size=1`` exists today: the argument marks the seam where sharding goes.
+The fused layers (:class:`QKVLinear`, :class:`MergedColumnLinear`) take HF's separate
+checkpoint tensors one shard at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _check_tp(tp_size: int) -> None:
+    if tp_size != 1:
+        raise NotImplementedError(f"tensor parallelism is not implemented yet (tp_size={tp_size})")
+
+
+def _copy_checked(target: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
+    if target.shape != loaded.shape:
+        raise ValueError(
+            f"{what} expects shape {tuple(target.shape)}, checkpoint tensor has "
+            f"{tuple(loaded.shape)}"
+        )
+    target.copy_(loaded)
+
+
+class LinearBase(nn.Module):
+    """``y = x @ weight.T + bias`` with ``weight`` ``[output_size, input_size]``."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size))
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size))
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """Copy a whole checkpoint tensor into ``param``."""
+        with torch.no_grad():
+            _copy_checked(param.data, loaded, "parameter")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
+
+
+class ColumnLinear(LinearBase):
+    """A linear layer whose output dimension would be split across tensor-parallel ranks."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, tp_size: int = 1
+    ) -> None:
+        _check_tp(tp_size)
+        super().__init__(input_size, output_size // tp_size, bias)
+        self.tp_size = tp_size
+
+
+class RowLinear(LinearBase):
+    """A linear layer whose input dimension would be split across tensor-parallel ranks."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, tp_size: int = 1
+    ) -> None:
+        _check_tp(tp_size)
+        super().__init__(input_size // tp_size, output_size, bias)
+        self.tp_size = tp_size
+
+
+class MergedColumnLinear(ColumnLinear):
+    """Several column linears of the same input fused into one, e.g. an MLP's gate and up.
+
+    Shard ``i`` holds output rows ``sum(output_sizes[:i]) : sum(output_sizes[:i+1])``.
+    """
+
+    def __init__(
+        self, input_size: int, output_sizes: Sequence[int], bias: bool = False, tp_size: int = 1
+    ) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(self.output_sizes), bias, tp_size)
+
+    def weight_loader(  # type: ignore[override]
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int
+    ) -> None:
+        """Copy checkpoint tensor ``loaded`` into shard ``shard_id`` of ``param``."""
+        if not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"shard_id must be in [0, {len(self.output_sizes)}), got {shard_id}")
+        start = sum(self.output_sizes[:shard_id])
+        size = self.output_sizes[shard_id]
+        with torch.no_grad():
+            _copy_checked(param.data.narrow(0, start, size), loaded, f"shard {shard_id}")
+
+
+class QKVLinear(ColumnLinear):
+    """The query, key and value projections fused into one ``[q | k | v]`` output."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        tp_size: int = 1,
+    ) -> None:
+        self.head_dim = head_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, tp_size)
+
+    def weight_loader(  # type: ignore[override]
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str
+    ) -> None:
+        """Copy HF's ``q_proj``/``k_proj``/``v_proj`` tensor (``shard_id`` "q", "k" or "v")."""
+        offsets = {
+            "q": (0, self.q_size),
+            "k": (self.q_size, self.kv_size),
+            "v": (self.q_size + self.kv_size, self.kv_size),
+        }
+        if shard_id not in offsets:
+            raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        start, size = offsets[shard_id]
+        with torch.no_grad():
+            _copy_checked(param.data.narrow(0, start, size), loaded, f"shard {shard_id!r}")
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[T, q + 2 kv]`` -> ``q [T, q_size]``, ``k``, ``v`` ``[T, kv_size]`` (views)."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return q, k, v

@@ -1,0 +1,147 @@
+"""Rotary position embedding (neox style: the two halves of the rotary dims are rotated together).
+
+Supported HF rope types: ``default``, ``linear`` and ``llama3``. The parameters come either from a
+transformers 5 ``rope_parameters`` dict (holding ``rope_theta`` too) or from the older
+``rope_theta`` + ``rope_scaling`` pair; :func:`rope_parameters_of` reads both.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_parameters_of(config: Any) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, scaling)`` of an HF config; ``scaling`` is None for plain RoPE."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, Mapping) and "rope_theta" in params:
+        theta = float(params["rope_theta"])
+        scaling: Mapping[str, Any] | None = params
+    else:
+        theta = float(getattr(config, "rope_theta", None) or 10000.0)
+        scaling = getattr(config, "rope_scaling", None)
+    if not scaling or _rope_type(scaling) == "default":
+        return theta, None
+    return theta, dict(scaling)
+
+
+def _rope_type(scaling: Mapping[str, Any]) -> str:
+    return str(scaling.get("rope_type", scaling.get("type", "default")))
+
+
+def _inv_freq(
+    rotary_dim: int,
+    base: float,
+    scaling: Mapping[str, Any] | None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device) / rotary_dim
+    inv_freq = 1.0 / (base**exponents)
+    rope_type = "default" if scaling is None else _rope_type(scaling)
+    if rope_type == "default":
+        return inv_freq.float()
+    assert scaling is not None
+    factor = float(scaling["factor"])
+    if rope_type == "linear":
+        return (inv_freq / factor).float()
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, factor, scaling).float()
+    raise NotImplementedError(
+        f"rope type {rope_type!r} is not supported; supported types: {SUPPORTED_ROPE_TYPES}"
+    )
+
+
+def _llama3_inv_freq(
+    inv_freq: torch.Tensor, factor: float, scaling: Mapping[str, Any]
+) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths divided by ``factor``, a smooth blend in between."""
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    original_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    # 0 at the long-wavelength end of the blend band, 1 at its short-wavelength end.
+    smooth = ((original_len / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to query and key at given absolute positions.
+
+    The cos/sin table (fp32, ``max_position`` rows) is built on first use, on the positions'
+    device; one instance can be shared by every layer of a model.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float = 10000.0,
+        scaling: Mapping[str, Any] | None = None,
+        rotary_dim: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if self.rotary_dim % 2 or self.rotary_dim > head_dim:
+            raise ValueError(
+                f"rotary_dim must be even and at most head_dim ({head_dim}), got {self.rotary_dim}"
+            )
+        self.max_position = max_position
+        self.base = base
+        self.scaling = dict(scaling) if scaling else None
+        _inv_freq(self.rotary_dim, base, self.scaling)  # fail on an unsupported type right away
+        self._cos_sin: torch.Tensor | None = None
+
+    def _table(self, device: torch.device) -> torch.Tensor:
+        if self._cos_sin is None or self._cos_sin.device != device:
+            inv_freq = _inv_freq(self.rotary_dim, self.base, self.scaling, device)
+            positions = torch.arange(self.max_position, dtype=torch.float32, device=device)
+            freqs = torch.outer(positions, inv_freq)
+            self._cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        return self._cos_sin
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(shape[0], -1, self.head_dim)
+        half = self.rotary_dim // 2
+        x1 = x[..., :half].float()
+        x2 = x[..., half : self.rotary_dim].float()
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        if self.rotary_dim < self.head_dim:
+            rotated = torch.cat([rotated, x[..., self.rotary_dim :]], dim=-1)
+        return rotated.reshape(shape)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``query`` ``[T, H*D]`` (or ``[T, H, D]``) and ``key`` at ``positions`` ``[T]``."""
+        cos, sin = self._table(positions.device)[positions].unsqueeze(1).chunk(2, dim=-1)
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    def extra_repr(self) -> str:
+        return (
+            f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, "
+            f"max_position={self.max_position}, base={self.base}, scaling={self.scaling}"
+        )
+
+
+def get_rope(config: Any, head_dim: int) -> RotaryEmbedding:
+    """The RoPE of an HF decoder config (``partial_rotary_factor`` honoured)."""
+    base, scaling = rope_parameters_of(config)
+    params = getattr(config, "rope_parameters", None) or {}
+    partial = float(
+        params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    )
+    return RotaryEmbedding(
+        head_dim,
+        max_position=int(config.max_position_embeddings),
+        base=base,
+        scaling=scaling,
+        rotary_dim=int(head_dim * partial),
+    )

@@ -1,0 +1,98 @@
+"""Build a model from an HF checkpoint directory through the plugin registry."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from mrv2.config import EngineConfig
+from mrv2.plugins import ModelEntry, Registries, import_object
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CausalLM(Protocol):
+    """The contract every registered model class meets (see CONTRIBUTING.md, "Add a model")."""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``[T]`` token ids and positions -> ``[T, hidden]`` hidden states."""
+        ...
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` -> ``[N, vocab]``."""
+        ...
+
+    def load_weights(self, weights: Any) -> set[str]:
+        """Load HF-named ``(name, tensor)`` pairs; returns the parameter names loaded."""
+        ...
+
+
+def load_hf_config(model_dir: str | Path) -> Any:
+    """The checkpoint's ``config.json`` as a transformers config (no hub access).
+
+    Falls back to a plain ``PretrainedConfig`` for model types transformers does not know, so
+    private models need no transformers class.
+    """
+    path = Path(model_dir)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(
+            f"no config.json in {str(path)!r}: the model must be an HF checkpoint directory "
+            "(config.json, *.safetensors, tokenizer.json)"
+        )
+    import transformers
+
+    try:
+        return transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (ValueError, KeyError):
+        return transformers.PretrainedConfig(**json.loads(config_file.read_text()))
+
+
+def resolve_dtype(requested: str, hf_config: Any, device: torch.device) -> torch.dtype:
+    """``auto``: float32 on the CPU; on CUDA the checkpoint's dtype, bfloat16 for float32 ones."""
+    if requested != "auto":
+        return _DTYPES[requested]
+    if device.type == "cpu":
+        return torch.float32
+    saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(saved, str):
+        saved = _DTYPES.get(saved)
+    if saved in (torch.bfloat16, torch.float16):
+        return saved
+    return torch.bfloat16
+
+
+def build_model(
+    config: EngineConfig,
+    model_dir: str,
+    hf_config: Any,
+    registries: Registries,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[nn.Module, ModelEntry]:
+    """Instantiate the registered model class on ``device`` and load (or draw) its weights."""
+    from mrv2.model_loader.loader import init_dummy_weights, iter_safetensors, load_model_weights
+
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    if not architectures:
+        raise ValueError(f"{model_dir}/config.json names no 'architectures'")
+    entry = registries.resolve_model(architectures)
+    model_cls = import_object(entry.model)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = model_cls(hf_config)
+    finally:
+        torch.set_default_dtype(previous)
+    if config.model.load_format == "dummy":
+        init_dummy_weights(model, seed=config.model.seed)
+    else:
+        load_model_weights(model, iter_safetensors(model_dir))
+    model.to(device=device, dtype=dtype)
+    model.eval()
+    return model, entry

@@ -1,0 +1,284 @@
+"""The plugin manager: entry-point loading, allow/block lists, and the registries.
+
+Operators control loading with environment variables:
+
+* ``MRV2_PLUGINS=qwen,llama``: allow-list; only these entry points load (``""``: none).
+* ``MRV2_PLUGINS_BLOCK=glm``: never load these.
+* ``MRV2_PLUGIN_AUTOLOAD=0``: load no entry point at all (tests register plugins by hand).
+
+The core's own defaults (``mrv2.defaults``) always register, through the same hooks.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as metadata
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+
+from mrv2 import hookspecs
+
+ENTRY_POINT_GROUP = "mrv2"
+
+# Where to find architectures no installed plugin provides: shown in the "unknown architecture"
+# error so the user knows what to install.
+KNOWN_PACKAGES: dict[str, str] = {
+    "Qwen3ForCausalLM": "mrv2-plugin-qwen",
+    "Qwen2ForCausalLM": "mrv2-plugin-qwen",
+    "LlamaForCausalLM": "mrv2-contrib-llama",
+    "Glm4MoeForCausalLM": "mrv2-plugin-glm",
+    "DeepseekV3ForCausalLM": "mrv2-plugin-deepseek",
+    "Qwen2_5_VLForConditionalGeneration": "mrv2-plugin-qwen-vl",
+}
+
+
+class PluginError(RuntimeError):
+    """A plugin failed to load or registered something invalid; the message names it."""
+
+
+def import_object(path: str) -> Any:
+    """Import ``"package.module:Attr"`` (the lazy form every registry stores)."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"expected 'module:Attribute', got {path!r}")
+    module = importlib.import_module(module_name)
+    try:
+        obj = module
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except AttributeError as error:
+        raise ImportError(f"{module_name!r} has no attribute {attr!r}") from error
+    return obj
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """A registered architecture: lazy model and ModelState paths, and who registered it."""
+
+    architecture: str
+    model: str
+    model_state: str | None
+    plugin: str
+
+
+@dataclass(frozen=True)
+class NamedEntry:
+    """A registered backend, speculator or logits processor."""
+
+    name: str
+    target: str
+    plugin: str
+    devices: tuple[str, ...] = ()
+
+
+@dataclass
+class Registries:
+    """Everything the registration hooks handed over, keyed by name."""
+
+    models: dict[str, ModelEntry] = field(default_factory=dict)
+    attention_backends: dict[str, NamedEntry] = field(default_factory=dict)
+    speculators: dict[str, NamedEntry] = field(default_factory=dict)
+    logits_processors: dict[str, NamedEntry] = field(default_factory=dict)
+
+    def resolve_model(self, architectures: Sequence[str]) -> ModelEntry:
+        """The entry of the first registered name in ``architectures``, or a helpful error."""
+        for name in architectures:
+            if name in self.models:
+                return self.models[name]
+        hints = [
+            f"{name} is provided by '{KNOWN_PACKAGES[name]}' (pip install {KNOWN_PACKAGES[name]})"
+            for name in architectures
+            if name in KNOWN_PACKAGES
+        ]
+        registered = ", ".join(sorted(self.models)) or "none"
+        message = (
+            f"unknown model architecture {list(architectures)}; registered architectures: "
+            f"{registered}."
+        )
+        if hints:
+            message += " " + "; ".join(hints) + "."
+        else:
+            message += " Install a plugin that registers it, or write one (see CONTRIBUTING.md)."
+        raise ValueError(message)
+
+    def attention_backend_for(self, device_type: str, name: str | None = None) -> NamedEntry:
+        """The backend called ``name``, or the first one registered for ``device_type``."""
+        if name is not None:
+            if name not in self.attention_backends:
+                known = ", ".join(sorted(self.attention_backends))
+                raise ValueError(f"unknown attention backend {name!r}; registered: {known}")
+            return self.attention_backends[name]
+        for entry in self.attention_backends.values():
+            if device_type in entry.devices:
+                return entry
+        raise ValueError(f"no attention backend registered for device {device_type!r}")
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """What ``mrv2 plugins`` shows for one loaded plugin."""
+
+    name: str
+    version: str
+    source: str
+    hooks: tuple[str, ...]
+
+
+class PluginManager:
+    """pluggy's manager for project ``"mrv2"`` plus the registries built from it."""
+
+    def __init__(
+        self,
+        *,
+        autoload: bool | None = None,
+        allow: Sequence[str] | None = None,
+        block: Sequence[str] | None = None,
+    ) -> None:
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self._sources: dict[str, tuple[str, str]] = {}
+        from mrv2 import defaults
+
+        self.register(defaults, name="mrv2.defaults", source="built-in", version=_core_version())
+        if autoload is None:
+            autoload = os.environ.get("MRV2_PLUGIN_AUTOLOAD", "1") not in ("0", "false", "no")
+        if allow is None and "MRV2_PLUGINS" in os.environ:
+            allow = [n.strip() for n in os.environ["MRV2_PLUGINS"].split(",") if n.strip()]
+        if block is None:
+            block = [n.strip() for n in os.environ.get("MRV2_PLUGINS_BLOCK", "").split(",")]
+        for name in block:
+            if name:
+                self.pm.set_blocked(name)
+        if autoload:
+            self._load_entry_points(allow)
+        self._registries: Registries | None = None
+
+    @property
+    def hook(self) -> Any:
+        """The hook relay: ``manager.hook.mrv2_prepare_inputs(...)``."""
+        return self.pm.hook
+
+    def register(
+        self, plugin: object, name: str | None = None, *, source: str = "registered by code",
+        version: str = "",
+    ) -> None:
+        """Register a plugin object; a misspelled hook name raises ``PluginError`` at once."""
+        try:
+            registered = self.pm.register(plugin, name=name)
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as error:
+            raise PluginError(f"plugin {name or plugin!r} is invalid: {error}") from error
+        if registered is not None:
+            self._sources[registered] = (source, version)
+        self._registries = None
+
+    def _load_entry_points(self, allow: Sequence[str] | None) -> None:
+        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if allow is not None and ep.name not in allow:
+                continue
+            if self.pm.is_blocked(ep.name) or self.pm.has_plugin(ep.name):
+                continue
+            dist = ep.dist
+            version = dist.version if dist is not None else ""
+            source = f"{dist.metadata['Name']} (entry point {ep.value})" if dist else ep.value
+            try:
+                plugin = ep.load()
+            except Exception as error:
+                raise PluginError(
+                    f"plugin {ep.name!r} ({source}) failed to load: "
+                    f"{type(error).__name__}: {error}. Block it with MRV2_PLUGINS_BLOCK={ep.name}"
+                ) from error
+            self.register(plugin, name=ep.name, source=source, version=version)
+
+    def list_plugins(self) -> list[PluginInfo]:
+        """Name, version, source and implemented hooks of each registered plugin."""
+        infos = []
+        for name, plugin in self.pm.list_name_plugin():
+            hooks = tuple(sorted(caller.name for caller in self.pm.get_hookcallers(plugin) or []))
+            source, version = self._sources.get(name, ("registered by code", ""))
+            infos.append(PluginInfo(name, version, source, hooks))
+        return infos
+
+    @property
+    def registries(self) -> Registries:
+        """The registries, built on first use by calling every registration hook once."""
+        if self._registries is None:
+            self._registries = self._collect()
+        return self._registries
+
+    def _collect(self) -> Registries:
+        reg = Registries()
+
+        def each(hook_name: str, make: Callable[[str], Callable[..., None]]) -> None:
+            # Call implementations one by one so every entry records which plugin made it.
+            for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+                try:
+                    impl.function(register=make(impl.plugin_name))
+                except PluginError:
+                    raise
+                except Exception as error:
+                    raise PluginError(
+                        f"plugin {impl.plugin_name!r} failed in {hook_name}: "
+                        f"{type(error).__name__}: {error}"
+                    ) from error
+
+        def models(plugin: str) -> Callable[..., None]:
+            def register(architecture: str, model: str, model_state: str | None = None) -> None:
+                _check_path(plugin, model)
+                if model_state is not None:
+                    _check_path(plugin, model_state)
+                _check_unique(reg.models, architecture, plugin, "architecture")
+                reg.models[architecture] = ModelEntry(architecture, model, model_state, plugin)
+
+            return register
+
+        def named(table: dict[str, NamedEntry], kind: str) -> Callable[[str], Any]:
+            def bind(plugin: str) -> Callable[..., None]:
+                def register(name: str, target: str, devices: Sequence[str] = ()) -> None:
+                    _check_path(plugin, target)
+                    _check_unique(table, name, plugin, kind)
+                    table[name] = NamedEntry(name, target, plugin, tuple(devices))
+
+                return register
+
+            return bind
+
+        each("mrv2_register_models", models)
+        each("mrv2_register_attention_backends", named(reg.attention_backends, "backend"))
+        each("mrv2_register_speculators", named(reg.speculators, "speculator"))
+        each("mrv2_register_logits_processors", named(reg.logits_processors, "processor"))
+        return reg
+
+
+def _check_path(plugin: str, path: str) -> None:
+    if not isinstance(path, str) or ":" not in path:
+        raise PluginError(f"plugin {plugin!r} registered {path!r}; expected 'module:Class'")
+
+
+def _check_unique(table: dict[str, Any], name: str, plugin: str, kind: str) -> None:
+    if name in table:
+        raise PluginError(
+            f"{kind} {name!r} registered twice: by {table[name].plugin!r} and by {plugin!r}"
+        )
+
+
+def _core_version() -> str:
+    try:
+        return metadata.version("mrv2")
+    except metadata.PackageNotFoundError:
+        return "dev"
+
+
+_DEFAULT_MANAGER: PluginManager | None = None
+
+
+def get_plugin_manager() -> PluginManager:
+    """The process-wide manager, built on first use from the environment's settings."""
+    global _DEFAULT_MANAGER
+    if _DEFAULT_MANAGER is None:
+        _DEFAULT_MANAGER = PluginManager()
+    return _DEFAULT_MANAGER

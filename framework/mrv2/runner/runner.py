@@ -1,0 +1,379 @@
+"""The Runner: the step path every model shares.
+
+Be paranoid about changing this file and more paranoid about adding lines: anything that only
+some models need belongs in a ``ModelState`` subclass or a plugin hook, never here.
+
+One step (``execute``): drop finished rows, add new ones (staged writes), send the step's small
+integer arrays in one packed copy, build inputs on the device with the prep kernels, ask the
+ModelState for model inputs and attention metadata, run the forward, sample, write the sampled
+tokens back into the state table on the device, and start the copy of the tokens to the host.
+It returns without waiting: ``AsyncStepOutput.result()`` is the only wait.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from mrv2.attention.context import ForwardContext, set_forward_context
+from mrv2.config import EngineConfig
+from mrv2.model_loader.build import CausalLM, build_model, load_hf_config, resolve_dtype
+from mrv2.plugins import PluginManager, get_plugin_manager, import_object
+from mrv2.runner.async_output import AsyncStepOutput, PinnedRing
+from mrv2.runner.input_batch import InputBatch, InputBuffers
+from mrv2.runner.kv_cache import allocate_kv_caches, kv_layer_specs, num_blocks_for
+from mrv2.runner.model_state import ModelState
+from mrv2.runner.scheduler_output import NewRequest, SchedulerOutput
+from mrv2.runner.staging import Uploader
+from mrv2.runner.state_table import RequestStateTable, RowInfo
+from mrv2_kernels.input_prep import post_update, prepare_inputs
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` is CUDA when available, else the CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available; use device='cpu'")
+    return torch.device(name)
+
+
+class Runner:
+    """Runs scheduled steps of one model on one device.
+
+    Build it with :meth:`from_config`. Bring-your-own-scheduler users call :meth:`execute` with
+    a :class:`SchedulerOutput` per step and read :attr:`num_kv_blocks` / :attr:`block_size` to
+    manage KV blocks themselves; ``execute`` adds and removes requests as the output says.
+    """
+
+    def __init__(
+        self, config: EngineConfig, model_dir: str, plugins: PluginManager | None = None
+    ) -> None:
+        self.config = config
+        self.model_dir = model_dir
+        self.plugins = plugins or get_plugin_manager()
+        self.device = resolve_device(config.device.device)
+        self.hf_config = load_hf_config(model_dir)
+        self.dtype = resolve_dtype(config.model.dtype, self.hf_config, self.device)
+        self.max_model_len = _max_model_len(config, self.hf_config)
+        self.block_size = config.cache.block_size
+        registries = self.plugins.registries
+        self.model, entry = build_model(
+            config, model_dir, self.hf_config, registries, self.device, self.dtype
+        )
+        self.vocab_size = int(self.hf_config.vocab_size)
+
+        sched = config.scheduler
+        self.max_num_reqs = sched.max_num_seqs
+        self.max_num_tokens = sched.max_num_batched_tokens
+        self.max_blocks_per_req = -(-self.max_model_len // self.block_size)
+        self.table = RequestStateTable(
+            self.max_num_reqs, self.max_model_len, self.max_blocks_per_req, self.device
+        )
+        self.buffers = InputBuffers(
+            self.max_num_tokens, self.max_num_reqs, self.max_blocks_per_req, self.device
+        )
+        state_cls = import_object(entry.model_state) if entry.model_state else ModelState
+        self.model_state: ModelState = state_cls(
+            self.model, self.hf_config, config, self.buffers, self.block_size, self.device
+        )
+        backend_entry = registries.attention_backend_for(
+            self.device.type, config.device.attention_backend
+        )
+        self.attn_backend = import_object(backend_entry.target)()
+        hook = self.plugins.hook
+        self.sampler = hook.mrv2_make_sampler(
+            config=config, registries=registries, vocab_size=self.vocab_size, device=self.device
+        )
+        speculator = hook.mrv2_make_speculator(
+            config=config, registries=registries, model=self.model, device=self.device
+        )
+        if speculator is not None:
+            raise NotImplementedError("speculative decoding is not supported by this runner yet")
+        # Per-step hooks, resolved once.
+        self._hook_add = hook.mrv2_add_request
+        self._hook_remove = hook.mrv2_remove_request
+        self._hook_mm = hook.mrv2_get_mm_embeddings
+        self._hook_inputs = hook.mrv2_prepare_inputs
+        self._hook_attn = hook.mrv2_prepare_attn
+
+        self._num_tokens_cpu = np.zeros(self.max_num_reqs, dtype=np.int64)
+        self.kv_specs = kv_layer_specs(self.model)
+        peak = self._profile_peak_bytes()
+        self.num_kv_blocks = num_blocks_for(
+            config.cache, self.kv_specs, self.dtype, self.device, peak
+        )
+        self.kv_caches = allocate_kv_caches(
+            self.kv_specs, self.num_kv_blocks, self.block_size, self.dtype, self.device
+        )
+        self._uploader = Uploader(self.device)
+        self._out_ring = PinnedRing(self.max_num_reqs, self.device)
+        self._copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, plugins: PluginManager | None = None) -> Runner:
+        """Build a runner for ``config.model.model`` (the default model when unset)."""
+        model_dir = config.model.model
+        if model_dir is None:
+            from mrv2.model_loader.default_model import ensure_default_model
+
+            model_dir = str(ensure_default_model())
+        return cls(config, model_dir, plugins)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def _add_request(self, request: NewRequest, staged: _Staged) -> None:
+        n = len(request.token_ids)
+        if not 0 < n <= self.max_model_len:
+            raise ValueError(
+                f"request {request.req_id!r} has {n} tokens; allowed 1..{self.max_model_len}"
+            )
+        if len(request.block_ids) > self.max_blocks_per_req:
+            raise ValueError(f"request {request.req_id!r} holds too many blocks")
+        params = request.sampling_params
+        row = self.table.allocate(RowInfo(
+            req_id=request.req_id, prefill_len=n, num_computed=request.num_computed_tokens,
+            greedy=params.greedy, top_k=params.top_k > 0, top_p=params.top_p < 1.0,
+            min_p=params.min_p > 0.0,
+        ))
+        self._num_tokens_cpu[row] = n
+        staged.add_tokens(row, request.token_ids)
+        staged.add_blocks(row, 0, request.block_ids)
+        self.table.num_blocks[row] = len(request.block_ids)
+        staged.rows.append(row)
+        staged.params.append((params.temperature, params.top_k, params.top_p, params.min_p,
+                              request.seed, request.num_computed_tokens, n))
+        self._hook_add(model_state=self.model_state, request=request, row=row)
+
+    def remove_requests(self, req_ids: list[str]) -> None:
+        """Free the rows of finished, aborted or preempted requests (``execute`` does it too)."""
+        for req_id in req_ids:
+            row = self.table.release(req_id)
+            self._hook_remove(model_state=self.model_state, req_id=req_id, row=row)
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def execute(self, scheduled: SchedulerOutput) -> AsyncStepOutput:
+        """Run one step; returns at once with a handle on its sampled tokens."""
+        self.remove_requests(scheduled.finished_req_ids)
+        staged = _Staged()
+        for request in scheduled.new_requests:
+            self._add_request(request, staged)
+        for req_id, block_ids in scheduled.new_block_ids.items():
+            row = self.table.row_of(req_id)
+            start = int(self.table.num_blocks[row])
+            if start + len(block_ids) > self.max_blocks_per_req:
+                raise ValueError(f"request {req_id!r} would hold more blocks than max_model_len")
+            staged.add_blocks(row, start, block_ids)
+            self.table.num_blocks[row] = start + len(block_ids)
+        batch = self._build_batch(scheduled, staged)
+        with torch.inference_mode():
+            sampled = self._forward_and_sample(batch)
+        return self._start_output_copy(batch, sampled)
+
+    def _build_batch(self, scheduled: SchedulerOutput, staged: _Staged) -> InputBatch:
+        req_ids = list(scheduled.num_scheduled_tokens)
+        num_reqs = len(req_ids)
+        if not 0 < num_reqs <= self.max_num_reqs:
+            raise ValueError(f"a step needs 1..{self.max_num_reqs} requests, got {num_reqs}")
+        rows = np.empty(num_reqs, dtype=np.int32)
+        lens = np.empty(num_reqs, dtype=np.int32)
+        do_sample = np.empty(num_reqs, dtype=bool)
+        max_seq_len = 0
+        for i, req_id in enumerate(req_ids):
+            row = self.table.row_of(req_id)
+            info = self.table.info[row]
+            n = scheduled.num_scheduled_tokens[req_id]
+            known = int(self._num_tokens_cpu[row])
+            if not 0 < n <= known - info.num_computed:
+                raise ValueError(
+                    f"request {req_id!r}: scheduled {n} tokens but only "
+                    f"{known - info.num_computed} are waiting to be computed"
+                )
+            info.num_computed += n
+            rows[i], lens[i] = row, n
+            do_sample[i] = info.num_computed == known
+            if do_sample[i]:
+                self._num_tokens_cpu[row] = known + 1
+            max_seq_len = max(max_seq_len, info.num_computed)
+        num_tokens = int(lens.sum())
+        if num_tokens > self.max_num_tokens:
+            raise ValueError(f"{num_tokens} tokens scheduled; at most {self.max_num_tokens}")
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
+        np.cumsum(lens, out=query_start_loc[1:])
+
+        arrays: dict[str, np.ndarray] = {
+            "idx_mapping": rows, "query_start_loc": query_start_loc,
+            "do_sample": do_sample.astype(np.int32),
+        }
+        arrays.update(staged.arrays())
+        dev = self._uploader.upload(arrays)
+        staged.apply(dev, self.table)
+
+        buffers = self.buffers
+        buffers.idx_mapping[:num_reqs].copy_(dev["idx_mapping"])
+        buffers.query_start_loc[: num_reqs + 1].copy_(dev["query_start_loc"])
+        num_block_cols = min(-(-max_seq_len // self.block_size), self.max_blocks_per_req)
+        prepare_inputs(
+            buffers.idx_mapping[:num_reqs], buffers.query_start_loc[: num_reqs + 1], num_reqs,
+            self.table.token_ids, self.table.num_computed, self.table.block_table,
+            self.block_size, buffers.input_ids[:num_tokens], buffers.positions[:num_tokens],
+            buffers.slot_mapping[:num_tokens], buffers.seq_lens[:num_reqs],
+            buffers.block_table[:num_reqs], num_block_cols,
+        )
+        torch.sub(buffers.query_start_loc[1 : num_reqs + 1], 1,
+                  out=buffers.logits_indices[:num_reqs])
+        self._do_sample_dev = dev["do_sample"]
+        return InputBatch(
+            req_ids=req_ids, num_reqs=num_reqs, num_reqs_padded=num_reqs,
+            num_tokens=num_tokens, num_tokens_padded=num_tokens,
+            max_query_len=int(lens.max()), max_seq_len=max_seq_len,
+            uniform_decode=bool((lens == 1).all()), do_sample=do_sample,
+            idx_mapping=buffers.idx_mapping[:num_reqs],
+            query_start_loc=buffers.query_start_loc[: num_reqs + 1],
+            input_ids=buffers.input_ids[:num_tokens], positions=buffers.positions[:num_tokens],
+            slot_mapping=buffers.slot_mapping[:num_tokens],
+            seq_lens=buffers.seq_lens[:num_reqs],
+            block_table=buffers.block_table[:num_reqs, :num_block_cols],
+            logits_indices=buffers.logits_indices[:num_reqs],
+        )
+
+    def _forward(self, batch: InputBatch) -> torch.Tensor:
+        kwargs: dict[str, Any] = {}
+        for extra in reversed(self._hook_inputs(model_state=self.model_state, batch=batch)):
+            if extra:
+                kwargs.update(extra)
+        mm = self._hook_mm(model_state=self.model_state, batch=batch)
+        if mm is not None:
+            kwargs["mm_embeddings"] = mm
+        metadata = self._hook_attn(model_state=self.model_state, batch=batch)
+        context = ForwardContext(metadata, self.kv_caches, self.attn_backend)
+        with set_forward_context(context):
+            hidden = self.model(**kwargs)
+        return cast(torch.Tensor, hidden)
+
+    def _forward_and_sample(self, batch: InputBatch) -> torch.Tensor:
+        hidden = self._forward(batch)
+        logits = cast(CausalLM, self.model).compute_logits(hidden[batch.logits_indices])
+        sampled = self.sampler(logits, batch, self.table)
+        post_update(
+            batch.idx_mapping, batch.query_start_loc, batch.num_reqs, sampled,
+            self._do_sample_dev, self.table.token_ids, self.table.num_computed,
+            self.table.num_tokens,
+        )
+        return cast(torch.Tensor, sampled)
+
+    def _start_output_copy(self, batch: InputBatch, sampled: torch.Tensor) -> AsyncStepOutput:
+        host, slot = self._out_ring.take()
+        if self._copy_stream is None:
+            host[: batch.num_reqs].copy_(sampled)
+            return AsyncStepOutput(batch.req_ids, batch.do_sample, host, None)
+        self._copy_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._copy_stream):
+            host[: batch.num_reqs].copy_(sampled, non_blocking=True)
+            sampled.record_stream(self._copy_stream)
+            event = torch.cuda.Event()
+            event.record(self._copy_stream)
+        self._out_ring.set_event(slot, event)
+        return AsyncStepOutput(batch.req_ids, batch.do_sample, host, event)
+
+    # -- start-up ----------------------------------------------------------------------------
+
+    def _profile_peak_bytes(self) -> int:
+        """Activation memory of the largest step, measured by one dummy forward (CUDA only)."""
+        if self.device.type != "cuda" or self.config.cache.num_gpu_blocks_override is not None:
+            return 0
+        self.kv_caches = allocate_kv_caches(self.kv_specs, 1, self.block_size, self.dtype,
+                                            self.device)
+        num_tokens = self.max_num_tokens
+        num_reqs = min(self.max_num_reqs, num_tokens)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        batch = self.plugins.hook.mrv2_prepare_dummy_inputs(
+            model_state=self.model_state, num_reqs=num_reqs, num_tokens=num_tokens
+        )
+        with torch.inference_mode():
+            hidden = self._forward(batch)
+            cast(CausalLM, self.model).compute_logits(hidden[batch.logits_indices]).float()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        return int(peak)
+
+
+class _Staged:
+    """CPU edits of this step (new rows' tokens, blocks, params), sent with the step's arrays."""
+
+    def __init__(self) -> None:
+        self.tok_rows: list[np.ndarray] = []
+        self.tok_cols: list[np.ndarray] = []
+        self.tok_vals: list[np.ndarray] = []
+        self.blk_rows: list[int] = []
+        self.blk_cols: list[int] = []
+        self.blk_vals: list[int] = []
+        self.rows: list[int] = []
+        self.params: list[tuple[float, int, float, float, int, int, int]] = []
+
+    def add_tokens(self, row: int, tokens: list[int]) -> None:
+        self.tok_rows.append(np.full(len(tokens), row, dtype=np.int64))
+        self.tok_cols.append(np.arange(len(tokens), dtype=np.int64))
+        self.tok_vals.append(np.asarray(tokens, dtype=np.int32))
+
+    def add_blocks(self, row: int, start: int, block_ids: list[int]) -> None:
+        self.blk_rows.extend([row] * len(block_ids))
+        self.blk_cols.extend(range(start, start + len(block_ids)))
+        self.blk_vals.extend(block_ids)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        if self.tok_rows:
+            out["tok_rows"] = np.concatenate(self.tok_rows)
+            out["tok_cols"] = np.concatenate(self.tok_cols)
+            out["tok_vals"] = np.concatenate(self.tok_vals)
+        if self.blk_rows:
+            out["blk_rows"] = np.asarray(self.blk_rows, dtype=np.int64)
+            out["blk_cols"] = np.asarray(self.blk_cols, dtype=np.int64)
+            out["blk_vals"] = np.asarray(self.blk_vals, dtype=np.int32)
+        if self.rows:
+            p = self.params
+            out["p_rows"] = np.asarray(self.rows, dtype=np.int64)
+            out["p_float"] = np.asarray([(t, tp, mp) for t, _, tp, mp, *_ in p], dtype=np.float32)
+            out["p_int"] = np.asarray([(k, s, c, n) for _, k, _, _, s, c, n in p], dtype=np.int64)
+        return out
+
+    @staticmethod
+    def apply(dev: dict[str, torch.Tensor], table: RequestStateTable) -> None:
+        """Scatter the staged edits into the device table (a few index_put launches)."""
+        if "tok_rows" in dev:
+            table.token_ids.index_put_((dev["tok_rows"], dev["tok_cols"]), dev["tok_vals"])
+        if "blk_rows" in dev:
+            table.block_table.index_put_((dev["blk_rows"], dev["blk_cols"]), dev["blk_vals"])
+        if "p_rows" in dev:
+            rows, floats, ints = dev["p_rows"], dev["p_float"], dev["p_int"]
+            table.temperature[rows] = floats[:, 0]
+            table.top_p[rows] = floats[:, 1]
+            table.min_p[rows] = floats[:, 2]
+            table.top_k[rows] = ints[:, 0].int()
+            table.seed[rows] = ints[:, 1]
+            table.num_computed[rows] = ints[:, 2].int()
+            table.num_tokens[rows] = ints[:, 3].int()
+
+
+def _max_model_len(config: EngineConfig, hf_config: Any) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    requested = config.model.max_model_len
+    if requested is None:
+        if limit is None:
+            raise ValueError(
+                "max_model_len is required: config.json has no max_position_embeddings"
+            )
+        return int(limit)
+    if limit is not None and requested > limit:
+        raise ValueError(
+            f"max_model_len={requested} exceeds the model's max_position_embeddings={limit}"
+        )
+    return requested

@@ -1,0 +1,395 @@
+"""Gumbel-max sampling with a stateless, counter-based noise hash.
+
+Sampling draws ``argmax_v(logits[n, v] + g(seed_n, pos_n, v))``, which is a sample from
+``softmax(logits[n])`` when ``g`` is standard Gumbel noise. The noise is a pure function of
+(request seed, absolute position, vocab index), so a seeded request samples the same tokens
+whatever batch it is in, on CPU and GPU alike, and speculative decoding can reproduce the
+target's noise at any position.
+
+Compatibility contract (do not change without versioning it): all arithmetic is on unsigned
+32-bit words, modulo ``2**32``.
+
+``mix32(x)`` (Chris Wellons' "lowbias32" finalizer)::
+
+    x ^= x >> 16;  x *= 0x7FEB352D;  x ^= x >> 15;  x *= 0x846CA68B;  x ^= x >> 16
+
+Row key, from the int64 ``seed`` and ``position`` split into low / high words
+(``lo = s & 0xFFFFFFFF``, ``hi = (s >> 32) & 0xFFFFFFFF``, two's complement)::
+
+    key = mix32(mix32(mix32(mix32(seed_lo ^ 0x9E3779B9) ^ seed_hi) ^ pos_lo) ^ pos_hi)
+
+Per vocab index ``v`` (``0 <= v < 2**31``)::
+
+    h = mix32(mix32(key ^ v) + key)
+    u = (float32(h >> 9) + 0.5) * 2**-23          # top 23 bits; every step exact in fp32
+    g = -log(-log(u))                             # fp32
+
+``u`` lies in ``[2**-24, 1 - 2**-24]`` and is bit-identical between :func:`uniform_hash_ref`
+(int64 torch arithmetic masked to 32 bits) and the Triton helpers :func:`hash_row_key` /
+:func:`hash_uniform`. ``g`` goes through the platform's fp32 ``log`` (on CUDA the outer
+``log`` is the fast approximate one, absolute error ~1e-7) and may differ in the last bits
+between backends, so sampled tokens agree except at near-exact ties. (Only 23 bits
+are used because ``(h >> 8) + 0.5`` is not representable in fp32 for the largest values, and
+would round to ``u == 1``.)
+
+Greedy rows take ``argmax_v logits[n, v]`` through the same kernel. Ties resolve to the
+smallest index; an all ``-inf`` row yields index 0.
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from ._backend import default_block, use_triton
+
+__all__ = [
+    "gumbel_noise_ref",
+    "gumbel_sample",
+    "gumbel_sample_ref",
+    "gumbel_sample_triton",
+    "hash_row_key",
+    "hash_uniform",
+    "mix32_ref",
+    "row_key_ref",
+    "uniform_hash_ref",
+    "uniform_hash_triton",
+]
+
+_MASK32 = 0xFFFFFFFF
+_M1 = 0x7FEB352D
+_M2 = 0x846CA68B
+_SEED_SALT = 0x9E3779B9
+_U_SCALE = 2.0**-23
+
+
+# --------------------------------------------------------------------------- torch reference
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2**32`` for int64 ``x`` in ``[0, 2**32)`` without int64 overflow."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
+
+
+def mix32_ref(x: torch.Tensor) -> torch.Tensor:
+    """The ``mix32`` finalizer on int64 tensors holding unsigned 32-bit values."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, _M1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, _M2)
+    return x ^ (x >> 16)
+
+
+def _words(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x.to(torch.int64)
+    return x & _MASK32, (x >> 32) & _MASK32
+
+
+def row_key_ref(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Per-row hash key (int64 holding a uint32) of int64 ``seeds`` and ``positions``."""
+    seed_lo, seed_hi = _words(seeds)
+    pos_lo, pos_hi = _words(positions)
+    key = mix32_ref(seed_lo ^ _SEED_SALT)
+    key = mix32_ref(key ^ seed_hi)
+    key = mix32_ref(key ^ pos_lo)
+    return mix32_ref(key ^ pos_hi)
+
+
+def uniform_hash_ref(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Uniform noise ``u`` of shape ``[N, vocab_size]`` (float32, in ``(0, 1)``).
+
+    ``seeds`` and ``positions`` are ``[N]`` integer tensors; see the module docstring for
+    the exact hash.
+    """
+    key = row_key_ref(seeds, positions).unsqueeze(1)
+    v = torch.arange(vocab_size, device=key.device, dtype=torch.int64).unsqueeze(0)
+    h = mix32_ref((mix32_ref(key ^ v) + key) & _MASK32)
+    return ((h >> 9).to(torch.float32) + 0.5) * _U_SCALE
+
+
+def gumbel_noise_ref(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Standard Gumbel noise ``-log(-log(u))`` of shape ``[N, vocab_size]``, float32."""
+    u = uniform_hash_ref(seeds, positions, vocab_size)
+    return -torch.log(-torch.log(u))
+
+
+def gumbel_sample_ref(
+    logits: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    greedy: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Plain-torch specification of :func:`gumbel_sample` (same arguments, same effect)."""
+    _check_args(logits, seeds, positions, greedy, out)
+    x = logits.to(torch.float32)
+    noise = gumbel_noise_ref(seeds, positions, x.shape[1])
+    x = torch.where(greedy.view(-1, 1) != 0, x, x + noise)
+    out.copy_(torch.argmax(x, dim=1))
+
+
+# --------------------------------------------------------------------------- Triton
+
+
+@triton.jit
+def _mix32(x: tl.tensor) -> tl.tensor:
+    x ^= x >> 16
+    x = x * tl.full([], 0x7FEB352D, tl.uint32)
+    x ^= x >> 15
+    x = x * tl.full([], 0x846CA68B, tl.uint32)
+    x ^= x >> 16
+    return x
+
+
+@triton.jit
+def hash_row_key(seed: tl.tensor, position: tl.tensor) -> tl.tensor:
+    """Triton helper: uint32 row key of int64 ``seed`` and ``position`` (see module doc)."""
+    seed = seed.to(tl.int64)
+    position = position.to(tl.int64)
+    key = _mix32(seed.to(tl.uint32) ^ tl.full([], 0x9E3779B9, tl.uint32))
+    key = _mix32(key ^ (seed >> 32).to(tl.uint32))
+    key = _mix32(key ^ position.to(tl.uint32))
+    return _mix32(key ^ (position >> 32).to(tl.uint32))
+
+
+@triton.jit
+def hash_uniform(key: tl.tensor, vocab_idx: tl.tensor) -> tl.tensor:
+    """Triton helper: fp32 uniform ``u`` in (0, 1) for a row key and int vocab indices."""
+    h = _mix32(_mix32(key ^ vocab_idx.to(tl.uint32)) + key)
+    return ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+
+
+@triton.jit
+def _chunk_argmax(
+    row_ptr: tl.tensor,
+    key: tl.tensor,
+    start: tl.tensor,
+    end: tl.tensor,
+    BLOCK_V: tl.constexpr,
+    NOISE: tl.constexpr,
+    FAST_LOG: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor]:
+    # Running (max, smallest index of the max) of logits (+ Gumbel noise) over [start, end).
+    offs = tl.arange(0, BLOCK_V)
+    best_val = tl.full([], float("-inf"), tl.float32)
+    best_idx = tl.full([], 0, tl.int32)
+    for v0 in range(start, end, BLOCK_V):
+        v = v0 + offs
+        mask = v < end
+        x = tl.load(row_ptr + v, mask=mask, other=float("-inf")).to(tl.float32)
+        if NOISE:
+            # The inner log needs full precision (u near 1 makes the largest noise values);
+            # the outer one only needs small absolute error, which the fast log gives.
+            e = -tl.log(hash_uniform(key, v))
+            if FAST_LOG:  # noqa: SIM108 (constexpr branch: only one side is compiled)
+                x = x - libdevice.fast_logf(e)
+            else:
+                x = x - tl.log(e)
+        tile_max = tl.max(x, axis=0)
+        tile_idx = tl.min(tl.where(x == tile_max, v, end), axis=0)
+        better = tile_max > best_val
+        best_idx = tl.where(better, tile_idx, best_idx)
+        best_val = tl.where(better, tile_max, best_val)
+    return best_val, best_idx
+
+
+@triton.jit
+def _gumbel_sample_kernel(
+    logits_ptr: tl.tensor,
+    logits_stride: int,
+    vocab_size: int,
+    seeds_ptr: tl.tensor,
+    positions_ptr: tl.tensor,
+    greedy_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    part_val_ptr: tl.tensor,
+    part_idx_ptr: tl.tensor,
+    chunk: int,
+    num_splits: int,
+    BLOCK_V: tl.constexpr,
+    SPLIT: tl.constexpr,
+    FAST_LOG: tl.constexpr,
+) -> None:
+    # Program (row, split) scans vocab [split * chunk, (split + 1) * chunk). Without SPLIT
+    # (one split) it writes the token; with SPLIT it writes a partial (max, index).
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    start = split * chunk
+    end = tl.minimum(start + chunk, vocab_size)
+    row_ptr = logits_ptr + row * logits_stride
+    if tl.load(greedy_ptr + row) != 0:
+        best_val, best_idx = _chunk_argmax(row_ptr, 0, start, end, BLOCK_V, False, False)
+    else:
+        key = hash_row_key(tl.load(seeds_ptr + row), tl.load(positions_ptr + row))
+        best_val, best_idx = _chunk_argmax(row_ptr, key, start, end, BLOCK_V, True, FAST_LOG)
+    if SPLIT:
+        tl.store(part_val_ptr + row * num_splits + split, best_val)
+        tl.store(part_idx_ptr + row * num_splits + split, best_idx)
+    else:
+        tl.store(out_ptr + row, best_idx.to(tl.int64))
+
+
+@triton.jit
+def _argmax_reduce_kernel(
+    part_val_ptr: tl.tensor,
+    part_idx_ptr: tl.tensor,
+    num_splits: int,
+    out_ptr: tl.tensor,
+    BLOCK_S: tl.constexpr,
+) -> None:
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    mask = s < num_splits
+    vals = tl.load(part_val_ptr + row * num_splits + s, mask=mask, other=float("-inf"))
+    idxs = tl.load(part_idx_ptr + row * num_splits + s, mask=mask, other=0)
+    best = tl.max(vals, axis=0)
+    # Every split's index is global and all-(-inf) splits report 0, so the smallest index
+    # among the maxima is the smallest index of the row's maximum (0 for an all -inf row).
+    idx = tl.min(tl.where(mask & (vals == best), idxs, 2147483647), axis=0)
+    tl.store(out_ptr + row, idx.to(tl.int64))
+
+
+@triton.jit
+def _uniform_hash_kernel(
+    seeds_ptr: tl.tensor,
+    positions_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    out_stride: int,
+    vocab_size: int,
+    BLOCK_V: tl.constexpr,
+) -> None:
+    row = tl.program_id(0).to(tl.int64)
+    v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    key = hash_row_key(tl.load(seeds_ptr + row), tl.load(positions_ptr + row))
+    tl.store(out_ptr + row * out_stride + v, hash_uniform(key, v), mask=v < vocab_size)
+
+
+def _check_args(
+    logits: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    greedy: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    if logits.dim() != 2 or (logits.shape[1] > 1 and logits.stride(1) != 1):
+        raise ValueError(f"logits must be 2-D with contiguous rows, got {tuple(logits.shape)}")
+    n = logits.shape[0]
+    for name, t in (("seeds", seeds), ("positions", positions), ("greedy", greedy), ("out", out)):
+        if t.shape != (n,):
+            raise ValueError(f"{name} must have shape ({n},), got {tuple(t.shape)}")
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def gumbel_sample_triton(
+    logits: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    greedy: torch.Tensor,
+    out: torch.Tensor,
+    block_v: int | None = None,
+    num_splits: int | None = None,
+) -> None:
+    """Triton implementation of :func:`gumbel_sample`.
+
+    The vocabulary of each row is cut into ``num_splits`` chunks (default: 1 on CPU; on GPU
+    enough to give every SM about two programs, at most one chunk per ``block_v`` tile);
+    program (row, chunk) walks its chunk in ``block_v`` tiles keeping a running (max, index).
+    With more than one chunk, a second tiny kernel reduces the per-chunk partials, which live
+    in a scratch buffer from the caching allocator. Greedy rows skip the noise. The result
+    does not depend on ``block_v`` or ``num_splits``.
+    """
+    _check_args(logits, seeds, positions, greedy, out)
+    n, vocab = logits.shape
+    if n == 0:
+        return
+    if vocab == 0:
+        raise ValueError("logits must have at least one column")
+    block = default_block(logits, cuda=2048, cpu=128, block=block_v)
+    tiles = triton.cdiv(vocab, block)
+    if num_splits is None:
+        num_splits = triton.cdiv(2 * _num_sms(logits.device), n) if logits.is_cuda else 1
+    chunk = triton.cdiv(tiles, max(1, min(num_splits, tiles))) * block
+    splits = triton.cdiv(vocab, chunk)
+    if greedy.dtype == torch.bool:
+        greedy = greedy.view(torch.uint8)
+    fast_log = bool(logits.is_cuda) and torch.version.hip is None
+    part_val = part_idx = out
+    if splits > 1:
+        part_val = torch.empty((n, splits), dtype=torch.float32, device=logits.device)
+        part_idx = torch.empty((n, splits), dtype=torch.int32, device=logits.device)
+    _gumbel_sample_kernel[(n, splits)](
+        logits,
+        logits.stride(0),
+        vocab,
+        seeds,
+        positions,
+        greedy,
+        out,
+        part_val,
+        part_idx,
+        chunk,
+        splits,
+        BLOCK_V=block,
+        SPLIT=splits > 1,
+        FAST_LOG=fast_log,
+        num_warps=8 if block >= 2048 else 4,
+    )
+    if splits > 1:
+        _argmax_reduce_kernel[(n,)](
+            part_val, part_idx, splits, out, BLOCK_S=triton.next_power_of_2(splits)
+        )
+
+
+def gumbel_sample(
+    logits: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    greedy: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Sample one token per row with the Gumbel-max trick, into ``out``.
+
+    Args:
+        logits: ``[N, V]`` fp32/bf16/fp16, already temperature-scaled and ``-inf``-masked;
+            rows may be strided (the last dimension must be contiguous).
+        seeds: ``[N]`` int64 request seeds.
+        positions: ``[N]`` int64 absolute positions of the tokens being sampled.
+        greedy: ``[N]`` bool (or int, nonzero = greedy): take the plain argmax.
+        out: ``[N]`` int64 output token ids.
+
+    Non-greedy rows get ``argmax_v(logits[n, v] + g(seeds[n], positions[n], v))`` with the
+    noise of the module docstring; ties go to the smallest index. Runs
+    :func:`gumbel_sample_triton` when :func:`use_triton` says so, else
+    :func:`gumbel_sample_ref`.
+    """
+    impl = gumbel_sample_triton if use_triton(logits) else gumbel_sample_ref
+    impl(logits, seeds, positions, greedy, out)
+
+
+def uniform_hash_triton(
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    out: torch.Tensor,
+    block_v: int | None = None,
+) -> None:
+    """Write the uniform noise ``u`` for ``[N]`` seeds/positions into float32 ``out[N, V]``.
+
+    The Triton counterpart of :func:`uniform_hash_ref` (bit-identical); for tests and tools.
+    """
+    if out.dim() != 2 or (out.shape[1] > 1 and out.stride(1) != 1):
+        raise ValueError("out must be 2-D with contiguous rows")
+    n, vocab = out.shape
+    if seeds.shape != (n,) or positions.shape != (n,):
+        raise ValueError(f"seeds and positions must have shape ({n},)")
+    if n == 0 or vocab == 0:
+        return
+    block = default_block(out, cuda=1024, cpu=128, block=block_v)
+    grid = (n, triton.cdiv(vocab, block))
+    _uniform_hash_kernel[grid](seeds, positions, out, out.stride(0), vocab, BLOCK_V=block)

@@ -1,0 +1,586 @@
+"""Paged causal attention over a block-table KV cache (Triton), plus its plain-torch reference.
+
+KV cache layout: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (0 keys, 1 values).
+Request ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]``; they are the last
+``qlen_i`` positions of a sequence of ``seq_lens[i]`` tokens, so query ``j`` sits at position
+``seq_lens[i] - qlen_i + j`` and attends to keys ``0..`` that position.
+
+One kernel family, two configurations chosen on the host from CPU-known bounds only:
+
+* prefill / mixed: a program per (query tile, kv head, request). The query heads of a GQA group
+  and ``BLOCK_Q`` query tokens are packed into the ``BLOCK_M = BLOCK_Q * GROUP_P2`` rows of one
+  ``tl.dot`` tile, so every KV tile is read once per kv head and query tile. Keys are visited in
+  ``BLOCK_N`` tiles through the block table (any block size); tiles wholly below the causal
+  diagonal take an unmasked fast loop, the rest a masked one.
+* small queries (decode, uniform or spec-decode sized): the same kernel with one query tile per
+  request and the key range cut into ``num_splits`` chunks ("flash decoding"): programs per
+  (kv head x split, request) write partial (max, sum, acc) in fp32, and a second kernel combines
+  them per (token, head). Each request's range is cut evenly by its own ``seq_len`` on the
+  device, so ``num_splits`` can come from a loose CPU bound and still balance.
+
+No host syncs: grids come from ``num_reqs``, ``max_query_len`` and ``max_seq_len``; programs
+past a request's real work exit early. Accumulation is fp32 (online softmax in base 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+# Finite "minus infinity" for running maxima (keeps empty rows NaN-free); a constexpr because
+# compiled kernels may only read constexpr globals.
+_M_INIT = tl.constexpr(-1.0e30)
+_MAX_SPLITS = 64
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attn_tile(
+    q: tl.tensor,
+    k: tl.tensor,
+    v: tl.tensor,
+    acc: tl.tensor,
+    m_i: tl.tensor,
+    l_i: tl.tensor,
+    qk_scale: tl.tensor,
+    n: tl.tensor,
+    pos: tl.tensor,
+    MASKED: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    FP32_PRECISION: tl.constexpr,
+) -> Any:
+    """One online-softmax step over a ``[BLOCK_N]`` key tile (log2 domain)."""
+    if DOT_FP32:
+        qk = tl.dot(q, tl.trans(k), input_precision=FP32_PRECISION)
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    qk = qk * qk_scale
+    if MASKED:
+        qk = tl.where(n[None, :] <= pos[:, None], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    pv = tl.dot(p, v, input_precision=FP32_PRECISION) if DOT_FP32 else tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr: tl.tensor,
+    k_ptr: tl.tensor,
+    v_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    part_m_ptr: tl.tensor,
+    part_l_ptr: tl.tensor,
+    part_acc_ptr: tl.tensor,
+    qsl_ptr: tl.tensor,
+    seq_lens_ptr: tl.tensor,
+    block_table_ptr: tl.tensor,
+    qk_scale: tl.tensor,
+    num_q_tiles: tl.tensor,
+    num_heads: tl.tensor,
+    stride_qt: tl.tensor,
+    stride_qh: tl.tensor,
+    stride_ot: tl.tensor,
+    stride_oh: tl.tensor,
+    stride_kb: tl.tensor,
+    stride_ks: tl.tensor,
+    stride_kh: tl.tensor,
+    stride_bt: tl.tensor,
+    num_splits: tl.tensor,
+    GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr,
+    USE_SPLITS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    FP32_PRECISION: tl.constexpr,
+) -> None:
+    # Heaviest query tiles (latest positions) first: better tail balance in causal prefill.
+    q_tile = num_q_tiles - 1 - tl.program_id(0)
+    pid_hs = tl.program_id(1)
+    req = tl.program_id(2)
+    kvh = pid_hs // num_splits
+    split = pid_hs % num_splits
+
+    q_start = tl.load(qsl_ptr + req)
+    qlen = tl.load(qsl_ptr + req + 1) - q_start
+    tile_start = q_tile * BLOCK_Q
+    if tile_start >= qlen:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_len = seq_len - qlen
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = tile_start + rows // GROUP_P2
+    grp = rows % GROUP_P2
+    head = kvh * GROUP + grp
+    row_valid = (tok < qlen) & (grp < GROUP)
+    pos = ctx_len + tok
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_row = (q_start + tok).to(tl.int64)
+
+    q = tl.load(
+        q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_valid[:, None],
+        other=0.0,
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    # Keys this tile can see: [0, kv_end); split `split` takes one chunk of them.
+    kv_end = tl.minimum(ctx_len + tile_start + BLOCK_Q, seq_len)
+    kv_end = tl.maximum(kv_end, 0)
+    if USE_SPLITS:
+        chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, kv_end)
+    else:
+        lo = kv_end * 0
+        hi = kv_end
+    # Keys below every row's position need no mask (and are all < seq_len).
+    full_end = tl.minimum(hi, ctx_len + tile_start + 1)
+    mid = lo + (tl.maximum(full_end - lo, 0) // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], _M_INIT, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    offs_n = tl.arange(0, BLOCK_N)
+    head_off = kvh.to(tl.int64) * stride_kh
+
+    for start in range(lo, mid, BLOCK_N):
+        n = start + offs_n
+        blk = tl.load(bt_row + n // KV_BLOCK_SIZE).to(tl.int64)
+        kv_off = (
+            blk[:, None] * stride_kb
+            + (n % KV_BLOCK_SIZE)[:, None] * stride_ks
+            + head_off
+            + offs_d[None, :]
+        )
+        k = tl.load(k_ptr + kv_off)
+        v = tl.load(v_ptr + kv_off)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        acc, m_i, l_i = _attn_tile(
+            q, k, v, acc, m_i, l_i, qk_scale, n, pos, False, DOT_FP32, FP32_PRECISION
+        )
+
+    for start in range(mid, hi, BLOCK_N):
+        n = start + offs_n
+        n_ok = n < seq_len
+        blk = tl.load(bt_row + n // KV_BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        kv_off = (
+            blk[:, None] * stride_kb
+            + (n % KV_BLOCK_SIZE)[:, None] * stride_ks
+            + head_off
+            + offs_d[None, :]
+        )
+        k = tl.load(k_ptr + kv_off, mask=n_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + kv_off, mask=n_ok[:, None], other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        acc, m_i, l_i = _attn_tile(
+            q, k, v, acc, m_i, l_i, qk_scale, n, pos, True, DOT_FP32, FP32_PRECISION
+        )
+
+    if USE_SPLITS:
+        part = (q_row * num_heads + head) * num_splits + split
+        tl.store(part_m_ptr + part, m_i, mask=row_valid)
+        tl.store(part_l_ptr + part, l_i, mask=row_valid)
+        tl.store(
+            part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+            acc,
+            mask=row_valid[:, None],
+        )
+    else:
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        tl.store(
+            out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None],
+        )
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_m_ptr: tl.tensor,
+    part_l_ptr: tl.tensor,
+    part_acc_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    qsl_ptr: tl.tensor,
+    num_reqs: tl.tensor,
+    num_heads: tl.tensor,
+    stride_ot: tl.tensor,
+    stride_oh: tl.tensor,
+    num_splits: tl.tensor,
+    SPLITS_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+) -> None:
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_d = tl.arange(0, HEAD_DIM)
+    out_ptrs = out_ptr + tok * stride_ot + head * stride_oh + offs_d
+    num_real = tl.load(qsl_ptr + num_reqs)
+    if tok >= num_real:  # padding token: its partials were never written
+        tl.store(out_ptrs, tl.zeros([HEAD_DIM], dtype=tl.float32).to(out_ptr.dtype.element_ty))
+        return
+    offs_s = tl.arange(0, SPLITS_P2)
+    s_ok = offs_s < num_splits
+    part = (tok * num_heads + head) * num_splits + offs_s
+    m = tl.load(part_m_ptr + part, mask=s_ok, other=_M_INIT)
+    l_s = tl.load(part_l_ptr + part, mask=s_ok, other=0.0)
+    acc = tl.load(
+        part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0
+    )
+    m_max = tl.max(m, 0)
+    w = tl.math.exp2(m - m_max)
+    l_tot = tl.sum(w * l_s, 0)
+    o = tl.sum(w[:, None] * acc, 0)
+    l_tot = tl.where(l_tot > 0.0, l_tot, 1.0)
+    tl.store(out_ptrs, (o / l_tot).to(out_ptr.dtype.element_ty))
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _check_inputs(query: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    assert query.dim() == 3, f"query must be [T, H, D], got shape {tuple(query.shape)}"
+    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, (
+        "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
+        f"got shape {tuple(kv_cache.shape)}"
+    )
+    _, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    assert kv_cache.shape[4] == head_dim, (
+        f"head_dim mismatch: query {head_dim}, kv_cache {kv_cache.shape[4]}"
+    )
+    assert num_heads % num_kv_heads == 0, (
+        f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+    )
+    return num_heads, num_kv_heads, head_dim, block_size
+
+
+def _default_config(
+    on_gpu: bool, small_q: bool, rows: int, head_dim: int, elem_size: int
+) -> tuple[int, int, int, int]:
+    """(block_m, block_n, num_warps, num_stages) for ``rows`` = max_query_len * group rows.
+
+    Interpreter (CPU tensors): small tiles, they only need to be correct. GPU (checked by
+    compiling for sm_90: no spills, shared memory within budget): decode reads ``block_n`` keys
+    per pipelined step; bf16/fp16 prefill uses 128 x 64 wgmma tiles (128 x 32 past head_dim
+    128); fp32 models get small tiles (their 3xTF32 dots are register-hungry).
+    """
+    if not on_gpu:
+        return (max(16, triton.next_power_of_2(max(rows, 1))) if small_q else 32), 16, 4, 1
+    if small_q:
+        bm = max(16, triton.next_power_of_2(max(rows, 1)))
+        wide = head_dim * elem_size > 256
+        return bm, (32 if wide else 64), 4, (2 if wide else 3)
+    bm = max(16, triton.next_power_of_2(rows))
+    if elem_size >= 4:
+        return min(bm, 32), 32, 4, 2
+    if head_dim > 128:
+        return min(bm, 128), 32, 8, 2
+    bm = min(bm, 128)
+    return bm, 64, (8 if bm >= 128 else 4), 3
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """How :func:`paged_attention` launches for given CPU-known bounds (all host integers)."""
+
+    small_q: bool
+    """Split-KV ("flash decoding") configuration: one query tile per request."""
+    block_m: int
+    """Rows of a ``tl.dot`` tile: ``block_q`` query tokens x the padded GQA group."""
+    block_q: int
+    block_n: int
+    """Keys per inner-loop step."""
+    num_q_tiles: int
+    num_splits: int
+    """KV chunks per (request, kv head); > 1 adds the combine kernel."""
+    num_warps: int
+    num_stages: int
+
+
+def attention_plan(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    *,
+    max_query_len: int,
+    max_seq_len: int,
+    num_reqs: int,
+    uniform_decode: bool = False,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> AttentionPlan:
+    """The launch plan :func:`paged_attention` uses (defaults per device, then overrides).
+
+    Splits: enough programs for ``2 x`` the multiprocessor count (8 under the interpreter),
+    no more than one split per ``2 * block_n`` keys of ``max_seq_len``, at most 64. The
+    kernel cuts each request's own key range evenly, so a loose ``max_seq_len`` (fixed for
+    CUDA-graph capture, say) only changes how many chunks there are, not their balance.
+    """
+    num_heads, num_kv_heads, head_dim, _ = _check_inputs(query, kv_cache)
+    group_p2 = triton.next_power_of_2(num_heads // num_kv_heads)
+    on_gpu = query.is_cuda
+    rows = max_query_len * group_p2
+    small_q = rows <= 16 or (uniform_decode and rows <= 128)
+    bm, bn, warps, stages = _default_config(on_gpu, small_q, rows, head_dim, query.element_size())
+    bm = max(block_m if block_m is not None else bm, group_p2)
+    bn = block_n if block_n is not None else bn
+    assert bm & (bm - 1) == 0 and bn & (bn - 1) == 0, "block_m and block_n must be powers of 2"
+    assert bm >= 16 and bn >= 16, "block_m and block_n must be >= 16 (tl.dot)"
+    block_q = bm // group_p2
+    num_q_tiles = triton.cdiv(max(max_query_len, 0), block_q)
+    if not small_q:
+        splits = 1
+    elif num_splits is not None:
+        splits = max(1, min(num_splits, _MAX_SPLITS))
+    else:
+        target = 2 * _sm_count(query.device) if on_gpu else 8
+        base_programs = max(num_q_tiles * num_kv_heads * num_reqs, 1)
+        max_by_len = triton.cdiv(max(max_seq_len, 1), 2 * bn)
+        splits = max(1, min(triton.cdiv(target, base_programs), max_by_len, _MAX_SPLITS))
+    return AttentionPlan(
+        small_q=small_q,
+        block_m=bm,
+        block_q=block_q,
+        block_n=bn,
+        num_q_tiles=num_q_tiles,
+        num_splits=splits,
+        num_warps=num_warps if num_warps is not None else warps,
+        num_stages=num_stages if num_stages is not None else stages,
+    )
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int,
+    max_seq_len: int,
+    num_reqs: int,
+    uniform_decode: bool = False,
+    out: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Causal paged attention of ``query`` ``[T, H, D]`` over ``kv_cache``; see the module doc.
+
+    ``max_query_len``, ``max_seq_len`` and ``num_reqs`` are CPU-known upper bounds: only they
+    size the grids, device tensors are never read on the host. ``uniform_decode`` says every
+    request has the same small query length (decode, or decode plus draft tokens); it selects
+    the split-KV configuration, as does ``max_query_len * group <= 16`` by itself.
+
+    Rows of tokens past ``query_start_loc[num_reqs]`` come out as zeros, as do queries with no
+    key to attend to; a caller-given ``out`` keeps its padding-token rows unless the split path
+    ran. ``block_m``/``block_n``/``num_splits``/``num_warps``/``num_stages`` override the
+    per-device defaults of :func:`attention_plan` (``num_splits`` only applies to the
+    small-query configuration). Returns ``out`` (allocated when ``None``), query dtype.
+    """
+    num_heads, num_kv_heads, head_dim, block_size = _check_inputs(query, kv_cache)
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
+        f"paged_attention (Triton) needs a power-of-2 head_dim >= 16, got {head_dim}"
+    )
+    assert query.stride(-1) == 1 and kv_cache.stride(-1) == 1, "head_dim must be contiguous"
+    assert block_table.dtype in (torch.int32, torch.int64), "block_table must be integer"
+    assert kv_cache.dtype == query.dtype, (
+        f"kv_cache dtype {kv_cache.dtype} must match the query's {query.dtype}"
+    )
+    assert out is None or (
+        out.shape == query.shape and out.dtype == query.dtype and out.stride(-1) == 1
+    ), "out must match the query's shape and dtype"
+    assert num_reqs < 65536, "num_reqs is a grid dimension: at most 65535 requests per launch"
+    num_tokens = query.shape[0]
+    group = num_heads // num_kv_heads
+    on_gpu = query.is_cuda
+    dot_fp32 = (not on_gpu) or query.dtype == torch.float32
+    plan = attention_plan(
+        query,
+        kv_cache,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        num_reqs=num_reqs,
+        uniform_decode=uniform_decode,
+        block_m=block_m,
+        block_n=block_n,
+        num_splits=num_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if num_tokens == 0 or num_reqs == 0 or max_query_len <= 0:
+        return torch.zeros_like(query) if out is None else out.zero_()
+    splits = plan.num_splits
+    num_q_tiles = plan.num_q_tiles
+
+    if out is None:
+        # The combine kernel writes every row (zeros for padding tokens); otherwise zero-fill.
+        out = torch.empty_like(query) if splits > 1 else torch.zeros_like(query)
+    if splits > 1:
+        part_m = torch.empty(
+            (num_tokens, num_heads, splits), dtype=torch.float32, device=query.device
+        )
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(
+            (num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=query.device
+        )
+    else:
+        part_m = part_l = part_acc = out  # unused
+
+    qsl = query_start_loc
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    grid = (num_q_tiles, num_kv_heads * splits, num_reqs)
+    _paged_attn_kernel[grid](
+        query,
+        key_cache,
+        value_cache,
+        out,
+        part_m,
+        part_l,
+        part_acc,
+        qsl,
+        seq_lens,
+        block_table,
+        scale * _LOG2E,
+        num_q_tiles,
+        num_heads,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_table.stride(0),
+        splits,
+        GROUP=group,
+        GROUP_P2=triton.next_power_of_2(group),
+        BLOCK_Q=plan.block_q,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n,
+        HEAD_DIM=head_dim,
+        KV_BLOCK_SIZE=block_size,
+        USE_SPLITS=splits > 1,
+        DOT_FP32=dot_fp32,
+        # fp32 models on GPU: 3xTF32 tensor-core dots (about fp32 accurate); interpreter: exact.
+        FP32_PRECISION="tf32x3" if on_gpu else "ieee",
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
+    )
+    if splits > 1:
+        _combine_splits_kernel[(num_tokens, num_heads)](
+            part_m,
+            part_l,
+            part_acc,
+            out,
+            qsl,
+            num_reqs,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            splits,
+            SPLITS_P2=triton.next_power_of_2(splits),
+            HEAD_DIM=head_dim,
+            num_warps=4 if on_gpu else 1,
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------------
+
+
+def paged_attention_ref(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int,
+    max_seq_len: int,
+    num_reqs: int,
+    uniform_decode: bool = False,
+) -> torch.Tensor:
+    """Plain-torch reference of :func:`paged_attention` (fp32 math, same outputs contract).
+
+    Reads ``query_start_loc``/``seq_lens`` on the host (a sync on GPU): meant for tests and CPU.
+    ``max_query_len``/``max_seq_len``/``uniform_decode`` are accepted for signature parity.
+    """
+    del max_query_len, max_seq_len, uniform_decode
+    num_heads, num_kv_heads, head_dim, block_size = _check_inputs(query, kv_cache)
+    group = num_heads // num_kv_heads
+    out = torch.zeros_like(query)
+    qsl = query_start_loc[: num_reqs + 1].tolist()
+    lens = seq_lens[:num_reqs].tolist()
+    for i in range(num_reqs):
+        q_start, q_end, seq_len = int(qsl[i]), int(qsl[i + 1]), int(lens[i])
+        qlen = q_end - q_start
+        if qlen <= 0 or seq_len <= 0:
+            continue
+        ctx_len = seq_len - qlen
+        n = torch.arange(seq_len, device=query.device)
+        blocks = block_table[i, n // block_size].long()
+        k = kv_cache[0, blocks, n % block_size].float()  # [S, Hk, D]
+        v = kv_cache[1, blocks, n % block_size].float()
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        chunk = 256  # bound the score matrix of long prompts
+        for c0 in range(0, qlen, chunk):
+            c1 = min(c0 + chunk, qlen)
+            q = query[q_start + c0 : q_start + c1].float().transpose(0, 1)  # [H, c, D]
+            scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, c, S]
+            qpos = ctx_len + torch.arange(c0, c1, device=query.device)
+            visible = n[None, :] <= qpos[:, None]  # [c, S]
+            scores = scores.masked_fill(~visible[None], float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            probs = torch.nan_to_num(probs, nan=0.0)  # rows with no visible key -> zeros
+            o = torch.matmul(probs, v)  # [H, c, D]
+            out[q_start + c0 : q_start + c1] = o.transpose(0, 1).to(query.dtype)
+    return out
+
+
+__all__ = ["AttentionPlan", "attention_plan", "paged_attention", "paged_attention_ref"]

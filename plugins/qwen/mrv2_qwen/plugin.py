@@ -1,0 +1,11 @@
+"""mrv2 plugin entry point of the Qwen family: registers its architectures, lazily."""
+
+from collections.abc import Callable
+
+from mrv2 import hookimpl
+
+
+@hookimpl
+def mrv2_register_models(register: Callable[..., None]) -> None:
+    """Qwen3 dense models; they use the core's default decoder-only ModelState."""
+    register("Qwen3ForCausalLM", "mrv2_qwen.model:Qwen3ForCausalLM")

@@ -1,0 +1,115 @@
+"""Bad input: a clear error before any work starts; the engine keeps serving the others."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mrv2 import LLM, EngineConfig, SamplingParams
+from mrv2.testing import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "LlamaForCausalLM")
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt: Path) -> LLM:
+    return LLM(str(ckpt), device="cpu", dtype="float32", block_size=4, max_model_len=64)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -3}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"seed": -1}, "seed"),
+        ({"stop": [""]}, "stop"),
+        ({"n": 2}, "n"),
+    ],
+)
+def test_invalid_sampling_params(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=f"SamplingParams.{message}="):
+        SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_prompt_too_long_and_empty(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="max_model_len is 64"):
+        llm.generate({"prompt_token_ids": [1] * 64}, use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate({"prompt_token_ids": []}, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"in \[0, 256\)"):
+        llm.generate({"prompt_token_ids": [1, 999]}, use_tqdm=False)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate({"prompt_token_ids": [1]}, SamplingParams(stop_token_ids=[300]))
+
+
+def test_one_bad_prompt_runs_nothing_and_engine_keeps_serving(llm: LLM) -> None:
+    good = {"prompt_token_ids": [3, 4, 5]}
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with pytest.raises(ValueError):
+        llm.generate([good, {"prompt_token_ids": [1] * 100}], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+    # A bad request added while others run leaves them untouched.
+    engine = llm.engine
+    first = engine.add_request([3, 4, 5], params)
+    with pytest.raises(ValueError):
+        engine.add_request([1] * 100, params)
+    finished = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+    expected = llm.generate(good, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert finished == {first: expected}
+
+
+def test_bad_engine_config_names_field(ckpt: Path) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="block_size"):
+        EngineConfig.from_kwargs(block_size=3)
+    with pytest.raises(ValidationError, match="gpu_memory_utilization"):
+        EngineConfig.from_kwargs(gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="unknown engine argument 'max_len'"):
+        EngineConfig.from_kwargs(max_len=3)
+    with pytest.raises(ValueError, match="max_position_embeddings=256"):
+        LLM(str(ckpt), device="cpu", max_model_len=1000)
+
+
+def test_unknown_architecture_and_missing_files(tmp_path: Path, ckpt: Path) -> None:
+    import json
+    import shutil
+
+    weird = tmp_path / "weird"
+    shutil.copytree(ckpt, weird)
+    config = json.loads((weird / "config.json").read_text())
+    config["architectures"] = ["Glm4MoeForCausalLM"]
+    (weird / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"registered architectures: .*LlamaForCausalLM.*"
+                                         r"pip install mrv2-plugin-glm"):
+        LLM(str(weird), device="cpu")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        LLM(str(tmp_path / "nowhere"), device="cpu")
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    shutil.copy(ckpt / "config.json", no_weights / "config.json")
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        LLM(str(no_weights), device="cpu")
+
+
+def test_mismatched_weight_shape(tmp_path: Path) -> None:
+    import json
+
+    ckpt = make_tiny_checkpoint(tmp_path / "a", "LlamaForCausalLM")
+    config = json.loads((ckpt / "config.json").read_text())
+    config["intermediate_size"] = 96  # checkpoint tensors are 128 wide
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="shape"):
+        LLM(str(ckpt), device="cpu")

@@ -1,0 +1,126 @@
+"""Stop tokens, EOS, stop strings, max_tokens, min_tokens and aborts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mrv2 import LLM, SamplingParams
+from mrv2.testing import make_tiny_checkpoint, make_tiny_tokenizer
+
+PROMPT = "Hello world"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "LlamaForCausalLM",
+                                vocab_size=320)
+    make_tiny_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt: Path) -> LLM:
+    return LLM(str(ckpt), device="cpu", dtype="float32", block_size=4)
+
+
+@pytest.fixture(scope="module")
+def free_run(llm: LLM) -> list[int]:
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    return llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def _first_new(tokens: list[int], start: int) -> int:
+    """Index of the first token at or after ``start`` not seen before it."""
+    for i in range(start, len(tokens)):
+        if tokens[i] not in tokens[:i]:
+            return i
+    pytest.skip("the random model repeats itself too much for this test")
+
+
+def test_max_tokens(llm: LLM, free_run: list[int]) -> None:
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free_run[:5] and out.finish_reason == "length"
+
+
+def test_stop_token_ids(llm: LLM, free_run: list[int]) -> None:
+    i = _first_new(free_run, 2)
+    params = SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[free_run[i]])
+    out = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free_run[: i + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", free_run[i])
+
+
+def test_min_tokens_defers_stop(llm: LLM, free_run: list[int]) -> None:
+    i = _first_new(free_run, 1)
+    params = SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[free_run[i]],
+                            min_tokens=i + 2)
+    out = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= i + 2
+    assert out.token_ids == free_run[: len(out.token_ids)]
+
+
+def test_eos_from_generation_config(ckpt: Path, free_run: list[int], tmp_path: Path) -> None:
+    i = _first_new(free_run, 3)
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt, copy)
+    (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [free_run[i]]}))
+    llm = LLM(str(copy), device="cpu", dtype="float32", block_size=4)
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free_run[: i + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", None)
+    ignoring = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16,
+                                                   ignore_eos=True), use_tqdm=False)[0]
+    assert ignoring.outputs[0].token_ids == free_run
+
+
+def test_stop_string_across_tokens(llm: LLM, free_run: list[int]) -> None:
+    tokenizer = llm.get_tokenizer()
+    full = tokenizer.decode(free_run)
+    # a stop string that starts inside one token's text and ends inside a later one
+    prefix = tokenizer.decode(free_run[:4])
+    stop = full[len(prefix) - 1 : len(prefix) + 2]
+    if len(stop) < 2 or full.find(stop) != len(prefix) - 1:
+        pytest.skip("the random model's text does not give a unique stop string here")
+    params = SamplingParams(temperature=0, max_tokens=16, stop=[stop], ignore_eos=True)
+    out = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+    assert out.text == full[: len(prefix) - 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    kept = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16, stop=[stop],
+                                               include_stop_str_in_output=True, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == full[: len(prefix) + 2]
+
+
+def test_abort_frees_everything_and_spares_others(llm: LLM, free_run: list[int]) -> None:
+    engine = llm.engine
+    tokenizer = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    keep = engine.add_request(tokenizer.encode(PROMPT), params)
+    doomed = engine.add_request([5, 6, 7, 8, 9], params)
+    waiting = engine.add_request([9, 9], params)
+    engine.abort(waiting)  # aborted while waiting
+    finished = {}
+    steps = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+        steps += 1
+        if steps == 3:
+            engine.abort(doomed)  # aborted mid-decode
+    assert finished == {keep: free_run}
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert len(engine.runner.table) == 0
+
+
+def test_chat_uses_template(llm: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    out = llm.chat([{"role": "user", "content": "Hello"}], params, use_tqdm=False)[0]
+    expected = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "Hello"}])
+    assert out.prompt_token_ids == expected

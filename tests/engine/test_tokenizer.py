@@ -1,0 +1,149 @@
+"""Tokenizer wrapper: built on a tiny tokenizer trained offline, no downloads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from mrv2.engine.tokenizer import Tokenizer, load_generation_eos
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
+CORPUS = [
+    "The capital of France is Paris.",
+    "Hello world, hello tokenizer!",
+    "user assistant system: what is two plus two? Four.",
+    "naïve café — 東京 😀",
+]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def build_tokenizer(out_dir: Path, chat_template: str | None = CHAT_TEMPLATE) -> Path:
+    """A byte-level BPE trained on CORPUS, saved like a model directory's tokenizer."""
+    raw = RawTokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        show_progress=False,
+        special_tokens=["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    raw.train_from_iterator(CORPUS, trainer)
+    bos = raw.token_to_id("<s>")
+    raw.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=raw,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|user|>", "<|assistant|>", "<|system|>"],
+    )
+    if chat_template is not None:
+        hf.chat_template = chat_template
+    hf.save_pretrained(str(out_dir))
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def tok(tok_dir: Path) -> Tokenizer:
+    return Tokenizer(tok_dir)
+
+
+def test_encode_decode_roundtrip(tok: Tokenizer) -> None:
+    text = "Hello Paris, naïve café 東京 😀!"
+    ids = tok.encode(text)
+    assert ids[0] == tok.bos_token_id
+    assert tok.encode(text, add_special_tokens=False) == ids[1:]
+    assert tok.decode(ids) == text
+    assert tok.decode(ids, skip_special_tokens=False) == "<s>" + text
+    assert tok.decode(iter(ids)) == text
+
+
+def test_metadata(tok: Tokenizer) -> None:
+    eos = tok.eos_token_id
+    assert eos is not None and tok.convert_ids_to_tokens([eos]) == ["</s>"]
+    assert isinstance(tok.hf, PreTrainedTokenizerFast)
+    specials = set(tok.all_special_ids)
+    for name in ("<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>"):
+        assert tok.hf.convert_tokens_to_ids(name) in specials
+    assert tok.vocab_size == len(tok.hf) == len(tok)
+    assert max(tok.encode("\U0001f600 everything")) < tok.vocab_size
+    assert tok.pad_token_id is None
+
+
+def test_convert_ids_to_tokens(tok: Tokenizer) -> None:
+    ids = tok.encode("Hello world", add_special_tokens=False)
+    tokens = tok.convert_ids_to_tokens(ids)
+    assert len(tokens) == len(ids)
+    assert "".join(tokens).replace("\u0120", " ") == "Hello world"
+
+
+def test_chat_template(tok: Tokenizer) -> None:
+    messages = [{"role": "user", "content": "What is two plus two?"}]
+    text = tok.render_chat_template(messages)
+    assert text == "<|user|>What is two plus two?</s><|assistant|>"
+    ids = tok.apply_chat_template(messages)
+    assert ids == tok.encode(text, add_special_tokens=False)
+    assert tok.hf.convert_tokens_to_ids("<|assistant|>") == ids[-1]
+    no_prompt = tok.apply_chat_template(messages, add_generation_prompt=False)
+    assert no_prompt == ids[:-1]
+    assert tok.decode(no_prompt, skip_special_tokens=False).endswith("</s>")
+
+
+def test_no_chat_template_error(tmp_path: Path) -> None:
+    tok = Tokenizer(build_tokenizer(tmp_path, chat_template=None))
+    assert tok.chat_template is None
+    with pytest.raises(ValueError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_wrap_loaded_tokenizer(tok: Tokenizer) -> None:
+    wrapped = Tokenizer(tok.hf)
+    assert wrapped.model_dir is None
+    assert wrapped.encode("Hello") == tok.encode("Hello")
+    assert Tokenizer.from_pretrained(tok.model_dir or "").encode("Hello") == tok.encode("Hello")
+
+
+def test_missing_tokenizer_files(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no tokenizer files"):
+        Tokenizer(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Tokenizer(tmp_path / "nope")
+
+
+def test_fallback_to_tokenizer_json(tok_dir: Path, tmp_path: Path) -> None:
+    """An unloadable tokenizer_config.json falls back to tokenizer.json (+ chat template)."""
+    (tmp_path / "tokenizer.json").write_bytes((tok_dir / "tokenizer.json").read_bytes())
+    config = {"tokenizer_class": "NoSuchTokenizerClass", "chat_template": CHAT_TEMPLATE}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer(tmp_path)
+    assert tok.decode(tok.encode("Hello world")) == "Hello world"
+    assert tok.chat_template == CHAT_TEMPLATE
+
+
+def _write(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj))
+
+
+def test_load_generation_eos(tmp_path: Path) -> None:
+    assert load_generation_eos(tmp_path) == set()
+    _write(tmp_path / "config.json", {"eos_token_id": 2})
+    assert load_generation_eos(tmp_path) == {2}
+    _write(tmp_path / "generation_config.json", {"eos_token_id": [7, 9]})
+    assert load_generation_eos(tmp_path) == {2, 7, 9}
+    _write(tmp_path / "generation_config.json", {"eos_token_id": 11})
+    _write(tmp_path / "config.json", {"eos_token_id": None, "text_config": {"eos_token_id": [3]}})
+    assert load_generation_eos(str(tmp_path)) == {3, 11}

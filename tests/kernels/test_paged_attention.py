@@ -1,0 +1,376 @@
+"""Paged attention: the torch reference against a naive loop, and the Triton kernels against it.
+
+Runs under ``TRITON_INTERPRET=1`` on CPU (root conftest), tiny shapes. Unused KV slots are
+poisoned with large values so that reads past ``seq_len`` show up as big errors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from mrv2_kernels.paged_attention import paged_attention, paged_attention_ref
+
+POISON = 3.0e3
+
+# The interpreter turns 1-element arrays into loop bounds; numpy warns about it, harmlessly.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim:DeprecationWarning"
+)
+
+
+@dataclass
+class Batch:
+    query: torch.Tensor
+    kv_cache: torch.Tensor
+    qsl: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    qlens: list[int]
+    lens: list[int]
+    num_real_tokens: int
+    scale: float
+
+    @property
+    def bounds(self) -> dict[str, Any]:
+        return {
+            "max_query_len": max(self.qlens),
+            "max_seq_len": max(self.lens),
+            "num_reqs": len(self.qlens),
+        }
+
+
+def make_batch(
+    reqs: list[tuple[int, int]],
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    pad_tokens: int = 0,
+    seed: int = 0,
+    poison: float = POISON,
+) -> Batch:
+    """``reqs``: (query_len, seq_len) per request. Block ids random and non-contiguous."""
+    gen = torch.Generator().manual_seed(seed)
+    qlens = [q for q, _ in reqs]
+    lens = [s for _, s in reqs]
+    blocks_per_req = [math.ceil(s / block_size) for s in lens]
+    max_blocks = max(max(blocks_per_req), 1) + 2
+    num_blocks = sum(blocks_per_req) + 7  # spare blocks stay poisoned
+    perm = torch.randperm(num_blocks, generator=gen)
+    block_table = torch.zeros(len(reqs), max_blocks, dtype=torch.int32)
+    # Table entries past a request's blocks point at (poisoned) real blocks too.
+    block_table[:] = perm[-1]
+    used = 0
+    for i, nb in enumerate(blocks_per_req):
+        block_table[i, :nb] = perm[used : used + nb]
+        used += nb
+
+    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    # Poison every slot no request may read.
+    sign = torch.where(torch.rand(kv.shape, generator=gen) < 0.5, -1.0, 1.0)
+    valid = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    for i, s in enumerate(lens):
+        for p in range(s):
+            valid[block_table[i, p // block_size], p % block_size] = True
+    kv = torch.where(valid[None, :, :, None, None], kv, poison * sign)
+
+    num_real = sum(qlens)
+    query = torch.randn(num_real + pad_tokens, num_heads, head_dim, generator=gen)
+    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    return Batch(
+        query=query.to(dtype),
+        kv_cache=kv.to(dtype),
+        qsl=qsl,
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_table=block_table,
+        qlens=qlens,
+        lens=lens,
+        num_real_tokens=num_real,
+        scale=1.0 / math.sqrt(head_dim),
+    )
+
+
+def naive_attention(b: Batch) -> torch.Tensor:
+    """Dense causal attention per request, per query token, per head: plain Python loops."""
+    num_heads = b.query.shape[1]
+    num_kv_heads, block_size = b.kv_cache.shape[3], b.kv_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.zeros(b.query.shape, dtype=torch.float32)
+    for i, (qlen, seq_len) in enumerate(zip(b.qlens, b.lens, strict=True)):
+        keys = []
+        values = []
+        for p in range(seq_len):
+            blk = int(b.block_table[i, p // block_size])
+            keys.append(b.kv_cache[0, blk, p % block_size].float())
+            values.append(b.kv_cache[1, blk, p % block_size].float())
+        for j in range(qlen):
+            t = int(b.qsl[i]) + j
+            pos = seq_len - qlen + j
+            if pos < 0:
+                continue
+            for h in range(num_heads):
+                k = torch.stack([keys[p][h // group] for p in range(pos + 1)])
+                v = torch.stack([values[p][h // group] for p in range(pos + 1)])
+                s = (k @ b.query[t, h].float()) * b.scale
+                out[t, h] = torch.softmax(s, 0) @ v
+    return out
+
+
+MIXED = [(1, 23), (13, 13), (9, 30), (1, 5), (0, 0)]  # decode, prefill, chunked, decode, pad
+
+
+def _tol(dtype: torch.dtype) -> float:
+    return 2e-2 if dtype == torch.bfloat16 else 2e-3 if dtype == torch.float16 else 1e-4
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor, b: Batch, dtype: torch.dtype) -> None:
+    n = b.num_real_tokens
+    assert out.dtype == dtype and out.shape == b.query.shape
+    assert torch.isfinite(out[:n].float()).all(), "a real row was not written"
+    torch.testing.assert_close(out[:n].float(), ref[:n].float(), atol=_tol(dtype), rtol=_tol(dtype))
+
+
+def test_ref_matches_naive() -> None:
+    reqs = [(1, 9), (6, 6), (4, 11), (0, 0), (2, 2)]
+    b = make_batch(
+        reqs,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        block_size=4,
+        dtype=torch.float32,
+        pad_tokens=2,
+    )
+    ref = paged_attention_ref(
+        b.query, b.kv_cache, b.qsl, b.seq_lens, b.block_table, b.scale, **b.bounds
+    )
+    naive = naive_attention(b)
+    torch.testing.assert_close(ref, naive, atol=1e-5, rtol=1e-5)
+    assert (ref[b.num_real_tokens :] == 0).all()
+
+
+def test_ref_bf16_close_to_naive() -> None:
+    b = make_batch(
+        [(3, 7), (1, 12)],
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        block_size=4,
+        dtype=torch.bfloat16,
+    )
+    ref = paged_attention_ref(
+        b.query, b.kv_cache, b.qsl, b.seq_lens, b.block_table, b.scale, **b.bounds
+    )
+    assert ref.dtype == torch.bfloat16
+    torch.testing.assert_close(ref.float(), naive_attention(b), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize(
+    ("block_size", "num_heads", "num_kv_heads", "head_dim", "dtype"),
+    [
+        (4, 4, 2, 16, torch.float32),
+        (16, 2, 2, 32, torch.float32),
+        (16, 8, 1, 16, torch.bfloat16),
+        (4, 4, 2, 32, torch.bfloat16),
+        (16, 4, 2, 64, torch.float32),
+        (16, 6, 2, 16, torch.float16),  # group of 3: padded to 4 rows per token
+    ],
+)
+def test_mixed_batch(
+    block_size: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    b = make_batch(
+        MIXED,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        pad_tokens=3,
+        seed=block_size + num_heads,
+    )
+    args = (b.query, b.kv_cache, b.qsl, b.seq_lens, b.block_table, b.scale)
+    ref = paged_attention_ref(*args, **b.bounds)
+    out = paged_attention(*args, **b.bounds)
+    _check(out, ref, b, dtype)
+    assert (out[b.num_real_tokens :] == 0).all(), "padding tokens should come out as zeros"
+
+
+@pytest.mark.parametrize(("block_m", "block_n"), [(16, 32), (64, 16)])
+def test_mixed_batch_tile_sizes(block_m: int, block_n: int) -> None:
+    """Several query tiles per request (block_m 16) and key tiles spanning blocks (block_n 32)."""
+    b = make_batch(
+        MIXED,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=4,
+        dtype=torch.float32,
+        pad_tokens=1,
+        seed=3,
+    )
+    args = (b.query, b.kv_cache, b.qsl, b.seq_lens, b.block_table, b.scale)
+    ref = paged_attention_ref(*args, **b.bounds)
+    poisoned = torch.full_like(b.query, float("nan"))
+    out = paged_attention(*args, **b.bounds, out=poisoned, block_m=block_m, block_n=block_n)
+    assert out is poisoned
+    _check(out, ref, b, torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("num_splits", "dtype"),
+    [(1, torch.float32), (3, torch.float32), (8, torch.bfloat16), (None, torch.float32)],
+)
+def test_uniform_decode_splits(num_splits: int | None, dtype: torch.dtype) -> None:
+    # Varied lengths, a padded row with no query and one with a query but no context.
+    reqs = [(1, 77), (1, 1), (1, 40), (0, 0), (1, 0), (1, 17)]
+    b = make_batch(
+        reqs,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=4,
+        dtype=dtype,
+        pad_tokens=2,
+        seed=11,
+    )
+    args = (b.query, b.kv_cache, b.qsl, b.seq_lens, b.block_table, b.scale)
+    ref = paged_attention_ref(*args, **b.bounds)
+    out = paged_attention(*args, **b.bounds, uniform_decode=True, num_splits=num_splits)
+    _check(out, ref, b, dtype)
+    assert (out[b.num_real_tokens :] == 0).all()
+    no_key_token = int(b.qsl[4])  # request 4 has a query but no key to attend to
+    assert (out[no_key_token] == 0).all()
+
+
+def test_decode_splits_poisoned_out_and_loose_bound() -> None:
+    """Split path with a loose max_seq_len (as for graph capture) and a NaN-filled output."""
+    reqs = [(1, 50), (1, 9), (1, 33)]
+    b = make_batch(
+        reqs,
+        num_heads=8,
+        num_kv_heads=1,
+        head_dim=16,
+        block_size=16,
+        dtype=torch.float32,
+        pad_tokens=1,
+        seed=5,
+    )
+    args = (b.query, b.kv_cache, b.qsl, b.seq_lens, b.block_table, b.scale)
+    ref = paged_attention_ref(*args, **b.bounds)
+    out = torch.full_like(b.query, float("nan"))
+    paged_attention(*args, max_query_len=1, max_seq_len=4096, num_reqs=3, out=out, num_splits=5)
+    _check(out, ref, b, torch.float32)
+    assert (out[-1] == 0).all()  # the combine kernel zeroes padding tokens
+
+
+def test_small_query_split_path() -> None:
+    """Spec-decode-sized queries (several tokens, causal inside the tile) with splits."""
+    reqs = [(3, 40), (2, 2), (3, 21)]
+    b = make_batch(
+        reqs, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32, seed=7
+    )
+    args = (b.query, b.kv_cache, b.qsl, b.seq_lens, b.block_table, b.scale)
+    ref = paged_attention_ref(*args, **b.bounds)
+    out = paged_attention(*args, **b.bounds, num_splits=4)
+    _check(out, ref, b, torch.float32)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_causal_tile_boundaries(num_splits: int) -> None:
+    """Contexts around the key-tile size: the unmasked/masked loop split must be exact."""
+    reqs = [(4, c + 4) for c in range(12, 19)] + [(1, 16), (1, 17), (1, 32)]
+    b = make_batch(
+        reqs, num_heads=2, num_kv_heads=1, head_dim=16, block_size=4, dtype=torch.float32, seed=13
+    )
+    args = (b.query, b.kv_cache, b.qsl, b.seq_lens, b.block_table, b.scale)
+    ref = paged_attention_ref(*args, **b.bounds)
+    out = paged_attention(*args, **b.bounds, block_m=16, block_n=16, num_splits=num_splits)
+    _check(out, ref, b, torch.float32)
+
+
+@pytest.mark.parametrize("uniform_decode", [False, True])
+def test_nan_poisoned_cache_never_read(uniform_decode: bool) -> None:
+    """NaN in every slot no request owns: any unmasked load of one would poison the output."""
+    reqs = [(1, 21), (1, 6), (1, 35)] if uniform_decode else MIXED
+    b = make_batch(
+        reqs,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=4,
+        dtype=torch.bfloat16,
+        pad_tokens=2,
+        seed=17,
+        poison=float("nan"),
+    )
+    args = (b.query, b.kv_cache, b.qsl, b.seq_lens, b.block_table, b.scale)
+    ref = paged_attention_ref(*args, **b.bounds)
+    out = paged_attention(*args, **b.bounds, uniform_decode=uniform_decode, num_splits=3)
+    _check(out, ref, b, torch.bfloat16)
+
+
+def test_head_dim_must_be_power_of_two() -> None:
+    b = make_batch(
+        [(1, 3)], num_heads=2, num_kv_heads=1, head_dim=24, block_size=4, dtype=torch.float32
+    )
+    with pytest.raises(AssertionError, match="power-of-2 head_dim"):
+        paged_attention(b.query, b.kv_cache, b.qsl, b.seq_lens, b.block_table, b.scale, **b.bounds)
+
+
+def test_triton_backend_end_to_end() -> None:
+    """The backend: write this step's K/V into the cache, then attend; against the refs."""
+    from mrv2.attention.backend import AttentionMetadata
+    from mrv2.attention.triton_backend import TritonAttentionBackend
+    from mrv2_kernels.kv_cache import write_kv_ref
+
+    reqs = [(1, 12), (6, 6), (0, 0)]
+    b = make_batch(
+        reqs,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=4,
+        dtype=torch.float32,
+        pad_tokens=1,
+        seed=9,
+    )
+    block_size = 4
+    slots = []
+    for i, (qlen, seq_len) in enumerate(reqs):
+        for p in range(seq_len - qlen, seq_len):
+            slots.append(int(b.block_table[i, p // block_size]) * block_size + p % block_size)
+    slots.append(-1)  # the padding token
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    gen = torch.Generator().manual_seed(1)
+    key = torch.randn(len(slots), 2, 16, generator=gen)
+    value = torch.randn(len(slots), 2, 16, generator=gen)
+    meta = AttentionMetadata(
+        num_reqs=3,
+        num_tokens=len(slots),
+        max_query_len=6,
+        max_seq_len=12,
+        query_start_loc=b.qsl,
+        seq_lens=b.seq_lens,
+        block_table=b.block_table,
+        slot_mapping=slot_mapping,
+        block_size=block_size,
+    )
+    backend = TritonAttentionBackend()
+    assert backend.name == "triton"
+    cache = b.kv_cache.clone()
+    backend.write_kv(key, value, cache, slot_mapping)
+    expected_cache = b.kv_cache.clone()
+    write_kv_ref(key, value, expected_cache, slot_mapping)
+    assert torch.equal(cache, expected_cache)
+    out = backend.forward(b.query, cache, meta, b.scale)
+    ref = paged_attention_ref(
+        b.query, expected_cache, b.qsl, b.seq_lens, b.block_table, b.scale, **b.bounds
+    )
+    _check(out, ref, b, torch.float32)

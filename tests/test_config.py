@@ -1,0 +1,62 @@
+"""Engine configuration from keywords, files and CLI flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from mrv2.config import EngineConfig, add_cli_args, config_from_cli, format_validation_error
+
+
+def test_flat_kwargs_land_in_sections() -> None:
+    config = EngineConfig.from_kwargs(
+        model="/m", dtype="bfloat16", max_model_len=512, block_size=64, max_num_seqs=8,
+        device="cpu", async_scheduling=False, num_gpu_blocks_override=100,
+    )
+    assert config.model.max_model_len == 512 and config.model.dtype == "bfloat16"
+    assert config.cache.block_size == 64 and config.cache.num_gpu_blocks_override == 100
+    assert config.scheduler.max_num_seqs == 8 and not config.scheduler.async_scheduling
+    assert config.device.device == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"dtype": "float64"}, "model.dtype"), ({"max_num_seqs": 0}, "scheduler.max_num_seqs"),
+     ({"tensor_parallel_size": 2}, "parallel.tensor_parallel_size"),
+     ({"num_speculative_tokens": 3}, "speculative"), ({"device": "tpu"}, "device.device")],
+)
+def test_bad_values_name_the_field(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        EngineConfig.from_kwargs(**kwargs)
+    assert format_validation_error(info.value).splitlines()[1].strip().startswith(field)
+
+
+def test_yaml_and_json_files(tmp_path: Path) -> None:
+    (tmp_path / "c.yaml").write_text("dtype: float32\ncache:\n  block_size: 8\n")
+    config = EngineConfig.from_file(tmp_path / "c.yaml", max_model_len=99)
+    assert (config.model.dtype, config.cache.block_size, config.model.max_model_len) == (
+        "float32", 8, 99)
+    (tmp_path / "c.json").write_text(json.dumps({"max_num_batched_tokens": 256}))
+    assert EngineConfig.from_file(tmp_path / "c.json").scheduler.max_num_batched_tokens == 256
+
+
+def test_cli_flags(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    (tmp_path / "c.yaml").write_text("block_size: 8\nmax_model_len: 64\n")
+    args = parser.parse_args([
+        "--config", str(tmp_path / "c.yaml"), "--max-model-len", "128", "--no-async-scheduling",
+        "--gpu-memory-utilization", "0.5", "--device", "cpu",
+    ])
+    config = config_from_cli(args, "/model")
+    assert config.model.model == "/model"
+    assert config.model.max_model_len == 128  # the flag beats the file
+    assert config.cache.block_size == 8
+    assert config.cache.gpu_memory_utilization == 0.5
+    assert config.scheduler.async_scheduling is False
+    with pytest.raises(ValidationError, match="block_size"):
+        config_from_cli(parser.parse_args(["--block-size", "5"]), None)
