@@ -25,6 +25,15 @@ from .input_prep import (
     prepare_inputs_ref,
     prepare_inputs_triton,
 )
+from .norm import (
+    rms_norm,
+    rms_norm_ref,
+    rms_norm_triton,
+    silu_and_mul,
+    silu_and_mul_ref,
+    silu_and_mul_triton,
+)
+from .rotary import rotary_embedding, rotary_embedding_ref, rotary_embedding_triton
 
 __all__ = [
     "default_block",
@@ -41,7 +50,16 @@ __all__ = [
     "prepare_inputs",
     "prepare_inputs_ref",
     "prepare_inputs_triton",
+    "rms_norm",
+    "rms_norm_ref",
+    "rms_norm_triton",
+    "rotary_embedding",
+    "rotary_embedding_ref",
+    "rotary_embedding_triton",
     "row_key_ref",
+    "silu_and_mul",
+    "silu_and_mul_ref",
+    "silu_and_mul_triton",
     "uniform_hash_ref",
     "uniform_hash_triton",
     "use_triton",

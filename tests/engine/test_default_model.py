@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from mrv2.engine.tokenizer import Tokenizer, load_generation_eos
 from mrv2.model_loader import default_model as dm
 
@@ -43,6 +44,7 @@ def fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, int]:
     gguf.write_bytes(b"GGUF")
     monkeypatch.setattr(dm, "find_default_gguf", lambda: gguf)
     calls = {"n": 0, "fail": 0}
+    version = dm.CONVERSION_VERSION
 
     def convert(src: Path, out: Path) -> None:
         calls["n"] += 1
@@ -52,7 +54,7 @@ def fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, int]:
             (out / name).write_text(f"{name} #{calls['n']}")
         if calls["fail"]:
             raise KeyboardInterrupt  # interrupted before the marker
-        (out / dm.MARKER_FILENAME).write_text("{}")
+        (out / dm.MARKER_FILENAME).write_text(json.dumps({"conversion_version": version}))
 
     monkeypatch.setattr(dm, "convert_gguf_to_hf", convert)
     return calls
@@ -98,6 +100,23 @@ def test_incomplete_dir_is_replaced(fake: dict[str, int]) -> None:
     path = dm.ensure_default_model()
     assert fake["n"] == 1 and (path / "config.json").read_text() == "config.json #1"
     assert _siblings(path) == [dm.DEFAULT_MODEL_NAME]
+
+
+def test_outdated_conversion_is_redone(
+    fake: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = dm.ensure_default_model()
+    (path / dm.MARKER_FILENAME).write_text(json.dumps({"conversion_version": 0}))
+    assert dm.ensure_default_model() == path and fake["n"] == 2
+    assert dm.ensure_default_model() == path and fake["n"] == 2
+    # Outdated but the GGUF is gone: the old conversion is still used.
+    (path / dm.MARKER_FILENAME).write_text(json.dumps({"conversion_version": 0}))
+
+    def missing() -> Path:
+        raise FileNotFoundError("gone")
+
+    monkeypatch.setattr(dm, "find_default_gguf", missing)
+    assert dm.ensure_default_model() == path and fake["n"] == 2
 
 
 # -- the real conversion ------------------------------------------------------------------------

@@ -7,11 +7,12 @@ import random
 from collections.abc import Callable
 
 import pytest
-from mrv2.engine.detokenizer import IncrementalDetokenizer
-from mrv2.engine.tokenizer import Tokenizer
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as RawTokenizer
 from transformers import PreTrainedTokenizerFast
+
+from mrv2.engine.detokenizer import IncrementalDetokenizer
+from mrv2.engine.tokenizer import Tokenizer
 
 CORPUS = [
     "The capital of France is Paris. The capital of Japan is Tokyo.",

@@ -124,3 +124,26 @@ def test_chat_uses_template(llm: LLM) -> None:
     out = llm.chat([{"role": "user", "content": "Hello"}], params, use_tqdm=False)[0]
     expected = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "Hello"}])
     assert out.prompt_token_ids == expected
+
+
+def test_streaming_deltas_add_up(llm: LLM, free_run: list[int]) -> None:
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    streamed = engine.add_request(llm.get_tokenizer().encode(PROMPT), params, stream=True)
+    quiet = engine.add_request([5, 6, 7], params)
+    deltas: list[list[int]] = []
+    texts: list[str] = []
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == streamed:
+                deltas.append(out.new_token_ids)
+                texts.append(out.new_text)
+            if out.finished:
+                finals[out.request_id] = out
+            else:
+                assert out.request_id == streamed  # non-streaming requests: final output only
+    assert len(deltas) == 10 and all(len(d) == 1 for d in deltas)
+    assert [t for d in deltas for t in d] == finals[streamed].outputs[0].token_ids == free_run[:10]
+    assert "".join(texts) == finals[streamed].outputs[0].text
+    assert set(finals) == {streamed, quiet}

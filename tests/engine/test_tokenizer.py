@@ -6,10 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
-from mrv2.engine.tokenizer import Tokenizer, load_generation_eos
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
+
+from mrv2.engine.tokenizer import Tokenizer, load_generation_eos
 
 CORPUS = [
     "The capital of France is Paris.",

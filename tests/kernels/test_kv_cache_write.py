@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
 from mrv2_kernels.kv_cache import write_kv_ref, write_kv_triton
+
+DEVICE = "cuda" if os.environ.get("MRV2_TEST_GPU") and torch.cuda.is_available() else "cpu"
 
 
 def _case(
@@ -23,7 +28,7 @@ def _case(
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].long()
     slots[torch.rand(num_tokens, generator=gen) < 0.3] = -1  # padding tokens: not written
     slots[-1] = -1
-    return key, value, cache.to(dtype), slots
+    return key.to(DEVICE), value.to(DEVICE), cache.to(DEVICE, dtype), slots.to(DEVICE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -44,7 +49,7 @@ def test_write_kv_matches_ref(
     kept = slots[slots >= 0]
     assert torch.equal(flat[0, kept], key[slots >= 0])
     assert torch.equal(flat[1, kept], value[slots >= 0])
-    untouched = torch.ones(flat.shape[1], dtype=torch.bool)
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool, device=DEVICE)
     untouched[kept] = False
     assert torch.equal(flat[:, untouched], cache.view(2, -1, num_kv_heads, head_dim)[:, untouched])
 
@@ -54,12 +59,12 @@ def test_write_kv_row_split_and_strided_inputs() -> None:
     gen = torch.Generator().manual_seed(3)
     num_tokens, num_heads, num_kv_heads, head_dim = 7, 4, 3, 16
     qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen)
-    qkv = qkv.to(torch.bfloat16)
+    qkv = qkv.to(DEVICE, torch.bfloat16)
     key = qkv[:, num_heads : num_heads + num_kv_heads]
     value = qkv[:, num_heads + num_kv_heads :]
     assert not key.is_contiguous()
-    cache = torch.randn(2, 5, 4, num_kv_heads, head_dim, generator=gen).to(torch.bfloat16)
-    slots = torch.tensor([3, -1, 17, 0, 19, -1, 8], dtype=torch.int32)
+    cache = torch.randn(2, 5, 4, num_kv_heads, head_dim, generator=gen).to(DEVICE, torch.bfloat16)
+    slots = torch.tensor([3, -1, 17, 0, 19, -1, 8], dtype=torch.int32, device=DEVICE)
     expected = cache.clone()
     write_kv_ref(key, value, expected, slots)
     got = cache.clone()
@@ -69,7 +74,7 @@ def test_write_kv_row_split_and_strided_inputs() -> None:
 
 def test_write_kv_casts_to_cache_dtype() -> None:
     key, value, _, slots = _case(5, 2, 16, 4, 3, torch.float16, seed=4)
-    cache = torch.randn(2, 3, 4, 2, 16).to(torch.float32)
+    cache = torch.randn(2, 3, 4, 2, 16).to(DEVICE, torch.float32)
     expected = cache.clone()
     write_kv_ref(key, value, expected, slots)
     got = cache.clone()
@@ -80,7 +85,7 @@ def test_write_kv_casts_to_cache_dtype() -> None:
 def test_write_kv_all_padding_and_empty() -> None:
     key, value, cache, _ = _case(4, 2, 16, 4, 2, torch.float32)
     got = cache.clone()
-    write_kv_triton(key, value, got, torch.full((4,), -1, dtype=torch.int64))
+    write_kv_triton(key, value, got, torch.full((4,), -1, dtype=torch.int64, device=DEVICE))
     assert torch.equal(got, cache)
-    write_kv_triton(key[:0], value[:0], got, torch.empty(0, dtype=torch.int64))
+    write_kv_triton(key[:0], value[:0], got, torch.empty(0, dtype=torch.int64, device=DEVICE))
     assert torch.equal(got, cache)

@@ -7,14 +7,19 @@ poisoned with large values so that reads past ``seq_len`` show up as big errors.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
-from mrv2_kernels.paged_attention import paged_attention, paged_attention_ref
+
+from mrv2_kernels.paged_attention import attention_plan, paged_attention, paged_attention_ref
 
 POISON = 3.0e3
+# CPU tensors under the interpreter; with MRV2_TEST_GPU=1 on a CUDA machine, the same tests
+# run the compiled kernels.
+DEVICE = "cuda" if os.environ.get("MRV2_TEST_GPU") and torch.cuda.is_available() else "cpu"
 
 # The interpreter turns 1-element arrays into loop bounds; numpy warns about it, harmlessly.
 pytestmark = pytest.mark.filterwarnings(
@@ -84,11 +89,11 @@ def make_batch(
     query = torch.randn(num_real + pad_tokens, num_heads, head_dim, generator=gen)
     qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
     return Batch(
-        query=query.to(dtype),
-        kv_cache=kv.to(dtype),
-        qsl=qsl,
-        seq_lens=torch.tensor(lens, dtype=torch.int32),
-        block_table=block_table,
+        query=query.to(DEVICE, dtype),
+        kv_cache=kv.to(DEVICE, dtype),
+        qsl=qsl.to(DEVICE),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+        block_table=block_table.to(DEVICE),
         qlens=qlens,
         lens=lens,
         num_real_tokens=num_real,
@@ -101,7 +106,7 @@ def naive_attention(b: Batch) -> torch.Tensor:
     num_heads = b.query.shape[1]
     num_kv_heads, block_size = b.kv_cache.shape[3], b.kv_cache.shape[2]
     group = num_heads // num_kv_heads
-    out = torch.zeros(b.query.shape, dtype=torch.float32)
+    out = torch.zeros(b.query.shape, dtype=torch.float32, device=b.query.device)
     for i, (qlen, seq_len) in enumerate(zip(b.qlens, b.lens, strict=True)):
         keys = []
         values = []
@@ -316,6 +321,23 @@ def test_nan_poisoned_cache_never_read(uniform_decode: bool) -> None:
     _check(out, ref, b, torch.bfloat16)
 
 
+def test_attention_plan_defaults() -> None:
+    query = torch.empty(4, 8, 16)
+    kv = torch.empty(2, 1, 16, 2, 16)
+    decode = attention_plan(query, kv, max_query_len=1, max_seq_len=1000, num_reqs=1)
+    assert decode.small_q and decode.num_q_tiles == 1 and decode.block_q >= 1
+    assert decode.num_splits == 4  # 8 interpreter "SMs" / (1 request x 2 kv heads)
+    short = attention_plan(query, kv, max_query_len=1, max_seq_len=20, num_reqs=1)
+    assert short.num_splits == 1  # no split below 2 * block_n keys
+    prefill = attention_plan(query, kv, max_query_len=100, max_seq_len=1000, num_reqs=1)
+    assert not prefill.small_q and prefill.num_splits == 1
+    assert prefill.num_q_tiles * prefill.block_q >= 100
+    spec = attention_plan(
+        query, kv, max_query_len=9, max_seq_len=64, num_reqs=2, uniform_decode=True
+    )
+    assert spec.small_q and spec.num_q_tiles == 1
+
+
 def test_head_dim_must_be_power_of_two() -> None:
     b = make_batch(
         [(1, 3)], num_heads=2, num_kv_heads=1, head_dim=24, block_size=4, dtype=torch.float32
@@ -347,10 +369,10 @@ def test_triton_backend_end_to_end() -> None:
         for p in range(seq_len - qlen, seq_len):
             slots.append(int(b.block_table[i, p // block_size]) * block_size + p % block_size)
     slots.append(-1)  # the padding token
-    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
     gen = torch.Generator().manual_seed(1)
-    key = torch.randn(len(slots), 2, 16, generator=gen)
-    value = torch.randn(len(slots), 2, 16, generator=gen)
+    key = torch.randn(len(slots), 2, 16, generator=gen).to(DEVICE)
+    value = torch.randn(len(slots), 2, 16, generator=gen).to(DEVICE)
     meta = AttentionMetadata(
         num_reqs=3,
         num_tokens=len(slots),

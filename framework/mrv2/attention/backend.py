@@ -41,6 +41,8 @@ class AttentionMetadata:
     """``[T]`` int64, flat KV slot of each query token; negative for padding (not written)."""
     block_size: int
     """Tokens per KV block."""
+    uniform_decode: bool = False
+    """Every real request has a query of length 1 (lets a backend pick its decode path)."""
 
 
 class AttentionBackend(ABC):

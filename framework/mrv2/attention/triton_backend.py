@@ -8,10 +8,10 @@ No host syncs: only the CPU-known bounds of the metadata size the grids.
 from __future__ import annotations
 
 import torch
-from mrv2_kernels.kv_cache import write_kv_triton
-from mrv2_kernels.paged_attention import paged_attention
 
 from mrv2.attention.backend import AttentionBackend, AttentionMetadata
+from mrv2_kernels.kv_cache import write_kv_triton
+from mrv2_kernels.paged_attention import paged_attention
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -35,7 +35,6 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        uniform_decode = bool(getattr(metadata, "uniform_decode", False))
         return paged_attention(
             query,
             kv_cache,
@@ -46,5 +45,5 @@ class TritonAttentionBackend(AttentionBackend):
             max_query_len=metadata.max_query_len,
             max_seq_len=metadata.max_seq_len,
             num_reqs=metadata.num_reqs,
-            uniform_decode=uniform_decode,
+            uniform_decode=metadata.uniform_decode,
         )

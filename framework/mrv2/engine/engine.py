@@ -31,6 +31,7 @@ class _Tracked:
     request: Request
     prompt: str | None
     detokenizer: IncrementalDetokenizer | None
+    stream: bool = False
     sent_tokens: int = 0
     sent_text: int = 0
 
@@ -95,8 +96,13 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         prompt: str | None = None,
+        stream: bool = False,
     ) -> str:
-        """Validate and queue a request; returns its id. Nothing is queued if it is invalid."""
+        """Validate and queue a request; returns its id. Nothing is queued if it is invalid.
+
+        ``stream=True``: ``step()`` returns an output for this request after every new token
+        (with ``new_token_ids``/``new_text``); otherwise only its final output.
+        """
         max_tokens = self.validate(prompt_token_ids, params)
         req_id = request_id if request_id is not None else str(next(self._ids))
         if req_id in self._requests:
@@ -116,7 +122,7 @@ class LLMEngine:
                 self.tokenizer, request.prompt_token_ids, params.skip_special_tokens
             )
         self.scheduler.add(request)
-        self._requests[req_id] = _Tracked(request, prompt, detok)
+        self._requests[req_id] = _Tracked(request, prompt, detok, stream)
         return req_id
 
     def abort(self, req_id: str) -> None:
@@ -132,7 +138,11 @@ class LLMEngine:
     # -- the loop ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Launch the next step, then process the oldest step whose output is due."""
+        """Launch the next step, then process the oldest step whose output is due.
+
+        Returns the final output of every request that finished, and an output per new token
+        of every streaming request.
+        """
         scheduled = self.scheduler.schedule()
         if scheduled.num_scheduled_tokens:
             self._in_flight.append(self.runner.execute(scheduled))
@@ -158,9 +168,13 @@ class LLMEngine:
                 continue
             request.output_token_ids.append(token)
             self._check_stop(tracked, token)
-            outputs.append(self._make_output(tracked))
+            if request.finished and tracked.detokenizer is not None:
+                tracked.detokenizer.flush()  # release text held back for an incomplete char
             if request.finished:
+                outputs.append(self._make_output(tracked))
                 del self._requests[req_id]
+            elif tracked.stream:
+                outputs.append(self._make_output(tracked))
         return outputs
 
     def _check_stop(self, tracked: _Tracked, token: int) -> None:

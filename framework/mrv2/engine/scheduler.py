@@ -98,14 +98,14 @@ class Scheduler:
             needed = self.blocks.blocks_needed(
                 request.num_computed_tokens + n, len(request.block_ids)
             )
-            while not self.blocks.can_allocate(needed) and self.running[-1] is not request:
-                self._preempt(self.running[-1])
-            if not self.blocks.can_allocate(needed):
-                self._preempt(request)
-                break
-            new_blocks = self.blocks.allocate(needed)
-            request.block_ids.extend(new_blocks)
-            if new_blocks:
+            if needed:
+                while not self.blocks.can_allocate(needed) and self.running[-1] is not request:
+                    self._preempt(self.running[-1])
+                if not self.blocks.can_allocate(needed):
+                    self._preempt(request)
+                    break
+                new_blocks = self.blocks.allocate(needed)
+                request.block_ids.extend(new_blocks)
                 out.new_block_ids[request.req_id] = new_blocks
             self._schedule(request, n, out)
             budget -= n

@@ -78,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     plugins = sub.add_parser("plugins", help="list loaded plugins and what they registered")
     plugins.set_defaults(func=_plugins)
 
+    bench = sub.add_parser("bench", help="benchmarks: throughput, latency")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    from mrv2.bench import latency, throughput
+
+    throughput.add_parser(bench_sub)
+    latency.add_parser(bench_sub)
+
     prep = sub.add_parser(
         "prepare-default-model", help="convert the bundled SmolLM2 GGUF once, print its dir"
     )

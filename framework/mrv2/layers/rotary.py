@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mrv2_kernels.rotary import rotary_embedding
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -106,23 +108,17 @@ class RotaryEmbedding(nn.Module):
             self._cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
         return self._cos_sin
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(shape[0], -1, self.head_dim)
-        half = self.rotary_dim // 2
-        x1 = x[..., :half].float()
-        x2 = x[..., half : self.rotary_dim].float()
-        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-        if self.rotary_dim < self.head_dim:
-            rotated = torch.cat([rotated, x[..., self.rotary_dim :]], dim=-1)
-        return rotated.reshape(shape)
-
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``query`` ``[T, H*D]`` (or ``[T, H, D]``) and ``key`` at ``positions`` ``[T]``."""
-        cos, sin = self._table(positions.device)[positions].unsqueeze(1).chunk(2, dim=-1)
-        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+        """Rotate ``query`` ``[T, H*D]`` (or ``[T, H, D]``) and ``key`` at ``positions`` ``[T]``.
+
+        One kernel for both (:func:`mrv2_kernels.rotary.rotary_embedding`) on the Triton path,
+        which rotates ``query`` and ``key`` in place: use the returned tensors.
+        """
+        return rotary_embedding(
+            positions, query, key, self._table(positions.device), self.head_dim, self.rotary_dim
+        )
 
     def extra_repr(self) -> str:
         return (

@@ -102,6 +102,10 @@ def _conversion_version(model_dir: Path) -> int:
         return 0
 
 
+def _is_current(model_dir: Path) -> bool:
+    return is_complete(model_dir) and _conversion_version(model_dir) >= CONVERSION_VERSION
+
+
 def ensure_default_model(force: bool = False) -> Path:
     """Return the converted default model directory, converting the GGUF once if needed.
 
@@ -110,7 +114,7 @@ def ensure_default_model(force: bool = False) -> Path:
     """
     target = default_model_dir()
     complete = not force and is_complete(target)
-    if complete and _conversion_version(target) >= CONVERSION_VERSION:
+    if complete and _is_current(target):
         return target
     try:
         gguf_path = find_default_gguf()
@@ -128,7 +132,7 @@ def ensure_default_model(force: bool = False) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.tmp-", dir=target.parent))
     try:
         convert_gguf_to_hf(gguf_path, tmp)
-        if not force and is_complete(target):
+        if not force and _is_current(target):
             # Another process finished first; keep its result.
             return target
         _replace_dir(tmp, target)

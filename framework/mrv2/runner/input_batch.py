@@ -62,3 +62,7 @@ class InputBatch:
     block_table: torch.Tensor
     logits_indices: torch.Tensor
     """``[num_reqs]`` int64, row of each request's last token in the step's hidden states."""
+    all_greedy: bool = True
+    """CPU flags of the batch's sampling params: which sampler stages can be skipped."""
+    any_min_p: bool = False
+    any_top_k_top_p: bool = False

@@ -54,16 +54,19 @@ def num_blocks_for(
     per_block = bytes_per_block(specs, cache.block_size, dtype)
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
+    parts = ""
     if device.type == "cpu":
         budget = int(cache.cpu_kv_cache_gb * _GIB)
     else:
         free, total = torch.cuda.mem_get_info(device)
         in_use = total - free
         budget = int(total * cache.gpu_memory_utilization) - in_use - peak_bytes
+        parts = (f" = {cache.gpu_memory_utilization} x {total / _GIB:.1f} GiB - "
+                 f"{in_use / _GIB:.2f} GiB in use - {peak_bytes / _GIB:.2f} GiB activation peak")
     blocks = budget // per_block
     if blocks < 1:
         raise RuntimeError(
-            f"no memory left for the KV cache (budget {budget / _GIB:.2f} GiB, one block "
+            f"no memory left for the KV cache (budget {budget / _GIB:.2f} GiB{parts}; one block "
             f"{per_block} bytes): raise gpu_memory_utilization or lower max_num_batched_tokens"
         )
     return int(blocks)

@@ -40,6 +40,7 @@ class ModelState:
         self.buffers = buffers
         self.block_size = block_size
         self.device = device
+        self._graph_pool: Any = None
 
     # -- per request -------------------------------------------------------------------------
 
@@ -71,6 +72,7 @@ class ModelState:
             block_table=batch.block_table,
             slot_mapping=batch.slot_mapping,
             block_size=self.block_size,
+            uniform_decode=batch.uniform_decode,
         )
 
     # -- start-up ----------------------------------------------------------------------------
@@ -122,10 +124,14 @@ class ModelState:
     def capture_cuda_graph(
         self, batch: InputBatch, forward: Callable[[], torch.Tensor]
     ) -> torch.cuda.CUDAGraph | None:
-        """Capture ``forward`` (which reads only persistent buffers) into a CUDA graph."""
+        """Capture ``forward`` (which reads only persistent buffers) into a CUDA graph.
+
+        All graphs of this state share one memory pool: only one replays at a time.
+        """
         if self.device.type != "cuda":
             return None
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=self._graph_pool):
             forward()
+        self._graph_pool = graph.pool()
         return graph

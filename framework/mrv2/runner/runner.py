@@ -12,6 +12,7 @@ It returns without waiting: ``AsyncStepOutput.result()`` is the only wait.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, cast
 
 import numpy as np
@@ -22,6 +23,7 @@ from mrv2.config import EngineConfig
 from mrv2.model_loader.build import CausalLM, build_model, load_hf_config, resolve_dtype
 from mrv2.plugins import PluginManager, get_plugin_manager, import_object
 from mrv2.runner.async_output import AsyncStepOutput, PinnedRing
+from mrv2.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from mrv2.runner.input_batch import InputBatch, InputBuffers
 from mrv2.runner.kv_cache import allocate_kv_caches, kv_layer_specs, num_blocks_for
 from mrv2.runner.model_state import ModelState
@@ -111,6 +113,12 @@ class Runner:
         self._uploader = Uploader(self.device)
         self._out_ring = PinnedRing(self.max_num_reqs, self.device)
         self._copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.device.enforce_eager:
+            self.graphs = DecodeGraphs(capture_sizes(self.max_num_reqs))
+            with torch.inference_mode():
+                self.graphs.capture_all(self._graph_dummy_batch, self._forward_logits,
+                                        self._capture)
 
     @classmethod
     def from_config(cls, config: EngineConfig, plugins: PluginManager | None = None) -> Runner:
@@ -168,12 +176,15 @@ class Runner:
                 raise ValueError(f"request {req_id!r} would hold more blocks than max_model_len")
             staged.add_blocks(row, start, block_ids)
             self.table.num_blocks[row] = start + len(block_ids)
-        batch = self._build_batch(scheduled, staged)
+        batch, replay = self._build_batch(scheduled, staged)
         with torch.inference_mode():
-            sampled = self._forward_and_sample(batch)
+            sampled = self._forward_and_sample(batch, replay)
         return self._start_output_copy(batch, sampled)
 
-    def _build_batch(self, scheduled: SchedulerOutput, staged: _Staged) -> InputBatch:
+    def _build_batch(
+        self, scheduled: SchedulerOutput, staged: _Staged
+    ) -> tuple[InputBatch, bool]:
+        """The step's inputs on the device, and whether a captured graph runs it."""
         req_ids = list(scheduled.num_scheduled_tokens)
         num_reqs = len(req_ids)
         if not 0 < num_reqs <= self.max_num_reqs:
@@ -182,6 +193,7 @@ class Runner:
         lens = np.empty(num_reqs, dtype=np.int32)
         do_sample = np.empty(num_reqs, dtype=bool)
         max_seq_len = 0
+        all_greedy, any_min_p, any_top = True, False, False
         for i, req_id in enumerate(req_ids):
             row = self.table.row_of(req_id)
             info = self.table.info[row]
@@ -198,11 +210,19 @@ class Runner:
             if do_sample[i]:
                 self._num_tokens_cpu[row] = known + 1
             max_seq_len = max(max_seq_len, info.num_computed)
+            all_greedy &= info.greedy
+            any_min_p |= info.min_p
+            any_top |= info.top_k or info.top_p
         num_tokens = int(lens.sum())
         if num_tokens > self.max_num_tokens:
             raise ValueError(f"{num_tokens} tokens scheduled; at most {self.max_num_tokens}")
-        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
-        np.cumsum(lens, out=query_start_loc[1:])
+        uniform_decode = num_tokens == num_reqs
+        padded = self.graphs.padded_size(num_reqs) if self.graphs and uniform_decode else None
+        num_padded = padded or num_reqs
+        num_tokens_padded = padded or num_tokens
+        query_start_loc = np.full(num_padded + 1, num_tokens, dtype=np.int32)
+        query_start_loc[0] = 0
+        np.cumsum(lens, out=query_start_loc[1 : num_reqs + 1])
 
         arrays: dict[str, np.ndarray] = {
             "idx_mapping": rows, "query_start_loc": query_start_loc,
@@ -214,31 +234,34 @@ class Runner:
 
         buffers = self.buffers
         buffers.idx_mapping[:num_reqs].copy_(dev["idx_mapping"])
-        buffers.query_start_loc[: num_reqs + 1].copy_(dev["query_start_loc"])
+        buffers.query_start_loc[: num_padded + 1].copy_(dev["query_start_loc"])
         num_block_cols = min(-(-max_seq_len // self.block_size), self.max_blocks_per_req)
         prepare_inputs(
-            buffers.idx_mapping[:num_reqs], buffers.query_start_loc[: num_reqs + 1], num_reqs,
+            buffers.idx_mapping[:num_reqs], buffers.query_start_loc[: num_padded + 1], num_reqs,
             self.table.token_ids, self.table.num_computed, self.table.block_table,
-            self.block_size, buffers.input_ids[:num_tokens], buffers.positions[:num_tokens],
-            buffers.slot_mapping[:num_tokens], buffers.seq_lens[:num_reqs],
-            buffers.block_table[:num_reqs], num_block_cols,
+            self.block_size, buffers.input_ids[:num_tokens_padded],
+            buffers.positions[:num_tokens_padded], buffers.slot_mapping[:num_tokens_padded],
+            buffers.seq_lens[:num_padded], buffers.block_table[:num_padded], num_block_cols,
         )
         torch.sub(buffers.query_start_loc[1 : num_reqs + 1], 1,
                   out=buffers.logits_indices[:num_reqs])
         self._do_sample_dev = dev["do_sample"]
-        return InputBatch(
-            req_ids=req_ids, num_reqs=num_reqs, num_reqs_padded=num_reqs,
-            num_tokens=num_tokens, num_tokens_padded=num_tokens,
+        batch = InputBatch(
+            req_ids=req_ids, num_reqs=num_reqs, num_reqs_padded=num_padded,
+            num_tokens=num_tokens, num_tokens_padded=num_tokens_padded,
             max_query_len=int(lens.max()), max_seq_len=max_seq_len,
-            uniform_decode=bool((lens == 1).all()), do_sample=do_sample,
+            uniform_decode=uniform_decode, do_sample=do_sample,
             idx_mapping=buffers.idx_mapping[:num_reqs],
-            query_start_loc=buffers.query_start_loc[: num_reqs + 1],
-            input_ids=buffers.input_ids[:num_tokens], positions=buffers.positions[:num_tokens],
-            slot_mapping=buffers.slot_mapping[:num_tokens],
-            seq_lens=buffers.seq_lens[:num_reqs],
-            block_table=buffers.block_table[:num_reqs, :num_block_cols],
+            query_start_loc=buffers.query_start_loc[: num_padded + 1],
+            input_ids=buffers.input_ids[:num_tokens_padded],
+            positions=buffers.positions[:num_tokens_padded],
+            slot_mapping=buffers.slot_mapping[:num_tokens_padded],
+            seq_lens=buffers.seq_lens[:num_padded],
+            block_table=buffers.block_table[:num_padded, :num_block_cols],
             logits_indices=buffers.logits_indices[:num_reqs],
+            all_greedy=all_greedy, any_min_p=any_min_p, any_top_k_top_p=any_top,
         )
+        return batch, padded is not None
 
     def _forward(self, batch: InputBatch) -> torch.Tensor:
         kwargs: dict[str, Any] = {}
@@ -254,9 +277,31 @@ class Runner:
             hidden = self.model(**kwargs)
         return cast(torch.Tensor, hidden)
 
-    def _forward_and_sample(self, batch: InputBatch) -> torch.Tensor:
+    def _forward_logits(self, batch: InputBatch) -> torch.Tensor:
+        """Logits of every token of a uniform-decode batch (the body of a captured graph)."""
         hidden = self._forward(batch)
-        logits = cast(CausalLM, self.model).compute_logits(hidden[batch.logits_indices])
+        return cast(CausalLM, self.model).compute_logits(hidden)
+
+    def _graph_dummy_batch(self, size: int) -> InputBatch:
+        batch = self.plugins.hook.mrv2_prepare_dummy_inputs(
+            model_state=self.model_state, num_reqs=size, num_tokens=size
+        )
+        # Graphs serve any length up to max_model_len: bake that bound, not the dummy's.
+        return replace(batch, max_seq_len=self.max_model_len, uniform_decode=True,
+                       block_table=self.buffers.block_table[:size])
+
+    def _capture(self, batch: InputBatch, forward: Any) -> Any:
+        return self.plugins.hook.mrv2_capture_cuda_graph(
+            model_state=self.model_state, batch=batch, forward=forward
+        )
+
+    def _forward_and_sample(self, batch: InputBatch, replay: bool) -> torch.Tensor:
+        if replay:
+            assert self.graphs is not None
+            logits = self.graphs.replay(batch.num_reqs_padded)[: batch.num_reqs]
+        else:
+            hidden = self._forward(batch)
+            logits = cast(CausalLM, self.model).compute_logits(hidden[batch.logits_indices])
         sampled = self.sampler(logits, batch, self.table)
         post_update(
             batch.idx_mapping, batch.query_start_loc, batch.num_reqs, sampled,

@@ -30,15 +30,14 @@ class Sampler:
         logits = logits.float()
         for processor in self.processors:
             processor.apply(logits, batch, table)
-        infos = [table.info[table.rows[req_id]] for req_id in batch.req_ids]
         rows = batch.idx_mapping[: batch.num_reqs].long()
         greedy = table.temperature[rows] < _GREEDY_EPS
-        if not all(info.greedy for info in infos):
+        if not batch.all_greedy:
             temperature = torch.where(greedy, 1.0, table.temperature[rows])
             logits = logits / temperature[:, None]
-            if any(info.min_p for info in infos):
+            if batch.any_min_p:
                 logits = apply_min_p(logits, table.min_p[rows])
-            if any(info.top_k or info.top_p for info in infos):
+            if batch.any_top_k_top_p:
                 logits = apply_top_k_top_p(logits, table.top_k[rows], table.top_p[rows])
         out = torch.empty(batch.num_reqs, dtype=torch.int64, device=logits.device)
         positions = batch.seq_lens[: batch.num_reqs].long()

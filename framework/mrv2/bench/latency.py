@@ -1,0 +1,85 @@
+"""``mrv2 bench latency``: time per output token at several batch sizes (greedy decode)."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import time
+from typing import Any
+
+import torch
+
+from mrv2.bench.measure import resolve_model
+from mrv2.config import EngineConfig
+from mrv2.engine.engine import LLMEngine
+from mrv2.sample.params import SamplingParams
+
+
+def measure(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int) -> dict[str, float]:
+    """TTFT and time per output token of ``batch`` requests decoding together."""
+    rng = random.Random(batch)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request([rng.randint(0, 10000) for _ in range(prompt_len)], params)
+    start = time.perf_counter()
+    first: float | None = None
+    while engine.has_unfinished():
+        outs = engine.step()
+        if first is None and outs:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    assert first is not None
+    return {"batch": batch, "ttft_ms": round((first - start) * 1e3, 2),
+            "tpot_ms": round((end - first) * 1e3 / (new_tokens - 1), 3)}
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Latency rows for each batch size and each variant."""
+    model_dir = resolve_model(args.model)
+    variants = {"default": {}, "async_off": {"async_scheduling": False},
+                "graphs_off": {"enforce_eager": True}}
+    results: dict[str, Any] = {"model": args.model, "prompt_len": args.prompt_len,
+                               "new_tokens": args.new_tokens}
+    for name in ["default", *args.variants]:
+        config = EngineConfig.from_kwargs(
+            model=model_dir, load_format=args.load_format, dtype=args.dtype,
+            max_model_len=args.max_model_len, max_num_seqs=max(args.batch_sizes),
+            gpu_memory_utilization=args.gpu_memory_utilization, **variants[name],
+        )
+        engine = LLMEngine(config)
+        measure(engine, 2, 16, 8)  # warm up
+        results[name] = [measure(engine, b, args.prompt_len, args.new_tokens)
+                         for b in args.batch_sizes]
+        del engine
+        gc.collect()  # the engine holds reference cycles; free its KV cache before the next
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return results
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``mrv2 bench latency``."""
+    p = sub.add_parser("latency", help="time per output token at batch 1, 8, 64")
+    p.add_argument("--model", default="Qwen3-0.6B")
+    p.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--variants", nargs="*", default=[], choices=["async_off", "graphs_off"])
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run and print the result table."""
+    results = bench(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    print(json.dumps(results, indent=2))
+    return 0

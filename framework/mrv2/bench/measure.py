@@ -1,0 +1,113 @@
+"""What a benchmark measures beside wall time: bytes a run must move, GPU-busy fraction."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mrv2.runner.runner import Runner
+
+CONFIGS = Path(__file__).parent / "configs"
+
+
+def resolve_model(model: str) -> str:
+    """A checkpoint directory, or the name of a bundled architecture config (``Qwen3-0.6B``)."""
+    bundled = CONFIGS / model
+    if (bundled / "config.json").is_file():
+        return str(bundled)
+    if Path(model).is_dir():
+        return model
+    known = ", ".join(sorted(p.name for p in CONFIGS.iterdir()))
+    raise ValueError(f"{model!r} is neither a directory nor a bundled config ({known})")
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    return 2 * nbytes / times[len(times) // 2]
+
+
+def weight_bytes(runner: Runner) -> int:
+    """Bytes of every parameter (each read once per step)."""
+    return sum(p.numel() * p.element_size() for p in runner.model.parameters())
+
+
+def kv_bytes_per_token(runner: Runner) -> int:
+    """KV-cache bytes of one token across all layers (keys and values)."""
+    item = torch.empty((), dtype=runner.dtype).element_size()
+    return sum(2 * s.num_kv_heads * s.head_dim * item for s in runner.kv_specs)
+
+
+@dataclass
+class StepLog:
+    """Per-step counts and (on CUDA) events around each step's device work."""
+
+    steps: list[tuple[int, int, int]] = field(default_factory=list)
+    """(num_reqs, num_tokens, sum of seq_lens) of each step."""
+    events: list[tuple[Any, Any]] = field(default_factory=list)
+    wall: list[float] = field(default_factory=list)
+
+
+def instrument(engine: Any) -> StepLog:
+    """Wrap ``engine.runner.execute`` to log counts and device events of every step."""
+    log = StepLog()
+    runner = engine.runner
+    original = runner.execute
+    cuda = runner.device.type == "cuda"
+
+    def execute(scheduled: Any) -> Any:
+        requests = engine._requests
+        seq = sum(requests[r].request.num_computed_tokens for r in scheduled.num_scheduled_tokens)
+        log.steps.append((len(scheduled.num_scheduled_tokens),
+                          scheduled.total_num_scheduled_tokens, seq))
+        log.wall.append(time.perf_counter())
+        if not cuda:
+            return original(scheduled)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = original(scheduled)
+        end.record()
+        log.events.append((start, end))
+        return out
+
+    runner.execute = execute
+    return log
+
+
+def floor_seconds(log: StepLog, runner: Runner, bandwidth: float) -> float:
+    """The byte floor: every step reads all weights plus the KV of every sequence it extends."""
+    weights, per_token = weight_bytes(runner), kv_bytes_per_token(runner)
+    total = sum(weights + seq * per_token for _, _, seq in log.steps)
+    return total / bandwidth
+
+
+def busy_fraction(log: StepLog, decode_only: bool = True) -> float:
+    """Device time inside steps over wall time of the steady decode steps (middle half)."""
+    if not log.events:
+        return float("nan")
+    torch.cuda.synchronize()
+    idx = [i for i, (reqs, tokens, _) in enumerate(log.steps)
+           if not decode_only or reqs == tokens]
+    idx = idx[len(idx) // 4 : 3 * len(idx) // 4]
+    if len(idx) < 2:
+        return float("nan")
+    busy = sum(log.events[i][0].elapsed_time(log.events[i][1]) for i in idx)
+    span = log.events[idx[0]][0].elapsed_time(log.events[idx[-1]][1])
+    return busy / span if span > 0 else float("nan")

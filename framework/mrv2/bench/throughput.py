@@ -1,0 +1,173 @@
+"""``mrv2 bench throughput``: the peers' public offline workload, plus its floor and ratios.
+
+Workload (as nano-vllm / vLLM publish it): 256 requests, ``random.seed(0)``; each prompt
+``randint(100, 1024)`` token ids drawn with ``randint(0, 10000)``; then each
+``max_tokens = randint(100, 1024)``; temperature 0.6, ignore_eos, max_model_len 4096.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import time
+from typing import Any
+
+import torch
+
+from mrv2.bench.measure import (
+    busy_fraction,
+    copy_bandwidth,
+    floor_seconds,
+    instrument,
+    resolve_model,
+)
+from mrv2.config import EngineConfig
+from mrv2.engine.engine import LLMEngine
+from mrv2.sample.params import SamplingParams
+
+
+def workload(num_requests: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """Prompts and max_tokens of the public benchmark."""
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))]
+               for _ in range(num_requests)]
+    max_tokens = [rng.randint(100, 1024) for _ in range(num_requests)]
+    return prompts, max_tokens
+
+
+def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: list[int],
+               temperature: float) -> tuple[int, float]:
+    """Generate everything; returns (output tokens, seconds)."""
+    for prompt, n in zip(prompts, max_tokens, strict=True):
+        engine.add_request(prompt, SamplingParams(temperature=temperature, max_tokens=n,
+                                                  ignore_eos=True))
+    produced = 0
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                produced += len(out.outputs[0].token_ids)
+    if engine.runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    return produced, time.perf_counter() - start
+
+
+def hf_generate_tok_s(model_dir: str, prompts: list[list[int]], max_tokens: list[int],
+                      dtype: torch.dtype, temperature: float) -> float:
+    """The same requests through HF transformers ``generate`` (one left-padded batch)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).cuda().eval()
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, prompt in enumerate(prompts):
+        ids[i, width - len(prompt):] = torch.tensor(prompt)
+        mask[i, width - len(prompt):] = 1
+    kwargs: dict[str, Any] = dict(
+        max_new_tokens=max(max_tokens), min_new_tokens=max(max_tokens), do_sample=True,
+        temperature=temperature, top_k=0, top_p=1.0, pad_token_id=0,
+    )
+    with torch.no_grad():
+        model.generate(ids[:2].cuda(), attention_mask=mask[:2].cuda(), max_new_tokens=4,
+                       pad_token_id=0)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(ids.cuda(), attention_mask=mask.cuda(), **kwargs)
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    del model
+    torch.cuda.empty_cache()
+    return sum(max_tokens) / seconds
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the workload with the given variants; returns a result dict (also printed)."""
+    model_dir = resolve_model(args.model)
+    prompts, max_tokens = workload(args.num_requests, args.seed)
+    results: dict[str, Any] = {"model": args.model, "requests": args.num_requests,
+                               "output_tokens_expected": sum(max_tokens)}
+    variants = {"default": {}, "async_off": {"async_scheduling": False},
+                "graphs_off": {"enforce_eager": True}}
+    chosen = ["default", *args.variants]
+    bandwidth = None
+    for name in chosen:
+        config = EngineConfig.from_kwargs(
+            model=model_dir, load_format=args.load_format, dtype=args.dtype,
+            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            gpu_memory_utilization=args.gpu_memory_utilization, **variants[name],
+        )
+        engine = LLMEngine(config)
+        warm_p, warm_m = workload(4, seed=1)
+        run_engine(engine, warm_p, [8] * 4, args.temperature)  # compile and warm up
+        log = instrument(engine)
+        produced, seconds = run_engine(engine, prompts, max_tokens, args.temperature)
+        row: dict[str, Any] = {"output_tokens": produced, "seconds": round(seconds, 3),
+                               "output_tok_s": round(produced / seconds, 1),
+                               "steps": len(log.steps)}
+        if engine.runner.device.type == "cuda":
+            if bandwidth is None:
+                bandwidth = copy_bandwidth(engine.runner.device)
+                results["copy_bandwidth_GBs"] = round(bandwidth / 1e9, 1)
+            floor = floor_seconds(log, engine.runner, bandwidth)
+            row["floor_seconds"] = round(floor, 3)
+            row["floor_fraction"] = round(floor / seconds, 3)
+            row["gpu_busy_decode"] = round(busy_fraction(log), 3)
+        results[name] = row
+        del engine
+        gc.collect()  # the engine holds reference cycles; free its KV cache before the next
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    for name in chosen[1:]:
+        results[f"default_over_{name}"] = round(
+            results["default"]["output_tok_s"] / results[name]["output_tok_s"], 3)
+    if args.hf_requests and torch.cuda.is_available():
+        n = args.hf_requests
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(args.dtype,
+                                                                            torch.bfloat16)
+        hf = hf_generate_tok_s(model_dir, prompts[:n], max_tokens[:n], dtype, args.temperature)
+        config = EngineConfig.from_kwargs(model=model_dir, load_format=args.load_format,
+                                          dtype=args.dtype, max_model_len=args.max_model_len,
+                                          gpu_memory_utilization=args.gpu_memory_utilization)
+        engine = LLMEngine(config)
+        produced, seconds = run_engine(engine, prompts[:n], max_tokens[:n], args.temperature)
+        results["hf_subset"] = {"requests": n, "hf_output_tok_s": round(hf, 1),
+                                "mrv2_output_tok_s": round(produced / seconds, 1),
+                                "mrv2_over_hf": round(produced / seconds / hf, 2)}
+    return results
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``mrv2 bench throughput``."""
+    p = sub.add_parser("throughput", help="the public offline throughput workload")
+    p.add_argument("--model", default="Qwen3-0.6B",
+                   help="checkpoint dir or bundled config name (default Qwen3-0.6B)")
+    p.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--variants", nargs="*", default=[], choices=["async_off", "graphs_off"],
+                   help="also run with async scheduling off / CUDA graphs off")
+    p.add_argument("--hf-requests", type=int, default=0,
+                   help="also run the first N requests through HF generate, for a ratio")
+    p.add_argument("--json", default=None, help="write the results here too")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run and print the result table."""
+    results = bench(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    print(json.dumps(results, indent=2))
+    return 0

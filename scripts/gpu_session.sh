@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (device tool): installs the carried wheels, then the steps named as
+# arguments: tests, attn, throughput, latency. Logs go to $OUT; a short summary prints last.
+set -uo pipefail
+python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site MRV2_TEST_GPU=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
+OUT=${OUT:-/tmp/out}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used,memory.total --format=csv
+for step in "$@"; do
+  case "$step" in
+    tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+           python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/kernel_tests.log" | tail -4 ;;
+    attn) python3 -m mrv2_kernels.bench_attention 2>&1 | tee "$OUT/attn.log" | tail -30 ;;
+    throughput) python3 -m mrv2.entrypoints.cli bench throughput --json "$OUT/throughput.json" \
+                  ${THROUGHPUT_ARGS:-} 2>&1 | tee "$OUT/throughput.log" | tail -40 ;;
+    latency) python3 -m mrv2.entrypoints.cli bench latency --json "$OUT/latency.json" \
+               ${LATENCY_ARGS:-} 2>&1 | tee "$OUT/latency.log" | tail -40 ;;
+  esac
+done

@@ -1,0 +1,122 @@
+"""GPU: parity with HF in bf16, async/graph on-off equality, seeded sampling = CPU, no syncs.
+
+Run on a CUDA machine with ``MRV2_TEST_GPU=1 python -m pytest -m gpu`` (the variable turns the
+Triton interpreter off).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from mrv2 import LLM, EngineConfig, Runner, SamplingParams
+from mrv2.runner.scheduler_output import NewRequest, SchedulerOutput
+from mrv2.testing import hf_greedy, make_tiny_checkpoint
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = [[5, 17, 42, 9, 100, 3, 77], [8, 8, 250], [1 + i % 200 for i in range(37)], [64]]
+ARCH = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "Qwen3ForCausalLM", **ARCH)
+
+
+def _greedy(ckpt: Path, **kwargs: object) -> list[list[int]]:
+    llm = LLM(str(ckpt), device="cuda", block_size=16, gpu_memory_utilization=0.3, **kwargs)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_fp32_greedy_matches_hf_with_async_and_graphs_on_and_off(ckpt: Path) -> None:
+    expected = [hf_greedy(ckpt, p, 24) for p in PROMPTS]
+    assert _greedy(ckpt, dtype="float32") == expected
+    assert _greedy(ckpt, dtype="float32", async_scheduling=False) == expected
+    assert _greedy(ckpt, dtype="float32", enforce_eager=True) == expected
+
+
+def test_bf16_async_and_graphs_on_off_agree(ckpt: Path) -> None:
+    default = _greedy(ckpt, dtype="bfloat16")
+    assert _greedy(ckpt, dtype="bfloat16", async_scheduling=False) == default
+    eager = _greedy(ckpt, dtype="bfloat16", enforce_eager=True)
+    # Graph replay and eager decode may split the KV reduction differently; in bf16 that can
+    # flip a near-tie late in a sequence, so compare prefixes of at least 8 tokens.
+    for a, b in zip(default, eager, strict=True):
+        assert a[:8] == b[:8]
+
+
+def test_bf16_logits_close_to_hf(ckpt: Path) -> None:
+    import transformers
+
+    config = EngineConfig.from_kwargs(model=str(ckpt), device="cuda", dtype="bfloat16",
+                                      gpu_memory_utilization=0.3)
+    runner = Runner.from_config(config)
+    captured: list[torch.Tensor] = []
+    original = runner.model.compute_logits
+
+    def spy(hidden: torch.Tensor) -> torch.Tensor:
+        logits = original(hidden)
+        captured.append(logits.float().cpu())
+        return logits
+
+    runner.model.compute_logits = spy  # type: ignore[method-assign]
+    new = [NewRequest(str(i), p, SamplingParams(temperature=0), seed=i,
+                      block_ids=[i * 4 + j for j in range(4)]) for i, p in enumerate(PROMPTS)]
+    runner.execute(SchedulerOutput({str(i): len(p) for i, p in enumerate(PROMPTS)},
+                                   new_requests=new)).result()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
+    with torch.no_grad():
+        for i, prompt in enumerate(PROMPTS):
+            ref = hf(torch.tensor([prompt])).logits[0, -1]
+            err = (captured[0][i] - ref).norm() / ref.norm()
+            assert err < 2e-2, f"prompt {i}: relative error {err:.4f}"
+
+
+def test_seeded_sampling_matches_cpu_and_ignores_batch(ckpt: Path) -> None:
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=4321, max_tokens=12,
+                            ignore_eos=True)
+    target = {"prompt_token_ids": [11, 22, 33, 44]}
+    runs = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(str(ckpt), device=device, dtype="float32", block_size=16,
+                  gpu_memory_utilization=0.3)
+        alone = llm.generate(target, params, use_tqdm=False)[0].outputs[0].token_ids
+        others = [{"prompt_token_ids": [7] * 9}, {"prompt_token_ids": [3, 1, 4, 1, 5]}]
+        mixed = llm.generate([others[0], target, others[1]],
+                             [SamplingParams(temperature=0.7, seed=1, max_tokens=5), params,
+                              SamplingParams(temperature=0.9, max_tokens=30)],
+                             use_tqdm=False)[1].outputs[0].token_ids
+        assert mixed == alone
+        runs[device] = alone
+    assert runs["cuda"] == runs["cpu"]
+
+
+def test_steps_never_synchronize(ckpt: Path) -> None:
+    config = EngineConfig.from_kwargs(model=str(ckpt), device="cuda", dtype="bfloat16",
+                                      gpu_memory_utilization=0.3)
+    runner = Runner.from_config(config)
+    assert runner.graphs is not None and runner.graphs.graphs
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
+    new = [NewRequest(str(i), p, params, seed=i, block_ids=[i * 8 + j for j in range(8)])
+           for i, p in enumerate(PROMPTS)]
+    outputs = []
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        # chunked prefill (mixed), then decode steps that replay graphs
+        outputs.append(runner.execute(SchedulerOutput(
+            {"0": 7, "1": 3, "2": 20, "3": 1}, new_requests=new)))
+        outputs.append(runner.execute(SchedulerOutput({"0": 1, "1": 1, "2": 17, "3": 1})))
+        for _ in range(6):
+            outputs.append(runner.execute(SchedulerOutput({str(i): 1 for i in range(4)})))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    tokens = [out.result() for out in outputs]
+    assert set(tokens[-1]) == {"0", "1", "2", "3"}
+    assert all(0 <= t < 256 for step in tokens for t in step.values())

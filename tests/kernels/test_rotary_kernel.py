@@ -1,0 +1,204 @@
+"""Rotary embedding: Triton (interpreted on CPU) against the torch reference and the old layer."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+try:
+    import mrv2_kernels  # noqa: F401
+except ImportError:  # not installed: use the source tree
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "kernels"))
+
+from mrv2_kernels import rotary_embedding, rotary_embedding_ref, rotary_embedding_triton
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim:DeprecationWarning"
+)
+
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+if DEVICE == "cuda" and not torch.cuda.is_available():
+    pytest.skip("Triton kernels need TRITON_INTERPRET=1 or a CUDA device", allow_module_level=True)
+
+F32, BF16 = torch.float32, torch.bfloat16
+MAX_POS = 64
+
+
+def randn(*shape: int, dtype: torch.dtype = F32, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=dtype)
+
+
+def random_positions(n: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, MAX_POS, (n,), generator=gen).to(DEVICE)
+
+
+def cos_sin_table(rotary_dim: int, base: float = 10000.0) -> torch.Tensor:
+    """The ``[MAX_POS, rotary_dim]`` ``[cos | sin]`` table RotaryEmbedding builds."""
+    inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    freqs = torch.outer(torch.arange(MAX_POS, dtype=F32), inv_freq.float())
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(DEVICE)
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """fp32 to rounding; bf16 within one ulp (a single rounding of the fp32 result)."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    if expected.dtype == F32:
+        torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
+        return
+    a, e = actual.double(), expected.double()
+    _, exp = torch.frexp(torch.maximum(a.abs(), e.abs()))
+    ulp = torch.ldexp(torch.ones_like(a), exp - 8).clamp(min=2.0**-133)
+    err = (a - e).abs() / ulp
+    assert not err.isnan().any() and err.max() <= 1
+
+
+def old_rotary(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin: torch.Tensor,
+    head_dim: int,
+    rotary_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RotaryEmbedding's torch code before the kernel, verbatim."""
+
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(shape[0], -1, head_dim)
+        half = rotary_dim // 2
+        x1 = x[..., :half].float()
+        x2 = x[..., half:rotary_dim].float()
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        if rotary_dim < head_dim:
+            rotated = torch.cat([rotated, x[..., rotary_dim:]], dim=-1)
+        return rotated.reshape(shape)
+
+    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+    return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize(
+    ("head_dim", "rotary_dim"), [(16, 16), (16, 8), (12, 6)], ids=["full", "partial", "odd-half"]
+)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 2), (6, 1)], ids=["gqa", "mqa"])
+def test_rotary_triton_matches_ref(
+    dtype: torch.dtype, head_dim: int, rotary_dim: int, num_heads: int, num_kv_heads: int
+) -> None:
+    tokens = 5
+    positions = random_positions(tokens, seed=head_dim + num_heads)
+    cos_sin = cos_sin_table(rotary_dim)
+    query = randn(tokens, num_heads * head_dim, dtype=dtype, seed=1)  # [T, H*D]
+    key = randn(tokens, num_kv_heads, head_dim, dtype=dtype, seed=2)  # [T, Hk, D]
+    want_q, want_k = rotary_embedding_ref(positions, query, key, cos_sin, head_dim, rotary_dim)
+    q_in, k_in = query.clone(), key.clone()
+    got_q, got_k = rotary_embedding_triton(
+        positions, q_in, k_in, cos_sin, head_dim, rotary_dim, block_heads=4
+    )
+    assert got_q is q_in and got_k is k_in  # rotated in place
+    assert_matches(got_q, want_q)
+    assert_matches(got_k, want_k)
+    # Dims past rotary_dim pass through untouched; the rotated ones really changed.
+    for got, orig in ((got_q, query), (got_k, key)):
+        g, o = got.reshape(tokens, -1, head_dim), orig.reshape(tokens, -1, head_dim)
+        assert torch.equal(g[..., rotary_dim:], o[..., rotary_dim:])
+        assert not torch.equal(g[..., :rotary_dim], o[..., :rotary_dim])
+
+
+def test_rotary_in_place_on_fused_qkv_views() -> None:
+    """Llama: q and k are column slices of the fused QKV output; v must stay as it was."""
+    tokens, num_heads, num_kv_heads, head_dim = 4, 4, 2, 16
+    qkv = randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=BF16, seed=3)
+    q_end, k_end = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
+    q, k, v = qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:]
+    v_before, qkv_before = v.clone(), qkv.clone()
+    positions = random_positions(tokens, seed=4)
+    cos_sin = cos_sin_table(head_dim)
+    want_q, want_k = rotary_embedding_ref(
+        positions, qkv_before[:, :q_end], qkv_before[:, q_end:k_end], cos_sin, head_dim, head_dim
+    )
+    got_q, got_k = rotary_embedding_triton(positions, q, k, cos_sin, head_dim, head_dim)
+    assert got_q is q and got_k is k
+    assert_matches(qkv[:, :q_end], want_q)
+    assert_matches(qkv[:, q_end:k_end], want_k)
+    assert torch.equal(v, v_before)
+
+
+def test_rotary_out_of_place_and_int32_positions() -> None:
+    tokens, head_dim = 3, 8
+    positions = random_positions(tokens, seed=5).to(torch.int32)
+    cos_sin = cos_sin_table(head_dim)
+    query, key = randn(tokens, 2 * head_dim, seed=6), randn(tokens, head_dim, seed=7)
+    q_before, k_before = query.clone(), key.clone()
+    got_q, got_k = rotary_embedding_triton(
+        positions, query, key, cos_sin, head_dim, head_dim, inplace=False
+    )
+    want_q, want_k = rotary_embedding_ref(positions.long(), query, key, cos_sin, head_dim, head_dim)
+    assert torch.equal(query, q_before) and torch.equal(key, k_before)
+    assert_matches(got_q, want_q)
+    assert_matches(got_k, want_k)
+
+
+def test_rotary_rejects_bad_arguments() -> None:
+    positions = random_positions(2, seed=8)
+    q, k = randn(2, 32), randn(2, 16)
+    with pytest.raises(ValueError, match="rotary_dim"):
+        rotary_embedding_triton(positions, q, k, cos_sin_table(16), 16, 7)
+    with pytest.raises(ValueError, match="cos_sin"):
+        rotary_embedding_triton(positions, q, k, cos_sin_table(8), 16, 16)
+    with pytest.raises(ValueError, match="token count"):
+        rotary_embedding_triton(positions[:1], q, k, cos_sin_table(16), 16, 16)
+
+
+def test_rotary_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    positions = random_positions(3, seed=9)
+    cos_sin = cos_sin_table(16)
+    query, key = randn(3, 32, seed=10), randn(3, 16, seed=11)
+    want_q, want_k = old_rotary(positions, query, key, cos_sin, 16, 16)
+    monkeypatch.delenv("MRV2_KERNELS", raising=False)
+    got_q, got_k = rotary_embedding(positions, query, key, cos_sin, 16, 16)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert got_q is not query
+    monkeypatch.setenv("MRV2_KERNELS", "triton")
+    q_in, k_in = query.clone(), key.clone()
+    got_q, got_k = rotary_embedding(positions, q_in, k_in, cos_sin, 16, 16)
+    assert got_q is q_in and got_k is k_in  # the Triton path ran: in place
+    assert_matches(got_q, want_q)
+    assert_matches(got_k, want_k)
+
+
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+def test_rotary_layer_unchanged_on_cpu(partial: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layer gives bit-identical results to its old torch code on CPU (llama3 scaling)."""
+    from mrv2.layers import RotaryEmbedding
+
+    head_dim = 16
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+    rope = RotaryEmbedding(
+        head_dim, MAX_POS, base=500000.0, scaling=scaling, rotary_dim=int(head_dim * partial)
+    )
+    assert rope._cos_sin is None  # built lazily, on the positions' device
+    positions = random_positions(6, seed=12)
+    query, key = randn(6, 4 * head_dim, seed=13), randn(6, 2, head_dim, seed=14)
+    monkeypatch.delenv("MRV2_KERNELS", raising=False)
+    got_q, got_k = rope(positions, query, key)
+    table = rope._table(positions.device)
+    assert table.device == positions.device
+    want_q, want_k = old_rotary(positions, query, key, table, head_dim, rope.rotary_dim)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    monkeypatch.setenv("MRV2_KERNELS", "triton")
+    got_q, got_k = rope(positions, query.clone(), key.clone())
+    assert_matches(got_q, want_q)
+    assert_matches(got_k, want_k)

@@ -1,0 +1,54 @@
+"""Benchmark plumbing on the CPU: the workload, the bundled config, the byte floor's inputs."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from mrv2.bench.measure import instrument, kv_bytes_per_token, resolve_model, weight_bytes
+from mrv2.bench.throughput import run_engine, workload
+from mrv2.config import EngineConfig
+from mrv2.engine.engine import LLMEngine
+from mrv2.testing import make_tiny_checkpoint
+
+
+def test_public_workload_totals() -> None:
+    prompts, max_tokens = workload(256)
+    assert sum(max_tokens) == 133_966
+    assert sum(map(len, prompts)) == 142_827
+    assert all(100 <= len(p) <= 1024 and max(p) <= 10000 for p in prompts)
+
+
+def test_bundled_config_resolves() -> None:
+    path = Path(resolve_model("Qwen3-0.6B"))
+    assert (path / "config.json").is_file()
+    with pytest.raises(ValueError, match="bundled config"):
+        resolve_model("NoSuchModel-1B")
+
+
+def test_counts_and_floor_inputs(tmp_path: Path) -> None:
+    ckpt = make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM")
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(ckpt), device="cpu",
+                                                load_format="dummy", block_size=4))
+    log = instrument(engine)
+    produced, seconds = run_engine(engine, [[1, 2, 3], [4, 5]], [4, 6], temperature=0.6)
+    assert produced == 10 and seconds > 0
+    # step 1 prefills both (seq lens 3 + 2); the rest decode one token each
+    assert log.steps[0] == (2, 5, 5)
+    assert log.steps[1] == (2, 2, 7)
+    assert weight_bytes(engine.runner) == sum(
+        p.numel() * 4 for p in engine.runner.model.parameters())
+    # 2 layers x (k + v) x 2 kv heads x head_dim x 4 bytes
+    head_dim = engine.runner.hf_config.head_dim
+    assert kv_bytes_per_token(engine.runner) == 2 * 2 * 2 * head_dim * 4
+
+
+def test_cli_parses_bench() -> None:
+    from mrv2.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "throughput", "--num-requests", "8",
+                                      "--variants", "async_off"])
+    assert isinstance(args, argparse.Namespace) and args.num_requests == 8
+    assert args.variants == ["async_off"]
