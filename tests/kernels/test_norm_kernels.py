@@ -32,6 +32,8 @@ DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 if DEVICE == "cuda" and not torch.cuda.is_available():
     pytest.skip("Triton kernels need TRITON_INTERPRET=1 or a CUDA device", allow_module_level=True)
 
+CPU_ONLY = pytest.mark.skipif(DEVICE != "cpu", reason="checks the CPU dispatch and CPU layer path")
+
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 MANTISSA_BITS = {F32: 23, BF16: 7, F16: 10}
 EPS = 1e-6
@@ -193,6 +195,7 @@ def test_rms_norm_rejects_bad_arguments() -> None:
         rms_norm_triton(x, randn(48), EPS, block_r=3)
 
 
+@CPU_ONLY
 def test_rms_norm_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     x, res, weight = randn(3, 48, seed=16), randn(3, 48, seed=17), randn(48, seed=18)
     monkeypatch.delenv("MRV2_KERNELS", raising=False)
@@ -208,6 +211,7 @@ def test_rms_norm_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert_matches(new_res, want_res, 0)
 
 
+@CPU_ONLY
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_rms_norm_layer_unchanged_on_cpu(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
@@ -288,6 +292,7 @@ def test_silu_and_mul_rejects_odd_width() -> None:
         silu_and_mul_triton(randn(2, 7))
 
 
+@CPU_ONLY
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_silu_and_mul_dispatch_and_layer(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch

@@ -24,6 +24,8 @@ DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 if DEVICE == "cuda" and not torch.cuda.is_available():
     pytest.skip("Triton kernels need TRITON_INTERPRET=1 or a CUDA device", allow_module_level=True)
 
+CPU_ONLY = pytest.mark.skipif(DEVICE != "cpu", reason="checks the CPU dispatch and CPU layer path")
+
 F32, BF16 = torch.float32, torch.bfloat16
 MAX_POS = 64
 
@@ -156,6 +158,7 @@ def test_rotary_rejects_bad_arguments() -> None:
         rotary_embedding_triton(positions[:1], q, k, cos_sin_table(16), 16, 16)
 
 
+@CPU_ONLY
 def test_rotary_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     positions = random_positions(3, seed=9)
     cos_sin = cos_sin_table(16)
@@ -173,6 +176,7 @@ def test_rotary_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert_matches(got_k, want_k)
 
 
+@CPU_ONLY
 @pytest.mark.parametrize("partial", [1.0, 0.5])
 def test_rotary_layer_unchanged_on_cpu(partial: float, monkeypatch: pytest.MonkeyPatch) -> None:
     """The layer gives bit-identical results to its old torch code on CPU (llama3 scaling)."""

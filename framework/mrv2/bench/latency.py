@@ -22,7 +22,8 @@ def measure(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int) -> 
     rng = random.Random(batch)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     for _ in range(batch):
-        engine.add_request([rng.randint(0, 10000) for _ in range(prompt_len)], params)
+        engine.add_request([rng.randint(0, 10000) for _ in range(prompt_len)], params,
+                           stream=True)
     start = time.perf_counter()
     first: float | None = None
     while engine.has_unfinished():

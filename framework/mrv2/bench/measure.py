@@ -63,6 +63,10 @@ class StepLog:
     """(num_reqs, num_tokens, sum of seq_lens) of each step."""
     events: list[tuple[Any, Any]] = field(default_factory=list)
     wall: list[float] = field(default_factory=list)
+    cpu_execute_s: float = 0.0
+    """Host time spent in ``Runner.execute`` (building and launching steps)."""
+    wait_s: float = 0.0
+    """Host time spent waiting in ``AsyncStepOutput.result()``."""
 
 
 def instrument(engine: Any) -> StepLog:
@@ -77,14 +81,26 @@ def instrument(engine: Any) -> StepLog:
         seq = sum(requests[r].request.num_computed_tokens for r in scheduled.num_scheduled_tokens)
         log.steps.append((len(scheduled.num_scheduled_tokens),
                           scheduled.total_num_scheduled_tokens, seq))
-        log.wall.append(time.perf_counter())
-        if not cuda:
-            return original(scheduled)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        begin = time.perf_counter()
+        log.wall.append(begin)
+        if cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
         out = original(scheduled)
-        end.record()
-        log.events.append((start, end))
+        if cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            log.events.append((start, end))
+        log.cpu_execute_s += time.perf_counter() - begin
+        result = out.result
+
+        def timed_result() -> Any:
+            waited = time.perf_counter()
+            value = result()
+            log.wait_s += time.perf_counter() - waited
+            return value
+
+        out.result = timed_result
         return out
 
     runner.execute = execute

@@ -92,7 +92,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                                "output_tokens_expected": sum(max_tokens)}
     variants = {"default": {}, "async_off": {"async_scheduling": False},
                 "graphs_off": {"enforce_eager": True}}
-    chosen = ["default", *args.variants]
+    chosen = args.variants if "default" in args.variants else ["default", *args.variants]
     bandwidth = None
     for name in chosen:
         config = EngineConfig.from_kwargs(
@@ -108,7 +108,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         produced, seconds = run_engine(engine, prompts, max_tokens, args.temperature)
         row: dict[str, Any] = {"output_tokens": produced, "seconds": round(seconds, 3),
                                "output_tok_s": round(produced / seconds, 1),
-                               "steps": len(log.steps)}
+                               "steps": len(log.steps),
+                               "cpu_execute_ms_per_step": round(
+                                   log.cpu_execute_s * 1e3 / len(log.steps), 3),
+                               "wait_ms_per_step": round(log.wait_s * 1e3 / len(log.steps), 3)}
         if engine.runner.device.type == "cuda":
             if bandwidth is None:
                 bandwidth = copy_bandwidth(engine.runner.device)
@@ -122,7 +125,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         gc.collect()  # the engine holds reference cycles; free its KV cache before the next
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    for name in chosen[1:]:
+    for name in (n for n in chosen if n != "default"):
         results[f"default_over_{name}"] = round(
             results["default"]["output_tok_s"] / results[name]["output_tok_s"], 3)
     if args.hf_requests and torch.cuda.is_available():
@@ -155,8 +158,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--variants", nargs="*", default=[], choices=["async_off", "graphs_off"],
-                   help="also run with async scheduling off / CUDA graphs off")
+    p.add_argument("--variants", nargs="*", default=[],
+                   choices=["default", "async_off", "graphs_off"],
+                   help="also run with async scheduling off / CUDA graphs off (in this order; "
+                   "name default to place it)")
     p.add_argument("--hf-requests", type=int, default=0,
                    help="also run the first N requests through HF generate, for a ratio")
     p.add_argument("--json", default=None, help="write the results here too")
