@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import time
 from typing import Any
 
 import torch
 
-from mrv2.bench.measure import resolve_model
+from mrv2.bench.measure import report, resolve_model
 from mrv2.config import EngineConfig
 from mrv2.engine.engine import LLMEngine
 from mrv2.sample.params import SamplingParams
@@ -77,10 +76,6 @@ def add_parser(sub: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run and print the result table."""
-    results = bench(args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    print(json.dumps(results, indent=2))
+    """Run and print the results."""
+    report(bench(args), args.json)
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,14 @@ def resolve_model(model: str) -> str:
         return model
     known = ", ".join(sorted(p.name for p in CONFIGS.iterdir()))
     raise ValueError(f"{model!r} is neither a directory nor a bundled config ({known})")
+
+
+def report(results: dict[str, Any], json_path: str | None) -> None:
+    """Print ``results`` as JSON (last, so the end of a log holds them); save a copy if asked."""
+    text = json.dumps(results, indent=2)
+    if json_path:
+        Path(json_path).write_text(text + "\n")
+    print(text)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 20) -> float:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import time
 from typing import Any
@@ -21,6 +20,7 @@ from mrv2.bench.measure import (
     copy_bandwidth,
     floor_seconds,
     instrument,
+    report,
     resolve_model,
 )
 from mrv2.config import EngineConfig
@@ -175,10 +175,6 @@ def add_parser(sub: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run and print the result table."""
-    results = bench(args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    print(json.dumps(results, indent=2))
+    """Run and print the results."""
+    report(bench(args), args.json)
     return 0
