@@ -54,13 +54,9 @@ class CacheConfig(_Section):
     cpu_kv_cache_gb: float = Field(
         default=2.0, gt=0.0, description="KV cache size on the CPU device, in GiB"
     )
-    enable_prefix_caching: bool = Field(default=False, description="reuse cached prefix blocks")
-
-    @model_validator(mode="after")
-    def _no_prefix_caching_yet(self) -> CacheConfig:
-        if self.enable_prefix_caching:
-            raise ValueError("enable_prefix_caching=True is not supported yet; leave it off")
-        return self
+    enable_prefix_caching: bool = Field(
+        default=True, description="reuse the KV of full blocks shared with earlier requests"
+    )
 
 
 class SchedulerConfig(_Section):
@@ -75,6 +71,11 @@ class SchedulerConfig(_Section):
         default=True, description="schedule step N+1 while step N runs"
     )
     max_waiting: int = Field(default=100_000, ge=1, description="bound of the waiting queue")
+    policy: Literal["fcfs", "priority"] = Field(
+        default="fcfs",
+        description="'priority': waiting requests by (priority, arrival), lower first; "
+        "preemption takes the largest",
+    )
 
 
 class ParallelConfig(_Section):

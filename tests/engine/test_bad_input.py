@@ -31,7 +31,16 @@ def llm(ckpt: Path) -> LLM:
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ({"seed": -1}, "seed"),
         ({"stop": [""]}, "stop"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {3: 101.0}}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"bad_words": [""]}, "bad_words"),
     ],
 )
 def test_invalid_sampling_params(kwargs: dict[str, object], message: str) -> None:

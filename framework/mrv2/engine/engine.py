@@ -18,12 +18,19 @@ from mrv2.engine.block_manager import BlockManager
 from mrv2.engine.detokenizer import IncrementalDetokenizer
 from mrv2.engine.outputs import CompletionOutput, RequestOutput
 from mrv2.engine.request import Request
+from mrv2.engine.sampling_outputs import (
+    FanOut,
+    LogprobState,
+    add_prompt_logprobs,
+    add_sample_logprobs,
+    prepare_params,
+)
 from mrv2.engine.scheduler import Scheduler
 from mrv2.engine.tokenizer import Tokenizer, load_generation_eos
 from mrv2.plugins import PluginManager
 from mrv2.runner.async_output import AsyncStepOutput
 from mrv2.runner.runner import Runner
-from mrv2.sample.params import SamplingParams
+from mrv2.sample.params import SamplingParams, derive_seed
 
 
 @dataclass
@@ -34,6 +41,7 @@ class _Tracked:
     stream: bool = False
     sent_tokens: int = 0
     sent_text: int = 0
+    logprobs: LogprobState | None = None
 
 
 class LLMEngine:
@@ -48,13 +56,16 @@ class LLMEngine:
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = {self.tokenizer.eos_token_id}
         self.eos_token_ids = frozenset(eos)
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, self.runner.block_size)
+        self.block_manager = BlockManager(
+            self.runner.num_kv_blocks, self.runner.block_size, config.cache.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.max_model_len = self.runner.max_model_len
         self._requests: dict[str, _Tracked] = {}
         self._in_flight: deque[AsyncStepOutput] = deque()
         self._seeds = random.Random(config.model.seed)
         self._ids = itertools.count()
+        self._fanout = FanOut()
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -97,6 +108,7 @@ class LLMEngine:
         request_id: str | None = None,
         prompt: str | None = None,
         stream: bool = False,
+        priority: int = 0,
     ) -> str:
         """Validate and queue a request; returns its id. Nothing is queued if it is invalid.
 
@@ -105,9 +117,17 @@ class LLMEngine:
         """
         max_tokens = self.validate(prompt_token_ids, params)
         req_id = request_id if request_id is not None else str(next(self._ids))
-        if req_id in self._requests:
+        if req_id in self._requests or req_id in self._fanout.parents:
             raise ValueError(f"request id {req_id!r} is already in use")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        params = prepare_params(params, self.eos_token_ids, self.tokenizer,
+                                len(prompt_token_ids))
+        if params.n > 1:  # n sub-requests, merged into one output by self._fanout
+            children = [(c, params.child(i, derive_seed(seed, i))) for i, c in
+                        enumerate(self._fanout.add(req_id, params.n, stream))]
+            for child, child_params in children:
+                self.add_request(prompt_token_ids, child_params, child, prompt, stream, priority)
+            return req_id
         request = Request(
             req_id=req_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -115,6 +135,7 @@ class LLMEngine:
             seed=seed,
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
             max_tokens=max_tokens,
+            priority=priority,
         )
         detok = None
         if self.tokenizer is not None:
@@ -123,13 +144,19 @@ class LLMEngine:
             )
         self.scheduler.add(request)
         self._requests[req_id] = _Tracked(request, prompt, detok, stream)
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            self._requests[req_id].logprobs = LogprobState()
         return req_id
 
     def abort(self, req_id: str) -> None:
-        """Cancel a request wherever it is; unknown or finished ids are ignored."""
-        tracked = self._requests.pop(req_id, None)
-        if tracked is not None:
-            self.scheduler.finish(tracked.request, "abort")
+        """Cancel a request (an ``n > 1`` parent: all its samples) wherever it is; unknown or
+        finished ids are ignored."""
+        for one in self._fanout.discard(req_id) or [req_id]:
+            tracked = self._requests.pop(one, None)
+            if tracked is not None:
+                self.scheduler.finish(tracked.request, "abort")  # its blocks are free at once
+        if not self.has_unfinished():
+            self.runner.remove_requests(self.scheduler.take_finished_ids())  # idle: row too
 
     def has_unfinished(self) -> bool:
         """True while any request waits, runs or has output in flight."""
@@ -151,12 +178,20 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         keep = 1 if self.config.scheduler.async_scheduling and scheduled.num_scheduled_tokens else 0
         while len(self._in_flight) > keep:
-            outputs.extend(self._process(self._in_flight.popleft().result()))
+            outputs.extend(self._process(self._in_flight.popleft()))
         if not self.has_unfinished():
             self.runner.remove_requests(self.scheduler.take_finished_ids())  # idle: free now
         return outputs
 
-    def _process(self, sampled: dict[str, int]) -> list[RequestOutput]:
+    def _process(self, step: AsyncStepOutput) -> list[RequestOutput]:
+        sampled = step.result()
+        logprobs = step.logprobs()
+        for req_id, first, ids, values, ranks in step.prompt_logprobs():
+            tracked = self._requests.get(req_id)
+            k = tracked.request.sampling_params.prompt_logprobs if tracked else None
+            if tracked is not None and tracked.logprobs is not None and k is not None:
+                add_prompt_logprobs(tracked.logprobs, k, first, ids, values, ranks,
+                                    self.tokenizer, tracked.request.num_prompt_tokens)
         outputs = []
         for req_id, token in sampled.items():
             tracked = self._requests.get(req_id)
@@ -167,6 +202,9 @@ class LLMEngine:
             if request.finished:
                 continue
             request.output_token_ids.append(token)
+            k = request.sampling_params.logprobs
+            if k is not None and tracked.logprobs is not None and req_id in logprobs:
+                add_sample_logprobs(tracked.logprobs, k, logprobs[req_id], self.tokenizer)
             self._check_stop(tracked, token)
             if request.finished and tracked.detokenizer is not None:
                 tracked.detokenizer.flush()  # release text held back for an incomplete char
@@ -175,7 +213,8 @@ class LLMEngine:
                 del self._requests[req_id]
             elif tracked.stream:
                 outputs.append(self._make_output(tracked))
-        return outputs
+        merged = [self._fanout.merge(o) for o in outputs]
+        return [o for o in merged if o is not None]
 
     def _check_stop(self, tracked: _Tracked, token: int) -> None:
         request = tracked.request
@@ -213,7 +252,11 @@ class LLMEngine:
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
         )
-        return RequestOutput(
+        lp, params = tracked.logprobs, request.sampling_params
+        if lp is not None and params.logprobs is not None:
+            completion.logprobs = list(lp.logprobs)
+            completion.cumulative_logprob = lp.cumulative
+        output = RequestOutput(
             request_id=request.req_id,
             prompt=tracked.prompt,
             prompt_token_ids=request.prompt_token_ids,
@@ -222,15 +265,22 @@ class LLMEngine:
             new_token_ids=new_tokens,
             new_text=new_text,
         )
+        if lp is not None and params.prompt_logprobs is not None:
+            output.prompt_logprobs = list(lp.prompt)
+        return output
 
     # -- introspection -----------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """Counters: running/waiting requests, KV usage, preemptions."""
+        """Counters: running/waiting requests, KV usage, prefix cache, preemptions."""
+        blocks = self.block_manager
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
-            "kv_usage": self.block_manager.usage,
+            "kv_usage": blocks.usage,
+            "prefix_cache_queries": blocks.num_queried_tokens,
+            "prefix_cache_hits": blocks.num_hit_tokens,
+            "prefix_cache_hit_rate": blocks.hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
         }
 

@@ -6,6 +6,20 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability under the raw model distribution, as vLLM returns it."""
+
+    logprob: float
+    rank: int | None = None
+    """1 for the most likely token of the position."""
+    decoded_token: str | None = None
+
+
+#: Per position: ``{token_id: Logprob}`` for the chosen token and the top-k tokens.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
 class CompletionOutput:
     """One generated sequence of a request."""
 
@@ -17,7 +31,9 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     """The stop token id or stop string that ended it; ``None`` for EOS or length."""
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, object]] | None = None
+    """Sum of the generated tokens' logprobs (when ``logprobs`` was asked for)."""
+    logprobs: list[PositionLogprobs] | None = None
+    """One dict per generated token (when ``SamplingParams.logprobs`` is set)."""
 
     @property
     def finished(self) -> bool:
@@ -39,3 +55,5 @@ class RequestOutput:
     new_text: str = ""
     """Text added since the previous output of this request (for streaming)."""
     num_cached_tokens: int = 0
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    """Per prompt token (``None`` for the first), when ``SamplingParams.prompt_logprobs`` is set."""

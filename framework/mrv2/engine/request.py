@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+from mrv2.engine.block_manager import BlockHash, hash_block
 from mrv2.sample.params import SamplingParams
 
 
@@ -41,6 +43,14 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     first_token_time: float | None = None
+    priority: int = 0
+    """Scheduling priority under the "priority" policy: lower values run first."""
+    arrival_index: int = 0
+    """Order of arrival at the scheduler (ties of ``arrival_time``)."""
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    """Chain hashes of the request's full blocks whose tokens are all known on the CPU."""
+    num_cached_blocks: int = 0
+    """Leading blocks of ``block_ids`` already registered in (or found in) the prefix cache."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -66,3 +76,22 @@ class Request:
     def finished(self) -> bool:
         """True once stopped, aborted or out of room."""
         return self.status is RequestStatus.FINISHED
+
+    def block_extra_keys(self, block_index: int) -> tuple[Hashable, ...] | None:
+        """Extra hash keys of a block (multimodal input hashes, LoRA, salt): none for text."""
+        del block_index
+        return None
+
+    def update_block_hashes(self, block_size: int) -> list[BlockHash]:
+        """Extend ``block_hashes`` over every full block of known tokens; returns them."""
+        known = len(self.prompt_token_ids) + len(self.output_token_ids)
+        start = len(self.block_hashes)
+        if (start + 1) * block_size <= known:
+            tokens = self.all_token_ids
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            for i in range(start, known // block_size):
+                parent = hash_block(
+                    parent, tokens[i * block_size : (i + 1) * block_size], self.block_extra_keys(i)
+                )
+                self.block_hashes.append(parent)
+        return self.block_hashes

@@ -1,12 +1,23 @@
-"""Continuous batching with a token budget, chunked prefill and recompute preemption.
+"""Continuous batching with a token budget, chunked prefill, recompute preemption, a policy
+("fcfs" or "priority") and automatic prefix caching.
 
 The scheduler needs only counts: a request that sampled a token on the device in a step whose
 result has not reached the CPU yet counts that token as pending, so the next step is planned
 without waiting for it.
+
+Prefix caching: at admission a request takes the longest run of cached full blocks matching its
+tokens (never all of them: its last token is always computed, so it samples) and starts with
+``num_computed_tokens`` past them. A block of a request is registered in the cache once it is
+full, its KV is computed (or scheduled in a step already launched) and all of its token ids are
+known on the CPU. With async scheduling the last sampled token arrives one step late, so a
+block ending in it is registered a step later; a block holding a position whose token never
+reaches the CPU (the one wasted token of a request that stopped) is never registered.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections import deque
 
 from mrv2.config import SchedulerConfig
@@ -16,12 +27,14 @@ from mrv2.runner.scheduler_output import NewRequest, SchedulerOutput
 
 
 class Scheduler:
-    """FCFS continuous batching over a :class:`BlockManager`.
+    """Continuous batching over a :class:`BlockManager`.
 
-    Each step: running requests first (decodes, then unfinished prefill chunks), in arrival
-    order, then waiting requests while budget, batch slots and KV blocks last. When a running
-    request needs a block and none is free, the latest-arrived running request is preempted:
-    its blocks are freed and it waits to be recomputed from its tokens so far.
+    Each step: running requests first (decodes, then unfinished prefill chunks; by priority
+    under the "priority" policy, else in admission order), then waiting requests (in arrival
+    order, or by ``(priority, arrival)``) while budget, batch slots and KV blocks last. When a
+    running request needs a block and none is free, a victim is preempted: the last admitted
+    running request ("fcfs") or the one of largest ``(priority, arrival)`` ("priority"). Its
+    blocks are freed (full ones stay cached) and it waits to be recomputed from its tokens.
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
@@ -31,6 +44,9 @@ class Scheduler:
         self.running: list[Request] = []
         self._in_runner: set[str] = set()
         self._to_remove: list[str] = []
+        self._arrivals = itertools.count()
+        self._preempted_now: set[str] = set()
+        self._sampled_now: set[str] = set()
         self.num_preemptions = 0
 
     @property
@@ -38,13 +54,18 @@ class Scheduler:
         """Requests waiting or running."""
         return len(self.waiting) + len(self.running)
 
+    @property
+    def _by_priority(self) -> bool:
+        return self.config.policy == "priority"
+
     def add(self, request: Request) -> None:
         """Queue a request (already validated by the engine)."""
         if len(self.waiting) >= self.config.max_waiting:
             raise RuntimeError(
                 f"waiting queue full ({self.config.max_waiting} requests); retry later"
             )
-        self.waiting.append(request)
+        request.arrival_index = next(self._arrivals)
+        self._enqueue(request, front=False)
 
     def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
         """End a request (stopped, length, abort): free its blocks and, next step, its row."""
@@ -64,12 +85,69 @@ class Scheduler:
         ids, self._to_remove = self._to_remove, []
         return ids
 
+    # -- queues ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _rank(request: Request) -> tuple[int, int]:
+        return request.priority, request.arrival_index
+
+    def _enqueue(self, request: Request, front: bool) -> None:
+        if self._by_priority:
+            bisect.insort(self.waiting, request, key=self._rank)
+        elif front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+
+    def _running_order(self) -> list[Request]:
+        """Decodes (one token left to compute) before prefill chunks, so a flood of prefills
+        never starves them; within each group by priority or admission order."""
+        if self._by_priority:
+            return sorted(self.running, key=lambda r: (
+                r.num_tokens - r.num_computed_tokens > 1, r.priority, r.arrival_index))
+        return sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+
+    def _pick_victim(self) -> Request:
+        if self._by_priority:
+            return max(self.running, key=self._rank)
+        return self.running[-1]
+
+    # -- blocks ------------------------------------------------------------------------------
+
+    def _cache_blocks(self, request: Request) -> None:
+        """Register the request's full, computed blocks whose tokens are all known."""
+        if not self.blocks.enable_caching:
+            return
+        size = self.blocks.block_size
+        known = len(request.prompt_token_ids) + len(request.output_token_ids)
+        limit = min(request.num_computed_tokens, known) // size
+        limit = min(limit, len(request.block_ids))
+        if limit <= request.num_cached_blocks:
+            return
+        hashes = request.update_block_hashes(size)
+        for i in range(request.num_cached_blocks, limit):
+            self.blocks.cache_block(request.block_ids[i], hashes[i])
+        request.num_cached_blocks = limit
+
     def _release(self, request: Request) -> None:
+        self._cache_blocks(request)
         self.blocks.free(request.block_ids)
         request.block_ids = []
+        request.num_cached_blocks = 0
         if request.req_id in self._in_runner:
             self._in_runner.discard(request.req_id)
             self._to_remove.append(request.req_id)
+
+    def _unschedule(self, request: Request, out: SchedulerOutput) -> int:
+        """Take back a request's tokens scheduled earlier in this step; returns their count."""
+        n = out.num_scheduled_tokens.pop(request.req_id, 0)
+        if n:
+            out.new_block_ids.pop(request.req_id, None)
+            request.num_computed_tokens -= n
+            if request.req_id in self._sampled_now:
+                self._sampled_now.discard(request.req_id)
+                request.num_pending -= 1
+        return n
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -78,71 +156,101 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._preempted_now.add(request.req_id)
+        self._enqueue(request, front=True)
+
+    # -- the step ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step. An empty ``num_scheduled_tokens`` means nothing to run now."""
         budget = self.config.max_num_batched_tokens
-        out = SchedulerOutput(num_scheduled_tokens={}, finished_req_ids=self.take_finished_ids())
+        out = SchedulerOutput(num_scheduled_tokens={})
+        self._preempted_now.clear()
+        self._sampled_now.clear()
 
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
+        for request in self._running_order():
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if budget <= 0:
+                break
             if request.num_output_tokens >= request.max_tokens:
-                index += 1  # every token it needs is sampled; it ends when they arrive
-                continue
+                continue  # every token it needs is sampled; it ends when they arrive
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if n <= 0:
-                index += 1
                 continue
             needed = self.blocks.blocks_needed(
                 request.num_computed_tokens + n, len(request.block_ids)
             )
             if needed:
-                while not self.blocks.can_allocate(needed) and self.running[-1] is not request:
-                    self._preempt(self.running[-1])
+                while not self.blocks.can_allocate(needed):
+                    victim = self._pick_victim()
+                    if victim is request:
+                        break
+                    budget += self._unschedule(victim, out)
+                    self._preempt(victim)
                 if not self.blocks.can_allocate(needed):
                     self._preempt(request)
-                    break
+                    continue
                 new_blocks = self.blocks.allocate(needed)
                 request.block_ids.extend(new_blocks)
                 out.new_block_ids[request.req_id] = new_blocks
             self._schedule(request, n, out)
             budget -= n
-            index += 1
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if request.num_pending:
-                break  # preempted with a token still in flight: resume once it lands
-            n = request.num_tokens - request.num_computed_tokens
-            if n > budget:
-                if not self.config.enable_chunked_prefill and not request.num_preemptions:
-                    break  # (a resumed request may exceed the budget: it recomputes in chunks)
-                n = budget
-            needed = self.blocks.blocks_needed(request.num_computed_tokens + n, 0)
-            if not self.blocks.can_allocate(needed):
+            if request.num_pending or request.req_id in self._preempted_now:
+                break  # preempted with a token in flight, or just now: resume later
+            if not self._admit(request, budget, out):
                 break
-            self.waiting.popleft()
-            request.block_ids = self.blocks.allocate(needed)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            self._in_runner.add(request.req_id)
-            out.new_requests.append(NewRequest(
-                req_id=request.req_id,
-                token_ids=request.all_token_ids,
-                sampling_params=request.sampling_params,
-                seed=request.seed,
-                block_ids=list(request.block_ids),
-                num_computed_tokens=request.num_computed_tokens,
-            ))
-            self._schedule(request, n, out)
-            budget -= n
+            budget -= out.num_scheduled_tokens[request.req_id]
+
+        for request in self.running:
+            self._cache_blocks(request)
+        out.finished_req_ids = self.take_finished_ids()
         return out
 
-    @staticmethod
-    def _schedule(request: Request, n: int, out: SchedulerOutput) -> None:
+    def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> bool:
+        """Start the head of the waiting queue, after its cached prefix; False if it can't."""
+        size = self.blocks.block_size
+        hit: list[int] = []
+        # Prompt logprobs need every prompt position computed: no cache hits for them.
+        if self.blocks.enable_caching and request.sampling_params.prompt_logprobs is None:
+            hashes = request.update_block_hashes(size)
+            hit = self.blocks.find_cached_prefix(hashes[: (request.num_tokens - 1) // size])
+        computed = len(hit) * size
+        n = request.num_tokens - computed
+        if n > budget:
+            if not self.config.enable_chunked_prefill and not request.num_preemptions:
+                return False  # (a resumed request may exceed the budget: it recomputes in chunks)
+            n = budget
+        needed = self.blocks.blocks_needed(computed + n, len(hit))
+        if not self.blocks.can_allocate(needed + self.blocks.num_free_among(hit)):
+            return False
+        self.waiting.popleft()
+        self.blocks.take_cached(hit)  # before allocating, so allocation cannot evict them
+        request.block_ids = hit + self.blocks.allocate(needed)
+        request.num_cached_blocks = len(hit)
+        request.num_computed_tokens = computed
+        if self.blocks.enable_caching:
+            self.blocks.record_query(request.num_tokens, computed)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._in_runner.add(request.req_id)
+        out.new_requests.append(NewRequest(
+            req_id=request.req_id,
+            token_ids=request.all_token_ids,
+            sampling_params=request.sampling_params,
+            seed=request.seed,
+            block_ids=list(request.block_ids),
+            num_computed_tokens=computed,
+        ))
+        self._schedule(request, n, out)
+        return True
+
+    def _schedule(self, request: Request, n: int, out: SchedulerOutput) -> None:
         out.num_scheduled_tokens[request.req_id] = n
         request.num_computed_tokens += n
         if request.num_computed_tokens == request.num_tokens:
             request.num_pending += 1
+            self._sampled_now.add(request.req_id)

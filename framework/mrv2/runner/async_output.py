@@ -46,6 +46,42 @@ class AsyncStepOutput:
         self._host = host
         self._event = event
         self._result: dict[str, int] | None = None
+        self._logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._prompt: list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def set_logprobs(self, ids: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor) -> None:
+        """Attach the host buffers the step's sample logprobs are copied into."""
+        self._logprobs = (ids, values, ranks)
+
+    def add_prompt_logprobs(
+        self, req_id: str, first_position: int, ids: torch.Tensor, values: torch.Tensor,
+        ranks: torch.Tensor,
+    ) -> None:
+        """Attach the host buffers of one request's prompt logprobs of this step."""
+        self._prompt.append((req_id, first_position, ids, values, ranks))
+
+    def logprobs(self) -> dict[str, tuple[list[int], list[float], int]]:
+        """``{req_id: (ids, logprobs, sampled rank)}`` (ids[0] is the sampled token).
+
+        Holds every request of the step (the engine keeps ``k`` of each); empty when no
+        request of the step asked for logprobs. Call after :meth:`result`.
+        """
+        if self._logprobs is None:
+            return {}
+        self.result()
+        ids, values, ranks = (t.tolist() for t in self._logprobs)
+        return {
+            req_id: (ids[i], values[i], int(ranks[i]))
+            for i, (req_id, sampled) in enumerate(zip(self.req_ids, self.do_sample, strict=True))
+            if sampled
+        }
+
+    def prompt_logprobs(self) -> list[tuple[str, int, list[list[int]], list[list[float]],
+                                            list[int]]]:
+        """``(req_id, first position, ids, logprobs, ranks)`` per prompt chunk of the step."""
+        self.result()
+        return [(r, pos, ids.tolist(), vals.tolist(), ranks.tolist())
+                for r, pos, ids, vals, ranks in self._prompt]
 
     def ready(self) -> bool:
         """True when ``result()`` would not wait."""

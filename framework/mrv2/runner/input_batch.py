@@ -66,3 +66,5 @@ class InputBatch:
     """CPU flags of the batch's sampling params: which sampler stages can be skipped."""
     any_min_p: bool = False
     any_top_k_top_p: bool = False
+    idx_mapping_cpu: np.ndarray | None = None
+    """``[num_reqs]`` int32, CPU copy of ``idx_mapping`` (for the sampler's rare stages)."""

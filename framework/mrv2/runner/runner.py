@@ -28,8 +28,11 @@ from mrv2.runner.input_batch import InputBatch, InputBuffers
 from mrv2.runner.kv_cache import allocate_kv_caches, kv_layer_specs, num_blocks_for
 from mrv2.runner.model_state import ModelState
 from mrv2.runner.scheduler_output import NewRequest, SchedulerOutput
+from mrv2.runner.staged_edits import StagedEdits as _Staged
 from mrv2.runner.staging import Uploader
 from mrv2.runner.state_table import RequestStateTable, RowInfo
+from mrv2.sample.prompt_logprobs import PromptChunk, PromptLogprobs, compute_prompt_logprobs
+from mrv2.sample.sampler import SamplerOutput
 from mrv2_kernels.input_prep import post_update, prepare_inputs
 
 
@@ -144,8 +147,11 @@ class Runner:
         row = self.table.allocate(RowInfo(
             req_id=request.req_id, prefill_len=n, num_computed=request.num_computed_tokens,
             greedy=params.greedy, top_k=params.top_k > 0, top_p=params.top_p < 1.0,
-            min_p=params.min_p > 0.0,
+            min_p=params.min_p > 0.0, params=params,
         ))
+        if params.uses_penalties:
+            self.table.ensure_penalty_state(self.vocab_size)
+            staged.add_prompt_mask(row, request.token_ids, params.prompt_len(n))
         self._num_tokens_cpu[row] = n
         staged.add_tokens(row, request.token_ids)
         staged.add_blocks(row, 0, request.block_ids)
@@ -153,6 +159,9 @@ class Runner:
         staged.rows.append(row)
         staged.params.append((params.temperature, params.top_k, params.top_p, params.min_p,
                               request.seed, request.num_computed_tokens, n))
+        staged.params2.append((params.repetition_penalty, params.frequency_penalty,
+                                params.presence_penalty, params.min_tokens,
+                                params.prompt_len(n)))
         self._hook_add(model_state=self.model_state, request=request, row=row)
 
     def remove_requests(self, req_ids: list[str]) -> None:
@@ -178,8 +187,8 @@ class Runner:
             self.table.num_blocks[row] = start + len(block_ids)
         batch, replay = self._build_batch(scheduled, staged)
         with torch.inference_mode():
-            sampled = self._forward_and_sample(batch, replay)
-        return self._start_output_copy(batch, sampled)
+            sampled, prompt_lps = self._forward_and_sample(batch, replay)
+        return self._start_output_copy(batch, sampled, prompt_lps)
 
     def _build_batch(
         self, scheduled: SchedulerOutput, staged: _Staged
@@ -217,7 +226,9 @@ class Runner:
         if num_tokens > self.max_num_tokens:
             raise ValueError(f"{num_tokens} tokens scheduled; at most {self.max_num_tokens}")
         uniform_decode = num_tokens == num_reqs
-        padded = self.graphs.padded_size(num_reqs) if self.graphs and uniform_decode else None
+        self._prompt_chunks = self._prompt_logprob_chunks(req_ids, rows, lens)
+        padded = (self.graphs.padded_size(num_reqs)
+                  if self.graphs and uniform_decode and not self._prompt_chunks else None)
         num_padded = padded or num_reqs
         num_tokens_padded = padded or num_tokens
         query_start_loc = np.full(num_padded + 1, num_tokens, dtype=np.int32)
@@ -260,8 +271,29 @@ class Runner:
             block_table=buffers.block_table[:num_padded, :num_block_cols],
             logits_indices=buffers.logits_indices[:num_reqs],
             all_greedy=all_greedy, any_min_p=any_min_p, any_top_k_top_p=any_top,
+            idx_mapping_cpu=rows,
         )
         return batch, padded is not None
+
+    def _prompt_logprob_chunks(
+        self, req_ids: list[str], rows: np.ndarray, lens: np.ndarray
+    ) -> list[PromptChunk]:
+        """Where this step's prompt tokens of ``prompt_logprobs`` requests lie (CPU only)."""
+        if self.table.num_special == 0:
+            return []
+        chunks, start = [], 0
+        for req_id, row, n in zip(req_ids, rows.tolist(), lens.tolist(), strict=True):
+            info = self.table.info[row]
+            params = info.params
+            if params is not None and params.prompt_logprobs is not None:
+                k = params.prompt_logprobs
+                position = info.num_computed - n
+                prompt_len = params.prompt_len(info.prefill_len)
+                count = max(0, min(position + n, prompt_len - 1) - position)
+                if count:
+                    chunks.append(PromptChunk(req_id, row, start, position, count, k))
+            start += n
+        return chunks
 
     def _forward(self, batch: InputBatch) -> torch.Tensor:
         kwargs: dict[str, Any] = {}
@@ -295,34 +327,66 @@ class Runner:
             model_state=self.model_state, batch=batch, forward=forward
         )
 
-    def _forward_and_sample(self, batch: InputBatch, replay: bool) -> torch.Tensor:
+    def _forward_and_sample(
+        self, batch: InputBatch, replay: bool
+    ) -> tuple[SamplerOutput, list[PromptLogprobs]]:
+        prompt_lps: list[PromptLogprobs] = []
+        model = cast(CausalLM, self.model)
         if replay:
             assert self.graphs is not None
             logits = self.graphs.replay(batch.num_reqs_padded)[: batch.num_reqs]
         else:
             hidden = self._forward(batch)
-            logits = cast(CausalLM, self.model).compute_logits(hidden[batch.logits_indices])
-        sampled = self.sampler(logits, batch, self.table)
+            logits = model.compute_logits(hidden[batch.logits_indices])
+            if self._prompt_chunks:
+                prompt_lps = compute_prompt_logprobs(hidden, model.compute_logits, self.table,
+                                                     self._prompt_chunks)
+        out = self.sampler(logits, batch, self.table)
+        if isinstance(out, torch.Tensor):  # a plugin sampler returning bare tokens
+            out = SamplerOutput(out)
         post_update(
-            batch.idx_mapping, batch.query_start_loc, batch.num_reqs, sampled,
+            batch.idx_mapping, batch.query_start_loc, batch.num_reqs, out.tokens,
             self._do_sample_dev, self.table.token_ids, self.table.num_computed,
             self.table.num_tokens,
         )
-        return cast(torch.Tensor, sampled)
+        self.table.record_sampled(batch.idx_mapping, out.tokens, self._do_sample_dev)
+        return out, prompt_lps
 
-    def _start_output_copy(self, batch: InputBatch, sampled: torch.Tensor) -> AsyncStepOutput:
+    def _start_output_copy(
+        self, batch: InputBatch, out: SamplerOutput, prompt_lps: list[PromptLogprobs]
+    ) -> AsyncStepOutput:
         host, slot = self._out_ring.take()
+        sampled = out.tokens
+        # Logprobs (rare) travel in fresh host tensors on the same stream, under the same event.
+        extras = [t for t in (out.logprob_ids, out.logprobs, out.sampled_rank) if t is not None]
+        for p in prompt_lps:
+            extras += [p.ids, p.logprobs, p.ranks]
+        pinned = self._copy_stream is not None
+        hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in extras]
         if self._copy_stream is None:
             host[: batch.num_reqs].copy_(sampled)
-            return AsyncStepOutput(batch.req_ids, batch.do_sample, host, None)
-        self._copy_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._copy_stream):
-            host[: batch.num_reqs].copy_(sampled, non_blocking=True)
-            sampled.record_stream(self._copy_stream)
-            event = torch.cuda.Event()
-            event.record(self._copy_stream)
-        self._out_ring.set_event(slot, event)
-        return AsyncStepOutput(batch.req_ids, batch.do_sample, host, event)
+            for h, t in zip(hosts, extras, strict=True):
+                h.copy_(t)
+            event = None
+        else:
+            self._copy_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._copy_stream):
+                host[: batch.num_reqs].copy_(sampled, non_blocking=True)
+                sampled.record_stream(self._copy_stream)
+                for h, t in zip(hosts, extras, strict=True):
+                    h.copy_(t, non_blocking=True)
+                    t.record_stream(self._copy_stream)
+                event = torch.cuda.Event()
+                event.record(self._copy_stream)
+            self._out_ring.set_event(slot, event)
+        result = AsyncStepOutput(batch.req_ids, batch.do_sample, host, event)
+        if out.logprob_ids is not None:
+            result.set_logprobs(hosts[0], hosts[1], hosts[2])
+        base = 3 if out.logprob_ids is not None else 0
+        for i, p in enumerate(prompt_lps):
+            ids, values, ranks = hosts[base + 3 * i : base + 3 * i + 3]
+            result.add_prompt_logprobs(p.req_id, p.first_position, ids, values, ranks)
+        return result
 
     # -- start-up ----------------------------------------------------------------------------
 
@@ -348,64 +412,6 @@ class Runner:
         self.kv_caches = []
         torch.cuda.empty_cache()
         return int(peak)
-
-
-class _Staged:
-    """CPU edits of this step (new rows' tokens, blocks, params), sent with the step's arrays."""
-
-    def __init__(self) -> None:
-        self.tok_rows: list[np.ndarray] = []
-        self.tok_cols: list[np.ndarray] = []
-        self.tok_vals: list[np.ndarray] = []
-        self.blk_rows: list[int] = []
-        self.blk_cols: list[int] = []
-        self.blk_vals: list[int] = []
-        self.rows: list[int] = []
-        self.params: list[tuple[float, int, float, float, int, int, int]] = []
-
-    def add_tokens(self, row: int, tokens: list[int]) -> None:
-        self.tok_rows.append(np.full(len(tokens), row, dtype=np.int64))
-        self.tok_cols.append(np.arange(len(tokens), dtype=np.int64))
-        self.tok_vals.append(np.asarray(tokens, dtype=np.int32))
-
-    def add_blocks(self, row: int, start: int, block_ids: list[int]) -> None:
-        self.blk_rows.extend([row] * len(block_ids))
-        self.blk_cols.extend(range(start, start + len(block_ids)))
-        self.blk_vals.extend(block_ids)
-
-    def arrays(self) -> dict[str, np.ndarray]:
-        out: dict[str, np.ndarray] = {}
-        if self.tok_rows:
-            out["tok_rows"] = np.concatenate(self.tok_rows)
-            out["tok_cols"] = np.concatenate(self.tok_cols)
-            out["tok_vals"] = np.concatenate(self.tok_vals)
-        if self.blk_rows:
-            out["blk_rows"] = np.asarray(self.blk_rows, dtype=np.int64)
-            out["blk_cols"] = np.asarray(self.blk_cols, dtype=np.int64)
-            out["blk_vals"] = np.asarray(self.blk_vals, dtype=np.int32)
-        if self.rows:
-            p = self.params
-            out["p_rows"] = np.asarray(self.rows, dtype=np.int64)
-            out["p_float"] = np.asarray([(t, tp, mp) for t, _, tp, mp, *_ in p], dtype=np.float32)
-            out["p_int"] = np.asarray([(k, s, c, n) for _, k, _, _, s, c, n in p], dtype=np.int64)
-        return out
-
-    @staticmethod
-    def apply(dev: dict[str, torch.Tensor], table: RequestStateTable) -> None:
-        """Scatter the staged edits into the device table (a few index_put launches)."""
-        if "tok_rows" in dev:
-            table.token_ids.index_put_((dev["tok_rows"], dev["tok_cols"]), dev["tok_vals"])
-        if "blk_rows" in dev:
-            table.block_table.index_put_((dev["blk_rows"], dev["blk_cols"]), dev["blk_vals"])
-        if "p_rows" in dev:
-            rows, floats, ints = dev["p_rows"], dev["p_float"], dev["p_int"]
-            table.temperature[rows] = floats[:, 0]
-            table.top_p[rows] = floats[:, 1]
-            table.min_p[rows] = floats[:, 2]
-            table.top_k[rows] = ints[:, 0].int()
-            table.seed[rows] = ints[:, 1]
-            table.num_computed[rows] = ints[:, 2].int()
-            table.num_tokens[rows] = ints[:, 3].int()
 
 
 def _max_model_len(config: EngineConfig, hf_config: Any) -> int:

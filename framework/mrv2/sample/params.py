@@ -6,22 +6,12 @@ message naming the field and the allowed values.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
-
-# Fields accepted for API compatibility but not implemented yet; a non-default value is refused
-# rather than silently ignored.
-_NOT_YET = {
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "logprobs": None,
-    "prompt_logprobs": None,
-    "logit_bias": None,
-    "allowed_token_ids": None,
-    "bad_words": None,
-}
+#: Most top-k logprobs a request may ask for (vLLM's default ``max_logprobs``).
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -30,6 +20,18 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy. ``top_k`` of 0 or -1 disables top-k; ``top_p == 1`` disables
     top-p. ``seed`` makes the request's samples reproducible whatever else is in the batch.
+
+    Penalties (vLLM's meanings): ``repetition_penalty`` divides positive / multiplies negative
+    logits of tokens seen in the prompt or the output; ``frequency_penalty`` subtracts
+    ``count * f`` and ``presence_penalty`` subtracts ``p`` for tokens of the output.
+    ``logit_bias`` adds to chosen logits; ``allowed_token_ids`` masks every other token;
+    ``bad_words`` (strings, tokenized by the engine) ban a word's last token when its other
+    tokens end the output; ``min_tokens`` masks EOS and ``stop_token_ids`` until that many
+    tokens are out. ``logprobs=k`` returns the top-k plus the sampled token's logprob and rank
+    per generated token, ``prompt_logprobs=k`` the same per prompt token (``k=0``: only the
+    actual token). Logprobs are those of the raw model distribution (before penalties,
+    processors and temperature), as vLLM returns by default.
+    ``n > 1`` runs ``n`` independent samples (seeds derived from ``seed`` and the index).
     """
 
     n: int = 1
@@ -53,6 +55,14 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # Filled in by the engine (not user-facing): EOS ids masked by min_tokens, bad words as ids.
+    _eos_token_ids: list[int] = field(default_factory=list, repr=False, compare=False)
+    _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False,
+                                                  compare=False)
+    # The original prompt length: a request resumed after preemption re-enters the runner
+    # with prompt + outputs as its prefill, and penalties / min_tokens / bad words need the
+    # boundary. None: the whole prefill is the prompt.
+    _num_prompt_tokens: int | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -62,8 +72,8 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        _check(isinstance(self.n, int) and self.n == 1, "n", self.n,
-               "1 (n > 1 is not supported yet)")
+        _check(isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1, "n",
+               self.n, "an integer >= 1")
         _check(_is_number(self.temperature) and self.temperature >= 0.0, "temperature",
                self.temperature, "a number >= 0 (0 means greedy)")
         _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", self.top_p,
@@ -87,22 +97,76 @@ class SamplingParams:
                "a non-empty string or a list of non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
-        for name, default in _NOT_YET.items():
+        for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(value == default, name, value, f"{default!r} (other values are not "
-                   "supported yet by this version of mrv2)")
+            _check(_is_number(value) and -2.0 <= value <= 2.0, name, value,
+                   "a number in [-2, 2]")
+        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0.0,
+               "repetition_penalty", self.repetition_penalty, "a number > 0 (1 disables)")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, int) and not isinstance(value, bool)
+                                     and 0 <= value <= MAX_LOGPROBS),
+                   name, value, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        bias = self.logit_bias
+        _check(bias is None or (isinstance(bias, dict) and all(
+            _is_token(k) and _is_number(v) and -100.0 <= v <= 100.0 for k, v in bias.items())),
+               "logit_bias", bias, "None or a dict {token id >= 0: bias in [-100, 100]}")
+        allowed = self.allowed_token_ids
+        _check(allowed is None or (isinstance(allowed, list) and len(allowed) > 0
+                                   and all(_is_token(t) for t in allowed)),
+               "allowed_token_ids", allowed, "None or a non-empty list of token ids >= 0")
+        words = self.bad_words
+        _check(words is None or (isinstance(words, list)
+                                 and all(isinstance(w, str) and w for w in words)),
+               "bad_words", words, "None or a list of non-empty strings")
 
     @property
     def greedy(self) -> bool:
         """True when the request picks the most likely token (temperature near 0)."""
         return self.temperature < _GREEDY_EPS
 
+    def prompt_len(self, prefill_len: int) -> int:
+        """Tokens of a ``prefill_len``-token prefill that are prompt (the rest: outputs)."""
+        n = self._num_prompt_tokens
+        return prefill_len if n is None else min(n, prefill_len)
+
+    @property
+    def uses_penalties(self) -> bool:
+        """True when any of the three penalties is active."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
     def check_vocab(self, vocab_size: int) -> None:
         """Raise if a token id named by these params is outside the model's vocabulary."""
         assert isinstance(self.stop_token_ids, list)
-        for token in self.stop_token_ids:
-            _check(token < vocab_size, "stop_token_ids", token,
-                   f"token ids in [0, {vocab_size})")
+        named = (("stop_token_ids", self.stop_token_ids),
+                 ("logit_bias", list(self.logit_bias or {})),
+                 ("allowed_token_ids", self.allowed_token_ids or []))
+        for name, tokens in named:
+            for token in tokens:
+                _check(token < vocab_size, name, token, f"token ids in [0, {vocab_size})")
+
+    def child(self, index: int, seed: int) -> SamplingParams:
+        """The params of sample ``index`` of an ``n > 1`` request: ``n=1`` and its own seed."""
+        child = dataclasses.replace(self, n=1, seed=seed)
+        child._eos_token_ids = list(self._eos_token_ids)
+        child._bad_words_token_ids = [list(w) for w in self._bad_words_token_ids]
+        return child
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """Seed of sample ``index`` of an ``n > 1`` request: index 0 keeps ``seed``."""
+    if index == 0:
+        return seed
+    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x ^= x >> 31
+    x = (x * 0x94D049BB133111EB) & (2**64 - 1)
+    return (x ^ (x >> 29)) & (2**63 - 1)
+
+
+def _is_token(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _is_number(value: object) -> bool:

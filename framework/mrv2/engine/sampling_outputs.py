@@ -1,0 +1,156 @@
+"""Engine-side sampling extras: logprob bookkeeping and ``n > 1`` fan-out / merge.
+
+Kept out of ``engine.py`` so the loop stays short. Logprobs arrive with the sampled tokens
+(``AsyncStepOutput.logprobs()``) as ``(ids, values, rank)`` where ``ids[0]`` is the sampled
+token and ``ids[1:]`` the batch's top-k; each request keeps its own ``k``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from mrv2.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from mrv2.engine.tokenizer import Tokenizer
+from mrv2.sample.params import SamplingParams
+
+#: Separator of a parent request id and the sample index in its sub-request ids.
+CHILD_SEP = "#n"
+
+
+@dataclass
+class LogprobState:
+    """Logprobs gathered so far for one request."""
+
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    cumulative: float = 0.0
+    prompt: list[PositionLogprobs | None] = field(default_factory=lambda: [None])
+
+
+def prepare_params(params: SamplingParams, eos: frozenset[int], tokenizer: Tokenizer | None,
+                   num_prompt_tokens: int) -> SamplingParams:
+    """A copy of ``params`` (the caller's object may be shared by many requests) with the
+    engine-derived fields: EOS ids for ``min_tokens``, bad words as token ids, prompt length.
+
+    A bad word is tokenized as written and with a leading space (as vLLM does), each variant
+    banned separately.
+    """
+    params = dataclasses.replace(params)
+    params._num_prompt_tokens = num_prompt_tokens
+    params._eos_token_ids = [] if params.ignore_eos else sorted(eos)
+    words: list[list[int]] = []
+    if params.bad_words:
+        if tokenizer is None:
+            raise ValueError("SamplingParams.bad_words needs a tokenizer; this model has none")
+        for word in params.bad_words:
+            for text in (word, " " + word.lstrip()):
+                ids = tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in words:
+                    words.append(ids)
+    params._bad_words_token_ids = words
+    return params
+
+
+def _decode(tokenizer: Tokenizer | None, token: int) -> str | None:
+    return None if tokenizer is None else tokenizer.decode([token], skip_special_tokens=False)
+
+
+def _position(
+    ids: list[int], values: list[float], rank: int, k: int, tokenizer: Tokenizer | None
+) -> PositionLogprobs:
+    entry = {ids[0]: Logprob(values[0], rank, _decode(tokenizer, ids[0]))}
+    for j in range(1, min(k, len(ids) - 1) + 1):
+        if ids[j] not in entry:
+            entry[ids[j]] = Logprob(values[j], j, _decode(tokenizer, ids[j]))
+    return entry
+
+
+def add_sample_logprobs(
+    state: LogprobState, k: int, row: tuple[list[int], list[float], int],
+    tokenizer: Tokenizer | None,
+) -> None:
+    """Record one generated token's logprobs (its own, and the top ``k``)."""
+    ids, values, rank = row
+    state.logprobs.append(_position(ids, values, rank, k, tokenizer))
+    state.cumulative += values[0]
+
+
+def add_prompt_logprobs(
+    state: LogprobState, k: int, first: int, ids: list[list[int]], values: list[list[float]],
+    ranks: list[int], tokenizer: Tokenizer | None, prompt_len: int,
+) -> None:
+    """Record prompt logprobs of positions ``first ..``; positions already held are skipped,
+    and so are positions past the prompt (a preempted request recomputes its prompt and its
+    outputs as one prefill)."""
+    for i in range(len(ids)):
+        if first + i == len(state.prompt) < prompt_len:
+            state.prompt.append(_position(ids[i], values[i], ranks[i], k, tokenizer))
+
+
+def child_id(parent: str, index: int) -> str:
+    """Request id of sample ``index`` of parent ``parent``."""
+    return f"{parent}{CHILD_SEP}{index}"
+
+
+class FanOut:
+    """Merges the outputs of ``n > 1`` sub-requests into one ``RequestOutput`` per parent."""
+
+    def __init__(self) -> None:
+        self.parents: dict[str, tuple[int, bool]] = {}  # parent id -> (n, stream)
+        self.child_parent: dict[str, tuple[str, int]] = {}
+        self.latest: dict[str, dict[int, RequestOutput]] = {}
+        self.done: dict[str, set[int]] = {}
+
+    def add(self, parent: str, n: int, stream: bool) -> list[str]:
+        """Register a parent; returns its children's ids."""
+        children = [child_id(parent, i) for i in range(n)]
+        self.parents[parent] = (n, stream)
+        self.latest[parent] = {}
+        self.done[parent] = set()
+        for i, child in enumerate(children):
+            self.child_parent[child] = (parent, i)
+        return children
+
+    def merge(self, output: RequestOutput) -> RequestOutput | None:
+        """The output to return for a child's ``output`` (``None``: nothing yet), or ``output``
+        itself for a request that is no child."""
+        key = self.child_parent.get(output.request_id)
+        if key is None:
+            return output
+        parent, index = key
+        n, stream = self.parents[parent]
+        self.latest[parent][index] = output
+        if output.finished:
+            self.done[parent].add(index)
+        finished = len(self.done[parent]) == n
+        if not (stream or finished):
+            return None
+        latest = self.latest[parent]
+        outs = []
+        for i in sorted(latest):
+            o = latest[i].outputs[0]
+            outs.append(CompletionOutput(i, o.text, o.token_ids, o.finish_reason, o.stop_reason,
+                                         o.cumulative_logprob, o.logprobs))
+        merged = RequestOutput(
+            request_id=parent, prompt=output.prompt, prompt_token_ids=output.prompt_token_ids,
+            outputs=outs, finished=finished,
+            new_token_ids=output.new_token_ids if stream else [],
+            new_text=output.new_text if stream else "",
+            num_cached_tokens=output.num_cached_tokens,
+            prompt_logprobs=(latest[0].prompt_logprobs if 0 in latest
+                             else output.prompt_logprobs),
+        )
+        if finished:
+            self.discard(parent)
+        return merged
+
+    def discard(self, parent: str) -> list[str]:
+        """Forget ``parent`` (finished or aborted); returns its children's ids."""
+        if parent not in self.parents:
+            return []
+        n, _ = self.parents.pop(parent)
+        children = [child_id(parent, i) for i in range(n)]
+        for child in children:
+            del self.child_parent[child]
+        del self.latest[parent], self.done[parent]
+        return children

@@ -1,0 +1,112 @@
+"""The rarely-used per-request logit edits: logit bias, allowed tokens, bad words, min_tokens.
+
+Which requests need them is known on the CPU (their params); for those few requests a small
+index tensor is built on the CPU and one or two device ops apply the edit to the whole batch.
+Conditions that depend on generated tokens (bad-word prefixes, the output length for
+``min_tokens``) are evaluated on the device from the state table, so no sampled token has to
+reach the CPU first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mrv2.runner.state_table import RequestStateTable
+from mrv2.sample.params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+def apply_masks(
+    logits: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    table: RequestStateTable,
+    special: list[tuple[int, SamplingParams]],
+) -> None:
+    """Apply bias, allowed tokens, bad words and min_tokens of ``special`` rows in place.
+
+    ``special`` lists ``(batch index, params)`` of the batch's requests that use some rarely
+    used stage; ``logits`` is ``[B, V]`` float32 in batch order.
+    """
+    bias_b: list[int] = []
+    bias_t: list[int] = []
+    bias_v: list[float] = []
+    allowed: list[tuple[int, list[int]]] = []
+    cond_b: list[int] = []  # (row, token, kind) edits masked on a device-side condition
+    cond_t: list[int] = []
+    words: list[tuple[int, list[int]]] = []
+    min_b: list[int] = []
+    min_t: list[int] = []
+    for b, p in special:
+        if p.logit_bias:
+            for token, value in p.logit_bias.items():
+                bias_b.append(b)
+                bias_t.append(token)
+                bias_v.append(float(value))
+        if p.allowed_token_ids:
+            allowed.append((b, p.allowed_token_ids))
+        for word in p._bad_words_token_ids:
+            if len(word) == 1:
+                cond_b.append(b)
+                cond_t.append(word[0])
+            else:
+                words.append((b, word))
+        if p.min_tokens > 0:
+            for token in {*p._eos_token_ids, *(p.stop_token_ids or ())}:
+                min_b.append(b)
+                min_t.append(token)
+    device = logits.device
+    vocab = logits.shape[1]
+    if bias_b:
+        logits.index_put_((_t(bias_b, device), _t(bias_t, device)),
+                          torch.tensor(bias_v, dtype=torch.float32, device=device),
+                          accumulate=True)
+    if allowed:
+        rows = _t([b for b, _ in allowed], device)
+        keep = torch.zeros(len(allowed), vocab, dtype=torch.bool, device=device)
+        local = [i for i, (_, toks) in enumerate(allowed) for _ in toks]
+        toks = [t for _, ts in allowed for t in ts]
+        keep[_t(local, device), _t(toks, device)] = True
+        logits[rows] = logits[rows].masked_fill(~keep, _NEG_INF)
+    if cond_b:
+        logits[_t(cond_b, device), _t(cond_t, device)] = _NEG_INF
+    if words:
+        _ban_bad_words(logits, idx_mapping, table, words)
+    if min_b:
+        batch_idx = _t(min_b, device)
+        rows = idx_mapping[batch_idx].long()
+        num_out = table.num_tokens[rows] - table.prefill_len[rows]
+        add = torch.where(num_out < table.min_tokens[rows], _NEG_INF, 0.0)
+        logits.index_put_((batch_idx, _t(min_t, device)), add, accumulate=True)
+
+
+def _ban_bad_words(
+    logits: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    table: RequestStateTable,
+    words: list[tuple[int, list[int]]],
+) -> None:
+    """Ban each word's last token where its other tokens end the row's generated output."""
+    device = logits.device
+    longest = max(len(w) for _, w in words) - 1
+    prefix = torch.full((len(words), longest), -1, dtype=torch.int64)
+    for i, (_, word) in enumerate(words):
+        prefix[i, : len(word) - 1] = torch.tensor(word[:-1])
+    plen = _t([len(w) - 1 for _, w in words], device)
+    b = _t([bb for bb, _ in words], device)
+    last = _t([w[-1] for _, w in words], device)
+    rows = idx_mapping[b].long()
+    end = table.num_tokens[rows].long()
+    start = end - plen  # first position the prefix would occupy
+    j = torch.arange(longest, device=device)
+    pos = (start[:, None] + j[None, :]).clamp(0, table.token_ids.shape[1] - 1)
+    seen = table.token_ids[rows[:, None], pos].long()
+    used = j[None, :] < plen[:, None]
+    match = ((seen == prefix.to(device)) | ~used).all(dim=1)
+    match &= start >= table.prefill_len[rows].long()  # the prefix lies within the output
+    add = torch.where(match, _NEG_INF, 0.0)
+    logits.index_put_((b, last), add, accumulate=True)
+
+
+def _t(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)

@@ -1,0 +1,146 @@
+"""Automatic prefix caching end to end on CPU: greedy output is the same with the cache on or
+off, through cache hits, preemption storms and aborts, and nothing leaks."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from mrv2 import LLM, SamplingParams
+from mrv2.engine.engine import LLMEngine
+from mrv2.testing import hf_greedy, make_tiny_checkpoint
+
+NEW_TOKENS = 10
+PREFIX = [3 + (7 * i) % 250 for i in range(22)]
+SUFFIXES = [[11], [12, 13, 14], [15, 16, 17, 18, 19], [20, 21], [22, 23, 24, 25, 26, 27, 28]]
+PROMPTS = [PREFIX + s for s in SUFFIXES] + [PREFIX[:8], PREFIX[:12]]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "LlamaForCausalLM")
+
+
+def _llm(checkpoint: Path, **kwargs: object) -> LLM:
+    return LLM(str(checkpoint), device="cpu", dtype="float32", block_size=4, **kwargs)
+
+
+def _params() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def _rounds(llm: LLM) -> list[list[int]]:
+    """Several rounds on one engine, so later rounds find earlier rounds' blocks."""
+    outputs: list[list[int]] = []
+    for batch in (PROMPTS[:1], PROMPTS[1:3], PROMPTS[3:], PROMPTS[:2]):
+        results = llm.generate([{"prompt_token_ids": p} for p in batch], _params())
+        outputs += [r.outputs[0].token_ids for r in results]
+    return outputs
+
+
+def _assert_clean(engine: LLMEngine) -> None:
+    blocks = engine.block_manager
+    assert blocks.num_free_blocks == blocks.num_blocks
+    assert all(count == 0 for count in blocks.ref_count)
+    assert engine.scheduler.num_unfinished == 0
+    assert len(engine.runner.table) == 0  # every runner row released
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Path) -> list[list[int]]:
+    llm = _llm(checkpoint, enable_prefix_caching=False)
+    out = _rounds(llm)
+    assert llm.engine.stats()["prefix_cache_hits"] == 0
+    return out
+
+
+def test_cache_off_matches_hf(checkpoint: Path, reference: list[list[int]]) -> None:
+    for prompt, tokens in zip(PROMPTS[:2], reference[:2], strict=True):
+        assert tokens == hf_greedy(checkpoint, prompt, NEW_TOKENS)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"async_scheduling": False}, {"max_num_batched_tokens": 6}],
+    ids=["async", "sync", "chunked"],
+)
+def test_prefix_cache_hits_same_output(
+    checkpoint: Path, reference: list[list[int]], kwargs: dict[str, object]
+) -> None:
+    llm = _llm(checkpoint, **kwargs)
+    assert _rounds(llm) == reference
+    stats = llm.engine.stats()
+    assert stats["prefix_cache_hits"] > 0
+    assert 0 < stats["prefix_cache_hit_rate"] < 1
+    assert stats["prefix_cache_queries"] >= stats["prefix_cache_hits"]
+    _assert_clean(llm.engine)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_tiny_cache_preempts_often(
+    checkpoint: Path, reference: list[list[int]], caching: bool
+) -> None:
+    llm = _llm(checkpoint, num_gpu_blocks_override=12, enable_prefix_caching=caching)
+    assert _rounds(llm) == reference
+    assert llm.engine.stats()["num_preemptions"] > 0
+    _assert_clean(llm.engine)
+
+
+def _run_with_aborts(engine: LLMEngine, seed: int) -> dict[str, list[int]]:
+    """Keep the PROMPTS requests, plus noise requests aborted at random moments."""
+    rng = random.Random(seed)
+    kept = {engine.add_request(p, _params(), request_id=f"keep{i}"): i
+            for i, p in enumerate(PROMPTS)}
+    noise = [engine.add_request(PREFIX[: rng.randint(1, 22)] + [rng.randint(1, 250)] * 5,
+                                _params(), request_id=f"noise{i}") for i in range(6)]
+    results: dict[str, list[int]] = {}
+    steps = 0
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.request_id in kept:
+                results[output.request_id] = output.outputs[0].token_ids
+        steps += 1
+        if noise and rng.random() < 0.4:
+            engine.abort(noise.pop(rng.randrange(len(noise))))
+        if steps == 3:
+            engine.abort("keep-missing")  # unknown ids are ignored
+    return results
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_aborts_leak_nothing(
+    checkpoint: Path, reference: list[list[int]], seed: int
+) -> None:
+    llm = _llm(checkpoint, num_gpu_blocks_override=16)
+    results = _run_with_aborts(llm.engine, seed)
+    assert [results[f"keep{i}"] for i in range(len(PROMPTS))] == reference[: len(PROMPTS)]
+    _assert_clean(llm.engine)
+
+
+def test_abort_frees_blocks_at_once(checkpoint: Path) -> None:
+    engine = _llm(checkpoint).engine
+    engine.add_request(PROMPTS[0], _params(), request_id="a")
+    engine.add_request(PROMPTS[1], _params(), request_id="b")
+    engine.step()
+    engine.step()
+    held = engine.block_manager.num_blocks - engine.block_manager.num_free_blocks
+    assert held > 0
+    engine.abort("a")
+    engine.abort("b")
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    while engine.has_unfinished():
+        assert engine.step() == []
+    _assert_clean(engine)
+
+
+def test_whole_prompt_cached_still_computes_last_token(checkpoint: Path) -> None:
+    """A prompt whose every block is cached recomputes its last block, and still samples."""
+    llm = _llm(checkpoint)
+    prompt = PREFIX[:20]  # 5 full blocks
+    first = llm.generate([{"prompt_token_ids": prompt}], _params())[0].outputs[0].token_ids
+    second = llm.generate([{"prompt_token_ids": prompt}], _params())[0].outputs[0].token_ids
+    assert first == second == hf_greedy(checkpoint, prompt, NEW_TOKENS)
+    stats = llm.engine.stats()
+    assert stats["prefix_cache_hits"] == 16  # 4 of 5 blocks: the last one is recomputed

@@ -1,0 +1,235 @@
+"""Property test of Scheduler + BlockManager without a model.
+
+A fake runner mirrors the real one: it applies each SchedulerOutput to a table of rows, writes
+the "KV" of every computed position (the token itself) into a fake paged cache through the
+request's block table, checks that every position attention would read holds the right token,
+and samples a token that is a pure function of the sequence. A fake engine loop feeds tokens
+back one step late (async) or at once (sync), the way ``LLMEngine`` does, with random arrivals,
+aborts and stops. Invariants are checked after every step, and every request that was not
+aborted must end with exactly the tokens it would produce alone.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from mrv2.config import SchedulerConfig
+from mrv2.engine.block_manager import BlockManager
+from mrv2.engine.request import Request, RequestStatus
+from mrv2.engine.scheduler import Scheduler
+from mrv2.runner.scheduler_output import SchedulerOutput
+from mrv2.sample.params import SamplingParams
+
+STOP = 6
+BASE = [1, 2, 3, 1, 2, 3, 3, 2, 1, 1, 2, 2, 3, 3, 1, 2, 1, 3, 2, 1]
+
+
+def next_token(tokens: list[int]) -> int:
+    """The fake model: deterministic in the whole sequence, small vocabulary, sometimes STOP."""
+    return (sum(tokens[-3:]) * 7 + len(tokens) * 3 + tokens[0]) % 6 + 1
+
+
+def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
+    tokens, out = list(prompt), []
+    while len(out) < max_tokens:
+        token = next_token(tokens)
+        tokens.append(token)
+        out.append(token)
+        if token == STOP:
+            break
+    return out
+
+
+@dataclass
+class Row:
+    tokens: list[int]
+    blocks: list[int]
+    computed: int
+
+
+@dataclass
+class FakeRunner:
+    block_size: int
+    num_blocks: int
+    rows: dict[str, Row] = field(default_factory=dict)
+    kv: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    def remove(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            del self.rows[req_id]
+
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        self.remove(out.finished_req_ids)
+        for new in out.new_requests:
+            assert new.req_id not in self.rows
+            self.rows[new.req_id] = Row(list(new.token_ids), list(new.block_ids),
+                                        new.num_computed_tokens)
+        for req_id, blocks in out.new_block_ids.items():
+            self.rows[req_id].blocks += blocks
+        sampled = {}
+        size = self.block_size
+        for req_id, n in out.num_scheduled_tokens.items():
+            row = self.rows[req_id]
+            assert 0 < n <= len(row.tokens) - row.computed
+            for pos in range(row.computed, row.computed + n):
+                self.kv[row.blocks[pos // size], pos % size] = row.tokens[pos]
+            row.computed += n
+            for pos in range(row.computed):  # what attention reads
+                assert self.kv.get((row.blocks[pos // size], pos % size)) == row.tokens[pos], (
+                    f"{req_id}: stale KV at position {pos}")
+            if row.computed == len(row.tokens):
+                token = next_token(row.tokens)
+                row.tokens.append(token)
+                sampled[req_id] = token
+        return sampled
+
+
+class FakeEngine:
+    def __init__(self, scheduler: Scheduler, runner: FakeRunner, async_scheduling: bool) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.async_scheduling = async_scheduling
+        self.requests: dict[str, Request] = {}
+        self.in_flight: deque[dict[str, int]] = deque()
+        self.done: dict[str, list[int]] = {}
+        self.gone: list[Request] = []
+        self.scheduled_running: set[str] = set()
+
+    def add(self, req_id: str, prompt: list[int], max_tokens: int, priority: int) -> None:
+        request = Request(req_id=req_id, prompt_token_ids=prompt,
+                          sampling_params=SamplingParams(temperature=0.0), seed=0,
+                          eos_token_ids=frozenset(), max_tokens=max_tokens, priority=priority)
+        self.scheduler.add(request)
+        self.requests[req_id] = request
+
+    def abort(self, req_id: str) -> None:
+        request = self.requests.pop(req_id, None)
+        if request is not None:
+            self.scheduler.finish(request, "abort")
+            self.gone.append(request)
+            if not self.has_unfinished():
+                self.runner.remove(self.scheduler.take_finished_ids())
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or bool(self.in_flight)
+
+    def step(self) -> SchedulerOutput:
+        out = self.scheduler.schedule()
+        self.scheduled_running = {r.req_id for r in self.scheduler.running}
+        if out.num_scheduled_tokens:
+            self.in_flight.append(self.runner.execute(out))
+        else:
+            self.runner.remove(out.finished_req_ids)
+        keep = 1 if self.async_scheduling and out.num_scheduled_tokens else 0
+        while len(self.in_flight) > keep:
+            self._process(self.in_flight.popleft())
+        if not self.has_unfinished():
+            self.runner.remove(self.scheduler.take_finished_ids())
+        return out
+
+    def _process(self, sampled: dict[str, int]) -> None:
+        for req_id, token in sampled.items():
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            request.num_pending -= 1
+            if request.finished:
+                continue
+            request.output_token_ids.append(token)
+            if token == STOP:
+                self.scheduler.finish(request, "stop")
+            elif len(request.output_token_ids) >= request.max_tokens:
+                self.scheduler.finish(request, "length")
+            if request.finished:
+                self.done[req_id] = list(request.output_token_ids)
+                self.gone.append(request)
+                del self.requests[req_id]
+
+
+def check_invariants(engine: FakeEngine, out: SchedulerOutput, config: SchedulerConfig) -> None:
+    scheduler, blocks = engine.scheduler, engine.scheduler.blocks
+    holders = [0] * blocks.num_blocks
+    for request in scheduler.running:
+        assert request.status is RequestStatus.RUNNING
+        assert len(set(request.block_ids)) == len(request.block_ids)
+        assert request.num_computed_tokens <= len(request.block_ids) * blocks.block_size
+        for block in request.block_ids:
+            holders[block] += 1
+    for request in scheduler.waiting:
+        assert request.status is RequestStatus.WAITING
+        assert request.block_ids == [] and request.num_computed_tokens == 0
+    for request in [*scheduler.running, *scheduler.waiting]:
+        assert 0 <= request.num_computed_tokens <= request.num_tokens
+        assert request.num_pending in (0, 1)
+    for request in engine.gone:
+        assert request.finished and request.block_ids == []
+    assert holders == blocks.ref_count
+    for block, count in enumerate(holders):
+        if count > 1:
+            assert blocks.block_hash[block] is not None, "shared block not from the cache"
+    free = [b for b in range(blocks.num_blocks) if holders[b] == 0]
+    assert sorted(blocks._free) == free
+    assert blocks.num_free_blocks + sum(1 for c in holders if c) == blocks.num_blocks
+    for block_hash, block in blocks._cached.items():
+        assert blocks.block_hash[block] == block_hash
+    if not blocks.enable_caching:
+        assert not blocks._cached
+    assert out.total_num_scheduled_tokens <= config.max_num_batched_tokens
+    assert len(out.num_scheduled_tokens) <= config.max_num_seqs
+    assert all(n > 0 for n in out.num_scheduled_tokens.values())
+    assert set(out.num_scheduled_tokens) <= engine.scheduled_running
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_scheduler_invariants_and_outputs(data: st.DataObject) -> None:
+    block_size = data.draw(st.sampled_from([1, 2, 4]), label="block_size")
+    num_blocks = data.draw(st.integers(4, 24), label="num_blocks")
+    config = SchedulerConfig(
+        max_num_seqs=data.draw(st.integers(1, 6), label="max_num_seqs"),
+        max_num_batched_tokens=data.draw(st.integers(1, 24), label="budget"),
+        async_scheduling=data.draw(st.booleans(), label="async"),
+        policy=data.draw(st.sampled_from(["fcfs", "priority"]), label="policy"),
+    )
+    caching = data.draw(st.booleans(), label="caching")
+    blocks = BlockManager(num_blocks, block_size, enable_caching=caching)
+    engine = FakeEngine(Scheduler(config, blocks), FakeRunner(block_size, num_blocks),
+                        config.async_scheduling)
+    added: dict[str, tuple[list[int], int]] = {}
+    aborted: set[str] = set()
+    num_steps = data.draw(st.integers(1, 40), label="steps")
+    for step in range(num_steps + 20_000):
+        if step < num_steps:
+            for _ in range(data.draw(st.integers(0, 2))):
+                prefix = data.draw(st.integers(0, len(BASE)))
+                tail = data.draw(st.lists(st.integers(1, 3), max_size=6))
+                prompt = BASE[:prefix] + tail or [1]
+                max_tokens = data.draw(st.integers(1, 8))
+                if blocks.blocks_needed(len(prompt) + max_tokens, 0) > num_blocks:
+                    continue  # the engine rejects it up front
+                req_id = f"r{len(added)}"
+                engine.add(req_id, prompt, max_tokens, data.draw(st.integers(0, 3)))
+                added[req_id] = (prompt, max_tokens)
+            if engine.requests and data.draw(st.integers(0, 5)) == 0:
+                req_id = data.draw(st.sampled_from(sorted(engine.requests)))
+                engine.abort(req_id)
+                aborted.add(req_id)
+        elif not engine.has_unfinished():
+            break
+        out = engine.step()
+        check_invariants(engine, out, config)
+    assert not engine.has_unfinished(), "requests never finished (deadlock)"
+    event(f"cache hits: {blocks.num_hit_tokens > 0}")
+    event(f"preemptions: {engine.scheduler.num_preemptions > 0}")
+    event(f"aborts: {bool(aborted)}")
+    assert engine.runner.rows == {}
+    assert blocks.num_free_blocks == num_blocks and not any(blocks.ref_count)
+    for req_id, (prompt, max_tokens) in added.items():
+        if req_id in aborted:
+            assert req_id not in engine.done
+        else:
+            assert engine.done[req_id] == expected_output(prompt, max_tokens), req_id

@@ -1,0 +1,130 @@
+"""Scheduling policy: priority admission, preemption victims, decodes before prefills."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mrv2 import LLM, SamplingParams
+from mrv2.config import SchedulerConfig
+from mrv2.engine.block_manager import BlockManager
+from mrv2.engine.request import Request, RequestStatus
+from mrv2.engine.scheduler import Scheduler
+from mrv2.runner.scheduler_output import SchedulerOutput
+from mrv2.testing import make_tiny_checkpoint
+
+
+def _scheduler(policy: str, num_blocks: int = 64, block_size: int = 2, **kwargs: int) -> Scheduler:
+    config = SchedulerConfig(policy=policy, **kwargs)  # type: ignore[arg-type]
+    return Scheduler(config, BlockManager(num_blocks, block_size))
+
+
+def _request(
+    req_id: str, prompt_len: int, priority: int = 0, max_tokens: int = 8, first: int = 1
+) -> Request:
+    return Request(req_id=req_id, prompt_token_ids=[first + i % 9 for i in range(prompt_len)],
+                   sampling_params=SamplingParams(temperature=0.0), seed=0,
+                   eos_token_ids=frozenset(), max_tokens=max_tokens, priority=priority)
+
+
+def _step(scheduler: Scheduler) -> SchedulerOutput:
+    """Schedule, then deliver every sampled token at once (synchronous engine)."""
+    out = scheduler.schedule()
+    for request in scheduler.running:
+        while request.num_pending:
+            request.num_pending -= 1
+            request.output_token_ids.append(7)
+    return out
+
+
+@pytest.mark.parametrize(("policy", "first"), [("priority", "urgent"), ("fcfs", "a")])
+def test_late_high_priority_request_is_admitted_first(policy: str, first: str) -> None:
+    scheduler = _scheduler(policy, max_num_seqs=1)
+    scheduler.add(_request("a", 4, priority=5))
+    scheduler.add(_request("b", 4, priority=5))
+    scheduler.add(_request("urgent", 4, priority=0))
+    out = _step(scheduler)
+    assert [r.req_id for r in out.new_requests] == [first]
+    if policy == "priority":
+        assert [r.req_id for r in scheduler.waiting] == ["a", "b"]
+
+
+def test_priority_ties_keep_arrival_order() -> None:
+    scheduler = _scheduler("priority")
+    for i, priority in enumerate([2, 1, 2, 1, 0]):
+        scheduler.add(_request(f"r{i}", 3, priority=priority))
+    assert [r.req_id for r in scheduler.waiting] == ["r4", "r1", "r3", "r0", "r2"]
+
+
+@pytest.mark.parametrize(("policy", "victim"), [("priority", "b"), ("fcfs", "c")])
+def test_preemption_victim(policy: str, victim: str) -> None:
+    # 3 requests x 2 blocks fill the 6 blocks; the next block any of them needs preempts one.
+    scheduler = _scheduler(policy, num_blocks=6)
+    for req_id, priority in [("a", 0), ("b", 2), ("c", 1)]:
+        scheduler.add(_request(req_id, 2, priority=priority))
+    for _ in range(3):
+        _step(scheduler)
+    assert scheduler.blocks.num_free_blocks == 0 and scheduler.num_preemptions == 0
+    out = _step(scheduler)
+    assert scheduler.num_preemptions == 1
+    assert [r.req_id for r in scheduler.waiting] == [victim]
+    preempted = scheduler.waiting[0]
+    assert preempted.status is RequestStatus.WAITING and preempted.block_ids == []
+    assert victim not in out.num_scheduled_tokens
+    assert victim in out.finished_req_ids  # its runner row goes at once
+    assert sorted(out.num_scheduled_tokens) == sorted({"a", "b", "c"} - {victim})
+
+
+def test_priority_preempts_a_request_already_scheduled_this_step() -> None:
+    """The victim may be a decode scheduled earlier in the step: its tokens are taken back."""
+    scheduler = _scheduler("priority", num_blocks=8, max_num_batched_tokens=8)
+    scheduler.add(_request("low", 2, priority=9, first=20))  # a decode by the time "high" prefills
+    _step(scheduler)
+    _step(scheduler)
+    scheduler.add(_request("high", 12, priority=0, max_tokens=2))  # a chunked prefill
+    for _ in range(6):
+        out = _step(scheduler)
+        assert out.total_num_scheduled_tokens <= 8
+        if scheduler.num_preemptions:
+            break
+    assert scheduler.num_preemptions == 1
+    assert "low" not in out.num_scheduled_tokens and "high" in out.num_scheduled_tokens
+    assert "low" not in out.new_block_ids and "low" in out.finished_req_ids
+    low = scheduler.waiting[0]
+    assert low.req_id == "low" and low.num_pending == 0 and low.num_computed_tokens == 0
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_decodes_are_not_starved_by_prefills(policy: str) -> None:
+    scheduler = _scheduler(policy, max_num_batched_tokens=6)
+    scheduler.add(_request("decode", 2, priority=5, max_tokens=30))
+    _step(scheduler)
+    scheduler.add(_request("long", 40, priority=0))
+    for _ in range(6):
+        out = _step(scheduler)
+        assert out.num_scheduled_tokens["decode"] == 1
+        assert out.num_scheduled_tokens["long"] == 5  # the rest of the budget: chunked
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
+    checkpoint: Path = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "LlamaForCausalLM")
+    return LLM(str(checkpoint), device="cpu", dtype="float32", block_size=4, policy="priority",
+               max_waiting=3)
+
+
+def test_engine_priority_and_overload(llm: LLM) -> None:
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    engine.add_request([1, 2, 3], params, request_id="x", priority=3)
+    engine.add_request([4, 5, 6], params, request_id="y", priority=1)
+    engine.add_request([7, 8, 9], params, request_id="z", priority=2)
+    assert [r.req_id for r in engine.scheduler.waiting] == ["y", "z", "x"]
+    with pytest.raises(RuntimeError, match="waiting queue full"):
+        engine.add_request([1, 2], params, request_id="w")
+    assert engine.stats()["num_waiting"] == 3
+    while engine.has_unfinished():
+        engine.step()
+    stats = engine.stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0 and stats["kv_usage"] == 0.0

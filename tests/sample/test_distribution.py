@@ -1,0 +1,66 @@
+"""Thousands of seeded draws (one per position) follow the exact post-filter distribution."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from sample_helpers import make_batch
+
+from mrv2.sample.params import SamplingParams
+from mrv2.sample.sampler import Sampler
+
+LOGITS = torch.tensor([2.0, 1.5, 1.2, 0.7, 0.3, 0.0, -0.5, -1.5])
+DRAWS = 6000
+
+
+def _exact(temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """The target distribution, stated directly: temperature, min-p, top-k, top-p."""
+    p = torch.softmax(LOGITS.double() / temperature, -1)
+    p = torch.where(p >= p.max() * min_p, p, 0.0)
+    order = p.argsort(descending=True)
+    keep = torch.zeros_like(p, dtype=torch.bool)
+    mass = 0.0
+    total = float(p.sum())
+    for rank, v in enumerate(order.tolist()):
+        if p[v] == 0 or (top_k > 0 and rank >= top_k) or mass >= top_p * total:
+            break
+        keep[v] = True
+        mass += float(p[v])
+    p = torch.where(keep, p, 0.0)
+    return p / p.sum()
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p", "min_p"),
+    [(1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.3, 5, 1.0, 0.0), (1.0, 0, 0.8, 0.0),
+     (1.0, 0, 1.0, 0.3), (0.9, 6, 0.9, 0.1)],
+)
+def test_draws_match_exact_probabilities(
+    temperature: float, top_k: int, top_p: float, min_p: float
+) -> None:
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    batch, table = make_batch([params] * DRAWS, [([1], [])] * DRAWS, len(LOGITS),
+                              seeds=[1234] * DRAWS, positions=list(range(DRAWS)))
+    tokens = Sampler()(LOGITS.repeat(DRAWS, 1), batch, table).tokens
+    counts = torch.bincount(tokens, minlength=len(LOGITS)).double()
+    expected = _exact(temperature, top_k, top_p, min_p) * DRAWS
+    assert counts[expected == 0].sum() == 0, "a filtered-out token was sampled"
+    support = expected > 0
+    chi2 = float(((counts[support] - expected[support]) ** 2 / expected[support]).sum())
+    dof = int(support.sum()) - 1
+    # 99.9% quantile of chi-square (Wilson-Hilferty); fixed seed, so the test is not flaky.
+    z = 3.09
+    bound = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3 if dof else 0.0
+    assert chi2 < bound, (chi2, bound, counts.tolist(), expected.tolist())
+
+
+def test_chi_square_detects_a_wrong_temperature() -> None:
+    params = SamplingParams(temperature=1.0)
+    batch, table = make_batch([params] * DRAWS, [([1], [])] * DRAWS, len(LOGITS),
+                              seeds=[99] * DRAWS, positions=list(range(DRAWS)))
+    tokens = Sampler()(LOGITS.repeat(DRAWS, 1), batch, table).tokens
+    counts = torch.bincount(tokens, minlength=len(LOGITS)).double()
+    wrong = _exact(0.8, 0, 1.0, 0.0) * DRAWS
+    assert float(((counts - wrong) ** 2 / wrong).sum()) > 30

@@ -1,0 +1,157 @@
+"""The sampler's per-request stages against direct torch statements of vLLM's semantics."""
+
+from __future__ import annotations
+
+import torch
+from sample_helpers import make_batch
+
+from mrv2.runner.state_table import RowInfo
+from mrv2.sample.masks import apply_masks
+from mrv2.sample.params import SamplingParams
+from mrv2.sample.sampler import Sampler, _special_rows
+
+VOCAB = 40
+
+
+def _with(params: SamplingParams, **engine: object) -> SamplingParams:
+    for key, value in engine.items():
+        setattr(params, key, value)
+    return params
+
+
+def test_masks_match_direct_statement() -> None:
+    g = torch.Generator().manual_seed(0)
+    params = [
+        SamplingParams(logit_bias={3: 5.0, 7: -2.5}),
+        SamplingParams(allowed_token_ids=[1, 4, 9]),
+        _with(SamplingParams(), _bad_words_token_ids=[[5], [11, 12], [13, 14, 15], [20, 21]]),
+        _with(SamplingParams(min_tokens=3, stop_token_ids=[2]), _eos_token_ids=[0]),
+        _with(SamplingParams(min_tokens=2, stop_token_ids=[2]), _eos_token_ids=[0]),
+        SamplingParams(),
+    ]
+    histories = [([1, 2], [3]), ([1], []), ([11, 20], [13, 14, 9, 11]),
+                 ([5, 6], [7, 8]), ([5, 6], [7, 8]), ([1], [2])]
+    batch, table = make_batch(params, histories, VOCAB, rows=[4, 0, 2, 1, 3, 5])
+    logits = torch.randn(len(params), VOCAB, generator=g)
+    expected = logits.clone()
+    expected[0, 3] += 5.0
+    expected[0, 7] -= 2.5
+    keep = torch.zeros(VOCAB, dtype=torch.bool)
+    keep[[1, 4, 9]] = True
+    expected[1, ~keep] = float("-inf")
+    # Row 2's output ends with 11: [11, 12] bans 12; [13, 14, 15] needs output ending 13 14
+    # (it ends 9 11: not banned); [20, 21]: 20 is in the prompt only (not banned).
+    expected[2, 5] = float("-inf")
+    expected[2, 12] = float("-inf")
+    expected[3, [0, 2]] = float("-inf")  # 2 outputs < min_tokens 3; row 4 has reached 2
+    special = _special_rows(batch, table)
+    assert [b for b, _ in special] == [0, 1, 2, 3, 4]
+    apply_masks(logits, batch.idx_mapping, table, special)
+    torch.testing.assert_close(logits, expected)
+
+
+def test_bad_word_prefix_across_steps() -> None:
+    p = _with(SamplingParams(), _bad_words_token_ids=[[13, 14, 15]])
+    batch, table = make_batch([p], [([1], [13, 14])], VOCAB)
+    logits = torch.zeros(1, VOCAB)
+    apply_masks(logits, batch.idx_mapping, table, _special_rows(batch, table))
+    assert torch.isinf(logits[0, 15]) and torch.isfinite(logits).sum() == VOCAB - 1
+
+
+def test_sampler_applies_penalties_then_samples_greedy() -> None:
+    g = torch.Generator().manual_seed(1)
+    params = [SamplingParams(temperature=0, repetition_penalty=1.7, frequency_penalty=0.4,
+                             presence_penalty=0.3),
+              SamplingParams(temperature=0), SamplingParams(temperature=0, logit_bias={6: 50.0})]
+    histories = [([1, 2, 3], [4, 4, 5]), ([1], [2]), ([0], [])]
+    batch, table = make_batch(params, histories, VOCAB, rows=[2, 0, 1])
+    logits = torch.randn(3, VOCAB, generator=g) * 2
+    logits[0, 4] = 10.0  # favourite, but penalized
+    logits[0, 2] = 9.5
+    logits[0, 7] = 6.0
+    out = Sampler()(logits.clone(), batch, table)
+    # Row 0: 4 -> 10/1.7 - 2*0.4 - 0.3 = 4.78; 2 -> 9.5/1.7 = 5.59; 7 -> 6.0 (unseen) wins.
+    assert out.tokens.tolist() == [7, int(logits[1].argmax()), 6]
+    assert out.logprobs is None
+
+
+def test_sampler_logprobs_are_raw_log_softmax() -> None:
+    g = torch.Generator().manual_seed(2)
+    params = [SamplingParams(temperature=0.7, logprobs=3, presence_penalty=1.0),
+              SamplingParams(temperature=1.0, logprobs=0), SamplingParams(temperature=0)]
+    batch, table = make_batch(params, [([1], [2]), ([3], []), ([4], [])], VOCAB,
+                              seeds=[5, 6, 7])
+    logits = torch.randn(3, VOCAB, generator=g)
+    raw = logits.clone()
+    out = Sampler()(logits, batch, table)
+    assert torch.equal(logits, raw)  # the raw logits are left untouched
+    assert out.logprob_ids is not None and out.logprobs is not None
+    assert out.sampled_rank is not None
+    full = torch.log_softmax(raw, dim=-1)
+    assert torch.equal(out.logprob_ids[:, 0], out.tokens)
+    torch.testing.assert_close(out.logprobs, full.gather(1, out.logprob_ids))
+    assert torch.equal(out.logprob_ids[:, 1:], full.topk(3, dim=-1).indices)
+    chosen = full.gather(1, out.tokens[:, None])
+    assert torch.equal(out.sampled_rank, (full > chosen).sum(-1) + 1)
+
+
+def test_prompt_logprobs_slices_bound_the_logits() -> None:
+    from mrv2.sample.prompt_logprobs import PromptChunk, compute_prompt_logprobs
+
+    g = torch.Generator().manual_seed(3)
+    head = torch.randn(8, VOCAB, generator=g)
+    hidden = torch.randn(12, 8, generator=g)
+    prompt_a, prompt_b = list(range(1, 10)), [4, 5, 6, 7]
+    _, table = make_batch([SamplingParams(prompt_logprobs=2), SamplingParams(prompt_logprobs=0)],
+                          [(prompt_a, []), (prompt_b, [])], VOCAB)
+    sizes: list[int] = []
+
+    def lm_head(h: torch.Tensor) -> torch.Tensor:
+        sizes.append(h.shape[0])
+        return h @ head
+
+    # Step rows 0..5: prompt_a positions 3..8 (its last token predicts no prompt token);
+    # rows 6..9: prompt_b positions 0..3.
+    chunks = [PromptChunk("a", 0, 0, 3, 5, 2), PromptChunk("b", 1, 6, 0, 3, 0)]
+    out = compute_prompt_logprobs(hidden, lm_head, table, chunks, slice_tokens=3)
+    assert max(sizes) == 3 and sum(sizes) == 8
+    full = torch.log_softmax(hidden @ head, dim=-1)
+    a, b = out
+    assert (a.first_position, b.first_position) == (4, 1)
+    targets_a = torch.tensor(prompt_a[4:9])
+    torch.testing.assert_close(a.logprobs[:, 0], full[0:5].gather(1, targets_a[:, None])[:, 0])
+    assert torch.equal(a.ids[:, 1:], full[0:5].topk(2, dim=-1).indices)
+    targets_b = torch.tensor(prompt_b[1:4])
+    torch.testing.assert_close(b.logprobs[:, 0], full[6:9].gather(1, targets_b[:, None])[:, 0])
+    assert b.ids.shape == (3, 1)
+    ranks = (full[6:9] > full[6:9].gather(1, targets_b[:, None])).sum(-1) + 1
+    assert torch.equal(b.ranks, ranks)
+
+
+def test_staged_penalty_state_of_a_resumed_request() -> None:
+    """A resumed request's prefill is prompt + outputs: they split into mask and counts."""
+    from mrv2.runner.staged_edits import StagedEdits
+    from mrv2.runner.state_table import RequestStateTable
+
+    table = RequestStateTable(3, 16, 2, torch.device("cpu"))
+    table.ensure_penalty_state(VOCAB)
+    assert table.output_counts is not None and table.prompt_mask is not None
+    table.output_counts[1, 5] = 7  # stale state of the row's previous request
+    table.prompt_mask[1, 9] = True
+    staged = StagedEdits()
+    staged.add_prompt_mask(1, [3, 4, 3, 8, 8, 2], prompt_len=3)
+    staged.rows.append(1)
+    staged.params.append((1.0, 0, 1.0, 0.0, 0, 0, 6))
+    staged.params2.append((1.2, 0.0, 0.0, 2, 3))
+    arrays = staged.arrays()
+    StagedEdits.apply({k: torch.from_numpy(v) for k, v in arrays.items()}, table)
+    assert table.prompt_mask[1].nonzero().flatten().tolist() == [3, 4]
+    counts = table.output_counts[1]
+    assert counts.nonzero().flatten().tolist() == [2, 8] and counts[8] == 2 and counts[2] == 1
+    assert int(table.prefill_len[1]) == 3 and int(table.num_tokens[1]) == 6
+    assert int(table.min_tokens[1]) == 2
+    table.allocate(RowInfo("x", 6, 6, True, False, False, False, SamplingParams(
+        presence_penalty=1.0)))
+    table.record_sampled(torch.tensor([1, 0], dtype=torch.int32), torch.tensor([8, 8]),
+                         torch.tensor([1, 0], dtype=torch.int32))
+    assert int(table.output_counts[1, 8]) == 3 and int(table.output_counts[0, 8]) == 0
