@@ -52,3 +52,21 @@ def test_cli_parses_bench() -> None:
                                       "--variants", "async_off"])
     assert isinstance(args, argparse.Namespace) and args.num_requests == 8
     assert args.variants == ["async_off"]
+
+
+def test_throughput_bench_runs_with_shared_prefix_and_small_cache(tmp_path: Path) -> None:
+    from mrv2.bench.throughput import bench
+    from mrv2.entrypoints.cli import build_parser
+
+    ckpt = make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM", vocab_size=10_001,
+                                max_position_embeddings=4096, num_hidden_layers=1)
+    args = build_parser().parse_args([
+        "bench", "throughput", "--model", str(ckpt), "--num-requests", "2", "--dtype",
+        "float32", "--max-num-seqs", "1", "--shared-prefix", "64", "--kv-fraction", "0.9",
+        "--variants", "prefix_off",
+    ])
+    results = bench(args)
+    assert results["default"]["output_tokens"] == results["output_tokens_expected"]
+    assert results["default"]["prefix_hit_rate"] > 0  # request 2 reuses request 1's prefix
+    assert results["prefix_off"]["prefix_hit_rate"] == 0
+    assert results["num_gpu_blocks"] > 0

@@ -28,13 +28,17 @@ from mrv2.engine.engine import LLMEngine
 from mrv2.sample.params import SamplingParams
 
 
-def workload(num_requests: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
-    """Prompts and max_tokens of the public benchmark."""
+def workload(
+    num_requests: int, seed: int = 0, shared_prefix: int = 0
+) -> tuple[list[list[int]], list[int]]:
+    """Prompts and max_tokens of the public benchmark; ``shared_prefix`` random tokens (drawn
+    after everything else) are put in front of every prompt."""
     rng = random.Random(seed)
     prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))]
                for _ in range(num_requests)]
     max_tokens = [rng.randint(100, 1024) for _ in range(num_requests)]
-    return prompts, max_tokens
+    prefix = [rng.randint(0, 10000) for _ in range(shared_prefix)]
+    return [prefix + p for p in prompts], max_tokens
 
 
 def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: list[int],
@@ -87,11 +91,19 @@ def hf_generate_tok_s(model_dir: str, prompts: list[list[int]], max_tokens: list
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run the workload with the given variants; returns a result dict (also printed)."""
     model_dir = resolve_model(args.model)
-    prompts, max_tokens = workload(args.num_requests, args.seed)
+    prompts, max_tokens = workload(args.num_requests, args.seed, args.shared_prefix)
     results: dict[str, Any] = {"model": args.model, "requests": args.num_requests,
+                               "shared_prefix": args.shared_prefix,
                                "output_tokens_expected": sum(max_tokens)}
+    cache: dict[str, Any] = {}
+    if args.kv_fraction is not None:
+        # the whole workload's KV at once, in blocks, times the fraction: forces preemption
+        need = sum(-(-(len(p) + m) // 16) for p, m in zip(prompts, max_tokens, strict=True))
+        cache = {"block_size": 16, "num_gpu_blocks_override": max(1, int(need * args.kv_fraction))}
+        results["num_gpu_blocks"] = cache["num_gpu_blocks_override"]
     variants = {"default": {}, "async_off": {"async_scheduling": False},
-                "graphs_off": {"enforce_eager": True}}
+                "graphs_off": {"enforce_eager": True},
+                "prefix_off": {"enable_prefix_caching": False}}
     chosen = args.variants if "default" in args.variants else ["default", *args.variants]
     bandwidth = None
     for name in chosen:
@@ -99,7 +111,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             model=model_dir, load_format=args.load_format, dtype=args.dtype,
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
-            gpu_memory_utilization=args.gpu_memory_utilization, **variants[name],
+            gpu_memory_utilization=args.gpu_memory_utilization, **cache, **variants[name],
         )
         engine = LLMEngine(config)
         warm_p, _ = workload(4, seed=1)
@@ -107,8 +119,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         if args.full_warmup and name == chosen[0]:
             # Triton compiles a kernel variant per new integer specialization (values equal to 1
             # or divisible by 16); one untimed pass compiles them all for every variant after.
-            run_engine(engine, prompts, max_tokens, args.temperature)
+            # (other prompts of the same shape, so the prefix cache holds none of the timed ones)
+            warm_all, _ = workload(args.num_requests, args.seed + 1, args.shared_prefix)
+            run_engine(engine, warm_all, max_tokens, args.temperature)
         log = instrument(engine)
+        before = engine.stats()
         produced, seconds = run_engine(engine, prompts, max_tokens, args.temperature)
         row: dict[str, Any] = {"output_tokens": produced, "seconds": round(seconds, 3),
                                "output_tok_s": round(produced / seconds, 1),
@@ -116,6 +131,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                                "cpu_execute_ms_per_step": round(
                                    log.cpu_execute_s * 1e3 / len(log.steps), 3),
                                "wait_ms_per_step": round(log.wait_s * 1e3 / len(log.steps), 3)}
+        after = engine.stats()
+        queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
+        hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+        row["prefix_hit_rate"] = round(hits / queries, 3) if queries else 0.0
+        row["preemptions"] = after["num_preemptions"] - before["num_preemptions"]
         if engine.runner.device.type == "cuda":
             if bandwidth is None:
                 bandwidth = copy_bandwidth(engine.runner.device)
@@ -163,11 +183,15 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--variants", nargs="*", default=[],
-                   choices=["default", "async_off", "graphs_off"],
+                   choices=["default", "async_off", "graphs_off", "prefix_off"],
                    help="also run with async scheduling off / CUDA graphs off (in this order; "
                    "name default to place it)")
     p.add_argument("--hf-requests", type=int, default=0,
                    help="also run the first N requests through HF generate, for a ratio")
+    p.add_argument("--shared-prefix", type=int, default=0,
+                   help="put the same N random tokens in front of every prompt")
+    p.add_argument("--kv-fraction", type=float, default=None,
+                   help="limit the KV cache to this fraction of what the whole workload needs")
     p.add_argument("--full-warmup", action="store_true",
                    help="run the workload once untimed first, so no variant pays compilation")
     p.add_argument("--json", default=None, help="write the results here too")
