@@ -70,3 +70,16 @@ def test_throughput_bench_runs_with_shared_prefix_and_small_cache(tmp_path: Path
     assert results["default"]["prefix_hit_rate"] > 0  # request 2 reuses request 1's prefix
     assert results["prefix_off"]["prefix_hit_rate"] == 0
     assert results["num_gpu_blocks"] > 0
+
+
+def test_sampler_bench_times_every_mode(tmp_path: Path) -> None:
+    from mrv2.bench.sampler import MODES, bench
+    from mrv2.entrypoints.cli import build_parser
+
+    ckpt = make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM", vocab_size=1001,
+                                num_hidden_layers=1)
+    args = build_parser().parse_args(["bench", "sampler", "--model", str(ckpt), "--batch", "4",
+                                      "--repeats", "3", "--dtype", "float32"])
+    results = bench(args)
+    assert results["vocab"] == 1001
+    assert all(results[mode]["us"] > 0 for mode in MODES)

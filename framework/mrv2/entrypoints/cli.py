@@ -1,4 +1,4 @@
-"""The ``mrv2`` command: generate, plugins, prepare-default-model."""
+"""The ``mrv2`` command: generate, serve, bench, plugins, prepare-default-model."""
 
 from __future__ import annotations
 
@@ -29,6 +29,17 @@ def _generate(args: argparse.Namespace) -> int:
         else:
             output = llm.generate(prompt, params, use_tqdm=False)[0]
         print(output.outputs[0].text.strip())
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from mrv2.engine.engine import LLMEngine
+    from mrv2.entrypoints.server import run_server
+
+    model = args.model_dir or args.model
+    engine = LLMEngine(config_from_cli(args, model))
+    run_server(engine, args.host, args.port, args.served_model_name, args.api_key,
+               args.max_pending)
     return 0
 
 
@@ -75,15 +86,29 @@ def build_parser() -> argparse.ArgumentParser:
     add_cli_args(gen)
     gen.set_defaults(func=_generate)
 
+    serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    serve.add_argument("model_dir", nargs="?", default=None,
+                       help="HF checkpoint dir (default: SmolLM2-135M)")
+    serve.add_argument("--model", default=None, help="same as MODEL_DIR")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
+    serve.add_argument("--served-model-name", default=None, help="model name in the API")
+    serve.add_argument("--max-pending", type=int, default=1024,
+                       help="requests in flight before 503")
+    add_cli_args(serve)
+    serve.set_defaults(func=_serve)
+
     plugins = sub.add_parser("plugins", help="list loaded plugins and what they registered")
     plugins.set_defaults(func=_plugins)
 
     bench = sub.add_parser("bench", help="benchmarks: throughput, latency")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from mrv2.bench import latency, throughput
+    from mrv2.bench import latency, sampler, throughput
 
     throughput.add_parser(bench_sub)
     latency.add_parser(bench_sub)
+    sampler.add_parser(bench_sub)
 
     prep = sub.add_parser(
         "prepare-default-model", help="convert the bundled SmolLM2 GGUF once, print its dir"

@@ -1,0 +1,121 @@
+"""``mrv2 bench sampler``: time of the sampler stage per step at a large batch and vocabulary.
+
+Each mode fills the batch with requests of one kind, runs the engine until the first pure
+decode step, and there times the sampler alone on fresh random bf16 logits of
+``[batch, vocab]`` (device events, median). The floor is reading those logits once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import time
+from typing import Any
+
+import torch
+
+from mrv2.bench.measure import copy_bandwidth, report, resolve_model
+from mrv2.config import EngineConfig
+from mrv2.engine.engine import LLMEngine
+from mrv2.sample.params import SamplingParams
+
+MODES: dict[str, dict[str, Any]] = {
+    "greedy": {"temperature": 0.0},
+    "temperature": {"temperature": 0.8},
+    "top_k_top_p": {"temperature": 0.8, "top_k": 50, "top_p": 0.9},
+    "penalties": {"temperature": 0.8, "presence_penalty": 0.5, "frequency_penalty": 0.5,
+                  "repetition_penalty": 1.1},
+    "logprobs_5": {"temperature": 0.8, "logprobs": 5},
+}
+
+
+def time_mode(engine: LLMEngine, batch: int, params: SamplingParams, repeats: int) -> float:
+    """Median seconds of one sampler call on the first uniform-decode batch of ``batch``."""
+    runner = engine.runner
+    original = runner.sampler
+    timed: list[float] = []
+
+    def sampler(logits: torch.Tensor, step: Any, table: Any) -> Any:
+        if step.uniform_decode and step.num_reqs == batch and not timed:
+            shape = (step.num_reqs, runner.vocab_size)
+            inputs = [torch.randn(shape, device=logits.device, dtype=logits.dtype)
+                      for _ in range(4)]  # rotate: do not time the L2 cache
+            for i in range(repeats):
+                if runner.device.type == "cuda":
+                    start = torch.cuda.Event(enable_timing=True)
+                    end = torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    original(inputs[i % 4], step, table)
+                    end.record()
+                    end.synchronize()
+                    timed.append(start.elapsed_time(end) / 1e3)
+                else:
+                    begin = time.perf_counter()
+                    original(inputs[i % 4], step, table)
+                    timed.append(time.perf_counter() - begin)
+        return original(logits, step, table)
+
+    runner.sampler = sampler
+    rng = random.Random(0)
+    for _ in range(batch):
+        engine.add_request([rng.randint(0, 1000) for _ in range(32)], params)
+    while engine.has_unfinished():
+        engine.step()
+    runner.sampler = original
+    if not timed:
+        raise RuntimeError("no uniform-decode step of the full batch ran")
+    timed.sort()
+    return timed[len(timed) // 2]
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    """One row per mode: sampler time per step and its ratio to the logits-read floor."""
+    model_dir = resolve_model(args.model)
+    results: dict[str, Any] = {"model": args.model, "batch": args.batch}
+    floor = None
+    for mode in args.modes:
+        config = EngineConfig.from_kwargs(
+            model=model_dir, load_format="dummy", dtype=args.dtype, max_model_len=256,
+            max_num_seqs=args.batch, enforce_eager=True,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        )
+        engine = LLMEngine(config)
+        params = SamplingParams(max_tokens=4, ignore_eos=True, seed=1, **MODES[mode])
+        time_mode(engine, args.batch, params, repeats=3)  # warm up / compile
+        seconds = time_mode(engine, args.batch, params, args.repeats)
+        if floor is None:
+            item = torch.empty((), dtype=engine.runner.dtype).element_size()
+            nbytes = args.batch * engine.runner.vocab_size * item
+            results["vocab"] = engine.runner.vocab_size
+            if engine.runner.device.type == "cuda":
+                floor = nbytes / copy_bandwidth(engine.runner.device)
+                results["floor_us"] = round(floor * 1e6, 1)
+        row = {"us": round(seconds * 1e6, 1)}
+        if floor:
+            row["over_floor"] = round(seconds / floor, 2)
+        results[mode] = row
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return results
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``mrv2 bench sampler``."""
+    p = sub.add_parser("sampler", help="sampler time per step at batch 256 x vocab 151,936")
+    p.add_argument("--model", default="Qwen3-0.6B")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run and print the results."""
+    report(bench(args), args.json)
+    return 0
