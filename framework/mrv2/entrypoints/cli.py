@@ -105,10 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks: throughput, latency")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from mrv2.bench import latency, sampler, throughput
+    from mrv2.bench import serve as bench_serve
 
     throughput.add_parser(bench_sub)
     latency.add_parser(bench_sub)
     sampler.add_parser(bench_sub)
+    bench_serve.add_parser(bench_sub)
 
     prep = sub.add_parser(
         "prepare-default-model", help="convert the bundled SmolLM2 GGUF once, print its dir"

@@ -1,0 +1,224 @@
+"""Pydantic models of the OpenAI-compatible API (requests), plus error and logprob helpers."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from mrv2.engine.outputs import PositionLogprobs
+from mrv2.sample.params import SamplingParams
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    ignore_eos: bool = False
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        bias = None
+        if self.logit_bias:
+            try:
+                bias = {int(k): v for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise ValueError(
+                    f"SamplingParams.logit_bias={self.logit_bias!r} is invalid: "
+                    "expected token ids as keys") from None
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=bias,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ValueError("prompt is empty")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    def sampling_params(self) -> SamplingParams:
+        _unsupported("echo", self.echo, False)
+        _unsupported("suffix", self.suffix, None)
+        if self.best_of is not None and self.best_of != self.n:
+            _unsupported("best_of", self.best_of, f"None or n ({self.n})")
+        return self._sampling(self.max_tokens, self.logprobs)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):  # content parts: keep the text ones
+            content = "".join(str(part.get("text", "")) for part in content
+                              if part.get("type", "text") == "text")
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        _unsupported("tools", self.tools, None)
+        if self.response_format not in (None, {"type": "text"}):
+            _unsupported("response_format", self.response_format, {"type": "text"})
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("SamplingParams.top_logprobs is invalid: needs logprobs=true")
+        k = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling(max_tokens, k)
+
+
+def _unsupported(name: str, value: object, allowed: object) -> None:
+    """Refuse a field this server does not implement rather than silently ignore it."""
+    if value != allowed:
+        raise ValueError(f"SamplingParams.{name}={value!r} is invalid: expected {allowed!r} "
+                         "(other values are not supported by this server)")
+
+
+_Request.model_rebuild()
+CompletionRequest.model_rebuild()
+ChatCompletionRequest.model_rebuild()
+
+ErrorType = Literal["invalid_request_error", "authentication_error", "not_found_error",
+                    "server_error", "service_unavailable"]
+
+
+def error_body(message: str, type_: str, param: str | None = None,
+               code: int | str | None = None) -> dict[str, Any]:
+    """OpenAI's error JSON."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def validation_error_body(error: ValidationError) -> dict[str, Any]:
+    """A pydantic error as OpenAI's 400 body, naming the first bad field."""
+    items = error.errors()
+    lines, param = [], None
+    for item in items:
+        where = ".".join(str(part) for part in item["loc"])
+        param = param or (str(item["loc"][0]) if item["loc"] else None)
+        lines.append(f"{where}: {item['msg']} (got {item.get('input')!r})")
+    return error_body("; ".join(lines), "invalid_request_error", param, 400)
+
+
+_PARAM = re.compile(r"SamplingParams\.(\w+)")
+
+
+def value_error_param(message: str) -> str | None:
+    """The field a ``SamplingParams`` / ``LLMEngine.validate`` error names."""
+    match = _PARAM.search(message)
+    if match:
+        return match.group(1)
+    if "prompt" in message:
+        return "prompt" if "max_tokens" not in message else "max_tokens"
+    return None
+
+
+# -- logprobs -------------------------------------------------------------------------------
+
+
+def _token_text(lp: Any, token: int) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token}"
+
+
+def completion_logprobs(positions: list[PositionLogprobs], token_ids: list[int],
+                        offset: int) -> tuple[dict[str, Any], int]:
+    """OpenAI's legacy logprobs (tokens/token_logprobs/top_logprobs/text_offset); returns the
+    text offset after the last token too."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for token, pos in zip(token_ids, positions, strict=False):
+        chosen = pos.get(token)
+        text = _token_text(chosen, token) if chosen is not None else ""
+        tokens.append(text)
+        token_lps.append(chosen.logprob if chosen is not None else None)
+        tops.append({_token_text(lp, t): lp.logprob for t, lp in pos.items()})
+        offsets.append(offset)
+        offset += len(text)
+    body = {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+    return body, offset
+
+
+def chat_logprobs(positions: list[PositionLogprobs], token_ids: list[int],
+                  k: int) -> dict[str, Any]:
+    """OpenAI's chat logprobs: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    content = []
+    for token, pos in zip(token_ids, positions, strict=False):
+        chosen = pos.get(token)
+        if chosen is None:
+            continue
+        text = _token_text(chosen, token)
+        top = sorted(pos.items(), key=lambda x: x[1].rank or 0)
+        tops = [{"token": _token_text(lp, t), "logprob": lp.logprob,
+                 "bytes": list(_token_text(lp, t).encode())} for t, lp in top[:k]]
+        content.append({"token": text, "logprob": chosen.logprob,
+                        "bytes": list(text.encode()), "top_logprobs": tops})
+    return {"content": content}

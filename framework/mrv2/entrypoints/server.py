@@ -1,0 +1,388 @@
+"""An OpenAI-compatible HTTP server (FastAPI + uvicorn) over one :class:`LLMEngine`.
+
+``create_app(engine)`` builds the app and its :class:`EngineThread`; ``mrv2 serve`` runs it.
+Routes: ``/v1/completions``, ``/v1/chat/completions`` (both stream by server-sent events),
+``/v1/models``, ``/health``, ``/metrics`` (Prometheus text).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from mrv2.engine.engine import LLMEngine
+from mrv2.engine.outputs import RequestOutput
+from mrv2.entrypoints.engine_thread import EngineThread, Histogram, QueueFullError
+from mrv2.entrypoints.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_logprobs,
+    completion_logprobs,
+    error_body,
+    validation_error_body,
+    value_error_param,
+)
+from mrv2.sample.params import SamplingParams
+
+_DISCONNECT_POLL_S = 0.5
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.type, self.param, self.status),
+                            status_code=self.status)
+
+
+class _Choice:
+    """Streaming bookkeeping of one choice: what was sent already."""
+
+    def __init__(self, index: int) -> None:
+        self.index, self.tokens, self.text, self.offset, self.done = index, 0, 0, 0, False
+
+
+def create_app(engine: LLMEngine, served_model_name: str | None = None,
+               api_key: str | None = None, max_pending: int = 1024) -> FastAPI:
+    """The app; its engine thread starts with the app and stops with it (``app.state``)."""
+    model_name = served_model_name or str(engine.config.model.model or "mrv2")
+    worker = EngineThread(engine, max_pending)
+    app = FastAPI(title="mrv2", on_startup=[worker.start], on_shutdown=[worker.stop])
+    app.state.engine_thread = worker
+    app.state.model_name = model_name
+    created = int(time.time())
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next: Any) -> Response:
+        if (api_key is not None and request.url.path != "/health"
+                and request.headers.get("authorization", "") != f"Bearer {api_key}"):
+            return APIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                            "authentication_error").response()
+        try:
+            response: Response = await call_next(request)
+        except APIError as error:
+            return error.response()
+        return response
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, error: APIError) -> JSONResponse:
+        return error.response()
+
+    @app.exception_handler(Exception)
+    async def on_error(request: Request, error: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"internal error: {error}", "server_error", None, 500),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": created, "owned_by": "mrv2",
+            "max_model_len": engine.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(_prometheus(worker, model_name),
+                                 media_type="text/plain; version=0.0.4")
+
+    async def parse(request: Request, cls: type[Any]) -> Any:
+        try:
+            data = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise APIError(400, f"the body is not valid JSON: {error}") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the body must be a JSON object")
+        try:
+            body = cls.model_validate(data)
+        except ValidationError as error:
+            err = validation_error_body(error)["error"]
+            raise APIError(400, err["message"], param=err["param"]) from None
+        if body.model is not None and body.model != model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server has "
+                           f"{model_name!r}", "not_found_error", "model")
+        return body
+
+    def params_of(body: Any) -> SamplingParams:
+        try:
+            params: SamplingParams = body.sampling_params()
+        except ValueError as error:
+            raise APIError(400, str(error), param=value_error_param(str(error))) from None
+        return params
+
+    def validate(ids: list[int], params: SamplingParams) -> None:
+        try:
+            engine.validate(ids, params)
+        except ValueError as error:
+            raise APIError(400, str(error), param=value_error_param(str(error))) from None
+
+    def tokenizer() -> Any:
+        if engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send prompts as token id lists",
+                           param="prompt")
+        return engine.tokenizer
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body: CompletionRequest = await parse(request, CompletionRequest)
+        params = params_of(body)
+        try:
+            prompts = body.prompts()
+        except ValueError as error:
+            raise APIError(400, str(error), param="prompt") from None
+        encoded: list[tuple[list[int], str | None]] = []
+        for p in prompts:
+            if isinstance(p, str):
+                encoded.append((tokenizer().encode(p), p))
+            else:
+                encoded.append((list(p), None))
+        for ids, _ in encoded:
+            validate(ids, params)
+        return await _serve(request, worker, "cmpl", model_name, encoded, params, body, False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
+        params = params_of(body)
+        try:
+            ids = tokenizer().apply_chat_template(
+                [m.as_dict() for m in body.messages], body.add_generation_prompt)
+        except (ValueError, TypeError) as error:
+            raise APIError(400, f"could not apply the chat template: {error}",
+                           param="messages") from None
+        validate(ids, params)
+        return await _serve(request, worker, "chatcmpl", model_name, [(ids, None)], params,
+                            body, True)
+
+    return app
+
+
+async def _serve(request: Request, worker: EngineThread, kind: str, model: str,
+                 encoded: list[tuple[list[int], str | None]], params: SamplingParams,
+                 body: Any, chat: bool) -> Response:
+    """Submit every prompt; answer with one JSON body or an SSE stream."""
+    loop = asyncio.get_running_loop()
+    sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+    base = f"{kind}-{uuid.uuid4().hex}"
+    req_ids = [f"{base}-{i}" for i in range(len(encoded))]
+    submitted: list[str] = []
+    try:
+        for req_id, (ids, text) in zip(req_ids, encoded, strict=True):
+            worker.submit(req_id, ids, params, text, sink, loop)
+            submitted.append(req_id)
+    except QueueFullError as error:
+        for req_id in submitted:
+            worker.abort(req_id)
+        raise APIError(503, str(error), "service_unavailable") from None
+    stream = _Stream(worker, base, model, chat, params, body, req_ids, encoded)
+    if body.stream:
+        return StreamingResponse(stream.events(sink), media_type="text/event-stream")
+    return await stream.collect(sink, request)
+
+
+class _Stream:
+    """Turns RequestOutputs of one HTTP request into OpenAI chunks or a final body."""
+
+    def __init__(self, worker: EngineThread, base: str, model: str, chat: bool,
+                 params: SamplingParams, body: Any, req_ids: list[str],
+                 encoded: list[tuple[list[int], str | None]]) -> None:
+        self.worker, self.base, self.model, self.chat = worker, base, model, chat
+        self.params, self.body, self.req_ids = params, body, req_ids
+        self.order = {r: i for i, r in enumerate(req_ids)}
+        self.num_prompt = sum(len(ids) for ids, _ in encoded)
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+        self.unfinished = set(req_ids)
+        self.finals: dict[str, RequestOutput] = {}
+        self.choices: dict[tuple[str, int], _Choice] = {}
+
+    def _index(self, req_id: str, i: int) -> int:
+        return self.order[req_id] * self.params.n + i
+
+    def _logprobs(self, choice: Any, start: int, state: _Choice | None) -> Any:
+        if self.params.logprobs is None or choice.logprobs is None:
+            return None
+        ids, lps = choice.token_ids[start:], choice.logprobs[start:]
+        if self.chat:
+            return chat_logprobs(lps, ids, self.params.logprobs)
+        body, end = completion_logprobs(lps, ids, state.offset if state else 0)
+        if state is not None:
+            state.offset = end
+        return body
+
+    def _usage(self, completion: int) -> dict[str, int]:
+        return {"prompt_tokens": self.num_prompt, "completion_tokens": completion,
+                "total_tokens": self.num_prompt + completion}
+
+    def abort_rest(self) -> None:
+        for req_id in self.unfinished:
+            self.worker.abort(req_id)
+
+    async def collect(self, sink: asyncio.Queue[RequestOutput | BaseException],
+                      request: Request) -> JSONResponse:
+        try:
+            while self.unfinished:
+                try:
+                    item = await asyncio.wait_for(sink.get(), _DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return JSONResponse({}, status_code=499)
+                    continue
+                if isinstance(item, BaseException):
+                    raise APIError(500, str(item), "server_error")
+                if item.finished:
+                    self.unfinished.discard(item.request_id)
+                    self.finals[item.request_id] = item
+        finally:
+            self.abort_rest()
+        choices, completion = [], 0
+        for req_id in self.req_ids:
+            for i, out in enumerate(self.finals[req_id].outputs):
+                completion += len(out.token_ids)
+                choice: dict[str, Any] = {"index": self._index(req_id, i),
+                                          "finish_reason": out.finish_reason,
+                                          "stop_reason": out.stop_reason,
+                                          "logprobs": self._logprobs(out, 0, None)}
+                if self.chat:
+                    choice["message"] = {"role": "assistant", "content": out.text}
+                else:
+                    choice["text"] = out.text
+                choices.append(choice)
+        return JSONResponse({"id": self.base, "object": self.object, "created": self.created,
+                             "model": self.model, "choices": choices,
+                             "usage": self._usage(completion)})
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: Any = None) -> str:
+        chunk: dict[str, Any] = {"id": self.base, "created": self.created,
+                                 "model": self.model, "choices": choices,
+                                 "object": "chat.completion.chunk" if self.chat
+                                 else "text_completion"}
+        if usage is not None:
+            chunk["usage"] = usage
+        return f"data: {json.dumps(chunk)}\n\n"
+
+    async def events(self, sink: asyncio.Queue[RequestOutput | BaseException]
+                     ) -> AsyncIterator[str]:
+        completion = 0
+        try:
+            if self.chat:
+                yield self._chunk([{"index": self._index(r, i), "logprobs": None,
+                                    "finish_reason": None,
+                                    "delta": {"role": "assistant", "content": ""}}
+                                   for r in self.req_ids for i in range(self.params.n)])
+            while self.unfinished:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    yield f"data: {json.dumps(error_body(str(item), 'server_error'))}\n\n"
+                    break
+                choices = self._deltas(item)
+                if item.finished:
+                    self.unfinished.discard(item.request_id)
+                    completion += sum(len(o.token_ids) for o in item.outputs)
+                if choices:
+                    yield self._chunk(choices)
+            if self.body.include_usage:
+                yield self._chunk([], self._usage(completion))
+            yield "data: [DONE]\n\n"
+        finally:
+            self.abort_rest()  # the client went away (or an error): stop its requests
+
+    def _deltas(self, item: RequestOutput) -> list[dict[str, Any]]:
+        choices = []
+        for i, out in enumerate(item.outputs):
+            key = (item.request_id, i)
+            state = self.choices.setdefault(key, _Choice(self._index(item.request_id, i)))
+            if state.done:
+                continue
+            text = out.text[state.text:]
+            start = state.tokens
+            if len(out.token_ids) == start and not out.finish_reason:
+                continue
+            choice: dict[str, Any] = {"index": state.index,
+                                      "logprobs": self._logprobs(out, start, state),
+                                      "finish_reason": out.finish_reason}
+            if out.finish_reason:
+                choice["stop_reason"] = out.stop_reason
+                state.done = True
+            if self.chat:
+                choice["delta"] = {"content": text}
+            else:
+                choice["text"] = text
+            state.tokens, state.text = len(out.token_ids), max(state.text, len(out.text))
+            choices.append(choice)
+        return choices
+
+
+# -- /metrics ---------------------------------------------------------------------------------
+
+
+def _hist(lines: list[str], name: str, help_: str, hist: Histogram, label: str) -> None:
+    lines += [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
+    for bound, count in zip(hist.buckets, hist.counts, strict=True):
+        lines.append(f'{name}_bucket{{{label},le="{bound}"}} {count}')
+    lines.append(f'{name}_bucket{{{label},le="+Inf"}} {hist.count}')
+    lines.append(f"{name}_sum{{{label}}} {hist.total}")
+    lines.append(f"{name}_count{{{label}}} {hist.count}")
+
+
+def _prometheus(worker: EngineThread, model: str) -> str:
+    m, stats = worker.metrics, dict(worker.metrics.stats)
+    label = f'model_name="{model}"'
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_: str, values: list[tuple[str, float]]) -> None:
+        lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}"])
+        for extra, value in values:
+            lines.append(f"{name}{{{label}{extra}}} {value}")
+
+    metric("mrv2_num_requests_running", "gauge", "Requests running on the engine.",
+           [("", stats.get("num_running", 0))])
+    metric("mrv2_num_requests_waiting", "gauge", "Requests waiting to be scheduled.",
+           [("", stats.get("num_waiting", 0))])
+    metric("mrv2_kv_cache_usage_perc", "gauge", "Fraction of KV blocks in use.",
+           [("", stats.get("kv_usage", 0.0))])
+    metric("mrv2_prefix_cache_hit_rate", "gauge", "Prefix cache hits / queried tokens.",
+           [("", stats.get("prefix_cache_hit_rate", 0.0))])
+    metric("mrv2_prefix_cache_queries_total", "counter", "Prompt tokens looked up.",
+           [("", stats.get("prefix_cache_queries", 0))])
+    metric("mrv2_prefix_cache_hits_total", "counter", "Prompt tokens found cached.",
+           [("", stats.get("prefix_cache_hits", 0))])
+    metric("mrv2_num_preemptions_total", "counter", "Preempted requests.",
+           [("", stats.get("num_preemptions", 0))])
+    metric("mrv2_prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
+           [("", m.prompt_tokens)])
+    metric("mrv2_generation_tokens_total", "counter", "Generated tokens of finished requests.",
+           [("", m.generation_tokens)])
+    success = [(f',finished_reason="{r}"', float(c)) for r, c in
+               sorted(m.requests_success.items())] or [(',finished_reason="stop"', 0.0)]
+    metric("mrv2_request_success_total", "counter", "Finished sequences by finish reason.",
+           success)
+    metric("mrv2_request_aborted_total", "counter", "Requests aborted (client gone).",
+           [("", m.requests_aborted)])
+    _hist(lines, "mrv2_time_to_first_token_seconds", "Time to first token.", m.ttft, label)
+    _hist(lines, "mrv2_time_per_output_token_seconds", "Time per output token.", m.tpot,
+          label)
+    return "\n".join(lines) + "\n"
+
+
+def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000,
+               served_model_name: str | None = None, api_key: str | None = None,
+               max_pending: int = 1024) -> None:
+    """Serve until interrupted."""
+    import uvicorn
+
+    app = create_app(engine, served_model_name, api_key, max_pending)
+    uvicorn.run(app, host=host, port=port, log_level="info")
