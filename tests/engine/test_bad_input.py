@@ -122,3 +122,20 @@ def test_mismatched_weight_shape(tmp_path: Path) -> None:
     (ckpt / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="shape"):
         LLM(str(ckpt), device="cpu")
+
+
+def test_runner_rejects_a_bad_step_without_changing_state(ckpt: Path) -> None:
+    from mrv2.runner.runner import Runner
+    from mrv2.runner.scheduler_output import NewRequest, SchedulerOutput
+
+    runner = Runner.from_config(EngineConfig.from_kwargs(
+        model=str(ckpt), device="cpu", dtype="float32", block_size=4))
+    params = SamplingParams(temperature=0)
+    new = [NewRequest("a", [1, 2, 3], params, seed=0, block_ids=[0]),
+           NewRequest("b", [4, 5], params, seed=1, block_ids=[1])]
+    runner.execute(SchedulerOutput({"a": 3, "b": 1}, new_requests=new)).result()
+    with pytest.raises(ValueError, match="'b': scheduled 5 tokens but only 1"):
+        runner.execute(SchedulerOutput({"a": 1, "b": 5}))
+    # nothing moved: the same step, well formed, still runs
+    tokens = runner.execute(SchedulerOutput({"a": 1, "b": 1})).result()
+    assert set(tokens) == {"a", "b"}

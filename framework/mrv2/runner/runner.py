@@ -203,18 +203,21 @@ class Runner:
         do_sample = np.empty(num_reqs, dtype=bool)
         max_seq_len = 0
         all_greedy, any_min_p, any_top = True, False, False
-        for i, req_id in enumerate(req_ids):
+        for i, req_id in enumerate(req_ids):  # check everything before changing anything
             row = self.table.row_of(req_id)
-            info = self.table.info[row]
             n = scheduled.num_scheduled_tokens[req_id]
-            known = int(self._num_tokens_cpu[row])
-            if not 0 < n <= known - info.num_computed:
-                raise ValueError(
-                    f"request {req_id!r}: scheduled {n} tokens but only "
-                    f"{known - info.num_computed} are waiting to be computed"
-                )
-            info.num_computed += n
+            waiting = int(self._num_tokens_cpu[row]) - self.table.info[row].num_computed
+            if not 0 < n <= waiting:
+                raise ValueError(f"request {req_id!r}: scheduled {n} tokens but only "
+                                 f"{waiting} are waiting to be computed")
             rows[i], lens[i] = row, n
+        num_tokens = int(lens.sum())
+        if num_tokens > self.max_num_tokens:
+            raise ValueError(f"{num_tokens} tokens scheduled; at most {self.max_num_tokens}")
+        for i, row in enumerate(rows.tolist()):
+            info = self.table.info[row]
+            known = int(self._num_tokens_cpu[row])
+            info.num_computed += int(lens[i])
             do_sample[i] = info.num_computed == known
             if do_sample[i]:
                 self._num_tokens_cpu[row] = known + 1
@@ -222,9 +225,6 @@ class Runner:
             all_greedy &= info.greedy
             any_min_p |= info.min_p
             any_top |= info.top_k or info.top_p
-        num_tokens = int(lens.sum())
-        if num_tokens > self.max_num_tokens:
-            raise ValueError(f"{num_tokens} tokens scheduled; at most {self.max_num_tokens}")
         uniform_decode = num_tokens == num_reqs
         self._prompt_chunks = self._prompt_logprob_chunks(req_ids, rows, lens)
         padded = (self.graphs.padded_size(num_reqs)
