@@ -133,3 +133,37 @@ def test_queue_full_raises_before_queueing(model_dir: Path) -> None:
         assert worker.num_pending == 1
     finally:
         loop.close()
+
+
+def test_queue_full_is_503_over_http_and_the_server_recovers(model_dir: Path) -> None:
+    import time
+
+    from conftest import serve
+
+    servers = serve(model_dir, max_pending=1)
+    small = next(servers)
+    step = small.engine.step
+
+    def slow_step() -> list[object]:
+        time.sleep(0.02)  # keep the first request in flight while the second arrives
+        return step()  # type: ignore[return-value]
+
+    small.engine.step = slow_step  # type: ignore[method-assign]
+    try:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 60, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", f"{small.url}/v1/completions", json=body, headers=AUTH,
+                          timeout=30) as first:
+            lines = first.iter_lines()  # keep it: dropping the iterator closes the stream
+            assert next(lines).startswith("data: ")
+            error = _error(_post(small, "/v1/completions", {"model": MODEL, "prompt": "hi"}),
+                           503)
+            assert "max-pending 1" in str(error["message"])
+        # closing the stream aborted the first request; the server takes new ones again
+        deadline = time.monotonic() + 20
+        while small.engine.has_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _post(small, "/v1/completions", {"model": MODEL, "prompt": "hi",
+                                               "max_tokens": 2}).status_code == 200
+    finally:
+        next(servers, None)  # runs the generator's shutdown
