@@ -140,9 +140,9 @@ def test_staged_penalty_state_of_a_resumed_request() -> None:
     table.prompt_mask[1, 9] = True
     staged = StagedEdits()
     staged.add_prompt_mask(1, [3, 4, 3, 8, 8, 2], prompt_len=3)
-    staged.rows.append(1)
-    staged.params.append((1.0, 0, 1.0, 0.0, 0, 0, 6))
-    staged.params2.append((1.2, 0.0, 0.0, 2, 3))
+    params = SamplingParams(repetition_penalty=1.2, min_tokens=2)
+    params._num_prompt_tokens = 3  # filled in by the engine: the original prompt's length
+    staged.add_row(1, params, seed=0, num_computed=0, num_tokens=6)
     arrays = staged.arrays()
     StagedEdits.apply({k: torch.from_numpy(v) for k, v in arrays.items()}, table)
     assert table.prompt_mask[1].nonzero().flatten().tolist() == [3, 4]

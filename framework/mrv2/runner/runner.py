@@ -28,7 +28,7 @@ from mrv2.runner.input_batch import InputBatch, InputBuffers
 from mrv2.runner.kv_cache import allocate_kv_caches, kv_layer_specs, num_blocks_for
 from mrv2.runner.model_state import ModelState
 from mrv2.runner.scheduler_output import NewRequest, SchedulerOutput
-from mrv2.runner.staged_edits import StagedEdits as _Staged
+from mrv2.runner.staged_edits import StagedEdits
 from mrv2.runner.staging import Uploader
 from mrv2.runner.state_table import RequestStateTable, RowInfo
 from mrv2.sample.prompt_logprobs import PromptChunk, PromptLogprobs, compute_prompt_logprobs
@@ -135,7 +135,7 @@ class Runner:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def _add_request(self, request: NewRequest, staged: _Staged) -> None:
+    def _add_request(self, request: NewRequest, staged: StagedEdits) -> None:
         n = len(request.token_ids)
         if not 0 < n <= self.max_model_len:
             raise ValueError(
@@ -156,12 +156,7 @@ class Runner:
         staged.add_tokens(row, request.token_ids)
         staged.add_blocks(row, 0, request.block_ids)
         self.table.num_blocks[row] = len(request.block_ids)
-        staged.rows.append(row)
-        staged.params.append((params.temperature, params.top_k, params.top_p, params.min_p,
-                              request.seed, request.num_computed_tokens, n))
-        staged.params2.append((params.repetition_penalty, params.frequency_penalty,
-                                params.presence_penalty, params.min_tokens,
-                                params.prompt_len(n)))
+        staged.add_row(row, params, request.seed, request.num_computed_tokens, n)
         self._hook_add(model_state=self.model_state, request=request, row=row)
 
     def remove_requests(self, req_ids: list[str]) -> None:
@@ -175,7 +170,7 @@ class Runner:
     def execute(self, scheduled: SchedulerOutput) -> AsyncStepOutput:
         """Run one step; returns at once with a handle on its sampled tokens."""
         self.remove_requests(scheduled.finished_req_ids)
-        staged = _Staged()
+        staged = StagedEdits()
         for request in scheduled.new_requests:
             self._add_request(request, staged)
         for req_id, block_ids in scheduled.new_block_ids.items():
@@ -191,7 +186,7 @@ class Runner:
         return self._start_output_copy(batch, sampled, prompt_lps)
 
     def _build_batch(
-        self, scheduled: SchedulerOutput, staged: _Staged
+        self, scheduled: SchedulerOutput, staged: StagedEdits
     ) -> tuple[InputBatch, bool]:
         """The step's inputs on the device, and whether a captured graph runs it."""
         req_ids = list(scheduled.num_scheduled_tokens)

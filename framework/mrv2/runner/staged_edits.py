@@ -11,6 +11,12 @@ import numpy as np
 import torch
 
 from mrv2.runner.state_table import RequestStateTable
+from mrv2.sample.params import SamplingParams
+
+# Per-row parameters, in column order of the staged float / int arrays.
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                 "presence_penalty")
+_INT_FIELDS = ("top_k", "seed", "num_computed", "num_tokens", "min_tokens", "prefill_len")
 
 
 class StagedEdits:
@@ -24,8 +30,8 @@ class StagedEdits:
         self.blk_cols: list[int] = []
         self.blk_vals: list[int] = []
         self.rows: list[int] = []
-        self.params: list[tuple[float, int, float, float, int, int, int]] = []
-        self.params2: list[tuple[float, float, float, int, int]] = []
+        self.floats: list[tuple[float, ...]] = []
+        self.ints: list[tuple[int, ...]] = []
         self.out_rows: list[np.ndarray] = []
         self.out_vals: list[np.ndarray] = []
         self.pm_rows: list[int] = []
@@ -35,6 +41,18 @@ class StagedEdits:
         self.tok_rows.append(np.full(len(tokens), row, dtype=np.int64))
         self.tok_cols.append(np.arange(len(tokens), dtype=np.int64))
         self.tok_vals.append(np.asarray(tokens, dtype=np.int32))
+
+    def add_row(
+        self, row: int, params: SamplingParams, seed: int, num_computed: int, num_tokens: int
+    ) -> None:
+        """A new row's sampling parameters and counts (columns: ``_FLOAT_FIELDS``,
+        ``_INT_FIELDS``; ``prefill_len`` is the prompt length the penalties see)."""
+        self.rows.append(row)
+        self.floats.append((params.temperature, params.top_p, params.min_p,
+                            params.repetition_penalty, params.frequency_penalty,
+                            params.presence_penalty))
+        self.ints.append((params.top_k, seed, num_computed, num_tokens, params.min_tokens,
+                          params.prompt_len(num_tokens)))
 
     def add_prompt_mask(self, row: int, tokens: list[int], prompt_len: int) -> None:
         """Reset ``row``'s penalty state from its prefill: the first ``prompt_len`` tokens
@@ -61,12 +79,9 @@ class StagedEdits:
             out["blk_cols"] = np.asarray(self.blk_cols, dtype=np.int64)
             out["blk_vals"] = np.asarray(self.blk_vals, dtype=np.int32)
         if self.rows:
-            p = self.params
             out["p_rows"] = np.asarray(self.rows, dtype=np.int64)
-            out["p_float"] = np.asarray([(t, tp, mp) for t, _, tp, mp, *_ in p], dtype=np.float32)
-            out["p_int"] = np.asarray([(k, s, c, n) for _, k, _, _, s, c, n in p], dtype=np.int64)
-            out["p_pen"] = np.asarray([q[:3] for q in self.params2], dtype=np.float32)
-            out["p_min"] = np.asarray([q[3:] for q in self.params2], dtype=np.int32)
+            out["p_float"] = np.asarray(self.floats, dtype=np.float32)
+            out["p_int"] = np.asarray(self.ints, dtype=np.int64)
         if self.pm_rows:
             out["pm_rows"] = np.asarray(self.pm_rows, dtype=np.int64)
             pairs = zip(self.pm_rows, self.pm_vals, strict=True)
@@ -87,19 +102,12 @@ class StagedEdits:
         if "blk_rows" in dev:
             table.block_table.index_put_((dev["blk_rows"], dev["blk_cols"]), dev["blk_vals"])
         if "p_rows" in dev:
-            rows, floats, ints = dev["p_rows"], dev["p_float"], dev["p_int"]
-            table.temperature[rows] = floats[:, 0]
-            table.top_p[rows] = floats[:, 1]
-            table.min_p[rows] = floats[:, 2]
-            table.top_k[rows] = ints[:, 0].int()
-            table.seed[rows] = ints[:, 1]
-            table.num_computed[rows] = ints[:, 2].int()
-            table.num_tokens[rows] = ints[:, 3].int()
-            table.prefill_len[rows] = dev["p_min"][:, 1]
-            table.repetition_penalty[rows] = dev["p_pen"][:, 0]
-            table.frequency_penalty[rows] = dev["p_pen"][:, 1]
-            table.presence_penalty[rows] = dev["p_pen"][:, 2]
-            table.min_tokens[rows] = dev["p_min"][:, 0]
+            rows = dev["p_rows"]
+            for i, name in enumerate(_FLOAT_FIELDS):
+                getattr(table, name)[rows] = dev["p_float"][:, i]
+            for i, name in enumerate(_INT_FIELDS):
+                column = getattr(table, name)
+                column[rows] = dev["p_int"][:, i].to(column.dtype)
         if "pm_rows" in dev:
             assert table.output_counts is not None and table.prompt_mask is not None
             table.output_counts[dev["pm_rows"]] = 0
