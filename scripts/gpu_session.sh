@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (device tool): installs the carried wheels, then the steps named as
-# arguments: tests, attn, throughput, latency. Logs go to $OUT; a short summary prints last.
+# arguments: tests, attn, splits, skinny, sampler, throughput, prefix, preempt, latency, profile. Logs go to $OUT;
+# a short summary prints last.
 set -uo pipefail
 python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
@@ -11,6 +12,17 @@ for step in "$@"; do
   case "$step" in
     tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
            python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/kernel_tests.log" | tail -4 ;;
+    sampler) python3 -m mrv2.entrypoints.cli bench sampler --json "$OUT/sampler.json" 2>&1 \
+               | tee "$OUT/sampler.log" | tail -20 ;;
+    prefix) python3 -m mrv2.entrypoints.cli bench throughput --json "$OUT/prefix.json" \
+              --full-warmup --shared-prefix 1000 --variants default prefix_off 2>&1 \
+              | tee "$OUT/prefix.log" | tail -30 ;;
+    preempt) python3 -m mrv2.entrypoints.cli bench throughput --json "$OUT/preempt.json" \
+               --full-warmup --kv-fraction 0.33 2>&1 | tee "$OUT/preempt.log" | tail -30 ;;
+    profile) python3 scripts/profile_decode.py --batch 1 2>&1 | tee "$OUT/profile_b1.log" | tail -120 ;;
+    skinny) python3 -m mrv2_kernels.bench_skinny ${SKINNY_ARGS:-} 2>&1 | tee "$OUT/skinny.log" \
+              | tail -40 ;;
+    splits) python3 scripts/sweep_decode_splits.py 2>&1 | tee "$OUT/splits.log" | tail -8 ;;
     attn) python3 -m mrv2_kernels.bench_attention 2>&1 | tee "$OUT/attn.log" | tail -30 ;;
     throughput) python3 -m mrv2.entrypoints.cli bench throughput --json "$OUT/throughput.json" \
                   ${THROUGHPUT_ARGS:-} 2>&1 | tee "$OUT/throughput.log" | tail -40 ;;

@@ -1,13 +1,16 @@
-"""Profile steady decode steps on the GPU: CPU time per step by function, GPU time by kernel.
+"""Profile steady decode steps on the GPU: host time per engine phase, GPU time by kernel, and
+the GPU's idle gaps between kernels (which say whether the host or the device is the limit).
 
-Usage (GPU machine): python scripts/profile_decode.py [--batch 1] [--steps 64]
+Usage (GPU machine): python scripts/profile_decode.py [--batch 1] [--steps 64] [--trace DIR]
 """
 
 import argparse
-import cProfile
-import pstats
+import os
 import random
+import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -20,30 +23,64 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--batch", type=int, default=1)
 parser.add_argument("--steps", type=int, default=64)
 parser.add_argument("--temperature", type=float, default=0.0)
+parser.add_argument("--trace", default=os.environ.get("OUT"))
 args = parser.parse_args()
 
 engine = LLMEngine(EngineConfig.from_kwargs(
     model=resolve_model("Qwen3-0.6B"), load_format="dummy", dtype="bfloat16", max_model_len=4096,
     max_num_seqs=max(args.batch, 8)))
 rng = random.Random(0)
-params = SamplingParams(temperature=args.temperature, max_tokens=4 * args.steps, ignore_eos=True)
+params = SamplingParams(temperature=args.temperature, max_tokens=6 * args.steps, ignore_eos=True)
 for _ in range(args.batch):
-    engine.add_request([rng.randint(0, 10000) for _ in range(128)], params)
-for _ in range(args.steps):  # prefill, compile, warm up
+    engine.add_request([rng.randint(0, 10000) for _ in range(128)], params, stream=True)
+for _ in range(2 * args.steps):  # prefill, compile, warm up
     engine.step()
 torch.cuda.synchronize()
+
+phases: dict[str, list[float]] = {"schedule": [], "execute": [], "process": [], "wait": []}
+
+
+def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*a: Any, **k: Any) -> Any:
+        begin = time.perf_counter()
+        out = fn(*a, **k)
+        phases[name].append(time.perf_counter() - begin)
+        return out
+    return wrapper
+
+
+engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)  # type: ignore[method-assign]
+engine.runner.execute = timed("execute", engine.runner.execute)  # type: ignore[method-assign]
+engine._process = timed("process", engine._process)  # type: ignore[method-assign]
 start = time.perf_counter()
-profile = cProfile.Profile()
-profile.enable()
 for _ in range(args.steps):
     engine.step()
-profile.disable()
 torch.cuda.synchronize()
-print(f"wall per step: {(time.perf_counter() - start) / args.steps * 1e3:.3f} ms")
-pstats.Stats(profile).sort_stats("tottime").print_stats(18)
+wall = (time.perf_counter() - start) / args.steps
+print(f"batch {args.batch}: wall per step {wall * 1e3:.3f} ms")
+for name, values in phases.items():
+    if values:
+        print(f"  host {name:9s} median {statistics.median(values) * 1e3:.3f} ms")
+
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
                                         torch.profiler.ProfilerActivity.CPU]) as prof:
     for _ in range(8):
         engine.step()
     torch.cuda.synchronize()
-print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+if args.trace:
+    prof.export_chrome_trace(os.path.join(args.trace, f"decode_b{args.batch}.json"))
+kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)
+if kernels:
+    span = kernels[-1].time_range.end - kernels[0].time_range.start
+    busy = sum(e.time_range.end - e.time_range.start for e in kernels)
+    gaps = [b.time_range.start - a.time_range.end
+            for a, b in zip(kernels, kernels[1:], strict=False)]
+    big = sorted(((g, a.name) for g, a in zip(gaps, kernels[:-1], strict=True)
+                  if g > 20), reverse=True)[:8]
+    print(f"GPU over 8 steps: span {span / 8e3:.3f} ms/step, kernels busy {busy / 8e3:.3f} "
+          f"ms/step, {len(kernels) / 8:.0f} kernels/step, gaps > 20 us: "
+          f"{sum(g for g, _ in big) / 8e3:.3f} ms/step")
+    for gap, after in big:
+        print(f"  gap {gap:8.1f} us after {after[:70]}")
+print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))

@@ -5,6 +5,10 @@ implementation (``*_triton``); the public dispatcher picks one with :func:`use_t
 Block sizes are ordinary function arguments whose defaults depend on the backend
 (:func:`default_block`): small tiles under the CPU interpreter, where every program is
 executed by Python, and larger ones on the GPU. Nothing here autotunes.
+
+Integer kernel arguments that change from step to step (row counts, split counts) are listed
+in ``do_not_specialize``: Triton otherwise compiles a new variant the first time such a value
+is 1 or a multiple of 16, which would stall serving for a compile at an arbitrary step.
 """
 
 from __future__ import annotations

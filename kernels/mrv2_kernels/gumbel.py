@@ -122,10 +122,13 @@ def gumbel_sample_ref(
     positions: torch.Tensor,
     greedy: torch.Tensor,
     out: torch.Tensor,
+    temperature: torch.Tensor | None = None,
 ) -> None:
     """Plain-torch specification of :func:`gumbel_sample` (same arguments, same effect)."""
-    _check_args(logits, seeds, positions, greedy, out)
+    _check_args(logits, seeds, positions, greedy, out, temperature)
     x = logits.to(torch.float32)
+    if temperature is not None:
+        x = x / torch.where(greedy.view(-1) != 0, 1.0, temperature.float()).view(-1, 1)
     noise = gumbel_noise_ref(seeds, positions, x.shape[1])
     x = torch.where(greedy.view(-1, 1) != 0, x, x + noise)
     out.copy_(torch.argmax(x, dim=1))
@@ -166,11 +169,13 @@ def hash_uniform(key: tl.tensor, vocab_idx: tl.tensor) -> tl.tensor:
 def _chunk_argmax(
     row_ptr: tl.tensor,
     key: tl.tensor,
+    temperature: tl.tensor,
     start: tl.tensor,
     end: tl.tensor,
     BLOCK_V: tl.constexpr,
     NOISE: tl.constexpr,
     FAST_LOG: tl.constexpr,
+    SCALE: tl.constexpr,
 ) -> tuple[tl.tensor, tl.tensor]:
     # Running (max, smallest index of the max) of logits (+ Gumbel noise) over [start, end).
     offs = tl.arange(0, BLOCK_V)
@@ -180,6 +185,8 @@ def _chunk_argmax(
         v = v0 + offs
         mask = v < end
         x = tl.load(row_ptr + v, mask=mask, other=float("-inf")).to(tl.float32)
+        if SCALE:  # IEEE division, bit-identical to torch's ``logits / temperature``
+            x = tl.div_rn(x, temperature)
         if NOISE:
             # The inner log needs full precision (u near 1 makes the largest noise values);
             # the outer one only needs small absolute error, which the fast log gives.
@@ -196,7 +203,7 @@ def _chunk_argmax(
     return best_val, best_idx
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunk", "num_splits"])
 def _gumbel_sample_kernel(
     logits_ptr: tl.tensor,
     logits_stride: int,
@@ -204,6 +211,7 @@ def _gumbel_sample_kernel(
     seeds_ptr: tl.tensor,
     positions_ptr: tl.tensor,
     greedy_ptr: tl.tensor,
+    temperature_ptr: tl.tensor,
     out_ptr: tl.tensor,
     part_val_ptr: tl.tensor,
     part_idx_ptr: tl.tensor,
@@ -212,6 +220,7 @@ def _gumbel_sample_kernel(
     BLOCK_V: tl.constexpr,
     SPLIT: tl.constexpr,
     FAST_LOG: tl.constexpr,
+    TEMPERATURE: tl.constexpr,
 ) -> None:
     # Program (row, split) scans vocab [split * chunk, (split + 1) * chunk). Without SPLIT
     # (one split) it writes the token; with SPLIT it writes a partial (max, index).
@@ -221,10 +230,15 @@ def _gumbel_sample_kernel(
     end = tl.minimum(start + chunk, vocab_size)
     row_ptr = logits_ptr + row * logits_stride
     if tl.load(greedy_ptr + row) != 0:
-        best_val, best_idx = _chunk_argmax(row_ptr, 0, start, end, BLOCK_V, False, False)
+        best_val, best_idx = _chunk_argmax(row_ptr, 0, 1.0, start, end, BLOCK_V, False, False,
+                                           False)
     else:
         key = hash_row_key(tl.load(seeds_ptr + row), tl.load(positions_ptr + row))
-        best_val, best_idx = _chunk_argmax(row_ptr, key, start, end, BLOCK_V, True, FAST_LOG)
+        temperature = 1.0
+        if TEMPERATURE:
+            temperature = tl.load(temperature_ptr + row).to(tl.float32)
+        best_val, best_idx = _chunk_argmax(row_ptr, key, temperature, start, end, BLOCK_V, True,
+                                           FAST_LOG, TEMPERATURE)
     if SPLIT:
         tl.store(part_val_ptr + row * num_splits + split, best_val)
         tl.store(part_idx_ptr + row * num_splits + split, best_idx)
@@ -232,7 +246,7 @@ def _gumbel_sample_kernel(
         tl.store(out_ptr + row, best_idx.to(tl.int64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _argmax_reduce_kernel(
     part_val_ptr: tl.tensor,
     part_idx_ptr: tl.tensor,
@@ -273,11 +287,15 @@ def _check_args(
     positions: torch.Tensor,
     greedy: torch.Tensor,
     out: torch.Tensor,
+    temperature: torch.Tensor | None = None,
 ) -> None:
     if logits.dim() != 2 or (logits.shape[1] > 1 and logits.stride(1) != 1):
         raise ValueError(f"logits must be 2-D with contiguous rows, got {tuple(logits.shape)}")
     n = logits.shape[0]
-    for name, t in (("seeds", seeds), ("positions", positions), ("greedy", greedy), ("out", out)):
+    named = [("seeds", seeds), ("positions", positions), ("greedy", greedy), ("out", out)]
+    if temperature is not None:
+        named.append(("temperature", temperature))
+    for name, t in named:
         if t.shape != (n,):
             raise ValueError(f"{name} must have shape ({n},), got {tuple(t.shape)}")
 
@@ -293,19 +311,21 @@ def gumbel_sample_triton(
     positions: torch.Tensor,
     greedy: torch.Tensor,
     out: torch.Tensor,
+    temperature: torch.Tensor | None = None,
     block_v: int | None = None,
     num_splits: int | None = None,
 ) -> None:
     """Triton implementation of :func:`gumbel_sample`.
 
     The vocabulary of each row is cut into ``num_splits`` chunks (default: 1 on CPU; on GPU
-    enough to give every SM about two programs, at most one chunk per ``block_v`` tile);
+    enough to give every SM at least two programs and no program more than 8 tiles, at most
+    one chunk per ``block_v`` tile: a long serial walk per program left HBM idle);
     program (row, chunk) walks its chunk in ``block_v`` tiles keeping a running (max, index).
     With more than one chunk, a second tiny kernel reduces the per-chunk partials, which live
     in a scratch buffer from the caching allocator. Greedy rows skip the noise. The result
     does not depend on ``block_v`` or ``num_splits``.
     """
-    _check_args(logits, seeds, positions, greedy, out)
+    _check_args(logits, seeds, positions, greedy, out, temperature)
     n, vocab = logits.shape
     if n == 0:
         return
@@ -313,8 +333,9 @@ def gumbel_sample_triton(
         raise ValueError("logits must have at least one column")
     block = default_block(logits, cuda=2048, cpu=128, block=block_v)
     tiles = triton.cdiv(vocab, block)
-    if num_splits is None:
-        num_splits = triton.cdiv(2 * _num_sms(logits.device), n) if logits.is_cuda else 1
+    if num_splits is None:  # GPU: >= 2 programs per SM, and at most 8 tiles per program
+        num_splits = (max(triton.cdiv(2 * _num_sms(logits.device), n), triton.cdiv(tiles, 8))
+                      if logits.is_cuda else 1)
     chunk = triton.cdiv(tiles, max(1, min(num_splits, tiles))) * block
     splits = triton.cdiv(vocab, chunk)
     if greedy.dtype == torch.bool:
@@ -331,6 +352,7 @@ def gumbel_sample_triton(
         seeds,
         positions,
         greedy,
+        temperature if temperature is not None else seeds,
         out,
         part_val,
         part_idx,
@@ -339,6 +361,7 @@ def gumbel_sample_triton(
         BLOCK_V=block,
         SPLIT=splits > 1,
         FAST_LOG=fast_log,
+        TEMPERATURE=temperature is not None,
         num_warps=8 if block >= 2048 else 4,
     )
     if splits > 1:
@@ -353,16 +376,21 @@ def gumbel_sample(
     positions: torch.Tensor,
     greedy: torch.Tensor,
     out: torch.Tensor,
+    temperature: torch.Tensor | None = None,
 ) -> None:
     """Sample one token per row with the Gumbel-max trick, into ``out``.
 
     Args:
-        logits: ``[N, V]`` fp32/bf16/fp16, already temperature-scaled and ``-inf``-masked;
-            rows may be strided (the last dimension must be contiguous).
+        logits: ``[N, V]`` fp32/bf16/fp16, ``-inf``-masked and temperature-scaled unless
+            ``temperature`` is given; rows may be strided (the last dimension must be
+            contiguous).
         seeds: ``[N]`` int64 request seeds.
         positions: ``[N]`` int64 absolute positions of the tokens being sampled.
         greedy: ``[N]`` bool (or int, nonzero = greedy): take the plain argmax.
         out: ``[N]`` int64 output token ids.
+        temperature: optional ``[N]`` float32: non-greedy rows are divided by it first
+            (IEEE division, bit-identical to ``logits.float() / temperature``), which saves
+            the caller a full-vocabulary temperature pass.
 
     Non-greedy rows get ``argmax_v(logits[n, v] + g(seeds[n], positions[n], v))`` with the
     noise of the module docstring; ties go to the smallest index. Runs
@@ -370,7 +398,7 @@ def gumbel_sample(
     :func:`gumbel_sample_ref`.
     """
     impl = gumbel_sample_triton if use_triton(logits) else gumbel_sample_ref
-    impl(logits, seeds, positions, greedy, out)
+    impl(logits, seeds, positions, greedy, out, temperature)
 
 
 def uniform_hash_triton(

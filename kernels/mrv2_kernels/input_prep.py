@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "num_batch", "num_tokens_pad", "num_block_cols"])
 def _prepare_inputs_kernel(
     idx_mapping_ptr: tl.tensor,
     query_start_loc_ptr: tl.tensor,

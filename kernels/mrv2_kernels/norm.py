@@ -42,7 +42,7 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # ---------------------------------------------------------------------------------- RMSNorm
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "inner"])
 def _rms_norm_kernel(
     x_ptr: tl.tensor,
     res_ptr: tl.tensor,

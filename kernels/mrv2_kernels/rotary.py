@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ._backend import default_block, use_triton
+from .norm import rms_norm, rms_norm_ref
 
 __all__ = ["rotary_embedding", "rotary_embedding_ref", "rotary_embedding_triton"]
 
@@ -35,8 +36,11 @@ def _rotate_heads(
     cos: tl.tensor,
     sin: tl.tensor,
     half: tl.tensor,
+    w_ptr: tl.tensor,
+    eps: tl.tensor,
     BLOCK_HEADS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    NORM: tl.constexpr,
 ) -> None:
     heads = head0 + tl.arange(0, BLOCK_HEADS)
     dims = tl.arange(0, BLOCK_HALF)
@@ -44,6 +48,14 @@ def _rotate_heads(
     p1 = base_ptr + heads.to(tl.int64)[:, None] * stride_h + dims[None, :]
     x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(p1 + half, mask=mask, other=0.0).to(tl.float32)
+    if NORM:  # per-head RMSNorm first (rotary_dim == head_dim), with rms_norm's roundings
+        dtype = base_ptr.dtype.element_ty
+        variance = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * half)
+        r = tl.rsqrt(variance + eps)[:, None]
+        w1 = tl.load(w_ptr + dims, mask=dims < half, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + half + dims, mask=dims < half, other=0.0).to(tl.float32)[None, :]
+        x1 = (w1 * (x1 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     out1 = x1 * cos[None, :] - x2 * sin[None, :]
     out2 = x2 * cos[None, :] + x1 * sin[None, :]
     tl.store(p1, out1.to(base_ptr.dtype.element_ty), mask=mask)
@@ -56,6 +68,9 @@ def _rotary_kernel(
     q_ptr: tl.tensor,
     k_ptr: tl.tensor,
     cos_sin_ptr: tl.tensor,
+    q_w_ptr: tl.tensor,
+    k_w_ptr: tl.tensor,
+    eps: float,
     cos_sin_stride: int,
     q_stride_t: int,
     q_stride_h: int,
@@ -66,6 +81,7 @@ def _rotary_kernel(
     half: int,
     BLOCK_HEADS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    NORM: tl.constexpr,
 ) -> None:
     # Grid (tokens, q head blocks + k head blocks): each program rotates BLOCK_HEADS heads of
     # one token, in place, with the token's cos/sin row loaded once.
@@ -81,15 +97,13 @@ def _rotary_kernel(
     if hb < num_q_blocks:
         q_row = q_ptr + tok * q_stride_t
         head0 = hb * BLOCK_HEADS
-        _rotate_heads(
-            q_row, q_stride_h, head0, num_q_heads, cos, sin, half, BLOCK_HEADS, BLOCK_HALF
-        )
+        _rotate_heads(q_row, q_stride_h, head0, num_q_heads, cos, sin, half, q_w_ptr, eps,
+                      BLOCK_HEADS, BLOCK_HALF, NORM)
     else:
         k_row = k_ptr + tok * k_stride_t
         head0 = (hb - num_q_blocks) * BLOCK_HEADS
-        _rotate_heads(
-            k_row, k_stride_h, head0, num_k_heads, cos, sin, half, BLOCK_HEADS, BLOCK_HALF
-        )
+        _rotate_heads(k_row, k_stride_h, head0, num_k_heads, cos, sin, half, k_w_ptr, eps,
+                      BLOCK_HEADS, BLOCK_HALF, NORM)
 
 
 def _rotate_ref(
@@ -131,6 +145,22 @@ def _check(
             raise ValueError(f"{name} must be [T, H*D] or [T, H, D], got {tuple(t.shape)}")
 
 
+#: Optional per-head RMSNorm of query and key before the rotation: (q weight, k weight, eps).
+QKNorm = tuple[torch.Tensor, torch.Tensor, float]
+
+
+def _head_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, head_dim: int
+                   ) -> torch.Tensor:
+    normed = rms_norm_ref(x.reshape(x.shape[0], -1, head_dim), weight, eps)
+    assert isinstance(normed, torch.Tensor)
+    return normed.reshape(x.shape)
+
+
+def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, head_dim: int) -> torch.Tensor:
+    normed = rms_norm(x.reshape(x.shape[0], -1, head_dim), weight, eps)
+    return normed.reshape(x.shape)
+
+
 def rotary_embedding_ref(
     positions: torch.Tensor,
     query: torch.Tensor,
@@ -138,9 +168,14 @@ def rotary_embedding_ref(
     cos_sin: torch.Tensor,
     head_dim: int,
     rotary_dim: int,
+    qk_norm: QKNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch specification of :func:`rotary_embedding` (returns new tensors)."""
     _check(positions, query, key, cos_sin, head_dim, rotary_dim)
+    if qk_norm is not None:
+        q_w, k_w, eps = qk_norm
+        query = _head_norm_ref(query, q_w, eps, head_dim)
+        key = _head_norm_ref(key, k_w, eps, head_dim)
     cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
     return (
         _rotate_ref(query, cos, sin, head_dim, rotary_dim),
@@ -170,11 +205,13 @@ def rotary_embedding_triton(
     cos_sin: torch.Tensor,
     head_dim: int,
     rotary_dim: int,
+    qk_norm: QKNorm | None = None,
     *,
     inplace: bool = True,
     block_heads: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton implementation of :func:`rotary_embedding`: one launch for query and key.
+    """Triton implementation of :func:`rotary_embedding`: one launch for query and key
+    (and their per-head RMSNorm, which needs ``rotary_dim == head_dim``).
 
     Grid ``(T, cdiv(Hq, block_heads) + cdiv(Hk, block_heads))``; a program rotates
     ``block_heads`` heads of one token. With ``inplace`` (the default) ``query``/``key`` are
@@ -185,6 +222,8 @@ def rotary_embedding_triton(
     (not checked on the device).
     """
     _check(positions, query, key, cos_sin, head_dim, rotary_dim)
+    if qk_norm is not None and rotary_dim != head_dim:
+        raise ValueError("the fused query/key RMSNorm needs rotary_dim == head_dim")
     for t in (query, key, cos_sin):
         if t.dtype not in _KERNEL_DTYPES:
             raise TypeError(f"rotary_embedding_triton takes fp32/bf16/fp16, got {t.dtype}")
@@ -206,11 +245,15 @@ def rotary_embedding_triton(
         block=block_heads,
     )
     grid = (num_tokens, triton.cdiv(num_q_heads, bh) + triton.cdiv(num_k_heads, bh))
+    q_w, k_w, eps = qk_norm if qk_norm is not None else (cos_sin, cos_sin, 0.0)
     _rotary_kernel[grid](
         positions,
         q3,
         k3,
         cos_sin,
+        q_w,
+        k_w,
+        eps,
         cos_sin.stride(0),
         q3.stride(0),
         q3.stride(1),
@@ -221,6 +264,7 @@ def rotary_embedding_triton(
         half,
         BLOCK_HEADS=bh,
         BLOCK_HALF=block_half,
+        NORM=qk_norm is not None,
         num_warps=min(4, max(1, bh * block_half // 256)) if q3.is_cuda else 1,
     )
     return q_out, k_out
@@ -233,6 +277,7 @@ def rotary_embedding(
     cos_sin: torch.Tensor,
     head_dim: int,
     rotary_dim: int,
+    qk_norm: QKNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style RoPE of ``query`` ``[T, Hq*D]`` (or ``[T, Hq, D]``) and ``key`` at ``positions``.
 
@@ -243,6 +288,10 @@ def rotary_embedding(
         cos_sin: ``[max_position, rotary_dim]`` fp32, ``[cos | sin]`` per position.
         head_dim: size of one head.
         rotary_dim: even, ``<= head_dim``; the dims past it are passed through.
+        qk_norm: optional ``(q_weight, k_weight, eps)``: RMSNorm each head of ``query`` /
+            ``key`` first (Qwen3's q_norm / k_norm), exactly as
+            :func:`mrv2_kernels.norm.rms_norm` would, in the same launch when
+            ``rotary_dim == head_dim``.
 
     Returns ``(query, key)`` rotated, shaped like the inputs. Runs
     :func:`rotary_embedding_triton` when :func:`use_triton` says so, else
@@ -251,5 +300,12 @@ def rotary_embedding(
     returned tensors and treat the inputs as consumed.
     """
     if use_triton(query) and all(t.dtype in _KERNEL_DTYPES for t in (query, key, cos_sin)):
-        return rotary_embedding_triton(positions, query, key, cos_sin, head_dim, rotary_dim)
-    return rotary_embedding_ref(positions, query, key, cos_sin, head_dim, rotary_dim)
+        if qk_norm is not None and (rotary_dim != head_dim or any(
+                w.dtype not in _KERNEL_DTYPES or w.dtype != query.dtype for w in qk_norm[:2])):
+            q_w, k_w, eps = qk_norm  # not fusable: the norm kernel, then the rotation
+            query = _head_norm(query, q_w, eps, head_dim)
+            key = _head_norm(key, k_w, eps, head_dim)
+            qk_norm = None
+        return rotary_embedding_triton(positions, query, key, cos_sin, head_dim, rotary_dim,
+                                       qk_norm)
+    return rotary_embedding_ref(positions, query, key, cos_sin, head_dim, rotary_dim, qk_norm)

@@ -226,6 +226,7 @@ def test_mixed_batch_tile_sizes(block_m: int, block_n: int) -> None:
     out = paged_attention(*args, **b.bounds, out=poisoned, block_m=block_m, block_n=block_n)
     assert out is poisoned
     _check(out, ref, b, torch.float32)
+    assert (out[b.num_real_tokens :] == 0).all()  # padding rows zeroed by the kernel itself
 
 
 @pytest.mark.parametrize(

@@ -132,6 +132,52 @@ def test_rotary_in_place_on_fused_qkv_views() -> None:
     assert torch.equal(v, v_before)
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_fused_qk_norm_matches_norm_then_rotate(dtype: torch.dtype) -> None:
+    """Qwen3: per-head RMSNorm of q and k (own weights) fused into the rotation, in place on
+    slices of the fused QKV output, equals rms_norm_ref per head followed by the rotation."""
+    from mrv2_kernels import rms_norm_ref
+
+    tokens, num_heads, num_kv_heads, head_dim, eps = 5, 4, 2, 16, 1e-6
+    qkv = randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=7) * 3
+    q_end, k_end = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
+    q_w = (randn(head_dim, seed=8).abs() + 0.5).to(dtype)
+    k_w = (randn(head_dim, seed=9).abs() + 0.5).to(dtype)
+    positions = random_positions(tokens, seed=10)
+    cos_sin = cos_sin_table(head_dim)
+    before = qkv.clone()
+    normed_q = rms_norm_ref(before[:, :q_end].reshape(tokens, -1, head_dim), q_w, eps)
+    normed_k = rms_norm_ref(before[:, q_end:k_end].reshape(tokens, -1, head_dim), k_w, eps)
+    want_q, want_k = rotary_embedding_ref(positions, normed_q.flatten(1), normed_k.flatten(1),
+                                          cos_sin, head_dim, head_dim)
+    ref_q, ref_k = rotary_embedding_ref(positions, before[:, :q_end], before[:, q_end:k_end],
+                                        cos_sin, head_dim, head_dim, (q_w, k_w, eps))
+    assert torch.equal(ref_q, want_q) and torch.equal(ref_k, want_k)
+    got_q, got_k = rotary_embedding_triton(positions, qkv[:, :q_end], qkv[:, q_end:k_end],
+                                           cos_sin, head_dim, head_dim, (q_w, k_w, eps))
+    if dtype == F32:
+        assert_matches(got_q, want_q)
+        assert_matches(got_k, want_k)
+    else:  # three bf16 roundings (norm, weight, rotation): 3 ulps of the head's scale
+        for got, want in ((got_q, want_q), (got_k, want_k)):
+            scale = want.float().abs().max()
+            torch.testing.assert_close(got.float(), want.float(), rtol=0,
+                                       atol=3 * 2.0**-7 * float(scale))
+    assert torch.equal(qkv[:, k_end:], before[:, k_end:])  # v untouched
+    # Partial rotary cannot fuse: the dispatcher norms first, then rotates; same result.
+    q2, k2 = rotary_embedding(positions, before[:, :q_end].clone(),
+                              before[:, q_end:k_end].clone(), cos_sin_table(8), head_dim, 8,
+                              (q_w, k_w, eps))
+    want2 = rotary_embedding_ref(positions, normed_q.flatten(1), normed_k.flatten(1),
+                                 cos_sin_table(8), head_dim, 8)
+    assert_matches(q2, want2[0])
+    assert_matches(k2, want2[1])
+    with pytest.raises(ValueError, match="rotary_dim == head_dim"):
+        rotary_embedding_triton(positions, before[:, :q_end].clone(),
+                                before[:, q_end:k_end].clone(), cos_sin_table(8), head_dim, 8,
+                                (q_w, k_w, eps))
+
+
 def test_rotary_out_of_place_and_int32_positions() -> None:
     tokens, head_dim = 3, 8
     positions = random_positions(tokens, seed=5).to(torch.int32)

@@ -5,20 +5,25 @@ from __future__ import annotations
 import argparse
 import gc
 import random
+import statistics
 import time
 from typing import Any
 
 import torch
 
-from mrv2.bench.measure import report, resolve_model
+from mrv2.bench.measure import StepLog, instrument, report, resolve_model
 from mrv2.config import EngineConfig
 from mrv2.engine.engine import LLMEngine
 from mrv2.sample.params import SamplingParams
 
 
-def measure(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int) -> dict[str, float]:
-    """TTFT and time per output token of ``batch`` requests decoding together."""
-    rng = random.Random(batch)
+def measure(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int,
+            log: StepLog | None = None, seed: int = 0) -> dict[str, float]:
+    """TTFT and time per output token of ``batch`` requests decoding together; with ``log``
+    (from :func:`instrument`) also the host time in ``execute`` and the device time per
+    decode step (medians)."""
+    first_step = len(log.steps) if log is not None else 0
+    rng = random.Random(seed * 1000 + batch)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     for _ in range(batch):
         engine.add_request([rng.randint(0, 10000) for _ in range(prompt_len)], params,
@@ -31,8 +36,17 @@ def measure(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int) -> 
             first = time.perf_counter()
     end = time.perf_counter()
     assert first is not None
-    return {"batch": batch, "ttft_ms": round((first - start) * 1e3, 2),
-            "tpot_ms": round((end - first) * 1e3 / (new_tokens - 1), 3)}
+    row = {"batch": batch, "ttft_ms": round((first - start) * 1e3, 2),
+           "tpot_ms": round((end - first) * 1e3 / (new_tokens - 1), 3)}
+    if log is not None:
+        decode = [i for i in range(first_step, len(log.steps))
+                  if log.steps[i][0] == log.steps[i][1]]
+        row["host_execute_ms"] = round(statistics.median(log.host_s[i] for i in decode) * 1e3, 3)
+        if log.events:
+            torch.cuda.synchronize()
+            row["gpu_step_ms"] = round(statistics.median(
+                log.events[i][0].elapsed_time(log.events[i][1]) for i in decode), 3)
+    return row
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -49,8 +63,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             gpu_memory_utilization=args.gpu_memory_utilization, **variants[name],
         )
         engine = LLMEngine(config)
-        measure(engine, 2, 16, 8)  # warm up
-        results[name] = [measure(engine, b, args.prompt_len, args.new_tokens)
+        for b in args.batch_sizes:  # warm up: compile every kernel specialization first
+            measure(engine, b, args.prompt_len, 16, seed=1)  # other prompts: no prefix hits
+        log = instrument(engine)
+        results[name] = [measure(engine, b, args.prompt_len, args.new_tokens, log)
                          for b in args.batch_sizes]
         del engine
         gc.collect()  # the engine holds reference cycles; free its KV cache before the next

@@ -72,6 +72,8 @@ class StepLog:
     """(num_reqs, num_tokens, sum of seq_lens) of each step."""
     events: list[tuple[Any, Any]] = field(default_factory=list)
     wall: list[float] = field(default_factory=list)
+    host_s: list[float] = field(default_factory=list)
+    """Host seconds inside ``Runner.execute`` of each step."""
     cpu_execute_s: float = 0.0
     """Host time spent in ``Runner.execute`` (building and launching steps)."""
     wait_s: float = 0.0
@@ -100,7 +102,8 @@ def instrument(engine: Any) -> StepLog:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             log.events.append((start, end))
-        log.cpu_execute_s += time.perf_counter() - begin
+        log.host_s.append(time.perf_counter() - begin)
+        log.cpu_execute_s += log.host_s[-1]
         result = out.result
 
         def timed_result() -> Any:

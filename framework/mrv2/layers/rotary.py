@@ -109,15 +109,22 @@ class RotaryEmbedding(nn.Module):
         return self._cos_sin
 
     def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``query`` ``[T, H*D]`` (or ``[T, H, D]``) and ``key`` at ``positions`` ``[T]``.
 
-        One kernel for both (:func:`mrv2_kernels.rotary.rotary_embedding`) on the Triton path,
-        which rotates ``query`` and ``key`` in place: use the returned tensors.
+        ``qk_norm`` ``(q_weight, k_weight, eps)`` RMS-normalizes each head first (Qwen3's
+        q_norm / k_norm). One kernel for all of it
+        (:func:`mrv2_kernels.rotary.rotary_embedding`) on the Triton path, which works in
+        place: use the returned tensors.
         """
         return rotary_embedding(
-            positions, query, key, self._table(positions.device), self.head_dim, self.rotary_dim
+            positions, query, key, self._table(positions.device), self.head_dim, self.rotary_dim,
+            qk_norm,
         )
 
     def extra_repr(self) -> str:

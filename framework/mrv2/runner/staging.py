@@ -70,3 +70,17 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
     np.dtype(np.bool_).str: torch.bool,
     np.dtype(np.uint8).str: torch.uint8,
 }
+
+
+def to_device(values: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.tensor(values)`` on ``device`` without a CPU-GPU sync.
+
+    ``torch.tensor(..., device="cuda")`` copies from pageable memory and waits for the copy;
+    this stages through pinned memory with a non-blocking copy (the caching host allocator keeps
+    the pinned block until the copy has run). For the rare per-step index lists of the sampler.
+    """
+    cpu = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    cpu = cpu.to(dtype)
+    if device.type == "cpu":
+        return cpu
+    return cpu.pin_memory().to(device, non_blocking=True)

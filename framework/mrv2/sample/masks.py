@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from mrv2.runner.staging import to_device
 from mrv2.runner.state_table import RequestStateTable
 from mrv2.sample.params import SamplingParams
 
@@ -59,17 +60,17 @@ def apply_masks(
     vocab = logits.shape[1]
     if bias_b:
         logits.index_put_((_t(bias_b, device), _t(bias_t, device)),
-                          torch.tensor(bias_v, dtype=torch.float32, device=device),
+                          to_device(bias_v, torch.float32, device),
                           accumulate=True)
     if allowed:
         rows = _t([b for b, _ in allowed], device)
         keep = torch.zeros(len(allowed), vocab, dtype=torch.bool, device=device)
         local = [i for i, (_, toks) in enumerate(allowed) for _ in toks]
         toks = [t for _, ts in allowed for t in ts]
-        keep[_t(local, device), _t(toks, device)] = True
+        _fill(keep, (_t(local, device), _t(toks, device)), True)
         logits[rows] = logits[rows].masked_fill(~keep, _NEG_INF)
     if cond_b:
-        logits[_t(cond_b, device), _t(cond_t, device)] = _NEG_INF
+        _fill(logits, (_t(cond_b, device), _t(cond_t, device)), _NEG_INF)
     if words:
         _ban_bad_words(logits, idx_mapping, table, words)
     if min_b:
@@ -102,11 +103,17 @@ def _ban_bad_words(
     pos = (start[:, None] + j[None, :]).clamp(0, table.token_ids.shape[1] - 1)
     seen = table.token_ids[rows[:, None], pos].long()
     used = j[None, :] < plen[:, None]
-    match = ((seen == prefix.to(device)) | ~used).all(dim=1)
+    match = ((seen == to_device(prefix, torch.int64, device)) | ~used).all(dim=1)
     match &= start >= table.prefill_len[rows].long()  # the prefix lies within the output
     add = torch.where(match, _NEG_INF, 0.0)
     logits.index_put_((b, last), add, accumulate=True)
 
 
 def _t(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=device)
+    return to_device(values, torch.int64, device)
+
+
+def _fill(t: torch.Tensor, index: tuple[torch.Tensor, ...], value: float | bool) -> None:
+    # ``t[index] = value`` copies the Python scalar from pageable memory (a sync on CUDA); a
+    # device-side 0-d tensor does not.
+    t.index_put_(index, torch.full((), value, dtype=t.dtype, device=t.device))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mrv2.runner.staging import to_device
 from mrv2.runner.state_table import RequestStateTable
 from mrv2.sample.sampler import token_logprobs
 
@@ -68,12 +69,13 @@ def compute_prompt_logprobs(
         return []
     device = hidden.device
     k = max(c.k for c in chunks)
-    hidden_idx = torch.cat([torch.arange(c.hidden_start, c.hidden_start + c.count)
-                            for c in chunks]).to(device)
+    hidden_idx = to_device(torch.cat([torch.arange(c.hidden_start, c.hidden_start + c.count)
+                                      for c in chunks]), torch.int64, device)
     rows = torch.cat([torch.full((c.count,), c.row, dtype=torch.int64) for c in chunks])
     targets_pos = torch.cat([torch.arange(c.position + 1, c.position + 1 + c.count)
                              for c in chunks])
-    targets = table.token_ids[rows.to(device), targets_pos.to(device)].long()
+    targets = table.token_ids[to_device(rows, torch.int64, device),
+                              to_device(targets_pos, torch.int64, device)].long()
     parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for s in range(0, hidden_idx.numel(), slice_tokens):
         logits = compute_logits(hidden[hidden_idx[s : s + slice_tokens]])

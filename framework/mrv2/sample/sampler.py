@@ -26,6 +26,7 @@ from mrv2.sample.params import SamplingParams
 from mrv2_kernels.gumbel import gumbel_sample
 from mrv2_kernels.logprobs import logprob_stats
 from mrv2_kernels.penalties import apply_penalties
+from mrv2_kernels.top_k_top_p import top_k_top_p
 
 _GREEDY_EPS = 1e-5
 
@@ -74,9 +75,10 @@ class Sampler:
         special = _special_rows(batch, table)
         max_logprobs = max((p.logprobs for _, p in special if p.logprobs is not None),
                            default=-1)
-        logits = logits.float()
-        if max_logprobs >= 0 and logits.data_ptr() == raw.data_ptr():
-            logits = logits.clone()  # the in-place stages below must not touch the raw logits
+        if self.processors or special:  # in-place stages work on an fp32 copy
+            logits = logits.float()
+            if max_logprobs >= 0 and logits.data_ptr() == raw.data_ptr():
+                logits = logits.clone()  # the in-place stages must not touch the raw logits
         for processor in self.processors:
             processor.apply(logits, batch, table)
         idx = batch.idx_mapping[: batch.num_reqs]
@@ -88,17 +90,22 @@ class Sampler:
                                 table.presence_penalty)
             apply_masks(logits, idx, table, special)
         rows = idx.long()
-        greedy = table.temperature[rows] < _GREEDY_EPS
+        temperature = table.temperature[rows]
+        greedy = temperature < _GREEDY_EPS
+        scale: torch.Tensor | None = None  # the temperature, when the sampling kernel applies it
         if not batch.all_greedy:
-            temperature = torch.where(greedy, 1.0, table.temperature[rows])
-            logits = logits / temperature[:, None]
-            if batch.any_min_p:
-                logits = apply_min_p(logits, table.min_p[rows])
-            if batch.any_top_k_top_p:
-                logits = apply_top_k_top_p(logits, table.top_k[rows], table.top_p[rows])
+            if batch.any_min_p or batch.any_top_k_top_p:
+                logits = logits.float() / torch.where(greedy, 1.0, temperature)[:, None]
+                if batch.any_min_p:
+                    logits = apply_min_p(logits, table.min_p[rows])
+                if batch.any_top_k_top_p:  # in place: ``logits`` is this step's own copy
+                    logits = top_k_top_p(logits, table.top_k[rows], table.top_p[rows],
+                                         out=logits)
+            else:
+                scale = temperature  # same IEEE division, inside the kernel: no extra pass
         out = torch.empty(batch.num_reqs, dtype=torch.int64, device=logits.device)
         positions = batch.seq_lens[: batch.num_reqs].long()
-        gumbel_sample(logits, table.seed[rows], positions, greedy, out)
+        gumbel_sample(logits, table.seed[rows], positions, greedy, out, scale)
         if max_logprobs < 0:
             return SamplerOutput(out)
         ids, values, rank = token_logprobs(raw, out, max_logprobs)
@@ -132,14 +139,8 @@ def apply_top_k_top_p(
 ) -> torch.Tensor:
     """Keep each row's ``top_k`` largest logits (k <= 0: all) within nucleus ``top_p``.
 
-    Ties at the k-th value are kept; the token that crosses ``top_p`` is kept.
+    Ties at the k-th value are kept; the token that crosses ``top_p`` is kept, and so is the
+    rest of its tie group. Returns a new float32 tensor (see :mod:`mrv2_kernels.top_k_top_p`:
+    a sort-free kernel on the GPU).
     """
-    vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    k = torch.where(top_k <= 0, vocab, top_k.clamp(max=vocab)).long()
-    kth = sorted_logits.gather(1, (k - 1)[:, None])
-    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+    return top_k_top_p(logits, top_k, top_p)

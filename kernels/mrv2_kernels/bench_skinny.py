@@ -1,0 +1,112 @@
+"""Decode linear layers: the skinny kernel against cuBLAS (``F.linear``) at a few rows.
+
+    python -m mrv2_kernels.bench_skinny [--sweep]
+
+Each case runs one product per weight copy over enough distinct copies that the weights come
+from HBM, not L2 (as in a real decode step, which reads every layer once), inside a CUDA graph
+(as the decode step runs), and reports µs per product and the weight bandwidth reached.
+``--sweep`` also tries tile / split / stage choices and prints the best per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from mrv2_kernels.skinny_gemm import skinny_linear_triton
+
+#: (name, N, K): Qwen3-0.6B's decode projections, then Qwen3-8B's.
+SHAPES = [("0.6B qkv", 4096, 1024), ("0.6B o", 1024, 2048), ("0.6B gate_up", 6144, 1024),
+          ("0.6B down", 1024, 3072), ("8B qkv", 6144, 4096), ("8B o", 4096, 4096),
+          ("8B gate_up", 24576, 4096), ("8B down", 4096, 12288)]
+
+
+def time_graph(fn: Callable[[int], torch.Tensor], copies: int, repeats: int = 20) -> float:
+    """Median µs of ``fn(i)`` over ``copies`` inputs, captured once in a CUDA graph."""
+    for i in range(copies):  # compile and warm up outside the capture
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            fn(i)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / copies)
+    return sorted(times)[len(times) // 2]
+
+
+def _cublas(x: torch.Tensor, weights: list[torch.Tensor], i: int) -> torch.Tensor:
+    return F.linear(x, weights[i])
+
+
+def _skinny(x: torch.Tensor, weights: list[torch.Tensor], tiles: tuple[int, ...], i: int
+            ) -> torch.Tensor:
+    if not tiles:
+        return skinny_linear_triton(x, weights[i])
+    block_n, block_k, split_k, num_stages = tiles
+    return skinny_linear_triton(x, weights[i], None, block_n=block_n, block_k=block_k,
+                                split_k=split_k, num_stages=num_stages)
+
+
+def bench_shape(name: str, n: int, k: int, rows: list[int], sweep: bool) -> list[str]:
+    """One result line per row count for the ``[N, K]`` weight."""
+    dev = torch.device("cuda")
+    copies = max(4, (256 << 20) // (n * k * 2))  # >= 256 MiB of weights per replay
+    weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
+               for _ in range(copies)]
+    nbytes = n * k * 2
+    lines = []
+    for m in rows:
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        cublas = time_graph(functools.partial(_cublas, x, weights), copies)
+        ours = time_graph(functools.partial(_skinny, x, weights, ()), copies)
+        best = ""
+        if sweep:
+            results = []
+            for bn, bk, split, stages in itertools.product(
+                [16, 32, 64], [128, 256, 512], [1, 2, 4, 8], [3, 4]
+            ):
+                if k // split < bk:
+                    continue
+                try:
+                    fn = functools.partial(_skinny, x, weights, (bn, bk, split, stages))
+                    t = time_graph(fn, copies, 10)
+                except Exception as exc:  # noqa: BLE001 (out of resources: skip the tile)
+                    print(f"  skip {bn}/{bk}/{split}/{stages}: {type(exc).__name__}")
+                    continue
+                results.append((t, bn, bk, split, stages))
+            t, bn, bk, split, stages = min(results)
+            best = (f"best {t:7.2f} µs ({nbytes / t / 1e3:5.0f} GB/s) "
+                    f"n{bn} k{bk} s{split} st{stages}")
+        lines.append(
+            f"{name:13s} M={m:<3d} cuBLAS {cublas:7.2f} µs ({nbytes / cublas / 1e3:5.0f} GB/s)"
+            f"  skinny {ours:7.2f} µs ({nbytes / ours / 1e3:5.0f} GB/s)  {best}"
+        )
+        print(lines[-1], flush=True)
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    lines = []
+    for name, n, k in SHAPES:
+        lines += bench_shape(name, n, k, args.rows, args.sweep)
+    print("\n".join(["", "summary:", *lines]))
+
+
+if __name__ == "__main__":
+    main()

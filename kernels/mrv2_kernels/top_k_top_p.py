@@ -1,0 +1,468 @@
+"""Top-k / top-p (nucleus) filtering of logits without sorting the vocabulary.
+
+Semantics (:func:`top_k_top_p_ref` is the specification), per row of ``logits [B, V]``:
+
+1. Top-k, ``k = top_k[b]`` (``k <= 0`` or ``k >= V``: disabled): keep the tokens whose value is
+   ``>=`` the k-th largest value, so every token tied with the k-th one is kept.
+2. Top-p, ``p = top_p[b]`` (``p >= 1``: disabled): with ``q`` the softmax over the tokens kept
+   by step 1, a kept token ``v`` stays iff the probability of the tokens *strictly greater*
+   than it is ``< p``. This is the sort-based rule "drop a token when the probability mass
+   before it in descending order (exclusive cumsum) is ``>= p``", except at ties: a tie group
+   straddling the boundary is kept whole (the sort would keep the members it happened to put
+   first), like ties at the k-th value. The most likely token always stays (for ``p > 0``);
+   ``p <= 0`` drops everything.
+3. The result is a new float32 tensor with the dropped tokens set to ``-inf``.
+
+``-inf`` logits stay ``-inf``; logits must not hold NaN or ``+inf``. Probability sums taken in
+another order than torch's ``cumsum`` may flip a token whose mass-before lies within float
+rounding (~1e-6) of ``p``.
+
+The kernel (:func:`top_k_top_p_triton`) finds each row's threshold ``T`` exactly and keeps
+``x >= T``. Values are compared through an order-preserving int32 key of the fp32 bits
+(``-0.0`` and ``+0.0`` share a key). Five launches, four of them over ``(row, chunk)``
+programs of a fixed vocab chunk (so results do not depend on the batch):
+
+1. stats: row max ``m``, finite minimum, number of finite values, ``Z = sum exp(x - m)``;
+2. pivots: at 16 pivot keys (denser near ``m``) the count and the mass ``sum exp(x - m)`` of
+   the values above each pivot, which bound the threshold from below: ``T > lo``;
+3. compaction: every value above ``lo`` is copied, in row order, to a scratch row;
+4. resolve, one program per row: when at most ``cap`` candidates remain (the usual case) they
+   are sorted in registers and top-k then top-p are applied exactly to the sorted list;
+   otherwise (huge ``k``, flat rows, mass ties) a key-space bisection with 16 pivots per pass
+   over the candidates narrows the key range until it holds one key (at most ~8 passes per
+   stage);
+5. write: ``out = where(x >= T, x, -inf)``.
+
+So the logits are read four times and written once; rows without top-k / top-p are only
+copied. Top-k needs the k-th value and its mass ``Z_k`` before top-p can be decided, so for
+rows with both the compaction bound comes from top-k.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._backend import default_block, use_triton
+
+__all__ = ["top_k_top_p", "top_k_top_p_ref", "top_k_top_p_triton"]
+
+_KEEP_ALL = tl.constexpr(-(2**31))  # threshold key below every key: keep the whole row
+_DROP_ALL = tl.constexpr(2**31)  # threshold key above every key: drop the whole row
+# Top-p keeps only values above m - ln(V) - 17 (the rest weighs < 2**-24 of the row's mass),
+# so its first pivots are spread over that window. Placement only: correctness never uses it.
+_P_WINDOW = tl.constexpr(17.0)
+
+
+def _check(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> None:
+    if logits.dim() != 2 or (logits.shape[1] > 1 and logits.stride(1) != 1):
+        raise ValueError(f"logits must be 2-D with contiguous rows, got {tuple(logits.shape)}")
+    if logits.shape[1] == 0:
+        raise ValueError("logits must have at least one column")
+    n = logits.shape[0]
+    for name, t in (("top_k", top_k), ("top_p", top_p)):
+        if t.shape != (n,):
+            raise ValueError(f"{name} must have shape ({n},), got {tuple(t.shape)}")
+
+
+# --------------------------------------------------------------------------- torch reference
+
+
+def top_k_top_p_ref(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Plain-torch specification of :func:`top_k_top_p` (a full sort of every row)."""
+    _check(logits, top_k, top_p)
+    x = logits.float()
+    vocab = x.shape[-1]
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    k = torch.where(top_k <= 0, vocab, top_k.clamp(max=vocab)).long()
+    kth = sorted_x.gather(1, (k - 1)[:, None])
+    sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+    probs = torch.softmax(sorted_x, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    p = top_p.float()[:, None]
+    kept = (~(mass_before >= p) | (p >= 1.0)) & (sorted_x > float("-inf"))
+    # Whole tie groups: keep every value >= the smallest value the sorted rule keeps.
+    cut = torch.where(kept, sorted_x, float("inf")).amin(dim=-1, keepdim=True)
+    sorted_x = sorted_x.masked_fill(sorted_x < cut, float("-inf"))
+    return torch.full_like(x, float("-inf")).scatter(1, order, sorted_x)
+
+
+# --------------------------------------------------------------------------- Triton helpers
+
+
+@triton.jit
+def _skey(x: tl.tensor) -> tl.tensor:
+    # int32 key with the order of the fp32 values (signed compare); -0.0 maps to +0.0's key.
+    b = x.to(tl.int32, bitcast=True)
+    key = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+    return tl.where(x == 0.0, 0, key)
+
+
+@triton.jit
+def _row_setup(
+    stat_ptr: tl.tensor, row: tl.tensor, nch: int, topk_ptr: tl.tensor, topp_ptr: tl.tensor,
+    vocab: int, NCH_P2: tl.constexpr,
+) -> tuple[tl.tensor, ...]:
+    # Row statistics from the stats partials, and which filters are active. The stats of a
+    # row exist only where it asked for a filter (``req``); kact / pact are False elsewhere.
+    k = tl.load(topk_ptr + row).to(tl.int64)
+    p = tl.load(topp_ptr + row).to(tl.float32)
+    req = ((k >= 1) & (k < vocab)) | (p < 1.0)
+    c = tl.arange(0, NCH_P2)
+    cm = (c < nch) & req
+    base = stat_ptr + (row * nch + c) * 4
+    cmax = tl.load(base, mask=cm, other=float("-inf"))
+    m = tl.max(cmax, axis=0)
+    safe_m = tl.where(m == float("-inf"), 0.0, m)
+    z = tl.sum(tl.load(base + 2, mask=cm, other=0.0) * tl.exp(cmax - safe_m), axis=0)
+    mn = tl.min(tl.load(base + 1, mask=cm, other=float("inf")), axis=0)
+    nfin = tl.sum(tl.load(base + 3, mask=cm, other=0.0), axis=0).to(tl.int64)
+    kact = req & (k >= 1) & (k < nfin)
+    pact = req & (p < 1.0) & (nfin > 0)
+    return m, mn, z, nfin, k, p, kact, pact
+
+
+@triton.jit
+def _first_pivots(
+    m: tl.tensor, mn: tl.tensor, kact: tl.tensor, ln_v: float, NB: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor]:
+    # Pivot 0 is just below the finite minimum; pivots 1.. lie at m - span * ((NB - j) / NB)^2.
+    j = tl.arange(0, NB)
+    lo0 = _skey(mn) - 1
+    span = tl.where(kact, m - mn, tl.minimum(m - mn, ln_v + _P_WINDOW))
+    f = (NB - j).to(tl.float32) / NB
+    piv = tl.minimum(tl.maximum(_skey(m - span * f * f), lo0), _skey(m))
+    return tl.where(j == 0, lo0, piv), j
+
+
+@triton.jit
+def _stats_kernel(
+    x_ptr: tl.tensor, x_stride: int, vocab: int, topk_ptr: tl.tensor, topp_ptr: tl.tensor,
+    stat_ptr: tl.tensor, nch: int, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+) -> None:
+    # Program (row, chunk): max, finite min, finite count and sum exp(x - max) of its chunk.
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    k = tl.load(topk_ptr + row).to(tl.int64)
+    p = tl.load(topp_ptr + row).to(tl.float32)
+    if not (((k >= 1) & (k < vocab)) | (p < 1.0)):
+        return
+    start = c * CHUNK
+    end = tl.minimum(start + CHUNK, vocab)
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.full([], 0.0, tl.float32)
+    mn = tl.full([], float("inf"), tl.float32)
+    nf = tl.full([], 0.0, tl.float32)
+    for v0 in range(start, end, BLOCK):
+        v = v0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * x_stride + v, mask=v < end, other=float("-inf"))
+        x = x.to(tl.float32)
+        fin = x > float("-inf")
+        new_m = tl.maximum(m, tl.max(x, axis=0))
+        safe_m = tl.where(new_m == float("-inf"), 0.0, new_m)
+        s = s * tl.exp(m - safe_m) + tl.sum(tl.exp(x - safe_m), axis=0)
+        m = new_m
+        mn = tl.minimum(mn, tl.min(tl.where(fin, x, float("inf")), axis=0))
+        nf += tl.sum(fin.to(tl.float32), axis=0)
+    base = stat_ptr + (row * nch + c) * 4
+    tl.store(base, m)
+    tl.store(base + 1, mn)
+    tl.store(base + 2, s)
+    tl.store(base + 3, nf)
+
+
+@triton.jit
+def _pivot_kernel(
+    x_ptr: tl.tensor, x_stride: int, vocab: int, topk_ptr: tl.tensor, topp_ptr: tl.tensor,
+    stat_ptr: tl.tensor, cnt_ptr: tl.tensor, mass_ptr: tl.tensor, piv_ptr: tl.tensor, nch: int,
+    ln_v: float, CHUNK: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, NCH_P2: tl.constexpr,
+) -> None:
+    # Program (row, chunk): count and mass of its values above each first pivot. Chunk 0
+    # records the pivot keys, so that the next kernel need not recompute them in float.
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    m, mn, z, nfin, k, p, kact, pact = _row_setup(
+        stat_ptr, row, nch, topk_ptr, topp_ptr, vocab, NCH_P2
+    )
+    if not (kact | (pact & (p > 0.0))):
+        return
+    piv, j = _first_pivots(m, mn, kact, ln_v, NB)
+    if c == 0:
+        tl.store(piv_ptr + row * NB + j, piv)
+    cnt = tl.zeros([NB], tl.int32)
+    mass = tl.zeros([NB], tl.float32)
+    start = c * CHUNK
+    end = tl.minimum(start + CHUNK, vocab)
+    for v0 in range(start, end, BLOCK):
+        v = v0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * x_stride + v, mask=v < end, other=float("-inf"))
+        x = x.to(tl.float32)
+        gt = _skey(x)[:, None] > piv[None, :]
+        cnt += tl.sum(gt.to(tl.int32), axis=0)
+        mass += tl.sum(tl.where(gt, tl.exp(x - m)[:, None], 0.0), axis=0)
+    offs = (row * nch + c) * NB + j
+    tl.store(cnt_ptr + offs, cnt)
+    tl.store(mass_ptr + offs, mass)
+
+
+@triton.jit
+def _compact_kernel(
+    x_ptr: tl.tensor, x_stride: int, vocab: int, topk_ptr: tl.tensor, topp_ptr: tl.tensor,
+    stat_ptr: tl.tensor, cnt_ptr: tl.tensor, mass_ptr: tl.tensor, piv_ptr: tl.tensor,
+    cand_ptr: tl.tensor, cand_stride: int, bound_ptr: tl.tensor, nch: int, CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr, NB: tl.constexpr, NCH_P2: tl.constexpr,
+) -> None:
+    # Program (row, chunk): choose the bound lo (the highest pivot the threshold lies above,
+    # identically in every program of the row), then copy its chunk's values above lo to the
+    # candidate row, after those of the chunks before it. Chunk 0 records (lo, count).
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    m, mn, z, nfin, k, p, kact, pact = _row_setup(
+        stat_ptr, row, nch, topk_ptr, topp_ptr, vocab, NCH_P2
+    )
+    if not (kact | (pact & (p > 0.0))):
+        return
+    j = tl.arange(0, NB)
+    piv = tl.load(piv_ptr + row * NB + j)
+    cc = tl.arange(0, NCH_P2)
+    offs = (row * nch + cc[:, None]) * NB + j[None, :]
+    cm = (cc < nch)[:, None]
+    cnt = tl.load(cnt_ptr + offs, mask=cm, other=0)
+    tot_cnt = tl.sum(cnt, axis=0)
+    tot_mass = tl.sum(tl.load(mass_ptr + offs, mask=cm, other=0.0), axis=0)
+    # below[j]: the threshold is above pivot j (always true for pivot 0); a prefix of pivots.
+    below = tl.where(kact, tot_cnt >= k, (tot_cnt >= nfin) | (tot_mass >= p * z))
+    sel = j == tl.max(tl.where(below, j, 0), axis=0)
+    lo = tl.sum(tl.where(sel, piv, 0), axis=0)
+    at_lo = tl.sum(tl.where(sel[None, :], cnt, 0), axis=1)
+    off = tl.sum(tl.where(cc < c, at_lo, 0), axis=0).to(tl.int64)
+    if c == 0:
+        tl.store(bound_ptr + row * 2, lo.to(tl.int64))
+        tl.store(bound_ptr + row * 2 + 1, tl.sum(at_lo, axis=0).to(tl.int64))
+    start = c * CHUNK
+    end = tl.minimum(start + CHUNK, vocab)
+    for v0 in range(start, end, BLOCK):
+        v = v0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * x_stride + v, mask=v < end, other=float("-inf"))
+        x = x.to(tl.float32)
+        keep = (_skey(x) > lo).to(tl.int32)
+        pos = off + tl.cumsum(keep, axis=0) - 1
+        tl.store(cand_ptr + row * cand_stride + pos, x, mask=keep != 0)
+        off += tl.sum(keep, axis=0)
+
+
+@triton.jit
+def _sort_resolve(
+    cand: tl.tensor, n: tl.tensor, m: tl.tensor, z: tl.tensor, k: tl.tensor, p: tl.tensor,
+    kact: tl.tensor, pact: tl.tensor, CAP: tl.constexpr,
+) -> tl.tensor:
+    # All n <= CAP candidates (every value above the bound) sorted: exact top-k, then top-p.
+    i = tl.arange(0, CAP)
+    s = tl.sort(tl.load(cand + i, mask=i < n, other=float("-inf")), descending=True)
+    kth = tl.max(tl.where(i == k - 1, s, float("-inf")), axis=0)
+    kth = tl.where(kact, kth, float("-inf"))
+    w = tl.where(s >= kth, tl.exp(s - m), 0.0)
+    zk = tl.where(kact, tl.sum(w, axis=0), z)
+    before = tl.cumsum(w, axis=0) - w
+    keep = (i < n) & (s >= kth) & (before < p * zk)
+    tp = tl.min(tl.where(keep, s, float("inf")), axis=0)
+    return _skey(tl.where(pact, tp, kth)).to(tl.int64)
+
+
+@triton.jit
+def _bisect(
+    cand: tl.tensor, n: tl.tensor, lo: tl.tensor, m: tl.tensor, z: tl.tensor, k: tl.tensor,
+    p: tl.tensor, kact: tl.tensor, pact: tl.tensor, NB: tl.constexpr, BLOCK: tl.constexpr,
+) -> tl.tensor:
+    # Key-space bisection over the n candidates (all values with key > lo): the threshold key
+    # lies in (lo, hi]; each pass counts and weighs the candidates above NB pivots and keeps
+    # the sub-range holding the threshold, until hi == lo + 1. The top-k stage's final range
+    # gives Z_k = mass above lo; the top-p stage then searches (key(kth) - 1, key(m)].
+    j = tl.arange(0, NB)
+    hi = _skey(m).to(tl.int64)
+    stage_k = kact.to(tl.int32)
+    zk = z
+    t = hi
+    done = tl.full([], 0, tl.int32)
+    it = 0
+    while (done == 0) & (it < 80):
+        piv = lo + ((hi - lo) * (j + 1)) // (NB + 1)
+        piv = tl.minimum(tl.maximum(piv, lo + 1), hi).to(tl.int32)
+        cnt = tl.zeros([NB], tl.int32)
+        mass = tl.zeros([NB], tl.float32)
+        cnt_lo = tl.full([], 0, tl.int32)
+        mass_lo = tl.full([], 0.0, tl.float32)
+        for v0 in range(0, n, BLOCK):
+            v = v0 + tl.arange(0, BLOCK)
+            x = tl.load(cand + v, mask=v < n, other=float("-inf"))
+            key = _skey(x)
+            w = tl.exp(x - m)
+            gt = key[:, None] > piv[None, :]
+            cnt += tl.sum(gt.to(tl.int32), axis=0)
+            mass += tl.sum(tl.where(gt, w[:, None], 0.0), axis=0)
+            above = key > lo
+            cnt_lo += tl.sum(above.to(tl.int32), axis=0)
+            mass_lo += tl.sum(tl.where(above, w, 0.0), axis=0)
+        below = tl.where(stage_k != 0, cnt >= k, (cnt >= cnt_lo) | (mass >= p * zk))
+        f = tl.max(tl.where(below, j, -1), axis=0)
+        g = tl.min(tl.where(below, NB, j), axis=0)
+        mass_lo = tl.where(f >= 0, tl.sum(tl.where(j == f, mass, 0.0), axis=0), mass_lo)
+        lo = tl.where(f >= 0, tl.sum(tl.where(j == f, piv, 0), axis=0).to(tl.int64), lo)
+        hi = tl.where(g < NB, tl.sum(tl.where(j == g, piv, 0), axis=0).to(tl.int64), hi)
+        if hi - lo <= 1:
+            if (stage_k != 0) & pact:
+                stage_k = stage_k * 0
+                zk = mass_lo
+                hi = _skey(m).to(tl.int64)
+            else:
+                t = hi
+                done = done + 1
+        it += 1
+    return t
+
+
+@triton.jit
+def _resolve_kernel(
+    cand_ptr: tl.tensor, cand_stride: int, vocab: int, topk_ptr: tl.tensor, topp_ptr: tl.tensor,
+    stat_ptr: tl.tensor, bound_ptr: tl.tensor, thr_ptr: tl.tensor, nch: int, CAP: tl.constexpr,
+    NB: tl.constexpr, BLOCK: tl.constexpr, NCH_P2: tl.constexpr,
+) -> None:
+    # One program per row: the threshold key (keep x with key >= thr).
+    row = tl.program_id(0).to(tl.int64)
+    m, mn, z, nfin, k, p, kact, pact = _row_setup(
+        stat_ptr, row, nch, topk_ptr, topp_ptr, vocab, NCH_P2
+    )
+    thr = tl.full([], _KEEP_ALL, tl.int64)
+    if pact & (p <= 0.0):
+        thr = tl.full([], _DROP_ALL, tl.int64)
+    elif kact | pact:
+        lo = tl.load(bound_ptr + row * 2)
+        n = tl.load(bound_ptr + row * 2 + 1)
+        cand = cand_ptr + row * cand_stride
+        if n <= CAP:
+            thr = _sort_resolve(cand, n, m, z, k, p, kact, pact, CAP)
+        else:
+            thr = _bisect(cand, n, lo, m, z, k, p, kact, pact, NB, BLOCK)
+    tl.store(thr_ptr + row, thr)
+
+
+@triton.jit
+def _write_kernel(
+    x_ptr: tl.tensor, x_stride: int, out_ptr: tl.tensor, out_stride: int, vocab: int,
+    thr_ptr: tl.tensor, CHUNK: tl.constexpr, BLOCK: tl.constexpr, IN_PLACE: tl.constexpr,
+) -> None:
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    t = tl.load(thr_ptr + row)
+    if IN_PLACE:  # noqa: SIM102 (constexpr branch; `and` would mix it with a tensor)
+        if t == _KEEP_ALL:  # nothing to drop, and out is logits
+            return
+    start = c * CHUNK
+    end = tl.minimum(start + CHUNK, vocab)
+    for v0 in range(start, end, BLOCK):
+        v = v0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * x_stride + v, mask=v < end, other=0.0).to(tl.float32)
+        y = tl.where(_skey(x).to(tl.int64) >= t, x, float("-inf"))
+        tl.store(out_ptr + row * out_stride + v, y, mask=v < end)
+
+
+# --------------------------------------------------------------------------- host side
+
+
+def _output(logits: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    if out.shape != logits.shape or out.dtype != torch.float32:
+        raise ValueError(f"out must be float32 of shape {tuple(logits.shape)}")
+    if out.shape[1] > 1 and out.stride(1) != 1:
+        raise ValueError("out must have contiguous rows")
+    if out.data_ptr() == logits.data_ptr() and (
+        out.dtype != logits.dtype or out.stride() != logits.stride()
+    ):
+        raise ValueError("out may alias logits only as the very same float32 tensor")
+    return out
+
+
+def top_k_top_p_triton(
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    block_v: int | None = None,
+    chunk: int | None = None,
+    cap: int | None = None,
+) -> torch.Tensor:
+    """Triton implementation of :func:`top_k_top_p` (see the module docstring).
+
+    ``block_v`` is the tile of every vocab loop, ``chunk`` the vocab slice of one program in
+    the full-row passes (a fixed size, so the arithmetic never depends on the batch), ``cap``
+    the most candidates resolved by an in-register sort (more: bisection). All powers of two;
+    the result does not depend on them except through float summation order.
+    """
+    _check(logits, top_k, top_p)
+    out = _output(logits, out)
+    n, vocab = logits.shape
+    if n == 0:
+        return out
+    block = default_block(logits, cuda=1024, cpu=64, block=block_v)
+    chunk = max(default_block(logits, cuda=8192, cpu=256, block=chunk), block)
+    cap = default_block(logits, cuda=4096, cpu=128, block=cap)
+    nb = 16
+    nch = triton.cdiv(vocab, chunk)
+    nch_p2 = triton.next_power_of_2(nch)
+    dev = logits.device
+    stats = torch.empty((n, nch, 4), dtype=torch.float32, device=dev)
+    cnt = torch.empty((n, nch, nb), dtype=torch.int32, device=dev)
+    mass = torch.empty((n, nch, nb), dtype=torch.float32, device=dev)
+    cand = torch.empty((n, vocab), dtype=torch.float32, device=dev)
+    piv = torch.empty((n, nb), dtype=torch.int32, device=dev)
+    bound = torch.empty((n, 2), dtype=torch.int64, device=dev)
+    thr = torch.empty(n, dtype=torch.int64, device=dev)
+    ln_v = math.log(vocab)
+    grid = (n, nch)
+    wide = 8 if logits.is_cuda else 4
+    xs = logits.stride(0)
+    _stats_kernel[grid](logits, xs, vocab, top_k, top_p, stats, nch, CHUNK=chunk, BLOCK=block)
+    _pivot_kernel[grid](logits, xs, vocab, top_k, top_p, stats, cnt, mass, piv, nch, ln_v,
+                        CHUNK=chunk, BLOCK=block, NB=nb, NCH_P2=nch_p2, num_warps=wide)
+    _compact_kernel[grid](logits, xs, vocab, top_k, top_p, stats, cnt, mass, piv, cand,
+                          cand.stride(0), bound, nch, CHUNK=chunk, BLOCK=block, NB=nb,
+                          NCH_P2=nch_p2)
+    _resolve_kernel[(n,)](cand, cand.stride(0), vocab, top_k, top_p, stats, bound, thr, nch,
+                          CAP=cap, NB=nb, BLOCK=block, NCH_P2=nch_p2, num_warps=wide)
+    _write_kernel[grid](logits, xs, out, out.stride(0), vocab, thr, CHUNK=chunk, BLOCK=block,
+                        IN_PLACE=out.data_ptr() == logits.data_ptr())
+    return out
+
+
+def top_k_top_p(
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Top-k / top-p filter each row of ``logits``; return the float32 result.
+
+    Args:
+        logits: ``[B, V]`` float32 (bf16 / fp16 are read as float32), rows contiguous.
+        top_k: ``[B]`` int32 / int64; ``<= 0`` or ``>= V`` disables top-k for the row.
+        top_p: ``[B]`` float32; ``>= 1`` disables top-p for the row.
+        out: optional float32 ``[B, V]`` output; ``out=logits`` filters in place. Without it
+            a new tensor is returned and ``logits`` is left untouched.
+
+    See the module docstring for the exact rule (ties at either cut are kept whole). Runs
+    :func:`top_k_top_p_triton` when :func:`use_triton` says so, else :func:`top_k_top_p_ref`.
+    """
+    if use_triton(logits):
+        return top_k_top_p_triton(logits, top_k, top_p, out)
+    result = top_k_top_p_ref(logits, top_k, top_p)
+    if out is None:
+        return result
+    _output(logits, out)
+    return out.copy_(result)

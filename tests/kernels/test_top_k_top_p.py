@@ -1,0 +1,202 @@
+"""Top-k / top-p filtering: the sort-free kernel (Triton, interpreted on CPU) against the
+reference, and the reference against the former sort-based formula.
+
+Probability sums taken in another order can flip a token whose mass-before lies within float
+rounding of top_p. Kept sets are therefore compared allowing a difference only for a token
+whose exact (float64) mass-before is within 1e-5 of top_p; never for a top-k difference, and
+never in the kept values. The inputs are seeded, so nothing here is flaky.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+try:
+    import mrv2_kernels  # noqa: F401
+except ImportError:  # not installed: use the source tree
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "kernels"))
+
+from mrv2_kernels.top_k_top_p import top_k_top_p, top_k_top_p_ref, top_k_top_p_triton
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim:DeprecationWarning"
+)
+
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+if DEVICE == "cuda" and not torch.cuda.is_available():
+    pytest.skip("Triton kernels need TRITON_INTERPRET=1 or a CUDA device", allow_module_level=True)
+
+INF = float("inf")
+TOL = 1e-5
+
+
+def sort_formula(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The former sort-based ``apply_top_k_top_p``, verbatim."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.where(top_k <= 0, vocab, top_k.clamp(max=vocab)).long()
+    kth = sorted_logits.gather(1, (k - 1)[:, None])
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def exact_mass_before(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """float64 probability (softmax over the top-k survivors) of the values strictly above each
+    token; ``inf`` for tokens top-k drops."""
+    x = logits.double().cpu()
+    vocab = x.shape[1]
+    k = torch.where(top_k.cpu() <= 0, vocab, top_k.cpu().clamp(max=vocab)).long()
+    kth = x.sort(dim=1, descending=True).values.gather(1, (k - 1)[:, None])
+    survive = (x >= kth) & (x > -INF)
+    q = torch.softmax(x.masked_fill(~survive, -INF), dim=1).nan_to_num(0.0)
+    above = (x[:, None, :] > x[:, :, None]).double()  # above[b, v, u] = x[b, u] > x[b, v]
+    mb = (above * q[:, None, :]).sum(-1)
+    return mb.masked_fill(~survive, INF)
+
+
+def assert_filter_close(
+    got: torch.Tensor, want: torch.Tensor, logits: torch.Tensor,
+    top_k: torch.Tensor, top_p: torch.Tensor,
+) -> None:
+    got, want, x = got.cpu(), want.cpu(), logits.float().cpu()
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    kept = torch.isfinite(got)
+    assert torch.equal(got[kept], x[kept])
+    assert (got[~kept] == -INF).all()
+    diff = kept ^ torch.isfinite(want)
+    if diff.any():
+        mb = exact_mass_before(x, top_k)
+        near = (mb - top_p.cpu().double()[:, None]).abs() < TOL
+        bad = diff & ~near
+        assert not bad.any(), f"kept sets differ away from the top-p boundary: {bad.nonzero()}"
+
+
+def make_batch(seed: int, vocab: int, dtype: torch.dtype = torch.float32) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Seven rows covering every case: p only, k = 1, -inf entries, k >= V with a tiny p,
+    heavy ties, an untouched row and an all -inf row."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(7, vocab, generator=g) * 2.5
+    x[2, torch.rand(vocab, generator=g) < 0.3] = -INF
+    x[4] = (x[4] * 2).round() / 2  # ~25 distinct values: ties at both cuts
+    x[6] = -INF
+    top_k = torch.tensor([0, 1, 40, vocab + 5, 60, 0, 5], dtype=torch.int32)
+    top_p = torch.tensor([0.9, 1.0, 0.8, 1e-7, 0.7, 1.0, 0.5])
+    return x.to(dtype).to(DEVICE), top_k.to(DEVICE), top_p.to(DEVICE)
+
+
+# ------------------------------------------------------------------ reference
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ref_matches_sort_formula(seed: int) -> None:
+    """Without ties the reference is the former sort-based formula."""
+    g = torch.Generator().manual_seed(seed)
+    n, vocab = 12, 400
+    x = torch.randn(n, vocab, generator=g) * torch.tensor([0.3, 1.0, 4.0]).repeat(4)[:, None]
+    x[3, :350] = -INF
+    top_k = torch.tensor([0, 1, 2, 5, 50, 399, 400, 1000, 0, -1, 17, 3])
+    top_p = torch.tensor([0.9, 0.5, 1.0, 0.95, 0.3, 1.0, 0.99, 0.6, 1e-6, 0.75, 1.0, 0.999])
+    before = x.clone()
+    want = top_k_top_p_ref(x, top_k, top_p)
+    assert torch.equal(x, before)  # input untouched
+    assert_filter_close(sort_formula(x, top_k, top_p), want, x, top_k, top_p)
+    assert torch.isfinite(want).sum(1).tolist()[1] == 1  # k = 1
+    assert int(torch.isfinite(want[10]).sum()) == 17  # k only
+
+
+def test_ref_tie_rule() -> None:
+    """Ties are kept whole at the k-th value (as before) and at the top-p boundary (new)."""
+    x = torch.log(torch.tensor([[0.4, 0.2, 0.2, 0.2, 1e-3], [0.4, 0.2, 0.2, 0.2, 1e-3]]))
+    x = torch.cat([x, torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0]])])
+    top_k = torch.tensor([0, 0, 2])
+    top_p = torch.tensor([0.65, 0.35, 1.0])
+    want = top_k_top_p_ref(x, top_k, top_p)
+    # Row 0: the group of 0.2 has ~0.4 before it (< 0.65): all of it stays, though the sort
+    # gives its third member ~0.8 >= 0.65 before it. Row 1: 0.4 >= 0.35 drops the group.
+    assert torch.isfinite(want).tolist() == [[True] * 4 + [False], [True] + [False] * 4,
+                                             [True] * 4 + [False]]
+    old = torch.isfinite(sort_formula(x, top_k, top_p))
+    assert old[0].sum() == 3 and torch.equal(old[1:], torch.isfinite(want[1:]))
+
+
+# ------------------------------------------------------------------ Triton against the reference
+
+
+@pytest.mark.parametrize(
+    ("vocab", "dtype", "kw"),
+    [
+        (700, torch.float32, {}),  # in-register sort of the candidates (cap 128)
+        (300, torch.float32, {"cap": 16, "chunk": 64, "block_v": 32}),  # bisection, 5 chunks
+        (1000, torch.bfloat16, {"block_v": 128}),  # bf16 read as fp32: many ties
+    ],
+)
+def test_triton_matches_ref(vocab: int, dtype: torch.dtype, kw: dict[str, int]) -> None:
+    x, top_k, top_p = make_batch(seed=vocab, vocab=vocab, dtype=dtype)
+    before = x.clone()
+    want = top_k_top_p_ref(x, top_k, top_p)
+    out = torch.full(x.shape, float("nan"), device=DEVICE)  # poisoned
+    got = top_k_top_p_triton(x, top_k, top_p, out, **kw)
+    assert got is out and torch.equal(x, before)
+    assert_filter_close(got, want, x, top_k, top_p)
+    kept = torch.isfinite(want).sum(1).tolist()
+    assert kept[1] == 1 and kept[5] == int(torch.isfinite(x[5]).sum()) and kept[6] == 0
+    assert torch.equal(got[5].cpu(), x[5].float().cpu())  # untouched row copied
+
+
+def test_triton_bf16_values_in_fp32() -> None:
+    """bf16 logits converted to fp32 (every row full of ties), with top-k and top-p together."""
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(4, 500, generator=g) * 3).bfloat16().float().to(DEVICE)
+    top_k = torch.tensor([20, 200, 0, 499], device=DEVICE)  # int64 this time
+    top_p = torch.tensor([0.9, 0.5, 0.97, 0.999], device=DEVICE)
+    want = top_k_top_p_ref(x, top_k, top_p)
+    got = top_k_top_p_triton(x, top_k, top_p, cap=64, block_v=128)
+    assert_filter_close(got, want, x, top_k, top_p)
+
+
+def test_triton_edge_rows() -> None:
+    """Exact agreement on hand-made rows: tie groups at both cuts, k equal to the number of
+    finite values, a single finite value, p = 0 (drops everything), mass ties under
+    bisection (cap 16)."""
+    vocab = 64
+    x = torch.full((7, vocab), -INF)
+    x[0, :5] = torch.log(torch.tensor([0.4, 0.2, 0.2, 0.2, 1e-3]))  # top-p tie group kept
+    x[1, :5] = torch.log(torch.tensor([0.4, 0.2, 0.2, 0.2, 1e-3]))  # ... and dropped
+    x[2, 10:40] = 1.0  # 30 tied values, k = 3 keeps all of them
+    x[2, 50] = 2.0
+    x[3, 7] = -3.0  # single finite value
+    x[4] = torch.linspace(-2.0, 2.0, vocab)
+    x[5, :20] = torch.arange(20.0) % 4  # 4 groups of 5 tied values, k == number of finite
+    x[6] = torch.where(torch.arange(vocab) % 2 == 0, 0.5, -0.0)  # -0.0 ties with 0.0
+    x[6, :20] = 0.0  # 22 values 0.5, then 42 zeros holding the k-th value and 0.46 mass above
+    top_k = torch.tensor([0, 0, 3, 1, 0, 20, 40])
+    top_p = torch.tensor([0.65, 0.35, 0.5, 0.3, 0.0, 0.9, 0.5])
+    x, top_k, top_p = x.to(DEVICE), top_k.to(DEVICE), top_p.to(DEVICE)
+    want = top_k_top_p_ref(x, top_k, top_p)
+    assert torch.isfinite(want).sum(1).tolist() == [4, 1, 31, 1, 0, 15, 64]
+    for kw in ({}, {"cap": 16, "block_v": 16}):
+        got = top_k_top_p_triton(x, top_k, top_p, **kw)
+        assert torch.equal(got, want), kw
+
+
+def test_dispatch_and_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    x, top_k, top_p = make_batch(seed=3, vocab=256)
+    x, top_k, top_p = x[:4], top_k[:4], top_p[:4]
+    want = top_k_top_p_ref(x, top_k, top_p)
+    monkeypatch.delenv("MRV2_KERNELS", raising=False)
+    assert_filter_close(top_k_top_p(x, top_k, top_p), want, x, top_k, top_p)
+    monkeypatch.setenv("MRV2_KERNELS", "triton")
+    y = x.clone()
+    assert top_k_top_p(y, top_k, top_p, out=y) is y  # in place
+    assert_filter_close(y, want, x, top_k, top_p)
+    with pytest.raises(ValueError, match="top_p"):
+        top_k_top_p(x, top_k, top_p[:2])
