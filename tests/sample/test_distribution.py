@@ -16,20 +16,19 @@ DRAWS = 6000
 
 
 def _exact(temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """The target distribution, stated directly: temperature, min-p, top-k, top-p."""
+    """The target distribution, stated directly: temperature, then min-p, then top-k (ties at
+    the k-th value kept), then top-p over the renormalized top-k survivors (a token stays when
+    the mass of the tokens strictly more likely than it is below ``top_p``)."""
     p = torch.softmax(LOGITS.double() / temperature, -1)
     p = torch.where(p >= p.max() * min_p, p, 0.0)
-    order = p.argsort(descending=True)
-    keep = torch.zeros_like(p, dtype=torch.bool)
-    mass = 0.0
-    total = float(p.sum())
-    for rank, v in enumerate(order.tolist()):
-        if p[v] == 0 or (top_k > 0 and rank >= top_k) or mass >= top_p * total:
-            break
-        keep[v] = True
-        mass += float(p[v])
-    p = torch.where(keep, p, 0.0)
-    return p / p.sum()
+    if top_k > 0:
+        kth = p.sort(descending=True).values[min(top_k, len(p)) - 1]
+        p = torch.where(p >= kth, p, 0.0)
+    q = p / p.sum()
+    if top_p < 1.0:
+        above = torch.stack([q[q > v].sum() for v in q])
+        q = torch.where((q > 0) & (above < top_p), q, 0.0)
+    return q / q.sum()
 
 
 @pytest.mark.parametrize(
