@@ -14,6 +14,8 @@ fp32 table that :class:`mrv2.layers.rotary.RotaryEmbedding` builds (cos half fir
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import triton
@@ -149,16 +151,12 @@ def _check(
 QKNorm = tuple[torch.Tensor, torch.Tensor, float]
 
 
-def _head_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, head_dim: int
-                   ) -> torch.Tensor:
-    normed = rms_norm_ref(x.reshape(x.shape[0], -1, head_dim), weight, eps)
-    assert isinstance(normed, torch.Tensor)
-    return normed.reshape(x.shape)
-
-
-def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, head_dim: int) -> torch.Tensor:
-    normed = rms_norm(x.reshape(x.shape[0], -1, head_dim), weight, eps)
-    return normed.reshape(x.shape)
+def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, head_dim: int,
+               norm: Callable[..., Any] = rms_norm) -> torch.Tensor:
+    """RMSNorm of every ``head_dim`` head of ``x``, shaped like ``x`` (``norm``: the
+    dispatcher, or ``rms_norm_ref`` for the reference path)."""
+    normed = norm(x.reshape(x.shape[0], -1, head_dim), weight, eps)
+    return cast(torch.Tensor, normed).reshape(x.shape)
 
 
 def rotary_embedding_ref(
@@ -174,8 +172,8 @@ def rotary_embedding_ref(
     _check(positions, query, key, cos_sin, head_dim, rotary_dim)
     if qk_norm is not None:
         q_w, k_w, eps = qk_norm
-        query = _head_norm_ref(query, q_w, eps, head_dim)
-        key = _head_norm_ref(key, k_w, eps, head_dim)
+        query = _head_norm(query, q_w, eps, head_dim, rms_norm_ref)
+        key = _head_norm(key, k_w, eps, head_dim, rms_norm_ref)
     cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
     return (
         _rotate_ref(query, cos, sin, head_dim, rotary_dim),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import random
 import statistics
 import time
@@ -11,7 +10,7 @@ from typing import Any
 
 import torch
 
-from mrv2.bench.measure import StepLog, instrument, report, resolve_model
+from mrv2.bench.measure import StepLog, instrument, release_engine_memory, report, resolve_model
 from mrv2.config import EngineConfig
 from mrv2.engine.engine import LLMEngine
 from mrv2.sample.params import SamplingParams
@@ -69,9 +68,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         results[name] = [measure(engine, b, args.prompt_len, args.new_tokens, log)
                          for b in args.batch_sizes]
         del engine
-        gc.collect()  # the engine holds reference cycles; free its KV cache before the next
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_engine_memory()
     return results
 
 

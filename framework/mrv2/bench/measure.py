@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from dataclasses import dataclass, field
@@ -73,11 +74,14 @@ class StepLog:
     events: list[tuple[Any, Any]] = field(default_factory=list)
     wall: list[float] = field(default_factory=list)
     host_s: list[float] = field(default_factory=list)
-    """Host seconds inside ``Runner.execute`` of each step."""
-    cpu_execute_s: float = 0.0
-    """Host time spent in ``Runner.execute`` (building and launching steps)."""
+    """Host seconds inside ``Runner.execute`` (building and launching) of each step."""
     wait_s: float = 0.0
     """Host time spent waiting in ``AsyncStepOutput.result()``."""
+
+    @property
+    def cpu_execute_s(self) -> float:
+        """Host time spent in ``Runner.execute`` over all steps."""
+        return sum(self.host_s)
 
 
 def instrument(engine: Any) -> StepLog:
@@ -103,7 +107,6 @@ def instrument(engine: Any) -> StepLog:
             end.record()
             log.events.append((start, end))
         log.host_s.append(time.perf_counter() - begin)
-        log.cpu_execute_s += log.host_s[-1]
         result = out.result
 
         def timed_result() -> Any:
@@ -117,6 +120,14 @@ def instrument(engine: Any) -> StepLog:
 
     runner.execute = execute
     return log
+
+
+def release_engine_memory() -> None:
+    """After ``del engine``: collect its reference cycles and return its KV cache to the device,
+    so the next variant's engine can size its own."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def floor_seconds(log: StepLog, runner: Runner, bandwidth: float) -> float:

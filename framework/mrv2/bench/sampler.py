@@ -8,14 +8,13 @@ decode step, and there times the sampler alone on fresh random bf16 logits of
 from __future__ import annotations
 
 import argparse
-import gc
 import random
 import time
 from typing import Any
 
 import torch
 
-from mrv2.bench.measure import copy_bandwidth, report, resolve_model
+from mrv2.bench.measure import copy_bandwidth, release_engine_memory, report, resolve_model
 from mrv2.config import EngineConfig
 from mrv2.engine.engine import LLMEngine
 from mrv2.sample.params import SamplingParams
@@ -96,9 +95,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             row["over_floor"] = round(seconds / floor, 2)
         results[mode] = row
         del engine
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_engine_memory()
     return results
 
 

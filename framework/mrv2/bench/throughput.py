@@ -8,7 +8,6 @@ Workload (as nano-vllm / vLLM publish it): 256 requests, ``random.seed(0)``; eac
 from __future__ import annotations
 
 import argparse
-import gc
 import random
 import time
 from typing import Any
@@ -20,6 +19,7 @@ from mrv2.bench.measure import (
     copy_bandwidth,
     floor_seconds,
     instrument,
+    release_engine_memory,
     report,
     resolve_model,
 )
@@ -146,9 +146,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             row["gpu_busy_decode"] = round(busy_fraction(log), 3)
         results[name] = row
         del engine
-        gc.collect()  # the engine holds reference cycles; free its KV cache before the next
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_engine_memory()
     for name in (n for n in chosen if n != "default"):
         results[f"default_over_{name}"] = round(
             results["default"]["output_tok_s"] / results[name]["output_tok_s"], 3)

@@ -79,8 +79,7 @@ def to_device(values: object, dtype: torch.dtype, device: torch.device) -> torch
     this stages through pinned memory with a non-blocking copy (the caching host allocator keeps
     the pinned block until the copy has run). For the rare per-step index lists of the sampler.
     """
-    cpu = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    cpu = cpu.to(dtype)
+    cpu = torch.as_tensor(values, dtype=dtype)
     if device.type == "cpu":
         return cpu
     return cpu.pin_memory().to(device, non_blocking=True)

@@ -62,14 +62,9 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
-        if self.q_norm.eps == self.k_norm.eps:  # per-head norms fused into the rotation
-            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-            q, k = self.rotary_emb(positions, q, k, norms)
-        else:
-            num_tokens = hidden_states.shape[0]
-            q = self.q_norm(q.reshape(num_tokens, -1, self.head_dim)).flatten(1)
-            k = self.k_norm(k.reshape(num_tokens, -1, self.head_dim)).flatten(1)
-            q, k = self.rotary_emb(positions, q, k)
+        # Per-head q/k norms (both built with config.rms_norm_eps) fused into the rotation.
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        q, k = self.rotary_emb(positions, q, k, norms)
         return self.o_proj(self.attn(q, k, v))
 
 
