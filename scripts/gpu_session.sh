@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (device tool): installs the carried wheels, then the steps named as
-# arguments: tests, attn, splits, skinny, sampler, throughput, prefix, preempt, latency, profile. Logs go to $OUT;
+# arguments: tests, attn, splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, profile. Logs go to $OUT;
 # a short summary prints last.
 set -uo pipefail
 python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -20,6 +20,10 @@ for step in "$@"; do
     preempt) python3 -m mrv2.entrypoints.cli bench throughput --json "$OUT/preempt.json" \
                --full-warmup --kv-fraction 0.33 2>&1 | tee "$OUT/preempt.log" | tail -30 ;;
     profile) python3 scripts/profile_decode.py --batch 1 2>&1 | tee "$OUT/profile_b1.log" | tail -120 ;;
+    normgemv) python3 -m pytest -q -p no:cacheprovider tests/kernels/test_norm_gemv.py 2>&1 \
+                | tail -3
+              python3 -m mrv2_kernels.bench_norm_gemv ${NORMGEMV_ARGS:-} 2>&1 \
+                | tee "$OUT/norm_gemv.log" | tail -24 ;;
     skinny) python3 -m mrv2_kernels.bench_skinny ${SKINNY_ARGS:-} 2>&1 | tee "$OUT/skinny.log" \
               | tail -40 ;;
     splits) python3 scripts/sweep_decode_splits.py 2>&1 | tee "$OUT/splits.log" | tail -8 ;;

@@ -134,12 +134,14 @@ def _paged_attn_kernel(
                 tl.store(out_ptr + row64 * stride_ot + h * stride_oh + offs_d,
                          tl.zeros([HEAD_DIM], dtype=out_ptr.dtype.element_ty))
 
+    # seq_len is loaded before the early exit: its load then overlaps query_start_loc's instead
+    # of waiting for it (one memory round trip less before the first key tile is requested).
     q_start = tl.load(qsl_ptr + req)
+    seq_len = tl.load(seq_lens_ptr + req)
     qlen = tl.load(qsl_ptr + req + 1) - q_start
     tile_start = q_tile * BLOCK_Q
     if tile_start >= qlen:
         return
-    seq_len = tl.load(seq_lens_ptr + req)
     ctx_len = seq_len - qlen
 
     rows = tl.arange(0, BLOCK_M)
@@ -255,10 +257,10 @@ def _combine_splits_kernel(
     head = tl.program_id(1)
     offs_d = tl.arange(0, HEAD_DIM)
     out_ptrs = out_ptr + tok * stride_ot + head * stride_oh + offs_d
+    # The partials are loaded without waiting for the real-token count (no branch before the
+    # loads: both round trips overlap); a padding token's partials were never written and
+    # its row is replaced by zeros at the end.
     num_real = tl.load(qsl_ptr + num_reqs)
-    if tok >= num_real:  # padding token: its partials were never written
-        tl.store(out_ptrs, tl.zeros([HEAD_DIM], dtype=tl.float32).to(out_ptr.dtype.element_ty))
-        return
     offs_s = tl.arange(0, SPLITS_P2)
     s_ok = offs_s < num_splits
     part = (tok * num_heads + head) * num_splits + offs_s
@@ -272,7 +274,8 @@ def _combine_splits_kernel(
     l_tot = tl.sum(w * l_s, 0)
     o = tl.sum(w[:, None] * acc, 0)
     l_tot = tl.where(l_tot > 0.0, l_tot, 1.0)
-    tl.store(out_ptrs, (o / l_tot).to(out_ptr.dtype.element_ty))
+    o = tl.where(tok < num_real, o / l_tot, 0.0)  # padding token: zeros, whatever it read
+    tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty))
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,6 +9,14 @@ and rotated at the token's position ``p`` with ``cos = cos_sin[p, :r/2]``,
 
 Dims ``[rotary_dim, head_dim)`` pass through. ``cos_sin`` is the ``[max_position, rotary_dim]``
 fp32 table that :class:`mrv2.layers.rotary.RotaryEmbedding` builds (cos half first).
+
+Optional extras, fused into the same launch: a per-head RMSNorm of query and key before the
+rotation (``qk_norm``), and the paged KV-cache write of the step (``kv_write = (value,
+kv_cache, slot_mapping)``, the layout of :mod:`mrv2_kernels.kv_cache`): the programs that
+rotate key heads also store them, and the same heads of ``value``, at the token's slot, so a
+decode layer needs one launch instead of RoPE + :func:`~mrv2_kernels.kv_cache.write_kv_triton`.
+The fused write needs ``rotary_dim == head_dim``; otherwise the rotation is followed by the
+separate write (same result).
 """
 
 from __future__ import annotations
@@ -22,9 +30,11 @@ import triton
 import triton.language as tl
 
 from ._backend import default_block, use_triton
+from .kv_cache import write_kv_ref, write_kv_triton
 from .norm import rms_norm, rms_norm_ref
 
-__all__ = ["rotary_embedding", "rotary_embedding_ref", "rotary_embedding_triton"]
+__all__ = ["KVWrite", "QKNorm", "rotary_embedding", "rotary_embedding_ref",
+           "rotary_embedding_triton"]
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -43,7 +53,7 @@ def _rotate_heads(
     BLOCK_HEADS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     NORM: tl.constexpr,
-) -> None:
+) -> tuple[tl.tensor, tl.tensor]:
     heads = head0 + tl.arange(0, BLOCK_HEADS)
     dims = tl.arange(0, BLOCK_HALF)
     mask = (heads < num_heads)[:, None] & (dims < half)[None, :]
@@ -58,10 +68,40 @@ def _rotate_heads(
         w2 = tl.load(w_ptr + half + dims, mask=dims < half, other=0.0).to(tl.float32)[None, :]
         x1 = (w1 * (x1 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         x2 = (w2 * (x2 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    out1 = x1 * cos[None, :] - x2 * sin[None, :]
-    out2 = x2 * cos[None, :] + x1 * sin[None, :]
-    tl.store(p1, out1.to(base_ptr.dtype.element_ty), mask=mask)
-    tl.store(p1 + half, out2.to(base_ptr.dtype.element_ty), mask=mask)
+    out1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(base_ptr.dtype.element_ty)
+    out2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(base_ptr.dtype.element_ty)
+    tl.store(p1, out1, mask=mask)
+    tl.store(p1 + half, out2, mask=mask)
+    return out1, out2
+
+
+@triton.jit
+def _cache_heads(
+    k1: tl.tensor,
+    k2: tl.tensor,
+    v_row: tl.tensor,
+    v_stride_h: tl.tensor,
+    k_dst: tl.tensor,
+    v_dst: tl.tensor,
+    c_stride_h: tl.tensor,
+    head0: tl.tensor,
+    num_heads: tl.tensor,
+    half: tl.tensor,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+) -> None:
+    # Store the rotated key halves (as rotated in place, then cast to the cache dtype) and the
+    # same heads of value at one slot; k_dst/v_dst point at the slot's row of each cache.
+    heads = (head0 + tl.arange(0, BLOCK_HEADS)).to(tl.int64)
+    dims = tl.arange(0, BLOCK_HALF)
+    mask = (heads < num_heads)[:, None] & (dims < half)[None, :]
+    dst = heads[:, None] * c_stride_h + dims[None, :]
+    dtype = k_dst.dtype.element_ty
+    tl.store(k_dst + dst, k1.to(dtype), mask=mask)
+    tl.store(k_dst + dst + half, k2.to(dtype), mask=mask)
+    pv = v_row + heads[:, None] * v_stride_h + dims[None, :]
+    tl.store(v_dst + dst, tl.load(pv, mask=mask).to(dtype), mask=mask)
+    tl.store(v_dst + dst + half, tl.load(pv + half, mask=mask).to(dtype), mask=mask)
 
 
 @triton.jit
@@ -72,6 +112,10 @@ def _rotary_kernel(
     cos_sin_ptr: tl.tensor,
     q_w_ptr: tl.tensor,
     k_w_ptr: tl.tensor,
+    v_ptr: tl.tensor,
+    k_cache_ptr: tl.tensor,
+    v_cache_ptr: tl.tensor,
+    slot_ptr: tl.tensor,
     eps: float,
     cos_sin_stride: int,
     q_stride_t: int,
@@ -81,12 +125,21 @@ def _rotary_kernel(
     num_q_heads: int,
     num_k_heads: int,
     half: int,
+    v_stride_t: int,
+    v_stride_h: int,
+    c_stride_b: int,
+    c_stride_s: int,
+    c_stride_h: int,
     BLOCK_HEADS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     NORM: tl.constexpr,
+    KV_WRITE: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr,
 ) -> None:
     # Grid (tokens, q head blocks + k head blocks): each program rotates BLOCK_HEADS heads of
-    # one token, in place, with the token's cos/sin row loaded once.
+    # one token, in place, with the token's cos/sin row loaded once. With KV_WRITE a key
+    # program also stores its heads of key (rotated) and value at the token's cache slot,
+    # unless the slot is negative (padding).
     tok = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     pos = tl.load(positions_ptr + tok).to(tl.int64)
@@ -104,8 +157,15 @@ def _rotary_kernel(
     else:
         k_row = k_ptr + tok * k_stride_t
         head0 = (hb - num_q_blocks) * BLOCK_HEADS
-        _rotate_heads(k_row, k_stride_h, head0, num_k_heads, cos, sin, half, k_w_ptr, eps,
-                      BLOCK_HEADS, BLOCK_HALF, NORM)
+        k1, k2 = _rotate_heads(k_row, k_stride_h, head0, num_k_heads, cos, sin, half, k_w_ptr,
+                               eps, BLOCK_HEADS, BLOCK_HALF, NORM)
+        if KV_WRITE:
+            slot = tl.load(slot_ptr + tok).to(tl.int64)
+            if slot >= 0:
+                off = (slot // KV_BLOCK_SIZE) * c_stride_b + (slot % KV_BLOCK_SIZE) * c_stride_s
+                _cache_heads(k1, k2, v_ptr + tok * v_stride_t, v_stride_h, k_cache_ptr + off,
+                             v_cache_ptr + off, c_stride_h, head0, num_k_heads, half,
+                             BLOCK_HEADS, BLOCK_HALF)
 
 
 def _rotate_ref(
@@ -150,6 +210,11 @@ def _check(
 #: Optional per-head RMSNorm of query and key before the rotation: (q weight, k weight, eps).
 QKNorm = tuple[torch.Tensor, torch.Tensor, float]
 
+#: Optional paged KV-cache write of the rotated key and of ``value``: ``(value, kv_cache,
+#: slot_mapping)`` as for :func:`mrv2_kernels.kv_cache.write_kv_triton`, with ``value``
+#: ``[T, Hk*D]`` or ``[T, Hk, D]``.
+KVWrite = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
 
 def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, head_dim: int,
                norm: Callable[..., Any] = rms_norm) -> torch.Tensor:
@@ -157,6 +222,40 @@ def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, head_dim: int,
     dispatcher, or ``rms_norm_ref`` for the reference path)."""
     normed = norm(x.reshape(x.shape[0], -1, head_dim), weight, eps)
     return cast(torch.Tensor, normed).reshape(x.shape)
+
+
+def _check_kv_write(key: torch.Tensor, kv_write: KVWrite, head_dim: int) -> None:
+    value, kv_cache, slot_mapping = kv_write
+    num_tokens, num_kv_heads = key.shape[0], math.prod(key.shape[1:]) // head_dim
+    if (value.dim() not in (2, 3) or value.shape[0] != num_tokens
+            or math.prod(value.shape[1:]) != num_kv_heads * head_dim
+            or (value.dim() == 3 and value.shape[2] != head_dim)):
+        raise ValueError(
+            f"kv_write value must be [T, Hk*D] or [T, Hk, D] like key (T={num_tokens}, "
+            f"Hk={num_kv_heads}, D={head_dim}), got {tuple(value.shape)}"
+        )
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or tuple(kv_cache.shape[3:]) != (
+            num_kv_heads, head_dim):
+        raise ValueError(
+            f"kv_cache must be [2, num_blocks, block_size, {num_kv_heads}, {head_dim}] "
+            f"(key's heads and head_dim), got {tuple(kv_cache.shape)}"
+        )
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] < num_tokens:
+        raise ValueError(
+            f"slot_mapping must be 1-D with >= {num_tokens} entries, "
+            f"got {tuple(slot_mapping.shape)}"
+        )
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+
+
+def _write_kv(key: torch.Tensor, kv_write: KVWrite, head_dim: int,
+              write: Callable[..., None]) -> None:
+    """The unfused cache write of the (already rotated) ``key``: ``write`` is
+    :func:`write_kv_triton` or :func:`write_kv_ref`."""
+    value, kv_cache, slot_mapping = kv_write
+    write(_heads_view(key, head_dim, True)[1], _heads_view(value, head_dim, True)[1], kv_cache,
+          slot_mapping[: key.shape[0]].contiguous())
 
 
 def rotary_embedding_ref(
@@ -167,18 +266,23 @@ def rotary_embedding_ref(
     head_dim: int,
     rotary_dim: int,
     qk_norm: QKNorm | None = None,
+    kv_write: KVWrite | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-torch specification of :func:`rotary_embedding` (returns new tensors)."""
+    """Plain-torch specification of :func:`rotary_embedding` (returns new tensors; the
+    ``kv_write`` is the rotation followed by :func:`write_kv_ref`)."""
     _check(positions, query, key, cos_sin, head_dim, rotary_dim)
+    if kv_write is not None:
+        _check_kv_write(key, kv_write, head_dim)
     if qk_norm is not None:
         q_w, k_w, eps = qk_norm
         query = _head_norm(query, q_w, eps, head_dim, rms_norm_ref)
         key = _head_norm(key, k_w, eps, head_dim, rms_norm_ref)
     cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
-    return (
-        _rotate_ref(query, cos, sin, head_dim, rotary_dim),
-        _rotate_ref(key, cos, sin, head_dim, rotary_dim),
-    )
+    query = _rotate_ref(query, cos, sin, head_dim, rotary_dim)
+    key = _rotate_ref(key, cos, sin, head_dim, rotary_dim)
+    if kv_write is not None:
+        _write_kv(key, kv_write, head_dim, write_kv_ref)
+    return query, key
 
 
 def _heads_view(t: torch.Tensor, head_dim: int, inplace: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,13 +291,14 @@ def _heads_view(t: torch.Tensor, head_dim: int, inplace: bool) -> tuple[torch.Te
     ``result`` is ``t`` itself when rotating in place is asked for and ``t`` has such a view,
     else a contiguous copy of ``t``.
     """
+    shape = (t.shape[0], math.prod(t.shape[1:]) // head_dim, head_dim)  # no -1: T may be 0
     if inplace and (t.shape[-1] <= 1 or t.stride(-1) == 1):
         try:
-            return t, t.view(t.shape[0], -1, head_dim)
+            return t, t.view(shape)
         except RuntimeError:
             pass
     copy = t.clone(memory_format=torch.contiguous_format)
-    return copy, copy.view(t.shape[0], -1, head_dim)
+    return copy, copy.view(shape)
 
 
 def rotary_embedding_triton(
@@ -207,9 +312,10 @@ def rotary_embedding_triton(
     *,
     inplace: bool = True,
     block_heads: int | None = None,
+    kv_write: KVWrite | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton implementation of :func:`rotary_embedding`: one launch for query and key
-    (and their per-head RMSNorm, which needs ``rotary_dim == head_dim``).
+    (and their per-head RMSNorm, and the KV-cache write; both need ``rotary_dim == head_dim``).
 
     Grid ``(T, cdiv(Hq, block_heads) + cdiv(Hk, block_heads))``; a program rotates
     ``block_heads`` heads of one token. With ``inplace`` (the default) ``query``/``key`` are
@@ -218,13 +324,30 @@ def rotary_embedding_triton(
     viewed as ``[T, H, head_dim]`` that way, or every tensor with ``inplace=False``, is copied
     first and the rotated copy returned. Positions must lie in ``[0, cos_sin.shape[0])``
     (not checked on the device).
+
+    ``kv_write = (value, kv_cache, slot_mapping)``: a key program also stores its rotated
+    heads (exactly the values written back to ``key``, cast to the cache dtype) and the same
+    heads of ``value`` at the token's slot of ``kv_cache``; tokens with a negative slot are not
+    written. ``value``/``kv_cache`` must be fp32/bf16/fp16 with a contiguous ``head_dim``.
+    With ``rotary_dim < head_dim`` the rotation is followed by :func:`write_kv_triton`.
     """
     _check(positions, query, key, cos_sin, head_dim, rotary_dim)
     if qk_norm is not None and rotary_dim != head_dim:
         raise ValueError("the fused query/key RMSNorm needs rotary_dim == head_dim")
-    for t in (query, key, cos_sin):
+    if kv_write is not None:
+        _check_kv_write(key, kv_write, head_dim)
+    for t in (query, key, cos_sin, *(kv_write or ())[:2]):
         if t.dtype not in _KERNEL_DTYPES:
             raise TypeError(f"rotary_embedding_triton takes fp32/bf16/fp16, got {t.dtype}")
+    if kv_write is not None:
+        if kv_write[1].stride(-1) != 1:
+            raise ValueError("kv_cache must have a contiguous head_dim")
+        if rotary_dim != head_dim:  # dims past rotary_dim are not loaded: write separately
+            q_out, k_out = rotary_embedding_triton(positions, query, key, cos_sin, head_dim,
+                                                   rotary_dim, qk_norm, inplace=inplace,
+                                                   block_heads=block_heads)
+            _write_kv(k_out, kv_write, head_dim, write_kv_triton)
+            return q_out, k_out
     q_out, q3 = _heads_view(query, head_dim, inplace)
     k_out, k3 = _heads_view(key, head_dim, inplace)
     num_tokens, num_q_heads, num_k_heads = q3.shape[0], q3.shape[1], k3.shape[1]
@@ -244,6 +367,15 @@ def rotary_embedding_triton(
     )
     grid = (num_tokens, triton.cdiv(num_q_heads, bh) + triton.cdiv(num_k_heads, bh))
     q_w, k_w, eps = qk_norm if qk_norm is not None else (cos_sin, cos_sin, 0.0)
+    if kv_write is not None:
+        v3 = _heads_view(kv_write[0], head_dim, True)[1]
+        kv_cache, slots = kv_write[1], kv_write[2][:num_tokens].contiguous()
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        v_strides, c_strides = v3.stride()[:2], k_cache.stride()[:3]
+        kv_block_size = kv_cache.shape[2]
+    else:  # unused placeholders
+        v3, k_cache, v_cache, slots = k3, k3, k3, positions
+        v_strides, c_strides, kv_block_size = (0, 0), (0, 0, 0), 1
     _rotary_kernel[grid](
         positions,
         q3,
@@ -251,6 +383,10 @@ def rotary_embedding_triton(
         cos_sin,
         q_w,
         k_w,
+        v3,
+        k_cache,
+        v_cache,
+        slots,
         eps,
         cos_sin.stride(0),
         q3.stride(0),
@@ -260,9 +396,13 @@ def rotary_embedding_triton(
         num_q_heads,
         num_k_heads,
         half,
+        *v_strides,
+        *c_strides,
         BLOCK_HEADS=bh,
         BLOCK_HALF=block_half,
         NORM=qk_norm is not None,
+        KV_WRITE=kv_write is not None,
+        KV_BLOCK_SIZE=kv_block_size,
         num_warps=min(4, max(1, bh * block_half // 256)) if q3.is_cuda else 1,
     )
     return q_out, k_out
@@ -276,6 +416,7 @@ def rotary_embedding(
     head_dim: int,
     rotary_dim: int,
     qk_norm: QKNorm | None = None,
+    kv_write: KVWrite | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style RoPE of ``query`` ``[T, Hq*D]`` (or ``[T, Hq, D]``) and ``key`` at ``positions``.
 
@@ -290,6 +431,13 @@ def rotary_embedding(
             ``key`` first (Qwen3's q_norm / k_norm), exactly as
             :func:`mrv2_kernels.norm.rms_norm` would, in the same launch when
             ``rotary_dim == head_dim``.
+        kv_write: optional ``(value, kv_cache, slot_mapping)``: also store the rotated ``key``
+            and ``value`` (``[T, Hk*D]`` or ``[T, Hk, D]``, may be a strided view with a
+            contiguous ``head_dim``) into the paged ``kv_cache``
+            ``[2, num_blocks, block_size, Hk, head_dim]`` at ``slot_mapping[:T]`` (negative:
+            padding, not written), cast to the cache dtype, exactly as
+            :func:`mrv2_kernels.kv_cache.write_kv_triton` after the rotation would; in the
+            same launch when ``rotary_dim == head_dim`` and the cache is fp32/bf16/fp16.
 
     Returns ``(query, key)`` rotated, shaped like the inputs. Runs
     :func:`rotary_embedding_triton` when :func:`use_triton` says so, else
@@ -304,6 +452,13 @@ def rotary_embedding(
             query = _head_norm(query, q_w, eps, head_dim)
             key = _head_norm(key, k_w, eps, head_dim)
             qk_norm = None
+        if kv_write is not None and any(t.dtype not in _KERNEL_DTYPES for t in kv_write[:2]):
+            _check_kv_write(key, kv_write, head_dim)  # not fusable: rotate, then write
+            query, key = rotary_embedding_triton(positions, query, key, cos_sin, head_dim,
+                                                 rotary_dim, qk_norm)
+            _write_kv(key, kv_write, head_dim, write_kv_triton)
+            return query, key
         return rotary_embedding_triton(positions, query, key, cos_sin, head_dim, rotary_dim,
-                                       qk_norm)
-    return rotary_embedding_ref(positions, query, key, cos_sin, head_dim, rotary_dim, qk_norm)
+                                       qk_norm, kv_write=kv_write)
+    return rotary_embedding_ref(positions, query, key, cos_sin, head_dim, rotary_dim, qk_norm,
+                                kv_write)

@@ -19,6 +19,7 @@ from mrv2.layers import (
     SiluAndMul,
     VocabEmbedding,
     get_rope,
+    norm_linear,
 )
 from mrv2.model_loader import load_stacked_weights
 
@@ -55,9 +56,13 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(num_heads, num_kv_heads, head_dim, head_dim**-0.5, layer_idx)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return self.attend(positions, self.qkv_proj(hidden_states))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Everything after the QKV projection: RoPE, paged attention, output projection."""
+        q, k, v = self.qkv_proj.split(qkv)
+        # RoPE runs inside the attention layer: there it can take the KV-cache write along
+        return self.o_proj(self.attn(q, k, v, positions=positions, rotary=self.rotary_emb))
 
 
 class LlamaMLP(nn.Module):
@@ -92,14 +97,16 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        # Each norm runs fused with the projection after it (one launch per decode step).
+        qkv, residual = norm_linear(
+            self.input_layernorm, self.self_attn.qkv_proj, hidden_states, residual
+        )
+        hidden_states = self.self_attn.attend(positions, qkv)
+        act, residual = norm_linear(
+            self.post_attention_layernorm, self.mlp.gate_up_proj, hidden_states, residual,
+            silu_and_mul=True,
+        )
+        return self.mlp.down_proj(act), residual
 
 
 class LlamaModel(nn.Module):

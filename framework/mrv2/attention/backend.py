@@ -49,6 +49,11 @@ class AttentionBackend(ABC):
     """A paged attention implementation: writes new K/V into the cache, attends over it."""
 
     name: str = "abstract"
+    kv_write_in_rope: bool = False
+    """Whether the KV write may run inside the RoPE kernel instead of :meth:`write_kv`
+    (:class:`mrv2.layers.Attention` given the rotary embedding): one launch less per layer.
+    Only for backends whose cache write is exactly
+    :func:`mrv2_kernels.kv_cache.write_kv_triton`'s."""
 
     @abstractmethod
     def write_kv(

@@ -18,6 +18,7 @@ class TritonAttentionBackend(AttentionBackend):
     """Paged attention (prefill + decode, GQA, any block size) written in Triton."""
 
     name = "triton"
+    kv_write_in_rope = True
 
     def write_kv(
         self,

@@ -9,6 +9,7 @@ from mrv2.layers.linear import (
     MergedColumnLinear,
     QKVLinear,
     RowLinear,
+    norm_linear,
 )
 from mrv2.layers.norm import RMSNorm
 from mrv2.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_of
@@ -26,5 +27,6 @@ __all__ = [
     "SiluAndMul",
     "VocabEmbedding",
     "get_rope",
+    "norm_linear",
     "rope_parameters_of",
 ]

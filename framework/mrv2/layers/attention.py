@@ -6,6 +6,8 @@ import torch
 from torch import nn
 
 from mrv2.attention.context import get_forward_context
+from mrv2.layers.rotary import RotaryEmbedding
+from mrv2_kernels.rotary import QKNorm
 
 
 class Attention(nn.Module):
@@ -29,14 +31,37 @@ class Attention(nn.Module):
         self.scale = scale
         self.layer_idx = layer_idx
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``q [T, H*D]``, ``k``/``v`` ``[T, Hk*D]`` -> ``[T, H*D]``."""
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        rotary: RotaryEmbedding | None = None,
+        qk_norm: QKNorm | None = None,
+    ) -> torch.Tensor:
+        """``q [T, H*D]``, ``k``/``v`` ``[T, Hk*D]`` -> ``[T, H*D]``.
+
+        With ``rotary`` (and ``positions``, optionally ``qk_norm``), ``q`` and ``k`` are
+        rotated here (see :meth:`RotaryEmbedding.forward`), and where the backend allows it
+        (``kv_write_in_rope``) the KV-cache write happens in the same kernel.
+        """
         ctx = get_forward_context()
         kv_cache = ctx.kv_caches[self.layer_idx]
         num_tokens = q.shape[0]
-        key = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        value = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        ctx.backend.write_kv(key, value, kv_cache, ctx.metadata.slot_mapping)
+        written = False
+        if rotary is not None:
+            if positions is None:
+                raise ValueError("Attention.forward: rotary needs positions")
+            kv_write = (v, kv_cache, ctx.metadata.slot_mapping) \
+                if ctx.backend.kv_write_in_rope else None
+            q, k = rotary(positions, q, k, qk_norm, kv_write=kv_write)
+            written = kv_write is not None
+        if not written:
+            key = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+            value = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+            ctx.backend.write_kv(key, value, kv_cache, ctx.metadata.slot_mapping)
         query = q.reshape(num_tokens, self.num_heads, self.head_dim)
         out = ctx.backend.forward(query, kv_cache, ctx.metadata, self.scale)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

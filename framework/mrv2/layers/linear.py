@@ -9,11 +9,14 @@ checkpoint tensors one shard at a time.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
 
-from mrv2_kernels.skinny_gemm import skinny_linear
+from mrv2.layers.norm import RMSNorm
+from mrv2_kernels.norm import silu_and_mul as silu_and_mul_op
+from mrv2_kernels.norm_gemv import decode_linear, norm_gemv
 
 
 def _check_tp(tp_size: int) -> None:
@@ -50,8 +53,8 @@ class LinearBase(nn.Module):
             _copy_checked(param.data, loaded, "parameter")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # A decode step's few rows go to the weight-streaming kernel; the rest to cuBLAS.
-        return skinny_linear(x, self.weight, self.bias)
+        # A decode step's few rows go to a weight-streaming kernel; the rest to cuBLAS.
+        return decode_linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
@@ -141,3 +144,33 @@ class QKVLinear(ColumnLinear):
         """``[T, q + 2 kv]`` -> ``q [T, q_size]``, ``k``, ``v`` ``[T, kv_size]`` (views)."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return q, k, v
+
+
+def norm_linear(
+    norm: RMSNorm,
+    linear: LinearBase,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    *,
+    silu_and_mul: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first half of a pre-norm block: ``linear(norm(x + residual))`` and the new residual.
+
+    With ``silu_and_mul``, ``linear`` is a gate/up pair laid out ``[gate | up]`` (a
+    :class:`MergedColumnLinear` of two equal shards) and ``silu(gate) * up`` is returned. The
+    new residual is ``x + residual``, or ``x`` when ``residual`` is None (the first layer).
+    For a decode step's few rows on the GPU this is one launch
+    (:func:`mrv2_kernels.norm_gemv.norm_gemv`), otherwise the norm, the linear layer and the
+    activation in turn, with the same roundings. Layers that override ``forward`` (a
+    quantized linear, another norm) always take the unfused path. Treat ``residual`` as
+    consumed.
+    """
+    if type(norm).forward is RMSNorm.forward and type(linear).forward is LinearBase.forward:
+        return norm_gemv(x, linear.weight, linear.bias, norm_weight=norm.weight, eps=norm.eps,
+                         residual=residual, gated=silu_and_mul)
+    if residual is None:
+        h, new_residual = cast(torch.Tensor, norm(x)), x
+    else:
+        h, new_residual = cast(tuple[torch.Tensor, torch.Tensor], norm(x, residual))
+    y = linear(h)
+    return (silu_and_mul_op(y) if silu_and_mul else y), new_residual

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mrv2_kernels.rotary import rotary_embedding
+from mrv2_kernels.rotary import KVWrite, QKNorm, rotary_embedding
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -113,18 +113,21 @@ class RotaryEmbedding(nn.Module):
         positions: torch.Tensor,
         query: torch.Tensor,
         key: torch.Tensor,
-        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+        qk_norm: QKNorm | None = None,
+        kv_write: KVWrite | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``query`` ``[T, H*D]`` (or ``[T, H, D]``) and ``key`` at ``positions`` ``[T]``.
 
         ``qk_norm`` ``(q_weight, k_weight, eps)`` RMS-normalizes each head first (Qwen3's
         q_norm / k_norm). One kernel for all of it
         (:func:`mrv2_kernels.rotary.rotary_embedding`) on the Triton path, which works in
-        place: use the returned tensors.
+        place: use the returned tensors. ``kv_write`` ``(value, kv_cache, slot_mapping)`` also
+        stores the rotated key and ``value`` in the paged KV cache (in the same launch where
+        the kernel can).
         """
         return rotary_embedding(
             positions, query, key, self._table(positions.device), self.head_dim, self.rotary_dim,
-            qk_norm,
+            qk_norm, kv_write,
         )
 
     def extra_repr(self) -> str:

@@ -19,6 +19,7 @@ from mrv2.layers import (
     SiluAndMul,
     VocabEmbedding,
     get_rope,
+    norm_linear,
 )
 from mrv2.model_loader import load_stacked_weights
 
@@ -61,11 +62,15 @@ class Qwen3Attention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
+        return self.attend(positions, self.qkv_proj(hidden_states))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Everything after the QKV projection: q/k norms, RoPE, attention, output projection."""
+        q, k, v = self.qkv_proj.split(qkv)
         # Per-head q/k norms (both built with config.rms_norm_eps) fused into the rotation.
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        q, k = self.rotary_emb(positions, q, k, norms)
-        return self.o_proj(self.attn(q, k, v))
+        out = self.attn(q, k, v, positions=positions, rotary=self.rotary_emb, qk_norm=norms)
+        return self.o_proj(out)
 
 
 class Qwen3MLP(nn.Module):
@@ -99,14 +104,16 @@ class Qwen3DecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        # Each norm runs fused with the projection after it (one launch per decode step).
+        qkv, residual = norm_linear(
+            self.input_layernorm, self.self_attn.qkv_proj, hidden_states, residual
+        )
+        hidden_states = self.self_attn.attend(positions, qkv)
+        act, residual = norm_linear(
+            self.post_attention_layernorm, self.mlp.gate_up_proj, hidden_states, residual,
+            silu_and_mul=True,
+        )
+        return self.mlp.down_proj(act), residual
 
 
 class Qwen3Model(nn.Module):
