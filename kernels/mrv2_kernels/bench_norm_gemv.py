@@ -1,6 +1,6 @@
 """The fused norm + GEMV (+ SwiGLU) decode kernel against the chain of kernels it replaces.
 
-    python -m mrv2_kernels.bench_norm_gemv [--sweep] [--rows 1 4 8]
+    python -m mrv2_kernels.bench_norm_gemv [--sweep] [--rows 1 2 4]
 
 Same method as :mod:`mrv2_kernels.bench_skinny`: one product per weight copy over >= 256 MiB of
 distinct copies (weights from HBM), inside a CUDA graph, µs per product. "chain" is what a
@@ -20,9 +20,9 @@ import torch
 from mrv2_kernels.bench_skinny import time_graph
 from mrv2_kernels.norm import rms_norm, silu_and_mul
 from mrv2_kernels.norm_gemv import norm_gemv_triton
-from mrv2_kernels.skinny_gemm import skinny_linear_triton, use_skinny
+from mrv2_kernels.skinny_gemm import skinny_linear
 
-#: (name, N, K, fused norm, gated): Qwen3-0.6B's decode projections, then Qwen3-8B's.
+#: (name, N, K, fused norm, gated): decode projections of Qwen3-0.6B, 1.7B and 8B.
 CASES = [("0.6B norm+qkv", 4096, 1024, True, False),
          ("0.6B norm+gate_up+silu", 3072, 1024, True, True),
          ("0.6B o (plain)", 1024, 2048, False, False),
@@ -41,8 +41,7 @@ def _chain(x: torch.Tensor, res: torch.Tensor, nw: torch.Tensor, weights: list[t
     h = x
     if norm:
         h, _ = rms_norm(x, nw, 1e-6, res)
-    w = weights[i]  # what the step ran before this kernel: skinny split-K or cuBLAS
-    y = skinny_linear_triton(h, w) if use_skinny(h, w) else torch.nn.functional.linear(h, w)
+    y = skinny_linear(h, weights[i])  # what the step ran before: skinny split-K or cuBLAS
     return silu_and_mul(y) if gated else y
 
 

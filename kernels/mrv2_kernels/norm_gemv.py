@@ -24,7 +24,8 @@ Without ``norm_weight`` it is a plain GEMV (``residual`` then is not allowed).
 
 from __future__ import annotations
 
-from typing import cast
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import triton
@@ -148,15 +149,32 @@ def norm_gemv_ref(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Plain-torch specification: the unfused chain. Returns ``(y, new_residual or None)``."""
     _check(x, weight, norm_weight, residual, gated, bias)
+    return _chain(x, weight, bias, norm_weight, eps, residual, gated,
+                  rms_norm_ref, skinny_linear_ref, silu_and_mul_ref)
+
+
+def _chain(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    residual: torch.Tensor | None,
+    gated: bool,
+    norm: Callable[..., Any],
+    linear: Callable[..., torch.Tensor],
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The unfused chain through the given ops: the references (the specification) or the
+    dispatchers (the fallback of :func:`norm_gemv`). ``(y, new_residual or None)``."""
     h, new_res = x, None
     if norm_weight is not None:
         if residual is not None:
-            h, new_res = cast(tuple[torch.Tensor, torch.Tensor],
-                              rms_norm_ref(x, norm_weight, eps, residual))
+            h, new_res = norm(x, norm_weight, eps, residual)
         else:
-            h = cast(torch.Tensor, rms_norm_ref(x, norm_weight, eps))
-    y = skinny_linear_ref(h, weight, bias)
-    return (silu_and_mul_ref(y) if gated else y), new_res
+            h = norm(x, norm_weight, eps)
+    y = linear(h, weight, bias)
+    return (act(y) if gated else y), new_res
 
 
 def _check(
@@ -301,11 +319,6 @@ def norm_gemv(
         )
         return y, (x if new_res is None else new_res)
     _check(x, weight, norm_weight, residual, gated, bias)
-    h, new_res = x, x
-    if norm_weight is not None:
-        if residual is not None:
-            h, new_res = rms_norm(x, norm_weight, eps, residual)
-        else:
-            h = rms_norm(x, norm_weight, eps)
-    y = decode_linear(h, weight, bias)
-    return (silu_and_mul(y) if gated else y), new_res
+    y, new_res = _chain(x, weight, bias, norm_weight, eps, residual, gated,
+                        rms_norm, decode_linear, silu_and_mul)
+    return y, (x if new_res is None else new_res)

@@ -50,15 +50,14 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         kv_cache = ctx.kv_caches[self.layer_idx]
         num_tokens = q.shape[0]
-        written = False
+        kv_write = None
         if rotary is not None:
             if positions is None:
                 raise ValueError("Attention.forward: rotary needs positions")
-            kv_write = (v, kv_cache, ctx.metadata.slot_mapping) \
-                if ctx.backend.kv_write_in_rope else None
+            if ctx.backend.kv_write_in_rope:
+                kv_write = (v, kv_cache, ctx.metadata.slot_mapping)
             q, k = rotary(positions, q, k, qk_norm, kv_write=kv_write)
-            written = kv_write is not None
-        if not written:
+        if kv_write is None:  # not written inside the RoPE kernel
             key = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
             value = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
             ctx.backend.write_kv(key, value, kv_cache, ctx.metadata.slot_mapping)
