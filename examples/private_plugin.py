@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from mrv2 import LLM, ModelState, SamplingParams, hookimpl
+from mrv2.contract.batch import InputBatch
 from mrv2.model_loader.default_model import ensure_default_model
 from mrv2.plugins import get_plugin_manager
-from mrv2.runner.input_batch import InputBatch
 
 
 class CountingState(ModelState):

@@ -7,7 +7,7 @@ to the CPU one step late.
 """
 
 from mrv2 import EngineConfig, Runner, SamplingParams
-from mrv2.runner.scheduler_output import NewRequest, SchedulerOutput
+from mrv2.contract.requests import NewRequest, SchedulerOutput
 
 config = EngineConfig.from_kwargs(max_model_len=256, num_gpu_blocks_override=64, block_size=16)
 runner = Runner.from_config(config)  # no model given: the default SmolLM2

@@ -16,8 +16,8 @@ import torch
 
 from mrv2.bench.measure import resolve_model
 from mrv2.config import EngineConfig
+from mrv2.contract.params import SamplingParams
 from mrv2.engine.engine import LLMEngine
-from mrv2.sample.params import SamplingParams
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--batch", type=int, default=1)

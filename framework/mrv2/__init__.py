@@ -1,12 +1,12 @@
 """mrv2: a modular, GPU-native, async-first LLM inference engine."""
 
 from mrv2.config import EngineConfig
+from mrv2.contract.model_state import ModelState
+from mrv2.contract.params import SamplingParams
 from mrv2.engine.llm import LLM
 from mrv2.engine.outputs import CompletionOutput, RequestOutput
 from mrv2.hookspecs import hookimpl
-from mrv2.runner.model_state import ModelState
 from mrv2.runner.runner import Runner
-from mrv2.sample.params import SamplingParams
 
 __version__ = "0.1.0"
 

@@ -85,15 +85,31 @@ class ParallelConfig(_Section):
 
 
 class SpeculativeConfig(_Section):
-    """Speculative decoding: which speculator plugin and how many draft tokens."""
+    """Speculative decoding (vLLM's ``speculative_config`` names): which registered speculator
+    and how many draft tokens; n-gram's lookup window."""
 
     method: str | None = Field(default=None, description="registered speculator name")
     num_speculative_tokens: int = Field(default=0, ge=0, le=16)
+    prompt_lookup_max: int | None = Field(
+        default=None, ge=1, description="ngram: longest n-gram matched (default 4)"
+    )
+    prompt_lookup_min: int | None = Field(
+        default=None, ge=1, description="ngram: shortest n-gram matched (default min(2, max))"
+    )
 
     @model_validator(mode="after")
     def _tokens_need_method(self) -> SpeculativeConfig:
         if self.num_speculative_tokens and self.method is None:
             raise ValueError("num_speculative_tokens > 0 needs a speculative method")
+        if self.method is not None and self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"speculative method {self.method!r} needs num_speculative_tokens >= 1"
+            )
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is not None and high is not None and low > high:
+            raise ValueError(
+                f"prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})"
+            )
         return self
 
 
@@ -130,6 +146,8 @@ class EngineConfig(_Section):
         sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
         top: dict[str, Any] = {}
         for key, value in kwargs.items():
+            if key == "speculative_config":  # vLLM's name: a dict, or JSON text (the CLI's)
+                key, value = "speculative", _speculative_dict(value)
             if key in _SECTIONS and isinstance(value, dict):
                 sections[key].update(value)
             elif key in _FLAT_TO_SECTION:
@@ -137,7 +155,8 @@ class EngineConfig(_Section):
             elif key in cls.model_fields and key not in _SECTIONS:
                 top[key] = value
             else:
-                known = ", ".join(sorted({*_FLAT_TO_SECTION, *_SECTIONS, "logits_processors"}))
+                known = ", ".join(sorted({*_FLAT_TO_SECTION, *_SECTIONS, "logits_processors",
+                                          "speculative_config"}))
                 raise ValueError(f"unknown engine argument {key!r}; known arguments: {known}")
         data: dict[str, Any] = {**top, **{k: v for k, v in sections.items() if v}}
         return cls.model_validate(data)
@@ -195,6 +214,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--logits-processors", dest="logits_processors", default=None, nargs="*",
         help="registered logits processors to apply",
     )
+    group.add_argument(
+        "--speculative-config", dest="speculative_config", default=None,
+        help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
+    )
 
 
 def _cli_type(annotation: Any) -> Any:
@@ -214,7 +238,7 @@ def config_from_cli(args: argparse.Namespace, model: str | None) -> EngineConfig
     """Build the config from parsed CLI flags; flags given override the ``--config`` file."""
     given: dict[str, Any] = {
         name: getattr(args, name)
-        for name in [*_FLAT_TO_SECTION, "logits_processors"]
+        for name in [*_FLAT_TO_SECTION, "logits_processors", "speculative_config"]
         if name != "model" and getattr(args, name, None) is not None
     }
     if model is not None:
@@ -223,6 +247,20 @@ def config_from_cli(args: argparse.Namespace, model: str | None) -> EngineConfig
     if config_file:
         return EngineConfig.from_file(config_file, **given)
     return EngineConfig.from_kwargs(**given)
+
+
+def _speculative_dict(value: Any) -> dict[str, Any]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"speculative_config is not valid JSON: {error}") from error
+    if not isinstance(value, dict):
+        raise ValueError(
+            "speculative_config must be a mapping such as {\"method\": \"ngram\", "
+            f"\"num_speculative_tokens\": 3}}; got {value!r}"
+        )
+    return value
 
 
 def format_validation_error(error: ValidationError) -> str:

@@ -11,112 +11,29 @@ The core's own defaults (``mrv2.defaults``) always register, through the same ho
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata as metadata
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pluggy
 
 from mrv2 import hookspecs
+from mrv2.registry import (
+    DEFAULT_CACHE_KINDS,
+    ModelEntry,
+    NamedEntry,
+    PluginError,
+    Registries,
+    _check_path,
+    _check_unique,
+)
+
+__all__ = ["ENTRY_POINT_GROUP", "PluginError", "PluginInfo", "PluginManager",
+           "get_plugin_manager"]
 
 ENTRY_POINT_GROUP = "mrv2"
-
-# Where to find architectures no installed plugin provides: shown in the "unknown architecture"
-# error so the user knows what to install.
-KNOWN_PACKAGES: dict[str, str] = {
-    "Qwen3ForCausalLM": "mrv2-plugin-qwen",
-    "Qwen2ForCausalLM": "mrv2-plugin-qwen",
-    "LlamaForCausalLM": "mrv2-contrib-llama",
-    "Glm4MoeForCausalLM": "mrv2-plugin-glm",
-    "DeepseekV3ForCausalLM": "mrv2-plugin-deepseek",
-    "Qwen2_5_VLForConditionalGeneration": "mrv2-plugin-qwen-vl",
-}
-
-
-class PluginError(RuntimeError):
-    """A plugin failed to load or registered something invalid; the message names it."""
-
-
-def import_object(path: str) -> Any:
-    """Import ``"package.module:Attr"`` (the lazy form every registry stores)."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"expected 'module:Attribute', got {path!r}")
-    module = importlib.import_module(module_name)
-    try:
-        obj = module
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except AttributeError as error:
-        raise ImportError(f"{module_name!r} has no attribute {attr!r}") from error
-    return obj
-
-
-@dataclass(frozen=True)
-class ModelEntry:
-    """A registered architecture: lazy model and ModelState paths, and who registered it."""
-
-    architecture: str
-    model: str
-    model_state: str | None
-    plugin: str
-
-
-@dataclass(frozen=True)
-class NamedEntry:
-    """A registered backend, speculator or logits processor."""
-
-    name: str
-    target: str
-    plugin: str
-    devices: tuple[str, ...] = ()
-
-
-@dataclass
-class Registries:
-    """Everything the registration hooks handed over, keyed by name."""
-
-    models: dict[str, ModelEntry] = field(default_factory=dict)
-    attention_backends: dict[str, NamedEntry] = field(default_factory=dict)
-    speculators: dict[str, NamedEntry] = field(default_factory=dict)
-    logits_processors: dict[str, NamedEntry] = field(default_factory=dict)
-
-    def resolve_model(self, architectures: Sequence[str]) -> ModelEntry:
-        """The entry of the first registered name in ``architectures``, or a helpful error."""
-        for name in architectures:
-            if name in self.models:
-                return self.models[name]
-        hints = [
-            f"{name} is provided by '{KNOWN_PACKAGES[name]}' (pip install {KNOWN_PACKAGES[name]})"
-            for name in architectures
-            if name in KNOWN_PACKAGES
-        ]
-        registered = ", ".join(sorted(self.models)) or "none"
-        message = (
-            f"unknown model architecture {list(architectures)}; registered architectures: "
-            f"{registered}."
-        )
-        if hints:
-            message += " " + "; ".join(hints) + "."
-        else:
-            message += " Install a plugin that registers it, or write one (see CONTRIBUTING.md)."
-        raise ValueError(message)
-
-    def attention_backend_for(self, device_type: str, name: str | None = None) -> NamedEntry:
-        """The backend called ``name``, or the first one registered for ``device_type``."""
-        if name is not None:
-            if name not in self.attention_backends:
-                known = ", ".join(sorted(self.attention_backends))
-                raise ValueError(f"unknown attention backend {name!r}; registered: {known}")
-            return self.attention_backends[name]
-        for entry in self.attention_backends.values():
-            if device_type in entry.devices:
-                return entry
-        raise ValueError(f"no attention backend registered for device {device_type!r}")
-
 
 @dataclass(frozen=True)
 class PluginInfo:
@@ -247,23 +164,21 @@ class PluginManager:
 
             return bind
 
+        def backends(plugin: str) -> Callable[..., None]:
+            def register(name: str, backend: str, devices: Sequence[str] = ("cuda",),
+                         cache_kinds: Sequence[str] = DEFAULT_CACHE_KINDS) -> None:
+                _check_path(plugin, backend)
+                _check_unique(reg.attention_backends, name, plugin, "backend")
+                reg.attention_backends[name] = NamedEntry(name, backend, plugin, tuple(devices),
+                                                          tuple(cache_kinds))
+
+            return register
+
         each("mrv2_register_models", models)
-        each("mrv2_register_attention_backends", named(reg.attention_backends, "backend"))
+        each("mrv2_register_attention_backends", backends)
         each("mrv2_register_speculators", named(reg.speculators, "speculator"))
         each("mrv2_register_logits_processors", named(reg.logits_processors, "processor"))
         return reg
-
-
-def _check_path(plugin: str, path: str) -> None:
-    if not isinstance(path, str) or ":" not in path:
-        raise PluginError(f"plugin {plugin!r} registered {path!r}; expected 'module:Class'")
-
-
-def _check_unique(table: dict[str, Any], name: str, plugin: str, kind: str) -> None:
-    if name in table:
-        raise PluginError(
-            f"{kind} {name!r} registered twice: by {table[name].plugin!r} and by {plugin!r}"
-        )
 
 
 def _core_version() -> str:

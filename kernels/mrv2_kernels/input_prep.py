@@ -13,7 +13,9 @@ Each step the CPU sends ``idx_mapping`` ``[B]`` (batch position -> row) and
 positions ``p = num_computed[row] + j`` for ``j < qlen_i``.
 
 :func:`prepare_inputs` builds the step's flat token inputs and per-request metadata from the
-table; :func:`post_update` advances the table after sampling. Both write into caller-provided
+table; :func:`post_update` advances the table after sampling, including speculative decoding
+steps where the last scheduled tokens of a request were draft tokens and only some of them
+were accepted. Both write into caller-provided
 buffers and the Triton paths never synchronize with the host. Preconditions (not checked on
 the device): rows in ``idx_mapping[:num_reqs]`` are distinct and in range,
 ``num_computed[row] + qlen_i <= max_model_len`` and every block the tokens touch is in the
@@ -109,22 +111,30 @@ def _post_update_kernel(
     idx_mapping_ptr: tl.tensor,
     query_start_loc_ptr: tl.tensor,
     sampled_ptr: tl.tensor,
-    do_sample_ptr: tl.tensor,
+    sampled_stride: int,
+    num_sampled_ptr: tl.tensor,
+    num_drafts_ptr: tl.tensor,
     token_ids_ptr: tl.tensor,
     token_ids_stride: int,
     max_model_len: int,
     num_computed_ptr: tl.tensor,
     num_tokens_ptr: tl.tensor,
+    S: int,
+    BLOCK_S: tl.constexpr,
 ) -> None:
     pid = tl.program_id(0)
     row = tl.load(idx_mapping_ptr + pid).to(tl.int64)
     qlen = tl.load(query_start_loc_ptr + pid + 1) - tl.load(query_start_loc_ptr + pid)
-    new = tl.load(num_computed_ptr + row).to(tl.int32) + qlen.to(tl.int32)
-    tl.store(num_computed_ptr + row, new)
-    write = (tl.load(do_sample_ptr + pid) != 0) & (new < max_model_len)
-    token = tl.load(sampled_ptr + pid)
-    tl.store(token_ids_ptr + row * token_ids_stride + new, token.to(tl.int32), mask=write)
-    tl.store(num_tokens_ptr + row, new + 1, mask=write)
+    n = tl.load(num_sampled_ptr + pid).to(tl.int32)
+    drafts = tl.load(num_drafts_ptr + pid).to(tl.int32)
+    base = tl.load(num_computed_ptr + row).to(tl.int32) + qlen.to(tl.int32) - drafts
+    tl.store(num_computed_ptr + row, base + tl.maximum(n - 1, 0))
+    j = tl.arange(0, BLOCK_S)
+    pos = base + j
+    write = (j < n) & (j < S) & (pos < max_model_len)
+    tokens = tl.load(sampled_ptr + pid.to(tl.int64) * sampled_stride + j, mask=write, other=0)
+    tl.store(token_ids_ptr + row * token_ids_stride + pos, tokens.to(tl.int32), mask=write)
+    tl.store(num_tokens_ptr + row, tl.minimum(base + n, max_model_len), mask=n > 0)
 
 
 def _check_1d(name: str, t: torch.Tensor, min_len: int) -> None:
@@ -332,27 +342,57 @@ def prepare_inputs(
     )
 
 
+def _check_update_args(
+    idx_mapping: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_reqs: int,
+    sampled: torch.Tensor,
+    num_sampled: torch.Tensor,
+    num_drafts: torch.Tensor,
+    token_ids: torch.Tensor,
+) -> None:
+    _check_1d("idx_mapping", idx_mapping, num_reqs)
+    _check_1d("query_start_loc", query_start_loc, num_reqs + 1)
+    _check_1d("num_sampled", num_sampled, num_reqs)
+    _check_1d("num_drafts", num_drafts, num_reqs)
+    _check_rows("sampled", sampled)
+    _check_rows("token_ids", token_ids)
+    if sampled.shape[0] < num_reqs or sampled.shape[1] < 1:
+        raise ValueError(f"sampled must be [>= {num_reqs}, >= 1], got {tuple(sampled.shape)}")
+
+
 def post_update_ref(
     idx_mapping: torch.Tensor,
     query_start_loc: torch.Tensor,
     num_reqs: int,
     sampled: torch.Tensor,
-    do_sample: torch.Tensor,
+    num_sampled: torch.Tensor,
+    num_drafts: torch.Tensor,
     token_ids: torch.Tensor,
     num_computed: torch.Tensor,
     num_tokens: torch.Tensor,
 ) -> None:
     """Plain-torch specification of :func:`post_update` (same arguments, same effect)."""
+    _check_update_args(
+        idx_mapping, query_start_loc, num_reqs, sampled, num_sampled, num_drafts, token_ids
+    )
     if num_reqs == 0:
         return
-    rows = idx_mapping[:num_reqs].to(torch.int64)
-    qsl = query_start_loc[: num_reqs + 1].to(torch.int64)
-    new = num_computed[rows].to(torch.int64) + (qsl[1:] - qsl[:-1])
-    num_computed[rows] = new.to(num_computed.dtype)
-    write = (do_sample[:num_reqs] != 0) & (new < token_ids.shape[1])
-    wrows, wnew = rows[write], new[write]
-    token_ids[wrows, wnew] = sampled[:num_reqs][write].to(token_ids.dtype)
-    num_tokens[wrows] = (wnew + 1).to(num_tokens.dtype)
+    dev = num_computed.device
+    max_model_len, width = token_ids.shape[1], sampled.shape[1]
+    rows = idx_mapping[:num_reqs].to(device=dev, dtype=torch.int64)
+    qsl = query_start_loc[: num_reqs + 1].to(device=dev, dtype=torch.int64)
+    n = num_sampled[:num_reqs].to(device=dev, dtype=torch.int64)
+    drafts = num_drafts[:num_reqs].to(device=dev, dtype=torch.int64)
+    base = num_computed[rows].to(torch.int64) + (qsl[1:] - qsl[:-1]) - drafts
+    num_computed[rows] = (base + (n - 1).clamp(min=0)).to(num_computed.dtype)
+    j = torch.arange(width, device=dev, dtype=torch.int64)
+    pos = base[:, None] + j[None, :]  # [B, S]
+    write = (j[None, :] < n[:, None]) & (pos < max_model_len)
+    wrows = rows[:, None].expand(-1, width)[write]
+    token_ids[wrows, pos[write]] = sampled[:num_reqs].to(dev)[write].to(token_ids.dtype)
+    has = n > 0
+    num_tokens[rows[has]] = (base + n).clamp(max=max_model_len)[has].to(num_tokens.dtype)
 
 
 def post_update_triton(
@@ -360,31 +400,37 @@ def post_update_triton(
     query_start_loc: torch.Tensor,
     num_reqs: int,
     sampled: torch.Tensor,
-    do_sample: torch.Tensor,
+    num_sampled: torch.Tensor,
+    num_drafts: torch.Tensor,
     token_ids: torch.Tensor,
     num_computed: torch.Tensor,
     num_tokens: torch.Tensor,
 ) -> None:
-    """Triton implementation of :func:`post_update`: one program per request."""
-    _check_1d("idx_mapping", idx_mapping, num_reqs)
-    _check_1d("query_start_loc", query_start_loc, num_reqs + 1)
-    _check_1d("sampled", sampled, num_reqs)
-    _check_1d("do_sample", do_sample, num_reqs)
-    _check_rows("token_ids", token_ids)
+    """Triton implementation of :func:`post_update`: one program per request.
+
+    Each program handles its request's up to ``S`` sampled tokens as one vector of
+    ``next_power_of_2(S)`` lanes; ``num_reqs`` only sizes the grid (no recompiles).
+    """
+    _check_update_args(
+        idx_mapping, query_start_loc, num_reqs, sampled, num_sampled, num_drafts, token_ids
+    )
     if num_reqs == 0:
         return
-    if do_sample.dtype == torch.bool:
-        do_sample = do_sample.view(torch.uint8)
+    width = sampled.shape[1]
     _post_update_kernel[(num_reqs,)](
         idx_mapping,
         query_start_loc,
         sampled,
-        do_sample,
+        sampled.stride(0),
+        num_sampled,
+        num_drafts,
         token_ids,
         token_ids.stride(0),
         token_ids.shape[1],
         num_computed,
         num_tokens,
+        width,
+        BLOCK_S=triton.next_power_of_2(width),
     )
 
 
@@ -393,19 +439,39 @@ def post_update(
     query_start_loc: torch.Tensor,
     num_reqs: int,
     sampled: torch.Tensor,
-    do_sample: torch.Tensor,
+    num_sampled: torch.Tensor,
+    num_drafts: torch.Tensor,
     token_ids: torch.Tensor,
     num_computed: torch.Tensor,
     num_tokens: torch.Tensor,
 ) -> None:
-    """Advance the state table after sampling, in place.
+    """Advance the state table after sampling (and speculative verification), in place.
+
+    Args:
+        idx_mapping: ``[>= B]`` int, batch position -> state-table row (``B = num_reqs``).
+        query_start_loc: ``[>= B + 1]`` int, exclusive prefix sum of scheduled token counts.
+        num_reqs: number of real requests ``B``.
+        sampled: ``[>= B, S]`` int64 (rows contiguous), the tokens request ``i`` produced.
+        num_sampled: ``[>= B]`` int32, ``n_i``: ``0`` when the request produced no token this
+            step (a mid-prompt chunk), else ``1 +`` its accepted draft tokens (``<= d_i + 1``
+            and ``<= S``).
+        num_drafts: ``[>= B]`` int32, ``d_i``: the last ``d_i`` of the request's ``qlen``
+            scheduled tokens were speculative draft tokens (``0`` without speculation).
+        token_ids: ``[R, max_model_len]`` int32 table (rows contiguous).
+        num_computed: ``[R]`` int32, tokens in the KV cache.
+        num_tokens: ``[R]`` int32, tokens known for the row.
 
     For each request ``i < num_reqs`` with ``row = idx_mapping[i]`` and
-    ``qlen = query_start_loc[i + 1] - query_start_loc[i]``: ``new = num_computed[row] + qlen``
-    and ``num_computed[row] = new``; when ``do_sample[i]`` (bool or int, nonzero: the request
-    produced a token this step) and ``new < max_model_len``, also
-    ``token_ids[row, new] = sampled[i]`` (``sampled``: ``[>= B]`` int64) and
-    ``num_tokens[row] = new + 1``. Dispatches like :func:`prepare_inputs` (on ``num_computed``).
+    ``qlen = query_start_loc[i + 1] - query_start_loc[i]``: the tokens before the drafts are
+    computed, ``base = num_computed[row] + qlen - d_i``; the accepted drafts are computed too,
+    ``num_computed[row] = base + max(n_i - 1, 0)`` (the KV of rejected drafts stays in the
+    cache as garbage past that count and is overwritten later); the sampled tokens follow the
+    verified prefix, ``token_ids[row, base + j] = sampled[i, j]`` for ``j < n_i`` where
+    ``base + j < max_model_len``; and when ``n_i > 0``,
+    ``num_tokens[row] = min(base + n_i, max_model_len)``. Rejected draft tokens left in
+    ``token_ids`` past ``num_tokens`` are stale. With ``d_i = 0`` and ``n_i`` in ``{0, 1}``
+    this is the plain decode/prefill update. Dispatches like :func:`prepare_inputs` (on
+    ``num_computed``).
     """
     impl = post_update_triton if use_triton(num_computed) else post_update_ref
     impl(
@@ -413,7 +479,8 @@ def post_update(
         query_start_loc,
         num_reqs,
         sampled,
-        do_sample,
+        num_sampled,
+        num_drafts,
         token_ids,
         num_computed,
         num_tokens,

@@ -1,4 +1,4 @@
-"""Paged causal attention over a block-table KV cache (Triton), plus its plain-torch reference.
+"""Paged causal attention over a block-table KV cache (Triton); reference in paged_attention_ref.
 
 KV cache layout: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (0 keys, 1 values).
 Request ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]``; they are the last
@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+
+from .paged_attention_ref import _check_inputs, paged_attention_ref
 
 _LOG2E = 1.4426950408889634
 # Finite "minus infinity" for running maxima (keeps empty rows NaN-free); a constexpr because
@@ -292,23 +294,6 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def _check_inputs(query: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
-    assert query.dim() == 3, f"query must be [T, H, D], got shape {tuple(query.shape)}"
-    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, (
-        "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
-        f"got shape {tuple(kv_cache.shape)}"
-    )
-    _, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    assert kv_cache.shape[4] == head_dim, (
-        f"head_dim mismatch: query {head_dim}, kv_cache {kv_cache.shape[4]}"
-    )
-    assert num_heads % num_kv_heads == 0, (
-        f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
-    )
-    return num_heads, num_kv_heads, head_dim, block_size
-
-
 def _default_config(
     on_gpu: bool, small_q: bool, rows: int, head_dim: int, elem_size: int
 ) -> tuple[int, int, int, int]:
@@ -546,62 +531,6 @@ def paged_attention(
             HEAD_DIM=head_dim,
             num_warps=4 if on_gpu else 1,
         )
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# Reference
-# --------------------------------------------------------------------------------------------
-
-
-def paged_attention_ref(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    scale: float,
-    *,
-    max_query_len: int,
-    max_seq_len: int,
-    num_reqs: int,
-    uniform_decode: bool = False,
-) -> torch.Tensor:
-    """Plain-torch reference of :func:`paged_attention` (fp32 math, same outputs contract).
-
-    Reads ``query_start_loc``/``seq_lens`` on the host (a sync on GPU): meant for tests and CPU.
-    ``max_query_len``/``max_seq_len``/``uniform_decode`` are accepted for signature parity.
-    """
-    del max_query_len, max_seq_len, uniform_decode
-    num_heads, num_kv_heads, head_dim, block_size = _check_inputs(query, kv_cache)
-    group = num_heads // num_kv_heads
-    out = torch.zeros_like(query)
-    qsl = query_start_loc[: num_reqs + 1].tolist()
-    lens = seq_lens[:num_reqs].tolist()
-    for i in range(num_reqs):
-        q_start, q_end, seq_len = int(qsl[i]), int(qsl[i + 1]), int(lens[i])
-        qlen = q_end - q_start
-        if qlen <= 0 or seq_len <= 0:
-            continue
-        ctx_len = seq_len - qlen
-        n = torch.arange(seq_len, device=query.device)
-        blocks = block_table[i, n // block_size].long()
-        k = kv_cache[0, blocks, n % block_size].float()  # [S, Hk, D]
-        v = kv_cache[1, blocks, n % block_size].float()
-        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
-        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
-        chunk = 256  # bound the score matrix of long prompts
-        for c0 in range(0, qlen, chunk):
-            c1 = min(c0 + chunk, qlen)
-            q = query[q_start + c0 : q_start + c1].float().transpose(0, 1)  # [H, c, D]
-            scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, c, S]
-            qpos = ctx_len + torch.arange(c0, c1, device=query.device)
-            visible = n[None, :] <= qpos[:, None]  # [c, S]
-            scores = scores.masked_fill(~visible[None], float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            probs = torch.nan_to_num(probs, nan=0.0)  # rows with no visible key -> zeros
-            o = torch.matmul(probs, v)  # [H, c, D]
-            out[q_start + c0 : q_start + c1] = o.transpose(0, 1).to(query.dtype)
     return out
 
 

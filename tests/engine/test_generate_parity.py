@@ -70,8 +70,8 @@ def test_logits_match_hf_for_prefill(checkpoint: Path) -> None:
     import transformers
 
     from mrv2.config import EngineConfig
+    from mrv2.contract.requests import NewRequest, SchedulerOutput
     from mrv2.runner.runner import Runner
-    from mrv2.runner.scheduler_output import NewRequest, SchedulerOutput
 
     config = EngineConfig.from_kwargs(model=str(checkpoint), device="cpu", dtype="float32",
                                       block_size=4)

@@ -18,11 +18,11 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from mrv2.config import SchedulerConfig
+from mrv2.contract.params import SamplingParams
+from mrv2.contract.requests import SchedulerOutput
 from mrv2.engine.block_manager import BlockManager
 from mrv2.engine.request import Request, RequestStatus
 from mrv2.engine.scheduler import Scheduler
-from mrv2.runner.scheduler_output import SchedulerOutput
-from mrv2.sample.params import SamplingParams
 
 STOP = 6
 BASE = [1, 2, 3, 1, 2, 3, 3, 2, 1, 1, 2, 2, 3, 3, 1, 2, 1, 3, 2, 1]

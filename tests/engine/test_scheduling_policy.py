@@ -8,10 +8,10 @@ import pytest
 
 from mrv2 import LLM, SamplingParams
 from mrv2.config import SchedulerConfig
+from mrv2.contract.requests import SchedulerOutput
 from mrv2.engine.block_manager import BlockManager
 from mrv2.engine.request import Request, RequestStatus
 from mrv2.engine.scheduler import Scheduler
-from mrv2.runner.scheduler_output import SchedulerOutput
 from mrv2.testing import make_tiny_checkpoint
 
 

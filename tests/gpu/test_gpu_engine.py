@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mrv2 import LLM, EngineConfig, Runner, SamplingParams
-from mrv2.runner.scheduler_output import NewRequest, SchedulerOutput
+from mrv2.contract.requests import NewRequest, SchedulerOutput
 from mrv2.testing import hf_greedy, make_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu

@@ -239,70 +239,197 @@ def test_int64_offsets() -> None:
     assert_same(run_prepare(prepare_inputs_triton, c), want)
     assert_same(run_prepare(prepare_inputs_ref, c), want)
 
-    sampled = torch.tensor([1234, 5678], dtype=I64, device=DEVICE)
-    do_sample = torch.tensor([True, True], device=DEVICE)
-    post_update_triton(idx, qsl, 2, sampled, do_sample, token_ids, num_computed, num_tokens)
-    assert int(token_ids[2, 19]) == 1234 and int(token_ids[1, 4]) == 5678
-    assert num_computed.tolist() == [5, 4, 19] and num_tokens.tolist() == [6, 5, 20]
+    sampled = torch.tensor([[1234, 4321], [5678, 8765]], dtype=I64, device=DEVICE)
+    n = torch.tensor([2, 1], dtype=I32, device=DEVICE)
+    d = torch.tensor([3, 0], dtype=I32, device=DEVICE)
+    post_update_triton(idx, qsl, 2, sampled, n, d, token_ids, num_computed, num_tokens)
+    assert token_ids[2, 16:18].tolist() == [1234, 4321] and int(token_ids[1, 4]) == 5678
+    assert num_computed.tolist() == [5, 4, 17] and num_tokens.tolist() == [6, 5, 18]
 
 
 # ----------------------------------------------------------------------------- post_update
 
 
-def make_update(seed: int, num_reqs: int = 5, rows: int = 7, max_model_len: int = 64) -> tuple:
+@dataclass
+class Update:
+    """One post-sampling update: per-request inputs (plus one junk padding entry) and a table."""
+
+    idx: torch.Tensor
+    qsl: torch.Tensor
+    num_reqs: int
+    sampled: torch.Tensor
+    num_sampled: torch.Tensor
+    num_drafts: torch.Tensor
+    token_ids: torch.Tensor
+    num_computed: torch.Tensor
+    num_tokens: torch.Tensor
+
+    def args(self) -> tuple:
+        return (
+            self.idx,
+            self.qsl,
+            self.num_reqs,
+            self.sampled,
+            self.num_sampled,
+            self.num_drafts,
+            self.token_ids,
+            self.num_computed,
+            self.num_tokens,
+        )
+
+    def clone(self) -> Update:
+        return Update(*(a.clone() if isinstance(a, torch.Tensor) else a for a in self.args()))
+
+
+def make_update(
+    seed: int,
+    num_reqs: int = 6,
+    rows: int = 8,
+    max_model_len: int = 64,
+    width: int = 4,
+    spec: bool = True,
+) -> Update:
+    """Random table and step. With ``spec``: request 0 accepts all its drafts, 1 none, 2 has
+    ``n = 0``, 3 accepts all and ends at ``max_model_len`` (its last token falls off), the rest
+    random. Without: ``d = 0`` and ``n`` in {0, 1} (request 0 ends at ``max_model_len``)."""
     g = torch.Generator().manual_seed(seed)
     token_ids = torch.randint(1, 100_000, (rows, max_model_len), generator=g, dtype=I32)
     num_computed = torch.randint(0, max_model_len - 20, (rows,), generator=g, dtype=I32)
     num_tokens = torch.randint(1, max_model_len, (rows,), generator=g, dtype=I32)
     req_rows = torch.randperm(rows, generator=g)[:num_reqs]
-    qlens = torch.randint(1, 12, (num_reqs,), generator=g)
-    # The first request ends exactly at max_model_len: its token must not be written.
-    num_computed[req_rows[0]] = max_model_len - int(qlens[0])
+    qlens = torch.randint(width, 12, (num_reqs,), generator=g)
+    if spec:
+        drafts = torch.randint(0, width, (num_reqs,), generator=g)
+        drafts[[0, 1, 3]] = width - 1
+        n = (torch.rand(num_reqs, generator=g) * (drafts + 2)).long().clamp(max=drafts + 1)
+        n[0], n[1], n[2], n[3] = drafts[0] + 1, 1, 0, drafts[3] + 1
+        end_row = req_rows[3]
+    else:
+        drafts = torch.zeros(num_reqs, dtype=I64)
+        n = (torch.rand(num_reqs, generator=g) < 0.7).long()
+        n[:2], n[2] = 1, 0
+        end_row = req_rows[0]
+    end = int((req_rows == end_row).nonzero())
+    num_computed[end_row] = max_model_len - int(qlens[end])
+    # Consistent state for the row that reaches the end: every position is a known token.
+    num_tokens[end_row] = max_model_len
     qsl = torch.cat([torch.zeros(1, dtype=I64), qlens.cumsum(0)]).to(I32)
-    do_sample = torch.rand(num_reqs, generator=g) < 0.7
-    do_sample[:2] = True
-    do_sample[2] = False
-    sampled = torch.randint(1, 100_000, (num_reqs,), generator=g, dtype=I64)
-    pad = torch.tensor([req_rows[0]])  # junk padding entry pointing at a live row
-    idx = torch.cat([req_rows, pad]).to(I32)
+    sampled = torch.randint(1, 100_000, (num_reqs, width), generator=g, dtype=I64)
+    # A junk padding entry pointing at a live row, with a token to write.
+    idx = torch.cat([req_rows, req_rows[:1]]).to(I32)
     qsl = torch.cat([qsl, qsl[-1:] + 4])
-    sampled = torch.cat([sampled, torch.tensor([99])])
-    do_sample = torch.cat([do_sample, torch.tensor([True])])
-    return tuple(
-        t.to(DEVICE) for t in (idx, qsl, sampled, do_sample, token_ids, num_computed, num_tokens)
+    sampled = torch.cat([sampled, torch.full((1, width), 99, dtype=I64)])
+    n = torch.cat([n, torch.ones(1, dtype=I64)]).to(I32)
+    drafts = torch.cat([drafts, torch.zeros(1, dtype=I64)]).to(I32)
+    return Update(
+        idx.to(DEVICE),
+        qsl.to(DEVICE),
+        num_reqs,
+        sampled.to(DEVICE),
+        n.to(DEVICE),
+        drafts.to(DEVICE),
+        token_ids.to(DEVICE),
+        num_computed.to(DEVICE),
+        num_tokens.to(DEVICE),
     )
 
 
-def post_update_loop(
-    idx, qsl, num_reqs, sampled, do_sample, token_ids, num_computed, num_tokens
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    tok, nc, nt = token_ids.cpu().clone(), num_computed.cpu().clone(), num_tokens.cpu().clone()
-    for i in range(num_reqs):
-        row = int(idx[i])
-        new = int(nc[row]) + int(qsl[i + 1]) - int(qsl[i])
+def post_update_loop(u: Update) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The spec as a plain Python loop."""
+    tok, nc, nt = (
+        u.token_ids.cpu().clone(),
+        u.num_computed.cpu().clone(),
+        u.num_tokens.cpu().clone(),
+    )
+    length = tok.shape[1]
+    for i in range(u.num_reqs):
+        row = int(u.idx[i])
+        qlen = int(u.qsl[i + 1]) - int(u.qsl[i])
+        d, n = int(u.num_drafts[i]), int(u.num_sampled[i])
+        base = int(nc[row]) + qlen - d
+        nc[row] = base + max(n - 1, 0)
+        for j in range(n):
+            if base + j < length:
+                tok[row, base + j] = int(u.sampled[i, j])
+        if n > 0:
+            nt[row] = min(base + n, length)
+    return tok, nc, nt
+
+
+def post_update_old_loop(u: Update) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pre-speculation semantics (one token per request, ``do_sample = n``)."""
+    tok, nc, nt = (
+        u.token_ids.cpu().clone(),
+        u.num_computed.cpu().clone(),
+        u.num_tokens.cpu().clone(),
+    )
+    for i in range(u.num_reqs):
+        row = int(u.idx[i])
+        new = int(nc[row]) + int(u.qsl[i + 1]) - int(u.qsl[i])
         nc[row] = new
-        if bool(do_sample[i]) and new < tok.shape[1]:
-            tok[row, new] = int(sampled[i])
+        if int(u.num_sampled[i]) and new < tok.shape[1]:
+            tok[row, new] = int(u.sampled[i, 0])
             nt[row] = new + 1
     return tok, nc, nt
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("impl", ["ref", "triton", "dispatch"])
-def test_post_update(seed: int, impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    idx, qsl, sampled, do_sample, token_ids, num_computed, num_tokens = make_update(seed)
-    num_reqs = 5
-    if seed == 1:  # int32 flags instead of bool
-        do_sample = do_sample.to(I32)
-    want = post_update_loop(
-        idx, qsl, num_reqs, sampled, do_sample, token_ids, num_computed, num_tokens
-    )
-    before = token_ids.clone()
-    fn = {"ref": post_update_ref, "triton": post_update_triton, "dispatch": post_update}[impl]
+POST_UPDATE = {"ref": post_update_ref, "triton": post_update_triton, "dispatch": post_update}
+
+
+def run_update(impl: str, u: Update, monkeypatch: pytest.MonkeyPatch) -> Update:
+    u = u.clone()
     if impl == "dispatch":
         monkeypatch.setenv("MRV2_KERNELS", "triton")
-    fn(idx, qsl, num_reqs, sampled, do_sample, token_ids, num_computed, num_tokens)
-    assert torch.equal(token_ids.cpu(), want[0])
-    assert torch.equal(num_computed.cpu(), want[1])
-    assert torch.equal(num_tokens.cpu(), want[2])
-    assert (token_ids != before).sum() >= 1  # something was written
+    POST_UPDATE[impl](*u.args())
+    return u
+
+
+def assert_table(u: Update, want: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    assert torch.equal(u.token_ids.cpu(), want[0])
+    assert torch.equal(u.num_computed.cpu(), want[1])
+    assert torch.equal(u.num_tokens.cpu(), want[2])
+
+
+@pytest.mark.parametrize(("seed", "width"), [(0, 4), (1, 3)])
+@pytest.mark.parametrize("impl", ["ref", "triton", "dispatch"])
+def test_post_update_spec(
+    seed: int, width: int, impl: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    u = make_update(seed, width=width)
+    want = post_update_loop(u)
+    got = run_update(impl, u, monkeypatch)
+    assert_table(got, want)
+    # The constructed cases did what they claim.
+    length = u.token_ids.shape[1]
+    rows = u.idx.cpu().tolist()
+    d = u.num_drafts.cpu().tolist()
+    before_nc = u.num_computed.cpu()
+    for i, accepted in ((0, d[0]), (1, 0), (2, 0)):
+        qlen = int(u.qsl[i + 1]) - int(u.qsl[i])
+        assert int(want[1][rows[i]]) == int(before_nc[rows[i]]) + qlen - d[i] + accepted
+    assert int(want[2][rows[2]]) == int(u.num_tokens[rows[2]])  # n = 0: num_tokens untouched
+    end = rows[3]  # accepted everything, the last sampled token would land at max_model_len
+    assert int(want[1][end]) == length and int(want[2][end]) == length
+    assert int(want[0][end, length - 1]) == int(u.sampled[3, width - 2])
+    assert (got.token_ids != u.token_ids).sum() >= 1  # something was written
+
+
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_post_update_without_drafts_is_the_old_update(
+    impl: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    u = make_update(2, width=1, spec=False)
+    want = post_update_old_loop(u)
+    assert_table(run_update(impl, u, monkeypatch), want)
+    assert_table(run_update(impl, u, monkeypatch), post_update_loop(u))
+    # Wider sampled rows: the extra columns are ignored when n <= 1.
+    wide = u.clone()
+    wide.sampled = torch.cat([u.sampled, torch.full_like(u.sampled, -5)], dim=1)
+    assert_table(run_update(impl, wide, monkeypatch), want)
+
+
+def test_post_update_no_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    u = make_update(3)
+    u.num_reqs = 0
+    for impl in ("ref", "triton"):
+        assert_table(run_update(impl, u, monkeypatch), post_update_loop(u))

@@ -349,8 +349,8 @@ def test_head_dim_must_be_power_of_two() -> None:
 
 def test_triton_backend_end_to_end() -> None:
     """The backend: write this step's K/V into the cache, then attend; against the refs."""
-    from mrv2.attention.backend import AttentionMetadata
     from mrv2.attention.triton_backend import TritonAttentionBackend
+    from mrv2.contract.attention import AttentionMetadata
     from mrv2_kernels.kv_cache import write_kv_ref
 
     reqs = [(1, 12), (6, 6), (0, 0)]

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from mrv2.attention import AttentionMetadata
-from mrv2.attention.context import ForwardContext, set_forward_context
 from mrv2.attention.torch_backend import TorchAttentionBackend
 from mrv2.attention.triton_backend import TritonAttentionBackend
+from mrv2.contract.forward_context import ForwardContext, set_forward_context
 from mrv2.layers import (
     Attention,
     LinearBase,
@@ -95,8 +95,8 @@ def _decode_context(backend: object, dtype: torch.dtype) -> tuple[ForwardContext
         slot_mapping=torch.tensor([5 * 4 + 1, 1 * 4 + 3, -1], dtype=torch.int64),
         block_size=4, uniform_decode=True,
     )
-    return ForwardContext(metadata=metadata, kv_caches=[cache],  # type: ignore[arg-type]
-                          backend=backend), torch.tensor([5, 3, 0])
+    return ForwardContext(metadata=metadata, kv_caches=[cache],
+                          backends=[backend]), torch.tensor([5, 3, 0])
 
 
 @pytest.mark.parametrize("backend_cls", [TorchAttentionBackend, TritonAttentionBackend])

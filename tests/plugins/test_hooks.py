@@ -12,9 +12,10 @@ import torch
 
 from mrv2 import LLM, SamplingParams, hookimpl
 from mrv2.attention.torch_backend import TorchAttentionBackend
+from mrv2.contract.batch import InputBatch
+from mrv2.contract.model_state import ModelState
+from mrv2.contract.speculator import Speculator, SpeculatorInputs, StepSamples
 from mrv2.plugins import PluginManager
-from mrv2.runner.input_batch import InputBatch
-from mrv2.runner.model_state import ModelState
 from mrv2.sample.logits_processor import LogitsProcessor
 from mrv2.sample.sampler import Sampler
 from mrv2.testing import make_tiny_checkpoint
@@ -47,87 +48,116 @@ def baseline(ckpt: Path) -> list[list[int]]:
     return _run(ckpt, PluginManager(autoload=True, allow=["qwen"], block=[]))
 
 
-def test_lifecycle_hooks_see_every_request_and_step(ckpt: Path, baseline: list[list[int]]) -> None:
-    calls: dict[str, list[Any]] = {"add": [], "remove": [], "mm": [], "inputs": [], "attn": []}
+class LifecycleState(ModelState):
+    """Records every ModelState call the runner makes."""
 
-    def mrv2_add_request(model_state: ModelState, request: Any, row: int) -> None:
-        calls["add"].append((request.req_id, row))
+    calls: dict[str, list[Any]] = {}
 
-    def mrv2_remove_request(req_id: str, row: int) -> None:
-        calls["remove"].append((req_id, row))
+    def add_request(self, request: Any, row: int) -> None:
+        self.calls["add"].append((request.req_id, row))
 
-    def mrv2_get_mm_embeddings(batch: InputBatch) -> None:
-        calls["mm"].append(batch.num_reqs)
+    def remove_request(self, req_id: str, row: int) -> None:
+        self.calls["remove"].append((req_id, row))
 
-    def mrv2_prepare_inputs(batch: InputBatch) -> dict[str, Any]:
-        calls["inputs"].append(batch.num_tokens)
-        return {}
+    def get_mm_embeddings(self, batch: InputBatch) -> None:
+        self.calls["mm"].append(batch.num_reqs)
 
-    def mrv2_prepare_attn(batch: InputBatch) -> None:
-        calls["attn"].append(batch.max_seq_len)
+    def prepare_inputs(self, batch: InputBatch) -> dict[str, Any]:
+        self.calls["inputs"].append(batch.num_tokens)
+        return super().prepare_inputs(batch)
 
-    manager = _manager(
-        mrv2_add_request=mrv2_add_request, mrv2_remove_request=mrv2_remove_request,
-        mrv2_get_mm_embeddings=mrv2_get_mm_embeddings, mrv2_prepare_inputs=mrv2_prepare_inputs,
-        mrv2_prepare_attn=mrv2_prepare_attn,
-    )
-    assert _run(ckpt, manager) == baseline
+    def prepare_attn(self, batch: InputBatch) -> Any:
+        self.calls["attn"].append(batch.max_seq_len)
+        return super().prepare_attn(batch)
+
+
+def _private_copy(ckpt: Path, tmp: Path, architecture: str) -> Path:
+    import json
+    import shutil
+
+    private = tmp / architecture
+    shutil.copytree(ckpt, private)
+    config = json.loads((private / "config.json").read_text())
+    config["architectures"] = [architecture]
+    (private / "config.json").write_text(json.dumps(config))
+    return private
+
+
+def test_model_state_methods_see_every_request_and_step_of_their_model_only(
+    ckpt: Path, baseline: list[list[int]], tmp_path: Path
+) -> None:
+    other: list[str] = []
+
+    class OtherFamilyState(ModelState):
+        def prepare_inputs(self, batch: InputBatch) -> dict[str, Any]:
+            other.append("called")
+            return super().prepare_inputs(batch)
+
+    def mrv2_register_models(register: Callable[..., None]) -> None:
+        register("LifecycleLM", "mrv2_qwen.model:Qwen3ForCausalLM",
+                 model_state=f"{__name__}:LifecycleState")
+        register("OtherLM", "mrv2_qwen.model:Qwen3ForCausalLM",
+                 model_state=f"{__name__}:OtherFamilyState")
+
+    globals()["OtherFamilyState"] = OtherFamilyState
+    LifecycleState.calls = {"add": [], "remove": [], "mm": [], "inputs": [], "attn": []}
+    private = _private_copy(ckpt, tmp_path, "LifecycleLM")
+    assert _run(private, _manager(mrv2_register_models=mrv2_register_models)) == baseline
+    calls = LifecycleState.calls
     assert sorted(req for req, _ in calls["add"]) == sorted(req for req, _ in calls["remove"])
     assert len(calls["add"]) == 2
     assert calls["inputs"][0] == 5  # first step: both prompts
     assert len(calls["mm"]) == len(calls["inputs"]) == len(calls["attn"]) >= 4
+    assert other == []  # another family's state never runs for this model
 
 
-def test_prepare_inputs_hook_adds_a_model_input(ckpt: Path) -> None:
+class Sevens(ModelState):
+    """Feeds token 7 whatever the batch holds: the model must see it."""
+
+    def prepare_inputs(self, batch: InputBatch) -> dict[str, Any]:
+        return {**super().prepare_inputs(batch), "input_ids": torch.full_like(batch.input_ids, 7)}
+
+
+def test_prepare_inputs_method_changes_the_model_input(ckpt: Path, tmp_path: Path) -> None:
     seen: list[torch.Tensor] = []
 
-    def mrv2_prepare_inputs(batch: InputBatch) -> dict[str, Any]:
-        return {"input_ids": torch.full_like(batch.input_ids, 7)}
+    def mrv2_register_models(register: Callable[..., None]) -> None:
+        register("SevensLM", "mrv2_qwen.model:Qwen3ForCausalLM", model_state=f"{__name__}:Sevens")
 
-    manager = _manager(mrv2_prepare_inputs=mrv2_prepare_inputs)
-    llm = LLM(str(ckpt), plugins=manager, device="cpu", dtype="float32", block_size=4)
+    private = _private_copy(ckpt, tmp_path, "SevensLM")
+    manager = _manager(mrv2_register_models=mrv2_register_models)
+    llm = LLM(str(private), plugins=manager, device="cpu", dtype="float32", block_size=4)
     forward = llm.engine.runner.model.forward
 
-    def spy(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def spy(input_ids: torch.Tensor, positions: torch.Tensor, **kw: Any) -> torch.Tensor:
         seen.append(input_ids.clone())
-        return forward(input_ids, positions)  # type: ignore[no-any-return]
+        return forward(input_ids, positions, **kw)  # type: ignore[no-any-return]
 
     llm.engine.runner.model.forward = spy  # type: ignore[method-assign]
     llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     assert seen and all(bool((ids == 7).all()) for ids in seen)
 
 
-def test_dummy_inputs_and_graph_capture_hooks(ckpt: Path) -> None:
-    sentinel = object()
-
-    def mrv2_prepare_dummy_inputs(num_reqs: int, num_tokens: int) -> None:
-        return None  # defer to the default
-
-    def mrv2_capture_cuda_graph(batch: InputBatch, forward: Callable[[], Any]) -> object:
-        return sentinel
-
-    manager = _manager(mrv2_prepare_dummy_inputs=mrv2_prepare_dummy_inputs,
-                       mrv2_capture_cuda_graph=mrv2_capture_cuda_graph)
-    llm = LLM(str(ckpt), plugins=manager, device="cpu", dtype="float32", block_size=4)
+def test_dummy_inputs_and_graph_capture_methods(ckpt: Path) -> None:
+    llm = LLM(str(ckpt), plugins=PluginManager(autoload=True, allow=["qwen"], block=[]),
+              device="cpu", dtype="float32", block_size=4)
     state = llm.engine.runner.model_state
-    batch = manager.hook.mrv2_prepare_dummy_inputs(model_state=state, num_reqs=3, num_tokens=10)
+    batch = state.prepare_dummy_inputs(num_reqs=3, num_tokens=10)
     assert (batch.num_reqs, batch.num_tokens) == (3, 10)
     assert batch.query_start_loc.tolist() == [0, 4, 7, 10]
     assert bool((batch.slot_mapping == -1).all())
-    got = manager.hook.mrv2_capture_cuda_graph(model_state=state, batch=batch, forward=lambda: 0)
-    assert got is sentinel
-    default = PluginManager(autoload=False)
-    assert default.hook.mrv2_capture_cuda_graph(model_state=state, batch=batch,
-                                                forward=lambda: 0) is None  # CPU: no graphs
+    assert batch.logits_indices.tolist() == [3, 6, 9]  # no speculation: last tokens only
+    assert state.capture_cuda_graph(batch, lambda: 0) is None  # CPU: no graphs
 
 
 def test_sampler_hook_replaces_the_sampler(ckpt: Path) -> None:
     class Always11(Sampler):
-        def __call__(self, logits: torch.Tensor, batch: InputBatch, table: Any) -> torch.Tensor:
-            return torch.full((batch.num_reqs,), 11, dtype=torch.int64)
+        def __call__(self, logits: torch.Tensor, batch: InputBatch, table: Any,
+                     plan: Any = None) -> torch.Tensor:
+            return torch.full((batch.num_logits,), 11, dtype=torch.int64)
 
-    def mrv2_make_sampler(config: Any, vocab_size: int) -> Sampler:
-        return Always11()
+    def mrv2_make_sampler(config: Any, vocab_size: int, device: torch.device) -> Sampler:
+        return Always11(config.scheduler.max_num_seqs, vocab_size, device)
 
     assert _run(ckpt, _manager(mrv2_make_sampler=mrv2_make_sampler)) == [[11] * 4] * 2
 
@@ -173,42 +203,56 @@ def test_attention_backend_registration(ckpt: Path, baseline: list[list[int]]) -
         _run(ckpt, manager, attention_backend="flash")
 
 
-def test_speculator_hooks(ckpt: Path) -> None:
+class Repeater(Speculator):
+    """Drafts the last known token k times (written where the speculator interface says)."""
+
+    proposals = 0
+
+    def propose(self, batch: InputBatch, samples: StepSamples, inputs: SpeculatorInputs,
+                table: Any) -> None:
+        Repeater.proposals += 1
+        rows = batch.idx_mapping.long()
+        last = table.token_ids[rows, (table.num_tokens[rows] - 1).long()]
+        for j in range(self.num_speculative_tokens):
+            pos = (table.num_tokens[rows] + j).clamp(max=table.token_ids.shape[1] - 1).long()
+            keep = samples.num_sampled > 0
+            table.token_ids[rows, pos] = torch.where(keep, last, table.token_ids[rows, pos])
+
+
+def test_speculator_hooks(ckpt: Path, baseline: list[list[int]]) -> None:
     def mrv2_register_speculators(register: Callable[..., None]) -> None:
-        register("eagle", "some_pkg.eagle:Eagle")
+        register("repeat", f"{__name__}:Repeater")
 
     made: list[str] = []
 
     def mrv2_make_speculator(config: Any) -> None:
         made.append(str(config.speculative.method))
-        return None
+        return None  # the core's default builds the registered one
 
     manager = _manager(mrv2_register_speculators=mrv2_register_speculators,
                        mrv2_make_speculator=mrv2_make_speculator)
-    assert manager.registries.speculators["eagle"].plugin == "throwaway"
-    with pytest.raises(ValueError, match="unknown speculative method 'medusa'; registered: eagle"):
+    assert manager.registries.speculators["repeat"].plugin == "throwaway"
+    with pytest.raises(ValueError, match="unknown speculative method 'medusa'; registered: "
+                                         "ngram, repeat"):
         _run(ckpt, manager, method="medusa", num_speculative_tokens=2)
-    assert made == ["medusa"]
+    Repeater.proposals = 0
+    llm = LLM(str(ckpt), plugins=manager, device="cpu", dtype="float32", block_size=4,
+              speculative_config={"method": "repeat", "num_speculative_tokens": 2})
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == baseline
+    assert made == ["medusa", "repeat"] and Repeater.proposals > 0
+    assert llm.engine.stats()["spec_num_draft_tokens"] > 0
 
 
-def test_register_models_hook_with_private_model_state(ckpt: Path,
-                                                       baseline: list[list[int]]) -> None:
+def test_register_models_hook_with_private_model_state(ckpt: Path, baseline: list[list[int]],
+                                                       tmp_path: Path) -> None:
     def mrv2_register_models(register: Callable[..., None]) -> None:
         register("PrivateLM", "mrv2_qwen.model:Qwen3ForCausalLM",
                  model_state=f"{__name__}:RecordingState")
 
-    import json
-    import shutil
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        private = Path(tmp) / "private"
-        shutil.copytree(ckpt, private)
-        config = json.loads((private / "config.json").read_text())
-        config["architectures"] = ["PrivateLM"]
-        (private / "config.json").write_text(json.dumps(config))
-        RecordingState.steps = 0
-        assert _run(private, _manager(mrv2_register_models=mrv2_register_models)) == baseline
+    private = _private_copy(ckpt, tmp_path, "PrivateLM")
+    RecordingState.steps = 0
+    assert _run(private, _manager(mrv2_register_models=mrv2_register_models)) == baseline
     assert RecordingState.steps > 0
 
 

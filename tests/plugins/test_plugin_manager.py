@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from mrv2 import hookimpl, hookspecs
-from mrv2.plugins import PluginError, PluginManager, import_object
+from mrv2.plugins import PluginError, PluginManager
+from mrv2.registry import import_object
 
 TESTS_DIR = Path(__file__).parent
 
@@ -30,9 +31,24 @@ def test_core_defaults_register_through_hooks() -> None:
     assert names == ["mrv2.defaults"]
     backends = manager.registries.attention_backends
     assert set(backends) == {"triton", "torch"}
-    assert manager.registries.attention_backend_for("cpu").name == "torch"
-    assert manager.registries.attention_backend_for("cuda").name == "triton"
+    assert manager.registries.attention_backend_for("cpu", "paged_kv").name == "torch"
+    assert manager.registries.attention_backend_for("cuda", "paged_kv").name == "triton"
+    assert manager.registries.attention_backend_for("cuda", "paged_kv", "torch").name == "torch"
+    with pytest.raises(ValueError, match="no attention backend registered for KV cache kind "
+                                         "'latent' on device 'cpu'"):
+        manager.registries.attention_backend_for("cpu", "latent")
+    assert set(manager.registries.speculators) == {"ngram"}
     assert manager.registries.models == {}
+
+
+def test_known_packages_register_what_they_advertise() -> None:
+    from mrv2.registry import KNOWN_PACKAGES
+
+    manager = PluginManager(autoload=True, allow=None, block=[])
+    for architecture, package in KNOWN_PACKAGES.items():
+        entry = manager.registries.models[architecture]
+        dist = next(info.source for info in manager.list_plugins() if info.name == entry.plugin)
+        assert dist.startswith(package), (architecture, package, dist)
 
 
 def test_throwaway_plugin_registers_a_model() -> None:

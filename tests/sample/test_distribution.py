@@ -8,8 +8,7 @@ import pytest
 import torch
 from sample_helpers import make_batch
 
-from mrv2.sample.params import SamplingParams
-from mrv2.sample.sampler import Sampler
+from mrv2.contract.params import SamplingParams
 
 LOGITS = torch.tensor([2.0, 1.5, 1.2, 0.7, 0.3, 0.0, -0.5, -1.5])
 DRAWS = 6000
@@ -40,9 +39,9 @@ def test_draws_match_exact_probabilities(
     temperature: float, top_k: int, top_p: float, min_p: float
 ) -> None:
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    batch, table = make_batch([params] * DRAWS, [([1], [])] * DRAWS, len(LOGITS),
+    batch, table, sampler = make_batch([params] * DRAWS, [([1], [])] * DRAWS, len(LOGITS),
                               seeds=[1234] * DRAWS, positions=list(range(DRAWS)))
-    tokens = Sampler()(LOGITS.repeat(DRAWS, 1), batch, table).tokens
+    tokens = sampler(LOGITS.repeat(DRAWS, 1), batch, table).tokens
     counts = torch.bincount(tokens, minlength=len(LOGITS)).double()
     expected = _exact(temperature, top_k, top_p, min_p) * DRAWS
     assert counts[expected == 0].sum() == 0, "a filtered-out token was sampled"
@@ -57,9 +56,9 @@ def test_draws_match_exact_probabilities(
 
 def test_chi_square_detects_a_wrong_temperature() -> None:
     params = SamplingParams(temperature=1.0)
-    batch, table = make_batch([params] * DRAWS, [([1], [])] * DRAWS, len(LOGITS),
+    batch, table, sampler = make_batch([params] * DRAWS, [([1], [])] * DRAWS, len(LOGITS),
                               seeds=[99] * DRAWS, positions=list(range(DRAWS)))
-    tokens = Sampler()(LOGITS.repeat(DRAWS, 1), batch, table).tokens
+    tokens = sampler(LOGITS.repeat(DRAWS, 1), batch, table).tokens
     counts = torch.bincount(tokens, minlength=len(LOGITS)).double()
     wrong = _exact(0.8, 0, 1.0, 0.0) * DRAWS
     assert float(((counts - wrong) ** 2 / wrong).sum()) > 30

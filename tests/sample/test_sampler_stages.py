@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from sample_helpers import make_batch
 
-from mrv2.runner.state_table import RowInfo
+from mrv2.contract.params import SamplingParams
 from mrv2.sample.masks import apply_masks
-from mrv2.sample.params import SamplingParams
-from mrv2.sample.sampler import Sampler, _special_rows
+from mrv2.sample.sampler import Sampler
 
 VOCAB = 40
 
@@ -31,7 +31,7 @@ def test_masks_match_direct_statement() -> None:
     ]
     histories = [([1, 2], [3]), ([1], []), ([11, 20], [13, 14, 9, 11]),
                  ([5, 6], [7, 8]), ([5, 6], [7, 8]), ([1], [2])]
-    batch, table = make_batch(params, histories, VOCAB, rows=[4, 0, 2, 1, 3, 5])
+    batch, table, sampler = make_batch(params, histories, VOCAB, rows=[4, 0, 2, 1, 3, 5])
     logits = torch.randn(len(params), VOCAB, generator=g)
     expected = logits.clone()
     expected[0, 3] += 5.0
@@ -44,17 +44,17 @@ def test_masks_match_direct_statement() -> None:
     expected[2, 5] = float("-inf")
     expected[2, 12] = float("-inf")
     expected[3, [0, 2]] = float("-inf")  # 2 outputs < min_tokens 3; row 4 has reached 2
-    special = _special_rows(batch, table)
+    special = sampler.plan(batch).rare
     assert [b for b, _ in special] == [0, 1, 2, 3, 4]
-    apply_masks(logits, batch.idx_mapping, table, special)
+    apply_masks(logits, batch.idx_mapping, table, sampler.state, special)
     torch.testing.assert_close(logits, expected)
 
 
 def test_bad_word_prefix_across_steps() -> None:
     p = _with(SamplingParams(), _bad_words_token_ids=[[13, 14, 15]])
-    batch, table = make_batch([p], [([1], [13, 14])], VOCAB)
+    batch, table, sampler = make_batch([p], [([1], [13, 14])], VOCAB)
     logits = torch.zeros(1, VOCAB)
-    apply_masks(logits, batch.idx_mapping, table, _special_rows(batch, table))
+    apply_masks(logits, batch.idx_mapping, table, sampler.state, sampler.plan(batch).rare)
     assert torch.isinf(logits[0, 15]) and torch.isfinite(logits).sum() == VOCAB - 1
 
 
@@ -64,12 +64,12 @@ def test_sampler_applies_penalties_then_samples_greedy() -> None:
                              presence_penalty=0.3),
               SamplingParams(temperature=0), SamplingParams(temperature=0, logit_bias={6: 50.0})]
     histories = [([1, 2, 3], [4, 4, 5]), ([1], [2]), ([0], [])]
-    batch, table = make_batch(params, histories, VOCAB, rows=[2, 0, 1])
+    batch, table, sampler = make_batch(params, histories, VOCAB, rows=[2, 0, 1])
     logits = torch.randn(3, VOCAB, generator=g) * 2
     logits[0, 4] = 10.0  # favourite, but penalized
     logits[0, 2] = 9.5
     logits[0, 7] = 6.0
-    out = Sampler()(logits.clone(), batch, table)
+    out = sampler(logits.clone(), batch, table)
     # Row 0: 4 -> 10/1.7 - 2*0.4 - 0.3 = 4.78; 2 -> 9.5/1.7 = 5.59; 7 -> 6.0 (unseen) wins.
     assert out.tokens.tolist() == [7, int(logits[1].argmax()), 6]
     assert out.logprobs is None
@@ -79,11 +79,11 @@ def test_sampler_logprobs_are_raw_log_softmax() -> None:
     g = torch.Generator().manual_seed(2)
     params = [SamplingParams(temperature=0.7, logprobs=3, presence_penalty=1.0),
               SamplingParams(temperature=1.0, logprobs=0), SamplingParams(temperature=0)]
-    batch, table = make_batch(params, [([1], [2]), ([3], []), ([4], [])], VOCAB,
+    batch, table, sampler = make_batch(params, [([1], [2]), ([3], []), ([4], [])], VOCAB,
                               seeds=[5, 6, 7])
     logits = torch.randn(3, VOCAB, generator=g)
     raw = logits.clone()
-    out = Sampler()(logits, batch, table)
+    out = sampler(logits, batch, table)
     assert torch.equal(logits, raw)  # the raw logits are left untouched
     assert out.logprob_ids is not None and out.logprobs is not None
     assert out.sampled_rank is not None
@@ -102,7 +102,7 @@ def test_prompt_logprobs_slices_bound_the_logits() -> None:
     head = torch.randn(8, VOCAB, generator=g)
     hidden = torch.randn(12, 8, generator=g)
     prompt_a, prompt_b = list(range(1, 10)), [4, 5, 6, 7]
-    _, table = make_batch([SamplingParams(prompt_logprobs=2), SamplingParams(prompt_logprobs=0)],
+    _, table, _ = make_batch([SamplingParams(prompt_logprobs=2), SamplingParams(prompt_logprobs=0)],
                           [(prompt_a, []), (prompt_b, [])], VOCAB)
     sizes: list[int] = []
 
@@ -130,28 +130,32 @@ def test_prompt_logprobs_slices_bound_the_logits() -> None:
 
 def test_staged_penalty_state_of_a_resumed_request() -> None:
     """A resumed request's prefill is prompt + outputs: they split into mask and counts."""
-    from mrv2.runner.staged_edits import StagedEdits
-    from mrv2.runner.state_table import RequestStateTable
+    from sample_helpers import apply_on_cpu
 
-    table = RequestStateTable(3, 16, 2, torch.device("cpu"))
-    table.ensure_penalty_state(VOCAB)
-    assert table.output_counts is not None and table.prompt_mask is not None
-    table.output_counts[1, 5] = 7  # stale state of the row's previous request
-    table.prompt_mask[1, 9] = True
+    from mrv2.contract.requests import NewRequest
+    from mrv2.contract.staged_edits import StagedEdits
+
+    sampler = Sampler(3, VOCAB, torch.device("cpu"))
+    first = SamplingParams(presence_penalty=1.0)
     staged = StagedEdits()
-    staged.add_prompt_mask(1, [3, 4, 3, 8, 8, 2], prompt_len=3)
+    sampler.add_request(NewRequest("old", [9, 5, 5], first, 0, []), 1, staged)
+    apply_on_cpu(staged)
+    state = sampler.state
+    assert state.output_counts is not None and state.prompt_mask is not None
+    state.output_counts[1, 5] = 7  # stale state of the row's previous request
+    sampler.remove_request(1)
     params = SamplingParams(repetition_penalty=1.2, min_tokens=2)
     params._num_prompt_tokens = 3  # filled in by the engine: the original prompt's length
-    staged.add_row(1, params, seed=0, num_computed=0, num_tokens=6)
-    arrays = staged.arrays()
-    StagedEdits.apply({k: torch.from_numpy(v) for k, v in arrays.items()}, table)
-    assert table.prompt_mask[1].nonzero().flatten().tolist() == [3, 4]
-    counts = table.output_counts[1]
+    staged = StagedEdits()
+    sampler.add_request(NewRequest("x", [3, 4, 3, 8, 8, 2], params, 0, []), 1, staged)
+    sampler.add_request(NewRequest("y", [6], SamplingParams(), 0, []), 0, staged)
+    apply_on_cpu(staged)
+    assert state.prompt_mask[1].nonzero().flatten().tolist() == [3, 4]
+    counts = state.output_counts[1]
     assert counts.nonzero().flatten().tolist() == [2, 8] and counts[8] == 2 and counts[2] == 1
-    assert int(table.prefill_len[1]) == 3 and int(table.num_tokens[1]) == 6
-    assert int(table.min_tokens[1]) == 2
-    table.allocate(RowInfo("x", 6, 6, True, False, False, False, SamplingParams(
-        presence_penalty=1.0)))
-    table.record_sampled(torch.tensor([1, 0], dtype=torch.int32), torch.tensor([8, 8]),
+    assert int(state.prompt_len[1]) == 3 and int(state.min_tokens[1]) == 2
+    assert float(state.repetition_penalty[1]) == pytest.approx(1.2)
+    assert state.num_penalty_rows == 1 and state.num_rare == 1
+    state.record_sampled(torch.tensor([1, 0], dtype=torch.int32), torch.tensor([[8], [8]]),
                          torch.tensor([1, 0], dtype=torch.int32))
-    assert int(table.output_counts[1, 8]) == 3 and int(table.output_counts[0, 8]) == 0
+    assert int(state.output_counts[1, 8]) == 3 and int(state.output_counts[0, 8]) == 0

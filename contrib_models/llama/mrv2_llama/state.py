@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from mrv2 import ModelState
-from mrv2.runner.input_batch import InputBatch
+from mrv2.contract.batch import InputBatch
 
 
 class LlamaModelState(ModelState):

@@ -89,7 +89,7 @@ def run_step(
         block_size=BLOCK_SIZE,
     )
     ids = torch.tensor(sum(new_tokens, []) + [0] * num_pad, dtype=torch.int32)
-    context = ForwardContext(metadata, caches, TorchAttentionBackend())
+    context = ForwardContext(metadata, caches, [TorchAttentionBackend()] * len(caches))
     with torch.inference_mode(), set_forward_context(context):
         logits = model.compute_logits(model(ids, torch.tensor(positions + [0] * num_pad)))
     return list(logits[: starts[-1]].split([len(t) for t in new_tokens]))

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from mrv2.attention.backend import AttentionBackend, AttentionMetadata
+from mrv2.contract.attention import AttentionMetadata, PagedAttentionBackend
 
 
-class TorchAttentionBackend(AttentionBackend):
+class TorchAttentionBackend(PagedAttentionBackend):
     """Reference backend: scatter writes for the cache, dense masked attention in fp32.
 
     ``forward`` pads the step's queries to ``[num_reqs, max_query_len]``, gathers each request's

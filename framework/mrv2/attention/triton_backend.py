@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from mrv2.attention.backend import AttentionBackend, AttentionMetadata
+from mrv2.contract.attention import AttentionMetadata, PagedAttentionBackend
 from mrv2_kernels.kv_cache import write_kv_triton
 from mrv2_kernels.paged_attention import paged_attention
 
 
-class TritonAttentionBackend(AttentionBackend):
+class TritonAttentionBackend(PagedAttentionBackend):
     """Paged attention (prefill + decode, GQA, any block size) written in Triton."""
 
     name = "triton"

@@ -12,8 +12,8 @@ import torch
 
 from mrv2.bench.measure import StepLog, instrument, release_engine_memory, report, resolve_model
 from mrv2.config import EngineConfig
+from mrv2.contract.params import SamplingParams
 from mrv2.engine.engine import LLMEngine
-from mrv2.sample.params import SamplingParams
 
 
 def measure(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int,

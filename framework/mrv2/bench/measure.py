@@ -60,9 +60,8 @@ def weight_bytes(runner: Runner) -> int:
 
 
 def kv_bytes_per_token(runner: Runner) -> int:
-    """KV-cache bytes of one token across all layers (keys and values)."""
-    item = torch.empty((), dtype=runner.dtype).element_size()
-    return sum(2 * s.num_kv_heads * s.head_dim * item for s in runner.kv_specs)
+    """KV-cache bytes of one token across all layers (whatever each layer's cache layout)."""
+    return runner.kv.bytes_per_block(1, runner.dtype)
 
 
 @dataclass

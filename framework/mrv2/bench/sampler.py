@@ -16,8 +16,8 @@ import torch
 
 from mrv2.bench.measure import copy_bandwidth, release_engine_memory, report, resolve_model
 from mrv2.config import EngineConfig
+from mrv2.contract.params import SamplingParams
 from mrv2.engine.engine import LLMEngine
-from mrv2.sample.params import SamplingParams
 
 MODES: dict[str, dict[str, Any]] = {
     "greedy": {"temperature": 0.0},
@@ -29,13 +29,27 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
+class _Timed:
+    """The runner's sampler with its call replaced (every other attribute passes through)."""
+
+    def __init__(self, inner: Any, call: Any) -> None:
+        self._inner = inner
+        self._call = call
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __call__(self, *args: Any) -> Any:
+        return self._call(*args)
+
+
 def time_mode(engine: LLMEngine, batch: int, params: SamplingParams, repeats: int) -> float:
     """Median seconds of one sampler call on the first uniform-decode batch of ``batch``."""
     runner = engine.runner
     original = runner.sampler
     timed: list[float] = []
 
-    def sampler(logits: torch.Tensor, step: Any, table: Any) -> Any:
+    def sampler(logits: torch.Tensor, step: Any, table: Any, plan: Any = None) -> Any:
         if step.uniform_decode and step.num_reqs == batch and not timed:
             shape = (step.num_reqs, runner.vocab_size)
             inputs = [torch.randn(shape, device=logits.device, dtype=logits.dtype)
@@ -45,17 +59,17 @@ def time_mode(engine: LLMEngine, batch: int, params: SamplingParams, repeats: in
                     start = torch.cuda.Event(enable_timing=True)
                     end = torch.cuda.Event(enable_timing=True)
                     start.record()
-                    original(inputs[i % 4], step, table)
+                    original(inputs[i % 4], step, table, plan)
                     end.record()
                     end.synchronize()
                     timed.append(start.elapsed_time(end) / 1e3)
                 else:
                     begin = time.perf_counter()
-                    original(inputs[i % 4], step, table)
+                    original(inputs[i % 4], step, table, plan)
                     timed.append(time.perf_counter() - begin)
-        return original(logits, step, table)
+        return original(logits, step, table, plan)
 
-    runner.sampler = sampler
+    runner.sampler = _Timed(original, sampler)
     rng = random.Random(0)
     for _ in range(batch):
         engine.add_request([rng.randint(0, 1000) for _ in range(32)], params)

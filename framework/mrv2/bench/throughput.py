@@ -24,8 +24,8 @@ from mrv2.bench.measure import (
     resolve_model,
 )
 from mrv2.config import EngineConfig
+from mrv2.contract.params import SamplingParams
 from mrv2.engine.engine import LLMEngine
-from mrv2.sample.params import SamplingParams
 
 
 def workload(

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mrv2.config import EngineConfig
+from mrv2.contract.params import SamplingParams, derive_seed
+from mrv2.contract.requests import MultiModalItem, NewRequest
 from mrv2.engine.block_manager import BlockManager
 from mrv2.engine.detokenizer import IncrementalDetokenizer
 from mrv2.engine.outputs import CompletionOutput, RequestOutput
@@ -30,7 +32,6 @@ from mrv2.engine.tokenizer import Tokenizer, load_generation_eos
 from mrv2.plugins import PluginManager
 from mrv2.runner.async_output import AsyncStepOutput
 from mrv2.runner.runner import Runner
-from mrv2.sample.params import SamplingParams, derive_seed
 
 
 @dataclass
@@ -59,8 +60,11 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks, self.runner.block_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.max_model_len = self.runner.max_model_len
+        self.scheduler = Scheduler(config.scheduler, self.block_manager,
+                                   self.runner.num_speculative_tokens, self.max_model_len)
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self._requests: dict[str, _Tracked] = {}
         self._in_flight: deque[AsyncStepOutput] = deque()
         self._seeds = random.Random(config.model.seed)
@@ -109,13 +113,19 @@ class LLMEngine:
         prompt: str | None = None,
         stream: bool = False,
         priority: int = 0,
+        mm_items: list[MultiModalItem] | None = None,
     ) -> str:
         """Validate and queue a request; returns its id. Nothing is queued if it is invalid.
+
+        ``mm_items``: multimodal inputs whose placeholder tokens lie in the prompt (a family's
+        processor makes them); the model's ``ModelState`` embeds them.
 
         ``stream=True``: ``step()`` returns an output for this request after every new token
         (with ``new_token_ids``/``new_text``); otherwise only its final output.
         """
         max_tokens = self.validate(prompt_token_ids, params)
+        mm_items = list(mm_items or [])
+        NewRequest("validate", prompt_token_ids, params, 0, [], mm_items=mm_items)
         req_id = request_id if request_id is not None else str(next(self._ids))
         if req_id in self._requests or req_id in self._fanout.parents:
             raise ValueError(f"request id {req_id!r} is already in use")
@@ -126,7 +136,8 @@ class LLMEngine:
             children = [(c, params.child(i, derive_seed(seed, i))) for i, c in
                         enumerate(self._fanout.add(req_id, params.n, stream))]
             for child, child_params in children:
-                self.add_request(prompt_token_ids, child_params, child, prompt, stream, priority)
+                self.add_request(prompt_token_ids, child_params, child, prompt, stream, priority,
+                                 mm_items)
             return req_id
         request = Request(
             req_id=req_id,
@@ -136,6 +147,7 @@ class LLMEngine:
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
             max_tokens=max_tokens,
             priority=priority,
+            mm_items=mm_items,
         )
         detok = None
         if self.tokenizer is not None:
@@ -193,19 +205,28 @@ class LLMEngine:
                 add_prompt_logprobs(tracked.logprobs, k, first, ids, values, ranks,
                                     self.tokenizer, tracked.request.num_prompt_tokens)
         outputs = []
-        for req_id, token in sampled.items():
+        for req_id, tokens in sampled.items():
             tracked = self._requests.get(req_id)
+            drafted = step.drafted.get(req_id)
+            if drafted is not None:
+                self.num_draft_tokens += drafted.num_drafts
+                self.num_accepted_tokens += len(tokens) - 1
             if tracked is None:
-                continue  # aborted or finished: its one extra token is discarded
+                continue  # aborted or finished: its extra tokens are discarded
             request = tracked.request
-            request.num_pending -= 1
+            if drafted is not None:
+                self.scheduler.correct(request, drafted.num_drafts, len(tokens) - 1)
+            request.num_pending -= len(tokens)
             if request.finished:
                 continue
-            request.output_token_ids.append(token)
-            k = request.sampling_params.logprobs
-            if k is not None and tracked.logprobs is not None and req_id in logprobs:
-                add_sample_logprobs(tracked.logprobs, k, logprobs[req_id], self.tokenizer)
-            self._check_stop(tracked, token)
+            for token in tokens:
+                request.output_token_ids.append(token)
+                k = request.sampling_params.logprobs
+                if k is not None and tracked.logprobs is not None and req_id in logprobs:
+                    add_sample_logprobs(tracked.logprobs, k, logprobs[req_id], self.tokenizer)
+                self._check_stop(tracked, token)
+                if request.finished:
+                    break  # tokens past a stop are discarded
             if request.finished and tracked.detokenizer is not None:
                 tracked.detokenizer.flush()  # release text held back for an incomplete char
             if request.finished:
@@ -272,7 +293,8 @@ class LLMEngine:
     # -- introspection -----------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """Counters: running/waiting requests, KV usage, prefix cache, preemptions."""
+        """Counters: running/waiting requests, KV usage, prefix cache, preemptions, and with
+        speculation the drafts verified and accepted."""
         blocks = self.block_manager
         return {
             "num_running": len(self.scheduler.running),
@@ -282,6 +304,10 @@ class LLMEngine:
             "prefix_cache_hits": blocks.num_hit_tokens,
             "prefix_cache_hit_rate": blocks.hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
+            "spec_num_draft_tokens": self.num_draft_tokens,
+            "spec_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_acceptance_rate": (self.num_accepted_tokens / self.num_draft_tokens
+                                     if self.num_draft_tokens else 0.0),
         }
 
 

@@ -8,10 +8,10 @@ from typing import Any
 from tqdm import tqdm
 
 from mrv2.config import EngineConfig
+from mrv2.contract.params import SamplingParams
 from mrv2.engine.engine import LLMEngine
 from mrv2.engine.outputs import RequestOutput
 from mrv2.plugins import PluginManager
-from mrv2.sample.params import SamplingParams
 
 Prompt = str | dict[str, Any]
 """A string, or ``{"prompt_token_ids": [...]}``."""

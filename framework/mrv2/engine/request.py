@@ -7,8 +7,9 @@ import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+from mrv2.contract.params import SamplingParams
+from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.block_manager import BlockHash, hash_block
-from mrv2.sample.params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -51,6 +52,8 @@ class Request:
     """Chain hashes of the request's full blocks whose tokens are all known on the CPU."""
     num_cached_blocks: int = 0
     """Leading blocks of ``block_ids`` already registered in (or found in) the prefix cache."""
+    mm_items: list[MultiModalItem] = field(default_factory=list)
+    """Multimodal inputs (their placeholders lie in the prompt)."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -77,10 +80,13 @@ class Request:
         """True once stopped, aborted or out of room."""
         return self.status is RequestStatus.FINISHED
 
-    def block_extra_keys(self, block_index: int) -> tuple[Hashable, ...] | None:
-        """Extra hash keys of a block (multimodal input hashes, LoRA, salt): none for text."""
-        del block_index
-        return None
+    def block_extra_keys(self, block_index: int, block_size: int) -> tuple[Hashable, ...] | None:
+        """Extra hash keys of a block: the content hashes of the multimodal items whose
+        placeholders overlap it (with where the overlap starts in the item); none for text."""
+        start, end = block_index * block_size, (block_index + 1) * block_size
+        keys = tuple((item.content_hash, max(start - item.offset, 0)) for item in self.mm_items
+                     if item.offset < end and item.offset + item.length > start)
+        return keys or None
 
     def update_block_hashes(self, block_size: int) -> list[BlockHash]:
         """Extend ``block_hashes`` over every full block of known tokens; returns them."""
@@ -91,7 +97,8 @@ class Request:
             parent = self.block_hashes[-1] if self.block_hashes else None
             for i in range(start, known // block_size):
                 parent = hash_block(
-                    parent, tokens[i * block_size : (i + 1) * block_size], self.block_extra_keys(i)
+                    parent, tokens[i * block_size : (i + 1) * block_size],
+                    self.block_extra_keys(i, block_size),
                 )
                 self.block_hashes.append(parent)
         return self.block_hashes

@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from mrv2.contract.params import SamplingParams
 from mrv2.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from mrv2.engine.tokenizer import Tokenizer
-from mrv2.sample.params import SamplingParams
 
 #: Separator of a parent request id and the sample index in its sub-request ids.
 CHILD_SEP = "#n"

@@ -3,7 +3,10 @@
 
 The scheduler needs only counts: a request that sampled a token on the device in a step whose
 result has not reached the CPU yet counts that token as pending, so the next step is planned
-without waiting for it.
+without waiting for it. With speculation a decode request is scheduled ``1 + k`` tokens (its last
+token and ``k`` drafts proposed on the device); until the result arrives every draft counts as
+kept (computed, and pending as output), an upper bound that keeps block allocation safe, and
+:meth:`Scheduler.correct` takes back the rejected ones.
 
 Prefix caching: at admission a request takes the longest run of cached full blocks matching its
 tokens (never all of them: its last token is always computed, so it samples) and starts with
@@ -21,9 +24,10 @@ import itertools
 from collections import deque
 
 from mrv2.config import SchedulerConfig
+from mrv2.contract.requests import NewRequest, SchedulerOutput
 from mrv2.engine.block_manager import BlockManager
 from mrv2.engine.request import Request, RequestStatus
-from mrv2.runner.scheduler_output import NewRequest, SchedulerOutput
+from mrv2.sample.state import supports_speculation
 
 
 class Scheduler:
@@ -37,9 +41,14 @@ class Scheduler:
     blocks are freed (full ones stay cached) and it waits to be recomputed from its tokens.
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager,
+        num_speculative_tokens: int = 0, max_model_len: int | None = None,
+    ) -> None:
         self.config = config
         self.blocks = block_manager
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._in_runner: set[str] = set()
@@ -143,11 +152,30 @@ class Scheduler:
         n = out.num_scheduled_tokens.pop(request.req_id, 0)
         if n:
             out.new_block_ids.pop(request.req_id, None)
+            drafts = out.num_draft_tokens.pop(request.req_id, 0)
             request.num_computed_tokens -= n
             if request.req_id in self._sampled_now:
                 self._sampled_now.discard(request.req_id)
-                request.num_pending -= 1
+                request.num_pending -= 1 + drafts
         return n
+
+    def _num_drafts(self, request: Request, budget: int) -> int:
+        """Drafts to verify for a decode request: ``k``, fewer near ``max_tokens`` or
+        ``max_model_len`` or the end of the budget; none where the sampler can't verify."""
+        k = self.num_speculative_tokens
+        if not k or not supports_speculation(request.sampling_params):
+            return 0
+        k = min(k, request.max_tokens - request.num_output_tokens - 1, budget - 1)
+        if self.max_model_len is not None:
+            k = min(k, self.max_model_len - request.num_tokens - 1)
+        return max(k, 0)
+
+    def correct(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """A step's result: ``num_accepted`` of the request's ``num_drafts`` drafts were kept.
+        The counts had assumed all of them (and as many tokens pending)."""
+        request.num_pending -= num_drafts - num_accepted
+        if request.status is RequestStatus.RUNNING:
+            request.num_computed_tokens -= num_drafts - num_accepted
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -178,6 +206,8 @@ class Scheduler:
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if n <= 0:
                 continue
+            drafts = self._num_drafts(request, budget) if n == 1 else 0
+            n += drafts
             needed = self.blocks.blocks_needed(
                 request.num_computed_tokens + n, len(request.block_ids)
             )
@@ -194,7 +224,7 @@ class Scheduler:
                 new_blocks = self.blocks.allocate(needed)
                 request.block_ids.extend(new_blocks)
                 out.new_block_ids[request.req_id] = new_blocks
-            self._schedule(request, n, out)
+            self._schedule(request, n, out, drafts)
             budget -= n
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -244,13 +274,16 @@ class Scheduler:
             seed=request.seed,
             block_ids=list(request.block_ids),
             num_computed_tokens=computed,
+            mm_items=request.mm_items,
         ))
         self._schedule(request, n, out)
         return True
 
-    def _schedule(self, request: Request, n: int, out: SchedulerOutput) -> None:
+    def _schedule(self, request: Request, n: int, out: SchedulerOutput, drafts: int = 0) -> None:
         out.num_scheduled_tokens[request.req_id] = n
+        if drafts:
+            out.num_draft_tokens[request.req_id] = drafts
         request.num_computed_tokens += n
-        if request.num_computed_tokens == request.num_tokens:
-            request.num_pending += 1
+        if request.num_computed_tokens == request.num_tokens + drafts:
+            request.num_pending += 1 + drafts  # every draft counted as kept until the result
             self._sampled_now.add(request.req_id)

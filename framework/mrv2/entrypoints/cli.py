@@ -12,8 +12,8 @@ from mrv2.config import add_cli_args, config_from_cli, format_validation_error
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from mrv2.contract.params import SamplingParams
     from mrv2.engine.llm import LLM
-    from mrv2.sample.params import SamplingParams
 
     config = config_from_cli(args, args.model)
     params = SamplingParams(

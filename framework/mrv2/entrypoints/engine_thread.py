@@ -17,9 +17,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from mrv2.contract.params import SamplingParams
 from mrv2.engine.engine import LLMEngine
 from mrv2.engine.outputs import RequestOutput
-from mrv2.sample.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from mrv2.contract.params import SamplingParams
 from mrv2.engine.outputs import PositionLogprobs
-from mrv2.sample.params import SamplingParams
 
 
 class _Request(BaseModel):

@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from mrv2.contract.params import SamplingParams
 from mrv2.engine.engine import LLMEngine
 from mrv2.engine.outputs import RequestOutput
 from mrv2.entrypoints.engine_thread import EngineThread, Histogram, QueueFullError
@@ -30,7 +31,6 @@ from mrv2.entrypoints.openai_protocol import (
     validation_error_body,
     value_error_param,
 )
-from mrv2.sample.params import SamplingParams
 
 _DISCONNECT_POLL_S = 0.5
 
@@ -362,6 +362,12 @@ def _prometheus(worker: EngineThread, model: str) -> str:
            [("", stats.get("prefix_cache_hits", 0))])
     metric("mrv2_num_preemptions_total", "counter", "Preempted requests.",
            [("", stats.get("num_preemptions", 0))])
+    metric("mrv2_spec_decode_num_draft_tokens_total", "counter",
+           "Draft tokens verified (speculative decoding).",
+           [("", stats.get("spec_num_draft_tokens", 0))])
+    metric("mrv2_spec_decode_num_accepted_tokens_total", "counter",
+           "Draft tokens accepted (speculative decoding).",
+           [("", stats.get("spec_num_accepted_tokens", 0))])
     metric("mrv2_prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
            [("", m.prompt_tokens)])
     metric("mrv2_generation_tokens_total", "counter", "Generated tokens of finished requests.",

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from mrv2.attention.context import get_forward_context
+from mrv2.contract.forward_context import get_forward_context
+from mrv2.contract.kv_cache import KVCacheLayer, PagedKVSpec
 from mrv2.layers.rotary import RotaryEmbedding
 from mrv2_kernels.rotary import QKNorm
 
 
-class Attention(nn.Module):
+class Attention(KVCacheLayer):
     """Causal paged attention over layer ``layer_idx``'s KV cache (no parameters).
 
-    The metadata, the per-layer KV caches and the backend come from the forward context the
-    runner sets around each forward (:func:`mrv2.attention.set_forward_context`).
+    Declares a :class:`PagedKVSpec` cache; the metadata, this layer's cache tensor and its
+    backend come from the forward context the runner sets around each forward
+    (:func:`mrv2.attention.set_forward_context`).
     """
 
     def __init__(
@@ -30,6 +31,10 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.layer_idx = layer_idx
+
+    def kv_cache_spec(self) -> PagedKVSpec:
+        """Keys and values of ``num_kv_heads`` heads of ``head_dim`` per token."""
+        return PagedKVSpec(self.num_kv_heads, self.head_dim)
 
     def forward(
         self,
@@ -48,21 +53,22 @@ class Attention(nn.Module):
         (``kv_write_in_rope``) the KV-cache write happens in the same kernel.
         """
         ctx = get_forward_context()
-        kv_cache = ctx.kv_caches[self.layer_idx]
+        kv_cache = ctx.kv_cache(self.layer_idx)
+        backend = ctx.backend(self.layer_idx)
         num_tokens = q.shape[0]
         kv_write = None
         if rotary is not None:
             if positions is None:
                 raise ValueError("Attention.forward: rotary needs positions")
-            if ctx.backend.kv_write_in_rope:
+            if backend.kv_write_in_rope:
                 kv_write = (v, kv_cache, ctx.metadata.slot_mapping)
             q, k = rotary(positions, q, k, qk_norm, kv_write=kv_write)
         if kv_write is None:  # not written inside the RoPE kernel
             key = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
             value = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-            ctx.backend.write_kv(key, value, kv_cache, ctx.metadata.slot_mapping)
+            backend.write_kv(key, value, kv_cache, ctx.metadata.slot_mapping)
         query = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        out = ctx.backend.forward(query, kv_cache, ctx.metadata, self.scale)
+        out = backend.forward(query, kv_cache, ctx.metadata, self.scale)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:

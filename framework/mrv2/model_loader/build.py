@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from mrv2.config import EngineConfig
-from mrv2.plugins import ModelEntry, Registries, import_object
+from mrv2.registry import ModelEntry, Registries, import_object
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -19,7 +19,9 @@ class CausalLM(Protocol):
     """The contract every registered model class meets (see CONTRIBUTING.md, "Add a model")."""
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``[T]`` token ids and positions -> ``[T, hidden]`` hidden states."""
+        """``[T]`` token ids and positions -> ``[T, hidden]`` hidden states (plus whatever
+        else the model's ``ModelState.prepare_inputs`` passes: ``inputs_embeds [T, hidden]``
+        when multimodal embeddings are spliced in, then ``embed_input_ids`` is needed too)."""
         ...
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

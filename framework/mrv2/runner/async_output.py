@@ -2,50 +2,74 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
+
+from mrv2.contract.state_table import RowInfo
 
 
 class PinnedRing:
     """A few pinned host buffers reused in turn for device-to-host copies of sampled tokens."""
 
-    def __init__(self, size: int, device: torch.device, count: int = 4) -> None:
+    def __init__(self, numel: int, device: torch.device, count: int = 4) -> None:
         pinned = device.type == "cuda"
-        self._buffers = [
-            torch.empty(size, dtype=torch.int64, pin_memory=pinned) for _ in range(count)
-        ]
+        self._tokens = [torch.empty(numel, dtype=torch.int64, pin_memory=pinned)
+                        for _ in range(count)]
+        self._counts = [torch.empty(numel, dtype=torch.int32, pin_memory=pinned)
+                        for _ in range(count)]
         self._events: list[torch.cuda.Event | None] = [None] * count
         self._next = 0
 
-    def take(self) -> tuple[torch.Tensor, int]:
-        """The next buffer (after its previous copy has landed) and its slot."""
+    def take(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The next (tokens, counts) buffers (after their previous copy landed) and the slot."""
         slot = self._next
-        self._next = (slot + 1) % len(self._buffers)
+        self._next = (slot + 1) % len(self._tokens)
         event = self._events[slot]
         if event is not None:
             event.synchronize()
-        return self._buffers[slot], slot
+        return self._tokens[slot], self._counts[slot], slot
 
     def set_event(self, slot: int, event: torch.cuda.Event) -> None:
-        """Remember the event after which ``slot``'s buffer holds its copy."""
+        """Remember the event after which ``slot``'s buffers hold their copy."""
         self._events[slot] = event
 
 
+@dataclass
+class Drafted:
+    """A request of the step that verified drafts: its CPU counts, corrected on arrival."""
+
+    info: RowInfo
+    num_drafts: int
+
+
 class AsyncStepOutput:
-    """The sampled tokens of one step; ``result()`` waits for them, nothing else does."""
+    """The tokens of one step; ``result()`` waits for them, nothing else does.
+
+    ``tokens`` is ``[num_reqs, S]`` on the host once the event fires; ``num_sampled`` (host,
+    steps with drafts only) says how many of a row's ``S`` are real, else ``do_sample`` does.
+    """
 
     def __init__(
         self,
         req_ids: list[str],
         do_sample: np.ndarray,
-        host: torch.Tensor,
+        tokens: torch.Tensor,
+        num_sampled: torch.Tensor | None,
         event: torch.cuda.Event | None,
+        cu_num_logits: np.ndarray,
+        drafted: dict[str, Drafted] | None = None,
     ) -> None:
         self.req_ids = req_ids
         self.do_sample = do_sample
-        self._host = host
+        self._tokens = tokens
+        self._num_sampled = num_sampled
         self._event = event
-        self._result: dict[str, int] | None = None
+        self._cu_num_logits = cu_num_logits
+        self.drafted = drafted or {}
+        """Requests that verified drafts this step, with how many."""
+        self._result: dict[str, list[int]] | None = None
         self._logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._prompt: list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
@@ -63,18 +87,20 @@ class AsyncStepOutput:
     def logprobs(self) -> dict[str, tuple[list[int], list[float], int]]:
         """``{req_id: (ids, logprobs, sampled rank)}`` (ids[0] is the sampled token).
 
-        Holds every request of the step (the engine keeps ``k`` of each); empty when no
+        Holds every request of the step that sampled (the engine keeps ``k`` of each; requests
+        asking for logprobs never verify drafts, so each has one logits row); empty when no
         request of the step asked for logprobs. Call after :meth:`result`.
         """
         if self._logprobs is None:
             return {}
         self.result()
         ids, values, ranks = (t.tolist() for t in self._logprobs)
-        return {
-            req_id: (ids[i], values[i], int(ranks[i]))
-            for i, (req_id, sampled) in enumerate(zip(self.req_ids, self.do_sample, strict=True))
-            if sampled
-        }
+        out = {}
+        for i, (req_id, sampled) in enumerate(zip(self.req_ids, self.do_sample, strict=True)):
+            if sampled:
+                r = int(self._cu_num_logits[i])
+                out[req_id] = (ids[r], values[r], int(ranks[r]))
+        return out
 
     def prompt_logprobs(self) -> list[tuple[str, int, list[list[int]], list[list[float]],
                                             list[int]]]:
@@ -87,15 +113,22 @@ class AsyncStepOutput:
         """True when ``result()`` would not wait."""
         return self._event is None or self._event.query()
 
-    def result(self) -> dict[str, int]:
-        """``{req_id: token}`` for every request that sampled this step."""
+    def result(self) -> dict[str, list[int]]:
+        """``{req_id: tokens}`` for every request that produced tokens this step (one token, or
+        the accepted drafts and the bonus token while verifying drafts)."""
         if self._result is None:
             if self._event is not None:
                 self._event.synchronize()
-            tokens = self._host[: len(self.req_ids)].numpy()
+            tokens = self._tokens.numpy()
+            if self._num_sampled is not None:
+                counts = self._num_sampled.numpy()
+            else:
+                counts = self.do_sample.astype(np.int32)
             self._result = {
-                req_id: int(token)
-                for req_id, token, sampled in zip(self.req_ids, tokens, self.do_sample, strict=True)
-                if sampled
+                req_id: tokens[i, : counts[i]].tolist()
+                for i, req_id in enumerate(self.req_ids) if counts[i] > 0
             }
+            for req_id, d in self.drafted.items():  # the CPU counts assumed every draft kept
+                accepted = len(self._result.get(req_id, ())) - 1
+                d.info.take_back(d.num_drafts - max(accepted, 0))
         return self._result

@@ -1,57 +1,77 @@
-"""KV cache sizing and allocation, from the attention layers the model declares."""
+"""KV cache groups, sizing and allocation, from the specs the model's ModelState declares.
+
+Layers of equal :class:`~mrv2.contract.kv_cache.KVCacheSpec` form a group with one attention
+backend (registered for the spec's kind). Every group shares the block ids of one block table, so
+one block costs the sum of every layer's bytes per block, and the block count is sized once for
+all groups.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch import nn
 
 from mrv2.config import CacheConfig
+from mrv2.contract.kv_cache import KVCacheGroup, KVCacheSpec, group_specs
+from mrv2.registry import Registries, import_object
 
 _GIB = 1 << 30
 
 
-@dataclass(frozen=True)
-class KVLayerSpec:
-    """Shape of one attention layer's cache."""
+class KVCaches:
+    """The groups of a model's cache layers, their backends and (once sized) their tensors."""
 
-    layer_idx: int
-    num_kv_heads: int
-    head_dim: int
+    def __init__(
+        self, specs: dict[int, KVCacheSpec], registries: Registries, device: torch.device,
+        backend_name: str | None,
+    ) -> None:
+        if not specs:
+            raise ValueError("the model declares no KV cache layer (no KVCacheLayer modules)")
+        self.specs = specs
+        self.groups: list[KVCacheGroup] = []
+        self.backends: list[Any] = [None] * len(specs)
+        by_name: dict[str, Any] = {}
+        for spec, layers in group_specs(specs):
+            entry = registries.attention_backend_for(device.type, spec.kind, backend_name)
+            if entry.name not in by_name:
+                by_name[entry.name] = import_object(entry.target)()
+            self.groups.append(KVCacheGroup(spec, layers, entry.name))
+            for layer_idx in layers:
+                self.backends[layer_idx] = by_name[entry.name]
+        if backend_name is not None and backend_name not in by_name:
+            kinds = ", ".join(sorted({g.spec.kind for g in self.groups}))
+            raise ValueError(
+                f"attention backend {backend_name!r} serves none of this model's KV cache "
+                f"kinds ({kinds})"
+            )
+        self.tensors: list[torch.Tensor] = []
 
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        """Device bytes of one block across every layer of every group."""
+        return sum(spec.bytes_per_block(block_size, dtype) for spec in self.specs.values())
 
-def kv_layer_specs(model: nn.Module) -> list[KVLayerSpec]:
-    """One spec per attention layer of ``model``, in layer order."""
-    from mrv2.layers.attention import Attention
+    def allocate(
+        self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        """One tensor per layer, in the layout of its spec."""
+        self.tensors = [self.specs[i].allocate(num_blocks, block_size, dtype, device)
+                        for i in range(len(self.specs))]
 
-    specs = [
-        KVLayerSpec(m.layer_idx, m.num_kv_heads, m.head_dim)
-        for m in model.modules()
-        if isinstance(m, Attention)
-    ]
-    specs.sort(key=lambda spec: spec.layer_idx)
-    if [spec.layer_idx for spec in specs] != list(range(len(specs))):
-        raise ValueError("attention layers must have layer_idx 0..N-1, each once")
-    return specs
-
-
-def bytes_per_block(specs: list[KVLayerSpec], block_size: int, dtype: torch.dtype) -> int:
-    """Device bytes of one KV block across all layers (keys and values)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return sum(2 * block_size * s.num_kv_heads * s.head_dim * itemsize for s in specs)
+    def release(self) -> None:
+        """Drop the tensors (after the profiling forward)."""
+        self.tensors = []
 
 
 def num_blocks_for(
-    cache: CacheConfig, specs: list[KVLayerSpec], dtype: torch.dtype, device: torch.device,
-    peak_bytes: int = 0,
+    cache: CacheConfig, per_block: int, device: torch.device, peak_bytes: int = 0
 ) -> int:
-    """How many blocks fit: the override, else the CPU budget, else device memory left.
+    """How many blocks of ``per_block`` bytes fit: the override, else the CPU budget, else
+    device memory left.
 
     On CUDA: ``gpu_memory_utilization`` of total memory, less what is in use now (weights,
     other processes) and less the profiling forward's activation peak ``peak_bytes``.
     """
-    per_block = bytes_per_block(specs, cache.block_size, dtype)
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
     parts = ""
@@ -70,15 +90,3 @@ def num_blocks_for(
             f"{per_block} bytes): raise gpu_memory_utilization or lower max_num_batched_tokens"
         )
     return int(blocks)
-
-
-def allocate_kv_caches(
-    specs: list[KVLayerSpec], num_blocks: int, block_size: int, dtype: torch.dtype,
-    device: torch.device,
-) -> list[torch.Tensor]:
-    """One ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer."""
-    return [
-        torch.zeros(2, num_blocks, block_size, s.num_kv_heads, s.head_dim, dtype=dtype,
-                    device=device)
-        for s in specs
-    ]

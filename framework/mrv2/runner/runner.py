@@ -1,39 +1,43 @@
 """The Runner: the step path every model shares.
 
 Be paranoid about changing this file and more paranoid about adding lines: anything that only
-some models need belongs in a ``ModelState`` subclass or a plugin hook, never here.
+some models need belongs in a ``ModelState`` subclass, a sampler or speculator plugin, or a
+KV cache spec and its backend, never here.
 
 One step (``execute``): drop finished rows, add new ones (staged writes), send the step's small
 integer arrays in one packed copy, build inputs on the device with the prep kernels, ask the
-ModelState for model inputs and attention metadata, run the forward, sample, write the sampled
-tokens back into the state table on the device, and start the copy of the tokens to the host.
+ModelState for model inputs and attention metadata, run the forward, sample (verifying drafts
+when the step carries them), write the step's tokens back into the state table on the device,
+let the speculator propose the next drafts, and start the copy of the tokens to the host.
 It returns without waiting: ``AsyncStepOutput.result()`` is the only wait.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, cast
 
-import numpy as np
 import torch
 
-from mrv2.attention.context import ForwardContext, set_forward_context
 from mrv2.config import EngineConfig
+from mrv2.contract.batch import InputBatch, InputBuffers
+from mrv2.contract.forward_context import ForwardContext, set_forward_context
+from mrv2.contract.model_state import ModelState
+from mrv2.contract.requests import NewRequest, SchedulerOutput
+from mrv2.contract.speculator import SpeculatorInputs, StepSamples
+from mrv2.contract.staged_edits import StagedEdits
+from mrv2.contract.staging import Uploader
+from mrv2.contract.state_table import RequestStateTable, RowInfo
 from mrv2.model_loader.build import CausalLM, build_model, load_hf_config, resolve_dtype
-from mrv2.plugins import PluginManager, get_plugin_manager, import_object
+from mrv2.plugins import PluginManager, get_plugin_manager
+from mrv2.registry import import_object
 from mrv2.runner.async_output import AsyncStepOutput, PinnedRing
-from mrv2.runner.cuda_graphs import DecodeGraphs, capture_sizes
-from mrv2.runner.input_batch import InputBatch, InputBuffers
-from mrv2.runner.kv_cache import allocate_kv_caches, kv_layer_specs, num_blocks_for
-from mrv2.runner.model_state import ModelState
-from mrv2.runner.scheduler_output import NewRequest, SchedulerOutput
-from mrv2.runner.staged_edits import StagedEdits
-from mrv2.runner.staging import Uploader
-from mrv2.runner.state_table import RequestStateTable, RowInfo
-from mrv2.sample.prompt_logprobs import PromptChunk, PromptLogprobs, compute_prompt_logprobs
+from mrv2.runner.batch_builder import BatchBuilder, StepPlan
+from mrv2.runner.cuda_graphs import DecodeGraphs, Outputs, capture_sizes
+from mrv2.runner.kv_cache import KVCaches, num_blocks_for
+from mrv2.sample.prompt_logprobs import PromptLogprobs
+from mrv2.sample.rejection import step_samples
 from mrv2.sample.sampler import SamplerOutput
-from mrv2_kernels.input_prep import post_update, prepare_inputs
+from mrv2_kernels.input_prep import post_update
 
 
 def resolve_device(name: str) -> torch.device:
@@ -84,44 +88,40 @@ class Runner:
         self.model_state: ModelState = state_cls(
             self.model, self.hf_config, config, self.buffers, self.block_size, self.device
         )
-        backend_entry = registries.attention_backend_for(
-            self.device.type, config.device.attention_backend
-        )
-        self.attn_backend = import_object(backend_entry.target)()
         hook = self.plugins.hook
         self.sampler = hook.mrv2_make_sampler(
             config=config, registries=registries, vocab_size=self.vocab_size, device=self.device
         )
-        speculator = hook.mrv2_make_speculator(
-            config=config, registries=registries, model=self.model, device=self.device
+        self.speculator = hook.mrv2_make_speculator(
+            config=config, registries=registries, model_state=self.model_state,
+            device=self.device,
         )
-        if speculator is not None:
-            raise NotImplementedError("speculative decoding is not supported by this runner yet")
-        # Per-step hooks, resolved once.
-        self._hook_add = hook.mrv2_add_request
-        self._hook_remove = hook.mrv2_remove_request
-        self._hook_mm = hook.mrv2_get_mm_embeddings
-        self._hook_inputs = hook.mrv2_prepare_inputs
-        self._hook_attn = hook.mrv2_prepare_attn
-
-        self._num_tokens_cpu = np.zeros(self.max_num_reqs, dtype=np.int64)
-        self.kv_specs = kv_layer_specs(self.model)
+        self.num_speculative_tokens = (
+            self.speculator.num_speculative_tokens if self.speculator is not None else 0
+        )
+        self.kv = KVCaches(self.model_state.kv_cache_specs(), registries, self.device,
+                           config.device.attention_backend)
+        self.builder = BatchBuilder(self.table, self.buffers, self.block_size,
+                                    self.max_num_tokens, self.num_speculative_tokens)
         peak = self._profile_peak_bytes()
         self.num_kv_blocks = num_blocks_for(
-            config.cache, self.kv_specs, self.dtype, self.device, peak
+            config.cache, self.kv.bytes_per_block(self.block_size, self.dtype), self.device, peak
         )
-        self.kv_caches = allocate_kv_caches(
-            self.kv_specs, self.num_kv_blocks, self.block_size, self.dtype, self.device
-        )
+        self.kv.allocate(self.num_kv_blocks, self.block_size, self.dtype, self.device)
         self._uploader = Uploader(self.device)
-        self._out_ring = PinnedRing(self.max_num_reqs, self.device)
+        self._out_ring = PinnedRing(self.max_num_reqs * (1 + self.num_speculative_tokens),
+                                    self.device)
+        self._no_drafts = torch.zeros(self.max_num_reqs, dtype=torch.int32, device=self.device)
         self._copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.device.enforce_eager:
-            self.graphs = DecodeGraphs(capture_sizes(self.max_num_reqs))
+            query_lens = sorted({1, 1 + self.num_speculative_tokens})
+            self.graphs = DecodeGraphs(capture_sizes(self.max_num_reqs), query_lens,
+                                       self.max_num_tokens)
             with torch.inference_mode():
-                self.graphs.capture_all(self._graph_dummy_batch, self._forward_logits,
-                                        self._capture)
+                self.graphs.capture_all(self._graph_dummy_batch, self._forward_all_logits,
+                                        self.model_state.capture_cuda_graph)
+        self.builder.graphs = self.graphs
 
     @classmethod
     def from_config(cls, config: EngineConfig, plugins: PluginManager | None = None) -> Runner:
@@ -143,238 +143,126 @@ class Runner:
             )
         if len(request.block_ids) > self.max_blocks_per_req:
             raise ValueError(f"request {request.req_id!r} holds too many blocks")
-        params = request.sampling_params
-        row = self.table.allocate(RowInfo(
-            req_id=request.req_id, prefill_len=n, num_computed=request.num_computed_tokens,
-            greedy=params.greedy, top_k=params.top_k > 0, top_p=params.top_p < 1.0,
-            min_p=params.min_p > 0.0, params=params,
-        ))
-        if params.uses_penalties:
-            self.table.ensure_penalty_state(self.vocab_size)
-            staged.add_prompt_mask(row, request.token_ids, params.prompt_len(n))
-        self._num_tokens_cpu[row] = n
-        staged.add_tokens(row, request.token_ids)
-        staged.add_blocks(row, 0, request.block_ids)
-        self.table.num_blocks[row] = len(request.block_ids)
-        staged.add_row(row, params, request.seed, request.num_computed_tokens, n)
-        self._hook_add(model_state=self.model_state, request=request, row=row)
+        computed = request.num_computed_tokens
+        row = self.table.allocate(RowInfo(request.req_id, n, computed, n))
+        self.builder.stage_new_row(row, request.token_ids, request.block_ids, computed, staged)
+        self.sampler.add_request(request, row, staged)
+        self.model_state.add_request(request, row)
 
     def remove_requests(self, req_ids: list[str]) -> None:
         """Free the rows of finished, aborted or preempted requests (``execute`` does it too)."""
         for req_id in req_ids:
             row = self.table.release(req_id)
-            self._hook_remove(model_state=self.model_state, req_id=req_id, row=row)
+            self.sampler.remove_request(row)
+            self.model_state.remove_request(req_id, row)
 
     # -- the step ----------------------------------------------------------------------------
 
     def execute(self, scheduled: SchedulerOutput) -> AsyncStepOutput:
-        """Run one step; returns at once with a handle on its sampled tokens."""
+        """Run one step; returns at once with a handle on its tokens."""
+        if scheduled.num_draft_tokens and self.speculator is None:
+            raise ValueError("the step schedules draft tokens but no speculator is configured")
+        self.builder.check(scheduled)  # everything, before any count or row changes
         self.remove_requests(scheduled.finished_req_ids)
         staged = StagedEdits()
         for request in scheduled.new_requests:
             self._add_request(request, staged)
         for req_id, block_ids in scheduled.new_block_ids.items():
-            row = self.table.row_of(req_id)
-            start = int(self.table.num_blocks[row])
-            if start + len(block_ids) > self.max_blocks_per_req:
-                raise ValueError(f"request {req_id!r} would hold more blocks than max_model_len")
-            staged.add_blocks(row, start, block_ids)
-            self.table.num_blocks[row] = start + len(block_ids)
-        batch, replay = self._build_batch(scheduled, staged)
+            self.builder.stage_new_blocks(self.table.row_of(req_id), block_ids, staged)
+        step = self.builder.build(scheduled, staged, self.sampler.plan, self._uploader)
         with torch.inference_mode():
-            sampled, prompt_lps = self._forward_and_sample(batch, replay)
-        return self._start_output_copy(batch, sampled, prompt_lps)
-
-    def _build_batch(
-        self, scheduled: SchedulerOutput, staged: StagedEdits
-    ) -> tuple[InputBatch, bool]:
-        """The step's inputs on the device, and whether a captured graph runs it."""
-        req_ids = list(scheduled.num_scheduled_tokens)
-        num_reqs = len(req_ids)
-        if not 0 < num_reqs <= self.max_num_reqs:
-            raise ValueError(f"a step needs 1..{self.max_num_reqs} requests, got {num_reqs}")
-        rows = np.empty(num_reqs, dtype=np.int32)
-        lens = np.empty(num_reqs, dtype=np.int32)
-        do_sample = np.empty(num_reqs, dtype=bool)
-        max_seq_len = 0
-        all_greedy, any_min_p, any_top = True, False, False
-        for i, req_id in enumerate(req_ids):  # check everything before changing anything
-            row = self.table.row_of(req_id)
-            n = scheduled.num_scheduled_tokens[req_id]
-            waiting = int(self._num_tokens_cpu[row]) - self.table.info[row].num_computed
-            if not 0 < n <= waiting:
-                raise ValueError(f"request {req_id!r}: scheduled {n} tokens but only "
-                                 f"{waiting} are waiting to be computed")
-            rows[i], lens[i] = row, n
-        num_tokens = int(lens.sum())
-        if num_tokens > self.max_num_tokens:
-            raise ValueError(f"{num_tokens} tokens scheduled; at most {self.max_num_tokens}")
-        for i, row in enumerate(rows.tolist()):
-            info = self.table.info[row]
-            known = int(self._num_tokens_cpu[row])
-            info.num_computed += int(lens[i])
-            do_sample[i] = info.num_computed == known
-            if do_sample[i]:
-                self._num_tokens_cpu[row] = known + 1
-            max_seq_len = max(max_seq_len, info.num_computed)
-            all_greedy &= info.greedy
-            any_min_p |= info.min_p
-            any_top |= info.top_k or info.top_p
-        uniform_decode = num_tokens == num_reqs
-        self._prompt_chunks = self._prompt_logprob_chunks(req_ids, rows, lens)
-        padded = (self.graphs.padded_size(num_reqs)
-                  if self.graphs and uniform_decode and not self._prompt_chunks else None)
-        num_padded = padded or num_reqs
-        num_tokens_padded = padded or num_tokens
-        query_start_loc = np.full(num_padded + 1, num_tokens, dtype=np.int32)
-        query_start_loc[0] = 0
-        np.cumsum(lens, out=query_start_loc[1 : num_reqs + 1])
-
-        arrays: dict[str, np.ndarray] = {
-            "idx_mapping": rows, "query_start_loc": query_start_loc,
-            "do_sample": do_sample.astype(np.int32),
-        }
-        arrays.update(staged.arrays())
-        dev = self._uploader.upload(arrays)
-        staged.apply(dev, self.table)
-
-        buffers = self.buffers
-        buffers.idx_mapping[:num_reqs].copy_(dev["idx_mapping"])
-        buffers.query_start_loc[: num_padded + 1].copy_(dev["query_start_loc"])
-        num_block_cols = min(-(-max_seq_len // self.block_size), self.max_blocks_per_req)
-        prepare_inputs(
-            buffers.idx_mapping[:num_reqs], buffers.query_start_loc[: num_padded + 1], num_reqs,
-            self.table.token_ids, self.table.num_computed, self.table.block_table,
-            self.block_size, buffers.input_ids[:num_tokens_padded],
-            buffers.positions[:num_tokens_padded], buffers.slot_mapping[:num_tokens_padded],
-            buffers.seq_lens[:num_padded], buffers.block_table[:num_padded], num_block_cols,
-        )
-        torch.sub(buffers.query_start_loc[1 : num_reqs + 1], 1,
-                  out=buffers.logits_indices[:num_reqs])
-        self._do_sample_dev = dev["do_sample"]
-        batch = InputBatch(
-            req_ids=req_ids, num_reqs=num_reqs, num_reqs_padded=num_padded,
-            num_tokens=num_tokens, num_tokens_padded=num_tokens_padded,
-            max_query_len=int(lens.max()), max_seq_len=max_seq_len,
-            uniform_decode=uniform_decode, do_sample=do_sample,
-            idx_mapping=buffers.idx_mapping[:num_reqs],
-            query_start_loc=buffers.query_start_loc[: num_padded + 1],
-            input_ids=buffers.input_ids[:num_tokens_padded],
-            positions=buffers.positions[:num_tokens_padded],
-            slot_mapping=buffers.slot_mapping[:num_tokens_padded],
-            seq_lens=buffers.seq_lens[:num_padded],
-            block_table=buffers.block_table[:num_padded, :num_block_cols],
-            logits_indices=buffers.logits_indices[:num_reqs],
-            all_greedy=all_greedy, any_min_p=any_min_p, any_top_k_top_p=any_top,
-            idx_mapping_cpu=rows,
-        )
-        return batch, padded is not None
-
-    def _prompt_logprob_chunks(
-        self, req_ids: list[str], rows: np.ndarray, lens: np.ndarray
-    ) -> list[PromptChunk]:
-        """Where this step's prompt tokens of ``prompt_logprobs`` requests lie (CPU only)."""
-        if self.table.num_special == 0:
-            return []
-        chunks, start = [], 0
-        for req_id, row, n in zip(req_ids, rows.tolist(), lens.tolist(), strict=True):
-            info = self.table.info[row]
-            params = info.params
-            if params is not None and params.prompt_logprobs is not None:
-                k = params.prompt_logprobs
-                position = info.num_computed - n
-                prompt_len = params.prompt_len(info.prefill_len)
-                count = max(0, min(position + n, prompt_len - 1) - position)
-                if count:
-                    chunks.append(PromptChunk(req_id, row, start, position, count, k))
-            start += n
-        return chunks
+            samples, out, prompt_lps = self._forward_and_sample(step)
+        return self._start_output_copy(step, samples, out, prompt_lps)
 
     def _forward(self, batch: InputBatch) -> torch.Tensor:
-        kwargs: dict[str, Any] = {}
-        for extra in reversed(self._hook_inputs(model_state=self.model_state, batch=batch)):
-            if extra:
-                kwargs.update(extra)
-        mm = self._hook_mm(model_state=self.model_state, batch=batch)
-        if mm is not None:
-            kwargs["mm_embeddings"] = mm
-        metadata = self._hook_attn(model_state=self.model_state, batch=batch)
-        context = ForwardContext(metadata, self.kv_caches, self.attn_backend)
+        kwargs = self.model_state.prepare_inputs(batch)
+        metadata = self.model_state.prepare_attn(batch)
+        context = ForwardContext(metadata, self.kv.tensors, self.kv.backends)
         with set_forward_context(context):
             hidden = self.model(**kwargs)
         return cast(torch.Tensor, hidden)
 
-    def _forward_logits(self, batch: InputBatch) -> torch.Tensor:
-        """Logits of every token of a uniform-decode batch (the body of a captured graph)."""
+    def _forward_all_logits(self, batch: InputBatch) -> Outputs:
+        """Hidden states and logits of every token of a uniform-decode batch (a graph's body)."""
         hidden = self._forward(batch)
-        return cast(CausalLM, self.model).compute_logits(hidden)
+        return hidden, cast(CausalLM, self.model).compute_logits(hidden)
 
-    def _graph_dummy_batch(self, size: int) -> InputBatch:
-        batch = self.plugins.hook.mrv2_prepare_dummy_inputs(
-            model_state=self.model_state, num_reqs=size, num_tokens=size
-        )
+    def _graph_dummy_batch(self, size: int, query_len: int) -> InputBatch:
+        batch = self.model_state.prepare_dummy_inputs(size, size * query_len)
         # Graphs serve any length up to max_model_len: bake that bound, not the dummy's.
-        return replace(batch, max_seq_len=self.max_model_len, uniform_decode=True,
-                       block_table=self.buffers.block_table[:size])
-
-    def _capture(self, batch: InputBatch, forward: Any) -> Any:
-        return self.plugins.hook.mrv2_capture_cuda_graph(
-            model_state=self.model_state, batch=batch, forward=forward
-        )
+        return InputBatch(**{**batch.__dict__, "max_seq_len": self.max_model_len,
+                             "uniform_decode": True,
+                             "block_table": self.buffers.block_table[:size]})
 
     def _forward_and_sample(
-        self, batch: InputBatch, replay: bool
-    ) -> tuple[SamplerOutput, list[PromptLogprobs]]:
+        self, step: StepPlan
+    ) -> tuple[StepSamples, SamplerOutput, list[PromptLogprobs]]:
+        batch = step.batch
         prompt_lps: list[PromptLogprobs] = []
         model = cast(CausalLM, self.model)
-        if replay:
+        if step.replay_query_len:
             assert self.graphs is not None
-            logits = self.graphs.replay(batch.num_reqs_padded)[: batch.num_reqs]
+            hidden, logits = self.graphs.replay(step.replay_query_len, batch.num_reqs_padded)
+            logits = logits[: batch.num_logits]
         else:
             hidden = self._forward(batch)
             logits = model.compute_logits(hidden[batch.logits_indices])
-            if self._prompt_chunks:
-                prompt_lps = compute_prompt_logprobs(hidden, model.compute_logits, self.table,
-                                                     self._prompt_chunks)
-        out = self.sampler(logits, batch, self.table)
+            prompt_lps = self.sampler.prompt_logprobs(hidden, model.compute_logits, self.table,
+                                                      step.sample_plan)
+        out = self.sampler(logits, batch, self.table, step.sample_plan)
         if isinstance(out, torch.Tensor):  # a plugin sampler returning bare tokens
             out = SamplerOutput(out)
+        samples = step_samples(batch, out.tokens, step.do_sample_dev)
+        num_drafts = step.num_drafts_dev
+        if num_drafts is None:
+            num_drafts = self._no_drafts[: batch.num_reqs]
         post_update(
-            batch.idx_mapping, batch.query_start_loc, batch.num_reqs, out.tokens,
-            self._do_sample_dev, self.table.token_ids, self.table.num_computed,
+            batch.idx_mapping, batch.query_start_loc, batch.num_reqs, samples.tokens,
+            samples.num_sampled, num_drafts, self.table.token_ids, self.table.num_computed,
             self.table.num_tokens,
         )
-        self.table.record_sampled(batch.idx_mapping, out.tokens, self._do_sample_dev)
-        return out, prompt_lps
+        self.sampler.record_sampled(batch, samples)
+        if self.speculator is not None:
+            inputs = SpeculatorInputs(None)
+            if self.speculator.needs_hidden_states:
+                inputs = self.model_state.speculator_inputs(batch, hidden)
+            self.speculator.propose(batch, samples, inputs, self.table)
+        return samples, out, prompt_lps
 
     def _start_output_copy(
-        self, batch: InputBatch, out: SamplerOutput, prompt_lps: list[PromptLogprobs]
+        self, step: StepPlan, samples: StepSamples, out: SamplerOutput,
+        prompt_lps: list[PromptLogprobs],
     ) -> AsyncStepOutput:
-        host, slot = self._out_ring.take()
-        sampled = out.tokens
+        batch = step.batch
+        tokens_buf, counts_buf, slot = self._out_ring.take()
+        num_reqs, width = samples.tokens.shape
+        host_tokens = tokens_buf[: num_reqs * width].view(num_reqs, width)
+        host_counts = counts_buf[:num_reqs] if batch.max_draft_tokens else None
+        sources = [(host_tokens, samples.tokens)]
+        if host_counts is not None:
+            sources.append((host_counts, samples.num_sampled))
         # Logprobs (rare) travel in fresh host tensors on the same stream, under the same event.
         extras = [t for t in (out.logprob_ids, out.logprobs, out.sampled_rank) if t is not None]
         for p in prompt_lps:
             extras += [p.ids, p.logprobs, p.ranks]
         pinned = self._copy_stream is not None
         hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in extras]
+        sources += list(zip(hosts, extras, strict=True))
+        event = None
         if self._copy_stream is None:
-            host[: batch.num_reqs].copy_(sampled)
-            for h, t in zip(hosts, extras, strict=True):
-                h.copy_(t)
-            event = None
+            for host, source in sources:
+                host.copy_(source)
         else:
             self._copy_stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self._copy_stream):
-                host[: batch.num_reqs].copy_(sampled, non_blocking=True)
-                sampled.record_stream(self._copy_stream)
-                for h, t in zip(hosts, extras, strict=True):
-                    h.copy_(t, non_blocking=True)
-                    t.record_stream(self._copy_stream)
+                for host, source in sources:
+                    host.copy_(source, non_blocking=True)
+                    source.record_stream(self._copy_stream)
                 event = torch.cuda.Event()
                 event.record(self._copy_stream)
             self._out_ring.set_event(slot, event)
-        result = AsyncStepOutput(batch.req_ids, batch.do_sample, host, event)
+        result = AsyncStepOutput(batch.req_ids, batch.do_sample, host_tokens, host_counts, event,
+                                 batch.cu_num_logits, step.drafted)
         if out.logprob_ids is not None:
             result.set_logprobs(hosts[0], hosts[1], hosts[2])
         base = 3 if out.logprob_ids is not None else 0
@@ -389,22 +277,19 @@ class Runner:
         """Activation memory of the largest step, measured by one dummy forward (CUDA only)."""
         if self.device.type != "cuda" or self.config.cache.num_gpu_blocks_override is not None:
             return 0
-        self.kv_caches = allocate_kv_caches(self.kv_specs, 1, self.block_size, self.dtype,
-                                            self.device)
+        self.kv.allocate(1, self.block_size, self.dtype, self.device)
         num_tokens = self.max_num_tokens
         num_reqs = min(self.max_num_reqs, num_tokens)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        batch = self.plugins.hook.mrv2_prepare_dummy_inputs(
-            model_state=self.model_state, num_reqs=num_reqs, num_tokens=num_tokens
-        )
+        batch = self.model_state.prepare_dummy_inputs(num_reqs, num_tokens)
         with torch.inference_mode():
             hidden = self._forward(batch)
             cast(CausalLM, self.model).compute_logits(hidden[batch.logits_indices]).float()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(self.device) - before
-        self.kv_caches = []
+        self.kv.release()
         torch.cuda.empty_cache()
         return int(peak)
 

@@ -1,5 +1,5 @@
 """Sampling: parameters and the sampler pipeline."""
 
-from mrv2.sample.params import SamplingParams
+from mrv2.contract.params import SamplingParams
 
 __all__ = ["SamplingParams"]

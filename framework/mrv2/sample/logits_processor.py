@@ -8,15 +8,17 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from mrv2.runner.input_batch import InputBatch
-    from mrv2.runner.state_table import RequestStateTable
+    from mrv2.contract.batch import InputBatch
+    from mrv2.contract.state_table import RequestStateTable
 
 
 class LogitsProcessor(ABC):
     """Edits a batch's fp32 logits in place, before temperature and sampling.
 
-    ``logits`` is ``[num_reqs, vocab]``, one row per request of ``batch`` (batch order);
-    ``table`` is the persistent request-state table, whose rows ``batch.idx_mapping`` points at.
+    ``logits`` is ``[num_logits, vocab]``: one row per request of ``batch`` (batch order), or
+    ``1 + k`` consecutive rows for a request verifying ``k`` drafts (``batch.cu_num_logits``);
+    ``table`` is the persistent request-state table, whose row of each logits row is
+    ``batch.logits_idx_mapping``.
     Implementations launch device work only: no ``.item()``, ``.tolist()`` or ``.cpu()``.
     Built once per runner with ``cls(vocab_size, device)``.
     """

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from mrv2.runner.staging import to_device
-from mrv2.runner.state_table import RequestStateTable
-from mrv2.sample.params import SamplingParams
+from mrv2.contract.params import SamplingParams
+from mrv2.contract.staging import to_device
+from mrv2.contract.state_table import RequestStateTable
+from mrv2.sample.state import SamplingState
 
 _NEG_INF = float("-inf")
 
@@ -22,12 +23,14 @@ def apply_masks(
     logits: torch.Tensor,
     idx_mapping: torch.Tensor,
     table: RequestStateTable,
+    state: SamplingState,
     special: list[tuple[int, SamplingParams]],
 ) -> None:
     """Apply bias, allowed tokens, bad words and min_tokens of ``special`` rows in place.
 
-    ``special`` lists ``(batch index, params)`` of the batch's requests that use some rarely
-    used stage; ``logits`` is ``[B, V]`` float32 in batch order.
+    ``special`` lists ``(logits row, params)`` of the rows whose request uses some rarely
+    used stage; ``logits`` is ``[N, V]`` float32, ``idx_mapping`` ``[N]`` the state-table row of
+    each logits row.
     """
     bias_b: list[int] = []
     bias_t: list[int] = []
@@ -72,12 +75,12 @@ def apply_masks(
     if cond_b:
         _fill(logits, (_t(cond_b, device), _t(cond_t, device)), _NEG_INF)
     if words:
-        _ban_bad_words(logits, idx_mapping, table, words)
+        _ban_bad_words(logits, idx_mapping, table, state, words)
     if min_b:
         batch_idx = _t(min_b, device)
         rows = idx_mapping[batch_idx].long()
-        num_out = table.num_tokens[rows] - table.prefill_len[rows]
-        add = torch.where(num_out < table.min_tokens[rows], _NEG_INF, 0.0)
+        num_out = table.num_tokens[rows] - state.prompt_len[rows]
+        add = torch.where(num_out < state.min_tokens[rows], _NEG_INF, 0.0)
         logits.index_put_((batch_idx, _t(min_t, device)), add, accumulate=True)
 
 
@@ -85,6 +88,7 @@ def _ban_bad_words(
     logits: torch.Tensor,
     idx_mapping: torch.Tensor,
     table: RequestStateTable,
+    state: SamplingState,
     words: list[tuple[int, list[int]]],
 ) -> None:
     """Ban each word's last token where its other tokens end the row's generated output."""
@@ -104,7 +108,7 @@ def _ban_bad_words(
     seen = table.token_ids[rows[:, None], pos].long()
     used = j[None, :] < plen[:, None]
     match = ((seen == to_device(prefix, torch.int64, device)) | ~used).all(dim=1)
-    match &= start >= table.prefill_len[rows].long()  # the prefix lies within the output
+    match &= start >= state.prompt_len[rows]  # the prefix lies within the output
     add = torch.where(match, _NEG_INF, 0.0)
     logits.index_put_((b, last), add, accumulate=True)
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mrv2.runner.staging import to_device
-from mrv2.runner.state_table import RequestStateTable
-from mrv2.sample.sampler import token_logprobs
+from mrv2.contract.staging import to_device
+from mrv2.contract.state_table import RequestStateTable
+from mrv2.sample.logprobs import token_logprobs
 
 #: Hidden rows turned into logits at a time (bounds the peak ``[slice, vocab]`` tensor).
 DEFAULT_SLICE_TOKENS = 1024

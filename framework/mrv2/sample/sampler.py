@@ -13,18 +13,24 @@ the top-k ids and the sampled id (``logits - logsumexp``), never for the whole v
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from mrv2.runner.input_batch import InputBatch
-from mrv2.runner.state_table import RequestStateTable
+from mrv2.contract.batch import InputBatch
+from mrv2.contract.params import SamplingParams
+from mrv2.contract.requests import NewRequest
+from mrv2.contract.speculator import StepSamples
+from mrv2.contract.staged_edits import StagedEdits
+from mrv2.contract.state_table import RequestStateTable
 from mrv2.sample.logits_processor import LogitsProcessor
+from mrv2.sample.logprobs import token_logprobs
 from mrv2.sample.masks import apply_masks
-from mrv2.sample.params import SamplingParams
+from mrv2.sample.prompt_logprobs import PromptChunk, PromptLogprobs, compute_prompt_logprobs
+from mrv2.sample.state import SamplingState
 from mrv2_kernels.gumbel import gumbel_sample
-from mrv2_kernels.logprobs import logprob_stats
 from mrv2_kernels.penalties import apply_penalties
 from mrv2_kernels.top_k_top_p import top_k_top_p
 
@@ -36,95 +42,145 @@ class SamplerOutput:
     """One step's samples, plus logprobs when a request of the batch asked for them."""
 
     tokens: torch.Tensor
-    """``[num_reqs]`` int64 sampled token ids."""
+    """``[num_logits]`` int64 sampled token ids, one per logits row."""
     logprob_ids: torch.Tensor | None = None
-    """``[num_reqs, 1 + k]`` int64: the sampled id, then the top-k ids (k: the batch's max)."""
+    """``[num_logits, 1 + k]`` int64: the sampled id, then the top-k ids (k: the batch's max)."""
     logprobs: torch.Tensor | None = None
-    """``[num_reqs, 1 + k]`` float32 raw-distribution logprobs of ``logprob_ids``."""
+    """``[num_logits, 1 + k]`` float32 raw-distribution logprobs of ``logprob_ids``."""
     sampled_rank: torch.Tensor | None = None
-    """``[num_reqs]`` int64 rank of the sampled token (1 = most likely)."""
+    """``[num_logits]`` int64 rank of the sampled token (1 = most likely)."""
 
 
-def token_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, k: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(ids [N, 1+k], logprobs [N, 1+k], rank [N])`` of ``tokens`` and the top-k ids.
+@dataclass
+class SamplePlan:
+    """What a batch needs from the sampler, decided on the CPU before the forward."""
 
-    Only ``1 + k`` log-softmax values per row are formed: the row's logsumexp and the chosen
-    token's rank come from one pass of :func:`mrv2_kernels.logprobs.logprob_stats`.
-    """
-    lse, rank = logprob_stats(logits, tokens)
-    ids = tokens.long()[:, None]
-    if k > 0:
-        ids = torch.cat([ids, logits.topk(min(k, logits.shape[1]), dim=-1).indices], dim=1)
-    values = logits.gather(1, ids).float() - lse[:, None]
-    return ids, values, rank
+    rare: list[tuple[int, SamplingParams]] = field(default_factory=list)
+    """``(logits row, params)`` of rows whose request uses a rarely-used stage."""
+    all_greedy: bool = True
+    any_min_p: bool = False
+    any_top_k_top_p: bool = False
+    max_logprobs: int = -1
+    """The most top logprobs a request of the batch asked for (-1: none)."""
+    prompt_chunks: list[PromptChunk] = field(default_factory=list)
+
+    @property
+    def needs_hidden_states(self) -> bool:
+        """Whether the step's hidden states of every token are needed (prompt logprobs)."""
+        return bool(self.prompt_chunks)
 
 
 class Sampler:
-    """The built-in sampler. ``sampler(logits, batch, table) -> SamplerOutput``."""
+    """The built-in sampler: ``sampler(logits, batch, table, plan) -> SamplerOutput``.
 
-    def __init__(self, processors: list[LogitsProcessor] | None = None) -> None:
+    Owns the per-request sampling columns (:class:`~mrv2.sample.state.SamplingState`); the
+    runner tells it when a request takes or leaves a row and after each step's post-update.
+    """
+
+    def __init__(
+        self, max_num_reqs: int, vocab_size: int, device: torch.device,
+        processors: list[LogitsProcessor] | None = None,
+    ) -> None:
         self.processors = list(processors or [])
+        self.state = SamplingState(max_num_reqs, vocab_size, device)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def add_request(self, request: NewRequest, row: int, staged: StagedEdits) -> None:
+        """Stage ``request``'s sampling columns into ``row``."""
+        self.state.add(row, request.sampling_params, request.seed, request.token_ids, staged)
+
+    def remove_request(self, row: int) -> None:
+        """The request of ``row`` left."""
+        self.state.remove(row)
+
+    # -- per step ----------------------------------------------------------------------------
+
+    def plan(self, batch: InputBatch) -> SamplePlan:
+        """The stages ``batch`` needs, from CPU flags only (no device reads)."""
+        state = self.state
+        rows = batch.idx_mapping_cpu[: batch.num_reqs]
+        plan = SamplePlan(
+            all_greedy=bool(state.greedy[rows].all()),
+            any_min_p=bool(state.min_p_on[rows].any()),
+            any_top_k_top_p=bool(state.top_k_top_p[rows].any()),
+        )
+        if state.num_rare == 0:
+            return plan
+        for b in np.flatnonzero(state.rare[rows]).tolist():
+            row = int(rows[b])
+            params = state.params[row]
+            for r in range(int(batch.cu_num_logits[b]), int(batch.cu_num_logits[b + 1])):
+                plan.rare.append((r, params))
+            if params.logprobs is not None:
+                plan.max_logprobs = max(plan.max_logprobs, params.logprobs)
+            k = params.prompt_logprobs
+            if k is not None:
+                position = int(batch.num_computed_cpu[b])
+                start = int(batch.query_start_loc_cpu[b])
+                n = int(batch.query_start_loc_cpu[b + 1]) - start
+                count = max(0, min(position + n, int(state.prompt_len_cpu[row]) - 1) - position)
+                if count:
+                    plan.prompt_chunks.append(
+                        PromptChunk(batch.req_ids[b], row, start, position, count, k)
+                    )
+        return plan
 
     def __call__(
-        self, logits: torch.Tensor, batch: InputBatch, table: RequestStateTable
+        self, logits: torch.Tensor, batch: InputBatch, table: RequestStateTable,
+        plan: SamplePlan | None = None,
     ) -> SamplerOutput:
-        """Sample one token per request of ``batch`` from its row of ``logits``."""
+        """Sample one token per logits row of ``batch`` (``logits``: ``[num_logits, V]``)."""
+        plan = plan if plan is not None else self.plan(batch)
+        state = self.state
         raw = logits
-        special = _special_rows(batch, table)
-        max_logprobs = max((p.logprobs for _, p in special if p.logprobs is not None),
-                           default=-1)
-        if self.processors or special:  # in-place stages work on an fp32 copy
+        if self.processors or plan.rare:  # in-place stages work on an fp32 copy
             logits = logits.float()
-            if max_logprobs >= 0 and logits.data_ptr() == raw.data_ptr():
+            if plan.max_logprobs >= 0 and logits.data_ptr() == raw.data_ptr():
                 logits = logits.clone()  # the in-place stages must not touch the raw logits
         for processor in self.processors:
             processor.apply(logits, batch, table)
-        idx = batch.idx_mapping[: batch.num_reqs]
-        if special:
-            if table.output_counts is not None and any(p.uses_penalties for _, p in special):
-                assert table.prompt_mask is not None
-                apply_penalties(logits, idx, table.output_counts, table.prompt_mask,
-                                table.repetition_penalty, table.frequency_penalty,
-                                table.presence_penalty)
-            apply_masks(logits, idx, table, special)
+        idx = batch.logits_idx_mapping
+        if plan.rare:
+            if state.output_counts is not None and any(p.uses_penalties for _, p in plan.rare):
+                assert state.prompt_mask is not None
+                apply_penalties(logits, idx, state.output_counts, state.prompt_mask,
+                                state.repetition_penalty, state.frequency_penalty,
+                                state.presence_penalty)
+            apply_masks(logits, idx, table, state, plan.rare)
         rows = idx.long()
-        temperature = table.temperature[rows]
+        temperature = state.temperature[rows]
         greedy = temperature < _GREEDY_EPS
         scale: torch.Tensor | None = None  # the temperature, when the sampling kernel applies it
-        if not batch.all_greedy:
-            if batch.any_min_p or batch.any_top_k_top_p:
+        if not plan.all_greedy:
+            if plan.any_min_p or plan.any_top_k_top_p:
                 logits = logits.float() / torch.where(greedy, 1.0, temperature)[:, None]
-                if batch.any_min_p:
-                    logits = apply_min_p(logits, table.min_p[rows])
-                if batch.any_top_k_top_p:  # in place: ``logits`` is this step's own copy
-                    logits = top_k_top_p(logits, table.top_k[rows], table.top_p[rows],
+                if plan.any_min_p:
+                    logits = apply_min_p(logits, state.min_p[rows])
+                if plan.any_top_k_top_p:  # in place: ``logits`` is this step's own copy
+                    logits = top_k_top_p(logits, state.top_k[rows], state.top_p[rows],
                                          out=logits)
             else:
                 scale = temperature  # same IEEE division, inside the kernel: no extra pass
-        out = torch.empty(batch.num_reqs, dtype=torch.int64, device=logits.device)
-        positions = batch.seq_lens[: batch.num_reqs].long()
-        gumbel_sample(logits, table.seed[rows], positions, greedy, out, scale)
-        if max_logprobs < 0:
+        out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+        gumbel_sample(logits, state.seed[rows], batch.logits_positions, greedy, out, scale)
+        if plan.max_logprobs < 0:
             return SamplerOutput(out)
-        ids, values, rank = token_logprobs(raw, out, max_logprobs)
+        ids, values, rank = token_logprobs(raw, out, plan.max_logprobs)
         return SamplerOutput(out, ids, values, rank)
 
+    def prompt_logprobs(
+        self, hidden: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor],
+        table: RequestStateTable, plan: SamplePlan,
+    ) -> list[PromptLogprobs]:
+        """Prompt logprobs of the plan's prompt chunks, from the step's hidden states."""
+        if not plan.prompt_chunks:
+            return []
+        return compute_prompt_logprobs(hidden, compute_logits, table, plan.prompt_chunks)
 
-def _special_rows(batch: InputBatch, table: RequestStateTable) -> list[tuple[int, SamplingParams]]:
-    """``(batch index, params)`` of the batch's requests that use a rarely-used stage."""
-    if table.num_special == 0:
-        return []
-    rows = batch.idx_mapping_cpu
-    if rows is None:
-        rows = np.asarray([table.row_of(r) for r in batch.req_ids[: batch.num_reqs]])
-    out = []
-    for b, row in enumerate(rows[: batch.num_reqs].tolist()):
-        info = table.info[row]
-        if info.special and info.params is not None:
-            out.append((b, info.params))
-    return out
+    def record_sampled(self, batch: InputBatch, samples: StepSamples) -> None:
+        """After the post-update: count the sampled tokens for penalties (device only)."""
+        self.state.record_sampled(batch.idx_mapping, samples.tokens, samples.num_sampled)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

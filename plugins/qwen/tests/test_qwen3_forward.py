@@ -88,7 +88,7 @@ def run_step(
         (list(range(c, c + len(t))) for c, t in zip(contexts, new_tokens, strict=True)), []
     )
     metadata = step_metadata(contexts, [len(t) for t in new_tokens], tables, num_pad)
-    context = ForwardContext(metadata, caches, TorchAttentionBackend())
+    context = ForwardContext(metadata, caches, [TorchAttentionBackend()] * len(caches))
     with torch.inference_mode(), set_forward_context(context):
         hidden = model(
             torch.tensor(ids, dtype=torch.int32), torch.tensor(positions + [0] * num_pad)

@@ -1,9 +1,12 @@
-"""The attention backend interface and the metadata every backend reads.
+"""The attention backend interfaces and the metadata every backend reads.
 
-KV cache layout, one tensor per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
-(index 0 keys, 1 values). A token at absolute position ``p`` of request ``r`` lives in block
-``block_table[r, p // block_size]`` at offset ``p % block_size``; ``slot_mapping`` holds the flat
-slot ``block * block_size + offset`` of every token of the step.
+A token at absolute position ``p`` of request ``r`` lives in block ``block_table[r, p //
+block_size]`` at offset ``p % block_size``, in every layer's cache whatever its layout;
+``slot_mapping`` holds the flat slot ``block * block_size + offset`` of every token of the step.
+Each cache kind (:mod:`mrv2.contract.kv_cache`) has backends that know its layout:
+:class:`PagedAttentionBackend` serves ``"paged_kv"`` caches
+(``[2, num_blocks, block_size, num_kv_heads, head_dim]``, index 0 keys, 1 values); a latent (MLA)
+backend defines the calls its attention layer makes.
 """
 
 from __future__ import annotations
@@ -45,10 +48,19 @@ class AttentionMetadata:
     """Every real request has a query of length 1 (lets a backend pick its decode path)."""
 
 
-class AttentionBackend(ABC):
-    """A paged attention implementation: writes new K/V into the cache, attends over it."""
+class AttentionBackend:
+    """Base of every attention backend: built once per KV cache group with no arguments.
+
+    Subclasses add the calls their cache kind's attention layer makes; see
+    :class:`PagedAttentionBackend` for the paged K/V one.
+    """
 
     name: str = "abstract"
+
+
+class PagedAttentionBackend(AttentionBackend, ABC):
+    """Attention over a ``"paged_kv"`` cache: writes new K/V into it, attends over it."""
+
     kv_write_in_rope: bool = False
     """Whether the KV write may run inside the RoPE kernel instead of :meth:`write_kv`
     (:class:`mrv2.layers.Attention` given the rotary embedding): one launch less per layer.

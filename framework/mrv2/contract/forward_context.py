@@ -1,0 +1,58 @@
+"""The forward context: how cache layers find this step's metadata, KV caches and backends.
+
+The runner sets it around each forward; model code never passes metadata through its layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mrv2.contract.attention import AttentionMetadata
+
+
+@dataclass
+class ForwardContext:
+    """What one forward pass sees: metadata, and per cache layer its tensor and backend."""
+
+    metadata: AttentionMetadata
+    kv_caches: Sequence[torch.Tensor]
+    """One tensor per cache layer, indexed by ``layer_idx`` (layout: the layer's spec)."""
+    backends: Sequence[Any]
+    """The attention backend of each cache layer (its KV cache group's), by ``layer_idx``."""
+
+    def kv_cache(self, layer_idx: int) -> torch.Tensor:
+        """The cache tensor of layer ``layer_idx``."""
+        return self.kv_caches[layer_idx]
+
+    def backend(self, layer_idx: int) -> Any:
+        """The backend serving layer ``layer_idx``."""
+        return self.backends[layer_idx]
+
+
+_CONTEXT: ForwardContext | None = None
+
+
+@contextmanager
+def set_forward_context(context: ForwardContext) -> Iterator[None]:
+    """Make ``context`` visible to cache layers for the duration of the block."""
+    global _CONTEXT
+    previous, _CONTEXT = _CONTEXT, context
+    try:
+        yield
+    finally:
+        _CONTEXT = previous
+
+
+def get_forward_context() -> ForwardContext:
+    """The context of the forward pass in progress; raises outside one."""
+    if _CONTEXT is None:
+        raise RuntimeError(
+            "attention layer called outside a forward pass: wrap the call in "
+            "mrv2.attention.set_forward_context(...)"
+        )
+    return _CONTEXT

@@ -1,0 +1,135 @@
+"""What a model declares about its KV cache: one spec per cache-owning layer.
+
+Every layer that keeps per-token state across steps subclasses :class:`KVCacheLayer` and says
+what it stores per token through :meth:`KVCacheLayer.kv_cache_spec`. The runner groups layers
+whose specs are equal, allocates one tensor per layer with the group's layout, sizes the block
+count for all groups together from ``gpu_memory_utilization``, and gives each group the
+attention backend registered for its spec's :attr:`~KVCacheSpec.kind`.
+
+Two kinds ship with the core:
+
+* :class:`PagedKVSpec` (``"paged_kv"``): keys and values per kv-head,
+  ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (dense decoders).
+* :class:`LatentKVSpec` (``"latent"``): one latent vector per token,
+  ``[num_blocks, block_size, latent_dim]`` (MLA: ``kv_lora_rank + qk_rope_head_dim``).
+
+A new kind (sliding window, recurrent state) subclasses :class:`KVCacheSpec` with its own
+``kind``, layout and bytes per block, and a plugin registers a backend for it.
+
+Block ids are shared by every group: block ``b`` of a request addresses the same tokens in each
+layer's tensor, so one block table, one block manager and one prefix cache serve all groups and
+a prefix-cache hit reuses every group's KV at once. That fits every layer that keeps all tokens
+(full attention of any layout); a group that frees old blocks (sliding window) needs a block
+table of its own, the seam for which is the group list in :class:`KVCacheGroup`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class KVCacheSpec(ABC):
+    """Per-token cache layout of one layer. Equal specs form a group."""
+
+    kind: ClassVar[str] = "abstract"
+
+    @abstractmethod
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        """Device bytes one block of ``block_size`` tokens takes in one layer."""
+
+    @abstractmethod
+    def allocate(
+        self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """One layer's cache tensor of ``num_blocks`` blocks (zeroed)."""
+
+
+@dataclass(frozen=True)
+class PagedKVSpec(KVCacheSpec):
+    """Keys and values per kv-head: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``."""
+
+    num_kv_heads: int
+    head_dim: int
+    kind: ClassVar[str] = "paged_kv"
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        return 2 * block_size * self.num_kv_heads * self.head_dim * _itemsize(dtype)
+
+    def allocate(
+        self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.zeros(2, num_blocks, block_size, self.num_kv_heads, self.head_dim,
+                           dtype=dtype, device=device)
+
+
+@dataclass(frozen=True)
+class LatentKVSpec(KVCacheSpec):
+    """One latent vector per token: ``[num_blocks, block_size, latent_dim]`` (MLA)."""
+
+    latent_dim: int
+    kind: ClassVar[str] = "latent"
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        return block_size * self.latent_dim * _itemsize(dtype)
+
+    def allocate(
+        self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.zeros(num_blocks, block_size, self.latent_dim, dtype=dtype, device=device)
+
+
+class KVCacheLayer(nn.Module):
+    """Base of every module that owns a KV cache: a ``layer_idx`` and a spec.
+
+    ``layer_idx`` numbers the model's cache layers 0..N-1 (each once); during a forward the
+    layer finds its tensor and backend with
+    ``get_forward_context().kv_cache(layer_idx)`` / ``.backend(layer_idx)``.
+    """
+
+    layer_idx: int
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """What this layer stores per token."""
+        raise NotImplementedError(f"{type(self).__name__} must implement kv_cache_spec()")
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers of one spec: their indices, the spec, and the backend name chosen for them."""
+
+    spec: KVCacheSpec
+    layer_indices: tuple[int, ...]
+    backend: str
+
+
+def layer_specs(model: nn.Module) -> dict[int, KVCacheSpec]:
+    """``{layer_idx: spec}`` of every :class:`KVCacheLayer` in ``model`` (checked 0..N-1)."""
+    specs: dict[int, KVCacheSpec] = {}
+    for module in model.modules():
+        if isinstance(module, KVCacheLayer):
+            if module.layer_idx in specs:
+                raise ValueError(f"two KV cache layers have layer_idx {module.layer_idx}")
+            specs[module.layer_idx] = module.kv_cache_spec()
+    if sorted(specs) != list(range(len(specs))):
+        raise ValueError(
+            f"KV cache layers must have layer_idx 0..N-1, each once; got {sorted(specs)}"
+        )
+    return specs
+
+
+def group_specs(specs: dict[int, KVCacheSpec]) -> list[tuple[KVCacheSpec, tuple[int, ...]]]:
+    """Layers of equal spec together, groups in order of their first layer."""
+    groups: dict[KVCacheSpec, list[int]] = {}
+    for layer_idx in sorted(specs):
+        groups.setdefault(specs[layer_idx], []).append(layer_idx)
+    return [(spec, tuple(layers)) for spec, layers in groups.items()]
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

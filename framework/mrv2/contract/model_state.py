@@ -1,0 +1,199 @@
+"""``ModelState``: everything model-specific the runner needs, behind one lifecycle.
+
+The runner owns the state table, the persistent buffers and the step; a ``ModelState`` declares
+the model's KV cache, turns a prepared :class:`InputBatch` into the model's inputs and attention
+metadata, keeps per-request extras (multimodal inputs, M-RoPE positions...), hands the
+speculator what it needs after sampling, and knows how to capture its forward.
+
+This class is the default for decoder-only text models. A family subclasses it and registers
+the subclass with its architecture (``register(arch, model, model_state="pkg.mod:MyState")``);
+the runner calls only the methods of the model's own state, so a family's code never runs for
+another family's model. Methods called per step must only launch device work, never read it
+back (no ``.item()``, ``.tolist()``, ``.cpu()``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, cast
+
+import numpy as np
+import torch
+from torch import nn
+
+from mrv2.config import EngineConfig
+from mrv2.contract.attention import AttentionMetadata
+from mrv2.contract.batch import InputBatch, InputBuffers
+from mrv2.contract.kv_cache import KVCacheSpec, layer_specs
+from mrv2.contract.requests import MultiModalEmbeddings, NewRequest
+from mrv2.contract.speculator import SpeculatorInputs
+
+
+class ModelState:
+    """Default decoder-only ModelState: token ids and positions in, paged attention metadata."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        hf_config: Any,
+        config: EngineConfig,
+        buffers: InputBuffers,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.hf_config = hf_config
+        self.config = config
+        self.buffers = buffers
+        self.block_size = block_size
+        self.device = device
+        self._graph_pool: Any = None
+
+    # -- start-up ----------------------------------------------------------------------------
+
+    def kv_cache_specs(self) -> dict[int, KVCacheSpec]:
+        """``{layer_idx: spec}`` of the model's cache layers (default: every
+        :class:`~mrv2.contract.kv_cache.KVCacheLayer` module's own spec)."""
+        return layer_specs(self.model)
+
+    # -- per request -------------------------------------------------------------------------
+
+    def add_request(self, request: NewRequest, row: int) -> None:
+        """A request took ``row`` (``request.mm_items``: its multimodal inputs). Text models
+        keep nothing beyond the state table. Called before the step that first computes it."""
+
+    def remove_request(self, req_id: str, row: int) -> None:
+        """A request left ``row`` (finished, aborted or preempted): free what it held."""
+
+    # -- per step ----------------------------------------------------------------------------
+
+    def get_mm_embeddings(self, batch: InputBatch) -> MultiModalEmbeddings | None:
+        """Embeddings of this step's multimodal placeholder tokens; text models have none."""
+        return None
+
+    def prepare_inputs(self, batch: InputBatch) -> dict[str, Any]:
+        """``model.forward`` keyword arguments: token ids and positions of the padded step.
+
+        When :meth:`get_mm_embeddings` returns rows, the token embeddings
+        (``model.embed_input_ids``) come with them spliced in, as ``inputs_embeds``.
+        """
+        inputs: dict[str, Any] = {"input_ids": batch.input_ids, "positions": batch.positions}
+        mm = self.get_mm_embeddings(batch)
+        if mm is not None:
+            embeds: torch.Tensor = cast(Any, self.model).embed_input_ids(batch.input_ids)
+            embeds.index_copy_(0, mm.token_indices, mm.embeddings.to(embeds.dtype))
+            inputs["inputs_embeds"] = embeds
+        return inputs
+
+    def prepare_attn(self, batch: InputBatch) -> AttentionMetadata:
+        """Paged-attention metadata over the batch's device tensors (no host reads)."""
+        return AttentionMetadata(
+            num_reqs=batch.num_reqs_padded,
+            num_tokens=batch.num_tokens_padded,
+            max_query_len=batch.max_query_len,
+            max_seq_len=batch.max_seq_len,
+            query_start_loc=batch.query_start_loc,
+            seq_lens=batch.seq_lens,
+            block_table=batch.block_table,
+            slot_mapping=batch.slot_mapping,
+            block_size=self.block_size,
+            uniform_decode=batch.uniform_decode,
+        )
+
+    def speculator_inputs(self, batch: InputBatch, hidden_states: torch.Tensor) -> SpeculatorInputs:
+        """What the speculator reads after this step: the last layer's hidden states by default
+        (a family whose drafter wants more, say several layers for Eagle3, adds them)."""
+        return SpeculatorInputs(hidden_states=hidden_states)
+
+    # -- start-up ----------------------------------------------------------------------------
+
+    def prepare_dummy_inputs(self, num_reqs: int, num_tokens: int) -> InputBatch:
+        """A harmless batch over the persistent buffers: ``num_tokens`` split over requests.
+
+        Its tokens write no KV (slot -1) and read block 0 only (positions, which feed only the
+        rotary embedding, stay below one block). Each request's last ``1 + k`` tokens are logits
+        rows (``k``: the speculative tokens configured), as in the largest real step. Used for
+        the profiling forward and for CUDA-graph capture (``num_tokens = num_reqs * (1 + k)``).
+        """
+        buffers = self.buffers
+        if not 1 <= num_reqs <= min(num_tokens, buffers.max_num_reqs):
+            raise ValueError(f"dummy batch of {num_reqs} requests and {num_tokens} tokens")
+        lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
+        lens[: num_tokens % num_reqs] += 1
+        starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        positions = np.concatenate([np.arange(n) for n in lens])
+        positions = np.minimum(positions, self.block_size - 1)
+        buffers.input_ids[:num_tokens].fill_(1)
+        buffers.positions[:num_tokens].copy_(torch.from_numpy(positions))
+        buffers.slot_mapping[:num_tokens].fill_(-1)
+        buffers.idx_mapping[:num_reqs].zero_()
+        buffers.query_start_loc[: num_reqs + 1].copy_(torch.from_numpy(starts))
+        seq_lens = lens.astype(np.int32)
+        buffers.seq_lens[:num_reqs].copy_(torch.from_numpy(seq_lens))
+        buffers.block_table[:num_reqs].zero_()
+        drafts = np.minimum(lens - 1, self.config.speculative.num_speculative_tokens)
+        cu_logits = np.concatenate([[0], np.cumsum(drafts + 1)]).astype(np.int32)
+        ends, counts = np.repeat(starts[1:], drafts + 1), np.repeat(drafts + 1, drafts + 1)
+        rows = ends - counts + np.arange(len(ends)) - np.repeat(cu_logits[:-1], drafts + 1)
+        num_logits = len(rows)
+        buffers.logits_indices[:num_logits].copy_(torch.from_numpy(rows))
+        buffers.logits_idx_mapping[:num_logits].zero_()
+        buffers.logits_positions[:num_logits].copy_(torch.from_numpy(positions[rows] + 1))
+        return InputBatch(
+            req_ids=[f"dummy-{i}" for i in range(num_reqs)],
+            num_reqs=num_reqs,
+            num_reqs_padded=num_reqs,
+            num_tokens=num_tokens,
+            num_tokens_padded=num_tokens,
+            max_query_len=int(lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            uniform_decode=bool((lens == lens[0]).all()),
+            do_sample=np.ones(num_reqs, dtype=bool),
+            idx_mapping=buffers.idx_mapping[:num_reqs],
+            query_start_loc=buffers.query_start_loc[: num_reqs + 1],
+            input_ids=buffers.input_ids[:num_tokens],
+            positions=buffers.positions[:num_tokens],
+            slot_mapping=buffers.slot_mapping[:num_tokens],
+            seq_lens=buffers.seq_lens[:num_reqs],
+            block_table=buffers.block_table[:num_reqs],
+            logits_indices=buffers.logits_indices[:num_logits],
+            idx_mapping_cpu=np.zeros(num_reqs, dtype=np.int32),
+            query_start_loc_cpu=starts,
+            num_computed_cpu=np.zeros(num_reqs, dtype=np.int32),
+            num_draft_tokens=drafts.astype(np.int32),
+            cu_num_logits=cu_logits,
+            logits_idx_mapping=buffers.logits_idx_mapping[:num_logits],
+            logits_positions=buffers.logits_positions[:num_logits],
+        )
+
+    def capture_cuda_graph(
+        self, batch: InputBatch, forward: Callable[[], Any]
+    ) -> torch.cuda.CUDAGraph | None:
+        """Capture ``forward`` (which reads only persistent buffers) into a CUDA graph, or
+        return ``None`` to run this batch shape eager.
+
+        All graphs of this state share one memory pool: only one replays at a time.
+        """
+        if self.device.type != "cuda":
+            return None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            forward()
+        self._graph_pool = graph.pool()
+        return graph
+
+
+def placeholder_rows(
+    batch: InputBatch, index: int, offset: int, length: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Where placeholder positions ``offset .. offset + length - 1`` of request ``index`` of the
+    batch fall in this step: ``(token rows of the flat step batch, positions within the item)``,
+    both possibly empty (chunked prefill computes a placeholder run over several steps)."""
+    first = int(batch.num_computed_cpu[index])
+    start = int(batch.query_start_loc_cpu[index])
+    count = int(batch.query_start_loc_cpu[index + 1]) - start
+    lo, hi = max(first, offset), min(first + count, offset + length)
+    if lo >= hi:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty
+    return np.arange(lo, hi) - first + start, np.arange(lo, hi) - offset

@@ -1,0 +1,106 @@
+"""What a scheduler hands the runner each step. Bring your own scheduler: build these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mrv2.contract.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class MultiModalItem:
+    """One non-text input of a request (an image, a video, an audio clip).
+
+    Its ``length`` placeholder tokens sit at prompt positions ``offset .. offset + length - 1``;
+    the model's ``ModelState`` turns ``data`` into ``length`` embedding rows that replace those
+    tokens' embeddings. ``content_hash`` names the content: it keys the prefix cache (two
+    prompts with the same tokens but different images never share KV) and encoder caches.
+    """
+
+    kind: str
+    """``"image"``, ``"video"``, ``"audio"``... (the family's processor decides)."""
+    data: Any
+    """What the family's encoder reads (pixel values and grid sizes, say)."""
+    content_hash: str
+    offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if self.offset < 0 or self.length < 1:
+            raise ValueError(
+                f"MultiModalItem: offset must be >= 0 and length >= 1, got offset={self.offset},"
+                f" length={self.length}"
+            )
+
+
+@dataclass
+class MultiModalEmbeddings:
+    """Embedding rows that replace some of a step's token embeddings."""
+
+    token_indices: torch.Tensor
+    """``[N]`` int64 device tensor: rows of the step's flat token batch to replace."""
+    embeddings: torch.Tensor
+    """``[N, hidden_size]``: the replacement rows, in the order of ``token_indices``."""
+
+
+@dataclass
+class NewRequest:
+    """A request entering the runner (for the first time, or resuming after preemption)."""
+
+    req_id: str
+    token_ids: list[int]
+    """The prompt; on resumption, the prompt plus every token generated so far."""
+    sampling_params: SamplingParams
+    seed: int
+    """Noise seed of the request's sampling (the engine fills it in for unseeded requests)."""
+    block_ids: list[int]
+    """KV blocks held by the request, in order."""
+    num_computed_tokens: int = 0
+    """Tokens whose KV is already in ``block_ids`` (prefix-cache hits)."""
+    mm_items: list[MultiModalItem] = field(default_factory=list)
+    """Multimodal inputs, ordered by ``offset``; their placeholders lie within the prompt."""
+
+    def __post_init__(self) -> None:
+        end = 0
+        for item in self.mm_items:
+            if item.offset < end or item.offset + item.length > len(self.token_ids):
+                raise ValueError(
+                    f"request {self.req_id!r}: multimodal placeholders must be ordered, disjoint"
+                    f" and within the {len(self.token_ids)} prompt tokens; got offset "
+                    f"{item.offset}, length {item.length}"
+                )
+            end = item.offset + item.length
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: who joins, who leaves, and how many tokens each scheduled request computes.
+
+    ``num_scheduled_tokens`` is ordered: its order is the batch order. A request samples when
+    this step takes it to the end of its known tokens (prefill complete, or decode).
+
+    Speculative decoding: ``num_draft_tokens[req] = k`` says the last ``k`` of the request's
+    scheduled tokens are the drafts its speculator proposed last step (so it schedules
+    ``1 + k``: its last sampled token and the drafts). The step then yields ``1 + a`` tokens for
+    it, ``a <= k`` accepted drafts plus the target's own next token, and the request's
+    computed tokens advance by ``1 + a``, not ``1 + k``: until the step's result arrives, count
+    the ``k - a`` unknown rejected tokens as computed (an upper bound; the KV blocks must cover
+    it) and take them back when it does (``AsyncStepOutput.result()`` gives the tokens).
+    """
+
+    num_scheduled_tokens: dict[str, int]
+    new_requests: list[NewRequest] = field(default_factory=list)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Blocks appended to running requests this step."""
+    finished_req_ids: list[str] = field(default_factory=list)
+    """Requests to drop from the state table before this step (finished, aborted, preempted)."""
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
+    """Drafts among a decode request's scheduled tokens (absent: none)."""
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        """Tokens in the step."""
+        return sum(self.num_scheduled_tokens.values())

@@ -1,0 +1,88 @@
+"""The speculator interface: propose draft tokens on the device after each sampling step.
+
+Flow of one decode step of ``1 + k`` tokens for a request (DESIGN.md section 6): the step's
+tokens are the last sampled token and the ``k`` drafts proposed after the previous step; the
+sampler draws the target's own token at each of the ``1 + k`` positions (noise keyed by request
+seed and position, as without speculation); :func:`mrv2.sample.rejection.strict_rejection`
+keeps the drafts up to the first one the target disagrees with and adds the target's token
+there (the bonus); the post-update writes accepted + bonus tokens into the state table and
+moves ``num_computed`` past the accepted ones only (rejected drafts' KV is overwritten later);
+then :meth:`Speculator.propose` writes the next ``k`` drafts. Nothing of this reads the device
+on the host: the CPU schedules ``1 + k`` tokens per decode request and learns how many were
+accepted one step late, with the sampled tokens.
+
+Drafts live in the state table's ``token_ids`` row right after the request's known tokens
+(positions ``num_tokens .. num_tokens + k - 1``), which the prep kernel reads as the step's
+input tokens like any other; verified positions are overwritten by the post-update.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from mrv2.contract.batch import InputBatch
+from mrv2.contract.state_table import RequestStateTable
+
+if TYPE_CHECKING:
+    from mrv2.config import EngineConfig
+    from mrv2.contract.model_state import ModelState
+
+
+@dataclass
+class StepSamples:
+    """A step's output tokens per request, on the device."""
+
+    tokens: torch.Tensor
+    """``[num_reqs, 1 + max drafts]`` int64: accepted drafts then the bonus token; ``-1`` after."""
+    num_sampled: torch.Tensor
+    """``[num_reqs]`` int32: tokens in each row (0: the request sampled nothing this step)."""
+
+
+@dataclass
+class SpeculatorInputs:
+    """What the target model hands its speculator after a step (``ModelState`` builds it)."""
+
+    hidden_states: torch.Tensor | None
+    """``[num_tokens, hidden]`` last-layer hidden states of the step's tokens (MTP, Eagle)."""
+    aux_hidden_states: list[torch.Tensor] | None = None
+    """Extra layers' hidden states, ``[num_tokens, hidden]`` each (Eagle3), if the model keeps
+    them."""
+
+
+class Speculator(ABC):
+    """Proposes ``num_speculative_tokens`` drafts per request, on the device, after sampling.
+
+    Built once per runner as ``cls(config, model_state, device)`` (registered through
+    ``mrv2_register_speculators``). :meth:`propose` runs after every step's post-update, for
+    the requests that sampled; it launches device work only (no ``.item()``, ``.tolist()``,
+    ``.cpu()``), and must write drafts for every such request: the scheduler always schedules
+    ``1 + k`` tokens for a decode request, and a draft the target rejects costs only compute.
+    """
+
+    def __init__(self, config: EngineConfig, model_state: ModelState,
+                 device: torch.device) -> None:
+        self.config = config
+        self.model_state = model_state
+        self.device = device
+        self.num_speculative_tokens = config.speculative.num_speculative_tokens
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"speculative method {config.speculative.method!r} needs "
+                f"num_speculative_tokens >= 1, got {self.num_speculative_tokens}"
+            )
+
+    #: Whether :meth:`propose` reads ``inputs.hidden_states`` (lets the runner skip them).
+    needs_hidden_states: bool = False
+
+    @abstractmethod
+    def propose(
+        self, batch: InputBatch, samples: StepSamples, inputs: SpeculatorInputs,
+        table: RequestStateTable,
+    ) -> None:
+        """Write ``k`` drafts for each request with ``samples.num_sampled > 0`` into
+        ``table.token_ids[row, table.num_tokens[row] : + k]`` (``row = batch.idx_mapping[i]``;
+        ``num_tokens`` is already updated for this step)."""

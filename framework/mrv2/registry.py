@@ -1,0 +1,132 @@
+"""The registries: what plugins registered, by name, as lazy ``"module:Class"`` paths.
+
+Built by :class:`mrv2.plugins.PluginManager` from the registration hooks; read by the runner and
+the model loader. This module imports nothing of mrv2, so every layer may use it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# Which package registers an architecture, for the "unknown architecture" error when that package
+# is not installed. Only packages that exist and register the name (a test checks the bundled
+# ones); a family package adds its line when it ships.
+KNOWN_PACKAGES: dict[str, str] = {
+    "Qwen3ForCausalLM": "mrv2-plugin-qwen",
+    "LlamaForCausalLM": "mrv2-contrib-llama",
+}
+
+#: The cache kind a backend serves when its registration names none (paged K/V per kv-head).
+DEFAULT_CACHE_KINDS = ("paged_kv",)
+
+
+class PluginError(RuntimeError):
+    """A plugin failed to load or registered something invalid; the message names it."""
+
+
+def import_object(path: str) -> Any:
+    """Import ``"package.module:Attr"`` (the lazy form every registry stores)."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"expected 'module:Attribute', got {path!r}")
+    module = importlib.import_module(module_name)
+    try:
+        obj = module
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except AttributeError as error:
+        raise ImportError(f"{module_name!r} has no attribute {attr!r}") from error
+    return obj
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """A registered architecture: lazy model and ModelState paths, and who registered it."""
+
+    architecture: str
+    model: str
+    model_state: str | None
+    plugin: str
+
+
+@dataclass(frozen=True)
+class NamedEntry:
+    """A registered backend, speculator or logits processor."""
+
+    name: str
+    target: str
+    plugin: str
+    devices: tuple[str, ...] = ()
+    cache_kinds: tuple[str, ...] = ()
+    """Attention backends only: the :class:`~mrv2.contract.kv_cache.KVCacheSpec` kinds served."""
+
+
+@dataclass
+class Registries:
+    """Everything the registration hooks handed over, keyed by name."""
+
+    models: dict[str, ModelEntry] = field(default_factory=dict)
+    attention_backends: dict[str, NamedEntry] = field(default_factory=dict)
+    speculators: dict[str, NamedEntry] = field(default_factory=dict)
+    logits_processors: dict[str, NamedEntry] = field(default_factory=dict)
+
+    def resolve_model(self, architectures: Sequence[str]) -> ModelEntry:
+        """The entry of the first registered name in ``architectures``, or a helpful error."""
+        for name in architectures:
+            if name in self.models:
+                return self.models[name]
+        hints = [
+            f"{name} is provided by '{KNOWN_PACKAGES[name]}' (pip install {KNOWN_PACKAGES[name]})"
+            for name in architectures
+            if name in KNOWN_PACKAGES
+        ]
+        registered = ", ".join(sorted(self.models)) or "none"
+        message = (
+            f"unknown model architecture {list(architectures)}; registered architectures: "
+            f"{registered}."
+        )
+        if hints:
+            message += " " + "; ".join(hints) + "."
+        else:
+            message += " Install a plugin that registers it, or write one (see CONTRIBUTING.md)."
+        raise ValueError(message)
+
+    def attention_backend_for(
+        self, device_type: str, cache_kind: str, name: str | None = None
+    ) -> NamedEntry:
+        """The backend for layers of ``cache_kind`` on ``device_type``.
+
+        ``name`` (the ``attention_backend`` setting) wins where it serves ``cache_kind``; else
+        the first backend registered for that device and kind.
+        """
+        if name is not None:
+            if name not in self.attention_backends:
+                known = ", ".join(sorted(self.attention_backends))
+                raise ValueError(f"unknown attention backend {name!r}; registered: {known}")
+            entry = self.attention_backends[name]
+            if cache_kind in entry.cache_kinds:
+                return entry
+        for entry in self.attention_backends.values():
+            if device_type in entry.devices and cache_kind in entry.cache_kinds:
+                return entry
+        served = sorted({k for e in self.attention_backends.values() for k in e.cache_kinds})
+        raise ValueError(
+            f"no attention backend registered for KV cache kind {cache_kind!r} on device "
+            f"{device_type!r} (kinds with a backend: {', '.join(served) or 'none'}); a plugin "
+            "registers one with register(name, backend, devices=..., cache_kinds=(kind,))"
+        )
+
+
+def _check_path(plugin: str, path: str) -> None:
+    if not isinstance(path, str) or ":" not in path:
+        raise PluginError(f"plugin {plugin!r} registered {path!r}; expected 'module:Class'")
+
+
+def _check_unique(table: dict[str, Any], name: str, plugin: str, kind: str) -> None:
+    if name in table:
+        raise PluginError(
+            f"{kind} {name!r} registered twice: by {table[name].plugin!r} and by {plugin!r}"
+        )

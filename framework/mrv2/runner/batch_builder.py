@@ -1,0 +1,237 @@
+"""From a ``SchedulerOutput`` to one step's ``InputBatch`` on the device.
+
+The CPU checks the step, moves its count mirror (optimistically while drafts are verified:
+every draft counted as kept until the step's result says otherwise), packs the step's small
+arrays with the staged edits into one upload, and launches the prep kernel that builds token ids,
+positions, slot mapping, sequence lengths and block tables from the state table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from mrv2.contract.batch import InputBatch, InputBuffers
+from mrv2.contract.requests import SchedulerOutput
+from mrv2.contract.staged_edits import StagedEdits
+from mrv2.contract.staging import Uploader
+from mrv2.contract.state_table import RequestStateTable
+from mrv2.runner.async_output import Drafted
+from mrv2.runner.cuda_graphs import DecodeGraphs
+from mrv2_kernels.input_prep import prepare_inputs
+
+
+@dataclass
+class StepPlan:
+    """A built step: its batch, the sampler's plan, and how it runs."""
+
+    batch: InputBatch
+    sample_plan: Any
+    replay_query_len: int
+    """Query length of the CUDA graph that runs the step; 0: eager."""
+    do_sample_dev: torch.Tensor
+    """``[num_reqs]`` int32 on the device: which requests produce tokens."""
+    num_drafts_dev: torch.Tensor | None
+    """``[num_reqs]`` int32 drafts per request (steps with drafts only)."""
+    drafted: dict[str, Drafted] = field(default_factory=dict)
+
+
+class BatchBuilder:
+    """Builds each step's batch over the state table and the persistent input buffers."""
+
+    def __init__(
+        self, table: RequestStateTable, buffers: InputBuffers, block_size: int,
+        max_num_tokens: int, num_speculative_tokens: int,
+    ) -> None:
+        self.table = table
+        self.buffers = buffers
+        self.block_size = block_size
+        self.max_num_tokens = max_num_tokens
+        self.num_speculative_tokens = num_speculative_tokens
+        self.graphs: DecodeGraphs | None = None
+
+    # -- staged writes of new rows -------------------------------------------------------------
+
+    def stage_new_row(
+        self, row: int, token_ids: list[int], block_ids: list[int], num_computed: int,
+        staged: StagedEdits,
+    ) -> None:
+        """A new request's tokens, blocks and counts, written with the step's upload."""
+        n = len(token_ids)
+        table = self.table
+        staged.put(table.token_ids, (np.full(n, row), np.arange(n)),
+                   np.asarray(token_ids, dtype=np.int32))
+        table.num_blocks[row] = 0
+        self.stage_new_blocks(row, block_ids, staged)
+        one = np.array([row])
+        staged.put(table.num_computed, (one,), np.array([num_computed], dtype=np.int32))
+        staged.put(table.num_tokens, (one,), np.array([n], dtype=np.int32))
+
+    def stage_new_blocks(self, row: int, block_ids: list[int], staged: StagedEdits) -> None:
+        """Blocks appended to ``row``'s block table."""
+        if not block_ids:
+            return
+        start = int(self.table.num_blocks[row])
+        if start + len(block_ids) > self.table.max_blocks_per_req:
+            raise ValueError(
+                f"request {self.table.info[row].req_id!r} would hold more blocks than "
+                "max_model_len needs"
+            )
+        staged.put(self.table.block_table,
+                   (np.full(len(block_ids), row), np.arange(start, start + len(block_ids))),
+                   np.asarray(block_ids, dtype=np.int32))
+        self.table.num_blocks[row] = start + len(block_ids)
+
+    # -- checks ----------------------------------------------------------------------------------
+
+    def check(self, scheduled: SchedulerOutput) -> None:
+        """Refuse a malformed step before anything changes (a clear error naming the request)."""
+        table = self.table
+        num_reqs = len(scheduled.num_scheduled_tokens)
+        if not 0 < num_reqs <= table.max_num_reqs:
+            raise ValueError(f"a step needs 1..{table.max_num_reqs} requests, got {num_reqs}")
+        total = scheduled.total_num_scheduled_tokens
+        if total > self.max_num_tokens:
+            raise ValueError(f"{total} tokens scheduled; at most {self.max_num_tokens}")
+        new = {r.req_id: r for r in scheduled.new_requests}
+        leaving = set(scheduled.finished_req_ids)
+        for req_id, n in scheduled.num_scheduled_tokens.items():
+            d = scheduled.num_draft_tokens.get(req_id, 0)
+            if req_id in new:
+                waiting = len(new[req_id].token_ids) - new[req_id].num_computed_tokens
+            elif req_id in table.rows and req_id not in leaving:
+                info = table.info[table.rows[req_id]]
+                waiting = info.num_known - info.num_computed
+            else:
+                raise KeyError(f"request {req_id!r} is not in the state table")
+            if d:
+                if not 0 < d <= self.num_speculative_tokens or n != 1 + d or waiting != 1:
+                    raise ValueError(
+                        f"request {req_id!r}: {d} draft tokens in {n} scheduled; drafts need "
+                        f"a decode request (1 token waiting, has {waiting}) scheduled 1 + d "
+                        f"tokens, d in 1..{self.num_speculative_tokens}"
+                    )
+            elif not 0 < n <= waiting:
+                raise ValueError(f"request {req_id!r}: scheduled {n} tokens but only "
+                                 f"{waiting} are waiting to be computed")
+
+    # -- the batch -------------------------------------------------------------------------------
+
+    def build(
+        self, scheduled: SchedulerOutput, staged: StagedEdits,
+        sample_plan: Callable[[InputBatch], Any], uploader: Uploader,
+    ) -> StepPlan:
+        """Move the counts, upload, run the prep kernel; the step's batch and plan."""
+        table, buffers = self.table, self.buffers
+        req_ids = list(scheduled.num_scheduled_tokens)
+        num_reqs = len(req_ids)
+        rows = np.fromiter((table.rows[r] for r in req_ids), dtype=np.int32, count=num_reqs)
+        lens = np.fromiter(scheduled.num_scheduled_tokens.values(), dtype=np.int32,
+                           count=num_reqs)
+        drafts = np.fromiter((scheduled.num_draft_tokens.get(r, 0) for r in req_ids),
+                             dtype=np.int32, count=num_reqs)
+        computed = np.empty(num_reqs, dtype=np.int32)
+        do_sample = np.empty(num_reqs, dtype=bool)
+        drafted: dict[str, Drafted] = {}
+        max_seq_len = 0
+        for i, row in enumerate(rows.tolist()):
+            info = table.info[row]
+            computed[i] = info.num_computed
+            info.num_computed += int(lens[i])
+            do_sample[i] = info.num_computed == info.num_known + drafts[i]
+            if do_sample[i]:
+                info.num_known = info.num_computed + 1
+            if drafts[i]:
+                drafted[req_ids[i]] = Drafted(info, int(drafts[i]))
+            max_seq_len = max(max_seq_len, info.num_computed)
+        num_tokens = int(lens.sum())
+        max_drafts = int(drafts.max())
+        query_len = int(lens[0])
+        uniform = bool((lens == query_len).all() and (drafts == query_len - 1).all())
+
+        qsl_cpu = np.zeros(num_reqs + 1, dtype=np.int32)
+        np.cumsum(lens, out=qsl_cpu[1:])
+        cu_logits = np.zeros(num_reqs + 1, dtype=np.int32)
+        np.cumsum(drafts + 1, out=cu_logits[1:])
+        num_logits = int(cu_logits[-1])
+        batch = InputBatch(
+            req_ids=req_ids, num_reqs=num_reqs, num_reqs_padded=num_reqs,
+            num_tokens=num_tokens, num_tokens_padded=num_tokens,
+            max_query_len=int(lens.max()), max_seq_len=max_seq_len, uniform_decode=uniform,
+            do_sample=do_sample, idx_mapping=buffers.idx_mapping[:num_reqs],
+            query_start_loc=buffers.query_start_loc[: num_reqs + 1],
+            input_ids=buffers.input_ids[:num_tokens], positions=buffers.positions[:num_tokens],
+            slot_mapping=buffers.slot_mapping[:num_tokens], seq_lens=buffers.seq_lens[:num_reqs],
+            block_table=buffers.block_table[:num_reqs],
+            logits_indices=buffers.logits_indices[:num_logits], idx_mapping_cpu=rows,
+            query_start_loc_cpu=qsl_cpu, num_computed_cpu=computed, num_draft_tokens=drafts,
+            cu_num_logits=cu_logits, logits_idx_mapping=buffers.logits_idx_mapping[:num_logits],
+            logits_positions=buffers.logits_positions[:num_logits],
+        )
+        plan = sample_plan(batch)
+        padded = None
+        if self.graphs is not None and uniform and not plan.needs_hidden_states:
+            padded = self.graphs.padded_size(query_len, num_reqs)
+        num_padded = padded or num_reqs
+        num_tokens_padded = padded * query_len if padded else num_tokens
+        query_start_loc = np.full(num_padded + 1, num_tokens, dtype=np.int32)
+        query_start_loc[: num_reqs + 1] = qsl_cpu
+
+        arrays: dict[str, np.ndarray] = {
+            "idx_mapping": rows, "query_start_loc": query_start_loc,
+            "do_sample": do_sample.astype(np.int32),
+        }
+        if max_drafts:
+            arrays["logits_indices"] = _last_tokens(qsl_cpu, drafts + 1)
+            arrays["logits_rows"] = np.repeat(rows, drafts + 1)
+            arrays["cu_num_logits"] = cu_logits
+            arrays["num_drafts"] = drafts
+        arrays.update(staged.arrays())
+        dev = uploader.upload(arrays)
+        staged.apply(dev)
+
+        buffers.idx_mapping[:num_reqs].copy_(dev["idx_mapping"])
+        buffers.query_start_loc[: num_padded + 1].copy_(dev["query_start_loc"])
+        num_block_cols = min(-(-max_seq_len // self.block_size), table.max_blocks_per_req)
+        prepare_inputs(
+            buffers.idx_mapping[:num_reqs], buffers.query_start_loc[: num_padded + 1], num_reqs,
+            table.token_ids, table.num_computed, table.block_table, self.block_size,
+            buffers.input_ids[:num_tokens_padded], buffers.positions[:num_tokens_padded],
+            buffers.slot_mapping[:num_tokens_padded], buffers.seq_lens[:num_padded],
+            buffers.block_table[:num_padded], num_block_cols,
+        )
+        if max_drafts:
+            buffers.logits_indices[:num_logits].copy_(dev["logits_indices"])
+            buffers.logits_idx_mapping[:num_logits].copy_(dev["logits_rows"])
+            torch.index_select(buffers.positions, 0, buffers.logits_indices[:num_logits],
+                               out=buffers.logits_positions[:num_logits])
+            buffers.logits_positions[:num_logits].add_(1)
+            logits_idx_mapping = buffers.logits_idx_mapping[:num_logits]
+        else:  # one logits row per request: its last token, predicting position seq_len
+            torch.sub(buffers.query_start_loc[1 : num_reqs + 1], 1,
+                      out=buffers.logits_indices[:num_reqs])
+            buffers.logits_positions[:num_reqs].copy_(buffers.seq_lens[:num_reqs])
+            logits_idx_mapping = buffers.idx_mapping[:num_reqs]
+        batch.num_reqs_padded = num_padded
+        batch.num_tokens_padded = num_tokens_padded
+        batch.query_start_loc = buffers.query_start_loc[: num_padded + 1]
+        batch.input_ids = buffers.input_ids[:num_tokens_padded]
+        batch.positions = buffers.positions[:num_tokens_padded]
+        batch.slot_mapping = buffers.slot_mapping[:num_tokens_padded]
+        batch.seq_lens = buffers.seq_lens[:num_padded]
+        batch.block_table = buffers.block_table[:num_padded, :num_block_cols]
+        batch.logits_idx_mapping = logits_idx_mapping
+        batch.cu_num_logits_dev = dev.get("cu_num_logits")
+        return StepPlan(batch, plan, query_len if padded else 0, dev["do_sample"],
+                        dev.get("num_drafts"), drafted)
+
+
+def _last_tokens(query_start_loc: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Flat token indices of each request's last ``counts[i]`` tokens, in batch order."""
+    ends = np.repeat(query_start_loc[1:], counts)
+    within = np.arange(len(ends)) - np.repeat(np.cumsum(counts) - counts, counts)
+    return (ends - np.repeat(counts, counts) + within).astype(np.int64)

@@ -1,0 +1,180 @@
+"""The sampler's own per-request columns, indexed by the state table's rows.
+
+Device: float parameters ``[R, 6]`` (temperature, top-p, min-p and the three penalties), int
+parameters ``[R, 4]`` (top-k, seed, min_tokens, prompt length); written by one staged
+``index_put`` each when a request takes a row. Penalties read two ``[R, vocab]`` tensors:
+``output_counts`` (int32, times each token was generated) and ``prompt_mask`` (bool, tokens of
+the prompt), allocated on the first request that asks for a penalty (never, for workloads
+without penalties), refused with a clear error when ``R * vocab`` exceeds
+:data:`PENALTY_STATE_MAX_ELEMENTS`, reset per row when a request takes the row, and incremented
+on the device after each sample, so sampled tokens never pass through the CPU. (Rebuilding
+counts from the token table every step would cost O(batch x seq_len) per step instead of
+O(batch); the persistent tensors cost 5 bytes per (row, token): 190 MB for 256 rows of a 152K
+vocabulary.)
+
+CPU: per-row flags (greedy, top-k/top-p, min-p, rare stages) as numpy arrays, so a batch's
+sampler plan is a few vectorized lookups, and the params of rows that use a rarely-used stage.
+A new sampling parameter adds a column here and its stage in the sampler: nothing outside
+``sample/`` changes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mrv2.contract.params import SamplingParams
+from mrv2.contract.staged_edits import StagedEdits
+
+#: Largest ``rows * vocab`` for which the penalty state (5 bytes per element) is allocated.
+PENALTY_STATE_MAX_ELEMENTS = 2**29
+
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+           "presence_penalty")
+_INTS = ("top_k", "seed", "min_tokens", "prompt_len")
+
+
+def uses_rare_stage(p: SamplingParams) -> bool:
+    """True when a request needs a rarely-used stage (penalty, bias, masks, logprobs)."""
+    return bool(
+        p.uses_penalties or p.logit_bias or p.allowed_token_ids or p._bad_words_token_ids
+        or (p.min_tokens > 0 and (p._eos_token_ids or p.stop_token_ids))
+        or p.logprobs is not None or p.prompt_logprobs is not None
+    )
+
+
+def supports_speculation(p: SamplingParams) -> bool:
+    """Whether drafts may be verified for a request: not when a stage depends on the output
+    so far within a step (penalties, bad words, min_tokens) or reports per-token logprobs."""
+    return not (p.uses_penalties or p._bad_words_token_ids or p.min_tokens > 0
+                or p.logprobs is not None or p.prompt_logprobs is not None)
+
+
+class SamplingState:
+    """Sampling parameters of ``max_num_reqs`` rows, on the device and as CPU flags."""
+
+    def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.vocab_size = vocab_size
+        self.device = device
+        self.floats = torch.zeros(max_num_reqs, len(_FLOATS), dtype=torch.float32, device=device)
+        self.ints = torch.zeros(max_num_reqs, len(_INTS), dtype=torch.int64, device=device)
+        self.greedy = np.ones(max_num_reqs, dtype=bool)
+        self.top_k_top_p = np.zeros(max_num_reqs, dtype=bool)
+        self.min_p_on = np.zeros(max_num_reqs, dtype=bool)
+        self.rare = np.zeros(max_num_reqs, dtype=bool)
+        self.prompt_len_cpu = np.zeros(max_num_reqs, dtype=np.int64)
+        self.params: dict[int, SamplingParams] = {}
+        #: Live rows using a rarely-used stage; 0 lets the sampler skip them all.
+        self.num_rare = 0
+        self.num_penalty_rows = 0
+        self.output_counts: torch.Tensor | None = None
+        self.prompt_mask: torch.Tensor | None = None
+
+    # Column views (device, [R]).
+    @property
+    def temperature(self) -> torch.Tensor:
+        return self.floats[:, 0]
+
+    @property
+    def top_p(self) -> torch.Tensor:
+        return self.floats[:, 1]
+
+    @property
+    def min_p(self) -> torch.Tensor:
+        return self.floats[:, 2]
+
+    @property
+    def repetition_penalty(self) -> torch.Tensor:
+        return self.floats[:, 3]
+
+    @property
+    def frequency_penalty(self) -> torch.Tensor:
+        return self.floats[:, 4]
+
+    @property
+    def presence_penalty(self) -> torch.Tensor:
+        return self.floats[:, 5]
+
+    @property
+    def top_k(self) -> torch.Tensor:
+        return self.ints[:, 0]
+
+    @property
+    def seed(self) -> torch.Tensor:
+        return self.ints[:, 1]
+
+    @property
+    def min_tokens(self) -> torch.Tensor:
+        return self.ints[:, 2]
+
+    @property
+    def prompt_len(self) -> torch.Tensor:
+        """The original prompt's length (a resumed request's earlier outputs excluded): the
+        boundary penalties, min_tokens and bad words measure the output from."""
+        return self.ints[:, 3]
+
+    def add(self, row: int, params: SamplingParams, seed: int, token_ids: list[int],
+            staged: StagedEdits) -> None:
+        """A request with ``params`` took ``row``; its ``token_ids`` entered with it."""
+        n = len(token_ids)
+        prompt_len = params.prompt_len(n)
+        rows = np.array([row])
+        staged.put(self.floats, (rows,), np.array([[
+            params.temperature, params.top_p, params.min_p, params.repetition_penalty,
+            params.frequency_penalty, params.presence_penalty]], dtype=np.float32))
+        staged.put(self.ints, (rows,), np.array([[
+            params.top_k, seed, params.min_tokens, prompt_len]], dtype=np.int64))
+        self.greedy[row] = params.greedy
+        self.top_k_top_p[row] = params.top_k > 0 or params.top_p < 1.0
+        self.min_p_on[row] = params.min_p > 0.0
+        self.rare[row] = uses_rare_stage(params)
+        self.params[row] = params
+        self.prompt_len_cpu[row] = prompt_len
+        self.num_rare += bool(self.rare[row])
+        if params.uses_penalties:
+            self.num_penalty_rows += 1
+            self._ensure_penalty_state()
+            assert self.output_counts is not None and self.prompt_mask is not None
+            staged.fill(self.output_counts, rows, 0)
+            staged.fill(self.prompt_mask, rows, False)
+            prompt = np.asarray(token_ids[:prompt_len], dtype=np.int64)
+            staged.put(self.prompt_mask, (np.full(len(prompt), row), prompt),
+                       np.ones(len(prompt), dtype=bool))
+            if prompt_len < n:  # a resumed request: its earlier outputs count
+                outs = np.asarray(token_ids[prompt_len:], dtype=np.int64)
+                staged.put(self.output_counts, (np.full(len(outs), row), outs),
+                           np.ones(len(outs), dtype=np.int32), accumulate=True)
+
+    def remove(self, row: int) -> None:
+        """The request of ``row`` left."""
+        params = self.params.pop(row)
+        self.num_rare -= bool(self.rare[row])
+        self.num_penalty_rows -= params.uses_penalties
+        self.rare[row] = False
+
+    def _ensure_penalty_state(self) -> None:
+        if self.output_counts is not None:
+            return
+        elements = self.max_num_reqs * self.vocab_size
+        if elements > PENALTY_STATE_MAX_ELEMENTS:
+            raise ValueError(
+                f"penalties need {elements} per-token counters (max_num_seqs="
+                f"{self.max_num_reqs} x vocab {self.vocab_size}), more than "
+                f"{PENALTY_STATE_MAX_ELEMENTS}: lower max_num_seqs to use penalties"
+            )
+        shape = (self.max_num_reqs, self.vocab_size)
+        self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
+        self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
+
+    def record_sampled(
+        self, idx_mapping: torch.Tensor, tokens: torch.Tensor, num_sampled: torch.Tensor
+    ) -> None:
+        """Count each request's sampled token in ``output_counts`` (device only, no sync).
+        Penalty requests never verify drafts, so each yields at most one token a step."""
+        if self.output_counts is None or self.num_penalty_rows == 0:
+            return
+        self.output_counts.index_put_(
+            (idx_mapping.long(), tokens[:, 0].clamp(min=0)), (num_sampled > 0).to(torch.int32),
+            accumulate=True,
+        )

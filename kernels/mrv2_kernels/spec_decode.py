@@ -1,0 +1,411 @@
+"""Speculative decoding on the device: n-gram draft proposal and strict verification.
+
+**Proposal** (:func:`ngram_propose`, the n-gram or "prompt lookup" speculator): a request's
+next tokens often repeat something already in its context (code, quotes, lists, the prompt
+itself). For a request whose known tokens are ``seq = token_ids[row, :T]``, every earlier end
+``e`` in ``[1, T - 1]`` is a candidate: its match length ``len(e)`` is the largest
+``l <= min(max_n, e)`` with ``seq[e - l:e] == seq[T - l:T]`` (the ``l`` tokens before ``e``
+equal the last ``l`` tokens of the sequence). The candidate with the largest
+``(len(e), e)`` among those with ``len(e) >= min_n`` wins: the longest match, then the most
+recent. The ``k`` drafts are the tokens that followed it, ``seq[e + (j mod (T - e))]``: when
+they run into the end of the sequence they continue the period ``T - e`` (a sequence that
+repeats with that period keeps repeating). Without a match every draft is ``seq[T - 1]`` and
+the request reports ``num_found = 0`` (the caller then schedules no drafts for it). The drafts
+are written into the state table right after the known tokens, ``token_ids[row, T + j]``
+(clipped at the table width), which is where the next step's input preparation reads the
+query tokens from; ``num_tokens`` is not advanced: the drafts are not known tokens yet.
+
+**Verification** (:func:`strict_rejection`): the target model computes logits for the last
+verified token and for each draft of a request, and samples one token from each row as if
+decoding normally. Draft ``j`` is accepted while every earlier draft was and the target's own
+sample for the row before it equals it; the output is the accepted drafts followed by the
+target's sample at the first mismatch (or the bonus sample after the last draft when all are
+accepted), that is ``target[r0 .. r0 + m]``. Since every emitted token is the target's own
+sample given exactly the tokens before it, the output equals non-speculative decoding token
+for token (for greedy sampling, and for seeded sampling whose randomness depends only on the
+request and position); drafts only change how many tokens one step yields.
+
+Both ops write into caller-provided buffers, run one Triton program per request and never
+synchronize with the host; per-step counts are grid sizes or values read on the device, so
+they never trigger a recompile. Each comes as ``op_ref`` (plain torch: the specification),
+``op_triton`` and ``op`` (dispatch with :func:`use_triton`).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._backend import default_block, use_triton
+
+__all__ = [
+    "ngram_propose",
+    "ngram_propose_ref",
+    "ngram_propose_triton",
+    "strict_rejection",
+    "strict_rejection_ref",
+    "strict_rejection_triton",
+]
+
+
+def _check_1d(name: str, t: torch.Tensor, min_len: int) -> None:
+    if t.dim() != 1 or t.shape[0] < min_len:
+        raise ValueError(f"{name} must be 1-D with >= {min_len} entries, got {tuple(t.shape)}")
+
+
+def _check_rows(name: str, t: torch.Tensor) -> None:
+    if t.dim() != 2 or (t.shape[1] > 1 and t.stride(1) != 1):
+        raise ValueError(f"{name} must be 2-D with contiguous rows, got {tuple(t.shape)}")
+
+
+# --------------------------------------------------------------------------------------------
+# strict_rejection
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _strict_rejection_kernel(
+    target_ptr: tl.tensor,
+    cu_num_logits_ptr: tl.tensor,
+    input_ids_ptr: tl.tensor,
+    logits_indices_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    out_stride: int,
+    num_out_ptr: tl.tensor,
+    S: int,
+    BLOCK_S: tl.constexpr,
+) -> None:
+    b = tl.program_id(0)
+    r0 = tl.load(cu_num_logits_ptr + b).to(tl.int64)
+    count = tl.load(cu_num_logits_ptr + b + 1).to(tl.int64) - r0
+    num_drafts = tl.minimum(tl.maximum(count - 1, 0), S - 1)
+    j = tl.arange(0, BLOCK_S)
+    is_draft = j < num_drafts
+    # Every load is issued before any result is needed: three dependent round trips in all.
+    tgt = tl.load(target_ptr + r0 + j, mask=(j <= num_drafts) & (count > 0), other=-1)
+    tok_idx = tl.load(logits_indices_ptr + r0 + j, mask=is_draft, other=0).to(tl.int64)
+    draft = tl.load(input_ids_ptr + tok_idx + 1, mask=is_draft, other=0).to(tl.int64)
+    mismatch = is_draft & (tgt != draft)
+    accepted = tl.min(tl.where(mismatch, j.to(tl.int64), num_drafts), 0)
+    keep = (j <= accepted) & (count > 0)
+    tl.store(out_ptr + b.to(tl.int64) * out_stride + j, tl.where(keep, tgt, -1), mask=j < S)
+    tl.store(num_out_ptr + b, tl.where(count > 0, accepted + 1, 0).to(tl.int32))
+
+
+def _check_rejection_args(
+    target: torch.Tensor,
+    cu_num_logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    logits_indices: torch.Tensor,
+    num_reqs: int,
+    out: torch.Tensor,
+    num_out: torch.Tensor,
+) -> None:
+    _check_1d("target", target, 0)
+    _check_1d("cu_num_logits", cu_num_logits, num_reqs + 1)
+    _check_1d("input_ids", input_ids, 0)
+    _check_1d("logits_indices", logits_indices, 0)
+    _check_1d("num_out", num_out, num_reqs)
+    _check_rows("out", out)
+    if out.shape[0] < num_reqs or out.shape[1] < 1:
+        raise ValueError(f"out must be [>= {num_reqs}, >= 1], got {tuple(out.shape)}")
+
+
+def strict_rejection_ref(
+    target: torch.Tensor,
+    cu_num_logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    logits_indices: torch.Tensor,
+    num_reqs: int,
+    out: torch.Tensor,
+    num_out: torch.Tensor,
+) -> None:
+    """Plain-torch specification of :func:`strict_rejection` (same arguments, same effect)."""
+    _check_rejection_args(target, cu_num_logits, input_ids, logits_indices, num_reqs, out, num_out)
+    if num_reqs == 0:
+        return
+    dev, width = out.device, out.shape[1]
+    cu = cu_num_logits[: num_reqs + 1].to(device=dev, dtype=torch.int64)
+    r0, count = cu[:-1], cu[1:] - cu[:-1]
+    num_drafts = (count - 1).clamp(min=0, max=width - 1)
+    j = torch.arange(width, device=dev, dtype=torch.int64)
+    has_row = (j[None, :] <= num_drafts[:, None]) & (count[:, None] > 0)  # [B, S]
+    is_draft = j[None, :] < num_drafts[:, None]
+    rows = torch.where(has_row, r0[:, None] + j[None, :], 0)
+    tgt = target.to(dev)[rows] if target.numel() else torch.full_like(rows, -1)
+    draft = torch.zeros_like(tgt)
+    if is_draft.any():  # (index 0 of empty tensors otherwise)
+        tok_idx = logits_indices.to(dev)[torch.where(is_draft, rows, 0)].to(torch.int64)
+        draft = input_ids.to(dev)[torch.where(is_draft, tok_idx + 1, 0)].to(torch.int64)
+    mismatch = is_draft & (tgt != draft)
+    accepted = torch.where(mismatch, j[None, :], num_drafts[:, None]).amin(dim=1)
+    keep = (j[None, :] <= accepted[:, None]) & (count[:, None] > 0)
+    out[:num_reqs] = torch.where(keep, tgt, -1).to(out.dtype)
+    num_out[:num_reqs] = torch.where(count > 0, accepted + 1, 0).to(num_out.dtype)
+
+
+def strict_rejection_triton(
+    target: torch.Tensor,
+    cu_num_logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    logits_indices: torch.Tensor,
+    num_reqs: int,
+    out: torch.Tensor,
+    num_out: torch.Tensor,
+) -> None:
+    """Triton implementation of :func:`strict_rejection`: one program per request.
+
+    A program checks its request's drafts as one vector of ``next_power_of_2(S)`` lanes;
+    ``num_reqs`` only sizes the grid.
+    """
+    _check_rejection_args(target, cu_num_logits, input_ids, logits_indices, num_reqs, out, num_out)
+    if num_reqs == 0:
+        return
+    width = out.shape[1]
+    _strict_rejection_kernel[(num_reqs,)](
+        target,
+        cu_num_logits,
+        input_ids,
+        logits_indices,
+        out,
+        out.stride(0),
+        num_out,
+        width,
+        BLOCK_S=triton.next_power_of_2(width),
+    )
+
+
+def strict_rejection(
+    target: torch.Tensor,
+    cu_num_logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    logits_indices: torch.Tensor,
+    num_reqs: int,
+    out: torch.Tensor,
+    num_out: torch.Tensor,
+) -> None:
+    """Verify each request's drafts against the target model's samples, in place.
+
+    Args:
+        target: ``[>= N]`` int64, the target model's sampled token for each logits row.
+        cu_num_logits: ``[>= B + 1]`` int32, exclusive prefix sum of logits rows per request:
+            request ``b`` owns rows ``r0 = cu_num_logits[b]`` to ``r1 = cu_num_logits[b + 1]``
+            (possibly none), ``s_b = max(r1 - r0 - 1, 0)`` of them check drafts.
+        input_ids: ``[T]`` int, the step's flat query tokens.
+        logits_indices: ``[>= N]`` int, the query token each logits row was computed at; the
+            draft checked by row ``r0 + j`` (``j < s_b``) is the query token after it,
+            ``d_j = input_ids[logits_indices[r0 + j] + 1]``.
+        num_reqs: number of requests ``B``.
+        out: out ``[>= B, S]`` int64 (rows contiguous): row ``b`` gets
+            ``target[r0 .. r0 + m]`` (``m + 1`` tokens), then ``-1`` to the end of the row.
+        num_out: out ``[>= B]`` int32, ``m + 1``; ``0`` for a request without logits rows
+            (its ``out`` row is all ``-1``).
+
+    ``m`` is the number of accepted drafts: the largest ``m <= s_b`` with
+    ``target[r0 + j] == d_j`` for all ``j < m``. A request must own at most ``S`` rows; were
+    it more, only its first ``S - 1`` drafts would be checked. Rows ``>= B`` are untouched.
+    Runs :func:`strict_rejection_triton` when :func:`use_triton` (on ``out``) says so, else
+    :func:`strict_rejection_ref`.
+    """
+    impl = strict_rejection_triton if use_triton(out) else strict_rejection_ref
+    impl(target, cu_num_logits, input_ids, logits_indices, num_reqs, out, num_out)
+
+
+# --------------------------------------------------------------------------------------------
+# ngram_propose
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _ngram_propose_kernel(
+    token_ids_ptr: tl.tensor,
+    token_ids_stride: int,
+    max_model_len: int,
+    num_tokens_ptr: tl.tensor,
+    idx_mapping_ptr: tl.tensor,
+    num_sampled_ptr: tl.tensor,
+    num_found_ptr: tl.tensor,
+    k: int,
+    min_n: int,
+    max_n: int,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+) -> None:
+    i = tl.program_id(0)
+    if tl.load(num_sampled_ptr + i) <= 0:
+        tl.store(num_found_ptr + i, 0)
+        return
+    row = tl.load(idx_mapping_ptr + i).to(tl.int64)
+    seq_ptr = token_ids_ptr + row * token_ids_stride
+    T = tl.load(num_tokens_ptr + row).to(tl.int32)
+    offs = tl.arange(0, BLOCK_E)
+    # Best candidate so far as one key, (len << 32) | e: the maximum is the longest match, then
+    # the most recent end. -1: none with len >= min_n yet.
+    best = tl.full([], -1, tl.int64)
+    for e0 in range(1, T, BLOCK_E):
+        e = e0 + offs
+        alive = e < T
+        length = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for j in range(1, max_n + 1):
+            ok = alive & (e >= j)
+            tail = tl.load(seq_ptr + T - j, mask=j <= T, other=0)
+            cand = tl.load(seq_ptr + e - j, mask=ok, other=0)
+            alive = ok & (cand == tail)
+            length += alive.to(tl.int32)
+        key = (length.to(tl.int64) << 32) | e.to(tl.int64)
+        key = tl.where((e < T) & (length >= min_n), key, -1)
+        best = tl.maximum(best, tl.max(key, 0))
+    found = best >= 0
+    start = (best - ((best >> 32) << 32)).to(tl.int32)
+    period = tl.where(found, T - start, 1)
+    jk = tl.arange(0, BLOCK_K)
+    src = tl.where(found, start + jk % period, T - 1)
+    drafts = tl.load(seq_ptr + src, mask=jk < k, other=0)
+    dst = T + jk
+    tl.store(seq_ptr + dst, drafts, mask=(jk < k) & (dst < max_model_len))
+    tl.store(num_found_ptr + i, tl.where(found, k, 0).to(tl.int32))
+
+
+def _check_ngram_args(
+    token_ids: torch.Tensor,
+    num_tokens: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    num_sampled: torch.Tensor,
+    num_reqs: int,
+    k: int,
+    min_n: int,
+    max_n: int,
+    num_found: torch.Tensor,
+) -> None:
+    _check_rows("token_ids", token_ids)
+    _check_1d("num_tokens", num_tokens, 0)
+    _check_1d("idx_mapping", idx_mapping, num_reqs)
+    _check_1d("num_sampled", num_sampled, num_reqs)
+    _check_1d("num_found", num_found, num_reqs)
+    if k < 1 or not 1 <= min_n <= max_n:
+        raise ValueError(f"need k >= 1 and 1 <= min_n <= max_n, got {k=}, {min_n=}, {max_n=}")
+
+
+def ngram_propose_ref(
+    token_ids: torch.Tensor,
+    num_tokens: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    num_sampled: torch.Tensor,
+    num_reqs: int,
+    k: int,
+    min_n: int,
+    max_n: int,
+    num_found: torch.Tensor,
+) -> None:
+    """Plain-torch specification of :func:`ngram_propose` (same arguments, same effect).
+
+    All candidate ends of all requests at once: ``[B, L]`` match lengths built over
+    ``j = 1..max_n``.
+    """
+    _check_ngram_args(
+        token_ids, num_tokens, idx_mapping, num_sampled, num_reqs, k, min_n, max_n, num_found
+    )
+    if num_reqs == 0:
+        return
+    dev, width = token_ids.device, token_ids.shape[1]
+    rows = idx_mapping[:num_reqs].to(device=dev, dtype=torch.int64)
+    active = num_sampled[:num_reqs].to(dev) > 0
+    seqs = token_ids[rows]  # [B, L]
+    seq_len = num_tokens[rows].to(torch.int64)  # T per request
+    e = torch.arange(width, device=dev, dtype=torch.int64)
+    candidate = (e[None, :] >= 1) & (e[None, :] < seq_len[:, None])
+    alive = candidate
+    length = torch.zeros_like(seqs, dtype=torch.int64)
+    for j in range(1, max_n + 1):
+        alive = alive & (e[None, :] >= j)
+        cand = seqs.gather(1, (e - j).clamp(min=0)[None, :].expand_as(seqs))
+        tail = seqs.gather(1, (seq_len - j).clamp(min=0)[:, None])
+        alive = alive & (cand == tail)
+        length += alive.to(torch.int64)
+    key = torch.where(candidate & (length >= min_n), length * width + e[None, :], -1)
+    best = key.amax(dim=1)
+    found = best >= 0
+    start = torch.where(found, best % width, 0)
+    period = torch.where(found, seq_len - start, 1)
+    jk = torch.arange(k, device=dev, dtype=torch.int64)
+    src = torch.where(
+        found[:, None], start[:, None] + jk[None, :] % period[:, None], seq_len[:, None] - 1
+    )
+    drafts = seqs.gather(1, src)  # [B, k]
+    dst = seq_len[:, None] + jk[None, :]
+    write = active[:, None] & (dst < width)
+    token_ids[rows[:, None].expand_as(dst)[write], dst[write]] = drafts[write]
+    num_found[:num_reqs] = torch.where(active & found, k, 0).to(num_found.dtype)
+
+
+def ngram_propose_triton(
+    token_ids: torch.Tensor,
+    num_tokens: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    num_sampled: torch.Tensor,
+    num_reqs: int,
+    k: int,
+    min_n: int,
+    max_n: int,
+    num_found: torch.Tensor,
+    block_e: int | None = None,
+) -> None:
+    """Triton implementation of :func:`ngram_propose`: one program per request.
+
+    A program scans its candidate ends in ``block_e`` tiles (``T`` is read on the device), each
+    tile comparing ``j = 1..max_n`` tokens back, and keeps the best ``(len, e)`` as one packed
+    key. ``num_reqs`` only sizes the grid; ``k``, ``min_n`` and ``max_n`` are configuration.
+    """
+    _check_ngram_args(
+        token_ids, num_tokens, idx_mapping, num_sampled, num_reqs, k, min_n, max_n, num_found
+    )
+    if num_reqs == 0:
+        return
+    be = default_block(token_ids, cuda=256, cpu=32, block=block_e)
+    _ngram_propose_kernel[(num_reqs,)](
+        token_ids,
+        token_ids.stride(0),
+        token_ids.shape[1],
+        num_tokens,
+        idx_mapping,
+        num_sampled,
+        num_found,
+        k,
+        min_n,
+        max_n,
+        BLOCK_E=be,
+        BLOCK_K=triton.next_power_of_2(k),
+    )
+
+
+def ngram_propose(
+    token_ids: torch.Tensor,
+    num_tokens: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    num_sampled: torch.Tensor,
+    num_reqs: int,
+    k: int,
+    min_n: int,
+    max_n: int,
+    num_found: torch.Tensor,
+) -> None:
+    """Propose ``k`` draft tokens per request by n-gram lookup in its own tokens, in place.
+
+    Args:
+        token_ids: ``[R, L]`` int32 state table (rows contiguous); drafts are written at
+            ``token_ids[row, T + j]`` for ``j < k`` where ``T + j < L``.
+        num_tokens: ``[R]`` int32, known tokens ``T >= 1`` per row (not changed).
+        idx_mapping: ``[>= B]`` int, batch position -> row (distinct rows).
+        num_sampled: ``[>= B]`` int32, tokens request ``i`` produced this step; requests with
+            ``0`` (mid-prompt chunks) propose nothing: their row is untouched.
+        num_reqs: number of requests ``B``.
+        k: drafts per request (``>= 1``).
+        min_n: shortest match that counts (``>= 1``).
+        max_n: longest match compared (``>= min_n``).
+        num_found: out ``[>= B]`` int32, ``k`` when a match was found, else ``0``.
+
+    The match, tie-breaking and period rule are in the module docstring. Runs
+    :func:`ngram_propose_triton` when :func:`use_triton` (on ``token_ids``) says so, else
+    :func:`ngram_propose_ref`.
+    """
+    impl = ngram_propose_triton if use_triton(token_ids) else ngram_propose_ref
+    impl(token_ids, num_tokens, idx_mapping, num_sampled, num_reqs, k, min_n, max_n, num_found)

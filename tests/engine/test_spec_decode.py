@@ -1,0 +1,203 @@
+"""Speculative decoding end to end on CPU: steps of 1 + k tokens give the one-token path's tokens.
+
+An oracle speculator (drafts from a known continuation, some corrupted on purpose) makes every
+acceptance case happen on tiny random models: all drafts kept, none, a prefix. n-gram then runs
+as users run it, and must change nothing but speed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mrv2 import LLM, SamplingParams, hookimpl
+from mrv2.contract.batch import InputBatch
+from mrv2.contract.speculator import Speculator, SpeculatorInputs, StepSamples
+from mrv2.contract.state_table import RequestStateTable
+from mrv2.plugins import PluginManager
+from mrv2.testing import make_tiny_checkpoint
+
+PROMPTS = [[5, 17, 42, 9, 100, 3, 77], [8, 8, 250], [1 + i % 200 for i in range(37)], [64],
+           [7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8]]
+NEW_TOKENS = 14
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+class Oracle(Speculator):
+    """Drafts the known continuation of each sequence; every ``corrupt``-th draft is wrong."""
+
+    futures: list[list[int]] = []
+    corrupt = 0
+
+    def propose(self, batch: InputBatch, samples: StepSamples, inputs: SpeculatorInputs,
+                table: RequestStateTable) -> None:
+        k = self.num_speculative_tokens
+        for i, row in enumerate(batch.idx_mapping_cpu.tolist()):
+            n = int(table.num_tokens[row])
+            known = table.token_ids[row, :n].tolist()
+            future = next((f for f in self.futures if f[:n] == known), known)
+            drafts = (future[n : n + k] + [0] * k)[:k]
+            for j in range(k):
+                if self.corrupt and (n + j) % self.corrupt == 0:
+                    drafts[j] = (drafts[j] + 1) % 256
+                if n + j < table.token_ids.shape[1] and int(samples.num_sampled[i]) > 0:
+                    table.token_ids[row, n + j] = drafts[j]
+
+
+class OraclePlugin:
+    """Registers the oracle speculator."""
+
+    @hookimpl
+    def mrv2_register_speculators(self, register: Any) -> None:
+        register("oracle", f"{__name__}:Oracle")
+
+
+@pytest.fixture(scope="module", params=["Qwen3ForCausalLM", "LlamaForCausalLM"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), request.param)
+
+
+def _llm(checkpoint: Path, **kwargs: Any) -> LLM:
+    manager = PluginManager(autoload=True, allow=["qwen", "llama"], block=[])
+    manager.register(OraclePlugin(), name="oracle")
+    engine_kwargs = {"device": "cpu", "dtype": "float32", "block_size": 4, **kwargs}
+    return LLM(str(checkpoint), plugins=manager, **engine_kwargs)
+
+
+def _generate(llm: LLM, params: SamplingParams = GREEDY,
+              prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint: Path) -> list[list[int]]:
+    return _generate(_llm(checkpoint))
+
+
+@pytest.mark.parametrize("corrupt", [0, 1, 3], ids=["all-kept", "none-kept", "some-kept"])
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_oracle_drafts_give_the_one_token_tokens(
+    checkpoint: Path, expected: list[list[int]], corrupt: int, async_scheduling: bool
+) -> None:
+    Oracle.futures = [p + e for p, e in zip(PROMPTS, expected, strict=True)]
+    Oracle.corrupt = corrupt
+    llm = _llm(checkpoint, async_scheduling=async_scheduling,
+               speculative_config={"method": "oracle", "num_speculative_tokens": 3})
+    assert _generate(llm) == expected
+    stats = llm.engine.stats()
+    drafted, accepted = stats["spec_num_draft_tokens"], stats["spec_num_accepted_tokens"]
+    assert drafted > 0
+    if corrupt == 0:
+        assert accepted == drafted  # every draft right: every draft kept
+    elif corrupt == 1:
+        assert accepted == 0
+    else:
+        assert 0 < accepted < drafted
+    runner = llm.engine.runner
+    assert len(runner.table) == 0 and llm.engine.block_manager.usage == 0.0
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_num_batched_tokens": 8},  # chunked prefill beside 1 + k decode steps
+        {"num_gpu_blocks_override": 16},  # tiny cache: preemption while drafts are in flight
+        {"max_model_len": 40},  # drafts cut short at the end of the context
+    ],
+    ids=["chunked", "tiny-cache", "short-context"],
+)
+def test_oracle_drafts_under_pressure(checkpoint: Path, expected: list[list[int]],
+                                      kwargs: dict[str, Any]) -> None:
+    Oracle.futures = [p + e for p, e in zip(PROMPTS, expected, strict=True)]
+    Oracle.corrupt = 4
+    plain = _generate(_llm(checkpoint, **kwargs))  # max_model_len 40 cuts outputs short
+    llm = _llm(checkpoint, speculative_config={"method": "oracle", "num_speculative_tokens": 4},
+               **kwargs)
+    assert _generate(llm) == plain
+    assert llm.engine.stats()["spec_num_accepted_tokens"] > 0
+    if "num_gpu_blocks_override" in kwargs:
+        assert llm.engine.stats()["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_ngram_changes_nothing_but_speed(checkpoint: Path, expected: list[list[int]],
+                                         async_scheduling: bool) -> None:
+    llm = _llm(checkpoint, async_scheduling=async_scheduling, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2})
+    assert _generate(llm) == expected
+    assert llm.engine.stats()["spec_num_draft_tokens"] > 0
+
+
+def test_seeded_sampling_and_mixed_params_equal_without_speculation(checkpoint: Path) -> None:
+    """Seeded samples match token for token; requests with penalties or logprobs (which do
+    not speculate) share steps with ones that do."""
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=NEW_TOKENS),
+              SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, presence_penalty=1.0),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=NEW_TOKENS, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logit_bias={7: 3.0})]
+    prompts = PROMPTS[:4]
+
+    def run(**kwargs: Any) -> list[Any]:
+        llm = _llm(checkpoint, **kwargs)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    plain = run()
+    spec = run(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert [t for t, _ in spec] == [t for t, _ in plain]
+    for got, want in zip(spec[2][1], plain[2][1], strict=True):  # the logprobs request's too
+        assert got.keys() == want.keys()  # (values within fp32 noise of the batch's shapes)
+        for token, lp in got.items():
+            assert lp.rank == want[token].rank
+            assert lp.logprob == pytest.approx(want[token].logprob, abs=1e-5)
+
+
+def test_stops_inside_accepted_drafts(checkpoint: Path, expected: list[list[int]]) -> None:
+    """A stop token among accepted drafts ends the request there; later tokens are dropped."""
+    Oracle.futures = [p + e for p, e in zip(PROMPTS, expected, strict=True)]
+    Oracle.corrupt = 0
+    stop = expected[0][5]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, stop_token_ids=[stop])
+    plain = _generate(_llm(checkpoint), params, PROMPTS[:1])
+    spec = _generate(_llm(checkpoint, speculative_config={"method": "oracle",
+                                                          "num_speculative_tokens": 4}),
+                     params, PROMPTS[:1])
+    assert spec == plain and plain[0][-1] == stop and len(plain[0]) <= 6
+
+
+def test_bad_speculative_config_is_refused(checkpoint: Path) -> None:
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        _llm(checkpoint, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                             "prompt_lookup_min": 5, "prompt_lookup_max": 3})
+    with pytest.raises(ValueError, match="needs num_speculative_tokens >= 1"):
+        _llm(checkpoint, speculative_config={"method": "ngram"})
+    with pytest.raises(ValueError, match="speculative_config is not valid JSON"):
+        _llm(checkpoint, speculative_config="{method: ngram")
+
+
+def test_runner_refuses_malformed_draft_steps(checkpoint: Path) -> None:
+    from mrv2.contract.requests import NewRequest, SchedulerOutput
+
+    llm = _llm(checkpoint, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    runner = llm.engine.runner
+    request = NewRequest("r", [3, 4, 5], SamplingParams(temperature=0), 0, [0, 1])
+    with pytest.raises(ValueError, match="draft tokens in 3 scheduled"):
+        runner.execute(SchedulerOutput({"r": 3}, new_requests=[request],
+                                       num_draft_tokens={"r": 2}))
+    assert len(runner.table) == 0  # refused before anything changed
+    runner.execute(SchedulerOutput({"r": 3}, new_requests=[request])).result()
+    with pytest.raises(ValueError, match=r"d in 1\.\.2"):
+        runner.execute(SchedulerOutput({"r": 4}, num_draft_tokens={"r": 3}))
+    out = runner.execute(SchedulerOutput({"r": 3}, num_draft_tokens={"r": 2}))
+    tokens = out.result()["r"]
+    assert 1 <= len(tokens) <= 3
+    info = runner.table.info[runner.table.row_of("r")]
+    assert info.num_known - info.num_computed == 1
+    assert info.num_computed == int(runner.table.num_computed[runner.table.row_of("r")])
+    assert torch.equal(runner.table.num_tokens[runner.table.row_of("r")],
+                       torch.tensor(info.num_known, dtype=torch.int32))
