@@ -3,7 +3,7 @@
 The runner owns the device state table; you own KV block ids and token counts. Each step names
 how many tokens every scheduled request computes; a request samples when it reaches the end of
 its known tokens. Sampled tokens stay on the device for the next step; ``result()`` brings them
-to the CPU one step late.
+to the CPU one step late (a list per request: one token, or more while verifying drafts).
 """
 
 from mrv2 import EngineConfig, Runner, SamplingParams
@@ -26,7 +26,7 @@ pending = runner.execute(SchedulerOutput({"r0": len(prompt)}, new_requests=[requ
 tokens: list[int] = []
 for _ in range(31):
     following = runner.execute(SchedulerOutput({"r0": 1}))
-    tokens.append(pending.result()["r0"])
+    tokens.extend(pending.result()["r0"])
     pending = following
     if tokens[-1] == tokenizer.eos_token_id:
         break

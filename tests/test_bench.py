@@ -83,3 +83,21 @@ def test_sampler_bench_times_every_mode(tmp_path: Path) -> None:
     results = bench(args)
     assert results["vocab"] == 1001
     assert all(results[mode]["us"] > 0 for mode in MODES)
+
+
+def test_latency_bench_with_ngram_variant(tmp_path: Path) -> None:
+    from mrv2.bench.latency import bench
+    from mrv2.entrypoints.cli import build_parser
+
+    ckpt = make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM", vocab_size=10_001,
+                                max_position_embeddings=512, num_hidden_layers=1)
+    args = build_parser().parse_args([
+        "bench", "latency", "--model", str(ckpt), "--dtype", "float32", "--batch-sizes", "1",
+        "2", "--prompt-len", "8", "--new-tokens", "12", "--max-model-len", "64",
+        "--variants", "ngram",
+    ])
+    results = bench(args)
+    assert [r["batch"] for r in results["default"]] == [1, 2]
+    rows, spec = results["ngram"][:-1], results["ngram"][-1]
+    assert [r["batch"] for r in rows] == [1, 2] and all(r["host_execute_ms"] > 0 for r in rows)
+    assert spec["spec_num_draft_tokens"] > 0

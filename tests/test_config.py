@@ -60,3 +60,22 @@ def test_cli_flags(tmp_path: Path) -> None:
     assert config.scheduler.async_scheduling is False
     with pytest.raises(ValidationError, match="block_size"):
         config_from_cli(parser.parse_args(["--block-size", "5"]), None)
+
+
+def test_speculative_config_by_vllm_name_cli_and_server() -> None:
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2}
+    config = EngineConfig.from_kwargs(speculative_config=spec)
+    assert config.speculative.model_dump() == spec
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(["--speculative-config", json.dumps(spec)])
+    assert config_from_cli(args, None).speculative == config.speculative
+    from mrv2.entrypoints.cli import build_parser
+
+    serve = build_parser().parse_args(["serve", "/m", "--speculative-config", json.dumps(spec)])
+    assert config_from_cli(serve, "/m").speculative == config.speculative
+    with pytest.raises(ValueError, match="speculative_config must be a mapping"):
+        EngineConfig.from_kwargs(speculative_config="[1, 2]")
+    with pytest.raises(ValidationError, match="prompt_lookup_min"):
+        EngineConfig.from_kwargs(speculative_config={**spec, "prompt_lookup_min": 6})

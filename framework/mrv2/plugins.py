@@ -76,7 +76,7 @@ class PluginManager:
 
     @property
     def hook(self) -> Any:
-        """The hook relay: ``manager.hook.mrv2_prepare_inputs(...)``."""
+        """The hook relay: ``manager.hook.mrv2_make_sampler(...)``."""
         return self.pm.hook
 
     def register(

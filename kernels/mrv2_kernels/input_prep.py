@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ._backend import default_block, use_triton
+from ._checks import check_1d, check_rows
 
 __all__ = [
     "post_update",
@@ -137,16 +138,6 @@ def _post_update_kernel(
     tl.store(num_tokens_ptr + row, tl.minimum(base + n, max_model_len), mask=n > 0)
 
 
-def _check_1d(name: str, t: torch.Tensor, min_len: int) -> None:
-    if t.dim() != 1 or t.shape[0] < min_len:
-        raise ValueError(f"{name} must be 1-D with >= {min_len} entries, got {tuple(t.shape)}")
-
-
-def _check_rows(name: str, t: torch.Tensor) -> None:
-    if t.dim() != 2 or (t.shape[1] > 1 and t.stride(1) != 1):
-        raise ValueError(f"{name} must be 2-D with contiguous rows, got {tuple(t.shape)}")
-
-
 def _check_prepare_args(
     idx_mapping: torch.Tensor,
     query_start_loc: torch.Tensor,
@@ -157,11 +148,11 @@ def _check_prepare_args(
     num_block_cols: int,
 ) -> None:
     input_ids, positions, slot_mapping, seq_lens, block_table_out = outs
-    _check_1d("idx_mapping", idx_mapping, num_reqs)
-    _check_1d("query_start_loc", query_start_loc, num_reqs + 1)
-    _check_rows("token_ids", token_ids)
-    _check_rows("block_table", block_table)
-    _check_rows("block_table_out", block_table_out)
+    check_1d("idx_mapping", idx_mapping, num_reqs)
+    check_1d("query_start_loc", query_start_loc, num_reqs + 1)
+    check_rows("token_ids", token_ids)
+    check_rows("block_table", block_table)
+    check_rows("block_table_out", block_table_out)
     num_tokens_pad = input_ids.shape[0]
     for name, t in (
         ("input_ids", input_ids),
@@ -351,12 +342,12 @@ def _check_update_args(
     num_drafts: torch.Tensor,
     token_ids: torch.Tensor,
 ) -> None:
-    _check_1d("idx_mapping", idx_mapping, num_reqs)
-    _check_1d("query_start_loc", query_start_loc, num_reqs + 1)
-    _check_1d("num_sampled", num_sampled, num_reqs)
-    _check_1d("num_drafts", num_drafts, num_reqs)
-    _check_rows("sampled", sampled)
-    _check_rows("token_ids", token_ids)
+    check_1d("idx_mapping", idx_mapping, num_reqs)
+    check_1d("query_start_loc", query_start_loc, num_reqs + 1)
+    check_1d("num_sampled", num_sampled, num_reqs)
+    check_1d("num_drafts", num_drafts, num_reqs)
+    check_rows("sampled", sampled)
+    check_rows("token_ids", token_ids)
     if sampled.shape[0] < num_reqs or sampled.shape[1] < 1:
         raise ValueError(f"sampled must be [>= {num_reqs}, >= 1], got {tuple(sampled.shape)}")
 

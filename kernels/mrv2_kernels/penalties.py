@@ -84,7 +84,7 @@ def apply_penalties_triton(
     block_v: int | None = None,
 ) -> None:
     """Triton implementation of :func:`apply_penalties`: one program per (row, vocab tile)."""
-    _check(logits, idx_mapping, output_counts, prompt_mask)
+    _check(logits, idx_mapping, output_counts, prompt_mask, repetition, frequency, presence)
     n, vocab = logits.shape
     if n == 0 or vocab == 0:
         return
@@ -99,7 +99,8 @@ def apply_penalties_triton(
 
 
 def _check(
-    logits: torch.Tensor, idx: torch.Tensor, counts: torch.Tensor, mask: torch.Tensor
+    logits: torch.Tensor, idx: torch.Tensor, counts: torch.Tensor, mask: torch.Tensor,
+    *params: torch.Tensor,
 ) -> None:
     if logits.dim() != 2 or (logits.shape[1] > 1 and logits.stride(1) != 1):
         raise ValueError("logits must be 2-D with contiguous rows")
@@ -110,6 +111,9 @@ def _check(
     for name, t in (("output_counts", counts), ("prompt_mask", mask)):
         if t.dim() != 2 or t.shape[1] < logits.shape[1] or t.stride(1) != 1:
             raise ValueError(f"{name} must be [rows, >= vocab] with contiguous rows")
+    for t in params:  # the kernel reads row r's parameter at ``ptr + r``
+        if t.dim() != 1 or not t.is_contiguous():
+            raise ValueError("repetition, frequency and presence must be contiguous 1-D tensors")
 
 
 def apply_penalties(

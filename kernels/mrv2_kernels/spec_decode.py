@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from ._backend import default_block, use_triton
+from ._checks import check_1d, check_rows
 
 __all__ = [
     "ngram_propose",
@@ -45,16 +46,6 @@ __all__ = [
     "strict_rejection_ref",
     "strict_rejection_triton",
 ]
-
-
-def _check_1d(name: str, t: torch.Tensor, min_len: int) -> None:
-    if t.dim() != 1 or t.shape[0] < min_len:
-        raise ValueError(f"{name} must be 1-D with >= {min_len} entries, got {tuple(t.shape)}")
-
-
-def _check_rows(name: str, t: torch.Tensor) -> None:
-    if t.dim() != 2 or (t.shape[1] > 1 and t.stride(1) != 1):
-        raise ValueError(f"{name} must be 2-D with contiguous rows, got {tuple(t.shape)}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -100,12 +91,12 @@ def _check_rejection_args(
     out: torch.Tensor,
     num_out: torch.Tensor,
 ) -> None:
-    _check_1d("target", target, 0)
-    _check_1d("cu_num_logits", cu_num_logits, num_reqs + 1)
-    _check_1d("input_ids", input_ids, 0)
-    _check_1d("logits_indices", logits_indices, 0)
-    _check_1d("num_out", num_out, num_reqs)
-    _check_rows("out", out)
+    check_1d("target", target, 0)
+    check_1d("cu_num_logits", cu_num_logits, num_reqs + 1)
+    check_1d("input_ids", input_ids, 0)
+    check_1d("logits_indices", logits_indices, 0)
+    check_1d("num_out", num_out, num_reqs)
+    check_rows("out", out)
     if out.shape[0] < num_reqs or out.shape[1] < 1:
         raise ValueError(f"out must be [>= {num_reqs}, >= 1], got {tuple(out.shape)}")
 
@@ -276,11 +267,11 @@ def _check_ngram_args(
     max_n: int,
     num_found: torch.Tensor,
 ) -> None:
-    _check_rows("token_ids", token_ids)
-    _check_1d("num_tokens", num_tokens, 0)
-    _check_1d("idx_mapping", idx_mapping, num_reqs)
-    _check_1d("num_sampled", num_sampled, num_reqs)
-    _check_1d("num_found", num_found, num_reqs)
+    check_rows("token_ids", token_ids)
+    check_1d("num_tokens", num_tokens, 0)
+    check_1d("idx_mapping", idx_mapping, num_reqs)
+    check_1d("num_sampled", num_sampled, num_reqs)
+    check_1d("num_found", num_found, num_reqs)
     if k < 1 or not 1 <= min_n <= max_n:
         raise ValueError(f"need k >= 1 and 1 <= min_n <= max_n, got {k=}, {min_n=}, {max_n=}")
 

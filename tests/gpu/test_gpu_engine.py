@@ -120,7 +120,62 @@ def test_steps_never_synchronize(ckpt: Path) -> None:
         torch.cuda.set_sync_debug_mode("default")
     tokens = [out.result() for out in outputs]
     assert set(tokens[-1]) == {"0", "1", "2", "3"}
-    assert all(0 <= t < 256 for step in tokens for t in step.values())
+    assert all(0 <= t < 256 for step in tokens for ts in step.values() for t in ts)
+
+
+def test_ngram_speculation_fp32_equals_plain_with_graphs_at_1_plus_k(ckpt: Path) -> None:
+    """Greedy tokens with n-gram drafts equal the plain path's (fp32, graphs and async on),
+    decode steps of 1 + k tokens replay their own graphs, and drafts are accepted."""
+    prompts = PROMPTS + [[7, 8, 9] * 6]
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+
+    def run(**kwargs: object) -> tuple[list[list[int]], LLM]:
+        llm = LLM(str(ckpt), device="cuda", dtype="float32", block_size=16,
+                  gpu_memory_utilization=0.3, **kwargs)
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], llm
+
+    plain = run()[0]
+    got, llm = run(speculative_config=spec)
+    assert got == plain
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and any(q == 4 for q, _ in graphs.graphs)
+    assert llm.engine.stats()["spec_num_draft_tokens"] > 0
+    del llm, graphs  # one engine at a time: each takes 0.3 of the card
+    assert run(speculative_config=spec, async_scheduling=False)[0] == plain
+
+
+def test_speculative_steps_never_synchronize(ckpt: Path) -> None:
+    """Prefill, then decode steps verifying drafts (eager and graph replay), with the n-gram
+    proposal on the device: no host sync anywhere."""
+    config = EngineConfig.from_kwargs(
+        model=str(ckpt), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    runner = Runner.from_config(config)
+    assert runner.graphs is not None and runner.graphs.padded_size(3, 4) is not None
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
+    new = [NewRequest(str(i), p, params, seed=i, block_ids=[i * 8 + j for j in range(8)])
+           for i, p in enumerate(PROMPTS)]
+    outputs = []
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outputs.append(runner.execute(SchedulerOutput(
+            {str(i): len(p) for i, p in enumerate(PROMPTS)}, new_requests=new)))
+        drafts = {str(i): 2 for i in range(4)}
+        outputs.append(runner.execute(SchedulerOutput({k: 3 for k in drafts},
+                                                      num_draft_tokens=drafts)))
+        # a step whose requests verify different numbers of drafts runs eager
+        outputs.append(runner.execute(SchedulerOutput(
+            {"0": 3, "1": 2, "2": 3, "3": 1}, num_draft_tokens={"0": 2, "1": 1, "2": 2})))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    first = outputs[-1].result()
+    for out in outputs[:-1]:
+        out.result()
+    assert set(first) == {"0", "1", "2", "3"} and len(first["3"]) == 1
+    assert all(1 <= len(ts) <= 3 for ts in first.values())
 
 
 
@@ -147,17 +202,18 @@ def test_batch1_decode_fusions_match_hf_and_the_unfused_layers(
     config = EngineConfig.from_kwargs(model=str(ckpt), device="cuda", dtype="bfloat16",
                                       gpu_memory_utilization=0.3)
     runner = Runner.from_config(config)
-    assert runner.graphs is not None and 1 in runner.graphs.graphs
+    assert runner.graphs is not None and (1, 1) in runner.graphs.graphs
     new = [NewRequest("0", prompt, SamplingParams(temperature=0), seed=0, block_ids=[0, 1])]
-    first = runner.execute(SchedulerOutput({"0": len(prompt)}, new_requests=new)).result()["0"]
+    first = runner.execute(SchedulerOutput({"0": len(prompt)},
+                                           new_requests=new)).result()["0"][0]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         step = runner.execute(SchedulerOutput({"0": 1}))  # replays the batch-1 graph
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    second = step.result()["0"]
-    decode_logits = runner.graphs.outputs[1][0].float().cpu()  # the replay's logits buffer
+    second = step.result()["0"][0]
+    decode_logits = runner.graphs.outputs[(1, 1)][1][0].float().cpu()  # the replay's logits
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
     with torch.no_grad():
         ref = hf(torch.tensor([prompt + [first]])).logits[0, -1]

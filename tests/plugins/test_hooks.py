@@ -225,8 +225,10 @@ def test_speculator_hooks(ckpt: Path, baseline: list[list[int]]) -> None:
 
     made: list[str] = []
 
-    def mrv2_make_speculator(config: Any) -> None:
+    def mrv2_make_speculator(config: Any, model_state: Any, device: torch.device) -> Any:
         made.append(str(config.speculative.method))
+        if config.speculative.method == "direct":  # not registered: built by this hook
+            return Repeater(config, model_state, device)
         return None  # the core's default builds the registered one
 
     manager = _manager(mrv2_register_speculators=mrv2_register_speculators,
@@ -242,6 +244,11 @@ def test_speculator_hooks(ckpt: Path, baseline: list[list[int]]) -> None:
     assert [o.outputs[0].token_ids for o in outs] == baseline
     assert made == ["medusa", "repeat"] and Repeater.proposals > 0
     assert llm.engine.stats()["spec_num_draft_tokens"] > 0
+    Repeater.proposals = 0
+    llm = LLM(str(ckpt), plugins=manager, device="cpu", dtype="float32", block_size=4,
+              speculative_config={"method": "direct", "num_speculative_tokens": 1})
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == baseline and Repeater.proposals > 0
 
 
 def test_register_models_hook_with_private_model_state(ckpt: Path, baseline: list[list[int]],

@@ -38,8 +38,9 @@ def measure(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int,
     row = {"batch": batch, "ttft_ms": round((first - start) * 1e3, 2),
            "tpot_ms": round((end - first) * 1e3 / (new_tokens - 1), 3)}
     if log is not None:
+        k = engine.runner.num_speculative_tokens  # decode steps: 1 (+ k drafts) per request
         decode = [i for i in range(first_step, len(log.steps))
-                  if log.steps[i][0] == log.steps[i][1]]
+                  if log.steps[i][1] <= log.steps[i][0] * (1 + k)]
         row["host_execute_ms"] = round(statistics.median(log.host_s[i] for i in decode) * 1e3, 3)
         if log.events:
             torch.cuda.synchronize()
@@ -51,8 +52,11 @@ def measure(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int,
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     """Latency rows for each batch size and each variant."""
     model_dir = resolve_model(args.model)
-    variants = {"default": {}, "async_off": {"async_scheduling": False},
-                "graphs_off": {"enforce_eager": True}}
+    variants: dict[str, dict[str, Any]] = {
+        "default": {}, "async_off": {"async_scheduling": False},
+        "graphs_off": {"enforce_eager": True},
+        "ngram": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+    }
     results: dict[str, Any] = {"model": args.model, "prompt_len": args.prompt_len,
                                "new_tokens": args.new_tokens}
     for name in ["default", *args.variants]:
@@ -67,6 +71,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         log = instrument(engine)
         results[name] = [measure(engine, b, args.prompt_len, args.new_tokens, log)
                          for b in args.batch_sizes]
+        if engine.runner.num_speculative_tokens:
+            stats = engine.stats()
+            results[name].append({"spec_acceptance_rate": round(stats["spec_acceptance_rate"], 3),
+                                  "spec_num_draft_tokens": stats["spec_num_draft_tokens"]})
         del engine
         release_engine_memory()
     return results
@@ -83,7 +91,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--new-tokens", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--variants", nargs="*", default=[], choices=["async_off", "graphs_off"])
+    p.add_argument("--variants", nargs="*", default=[],
+                   choices=["async_off", "graphs_off", "ngram"],
+                   help="ngram: n-gram speculation, k=3 (random weights: acceptance is whatever "
+                        "the random model's greedy loops give; read it as the cost of verifying)")
     p.add_argument("--json", default=None)
     p.set_defaults(func=main)
 

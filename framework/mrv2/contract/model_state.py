@@ -26,7 +26,7 @@ from mrv2.contract.attention import AttentionMetadata
 from mrv2.contract.batch import InputBatch, InputBuffers
 from mrv2.contract.kv_cache import KVCacheSpec, layer_specs
 from mrv2.contract.requests import MultiModalEmbeddings, NewRequest
-from mrv2.contract.speculator import SpeculatorInputs
+from mrv2.contract.samples import SpeculatorInputs
 
 
 class ModelState:
@@ -147,7 +147,7 @@ class ModelState:
             num_tokens_padded=num_tokens,
             max_query_len=int(lens.max()),
             max_seq_len=int(seq_lens.max()),
-            uniform_decode=bool((lens == lens[0]).all()),
+            uniform_decode=bool((lens == lens[0]).all() and drafts[0] == lens[0] - 1),
             do_sample=np.ones(num_reqs, dtype=bool),
             idx_mapping=buffers.idx_mapping[:num_reqs],
             query_start_loc=buffers.query_start_loc[: num_reqs + 1],

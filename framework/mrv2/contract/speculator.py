@@ -19,38 +19,16 @@ input tokens like any other; verified positions are overwritten by the post-upda
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from mrv2.config import EngineConfig
 from mrv2.contract.batch import InputBatch
+from mrv2.contract.model_state import ModelState
+from mrv2.contract.samples import SpeculatorInputs, StepSamples
 from mrv2.contract.state_table import RequestStateTable
 
-if TYPE_CHECKING:
-    from mrv2.config import EngineConfig
-    from mrv2.contract.model_state import ModelState
-
-
-@dataclass
-class StepSamples:
-    """A step's output tokens per request, on the device."""
-
-    tokens: torch.Tensor
-    """``[num_reqs, 1 + max drafts]`` int64: accepted drafts then the bonus token; ``-1`` after."""
-    num_sampled: torch.Tensor
-    """``[num_reqs]`` int32: tokens in each row (0: the request sampled nothing this step)."""
-
-
-@dataclass
-class SpeculatorInputs:
-    """What the target model hands its speculator after a step (``ModelState`` builds it)."""
-
-    hidden_states: torch.Tensor | None
-    """``[num_tokens, hidden]`` last-layer hidden states of the step's tokens (MTP, Eagle)."""
-    aux_hidden_states: list[torch.Tensor] | None = None
-    """Extra layers' hidden states, ``[num_tokens, hidden]`` each (Eagle3), if the model keeps
-    them."""
+__all__ = ["Speculator", "SpeculatorInputs", "StepSamples"]
 
 
 class Speculator(ABC):

@@ -119,15 +119,16 @@ class AsyncStepOutput:
         if self._result is None:
             if self._event is not None:
                 self._event.synchronize()
-            tokens = self._tokens.numpy()
-            if self._num_sampled is not None:
-                counts = self._num_sampled.numpy()
+            if self._num_sampled is None:  # one token per request that sampled
+                firsts = self._tokens[:, 0].tolist()
+                self._result = {req_id: [token] for req_id, token, sampled in
+                                zip(self.req_ids, firsts, self.do_sample.tolist(), strict=True)
+                                if sampled}
             else:
-                counts = self.do_sample.astype(np.int32)
-            self._result = {
-                req_id: tokens[i, : counts[i]].tolist()
-                for i, req_id in enumerate(self.req_ids) if counts[i] > 0
-            }
+                rows = self._tokens.tolist()
+                counts = self._num_sampled.tolist()
+                self._result = {req_id: rows[i][: counts[i]]
+                                for i, req_id in enumerate(self.req_ids) if counts[i] > 0}
             for req_id, d in self.drafted.items():  # the CPU counts assumed every draft kept
                 accepted = len(self._result.get(req_id, ())) - 1
                 d.info.take_back(d.num_drafts - max(accepted, 0))

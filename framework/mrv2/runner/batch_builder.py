@@ -129,25 +129,29 @@ class BatchBuilder:
         table, buffers = self.table, self.buffers
         req_ids = list(scheduled.num_scheduled_tokens)
         num_reqs = len(req_ids)
-        rows = np.fromiter((table.rows[r] for r in req_ids), dtype=np.int32, count=num_reqs)
-        lens = np.fromiter(scheduled.num_scheduled_tokens.values(), dtype=np.int32,
-                           count=num_reqs)
-        drafts = np.fromiter((scheduled.num_draft_tokens.get(r, 0) for r in req_ids),
-                             dtype=np.int32, count=num_reqs)
-        computed = np.empty(num_reqs, dtype=np.int32)
-        do_sample = np.empty(num_reqs, dtype=bool)
+        lens_l = list(scheduled.num_scheduled_tokens.values())
+        draft_map = scheduled.num_draft_tokens
+        drafts_l = [draft_map.get(r, 0) for r in req_ids] if draft_map else [0] * num_reqs
+        rows_l = [table.rows[r] for r in req_ids]
+        computed_l = [0] * num_reqs
+        sample_l = [False] * num_reqs
         drafted: dict[str, Drafted] = {}
         max_seq_len = 0
-        for i, row in enumerate(rows.tolist()):
+        for i, row in enumerate(rows_l):
             info = table.info[row]
-            computed[i] = info.num_computed
-            info.num_computed += int(lens[i])
-            do_sample[i] = info.num_computed == info.num_known + drafts[i]
-            if do_sample[i]:
+            computed_l[i] = info.num_computed
+            info.num_computed += lens_l[i]
+            if info.num_computed == info.num_known + drafts_l[i]:
+                sample_l[i] = True
                 info.num_known = info.num_computed + 1
-            if drafts[i]:
-                drafted[req_ids[i]] = Drafted(info, int(drafts[i]))
+            if drafts_l[i]:
+                drafted[req_ids[i]] = Drafted(info, drafts_l[i])
             max_seq_len = max(max_seq_len, info.num_computed)
+        rows = np.array(rows_l, dtype=np.int32)
+        lens = np.array(lens_l, dtype=np.int32)
+        drafts = np.array(drafts_l, dtype=np.int32)
+        computed = np.array(computed_l, dtype=np.int32)
+        do_sample = np.array(sample_l, dtype=bool)
         num_tokens = int(lens.sum())
         max_drafts = int(drafts.max())
         query_len = int(lens[0])
@@ -158,23 +162,8 @@ class BatchBuilder:
         cu_logits = np.zeros(num_reqs + 1, dtype=np.int32)
         np.cumsum(drafts + 1, out=cu_logits[1:])
         num_logits = int(cu_logits[-1])
-        batch = InputBatch(
-            req_ids=req_ids, num_reqs=num_reqs, num_reqs_padded=num_reqs,
-            num_tokens=num_tokens, num_tokens_padded=num_tokens,
-            max_query_len=int(lens.max()), max_seq_len=max_seq_len, uniform_decode=uniform,
-            do_sample=do_sample, idx_mapping=buffers.idx_mapping[:num_reqs],
-            query_start_loc=buffers.query_start_loc[: num_reqs + 1],
-            input_ids=buffers.input_ids[:num_tokens], positions=buffers.positions[:num_tokens],
-            slot_mapping=buffers.slot_mapping[:num_tokens], seq_lens=buffers.seq_lens[:num_reqs],
-            block_table=buffers.block_table[:num_reqs],
-            logits_indices=buffers.logits_indices[:num_logits], idx_mapping_cpu=rows,
-            query_start_loc_cpu=qsl_cpu, num_computed_cpu=computed, num_draft_tokens=drafts,
-            cu_num_logits=cu_logits, logits_idx_mapping=buffers.logits_idx_mapping[:num_logits],
-            logits_positions=buffers.logits_positions[:num_logits],
-        )
-        plan = sample_plan(batch)
         padded = None
-        if self.graphs is not None and uniform and not plan.needs_hidden_states:
+        if self.graphs is not None and uniform:
             padded = self.graphs.padded_size(query_len, num_reqs)
         num_padded = padded or num_reqs
         num_tokens_padded = padded * query_len if padded else num_tokens
@@ -194,38 +183,44 @@ class BatchBuilder:
         dev = uploader.upload(arrays)
         staged.apply(dev)
 
-        buffers.idx_mapping[:num_reqs].copy_(dev["idx_mapping"])
-        buffers.query_start_loc[: num_padded + 1].copy_(dev["query_start_loc"])
+        idx_mapping = buffers.idx_mapping[:num_reqs]
+        idx_mapping.copy_(dev["idx_mapping"])
+        query_start_loc_dev = buffers.query_start_loc[: num_padded + 1]
+        query_start_loc_dev.copy_(dev["query_start_loc"])
         num_block_cols = min(-(-max_seq_len // self.block_size), table.max_blocks_per_req)
-        prepare_inputs(
-            buffers.idx_mapping[:num_reqs], buffers.query_start_loc[: num_padded + 1], num_reqs,
-            table.token_ids, table.num_computed, table.block_table, self.block_size,
-            buffers.input_ids[:num_tokens_padded], buffers.positions[:num_tokens_padded],
-            buffers.slot_mapping[:num_tokens_padded], buffers.seq_lens[:num_padded],
-            buffers.block_table[:num_padded], num_block_cols,
-        )
+        input_ids = buffers.input_ids[:num_tokens_padded]
+        positions = buffers.positions[:num_tokens_padded]
+        slot_mapping = buffers.slot_mapping[:num_tokens_padded]
+        seq_lens = buffers.seq_lens[:num_padded]
+        block_table = buffers.block_table[:num_padded]
+        prepare_inputs(idx_mapping, query_start_loc_dev, num_reqs, table.token_ids,
+                       table.num_computed, table.block_table, self.block_size, input_ids,
+                       positions, slot_mapping, seq_lens, block_table, num_block_cols)
+        logits_indices = buffers.logits_indices[:num_logits]
+        logits_positions = buffers.logits_positions[:num_logits]
         if max_drafts:
-            buffers.logits_indices[:num_logits].copy_(dev["logits_indices"])
-            buffers.logits_idx_mapping[:num_logits].copy_(dev["logits_rows"])
-            torch.index_select(buffers.positions, 0, buffers.logits_indices[:num_logits],
-                               out=buffers.logits_positions[:num_logits])
-            buffers.logits_positions[:num_logits].add_(1)
+            logits_indices.copy_(dev["logits_indices"])
             logits_idx_mapping = buffers.logits_idx_mapping[:num_logits]
+            logits_idx_mapping.copy_(dev["logits_rows"])
+            torch.index_select(buffers.positions, 0, logits_indices, out=logits_positions)
+            logits_positions.add_(1)
         else:  # one logits row per request: its last token, predicting position seq_len
-            torch.sub(buffers.query_start_loc[1 : num_reqs + 1], 1,
-                      out=buffers.logits_indices[:num_reqs])
-            buffers.logits_positions[:num_reqs].copy_(buffers.seq_lens[:num_reqs])
-            logits_idx_mapping = buffers.idx_mapping[:num_reqs]
-        batch.num_reqs_padded = num_padded
-        batch.num_tokens_padded = num_tokens_padded
-        batch.query_start_loc = buffers.query_start_loc[: num_padded + 1]
-        batch.input_ids = buffers.input_ids[:num_tokens_padded]
-        batch.positions = buffers.positions[:num_tokens_padded]
-        batch.slot_mapping = buffers.slot_mapping[:num_tokens_padded]
-        batch.seq_lens = buffers.seq_lens[:num_padded]
-        batch.block_table = buffers.block_table[:num_padded, :num_block_cols]
-        batch.logits_idx_mapping = logits_idx_mapping
-        batch.cu_num_logits_dev = dev.get("cu_num_logits")
+            torch.sub(query_start_loc_dev[1 : num_reqs + 1], 1, out=logits_indices)
+            logits_positions.copy_(seq_lens[:num_reqs])
+            logits_idx_mapping = idx_mapping
+        batch = InputBatch(
+            req_ids=req_ids, num_reqs=num_reqs, num_reqs_padded=num_padded,
+            num_tokens=num_tokens, num_tokens_padded=num_tokens_padded,
+            max_query_len=int(lens.max()), max_seq_len=max_seq_len, uniform_decode=uniform,
+            do_sample=do_sample, idx_mapping=idx_mapping, query_start_loc=query_start_loc_dev,
+            input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
+            seq_lens=seq_lens, block_table=block_table[:, :num_block_cols],
+            logits_indices=logits_indices, idx_mapping_cpu=rows, query_start_loc_cpu=qsl_cpu,
+            num_computed_cpu=computed, num_draft_tokens=drafts, cu_num_logits=cu_logits,
+            logits_idx_mapping=logits_idx_mapping, logits_positions=logits_positions,
+            cu_num_logits_dev=dev.get("cu_num_logits"),
+        )
+        plan = sample_plan(batch)
         return StepPlan(batch, plan, query_len if padded else 0, dev["do_sample"],
                         dev.get("num_drafts"), drafted)
 

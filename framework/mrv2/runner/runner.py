@@ -23,7 +23,7 @@ from mrv2.contract.batch import InputBatch, InputBuffers
 from mrv2.contract.forward_context import ForwardContext, set_forward_context
 from mrv2.contract.model_state import ModelState
 from mrv2.contract.requests import NewRequest, SchedulerOutput
-from mrv2.contract.speculator import SpeculatorInputs, StepSamples
+from mrv2.contract.samples import SpeculatorInputs, StepSamples
 from mrv2.contract.staged_edits import StagedEdits
 from mrv2.contract.staging import Uploader
 from mrv2.contract.state_table import RequestStateTable, RowInfo
@@ -198,7 +198,6 @@ class Runner:
         self, step: StepPlan
     ) -> tuple[StepSamples, SamplerOutput, list[PromptLogprobs]]:
         batch = step.batch
-        prompt_lps: list[PromptLogprobs] = []
         model = cast(CausalLM, self.model)
         if step.replay_query_len:
             assert self.graphs is not None
@@ -207,8 +206,8 @@ class Runner:
         else:
             hidden = self._forward(batch)
             logits = model.compute_logits(hidden[batch.logits_indices])
-            prompt_lps = self.sampler.prompt_logprobs(hidden, model.compute_logits, self.table,
-                                                      step.sample_plan)
+        prompt_lps = self.sampler.prompt_logprobs(hidden, model.compute_logits, self.table,
+                                                  step.sample_plan)
         out = self.sampler(logits, batch, self.table, step.sample_plan)
         if isinstance(out, torch.Tensor):  # a plugin sampler returning bare tokens
             out = SamplerOutput(out)

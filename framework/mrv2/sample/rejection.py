@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from mrv2.contract.batch import InputBatch
-from mrv2.contract.speculator import StepSamples
+from mrv2.contract.samples import StepSamples
 from mrv2_kernels.spec_decode import strict_rejection
 
 

@@ -22,7 +22,7 @@ import torch
 from mrv2.contract.batch import InputBatch
 from mrv2.contract.params import SamplingParams
 from mrv2.contract.requests import NewRequest
-from mrv2.contract.speculator import StepSamples
+from mrv2.contract.samples import StepSamples
 from mrv2.contract.staged_edits import StagedEdits
 from mrv2.contract.state_table import RequestStateTable
 from mrv2.sample.logits_processor import LogitsProcessor
@@ -63,11 +63,7 @@ class SamplePlan:
     max_logprobs: int = -1
     """The most top logprobs a request of the batch asked for (-1: none)."""
     prompt_chunks: list[PromptChunk] = field(default_factory=list)
-
-    @property
-    def needs_hidden_states(self) -> bool:
-        """Whether the step's hidden states of every token are needed (prompt logprobs)."""
-        return bool(self.prompt_chunks)
+    """Where this step's prompt tokens of ``prompt_logprobs`` requests lie."""
 
 
 class Sampler:

@@ -1,8 +1,9 @@
 """The sampler's own per-request columns, indexed by the state table's rows.
 
-Device: float parameters ``[R, 6]`` (temperature, top-p, min-p and the three penalties), int
-parameters ``[R, 4]`` (top-k, seed, min_tokens, prompt length); written by one staged
-``index_put`` each when a request takes a row. Penalties read two ``[R, vocab]`` tensors:
+Device: float parameters ``[6, R]`` (temperature, top-p, min-p and the three penalties), int
+parameters ``[4, R]`` (top-k, seed, min_tokens, prompt length), one contiguous row per
+parameter (kernels read a parameter's column as a plain ``[R]`` tensor); written by one staged
+``index_put`` each when requests take rows. Penalties read two ``[R, vocab]`` tensors:
 ``output_counts`` (int32, times each token was generated) and ``prompt_mask`` (bool, tokens of
 the prompt), allocated on the first request that asks for a penalty (never, for workloads
 without penalties), refused with a clear error when ``R * vocab`` exceeds
@@ -57,8 +58,8 @@ class SamplingState:
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
         self.device = device
-        self.floats = torch.zeros(max_num_reqs, len(_FLOATS), dtype=torch.float32, device=device)
-        self.ints = torch.zeros(max_num_reqs, len(_INTS), dtype=torch.int64, device=device)
+        self.floats = torch.zeros(len(_FLOATS), max_num_reqs, dtype=torch.float32, device=device)
+        self.ints = torch.zeros(len(_INTS), max_num_reqs, dtype=torch.int64, device=device)
         self.greedy = np.ones(max_num_reqs, dtype=bool)
         self.top_k_top_p = np.zeros(max_num_reqs, dtype=bool)
         self.min_p_on = np.zeros(max_num_reqs, dtype=bool)
@@ -74,45 +75,45 @@ class SamplingState:
     # Column views (device, [R]).
     @property
     def temperature(self) -> torch.Tensor:
-        return self.floats[:, 0]
+        return self.floats[0]
 
     @property
     def top_p(self) -> torch.Tensor:
-        return self.floats[:, 1]
+        return self.floats[1]
 
     @property
     def min_p(self) -> torch.Tensor:
-        return self.floats[:, 2]
+        return self.floats[2]
 
     @property
     def repetition_penalty(self) -> torch.Tensor:
-        return self.floats[:, 3]
+        return self.floats[3]
 
     @property
     def frequency_penalty(self) -> torch.Tensor:
-        return self.floats[:, 4]
+        return self.floats[4]
 
     @property
     def presence_penalty(self) -> torch.Tensor:
-        return self.floats[:, 5]
+        return self.floats[5]
 
     @property
     def top_k(self) -> torch.Tensor:
-        return self.ints[:, 0]
+        return self.ints[0]
 
     @property
     def seed(self) -> torch.Tensor:
-        return self.ints[:, 1]
+        return self.ints[1]
 
     @property
     def min_tokens(self) -> torch.Tensor:
-        return self.ints[:, 2]
+        return self.ints[2]
 
     @property
     def prompt_len(self) -> torch.Tensor:
         """The original prompt's length (a resumed request's earlier outputs excluded): the
         boundary penalties, min_tokens and bad words measure the output from."""
-        return self.ints[:, 3]
+        return self.ints[3]
 
     def add(self, row: int, params: SamplingParams, seed: int, token_ids: list[int],
             staged: StagedEdits) -> None:
@@ -120,11 +121,11 @@ class SamplingState:
         n = len(token_ids)
         prompt_len = params.prompt_len(n)
         rows = np.array([row])
-        staged.put(self.floats, (rows,), np.array([[
+        staged.put(self.floats, (np.arange(len(_FLOATS)), np.full(len(_FLOATS), row)), np.array([
             params.temperature, params.top_p, params.min_p, params.repetition_penalty,
-            params.frequency_penalty, params.presence_penalty]], dtype=np.float32))
-        staged.put(self.ints, (rows,), np.array([[
-            params.top_k, seed, params.min_tokens, prompt_len]], dtype=np.int64))
+            params.frequency_penalty, params.presence_penalty], dtype=np.float32))
+        staged.put(self.ints, (np.arange(len(_INTS)), np.full(len(_INTS), row)), np.array([
+            params.top_k, seed, params.min_tokens, prompt_len], dtype=np.int64))
         self.greedy[row] = params.greedy
         self.top_k_top_p[row] = params.top_k > 0 or params.top_p < 1.0
         self.min_p_on[row] = params.min_p > 0.0

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# A/B on the GPU machine (device tool): `mrv2 bench BENCH` (latency or throughput) of the wheels
+# in .whl-old (a baseline commit, built with `pip wheel --no-deps -w .whl-old . plugins/qwen
+# contrib_models/llama` in a worktree of it) against .whl (this tree), interleaved ROUNDS times so
+# drift hits both alike. Usage: scripts/ab_bench.sh latency|throughput [bench args...].
+# JSON results go to $OUT; one line per run prints.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+bench=${1:?usage: ab_bench.sh latency|throughput [args]}
+shift
+for side in old new; do
+  wheels=(.whl/*.whl)  # the baseline takes its own mrv2 wheels and the shared dependencies
+  [ "$side" = old ] && wheels=(.whl-old/*.whl $(ls .whl/*.whl | grep -v "/mrv2"))
+  [ -d "/tmp/site-$side" ] || python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target "/tmp/site-$side" "${wheels[@]}" || exit 1
+done
+export MRV2_TEST_GPU=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
+for round in $(seq 1 "${ROUNDS:-2}"); do
+  for side in old new; do
+    json="$OUT/${bench}_${side}_$round.json"
+    PYTHONPATH=/tmp/site-$side python3 -m mrv2.entrypoints.cli bench "$bench" --json "$json" \
+      "$@" > "$OUT/${bench}_${side}_$round.log" 2>&1
+    python3 - "$json" "$side" "$round" <<'PY'
+import json, sys
+data = json.load(open(sys.argv[1]))
+rows = data["default"]
+if isinstance(rows, dict):  # throughput
+    print(sys.argv[2], sys.argv[3], f"tok/s {rows['output_tok_s']}  s {rows['seconds']}  "
+          f"floor {rows['floor_fraction']}  host/step {rows['cpu_execute_ms_per_step']} ms")
+else:
+    print(sys.argv[2], sys.argv[3], "  ".join(
+        f"b{r['batch']}: tpot {r['tpot_ms']} gpu {r.get('gpu_step_ms')} "
+        f"host {r.get('host_execute_ms')}" for r in rows))
+PY
+  done
+done
