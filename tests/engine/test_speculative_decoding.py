@@ -201,3 +201,54 @@ def test_runner_refuses_malformed_draft_steps(checkpoint: Path) -> None:
     assert info.num_computed == int(runner.table.num_computed[runner.table.row_of("r")])
     assert torch.equal(runner.table.num_tokens[runner.table.row_of("r")],
                        torch.tensor(info.num_known, dtype=torch.int32))
+
+
+class CacheProbe(Speculator):
+    """A drafter with a cache layer of its own: writes each step's token ids as its K/V (through
+    its backend, at the step's slots: the block space it shares with the target), then drafts
+    the token its cache holds one block back, read through the block table."""
+
+    layer = -1
+
+    def kv_cache_specs(self, first_layer_idx: int) -> dict[int, Any]:
+        from mrv2.contract.kv_cache import PagedKVSpec
+
+        CacheProbe.layer = first_layer_idx
+        return {first_layer_idx: PagedKVSpec(num_kv_heads=1, head_dim=8)}
+
+    def propose(self, batch: InputBatch, samples: StepSamples, inputs: SpeculatorInputs,
+                table: RequestStateTable) -> None:
+        cache, backend = self.kv_caches[self.layer], self.kv_backends[self.layer]
+        ids = batch.input_ids[: batch.num_tokens].float()[:, None, None].expand(-1, 1, 8)
+        backend.write_kv(ids, ids + 0.5, cache, batch.slot_mapping[: batch.num_tokens])
+        for i, row in enumerate(batch.idx_mapping_cpu.tolist()):
+            n = int(table.num_tokens[row])
+            back = max(n - 1 - 4, 0)  # block size 4: a position one block back
+            block = int(table.block_table[row, back // 4])
+            token = int(cache[0, block, back % 4, 0, 0])
+            for j in range(self.num_speculative_tokens):
+                if n + j < table.token_ids.shape[1] and int(samples.num_sampled[i]) > 0:
+                    table.token_ids[row, n + j] = token
+
+
+def test_a_drafter_gets_cache_layers_of_its_own(checkpoint: Path,
+                                                expected: list[list[int]]) -> None:
+    class Plugin:
+        @hookimpl
+        def mrv2_register_speculators(self, register: Any) -> None:
+            register("probe", f"{__name__}:CacheProbe")
+
+    manager = PluginManager(autoload=True, allow=["qwen", "llama"], block=[])
+    manager.register(Plugin(), name="probe")
+    llm = LLM(str(checkpoint), plugins=manager, device="cpu", dtype="float32", block_size=4,
+              speculative_config={"method": "probe", "num_speculative_tokens": 2})
+    kv = llm.engine.runner.kv
+    assert CacheProbe.layer == 2  # after the target's two layers
+    assert [g.layer_indices for g in kv.groups] == [(0, 1), (2,)]
+    assert kv.tensors[2].shape == (2, llm.engine.runner.num_kv_blocks, 4, 1, 8)
+    target = sum(kv.specs[i].bytes_per_block(4, torch.float32) for i in (0, 1))
+    assert kv.bytes_per_block(4, torch.float32) == target + 2 * 4 * 1 * 8 * 4  # drafter's too
+    assert _generate(llm) == expected
+    assert llm.engine.stats()["spec_num_draft_tokens"] > 0
+    cache = kv.tensors[2]
+    assert bool((cache[0] != 0).any()) and bool(((cache[1] - cache[0])[cache[0] != 0] == 0.5).all())

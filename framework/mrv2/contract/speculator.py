@@ -19,11 +19,14 @@ input tokens like any other; verified positions are overwritten by the post-upda
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from mrv2.config import EngineConfig
 from mrv2.contract.batch import InputBatch
+from mrv2.contract.kv_cache import KVCacheSpec
 from mrv2.contract.model_state import ModelState
 from mrv2.contract.samples import SpeculatorInputs, StepSamples
 from mrv2.contract.state_table import RequestStateTable
@@ -47,6 +50,8 @@ class Speculator(ABC):
         self.model_state = model_state
         self.device = device
         self.num_speculative_tokens = config.speculative.num_speculative_tokens
+        self.kv_caches: Sequence[torch.Tensor] = ()
+        self.kv_backends: Sequence[Any] = ()
         if self.num_speculative_tokens < 1:
             raise ValueError(
                 f"speculative method {config.speculative.method!r} needs "
@@ -55,6 +60,19 @@ class Speculator(ABC):
 
     #: Whether :meth:`propose` reads ``inputs.hidden_states`` (lets the runner skip them).
     needs_hidden_states: bool = False
+
+    def kv_cache_specs(self, first_layer_idx: int) -> dict[int, KVCacheSpec]:
+        """The drafter's own cache layers (Eagle heads, MTP layers, a draft model), numbered
+        from ``first_layer_idx`` on, after the target's; none by default. Called once, before
+        the KV cache is sized: they share the target's block ids and block budget."""
+        return {}
+
+    def bind_kv_caches(self, kv_caches: Sequence[torch.Tensor], backends: Sequence[Any]) -> None:
+        """The allocated cache tensor and backend of every layer, by ``layer_idx`` (the target's
+        and this drafter's). Called once, after allocation; the drafter runs its cache layers
+        under its own :class:`~mrv2.contract.forward_context.ForwardContext` over them."""
+        self.kv_caches = kv_caches
+        self.kv_backends = backends
 
     @abstractmethod
     def propose(

@@ -28,6 +28,8 @@ class KVCaches:
     ) -> None:
         if not specs:
             raise ValueError("the model declares no KV cache layer (no KVCacheLayer modules)")
+        if sorted(specs) != list(range(len(specs))):
+            raise ValueError(f"KV cache layers must be numbered 0..N-1; got {sorted(specs)}")
         self.specs = specs
         self.groups: list[KVCacheGroup] = []
         self.backends: list[Any] = [None] * len(specs)

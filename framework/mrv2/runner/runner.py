@@ -99,8 +99,10 @@ class Runner:
         self.num_speculative_tokens = (
             self.speculator.num_speculative_tokens if self.speculator is not None else 0
         )
-        self.kv = KVCaches(self.model_state.kv_cache_specs(), registries, self.device,
-                           config.device.attention_backend)
+        specs = self.model_state.kv_cache_specs()
+        if self.speculator is not None:  # a drafter's own cache layers, numbered after these
+            specs = {**specs, **self.speculator.kv_cache_specs(len(specs))}
+        self.kv = KVCaches(specs, registries, self.device, config.device.attention_backend)
         self.builder = BatchBuilder(self.table, self.buffers, self.block_size,
                                     self.max_num_tokens, self.num_speculative_tokens)
         peak = self._profile_peak_bytes()
@@ -108,6 +110,8 @@ class Runner:
             config.cache, self.kv.bytes_per_block(self.block_size, self.dtype), self.device, peak
         )
         self.kv.allocate(self.num_kv_blocks, self.block_size, self.dtype, self.device)
+        if self.speculator is not None:
+            self.speculator.bind_kv_caches(self.kv.tensors, self.kv.backends)
         self._uploader = Uploader(self.device)
         self._out_ring = PinnedRing(self.max_num_reqs * (1 + self.num_speculative_tokens),
                                     self.device)
