@@ -39,11 +39,14 @@ def server(model_dir: Path) -> Iterator[Served]:
     yield from serve(model_dir)
 
 
-def serve(model_dir: Path, **app_kwargs: object) -> Iterator[Served]:
-    """Start a server on a free port (``create_app`` keywords as given), yield it, stop it."""
+def serve(model_dir: Path, engine_kwargs: dict[str, object] | None = None,
+          **app_kwargs: object) -> Iterator[Served]:
+    """Start a server on a free port (engine and ``create_app`` keywords as given), yield it,
+    stop it."""
     from mrv2.entrypoints.server import create_app
 
-    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), **ENGINE_KWARGS))
+    kwargs = {**ENGINE_KWARGS, **(engine_kwargs or {})}
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), **kwargs))
     app = create_app(engine, served_model_name=MODEL, api_key=API_KEY, **app_kwargs)
     port = _free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")

@@ -86,7 +86,9 @@ def test_metrics(server: Served) -> None:
                  "mrv2_kv_cache_usage_perc", "mrv2_prefix_cache_hit_rate",
                  "mrv2_num_preemptions_total", "mrv2_prompt_tokens_total",
                  "mrv2_generation_tokens_total", "mrv2_time_to_first_token_seconds_bucket",
-                 "mrv2_time_per_output_token_seconds_count", "mrv2_request_success_total"):
+                 "mrv2_time_per_output_token_seconds_count", "mrv2_request_success_total",
+                 "mrv2_spec_decode_num_draft_tokens_total",
+                 "mrv2_spec_decode_num_accepted_tokens_total"):
         assert name in text
 
 
@@ -167,3 +169,23 @@ def test_queue_full_is_503_over_http_and_the_server_recovers(model_dir: Path) ->
                                                "max_tokens": 2}).status_code == 200
     finally:
         next(servers, None)  # runs the generator's shutdown
+
+
+def test_speculation_over_http_same_text_and_counted(server: Served) -> None:
+    from conftest import serve
+
+    body = {"model": MODEL, "prompt": "The capital of France is Paris. The capital of",
+            "max_tokens": 12, "temperature": 0}
+    plain = _post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    spec = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
+    servers = serve(server.model_dir, engine_kwargs=spec)
+    other = next(servers)
+    try:
+        got = _post(other, "/v1/completions", body).json()["choices"][0]["text"]
+        text = httpx.get(f"{other.url}/metrics", headers=AUTH).text
+    finally:
+        next(servers, None)  # runs the generator's shutdown
+    assert got == plain
+    drafts = [line for line in text.splitlines()
+              if line.startswith("mrv2_spec_decode_num_draft_tokens_total{")]
+    assert drafts and float(drafts[0].rsplit(" ", 1)[1]) > 0
