@@ -71,6 +71,16 @@ class LifecycleState(ModelState):
         return super().prepare_attn(batch)
 
 
+class OtherFamilyState(ModelState):
+    """Another family's state, registered beside LifecycleState: must never be called."""
+
+    calls = 0
+
+    def prepare_inputs(self, batch: InputBatch) -> dict[str, Any]:
+        OtherFamilyState.calls += 1
+        return super().prepare_inputs(batch)
+
+
 def _private_copy(ckpt: Path, tmp: Path, architecture: str) -> Path:
     import json
     import shutil
@@ -86,20 +96,13 @@ def _private_copy(ckpt: Path, tmp: Path, architecture: str) -> Path:
 def test_model_state_methods_see_every_request_and_step_of_their_model_only(
     ckpt: Path, baseline: list[list[int]], tmp_path: Path
 ) -> None:
-    other: list[str] = []
-
-    class OtherFamilyState(ModelState):
-        def prepare_inputs(self, batch: InputBatch) -> dict[str, Any]:
-            other.append("called")
-            return super().prepare_inputs(batch)
-
     def mrv2_register_models(register: Callable[..., None]) -> None:
         register("LifecycleLM", "mrv2_qwen.model:Qwen3ForCausalLM",
                  model_state=f"{__name__}:LifecycleState")
         register("OtherLM", "mrv2_qwen.model:Qwen3ForCausalLM",
                  model_state=f"{__name__}:OtherFamilyState")
 
-    globals()["OtherFamilyState"] = OtherFamilyState
+    OtherFamilyState.calls = 0
     LifecycleState.calls = {"add": [], "remove": [], "mm": [], "inputs": [], "attn": []}
     private = _private_copy(ckpt, tmp_path, "LifecycleLM")
     assert _run(private, _manager(mrv2_register_models=mrv2_register_models)) == baseline
@@ -108,7 +111,7 @@ def test_model_state_methods_see_every_request_and_step_of_their_model_only(
     assert len(calls["add"]) == 2
     assert calls["inputs"][0] == 5  # first step: both prompts
     assert len(calls["mm"]) == len(calls["inputs"]) == len(calls["attn"]) >= 4
-    assert other == []  # another family's state never runs for this model
+    assert OtherFamilyState.calls == 0  # another family's state never runs for this model
 
 
 class Sevens(ModelState):

@@ -43,7 +43,7 @@ def make_batch(
         while table._free_rows[-1] != rows[i]:
             table._free_rows.insert(0, table._free_rows.pop())
         tokens = prompt + output
-        row = table.allocate(RowInfo(f"r{i}", len(tokens), len(tokens), len(tokens)))
+        row = table.allocate(RowInfo(f"r{i}", len(tokens), len(tokens)))
         table.token_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
         table.num_tokens[row] = len(tokens)
         p._num_prompt_tokens = len(prompt)

@@ -100,3 +100,11 @@ class InputBatch:
     def max_draft_tokens(self) -> int:
         """The most drafts any request verifies this step (0: no speculation in the step)."""
         return int(self.num_draft_tokens.max()) if self.num_reqs else 0
+
+
+def last_token_indices(query_start_loc: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Flat token indices of each request's last ``counts[i]`` tokens, in batch order (its
+    logits rows): ``query_start_loc`` is the requests' ``[B + 1]`` exclusive prefix sum."""
+    ends = np.repeat(query_start_loc[1:], counts)
+    within = np.arange(len(ends)) - np.repeat(np.cumsum(counts) - counts, counts)
+    return (ends - np.repeat(counts, counts) + within).astype(np.int64)

@@ -23,7 +23,7 @@ from torch import nn
 
 from mrv2.config import EngineConfig
 from mrv2.contract.attention import AttentionMetadata
-from mrv2.contract.batch import InputBatch, InputBuffers
+from mrv2.contract.batch import InputBatch, InputBuffers, last_token_indices
 from mrv2.contract.kv_cache import KVCacheSpec, layer_specs
 from mrv2.contract.requests import MultiModalEmbeddings, NewRequest
 from mrv2.contract.samples import SpeculatorInputs
@@ -133,8 +133,7 @@ class ModelState:
         buffers.block_table[:num_reqs].zero_()
         drafts = np.minimum(lens - 1, self.config.speculative.num_speculative_tokens)
         cu_logits = np.concatenate([[0], np.cumsum(drafts + 1)]).astype(np.int32)
-        ends, counts = np.repeat(starts[1:], drafts + 1), np.repeat(drafts + 1, drafts + 1)
-        rows = ends - counts + np.arange(len(ends)) - np.repeat(cu_logits[:-1], drafts + 1)
+        rows = last_token_indices(starts, drafts + 1)
         num_logits = len(rows)
         buffers.logits_indices[:num_logits].copy_(torch.from_numpy(rows))
         buffers.logits_idx_mapping[:num_logits].zero_()

@@ -32,8 +32,6 @@ class RowInfo:
     """
 
     req_id: str
-    prefill_len: int
-    """Tokens the request entered with (prompt, plus outputs when resumed)."""
     num_computed: int
     num_known: int
 

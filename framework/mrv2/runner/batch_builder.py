@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mrv2.contract.batch import InputBatch, InputBuffers
+from mrv2.contract.batch import InputBatch, InputBuffers, last_token_indices
 from mrv2.contract.requests import SchedulerOutput
 from mrv2.contract.staged_edits import StagedEdits
 from mrv2.contract.staging import Uploader
@@ -175,7 +175,7 @@ class BatchBuilder:
             "do_sample": do_sample.astype(np.int32),
         }
         if max_drafts:
-            arrays["logits_indices"] = _last_tokens(qsl_cpu, drafts + 1)
+            arrays["logits_indices"] = last_token_indices(qsl_cpu, drafts + 1)
             arrays["logits_rows"] = np.repeat(rows, drafts + 1)
             arrays["cu_num_logits"] = cu_logits
             arrays["num_drafts"] = drafts
@@ -224,9 +224,3 @@ class BatchBuilder:
         return StepPlan(batch, plan, query_len if padded else 0, dev["do_sample"],
                         dev.get("num_drafts"), drafted)
 
-
-def _last_tokens(query_start_loc: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Flat token indices of each request's last ``counts[i]`` tokens, in batch order."""
-    ends = np.repeat(query_start_loc[1:], counts)
-    within = np.arange(len(ends)) - np.repeat(np.cumsum(counts) - counts, counts)
-    return (ends - np.repeat(counts, counts) + within).astype(np.int64)

@@ -148,7 +148,7 @@ class Runner:
         if len(request.block_ids) > self.max_blocks_per_req:
             raise ValueError(f"request {request.req_id!r} holds too many blocks")
         computed = request.num_computed_tokens
-        row = self.table.allocate(RowInfo(request.req_id, n, computed, n))
+        row = self.table.allocate(RowInfo(request.req_id, computed, n))
         self.builder.stage_new_row(row, request.token_ids, request.block_ids, computed, staged)
         self.sampler.add_request(request, row, staged)
         self.model_state.add_request(request, row)
