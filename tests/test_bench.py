@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 import pytest
+import torch
 
 from mrv2.bench.measure import instrument, kv_bytes_per_token, resolve_model, weight_bytes
 from mrv2.bench.throughput import run_engine, workload
@@ -101,3 +102,35 @@ def test_latency_bench_with_ngram_variant(tmp_path: Path) -> None:
     rows, spec = results["ngram"][:-1], results["ngram"][-1]
     assert [r["batch"] for r in rows] == [1, 2] and all(r["host_execute_ms"] > 0 for r in rows)
     assert spec["spec_num_draft_tokens"] > 0
+
+
+def test_latency_bench_on_cpu_compares_with_hf(tmp_path: Path) -> None:
+    """``--device cpu``: mrv2 and HF generate on the same prompts, both timed (plumbing only:
+    the numbers are not checked, only that they are there and positive)."""
+    from mrv2.bench.latency import bench
+    from mrv2.entrypoints.cli import build_parser
+
+    ckpt = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM", vocab_size=10_001,
+                                max_position_embeddings=128, num_hidden_layers=1)
+    args = build_parser().parse_args([
+        "bench", "latency", "--device", "cpu", "--model", str(ckpt), "--batch-sizes", "1", "2",
+        "--prompt-len", "6", "--new-tokens", "5", "--max-model-len", "64", "--repeats", "2",
+    ])
+    results = bench(args)
+    assert results["device"] == "cpu" and results["threads"] == torch.get_num_threads()
+    assert results["dtype"] == "float32" and results["load_format"] == "auto"
+    rows = results["default"]
+    assert [r["batch"] for r in rows] == [1, 2]
+    for row in rows:
+        for key in ("ttft_ms", "tpot_ms", "hf_ttft_ms", "hf_tpot_ms", "speedup_vs_hf"):
+            assert row[key] > 0, key
+
+
+def test_latency_bench_cpu_defaults() -> None:
+    from mrv2.bench.latency import CPU_DEFAULTS
+    from mrv2.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "latency", "--device", "cpu"])
+    assert args.model is None and args.batch_sizes is None  # filled per device by bench()
+    assert CPU_DEFAULTS["model"] == "SmolLM2-135M-Instruct"
+    assert CPU_DEFAULTS["dtype"] == "float32" and CPU_DEFAULTS["batch_sizes"] == [1, 8]

@@ -48,6 +48,7 @@ from ._backend import default_block, use_triton
 __all__ = [
     "gumbel_noise_ref",
     "gumbel_sample",
+    "gumbel_sample_cpu",
     "gumbel_sample_ref",
     "gumbel_sample_triton",
     "hash_row_key",
@@ -132,6 +133,33 @@ def gumbel_sample_ref(
     noise = gumbel_noise_ref(seeds, positions, x.shape[1])
     x = torch.where(greedy.view(-1, 1) != 0, x, x + noise)
     out.copy_(torch.argmax(x, dim=1))
+
+
+def gumbel_sample_cpu(
+    logits: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    greedy: torch.Tensor,
+    out: torch.Tensor,
+    temperature: torch.Tensor | None = None,
+) -> None:
+    """The torch path of :func:`gumbel_sample` (CPU): :func:`gumbel_sample_ref`'s tokens, with
+    the noise (and the temperature) computed for the non-greedy rows only. Reads ``greedy``
+    on the host (a sync on a GPU)."""
+    _check_args(logits, seeds, positions, greedy, out, temperature)
+    sampled = (greedy.view(-1) == 0).nonzero().view(-1)
+    if sampled.numel() == 0:  # argmax of the fp32 values: the same in any float dtype
+        torch.argmax(logits, dim=1, out=out)
+        return
+    x = logits.to(torch.float32)
+    tokens = torch.argmax(x, dim=1)
+    xs = x.index_select(0, sampled)
+    if temperature is not None:
+        xs = xs / temperature.float().index_select(0, sampled).view(-1, 1)
+    xs += gumbel_noise_ref(seeds.index_select(0, sampled), positions.index_select(0, sampled),
+                           xs.shape[1])
+    tokens.index_copy_(0, sampled, torch.argmax(xs, dim=1))
+    out.copy_(tokens)
 
 
 # --------------------------------------------------------------------------- Triton
@@ -395,9 +423,9 @@ def gumbel_sample(
     Non-greedy rows get ``argmax_v(logits[n, v] + g(seeds[n], positions[n], v))`` with the
     noise of the module docstring; ties go to the smallest index. Runs
     :func:`gumbel_sample_triton` when :func:`use_triton` says so, else
-    :func:`gumbel_sample_ref`.
+    :func:`gumbel_sample_cpu` (the reference's tokens).
     """
-    impl = gumbel_sample_triton if use_triton(logits) else gumbel_sample_ref
+    impl = gumbel_sample_triton if use_triton(logits) else gumbel_sample_cpu
     impl(logits, seeds, positions, greedy, out, temperature)
 
 

@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 
 from ._backend import use_triton
-from .norm import rms_norm, rms_norm_ref, silu_and_mul, silu_and_mul_ref
+from .cpu_linear import linear_cpu
+from .norm import rms_norm, rms_norm_cpu, rms_norm_ref, silu_and_mul, silu_and_mul_ref
 from .skinny_gemm import skinny_linear, skinny_linear_ref
 
 __all__ = [
@@ -288,7 +289,10 @@ def decode_linear(
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through the fastest kernel for its shape: this GEMV
     (:func:`use_norm_gemv`), else :func:`~mrv2_kernels.skinny_gemm.skinny_linear` (the skinny
-    split-K kernel, or cuBLAS)."""
+    split-K kernel, or cuBLAS); on the torch path (CPU),
+    :func:`~mrv2_kernels.cpu_linear.linear_cpu`."""
+    if not use_triton(x):
+        return linear_cpu(x, weight, bias)
     if use_norm_gemv(x, weight):
         return norm_gemv_triton(x, weight, bias)[0]
     return skinny_linear(x, weight, bias)
@@ -311,8 +315,15 @@ def norm_gemv(
     otherwise the unfused kernels (:func:`~mrv2_kernels.norm.rms_norm`,
     :func:`~mrv2_kernels.skinny_gemm.skinny_linear`,
     :func:`~mrv2_kernels.norm.silu_and_mul`), whose residual aliasing rules then apply:
-    treat ``residual`` as consumed.
+    treat ``residual`` as consumed. On the torch path (CPU) the chain is
+    :func:`~mrv2_kernels.norm.rms_norm_cpu`, :func:`~mrv2_kernels.cpu_linear.linear_cpu` and
+    the SwiGLU reference, called directly.
     """
+    if not use_triton(x):
+        _check(x, weight, norm_weight, residual, gated, bias)
+        y, new_res = _chain(x, weight, bias, norm_weight, eps, residual, gated,
+                            rms_norm_cpu, linear_cpu, silu_and_mul_ref)
+        return y, (x if new_res is None else new_res)
     if use_norm_gemv(x, weight, norm_weight):
         y, new_res = norm_gemv_triton(
             x, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual, gated=gated

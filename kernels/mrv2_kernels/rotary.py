@@ -31,10 +31,10 @@ import triton.language as tl
 
 from ._backend import default_block, use_triton
 from .kv_cache import write_kv_ref, write_kv_triton
-from .norm import rms_norm, rms_norm_ref
+from .norm import rms_norm, rms_norm_cpu, rms_norm_ref
 
-__all__ = ["KVWrite", "QKNorm", "rotary_embedding", "rotary_embedding_ref",
-           "rotary_embedding_triton"]
+__all__ = ["KVWrite", "QKNorm", "rotary_embedding", "rotary_embedding_cpu",
+           "rotary_embedding_ref", "rotary_embedding_triton"]
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -285,6 +285,72 @@ def rotary_embedding_ref(
     return query, key
 
 
+def _rotate_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`_rotate_ref` for ``rotary_dim == head_dim``: ``cos``/``sin`` ``[T, 1, 1, D/2]``."""
+    shape, dtype = x.shape, x.dtype
+    half = cos.shape[-1]
+    x4 = x.reshape(shape[0], -1, 2, half)
+    if dtype != torch.float32:
+        x4 = x4.float()
+    out = x4 * cos  # [x1 cos, x2 cos]
+    swapped = x4.flip(2).mul_(sin)  # [x2 sin, x1 sin]
+    swapped[:, :, 0].neg_()  # a + (-b) is a - b, exactly
+    out.add_(swapped)
+    return (out if dtype == torch.float32 else out.to(dtype)).view(shape)
+
+
+def _side_by_side(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
+    """``[query | key]`` as one ``[T, Wq + Wk]`` view when ``key``'s columns directly follow
+    ``query``'s in one buffer (the q and k slices of a fused QKV output), else None."""
+    if (query.dim() != 2 or key.dim() != 2 or query.dtype != key.dtype
+            or query.stride(1) != 1 or key.stride(1) != 1):
+        return None
+    rows, width = query.shape[0], query.shape[1] + key.shape[1]
+    if rows > 1 and (query.stride(0) != key.stride(0) or query.stride(0) < width):
+        return None
+    if (key.data_ptr() != query.data_ptr() + query.shape[1] * query.element_size()
+            or key.untyped_storage().data_ptr() != query.untyped_storage().data_ptr()):
+        return None
+    return query.as_strided((rows, width), (query.stride(0), 1))
+
+
+def rotary_embedding_cpu(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin: torch.Tensor,
+    head_dim: int,
+    rotary_dim: int,
+    qk_norm: QKNorm | None = None,
+    kv_write: KVWrite | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch path of :func:`rotary_embedding` (CPU): :func:`rotary_embedding_ref`'s
+    results, bit for bit, in a few ops (one cos/sin gather, no concatenation; one rotation
+    for both when ``key`` directly follows ``query`` in a fused QKV output); the reference
+    itself for a partial rotation. Returns new tensors (then views of one)."""
+    if rotary_dim != head_dim or query.shape[0] == 0:
+        return rotary_embedding_ref(positions, query, key, cos_sin, head_dim, rotary_dim,
+                                    qk_norm, kv_write)
+    _check(positions, query, key, cos_sin, head_dim, rotary_dim)
+    if kv_write is not None:
+        _check_kv_write(key, kv_write, head_dim)
+    if qk_norm is not None:
+        q_w, k_w, eps = qk_norm
+        query = _head_norm(query, q_w, eps, head_dim, rms_norm_cpu)
+        key = _head_norm(key, k_w, eps, head_dim, rms_norm_cpu)
+    table = cos_sin.index_select(0, positions).view(-1, 1, 2, rotary_dim // 2)
+    cos, sin = table[:, :, :1], table[:, :, 1:]
+    both = _side_by_side(query, key) if qk_norm is None else None
+    if both is not None:
+        rotated = _rotate_cpu(both, cos, sin)
+        query, key = rotated[:, : query.shape[1]], rotated[:, query.shape[1] :]
+    else:
+        query, key = _rotate_cpu(query, cos, sin), _rotate_cpu(key, cos, sin)
+    if kv_write is not None:
+        _write_kv(key, kv_write, head_dim, write_kv_ref)
+    return query, key
+
+
 def _heads_view(t: torch.Tensor, head_dim: int, inplace: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(result, view)``: ``view`` is ``result`` as ``[T, H, head_dim]`` with a unit last stride.
 
@@ -441,9 +507,9 @@ def rotary_embedding(
 
     Returns ``(query, key)`` rotated, shaped like the inputs. Runs
     :func:`rotary_embedding_triton` when :func:`use_triton` says so, else
-    :func:`rotary_embedding_ref`. **Aliasing**: the Triton path rotates ``query`` and ``key``
-    in place (and returns them), the reference path returns new tensors; callers must use the
-    returned tensors and treat the inputs as consumed.
+    :func:`rotary_embedding_cpu` (the reference's results). **Aliasing**: the Triton path
+    rotates ``query`` and ``key`` in place (and returns them), the torch paths return new
+    tensors; callers must use the returned tensors and treat the inputs as consumed.
     """
     if use_triton(query) and all(t.dtype in _KERNEL_DTYPES for t in (query, key, cos_sin)):
         if qk_norm is not None and (rotary_dim != head_dim or any(
@@ -460,5 +526,5 @@ def rotary_embedding(
             return query, key
         return rotary_embedding_triton(positions, query, key, cos_sin, head_dim, rotary_dim,
                                        qk_norm, kv_write=kv_write)
-    return rotary_embedding_ref(positions, query, key, cos_sin, head_dim, rotary_dim, qk_norm,
+    return rotary_embedding_cpu(positions, query, key, cos_sin, head_dim, rotary_dim, qk_norm,
                                 kv_write)

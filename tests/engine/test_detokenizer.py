@@ -1,96 +1,44 @@
-"""Incremental detokenizer: deltas concatenate to the full decode; stop strings."""
+"""Incremental detokenizer: deltas concatenate to the full decode; stop strings.
+
+Every behaviour is checked on both decoding paths: ``DecodeStream`` (what a fast tokenizer gets)
+and Python windows (``decode_stream=False``: a slow tokenizer, and the stream's fallback). The
+reference is always ``Tokenizer.decode`` of the whole output.
+"""
 
 from __future__ import annotations
 
-import json
+import argparse
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import pytest
-from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as RawTokenizer
-from transformers import PreTrainedTokenizerFast
 
-from mrv2.engine.detokenizer import IncrementalDetokenizer
+from mrv2.bench.detokenize import (
+    CORPUS,
+    SPECIALS,
+    TEXT,
+    adversarial_cases,
+    byte_level_bpe,
+    sentencepiece_bpe,
+    wrap,
+)
+from mrv2.engine.detokenizer import _MAX_BYTE_RUN, IncrementalDetokenizer
 from mrv2.engine.tokenizer import Tokenizer
 
-CORPUS = [
-    "The capital of France is Paris. The capital of Japan is Tokyo.",
-    "Hello world, hello tokenizer! Stop here: STOP and END.",
-    "naïve café — 東京 は 日本 の 首都 です 😀 🇫🇷 👍🏽",
-    "def f(x):\n    return x + 1  # two  spaces\n\n",
-]
-SPECIALS = ["<unk>", "<s>", "</s>", "<|end|>"]
 MIXED_TEXT = "Paris 東京 😀 naïve 👍🏽 — 🇫🇷 done.\n  x = 1 \u00e9\u0301"
 
 
-def _wrap(raw: RawTokenizer) -> Tokenizer:
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=raw,
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        additional_special_tokens=["<|end|>"],
-    )
-    return Tokenizer(hf)
-
-
-def byte_level_bpe() -> Tokenizer:
-    """GPT-2 style: byte-level BPE, characters split over several tokens."""
-    raw = RawTokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=500,
-        show_progress=False,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    raw.train_from_iterator(CORPUS, trainer)
-    return _wrap(raw)
-
-
-def _sentencepiece_bpe(metaspace: bool) -> RawTokenizer:
-    """Llama style: "▁" word markers, <0xNN> byte-fallback tokens, a stripped leading space."""
-    trained = RawTokenizer(models.BPE())
-    trained.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
-    trainer = trainers.BpeTrainer(vocab_size=300, limit_alphabet=60, show_progress=False)
-    trained.train_from_iterator(CORPUS, trainer)
-    model = json.loads(trained.to_str())["model"]
-    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    for b in range(256):
-        vocab[f"<0x{b:02X}>"] = len(vocab)
-    for tok in sorted(model["vocab"], key=model["vocab"].get):
-        vocab.setdefault(tok, len(vocab))
-    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
-    raw = RawTokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
-    raw.add_special_tokens(SPECIALS)
-    if metaspace:
-        raw.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
-        raw.decoder = decoders.Sequence(
-            [decoders.ByteFallback(), decoders.Metaspace(prepend_scheme="first")]
-        )
-    else:
-        raw.normalizer = normalizers.Sequence(
-            [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
-        )
-        raw.decoder = decoders.Sequence(
-            [
-                decoders.Replace("\u2581", " "),
-                decoders.ByteFallback(),
-                decoders.Fuse(),
-                decoders.Strip(" ", 1, 0),
-            ]
-        )
-    return raw
-
-
 def sentencepiece_llama() -> Tokenizer:
-    return _wrap(_sentencepiece_bpe(metaspace=False))
+    """Llama-2's decoder chain: Replace, ByteFallback, Fuse, Strip."""
+    return sentencepiece_bpe(metaspace=False)
 
 
 def sentencepiece_metaspace() -> Tokenizer:
-    return _wrap(_sentencepiece_bpe(metaspace=True))
+    """Newer sentencepiece conversions: ByteFallback, Metaspace."""
+    return sentencepiece_bpe(metaspace=True)
 
 
 def char_level() -> Tokenizer:
@@ -105,7 +53,7 @@ def char_level() -> Tokenizer:
     raw.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     raw.decoder = decoders.Fuse()
     raw.add_special_tokens(SPECIALS)
-    return _wrap(raw)
+    return wrap(raw)
 
 
 def smollm2() -> Tokenizer:
@@ -122,101 +70,161 @@ def smollm2() -> Tokenizer:
     return Tokenizer(default_model.load_gguf_tokenizer(gguf))
 
 
+class SlowTokenizer(Tokenizer):
+    """A tokenizer without a Rust backend to stream with (like HF's Python tokenizers)."""
+
+    @property
+    def backend(self) -> Any:
+        return None
+
+
 FACTORIES: dict[str, Callable[[], Tokenizer]] = {
     "byte_level_bpe": byte_level_bpe,
     "sentencepiece_llama": sentencepiece_llama,
     "sentencepiece_metaspace": sentencepiece_metaspace,
     "smollm2": smollm2,
+    "char_level": char_level,
 }
 _CACHE: dict[str, Tokenizer] = {}
 
 
-@pytest.fixture(params=sorted(FACTORIES))
-def tok(request: pytest.FixtureRequest) -> Tokenizer:
-    name = request.param
+def _get(name: str) -> Tokenizer:
     if name not in _CACHE:
         _CACHE[name] = FACTORIES[name]()
     return _CACHE[name]
 
 
-def _stream(
-    tok: Tokenizer, ids: list[int], rng: random.Random, skip: bool = True
-) -> tuple[IncrementalDetokenizer, list[str]]:
-    det = IncrementalDetokenizer(tok, [1, 2, 3], skip_special_tokens=skip)
+@pytest.fixture(params=sorted(set(FACTORIES) - {"char_level"}))
+def tok(request: pytest.FixtureRequest) -> Tokenizer:
+    return _get(request.param)
+
+
+@pytest.fixture(params=[True, False], ids=["stream", "window"])
+def decode_stream(request: pytest.FixtureRequest) -> bool:
+    return bool(request.param)
+
+
+def _detok(
+    tok: Tokenizer, decode_stream: bool, prompt: list[int] | None = None, skip: bool = True,
+    **kwargs: Any,
+) -> IncrementalDetokenizer:
+    det = IncrementalDetokenizer(tok, prompt or [], skip, decode_stream=decode_stream, **kwargs)
+    # A fast tokenizer streams through DecodeStream unless told not to.
+    assert (det._stream is not None) == (decode_stream and tok.backend is not None)
+    return det
+
+
+def _feed_chunks(
+    det: IncrementalDetokenizer, ids: list[int], rng: random.Random
+) -> list[str]:
+    """Feed ``ids`` in random chunks (1 to 5 ids a call), then flush; return the deltas."""
     deltas, i = [], 0
     while i < len(ids):
         n = rng.choice([1, 1, 1, 1, 2, 3, 5])
         deltas.append(det.add_tokens(ids[i : i + n]))
         i += n
-    return det, deltas
-
-
-def test_text_roundtrip_multibyte(tok: Tokenizer) -> None:
-    ids = tok.encode(MIXED_TEXT * 2, add_special_tokens=False)
-    det, deltas = _stream(tok, ids, random.Random(0))
-    # A final run of byte-fallback tokens is only released by flush (the request's end).
     deltas.append(det.flush())
-    assert "".join(deltas) == det.output_text == tok.decode(ids)
+    return deltas
+
+
+def _assert_exact(deltas: list[str], det: IncrementalDetokenizer, full: str, case: Any) -> None:
+    assert "".join(deltas) == det.output_text == full, case
+    if "\ufffd" not in full:  # a U+FFFD in a delta is never one of an incomplete character
+        assert not any("\ufffd" in d for d in deltas), (case, deltas)
+
+
+def test_text_roundtrip_multibyte(tok: Tokenizer, decode_stream: bool) -> None:
+    ids = tok.encode(MIXED_TEXT * 2, add_special_tokens=False)
+    det = _detok(tok, decode_stream)
+    deltas = _feed_chunks(det, ids, random.Random(0))
+    # A final run of byte-fallback tokens is only released by flush (the request's end).
+    _assert_exact(deltas, det, tok.decode(ids), ids)
     assert "\ufffd" not in det.output_text
     assert det.flush() == ""
     assert det.output_token_ids == ids
 
 
-def test_token_by_token_never_emits_partial_chars(tok: Tokenizer) -> None:
+def test_token_by_token_never_emits_partial_chars(tok: Tokenizer, decode_stream: bool) -> None:
     ids = tok.encode("😀🇫🇷東京👍🏽", add_special_tokens=False)
-    det = IncrementalDetokenizer(tok, [])
+    det = _detok(tok, decode_stream)
     for i in ids:
         assert "\ufffd" not in det.add_tokens([i])
     assert "\ufffd" not in det.flush()
     assert det.output_text == tok.decode(ids)
 
 
+def test_adversarial_ids_match_full_decode(tok: Tokenizer, decode_stream: bool) -> None:
+    """Random ids, byte-fallback-heavy ids, text cut mid-character, special tokens in between
+    (``skip_special_tokens`` both ways): the deltas join to the decode, fed in any chunks."""
+    rng = random.Random(1234)
+    for ids, skip in adversarial_cases(tok, 400, seed=7):
+        det = _detok(tok, decode_stream, skip=skip)
+        deltas = _feed_chunks(det, ids, rng)
+        _assert_exact(deltas, det, tok.decode(ids, skip_special_tokens=skip), (ids, skip))
+
+
 @pytest.mark.parametrize("skip", [True, False])
-def test_random_ids_match_full_decode(tok: Tokenizer, skip: bool) -> None:
-    rng = random.Random(1234 + skip)
-    specials = tok.all_special_ids
-    for _ in range(150):
-        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 40))]
-        for _ in range(rng.randrange(3)):  # sprinkle special tokens in
-            ids.insert(rng.randrange(len(ids) + 1), rng.choice(specials))
-        det, deltas = _stream(tok, ids, rng, skip)
-        tail = det.flush()
-        full = tok.decode(ids, skip_special_tokens=skip)
-        assert "".join(deltas) + tail == det.output_text == full, ids
+def test_byte_fallback_minimal_cases(decode_stream: bool, skip: bool) -> None:
+    """What raw DecodeStream gets wrong: a later stray byte turns the run into U+FFFDs.
+
+    ``<0x4D><0xCF>`` decodes to two U+FFFD (DecodeStream emits "M"); ``<0x6A><0xEC>a`` to
+    U+FFFD U+FFFD "a" (DecodeStream raises "Invalid prefix"); a lone ``<0x89>`` to U+FFFD
+    (DecodeStream never emits it).
+    """
+    tok = _get("sentencepiece_llama")
+    vocab = tok.hf.get_vocab()
+    eos = tok.eos_token_id
+    assert eos is not None
+
+    def byte(b: int) -> int:
+        return int(vocab[f"<0x{b:02X}>"])
+
+    a = tok.encode("a", add_special_tokens=False)
+    for ids in ([byte(0x4D), byte(0xCF)], [byte(0x6A), byte(0xEC), *a], [byte(0x89)],
+                [byte(0x6A), eos, byte(0xEC), *a], [*a, byte(0xE6), byte(0x9D), byte(0xB1)]):
+        det = _detok(tok, decode_stream, skip=skip)
+        deltas = [det.add_tokens([i]) for i in ids] + [det.flush()]
+        _assert_exact(deltas, det, tok.decode(ids, skip_special_tokens=skip), ids)
 
 
-def test_special_tokens_skipped_or_kept(tok: Tokenizer) -> None:
+def test_special_tokens_skipped_or_kept(tok: Tokenizer, decode_stream: bool) -> None:
     eos = tok.eos_token_id
     assert eos is not None
     ids = tok.encode("Hello world", add_special_tokens=False) + [eos]
-    kept = IncrementalDetokenizer(tok, [], skip_special_tokens=False)
+    kept = _detok(tok, decode_stream, skip=False)
     kept.add_tokens(ids)
     assert kept.output_text == tok.decode(ids, skip_special_tokens=False)
     assert kept.output_text.endswith(tok.convert_ids_to_tokens([eos])[0])
-    skipped = IncrementalDetokenizer(tok, [])
+    skipped = _detok(tok, decode_stream)
     skipped.add_tokens(ids)
     assert skipped.output_text == tok.decode(ids[:-1])
 
 
-def test_prompt_context_keeps_leading_space() -> None:
-    tok = sentencepiece_llama()
+def test_prompt_context_keeps_leading_space(decode_stream: bool) -> None:
+    tok = _get("sentencepiece_llama")
     prompt = tok.encode("The capital of France is", add_special_tokens=False)
     full = tok.encode("The capital of France is Paris", add_special_tokens=False)
     assert full[: len(prompt)] == prompt
     output = full[len(prompt) :]
-    plain = IncrementalDetokenizer(tok, prompt)
+    plain = _detok(tok, decode_stream, prompt)
     plain.add_tokens(output)
     assert plain.output_text == tok.decode(output) == "Paris"
-    context = IncrementalDetokenizer(tok, prompt, use_prompt_context=True)
+    context = _detok(tok, decode_stream, prompt, use_prompt_context=True)
     context.add_tokens(output)
     assert context.output_text == " Paris"
     assert context.output_token_ids == output
+    # A prompt ending in a byte-fallback run is no context: the output could continue the run.
+    ending = prompt + tok.encode("가", add_special_tokens=False)
+    assert ending[-1] in tok.byte_fallback_ids
+    det = _detok(tok, decode_stream, ending, use_prompt_context=True)
+    det.add_tokens(output)
+    assert det.output_text == "Paris"
 
 
-def test_flush_releases_incomplete_character() -> None:
-    tok = byte_level_bpe()
+def test_flush_releases_incomplete_character(decode_stream: bool) -> None:
+    tok = _get("byte_level_bpe")
     ids = tok.encode("ok 🎉", add_special_tokens=False)  # not in CORPUS: several tokens
-    det = IncrementalDetokenizer(tok, [])
+    det = _detok(tok, decode_stream)
     for n in range(1, len(ids)):
         det.add_tokens(ids[n - 1 : n])
     partial = tok.decode(ids[:-1])  # the emoji's last byte is missing
@@ -226,9 +234,9 @@ def test_flush_releases_incomplete_character() -> None:
 
 
 def _feed_until_stop(
-    tok: Tokenizer, text: str, stop: list[str], include: bool = False
+    tok: Tokenizer, text: str, stop: list[str], include: bool = False, decode_stream: bool = True
 ) -> tuple[IncrementalDetokenizer, str | None, int]:
-    det = IncrementalDetokenizer(tok, [])
+    det = _detok(tok, decode_stream)
     ids = tok.encode(text, add_special_tokens=False)
     for n, i in enumerate(ids):
         det.add_tokens([i])
@@ -238,9 +246,11 @@ def _feed_until_stop(
     return det, None, len(ids)
 
 
-def test_stop_string_across_tokens() -> None:
-    tok = char_level()
-    det, matched, n = _feed_until_stop(tok, "Hello world! STOP and more", ["STOP"])
+def test_stop_string_across_tokens(decode_stream: bool) -> None:
+    tok = _get("char_level")
+    det, matched, n = _feed_until_stop(
+        tok, "Hello world! STOP and more", ["STOP"], decode_stream=decode_stream
+    )
     assert matched == "STOP" and det.stop_reason == "STOP" and det.stopped
     assert det.output_text == "Hello world! "
     assert n == len("Hello world! STOP")  # found on the token that completed it
@@ -248,16 +258,17 @@ def test_stop_string_across_tokens() -> None:
     assert det.add_tokens(tok.encode("xyz", add_special_tokens=False)) == ""
     assert det.output_text == "Hello world! "
     assert det.check_stop(["STOP"]) == "STOP"
+    assert det.flush() == ""
 
 
 def test_stop_string_included() -> None:
-    tok = char_level()
+    tok = _get("char_level")
     det, matched, _ = _feed_until_stop(tok, "Hello END world", ["END", "zzz"], include=True)
     assert matched == "END" and det.output_text == "Hello END"
 
 
 def test_stop_earliest_of_several() -> None:
-    tok = char_level()
+    tok = _get("char_level")
     det = IncrementalDetokenizer(tok, [])
     det.add_tokens(tok.encode("abc hello STOP END", add_special_tokens=False))
     # Checked in one go: the earliest match wins, not the first listed.
@@ -265,9 +276,9 @@ def test_stop_earliest_of_several() -> None:
     assert det.output_text == "abc "
 
 
-def test_stop_in_multi_token_delta_with_real_tokenizer(tok: Tokenizer) -> None:
+def test_stop_in_multi_token_delta_with_real_tokenizer(tok: Tokenizer, decode_stream: bool) -> None:
     ids = tok.encode("The capital of France is Paris. Tokyo is 東京.", add_special_tokens=False)
-    det = IncrementalDetokenizer(tok, [])
+    det = _detok(tok, decode_stream)
     rng = random.Random(7)
     i, matched = 0, None
     while i < len(ids) and matched is None:
@@ -279,9 +290,38 @@ def test_stop_in_multi_token_delta_with_real_tokenizer(tok: Tokenizer) -> None:
     assert det.output_text == "The capital of France "
 
 
+def test_stop_strings_agree_across_paths(tok: Tokenizer) -> None:
+    """Stop strings drawn from the text itself, one token at a time as the engine feeds: both
+    paths stop on the same token with the same text, at the first occurrence in the decode."""
+    rng = random.Random(3)
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    full = tok.decode(ids)
+    for _ in range(20):
+        stops = []
+        for _ in range(rng.randrange(1, 4)):
+            begin = rng.randrange(len(full) - 1)
+            stops.append(full[begin : begin + rng.randrange(1, 6)])
+        include = rng.random() < 0.5
+        results = []
+        for decode_stream in (True, False):
+            det = _detok(tok, decode_stream)
+            fed = 0
+            while fed < len(ids) and not det.stopped:
+                det.add_tokens([ids[fed]])
+                det.check_stop(stops, include)
+                fed += 1
+            results.append((fed, det.stop_reason, det.output_text))
+        assert results[0] == results[1], stops
+        _, matched, text = results[0]
+        assert matched is not None  # every stop string occurs in the text
+        start = len(text) - len(matched) if include else len(text)
+        assert full.startswith(text) and full[start:].startswith(matched)
+        assert not any(s in full[:start] for s in stops)  # none occurs wholly before it
+
+
 def test_stop_search_region_is_bounded() -> None:
     """Only the last delta and len(stop) - 1 characters before it are searched."""
-    tok = char_level()
+    tok = _get("char_level")
     det = IncrementalDetokenizer(tok, [])
     det.add_tokens(tok.encode("aaa END bbb", add_special_tokens=False))
     det.add_tokens(tok.encode(" ccc", add_special_tokens=False))
@@ -294,7 +334,7 @@ def test_stop_search_region_is_bounded() -> None:
 
 
 def test_stop_not_checked_on_empty_delta() -> None:
-    tok = byte_level_bpe()
+    tok = _get("byte_level_bpe")
     det = IncrementalDetokenizer(tok, [])
     det.add_tokens(tok.encode("say STOP", add_special_tokens=False))
     assert det.add_tokens([tok.all_special_ids[0]]) == ""  # a skipped special token
@@ -302,7 +342,7 @@ def test_stop_not_checked_on_empty_delta() -> None:
 
 
 def test_stream_delta_holds_back_partial_stop() -> None:
-    tok = char_level()
+    tok = _get("char_level")
     det = IncrementalDetokenizer(tok, [])
     stop = ["STOP"]
     hold = max(map(len, stop)) - 1
@@ -317,40 +357,48 @@ def test_stream_delta_holds_back_partial_stop() -> None:
     assert not any("S" in s for s in streamed)
 
 
-def test_empty_inputs(tok: Tokenizer) -> None:
-    det = IncrementalDetokenizer(tok, [])
+def test_empty_inputs(tok: Tokenizer, decode_stream: bool) -> None:
+    det = _detok(tok, decode_stream)
     assert det.add_tokens([]) == ""
     assert det.check_stop([]) is None
     assert det.check_stop(["", "x"]) is None
     assert det.flush() == "" and det.output_text == "" and det.stream_delta(True) == ""
 
 
-def test_cost_is_independent_of_output_length() -> None:
-    """Each add_tokens call decodes a bounded window, not all the output."""
+def test_cost_is_independent_of_output_length(
+    decode_stream: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each add_tokens call decodes a bounded window, not all the output; the stream path calls
+    no Python decode at all."""
     tok = byte_level_bpe()
     decoded_lengths: list[int] = []
     real_decode = tok.decode
 
-    def counting_decode(ids: list[int], skip_special_tokens: bool = True) -> str:
+    def counting_decode(ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        ids = list(ids)
         decoded_lengths.append(len(ids))
         return real_decode(ids, skip_special_tokens)
 
-    tok.decode = counting_decode  # type: ignore[method-assign]
+    monkeypatch.setattr(tok, "decode", counting_decode)
     ids = tok.encode(MIXED_TEXT * 40, add_special_tokens=False)
-    det = IncrementalDetokenizer(tok, [])
+    det = _detok(tok, decode_stream)
+    windows = []
     for i in ids:
         det.add_tokens([i])
+        windows.append(len(det._ids) - det._prefix_offset)
     assert len(ids) > 300
-    assert max(decoded_lengths) <= 8
+    assert max(windows) <= 8
+    assert max(decoded_lengths, default=0) <= 8
+    assert bool(decoded_lengths) == (not decode_stream)
     assert det.output_text == real_decode(ids)
 
 
-def test_byte_fallback_run_held_until_it_ends() -> None:
-    tok = sentencepiece_llama()
+def test_byte_fallback_run_held_until_it_ends(decode_stream: bool) -> None:
+    tok = _get("sentencepiece_llama")
     text = "가나다라마바사아자차카타"  # not in CORPUS: 3 byte-fallback tokens per character
     ids = tok.encode(text + " is", add_special_tokens=False)
     assert sum(i in tok.byte_fallback_ids for i in ids) >= 36
-    det = IncrementalDetokenizer(tok, [])
+    det = _detok(tok, decode_stream)
     emitted_in_run = []
     for i in ids:
         emitted_in_run.append(det.add_tokens([i]))
@@ -358,3 +406,45 @@ def test_byte_fallback_run_held_until_it_ends() -> None:
     assert not any(emitted_in_run[:30]) and any(emitted_in_run[:36])
     assert det.output_text + det.flush() == tok.decode(ids)
     assert "\ufffd" not in det.output_text
+
+
+def test_byte_run_turned_invalid_past_the_cap() -> None:
+    """Past the cap a run streams; a stray byte after it changes the decode of text already
+    out (inexact by design). DecodeStream raises there: the stream path then carries on with
+    windows, giving what the window path gives, and nothing raises."""
+    tok = _get("sentencepiece_llama")
+    vocab = tok.hf.get_vocab()
+    run = [int(vocab[f"<0x{b:02X}>"]) for b in "가나다라마바사아자차카타파하".encode()]
+    assert len(run) > _MAX_BYTE_RUN
+    ids = run + [int(vocab["<0x80>"])] + tok.encode(" is", add_special_tokens=False)
+    outs = []
+    for decode_stream in (True, False):
+        det = _detok(tok, decode_stream)
+        deltas = [det.add_tokens([i]) for i in ids]
+        assert det._stream is None  # DecodeStream raised: this request decodes windows now
+        outs.append(deltas + [det.flush()])
+    assert outs[0] == outs[1]
+    assert "".join(outs[0]).startswith("가나다라마바사아자차카")  # valid so far: exact
+    assert tok.decode(ids).startswith("\ufffd" * len(run))  # the whole run is invalid
+
+
+def test_slow_tokenizer_decodes_windows() -> None:
+    tok = SlowTokenizer(_get("sentencepiece_metaspace").hf)
+    ids = tok.encode(MIXED_TEXT, add_special_tokens=False)
+    det = _detok(tok, decode_stream=True)  # asked for, but there is no backend: windows
+    _assert_exact(_feed_chunks(det, ids, random.Random(1)), det, tok.decode(ids), ids)
+
+
+def test_bench_detokenize_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    from mrv2.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["bench", "detokenize", "--tokens", "32", "--repeats", "1", "--cases", "12"]
+    )
+    assert isinstance(args, argparse.Namespace)
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    for backend in ("window", "DecodeStream", "mrv2"):
+        assert f" {backend} " in out
+    rows = [line.split() for line in out.splitlines() if " mrv2 " in line and "/12" in line]
+    assert len(rows) == 2 and all("12/12" in row for row in rows)  # mrv2 exact on both

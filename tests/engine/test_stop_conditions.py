@@ -1,4 +1,9 @@
-"""Stop tokens, EOS, stop strings, max_tokens, min_tokens and aborts."""
+"""Stop tokens, EOS, stop strings, max_tokens, min_tokens and aborts.
+
+The cases are built from a first greedy run of the fixed tiny model (its seed is fixed, so the
+run is too): a stop token is one the run produces for the first time at a known index, a stop
+string one that occurs exactly once and straddles two tokens. Where the run could not give such
+a case the test fails (pick another ``PROMPT``); it never skips."""
 
 from __future__ import annotations
 
@@ -30,15 +35,26 @@ def llm(ckpt: Path) -> LLM:
 @pytest.fixture(scope="module")
 def free_run(llm: LLM) -> list[int]:
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    return llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
+    tokens = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(set(tokens[:6])) == 6, f"{PROMPT!r} gives a repetitive run {tokens}: change it"
+    return tokens
 
 
 def _first_new(tokens: list[int], start: int) -> int:
-    """Index of the first token at or after ``start`` not seen before it."""
-    for i in range(start, len(tokens)):
-        if tokens[i] not in tokens[:i]:
-            return i
-    pytest.skip("the random model repeats itself too much for this test")
+    """Index of the first token at or after ``start`` not seen before it (the fixture makes
+    the first six tokens distinct, so any ``start`` < 6 has one)."""
+    return next(i for i in range(start, len(tokens)) if tokens[i] not in tokens[:i])
+
+
+def _straddling_stop(text_of: list[str], full: str) -> tuple[str, int]:
+    """A stop string of three characters that occurs exactly once in ``full`` and starts
+    inside one token's text and ends inside a later one; and where it starts."""
+    for k in range(2, len(text_of) - 2):
+        cut = len(text_of[k])  # characters decoded from the first k tokens
+        stop = full[cut - 1 : cut + 2]
+        if len(stop) == 3 and full.find(stop) == cut - 1 and full.count(stop) == 1:
+            return stop, cut - 1
+    raise AssertionError(f"no unique straddling stop string in {full!r}: change PROMPT")
 
 
 def test_max_tokens(llm: LLM, free_run: list[int]) -> None:
@@ -84,19 +100,16 @@ def test_eos_from_generation_config(ckpt: Path, free_run: list[int], tmp_path: P
 def test_stop_string_across_tokens(llm: LLM, free_run: list[int]) -> None:
     tokenizer = llm.get_tokenizer()
     full = tokenizer.decode(free_run)
-    # a stop string that starts inside one token's text and ends inside a later one
-    prefix = tokenizer.decode(free_run[:4])
-    stop = full[len(prefix) - 1 : len(prefix) + 2]
-    if len(stop) < 2 or full.find(stop) != len(prefix) - 1:
-        pytest.skip("the random model's text does not give a unique stop string here")
+    stop, at = _straddling_stop([tokenizer.decode(free_run[:k]) for k in range(17)], full)
     params = SamplingParams(temperature=0, max_tokens=16, stop=[stop], ignore_eos=True)
     out = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
-    assert out.text == full[: len(prefix) - 1]
+    assert out.text == full[:at]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert len(out.token_ids) < len(free_run)  # stopped early
     kept = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16, stop=[stop],
                                                include_stop_str_in_output=True, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0]
-    assert kept.text == full[: len(prefix) + 2]
+    assert kept.text == full[: at + len(stop)]
 
 
 def test_abort_frees_everything_and_spares_others(llm: LLM, free_run: list[int]) -> None:

@@ -67,7 +67,7 @@ def test_norm_linear_respects_overridden_layers() -> None:
         layer.weight.copy_(torch.randn(8, HIDDEN))
     x = torch.randn(1, HIDDEN)
     y, _ = norm_linear(norm, layer, x, None)
-    assert torch.equal(y, 2 * torch.nn.functional.linear(norm(x), layer.weight))
+    assert torch.equal(y, 2 * LinearBase.forward(layer, norm(x)))
 
 
 def test_norm_linear_forced_triton_agrees(monkeypatch: pytest.MonkeyPatch) -> None:

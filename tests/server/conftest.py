@@ -47,7 +47,8 @@ def serve(model_dir: Path, engine_kwargs: dict[str, object] | None = None,
 
     kwargs = {**ENGINE_KWARGS, **(engine_kwargs or {})}
     engine = LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), **kwargs))
-    app = create_app(engine, served_model_name=MODEL, api_key=API_KEY, **app_kwargs)
+    app = create_app(engine, **{"served_model_name": MODEL, "api_key": API_KEY,
+                                **app_kwargs})  # type: ignore[arg-type]
     port = _free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
     srv = uvicorn.Server(config)

@@ -189,3 +189,124 @@ def test_speculation_over_http_same_text_and_counted(server: Served) -> None:
     drafts = [line for line in text.splitlines()
               if line.startswith("mrv2_spec_decode_num_draft_tokens_total{")]
     assert drafts and float(drafts[0].rsplit(" ", 1)[1]) > 0
+
+
+@pytest.mark.parametrize("raw", [b"[" * 100_000 + b"]" * 100_000,
+                                 b'{"a":' * 100_000 + b"1" + b"}" * 100_000,
+                                 b"\xff\xfe{}", b""])
+def test_unparseable_bodies_are_400(server: Served, raw: bytes) -> None:
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        error = _error(_post(server, path, None, raw=raw), 400)
+        assert "JSON" in str(error["message"])
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
+    ("/v1/chat/completions", {"max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {"stream": "yes"}, "stream"),
+    ("/v1/chat/completions", {"stream": 1}, "stream"),
+    ("/v1/chat/completions", {"stream_options": {"include_usage": "true"}}, "stream_options"),
+    ("/v1/chat/completions", {"logprobs": "true"}, "logprobs"),
+    ("/v1/completions", {"n": "2"}, "n"),
+    ("/v1/completions", {"max_tokens": 2.5}, "max_tokens"),
+    ("/v1/completions", {"ignore_eos": "no"}, "ignore_eos"),
+    ("/v1/completions", {"temperature": "0.5"}, "temperature"),
+])
+def test_strict_types(server: Served, path: str, body: dict[str, object], param: str) -> None:
+    base: dict[str, object] = ({"messages": [{"role": "user", "content": "hi"}]}
+                               if "chat" in path else {"prompt": "hi"})
+    error = _error(_post(server, path, {"model": MODEL, **base, **body}), 400)
+    assert error["param"] == param, error
+
+
+def test_ints_are_valid_floats(server: Served) -> None:
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 1,
+                                          "top_p": 1, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_max_tokens_beyond_context_is_400(server: Served, path: str, field: str) -> None:
+    if field == "max_completion_tokens" and "chat" not in path:
+        return  # a chat-only field
+    base: dict[str, object] = ({"messages": [{"role": "user", "content": "hi"}]}
+                               if "chat" in path else {"prompt": [5, 6, 7]})
+    error = _error(_post(server, path, {"model": MODEL, **base, field: 10**12}), 400)
+    message = str(error["message"])
+    assert error["param"] == "max_tokens"
+    assert str(10**12) in message and "64" in message  # asked, context length
+    if "chat" not in path:
+        assert "prompt has 3 tokens" in message and "at most 61" in message
+    ok = _post(server, path, {"model": MODEL, **base, field: 3, "ignore_eos": True})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_n_is_bounded(server: Served) -> None:
+    error = _error(_post(server, "/v1/completions",
+                         {"model": MODEL, "prompt": "hi", "n": 1000}), 400)
+    assert error["param"] == "n" and "--max-n" in str(error["message"])
+    ok = _post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 64,
+                                           "max_tokens": 1})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 64
+
+
+def test_n_counts_against_max_pending(model_dir: Path) -> None:
+    import asyncio
+
+    from server_util import ENGINE_KWARGS
+
+    from mrv2 import EngineConfig, SamplingParams
+    from mrv2.engine.engine import LLMEngine
+    from mrv2.entrypoints.engine_thread import EngineThread, QueueFullError
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), **ENGINE_KWARGS))
+    worker = EngineThread(engine, max_pending=4)
+    loop = asyncio.new_event_loop()
+    sink: asyncio.Queue[object] = asyncio.Queue()
+    try:
+        worker.submit("a", [5, 6], SamplingParams(n=3, max_tokens=2), None,
+                      sink, loop)  # type: ignore[arg-type]
+        with pytest.raises(QueueFullError, match="3 sequences in flight and this request "
+                                                 "adds 2"):
+            worker.submit("b", [5, 6], SamplingParams(n=2, max_tokens=2), None,
+                          sink, loop)  # type: ignore[arg-type]
+        worker.submit("c", [5, 6], SamplingParams(n=1, max_tokens=2), None,
+                      sink, loop)  # type: ignore[arg-type]
+        assert worker.num_pending == 4
+    finally:
+        loop.close()
+
+
+def test_metrics_parse_with_any_model_name(model_dir: Path) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from conftest import serve
+
+    name = 'we"ird\\name\nx'
+    servers = serve(model_dir, served_model_name=name)
+    srv = next(servers)
+    try:
+        r = _post(srv, "/v1/completions", {"model": name, "prompt": "hi", "max_tokens": 3,
+                                           "ignore_eos": True, "n": 2})
+        assert r.status_code == 200, r.text
+        response = httpx.get(f"{srv.url}/metrics", headers=AUTH)
+    finally:
+        next(servers, None)
+    assert response.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(response.text)}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in families.values() for s in f.samples}
+    label = (("model_name", name),)
+    assert samples[("mrv2_generation_tokens_total", label)] == 6
+    assert samples[("mrv2_prompt_tokens_total", label)] > 0
+    assert samples[("mrv2_request_success_total",
+                    (("finished_reason", "length"), ("model_name", name)))] == 2
+    assert samples[("mrv2_time_to_first_token_seconds_count", label)] == 1
+    assert samples[("mrv2_time_per_output_token_seconds_count", label)] == 2
+    assert families["mrv2_time_to_first_token_seconds"].type == "histogram"
+    assert samples[("mrv2_kv_cache_free_blocks", label)] == samples[
+        ("mrv2_kv_cache_blocks", label)] == 512
+    assert samples[("mrv2_num_requests_pending", label)] == 0
+    assert samples[("process_resident_memory_bytes", ())] > 0
+    assert samples[("mrv2_gpu_memory_allocated_bytes", label)] == 0  # a CPU server

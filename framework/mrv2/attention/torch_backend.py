@@ -1,23 +1,29 @@
-"""The plain-torch reference paged attention backend (CPU or any device; slow, exact).
+"""The plain-torch paged attention backend: the CPU's default, and a reference on any device.
 
-No host syncs: every shape comes from the tensors or from the CPU bounds in the metadata
-(``num_reqs``, ``max_query_len``, ``max_seq_len``), never from reading device values.
+CPU tensors take :mod:`mrv2.attention.cpu_paged` (a few ops per layer, over a plan built once
+per step from the metadata, which on the CPU can be read for free). Other devices take the
+reference below: no host syncs, every shape from the tensors or from the CPU bounds in the
+metadata (``num_reqs``, ``max_query_len``, ``max_seq_len``), never from reading device values.
 """
 
 from __future__ import annotations
 
 import torch
 
+from mrv2.attention.cpu_paged import paged_attention_cpu, plan_for, write_kv_cpu
 from mrv2.contract.attention import AttentionMetadata, PagedAttentionBackend
+from mrv2.contract.forward_context import current_forward_context
 
 
 class TorchAttentionBackend(PagedAttentionBackend):
-    """Reference backend: scatter writes for the cache, dense masked attention in fp32.
+    """Scatter writes for the cache, dense masked attention in fp32.
 
-    ``forward`` pads the step's queries to ``[num_reqs, max_query_len]``, gathers each request's
-    keys and values through its block table up to ``max_seq_len``, masks by causal position
-    and sequence length, and scatters the result back to the token layout. Padding query rows
-    (past ``query_start_loc[num_reqs]``) come out as zeros.
+    CPU tensors take the fast path (:mod:`mrv2.attention.cpu_paged`). Elsewhere, and in
+    :meth:`write_kv_reference` / :meth:`forward_reference` on any device, ``forward`` pads the
+    step's queries to ``[num_reqs, max_query_len]``, gathers each request's keys and values
+    through its block table up to ``max_seq_len``, masks by causal position and sequence
+    length, and scatters the result back to the token layout. Padding query rows (past
+    ``query_start_loc[num_reqs]``) come out as zeros.
     """
 
     name = "torch"
@@ -29,7 +35,36 @@ class TorchAttentionBackend(PagedAttentionBackend):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """Store ``key``/``value`` at their slots; tokens with a negative slot are not stored.
+        """Store ``key``/``value`` at their slots; tokens with a negative slot are not stored."""
+        if key.device.type == "cpu":
+            ctx = current_forward_context()  # the step's plan, when these are its slots
+            plan = None
+            if ctx is not None and ctx.metadata.slot_mapping is slot_mapping:
+                plan = plan_for(ctx.metadata)
+            write_kv_cpu(key, value, kv_cache, slot_mapping, plan)
+        else:
+            self.write_kv_reference(key, value, kv_cache, slot_mapping)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal GQA attention of ``query`` ``[T, H, D]``; returns ``[T, H, D]``."""
+        if query.device.type == "cpu":
+            return paged_attention_cpu(query, kv_cache, metadata, scale)
+        return self.forward_reference(query, kv_cache, metadata, scale)
+
+    def write_kv_reference(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """The device-agnostic :meth:`write_kv`.
 
         Every row is written somewhere (a data-dependent row count would need a host sync):
         a padding row takes the slot and value of the first real row, so the duplicate write is
@@ -48,14 +83,14 @@ class TorchAttentionBackend(PagedAttentionBackend):
             new_rows = new[src].to(kv_cache.dtype)
             flat[i].index_copy_(0, target, torch.where(keep_old, flat[i][target], new_rows))
 
-    def forward(
+    def forward_reference(
         self,
         query: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Causal GQA attention of ``query`` ``[T, H, D]``; returns ``[T, H, D]``."""
+        """The device-agnostic :meth:`forward` (no host reads)."""
         num_tokens, num_heads, head_dim = query.shape
         block_size, num_kv_heads = kv_cache.shape[2:4]
         group = num_heads // num_kv_heads

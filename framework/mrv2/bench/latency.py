@@ -1,4 +1,10 @@
-"""``mrv2 bench latency``: time per output token at several batch sizes (greedy decode)."""
+"""``mrv2 bench latency``: time per output token at several batch sizes (greedy decode).
+
+With ``--device cpu`` the run also times HF transformers ``generate`` in the same process on the
+same prompts (alternating with mrv2, repeated, medians) and reports the ratio; its defaults suit
+a small CPU: the default model with its real weights (SmolLM2-135M-Instruct), float32, batches
+1 and 8, 64-token prompts, 64 new tokens.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +21,25 @@ from mrv2.config import EngineConfig
 from mrv2.contract.params import SamplingParams
 from mrv2.engine.engine import LLMEngine
 
+#: Defaults of the arguments left unset: on the GPU, and with ``--device cpu``.
+GPU_DEFAULTS: dict[str, Any] = {
+    "model": "Qwen3-0.6B", "load_format": "dummy", "dtype": "bfloat16",
+    "batch_sizes": [1, 8, 64], "prompt_len": 128, "new_tokens": 512, "max_model_len": 4096,
+    "repeats": 1,
+}
+CPU_DEFAULTS: dict[str, Any] = {
+    "model": "SmolLM2-135M-Instruct", "load_format": "auto", "dtype": "float32",
+    "batch_sizes": [1, 8], "prompt_len": 64, "new_tokens": 64, "max_model_len": 1024,
+    "repeats": 3,
+}
+
+
+def bench_prompts(batch: int, prompt_len: int, seed: int) -> list[list[int]]:
+    """``batch`` random prompts of ``prompt_len`` token ids below 10000 (a seed per run, so
+    runs share no prefix)."""
+    rng = random.Random(seed * 1000 + batch)
+    return [[rng.randint(0, 10000) for _ in range(prompt_len)] for _ in range(batch)]
+
 
 def measure(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int,
             log: StepLog | None = None, seed: int = 0) -> dict[str, float]:
@@ -22,11 +47,9 @@ def measure(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int,
     (from :func:`instrument`) also the host time in ``execute`` and the device time per
     decode step (medians)."""
     first_step = len(log.steps) if log is not None else 0
-    rng = random.Random(seed * 1000 + batch)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request([rng.randint(0, 10000) for _ in range(prompt_len)], params,
-                           stream=True)
+    for prompt in bench_prompts(batch, prompt_len, seed):
+        engine.add_request(prompt, params, stream=True)
     start = time.perf_counter()
     first: float | None = None
     while engine.has_unfinished():
@@ -49,28 +72,85 @@ def measure(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int,
     return row
 
 
+def _seed(rep: int) -> int:
+    """The prompts' seed of repetition ``rep``: 0, then 2, 3, ... (1 is the warm-up's)."""
+    return 0 if rep == 0 else rep + 1
+
+
+def _median_row(batch: int, rows: list[dict[str, float]]) -> dict[str, float]:
+    keys = [k for k in rows[0] if k != "batch"]
+    return {"batch": batch, **{k: round(statistics.median(r[k] for r in rows), 3) for k in keys}}
+
+
+def compare_with_hf(engine: LLMEngine, model_dir: str, args: argparse.Namespace,
+                    dtype: torch.dtype) -> list[dict[str, float]]:
+    """mrv2 and HF ``generate`` on the same prompts, alternating which goes first, ``repeats``
+    times per batch size; medians, and ``speedup_vs_hf`` = HF TPOT / mrv2 TPOT."""
+    from mrv2.bench.hf_reference import hf_measure, load_hf_model
+
+    hf = load_hf_model(model_dir, args.load_format, dtype)
+    for b in args.batch_sizes:  # warm up both on other prompts
+        measure(engine, b, args.prompt_len, 8, seed=1)
+        hf_measure(hf, bench_prompts(b, args.prompt_len, 1), 8)
+    log = instrument(engine)
+    ours: dict[int, list[dict[str, float]]] = {b: [] for b in args.batch_sizes}
+    theirs: dict[int, list[dict[str, float]]] = {b: [] for b in args.batch_sizes}
+    for rep in range(args.repeats):
+        for b in args.batch_sizes:
+            prompts = bench_prompts(b, args.prompt_len, _seed(rep))
+            for ours_turn in ([True, False] if rep % 2 == 0 else [False, True]):
+                if ours_turn:
+                    ours[b].append(measure(engine, b, args.prompt_len, args.new_tokens, log,
+                                           seed=_seed(rep)))
+                else:
+                    theirs[b].append(hf_measure(hf, prompts, args.new_tokens))
+    rows = []
+    for b in args.batch_sizes:
+        row = _median_row(b, ours[b])
+        hf_row = _median_row(b, [{"batch": b, **r} for r in theirs[b]])
+        row["hf_ttft_ms"], row["hf_tpot_ms"] = hf_row["ttft_ms"], hf_row["tpot_ms"]
+        row["speedup_vs_hf"] = round(row["hf_tpot_ms"] / row["tpot_ms"], 3)
+        rows.append(row)
+    return rows
+
+
 def bench(args: argparse.Namespace) -> dict[str, Any]:
-    """Latency rows for each batch size and each variant."""
+    """Latency rows for each batch size and each variant (on the CPU, beside HF's)."""
+    cpu = args.device == "cpu"
+    for name, value in (CPU_DEFAULTS if cpu else GPU_DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if cpu and args.threads:
+        torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)
     variants: dict[str, dict[str, Any]] = {
         "default": {}, "async_off": {"async_scheduling": False},
         "graphs_off": {"enforce_eager": True},
         "ngram": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
     }
-    results: dict[str, Any] = {"model": args.model, "prompt_len": args.prompt_len,
-                               "new_tokens": args.new_tokens}
+    results: dict[str, Any] = {"model": args.model, "device": args.device,
+                               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
+    if cpu:
+        results.update(threads=torch.get_num_threads(), dtype=args.dtype,
+                       load_format=args.load_format, repeats=args.repeats)
     for name in ["default", *args.variants]:
         config = EngineConfig.from_kwargs(
-            model=model_dir, load_format=args.load_format, dtype=args.dtype,
+            model=model_dir, load_format=args.load_format, dtype=args.dtype, device=args.device,
             max_model_len=args.max_model_len, max_num_seqs=max(args.batch_sizes),
             gpu_memory_utilization=args.gpu_memory_utilization, **variants[name],
         )
         engine = LLMEngine(config)
-        for b in args.batch_sizes:  # warm up: compile every kernel specialization first
-            measure(engine, b, args.prompt_len, 16, seed=1)  # other prompts: no prefix hits
-        log = instrument(engine)
-        results[name] = [measure(engine, b, args.prompt_len, args.new_tokens, log)
-                         for b in args.batch_sizes]
+        if cpu and name == "default" and not args.no_hf:
+            results[name] = compare_with_hf(engine, model_dir, args, engine.runner.dtype)
+        else:
+            for b in args.batch_sizes:  # warm up: compile every kernel specialization first
+                measure(engine, b, args.prompt_len, 16, seed=1)  # other prompts: no prefix hits
+            log = instrument(engine)
+            results[name] = [
+                _median_row(b, [measure(engine, b, args.prompt_len, args.new_tokens, log,
+                                        seed=_seed(rep)) for rep in range(args.repeats)])
+                for b in args.batch_sizes
+            ]
         if engine.runner.num_speculative_tokens:
             stats = engine.stats()
             results[name].append({"spec_acceptance_rate": round(stats["spec_acceptance_rate"], 3),
@@ -82,14 +162,26 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_parser(sub: Any) -> None:
     """Register ``mrv2 bench latency``."""
-    p = sub.add_parser("latency", help="time per output token at batch 1, 8, 64")
-    p.add_argument("--model", default="Qwen3-0.6B")
-    p.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=512)
-    p.add_argument("--max-model-len", type=int, default=4096)
+    p = sub.add_parser("latency", help="time per output token at batch 1, 8, 64 (CPU: vs HF)")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                   help="cpu: also time HF generate on the same prompts and report the ratio; "
+                        "other defaults then suit a CPU (see CPU_DEFAULTS)")
+    p.add_argument("--model", default=None,
+                   help="checkpoint dir, bundled config or SmolLM2-135M-Instruct "
+                        "(default: Qwen3-0.6B; cpu: SmolLM2-135M-Instruct)")
+    p.add_argument("--load-format", default=None, choices=["auto", "dummy"],
+                   help="default: dummy; cpu: auto (real weights)")
+    p.add_argument("--dtype", default=None, help="default: bfloat16; cpu: float32")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                   help="default: 1 8 64; cpu: 1 8")
+    p.add_argument("--prompt-len", type=int, default=None, help="default: 128; cpu: 64")
+    p.add_argument("--new-tokens", type=int, default=None, help="default: 512; cpu: 64")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: 4096; cpu: 1024")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="runs per batch size, medians reported (default: 1; cpu: 3)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="cpu: torch threads (default: torch's own, e.g. OMP_NUM_THREADS)")
+    p.add_argument("--no-hf", action="store_true", help="cpu: skip the HF reference")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--variants", nargs="*", default=[],
                    choices=["async_off", "graphs_off", "ngram"],

@@ -17,13 +17,18 @@ CONFIGS = Path(__file__).parent / "configs"
 
 
 def resolve_model(model: str) -> str:
-    """A checkpoint directory, or the name of a bundled architecture config (``Qwen3-0.6B``)."""
+    """A checkpoint directory, the name of a bundled architecture config (``Qwen3-0.6B``), or
+    the default model's name (``SmolLM2-135M-Instruct``: its real checkpoint, prepared once)."""
+    from mrv2.model_loader.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+
     bundled = CONFIGS / model
     if (bundled / "config.json").is_file():
         return str(bundled)
     if Path(model).is_dir():
         return model
-    known = ", ".join(sorted(p.name for p in CONFIGS.iterdir()))
+    if model == DEFAULT_MODEL_NAME:
+        return str(ensure_default_model())
+    known = ", ".join(sorted([DEFAULT_MODEL_NAME, *(p.name for p in CONFIGS.iterdir())]))
     raise ValueError(f"{model!r} is neither a directory nor a bundled config ({known})")
 
 

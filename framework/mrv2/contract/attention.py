@@ -12,7 +12,8 @@ backend defines the calls its attention layer makes.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -46,6 +47,10 @@ class AttentionMetadata:
     """Tokens per KV block."""
     uniform_decode: bool = False
     """Every real request has a query of length 1 (lets a backend pick its decode path)."""
+    derived: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """Scratch for values a backend derives from this metadata once and reuses in every layer
+    of the step (the CPU path's gather indices and masks, say). A new metadata object starts
+    empty; whoever changes the tensors of one in place must clear it."""
 
 
 class AttentionBackend:

@@ -48,6 +48,11 @@ def set_forward_context(context: ForwardContext) -> Iterator[None]:
         _CONTEXT = previous
 
 
+def current_forward_context() -> ForwardContext | None:
+    """The context of the forward pass in progress, or None outside one."""
+    return _CONTEXT
+
+
 def get_forward_context() -> ForwardContext:
     """The context of the forward pass in progress; raises outside one."""
     if _CONTEXT is None:

@@ -300,6 +300,8 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "kv_usage": blocks.usage,
+            "kv_free_blocks": blocks.num_free_blocks,
+            "kv_num_blocks": blocks.num_blocks,
             "prefix_cache_queries": blocks.num_queried_tokens,
             "prefix_cache_hits": blocks.num_hit_tokens,
             "prefix_cache_hit_rate": blocks.hit_rate,

@@ -41,6 +41,11 @@ class Tokenizer:
         backend = getattr(self.hf, "backend_tokenizer", None)
         self._backend: Any = backend if getattr(self.hf, "is_fast", False) else None
 
+    @property
+    def backend(self) -> Any:
+        """The ``tokenizers.Tokenizer`` of a fast tokenizer (what ``decode`` runs); else None."""
+        return self._backend
+
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, **kwargs: Any) -> Tokenizer:
         return cls(Path(model_dir), **kwargs)

@@ -32,14 +32,25 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+_SERVE_DEPS = ("fastapi", "uvicorn", "prometheus_client")
+
+
 def _serve(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    missing = [m for m in _SERVE_DEPS if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"mrv2 serve needs {', '.join(missing)}, which this Python lacks. Install the "
+              "server extras: pip install 'mrv2[serve]' (from a checkout: "
+              ".venv/bin/pip install -e '.[serve]')", file=sys.stderr)
+        return 2
     from mrv2.engine.engine import LLMEngine
     from mrv2.entrypoints.server import run_server
 
     model = args.model_dir or args.model
     engine = LLMEngine(config_from_cli(args, model))
     run_server(engine, args.host, args.port, args.served_model_name, args.api_key,
-               args.max_pending)
+               args.max_pending, args.max_n)
     return 0
 
 
@@ -95,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
     serve.add_argument("--served-model-name", default=None, help="model name in the API")
     serve.add_argument("--max-pending", type=int, default=1024,
-                       help="requests in flight before 503")
+                       help="sequences in flight (a request counts its n) before 503")
+    serve.add_argument("--max-n", type=int, default=64,
+                       help="largest n a request may ask for (400 above; capped by --max-pending)")
     add_cli_args(serve)
     serve.set_defaults(func=_serve)
 
@@ -104,12 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks: throughput, latency")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from mrv2.bench import latency, sampler, throughput
+    from mrv2.bench import detokenize, latency, sampler, throughput
     from mrv2.bench import serve as bench_serve
 
     throughput.add_parser(bench_sub)
     latency.add_parser(bench_sub)
     sampler.add_parser(bench_sub)
+    detokenize.add_parser(bench_sub)
     bench_serve.add_parser(bench_sub)
 
     prep = sub.add_parser(

@@ -14,55 +14,18 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from mrv2.contract.params import SamplingParams
 from mrv2.engine.engine import LLMEngine
 from mrv2.engine.outputs import RequestOutput
+from mrv2.entrypoints.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
-#: Histogram buckets (seconds) of time to first token and time per output token.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-
-
 class QueueFullError(RuntimeError):
-    """Too many requests in flight."""
-
-
-@dataclass
-class Histogram:
-    buckets: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-    count: int = 0
-
-    def __post_init__(self) -> None:
-        self.counts = [0] * len(self.buckets)
-
-    def observe(self, value: float) -> None:
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[i] += 1
-        self.total += value
-        self.count += 1
-
-
-@dataclass
-class Metrics:
-    """Counters kept by the engine thread, read by ``/metrics``."""
-
-    requests_success: dict[str, int] = field(default_factory=dict)  # by finish reason
-    requests_aborted: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
-    tpot: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS))
-    stats: dict[str, Any] = field(default_factory=dict)
+    """Too many sequences in flight."""
 
 
 @dataclass
@@ -72,18 +35,23 @@ class _Sink:
     arrival: float
     first: float | None = None
     num_prompt: int = 0
+    num_seqs: int = 1  # the request's n: what it counts against max_pending
 
 
 class EngineThread:
     """Runs ``engine.step()`` in a daemon thread while there is work."""
 
-    def __init__(self, engine: LLMEngine, max_pending: int = 1024) -> None:
+    def __init__(self, engine: LLMEngine, max_pending: int = 1024,
+                 metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self.max_pending = max_pending
-        self.metrics = Metrics(stats=engine.stats())
+        self.metrics = metrics or ServerMetrics(str(engine.config.model.model or "mrv2"),
+                                                engine.runner.device)
+        self.metrics.stats = engine.stats()
+        self.metrics.num_pending = lambda: self._pending
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._sinks: dict[str, _Sink] = {}
-        self._pending = 0  # submitted and not yet finished or aborted
+        self._pending = 0  # sequences (n per request) submitted, not yet finished or aborted
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="mrv2-engine", daemon=True)
         self._stopped = False
@@ -106,15 +74,17 @@ class EngineThread:
                prompt: str | None, sink: asyncio.Queue[RequestOutput | BaseException],
                loop: asyncio.AbstractEventLoop) -> None:
         """Queue a (validated) request; its outputs go to ``sink``. Raises
-        :class:`QueueFullError` when ``max_pending`` requests are in flight."""
+        :class:`QueueFullError` when its ``n`` sequences would take the server past
+        ``max_pending`` sequences in flight."""
         with self._lock:
             if self._stopped:
                 raise QueueFullError("the server is shutting down")
-            if self._pending >= self.max_pending:
+            if self._pending + params.n > self.max_pending:
                 raise QueueFullError(
-                    f"{self._pending} requests in flight, the most this server queues "
-                    f"(--max-pending {self.max_pending}); retry later")
-            self._pending += 1
+                    f"{self._pending} sequences in flight and this request adds {params.n}: "
+                    f"more than this server queues (--max-pending {self.max_pending}); "
+                    "retry later")
+            self._pending += params.n
         self._commands.put(("add", (req_id, prompt_token_ids, params, prompt, sink, loop,
                                     time.monotonic())))
 
@@ -155,19 +125,21 @@ class EngineThread:
     def _handle(self, command: str, arg: Any) -> None:
         if command == "add":
             req_id, ids, params, prompt, sink_queue, loop, arrival = arg
-            sink = _Sink(loop, sink_queue, arrival, num_prompt=len(ids))
+            sink = _Sink(loop, sink_queue, arrival, num_prompt=len(ids), num_seqs=params.n)
             try:
                 self.engine.add_request(ids, params, request_id=req_id, prompt=prompt,
                                         stream=True)
             except Exception as error:
-                self._finish_pending()
+                self._finish_pending(sink)
                 _put(sink, error)
                 return
             self._sinks[req_id] = sink
-        elif command == "abort" and self._sinks.pop(arg, None) is not None:
-            self.engine.abort(arg)
-            self.metrics.requests_aborted += 1
-            self._finish_pending()
+        elif command == "abort":
+            aborted = self._sinks.pop(arg, None)
+            if aborted is not None:
+                self.engine.abort(arg)
+                self.metrics.requests_aborted.inc()
+                self._finish_pending(aborted)
 
     def _deliver(self, output: RequestOutput, now: float) -> None:
         sink = self._sinks.get(output.request_id)
@@ -178,16 +150,12 @@ class EngineThread:
             self.metrics.ttft.observe(now - sink.arrival)
         if output.finished:
             del self._sinks[output.request_id]
-            self._finish_pending()
-            m = self.metrics
-            m.prompt_tokens += sink.num_prompt
-            for choice in output.outputs:
-                num = len(choice.token_ids)
-                m.generation_tokens += num
-                reason = choice.finish_reason or "unknown"
-                m.requests_success[reason] = m.requests_success.get(reason, 0) + 1
+            self._finish_pending(sink)
+            lengths = [(c.finish_reason or "unknown", len(c.token_ids)) for c in output.outputs]
+            self.metrics.observe_finished(sink.num_prompt, lengths)
+            for _, num in lengths:
                 if num > 1 and sink.first is not None:
-                    m.tpot.observe((now - sink.first) / (num - 1))
+                    self.metrics.tpot.observe((now - sink.first) / (num - 1))
         _put(sink, output)
 
     def _fail_all(self, error: BaseException) -> None:
@@ -196,7 +164,8 @@ class EngineThread:
                 self.engine.abort(req_id)
             except Exception:  # the engine is already broken; still tell the client
                 logger.exception("abort after a failed step")
-            self._finish_pending()
+            self._finish_pending(sink)
+            self.metrics.requests_failed.inc()
             _put(sink, RuntimeError(f"the engine failed: {error}"))
         self._sinks.clear()
 
@@ -210,13 +179,13 @@ class EngineThread:
             except queue.Empty:
                 break
             if command == "add":
-                self._finish_pending()
-                sink = _Sink(arg[5], arg[4], arg[6])
+                sink = _Sink(arg[5], arg[4], arg[6], num_seqs=arg[2].n)
+                self._finish_pending(sink)
                 _put(sink, RuntimeError("the server is shutting down"))
 
-    def _finish_pending(self) -> None:
+    def _finish_pending(self, sink: _Sink) -> None:
         with self._lock:
-            self._pending -= 1
+            self._pending -= sink.num_seqs
 
 
 def _put(sink: _Sink, item: RequestOutput | BaseException) -> None:

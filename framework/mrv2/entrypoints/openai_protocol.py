@@ -1,4 +1,7 @@
-"""Pydantic models of the OpenAI-compatible API (requests), plus error and logprob helpers."""
+"""Pydantic models of the OpenAI-compatible API (requests), plus error and logprob helpers.
+
+Validation is strict, as OpenAI's: ``"stream": "yes"`` or ``"n": "2"`` is a 400 naming the
+field, not a coercion (an int is still a valid float)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from mrv2.engine.outputs import PositionLogprobs
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)
 
     model: str | None = None
     n: int = 1
@@ -72,12 +75,14 @@ class _Request(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -103,7 +108,7 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
     content: str | list[dict[str, Any]] | None = None
@@ -118,8 +123,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1)  # deprecated by OpenAI, still sent
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
@@ -130,7 +135,8 @@ class ChatCompletionRequest(_Request):
         _unsupported("tools", self.tools, None)
         if self.response_format not in (None, {"type": "text"}):
             _unsupported("response_format", self.response_format, {"type": "text"})
-        max_tokens = self.max_completion_tokens or self.max_tokens
+        max_tokens = (self.max_tokens if self.max_completion_tokens is None
+                      else self.max_completion_tokens)
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("SamplingParams.top_logprobs is invalid: needs logprobs=true")
         k = (self.top_logprobs or 0) if self.logprobs else None

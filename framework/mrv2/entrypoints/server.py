@@ -15,13 +15,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mrv2.contract.params import SamplingParams
 from mrv2.engine.engine import LLMEngine
 from mrv2.engine.outputs import RequestOutput
-from mrv2.entrypoints.engine_thread import EngineThread, Histogram, QueueFullError
+from mrv2.entrypoints.engine_thread import EngineThread, QueueFullError
+from mrv2.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from mrv2.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -32,7 +34,8 @@ from mrv2.entrypoints.openai_protocol import (
     value_error_param,
 )
 
-_DISCONNECT_POLL_S = 0.5
+#: Default bound on a request's ``n`` (``mrv2 serve --max-n``); OpenAI's own API allows 128.
+DEFAULT_MAX_N = 64
 
 
 class APIError(Exception):
@@ -53,27 +56,44 @@ class _Choice:
         self.index, self.tokens, self.text, self.offset, self.done = index, 0, 0, 0, False
 
 
+class _CheckKey:
+    """``Authorization: Bearer KEY`` on every route but ``/health``. A plain ASGI middleware:
+    Starlette's ``BaseHTTPMiddleware`` would hide the client's disconnect from the routes."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if given != self.expected:
+                response = APIError(401, "invalid or missing API key (Authorization: Bearer "
+                                    "KEY)", "authentication_error").response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(engine: LLMEngine, served_model_name: str | None = None,
-               api_key: str | None = None, max_pending: int = 1024) -> FastAPI:
-    """The app; its engine thread starts with the app and stops with it (``app.state``)."""
+               api_key: str | None = None, max_pending: int = 1024,
+               max_n: int = DEFAULT_MAX_N) -> FastAPI:
+    """The app; its engine thread starts with the app and stops with it (``app.state``).
+
+    The server holds at most ``max_pending`` sequences (a request counts ``n`` per prompt)
+    and answers 503 past that; a request's ``n`` may be at most ``max_n`` (and never more than
+    ``max_pending``, or it could never run)."""
+    if max_n < 1 or max_pending < 1:
+        raise ValueError(f"max_n={max_n}, max_pending={max_pending} are invalid: expected >= 1")
+    max_n = min(max_n, max_pending)
     model_name = served_model_name or str(engine.config.model.model or "mrv2")
-    worker = EngineThread(engine, max_pending)
+    metrics = ServerMetrics(model_name, engine.runner.device)
+    worker = EngineThread(engine, max_pending, metrics)
     app = FastAPI(title="mrv2", on_startup=[worker.start], on_shutdown=[worker.stop])
+    if api_key is not None:
+        app.add_middleware(_CheckKey, api_key=api_key)
     app.state.engine_thread = worker
     app.state.model_name = model_name
     created = int(time.time())
-
-    @app.middleware("http")
-    async def check_key(request: Request, call_next: Any) -> Response:
-        if (api_key is not None and request.url.path != "/health"
-                and request.headers.get("authorization", "") != f"Bearer {api_key}"):
-            return APIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
-                            "authentication_error").response()
-        try:
-            response: Response = await call_next(request)
-        except APIError as error:
-            return error.response()
-        return response
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, error: APIError) -> JSONResponse:
@@ -95,15 +115,16 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None,
             "max_model_len": engine.max_model_len}]}
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(_prometheus(worker, model_name),
-                                 media_type="text/plain; version=0.0.4")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     async def parse(request: Request, cls: type[Any]) -> Any:
         try:
             data = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
             raise APIError(400, f"the body is not valid JSON: {error}") from None
+        except RecursionError:
+            raise APIError(400, "the body is not valid JSON: nested too deeply") from None
         if not isinstance(data, dict):
             raise APIError(400, "the body must be a JSON object")
         try:
@@ -121,6 +142,9 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None,
             params: SamplingParams = body.sampling_params()
         except ValueError as error:
             raise APIError(400, str(error), param=value_error_param(str(error))) from None
+        if params.n > max_n:
+            raise APIError(400, f"n={params.n} is invalid: this server allows 1 <= n <= "
+                           f"{max_n} (mrv2 serve --max-n, --max-pending)", param="n")
         return params
 
     def validate(ids: list[int], params: SamplingParams) -> None:
@@ -128,6 +152,13 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None,
             engine.validate(ids, params)
         except ValueError as error:
             raise APIError(400, str(error), param=value_error_param(str(error))) from None
+        limit, num = engine.max_model_len, len(ids)
+        if params.max_tokens is not None and num + params.max_tokens > limit:
+            raise APIError(
+                400, f"max_tokens={params.max_tokens} is too large: this model's maximum "
+                f"context length is {limit} tokens and the prompt has {num} tokens "
+                f"({params.max_tokens} > {limit} - {num}); ask for at most {limit - num}",
+                param="max_tokens")
 
     def tokenizer() -> Any:
         if engine.tokenizer is None:
@@ -232,21 +263,26 @@ class _Stream:
             self.worker.abort(req_id)
 
     async def collect(self, sink: asyncio.Queue[RequestOutput | BaseException],
-                      request: Request) -> JSONResponse:
+                      request: Request) -> Response:
+        """Wait for every request to finish; abort them all the moment the client leaves."""
+        gone = asyncio.ensure_future(_disconnected(request))
+        item_task: asyncio.Future[RequestOutput | BaseException] | None = None
         try:
             while self.unfinished:
-                try:
-                    item = await asyncio.wait_for(sink.get(), _DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return JSONResponse({}, status_code=499)
-                    continue
+                item_task = item_task or asyncio.ensure_future(sink.get())
+                await asyncio.wait((item_task, gone), return_when=asyncio.FIRST_COMPLETED)
+                if not item_task.done():  # the client went away
+                    return Response(status_code=499)
+                item, item_task = item_task.result(), None
                 if isinstance(item, BaseException):
                     raise APIError(500, str(item), "server_error")
                 if item.finished:
                     self.unfinished.discard(item.request_id)
                     self.finals[item.request_id] = item
         finally:
+            for task in (gone, item_task):
+                if task is not None:
+                    task.cancel()
             self.abort_rest()
         choices, completion = [], 0
         for req_id in self.req_ids:
@@ -326,69 +362,18 @@ class _Stream:
         return choices
 
 
-# -- /metrics ---------------------------------------------------------------------------------
-
-
-def _hist(lines: list[str], name: str, help_: str, hist: Histogram, label: str) -> None:
-    lines += [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
-    for bound, count in zip(hist.buckets, hist.counts, strict=True):
-        lines.append(f'{name}_bucket{{{label},le="{bound}"}} {count}')
-    lines.append(f'{name}_bucket{{{label},le="+Inf"}} {hist.count}')
-    lines.append(f"{name}_sum{{{label}}} {hist.total}")
-    lines.append(f"{name}_count{{{label}}} {hist.count}")
-
-
-def _prometheus(worker: EngineThread, model: str) -> str:
-    m, stats = worker.metrics, dict(worker.metrics.stats)
-    label = f'model_name="{model}"'
-    lines: list[str] = []
-
-    def metric(name: str, kind: str, help_: str, values: list[tuple[str, float]]) -> None:
-        lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}"])
-        for extra, value in values:
-            lines.append(f"{name}{{{label}{extra}}} {value}")
-
-    metric("mrv2_num_requests_running", "gauge", "Requests running on the engine.",
-           [("", stats.get("num_running", 0))])
-    metric("mrv2_num_requests_waiting", "gauge", "Requests waiting to be scheduled.",
-           [("", stats.get("num_waiting", 0))])
-    metric("mrv2_kv_cache_usage_perc", "gauge", "Fraction of KV blocks in use.",
-           [("", stats.get("kv_usage", 0.0))])
-    metric("mrv2_prefix_cache_hit_rate", "gauge", "Prefix cache hits / queried tokens.",
-           [("", stats.get("prefix_cache_hit_rate", 0.0))])
-    metric("mrv2_prefix_cache_queries_total", "counter", "Prompt tokens looked up.",
-           [("", stats.get("prefix_cache_queries", 0))])
-    metric("mrv2_prefix_cache_hits_total", "counter", "Prompt tokens found cached.",
-           [("", stats.get("prefix_cache_hits", 0))])
-    metric("mrv2_num_preemptions_total", "counter", "Preempted requests.",
-           [("", stats.get("num_preemptions", 0))])
-    metric("mrv2_spec_decode_num_draft_tokens_total", "counter",
-           "Draft tokens verified (speculative decoding).",
-           [("", stats.get("spec_num_draft_tokens", 0))])
-    metric("mrv2_spec_decode_num_accepted_tokens_total", "counter",
-           "Draft tokens accepted (speculative decoding).",
-           [("", stats.get("spec_num_accepted_tokens", 0))])
-    metric("mrv2_prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
-           [("", m.prompt_tokens)])
-    metric("mrv2_generation_tokens_total", "counter", "Generated tokens of finished requests.",
-           [("", m.generation_tokens)])
-    success = [(f',finished_reason="{r}"', float(c)) for r, c in
-               sorted(m.requests_success.items())] or [(',finished_reason="stop"', 0.0)]
-    metric("mrv2_request_success_total", "counter", "Finished sequences by finish reason.",
-           success)
-    metric("mrv2_request_aborted_total", "counter", "Requests aborted (client gone).",
-           [("", m.requests_aborted)])
-    _hist(lines, "mrv2_time_to_first_token_seconds", "Time to first token.", m.ttft, label)
-    _hist(lines, "mrv2_time_per_output_token_seconds", "Time per output token.", m.tpot,
-          label)
-    return "\n".join(lines) + "\n"
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects. The body is read already, so the next ASGI
+    message is ``http.disconnect``."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000,
                served_model_name: str | None = None, api_key: str | None = None,
-               max_pending: int = 1024) -> None:
+               max_pending: int = 1024, max_n: int = DEFAULT_MAX_N) -> None:
     """Serve until interrupted."""
     import uvicorn
 
-    app = create_app(engine, served_model_name, api_key, max_pending)
+    app = create_app(engine, served_model_name, api_key, max_pending, max_n)
     uvicorn.run(app, host=host, port=port, log_level="info")

@@ -6,6 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mrv2.layers.linear import cpu_weight_layout
+from mrv2_kernels.cpu_linear import linear_cpu
+
 
 class VocabEmbedding(nn.Module):
     """Token-id lookup: ``[T]`` int32/int64 ids -> ``[T, embedding_dim]``."""
@@ -56,8 +59,18 @@ class LMHead(nn.Module):
             self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
         self.bias = nn.Parameter(torch.empty(num_embeddings)) if bias else None
 
+    def process_weights_after_loading(self) -> None:
+        """Called once the weights are loaded: the CPU layout (:func:`cpu_weight_layout`;
+        a tied embedding then gathers its rows with a stride, a small cost per token).
+        Subclasses with their own ``forward`` keep their layout."""
+        if type(self).forward is LMHead.forward:
+            with torch.no_grad():
+                self.weight.data = cpu_weight_layout(self.weight.data)
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden_states, self.weight, self.bias)
+        if hidden_states.is_cuda:
+            return F.linear(hidden_states, self.weight, self.bias)
+        return linear_cpu(hidden_states, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"{self.embedding_dim} -> {self.num_embeddings}, tied={self.tied}"

@@ -97,4 +97,14 @@ def build_model(
         load_model_weights(model, iter_safetensors(model_dir))
     model.to(device=device, dtype=dtype)
     model.eval()
+    process_weights_after_loading(model)
     return model, entry
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Let every module that has one run its ``process_weights_after_loading()`` (a layout for
+    the device, say) once its weights are loaded and on the device."""
+    for module in model.modules():
+        hook = getattr(module, "process_weights_after_loading", None)
+        if callable(hook):
+            hook()

@@ -1,0 +1,180 @@
+"""Paged attention for CPU tensors in a few torch ops per layer (the torch backend's CPU path).
+
+On the CPU a "device" tensor is host memory, so the step's bounds can be read directly. Once
+per step (by the first layer; kept in ``metadata.derived``) a :class:`CpuAttentionPlan` turns
+the metadata into flat KV slot indices ``[B * L]`` (each request's positions ``0 .. seq_len -
+1``, padded with its position 0 up to the longest sequence ``L``), a boolean mask when one is
+needed, the token <-> padded-query maps when query lengths differ, and the slots the step
+writes. Each layer then stores its keys and values with one ``index_copy_``, gathers exactly
+the keys and values it reads with one ``index_select``, and calls
+``scaled_dot_product_attention`` once, with the query heads of a KV head stacked as extra query
+rows (``[B, Hk, Q * G, D]``: grouped-query attention without repeating K/V, and no mask at all
+for a decode batch of equal lengths). fp32 math, as the reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from mrv2.contract.attention import AttentionMetadata
+
+_PLAN_KEY = "torch_cpu_attention"
+
+
+@dataclass
+class CpuAttentionPlan:
+    """What every layer of one step shares (see the module docstring)."""
+
+    num_tokens: int
+    write_slots: torch.Tensor
+    """``[W]`` int64 slots of the tokens that store K/V (negative slots left out)."""
+    write_rows: torch.Tensor | None
+    """``[W]`` int64 token rows of ``write_slots``; None: every token (``W == num_tokens``)."""
+    num_reqs: int = 0
+    """0: the step attends to nothing (every output row is zero)."""
+    max_query_len: int = 0
+    max_seq_len: int = 0
+    read_slots: torch.Tensor | None = None
+    """``[B * L]`` int64 flat KV slots to gather."""
+    mask: torch.Tensor | None = None
+    """``[B, 1, Q, 1, L]`` bool, True where a query may see a key; None: it sees all."""
+    query_rows: torch.Tensor | None = None
+    """``[B * Q]`` int64 token row of each padded query; None: the tokens are ``[B, Q]``."""
+    out_rows: torch.Tensor | None = None
+    """``[real tokens]`` int64 padded-query row of each token; None: the identity."""
+    group_masks: dict[int, torch.Tensor | None] = field(default_factory=dict)
+
+    def mask_for(self, group: int) -> torch.Tensor | None:
+        """The mask over ``[B, 1, Q * group, L]`` query rows (row ``j * group + g``)."""
+        if group not in self.group_masks:
+            mask = self.mask
+            if mask is not None:
+                b, _, q, _, length = mask.shape
+                if q == 1:
+                    mask = mask.view(b, 1, 1, length)  # broadcasts over the group's rows
+                else:
+                    mask = mask.expand(b, 1, q, group, length).reshape(b, 1, q * group, length)
+            self.group_masks[group] = mask
+        return self.group_masks[group]
+
+
+def plan_for(metadata: AttentionMetadata) -> CpuAttentionPlan:
+    """The step's plan, built on the first call and kept in ``metadata.derived``."""
+    derived = metadata.derived
+    plan = derived.get(_PLAN_KEY)
+    if plan is None:
+        plan = derived[_PLAN_KEY] = _build_plan(metadata)
+    return plan
+
+
+def _build_plan(metadata: AttentionMetadata) -> CpuAttentionPlan:
+    num_tokens = metadata.num_tokens
+    write_slots = metadata.slot_mapping[:num_tokens].long()
+    write_rows = None
+    if num_tokens and int(write_slots.min()) < 0:
+        write_rows = (write_slots >= 0).nonzero().view(-1)
+        write_slots = write_slots[write_rows]
+    plan = CpuAttentionPlan(num_tokens, write_slots, write_rows)
+    n = metadata.num_reqs
+    if n == 0 or num_tokens == 0:
+        return plan
+    starts: list[int] = metadata.query_start_loc[: n + 1].tolist()
+    lens: list[int] = metadata.seq_lens[:n].tolist()
+    qlens = [starts[i + 1] - starts[i] for i in range(n)]
+    q_max, l_max = max(qlens), max(lens)
+    if q_max <= 0 or l_max <= 0:
+        return plan
+    bs = metadata.block_size
+    pos = torch.arange(l_max)
+    blocks = metadata.block_table[:n, : -(-l_max // bs)].long()
+    slots = blocks[:, pos // bs] * bs + pos % bs  # [B, L]
+    seq = torch.tensor(lens)[:, None]
+    in_seq = pos < seq
+    equal = all(x == l_max for x in lens)
+    if not equal:  # padding keys read the request's first slot: written, so finite
+        slots = torch.where(in_seq, slots, slots[:, :1])
+    mask = None
+    if q_max == 1:
+        if not equal:
+            mask = in_seq.view(n, 1, 1, 1, l_max)
+    else:  # causal: query j of a request sees positions <= seq_len - qlen + j
+        q_pos = (seq - torch.tensor(qlens)[:, None]) + torch.arange(q_max)  # [B, Q]
+        mask = ((pos <= q_pos[:, :, None]) & in_seq[:, None, :]).view(n, 1, q_max, 1, l_max)
+    if not (all(q == q_max for q in qlens) and starts[0] == 0):  # not already [B, Q]
+        rows = [starts[b] + min(j, max(qlens[b] - 1, 0)) for b in range(n) for j in range(q_max)]
+        plan.query_rows = torch.tensor(rows, dtype=torch.int64).clamp_(max=num_tokens - 1)
+        plan.out_rows = torch.tensor(
+            [b * q_max + j for b in range(n) for j in range(qlens[b])], dtype=torch.int64
+        )
+    plan.num_reqs, plan.max_query_len, plan.max_seq_len = n, q_max, l_max
+    plan.read_slots, plan.mask = slots.reshape(-1), mask
+    return plan
+
+
+def write_kv_cpu(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    plan: CpuAttentionPlan | None = None,
+) -> None:
+    """Store ``key``/``value`` ``[T, Hk, D]`` at their slots (negative: not stored); ``plan``,
+    when given, is the step's (its ``slot_mapping``'s) and saves reading the slots."""
+    num_tokens = key.shape[0]
+    if num_tokens == 0:
+        return
+    if plan is not None and plan.num_tokens == num_tokens:
+        slots, rows = plan.write_slots, plan.write_rows
+    else:
+        slots, rows = slot_mapping[:num_tokens].long(), None
+        if int(slots.min()) < 0:
+            rows = (slots >= 0).nonzero().view(-1)
+            slots = slots[rows]
+    new = torch.stack((key, value))  # [2, T, Hk, D]
+    if rows is not None:
+        new = new[:, rows]
+    if new.dtype != kv_cache.dtype:
+        new = new.to(kv_cache.dtype)
+    kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4]).index_copy_(1, slots, new)
+
+
+def paged_attention_cpu(
+    query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Causal GQA attention of ``query`` ``[T, H, D]`` over the paged cache; ``[T, H, D]``."""
+    num_tokens, num_heads, head_dim = query.shape
+    plan = plan_for(metadata)
+    if plan.num_reqs == 0:
+        return torch.zeros_like(query)
+    assert plan.read_slots is not None
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    n, q_len, length = plan.num_reqs, plan.max_query_len, plan.max_seq_len
+    # Keys and values as [2, B, Hk, L, D] views over the gathered [2, B * L, Hk * D] rows.
+    kv = kv_cache.view(2, -1, num_kv_heads * head_dim).index_select(1, plan.read_slots)
+    if kv.dtype != torch.float32:
+        kv = kv.float()
+    kv = kv.view(2, n, length, num_kv_heads, head_dim).transpose(2, 3)
+    q = query if plan.query_rows is None else query.index_select(0, plan.query_rows)
+    if q_len == 1:
+        q = q[:n].view(n, num_kv_heads, group, head_dim)
+    else:
+        q = q[: n * q_len].view(n, q_len, num_kv_heads, group, head_dim).transpose(1, 2)
+        q = q.reshape(n, num_kv_heads, q_len * group, head_dim)
+    if q.dtype != torch.float32:
+        q = q.float()
+    out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=plan.mask_for(group),
+                                         scale=scale)  # [B, Hk, Q * G, D]
+    if q_len == 1:
+        out = out.view(n, num_heads, head_dim)
+    else:
+        out = out.view(n, num_kv_heads, q_len, group, head_dim).transpose(1, 2)
+        out = out.reshape(n * q_len, num_heads, head_dim)
+    if plan.out_rows is not None:
+        out = out.index_select(0, plan.out_rows)
+    if out.shape[0] < num_tokens:  # padding rows
+        out = torch.cat([out, out.new_zeros(num_tokens - out.shape[0], num_heads, head_dim)])
+    return out if out.dtype == query.dtype else out.to(query.dtype)

@@ -1,0 +1,133 @@
+"""The server's Prometheus metrics, kept by ``prometheus_client`` in a registry per server.
+
+The engine thread updates the counters and histograms as requests finish; the engine's own
+gauges and counters (running, waiting, KV blocks, prefix cache, preemptions, speculation) are
+read from its last ``stats()`` snapshot when ``/metrics`` is scraped, so a scrape never touches
+the engine. Every ``mrv2_*`` series carries a ``model_name`` label (``--served-model-name``,
+escaped by the library); ``process_*`` (resident memory, CPU seconds, open fds) come from the
+library's process collector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+#: Histogram buckets (seconds) of time to first token and time per output token.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# (name, help, key in LLMEngine.stats()) of the engine's own series.
+_GAUGES = (
+    ("mrv2_num_requests_running", "Requests running on the engine.", "num_running"),
+    ("mrv2_num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
+    ("mrv2_kv_cache_usage_perc", "Fraction of KV blocks in use.", "kv_usage"),
+    ("mrv2_kv_cache_free_blocks", "KV blocks free (not held by a request).", "kv_free_blocks"),
+    ("mrv2_kv_cache_blocks", "KV blocks in the cache.", "kv_num_blocks"),
+    ("mrv2_prefix_cache_hit_rate", "Prefix cache hits / queried tokens.",
+     "prefix_cache_hit_rate"),
+)
+_COUNTERS = (
+    ("mrv2_prefix_cache_queries", "Prompt tokens looked up.", "prefix_cache_queries"),
+    ("mrv2_prefix_cache_hits", "Prompt tokens found cached.", "prefix_cache_hits"),
+    ("mrv2_num_preemptions", "Preempted requests.", "num_preemptions"),
+    ("mrv2_spec_decode_num_draft_tokens", "Draft tokens verified (speculative decoding).",
+     "spec_num_draft_tokens"),
+    ("mrv2_spec_decode_num_accepted_tokens", "Draft tokens accepted (speculative decoding).",
+     "spec_num_accepted_tokens"),
+)
+
+
+class ServerMetrics:
+    """What ``/metrics`` shows: one :class:`CollectorRegistry` per server (two servers in one
+    process never share counts). The engine thread calls the ``observe_*`` methods and stores
+    ``stats``; the HTTP side calls :meth:`render`."""
+
+    def __init__(self, model_name: str, device: torch.device | str = "cpu") -> None:
+        self.registry = CollectorRegistry()
+        self.stats: dict[str, Any] = {}
+        #: Sequences in flight on the server (set by the engine thread's owner).
+        self.num_pending: Callable[[], int] = lambda: 0
+        reg, name = self.registry, model_name
+        self.prompt_tokens = Counter("mrv2_prompt_tokens", "Prompt tokens of finished requests.",
+                                     ["model_name"], registry=reg).labels(name)
+        self.generation_tokens = Counter(
+            "mrv2_generation_tokens", "Generated tokens of finished requests.", ["model_name"],
+            registry=reg).labels(name)
+        self._success = Counter("mrv2_request_success", "Finished sequences by finish reason.",
+                                ["model_name", "finished_reason"], registry=reg)
+        for reason in ("stop", "length"):
+            self._success.labels(name, reason)
+        self.requests_aborted = Counter("mrv2_request_aborted", "Requests aborted (client gone).",
+                                        ["model_name"], registry=reg).labels(name)
+        self.requests_failed = Counter(
+            "mrv2_request_failed", "Requests failed by an engine error or shutdown.",
+            ["model_name"], registry=reg).labels(name)
+        self.ttft = Histogram("mrv2_time_to_first_token_seconds", "Time to first token.",
+                              ["model_name"], buckets=TTFT_BUCKETS, registry=reg).labels(name)
+        self.tpot = Histogram("mrv2_time_per_output_token_seconds", "Time per output token.",
+                              ["model_name"], buckets=TPOT_BUCKETS, registry=reg).labels(name)
+        self._name = name
+        ProcessCollector(registry=reg)
+        reg.register(_EngineCollector(self, name, torch.device(device)))
+
+    def observe_finished(self, num_prompt: int, reasons_and_lengths: list[tuple[str, int]]
+                         ) -> None:
+        """A request finished: its prompt and each sequence's finish reason and length."""
+        self.prompt_tokens.inc(num_prompt)
+        for reason, num in reasons_and_lengths:
+            self.generation_tokens.inc(num)
+            self._success.labels(self._name, reason).inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every series."""
+        return bytes(generate_latest(self.registry))
+
+
+class _EngineCollector(Collector):
+    """The engine's stats snapshot and the device's memory, read at scrape time."""
+
+    def __init__(self, metrics: ServerMetrics, model_name: str, device: torch.device) -> None:
+        self.metrics, self.model_name, self.device = metrics, model_name, device
+
+    def collect(self) -> Iterator[Metric]:
+        stats, label = self.metrics.stats, [self.model_name]
+        for name, doc, key in _GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(label, float(stats.get(key, 0)))
+            yield family
+        for name, doc, key in _COUNTERS:
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter.add_metric(label, float(stats.get(key, 0)))
+            yield counter
+        pending = GaugeMetricFamily("mrv2_num_requests_pending",
+                                    "Sequences in flight on the server (a request counts n).",
+                                    labels=["model_name"])
+        pending.add_metric(label, float(self.metrics.num_pending()))
+        yield pending
+        on_gpu = self.device.type == "cuda"
+        for name, doc, read in (
+            ("mrv2_gpu_memory_allocated_bytes", "Device memory held by tensors.",
+             torch.cuda.memory_allocated),
+            ("mrv2_gpu_memory_reserved_bytes", "Device memory held by the caching allocator.",
+             torch.cuda.memory_reserved),
+        ):
+            gauge = GaugeMetricFamily(name, doc + " (0 on CPU)", labels=["model_name"])
+            gauge.add_metric(label, float(read(self.device) if on_gpu else 0))
+            yield gauge
