@@ -310,3 +310,17 @@ def test_metrics_parse_with_any_model_name(model_dir: Path) -> None:
     assert samples[("mrv2_num_requests_pending", label)] == 0
     assert samples[("process_resident_memory_bytes", ())] > 0
     assert samples[("mrv2_gpu_memory_allocated_bytes", label)] == 0  # a CPU server
+
+
+def test_serve_without_server_packages_says_what_to_install(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+
+    from mrv2.entrypoints.cli import main
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "uvicorn" else find_spec(name, *a))
+    assert main(["serve"]) == 2  # before any model loads
+    err = capsys.readouterr().err
+    assert "needs uvicorn" in err and "pip install 'mrv2[serve]'" in err
