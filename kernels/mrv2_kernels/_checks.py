@@ -11,7 +11,10 @@ def check_1d(name: str, t: torch.Tensor, min_len: int) -> None:
         raise ValueError(f"{name} must be 1-D with >= {min_len} entries, got {tuple(t.shape)}")
 
 
-def check_rows(name: str, t: torch.Tensor) -> None:
-    """``t`` is 2-D and each row is contiguous (the kernels step rows by ``stride(0)``)."""
+def check_rows(name: str, t: torch.Tensor, min_rows: int = 0, min_cols: int = 0) -> None:
+    """``t`` is 2-D, at least ``[min_rows, min_cols]``, and each row is contiguous (the kernels
+    step rows by ``stride(0)``)."""
     if t.dim() != 2 or (t.shape[1] > 1 and t.stride(1) != 1):
         raise ValueError(f"{name} must be 2-D with contiguous rows, got {tuple(t.shape)}")
+    if t.shape[0] < min_rows or t.shape[1] < min_cols:
+        raise ValueError(f"{name} must be [>= {min_rows}, >= {min_cols}], got {tuple(t.shape)}")

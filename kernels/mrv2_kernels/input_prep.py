@@ -346,10 +346,8 @@ def _check_update_args(
     check_1d("query_start_loc", query_start_loc, num_reqs + 1)
     check_1d("num_sampled", num_sampled, num_reqs)
     check_1d("num_drafts", num_drafts, num_reqs)
-    check_rows("sampled", sampled)
+    check_rows("sampled", sampled, num_reqs, 1)
     check_rows("token_ids", token_ids)
-    if sampled.shape[0] < num_reqs or sampled.shape[1] < 1:
-        raise ValueError(f"sampled must be [>= {num_reqs}, >= 1], got {tuple(sampled.shape)}")
 
 
 def post_update_ref(

@@ -96,9 +96,7 @@ def _check_rejection_args(
     check_1d("input_ids", input_ids, 0)
     check_1d("logits_indices", logits_indices, 0)
     check_1d("num_out", num_out, num_reqs)
-    check_rows("out", out)
-    if out.shape[0] < num_reqs or out.shape[1] < 1:
-        raise ValueError(f"out must be [>= {num_reqs}, >= 1], got {tuple(out.shape)}")
+    check_rows("out", out, num_reqs, 1)
 
 
 def strict_rejection_ref(
