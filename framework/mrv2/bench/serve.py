@@ -26,16 +26,6 @@ from typing import Any
 DEFAULT_RATES = [1.0, 4.0, 16.0, math.inf]
 
 
-@dataclass
-class Result:
-    ok: bool = False
-    ttft: float = 0.0
-    latency: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    output_tokens: int = 0
-    error: str = ""
-
-
 def percentile(values: list[float], q: float) -> float:
     """Linear-interpolated percentile (``q`` in [0, 100]); NaN for no values."""
     if not values:
@@ -46,73 +36,22 @@ def percentile(values: list[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (pos - lo)
 
 
-async def _request(client: Any, model: str, prompt: str, max_tokens: int) -> Result:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True, "temperature": 0.0,
-            "stream_options": {"include_usage": True}}
-    result, start = Result(), time.perf_counter()
-    last = start
-    try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {await response.aread()!r}"
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-                if not chunk.get("choices"):
-                    continue
-                now = time.perf_counter()
-                if result.ttft == 0.0:
-                    result.ttft = now - start
-                else:
-                    result.itl.append(now - last)
-                last = now
-        result.latency = time.perf_counter() - start
-        result.ok = True
-    except Exception as error:  # a failed request is reported, not fatal
-        result.error = repr(error)
-    return result
-
-
 async def run_rate(url: str, model: str, rate: float, num_requests: int, prompt_len: int,
                    max_tokens: int, api_key: str | None, seed: int) -> dict[str, Any]:
-    """Send ``num_requests`` at Poisson ``rate`` (req/s; inf: all at once); summarize."""
-    import httpx
-
-    rng = random.Random(seed)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=num_requests + 8)
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600,
-                                 limits=limits) as client:
-        tasks = []
-        start = time.perf_counter()
-        for i in range(num_requests):
-            prompt = " ".join(rng.choice(["hello", "world", "the", "capital", "of", "France"])
-                              for _ in range(prompt_len)) + f" {i}"
-            tasks.append(asyncio.create_task(_request(client, model, prompt, max_tokens)))
-            if math.isfinite(rate):
-                await asyncio.sleep(rng.expovariate(rate))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-    ok = [r for r in results if r.ok]
-    ttft = [r.ttft for r in ok]
-    itl = [x for r in ok for x in r.itl]
-    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    tokens = sum(r.output_tokens for r in ok)
-    summary: dict[str, Any] = {
-        "rate": rate, "completed": len(ok), "failed": len(results) - len(ok),
-        "duration_s": duration, "request_throughput": len(ok) / duration,
-        "output_throughput": tokens / duration,
-        "errors": sorted({r.error for r in results if not r.ok})[:3],
+    """One row of the sweep: ``num_requests`` streamed greedy completions at Poisson ``rate``
+    (req/s; inf: all at once), sent and checked by :func:`run_load`; summarized."""
+    load, records = await run_load(url, model, rate=rate, num_requests=num_requests,
+                                   prompt_len=prompt_len, max_tokens=max_tokens,
+                                   api_key=api_key, seed=seed)
+    failed = [r for r in records if not r.ok]  # no cancels outside --mix
+    row: dict[str, Any] = {
+        "rate": rate, "completed": load["completed"], "failed": len(failed),
+        "duration_s": load["duration_s"], "request_throughput": load["request_throughput"],
+        "output_throughput": load["output_throughput"],
+        "errors": sorted({r.error or "; ".join(r.problems[:3]) for r in failed})[:3],
     }
-    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
-        for q in (50, 90, 99):
-            summary[f"{name}_p{q}_ms"] = percentile(values, q) * 1000
-    return summary
+    row.update({key: value for key, value in load.items() if key.endswith("_ms")})
+    return row
 
 
 # -- mixed load (--mix, --duration, --max-concurrency) ----------------------------------------
