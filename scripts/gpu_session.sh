@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (device tool): installs the carried wheels, then the steps named as
-# arguments: tests, attn, splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, profile,
+# arguments: tests, moe (the fused-MoE kernel bench), attn, splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, profile,
 # soak (SOAK_S seconds of load, default 450: a device call is capped at 600 s; for the full 10
 # minutes start scripts/soak.py under setsid and collect its --out folder in a second call). Logs go to $OUT;
 # a short summary prints last.
@@ -29,6 +29,8 @@ for step in "$@"; do
     skinny) python3 -m mrv2_kernels.bench_skinny ${SKINNY_ARGS:-} 2>&1 | tee "$OUT/skinny.log" \
               | tail -40 ;;
     splits) python3 scripts/sweep_decode_splits.py 2>&1 | tee "$OUT/splits.log" | tail -8 ;;
+    moe) python3 -m mrv2_kernels.bench_moe --json "$OUT/moe_kernel.json" 2>&1 \
+           | tee "$OUT/moe_kernel.log" | tail -24 ;;
     attn) python3 -m mrv2_kernels.bench_attention 2>&1 | tee "$OUT/attn.log" | tail -30 ;;
     throughput) python3 -m mrv2.entrypoints.cli bench throughput --json "$OUT/throughput.json" \
                   ${THROUGHPUT_ARGS:-} 2>&1 | tee "$OUT/throughput.log" | tail -40 ;;

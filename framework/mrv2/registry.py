@@ -16,6 +16,8 @@ from typing import Any
 # ones); a family package adds its line when it ships.
 KNOWN_PACKAGES: dict[str, str] = {
     "Qwen3ForCausalLM": "mrv2-plugin-qwen",
+    "Qwen3MoeForCausalLM": "mrv2-plugin-qwen",
+    "Glm4MoeForCausalLM": "mrv2-plugin-glm",
     "LlamaForCausalLM": "mrv2-contrib-llama",
 }
 

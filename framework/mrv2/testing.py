@@ -1,4 +1,5 @@
-"""Helpers for tests of mrv2 and of its plugins: tiny random-weight HF checkpoints.
+"""Helpers for tests of mrv2 and of its plugins: tiny random-weight HF checkpoints, and running
+a model one step at a time through a paged cache outside the engine (:func:`run_step`).
 
 A checkpoint is built by HF ``transformers`` itself (random weights, ``save_pretrained`` as
 safetensors), so HF is an independent oracle for logits and greedy tokens.
@@ -25,17 +26,15 @@ TINY = {
 def make_tiny_checkpoint(
     path: str | Path, architecture: str, seed: int = 0, **overrides: Any
 ) -> Path:
-    """Save a tiny random ``architecture`` (``"Qwen3ForCausalLM"``, ``"LlamaForCausalLM"``).
+    """Save a tiny random ``architecture`` (``"Qwen3ForCausalLM"``, ``"LlamaForCausalLM"``,
+    ``"Qwen3MoeForCausalLM"``...: any ``XForCausalLM`` of transformers with an ``XConfig``).
 
-    ``overrides`` change config fields (``tie_word_embeddings=False``, ``head_dim=32``...).
-    Returns the checkpoint directory.
+    ``overrides`` change config fields (``tie_word_embeddings=False``, ``head_dim=32``,
+    ``num_experts=8``...). Returns the checkpoint directory.
     """
     import transformers
 
-    config_cls: Any = {
-        "Qwen3ForCausalLM": transformers.Qwen3Config,
-        "LlamaForCausalLM": transformers.LlamaConfig,
-    }[architecture]
+    config_cls: Any = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
     model_cls: Any = getattr(transformers, architecture)
     config = config_cls(**{**TINY, "eos_token_id": 1, "bos_token_id": 0, **overrides})
     config.architectures = [architecture]
@@ -90,3 +89,100 @@ def make_tiny_tokenizer(path: str | Path, vocab_size: int = 320) -> Path:
     path = Path(path)
     hf.save_pretrained(str(path))
     return path
+
+
+# -- running a model one step at a time, outside the engine -----------------------------------
+
+#: Block size and block count of :func:`poisoned_caches` / :func:`step_metadata` by default.
+TEST_BLOCK_SIZE = 4
+TEST_NUM_BLOCKS = 32
+
+
+def redraw_weights(module: torch.nn.Module, seed: int = 0, std: float = 0.15) -> None:
+    """Redraw ``module``'s weights far from their init so every part matters in a parity test:
+    norms uniform in [0.5, 1.5), the rest normal(0, ``std``), and MoE routers' correction biases
+    (``e_score_correction_bias``, a buffer in HF) uniform in [-0.3, 0.3) so they change picks."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if "norm" in name:
+                param.copy_(torch.rand(param.shape, generator=gen) + 0.5)
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) * std)
+        for name, tensor in [*module.named_buffers(), *module.named_parameters()]:
+            if name.endswith("e_score_correction_bias"):
+                tensor.copy_((torch.rand(tensor.shape, generator=gen) - 0.5) * 0.6)
+
+
+def step_metadata(
+    contexts: list[int], queries: list[int], tables: list[list[int]], num_pad: int = 0,
+    block_size: int = TEST_BLOCK_SIZE,
+) -> Any:
+    """:class:`~mrv2.attention.AttentionMetadata` of a step where request ``i`` has
+    ``contexts[i]`` cached tokens and ``queries[i]`` new ones in blocks ``tables[i]``, and
+    ``num_pad`` padding tokens (slot -1) follow."""
+    from mrv2.attention import AttentionMetadata
+
+    starts = [0]
+    slots: list[int] = []
+    for ctx, n, blocks in zip(contexts, queries, tables, strict=True):
+        starts.append(starts[-1] + n)
+        slots += [blocks[p // block_size] * block_size + p % block_size
+                  for p in range(ctx, ctx + n)]
+    seq_lens = [c + n for c, n in zip(contexts, queries, strict=True)]
+    return AttentionMetadata(
+        num_reqs=len(queries),
+        num_tokens=starts[-1] + num_pad,
+        max_query_len=max(queries),
+        max_seq_len=max(seq_lens),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=torch.tensor(tables, dtype=torch.int32),
+        slot_mapping=torch.tensor(slots + [-1] * num_pad, dtype=torch.int64),
+        block_size=block_size,
+    )
+
+
+def step_inputs(
+    contexts: list[int], new_tokens: list[list[int]], num_pad: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat token ids and positions of a step, ``num_pad`` padding tokens at the end."""
+    ids = sum(new_tokens, []) + [0] * num_pad
+    positions = sum((list(range(c, c + len(t)))
+                     for c, t in zip(contexts, new_tokens, strict=True)), []) + [0] * num_pad
+    return torch.tensor(ids, dtype=torch.int32), torch.tensor(positions)
+
+
+def torch_context(caches: list[torch.Tensor], metadata: Any) -> Any:
+    """A forward context over ``caches`` (indexed by cache layer) with the torch backend."""
+    from mrv2.attention import ForwardContext
+    from mrv2.attention.torch_backend import TorchAttentionBackend
+
+    return ForwardContext(metadata, caches, [TorchAttentionBackend()] * len(caches))
+
+
+def poisoned_caches(
+    num_kv_heads: int, head_dim: int, count: int, num_blocks: int = TEST_NUM_BLOCKS,
+    block_size: int = TEST_BLOCK_SIZE,
+) -> list[torch.Tensor]:
+    """``count`` paged KV caches filled with 1e4, so a slot read before it is written shows."""
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    return [torch.full(shape, 1e4) for _ in range(count)]
+
+
+def run_step(
+    model: Any, caches: list[torch.Tensor], tables: list[list[int]], contexts: list[int],
+    new_tokens: list[list[int]], num_pad: int = 0, block_size: int = TEST_BLOCK_SIZE,
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """One engine step of ``model`` (the torch backend over ``caches``; padding tokens at the
+    end): per-request logits of the new tokens, and the hidden states of every token."""
+    from mrv2.attention import set_forward_context
+
+    ids, positions = step_inputs(contexts, new_tokens, num_pad)
+    metadata = step_metadata(contexts, [len(t) for t in new_tokens], tables, num_pad, block_size)
+    with torch.inference_mode(), set_forward_context(torch_context(caches, metadata)):
+        hidden = model(ids, positions)
+        logits = model.compute_logits(hidden)
+    assert logits.shape == (len(ids), model.config.vocab_size)
+    real = len(ids) - num_pad
+    return list(logits[:real].split([len(t) for t in new_tokens])), hidden

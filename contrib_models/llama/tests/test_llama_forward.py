@@ -13,14 +13,11 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from mrv2.attention import AttentionMetadata, ForwardContext, set_forward_context
-from mrv2.attention.torch_backend import TorchAttentionBackend
 from mrv2.layers.rotary import get_rope, rope_parameters_of
 from mrv2.model_loader import iter_safetensors, load_model_weights
+from mrv2.testing import TEST_BLOCK_SIZE, TEST_NUM_BLOCKS, poisoned_caches, redraw_weights, run_step
 from mrv2_llama.model import LlamaForCausalLM
 
-BLOCK_SIZE = 4
-NUM_BLOCKS = 32
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "rope_theta": 10000.0,
@@ -51,48 +48,9 @@ def save_hf_model(config: Any, path: Path) -> torch.nn.Module:
     """A random HF model (weights far from their init values) saved to ``path``."""
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-            else:
-                param.normal_(0.0, 0.15)
+    redraw_weights(hf)
     hf.save_pretrained(path)
     return hf
-
-
-def run_step(
-    model: Any,
-    caches: list[torch.Tensor],
-    tables: list[list[int]],
-    contexts: list[int],
-    new_tokens: list[list[int]],
-    num_pad: int = 0,
-) -> list[torch.Tensor]:
-    """One engine step (padding tokens at the end); per-request logits of the new tokens."""
-    starts, slots, positions = [0], [], []
-    for ctx, tokens, blocks in zip(contexts, new_tokens, tables, strict=True):
-        starts.append(starts[-1] + len(tokens))
-        for p in range(ctx, ctx + len(tokens)):
-            positions.append(p)
-            slots.append(blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
-    seq_lens = [c + len(t) for c, t in zip(contexts, new_tokens, strict=True)]
-    metadata = AttentionMetadata(
-        num_reqs=len(new_tokens),
-        num_tokens=starts[-1] + num_pad,
-        max_query_len=max(len(t) for t in new_tokens),
-        max_seq_len=max(seq_lens),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_table=torch.tensor(tables, dtype=torch.int32),
-        slot_mapping=torch.tensor(slots + [-1] * num_pad),
-        block_size=BLOCK_SIZE,
-    )
-    ids = torch.tensor(sum(new_tokens, []) + [0] * num_pad, dtype=torch.int32)
-    context = ForwardContext(metadata, caches, [TorchAttentionBackend()] * len(caches))
-    with torch.inference_mode(), set_forward_context(context):
-        logits = model.compute_logits(model(ids, torch.tensor(positions + [0] * num_pad)))
-    return list(logits[: starts[-1]].split([len(t) for t in new_tokens]))
 
 
 @pytest.mark.parametrize(
@@ -106,14 +64,15 @@ def test_matches_hf(tmp_path: Path, tie: bool, bias: bool, rope: dict | None) ->
     load_model_weights(model, iter_safetensors(tmp_path))
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (9, 2, 6)]
-    per_req = math.ceil(11 / BLOCK_SIZE)
-    perm = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    per_req = math.ceil(11 / TEST_BLOCK_SIZE)
+    perm = torch.randperm(TEST_NUM_BLOCKS, generator=gen).tolist()
     tables = [perm[i * per_req : (i + 1) * per_req] for i in range(len(prompts))]
-    caches = [torch.full((2, NUM_BLOCKS, BLOCK_SIZE, 2, 16), 1e4) for _ in range(2)]
+    caches = poisoned_caches(num_kv_heads=2, head_dim=16, count=2)
 
-    prefill = run_step(model, caches, tables, [0, 0, 0], prompts, num_pad=3)
+    prefill, _ = run_step(model, caches, tables, [0, 0, 0], prompts, num_pad=3)
     next_tokens = torch.randint(0, 128, (len(prompts),), generator=gen).tolist()
-    decode = run_step(model, caches, tables, [len(p) for p in prompts], [[t] for t in next_tokens])
+    decode, _ = run_step(model, caches, tables, [len(p) for p in prompts],
+                         [[t] for t in next_tokens])
     with torch.no_grad():
         for prompt, token, logits, last in zip(prompts, next_tokens, prefill, decode, strict=True):
             expected = hf(torch.tensor([prompt + [token]])).logits[0]

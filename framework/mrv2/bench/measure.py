@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from mrv2.layers.moe import COUNT_READS_ENV, FusedMoE
 from mrv2.runner.runner import Runner
 
 CONFIGS = Path(__file__).parent / "configs"
@@ -59,9 +60,37 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 2
     return 2 * nbytes / times[len(times) // 2]
 
 
+def expert_layers(runner: Runner) -> list[FusedMoE]:
+    """The model's routed-expert layers (none for a dense model)."""
+    return [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+
+
 def weight_bytes(runner: Runner) -> int:
-    """Bytes of every parameter (each read once per step)."""
-    return sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    """Bytes of every parameter a step reads whatever its tokens: all of them but the routed
+    experts' (see :func:`expert_read_bytes`)."""
+    experts = {id(p) for layer in expert_layers(runner) for p in layer.parameters()}
+    return sum(p.numel() * p.element_size() for p in runner.model.parameters()
+               if id(p) not in experts)
+
+
+def expert_reads(runner: Runner) -> list[int]:
+    """Each expert layer's count of distinct experts read so far (``FusedMoE.expert_reads``,
+    kept when the model was built with ``MRV2_COUNT_EXPERT_READS=1``; -1 where it was not).
+    Reads the device counters: call outside timed regions."""
+    return [-1 if not layer.count_reads else
+            0 if layer.expert_reads is None else int(layer.expert_reads)
+            for layer in expert_layers(runner)]
+
+
+def expert_read_bytes(runner: Runner, before: list[int], after: list[int]) -> int:
+    """Routed-expert weight bytes read between two :func:`expert_reads` snapshots: per layer,
+    distinct experts per step, summed over steps, times one expert's bytes."""
+    layers = expert_layers(runner)
+    if any(b < 0 for b in before):
+        raise ValueError(f"expert reads are not counted: build the model with "
+                         f"{COUNT_READS_ENV}=1")
+    return sum((a - b) * layer.expert_bytes()
+               for layer, a, b in zip(layers, after, before, strict=True))
 
 
 def kv_bytes_per_token(runner: Runner) -> int:
@@ -134,10 +163,12 @@ def release_engine_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def floor_seconds(log: StepLog, runner: Runner, bandwidth: float) -> float:
-    """The byte floor: every step reads all weights plus the KV of every sequence it extends."""
+def floor_seconds(log: StepLog, runner: Runner, bandwidth: float, expert_bytes: int = 0) -> float:
+    """The byte floor: every step reads all weights (but the routed experts) plus the KV of
+    every sequence it extends; ``expert_bytes``: the routed experts the steps actually read
+    (:func:`expert_read_bytes`)."""
     weights, per_token = weight_bytes(runner), kv_bytes_per_token(runner)
-    total = sum(weights + seq * per_token for _, _, seq in log.steps)
+    total = sum(weights + seq * per_token for _, _, seq in log.steps) + expert_bytes
     return total / bandwidth
 
 

@@ -8,6 +8,7 @@ Workload (as nano-vllm / vLLM publish it): 256 requests, ``random.seed(0)``; eac
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import time
 from typing import Any
@@ -17,6 +18,8 @@ import torch
 from mrv2.bench.measure import (
     busy_fraction,
     copy_bandwidth,
+    expert_read_bytes,
+    expert_reads,
     floor_seconds,
     instrument,
     release_engine_memory,
@@ -26,6 +29,7 @@ from mrv2.bench.measure import (
 from mrv2.config import EngineConfig
 from mrv2.contract.params import SamplingParams
 from mrv2.engine.engine import LLMEngine
+from mrv2.layers.moe import COUNT_READS_ENV
 
 
 def workload(
@@ -91,6 +95,8 @@ def hf_generate_tok_s(model_dir: str, prompts: list[list[int]], max_tokens: list
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run the workload with the given variants; returns a result dict (also printed)."""
     model_dir = resolve_model(args.model)
+    if args.count_expert_reads:  # MoE layers count the experts each step reads (the floor)
+        os.environ[COUNT_READS_ENV] = "1"
     prompts, max_tokens = workload(args.num_requests, args.seed, args.shared_prefix)
     results: dict[str, Any] = {"model": args.model, "requests": args.num_requests,
                                "shared_prefix": args.shared_prefix,
@@ -123,6 +129,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             warm_all, _ = workload(args.num_requests, args.seed + 1, args.shared_prefix)
             run_engine(engine, warm_all, max_tokens, args.temperature)
         log = instrument(engine)
+        reads_before = expert_reads(engine.runner)
         before = engine.stats()
         produced, seconds = run_engine(engine, prompts, max_tokens, args.temperature)
         row: dict[str, Any] = {"output_tokens": produced, "seconds": round(seconds, 3),
@@ -140,7 +147,15 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             if bandwidth is None:
                 bandwidth = copy_bandwidth(engine.runner.device)
                 results["copy_bandwidth_GBs"] = round(bandwidth / 1e9, 1)
-            floor = floor_seconds(log, engine.runner, bandwidth)
+            reads_after = expert_reads(engine.runner)
+            experts = 0
+            if reads_after and reads_after[0] >= 0:
+                experts = expert_read_bytes(engine.runner, reads_before, reads_after)
+                steps = max(1, len(log.steps))
+                row["experts_read_per_layer_step"] = round(
+                    (sum(reads_after) - sum(reads_before)) / len(reads_after) / steps, 2)
+                row["expert_GB_read"] = round(experts / 1e9, 2)
+            floor = floor_seconds(log, engine.runner, bandwidth, experts)
             row["floor_seconds"] = round(floor, 3)
             row["floor_fraction"] = round(floor / seconds, 3)
             row["gpu_busy_decode"] = round(busy_fraction(log), 3)
@@ -192,6 +207,9 @@ def add_parser(sub: Any) -> None:
                    help="limit the KV cache to this fraction of what the whole workload needs")
     p.add_argument("--full-warmup", action="store_true",
                    help="run the workload once untimed first, so no variant pays compilation")
+    p.add_argument("--no-count-expert-reads", dest="count_expert_reads", action="store_false",
+                   help="MoE models: do not count the experts each step reads (the byte floor "
+                   "then has no routed experts; counting costs a few small launches per layer)")
     p.add_argument("--json", default=None, help="write the results here too")
     p.set_defaults(func=main)
 

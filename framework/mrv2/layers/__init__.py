@@ -1,7 +1,17 @@
-"""Shared model layers: linear, norm, rotary, embedding, activation, attention."""
+"""Shared model layers: linear, norm, rotary, embedding, activation, attention, MLP, MoE, and the
+decoder-only outer classes (:class:`DecoderModel`, :class:`CausalLM`)."""
 
 from mrv2.layers.activation import SiluAndMul
 from mrv2.layers.attention import Attention
+from mrv2.layers.decoder import (
+    STACKED_PARAMS,
+    CausalLM,
+    DecoderLayer,
+    DecoderModel,
+    SelfAttention,
+    head_dim_of,
+    norm_mlp,
+)
 from mrv2.layers.embedding import LMHead, VocabEmbedding
 from mrv2.layers.linear import (
     ColumnLinear,
@@ -11,22 +21,36 @@ from mrv2.layers.linear import (
     RowLinear,
     norm_linear,
 )
+from mrv2.layers.mlp import GatedMLP
+from mrv2.layers.moe import FusedMoE, GroupedTopKRouter, MoEBlock, SoftmaxTopKRouter
 from mrv2.layers.norm import RMSNorm
 from mrv2.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_of
 
 __all__ = [
+    "STACKED_PARAMS",
     "Attention",
+    "CausalLM",
     "ColumnLinear",
+    "DecoderLayer",
+    "DecoderModel",
+    "FusedMoE",
+    "GatedMLP",
+    "GroupedTopKRouter",
     "LMHead",
     "LinearBase",
     "MergedColumnLinear",
+    "MoEBlock",
     "QKVLinear",
     "RMSNorm",
     "RotaryEmbedding",
     "RowLinear",
+    "SelfAttention",
     "SiluAndMul",
+    "SoftmaxTopKRouter",
     "VocabEmbedding",
     "get_rope",
+    "head_dim_of",
     "norm_linear",
+    "norm_mlp",
     "rope_parameters_of",
 ]

@@ -2,6 +2,7 @@
 
 from mrv2.model_loader.loader import (
     default_weight_loader,
+    expert_weight_target,
     init_dummy_weights,
     iter_safetensors,
     load_model_weights,
@@ -11,6 +12,7 @@ from mrv2.model_loader.loader import (
 
 __all__ = [
     "default_weight_loader",
+    "expert_weight_target",
     "init_dummy_weights",
     "iter_safetensors",
     "load_model_weights",

@@ -4,27 +4,30 @@ A model's ``load_weights(weights)`` maps checkpoint names to its parameters and 
 names it filled; :func:`load_model_weights` then checks nothing was left out. Parameters may carry
 a ``weight_loader(param, loaded[, shard_id])`` attribute (fused layers do); the rest take
 :func:`default_weight_loader`. :func:`load_stacked_weights` is that mapping loop for the usual
-decoder whose q/k/v and gate/up projections are fused.
+decoder whose q/k/v and gate/up projections are fused (those live in :mod:`mrv2.layers.weights`
+and are re-exported here).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from mrv2.layers.norm import RMSNorm
+from mrv2.layers.weights import (  # noqa: F401 (re-exported: mrv2.model_loader's names)
+    StackedMapping,
+    default_weight_loader,
+    expert_weight_target,
+    load_param,
+    load_stacked_weights,
+)
 
 INDEX_FILE = "model.safetensors.index.json"
-
-StackedMapping = Sequence[tuple[str, str, Any]]
-"""``(fused_fragment, checkpoint_fragment, shard_id)``, e.g. ``("qkv_proj", "q_proj", "q")``."""
-
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
     if not model_dir.is_dir():
@@ -63,74 +66,6 @@ def _iter_files(paths: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 yield name, f.get_tensor(name)
-
-
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    """Copy ``loaded`` into ``param`` (dtype and device converted); shapes must match."""
-    if param.shape != loaded.shape:
-        raise ValueError(
-            f"parameter expects shape {tuple(param.shape)}, checkpoint tensor has "
-            f"{tuple(loaded.shape)}"
-        )
-    with torch.no_grad():
-        param.data.copy_(loaded)
-
-
-def load_param(
-    name: str,
-    param: nn.Parameter,
-    loaded: torch.Tensor,
-    shard_id: Any = None,
-    source: str | None = None,
-) -> None:
-    """Load ``loaded`` (checkpoint tensor ``source``) into parameter ``name``.
-
-    Goes through the parameter's ``weight_loader`` (with ``shard_id`` when given), else
-    :func:`default_weight_loader`. A ``ValueError`` from the loader (a shape mismatch) is
-    re-raised naming the parameter and the checkpoint tensor.
-    """
-    loader: Callable[..., None] = getattr(param, "weight_loader", default_weight_loader)
-    try:
-        if shard_id is None:
-            loader(param, loaded)
-        else:
-            loader(param, loaded, shard_id)
-    except ValueError as e:
-        what = f"checkpoint tensor {source!r}" if source else "checkpoint tensor"
-        raise ValueError(f"cannot load {what} into parameter {name!r}: {e}") from e
-
-
-def load_stacked_weights(
-    model: nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor]],
-    stacked: StackedMapping = (),
-    rename: Callable[[str], str | None] = lambda name: name,
-) -> set[str]:
-    """Load checkpoint ``weights`` into ``model``; return the parameter names filled.
-
-    ``rename`` maps a checkpoint name to the model's name, or to None to skip the tensor.
-    A name containing ``.{checkpoint_fragment}.`` of a ``stacked`` entry goes to shard
-    ``shard_id`` of the fused parameter. A name matching no parameter is an error.
-    """
-    params = dict(model.named_parameters())
-    loaded: set[str] = set()
-    for ckpt_name, tensor in weights:
-        name = rename(ckpt_name)
-        if name is None:
-            continue
-        shard_id = None
-        for fused, fragment, shard in stacked:
-            if f".{fragment}." in name:
-                name, shard_id = name.replace(f".{fragment}.", f".{fused}."), shard
-                break
-        if name not in params:
-            raise ValueError(
-                f"checkpoint tensor {ckpt_name!r} matches no parameter of "
-                f"{type(model).__name__} (looked for {name!r})"
-            )
-        load_param(name, params[name], tensor, shard_id, source=ckpt_name)
-        loaded.add(name)
-    return loaded
 
 
 def load_model_weights(

@@ -6,8 +6,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mrv2_qwen.model import Qwen3ForCausalLM
+    from mrv2_qwen.qwen3_moe import Qwen3MoeForCausalLM
 
-__all__ = ["Qwen3ForCausalLM"]
+__all__ = ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
 
 
 def __getattr__(name: str) -> Any:
@@ -15,4 +16,8 @@ def __getattr__(name: str) -> Any:
         from mrv2_qwen.model import Qwen3ForCausalLM
 
         return Qwen3ForCausalLM
+    if name == "Qwen3MoeForCausalLM":
+        from mrv2_qwen.qwen3_moe import Qwen3MoeForCausalLM
+
+        return Qwen3MoeForCausalLM
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

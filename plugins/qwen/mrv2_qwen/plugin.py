@@ -7,5 +7,6 @@ from mrv2 import hookimpl
 
 @hookimpl
 def mrv2_register_models(register: Callable[..., None]) -> None:
-    """Qwen3 dense models; they use the core's default decoder-only ModelState."""
+    """Qwen3 dense and Qwen3-MoE models; they use the core's default decoder-only ModelState."""
     register("Qwen3ForCausalLM", "mrv2_qwen.model:Qwen3ForCausalLM")
+    register("Qwen3MoeForCausalLM", "mrv2_qwen.qwen3_moe:Qwen3MoeForCausalLM")

@@ -10,13 +10,10 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from mrv2.attention import AttentionMetadata, ForwardContext, set_forward_context
-from mrv2.attention.torch_backend import TorchAttentionBackend
+from mrv2.layers import head_dim_of
 from mrv2.model_loader import iter_safetensors, load_model_weights
+from mrv2.testing import TEST_BLOCK_SIZE, TEST_NUM_BLOCKS, poisoned_caches, redraw_weights, run_step
 from mrv2_qwen.model import Qwen3ForCausalLM
-
-BLOCK_SIZE = 4
-NUM_BLOCKS = 32
 
 
 def tiny_config(tie: bool, attention_bias: bool = False) -> transformers.Qwen3Config:
@@ -37,65 +34,10 @@ def tiny_config(tie: bool, attention_bias: bool = False) -> transformers.Qwen3Co
 def save_hf_model(config: transformers.PretrainedConfig, path: Path) -> torch.nn.Module:
     """A random HF model (weights far from their init values) saved to ``path``."""
     torch.manual_seed(0)
-    hf = transformers.Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-            else:
-                param.normal_(0.0, 0.15)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    redraw_weights(hf)
     hf.save_pretrained(path)
     return hf
-
-
-def step_metadata(
-    contexts: list[int], queries: list[int], tables: list[list[int]], num_pad: int
-) -> AttentionMetadata:
-    """Metadata for requests with ``contexts[i]`` cached tokens and ``queries[i]`` new ones."""
-    starts = [0]
-    slots: list[int] = []
-    for ctx, n, blocks in zip(contexts, queries, tables, strict=True):
-        starts.append(starts[-1] + n)
-        slots += [
-            blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(ctx, ctx + n)
-        ]
-    return AttentionMetadata(
-        num_reqs=len(queries),
-        num_tokens=starts[-1] + num_pad,
-        max_query_len=max(queries),
-        max_seq_len=max(c + n for c, n in zip(contexts, queries, strict=True)),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(
-            [c + n for c, n in zip(contexts, queries, strict=True)], dtype=torch.int32
-        ),
-        block_table=torch.tensor(tables, dtype=torch.int32),
-        slot_mapping=torch.tensor(slots + [-1] * num_pad, dtype=torch.int64),
-        block_size=BLOCK_SIZE,
-    )
-
-
-def run_step(
-    model: torch.nn.Module,
-    caches: list[torch.Tensor],
-    tables: list[list[int]],
-    contexts: list[int],
-    new_tokens: list[list[int]],
-    num_pad: int = 0,
-) -> list[torch.Tensor]:
-    """One engine step (padding tokens at the end); per-request logits of the new tokens."""
-    ids = sum(new_tokens, []) + [0] * num_pad
-    positions = sum(
-        (list(range(c, c + len(t))) for c, t in zip(contexts, new_tokens, strict=True)), []
-    )
-    metadata = step_metadata(contexts, [len(t) for t in new_tokens], tables, num_pad)
-    context = ForwardContext(metadata, caches, [TorchAttentionBackend()] * len(caches))
-    with torch.inference_mode(), set_forward_context(context):
-        hidden = model(
-            torch.tensor(ids, dtype=torch.int32), torch.tensor(positions + [0] * num_pad)
-        )
-        logits = model.compute_logits(hidden)
-    assert logits.shape == (len(ids), model.config.vocab_size)
-    return list(logits[: len(ids) - num_pad].split([len(t) for t in new_tokens]))
 
 
 def check_against_hf(model_cls: type, hf: torch.nn.Module, path: Path) -> None:
@@ -104,20 +46,21 @@ def check_against_hf(model_cls: type, hf: torch.nn.Module, path: Path) -> None:
     load_model_weights(model, iter_safetensors(path))
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (7, 3, 10)]
-    max_blocks = math.ceil(12 / BLOCK_SIZE)
-    perm = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    max_blocks = math.ceil(12 / TEST_BLOCK_SIZE)
+    perm = torch.randperm(TEST_NUM_BLOCKS, generator=gen).tolist()
     tables = [perm[i * max_blocks : (i + 1) * max_blocks] for i in range(len(prompts))]
-    kv_shape = (2, NUM_BLOCKS, BLOCK_SIZE, config.num_key_value_heads, model.config.head_dim)
-    caches = [torch.full(kv_shape, 1e4) for _ in range(config.num_hidden_layers)]
+    caches = poisoned_caches(config.num_key_value_heads, head_dim_of(config),
+                             config.num_hidden_layers)
 
-    prefill = run_step(model, caches, tables, [0] * len(prompts), prompts, num_pad=2)
+    prefill, _ = run_step(model, caches, tables, [0] * len(prompts), prompts, num_pad=2)
     with torch.no_grad():
         for prompt, logits in zip(prompts, prefill, strict=True):
             expected = hf(torch.tensor([prompt])).logits[0]
             torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 
     next_tokens = torch.randint(0, 128, (len(prompts),), generator=gen).tolist()
-    decode = run_step(model, caches, tables, [len(p) for p in prompts], [[t] for t in next_tokens])
+    decode, _ = run_step(model, caches, tables, [len(p) for p in prompts],
+                         [[t] for t in next_tokens])
     with torch.no_grad():
         for prompt, token, logits in zip(prompts, next_tokens, decode, strict=True):
             expected = hf(torch.tensor([prompt + [token]])).logits[0, -1:]

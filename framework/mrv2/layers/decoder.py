@@ -1,0 +1,198 @@
+"""The pieces every decoder-only family shares: its attention, its pre-norm layer, the layer
+stack and the causal LM.
+
+A family picks its attention options (:class:`SelfAttention`: biases, q/k norm, RoPE) and its
+MLP (a dense :class:`~mrv2.layers.mlp.GatedMLP` or a :class:`~mrv2.layers.moe.MoEBlock`) per
+layer, puts them in a :class:`DecoderLayer` (``layer(positions, hidden_states, residual) ->
+(hidden_states, residual)``, the residual add fused into the next norm) and builds
+:class:`DecoderModel` and :class:`CausalLM` around it; the embedding, the final norm, the LM
+head (tied or not), the ``inputs_embeds`` path and the checkpoint-name mapping are here once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar, cast
+
+import torch
+from torch import nn
+
+from mrv2.layers.attention import Attention
+from mrv2.layers.embedding import LMHead, VocabEmbedding
+from mrv2.layers.linear import QKVLinear, RowLinear, norm_linear
+from mrv2.layers.mlp import GatedMLP
+from mrv2.layers.norm import RMSNorm
+from mrv2.layers.rotary import RotaryEmbedding
+from mrv2.layers.weights import StackedMapping, load_stacked_weights
+
+#: HF's separate q/k/v and gate/up projections -> the fused ``qkv_proj`` / ``gate_up_proj``.
+STACKED_PARAMS: StackedMapping = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+
+def head_dim_of(config: Any) -> int:
+    """``config.head_dim``, or ``hidden_size // num_attention_heads`` when it is unset."""
+    head_dim = getattr(config, "head_dim", None)
+    return int(head_dim or config.hidden_size // config.num_attention_heads)
+
+
+class SelfAttention(nn.Module):
+    """Fused QKV projection, optional per-head q/k RMSNorm, RoPE, paged attention over KV cache
+    layer ``layer_idx``, output projection (HF's ``self_attn.*`` names).
+
+    Heads from the config (``num_attention_heads``, ``num_key_value_heads`` or as many,
+    :func:`head_dim_of`); ``qkv_bias`` / ``o_bias`` put biases on the projections (Qwen3 and
+    Llama: both per ``attention_bias``; GLM-4.x: q/k/v only), ``qk_norm`` adds Qwen3's
+    ``q_norm`` / ``k_norm`` (built with ``rms_norm_eps``), fused into the rotation.
+    """
+
+    def __init__(
+        self, config: Any, layer_idx: int, rope: RotaryEmbedding, *, qkv_bias: bool = False,
+        o_bias: bool = False, qk_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim_of(config)
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        self.qkv_proj = QKVLinear(
+            config.hidden_size, self.head_dim, num_heads, num_kv_heads, bias=qkv_bias
+        )
+        self.o_proj = RowLinear(num_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.rotary_emb = rope
+        self.attn = Attention(
+            num_heads, num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx
+        )
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.attend(positions, self.qkv_proj(hidden_states))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Everything after the QKV projection: q/k norms, RoPE, attention, output projection.
+        RoPE runs inside the attention layer, where the backend can write the KV cache in the
+        same kernel."""
+        q, k, v = self.qkv_proj.split(qkv)
+        norms = None
+        if self.q_norm is not None and self.k_norm is not None:
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        out = self.attn(q, k, v, positions=positions, rotary=self.rotary_emb, qk_norm=norms)
+        return cast(torch.Tensor, self.o_proj(out))
+
+
+def norm_mlp(
+    norm: RMSNorm, mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The second half of a pre-norm block: ``mlp(norm(x + residual))`` and the new residual.
+
+    A :class:`~mrv2.layers.mlp.GatedMLP` runs its gate/up projection fused with the norm
+    (:func:`~mrv2.layers.linear.norm_linear`); any other MLP (a MoE block) after the norm.
+    """
+    if isinstance(mlp, GatedMLP):
+        act, residual = norm_linear(norm, mlp.gate_up_proj, x, residual, silu_and_mul=True)
+        return mlp.down_proj(act), residual
+    if residual is None:
+        return mlp(norm(x)), x
+    normed, residual = norm(x, residual)
+    return mlp(normed), residual
+
+
+class DecoderLayer(nn.Module):
+    """A pre-norm decoder layer: ``input_layernorm``, ``self_attn`` (a :class:`SelfAttention`),
+    ``post_attention_layernorm``, ``mlp`` (HF's names). Each norm runs fused with the
+    projection after it where it can (:func:`~mrv2.layers.linear.norm_linear`,
+    :func:`norm_mlp`): one launch per decode step instead of three."""
+
+    def __init__(self, config: Any, self_attn: SelfAttention, mlp: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        qkv, residual = norm_linear(
+            self.input_layernorm, self.self_attn.qkv_proj, hidden_states, residual
+        )
+        hidden_states = self.self_attn.attend(positions, qkv)
+        return norm_mlp(self.post_attention_layernorm, self.mlp, hidden_states, residual)
+
+
+class DecoderModel(nn.Module):
+    """``embed_tokens``, ``layers`` (``make_layer(i)`` for each of ``num_layers``, default
+    ``config.num_hidden_layers``) and the final ``norm``: HF's ``model.*`` names."""
+
+    def __init__(
+        self, config: Any, make_layer: Callable[[int], nn.Module], num_layers: int | None = None
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        count = config.num_hidden_layers if num_layers is None else num_layers
+        self.layers = nn.ModuleList(make_layer(i) for i in range(count))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class CausalLM(nn.Module):
+    """A :class:`DecoderModel` plus the LM head, in the mrv2 model contract (flat token batch,
+    paged attention). Subclasses set ``stacked_params`` and extend :meth:`rename` for their
+    checkpoints' names."""
+
+    stacked_params: ClassVar[StackedMapping] = STACKED_PARAMS
+
+    def __init__(self, config: Any, model: DecoderModel) -> None:
+        super().__init__()
+        self.config = config
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.model = model
+        tied_to = model.embed_tokens if self.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied_to)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``input_ids``, ``positions`` ``[T]`` -> final hidden states ``[T, hidden_size]``
+        (``inputs_embeds`` ``[T, hidden_size]``, when given, replaces the token embeddings)."""
+        return cast(torch.Tensor, self.model(input_ids, positions, inputs_embeds))
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T]`` token ids -> ``[T, hidden_size]`` input embeddings."""
+        return cast(torch.Tensor, self.model.embed_tokens(input_ids))
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` -> ``[N, vocab_size]`` in the model dtype."""
+        return cast(torch.Tensor, self.lm_head(hidden_states))
+
+    def rename(self, name: str) -> str | None:
+        """A checkpoint tensor's parameter name, or None to skip it (RoPE caches; a tied
+        checkpoint's ``lm_head.weight`` fills the embedding)."""
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if self.tie_word_embeddings and name == "lm_head.weight":
+            return "model.embed_tokens.weight"
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF checkpoint tensors; returns the parameter names loaded."""
+        return load_stacked_weights(self, weights, self.stacked_params, self.rename)

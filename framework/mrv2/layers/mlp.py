@@ -1,0 +1,34 @@
+"""The gated (SwiGLU) MLP of most decoders, and the dense MLP of MoE families' shared experts."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mrv2.layers.activation import SiluAndMul
+from mrv2.layers.linear import MergedColumnLinear, RowLinear
+
+
+class GatedMLP(nn.Module):
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))`` with gate and up fused into one
+    ``gate_up_proj`` (checkpoint tensors ``gate_proj`` / ``up_proj`` load as its shards 0 / 1).
+
+    A decoder layer may fuse the norm before it with ``gate_up_proj``
+    (:func:`mrv2.layers.norm_linear` with ``silu_and_mul=True``) and call ``down_proj`` itself.
+    """
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu",
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {hidden_act!r}")
+        self.gate_up_proj = MergedColumnLinear(
+            hidden_size, [intermediate_size, intermediate_size], bias=bias
+        )
+        self.act_fn = SiluAndMul()
+        self.down_proj = RowLinear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))

@@ -1,0 +1,246 @@
+"""Mixture-of-experts layers: routers, the fused routed experts, and the MoE block around them.
+
+A MoE block is ``routed(x) + shared(x)``: a router picks ``top_k`` experts per token with a
+weight each, the routed experts (:class:`FusedMoE`, every expert's weights stacked in one
+tensor for :func:`mrv2_kernels.fused_moe.fused_moe`) run their SwiGLU MLPs on the tokens sent
+to them and add them up with those weights, and optional shared experts (a dense
+:class:`~mrv2.layers.mlp.GatedMLP`) see every token. Routers:
+
+- :class:`SoftmaxTopKRouter`: softmax over the experts, top-k, optionally renormalized
+  (Qwen3-MoE's ``norm_topk_prob``, Mixtral, Qwen2-MoE).
+- :class:`GroupedTopKRouter`: sigmoid scores plus ``e_score_correction_bias`` choose the
+  experts inside the ``topk_group`` best of ``n_group`` groups; the weights are the uncorrected
+  scores, optionally renormalized, times ``routed_scaling_factor`` (DeepSeek-V3's "noaux_tc",
+  GLM-4.5/4.6/4.7). With softmax scores and no correction bias it is DeepSeek-V2's
+  group-limited greedy routing (group score: its best expert).
+
+Everything here is device ops of static shapes: no host reads, so a MoE layer records into a
+CUDA graph like any other. Checkpoints keep one tensor per expert
+(``...experts.{e}.gate_proj.weight``); :func:`mrv2.model_loader.load_stacked_weights` sends
+them (and transformers 5's stacked ``experts.gate_up_proj`` / ``experts.down_proj``) to
+:class:`FusedMoE`'s stacked parameters.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mrv2.layers.mlp import GatedMLP
+from mrv2_kernels.fused_moe import fused_moe
+
+#: Environment variable: when set to 1 before a model is built, every :class:`FusedMoE` counts
+#: the distinct experts each forward reads (``FusedMoE.expert_reads``), for the benchmarks'
+#: byte floor. Off by default: it costs a few small launches per layer.
+COUNT_READS_ENV = "MRV2_COUNT_EXPERT_READS"
+
+class FusedMoE(nn.Module):
+    """The routed experts: ``num_experts`` SwiGLU MLPs with stacked weights.
+
+    ``w13_weight`` ``[E, 2I, H]`` holds each expert's gate rows then its up rows,
+    ``w2_weight`` ``[E, H, I]`` its down projection. ``forward(x, topk_weights, topk_ids)``
+    returns ``sum_j topk_weights[:, j] * expert_{topk_ids[:, j]}(x)``.
+    """
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, tp_size: int = 1
+    ) -> None:
+        super().__init__()
+        if tp_size != 1:
+            raise NotImplementedError(
+                f"tensor parallelism is not implemented yet (tp_size={tp_size})"
+            )
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        for param in (self.w13_weight, self.w2_weight):
+            param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.count_reads = os.environ.get(COUNT_READS_ENV, "") == "1"
+        self.expert_reads: torch.Tensor | None = None
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str] | None = None
+    ) -> None:
+        """Copy one expert's ``gate``/``up``/``down`` tensor (``shard_id = (expert, kind)``), or
+        the whole stacked tensor (``shard_id`` None), into ``param``."""
+        if shard_id is None:
+            target = param.data
+        else:
+            expert, kind = shard_id
+            if not 0 <= expert < self.num_experts:
+                raise ValueError(f"expert index must be in [0, {self.num_experts}), got {expert}")
+            inter = self.intermediate_size
+            if kind == "gate":
+                target = param.data[expert, :inter]
+            elif kind == "up":
+                target = param.data[expert, inter:]
+            elif kind == "down":
+                target = param.data[expert]
+            else:
+                raise ValueError(f"expert shard must be 'gate', 'up' or 'down', got {kind!r}")
+        if target.shape != loaded.shape:
+            raise ValueError(
+                f"expects shape {tuple(target.shape)}, checkpoint tensor has "
+                f"{tuple(loaded.shape)}"
+            )
+        with torch.no_grad():
+            target.copy_(loaded)
+
+    def forward(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        if self.count_reads:
+            self._count(topk_ids)
+        return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+
+    def _count(self, topk_ids: torch.Tensor) -> None:
+        """Add the number of distinct experts ``topk_ids`` selects to ``expert_reads`` (device
+        ops only, so it counts inside CUDA graph replays too)."""
+        if self.expert_reads is None or self.expert_reads.device != topk_ids.device:
+            self.expert_reads = torch.zeros((), dtype=torch.int64, device=topk_ids.device)
+        hits = torch.zeros(self.num_experts, dtype=torch.int32, device=topk_ids.device)
+        hits.scatter_(0, topk_ids.reshape(-1).long(), 1)
+        self.expert_reads += hits.sum()
+
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's weights (what a step reads per distinct expert it routes to)."""
+        per = self.w13_weight[0].numel() + self.w2_weight[0].numel()
+        return int(per * self.w13_weight.element_size())
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, hidden={self.hidden_size}, "
+                f"intermediate={self.intermediate_size}")
+
+
+class SoftmaxTopKRouter(nn.Module):
+    """``softmax(x @ weight.T)`` in fp32, the ``top_k`` largest, renormalized to sum 1 when
+    ``renormalize``. ``forward(x)`` returns ``(topk_weights fp32, topk_ids int32)`` ``[T, k]``."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {top_k}")
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = F.linear(x, self.weight).softmax(dim=-1, dtype=torch.float32)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids.to(torch.int32)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.weight.shape[0]}, top_k={self.top_k}, renorm={self.renormalize}"
+
+
+class GroupedTopKRouter(nn.Module):
+    """Group-limited top-k over fp32 scores (DeepSeek-V3 "noaux_tc", GLM-4.x; see the module).
+
+    Scores are ``sigmoid`` (or ``softmax``) of the fp32 router logits. The experts are split
+    into ``n_group`` equal groups; a group's score is the sum of its two best corrected scores
+    (with a correction bias), else its best score. Only the ``topk_group`` best groups compete
+    for the ``top_k`` picks, made on ``score + e_score_correction_bias``. The weights are the
+    picked experts' uncorrected scores, renormalized (plus 1e-20) when ``renormalize``, times
+    ``routed_scaling_factor``. Returns ``(topk_weights fp32, topk_ids int32)``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        n_group: int = 1,
+        topk_group: int = 1,
+        renormalize: bool = True,
+        routed_scaling_factor: float = 1.0,
+        scoring: str = "sigmoid",
+        correction_bias: bool = True,
+    ) -> None:
+        super().__init__()
+        if scoring not in ("sigmoid", "softmax"):
+            raise ValueError(f"scoring_func must be 'sigmoid' or 'softmax', got {scoring!r}")
+        if n_group < 1 or num_experts % n_group:
+            raise ValueError(f"n_group ({n_group}) must divide n_routed_experts ({num_experts})")
+        if not 1 <= topk_group <= n_group:
+            raise ValueError(f"topk_group must be in [1, n_group={n_group}], got {topk_group}")
+        if not 1 <= top_k <= topk_group * (num_experts // n_group):
+            raise ValueError(
+                f"num_experts_per_tok must be in [1, {topk_group * (num_experts // n_group)}] "
+                f"(topk_group x experts per group), got {top_k}"
+            )
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.n_group = n_group
+        self.topk_group = topk_group
+        self.renormalize = renormalize
+        self.routed_scaling_factor = routed_scaling_factor
+        self.scoring = scoring
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.e_score_correction_bias: nn.Parameter | None = None
+        if correction_bias:
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(num_experts, dtype=torch.float32), requires_grad=False
+            )
+
+    def _apply(self, fn: Any, recurse: bool = True) -> GroupedTopKRouter:
+        # ``model.to(dtype)`` runs before loading: keep the correction bias in fp32 (as the
+        # checkpoints store it), since a bf16 bias reorders near-tied experts.
+        super()._apply(fn, recurse)
+        bias = self.e_score_correction_bias
+        if bias is not None and bias.dtype != torch.float32:
+            bias.data = bias.data.float()
+        return self
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid() if self.scoring == "sigmoid" else logits.softmax(dim=-1)
+        bias = self.e_score_correction_bias
+        choice = scores if bias is None else scores + bias.float()
+        if self.topk_group < self.n_group:
+            grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
+            if bias is not None and grouped.shape[-1] >= 2:
+                group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+            else:
+                group_scores = grouped.amax(dim=-1)
+            keep = group_scores.topk(self.topk_group, dim=-1)[1]
+            mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            choice = grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view_as(choice)
+        ids = choice.topk(self.top_k, dim=-1)[1]
+        weights = scores.gather(1, ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, ids.to(torch.int32)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, top_k={self.top_k}, groups={self.n_group}, "
+                f"topk_group={self.topk_group}, scoring={self.scoring}, "
+                f"scale={self.routed_scaling_factor}")
+
+
+class MoEBlock(nn.Module):
+    """``experts(x, *gate(x)) + shared_experts(x)``: a router named ``gate`` (checkpoints'
+    ``mlp.gate``), the routed ``experts`` and optional ``shared_experts``."""
+
+    def __init__(
+        self, gate: nn.Module, experts: FusedMoE, shared_experts: GatedMLP | None = None
+    ) -> None:
+        super().__init__()
+        self.gate = gate
+        self.experts = experts
+        self.shared_experts = shared_experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.gate(x)
+        out: torch.Tensor = self.experts(x, topk_weights, topk_ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

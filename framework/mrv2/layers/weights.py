@@ -1,0 +1,118 @@
+"""Mapping checkpoint tensors onto a model's parameters: the loop every ``load_weights`` runs.
+
+Parameters may carry a ``weight_loader(param, loaded[, shard_id])`` attribute (fused layers
+do); the rest take :func:`default_weight_loader`. :func:`load_stacked_weights` is the mapping
+loop of the usual decoder, whose q/k/v and gate/up projections are fused and whose routed
+experts are stacked. :mod:`mrv2.model_loader` re-exports these names.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+StackedMapping = Sequence[tuple[str, str, Any]]
+"""``(fused_fragment, checkpoint_fragment, shard_id)``, e.g. ``("qkv_proj", "q_proj", "q")``."""
+
+_EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+_EXPERT_SHARD = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                 "down_proj": "down", "w2": "down"}
+
+
+def expert_weight_target(name: str) -> tuple[str, Any] | None:
+    """``(parameter_name, shard_id)`` of a routed expert's checkpoint tensor, else None.
+
+    ``model.layers.3.mlp.experts.17.up_proj.weight`` (or Mixtral's ``w1``/``w3``/``w2``) goes
+    to ``model.layers.3.mlp.experts.w13_weight`` shard ``(17, "up")`` of a
+    :class:`~mrv2.layers.moe.FusedMoE`; transformers 5's stacked ``experts.gate_up_proj``
+    ``[E, 2I, H]`` and ``experts.down_proj`` ``[E, H, I]`` go whole (shard None).
+    """
+    m = _EXPERT_NAME.match(name)
+    if m is not None:
+        kind = _EXPERT_SHARD[m.group(3)]
+        param = "w2_weight" if kind == "down" else "w13_weight"
+        return f"{m.group(1)}.{param}", (int(m.group(2)), kind)
+    m = _STACKED_EXPERTS.match(name)
+    if m is not None:
+        param = "w13_weight" if m.group(2) == "gate_up_proj" else "w2_weight"
+        return f"{m.group(1)}.{param}", None
+    return None
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """Copy ``loaded`` into ``param`` (dtype and device converted); shapes must match."""
+    if param.shape != loaded.shape:
+        raise ValueError(
+            f"parameter expects shape {tuple(param.shape)}, checkpoint tensor has "
+            f"{tuple(loaded.shape)}"
+        )
+    with torch.no_grad():
+        param.data.copy_(loaded)
+
+
+def load_param(
+    name: str,
+    param: nn.Parameter,
+    loaded: torch.Tensor,
+    shard_id: Any = None,
+    source: str | None = None,
+) -> None:
+    """Load ``loaded`` (checkpoint tensor ``source``) into parameter ``name``.
+
+    Goes through the parameter's ``weight_loader`` (with ``shard_id`` when given), else
+    :func:`default_weight_loader`. A ``ValueError`` from the loader (a shape mismatch) is
+    re-raised naming the parameter and the checkpoint tensor.
+    """
+    loader: Callable[..., None] = getattr(param, "weight_loader", default_weight_loader)
+    try:
+        if shard_id is None:
+            loader(param, loaded)
+        else:
+            loader(param, loaded, shard_id)
+    except ValueError as e:
+        what = f"checkpoint tensor {source!r}" if source else "checkpoint tensor"
+        raise ValueError(f"cannot load {what} into parameter {name!r}: {e}") from e
+
+
+def load_stacked_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    stacked: StackedMapping = (),
+    rename: Callable[[str], str | None] = lambda name: name,
+) -> set[str]:
+    """Load checkpoint ``weights`` into ``model``; return the parameter names filled.
+
+    ``rename`` maps a checkpoint name to the model's name, or to None to skip the tensor.
+    A routed expert's tensor goes to its shard of the stacked expert weights
+    (:func:`expert_weight_target`); otherwise a name containing ``.{checkpoint_fragment}.`` of a
+    ``stacked`` entry goes to shard ``shard_id`` of the fused parameter. A name matching no
+    parameter is an error.
+    """
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for ckpt_name, tensor in weights:
+        name = rename(ckpt_name)
+        if name is None:
+            continue
+        shard_id = None
+        expert = expert_weight_target(name) if ".experts." in name else None
+        if expert is not None:
+            name, shard_id = expert
+        else:
+            for fused, fragment, shard in stacked:
+                if f".{fragment}." in name:
+                    name, shard_id = name.replace(f".{fragment}.", f".{fused}."), shard
+                    break
+        if name not in params:
+            raise ValueError(
+                f"checkpoint tensor {ckpt_name!r} matches no parameter of "
+                f"{type(model).__name__} (looked for {name!r})"
+            )
+        load_param(name, params[name], tensor, shard_id, source=ckpt_name)
+        loaded.add(name)
+    return loaded

@@ -1,0 +1,792 @@
+"""Fused mixture-of-experts: the routed experts' SwiGLU MLPs for a batch of tokens.
+
+Contract (``x`` ``[T, H]``, ``w13`` ``[E, 2*I, H]`` holding each expert's gate rows then its up
+rows, ``w2`` ``[E, H, I]``, ``topk_weights`` ``[T, K]`` fp32, ``topk_ids`` ``[T, K]`` int)::
+
+    for t, j:  e = topk_ids[t, j]
+        gate_up = (x[t].float() @ w13[e].float().T).to(x.dtype)          # [2I]
+        act     = (silu(gate_up[:I].float()) * gate_up[I:].float()).to(x.dtype)
+        y[t, j] = (act.float() @ w2[e].float().T)                       # [H], fp32
+    out[t] = (sum_j topk_weights[t, j] * y[t, j]).to(x.dtype)
+
+The roundings are those of the unfused layers (a gate/up linear, ``silu_and_mul``, a down
+linear). ``topk_ids`` outside ``[0, E)`` are not allowed (the Triton path skips such pairs).
+
+The Triton path (:func:`fused_moe_triton`) runs, without a host synchronization and with
+buffer sizes that depend on ``(T, K, E, BLOCK_M)`` only (so a CUDA graph can capture it):
+
+1. :func:`moe_align` sorts the ``T*K`` (token, slot) pairs by expert on the GPU: the flat pair
+   indices ``t*K + j`` of each expert, in increasing order, padded with the sentinel ``T*K`` to
+   a multiple of ``BLOCK_M``; the expert of every ``BLOCK_M`` block; and the padded row count.
+   Experts without tokens get no block. Up to 128 pairs one program does it in registers;
+   beyond, a histogram per chunk of 128 pairs, a scan over the chunks per expert and a
+   scatter by rank within the chunk (stable, so the result is deterministic).
+2. A grouped gate/up GEMM: each program takes one block of sorted pairs (one expert) and one
+   ``BLOCK_N`` slice of the intermediate features, gathers the tokens' rows of ``x``,
+   accumulates gate and up in fp32 with ``tl.dot``, rounds each to ``x.dtype`` and writes
+   ``act = silu(gate) * up`` (rounded) at the pair's flat row of a ``[T*K, I]`` buffer.
+3. A grouped down GEMM over the same blocks: ``act @ w2[e].T`` in fp32, times the pair's
+   routing weight, written at the flat row of an fp32 ``[T*K, H]`` buffer.
+4. The combine: ``out[t] = sum_j y[t*K + j]`` in slot order (deterministic: no fp32
+   atomics), rounded to ``x.dtype``. A kernel of its own, or for decode-sized batches fused
+   into the down GEMM: an int32 arrival count per (token, output slice) picks the program
+   that stores a token's last row, and that program sums the token's rows in slot order.
+
+Programs past the real block count exit at once. Tiles are arguments (``block_m`` etc.) with
+per-backend defaults (:func:`moe_tiles`): for decode-sized batches (a few pairs per expert, the
+step bound by reading the hit experts' weights) 16-row blocks and narrow slices, so the
+programs spread over every SM; 128-row blocks of wide slices when many tokens share each
+expert. On an H200 (``python -m mrv2_kernels.bench_moe``, Qwen3-30B-A3B's layer, bf16) one
+token takes 28 µs (0.64 of the weight-bandwidth floor), 8 to 256 tokens 0.84-0.95 of it,
+and 8,192 tokens 1.6 ms (~375 TFLOP/s); the torch reference takes 3-65 ms.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._backend import use_triton
+
+__all__ = [
+    "MoeTiles",
+    "fused_moe",
+    "fused_moe_ref",
+    "fused_moe_triton",
+    "moe_align",
+    "moe_align_ref",
+    "moe_max_blocks",
+    "moe_tiles",
+]
+
+#: dtypes of ``x`` / the weights the Triton kernels take (loaded, converted to fp32 at once).
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ID_DTYPES = (torch.int32, torch.int64)
+
+#: Pairs per program of the align histogram / scatter (the scatter ranks a chunk's pairs with a
+#: ``[CHUNK, CHUNK]`` comparison); up to this many pairs, one program aligns them all.
+_ALIGN_CHUNK = 128
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every buffer the Triton path writes comes from here (tests poison them)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+           topk_ids: torch.Tensor) -> None:
+    """The shapes of the contract; a ValueError starts with the argument at fault."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, H], got {tuple(x.shape)}")
+    num_tokens, hidden = x.shape
+    if w13.dim() != 3 or w13.shape[2] != hidden or w13.shape[1] % 2:
+        raise ValueError(f"w13 must be [E, 2I, H={hidden}], got {tuple(w13.shape)}")
+    num_experts, two_i, _ = w13.shape
+    if w2.shape != (num_experts, hidden, two_i // 2):
+        raise ValueError(
+            f"w2 must be [E={num_experts}, H={hidden}, I={two_i // 2}] (from w13 "
+            f"{tuple(w13.shape)}), got {tuple(w2.shape)}"
+        )
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens:
+        raise ValueError(f"topk_ids must be [T={num_tokens}, K], got {tuple(topk_ids.shape)}")
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(
+            f"topk_weights must be shaped like topk_ids {tuple(topk_ids.shape)}, got "
+            f"{tuple(topk_weights.shape)}"
+        )
+
+
+def _check_kernel_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                       topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
+    """What the Triton path assumes beyond :func:`_check`: dtypes, one device, unit strides."""
+    if x.dtype not in _KERNEL_DTYPES:
+        raise ValueError(f"x must be fp32/bf16/fp16, got {x.dtype}")
+    for name, w in (("w13", w13), ("w2", w2)):
+        if w.dtype != x.dtype:
+            raise ValueError(f"{name} must have x's dtype {x.dtype}, got {w.dtype}")
+        if w.shape[2] > 1 and w.stride(2) != 1:
+            raise ValueError(f"{name} rows must be contiguous (stride(2) == 1)")
+    if not topk_weights.is_floating_point():
+        raise ValueError(f"topk_weights must be floating point, got {topk_weights.dtype}")
+    if topk_ids.dtype not in _ID_DTYPES:
+        raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    for name, t in (("w13", w13), ("w2", w2), ("topk_weights", topk_weights),
+                    ("topk_ids", topk_ids)):
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}")
+
+
+def fused_moe_ref(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Plain-torch specification: a Python loop over (token, slot) pairs grouped by expert."""
+    _check(x, w13, w2, topk_weights, topk_ids)
+    num_tokens, top_k = topk_ids.shape
+    inter = w2.shape[2]
+    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    flat_ids = topk_ids.reshape(-1).long()
+    for e in flat_ids.unique().tolist():
+        pairs = (flat_ids == e).nonzero().squeeze(1)
+        tokens = pairs // top_k
+        gate_up = (x[tokens].float() @ w13[e].float().T).to(x.dtype)
+        act = (F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(x.dtype)
+        y = act.float() @ w2[e].float().T
+        weight = topk_weights.reshape(-1)[pairs].float()
+        out.index_add_(0, tokens, y * weight[:, None])
+    return out.to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------- align
+
+
+def moe_max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on the ``block_m`` blocks of :func:`moe_align` for ``num_pairs = T*K``
+    pairs: each non-empty expert pads at most one partial block."""
+    return triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+
+
+def moe_align_ref(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain-torch specification of :func:`moe_align` (loops over the experts on the host).
+
+    Returns ``(sorted_ids, block_expert, num_post)``: ``sorted_ids`` int32
+    ``[moe_max_blocks(T*K, E, block_m) * block_m]`` holds, expert after expert, the flat
+    indices ``t*K + j`` of the pairs routed to it in increasing order, each expert's group
+    padded with ``T*K`` to a multiple of ``block_m`` (and ``T*K`` past the last group);
+    ``block_expert`` int32 ``[max_blocks]`` the expert of each block (``-1`` past the last);
+    ``num_post`` int32 ``[1]`` the padded row count (``block_m`` times the block count).
+    """
+    flat = topk_ids.reshape(-1).long()
+    num_pairs = flat.numel()
+    max_blocks = moe_max_blocks(num_pairs, num_experts, block_m)
+    device = topk_ids.device
+    sorted_ids = torch.full((max_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
+    block_expert = torch.full((max_blocks,), -1, dtype=torch.int32, device=device)
+    row = 0
+    for e in range(num_experts):
+        pairs = (flat == e).nonzero().squeeze(1)
+        if pairs.numel() == 0:
+            continue
+        sorted_ids[row:row + pairs.numel()] = pairs.to(torch.int32)
+        blocks = triton.cdiv(pairs.numel(), block_m)
+        block_expert[row // block_m:row // block_m + blocks] = e
+        row += blocks * block_m
+    return sorted_ids, block_expert, torch.tensor([row], dtype=torch.int32, device=device)
+
+
+@triton.jit
+def _chunk_ids(ids_ptr: tl.tensor, chunk: int, num_pairs: int, num_experts: int,
+               CHUNK: tl.constexpr) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """The flat indices of chunk ``chunk``, their experts (-1 where not a real pair), and
+    which are real pairs."""
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    inside = offs < num_pairs
+    ids = tl.load(ids_ptr + offs, mask=inside, other=-1).to(tl.int32)
+    valid = inside & (ids >= 0) & (ids < num_experts)
+    return offs, tl.where(valid, ids, -1), valid
+
+
+@triton.jit
+def _chunk_rank(ids: tl.tensor, CHUNK: tl.constexpr) -> tl.tensor:
+    """For each pair of a chunk, the earlier pairs of the chunk with the same expert: the
+    scatter is stable, so ``sorted_ids`` does not depend on timing."""
+    local = tl.arange(0, CHUNK)
+    earlier = (ids[:, None] == ids[None, :]) & (local[None, :] < local[:, None])
+    return tl.sum(earlier.to(tl.int32), axis=1)
+
+
+@triton.jit
+def _write_padding(sorted_ptr: tl.tensor, start: tl.tensor, counts: tl.tensor,
+                   padded: tl.tensor, num_pairs: int, BLOCK_M: tl.constexpr,
+                   E_PAD: tl.constexpr, TILE_P: tl.constexpr) -> None:
+    """The sentinel in the padding slots ending each expert's group."""
+    first = start + counts
+    pad = padded - counts
+    for j0 in tl.static_range(0, BLOCK_M, TILE_P):
+        j = j0 + tl.arange(0, TILE_P)
+        tl.store(sorted_ptr + first[:, None] + j[None, :],
+                 tl.zeros([E_PAD, TILE_P], dtype=tl.int32) + num_pairs,
+                 mask=j[None, :] < pad[:, None])
+
+
+@triton.jit
+def _write_blocks(block_expert_ptr: tl.tensor, end: tl.tensor, total: tl.tensor, lo: int,
+                  hi: int, BLOCK_M: tl.constexpr, TILE_B: tl.constexpr) -> None:
+    """The experts of blocks ``[lo, hi)`` (-1 past the last group). Block b starts at row
+    ``b*BLOCK_M``, inside the group of the first expert whose group ends after it: its index
+    is the number of groups (empty ones included) ending at or before that row."""
+    for b0 in range(lo, hi, TILE_B):
+        blocks = b0 + tl.arange(0, TILE_B)
+        first_row = blocks * BLOCK_M
+        expert = tl.sum((end[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + blocks, tl.where(first_row < total, expert, -1),
+                 mask=blocks < hi)
+
+
+@triton.jit
+def _write_tail(sorted_ptr: tl.tensor, total: tl.tensor, lo: int, hi: int, num_pairs: int,
+                TILE_F: tl.constexpr) -> None:
+    """The sentinel in the slots of ``[lo, hi)`` past the last group (from ``total`` on)."""
+    for r0 in range(lo, hi, TILE_F):
+        rows = r0 + tl.arange(0, TILE_F)
+        tl.store(sorted_ptr + rows, tl.zeros([TILE_F], dtype=tl.int32) + num_pairs,
+                 mask=(rows >= total) & (rows < hi))
+
+
+@triton.jit
+def _groups(counts: tl.tensor, BLOCK_M: tl.constexpr
+            ) -> tuple[tl.tensor, tl.tensor, tl.tensor, tl.tensor]:
+    """Each expert's padded group size, first slot and end slot, and the padded total."""
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, axis=0)
+    return padded, end - padded, end, tl.sum(padded, axis=0)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
+def _align_single_kernel(
+    ids_ptr: tl.tensor,
+    sorted_ptr: tl.tensor,
+    block_expert_ptr: tl.tensor,
+    num_post_ptr: tl.tensor,
+    num_pairs: int,
+    num_experts: int,
+    max_blocks: int,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    E_PAD: tl.constexpr,
+    TILE_P: tl.constexpr,
+    TILE_B: tl.constexpr,
+    TILE_F: tl.constexpr,
+) -> None:
+    # All pairs in one chunk, one program, everything in registers: count, scan, scatter.
+    offs, ids, valid = _chunk_ids(ids_ptr, 0, num_pairs, num_experts, CHUNK)
+    experts = tl.arange(0, E_PAD)
+    onehot = ids[:, None] == experts[None, :]
+    counts = tl.sum(onehot.to(tl.int32), axis=0)
+    padded, start, end, total = _groups(counts, BLOCK_M)
+    tl.store(num_post_ptr, total)
+    base = tl.gather(start, tl.where(valid, ids, 0), 0)
+    tl.store(sorted_ptr + base + _chunk_rank(ids, CHUNK), offs, mask=valid)
+    _write_padding(sorted_ptr, start, counts, padded, num_pairs, BLOCK_M, E_PAD, TILE_P)
+    _write_blocks(block_expert_ptr, end, total, 0, max_blocks, BLOCK_M, TILE_B)
+    _write_tail(sorted_ptr, total, 0, max_blocks * BLOCK_M, num_pairs, TILE_F)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_chunks"])
+def _align_count_kernel(
+    ids_ptr: tl.tensor,
+    counts_ptr: tl.tensor,
+    num_pairs: int,
+    num_experts: int,
+    num_chunks: int,
+    CHUNK: tl.constexpr,
+    E_PAD: tl.constexpr,
+) -> None:
+    # counts[e, c]: the pairs of chunk c routed to expert e.
+    chunk = tl.program_id(0)
+    _, ids, _ = _chunk_ids(ids_ptr, chunk, num_pairs, num_experts, CHUNK)
+    experts = tl.arange(0, E_PAD)
+    counts = tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    tl.store(counts_ptr + experts * num_chunks + chunk, counts)
+
+
+@triton.jit(do_not_specialize=["num_chunks"])
+def _align_scan_kernel(
+    counts_ptr: tl.tensor,
+    base_ptr: tl.tensor,
+    totals_ptr: tl.tensor,
+    num_chunks: int,
+    TILE_C: tl.constexpr,
+) -> None:
+    # Program e: base[e, c] = the pairs of expert e in the chunks before c; totals[e].
+    expert = tl.program_id(0)
+    row = expert * num_chunks
+    carry = tl.sum(tl.zeros([TILE_C], dtype=tl.int32), axis=0)
+    for c0 in range(0, num_chunks, TILE_C):
+        chunks = c0 + tl.arange(0, TILE_C)
+        mask = chunks < num_chunks
+        tile = tl.load(counts_ptr + row + chunks, mask=mask, other=0)
+        tl.store(base_ptr + row + chunks, carry + tl.cumsum(tile, axis=0) - tile, mask=mask)
+        carry += tl.sum(tile, axis=0)
+    tl.store(totals_ptr + expert, carry)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
+def _align_scatter_kernel(
+    ids_ptr: tl.tensor,
+    base_ptr: tl.tensor,
+    totals_ptr: tl.tensor,
+    sorted_ptr: tl.tensor,
+    block_expert_ptr: tl.tensor,
+    num_post_ptr: tl.tensor,
+    num_pairs: int,
+    num_experts: int,
+    max_blocks: int,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    E_PAD: tl.constexpr,
+    TILE_P: tl.constexpr,
+    TILE_B: tl.constexpr,
+    TILE_F: tl.constexpr,
+) -> None:
+    # Program c places chunk c's pairs and writes its share of the block experts and of the
+    # sentinels past the last group; program 0 also the padding sentinels and the total.
+    chunk = tl.program_id(0)
+    num_chunks = tl.num_programs(0)
+    experts = tl.arange(0, E_PAD)
+    counts = tl.load(totals_ptr + experts)
+    padded, start, end, total = _groups(counts, BLOCK_M)
+    offs, ids, valid = _chunk_ids(ids_ptr, chunk, num_pairs, num_experts, CHUNK)
+    base = tl.load(base_ptr + ids * num_chunks + chunk, mask=valid, other=0)
+    base += tl.gather(start, tl.where(valid, ids, 0), 0)
+    tl.store(sorted_ptr + base + _chunk_rank(ids, CHUNK), offs, mask=valid)
+    if chunk == 0:
+        tl.store(num_post_ptr, total)
+        _write_padding(sorted_ptr, start, counts, padded, num_pairs, BLOCK_M, E_PAD, TILE_P)
+    per_program = tl.cdiv(max_blocks, num_chunks)
+    lo = chunk * per_program
+    hi = tl.minimum(lo + per_program, max_blocks)
+    _write_blocks(block_expert_ptr, end, total, lo, hi, BLOCK_M, TILE_B)
+    _write_tail(sorted_ptr, total, lo * BLOCK_M, hi * BLOCK_M, num_pairs, TILE_F)
+
+
+def moe_align(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the ``T*K`` (token, slot) pairs of ``topk_ids`` by expert on the device.
+
+    Same results as :func:`moe_align_ref` (see there); every size depends on
+    ``(T, K, num_experts, block_m)`` only and nothing reads back to the host, so CUDA graphs
+    can capture it. Up to 128 pairs: one program, in registers. Beyond, three launches: a
+    histogram per 128 pairs, a scan over the chunks per expert, and a scatter per 128 pairs
+    (each ranks its pairs within the chunk and writes a share of the block experts and of the
+    sentinels). Pairs whose expert is outside ``[0, num_experts)`` are left out.
+    """
+    if topk_ids.dtype not in _ID_DTYPES:
+        raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if num_experts <= 0:
+        raise ValueError(f"num_experts must be positive, got {num_experts}")
+    block_m = _tile("block_m", block_m, 1)
+    ids = topk_ids.reshape(-1)
+    num_pairs = ids.numel()
+    max_blocks = moe_max_blocks(num_pairs, num_experts, block_m)
+    device = topk_ids.device
+    sorted_ids = _empty((max_blocks * block_m,), torch.int32, device)
+    block_expert = _empty((max_blocks,), torch.int32, device)
+    num_post = _empty((1,), torch.int32, device)
+    if num_pairs == 0:
+        return sorted_ids, block_expert, num_post.zero_()
+    e_pad = triton.next_power_of_2(num_experts)
+    tiles = {"TILE_P": min(block_m, max(1, 4096 // e_pad)), "TILE_B": max(1, 4096 // e_pad),
+             "TILE_F": 1024}
+    if num_pairs <= _ALIGN_CHUNK:
+        _align_single_kernel[(1,)](
+            ids, sorted_ids, block_expert, num_post, num_pairs, num_experts, max_blocks,
+            BLOCK_M=block_m, CHUNK=max(16, triton.next_power_of_2(num_pairs)), E_PAD=e_pad,
+            num_warps=4, **tiles,
+        )
+        return sorted_ids, block_expert, num_post
+    chunk = _ALIGN_CHUNK
+    num_chunks = triton.cdiv(num_pairs, chunk)
+    counts = _empty((e_pad, num_chunks), torch.int32, device)
+    base = _empty((e_pad, num_chunks), torch.int32, device)
+    totals = _empty((e_pad,), torch.int32, device)
+    _align_count_kernel[(num_chunks,)](ids, counts, num_pairs, num_experts, num_chunks,
+                                       CHUNK=chunk, E_PAD=e_pad, num_warps=4)
+    _align_scan_kernel[(e_pad,)](counts, base, totals, num_chunks, TILE_C=1024, num_warps=4)
+    _align_scatter_kernel[(num_chunks,)](
+        ids, base, totals, sorted_ids, block_expert, num_post, num_pairs, num_experts,
+        max_blocks, BLOCK_M=block_m, CHUNK=chunk, E_PAD=e_pad, num_warps=8, **tiles,
+    )
+    return sorted_ids, block_expert, num_post
+
+
+# ------------------------------------------------------------------------------ grouped GEMMs
+
+
+@triton.jit
+def _block_tile(pid: int, num_pid_m: int, num_pid_n: int,
+                GROUP_M: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
+    """``(pid_m, pid_n)`` of program ``pid``: ``GROUP_M`` blocks side by side walk the output
+    slices together, so a slice of an expert's weights serves its blocks from L2."""
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_size
+    pid_n = (pid % in_group) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
+def _moe_gate_up_kernel(
+    x_ptr: tl.tensor,
+    w_ptr: tl.tensor,
+    act_ptr: tl.tensor,
+    sorted_ptr: tl.tensor,
+    block_expert_ptr: tl.tensor,
+    num_post_ptr: tl.tensor,
+    num_pairs: int,
+    num_pid_m: int,
+    top_k: int,
+    hidden: int,
+    inter: int,
+    x_s0: int,
+    w_s0: int,
+    w_s1: int,
+    act_s0: int,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+) -> None:
+    pid_m, pid_n = _block_tile(tl.program_id(0), num_pid_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < num_pairs
+    token = (pair // top_k).to(tl.int64)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + token[:, None] * x_s0 + offs_k[None, :]
+    gate_ptrs = w_ptr + expert * w_s0 + offs_n.to(tl.int64)[None, :] * w_s1 + offs_k[:, None]
+    up_ptrs = gate_ptrs + inter * w_s1
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptrs, mask=valid[:, None], other=0.0)
+            g = tl.load(gate_ptrs, mask=mask_n[None, :], other=0.0)
+            u = tl.load(up_ptrs, mask=mask_n[None, :], other=0.0)
+        else:
+            mask_k = offs_k < hidden - k0
+            a = tl.load(x_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
+            g = tl.load(gate_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            u = tl.load(up_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if UPCAST:  # the CPU interpreter's bf16 arithmetic is wrong: convert at once there
+            a = a.to(tl.float32)
+            g = g.to(tl.float32)
+            u = u.to(tl.float32)
+        acc_gate = tl.dot(a, g, acc_gate, input_precision=DOT_PRECISION)
+        acc_up = tl.dot(a, u, acc_up, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    # The unfused layers round gate/up to the dtype, then silu(gate) * up (fp32) once more.
+    dtype = act_ptr.dtype.element_ty
+    gate = acc_gate.to(dtype).to(tl.float32)
+    up = acc_up.to(dtype).to(tl.float32)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    dst = act_ptr + pair.to(tl.int64)[:, None] * act_s0 + offs_n[None, :]
+    tl.store(dst, act.to(dtype), mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
+def _moe_down_kernel(
+    act_ptr: tl.tensor,
+    w_ptr: tl.tensor,
+    tw_ptr: tl.tensor,
+    y_ptr: tl.tensor,
+    sorted_ptr: tl.tensor,
+    block_expert_ptr: tl.tensor,
+    num_post_ptr: tl.tensor,
+    num_pairs: int,
+    num_pid_m: int,
+    top_k: int,
+    hidden: int,
+    inter: int,
+    act_s0: int,
+    w_s0: int,
+    w_s1: int,
+    tw_s0: int,
+    tw_s1: int,
+    y_s0: int,
+    out_ptr: tl.tensor,
+    counters_ptr: tl.tensor,
+    out_s0: int,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr,
+) -> None:
+    num_pid_n = tl.cdiv(hidden, BLOCK_N)
+    pid_m, pid_n = _block_tile(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < num_pairs
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + pair.to(tl.int64)[:, None] * act_s0 + offs_k[None, :]
+    w_ptrs = w_ptr + expert * w_s0 + offs_n.to(tl.int64)[None, :] * w_s1 + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
+        else:
+            mask_k = offs_k < inter - k0
+            a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    token = pair // top_k
+    slot = pair - token * top_k
+    weight = tl.load(tw_ptr + token.to(tl.int64) * tw_s0 + slot * tw_s1, mask=valid, other=0.0)
+    acc = acc * weight.to(tl.float32)[:, None]
+    dst = y_ptr + pair.to(tl.int64)[:, None] * y_s0 + offs_n[None, :]
+    tl.store(dst, acc, mask=valid[:, None] & mask_n[None, :])
+    if FUSED_COMBINE:
+        # Count this slice's arrivals per token; the program bringing a token's count to K
+        # adds its K rows in slot order (deterministic), writes the output row slice and
+        # resets the count for the next launch.
+        tl.debug_barrier()  # every thread's rows are stored before the release
+        token64 = token.to(tl.int64)
+        counter = counters_ptr + token64 * num_pid_n + pid_n
+        arrived = tl.atomic_add(counter, 1, mask=valid, sem="acq_rel")
+        last = valid & (arrived == top_k - 1)
+        if tl.sum(last.to(tl.int32), axis=0) > 0:
+            tl.debug_barrier()  # the acquiring threads' view before the others' loads
+            mask = last[:, None] & mask_n[None, :]
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for j in range(0, top_k):
+                src = y_ptr + (token64 * top_k + j)[:, None] * y_s0 + offs_n[None, :]
+                total += tl.load(src, mask=mask, other=0.0, cache_modifier=".cg")
+            out = out_ptr + token64[:, None] * out_s0 + offs_n[None, :]
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(counter, tl.zeros([BLOCK_M], dtype=tl.int32), mask=last)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _moe_combine_kernel(
+    y_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    num_tokens: int,
+    top_k: int,
+    hidden: int,
+    y_s0: int,
+    out_s0: int,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+) -> None:
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (tokens < num_tokens)[:, None] & (cols < hidden)[None, :]
+    acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+    for j in range(0, top_k):  # slot order: deterministic
+        src = y_ptr + (tokens * top_k + j)[:, None] * y_s0 + cols[None, :]
+        acc += tl.load(src, mask=mask, other=0.0)
+    dst = out_ptr + tokens[:, None] * out_s0 + cols[None, :]
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------------------- tiles
+
+
+class MoeTiles(NamedTuple):
+    """Tile choices of :func:`fused_moe_triton` (all powers of two; the GEMM ones >= 16)."""
+
+    block_m: int  # sorted pairs per block (the align padding unit)
+    block_n1: int  # intermediate features per gate/up program (gate and up: 2x the columns)
+    block_k1: int  # hidden features per gate/up step
+    block_n2: int  # hidden features per down program
+    block_k2: int  # intermediate features per down step
+    group_m: int  # blocks that walk the output slices together (L2 reuse of weight slices)
+    num_warps: int
+    num_stages: int
+    fused_combine: bool  # the down GEMM adds each token's K rows (no combine launch)
+
+
+def moe_tiles(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
+              device: torch.device) -> MoeTiles:
+    """Default tiles for a ``[T, H]`` batch routed ``top_k`` ways over ``num_experts``.
+
+    CPU (the interpreter): small tiles. CUDA, by the average pairs per expert ``T*K/E``
+    (from sweeps of ``bench_moe`` on an H200 with Qwen3-30B-A3B's layer): up to 16 (decode,
+    bound by reading the hit experts' weights), 16-row blocks, 32 intermediate / 64 hidden
+    features per program and 128-long steps (flat within 5% over 16-64 / 16-64 / 128-256);
+    up to 64, 64-row blocks; beyond, 128-row blocks of 128-wide slices and 8 warps (a third
+    faster than 64-row blocks at 8,192 tokens). The fused combine up to 4 pairs per expert
+    (1-3 µs less from 1 to 64 tokens; with more rows per block its per-row atomics and sums
+    cost more than the combine kernel: +12 µs at 256 tokens, +440 µs at 8,192).
+    """
+    per_expert = num_tokens * top_k / max(num_experts, 1)
+    if device.type != "cuda":
+        return MoeTiles(16, 32, 32, 32, 32, 1, 4, 1, True)
+    if per_expert <= 16:
+        return MoeTiles(16, 32, 128, 64, 128, 1, 4, 4, per_expert <= 4)
+    if per_expert <= 64:
+        return MoeTiles(64, 64, 64, 128, 64, 8, 4, 3, False)
+    return MoeTiles(128, 128, 64, 128, 64, 8, 8, 3, False)
+
+
+def _tile(name: str, value: int, minimum: int) -> int:
+    if value < minimum or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two >= {minimum}, got {value}")
+    return value
+
+
+# -------------------------------------------------------------------------------- the op
+
+
+#: Per-device arrival counts of the fused combine (zero between launches: each combining
+#: program resets its own). Outgrown buffers stay alive: CUDA graphs may still use them.
+_COUNTERS: dict[str, list[torch.Tensor]] = {}
+
+
+def _arrival_counters(device: torch.device, needed: int) -> torch.Tensor | None:
+    """Zeroed int32 arrival counts, at least ``needed``; allocated outside CUDA-graph capture
+    only (a graph's warm-up call does it). None (use the combine kernel) if a capture finds
+    none big enough."""
+    buffers = _COUNTERS.setdefault(str(device), [])
+    if not buffers or buffers[-1].numel() < needed:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buffers.append(torch.zeros(max(needed, 1 << 16), dtype=torch.int32, device=device))
+    return buffers[-1]
+
+
+def _moe_chunk(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+               topk_ids: torch.Tensor, out: torch.Tensor, tiles: MoeTiles) -> None:
+    """The four steps of the module docstring for ``x`` ``[T > 0, H]``, into ``out``."""
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    num_pairs = num_tokens * top_k
+    bm = tiles.block_m
+    sorted_ids, block_expert, num_post = moe_align(topk_ids, num_experts, bm)
+    max_blocks = block_expert.shape[0]
+    act = _empty((num_pairs, inter), x.dtype, x.device)
+    y = _empty((num_pairs, hidden), torch.float32, x.device)
+    upcast = not x.is_cuda
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    _moe_gate_up_kernel[(max_blocks * triton.cdiv(inter, tiles.block_n1),)](
+        x, w13, act, sorted_ids, block_expert, num_post, num_pairs, max_blocks, top_k, hidden,
+        inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), BLOCK_M=bm,
+        BLOCK_N=tiles.block_n1, BLOCK_K=tiles.block_k1, GROUP_M=tiles.group_m,
+        EVEN_K=hidden % tiles.block_k1 == 0, UPCAST=upcast, DOT_PRECISION=precision,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    num_n2 = triton.cdiv(hidden, tiles.block_n2)
+    counters = _arrival_counters(x.device, num_tokens * num_n2) if tiles.fused_combine else None
+    _moe_down_kernel[(max_blocks * num_n2,)](
+        act, w2, topk_weights, y, sorted_ids, block_expert, num_post, num_pairs, max_blocks,
+        top_k, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), topk_weights.stride(0),
+        topk_weights.stride(1), y.stride(0), out, counters if counters is not None else y,
+        out.stride(0), BLOCK_M=bm, BLOCK_N=tiles.block_n2, BLOCK_K=tiles.block_k2,
+        GROUP_M=tiles.group_m, EVEN_K=inter % tiles.block_k2 == 0, UPCAST=upcast,
+        DOT_PRECISION=precision, FUSED_COMBINE=counters is not None,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    if counters is not None:
+        return
+    block_t, block_h = (1, 1024) if x.is_cuda else (8, 64)
+    _moe_combine_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))](
+        y, out, num_tokens, top_k, hidden, y.stride(0), out.stride(0), BLOCK_T=block_t,
+        BLOCK_H=block_h, num_warps=4,
+    )
+
+
+def fused_moe_triton(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    block_m: int | None = None,
+    block_n1: int | None = None,
+    block_k1: int | None = None,
+    block_n2: int | None = None,
+    block_k2: int | None = None,
+    group_m: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    chunk_tokens: int = 8192,
+    fused_combine: bool | None = None,
+) -> torch.Tensor:
+    """Triton implementation of :func:`fused_moe` (module docstring: align, gate/up GEMM, down
+    GEMM, combine); tile arguments override :func:`moe_tiles`. Never synchronizes with the
+    host. Scratch per ``chunk_tokens`` tokens (longer batches run chunk after chunk):
+    ``[T*K, I]`` of ``x.dtype`` and ``[T*K, H]`` fp32 (512 MiB for 8,192 tokens of
+    Qwen3-30B-A3B).
+
+    ``fused_combine`` (default: :func:`moe_tiles`' choice, on for decode-sized batches):
+    the down GEMM also adds each token's ``K`` rows (the program that
+    stores a token's last row for an output slice, by an atomic arrival count per token and
+    slice, sums the rows in slot order), so no combine launch; the counts live in a small
+    persistent buffer per device, so calls on one device must not run concurrently on two
+    streams. A CUDA-graph capture that finds the buffer too small uses the combine kernel."""
+    _check(x, w13, w2, topk_weights, topk_ids)
+    _check_kernel_args(x, w13, w2, topk_weights, topk_ids)
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_experts, two_i, _ = w13.shape
+    out = _empty((num_tokens, hidden), x.dtype, x.device)
+    if num_tokens == 0:
+        return out
+    if top_k == 0:
+        return out.zero_()
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        x = x.contiguous()
+    minimum = 16 if x.is_cuda else 1  # tl.dot's smallest tile on the GPU
+    for start in range(0, num_tokens, chunk_tokens):
+        stop = min(start + chunk_tokens, num_tokens)
+        plan = moe_tiles(stop - start, top_k, num_experts, hidden, two_i // 2, x.device)
+        tiles = MoeTiles(
+            block_m=_tile("block_m", block_m or plan.block_m, minimum),
+            block_n1=_tile("block_n1", block_n1 or plan.block_n1, minimum),
+            block_k1=_tile("block_k1", block_k1 or plan.block_k1, minimum),
+            block_n2=_tile("block_n2", block_n2 or plan.block_n2, minimum),
+            block_k2=_tile("block_k2", block_k2 or plan.block_k2, minimum),
+            group_m=_tile("group_m", group_m or plan.group_m, 1),
+            num_warps=_tile("num_warps", num_warps or plan.num_warps, 1),
+            num_stages=num_stages or plan.num_stages,
+            fused_combine=plan.fused_combine if fused_combine is None else fused_combine,
+        )
+        _moe_chunk(x[start:stop], w13, w2, topk_weights[start:stop], topk_ids[start:stop],
+                   out[start:stop], tiles)
+    return out
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """The routed experts of ``x`` (see the module contract): :func:`fused_moe_triton` when
+    :func:`use_triton` says so (fp32/bf16/fp16), else :func:`fused_moe_ref` (which loops over
+    the experts present, on the host: fine on the CPU, not for CUDA graphs)."""
+    if use_triton(x) and x.dtype in _KERNEL_DTYPES:
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)

@@ -1,0 +1,94 @@
+"""The GLM plugin as a distribution: its entry point and ``mrv2 plugins`` listing, running a GLM
+checkpoint with only this plugin allowed, and no import of another family's plugin."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata as metadata
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mrv2_glm
+from mrv2.testing import hf_greedy, make_tiny_checkpoint
+
+PLUGIN_DIR = Path(__file__).resolve().parents[1]
+PACKAGE_DIR = PLUGIN_DIR / "mrv2_glm"
+OTHER_FAMILIES = ("mrv2_qwen", "mrv2_llama")
+
+
+def test_distribution_and_entry_point() -> None:
+    dist = metadata.distribution("mrv2-plugin-glm")
+    assert dist.version == "0.1.0"
+    assert dist.requires == ["mrv2>=0.1"]  # nothing of another family's plugin
+    assert [(ep.group, ep.name, ep.value) for ep in dist.entry_points] == [
+        ("mrv2", "glm", "mrv2_glm.plugin")]
+    text = (PLUGIN_DIR / "pyproject.toml").read_text()
+    assert 'name = "mrv2-plugin-glm"' in text and 'dependencies = ["mrv2>=0.1"]' in text
+    assert set(mrv2_glm.__all__) == {"Glm4MoeForCausalLM", "Glm4MoeMTP"}
+    assert mrv2_glm.Glm4MoeMTP.__name__ == "Glm4MoeMTP"
+    with pytest.raises(AttributeError):
+        _ = mrv2_glm.Nope
+
+
+def test_cli_lists_the_plugin(capsys: pytest.CaptureFixture[str]) -> None:
+    from mrv2.entrypoints.cli import main
+
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^glm 0\.1\.0  \[mrv2-plugin-glm \(entry point mrv2_glm\.plugin\)\]$",
+                     out, re.M), out
+    assert re.search(r"^    Glm4MoeForCausalLM  \(glm: mrv2_glm\.model:Glm4MoeForCausalLM\)$",
+                     out, re.M), out
+
+
+def test_no_module_imports_another_family() -> None:
+    modules = sorted(PACKAGE_DIR.rglob("*.py"))
+    assert {m.name for m in modules} >= {"__init__.py", "plugin.py", "model.py", "mtp.py"}
+    for module in modules:
+        for node in ast.walk(ast.parse(module.read_text(), str(module))):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            for name in names:
+                assert not name.startswith(OTHER_FAMILIES), f"{module.name} imports {name}"
+
+
+SCRIPT = """
+import json, sys
+from mrv2 import LLM, SamplingParams
+from mrv2.entrypoints.cli import main
+
+main(["plugins"])
+llm = LLM(sys.argv[1], device="cpu", dtype="float32", block_size=4)
+params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+out = llm.generate([{"prompt_token_ids": [5, 17, 42, 9]}], params, use_tqdm=False)
+others = [m for m in ("mrv2_qwen", "mrv2_llama") if m in sys.modules]
+print("RESULT " + json.dumps({"tokens": out[0].outputs[0].token_ids, "others": others}))
+"""
+
+
+def test_runs_with_only_the_glm_plugin(tmp_path: Path) -> None:
+    path = make_tiny_checkpoint(tmp_path, "Glm4MoeForCausalLM", n_routed_experts=4,
+                                num_experts_per_tok=2, moe_intermediate_size=32,
+                                first_k_dense_replace=1)
+    env = {**os.environ, "MRV2_PLUGINS": "glm", "MRV2_PLUGIN_AUTOLOAD": "1",
+           "OMP_NUM_THREADS": "1"}
+    env.pop("MRV2_PLUGINS_BLOCK", None)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(path)], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    listed = re.findall(r"^(\S+) \S+  \[", out, re.M)
+    assert listed == ["mrv2.defaults", "glm"], out
+    assert "Glm4MoeForCausalLM  (glm:" in out and "Qwen3ForCausalLM" not in out
+    result = json.loads(out.split("RESULT ", 1)[1])
+    assert result["others"] == []
+    assert result["tokens"] == hf_greedy(path, [5, 17, 42, 9], 6)
