@@ -95,13 +95,17 @@ def test_latency_bench_with_ngram_variant(tmp_path: Path) -> None:
     args = build_parser().parse_args([
         "bench", "latency", "--model", str(ckpt), "--dtype", "float32", "--batch-sizes", "1",
         "2", "--prompt-len", "8", "--new-tokens", "12", "--max-model-len", "64",
-        "--variants", "ngram",
+        "--variants", "ngram", "synthetic_0.9",
     ])
     results = bench(args)
     assert [r["batch"] for r in results["default"]] == [1, 2]
     rows, spec = results["ngram"][:-1], results["ngram"][-1]
     assert [r["batch"] for r in rows] == [1, 2] and all(r["host_execute_ms"] > 0 for r in rows)
     assert spec["spec_num_draft_tokens"] > 0
+    assert len(spec["spec_acceptance_rate_per_pos"]) == 3
+    assert spec["spec_mean_accepted_length"] >= 1.0
+    synthetic = results["synthetic_0.9"][-1]
+    assert synthetic["spec_num_draft_tokens"] > 0 and synthetic["spec_acceptance_rate"] > 0.5
 
 
 def test_latency_bench_on_cpu_compares_with_hf(tmp_path: Path) -> None:

@@ -89,12 +89,29 @@ class SpeculativeConfig(_Section):
     and how many draft tokens; n-gram's lookup window."""
 
     method: str | None = Field(default=None, description="registered speculator name")
+    model: str | None = Field(
+        default=None, description="draft_model: the draft checkpoint directory (the target's "
+        "vocabulary)"
+    )
     num_speculative_tokens: int = Field(default=0, ge=0, le=16)
     prompt_lookup_max: int | None = Field(
         default=None, ge=1, description="ngram: longest n-gram matched (default 4)"
     )
     prompt_lookup_min: int | None = Field(
         default=None, ge=1, description="ngram: shortest n-gram matched (default min(2, max))"
+    )
+    rejection_sample_method: Literal["strict", "probabilistic", "synthetic"] = Field(
+        default="strict",
+        description="how drafts are verified: 'strict' keeps a draft while it equals the "
+        "target's own sample at its position (seeded output identical with speculation off); "
+        "'probabilistic' accepts with min(1, p/q) and resamples from max(p - q, 0) (same "
+        "distribution, more drafts accepted at temperature > 0); 'synthetic' (benchmarks "
+        "only: the output is NOT the model's) keeps each draft with probability "
+        "synthetic_acceptance_rate",
+    )
+    synthetic_acceptance_rate: float | None = Field(
+        default=None, ge=0.0, le=1.0,
+        description="synthetic: the probability of keeping each draft (benchmarks only)",
     )
 
     @model_validator(mode="after")
@@ -104,6 +121,14 @@ class SpeculativeConfig(_Section):
         if self.method is not None and self.num_speculative_tokens < 1:
             raise ValueError(
                 f"speculative method {self.method!r} needs num_speculative_tokens >= 1"
+            )
+        synthetic = self.rejection_sample_method == "synthetic"
+        if synthetic != (self.synthetic_acceptance_rate is not None):
+            raise ValueError(
+                "synthetic_acceptance_rate goes with rejection_sample_method='synthetic' (and "
+                "that method needs it), got rejection_sample_method="
+                f"{self.rejection_sample_method!r}, synthetic_acceptance_rate="
+                f"{self.synthetic_acceptance_rate!r}"
             )
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         if low is not None and high is not None and low > high:
@@ -185,8 +210,13 @@ _SECTIONS: dict[str, type[_Section]] = {
     "speculative": SpeculativeConfig,
     "device": DeviceConfig,
 }
+#: Fields set only inside their section's dict (``speculative_config={"model": DIR}``, as in
+#: vLLM): a flat ``model`` is the target's checkpoint.
+_NOT_FLAT = {("speculative", "model")}
+
 _FLAT_TO_SECTION: dict[str, str] = {
     field: section for section, model in _SECTIONS.items() for field in model.model_fields
+    if (section, field) not in _NOT_FLAT
 }
 
 
@@ -196,7 +226,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--config", default=None, help="YAML or JSON file of engine arguments")
     for section, model in _SECTIONS.items():
         for name, field in model.model_fields.items():
-            if section == "model" and name == "model":
+            if (section == "model" and name == "model") or (section, name) in _NOT_FLAT:
                 continue
             flag = "--" + name.replace("_", "-")
             help_text = field.description or ""

@@ -34,6 +34,7 @@ def mrv2_register_attention_backends(register: Callable[..., None]) -> None:
 def mrv2_register_speculators(register: Callable[..., None]) -> None:
     """n-gram (prompt lookup) speculation, proposed on the device."""
     register("ngram", "mrv2.spec_decode.ngram:NgramSpeculator")
+    register("draft_model", "mrv2.spec_decode.draft_model:DraftModelSpeculator")
 
 
 # -- sampler and speculator stages -------------------------------------------------------------
@@ -51,7 +52,9 @@ def mrv2_make_sampler(
             known = ", ".join(sorted(registry)) or "none"
             raise ValueError(f"unknown logits processor {name!r}; registered: {known}")
         processors.append(import_object(registry[name].target)(vocab_size, device))
-    return Sampler(config.scheduler.max_num_seqs, vocab_size, device, processors)
+    method = config.speculative.rejection_sample_method
+    return Sampler(config.scheduler.max_num_seqs, vocab_size, device, processors,
+                   verify_method=None if method == "strict" else method)
 
 
 @hookimpl(trylast=True)
@@ -67,4 +70,5 @@ def mrv2_make_speculator(
         known = ", ".join(sorted(registry)) or "none"
         raise ValueError(f"unknown speculative method {method!r}; registered: {known}")
     speculator: Speculator = import_object(registry[method].target)(config, model_state, device)
+    speculator.build(registries)
     return speculator

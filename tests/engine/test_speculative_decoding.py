@@ -97,6 +97,16 @@ def test_oracle_drafts_give_the_one_token_tokens(
         assert accepted == 0
     else:
         assert 0 < accepted < drafted
+    per_pos, kept = stats["spec_num_drafts_per_pos"], stats["spec_num_accepted_per_pos"]
+    assert len(per_pos) == 3 and sum(per_pos) == drafted and sum(kept) == accepted
+    assert per_pos[0] == stats["spec_num_steps"] and per_pos == sorted(per_pos, reverse=True)
+    assert all(a <= d for a, d in zip(kept, per_pos, strict=True))
+    assert kept == sorted(kept, reverse=True)  # position j is kept only after j - 1 is
+    expected_rate = {0: 1.0, 1: 0.0}.get(corrupt)
+    if expected_rate is not None:
+        assert stats["spec_acceptance_rate_per_pos"] == [expected_rate] * 3
+    assert stats["spec_mean_accepted_length"] == pytest.approx(
+        1 + accepted / stats["spec_num_steps"])
     runner = llm.engine.runner
     assert len(runner.table) == 0 and llm.engine.block_manager.usage == 0.0
 

@@ -238,7 +238,7 @@ def test_speculator_hooks(ckpt: Path, baseline: list[list[int]]) -> None:
                        mrv2_make_speculator=mrv2_make_speculator)
     assert manager.registries.speculators["repeat"].plugin == "throwaway"
     with pytest.raises(ValueError, match="unknown speculative method 'medusa'; registered: "
-                                         "ngram, repeat"):
+                                         "draft_model, ngram, repeat"):
         _run(ckpt, manager, method="medusa", num_speculative_tokens=2)
     Repeater.proposals = 0
     llm = LLM(str(ckpt), plugins=manager, device="cpu", dtype="float32", block_size=4,

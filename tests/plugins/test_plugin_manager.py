@@ -37,7 +37,7 @@ def test_core_defaults_register_through_hooks() -> None:
     with pytest.raises(ValueError, match="no attention backend registered for KV cache kind "
                                          "'latent' on device 'cpu'"):
         manager.registries.attention_backend_for("cpu", "latent")
-    assert set(manager.registries.speculators) == {"ngram"}
+    assert set(manager.registries.speculators) == {"draft_model", "ngram"}
     assert manager.registries.models == {}
 
 

@@ -189,6 +189,12 @@ def test_speculation_over_http_same_text_and_counted(server: Served) -> None:
     drafts = [line for line in text.splitlines()
               if line.startswith("mrv2_spec_decode_num_draft_tokens_total{")]
     assert drafts and float(drafts[0].rsplit(" ", 1)[1]) > 0
+    per_pos = [line for line in text.splitlines()
+               if line.startswith("mrv2_spec_decode_num_draft_tokens_per_pos_total{")]
+    assert [line.split('position="')[1][0] for line in per_pos] == ["0", "1", "2"]
+    assert float(per_pos[0].rsplit(" ", 1)[1]) > 0
+    assert "mrv2_spec_decode_num_drafts_total{" in text
+    assert "mrv2_spec_decode_num_accepted_tokens_per_pos_total{" in text
 
 
 @pytest.mark.parametrize("raw", [b"[" * 100_000 + b"]" * 100_000,

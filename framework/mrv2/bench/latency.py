@@ -34,6 +34,10 @@ CPU_DEFAULTS: dict[str, Any] = {
 }
 
 
+#: Acceptance rates of the ``synthetic_*`` variants.
+SYNTHETIC_RATES = (0.3, 0.6, 0.9)
+
+
 def bench_prompts(batch: int, prompt_len: int, seed: int) -> list[list[int]]:
     """``batch`` random prompts of ``prompt_len`` token ids below 10000 (a seed per run, so
     runs share no prefix)."""
@@ -127,6 +131,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "default": {}, "async_off": {"async_scheduling": False},
         "graphs_off": {"enforce_eager": True},
         "ngram": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+        **{f"synthetic_{rate}": {"speculative_config": {
+            "method": "ngram", "num_speculative_tokens": 3,
+            "rejection_sample_method": "synthetic", "synthetic_acceptance_rate": rate}}
+           for rate in SYNTHETIC_RATES},
     }
     results: dict[str, Any] = {"model": args.model, "device": args.device,
                                "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
@@ -153,8 +161,13 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             ]
         if engine.runner.num_speculative_tokens:
             stats = engine.stats()
-            results[name].append({"spec_acceptance_rate": round(stats["spec_acceptance_rate"], 3),
-                                  "spec_num_draft_tokens": stats["spec_num_draft_tokens"]})
+            results[name].append({
+                "spec_acceptance_rate": round(stats["spec_acceptance_rate"], 3),
+                "spec_acceptance_rate_per_pos": [
+                    round(r, 3) for r in stats["spec_acceptance_rate_per_pos"]],
+                "spec_mean_accepted_length": round(stats["spec_mean_accepted_length"], 3),
+                "spec_num_draft_tokens": stats["spec_num_draft_tokens"],
+            })
         del engine
         release_engine_memory()
     return results
@@ -184,9 +197,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--no-hf", action="store_true", help="cpu: skip the HF reference")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--variants", nargs="*", default=[],
-                   choices=["async_off", "graphs_off", "ngram"],
+                   choices=["async_off", "graphs_off", "ngram",
+                            *(f"synthetic_{rate}" for rate in SYNTHETIC_RATES)],
                    help="ngram: n-gram speculation, k=3 (random weights: acceptance is whatever "
-                        "the random model's greedy loops give; read it as the cost of verifying)")
+                        "the random model's greedy loops give; read it as the cost of "
+                        "verifying). synthetic_A: SYNTHETIC acceptance, the n-gram drafts kept "
+                        "with probability A whatever the model says (the output is not the "
+                        "model's): what a drafter of that acceptance rate would give")
     p.add_argument("--json", default=None)
     p.set_defaults(func=main)
 

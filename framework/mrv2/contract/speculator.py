@@ -52,6 +52,7 @@ class Speculator(ABC):
         self.num_speculative_tokens = config.speculative.num_speculative_tokens
         self.kv_caches: Sequence[torch.Tensor] = ()
         self.kv_backends: Sequence[Any] = ()
+        self.sampling: Any = None
         if self.num_speculative_tokens < 1:
             raise ValueError(
                 f"speculative method {config.speculative.method!r} needs "
@@ -60,6 +61,21 @@ class Speculator(ABC):
 
     #: Whether :meth:`propose` reads ``inputs.hidden_states`` (lets the runner skip them).
     needs_hidden_states: bool = False
+    #: KV slots past each step's last token that :meth:`propose` writes (a drafter with a cache
+    #: of its own runs ahead of the target by up to ``k`` positions); the scheduler reserves
+    #: them.
+    num_lookahead_tokens: int = 0
+
+    def build(self, registries: Any) -> None:
+        """Called once after construction, with the plugin registries (a drafter that is a
+        registered model loads it here). Nothing by default."""
+        return None
+
+    def bind_sampling(self, sampling: Any) -> None:
+        """The sampler's per-request columns (``seed``, ``temperature``... by state-table row;
+        None for a plugin sampler without them), so drafts can be drawn with the target's
+        noise. Called once, when the runner is built."""
+        self.sampling = sampling
 
     def kv_cache_specs(self, first_layer_idx: int) -> dict[int, KVCacheSpec]:
         """The drafter's own cache layers (Eagle heads, MTP layers, a draft model), numbered

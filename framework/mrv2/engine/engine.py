@@ -61,10 +61,20 @@ class LLMEngine:
             self.runner.num_kv_blocks, self.runner.block_size, config.cache.enable_prefix_caching
         )
         self.max_model_len = self.runner.max_model_len
-        self.scheduler = Scheduler(config.scheduler, self.block_manager,
-                                   self.runner.num_speculative_tokens, self.max_model_len)
+        speculator = self.runner.speculator
+        self.scheduler = Scheduler(
+            config.scheduler, self.block_manager, self.runner.num_speculative_tokens,
+            self.max_model_len,
+            num_lookahead_tokens=speculator.num_lookahead_tokens if speculator else 0,
+        )
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        k = self.runner.num_speculative_tokens
+        #: Per draft position j: verifications of a draft there, and of those, acceptances.
+        self.num_drafts_per_pos = [0] * k
+        self.num_accepted_per_pos = [0] * k
+        #: Request-steps that verified at least one draft.
+        self.num_spec_steps = 0
         self._requests: dict[str, _Tracked] = {}
         self._in_flight: deque[AsyncStepOutput] = deque()
         self._seeds = random.Random(config.model.seed)
@@ -209,8 +219,7 @@ class LLMEngine:
             tracked = self._requests.get(req_id)
             drafted = step.drafted.get(req_id)
             if drafted is not None:
-                self.num_draft_tokens += drafted.num_drafts
-                self.num_accepted_tokens += len(tokens) - 1
+                self._count_drafts(drafted.num_drafts, len(tokens) - 1)
             if tracked is None:
                 continue  # aborted or finished: its extra tokens are discarded
             request = tracked.request
@@ -292,9 +301,22 @@ class LLMEngine:
 
     # -- introspection -----------------------------------------------------------------------
 
+    def _count_drafts(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        if num_drafts:
+            self.num_spec_steps += 1
+            for j in range(num_drafts):
+                self.num_drafts_per_pos[j] += 1
+            for j in range(num_accepted):
+                self.num_accepted_per_pos[j] += 1
+
     def stats(self) -> dict[str, Any]:
         """Counters: running/waiting requests, KV usage, prefix cache, preemptions, and with
-        speculation the drafts verified and accepted."""
+        speculation the drafts verified and accepted, overall and per draft position
+        (``spec_acceptance_rate_per_pos[j]``: of the drafts at position ``j``, the fraction
+        kept), and the mean accepted length (tokens a verifying step yields: 1 + accepted
+        drafts per request-step with drafts)."""
         blocks = self.block_manager
         return {
             "num_running": len(self.scheduler.running),
@@ -310,6 +332,15 @@ class LLMEngine:
             "spec_num_accepted_tokens": self.num_accepted_tokens,
             "spec_acceptance_rate": (self.num_accepted_tokens / self.num_draft_tokens
                                      if self.num_draft_tokens else 0.0),
+            "spec_num_steps": self.num_spec_steps,
+            "spec_mean_accepted_length": (1 + self.num_accepted_tokens / self.num_spec_steps
+                                          if self.num_spec_steps else 0.0),
+            "spec_num_drafts_per_pos": list(self.num_drafts_per_pos),
+            "spec_num_accepted_per_pos": list(self.num_accepted_per_pos),
+            "spec_acceptance_rate_per_pos": [
+                a / d if d else 0.0
+                for a, d in zip(self.num_accepted_per_pos, self.num_drafts_per_pos, strict=True)
+            ],
         }
 
 

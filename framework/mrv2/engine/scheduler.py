@@ -44,11 +44,14 @@ class Scheduler:
     def __init__(
         self, config: SchedulerConfig, block_manager: BlockManager,
         num_speculative_tokens: int = 0, max_model_len: int | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         self.config = config
         self.blocks = block_manager
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
+        #: KV slots held past each step's tokens for a drafter that runs ahead of the target.
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._in_runner: set[str] = set()
@@ -170,6 +173,12 @@ class Scheduler:
             k = min(k, self.max_model_len - request.num_tokens - 1)
         return max(k, 0)
 
+    def _with_lookahead(self, num_tokens: int) -> int:
+        """Tokens whose KV slots a step must hold: its own plus the drafter's lookahead,
+        within the context."""
+        total = num_tokens + self.num_lookahead_tokens
+        return total if self.max_model_len is None else min(total, self.max_model_len)
+
     def correct(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """A step's result: ``num_accepted`` of the request's ``num_drafts`` drafts were kept.
         The counts had assumed all of them (and as many tokens pending)."""
@@ -209,7 +218,7 @@ class Scheduler:
             drafts = self._num_drafts(request, budget) if n == 1 else 0
             n += drafts
             needed = self.blocks.blocks_needed(
-                request.num_computed_tokens + n, len(request.block_ids)
+                self._with_lookahead(request.num_computed_tokens + n), len(request.block_ids)
             )
             if needed:
                 while not self.blocks.can_allocate(needed):
@@ -254,7 +263,7 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and not request.num_preemptions:
                 return False  # (a resumed request may exceed the budget: it recomputes in chunks)
             n = budget
-        needed = self.blocks.blocks_needed(computed + n, len(hit))
+        needed = self.blocks.blocks_needed(self._with_lookahead(computed + n), len(hit))
         if not self.blocks.can_allocate(needed + self.blocks.num_free_among(hit)):
             return False
         self.waiting.popleft()

@@ -51,6 +51,15 @@ _COUNTERS = (
      "spec_num_draft_tokens"),
     ("mrv2_spec_decode_num_accepted_tokens", "Draft tokens accepted (speculative decoding).",
      "spec_num_accepted_tokens"),
+    ("mrv2_spec_decode_num_drafts", "Request-steps that verified drafts (mean accepted length: "
+     "1 + accepted tokens / this).", "spec_num_steps"),
+)
+# (name, help, key) of per-draft-position counters, labelled ``position``.
+_POSITION_COUNTERS = (
+    ("mrv2_spec_decode_num_draft_tokens_per_pos", "Drafts verified at each draft position.",
+     "spec_num_drafts_per_pos"),
+    ("mrv2_spec_decode_num_accepted_tokens_per_pos", "Drafts accepted at each draft position.",
+     "spec_num_accepted_per_pos"),
 )
 
 
@@ -115,6 +124,11 @@ class _EngineCollector(Collector):
         for name, doc, key in _COUNTERS:
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(label, float(stats.get(key, 0)))
+            yield counter
+        for name, doc, key in _POSITION_COUNTERS:
+            counter = CounterMetricFamily(name, doc, labels=["model_name", "position"])
+            for position, value in enumerate(stats.get(key, [])):
+                counter.add_metric([self.model_name, str(position)], float(value))
             yield counter
         pending = GaugeMetricFamily("mrv2_num_requests_pending",
                                     "Sequences in flight on the server (a request counts n).",

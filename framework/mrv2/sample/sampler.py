@@ -49,6 +49,24 @@ class SamplerOutput:
     """``[num_logits, 1 + k]`` float32 raw-distribution logprobs of ``logprob_ids``."""
     sampled_rank: torch.Tensor | None = None
     """``[num_logits]`` int64 rank of the sampled token (1 = most likely)."""
+    verify: VerifyInputs | None = None
+    """What probabilistic rejection needs (kept only when it is on and drafts are verified)."""
+
+
+@dataclass
+class VerifyInputs:
+    """The target distribution at each logits row, as the Gumbel sample saw it:
+    ``softmax(logits / temperature)`` (``temperature`` 0: a greedy row), and the row's noise
+    keys."""
+
+    logits: torch.Tensor
+    """``[num_logits, V]`` processed logits (penalties, masks, top-k/top-p applied)."""
+    temperature: torch.Tensor
+    """``[num_logits]`` fp32: what ``logits`` is still to be divided by; 0 for greedy rows."""
+    seeds: torch.Tensor
+    """``[num_logits]`` int64 request seeds."""
+    positions: torch.Tensor
+    """``[num_logits]`` int64 positions of the sampled tokens (the noise keys)."""
 
 
 @dataclass
@@ -75,10 +93,14 @@ class Sampler:
 
     def __init__(
         self, max_num_reqs: int, vocab_size: int, device: torch.device,
-        processors: list[LogitsProcessor] | None = None,
+        processors: list[LogitsProcessor] | None = None, verify_method: str | None = None,
     ) -> None:
         self.processors = list(processors or [])
         self.state = SamplingState(max_num_reqs, vocab_size, device)
+        #: The non-strict rejection method in use ("probabilistic", "synthetic") or None: steps
+        #: with drafts then keep :class:`VerifyInputs` (probabilistic: unless all greedy, which
+        #: is verified strictly; synthetic: always, for the noise keys).
+        self.verify_method = verify_method
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -159,11 +181,19 @@ class Sampler:
             else:
                 scale = temperature  # same IEEE division, inside the kernel: no extra pass
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-        gumbel_sample(logits, state.seed[rows], batch.logits_positions, greedy, out, scale)
+        seeds = state.seed[rows]
+        gumbel_sample(logits, seeds, batch.logits_positions, greedy, out, scale)
+        verify = None
+        if batch.max_draft_tokens and (self.verify_method == "synthetic" or (
+                self.verify_method == "probabilistic" and not plan.all_greedy)):
+            # ``scale``: the kernel divided by the temperature; else ``logits`` already was
+            divisor = scale if scale is not None else torch.ones_like(temperature)
+            verify = VerifyInputs(logits, torch.where(greedy, 0.0, divisor), seeds,
+                                  batch.logits_positions)
         if plan.max_logprobs < 0:
-            return SamplerOutput(out)
+            return SamplerOutput(out, verify=verify)
         ids, values, rank = token_logprobs(raw, out, plan.max_logprobs)
-        return SamplerOutput(out, ids, values, rank)
+        return SamplerOutput(out, ids, values, rank, verify)
 
     def prompt_logprobs(
         self, hidden: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor],
