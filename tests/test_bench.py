@@ -95,7 +95,7 @@ def test_latency_bench_with_ngram_variant(tmp_path: Path) -> None:
     args = build_parser().parse_args([
         "bench", "latency", "--model", str(ckpt), "--dtype", "float32", "--batch-sizes", "1",
         "2", "--prompt-len", "8", "--new-tokens", "12", "--max-model-len", "64",
-        "--variants", "ngram", "synthetic_0.9",
+        "--variants", "ngram", "synthetic_0.9", "self_draft_2",
     ])
     results = bench(args)
     assert [r["batch"] for r in results["default"]] == [1, 2]
@@ -106,6 +106,8 @@ def test_latency_bench_with_ngram_variant(tmp_path: Path) -> None:
     assert spec["spec_mean_accepted_length"] >= 1.0
     synthetic = results["synthetic_0.9"][-1]
     assert synthetic["spec_num_draft_tokens"] > 0 and synthetic["spec_acceptance_rate"] > 0.5
+    self_draft = results["self_draft_2"][-1]
+    assert self_draft["spec_num_draft_tokens"] > 0 and self_draft["spec_acceptance_rate"] == 1.0
 
 
 def test_latency_bench_on_cpu_compares_with_hf(tmp_path: Path) -> None:

@@ -36,6 +36,8 @@ CPU_DEFAULTS: dict[str, Any] = {
 
 #: Acceptance rates of the ``synthetic_*`` variants.
 SYNTHETIC_RATES = (0.3, 0.6, 0.9)
+#: Draft lengths of the ``self_draft_*`` variants.
+SELF_DRAFT_KS = (1, 2, 3, 4)
 
 
 def bench_prompts(batch: int, prompt_len: int, seed: int) -> list[list[int]]:
@@ -135,6 +137,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "method": "ngram", "num_speculative_tokens": 3,
             "rejection_sample_method": "synthetic", "synthetic_acceptance_rate": rate}}
            for rate in SYNTHETIC_RATES},
+        # the target drafting for itself (with dummy weights both draw the same seed): every
+        # draft accepted, the machinery's ceiling at k drafts per step
+        **{f"self_draft_{k}": {"speculative_config": {
+            "method": "draft_model", "model": model_dir, "num_speculative_tokens": k}}
+           for k in SELF_DRAFT_KS},
     }
     results: dict[str, Any] = {"model": args.model, "device": args.device,
                                "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
@@ -198,12 +205,15 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--variants", nargs="*", default=[],
                    choices=["async_off", "graphs_off", "ngram",
-                            *(f"synthetic_{rate}" for rate in SYNTHETIC_RATES)],
+                            *(f"synthetic_{rate}" for rate in SYNTHETIC_RATES),
+                            *(f"self_draft_{k}" for k in SELF_DRAFT_KS)],
                    help="ngram: n-gram speculation, k=3 (random weights: acceptance is whatever "
                         "the random model's greedy loops give; read it as the cost of "
                         "verifying). synthetic_A: SYNTHETIC acceptance, the n-gram drafts kept "
                         "with probability A whatever the model says (the output is not the "
-                        "model's): what a drafter of that acceptance rate would give")
+                        "model's): what a drafter of that acceptance rate would give. "
+                        "self_draft_K: the target as its own draft model, K drafts (every one "
+                        "accepted: the ceiling of the machinery)")
     p.add_argument("--json", default=None)
     p.set_defaults(func=main)
 
