@@ -32,13 +32,11 @@ from mrv2.contract.forward_context import ForwardContext, set_forward_context
 from mrv2.contract.kv_cache import KVCacheSpec, layer_specs
 from mrv2.contract.speculator import Speculator, SpeculatorInputs, StepSamples
 from mrv2.contract.state_table import RequestStateTable
-from mrv2_kernels.gumbel import gumbel_sample
+from mrv2.spec_decode.drafting import DraftSteps
 
 if TYPE_CHECKING:
     from mrv2.config import EngineConfig
     from mrv2.contract.model_state import ModelState
-
-_GREEDY_EPS = 1e-5
 
 
 class DraftModelSpeculator(Speculator):
@@ -97,39 +95,12 @@ class DraftModelSpeculator(Speculator):
         with set_forward_context(self._context(self.model_state.prepare_attn(batch))):
             model(batch.input_ids[:num_tokens], batch.positions[:num_tokens])  # catch-up
 
-        num_reqs, k, size = batch.num_reqs, self.num_speculative_tokens, self.block_size
-        rows = batch.idx_mapping[:num_reqs].long()
-        width = table.token_ids.shape[1]
-        # (the state table's rows: the step's own block table stops at the step's last block,
-        # and the drafting steps write into the lookahead blocks past it)
-        block_table = table.block_table[rows]
-        active = samples.num_sampled[:num_reqs] > 0
-        last = table.num_tokens[rows].long() - 1  # the token just sampled
-        starts = torch.arange(num_reqs + 1, dtype=torch.int32, device=self.device)
-        max_seq_len = min(batch.max_seq_len + 1 + k, width)  # (the row width: max_model_len)
-        sampling = self.sampling
-        for j in range(k):
-            pos = last + j
-            valid = active & (pos + 1 < width)  # the draft's slot exists
-            pos = pos.clamp(min=0, max=width - 2)
-            block = block_table.gather(1, (pos // size)[:, None]).squeeze(1).long()
-            metadata = AttentionMetadata(
-                num_reqs=num_reqs, num_tokens=num_reqs, max_query_len=1,
-                max_seq_len=max_seq_len, query_start_loc=starts,
-                seq_lens=(pos + 1).to(torch.int32), block_table=block_table,
-                slot_mapping=torch.where(valid, block * size + pos % size, -1),
-                block_size=size, uniform_decode=True,
-            )
-            with set_forward_context(self._context(metadata)):
-                hidden = model(table.token_ids[rows, pos].to(torch.int32), pos)
-            logits = model.compute_logits(hidden)
-            drafts = torch.empty(num_reqs, dtype=torch.int64, device=self.device)
-            if sampling is None or self.argmax_drafts:
-                drafts.copy_(logits.argmax(dim=-1))
-            else:
-                temperature = sampling.temperature[rows]
-                greedy = temperature < _GREEDY_EPS
-                gumbel_sample(logits, sampling.seed[rows], pos + 1, greedy, drafts,
-                              temperature)
-            current = table.token_ids[rows, pos + 1]
-            table.token_ids[rows, pos + 1] = torch.where(valid, drafts.to(current.dtype), current)
+        steps = DraftSteps(batch, table, samples.num_sampled, self.block_size,
+                           self.num_speculative_tokens)
+        for j in range(self.num_speculative_tokens):
+            pos, valid = steps.positions(j)  # j = 0: the token just sampled
+            with set_forward_context(self._context(steps.metadata(pos, valid))):
+                hidden = model(steps.tokens_at(pos), pos)
+            drafts = steps.draw(model.compute_logits(hidden), pos + 1, self.sampling,
+                                self.argmax_drafts)
+            steps.write(pos + 1, drafts, valid)

@@ -1,0 +1,117 @@
+"""MTP speculation: the target checkpoint's multi-token-prediction layers draft for it.
+
+A family with MTP layers (GLM-4.x: ``mrv2_glm.Glm4MoeForCausalLM``) gives its model a
+``build_mtp(first_layer_idx)`` method returning a module with ``forward(input_ids, positions,
+previous_hidden_states, step)``, ``compute_logits(hidden, step)``, ``kv_cache_specs()`` and
+``load_weights`` (the checkpoint's MTP tensors), its attention caching in layers numbered from
+``first_layer_idx``. The contract it expects (``mrv2_glm.mtp``): row ``j`` takes the target's
+final hidden state at position ``p``, the token at ``p + 1`` and position ``p``, and predicts
+the token at ``p + 2``. After each target step:
+
+1. **Catch-up** over the step's tokens (the target's attention metadata): each token's hidden
+   state beside the token that follows it in the state table (the next prompt token, an
+   accepted draft, the token just sampled). This fills the MTP cache; the row at position
+   ``n - 2`` (``n``: the request's tokens now) predicts the first draft, at ``n``.
+2. **Draft steps** ``j = 1 .. k - 1``, one token per request: the previous draft, the previous
+   MTP output as the hidden state, position ``n - 2 + j``; its draft goes to ``n + j``.
+
+Drafts are drawn as the target draws (:class:`mrv2.spec_decode.drafting.DraftSteps`): the
+argmax for greedy requests, else the target's own noise at the draft's position; the argmax
+everywhere under probabilistic rejection (a one-hot ``q``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mrv2.contract.attention import AttentionMetadata
+from mrv2.contract.batch import InputBatch
+from mrv2.contract.forward_context import ForwardContext, set_forward_context
+from mrv2.contract.kv_cache import KVCacheSpec
+from mrv2.contract.speculator import Speculator, SpeculatorInputs, StepSamples
+from mrv2.contract.state_table import RequestStateTable
+from mrv2.spec_decode.drafting import DraftSteps
+
+if TYPE_CHECKING:
+    from mrv2.config import EngineConfig
+    from mrv2.contract.model_state import ModelState
+
+
+class MTPSpeculator(Speculator):
+    """``speculative_config={"method": "mtp", "num_speculative_tokens": k}``: the target's own
+    MTP layers draft ``k`` tokens per step (a checkpoint with one MTP layer reuses it for every
+    draft, as GLM-4.x and DeepSeek-V3 are run)."""
+
+    needs_hidden_states = True
+
+    def __init__(self, config: EngineConfig, model_state: ModelState,
+                 device: torch.device) -> None:
+        super().__init__(config, model_state, device)
+        if not callable(getattr(model_state.model, "build_mtp", None)):
+            raise ValueError(
+                f"speculative_config.method 'mtp': the target model "
+                f"({type(model_state.model).__name__}) has no MTP layers (no build_mtp())"
+            )
+        self.num_lookahead_tokens = self.num_speculative_tokens
+        self.argmax_drafts = config.speculative.rejection_sample_method == "probabilistic"
+        self.block_size = model_state.block_size
+        self.mtp: Any = None
+
+    def kv_cache_specs(self, first_layer_idx: int) -> dict[int, KVCacheSpec]:
+        """Build the MTP module (caching from ``first_layer_idx``), load its weights from the
+        target's checkpoint (or draw them, with ``load_format="dummy"``), declare its cache."""
+        from mrv2.model_loader import init_dummy_weights, iter_safetensors, load_model_weights
+        from mrv2.model_loader.build import process_weights_after_loading
+
+        build_mtp: Any = getattr(self.model_state.model, "build_mtp")  # noqa: B009 (typed Any)
+        mtp = build_mtp(first_layer_idx=first_layer_idx)
+        if self.config.model.load_format == "dummy":
+            init_dummy_weights(mtp, seed=self.config.model.seed)
+        else:
+            load_model_weights(mtp, iter_safetensors(str(self.config.model.model)))
+        mtp.eval()
+        process_weights_after_loading(mtp)
+        self.mtp = mtp
+        return dict(mtp.kv_cache_specs())
+
+    def _context(self, metadata: AttentionMetadata) -> ForwardContext:
+        return ForwardContext(metadata, self.kv_caches, self.kv_backends)
+
+    def propose(
+        self, batch: InputBatch, samples: StepSamples, inputs: SpeculatorInputs,
+        table: RequestStateTable,
+    ) -> None:
+        mtp, k = self.mtp, self.num_speculative_tokens
+        assert inputs.hidden_states is not None, "the MTP drafter reads the target's hidden states"
+        num_tokens, num_reqs = batch.num_tokens_padded, batch.num_reqs
+        positions = batch.positions[:num_tokens]
+        starts = batch.query_start_loc[: num_reqs + 1].long()
+        # each token's request, then the token after it in that request's row
+        token_req = torch.searchsorted(
+            starts[1:], torch.arange(num_tokens, device=self.device), right=True
+        ).clamp(max=num_reqs - 1)
+        token_rows = batch.idx_mapping[token_req].long()
+        width = table.token_ids.shape[1]
+        following = table.token_ids[token_rows, (positions + 1).clamp(max=width - 1)]
+        with set_forward_context(self._context(self.model_state.prepare_attn(batch))):
+            out = mtp(following.to(torch.int32), positions,
+                      inputs.hidden_states[:num_tokens], step=0)
+
+        steps = DraftSteps(batch, table, samples.num_sampled, self.block_size, k)
+        # the catch-up row at position n - 2 predicts position n
+        first = positions[starts[:-1].clamp(max=num_tokens - 1)]
+        row = (starts[:-1] + steps.num_tokens - 2 - first).clamp(min=0, max=num_tokens - 1)
+        hidden = out[row]
+        pos, valid = steps.positions(0)  # pos = n - 1: the draft goes to n
+        drafts = steps.draw(mtp.compute_logits(hidden, step=0), pos + 1, self.sampling,
+                            self.argmax_drafts)
+        steps.write(pos + 1, drafts, valid)
+        for j in range(1, k):
+            pos, valid = steps.positions(j)  # the previous draft sits at pos
+            with set_forward_context(self._context(steps.metadata(pos - 1, valid))):
+                hidden = mtp(steps.tokens_at(pos), pos - 1, hidden, step=j)
+            drafts = steps.draw(mtp.compute_logits(hidden, step=j), pos + 1, self.sampling,
+                                self.argmax_drafts)
+            steps.write(pos + 1, drafts, valid)
