@@ -67,14 +67,11 @@ class LLMEngine:
             self.max_model_len,
             num_lookahead_tokens=speculator.num_lookahead_tokens if speculator else 0,
         )
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
         k = self.runner.num_speculative_tokens
-        #: Per draft position j: verifications of a draft there, and of those, acceptances.
-        self.num_drafts_per_pos = [0] * k
-        self.num_accepted_per_pos = [0] * k
-        #: Request-steps that verified at least one draft.
-        self.num_spec_steps = 0
+        #: Request-steps by how many drafts they verified (``[d]``) and kept (``[a]``); every
+        #: speculation count of :meth:`stats` derives from these two histograms.
+        self._drafted_hist = [0] * (k + 1)
+        self._accepted_hist = [0] * (k + 1)
         self._requests: dict[str, _Tracked] = {}
         self._in_flight: deque[AsyncStepOutput] = deque()
         self._seeds = random.Random(config.model.seed)
@@ -302,14 +299,28 @@ class LLMEngine:
     # -- introspection -----------------------------------------------------------------------
 
     def _count_drafts(self, num_drafts: int, num_accepted: int) -> None:
-        self.num_draft_tokens += num_drafts
-        self.num_accepted_tokens += num_accepted
         if num_drafts:
-            self.num_spec_steps += 1
-            for j in range(num_drafts):
-                self.num_drafts_per_pos[j] += 1
-            for j in range(num_accepted):
-                self.num_accepted_per_pos[j] += 1
+            self._drafted_hist[num_drafts] += 1
+            self._accepted_hist[num_accepted] += 1
+
+    def _spec_stats(self) -> dict[str, Any]:
+        drafted, accepted = self._drafted_hist, self._accepted_hist
+        k = len(drafted) - 1
+        # a request-step with d drafts verified one at each position j < d (kept: j < a)
+        per_pos = [sum(drafted[j + 1:]) for j in range(k)]
+        kept = [sum(accepted[j + 1:]) for j in range(k)]
+        num_drafts, num_accepted, steps = sum(per_pos), sum(kept), sum(drafted)
+        return {
+            "spec_num_draft_tokens": num_drafts,
+            "spec_num_accepted_tokens": num_accepted,
+            "spec_acceptance_rate": num_accepted / num_drafts if num_drafts else 0.0,
+            "spec_num_steps": steps,
+            "spec_mean_accepted_length": 1 + num_accepted / steps if steps else 0.0,
+            "spec_num_drafts_per_pos": per_pos,
+            "spec_num_accepted_per_pos": kept,
+            "spec_acceptance_rate_per_pos": [a / d if d else 0.0
+                                             for a, d in zip(kept, per_pos, strict=True)],
+        }
 
     def stats(self) -> dict[str, Any]:
         """Counters: running/waiting requests, KV usage, prefix cache, preemptions, and with
@@ -328,19 +339,7 @@ class LLMEngine:
             "prefix_cache_hits": blocks.num_hit_tokens,
             "prefix_cache_hit_rate": blocks.hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
-            "spec_num_draft_tokens": self.num_draft_tokens,
-            "spec_num_accepted_tokens": self.num_accepted_tokens,
-            "spec_acceptance_rate": (self.num_accepted_tokens / self.num_draft_tokens
-                                     if self.num_draft_tokens else 0.0),
-            "spec_num_steps": self.num_spec_steps,
-            "spec_mean_accepted_length": (1 + self.num_accepted_tokens / self.num_spec_steps
-                                          if self.num_spec_steps else 0.0),
-            "spec_num_drafts_per_pos": list(self.num_drafts_per_pos),
-            "spec_num_accepted_per_pos": list(self.num_accepted_per_pos),
-            "spec_acceptance_rate_per_pos": [
-                a / d if d else 0.0
-                for a, d in zip(self.num_accepted_per_pos, self.num_drafts_per_pos, strict=True)
-            ],
+            **self._spec_stats(),
         }
 
 
