@@ -54,6 +54,7 @@ import triton.language as tl
 from ._backend import default_block, use_triton
 from ._checks import check_1d, check_rows
 from .gumbel import gumbel_noise_ref, hash_row_key, hash_uniform, mix32_ref, row_key_ref
+from .spec_decode import check_rejection_args, request_logits_rows
 
 __all__ = [
     "ACCEPT_INDEX",
@@ -115,9 +116,7 @@ def _verify_row_kernel(
     # accepted, else -2 - (the token to emit there); the assembly kernel decodes it.
     b = tl.program_id(0)
     j = tl.program_id(1)
-    r0 = tl.load(cu_num_logits_ptr + b).to(tl.int64)
-    count = tl.load(cu_num_logits_ptr + b + 1).to(tl.int64) - r0
-    num_drafts = tl.minimum(tl.maximum(count - 1, 0), S - 1)
+    r0, count, num_drafts = request_logits_rows(cu_num_logits_ptr, b, S)
     if j >= num_drafts:
         return
     r = r0 + j
@@ -191,9 +190,7 @@ def _assemble_kernel(
     BLOCK_S: tl.constexpr,
 ) -> None:
     b = tl.program_id(0)
-    r0 = tl.load(cu_num_logits_ptr + b).to(tl.int64)
-    count = tl.load(cu_num_logits_ptr + b + 1).to(tl.int64) - r0
-    num_drafts = tl.minimum(tl.maximum(count - 1, 0), S - 1)
+    r0, count, num_drafts = request_logits_rows(cu_num_logits_ptr, b, S)
     j = tl.arange(0, BLOCK_S).to(tl.int64)
     is_draft = j < num_drafts
     row_ptr = out_ptr + b.to(tl.int64) * out_stride
@@ -244,15 +241,12 @@ def _check_args(
                     ("target_sampled", target_sampled)):
         check_1d(name, t, n)
         _check_dtype(name, t, (torch.int64,))
-    check_1d("cu_num_logits", cu_num_logits, num_reqs + 1)
-    _check_dtype("cu_num_logits", cu_num_logits, _INTS)
-    for name, t in (("input_ids", input_ids), ("logits_indices", logits_indices)):
-        check_1d(name, t, 0)
+    check_rejection_args(target_sampled, cu_num_logits, input_ids, logits_indices, num_reqs,
+                         out, num_out)
+    for name, t in (("cu_num_logits", cu_num_logits), ("input_ids", input_ids),
+                    ("logits_indices", logits_indices), ("num_out", num_out)):
         _check_dtype(name, t, _INTS)
-    check_rows("out", out, num_reqs, 1)
     _check_dtype("out", out, (torch.int64,))
-    check_1d("num_out", num_out, num_reqs)
-    _check_dtype("num_out", num_out, _INTS)
     if draft_probs is not None:
         check_rows("draft_probs", draft_probs, n)
         _check_dtype("draft_probs", draft_probs, (torch.float32,))

@@ -54,6 +54,16 @@ __all__ = [
 
 
 @triton.jit
+def request_logits_rows(cu_num_logits_ptr: tl.tensor, b: tl.tensor, S: int
+                        ) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """``(r0, count, num_drafts)`` of request ``b``: its first logits row, its row count, and
+    the drafts it verifies (``count - 1``, at most ``S - 1``: the output row's width)."""
+    r0 = tl.load(cu_num_logits_ptr + b).to(tl.int64)
+    count = tl.load(cu_num_logits_ptr + b + 1).to(tl.int64) - r0
+    return r0, count, tl.minimum(tl.maximum(count - 1, 0), S - 1)
+
+
+@triton.jit
 def _strict_rejection_kernel(
     target_ptr: tl.tensor,
     cu_num_logits_ptr: tl.tensor,
@@ -66,9 +76,7 @@ def _strict_rejection_kernel(
     BLOCK_S: tl.constexpr,
 ) -> None:
     b = tl.program_id(0)
-    r0 = tl.load(cu_num_logits_ptr + b).to(tl.int64)
-    count = tl.load(cu_num_logits_ptr + b + 1).to(tl.int64) - r0
-    num_drafts = tl.minimum(tl.maximum(count - 1, 0), S - 1)
+    r0, count, num_drafts = request_logits_rows(cu_num_logits_ptr, b, S)
     j = tl.arange(0, BLOCK_S)
     is_draft = j < num_drafts
     # Every load is issued before any result is needed: three dependent round trips in all.
@@ -82,7 +90,7 @@ def _strict_rejection_kernel(
     tl.store(num_out_ptr + b, tl.where(count > 0, accepted + 1, 0).to(tl.int32))
 
 
-def _check_rejection_args(
+def check_rejection_args(
     target: torch.Tensor,
     cu_num_logits: torch.Tensor,
     input_ids: torch.Tensor,
@@ -91,6 +99,8 @@ def _check_rejection_args(
     out: torch.Tensor,
     num_out: torch.Tensor,
 ) -> None:
+    """The shapes every rejection op takes (strict and probabilistic): ``target`` 1-D,
+    ``cu_num_logits`` ``[>= num_reqs + 1]``, ``out`` ``[>= num_reqs, >= 1]``..."""
     check_1d("target", target, 0)
     check_1d("cu_num_logits", cu_num_logits, num_reqs + 1)
     check_1d("input_ids", input_ids, 0)
@@ -109,7 +119,7 @@ def strict_rejection_ref(
     num_out: torch.Tensor,
 ) -> None:
     """Plain-torch specification of :func:`strict_rejection` (same arguments, same effect)."""
-    _check_rejection_args(target, cu_num_logits, input_ids, logits_indices, num_reqs, out, num_out)
+    check_rejection_args(target, cu_num_logits, input_ids, logits_indices, num_reqs, out, num_out)
     if num_reqs == 0:
         return
     dev, width = out.device, out.shape[1]
@@ -146,7 +156,7 @@ def strict_rejection_triton(
     A program checks its request's drafts as one vector of ``next_power_of_2(S)`` lanes;
     ``num_reqs`` only sizes the grid.
     """
-    _check_rejection_args(target, cu_num_logits, input_ids, logits_indices, num_reqs, out, num_out)
+    check_rejection_args(target, cu_num_logits, input_ids, logits_indices, num_reqs, out, num_out)
     if num_reqs == 0:
         return
     width = out.shape[1]
