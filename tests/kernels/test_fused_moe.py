@@ -17,6 +17,7 @@ except ImportError:  # not installed: use the source tree
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "kernels"))
 
 from mrv2_kernels import fused_moe as fm
+from mrv2_kernels import moe_align as ma
 from mrv2_kernels.fused_moe import (
     fused_moe,
     fused_moe_ref,
@@ -88,7 +89,8 @@ def _poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
         fill = float("nan") if dtype.is_floating_point else 1
         return torch.full(shape, fill, dtype=dtype, device=device)
 
-    monkeypatch.setattr(fm, "_empty", empty)
+    for module in (fm, ma):  # the GEMMs' buffers and the align step's
+        monkeypatch.setattr(module, "_empty", empty)
 
 
 # ------------------------------------------------------------------------------------- align
