@@ -54,7 +54,8 @@ def mrv2_make_sampler(
         processors.append(import_object(registry[name].target)(vocab_size, device))
     method = config.speculative.rejection_sample_method
     return Sampler(config.scheduler.max_num_seqs, vocab_size, device, processors,
-                   verify_method=None if method == "strict" else method)
+                   verify_method=None if method == "strict" else method,
+                   synthetic_rate=config.speculative.synthetic_acceptance_rate)
 
 
 @hookimpl(trylast=True)

@@ -89,8 +89,6 @@ class Runner:
             self.model, self.hf_config, config, self.buffers, self.block_size, self.device
         )
         hook = self.plugins.hook
-        #: ``rejection_sample_method="synthetic"`` (benchmarks): the rate drafts are kept at.
-        self.synthetic_acceptance_rate = config.speculative.synthetic_acceptance_rate
         self.sampler = hook.mrv2_make_sampler(
             config=config, registries=registries, vocab_size=self.vocab_size, device=self.device
         )
@@ -219,8 +217,7 @@ class Runner:
         out = self.sampler(logits, batch, self.table, step.sample_plan)
         if isinstance(out, torch.Tensor):  # a plugin sampler returning bare tokens
             out = SamplerOutput(out)
-        samples = step_samples(batch, out.tokens, step.do_sample_dev, out.verify,
-                               synthetic_rate=self.synthetic_acceptance_rate)
+        samples = step_samples(batch, out.tokens, step.do_sample_dev, out.verify)
         num_drafts = step.num_drafts_dev
         if num_drafts is None:
             num_drafts = self._no_drafts[: batch.num_reqs]

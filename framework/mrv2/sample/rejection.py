@@ -34,9 +34,8 @@ from mrv2_kernels.prob_rejection import acceptance_uniform_ref, probabilistic_re
 from mrv2_kernels.spec_decode import strict_rejection
 
 
-def synthetic_targets(
-    batch: InputBatch, sampled: torch.Tensor, verify: VerifyInputs, rate: float
-) -> torch.Tensor:
+def synthetic_targets(batch: InputBatch, sampled: torch.Tensor, verify: VerifyInputs,
+                      rate: float) -> torch.Tensor:
     """``sampled`` with each draft row's token replaced by its draft where the row's acceptance
     uniform is below ``rate``, and by a token other than the draft where not; strict rejection
     of the result keeps each draft with probability ``rate`` (device ops of static shape)."""
@@ -57,7 +56,6 @@ def synthetic_targets(
 def step_samples(
     batch: InputBatch, sampled: torch.Tensor, do_sample: torch.Tensor,
     verify: VerifyInputs | None = None, draft_probs: torch.Tensor | None = None,
-    synthetic_rate: float | None = None,
 ) -> StepSamples:
     """The step's tokens per request from ``sampled`` (one per logits row).
 
@@ -66,7 +64,8 @@ def step_samples(
     keeps it when probabilistic rejection is on and the step has drafts) the drafts are
     verified probabilistically, against ``draft_probs`` (``[num_logits, V]``, the drafter's
     distributions at the draft rows; None: one-hot, a deterministic drafter). With
-    ``synthetic_rate`` too, the drafts are kept at that rate instead (:func:`synthetic_targets`).
+    ``verify.synthetic_rate`` the drafts are kept at that rate instead
+    (:func:`synthetic_targets`).
     """
     num_reqs = batch.num_reqs
     if batch.max_draft_tokens == 0:
@@ -75,9 +74,9 @@ def step_samples(
     assert batch.cu_num_logits_dev is not None
     tokens = torch.empty(num_reqs, width, dtype=torch.int64, device=sampled.device)
     num_out = torch.empty(num_reqs, dtype=torch.int32, device=sampled.device)
-    if verify is not None and synthetic_rate is not None:
-        sampled = synthetic_targets(batch, sampled, verify, synthetic_rate)
-    if verify is None or synthetic_rate is not None:
+    if verify is not None and verify.synthetic_rate is not None:
+        sampled = synthetic_targets(batch, sampled, verify, verify.synthetic_rate)
+    if verify is None or verify.synthetic_rate is not None:
         strict_rejection(sampled, batch.cu_num_logits_dev, batch.input_ids,
                          batch.logits_indices, num_reqs, tokens, num_out)
     else:

@@ -67,6 +67,8 @@ class VerifyInputs:
     """``[num_logits]`` int64 request seeds."""
     positions: torch.Tensor
     """``[num_logits]`` int64 positions of the sampled tokens (the noise keys)."""
+    synthetic_rate: float | None = None
+    """Synthetic acceptance (benchmarks): keep each draft with this probability instead."""
 
 
 @dataclass
@@ -94,6 +96,7 @@ class Sampler:
     def __init__(
         self, max_num_reqs: int, vocab_size: int, device: torch.device,
         processors: list[LogitsProcessor] | None = None, verify_method: str | None = None,
+        synthetic_rate: float | None = None,
     ) -> None:
         self.processors = list(processors or [])
         self.state = SamplingState(max_num_reqs, vocab_size, device)
@@ -101,6 +104,7 @@ class Sampler:
         #: with drafts then keep :class:`VerifyInputs` (probabilistic: unless all greedy, which
         #: is verified strictly; synthetic: always, for the noise keys).
         self.verify_method = verify_method
+        self.synthetic_rate = synthetic_rate if verify_method == "synthetic" else None
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -189,7 +193,7 @@ class Sampler:
             # ``scale``: the kernel divided by the temperature; else ``logits`` already was
             divisor = scale if scale is not None else torch.ones_like(temperature)
             verify = VerifyInputs(logits, torch.where(greedy, 0.0, divisor), seeds,
-                                  batch.logits_positions)
+                                  batch.logits_positions, self.synthetic_rate)
         if plan.max_logprobs < 0:
             return SamplerOutput(out, verify=verify)
         ids, values, rank = token_logprobs(raw, out, plan.max_logprobs)
