@@ -37,6 +37,11 @@ class ModelConfig(_Section):
     load_format: Literal["auto", "safetensors", "dummy"] = Field(
         default="auto", description="'dummy' draws random weights (benchmarks)"
     )
+    quantization: Literal["fp8"] | None = Field(
+        default=None,
+        description="'fp8': quantize the linear layers' weights to block-scaled FP8 (128 x 128 "
+        "blocks) at load time; an fp8 checkpoint (quantization_config) needs no flag",
+    )
 
 
 class CacheConfig(_Section):
@@ -91,7 +96,7 @@ class SpeculativeConfig(_Section):
     method: str | None = Field(default=None, description="registered speculator name")
     model: str | None = Field(
         default=None, description="draft_model: the draft checkpoint directory (the target's "
-        "vocabulary)"
+        "vocabulary); eagle, eagle3: the EAGLE head's directory"
     )
     num_speculative_tokens: int = Field(default=0, ge=0, le=16)
     prompt_lookup_max: int | None = Field(

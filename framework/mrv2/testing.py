@@ -7,6 +7,7 @@ safetensors), so HF is an independent oracle for logits and greedy tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -186,3 +187,83 @@ def run_step(
     assert logits.shape == (len(ids), model.config.vocab_size)
     real = len(ids) - num_pad
     return list(logits[:real].split([len(t) for t in new_tokens])), hidden
+
+
+class EagerGraph:
+    """A CPU stand-in for a captured CUDA graph: "capture" runs the body once and keeps its
+    outputs; :meth:`replay` runs it again (over the same persistent buffers, with the batch
+    shapes baked at capture) and copies the new outputs into the kept ones, as a graph's static
+    outputs are refreshed. Lets the padded graph path run, and be tested, on the CPU."""
+
+    def __init__(self, body: Callable[[], Any]) -> None:
+        self.body = body
+        self.outputs = body()
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        new = self.body()
+        if isinstance(self.outputs, tuple):
+            for kept, fresh in zip(self.outputs, new, strict=True):
+                kept.copy_(fresh)
+
+
+def emulate_cuda_graphs(runner: Any) -> None:
+    """Give a CPU ``Runner`` the CUDA-graph path with :class:`EagerGraph` stand-ins: decode steps
+    are padded to the captured sizes and "replayed", drafting included (the padding requests,
+    their stale rows, the baked ``max_seq_len``: all as on the GPU)."""
+    runner.capture_graphs(lambda batch, body: EagerGraph(body))
+
+
+def fp8_checkpoint(src: str | Path, dst: str | Path, reference: str | Path,
+                   block: tuple[int, int] = (128, 128)) -> None:
+    """Save ``src`` (a tiny checkpoint) as an FP8 checkpoint is published in ``dst``: every
+    projection weight (``*_proj.weight``) as e4m3 with a ``weight_scale_inv`` per ``block``, the
+    routed experts (transformers 5's stacked ``experts.gate_up_proj`` / ``experts.down_proj``)
+    split per expert as DeepSeek-V3 and GLM-4.5-FP8 publish them
+    (``experts.{j}.{gate,up,down}_proj.weight`` and their ``weight_scale_inv``), and
+    ``quantization_config`` in its config; and in ``reference`` the same model with those
+    weights dequantized (what HF should run to match)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from mrv2_kernels.fp8_gemm import dequantize_weight_block_fp8, quantize_weight_block_fp8
+
+    src, dst, reference = Path(src), Path(dst), Path(reference)
+    for out in (dst, reference):
+        shutil.copytree(src, out, dirs_exist_ok=True)
+    tensors = load_file(src / "model.safetensors")
+    quantized: dict[str, torch.Tensor] = {}
+    dequantized: dict[str, torch.Tensor] = {}
+    def quantize(name: str, t: torch.Tensor) -> torch.Tensor:
+        w8, scale = quantize_weight_block_fp8(t, block)
+        quantized[name] = w8.contiguous()
+        quantized[name + "_scale_inv"] = scale.contiguous()
+        return dequantize_weight_block_fp8(w8, scale, block, t.dtype).contiguous()
+
+    for name, t in tensors.items():
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")) and t.dim() == 3:
+            prefix, kind = name.rsplit(".", 1)
+            inter = t.shape[1] // 2
+            parts = []
+            for e in range(t.shape[0]):
+                if kind == "down_proj":
+                    parts.append(quantize(f"{prefix}.{e}.down_proj.weight", t[e]))
+                else:
+                    gate = quantize(f"{prefix}.{e}.gate_proj.weight", t[e, :inter])
+                    up = quantize(f"{prefix}.{e}.up_proj.weight", t[e, inter:])
+                    parts.append(torch.cat([gate, up]))
+            dequantized[name] = torch.stack(parts).contiguous()
+        elif name.endswith("_proj.weight") and t.dim() == 2:
+            dequantized[name] = quantize(name, t)
+        else:
+            quantized[name] = dequantized[name] = t
+    save_file(quantized, dst / "model.safetensors")
+    save_file(dequantized, reference / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    (dst / "config.json").write_text(json.dumps(config, indent=2))

@@ -16,6 +16,13 @@ routings and inputs per replay so the experts' weights come from HBM rather than
 batches run eagerly, three calls back to back per timing (the host's launches overlap the
 device's work). The reference (which reads the routing back to the host) runs eagerly.
 ``--sweep`` also times a few tile choices per ``T`` and prints them, the best last.
+
+``--fp8 [--layer glm-4.5-air]`` times the FP8 path (block-quantized experts as the engine
+holds them: per-row scales, ``block = (1, 128)``, quantized from the bf16 weights) against the
+bf16 one on the same inputs, both as above, with the FP8 byte floor (the hit experts'
+``3*H*I`` fp8 bytes plus their fp32 scales, ``x`` and the output in bf16) and the FP8
+speed-up; the short table comes last. With ``--sweep`` it times FP8 tiles and places of the
+activation quantization (``fuse_x_quant``, ``act_quant``) instead.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from typing import Any
 import torch
 
 from mrv2_kernels.fused_moe import fused_moe_ref, fused_moe_triton, moe_tiles
+from mrv2_kernels.fused_moe_fp8 import expand_scales_per_row, quantize_experts_fp8
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
 DTYPE = torch.bfloat16
@@ -131,6 +139,26 @@ def _routing(tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Ten
     return weights, ids.to(torch.int32)
 
 
+def _time_layer(run_all: Callable[[], None], tokens: int, copies: int) -> float:
+    """µs per layer call of ``run_all`` (``copies`` calls): CUDA-graph replays up to
+    :data:`GRAPH_MAX_TOKENS` tokens, else eager calls back to back."""
+    run_all()  # compile and warm up
+    torch.cuda.synchronize()
+    if tokens <= GRAPH_MAX_TOKENS:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run_all()
+        graph.replay()
+        return _median_events(graph.replay, 50, copies)
+    reps = 3  # back to back, so the host's launches overlap the device's work
+
+    def run_reps() -> None:
+        for _ in range(reps):
+            run_all()
+
+    return _median_events(run_reps, 10 if tokens <= 2048 else 5, reps)
+
+
 def bench_tokens(tokens: int, w13: torch.Tensor, w2: torch.Tensor, bandwidth: float,
                  tiles: dict[str, Any] | None = None, with_ref: bool = True) -> Row:
     """Time one token count (``tiles``: keyword overrides for :func:`fused_moe_triton`)."""
@@ -148,22 +176,7 @@ def bench_tokens(tokens: int, w13: torch.Tensor, w2: torch.Tensor, bandwidth: fl
         for x, weights, ids in inputs:
             fused_moe_triton(x, w13, w2, weights, ids, **kw)
 
-    run_all()  # compile and warm up
-    torch.cuda.synchronize()
-    if graphed:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run_all()
-        graph.replay()
-        ours = _median_events(graph.replay, 50, copies)
-    else:  # back to back, so the host's launches overlap the device's work
-        reps = 3
-
-        def run_reps() -> None:
-            for _ in range(reps):
-                run_all()
-
-        ours = _median_events(run_reps, 10 if tokens <= 2048 else 5, reps)
+    ours = _time_layer(run_all, tokens, copies)
     ref = 0.0
     if with_ref:
         x, weights, ids = inputs[0]
@@ -217,6 +230,204 @@ def _sweep_tiles(tokens: int) -> list[dict[str, Any]]:
     return out
 
 
+# ------------------------------------------------------------------------------------ FP8
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A MoE layer's routed experts."""
+
+    hidden: int
+    inter: int
+    experts: int
+    top_k: int
+
+
+LAYERS = {
+    "qwen3-30b-a3b": Layer(HIDDEN, INTER, EXPERTS, TOP_K),
+    "glm-4.5-air": Layer(4096, 1408, 128, 8),  # GLM-4.5-Air(-FP8)'s routed experts
+}
+FP8_BLOCK = (1, 128)  # the engine's per-row scales
+
+
+def fp8_layer_bytes(tokens: int, experts_hit: float, layer: Layer,
+                    block: tuple[int, int] = FP8_BLOCK) -> float:
+    """Bytes an FP8 layer must move at least: the hit experts' fp8 ``w13`` and ``w2`` and
+    their fp32 scales once, ``x`` read and the output written once (bf16)."""
+    bn, bk = block
+    h, i = layer.hidden, layer.inter
+    scales = -(-2 * i // bn) * -(-h // bk) + -(-h // bn) * -(-i // bk)
+    return experts_hit * (3 * h * i + 4 * scales) + 2 * tokens * h * 2
+
+
+@dataclass
+class Fp8Row:
+    """One token count of ``--fp8`` (µs; the FP8 floor at the measured copy bandwidth)."""
+
+    tokens: int
+    experts_hit: float
+    bf16_us: float
+    fp8_us: float
+    floor_us: float
+    flops: float
+    tiles: str
+
+    @property
+    def speedup(self) -> float:
+        return self.bf16_us / self.fp8_us if self.fp8_us > 0 else 0.0
+
+    @property
+    def floor_fraction(self) -> float:
+        return self.floor_us / self.fp8_us if self.fp8_us > 0 else 0.0
+
+    @property
+    def tflops(self) -> float:
+        return self.flops / (self.fp8_us * 1e6) if self.fp8_us > 0 else 0.0
+
+
+def format_fp8_table(rows: list[Fp8Row], bandwidth: float, layer: str) -> str:
+    """The ``--fp8`` results as a fixed-width table, the layer and bandwidth on top."""
+    lines = [
+        f"{layer}, FP8 block (1, 128) vs bf16; copy bandwidth {bandwidth / 1e9:.0f} GB/s",
+        f"{'T':>6} {'experts':>8} {'bf16 µs':>9} {'fp8 µs':>9} {'speedup':>8} "
+        f"{'fp8 floor':>9} {'of floor':>8} {'TFLOP/s':>8}  tiles",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r.tokens:>6d} {r.experts_hit:>8.1f} {r.bf16_us:>9.1f} {r.fp8_us:>9.1f} "
+            f"{r.speedup:>8.2f} {r.floor_us:>9.1f} {r.floor_fraction:>8.2f} {r.tflops:>8.1f}"
+            f"  {r.tiles}"
+        )
+    return "\n".join(lines)
+
+
+def fp8_experts(w13: torch.Tensor, w2: torch.Tensor) -> dict[str, Any]:
+    """The experts as the engine holds a block-FP8 checkpoint: each of gate, up and down
+    quantized in 128x128 blocks, the scales expanded per row (``fused_moe``'s keywords plus
+    the fp8 ``w13``/``w2``)."""
+    inter = w2.shape[2]
+
+    def per_row(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, scale = quantize_experts_fp8(w, (128, 128))
+        return q, expand_scales_per_row(scale, w.shape[1], 128)
+
+    (gq, gs), (uq, us), (dq, ds) = per_row(w13[:, :inter]), per_row(w13[:, inter:]), per_row(w2)
+    return {"w13": torch.cat([gq, uq], dim=1), "w2": dq, "w13_scale": torch.cat([gs, us], 1),
+            "w2_scale": ds, "block": FP8_BLOCK}
+
+
+def _tile_desc(plan: dict[str, Any]) -> str:
+    desc = "m{block_m} n{block_n1}/{block_n2} k{block_k1}/{block_k2} g{group_m} " \
+        "w{num_warps} s{num_stages}".format(**plan)
+    desc += " fc" if plan["fused_combine"] else ""
+    return desc + (" qx" if plan["fuse_x_quant"] else "") + f" act:{plan['act_quant']}"
+
+
+def bench_fp8_tokens(tokens: int, layer: Layer, w13: torch.Tensor, w2: torch.Tensor,
+                     fp8: dict[str, Any], bandwidth: float,
+                     tiles: dict[str, Any] | None = None, with_bf16: bool = True) -> Fp8Row:
+    """Time the FP8 layer (``tiles``: overrides) and the bf16 one on the same inputs."""
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    copies = COPIES if tokens <= GRAPH_MAX_TOKENS else 1
+    inputs = []
+    for _ in range(copies):
+        x = torch.randn(tokens, layer.hidden, device="cuda", dtype=DTYPE, generator=gen)
+        logits = torch.randn(tokens, layer.experts, device="cuda", generator=gen)
+        weights, ids = logits.softmax(-1).topk(layer.top_k, dim=-1)
+        inputs.append((x, weights, ids.to(torch.int32)))
+    hit = statistics.mean(experts_hit(ids, layer.experts) for _, _, ids in inputs)
+    kw = tiles or {}
+    scales = {k: fp8[k] for k in ("w13_scale", "w2_scale", "block")}
+
+    def run_fp8() -> None:
+        for x, weights, ids in inputs:
+            fused_moe_triton(x, fp8["w13"], fp8["w2"], weights, ids, **scales, **kw)
+
+    def run_bf16() -> None:
+        for x, weights, ids in inputs:
+            fused_moe_triton(x, w13, w2, weights, ids)
+
+    ours = _time_layer(run_fp8, tokens, copies)
+    bf16 = _time_layer(run_bf16, tokens, copies) if with_bf16 else 0.0
+    plan = moe_tiles(tokens, layer.top_k, layer.experts, layer.hidden, layer.inter,
+                     w13.device, FP8_BLOCK)._asdict()
+    plan.update(kw)
+    floor = fp8_layer_bytes(tokens, hit, layer) / bandwidth * 1e6
+    flops = layer_flops(tokens, layer.top_k, layer.hidden, layer.inter)
+    return Fp8Row(tokens, hit, bf16, ours, floor, flops, _tile_desc(plan))
+
+
+def _fp8_sweep_tiles(tokens: int, layer: Layer) -> list[dict[str, Any]]:
+    """FP8 tile choices and quantization places around the default plan for ``tokens``."""
+    out: list[dict[str, Any]] = []
+    if tokens * layer.top_k / layer.experts <= 16:
+        places = [(True, "down"), (False, "down"), (False, "kernel"), (True, "kernel")]
+        for bn1, bn2, (fuse, act) in itertools.product([32, 64], [64, 128], places):
+            out.append({"block_m": 16, "block_n1": bn1, "block_k1": 128, "block_n2": bn2,
+                        "block_k2": 128, "num_warps": 4, "num_stages": 4,
+                        "fuse_x_quant": fuse, "act_quant": act})
+        for bn2 in (64, 128):
+            out.append({"block_m": 16, "block_n1": 128, "block_k1": 128, "block_n2": bn2,
+                        "block_k2": 128, "num_warps": 4, "num_stages": 4,
+                        "fuse_x_quant": False, "act_quant": "epilogue"})
+        return out
+    for bm, (bn1, act), warps, stages in itertools.product(
+            [64, 128], [(128, "epilogue"), (64, "kernel")], [4, 8], [3, 4]):
+        out.append({"block_m": bm, "block_n1": bn1, "block_k1": 128, "block_n2": 128,
+                    "block_k2": 128, "group_m": 8, "num_warps": warps, "num_stages": stages,
+                    "fuse_x_quant": False, "act_quant": act})
+    return out
+
+
+def main_fp8(args: argparse.Namespace, bandwidth: float) -> None:
+    """``--fp8``: the FP8 layer against the bf16 one, per token count (and ``--sweep``)."""
+    layer = LAYERS[args.layer]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.randn(layer.experts, 2 * layer.inter, layer.hidden, device="cuda",
+                      dtype=DTYPE, generator=gen) / layer.hidden**0.5
+    w2 = torch.randn(layer.experts, layer.hidden, layer.inter, device="cuda", dtype=DTYPE,
+                     generator=gen) / layer.inter**0.5
+    fp8 = fp8_experts(w13, w2)
+    rows, best = [], []
+    for tokens in args.tokens:
+        rows.append(bench_fp8_tokens(tokens, layer, w13, w2, fp8, bandwidth))
+        print(format_fp8_table(rows[-1:], bandwidth, args.layer).splitlines()[-1], flush=True)
+        if args.sweep:
+            results = []
+            for tiles in _fp8_sweep_tiles(tokens, layer):
+                try:
+                    results.append(bench_fp8_tokens(tokens, layer, w13, w2, fp8, bandwidth,
+                                                    tiles, False))
+                except Exception as exc:  # noqa: BLE001 (out of resources: skip the tile)
+                    print(f"  skip {tiles}: {type(exc).__name__}", flush=True)
+                    continue
+                print(f"  {results[-1].fp8_us:8.1f} µs  {results[-1].tiles}", flush=True)
+            if results:
+                best.append(min(results, key=lambda r: r.fp8_us))
+                print(f"  best {best[-1].fp8_us:.1f} µs: {best[-1].tiles}", flush=True)
+    if best:
+        print("\nbest FP8 tiles of the sweep (bf16 column: the default-tile run above):")
+        bf16_us = {r.tokens: r.bf16_us for r in rows}
+        for b in best:
+            b.bf16_us = bf16_us[b.tokens]
+        print(format_fp8_table(best, bandwidth, args.layer))
+    print()
+    print(format_fp8_table(rows, bandwidth, args.layer))
+    if args.json:
+        payload = {
+            "layer": {**asdict(layer), "name": args.layer, "dtype": str(DTYPE),
+                      "fp8_block": list(FP8_BLOCK)},
+            "device": torch.cuda.get_device_name(),
+            "copy_bandwidth_gbs": bandwidth / 1e9,
+            "rows": [{**asdict(r), "speedup": r.speedup, "floor_fraction": r.floor_fraction,
+                      "tflops": r.tflops} for r in rows],
+            "sweep_best": [{**asdict(r), "floor_fraction": r.floor_fraction,
+                            "tflops": r.tflops} for r in best],
+        }
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -225,10 +436,17 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--profile", action="store_true",
                         help="also print each kernel's device time per T (torch.profiler)")
+    parser.add_argument("--fp8", action="store_true",
+                        help="time FP8 block-quantized experts against bf16")
+    parser.add_argument("--layer", choices=sorted(LAYERS), default="qwen3-30b-a3b",
+                        help="the layer of --fp8 (the bf16 table is Qwen3-30B-A3B's)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_moe needs a CUDA device")
     bandwidth = copy_bandwidth()
+    if args.fp8:
+        main_fp8(args, bandwidth)
+        return
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", dtype=DTYPE,
                       generator=gen) / HIDDEN**0.5

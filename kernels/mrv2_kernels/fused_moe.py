@@ -30,6 +30,18 @@ buffer sizes that depend on ``(T, K, E, BLOCK_M)`` only (so a CUDA graph can cap
    into the down GEMM: an int32 arrival count per (token, output slice) picks the program
    that stores a token's last row, and that program sums the token's rows in slot order.
 
+FP8 weights (``w13``/``w2`` float8_e4m3fn with block scales ``w13_scale``/``w2_scale``,
+``block = (bn, bk)``, default the engine's per-row ``(1, 128)``; format, contract and the
+reasons: :mod:`~mrv2_kernels.fused_moe_fp8`): the same steps, switched at compile time
+(``FP8``: the bf16 kernels' code is unchanged). ``x`` is quantized per (token, group of
+``bk``) and the SiLU*up activation per (pair, group) as DeepSeek-V3 and vLLM do; each
+``BLOCK_K`` step (which divides ``bk``) ``tl.dot``s fp8 tiles into fresh fp32 products and
+adds them times the rows' activation scales and the columns' weight scales. Where each
+quantization runs (:class:`MoeTiles`): decode quantizes ``x`` and the activation inside the
+GEMMs that read them (no extra launch); larger batches quantize ``x`` once with
+:func:`~mrv2_kernels.fp8_gemm.per_token_group_quant_fp8_triton` and the activation in the
+gate/up epilogue (``block_n1 == bk``: each program holds whole groups), stored fp8.
+
 Programs past the real block count exit at once. Tiles are arguments (``block_m`` etc.) with
 per-backend defaults (:func:`moe_tiles`): for decode-sized batches (a few pairs per expert, the
 step bound by reading the hit experts' weights) 16-row blocks and narrow slices, so the
@@ -49,6 +61,17 @@ import triton
 import triton.language as tl
 
 from ._backend import use_triton
+from .fp8_gemm import FP8_DTYPE, dequantize_weight_block_fp8, per_token_group_quant_fp8_triton
+from .fused_moe_fp8 import (
+    ACT_QUANT_MODES,
+    DEFAULT_BLOCK,
+    _fp8_a_tile,
+    _fp8_dot,
+    _quant_tile,
+    _round_to,
+    check_fp8_args,
+    quant_dequant_groups,
+)
 from .moe_align import _ID_DTYPES, _tile, moe_align, moe_align_ref, moe_max_blocks
 
 __all__ = [
@@ -96,12 +119,13 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: t
 
 
 def _check_kernel_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                       topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
-    """What the Triton path assumes beyond :func:`_check`: dtypes, one device, unit strides."""
+                       topk_weights: torch.Tensor, topk_ids: torch.Tensor, fp8: bool) -> None:
+    """What the Triton path assumes beyond :func:`_check` (and, ``fp8``,
+    :func:`~mrv2_kernels.fused_moe_fp8.check_fp8_args`): dtypes, one device, unit strides."""
     if x.dtype not in _KERNEL_DTYPES:
         raise ValueError(f"x must be fp32/bf16/fp16, got {x.dtype}")
     for name, w in (("w13", w13), ("w2", w2)):
-        if w.dtype != x.dtype:
+        if not fp8 and w.dtype != x.dtype:
             raise ValueError(f"{name} must have x's dtype {x.dtype}, got {w.dtype}")
         if w.shape[2] > 1 and w.stride(2) != 1:
             raise ValueError(f"{name} rows must be contiguous (stride(2) == 1)")
@@ -121,19 +145,33 @@ def fused_moe_ref(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block: tuple[int, int] | list[int] = DEFAULT_BLOCK,
 ) -> torch.Tensor:
-    """Plain-torch specification: a Python loop over (token, slot) pairs grouped by expert."""
+    """Plain-torch specification: a Python loop over (token, slot) pairs grouped by expert.
+    FP8 weights (both scales given): the weights dequantized, ``x`` and the activation
+    quantized per row and group of ``bk`` (:mod:`~mrv2_kernels.fused_moe_fp8`'s contract)."""
     _check(x, w13, w2, topk_weights, topk_ids)
+    fp8 = check_fp8_args(w13, w2, w13_scale, w2_scale, block)
     num_tokens, top_k = topk_ids.shape
     inter = w2.shape[2]
     out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
     flat_ids = topk_ids.reshape(-1).long()
+    x_in = x if fp8 is None else quant_dequant_groups(x, fp8[1])
     for e in flat_ids.unique().tolist():
         pairs = (flat_ids == e).nonzero().squeeze(1)
         tokens = pairs // top_k
-        gate_up = (x[tokens].float() @ w13[e].float().T).to(x.dtype)
+        if fp8 is None or w13_scale is None or w2_scale is None:
+            w13_e, w2_e = w13[e].float(), w2[e].float()
+        else:
+            w13_e = dequantize_weight_block_fp8(w13[e], w13_scale[e], fp8, torch.float32)
+            w2_e = dequantize_weight_block_fp8(w2[e], w2_scale[e], fp8, torch.float32)
+        gate_up = (x_in[tokens].float() @ w13_e.T).to(x.dtype)
         act = (F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(x.dtype)
-        y = act.float() @ w2[e].float().T
+        act_in = act if fp8 is None else quant_dequant_groups(act, fp8[1])
+        y = act_in.float() @ w2_e.T
         weight = topk_weights.reshape(-1)[pairs].float()
         out.index_add_(0, tokens, y * weight[:, None])
     return out.to(x.dtype)
@@ -172,6 +210,14 @@ def _moe_gate_up_kernel(
     w_s0: int,
     w_s1: int,
     act_s0: int,
+    xs_ptr: tl.tensor,
+    ws_ptr: tl.tensor,
+    acts_ptr: tl.tensor,
+    xs_s0: int,
+    ws_s0: int,
+    ws_s1: int,
+    ws_s2: int,
+    acts_s0: int,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -179,7 +225,18 @@ def _moe_gate_up_kernel(
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
+    QUANT_A: tl.constexpr,
+    QUANT_OUT: tl.constexpr,
+    W_BN: tl.constexpr,
+    W_BK: tl.constexpr,
+    ACT_DTYPE: tl.constexpr,
 ) -> None:
+    """``act`` of one block of sorted pairs and ``BLOCK_N`` intermediate features. ``FP8``:
+    ``w`` is e4m3 with block scales ``ws`` and ``x`` is fp8 with per-(token, group) scales
+    ``xs`` or, with ``QUANT_A`` (``BLOCK_K == W_BK``), ``x`` itself quantized step by step
+    here; ``QUANT_OUT`` (``BLOCK_N == W_BK``) stores ``act`` quantized, its scales in
+    ``acts``."""
     pid_m, pid_n = _block_tile(tl.program_id(0), num_pid_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
@@ -196,6 +253,10 @@ def _moe_gate_up_kernel(
     up_ptrs = gate_ptrs + inter * w_s1
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if FP8:  # scale rows: the gate and up rows' blocks, the tokens' groups
+        gs_ptrs = ws_ptr + expert * ws_s0 + (offs_n // W_BN).to(tl.int64) * ws_s1
+        us_ptrs = ws_ptr + expert * ws_s0 + ((offs_n + inter) // W_BN).to(tl.int64) * ws_s1
+        xs_ptrs = xs_ptr + token * xs_s0
     for k0 in range(0, hidden, BLOCK_K):
         if EVEN_K:
             a = tl.load(x_ptrs, mask=valid[:, None], other=0.0)
@@ -206,22 +267,39 @@ def _moe_gate_up_kernel(
             a = tl.load(x_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
             g = tl.load(gate_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
             u = tl.load(up_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if UPCAST:  # the CPU interpreter's bf16 arithmetic is wrong: convert at once there
-            a = a.to(tl.float32)
-            g = g.to(tl.float32)
-            u = u.to(tl.float32)
-        acc_gate = tl.dot(a, g, acc_gate, input_precision=DOT_PRECISION)
-        acc_up = tl.dot(a, u, acc_up, input_precision=DOT_PRECISION)
+        if FP8:  # one scale group per step: scale the step's fp32 products, then add
+            a, a_scale = _fp8_a_tile(a, xs_ptrs, valid, k0 // W_BK, QUANT_A, UPCAST)
+            g_scale = tl.load(gs_ptrs + (k0 // W_BK) * ws_s2, mask=mask_n, other=0.0)
+            u_scale = tl.load(us_ptrs + (k0 // W_BK) * ws_s2, mask=mask_n, other=0.0)
+            acc_gate += _fp8_dot(a, g, UPCAST) * a_scale[:, None] * g_scale[None, :]
+            acc_up += _fp8_dot(a, u, UPCAST) * a_scale[:, None] * u_scale[None, :]
+        else:
+            if UPCAST:  # the CPU interpreter's bf16 arithmetic is wrong: convert at once there
+                a = a.to(tl.float32)
+                g = g.to(tl.float32)
+                u = u.to(tl.float32)
+            acc_gate = tl.dot(a, g, acc_gate, input_precision=DOT_PRECISION)
+            acc_up = tl.dot(a, u, acc_up, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
-    # The unfused layers round gate/up to the dtype, then silu(gate) * up (fp32) once more.
-    dtype = act_ptr.dtype.element_ty
-    gate = acc_gate.to(dtype).to(tl.float32)
-    up = acc_up.to(dtype).to(tl.float32)
-    act = gate / (1.0 + tl.exp(-gate)) * up
-    dst = act_ptr + pair.to(tl.int64)[:, None] * act_s0 + offs_n[None, :]
-    tl.store(dst, act.to(dtype), mask=valid[:, None] & mask_n[None, :])
+    if FP8:  # the same roundings, to nearest even on the interpreter too
+        gate = _round_to(acc_gate, ACT_DTYPE, UPCAST)
+        up = _round_to(acc_up, ACT_DTYPE, UPCAST)
+        act = _round_to(gate / (1.0 + tl.exp(-gate)) * up, ACT_DTYPE, UPCAST)
+        if QUANT_OUT:  # this slice is one scale group of the down GEMM's K
+            act, act_scale = _quant_tile(act, UPCAST)
+            tl.store(acts_ptr + pair.to(tl.int64) * acts_s0 + pid_n, act_scale, mask=valid)
+        dst = act_ptr + pair.to(tl.int64)[:, None] * act_s0 + offs_n[None, :]
+        tl.store(dst, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
+    else:
+        # The unfused layers round gate/up to the dtype, then silu(gate) * up (fp32) once more.
+        dtype = act_ptr.dtype.element_ty
+        gate = acc_gate.to(dtype).to(tl.float32)
+        up = acc_up.to(dtype).to(tl.float32)
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        dst = act_ptr + pair.to(tl.int64)[:, None] * act_s0 + offs_n[None, :]
+        tl.store(dst, act.to(dtype), mask=valid[:, None] & mask_n[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
@@ -247,6 +325,12 @@ def _moe_down_kernel(
     out_ptr: tl.tensor,
     counters_ptr: tl.tensor,
     out_s0: int,
+    as_ptr: tl.tensor,
+    ws_ptr: tl.tensor,
+    as_s0: int,
+    ws_s0: int,
+    ws_s1: int,
+    ws_s2: int,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -255,7 +339,15 @@ def _moe_down_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FUSED_COMBINE: tl.constexpr,
+    FP8: tl.constexpr,
+    QUANT_A: tl.constexpr,
+    W_BN: tl.constexpr,
+    W_BK: tl.constexpr,
 ) -> None:
+    """``y`` (and, ``FUSED_COMBINE``, ``out``) of one block of sorted pairs and ``BLOCK_N``
+    hidden features. ``FP8``: ``w`` is e4m3 with block scales ``ws`` and ``act`` is fp8 with
+    per-(pair, group) scales ``as`` or, with ``QUANT_A`` (``BLOCK_K == W_BK``), ``act`` itself
+    quantized step by step here."""
     num_pid_n = tl.cdiv(hidden, BLOCK_N)
     pid_m, pid_n = _block_tile(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
@@ -270,6 +362,9 @@ def _moe_down_kernel(
     a_ptrs = act_ptr + pair.to(tl.int64)[:, None] * act_s0 + offs_k[None, :]
     w_ptrs = w_ptr + expert * w_s0 + offs_n.to(tl.int64)[None, :] * w_s1 + offs_k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if FP8:
+        ws_ptrs = ws_ptr + expert * ws_s0 + (offs_n // W_BN).to(tl.int64) * ws_s1
+        as_ptrs = as_ptr + pair.to(tl.int64) * as_s0
     for k0 in range(0, inter, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
@@ -278,10 +373,15 @@ def _moe_down_kernel(
             mask_k = offs_k < inter - k0
             a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        if FP8:
+            a, a_scale = _fp8_a_tile(a, as_ptrs, valid, k0 // W_BK, QUANT_A, UPCAST)
+            w_scale = tl.load(ws_ptrs + (k0 // W_BK) * ws_s2, mask=mask_n, other=0.0)
+            acc += _fp8_dot(a, w, UPCAST) * a_scale[:, None] * w_scale[None, :]
+        else:
+            if UPCAST:
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     token = pair // top_k
@@ -349,11 +449,16 @@ class MoeTiles(NamedTuple):
     num_warps: int
     num_stages: int
     fused_combine: bool  # the down GEMM adds each token's K rows (no combine launch)
+    # FP8 weights only (block K ``bk``; both K steps divide it):
+    fuse_x_quant: bool = False  # the gate/up GEMM quantizes x itself (block_k1 == bk)
+    act_quant: str = "kernel"  # SiLU*up quantized in the gate/up "epilogue" (block_n1 ==
+    #  bk), in the "down" GEMM's steps (block_k2 == bk), or by its own "kernel"
 
 
 def moe_tiles(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
-              device: torch.device) -> MoeTiles:
-    """Default tiles for a ``[T, H]`` batch routed ``top_k`` ways over ``num_experts``.
+              device: torch.device, fp8_block: tuple[int, int] | None = None) -> MoeTiles:
+    """Default tiles for a ``[T, H]`` batch routed ``top_k`` ways over ``num_experts``
+    (``fp8_block``: FP8 weights with ``(bn, bk)`` blocks, :func:`_fp8_tiles`).
 
     CPU (the interpreter): small tiles. CUDA, by the average pairs per expert ``T*K/E``
     (from sweeps of ``bench_moe`` on an H200 with Qwen3-30B-A3B's layer): up to 16 (decode,
@@ -365,6 +470,8 @@ def moe_tiles(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter:
     cost more than the combine kernel: +12 µs at 256 tokens, +440 µs at 8,192).
     """
     per_expert = num_tokens * top_k / max(num_experts, 1)
+    if fp8_block is not None:
+        return _fp8_tiles(per_expert, fp8_block[1], device)
     if device.type != "cuda":
         return MoeTiles(16, 32, 32, 32, 32, 1, 4, 1, True)
     if per_expert <= 16:
@@ -372,6 +479,43 @@ def moe_tiles(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter:
     if per_expert <= 64:
         return MoeTiles(64, 64, 64, 128, 64, 8, 4, 3, False)
     return MoeTiles(128, 128, 64, 128, 64, 8, 8, 3, False)
+
+
+def _fp8_tiles(per_expert: float, bk: int, device: torch.device) -> MoeTiles:
+    """FP8 tiles (compiled offline for sm90 and read in SASS, not yet timed: ``bench_moe
+    --fp8 --sweep``). K steps of 128 fp8 features (cut to the largest power of two dividing
+    ``bk``). Decode (up to 16 pairs per expert): the bf16 plan's bytes per step (64 gate and
+    64 up / 128 down columns of fp8), ``x`` and the activation quantized inside the GEMMs
+    that read them: no launch, and the quantization (which every output slice of a block
+    repeats: the loop grows from ~270 to ~570 instructions) costs about 0.6 of the step's
+    weight-streaming time, under the loads. Beyond: 64-row blocks with ``block_n1 == bk`` so
+    the gate/up epilogue quantizes its slice of the activation once and the down GEMM reads
+    fp8 (wgmma e4m3 both; 8 warps, as 4 spill: gate and up need an accumulator and each
+    step's products each), and ``x`` quantized once by its own launch (inside the GEMM every
+    slice would redo it on the critical path of a compute-bound loop)."""
+    step = bk & -bk
+    # Measured on the H200 (2026-11-30, ``scripts/diag_fp8_moe.py``, GLM-4.5-Air experts):
+    # quantizing inside the GEMMs (``fuse_x_quant``, ``"down"``, ``"epilogue"``) disagrees
+    # with the reference by 0.2-1.8% (its reciprocal-and-fma rounding is not the reference's),
+    # while the separate group-quantization launches match it to 1e-5 (16-row blocks) or
+    # 5e-3 (64-row blocks: wgmma's fp8 accumulation). So the plan quantizes with the separate
+    # launches everywhere until the in-GEMM quantization is fixed; the options stay for that.
+    if device.type != "cuda":
+        plan = MoeTiles(16, 32, 32, 32, 32, 1, 4, 1, True, False, "kernel")
+    elif per_expert <= 16:
+        plan = MoeTiles(16, 64, 128, 128, 128, 1, 4, 4, per_expert <= 4, False, "kernel")
+    else:
+        plan = MoeTiles(64, 128, 128, 128, 128, 8, 8, 3, False, False, "kernel")
+    plan = plan._replace(block_k1=min(plan.block_k1, step), block_k2=min(plan.block_k2, step))
+    return plan._replace(fuse_x_quant=plan.fuse_x_quant and plan.block_k1 == bk,
+                         act_quant=_fit_act_quant(plan.act_quant, plan, bk))
+
+
+def _fit_act_quant(mode: str, tiles: MoeTiles, bk: int) -> str:
+    """``mode`` if the tiles allow it, else the separate kernel."""
+    if (mode == "epilogue" and tiles.block_n1 != bk) or (mode == "down" and tiles.block_k2 != bk):
+        return "kernel"
+    return mode
 
 
 # -------------------------------------------------------------------------------- the op
@@ -394,9 +538,24 @@ def _arrival_counters(device: torch.device, needed: int) -> torch.Tensor | None:
     return buffers[-1]
 
 
+class _Fp8(NamedTuple):
+    """The FP8 weights' scales (fp32) and block."""
+
+    w13_scale: torch.Tensor
+    w2_scale: torch.Tensor
+    bn: int
+    bk: int
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
 def _moe_chunk(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-               topk_ids: torch.Tensor, out: torch.Tensor, tiles: MoeTiles) -> None:
-    """The four steps of the module docstring for ``x`` ``[T > 0, H]``, into ``out``."""
+               topk_ids: torch.Tensor, out: torch.Tensor, tiles: MoeTiles,
+               fp8: _Fp8 | None = None) -> None:
+    """The four steps of the module docstring for ``x`` ``[T > 0, H]``, into ``out``. FP8:
+    ``x`` quantized once before the gate/up GEMM (or inside it), the activation in the
+    gate/up epilogue, the down GEMM or a kernel of its own (``tiles.act_quant``)."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, two_i, _ = w13.shape
@@ -405,26 +564,45 @@ def _moe_chunk(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
     bm = tiles.block_m
     sorted_ids, block_expert, num_post = moe_align(topk_ids, num_experts, bm)
     max_blocks = block_expert.shape[0]
-    act = _empty((num_pairs, inter), x.dtype, x.device)
     y = _empty((num_pairs, hidden), torch.float32, x.device)
     upcast = not x.is_cuda
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    a1, a1_scale, s13, s2 = x, y, y, y  # unused pointers: any tensor
+    w_bn, w_bk = 1, 1
+    quant_out = False
+    if fp8 is None:
+        act = _empty((num_pairs, inter), x.dtype, x.device)
+    else:
+        s13, s2, w_bn, w_bk = fp8
+        if not tiles.fuse_x_quant:
+            a1, a1_scale = per_token_group_quant_fp8_triton(x, w_bk)
+        quant_out = tiles.act_quant == "epilogue"
+        act = _empty((num_pairs, inter), FP8_DTYPE if quant_out else x.dtype, x.device)
+    act_scale = (_empty((num_pairs, triton.cdiv(inter, w_bk)), torch.float32, x.device)
+                 if quant_out else y)
     _moe_gate_up_kernel[(max_blocks * triton.cdiv(inter, tiles.block_n1),)](
-        x, w13, act, sorted_ids, block_expert, num_post, num_pairs, max_blocks, top_k, hidden,
-        inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), BLOCK_M=bm,
+        a1, w13, act, sorted_ids, block_expert, num_post, num_pairs, max_blocks, top_k, hidden,
+        inter, a1.stride(0), w13.stride(0), w13.stride(1), act.stride(0), a1_scale, s13,
+        act_scale, a1_scale.stride(0), *_strides3(s13), act_scale.stride(0), BLOCK_M=bm,
         BLOCK_N=tiles.block_n1, BLOCK_K=tiles.block_k1, GROUP_M=tiles.group_m,
         EVEN_K=hidden % tiles.block_k1 == 0, UPCAST=upcast, DOT_PRECISION=precision,
+        FP8=fp8 is not None, QUANT_A=fp8 is not None and tiles.fuse_x_quant,
+        QUANT_OUT=quant_out, W_BN=w_bn, W_BK=w_bk, ACT_DTYPE=_TL_DTYPES[x.dtype],
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
+    if fp8 is not None and tiles.act_quant == "kernel":
+        act, act_scale = per_token_group_quant_fp8_triton(act, w_bk)
     num_n2 = triton.cdiv(hidden, tiles.block_n2)
     counters = _arrival_counters(x.device, num_tokens * num_n2) if tiles.fused_combine else None
     _moe_down_kernel[(max_blocks * num_n2,)](
         act, w2, topk_weights, y, sorted_ids, block_expert, num_post, num_pairs, max_blocks,
         top_k, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), topk_weights.stride(0),
         topk_weights.stride(1), y.stride(0), out, counters if counters is not None else y,
-        out.stride(0), BLOCK_M=bm, BLOCK_N=tiles.block_n2, BLOCK_K=tiles.block_k2,
-        GROUP_M=tiles.group_m, EVEN_K=inter % tiles.block_k2 == 0, UPCAST=upcast,
-        DOT_PRECISION=precision, FUSED_COMBINE=counters is not None,
+        out.stride(0), act_scale, s2, act_scale.stride(0), *_strides3(s2), BLOCK_M=bm,
+        BLOCK_N=tiles.block_n2, BLOCK_K=tiles.block_k2, GROUP_M=tiles.group_m,
+        EVEN_K=inter % tiles.block_k2 == 0, UPCAST=upcast, DOT_PRECISION=precision,
+        FUSED_COMBINE=counters is not None, FP8=fp8 is not None,
+        QUANT_A=fp8 is not None and tiles.act_quant == "down", W_BN=w_bn, W_BK=w_bk,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if counters is not None:
@@ -436,6 +614,11 @@ def _moe_chunk(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
     )
 
 
+def _strides3(t: torch.Tensor) -> tuple[int, int, int]:
+    """A scale tensor's three strides (zeros for the unused 2-D stand-in)."""
+    return (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 3 else (0, 0, 0)
+
+
 def fused_moe_triton(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -443,6 +626,9 @@ def fused_moe_triton(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block: tuple[int, int] | list[int] = DEFAULT_BLOCK,
     block_m: int | None = None,
     block_n1: int | None = None,
     block_k1: int | None = None,
@@ -453,6 +639,8 @@ def fused_moe_triton(
     num_stages: int | None = None,
     chunk_tokens: int = 8192,
     fused_combine: bool | None = None,
+    fuse_x_quant: bool | None = None,
+    act_quant: str | None = None,
 ) -> torch.Tensor:
     """Triton implementation of :func:`fused_moe` (module docstring: align, gate/up GEMM, down
     GEMM, combine); tile arguments override :func:`moe_tiles`. Never synchronizes with the
@@ -465,9 +653,16 @@ def fused_moe_triton(
     stores a token's last row for an output slice, by an atomic arrival count per token and
     slice, sums the rows in slot order), so no combine launch; the counts live in a small
     persistent buffer per device, so calls on one device must not run concurrently on two
-    streams. A CUDA-graph capture that finds the buffer too small uses the combine kernel."""
+    streams. A CUDA-graph capture that finds the buffer too small uses the combine kernel.
+
+    FP8 weights (``w13_scale``/``w2_scale``, :mod:`~mrv2_kernels.fused_moe_fp8`; ``bk`` a
+    power of two that ``block_k1`` and ``block_k2`` divide): ``fuse_x_quant`` and
+    ``act_quant`` (``"epilogue"``, ``"down"``, ``"kernel"``) say where the activations are
+    quantized (:class:`MoeTiles`); also scratch ``[T, H]`` fp8 and the activation's fp8 copy.
+    """
     _check(x, w13, w2, topk_weights, topk_ids)
-    _check_kernel_args(x, w13, w2, topk_weights, topk_ids)
+    fp8_block = check_fp8_args(w13, w2, w13_scale, w2_scale, block)
+    _check_kernel_args(x, w13, w2, topk_weights, topk_ids, fp8_block is not None)
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
     num_tokens, hidden = x.shape
@@ -480,10 +675,16 @@ def fused_moe_triton(
         return out.zero_()
     if x.shape[1] > 1 and x.stride(1) != 1:
         x = x.contiguous()
+    fp8 = None
+    if fp8_block is not None and w13_scale is not None and w2_scale is not None:
+        if fp8_block[1] & (fp8_block[1] - 1):
+            raise ValueError(f"block K must be a power of two on the Triton path, got {block}")
+        fp8 = _Fp8(w13_scale.float(), w2_scale.float(), *fp8_block)
     minimum = 16 if x.is_cuda else 1  # tl.dot's smallest tile on the GPU
     for start in range(0, num_tokens, chunk_tokens):
         stop = min(start + chunk_tokens, num_tokens)
-        plan = moe_tiles(stop - start, top_k, num_experts, hidden, two_i // 2, x.device)
+        plan = moe_tiles(stop - start, top_k, num_experts, hidden, two_i // 2, x.device,
+                         fp8_block)
         tiles = MoeTiles(
             block_m=_tile("block_m", block_m or plan.block_m, minimum),
             block_n1=_tile("block_n1", block_n1 or plan.block_n1, minimum),
@@ -494,10 +695,37 @@ def fused_moe_triton(
             num_warps=_tile("num_warps", num_warps or plan.num_warps, 1),
             num_stages=num_stages or plan.num_stages,
             fused_combine=plan.fused_combine if fused_combine is None else fused_combine,
+            fuse_x_quant=plan.fuse_x_quant if fuse_x_quant is None else fuse_x_quant,
+            act_quant=plan.act_quant if act_quant is None else act_quant,
         )
+        if fp8 is not None:
+            tiles = _check_fp8_tiles(tiles, fp8.bk, fuse_x_quant is None, act_quant is None)
         _moe_chunk(x[start:stop], w13, w2, topk_weights[start:stop], topk_ids[start:stop],
-                   out[start:stop], tiles)
+                   out[start:stop], tiles, fp8)
     return out
+
+
+def _check_fp8_tiles(tiles: MoeTiles, bk: int, default_fuse_x: bool = False,
+                     default_act_quant: bool = False) -> MoeTiles:
+    """The FP8 tile rules (a ValueError names the argument); a default ``fuse_x_quant`` or
+    ``act_quant`` that overridden tiles do not allow becomes the separate kernel."""
+    for name in ("block_k1", "block_k2"):
+        if bk % getattr(tiles, name):
+            raise ValueError(f"{name} must divide the weight block's K {bk}, got "
+                             f"{getattr(tiles, name)}")
+    if default_fuse_x and tiles.block_k1 != bk:
+        tiles = tiles._replace(fuse_x_quant=False)
+    if tiles.fuse_x_quant and tiles.block_k1 != bk:
+        raise ValueError(f"fuse_x_quant needs block_k1 == the weight block's K {bk}, got "
+                         f"{tiles.block_k1}")
+    if tiles.act_quant not in ACT_QUANT_MODES:
+        raise ValueError(f"act_quant must be one of {ACT_QUANT_MODES}, got {tiles.act_quant!r}")
+    fitted = _fit_act_quant(tiles.act_quant, tiles, bk)
+    if fitted != tiles.act_quant and not default_act_quant:
+        need = "block_n1" if tiles.act_quant == "epilogue" else "block_k2"
+        raise ValueError(f"act_quant {tiles.act_quant!r} needs {need} == the weight block's "
+                         f"K {bk}")
+    return tiles._replace(act_quant=fitted)
 
 
 def fused_moe(
@@ -506,10 +734,19 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block: tuple[int, int] | list[int] = DEFAULT_BLOCK,
 ) -> torch.Tensor:
-    """The routed experts of ``x`` (see the module contract): :func:`fused_moe_triton` when
-    :func:`use_triton` says so (fp32/bf16/fp16), else :func:`fused_moe_ref` (which loops over
-    the experts present, on the host: fine on the CPU, not for CUDA graphs)."""
-    if use_triton(x) and x.dtype in _KERNEL_DTYPES:
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+    """The routed experts of ``x`` (see the module contract; FP8 weights with their scales:
+    :mod:`~mrv2_kernels.fused_moe_fp8`): :func:`fused_moe_triton` when :func:`use_triton` says
+    so (fp32/bf16/fp16 ``x``; FP8: a power-of-two block K), else :func:`fused_moe_ref` (which
+    loops over the experts present, on the host: fine on the CPU, not for CUDA graphs)."""
+    fp8 = w13_scale is not None or w2_scale is not None
+    bk = int(block[1]) if fp8 else 1
+    if use_triton(x) and x.dtype in _KERNEL_DTYPES and bk > 0 and bk & (bk - 1) == 0:
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale,
+                                w2_scale=w2_scale, block=block)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale,
+                         w2_scale=w2_scale, block=block)

@@ -25,7 +25,12 @@ sample given exactly the tokens before it, the output equals non-speculative dec
 for token (for greedy sampling, and for seeded sampling whose randomness depends only on the
 request and position); drafts only change how many tokens one step yields.
 
-Both ops write into caller-provided buffers, run one Triton program per request and never
+**Writing drafts** (:func:`write_drafts`): a model-based drafter stores each request's draft at
+its position in the state table, only for the requests that drafted. A masked store per request
+rather than an indexed assignment: in a CUDA graph the padding requests' rows are stale and may
+name a live request's row, which an indexed assignment of "the old value" would race with.
+
+The ops write into caller-provided buffers, run one Triton program per request and never
 synchronize with the host; per-step counts are grid sizes or values read on the device, so
 they never trigger a recompile. Each comes as ``op_ref`` (plain torch: the specification),
 ``op_triton`` and ``op`` (dispatch with :func:`use_triton`).
@@ -45,6 +50,9 @@ __all__ = [
     "strict_rejection",
     "strict_rejection_ref",
     "strict_rejection_triton",
+    "write_drafts",
+    "write_drafts_ref",
+    "write_drafts_triton",
 ]
 
 
@@ -408,3 +416,82 @@ def ngram_propose(
     """
     impl = ngram_propose_triton if use_triton(token_ids) else ngram_propose_ref
     impl(token_ids, num_tokens, idx_mapping, num_sampled, num_reqs, k, min_n, max_n, num_found)
+
+
+# --------------------------------------------------------------------------------------------
+# write_drafts
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _write_drafts_kernel(
+    token_ids_ptr: tl.tensor,
+    row_stride: int,
+    rows_ptr: tl.tensor,
+    pos_ptr: tl.tensor,
+    drafts_ptr: tl.tensor,
+    valid_ptr: tl.tensor,
+    n: int,
+    BLOCK: tl.constexpr,
+) -> None:
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < n
+    valid = tl.load(valid_ptr + i, mask=inside, other=0) != 0
+    row = tl.load(rows_ptr + i, mask=valid, other=0).to(tl.int64)
+    pos = tl.load(pos_ptr + i, mask=valid, other=0).to(tl.int64)
+    draft = tl.load(drafts_ptr + i, mask=valid, other=0)
+    tl.store(token_ids_ptr + row * row_stride + pos,
+             draft.to(token_ids_ptr.dtype.element_ty), mask=valid)
+
+
+def _check_write_drafts(token_ids: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
+                        drafts: torch.Tensor, valid: torch.Tensor) -> int:
+    if token_ids.dim() != 2 or token_ids.stride(1) != 1:
+        raise ValueError(
+            f"token_ids must be [R, L] with contiguous rows, got {tuple(token_ids.shape)}"
+        )
+    n = rows.shape[0]
+    for name, t in (("rows", rows), ("pos", pos), ("drafts", drafts), ("valid", valid)):
+        if t.dim() != 1 or t.shape[0] != n or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous [{n}], got {tuple(t.shape)}")
+    if valid.dtype != torch.bool:
+        raise ValueError(f"valid must be bool, got {valid.dtype}")
+    return n
+
+
+def write_drafts_ref(token_ids: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
+                     drafts: torch.Tensor, valid: torch.Tensor) -> None:
+    """Plain-torch reference of :func:`write_drafts` (selects the valid entries: syncs)."""
+    _check_write_drafts(token_ids, rows, pos, drafts, valid)
+    keep = valid.nonzero().squeeze(1)
+    token_ids[rows[keep].long(), pos[keep].long()] = drafts[keep].to(token_ids.dtype)
+
+
+def write_drafts_triton(token_ids: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
+                        drafts: torch.Tensor, valid: torch.Tensor,
+                        block: int | None = None) -> None:
+    """Triton implementation of :func:`write_drafts`: masked stores, ``block`` requests per
+    program."""
+    n = _check_write_drafts(token_ids, rows, pos, drafts, valid)
+    if n == 0:
+        return
+    size = default_block(token_ids, 256, 32, block)
+    _write_drafts_kernel[(triton.cdiv(n, size),)](
+        token_ids, token_ids.stride(0), rows, pos, drafts, valid, n, BLOCK=size,
+    )
+
+
+def write_drafts(token_ids: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
+                 drafts: torch.Tensor, valid: torch.Tensor) -> None:
+    """``token_ids[rows[i], pos[i]] = drafts[i]`` for every ``i`` with ``valid[i]``, in place;
+    nothing else is touched.
+
+    Args:
+        token_ids: ``[R, L]`` state-table token rows (rows contiguous).
+        rows, pos: ``[n]`` int, where entry ``i`` goes (distinct among the valid entries; the
+            invalid ones may hold anything, they are not read as addresses).
+        drafts: ``[n]`` int, the values (cast to ``token_ids``' dtype).
+        valid: ``[n]`` bool.
+    """
+    impl = write_drafts_triton if use_triton(token_ids) else write_drafts_ref
+    impl(token_ids, rows, pos, drafts, valid)

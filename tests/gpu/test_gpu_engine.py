@@ -148,15 +148,18 @@ def test_ngram_speculation_fp32_equals_plain_with_graphs_at_1_plus_k(ckpt: Path)
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_self_draft_model_with_graphs(ckpt: Path, dtype: str) -> None:
-    """The target as its own draft model, graphs and async on: greedy tokens equal the plain
-    path's (bf16: the first 8, as graphs of 1 + k tokens may split the KV reduction
-    differently and flip a late near-tie), and almost every draft is accepted (the drafter's
-    eager passes against the target's graphs: near-ties again)."""
+    """The target as its own draft model, graphs and async on, five requests (decode steps pad
+    to eight: the drafting graph's padding rows name live rows): greedy tokens equal the plain
+    path's (bf16: the first 8, as graphs of 1 + k tokens may split the KV reduction differently
+    and flip a late near-tie), decode steps replay drafting graphs, and almost every draft is
+    accepted (the drafter's one-token passes against the target's 1 + k: near-ties again)."""
+    prompts = PROMPTS + [[3, 1, 4, 1, 5, 9, 2, 6]]
+
     def run(**kwargs: object) -> tuple[list[list[int]], LLM]:
         llm = LLM(str(ckpt), device="cuda", dtype=dtype, block_size=16,
                   gpu_memory_utilization=0.3, **kwargs)
         params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs], llm
 
     plain = run()[0]
@@ -166,6 +169,8 @@ def test_self_draft_model_with_graphs(ckpt: Path, dtype: str) -> None:
         assert got == plain
     else:
         assert [g[:8] for g in got] == [p[:8] for p in plain]
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and (4, 8) in graphs.draft_graphs
     assert llm.engine.stats()["spec_acceptance_rate"] > 0.9
 
 

@@ -363,3 +363,52 @@ def test_bench_arithmetic() -> None:
                                     f"{row.tflops:.1f}"]
     ids = torch.tensor([[3, 1], [1, 7]])
     assert bench.experts_hit(ids, 8) == 3
+
+
+# ------------------------------------------------------------------ the FP8 keywords, unused
+
+
+def test_unquantized_keywords_change_nothing() -> None:
+    """Without scales the FP8 keywords are inert: the bf16 path and its tiles as before
+    (FP8 weights: tests/kernels/test_fused_moe_fp8.py)."""
+    w13, w2 = _experts(4, 32, 16, BF16, seed=3)
+    x = _tokens(3, 32, BF16)
+    weights, ids = _routing(3, 2, 4)
+    plain = fused_moe_triton(x, w13, w2, weights, ids, **SMALL)
+    assert torch.equal(fused_moe_triton(x, w13, w2, weights, ids, w13_scale=None,
+                                        w2_scale=None, block=(128, 128), **SMALL), plain)
+    assert torch.equal(fused_moe_ref(x, w13, w2, weights, ids, block=(1, 64)),
+                       fused_moe_ref(x, w13, w2, weights, ids))
+    plan = moe_tiles(3, 2, 4, 32, 16, torch.device(DEVICE))
+    assert plan == moe_tiles(3, 2, 4, 32, 16, torch.device(DEVICE), None)
+    assert not plan.fuse_x_quant and plan.act_quant == "kernel"  # the FP8-only fields
+
+
+def test_bench_fp8_arithmetic() -> None:
+    from mrv2_kernels import bench_moe as bench
+
+    layer = bench.LAYERS["glm-4.5-air"]
+    assert (layer.hidden, layer.inter, layer.experts, layer.top_k) == (4096, 1408, 128, 8)
+    per_expert = 3 * 4096 * 1408 + 4 * (2816 * 32 + 4096 * 11)  # fp8 weights, fp32 scales
+    assert bench.fp8_layer_bytes(4, 10, layer) == 10 * per_expert + 2 * 4 * 4096 * 2
+    row = bench.Fp8Row(tokens=4, experts_hit=10, bf16_us=60.0, fp8_us=40.0, floor_us=20.0,
+                       flops=8e6, tiles="m16")
+    assert row.speedup == 1.5 and row.floor_fraction == 0.5
+    assert row.tflops == pytest.approx(8e6 / 40e-6 / 1e12)
+    table = bench.format_fp8_table([row], 4.0e12, "glm-4.5-air").splitlines()
+    assert "glm-4.5-air" in table[0] and "4000 GB/s" in table[0]
+    assert table[1].split()[:6] == ["T", "experts", "bf16", "µs", "fp8", "µs"]
+    assert table[2].split()[:8] == ["4", "10.0", "60.0", "40.0", "1.50", "20.0", "0.50",
+                                    f"{row.tflops:.1f}"]
+    for tokens in (1, 64, 8192):  # every sweep choice passes the FP8 tile rules
+        plan = moe_tiles(tokens, 8, 128, 4096, 1408, torch.device("cpu"), (1, 128))
+        for tiles in bench._fp8_sweep_tiles(tokens, layer):
+            fm._check_fp8_tiles(plan._replace(**tiles), 128, False)
+    # the engine's layout of a checkpoint: 128x128 blocks per shard, scales per row
+    w13, w2 = _experts(2, 48, 40, F32, seed=4)
+    fp8 = bench.fp8_experts(w13.cpu(), w2.cpu())
+    assert fp8["w13"].shape == (2, 80, 48) and fp8["w13_scale"].shape == (2, 80, 1)
+    assert fp8["w2_scale"].shape == (2, 48, 1) and fp8["block"] == (1, 128)
+    gate_scale = fp8["w13_scale"][:, :40]  # the gate shard's one block, on each of its rows
+    assert (gate_scale == gate_scale[:, :1]).all()
+    assert not torch.equal(fp8["w13_scale"][:, 40], fp8["w13_scale"][:, 39])

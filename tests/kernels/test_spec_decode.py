@@ -23,6 +23,9 @@ from mrv2_kernels.spec_decode import (
     strict_rejection,
     strict_rejection_ref,
     strict_rejection_triton,
+    write_drafts,
+    write_drafts_ref,
+    write_drafts_triton,
 )
 
 pytestmark = pytest.mark.filterwarnings(
@@ -363,3 +366,37 @@ def test_strict_rejection_more_rows_than_width() -> None:
         got.append((out.tolist(), num_out.tolist()))
     assert got[0] == got[1]
     assert got[0][1][0] == 3 and got[0][0][0] == target[:3].tolist()  # accepts all it can
+
+
+# ----------------------------------------------------------------------------- write_drafts
+
+
+@pytest.mark.parametrize("impl", [write_drafts_ref, write_drafts_triton, write_drafts])
+@pytest.mark.parametrize("table_dtype", [I32, I64])
+def test_write_drafts_stores_only_the_valid_entries(
+    impl: Callable[..., None], table_dtype: torch.dtype
+) -> None:
+    """Padding entries name live rows (as a CUDA graph's stale rows do): only valid entries
+    land, whatever the order of the duplicates; everything else keeps its value."""
+    gen = torch.Generator().manual_seed(3)
+    table = torch.randint(0, 1000, (6, 40), generator=gen, dtype=table_dtype).to(DEVICE)
+    before = table.clone()
+    rows = torch.tensor([4, 1, 3, 4, 1, 4, 0, 1], dtype=I64, device=DEVICE)  # 4 and 1 repeat
+    pos = torch.tensor([7, 30, 39, 7, 30, 7, 2, 30], dtype=I64, device=DEVICE)
+    drafts = torch.randint(1000, 2000, (8,), generator=gen, dtype=I64).to(DEVICE)
+    valid = torch.tensor([1, 1, 0, 0, 0, 0, 1, 0], dtype=torch.bool, device=DEVICE)
+    impl(table, rows, pos, drafts, valid)
+    expect = before.clone()
+    for i in range(8):
+        if valid[i]:
+            expect[rows[i], pos[i]] = drafts[i].to(table_dtype)
+    assert torch.equal(table.cpu(), expect.cpu())
+
+
+def test_write_drafts_rejects_bad_arguments() -> None:
+    table = torch.zeros(2, 4, dtype=I32, device=DEVICE)
+    rows = torch.zeros(3, dtype=I64, device=DEVICE)
+    with pytest.raises(ValueError, match="valid must be bool"):
+        write_drafts(table, rows, rows, rows, rows.to(I32))
+    with pytest.raises(ValueError, match=r"pos must be contiguous \[3\]"):
+        write_drafts(table, rows, rows[:2], rows, rows.bool())

@@ -92,10 +92,17 @@ def test_grouped_router_rejects_bad_config(field: str, kwargs: dict, match: str)
 
 
 def test_correction_bias_stays_fp32_when_the_model_moves_to_bf16() -> None:
-    router = GroupedTopKRouter(H, E, 2).to(torch.bfloat16)
-    assert router.weight.dtype == torch.bfloat16
+    """Loaded first, then ``model.to(bf16)`` (as the engine does): the bias keeps its exact
+    fp32 values, not bf16-rounded ones."""
+    router = GroupedTopKRouter(H, E, 2)
     assert router.e_score_correction_bias is not None
+    values = torch.randn(E, generator=torch.Generator().manual_seed(0)) * 0.1 + 1e-3
+    with torch.no_grad():
+        router.e_score_correction_bias.copy_(values)
+    router.to(torch.bfloat16)
+    assert router.weight.dtype == torch.bfloat16
     assert router.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(router.e_score_correction_bias, values)
 
 
 def test_expert_names_map_to_stacked_shards() -> None:

@@ -35,9 +35,36 @@ CPU_DEFAULTS: dict[str, Any] = {
 
 
 #: Acceptance rates of the ``synthetic_*`` variants.
-SYNTHETIC_RATES = (0.3, 0.6, 0.9)
+SYNTHETIC_RATES = (0.0, 0.3, 0.6, 0.9)
 #: Draft lengths of the ``self_draft_*`` variants.
 SELF_DRAFT_KS = (1, 2, 3, 4)
+#: Draft lengths of the ``eagle3_*`` variants (a drawn EAGLE-3 head: ``mrv2-plugin-eagle``).
+EAGLE3_KS = (1, 2, 3, 4)
+
+
+def eagle3_head_dir(model_dir: str) -> str:
+    """A temporary directory holding only the ``config.json`` of an EAGLE-3 head for the
+    target in ``model_dir`` (one midlayer of the target's widths, ``draft_vocab_size`` =
+    min(32000, vocab), the default aux layers), whose weights ``load_format="dummy"`` draws:
+    a random head accepts little, so its variants time the cost of drafting with it."""
+    import atexit
+    import json
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    target = json.loads((Path(model_dir) / "config.json").read_text())
+    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "rms_norm_eps", "max_position_embeddings", "rope_theta",
+            "rope_scaling", "rope_parameters", "vocab_size", "hidden_act")
+    head = {k: target[k] for k in keep if target.get(k) is not None}
+    head.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama",
+                num_hidden_layers=1, draft_vocab_size=min(32000, int(target["vocab_size"])),
+                tie_word_embeddings=False)
+    path = tempfile.mkdtemp(prefix="mrv2-eagle3-head-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    (Path(path) / "config.json").write_text(json.dumps(head, indent=2))
+    return path
 
 
 def bench_prompts(batch: int, prompt_len: int, seed: int) -> list[list[int]]:
@@ -143,6 +170,14 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "method": "draft_model", "model": model_dir, "num_speculative_tokens": k}}
            for k in SELF_DRAFT_KS},
     }
+    if any(v.startswith("eagle3_") for v in args.variants):
+        if args.load_format != "dummy":
+            raise SystemExit("the eagle3_K variants draw the head's weights: they need "
+                             "--load-format dummy")
+        head_dir = eagle3_head_dir(model_dir)
+        variants.update({f"eagle3_{k}": {"speculative_config": {
+            "method": "eagle3", "model": head_dir, "num_speculative_tokens": k}}
+            for k in EAGLE3_KS})
     results: dict[str, Any] = {"model": args.model, "device": args.device,
                                "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
     if cpu:
@@ -206,14 +241,18 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--variants", nargs="*", default=[],
                    choices=["async_off", "graphs_off", "ngram",
                             *(f"synthetic_{rate}" for rate in SYNTHETIC_RATES),
-                            *(f"self_draft_{k}" for k in SELF_DRAFT_KS)],
+                            *(f"self_draft_{k}" for k in SELF_DRAFT_KS),
+                            *(f"eagle3_{k}" for k in EAGLE3_KS)],
                    help="ngram: n-gram speculation, k=3 (random weights: acceptance is whatever "
                         "the random model's greedy loops give; read it as the cost of "
                         "verifying). synthetic_A: SYNTHETIC acceptance, the n-gram drafts kept "
                         "with probability A whatever the model says (the output is not the "
-                        "model's): what a drafter of that acceptance rate would give. "
+                        "model's): what a drafter of that acceptance rate would give; "
+                        "synthetic_0.0: the cost of verifying k drafts, all rejected. "
                         "self_draft_K: the target as its own draft model, K drafts (every one "
-                        "accepted: the ceiling of the machinery)")
+                        "accepted: the ceiling of the machinery). eagle3_K: a random EAGLE-3 "
+                        "head (one midlayer of the target's widths, mrv2-plugin-eagle; needs "
+                        "--load-format dummy), K drafts: the cost of drafting with it")
     p.add_argument("--json", default=None)
     p.set_defaults(func=main)
 

@@ -101,9 +101,13 @@ class ModelState:
         )
 
     def speculator_inputs(self, batch: InputBatch, hidden_states: torch.Tensor) -> SpeculatorInputs:
-        """What the speculator reads after this step: the last layer's hidden states by default
-        (a family whose drafter wants more, say several layers for Eagle3, adds them)."""
-        return SpeculatorInputs(hidden_states=hidden_states)
+        """What the speculator reads after this step: the last layer's hidden states, and the
+        rows of this step in the model's ``aux_hidden_states`` buffer when it keeps one (a
+        ``DecoderModel`` asked to by an Eagle3 drafter: ``keep_aux_hidden_states``)."""
+        aux = getattr(self.model, "aux_hidden_states", None)
+        if aux is None:
+            return SpeculatorInputs(hidden_states=hidden_states)
+        return SpeculatorInputs(hidden_states, aux[: batch.num_tokens_padded])
 
     # -- start-up ----------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ class SpeculatorInputs:
 
     hidden_states: torch.Tensor | None
     """``[num_tokens, hidden]`` last-layer hidden states of the step's tokens (MTP, Eagle)."""
-    aux_hidden_states: list[torch.Tensor] | None = None
-    """Extra layers' hidden states, ``[num_tokens, hidden]`` each (Eagle3), if the model keeps
-    them."""
+    aux_hidden_states: torch.Tensor | None = None
+    """``[num_tokens, n * hidden]``: the residual stream at the input of ``n`` chosen layers,
+    side by side (Eagle3), if the model keeps them (``DecoderModel.keep_aux_hidden_states``):
+    a view of a persistent buffer, valid until the next forward."""

@@ -61,6 +61,13 @@ class Speculator(ABC):
 
     #: Whether :meth:`propose` reads ``inputs.hidden_states`` (lets the runner skip them).
     needs_hidden_states: bool = False
+    #: Whether :meth:`propose` can be captured in a CUDA graph: device work only, shapes from
+    #: ``batch.num_reqs`` / ``batch.num_tokens_padded`` only, nothing kept from one call to the
+    #: next, and writes only where the request sampled (in a graph ``batch`` is the padded
+    #: batch: its padding requests have ``num_sampled == 0`` and stale, possibly live, rows;
+    #: :meth:`mrv2.spec_decode.drafting.DraftSteps.write` masks them). The runner then replays
+    #: one graph per padded decode size for all of a step's drafting.
+    cuda_graphs: bool = False
     #: KV slots past each step's last token that :meth:`propose` writes (a drafter with a cache
     #: of its own runs ahead of the target by up to ``k`` positions); the scheduler reserves
     #: them.

@@ -11,7 +11,7 @@ head (tied or not), the ``inputs_embeds`` path and the checkpoint-name mapping a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar, cast
 
 import torch
@@ -130,7 +130,11 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     """``embed_tokens``, ``layers`` (``make_layer(i)`` for each of ``num_layers``, default
-    ``config.num_hidden_layers``) and the final ``norm``: HF's ``model.*`` names."""
+    ``config.num_hidden_layers``) and the final ``norm``: HF's ``model.*`` names.
+
+    :meth:`keep_aux_hidden_states` makes every forward also copy the residual stream at the
+    input of chosen layers into a persistent buffer (Eagle3 drafts from them); off by default.
+    """
 
     def __init__(
         self, config: Any, make_layer: Callable[[int], nn.Module], num_layers: int | None = None
@@ -140,6 +144,49 @@ class DecoderModel(nn.Module):
         count = config.num_hidden_layers if num_layers is None else num_layers
         self.layers = nn.ModuleList(make_layer(i) for i in range(count))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.hidden_size = int(config.hidden_size)
+        #: ``[max_num_tokens, len(ids) * hidden]``, set by :meth:`keep_aux_hidden_states`.
+        self.aux_hidden_states: torch.Tensor | None = None
+        self._aux_slots: dict[int, list[int]] = {}
+
+    def keep_aux_hidden_states(self, layer_ids: Sequence[int], max_num_tokens: int
+                               ) -> torch.Tensor:
+        """From now on, every forward copies the residual stream at the *input* of each layer
+        of ``layer_ids`` (``hidden_states + residual`` there; the embeddings for layer 0) into
+        its column slice of one persistent buffer ``[max_num_tokens, len(layer_ids) *
+        hidden]``, slice ``j`` for ``layer_ids[j]``, which is returned (and kept as
+        :attr:`aux_hidden_states`). Allocated once, so a CUDA graph captured afterwards writes
+        into the same memory at every replay. Ids out of ``0 .. num_layers - 1`` are a
+        ``ValueError``."""
+        ids = [int(i) for i in layer_ids]
+        bad = [i for i in ids if not 0 <= i < len(self.layers)]
+        if not ids or bad:
+            raise ValueError(
+                f"aux hidden state layer ids {ids} must be in 0..{len(self.layers) - 1} (the "
+                f"model has {len(self.layers)} layers)"
+            )
+        weight = self.embed_tokens.weight
+        self.aux_hidden_states = torch.empty(max_num_tokens, len(ids) * self.hidden_size,
+                                             dtype=weight.dtype, device=weight.device)
+        self._aux_slots = {}
+        for slot, layer in enumerate(ids):
+            self._aux_slots.setdefault(layer, []).append(slot)
+        return self.aux_hidden_states
+
+    def _keep(self, layer: int, hidden_states: torch.Tensor, residual: torch.Tensor | None
+              ) -> None:
+        aux = self.aux_hidden_states
+        assert aux is not None
+        num_tokens, width = hidden_states.shape[0], self.hidden_size
+        if num_tokens > aux.shape[0]:
+            raise ValueError(f"a forward of {num_tokens} tokens exceeds the aux hidden state "
+                             f"buffer's {aux.shape[0]} rows")
+        for slot in self._aux_slots[layer]:
+            out = aux[:num_tokens, slot * width:(slot + 1) * width]
+            if residual is None:
+                out.copy_(hidden_states)
+            else:
+                torch.add(hidden_states, residual, out=out)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -147,8 +194,14 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
+        if self.aux_hidden_states is None:
+            for layer in self.layers:
+                hidden_states, residual = layer(positions, hidden_states, residual)
+        else:
+            for i, layer in enumerate(self.layers):
+                if i in self._aux_slots:
+                    self._keep(i, hidden_states, residual)
+                hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -183,6 +236,18 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` -> ``[N, vocab_size]`` in the model dtype."""
         return cast(torch.Tensor, self.lm_head(hidden_states))
+
+    def keep_aux_hidden_states(self, layer_ids: Sequence[int], max_num_tokens: int
+                               ) -> torch.Tensor:
+        """Keep the residual stream at the input of ``layer_ids`` in a persistent buffer
+        (:meth:`DecoderModel.keep_aux_hidden_states`); returns it."""
+        return self.model.keep_aux_hidden_states(layer_ids, max_num_tokens)
+
+    @property
+    def aux_hidden_states(self) -> torch.Tensor | None:
+        """The buffer of :meth:`keep_aux_hidden_states` (its first rows are the last forward's
+        tokens), or None when nothing is kept."""
+        return self.model.aux_hidden_states
 
     def rename(self, name: str) -> str | None:
         """A checkpoint tensor's parameter name, or None to skip it (RoPE caches; a tied

@@ -66,6 +66,11 @@ class LinearBase(nn.Module):
             self.bias = nn.Parameter(torch.empty(output_size))
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
+    def shard_rows(self, shard_id: object = None) -> tuple[int, int]:
+        """``(first output row, rows)`` a checkpoint tensor of ``shard_id`` fills: all of them
+        (fused layers override it)."""
+        return 0, self.output_size
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         """Copy a whole checkpoint tensor into ``param``."""
         with torch.no_grad():
@@ -120,14 +125,17 @@ class MergedColumnLinear(ColumnLinear):
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(self.output_sizes), bias, tp_size)
 
+    def shard_rows(self, shard_id: object = None) -> tuple[int, int]:
+        """``(first output row, rows)`` of shard ``shard_id``."""
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"shard_id must be in [0, {len(self.output_sizes)}), got {shard_id}")
+        return sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]
+
     def weight_loader(  # type: ignore[override]
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int
     ) -> None:
         """Copy checkpoint tensor ``loaded`` into shard ``shard_id`` of ``param``."""
-        if not 0 <= shard_id < len(self.output_sizes):
-            raise ValueError(f"shard_id must be in [0, {len(self.output_sizes)}), got {shard_id}")
-        start = sum(self.output_sizes[:shard_id])
-        size = self.output_sizes[shard_id]
+        start, size = self.shard_rows(shard_id)
         with torch.no_grad():
             _copy_checked(param.data.narrow(0, start, size), loaded, f"shard {shard_id}")
 
@@ -155,16 +163,20 @@ class QKVLinear(ColumnLinear):
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str
     ) -> None:
         """Copy HF's ``q_proj``/``k_proj``/``v_proj`` tensor (``shard_id`` "q", "k" or "v")."""
+        start, size = self.shard_rows(shard_id)
+        with torch.no_grad():
+            _copy_checked(param.data.narrow(0, start, size), loaded, f"shard {shard_id!r}")
+
+    def shard_rows(self, shard_id: object = None) -> tuple[int, int]:
+        """``(first output row, rows)`` of shard ``shard_id`` ("q", "k" or "v")."""
         offsets = {
             "q": (0, self.q_size),
             "k": (self.q_size, self.kv_size),
             "v": (self.q_size + self.kv_size, self.kv_size),
         }
-        if shard_id not in offsets:
+        if not isinstance(shard_id, str) or shard_id not in offsets:
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        start, size = offsets[shard_id]
-        with torch.no_grad():
-            _copy_checked(param.data.narrow(0, start, size), loaded, f"shard {shard_id!r}")
+        return offsets[shard_id]
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[T, q + 2 kv]`` -> ``q [T, q_size]``, ``k``, ``v`` ``[T, kv_size]`` (views)."""

@@ -192,12 +192,20 @@ class GroupedTopKRouter(nn.Module):
             )
 
     def _apply(self, fn: Any, recurse: bool = True) -> GroupedTopKRouter:
-        # ``model.to(dtype)`` runs before loading: keep the correction bias in fp32 (as the
-        # checkpoints store it), since a bf16 bias reorders near-tied experts.
-        super()._apply(fn, recurse)
-        bias = self.e_score_correction_bias
-        if bias is not None and bias.dtype != torch.float32:
-            bias.data = bias.data.float()
+        # ``model.to(dtype)`` (after loading) must only move the correction bias: it stays fp32,
+        # as the checkpoints store it, since a bf16-rounded bias reorders near-tied experts.
+        bias = self._parameters.pop("e_score_correction_bias", None)
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            if bias is not None:
+                device = fn(torch.empty(0)).device
+                if bias.device != device and not bias.is_meta:
+                    bias.data = bias.data.to(device)
+                elif bias.is_meta and device.type != "meta":
+                    bias = nn.Parameter(torch.empty_like(bias.data, device=device),
+                                        requires_grad=False)
+            self._parameters["e_score_correction_bias"] = bias
         return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,8 +1,10 @@
 """Rotary position embedding (neox style: the two halves of the rotary dims are rotated together).
 
-Supported HF rope types: ``default``, ``linear`` and ``llama3``. The parameters come either from a
-transformers 5 ``rope_parameters`` dict (holding ``rope_theta`` too) or from the older
-``rope_theta`` + ``rope_scaling`` pair; :func:`rope_parameters_of` reads both.
+Supported HF rope types: ``default``, ``linear``, ``llama3`` and ``yarn`` (with DeepSeek's
+``mscale`` / ``mscale_all_dim`` attention factor, which scales the cos/sin table). The
+parameters come either from a transformers 5 ``rope_parameters`` dict (holding ``rope_theta``
+too) or from the older ``rope_theta`` + ``rope_scaling`` pair; :func:`rope_parameters_of` reads
+both.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torch import nn
 
 from mrv2_kernels.rotary import KVWrite, QKNorm, rotary_embedding
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_parameters_of(config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -54,6 +56,8 @@ def _inv_freq(
         return (inv_freq / factor).float()
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, factor, scaling).float()
+    if rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, rotary_dim, base, factor, scaling).float()
     raise NotImplementedError(
         f"rope type {rope_type!r} is not supported; supported types: {SUPPORTED_ROPE_TYPES}"
     )
@@ -70,6 +74,61 @@ def _llama3_inv_freq(
     # 0 at the long-wavelength end of the blend band, 1 at its short-wavelength end.
     smooth = ((original_len / wavelen - low) / (high - low)).clamp(0.0, 1.0)
     return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_factor(scaling: Mapping[str, Any], max_position: int) -> float:
+    factor = scaling.get("factor")
+    if factor is None:  # DeepSeek-V3 style: the ratio of the context lengths
+        if "original_max_position_embeddings" not in scaling:
+            raise ValueError("rope_parameters: rope_type 'yarn' needs factor or "
+                             f"original_max_position_embeddings, got {dict(scaling)}")
+        return max_position / float(scaling["original_max_position_embeddings"])
+    return float(factor)
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, rotary_dim: int, base: float, factor: float,
+                   scaling: Mapping[str, Any]) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071): dimensions that rotate fewer than ``beta_slow`` times over the
+    original context are interpolated (divided by ``factor``), those rotating more than
+    ``beta_fast`` times kept, a linear ramp between."""
+    if "original_max_position_embeddings" not in scaling:
+        raise ValueError("rope_parameters.original_max_position_embeddings is required for "
+                         f"rope_type 'yarn', got {dict(scaling)}")
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+    original = float(scaling["original_max_position_embeddings"])
+
+    def dim_of(rotations: float) -> float:  # the dim that rotates ``rotations`` times
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float64, device=inv_freq.device) - low)
+            / (high - low)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def attention_factor_of(scaling: Mapping[str, Any] | None, max_position: int) -> float:
+    """The factor a rope type multiplies cos and sin by (1 but for YaRN: its
+    ``attention_factor``, else from ``factor`` with DeepSeek's ``mscale`` /
+    ``mscale_all_dim``)."""
+    if scaling is None or _rope_type(scaling) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = _yarn_factor(scaling, max_position)
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
+    return _yarn_mscale(factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -97,6 +156,9 @@ class RotaryEmbedding(nn.Module):
         self.max_position = max_position
         self.base = base
         self.scaling = dict(scaling) if scaling else None
+        if self.scaling is not None and _rope_type(self.scaling) == "yarn":
+            self.scaling["factor"] = _yarn_factor(self.scaling, max_position)
+        self.attention_factor = attention_factor_of(self.scaling, max_position)
         _inv_freq(self.rotary_dim, base, self.scaling)  # fail on an unsupported type right away
         self._cos_sin: torch.Tensor | None = None
 
@@ -105,7 +167,7 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _inv_freq(self.rotary_dim, self.base, self.scaling, device)
             positions = torch.arange(self.max_position, dtype=torch.float32, device=device)
             freqs = torch.outer(positions, inv_freq)
-            self._cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+            self._cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * self.attention_factor
         return self._cos_sin
 
     def forward(

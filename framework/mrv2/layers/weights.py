@@ -18,7 +18,9 @@ from torch import nn
 StackedMapping = Sequence[tuple[str, str, Any]]
 """``(fused_fragment, checkpoint_fragment, shard_id)``, e.g. ``("qkv_proj", "q_proj", "q")``."""
 
-_EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_NAME = re.compile(
+    r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.(weight|weight_scale_inv)$"
+)
 _STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 _EXPERT_SHARD = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
                  "down_proj": "down", "w2": "down"}
@@ -36,7 +38,8 @@ def expert_weight_target(name: str) -> tuple[str, Any] | None:
     if m is not None:
         kind = _EXPERT_SHARD[m.group(3)]
         param = "w2_weight" if kind == "down" else "w13_weight"
-        return f"{m.group(1)}.{param}", (int(m.group(2)), kind)
+        suffix = "_scale_inv" if m.group(4) == "weight_scale_inv" else ""  # fp8 checkpoints
+        return f"{m.group(1)}.{param}{suffix}", (int(m.group(2)), kind)
     m = _STACKED_EXPERTS.match(name)
     if m is not None:
         param = "w13_weight" if m.group(2) == "gate_up_proj" else "w2_weight"
@@ -79,6 +82,24 @@ def load_param(
         raise ValueError(f"cannot load {what} into parameter {name!r}: {e}") from e
 
 
+def checkpoint_target(
+    ckpt_name: str, stacked: StackedMapping = (),
+    rename: Callable[[str], str | None] = lambda name: name,
+) -> tuple[str, Any] | None:
+    """``(parameter name, shard_id)`` checkpoint tensor ``ckpt_name`` loads into (see
+    :func:`load_stacked_weights`), or None when ``rename`` skips it."""
+    name = rename(ckpt_name)
+    if name is None:
+        return None
+    expert = expert_weight_target(name) if ".experts." in name else None
+    if expert is not None:
+        return expert
+    for fused, fragment, shard in stacked:
+        if f".{fragment}." in name:
+            return name.replace(f".{fragment}.", f".{fused}."), shard
+    return name, None
+
+
 def load_stacked_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
@@ -96,18 +117,10 @@ def load_stacked_weights(
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for ckpt_name, tensor in weights:
-        name = rename(ckpt_name)
-        if name is None:
+        target = checkpoint_target(ckpt_name, stacked, rename)
+        if target is None:
             continue
-        shard_id = None
-        expert = expert_weight_target(name) if ".experts." in name else None
-        if expert is not None:
-            name, shard_id = expert
-        else:
-            for fused, fragment, shard in stacked:
-                if f".{fragment}." in name:
-                    name, shard_id = name.replace(f".{fragment}.", f".{fused}."), shard
-                    break
+        name, shard_id = target
         if name not in params:
             raise ValueError(
                 f"checkpoint tensor {ckpt_name!r} matches no parameter of "

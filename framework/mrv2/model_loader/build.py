@@ -77,28 +77,65 @@ def build_model(
     dtype: torch.dtype,
 ) -> tuple[nn.Module, ModelEntry]:
     """Instantiate the registered model class on ``device`` and load (or draw) its weights."""
-    from mrv2.model_loader.loader import init_dummy_weights, iter_safetensors, load_model_weights
+    from mrv2.layers.fp8 import apply_fp8, draw_fp8_weights, fp8_config_of, log_fp8_memory
+    from mrv2.model_loader.loader import (
+        checkpoint_names,
+        init_dummy_weights,
+        iter_safetensors,
+        load_model_weights,
+    )
 
     architectures = list(getattr(hf_config, "architectures", None) or [])
     if not architectures:
         raise ValueError(f"{model_dir}/config.json names no 'architectures'")
     entry = registries.resolve_model(architectures)
     model_cls = import_object(entry.model)
+    dummy = config.model.load_format == "dummy"
+    fp8 = fp8_config_of(hf_config, config.model.quantization)
+    # An fp8 model is built on the meta device and allocated once its layers are fp8: its
+    # model-dtype weights may not fit (GLM-4.5-Air: 212 GB in bf16, 111 GB in fp8).
+    on_meta = fp8 is not None and (dummy or fp8.from_checkpoint)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device("meta" if on_meta else device):
             model = model_cls(hf_config)
     finally:
         torch.set_default_dtype(previous)
-    if config.model.load_format == "dummy":
+    if fp8 is not None:
+        names: list[str] = []
+        if fp8.from_checkpoint and not dummy:
+            names = fp8_layer_names(model, checkpoint_names(model_dir))
+        apply_fp8(model, fp8, dummy, names, dtype)
+    if on_meta:
+        model.to_empty(device=device)  # every parameter is then loaded or drawn
+    if dummy:
         init_dummy_weights(model, seed=config.model.seed)
+        draw_fp8_weights(model, seed=config.model.seed, std=0.02)
     else:
         load_model_weights(model, iter_safetensors(model_dir))
     model.to(device=device, dtype=dtype)
     model.eval()
     process_weights_after_loading(model)
+    if fp8 is not None:
+        log_fp8_memory(model, dtype)
     return model, entry
+
+
+def fp8_layer_names(model: nn.Module, names: list[str]) -> list[str]:
+    """The model's parameter names the checkpoint's ``*.weight_scale_inv`` tensors load into
+    (through the model's ``rename`` and stacking, when it has them)."""
+    from mrv2.layers.weights import checkpoint_target
+
+    rename = getattr(model, "rename", lambda name: name)
+    stacked = getattr(model, "stacked_params", ())
+    out = []
+    for name in names:
+        if name.endswith("_scale_inv"):
+            target = checkpoint_target(name, stacked, rename)
+            if target is not None:
+                out.append(target[0])
+    return out
 
 
 def process_weights_after_loading(model: nn.Module) -> None:

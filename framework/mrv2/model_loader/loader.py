@@ -61,6 +61,15 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
     return _iter_files(_safetensors_files(Path(model_dir)))
 
 
+def checkpoint_names(model_dir: str | Path) -> list[str]:
+    """The names of every tensor of the checkpoint in ``model_dir`` (headers only)."""
+    names: list[str] = []
+    for path in _safetensors_files(Path(model_dir)):
+        with safe_open(str(path), framework="pt") as f:
+            names += list(f.keys())
+    return names
+
+
 def _iter_files(paths: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for path in paths:
         with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -100,9 +109,12 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
     finite and small so the activations stay sane.
     """
     norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
     generators: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if param.dtype in fp8:  # drawn by their layer (mrv2.layers.fp8.draw_fp8_weights)
+                continue
             if id(param) in norm_weights:
                 param.fill_(1.0)
             elif name.endswith("bias"):

@@ -6,6 +6,12 @@ graph replays the model forward and the logits of every token over the persisten
 buffers. Padding requests have zero-length queries and padding tokens write no KV (slot -1), so
 they change nothing. Attention metadata baked into a graph bounds sequence length by
 ``max_model_len``; the kernels read the real lengths from the buffers.
+
+A speculator whose ``propose`` is capturable (``Speculator.cuda_graphs``) gets a second graph
+per ``(1 + k, size)``: all of a decode step's drafting (the drafter's catch-up and its ``k``
+draft steps) over the target graph's hidden-state output and a persistent copy of the step's
+samples, replayed right after sampling. Its padding requests sampled nothing, so they draft
+nothing.
 """
 
 from __future__ import annotations
@@ -15,9 +21,15 @@ from collections.abc import Callable
 import torch
 
 from mrv2.contract.batch import InputBatch
+from mrv2.contract.samples import StepSamples
 
 Outputs = tuple[torch.Tensor, torch.Tensor]
 """``(hidden states [T, hidden], logits [T, vocab])`` of a captured step."""
+
+
+def _sync() -> None:
+    if torch.cuda.is_initialized():  # a CPU stand-in capture (tests) has nothing to wait for
+        torch.cuda.synchronize()
 
 
 def capture_sizes(max_num_reqs: int, limit: int = 512) -> list[int]:
@@ -38,6 +50,8 @@ class DecodeGraphs:
         self.plan = {q: sorted(s for s in sizes if s * q <= max_num_tokens) for q in query_lens}
         self.graphs: dict[tuple[int, int], object] = {}
         self.outputs: dict[tuple[int, int], Outputs] = {}
+        self.draft_graphs: dict[tuple[int, int], object] = {}
+        self._draft_samples: StepSamples | None = None
 
     def padded_size(self, query_len: int, num_reqs: int) -> int | None:
         """The captured size a batch of ``num_reqs`` requests of ``query_len`` tokens replays
@@ -62,7 +76,7 @@ class DecodeGraphs:
         for q, size in sorted(keys, key=lambda k: k[0] * k[1], reverse=True):
             batch = dummy_batch(size, q)
             forward(batch)  # warm up: compile kernels outside the capture
-            torch.cuda.synchronize()
+            _sync()
             out: dict[str, Outputs] = {}
 
             def body(batch: InputBatch = batch, out: dict[str, Outputs] = out) -> Outputs:
@@ -73,9 +87,59 @@ class DecodeGraphs:
             if graph is not None:
                 self.graphs[(q, size)] = graph
                 self.outputs[(q, size)] = out["step"]
-        torch.cuda.synchronize()
+        _sync()
 
     def replay(self, query_len: int, size: int) -> Outputs:
         """Replay the graph of ``(query_len, size)``; returns its output buffers."""
         self.graphs[(query_len, size)].replay()  # type: ignore[attr-defined]
         return self.outputs[(query_len, size)]
+
+    def capture_drafts(
+        self,
+        query_len: int,
+        dummy_batch: Callable[[int, int], InputBatch],
+        propose: Callable[[InputBatch, StepSamples, torch.Tensor], None],
+        capture: Callable[[InputBatch, Callable[[], None]], object],
+    ) -> None:
+        """Capture ``propose(batch, samples, hidden)`` after every captured ``(query_len, size)``
+        step, over that graph's hidden states and persistent samples (nothing sampled during
+        capture, so the warm-up and the capture write no drafts and no KV)."""
+        sizes = [s for s in self.plan.get(query_len, ()) if (query_len, s) in self.graphs]
+        if not sizes:
+            return
+        top = max(sizes)
+        device = self.outputs[(query_len, top)][0].device
+        static = self._draft_samples = StepSamples(
+            torch.full((top, query_len), -1, dtype=torch.int64, device=device),
+            torch.zeros(top, dtype=torch.int32, device=device),
+        )
+        for size in sorted(sizes, reverse=True):
+            batch = dummy_batch(size, query_len)
+            samples = StepSamples(static.tokens[:size], static.num_sampled[:size])
+            hidden = self.outputs[(query_len, size)][0]
+            propose(batch, samples, hidden)  # warm up: compile kernels outside the capture
+            _sync()
+
+            def body(batch: InputBatch = batch, samples: StepSamples = samples,
+                     hidden: torch.Tensor = hidden) -> None:
+                propose(batch, samples, hidden)
+
+            graph = capture(batch, body)
+            if graph is not None:
+                self.draft_graphs[(query_len, size)] = graph
+        _sync()
+
+    def replay_drafts(self, query_len: int, size: int, samples: StepSamples) -> bool:
+        """Replay the drafting graph of ``(query_len, size)`` for this step's ``samples``
+        (copied in; the padding requests' counts zeroed); False when there is none."""
+        graph = self.draft_graphs.get((query_len, size))
+        if graph is None:
+            return False
+        static = self._draft_samples
+        assert static is not None
+        num_reqs, width = samples.tokens.shape
+        static.num_sampled[:num_reqs].copy_(samples.num_sampled)
+        static.num_sampled[num_reqs:size].zero_()
+        static.tokens[:num_reqs, :width].copy_(samples.tokens)
+        graph.replay()  # type: ignore[attr-defined]
+        return True

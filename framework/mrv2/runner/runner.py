@@ -14,6 +14,7 @@ It returns without waiting: ``AsyncStepOutput.result()`` is the only wait.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -121,13 +122,7 @@ class Runner:
         self._copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.device.enforce_eager:
-            query_lens = sorted({1, 1 + self.num_speculative_tokens})
-            self.graphs = DecodeGraphs(capture_sizes(self.max_num_reqs), query_lens,
-                                       self.max_num_tokens)
-            with torch.inference_mode():
-                self.graphs.capture_all(self._graph_dummy_batch, self._forward_all_logits,
-                                        self.model_state.capture_cuda_graph)
-        self.builder.graphs = self.graphs
+            self.capture_graphs(self.model_state.capture_cuda_graph)
 
     @classmethod
     def from_config(cls, config: EngineConfig, plugins: PluginManager | None = None) -> Runner:
@@ -227,12 +222,20 @@ class Runner:
             self.table.num_tokens,
         )
         self.sampler.record_sampled(batch, samples)
-        if self.speculator is not None:
-            inputs = SpeculatorInputs(None)
-            if self.speculator.needs_hidden_states:
-                inputs = self.model_state.speculator_inputs(batch, hidden)
-            self.speculator.propose(batch, samples, inputs, self.table)
+        if self.speculator is not None and not (
+            step.replay_query_len and self.graphs is not None
+            and self.graphs.replay_drafts(step.replay_query_len, batch.num_reqs_padded, samples)
+        ):
+            self._propose(batch, samples, hidden)
         return samples, out, prompt_lps
+
+    def _propose(self, batch: InputBatch, samples: StepSamples, hidden: torch.Tensor) -> None:
+        """The speculator's drafting after a step (eager, or a drafting graph's body)."""
+        assert self.speculator is not None
+        inputs = SpeculatorInputs(None)
+        if self.speculator.needs_hidden_states:
+            inputs = self.model_state.speculator_inputs(batch, hidden)
+        self.speculator.propose(batch, samples, inputs, self.table)
 
     def _start_output_copy(
         self, step: StepPlan, samples: StepSamples, out: SamplerOutput,
@@ -277,6 +280,21 @@ class Runner:
         return result
 
     # -- start-up ----------------------------------------------------------------------------
+
+    def capture_graphs(self, capture: Callable[[InputBatch, Callable[[], Any]], object]) -> None:
+        """Capture the uniform-decode graphs (``1`` and ``1 + k`` tokens per request, every
+        padded size) and, for a capturable speculator, its drafting graphs, with ``capture``
+        (the ModelState's; tests pass a stand-in that replays eagerly, to run the padded graph
+        path on the CPU). Decode steps replay them from then on."""
+        query_lens = sorted({1, 1 + self.num_speculative_tokens})
+        self.graphs = DecodeGraphs(capture_sizes(self.max_num_reqs), query_lens,
+                                   self.max_num_tokens)
+        with torch.inference_mode():
+            self.graphs.capture_all(self._graph_dummy_batch, self._forward_all_logits, capture)
+            if self.speculator is not None and self.speculator.cuda_graphs:
+                self.graphs.capture_drafts(1 + self.num_speculative_tokens,
+                                           self._graph_dummy_batch, self._propose, capture)
+        self.builder.graphs = self.graphs
 
     def _profile_peak_bytes(self) -> int:
         """Activation memory of the largest step, measured by one dummy forward (CUDA only)."""

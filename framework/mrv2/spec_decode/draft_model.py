@@ -44,6 +44,8 @@ class DraftModelSpeculator(Speculator):
     in ``DIR`` (any registered architecture, the target's vocabulary size) drafts ``k`` tokens
     per step. The draft model is loaded by :meth:`build` (it needs the model registry)."""
 
+    cuda_graphs = True
+
     def __init__(self, config: EngineConfig, model_state: ModelState,
                  device: torch.device) -> None:
         super().__init__(config, model_state, device)

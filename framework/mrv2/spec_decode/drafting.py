@@ -17,6 +17,7 @@ from mrv2.contract.attention import AttentionMetadata
 from mrv2.contract.batch import InputBatch
 from mrv2.contract.state_table import RequestStateTable
 from mrv2_kernels.gumbel import gumbel_sample
+from mrv2_kernels.spec_decode import write_drafts
 
 _GREEDY_EPS = 1e-5
 
@@ -45,11 +46,14 @@ class DraftSteps:
         self.max_seq_len = min(batch.max_seq_len + 1 + num_drafts, self.width)
 
     def positions(self, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(pos, valid)``: position ``num_tokens - 1 + offset`` of each request (clamped into
-        the row), and whether it is an active request's whose draft slot ``pos + 1`` exists."""
+        """``(pos, valid)``: position ``num_tokens - 1 + offset`` of each request, and whether
+        it is an active request's whose draft slot ``pos + 1`` exists. Clamped into
+        ``1 .. width - 2``, so ``pos - 1`` and ``pos + 1`` address the row for every request: an
+        active one has ``num_tokens >= 2`` (a prompt token and a sampled one), an inactive one
+        (a prompt chunk, a graph's padding on a free row) may have none."""
         pos = self.num_tokens - 1 + offset
         valid = self.active & (pos + 1 < self.width)
-        return pos.clamp(min=0, max=self.width - 2), valid
+        return pos.clamp(min=1, max=self.width - 2), valid
 
     def metadata(self, pos: torch.Tensor, valid: torch.Tensor) -> AttentionMetadata:
         """Attention metadata of one token per request at ``pos`` (KV written only where
@@ -83,7 +87,6 @@ class DraftSteps:
         return drafts
 
     def write(self, pos: torch.Tensor, drafts: torch.Tensor, valid: torch.Tensor) -> None:
-        """Store ``drafts`` at ``pos`` in the token rows of the ``valid`` requests."""
-        current = self.table.token_ids[self.rows, pos]
-        self.table.token_ids[self.rows, pos] = torch.where(valid, drafts.to(current.dtype),
-                                                           current)
+        """Store ``drafts`` at ``pos`` in the token rows of the ``valid`` requests (masked
+        stores: a CUDA graph's padding requests may name live rows)."""
+        write_drafts(self.table.token_ids, self.rows, pos.contiguous(), drafts, valid)

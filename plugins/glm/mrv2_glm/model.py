@@ -61,8 +61,6 @@ def validate_config(config: Any) -> None:
             value = getattr(config, field, None)
             raise ValueError(f"Glm4MoeForCausalLM: config.{field} = {value!r}: {what}")
 
-    need(getattr(config, "quantization_config", None) is None, "quantization_config",
-         "quantized (e.g. FP8) GLM checkpoints are not supported yet; use the bf16 checkpoint")
     need(config.hidden_act == "silu", "hidden_act", "the experts and MLPs support 'silu' only")
     need(config.num_attention_heads % config.num_key_value_heads == 0, "num_key_value_heads",
          f"must divide num_attention_heads ({config.num_attention_heads})")

@@ -100,8 +100,7 @@ def test_layer_layout() -> None:
      ({"n_routed_experts": 6, "n_group": 4}, "n_group"),
      ({"topk_group": 5}, "topk_group"),
      ({"num_experts_per_tok": 5}, "num_experts_per_tok"),
-     ({"partial_rotary_factor": 0.25, "head_dim": 20}, "partial_rotary_factor"),
-     ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config")],
+     ({"partial_rotary_factor": 0.25, "head_dim": 20}, "partial_rotary_factor")],
 )
 def test_config_errors_name_the_field(overrides: dict[str, Any], field: str) -> None:
     config = glm_config()

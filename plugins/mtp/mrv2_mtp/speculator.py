@@ -45,6 +45,7 @@ class MTPSpeculator(Speculator):
     draft, as GLM-4.x and DeepSeek-V3 are run)."""
 
     needs_hidden_states = True
+    cuda_graphs = True
 
     def __init__(self, config: EngineConfig, model_state: ModelState,
                  device: torch.device) -> None:

@@ -17,6 +17,7 @@ from mrv2 import LLM, EngineConfig, Runner, SamplingParams
 from mrv2.attention import set_forward_context
 from mrv2.contract.requests import NewRequest, SchedulerOutput
 from mrv2.testing import (
+    emulate_cuda_graphs,
     make_tiny_checkpoint,
     poisoned_caches,
     redraw_weights,
@@ -118,6 +119,29 @@ def test_seeded_sampling_equals_plain(checkpoint: Path) -> None:
     expected, _ = _run(checkpoint, None, params)
     got, _ = _run(checkpoint, {**MTP, "num_speculative_tokens": 3}, params)
     assert got == expected
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_drafting_graphs_equal_plain(checkpoint: Path, temperature: float) -> None:
+    """The padded graph path (emulated on the CPU): three requests pad to four, drafting
+    replays its graph; greedy and seeded outputs equal the plain path's."""
+    prompts = PROMPTS[:3]
+    params = [SamplingParams(temperature=temperature, seed=s, max_tokens=NEW, ignore_eos=True)
+              for s in range(len(prompts))]
+
+    def run(spec: dict[str, Any] | None) -> tuple[list[list[int]], LLM]:
+        kwargs = {} if spec is None else {"speculative_config": spec}
+        llm = LLM(str(checkpoint), device="cpu", dtype="float32", block_size=4, max_num_seqs=4,
+                  **kwargs)
+        emulate_cuda_graphs(llm.engine.runner)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], llm
+
+    expected = run(None)[0]
+    got, llm = run(MTP)
+    assert got == expected
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and graphs.draft_graphs[(3, 4)].replays > 0  # type: ignore
 
 
 def test_target_without_mtp_layers_is_refused(tmp_path: Path) -> None:

@@ -1,0 +1,25 @@
+"""mrv2 model plugin for DeepSeek-V2 / V2-Lite / V3 (``DeepseekV2ForCausalLM``,
+``DeepseekV3ForCausalLM``): multi-head latent attention over a latent KV cache, and MoE.
+Exports resolve lazily: importing this is cheap."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mrv2_deepseek.mla import MLAAttention, MLABackend
+    from mrv2_deepseek.model import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+
+__all__ = ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "MLAAttention", "MLABackend"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+        from mrv2_deepseek import model
+
+        return getattr(model, name)
+    if name in ("MLAAttention", "MLABackend"):
+        from mrv2_deepseek import mla
+
+        return getattr(mla, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

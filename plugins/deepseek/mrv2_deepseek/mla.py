@@ -1,0 +1,210 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over a latent KV cache, in the absorbed form.
+
+Per token the layer computes the compressed latent ``c = kv_a_layernorm(x W_DKV)`` (``R =
+kv_lora_rank`` values) and one roped key ``k_pe`` (``P = qk_rope_head_dim``) shared by every
+head; the cache keeps just those ``R + P`` values per token and layer
+(:class:`~mrv2.contract.kv_cache.LatentKVSpec`), against ``2 * H * D`` for multi-head attention.
+Head ``h``'s key is ``[c W_UK[h] ; k_pe]`` and its value ``c W_UV[h]`` (``kv_b_proj`` holds
+``W_UK`` and ``W_UV``). Attention never decompresses them: the key up-projection folds into
+the query (``q_lat[h] = q_nope[h] W_UK[h]^T``, so ``q_lat[h] . c = q_nope[h] . (c W_UK[h])``),
+the scores are ``q_lat . c + q_pe . k_pe``, the weighted sum of latents comes out per head and
+the value up-projection runs after (``out[h] = o_lat[h] W_UV[h]^T``). One latent row serves
+all heads, so the kernel reads each cached token once per head group
+(:mod:`mrv2_kernels.mla_attention`).
+
+RoPE: DeepSeek rotates interleaved pairs ``(x0, x1), (x2, x3), ...``. The same scores come from
+the core's half-split (neox) rotation if the rope rows of the query and key projections are
+permuted (even dimensions first, then odd) at load time: both sides move together, so every
+dot product is unchanged, and the rotary kernel stays the shared one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from mrv2.contract.attention import AttentionBackend, AttentionMetadata
+from mrv2.contract.forward_context import get_forward_context
+from mrv2.contract.kv_cache import KVCacheLayer, LatentKVSpec
+from mrv2.layers import ColumnLinear, RMSNorm, RotaryEmbedding, RowLinear
+from mrv2.layers.fp8 import FP8, Fp8LinearMixin
+from mrv2.layers.rotary import rope_parameters_of
+from mrv2_kernels.mla_attention import mla_cache_write, mla_decode_attention
+
+#: The eps of DeepSeek's q_a / kv_a RMSNorms (HF builds them with the default).
+LATENT_NORM_EPS = 1e-6
+
+
+class MLABackend(AttentionBackend):
+    """Attention over a ``"latent"`` cache ``[num_blocks, block_size, R + P]`` in the absorbed
+    form: Triton kernels on CUDA, their torch references on the CPU (the dispatch of
+    :mod:`mrv2_kernels.mla_attention`)."""
+
+    name = "mla"
+
+    def write(self, latent: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        """Store ``latent`` ``[T, R]`` and ``k_pe`` ``[T, P]`` at the ``slot_mapping`` slots
+        (negative: not written)."""
+        mla_cache_write(latent, k_pe, cache, slot_mapping)
+
+    def forward(self, q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Causal attention of ``q_latent`` ``[T, H, R]`` / ``q_pe`` ``[T, H, P]`` over the
+        cache; returns the per-head weighted latents ``[T, H, R]``."""
+        out = torch.empty_like(q_latent)
+        mla_decode_attention(
+            q_latent, q_pe, cache, metadata.block_table, metadata.seq_lens,
+            metadata.query_start_loc, metadata.max_query_len, scale, out,
+            num_reqs=metadata.num_reqs, max_seq_len=metadata.max_seq_len,
+        )
+        return out
+
+
+def deinterleave_rows(weight: torch.Tensor, num_heads: int, head_dim: int, rope_dim: int
+                      ) -> torch.Tensor:
+    """``weight`` ``[num_heads * head_dim, K]`` with each head's last ``rope_dim`` output rows
+    reordered from interleaved pairs to halves (even rows, then odd)."""
+    order = torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)])
+    rows = weight.view(num_heads, head_dim, -1)
+    rope = rows[:, head_dim - rope_dim:, :]
+    rope.copy_(rope[:, order.to(weight.device), :].clone())
+    return weight
+
+
+def _row_tensors(layer: ColumnLinear) -> list[torch.Tensor]:
+    """Every tensor indexed by the layer's output rows, 2-D: the weight (an fp8 one viewed as
+    bytes), its per-row fp8 scales, the bias."""
+    weight = layer.weight.data
+    rows = [weight.view(torch.uint8) if weight.dtype == FP8 else weight]
+    scale = getattr(layer, "weight_scale_inv", None)
+    if scale is not None:
+        rows.append(scale.data)
+    if layer.bias is not None:
+        rows.append(layer.bias.data[:, None])
+    return rows
+
+
+class MLAAttention(KVCacheLayer):
+    """DeepSeek's attention (HF's ``self_attn.*`` names): ``q_proj`` (or ``q_a_proj``,
+    ``q_a_layernorm``, ``q_b_proj`` with ``q_lora_rank``), ``kv_a_proj_with_mqa``,
+    ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``; caches ``kv_lora_rank + qk_rope_head_dim``
+    values per token in KV cache layer ``layer_idx``."""
+
+    def __init__(self, config: Any, layer_idx: int, rope: RotaryEmbedding,
+                 interleaved_rope: bool) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        hidden = config.hidden_size
+        self.num_heads = h = int(config.num_attention_heads)
+        self.nope = int(config.qk_nope_head_dim)
+        self.rope_dim = int(config.qk_rope_head_dim)
+        self.v_dim = int(config.v_head_dim)
+        self.rank = int(config.kv_lora_rank)
+        self.qk_dim = self.nope + self.rope_dim
+        bias = bool(getattr(config, "attention_bias", False))
+        self.q_lora_rank = config.q_lora_rank
+        self.q_proj: ColumnLinear | None = None
+        self.q_a_proj: ColumnLinear | None = None
+        self.q_a_layernorm: RMSNorm | None = None
+        self.q_b_proj: ColumnLinear | None = None
+        if self.q_lora_rank is None:
+            self.q_proj = ColumnLinear(hidden, h * self.qk_dim)
+        else:
+            self.q_a_proj = ColumnLinear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=LATENT_NORM_EPS)
+            self.q_b_proj = ColumnLinear(self.q_lora_rank, h * self.qk_dim)
+        self.kv_a_proj_with_mqa = ColumnLinear(hidden, self.rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.rank, eps=LATENT_NORM_EPS)
+        self.kv_b_proj = ColumnLinear(self.rank, h * (self.nope + self.v_dim))
+        self.o_proj = RowLinear(h * self.v_dim, hidden, bias=bias)
+        self.rotary_emb = rope
+        self.interleaved_rope = interleaved_rope
+        _, scaling = rope_parameters_of(config)
+        scale = self.qk_dim**-0.5
+        if scaling is not None and scaling.get("mscale_all_dim") and scaling.get("factor"):
+            # DeepSeek's YaRN: the softmax scale carries mscale(factor, mscale_all_dim)^2
+            factor = float(scaling["factor"])
+            if factor > 1:
+                mscale = 0.1 * float(scaling["mscale_all_dim"]) * math.log(factor) + 1.0
+                scale *= mscale * mscale
+        self.scale = scale
+        # the up-projections per head, from kv_b_proj after loading
+        self.w_uk: torch.Tensor | None = None  # [H, nope, R]
+        self.w_uv_t: torch.Tensor | None = None  # [H, R, v]
+
+    def kv_cache_spec(self) -> LatentKVSpec:
+        """``kv_lora_rank + qk_rope_head_dim`` values per token."""
+        return LatentKVSpec(self.rank + self.rope_dim)
+
+    def process_weights_after_loading(self) -> None:
+        """Rope rows to the half-split order (interleaved checkpoints) and the per-head
+        up-projections out of ``kv_b_proj``. Runs before the linears' own hooks."""
+        with torch.no_grad():
+            if self.interleaved_rope:
+                q = self.q_proj if self.q_proj is not None else self.q_b_proj
+                assert q is not None
+                for rows in _row_tensors(q):
+                    deinterleave_rows(rows, self.num_heads, self.qk_dim, self.rope_dim)
+                for rows in _row_tensors(self.kv_a_proj_with_mqa):
+                    deinterleave_rows(rows, 1, self.rank + self.rope_dim, self.rope_dim)
+            kv_b = self.kv_b_proj
+            weight = kv_b.weight.data
+            if isinstance(kv_b, Fp8LinearMixin) and weight.dtype == FP8:
+                weight = kv_b.dequantized(self.kv_a_layernorm.weight.dtype)
+            w = weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
+            self.w_uk = w[:, : self.nope, :].contiguous()
+            self.w_uv_t = w[:, self.nope:, :].transpose(1, 2).contiguous()
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        num_tokens, h = x.shape[0], self.num_heads
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            assert self.q_a_proj is not None and self.q_a_layernorm is not None
+            assert self.q_b_proj is not None
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(num_tokens, h, self.qk_dim)
+        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent.contiguous())
+        q_pe, k_pe = self.rotary_emb(positions, q_pe.contiguous(), k_pe.contiguous())
+        ctx = get_forward_context()
+        cache = ctx.kv_cache(self.layer_idx)
+        backend = cast(MLABackend, ctx.backend(self.layer_idx))
+        backend.write(latent, k_pe.reshape(num_tokens, self.rope_dim), cache,
+                      ctx.metadata.slot_mapping)
+        assert self.w_uk is not None and self.w_uv_t is not None, "weights not processed"
+        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
+        out = backend.forward(q_latent.contiguous(), q_pe.reshape(num_tokens, h, self.rope_dim),
+                              cache, ctx.metadata, self.scale)
+        values = torch.bmm(out.transpose(0, 1), self.w_uv_t).transpose(0, 1)
+        return cast(torch.Tensor, self.o_proj(values.reshape(num_tokens, h * self.v_dim)))
+
+
+class MLADecoderLayer(nn.Module):
+    """A pre-norm decoder layer around :class:`MLAAttention` (HF's ``input_layernorm``,
+    ``self_attn``, ``post_attention_layernorm``, ``mlp``), the residual add fused into the
+    norms as in :class:`mrv2.layers.DecoderLayer`."""
+
+    def __init__(self, config: Any, self_attn: MLAAttention, mlp: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        from mrv2.layers import norm_mlp
+
+        if residual is None:
+            residual = hidden_states
+            x = self.input_layernorm(hidden_states)
+        else:
+            x, residual = self.input_layernorm(hidden_states, residual)
+        out = self.self_attn(positions, x)
+        return norm_mlp(self.post_attention_layernorm, self.mlp, out, residual)

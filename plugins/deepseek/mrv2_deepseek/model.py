@@ -1,0 +1,150 @@
+"""DeepSeek-V2 / V2-Lite (``DeepseekV2ForCausalLM``) and DeepSeek-V3 (``DeepseekV3ForCausalLM``),
+as transformers models them.
+
+- Attention: multi-head latent attention (:mod:`mrv2_deepseek.mla`): an optional
+  ``q_lora_rank`` (V2-Lite has none), ``kv_lora_rank``, ``qk_nope_head_dim``,
+  ``qk_rope_head_dim``, ``v_head_dim``; RoPE over the ``qk_rope_head_dim`` part only, interleaved
+  pairs (V2 always; V3 per ``rope_interleave``), YaRN with DeepSeek's ``mscale`` /
+  ``mscale_all_dim`` (cos/sin scaled by their ratio, the softmax scale by
+  ``mscale(factor, mscale_all_dim)^2``).
+- MLP: layers ``< first_k_dense_replace`` are dense SwiGLU MLPs of ``intermediate_size``; the
+  others a mixture of ``n_routed_experts`` experts of ``moe_intermediate_size`` plus
+  ``n_shared_experts`` shared ones. V3 routes with "noaux_tc" (sigmoid scores, a correction bias
+  that only steers the choice, group-limited top-k over ``n_group`` / ``topk_group``,
+  renormalized per ``norm_topk_prob``); V2 with softmax scores, ``greedy`` or
+  ``group_limited_greedy`` (groups ranked by their best expert), not renormalized; both times
+  ``routed_scaling_factor``.
+- V3 checkpoints keep ``num_nextn_predict_layers`` MTP layers after the main ones
+  (``model.layers.{num_hidden_layers + i}.*``); they are skipped here.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from torch import nn
+
+from mrv2.layers import (
+    CausalLM,
+    DecoderModel,
+    FusedMoE,
+    GatedMLP,
+    GroupedTopKRouter,
+    MoEBlock,
+    RotaryEmbedding,
+    rope_parameters_of,
+)
+from mrv2.layers.weights import StackedMapping
+from mrv2_deepseek.mla import MLAAttention, MLADecoderLayer
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+#: ``model.layers.{i}.rest`` of a checkpoint tensor name.
+LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+#: Only the MLPs' gate/up projections are fused (MLA's projections stay separate).
+GATE_UP: StackedMapping = (("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
+
+
+def validate_config(config: Any, arch: str, v3: bool) -> None:
+    """Raise a ``ValueError`` naming the field if ``config`` is not a DeepSeek model this plugin
+    runs (before anything is built)."""
+
+    def need(ok: bool, field: str, what: str) -> None:
+        if not ok:
+            raise ValueError(f"{arch}: config.{field} = {getattr(config, field, None)!r}: {what}")
+
+    need(config.hidden_act == "silu", "hidden_act", "the experts and MLPs support 'silu' only")
+    for field in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        need(int(getattr(config, field, 0) or 0) >= 1, field, "must be at least 1")
+    need(int(config.qk_rope_head_dim) % 2 == 0, "qk_rope_head_dim", "must be even (RoPE pairs)")
+    q_lora = getattr(config, "q_lora_rank", None)
+    need(q_lora is None or int(q_lora) >= 1, "q_lora_rank", "must be None or at least 1")
+    experts = int(config.n_routed_experts)
+    need(experts >= 1, "n_routed_experts", "must be at least 1")
+    need(int(config.n_shared_experts or 0) >= 0, "n_shared_experts", "must be >= 0")
+    need(int(config.first_k_dense_replace) >= 0, "first_k_dense_replace", "must be >= 0")
+    if v3:
+        need(getattr(config, "topk_method", "noaux_tc") == "noaux_tc", "topk_method",
+             "DeepSeek-V3 routes with 'noaux_tc' only")
+    else:
+        need(config.topk_method in ("greedy", "group_limited_greedy"), "topk_method",
+             "DeepSeek-V2 routes with 'greedy' or 'group_limited_greedy'")
+
+
+def moe_block(config: PretrainedConfig, v3: bool) -> MoEBlock:
+    """The router ``gate``, the routed ``experts`` and the ``shared_experts``."""
+    grouped = v3 or config.topk_method == "group_limited_greedy"
+    router = GroupedTopKRouter(
+        config.hidden_size,
+        config.n_routed_experts,
+        config.num_experts_per_tok,
+        n_group=int(config.n_group or 1) if grouped else 1,
+        topk_group=int(config.topk_group or 1) if grouped else 1,
+        renormalize=bool(config.norm_topk_prob) if v3 else False,
+        routed_scaling_factor=float(config.routed_scaling_factor),
+        scoring="sigmoid" if v3 else "softmax",
+        correction_bias=v3,
+    )
+    experts = FusedMoE(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size)
+    shared = None
+    if config.n_shared_experts:
+        shared = GatedMLP(config.hidden_size,
+                          config.moe_intermediate_size * config.n_shared_experts,
+                          config.hidden_act)
+    return MoEBlock(router, experts, shared)
+
+
+def deepseek_layer(config: PretrainedConfig, layer_idx: int, rope: RotaryEmbedding, v3: bool,
+                   cache_idx: int | None = None) -> MLADecoderLayer:
+    """Layer ``layer_idx``: MLA (KV cache layer ``cache_idx``, default ``layer_idx``), then a
+    dense MLP (``layer_idx < first_k_dense_replace``) or the MoE block."""
+    interleaved = bool(getattr(config, "rope_interleave", True)) if v3 else True
+    attn = MLAAttention(config, layer_idx if cache_idx is None else cache_idx, rope, interleaved)
+    mlp: nn.Module
+    if layer_idx >= config.first_k_dense_replace:
+        mlp = moe_block(config, v3)
+    else:
+        mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+    return MLADecoderLayer(config, attn, mlp)
+
+
+def mla_rope(config: PretrainedConfig) -> RotaryEmbedding:
+    """RoPE over ``qk_rope_head_dim`` (YaRN per the config), in the half-split layout the
+    permuted projections produce."""
+    base, scaling = rope_parameters_of(config)
+    return RotaryEmbedding(int(config.qk_rope_head_dim),
+                           max_position=int(config.max_position_embeddings), base=base,
+                           scaling=scaling)
+
+
+class _DeepseekForCausalLM(CausalLM):
+    v3: ClassVar[bool] = True
+    stacked_params: ClassVar[StackedMapping] = GATE_UP
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        validate_config(config, type(self).__name__, self.v3)
+        rope = mla_rope(config)
+        super().__init__(
+            config, DecoderModel(config, lambda i: deepseek_layer(config, i, rope, self.v3))
+        )
+
+    def rename(self, name: str) -> str | None:
+        """Checkpoint name -> parameter name; None for MTP layers' tensors."""
+        m = LAYER_NAME.match(name)
+        if m is not None and int(m.group(1)) >= self.config.num_hidden_layers:
+            return None
+        return super().rename(name)
+
+
+class DeepseekV3ForCausalLM(_DeepseekForCausalLM):
+    """DeepSeek-V3 / R1 (and models of its layout): MLA with ``q_lora_rank``, noaux_tc MoE."""
+
+    v3 = True
+
+
+class DeepseekV2ForCausalLM(_DeepseekForCausalLM):
+    """DeepSeek-V2 / V2-Lite: MLA (V2-Lite without ``q_lora_rank``), softmax-routed MoE."""
+
+    v3 = False

@@ -1,0 +1,68 @@
+"""GPU: MTP speculation (GLM-4.x's MTP layer drafting) with its drafting in CUDA graphs.
+
+Run on a CUDA machine with ``MRV2_TEST_GPU=1 python -m pytest -m gpu``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mrv2 import LLM, SamplingParams
+from mrv2.testing import make_tiny_checkpoint, redraw_weights
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = [[5, 17, 42, 9, 100, 3, 77], [8, 8, 250], [1 + i % 200 for i in range(37)], [64],
+           [3, 1, 4, 1, 5]]
+GLM: dict[str, Any] = {
+    "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": 2,
+    "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+    "n_shared_experts": 1, "first_k_dense_replace": 1, "moe_intermediate_size": 64,
+    "partial_rotary_factor": 0.5, "attention_bias": True, "num_nextn_predict_layers": 1,
+}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny GLM-4.x with an MTP layer saved under GLM-4.5's names (random weights)."""
+    import transformers
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeDecoderLayer
+
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("glm"), "Glm4MoeForCausalLM", **GLM)
+    config = transformers.AutoConfig.from_pretrained(path)
+    layer = config.num_hidden_layers
+    block = Glm4MoeDecoderLayer(config, layer)
+    redraw_weights(block, seed=5, std=0.05)
+    prefix = f"model.layers.{layer}."
+    tensors = load_file(path / "model.safetensors")
+    tensors.update({prefix + name: t.clone() for name, t in block.state_dict().items()})
+    gen = torch.Generator().manual_seed(6)
+    hidden = config.hidden_size
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"{prefix}{norm}.weight"] = torch.rand(hidden, generator=gen) + 0.5
+    tensors[prefix + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) * 0.05
+    save_file(tensors, path / "model.safetensors")
+    return path
+
+
+def _greedy(ckpt: Path, **kwargs: Any) -> tuple[list[list[int]], LLM]:
+    llm = LLM(str(ckpt), device="cuda", dtype="float32", block_size=16,
+              gpu_memory_utilization=0.3, **kwargs)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+def test_mtp_greedy_equals_plain_with_drafting_graphs(ckpt: Path) -> None:
+    plain = _greedy(ckpt)[0]
+    got, llm = _greedy(ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert got == plain
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and (3, 8) in graphs.draft_graphs
+    assert llm.engine.stats()["spec_num_draft_tokens"] > 0
