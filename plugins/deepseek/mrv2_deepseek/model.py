@@ -15,13 +15,14 @@ as transformers models them.
   ``group_limited_greedy`` (groups ranked by their best expert), not renormalized; both times
   ``routed_scaling_factor``.
 - V3 checkpoints keep ``num_nextn_predict_layers`` MTP layers after the main ones
-  (``model.layers.{num_hidden_layers + i}.*``); they are skipped here.
+  (``model.layers.{num_hidden_layers + i}.*``); the main model skips them and
+  :meth:`DeepseekV3ForCausalLM.build_mtp` builds them for the ``mtp`` speculator.
 """
 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from torch import nn
 
@@ -35,6 +36,7 @@ from mrv2.layers import (
     RotaryEmbedding,
     rope_parameters_of,
 )
+from mrv2.layers.mtp import MultiTokenPredictor, build_mtp
 from mrv2.layers.weights import StackedMapping
 from mrv2_deepseek.mla import MLAAttention, MLADecoderLayer
 
@@ -139,9 +141,24 @@ class _DeepseekForCausalLM(CausalLM):
 
 
 class DeepseekV3ForCausalLM(_DeepseekForCausalLM):
-    """DeepSeek-V3 / R1 (and models of its layout): MLA with ``q_lora_rank``, noaux_tc MoE."""
+    """DeepSeek-V3 / R1 (and models of its layout): MLA with ``q_lora_rank``, noaux_tc MoE,
+    and ``num_nextn_predict_layers`` MTP layers for a drafter (:meth:`build_mtp`)."""
 
     v3 = True
+
+    def build_mtp(self, first_layer_idx: int | None = None) -> MultiTokenPredictor:
+        """The checkpoint's MTP layers (:class:`mrv2.layers.mtp.MultiTokenPredictor` over
+        DeepSeek-V3 decoder blocks: MLA and the MoE), sharing this model's embedding and LM
+        head, their attention caching from ``first_layer_idx`` (default
+        ``num_hidden_layers``); weights unloaded (see :func:`mrv2.layers.mtp.build_mtp`)."""
+        config = self.config
+        rope = mla_rope(config)
+
+        def block(layer_idx: int, cache_idx: int) -> nn.Module:
+            return deepseek_layer(config, layer_idx, rope, True, cache_idx=cache_idx)
+
+        return cast(MultiTokenPredictor, build_mtp(self, MultiTokenPredictor, block, GATE_UP,
+                                                   first_layer_idx))
 
 
 class DeepseekV2ForCausalLM(_DeepseekForCausalLM):

@@ -17,9 +17,8 @@
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-import torch
 from torch import nn
 
 from mrv2.layers import (
@@ -167,15 +166,7 @@ class Glm4MoeForCausalLM(CausalLM):
         step ``s > 0`` feeds the previous step's draft, the MTP output hidden state and the
         next position. See :mod:`mrv2_glm.mtp` for the exact contract.
         """
+        from mrv2.layers.mtp import build_mtp
         from mrv2_glm.mtp import Glm4MoeMTP
 
-        weight = self.model.embed_tokens.weight
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(weight.dtype)
-        try:
-            with torch.device(weight.device):
-                mtp = Glm4MoeMTP(self.config, self.model.embed_tokens, self.lm_head,
-                                 first_layer_idx=first_layer_idx)
-        finally:
-            torch.set_default_dtype(previous)
-        return mtp
+        return cast("Glm4MoeMTP", build_mtp(self, Glm4MoeMTP, first_layer_idx=first_layer_idx))

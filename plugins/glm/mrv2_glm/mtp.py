@@ -1,116 +1,29 @@
-"""GLM-4.5/4.6/4.7's multi-token-prediction (MTP) layers (DeepSeek-V3 section 2.2's design).
-
-The checkpoints keep ``num_nextn_predict_layers`` of them after the main layers, as
-``model.layers.{num_hidden_layers + i}.*``: ``enorm``, ``hnorm``, ``eh_proj``, one full decoder
-block (``input_layernorm``, ``self_attn.*``, ``post_attention_layernorm``, ``mlp.*``: a MoE
-block, its index being past ``first_k_dense_replace``) and ``shared_head.norm``. Some also carry
-``embed_tokens.weight`` and ``shared_head.head.weight`` there: copies of the main model's
-embedding and LM head, which :class:`Glm4MoeMTP` shares instead (skipped on load).
-
-One MTP step at ``T`` tokens::
-
-    e = enorm(embed(input_ids))                   # [T, H]
-    h = hnorm(previous_hidden_states)             # [T, H]
-    x = eh_proj(cat([e, h], -1))                  # [T, 2H] -> [T, H]
-    out = decoder_block(positions, x)             # attention over the layer's own KV cache
-    logits = lm_head(shared_head.norm(out))       # compute_logits
-
-Contract (what a speculator feeds it), for MTP step 0 of a request whose target step covered
-positions ``p .. q`` (hidden states ``h_p .. h_q``) and sampled token ``t_{q+1}``:
-
-- ``previous_hidden_states[j]``: the target's *final, normed* hidden state at position
-  ``p + j`` (what ``CausalLM.forward`` returns, i.e. what the default
-  ``ModelState.speculator_inputs`` hands over);
-- ``input_ids[j]``: the token at position ``p + j + 1`` (the step's tokens shifted left by
-  one; the last is the token just sampled);
-- ``positions[j] = p + j``: the *hidden state's* position, so the layer's KV cache entry for
-  position ``p + j`` sits in the same slot as the target's (one block table serves both).
-
-The output row ``j`` predicts the token at position ``p + j + 2``. Step ``s > 0`` (MTP layer
-``s % num_nextn_predict_layers``: GLM ships one layer, reused for every draft) feeds the draft
-of step ``s - 1``, the un-normed output row of step ``s - 1`` as ``previous_hidden_states``,
-and position ``q + s``. Unlike vLLM, ``forward`` does not zero the token embedding at
-position 0 (vLLM's MTP layers do; it only changes the cache entry of position 0).
+"""GLM-4.5/4.6/4.7's multi-token-prediction (MTP) layers: the shared
+:class:`mrv2.layers.mtp.MultiTokenPredictor` (its module states the layout, the math and the
+contract a speculator follows) over GLM-4.x decoder blocks (:func:`mrv2_glm.model.glm4_moe_layer`:
+a MoE block, the MTP layer's index being past ``first_k_dense_replace``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
-
-from mrv2.contract.kv_cache import KVCacheSpec
-from mrv2.layers import (
-    STACKED_PARAMS,
-    LinearBase,
-    LMHead,
-    RMSNorm,
-    RotaryEmbedding,
-    VocabEmbedding,
-    get_rope,
-    head_dim_of,
-)
-from mrv2.model_loader import load_stacked_weights
-from mrv2_glm.model import LAYER_NAME, glm4_moe_layer, validate_config
+from mrv2.layers import STACKED_PARAMS, LMHead, VocabEmbedding, get_rope, head_dim_of
+from mrv2.layers.mtp import MultiTokenPredictor, mtp_layer_count
+from mrv2_glm.model import glm4_moe_layer, validate_config
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-#: Checkpoint sub-names of an MTP layer that are not its decoder block's.
-_OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")
-#: Duplicates of the main model's embedding and LM head: shared, never loaded here.
-_SHARED = ("embed_tokens.", "shared_head.head.")
+__all__ = ["Glm4MoeMTP", "mtp_layer_count"]
 
 
-class SharedHead(nn.Module):
-    """The norm before the (shared) LM head: checkpoint name ``shared_head.norm``."""
-
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__()
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-
-class Glm4MoeMTPLayer(nn.Module):
-    """One MTP layer: ``enorm``, ``hnorm``, ``eh_proj``, the decoder block ``mtp_block`` (KV
-    cache layer ``cache_idx``) and ``shared_head.norm``. Checkpoint tensor
-    ``model.layers.{N + i}.X`` is parameter ``X`` for the first four, ``mtp_block.X`` else."""
-
-    def __init__(
-        self, config: PretrainedConfig, layer_idx: int, cache_idx: int, rope: RotaryEmbedding
-    ) -> None:
-        super().__init__()
-        hidden = config.hidden_size
-        self.enorm = RMSNorm(hidden, eps=config.rms_norm_eps)
-        self.hnorm = RMSNorm(hidden, eps=config.rms_norm_eps)
-        self.eh_proj = LinearBase(2 * hidden, hidden, bias=False)
-        self.mtp_block = glm4_moe_layer(config, layer_idx, rope, cache_idx=cache_idx)
-        self.shared_head = SharedHead(config)
-
-    def forward(
-        self, positions: torch.Tensor, embeds: torch.Tensor, previous_hidden_states: torch.Tensor
-    ) -> torch.Tensor:
-        e = cast(torch.Tensor, self.enorm(embeds))
-        h = cast(torch.Tensor, self.hnorm(previous_hidden_states))
-        x = self.eh_proj(torch.cat([e, h], dim=-1))
-        out, residual = self.mtp_block(positions, x, None)
-        return cast(torch.Tensor, out + residual)
-
-
-class Glm4MoeMTP(nn.Module):
-    """The ``num_nextn_predict_layers`` MTP layers of a GLM-4.x checkpoint (see the module for
-    the hidden-state and position contract).
-
-    Built as ``Glm4MoeMTP(config, embed_tokens, lm_head)`` from the main model's
-    :class:`VocabEmbedding` and :class:`LMHead`, usually through
-    :meth:`mrv2_glm.model.Glm4MoeForCausalLM.build_mtp`. Those two are *shared*: kept in a
-    tuple, outside this module's tree, so they are not parameters of it (``named_parameters``,
-    ``state_dict``, ``.to()`` and the strict load check see the MTP layers' own weights only;
-    moving or converting the main model moves them). MTP layer ``i``'s attention uses KV
-    cache layer ``first_layer_idx + i`` (default ``num_hidden_layers + i``), declared by
-    :meth:`kv_cache_specs`.
-    """
+class Glm4MoeMTP(MultiTokenPredictor):
+    """The ``num_nextn_predict_layers`` MTP layers of a GLM-4.x checkpoint, built as
+    ``Glm4MoeMTP(config, embed_tokens, lm_head)`` from the main model's shared embedding and
+    LM head (usually through :meth:`mrv2_glm.model.Glm4MoeForCausalLM.build_mtp`). MTP layer
+    ``i``'s attention uses KV cache layer ``first_layer_idx + i`` (default
+    ``num_hidden_layers + i``)."""
 
     def __init__(
         self,
@@ -119,89 +32,16 @@ class Glm4MoeMTP(nn.Module):
         lm_head: LMHead,
         first_layer_idx: int | None = None,
     ) -> None:
-        super().__init__()
         validate_config(config)
-        count = mtp_layer_count(config)
-        if count < 1:
+        if mtp_layer_count(config) < 1:
             raise ValueError(
                 "Glm4MoeMTP: config.num_nextn_predict_layers is 0: the checkpoint has no MTP "
                 "layers"
             )
-        self.config = config
-        self.num_main_layers = int(config.num_hidden_layers)
-        self.first_layer_idx = self.num_main_layers if first_layer_idx is None else first_layer_idx
-        self._shared: tuple[VocabEmbedding, LMHead] = (embed_tokens, lm_head)
         rope = get_rope(config, head_dim_of(config))
-        self.layers = nn.ModuleList(
-            Glm4MoeMTPLayer(config, self.num_main_layers + i, self.first_layer_idx + i, rope)
-            for i in range(count)
+        super().__init__(
+            config, embed_tokens, lm_head,
+            lambda layer_idx, cache_idx: glm4_moe_layer(config, layer_idx, rope,
+                                                         cache_idx=cache_idx),
+            STACKED_PARAMS, first_layer_idx,
         )
-
-    @property
-    def embed_tokens(self) -> VocabEmbedding:
-        """The main model's token embedding (shared)."""
-        return self._shared[0]
-
-    @property
-    def lm_head(self) -> LMHead:
-        """The main model's LM head (shared)."""
-        return self._shared[1]
-
-    def kv_cache_specs(self) -> dict[int, KVCacheSpec]:
-        """``{cache layer index: spec}`` of the MTP layers' attention (for a speculator's
-        ``kv_cache_specs``)."""
-        specs: dict[int, KVCacheSpec] = {}
-        for layer in self.layers:
-            attn = cast(Glm4MoeMTPLayer, layer).mtp_block.self_attn.attn
-            specs[attn.layer_idx] = attn.kv_cache_spec()
-        return specs
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        previous_hidden_states: torch.Tensor,
-        step: int = 0,
-    ) -> torch.Tensor:
-        """``input_ids``, ``positions`` ``[T]``, ``previous_hidden_states`` ``[T, H]`` -> the
-        MTP layer ``step % num_nextn_predict_layers``'s output ``[T, H]`` (block output plus
-        residual, not normed). Runs inside a forward context that holds its cache layer."""
-        layer = self.layers[step % len(self.layers)]
-        return cast(torch.Tensor, layer(positions, self.embed_tokens(input_ids),
-                                        previous_hidden_states))
-
-    def compute_logits(self, hidden_states: torch.Tensor, step: int = 0) -> torch.Tensor:
-        """``[N, H]`` MTP outputs -> ``[N, vocab]``: the shared LM head after the layer's
-        ``shared_head.norm``."""
-        layer = cast(Glm4MoeMTPLayer, self.layers[step % len(self.layers)])
-        normed = cast(torch.Tensor, layer.shared_head.norm(hidden_states))
-        return cast(torch.Tensor, self.lm_head(normed))
-
-    def rename(self, name: str) -> str | None:
-        """A checkpoint name -> this module's parameter name; None for everything but the MTP
-        layers' own tensors (main layers, embedding, head, and the MTP layers' copies of the
-        embedding and head)."""
-        m = LAYER_NAME.match(name)
-        if m is None:
-            return None
-        index = int(m.group(1)) - self.num_main_layers
-        rest = m.group(2)
-        if index < 0 or rest.startswith(_SHARED) or "rotary_emb.inv_freq" in rest:
-            return None
-        if rest.startswith(_OWN):
-            return f"layers.{index}.{rest}"
-        return f"layers.{index}.mtp_block.{rest}"
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load the MTP layers' tensors from a whole checkpoint's ``(name, tensor)`` pairs
-        (routed experts into the stacked expert weights); returns the parameter names loaded.
-        A checkpoint with more MTP layers than ``num_nextn_predict_layers`` is an error."""
-        return load_stacked_weights(self, weights, STACKED_PARAMS, self.rename)
-
-    def extra_repr(self) -> str:
-        return f"layers={len(self.layers)}, first_cache_layer={self.first_layer_idx}"
-
-
-def mtp_layer_count(config: Any) -> int:
-    """How many MTP layers a GLM-4.x checkpoint's config declares."""
-    return int(getattr(config, "num_nextn_predict_layers", 0) or 0)
