@@ -6,11 +6,12 @@
 attention in layers numbered after the target's, in the same blocks. After each target step:
 
 1. **Catch-up** over the step's tokens (the target's attention metadata,
-   :mod:`mrv2_eagle.catch_up`): each token's hidden state beside the token after it. EAGLE
-   takes the target's final hidden states; EAGLE-3 the residual stream at the input of three
-   target layers (kept by the target's ``DecoderModel``, :meth:`keep_aux_hidden_states`),
-   fused by the head's ``fc``. This fills the head's cache; the row at position ``n - 2``
-   (``n``: the request's tokens now) predicts the first draft, at ``n``.
+   :func:`mrv2.spec_decode.drafting.catch_up_inputs`): each token's hidden state beside the
+   token after it. EAGLE takes the target's final hidden states; EAGLE-3 the residual stream
+   at the input of three target layers (kept by the target's ``DecoderModel``,
+   :meth:`keep_aux_hidden_states`), fused by the head's ``fc``. This fills the head's cache;
+   the row at position ``n - 2`` (``n``: the request's tokens now) predicts the first draft,
+   at ``n``.
 2. **Draft steps** ``j = 1 .. k - 1``, one token per request: the previous draft, the head's
    own previous output as the hidden state (EAGLE-3: un-normed, without ``fc``), position
    ``n - 2 + j``; the draft goes to ``n + j``.
@@ -36,8 +37,7 @@ from mrv2.contract.forward_context import ForwardContext, set_forward_context
 from mrv2.contract.kv_cache import KVCacheSpec
 from mrv2.contract.speculator import Speculator, SpeculatorInputs, StepSamples
 from mrv2.contract.state_table import RequestStateTable
-from mrv2.spec_decode.drafting import DraftSteps
-from mrv2_eagle.catch_up import catch_up_inputs, first_draft_rows
+from mrv2.spec_decode.drafting import DraftSteps, catch_up_inputs, first_draft_rows
 
 if TYPE_CHECKING:
     from mrv2.config import EngineConfig

@@ -33,7 +33,7 @@ from mrv2.contract.forward_context import ForwardContext, set_forward_context
 from mrv2.contract.kv_cache import KVCacheSpec
 from mrv2.contract.speculator import Speculator, SpeculatorInputs, StepSamples
 from mrv2.contract.state_table import RequestStateTable
-from mrv2.spec_decode.drafting import DraftSteps
+from mrv2.spec_decode.drafting import DraftSteps, catch_up_inputs, first_draft_rows
 
 if TYPE_CHECKING:
     from mrv2.config import EngineConfig
@@ -99,25 +99,13 @@ class MTPSpeculator(Speculator):
     ) -> None:
         mtp, k = self.mtp, self.num_speculative_tokens
         assert inputs.hidden_states is not None, "the MTP drafter reads the target's hidden states"
-        num_tokens, num_reqs = batch.num_tokens_padded, batch.num_reqs
-        positions = batch.positions[:num_tokens]
-        starts = batch.query_start_loc[: num_reqs + 1].long()
-        # each token's request, then the token after it in that request's row
-        token_req = torch.searchsorted(
-            starts[1:], torch.arange(num_tokens, device=self.device), right=True
-        ).clamp(max=num_reqs - 1)
-        token_rows = batch.idx_mapping[token_req].long()
-        width = table.token_ids.shape[1]
-        following = table.token_ids[token_rows, (positions + 1).clamp(max=width - 1)]
+        positions, following = catch_up_inputs(batch, table)
         with set_forward_context(self._context(self.model_state.prepare_attn(batch))):
-            out = mtp(following.to(torch.int32), positions,
-                      inputs.hidden_states[:num_tokens], step=0)
+            out = mtp(following, positions, inputs.hidden_states[: batch.num_tokens_padded],
+                      step=0)
 
         steps = DraftSteps(batch, table, samples.num_sampled, self.block_size, k)
-        # the catch-up row at position n - 2 predicts position n
-        first = positions[starts[:-1].clamp(max=num_tokens - 1)]
-        row = (starts[:-1] + steps.num_tokens - 2 - first).clamp(min=0, max=num_tokens - 1)
-        hidden = out[row]
+        hidden = out[first_draft_rows(batch, positions, steps.num_tokens)]
         pos, valid = steps.positions(0)  # pos = n - 1: the draft goes to n
         drafts = steps.draw(mtp.compute_logits(hidden, step=0), pos + 1, self.sampling,
                             self.argmax_drafts)
