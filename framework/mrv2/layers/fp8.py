@@ -41,6 +41,7 @@ from torch import nn
 
 from mrv2.layers.linear import LinearBase
 from mrv2.layers.moe import FusedMoE
+from mrv2.layers.weights import apply_moving_only
 from mrv2_kernels.fp8_gemm import block_fp8_linear, quantize_weight_block_fp8
 from mrv2_kernels.fused_moe import fused_moe
 
@@ -131,14 +132,11 @@ class Fp8LinearMixin(LinearBase):
             param.data.narrow(0, start, size).copy_(rows)
 
     def _apply(self, fn: Any, recurse: bool = True) -> Fp8LinearMixin:
-        # ``model.to(dtype)`` must move the fp8 weight and fp32 scales, never cast them
-        keep: dict[str, nn.Parameter | None] = {
-            n: self._parameters.pop(n) for n in ("weight", "weight_scale_inv")
-            if n in self._parameters and (n != "weight" or self.weight.dtype == FP8)}
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            _restore(self, keep, fn)
+        # ``model.to(dtype)`` must move the fp8 weight and fp32 scales, never cast them (a
+        # model-dtype weight, quantized after loading, converts as usual)
+        names = ["weight_scale_inv", *(["weight"] if self.weight.dtype == FP8 else [])]
+        apply_moving_only(self, names, lambda f: super(Fp8LinearMixin, self)._apply(f, recurse),
+                          fn)
         return self
 
     def process_weights_after_loading(self) -> None:
@@ -171,23 +169,6 @@ class Fp8LinearMixin(LinearBase):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8 block={self.fp8_block}"
-
-
-def _restore(module: nn.Module, kept: dict[str, nn.Parameter | None], fn: Any) -> None:
-    """Put back parameters an ``_apply`` left out, moved to the device ``fn`` moves to (a
-    meta one, from a model built on the meta device, allocated uninitialized)."""
-    device = fn(torch.empty(0)).device
-    for name, param in kept.items():
-        assert param is not None
-        if param.is_meta and device.type != "meta":
-            loader = getattr(param, "weight_loader", None)
-            param = nn.Parameter(torch.empty_like(param.data, device=device),
-                                 requires_grad=False)
-            if loader is not None:
-                param.weight_loader = loader  # type: ignore[attr-defined]
-        elif param.device != device:
-            param.data = param.data.to(device)
-        module._parameters[name] = param
 
 
 _FP8_CLASSES: dict[type[LinearBase], type[Fp8LinearMixin]] = {}
@@ -241,13 +222,9 @@ class Fp8FusedMoE(FusedMoE):
 
     def _apply(self, fn: Any, recurse: bool = True) -> Fp8FusedMoE:
         names = [n for n in (*_EXPERT_PARAMS, *(f"{p}_scale_inv" for p in _EXPERT_PARAMS))
-                 if n in self._parameters and (n.endswith("_scale_inv")
-                                               or getattr(self, n).dtype == FP8)]
-        keep = {n: self._parameters.pop(n) for n in names}
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            _restore(self, keep, fn)
+                 if n.endswith("_scale_inv") or getattr(self, n).dtype == FP8]
+        apply_moving_only(self, names, lambda f: super(Fp8FusedMoE, self)._apply(f, recurse),
+                          fn)
         return self
 
     def process_weights_after_loading(self) -> None:

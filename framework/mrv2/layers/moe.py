@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mrv2.layers.mlp import GatedMLP
+from mrv2.layers.weights import apply_moving_only
 from mrv2_kernels.fused_moe import fused_moe
 
 #: Environment variable: when set to 1 before a model is built, every :class:`FusedMoE` counts
@@ -194,18 +195,8 @@ class GroupedTopKRouter(nn.Module):
     def _apply(self, fn: Any, recurse: bool = True) -> GroupedTopKRouter:
         # ``model.to(dtype)`` (after loading) must only move the correction bias: it stays fp32,
         # as the checkpoints store it, since a bf16-rounded bias reorders near-tied experts.
-        bias = self._parameters.pop("e_score_correction_bias", None)
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            if bias is not None:
-                device = fn(torch.empty(0)).device
-                if bias.device != device and not bias.is_meta:
-                    bias.data = bias.data.to(device)
-                elif bias.is_meta and device.type != "meta":
-                    bias = nn.Parameter(torch.empty_like(bias.data, device=device),
-                                        requires_grad=False)
-            self._parameters["e_score_correction_bias"] = bias
+        apply_moving_only(self, ["e_score_correction_bias"],
+                          lambda f: super(GroupedTopKRouter, self)._apply(f, recurse), fn)
         return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

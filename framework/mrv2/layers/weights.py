@@ -129,3 +129,27 @@ def load_stacked_weights(
         load_param(name, params[name], tensor, shard_id, source=ckpt_name)
         loaded.add(name)
     return loaded
+
+
+def apply_moving_only(module: nn.Module, names: Iterable[str],
+                      apply: Callable[[Any], Any], fn: Any) -> None:
+    """Run ``apply(fn)`` (a module's ``super()._apply``) with parameters ``names`` left out of
+    it, then put them back moved, never cast: ``model.to(dtype)`` must not touch an fp32
+    correction bias or fp8 weights and their scales. A parameter on the meta device (a model
+    built there) is allocated, uninitialized, on the device ``fn`` moves to."""
+    kept = {n: module._parameters.pop(n) for n in names if module._parameters.get(n) is not None}
+    try:
+        apply(fn)
+    finally:
+        device = fn(torch.empty(0)).device
+        for name, param in kept.items():
+            assert param is not None
+            if param.is_meta and device.type != "meta":
+                loader = getattr(param, "weight_loader", None)
+                param = nn.Parameter(torch.empty_like(param.data, device=device),
+                                     requires_grad=False)
+                if loader is not None:
+                    param.weight_loader = loader  # type: ignore[attr-defined]
+            elif param.device != device:
+                param.data = param.data.to(device)
+            module._parameters[name] = param
