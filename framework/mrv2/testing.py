@@ -267,3 +267,27 @@ def fp8_checkpoint(src: str | Path, dst: str | Path, reference: str | Path,
                                      "activation_scheme": "dynamic",
                                      "weight_block_size": list(block)}
     (dst / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def append_mtp_layer(path: str | Path, block: torch.nn.Module, std: float = 0.05,
+                     seed: int = 5) -> None:
+    """Add an MTP layer to the checkpoint in ``path`` as DeepSeek-V3 and GLM-4.5 name it
+    (HF does not model MTP layers): ``block`` (an HF decoder layer built for index
+    ``num_hidden_layers``, its weights redrawn with ``std``) plus ``enorm``, ``hnorm``,
+    ``eh_proj`` and ``shared_head.norm``, all under ``model.layers.{num_hidden_layers}``."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    hidden = int(config["hidden_size"])
+    prefix = f"model.layers.{config['num_hidden_layers']}."
+    redraw_weights(block, seed=seed, std=std)
+    tensors = load_file(path / "model.safetensors")
+    tensors.update({prefix + name: t.clone() for name, t in block.state_dict().items()})
+    gen = torch.Generator().manual_seed(seed + 1)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"{prefix}{norm}.weight"] = torch.rand(hidden, generator=gen) + 0.5
+    tensors[prefix + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) * std
+    save_file(tensors, path / "model.safetensors")

@@ -9,11 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 from mrv2 import LLM, SamplingParams
-from mrv2.testing import make_tiny_checkpoint, redraw_weights
+from mrv2.testing import append_mtp_layer, make_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
 
@@ -36,18 +34,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("glm"), "Glm4MoeForCausalLM", **GLM)
     config = transformers.AutoConfig.from_pretrained(path)
-    layer = config.num_hidden_layers
-    block = Glm4MoeDecoderLayer(config, layer)
-    redraw_weights(block, seed=5, std=0.05)
-    prefix = f"model.layers.{layer}."
-    tensors = load_file(path / "model.safetensors")
-    tensors.update({prefix + name: t.clone() for name, t in block.state_dict().items()})
-    gen = torch.Generator().manual_seed(6)
-    hidden = config.hidden_size
-    for norm in ("enorm", "hnorm", "shared_head.norm"):
-        tensors[f"{prefix}{norm}.weight"] = torch.rand(hidden, generator=gen) + 0.5
-    tensors[prefix + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) * 0.05
-    save_file(tensors, path / "model.safetensors")
+    append_mtp_layer(path, Glm4MoeDecoderLayer(config, config.num_hidden_layers))
     return path
 
 

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from mrv2 import LLM, SamplingParams
-from mrv2.testing import emulate_cuda_graphs, fp8_checkpoint, redraw_weights
+from mrv2.testing import append_mtp_layer, emulate_cuda_graphs, fp8_checkpoint, redraw_weights
 
 PROMPTS = [[5, 17, 42, 9, 100, 3, 77], [8, 8, 120], [1 + i % 100 for i in range(21)]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -42,17 +42,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     hf = transformers.DeepseekV3ForCausalLM(config).eval()
     redraw_weights(hf)
     hf.save_pretrained(path)
-    layer = config.num_hidden_layers
-    block = DeepseekV3DecoderLayer(config, layer)
-    redraw_weights(block, seed=5, std=0.08)
-    prefix = f"model.layers.{layer}."
-    tensors = load_file(path / "model.safetensors")
-    tensors.update({prefix + name: t.clone() for name, t in block.state_dict().items()})
-    gen = torch.Generator().manual_seed(6)
-    for norm in ("enorm", "hnorm", "shared_head.norm"):
-        tensors[f"{prefix}{norm}.weight"] = torch.rand(64, generator=gen) + 0.5
-    tensors[prefix + "eh_proj.weight"] = torch.randn(64, 128, generator=gen) * 0.08
-    save_file(tensors, path / "model.safetensors")
+    append_mtp_layer(path, DeepseekV3DecoderLayer(config, config.num_hidden_layers), std=0.08)
     return path
 
 

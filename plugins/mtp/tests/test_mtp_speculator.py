@@ -11,16 +11,15 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
 
 from mrv2 import LLM, EngineConfig, Runner, SamplingParams
 from mrv2.attention import set_forward_context
 from mrv2.contract.requests import NewRequest, SchedulerOutput
 from mrv2.testing import (
+    append_mtp_layer,
     emulate_cuda_graphs,
     make_tiny_checkpoint,
     poisoned_caches,
-    redraw_weights,
     step_metadata,
     torch_context,
 )
@@ -43,18 +42,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("glm"), "Glm4MoeForCausalLM", **GLM)
     config = transformers.AutoConfig.from_pretrained(path)
-    layer = config.num_hidden_layers
-    block = Glm4MoeDecoderLayer(config, layer)
-    redraw_weights(block, seed=5, std=0.05)
-    prefix = f"model.layers.{layer}."
-    tensors = load_file(path / "model.safetensors")
-    tensors.update({prefix + name: t.clone() for name, t in block.state_dict().items()})
-    gen = torch.Generator().manual_seed(6)
-    hidden = config.hidden_size
-    for norm in ("enorm", "hnorm", "shared_head.norm"):
-        tensors[f"{prefix}{norm}.weight"] = torch.rand(hidden, generator=gen) + 0.5
-    tensors[prefix + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) * 0.05
-    save_file(tensors, path / "model.safetensors")
+    append_mtp_layer(path, Glm4MoeDecoderLayer(config, config.num_hidden_layers))
     return path
 
 
