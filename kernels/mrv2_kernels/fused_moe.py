@@ -63,7 +63,6 @@ import triton.language as tl
 from ._backend import use_triton
 from .fp8_gemm import FP8_DTYPE, dequantize_weight_block_fp8, per_token_group_quant_fp8_triton
 from .fused_moe_fp8 import (
-    ACT_QUANT_MODES,
     DEFAULT_BLOCK,
     _fp8_a_tile,
     _fp8_dot,
@@ -73,6 +72,7 @@ from .fused_moe_fp8 import (
     quant_dequant_groups,
 )
 from .moe_align import _ID_DTYPES, _tile, moe_align, moe_align_ref, moe_max_blocks
+from .moe_tiles import MoeTiles, _check_fp8_tiles, moe_tiles
 
 __all__ = [
     "MoeTiles",
@@ -434,90 +434,6 @@ def _moe_combine_kernel(
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# ------------------------------------------------------------------------------------- tiles
-
-
-class MoeTiles(NamedTuple):
-    """Tile choices of :func:`fused_moe_triton` (all powers of two; the GEMM ones >= 16)."""
-
-    block_m: int  # sorted pairs per block (the align padding unit)
-    block_n1: int  # intermediate features per gate/up program (gate and up: 2x the columns)
-    block_k1: int  # hidden features per gate/up step
-    block_n2: int  # hidden features per down program
-    block_k2: int  # intermediate features per down step
-    group_m: int  # blocks that walk the output slices together (L2 reuse of weight slices)
-    num_warps: int
-    num_stages: int
-    fused_combine: bool  # the down GEMM adds each token's K rows (no combine launch)
-    # FP8 weights only (block K ``bk``; both K steps divide it):
-    fuse_x_quant: bool = False  # the gate/up GEMM quantizes x itself (block_k1 == bk)
-    act_quant: str = "kernel"  # SiLU*up quantized in the gate/up "epilogue" (block_n1 ==
-    #  bk), in the "down" GEMM's steps (block_k2 == bk), or by its own "kernel"
-
-
-def moe_tiles(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
-              device: torch.device, fp8_block: tuple[int, int] | None = None) -> MoeTiles:
-    """Default tiles for a ``[T, H]`` batch routed ``top_k`` ways over ``num_experts``
-    (``fp8_block``: FP8 weights with ``(bn, bk)`` blocks, :func:`_fp8_tiles`).
-
-    CPU (the interpreter): small tiles. CUDA, by the average pairs per expert ``T*K/E``
-    (from sweeps of ``bench_moe`` on an H200 with Qwen3-30B-A3B's layer): up to 16 (decode,
-    bound by reading the hit experts' weights), 16-row blocks, 32 intermediate / 64 hidden
-    features per program and 128-long steps (flat within 5% over 16-64 / 16-64 / 128-256);
-    up to 64, 64-row blocks; beyond, 128-row blocks of 128-wide slices and 8 warps (a third
-    faster than 64-row blocks at 8,192 tokens). The fused combine up to 4 pairs per expert
-    (1-3 µs less from 1 to 64 tokens; with more rows per block its per-row atomics and sums
-    cost more than the combine kernel: +12 µs at 256 tokens, +440 µs at 8,192).
-    """
-    per_expert = num_tokens * top_k / max(num_experts, 1)
-    if fp8_block is not None:
-        return _fp8_tiles(per_expert, fp8_block[1], device)
-    if device.type != "cuda":
-        return MoeTiles(16, 32, 32, 32, 32, 1, 4, 1, True)
-    if per_expert <= 16:
-        return MoeTiles(16, 32, 128, 64, 128, 1, 4, 4, per_expert <= 4)
-    if per_expert <= 64:
-        return MoeTiles(64, 64, 64, 128, 64, 8, 4, 3, False)
-    return MoeTiles(128, 128, 64, 128, 64, 8, 8, 3, False)
-
-
-def _fp8_tiles(per_expert: float, bk: int, device: torch.device) -> MoeTiles:
-    """FP8 tiles (compiled offline for sm90 and read in SASS, not yet timed: ``bench_moe
-    --fp8 --sweep``). K steps of 128 fp8 features (cut to the largest power of two dividing
-    ``bk``). Decode (up to 16 pairs per expert): the bf16 plan's bytes per step (64 gate and
-    64 up / 128 down columns of fp8), ``x`` and the activation quantized inside the GEMMs
-    that read them: no launch, and the quantization (which every output slice of a block
-    repeats: the loop grows from ~270 to ~570 instructions) costs about 0.6 of the step's
-    weight-streaming time, under the loads. Beyond: 64-row blocks with ``block_n1 == bk`` so
-    the gate/up epilogue quantizes its slice of the activation once and the down GEMM reads
-    fp8 (wgmma e4m3 both; 8 warps, as 4 spill: gate and up need an accumulator and each
-    step's products each), and ``x`` quantized once by its own launch (inside the GEMM every
-    slice would redo it on the critical path of a compute-bound loop)."""
-    step = bk & -bk
-    # Measured on the H200 (2026-11-30, ``scripts/diag_fp8_moe.py``, GLM-4.5-Air experts):
-    # quantizing inside the GEMMs (``fuse_x_quant``, ``"down"``, ``"epilogue"``) disagrees
-    # with the reference by 0.2-1.8% (its reciprocal-and-fma rounding is not the reference's),
-    # while the separate group-quantization launches match it to 1e-5 (16-row blocks) or
-    # 5e-3 (64-row blocks: wgmma's fp8 accumulation). So the plan quantizes with the separate
-    # launches everywhere until the in-GEMM quantization is fixed; the options stay for that.
-    if device.type != "cuda":
-        plan = MoeTiles(16, 32, 32, 32, 32, 1, 4, 1, True, False, "kernel")
-    elif per_expert <= 16:
-        plan = MoeTiles(16, 64, 128, 128, 128, 1, 4, 4, per_expert <= 4, False, "kernel")
-    else:
-        plan = MoeTiles(64, 128, 128, 128, 128, 8, 8, 3, False, False, "kernel")
-    plan = plan._replace(block_k1=min(plan.block_k1, step), block_k2=min(plan.block_k2, step))
-    return plan._replace(fuse_x_quant=plan.fuse_x_quant and plan.block_k1 == bk,
-                         act_quant=_fit_act_quant(plan.act_quant, plan, bk))
-
-
-def _fit_act_quant(mode: str, tiles: MoeTiles, bk: int) -> str:
-    """``mode`` if the tiles allow it, else the separate kernel."""
-    if (mode == "epilogue" and tiles.block_n1 != bk) or (mode == "down" and tiles.block_k2 != bk):
-        return "kernel"
-    return mode
-
-
 # -------------------------------------------------------------------------------- the op
 
 
@@ -703,29 +619,6 @@ def fused_moe_triton(
         _moe_chunk(x[start:stop], w13, w2, topk_weights[start:stop], topk_ids[start:stop],
                    out[start:stop], tiles, fp8)
     return out
-
-
-def _check_fp8_tiles(tiles: MoeTiles, bk: int, default_fuse_x: bool = False,
-                     default_act_quant: bool = False) -> MoeTiles:
-    """The FP8 tile rules (a ValueError names the argument); a default ``fuse_x_quant`` or
-    ``act_quant`` that overridden tiles do not allow becomes the separate kernel."""
-    for name in ("block_k1", "block_k2"):
-        if bk % getattr(tiles, name):
-            raise ValueError(f"{name} must divide the weight block's K {bk}, got "
-                             f"{getattr(tiles, name)}")
-    if default_fuse_x and tiles.block_k1 != bk:
-        tiles = tiles._replace(fuse_x_quant=False)
-    if tiles.fuse_x_quant and tiles.block_k1 != bk:
-        raise ValueError(f"fuse_x_quant needs block_k1 == the weight block's K {bk}, got "
-                         f"{tiles.block_k1}")
-    if tiles.act_quant not in ACT_QUANT_MODES:
-        raise ValueError(f"act_quant must be one of {ACT_QUANT_MODES}, got {tiles.act_quant!r}")
-    fitted = _fit_act_quant(tiles.act_quant, tiles, bk)
-    if fitted != tiles.act_quant and not default_act_quant:
-        need = "block_n1" if tiles.act_quant == "epilogue" else "block_k2"
-        raise ValueError(f"act_quant {tiles.act_quant!r} needs {need} == the weight block's "
-                         f"K {bk}")
-    return tiles._replace(act_quant=fitted)
 
 
 def fused_moe(
