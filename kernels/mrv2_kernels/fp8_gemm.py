@@ -62,6 +62,7 @@ __all__ = [
     "per_token_group_quant_fp8",
     "per_token_group_quant_fp8_ref",
     "per_token_group_quant_fp8_triton",
+    "quant_dequant_groups",
     "quantize_weight_block_fp8",
 ]
 
@@ -271,6 +272,17 @@ def _check_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     return bn, bk
 
 
+def quant_dequant_groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``x`` ``[M, K]`` as the FP8 GEMMs see it, in fp32: quantized per row and group of
+    ``group`` features (:func:`per_token_group_quant_fp8_ref`), times
+    the group's scale."""
+    q, s = per_token_group_quant_fp8_ref(x, group)
+    m, k = q.shape
+    groups = s.shape[1]
+    padded = torch.nn.functional.pad(q.float(), (0, groups * group - k))
+    return (padded.view(m, groups, group) * s[..., None]).view(m, groups * group)[:, :k]
+
+
 def block_fp8_linear_ref(
     x: torch.Tensor,
     w_fp8: torch.Tensor,
@@ -284,10 +296,8 @@ def block_fp8_linear_ref(
     (default ``x.dtype``)."""
     bn, bk = _check_linear(x, w_fp8, w_scale_inv, bias, block)
     lead, k = x.shape[:-1], x.shape[-1]
-    q, s = per_token_group_quant_fp8_ref(x.reshape(-1, k), bk)
-    x_dq = (F.pad(q.float(), (0, s.shape[1] * bk - k)).view(-1, s.shape[1], bk)
-            * s[..., None]).view(-1, s.shape[1] * bk)[:, :k]
-    out = x_dq @ dequantize_weight_block_fp8(w_fp8, w_scale_inv, (bn, bk), torch.float32).T
+    w = dequantize_weight_block_fp8(w_fp8, w_scale_inv, (bn, bk), torch.float32)
+    out = quant_dequant_groups(x.reshape(-1, k), bk) @ w.T
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype or x.dtype).view(*lead, w_fp8.shape[0])

@@ -58,7 +58,7 @@ from .fp8_gemm import (
     FP8_DTYPE,
     _quant_rows,
     dequantize_weight_block_fp8,
-    per_token_group_quant_fp8_ref,
+    quant_dequant_groups,
     quantize_weight_block_fp8,
 )
 
@@ -117,17 +117,6 @@ def check_fp8_args(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor 
         if scale.device != w13.device:
             raise ValueError(f"{name} is on {scale.device}, w13 on {w13.device}")
     return bn, bk
-
-
-def quant_dequant_groups(x: torch.Tensor, group: int) -> torch.Tensor:
-    """``x`` ``[M, K]`` as the FP8 GEMMs see it, in fp32: quantized per row and group of
-    ``group`` features (:func:`~mrv2_kernels.fp8_gemm.per_token_group_quant_fp8_ref`), times
-    the group's scale."""
-    q, s = per_token_group_quant_fp8_ref(x, group)
-    m, k = q.shape
-    groups = s.shape[1]
-    padded = torch.nn.functional.pad(q.float(), (0, groups * group - k))
-    return (padded.view(m, groups, group) * s[..., None]).view(m, groups * group)[:, :k]
 
 
 def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | list[int],
