@@ -42,8 +42,17 @@ from torch import nn
 from mrv2.layers.linear import LinearBase
 from mrv2.layers.moe import FusedMoE
 from mrv2.layers.weights import apply_moving_only
-from mrv2_kernels.fp8_gemm import block_fp8_linear, quantize_weight_block_fp8
+from mrv2_kernels.fp8_gemm import (
+    block_fp8_linear,
+    dequantize_weight_block_fp8,
+    quantize_weight_block_fp8,
+)
 from mrv2_kernels.fused_moe import fused_moe
+from mrv2_kernels.fused_moe_fp8 import (
+    dequantize_experts,
+    expand_scales_per_row,
+    quantize_experts_fp8,
+)
 
 FP8 = torch.float8_e4m3fn
 logger = logging.getLogger(__name__)
@@ -146,8 +155,8 @@ class Fp8LinearMixin(LinearBase):
             if self.weight.dtype != FP8:
                 w_fp8, scale = quantize_weight_block_fp8(self.weight.data, self.fp8_block)
                 self.weight.data = w_fp8
-                rows = scale.repeat_interleave(self.fp8_block[0], dim=0)[: w_fp8.shape[0]]
-                self.weight_scale_inv = nn.Parameter(rows.contiguous(), requires_grad=False)
+                rows = expand_scales_per_row(scale, w_fp8.shape[0], self.fp8_block[0])
+                self.weight_scale_inv = nn.Parameter(rows, requires_grad=False)
                 self.fp8_block = (1, self.fp8_block[1])
             elif self.fp8_block[0] != 1:
                 self.fp8_block = (1, self.fp8_block[1])
@@ -158,10 +167,10 @@ class Fp8LinearMixin(LinearBase):
                 LinearBase.process_weights_after_loading(self)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight as ``fp8 * scale`` in ``dtype`` (after loading: per-row scales)."""
-        k = self.weight.shape[1]
-        scale = self.weight_scale_inv.repeat_interleave(self.fp8_block[1], dim=1)[:, :k]
-        return (self.weight.float() * scale).to(dtype)
+        """The weight as ``fp8 * scale`` in ``dtype`` (once loaded: per-row scales)."""
+        # loaded scales are per row whatever the checkpoint's block rows
+        return dequantize_weight_block_fp8(self.weight, self.weight_scale_inv,
+                                           (1, self.fp8_block[1]), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return block_fp8_linear(x, self.weight, self.weight_scale_inv, self.bias,
@@ -234,12 +243,10 @@ class Fp8FusedMoE(FusedMoE):
             for name in _EXPERT_PARAMS:
                 weight = getattr(self, name)
                 if weight.dtype != FP8:
-                    pairs = [quantize_weight_block_fp8(w, self.fp8_block) for w in weight.data]
-                    weight.data = torch.stack([q for q, _ in pairs])
-                    rows = torch.stack([sc.repeat_interleave(self.fp8_block[0], dim=0)
-                                        for _, sc in pairs])[:, : weight.shape[1]]
-                    setattr(self, f"{name}_scale_inv",
-                            nn.Parameter(rows.contiguous(), requires_grad=False))
+                    w_fp8, scale = quantize_experts_fp8(weight.data, self.fp8_block)
+                    weight.data = w_fp8
+                    rows = expand_scales_per_row(scale, w_fp8.shape[1], self.fp8_block[0])
+                    setattr(self, f"{name}_scale_inv", nn.Parameter(rows, requires_grad=False))
             self.fp8_block = (1, self.fp8_block[1])
             if self.w13_weight.device.type == "cpu":
                 for name in _EXPERT_PARAMS:
@@ -249,11 +256,8 @@ class Fp8FusedMoE(FusedMoE):
 
     def dequantized(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """Expert weights ``name`` as ``fp8 * scale`` in ``dtype`` (after loading)."""
-        weight = getattr(self, name)
-        scale = getattr(self, f"{name}_scale_inv")
-        k = weight.shape[2]
-        full = scale.repeat_interleave(self.fp8_block[1], dim=2)[:, :, :k]
-        return (weight.float() * full).to(dtype)
+        return dequantize_experts(getattr(self, name), getattr(self, f"{name}_scale_inv"),
+                                  (1, self.fp8_block[1]), dtype)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
                 ) -> torch.Tensor:
