@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from mrv2.config import EngineConfig
+from mrv2.layers.fp8 import Fp8Config
 from mrv2.registry import ModelEntry, Registries, import_object
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -77,13 +78,7 @@ def build_model(
     dtype: torch.dtype,
 ) -> tuple[nn.Module, ModelEntry]:
     """Instantiate the registered model class on ``device`` and load (or draw) its weights."""
-    from mrv2.layers.fp8 import apply_fp8, draw_fp8_weights, fp8_config_of, log_fp8_memory
-    from mrv2.model_loader.loader import (
-        checkpoint_names,
-        init_dummy_weights,
-        iter_safetensors,
-        load_model_weights,
-    )
+    from mrv2.layers.fp8 import fp8_config_of, log_fp8_memory
 
     architectures = list(getattr(hf_config, "architectures", None) or [])
     if not architectures:
@@ -103,23 +98,43 @@ def build_model(
     finally:
         torch.set_default_dtype(previous)
     if fp8 is not None:
-        names: list[str] = []
-        if fp8.from_checkpoint and not dummy:
-            names = fp8_layer_names(model, checkpoint_names(model_dir))
-        apply_fp8(model, fp8, dummy, names, dtype)
+        apply_checkpoint_fp8(model, fp8, model_dir, dummy, dtype)
     if on_meta:
         model.to_empty(device=device)  # every parameter is then loaded or drawn
-    if dummy:
-        init_dummy_weights(model, seed=config.model.seed)
-        draw_fp8_weights(model, seed=config.model.seed, std=0.02)
-    else:
-        load_model_weights(model, iter_safetensors(model_dir))
+    load_or_draw_weights(model, config, model_dir)
     model.to(device=device, dtype=dtype)
     model.eval()
     process_weights_after_loading(model)
     if fp8 is not None:
         log_fp8_memory(model, dtype)
     return model, entry
+
+
+def apply_checkpoint_fp8(model: nn.Module, fp8: Fp8Config, model_dir: str, dummy: bool,
+                         dtype: torch.dtype) -> None:
+    """Make ``model``'s layers FP8 before its weights load (:func:`mrv2.layers.fp8.apply_fp8`):
+    those the checkpoint in ``model_dir`` holds fp8 scales for, or all with random weights or
+    ``quantization="fp8"``. For a main model and for modules built beside it (MTP layers)."""
+    from mrv2.layers.fp8 import apply_fp8
+    from mrv2.model_loader.loader import checkpoint_names
+
+    names: list[str] = []
+    if fp8.from_checkpoint and not dummy:
+        names = fp8_layer_names(model, checkpoint_names(model_dir))
+    apply_fp8(model, fp8, dummy, names, dtype)
+
+
+def load_or_draw_weights(model: nn.Module, config: EngineConfig, model_dir: str) -> None:
+    """Load ``model``'s weights from the checkpoint in ``model_dir``, or draw them (fp8 layers
+    included) with ``load_format="dummy"``."""
+    from mrv2.layers.fp8 import draw_fp8_weights
+    from mrv2.model_loader.loader import init_dummy_weights, iter_safetensors, load_model_weights
+
+    if config.model.load_format == "dummy":
+        init_dummy_weights(model, seed=config.model.seed)
+        draw_fp8_weights(model, seed=config.model.seed, std=0.02)
+    else:
+        load_model_weights(model, iter_safetensors(model_dir))
 
 
 def fp8_layer_names(model: nn.Module, names: list[str]) -> list[str]:

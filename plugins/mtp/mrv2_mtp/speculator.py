@@ -64,27 +64,22 @@ class MTPSpeculator(Speculator):
     def kv_cache_specs(self, first_layer_idx: int) -> dict[int, KVCacheSpec]:
         """Build the MTP module (caching from ``first_layer_idx``), load its weights from the
         target's checkpoint (or draw them, with ``load_format="dummy"``), declare its cache."""
-        from mrv2.layers.fp8 import apply_fp8, draw_fp8_weights, fp8_config_of
-        from mrv2.model_loader import init_dummy_weights, iter_safetensors, load_model_weights
-        from mrv2.model_loader.build import fp8_layer_names, process_weights_after_loading
-        from mrv2.model_loader.loader import checkpoint_names
+        from mrv2.layers.fp8 import fp8_config_of
+        from mrv2.model_loader.build import (
+            apply_checkpoint_fp8,
+            load_or_draw_weights,
+            process_weights_after_loading,
+        )
 
         build_mtp: Any = getattr(self.model_state.model, "build_mtp")  # noqa: B009 (typed Any)
         mtp = build_mtp(first_layer_idx=first_layer_idx)
-        dummy = self.config.model.load_format == "dummy"
         model_dir = str(self.config.model.model)
         fp8 = fp8_config_of(self.model_state.hf_config, self.config.model.quantization)
         if fp8 is not None:  # the MTP layers are quantized as the target's layers are
-            names = []
-            if fp8.from_checkpoint and not dummy:
-                names = fp8_layer_names(mtp, checkpoint_names(model_dir))
             dtype = next(self.model_state.model.parameters()).dtype
-            apply_fp8(mtp, fp8, dummy, names, dtype)
-        if dummy:
-            init_dummy_weights(mtp, seed=self.config.model.seed)
-            draw_fp8_weights(mtp, seed=self.config.model.seed, std=0.02)
-        else:
-            load_model_weights(mtp, iter_safetensors(model_dir))
+            apply_checkpoint_fp8(mtp, fp8, model_dir, self.config.model.load_format == "dummy",
+                                 dtype)
+        load_or_draw_weights(mtp, self.config, model_dir)
         mtp.eval()
         process_weights_after_loading(mtp)
         self.mtp = mtp
