@@ -243,3 +243,16 @@ class MoEBlock(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+
+def shared_expert_moe(config: Any, gate: nn.Module) -> MoEBlock:
+    """The DeepSeek-style MoE block (DeepSeek-V2/V3, GLM-4.x): ``gate``, ``n_routed_experts``
+    routed experts of ``moe_intermediate_size`` and, when ``n_shared_experts``, one shared
+    SwiGLU MLP of ``moe_intermediate_size * n_shared_experts`` that sees every token."""
+    experts = FusedMoE(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size)
+    shared = None
+    if config.n_shared_experts:
+        shared = GatedMLP(config.hidden_size,
+                          config.moe_intermediate_size * config.n_shared_experts,
+                          config.hidden_act)
+    return MoEBlock(gate, experts, shared)

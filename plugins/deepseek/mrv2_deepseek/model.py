@@ -29,13 +29,13 @@ from torch import nn
 from mrv2.layers import (
     CausalLM,
     DecoderModel,
-    FusedMoE,
     GatedMLP,
     GroupedTopKRouter,
     MoEBlock,
     RotaryEmbedding,
     rope_parameters_of,
 )
+from mrv2.layers.moe import shared_expert_moe
 from mrv2.layers.mtp import MultiTokenPredictor, build_mtp
 from mrv2.layers.weights import StackedMapping
 from mrv2_deepseek.mla import MLAAttention, MLADecoderLayer
@@ -89,13 +89,7 @@ def moe_block(config: PretrainedConfig, v3: bool) -> MoEBlock:
         scoring="sigmoid" if v3 else "softmax",
         correction_bias=v3,
     )
-    experts = FusedMoE(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size)
-    shared = None
-    if config.n_shared_experts:
-        shared = GatedMLP(config.hidden_size,
-                          config.moe_intermediate_size * config.n_shared_experts,
-                          config.hidden_act)
-    return MoEBlock(router, experts, shared)
+    return shared_expert_moe(config, router)
 
 
 def deepseek_layer(config: PretrainedConfig, layer_idx: int, rope: RotaryEmbedding, v3: bool,

@@ -25,7 +25,6 @@ from mrv2.layers import (
     CausalLM,
     DecoderLayer,
     DecoderModel,
-    FusedMoE,
     GatedMLP,
     GroupedTopKRouter,
     MoEBlock,
@@ -34,6 +33,7 @@ from mrv2.layers import (
     get_rope,
     head_dim_of,
 )
+from mrv2.layers.moe import shared_expert_moe
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -101,13 +101,7 @@ def glm4_moe_block(config: PretrainedConfig) -> MoEBlock:
         scoring="sigmoid",
         correction_bias=True,
     )
-    experts = FusedMoE(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size)
-    shared = None
-    if config.n_shared_experts:
-        shared = GatedMLP(config.hidden_size,
-                          config.moe_intermediate_size * config.n_shared_experts,
-                          config.hidden_act)
-    return MoEBlock(router, experts, shared)
+    return shared_expert_moe(config, router)
 
 
 def glm4_moe_layer(
