@@ -1,6 +1,6 @@
 """Block-FP8 linear layers (``block_fp8_linear``) against cuBLAS bf16 (``F.linear``).
 
-    python -m mrv2_kernels.bench_fp8 [--json F] [--rows 1 8 64 256 4096] [--sweep]
+    python -m mrv2_kernels.bench_fp8 [--json F] [--rows 1 8 64 256 4096] [--sweep] [--shapes ...]
 
 Shapes of a GLM-4.5-Air layer (hidden 4096, 96 query / 8 KV heads of 128, a shared expert of
 1408): the fused QKV projection, the output projection, the shared expert's gate/up and down.
@@ -92,7 +92,7 @@ def _sweep_tiles(m: int) -> list[dict[str, Any]]:
     if m <= 64:
         return [dict(block_n=bn, split_k=split, num_stages=stages, fuse_quant=fuse)
                 for bn, split, stages, fuse in itertools.product(
-                    [16, 32, 64], [1, 2, 4, 8], [3, 4, 6], [True, False] if m <= 16 else [False])]
+                    [16, 32, 64, 128], [1, 2, 4, 8], [3, 4], [True, False] if m <= 16 else [False])]
     return [dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages, group_m=8)
             for bm, bn, warps, stages in [(64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3),
                                           (128, 128, 8, 4), (128, 64, 4, 4), (64, 256, 8, 3),
@@ -154,12 +154,16 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=ROWS)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--shapes", nargs="+", choices=[name for name, _, _ in SHAPES],
+                        help="only these shapes (default: all)")
     parser.add_argument("--json", metavar="F", help="also write the results as JSON to F")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     results = []
     for name, n, k in SHAPES:
+        if args.shapes and name not in args.shapes:
+            continue
         results += bench_shape(name, n, k, args.rows, bandwidth, args.sweep)
     if args.json:
         import triton

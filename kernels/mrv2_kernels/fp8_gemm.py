@@ -24,10 +24,11 @@ conversion truncates: within one output ulp), and to the MMA's accumulation on t
 ``x``'s dtype, no activation quantization); :func:`block_fp8_linear` dispatches between it and
 the kernel. A CPU layer should dequantize once at load, not per call.
 
-Tiles (:func:`fp8_gemm_tiles`): up to 64 rows (decode) 16-64-row blocks of 32 output features
-and split-K until the programs fill the SMs, the activation quantization fused into the GEMM up
-to 16 rows (each program quantizes its rows' steps itself: no launch, no fp8 copy of ``x``);
-from 65 rows 64x128 tiles, beyond 256 rows 128x128 tiles, 8 warps, 3 stages.
+Tiles (:func:`fp8_gemm_tiles`): up to 64 rows (decode) 16-64-row blocks of 64 output features
+and split-K until the programs cover the SMs, ``x`` quantized by its own launch (the GEMM can
+quantize its own steps, ``fuse_quant``: no launch, no fp8 copy of ``x``, but every program
+then redoes the division on its critical path, slower on the H200); from 65 rows 64x128
+tiles, 4 warps, 4 stages.
 
 Triton's interpreter (CPU tests) loads, upcasts and ``tl.dot``s fp8 exactly, but its fp32 ->
 fp8 conversion rounds wrongly (a carry out of the mantissa is dropped, subnormals are
@@ -186,13 +187,26 @@ def _round_e4m3(v: tl.tensor) -> tl.tensor:
 
 @triton.jit
 def _quant_rows(x: tl.tensor, CPU: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
-    """``(q, scale)`` of an fp32 ``[rows, group]`` tile, as the reference: ``q`` is fp8 on the
-    GPU and the fp32 value of the fp8 on the interpreter (``CPU``)."""
+    """``(q, scale)`` of an fp32 ``[rows, group]`` tile, bit for bit the reference: ``q`` is fp8
+    on the GPU and the fp32 value of the fp8 on the interpreter (``CPU``). On the GPU ``x /
+    scale`` is not ``div.rn`` per element (~17 instructions with a slow-path branch: a GEMM
+    quantizing its own steps ran 3.5x longer) but ``q0 = x * RN(1/scale)`` and one fma
+    correction ``q0 + (x - q0 * scale) * RN(1/scale)``: correctly rounded by Markstein's
+    theorem (``|x| <= amax``: no overflow; a quotient too small for it is far below e4m3's
+    smallest subnormal and becomes 0 either way; 10^5 random cases checked in exact
+    arithmetic; the GPU tests compare the bits with the reference's). The interpreter's
+    ``fma`` rounds twice, so there the division stays (and the e4m3 rounding is done in fp32
+    arithmetic, :func:`_round_e4m3`)."""
     amax = tl.max(tl.abs(x), axis=1)
     scale = tl.maximum(amax, _EPS_C) * _INV_FP8_MAX_C  # as the reference: see there
-    q = tl.math.div_rn(x, scale[:, None])  # IEEE division, as torch's
-    q = tl.minimum(tl.maximum(q, -_FP8_MAX_C), _FP8_MAX_C)
-    q = _round_e4m3(q) if CPU else q.to(tl.float8e4nv)  # CPU: the interpreter's cvt is wrong
+    if CPU:
+        q = tl.math.div_rn(x, scale[:, None])  # IEEE division, as torch's
+        q = _round_e4m3(tl.minimum(tl.maximum(q, -_FP8_MAX_C), _FP8_MAX_C))
+    else:
+        inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
+        q0 = x * inv
+        q = tl.fma(tl.fma(-q0, scale[:, None], x), inv, q0)
+        q = tl.minimum(tl.maximum(q, -_FP8_MAX_C), _FP8_MAX_C).to(tl.float8e4nv)
     return q, scale
 
 
@@ -456,27 +470,30 @@ def fp8_gemm_tiles(m: int, n: int, k: int, block: tuple[int, int] | list[int],
     """Default tiles for ``[m, k] x [n, k]^T`` with weight blocks ``block`` (module docstring).
 
     ``block_k`` is the weight block's K when it is a power of two up to 128 (else its largest
-    power-of-two divisor up to 128). Decode (``m <= 64``) on CUDA splits K in halves while the
-    programs are fewer than twice the SMs and each split keeps >= 8 steps. Not yet swept on the
-    H200: ``python -m mrv2_kernels.bench_fp8 --sweep`` is where these numbers should come from.
+    power-of-two divisor up to 128). Decode (``m <= 64``) on CUDA, from ``bench_fp8 --sweep``
+    on an H200 (2026-12-01, GLM-4.5-Air's qkv / o_proj / shared-expert shapes at 1-64 rows):
+    64 output features per program, ``x`` quantized by its own launch (quantizing inside the
+    GEMM, every program redoing it on the loop's critical path, was 4-5x slower at one row
+    with a division per element and is still no faster with the reciprocal of
+    :func:`_quant_rows`, except by 5% on the smallest weight), K split in halves while the
+    programs do not cover the SMs once and each split keeps >= 2 steps (qkv: none; o_proj: 4;
+    shared down: 4), 4 stages: within 10% of the sweep's best everywhere. Beyond 64 rows:
+    64x128 tiles, 4 warps, 4 stages (as fast as 128x128 with 8 warps within the runs' noise).
     """
     _, bk = _blocks(block)
     block_k = min(128, bk & -bk)
     cuda = device.type == "cuda"
     block_m = min(64, max(16, triton.next_power_of_2(max(m, 1))))
-    fuse = m <= 16 and block_k == bk
     if not cuda:
-        return Fp8Tiles(block_m, 64, block_k, 1, 1, 4, 1, fuse)
+        return Fp8Tiles(block_m, 64, block_k, 1, 1, 4, 1, m <= 16 and block_k == bk)
     if m <= 64:
-        programs = triton.cdiv(n, 32) * triton.cdiv(m, block_m)
+        programs = triton.cdiv(n, 64) * triton.cdiv(m, block_m)
         steps = triton.cdiv(k, block_k)
         split = 1
-        while programs * split < 2 * _num_sms(device) and steps // (2 * split) >= 8:
+        while programs * split < _num_sms(device) and steps // (2 * split) >= 2:
             split *= 2
-        return Fp8Tiles(block_m, 32, block_k, 1, split, 4, 4, fuse)
-    if m <= 256:
-        return Fp8Tiles(64, 128, block_k, 8, 1, 4, 4, False)
-    return Fp8Tiles(128, 128, block_k, 8, 1, 8, 3, False)
+        return Fp8Tiles(block_m, 64, block_k, 1, split, 4, 4, False)
+    return Fp8Tiles(64, 128, block_k, 8, 1, 4, 4, False)
 
 
 def block_fp8_linear_triton(

@@ -37,10 +37,9 @@ reasons: :mod:`~mrv2_kernels.fused_moe_fp8`): the same steps, switched at compil
 ``bk``) and the SiLU*up activation per (pair, group) as DeepSeek-V3 and vLLM do; each
 ``BLOCK_K`` step (which divides ``bk``) ``tl.dot``s fp8 tiles into fresh fp32 products and
 adds them times the rows' activation scales and the columns' weight scales. Where each
-quantization runs (:class:`MoeTiles`): decode quantizes ``x`` and the activation inside the
-GEMMs that read them (no extra launch); larger batches quantize ``x`` once with
-:func:`~mrv2_kernels.fp8_gemm.per_token_group_quant_fp8_triton` and the activation in the
-gate/up epilogue (``block_n1 == bk``: each program holds whole groups), stored fp8.
+quantization runs (:class:`MoeTiles`): by default ``x`` and the activation are quantized once
+each by :func:`~mrv2_kernels.fp8_gemm.per_token_group_quant_fp8_triton`; the tiles can move
+either into the GEMM that reads it (:mod:`~mrv2_kernels.fused_moe_fp8`).
 
 Programs past the real block count exit at once. Tiles are arguments (``block_m`` etc.) with
 per-backend defaults (:func:`moe_tiles`): for decode-sized batches (a few pairs per expert, the
@@ -61,12 +60,16 @@ import triton
 import triton.language as tl
 
 from ._backend import use_triton
-from .fp8_gemm import FP8_DTYPE, dequantize_weight_block_fp8, per_token_group_quant_fp8_triton
+from .fp8_gemm import (
+    FP8_DTYPE,
+    _quant_rows,
+    dequantize_weight_block_fp8,
+    per_token_group_quant_fp8_triton,
+)
 from .fused_moe_fp8 import (
     DEFAULT_BLOCK,
     _fp8_a_tile,
     _fp8_dot,
-    _quant_tile,
     _round_to,
     check_fp8_args,
     quant_dequant_groups,
@@ -288,7 +291,7 @@ def _moe_gate_up_kernel(
         up = _round_to(acc_up, ACT_DTYPE, UPCAST)
         act = _round_to(gate / (1.0 + tl.exp(-gate)) * up, ACT_DTYPE, UPCAST)
         if QUANT_OUT:  # this slice is one scale group of the down GEMM's K
-            act, act_scale = _quant_tile(act, UPCAST)
+            act, act_scale = _quant_rows(act, UPCAST)
             tl.store(acts_ptr + pair.to(tl.int64) * acts_s0 + pid_n, act_scale, mask=valid)
         dst = act_ptr + pair.to(tl.int64)[:, None] * act_s0 + offs_n[None, :]
         tl.store(dst, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])

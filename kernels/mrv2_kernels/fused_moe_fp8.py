@@ -35,15 +35,15 @@ weight-only dequantization would run bf16 MMAs plus a conversion per weight elem
 bound by the weight bytes, which fp8 halves either way. Numerically both are FP8 models of
 the checkpoint; this one is what the checkpoints' reference inference does.
 
-Where the Triton path quantizes (:func:`~mrv2_kernels.fused_moe.moe_tiles`): ``x`` by one
-launch of :func:`~mrv2_kernels.fp8_gemm.per_token_group_quant_fp8_triton` over ``[T, H]``
-(each element once; inside the gate/up GEMM every one of a block's ``I / block_n1`` programs
-would redo it, on the critical path of a compute-bound loop), except at decode, where the
-GEMM quantizes its own ``x`` tiles (no launch; the repeated work hides under the weight
-loads). The activation in the gate/up epilogue, stored as fp8 with its scales, when a
-program's slice is one scale group (``block_n1 == bk``, the prefill tiles); at decode (narrow
-slices) in the down GEMM's steps. Inside the GEMMs the division of the quantization is a
-reciprocal and an fma correction (:func:`_quant_tile`), bit for bit the reference's.
+Where the Triton path quantizes (:func:`~mrv2_kernels.fused_moe.moe_tiles`): by default ``x``
+and the activation each by one launch of
+:func:`~mrv2_kernels.fp8_gemm.per_token_group_quant_fp8_triton` (each element once). The
+GEMMs can quantize what they read themselves (tile options: ``fuse_x_quant`` in the gate/up
+GEMM, ``act_quant="epilogue"`` when a gate/up program's slice is one scale group,
+``act_quant="down"`` in the down GEMM's steps): no launch, but every program of a block redoes
+the work on its critical path, and on the H200 that was never faster. Inside the GEMMs the
+division is a reciprocal and an fma correction
+(:func:`~mrv2_kernels.fp8_gemm._quant_rows`), bit for bit the reference's.
 """
 
 from __future__ import annotations
@@ -53,8 +53,6 @@ import triton
 import triton.language as tl
 
 from .fp8_gemm import (
-    _EPS_C,
-    _FP8_MAX_C,
     FP8_DTYPE,
     _quant_rows,
     dequantize_weight_block_fp8,
@@ -168,36 +166,13 @@ def _round_to(v: tl.tensor, DT: tl.constexpr, CPU: tl.constexpr) -> tl.tensor:
 
 
 @triton.jit
-def _quant_tile(x: tl.tensor, CPU: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
-    """``(q, scale)`` of an fp32 ``[rows, group]`` tile, bit for bit
-    :func:`~mrv2_kernels.fp8_gemm._quant_rows` (the reference's rounding), for the quantizations
-    inside the GEMMs. On the GPU ``x / scale`` is not ``div.rn`` per element (~17 instructions
-    with its slow-path branch, which made a fused decode step's loop 3.5x longer) but
-    ``q0 = x * RN(1/scale)`` and one fma correction ``q0 + (x - q0 * scale) * RN(1/scale)``:
-    correctly rounded by Markstein's theorem (``|x| <= amax``: no overflow; a quotient too
-    small for it is far below e4m3's smallest subnormal and becomes 0 either way; 10^5
-    random cases checked in exact arithmetic). The interpreter's ``fma`` rounds twice, so
-    there the division stays."""
-    if CPU:
-        q, scale = _quant_rows(x, CPU)
-    else:
-        amax = tl.max(tl.abs(x), axis=1)
-        scale = tl.math.div_rn(tl.maximum(amax, _EPS_C), _FP8_MAX_C)
-        inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
-        q0 = x * inv
-        q = tl.fma(tl.fma(-q0, scale[:, None], x), inv, q0)
-        q = tl.minimum(tl.maximum(q, -_FP8_MAX_C), _FP8_MAX_C).to(tl.float8e4nv)
-    return q, scale
-
-
-@triton.jit
 def _fp8_a_tile(a: tl.tensor, scale_ptrs: tl.tensor, valid: tl.tensor, group: int,
                 QUANT: tl.constexpr, CPU: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
     """The A operand of an FP8 step and its rows' scales: ``a`` quantized here (``QUANT``)
     or already fp8, its scales at ``scale_ptrs + group``. On the interpreter (``CPU``) the fp8
     values come as fp32 (exact)."""
     if QUANT:
-        q, scale = _quant_tile(a.to(tl.float32), CPU)
+        q, scale = _quant_rows(a.to(tl.float32), CPU)
     else:
         scale = tl.load(scale_ptrs + group, mask=valid, other=0.0)
         q = a.to(tl.float32) if CPU else a

@@ -390,14 +390,17 @@ def mla_decode_plan(
 
     GPU, bf16/fp16 (compiled for sm_90 at R = 512, P = 64: no spills): 16 heads per program,
     tokens added while the rows stay <= 32 (a verify step of 2 tokens shares one read of the
-    cache; 64 rows spill), at least 16 rows (``tl.dot``). 32 keys a step (a 36 KiB latent tile),
-    8 warps, 3 stages: 128 registers a thread at 16 rows, 194 at 32, ~56/76 KiB of shared
-    memory, two programs per SM. fp32 (tests only): 16 keys, 4 warps, 16 rows. Interpreter:
-    every head and up to 64 rows of a request per program, 16 keys (each program costs
-    ~25 ms there). Splits: enough programs for ``2 x num_sms`` (8 under the interpreter), at
-    least ``4 * block_n`` keys each (the fp32 partial a split writes then stays well below the
-    latents it reads), at most 64. Combine: ``[heads, splits, dims]`` tiles of <= 4096 fp32 on
-    the GPU (1 head, ``4096 / splits`` dims), everything of a token at once on the interpreter.
+    cache; 64 rows spill), at least 16 rows (``tl.dot``). From ``bench_mla --sweep`` on an
+    H200 (2026-12-01, DeepSeek-V2-Lite's 16 heads, batch 1-64, context 1-4K): 64 keys a step
+    (a 72 KiB latent + rope tile), 2 stages, 8 warps while the requests' programs fill under a
+    quarter of the SMs, else 4; splits until the programs cover the SMs once, one step of
+    keys each at least, at most 64 (``2 x num_sms`` programs and ``4 * block_n`` keys a split
+    were 1.4-1.8x slower: at batch 1 the step is latency-bound and wants every SM, at batch 64
+    a second partial wave costs more than the split saves). fp32 (tests only): 16 keys, 4
+    warps, 16 rows. Interpreter: every head and up to 64 rows of a request per program, 16
+    keys (each program costs ~25 ms there), splits for 8 programs, at least ``4 * block_n``
+    keys each. Combine: ``[heads, splits, dims]`` tiles of <= 4096 fp32 on the GPU (1 head,
+    ``4096 / splits`` dims), everything of a token at once on the interpreter.
     """
     heads_p2 = triton.next_power_of_2(max(num_heads, 1))
     q_p2 = triton.next_power_of_2(max(max_query_len, 1))
@@ -406,8 +409,8 @@ def mla_decode_plan(
         bh = block_h if block_h is not None else min(heads_p2, 16)
         bq = block_q if block_q is not None else max(1, min(q_p2, (32 if wide else 16) // bh))
         bq = max(bq, triton.cdiv(16, bh))  # tl.dot needs 16 rows
-        bn = block_n if block_n is not None else (32 if wide else 16)
-        warps, stages = (8, 3) if wide else (4, 2)
+        bn = block_n if block_n is not None else (64 if wide else 16)
+        warps, stages = 8 if wide else 4, 2
     else:
         bh = block_h if block_h is not None else heads_p2
         bq = block_q if block_q is not None else max(1, min(q_p2, max(1, 64 // bh)))
@@ -422,10 +425,12 @@ def mla_decode_plan(
     if num_splits is not None:
         splits = max(1, min(num_splits, _MAX_SPLITS))
     else:
-        target = 2 * num_sms if on_gpu else 8
+        target = num_sms if on_gpu else 8
         base = max(num_reqs * num_q_tiles * num_h_tiles, 1)
-        by_len = triton.cdiv(max(max_seq_len, 1), 4 * bn)
+        by_len = triton.cdiv(max(max_seq_len, 1), bn if on_gpu else 4 * bn)
         splits = max(1, min(triton.cdiv(target, base), by_len, _MAX_SPLITS))
+    if on_gpu and num_warps is None and elem_size <= 2:
+        warps = 8 if num_reqs * num_q_tiles * num_h_tiles * 4 < num_sms else 4
     rank_p2 = triton.next_power_of_2(kv_lora_rank)
     if on_gpu:
         combine_h, combine_r = 1, min(rank_p2, max(16, 4096 // triton.next_power_of_2(splits)))

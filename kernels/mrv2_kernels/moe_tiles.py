@@ -58,30 +58,25 @@ def moe_tiles(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter:
 
 
 def _fp8_tiles(per_expert: float, bk: int, device: torch.device) -> MoeTiles:
-    """FP8 tiles (compiled offline for sm90 and read in SASS, not yet timed: ``bench_moe
-    --fp8 --sweep``). K steps of 128 fp8 features (cut to the largest power of two dividing
-    ``bk``). Decode (up to 16 pairs per expert): the bf16 plan's bytes per step (64 gate and
-    64 up / 128 down columns of fp8), ``x`` and the activation quantized inside the GEMMs
-    that read them: no launch, and the quantization (which every output slice of a block
-    repeats: the loop grows from ~270 to ~570 instructions) costs about 0.6 of the step's
-    weight-streaming time, under the loads. Beyond: 64-row blocks with ``block_n1 == bk`` so
-    the gate/up epilogue quantizes its slice of the activation once and the down GEMM reads
-    fp8 (wgmma e4m3 both; 8 warps, as 4 spill: gate and up need an accumulator and each
-    step's products each), and ``x`` quantized once by its own launch (inside the GEMM every
-    slice would redo it on the critical path of a compute-bound loop)."""
+    """FP8 tiles, from ``bench_moe --fp8 --sweep`` on an H200 (2026-12-01, GLM-4.5-Air's
+    experts at 1, 8 and 64 tokens). K steps of 128 fp8 features (cut to the largest power of
+    two dividing ``bk``). Decode (up to 16 pairs per expert): 16-row blocks, 4 warps, 4
+    stages, 32 intermediate features per gate/up program and 64 (up to one pair per expert)
+    or 128 hidden features per down program (0.62 / 0.89 / 0.93 of the byte floor at 1 / 8 /
+    64 tokens). Beyond: 64-row blocks, 64 intermediate / 128 hidden features per program, 4
+    warps, 3 stages (at 2,048 tokens 13% faster than 128-wide gate/up slices with 8 warps,
+    which let the epilogue quantize whole groups; 128-row blocks were slower still). ``x``
+    and the activation are quantized by their own launches everywhere: the sweep's in-GEMM
+    places (``fuse_x_quant``, ``"down"``, ``"epilogue"``, each program redoing the
+    quantization on its critical path) were never faster."""
     step = bk & -bk
-    # Measured on the H200 (2026-11-30, ``scripts/diag_fp8_moe.py``, GLM-4.5-Air experts):
-    # quantizing inside the GEMMs (``fuse_x_quant``, ``"down"``, ``"epilogue"``) disagrees
-    # with the reference by 0.2-1.8% (its reciprocal-and-fma rounding is not the reference's),
-    # while the separate group-quantization launches match it to 1e-5 (16-row blocks) or
-    # 5e-3 (64-row blocks: wgmma's fp8 accumulation). So the plan quantizes with the separate
-    # launches everywhere until the in-GEMM quantization is fixed; the options stay for that.
     if device.type != "cuda":
         plan = MoeTiles(16, 32, 32, 32, 32, 1, 4, 1, True, False, "kernel")
     elif per_expert <= 16:
-        plan = MoeTiles(16, 64, 128, 128, 128, 1, 4, 4, per_expert <= 4, False, "kernel")
+        plan = MoeTiles(16, 32, 128, 64 if per_expert <= 1 else 128, 128, 1, 4, 4,
+                        per_expert <= 4, False, "kernel")
     else:
-        plan = MoeTiles(64, 128, 128, 128, 128, 8, 8, 3, False, False, "kernel")
+        plan = MoeTiles(64, 64, 128, 128, 128, 8, 4, 3, False, False, "kernel")
     plan = plan._replace(block_k1=min(plan.block_k1, step), block_k2=min(plan.block_k2, step))
     return plan._replace(fuse_x_quant=plan.fuse_x_quant and plan.block_k1 == bk,
                          act_quant=_fit_act_quant(plan.act_quant, plan, bk))

@@ -1,4 +1,5 @@
-"""GPU: MTP speculation (GLM-4.x's MTP layer drafting) with its drafting in CUDA graphs.
+"""GPU: MTP speculation (GLM-4.x's and DeepSeek-V3's MTP layers drafting) with its drafting in
+CUDA graphs.
 
 Run on a CUDA machine with ``MRV2_TEST_GPU=1 python -m pytest -m gpu``.
 """
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 
 from mrv2 import LLM, SamplingParams
-from mrv2.testing import append_mtp_layer, make_tiny_checkpoint
+from mrv2.testing import append_mtp_layer, make_tiny_checkpoint, redraw_weights
 
 pytestmark = pytest.mark.gpu
 
@@ -37,6 +38,33 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     append_mtp_layer(path, Glm4MoeDecoderLayer(config, config.num_hidden_layers))
     return path
 
+DEEPSEEK_V3: dict[str, Any] = {
+    "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+    "moe_intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 64, "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16, "v_head_dim": 32, "n_routed_experts": 8, "num_experts_per_tok": 2,
+    "n_group": 4, "topk_group": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
+    "max_position_embeddings": 256, "tie_word_embeddings": False, "num_nextn_predict_layers": 1,
+}
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny DeepSeek-V3 (MLA, noaux_tc MoE) with an MTP layer under the published names."""
+    import torch
+    import transformers
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    path = tmp_path_factory.mktemp("dsv3")
+    config = transformers.DeepseekV3Config(**DEEPSEEK_V3)
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV3ForCausalLM(config).eval()
+    redraw_weights(hf)
+    hf.save_pretrained(path)
+    append_mtp_layer(path, DeepseekV3DecoderLayer(config, config.num_hidden_layers), std=0.08)
+    return path
+
 
 def _greedy(ckpt: Path, **kwargs: Any) -> tuple[list[list[int]], LLM]:
     llm = LLM(str(ckpt), device="cuda", dtype="float32", block_size=16,
@@ -46,7 +74,10 @@ def _greedy(ckpt: Path, **kwargs: Any) -> tuple[list[list[int]], LLM]:
     return [o.outputs[0].token_ids for o in outs], llm
 
 
-def test_mtp_greedy_equals_plain_with_drafting_graphs(ckpt: Path) -> None:
+@pytest.mark.parametrize("family", ["glm", "deepseek"])
+def test_mtp_greedy_equals_plain_with_drafting_graphs(family: str,
+                                                      request: pytest.FixtureRequest) -> None:
+    ckpt = request.getfixturevalue("ckpt" if family == "glm" else "deepseek")
     plain = _greedy(ckpt)[0]
     got, llm = _greedy(ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     assert got == plain

@@ -272,10 +272,12 @@ def test_tile_plan() -> None:
     assert fp8_gemm_tiles(4, 256, 384, (128, 96), torch.device("cpu")).block_k == 32
     if DEVICE == "cuda":
         dev = torch.device("cuda")
-        decode = fp8_gemm_tiles(1, 2816, 4096, (128, 128), dev)
+        decode = fp8_gemm_tiles(1, 4096, 12288, (128, 128), dev)  # 64 slices of 96 steps
+        wide = fp8_gemm_tiles(1, 14336, 4096, (128, 128), dev)  # 224 slices
         prefill = fp8_gemm_tiles(4096, 4096, 4096, (128, 128), dev)
-        assert decode.block_m == 16 and decode.fuse_quant and decode.split_k >= 2
-        assert (prefill.block_m, prefill.block_n, prefill.num_warps) == (128, 128, 8)
+        assert (decode.block_m, decode.block_n, decode.fuse_quant) == (16, 64, False)
+        assert decode.split_k >= 2 and wide.split_k == 1
+        assert (prefill.block_m, prefill.block_n, prefill.num_warps) == (64, 128, 4)
         assert not prefill.fuse_quant and prefill.split_k == 1
 
 

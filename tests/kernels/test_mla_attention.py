@@ -316,11 +316,13 @@ def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_plans() -> None:
     v2_lite = {"num_heads": 16, "kv_lora_rank": 512, "on_gpu": True, "num_sms": 132}
     b1 = mla_decode_plan(**v2_lite, max_query_len=1, max_seq_len=4096, num_reqs=1)
-    assert (b1.block_h, b1.block_q, b1.block_n, b1.num_h_tiles) == (16, 1, 32, 1)
-    assert b1.num_splits == 32  # 4096 keys / (4 x 32) per split; <= 264 programs
-    assert b1.combine_h * b1.combine_r * 32 <= 4096
+    assert (b1.block_h, b1.block_q, b1.block_n, b1.num_h_tiles) == (16, 1, 64, 1)
+    assert (b1.num_splits, b1.num_warps) == (64, 8)  # 4096 keys / 64 per split, <= 64 splits
+    assert b1.combine_h * b1.combine_r * 64 <= 4096
+    short = mla_decode_plan(**v2_lite, max_query_len=1, max_seq_len=1024, num_reqs=1)
+    assert short.num_splits == 16  # one 64-key step each
     b64 = mla_decode_plan(**v2_lite, max_query_len=1, max_seq_len=4096, num_reqs=64)
-    assert b64.num_splits == 5  # cdiv(2 x 132, 64)
+    assert (b64.num_splits, b64.num_warps) == (3, 4)  # cdiv(132, 64): one wave
     verify = mla_decode_plan(**v2_lite, max_query_len=2, max_seq_len=4096, num_reqs=8)
     assert verify.block_q == 2 and verify.num_q_tiles == 1  # both tokens share one KV read
     v3 = mla_decode_plan(**{**v2_lite, "num_heads": 128}, max_query_len=1, max_seq_len=4096,
