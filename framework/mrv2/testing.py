@@ -291,3 +291,22 @@ def append_mtp_layer(path: str | Path, block: torch.nn.Module, std: float = 0.05
         tensors[f"{prefix}{norm}.weight"] = torch.rand(hidden, generator=gen) + 0.5
     tensors[prefix + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) * std
     save_file(tensors, path / "model.safetensors")
+
+
+def make_mtp_checkpoint(path: str | Path, architecture: str, decoder_layer: Any,
+                        mtp_std: float = 0.08, **config: Any) -> Path:
+    """Save a tiny random ``architecture`` built from exactly ``config`` (no :data:`TINY`
+    defaults), every weight redrawn (:func:`redraw_weights`), plus one MTP layer
+    (:func:`append_mtp_layer`) whose block is ``decoder_layer(hf_config,
+    num_hidden_layers)`` (e.g. transformers' ``DeepseekV3DecoderLayer``). Returns ``path``."""
+    import transformers
+
+    hf_config = getattr(transformers, architecture.replace("ForCausalLM", "Config"))(**config)
+    hf_config.architectures = [architecture]
+    torch.manual_seed(0)
+    model = getattr(transformers, architecture)(hf_config).eval()
+    redraw_weights(model)
+    path = Path(path)
+    model.save_pretrained(path)
+    append_mtp_layer(path, decoder_layer(hf_config, hf_config.num_hidden_layers), std=mtp_std)
+    return path

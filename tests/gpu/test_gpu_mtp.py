@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from mrv2 import LLM, SamplingParams
-from mrv2.testing import append_mtp_layer, make_tiny_checkpoint, redraw_weights
+from mrv2.testing import append_mtp_layer, make_mtp_checkpoint, make_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
 
@@ -51,19 +51,10 @@ DEEPSEEK_V3: dict[str, Any] = {
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny DeepSeek-V3 (MLA, noaux_tc MoE) with an MTP layer under the published names."""
-    import torch
-    import transformers
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
-    path = tmp_path_factory.mktemp("dsv3")
-    config = transformers.DeepseekV3Config(**DEEPSEEK_V3)
-    config.architectures = ["DeepseekV3ForCausalLM"]
-    torch.manual_seed(0)
-    hf = transformers.DeepseekV3ForCausalLM(config).eval()
-    redraw_weights(hf)
-    hf.save_pretrained(path)
-    append_mtp_layer(path, DeepseekV3DecoderLayer(config, config.num_hidden_layers), std=0.08)
-    return path
+    return make_mtp_checkpoint(tmp_path_factory.mktemp("dsv3"), "DeepseekV3ForCausalLM",
+                               DeepseekV3DecoderLayer, **DEEPSEEK_V3)
 
 
 def _greedy(ckpt: Path, **kwargs: Any) -> tuple[list[list[int]], LLM]:

@@ -8,12 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import transformers
 from safetensors.torch import load_file
 
 from mrv2 import LLM, SamplingParams
-from mrv2.testing import append_mtp_layer, emulate_cuda_graphs, fp8_checkpoint, redraw_weights
+from mrv2.testing import emulate_cuda_graphs, fp8_checkpoint, make_mtp_checkpoint
 
 PROMPTS = [[5, 17, 42, 9, 100, 3, 77], [8, 8, 120], [1 + i % 100 for i in range(21)]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -35,15 +34,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     V3 decoder block plus enorm / hnorm / eh_proj / shared_head.norm, named as published)."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
-    path = tmp_path_factory.mktemp("dsv3")
-    config = transformers.DeepseekV3Config(**V3)
-    config.architectures = ["DeepseekV3ForCausalLM"]
-    torch.manual_seed(0)
-    hf = transformers.DeepseekV3ForCausalLM(config).eval()
-    redraw_weights(hf)
-    hf.save_pretrained(path)
-    append_mtp_layer(path, DeepseekV3DecoderLayer(config, config.num_hidden_layers), std=0.08)
-    return path
+    return make_mtp_checkpoint(tmp_path_factory.mktemp("dsv3"), "DeepseekV3ForCausalLM",
+                               DeepseekV3DecoderLayer, **V3)
 
 
 def _run(path: Path, spec: dict[str, Any] | None, graphs: bool = False
