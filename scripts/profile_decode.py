@@ -1,7 +1,8 @@
 """Profile steady decode steps on the GPU: host time per engine phase, GPU time by kernel, and
 the GPU's idle gaps between kernels (which say whether the host or the device is the limit).
 
-Usage (GPU machine): python scripts/profile_decode.py [--batch 1] [--steps 64] [--trace DIR]
+Usage (GPU machine): python scripts/profile_decode.py [--model Qwen3-0.6B] [--batch 1] [--steps 64]
+[--trace DIR]
 """
 
 import argparse
@@ -20,6 +21,7 @@ from mrv2.contract.params import SamplingParams
 from mrv2.engine.engine import LLMEngine
 
 parser = argparse.ArgumentParser()
+parser.add_argument("--model", default="Qwen3-0.6B", help="bundled config name or checkpoint")
 parser.add_argument("--batch", type=int, default=1)
 parser.add_argument("--steps", type=int, default=64)
 parser.add_argument("--temperature", type=float, default=0.0)
@@ -27,7 +29,7 @@ parser.add_argument("--trace", default=os.environ.get("OUT"))
 args = parser.parse_args()
 
 engine = LLMEngine(EngineConfig.from_kwargs(
-    model=resolve_model("Qwen3-0.6B"), load_format="dummy", dtype="bfloat16", max_model_len=4096,
+    model=resolve_model(args.model), load_format="dummy", dtype="bfloat16", max_model_len=4096,
     max_num_seqs=max(args.batch, 8)))
 rng = random.Random(0)
 params = SamplingParams(temperature=args.temperature, max_tokens=6 * args.steps, ignore_eos=True)

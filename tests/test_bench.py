@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from mrv2.bench.measure import instrument, kv_bytes_per_token, resolve_model, weight_bytes
+from mrv2.bench.measure import (
+    breakdown,
+    instrument,
+    kv_bytes_per_token,
+    resolve_model,
+    weight_bytes,
+)
 from mrv2.bench.throughput import run_engine, workload
 from mrv2.config import EngineConfig
 from mrv2.engine.engine import LLMEngine
@@ -44,6 +51,32 @@ def test_counts_and_floor_inputs(tmp_path: Path) -> None:
     # 2 layers x (k + v) x 2 kv heads x head_dim x 4 bytes
     head_dim = engine.runner.hf_config.head_dim
     assert kv_bytes_per_token(engine.runner) == 2 * 2 * 2 * head_dim * 4
+    # no graphs on the CPU: one eager mixed (prefill) step, then eager decode steps
+    assert log.kinds == ["mixed_eager"] + ["decode_eager"] * (len(log.steps) - 1)
+
+
+def test_breakdown_by_step_kind_with_emulated_graphs(tmp_path: Path) -> None:
+    """Decode steps that replay a (CPU stand-in) graph count as ``decode_graph``; the kinds'
+    steps, tokens and wall seconds add up to the run's."""
+    from mrv2.bench.throughput import format_breakdown
+    from mrv2.testing import emulate_cuda_graphs
+
+    ckpt = make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM")
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(ckpt), device="cpu",
+                                                load_format="dummy", block_size=4))
+    emulate_cuda_graphs(engine.runner)
+    log = instrument(engine)
+    run_engine(engine, [[1, 2, 3], [4, 5]], [4, 6], temperature=0.6)
+    end = time.perf_counter()
+    kinds = breakdown(log, end)
+    assert set(kinds) == {"mixed_eager", "decode_graph"}
+    assert kinds["mixed_eager"]["steps"] == 1 and kinds["mixed_eager"]["tokens"] == 5
+    assert sum(k["steps"] for k in kinds.values()) == len(log.steps)
+    assert sum(k["tokens"] for k in kinds.values()) == sum(t for _, t, _ in log.steps)
+    assert sum(k["wall_s"] for k in kinds.values()) == pytest.approx(end - log.wall[0],
+                                                                    abs=1e-3)
+    table = format_breakdown({"default": {"by_step_kind": kinds}})
+    assert "decode_graph" in table.splitlines()[1] + table.splitlines()[2]
 
 
 def test_cli_parses_bench() -> None:

@@ -110,6 +110,10 @@ class StepLog:
     """Host seconds inside ``Runner.execute`` (building and launching) of each step."""
     wait_s: float = 0.0
     """Host time spent waiting in ``AsyncStepOutput.result()``."""
+    kinds: list[str] = field(default_factory=list)
+    """Each step's kind: ``decode`` (every request the same query length: one token, or one
+    plus its drafts) or ``mixed`` (prefill chunks in it), then ``_graph`` or ``_eager``: how
+    its forward ran."""
 
     @property
     def cpu_execute_s(self) -> float:
@@ -124,6 +128,15 @@ def instrument(engine: Any) -> StepLog:
     original = runner.execute
     cuda = runner.device.type == "cuda"
 
+    plans: list[Any] = []
+    build = runner.builder.build
+
+    def build_and_keep(*args: Any, **kwargs: Any) -> Any:
+        plans.append(build(*args, **kwargs))
+        return plans[-1]
+
+    runner.builder.build = build_and_keep
+
     def execute(scheduled: Any) -> Any:
         requests = engine._requests
         seq = sum(requests[r].request.num_computed_tokens for r in scheduled.num_scheduled_tokens)
@@ -134,7 +147,11 @@ def instrument(engine: Any) -> StepLog:
         if cuda:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
+        plans.clear()
         out = original(scheduled)
+        if plans:
+            kind = "decode" if plans[-1].batch.uniform_decode else "mixed"
+            log.kinds.append(kind + ("_graph" if plans[-1].replay_query_len else "_eager"))
         if cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
@@ -185,3 +202,33 @@ def busy_fraction(log: StepLog, decode_only: bool = True) -> float:
     busy = sum(log.events[i][0].elapsed_time(log.events[i][1]) for i in idx)
     span = log.events[idx[0]][0].elapsed_time(log.events[idx[-1]][1])
     return busy / span if span > 0 else float("nan")
+
+
+def breakdown(log: StepLog, end: float) -> dict[str, dict[str, float]]:
+    """Where the run's time went, per step kind (:attr:`StepLog.kinds`): steps, tokens,
+    wall seconds (from each step's start to the next one's, the last one to ``end``: the
+    ``time.perf_counter()`` at the run's end), host seconds inside ``Runner.execute``, and on
+    CUDA the device seconds between events around each step's work and their share of the
+    wall (``gpu_busy``)."""
+    cuda = bool(log.events)
+    if cuda:
+        torch.cuda.synchronize()
+    starts = [*log.wall[1:], end]
+    out: dict[str, dict[str, float]] = {}
+    for i, kind in enumerate(log.kinds):
+        row = out.setdefault(kind, {"steps": 0, "tokens": 0, "wall_s": 0.0, "host_s": 0.0})
+        row["steps"] += 1
+        row["tokens"] += log.steps[i][1]
+        row["wall_s"] += starts[i] - log.wall[i]
+        row["host_s"] += log.host_s[i]
+        if cuda:
+            start, stop = log.events[i]
+            row["device_s"] = row.get("device_s", 0.0) + start.elapsed_time(stop) / 1e3
+    for row in out.values():
+        row["host_ms_per_step"] = row["host_s"] * 1e3 / row["steps"]
+        if cuda:
+            row["gpu_busy"] = row["device_s"] / row["wall_s"] if row["wall_s"] > 0 else 0.0
+        for key in ("wall_s", "host_s", "device_s", "host_ms_per_step", "gpu_busy"):
+            if key in row:
+                row[key] = round(row[key], 4)
+    return out

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from mrv2.bench.measure import (
+    breakdown,
     busy_fraction,
     copy_bandwidth,
     expert_read_bytes,
@@ -132,6 +133,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         reads_before = expert_reads(engine.runner)
         before = engine.stats()
         produced, seconds = run_engine(engine, prompts, max_tokens, args.temperature)
+        finished = time.perf_counter()
         row: dict[str, Any] = {"output_tokens": produced, "seconds": round(seconds, 3),
                                "output_tok_s": round(produced / seconds, 1),
                                "steps": len(log.steps),
@@ -159,6 +161,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             row["floor_seconds"] = round(floor, 3)
             row["floor_fraction"] = round(floor / seconds, 3)
             row["gpu_busy_decode"] = round(busy_fraction(log), 3)
+        row["by_step_kind"] = breakdown(log, finished)
         results[name] = row
         del engine
         release_engine_memory()
@@ -214,7 +217,24 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=main)
 
 
+def format_breakdown(results: dict[str, Any]) -> str:
+    """A table of where each variant's time went, per step kind (``by_step_kind``)."""
+    lines = [f"{'variant':12s} {'step kind':13s} {'steps':>6s} {'tokens':>8s} {'wall s':>8s} "
+             f"{'host ms/step':>12s} {'device s':>9s} {'GPU busy':>8s}"]
+    for name, row in results.items():
+        if not isinstance(row, dict) or "by_step_kind" not in row:
+            continue
+        for kind, k in sorted(row["by_step_kind"].items()):
+            device = f"{k['device_s']:9.2f}" if "device_s" in k else f"{'-':>9s}"
+            busy = f"{k['gpu_busy']:8.2f}" if "gpu_busy" in k else f"{'-':>8s}"
+            lines.append(f"{name:12s} {kind:13s} {k['steps']:6d} {k['tokens']:8d} "
+                         f"{k['wall_s']:8.2f} {k['host_ms_per_step']:12.2f} {device} {busy}")
+    return "\n".join(lines)
+
+
 def main(args: argparse.Namespace) -> int:
-    """Run and print the results."""
-    report(bench(args), args.json)
+    """Run and print the results: where the time went, then everything as JSON."""
+    results = bench(args)
+    print(format_breakdown(results))
+    report(results, args.json)
     return 0
