@@ -13,11 +13,16 @@ is 1 or a multiple of 16, which would stall serving for a compile at an arbitrar
 
 from __future__ import annotations
 
+import functools
 import os
+from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 
-__all__ = ["ENV_VAR", "default_block", "triton_forced", "use_triton"]
+__all__ = ["ENV_VAR", "PDL_ENV_VAR", "default_block", "pdl", "pdl_enabled", "triton_forced",
+           "use_triton"]
 
 #: Environment variable that forces the Triton path for CPU tensors (``MRV2_KERNELS=triton``),
 #: which only works together with ``TRITON_INTERPRET=1``.
@@ -49,3 +54,46 @@ def default_block(t: torch.Tensor, cuda: int, cpu: int, block: int | None = None
     if value <= 0 or value & (value - 1):
         raise ValueError(f"block size must be a positive power of two, got {value}")
     return value
+
+
+#: ``MRV2_PDL=0`` turns programmatic dependent launch off (on by default where supported).
+PDL_ENV_VAR = "MRV2_PDL"
+
+
+@functools.lru_cache(maxsize=8)
+def _pdl_capable(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_enabled(t: torch.Tensor) -> bool:
+    """True when kernels on ``t``'s device use programmatic dependent launch: a CUDA device of
+    compute capability 9.0 or more (Hopper: ``griddepcontrol``) and ``MRV2_PDL`` not ``0``."""
+    if not t.is_cuda or os.environ.get(PDL_ENV_VAR, "1").strip() == "0":
+        return False
+    return _pdl_capable(t.device)
+
+
+def pdl(t: torch.Tensor) -> dict[str, Any]:
+    """Launch keywords of a kernel that takes a ``PDL: tl.constexpr`` and starts with
+    :func:`pdl_prologue`: ``{"PDL": True, "launch_pdl": True}`` where :func:`pdl_enabled`,
+    else ``{"PDL": False}``.
+
+    With programmatic dependent launch a kernel is launched while the previous one in the
+    stream still runs (``launch_pdl``); each of its programs first waits for that kernel's
+    completion and memory (``gdc_wait``), so nothing it reads or writes can race, and then
+    lets the next kernel launch (``gdc_launch_dependents``). What overlaps is the launch and
+    the programs' start-up, which at batch 1 is a large share of each small decode kernel.
+    A kernel launched the ordinary way after one of these waits for it to finish, as usual;
+    inside CUDA graphs the launches become programmatic edges."""
+    return {"PDL": True, "launch_pdl": True} if pdl_enabled(t) else {"PDL": False}
+
+
+@triton.jit
+def pdl_prologue(PDL: tl.constexpr) -> None:
+    """First statement of a kernel launched with :func:`pdl`: wait for the previous kernel's
+    completion and memory, then let the next kernel launch. Every program runs it before any
+    load, store or early exit (a program that skipped the wait could let the grid finish
+    before its predecessor and break the chain for the kernel after it)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

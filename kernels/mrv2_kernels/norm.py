@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._backend import default_block, use_triton
+from ._backend import default_block, pdl, pdl_prologue, use_triton
 
 __all__ = [
     "rms_norm",
@@ -65,7 +65,9 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ) -> None:
+    pdl_prologue(PDL)
     # Rows are the [A, B] leading dims of [A, B, H] views: row r is (r // inner, r % inner),
     # so per-head rows of a strided [T, heads, D] slice need no copy. One tile covers a row.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
@@ -256,6 +258,7 @@ def rms_norm_triton(
         BLOCK_R=br,
         BLOCK_H=block_h,
         num_warps=warps,
+        **pdl(x),
     )
     if res_out is None:
         return out
@@ -321,7 +324,9 @@ def _silu_and_mul_kernel(
     out_stride: int,
     d: int,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ) -> None:
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -368,6 +373,7 @@ def silu_and_mul_triton(x: torch.Tensor, *, block: int | None = None) -> torch.T
         d,
         BLOCK=bl,
         num_warps=min(8, max(1, bl // 256)) if x.is_cuda else 1,
+        **pdl(x),
     )
     return out
 

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import use_triton
+from ._backend import pdl, pdl_prologue, use_triton
 from .cpu_linear import linear_cpu
 from .norm import rms_norm, rms_norm_cpu, rms_norm_ref, silu_and_mul, silu_and_mul_ref
 from .skinny_gemm import skinny_linear, skinny_linear_ref
@@ -91,7 +91,9 @@ def _norm_gemv_kernel(
     RESIDUAL: tl.constexpr,
     GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
 ) -> None:
+    pdl_prologue(PDL)
     pid = tl.program_id(0)
     dt = out_ptr.dtype.element_ty
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -261,7 +263,7 @@ def norm_gemv_triton(
         weight.stride(0), out.stride(0), (res_out if res_out is not None else out).stride(0),
         BLOCK_N=bn, BLOCK_K=block_k, NORM=norm_weight is not None,
         RESIDUAL=residual is not None, GATED=gated, HAS_BIAS=bias is not None,
-        num_warps=num_warps or plan_warps,
+        num_warps=num_warps or plan_warps, **pdl(x),
     )
     return out.view(*lead, n), (None if res_out is None else res_out.view(*lead, k))
 

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._backend import pdl, pdl_prologue
 from .paged_attention_ref import _check_inputs, paged_attention_ref
 
 _LOG2E = 1.4426950408889634
@@ -115,7 +116,9 @@ def _paged_attn_kernel(
     ZERO_PAD: tl.constexpr,
     DOT_FP32: tl.constexpr,
     FP32_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ) -> None:
+    pdl_prologue(PDL)
     # Heaviest query tiles (latest positions) first: better tail balance in causal prefill.
     q_tile = num_q_tiles - 1 - tl.program_id(0)
     pid_hs = tl.program_id(1)
@@ -254,7 +257,9 @@ def _combine_splits_kernel(
     num_splits: tl.tensor,
     SPLITS_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr,
 ) -> None:
+    pdl_prologue(PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -514,6 +519,7 @@ def paged_attention(
         FP32_PRECISION="tf32x3" if on_gpu else "ieee",
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
+        **pdl(query),
     )
     if splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
@@ -530,6 +536,7 @@ def paged_attention(
             SPLITS_P2=triton.next_power_of_2(splits),
             HEAD_DIM=head_dim,
             num_warps=4 if on_gpu else 1,
+            **pdl(query),
         )
     return out
 

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import default_block, use_triton
+from ._backend import default_block, pdl, pdl_prologue, use_triton
 from .kv_cache import write_kv_ref, write_kv_triton
 from .norm import rms_norm, rms_norm_cpu, rms_norm_ref
 
@@ -135,7 +135,9 @@ def _rotary_kernel(
     NORM: tl.constexpr,
     KV_WRITE: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ) -> None:
+    pdl_prologue(PDL)
     # Grid (tokens, q head blocks + k head blocks): each program rotates BLOCK_HEADS heads of
     # one token, in place, with the token's cos/sin row loaded once. With KV_WRITE a key
     # program also stores its heads of key (rotated) and value at the token's cache slot,
@@ -470,6 +472,7 @@ def rotary_embedding_triton(
         KV_WRITE=kv_write is not None,
         KV_BLOCK_SIZE=kv_block_size,
         num_warps=min(4, max(1, bh * block_half // 256)) if q3.is_cuda else 1,
+        **pdl(q3),
     )
     return q_out, k_out
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._backend import use_triton
+from ._backend import pdl, pdl_prologue, use_triton
 
 __all__ = ["SKINNY_MAX_M", "skinny_linear", "skinny_linear_ref", "skinny_linear_triton",
            "use_skinny"]
@@ -72,7 +72,9 @@ def _skinny_kernel(
     HAS_BIAS: tl.constexpr,
     UPCAST: tl.constexpr,
     FUSED_REDUCE: tl.constexpr,
+    PDL: tl.constexpr,
 ) -> None:
+    pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -237,7 +239,7 @@ def skinny_linear_triton(
         x2.stride(0), weight.stride(0), out.stride(0), k_per_split, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split > 1, HAS_BIAS=has_bias,
         UPCAST=not x.is_cuda, FUSED_REDUCE=counters is not None, num_warps=4,
-        num_stages=num_stages,
+        num_stages=num_stages, **pdl(x),
     )
     if split > 1 and counters is None:
         reduce_n = 256 if x.is_cuda else 32

@@ -52,6 +52,20 @@ def test_bf16_async_and_graphs_on_off_agree(ckpt: Path) -> None:
         assert a[:8] == b[:8]
 
 
+def test_programmatic_dependent_launch_changes_no_token(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decode kernels launched with PDL (the default on sm90) give the same tokens,
+    bit for bit, as the ordinary launches: only launch timing changes, never the math."""
+    from mrv2_kernels._backend import pdl_enabled
+
+    assert pdl_enabled(torch.zeros(1, device="cuda"))
+    with_pdl = _greedy(ckpt, dtype="bfloat16")
+    monkeypatch.setenv("MRV2_PDL", "0")
+    assert not pdl_enabled(torch.zeros(1, device="cuda"))
+    assert _greedy(ckpt, dtype="bfloat16") == with_pdl
+
+
 def test_bf16_logits_close_to_hf(ckpt: Path) -> None:
     import transformers
 

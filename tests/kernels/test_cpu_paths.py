@@ -144,3 +144,12 @@ def test_linear_cpu_respects_the_mkldnn_switch() -> None:
         assert torch.equal(linear_cpu(x, weight), F.linear(x, weight))
     finally:
         torch.backends.mkldnn.enabled = before
+
+
+def test_programmatic_dependent_launch_is_off_on_the_cpu() -> None:
+    """CPU tensors (the interpreter) never get PDL launch options; on sm90 GPUs they are on
+    unless ``MRV2_PDL=0`` (GPU test: ``test_programmatic_dependent_launch_changes_no_token``)."""
+    from mrv2_kernels._backend import pdl, pdl_enabled
+
+    x = torch.zeros(1)
+    assert pdl(x) == {"PDL": False} and not pdl_enabled(x)
