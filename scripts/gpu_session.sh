@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (device tool): installs the carried wheels, then the steps named as
-# arguments: tests, moe (the fused-MoE kernel bench), attn, splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, profile,
+# arguments: tests, moe (the fused-MoE kernel bench), attn, splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile,
 # soak (SOAK_S seconds of load, default 450: a device call is capped at 600 s; for the full 10
 # minutes start scripts/soak.py under setsid and collect its --out folder in a second call). Logs go to $OUT;
 # a short summary prints last.
@@ -36,6 +36,8 @@ for step in "$@"; do
                   ${THROUGHPUT_ARGS:-} 2>&1 | tee "$OUT/throughput.log" | tail -40 ;;
     soak) python3 scripts/soak.py --model Qwen3-0.6B --duration "${SOAK_S:-450}" \
             --max-concurrency 128 --out "$OUT/soak" 2>&1 | tee "$OUT/soak.log" | tail -20 ;;
+    multimodal) python3 -m mrv2.entrypoints.cli bench multimodal --json "$OUT/multimodal.json" \
+                  ${MULTIMODAL_ARGS:-} 2>&1 | tee "$OUT/multimodal.log" | tail -40 ;;
     latency) python3 -m mrv2.entrypoints.cli bench latency --json "$OUT/latency.json" \
                ${LATENCY_ARGS:-} 2>&1 | tee "$OUT/latency.log" | tail -40 ;;
   esac

@@ -44,6 +44,18 @@ class ModelConfig(_Section):
     )
 
 
+class MultiModalConfig(_Section):
+    """Media in prompts (multimodal models)."""
+
+    limit_mm_per_prompt: int = Field(
+        default=4, ge=0, le=64, description="images one prompt may carry at most"
+    )
+    allow_remote_media: bool = Field(
+        default=False,
+        description="fetch http(s) image URLs (off: data: URIs and in-memory images only)",
+    )
+
+
 class CacheConfig(_Section):
     """Paged KV cache: block size, how many blocks, prefix caching."""
 
@@ -162,6 +174,7 @@ class EngineConfig(_Section):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     device: DeviceConfig = Field(default_factory=DeviceConfig)
+    multimodal: MultiModalConfig = Field(default_factory=MultiModalConfig)
     logits_processors: list[str] = Field(
         default_factory=list, description="registered logits processors to apply, by name"
     )
@@ -214,6 +227,7 @@ _SECTIONS: dict[str, type[_Section]] = {
     "parallel": ParallelConfig,
     "speculative": SpeculativeConfig,
     "device": DeviceConfig,
+    "multimodal": MultiModalConfig,
 }
 #: Fields set only inside their section's dict (``speculative_config={"model": DIR}``, as in
 #: vLLM): a flat ``model`` is the target's checkpoint.

@@ -48,11 +48,14 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 def mrv2_register_models(register: Callable[..., None]) -> None:
     """Register model architectures.
 
-    Call ``register(architecture, model, model_state=None)`` once per architecture:
-    ``architecture`` is the HF ``config.json`` ``architectures`` name (``"Qwen3ForCausalLM"``),
-    ``model`` the lazy ``"module:Class"`` path of the ``nn.Module``, ``model_state`` the lazy path
-    of its :class:`~mrv2.contract.model_state.ModelState` subclass (``None``: the core's default
-    decoder-only state). Registering a name twice is an error naming both plugins.
+    Call ``register(architecture, model, model_state=None, input_processor=None)`` once per
+    architecture: ``architecture`` is the HF ``config.json`` ``architectures`` name
+    (``"Qwen3ForCausalLM"``), ``model`` the lazy ``"module:Class"`` path of the ``nn.Module``,
+    ``model_state`` the lazy path of its :class:`~mrv2.contract.model_state.ModelState` subclass
+    (``None``: the core's default decoder-only state), ``input_processor`` the lazy path of its
+    :class:`~mrv2.contract.input_processor.InputProcessor` (multimodal families: turns prompts
+    with ``multi_modal_data`` into token ids and multimodal items; ``None``: text only).
+    Registering a name twice is an error naming both plugins.
 
     Called once, at start, in the engine process.
     """

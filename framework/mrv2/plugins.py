@@ -144,12 +144,15 @@ class PluginManager:
                     ) from error
 
         def models(plugin: str) -> Callable[..., None]:
-            def register(architecture: str, model: str, model_state: str | None = None) -> None:
+            def register(architecture: str, model: str, model_state: str | None = None,
+                         input_processor: str | None = None) -> None:
                 _check_path(plugin, model)
-                if model_state is not None:
-                    _check_path(plugin, model_state)
+                for path in (model_state, input_processor):
+                    if path is not None:
+                        _check_path(plugin, path)
                 _check_unique(reg.models, architecture, plugin, "architecture")
-                reg.models[architecture] = ModelEntry(architecture, model, model_state, plugin)
+                reg.models[architecture] = ModelEntry(architecture, model, model_state, plugin,
+                                                      input_processor)
 
             return register
 

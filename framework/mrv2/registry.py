@@ -15,9 +15,13 @@ from typing import Any
 # is not installed. Only packages that exist and register the name (a test checks the bundled
 # ones); a family package adds its line when it ships.
 KNOWN_PACKAGES: dict[str, str] = {
+    "Qwen2ForCausalLM": "mrv2-plugin-qwen",
     "Qwen3ForCausalLM": "mrv2-plugin-qwen",
     "Qwen3MoeForCausalLM": "mrv2-plugin-qwen",
     "Glm4MoeForCausalLM": "mrv2-plugin-glm",
+    "DeepseekV2ForCausalLM": "mrv2-plugin-deepseek",
+    "DeepseekV3ForCausalLM": "mrv2-plugin-deepseek",
+    "Qwen2_5_VLForConditionalGeneration": "mrv2-plugin-qwen-vl",
     "LlamaForCausalLM": "mrv2-contrib-llama",
 }
 
@@ -52,6 +56,9 @@ class ModelEntry:
     model: str
     model_state: str | None
     plugin: str
+    input_processor: str | None = None
+    """Lazy path of the family's :class:`~mrv2.contract.input_processor.InputProcessor`
+    (multimodal prompts), or None: the model takes text only."""
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ safetensors), so HF is an independent oracle for logits and greedy tokens.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +65,12 @@ def hf_greedy(model_dir: str | Path, prompt: list[int], max_new_tokens: int) -> 
     return ids[len(prompt):]
 
 
-def make_tiny_tokenizer(path: str | Path, vocab_size: int = 320) -> Path:
-    """Save a byte-level BPE tokenizer (at most ``vocab_size`` ids) with a chat template."""
+def make_tiny_tokenizer(path: str | Path, vocab_size: int = 320,
+                        special_tokens: Sequence[str] = (), chat_template: str | None = None
+                        ) -> Path:
+    """Save a byte-level BPE tokenizer (at most ``vocab_size`` ids) with a chat template;
+    ``special_tokens`` are added after the vocabulary (ids ``vocab_size``, ...), and
+    ``chat_template`` replaces the default one."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -83,7 +87,10 @@ def make_tiny_tokenizer(path: str | Path, vocab_size: int = 320) -> Path:
         tokenizer_object=raw, bos_token="<s>", eos_token="</s>",
         additional_special_tokens=["<|user|>", "<|assistant|>"],
     )
-    hf.chat_template = (
+    if special_tokens:
+        hf.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|assistant|>",
+                                                             *special_tokens]})
+    hf.chat_template = chat_template or (
         "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
@@ -310,3 +317,37 @@ def make_mtp_checkpoint(path: str | Path, architecture: str, decoder_layer: Any,
     model.save_pretrained(path)
     append_mtp_layer(path, decoder_layer(hf_config, hf_config.num_hidden_layers), std=mtp_std)
     return path
+
+
+def serve_in_thread(app: Any) -> Iterator[str]:
+    """Serve the ASGI ``app`` (``mrv2.entrypoints.server.create_app(engine, ...)``) with
+    uvicorn on a free local port, in a daemon thread; yields the base URL once ``/health``
+    answers, then stops the server (a generator: ``yield from serve_in_thread(app)`` in a
+    pytest fixture)."""
+    import socket
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    else:
+        raise RuntimeError("the server did not start")
+    yield url
+    server.should_exit = True
+    thread.join(15)

@@ -67,11 +67,13 @@ def eagle3_head_dir(model_dir: str) -> str:
     return path
 
 
-def bench_prompts(batch: int, prompt_len: int, seed: int) -> list[list[int]]:
-    """``batch`` random prompts of ``prompt_len`` token ids below 10000 (a seed per run, so
-    runs share no prefix)."""
+def bench_prompts(batch: int, prompt_len: int, seed: int, vocab_size: int = 10_001
+                  ) -> list[list[int]]:
+    """``batch`` random prompts of ``prompt_len`` token ids up to 10000 (below
+    ``vocab_size``; a seed per run, so runs share no prefix)."""
     rng = random.Random(seed * 1000 + batch)
-    return [[rng.randint(0, 10000) for _ in range(prompt_len)] for _ in range(batch)]
+    high = min(10_000, vocab_size - 1)
+    return [[rng.randint(0, high) for _ in range(prompt_len)] for _ in range(batch)]
 
 
 def measure(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int,
@@ -81,7 +83,7 @@ def measure(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int,
     decode step (medians)."""
     first_step = len(log.steps) if log is not None else 0
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    for prompt in bench_prompts(batch, prompt_len, seed):
+    for prompt in bench_prompts(batch, prompt_len, seed, engine.runner.vocab_size):
         engine.add_request(prompt, params, stream=True)
     start = time.perf_counter()
     first: float | None = None

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mrv2.config import EngineConfig
+from mrv2.contract.input_processor import InputProcessor
 from mrv2.contract.params import SamplingParams, derive_seed
 from mrv2.contract.requests import MultiModalItem, NewRequest
 from mrv2.engine.block_manager import BlockManager
@@ -30,6 +31,7 @@ from mrv2.engine.sampling_outputs import (
 from mrv2.engine.scheduler import Scheduler
 from mrv2.engine.tokenizer import Tokenizer, load_generation_eos
 from mrv2.plugins import PluginManager
+from mrv2.registry import import_object
 from mrv2.runner.async_output import AsyncStepOutput
 from mrv2.runner.runner import Runner
 
@@ -57,6 +59,13 @@ class LLMEngine:
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = {self.tokenizer.eos_token_id}
         self.eos_token_ids = frozenset(eos)
+        entry = self.runner.model_entry
+        #: The family's multimodal prompt processor (None: the model takes text only).
+        self.input_processor: InputProcessor | None = None
+        if entry.input_processor:
+            processor_cls = import_object(entry.input_processor)
+            self.input_processor = processor_cls(model_dir, self.runner.hf_config,
+                                                 self.tokenizer, config)
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks, self.runner.block_size, config.cache.enable_prefix_caching
         )
@@ -79,6 +88,19 @@ class LLMEngine:
         self._fanout = FanOut()
 
     # -- requests ----------------------------------------------------------------------------
+
+    def process_multimodal(self, prompt_token_ids: list[int], mm_data: Any
+                           ) -> tuple[list[int], list[MultiModalItem]]:
+        """A prompt with ``multi_modal_data`` through the family's input processor: token ids
+        with the placeholders expanded, and the items for :meth:`add_request`. ValueError
+        naming the field on bad data or a text-only model."""
+        if not isinstance(mm_data, dict):
+            raise ValueError(f"multi_modal_data must be a dict such as {{'image': ...}}, got "
+                             f"{type(mm_data).__name__}")
+        if self.input_processor is None:
+            raise ValueError(f"multi_modal_data: {self.runner.model_entry.architecture} takes "
+                             "text only")
+        return self.input_processor.process(list(prompt_token_ids), mm_data)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check a request can run; returns its effective max_tokens. Raises ``ValueError``."""

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 
 from mrv2.config import EngineConfig
 from mrv2.contract.params import SamplingParams
+from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.engine import LLMEngine
+from mrv2.engine.media import split_chat_media
 from mrv2.engine.outputs import RequestOutput
 from mrv2.plugins import PluginManager
 
 Prompt = str | dict[str, Any]
-"""A string, or ``{"prompt_token_ids": [...]}``."""
+"""A string, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``, either with
+``"multi_modal_data": {"image": PIL.Image or [images]}`` for a multimodal model."""
+
+Encoded = tuple[list[int], str | None, list[MultiModalItem]]
 
 _TQDM_MIN_REQUESTS = 8
 
@@ -73,23 +78,36 @@ class LLM:
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts"
                 )
         encoded = [self._encode(prompt) for prompt in prompts]
-        for (token_ids, _), params in zip(encoded, params_list, strict=True):
+        for (token_ids, _, _), params in zip(encoded, params_list, strict=True):
             self.engine.validate(token_ids, params)
         return self._run(encoded, params_list, use_tqdm)
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, with the chat template."""
+        """Generate replies to one conversation or a list of them, with the chat template.
+
+        A message's ``content`` may be a list of parts: ``{"type": "text", "text": ...}``,
+        ``{"type": "image", "image": PIL.Image}`` or ``{"type": "image_url", "image_url":
+        {"url": "data:..."}}`` (:mod:`mrv2.engine.media`), for a multimodal model."""
         tokenizer = self._require_tokenizer()
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts: list[Prompt] = [
-            {"prompt_token_ids": tokenizer.apply_chat_template(conversation)}
-            for conversation in conversations
-        ]
+        conversations = cast(
+            list[list[dict[str, Any]]],
+            messages if messages and isinstance(messages[0], list) else [messages],
+        )
+        allow_remote = self.engine.config.multimodal.allow_remote_media
+        prompts: list[Prompt] = []
+        for conversation in conversations:
+            template_messages, images = split_chat_media(conversation, allow_remote)
+            prompt: dict[str, Any] = {
+                "prompt_token_ids": tokenizer.apply_chat_template(template_messages)
+            }
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _require_tokenizer(self) -> Any:
@@ -97,28 +115,34 @@ class LLM:
             raise ValueError("this model directory has no tokenizer; pass prompt_token_ids")
         return self.engine.tokenizer
 
-    def _encode(self, prompt: Prompt) -> tuple[list[int], str | None]:
+    def _encode(self, prompt: Prompt) -> Encoded:
         if isinstance(prompt, str):
-            return self._require_tokenizer().encode(prompt), prompt
+            return self._require_tokenizer().encode(prompt), prompt, []
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
                 raise ValueError("prompt_token_ids must be a list of ints")
-            return list(ids), prompt.get("prompt")
-        raise ValueError(
-            f"a prompt is a string or {{'prompt_token_ids': [...]}}; got {type(prompt).__name__}"
-        )
+            ids, text = list(ids), prompt.get("prompt")
+        elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            ids, text = self._require_tokenizer().encode(prompt["prompt"]), prompt["prompt"]
+        else:
+            raise ValueError("a prompt is a string, {'prompt_token_ids': [...]} or {'prompt': "
+                             f"'...'}}; got {type(prompt).__name__}")
+        if "multi_modal_data" not in prompt:
+            return ids, text, []
+        ids, items = self.engine.process_multimodal(ids, prompt["multi_modal_data"])
+        return ids, text, items
 
     def _run(
         self,
-        encoded: list[tuple[list[int], str | None]],
+        encoded: list[Encoded],
         params_list: list[SamplingParams],
         use_tqdm: bool,
     ) -> list[RequestOutput]:
         engine = self.engine
         ids = [
-            engine.add_request(token_ids, params, prompt=text)
-            for (token_ids, text), params in zip(encoded, params_list, strict=True)
+            engine.add_request(token_ids, params, prompt=text, mm_items=items)
+            for (token_ids, text, items), params in zip(encoded, params_list, strict=True)
         ]
         order = {req_id: i for i, req_id in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)

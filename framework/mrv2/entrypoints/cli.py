@@ -117,11 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks: throughput, latency")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from mrv2.bench import detokenize, latency, sampler, throughput
+    from mrv2.bench import detokenize, latency, multimodal, sampler, throughput
     from mrv2.bench import serve as bench_serve
 
     throughput.add_parser(bench_sub)
     latency.add_parser(bench_sub)
+    multimodal.add_parser(bench_sub)
     sampler.add_parser(bench_sub)
     detokenize.add_parser(bench_sub)
     bench_serve.add_parser(bench_sub)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mrv2.contract.params import SamplingParams
+from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.engine import LLMEngine
 from mrv2.engine.outputs import RequestOutput
 from mrv2.entrypoints.metrics import ServerMetrics
@@ -72,7 +73,8 @@ class EngineThread:
 
     def submit(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
                prompt: str | None, sink: asyncio.Queue[RequestOutput | BaseException],
-               loop: asyncio.AbstractEventLoop) -> None:
+               loop: asyncio.AbstractEventLoop,
+               mm_items: list[MultiModalItem] | None = None) -> None:
         """Queue a (validated) request; its outputs go to ``sink``. Raises
         :class:`QueueFullError` when its ``n`` sequences would take the server past
         ``max_pending`` sequences in flight."""
@@ -86,7 +88,7 @@ class EngineThread:
                     "retry later")
             self._pending += params.n
         self._commands.put(("add", (req_id, prompt_token_ids, params, prompt, sink, loop,
-                                    time.monotonic())))
+                                    time.monotonic(), mm_items)))
 
     def abort(self, req_id: str) -> None:
         """Cancel a request (run on the engine thread); unknown or finished ids are ignored."""
@@ -124,11 +126,11 @@ class EngineThread:
 
     def _handle(self, command: str, arg: Any) -> None:
         if command == "add":
-            req_id, ids, params, prompt, sink_queue, loop, arrival = arg
+            req_id, ids, params, prompt, sink_queue, loop, arrival, mm_items = arg
             sink = _Sink(loop, sink_queue, arrival, num_prompt=len(ids), num_seqs=params.n)
             try:
                 self.engine.add_request(ids, params, request_id=req_id, prompt=prompt,
-                                        stream=True)
+                                        stream=True, mm_items=mm_items)
             except Exception as error:
                 self._finish_pending(sink)
                 _put(sink, error)

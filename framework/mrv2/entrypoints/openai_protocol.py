@@ -120,6 +120,18 @@ class ChatMessage(BaseModel):
                               if part.get("type", "text") == "text")
         return {"role": self.role, "content": content or ""}
 
+    @property
+    def has_media(self) -> bool:
+        """Whether a content part is not text (an image)."""
+        return isinstance(self.content, list) and any(
+            isinstance(part, dict) and part.get("type", "text") != "text"
+            for part in self.content)
+
+    def with_parts(self) -> dict[str, Any]:
+        """The message with its content parts as sent (for :func:`~mrv2.engine.media.
+        split_chat_media`)."""
+        return {"role": self.role, "content": self.content or ""}
+
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)

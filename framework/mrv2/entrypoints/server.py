@@ -20,7 +20,9 @@ from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mrv2.contract.params import SamplingParams
+from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.engine import LLMEngine
+from mrv2.engine.media import split_chat_media
 from mrv2.engine.outputs import RequestOutput
 from mrv2.entrypoints.engine_thread import EngineThread, QueueFullError
 from mrv2.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
@@ -188,23 +190,46 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None,
     async def chat(request: Request) -> Response:
         body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
         params = params_of(body)
-        try:
-            ids = tokenizer().apply_chat_template(
-                [m.as_dict() for m in body.messages], body.add_generation_prompt)
-        except (ValueError, TypeError) as error:
-            raise APIError(400, f"could not apply the chat template: {error}",
-                           param="messages") from None
+        items: list[MultiModalItem] = []
+        if any(m.has_media for m in body.messages):
+            allow_remote = engine.config.multimodal.allow_remote_media
+            try:  # decoding and preprocessing images is CPU work: off the event loop
+                ids, items = await asyncio.to_thread(
+                    _chat_with_media, engine, tokenizer(),
+                    [m.with_parts() for m in body.messages], body.add_generation_prompt,
+                    allow_remote)
+            except (ValueError, TypeError) as error:
+                raise APIError(400, str(error), param="messages") from None
+        else:
+            try:
+                ids = tokenizer().apply_chat_template(
+                    [m.as_dict() for m in body.messages], body.add_generation_prompt)
+            except (ValueError, TypeError) as error:
+                raise APIError(400, f"could not apply the chat template: {error}",
+                               param="messages") from None
         validate(ids, params)
         return await _serve(request, worker, "chatcmpl", model_name, [(ids, None)], params,
-                            body, True)
+                            body, True, items)
 
     return app
 
 
+def _chat_with_media(engine: LLMEngine, tokenizer: Any, messages: list[dict[str, Any]],
+                     add_generation_prompt: bool, allow_remote: bool
+                     ) -> tuple[list[int], list[MultiModalItem]]:
+    """Token ids and multimodal items of chat messages with image parts (ValueError on bad
+    input: the caller answers 400)."""
+    template_messages, images = split_chat_media(messages, allow_remote)
+    ids = tokenizer.apply_chat_template(template_messages, add_generation_prompt)
+    return engine.process_multimodal(ids, {"image": images})
+
+
 async def _serve(request: Request, worker: EngineThread, kind: str, model: str,
                  encoded: list[tuple[list[int], str | None]], params: SamplingParams,
-                 body: Any, chat: bool) -> Response:
-    """Submit every prompt; answer with one JSON body or an SSE stream."""
+                 body: Any, chat: bool, mm_items: list[MultiModalItem] | None = None
+                 ) -> Response:
+    """Submit every prompt (with ``mm_items``: one chat prompt's images); answer with one
+    JSON body or an SSE stream."""
     loop = asyncio.get_running_loop()
     sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
     base = f"{kind}-{uuid.uuid4().hex}"
@@ -212,7 +237,7 @@ async def _serve(request: Request, worker: EngineThread, kind: str, model: str,
     submitted: list[str] = []
     try:
         for req_id, (ids, text) in zip(req_ids, encoded, strict=True):
-            worker.submit(req_id, ids, params, text, sink, loop)
+            worker.submit(req_id, ids, params, text, sink, loop, mm_items)
             submitted.append(req_id)
     except QueueFullError as error:
         for req_id in submitted:

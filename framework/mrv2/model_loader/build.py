@@ -55,6 +55,14 @@ def load_hf_config(model_dir: str | Path) -> Any:
         return transformers.PretrainedConfig(**json.loads(config_file.read_text()))
 
 
+def text_config_of(hf_config: Any) -> Any:
+    """The language model's config: a composite (vision-language) config's ``text_config``
+    (``get_text_config()``), else the config itself."""
+    get = getattr(hf_config, "get_text_config", None)
+    text = get() if callable(get) else None
+    return text if text is not None else hf_config
+
+
 def resolve_dtype(requested: str, hf_config: Any, device: torch.device) -> torch.dtype:
     """``auto``: float32 on the CPU; on CUDA the checkpoint's dtype, bfloat16 for float32 ones."""
     if requested != "auto":

@@ -28,7 +28,13 @@ from mrv2.contract.samples import SpeculatorInputs, StepSamples
 from mrv2.contract.staged_edits import StagedEdits
 from mrv2.contract.staging import Uploader
 from mrv2.contract.state_table import RequestStateTable, RowInfo
-from mrv2.model_loader.build import CausalLM, build_model, load_hf_config, resolve_dtype
+from mrv2.model_loader.build import (
+    CausalLM,
+    build_model,
+    load_hf_config,
+    resolve_dtype,
+    text_config_of,
+)
 from mrv2.plugins import PluginManager, get_plugin_manager
 from mrv2.registry import import_object
 from mrv2.runner.async_output import AsyncStepOutput, PinnedRing
@@ -67,13 +73,13 @@ class Runner:
         self.device = resolve_device(config.device.device)
         self.hf_config = load_hf_config(model_dir)
         self.dtype = resolve_dtype(config.model.dtype, self.hf_config, self.device)
-        self.max_model_len = _max_model_len(config, self.hf_config)
+        self.max_model_len = _max_model_len(config, text_config_of(self.hf_config))
         self.block_size = config.cache.block_size
         registries = self.plugins.registries
-        self.model, entry = build_model(
+        self.model, self.model_entry = build_model(
             config, model_dir, self.hf_config, registries, self.device, self.dtype
         )
-        self.vocab_size = int(self.hf_config.vocab_size)
+        self.vocab_size = int(text_config_of(self.hf_config).vocab_size)
 
         sched = config.scheduler
         self.max_num_reqs = sched.max_num_seqs
@@ -85,6 +91,7 @@ class Runner:
         self.buffers = InputBuffers(
             self.max_num_tokens, self.max_num_reqs, self.max_blocks_per_req, self.device
         )
+        entry = self.model_entry
         state_cls = import_object(entry.model_state) if entry.model_state else ModelState
         self.model_state: ModelState = state_cls(
             self.model, self.hf_config, config, self.buffers, self.block_size, self.device

@@ -32,6 +32,7 @@ from mrv2.contract.forward_context import ForwardContext, set_forward_context
 from mrv2.contract.kv_cache import KVCacheSpec, layer_specs
 from mrv2.contract.speculator import Speculator, SpeculatorInputs, StepSamples
 from mrv2.contract.state_table import RequestStateTable
+from mrv2.model_loader.build import text_config_of
 from mrv2.spec_decode.drafting import DraftSteps
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ class DraftModelSpeculator(Speculator):
 
         path = cast(str, self.config.speculative.model)
         hf_config = load_hf_config(path)
-        target_vocab = int(self.model_state.hf_config.vocab_size)
+        target_vocab = int(text_config_of(self.model_state.hf_config).vocab_size)
         if int(getattr(hf_config, "vocab_size", -1)) != target_vocab:
             raise ValueError(
                 f"speculative_config.model: the draft model's vocab_size "

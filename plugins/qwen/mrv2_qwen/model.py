@@ -38,3 +38,18 @@ class Qwen3ForCausalLM(CausalLM):
             return DecoderLayer(config, qwen3_attention(config, i, rope), mlp)
 
         super().__init__(config, DecoderModel(config, layer))
+
+
+class Qwen2ForCausalLM(CausalLM):
+    """Qwen2 / Qwen2.5 causal LM: GQA with biased q/k/v projections, no q/k norm (the text
+    decoder of Qwen2.5-VL too)."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        rope = get_rope(config, head_dim_of(config))
+
+        def layer(i: int) -> DecoderLayer:
+            attention = SelfAttention(config, i, rope, qkv_bias=True)
+            mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+            return DecoderLayer(config, attention, mlp)
+
+        super().__init__(config, DecoderModel(config, layer))

@@ -1,0 +1,65 @@
+"""Qwen2.5-VL (``Qwen2_5_VLForConditionalGeneration``) in the mrv2 model contract.
+
+The language model is Qwen2's decoder (q/k/v biased, no q/k norm) over the flat token batch,
+rotating by M-RoPE (:mod:`mrv2_qwen_vl.mrope`: its positions are ``[3, T]``, which the model
+state computes on the device each step). The vision tower (:mod:`mrv2_qwen_vl.vision`) is a
+submodule, run by :class:`~mrv2_qwen_vl.model_state.QwenVLModelState` on a step's new images,
+not by ``forward``: the forward takes their embeddings spliced into ``inputs_embeds``.
+
+Checkpoints load as published (``model.layers.*``, ``visual.*``, ``lm_head.weight``) and as
+transformers' in-memory names (``model.language_model.*``, ``model.visual.*``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from mrv2.layers import CausalLM, DecoderLayer, DecoderModel, GatedMLP, SelfAttention, head_dim_of
+from mrv2.model_loader.build import text_config_of
+from mrv2_qwen_vl.mrope import get_mrope
+from mrv2_qwen_vl.vision import CHECKPOINT_PREFIXES, Qwen25VisionTower
+
+__all__ = ["Qwen25VLForConditionalGeneration"]
+
+
+class Qwen25VLForConditionalGeneration(CausalLM):
+    """Qwen2.5-VL: Qwen2 text decoder with M-RoPE, plus the vision tower (``visual``)."""
+
+    def __init__(self, config: Any) -> None:
+        text = text_config_of(config)
+        tied = getattr(config, "tie_word_embeddings", None)
+        if tied is not None:  # a composite config keeps it at the top level
+            text.tie_word_embeddings = bool(tied)
+        rope = get_mrope(text, head_dim_of(text))
+
+        def layer(i: int) -> DecoderLayer:
+            attention = SelfAttention(text, i, rope, qkv_bias=True)
+            mlp = GatedMLP(text.hidden_size, text.intermediate_size, text.hidden_act)
+            return DecoderLayer(text, attention, mlp)
+
+        super().__init__(text, DecoderModel(text, layer))
+        self.hf_config = config
+        self.visual = Qwen25VisionTower(config.vision_config)
+
+    def embed_images(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]
+                     ) -> torch.Tensor:
+        """``[N, out_hidden]`` merged image tokens of the images in ``pixel_values`` (their
+        patch rows in order) with patch grids ``grid_thw``, in the model dtype."""
+        return self.visual(pixel_values, grid_thw).to(self.model.embed_tokens.weight.dtype)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Text weights through the decoder's loader, ``visual.*`` through the tower's."""
+        vision: list[tuple[str, torch.Tensor]] = []
+
+        def text_weights() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if name.startswith(CHECKPOINT_PREFIXES):
+                    vision.append((name, tensor))
+                else:
+                    yield name.replace("model.language_model.", "model.", 1), tensor
+
+        loaded = super().load_weights(text_weights())
+        return loaded | {"visual." + name for name in self.visual.load_weights(vision)}

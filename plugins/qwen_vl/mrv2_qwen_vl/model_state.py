@@ -1,0 +1,189 @@
+"""The Qwen-VL model states: M-RoPE positions on the device, image embeddings for each step.
+
+- **When a request is added** its images go into the device M-RoPE table
+  (:class:`~mrv2_qwen_vl.mrope.MRopeTable`), one staged copy. A text-only request's row is
+  reset to plain positions.
+- **Each step**, :meth:`QwenVLModelState.prepare_inputs` maps every token to its request's row
+  (``searchsorted`` over the step's ``query_start_loc``) and computes its ``[3, T]`` positions
+  with device ops into a persistent buffer. Decode steps need no host work per token, and the
+  positions are inside the CUDA graphs like everything else of the step.
+- **A prefill chunk that reaches an image's placeholders** gets that image's embedding rows
+  (:meth:`QwenVLModelState.get_mm_embeddings`). They come from the encoder cache, keyed by the
+  image's content hash, or from one run of the vision tower.
+- **The encoder cache** keeps an image's embeddings while a request holds the image (reused
+  across chunked-prefill steps and by other requests with the same image). After the last
+  request leaves, the embeddings stay in a least-recently-used pool of at most
+  :attr:`QwenVLModelState.encoder_cache_bytes`, and are freed from it.
+- **Qwen3-VL** (:class:`Qwen3VLModelState`) caches each image's deepstack features with its
+  embeddings and hands a step's share of them to the model's forward.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from mrv2.contract.batch import InputBatch
+from mrv2.contract.model_state import ModelState, placeholder_rows
+from mrv2.contract.requests import MultiModalEmbeddings, MultiModalItem, NewRequest
+from mrv2.contract.staging import to_device
+from mrv2_qwen_vl.model_qwen3 import DeepstackRows
+from mrv2_qwen_vl.mrope import ImageGrid, MRopeTable, mrope_positions
+
+__all__ = ["Qwen3VLModelState", "QwenVLModelState"]
+
+
+class QwenVLModelState(ModelState):
+    """:class:`~mrv2.contract.model_state.ModelState` of Qwen2.5-VL (see the module doc)."""
+
+    #: Bytes of image embeddings kept after their last request left (least recently used
+    #: first out); embeddings of images that live requests hold are never evicted.
+    encoder_cache_bytes = 256 << 20
+
+    def __init__(self, model: Any, hf_config: Any, config: Any, buffers: Any, block_size: int,
+                 device: torch.device) -> None:
+        super().__init__(model, hf_config, config, buffers, block_size, device)
+        self.merge = int(hf_config.vision_config.spatial_merge_size)
+        max_tokens = int(buffers.positions.shape[0])
+        self.table = MRopeTable(int(buffers.idx_mapping.shape[0]),
+                                max(1, config.multimodal.limit_mm_per_prompt), device)
+        self._positions = torch.zeros((3, max_tokens), dtype=torch.int64, device=device)
+        self._token_index = torch.arange(max_tokens, dtype=torch.int32, device=device)
+        self._images: dict[int, list[MultiModalItem]] = {}
+        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._refs: Counter[str] = Counter()
+        self.encoder_runs = 0  # vision-tower calls (the tests count cache hits with it)
+
+    # -- per request -------------------------------------------------------------------------
+
+    def add_request(self, request: NewRequest, row: int) -> None:
+        """Write the request's images into the M-RoPE table (or reset the row) and hold their
+        cache entries."""
+        grids = []
+        for item in request.mm_items:
+            if item.kind != "image":
+                raise ValueError(f"request {request.req_id!r}: unsupported multimodal kind "
+                                 f"{item.kind!r}; allowed: 'image'")
+            t, h, w = (int(v) for v in item.data["grid_thw"])
+            if item.length * self.merge**2 != t * h * w:
+                raise ValueError(f"request {request.req_id!r}: an image of grid {(t, h, w)} has "
+                                 f"{t * h * w // self.merge**2} tokens, got length "
+                                 f"{item.length}")
+            grids.append(ImageGrid(item.offset, t, h // self.merge, w // self.merge))
+        self.table.set_row(row, grids)
+        self._release(row)
+        if request.mm_items:
+            self._images[row] = list(request.mm_items)
+            self._refs.update(item.content_hash for item in request.mm_items)
+
+    def remove_request(self, req_id: str, row: int) -> None:
+        """Drop the row's hold on its images' cache entries."""
+        self._release(row)
+
+    def _release(self, row: int) -> None:
+        for item in self._images.pop(row, []):
+            self._refs[item.content_hash] -= 1
+            if self._refs[item.content_hash] <= 0:
+                del self._refs[item.content_hash]
+        self._evict()
+
+    def _evict(self) -> None:
+        """Free unheld entries, least recently used first, beyond the byte budget."""
+        unheld = [h for h in self._cache if h not in self._refs]
+        size = sum(self._cache[h].numel() * self._cache[h].element_size() for h in unheld)
+        for content_hash in unheld:
+            if size <= self.encoder_cache_bytes:
+                break
+            entry = self._cache.pop(content_hash)
+            size -= entry.numel() * entry.element_size()
+
+    # -- per step ----------------------------------------------------------------------------
+
+    def _embeddings(self, item: MultiModalItem) -> torch.Tensor:
+        cached = self._cache.get(item.content_hash)
+        if cached is None:
+            pixels = cast(torch.Tensor, item.data["pixel_values"])
+            if self.device.type == "cuda":  # pinned, non-blocking: no host sync
+                pixels = pixels.pin_memory()
+            pixels = pixels.to(self.device, non_blocking=True)
+            cached = cast(Any, self.model).embed_images(pixels, [tuple(item.data["grid_thw"])])
+            self.encoder_runs += 1
+            self._cache[item.content_hash] = cached
+            self._evict()
+        self._cache.move_to_end(item.content_hash)
+        return cached
+
+    def _step_rows(self, batch: InputBatch) -> MultiModalEmbeddings | None:
+        """The encoder-cache rows (whatever the model's ``embed_images`` gives per image
+        token) of the image placeholders this step computes, with their token rows in the
+        flat step batch (host-side bookkeeping over the step's CPU arrays; None for a step
+        without any)."""
+        if not self._images:
+            return None
+        indices: list[np.ndarray] = []
+        parts: list[torch.Tensor] = []
+        for i in range(batch.num_reqs):
+            for item in self._images.get(int(batch.idx_mapping_cpu[i]), ()):
+                rows, within = placeholder_rows(batch, i, item.offset, item.length)
+                if len(rows):  # a contiguous run of the image's rows
+                    parts.append(self._embeddings(item)[int(within[0]): int(within[-1]) + 1])
+                    indices.append(rows)
+        if not parts:
+            return None
+        return MultiModalEmbeddings(to_device(np.concatenate(indices), torch.int64, self.device),
+                                    parts[0] if len(parts) == 1 else torch.cat(parts))
+
+    def get_mm_embeddings(self, batch: InputBatch) -> MultiModalEmbeddings | None:
+        """The embedding rows of the image placeholders this step computes (None for a step
+        without any)."""
+        return self._step_rows(batch)
+
+    def prepare_inputs(self, batch: InputBatch) -> dict[str, Any]:
+        """The default inputs (image rows spliced in), with ``[3, T]`` M-RoPE positions."""
+        inputs = super().prepare_inputs(batch)
+        num_tokens = int(batch.input_ids.shape[0])
+        req = torch.searchsorted(batch.query_start_loc[1:], self._token_index[:num_tokens],
+                                 right=True)
+        rows = batch.idx_mapping[req.clamp_(max=batch.idx_mapping.shape[0] - 1)]
+        inputs["positions"] = mrope_positions(batch.positions, rows, self.table,
+                                              out=self._positions)
+        return inputs
+
+
+class Qwen3VLModelState(QwenVLModelState):
+    """Qwen3-VL's model state: Qwen2.5-VL's, plus the deepstack features of the step's image
+    rows (:mod:`mrv2_qwen_vl.model_qwen3`).
+
+    The encoder cache holds ``[N, 1 + L, hidden]`` per image (embedding and deepstack
+    features together, one key), so chunked prefill and cache hits slice both alike.
+    :meth:`get_mm_embeddings` returns column 0 and keeps the rest for the
+    :meth:`prepare_inputs` that called it, which passes them as ``deepstack``; a step without
+    image rows passes nothing (no vision work, the text forward the CUDA graphs captured).
+    """
+
+    def __init__(self, model: Any, hf_config: Any, config: Any, buffers: Any, block_size: int,
+                 device: torch.device) -> None:
+        super().__init__(model, hf_config, config, buffers, block_size, device)
+        self._deepstack: DeepstackRows | None = None
+
+    def get_mm_embeddings(self, batch: InputBatch) -> MultiModalEmbeddings | None:
+        """Column 0 of the step's image rows; the deepstack columns wait for
+        :meth:`prepare_inputs`."""
+        rows = self._step_rows(batch)
+        if rows is None:
+            self._deepstack = None
+            return None
+        self._deepstack = DeepstackRows(rows.token_indices, rows.embeddings[:, 1:])
+        return MultiModalEmbeddings(rows.token_indices, rows.embeddings[:, 0])
+
+    def prepare_inputs(self, batch: InputBatch) -> dict[str, Any]:
+        """Qwen2.5-VL's inputs, with ``deepstack`` when the step has image rows."""
+        self._deepstack = None
+        inputs = super().prepare_inputs(batch)
+        deepstack, self._deepstack = self._deepstack, None
+        if deepstack is not None:
+            inputs["deepstack"] = deepstack
+        return inputs

@@ -1,0 +1,109 @@
+"""Qwen-VL prompts with images: the checkpoint's own HF image processor, placeholder expansion.
+
+A prompt carries one ``<|image_pad|>`` (``config.image_token_id``) per image where the chat
+template puts it (``<|vision_start|><|image_pad|><|vision_end|>``), as vLLM expects. The
+image processor of the checkpoint (``preprocessor_config.json``: resize within
+``min_pixels``..``max_pixels``, normalize, cut into patches, ``image_grid_thw``) turns each
+image into patch rows. Each placeholder is expanded to ``t * h * w / merge**2`` tokens. The
+image's :class:`~mrv2.contract.requests.MultiModalItem` carries its patch rows and grid, and
+names its content by a hash of the processed pixels.
+
+transformers' ``AutoImageProcessor`` needs torchvision for Qwen2-VL's processor. Where
+torchvision is absent (the CPU CI has none), the same processor's PIL backend
+(``Qwen2VLImageProcessorPil``) is loaded from the same config file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mrv2.contract.input_processor import InputProcessor
+from mrv2.contract.requests import MultiModalItem
+
+__all__ = ["QwenVLInputProcessor", "load_image_processor"]
+
+
+def load_image_processor(model_dir: str | Path) -> Any:
+    """The checkpoint's HF image processor (``preprocessor_config.json``); its PIL backend
+    where torchvision is not installed."""
+    path = Path(model_dir)
+    config_file = path / "preprocessor_config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no preprocessor_config.json in {str(path)!r}: a Qwen-VL "
+                                "checkpoint ships its image processor's config")
+    import transformers
+
+    if importlib.util.find_spec("torchvision") is not None:
+        return transformers.AutoImageProcessor.from_pretrained(str(path), local_files_only=True)
+    kind = str(json.loads(config_file.read_text()).get("image_processor_type",
+                                                       "Qwen2VLImageProcessor"))
+    name = kind.removesuffix("Fast").removesuffix("Pil") + "Pil"
+    cls = getattr(transformers, name, None)
+    if cls is None:
+        raise ValueError(f"image processor {kind!r} needs torchvision, and transformers has no "
+                         f"PIL backend {name!r} for it")
+    return cls.from_pretrained(str(path), local_files_only=True)
+
+
+class QwenVLInputProcessor(InputProcessor):
+    """Qwen2.5-VL's :class:`~mrv2.contract.input_processor.InputProcessor` (module doc)."""
+
+    def __init__(self, model_dir: str, hf_config: Any, tokenizer: Any, config: Any) -> None:
+        super().__init__(model_dir, hf_config, tokenizer, config)
+        self.image_processor = load_image_processor(model_dir)
+        self.image_token_id = int(hf_config.image_token_id)
+        self.merge = int(hf_config.vision_config.spatial_merge_size)
+
+    def process(self, prompt_token_ids: list[int], mm_data: Mapping[str, Any]
+                ) -> tuple[list[int], list[MultiModalItem]]:
+        """Expand the image placeholders and make the images' items (module doc)."""
+        unknown = sorted(set(mm_data) - {"image"})
+        if unknown:
+            raise ValueError(f"multi_modal_data has unsupported keys {unknown}; allowed: "
+                             "'image'")
+        images = mm_data.get("image", [])
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        if len(images) > self.limit_per_prompt:
+            raise ValueError(f"multi_modal_data.image: {len(images)} images; at most "
+                             f"{self.limit_per_prompt} per prompt (--limit-mm-per-prompt)")
+        places = [i for i, t in enumerate(prompt_token_ids) if t == self.image_token_id]
+        if len(places) != len(images):
+            raise ValueError(f"multi_modal_data.image: {len(images)} images but the prompt has "
+                             f"{len(places)} image placeholders (token {self.image_token_id}, "
+                             "<|image_pad|>); put one per image")
+        if not images:
+            return list(prompt_token_ids), []
+        try:
+            out = self.image_processor(images=images, return_tensors="pt")
+        except Exception as error:  # noqa: BLE001 (any decoding / format failure of an image)
+            raise ValueError(f"multi_modal_data.image: could not process the images: "
+                             f"{type(error).__name__}: {error}") from error
+        pixels = out["pixel_values"]
+        grids = [tuple(int(v) for v in g) for g in out["image_grid_thw"].tolist()]
+        ids: list[int] = []
+        items: list[MultiModalItem] = []
+        previous, first_patch = 0, 0
+        for place, (t, h, w) in zip(places, grids, strict=True):
+            ids.extend(prompt_token_ids[previous:place])
+            length = t * h * w // self.merge**2
+            rows = pixels[first_patch: first_patch + t * h * w].contiguous()
+            first_patch += t * h * w
+            items.append(MultiModalItem("image", {"pixel_values": rows, "grid_thw": (t, h, w)},
+                                        _content_hash(rows, (t, h, w)), len(ids), length))
+            ids.extend([self.image_token_id] * length)
+            previous = place + 1
+        ids.extend(prompt_token_ids[previous:])
+        return ids, items
+
+
+def _content_hash(pixels: torch.Tensor, grid: tuple[int, int, int]) -> str:
+    digest = hashlib.sha256(repr(grid).encode())
+    digest.update(pixels.to(torch.float32).numpy().tobytes())
+    return "image:" + digest.hexdigest()

@@ -1,0 +1,131 @@
+"""Tiny random Qwen2.5-VL and Qwen3-VL checkpoints for tests (CPU and GPU): HF's model with its
+weights redrawn, its image processor config and a byte-level tokenizer whose chat template
+renders image parts as Qwen's placeholders."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mrv2.testing import make_tiny_tokenizer, redraw_weights
+
+__all__ = ["END", "IMAGE", "START", "make_tiny_qwen3_vl", "make_tiny_qwen_vl", "random_image"]
+
+#: The ids make_tiny_tokenizer gives the three special tokens (checked when building).
+START, END, IMAGE, VIDEO = 293, 294, 295, 296
+SPECIAL = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{% if m['content'] is string %}"
+    "{{ m['content'] }}{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ p['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}</s>{% endfor %}{% if add_generation_prompt %}<|assistant|>"
+    "{% endif %}"
+)
+TEXT: dict[str, Any] = {
+    "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+    "bos_token_id": 0, "eos_token_id": 1,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                        "mrope_section": [2, 3, 3]},
+}
+VISION: dict[str, Any] = {
+    "depth": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 48,
+    "out_hidden_size": 64, "patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2,
+    "window_size": 56, "fullatt_block_indexes": [1],
+}
+
+
+QWEN3_TEXT: dict[str, Any] = {
+    "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "max_position_embeddings": 512, "bos_token_id": 0, "eos_token_id": 1,
+    # [24, 20, 20] of the released models, scaled to 8 frequencies: t h w t h w t t
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                        "mrope_section": [4, 2, 2], "mrope_interleaved": True},
+}
+QWEN3_VISION: dict[str, Any] = {
+    "depth": 3, "hidden_size": 32, "num_heads": 2, "intermediate_size": 48,
+    "out_hidden_size": 64, "patch_size": 16, "temporal_patch_size": 2, "spatial_merge_size": 2,
+    "num_position_embeddings": 16, "deepstack_visual_indexes": [0, 1],
+}
+
+
+def make_tiny_qwen_vl(path: str | Path, text: dict[str, Any] | None = None,
+                      vision: dict[str, Any] | None = None) -> Path:
+    """Save the tiny model (``text`` / ``vision`` override config fields), its image
+    processor (images of 4 to 64 merged tokens) and tokenizer in ``path``."""
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    path = Path(path)
+    config = transformers.Qwen2_5_VLConfig(
+        text_config={**TEXT, **(text or {})}, vision_config={**VISION, **(vision or {})},
+        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
+        vision_end_token_id=END, tie_word_embeddings=False)
+    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    torch.manual_seed(0)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
+    redraw_weights(model, std=0.1)
+    model.save_pretrained(path)
+    Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=64 * 28 * 28, patch_size=14,
+                             merge_size=2, temporal_patch_size=2).save_pretrained(path)
+    _save_tokenizer(path)
+    return path
+
+
+def make_tiny_qwen3_vl(path: str | Path, text: dict[str, Any] | None = None,
+                       vision: dict[str, Any] | None = None) -> Path:
+    """The tiny Qwen3-VL (3 text layers, 3 vision blocks, deepstack after blocks 0 and 1 into
+    text layers 0 and 1, tied embeddings as the small released models), its image processor
+    (16-pixel patches, images of 4 to 64 merged tokens; the released config's image processor
+    type) and tokenizer in ``path``."""
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    path = Path(path)
+    config = transformers.Qwen3VLConfig(
+        text_config={**QWEN3_TEXT, **(text or {})},
+        vision_config={**QWEN3_VISION, **(vision or {})}, image_token_id=IMAGE,
+        video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END,
+        tie_word_embeddings=True)
+    config.architectures = ["Qwen3VLForConditionalGeneration"]
+    torch.manual_seed(0)
+    model = transformers.Qwen3VLForConditionalGeneration(config).eval()
+    redraw_weights(model, std=0.1)
+    model.save_pretrained(path)
+    Qwen2VLImageProcessorPil(
+        size={"shortest_edge": 4 * 32 * 32, "longest_edge": 64 * 32 * 32}, patch_size=16,
+        merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+    ).save_pretrained(path)
+    processor_file = path / "preprocessor_config.json"
+    fields = json.loads(processor_file.read_text())
+    fields["image_processor_type"] = "Qwen2VLImageProcessorFast"  # as the released file
+    processor_file.write_text(json.dumps(fields, indent=2))
+    _save_tokenizer(path)
+    return path
+
+
+def _save_tokenizer(path: Path) -> None:
+    import transformers
+
+    make_tiny_tokenizer(path, 300, SPECIAL, CHAT_TEMPLATE)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    if tokenizer.convert_tokens_to_ids(SPECIAL) != [START, END, IMAGE]:
+        raise RuntimeError("the tiny tokenizer's special token ids changed; update START/END/"
+                           "IMAGE in mrv2_qwen_vl.testing")
+
+
+def random_image(height: int, width: int, seed: int) -> Any:
+    """A random RGB PIL image."""
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)

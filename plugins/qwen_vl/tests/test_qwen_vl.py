@@ -1,0 +1,312 @@
+"""Qwen2.5-VL and Qwen3-VL through ``LLM`` against HF transformers on tiny random checkpoints
+(CPU, fp32): greedy tokens and log-probabilities with one image, two images of different sizes
+around text, text only; the encoder cache and chunked prefill (an image's rows, and Qwen3-VL's
+deepstack features, split across steps); the prefix cache never shared across different
+images. Bad inputs, chat, the server and the bench run on Qwen2.5-VL only (the engine's
+multimodal path, the same for both families)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from PIL import Image
+
+from mrv2 import LLM, SamplingParams
+from mrv2.testing import emulate_cuda_graphs, make_tiny_checkpoint
+from mrv2_qwen_vl.testing import (
+    END,
+    IMAGE,
+    START,
+    make_tiny_qwen3_vl,
+    make_tiny_qwen_vl,
+    random_image,
+)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+_image = random_image
+#: family -> (tiny checkpoint builder, HF model class)
+FAMILIES: dict[str, tuple[Callable[[Path], Path], Any]] = {
+    "qwen2_5_vl": (make_tiny_qwen_vl, transformers.Qwen2_5_VLForConditionalGeneration),
+    "qwen3_vl": (make_tiny_qwen3_vl, transformers.Qwen3VLForConditionalGeneration),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Each family's tiny checkpoint, built on first use."""
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            built[family] = FAMILIES[family][0](tmp_path_factory.mktemp(family))
+        return built[family]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def checkpoint(checkpoints: Callable[[str], Path]) -> Path:
+    return checkpoints("qwen2_5_vl")
+
+
+def _prompt(*parts: list[int] | Image.Image) -> tuple[list[int], list[Image.Image]]:
+    ids: list[int] = []
+    images = []
+    for part in parts:
+        if isinstance(part, Image.Image):
+            ids += [START, IMAGE, END]
+            images.append(part)
+        else:
+            ids += part
+    return ids, images
+
+
+@pytest.fixture(scope="module")
+def hf_models(checkpoints: Callable[[str], Path]) -> Callable[[str], Any]:
+    """Each family's HF model over its tiny checkpoint, loaded on first use."""
+    loaded: dict[str, Any] = {}
+
+    def get(family: str) -> Any:
+        if family not in loaded:
+            loaded[family] = FAMILIES[family][1].from_pretrained(checkpoints(family)).eval()
+        return loaded[family]
+
+    return get
+
+
+def _hf_inputs(llm: LLM, ids: list[int], images: list[Image.Image]
+               ) -> tuple[list[int], dict[str, Any]]:
+    """The prompt as our processor expanded it, and HF's image inputs (the same pixels)."""
+    processor = llm.engine.input_processor
+    assert processor is not None
+    expanded, items = processor.process(ids, {"image": images} if images else {})
+    kwargs: dict[str, Any] = {}
+    if items:
+        kwargs["pixel_values"] = torch.cat([i.data["pixel_values"] for i in items])
+        kwargs["image_grid_thw"] = torch.tensor([i.data["grid_thw"] for i in items])
+    return expanded, kwargs
+
+
+def _llm(path: Path, **kwargs: Any) -> LLM:
+    return LLM(str(path), device="cpu", dtype="float32", block_size=4, **kwargs)
+
+
+CASES = {
+    "one_image": lambda: _prompt([5, 17], _image(56, 84, 0), [42, 9, 100]),
+    "two_images_around_text": lambda: _prompt([3], _image(112, 56, 1), [8, 8, 120, 7],
+                                              _image(56, 56, 2), [33]),
+    "text_only": lambda: _prompt([5, 17, 42, 9, 100, 3, 77]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_and_greedy_match_hf(checkpoints: Callable[[str], Path],
+                                    hf_models: Callable[[str], Any], family: str,
+                                    case: str) -> None:
+    """Greedy tokens equal HF ``generate``'s; every prompt and generated position's top-3
+    log-probabilities equal HF's ``log_softmax`` of one forward over the whole sequence (image
+    rows, M-RoPE positions and the shift after each image all count; for Qwen3-VL also the
+    interleaved rotation and the deepstack features added after the first decoder layers)."""
+    llm = _llm(checkpoints(family))
+    hf_model = hf_models(family)
+    ids, images = CASES[case]()
+    prompt: dict[str, Any] = {"prompt_token_ids": ids}
+    if images:
+        prompt["multi_modal_data"] = {"image": images}
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3,
+                            prompt_logprobs=3)
+    output = llm.generate([prompt], params, use_tqdm=False)[0]
+    got = output.outputs[0].token_ids
+    expanded, kwargs = _hf_inputs(llm, ids, images)
+    input_ids = torch.tensor([expanded])
+    types_ = {"mm_token_type_ids": (input_ids == IMAGE).int()}
+    with torch.no_grad():
+        want = hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                 max_new_tokens=8, do_sample=False, **kwargs, **types_)
+        assert got == want[0, len(expanded):].tolist()
+        sequence = torch.tensor([expanded + got])
+        logits = hf_model(sequence, mm_token_type_ids=(sequence == IMAGE).int(),
+                          **kwargs).logits[0]
+    ref = torch.log_softmax(logits.float(), dim=-1)
+    assert output.prompt_logprobs is not None and output.outputs[0].logprobs is not None
+    positions = [*output.prompt_logprobs[1:], *output.outputs[0].logprobs]
+    assert len(positions) == sequence.shape[1] - 1
+    for j, logprobs in enumerate(positions, start=1):
+        assert logprobs is not None
+        assert set(ref[j - 1].topk(3).indices.tolist()) <= set(logprobs), f"position {j}"
+        for token, lp in logprobs.items():
+            assert lp.logprob == pytest.approx(float(ref[j - 1, token]), abs=2e-4), (
+                f"position {j}, token {token}")
+
+
+def _generate(llm: LLM, ids: list[int], images: list[Image.Image]) -> list[int]:
+    prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+    return llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_encoder_cache_and_prefix_cache(checkpoints: Callable[[str], Path], family: str
+                                        ) -> None:
+    """Chunked prefill (steps of 4 tokens: an image's rows, with Qwen3-VL's deepstack
+    features, split across steps and next to another request's) gives a fresh engine's tokens
+    and encodes each image once. The same image in two prompts of one batch and in a later
+    request is encoded once and gives the same tokens as a fresh engine; the same prompt
+    tokens with a different image of the same size share no image block of the prefix cache
+    (its tokens are those of a fresh engine), while the same image again hits it."""
+    checkpoint = checkpoints(family)
+    a, b = _image(56, 84, 0), _image(56, 84, 5)
+    ids, _ = _prompt([5, 17], a, [42, 9, 100])
+    fresh = _llm(checkpoint, enable_prefix_caching=False)  # different images: no cache hit
+    fresh_a, fresh_b = _generate(fresh, ids, [a]), _generate(fresh, ids, [b])
+    assert fresh_a != fresh_b
+    two = CASES["two_images_around_text"]()
+    fresh_two = _generate(fresh, *two)
+    prompts = [{"prompt_token_ids": ids, "multi_modal_data": {"image": [a]}},
+               {"prompt_token_ids": two[0], "multi_modal_data": {"image": two[1]}}]
+    # chunked prefill: the image's 6 placeholder rows spread over steps of 4 tokens; decode
+    # steps through the CUDA-graph path (CPU stand-ins), captured without any image rows
+    chunked = _llm(checkpoint, enable_prefix_caching=False, max_num_batched_tokens=4,
+                   max_num_seqs=2)
+    emulate_cuda_graphs(chunked.engine.runner)
+    outs = chunked.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [fresh_a, fresh_two]
+    assert chunked.engine.runner.model_state.encoder_runs == 3
+    graphs = chunked.engine.runner.graphs
+    assert graphs is not None and sum(g.replays for g in graphs.graphs.values()) >= 7
+    llm = _llm(checkpoint)
+    state = llm.engine.runner.model_state
+    prompts = [{"prompt_token_ids": ids, "multi_modal_data": {"image": [a]}},
+               {"prompt_token_ids": [3, *ids], "multi_modal_data": {"image": [a]}}]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == fresh_a and state.encoder_runs == 1
+    before = llm.engine.stats()["prefix_cache_hits"]
+    assert _generate(llm, ids, [b]) == fresh_b and state.encoder_runs == 2
+    image_start = 3  # [5, 17, START]: the image's tokens begin in the first block of 4
+    assert llm.engine.stats()["prefix_cache_hits"] - before < 4 * (image_start // 4 + 1)
+    before = llm.engine.stats()["prefix_cache_hits"]
+    assert _generate(llm, ids, [a]) == fresh_a and state.encoder_runs == 2  # cache, prefix
+    assert llm.engine.stats()["prefix_cache_hits"] - before >= 8
+
+
+def test_bad_multimodal_inputs_name_the_field(checkpoint: Path, tmp_path: Path) -> None:
+    llm = _llm(checkpoint)
+    ids, images = CASES["one_image"]()
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({"prompt_token_ids": ids, "multi_modal_data": {"image": images * 2}},
+         "multi_modal_data.image: 2 images but the prompt has 1"),
+        ({"prompt_token_ids": ids, "multi_modal_data": {"video": images}},
+         "unsupported keys \\['video'\\]"),
+        ({"prompt_token_ids": ids, "multi_modal_data": {"image": ["not an image"]}},
+         "multi_modal_data.image: could not process"),
+        ({"prompt_token_ids": ids, "multi_modal_data": ["x"]}, "multi_modal_data must be"),
+    ]
+    for prompt, message in bad:
+        with pytest.raises(ValueError, match=message):
+            llm.generate([prompt, {"prompt_token_ids": [5, 6]}], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished()  # nothing of the batch was queued
+    assert _generate(llm, ids, images) == _generate(_llm(checkpoint), ids, images)
+    text_model = make_tiny_checkpoint(tmp_path / "text", "Qwen3ForCausalLM")
+    with pytest.raises(ValueError, match="multi_modal_data: Qwen3ForCausalLM takes text only"):
+        LLM(str(text_model), device="cpu").generate(
+            [{"prompt_token_ids": [1, 2], "multi_modal_data": {"image": images}}], GREEDY)
+
+
+def _data_uri(image: Image.Image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_chat_with_image_parts(checkpoint: Path) -> None:
+    """``LLM.chat`` with a PIL image part and an OpenAI ``image_url`` data URI part gives the
+    tokens of ``generate`` on the template's token ids with the same images; over the limit,
+    undecodable data and remote URLs are refused naming the part."""
+    llm = _llm(checkpoint, limit_mm_per_prompt=2)
+    a, b = _image(56, 84, 0), _image(84, 56, 3)
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "Hello "}, {"type": "image", "image": a},
+        {"type": "text", "text": " world "},
+        {"type": "image_url", "image_url": {"url": _data_uri(b)}}]}]
+    got = llm.chat(messages, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": [
+        {"type": "text", "text": "Hello "}, {"type": "image"}, {"type": "text", "text": " world "},
+        {"type": "image"}]}])
+    assert ids.count(IMAGE) == 2 and ids.count(START) == 2
+    assert got == _generate(llm, ids, [a, b])
+    over = [{"role": "user", "content": [{"type": "image", "image": a}] * 3}]
+    with pytest.raises(ValueError, match="3 images; at most 2 per prompt"):
+        llm.chat(over, GREEDY, use_tqdm=False)
+    for url, message in [("data:image/png;base64,AAAA", "could not decode"),
+                         ("https://example.com/cat.png", "remote URLs are not fetched"),
+                         ("file:///etc/passwd", "unsupported URL")]:
+        bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+        where = re.escape("messages[0].content[0].image_url: ")
+        with pytest.raises(ValueError, match=where + message):
+            llm.chat(bad, GREEDY, use_tqdm=False)
+
+
+def test_openai_client_sends_a_data_uri_image(checkpoint: Path) -> None:
+    """``mrv2 serve``'s chat endpoint with an OpenAI ``image_url`` data URI part: the reply is
+    ``LLM.chat``'s; a bad image, too many images and a remote URL get a 400 naming the
+    messages and the server keeps serving."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    from mrv2 import EngineConfig
+    from mrv2.engine.engine import LLMEngine
+    from mrv2.entrypoints.server import create_app
+    from mrv2.testing import serve_in_thread
+
+    kwargs = {"device": "cpu", "dtype": "float32", "block_size": 4, "limit_mm_per_prompt": 1}
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(checkpoint), **kwargs))
+    image = _image(56, 84, 0)
+    content = [{"type": "text", "text": "Hello "},
+               {"type": "image_url", "image_url": {"url": _data_uri(image)}}]
+    want = _llm(checkpoint).chat([{"role": "user", "content": content}], GREEDY,
+                                 use_tqdm=False)[0].outputs[0].token_ids
+    for url in serve_in_thread(create_app(engine, served_model_name="tiny-vl")):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+
+        def ask(parts: list[dict[str, Any]], client: Any = client) -> Any:
+            return client.chat.completions.create(
+                model="tiny-vl", messages=[{"role": "user", "content": parts}], max_tokens=8,
+                temperature=0, extra_body={"ignore_eos": True})
+
+        out = ask(content)
+        tokenizer = engine.tokenizer
+        assert tokenizer is not None
+        assert out.usage.completion_tokens == 8
+        assert out.choices[0].message.content == tokenizer.decode(want)
+        bad = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+        for parts, message in [(bad, "could not decode"), (content + content[1:], "at most 1"),
+                               ([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+                                "remote URLs are not fetched")]:
+            with pytest.raises(openai.BadRequestError, match=message) as caught:
+                ask(parts)
+            assert caught.value.status_code == 400
+        assert ask(content).choices[0].message.content == out.choices[0].message.content
+
+
+def test_bench_multimodal_runs(checkpoint: Path) -> None:
+    """``mrv2 bench multimodal`` on the tiny model (CPU): every row reported."""
+    from mrv2.bench.multimodal import bench
+    from mrv2.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args([
+        "bench", "multimodal", "--model", str(checkpoint), "--device", "cpu", "--dtype",
+        "float32", "--load-format", "auto", "--batch-sizes", "1", "2", "--image-size", "56",
+        "--prompt-len", "6", "--new-tokens", "3", "--max-model-len", "256"])
+    results = bench(args)
+    assert results["encoder_ms_per_image"] > 0
+    assert [r["batch"] for r in results["with_image"]] == [1, 2]
+    assert all(r["images_per_s"] > 0 and r["tpot_ms"] > 0 for r in results["with_image"])
+    assert [r["batch"] for r in results["text_only"]] == [1, 2]

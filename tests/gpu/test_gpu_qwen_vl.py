@@ -1,0 +1,86 @@
+"""GPU: Qwen2.5-VL (``mrv2-plugin-qwen-vl``) with images: fp32 tokens equal the CPU engine's
+(which equals HF, ``plugins/qwen_vl/tests``), bf16 graphs on/off agree, and neither text-only
+nor image steps synchronize with the host.
+
+Run on a CUDA machine with ``MRV2_TEST_GPU=1 python -m pytest -m gpu``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mrv2 import LLM, EngineConfig, Runner, SamplingParams
+from mrv2.contract.requests import NewRequest, SchedulerOutput
+
+pytestmark = pytest.mark.gpu
+testing = pytest.importorskip("mrv2_qwen_vl.testing")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(testing.make_tiny_qwen_vl(tmp_path_factory.mktemp("qwen_vl")))
+
+
+def _prompts(llm: LLM) -> list[dict[str, Any]]:
+    marks = [testing.START, testing.IMAGE, testing.END]
+    images = [testing.random_image(56, 84, 0), testing.random_image(112, 56, 1)]
+    return [
+        {"prompt_token_ids": [5, 17, *marks, 42, 9], "multi_modal_data": {"image": images[:1]}},
+        {"prompt_token_ids": [3, *marks, 8, 8, *marks, 33],
+         "multi_modal_data": {"image": images}},
+        {"prompt_token_ids": [5, 17, 42, 9, 100, 3, 77]},
+    ]
+
+
+def _run(ckpt: Path, device: str, dtype: str, **kwargs: Any) -> list[list[int]]:
+    llm = LLM(str(ckpt), device=device, dtype=dtype, block_size=16,
+              gpu_memory_utilization=0.3, **kwargs)
+    outs = llm.generate(_prompts(llm), GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_fp32_equals_cpu_with_graphs(ckpt: Path) -> None:
+    cpu = _run(ckpt, "cpu", "float32")
+    assert _run(ckpt, "cuda", "float32") == cpu
+    assert _run(ckpt, "cuda", "float32", enforce_eager=True) == cpu
+
+
+def test_bf16_graphs_on_off_agree(ckpt: Path) -> None:
+    graphs = _run(ckpt, "cuda", "bfloat16")
+    eager = _run(ckpt, "cuda", "bfloat16", enforce_eager=True)
+    for a, b in zip(graphs, eager, strict=True):
+        assert a[:8] == b[:8]
+
+
+def test_steps_never_synchronize(ckpt: Path) -> None:
+    config = EngineConfig.from_kwargs(model=str(ckpt), device="cuda", dtype="bfloat16",
+                                      gpu_memory_utilization=0.3)
+    runner = Runner.from_config(config)
+    from mrv2_qwen_vl.processor import QwenVLInputProcessor
+
+    processor = QwenVLInputProcessor(str(ckpt), runner.hf_config, None, config)
+    image = testing.random_image(56, 84, 0)
+    ids, items = processor.process([5, 17, testing.START, testing.IMAGE, testing.END, 42],
+                                   {"image": [image]})
+    params = SamplingParams(temperature=0.8)
+    new = [NewRequest("img", ids, params, seed=1, block_ids=list(range(8)), mm_items=items),
+           NewRequest("txt", [5, 17, 42, 9], params, seed=2, block_ids=list(range(8, 16)))]
+    outputs = []
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outputs.append(runner.execute(SchedulerOutput({"img": 5, "txt": 4}, new_requests=new)))
+        outputs.append(runner.execute(SchedulerOutput({"img": len(ids) - 5, "txt": 1})))
+        for _ in range(4):
+            outputs.append(runner.execute(SchedulerOutput({"img": 1, "txt": 1})))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for out in outputs:
+        out.result()
+    assert getattr(runner.model_state, "encoder_runs", None) == 1  # one image, two chunks
