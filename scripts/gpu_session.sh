@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (device tool): installs the carried wheels, then the steps named as
 # arguments: tests, moe (the fused-MoE kernel bench), attn, splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile,
+# tp_tests / tp_latency / tp_throughput (two GPUs: the nvidia-h200-x2 kind), glm47 (issue 19's
+# sweep: TP=4 on nvidia-h200-x4; on x2: TP=2 GLM47_ARGS="--hf-overrides '{\"num_hidden_layers\": N}'"),
 # soak (SOAK_S seconds of load, default 450: a device call is capped at 600 s; for the full 10
 # minutes start scripts/soak.py under setsid and collect its --out folder in a second call). Logs go to $OUT;
 # a short summary prints last.
@@ -38,6 +40,21 @@ for step in "$@"; do
             --max-concurrency 128 --out "$OUT/soak" 2>&1 | tee "$OUT/soak.log" | tail -20 ;;
     multimodal) python3 -m mrv2.entrypoints.cli bench multimodal --json "$OUT/multimodal.json" \
                   ${MULTIMODAL_ARGS:-} 2>&1 | tee "$OUT/multimodal.log" | tail -40 ;;
+    tp_tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_tensor_parallel.py \
+                2>&1 | tee "$OUT/tp_tests.log" | tail -15
+              python3 -m mrv2.entrypoints.cli bench tp-channel --json "$OUT/tp_channel.json" 2>&1 \
+                | tee "$OUT/tp_channel.log" | tail -10 ;;
+    tp_latency) for m in ${TP_MODELS:-Qwen3-8B Qwen3-32B}; do
+                  python3 -m mrv2.entrypoints.cli bench latency --model "$m" --tensor-parallel-size 2 \
+                    --json "$OUT/tp_latency_$m.json" 2>&1 | tee "$OUT/tp_latency_$m.log" | tail -12
+                done ;;
+    tp_throughput) python3 -m mrv2.entrypoints.cli bench throughput --model "${TP_MODEL:-Qwen3-32B}" \
+                     --tensor-parallel-size 2 --json "$OUT/tp_throughput.json" 2>&1 \
+                     | tee "$OUT/tp_throughput.log" | tail -30 ;;
+    glm47) python3 scripts/serve_sweep.py --model GLM-4.7-FP8 --out "$OUT/glm47" \
+             --server-args "--tensor-parallel-size ${TP:-4} --max-model-len 4096 ${GLM47_ARGS:-}" \
+             --variants ${GLM47_VARIANTS:-mtp_off mtp_on async_off mtp_on_async_off} 2>&1 \
+             | tee "$OUT/glm47.log" | tail -24 ;;
     latency) python3 -m mrv2.entrypoints.cli bench latency --json "$OUT/latency.json" \
                ${LATENCY_ARGS:-} 2>&1 | tee "$OUT/latency.log" | tail -40 ;;
   esac

@@ -26,7 +26,7 @@ def test_flat_kwargs_land_in_sections() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [({"dtype": "float64"}, "model.dtype"), ({"max_num_seqs": 0}, "scheduler.max_num_seqs"),
-     ({"tensor_parallel_size": 2}, "parallel.tensor_parallel_size"),
+     ({"tensor_parallel_size": 0}, "parallel.tensor_parallel_size"),
      ({"num_speculative_tokens": 3}, "speculative"), ({"device": "tpu"}, "device.device")],
 )
 def test_bad_values_name_the_field(kwargs: dict[str, object], field: str) -> None:
@@ -79,3 +79,19 @@ def test_speculative_config_by_vllm_name_cli_and_server() -> None:
         EngineConfig.from_kwargs(speculative_config="[1, 2]")
     with pytest.raises(ValidationError, match="prompt_lookup_min"):
         EngineConfig.from_kwargs(speculative_config={**spec, "prompt_lookup_min": 6})
+
+
+def test_hf_overrides_change_the_model_built(tmp_path: Path) -> None:
+    """``--hf-overrides '{"num_hidden_layers": 1}'`` builds the first layer only (a benchmark
+    of part of a model too big for the machine)."""
+    from mrv2 import LLM
+    from mrv2.testing import make_tiny_checkpoint
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(["--hf-overrides", '{"num_hidden_layers": 1}'])
+    assert config_from_cli(args, None).model.hf_overrides == {"num_hidden_layers": 1}
+    model = make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM")
+    llm = LLM(str(model), device="cpu", dtype="float32", load_format="dummy",
+              hf_overrides={"num_hidden_layers": 1})
+    assert len(llm.engine.runner.model.model.layers) == 1  # type: ignore[union-attr]

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent / "framework" / "mrv2"
 LAYERS = [
     "registry",      # what plugins registered (imports nothing of mrv2)
     "config",        # pydantic settings (imports nothing of mrv2)
+    "distributed",   # tensor-parallel group, collectives, step channel (nothing of mrv2)
     "contract",      # params, requests, batch, state table, KV specs, ModelState, Speculator
     "attention",     # attention backends
     "layers",        # shared model layers
@@ -28,6 +29,7 @@ LAYERS = [
     "defaults",      # the core's own plugin
     "plugins",       # the plugin manager
     "runner",        # the step path
+    "executor",      # one runner, or rank 0's runner and its tensor-parallel workers
     "testing",       # helpers for tests of mrv2 and its plugins
     "engine",        # scheduler, block manager, engine loop, LLM
     "bench",         # benchmarks

@@ -42,6 +42,11 @@ class ModelConfig(_Section):
         description="'fp8': quantize the linear layers' weights to block-scaled FP8 (128 x 128 "
         "blocks) at load time; an fp8 checkpoint (quantization_config) needs no flag",
     )
+    hf_overrides: dict[str, Any] = Field(
+        default_factory=dict,
+        description="config.json fields to change, as JSON: '{\"num_hidden_layers\": 40}' runs "
+        "a model's first 40 layers (with --load-format dummy: a checkpoint must match)",
+    )
 
 
 class MultiModalConfig(_Section):
@@ -96,9 +101,12 @@ class SchedulerConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    """Parallelism. Only one device for now; the seam is here for tensor parallelism."""
+    """Parallelism: tensor parallelism over ``tensor_parallel_size`` processes (a GPU each; on
+    the CPU, gloo). On one host the engine starts them; across hosts ``torchrun`` does."""
 
-    tensor_parallel_size: Literal[1] = Field(default=1, description="only 1 is supported yet")
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, le=64,
+        description="ranks to split the model over (one process and one GPU each)")
 
 
 class SpeculativeConfig(_Section):
@@ -275,6 +283,8 @@ def _cli_type(annotation: Any) -> Any:
     values = get_args(annotation) or (annotation,)
     if get_origin(annotation) is Literal and all(isinstance(v, int) for v in values):
         return int
+    if get_origin(annotation) is dict:
+        return json.loads
     kinds = {v for v in values if v is not type(None)}
     if kinds == {int}:
         return int

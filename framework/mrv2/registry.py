@@ -22,6 +22,7 @@ KNOWN_PACKAGES: dict[str, str] = {
     "DeepseekV2ForCausalLM": "mrv2-plugin-deepseek",
     "DeepseekV3ForCausalLM": "mrv2-plugin-deepseek",
     "Qwen2_5_VLForConditionalGeneration": "mrv2-plugin-qwen-vl",
+    "Qwen3VLForConditionalGeneration": "mrv2-plugin-qwen-vl",
     "LlamaForCausalLM": "mrv2-contrib-llama",
 }
 

@@ -22,9 +22,11 @@ testing = pytest.importorskip("mrv2_qwen_vl.testing")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return Path(testing.make_tiny_qwen_vl(tmp_path_factory.mktemp("qwen_vl")))
+@pytest.fixture(scope="module", params=["qwen2.5-vl", "qwen3-vl"])
+def ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    make = testing.make_tiny_qwen_vl if request.param == "qwen2.5-vl" else \
+        testing.make_tiny_qwen3_vl
+    return Path(make(tmp_path_factory.mktemp("qwen_vl")))
 
 
 def _prompts(llm: LLM) -> list[dict[str, Any]]:

@@ -189,7 +189,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         config = EngineConfig.from_kwargs(
             model=model_dir, load_format=args.load_format, dtype=args.dtype, device=args.device,
             max_model_len=args.max_model_len, max_num_seqs=max(args.batch_sizes),
-            gpu_memory_utilization=args.gpu_memory_utilization, **variants[name],
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            tensor_parallel_size=args.tensor_parallel_size, **variants[name],
         )
         engine = LLMEngine(config)
         if cpu and name == "default" and not args.no_hf:
@@ -212,6 +213,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 "spec_mean_accepted_length": round(stats["spec_mean_accepted_length"], 3),
                 "spec_num_draft_tokens": stats["spec_num_draft_tokens"],
             })
+        engine.shutdown()
         del engine
         release_engine_memory()
     return results
@@ -240,6 +242,8 @@ def add_parser(sub: Any) -> None:
                    help="cpu: torch threads (default: torch's own, e.g. OMP_NUM_THREADS)")
     p.add_argument("--no-hf", action="store_true", help="cpu: skip the HF reference")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks (GPUs) to split the model over")
     p.add_argument("--variants", nargs="*", default=[],
                    choices=["async_off", "graphs_off", "ngram",
                             *(f"synthetic_{rate}" for rate in SYNTHETIC_RATES),

@@ -118,7 +118,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             model=model_dir, load_format=args.load_format, dtype=args.dtype,
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
-            gpu_memory_utilization=args.gpu_memory_utilization, **cache, **variants[name],
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            tensor_parallel_size=args.tensor_parallel_size, **cache, **variants[name],
         )
         engine = LLMEngine(config)
         warm_p, _ = workload(4, seed=1)
@@ -163,6 +164,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             row["gpu_busy_decode"] = round(busy_fraction(log), 3)
         row["by_step_kind"] = breakdown(log, finished)
         results[name] = row
+        engine.shutdown()
         del engine
         release_engine_memory()
     for name in (n for n in chosen if n != "default"):
@@ -198,6 +200,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks (GPUs) to split the model over")
     p.add_argument("--variants", nargs="*", default=[],
                    choices=["default", "async_off", "graphs_off", "prefix_off"],
                    help="also run with async scheduling off / CUDA graphs off (in this order; "

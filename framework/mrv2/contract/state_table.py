@@ -34,6 +34,9 @@ class RowInfo:
     req_id: str
     num_computed: int
     num_known: int
+    #: Tokens the request arrived with (its prompt, plus any outputs of a resumed request):
+    #: a step computing any of them is a prefill step, never a decode graph's.
+    num_prompt: int = 0
 
     def take_back(self, num_rejected: int) -> None:
         """A step rejected ``num_rejected`` of this request's drafts: lower both counts (an

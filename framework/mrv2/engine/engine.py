@@ -30,10 +30,10 @@ from mrv2.engine.sampling_outputs import (
 )
 from mrv2.engine.scheduler import Scheduler
 from mrv2.engine.tokenizer import Tokenizer, load_generation_eos
+from mrv2.executor import make_runner
 from mrv2.plugins import PluginManager
 from mrv2.registry import import_object
 from mrv2.runner.async_output import AsyncStepOutput
-from mrv2.runner.runner import Runner
 
 
 @dataclass
@@ -52,7 +52,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, plugins: PluginManager | None = None) -> None:
         self.config = config
-        self.runner = Runner.from_config(config, plugins)
+        self.runner = make_runner(config, plugins)
         model_dir = config.model.model or self.runner.model_dir
         self.tokenizer: Tokenizer | None = _load_tokenizer(config.model.tokenizer or model_dir)
         eos = load_generation_eos(model_dir)
@@ -198,6 +198,11 @@ class LLMEngine:
                 self.scheduler.finish(tracked.request, "abort")  # its blocks are free at once
         if not self.has_unfinished():
             self.runner.remove_requests(self.scheduler.take_finished_ids())  # idle: row too
+
+    def shutdown(self) -> None:
+        """Stop what the engine started outside this process (tensor-parallel workers); the
+        engine takes no steps afterwards. Idempotent."""
+        self.runner.shutdown()
 
     def has_unfinished(self) -> bool:
         """True while any request waits, runs or has output in flight."""

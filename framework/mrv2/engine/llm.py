@@ -49,6 +49,17 @@ class LLM:
             raise ValueError("pass either config= or model/engine keywords, not both")
         self.engine = LLMEngine(config, plugins)
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (``tensor_parallel_size > 1``); they also stop
+        when this process exits. ``with LLM(...) as llm:`` calls it at the end."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def get_tokenizer(self) -> Any:
         """The engine's :class:`~mrv2.engine.tokenizer.Tokenizer` (``None``: the model has none)."""
         return self.engine.tokenizer

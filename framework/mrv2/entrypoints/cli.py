@@ -49,9 +49,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     model = args.model_dir or args.model
     engine = LLMEngine(config_from_cli(args, model))
-    run_server(engine, args.host, args.port, args.served_model_name, args.api_key,
-               args.max_pending, args.max_n)
-    return 0
+    return run_server(engine, args.host, args.port, args.served_model_name, args.api_key,
+                      args.max_pending, args.max_n)
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -117,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks: throughput, latency")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from mrv2.bench import detokenize, latency, multimodal, sampler, throughput
+    from mrv2.bench import detokenize, latency, multimodal, sampler, throughput, tp_channel
     from mrv2.bench import serve as bench_serve
 
     throughput.add_parser(bench_sub)
@@ -125,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     multimodal.add_parser(bench_sub)
     sampler.add_parser(bench_sub)
     detokenize.add_parser(bench_sub)
+    tp_channel.add_parser(bench_sub)
     bench_serve.add_parser(bench_sub)
 
     prep = sub.add_parser(

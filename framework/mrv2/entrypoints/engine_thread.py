@@ -56,6 +56,10 @@ class EngineThread:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="mrv2-engine", daemon=True)
         self._stopped = False
+        #: The error that ended the engine for good (a tensor-parallel worker died), or None.
+        self.fatal: BaseException | None = None
+        #: Called (from whichever thread saw it) once :attr:`fatal` is set.
+        self.on_fatal: list[Any] = []
 
     # -- called from the asyncio side --------------------------------------------------------
 
@@ -79,6 +83,8 @@ class EngineThread:
         :class:`QueueFullError` when its ``n`` sequences would take the server past
         ``max_pending`` sequences in flight."""
         with self._lock:
+            if self.fatal is not None:
+                raise QueueFullError(f"the engine failed: {self.fatal}")
             if self._stopped:
                 raise QueueFullError("the server is shutting down")
             if self._pending + params.n > self.max_pending:
@@ -94,6 +100,21 @@ class EngineThread:
         """Cancel a request (run on the engine thread); unknown or finished ids are ignored."""
         self._commands.put(("abort", req_id))
 
+    def mark_fatal(self, error: BaseException) -> None:
+        """The engine cannot go on (any thread): refuse new requests, fail those in flight
+        on the engine thread, tell the :attr:`on_fatal` listeners."""
+        with self._lock:
+            if self.fatal is not None:
+                return
+            self.fatal = error
+            self._stopped = True
+        self._commands.put(("fatal", error))
+        for listener in list(self.on_fatal):
+            try:
+                listener(error)
+            except Exception:
+                logger.exception("an on_fatal listener failed")
+
     # -- the engine thread -------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -107,6 +128,9 @@ class EngineThread:
                     if command == "stop":
                         self._shutdown()
                         return
+                    if command == "fatal":
+                        self._shutdown(arg)
+                        return
                     self._handle(command, arg)
             except queue.Empty:
                 pass
@@ -117,6 +141,9 @@ class EngineThread:
                 outputs = engine.step()
             except Exception as error:  # keep serving: fail the requests in flight
                 logger.exception("engine step failed")
+                if getattr(error, "fatal", False):
+                    self.mark_fatal(error)
+                    continue
                 self._fail_all(error)
                 continue
             now = time.monotonic()
@@ -171,10 +198,12 @@ class EngineThread:
             _put(sink, RuntimeError(f"the engine failed: {error}"))
         self._sinks.clear()
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, cause: BaseException | None = None) -> None:
         with self._lock:
             self._stopped = True
-        self._fail_all(RuntimeError("the server is shutting down"))
+        error = RuntimeError("the server is shutting down" if cause is None
+                             else f"the engine failed: {cause}")
+        self._fail_all(error)
         while True:  # requests still queued: tell their clients
             try:
                 command, arg = self._commands.get_nowait()
@@ -183,7 +212,7 @@ class EngineThread:
             if command == "add":
                 sink = _Sink(arg[5], arg[4], arg[6], num_seqs=arg[2].n)
                 self._finish_pending(sink)
-                _put(sink, RuntimeError("the server is shutting down"))
+                _put(sink, error)
 
     def _finish_pending(self, sink: _Sink) -> None:
         with self._lock:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -38,6 +41,10 @@ from mrv2.entrypoints.openai_protocol import (
 
 #: Default bound on a request's ``n`` (``mrv2 serve --max-n``); OpenAI's own API allows 128.
 DEFAULT_MAX_N = 64
+#: Seconds a server whose engine failed for good keeps answering 503 before it exits.
+FATAL_GRACE_S = 1.0
+
+logger = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -95,6 +102,9 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None,
         app.add_middleware(_CheckKey, api_key=api_key)
     app.state.engine_thread = worker
     app.state.model_name = model_name
+    listen = getattr(engine.runner, "add_failure_listener", None)
+    if listen is not None:  # a tensor-parallel worker died: 503 from now on, then exit
+        listen(worker.mark_fatal)
     created = int(time.time())
 
     @app.exception_handler(APIError)
@@ -108,7 +118,7 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None,
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        return Response(status_code=200 if worker.fatal is None else 503)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -396,9 +406,26 @@ async def _disconnected(request: Request) -> None:
 
 def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000,
                served_model_name: str | None = None, api_key: str | None = None,
-               max_pending: int = 1024, max_n: int = DEFAULT_MAX_N) -> None:
-    """Serve until interrupted."""
+               max_pending: int = 1024, max_n: int = DEFAULT_MAX_N) -> int:
+    """Serve until interrupted (returns 0), or until the engine fails for good (a
+    tensor-parallel worker died: the server answers 503 for a moment, then stops and returns
+    1)."""
     import uvicorn
 
     app = create_app(engine, served_model_name, api_key, max_pending, max_n)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
+    worker: EngineThread = app.state.engine_thread
+
+    def stop_soon(error: BaseException) -> None:
+        logger.error("stopping the server: %s", error)
+        threading.Timer(FATAL_GRACE_S, lambda: setattr(server, "should_exit", True)).start()
+
+    worker.on_fatal.append(stop_soon)
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    if worker.fatal is not None:
+        print(f"mrv2 serve: {worker.fatal}", file=sys.stderr, flush=True)
+        return 1
+    return 0

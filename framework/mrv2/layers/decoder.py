@@ -46,8 +46,9 @@ class SelfAttention(nn.Module):
     layer ``layer_idx``, output projection (HF's ``self_attn.*`` names).
 
     Heads from the config (``num_attention_heads``, ``num_key_value_heads`` or as many,
-    :func:`head_dim_of`); ``qkv_bias`` / ``o_bias`` put biases on the projections (Qwen3 and
-    Llama: both per ``attention_bias``; GLM-4.x: q/k/v only), ``qk_norm`` adds Qwen3's
+    :func:`head_dim_of`), split across tensor-parallel ranks by :class:`QKVLinear`;
+    ``qkv_bias`` / ``o_bias`` put biases on the projections (Qwen3 and Llama: both per
+    ``attention_bias``; GLM-4.x: q/k/v only), ``qk_norm`` adds Qwen3's
     ``q_norm`` / ``k_norm`` (built with ``rms_norm_eps``), fused into the rotation.
     """
 
@@ -69,8 +70,9 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.rotary_emb = rope
-        self.attn = Attention(
-            num_heads, num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx
+        self.attn = Attention(  # this rank's heads
+            self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, self.head_dim,
+            self.head_dim**-0.5, layer_idx
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,12 @@
-"""Token embedding and the LM head (optionally tied to the embedding)."""
+"""Token embedding and the LM head (optionally tied to the embedding), vocabulary-parallel.
+
+With tensor parallelism each rank holds ``ceil(vocab / size)`` rows of the table (the last
+rank's tail padded with zeros): the embedding looks up the ids in its range, zeroes the rest
+and all-reduces; the LM head computes its slice of the logits and all-gathers them, so every
+rank's sampler sees the full vocabulary's logits. (The alternative, each rank's top-k gathered,
+would move less at large vocabularies but cannot serve top-p, penalties or logprobs over the
+whole vocabulary; a decode step's gather is ``batch x vocab`` values, small beside the weights.)
+"""
 
 from __future__ import annotations
 
@@ -6,25 +14,52 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mrv2.distributed.parallel_state import all_gather_last, all_reduce, tp_rank, tp_size
 from mrv2.layers.linear import cpu_weight_layout
 from mrv2_kernels.cpu_linear import linear_cpu
 
 
-class VocabEmbedding(nn.Module):
-    """Token-id lookup: ``[T]`` int32/int64 ids -> ``[T, embedding_dim]``."""
+def _vocab_rows(num_embeddings: int, size: int) -> int:
+    return -(-num_embeddings // size)
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, tp_size: int = 1) -> None:
+
+def _load_rows(param: nn.Parameter, loaded: torch.Tensor, start: int, total: int) -> None:
+    """Rows ``start : start + len(param)`` of a whole ``[total, dim]`` table (zeros past it)."""
+    if loaded.shape != (total, param.shape[1]):
+        raise ValueError(f"parameter expects shape {(total, param.shape[1])}, checkpoint "
+                         f"tensor has {tuple(loaded.shape)}")
+    rows = min(param.shape[0], max(0, total - start))
+    with torch.no_grad():
+        param.data[:rows].copy_(loaded.narrow(0, start, rows))
+        param.data[rows:].zero_()
+
+
+class VocabEmbedding(nn.Module):
+    """Token-id lookup: ``[T]`` int32/int64 ids -> ``[T, embedding_dim]`` (this rank's rows of
+    the table with tensor parallelism; see the module)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
-        if tp_size != 1:
-            raise NotImplementedError(
-                f"tensor parallelism is not implemented yet (tp_size={tp_size})"
-            )
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
+        self.tp_size = tp_size()
+        rows = _vocab_rows(num_embeddings, self.tp_size)
+        self.vocab_start = tp_rank() * rows
+        self.weight = nn.Parameter(torch.empty(rows, embedding_dim))
+        if self.tp_size > 1:
+            self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """This rank's rows of the checkpoint's whole table."""
+        _load_rows(param, loaded, self.vocab_start, self.num_embeddings)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        out = F.embedding(torch.where(mine, local, 0), self.weight)
+        return all_reduce(out.masked_fill_(~mine.unsqueeze(-1), 0.0))
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}"
@@ -48,16 +83,37 @@ class LMHead(nn.Module):
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.tied = tied_to is not None
+        self.tp_size = tp_size()
+        rows = _vocab_rows(num_embeddings, self.tp_size)
+        self.vocab_start = tp_rank() * rows
         if tied_to is not None:
-            if tied_to.weight.shape != (num_embeddings, embedding_dim):
+            if (tied_to.num_embeddings, tied_to.embedding_dim) != (num_embeddings, embedding_dim):
                 raise ValueError(
                     f"cannot tie an LM head of shape {(num_embeddings, embedding_dim)} to an "
-                    f"embedding of shape {tuple(tied_to.weight.shape)}"
+                    f"embedding of shape {(tied_to.num_embeddings, tied_to.embedding_dim)}"
                 )
             self.weight = tied_to.weight
         else:
-            self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
-        self.bias = nn.Parameter(torch.empty(num_embeddings)) if bias else None
+            self.weight = nn.Parameter(torch.empty(rows, embedding_dim))
+            if self.tp_size > 1:
+                self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.bias = nn.Parameter(torch.empty(rows)) if bias else None
+        if self.bias is not None and self.tp_size > 1:
+            self.bias.weight_loader = self.bias_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """This rank's rows of the checkpoint's whole head."""
+        _load_rows(param, loaded, self.vocab_start, self.num_embeddings)
+
+    def bias_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """This rank's part of the checkpoint's whole bias (zeros past the vocabulary)."""
+        if loaded.shape != (self.num_embeddings,):
+            raise ValueError(f"parameter expects shape {(self.num_embeddings,)}, checkpoint "
+                             f"tensor has {tuple(loaded.shape)}")
+        rows = min(param.shape[0], max(0, self.num_embeddings - self.vocab_start))
+        with torch.no_grad():
+            param.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
+            param.data[rows:].zero_()
 
     def process_weights_after_loading(self) -> None:
         """Called once the weights are loaded: the CPU layout (:func:`cpu_weight_layout`;
@@ -69,8 +125,12 @@ class LMHead(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if hidden_states.is_cuda:
-            return F.linear(hidden_states, self.weight, self.bias)
-        return linear_cpu(hidden_states, self.weight, self.bias)
+            logits = F.linear(hidden_states, self.weight, self.bias)
+        else:
+            logits = linear_cpu(hidden_states, self.weight, self.bias)
+        if self.tp_size == 1:
+            return logits
+        return all_gather_last(logits)[..., : self.num_embeddings]
 
     def extra_repr(self) -> str:
         return f"{self.embedding_dim} -> {self.num_embeddings}, tied={self.tied}"

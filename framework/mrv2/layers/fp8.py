@@ -131,14 +131,34 @@ class Fp8LinearMixin(LinearBase):
     def scale_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                      shard_id: object = None) -> None:
         """A checkpoint ``weight_scale_inv`` (one row per ``fp8_block[0]`` weight rows) into the
-        per-row scales of shard ``shard_id``'s rows."""
+        per-row scales of shard ``shard_id``'s rows (this rank's rows and column blocks)."""
         start, size = self.shard_rows(shard_id)
-        rows = loaded.float().repeat_interleave(self.fp8_block[0], dim=0)[:size]
+        full = size * self.tp_size if self.tp_size > 1 and shard_id is not None else (
+            getattr(self, "full_output_size", size))
+        rows = loaded.float().repeat_interleave(self.fp8_block[0], dim=0)[:full]
+        if self.tp_size > 1:
+            rows = self._rank_scales(rows, shard_id)
         if rows.shape != (size, param.shape[1]):
             raise ValueError(f"weight_scale_inv of shape {tuple(loaded.shape)} does not cover "
                              f"{size} rows x {param.shape[1]} column blocks of {self.fp8_block}")
         with torch.no_grad():
             param.data.narrow(0, start, size).copy_(rows)
+
+    def _rank_scales(self, rows: torch.Tensor, shard_id: object) -> torch.Tensor:
+        """This rank's part of per-row scales for the whole weight (of shard ``shard_id``)."""
+        shard_part = getattr(self, "shard_part", None)
+        if shard_id is not None and shard_part is not None:
+            return cast(torch.Tensor, shard_part(rows, shard_id))
+        full_in = getattr(self, "full_input_size", None)
+        if full_in is None:  # column-parallel: this rank's rows
+            return self.rank_part(rows, False)
+        block = self.fp8_block[1]  # row-parallel: this rank's column blocks
+        if self.input_size % block:
+            raise ValueError(f"a row-parallel fp8 layer's input slice ({self.input_size} = "
+                             f"{full_in} / tensor_parallel_size) must be a multiple of the "
+                             f"checkpoint's block ({block})")
+        per = self.input_size // block
+        return rows.narrow(1, self.tp_rank * per, per)
 
     def _apply(self, fn: Any, recurse: bool = True) -> Fp8LinearMixin:
         # ``model.to(dtype)`` must move the fp8 weight and fp32 scales, never cast them (a
@@ -173,8 +193,9 @@ class Fp8LinearMixin(LinearBase):
                                            (1, self.fp8_block[1]), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return block_fp8_linear(x, self.weight, self.weight_scale_inv, self.bias,
-                                self.fp8_block, out_dtype=x.dtype)
+        return self.reduce(block_fp8_linear(x, self.weight, self.weight_scale_inv,
+                                            self.bias if self.adds_bias else None,
+                                            self.fp8_block, out_dtype=x.dtype))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8 block={self.fp8_block}"
@@ -222,7 +243,18 @@ class Fp8FusedMoE(FusedMoE):
             target = param.data[expert]
         else:
             target = param.data[expert, :inter] if kind == "gate" else param.data[expert, inter:]
-        rows = loaded.float().repeat_interleave(self.fp8_block[0], dim=0)[: target.shape[0]]
+        full_rows = target.shape[0] * (self.tp_size if kind != "down" else 1)
+        rows = loaded.float().repeat_interleave(self.fp8_block[0], dim=0)[:full_rows]
+        if self.tp_size > 1:
+            if kind != "down":  # this rank's rows of the gate / up projection
+                rows = rows.narrow(0, self.tp_rank * inter, inter)
+            else:  # this rank's column blocks of the down projection
+                block = self.fp8_block[1]
+                if inter % block:
+                    raise ValueError(
+                        f"fp8 experts' intermediate slice ({inter} = moe intermediate size / "
+                        f"tensor_parallel_size) must be a multiple of the block ({block})")
+                rows = rows.narrow(1, self.tp_rank * (inter // block), inter // block)
         if rows.shape != target.shape:
             raise ValueError(f"weight_scale_inv of shape {tuple(loaded.shape)} does not cover "
                              f"{tuple(target.shape)} (rows x column blocks of {self.fp8_block})")
@@ -263,9 +295,9 @@ class Fp8FusedMoE(FusedMoE):
                 ) -> torch.Tensor:
         if self.count_reads:
             self._count(topk_ids)
-        return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                         w13_scale=self.w13_weight_scale_inv,
-                         w2_scale=self.w2_weight_scale_inv, block=self.fp8_block)
+        return self.reduce(fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                                     w13_scale=self.w13_weight_scale_inv,
+                                     w2_scale=self.w2_weight_scale_inv, block=self.fp8_block))
 
 
 def experts_to_fp8(moe: FusedMoE, block: tuple[int, int], fp8_weights: bool) -> Fp8FusedMoE:

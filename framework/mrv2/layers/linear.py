@@ -1,9 +1,15 @@
 """Linear layers. Each parameter carries a ``weight_loader(param, loaded[, shard_id])``.
 
-Column layers split their output dimension across tensor-parallel ranks, row layers their input
-dimension. Only ``tp_size=1`` exists today: the argument marks the seam where sharding goes.
-The fused layers (:class:`QKVLinear`, :class:`MergedColumnLinear`) take HF's separate
-checkpoint tensors one shard at a time.
+Tensor parallelism (:mod:`mrv2.distributed`): a :class:`ColumnLinear` keeps this rank's equal
+slice of the output rows, a :class:`RowLinear` its slice of the input columns and sums the
+ranks' partial outputs (an all-reduce; its bias is added once, by rank 0). The loaders take the
+checkpoint's whole tensor and copy only this rank's part (``narrow`` of a memory-mapped tensor:
+the rest is never read from disk). :class:`LinearBase` itself is replicated: every rank holds
+all of it. Layers read the group size when built (``tp_size=None``); ``tp_size=1`` builds a
+replicated layer of a sharded class. The fused layers (:class:`QKVLinear`,
+:class:`MergedColumnLinear`) take HF's separate checkpoint tensors one shard at a time, each
+split the same way; :class:`QKVLinear` splits by heads and replicates key/value heads when
+there are fewer of them than ranks.
 """
 
 from __future__ import annotations
@@ -14,15 +20,39 @@ from typing import cast
 import torch
 from torch import nn
 
+from mrv2.distributed.parallel_state import all_reduce, tp_rank
+from mrv2.distributed.parallel_state import tp_size as group_size
 from mrv2.layers.norm import RMSNorm
 from mrv2_kernels.cpu_linear import onednn_linear_available
 from mrv2_kernels.norm import silu_and_mul as silu_and_mul_op
 from mrv2_kernels.norm_gemv import decode_linear, norm_gemv
 
 
-def _check_tp(tp_size: int) -> None:
-    if tp_size != 1:
-        raise NotImplementedError(f"tensor parallelism is not implemented yet (tp_size={tp_size})")
+def resolve_tp(tp_size: int | None) -> tuple[int, int]:
+    """``(rank, size)`` a layer built with ``tp_size`` shards over: the group's for None, a
+    replicated layer's ``(0, 1)`` for 1."""
+    if tp_size is None:
+        tp_size = group_size()
+    if tp_size == 1:
+        return 0, 1
+    if tp_size != group_size():
+        raise ValueError(f"tp_size must be None (the group's, {group_size()}) or 1 "
+                         f"(replicated), got {tp_size}")
+    return tp_rank(), tp_size
+
+
+def _check_whole(loaded: torch.Tensor, dim: int, size: int) -> None:
+    """A sharded layer's loaders take the checkpoint's whole tensor, never a rank's part."""
+    if loaded.dim() <= dim or loaded.shape[dim] != size:
+        raise ValueError(f"expects the whole checkpoint tensor, {size} along dimension {dim}; "
+                         f"got shape {tuple(loaded.shape)}")
+
+
+def split_evenly(total: int, size: int, what: str) -> int:
+    """``total // size``; a ValueError naming ``what`` when it does not divide."""
+    if total % size:
+        raise ValueError(f"{what} ({total}) must be divisible by tensor_parallel_size ({size})")
+    return total // size
 
 
 def cpu_weight_layout(weight: torch.Tensor) -> torch.Tensor:
@@ -53,7 +83,14 @@ def _copy_checked(target: torch.Tensor, loaded: torch.Tensor, what: str) -> None
 
 
 class LinearBase(nn.Module):
-    """``y = x @ weight.T + bias`` with ``weight`` ``[output_size, input_size]``."""
+    """``y = x @ weight.T + bias`` with ``weight`` ``[output_size, input_size]``, the same on
+    every tensor-parallel rank (replicated)."""
+
+    #: This rank and the group size the layer is split over (``(0, 1)``: not split).
+    tp_rank: int = 0
+    tp_size: int = 1
+    #: Whether this rank adds the bias (a row-parallel layer's rank 0 only).
+    adds_bias: bool = True
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -71,10 +108,19 @@ class LinearBase(nn.Module):
         (fused layers override it)."""
         return 0, self.output_size
 
+    def rank_part(self, loaded: torch.Tensor, is_bias: bool) -> torch.Tensor:
+        """This rank's part of a whole checkpoint weight (or bias) tensor: all of it here."""
+        return loaded
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        """Copy a whole checkpoint tensor into ``param``."""
+        """Copy this rank's part of a whole checkpoint tensor into ``param``."""
+        part = self.rank_part(loaded, param is self.bias)
         with torch.no_grad():
-            _copy_checked(param.data, loaded, "parameter")
+            _copy_checked(param.data, part, "parameter")
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """The layer's output from this rank's product (a row-parallel layer all-reduces)."""
+        return y
 
     def process_weights_after_loading(self) -> None:
         """Called once the weights are loaded: the CPU layout (:func:`cpu_weight_layout`).
@@ -85,63 +131,110 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A decode step's few rows go to a weight-streaming kernel; the rest to cuBLAS.
-        return decode_linear(x, self.weight, self.bias)
+        return self.reduce(decode_linear(x, self.weight, self.bias if self.adds_bias else None))
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
 
 
 class ColumnLinear(LinearBase):
-    """A linear layer whose output dimension would be split across tensor-parallel ranks."""
+    """A linear layer whose output rows are split across the tensor-parallel ranks: rank
+    ``r`` computes outputs ``r * N/size : (r + 1) * N/size`` (its bias rows too)."""
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool = False, tp_size: int = 1
+        self, input_size: int, output_size: int, bias: bool = False, tp_size: int | None = None
     ) -> None:
-        _check_tp(tp_size)
-        super().__init__(input_size, output_size // tp_size, bias)
-        self.tp_size = tp_size
+        rank, size = resolve_tp(tp_size)
+        super().__init__(input_size, split_evenly(output_size, size, "output size"), bias)
+        self.tp_rank, self.tp_size = rank, size
+        self.full_output_size = output_size
+
+    def rank_part(self, loaded: torch.Tensor, is_bias: bool) -> torch.Tensor:
+        """Rows ``rank * N/size`` onward, ``N/size`` of them."""
+        if self.tp_size == 1:
+            return loaded  # (a wrong shape is reported by the copy)
+        _check_whole(loaded, 0, self.full_output_size)
+        return loaded.narrow(0, self.tp_rank * self.output_size, self.output_size)
 
 
 class RowLinear(LinearBase):
-    """A linear layer whose input dimension would be split across tensor-parallel ranks."""
+    """A linear layer whose input columns are split across the tensor-parallel ranks; each
+    rank multiplies its slice of the input and the partial outputs are summed (all-reduce;
+    ``reduce_output=False`` leaves that to the caller, who sums several layers' partials
+    at once). Rank 0 adds the bias."""
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool = False, tp_size: int = 1
+        self, input_size: int, output_size: int, bias: bool = False, tp_size: int | None = None,
+        reduce_output: bool = True,
     ) -> None:
-        _check_tp(tp_size)
-        super().__init__(input_size // tp_size, output_size, bias)
-        self.tp_size = tp_size
+        rank, size = resolve_tp(tp_size)
+        super().__init__(split_evenly(input_size, size, "input size"), output_size, bias)
+        self.tp_rank, self.tp_size = rank, size
+        self.full_input_size = input_size
+        self.adds_bias = rank == 0
+        self.reduce_output = reduce_output
+
+    def rank_part(self, loaded: torch.Tensor, is_bias: bool) -> torch.Tensor:
+        """Weight columns ``rank * K/size`` onward; the whole bias."""
+        if self.tp_size == 1 or is_bias:
+            return loaded
+        _check_whole(loaded, 1, self.full_input_size)
+        return loaded.narrow(1, self.tp_rank * self.input_size, self.input_size)
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """The sum of the ranks' partial products."""
+        return all_reduce(y) if self.reduce_output and self.tp_size > 1 else y
 
 
 class MergedColumnLinear(ColumnLinear):
     """Several column linears of the same input fused into one, e.g. an MLP's gate and up.
 
-    Shard ``i`` holds output rows ``sum(output_sizes[:i]) : sum(output_sizes[:i+1])``.
+    Shard ``i`` holds output rows ``sum(output_sizes[:i]) : sum(output_sizes[:i+1])``. With
+    tensor parallelism each shard is split across the ranks: a rank holds its slice of every
+    shard, in shard order (``[gate_r | up_r]``).
     """
 
     def __init__(
-        self, input_size: int, output_sizes: Sequence[int], bias: bool = False, tp_size: int = 1
+        self, input_size: int, output_sizes: Sequence[int], bias: bool = False,
+        tp_size: int | None = None,
     ) -> None:
-        self.output_sizes = list(output_sizes)
-        super().__init__(input_size, sum(self.output_sizes), bias, tp_size)
+        _, size = resolve_tp(tp_size)
+        #: Each shard's rows on this rank.
+        self.output_sizes = [split_evenly(n, size, "output size") for n in output_sizes]
+        super().__init__(input_size, sum(output_sizes), bias, tp_size)
 
     def shard_rows(self, shard_id: object = None) -> tuple[int, int]:
-        """``(first output row, rows)`` of shard ``shard_id``."""
+        """``(first output row, rows)`` of shard ``shard_id`` in this rank's weight."""
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard_id must be in [0, {len(self.output_sizes)}), got {shard_id}")
         return sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]
 
+    def shard_part(self, loaded: torch.Tensor, shard_id: object) -> torch.Tensor:
+        """This rank's rows of checkpoint tensor ``loaded`` (all of shard ``shard_id``)."""
+        _, size = self.shard_rows(shard_id)
+        if self.tp_size == 1:
+            return loaded
+        _check_whole(loaded, 0, size * self.tp_size)
+        return loaded.narrow(0, self.tp_rank * size, size)
+
     def weight_loader(  # type: ignore[override]
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int
     ) -> None:
-        """Copy checkpoint tensor ``loaded`` into shard ``shard_id`` of ``param``."""
+        """Copy this rank's part of checkpoint tensor ``loaded`` into shard ``shard_id``."""
         start, size = self.shard_rows(shard_id)
         with torch.no_grad():
-            _copy_checked(param.data.narrow(0, start, size), loaded, f"shard {shard_id}")
+            _copy_checked(param.data.narrow(0, start, size), self.shard_part(loaded, shard_id),
+                          f"shard {shard_id}")
 
 
 class QKVLinear(ColumnLinear):
-    """The query, key and value projections fused into one ``[q | k | v]`` output."""
+    """The query, key and value projections fused into one ``[q | k | v]`` output.
+
+    With tensor parallelism each rank holds ``num_heads / size`` query heads and
+    ``num_kv_heads / size`` key/value heads, or, with fewer key/value heads than ranks, one:
+    head ``rank * num_kv_heads // size`` (replicated on ``size / num_kv_heads`` ranks).
+    :attr:`num_heads` and :attr:`num_kv_heads` are this rank's.
+    """
 
     def __init__(
         self,
@@ -150,22 +243,46 @@ class QKVLinear(ColumnLinear):
         num_heads: int,
         num_kv_heads: int,
         bias: bool = False,
-        tp_size: int = 1,
+        tp_size: int | None = None,
     ) -> None:
+        rank, size = resolve_tp(tp_size)
         self.head_dim = head_dim
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
+        self.total_kv_heads = num_kv_heads
+        self.num_heads = split_evenly(num_heads, size, "num_attention_heads")
+        if num_kv_heads >= size:
+            self.num_kv_heads = split_evenly(num_kv_heads, size, "num_key_value_heads")
+            self.first_kv_head = rank * self.num_kv_heads
+        else:
+            if size % num_kv_heads:
+                raise ValueError(
+                    f"tensor_parallel_size ({size}) must be a multiple of num_key_value_heads "
+                    f"({num_kv_heads}) when it is larger")
+            self.num_kv_heads = 1
+            self.first_kv_head = rank * num_kv_heads // size
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, tp_size)
+        super().__init__(hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim * size,
+                         bias, tp_size)
 
     def weight_loader(  # type: ignore[override]
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str
     ) -> None:
-        """Copy HF's ``q_proj``/``k_proj``/``v_proj`` tensor (``shard_id`` "q", "k" or "v")."""
+        """Copy this rank's heads of HF's ``q_proj``/``k_proj``/``v_proj`` tensor
+        (``shard_id`` "q", "k" or "v")."""
         start, size = self.shard_rows(shard_id)
         with torch.no_grad():
-            _copy_checked(param.data.narrow(0, start, size), loaded, f"shard {shard_id!r}")
+            _copy_checked(param.data.narrow(0, start, size), self.shard_part(loaded, shard_id),
+                          f"shard {shard_id!r}")
+
+    def shard_part(self, loaded: torch.Tensor, shard_id: object) -> torch.Tensor:
+        """This rank's heads of a whole ``q``/``k``/``v`` checkpoint tensor."""
+        _, size = self.shard_rows(shard_id)
+        if self.tp_size == 1:
+            return loaded
+        heads = self.num_heads if shard_id == "q" else self.total_kv_heads
+        _check_whole(loaded, 0, heads * self.head_dim * (self.tp_size if shard_id == "q" else 1))
+        first = (self.tp_rank * self.num_heads if shard_id == "q" else self.first_kv_head)
+        return loaded.narrow(0, first * self.head_dim, size)
 
     def shard_rows(self, shard_id: object = None) -> tuple[int, int]:
         """``(first output row, rows)`` of shard ``shard_id`` ("q", "k" or "v")."""
@@ -203,7 +320,8 @@ def norm_linear(
     quantized linear, another norm) always take the unfused path. Treat ``residual`` as
     consumed.
     """
-    if type(norm).forward is RMSNorm.forward and type(linear).forward is LinearBase.forward:
+    if (type(norm).forward is RMSNorm.forward and type(linear).forward is LinearBase.forward
+            and type(linear).reduce is LinearBase.reduce):
         return norm_gemv(x, linear.weight, linear.bias, norm_weight=norm.weight, eps=norm.eps,
                          residual=residual, gated=silu_and_mul)
     if residual is None:

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mrv2.distributed.parallel_state import all_reduce
+from mrv2.layers.linear import resolve_tp, split_evenly
 from mrv2.layers.mlp import GatedMLP
 from mrv2.layers.weights import apply_moving_only
 from mrv2_kernels.fused_moe import fused_moe
@@ -45,18 +47,27 @@ class FusedMoE(nn.Module):
     ``w13_weight`` ``[E, 2I, H]`` holds each expert's gate rows then its up rows,
     ``w2_weight`` ``[E, H, I]`` its down projection. ``forward(x, topk_weights, topk_ids)``
     returns ``sum_j topk_weights[:, j] * expert_{topk_ids[:, j]}(x)``.
+
+    Tensor parallelism splits every expert's intermediate dimension: a rank holds ``I / size``
+    gate, up and down columns of each expert (tensor parallelism inside the experts; the
+    router and the routing are the same on every rank) and the partial outputs are summed
+    (all-reduce; ``reduce_output=False`` leaves it to :class:`MoEBlock`, which sums the
+    shared experts' partials with them in one all-reduce).
     """
 
     def __init__(
-        self, num_experts: int, hidden_size: int, intermediate_size: int, tp_size: int = 1
+        self, num_experts: int, hidden_size: int, intermediate_size: int,
+        tp_size: int | None = None, reduce_output: bool = True,
     ) -> None:
         super().__init__()
-        if tp_size != 1:
-            raise NotImplementedError(
-                f"tensor parallelism is not implemented yet (tp_size={tp_size})"
-            )
+        self.tp_rank, self.tp_size = resolve_tp(tp_size)
+        self.reduce_output = reduce_output
         self.num_experts = num_experts
         self.hidden_size = hidden_size
+        self.full_intermediate_size = intermediate_size
+        #: This rank's intermediate columns per expert.
+        intermediate_size = split_evenly(intermediate_size, self.tp_size,
+                                         "moe intermediate size")
         self.intermediate_size = intermediate_size
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
@@ -69,7 +80,8 @@ class FusedMoE(nn.Module):
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str] | None = None
     ) -> None:
         """Copy one expert's ``gate``/``up``/``down`` tensor (``shard_id = (expert, kind)``), or
-        the whole stacked tensor (``shard_id`` None), into ``param``."""
+        the whole stacked tensor (``shard_id`` None), into ``param`` (this rank's columns)."""
+        loaded = self.rank_part(param, loaded, shard_id)
         if shard_id is None:
             target = param.data
         else:
@@ -93,12 +105,36 @@ class FusedMoE(nn.Module):
         with torch.no_grad():
             target.copy_(loaded)
 
+    def rank_part(self, param: nn.Parameter, loaded: torch.Tensor,
+                  shard_id: tuple[int, str] | None) -> torch.Tensor:
+        """This rank's intermediate slice of a whole checkpoint tensor: rows of a gate / up
+        tensor ``[I, H]``, columns of a down tensor ``[H, I]``; of a stacked ``[E, 2I, H]``
+        gate/up tensor, the slice of each half."""
+        if self.tp_size == 1:
+            return loaded
+        full, mine = self.full_intermediate_size, self.intermediate_size
+        start = self.tp_rank * mine
+        down = param is self.w2_weight if shard_id is None else shard_id[1] == "down"
+        dim = -1 if down else -2
+        whole = full if down or shard_id is not None else 2 * full
+        if loaded.dim() < 2 or loaded.shape[dim] != whole:
+            raise ValueError(f"expects the whole checkpoint tensor, {whole} along dimension "
+                             f"{dim}; got shape {tuple(loaded.shape)}")
+        if down or shard_id is not None:
+            return loaded.narrow(dim, start, mine)
+        return torch.cat([loaded.narrow(-2, start, mine),
+                          loaded.narrow(-2, full + start, mine)], dim=-2)
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """The sum of the ranks' partial outputs (unless :class:`MoEBlock` does it)."""
+        return all_reduce(y) if self.reduce_output and self.tp_size > 1 else y
+
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         if self.count_reads:
             self._count(topk_ids)
-        return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        return self.reduce(fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids))
 
     def _count(self, topk_ids: torch.Tensor) -> None:
         """Add the number of distinct experts ``topk_ids`` selects to ``expert_reads`` (device
@@ -227,7 +263,8 @@ class GroupedTopKRouter(nn.Module):
 
 class MoEBlock(nn.Module):
     """``experts(x, *gate(x)) + shared_experts(x)``: a router named ``gate`` (checkpoints'
-    ``mlp.gate``), the routed ``experts`` and optional ``shared_experts``."""
+    ``mlp.gate``), the routed ``experts`` and optional ``shared_experts``. With tensor
+    parallelism both halves produce partial sums and the block all-reduces once."""
 
     def __init__(
         self, gate: nn.Module, experts: FusedMoE, shared_experts: GatedMLP | None = None
@@ -236,13 +273,17 @@ class MoEBlock(nn.Module):
         self.gate = gate
         self.experts = experts
         self.shared_experts = shared_experts
+        self.tp_size = experts.tp_size
+        experts.reduce_output = False
+        if shared_experts is not None:
+            shared_experts.down_proj.reduce_output = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
         out: torch.Tensor = self.experts(x, topk_weights, topk_ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return all_reduce(out) if self.tp_size > 1 else out
 
 
 def shared_expert_moe(config: Any, gate: nn.Module) -> MoEBlock:

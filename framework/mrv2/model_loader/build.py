@@ -34,12 +34,29 @@ class CausalLM(Protocol):
         ...
 
 
-def load_hf_config(model_dir: str | Path) -> Any:
-    """The checkpoint's ``config.json`` as a transformers config (no hub access).
+def load_hf_config(model_dir: str | Path, overrides: dict[str, Any] | None = None) -> Any:
+    """The checkpoint's ``config.json`` as a transformers config (no hub access), with
+    ``overrides`` set on it (a dict value for a sub-config, such as ``text_config``, sets its
+    fields).
 
     Falls back to a plain ``PretrainedConfig`` for model types transformers does not know, so
     private models need no transformers class.
     """
+    config = _read_hf_config(model_dir)
+    _override(config, overrides or {})
+    return config
+
+
+def _override(config: Any, overrides: dict[str, Any]) -> None:
+    for key, value in overrides.items():
+        current = getattr(config, key, None)
+        if isinstance(value, dict) and hasattr(current, "to_dict"):
+            _override(current, value)
+        else:
+            setattr(config, key, value)
+
+
+def _read_hf_config(model_dir: str | Path) -> Any:
     path = Path(model_dir)
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -108,7 +125,14 @@ def build_model(
     if fp8 is not None:
         apply_checkpoint_fp8(model, fp8, model_dir, dummy, dtype)
     if on_meta:
-        model.to_empty(device=device)  # every parameter is then loaded or drawn
+        # every parameter is then loaded or drawn; leaving the meta device makes new
+        # Parameter objects, so their loaders (a sharded layer's slicing) are put back
+        loaders = {n: p.weight_loader for n, p in model.named_parameters()
+                   if hasattr(p, "weight_loader")}
+        model.to_empty(device=device)
+        for name, param in model.named_parameters():
+            if name in loaders and not hasattr(param, "weight_loader"):
+                param.weight_loader = loaders[name]
     load_or_draw_weights(model, config, model_dir)
     model.to(device=device, dtype=dtype)
     model.eval()

@@ -11,6 +11,8 @@ and are re-exported here).
 from __future__ import annotations
 
 import json
+import mmap
+import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -70,11 +72,45 @@ def checkpoint_names(model_dir: str | Path) -> list[str]:
     return names
 
 
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
 def _iter_files(paths: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor as a view of the memory-mapped file: nothing is read until a loader copies
+    it, and a tensor-parallel rank that copies a slice (``narrow``) reads only the pages of
+    that slice. The mapping is copy-on-write, so a loader that edits a tensor in place edits
+    its private copy, never the file."""
     for path in paths:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
+        with path.open("rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        base = 8 + header_len
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+            if dtype is None:  # a dtype torch cannot view: read it the ordinary way
+                with safe_open(str(path), framework="pt", device="cpu") as st:
+                    yield name, st.get_tensor(name)
+                continue
+            begin, end = info["data_offsets"]
+            shape = [int(d) for d in info["shape"]]
+            if end == begin:
+                yield name, torch.empty(shape, dtype=dtype)
+                continue
+            raw = torch.frombuffer(mapped, dtype=torch.uint8, count=end - begin,
+                                   offset=base + begin)
+            try:
+                tensor = raw.view(dtype)
+            except RuntimeError:  # an offset the dtype cannot view in place: copy it
+                tensor = raw.clone().view(dtype)
+            yield name, tensor.view(shape)
 
 
 def load_model_weights(

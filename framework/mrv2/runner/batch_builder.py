@@ -137,9 +137,11 @@ class BatchBuilder:
         sample_l = [False] * num_reqs
         drafted: dict[str, Drafted] = {}
         max_seq_len = 0
+        in_prompt = False
         for i, row in enumerate(rows_l):
             info = table.info[row]
             computed_l[i] = info.num_computed
+            in_prompt |= info.num_computed < info.num_prompt
             info.num_computed += lens_l[i]
             if info.num_computed == info.num_known + drafts_l[i]:
                 sample_l[i] = True
@@ -155,7 +157,10 @@ class BatchBuilder:
         num_tokens = int(lens.sum())
         max_drafts = int(drafts.max())
         query_len = int(lens[0])
-        uniform = bool((lens == query_len).all() and (drafts == query_len - 1).all())
+        # a decode graph serves decode steps only: a one-token prompt chunk may need the
+        # ModelState's eager input work (an image token's embedding)
+        uniform = bool(not in_prompt and (lens == query_len).all()
+                       and (drafts == query_len - 1).all())
 
         qsl_cpu = np.zeros(num_reqs + 1, dtype=np.int32)
         np.cumsum(lens, out=qsl_cpu[1:])

@@ -28,6 +28,7 @@ from mrv2.contract.samples import SpeculatorInputs, StepSamples
 from mrv2.contract.staged_edits import StagedEdits
 from mrv2.contract.staging import Uploader
 from mrv2.contract.state_table import RequestStateTable, RowInfo
+from mrv2.distributed.parallel_state import agree_min, tp_size
 from mrv2.model_loader.build import (
     CausalLM,
     build_model,
@@ -69,9 +70,14 @@ class Runner:
     ) -> None:
         self.config = config
         self.model_dir = model_dir
+        if config.parallel.tensor_parallel_size != tp_size():
+            raise ValueError(
+                f"tensor_parallel_size={config.parallel.tensor_parallel_size} but this process "
+                f"is in a group of {tp_size()}: build the runner with mrv2.executor.make_runner "
+                "(LLMEngine does), which starts the other ranks")
         self.plugins = plugins or get_plugin_manager()
         self.device = resolve_device(config.device.device)
-        self.hf_config = load_hf_config(model_dir)
+        self.hf_config = load_hf_config(model_dir, config.model.hf_overrides)
         self.dtype = resolve_dtype(config.model.dtype, self.hf_config, self.device)
         self.max_model_len = _max_model_len(config, text_config_of(self.hf_config))
         self.block_size = config.cache.block_size
@@ -116,9 +122,9 @@ class Runner:
         self.builder = BatchBuilder(self.table, self.buffers, self.block_size,
                                     self.max_num_tokens, self.num_speculative_tokens)
         peak = self._profile_peak_bytes()
-        self.num_kv_blocks = num_blocks_for(
+        self.num_kv_blocks = agree_min(num_blocks_for(  # every rank holds as many
             config.cache, self.kv.bytes_per_block(self.block_size, self.dtype), self.device, peak
-        )
+        ))
         self.kv.allocate(self.num_kv_blocks, self.block_size, self.dtype, self.device)
         if self.speculator is not None:
             self.speculator.bind_kv_caches(self.kv.tensors, self.kv.backends)
@@ -134,12 +140,21 @@ class Runner:
     @classmethod
     def from_config(cls, config: EngineConfig, plugins: PluginManager | None = None) -> Runner:
         """Build a runner for ``config.model.model`` (the default model when unset)."""
+        return cls(config, cls.resolve_model_dir(config), plugins)
+
+    @staticmethod
+    def resolve_model_dir(config: EngineConfig) -> str:
+        """``config.model.model``, or the default model's directory (converted once)."""
         model_dir = config.model.model
         if model_dir is None:
             from mrv2.model_loader.default_model import ensure_default_model
 
             model_dir = str(ensure_default_model())
-        return cls(config, model_dir, plugins)
+        return model_dir
+
+    def shutdown(self) -> None:
+        """Release what outlives the object (a tensor-parallel runner's workers); nothing
+        for one device."""
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -152,7 +167,7 @@ class Runner:
         if len(request.block_ids) > self.max_blocks_per_req:
             raise ValueError(f"request {request.req_id!r} holds too many blocks")
         computed = request.num_computed_tokens
-        row = self.table.allocate(RowInfo(request.req_id, computed, n))
+        row = self.table.allocate(RowInfo(request.req_id, computed, n, n))
         self.builder.stage_new_row(row, request.token_ids, request.block_ids, computed, staged)
         self.sampler.add_request(request, row, staged)
         self.model_state.add_request(request, row)

@@ -12,6 +12,16 @@ the value up-projection runs after (``out[h] = o_lat[h] W_UV[h]^T``). One latent
 all heads, so the kernel reads each cached token once per head group
 (:mod:`mrv2_kernels.mla_attention`).
 
+Tensor parallelism (as vLLM and SGLang split MLA): the heads are split across the ranks, rank
+``r`` of ``size`` computing heads ``r * H/size : (r + 1) * H/size`` (``H =
+num_attention_heads``, which must divide evenly). ``q_proj`` / ``q_b_proj`` and ``kv_b_proj``
+are column-parallel over those heads (their output rows are head-major, so a rank's rows are
+whole heads, ``W_UK`` and ``W_UV`` included), ``o_proj`` row-parallel over the heads' values
+(the partial outputs are all-reduced). ``q_a_proj`` and ``kv_a_proj_with_mqa`` are replicated:
+the query latent, the KV latent ``c`` and ``k_pe`` are shared by every head, so every rank
+computes all of them and caches the same ``R + P`` values per token (the cache spec does not
+change with the split; each rank holds a full copy).
+
 RoPE: DeepSeek rotates interleaved pairs ``(x0, x1), (x2, x3), ...``. The same scores come from
 the core's half-split (neox) rotation if the rope rows of the query and key projections are
 permuted (even dimensions first, then odd) at load time: both sides move together, so every
@@ -29,8 +39,10 @@ from torch import nn
 from mrv2.contract.attention import AttentionBackend, AttentionMetadata
 from mrv2.contract.forward_context import get_forward_context
 from mrv2.contract.kv_cache import KVCacheLayer, LatentKVSpec
+from mrv2.distributed.parallel_state import tp_size
 from mrv2.layers import ColumnLinear, RMSNorm, RotaryEmbedding, RowLinear
 from mrv2.layers.fp8 import FP8, Fp8LinearMixin
+from mrv2.layers.linear import LinearBase, split_evenly
 from mrv2.layers.rotary import rope_parameters_of
 from mrv2_kernels.mla_attention import mla_cache_write, mla_decode_attention
 
@@ -75,9 +87,9 @@ def deinterleave_rows(weight: torch.Tensor, num_heads: int, head_dim: int, rope_
     return weight
 
 
-def _row_tensors(layer: ColumnLinear) -> list[torch.Tensor]:
-    """Every tensor indexed by the layer's output rows, 2-D: the weight (an fp8 one viewed as
-    bytes), its per-row fp8 scales, the bias."""
+def _row_tensors(layer: LinearBase) -> list[torch.Tensor]:
+    """Every tensor indexed by the layer's output rows (this rank's, once loaded), 2-D: the
+    weight (an fp8 one viewed as bytes), its per-row fp8 scales, the bias."""
     weight = layer.weight.data
     rows = [weight.view(torch.uint8) if weight.dtype == FP8 else weight]
     scale = getattr(layer, "weight_scale_inv", None)
@@ -92,14 +104,21 @@ class MLAAttention(KVCacheLayer):
     """DeepSeek's attention (HF's ``self_attn.*`` names): ``q_proj`` (or ``q_a_proj``,
     ``q_a_layernorm``, ``q_b_proj`` with ``q_lora_rank``), ``kv_a_proj_with_mqa``,
     ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``; caches ``kv_lora_rank + qk_rope_head_dim``
-    values per token in KV cache layer ``layer_idx``."""
+    values per token in KV cache layer ``layer_idx``.
+
+    With tensor parallelism (see the module) :attr:`num_heads` is this rank's head count,
+    ``num_attention_heads / tensor_parallel_size`` (:attr:`total_num_heads` all of them);
+    ``q_a_proj`` and ``kv_a_proj_with_mqa`` are replicated, ``q_proj`` / ``q_b_proj`` and
+    ``kv_b_proj`` hold this rank's heads, ``o_proj`` sums the ranks' partial outputs."""
 
     def __init__(self, config: Any, layer_idx: int, rope: RotaryEmbedding,
                  interleaved_rope: bool) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         hidden = config.hidden_size
-        self.num_heads = h = int(config.num_attention_heads)
+        self.total_num_heads = total = int(config.num_attention_heads)
+        # checked here, by heads: the projections' row counts may divide where heads do not
+        self.num_heads = split_evenly(total, tp_size(), "num_attention_heads")
         self.nope = int(config.qk_nope_head_dim)
         self.rope_dim = int(config.qk_rope_head_dim)
         self.v_dim = int(config.v_head_dim)
@@ -108,19 +127,23 @@ class MLAAttention(KVCacheLayer):
         bias = bool(getattr(config, "attention_bias", False))
         self.q_lora_rank = config.q_lora_rank
         self.q_proj: ColumnLinear | None = None
-        self.q_a_proj: ColumnLinear | None = None
+        self.q_a_proj: LinearBase | None = None
         self.q_a_layernorm: RMSNorm | None = None
         self.q_b_proj: ColumnLinear | None = None
+        # column-parallel by heads (output rows head-major): this rank's h heads
         if self.q_lora_rank is None:
-            self.q_proj = ColumnLinear(hidden, h * self.qk_dim)
+            self.q_proj = ColumnLinear(hidden, total * self.qk_dim)
         else:
-            self.q_a_proj = ColumnLinear(hidden, self.q_lora_rank, bias=bias)
+            # the query latent feeds every head: replicated
+            self.q_a_proj = LinearBase(hidden, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=LATENT_NORM_EPS)
-            self.q_b_proj = ColumnLinear(self.q_lora_rank, h * self.qk_dim)
-        self.kv_a_proj_with_mqa = ColumnLinear(hidden, self.rank + self.rope_dim, bias=bias)
+            self.q_b_proj = ColumnLinear(self.q_lora_rank, total * self.qk_dim)
+        # the KV latent and k_pe are shared by every head (and cached whole): replicated
+        self.kv_a_proj_with_mqa = LinearBase(hidden, self.rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.rank, eps=LATENT_NORM_EPS)
-        self.kv_b_proj = ColumnLinear(self.rank, h * (self.nope + self.v_dim))
-        self.o_proj = RowLinear(h * self.v_dim, hidden, bias=bias)
+        self.kv_b_proj = ColumnLinear(self.rank, total * (self.nope + self.v_dim))
+        # over this rank's heads' values; the partial outputs are all-reduced
+        self.o_proj = RowLinear(total * self.v_dim, hidden, bias=bias)
         self.rotary_emb = rope
         self.interleaved_rope = interleaved_rope
         _, scaling = rope_parameters_of(config)
@@ -132,9 +155,9 @@ class MLAAttention(KVCacheLayer):
                 mscale = 0.1 * float(scaling["mscale_all_dim"]) * math.log(factor) + 1.0
                 scale *= mscale * mscale
         self.scale = scale
-        # the up-projections per head, from kv_b_proj after loading
-        self.w_uk: torch.Tensor | None = None  # [H, nope, R]
-        self.w_uv_t: torch.Tensor | None = None  # [H, R, v]
+        # the up-projections of this rank's heads, from kv_b_proj after loading
+        self.w_uk: torch.Tensor | None = None  # [h, nope, R]
+        self.w_uv_t: torch.Tensor | None = None  # [h, R, v]
 
     def kv_cache_spec(self) -> LatentKVSpec:
         """``kv_lora_rank + qk_rope_head_dim`` values per token."""
@@ -142,7 +165,9 @@ class MLAAttention(KVCacheLayer):
 
     def process_weights_after_loading(self) -> None:
         """Rope rows to the half-split order (interleaved checkpoints) and the per-head
-        up-projections out of ``kv_b_proj``. Runs before the linears' own hooks."""
+        up-projections out of ``kv_b_proj`` (an fp8 one dequantized), for this rank's heads:
+        the loaded column-parallel weights and their per-row scales hold only those. Runs
+        before the linears' own hooks."""
         with torch.no_grad():
             if self.interleaved_rope:
                 q = self.q_proj if self.q_proj is not None else self.q_b_proj

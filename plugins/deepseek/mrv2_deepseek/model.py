@@ -14,6 +14,9 @@ as transformers models them.
   renormalized per ``norm_topk_prob``); V2 with softmax scores, ``greedy`` or
   ``group_limited_greedy`` (groups ranked by their best expert), not renormalized; both times
   ``routed_scaling_factor``.
+- Tensor parallelism: MLA splits its heads across the ranks (see :mod:`mrv2_deepseek.mla`);
+  the MoE (every expert's intermediate dimension), shared experts and dense MLPs split as the
+  core's layers do; the MTP layers' blocks are built the same way.
 - V3 checkpoints keep ``num_nextn_predict_layers`` MTP layers after the main ones
   (``model.layers.{num_hidden_layers + i}.*``); the main model skips them and
   :meth:`DeepseekV3ForCausalLM.build_mtp` builds them for the ``mtp`` speculator.

@@ -159,13 +159,12 @@ def frequency_components(section: Sequence[int], interleaved: bool) -> torch.Ten
     """``[sum(section)]`` int64: the position component (0 = t, 1 = h, 2 = w) each rotary
     frequency takes, in the chunked or the interleaved layout (module doc)."""
     s_t, s_h, s_w = (int(s) for s in section)
-    if not interleaved:
-        return torch.repeat_interleave(torch.arange(3), torch.tensor([s_t, s_h, s_w]))
-    k = torch.arange(s_t + s_h + s_w)
-    component = torch.zeros_like(k)
-    component[(k % 3 == 1) & (k < 3 * s_h)] = 1
-    component[(k % 3 == 2) & (k < 3 * s_w)] = 2
-    return component
+    if interleaved:
+        layout = [1 if k % 3 == 1 and k < 3 * s_h else 2 if k % 3 == 2 and k < 3 * s_w else 0
+                  for k in range(s_t + s_h + s_w)]
+    else:
+        layout = [0] * s_t + [1] * s_h + [2] * s_w
+    return torch.tensor(layout, dtype=torch.int64, device="cpu")  # moved where it is used
 
 
 class MRotaryEmbedding(RotaryEmbedding):

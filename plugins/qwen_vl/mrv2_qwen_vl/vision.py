@@ -50,6 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mrv2.contract.staging import to_device
+
 __all__ = ["CHECKPOINT_PREFIXES", "Qwen25VisionTower", "QwenVisionBase", "VisionPlan",
            "load_tower_weights", "plan_vision_batch"]
 
@@ -247,6 +249,11 @@ class VisionPlan:
     sin: torch.Tensor
 
 
+def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A plan's CPU tensor on ``device`` without a host sync (pinned, non-blocking)."""
+    return to_device(tensor, tensor.dtype, device)
+
+
 def _group_segments(lengths: Sequence[int], device: torch.device) -> list[torch.Tensor]:
     """Row-index tensors ``[B, L]`` grouping consecutive segments by their length ``L``."""
     by_len: dict[int, list[int]] = {}
@@ -255,7 +262,7 @@ def _group_segments(lengths: Sequence[int], device: torch.device) -> list[torch.
         by_len.setdefault(n, []).append(start)
         start += n
     return [
-        (torch.tensor(starts)[:, None] + torch.arange(n)[None, :]).to(device)
+        _to(torch.tensor(starts)[:, None] + torch.arange(n)[None, :], device)
         for n, starts in by_len.items()
     ]
 
@@ -313,12 +320,12 @@ def plan_vision_batch(
     angles = torch.cat([angles, angles], dim=-1)
     return VisionPlan(
         num_patches=int(patch_order.numel()),
-        patch_order=patch_order.to(device),
-        token_restore=torch.argsort(blocks).to(device),
+        patch_order=_to(patch_order, device),
+        token_restore=_to(torch.argsort(blocks), device),
         window_groups=_group_segments(window_lens, device),
         full_groups=_group_segments(full_lens, device),
-        cos=angles.cos().to(device),
-        sin=angles.sin().to(device),
+        cos=_to(angles.cos(), device),
+        sin=_to(angles.sin(), device),
     )
 
 

@@ -60,6 +60,7 @@ from mrv2_qwen_vl.vision import (
     QwenVisionBase,
     _activation,
     _group_segments,
+    _to,
     _VisionBlock,
 )
 
@@ -190,11 +191,11 @@ def plan_qwen3_vision_batch(
     angles = torch.cat([angles, angles], dim=-1)
     return Qwen3VisionPlan(
         num_patches=int(pos.shape[0]),
-        pos_index=torch.cat(pos_index).to(device),
-        pos_weight=torch.cat(pos_weight).to(device),
+        pos_index=_to(torch.cat(pos_index), device),
+        pos_weight=_to(torch.cat(pos_weight), device),
         groups=_group_segments(frame_lens, device),
-        cos=angles.cos().to(device),
-        sin=angles.sin().to(device),
+        cos=_to(angles.cos(), device),
+        sin=_to(angles.sin(), device),
     )
 
 

@@ -1,9 +1,10 @@
 """Qwen2.5-VL and Qwen3-VL through ``LLM`` against HF transformers on tiny random checkpoints
 (CPU, fp32): greedy tokens and log-probabilities with one image, two images of different sizes
 around text, text only; the encoder cache and chunked prefill (an image's rows, and Qwen3-VL's
-deepstack features, split across steps); the prefix cache never shared across different
-images. Bad inputs, chat, the server and the bench run on Qwen2.5-VL only (the engine's
-multimodal path, the same for both families)."""
+deepstack features, split across steps) with decode steps on the CUDA-graph path (CPU
+stand-ins); the prefix cache never shared across different images; the bench's bundled
+configs of the released models. Bad inputs, chat, the server and the bench run on Qwen2.5-VL
+only (the engine's multimodal path, the same for both families)."""
 
 from __future__ import annotations
 
@@ -195,6 +196,34 @@ def test_encoder_cache_and_prefix_cache(checkpoints: Callable[[str], Path], fami
     before = llm.engine.stats()["prefix_cache_hits"]
     assert _generate(llm, ids, [a]) == fresh_a and state.encoder_runs == 2  # cache, prefix
     assert llm.engine.stats()["prefix_cache_hits"] - before >= 8
+
+
+@pytest.mark.parametrize(("name", "family"), [("Qwen2.5-VL-7B", "qwen2_5_vl"),
+                                            ("Qwen3-VL-8B", "qwen3_vl")])
+def test_bundled_configs(name: str, family: str) -> None:
+    """The bench's bundled configs of the released models: our model has HF's parameter count
+    (built on the meta device), and the released image processor config loads (its PIL
+    backend without torchvision) with patch rows of the tower's size (14 or 16 pixels)."""
+    from mrv2.bench.measure import CONFIGS
+    from mrv2.registry import import_object
+    from mrv2_qwen_vl.plugin import mrv2_register_models
+    from mrv2_qwen_vl.processor import load_image_processor
+
+    config = transformers.AutoConfig.from_pretrained(CONFIGS / name)
+    registered: dict[str, str] = {}
+    mrv2_register_models(lambda arch, model, **_: registered.setdefault(arch, model))
+    with torch.device("meta"):
+        ours = import_object(registered[config.architectures[0]])(config)
+        hf = FAMILIES[family][1](config)
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in hf.parameters())
+    processor = load_image_processor(CONFIGS / name)
+    out = processor(images=[_image(384, 512, 0)], return_tensors="pt")
+    vision = config.vision_config
+    t, h, w = out["image_grid_thw"][0].tolist()
+    assert out["pixel_values"].shape == (t * h * w, 3 * 2 * vision.patch_size**2)
+    # 384 x 512 pixels rounded to whole merged patches: 28 (392 x 504) or 32 pixels (as is)
+    assert (h * vision.patch_size, w * vision.patch_size) == {
+        "qwen2_5_vl": (392, 504), "qwen3_vl": (384, 512)}[family]
 
 
 def test_bad_multimodal_inputs_name_the_field(checkpoint: Path, tmp_path: Path) -> None:

@@ -1,0 +1,247 @@
+"""Tensor parallelism's processes: rank 0 runs the engine, every other rank a worker loop.
+
+:class:`DistributedRunner` is the :class:`~mrv2.runner.runner.Runner` of rank 0. On one host
+it starts ranks ``1..N-1`` itself (:mod:`mrv2.executor.worker` processes; GPU ``r`` for rank
+``r``), each building the same runner from the same config; under ``torchrun``
+(``RANK``/``WORLD_SIZE`` in the environment, any number of hosts) the launcher starts them,
+and a rank other than 0 turns into a worker where it builds its engine and exits the process
+when rank 0 stops.
+
+Each step rank 0 publishes the :class:`~mrv2.contract.requests.SchedulerOutput` (one host: a
+shared-memory ring; across hosts: a gloo broadcast; :mod:`mrv2.distributed.channel`) and then
+runs the step itself; every rank builds the same inputs, runs its shard of the model (the
+layers all-reduce and all-gather on the device group), samples the same tokens from the same
+gathered logits and seeds, and updates its own state table. Only rank 0 copies tokens to the
+host. Nothing on that path waits for the GPU.
+
+Failures: a watchdog thread of rank 0 waits on each worker process. A worker that raises
+writes its traceback to a pipe first; one that dies (killed, out of memory) is named with its exit
+code. Rank 0 then raises :class:`WorkerDiedError` from its next (or current) step, naming the
+rank and the cause; if a collective keeps it blocked (NCCL waits forever for a dead peer),
+the watchdog aborts the process group and, as a last resort after ``MRV2_TP_ABORT_S``
+seconds (default 30), ends the process with exit code 1 rather than hang.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from mrv2.config import EngineConfig
+from mrv2.contract.requests import SchedulerOutput
+from mrv2.distributed.channel import BroadcastChannel, ShmRing
+from mrv2.distributed.parallel_state import (
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+    tp_group,
+)
+from mrv2.executor.worker import STORE_TIMEOUT_S, WorkerSpec, rank_device, ready_key
+from mrv2.plugins import PluginManager
+from mrv2.runner.async_output import AsyncStepOutput
+from mrv2.runner.runner import Runner
+
+logger = logging.getLogger(__name__)
+
+_RING_BYTES = 16 << 20
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker failed; the engine cannot continue."""
+
+    fatal = True
+
+
+def launched_by_torchrun() -> bool:
+    """Whether this process is one rank of a ``torchrun`` (or equivalent) launch."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+@dataclass
+class _Worker:
+    rank: int
+    proc: subprocess.Popen[bytes]
+    errors: Any  # the read end of the worker's error pipe
+
+
+class DistributedRunner(Runner):
+    """Rank 0's runner: starts (or joins) the other ranks, then runs steps as :class:`Runner`
+    does, publishing each to the workers first. See the module docstring."""
+
+    def __init__(self, config: EngineConfig, model_dir: str,
+                 plugins: PluginManager | None = None) -> None:
+        size = config.parallel.tensor_parallel_size
+        self._workers: list[_Worker] = []
+        self._failure: WorkerDiedError | None = None
+        self._stopped = threading.Event()
+        self._on_failure: list[Callable[[WorkerDiedError], None]] = []
+        self._in_step = False
+        self._channel: ShmRing | BroadcastChannel
+        if launched_by_torchrun():
+            if int(os.environ["WORLD_SIZE"]) != size:
+                raise ValueError(f"tensor_parallel_size ({size}) must equal torchrun's world "
+                                 f"size ({os.environ['WORLD_SIZE']})")
+            device = rank_device(config, int(os.environ.get("LOCAL_RANK", 0)))
+            init_tensor_parallel(0, size, device, init_method="env://")
+            self._channel = BroadcastChannel(tp_group().cpu_group, 0)
+        else:
+            device = rank_device(config, 0)
+            store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+            self._channel = ShmRing(size - 1, _RING_BYTES)
+            try:
+                self._spawn(config, model_dir, size, store.port)
+                # join only once every worker is up: a worker that dies before can be named
+                # (the group's rendezvous would wait for it until its timeout)
+                keys = [ready_key(rank) for rank in range(1, size)]
+                while not store.check(keys):
+                    self._check()
+                    time.sleep(0.02)
+                self._until_failure(lambda: init_tensor_parallel(0, size, device, store=store))
+            except BaseException:
+                self.shutdown()
+                raise
+        try:
+            self._until_failure(lambda: Runner.__init__(self, config, model_dir, plugins))
+        except BaseException:
+            self.shutdown()
+            raise
+        atexit.register(self.shutdown)
+
+    # -- processes ---------------------------------------------------------------------------
+
+    def _spawn(self, config: EngineConfig, model_dir: str, size: int, store_port: int) -> None:
+        """Start ``python -m mrv2.executor.worker`` for ranks 1..size-1 and a watchdog each."""
+        assert isinstance(self._channel, ShmRing)
+        for rank in range(1, size):
+            read_fd, write_fd = os.pipe()
+            spec = WorkerSpec(rank, size, config, model_dir, store_port, self._channel.name,
+                              _RING_BYTES)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "mrv2.executor.worker", str(write_fd)],
+                stdin=subprocess.PIPE, pass_fds=(write_fd,))
+            os.close(write_fd)
+            assert proc.stdin is not None
+            proc.stdin.write(pickle.dumps(spec))
+            proc.stdin.close()
+            worker = _Worker(rank, proc, os.fdopen(read_fd, "r"))
+            self._workers.append(worker)
+            threading.Thread(target=self._watch, args=(worker,), daemon=True,
+                             name=f"mrv2-tp-watch{rank}").start()
+
+    def _watch(self, worker: _Worker) -> None:
+        """Wait for ``worker`` to exit; before :meth:`shutdown` that is a failure."""
+        code = worker.proc.wait()
+        if self._stopped.is_set() or self._failure is not None:
+            return
+        cause = worker.errors.read().strip() or f"exit code {code}"
+        if code < 0:
+            cause = f"killed by signal {-code}" + (f": {cause}" if "exit code" not in cause
+                                                     else "")
+        self._failure = WorkerDiedError(
+            f"tensor-parallel worker rank {worker.rank} died: {cause}")
+        logger.error("%s", self._failure)
+        for listener in list(self._on_failure):
+            try:
+                listener(self._failure)
+            except Exception:
+                logger.exception("a worker-failure listener failed")
+        threading.Thread(target=self._abort_if_stuck, daemon=True).start()
+
+    def _abort_if_stuck(self) -> None:
+        """Abort the process group so a collective waiting on the dead rank returns; if this
+        process is still alive and has not shut down after the grace period, exit it."""
+        grace = float(os.environ.get("MRV2_TP_ABORT_S", "30"))
+        if self._stopped.wait(min(2.0, grace)):
+            return
+        if tp_group().backend == "nccl":
+            try:
+                from torch.distributed import distributed_c10d
+
+                distributed_c10d._abort_process_group()
+            except Exception:
+                logger.exception("aborting the NCCL process group failed")
+        if not self._stopped.wait(max(0.0, grace - 2.0)):
+            print(f"mrv2: {self._failure}; the engine did not stop, exiting", file=sys.stderr,
+                  flush=True)
+            os._exit(1)
+
+    def _check(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    def _until_failure(self, work: Callable[[], Any]) -> Any:
+        """Run ``work``; if it raises after a worker died (a collective losing its peer),
+        raise the worker's failure instead (waiting up to 2 s for the watchdog to see it)."""
+        self._check()
+        try:
+            return work()
+        except Exception as error:
+            if not isinstance(error, RuntimeError) or isinstance(error, WorkerDiedError):
+                raise  # this rank's own error (a bad config fails every rank alike)
+            deadline = time.monotonic() + 2.0
+            while self._failure is None and self._workers and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if self._failure is not None:
+                raise self._failure from error
+            raise
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The process ids of the spawned workers (rank 1 first); empty under torchrun."""
+        return [worker.proc.pid for worker in self._workers]
+
+    def add_failure_listener(self, listener: Callable[[WorkerDiedError], None]) -> None:
+        """Call ``listener(error)`` (from the watchdog thread) when a worker dies."""
+        self._on_failure.append(listener)
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def execute(self, scheduled: SchedulerOutput) -> AsyncStepOutput:
+        """Publish the step to the workers, then run it here."""
+        self._check()
+        self._channel.publish(("execute", scheduled), self._check)
+        self._in_step = True  # the step's own removals reach the workers with the step
+        try:
+            result: AsyncStepOutput = self._until_failure(lambda: Runner.execute(self, scheduled))
+        finally:
+            self._in_step = False
+        return result
+
+    def remove_requests(self, req_ids: list[str]) -> None:
+        """Free rows on every rank."""
+        if req_ids and not self._in_step and not self._stopped.is_set():
+            self._check()
+            self._channel.publish(("remove", list(req_ids)), self._check)
+        Runner.remove_requests(self, req_ids)
+
+    def shutdown(self) -> None:
+        """Stop the workers (they finish their loop and exit) and leave the group."""
+        if self._stopped.is_set():
+            return
+        if self._failure is None and hasattr(self, "_channel"):
+            with contextlib.suppress(Exception):
+                self._channel.publish(("stop", None), self._check)
+        self._stopped.set()
+        for worker in self._workers:
+            try:
+                worker.proc.wait(10.0)
+            except subprocess.TimeoutExpired:
+                worker.proc.kill()
+                worker.proc.wait(5.0)
+            worker.errors.close()
+        if hasattr(self, "_channel"):
+            self._channel.close()
+        destroy_tensor_parallel()

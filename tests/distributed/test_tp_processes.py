@@ -1,0 +1,151 @@
+"""Tensor parallelism's processes on the CPU: a worker killed mid-run ends the engine with an
+error naming its rank within seconds; ``mrv2 serve`` then answers 503 and exits non-zero;
+``torchrun`` launches give rank 0's tokens; the shared-memory step ring carries messages in
+order, larger than itself, to several readers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from mrv2 import LLM, SamplingParams
+from mrv2.config import EngineConfig
+from mrv2.distributed.channel import ChannelClosed, ShmRing
+from mrv2.engine.engine import LLMEngine
+from mrv2.executor.tensor_parallel import WorkerDiedError
+from mrv2.testing import make_tiny_checkpoint, make_tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), "Qwen3ForCausalLM",
+                                vocab_size=320)
+    make_tiny_tokenizer(path)
+    return path
+
+
+def test_ring_messages_in_order_through_a_small_ring() -> None:
+    ring = ShmRing(2, capacity=4096)
+    readers = [ShmRing.attach(ring.name, 2, 4096, r) for r in range(2)]
+    messages = [{"i": i, "blob": bytes(range(256)) * (i * 7)} for i in range(30)]  # to 53 KB
+    got: list[list[object]] = [[], []]
+
+    def read(r: int) -> None:
+        for _ in messages:
+            got[r].append(readers[r].receive())
+
+    threads = [threading.Thread(target=read, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for m in messages:
+        ring.publish(m)
+    for t in threads:
+        t.join(30)
+    assert got == [messages, messages]
+    ring.close()
+    with pytest.raises(ChannelClosed):
+        readers[0].receive()
+    for reader in readers:
+        reader.close()
+
+
+def test_killed_worker_ends_the_engine_naming_it(model: Path) -> None:
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model), device="cpu",
+                                                dtype="float32", tensor_parallel_size=2,
+                                                max_model_len=256))
+    try:
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        (pid,) = engine.runner.worker_pids  # type: ignore[attr-defined]
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="rank 1.*signal 9"):
+            while time.monotonic() - start < 30:
+                engine.step()
+        assert time.monotonic() - start < 10
+    finally:
+        engine.shutdown()
+
+
+def _get(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as error:
+        return int(error.code)
+
+
+def test_serve_answers_503_then_exits_nonzero_when_a_worker_dies(model: Path) -> None:
+    port = 18000 + os.getpid() % 1000
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mrv2.entrypoints.cli", "serve", str(model), "--device", "cpu",
+         "--dtype", "float32", "--tensor-parallel-size", "2", "--port", str(port),
+         "--max-model-len", "256"], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            try:
+                if _get(f"http://127.0.0.1:{port}/health") == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.5)
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        workers = [int(c) for c in children
+                   if "mrv2.executor.worker" in Path(f"/proc/{c}/cmdline").read_text()]
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        statuses = []
+        while proc.poll() is None and len(statuses) < 100:
+            try:
+                statuses.append(_get(f"http://127.0.0.1:{port}/health"))
+            except OSError:
+                break
+            time.sleep(0.05)
+        code = proc.wait(30)
+        stderr = proc.stderr.read() if proc.stderr else ""
+        assert code != 0
+        assert "rank 1" in stderr
+        assert 503 in statuses
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_torchrun_ranks_give_rank0_the_same_tokens(model: Path, tmp_path: Path) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(str(model), device="cpu", dtype="float32", max_model_len=256) as llm:
+        expected = llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, params,
+                                use_tqdm=False)[0].outputs[0].token_ids
+    script = (
+        "import json, sys\n"
+        "from mrv2 import LLM, SamplingParams\n"
+        f"llm = LLM({str(model)!r}, device='cpu', dtype='float32', max_model_len=256, "
+        "tensor_parallel_size=2)\n"
+        "out = llm.generate({'prompt_token_ids': [5, 6, 7, 8]}, SamplingParams("
+        "temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)\n"
+        "print('TOKENS', json.dumps(out[0].outputs[0].token_ids))\n"
+        "llm.shutdown()\n"
+    )
+    (tmp_path / "run.py").write_text(script)
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(19000 + os.getpid() % 1000), str(tmp_path / "run.py")],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [ln for ln in result.stdout.splitlines() if ln.startswith("TOKENS")]
+    assert len(lines) == 1  # rank 0 only: the other rank served as a worker and exited
+    assert json.loads(lines[0].split(" ", 1)[1]) == expected
