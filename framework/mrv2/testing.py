@@ -351,3 +351,33 @@ def serve_in_thread(app: Any) -> Iterator[str]:
     yield url
     server.should_exit = True
     thread.join(15)
+
+
+def run_steps_without_sync(runner: Any, prompts: Sequence[Sequence[int]]) -> list[Any]:
+    """Run ``prompts`` (request ``str(i)`` each, sampling at temperature 0.8, blocks
+    ``8i .. 8i+7``) on a CUDA ``runner`` under ``torch.cuda.set_sync_debug_mode("error")``, so
+    any host sync in a step raises: a first step of up to 20 tokens per prompt, a second that
+    finishes the longer prompts (mixed with the others' first decode), then six decode steps
+    that replay graphs. Returns each step's tokens (read after the mode is reset)."""
+    from mrv2.contract.params import SamplingParams
+    from mrv2.contract.requests import NewRequest, SchedulerOutput
+
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
+    new = [NewRequest(str(i), list(p), params, seed=i, block_ids=[i * 8 + j for j in range(8)])
+           for i, p in enumerate(prompts)]
+    first = {str(i): min(len(p), 20) for i, p in enumerate(prompts)}
+    rest = {str(i): len(p) - first[str(i)] for i, p in enumerate(prompts)}
+    outputs = []
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outputs.append(runner.execute(SchedulerOutput(first, new_requests=new)))
+        outputs.append(runner.execute(SchedulerOutput(
+            {r: n for r, n in rest.items() if n} | {r: 1 for r, n in rest.items() if not n})))
+        for _ in range(6):
+            outputs.append(runner.execute(SchedulerOutput({str(i): 1
+                                                           for i in range(len(prompts))})))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return [out.result() for out in outputs]
+

@@ -52,3 +52,27 @@ def test_padded_graph_replay_equals_eager(target: Path, spec: str | None) -> Non
     if spec:
         assert graphs.draft_graphs[(3, 8)].replays > 0  # type: ignore[attr-defined]
         assert llm.engine.stats()["spec_acceptance_rate"] == 1.0
+
+
+def test_one_token_prompt_chunks_never_replay_a_decode_graph(target: Path) -> None:
+    """With a budget of one token per request, every prompt advances one token a step: those
+    steps look uniform but compute prompt tokens, whose inputs (an image's embeddings, for a
+    multimodal ModelState) only the eager path builds. Only the decode steps replay."""
+    from mrv2 import EngineConfig, Runner
+    from mrv2.contract.requests import NewRequest, SchedulerOutput
+
+    config = EngineConfig.from_kwargs(model=str(target), device="cpu", dtype="float32",
+                                      block_size=4, max_num_seqs=2, max_model_len=64)
+    runner = Runner.from_config(config)
+    emulate_cuda_graphs(runner)
+    assert runner.graphs is not None
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    runner.execute(SchedulerOutput(
+        {"a": 1, "b": 1}, new_requests=[NewRequest("a", [5, 6, 7], params, seed=0, block_ids=[0]),
+                                        NewRequest("b", [8, 9, 10], params, seed=1,
+                                                    block_ids=[1])])).result()
+    for _ in range(2):  # the rest of the prompts, one token each
+        runner.execute(SchedulerOutput({"a": 1, "b": 1})).result()
+    assert runner.graphs.graphs[(1, 2)].replays == 0  # type: ignore[attr-defined]
+    runner.execute(SchedulerOutput({"a": 1, "b": 1})).result()  # decode
+    assert runner.graphs.graphs[(1, 2)].replays == 1  # type: ignore[attr-defined]

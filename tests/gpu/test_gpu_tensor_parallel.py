@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from mrv2 import LLM, EngineConfig, SamplingParams
-from mrv2.contract.requests import NewRequest, SchedulerOutput
 from mrv2.executor import make_runner
-from mrv2.testing import make_tiny_checkpoint
+from mrv2.testing import make_tiny_checkpoint, run_steps_without_sync
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
@@ -58,21 +57,7 @@ def test_rank0_steps_never_synchronize(ckpt: Path) -> None:
     runner = make_runner(config)
     try:
         assert runner.graphs is not None and runner.graphs.graphs
-        params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
-        new = [NewRequest(str(i), p, params, seed=i, block_ids=[i * 8 + j for j in range(8)])
-               for i, p in enumerate(PROMPTS)]
-        outputs = []
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            outputs.append(runner.execute(SchedulerOutput(
-                {"0": 7, "1": 3, "2": 20, "3": 1}, new_requests=new)))
-            outputs.append(runner.execute(SchedulerOutput({"0": 1, "1": 1, "2": 17, "3": 1})))
-            for _ in range(6):
-                outputs.append(runner.execute(SchedulerOutput({str(i): 1 for i in range(4)})))
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        tokens = [out.result() for out in outputs]
+        tokens = run_steps_without_sync(runner, PROMPTS)
         assert set(tokens[-1]) == {"0", "1", "2", "3"}
     finally:
         runner.shutdown()

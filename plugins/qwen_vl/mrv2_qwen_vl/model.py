@@ -25,6 +25,24 @@ from mrv2_qwen_vl.vision import CHECKPOINT_PREFIXES, Qwen25VisionTower
 __all__ = ["Qwen25VLForConditionalGeneration"]
 
 
+def load_text_and_vision(model: CausalLM, visual: Any, prefixes: tuple[str, ...],
+                         weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """A vision-language checkpoint's tensors: those under ``prefixes`` (the tower's) through
+    ``visual.load_weights``, the rest (``model.language_model.*`` read as ``model.*``) through
+    the text decoder's loader; the parameter names loaded."""
+    vision: list[tuple[str, torch.Tensor]] = []
+
+    def text_weights() -> Iterable[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            if name.startswith(prefixes):
+                vision.append((name, tensor))
+            else:
+                yield name.replace("model.language_model.", "model.", 1), tensor
+
+    loaded = CausalLM.load_weights(model, text_weights())
+    return loaded | {"visual." + name for name in visual.load_weights(vision)}
+
+
 class Qwen25VLForConditionalGeneration(CausalLM):
     """Qwen2.5-VL: Qwen2 text decoder with M-RoPE, plus the vision tower (``visual``)."""
 
@@ -52,14 +70,4 @@ class Qwen25VLForConditionalGeneration(CausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Text weights through the decoder's loader, ``visual.*`` through the tower's."""
-        vision: list[tuple[str, torch.Tensor]] = []
-
-        def text_weights() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                if name.startswith(CHECKPOINT_PREFIXES):
-                    vision.append((name, tensor))
-                else:
-                    yield name.replace("model.language_model.", "model.", 1), tensor
-
-        loaded = super().load_weights(text_weights())
-        return loaded | {"visual." + name for name in self.visual.load_weights(vision)}
+        return load_text_and_vision(self, self.visual, CHECKPOINT_PREFIXES, weights)

@@ -45,6 +45,7 @@ import torch
 
 from mrv2.layers import CausalLM, DecoderLayer, DecoderModel, GatedMLP, SelfAttention, head_dim_of
 from mrv2.model_loader.build import text_config_of
+from mrv2_qwen_vl.model import load_text_and_vision
 from mrv2_qwen_vl.mrope import get_mrope
 from mrv2_qwen_vl.vision_qwen3 import CHECKPOINT_PREFIXES, Qwen3VisionTower
 
@@ -127,14 +128,4 @@ class Qwen3VLForConditionalGeneration(CausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Text weights through the decoder's loader, ``visual.*`` through the tower's."""
-        vision: list[tuple[str, torch.Tensor]] = []
-
-        def text_weights() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                if name.startswith(CHECKPOINT_PREFIXES):
-                    vision.append((name, tensor))
-                else:
-                    yield name.replace("model.language_model.", "model.", 1), tensor
-
-        loaded = super().load_weights(text_weights())
-        return loaded | {"visual." + name for name in self.visual.load_weights(vision)}
+        return load_text_and_vision(self, self.visual, CHECKPOINT_PREFIXES, weights)
