@@ -34,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +75,21 @@ class _Worker:
     rank: int
     proc: subprocess.Popen[bytes]
     errors: Any  # the read end of the worker's error pipe
+
+
+def _watch(ref: weakref.ref[DistributedRunner], worker: _Worker) -> None:
+    """A watchdog thread: wait for ``worker`` to exit, then tell its runner (if it still
+    exists: the thread holds no reference, so a dropped engine is freed)."""
+    code = worker.proc.wait()
+    runner = ref()
+    if runner is not None:
+        runner._worker_exited(worker, code)
+
+
+def _shutdown_if_alive(ref: weakref.ref[DistributedRunner]) -> None:
+    runner = ref()
+    if runner is not None:
+        runner.shutdown()
 
 
 class DistributedRunner(Runner):
@@ -118,7 +134,7 @@ class DistributedRunner(Runner):
         except BaseException:
             self.shutdown()
             raise
-        atexit.register(self.shutdown)
+        atexit.register(_shutdown_if_alive, weakref.ref(self))
 
     # -- processes ---------------------------------------------------------------------------
 
@@ -138,12 +154,11 @@ class DistributedRunner(Runner):
             proc.stdin.close()
             worker = _Worker(rank, proc, os.fdopen(read_fd, "r"))
             self._workers.append(worker)
-            threading.Thread(target=self._watch, args=(worker,), daemon=True,
+            threading.Thread(target=_watch, args=(weakref.ref(self), worker), daemon=True,
                              name=f"mrv2-tp-watch{rank}").start()
 
-    def _watch(self, worker: _Worker) -> None:
-        """Wait for ``worker`` to exit; before :meth:`shutdown` that is a failure."""
-        code = worker.proc.wait()
+    def _worker_exited(self, worker: _Worker, code: int) -> None:
+        """``worker`` exited with ``code``; before :meth:`shutdown` that is a failure."""
         if self._stopped.is_set() or self._failure is not None:
             return
         cause = worker.errors.read().strip() or f"exit code {code}"
@@ -227,9 +242,13 @@ class DistributedRunner(Runner):
             self._channel.publish(("remove", list(req_ids)), self._check)
         Runner.remove_requests(self, req_ids)
 
+    def __del__(self) -> None:  # an engine dropped without shutdown(): stop its workers
+        with contextlib.suppress(Exception):
+            self.shutdown()
+
     def shutdown(self) -> None:
         """Stop the workers (they finish their loop and exit) and leave the group."""
-        if self._stopped.is_set():
+        if not hasattr(self, "_stopped") or self._stopped.is_set():
             return
         if self._failure is None and hasattr(self, "_channel"):
             with contextlib.suppress(Exception):
