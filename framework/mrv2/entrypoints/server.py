@@ -422,7 +422,9 @@ def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000,
 
     worker.on_fatal.append(stop_soon)
     try:
-        server.run()
+        server.run()  # re-raises a captured SIGINT once the server has stopped (as uvicorn.run)
+    except KeyboardInterrupt:
+        pass
     finally:
         engine.shutdown()
     if worker.fatal is not None:
