@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["ENV_VAR", "PDL_ENV_VAR", "default_block", "pdl", "pdl_enabled", "triton_forced",
+__all__ = ["ENV_VAR", "PDL_EARLY_WEIGHTS_ENV_VAR", "PDL_ENV_VAR", "default_block", "pdl",
+           "pdl_early_weights", "pdl_enabled", "pdl_release", "pdl_wait", "triton_forced",
            "use_triton"]
 
 #: Environment variable that forces the Triton path for CPU tensors (``MRV2_KERNELS=triton``),
@@ -58,6 +59,10 @@ def default_block(t: torch.Tensor, cuda: int, cpu: int, block: int | None = None
 
 #: ``MRV2_PDL=0`` turns programmatic dependent launch off (on by default where supported).
 PDL_ENV_VAR = "MRV2_PDL"
+#: Environment variable: ``1`` lets the kernels that support it (:func:`pdl_early_weights`)
+#: load their weights before they wait for the previous kernel. Off by default until the
+#: H200 A/B (issue 16) decides.
+PDL_EARLY_WEIGHTS_ENV_VAR = "MRV2_PDL_EARLY_WEIGHTS"
 
 
 @functools.lru_cache(maxsize=8)
@@ -86,6 +91,30 @@ def pdl(t: torch.Tensor) -> dict[str, Any]:
     A kernel launched the ordinary way after one of these waits for it to finish, as usual;
     inside CUDA graphs the launches become programmatic edges."""
     return {"PDL": True, "launch_pdl": True} if pdl_enabled(t) else {"PDL": False}
+
+
+def pdl_early_weights(t: torch.Tensor) -> bool:
+    """Whether a PDL kernel on ``t``'s device loads its weights before ``gdc_wait``
+    (:func:`pdl_release` first, then the weight loads, then :func:`pdl_wait`): the weights are
+    parameters no kernel writes, so their loads may overlap the previous kernel's tail. Needs
+    :func:`pdl_enabled` and ``MRV2_PDL_EARLY_WEIGHTS=1``."""
+    return pdl_enabled(t) and os.environ.get(PDL_EARLY_WEIGHTS_ENV_VAR, "0").strip() == "1"
+
+
+@triton.jit
+def pdl_release(PDL: tl.constexpr) -> None:
+    """Let the next kernel launch (its own programs still wait for this one's completion
+    before they touch anything this one writes)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr) -> None:
+    """Wait for the previous kernel's completion and memory. Every program runs it before
+    any load of activations, store or early exit."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit

@@ -20,6 +20,11 @@ Contract (``x``, ``residual`` ``[M, K]``; ``norm_weight`` ``[K]``; ``weight`` ``
 with every intermediate rounded to ``x.dtype`` where the chain rounds it; results agree with
 it to fp32 accumulation order (an output may differ by an ulp where a rounding flips).
 Without ``norm_weight`` it is a plain GEMV (``residual`` then is not allowed).
+
+With programmatic dependent launch and ``MRV2_PDL_EARLY_WEIGHTS=1``
+(:func:`~mrv2_kernels._backend.pdl_early_weights`) the weight, bias and norm weight are
+requested before the program waits for the previous kernel: they must be parameters, which no
+kernel of the stream writes (every caller passes a layer's).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import pdl, pdl_prologue, use_triton
+from ._backend import pdl, pdl_early_weights, pdl_prologue, pdl_release, pdl_wait, use_triton
 from .cpu_linear import linear_cpu
 from .norm import rms_norm, rms_norm_cpu, rms_norm_ref, silu_and_mul, silu_and_mul_ref
 from .skinny_gemm import skinny_linear, skinny_linear_ref
@@ -92,8 +97,14 @@ def _norm_gemv_kernel(
     GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PDL: tl.constexpr,
+    EARLY_WEIGHTS: tl.constexpr = False,
 ) -> None:
-    pdl_prologue(PDL)
+    # EARLY_WEIGHTS: the weights (parameters no kernel writes) are requested before waiting
+    # for the previous kernel, so their loads overlap its tail; x and residual after the wait.
+    if EARLY_WEIGHTS:
+        pdl_release(PDL)
+    else:
+        pdl_prologue(PDL)
     pid = tl.program_id(0)
     dt = out_ptr.dtype.element_ty
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -113,6 +124,8 @@ def _norm_gemv_kernel(
         b = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         if GATED:
             b_up = tl.load(bias_ptr + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    if EARLY_WEIGHTS:
+        pdl_wait(PDL)
     for m in range(M):
         row = tl.full([], 0, tl.int64) + m
         h = tl.load(x_ptr + row * x_s0 + offs_k, mask=mask_k, other=0.0).to(tl.float32)
@@ -263,7 +276,7 @@ def norm_gemv_triton(
         weight.stride(0), out.stride(0), (res_out if res_out is not None else out).stride(0),
         BLOCK_N=bn, BLOCK_K=block_k, NORM=norm_weight is not None,
         RESIDUAL=residual is not None, GATED=gated, HAS_BIAS=bias is not None,
-        num_warps=num_warps or plan_warps, **pdl(x),
+        num_warps=num_warps or plan_warps, EARLY_WEIGHTS=pdl_early_weights(x), **pdl(x),
     )
     return out.view(*lead, n), (None if res_out is None else res_out.view(*lead, k))
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._backend import pdl, pdl_prologue, use_triton
+from ._backend import pdl, pdl_early_weights, pdl_prologue, pdl_release, pdl_wait, use_triton
 
 __all__ = ["SKINNY_MAX_M", "skinny_linear", "skinny_linear_ref", "skinny_linear_triton",
            "use_skinny"]
@@ -73,8 +73,12 @@ def _skinny_kernel(
     UPCAST: tl.constexpr,
     FUSED_REDUCE: tl.constexpr,
     PDL: tl.constexpr,
+    EARLY_WEIGHTS: tl.constexpr = False,
 ) -> None:
-    pdl_prologue(PDL)
+    if EARLY_WEIGHTS:  # the first weight tile is requested before waiting (see the launcher)
+        pdl_release(PDL)
+    else:
+        pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -87,7 +91,19 @@ def _skinny_kernel(
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * x_s0
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * w_s0
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    loop_start = k_start
+    if EARLY_WEIGHTS:  # the first iteration, its weight load before the wait
+        k = k_start + offs_k
+        mask_k = k < k_end
+        w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        pdl_wait(PDL)
+        x = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if UPCAST:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc += tl.dot(x, tl.trans(w))
+        loop_start = k_start + BLOCK_K
+    for k0 in range(loop_start, k_end, BLOCK_K):
         k = k0 + offs_k
         mask_k = k < k_end
         x = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
@@ -239,7 +255,7 @@ def skinny_linear_triton(
         x2.stride(0), weight.stride(0), out.stride(0), k_per_split, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split > 1, HAS_BIAS=has_bias,
         UPCAST=not x.is_cuda, FUSED_REDUCE=counters is not None, num_warps=4,
-        num_stages=num_stages, **pdl(x),
+        num_stages=num_stages, EARLY_WEIGHTS=pdl_early_weights(x), **pdl(x),
     )
     if split > 1 and counters is None:
         reduce_n = 256 if x.is_cuda else 32

@@ -215,3 +215,18 @@ def test_decode_shapes_on_gpu(m: int, n: int, k: int, gated: bool) -> None:
                                    residual=a["residual"], gated=gated)
     assert _ulps(got, want) <= (3 if gated else 2)
     assert got_res is not None and want_res is not None and torch.equal(got_res, want_res)
+
+
+def test_early_weights_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights requested before the wait for the previous kernel (``MRV2_PDL_EARLY_WEIGHTS``):
+    only the order of the loads changes, never the math."""
+    from mrv2_kernels import norm_gemv as module
+
+    a = _inputs(2, 40, 96, BF16, seed=3, gated=True)
+    args = (a["x"], a["weight"], a["bias"])
+    kwargs = {"norm_weight": a["norm_weight"], "eps": 1e-6, "residual": a["residual"],
+              "gated": True}
+    plain, plain_res = norm_gemv_triton(*args, **kwargs)
+    monkeypatch.setattr(module, "pdl_early_weights", lambda t: True)
+    early, early_res = norm_gemv_triton(*args, **kwargs)
+    assert torch.equal(early, plain) and torch.equal(early_res, plain_res)

@@ -116,3 +116,17 @@ def test_dispatch() -> None:
 def test_decode_shapes_match_cublas(m: int, n: int, k: int) -> None:
     x, w, _ = _inputs(m, n, k, BF16, seed=n + k)
     _close(skinny_linear_triton(x, w), F.linear(x, w))
+
+
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_early_weights_gives_the_same_bits(split_k: int, monkeypatch: pytest.MonkeyPatch
+                                          ) -> None:
+    """The variant that loads the first weight tile before waiting for the previous kernel
+    (``MRV2_PDL_EARLY_WEIGHTS``, its first iteration peeled) adds the tiles in the same order:
+    the same bits, with K longer than one tile and splits."""
+    from mrv2_kernels import skinny_gemm
+
+    x, w, b = _inputs(3, 33, 200, BF16, seed=5)
+    plain = skinny_linear_triton(x, w, b, split_k=split_k, block_k=32)
+    monkeypatch.setattr(skinny_gemm, "pdl_early_weights", lambda t: True)
+    assert torch.equal(skinny_linear_triton(x, w, b, split_k=split_k, block_k=32), plain)

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# A/B of one environment setting on the GPU machine (device tool), same wheels: `mrv2 bench
+# BENCH` without and with VAR=VALUE, interleaved ROUNDS times (default 2) so drift hits both
+# alike. Run scripts/gpu_session.sh first (it installs the wheels into /tmp/site).
+# Usage: scripts/ab_env.sh VAR=VALUE latency|throughput [bench args...]
+# e.g.   scripts/ab_env.sh MRV2_PDL_EARLY_WEIGHTS=1 latency --model Qwen3-0.6B --batch-sizes 1 8
+# JSON results go to $OUT; one line per run prints.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+setting=${1:?usage: ab_env.sh VAR=VALUE latency|throughput [args]}
+bench=${2:?usage: ab_env.sh VAR=VALUE latency|throughput [args]}
+shift 2
+export PYTHONPATH=/tmp/site MRV2_TEST_GPU=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
+for round in $(seq 1 "${ROUNDS:-2}"); do
+  for side in off on; do
+    json="$OUT/${bench}_${side}_$round.json"
+    if [ "$side" = on ]; then
+      env "$setting" python3 -m mrv2.entrypoints.cli bench "$bench" --json "$json" "$@" \
+        > "$OUT/${bench}_${side}_$round.log" 2>&1
+    else
+      python3 -m mrv2.entrypoints.cli bench "$bench" --json "$json" "$@" \
+        > "$OUT/${bench}_${side}_$round.log" 2>&1
+    fi
+    python3 - "$json" "$side" "$round" <<'PY'
+import json, sys
+data = json.load(open(sys.argv[1]))
+rows = data["default"]
+if isinstance(rows, dict):  # throughput
+    print(sys.argv[2], sys.argv[3], f"tok/s {rows['output_tok_s']}  s {rows['seconds']}  "
+          f"floor {rows['floor_fraction']}  host/step {rows['cpu_execute_ms_per_step']} ms")
+else:
+    print(sys.argv[2], sys.argv[3], "  ".join(
+        f"b{r['batch']}: tpot {r['tpot_ms']} gpu {r.get('gpu_step_ms')}" for r in rows))
+PY
+  done
+done
