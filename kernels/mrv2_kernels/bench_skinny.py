@@ -1,11 +1,13 @@
 """Decode linear layers: the skinny kernel against cuBLAS (``F.linear``) at a few rows.
 
-    python -m mrv2_kernels.bench_skinny [--sweep]
+    python -m mrv2_kernels.bench_skinny [--sweep] [--rows 1 4 8 16] [--shapes 8B]
 
 Each case runs one product per weight copy over enough distinct copies that the weights come
 from HBM, not L2 (as in a real decode step, which reads every layer once), inside a CUDA graph
 (as the decode step runs), and reports µs per product and the weight bandwidth reached.
-``--sweep`` also tries tile / split / stage choices and prints the best per case.
+``--sweep`` also tries tile / split / stage choices and prints the best per case; from 32 rows
+on (a large decode batch: ``--rows 64 128 256``) it tries wider tiles and 8 warps, to see
+whether the kernel can beat cuBLAS's split-K GEMMs there (issue 16's 8B decode at batch 128).
 """
 
 from __future__ import annotations
@@ -54,9 +56,18 @@ def _skinny(x: torch.Tensor, weights: list[torch.Tensor], tiles: tuple[int, ...]
             ) -> torch.Tensor:
     if not tiles:
         return skinny_linear_triton(x, weights[i])
-    block_n, block_k, split_k, num_stages = tiles
+    block_n, block_k, split_k, num_stages, num_warps = tiles
     return skinny_linear_triton(x, weights[i], None, block_n=block_n, block_k=block_k,
-                                split_k=split_k, num_stages=num_stages)
+                                split_k=split_k, num_stages=num_stages, num_warps=num_warps)
+
+
+def _sweep_tiles(m: int) -> list[tuple[int, int, int, int, int]]:
+    """``(block_n, block_k, split_k, num_stages, num_warps)`` candidates for ``m`` rows."""
+    if m < 32:
+        return [(bn, bk, s, st, 4) for bn, bk, s, st in itertools.product(
+            [16, 32, 64], [128, 256, 512], [1, 2, 4, 8], [3, 4])]
+    return [(bn, bk, s, st, w) for bn, bk, s, st, w in itertools.product(
+        [32, 64, 128], [64, 128], [1, 2, 4], [3, 4, 5], [4, 8])]
 
 
 def bench_shape(name: str, n: int, k: int, rows: list[int], sweep: bool) -> list[str]:
@@ -74,21 +85,19 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], sweep: bool) -> list
         best = ""
         if sweep:
             results = []
-            for bn, bk, split, stages in itertools.product(
-                [16, 32, 64], [128, 256, 512], [1, 2, 4, 8], [3, 4]
-            ):
-                if k // split < bk:
+            for tiles in _sweep_tiles(m):
+                if k // tiles[2] < tiles[1]:
                     continue
                 try:
-                    fn = functools.partial(_skinny, x, weights, (bn, bk, split, stages))
+                    fn = functools.partial(_skinny, x, weights, tiles)
                     t = time_graph(fn, copies, 10)
                 except Exception as exc:  # noqa: BLE001 (out of resources: skip the tile)
-                    print(f"  skip {bn}/{bk}/{split}/{stages}: {type(exc).__name__}")
+                    print(f"  skip {tiles}: {type(exc).__name__}")
                     continue
-                results.append((t, bn, bk, split, stages))
-            t, bn, bk, split, stages = min(results)
+                results.append((t, *tiles))
+            t, bn, bk, split, stages, warps = min(results)
             best = (f"best {t:7.2f} µs ({nbytes / t / 1e3:5.0f} GB/s) "
-                    f"n{bn} k{bk} s{split} st{stages}")
+                    f"n{bn} k{bk} s{split} st{stages} w{warps}")
         lines.append(
             f"{name:13s} M={m:<3d} cuBLAS {cublas:7.2f} µs ({nbytes / cublas / 1e3:5.0f} GB/s)"
             f"  skinny {ours:7.2f} µs ({nbytes / ours / 1e3:5.0f} GB/s)  {best}"
@@ -101,9 +110,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--shapes", default="", help="only shapes whose name starts so (8B)")
     args = parser.parse_args()
     lines = []
     for name, n, k in SHAPES:
+        if not name.startswith(args.shapes):
+            continue
         lines += bench_shape(name, n, k, args.rows, args.sweep)
     print("\n".join(["", "summary:", *lines]))
 

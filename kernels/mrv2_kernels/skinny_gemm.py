@@ -216,6 +216,7 @@ def skinny_linear_triton(
     split_k: int | None = None,
     num_stages: int = 4,
     fused_reduce: bool = True,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """Triton implementation of :func:`skinny_linear`; tile arguments override the plan.
 
@@ -254,7 +255,7 @@ def skinny_linear_triton(
         x2, weight, bias_arg, out, part, counters if counters is not None else out, m, n, k,
         x2.stride(0), weight.stride(0), out.stride(0), k_per_split, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split > 1, HAS_BIAS=has_bias,
-        UPCAST=not x.is_cuda, FUSED_REDUCE=counters is not None, num_warps=4,
+        UPCAST=not x.is_cuda, FUSED_REDUCE=counters is not None, num_warps=num_warps,
         num_stages=num_stages, EARLY_WEIGHTS=pdl_early_weights(x), **pdl(x),
     )
     if split > 1 and counters is None:
