@@ -104,6 +104,7 @@ class DistributedRunner(Runner):
         self._stopped = threading.Event()
         self._on_failure: list[Callable[[WorkerDiedError], None]] = []
         self._in_step = False
+        self._busy = 0  # > 0 while this thread is inside a step or start-up (collectives)
         self._channel: ShmRing | BroadcastChannel
         if launched_by_torchrun():
             if int(os.environ["WORLD_SIZE"]) != size:
@@ -176,10 +177,13 @@ class DistributedRunner(Runner):
         threading.Thread(target=self._abort_if_stuck, daemon=True).start()
 
     def _abort_if_stuck(self) -> None:
-        """Abort the process group so a collective waiting on the dead rank returns; if this
-        process is still alive and has not shut down after the grace period, exit it."""
+        """If this process is inside a step or start-up when a worker dies (a collective that
+        may wait forever for the dead rank), abort the process group so the collective
+        returns; if it is still inside after ``MRV2_TP_ABORT_S`` seconds, exit the process.
+        An idle engine is left alone: its next step raises the failure."""
         grace = float(os.environ.get("MRV2_TP_ABORT_S", "30"))
-        if self._stopped.wait(min(2.0, grace)):
+        deadline = time.monotonic() + grace
+        if self._stopped.wait(min(2.0, grace)) or not self._busy:
             return
         if tp_group().backend == "nccl":
             try:
@@ -188,9 +192,11 @@ class DistributedRunner(Runner):
                 distributed_c10d._abort_process_group()
             except Exception:
                 logger.exception("aborting the NCCL process group failed")
-        if not self._stopped.wait(max(0.0, grace - 2.0)):
-            print(f"mrv2: {self._failure}; the engine did not stop, exiting", file=sys.stderr,
-                  flush=True)
+        while self._busy and not self._stopped.is_set() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if self._busy and not self._stopped.is_set():
+            print(f"mrv2: {self._failure}; the engine is stuck waiting for it, exiting",
+                  file=sys.stderr, flush=True)
             os._exit(1)
 
     def _check(self) -> None:
@@ -201,6 +207,7 @@ class DistributedRunner(Runner):
         """Run ``work``; if it raises after a worker died (a collective losing its peer),
         raise the worker's failure instead (waiting up to 2 s for the watchdog to see it)."""
         self._check()
+        self._busy += 1
         try:
             return work()
         except Exception as error:
@@ -212,6 +219,8 @@ class DistributedRunner(Runner):
             if self._failure is not None:
                 raise self._failure from error
             raise
+        finally:
+            self._busy -= 1
 
     @property
     def worker_pids(self) -> list[int]:
