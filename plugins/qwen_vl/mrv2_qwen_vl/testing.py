@@ -13,7 +13,8 @@ import torch
 
 from mrv2.testing import make_tiny_tokenizer, redraw_weights
 
-__all__ = ["END", "IMAGE", "START", "make_tiny_qwen3_vl", "make_tiny_qwen_vl", "random_image"]
+__all__ = ["END", "IMAGE", "START", "make_tiny_qwen3_vl", "make_tiny_qwen_vl", "random_image",
+           "random_patches"]
 
 #: The ids make_tiny_tokenizer gives the three special tokens (checked when building).
 START, END, IMAGE, VIDEO = 293, 294, 295, 296
@@ -129,3 +130,14 @@ def random_image(height: int, width: int, seed: int) -> Any:
 
     pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
     return Image.fromarray(pixels)
+
+
+def random_patches(grids: list[tuple[int, int, int]], patch: int, seed: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A vision tower's input for patch grids ``grids`` (``(t, h, w)`` each): random rows of
+    ``3 * 2 * patch * patch`` values (RGB, two frames), one per patch, and the grids as a
+    ``[num_images, 3]`` long tensor."""
+    n = sum(t * h * w for t, h, w in grids)
+    gen = torch.Generator().manual_seed(seed)
+    pixels = torch.randn(n, 3 * 2 * patch * patch, generator=gen)
+    return pixels, torch.tensor(grids, dtype=torch.long)

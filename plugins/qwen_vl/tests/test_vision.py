@@ -12,6 +12,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from mrv2_qwen_vl.testing import random_patches
 from mrv2_qwen_vl.vision import CHECKPOINT_PREFIXES, Qwen25VisionTower
 
 PATCH = 14
@@ -82,10 +83,7 @@ def tower(ref: Ref) -> Qwen25VisionTower:
 
 
 def pixels_for(grids: list[tuple[int, int, int]], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    n = sum(t * h * w for t, h, w in grids)
-    gen = torch.Generator().manual_seed(seed)
-    pixels = torch.randn(n, 3 * 2 * PATCH * PATCH, generator=gen)
-    return pixels, torch.tensor(grids, dtype=torch.long)
+    return random_patches(grids, PATCH, seed)
 
 
 def check(tower: Qwen25VisionTower, ref: Ref, grids: list[tuple[int, int, int]],

@@ -12,12 +12,12 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from mrv2_qwen_vl.testing import random_patches
 from mrv2_qwen_vl.vision_qwen3 import CHECKPOINT_PREFIXES, Qwen3VisionTower
 
 PATCH = 16
 MERGE = 2
 OUT = 48  # text hidden size
-PATCH_DIM = 3 * 2 * PATCH * PATCH
 
 
 def tiny_config(deepstack: list[int] | None = None) -> transformers.Qwen3VLConfig:
@@ -90,10 +90,7 @@ def tower(ref: Ref) -> Qwen3VisionTower:
 
 
 def pixels_for(grids: list[tuple[int, int, int]], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    n = sum(t * h * w for t, h, w in grids)
-    gen = torch.Generator().manual_seed(seed)
-    pixels = torch.randn(n, PATCH_DIM, generator=gen)
-    return pixels, torch.tensor(grids, dtype=torch.long)
+    return random_patches(grids, PATCH, seed)
 
 
 def assert_match(got: torch.Tensor, expected: torch.Tensor, n_tokens: int) -> None:
