@@ -25,6 +25,16 @@ from mrv2_qwen_vl.vision import CHECKPOINT_PREFIXES, Qwen25VisionTower
 __all__ = ["Qwen25VLForConditionalGeneration"]
 
 
+def vl_text_config(config: Any) -> Any:
+    """The text decoder's config of a composite VL ``config``, with ``tie_word_embeddings``
+    taken from the top level, where HF ties by it (set on the text config in place)."""
+    text = text_config_of(config)
+    tied = getattr(config, "tie_word_embeddings", None)
+    if tied is not None:
+        text.tie_word_embeddings = bool(tied)
+    return text
+
+
 def load_text_and_vision(model: CausalLM, visual: Any, prefixes: tuple[str, ...],
                          weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
     """A vision-language checkpoint's tensors: those under ``prefixes`` (the tower's) through
@@ -47,10 +57,7 @@ class Qwen25VLForConditionalGeneration(CausalLM):
     """Qwen2.5-VL: Qwen2 text decoder with M-RoPE, plus the vision tower (``visual``)."""
 
     def __init__(self, config: Any) -> None:
-        text = text_config_of(config)
-        tied = getattr(config, "tie_word_embeddings", None)
-        if tied is not None:  # a composite config keeps it at the top level
-            text.tie_word_embeddings = bool(tied)
+        text = vl_text_config(config)
         rope = get_mrope(text, head_dim_of(text))
 
         def layer(i: int) -> DecoderLayer:

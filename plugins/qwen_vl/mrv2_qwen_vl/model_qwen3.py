@@ -44,8 +44,7 @@ from typing import Any
 import torch
 
 from mrv2.layers import CausalLM, DecoderLayer, DecoderModel, GatedMLP, SelfAttention, head_dim_of
-from mrv2.model_loader.build import text_config_of
-from mrv2_qwen_vl.model import load_text_and_vision
+from mrv2_qwen_vl.model import load_text_and_vision, vl_text_config
 from mrv2_qwen_vl.mrope import get_mrope
 from mrv2_qwen_vl.vision_qwen3 import CHECKPOINT_PREFIXES, Qwen3VisionTower
 
@@ -90,10 +89,7 @@ class Qwen3VLForConditionalGeneration(CausalLM):
     tower (``visual``)."""
 
     def __init__(self, config: Any) -> None:
-        text = text_config_of(config)
-        tied = getattr(config, "tie_word_embeddings", None)
-        if tied is not None:  # the composite config's value is the one HF ties by
-            text.tie_word_embeddings = bool(tied)
+        text = vl_text_config(config)
         rope = get_mrope(text, head_dim_of(text), interleaved=True,
                          default_section=(24, 20, 20))
         bias = bool(getattr(text, "attention_bias", False))

@@ -111,14 +111,16 @@ class _RMSNorm(nn.Module):
 
 
 class _PatchEmbed(nn.Module):
-    """The Conv3d patchifier as a bias-free linear over the flattened ``(C, T, P, P)`` patch."""
+    """The Conv3d patchifier as a linear over the flattened ``(C, T, P, P)`` patch (biased in
+    Qwen3-VL, not in Qwen2.5-VL)."""
 
-    def __init__(self, in_features: int, dim: int) -> None:
+    def __init__(self, in_features: int, dim: int, bias: bool) -> None:
         super().__init__()
-        self.proj = nn.Linear(in_features, dim, bias=False)
+        self.proj = nn.Linear(in_features, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(self.proj.weight.dtype), self.proj.weight)
+        out: torch.Tensor = self.proj(x.to(self.proj.weight.dtype))
+        return out
 
 
 class _GatedMLP(nn.Module):
@@ -386,7 +388,7 @@ class Qwen25VisionTower(QwenVisionBase):
 
         self.patch_dim = (self.in_channels * self.temporal_patch_size
                           * self.patch_size * self.patch_size)
-        self.patch_embed = _PatchEmbed(self.patch_dim, self.hidden_size)
+        self.patch_embed = _PatchEmbed(self.patch_dim, self.hidden_size, bias=False)
         act = str(getattr(cfg, "hidden_act", "silu"))
         self.blocks = nn.ModuleList(
             _VisionBlock(self.hidden_size, self.num_heads,

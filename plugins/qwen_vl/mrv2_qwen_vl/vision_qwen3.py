@@ -60,6 +60,7 @@ from mrv2_qwen_vl.vision import (
     QwenVisionBase,
     _activation,
     _group_segments,
+    _PatchEmbed,
     _to,
     _VisionBlock,
 )
@@ -72,18 +73,6 @@ __all__ = ["Qwen3VisionTower", "Qwen3VisionPlan", "CHECKPOINT_PREFIXES",
 # is accepted too.
 
 _NORM_EPS = 1e-6  # HF hard-codes this for every vision LayerNorm
-
-
-class _PatchEmbed(nn.Module):
-    """The Conv3d patchifier as a biased linear over the flattened ``(C, T, P, P)`` patch."""
-
-    def __init__(self, in_features: int, dim: int) -> None:
-        super().__init__()
-        self.proj = nn.Linear(in_features, dim, bias=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.proj(x.to(self.proj.weight.dtype))
-        return out
 
 
 class _MLP(nn.Module):
@@ -228,7 +217,7 @@ class Qwen3VisionTower(QwenVisionBase):
 
         self.patch_dim = (self.in_channels * self.temporal_patch_size
                           * self.patch_size * self.patch_size)
-        self.patch_embed = _PatchEmbed(self.patch_dim, self.hidden_size)
+        self.patch_embed = _PatchEmbed(self.patch_dim, self.hidden_size, bias=True)
         self.pos_embed = nn.Embedding(self.num_position_embeddings, self.hidden_size)
         act = str(getattr(cfg, "hidden_act", "gelu_pytorch_tanh"))
         self.blocks = nn.ModuleList(
