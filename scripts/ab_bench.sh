@@ -20,17 +20,6 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     json="$OUT/${bench}_${side}_$round.json"
     PYTHONPATH=/tmp/site-$side python3 -m mrv2.entrypoints.cli bench "$bench" --json "$json" \
       "$@" > "$OUT/${bench}_${side}_$round.log" 2>&1
-    python3 - "$json" "$side" "$round" <<'PY'
-import json, sys
-data = json.load(open(sys.argv[1]))
-rows = data["default"]
-if isinstance(rows, dict):  # throughput
-    print(sys.argv[2], sys.argv[3], f"tok/s {rows['output_tok_s']}  s {rows['seconds']}  "
-          f"floor {rows['floor_fraction']}  host/step {rows['cpu_execute_ms_per_step']} ms")
-else:
-    print(sys.argv[2], sys.argv[3], "  ".join(
-        f"b{r['batch']}: tpot {r['tpot_ms']} gpu {r.get('gpu_step_ms')} "
-        f"host {r.get('host_execute_ms')}" for r in rows))
-PY
+    python3 "$(dirname "$0")/ab_summary.py" "$json" "$side" "$round"
   done
 done

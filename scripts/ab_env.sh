@@ -14,23 +14,10 @@ export PYTHONPATH=/tmp/site MRV2_TEST_GPU=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for side in off on; do
     json="$OUT/${bench}_${side}_$round.json"
-    if [ "$side" = on ]; then
-      env "$setting" python3 -m mrv2.entrypoints.cli bench "$bench" --json "$json" "$@" \
-        > "$OUT/${bench}_${side}_$round.log" 2>&1
-    else
-      python3 -m mrv2.entrypoints.cli bench "$bench" --json "$json" "$@" \
-        > "$OUT/${bench}_${side}_$round.log" 2>&1
-    fi
-    python3 - "$json" "$side" "$round" <<'PY'
-import json, sys
-data = json.load(open(sys.argv[1]))
-rows = data["default"]
-if isinstance(rows, dict):  # throughput
-    print(sys.argv[2], sys.argv[3], f"tok/s {rows['output_tok_s']}  s {rows['seconds']}  "
-          f"floor {rows['floor_fraction']}  host/step {rows['cpu_execute_ms_per_step']} ms")
-else:
-    print(sys.argv[2], sys.argv[3], "  ".join(
-        f"b{r['batch']}: tpot {r['tpot_ms']} gpu {r.get('gpu_step_ms')}" for r in rows))
-PY
+    setting_if_on=()
+    [ "$side" = on ] && setting_if_on=("$setting")
+    env "${setting_if_on[@]}" python3 -m mrv2.entrypoints.cli bench "$bench" --json "$json" "$@" \
+      > "$OUT/${bench}_${side}_$round.log" 2>&1
+    python3 "$(dirname "$0")/ab_summary.py" "$json" "$side" "$round"
   done
 done
