@@ -15,6 +15,7 @@ from mrv2.layers.decoder import (
 from mrv2.layers.embedding import LMHead, VocabEmbedding
 from mrv2.layers.linear import (
     ColumnLinear,
+    FusedColumnLinear,
     LinearBase,
     MergedColumnLinear,
     QKVLinear,
@@ -33,6 +34,7 @@ __all__ = [
     "ColumnLinear",
     "DecoderLayer",
     "DecoderModel",
+    "FusedColumnLinear",
     "FusedMoE",
     "GatedMLP",
     "GroupedTopKRouter",

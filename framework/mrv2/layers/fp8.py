@@ -39,7 +39,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from mrv2.layers.linear import LinearBase
+from mrv2.layers.linear import FusedColumnLinear, LinearBase
 from mrv2.layers.moe import FusedMoE
 from mrv2.layers.weights import apply_moving_only
 from mrv2_kernels.fp8_gemm import (
@@ -146,9 +146,8 @@ class Fp8LinearMixin(LinearBase):
 
     def _rank_scales(self, rows: torch.Tensor, shard_id: object) -> torch.Tensor:
         """This rank's part of per-row scales for the whole weight (of shard ``shard_id``)."""
-        shard_part = getattr(self, "shard_part", None)
-        if shard_id is not None and shard_part is not None:
-            return cast(torch.Tensor, shard_part(rows, shard_id))
+        if shard_id is not None and isinstance(self, FusedColumnLinear):
+            return self.shard_part(rows, shard_id)
         full_in = getattr(self, "full_input_size", None)
         if full_in is None:  # column-parallel: this rank's rows
             return self.rank_part(rows, False)

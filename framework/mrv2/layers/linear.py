@@ -186,7 +186,27 @@ class RowLinear(LinearBase):
         return all_reduce(y) if self.reduce_output and self.tp_size > 1 else y
 
 
-class MergedColumnLinear(ColumnLinear):
+class FusedColumnLinear(ColumnLinear):
+    """Column linears of the same input fused into one output, each filled from its own
+    checkpoint tensor (``shard_id``): subclasses say where a shard's rows sit in this rank's
+    weight (:meth:`shard_rows`) and which rows of the whole tensor are this rank's
+    (:meth:`shard_part`)."""
+
+    def shard_part(self, loaded: torch.Tensor, shard_id: object) -> torch.Tensor:
+        """This rank's rows of the whole checkpoint tensor ``loaded`` of shard ``shard_id``."""
+        raise NotImplementedError
+
+    def weight_loader(  # type: ignore[override]
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object
+    ) -> None:
+        """Copy this rank's part of checkpoint tensor ``loaded`` into shard ``shard_id``."""
+        start, size = self.shard_rows(shard_id)
+        with torch.no_grad():
+            _copy_checked(param.data.narrow(0, start, size), self.shard_part(loaded, shard_id),
+                          f"shard {shard_id!r}")
+
+
+class MergedColumnLinear(FusedColumnLinear):
     """Several column linears of the same input fused into one, e.g. an MLP's gate and up.
 
     Shard ``i`` holds output rows ``sum(output_sizes[:i]) : sum(output_sizes[:i+1])``. With
@@ -217,17 +237,8 @@ class MergedColumnLinear(ColumnLinear):
         _check_whole(loaded, 0, size * self.tp_size)
         return loaded.narrow(0, self.tp_rank * size, size)
 
-    def weight_loader(  # type: ignore[override]
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int
-    ) -> None:
-        """Copy this rank's part of checkpoint tensor ``loaded`` into shard ``shard_id``."""
-        start, size = self.shard_rows(shard_id)
-        with torch.no_grad():
-            _copy_checked(param.data.narrow(0, start, size), self.shard_part(loaded, shard_id),
-                          f"shard {shard_id}")
 
-
-class QKVLinear(ColumnLinear):
+class QKVLinear(FusedColumnLinear):
     """The query, key and value projections fused into one ``[q | k | v]`` output.
 
     With tensor parallelism each rank holds ``num_heads / size`` query heads and
@@ -263,16 +274,6 @@ class QKVLinear(ColumnLinear):
         self.kv_size = self.num_kv_heads * head_dim
         super().__init__(hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim * size,
                          bias, tp_size)
-
-    def weight_loader(  # type: ignore[override]
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str
-    ) -> None:
-        """Copy this rank's heads of HF's ``q_proj``/``k_proj``/``v_proj`` tensor
-        (``shard_id`` "q", "k" or "v")."""
-        start, size = self.shard_rows(shard_id)
-        with torch.no_grad():
-            _copy_checked(param.data.narrow(0, start, size), self.shard_part(loaded, shard_id),
-                          f"shard {shard_id!r}")
 
     def shard_part(self, loaded: torch.Tensor, shard_id: object) -> torch.Tensor:
         """This rank's heads of a whole ``q``/``k``/``v`` checkpoint tensor."""
