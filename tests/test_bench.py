@@ -173,3 +173,23 @@ def test_latency_bench_cpu_defaults() -> None:
     assert args.model is None and args.batch_sizes is None  # filled per device by bench()
     assert CPU_DEFAULTS["model"] == "SmolLM2-135M-Instruct"
     assert CPU_DEFAULTS["dtype"] == "float32" and CPU_DEFAULTS["batch_sizes"] == [1, 8]
+
+
+def test_tp_channel_bench_reports_every_step_kind(tmp_path: Path) -> None:
+    """``mrv2 bench tp-channel`` through the CLI: a reader process per worker receives every
+    published step; the table's rows and the JSON file agree."""
+    import json
+
+    from mrv2.entrypoints.cli import build_parser
+
+    out = tmp_path / "tp_channel.json"
+    args = build_parser().parse_args(["bench", "tp-channel", "--readers", "1", "--steps", "5",
+                                      "--spin-ms", "1", "--json", str(out)])
+    assert args.func(args) == 0
+    rows = json.loads(out.read_text())
+    assert [r["step"] for r in rows] == ["decode b1", "decode b64", "decode b256",
+                                         "prefill 8x1000"]
+    for r in rows:
+        assert r["readers"] == 1 and r["bytes"] > 0
+        assert r["publish_us"] > 0 and 0 < r["latency_us_p50"] <= r["latency_us_p99"]
+    assert rows[2]["bytes"] > rows[0]["bytes"]  # 256 requests' step is bigger than one's

@@ -65,6 +65,15 @@ def hf_greedy(model_dir: str | Path, prompt: list[int], max_new_tokens: int) -> 
     return ids[len(prompt):]
 
 
+def random_image(height: int, width: int, seed: int) -> Any:
+    """A ``height`` x ``width`` RGB PIL image of random pixels (needs pillow)."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
 def make_tiny_tokenizer(path: str | Path, vocab_size: int = 320,
                         special_tokens: Sequence[str] = (), chat_template: str | None = None
                         ) -> Path:

@@ -33,7 +33,7 @@ def resolve_model(model: str) -> str:
     raise ValueError(f"{model!r} is neither a directory nor a bundled config ({known})")
 
 
-def report(results: dict[str, Any], json_path: str | None) -> None:
+def report(results: dict[str, Any] | list[Any], json_path: str | None) -> None:
     """Print ``results`` as JSON (last, so the end of a log holds them); save a copy if asked."""
     text = json.dumps(results, indent=2)
     if json_path:

@@ -25,7 +25,6 @@ import statistics
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
 from mrv2.bench.latency import measure
@@ -33,14 +32,7 @@ from mrv2.bench.measure import release_engine_memory, report, resolve_model
 from mrv2.config import EngineConfig
 from mrv2.contract.params import SamplingParams
 from mrv2.engine.engine import LLMEngine
-
-
-def random_image(size: int, seed: int) -> Any:
-    """A ``size`` x ``size`` RGB PIL image of random pixels."""
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
+from mrv2.testing import random_image
 
 
 def image_prompt(engine: LLMEngine, prompt_len: int, seed: int) -> list[int]:
@@ -62,7 +54,7 @@ def measure_images(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: i
     for i in range(batch):
         ids, items = engine.process_multimodal(
             image_prompt(engine, prompt_len, seed * 10_000 + i),
-            {"image": random_image(image_size, seed * 10_000 + i)})
+            {"image": random_image(image_size, image_size, seed * 10_000 + i)})
         engine.add_request(ids, params, stream=True, mm_items=items)
     start = time.perf_counter()
     first: float | None = None
@@ -86,7 +78,7 @@ def measure_images(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: i
 def encoder_ms_per_image(engine: LLMEngine, image_size: int, repeats: int = 10) -> float:
     """Median time of the vision encoder on one image (device events on CUDA)."""
     _, items = engine.process_multimodal(image_prompt(engine, 2, 0),
-                                         {"image": random_image(image_size, 0)})
+                                         {"image": random_image(image_size, image_size, 0)})
     model: Any = engine.runner.model
     device = engine.runner.device
     pixels = items[0].data["pixel_values"].to(device)

@@ -103,16 +103,15 @@ def add_parser(sub: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Print a table, then the JSON."""
+    """Print a table, then the JSON (last)."""
+    from mrv2.bench.measure import report  # not at the top: the reader processes skip it
+
     rows = bench(args)
     print(f"{'step':<16}{'readers':>8}{'bytes':>10}{'publish us':>12}{'p50 us':>10}{'p99 us':>10}")
     for r in rows:
         print(f"{r['step']:<16}{r['readers']:>8}{r['bytes']:>10}{r['publish_us']:>12}"
               f"{r['latency_us_p50']:>10}{r['latency_us_p99']:>10}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    print(json.dumps(rows))
+    report(rows, args.json)
     return 0
 
 

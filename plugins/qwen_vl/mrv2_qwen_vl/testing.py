@@ -8,10 +8,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from mrv2.testing import make_tiny_tokenizer, redraw_weights
+from mrv2.testing import make_tiny_tokenizer, random_image, redraw_weights
 
 __all__ = ["END", "IMAGE", "START", "make_tiny_qwen3_vl", "make_tiny_qwen_vl", "random_image",
            "random_patches"]
@@ -122,14 +121,6 @@ def _save_tokenizer(path: Path) -> None:
     if tokenizer.convert_tokens_to_ids(SPECIAL) != [START, END, IMAGE]:
         raise RuntimeError("the tiny tokenizer's special token ids changed; update START/END/"
                            "IMAGE in mrv2_qwen_vl.testing")
-
-
-def random_image(height: int, width: int, seed: int) -> Any:
-    """A random RGB PIL image."""
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
 
 
 def random_patches(grids: list[tuple[int, int, int]], patch: int, seed: int
