@@ -1,4 +1,5 @@
-"""Fused mixture-of-experts: the routed experts' SwiGLU MLPs for a batch of tokens.
+"""Fused mixture-of-experts: the routed experts' SwiGLU MLPs for a batch of tokens (reference
+in fused_moe_ref).
 
 Contract (``x`` ``[T, H]``, ``w13`` ``[E, 2*I, H]`` holding each expert's gate rows then its up
 rows, ``w2`` ``[E, H, I]``, ``topk_weights`` ``[T, K]`` fp32, ``topk_ids`` ``[T, K]`` int)::
@@ -55,25 +56,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from ._backend import use_triton
-from .fp8_gemm import (
-    FP8_DTYPE,
-    _quant_rows,
-    dequantize_weight_block_fp8,
-    per_token_group_quant_fp8_triton,
-)
-from .fused_moe_fp8 import (
-    DEFAULT_BLOCK,
-    _fp8_a_tile,
-    _fp8_dot,
-    _round_to,
-    check_fp8_args,
-    quant_dequant_groups,
-)
+from .fp8_gemm import FP8_DTYPE, _quant_rows, per_token_group_quant_fp8_triton
+from .fused_moe_fp8 import DEFAULT_BLOCK, _fp8_a_tile, _fp8_dot, _round_to, check_fp8_args
+from .fused_moe_ref import _check, fused_moe_ref
 from .moe_align import _ID_DTYPES, _tile, moe_align, moe_align_ref, moe_max_blocks
 from .moe_tiles import MoeTiles, _check_fp8_tiles, moe_tiles
 
@@ -98,29 +87,6 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-           topk_ids: torch.Tensor) -> None:
-    """The shapes of the contract; a ValueError starts with the argument at fault."""
-    if x.dim() != 2:
-        raise ValueError(f"x must be [T, H], got {tuple(x.shape)}")
-    num_tokens, hidden = x.shape
-    if w13.dim() != 3 or w13.shape[2] != hidden or w13.shape[1] % 2:
-        raise ValueError(f"w13 must be [E, 2I, H={hidden}], got {tuple(w13.shape)}")
-    num_experts, two_i, _ = w13.shape
-    if w2.shape != (num_experts, hidden, two_i // 2):
-        raise ValueError(
-            f"w2 must be [E={num_experts}, H={hidden}, I={two_i // 2}] (from w13 "
-            f"{tuple(w13.shape)}), got {tuple(w2.shape)}"
-        )
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens:
-        raise ValueError(f"topk_ids must be [T={num_tokens}, K], got {tuple(topk_ids.shape)}")
-    if topk_weights.shape != topk_ids.shape:
-        raise ValueError(
-            f"topk_weights must be shaped like topk_ids {tuple(topk_ids.shape)}, got "
-            f"{tuple(topk_weights.shape)}"
-        )
-
-
 def _check_kernel_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                        topk_weights: torch.Tensor, topk_ids: torch.Tensor, fp8: bool) -> None:
     """What the Triton path assumes beyond :func:`_check` (and, ``fp8``,
@@ -140,44 +106,6 @@ def _check_kernel_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     ("topk_ids", topk_ids)):
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device}, x on {x.device}")
-
-
-def fused_moe_ref(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    *,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    block: tuple[int, int] | list[int] = DEFAULT_BLOCK,
-) -> torch.Tensor:
-    """Plain-torch specification: a Python loop over (token, slot) pairs grouped by expert.
-    FP8 weights (both scales given): the weights dequantized, ``x`` and the activation
-    quantized per row and group of ``bk`` (:mod:`~mrv2_kernels.fused_moe_fp8`'s contract)."""
-    _check(x, w13, w2, topk_weights, topk_ids)
-    fp8 = check_fp8_args(w13, w2, w13_scale, w2_scale, block)
-    num_tokens, top_k = topk_ids.shape
-    inter = w2.shape[2]
-    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
-    flat_ids = topk_ids.reshape(-1).long()
-    x_in = x if fp8 is None else quant_dequant_groups(x, fp8[1])
-    for e in flat_ids.unique().tolist():
-        pairs = (flat_ids == e).nonzero().squeeze(1)
-        tokens = pairs // top_k
-        if fp8 is None or w13_scale is None or w2_scale is None:
-            w13_e, w2_e = w13[e].float(), w2[e].float()
-        else:
-            w13_e = dequantize_weight_block_fp8(w13[e], w13_scale[e], fp8, torch.float32)
-            w2_e = dequantize_weight_block_fp8(w2[e], w2_scale[e], fp8, torch.float32)
-        gate_up = (x_in[tokens].float() @ w13_e.T).to(x.dtype)
-        act = (F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(x.dtype)
-        act_in = act if fp8 is None else quant_dequant_groups(act, fp8[1])
-        y = act_in.float() @ w2_e.T
-        weight = topk_weights.reshape(-1)[pairs].float()
-        out.index_add_(0, tokens, y * weight[:, None])
-    return out.to(x.dtype)
 
 
 # ------------------------------------------------------------------------------ grouped GEMMs

@@ -90,7 +90,7 @@ def check_fp8_args(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor 
                    ) -> tuple[int, int] | None:
     """``(bn, bk)`` when the weights are block-quantized FP8 (both scales given), None for the
     unquantized path; a ValueError, starting with the argument at fault, otherwise. The
-    weights' shapes are :func:`~mrv2_kernels.fused_moe._check`'s."""
+    weights' shapes are :func:`~mrv2_kernels.fused_moe_ref._check`'s."""
     if w13_scale is None and w2_scale is None:
         for name, w in (("w13", w13), ("w2", w2)):
             if w.dtype == FP8_DTYPE:
