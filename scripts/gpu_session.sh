@@ -23,7 +23,8 @@ for step in "$@"; do
               | tee "$OUT/prefix.log" | tail -30 ;;
     preempt) python3 -m mrv2.entrypoints.cli bench throughput --json "$OUT/preempt.json" \
                --full-warmup --kv-fraction 0.33 2>&1 | tee "$OUT/preempt.log" | tail -30 ;;
-    profile) python3 scripts/profile_decode.py --batch 1 2>&1 | tee "$OUT/profile_b1.log" | tail -120 ;;
+    profile) python3 scripts/profile_decode.py --batch 1 ${PROFILE_ARGS:-} 2>&1 \
+               | tee "$OUT/profile_b1.log" | tail -60 ;;
     normgemv) python3 -m pytest -q -p no:cacheprovider tests/kernels/test_norm_gemv.py 2>&1 \
                 | tail -3
               python3 -m mrv2_kernels.bench_norm_gemv ${NORMGEMV_ARGS:-} 2>&1 \
@@ -33,7 +34,8 @@ for step in "$@"; do
     splits) python3 scripts/sweep_decode_splits.py 2>&1 | tee "$OUT/splits.log" | tail -8 ;;
     moe) python3 -m mrv2_kernels.bench_moe --json "$OUT/moe_kernel.json" 2>&1 \
            | tee "$OUT/moe_kernel.log" | tail -24 ;;
-    attn) python3 -m mrv2_kernels.bench_attention 2>&1 | tee "$OUT/attn.log" | tail -30 ;;
+    attn) python3 -m mrv2_kernels.bench_attention ${ATTN_ARGS:-} 2>&1 | tee "$OUT/attn.log" \
+            | sed -n '/^summary:/,$p' ;;
     throughput) python3 -m mrv2.entrypoints.cli bench throughput --json "$OUT/throughput.json" \
                   ${THROUGHPUT_ARGS:-} 2>&1 | tee "$OUT/throughput.log" | tail -40 ;;
     soak) python3 scripts/soak.py --model Qwen3-0.6B --duration "${SOAK_S:-450}" \

@@ -26,6 +26,9 @@ parser.add_argument("--batch", type=int, default=1)
 parser.add_argument("--steps", type=int, default=64)
 parser.add_argument("--temperature", type=float, default=0.0)
 parser.add_argument("--trace", default=os.environ.get("OUT"))
+parser.add_argument("--cprofile", action="store_true",
+                    help="also print the host's Python profile of the timed steps (top functions "
+                         "by own time and by cumulative time)")
 args = parser.parse_args()
 
 engine = LLMEngine(EngineConfig.from_kwargs(
@@ -63,6 +66,19 @@ print(f"batch {args.batch}: wall per step {wall * 1e3:.3f} ms")
 for name, values in phases.items():
     if values:
         print(f"  host {name:9s} median {statistics.median(values) * 1e3:.3f} ms")
+if args.cprofile:
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(args.steps):
+        engine.step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    stats.sort_stats("tottime").print_stats(35)
+    stats.sort_stats("cumulative").print_stats(45)
 
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
                                         torch.profiler.ProfilerActivity.CPU]) as prof:

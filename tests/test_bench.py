@@ -193,3 +193,20 @@ def test_tp_channel_bench_reports_every_step_kind(tmp_path: Path) -> None:
         assert r["readers"] == 1 and r["bytes"] > 0
         assert r["publish_us"] > 0 and 0 < r["latency_us_p50"] <= r["latency_us_p99"]
     assert rows[2]["bytes"] > rows[0]["bytes"]  # 256 requests' step is bigger than one's
+
+
+def test_attention_bench_tiny_checks_and_times_every_case(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``python -m mrv2_kernels.bench_attention --tiny`` (the interpreter): the reference checks
+    pass and every decode case and the prefill print a time."""
+    from mrv2_kernels import bench_attention
+
+    assert bench_attention.main(["--tiny"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" ok") == 5 and "MISMATCH" not in out
+    shapes = bench_attention.TINY
+    rows = [line for line in out.splitlines() if line.split()[:1] in
+            [[str(b)] for b in shapes.batches]]
+    assert len(rows) == len(shapes.batches) * len(shapes.contexts)
+    assert "prefill tiny 2 x 20 causal" in out.split("summary:")[1]

@@ -1,21 +1,26 @@
 """Micro-benchmark of the Triton paged attention (decode and prefill), for an H100/H200.
 
-    python -m mrv2_kernels.bench_attention            # the table (Qwen3-0.6B shapes, bf16)
+    python -m mrv2_kernels.bench_attention            # the tables (Qwen3-0.6B and -8B heads)
     python -m mrv2_kernels.bench_attention --sweep    # also try tile/stage/split variants
     TRITON_INTERPRET=1 python -m mrv2_kernels.bench_attention --tiny   # CPU smoke test
 
-Decode: batch {1, 8, 64, 256} x context {512, 2048, 4096}, one query token per request, 16
-query heads over 8 KV heads, head_dim 128, block size 16, random non-contiguous block ids.
-Times are ``triton.testing.do_bench`` medians (it flushes L2 before each run, so KV comes
-from HBM); GB/s counts the K and V bytes each step must read, against ~4.8 TB/s peak on an
-H200. Prefill: 4 requests x 1024 new tokens (no earlier context), causal TFLOP/s.
-Outputs are checked against ``paged_attention_ref`` on a few cases first (exit code 1 on a
-mismatch).
+Decode: batch {1, 8, 32, 64, 128, 256} x context {256, 512, 1024, 2048, 4096}, one query token per
+request, head_dim 128, block size 16, random non-contiguous block ids, for the 0.6B head layout
+(16 query heads over 8 KV heads) and the 8B one (32 over 8). Prefill: 4 requests x 1024 new
+tokens (no earlier context), causal TFLOP/s, for both layouts.
+
+Timing is device time as a decode step sees it: each case's calls are captured in one CUDA
+graph (no Python launch cost; a launch-bound ``do_bench`` read ~40 us for any small case), over
+enough distinct KV caches (>= 256 MiB per replay) that the keys come from HBM, not L2, as in a
+model where every layer reads its own cache. GB/s counts the K and V bytes a call must read,
+against ~4.8 TB/s peak on an H200. Outputs are checked against ``paged_attention_ref`` on a few
+cases first (exit code 1 on a mismatch).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -26,8 +31,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Shapes:
-    num_heads: int
-    num_kv_heads: int
+    layouts: tuple[tuple[str, int, int], ...]
+    """``(name, query heads, kv heads)``."""
     head_dim: int
     block_size: int
     batches: tuple[int, ...]
@@ -36,15 +41,23 @@ class Shapes:
     prefill_len: int
 
 
-FULL = Shapes(16, 8, 128, 16, (1, 8, 64, 256), (512, 2048, 4096), 4, 1024)
-TINY = Shapes(4, 2, 16, 4, (1, 3), (24, 40), 2, 20)
+FULL = Shapes((("0.6B", 16, 8), ("8B", 32, 8)), 128, 16, (1, 8, 32, 64, 128, 256),
+              (256, 512, 1024, 2048, 4096), 4, 1024)
+TINY = Shapes((("tiny", 4, 2),), 16, 4, (1, 3), (24, 40), 2, 20)
+#: Decode (batch, context) cases the sweep tries variants on: the throughput workload's steps
+#: (many short sequences early, fewer and longer ones later).
+SWEEP_CASES = ((8, 2048), (8, 4096), (32, 1024), (32, 2048), (64, 256), (128, 512),
+               (128, 1024), (256, 256))
+_KV_BYTES_PER_REPLAY = 256 << 20
+_MAX_COPIES = 64
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="tiny shapes under the Triton interpreter")
-    p.add_argument("--sweep", action="store_true", help="try block_n/num_stages/split variants")
-    p.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
+    p.add_argument("--sweep", action="store_true", help="try block/stage/split/warp variants")
+    p.add_argument("--layouts", nargs="*", default=None, help="only these head layouts (8B)")
+    p.add_argument("--no-decode", action="store_true", help="prefill only")
     return p.parse_args(argv)
 
 
@@ -70,162 +83,185 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda")
     dtype = torch.bfloat16
     elem = torch.finfo(dtype).bits // 8
-    scale = shapes.head_dim**-0.5
+    d = shapes.head_dim
+    scale = d**-0.5
     gen = torch.Generator(device=device).manual_seed(0)
 
-    def timer(fn: Callable[[], Any]) -> float:
-        """Milliseconds per call: do_bench median on GPU, one timed call on the interpreter."""
+    def timer(fn: Callable[[int], Any], copies: int) -> float:
+        """Milliseconds per call of ``fn(i)`` over ``copies`` inputs: the median of 10 replays
+        of one CUDA graph of them all; one timed eager pass under the interpreter."""
+        for i in range(copies):  # compile and warm up outside the capture
+            fn(i)
         if args.tiny:
-            fn()
             t0 = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t0) * 1e3
-        import triton.testing
+            for i in range(copies):
+                fn(i)
+            return (time.perf_counter() - t0) * 1e3 / copies
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(copies):
+                fn(i)
+        times = []
+        for _ in range(10):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / copies)
+        del graph
+        return sorted(times)[len(times) // 2]
 
-        return float(triton.testing.do_bench(fn, warmup=25, rep=args.rep, return_mode="median"))
+    @dataclass
+    class Case:
+        """One random batch over ``copies`` KV caches; ``make(**overrides)`` -> ``fn(i)``."""
 
-    def batch(
-        qlens: list[int], lens: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """query, kv_cache, query_start_loc, seq_lens, block_table with random block ids."""
+        query: torch.Tensor
+        kvs: list[torch.Tensor]
+        qsl: torch.Tensor
+        seq_lens: torch.Tensor
+        table: torch.Tensor
+        bounds: dict[str, Any]
+
+        def make(self, **kw: Any) -> Callable[[int], torch.Tensor]:
+            def fn(i: int) -> torch.Tensor:
+                return paged_attention(self.query, self.kvs[i], self.qsl, self.seq_lens,
+                                       self.table, scale, **self.bounds, **kw)
+
+            return fn
+
+        def ref(self) -> torch.Tensor:
+            return paged_attention_ref(self.query, self.kvs[0], self.qsl, self.seq_lens,
+                                       self.table, scale, **self.bounds)
+
+    def case(heads: int, kv_heads: int, qlens: list[int], lens: list[int],
+             copies: int = 1) -> Case:
+        """Random queries, KV caches and non-contiguous block ids."""
         bs = shapes.block_size
         per_req = [-(-s // bs) for s in lens]
-        max_blocks = max(per_req)
         num_blocks = sum(per_req) + 1
-        kv = torch.randn(
-            2, num_blocks, bs, shapes.num_kv_heads, shapes.head_dim,
-            generator=gen, device=device, dtype=dtype,
-        )  # fmt: skip
+        kvs = [torch.randn(2, num_blocks, bs, kv_heads, d, generator=gen, device=device,
+                           dtype=dtype) for _ in range(copies)]
         perm = torch.randperm(num_blocks, generator=gen, device=device).to(torch.int32)
-        table = torch.zeros(len(lens), max_blocks, dtype=torch.int32, device=device)
+        table = torch.zeros(len(lens), max(per_req), dtype=torch.int32, device=device)
         used = 0
         for i, n in enumerate(per_req):
             table[i, :n] = perm[used : used + n]
             used += n
-        query = torch.randn(
-            sum(qlens), shapes.num_heads, shapes.head_dim,
-            generator=gen, device=device, dtype=dtype,
-        )  # fmt: skip
+        query = torch.randn(sum(qlens), heads, d, generator=gen, device=device, dtype=dtype)
         starts = [0]
         for q in qlens:
             starts.append(starts[-1] + q)
         qsl = torch.tensor(starts, dtype=torch.int32, device=device)
         seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-        return query, kv, qsl, seq_lens, table
+        bounds = {"max_query_len": max(qlens), "max_seq_len": max(lens), "num_reqs": len(lens)}
+        return Case(query, kvs, qsl, seq_lens, table, bounds)
 
-    def setup(
-        qlens: list[int], lens: list[int]
-    ) -> tuple[Callable[..., Callable[[], torch.Tensor]], Callable[[], torch.Tensor]]:
-        """(make(**launcher_overrides) -> timed call, reference call) over one random batch."""
-        query, kv, qsl, seq_lens, table = batch(qlens, lens)
-        bounds: dict[str, Any] = {
-            "max_query_len": max(qlens),
-            "max_seq_len": max(lens),
-            "num_reqs": len(lens),
-        }
+    def copies_for(kv_bytes: int) -> int:
+        if args.tiny:
+            return 1
+        return max(2, min(_MAX_COPIES, -(-_KV_BYTES_PER_REPLAY // kv_bytes)))
 
-        def make(**kw: Any) -> Callable[[], torch.Tensor]:
-            def fn() -> torch.Tensor:
-                return paged_attention(query, kv, qsl, seq_lens, table, scale, **bounds, **kw)
-
-            return fn
-
-        def ref() -> torch.Tensor:
-            return paged_attention_ref(query, kv, qsl, seq_lens, table, scale, **bounds)
-
-        return make, ref
+    layouts = [lay for lay in shapes.layouts if not args.layouts or lay[0] in args.layouts]
 
     # ---- correctness first ----------------------------------------------------------------
     ctx0 = shapes.contexts[0]
     lens_mixed = torch.randint(1, 4 * ctx0, (8,), generator=torch.Generator().manual_seed(1))
+    pl = shapes.prefill_len
     checks: list[tuple[str, list[int], list[int], dict[str, Any]]] = [
         (f"decode b8 ctx{ctx0}", [1] * 8, [ctx0] * 8, {"uniform_decode": True}),
         ("decode b8 mixed lens", [1] * 8, lens_mixed.tolist(), {"uniform_decode": True}),
         ("decode b1 no split", [1], [ctx0], {"uniform_decode": True, "num_splits": 1}),
-        ("prefill b2", [shapes.prefill_len] * 2, [shapes.prefill_len] * 2, {}),
-        ("chunked prefill", [shapes.prefill_len // 2], [2 * shapes.prefill_len], {}),
+        ("prefill b2", [pl] * 2, [pl] * 2, {}),
+        ("chunked prefill", [pl // 2], [2 * pl], {}),
     ]
     ok = True
-    for name, qlens, lens, kw in checks:
-        make, ref = setup(qlens, lens)
-        got, want = make(**kw)().float(), ref().float()
+    for (lay, heads, kv_heads), (name, qlens, lens, kw) in itertools.product(layouts, checks):
+        c = case(heads, kv_heads, qlens, lens)
+        got, want = c.make(**kw)(0).float(), c.ref().float()
         err = (got - want).abs().max().item()
         good = bool(((got - want).abs() <= 2e-2 + 2e-2 * want.abs()).all())  # bf16 tolerance
         ok &= good
-        print(f"check {name:<22} max|err| {err:.2e} {'ok' if good else 'MISMATCH'}")
+        print(f"check {lay:>4} {name:<22} max|err| {err:.2e} {'ok' if good else 'MISMATCH'}")
+        del c
     if not ok:
         return 1
+    summary: list[str] = []
 
     # ---- decode table ---------------------------------------------------------------------
-    hk, d = shapes.num_kv_heads, shapes.head_dim
-    print()
-    print(
-        f"decode: H={shapes.num_heads} Hk={hk} D={d} bf16 block_size={shapes.block_size} "
-        f"(splits and block_n from attention_plan; 'no split' forces num_splits=1)"
-    )
-    header = (
-        f"{'batch':>5} {'ctx':>5} {'splits':>6} {'bn':>4} {'time us':>9} {'KV MB':>9} "
-        f"{'GB/s':>7} {'no split us':>11} {'GB/s':>7}"
-    )
-    print(header)
-    print("-" * len(header))
-    for b in shapes.batches:
-        for ctx in shapes.contexts:
-            qlens, lens = [1] * b, [ctx] * b
-            make, _ = setup(qlens, lens)
-            probe = torch.empty(b, shapes.num_heads, d, dtype=dtype, device=device)
-            plan = attention_plan(
-                probe,
-                torch.empty(2, 1, shapes.block_size, hk, d, dtype=dtype, device=device),
-                max_query_len=1,
-                max_seq_len=ctx,
-                num_reqs=b,
-                uniform_decode=True,
-            )
-            kv_bytes = b * ctx * hk * d * 2 * elem
-            ms = timer(make(uniform_decode=True))
-            ms1 = timer(make(uniform_decode=True, num_splits=1))
-            print(
-                f"{b:>5} {ctx:>5} {plan.num_splits:>6} {plan.block_n:>4} {ms * 1e3:>9.1f} "
-                f"{kv_bytes / 1e6:>9.2f} {kv_bytes / ms / 1e6:>7.0f} {ms1 * 1e3:>11.1f} "
-                f"{kv_bytes / ms1 / 1e6:>7.0f}"
-            )
-            if args.sweep:
+    for lay, heads, kv_heads in [] if args.no_decode else layouts:
+        print(f"\ndecode, {lay} heads: H={heads} Hk={kv_heads} D={d} bf16 "
+              f"block_size={shapes.block_size} (splits and block_n from attention_plan)")
+        header = (f"{'batch':>5} {'ctx':>5} {'splits':>6} {'bn':>4} {'time us':>9} "
+                  f"{'KV MB':>9} {'GB/s':>7} {'no split us':>11} {'GB/s':>7}")
+        print(header)
+        print("-" * len(header))
+        for b, ctx in itertools.product(shapes.batches, shapes.contexts):
+            kv_bytes = b * ctx * kv_heads * d * 2 * elem
+            c = case(heads, kv_heads, [1] * b, [ctx] * b, copies_for(kv_bytes))
+            plan = attention_plan(c.query, c.kvs[0], **c.bounds, uniform_decode=True)
+            ms = timer(c.make(uniform_decode=True), len(c.kvs))
+            ms1 = timer(c.make(uniform_decode=True, num_splits=1), len(c.kvs))
+            print(f"{b:>5} {ctx:>5} {plan.num_splits:>6} {plan.block_n:>4} {ms * 1e3:>9.1f} "
+                  f"{kv_bytes / 1e6:>9.2f} {kv_bytes / ms / 1e6:>7.0f} {ms1 * 1e3:>11.1f} "
+                  f"{kv_bytes / ms1 / 1e6:>7.0f}", flush=True)
+            if (b, ctx) in SWEEP_CASES:
+                summary.append(f"decode {lay:>4} b{b:<3} ctx{ctx:<5} {ms * 1e3:7.1f} us "
+                               f"{kv_bytes / ms / 1e6:5.0f} GB/s")
+            if args.sweep and (b, ctx) in SWEEP_CASES:
                 best: tuple[float, str] = (ms, "default")
-                for bn in (32, 64, 128):
-                    for stages in (2, 3, 4):
-                        for mult in (0.5, 1.0, 2.0):
-                            splits = max(1, int(plan.num_splits * mult))
-                            tag = f"bn={bn} stages={stages} splits={splits}"
-                            fnv = make(
-                                uniform_decode=True,
-                                block_n=bn,
-                                num_stages=stages,
-                                num_splits=splits,
-                            )
-                            try:
-                                msv = timer(fnv)
-                            except Exception as e:  # e.g. out of shared memory
-                                print(f"      {tag}: failed ({type(e).__name__})")
-                                continue
-                            if msv < best[0]:
-                                best = (msv, tag)
-                print(
-                    f"      best: {best[1]} {best[0] * 1e3:.1f} us "
-                    f"({kv_bytes / best[0] / 1e6:.0f} GB/s)"
-                )
-            del make
+                for bn, stages, warps, mult in itertools.product(
+                        (32, 64, 128), (2, 3), (2, 4), (1, 2, 4)):
+                    splits = max(1, plan.num_splits * mult)
+                    tag = f"bn={bn} stages={stages} warps={warps} splits={splits}"
+                    try:
+                        msv = timer(c.make(uniform_decode=True, block_n=bn, num_stages=stages,
+                                           num_warps=warps, num_splits=splits), len(c.kvs))
+                    except Exception as e:  # noqa: BLE001 (e.g. out of shared memory)
+                        print(f"      {tag}: failed ({type(e).__name__})")
+                        continue
+                    if msv < best[0]:
+                        best = (msv, tag)
+                line = (f"      best: {best[1]} {best[0] * 1e3:.1f} us "
+                        f"({kv_bytes / best[0] / 1e6:.0f} GB/s)")
+                print(line, flush=True)
+                summary.append(line)
+            del c
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
     # ---- prefill --------------------------------------------------------------------------
-    pb, pl = shapes.prefill_batch, shapes.prefill_len
-    make, _ = setup([pl] * pb, [pl] * pb)
-    ms = timer(make())
-    flops = 4 * shapes.num_heads * d * pb * (pl * (pl + 1) // 2)
-    print()
-    print(f"prefill: {pb} x {pl} tokens, no context, causal")
-    print(f"  time {ms * 1e3:.1f} us   {flops / ms / 1e9:.1f} TFLOP/s")
+    pb = shapes.prefill_batch
+    for lay, heads, kv_heads in layouts:
+        c = case(heads, kv_heads, [pl] * pb, [pl] * pb, 1 if args.tiny else 4)
+        flops = 4 * heads * d * pb * (pl * (pl + 1) // 2)
+        plan = attention_plan(c.query, c.kvs[0], **c.bounds)
+        ms = timer(c.make(), len(c.kvs))
+        line = (f"prefill {lay:>4} {pb} x {pl} causal: {ms * 1e3:.1f} us "
+                f"{flops / ms / 1e9:.1f} TFLOP/s (bm={plan.block_m} bn={plan.block_n} "
+                f"warps={plan.num_warps} stages={plan.num_stages})")
+        print("\n" + line, flush=True)
+        summary.append(line)
+        if args.sweep:
+            results = []
+            for bm, bn, warps, stages in itertools.product(
+                    (64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
+                tag = f"bm={bm} bn={bn} warps={warps} stages={stages}"
+                try:
+                    msv = timer(c.make(block_m=bm, block_n=bn, num_warps=warps,
+                                       num_stages=stages), len(c.kvs))
+                except Exception as e:  # noqa: BLE001 (out of resources: skip the tile)
+                    print(f"      {tag}: failed ({type(e).__name__})")
+                    continue
+                results.append((msv, tag))
+            for msv, tag in sorted(results)[:3]:
+                line = f"      {tag}: {msv * 1e3:.1f} us {flops / msv / 1e9:.1f} TFLOP/s"
+                print(line, flush=True)
+                summary.append(line)
+        del c
+    print("\nsummary:\n" + "\n".join(summary))
     return 0
 
 

@@ -67,7 +67,7 @@ def _sweep_tiles(m: int) -> list[tuple[int, int, int, int, int]]:
         return [(bn, bk, s, st, 4) for bn, bk, s, st in itertools.product(
             [16, 32, 64], [128, 256, 512], [1, 2, 4, 8], [3, 4])]
     return [(bn, bk, s, st, w) for bn, bk, s, st, w in itertools.product(
-        [32, 64, 128], [64, 128], [1, 2, 4], [3, 4, 5], [4, 8])]
+        [64, 128], [64, 128], [1, 2, 4], [3, 4], [4, 8])]
 
 
 def bench_shape(name: str, n: int, k: int, rows: list[int], sweep: bool) -> list[str]:
@@ -81,7 +81,11 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], sweep: bool) -> list
     for m in rows:
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         cublas = time_graph(functools.partial(_cublas, x, weights), copies)
-        ours = time_graph(functools.partial(_skinny, x, weights, ()), copies)
+        try:
+            ours = time_graph(functools.partial(_skinny, x, weights, ()), copies)
+        except Exception as exc:  # noqa: BLE001 (its first plan is out of resources there)
+            print(f"  skinny plan at M={m}: {type(exc).__name__}")
+            ours = float("nan")
         best = ""
         if sweep:
             results = []

@@ -300,28 +300,34 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _default_config(
-    on_gpu: bool, small_q: bool, rows: int, head_dim: int, elem_size: int
+    on_gpu: bool, small_q: bool, rows: int, head_dim: int, elem_size: int, group_p2: int
 ) -> tuple[int, int, int, int]:
     """(block_m, block_n, num_warps, num_stages) for ``rows`` = max_query_len * group rows.
 
     Interpreter (CPU tensors): small tiles, they only need to be correct. GPU (checked by
-    compiling for sm_90: no spills, shared memory within budget): decode reads ``block_n`` keys
-    per pipelined step; bf16/fp16 prefill uses 128 x 64 wgmma tiles (128 x 32 past head_dim
-    128); fp32 models get small tiles (their 3xTF32 dots are register-hungry).
+    compiling for sm_90: no spills, shared memory within budget; chosen by
+    ``bench_attention --sweep`` on the H200, device time in CUDA graphs, BENCHMARKS.md
+    2026-12-01): decode reads ``block_n`` keys per step, double-buffered (3 stages were 3-12%
+    slower at 64-256 requests of 256-512 keys: the third buffer costs an SM a resident
+    program); bf16/fp16 prefill with head_dim <= 128 uses 64 x 64 tiles on 4 warps for
+    groups of 1-2 query heads per kv head (Qwen3-0.6B: 209 against 181 TFLOP/s for 128 x 64)
+    and 128 x 32 on 8 warps from 4 (Qwen3-8B: 257 against 219); 128 x 32 past head_dim 128;
+    fp32 models get small tiles (their 3xTF32 dots are register-hungry).
     """
     if not on_gpu:
         return (max(16, triton.next_power_of_2(max(rows, 1))) if small_q else 32), 16, 4, 1
     if small_q:
         bm = max(16, triton.next_power_of_2(max(rows, 1)))
         wide = head_dim * elem_size > 256
-        return bm, (32 if wide else 64), 4, (2 if wide else 3)
+        return bm, (32 if wide else 64), 4, 2
     bm = max(16, triton.next_power_of_2(rows))
     if elem_size >= 4:
         return min(bm, 32), 32, 4, 2
     if head_dim > 128:
         return min(bm, 128), 32, 8, 2
-    bm = min(bm, 128)
-    return bm, 64, (8 if bm >= 128 else 4), 3
+    if group_p2 >= 4:
+        return min(bm, 128), 32, (8 if bm >= 128 else 4), 2
+    return min(bm, 64), 64, 4, 2
 
 
 @dataclass(frozen=True)
@@ -368,7 +374,8 @@ def attention_plan(
     on_gpu = query.is_cuda
     rows = max_query_len * group_p2
     small_q = rows <= 16 or (uniform_decode and rows <= 128)
-    bm, bn, warps, stages = _default_config(on_gpu, small_q, rows, head_dim, query.element_size())
+    bm, bn, warps, stages = _default_config(on_gpu, small_q, rows, head_dim, query.element_size(),
+                                            group_p2)
     bm = max(block_m if block_m is not None else bm, group_p2)
     bn = block_n if block_n is not None else bn
     assert bm & (bm - 1) == 0 and bn & (bn - 1) == 0, "block_m and block_n must be powers of 2"
