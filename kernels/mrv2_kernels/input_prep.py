@@ -126,6 +126,8 @@ def _post_update_kernel(
     pid = tl.program_id(0)
     row = tl.load(idx_mapping_ptr + pid).to(tl.int64)
     qlen = tl.load(query_start_loc_ptr + pid + 1) - tl.load(query_start_loc_ptr + pid)
+    if qlen == 0:  # a CUDA graph's padding request: its row entry is stale, touch nothing
+        return
     n = tl.load(num_sampled_ptr + pid).to(tl.int32)
     drafts = tl.load(num_drafts_ptr + pid).to(tl.int32)
     base = tl.load(num_computed_ptr + row).to(tl.int32) + qlen.to(tl.int32) - drafts
@@ -369,17 +371,19 @@ def post_update_ref(
         return
     dev = num_computed.device
     max_model_len, width = token_ids.shape[1], sampled.shape[1]
-    rows = idx_mapping[:num_reqs].to(device=dev, dtype=torch.int64)
     qsl = query_start_loc[: num_reqs + 1].to(device=dev, dtype=torch.int64)
-    n = num_sampled[:num_reqs].to(device=dev, dtype=torch.int64)
-    drafts = num_drafts[:num_reqs].to(device=dev, dtype=torch.int64)
-    base = num_computed[rows].to(torch.int64) + (qsl[1:] - qsl[:-1]) - drafts
+    qlen = qsl[1:] - qsl[:-1]
+    real = qlen > 0  # empty queries (a CUDA graph's padding requests) change nothing
+    rows = idx_mapping[:num_reqs].to(device=dev, dtype=torch.int64)[real]
+    n = num_sampled[:num_reqs].to(device=dev, dtype=torch.int64)[real]
+    drafts = num_drafts[:num_reqs].to(device=dev, dtype=torch.int64)[real]
+    base = num_computed[rows].to(torch.int64) + qlen[real] - drafts
     num_computed[rows] = (base + (n - 1).clamp(min=0)).to(num_computed.dtype)
     j = torch.arange(width, device=dev, dtype=torch.int64)
     pos = base[:, None] + j[None, :]  # [B, S]
     write = (j[None, :] < n[:, None]) & (pos < max_model_len)
     wrows = rows[:, None].expand(-1, width)[write]
-    token_ids[wrows, pos[write]] = sampled[:num_reqs].to(dev)[write].to(token_ids.dtype)
+    token_ids[wrows, pos[write]] = sampled[:num_reqs].to(dev)[real][write].to(token_ids.dtype)
     has = n > 0
     num_tokens[rows[has]] = (base + n).clamp(max=max_model_len)[has].to(num_tokens.dtype)
 
@@ -459,8 +463,9 @@ def post_update(
     ``base + j < max_model_len``; and when ``n_i > 0``,
     ``num_tokens[row] = min(base + n_i, max_model_len)``. Rejected draft tokens left in
     ``token_ids`` past ``num_tokens`` are stale. With ``d_i = 0`` and ``n_i`` in ``{0, 1}``
-    this is the plain decode/prefill update. Dispatches like :func:`prepare_inputs` (on
-    ``num_computed``).
+    this is the plain decode/prefill update. A request with an empty query (``qlen == 0``: a
+    padding request of a CUDA graph replayed at a larger size, whose ``idx_mapping`` entry is
+    stale) changes nothing. Dispatches like :func:`prepare_inputs` (on ``num_computed``).
     """
     impl = post_update_triton if use_triton(num_computed) else post_update_ref
     impl(

@@ -49,9 +49,43 @@ def test_padded_graph_replay_equals_eager(target: Path, spec: str | None) -> Non
     query_len = 3 if spec else 1
     assert graphs.graphs[(query_len, 8)].replays > 0  # type: ignore[attr-defined]
     assert graphs.graphs[(query_len, 4)].replays > 0  # type: ignore[attr-defined]
+    assert bool(graphs.tail_graphs) == (spec is None)  # drafts: sampled eagerly
     if spec:
         assert graphs.draft_graphs[(3, 8)].replays > 0  # type: ignore[attr-defined]
         assert llm.engine.stats()["spec_acceptance_rate"] == 1.0
+
+
+def test_sampling_tail_graph_equals_eager(target: Path) -> None:
+    """Without a speculator, decode steps sample and post-update inside a tail graph when every
+    request's sampling is capturable (greedy or temperature): seeded and greedy tokens equal the
+    eager path's. Steps with a top-k or a logprobs request sample eagerly after the forward
+    graph, and the tail takes over again once those requests finish."""
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=1.2, seed=5, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_k=5, seed=1, max_tokens=4, ignore_eos=True),
+              SamplingParams(temperature=0.0, logprobs=2, max_tokens=3, ignore_eos=True)]
+
+    def run(graphs: bool) -> tuple[list[Any], LLM]:
+        llm = LLM(str(target), device="cpu", dtype="float32", block_size=4, max_num_seqs=8,
+                  max_model_len=64)
+        if graphs:
+            emulate_cuda_graphs(llm.engine.runner)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], llm
+
+    eager = run(False)[0]
+    got, llm = run(True)
+    assert got == eager
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None
+    replays = {size: (graphs.graphs[(1, size)].replays,  # type: ignore[attr-defined]
+                      graphs.tail_graphs[size].replays)  # type: ignore[attr-defined]
+               for size in (4, 8)}
+    # Five requests pad to 8 while the top-k and logprobs ones run: eager sampling. Four or
+    # fewer pad to 4: eager while the top-k one runs (one step), then in the tail graph.
+    assert replays[8][0] > 0 and replays[8][1] == 0
+    assert replays[4][1] == replays[4][0] - 1 > 0
 
 
 def test_one_token_prompt_chunks_never_replay_a_decode_graph(target: Path) -> None:

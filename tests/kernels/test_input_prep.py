@@ -345,6 +345,8 @@ def post_update_loop(u: Update) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     for i in range(u.num_reqs):
         row = int(u.idx[i])
         qlen = int(u.qsl[i + 1]) - int(u.qsl[i])
+        if qlen == 0:  # a CUDA graph's padding request
+            continue
         d, n = int(u.num_drafts[i]), int(u.num_sampled[i])
         base = int(nc[row]) + qlen - d
         nc[row] = base + max(n - 1, 0)
@@ -433,3 +435,25 @@ def test_post_update_no_requests(monkeypatch: pytest.MonkeyPatch) -> None:
     u.num_reqs = 0
     for impl in ("ref", "triton"):
         assert_table(run_update(impl, u, monkeypatch), post_update_loop(u))
+
+
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_post_update_padding_requests_change_nothing(
+    impl: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode graph's sampling tail updates its whole padded size: the padding requests have
+    empty queries and stale ``idx_mapping`` entries, here pointing at live rows of the same
+    batch with a token to write; the table must come out as from the real requests alone."""
+    u = make_update(4, spec=False)
+    b = u.num_reqs
+    padded = u.clone()
+    padded.num_reqs = b + 3
+    padded.idx = torch.cat([u.idx[:b], u.idx[:3]])
+    padded.qsl = torch.cat([u.qsl[: b + 1], u.qsl[b : b + 1].repeat(3)])
+    padded.sampled = torch.cat([u.sampled[:b], torch.full((3, u.sampled.shape[1]), 7,
+                                                          dtype=I64, device=u.sampled.device)])
+    padded.num_sampled = torch.cat([u.num_sampled[:b], torch.ones_like(u.num_sampled[:3])])
+    padded.num_drafts = torch.cat([u.num_drafts[:b], torch.zeros_like(u.num_drafts[:3])])
+    want = post_update_loop(u)
+    assert int(u.num_sampled[0]) == 1  # a padding entry shares its row with a sampling request
+    assert_table(run_update(impl, padded, monkeypatch), want)

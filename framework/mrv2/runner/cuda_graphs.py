@@ -7,6 +7,13 @@ buffers. Padding requests have zero-length queries and padding tokens write no K
 they change nothing. Attention metadata baked into a graph bounds sequence length by
 ``max_model_len``; the kernels read the real lengths from the buffers.
 
+Without a speculator, each ``(1, size)`` graph also gets a *sampling tail* graph when the
+sampler can capture its common plan (``Sampler.capturable``: temperature or greedy rows, no
+top-k/top-p, min-p, rare stages or logprobs): sampling the graph's logits and the post-update
+of the state table, replayed right after the forward, so a decode step launches two graphs and
+no sampler kernel from Python. Its padding requests have empty queries (the post-update skips
+them) and their sampled tokens are never read.
+
 A speculator whose ``propose`` is capturable (``Speculator.cuda_graphs``) gets a second graph
 per ``(1 + k, size)``: all of a decode step's drafting (the drafter's catch-up and its ``k``
 draft steps) over the target graph's hidden-state output and a persistent copy of the step's
@@ -52,6 +59,8 @@ class DecodeGraphs:
         self.outputs: dict[tuple[int, int], Outputs] = {}
         self.draft_graphs: dict[tuple[int, int], object] = {}
         self._draft_samples: StepSamples | None = None
+        self.tail_graphs: dict[int, object] = {}
+        self.tail_tokens: torch.Tensor | None = None
 
     def padded_size(self, query_len: int, num_reqs: int) -> int | None:
         """The captured size a batch of ``num_reqs`` requests of ``query_len`` tokens replays
@@ -143,3 +152,47 @@ class DecodeGraphs:
         static.tokens[:num_reqs, :width].copy_(samples.tokens)
         graph.replay()  # type: ignore[attr-defined]
         return True
+
+    def capture_tails(
+        self,
+        dummy_batch: Callable[[int, int], InputBatch],
+        sample_tail: Callable[[InputBatch, torch.Tensor, torch.Tensor], None],
+        capture: Callable[[InputBatch, Callable[[], None]], object],
+    ) -> None:
+        """Capture ``sample_tail(batch, logits, tokens)`` after every captured ``(1, size)``
+        step: it samples that graph's logits into ``tokens`` (a persistent buffer outside the
+        graphs' memory pool, read by the host copy) and updates the state table. The warm-up
+        and the capture see only empty queries (the batch's ``query_start_loc`` zeroed), so
+        they change no row."""
+        sizes = [s for s in self.plan.get(1, ()) if (1, s) in self.graphs]
+        if not sizes:
+            return
+        top = max(sizes)
+        device = self.outputs[(1, top)][1].device
+        self.tail_tokens = torch.zeros(top, dtype=torch.int64, device=device)
+        for size in sorted(sizes, reverse=True):
+            batch = dummy_batch(size, 1)
+            batch.query_start_loc.zero_()
+            logits = self.outputs[(1, size)][1]
+            tokens = self.tail_tokens[:size]
+            sample_tail(batch, logits, tokens)  # warm up: compile kernels outside the capture
+            _sync()
+
+            def body(batch: InputBatch = batch, logits: torch.Tensor = logits,
+                     tokens: torch.Tensor = tokens) -> None:
+                sample_tail(batch, logits, tokens)
+
+            graph = capture(batch, body)
+            if graph is not None:
+                self.tail_graphs[size] = graph
+        _sync()
+
+    def replay_tail(self, size: int) -> torch.Tensor | None:
+        """Replay the sampling tail of the ``(1, size)`` graph (after that graph); returns its
+        ``[size]`` tokens, or None when there is no tail graph of that size."""
+        graph = self.tail_graphs.get(size)
+        if graph is None:
+            return None
+        assert self.tail_tokens is not None
+        graph.replay()  # type: ignore[attr-defined]
+        return self.tail_tokens[:size]

@@ -15,6 +15,7 @@ It returns without waiting: ``AsyncStepOutput.result()`` is the only wait.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, cast
 
 import torch
@@ -132,7 +133,9 @@ class Runner:
         self._out_ring = PinnedRing(self.max_num_reqs * (1 + self.num_speculative_tokens),
                                     self.device)
         self._no_drafts = torch.zeros(self.max_num_reqs, dtype=torch.int32, device=self.device)
+        self._ones = torch.ones(self.max_num_reqs, dtype=torch.int32, device=self.device)
         self._copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
+        self._last_copy: torch.cuda.Event | None = None
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.device.enforce_eager:
             self.capture_graphs(self.model_state.capture_cuda_graph)
@@ -225,6 +228,11 @@ class Runner:
         if step.replay_query_len:
             assert self.graphs is not None
             hidden, logits = self.graphs.replay(step.replay_query_len, batch.num_reqs_padded)
+            tokens = self._replay_tail(step)
+            if tokens is not None:  # sampled and post-updated inside the tail graph
+                samples = StepSamples(tokens[: batch.num_reqs, None], step.do_sample_dev)
+                self.sampler.record_sampled(batch, samples)
+                return samples, SamplerOutput(tokens[: batch.num_reqs]), []
             logits = logits[: batch.num_logits]
         else:
             hidden = self._forward(batch)
@@ -250,6 +258,29 @@ class Runner:
         ):
             self._propose(batch, samples, hidden)
         return samples, out, prompt_lps
+
+    def _replay_tail(self, step: StepPlan) -> torch.Tensor | None:
+        """The sampling tail graph's tokens for a one-token decode step whose plan it captured
+        (every request sampling), or None: sample eagerly."""
+        graphs = self.graphs
+        if (graphs is None or not graphs.tail_graphs or step.replay_query_len != 1
+                or not step.batch.do_sample.all() or not self.sampler.capturable(step.sample_plan)):
+            return None
+        if self._last_copy is not None:  # the tokens buffer is the previous step's copy source
+            torch.cuda.current_stream().wait_event(self._last_copy)
+        return graphs.replay_tail(step.batch.num_reqs_padded)
+
+    def _sample_tail(self, batch: InputBatch, logits: torch.Tensor, tokens: torch.Tensor) -> None:
+        """The sampling tail graph's body: a one-token decode step's sampling (the sampler's
+        capturable plan) of every row of a padded batch into ``tokens``, and the post-update;
+        padding requests have empty queries, so the post-update leaves their rows alone."""
+        size = batch.num_reqs
+        batch = replace(batch, logits_idx_mapping=batch.idx_mapping,
+                        logits_positions=self.buffers.logits_positions[:size])
+        tokens.copy_(self.sampler(logits, batch, self.table, self.sampler.graph_plan).tokens)
+        post_update(batch.idx_mapping, batch.query_start_loc, size, tokens[:, None],
+                    self._ones[:size], self._no_drafts[:size], self.table.token_ids,
+                    self.table.num_computed, self.table.num_tokens)
 
     def _propose(self, batch: InputBatch, samples: StepSamples, hidden: torch.Tensor) -> None:
         """The speculator's drafting after a step (eager, or a drafting graph's body)."""
@@ -291,6 +322,7 @@ class Runner:
                 event = torch.cuda.Event()
                 event.record(self._copy_stream)
             self._out_ring.set_event(slot, event)
+            self._last_copy = event
         result = AsyncStepOutput(batch.req_ids, batch.do_sample, host_tokens, host_counts, event,
                                  batch.cu_num_logits, step.drafted)
         if out.logprob_ids is not None:
@@ -305,7 +337,8 @@ class Runner:
 
     def capture_graphs(self, capture: Callable[[InputBatch, Callable[[], Any]], object]) -> None:
         """Capture the uniform-decode graphs (``1`` and ``1 + k`` tokens per request, every
-        padded size) and, for a capturable speculator, its drafting graphs, with ``capture``
+        padded size), their sampling tails (no speculator, a sampler with ``capturable``) or,
+        for a capturable speculator, its drafting graphs, with ``capture``
         (the ModelState's; tests pass a stand-in that replays eagerly, to run the padded graph
         path on the CPU). Decode steps replay them from then on."""
         query_lens = sorted({1, 1 + self.num_speculative_tokens})
@@ -316,15 +349,23 @@ class Runner:
             if self.speculator is not None and self.speculator.cuda_graphs:
                 self.graphs.capture_drafts(1 + self.num_speculative_tokens,
                                            self._graph_dummy_batch, self._propose, capture)
+            if self.speculator is None and self.sampler.capturable(self.sampler.graph_plan):
+                self.graphs.capture_tails(self._graph_dummy_batch, self._sample_tail, capture)
         self.builder.graphs = self.graphs
+
+    def profile_shape(self) -> tuple[int, int]:
+        """``(requests, tokens)`` of the largest step: the token budget over as many requests
+        as may run, none longer than ``max_model_len`` (one request alone never holds more, and
+        its block-table row has no room for more)."""
+        num_reqs = min(self.max_num_reqs, self.max_num_tokens)
+        return num_reqs, min(self.max_num_tokens, num_reqs * self.max_model_len)
 
     def _profile_peak_bytes(self) -> int:
         """Activation memory of the largest step, measured by one dummy forward (CUDA only)."""
         if self.device.type != "cuda" or self.config.cache.num_gpu_blocks_override is not None:
             return 0
         self.kv.allocate(1, self.block_size, self.dtype, self.device)
-        num_tokens = self.max_num_tokens
-        num_reqs = min(self.max_num_reqs, num_tokens)
+        num_reqs, num_tokens = self.profile_shape()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)

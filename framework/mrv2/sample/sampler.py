@@ -118,6 +118,19 @@ class Sampler:
 
     # -- per step ----------------------------------------------------------------------------
 
+    #: The plan a decode CUDA graph's sampling tail is captured with: per-row temperature or
+    #: greedy through the Gumbel kernel (greedy rows take the argmax whatever the plan, so one
+    #: capture serves all-greedy batches too).
+    graph_plan = SamplePlan(all_greedy=False)
+
+    def capturable(self, plan: SamplePlan) -> bool:
+        """True when a batch with ``plan`` samples exactly as under :attr:`graph_plan`, so a
+        captured tail may replace this call: no logits processors, rare stages (penalties,
+        masks, logprobs), min-p or top-k/top-p. A subclass that overrides ``__call__`` is not
+        assumed capturable (it overrides this too when it is)."""
+        return (type(self).__call__ is Sampler.__call__ and not self.processors
+                and not plan.rare and not plan.any_min_p and not plan.any_top_k_top_p)
+
     def plan(self, batch: InputBatch) -> SamplePlan:
         """The stages ``batch`` needs, from CPU flags only (no device reads)."""
         state = self.state
