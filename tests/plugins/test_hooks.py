@@ -153,6 +153,25 @@ def test_dummy_inputs_and_graph_capture_methods(ckpt: Path) -> None:
     assert state.capture_cuda_graph(batch, lambda: 0) is None  # CPU: no graphs
 
 
+def test_profile_step_fits_the_block_table(ckpt: Path) -> None:
+    """One request never holds more than ``max_model_len`` tokens: with ``max_num_seqs=1`` the
+    profiling forward (the largest step) is ``max_model_len`` tokens, not the whole token
+    budget, and a dummy batch longer than a block-table row is refused (on the GPU its
+    attention read past the row: an illegal memory access at start-up)."""
+    from mrv2 import EngineConfig, Runner
+
+    config = EngineConfig.from_kwargs(model=str(ckpt), device="cpu", dtype="float32",
+                                      block_size=4, max_num_seqs=1, max_model_len=64,
+                                      max_num_batched_tokens=256)
+    runner = Runner.from_config(config)
+    assert runner.profile_shape() == (1, 64)
+    with torch.inference_mode():
+        hidden = runner._forward(runner.model_state.prepare_dummy_inputs(*runner.profile_shape()))
+    assert hidden.shape[0] == 64
+    with pytest.raises(ValueError, match="a block-table row holds 64"):
+        runner.model_state.prepare_dummy_inputs(1, 256)
+
+
 def test_sampler_hook_replaces_the_sampler(ckpt: Path) -> None:
     class Always11(Sampler):
         def __call__(self, logits: torch.Tensor, batch: InputBatch, table: Any,

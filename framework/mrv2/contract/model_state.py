@@ -124,6 +124,11 @@ class ModelState:
             raise ValueError(f"dummy batch of {num_reqs} requests and {num_tokens} tokens")
         lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
         lens[: num_tokens % num_reqs] += 1
+        room = buffers.block_table.shape[1] * self.block_size
+        if lens[0] > room:  # attention would read past the request's block-table row
+            raise ValueError(f"dummy batch of {num_reqs} requests and {num_tokens} tokens: "
+                             f"{int(lens[0])} tokens per request, a block-table row holds "
+                             f"{room}")
         starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
         positions = np.concatenate([np.arange(n) for n in lens])
         positions = np.minimum(positions, self.block_size - 1)
