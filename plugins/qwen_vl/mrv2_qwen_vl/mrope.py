@@ -192,7 +192,9 @@ class MRotaryEmbedding(RotaryEmbedding):
         """``[T, rotary_dim]`` cos | sin rows of ``[3, T]`` positions."""
         table = self._table(positions.device)
         half = self.rotary_dim // 2
-        component = self._component.to(positions.device)
+        if self._component.device != positions.device:  # once, on the warm-up before any
+            self._component = self._component.to(positions.device)  # graph capture
+        component = self._component
         cols = torch.arange(half, device=positions.device)
         rows = positions.to(torch.int64)[component].T  # [T, half]: each frequency's position
         return torch.cat([table[rows, cols], table[rows, cols + half]], dim=-1)
