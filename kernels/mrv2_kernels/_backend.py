@@ -60,8 +60,10 @@ def default_block(t: torch.Tensor, cuda: int, cpu: int, block: int | None = None
 #: ``MRV2_PDL=0`` turns programmatic dependent launch off (on by default where supported).
 PDL_ENV_VAR = "MRV2_PDL"
 #: Environment variable: ``1`` lets the kernels that support it (:func:`pdl_early_weights`)
-#: load their weights before they wait for the previous kernel. Off by default until the
-#: H200 A/B (issue 16) decides.
+#: load their weights before they wait for the previous kernel. Off: on the H200 (2026-12-01,
+#: Qwen3-0.6B) it made the batch-8 decode step's device time 11% longer (1.236 -> 1.377 ms,
+#: one A/B round; the skinny kernel's first tile loaded outside its pipelined loop). Batch 1
+#: was host-bound in that run and is still to be measured.
 PDL_EARLY_WEIGHTS_ENV_VAR = "MRV2_PDL_EARLY_WEIGHTS"
 
 
