@@ -195,6 +195,7 @@ def test_tp_channel_bench_reports_every_step_kind(tmp_path: Path) -> None:
     assert rows[2]["bytes"] > rows[0]["bytes"]  # 256 requests' step is bigger than one's
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's own, per program
 def test_attention_bench_tiny_checks_and_times_every_case(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -89,30 +89,18 @@ def main(argv: list[str] | None = None) -> int:
 
     def timer(fn: Callable[[int], Any], copies: int) -> float:
         """Milliseconds per call of ``fn(i)`` over ``copies`` inputs: the median of 10 replays
-        of one CUDA graph of them all; one timed eager pass under the interpreter."""
-        for i in range(copies):  # compile and warm up outside the capture
+        of one CUDA graph of them all (bench_skinny's timer); one timed eager pass under the
+        interpreter."""
+        if not args.tiny:
+            from mrv2_kernels.bench_skinny import time_graph
+
+            return time_graph(fn, copies, repeats=10) / 1e3
+        for i in range(copies):
             fn(i)
-        if args.tiny:
-            t0 = time.perf_counter()
-            for i in range(copies):
-                fn(i)
-            return (time.perf_counter() - t0) * 1e3 / copies
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(copies):
-                fn(i)
-        times = []
-        for _ in range(10):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / copies)
-        del graph
-        return sorted(times)[len(times) // 2]
+        t0 = time.perf_counter()
+        for i in range(copies):
+            fn(i)
+        return (time.perf_counter() - t0) * 1e3 / copies
 
     @dataclass
     class Case:

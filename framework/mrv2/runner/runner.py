@@ -337,10 +337,10 @@ class Runner:
 
     def capture_graphs(self, capture: Callable[[InputBatch, Callable[[], Any]], object]) -> None:
         """Capture the uniform-decode graphs (``1`` and ``1 + k`` tokens per request, every
-        padded size), their sampling tails (no speculator, a sampler with ``capturable``) or,
-        for a capturable speculator, its drafting graphs, with ``capture``
-        (the ModelState's; tests pass a stand-in that replays eagerly, to run the padded graph
-        path on the CPU). Decode steps replay them from then on."""
+        padded size), their sampling tails (no speculator; a sampler whose ``capturable``
+        accepts its ``graph_plan``) or, for a capturable speculator, its drafting graphs, with
+        ``capture`` (the ModelState's; tests pass a stand-in that replays eagerly, to run the
+        padded graph path on the CPU). Decode steps replay them from then on."""
         query_lens = sorted({1, 1 + self.num_speculative_tokens})
         self.graphs = DecodeGraphs(capture_sizes(self.max_num_reqs), query_lens,
                                    self.max_num_tokens)
