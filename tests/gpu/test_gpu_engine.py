@@ -8,6 +8,7 @@ Triton interpreter off).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -110,6 +111,43 @@ def test_seeded_sampling_matches_cpu_and_ignores_batch(ckpt: Path) -> None:
                               SamplingParams(temperature=0.9, max_tokens=30)],
                              use_tqdm=False)[1].outputs[0].token_ids
         assert mixed == alone
+        runs[device] = alone
+    assert runs["cuda"] == runs["cpu"]
+
+
+def _count_tail_replays(graphs: Any) -> list[int]:
+    """Record the size of every sampling-tail replay of ``graphs`` (a DecodeGraphs)."""
+    sizes: list[int] = []
+    replay = graphs.replay_tail
+
+    def counted(size: int) -> Any:
+        sizes.append(size)
+        return replay(size)
+
+    graphs.replay_tail = counted
+    return sizes
+
+
+def test_seeded_temperature_sampling_in_the_graph_tail_matches_cpu(ckpt: Path) -> None:
+    """Greedy and temperature-only batches sample inside the decode graphs' tail: a seeded
+    request's tokens equal the CPU engine's and do not depend on the batch around it."""
+    params = SamplingParams(temperature=0.8, seed=99, max_tokens=12, ignore_eos=True)
+    target = {"prompt_token_ids": [11, 22, 33, 44]}
+    others = [{"prompt_token_ids": [7] * 9}, {"prompt_token_ids": [3, 1, 4, 1, 5]}]
+    runs = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(str(ckpt), device=device, dtype="float32", block_size=16,
+                  gpu_memory_utilization=0.3)
+        graphs = llm.engine.runner.graphs
+        tails = _count_tail_replays(graphs) if graphs is not None else []
+        assert (graphs is not None and bool(graphs.tail_graphs)) == (device == "cuda")
+        alone = llm.generate(target, params, use_tqdm=False)[0].outputs[0].token_ids
+        mixed = llm.generate([others[0], target, others[1]],
+                             [SamplingParams(temperature=0.0, max_tokens=5), params,
+                              SamplingParams(temperature=1.1, seed=7, max_tokens=30)],
+                             use_tqdm=False)[1].outputs[0].token_ids
+        assert mixed == alone
+        assert (len(tails) > 20) == (device == "cuda")  # every decode step: 11 + 29
         runs[device] = alone
     assert runs["cuda"] == runs["cpu"]
 
