@@ -230,9 +230,10 @@ class Runner:
             hidden, logits = self.graphs.replay(step.replay_query_len, batch.num_reqs_padded)
             tokens = self._replay_tail(step)
             if tokens is not None:  # sampled and post-updated inside the tail graph
-                samples = StepSamples(tokens[: batch.num_reqs, None], step.do_sample_dev)
+                out = SamplerOutput(tokens[: batch.num_reqs])
+                samples = step_samples(batch, out.tokens, step.do_sample_dev)
                 self.sampler.record_sampled(batch, samples)
-                return samples, SamplerOutput(tokens[: batch.num_reqs]), []
+                return samples, out, []
             logits = logits[: batch.num_logits]
         else:
             hidden = self._forward(batch)
