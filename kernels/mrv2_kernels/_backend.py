@@ -59,11 +59,13 @@ def default_block(t: torch.Tensor, cuda: int, cpu: int, block: int | None = None
 
 #: ``MRV2_PDL=0`` turns programmatic dependent launch off (on by default where supported).
 PDL_ENV_VAR = "MRV2_PDL"
-#: Environment variable: ``1`` lets the kernels that support it (:func:`pdl_early_weights`)
-#: load their weights before they wait for the previous kernel. Off: on the H200 (2026-12-01,
-#: Qwen3-0.6B) it made the batch-8 decode step's device time 11% longer (1.236 -> 1.377 ms,
-#: one A/B round; the skinny kernel's first tile loaded outside its pipelined loop). Batch 1
-#: was host-bound in that run and is still to be measured.
+#: Environment variable: ``1`` / ``0`` turns early weight loads (:func:`pdl_early_weights`)
+#: on / off in every kernel that supports them, overriding each kernel's default. Measured on
+#: the H200 (BENCHMARKS.md, 2026-12-01): in the norm + GEMV kernel of batch-1/2 decode they
+#: pay (on by default: Qwen3-0.6B's per-product device time 4.42 -> 3.59 µs for norm + qkv,
+#: 2.64 -> 1.85 µs for o_proj, in a graph); in the skinny split-K kernel of batch 3-16 they
+#: cost (off by default: batch-8 decode step 1.236 -> 1.377 ms; its first tile is loaded
+#: outside its pipelined loop).
 PDL_EARLY_WEIGHTS_ENV_VAR = "MRV2_PDL_EARLY_WEIGHTS"
 
 
@@ -95,12 +97,16 @@ def pdl(t: torch.Tensor) -> dict[str, Any]:
     return {"PDL": True, "launch_pdl": True} if pdl_enabled(t) else {"PDL": False}
 
 
-def pdl_early_weights(t: torch.Tensor) -> bool:
+def pdl_early_weights(t: torch.Tensor, default: bool = False) -> bool:
     """Whether a PDL kernel on ``t``'s device loads its weights before ``gdc_wait``
     (:func:`pdl_release` first, then the weight loads, then :func:`pdl_wait`): the weights are
     parameters no kernel writes, so their loads may overlap the previous kernel's tail. Needs
-    :func:`pdl_enabled` and ``MRV2_PDL_EARLY_WEIGHTS=1``."""
-    return pdl_enabled(t) and os.environ.get(PDL_EARLY_WEIGHTS_ENV_VAR, "0").strip() == "1"
+    :func:`pdl_enabled`; then ``MRV2_PDL_EARLY_WEIGHTS`` (``1`` / ``0``) if set, else the
+    calling kernel's ``default``."""
+    if not pdl_enabled(t):
+        return False
+    env = os.environ.get(PDL_EARLY_WEIGHTS_ENV_VAR, "").strip()
+    return env == "1" if env in ("0", "1") else default
 
 
 @triton.jit

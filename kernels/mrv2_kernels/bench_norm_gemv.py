@@ -1,6 +1,6 @@
 """The fused norm + GEMV (+ SwiGLU) decode kernel against the chain of kernels it replaces.
 
-    python -m mrv2_kernels.bench_norm_gemv [--sweep] [--rows 1 2 4]
+    python -m mrv2_kernels.bench_norm_gemv [--sweep] [--rows 1 2 4] [--only 0.6B 8B]
 
 Same method as :mod:`mrv2_kernels.bench_skinny`: one product per weight copy over >= 256 MiB of
 distinct copies (weights from HBM), inside a CUDA graph, µs per product. "chain" is what a
@@ -33,7 +33,9 @@ CASES = [("0.6B norm+qkv", 4096, 1024, True, False),
          ("1.7B down (plain)", 2048, 6144, False, False),
          ("8B norm+qkv", 6144, 4096, True, False),
          ("8B norm+gate_up+silu", 12288, 4096, True, True),
-         ("8B o (plain)", 4096, 4096, False, False)]
+         ("8B o (plain)", 4096, 4096, False, False),
+         ("8B qkv (plain)", 6144, 4096, False, False),
+         ("8B gate_up+silu (plain)", 12288, 4096, False, True)]
 
 
 def _chain(x: torch.Tensor, res: torch.Tensor, nw: torch.Tensor, weights: list[torch.Tensor],
@@ -94,10 +96,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--only", nargs="*", default=None,
+                        help="only the cases whose name starts with one of these (0.6B 8B)")
     args = parser.parse_args()
     lines = []
     for case in CASES:
-        lines += bench_case(*case, args.rows, args.sweep)
+        if args.only is None or any(case[0].startswith(p) for p in args.only):
+            lines += bench_case(*case, args.rows, args.sweep)
     print("\n".join(["", "summary:", *lines]))
 
 

@@ -21,10 +21,13 @@ with every intermediate rounded to ``x.dtype`` where the chain rounds it; result
 it to fp32 accumulation order (an output may differ by an ulp where a rounding flips).
 Without ``norm_weight`` it is a plain GEMV (``residual`` then is not allowed).
 
-With programmatic dependent launch and ``MRV2_PDL_EARLY_WEIGHTS=1``
-(:func:`~mrv2_kernels._backend.pdl_early_weights`) the weight, bias and norm weight are
-requested before the program waits for the previous kernel: they must be parameters, which no
-kernel of the stream writes (every caller passes a layer's).
+With programmatic dependent launch the weight, bias and norm weight are requested before the
+program waits for the previous kernel (:func:`~mrv2_kernels._backend.pdl_early_weights`, on by
+default here; ``MRV2_PDL_EARLY_WEIGHTS=0`` turns it off): they must be parameters, which no
+kernel of the stream writes (every caller passes a layer's). A batch-1 step is a chain of
+small kernels, each mostly waiting on its first weight bytes; this way those bytes are in flight
+while the kernel before it finishes (H200, Qwen3-0.6B: norm + qkv 4.42 -> 3.59 µs, norm +
+gate/up 6.39 -> 5.50, o 2.64 -> 1.85, down 3.59 -> 2.48, back to back in a graph).
 """
 
 from __future__ import annotations
@@ -63,9 +66,13 @@ NORM_GEMV_MAX_K = 8192
 #: What the dispatchers send to it. With a fused norm, at most this many input elements
 #: (rows x K): every program recomputes its rows' norms, which stops paying off for wide or
 #: many rows (H200: 0.6B's K 1024 wins at 1 and 2 rows, 1.7B's K 2048 at 1 row and loses at
-#: 2 (norm + gate/up 24.4 against 20.0 µs), 8B's K 4096 loses at 1 (72 against 55 µs)). As a
-#: plain GEMV, products with ``N <= K <= PLAIN_GEMV_MAX_K``: it beat the skinny split-K
-#: kernel there at 1 and 2 rows (0.6B o_proj 5.0 -> 3.4 µs, 8B o_proj 13.9 -> 11.5 µs).
+#: 2 (norm + gate/up 24.4 against 20.0 µs), 8B's K 4096 loses at 1 (72 against 55 µs)): there
+#: the norm runs first, as its own kernel, and the product (with the SwiGLU) here as a plain
+#: GEMV. As a plain GEMV, products with ``K <= PLAIN_GEMV_MAX_K``, any ``N``: it beat the
+#: skinny split-K kernel and cuBLAS there at 1 row with its weights requested early (H200,
+#: back to back in a graph: 0.6B o_proj 2.64 -> 1.85 µs; 8B o_proj 13.0 -> 9.3 µs, qkv
+#: 17.3 -> 13.6 µs, gate/up + SwiGLU 51.5 -> 46.6 µs, at 4.3 TB/s). Past K 4096 it loses:
+#: 8B down_proj (K 12288, one output row per program) 34.7 against cuBLAS's 29.9 µs.
 FUSED_NORM_MAX_ELEMS = 2048
 PLAIN_GEMV_MAX_K = 4096
 
@@ -276,7 +283,8 @@ def norm_gemv_triton(
         weight.stride(0), out.stride(0), (res_out if res_out is not None else out).stride(0),
         BLOCK_N=bn, BLOCK_K=block_k, NORM=norm_weight is not None,
         RESIDUAL=residual is not None, GATED=gated, HAS_BIAS=bias is not None,
-        num_warps=num_warps or plan_warps, EARLY_WEIGHTS=pdl_early_weights(x), **pdl(x),
+        num_warps=num_warps or plan_warps, EARLY_WEIGHTS=pdl_early_weights(x, default=True),
+        **pdl(x),
     )
     return out.view(*lead, n), (None if res_out is None else res_out.view(*lead, k))
 
@@ -287,11 +295,11 @@ def use_norm_gemv(
     """True when the fused kernel should run for this product: a CUDA (or forced-Triton)
     bf16/fp16 input of at most :data:`NORM_GEMV_MAX_M` rows, weights of the same dtype with
     contiguous rows; with a norm, at most :data:`FUSED_NORM_MAX_ELEMS` input elements; without
-    one, a plain product with ``N <= K <= PLAIN_GEMV_MAX_K`` (the output projections; cuBLAS
-    keeps the wide ones). Metadata only."""
+    one, a plain product with ``K <= PLAIN_GEMV_MAX_K`` (cuBLAS keeps the wider reductions).
+    Metadata only."""
     k = x.shape[-1]
     if norm_weight is None:
-        fits = weight.shape[0] <= k <= PLAIN_GEMV_MAX_K
+        fits = k <= PLAIN_GEMV_MAX_K
     else:
         fits = x.numel() <= FUSED_NORM_MAX_ELEMS and norm_weight.dtype == x.dtype
     return (fits and k > 0 and use_triton(x) and x.dtype in _KERNEL_DTYPES
@@ -327,9 +335,9 @@ def norm_gemv(
 
     Returns ``(y, new_residual)``: ``new_residual`` is ``x + residual`` rounded to the dtype,
     or ``x`` itself when ``residual`` is None. One fused launch when :func:`use_norm_gemv`;
-    otherwise the unfused kernels (:func:`~mrv2_kernels.norm.rms_norm`,
-    :func:`~mrv2_kernels.skinny_gemm.skinny_linear`,
-    :func:`~mrv2_kernels.norm.silu_and_mul`), whose residual aliasing rules then apply:
+    otherwise :func:`~mrv2_kernels.norm.rms_norm`, then the product with the SwiGLU fused in
+    when the plain GEMV takes it (a decode row of a wide model), else :func:`decode_linear`
+    and :func:`~mrv2_kernels.norm.silu_and_mul`; the norm's residual aliasing rules apply:
     treat ``residual`` as consumed. On the torch path (CPU) the chain is
     :func:`~mrv2_kernels.norm.rms_norm_cpu`, :func:`~mrv2_kernels.cpu_linear.linear_cpu` and
     the SwiGLU reference, called directly.
@@ -345,6 +353,15 @@ def norm_gemv(
         )
         return y, (x if new_res is None else new_res)
     _check(x, weight, norm_weight, residual, gated, bias)
-    y, new_res = _chain(x, weight, bias, norm_weight, eps, residual, gated,
-                        rms_norm, decode_linear, silu_and_mul)
+    h, new_res = x, None
+    if norm_weight is not None:
+        if residual is not None:
+            h, new_res = rms_norm(x, norm_weight, eps, residual)
+        else:
+            h = rms_norm(x, norm_weight, eps)
+    if gated and use_norm_gemv(h, weight):  # the norm did not fit; the SwiGLU still does
+        y = norm_gemv_triton(h, weight, bias, gated=True)[0]
+    else:
+        y = decode_linear(h, weight, bias)
+        y = silu_and_mul(y) if gated else y
     return y, (x if new_res is None else new_res)

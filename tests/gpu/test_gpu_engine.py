@@ -62,7 +62,11 @@ def test_programmatic_dependent_launch_changes_no_token(
 
     assert pdl_enabled(torch.zeros(1, device="cuda"))
     with_pdl = _greedy(ckpt, dtype="bfloat16")
-    monkeypatch.setenv("MRV2_PDL_EARLY_WEIGHTS", "1")  # weights requested before the wait
+    # Weights requested before the wait: in every kernel that can (1), in none (0); the
+    # default has them in the norm + GEMV kernel only.
+    monkeypatch.setenv("MRV2_PDL_EARLY_WEIGHTS", "1")
+    assert _greedy(ckpt, dtype="bfloat16") == with_pdl
+    monkeypatch.setenv("MRV2_PDL_EARLY_WEIGHTS", "0")
     assert _greedy(ckpt, dtype="bfloat16") == with_pdl
     monkeypatch.setenv("MRV2_PDL", "0")
     assert not pdl_enabled(torch.zeros(1, device="cuda"))

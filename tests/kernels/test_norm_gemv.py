@@ -189,12 +189,41 @@ def test_dispatch_and_fallback_agree() -> None:
     assert first_res is x[:1] or torch.equal(first_res, x[:1])  # no residual: x carries on
 
 
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_norm_too_wide_to_fuse_keeps_the_swiglu_in_the_gemv(
+    with_residual: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row too wide for the fused norm (Qwen3-8B's K 4096 at decode) runs the norm kernel,
+    then the plain GEMV with the SwiGLU fused in: the chain's results, two launches."""
+    from mrv2_kernels import norm_gemv as module
+
+    monkeypatch.setenv("MRV2_KERNELS", "triton")  # the dispatcher's Triton path on CPU too
+    monkeypatch.setattr(module, "FUSED_NORM_MAX_ELEMS", 0)
+    calls: list[dict[str, object]] = []
+    kernel = module.norm_gemv_triton
+
+    def spy(*args: object, **kwargs: object) -> object:
+        calls.append(kwargs)
+        return kernel(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(module, "norm_gemv_triton", spy)
+    a = _inputs(2, 24, 64, F16, seed=21, gated=True)
+    res = a["residual"] if with_residual else None
+    want, want_res = norm_gemv_ref(a["x"], a["weight"], a["bias"], norm_weight=a["norm_weight"],
+                                   residual=res, gated=True)
+    got, got_res = norm_gemv(a["x"], a["weight"], a["bias"], norm_weight=a["norm_weight"],
+                             residual=None if res is None else res.clone(), gated=True)
+    assert len(calls) == 1 and calls[0].get("gated") and "norm_weight" not in calls[0]
+    assert _ulps(got, want) <= 3
+    assert torch.equal(got_res, a["x"] if want_res is None else want_res)
+
+
 def test_decode_linear_picks_the_gemv_for_output_projections() -> None:
     a = _inputs(1, 32, 64, F16, seed=13)
     x, w, b = a["x"], a["weight"], a["bias"]  # K >= N: an output projection
     tall = torch.randn(96, 64).to(F16).to(DEVICE)
     if DEVICE == "cuda":
-        assert use_norm_gemv(x, w) and not use_norm_gemv(x, tall)  # K < N: cuBLAS
+        assert use_norm_gemv(x, w) and use_norm_gemv(x, tall)  # any N: weights stream early
         assert not use_norm_gemv(torch.randn(1, 8192, dtype=F16, device=DEVICE),
                                  torch.randn(8, 8192, dtype=F16, device=DEVICE))  # K too wide
     want = (x.float() @ w.float().T + b.float()).to(F16)
@@ -227,6 +256,6 @@ def test_early_weights_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> N
     kwargs = {"norm_weight": a["norm_weight"], "eps": 1e-6, "residual": a["residual"],
               "gated": True}
     plain, plain_res = norm_gemv_triton(*args, **kwargs)
-    monkeypatch.setattr(module, "pdl_early_weights", lambda t: True)
+    monkeypatch.setattr(module, "pdl_early_weights", lambda t, default=False: True)
     early, early_res = norm_gemv_triton(*args, **kwargs)
     assert torch.equal(early, plain) and torch.equal(early_res, plain_res)
