@@ -17,8 +17,11 @@ One kernel family, two configurations chosen on the host from CPU-known bounds o
   (kv head x split, request) write partial (max, sum, acc) in fp32, and a second kernel combines
   them per (token, head). Each request's range is cut evenly by its own ``seq_len`` on the
   device, so ``num_splits`` can come from a loose CPU bound and still balance. (Combining in
-  the last-arriving split program instead, with an atomic counter, was tried: its serial walk
-  over the splits took 15 us per layer on the H200 against 5.7 + 2.7 us for the two kernels.)
+  the last-arriving split program instead, with an atomic counter, was tried twice: a serial
+  walk over the splits took 15 us per layer on the H200 against 5.7 + 2.7 us for the two
+  kernels; a vectorized one (all of a token's splits in one load) was no faster than the two
+  PDL-launched kernels in CUDA graphs (batch 1, 256 keys: 7.0 against 6.5 us) and left decode
+  TPOT unchanged, BENCHMARKS.md 2026-12-01.)
 
 No host syncs: grids come from ``num_reqs``, ``max_query_len`` and ``max_seq_len``; programs
 past a request's real work exit early. Accumulation is fp32 (online softmax in base 2).
