@@ -85,6 +85,9 @@ class SchedulerConfig(_Section):
     """Continuous batching: batch width, token budget, chunked prefill, async scheduling."""
 
     max_num_seqs: int = Field(default=256, ge=1, description="requests in one step at most")
+    # 8192: on the H200 (BENCHMARKS.md, 2026-12-01) 16384 gained 0.3% (Qwen3-8B) / 1.2%
+    # (0.6B) of throughput, one run each, while a mixed step then stalls every running decode
+    # for 341 ms instead of ~190 ms (8B); 4096 lost 0.8% / 4%.
     max_num_batched_tokens: int = Field(
         default=8192, ge=1, description="tokens in one step at most (the token budget)"
     )
