@@ -189,15 +189,27 @@ def _chain(
     act: Callable[[torch.Tensor], torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The unfused chain through the given ops: the references (the specification) or the
-    dispatchers (the fallback of :func:`norm_gemv`). ``(y, new_residual or None)``."""
-    h, new_res = x, None
-    if norm_weight is not None:
-        if residual is not None:
-            h, new_res = norm(x, norm_weight, eps, residual)
-        else:
-            h = norm(x, norm_weight, eps)
+    CPU's ops. ``(y, new_residual or None)``."""
+    h, new_res = _normed(x, norm_weight, eps, residual, norm)
     y = linear(h, weight, bias)
     return (act(y) if gated else y), new_res
+
+
+def _normed(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    residual: torch.Tensor | None,
+    norm: Callable[..., Any],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(norm(x + residual), x + residual)`` through ``norm``; ``(x, None)`` without a norm
+    weight, ``(norm(x), None)`` without a residual."""
+    if norm_weight is None:
+        return x, None
+    if residual is None:
+        return norm(x, norm_weight, eps), None
+    h, new_res = norm(x, norm_weight, eps, residual)
+    return h, new_res
 
 
 def _check(
@@ -353,12 +365,7 @@ def norm_gemv(
         )
         return y, (x if new_res is None else new_res)
     _check(x, weight, norm_weight, residual, gated, bias)
-    h, new_res = x, None
-    if norm_weight is not None:
-        if residual is not None:
-            h, new_res = rms_norm(x, norm_weight, eps, residual)
-        else:
-            h = rms_norm(x, norm_weight, eps)
+    h, new_res = _normed(x, norm_weight, eps, residual, rms_norm)
     if gated and use_norm_gemv(h, weight):  # the norm did not fit; the SwiGLU still does
         y = norm_gemv_triton(h, weight, bias, gated=True)[0]
     else:
