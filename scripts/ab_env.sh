@@ -11,13 +11,16 @@ setting=${1:?usage: ab_env.sh VAR=VALUE latency|throughput [args]}
 bench=${2:?usage: ab_env.sh VAR=VALUE latency|throughput [args]}
 shift 2
 export PYTHONPATH=/tmp/site MRV2_TEST_GPU=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
+model=""  # in the file names, so A/Bs of two models in one call keep both
+prev=""
+for arg in "$@"; do [ "$prev" = --model ] && model=$arg; prev=$arg; done
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for side in off on; do
-    json="$OUT/${bench}_${side}_$round.json"
+    json="$OUT/${bench}${model:+_$model}_${side}_$round.json"
     setting_if_on=()
     [ "$side" = on ] && setting_if_on=("$setting")
     env "${setting_if_on[@]}" python3 -m mrv2.entrypoints.cli bench "$bench" --json "$json" "$@" \
-      > "$OUT/${bench}_${side}_$round.log" 2>&1
+      > "${json%.json}.log" 2>&1
     python3 "$(dirname "$0")/ab_summary.py" "$json" "$side" "$round"
   done
 done
