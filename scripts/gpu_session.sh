@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (device tool): installs the carried wheels, then the steps named as
 # arguments: tests, moe (the fused-MoE kernel bench), attn, splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile,
-# tp_tests / tp_latency / tp_throughput (two GPUs: the nvidia-h200-x2 kind), glm47 (issue 19's
+# tp_tests / tp_latency / tp_profile / tp_throughput (two GPUs: the nvidia-h200-x2 kind), glm47 (issue 19's
 # sweep: TP=4 on nvidia-h200-x4; on x2: TP=2 GLM47_ARGS="--hf-overrides '{\"num_hidden_layers\": N}'"),
 # soak (SOAK_S seconds of load, default 450: a device call is capped at 600 s; for the full 10
 # minutes start scripts/soak.py under setsid and collect its --out folder in a second call). Logs go to $OUT;
@@ -46,9 +46,16 @@ for step in "$@"; do
                 2>&1 | tee "$OUT/tp_tests.log" | tail -15
               python3 -m mrv2.entrypoints.cli bench tp-channel --json "$OUT/tp_channel.json" 2>&1 \
                 | tee "$OUT/tp_channel.log" | tail -10 ;;
-    tp_latency) for m in ${TP_MODELS:-Qwen3-8B Qwen3-32B}; do
-                  python3 -m mrv2.entrypoints.cli bench latency --model "$m" --tensor-parallel-size 2 \
-                    --json "$OUT/tp_latency_$m.json" 2>&1 | tee "$OUT/tp_latency_$m.log" | tail -12
+    tp_latency) for run in ${TP_RUNS:-Qwen3-8B:1 Qwen3-8B:2 Qwen3-32B:2}; do  # model:tp
+                  m=${run%%:*}; tp=${run##*:}
+                  python3 -m mrv2.entrypoints.cli bench latency --model "$m" --tensor-parallel-size "$tp" \
+                    --json "$OUT/tp_latency_${m}_tp$tp.json" ${TP_LATENCY_ARGS:-} 2>&1 \
+                    | tee "$OUT/tp_latency_${m}_tp$tp.log" | tail -12
+                done ;;
+    tp_profile) for b in ${TP_PROFILE_BATCHES:-1 64}; do  # rank 0's kernels, the NCCL share
+                  python3 scripts/profile_decode.py --model "${TP_MODEL:-Qwen3-8B}" --batch "$b" \
+                    --tensor-parallel-size "${TP:-2}" --trace "" 2>&1 \
+                    | tee "$OUT/tp_profile_b$b.log" | sed -n '1,/^---/p' | head -24
                 done ;;
     tp_throughput) python3 -m mrv2.entrypoints.cli bench throughput --model "${TP_MODEL:-Qwen3-32B}" \
                      --tensor-parallel-size 2 --json "$OUT/tp_throughput.json" 2>&1 \

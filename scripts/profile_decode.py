@@ -25,6 +25,9 @@ parser.add_argument("--model", default="Qwen3-0.6B", help="bundled config name o
 parser.add_argument("--batch", type=int, default=1)
 parser.add_argument("--steps", type=int, default=64)
 parser.add_argument("--temperature", type=float, default=0.0)
+parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="ranks (one GPU each); the profile is rank 0's, and the NCCL kernels' "
+                         "share of its step is printed (it includes waiting for the other ranks)")
 parser.add_argument("--trace", default=os.environ.get("OUT"))
 parser.add_argument("--cprofile", action="store_true",
                     help="also print the host's Python profile of the timed steps (top functions "
@@ -33,7 +36,7 @@ args = parser.parse_args()
 
 engine = LLMEngine(EngineConfig.from_kwargs(
     model=resolve_model(args.model), load_format="dummy", dtype="bfloat16", max_model_len=4096,
-    max_num_seqs=max(args.batch, 8)))
+    max_num_seqs=max(args.batch, 8), tensor_parallel_size=args.tensor_parallel_size))
 rng = random.Random(0)
 params = SamplingParams(temperature=args.temperature, max_tokens=6 * args.steps, ignore_eos=True)
 for _ in range(args.batch):
@@ -101,4 +104,10 @@ if kernels:
           f"{sum(g for g, _ in big) / 8e3:.3f} ms/step")
     for gap, after in big:
         print(f"  gap {gap:8.1f} us after {after[:70]}")
+    nccl = [e for e in kernels if "nccl" in e.name.lower()]
+    if nccl:
+        comm = sum(e.time_range.end - e.time_range.start for e in nccl)
+        print(f"NCCL kernels: {len(nccl) / 8:.0f}/step, {comm / 8e3:.3f} ms/step, "
+              f"{comm / span:.1%} of the span (rank 0; includes waiting for the other ranks)")
 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+engine.shutdown()

@@ -1,7 +1,8 @@
 """Tensor parallelism's processes on the CPU: a worker killed mid-run ends the engine with an
 error naming its rank within seconds; ``mrv2 serve`` then answers 503 and exits non-zero;
 ``torchrun`` launches give rank 0's tokens; the shared-memory step ring carries messages in
-order, larger than itself, to several readers."""
+order, larger than itself, to several readers; leaving the group drops the CUDA graphs first
+and never hangs on a peer that does not leave."""
 
 from __future__ import annotations
 
@@ -155,3 +156,50 @@ def test_torchrun_ranks_give_rank0_the_same_tokens(model: Path, tmp_path: Path) 
     lines = [ln for ln in result.stdout.splitlines() if ln.startswith("TOKENS")]
     assert len(lines) == 1  # rank 0 only: the other rank served as a worker and exited
     assert json.loads(lines[0].split(" ", 1)[1]) == expected
+
+
+def test_leaving_a_stuck_nccl_group_aborts_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL's finalize waits for every peer: if one never gets there, leaving aborts the
+    communicators after the timeout instead of hanging."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    from mrv2.distributed import parallel_state
+
+    released = threading.Event()
+    aborted: list[bool] = []
+    monkeypatch.setattr(parallel_state, "_GROUP",
+                        parallel_state.TensorParallelGroup(0, 2, backend="nccl"))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: released.wait(30))
+    monkeypatch.setattr(distributed_c10d, "_abort_process_group",
+                        lambda: (aborted.append(True), released.set()))
+    start = time.monotonic()
+    parallel_state.destroy_tensor_parallel(timeout_s=0.2)
+    assert aborted == [True] and time.monotonic() - start < 5
+    assert parallel_state.tp_size() == 1 and parallel_state.tp_group().backend == "gloo"
+
+
+def test_shutdown_drops_the_graphs_before_leaving_the_group(
+        model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A live graph holding captured collectives keeps NCCL's finalize waiting (it hung on the
+    H200 before): rank 0 drops its graphs, then leaves together with the workers."""
+    import mrv2.executor.tensor_parallel as tp_module
+    from mrv2.runner.cuda_graphs import DecodeGraphs
+
+    llm = LLM(str(model), device="cpu", dtype="float32", tensor_parallel_size=2)
+    runner = llm.engine.runner
+    runner.graphs = runner.builder.graphs = DecodeGraphs([1], [1], 8)  # a stand-in capture
+    seen: list[tuple[object, object]] = []
+    leave = tp_module.destroy_tensor_parallel
+
+    def record(timeout_s: float = 20.0) -> None:
+        seen.append((runner.graphs, runner.builder.graphs))
+        leave(timeout_s)
+
+    monkeypatch.setattr(tp_module, "destroy_tensor_parallel", record)
+    start = time.monotonic()
+    llm.shutdown()
+    assert seen == [(None, None)]
+    assert all(worker.proc.returncode == 0 for worker in runner._workers)
+    assert time.monotonic() - start < 10  # the workers left with rank 0, none was killed

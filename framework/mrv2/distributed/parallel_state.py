@@ -12,6 +12,8 @@ collective returns its input, so single-device code pays nothing.
 from __future__ import annotations
 
 import datetime
+import logging
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+logger = logging.getLogger(__name__)
 
 @dataclass
 class TensorParallelGroup:
@@ -91,12 +94,29 @@ def as_rank(rank: int, size: int) -> Iterator[None]:
         _GROUP = saved
 
 
-def destroy_tensor_parallel() -> None:
-    """Leave the group (idempotent); the layers built afterwards are single-rank again."""
+def destroy_tensor_parallel(timeout_s: float = 20.0) -> None:
+    """Leave the group (idempotent); the layers built afterwards are single-rank again.
+
+    Every rank calls it at about the same time, after dropping its CUDA graphs: NCCL's
+    finalize waits for the other ranks and for the graphs that captured its collectives. If
+    it has not returned after ``timeout_s`` (a peer that died, or never got there), the
+    communicators are aborted instead, so leaving never hangs."""
     global _GROUP
-    _GROUP = TensorParallelGroup()
-    if dist.is_initialized():
+    backend, _GROUP = _GROUP.backend, TensorParallelGroup()
+    if not dist.is_initialized():
+        return
+    if backend != "nccl":
         dist.destroy_process_group()
+        return
+    leaving = threading.Thread(target=dist.destroy_process_group, daemon=True,
+                               name="mrv2-tp-destroy")
+    leaving.start()
+    leaving.join(timeout_s)
+    if leaving.is_alive():
+        logger.warning("leaving the NCCL group took over %.0f s; aborting it", timeout_s)
+        from torch.distributed import distributed_c10d
+
+        distributed_c10d._abort_process_group()
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

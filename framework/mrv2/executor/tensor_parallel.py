@@ -256,13 +256,18 @@ class DistributedRunner(Runner):
             self.shutdown()
 
     def shutdown(self) -> None:
-        """Stop the workers (they finish their loop and exit) and leave the group."""
+        """Stop the workers and leave the group together with them (each rank drops its
+        graphs, then NCCL finalizes on every rank at once), then wait for them to exit."""
         if not hasattr(self, "_stopped") or self._stopped.is_set():
             return
         if self._failure is None and hasattr(self, "_channel"):
             with contextlib.suppress(Exception):
                 self._channel.publish(("stop", None), self._check)
         self._stopped.set()
+        if self._failure is None:  # (with a dead peer, waiting for the GPU could hang)
+            with contextlib.suppress(Exception):
+                Runner.shutdown(self)
+        destroy_tensor_parallel(timeout_s=20.0 if self._failure is None else 2.0)
         for worker in self._workers:
             try:
                 worker.proc.wait(10.0)
@@ -272,4 +277,3 @@ class DistributedRunner(Runner):
             worker.errors.close()
         if hasattr(self, "_channel"):
             self._channel.close()
-        destroy_tensor_parallel()

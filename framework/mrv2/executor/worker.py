@@ -112,6 +112,7 @@ def run_spawned(spec: WorkerSpec) -> None:
         pass
     finally:
         ring.close()
+        runner.shutdown()  # its graphs first: NCCL's finalize waits for them
         destroy_tensor_parallel()
 
 
@@ -123,6 +124,7 @@ def run_torchrun_worker(config: EngineConfig, model_dir: str) -> None:
     runner = Runner(config, model_dir)
     channel = BroadcastChannel(tp_group().cpu_group, rank)
     serve_steps(runner, channel.receive)
+    runner.shutdown()
     destroy_tensor_parallel()
     sys.exit(0)
 

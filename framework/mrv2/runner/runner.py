@@ -156,8 +156,14 @@ class Runner:
         return model_dir
 
     def shutdown(self) -> None:
-        """Release what outlives the object (a tensor-parallel runner's workers); nothing
-        for one device."""
+        """Release what outlives the object: the CUDA graphs (NCCL cannot finalize a
+        communicator while a live graph holds collectives captured on it) and, for a
+        tensor-parallel runner, the workers. Later steps, if any, run eager."""
+        self.graphs = None
+        if hasattr(self, "builder"):
+            self.builder.graphs = None
+        if getattr(self, "device", None) is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # -- requests ----------------------------------------------------------------------------
 
