@@ -8,7 +8,10 @@ GLM-4.7 experiment, and any other model).
 For each variant it starts ``mrv2 serve`` (random weights: ``--load-format dummy``; a model
 without tokenizer files gets soak.py's synthetic one), waits for ``/health``, runs
 ``mrv2 bench serve`` at ``--rates`` with prompts of about ``--prompt-tokens`` tokens and
-``--max-tokens`` outputs (ignore-eos), stops the server and prints one table: TPOT p50/p90,
+``--max-tokens`` outputs (ignore-eos) after an unmeasured warm-up pass (``--warmup-requests`` at
+rate inf, other prompts: kernels compile on their first shapes, which a smoke run on two GPUs
+showed as 55-123 ms inter-token stalls in the first measured rate), stops the server and prints
+one table: TPOT p50/p90,
 TTFT p50 and output tok/s per variant and rate. Variants:
 
 - ``mtp_off``: the plain server; ``mtp_on``: MTP speculation, one draft token, with
@@ -70,6 +73,8 @@ def main() -> int:
     p.add_argument("--acceptance", type=float, default=0.9)
     p.add_argument("--rates", nargs="+", default=["1", "4", "16", "inf"])
     p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--warmup-requests", type=int, default=32,
+                   help="unmeasured requests at rate inf before the sweep (0: none)")
     p.add_argument("--prompt-tokens", type=int, default=1000)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--startup-timeout", type=float, default=1800)
@@ -88,12 +93,16 @@ def main() -> int:
         out.mkdir(parents=True, exist_ok=True)
         proc, url, log = soak.start_server(args, [*server_args,
                                                   *variant_args(name, args.acceptance)], out)
+        bench = [sys.executable, "-m", "mrv2.entrypoints.cli", "bench", "serve", "--url", url,
+                 "--prompt-len", str(words), "--max-tokens", str(args.max_tokens)]
         try:
-            subprocess.run(
-                [sys.executable, "-m", "mrv2.entrypoints.cli", "bench", "serve", "--url", url,
-                 "--rates", *args.rates, "--num-requests", str(args.num_requests),
-                 "--prompt-len", str(words), "--max-tokens", str(args.max_tokens),
-                 "--json", str(out / "serve.json")], check=True)
+            if args.warmup_requests:  # other prompts (seed): no prefix-cache hits later
+                subprocess.run([*bench, "--rates", "inf", "--seed", "1000", "--num-requests",
+                                str(args.warmup_requests)], check=True,
+                               stdout=subprocess.DEVNULL)
+            subprocess.run([*bench, "--rates", *args.rates, "--num-requests",
+                            str(args.num_requests), "--json", str(out / "serve.json")],
+                           check=True)
         finally:
             soak.stop_server(proc, log)
         results["variants"][name] = json.loads((out / "serve.json").read_text())

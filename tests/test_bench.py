@@ -211,3 +211,27 @@ def test_attention_bench_tiny_checks_and_times_every_case(
             [[str(b)] for b in shapes.batches]]
     assert len(rows) == len(shapes.batches) * len(shapes.contexts)
     assert "prefill tiny 2 x 20 causal" in out.split("summary:")[1]
+
+
+def test_bench_serve_gives_each_rate_its_own_prompts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later rate must not meet an earlier rate's prompts in the server's prefix cache: the
+    prompts are drawn from the seed a rate gets, so each rate gets its own."""
+    from mrv2.bench import serve
+    from mrv2.entrypoints.cli import main
+
+    seeds: list[int] = []
+
+    async def fake_rate(url: str, model: str, rate: float, num_requests: int, prompt_len: int,
+                        max_tokens: int, api_key: str | None, seed: int) -> dict[str, object]:
+        seeds.append(seed)
+        row: dict[str, object] = {"rate": rate, "completed": num_requests, "failed": 0,
+                                  "request_throughput": 1.0, "output_throughput": 1.0,
+                                  "errors": []}
+        for name in ("ttft", "tpot", "itl"):
+            row.update({f"{name}_p{q}_ms": 1.0 for q in (50, 90, 99)})
+        return row
+
+    monkeypatch.setattr(serve, "run_rate", fake_rate)
+    assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--model", "m", "--rates",
+                 "4", "16", "inf", "--num-requests", "3", "--seed", "5"]) == 0
+    assert seeds == [5, 6, 7]

@@ -463,9 +463,9 @@ def main(args: argparse.Namespace) -> int:
     rows = []
     print(f"{'rate':>6} {'ok':>4} {'fail':>4} {'req/s':>7} {'tok/s':>8} "
           f"{'TTFT p50/p90/p99 ms':>22} {'TPOT p50/p90/p99 ms':>22} {'ITL p50/p90/p99 ms':>22}")
-    for rate in args.rates or DEFAULT_RATES:
+    for k, rate in enumerate(args.rates or DEFAULT_RATES):
         s = asyncio.run(run_rate(url, model, rate, args.num_requests, args.prompt_len,
-                                 args.max_tokens, args.api_key, args.seed))
+                                 args.max_tokens, args.api_key, args.seed + k))
         rows.append(s)
 
         def trio(name: str, s: dict[str, Any] = s) -> str:
@@ -488,12 +488,12 @@ def _main_load(args: argparse.Namespace, url: str, model: str) -> int:
     rates = args.rates or ([math.inf] if args.duration is not None else DEFAULT_RATES)
     print(f"{'rate':>6} {'conc':>5} {'sent':>6} {'ok':>6} {'cancel':>6} {'fail':>5} {'5xx':>4} "
           f"{'req/s':>7} {'tok/s':>8} {'TTFT p50/p90/p99 ms':>22} {'TPOT p50/p90/p99 ms':>22}")
-    for rate in rates:
+    for k, rate in enumerate(rates):
         s, _ = asyncio.run(run_load(
             url, model, rate=rate, num_requests=None if args.duration else args.num_requests,
             duration=args.duration, max_concurrency=args.max_concurrency, mix=args.mix,
             cancel_prob=args.cancel_prob if args.mix else 0.0, prompt_len=args.prompt_len,
-            max_tokens=args.max_tokens, api_key=args.api_key, seed=args.seed))
+            max_tokens=args.max_tokens, api_key=args.api_key, seed=args.seed + k))
         rows.append(s)
         _print_load(s)
     if args.json:
@@ -514,7 +514,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32, help="words per prompt")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="the k-th rate draws its prompts from seed + k, so no rate meets an "
+                   "earlier rate's prompts in the server's prefix cache")
     p.add_argument("--duration", type=float, default=None,
                    help="send for this many seconds (instead of --num-requests), then wait "
                    "for the requests in flight")
