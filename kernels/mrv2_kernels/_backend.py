@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["ENV_VAR", "PDL_EARLY_WEIGHTS_ENV_VAR", "PDL_ENV_VAR", "default_block", "pdl",
-           "pdl_early_weights", "pdl_enabled", "pdl_release", "pdl_wait", "triton_forced",
-           "use_triton"]
+__all__ = ["ENV_VAR", "PDL_EARLY_META_ENV_VAR", "PDL_EARLY_WEIGHTS_ENV_VAR", "PDL_ENV_VAR",
+           "default_block", "pdl", "pdl_early_meta", "pdl_early_weights", "pdl_enabled",
+           "pdl_release", "pdl_wait", "triton_forced", "use_triton"]
 
 #: Environment variable that forces the Triton path for CPU tensors (``MRV2_KERNELS=triton``),
 #: which only works together with ``TRITON_INTERPRET=1``.
@@ -67,6 +67,10 @@ PDL_ENV_VAR = "MRV2_PDL"
 #: cost (off by default: batch-8 decode step 1.236 -> 1.377 ms; its first tile is loaded
 #: outside its pipelined loop).
 PDL_EARLY_WEIGHTS_ENV_VAR = "MRV2_PDL_EARLY_WEIGHTS"
+#: Environment variable: ``1`` turns early metadata loads (:func:`pdl_early_meta`) on in the
+#: kernels that support them (the rotary and paged-attention kernels), ``0`` off. Built
+#: 2026-12-01 without a GPU to measure it: off by default until an H200 A/B says otherwise.
+PDL_EARLY_META_ENV_VAR = "MRV2_PDL_EARLY_META"
 
 
 @functools.lru_cache(maxsize=8)
@@ -106,6 +110,23 @@ def pdl_early_weights(t: torch.Tensor, default: bool = False) -> bool:
     if not pdl_enabled(t):
         return False
     env = os.environ.get(PDL_EARLY_WEIGHTS_ENV_VAR, "").strip()
+    return env == "1" if env in ("0", "1") else default
+
+
+def pdl_early_meta(t: torch.Tensor, default: bool = False) -> bool:
+    """Whether a PDL kernel on ``t``'s device loads the step's metadata (positions, slots,
+    ``query_start_loc``, ``seq_lens``) and constant tables (cos/sin) before ``gdc_wait``.
+
+    Safe by a rule of the whole chain: **no kernel launched with PDL writes step metadata**.
+    Only the step's input-preparation kernels (and plain torch ops) write it, and they launch
+    the ordinary way, so they have completed before any PDL kernel after them can start (a
+    PDL kernel may start while its predecessor, and that one's predecessor if it released
+    early, still run: never while a non-PDL kernel before them does). Needs
+    :func:`pdl_enabled`; then ``MRV2_PDL_EARLY_META`` (``1`` / ``0``) if set, else
+    ``default``."""
+    if not pdl_enabled(t):
+        return False
+    env = os.environ.get(PDL_EARLY_META_ENV_VAR, "").strip()
     return env == "1" if env in ("0", "1") else default
 
 

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import pdl, pdl_prologue
+from ._backend import pdl, pdl_early_meta, pdl_prologue, pdl_release, pdl_wait
 from .paged_attention_ref import _check_inputs, paged_attention_ref
 
 _LOG2E = 1.4426950408889634
@@ -120,12 +120,20 @@ def _paged_attn_kernel(
     DOT_FP32: tl.constexpr,
     FP32_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
+    EARLY_META: tl.constexpr,
 ) -> None:
-    pdl_prologue(PDL)
     # Heaviest query tiles (latest positions) first: better tail balance in causal prefill.
     q_tile = num_q_tiles - 1 - tl.program_id(0)
     pid_hs = tl.program_id(1)
     req = tl.program_id(2)
+    if EARLY_META:  # pdl_early_meta: the request's query range and length before the wait
+        pdl_release(PDL)
+        q_start = tl.load(qsl_ptr + req)
+        seq_len = tl.load(seq_lens_ptr + req)
+        q_end = tl.load(qsl_ptr + req + 1)
+        pdl_wait(PDL)
+    else:
+        pdl_prologue(PDL)
     kvh = pid_hs // num_splits
     split = pid_hs % num_splits
     offs_d = tl.arange(0, HEAD_DIM)
@@ -144,9 +152,12 @@ def _paged_attn_kernel(
 
     # seq_len is loaded before the early exit: its load then overlaps query_start_loc's instead
     # of waiting for it (one memory round trip less before the first key tile is requested).
-    q_start = tl.load(qsl_ptr + req)
-    seq_len = tl.load(seq_lens_ptr + req)
-    qlen = tl.load(qsl_ptr + req + 1) - q_start
+    if EARLY_META:
+        qlen = q_end - q_start
+    else:
+        q_start = tl.load(qsl_ptr + req)
+        seq_len = tl.load(seq_lens_ptr + req)
+        qlen = tl.load(qsl_ptr + req + 1) - q_start
     tile_start = q_tile * BLOCK_Q
     if tile_start >= qlen:
         return
@@ -529,6 +540,7 @@ def paged_attention(
         FP32_PRECISION="tf32x3" if on_gpu else "ieee",
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
+        EARLY_META=pdl_early_meta(query),
         **pdl(query),
     )
     if splits > 1:

@@ -29,7 +29,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import default_block, pdl, pdl_prologue, use_triton
+from ._backend import (
+    default_block,
+    pdl,
+    pdl_early_meta,
+    pdl_prologue,
+    pdl_release,
+    pdl_wait,
+    use_triton,
+)
 from .kv_cache import write_kv_ref, write_kv_triton
 from .norm import rms_norm, rms_norm_cpu, rms_norm_ref
 
@@ -136,12 +144,17 @@ def _rotary_kernel(
     KV_WRITE: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr,
     PDL: tl.constexpr,
+    EARLY_META: tl.constexpr,
 ) -> None:
-    pdl_prologue(PDL)
     # Grid (tokens, q head blocks + k head blocks): each program rotates BLOCK_HEADS heads of
     # one token, in place, with the token's cos/sin row loaded once. With KV_WRITE a key
     # program also stores its heads of key (rotated) and value at the token's cache slot,
-    # unless the slot is negative (padding).
+    # unless the slot is negative (padding). EARLY_META (pdl_early_meta): the position, its
+    # cos/sin row and the slot are loaded before the wait for the previous kernel.
+    if EARLY_META:
+        pdl_release(PDL)
+    else:
+        pdl_prologue(PDL)
     tok = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     pos = tl.load(positions_ptr + tok).to(tl.int64)
@@ -150,6 +163,10 @@ def _rotary_kernel(
     row = cos_sin_ptr + pos * cos_sin_stride
     cos = tl.load(row + dims, mask=dmask, other=0.0).to(tl.float32)
     sin = tl.load(row + half + dims, mask=dmask, other=0.0).to(tl.float32)
+    if EARLY_META:
+        if KV_WRITE:
+            early_slot = tl.load(slot_ptr + tok).to(tl.int64)
+        pdl_wait(PDL)
     num_q_blocks = tl.cdiv(num_q_heads, BLOCK_HEADS)
     if hb < num_q_blocks:
         q_row = q_ptr + tok * q_stride_t
@@ -162,7 +179,10 @@ def _rotary_kernel(
         k1, k2 = _rotate_heads(k_row, k_stride_h, head0, num_k_heads, cos, sin, half, k_w_ptr,
                                eps, BLOCK_HEADS, BLOCK_HALF, NORM)
         if KV_WRITE:
-            slot = tl.load(slot_ptr + tok).to(tl.int64)
+            if EARLY_META:  # noqa: SIM108  (a static branch: early_slot exists only here)
+                slot = early_slot
+            else:
+                slot = tl.load(slot_ptr + tok).to(tl.int64)
             if slot >= 0:
                 off = (slot // KV_BLOCK_SIZE) * c_stride_b + (slot % KV_BLOCK_SIZE) * c_stride_s
                 _cache_heads(k1, k2, v_ptr + tok * v_stride_t, v_stride_h, k_cache_ptr + off,
@@ -472,6 +492,7 @@ def rotary_embedding_triton(
         KV_WRITE=kv_write is not None,
         KV_BLOCK_SIZE=kv_block_size,
         num_warps=min(4, max(1, bh * block_half // 256)) if q3.is_cuda else 1,
+        EARLY_META=pdl_early_meta(q3),
         **pdl(q3),
     )
     return q_out, k_out

@@ -68,6 +68,11 @@ def test_programmatic_dependent_launch_changes_no_token(
     assert _greedy(ckpt, dtype="bfloat16") == with_pdl
     monkeypatch.setenv("MRV2_PDL_EARLY_WEIGHTS", "0")
     assert _greedy(ckpt, dtype="bfloat16") == with_pdl
+    # Step metadata loaded before the wait (rotary, attention): off by default until measured.
+    monkeypatch.setenv("MRV2_PDL_EARLY_WEIGHTS", "1")
+    monkeypatch.setenv("MRV2_PDL_EARLY_META", "1")
+    assert _greedy(ckpt, dtype="bfloat16") == with_pdl
+    monkeypatch.delenv("MRV2_PDL_EARLY_META")
     monkeypatch.setenv("MRV2_PDL", "0")
     assert not pdl_enabled(torch.zeros(1, device="cuda"))
     assert _greedy(ckpt, dtype="bfloat16") == with_pdl

@@ -153,3 +153,27 @@ def test_programmatic_dependent_launch_is_off_on_the_cpu() -> None:
 
     x = torch.zeros(1)
     assert pdl(x) == {"PDL": False} and not pdl_enabled(x)
+
+
+def test_no_pdl_kernel_writes_step_metadata() -> None:
+    """``pdl_early_meta`` reads positions, slots, ``query_start_loc`` and ``seq_lens`` before
+    the wait for the previous kernel, which is safe only while no PDL-launched kernel writes
+    them. The kernels launched with PDL are these (none writes step metadata); a new one must
+    be checked against that rule, then added here."""
+    import re
+
+    root = Path(__file__).resolve().parents[2]
+    launching = set()
+    for folder in ("kernels", "framework", "plugins", "contrib_models"):
+        for path in (root / folder).rglob("*.py"):
+            if "build" in path.parts or path.name == "_backend.py":
+                continue
+            if re.search(r"\*\*pdl\(|launch_pdl", path.read_text()):
+                launching.add(path.relative_to(root).as_posix())
+    assert launching == {
+        "kernels/mrv2_kernels/norm.py",  # writes the normed activations (and the residual)
+        "kernels/mrv2_kernels/norm_gemv.py",  # activations
+        "kernels/mrv2_kernels/paged_attention.py",  # attention output, split partials
+        "kernels/mrv2_kernels/rotary.py",  # q/k in place, the KV cache
+        "kernels/mrv2_kernels/skinny_gemm.py",  # activations, split-K partials
+    }

@@ -397,3 +397,25 @@ def test_triton_backend_end_to_end() -> None:
         b.query, expected_cache, b.qsl, b.seq_lens, b.block_table, b.scale, **b.bounds
     )
     _check(out, ref, b, torch.float32)
+
+
+@pytest.mark.parametrize("uniform_decode", [False, True])
+def test_early_metadata_gives_the_same_bits(uniform_decode: bool,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The request's query range and length loaded before the wait for the previous kernel
+    (``MRV2_PDL_EARLY_META``): only the order of the loads changes, never the result; padding
+    rows still come out zero (their stores stay after the wait)."""
+    from mrv2_kernels import paged_attention as module
+
+    reqs = [(1, 77), (1, 1), (0, 0), (1, 17)] if uniform_decode else MIXED
+    b = make_batch(reqs, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4,
+                   dtype=torch.bfloat16, pad_tokens=2, seed=5)
+    args = (b.query, b.kv_cache, b.qsl, b.seq_lens, b.block_table, b.scale)
+    kwargs: dict[str, Any] = {**b.bounds, "uniform_decode": uniform_decode}
+    if uniform_decode:
+        kwargs["num_splits"] = 3
+    plain = paged_attention(*args, **kwargs, out=torch.full_like(b.query, float("nan")))
+    monkeypatch.setattr(module, "pdl_early_meta", lambda t, default=False: True)
+    early = paged_attention(*args, **kwargs, out=torch.full_like(b.query, float("nan")))
+    assert torch.equal(early, plain) and not early.isnan().any()
+    assert (early[b.num_real_tokens:] == 0).all()

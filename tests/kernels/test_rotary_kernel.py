@@ -479,3 +479,34 @@ def test_kv_write_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
         assert got_q is q_in and got_k is k_in  # the Triton path ran
         assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
         check_cache(got_cache, got_k, value, slots)
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "qk_norm"])
+def test_early_metadata_gives_the_same_bits(norm: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Positions, their cos/sin rows and the cache slots loaded before the wait for the previous
+    kernel (``MRV2_PDL_EARLY_META``): the same rotated q/k and the same cache, padding slots
+    (-1) still skipped."""
+    from mrv2_kernels import rotary as module
+
+    tokens, num_heads, num_kv_heads, head_dim, block_size = 6, 4, 2, 16, 5
+    qkv, positions, slots, cache = kv_case(tokens, num_heads, num_kv_heads, head_dim,
+                                           block_size, 3, BF16, BF16, seed=9)
+    q_end, k_end = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
+    cos_sin = cos_sin_table(head_dim)
+    qk_norm = ((randn(head_dim, seed=20).abs() + 0.5).to(BF16),
+               (randn(head_dim, seed=21).abs() + 0.5).to(BF16), 1e-6) if norm else None
+    runs = []
+    for early in (False, True):
+        monkeypatch.setattr(module, "pdl_early_meta", lambda t, default=False, e=early: e)
+        x, c = qkv.clone(), cache.clone()
+        q, k, v = x[:, :q_end], x[:, q_end:k_end], x[:, k_end:]
+        rotary_embedding_triton(positions, q, k, cos_sin, head_dim, head_dim, qk_norm,
+                                kv_write=(v, c, slots))
+        runs.append((x, c))
+    (x0, c0), (x1, c1) = runs
+    assert torch.equal(x0, x1) and not torch.equal(x0, qkv)
+    assert torch.equal(c0.isnan(), c1.isnan()) and torch.equal(c0.nan_to_num(0.0),
+                                                               c1.nan_to_num(0.0))
+    assert (slots < 0).any()  # the case has padding slots, which stay unwritten in both
+    key = x1[:, q_end:k_end].reshape(tokens, num_kv_heads, head_dim)
+    check_cache(c1, key, x1[:, k_end:].reshape(tokens, num_kv_heads, head_dim), slots)
