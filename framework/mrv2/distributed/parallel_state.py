@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class TensorParallelGroup:
     """Rank and size, and the process groups when ``size > 1``."""
