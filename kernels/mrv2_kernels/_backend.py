@@ -107,10 +107,7 @@ def pdl_early_weights(t: torch.Tensor, default: bool = False) -> bool:
     parameters no kernel writes, so their loads may overlap the previous kernel's tail. Needs
     :func:`pdl_enabled`; then ``MRV2_PDL_EARLY_WEIGHTS`` (``1`` / ``0``) if set, else the
     calling kernel's ``default``."""
-    if not pdl_enabled(t):
-        return False
-    env = os.environ.get(PDL_EARLY_WEIGHTS_ENV_VAR, "").strip()
-    return env == "1" if env in ("0", "1") else default
+    return _pdl_option(t, PDL_EARLY_WEIGHTS_ENV_VAR, default)
 
 
 def pdl_early_meta(t: torch.Tensor, default: bool = False) -> bool:
@@ -124,9 +121,15 @@ def pdl_early_meta(t: torch.Tensor, default: bool = False) -> bool:
     early, still run: never while a non-PDL kernel before them does). Needs
     :func:`pdl_enabled`; then ``MRV2_PDL_EARLY_META`` (``1`` / ``0``) if set, else
     ``default``."""
+    return _pdl_option(t, PDL_EARLY_META_ENV_VAR, default)
+
+
+def _pdl_option(t: torch.Tensor, env_var: str, default: bool) -> bool:
+    """An option of PDL kernels: off without :func:`pdl_enabled`; else ``env_var`` (``1`` /
+    ``0``) if set, else ``default``."""
     if not pdl_enabled(t):
         return False
-    env = os.environ.get(PDL_EARLY_META_ENV_VAR, "").strip()
+    env = os.environ.get(env_var, "").strip()
     return env == "1" if env in ("0", "1") else default
 
 
