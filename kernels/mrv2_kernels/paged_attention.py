@@ -130,8 +130,8 @@ def _paged_attn_kernel(
         pdl_release(PDL)
         q_start = tl.load(qsl_ptr + req)
         seq_len = tl.load(seq_lens_ptr + req)
-        q_end = tl.load(qsl_ptr + req + 1)
-        pdl_wait(PDL)
+        q_end = tl.load(qsl_ptr + req + 1)  # qlen is taken after the wait: nothing before it
+        pdl_wait(PDL)  # needs a load's value, so the loads stay in flight through the wait
     else:
         pdl_prologue(PDL)
     kvh = pid_hs // num_splits
