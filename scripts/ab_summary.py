@@ -9,11 +9,15 @@ import sys
 
 path, side, round_ = sys.argv[1:4]
 with open(path) as f:
-    rows = json.load(f)["default"]
+    result = json.load(f)
+rows = result["default"]
 if isinstance(rows, dict):  # throughput
     print(side, round_, f"tok/s {rows['output_tok_s']}  s {rows['seconds']}  "
           f"floor {rows['floor_fraction']}  host/step {rows['cpu_execute_ms_per_step']} ms")
-else:
-    print(side, round_, "  ".join(
-        f"b{r['batch']}: tpot {r['tpot_ms']} gpu {r.get('gpu_step_ms')} "
-        f"host {r.get('host_execute_ms')}" for r in rows))
+else:  # latency: the default, then each variant (--variants) on its own line
+    for name, value in result.items():
+        if not isinstance(value, list):
+            continue
+        print(side, round_, name, "  ".join(
+            f"b{r['batch']}: tpot {r['tpot_ms']} gpu {r.get('gpu_step_ms')} "
+            f"host {r.get('host_execute_ms')}" for r in value if "batch" in r))

@@ -6,6 +6,7 @@ Usage (GPU machine): python scripts/profile_decode.py [--model Qwen3-0.6B] [--ba
 """
 
 import argparse
+import json
 import os
 import random
 import statistics
@@ -28,6 +29,12 @@ parser.add_argument("--temperature", type=float, default=0.0)
 parser.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="ranks (one GPU each); the profile is rank 0's, and the NCCL kernels' "
                          "share of its step is printed (it includes waiting for the other ranks)")
+parser.add_argument("--speculative-config", default=None,
+                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+                         '"rejection_sample_method": "synthetic", '
+                         '"synthetic_acceptance_rate": 0.9}\'')
+parser.add_argument("--host-breakdown", action="store_true",
+                    help="also time the parts of Runner.execute on the host (median per step)")
 parser.add_argument("--trace", default=os.environ.get("OUT"))
 parser.add_argument("--cprofile", action="store_true",
                     help="also print the host's Python profile of the timed steps (top functions "
@@ -36,9 +43,14 @@ args = parser.parse_args()
 
 engine = LLMEngine(EngineConfig.from_kwargs(
     model=resolve_model(args.model), load_format="dummy", dtype="bfloat16", max_model_len=4096,
-    max_num_seqs=max(args.batch, 8), tensor_parallel_size=args.tensor_parallel_size))
+    max_num_seqs=max(args.batch, 8), tensor_parallel_size=args.tensor_parallel_size,
+    **({"speculative_config": json.loads(args.speculative_config)}
+       if args.speculative_config else {})))
 rng = random.Random(0)
-params = SamplingParams(temperature=args.temperature, max_tokens=6 * args.steps, ignore_eos=True)
+# enough tokens for every timed step, up to 1 + k a step with speculation
+k = engine.runner.num_speculative_tokens
+params = SamplingParams(temperature=args.temperature, max_tokens=6 * (1 + k) * args.steps,
+                        ignore_eos=True)
 for _ in range(args.batch):
     engine.add_request([rng.randint(0, 10000) for _ in range(128)], params, stream=True)
 for _ in range(2 * args.steps):  # prefill, compile, warm up
@@ -57,6 +69,21 @@ def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+if args.host_breakdown:  # the parts of execute, each timed on its own (nested ones too)
+    import mrv2.runner.batch_builder as bb
+
+    runner = engine.runner
+    parts = {"build": (runner.builder, "build"), "upload": (runner._uploader, "upload"),
+             "forward_and_sample": (runner, "_forward_and_sample"),
+             "replay_tail": (runner, "_replay_tail"), "draft": (runner, "_draft"),
+             "output_copy": (runner, "_start_output_copy"), "plan": (runner.sampler, "plan"),
+             "prepare_inputs": (bb, "prepare_inputs"), "record_sampled": (runner.sampler,
+                                                                          "record_sampled")}
+    if runner.graphs is not None:
+        parts["graph_replay"] = (runner.graphs, "replay")
+    for name, (owner, attr) in parts.items():
+        phases[name] = []
+        setattr(owner, attr, timed(name, getattr(owner, attr)))
 engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)  # type: ignore[method-assign]
 engine.runner.execute = timed("execute", engine.runner.execute)  # type: ignore[method-assign]
 engine._process = timed("process", engine._process)  # type: ignore[method-assign]

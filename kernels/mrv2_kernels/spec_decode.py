@@ -334,8 +334,9 @@ def ngram_propose_ref(
     start = torch.where(found, best % width, 0)
     period = torch.where(found, seq_len - start, 1)
     jk = torch.arange(k, device=dev, dtype=torch.int64)
-    src = torch.where(
-        found[:, None], start[:, None] + jk[None, :] % period[:, None], seq_len[:, None] - 1
+    src = torch.where(  # (clamped: an inactive row, a graph's padding, may be empty)
+        found[:, None], start[:, None] + jk[None, :] % period[:, None],
+        (seq_len[:, None] - 1).clamp(min=0),
     )
     drafts = seqs.gather(1, src)  # [B, k]
     dst = seq_len[:, None] + jk[None, :]

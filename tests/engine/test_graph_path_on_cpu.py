@@ -35,24 +35,46 @@ def _generate(path: Path, graphs: bool, **kwargs: Any) -> tuple[list[list[int]],
     return [o.outputs[0].token_ids for o in outs], llm
 
 
-@pytest.mark.parametrize("spec", [None, "draft_model"])
+SPECS: dict[str, dict[str, Any]] = {
+    "ngram_synthetic": {"method": "ngram", "num_speculative_tokens": 2,
+                        "rejection_sample_method": "synthetic",
+                        "synthetic_acceptance_rate": 0.5},
+    "ngram_probabilistic": {"method": "ngram", "num_speculative_tokens": 2,
+                            "rejection_sample_method": "probabilistic"},
+}
+
+
+@pytest.mark.parametrize("spec", [None, "draft_model", "ngram_synthetic", "ngram_probabilistic"])
 def test_padded_graph_replay_equals_eager(target: Path, spec: str | None) -> None:
+    """Padded replays (forward, sampling tail, drafting) give the eager path's tokens; with
+    drafts the tail graph verifies them (strict for the draft model, the probabilistic kernel
+    on greedy rows, synthetic acceptance) and the drafting graph reads its samples in place."""
     kwargs: dict[str, Any] = {}
     if spec == "draft_model":  # the target drafting for itself: every draft accepted
         kwargs["speculative_config"] = {"method": "draft_model", "model": str(target),
                                         "num_speculative_tokens": 2}
-    eager = _generate(target, graphs=False, **kwargs)[0]
+    elif spec is not None:
+        kwargs["speculative_config"] = SPECS[spec]
+    eager, eager_llm = _generate(target, graphs=False, **kwargs)
     got, llm = _generate(target, graphs=True, **kwargs)
     assert got == eager
     graphs = llm.engine.runner.graphs
     assert graphs is not None
     query_len = 3 if spec else 1
-    assert graphs.graphs[(query_len, 8)].replays > 0  # type: ignore[attr-defined]
-    assert graphs.graphs[(query_len, 4)].replays > 0  # type: ignore[attr-defined]
-    assert bool(graphs.tail_graphs) == (spec is None)  # drafts: sampled eagerly
+    for size in (8, 4):
+        replays = graphs.graphs[(query_len, size)].replays  # type: ignore[attr-defined]
+        assert replays > 0
+        # every decode step of these greedy requests samples (and verifies) in its tail graph
+        assert graphs.tail_graphs[(query_len, size)].replays == replays  # type: ignore[attr-defined]
     if spec:
         assert graphs.draft_graphs[(3, 8)].replays > 0  # type: ignore[attr-defined]
-        assert llm.engine.stats()["spec_acceptance_rate"] == 1.0
+        stats, eager_stats = llm.engine.stats(), eager_llm.engine.stats()
+        assert stats["spec_acceptance_rate"] == eager_stats["spec_acceptance_rate"]
+        rate = stats["spec_acceptance_rate"]
+        if spec == "draft_model":
+            assert rate == 1.0
+        elif spec == "ngram_synthetic":
+            assert 0.2 < rate < 0.8
 
 
 def test_sampling_tail_graph_equals_eager(target: Path) -> None:
@@ -80,7 +102,7 @@ def test_sampling_tail_graph_equals_eager(target: Path) -> None:
     graphs = llm.engine.runner.graphs
     assert graphs is not None
     replays = {size: (graphs.graphs[(1, size)].replays,  # type: ignore[attr-defined]
-                      graphs.tail_graphs[size].replays)  # type: ignore[attr-defined]
+                      graphs.tail_graphs[(1, size)].replays)  # type: ignore[attr-defined]
                for size in (4, 8)}
     # Five requests pad to 8 while the top-k and logprobs ones run: eager sampling. Four or
     # fewer pad to 4: eager while the top-k one runs (one step), then in the tail graph.
@@ -110,3 +132,60 @@ def test_one_token_prompt_chunks_never_replay_a_decode_graph(target: Path) -> No
     assert runner.graphs.graphs[(1, 2)].replays == 0  # type: ignore[attr-defined]
     runner.execute(SchedulerOutput({"a": 1, "b": 1})).result()  # decode
     assert runner.graphs.graphs[(1, 2)].replays == 1  # type: ignore[attr-defined]
+
+
+def test_decode_steps_with_the_previous_layout_send_only_new_blocks(target: Path) -> None:
+    """A run of decode steps over the same requests reuses the previous step's layout: it
+    uploads only what is staged (a new block), and gives the same tokens as a runner that
+    uploads every step; a change of requests uploads the layout again."""
+    from mrv2 import EngineConfig, Runner
+    from mrv2.contract.requests import NewRequest, SchedulerOutput
+
+    def run(reuse: bool) -> tuple[list[list[int]], list[list[str]]]:
+        config = EngineConfig.from_kwargs(model=str(target), device="cpu", dtype="float32",
+                                          block_size=4, max_num_seqs=4, max_model_len=64)
+        runner = Runner.from_config(config)
+        emulate_cuda_graphs(runner)
+        uploads: list[list[str]] = []
+        upload = runner._uploader.upload
+
+        def counted(arrays: Any) -> Any:
+            uploads.append(sorted(arrays))
+            return upload(arrays)
+
+        runner._uploader.upload = counted  # type: ignore[method-assign]
+        params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+        prompts = {"a": [5, 6, 7], "b": [8, 9, 10, 11, 12, 13]}
+        blocks = {"a": [0], "b": [1, 2]}
+        out = runner.execute(SchedulerOutput(
+            {r: len(p) for r, p in prompts.items()},
+            new_requests=[NewRequest(r, p, params, seed=0, block_ids=blocks[r])
+                          for r, p in prompts.items()])).result()
+        tokens = {r: list(t) for r, t in out.items()}
+        next_block = 3
+        for step in range(8):
+            new_blocks = {}
+            for r in ("a", "b"):  # a block when the next token starts one
+                if (len(prompts[r]) + len(tokens[r]) - 1) % 4 == 0:
+                    new_blocks[r] = [next_block]
+                    next_block += 1
+            scheduled = ({"a": 1, "b": 1} if step < 6 else {"b": 1})
+            new_blocks = {r: b for r, b in new_blocks.items() if r in scheduled}
+            if not reuse:
+                runner.builder._last = None
+            out = runner.execute(SchedulerOutput(
+                scheduled, finished_req_ids=["a"] if step == 6 else [],
+                new_block_ids=new_blocks)).result()
+            for r, t in out.items():
+                tokens[r] += list(t)
+        return [tokens["a"], tokens["b"]], uploads
+
+    got, uploads = run(reuse=True)
+    expected, every_step = run(reuse=False)
+    assert got == expected
+    assert [("idx_mapping" in names) for names in every_step] == [True] * 9
+    # the layout travels with the prefill, the first decode step and the step after "a" left
+    # (with b's block for position 12); the steps computing a block's first position (a: 4
+    # and 8, steps 1 and 5; b: 8, step 2) send that block only; steps 3, 4 and 7 nothing
+    assert [("idx_mapping" in names) for names in uploads] == [True, True, False, False,
+                                                               False, True]

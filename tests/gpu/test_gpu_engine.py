@@ -129,9 +129,9 @@ def _count_tail_replays(graphs: Any) -> list[int]:
     sizes: list[int] = []
     replay = graphs.replay_tail
 
-    def counted(size: int) -> Any:
+    def counted(query_len: int, size: int) -> Any:
         sizes.append(size)
-        return replay(size)
+        return replay(query_len, size)
 
     graphs.replay_tail = counted
     return sizes
@@ -222,22 +222,29 @@ def test_self_draft_model_with_graphs(ckpt: Path, dtype: str) -> None:
     assert llm.engine.stats()["spec_acceptance_rate"] > 0.9
 
 
-@pytest.mark.parametrize("method", ["ngram", "ngram-probabilistic", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "ngram-probabilistic", "draft_model",
+                                    "ngram-synthetic", "draft_model-tail"])
 def test_speculative_steps_never_synchronize(ckpt: Path, method: str) -> None:
     """Prefill, then decode steps verifying drafts (eager and graph replay), with the drafts
-    proposed on the device (n-gram; the target as its own draft model) and verified strictly
-    or probabilistically: no host sync anywhere."""
+    proposed on the device (n-gram; the target as its own draft model) and verified strictly,
+    probabilistically or synthetically, eagerly after the forward graph (top-k/top-p rows) or
+    inside its sampling tail (temperature rows, ``-tail`` and synthetic): no host sync."""
     spec: dict[str, object] = {"method": method.split("-")[0], "num_speculative_tokens": 2}
     if method == "ngram-probabilistic":
         spec["rejection_sample_method"] = "probabilistic"
-    if method == "draft_model":
+    if method == "ngram-synthetic":
+        spec.update(rejection_sample_method="synthetic", synthetic_acceptance_rate=0.7)
+    if method.startswith("draft_model"):
         spec["model"] = str(ckpt)
     config = EngineConfig.from_kwargs(
         model=str(ckpt), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3,
         speculative_config=spec)
     runner = Runner.from_config(config)
     assert runner.graphs is not None and runner.graphs.padded_size(3, 4) is not None
-    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
+    in_tail = method.endswith(("-tail", "-synthetic"))
+    tails = _count_tail_replays(runner.graphs)
+    params = (SamplingParams(temperature=0.8) if in_tail
+              else SamplingParams(temperature=0.8, top_k=20, top_p=0.9))
     new = [NewRequest(str(i), p, params, seed=i, block_ids=[i * 8 + j for j in range(8)])
            for i, p in enumerate(PROMPTS)]
     outputs = []
@@ -259,6 +266,7 @@ def test_speculative_steps_never_synchronize(ckpt: Path, method: str) -> None:
         out.result()
     assert set(first) == {"0", "1", "2", "3"} and len(first["3"]) == 1
     assert all(1 <= len(ts) <= 3 for ts in first.values())
+    assert tails == ([4] if in_tail else [])  # the uniform step's, at its padded size
 
 
 

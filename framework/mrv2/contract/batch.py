@@ -13,7 +13,12 @@ import torch
 
 
 class InputBuffers:
-    """Device buffers sized for the largest step: ``max_num_tokens`` and ``max_num_reqs``."""
+    """Device buffers sized for the largest step: ``max_num_tokens`` and ``max_num_reqs``.
+
+    ``idx_mapping``, ``query_start_loc``, ``logits_indices`` and ``logits_idx_mapping`` hold
+    the step's *layout*, which the batch builder writes only when it changes (a run of decode
+    steps keeps it): after start-up nothing else may write them.
+    """
 
     def __init__(
         self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int,

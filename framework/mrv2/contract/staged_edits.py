@@ -31,6 +31,10 @@ class StagedEdits:
     def __init__(self) -> None:
         self._edits: dict[tuple[int, str, object], _Edit] = {}
 
+    def __bool__(self) -> bool:
+        """Whether anything is staged."""
+        return bool(self._edits)
+
     def put(
         self, target: torch.Tensor, index: tuple[np.ndarray, ...], values: np.ndarray,
         accumulate: bool = False,

@@ -52,7 +52,8 @@ class BatchBuilder:
         self.block_size = block_size
         self.max_num_tokens = max_num_tokens
         self.num_speculative_tokens = num_speculative_tokens
-        self.graphs: DecodeGraphs | None = None
+        self._graphs: DecodeGraphs | None = None
+        self._last: _Layout | None = None  # the previous step's layout
 
     # -- staged writes of new rows -------------------------------------------------------------
 
@@ -121,12 +122,28 @@ class BatchBuilder:
 
     # -- the batch -------------------------------------------------------------------------------
 
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        """The runner's decode graphs (padded sizes come from them), or None."""
+        return self._graphs
+
+    @graphs.setter
+    def graphs(self, graphs: DecodeGraphs | None) -> None:
+        self._graphs = graphs
+        self._last = None  # a layout's padding depends on them
+
     def build(
         self, scheduled: SchedulerOutput, staged: StagedEdits,
         sample_plan: Callable[[InputBatch], Any], uploader: Uploader,
     ) -> StepPlan:
-        """Move the counts, upload, run the prep kernel; the step's batch and plan."""
-        table, buffers = self.table, self.buffers
+        """Move the counts, upload, run the prep kernel; the step's batch and plan.
+
+        A step with the previous step's layout (the same requests in the same order, the same
+        query lengths, drafts and sampling flags: a run of decode steps) sends only its staged
+        edits (new blocks), if any, and rewrites none of the layout's buffers, which still hold
+        it: only the prep kernel and the logits positions run.
+        """
+        table = self.table
         req_ids = list(scheduled.num_scheduled_tokens)
         num_reqs = len(req_ids)
         lens_l = list(scheduled.num_scheduled_tokens.values())
@@ -149,11 +166,59 @@ class BatchBuilder:
             if drafts_l[i]:
                 drafted[req_ids[i]] = Drafted(info, drafts_l[i])
             max_seq_len = max(max_seq_len, info.num_computed)
+        key = (rows_l, lens_l, drafts_l, sample_l, in_prompt)
+        layout = self._last
+        if layout is None or layout.key != key:
+            layout = self._layout(key, staged, uploader)
+        elif staged:  # blocks appended to running requests: only the edits travel
+            staged.apply(uploader.upload(staged.arrays()))
+        self._last = layout
+        buffers = self.buffers
+        num_padded, num_tokens_padded = layout.num_padded, layout.num_tokens_padded
+        num_block_cols = min(-(-max_seq_len // self.block_size), table.max_blocks_per_req)
+        input_ids = buffers.input_ids[:num_tokens_padded]
+        positions = buffers.positions[:num_tokens_padded]
+        seq_lens = buffers.seq_lens[:num_padded]
+        block_table = buffers.block_table[:num_padded]
+        prepare_inputs(layout.idx_mapping, layout.query_start_loc, num_reqs, table.token_ids,
+                       table.num_computed, table.block_table, self.block_size, input_ids,
+                       positions, buffers.slot_mapping[:num_tokens_padded], seq_lens,
+                       block_table, num_block_cols)
+        logits_positions = buffers.logits_positions[: layout.num_logits]
+        if layout.max_drafts:
+            torch.index_select(buffers.positions, 0, layout.logits_indices, out=logits_positions)
+            logits_positions.add_(1)
+        else:  # one logits row per request: its last token, predicting position seq_len
+            logits_positions.copy_(seq_lens[:num_reqs])
+        batch = InputBatch(
+            req_ids=req_ids, num_reqs=num_reqs, num_reqs_padded=num_padded,
+            num_tokens=layout.num_tokens, num_tokens_padded=num_tokens_padded,
+            max_query_len=layout.max_query_len, max_seq_len=max_seq_len,
+            uniform_decode=layout.uniform, do_sample=layout.do_sample,
+            idx_mapping=layout.idx_mapping, query_start_loc=layout.query_start_loc,
+            input_ids=input_ids, positions=positions,
+            slot_mapping=buffers.slot_mapping[:num_tokens_padded], seq_lens=seq_lens,
+            block_table=block_table[:, :num_block_cols], logits_indices=layout.logits_indices,
+            idx_mapping_cpu=layout.rows, query_start_loc_cpu=layout.qsl_cpu,
+            num_computed_cpu=np.array(computed_l, dtype=np.int32),
+            num_draft_tokens=layout.drafts, cu_num_logits=layout.cu_logits,
+            logits_idx_mapping=layout.logits_idx_mapping, logits_positions=logits_positions,
+            cu_num_logits_dev=layout.dev.get("cu_num_logits"),
+        )
+        plan = sample_plan(batch)
+        return StepPlan(batch, plan, layout.replay_query_len, layout.dev["do_sample"],
+                        layout.dev.get("num_drafts"), drafted)
+
+    def _layout(self, key: tuple[Any, ...], staged: StagedEdits, uploader: Uploader) -> _Layout:
+        """A step's layout from its lists: uploaded (with the staged edits, applied) and
+        written into the persistent buffers."""
+        rows_l, lens_l, drafts_l, sample_l, in_prompt = key
+        buffers = self.buffers
         rows = np.array(rows_l, dtype=np.int32)
         lens = np.array(lens_l, dtype=np.int32)
         drafts = np.array(drafts_l, dtype=np.int32)
-        computed = np.array(computed_l, dtype=np.int32)
         do_sample = np.array(sample_l, dtype=bool)
+        num_reqs = len(rows)
         num_tokens = int(lens.sum())
         max_drafts = int(drafts.max())
         query_len = int(lens[0])
@@ -171,7 +236,6 @@ class BatchBuilder:
         if self.graphs is not None and uniform:
             padded = self.graphs.padded_size(query_len, num_reqs)
         num_padded = padded or num_reqs
-        num_tokens_padded = padded * query_len if padded else num_tokens
         query_start_loc = np.full(num_padded + 1, num_tokens, dtype=np.int32)
         query_start_loc[: num_reqs + 1] = qsl_cpu
 
@@ -192,40 +256,42 @@ class BatchBuilder:
         idx_mapping.copy_(dev["idx_mapping"])
         query_start_loc_dev = buffers.query_start_loc[: num_padded + 1]
         query_start_loc_dev.copy_(dev["query_start_loc"])
-        num_block_cols = min(-(-max_seq_len // self.block_size), table.max_blocks_per_req)
-        input_ids = buffers.input_ids[:num_tokens_padded]
-        positions = buffers.positions[:num_tokens_padded]
-        slot_mapping = buffers.slot_mapping[:num_tokens_padded]
-        seq_lens = buffers.seq_lens[:num_padded]
-        block_table = buffers.block_table[:num_padded]
-        prepare_inputs(idx_mapping, query_start_loc_dev, num_reqs, table.token_ids,
-                       table.num_computed, table.block_table, self.block_size, input_ids,
-                       positions, slot_mapping, seq_lens, block_table, num_block_cols)
         logits_indices = buffers.logits_indices[:num_logits]
-        logits_positions = buffers.logits_positions[:num_logits]
         if max_drafts:
             logits_indices.copy_(dev["logits_indices"])
             logits_idx_mapping = buffers.logits_idx_mapping[:num_logits]
             logits_idx_mapping.copy_(dev["logits_rows"])
-            torch.index_select(buffers.positions, 0, logits_indices, out=logits_positions)
-            logits_positions.add_(1)
-        else:  # one logits row per request: its last token, predicting position seq_len
+        else:
             torch.sub(query_start_loc_dev[1 : num_reqs + 1], 1, out=logits_indices)
-            logits_positions.copy_(seq_lens[:num_reqs])
             logits_idx_mapping = idx_mapping
-        batch = InputBatch(
-            req_ids=req_ids, num_reqs=num_reqs, num_reqs_padded=num_padded,
-            num_tokens=num_tokens, num_tokens_padded=num_tokens_padded,
-            max_query_len=int(lens.max()), max_seq_len=max_seq_len, uniform_decode=uniform,
-            do_sample=do_sample, idx_mapping=idx_mapping, query_start_loc=query_start_loc_dev,
-            input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
-            seq_lens=seq_lens, block_table=block_table[:, :num_block_cols],
-            logits_indices=logits_indices, idx_mapping_cpu=rows, query_start_loc_cpu=qsl_cpu,
-            num_computed_cpu=computed, num_draft_tokens=drafts, cu_num_logits=cu_logits,
-            logits_idx_mapping=logits_idx_mapping, logits_positions=logits_positions,
-            cu_num_logits_dev=dev.get("cu_num_logits"),
-        )
-        plan = sample_plan(batch)
-        return StepPlan(batch, plan, query_len if padded else 0, dev["do_sample"],
-                        dev.get("num_drafts"), drafted)
+        return _Layout(
+            key, rows, drafts, do_sample, qsl_cpu, cu_logits, dev, idx_mapping,
+            query_start_loc_dev, logits_indices, logits_idx_mapping, num_tokens,
+            padded * query_len if padded else num_tokens, num_padded, num_logits, max_drafts,
+            int(lens.max()), uniform, query_len if padded else 0)
 
+
+@dataclass
+class _Layout:
+    """What a step's requests, query lengths, drafts and sampling flags fix: its CPU arrays,
+    its uploaded arrays and the buffer views they were written into."""
+
+    key: tuple[Any, ...]
+    rows: np.ndarray
+    drafts: np.ndarray
+    do_sample: np.ndarray
+    qsl_cpu: np.ndarray
+    cu_logits: np.ndarray
+    dev: dict[str, torch.Tensor]
+    idx_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    logits_indices: torch.Tensor
+    logits_idx_mapping: torch.Tensor
+    num_tokens: int
+    num_tokens_padded: int
+    num_padded: int
+    num_logits: int
+    max_drafts: int
+    max_query_len: int
+    uniform: bool
+    replay_query_len: int

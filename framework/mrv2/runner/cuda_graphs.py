@@ -7,18 +7,20 @@ buffers. Padding requests have zero-length queries and padding tokens write no K
 they change nothing. Attention metadata baked into a graph bounds sequence length by
 ``max_model_len``; the kernels read the real lengths from the buffers.
 
-Without a speculator, each ``(1, size)`` graph also gets a *sampling tail* graph when the
-sampler can capture its common plan (``Sampler.capturable``: temperature or greedy rows, no
-top-k/top-p, min-p, rare stages or logprobs): sampling the graph's logits and the post-update
-of the state table, replayed right after the forward, so a decode step launches two graphs and
-no sampler kernel from Python. Its padding requests have empty queries (the post-update skips
-them) and their sampled tokens are never read.
+Each graph also gets a *sampling tail* graph when the sampler can capture its common plan
+(``Sampler.capturable``: temperature or greedy rows, no top-k/top-p, min-p, rare stages or
+logprobs): sampling the graph's logits, verifying the drafts of a ``1 + k`` step (strict,
+probabilistic or synthetic rejection) and the post-update of the state table, replayed right
+after the forward, so a decode step launches its graphs and no sampler kernel from Python. Its
+padding requests have empty queries: the rejection gives them no tokens, the post-update skips
+them, and what is sampled at their rows is never read. The tail writes outside the graphs'
+memory pool (``tail_sampled``, ``spec_samples``), where the host copy and the drafting read.
 
-A speculator whose ``propose`` is capturable (``Speculator.cuda_graphs``) gets a second graph
+A speculator whose ``propose`` is capturable (``Speculator.cuda_graphs``) gets a further graph
 per ``(1 + k, size)``: all of a decode step's drafting (the drafter's catch-up and its ``k``
-draft steps) over the target graph's hidden-state output and a persistent copy of the step's
-samples, replayed right after sampling. Its padding requests sampled nothing, so they draft
-nothing.
+draft steps) over the target graph's hidden-state output and the persistent samples
+(``spec_samples``, which the verify tail writes in place), replayed right after sampling. Its
+padding requests sampled nothing, so they draft nothing.
 """
 
 from __future__ import annotations
@@ -58,9 +60,12 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], object] = {}
         self.outputs: dict[tuple[int, int], Outputs] = {}
         self.draft_graphs: dict[tuple[int, int], object] = {}
-        self._draft_samples: StepSamples | None = None
-        self.tail_graphs: dict[int, object] = {}
-        self.tail_tokens: torch.Tensor | None = None
+        self.tail_graphs: dict[tuple[int, int], object] = {}
+        #: Per query length, the tail's sampled token of every logits row (``[size * q]``).
+        self.tail_sampled: dict[int, torch.Tensor] = {}
+        #: The ``1 + k`` steps' verified tokens and counts (``[size, 1 + k]``, ``[size]``):
+        #: written by the verify tail, read by the drafting graph and the host copy.
+        self.spec_samples: StepSamples | None = None
 
     def padded_size(self, query_len: int, num_reqs: int) -> int | None:
         """The captured size a batch of ``num_reqs`` requests of ``query_len`` tokens replays
@@ -103,6 +108,22 @@ class DecodeGraphs:
         self.graphs[(query_len, size)].replay()  # type: ignore[attr-defined]
         return self.outputs[(query_len, size)]
 
+    def _captured_sizes(self, query_len: int) -> list[int]:
+        return [s for s in self.plan.get(query_len, ()) if (query_len, s) in self.graphs]
+
+    def _static_samples(self, query_len: int) -> StepSamples:
+        """The persistent samples of the ``query_len`` steps (allocated on first use, for the
+        largest captured size; nothing sampled: counts zero)."""
+        if self.spec_samples is None:
+            top = max(self._captured_sizes(query_len))
+            device = self.outputs[(query_len, top)][0].device
+            self.spec_samples = StepSamples(
+                torch.full((top, query_len), -1, dtype=torch.int64, device=device),
+                torch.zeros(top, dtype=torch.int32, device=device),
+            )
+        assert self.spec_samples.tokens.shape[1] == query_len
+        return self.spec_samples
+
     def capture_drafts(
         self,
         query_len: int,
@@ -111,17 +132,12 @@ class DecodeGraphs:
         capture: Callable[[InputBatch, Callable[[], None]], object],
     ) -> None:
         """Capture ``propose(batch, samples, hidden)`` after every captured ``(query_len, size)``
-        step, over that graph's hidden states and persistent samples (nothing sampled during
-        capture, so the warm-up and the capture write no drafts and no KV)."""
-        sizes = [s for s in self.plan.get(query_len, ()) if (query_len, s) in self.graphs]
+        step, over that graph's hidden states and the persistent samples (nothing sampled
+        during capture, so the warm-up and the capture write no drafts and no KV)."""
+        sizes = self._captured_sizes(query_len)
         if not sizes:
             return
-        top = max(sizes)
-        device = self.outputs[(query_len, top)][0].device
-        static = self._draft_samples = StepSamples(
-            torch.full((top, query_len), -1, dtype=torch.int64, device=device),
-            torch.zeros(top, dtype=torch.int32, device=device),
-        )
+        static = self._static_samples(query_len)
         for size in sorted(sizes, reverse=True):
             batch = dummy_batch(size, query_len)
             samples = StepSamples(static.tokens[:size], static.num_sampled[:size])
@@ -140,59 +156,74 @@ class DecodeGraphs:
 
     def replay_drafts(self, query_len: int, size: int, samples: StepSamples) -> bool:
         """Replay the drafting graph of ``(query_len, size)`` for this step's ``samples``
-        (copied in; the padding requests' counts zeroed); False when there is none."""
+        (copied in unless the verify tail wrote them there; the padding requests' counts
+        zeroed); False when there is none."""
         graph = self.draft_graphs.get((query_len, size))
         if graph is None:
             return False
-        static = self._draft_samples
+        static = self.spec_samples
         assert static is not None
-        num_reqs, width = samples.tokens.shape
-        static.num_sampled[:num_reqs].copy_(samples.num_sampled)
-        static.num_sampled[num_reqs:size].zero_()
-        static.tokens[:num_reqs, :width].copy_(samples.tokens)
+        if samples.tokens.data_ptr() != static.tokens.data_ptr():
+            num_reqs, width = samples.tokens.shape
+            static.num_sampled[:num_reqs].copy_(samples.num_sampled)
+            static.num_sampled[num_reqs:size].zero_()
+            static.tokens[:num_reqs, :width].copy_(samples.tokens)
         graph.replay()  # type: ignore[attr-defined]
         return True
 
     def capture_tails(
         self,
+        query_len: int,
         dummy_batch: Callable[[int, int], InputBatch],
-        sample_tail: Callable[[InputBatch, torch.Tensor, torch.Tensor], None],
+        sample_tail: Callable[[InputBatch, torch.Tensor, torch.Tensor, StepSamples | None],
+                              None],
         capture: Callable[[InputBatch, Callable[[], None]], object],
     ) -> None:
-        """Capture ``sample_tail(batch, logits, tokens)`` after every captured ``(1, size)``
-        step: it samples that graph's logits into ``tokens`` (a persistent buffer outside the
-        graphs' memory pool, read by the host copy) and updates the state table. The warm-up
-        and the capture see only empty queries (the batch's ``query_start_loc`` zeroed), so
-        they change no row."""
-        sizes = [s for s in self.plan.get(1, ()) if (1, s) in self.graphs]
+        """Capture ``sample_tail(batch, logits, sampled, samples)`` after every captured
+        ``(query_len, size)`` step: it samples that graph's logits into ``sampled`` (a
+        persistent buffer outside the graphs' memory pool, read by the host copy), verifies a
+        ``1 + k`` step's drafts into ``samples`` (the persistent :attr:`spec_samples`; None for
+        one-token steps) and updates the state table. The warm-up and the capture see only
+        empty queries (the batch's ``query_start_loc`` zeroed), so they change no row and
+        verify nothing."""
+        sizes = self._captured_sizes(query_len)
         if not sizes:
             return
         top = max(sizes)
-        device = self.outputs[(1, top)][1].device
-        self.tail_tokens = torch.zeros(top, dtype=torch.int64, device=device)
+        device = self.outputs[(query_len, top)][1].device
+        self.tail_sampled[query_len] = torch.zeros(top * query_len, dtype=torch.int64,
+                                                   device=device)
+        static = self._static_samples(query_len) if query_len > 1 else None
         for size in sorted(sizes, reverse=True):
-            batch = dummy_batch(size, 1)
+            batch = dummy_batch(size, query_len)
             batch.query_start_loc.zero_()
-            logits = self.outputs[(1, size)][1]
-            tokens = self.tail_tokens[:size]
-            sample_tail(batch, logits, tokens)  # warm up: compile kernels outside the capture
+            logits = self.outputs[(query_len, size)][1]
+            sampled = self.tail_sampled[query_len][: size * query_len]
+            samples = (None if static is None else
+                       StepSamples(static.tokens[:size], static.num_sampled[:size]))
+            sample_tail(batch, logits, sampled, samples)  # warm up: compile outside the capture
             _sync()
 
             def body(batch: InputBatch = batch, logits: torch.Tensor = logits,
-                     tokens: torch.Tensor = tokens) -> None:
-                sample_tail(batch, logits, tokens)
+                     sampled: torch.Tensor = sampled,
+                     samples: StepSamples | None = samples) -> None:
+                sample_tail(batch, logits, sampled, samples)
 
             graph = capture(batch, body)
             if graph is not None:
-                self.tail_graphs[size] = graph
+                self.tail_graphs[(query_len, size)] = graph
         _sync()
 
-    def replay_tail(self, size: int) -> torch.Tensor | None:
-        """Replay the sampling tail of the ``(1, size)`` graph (after that graph); returns its
-        ``[size]`` tokens, or None when there is no tail graph of that size."""
-        graph = self.tail_graphs.get(size)
+    def replay_tail(self, query_len: int, size: int
+                    ) -> tuple[torch.Tensor, StepSamples | None] | None:
+        """Replay the sampling tail of the ``(query_len, size)`` graph (after that graph);
+        returns its ``[size * query_len]`` sampled tokens and, for ``1 + k`` steps, the
+        ``[size]`` verified samples; None when there is no tail graph of that key."""
+        graph = self.tail_graphs.get((query_len, size))
         if graph is None:
             return None
-        assert self.tail_tokens is not None
         graph.replay()  # type: ignore[attr-defined]
-        return self.tail_tokens[:size]
+        static = self.spec_samples if query_len > 1 else None
+        samples = (None if static is None else
+                   StepSamples(static.tokens[:size], static.num_sampled[:size]))
+        return self.tail_sampled[query_len][: size * query_len], samples

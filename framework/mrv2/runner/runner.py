@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, cast
 
+import numpy as np
 import torch
 
 from mrv2.config import EngineConfig
@@ -134,6 +135,8 @@ class Runner:
                                     self.device)
         self._no_drafts = torch.zeros(self.max_num_reqs, dtype=torch.int32, device=self.device)
         self._ones = torch.ones(self.max_num_reqs, dtype=torch.int32, device=self.device)
+        self._all_drafts = torch.full((self.max_num_reqs,), self.num_speculative_tokens,
+                                      dtype=torch.int32, device=self.device)
         self._copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
         self._last_copy: torch.cuda.Event | None = None
         self.graphs: DecodeGraphs | None = None
@@ -234,11 +237,16 @@ class Runner:
         if step.replay_query_len:
             assert self.graphs is not None
             hidden, logits = self.graphs.replay(step.replay_query_len, batch.num_reqs_padded)
-            tokens = self._replay_tail(step)
-            if tokens is not None:  # sampled and post-updated inside the tail graph
-                out = SamplerOutput(tokens[: batch.num_reqs])
-                samples = step_samples(batch, out.tokens, step.do_sample_dev)
+            tail = self._replay_tail(step)
+            if tail is not None:  # sampled, verified and post-updated inside the tail graph
+                sampled, verified = tail
+                out = SamplerOutput(sampled[: batch.num_logits])
+                samples = (step_samples(batch, out.tokens, step.do_sample_dev)
+                           if verified is None else
+                           StepSamples(verified.tokens[: batch.num_reqs],
+                                       verified.num_sampled[: batch.num_reqs]))
                 self.sampler.record_sampled(batch, samples)
+                self._draft(step, samples, hidden)
                 return samples, out, []
             logits = logits[: batch.num_logits]
         else:
@@ -259,35 +267,64 @@ class Runner:
             self.table.num_tokens,
         )
         self.sampler.record_sampled(batch, samples)
-        if self.speculator is not None and not (
-            step.replay_query_len and self.graphs is not None
-            and self.graphs.replay_drafts(step.replay_query_len, batch.num_reqs_padded, samples)
-        ):
-            self._propose(batch, samples, hidden)
+        self._draft(step, samples, hidden)
         return samples, out, prompt_lps
 
-    def _replay_tail(self, step: StepPlan) -> torch.Tensor | None:
-        """The sampling tail graph's tokens for a one-token decode step whose plan it captured
-        (every request sampling), or None: sample eagerly."""
-        graphs = self.graphs
-        if (graphs is None or not graphs.tail_graphs or step.replay_query_len != 1
-                or not step.batch.do_sample.all() or not self.sampler.capturable(step.sample_plan)):
-            return None
-        if self._last_copy is not None:  # the tokens buffer is the previous step's copy source
-            torch.cuda.current_stream().wait_event(self._last_copy)
-        return graphs.replay_tail(step.batch.num_reqs_padded)
+    def _draft(self, step: StepPlan, samples: StepSamples, hidden: torch.Tensor) -> None:
+        """The speculator's drafting after a step: its graph when the step replayed one."""
+        batch, graphs = step.batch, self.graphs
+        if self.speculator is None:
+            return
+        if step.replay_query_len and graphs is not None:
+            if self._last_copy is not None:  # its samples may be the last copy's source
+                torch.cuda.current_stream().wait_event(self._last_copy)
+            if graphs.replay_drafts(step.replay_query_len, batch.num_reqs_padded, samples):
+                return
+        self._propose(batch, samples, hidden)
 
-    def _sample_tail(self, batch: InputBatch, logits: torch.Tensor, tokens: torch.Tensor) -> None:
-        """The sampling tail graph's body: a one-token decode step's sampling (the sampler's
-        capturable plan) of every row of a padded batch into ``tokens``, and the post-update;
-        padding requests have empty queries, so the post-update leaves their rows alone."""
+    def _replay_tail(self, step: StepPlan) -> tuple[torch.Tensor, StepSamples | None] | None:
+        """The sampling tail graph's outputs for a decode step whose plan it captured (every
+        request sampling), or None: sample eagerly."""
+        graphs = self.graphs
+        if (graphs is None or not graphs.tail_graphs or not step.batch.do_sample.all()
+                or not self.sampler.capturable(step.sample_plan)):
+            return None
+        if self._last_copy is not None:  # the tail's buffers are the previous step's copy source
+            torch.cuda.current_stream().wait_event(self._last_copy)
+        return graphs.replay_tail(step.replay_query_len, step.batch.num_reqs_padded)
+
+    def _sample_tail(self, batch: InputBatch, logits: torch.Tensor, sampled: torch.Tensor,
+                     samples: StepSamples | None) -> None:
+        """The sampling tail graph's body over every row of a padded uniform-decode batch: the
+        sampler's capturable plan at every token into ``sampled``; with drafts (``1 + k``
+        tokens a request, ``samples`` given) their verification into ``samples``; then the
+        post-update. Padding requests have empty queries: no tokens verified, rows untouched."""
         size = batch.num_reqs
-        batch = replace(batch, logits_idx_mapping=batch.idx_mapping,
-                        logits_positions=self.buffers.logits_positions[:size])
-        tokens.copy_(self.sampler(logits, batch, self.table, self.sampler.graph_plan).tokens)
-        post_update(batch.idx_mapping, batch.query_start_loc, size, tokens[:, None],
-                    self._ones[:size], self._no_drafts[:size], self.table.token_ids,
-                    self.table.num_computed, self.table.num_tokens)
+        width = batch.num_tokens_padded // size  # tokens a request: every one is a logits row
+        if samples is None:  # the builder wrote each request's seq_len (its token's position)
+            batch = replace(batch, logits_idx_mapping=batch.idx_mapping,
+                            logits_positions=self.buffers.logits_positions[:size])
+        else:  # the step's logits rows are its tokens, whatever the builder wrote
+            n = size * width
+            rows = batch.idx_mapping[:, None].expand(size, width).reshape(n)
+            batch = replace(
+                batch, logits_idx_mapping=rows, logits_positions=batch.positions[:n] + 1,
+                logits_indices=torch.arange(n, device=logits.device),
+                num_draft_tokens=np.full(size, width - 1, dtype=np.int32),
+                cu_num_logits=np.arange(size + 1, dtype=np.int32) * width,
+                cu_num_logits_dev=batch.query_start_loc)  # the same when every token is a row
+        out = self.sampler(logits, batch, self.table, self.sampler.graph_plan)
+        sampled.copy_(out.tokens)
+        if samples is None:
+            tokens, counts, drafts = sampled[:, None], self._ones[:size], self._no_drafts
+        else:
+            verified = step_samples(batch, out.tokens, self._ones[:size], out.verify)
+            samples.tokens.copy_(verified.tokens)
+            samples.num_sampled.copy_(verified.num_sampled)
+            tokens, counts, drafts = samples.tokens, samples.num_sampled, self._all_drafts
+        post_update(batch.idx_mapping, batch.query_start_loc, size, tokens, counts,
+                    drafts[:size], self.table.token_ids, self.table.num_computed,
+                    self.table.num_tokens)
 
     def _propose(self, batch: InputBatch, samples: StepSamples, hidden: torch.Tensor) -> None:
         """The speculator's drafting after a step (eager, or a drafting graph's body)."""
@@ -356,8 +393,10 @@ class Runner:
             if self.speculator is not None and self.speculator.cuda_graphs:
                 self.graphs.capture_drafts(1 + self.num_speculative_tokens,
                                            self._graph_dummy_batch, self._propose, capture)
-            if self.speculator is None and self.sampler.capturable(self.sampler.graph_plan):
-                self.graphs.capture_tails(self._graph_dummy_batch, self._sample_tail, capture)
+            if self.sampler.capturable(self.sampler.graph_plan):
+                for query_len in query_lens:
+                    self.graphs.capture_tails(query_len, self._graph_dummy_batch,
+                                              self._sample_tail, capture)
         self.builder.graphs = self.graphs
 
     def profile_shape(self) -> tuple[int, int]:

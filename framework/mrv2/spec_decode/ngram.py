@@ -29,6 +29,8 @@ class NgramSpeculator(Speculator):
     """``speculative_config={"method": "ngram", "num_speculative_tokens": k,
     "prompt_lookup_max": 4, "prompt_lookup_min": 2}`` (vLLM's names)."""
 
+    cuda_graphs = True  # one kernel, skipping requests that sampled nothing (padding)
+
     def __init__(self, config: EngineConfig, model_state: ModelState,
                  device: torch.device) -> None:
         super().__init__(config, model_state, device)
