@@ -110,6 +110,44 @@ def test_sampling_tail_graph_equals_eager(target: Path) -> None:
     assert replays[4][1] == replays[4][0] - 1 > 0
 
 
+def test_verification_moves_between_eager_and_the_tail_graph(target: Path) -> None:
+    """With the target drafting for itself, steps whose top-k request the tail cannot sample
+    verify eagerly after the forward graph (the drafting graph then copies their samples in);
+    once it has finished, the tail graph verifies in place. Tokens and drafts (the acceptance)
+    equal the eager path's throughout."""
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=1.2, seed=5, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_k=5, seed=1, max_tokens=4, ignore_eos=True)]
+    spec = {"method": "draft_model", "model": str(target), "num_speculative_tokens": 2}
+
+    def run(graphs: bool) -> tuple[list[Any], LLM]:
+        llm = LLM(str(target), device="cpu", dtype="float32", block_size=4, max_num_seqs=8,
+                  max_model_len=64, speculative_config=spec)
+        if graphs:
+            emulate_cuda_graphs(llm.engine.runner)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], llm
+
+    eager, eager_llm = run(False)
+    got, llm = run(True)
+    assert got == eager
+    stats, eager_stats = llm.engine.stats(), eager_llm.engine.stats()
+    for key in ("spec_num_draft_tokens", "spec_acceptance_rate"):  # the same drafts
+        assert stats[key] == eager_stats[key]
+    assert stats["spec_acceptance_rate"] > 0
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None
+    count = {name: {size: table[(3, size)].replays for size in (4, 8)}  # type: ignore[attr-defined]
+             for name, table in (("forward", graphs.graphs), ("tail", graphs.tail_graphs),
+                                 ("drafts", graphs.draft_graphs))}
+    # five requests (the top-k one among them) pad to 8: verified eagerly; four pad to 4
+    assert count["forward"][8] > 0 and count["tail"][8] == 0
+    assert count["drafts"][8] == count["forward"][8]
+    assert count["tail"][4] == count["forward"][4] == count["drafts"][4] > 0
+
+
 def test_one_token_prompt_chunks_never_replay_a_decode_graph(target: Path) -> None:
     """With a budget of one token per request, every prompt advances one token a step: those
     steps look uniform but compute prompt tokens, whose inputs (an image's embeddings, for a
