@@ -69,3 +69,17 @@ tids = torch.zeros(4, 64, dtype=torch.int32, device=dev)
 nc = torch.zeros(4, dtype=torch.int32, device=dev)
 nt = torch.zeros(4, dtype=torch.int32, device=dev)
 t("triton launch (post_update)", lambda: post_update(rows, qsl, 1, tok, one, zero, tids, nc, nt))
+
+import numpy as np  # noqa: E402
+
+from mrv2.contract.staging import Uploader  # noqa: E402
+
+uploader = Uploader(dev)
+small = {"a": np.arange(8, dtype=np.int32), "b": np.arange(9, dtype=np.int32),
+         "c": np.ones(8, dtype=np.int32)}
+t("Uploader.upload (3 arrays of 8-9 ints)", lambda: uploader.upload(small))
+t("Uploader.upload (1 array)", lambda: uploader.upload({"a": small["a"]}))
+host = uploader._buffers[0]
+t("pinned tensor .numpy()", lambda: host.numpy())
+packed = torch.empty(64, dtype=torch.uint8, device=dev)
+t("packed[a:b].view(int32).view(shape)", lambda: packed[16:48].view(torch.int32).view((8,)))
