@@ -265,10 +265,14 @@ class BatchBuilder:
             torch.sub(query_start_loc_dev[1 : num_reqs + 1], 1, out=logits_indices)
             logits_idx_mapping = idx_mapping
         return _Layout(
-            key, rows, drafts, do_sample, qsl_cpu, cu_logits, dev, idx_mapping,
-            query_start_loc_dev, logits_indices, logits_idx_mapping, num_tokens,
-            padded * query_len if padded else num_tokens, num_padded, num_logits, max_drafts,
-            int(lens.max()), uniform, query_len if padded else 0)
+            key=key, rows=rows, drafts=drafts, do_sample=do_sample, qsl_cpu=qsl_cpu,
+            cu_logits=cu_logits, dev=dev, idx_mapping=idx_mapping,
+            query_start_loc=query_start_loc_dev, logits_indices=logits_indices,
+            logits_idx_mapping=logits_idx_mapping, num_tokens=num_tokens,
+            num_tokens_padded=padded * query_len if padded else num_tokens,
+            num_padded=num_padded, num_logits=num_logits, max_drafts=max_drafts,
+            max_query_len=int(lens.max()), uniform=uniform,
+            replay_query_len=query_len if padded else 0)
 
 
 @dataclass

@@ -111,9 +111,10 @@ class DecodeGraphs:
     def _captured_sizes(self, query_len: int) -> list[int]:
         return [s for s in self.plan.get(query_len, ()) if (query_len, s) in self.graphs]
 
-    def _static_samples(self, query_len: int) -> StepSamples:
-        """The persistent samples of the ``query_len`` steps (allocated on first use, for the
-        largest captured size; nothing sampled: counts zero)."""
+    def _static_samples(self, query_len: int, size: int) -> StepSamples:
+        """The first ``size`` rows of the persistent samples of the ``query_len`` steps
+        (allocated on first use, for the largest captured size; nothing sampled: counts
+        zero)."""
         if self.spec_samples is None:
             top = max(self._captured_sizes(query_len))
             device = self.outputs[(query_len, top)][0].device
@@ -121,8 +122,9 @@ class DecodeGraphs:
                 torch.full((top, query_len), -1, dtype=torch.int64, device=device),
                 torch.zeros(top, dtype=torch.int32, device=device),
             )
-        assert self.spec_samples.tokens.shape[1] == query_len
-        return self.spec_samples
+        static = self.spec_samples
+        assert static.tokens.shape[1] == query_len
+        return StepSamples(static.tokens[:size], static.num_sampled[:size])
 
     def capture_drafts(
         self,
@@ -137,10 +139,9 @@ class DecodeGraphs:
         sizes = self._captured_sizes(query_len)
         if not sizes:
             return
-        static = self._static_samples(query_len)
         for size in sorted(sizes, reverse=True):
             batch = dummy_batch(size, query_len)
-            samples = StepSamples(static.tokens[:size], static.num_sampled[:size])
+            samples = self._static_samples(query_len, size)
             hidden = self.outputs[(query_len, size)][0]
             propose(batch, samples, hidden)  # warm up: compile kernels outside the capture
             _sync()
@@ -154,16 +155,20 @@ class DecodeGraphs:
                 self.draft_graphs[(query_len, size)] = graph
         _sync()
 
-    def replay_drafts(self, query_len: int, size: int, samples: StepSamples) -> bool:
+    def replay_drafts(self, query_len: int, size: int, samples: StepSamples,
+                      after: torch.cuda.Event | None = None) -> bool:
         """Replay the drafting graph of ``(query_len, size)`` for this step's ``samples``
-        (copied in unless the verify tail wrote them there; the padding requests' counts
-        zeroed); False when there is none."""
+        (copied in unless the verify tail wrote them there, once ``after`` has passed: the
+        persistent samples may be the source of a copy still running; the padding requests'
+        counts zeroed); False when there is none."""
         graph = self.draft_graphs.get((query_len, size))
         if graph is None:
             return False
         static = self.spec_samples
         assert static is not None
         if samples.tokens.data_ptr() != static.tokens.data_ptr():
+            if after is not None:
+                torch.cuda.current_stream().wait_event(after)
             num_reqs, width = samples.tokens.shape
             static.num_sampled[:num_reqs].copy_(samples.num_sampled)
             static.num_sampled[num_reqs:size].zero_()
@@ -193,14 +198,12 @@ class DecodeGraphs:
         device = self.outputs[(query_len, top)][1].device
         self.tail_sampled[query_len] = torch.zeros(top * query_len, dtype=torch.int64,
                                                    device=device)
-        static = self._static_samples(query_len) if query_len > 1 else None
         for size in sorted(sizes, reverse=True):
             batch = dummy_batch(size, query_len)
             batch.query_start_loc.zero_()
             logits = self.outputs[(query_len, size)][1]
             sampled = self.tail_sampled[query_len][: size * query_len]
-            samples = (None if static is None else
-                       StepSamples(static.tokens[:size], static.num_sampled[:size]))
+            samples = self._static_samples(query_len, size) if query_len > 1 else None
             sample_tail(batch, logits, sampled, samples)  # warm up: compile outside the capture
             _sync()
 
@@ -223,7 +226,5 @@ class DecodeGraphs:
         if graph is None:
             return None
         graph.replay()  # type: ignore[attr-defined]
-        static = self.spec_samples if query_len > 1 else None
-        samples = (None if static is None else
-                   StepSamples(static.tokens[:size], static.num_sampled[:size]))
+        samples = self._static_samples(query_len, size) if query_len > 1 else None
         return self.tail_sampled[query_len][: size * query_len], samples

@@ -275,11 +275,9 @@ class Runner:
         batch, graphs = step.batch, self.graphs
         if self.speculator is None:
             return
-        if step.replay_query_len and graphs is not None:
-            if self._last_copy is not None:  # its samples may be the last copy's source
-                torch.cuda.current_stream().wait_event(self._last_copy)
-            if graphs.replay_drafts(step.replay_query_len, batch.num_reqs_padded, samples):
-                return
+        if step.replay_query_len and graphs is not None and graphs.replay_drafts(
+                step.replay_query_len, batch.num_reqs_padded, samples, after=self._last_copy):
+            return
         self._propose(batch, samples, hidden)
 
     def _replay_tail(self, step: StepPlan) -> tuple[torch.Tensor, StepSamples | None] | None:
