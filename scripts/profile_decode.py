@@ -26,6 +26,8 @@ parser.add_argument("--model", default="Qwen3-0.6B", help="bundled config name o
 parser.add_argument("--batch", type=int, default=1)
 parser.add_argument("--steps", type=int, default=64)
 parser.add_argument("--temperature", type=float, default=0.0)
+parser.add_argument("--prompt-lens", type=int, nargs=2, default=(128, 128), metavar=("LO", "HI"),
+                    help="prompt lengths drawn uniformly from LO..HI (default 128 128)")
 parser.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="ranks (one GPU each); the profile is rank 0's, and the NCCL kernels' "
                          "share of its step is printed (it includes waiting for the other ranks)")
@@ -52,7 +54,8 @@ k = engine.runner.num_speculative_tokens
 params = SamplingParams(temperature=args.temperature, max_tokens=6 * (1 + k) * args.steps,
                         ignore_eos=True)
 for _ in range(args.batch):
-    engine.add_request([rng.randint(0, 10000) for _ in range(128)], params, stream=True)
+    engine.add_request([rng.randint(0, 10000) for _ in range(rng.randint(*args.prompt_lens))],
+                       params, stream=True)
 for _ in range(2 * args.steps):  # prefill, compile, warm up
     engine.step()
 torch.cuda.synchronize()

@@ -224,6 +224,22 @@ class EagerGraph:
                 kept.copy_(fresh)
 
 
+def record_row_order(runner: Any) -> list[list[str]]:
+    """From now on, each step's requests in batch-row order (``InputBatch.req_ids``: longest
+    sequence first unless ``MRV2_LONGEST_FIRST=0``), appended to the returned list: for
+    tests that read per-row outputs (logits) of a runner's steps."""
+    order: list[list[str]] = []
+    build = runner.builder.build
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        plan = build(*args, **kwargs)
+        order.append(list(plan.batch.req_ids))
+        return plan
+
+    runner.builder.build = recorded
+    return order
+
+
 def emulate_cuda_graphs(runner: Any) -> None:
     """Give a CPU ``Runner`` the CUDA-graph path with :class:`EagerGraph` stand-ins: decode steps
     are padded to the captured sizes and "replayed", drafting included (the padding requests,

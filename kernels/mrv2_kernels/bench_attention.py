@@ -2,6 +2,7 @@
 
     python -m mrv2_kernels.bench_attention            # the tables (Qwen3-0.6B and -8B heads)
     python -m mrv2_kernels.bench_attention --sweep    # also try tile/stage/split variants
+    python -m mrv2_kernels.bench_attention --workload # the throughput workload's decode steps
     TRITON_INTERPRET=1 python -m mrv2_kernels.bench_attention --tiny   # CPU smoke test
 
 Decode: batch {1, 8, 32, 64, 128, 256} x context {256, 512, 1024, 2048, 4096}, one query token per
@@ -58,6 +59,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true", help="try block/stage/split/warp variants")
     p.add_argument("--layouts", nargs="*", default=None, help="only these head layouts (8B)")
     p.add_argument("--no-decode", action="store_true", help="prefill only")
+    p.add_argument("--workload", action="store_true",
+                   help="only the throughput workload's decode steps: request order and splits")
     return p.parse_args(argv)
 
 
@@ -177,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     if not ok:
         return 1
     summary: list[str] = []
+    if args.workload and not args.tiny:
+        for lay, heads, kv_heads in layouts:
+            summary += workload_steps(lay, heads, kv_heads, case, copies_for, timer)
+        print("\nsummary:\n" + "\n".join(summary))
+        return 0
 
     # ---- decode table ---------------------------------------------------------------------
     for lay, heads, kv_heads in [] if args.no_decode else layouts:
@@ -251,6 +259,59 @@ def main(argv: list[str] | None = None) -> int:
         del c
     print("\nsummary:\n" + "\n".join(summary))
     return 0
+
+
+def workload_steps(lay: str, heads: int, kv_heads: int, case: Any, copies_for: Any,
+                   timer: Any) -> list[str]:
+    """Device time of the throughput workload's decode attention, every 64th step, per layer.
+
+    ``mrv2 bench throughput``'s 256 requests (prompts and outputs of 100-1,024 tokens) decode
+    together; step ``t`` holds the requests with more than ``t`` tokens to go, at context
+    ``prompt + t + 1``. Their lengths differ up to 10x, so one program per (request, kv head)
+    finishes at very different times: the step is timed with the requests in arrival order
+    (the scheduler's) and longest first, at the plan's split count (``max_seq_len`` 4,096, a
+    decode graph's bound) and at fixed ones.
+    """
+    import random
+
+    import torch
+
+    rng = random.Random(0)  # mrv2.bench.throughput.workload(256)'s lengths
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(256)]
+    max_tokens = [rng.randint(100, 1024) for _ in range(256)]
+    d, elem = 128, 2
+    variants = [("arrival", False, None), ("arrival", False, 2), ("arrival", False, 4),
+                ("longest first", True, None), ("longest first", True, 2),
+                ("longest first", True, 4)]
+    totals = [0.0] * len(variants)
+    ideal = 0.0
+    print(f"\nworkload decode steps, {lay} heads (us per layer; splits None = the plan's)")
+    print(f"{'step':>5} {'batch':>5} {'mean ctx':>8} {'max':>5} {'floor':>6}  "
+          + "  ".join(f"{o[:7]}/{s}" for o, _, s in variants))
+    for t in range(0, 1024, 64):
+        lens = [len(p) + t + 1 for p, m in zip(prompts, max_tokens, strict=True) if m > t]
+        if not lens:
+            break
+        kv_bytes = sum(lens) * kv_heads * d * 2 * elem
+        floor_us = kv_bytes / 4.2e6
+        ideal += floor_us
+        row = []
+        for i, (_, longest, splits) in enumerate(variants):
+            ordered = sorted(lens, reverse=True) if longest else lens
+            c = case(heads, kv_heads, [1] * len(lens), ordered, copies_for(kv_bytes))
+            c.bounds["max_seq_len"] = 4096
+            ms = timer(c.make(uniform_decode=True, num_splits=splits), len(c.kvs))
+            totals[i] += ms * 1e3
+            row.append(ms * 1e3)
+            del c
+            torch.cuda.empty_cache()
+        print(f"{t:>5} {len(lens):>5} {sum(lens) / len(lens):>8.0f} {max(lens):>5} "
+              f"{floor_us:>6.1f}  " + "  ".join(f"{v:>9.1f}" for v in row), flush=True)
+    out = [f"workload {lay} attention over 16 steps: floor {ideal:.0f} us (4.2 TB/s)"]
+    for (order, _, splits), tot in zip(variants, totals, strict=True):
+        out.append(f"   {order:<13} splits {str(splits):<4} {tot:8.0f} us  "
+                   f"{ideal / tot:.2f} of floor")
+    return out
 
 
 if __name__ == "__main__":

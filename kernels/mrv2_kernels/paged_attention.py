@@ -38,6 +38,7 @@ import triton.language as tl
 
 from ._backend import pdl, pdl_early_meta, pdl_prologue, pdl_release, pdl_wait
 from .paged_attention_ref import _check_inputs, paged_attention_ref
+from .rotary import QKNorm, rotary_embedding_triton
 
 _LOG2E = 1.4426950408889634
 # Finite "minus infinity" for running maxima (keeps empty rows NaN-free); a constexpr because
@@ -83,6 +84,46 @@ def _attn_tile(
     return acc, m_new, l_i
 
 
+@triton.jit
+def _rope_table(
+    pos_ptr: tl.tensor, rows: tl.tensor, valid: tl.tensor, cos_sin_ptr: tl.tensor,
+    HALF: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor]:
+    """``[R, HALF]`` cos and sin (fp32) at the positions of token rows ``rows`` ``[R]``."""
+    pos = tl.load(pos_ptr + rows, mask=valid, other=0).to(tl.int64)
+    at = cos_sin_ptr + pos[:, None] * (2 * HALF) + tl.arange(0, HALF)[None, :]
+    cos = tl.load(at, mask=valid[:, None], other=0.0).to(tl.float32)
+    sin = tl.load(at + HALF, mask=valid[:, None], other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
+def _rope_rows(
+    ptrs: tl.tensor,
+    valid: tl.tensor,
+    cos: tl.tensor,
+    sin: tl.tensor,
+    w1: tl.tensor,
+    w2: tl.tensor,
+    eps: tl.tensor,
+    HALF: tl.constexpr,
+    NORM: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor]:
+    """Rows of raw heads at ``ptrs`` (``[R, 1]`` pointers, ``head_dim`` contiguous),
+    RMS-normalized with weight halves ``w1``/``w2`` (``NORM``) and rotated neox style: the two
+    halves :func:`mrv2_kernels.rotary.rotary_embedding` writes (same fp32 steps and
+    input-dtype roundings), in the input dtype."""
+    dtype = ptrs.dtype.element_ty
+    offs = tl.arange(0, HALF)[None, :]
+    x1 = tl.load(ptrs + offs, mask=valid[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(ptrs + HALF + offs, mask=valid[:, None], other=0.0).to(tl.float32)
+    if NORM:
+        r = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
+        x1 = (w1 * (x1 * r[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * r[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    return (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
+
+
 @triton.jit(do_not_specialize=["num_q_tiles", "num_splits", "num_tokens"])
 def _paged_attn_kernel(
     q_ptr: tl.tensor,
@@ -108,6 +149,16 @@ def _paged_attn_kernel(
     stride_bt: tl.tensor,
     num_splits: tl.tensor,
     num_tokens: tl.tensor,
+    pos_ptr: tl.tensor,
+    cos_sin_ptr: tl.tensor,
+    q_w_ptr: tl.tensor,
+    k_w_ptr: tl.tensor,
+    eps: tl.tensor,
+    new_k_ptr: tl.tensor,
+    new_v_ptr: tl.tensor,
+    stride_nt: tl.tensor,
+    stride_nvt: tl.tensor,
+    slot_ptr: tl.tensor,
     GROUP: tl.constexpr,
     GROUP_P2: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -121,22 +172,50 @@ def _paged_attn_kernel(
     FP32_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
     EARLY_META: tl.constexpr,
+    ROPE: tl.constexpr,
+    QK_NORM: tl.constexpr,
 ) -> None:
     # Heaviest query tiles (latest positions) first: better tail balance in causal prefill.
     q_tile = num_q_tiles - 1 - tl.program_id(0)
     pid_hs = tl.program_id(1)
     req = tl.program_id(2)
-    if EARLY_META:  # pdl_early_meta: the request's query range and length before the wait
+    kvh = pid_hs // num_splits
+    split = pid_hs % num_splits
+    offs_d = tl.arange(0, HEAD_DIM)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    rows = tl.arange(0, BLOCK_M)
+    grp = rows % GROUP_P2
+    head = kvh * GROUP + grp
+    t_new = tl.arange(0, BLOCK_Q)
+    if EARLY_META or ROPE:  # the request's query range and length before the wait
+        # (pdl_early_meta's rule: no PDL kernel writes step metadata or constant tables)
         pdl_release(PDL)
         q_start = tl.load(qsl_ptr + req)
         seq_len = tl.load(seq_lens_ptr + req)
         q_end = tl.load(qsl_ptr + req + 1)  # qlen is taken after the wait: nothing before it
+        if ROPE:  # and the rotation's positions, tables, weights and slots too
+            tok_e = q_tile * BLOCK_Q + rows // GROUP_P2
+            qv_e = (tok_e < q_end - q_start) & (grp < GROUP)
+            q_cos, q_sin = _rope_table(pos_ptr, (q_start + tok_e).to(tl.int64), qv_e,
+                                       cos_sin_ptr, HALF)
+            new_e = t_new < q_end - q_start
+            new_row = (q_start + t_new).to(tl.int64)
+            k_cos, k_sin = _rope_table(pos_ptr, new_row, new_e, cos_sin_ptr, HALF)
+            slot = tl.load(slot_ptr + new_row, mask=new_e, other=-1).to(tl.int64)
+            offs_h = tl.arange(0, HALF)
+            if QK_NORM:
+                qw1 = tl.load(q_w_ptr + offs_h).to(tl.float32)[None, :]
+                qw2 = tl.load(q_w_ptr + HALF + offs_h).to(tl.float32)[None, :]
+                kw1 = tl.load(k_w_ptr + offs_h).to(tl.float32)[None, :]
+                kw2 = tl.load(k_w_ptr + HALF + offs_h).to(tl.float32)[None, :]
+            else:
+                qw1 = tl.full([1, HALF], 1.0, tl.float32)
+                qw2 = qw1
+                kw1 = qw1
+                kw2 = qw1
         pdl_wait(PDL)  # needs a load's value, so the loads stay in flight through the wait
     else:
         pdl_prologue(PDL)
-    kvh = pid_hs // num_splits
-    split = pid_hs % num_splits
-    offs_d = tl.arange(0, HEAD_DIM)
 
     if ZERO_PAD:  # rows of padding tokens (past query_start_loc[num_reqs]) become zeros:
         # spread over all programs, so no memset launch is needed before the kernel
@@ -152,7 +231,7 @@ def _paged_attn_kernel(
 
     # seq_len is loaded before the early exit: its load then overlaps query_start_loc's instead
     # of waiting for it (one memory round trip less before the first key tile is requested).
-    if EARLY_META:
+    if EARLY_META or ROPE:
         qlen = q_end - q_start
     else:
         q_start = tl.load(qsl_ptr + req)
@@ -163,19 +242,17 @@ def _paged_attn_kernel(
         return
     ctx_len = seq_len - qlen
 
-    rows = tl.arange(0, BLOCK_M)
     tok = tile_start + rows // GROUP_P2
-    grp = rows % GROUP_P2
-    head = kvh * GROUP + grp
     row_valid = (tok < qlen) & (grp < GROUP)
     pos = ctx_len + tok
     q_row = (q_start + tok).to(tl.int64)
 
-    q = tl.load(
-        q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=row_valid[:, None],
-        other=0.0,
-    )
+    q_ptrs = q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh
+    if ROPE:  # raw query: RMS-normalized per head (QK_NORM) and rotated here, in registers
+        q1, q2 = _rope_rows(q_ptrs, row_valid, q_cos, q_sin, qw1, qw2, eps, HALF, QK_NORM)
+        q = tl.join(q1, q2).permute(0, 2, 1).reshape(BLOCK_M, HEAD_DIM)  # [q1 | q2]
+    else:
+        q = tl.load(q_ptrs + offs_d[None, :], mask=row_valid[:, None], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
 
@@ -189,6 +266,26 @@ def _paged_attn_kernel(
     else:
         lo = kv_end * 0
         hi = kv_end
+    if ROPE:
+        # This step's keys and values (its query tokens' positions, [ctx_len, seq_len)) go
+        # into the cache first: each program stores the ones in its own key range, rotated
+        # like the queries, then a barrier makes them visible to its own loads below. No
+        # other program reads them (a program reads only keys of its range), so nothing
+        # else waits. (small-query plans only: one query tile holds every query token.)
+        k_seq = ctx_len + t_new
+        new_ok = (t_new < qlen) & (k_seq >= lo) & (k_seq < hi) & (slot >= 0)
+        k1, k2 = _rope_rows(new_k_ptr + new_row[:, None] * stride_nt + kvh * HEAD_DIM, new_ok,
+                            k_cos, k_sin, kw1, kw2, eps, HALF, QK_NORM)
+        v_new = tl.load(new_v_ptr + new_row[:, None] * stride_nvt + kvh * HEAD_DIM
+                        + offs_d[None, :], mask=new_ok[:, None], other=0.0)
+        slot_row = ((slot // KV_BLOCK_SIZE) * stride_kb + (slot % KV_BLOCK_SIZE) * stride_ks
+                    + kvh.to(tl.int64) * stride_kh)[:, None]
+        dtype = k_ptr.dtype.element_ty
+        tl.store(k_ptr + slot_row + offs_h[None, :], k1.to(dtype), mask=new_ok[:, None])
+        tl.store(k_ptr + slot_row + HALF + offs_h[None, :], k2.to(dtype), mask=new_ok[:, None])
+        tl.store(v_ptr + slot_row + offs_d[None, :], v_new.to(v_ptr.dtype.element_ty),
+                 mask=new_ok[:, None])
+        tl.debug_barrier()
     # Keys below every row's position need no mask (and are all < seq_len).
     full_end = tl.minimum(hi, ctx_len + tile_start + 1)
     mid = lo + (tl.maximum(full_end - lo, 0) // BLOCK_N) * BLOCK_N
@@ -345,6 +442,41 @@ def _default_config(
 
 
 @dataclass(frozen=True)
+class FusedRope:
+    """What :func:`paged_attention` needs to take the step's raw query, key and value: it
+    normalizes and rotates them (as :func:`mrv2_kernels.rotary.rotary_embedding` would, with
+    ``rotary_dim == head_dim``) and stores the key and value at ``slot_mapping`` itself.
+
+    Split small-query plans (decode and spec decode at batches of up to a few dozen
+    requests) do it inside the attention kernel: one launch per layer less than RoPE then
+    attention. Other plans run the RoPE kernel (with its cache write) first."""
+
+    positions: torch.Tensor
+    """``[T]`` the query tokens' positions (rows of ``cos_sin``)."""
+    cos_sin: torch.Tensor
+    """``[max_position, head_dim]`` fp32, cos half first (:class:`RotaryEmbedding`'s table)."""
+    key: torch.Tensor
+    """``[T, Hk*D]`` or ``[T, Hk, D]``, raw (a fused QKV output's slice is fine)."""
+    value: torch.Tensor
+    """Like ``key``."""
+    slot_mapping: torch.Tensor
+    """``[>= T]`` each token's flat cache slot; negative: not stored."""
+    qk_norm: QKNorm | None = None
+    """``(q weight, k weight, eps)``: per-head RMSNorm before the rotation (Qwen3)."""
+
+
+def _rows_of_heads(t: torch.Tensor, name: str, num_tokens: int, heads: int,
+                   head_dim: int) -> torch.Tensor:
+    """``t`` as ``[T, heads * head_dim]`` with contiguous heads (a view; rows may be strided)."""
+    flat = t.reshape(t.shape[0], -1) if t.dim() == 3 else t
+    if (flat.dim() != 2 or flat.shape != (num_tokens, heads * head_dim) or flat.stride(-1) != 1
+            or (t.dim() == 3 and t.stride(1) != head_dim)):
+        raise ValueError(f"FusedRope.{name} must be [T, Hk*D] = [{num_tokens}, "
+                         f"{heads * head_dim}] with contiguous heads, got {tuple(t.shape)}")
+    return flat
+
+
+@dataclass(frozen=True)
 class AttentionPlan:
     """How :func:`paged_attention` launches for given CPU-known bounds (all host integers)."""
 
@@ -435,8 +567,12 @@ def paged_attention(
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    rope: FusedRope | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of ``query`` ``[T, H, D]`` over ``kv_cache``; see the module doc.
+
+    With ``rope``, ``query`` is raw (not yet normalized or rotated) and this call also stores
+    the step's key and value in the cache (see :class:`FusedRope`).
 
     ``max_query_len``, ``max_seq_len`` and ``num_reqs`` are CPU-known upper bounds: only they
     size the grids, device tensors are never read on the host. ``uniform_decode`` says every
@@ -479,6 +615,38 @@ def paged_attention(
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    qsl = query_start_loc
+    # (positions, cos_sin, q_w, k_w, eps, key, value, key row stride, value row stride, slots):
+    # unused placeholders without rope
+    rope_args: tuple[Any, ...] = (qsl, query, query, query, 0.0, query, query, 0, 0, qsl)
+    if rope is not None:
+        key = _rows_of_heads(rope.key, "key", num_tokens, num_kv_heads, head_dim)
+        value = _rows_of_heads(rope.value, "value", num_tokens, num_kv_heads, head_dim)
+        if rope.cos_sin.dim() != 2 or rope.cos_sin.shape[1] != head_dim:
+            raise ValueError(f"FusedRope.cos_sin must be [max_position, {head_dim}], got "
+                             f"{tuple(rope.cos_sin.shape)}")
+        if not (plan.small_q and plan.num_q_tiles == 1 and plan.num_splits > 1) \
+                or num_tokens == 0:
+            # Prefill plans: a program per query tile cannot store other tiles' keys first.
+            # Unsplit decode (many requests, several waves of programs): the rotation's
+            # registers and its step before the key loop cost more than the RoPE launch
+            # (H200, Qwen3-0.6B batch 64: 1.935 against 1.808 ms a step; BENCHMARKS.md
+            # 2026-12-01, seventh session). Both run the RoPE kernel (with its cache write)
+            # first.
+            q2 = query.reshape(num_tokens, num_heads * head_dim)
+            q2, _ = rotary_embedding_triton(rope.positions, q2, key, rope.cos_sin, head_dim,
+                                            head_dim, rope.qk_norm,
+                                            kv_write=(value, kv_cache, rope.slot_mapping))
+            return paged_attention(
+                q2.reshape(num_tokens, num_heads, head_dim), kv_cache, query_start_loc,
+                seq_lens, block_table, scale, max_query_len=max_query_len,
+                max_seq_len=max_seq_len, num_reqs=num_reqs, uniform_decode=uniform_decode,
+                out=out, block_m=block_m, block_n=block_n, num_splits=num_splits,
+                num_warps=num_warps, num_stages=num_stages)
+        q_w, k_w, eps = rope.qk_norm if rope.qk_norm is not None else (query, query, 0.0)
+        cos_sin = rope.cos_sin if rope.cos_sin.stride(-1) == 1 else rope.cos_sin.contiguous()
+        rope_args = (rope.positions.contiguous(), cos_sin, q_w, k_w, eps, key, value,
+                     key.stride(0), value.stride(0), rope.slot_mapping)
     if num_tokens == 0 or num_reqs == 0 or max_query_len <= 0:
         return torch.zeros_like(query) if out is None else out.zero_()
     splits = plan.num_splits
@@ -499,7 +667,6 @@ def paged_attention(
     else:
         part_m = part_l = part_acc = out  # unused
 
-    qsl = query_start_loc
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     grid = (num_q_tiles, num_kv_heads * splits, num_reqs)
     _paged_attn_kernel[grid](
@@ -526,6 +693,7 @@ def paged_attention(
         block_table.stride(0),
         splits,
         num_tokens,
+        *rope_args,
         GROUP=group,
         GROUP_P2=triton.next_power_of_2(group),
         BLOCK_Q=plan.block_q,
@@ -541,6 +709,8 @@ def paged_attention(
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
         EARLY_META=pdl_early_meta(query),
+        ROPE=rope is not None,
+        QK_NORM=rope is not None and rope.qk_norm is not None,
         **pdl(query),
     )
     if splits > 1:
@@ -563,4 +733,4 @@ def paged_attention(
     return out
 
 
-__all__ = ["AttentionPlan", "attention_plan", "paged_attention", "paged_attention_ref"]
+__all__ = ["AttentionPlan", "FusedRope", "attention_plan", "paged_attention", "paged_attention_ref"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mrv2 import LLM, SamplingParams
-from mrv2.testing import hf_greedy, make_tiny_checkpoint
+from mrv2.testing import hf_greedy, make_tiny_checkpoint, record_row_order
 
 PROMPTS = [[5, 17, 42, 9, 100, 3, 77], [8, 8, 250], [1 + i % 200 for i in range(37)], [64]]
 NEW_TOKENS = 12
@@ -85,6 +85,7 @@ def test_logits_match_hf_for_prefill(checkpoint: Path) -> None:
         return logits
 
     runner.model.compute_logits = spy  # type: ignore[method-assign]
+    order = record_row_order(runner)  # each step's request per batch row
     params = SamplingParams(temperature=0.0)
     new, next_block = [], 0
     for i, prompt in enumerate(PROMPTS):
@@ -98,4 +99,5 @@ def test_logits_match_hf_for_prefill(checkpoint: Path) -> None:
     with torch.no_grad():
         for i, prompt in enumerate(PROMPTS):
             ref = hf(torch.tensor([prompt])).logits[0, -1]
-            torch.testing.assert_close(captured[0][i], ref, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(captured[0][order[0].index(str(i))], ref, atol=1e-4,
+                                       rtol=1e-4)

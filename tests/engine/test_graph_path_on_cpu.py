@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from mrv2 import LLM, SamplingParams
-from mrv2.testing import emulate_cuda_graphs, make_tiny_checkpoint
+from mrv2.testing import emulate_cuda_graphs, make_tiny_checkpoint, record_row_order
 
 # five requests: decode steps pad to eight; the last one finishes early, so later steps pad
 # over its freed row
@@ -227,3 +227,49 @@ def test_decode_steps_with_the_previous_layout_send_only_new_blocks(target: Path
     # and 8, steps 1 and 5; b: 8, step 2) send that block only; steps 3, 4 and 7 nothing
     assert [("idx_mapping" in names) for names in uploads] == [True, True, False, False,
                                                                False, True]
+
+
+def test_batch_rows_go_longest_sequence_first(target: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch holds the longest sequences first (attention starts them first), keeps that
+    order while the same requests decode, sorts again when one joins or leaves, and gives the
+    tokens of the scheduler's order (``MRV2_LONGEST_FIRST=0``)."""
+    from mrv2 import EngineConfig, Runner
+    from mrv2.contract.requests import NewRequest, SchedulerOutput
+
+    prompts = {"a": [5, 6, 7], "b": [8, 9, 10, 11, 12, 13], "c": list(range(20, 30)),
+               "d": list(range(40, 60))}
+    # blocks for every position the steps below reach
+    blocks = {"a": [0, 1], "b": [2, 3, 4], "c": [5, 6, 7, 8], "d": [9, 10, 11, 12, 13, 14]}
+
+    def run(longest_first: str) -> tuple[dict[str, list[int]], list[list[str]]]:
+        monkeypatch.setenv("MRV2_LONGEST_FIRST", longest_first)
+        config = EngineConfig.from_kwargs(model=str(target), device="cpu", dtype="float32",
+                                          block_size=4, max_num_seqs=4, max_model_len=64)
+        runner = Runner.from_config(config)
+        orders = record_row_order(runner)
+        params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+        def new(r: str) -> NewRequest:
+            return NewRequest(r, prompts[r], params, seed=0, block_ids=blocks[r])
+
+        tokens: dict[str, list[int]] = {}
+
+        def step(scheduled: SchedulerOutput) -> None:
+            for r, t in runner.execute(scheduled).result().items():
+                tokens.setdefault(r, []).extend(t)
+
+        step(SchedulerOutput({"a": 3, "b": 6, "c": 10},
+                             new_requests=[new("a"), new("b"), new("c")]))
+        step(SchedulerOutput({"a": 1, "b": 1, "c": 1}))
+        step(SchedulerOutput({"a": 1, "b": 1, "c": 1}))
+        step(SchedulerOutput({"b": 1, "c": 1, "d": 20}, finished_req_ids=["a"],
+                             new_requests=[new("d")]))
+        step(SchedulerOutput({"b": 1, "c": 1, "d": 1}))
+        return tokens, orders
+
+    tokens, orders = run("1")
+    assert orders == [["c", "b", "a"]] * 3 + [["d", "c", "b"]] * 2
+    plain_tokens, plain_orders = run("0")
+    assert plain_orders == [["a", "b", "c"]] * 3 + [["b", "c", "d"]] * 2
+    assert tokens == plain_tokens

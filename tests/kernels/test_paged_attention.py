@@ -419,3 +419,115 @@ def test_early_metadata_gives_the_same_bits(uniform_decode: bool,
     early = paged_attention(*args, **kwargs, out=torch.full_like(b.query, float("nan")))
     assert torch.equal(early, plain) and not early.isnan().any()
     assert (early[b.num_real_tokens:] == 0).all()
+
+
+def _rope_case(reqs: list[tuple[int, int]], dtype: torch.dtype, qk_norm: bool,
+               seed: int) -> tuple[Batch, dict[str, Any]]:
+    """A batch whose step tokens come raw from one fused QKV buffer (strided slices), with
+    their positions and slots; the new tokens' cache slots hold NaN until someone writes them.
+    """
+    from mrv2.layers.rotary import RotaryEmbedding
+
+    heads, kv_heads, d, bs = 4, 2, 16, 4
+    b = make_batch(reqs, num_heads=heads, num_kv_heads=kv_heads, head_dim=d, block_size=bs,
+                   dtype=dtype, pad_tokens=1, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    num_tokens = b.query.shape[0]
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * d, generator=gen).to(DEVICE, dtype)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
+    positions, slots = [], []
+    for i, (qlen, seq_len) in enumerate(reqs):
+        for p in range(seq_len - qlen, seq_len):
+            positions.append(p)
+            slots.append(int(b.block_table[i, p // bs]) * bs + p % bs)
+    positions.append(0)
+    slots.append(-1)  # the padding token: never written
+    slot_t = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+    flat = b.kv_cache.view(2, -1, kv_heads, d)
+    flat[:, slot_t[slot_t >= 0]] = float("nan")
+    norm = None
+    if qk_norm:
+        norm = (torch.rand(d, generator=gen).add(0.5).to(DEVICE, dtype),
+                torch.rand(d, generator=gen).add(0.5).to(DEVICE, dtype), 1e-6)
+    rope = {"positions": torch.tensor(positions, dtype=torch.int64, device=DEVICE),
+            "cos_sin": RotaryEmbedding(d, 64, base=100.0)._table(torch.device(DEVICE)),
+            "q": q, "k": k, "v": v, "slots": slot_t, "qk_norm": norm}
+    return b, rope
+
+
+@pytest.mark.parametrize(
+    ("dtype", "qk_norm", "num_splits", "qlen"),
+    [(torch.bfloat16, True, 3, 1), (torch.float32, False, 2, 3), (torch.bfloat16, False, 1, 1),
+     (torch.float32, True, 4, 2)],
+)
+def test_rope_inside_decode_attention(dtype: torch.dtype, qk_norm: bool, num_splits: int,
+                                      qlen: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Raw query/key/value in: with splits the kernel normalizes and rotates the queries and
+    stores the step's keys (rotated) and values before it reads them (their slots start as
+    NaN); unsplit, the RoPE kernel runs first. Against rotary_embedding_ref + write_kv_ref +
+    paged_attention_ref."""
+    from mrv2_kernels import paged_attention as module
+    from mrv2_kernels.paged_attention import FusedRope
+    from mrv2_kernels.rotary import rotary_embedding_ref
+
+    rope_kernel_calls: list[int] = []
+    plain = module.rotary_embedding_triton
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        rope_kernel_calls.append(1)
+        return plain(*args, **kwargs)
+
+    monkeypatch.setattr(module, "rotary_embedding_triton", counted)
+
+    reqs = [(qlen, 37), (qlen, qlen), (0, 0), (qlen, 20)]
+    b, r = _rope_case(reqs, dtype, qk_norm, seed=11)
+    want_cache = b.kv_cache.clone()
+    q_ref, _ = rotary_embedding_ref(r["positions"], r["q"], r["k"], r["cos_sin"], 16, 16,
+                                    r["qk_norm"], kv_write=(r["v"], want_cache, r["slots"]))
+    num_tokens = b.query.shape[0]
+    ref = paged_attention_ref(q_ref.reshape(num_tokens, 4, 16), want_cache, b.qsl, b.seq_lens,
+                              b.block_table, b.scale, **b.bounds)
+    cache = b.kv_cache.clone()
+    out = paged_attention(
+        r["q"].reshape(num_tokens, 4, 16), cache, b.qsl, b.seq_lens, b.block_table, b.scale,
+        **b.bounds, uniform_decode=True, num_splits=num_splits,
+        out=torch.full((num_tokens, 4, 16), float("nan"), dtype=dtype, device=DEVICE),
+        rope=FusedRope(r["positions"], r["cos_sin"], r["k"], r["v"], r["slots"], r["qk_norm"]),
+    )
+    assert attention_plan(b.query, cache, **b.bounds, uniform_decode=True).small_q
+    assert len(rope_kernel_calls) == (1 if num_splits == 1 else 0)
+    assert not cache.isnan().any(), "a new key or value was not stored"
+    torch.testing.assert_close(cache.float(), want_cache.float(), atol=_tol(dtype),
+                               rtol=_tol(dtype))
+    untouched = torch.ones(cache.shape[1] * cache.shape[2], dtype=torch.bool, device=DEVICE)
+    untouched[r["slots"][r["slots"] >= 0]] = False
+    flat, want_flat = cache.view(2, -1, 2, 16), want_cache.view(2, -1, 2, 16)
+    assert torch.equal(flat[:, untouched], want_flat[:, untouched])
+    _check(out, ref, b, dtype)
+    assert torch.equal(out[b.num_real_tokens:], torch.zeros_like(out[b.num_real_tokens:]))
+
+
+def test_rope_with_a_prefill_plan_runs_the_rope_kernel_first() -> None:
+    """A step the small-query plan cannot take (prefill chunks): same contract, through the
+    RoPE kernel (with its cache write) and then attention."""
+    from mrv2_kernels.paged_attention import FusedRope
+    from mrv2_kernels.rotary import rotary_embedding_ref
+
+    reqs = [(1, 23), (13, 13), (9, 30)]
+    b, r = _rope_case(reqs, torch.float32, True, seed=3)
+    num_tokens = b.query.shape[0]
+    want_cache = b.kv_cache.clone()
+    q_ref, _ = rotary_embedding_ref(r["positions"], r["q"].clone(), r["k"].clone(),
+                                    r["cos_sin"], 16, 16, r["qk_norm"],
+                                    kv_write=(r["v"], want_cache, r["slots"]))
+    ref = paged_attention_ref(q_ref.reshape(num_tokens, 4, 16), want_cache, b.qsl, b.seq_lens,
+                              b.block_table, b.scale, **b.bounds)
+    assert not attention_plan(b.query, b.kv_cache, **b.bounds).small_q
+    cache = b.kv_cache.clone()
+    out = paged_attention(
+        r["q"].reshape(num_tokens, 4, 16), cache, b.qsl, b.seq_lens, b.block_table, b.scale,
+        **b.bounds,
+        rope=FusedRope(r["positions"], r["cos_sin"], r["k"], r["v"], r["slots"], r["qk_norm"]),
+    )
+    torch.testing.assert_close(cache, want_cache, atol=1e-5, rtol=0)
+    _check(out, ref, b, torch.float32)

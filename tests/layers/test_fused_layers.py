@@ -99,14 +99,29 @@ def _decode_context(backend: object, dtype: torch.dtype) -> tuple[ForwardContext
                           backends=[backend]), torch.tensor([5, 3, 0])
 
 
-@pytest.mark.parametrize("backend_cls", [TorchAttentionBackend, TritonAttentionBackend])
+@pytest.mark.parametrize(("backend_cls", "in_attention"), [
+    (TorchAttentionBackend, False), (TritonAttentionBackend, False),
+    (TritonAttentionBackend, True)])
 def test_attention_with_rotary_equals_rotary_then_attention(
-    backend_cls: type, monkeypatch: pytest.MonkeyPatch
+    backend_cls: type, in_attention: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """RoPE given to the attention layer (the Triton backend then writes the KV cache in the
-    RoPE kernel) gives the same output and the same cache as RoPE before the layer."""
+    """RoPE given to the attention layer gives the same output and the same cache as RoPE
+    before the layer: with the Triton backend either through its ``forward_rope`` (the layer
+    launches no RoPE itself; which kernel rotates is test_paged_attention's business) or in
+    the RoPE kernel, which then writes the KV cache."""
+    import mrv2.layers.rotary as rotary_module
+
     if backend_cls is TritonAttentionBackend:
         monkeypatch.setenv("MRV2_KERNELS", "triton")  # the Triton RoPE kernel on CPU tensors
+        monkeypatch.setenv("MRV2_ROPE_IN_ATTENTION", "1" if in_attention else "0")
+    calls: list[bool] = []
+    plain_rope = rotary_module.rotary_embedding
+
+    def counted(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(True)
+        return plain_rope(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(rotary_module, "rotary_embedding", counted)
     dtype = torch.float16
     attn = Attention(2, 1, 16, 16**-0.5, layer_idx=0)
     rope = RotaryEmbedding(16, max_position=32)
@@ -121,8 +136,10 @@ def test_attention_with_rotary_equals_rotary_then_attention(
         ctx, positions = _decode_context(backend_cls(), dtype)
         with set_forward_context(ctx):
             if fused:
+                calls.clear()
                 out = attn(q.clone(), k.clone(), v, positions=positions, rotary=rope,
                            qk_norm=norms)
+                assert calls == ([] if in_attention else [True])
             else:
                 rq, rk = rope(positions, q.clone(), k.clone(), norms)
                 out = attn(rq, rk, v)

@@ -7,11 +7,16 @@ No host syncs: only the CPU-known bounds of the metadata size the grids.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from mrv2.contract.attention import AttentionMetadata, PagedAttentionBackend
+from mrv2.contract.attention import AttentionMetadata, PagedAttentionBackend, RopeInputs
 from mrv2_kernels.kv_cache import write_kv_triton
-from mrv2_kernels.paged_attention import paged_attention
+from mrv2_kernels.paged_attention import FusedRope, paged_attention
+
+#: ``0`` turns off RoPE inside decode attention (then a RoPE kernel runs first, as for prefill).
+ROPE_IN_ATTENTION_ENV_VAR = "MRV2_ROPE_IN_ATTENTION"
 
 
 class TritonAttentionBackend(PagedAttentionBackend):
@@ -19,6 +24,13 @@ class TritonAttentionBackend(PagedAttentionBackend):
 
     name = "triton"
     kv_write_in_rope = True
+
+    def __init__(self) -> None:
+        # Split decode steps (decode and spec decode at small batches) rotate the query and
+        # store the step's K/V inside the attention kernel: at batch 1 the RoPE kernel is one
+        # of five launches per layer (BENCHMARKS.md 2026-12-01, seventh session). Other
+        # steps run the RoPE kernel first.
+        self.rope_in_attention = os.environ.get(ROPE_IN_ATTENTION_ENV_VAR, "1") != "0"
 
     def write_kv(
         self,
@@ -36,15 +48,27 @@ class TritonAttentionBackend(PagedAttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        return self._attend(query, kv_cache, metadata, scale, None)
+
+    def forward_rope(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        rope: RopeInputs,
+    ) -> torch.Tensor:
+        fused = FusedRope(rope.positions, rope.cos_sin, key, value, metadata.slot_mapping,
+                          rope.qk_norm)
+        return self._attend(query, kv_cache, metadata, scale, fused)
+
+    @staticmethod
+    def _attend(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                scale: float, rope: FusedRope | None) -> torch.Tensor:
         return paged_attention(
-            query,
-            kv_cache,
-            metadata.query_start_loc,
-            metadata.seq_lens,
-            metadata.block_table,
-            scale,
-            max_query_len=metadata.max_query_len,
-            max_seq_len=metadata.max_seq_len,
-            num_reqs=metadata.num_reqs,
-            uniform_decode=metadata.uniform_decode,
+            query, kv_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
+            scale, max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len,
+            num_reqs=metadata.num_reqs, uniform_decode=metadata.uniform_decode, rope=rope,
         )

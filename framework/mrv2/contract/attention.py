@@ -95,3 +95,40 @@ class PagedAttentionBackend(AttentionBackend, ABC):
         Grouped-query attention: query head ``h`` reads KV head ``h // (num_heads //
         num_kv_heads)``. Returns ``[T, num_heads, head_dim]`` in the query's dtype.
         """
+
+    rope_in_attention: bool = False
+    """Whether :meth:`forward_rope` is implemented: attention that takes the raw query, key
+    and value and rotates them (and stores key and value) itself."""
+
+    def forward_rope(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        rope: RopeInputs,
+    ) -> torch.Tensor:
+        """:meth:`write_kv` and :meth:`forward` of the rotated query and key, from the raw
+        ``query`` ``[T, num_heads, head_dim]``, ``key``/``value`` ``[T, num_kv_heads *
+        head_dim]`` (or ``[T, num_kv_heads, head_dim]``): the same result as normalizing
+        (``rope.qk_norm``) and rotating query and key with
+        :func:`mrv2_kernels.rotary.rotary_embedding`, writing, then attending. Only where
+        :attr:`rope_in_attention`; :class:`mrv2.layers.Attention` calls it for RoPE models
+        whose rotation covers the whole head."""
+        raise NotImplementedError(f"{type(self).__name__} does not rotate inside attention")
+
+
+@dataclass(frozen=True)
+class RopeInputs:
+    """The rotation :meth:`PagedAttentionBackend.forward_rope` applies (neox style, whole head).
+    """
+
+    positions: torch.Tensor
+    """``[T]`` each token's position: its row of ``cos_sin``."""
+    cos_sin: torch.Tensor
+    """``[max_position, head_dim]`` fp32, the cos half first (:class:`mrv2.layers.rotary.
+    RotaryEmbedding`'s table)."""
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
+    """``(q weight, k weight, eps)``: per-head RMSNorm of query and key first (Qwen3)."""

@@ -79,8 +79,10 @@ class NewRequest:
 class SchedulerOutput:
     """One step: who joins, who leaves, and how many tokens each scheduled request computes.
 
-    ``num_scheduled_tokens`` is ordered: its order is the batch order. A request samples when
-    this step takes it to the end of its known tokens (prefill complete, or decode).
+    ``num_scheduled_tokens`` is ordered; the batch puts the longest sequences first and keeps
+    this order among equals (``MRV2_LONGEST_FIRST=0``: exactly this order), and
+    ``InputBatch.req_ids`` says which request each row holds. A request samples when this
+    step takes it to the end of its known tokens (prefill complete, or decode).
 
     Speculative decoding: ``num_draft_tokens[req] = k`` says the last ``k`` of the request's
     scheduled tokens are the drafts its speculator proposed last step (so it schedules

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from mrv2.contract.attention import RopeInputs
 from mrv2.contract.forward_context import get_forward_context
 from mrv2.contract.kv_cache import KVCacheLayer, PagedKVSpec
 from mrv2.layers.rotary import RotaryEmbedding
@@ -49,8 +50,10 @@ class Attention(KVCacheLayer):
         """``q [T, H*D]``, ``k``/``v`` ``[T, Hk*D]`` -> ``[T, H*D]``.
 
         With ``rotary`` (and ``positions``, optionally ``qk_norm``), ``q`` and ``k`` are
-        rotated here (see :meth:`RotaryEmbedding.forward`), and where the backend allows it
-        (``kv_write_in_rope``) the KV-cache write happens in the same kernel.
+        rotated here (see :meth:`RotaryEmbedding.forward`). Where the backend can
+        (``rope_in_attention``) and the rotation is plain (:meth:`RotaryEmbedding.
+        whole_head_table`), the backend rotates inside attention; else, where it allows it
+        (``kv_write_in_rope``), the KV-cache write happens in the RoPE kernel.
         """
         ctx = get_forward_context()
         kv_cache = ctx.kv_cache(self.layer_idx)
@@ -60,6 +63,12 @@ class Attention(KVCacheLayer):
         if rotary is not None:
             if positions is None:
                 raise ValueError("Attention.forward: rotary needs positions")
+            table = rotary.whole_head_table(positions) if backend.rope_in_attention else None
+            if table is not None:
+                query = q.reshape(num_tokens, self.num_heads, self.head_dim)
+                out = backend.forward_rope(query, k, v, kv_cache, ctx.metadata, self.scale,
+                                           RopeInputs(positions, table, qk_norm))
+                return out.reshape(num_tokens, self.num_heads * self.head_dim)
             if backend.kv_write_in_rope:
                 kv_write = (v, kv_cache, ctx.metadata.slot_mapping)
             q, k = rotary(positions, q, k, qk_norm, kv_write=kv_write)

@@ -170,6 +170,15 @@ class RotaryEmbedding(nn.Module):
             self._cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * self.attention_factor
         return self._cos_sin
 
+    def whole_head_table(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """The cos/sin table when :meth:`forward` is the plain rotation of whole heads at
+        ``positions`` ``[T]`` (so an attention kernel may apply it instead), else None: a
+        partial ``rotary_dim``, or a subclass with its own ``forward`` (M-RoPE)."""
+        if (self.rotary_dim != self.head_dim or positions.dim() != 1
+                or type(self).forward is not RotaryEmbedding.forward):
+            return None
+        return self._table(positions.device)
+
     def forward(
         self,
         positions: torch.Tensor,
