@@ -5,7 +5,8 @@ Request ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]``; they 
 ``qlen_i`` positions of a sequence of ``seq_lens[i]`` tokens, so query ``j`` sits at position
 ``seq_lens[i] - qlen_i + j`` and attends to keys ``0..`` that position.
 
-One kernel family, two configurations chosen on the host from CPU-known bounds only:
+One kernel family, two configurations chosen on the host from CPU-known bounds only
+(:mod:`mrv2_kernels.paged_attention_plan`):
 
 * prefill / mixed: a program per (query tile, kv head, request). The query heads of a GQA group
   and ``BLOCK_Q`` query tokens are packed into the ``BLOCK_M = BLOCK_Q * GROUP_P2`` rows of one
@@ -37,14 +38,14 @@ import triton
 import triton.language as tl
 
 from ._backend import pdl, pdl_early_meta, pdl_prologue, pdl_release, pdl_wait
+from .paged_attention_plan import AttentionPlan, attention_plan
 from .paged_attention_ref import _check_inputs, paged_attention_ref
-from .rotary import QKNorm, rotary_embedding_triton
+from .rotary import QKNorm, _norm_rotate, rotary_embedding_triton
 
 _LOG2E = 1.4426950408889634
 # Finite "minus infinity" for running maxima (keeps empty rows NaN-free); a constexpr because
 # compiled kernels may only read constexpr globals.
 _M_INIT = tl.constexpr(-1.0e30)
-_MAX_SPLITS = 64
 
 
 # --------------------------------------------------------------------------------------------
@@ -95,33 +96,6 @@ def _rope_table(
     cos = tl.load(at, mask=valid[:, None], other=0.0).to(tl.float32)
     sin = tl.load(at + HALF, mask=valid[:, None], other=0.0).to(tl.float32)
     return cos, sin
-
-
-@triton.jit
-def _rope_rows(
-    ptrs: tl.tensor,
-    valid: tl.tensor,
-    cos: tl.tensor,
-    sin: tl.tensor,
-    w1: tl.tensor,
-    w2: tl.tensor,
-    eps: tl.tensor,
-    HALF: tl.constexpr,
-    NORM: tl.constexpr,
-) -> tuple[tl.tensor, tl.tensor]:
-    """Rows of raw heads at ``ptrs`` (``[R, 1]`` pointers, ``head_dim`` contiguous),
-    RMS-normalized with weight halves ``w1``/``w2`` (``NORM``) and rotated neox style: the two
-    halves :func:`mrv2_kernels.rotary.rotary_embedding` writes (same fp32 steps and
-    input-dtype roundings), in the input dtype."""
-    dtype = ptrs.dtype.element_ty
-    offs = tl.arange(0, HALF)[None, :]
-    x1 = tl.load(ptrs + offs, mask=valid[:, None], other=0.0).to(tl.float32)
-    x2 = tl.load(ptrs + HALF + offs, mask=valid[:, None], other=0.0).to(tl.float32)
-    if NORM:
-        r = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
-        x1 = (w1 * (x1 * r[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        x2 = (w2 * (x2 * r[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    return (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
 
 
 @triton.jit(do_not_specialize=["num_q_tiles", "num_splits", "num_tokens"])
@@ -249,7 +223,8 @@ def _paged_attn_kernel(
 
     q_ptrs = q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh
     if ROPE:  # raw query: RMS-normalized per head (QK_NORM) and rotated here, in registers
-        q1, q2 = _rope_rows(q_ptrs, row_valid, q_cos, q_sin, qw1, qw2, eps, HALF, QK_NORM)
+        q1, q2 = _norm_rotate(q_ptrs + offs_h[None, :], row_valid[:, None], HALF, q_cos, q_sin,
+                              qw1, qw2, eps, QK_NORM)
         q = tl.join(q1, q2).permute(0, 2, 1).reshape(BLOCK_M, HEAD_DIM)  # [q1 | q2]
     else:
         q = tl.load(q_ptrs + offs_d[None, :], mask=row_valid[:, None], other=0.0)
@@ -274,8 +249,9 @@ def _paged_attn_kernel(
         # else waits. (small-query plans only: one query tile holds every query token.)
         k_seq = ctx_len + t_new
         new_ok = (t_new < qlen) & (k_seq >= lo) & (k_seq < hi) & (slot >= 0)
-        k1, k2 = _rope_rows(new_k_ptr + new_row[:, None] * stride_nt + kvh * HEAD_DIM, new_ok,
-                            k_cos, k_sin, kw1, kw2, eps, HALF, QK_NORM)
+        k1, k2 = _norm_rotate(new_k_ptr + new_row[:, None] * stride_nt + kvh * HEAD_DIM
+                              + offs_h[None, :], new_ok[:, None], HALF, k_cos, k_sin, kw1, kw2,
+                              eps, QK_NORM)
         v_new = tl.load(new_v_ptr + new_row[:, None] * stride_nvt + kvh * HEAD_DIM
                         + offs_d[None, :], mask=new_ok[:, None], other=0.0)
         slot_row = ((slot // KV_BLOCK_SIZE) * stride_kb + (slot % KV_BLOCK_SIZE) * stride_ks
@@ -400,47 +376,6 @@ def _combine_splits_kernel(
 # Launcher
 # --------------------------------------------------------------------------------------------
 
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
-def _default_config(
-    on_gpu: bool, small_q: bool, rows: int, head_dim: int, elem_size: int, group_p2: int
-) -> tuple[int, int, int, int]:
-    """(block_m, block_n, num_warps, num_stages) for ``rows`` = max_query_len * group rows.
-
-    Interpreter (CPU tensors): small tiles, they only need to be correct. GPU (checked by
-    compiling for sm_90: no spills, shared memory within budget; chosen by
-    ``bench_attention --sweep`` on the H200, device time in CUDA graphs, BENCHMARKS.md
-    2026-12-01): decode reads ``block_n`` keys per step, double-buffered (3 stages were 3-12%
-    slower at 64-256 requests of 256-512 keys: the third buffer costs an SM a resident
-    program); bf16/fp16 prefill with head_dim <= 128 uses 64 x 64 tiles on 4 warps for
-    groups of 1-2 query heads per kv head (Qwen3-0.6B: 209 against 181 TFLOP/s for 128 x 64)
-    and 128 x 32 on 8 warps from 4 (Qwen3-8B: 257 against 219); 128 x 32 past head_dim 128;
-    fp32 models get small tiles (their 3xTF32 dots are register-hungry).
-    """
-    if not on_gpu:
-        return (max(16, triton.next_power_of_2(max(rows, 1))) if small_q else 32), 16, 4, 1
-    if small_q:
-        bm = max(16, triton.next_power_of_2(max(rows, 1)))
-        wide = head_dim * elem_size > 256
-        return bm, (32 if wide else 64), 4, 2
-    bm = max(16, triton.next_power_of_2(rows))
-    if elem_size >= 4:
-        return min(bm, 32), 32, 4, 2
-    if head_dim > 128:
-        return min(bm, 128), 32, 8, 2
-    if group_p2 >= 4:
-        return min(bm, 128), 32, (8 if bm >= 128 else 4), 2
-    return min(bm, 64), 64, 4, 2
-
-
 @dataclass(frozen=True)
 class FusedRope:
     """What :func:`paged_attention` needs to take the step's raw query, key and value: it
@@ -474,79 +409,6 @@ def _rows_of_heads(t: torch.Tensor, name: str, num_tokens: int, heads: int,
         raise ValueError(f"FusedRope.{name} must be [T, Hk*D] = [{num_tokens}, "
                          f"{heads * head_dim}] with contiguous heads, got {tuple(t.shape)}")
     return flat
-
-
-@dataclass(frozen=True)
-class AttentionPlan:
-    """How :func:`paged_attention` launches for given CPU-known bounds (all host integers)."""
-
-    small_q: bool
-    """Split-KV ("flash decoding") configuration: one query tile per request."""
-    block_m: int
-    """Rows of a ``tl.dot`` tile: ``block_q`` query tokens x the padded GQA group."""
-    block_q: int
-    block_n: int
-    """Keys per inner-loop step."""
-    num_q_tiles: int
-    num_splits: int
-    """KV chunks per (request, kv head); > 1 adds the combine kernel."""
-    num_warps: int
-    num_stages: int
-
-
-def attention_plan(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    *,
-    max_query_len: int,
-    max_seq_len: int,
-    num_reqs: int,
-    uniform_decode: bool = False,
-    block_m: int | None = None,
-    block_n: int | None = None,
-    num_splits: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-) -> AttentionPlan:
-    """The launch plan :func:`paged_attention` uses (defaults per device, then overrides).
-
-    Splits: enough programs for ``2 x`` the multiprocessor count (8 under the interpreter),
-    no more than one split per ``2 * block_n`` keys of ``max_seq_len``, at most 64. The
-    kernel cuts each request's own key range evenly, so a loose ``max_seq_len`` (fixed for
-    CUDA-graph capture, say) only changes how many chunks there are, not their balance.
-    """
-    num_heads, num_kv_heads, head_dim, _ = _check_inputs(query, kv_cache)
-    group_p2 = triton.next_power_of_2(num_heads // num_kv_heads)
-    on_gpu = query.is_cuda
-    rows = max_query_len * group_p2
-    small_q = rows <= 16 or (uniform_decode and rows <= 128)
-    bm, bn, warps, stages = _default_config(on_gpu, small_q, rows, head_dim, query.element_size(),
-                                            group_p2)
-    bm = max(block_m if block_m is not None else bm, group_p2)
-    bn = block_n if block_n is not None else bn
-    assert bm & (bm - 1) == 0 and bn & (bn - 1) == 0, "block_m and block_n must be powers of 2"
-    assert bm >= 16 and bn >= 16, "block_m and block_n must be >= 16 (tl.dot)"
-    block_q = bm // group_p2
-    num_q_tiles = triton.cdiv(max(max_query_len, 0), block_q)
-    if not small_q:
-        splits = 1
-    elif num_splits is not None:
-        splits = max(1, min(num_splits, _MAX_SPLITS))
-    else:
-        target = 2 * _sm_count(query.device) if on_gpu else 8
-        base_programs = max(num_q_tiles * num_kv_heads * num_reqs, 1)
-        max_by_len = triton.cdiv(max(max_seq_len, 1), 2 * bn)
-        splits = max(1, min(triton.cdiv(target, base_programs), max_by_len, _MAX_SPLITS))
-    return AttentionPlan(
-        small_q=small_q,
-        block_m=bm,
-        block_q=block_q,
-        block_n=bn,
-        num_q_tiles=num_q_tiles,
-        num_splits=splits,
-        num_warps=num_warps if num_warps is not None else warps,
-        num_stages=num_stages if num_stages is not None else stages,
-    )
 
 
 def paged_attention(
@@ -633,20 +495,17 @@ def paged_attention(
             # (H200, Qwen3-0.6B batch 64: 1.935 against 1.808 ms a step; BENCHMARKS.md
             # 2026-12-01, seventh session). Both run the RoPE kernel (with its cache write)
             # first.
-            q2 = query.reshape(num_tokens, num_heads * head_dim)
-            q2, _ = rotary_embedding_triton(rope.positions, q2, key, rope.cos_sin, head_dim,
-                                            head_dim, rope.qk_norm,
-                                            kv_write=(value, kv_cache, rope.slot_mapping))
-            return paged_attention(
-                q2.reshape(num_tokens, num_heads, head_dim), kv_cache, query_start_loc,
-                seq_lens, block_table, scale, max_query_len=max_query_len,
-                max_seq_len=max_seq_len, num_reqs=num_reqs, uniform_decode=uniform_decode,
-                out=out, block_m=block_m, block_n=block_n, num_splits=num_splits,
-                num_warps=num_warps, num_stages=num_stages)
-        q_w, k_w, eps = rope.qk_norm if rope.qk_norm is not None else (query, query, 0.0)
-        cos_sin = rope.cos_sin if rope.cos_sin.stride(-1) == 1 else rope.cos_sin.contiguous()
-        rope_args = (rope.positions.contiguous(), cos_sin, q_w, k_w, eps, key, value,
-                     key.stride(0), value.stride(0), rope.slot_mapping)
+            q2, _ = rotary_embedding_triton(
+                rope.positions, query.reshape(num_tokens, num_heads * head_dim), key,
+                rope.cos_sin, head_dim, head_dim, rope.qk_norm,
+                kv_write=(value, kv_cache, rope.slot_mapping))
+            query = q2.reshape(num_tokens, num_heads, head_dim)  # then plain attention
+            rope = None
+        else:
+            q_w, k_w, eps = rope.qk_norm if rope.qk_norm is not None else (query, query, 0.0)
+            cos_sin = rope.cos_sin if rope.cos_sin.stride(-1) == 1 else rope.cos_sin.contiguous()
+            rope_args = (rope.positions.contiguous(), cos_sin, q_w, k_w, eps, key, value,
+                         key.stride(0), value.stride(0), rope.slot_mapping)
     if num_tokens == 0 or num_reqs == 0 or max_query_len <= 0:
         return torch.zeros_like(query) if out is None else out.zero_()
     splits = plan.num_splits

@@ -48,6 +48,35 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
+def _norm_rotate(
+    p1: tl.tensor,
+    mask: tl.tensor,
+    half: tl.tensor,
+    cos: tl.tensor,
+    sin: tl.tensor,
+    w1: tl.tensor,
+    w2: tl.tensor,
+    eps: tl.tensor,
+    NORM: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor]:
+    """The rotation of one tile of heads (rows): ``x1`` at ``p1``, ``x2`` at ``p1 + half``
+    (``mask``ed), per-head RMS-normalized with the weight halves ``w1``/``w2`` first
+    (``NORM``; ``rotary_dim == head_dim``, rms_norm's roundings), then ``x1 cos - x2 sin`` and
+    ``x2 cos + x1 sin`` in fp32: the two halves in ``p1``'s dtype. ``cos``/``sin`` broadcast
+    over the tile. Shared by the RoPE kernel and the paged-attention kernel's RoPE path, so
+    both give the same bits."""
+    dtype = p1.dtype.element_ty
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p1 + half, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        variance = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * half)
+        r = tl.rsqrt(variance + eps)[:, None]
+        x1 = (w1 * (x1 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    return (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
+
+
+@triton.jit
 def _rotate_heads(
     base_ptr: tl.tensor,
     stride_h: tl.tensor,
@@ -66,18 +95,13 @@ def _rotate_heads(
     dims = tl.arange(0, BLOCK_HALF)
     mask = (heads < num_heads)[:, None] & (dims < half)[None, :]
     p1 = base_ptr + heads.to(tl.int64)[:, None] * stride_h + dims[None, :]
-    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(p1 + half, mask=mask, other=0.0).to(tl.float32)
-    if NORM:  # per-head RMSNorm first (rotary_dim == head_dim), with rms_norm's roundings
-        dtype = base_ptr.dtype.element_ty
-        variance = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * half)
-        r = tl.rsqrt(variance + eps)[:, None]
+    if NORM:  # per-head RMSNorm first (rotary_dim == head_dim)
         w1 = tl.load(w_ptr + dims, mask=dims < half, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(w_ptr + half + dims, mask=dims < half, other=0.0).to(tl.float32)[None, :]
-        x1 = (w1 * (x1 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        x2 = (w2 * (x2 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    out1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(base_ptr.dtype.element_ty)
-    out2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(base_ptr.dtype.element_ty)
+    else:  # unused
+        w1 = cos[None, :]
+        w2 = w1
+    out1, out2 = _norm_rotate(p1, mask, half, cos[None, :], sin[None, :], w1, w2, eps, NORM)
     tl.store(p1, out1, mask=mask)
     tl.store(p1 + half, out2, mask=mask)
     return out1, out2

@@ -1,0 +1,126 @@
+"""How :func:`mrv2_kernels.paged_attention.paged_attention` launches: tiles, warps, stages and
+split counts per device, from CPU-known bounds only (no device tensor is read)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from .paged_attention_ref import _check_inputs
+
+_MAX_SPLITS = 64
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _default_config(
+    on_gpu: bool, small_q: bool, rows: int, head_dim: int, elem_size: int, group_p2: int
+) -> tuple[int, int, int, int]:
+    """(block_m, block_n, num_warps, num_stages) for ``rows`` = max_query_len * group rows.
+
+    Interpreter (CPU tensors): small tiles, they only need to be correct. GPU (checked by
+    compiling for sm_90: no spills, shared memory within budget; chosen by
+    ``bench_attention --sweep`` on the H200, device time in CUDA graphs, BENCHMARKS.md
+    2026-12-01): decode reads ``block_n`` keys per step, double-buffered (3 stages were 3-12%
+    slower at 64-256 requests of 256-512 keys: the third buffer costs an SM a resident
+    program); bf16/fp16 prefill with head_dim <= 128 uses 64 x 64 tiles on 4 warps for
+    groups of 1-2 query heads per kv head (Qwen3-0.6B: 209 against 181 TFLOP/s for 128 x 64)
+    and 128 x 32 on 8 warps from 4 (Qwen3-8B: 257 against 219); 128 x 32 past head_dim 128;
+    fp32 models get small tiles (their 3xTF32 dots are register-hungry).
+    """
+    if not on_gpu:
+        return (max(16, triton.next_power_of_2(max(rows, 1))) if small_q else 32), 16, 4, 1
+    if small_q:
+        bm = max(16, triton.next_power_of_2(max(rows, 1)))
+        wide = head_dim * elem_size > 256
+        return bm, (32 if wide else 64), 4, 2
+    bm = max(16, triton.next_power_of_2(rows))
+    if elem_size >= 4:
+        return min(bm, 32), 32, 4, 2
+    if head_dim > 128:
+        return min(bm, 128), 32, 8, 2
+    if group_p2 >= 4:
+        return min(bm, 128), 32, (8 if bm >= 128 else 4), 2
+    return min(bm, 64), 64, 4, 2
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """How :func:`paged_attention` launches for given CPU-known bounds (all host integers)."""
+
+    small_q: bool
+    """Split-KV ("flash decoding") configuration: one query tile per request."""
+    block_m: int
+    """Rows of a ``tl.dot`` tile: ``block_q`` query tokens x the padded GQA group."""
+    block_q: int
+    block_n: int
+    """Keys per inner-loop step."""
+    num_q_tiles: int
+    num_splits: int
+    """KV chunks per (request, kv head); > 1 adds the combine kernel."""
+    num_warps: int
+    num_stages: int
+
+
+def attention_plan(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    *,
+    max_query_len: int,
+    max_seq_len: int,
+    num_reqs: int,
+    uniform_decode: bool = False,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> AttentionPlan:
+    """The launch plan :func:`paged_attention` uses (defaults per device, then overrides).
+
+    Splits: enough programs for ``2 x`` the multiprocessor count (8 under the interpreter),
+    no more than one split per ``2 * block_n`` keys of ``max_seq_len``, at most 64. The
+    kernel cuts each request's own key range evenly, so a loose ``max_seq_len`` (fixed for
+    CUDA-graph capture, say) only changes how many chunks there are, not their balance.
+    """
+    num_heads, num_kv_heads, head_dim, _ = _check_inputs(query, kv_cache)
+    group_p2 = triton.next_power_of_2(num_heads // num_kv_heads)
+    on_gpu = query.is_cuda
+    rows = max_query_len * group_p2
+    small_q = rows <= 16 or (uniform_decode and rows <= 128)
+    bm, bn, warps, stages = _default_config(on_gpu, small_q, rows, head_dim, query.element_size(),
+                                            group_p2)
+    bm = max(block_m if block_m is not None else bm, group_p2)
+    bn = block_n if block_n is not None else bn
+    assert bm & (bm - 1) == 0 and bn & (bn - 1) == 0, "block_m and block_n must be powers of 2"
+    assert bm >= 16 and bn >= 16, "block_m and block_n must be >= 16 (tl.dot)"
+    block_q = bm // group_p2
+    num_q_tiles = triton.cdiv(max(max_query_len, 0), block_q)
+    if not small_q:
+        splits = 1
+    elif num_splits is not None:
+        splits = max(1, min(num_splits, _MAX_SPLITS))
+    else:
+        target = 2 * _sm_count(query.device) if on_gpu else 8
+        base_programs = max(num_q_tiles * num_kv_heads * num_reqs, 1)
+        max_by_len = triton.cdiv(max(max_seq_len, 1), 2 * bn)
+        splits = max(1, min(triton.cdiv(target, base_programs), max_by_len, _MAX_SPLITS))
+    return AttentionPlan(
+        small_q=small_q,
+        block_m=bm,
+        block_q=block_q,
+        block_n=bn,
+        num_q_tiles=num_q_tiles,
+        num_splits=splits,
+        num_warps=num_warps if num_warps is not None else warps,
+        num_stages=num_stages if num_stages is not None else stages,
+    )
