@@ -19,5 +19,6 @@ else:  # latency: the default, then each variant (--variants) on its own line
         if not isinstance(value, list):
             continue
         print(side, round_, name, "  ".join(
-            f"b{r['batch']}: tpot {r['tpot_ms']} gpu {r.get('gpu_step_ms')} "
+            f"b{r['batch']}: ttft {r.get('ttft_ms')} tpot {r['tpot_ms']} "
+            f"gpu {r.get('gpu_step_ms')} "
             f"host {r.get('host_execute_ms')}" for r in value if "batch" in r))

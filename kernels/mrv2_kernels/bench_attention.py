@@ -157,6 +157,67 @@ def main(argv: list[str] | None = None) -> int:
 
     layouts = [lay for lay in shapes.layouts if not args.layouts or lay[0] in args.layouts]
 
+    def tma_prefill(lay: str, c: Case, flops: float, what: str) -> list[str]:
+        """The same case through the TMA prefill kernel (its step keys and values copied out
+        of the cache into one fused QKV buffer, as a model's step has them); checked against
+        the paged kernel first. Empty where the kernel does not run (``use_tma_prefill``)."""
+        from mrv2_kernels.prefill_attention import prefill_attention_tma, use_tma_prefill
+
+        num_tokens, heads, _ = c.query.shape
+        kv_heads, bs = c.kvs[0].shape[3], c.kvs[0].shape[2]
+        qsl, lens = c.qsl.tolist(), c.seq_lens.tolist()
+        pos = torch.cat([torch.arange(lens[i] - (qsl[i + 1] - qsl[i]), lens[i], device=device)
+                         for i in range(len(lens))])
+        req = torch.cat([torch.full((qsl[i + 1] - qsl[i],), i, device=device)
+                         for i in range(len(lens))])
+        blk, off = c.table[req, pos // bs].long(), pos % bs
+        steps = []
+        for kv in c.kvs:
+            qkv = torch.empty(num_tokens, (heads + 2 * kv_heads) * d, device=device, dtype=dtype)
+            q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
+            q.copy_(c.query.reshape(num_tokens, -1))
+            k.copy_(kv[0, blk, off].reshape(num_tokens, -1))
+            v.copy_(kv[1, blk, off].reshape(num_tokens, -1))
+            steps.append((q.view(num_tokens, heads, d), k, v))
+        if not use_tma_prefill(*steps[0]):
+            return []
+        outs = [torch.empty_like(c.query) for _ in steps]
+
+        def make(**kw: Any) -> Callable[[int], torch.Tensor]:
+            def fn(i: int) -> torch.Tensor:
+                return prefill_attention_tma(
+                    *steps[i], c.kvs[i], c.qsl, c.seq_lens, c.table, scale,
+                    max_query_len=c.bounds["max_query_len"], num_reqs=c.bounds["num_reqs"],
+                    out=outs[i], **kw)
+
+            return fn
+
+        got, want = make()(0).float(), c.make()(0).float()
+        if not torch.allclose(got, want, atol=2e-2, rtol=2e-2):
+            raise SystemExit(f"TMA prefill {lay} {what}: max error "
+                             f"{(got - want).abs().max().item():.3g}")
+        ms = timer(make(), len(steps))
+        lines = [f"prefill {lay:>4} {what} TMA kernel: {ms * 1e3:.1f} us "
+                 f"{flops / ms / 1e9:.1f} TFLOP/s (default tiles)"]
+        print(lines[0], flush=True)
+        if args.sweep:
+            results = []
+            for bm, bn, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8),
+                                                           (2, 3, 4)):
+                tag = f"bm={bm} bn={bn} warps={warps} stages={stages}"
+                try:
+                    msv = timer(make(block_m=bm, block_n=bn, num_warps=warps,
+                                     num_stages=stages), len(steps))
+                except Exception as e:  # noqa: BLE001 (out of resources: skip the tile)
+                    print(f"      TMA {tag}: failed ({type(e).__name__})")
+                    continue
+                results.append((msv, tag))
+            for msv, tag in sorted(results)[:3]:
+                lines.append(f"      TMA {tag}: {msv * 1e3:.1f} us "
+                             f"{flops / msv / 1e9:.1f} TFLOP/s")
+                print(lines[-1], flush=True)
+        return lines
+
     # ---- correctness first ----------------------------------------------------------------
     ctx0 = shapes.contexts[0]
     lens_mixed = torch.randint(1, 4 * ctx0, (8,), generator=torch.Generator().manual_seed(1))
@@ -240,6 +301,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"warps={plan.num_warps} stages={plan.num_stages})")
         print("\n" + line, flush=True)
         summary.append(line)
+        summary += tma_prefill(lay, c, flops, f"{pb} x {pl}")
+        # a chunk after a prefix (a long prompt's later chunk): prefix keys from the cache
+        cc = case(heads, kv_heads, [pl], [3 * pl + pl], 1 if args.tiny else 4)
+        chunk_flops = 4 * heads * d * pl * (3 * pl + (pl + 1) / 2)
+        msc = timer(cc.make(), len(cc.kvs))
+        line = (f"prefill {lay:>4} 1 x {pl} after {3 * pl}: {msc * 1e3:.1f} us "
+                f"{chunk_flops / msc / 1e9:.1f} TFLOP/s")
+        print(line, flush=True)
+        summary.append(line)
+        summary += tma_prefill(lay, cc, chunk_flops, f"1 x {pl} after {3 * pl}")
+        del cc
         if args.sweep:
             results = []
             for bm, bn, warps, stages in itertools.product(

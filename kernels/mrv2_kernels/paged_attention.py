@@ -24,13 +24,17 @@ One kernel family, two configurations chosen on the host from CPU-known bounds o
   PDL-launched kernels in CUDA graphs (batch 1, 256 keys: 7.0 against 6.5 us) and left decode
   TPOT unchanged, BENCHMARKS.md 2026-12-01.)
 
+With raw q/k/v (``rope=``) and a prefill plan, where :func:`~mrv2_kernels.prefill_attention.
+use_tma_prefill` allows it (``MRV2_TMA_PREFILL=1``, a Hopper GPU), requests of a query tile or
+more attend in :mod:`mrv2_kernels.prefill_attention` (the step's keys through TMA) and this
+kernel skips them.
+
 No host syncs: grids come from ``num_reqs``, ``max_query_len`` and ``max_seq_len``; programs
 past a request's real work exit early. Accumulation is fp32 (online softmax in base 2).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,9 +42,10 @@ import triton
 import triton.language as tl
 
 from ._backend import pdl, pdl_early_meta, pdl_prologue, pdl_release, pdl_wait
-from .paged_attention_plan import AttentionPlan, attention_plan
+from .paged_attention_plan import AttentionPlan, FusedRope, _rows_of_heads, attention_plan
 from .paged_attention_ref import _check_inputs, paged_attention_ref
-from .rotary import QKNorm, _norm_rotate, rotary_embedding_triton
+from .prefill_attention import prefill_attention_tma, tma_prefill_min_query, use_tma_prefill
+from .rotary import _norm_rotate, rotary_embedding_triton
 
 _LOG2E = 1.4426950408889634
 # Finite "minus infinity" for running maxima (keeps empty rows NaN-free); a constexpr because
@@ -133,6 +138,7 @@ def _paged_attn_kernel(
     stride_nt: tl.tensor,
     stride_nvt: tl.tensor,
     slot_ptr: tl.tensor,
+    long_qlen: tl.tensor,
     GROUP: tl.constexpr,
     GROUP_P2: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -148,6 +154,7 @@ def _paged_attn_kernel(
     EARLY_META: tl.constexpr,
     ROPE: tl.constexpr,
     QK_NORM: tl.constexpr,
+    SKIP_LONG: tl.constexpr = False,
 ) -> None:
     # Heaviest query tiles (latest positions) first: better tail balance in causal prefill.
     q_tile = num_q_tiles - 1 - tl.program_id(0)
@@ -214,6 +221,9 @@ def _paged_attn_kernel(
     tile_start = q_tile * BLOCK_Q
     if tile_start >= qlen:
         return
+    if SKIP_LONG:  # noqa: SIM102 (constexpr branch) requests of long_qlen+ query tokens: TMA
+        if qlen >= long_qlen:
+            return
     ctx_len = seq_len - qlen
 
     tok = tile_start + rows // GROUP_P2
@@ -376,41 +386,6 @@ def _combine_splits_kernel(
 # Launcher
 # --------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class FusedRope:
-    """What :func:`paged_attention` needs to take the step's raw query, key and value: it
-    normalizes and rotates them (as :func:`mrv2_kernels.rotary.rotary_embedding` would, with
-    ``rotary_dim == head_dim``) and stores the key and value at ``slot_mapping`` itself.
-
-    Split small-query plans (decode and spec decode at batches of up to a few dozen
-    requests) do it inside the attention kernel: one launch per layer less than RoPE then
-    attention. Other plans run the RoPE kernel (with its cache write) first."""
-
-    positions: torch.Tensor
-    """``[T]`` the query tokens' positions (rows of ``cos_sin``)."""
-    cos_sin: torch.Tensor
-    """``[max_position, head_dim]`` fp32, cos half first (:class:`RotaryEmbedding`'s table)."""
-    key: torch.Tensor
-    """``[T, Hk*D]`` or ``[T, Hk, D]``, raw (a fused QKV output's slice is fine)."""
-    value: torch.Tensor
-    """Like ``key``."""
-    slot_mapping: torch.Tensor
-    """``[>= T]`` each token's flat cache slot; negative: not stored."""
-    qk_norm: QKNorm | None = None
-    """``(q weight, k weight, eps)``: per-head RMSNorm before the rotation (Qwen3)."""
-
-
-def _rows_of_heads(t: torch.Tensor, name: str, num_tokens: int, heads: int,
-                   head_dim: int) -> torch.Tensor:
-    """``t`` as ``[T, heads * head_dim]`` with contiguous heads (a view; rows may be strided)."""
-    flat = t.reshape(t.shape[0], -1) if t.dim() == 3 else t
-    if (flat.dim() != 2 or flat.shape != (num_tokens, heads * head_dim) or flat.stride(-1) != 1
-            or (t.dim() == 3 and t.stride(1) != head_dim)):
-        raise ValueError(f"FusedRope.{name} must be [T, Hk*D] = [{num_tokens}, "
-                         f"{heads * head_dim}] with contiguous heads, got {tuple(t.shape)}")
-    return flat
-
-
 def paged_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -478,6 +453,7 @@ def paged_attention(
         num_stages=num_stages,
     )
     qsl = query_start_loc
+    step_kv: tuple[torch.Tensor, torch.Tensor] | None = None
     # (positions, cos_sin, q_w, k_w, eps, key, value, key row stride, value row stride, slots):
     # unused placeholders without rope
     rope_args: tuple[Any, ...] = (qsl, query, query, query, 0.0, query, query, 0, 0, qsl)
@@ -495,12 +471,15 @@ def paged_attention(
             # (H200, Qwen3-0.6B batch 64: 1.935 against 1.808 ms a step; BENCHMARKS.md
             # 2026-12-01, seventh session). Both run the RoPE kernel (with its cache write)
             # first.
-            q2, _ = rotary_embedding_triton(
+            q2, k2 = rotary_embedding_triton(
                 rope.positions, query.reshape(num_tokens, num_heads * head_dim), key,
                 rope.cos_sin, head_dim, head_dim, rope.qk_norm,
                 kv_write=(value, kv_cache, rope.slot_mapping))
             query = q2.reshape(num_tokens, num_heads, head_dim)  # then plain attention
             rope = None
+            k2 = _rows_of_heads(k2, "key", num_tokens, num_kv_heads, head_dim)
+            if not plan.small_q and use_tma_prefill(query, k2, value):
+                step_kv = (k2, value)  # the rotated keys, as stored: read them from here
         else:
             q_w, k_w, eps = rope.qk_norm if rope.qk_norm is not None else (query, query, 0.0)
             cos_sin = rope.cos_sin if rope.cos_sin.stride(-1) == 1 else rope.cos_sin.contiguous()
@@ -515,6 +494,14 @@ def paged_attention(
         # Every row gets written: by its query's program (or the combine kernel), or zeroed
         # as a padding token.
         out = torch.empty_like(query)
+    long_qlen = 0
+    if step_kv is not None and max_query_len >= tma_prefill_min_query(query):
+        # Prefill on Hopper: requests of a query tile or more read the step's own keys through
+        # TMA, in their own kernel; the paged kernel below takes the rest (and the padding).
+        long_qlen = tma_prefill_min_query(query)
+        prefill_attention_tma(query, *step_kv, kv_cache, qsl, seq_lens, block_table, scale,
+                              max_query_len=max_query_len, num_reqs=num_reqs, out=out,
+                              min_query_len=long_qlen)
     if splits > 1:
         part_m = torch.empty(
             (num_tokens, num_heads, splits), dtype=torch.float32, device=query.device
@@ -553,6 +540,7 @@ def paged_attention(
         splits,
         num_tokens,
         *rope_args,
+        long_qlen,
         GROUP=group,
         GROUP_P2=triton.next_power_of_2(group),
         BLOCK_Q=plan.block_q,
@@ -570,6 +558,7 @@ def paged_attention(
         EARLY_META=pdl_early_meta(query),
         ROPE=rope is not None,
         QK_NORM=rope is not None and rope.qk_norm is not None,
+        SKIP_LONG=long_qlen > 0,
         **pdl(query),
     )
     if splits > 1:

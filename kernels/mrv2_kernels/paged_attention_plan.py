@@ -1,5 +1,6 @@
-"""How :func:`mrv2_kernels.paged_attention.paged_attention` launches: tiles, warps, stages and
-split counts per device, from CPU-known bounds only (no device tensor is read)."""
+"""How :func:`mrv2_kernels.paged_attention.paged_attention` launches (tiles, warps, stages and
+split counts per device, from CPU-known bounds only: no device tensor is read), and what it
+takes besides the query to rotate it itself (:class:`FusedRope`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import triton
 
 from .paged_attention_ref import _check_inputs
+from .rotary import QKNorm
 
 _MAX_SPLITS = 64
 
@@ -124,3 +126,38 @@ def attention_plan(
         num_warps=num_warps if num_warps is not None else warps,
         num_stages=num_stages if num_stages is not None else stages,
     )
+
+
+@dataclass(frozen=True)
+class FusedRope:
+    """What :func:`paged_attention` needs to take the step's raw query, key and value: it
+    normalizes and rotates them (as :func:`mrv2_kernels.rotary.rotary_embedding` would, with
+    ``rotary_dim == head_dim``) and stores the key and value at ``slot_mapping`` itself.
+
+    Split small-query plans (decode and spec decode at batches of up to a few dozen
+    requests) do it inside the attention kernel: one launch per layer less than RoPE then
+    attention. Other plans run the RoPE kernel (with its cache write) first."""
+
+    positions: torch.Tensor
+    """``[T]`` the query tokens' positions (rows of ``cos_sin``)."""
+    cos_sin: torch.Tensor
+    """``[max_position, head_dim]`` fp32, cos half first (:class:`RotaryEmbedding`'s table)."""
+    key: torch.Tensor
+    """``[T, Hk*D]`` or ``[T, Hk, D]``, raw (a fused QKV output's slice is fine)."""
+    value: torch.Tensor
+    """Like ``key``."""
+    slot_mapping: torch.Tensor
+    """``[>= T]`` each token's flat cache slot; negative: not stored."""
+    qk_norm: QKNorm | None = None
+    """``(q weight, k weight, eps)``: per-head RMSNorm before the rotation (Qwen3)."""
+
+
+def _rows_of_heads(t: torch.Tensor, name: str, num_tokens: int, heads: int,
+                   head_dim: int) -> torch.Tensor:
+    """``t`` as ``[T, heads * head_dim]`` with contiguous heads (a view; rows may be strided)."""
+    flat = t.reshape(t.shape[0], -1) if t.dim() == 3 else t
+    if (flat.dim() != 2 or flat.shape != (num_tokens, heads * head_dim) or flat.stride(-1) != 1
+            or (t.dim() == 3 and t.stride(1) != head_dim)):
+        raise ValueError(f"FusedRope.{name} must be [T, Hk*D] = [{num_tokens}, "
+                         f"{heads * head_dim}] with contiguous heads, got {tuple(t.shape)}")
+    return flat

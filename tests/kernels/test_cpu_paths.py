@@ -174,6 +174,7 @@ def test_no_pdl_kernel_writes_step_metadata() -> None:
         "kernels/mrv2_kernels/norm.py",  # writes the normed activations (and the residual)
         "kernels/mrv2_kernels/norm_gemv.py",  # activations
         "kernels/mrv2_kernels/paged_attention.py",  # attention output, split partials
+        "kernels/mrv2_kernels/prefill_attention.py",  # attention output
         "kernels/mrv2_kernels/rotary.py",  # q/k in place, the KV cache
         "kernels/mrv2_kernels/skinny_gemm.py",  # activations, split-K partials
     }

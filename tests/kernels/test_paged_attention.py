@@ -450,7 +450,7 @@ def _rope_case(reqs: list[tuple[int, int]], dtype: torch.dtype, qk_norm: bool,
         norm = (torch.rand(d, generator=gen).add(0.5).to(DEVICE, dtype),
                 torch.rand(d, generator=gen).add(0.5).to(DEVICE, dtype), 1e-6)
     rope = {"positions": torch.tensor(positions, dtype=torch.int64, device=DEVICE),
-            "cos_sin": RotaryEmbedding(d, 64, base=100.0)._table(torch.device(DEVICE)),
+            "cos_sin": RotaryEmbedding(d, 128, base=100.0)._table(torch.device(DEVICE)),
             "q": q, "k": k, "v": v, "slots": slot_t, "qk_norm": norm}
     return b, rope
 
