@@ -380,30 +380,7 @@ def test_cuda_graph_capture_without_syncs() -> None:
 # The interpreter misses what only the compiler rejects (a non-constexpr global, a layout it
 # cannot lower): compile the kernels for sm_90 at DeepSeek-V2-Lite shapes, no GPU needed.
 _SM90_SCRIPT = r"""
-import sys
-import triton
 from mrv2_kernels import mla_attention as m
-try:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-except ImportError:
-    sys.exit(3)
-
-def build(fn, ptrs, consts, **opts):
-    sig = {n: "i32" for n in fn.arg_names}
-    sig.update(ptrs)
-    sig["qk_scale"] = "fp32" if "qk_scale" in sig else None
-    sig = {k: v for k, v in sig.items() if v}
-    for k in consts:
-        sig[k] = "constexpr"
-    const = {(fn.arg_names.index(k),): v for k, v in consts.items()}
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
-    try:
-        src = ASTSource(fn, sig, const, attrs)
-    except TypeError:
-        sys.exit(3)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-    print(fn.__name__, k.metadata.shared)
 
 bf, f32, i32 = "*bf16", "*fp32", "*i32"
 for q_tok, splits in ((1, True), (2, False)):
@@ -426,15 +403,8 @@ build(m._mla_write_kernel, {"latent_ptr": bf, "pe_ptr": bf, "cache_ptr": bf, "sl
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the GPU run compiles them for real")
 def test_kernels_compile_for_sm90(tmp_path: Any) -> None:
-    import subprocess
-    import sys
+    from sm90 import compile_for_sm90
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
-    if proc.returncode == 3:
-        pytest.skip("this Triton has no sm_90 AOT compile API")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    shared = [int(line.split()[1]) for line in proc.stdout.splitlines()]
-    assert len(shared) == 4 and max(shared) <= 100 * 1024, proc.stdout
+    shared = [size for sizes in compile_for_sm90(_SM90_SCRIPT, tmp_path).values()
+              for size in sizes]
+    assert len(shared) == 4 and max(shared) <= 100 * 1024, shared

@@ -189,55 +189,27 @@ def test_use_tma_prefill_rules(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 _SM90_SCRIPT = r"""
-import sys
-import triton
 from mrv2_kernels import prefill_attention as m
-try:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-except ImportError:
-    sys.exit(3)
 
-fn = m._tma_prefill_kernel
-ptrs = {"key_cache_ptr": "*bf16", "value_cache_ptr": "*bf16", "out_ptr": "*bf16",
-        "qsl_ptr": "*i32", "seq_lens_ptr": "*i32", "block_table_ptr": "*i32"}
-sig = {n: "i32" for n in fn.arg_names}
-sig.update(ptrs)
-sig["qk_scale"] = "fp32"
-sig["q_desc"] = sig["k_desc"] = sig["v_desc"] = "tensordesc<bf16[64, 128]>"
-consts = dict(GROUP=4, BLOCK_M=64, BLOCK_N=64, HEAD_DIM=128, KV_BLOCK_SIZE=16, NUM_STAGES=3,
-              DOT_FP32=False, FP32_PRECISION="tf32x3", PDL=True)
-for k in consts:
-    sig[k] = "constexpr"
-const = {(fn.arg_names.index(k),): v for k, v in consts.items()}
-attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
-try:
-    src = ASTSource(fn, sig, const, attrs)
-except TypeError:
-    sys.exit(3)
-k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-print(fn.__name__, k.metadata.shared)
+bf, i32 = "*bf16", "*i32"
+build(m._tma_prefill_kernel,
+      {"key_cache_ptr": bf, "value_cache_ptr": bf, "out_ptr": bf, "qsl_ptr": i32,
+       "seq_lens_ptr": i32, "block_table_ptr": i32},
+      dict(GROUP=4, BLOCK_M=64, BLOCK_N=64, HEAD_DIM=128, KV_BLOCK_SIZE=16, NUM_STAGES=3,
+           DOT_FP32=False, FP32_PRECISION="tf32x3", PDL=True),
+      descs={name: "tensordesc<bf16[64, 128]>" for name in ("q_desc", "k_desc", "v_desc")},
+      num_warps=4)
 """
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the GPU run compiles it for real")
 def test_kernel_compiles_for_sm90(tmp_path: Any) -> None:
-    """The interpreter runs Python, not Triton's code generator: this compiles the kernel
-    for an H100/H200 (no GPU needed) with the default GPU tiles, so what only the compiler
-    rejects (a name it cannot resolve, shared memory past the limit) fails here."""
-    import os
-    import subprocess
-    import sys
+    """Compiled for an H100/H200 (no GPU needed) with the default GPU tiles, so what only the
+    compiler rejects (a name it cannot resolve, shared memory past the limit) fails here."""
+    from sm90 import compile_for_sm90
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
-    if proc.returncode == 3:
-        pytest.skip("this Triton has no ahead-of-time compile API")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    shared = int(proc.stdout.split()[-1])
+    (shared,) = compile_for_sm90(_SM90_SCRIPT, tmp_path)["_tma_prefill_kernel"]
     # Two programs per SM need 2 x (shared + 1 KiB reserved) <= 228 KiB: one more byte and
-    # the kernel runs one program per SM (H200: 223 against 345 TFLOP/s, BENCHMARKS.md
+    # the kernel runs one program per SM (H200: 223 against 341 TFLOP/s, BENCHMARKS.md
     # 2026-12-02).
     assert 0 < shared <= 115712, f"shared memory {shared} B: only one program fits an SM"
