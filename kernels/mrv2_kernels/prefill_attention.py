@@ -8,12 +8,13 @@ tensor-memory-accelerator descriptors (``triton.tools.tensor_descriptor``: one b
 tile, no address arithmetic per row, multi-stage pipelined), and only the keys from before the
 chunk (earlier chunks of a long prompt, a cached prefix) through the block table.
 
-A program owns one query tile of one request and one kv head: ``BLOCK_Q`` query tokens times
-the GQA group packed into ``BLOCK_M`` rows (as the paged kernel does), so every key tile is
-read once per group. Keys of the chunk wholly below the tile's first token take an unmasked
-loop; the diagonal tiles a masked one. The output (and the padding rows' zeros) is the paged
-kernel's, to fp32 accumulation order. The values of ``key`` / ``value`` must be what the step
-stores in the cache (same dtype: the cache's), which the caller guarantees.
+A program owns one query tile (``BLOCK_M`` tokens) of one request and one query head; the
+query heads of a GQA group read the same key tiles, mostly from L2. (Packing the group into
+the tile's rows, as the paged kernel does, measured slower: 210 against 341 TFLOP/s, though
+that build also ran one program per SM.) Keys of the chunk wholly below the tile's first token
+take an unmasked loop; the diagonal tiles a masked one. Each row gets the paged kernel's value,
+to fp32 accumulation order. The values of ``key`` / ``value`` must be what the step stores in
+the cache (same dtype: the cache's), which the caller guarantees.
 
 Requests with fewer query tokens than one tile (decode rows of a mixed step, short chunks)
 stay with the paged kernel, which :func:`~mrv2_kernels.paged_attention.paged_attention` then
