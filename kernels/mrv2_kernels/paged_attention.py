@@ -477,9 +477,10 @@ def paged_attention(
                 kv_write=(value, kv_cache, rope.slot_mapping))
             query = q2.reshape(num_tokens, num_heads, head_dim)  # then plain attention
             rope = None
-            k2 = _rows_of_heads(k2, "key", num_tokens, num_kv_heads, head_dim)
-            if not plan.small_q and use_tma_prefill(query, k2, value):
-                step_kv = (k2, value)  # the rotated keys, as stored: read them from here
+            if not plan.small_q:
+                k2 = _rows_of_heads(k2, "key", num_tokens, num_kv_heads, head_dim)
+                if use_tma_prefill(query, k2, value):
+                    step_kv = (k2, value)  # the rotated keys, as stored: read them here
         else:
             q_w, k_w, eps = rope.qk_norm if rope.qk_norm is not None else (query, query, 0.0)
             cos_sin = rope.cos_sin if rope.cos_sin.stride(-1) == 1 else rope.cos_sin.contiguous()
@@ -495,10 +496,10 @@ def paged_attention(
         # as a padding token.
         out = torch.empty_like(query)
     long_qlen = 0
-    if step_kv is not None and max_query_len >= tma_prefill_min_query(query):
+    if step_kv is not None and max_query_len >= (tile := tma_prefill_min_query(query)):
         # Prefill on Hopper: requests of a query tile or more read the step's own keys through
         # TMA, in their own kernel; the paged kernel below takes the rest (and the padding).
-        long_qlen = tma_prefill_min_query(query)
+        long_qlen = tile
         prefill_attention_tma(query, *step_kv, kv_cache, qsl, seq_lens, block_table, scale,
                               max_query_len=max_query_len, num_reqs=num_reqs, out=out,
                               min_query_len=long_qlen)

@@ -421,6 +421,19 @@ def test_early_metadata_gives_the_same_bits(uniform_decode: bool,
     assert (early[b.num_real_tokens:] == 0).all()
 
 
+def count_calls(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[int]:
+    """Wrap ``module.name`` so that every call appends to the returned list."""
+    calls: list[int] = []
+    plain = getattr(module, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return plain(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
 def _rope_case(reqs: list[tuple[int, int]], dtype: torch.dtype, qk_norm: bool,
                seed: int) -> tuple[Batch, dict[str, Any]]:
     """A batch whose step tokens come raw from one fused QKV buffer (strided slices), with
@@ -470,14 +483,7 @@ def test_rope_inside_decode_attention(dtype: torch.dtype, qk_norm: bool, num_spl
     from mrv2_kernels.paged_attention import FusedRope
     from mrv2_kernels.rotary import rotary_embedding_ref
 
-    rope_kernel_calls: list[int] = []
-    plain = module.rotary_embedding_triton
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        rope_kernel_calls.append(1)
-        return plain(*args, **kwargs)
-
-    monkeypatch.setattr(module, "rotary_embedding_triton", counted)
+    rope_kernel_calls = count_calls(monkeypatch, module, "rotary_embedding_triton")
 
     reqs = [(qlen, 37), (qlen, qlen), (0, 0), (qlen, 20)]
     b, r = _rope_case(reqs, dtype, qk_norm, seed=11)

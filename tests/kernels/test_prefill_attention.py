@@ -13,7 +13,14 @@ from typing import Any
 
 import pytest
 import torch
-from test_paged_attention import DEVICE, POISON, _check, _rope_case, make_batch
+from test_paged_attention import (
+    DEVICE,
+    POISON,
+    _check,
+    _rope_case,
+    count_calls,
+    make_batch,
+)
 
 from mrv2_kernels import paged_attention as paged_module
 from mrv2_kernels.paged_attention import (
@@ -137,14 +144,7 @@ def test_rope_prefill_plan_takes_the_tma_kernel(monkeypatch: pytest.MonkeyPatch)
     (its keys: the rotated ones in place) and the paged kernel for the rest (a decode row, a
     short chunk) and the padding; with ``MRV2_TMA_PREFILL=0`` the paged kernel does it all.
     Both match the reference."""
-    calls: list[int] = []
-    plain = paged_module.prefill_attention_tma
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        return plain(*args, **kwargs)
-
-    monkeypatch.setattr(paged_module, "prefill_attention_tma", counted)
+    calls = count_calls(monkeypatch, paged_module, "prefill_attention_tma")
     tile = tma_prefill_min_query(torch.empty(0, device=DEVICE))  # 16 on CPU, 64 on a GPU
     reqs = [(1, 23), (tile + 4, tile + 4), (9, 30), (tile + 1, tile + 24)]
     for setting, want_calls in (("1", 1), ("0", 1)):

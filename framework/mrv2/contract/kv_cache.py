@@ -48,7 +48,7 @@ def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     numel = math.prod(shape)
     if torch.device(device).type != "cpu" or numel == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    pages = mmap.mmap(-1, numel * torch.empty((), dtype=dtype).element_size())
+    pages = mmap.mmap(-1, numel * _itemsize(dtype))
     with warnings.catch_warnings():  # (a warning about non-writable buffers: this one is)
         warnings.simplefilter("ignore")
         flat = torch.frombuffer(pages, dtype=torch.uint8)  # keeps the mapping alive
