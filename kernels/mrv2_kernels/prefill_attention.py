@@ -28,9 +28,12 @@ all slower, 194-325). The kernel needs two programs per SM: its shared memory (1
 sits exactly at that limit, and 16 bytes more (zeroing the masked values of the diagonal tile)
 halved it to 223 TFLOP/s; a test compiles it for sm_90 and checks the size.
 
-Off by default: a 16K-token prompt on Qwen3-8B had the same time to first token with and
-without it (566 against 571 ms; at 8K-token chunks both kernels run at about the same rate),
-and the throughput workload's mixed steps were not measured with it.
+Off by default, from engine-level A/Bs on the H200 (BENCHMARKS.md, 2026-12-02): a 4,096-token
+prompt on Qwen3-8B gains 2% of time to first token (99.1 against 100.9 ms), a 16K-token one
+nothing (566 against 571 ms: at 8K-token chunks both kernels run at about the same rate), and
+the throughput workload's mixed steps (8,192-token steps of ~14 prompts of 100-1,024 tokens)
+lose: 3.44 against 3.40 s on Qwen3-8B, 0.525 against 0.462 s on Qwen3-0.6B, whose 2-head
+groups this kernel reads once per query head where the paged kernel reads them once.
 ``MRV2_TMA_PREFILL=1`` turns it on wherever the inputs allow it (CUDA devices of compute
 capability 9.0+; the interpreter too, for tests).
 """

@@ -2,7 +2,7 @@
 seeded tokens at TP=2 as at TP=1, with prefix caching on (two prompts share a prefix), for
 dense models with split and with replicated key/value heads, MoE (experts split inside), GLM's
 partial rotary with shared experts, DeepSeek's MLA, and an FP8 block-quantized checkpoint.
-A bad split fails with an error naming the field, before any step."""
+A bad split fails with an error naming the field, before any worker process starts."""
 
 from __future__ import annotations
 
@@ -69,3 +69,21 @@ def test_indivisible_heads_fail_clearly(tmp_path: Path) -> None:
                                  num_key_value_heads=1, head_dim=16)
     with pytest.raises(ValueError, match=r"num_attention_heads \(3\).*tensor_parallel_size"):
         LLM(str(model), device="cpu", dtype="float32", tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_passes_the_shardability_check(family: str, tmp_path: Path) -> None:
+    """The meta-device build that checks a split before any worker starts accepts every
+    family at TP=2 (it only constructs: no constructor may need real data or a group), and
+    leaves this process outside any group."""
+    from mrv2.distributed.parallel_state import tp_size
+    from mrv2.model_loader.build import check_shardable, load_hf_config
+    from mrv2.plugins import get_plugin_manager
+
+    architecture, overrides = FAMILIES[family]
+    model = make_tiny_checkpoint(tmp_path / "m", architecture, **overrides)
+    registries = get_plugin_manager().registries
+    check_shardable(str(model), load_hf_config(model), registries, 2)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(3\)"):  # the family's rule
+        check_shardable(str(model), load_hf_config(model), registries, 3)
+    assert tp_size() == 1

@@ -50,7 +50,8 @@ from mrv2.distributed.parallel_state import (
     tp_group,
 )
 from mrv2.executor.worker import STORE_TIMEOUT_S, WorkerSpec, rank_device, ready_key
-from mrv2.plugins import PluginManager
+from mrv2.model_loader.build import check_shardable, load_hf_config
+from mrv2.plugins import PluginManager, get_plugin_manager
 from mrv2.runner.async_output import AsyncStepOutput
 from mrv2.runner.runner import Runner
 
@@ -114,6 +115,9 @@ class DistributedRunner(Runner):
             init_tensor_parallel(0, size, device, init_method="env://")
             self._channel = BroadcastChannel(tp_group().cpu_group, 0)
         else:
+            # the model's sharding rules first: a bad split fails here, before any worker
+            check_shardable(model_dir, load_hf_config(model_dir, config.model.hf_overrides),
+                            (plugins or get_plugin_manager()).registries, size)
             device = rank_device(config, 0)
             store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
                                   timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))

@@ -94,6 +94,26 @@ def resolve_dtype(requested: str, hf_config: Any, device: torch.device) -> torch
     return torch.bfloat16
 
 
+def check_shardable(model_dir: str, hf_config: Any, registries: Registries, size: int) -> None:
+    """Build the registered model class on the meta device as rank 0 of ``size`` would (no
+    memory, no weights), so that its layers' divisibility rules (heads, KV heads, MLP width,
+    experts over ``tensor_parallel_size``) raise their ``ValueError`` before any worker process
+    starts. Any other failure is left to the real build, which reports it."""
+    from mrv2.distributed.parallel_state import as_rank
+
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    if not architectures:
+        raise ValueError(f"{model_dir}/config.json names no 'architectures'")
+    model_cls = import_object(registries.resolve_model(architectures).model)
+    try:
+        with as_rank(0, size), torch.device("meta"):
+            model_cls(hf_config)
+    except ValueError:
+        raise
+    except Exception:  # noqa: BLE001, S110 (a constructor that needs real data: build later)
+        pass
+
+
 def build_model(
     config: EngineConfig,
     model_dir: str,
