@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (device tool): installs the carried wheels, then the steps named as
-# arguments: tests, moe (the fused-MoE kernel bench), tma_prefill (MRV2_TMA_PREFILL's tests and A/B), attn, splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile,
+# arguments: tests, moe (the fused-MoE kernel bench), tma_prefill (MRV2_TMA_PREFILL's tests and A/B),
+# gemm_proto (scripts/proto_gemm.py: Triton TMA GEMMs against cuBLAS at 8B decode shapes), attn,
+# splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile,
 # tp_tests / tp_latency / tp_profile / tp_throughput (two GPUs: the nvidia-h200-x2 kind), glm47 (issue 19's
 # sweep: TP=4 on nvidia-h200-x4; on x2: TP=2 GLM47_ARGS="--hf-overrides '{\"num_hidden_layers\": N}'"),
 # soak (SOAK_S seconds of load, default 450: a device call is capped at 600 s; for the full 10
@@ -67,7 +69,7 @@ for step in "$@"; do
     latency) python3 -m mrv2.entrypoints.cli bench latency --json "$OUT/latency.json" \
                ${LATENCY_ARGS:-} 2>&1 | tee "$OUT/latency.log" | tail -40 ;;
     tma_prefill) # the TMA prefill kernel (MRV2_TMA_PREFILL=1, off by default): its CUDA tests,
-                 # its rate, then the A/B that decides the default (8B throughput workload)
+                 # its rate, then the throughput A/B that keeps it off (BENCHMARKS 2026-12-02)
                  MRV2_TMA_PREFILL=1 python3 -m pytest -q -p no:cacheprovider -m gpu \
                    tests/gpu/test_gpu_engine.py 2>&1 | tee "$OUT/tma_engine_tests.log" | tail -3
                  python3 -m pytest -q -p no:cacheprovider tests/kernels/test_prefill_attention.py \
@@ -76,5 +78,11 @@ for step in "$@"; do
                    > "$OUT/tma_attn.log" 2>&1; tail -5 "$OUT/tma_attn.log"
                  ROUNDS=${ROUNDS:-1} bash scripts/ab_env.sh MRV2_TMA_PREFILL=1 throughput \
                    --model "${TMA_MODEL:-Qwen3-8B}" ;;
+    gemm_proto) # a Triton TMA GEMM (and gate/up with the SwiGLU fused) against cuBLAS at 64-256
+                # rows, Qwen3-8B shapes (scripts/proto_gemm.py): correctness, then the sweep
+                python3 scripts/proto_gemm.py --check > "$OUT/proto_gemm_check.log" 2>&1
+                tail -2 "$OUT/proto_gemm_check.log"
+                timeout 480 python3 scripts/proto_gemm.py ${GEMM_ARGS:-} \
+                  > "$OUT/proto_gemm.log" 2>&1; tail -17 "$OUT/proto_gemm.log" ;;
   esac
 done
