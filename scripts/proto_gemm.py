@@ -139,6 +139,11 @@ def configs(rows: int, swiglu: bool) -> list[Config]:
         for split_k in ((1,) if swiglu else (1, 2, 4)):
             out.append(Config(bm, bn, bk, stages if not swiglu else max(2, stages - 1),
                               warps, split_k))
+    if bm > 64:  # half-height row tiles: twice the programs, each weight tile read twice
+        # (the row tiles of a weight tile run next to each other: from L2 the second time)
+        out += [Config(64, 128, 64, 4, 4), Config(64, 128, 64, 4, 4, 2)]
+        if swiglu:
+            out = [c for c in out if c.split_k == 1]
     return out
 
 
