@@ -468,6 +468,28 @@ def _rope_case(reqs: list[tuple[int, int]], dtype: torch.dtype, qk_norm: bool,
     return b, rope
 
 
+def _rope_reference(b: Batch, r: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a :func:`_rope_case` step must produce: ``(output, cache)`` of
+    rotary_embedding_ref (on copies of q/k; its KV write into a copy of the cache) followed by
+    paged_attention_ref."""
+    from mrv2_kernels.rotary import rotary_embedding_ref
+
+    want_cache = b.kv_cache.clone()
+    q_ref, _ = rotary_embedding_ref(r["positions"], r["q"].clone(), r["k"].clone(),
+                                    r["cos_sin"], 16, 16, r["qk_norm"],
+                                    kv_write=(r["v"], want_cache, r["slots"]))
+    ref = paged_attention_ref(q_ref.reshape(b.query.shape[0], 4, 16), want_cache, b.qsl,
+                              b.seq_lens, b.block_table, b.scale, **b.bounds)
+    return ref, want_cache
+
+
+def _fused_rope(r: dict[str, Any]) -> Any:
+    """The :class:`~mrv2_kernels.paged_attention.FusedRope` of a :func:`_rope_case` step."""
+    from mrv2_kernels.paged_attention import FusedRope
+
+    return FusedRope(r["positions"], r["cos_sin"], r["k"], r["v"], r["slots"], r["qk_norm"])
+
+
 @pytest.mark.parametrize(
     ("dtype", "qk_norm", "num_splits", "qlen"),
     [(torch.bfloat16, True, 3, 1), (torch.float32, False, 2, 3), (torch.bfloat16, False, 1, 1),
@@ -480,25 +502,19 @@ def test_rope_inside_decode_attention(dtype: torch.dtype, qk_norm: bool, num_spl
     NaN); unsplit, the RoPE kernel runs first. Against rotary_embedding_ref + write_kv_ref +
     paged_attention_ref."""
     from mrv2_kernels import paged_attention as module
-    from mrv2_kernels.paged_attention import FusedRope
-    from mrv2_kernels.rotary import rotary_embedding_ref
 
     rope_kernel_calls = count_calls(monkeypatch, module, "rotary_embedding_triton")
 
     reqs = [(qlen, 37), (qlen, qlen), (0, 0), (qlen, 20)]
     b, r = _rope_case(reqs, dtype, qk_norm, seed=11)
-    want_cache = b.kv_cache.clone()
-    q_ref, _ = rotary_embedding_ref(r["positions"], r["q"], r["k"], r["cos_sin"], 16, 16,
-                                    r["qk_norm"], kv_write=(r["v"], want_cache, r["slots"]))
+    ref, want_cache = _rope_reference(b, r)
     num_tokens = b.query.shape[0]
-    ref = paged_attention_ref(q_ref.reshape(num_tokens, 4, 16), want_cache, b.qsl, b.seq_lens,
-                              b.block_table, b.scale, **b.bounds)
     cache = b.kv_cache.clone()
     out = paged_attention(
         r["q"].reshape(num_tokens, 4, 16), cache, b.qsl, b.seq_lens, b.block_table, b.scale,
         **b.bounds, uniform_decode=True, num_splits=num_splits,
         out=torch.full((num_tokens, 4, 16), float("nan"), dtype=dtype, device=DEVICE),
-        rope=FusedRope(r["positions"], r["cos_sin"], r["k"], r["v"], r["slots"], r["qk_norm"]),
+        rope=_fused_rope(r),
     )
     assert attention_plan(b.query, cache, **b.bounds, uniform_decode=True).small_q
     assert len(rope_kernel_calls) == (1 if num_splits == 1 else 0)
@@ -516,24 +532,15 @@ def test_rope_inside_decode_attention(dtype: torch.dtype, qk_norm: bool, num_spl
 def test_rope_with_a_prefill_plan_runs_the_rope_kernel_first() -> None:
     """A step the small-query plan cannot take (prefill chunks): same contract, through the
     RoPE kernel (with its cache write) and then attention."""
-    from mrv2_kernels.paged_attention import FusedRope
-    from mrv2_kernels.rotary import rotary_embedding_ref
-
     reqs = [(1, 23), (13, 13), (9, 30)]
     b, r = _rope_case(reqs, torch.float32, True, seed=3)
     num_tokens = b.query.shape[0]
-    want_cache = b.kv_cache.clone()
-    q_ref, _ = rotary_embedding_ref(r["positions"], r["q"].clone(), r["k"].clone(),
-                                    r["cos_sin"], 16, 16, r["qk_norm"],
-                                    kv_write=(r["v"], want_cache, r["slots"]))
-    ref = paged_attention_ref(q_ref.reshape(num_tokens, 4, 16), want_cache, b.qsl, b.seq_lens,
-                              b.block_table, b.scale, **b.bounds)
+    ref, want_cache = _rope_reference(b, r)
     assert not attention_plan(b.query, b.kv_cache, **b.bounds).small_q
     cache = b.kv_cache.clone()
     out = paged_attention(
         r["q"].reshape(num_tokens, 4, 16), cache, b.qsl, b.seq_lens, b.block_table, b.scale,
-        **b.bounds,
-        rope=FusedRope(r["positions"], r["cos_sin"], r["k"], r["v"], r["slots"], r["qk_norm"]),
+        **b.bounds, rope=_fused_rope(r),
     )
     torch.testing.assert_close(cache, want_cache, atol=1e-5, rtol=0)
     _check(out, ref, b, torch.float32)

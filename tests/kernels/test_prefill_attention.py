@@ -17,14 +17,15 @@ from test_paged_attention import (
     DEVICE,
     POISON,
     _check,
+    _fused_rope,
     _rope_case,
+    _rope_reference,
     count_calls,
     make_batch,
 )
 
 from mrv2_kernels import paged_attention as paged_module
 from mrv2_kernels.paged_attention import (
-    FusedRope,
     attention_plan,
     paged_attention,
     paged_attention_ref,
@@ -35,7 +36,6 @@ from mrv2_kernels.prefill_attention import (
     tma_prefill_min_query,
     use_tma_prefill,
 )
-from mrv2_kernels.rotary import rotary_embedding_ref
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Conversion of an array with ndim:DeprecationWarning"
@@ -151,20 +151,14 @@ def test_rope_prefill_plan_takes_the_tma_kernel(monkeypatch: pytest.MonkeyPatch)
         monkeypatch.setenv(TMA_PREFILL_ENV_VAR, setting)
         b, r = _rope_case(reqs, torch.float32, True, seed=3)
         num_tokens = b.query.shape[0]
-        want_cache = b.kv_cache.clone()
-        q_ref, _ = rotary_embedding_ref(r["positions"], r["q"].clone(), r["k"].clone(),
-                                        r["cos_sin"], 16, 16, r["qk_norm"],
-                                        kv_write=(r["v"], want_cache, r["slots"]))
-        ref = paged_attention_ref(q_ref.reshape(num_tokens, 4, 16), want_cache, b.qsl,
-                                  b.seq_lens, b.block_table, b.scale, **b.bounds)
+        ref, want_cache = _rope_reference(b, r)
         assert not attention_plan(b.query, b.kv_cache, **b.bounds).small_q
         cache = b.kv_cache.clone()
         out = paged_attention(
             r["q"].reshape(num_tokens, 4, 16), cache, b.qsl, b.seq_lens, b.block_table,
             b.scale, **b.bounds,
             out=torch.full((num_tokens, 4, 16), float("nan"), device=DEVICE),
-            rope=FusedRope(r["positions"], r["cos_sin"], r["k"], r["v"], r["slots"],
-                           r["qk_norm"]),
+            rope=_fused_rope(r),
         )
         assert len(calls) == want_calls
         torch.testing.assert_close(cache, want_cache, atol=1e-5, rtol=0)
