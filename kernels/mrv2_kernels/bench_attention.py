@@ -201,21 +201,28 @@ def main(argv: list[str] | None = None) -> int:
                  f"{flops / ms / 1e9:.1f} TFLOP/s (default tiles)"]
         print(lines[0], flush=True)
         if args.sweep:
-            results = []
-            for bm, bn, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8),
-                                                           (2, 3, 4)):
-                tag = f"bm={bm} bn={bn} warps={warps} stages={stages}"
-                try:
-                    msv = timer(make(block_m=bm, block_n=bn, num_warps=warps,
-                                     num_stages=stages), len(steps))
-                except Exception as e:  # noqa: BLE001 (out of resources: skip the tile)
-                    print(f"      TMA {tag}: failed ({type(e).__name__})")
-                    continue
-                results.append((msv, tag))
-            for msv, tag in sorted(results)[:3]:
-                lines.append(f"      TMA {tag}: {msv * 1e3:.1f} us "
-                             f"{flops / msv / 1e9:.1f} TFLOP/s")
-                print(lines[-1], flush=True)
+            lines += sweep_tiles(make, len(steps), flops, "TMA ")
+        return lines
+
+    def sweep_tiles(make: Callable[..., Callable[[int], Any]], copies: int, flops: float,
+                    label: str) -> list[str]:
+        """Every prefill tile (block_m, block_n, warps, stages) through ``make(**tile)``;
+        prints and returns the best three lines."""
+        results = []
+        for bm, bn, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8),
+                                                       (2, 3, 4)):
+            tag = f"bm={bm} bn={bn} warps={warps} stages={stages}"
+            try:
+                msv = timer(make(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages),
+                            copies)
+            except Exception as e:  # noqa: BLE001 (out of resources: skip the tile)
+                print(f"      {label}{tag}: failed ({type(e).__name__})")
+                continue
+            results.append((msv, tag))
+        lines = []
+        for msv, tag in sorted(results)[:3]:
+            lines.append(f"      {label}{tag}: {msv * 1e3:.1f} us {flops / msv / 1e9:.1f} TFLOP/s")
+            print(lines[-1], flush=True)
         return lines
 
     # ---- correctness first ----------------------------------------------------------------
@@ -313,21 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         summary += tma_prefill(lay, cc, chunk_flops, f"1 x {pl} after {3 * pl}")
         del cc
         if args.sweep:
-            results = []
-            for bm, bn, warps, stages in itertools.product(
-                    (64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
-                tag = f"bm={bm} bn={bn} warps={warps} stages={stages}"
-                try:
-                    msv = timer(c.make(block_m=bm, block_n=bn, num_warps=warps,
-                                       num_stages=stages), len(c.kvs))
-                except Exception as e:  # noqa: BLE001 (out of resources: skip the tile)
-                    print(f"      {tag}: failed ({type(e).__name__})")
-                    continue
-                results.append((msv, tag))
-            for msv, tag in sorted(results)[:3]:
-                line = f"      {tag}: {msv * 1e3:.1f} us {flops / msv / 1e9:.1f} TFLOP/s"
-                print(line, flush=True)
-                summary.append(line)
+            summary += sweep_tiles(c.make, len(c.kvs), flops, "")
         del c
     print("\nsummary:\n" + "\n".join(summary))
     return 0
