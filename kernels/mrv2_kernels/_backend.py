@@ -21,9 +21,15 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["ENV_VAR", "PDL_EARLY_META_ENV_VAR", "PDL_EARLY_WEIGHTS_ENV_VAR", "PDL_ENV_VAR",
-           "default_block", "pdl", "pdl_early_meta", "pdl_early_weights", "pdl_enabled",
-           "pdl_release", "pdl_wait", "triton_forced", "use_triton"]
+__all__ = ["ENV_VAR", "LOG2E", "M_INIT", "PDL_EARLY_META_ENV_VAR", "PDL_EARLY_WEIGHTS_ENV_VAR",
+           "PDL_ENV_VAR", "default_block", "pdl", "pdl_early_meta", "pdl_early_weights",
+           "pdl_enabled", "pdl_release", "pdl_wait", "triton_forced", "use_triton"]
+
+#: log2(e): the attention kernels run their online softmax in base 2 (scores scaled by it).
+LOG2E = 1.4426950408889634
+#: Finite "minus infinity" for the attention kernels' running maxima (rows that see no key stay
+#: NaN-free); a constexpr because compiled kernels may only read constexpr globals.
+M_INIT = tl.constexpr(-1.0e30)
 
 #: Environment variable that forces the Triton path for CPU tensors (``MRV2_KERNELS=triton``),
 #: which only works together with ``TRITON_INTERPRET=1``.

@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._backend import LOG2E as _LOG2E
+from ._backend import M_INIT as _M_INIT
 from ._backend import use_triton
 from .mla_attention_ref import (
     _check_decode,
@@ -46,9 +48,7 @@ from .mla_attention_ref import (
     mla_decode_attention_ref,
 )
 
-_LOG2E = 1.4426950408889634
 _LN2 = tl.constexpr(0.6931471805599453)  # a constexpr: compiled kernels read only those
-_M_INIT = tl.constexpr(-1.0e30)  # finite "minus infinity": rows that see no key stay NaN-free
 _MAX_SPLITS = 64
 
 __all__ = [

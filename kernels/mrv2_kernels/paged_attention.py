@@ -41,17 +41,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ._backend import LOG2E as _LOG2E
+from ._backend import M_INIT as _M_INIT
 from ._backend import pdl, pdl_early_meta, pdl_prologue, pdl_release, pdl_wait
 from .paged_attention_plan import AttentionPlan, FusedRope, _rows_of_heads, attention_plan
 from .paged_attention_ref import _check_inputs, paged_attention_ref
 from .prefill_attention import prefill_attention_tma, tma_prefill_min_query, use_tma_prefill
 from .rotary import _norm_rotate, rotary_embedding_triton
-
-_LOG2E = 1.4426950408889634
-# Finite "minus infinity" for running maxima (keeps empty rows NaN-free); a constexpr because
-# compiled kernels may only read constexpr globals.
-_M_INIT = tl.constexpr(-1.0e30)
-
 
 # --------------------------------------------------------------------------------------------
 # Kernels

@@ -49,6 +49,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ._backend import LOG2E as _LOG2E
+from ._backend import M_INIT as _M_INIT
 from ._backend import pdl, pdl_prologue
 
 __all__ = ["TMA_PREFILL_ENV_VAR", "prefill_attention_tma", "tma_prefill_min_query",
@@ -58,9 +60,6 @@ __all__ = ["TMA_PREFILL_ENV_VAR", "prefill_attention_tma", "tma_prefill_min_quer
 #: interpreter); anything else, or unset: never (the default, see the module doc).
 TMA_PREFILL_ENV_VAR = "MRV2_TMA_PREFILL"
 
-# Finite "minus infinity" for running maxima (keeps rows with no key NaN-free).
-_M_INIT = tl.constexpr(-1.0e30)
-_LOG2E = 1.4426950408889634
 
 
 @triton.jit
