@@ -61,6 +61,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-decode", action="store_true", help="prefill only")
     p.add_argument("--workload", action="store_true",
                    help="only the throughput workload's decode steps: request order and splits")
+    p.add_argument("--workload-tiles", nargs="+", default=None, metavar="BN:STAGES:WARPS",
+                   help="with --workload: time these decode tiles instead (longest first, the "
+                        "plan's splits), e.g. 64:2:4 128:3:8")
     return p.parse_args(argv)
 
 
@@ -250,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     summary: list[str] = []
     if args.workload and not args.tiny:
         for lay, heads, kv_heads in layouts:
-            summary += workload_steps(lay, heads, kv_heads, case, copies_for, timer)
+            summary += workload_steps(lay, heads, kv_heads, case, copies_for, timer,
+                                      args.workload_tiles)
         print("\nsummary:\n" + "\n".join(summary))
         return 0
 
@@ -327,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def workload_steps(lay: str, heads: int, kv_heads: int, case: Any, copies_for: Any,
-                   timer: Any) -> list[str]:
+                   timer: Any, tiles: list[str] | None = None) -> list[str]:
     """Device time of the throughput workload's decode attention, every 64th step, per layer.
 
     ``mrv2 bench throughput``'s 256 requests (prompts and outputs of 100-1,024 tokens) decode
@@ -335,7 +339,8 @@ def workload_steps(lay: str, heads: int, kv_heads: int, case: Any, copies_for: A
     ``prompt + t + 1``. Their lengths differ up to 10x, so one program per (request, kv head)
     finishes at very different times: the step is timed with the requests in arrival order
     (the scheduler's) and longest first, at the plan's split count (``max_seq_len`` 4,096, a
-    decode graph's bound) and at fixed ones.
+    decode graph's bound) and at fixed ones; or, with ``tiles`` (``"BN:STAGES:WARPS"`` each),
+    longest first at the plan's splits with each of those decode tiles.
     """
     import random
 
@@ -345,9 +350,16 @@ def workload_steps(lay: str, heads: int, kv_heads: int, case: Any, copies_for: A
     prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(256)]
     max_tokens = [rng.randint(100, 1024) for _ in range(256)]
     d, elem = 128, 2
-    variants = [("arrival", False, None), ("arrival", False, 2), ("arrival", False, 4),
-                ("longest first", True, None), ("longest first", True, 2),
-                ("longest first", True, 4)]
+    variants: list[tuple[str, bool, int | None]] = [
+        ("arrival", False, None), ("arrival", False, 2), ("arrival", False, 4),
+        ("longest first", True, None), ("longest first", True, 2), ("longest first", True, 4)]
+    overrides: list[dict[str, int]] = [{} for _ in variants]
+    if tiles:
+        variants, overrides = [], []
+        for tile in tiles:
+            bn, stages, warps = (int(v) for v in tile.split(":"))
+            variants.append((f"n{bn} st{stages} w{warps}", True, None))
+            overrides.append({"block_n": bn, "num_stages": stages, "num_warps": warps})
     totals = [0.0] * len(variants)
     ideal = 0.0
     print(f"\nworkload decode steps, {lay} heads (us per layer; splits None = the plan's)")
@@ -365,7 +377,8 @@ def workload_steps(lay: str, heads: int, kv_heads: int, case: Any, copies_for: A
             ordered = sorted(lens, reverse=True) if longest else lens
             c = case(heads, kv_heads, [1] * len(lens), ordered, copies_for(kv_bytes))
             c.bounds["max_seq_len"] = 4096
-            ms = timer(c.make(uniform_decode=True, num_splits=splits), len(c.kvs))
+            ms = timer(c.make(uniform_decode=True, num_splits=splits, **overrides[i]),
+                       len(c.kvs))
             totals[i] += ms * 1e3
             row.append(ms * 1e3)
             del c

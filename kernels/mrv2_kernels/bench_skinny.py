@@ -4,7 +4,8 @@
 
 Each case runs one product per weight copy over enough distinct copies that the weights come
 from HBM, not L2 (as in a real decode step, which reads every layer once), inside a CUDA graph
-(as the decode step runs), and reports µs per product and the weight bandwidth reached.
+(as the decode step runs), and reports µs per product and the weight bandwidth reached, for
+cuBLAS also the transposed product (``w @ x.T``, which lets it pick other kernels).
 ``--sweep`` also tries tile / split / stage choices and prints the best per case; from 32 rows
 on (a large decode batch: ``--rows 64 128 256``) it tries wider tiles and 8 warps, to see
 whether the kernel can beat cuBLAS's split-K GEMMs there (issue 16's 8B decode at batch 128).
@@ -52,6 +53,10 @@ def _cublas(x: torch.Tensor, weights: list[torch.Tensor], i: int) -> torch.Tenso
     return F.linear(x, weights[i])
 
 
+def _cublas_t(x: torch.Tensor, weights: list[torch.Tensor], i: int) -> torch.Tensor:
+    return torch.mm(weights[i], x.T)  # the transposed product: y.T = w @ x.T ([N, M] out)
+
+
 def _skinny(x: torch.Tensor, weights: list[torch.Tensor], tiles: tuple[int, ...], i: int
             ) -> torch.Tensor:
     if not tiles:
@@ -61,8 +66,13 @@ def _skinny(x: torch.Tensor, weights: list[torch.Tensor], tiles: tuple[int, ...]
                                 split_k=split_k, num_stages=num_stages, num_warps=num_warps)
 
 
-def _sweep_tiles(m: int) -> list[tuple[int, int, int, int, int]]:
-    """``(block_n, block_k, split_k, num_stages, num_warps)`` candidates for ``m`` rows."""
+def _sweep_tiles(m: int, grid: dict[str, list[int]] | None = None
+                 ) -> list[tuple[int, int, int, int, int]]:
+    """``(block_n, block_k, split_k, num_stages, num_warps)`` candidates for ``m`` rows (or
+    the product of ``grid``'s lists, keyed by those names, where given)."""
+    if grid:
+        return list(itertools.product(grid["block_n"], grid["block_k"], grid["split_k"],
+                                      grid["num_stages"], grid["num_warps"]))
     if m < 32:
         return [(bn, bk, s, st, 4) for bn, bk, s, st in itertools.product(
             [16, 32, 64], [128, 256, 512], [1, 2, 4, 8], [3, 4])]
@@ -70,7 +80,8 @@ def _sweep_tiles(m: int) -> list[tuple[int, int, int, int, int]]:
         [64, 128], [64, 128], [1, 2, 4], [3, 4], [4, 8])]
 
 
-def bench_shape(name: str, n: int, k: int, rows: list[int], sweep: bool) -> list[str]:
+def bench_shape(name: str, n: int, k: int, rows: list[int], sweep: bool,
+                grid: dict[str, list[int]] | None = None) -> list[str]:
     """One result line per row count for the ``[N, K]`` weight."""
     dev = torch.device("cuda")
     copies = max(4, (256 << 20) // (n * k * 2))  # >= 256 MiB of weights per replay
@@ -81,6 +92,7 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], sweep: bool) -> list
     for m in rows:
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         cublas = time_graph(functools.partial(_cublas, x, weights), copies)
+        cublas_t = time_graph(functools.partial(_cublas_t, x, weights), copies)
         try:
             ours = time_graph(functools.partial(_skinny, x, weights, ()), copies)
         except Exception as exc:  # noqa: BLE001 (its first plan is out of resources there)
@@ -89,7 +101,7 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], sweep: bool) -> list
         best = ""
         if sweep:
             results = []
-            for tiles in _sweep_tiles(m):
+            for tiles in _sweep_tiles(m, grid):
                 if k // tiles[2] < tiles[1]:
                     continue
                 try:
@@ -104,6 +116,7 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], sweep: bool) -> list
                     f"n{bn} k{bk} s{split} st{stages} w{warps}")
         lines.append(
             f"{name:13s} M={m:<3d} cuBLAS {cublas:7.2f} µs ({nbytes / cublas / 1e3:5.0f} GB/s)"
+            f"  w@x.T {cublas_t:7.2f} µs"
             f"  skinny {ours:7.2f} µs ({nbytes / ours / 1e3:5.0f} GB/s)  {best}"
         )
         print(lines[-1], flush=True)
@@ -115,12 +128,20 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--shapes", default="", help="only shapes whose name starts so (8B)")
+    tile_args = ("block_n", "block_k", "split_k", "num_stages", "num_warps")
+    for name in tile_args:
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, nargs="+",
+                            help="with --sweep: the tiles tried (all five lists given)")
     args = parser.parse_args()
+    grid = {name: getattr(args, name) for name in tile_args}
+    if any(grid.values()) and not all(grid.values()):
+        parser.error("give all of --block-n --block-k --split-k --num-stages --num-warps")
     lines = []
     for name, n, k in SHAPES:
         if not name.startswith(args.shapes):
             continue
-        lines += bench_shape(name, n, k, args.rows, args.sweep)
+        lines += bench_shape(name, n, k, args.rows, args.sweep,
+                             grid if all(grid.values()) else None)
     print("\n".join(["", "summary:", *lines]))
 
 

@@ -43,6 +43,7 @@ import triton.language as tl
 
 from ._backend import LOG2E as _LOG2E
 from ._backend import M_INIT as _M_INIT
+from ._backend import online_softmax_step as _online_step
 from ._backend import pdl, pdl_early_meta, pdl_prologue, pdl_release, pdl_wait
 from .paged_attention_plan import AttentionPlan, FusedRope, _rows_of_heads, attention_plan
 from .paged_attention_ref import _check_inputs, paged_attention_ref
@@ -52,38 +53,6 @@ from .rotary import _norm_rotate, rotary_embedding_triton
 # --------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _attn_tile(
-    q: tl.tensor,
-    k: tl.tensor,
-    v: tl.tensor,
-    acc: tl.tensor,
-    m_i: tl.tensor,
-    l_i: tl.tensor,
-    qk_scale: tl.tensor,
-    n: tl.tensor,
-    pos: tl.tensor,
-    MASKED: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    FP32_PRECISION: tl.constexpr,
-) -> Any:
-    """One online-softmax step over a ``[BLOCK_N]`` key tile (log2 domain)."""
-    if DOT_FP32:
-        qk = tl.dot(q, tl.trans(k), input_precision=FP32_PRECISION)
-    else:
-        qk = tl.dot(q, tl.trans(k))
-    qk = qk * qk_scale
-    if MASKED:
-        qk = tl.where(n[None, :] <= pos[:, None], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    pv = tl.dot(p, v, input_precision=FP32_PRECISION) if DOT_FP32 else tl.dot(p.to(v.dtype), v)
-    acc = acc * alpha[:, None] + pv
-    return acc, m_new, l_i
 
 
 @triton.jit
@@ -294,9 +263,8 @@ def _paged_attn_kernel(
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        acc, m_i, l_i = _attn_tile(
-            q, k, v, acc, m_i, l_i, qk_scale, n, pos, False, DOT_FP32, FP32_PRECISION
-        )
+        acc, m_i, l_i = _online_step(q, k, v, acc, m_i, l_i, qk_scale, pos[:, None] >= 0,
+                                     False, DOT_FP32, FP32_PRECISION)
 
     for start in range(mid, hi, BLOCK_N):
         n = start + offs_n
@@ -313,9 +281,8 @@ def _paged_attn_kernel(
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        acc, m_i, l_i = _attn_tile(
-            q, k, v, acc, m_i, l_i, qk_scale, n, pos, True, DOT_FP32, FP32_PRECISION
-        )
+        acc, m_i, l_i = _online_step(q, k, v, acc, m_i, l_i, qk_scale,
+                                     n[None, :] <= pos[:, None], True, DOT_FP32, FP32_PRECISION)
 
     if USE_SPLITS:
         part = (q_row * num_heads + head) * num_splits + split

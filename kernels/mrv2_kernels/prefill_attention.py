@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any
 
 import torch
 import triton
@@ -51,6 +50,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._backend import LOG2E as _LOG2E
 from ._backend import M_INIT as _M_INIT
+from ._backend import online_softmax_step as _online_step
 from ._backend import pdl, pdl_prologue
 
 __all__ = ["TMA_PREFILL_ENV_VAR", "prefill_attention_tma", "tma_prefill_min_query",
@@ -60,32 +60,6 @@ __all__ = ["TMA_PREFILL_ENV_VAR", "prefill_attention_tma", "tma_prefill_min_quer
 #: interpreter); anything else, or unset: never (the default, see the module doc).
 TMA_PREFILL_ENV_VAR = "MRV2_TMA_PREFILL"
 
-
-
-@triton.jit
-def _online_step(q: tl.tensor, k: tl.tensor, v: tl.tensor, acc: tl.tensor, m_i: tl.tensor,
-                 l_i: tl.tensor, qk_scale: tl.tensor, keep: tl.tensor, MASKED: tl.constexpr,
-                 DOT_FP32: tl.constexpr, FP32_PRECISION: tl.constexpr) -> Any:
-    """One online-softmax step over a key tile (log2 domain); ``keep`` ``[BLOCK_M, BLOCK_N]``
-    (or broadcastable) says which scores count when ``MASKED``. The value product accumulates
-    into ``acc`` inside the dot."""
-    if DOT_FP32:
-        qk = tl.dot(q, tl.trans(k), input_precision=FP32_PRECISION)
-    else:
-        qk = tl.dot(q, tl.trans(k))
-    qk = qk * qk_scale
-    if MASKED:
-        qk = tl.where(keep, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    if DOT_FP32:
-        acc = tl.dot(p, v, acc, input_precision=FP32_PRECISION)
-    else:
-        acc = tl.dot(p.to(v.dtype), v, acc)
-    return acc, m_new, l_i
 
 
 @triton.jit(do_not_specialize=["num_q_tiles", "min_qlen"])
