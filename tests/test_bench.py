@@ -10,10 +10,14 @@ import pytest
 import torch
 
 from mrv2.bench.measure import (
+    StepLog,
     breakdown,
+    floor_seconds,
     instrument,
     kv_bytes_per_token,
+    linear_flops,
     resolve_model,
+    roofline_seconds,
     weight_bytes,
 )
 from mrv2.bench.throughput import run_engine, workload
@@ -53,6 +57,34 @@ def test_counts_and_floor_inputs(tmp_path: Path) -> None:
     assert kv_bytes_per_token(engine.runner) == 2 * 2 * 2 * head_dim * 4
     # no graphs on the CPU: one eager mixed (prefill) step, then eager decode steps
     assert log.kinds == ["mixed_eager"] + ["decode_eager"] * (len(log.steps) - 1)
+
+
+def test_roofline_takes_the_longer_of_bytes_and_flops(tmp_path: Path) -> None:
+    """Per step, max(bytes / bandwidth, linear FLOPs / rate): a wide prefill step is
+    compute-bound, a decode step byte-bound; the FLOPs count every matrix but the embedding
+    per token and the LM head per logits row."""
+    ckpt = make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM")
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(ckpt), device="cpu",
+                                                load_format="dummy", block_size=4))
+    runner = engine.runner
+    cfg = runner.hf_config
+    named = dict(runner.model.named_parameters())
+    matrices = sum(p.numel() for name, p in named.items()
+                   if p.dim() >= 2 and "embed" not in name and "lm_head" not in name)
+    per_token, per_row = linear_flops(runner)
+    assert per_token == 2 * matrices > 0
+    assert per_row == 2 * cfg.vocab_size * cfg.hidden_size
+    log = StepLog(steps=[(4, 4000, 4000), (4, 4, 4004)])  # a prefill, then a decode step
+    weights, kv = weight_bytes(runner), kv_bytes_per_token(runner)
+    bandwidth, rate = 1e9, 1e9
+    prefill_flops = 4000 * per_token + 4 * per_row
+    assert prefill_flops / rate > (weights + 4000 * kv) / bandwidth  # compute-bound
+    decode_bytes = weights + 4004 * kv
+    assert decode_bytes / bandwidth > (4 * per_token + 4 * per_row) / rate  # byte-bound
+    got = roofline_seconds(log, runner, bandwidth, rate)
+    assert got == pytest.approx(prefill_flops / rate + decode_bytes / bandwidth)
+    assert got > floor_seconds(log, runner, bandwidth)
+    engine.shutdown()
 
 
 def test_breakdown_by_step_kind_with_emulated_graphs(tmp_path: Path) -> None:

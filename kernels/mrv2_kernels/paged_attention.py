@@ -30,11 +30,17 @@ more attend in :mod:`mrv2_kernels.prefill_attention` (the step's keys through TM
 kernel skips them.
 
 No host syncs: grids come from ``num_reqs``, ``max_query_len`` and ``max_seq_len``; programs
-past a request's real work exit early. Accumulation is fp32 (online softmax in base 2).
+past a request's real work exit early. With ``flat_grid`` (``MRV2_ATTN_FLAT_GRID=1``; off until
+measured on a GPU) a prefill plan's programs walk the step's query tiles instead, each finding
+its request by a binary search over ``query_start_loc``: ``T // block_q + num_reqs`` programs
+per kv head rather than ``ceil(max_query_len / block_q) * num_reqs``, most of which exit at
+once in a mixed step, and a grid that no longer depends on ``max_query_len`` (what a CUDA graph
+of mixed steps at a padded token count needs). Accumulation is fp32 (online softmax in base 2).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -49,6 +55,10 @@ from .paged_attention_plan import AttentionPlan, FusedRope, _rows_of_heads, atte
 from .paged_attention_ref import _check_inputs, paged_attention_ref
 from .prefill_attention import prefill_attention_tma, tma_prefill_min_query, use_tma_prefill
 from .rotary import _norm_rotate, rotary_embedding_triton
+
+#: ``1``: prefill plans launch over the step's query tiles only (``paged_attention``'s
+#: ``flat_grid``); unset or anything else: one program per (query tile bound, request).
+FLAT_GRID_ENV_VAR = "MRV2_ATTN_FLAT_GRID"
 
 # --------------------------------------------------------------------------------------------
 # Kernels
@@ -68,7 +78,24 @@ def _rope_table(
     return cos, sin
 
 
-@triton.jit(do_not_specialize=["num_q_tiles", "num_splits", "num_tokens"])
+@triton.jit
+def _flat_tile(qsl_ptr: tl.tensor, num_reqs: tl.tensor, t: tl.tensor,
+               BLOCK_Q: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
+    """``(request, query tile)`` of flat tile index ``t``: request ``i``'s tiles are numbered
+    from ``query_start_loc[i] // BLOCK_Q + i`` (increasing in ``i``, a gap after each request
+    of at most one tile), found by binary search over ``query_start_loc``."""
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + num_reqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        right = first <= t
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid - 1)
+    return lo, t - (tl.load(qsl_ptr + lo) // BLOCK_Q + lo)
+
+
+@triton.jit(do_not_specialize=["num_q_tiles", "num_splits", "num_tokens", "num_reqs"])
 def _paged_attn_kernel(
     q_ptr: tl.tensor,
     k_ptr: tl.tensor,
@@ -104,6 +131,7 @@ def _paged_attn_kernel(
     stride_nvt: tl.tensor,
     slot_ptr: tl.tensor,
     long_qlen: tl.tensor,
+    num_reqs: tl.tensor,
     GROUP: tl.constexpr,
     GROUP_P2: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -120,11 +148,14 @@ def _paged_attn_kernel(
     ROPE: tl.constexpr,
     QK_NORM: tl.constexpr,
     SKIP_LONG: tl.constexpr = False,
+    FLAT: tl.constexpr = False,
 ) -> None:
     # Heaviest query tiles (latest positions) first: better tail balance in causal prefill.
+    # FLAT: program_id(0) counts every request's tiles (see _flat_tile), the last ones first.
     q_tile = num_q_tiles - 1 - tl.program_id(0)
     pid_hs = tl.program_id(1)
     req = tl.program_id(2)
+    flat_t = tl.num_programs(0) - 1 - tl.program_id(0)
     kvh = pid_hs // num_splits
     split = pid_hs % num_splits
     offs_d = tl.arange(0, HEAD_DIM)
@@ -136,6 +167,8 @@ def _paged_attn_kernel(
     if EARLY_META or ROPE:  # the request's query range and length before the wait
         # (pdl_early_meta's rule: no PDL kernel writes step metadata or constant tables)
         pdl_release(PDL)
+        if FLAT:
+            req, q_tile = _flat_tile(qsl_ptr, num_reqs, flat_t, BLOCK_Q)
         q_start = tl.load(qsl_ptr + req)
         seq_len = tl.load(seq_lens_ptr + req)
         q_end = tl.load(qsl_ptr + req + 1)  # qlen is taken after the wait: nothing before it
@@ -162,10 +195,12 @@ def _paged_attn_kernel(
         pdl_wait(PDL)  # needs a load's value, so the loads stay in flight through the wait
     else:
         pdl_prologue(PDL)
+        if FLAT:
+            req, q_tile = _flat_tile(qsl_ptr, num_reqs, flat_t, BLOCK_Q)
 
     if ZERO_PAD:  # rows of padding tokens (past query_start_loc[num_reqs]) become zeros:
         # spread over all programs, so no memset launch is needed before the kernel
-        num_real = tl.load(qsl_ptr + tl.num_programs(2))
+        num_real = tl.load(qsl_ptr + num_reqs)
         pid = (tl.program_id(2) * tl.num_programs(1) + pid_hs) * tl.num_programs(0) \
             + tl.program_id(0)
         step = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
@@ -368,6 +403,7 @@ def paged_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     rope: FusedRope | None = None,
+    flat_grid: bool | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of ``query`` ``[T, H, D]`` over ``kv_cache``; see the module doc.
 
@@ -382,8 +418,13 @@ def paged_attention(
     Rows of tokens past ``query_start_loc[num_reqs]`` come out as zeros, as do queries with no
     key to attend to (whether ``out`` is given or not). ``block_m``/``block_n``/``num_splits``/
     ``num_warps``/``num_stages`` override the per-device defaults of :func:`attention_plan`
-    (``num_splits`` only applies to the small-query configuration). Returns ``out``
-    (allocated when ``None``), query dtype.
+    (``num_splits`` only applies to the small-query configuration). ``flat_grid`` (default:
+    :data:`FLAT_GRID_ENV_VAR`, off) launches a prefill plan's programs over the step's query
+    tiles only (``T // block_q + num_reqs`` of them per kv head, each finding its request by a
+    binary search over ``query_start_loc``) instead of ``num_q_tiles x num_reqs``, most of
+    which exit at once in a mixed step (one long prompt beside many decoding requests). Its
+    grid then depends on ``T`` and ``num_reqs`` only, not on ``max_query_len``. Returns
+    ``out`` (allocated when ``None``), query dtype.
     """
     num_heads, num_kv_heads, head_dim, block_size = _check_inputs(query, kv_cache)
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
@@ -478,7 +519,12 @@ def paged_attention(
         part_m = part_l = part_acc = out  # unused
 
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    grid = (num_q_tiles, num_kv_heads * splits, num_reqs)
+    flat = (not plan.small_q and (flat_grid if flat_grid is not None
+                                  else os.environ.get(FLAT_GRID_ENV_VAR, "0") == "1"))
+    if flat:
+        grid = (num_tokens // plan.block_q + num_reqs, num_kv_heads * splits, 1)
+    else:
+        grid = (num_q_tiles, num_kv_heads * splits, num_reqs)
     _paged_attn_kernel[grid](
         query,
         key_cache,
@@ -505,6 +551,7 @@ def paged_attention(
         num_tokens,
         *rope_args,
         long_qlen,
+        num_reqs,
         GROUP=group,
         GROUP_P2=triton.next_power_of_2(group),
         BLOCK_Q=plan.block_q,
@@ -523,6 +570,7 @@ def paged_attention(
         ROPE=rope is not None,
         QK_NORM=rope is not None and rope.qk_norm is not None,
         SKIP_LONG=long_qlen > 0,
+        FLAT=flat,
         **pdl(query),
     )
     if splits > 1:
@@ -545,4 +593,5 @@ def paged_attention(
     return out
 
 
-__all__ = ["AttentionPlan", "FusedRope", "attention_plan", "paged_attention", "paged_attention_ref"]
+__all__ = ["FLAT_GRID_ENV_VAR", "AttentionPlan", "FusedRope", "attention_plan", "paged_attention",
+           "paged_attention_ref"]

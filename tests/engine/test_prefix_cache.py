@@ -144,3 +144,25 @@ def test_whole_prompt_cached_still_computes_last_token(checkpoint: Path) -> None
     assert first == second == hf_greedy(checkpoint, prompt, NEW_TOKENS)
     stats = llm.engine.stats()
     assert stats["prefix_cache_hits"] == 16  # 4 of 5 blocks: the last one is recomputed
+
+
+def test_block_hash_encoding_is_pinned() -> None:
+    """A block's hash is sha256(parent or b"root", each token as 8 little-endian signed bytes,
+    repr(extra_keys)): written out here the slow way, so a faster encoding cannot change the
+    hashes (cached blocks, and anything that stored them, stay valid)."""
+    import hashlib
+
+    from mrv2.engine.block_manager import hash_block
+
+    rng = random.Random(0)
+    parent = None
+    for n in (1, 4, 16, 17):
+        tokens = [rng.randint(-(2**40), 2**40) for _ in range(n)] + [-1, 0, 2**63 - 1]
+        for extra in (None, (("img", 3),)):
+            want = hashlib.sha256(parent or b"root")
+            want.update(b"".join(t.to_bytes(8, "little", signed=True) for t in tokens))
+            if extra:
+                want.update(repr(extra).encode())
+            got = hash_block(parent, tokens, extra)
+            assert got == want.digest()
+            parent = got

@@ -421,6 +421,66 @@ def test_early_metadata_gives_the_same_bits(uniform_decode: bool,
     assert (early[b.num_real_tokens:] == 0).all()
 
 
+@pytest.mark.parametrize(("reqs", "block_m", "early_meta"), [
+    (MIXED, 16, False),
+    (MIXED, 64, True),
+    ([(1, 9), (37, 37), (1, 3), (0, 4), (1, 1), (20, 45), (1, 30)], 16, True),
+    ([(29, 40)], 16, False),
+])
+def test_flat_grid_gives_the_same_bits(reqs: list[tuple[int, int]], block_m: int,
+                                       early_meta: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``flat_grid``: a prefill plan's programs walk the step's query tiles (each finds its
+    request by binary search) instead of query-tile bound x requests; every request's tiles,
+    the gaps between requests, empty requests and the padding rows come out as with the
+    (query tile, request) grid, bit for bit, and as the reference."""
+    from mrv2_kernels import paged_attention as module
+
+    if early_meta:  # the search then runs before the wait, with the other metadata loads
+        monkeypatch.setattr(module, "pdl_early_meta", lambda t, default=False: True)
+    b = make_batch(reqs, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4,
+                   dtype=torch.float32, pad_tokens=3, seed=11)
+    args = (b.query, b.kv_cache, b.qsl, b.seq_lens, b.block_table, b.scale)
+    grid = paged_attention(*args, **b.bounds, block_m=block_m, flat_grid=False,
+                           out=torch.full_like(b.query, float("nan")))
+    flat = paged_attention(*args, **b.bounds, block_m=block_m, flat_grid=True,
+                           out=torch.full_like(b.query, float("nan")))
+    assert torch.equal(flat, grid) and not flat.isnan().any()
+    _check(flat, paged_attention_ref(*args, **b.bounds), b, torch.float32)
+    assert (flat[b.num_real_tokens:] == 0).all()
+
+
+_SM90_SCRIPT = r"""
+from mrv2_kernels import paged_attention as m
+
+bf, f32, i32 = "*bf16", "*fp32", "*i32"
+ptrs = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "out_ptr": bf, "part_m_ptr": f32,
+        "part_l_ptr": f32, "part_acc_ptr": f32, "qsl_ptr": i32, "seq_lens_ptr": i32,
+        "block_table_ptr": i32, "pos_ptr": "*i64", "cos_sin_ptr": f32, "q_w_ptr": bf,
+        "k_w_ptr": bf, "new_k_ptr": bf, "new_v_ptr": bf, "slot_ptr": "*i64"}
+common = dict(HEAD_DIM=128, KV_BLOCK_SIZE=16, DOT_FP32=False, FP32_PRECISION="tf32x3",
+              PDL=True, EARLY_META=False, ROPE=False, QK_NORM=False, SKIP_LONG=False)
+# the GPU prefill tiles (attention_plan): 8B heads (group 4), 0.6B heads (group 2)
+for group, bm, bn, warps in ((4, 128, 32, 8), (2, 64, 64, 4)):
+    for flat in (False, True):
+        build(m._paged_attn_kernel, ptrs,
+              dict(common, GROUP=group, GROUP_P2=group, BLOCK_Q=bm // group, BLOCK_M=bm,
+                   BLOCK_N=bn, USE_SPLITS=False, ZERO_PAD=True, FLAT=flat),
+              num_warps=warps, num_stages=2)
+"""
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the GPU run compiles it for real")
+def test_prefill_plans_compile_for_sm90_flat_or_not(tmp_path: Any) -> None:
+    """The prefill plans' kernels compile for an H100/H200 (no GPU needed) with the flat grid's
+    request search and without, and the search costs no shared memory (so no resident
+    program per SM)."""
+    from sm90 import compile_for_sm90
+
+    sizes = compile_for_sm90(_SM90_SCRIPT, tmp_path)["_paged_attn_kernel"]
+    assert len(sizes) == 4 and all(s > 0 for s in sizes)
+    assert sizes[0] == sizes[1] and sizes[2] == sizes[3], sizes
+
+
 def count_calls(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[int]:
     """Wrap ``module.name`` so that every call appends to the returned list."""
     calls: list[int] = []

@@ -1,4 +1,5 @@
-"""What a benchmark measures beside wall time: bytes a run must move, GPU-busy fraction."""
+"""What a benchmark measures beside wall time: bytes a run must move (the byte floor), the
+roofline (each step the longer of its bytes and its linear layers' FLOPs), GPU-busy fraction."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from typing import Any
 
 import torch
 
+from mrv2.layers.embedding import LMHead, VocabEmbedding
 from mrv2.layers.moe import COUNT_READS_ENV, FusedMoE
+from mrv2.model_loader.build import text_config_of
 from mrv2.runner.runner import Runner
 
 CONFIGS = Path(__file__).parent / "configs"
@@ -58,6 +61,45 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 2
         times.append(start.elapsed_time(end) / 1e3)
     times.sort()
     return 2 * nbytes / times[len(times) // 2]
+
+
+def gemm_rate(device: torch.device, n: int = 8192, repeats: int = 10) -> float:
+    """Dense bf16 GEMM rate in FLOP/s (an ``n`` x ``n`` x ``n`` product, median of
+    ``repeats``): the compute side of :func:`roofline_seconds`, as :func:`copy_bandwidth` is
+    its memory side. NaN off CUDA."""
+    if device.type != "cuda":
+        return float("nan")
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    out = a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        start.record()
+        torch.mm(a, b, out=out)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    return 2 * n**3 / times[len(times) // 2]
+
+
+def linear_flops(runner: Runner) -> tuple[int, int]:
+    """``(per token, per logits row)``: FLOPs of the linear layers, 2 x the weights each
+    multiplies. Embedding lookups cost none; the LM head costs per logits row (a tied head
+    too); a token multiplies ``num_experts_per_tok`` of each routed-expert layer's experts.
+    Attention's own products (queries x keys, scores x values) are not counted, nor norms."""
+    modules = list(runner.model.modules())
+    experts = expert_layers(runner)
+    skip = {id(p) for layer in experts for p in layer.parameters()}
+    skip |= {id(m.weight) for m in modules if isinstance(m, VocabEmbedding | LMHead)}
+    per_token = sum(p.numel() for p in runner.model.parameters()
+                    if id(p) not in skip and p.dim() >= 2)
+    top_k = int(getattr(text_config_of(runner.hf_config), "num_experts_per_tok", 0) or 0)
+    per_token += sum(sum(p.numel() for p in layer.parameters()) * top_k // layer.num_experts
+                     for layer in experts)
+    per_row = sum(m.weight.numel() for m in modules if isinstance(m, LMHead))
+    return 2 * per_token, 2 * per_row
 
 
 def expert_layers(runner: Runner) -> list[FusedMoE]:
@@ -187,6 +229,19 @@ def floor_seconds(log: StepLog, runner: Runner, bandwidth: float, expert_bytes: 
     weights, per_token = weight_bytes(runner), kv_bytes_per_token(runner)
     total = sum(weights + seq * per_token for _, _, seq in log.steps) + expert_bytes
     return total / bandwidth
+
+
+def roofline_seconds(log: StepLog, runner: Runner, bandwidth: float, flop_rate: float,
+                     expert_bytes: int = 0) -> float:
+    """The roofline: each step takes the longer of its bytes (:func:`floor_seconds`'s) at
+    ``bandwidth`` and its linear layers' FLOPs (:func:`linear_flops`, a logits row per
+    request) at ``flop_rate``; the routed experts' bytes are added for the whole run. A
+    prefill step is compute-bound, so the byte floor alone under-counts it."""
+    weights, per_token = weight_bytes(runner), kv_bytes_per_token(runner)
+    flops_token, flops_row = linear_flops(runner)
+    return sum(max((weights + seq * per_token) / bandwidth,
+                   (tokens * flops_token + reqs * flops_row) / flop_rate)
+               for reqs, tokens, seq in log.steps) + expert_bytes / bandwidth
 
 
 def busy_fraction(log: StepLog, decode_only: bool = True) -> float:

@@ -22,10 +22,12 @@ from mrv2.bench.measure import (
     expert_read_bytes,
     expert_reads,
     floor_seconds,
+    gemm_rate,
     instrument,
     release_engine_memory,
     report,
     resolve_model,
+    roofline_seconds,
 )
 from mrv2.config import EngineConfig
 from mrv2.contract.params import SamplingParams
@@ -113,6 +115,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 "prefix_off": {"enable_prefix_caching": False}}
     chosen = args.variants if "default" in args.variants else ["default", *args.variants]
     bandwidth = None
+    flop_rate = float("nan")
     for name in chosen:
         config = EngineConfig.from_kwargs(
             model=model_dir, load_format=args.load_format, dtype=args.dtype,
@@ -150,6 +153,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             if bandwidth is None:
                 bandwidth = copy_bandwidth(engine.runner.device)
                 results["copy_bandwidth_GBs"] = round(bandwidth / 1e9, 1)
+                flop_rate = gemm_rate(engine.runner.device)
+                results["gemm_TFLOPs"] = round(flop_rate / 1e12, 1)
             reads_after = expert_reads(engine.runner)
             experts = 0
             if reads_after and reads_after[0] >= 0:
@@ -161,6 +166,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             floor = floor_seconds(log, engine.runner, bandwidth, experts)
             row["floor_seconds"] = round(floor, 3)
             row["floor_fraction"] = round(floor / seconds, 3)
+            roofline = roofline_seconds(log, engine.runner, bandwidth, flop_rate, experts)
+            row["roofline_seconds"] = round(roofline, 3)
+            row["roofline_fraction"] = round(roofline / seconds, 3)
             row["gpu_busy_decode"] = round(busy_fraction(log), 3)
         row["by_step_kind"] = breakdown(log, finished)
         results[name] = row
