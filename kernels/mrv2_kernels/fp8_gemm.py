@@ -48,7 +48,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._backend import use_triton
+from ._backend import cdiv, next_power_of_2, use_triton
 
 __all__ = [
     "FP8_DTYPE",
@@ -99,7 +99,7 @@ def _blocks(block: tuple[int, int] | list[int]) -> tuple[int, int]:
 def _padded_blocks(t: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
     """``t`` ``[N, K]`` zero-padded to whole blocks, viewed ``[N/bn, bn, K/bk, bk]``."""
     n, k = t.shape
-    nb, kb = triton.cdiv(n, bn), triton.cdiv(k, bk)
+    nb, kb = cdiv(n, bn), cdiv(k, bk)
     t = F.pad(t, (0, kb * bk - k, 0, nb * bn - n))
     return t.view(nb, bn, kb, bk)
 
@@ -142,7 +142,7 @@ def dequantize_weight_block_fp8(
 def _check_weight(w: torch.Tensor, scale: torch.Tensor, bn: int, bk: int) -> None:
     if w.dim() != 2 or w.dtype != FP8_DTYPE:
         raise ValueError(f"w_fp8 must be [N, K] float8_e4m3fn, got {tuple(w.shape)} {w.dtype}")
-    want = (triton.cdiv(w.shape[0], bn), triton.cdiv(w.shape[1], bk))
+    want = (cdiv(w.shape[0], bn), cdiv(w.shape[1], bk))
     if tuple(scale.shape) != want:
         raise ValueError(f"w_scale_inv must be {want} for w {tuple(w.shape)} and block "
                          f"({bn}, {bk}), got {tuple(scale.shape)}")
@@ -161,7 +161,7 @@ def per_token_group_quant_fp8_ref(
         raise ValueError(f"group must be positive, got {group}")
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k).float()
-    groups = triton.cdiv(k, group)
+    groups = cdiv(k, group)
     xp = F.pad(x2, (0, groups * group - k)).view(-1, groups, group)
     # times the fp32 reciprocal, not a division: torch's CUDA division by a scalar multiplies
     # by its reciprocal while its CPU one divides; the kernel multiplies on both
@@ -249,12 +249,12 @@ def per_token_group_quant_fp8_triton(
     if k > 1 and x2.stride(1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    groups = triton.cdiv(k, group)
+    groups = cdiv(k, group)
     q = _empty((m, k), FP8_DTYPE, x.device)
     scale = _empty((m, groups), torch.float32, x.device)
     if m and k:
         bm = _pow2("block_m", block_m or (16 if x.is_cuda else 32), 1)
-        _group_quant_kernel[(triton.cdiv(m, bm), groups)](
+        _group_quant_kernel[(cdiv(m, bm), groups)](
             x2, q, scale, m, k, x2.stride(0), q.stride(0), scale.stride(0), BLOCK_M=bm,
             GROUP=group, CPU=not x.is_cuda, num_warps=4,
         )
@@ -483,12 +483,12 @@ def fp8_gemm_tiles(m: int, n: int, k: int, block: tuple[int, int] | list[int],
     _, bk = _blocks(block)
     block_k = min(128, bk & -bk)
     cuda = device.type == "cuda"
-    block_m = min(64, max(16, triton.next_power_of_2(max(m, 1))))
+    block_m = min(64, max(16, next_power_of_2(max(m, 1))))
     if not cuda:
         return Fp8Tiles(block_m, 64, block_k, 1, 1, 4, 1, m <= 16 and block_k == bk)
     if m <= 64:
-        programs = triton.cdiv(n, 64) * triton.cdiv(m, block_m)
-        steps = triton.cdiv(k, block_k)
+        programs = cdiv(n, 64) * cdiv(m, block_m)
+        steps = cdiv(k, block_k)
         split = 1
         while programs * split < _num_sms(device) and steps // (2 * split) >= 2:
             split *= 2
@@ -549,10 +549,10 @@ def block_fp8_linear_triton(
     fuse = plan.fuse_quant if fuse_quant is None else fuse_quant
     if fuse and bkt != bk:
         raise ValueError(f"fuse_quant needs block_k == the weight block's K {bk}, got {bkt}")
-    steps = triton.cdiv(k, bkt)
+    steps = cdiv(k, bkt)
     split = max(1, min(split_k or plan.split_k, steps))
-    per_split = triton.cdiv(steps, split)
-    split = triton.cdiv(steps, per_split)
+    per_split = cdiv(steps, split)
+    split = cdiv(steps, per_split)
     scale_b = w_scale_inv if w_scale_inv.dtype == torch.float32 else w_scale_inv.float()
     if fuse:
         a, scale_a = x2, scale_b  # scale_a unused
@@ -561,7 +561,7 @@ def block_fp8_linear_triton(
     dst = _empty((split, m, n), torch.float32, x.device) if split > 1 else out
     has_bias = bias is not None
     bias_arg = bias if bias is not None else scale_b
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bnt), split)
+    grid = (cdiv(m, bm) * cdiv(n, bnt), split)
     _fp8_gemm_kernel[grid](
         a, scale_a, w_fp8, scale_b, bias_arg, dst, m, n, k, a.stride(0), scale_a.stride(0),
         w_fp8.stride(0), scale_b.stride(0), out.stride(0), per_split, W_BN=bn, W_BK=bk,
@@ -570,9 +570,9 @@ def block_fp8_linear_triton(
         num_warps=num_warps or plan.num_warps, num_stages=num_stages or plan.num_stages,
     )
     if split > 1:
-        rm = min(16, triton.next_power_of_2(m))
+        rm = min(16, next_power_of_2(m))
         rn = 256 if x.is_cuda else 128
-        _split_sum_kernel[(triton.cdiv(m, rm), triton.cdiv(n, rn))](
+        _split_sum_kernel[(cdiv(m, rm), cdiv(n, rn))](
             dst, bias_arg, out, m, n, out.stride(0), split, BLOCK_M=rm, BLOCK_N=rn,
             HAS_BIAS=has_bias, num_warps=4,
         )

@@ -59,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import use_triton
+from ._backend import cdiv, use_triton
 from .fp8_gemm import FP8_DTYPE, _quant_rows, per_token_group_quant_fp8_triton
 from .fused_moe_fp8 import DEFAULT_BLOCK, _fp8_a_tile, _fp8_dot, _round_to, check_fp8_args
 from .fused_moe_ref import _check, fused_moe_ref
@@ -425,9 +425,9 @@ def _moe_chunk(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
             a1, a1_scale = per_token_group_quant_fp8_triton(x, w_bk)
         quant_out = tiles.act_quant == "epilogue"
         act = _empty((num_pairs, inter), FP8_DTYPE if quant_out else x.dtype, x.device)
-    act_scale = (_empty((num_pairs, triton.cdiv(inter, w_bk)), torch.float32, x.device)
+    act_scale = (_empty((num_pairs, cdiv(inter, w_bk)), torch.float32, x.device)
                  if quant_out else y)
-    _moe_gate_up_kernel[(max_blocks * triton.cdiv(inter, tiles.block_n1),)](
+    _moe_gate_up_kernel[(max_blocks * cdiv(inter, tiles.block_n1),)](
         a1, w13, act, sorted_ids, block_expert, num_post, num_pairs, max_blocks, top_k, hidden,
         inter, a1.stride(0), w13.stride(0), w13.stride(1), act.stride(0), a1_scale, s13,
         act_scale, a1_scale.stride(0), *_strides3(s13), act_scale.stride(0), BLOCK_M=bm,
@@ -439,7 +439,7 @@ def _moe_chunk(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
     )
     if fp8 is not None and tiles.act_quant == "kernel":
         act, act_scale = per_token_group_quant_fp8_triton(act, w_bk)
-    num_n2 = triton.cdiv(hidden, tiles.block_n2)
+    num_n2 = cdiv(hidden, tiles.block_n2)
     counters = _arrival_counters(x.device, num_tokens * num_n2) if tiles.fused_combine else None
     _moe_down_kernel[(max_blocks * num_n2,)](
         act, w2, topk_weights, y, sorted_ids, block_expert, num_post, num_pairs, max_blocks,
@@ -455,7 +455,7 @@ def _moe_chunk(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
     if counters is not None:
         return
     block_t, block_h = (1, 1024) if x.is_cuda else (8, 64)
-    _moe_combine_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))](
+    _moe_combine_kernel[(cdiv(num_tokens, block_t), cdiv(hidden, block_h))](
         y, out, num_tokens, top_k, hidden, y.stride(0), out.stride(0), BLOCK_T=block_t,
         BLOCK_H=block_h, num_warps=4,
     )

@@ -52,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._backend import cdiv
 from .fp8_gemm import (
     FP8_DTYPE,
     _quant_rows,
@@ -106,7 +107,7 @@ def check_fp8_args(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor 
             raise ValueError(f"{name} must be {FP8_DTYPE} with scales, got {w.dtype}")
     for name, scale, rows, cols in (("w13_scale", w13_scale, two_i, hidden),
                                     ("w2_scale", w2_scale, hidden, two_i // 2)):
-        want = (num_experts, triton.cdiv(rows, bn), triton.cdiv(cols, bk))
+        want = (num_experts, cdiv(rows, bn), cdiv(cols, bk))
         if tuple(scale.shape) != want:
             raise ValueError(f"{name} must be {want} for block ({bn}, {bk}), got "
                              f"{tuple(scale.shape)}")
@@ -140,9 +141,9 @@ def expand_scales_per_row(scale: torch.Tensor, rows: int, bn: int) -> torch.Tens
     """``scale`` ``[..., ceil(rows/bn), KB]`` of ``(bn, bk)`` blocks as the ``(1, bk)`` scales
     ``[..., rows, KB]`` (each row its block's scale): how a checkpoint's gate and up shards'
     scales join in one ``w13_scale`` whatever ``I`` is."""
-    if scale.shape[-2] != triton.cdiv(rows, bn):
+    if scale.shape[-2] != cdiv(rows, bn):
         raise ValueError(f"scale has {scale.shape[-2]} row blocks, {rows} rows of {bn} need "
-                         f"{triton.cdiv(rows, bn)}")
+                         f"{cdiv(rows, bn)}")
     return scale.repeat_interleave(bn, dim=-2)[..., :rows, :].contiguous()
 
 

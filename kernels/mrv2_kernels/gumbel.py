@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ._backend import default_block, use_triton
+from ._backend import cdiv, default_block, next_power_of_2, use_triton
 
 __all__ = [
     "gumbel_noise_ref",
@@ -360,12 +360,12 @@ def gumbel_sample_triton(
     if vocab == 0:
         raise ValueError("logits must have at least one column")
     block = default_block(logits, cuda=2048, cpu=128, block=block_v)
-    tiles = triton.cdiv(vocab, block)
+    tiles = cdiv(vocab, block)
     if num_splits is None:  # GPU: >= 2 programs per SM, and at most 8 tiles per program
-        num_splits = (max(triton.cdiv(2 * _num_sms(logits.device), n), triton.cdiv(tiles, 8))
+        num_splits = (max(cdiv(2 * _num_sms(logits.device), n), cdiv(tiles, 8))
                       if logits.is_cuda else 1)
-    chunk = triton.cdiv(tiles, max(1, min(num_splits, tiles))) * block
-    splits = triton.cdiv(vocab, chunk)
+    chunk = cdiv(tiles, max(1, min(num_splits, tiles))) * block
+    splits = cdiv(vocab, chunk)
     if greedy.dtype == torch.bool:
         greedy = greedy.view(torch.uint8)
     fast_log = bool(logits.is_cuda) and torch.version.hip is None
@@ -394,7 +394,7 @@ def gumbel_sample_triton(
     )
     if splits > 1:
         _argmax_reduce_kernel[(n,)](
-            part_val, part_idx, splits, out, BLOCK_S=triton.next_power_of_2(splits)
+            part_val, part_idx, splits, out, BLOCK_S=next_power_of_2(splits)
         )
 
 
@@ -447,5 +447,5 @@ def uniform_hash_triton(
     if n == 0 or vocab == 0:
         return
     block = default_block(out, cuda=1024, cpu=128, block=block_v)
-    grid = (n, triton.cdiv(vocab, block))
+    grid = (n, cdiv(vocab, block))
     _uniform_hash_kernel[grid](seeds, positions, out, out.stride(0), vocab, BLOCK_V=block)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import default_block, use_triton
+from ._backend import default_block, next_power_of_2, use_triton
 from ._checks import check_1d, check_rows
 
 __all__ = [
@@ -423,7 +423,7 @@ def post_update_triton(
         num_computed,
         num_tokens,
         width,
-        BLOCK_S=triton.next_power_of_2(width),
+        BLOCK_S=next_power_of_2(width),
     )
 
 

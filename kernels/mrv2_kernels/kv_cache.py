@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._backend import cdiv, next_power_of_2
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -108,9 +110,9 @@ def write_kv_triton(
     )
     row = num_kv_heads * head_dim
     if block is None:
-        block = min(triton.next_power_of_2(row), 2048 if key.is_cuda else 4096)
+        block = min(next_power_of_2(row), 2048 if key.is_cuda else 4096)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    grid = (num_tokens, triton.cdiv(row, block))
+    grid = (num_tokens, cdiv(row, block))
     _write_kv_kernel[grid](
         key,
         value,

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from ._backend import LOG2E as _LOG2E
 from ._backend import M_INIT as _M_INIT
-from ._backend import use_triton
+from ._backend import cdiv, next_power_of_2, use_triton
 from .mla_attention_ref import (
     _check_decode,
     _check_write,
@@ -105,8 +105,8 @@ def mla_cache_write_triton(
     _mla_write_kernel[(num_tokens,)](
         latent, k_pe, cache, slot_mapping,
         latent.stride(0), k_pe.stride(0), cache.stride(0), cache.stride(1),
-        RANK=rank, ROPE=rope, RANK_P2=triton.next_power_of_2(rank),
-        ROPE_P2=triton.next_power_of_2(rope), KV_BLOCK_SIZE=cache.shape[1],
+        RANK=rank, ROPE=rope, RANK_P2=next_power_of_2(rank),
+        ROPE_P2=next_power_of_2(rope), KV_BLOCK_SIZE=cache.shape[1],
         num_warps=4 if latent.is_cuda else 1,
     )  # fmt: skip
 
@@ -383,13 +383,13 @@ def mla_decode_plan(
     keys each. Combine: ``[heads, splits, dims]`` tiles of <= 4096 fp32 on the GPU (1 head,
     ``4096 / splits`` dims), everything of a token at once on the interpreter.
     """
-    heads_p2 = triton.next_power_of_2(max(num_heads, 1))
-    q_p2 = triton.next_power_of_2(max(max_query_len, 1))
+    heads_p2 = next_power_of_2(max(num_heads, 1))
+    q_p2 = next_power_of_2(max(max_query_len, 1))
     if on_gpu:
         wide = elem_size <= 2
         bh = block_h if block_h is not None else min(heads_p2, 16)
         bq = block_q if block_q is not None else max(1, min(q_p2, (32 if wide else 16) // bh))
-        bq = max(bq, triton.cdiv(16, bh))  # tl.dot needs 16 rows
+        bq = max(bq, cdiv(16, bh))  # tl.dot needs 16 rows
         bn = block_n if block_n is not None else (64 if wide else 16)
         warps, stages = 8 if wide else 4, 2
     else:
@@ -401,20 +401,20 @@ def mla_decode_plan(
         assert v > 0 and v & (v - 1) == 0, f"{name} must be a power of two, got {v}"
     if on_gpu:
         assert bn >= 16 and bq * bh >= 16, "block_n and block_q * block_h must be >= 16 (tl.dot)"
-    num_h_tiles = triton.cdiv(num_heads, bh)
-    num_q_tiles = triton.cdiv(max(max_query_len, 0), bq)
+    num_h_tiles = cdiv(num_heads, bh)
+    num_q_tiles = cdiv(max(max_query_len, 0), bq)
     if num_splits is not None:
         splits = max(1, min(num_splits, _MAX_SPLITS))
     else:
         target = num_sms if on_gpu else 8
         base = max(num_reqs * num_q_tiles * num_h_tiles, 1)
-        by_len = triton.cdiv(max(max_seq_len, 1), bn if on_gpu else 4 * bn)
-        splits = max(1, min(triton.cdiv(target, base), by_len, _MAX_SPLITS))
+        by_len = cdiv(max(max_seq_len, 1), bn if on_gpu else 4 * bn)
+        splits = max(1, min(cdiv(target, base), by_len, _MAX_SPLITS))
     if on_gpu and num_warps is None and elem_size <= 2:
         warps = 8 if num_reqs * num_q_tiles * num_h_tiles * 4 < num_sms else 4
-    rank_p2 = triton.next_power_of_2(kv_lora_rank)
+    rank_p2 = next_power_of_2(kv_lora_rank)
     if on_gpu:
-        combine_h, combine_r = 1, min(rank_p2, max(16, 4096 // triton.next_power_of_2(splits)))
+        combine_h, combine_r = 1, min(rank_p2, max(16, 4096 // next_power_of_2(splits)))
     else:
         combine_h, combine_r = heads_p2, rank_p2
     return MLADecodePlan(
@@ -483,8 +483,8 @@ def mla_decode_attention_triton(
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
         out.stride(0), out.stride(1), *lse_strides,
         cache.stride(0), cache.stride(1), block_table.stride(0), splits,
-        ROPE=rope, RANK_P2=max(16, triton.next_power_of_2(rank)),
-        ROPE_P2=max(16, triton.next_power_of_2(rope)),
+        ROPE=rope, RANK_P2=max(16, next_power_of_2(rank)),
+        ROPE_P2=max(16, next_power_of_2(rope)),
         BLOCK_H=plan.block_h, BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n,
         KV_BLOCK_SIZE=block_size, USE_SPLITS=splits > 1,
         # fp32 caches on GPU: 3xTF32 tensor-core dots (about fp32 accurate); interpreter: exact.
@@ -495,12 +495,12 @@ def mla_decode_attention_triton(
         **common,
     )  # fmt: skip
     if splits > 1:
-        cgrid = (num_tokens, triton.cdiv(num_heads, plan.combine_h),
-                 triton.cdiv(rank, plan.combine_r))  # fmt: skip
+        cgrid = (num_tokens, cdiv(num_heads, plan.combine_h),
+                 cdiv(rank, plan.combine_r))  # fmt: skip
         _mla_combine_kernel[cgrid](
             part_m, part_l, part_acc, out, lse_t, query_start_loc, num_reqs,
             out.stride(0), out.stride(1), *lse_strides, splits,
-            SPLITS_P2=triton.next_power_of_2(splits),
+            SPLITS_P2=next_power_of_2(splits),
             COMBINE_H=plan.combine_h, COMBINE_R=plan.combine_r,
             num_warps=4 if on_gpu else 1,
             **common,

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._backend import cdiv, next_power_of_2
+
 __all__ = ["moe_align", "moe_align_ref", "moe_max_blocks"]
 
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -40,7 +42,7 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 def moe_max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Upper bound on the ``block_m`` blocks of :func:`moe_align` for ``num_pairs = T*K``
     pairs: each non-empty expert pads at most one partial block."""
-    return triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+    return cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
 
 
 def moe_align_ref(
@@ -67,7 +69,7 @@ def moe_align_ref(
         if pairs.numel() == 0:
             continue
         sorted_ids[row:row + pairs.numel()] = pairs.to(torch.int32)
-        blocks = triton.cdiv(pairs.numel(), block_m)
+        blocks = cdiv(pairs.numel(), block_m)
         block_expert[row // block_m:row // block_m + blocks] = e
         row += blocks * block_m
     return sorted_ids, block_expert, torch.tensor([row], dtype=torch.int32, device=device)
@@ -275,18 +277,18 @@ def moe_align(
     num_post = _empty((1,), torch.int32, device)
     if num_pairs == 0:
         return sorted_ids, block_expert, num_post.zero_()
-    e_pad = triton.next_power_of_2(num_experts)
+    e_pad = next_power_of_2(num_experts)
     tiles = {"TILE_P": min(block_m, max(1, 4096 // e_pad)), "TILE_B": max(1, 4096 // e_pad),
              "TILE_F": 1024}
     if num_pairs <= _ALIGN_CHUNK:
         _align_single_kernel[(1,)](
             ids, sorted_ids, block_expert, num_post, num_pairs, num_experts, max_blocks,
-            BLOCK_M=block_m, CHUNK=max(16, triton.next_power_of_2(num_pairs)), E_PAD=e_pad,
+            BLOCK_M=block_m, CHUNK=max(16, next_power_of_2(num_pairs)), E_PAD=e_pad,
             num_warps=4, **tiles,
         )
         return sorted_ids, block_expert, num_post
     chunk = _ALIGN_CHUNK
-    num_chunks = triton.cdiv(num_pairs, chunk)
+    num_chunks = cdiv(num_pairs, chunk)
     counts = _empty((e_pad, num_chunks), torch.int32, device)
     base = _empty((e_pad, num_chunks), torch.int32, device)
     totals = _empty((e_pad,), torch.int32, device)

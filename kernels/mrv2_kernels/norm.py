@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._backend import default_block, pdl, pdl_prologue, use_triton
+from ._backend import cdiv, default_block, next_power_of_2, pdl, pdl_prologue, use_triton
 
 __all__ = [
     "rms_norm",
@@ -231,12 +231,12 @@ def rms_norm_triton(
         return out if res_out is None else (out, res_out)
     num_rows = x3.shape[0] * x3.shape[1]
     weight = weight.contiguous()
-    block_h = triton.next_power_of_2(hidden)
+    block_h = next_power_of_2(hidden)
     br = default_block(
         x, cuda=max(1, min(16, 2048 // block_h)), cpu=max(1, 8192 // block_h), block=block_r
     )
     warps = min(16, max(1, br * block_h // 256)) if x.is_cuda else 1
-    _rms_norm_kernel[(triton.cdiv(num_rows, br),)](
+    _rms_norm_kernel[(cdiv(num_rows, br),)](
         x3,
         r3,
         weight,
@@ -361,9 +361,9 @@ def silu_and_mul_triton(x: torch.Tensor, *, block: int | None = None) -> torch.T
     x2 = x.reshape(-1, width)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    pow2 = triton.next_power_of_2(d)
+    pow2 = next_power_of_2(d)
     bl = default_block(x, cuda=min(1024, pow2), cpu=min(4096, pow2), block=block)
-    grid = (x2.shape[0], triton.cdiv(d, bl))
+    grid = (x2.shape[0], cdiv(d, bl))
     out2 = out.view(-1, d)
     _silu_and_mul_kernel[grid](
         x2,

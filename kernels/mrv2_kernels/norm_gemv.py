@@ -39,7 +39,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import pdl, pdl_early_weights, pdl_prologue, pdl_release, pdl_wait, use_triton
+from ._backend import (
+    cdiv,
+    next_power_of_2,
+    pdl,
+    pdl_early_weights,
+    pdl_prologue,
+    pdl_release,
+    pdl_wait,
+    use_triton,
+)
 from .cpu_linear import linear_cpu
 from .norm import rms_norm, rms_norm_cpu, rms_norm_ref, silu_and_mul, silu_and_mul_ref
 from .skinny_gemm import skinny_linear, skinny_linear_ref
@@ -242,7 +251,7 @@ def _check(
 
 def _plan(k: int, gated: bool, cuda: bool) -> tuple[int, int, int]:
     """``(BLOCK_N, BLOCK_K, num_warps)``: about 8K weight elements per program on the GPU."""
-    block_k = triton.next_power_of_2(k)
+    block_k = next_power_of_2(k)
     if not cuda:
         return 4, block_k, 1
     per_row = block_k * (2 if gated else 1)
@@ -286,7 +295,7 @@ def norm_gemv_triton(
         return out.view(*lead, n), (None if res_out is None else res_out.view(*lead, k))
     plan_n, block_k, plan_warps = _plan(k, gated, x.is_cuda)
     bn = block_n or plan_n
-    _norm_gemv_kernel[(triton.cdiv(n, bn),)](
+    _norm_gemv_kernel[(cdiv(n, bn),)](
         x2, r2 if r2 is not None else x2,
         norm_weight if norm_weight is not None else x2,
         weight, bias if bias is not None else weight, out,

@@ -49,8 +49,8 @@ import triton.language as tl
 
 from ._backend import LOG2E as _LOG2E
 from ._backend import M_INIT as _M_INIT
+from ._backend import next_power_of_2, pdl, pdl_early_meta, pdl_prologue, pdl_release, pdl_wait
 from ._backend import online_softmax_step as _online_step
-from ._backend import pdl, pdl_early_meta, pdl_prologue, pdl_release, pdl_wait
 from .paged_attention_plan import AttentionPlan, FusedRope, _rows_of_heads, attention_plan
 from .paged_attention_ref import _check_inputs, paged_attention_ref
 from .prefill_attention import prefill_attention_tma, tma_prefill_min_query, use_tma_prefill
@@ -553,7 +553,7 @@ def paged_attention(
         long_qlen,
         num_reqs,
         GROUP=group,
-        GROUP_P2=triton.next_power_of_2(group),
+        GROUP_P2=next_power_of_2(group),
         BLOCK_Q=plan.block_q,
         BLOCK_M=plan.block_m,
         BLOCK_N=plan.block_n,
@@ -585,7 +585,7 @@ def paged_attention(
             out.stride(0),
             out.stride(1),
             splits,
-            SPLITS_P2=triton.next_power_of_2(splits),
+            SPLITS_P2=next_power_of_2(splits),
             HEAD_DIM=head_dim,
             num_warps=4 if on_gpu else 1,
             **pdl(query),

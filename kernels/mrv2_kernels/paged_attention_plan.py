@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
+from ._backend import cdiv, next_power_of_2
 from .paged_attention_ref import _check_inputs
 from .rotary import QKNorm
 
@@ -40,12 +40,12 @@ def _default_config(
     fp32 models get small tiles (their 3xTF32 dots are register-hungry).
     """
     if not on_gpu:
-        return (max(16, triton.next_power_of_2(max(rows, 1))) if small_q else 32), 16, 4, 1
+        return (max(16, next_power_of_2(max(rows, 1))) if small_q else 32), 16, 4, 1
     if small_q:
-        bm = max(16, triton.next_power_of_2(max(rows, 1)))
+        bm = max(16, next_power_of_2(max(rows, 1)))
         wide = head_dim * elem_size > 256
         return bm, (32 if wide else 64), 4, 2
-    bm = max(16, triton.next_power_of_2(rows))
+    bm = max(16, next_power_of_2(rows))
     if elem_size >= 4:
         return min(bm, 32), 32, 4, 2
     if head_dim > 128:
@@ -95,7 +95,7 @@ def attention_plan(
     CUDA-graph capture, say) only changes how many chunks there are, not their balance.
     """
     num_heads, num_kv_heads, head_dim, _ = _check_inputs(query, kv_cache)
-    group_p2 = triton.next_power_of_2(num_heads // num_kv_heads)
+    group_p2 = next_power_of_2(num_heads // num_kv_heads)
     on_gpu = query.is_cuda
     rows = max_query_len * group_p2
     small_q = rows <= 16 or (uniform_decode and rows <= 128)
@@ -106,7 +106,7 @@ def attention_plan(
     assert bm & (bm - 1) == 0 and bn & (bn - 1) == 0, "block_m and block_n must be powers of 2"
     assert bm >= 16 and bn >= 16, "block_m and block_n must be >= 16 (tl.dot)"
     block_q = bm // group_p2
-    num_q_tiles = triton.cdiv(max(max_query_len, 0), block_q)
+    num_q_tiles = cdiv(max(max_query_len, 0), block_q)
     if not small_q:
         splits = 1
     elif num_splits is not None:
@@ -114,8 +114,8 @@ def attention_plan(
     else:
         target = 2 * _sm_count(query.device) if on_gpu else 8
         base_programs = max(num_q_tiles * num_kv_heads * num_reqs, 1)
-        max_by_len = triton.cdiv(max(max_seq_len, 1), 2 * bn)
-        splits = max(1, min(triton.cdiv(target, base_programs), max_by_len, _MAX_SPLITS))
+        max_by_len = cdiv(max(max_seq_len, 1), 2 * bn)
+        splits = max(1, min(cdiv(target, base_programs), max_by_len, _MAX_SPLITS))
     return AttentionPlan(
         small_q=small_q,
         block_m=bm,

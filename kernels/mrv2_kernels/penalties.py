@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import default_block, use_triton
+from ._backend import cdiv, default_block, use_triton
 
 __all__ = ["apply_penalties", "apply_penalties_ref", "apply_penalties_triton"]
 
@@ -91,7 +91,7 @@ def apply_penalties_triton(
     if prompt_mask.dtype == torch.bool:
         prompt_mask = prompt_mask.view(torch.uint8)
     block = default_block(logits, cuda=1024, cpu=128, block=block_v)
-    grid = (n, triton.cdiv(vocab, block))
+    grid = (n, cdiv(vocab, block))
     _penalties_kernel[grid](
         logits, logits.stride(0), vocab, idx_mapping, output_counts, output_counts.stride(0),
         prompt_mask, prompt_mask.stride(0), repetition, frequency, presence, BLOCK_V=block,

@@ -50,8 +50,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._backend import LOG2E as _LOG2E
 from ._backend import M_INIT as _M_INIT
+from ._backend import cdiv, pdl, pdl_prologue
 from ._backend import online_softmax_step as _online_step
-from ._backend import pdl, pdl_prologue
 
 __all__ = ["TMA_PREFILL_ENV_VAR", "prefill_attention_tma", "tma_prefill_min_query",
            "use_tma_prefill"]
@@ -251,7 +251,7 @@ def prefill_attention_tma(
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     on_gpu = query.is_cuda
     bm, bn = _tiles(query, block_m, block_n)
-    num_q_tiles = triton.cdiv(max_query_len, bm)
+    num_q_tiles = cdiv(max_query_len, bm)
     q2 = query.reshape(num_tokens, num_heads * head_dim)
     query_desc = TensorDescriptor(q2, list(q2.shape), [q2.stride(0), 1], [bm, head_dim])
     key_desc = TensorDescriptor(key, list(key.shape), [key.stride(0), 1], [bn, head_dim])

@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import default_block, use_triton
+from ._backend import default_block, next_power_of_2, use_triton
 from ._checks import check_1d, check_rows
 from .gumbel import gumbel_noise_ref, hash_row_key, hash_uniform, mix32_ref, row_key_ref
 from .spec_decode import check_rejection_args, request_logits_rows
@@ -400,7 +400,7 @@ def probabilistic_rejection_triton(
         out.stride(0),
         num_out,
         width,
-        BLOCK_S=triton.next_power_of_2(width),
+        BLOCK_S=next_power_of_2(width),
     )
 
 

@@ -30,7 +30,9 @@ import triton
 import triton.language as tl
 
 from ._backend import (
+    cdiv,
     default_block,
+    next_power_of_2,
     pdl,
     pdl_early_meta,
     pdl_prologue,
@@ -469,15 +471,15 @@ def rotary_embedding_triton(
         cos_sin = cos_sin.contiguous()
     positions = positions.contiguous()
     half = rotary_dim // 2
-    block_half = triton.next_power_of_2(half)
-    max_heads = triton.next_power_of_2(max(num_q_heads, num_k_heads))
+    block_half = next_power_of_2(half)
+    max_heads = next_power_of_2(max(num_q_heads, num_k_heads))
     bh = default_block(
         q3,
         cuda=min(max_heads, max(1, 1024 // block_half)),
         cpu=max_heads,
         block=block_heads,
     )
-    grid = (num_tokens, triton.cdiv(num_q_heads, bh) + triton.cdiv(num_k_heads, bh))
+    grid = (num_tokens, cdiv(num_q_heads, bh) + cdiv(num_k_heads, bh))
     q_w, k_w, eps = qk_norm if qk_norm is not None else (cos_sin, cos_sin, 0.0)
     if kv_write is not None:
         v3 = _heads_view(kv_write[0], head_dim, True)[1]

@@ -29,7 +29,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._backend import pdl, pdl_early_weights, pdl_prologue, pdl_release, pdl_wait, use_triton
+from ._backend import (
+    cdiv,
+    next_power_of_2,
+    pdl,
+    pdl_early_weights,
+    pdl_prologue,
+    pdl_release,
+    pdl_wait,
+    use_triton,
+)
 
 __all__ = ["SKINNY_MAX_M", "skinny_linear", "skinny_linear_ref", "skinny_linear_triton",
            "use_skinny"]
@@ -195,11 +204,11 @@ def _plan(m: int, n: int, k: int, cuda: bool, device: torch.device) -> tuple[int
     128/256/512 x splits 1-8 on the H200, BENCHMARKS.md), split along K until the programs
     about fill the SMs and no split spans more than 4,096 of K.
     """
-    block_m = max(16, triton.next_power_of_2(m))
+    block_m = max(16, next_power_of_2(m))
     if not cuda:
         return block_m, 16, 32, (2 if k >= 64 else 1)
     block_n, block_k = 32, 128
-    programs = triton.cdiv(n, block_n)
+    programs = cdiv(n, block_n)
     target = 0.9 * _num_sms(device)
     split = 1
     while (programs * split < target or k // split > 4096) and k // (2 * split) >= 2 * block_k:
@@ -240,18 +249,18 @@ def skinny_linear_triton(
     block_m, plan_n, plan_k, plan_split = _plan(m, n, k, x.is_cuda, x.device)
     block_n = block_n or plan_n
     block_k = block_k or plan_k
-    split = max(1, min(split_k or plan_split, triton.cdiv(k, block_k)))
-    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    split = triton.cdiv(k, k_per_split)
+    split = max(1, min(split_k or plan_split, cdiv(k, block_k)))
+    k_per_split = cdiv(cdiv(k, split), block_k) * block_k
+    split = cdiv(k, k_per_split)
     part = out
     counters = None
     if split > 1:
         part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
         if fused_reduce:
-            counters = _arrival_counters(x.device, triton.cdiv(n, block_n))
+            counters = _arrival_counters(x.device, cdiv(n, block_n))
     has_bias = bias is not None
     bias_arg = bias if bias is not None else weight
-    _skinny_kernel[(triton.cdiv(n, block_n), split)](
+    _skinny_kernel[(cdiv(n, block_n), split)](
         x2, weight, bias_arg, out, part, counters if counters is not None else out, m, n, k,
         x2.stride(0), weight.stride(0), out.stride(0), k_per_split, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split > 1, HAS_BIAS=has_bias,
@@ -260,7 +269,7 @@ def skinny_linear_triton(
     )
     if split > 1 and counters is None:
         reduce_n = 256 if x.is_cuda else 32
-        _split_reduce_kernel[(m, triton.cdiv(n, reduce_n))](
+        _split_reduce_kernel[(m, cdiv(n, reduce_n))](
             part, bias_arg, out, m, n, out.stride(0), split, BLOCK_N=reduce_n, HAS_BIAS=has_bias,
         )
     return out.view(*lead, n)

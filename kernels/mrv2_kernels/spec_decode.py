@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import default_block, use_triton
+from ._backend import cdiv, default_block, next_power_of_2, use_triton
 from ._checks import check_1d, check_rows
 
 __all__ = [
@@ -177,7 +177,7 @@ def strict_rejection_triton(
         out.stride(0),
         num_out,
         width,
-        BLOCK_S=triton.next_power_of_2(width),
+        BLOCK_S=next_power_of_2(width),
     )
 
 
@@ -381,7 +381,7 @@ def ngram_propose_triton(
         min_n,
         max_n,
         BLOCK_E=be,
-        BLOCK_K=triton.next_power_of_2(k),
+        BLOCK_K=next_power_of_2(k),
     )
 
 
@@ -477,7 +477,7 @@ def write_drafts_triton(token_ids: torch.Tensor, rows: torch.Tensor, pos: torch.
     if n == 0:
         return
     size = default_block(token_ids, 256, 32, block)
-    _write_drafts_kernel[(triton.cdiv(n, size),)](
+    _write_drafts_kernel[(cdiv(n, size),)](
         token_ids, token_ids.stride(0), rows, pos, drafts, valid, n, BLOCK=size,
     )
 

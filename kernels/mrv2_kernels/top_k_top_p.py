@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import default_block, use_triton
+from ._backend import cdiv, default_block, next_power_of_2, use_triton
 
 __all__ = ["top_k_top_p", "top_k_top_p_ref", "top_k_top_p_triton"]
 
@@ -414,8 +414,8 @@ def top_k_top_p_triton(
     chunk = max(default_block(logits, cuda=8192, cpu=256, block=chunk), block)
     cap = default_block(logits, cuda=4096, cpu=128, block=cap)
     nb = 16
-    nch = triton.cdiv(vocab, chunk)
-    nch_p2 = triton.next_power_of_2(nch)
+    nch = cdiv(vocab, chunk)
+    nch_p2 = next_power_of_2(nch)
     dev = logits.device
     stats = torch.empty((n, nch, 4), dtype=torch.float32, device=dev)
     cnt = torch.empty((n, nch, nb), dtype=torch.int32, device=dev)
