@@ -3,6 +3,7 @@
 # arguments: tests, moe (the fused-MoE kernel bench), tma_prefill (MRV2_TMA_PREFILL's tests and A/B),
 # gemm_proto (scripts/proto_gemm.py: Triton TMA GEMMs against cuBLAS at 8B decode shapes), attn,
 # splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile, mixed,
+# flatgrid (MRV2_ATTN_FLAT_GRID's kernel case and throughput A/B),
 # tp_tests / tp_latency / tp_profile / tp_throughput (two GPUs: the nvidia-h200-x2 kind), glm47 (issue 19's
 # sweep: TP=4 on nvidia-h200-x4; on x2: TP=2 GLM47_ARGS="--hf-overrides '{\"num_hidden_layers\": N}'"),
 # soak (SOAK_S seconds of load, default 450: a device call is capped at 600 s; for the full 10
@@ -27,6 +28,13 @@ for step in "$@"; do
                --full-warmup --kv-fraction 0.33 2>&1 | tee "$OUT/preempt.log" | tail -30 ;;
     profile) python3 scripts/profile_decode.py --batch 1 ${PROFILE_ARGS:-} 2>&1 \
                | tee "$OUT/profile_b1.log" | tail -60 ;;
+    flatgrid) # MRV2_ATTN_FLAT_GRID (paged attention's flat grid for prefill plans): the
+              # workload-like mixed step through both grids, then the throughput A/B
+              python3 -m mrv2_kernels.bench_attention --no-decode 2>&1 \
+                | tee "$OUT/attn_mixed.log" | grep -E "^mixed step"
+              ROUNDS=${ROUNDS:-2} bash scripts/ab_env.sh MRV2_ATTN_FLAT_GRID=1 throughput \
+                --model Qwen3-0.6B
+              ROUNDS=1 bash scripts/ab_env.sh MRV2_ATTN_FLAT_GRID=1 throughput --model Qwen3-8B ;;
     mixed) # the throughput workload's mixed steps: host phases and host time by module, then
            # GPU time by kernel (scripts/profile_mixed.py), on both bundled Qwen3 sizes
            for m in Qwen3-0.6B Qwen3-8B; do python3 scripts/profile_mixed.py --model $m \

@@ -232,7 +232,8 @@ def test_attention_bench_tiny_checks_and_times_every_case(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """``python -m mrv2_kernels.bench_attention --tiny`` (the interpreter): the reference checks
-    pass and every decode case and the prefill print a time."""
+    pass and every decode case, the prefill and the mixed step (both grids, same bits) print a
+    time."""
     from mrv2_kernels import bench_attention
 
     assert bench_attention.main(["--tiny"]) == 0
@@ -243,6 +244,7 @@ def test_attention_bench_tiny_checks_and_times_every_case(
             [[str(b)] for b in shapes.batches]]
     assert len(rows) == len(shapes.batches) * len(shapes.contexts)
     assert "prefill tiny 2 x 20 causal" in out.split("summary:")[1]
+    assert "mixed step tiny: 3 prompts" in out.split("summary:")[1] and "flat grid" in out
 
 
 def test_bench_serve_gives_each_rate_its_own_prompts(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -228,6 +228,32 @@ def main(argv: list[str] | None = None) -> int:
             print(lines[-1], flush=True)
         return lines
 
+    def mixed_step(lay: str, heads: int, kv_heads: int) -> list[str]:
+        """A mixed step like the throughput workload's first ones: prompts of 100-1,024
+        tokens filling the 8,192-token budget beside 128 decoding requests (contexts
+        100-1,500), through the (query tile, request) grid and the flat grid (same bits)."""
+        import random
+
+        rng = random.Random(0)
+        if args.tiny:
+            prompts, decodes = [rng.randint(5, 40) for _ in range(3)], [9, 30, 61, 4]
+        else:
+            decodes = [rng.randint(100, 1500) for _ in range(128)]
+            prompts = []
+            while sum(prompts) < 8192 - len(decodes):
+                prompts.append(min(rng.randint(100, 1024), 8192 - len(decodes) - sum(prompts)))
+        lens = decodes + prompts  # the running requests first, as the scheduler orders them
+        kv_bytes = sum(lens) * kv_heads * d * 2 * elem
+        c = case(heads, kv_heads, [1] * len(decodes) + prompts, lens, copies_for(kv_bytes))
+        grid, flat = c.make(flat_grid=False), c.make(flat_grid=True)
+        if not torch.equal(grid(0), flat(0)):
+            raise SystemExit(f"mixed step {lay}: the flat grid's output differs")
+        ms, msf = timer(grid, len(c.kvs)), timer(flat, len(c.kvs))
+        line = (f"mixed step {lay:>4}: {len(prompts)} prompts ({sum(prompts)} tokens) + "
+                f"{len(decodes)} decodes: grid {ms * 1e3:.1f} us, flat grid {msf * 1e3:.1f} us")
+        print(line, flush=True)
+        return [line]
+
     # ---- correctness first ----------------------------------------------------------------
     ctx0 = shapes.contexts[0]
     lens_mixed = torch.randint(1, 4 * ctx0, (8,), generator=torch.Generator().manual_seed(1))
@@ -323,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         summary.append(line)
         summary += tma_prefill(lay, cc, chunk_flops, f"1 x {pl} after {3 * pl}")
         del cc
+        summary += mixed_step(lay, heads, kv_heads)
         if args.sweep:
             summary += sweep_tiles(c.make, len(c.kvs), flops, "")
         del c
