@@ -32,7 +32,7 @@ kernel skips them.
 No host syncs: grids come from ``num_reqs``, ``max_query_len`` and ``max_seq_len``; programs
 past a request's real work exit early. With ``flat_grid`` (``MRV2_ATTN_FLAT_GRID=1``; off until
 measured on a GPU) a prefill plan's programs walk the step's query tiles instead, each finding
-its request by a binary search over ``query_start_loc``: ``T // block_q + num_reqs`` programs
+its request in ``query_start_loc`` (one vector load): ``T // block_q + num_reqs`` programs
 per kv head rather than ``ceil(max_query_len / block_q) * num_reqs``, most of which exit at
 once in a mixed step, and a grid that no longer depends on ``max_query_len`` (what a CUDA graph
 of mixed steps at a padded token count needs). Accumulation is fp32 (online softmax in base 2).
@@ -79,20 +79,23 @@ def _rope_table(
 
 
 @triton.jit
-def _flat_tile(qsl_ptr: tl.tensor, num_reqs: tl.tensor, t: tl.tensor,
-               BLOCK_Q: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
-    """``(request, query tile)`` of flat tile index ``t``: request ``i``'s tiles are numbered
-    from ``query_start_loc[i] // BLOCK_Q + i`` (increasing in ``i``, a gap after each request
-    of at most one tile), found by binary search over ``query_start_loc``."""
-    lo = tl.full([], 0, tl.int32)
-    hi = tl.full([], 0, tl.int32) + num_reqs - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        first = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
-        right = first <= t
-        lo = tl.where(right, mid, lo)
-        hi = tl.where(right, hi, mid - 1)
-    return lo, t - (tl.load(qsl_ptr + lo) // BLOCK_Q + lo)
+def _flat_tile(qsl_ptr: tl.tensor, num_reqs: tl.tensor, t: tl.tensor, BLOCK_Q: tl.constexpr,
+               REQ_BLOCK: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
+    """``(request, query tile)`` of flat tile index ``t``. Request ``i``'s tiles are numbered
+    from ``start_i = query_start_loc[i] // BLOCK_Q + i``, strictly increasing in ``i`` (a gap
+    of at most one tile after each request), so the request is the last ``i`` with
+    ``start_i <= t``: counted over ``REQ_BLOCK`` requests per load (one memory round trip for
+    up to ``REQ_BLOCK`` requests, where a binary search would chain ~log2 of them)."""
+    count = tl.full([], 0, tl.int32)
+    start = tl.full([], 0, tl.int32)
+    for c in range(0, num_reqs, REQ_BLOCK):
+        i = c + tl.arange(0, REQ_BLOCK)
+        ok = i < num_reqs
+        first = tl.load(qsl_ptr + i, mask=ok, other=0) // BLOCK_Q + i
+        seen = ok & (first <= t)
+        count += tl.sum(seen.to(tl.int32), axis=0)
+        start = tl.maximum(start, tl.max(tl.where(seen, first, 0), axis=0))
+    return count - 1, t - start
 
 
 @triton.jit(do_not_specialize=["num_q_tiles", "num_splits", "num_tokens", "num_reqs"])
@@ -149,6 +152,7 @@ def _paged_attn_kernel(
     QK_NORM: tl.constexpr,
     SKIP_LONG: tl.constexpr = False,
     FLAT: tl.constexpr = False,
+    REQ_BLOCK: tl.constexpr = 16,
 ) -> None:
     # Heaviest query tiles (latest positions) first: better tail balance in causal prefill.
     # FLAT: program_id(0) counts every request's tiles (see _flat_tile), the last ones first.
@@ -168,7 +172,7 @@ def _paged_attn_kernel(
         # (pdl_early_meta's rule: no PDL kernel writes step metadata or constant tables)
         pdl_release(PDL)
         if FLAT:
-            req, q_tile = _flat_tile(qsl_ptr, num_reqs, flat_t, BLOCK_Q)
+            req, q_tile = _flat_tile(qsl_ptr, num_reqs, flat_t, BLOCK_Q, REQ_BLOCK)
         q_start = tl.load(qsl_ptr + req)
         seq_len = tl.load(seq_lens_ptr + req)
         q_end = tl.load(qsl_ptr + req + 1)  # qlen is taken after the wait: nothing before it
@@ -196,7 +200,7 @@ def _paged_attn_kernel(
     else:
         pdl_prologue(PDL)
         if FLAT:
-            req, q_tile = _flat_tile(qsl_ptr, num_reqs, flat_t, BLOCK_Q)
+            req, q_tile = _flat_tile(qsl_ptr, num_reqs, flat_t, BLOCK_Q, REQ_BLOCK)
 
     if ZERO_PAD:  # rows of padding tokens (past query_start_loc[num_reqs]) become zeros:
         # spread over all programs, so no memset launch is needed before the kernel
@@ -420,11 +424,11 @@ def paged_attention(
     ``num_warps``/``num_stages`` override the per-device defaults of :func:`attention_plan`
     (``num_splits`` only applies to the small-query configuration). ``flat_grid`` (default:
     :data:`FLAT_GRID_ENV_VAR`, off) launches a prefill plan's programs over the step's query
-    tiles only (``T // block_q + num_reqs`` of them per kv head, each finding its request by a
-    binary search over ``query_start_loc``) instead of ``num_q_tiles x num_reqs``, most of
-    which exit at once in a mixed step (one long prompt beside many decoding requests). Its
-    grid then depends on ``T`` and ``num_reqs`` only, not on ``max_query_len``. Returns
-    ``out`` (allocated when ``None``), query dtype.
+    tiles only (``T // block_q + num_reqs`` of them per kv head, each finding its request by
+    counting the requests whose first tile is at or below its own) instead of
+    ``num_q_tiles x num_reqs``, most of which exit at once in a mixed step (one long prompt
+    beside many decoding requests). Its grid then depends on ``T`` and ``num_reqs`` only, not
+    on ``max_query_len``. Returns ``out`` (allocated when ``None``), query dtype.
     """
     num_heads, num_kv_heads, head_dim, block_size = _check_inputs(query, kv_cache)
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
@@ -571,6 +575,7 @@ def paged_attention(
         QK_NORM=rope is not None and rope.qk_norm is not None,
         SKIP_LONG=long_qlen > 0,
         FLAT=flat,
+        REQ_BLOCK=256 if on_gpu else 16,  # requests per load of the flat grid's search
         **pdl(query),
     )
     if splits > 1:
