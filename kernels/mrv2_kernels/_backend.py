@@ -26,6 +26,7 @@ __all__ = ["ENV_VAR", "LOG2E", "M_INIT", "PDL_EARLY_META_ENV_VAR", "PDL_EARLY_WE
            "pdl", "pdl_early_meta", "pdl_early_weights", "pdl_enabled", "pdl_release",
            "pdl_wait", "triton_forced", "use_triton"]
 
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of host integers, for launch grids and plans. (``triton.cdiv`` and
     ``triton.next_power_of_2`` are constexpr functions in Triton 3.6: ~5-6 µs a call from

@@ -423,12 +423,8 @@ def paged_attention(
     key to attend to (whether ``out`` is given or not). ``block_m``/``block_n``/``num_splits``/
     ``num_warps``/``num_stages`` override the per-device defaults of :func:`attention_plan`
     (``num_splits`` only applies to the small-query configuration). ``flat_grid`` (default:
-    :data:`FLAT_GRID_ENV_VAR`, off) launches a prefill plan's programs over the step's query
-    tiles only (``T // block_q + num_reqs`` of them per kv head, each finding its request by
-    counting the requests whose first tile is at or below its own) instead of
-    ``num_q_tiles x num_reqs``, most of which exit at once in a mixed step (one long prompt
-    beside many decoding requests). Its grid then depends on ``T`` and ``num_reqs`` only, not
-    on ``max_query_len``. Returns ``out`` (allocated when ``None``), query dtype.
+    :data:`FLAT_GRID_ENV_VAR`, off): a prefill plan's programs over the step's query tiles
+    only (see the module doc). Returns ``out`` (allocated when ``None``), query dtype.
     """
     num_heads, num_kv_heads, head_dim, block_size = _check_inputs(query, kv_cache)
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (

@@ -51,16 +51,21 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 2
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
     dst.copy_(src)
+    return 2 * nbytes / _median_seconds(lambda: dst.copy_(src), repeats)
+
+
+def _median_seconds(fn: Any, repeats: int) -> float:
+    """Median device seconds of ``fn()`` over ``repeats`` runs, each between CUDA events."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(repeats):
         start.record()
-        dst.copy_(src)
+        fn()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     times.sort()
-    return 2 * nbytes / times[len(times) // 2]
+    return times[len(times) // 2]
 
 
 def gemm_rate(device: torch.device, n: int = 8192, repeats: int = 10) -> float:
@@ -72,16 +77,7 @@ def gemm_rate(device: torch.device, n: int = 8192, repeats: int = 10) -> float:
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn_like(a)
     out = a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats):
-        start.record()
-        torch.mm(a, b, out=out)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    times.sort()
-    return 2 * n**3 / times[len(times) // 2]
+    return 2 * n**3 / _median_seconds(lambda: torch.mm(a, b, out=out), repeats)
 
 
 def linear_flops(runner: Runner) -> tuple[int, int]:
