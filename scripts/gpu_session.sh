@@ -3,7 +3,8 @@
 # arguments: tests, moe (the fused-MoE kernel bench), tma_prefill (MRV2_TMA_PREFILL's tests and A/B),
 # gemm_proto (scripts/proto_gemm.py: Triton TMA GEMMs against cuBLAS at 8B decode shapes), attn,
 # splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile, mixed,
-# flatgrid (MRV2_ATTN_FLAT_GRID's kernel case and throughput A/B),
+# flatgrid (MRV2_ATTN_FLAT_GRID: the kernel case, then the throughput A/B whose "on" side is the old grid),
+# mixedgraphs (steps with prompt tokens in CUDA graphs: small steps and the throughput workload),
 # tp_tests / tp_latency / tp_profile / tp_throughput (two GPUs: the nvidia-h200-x2 kind), glm47 (issue 19's
 # sweep: TP=4 on nvidia-h200-x4; on x2: TP=2 GLM47_ARGS="--hf-overrides '{\"num_hidden_layers\": N}'"),
 # soak (SOAK_S seconds of load, default 450: a device call is capped at 600 s; for the full 10
@@ -32,9 +33,26 @@ for step in "$@"; do
               # workload-like mixed step through both grids, then the throughput A/B
               python3 -m mrv2_kernels.bench_attention --no-decode 2>&1 \
                 | tee "$OUT/attn_mixed.log" | grep -E "^mixed step"
-              ROUNDS=${ROUNDS:-2} bash scripts/ab_env.sh MRV2_ATTN_FLAT_GRID=1 throughput \
+              ROUNDS=${ROUNDS:-2} bash scripts/ab_env.sh MRV2_ATTN_FLAT_GRID=0 throughput \
                 --model Qwen3-0.6B
-              ROUNDS=1 bash scripts/ab_env.sh MRV2_ATTN_FLAT_GRID=1 throughput --model Qwen3-8B ;;
+              ROUNDS=1 bash scripts/ab_env.sh MRV2_ATTN_FLAT_GRID=0 throughput --model Qwen3-8B ;;
+    mixedgraphs) # steps with prompt tokens in CUDA graphs (max_mixed_graph_tokens): small
+                 # mixed steps (a 512-token budget, 64 decoding) eager and in graphs, then the
+                 # throughput workload with them up to its budget (the default) / eager / up to 512 tokens
+                 for cap in 0 512; do timeout 150 python3 scripts/profile_mixed.py \
+                   --max-num-batched-tokens 512 --prompt-lens 100 400 --decoding 64 \
+                   --steps 8 --max-mixed-graph-tokens $cap 2>&1 | tee "$OUT/mixed512_cap$cap.log" \
+                   | grep -E "host phases|^[a-zA-Z0-9.-]+, " ; done
+                 for run in "Qwen3-0.6B:240:--full-warmup --variants default mixed_graphs_off mixed_graphs_512" \
+                            "Qwen3-8B:300:--variants default mixed_graphs_512"; do
+                   m=${run%%:*}; rest=${run#*:}; limit=${rest%%:*}; json="$OUT/mg_throughput_$m.json"
+                   timeout "$limit" python3 -m mrv2.entrypoints.cli bench throughput --model "$m" \
+                     ${rest#*:} --json "$json" > "${json%.json}.log" 2>&1
+                   grep -E "^(default|mixed_graphs)" "${json%.json}.log"
+                   python3 -c "import json, sys; [print(sys.argv[1], k, v['output_tok_s'], \
+                     v.get('roofline_fraction')) for k, v in json.load(open(sys.argv[2])).items() \
+                     if isinstance(v, dict) and 'output_tok_s' in v]" "$m" "$json"
+                 done ;;
     mixed) # the throughput workload's mixed steps: host phases and host time by module, then
            # GPU time by kernel (scripts/profile_mixed.py), on both bundled Qwen3 sizes
            for m in Qwen3-0.6B Qwen3-8B; do python3 scripts/profile_mixed.py --model $m \

@@ -34,6 +34,8 @@ parser.add_argument("--decoding", type=int, default=16, help="requests decoding 
 parser.add_argument("--steps", type=int, default=3, help="mixed steps profiled")
 parser.add_argument("--max-num-batched-tokens", type=int, default=None)
 parser.add_argument("--max-model-len", type=int, default=4096)
+parser.add_argument("--max-mixed-graph-tokens", type=int, default=None,
+                    help="the engine's cap on mixed steps in CUDA graphs (0: eager)")
 parser.add_argument("--prompt-lens", type=int, nargs=2, default=(100, 1024), metavar=("LO", "HI"))
 parser.add_argument("--trace", default=None, help="folder for a Chrome trace")
 parser.add_argument("--cprofile", action="store_true",
@@ -47,7 +49,9 @@ engine = LLMEngine(EngineConfig.from_kwargs(
     model=resolve_model(args.model), load_format="dummy", dtype="bfloat16",
     max_model_len=args.max_model_len,
     max_num_seqs=256, **({"max_num_batched_tokens": args.max_num_batched_tokens}
-                         if args.max_num_batched_tokens else {})))
+                         if args.max_num_batched_tokens else {}),
+    **({"max_mixed_graph_tokens": args.max_mixed_graph_tokens}
+       if args.max_mixed_graph_tokens is not None else {})))
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()

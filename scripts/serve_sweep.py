@@ -18,7 +18,9 @@ TTFT p50 and output tok/s per variant and rate. Variants:
   SYNTHETIC acceptance ``--acceptance`` (default 0.9, what GLM-4.7's MTP layer reaches on one
   draft token): random weights accept almost nothing, so each draft is kept with that
   probability whatever the model says — the output is not the model's;
-- ``async_off`` / ``mtp_on_async_off``: the same with async scheduling off.
+- ``async_off`` / ``mtp_on_async_off``: the same with async scheduling off;
+- ``mixed_graphs_N``: the plain server with ``--max-mixed-graph-tokens N`` (0: steps with
+  prompt tokens run eager).
 
 Writes ``<variant>/server.log``, ``<variant>/serve.json`` and ``sweep.json`` under ``--out``.
 """
@@ -47,6 +49,8 @@ def variant_args(name: str, acceptance: float) -> list[str]:
         args += ["--speculative-config", json.dumps(spec)]
     if name.endswith("async_off"):
         args += ["--no-async-scheduling"]
+    if name.startswith("mixed_graphs_"):  # mixed_graphs_N: --max-mixed-graph-tokens N
+        args += ["--max-mixed-graph-tokens", name.rsplit("_", 1)[1]]
     return args
 
 

@@ -88,8 +88,8 @@ def test_roofline_takes_the_longer_of_bytes_and_flops(tmp_path: Path) -> None:
 
 
 def test_breakdown_by_step_kind_with_emulated_graphs(tmp_path: Path) -> None:
-    """Decode steps that replay a (CPU stand-in) graph count as ``decode_graph``; the kinds'
-    steps, tokens and wall seconds add up to the run's."""
+    """Steps that replay a (CPU stand-in) graph count as ``decode_graph`` or, the prompts'
+    step, ``mixed_graph``; the kinds' steps, tokens and wall seconds add up to the run's."""
     from mrv2.bench.throughput import format_breakdown
     from mrv2.testing import emulate_cuda_graphs
 
@@ -101,8 +101,8 @@ def test_breakdown_by_step_kind_with_emulated_graphs(tmp_path: Path) -> None:
     run_engine(engine, [[1, 2, 3], [4, 5]], [4, 6], temperature=0.6)
     end = time.perf_counter()
     kinds = breakdown(log, end)
-    assert set(kinds) == {"mixed_eager", "decode_graph"}
-    assert kinds["mixed_eager"]["steps"] == 1 and kinds["mixed_eager"]["tokens"] == 5
+    assert set(kinds) == {"mixed_graph", "decode_graph"}
+    assert kinds["mixed_graph"]["steps"] == 1 and kinds["mixed_graph"]["tokens"] == 5
     assert sum(k["steps"] for k in kinds.values()) == len(log.steps)
     assert sum(k["tokens"] for k in kinds.values()) == sum(t for _, t, _ in log.steps)
     assert sum(k["wall_s"] for k in kinds.values()) == pytest.approx(end - log.wall[0],

@@ -171,6 +171,12 @@ class DeviceConfig(_Section):
 
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="compute device")
     enforce_eager: bool = Field(default=False, description="never capture CUDA graphs")
+    max_mixed_graph_tokens: int | None = Field(
+        default=None, ge=0,
+        description="steps with prompt tokens of up to this many tokens replay CUDA graphs "
+                    "(padded to a captured token count); 0: they run eager; default: the "
+                    "token budget, 512 with a speculator",
+    )
     attention_backend: str | None = Field(
         default=None, description="registered attention backend (default: per device)"
     )

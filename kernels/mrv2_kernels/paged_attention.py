@@ -30,12 +30,15 @@ more attend in :mod:`mrv2_kernels.prefill_attention` (the step's keys through TM
 kernel skips them.
 
 No host syncs: grids come from ``num_reqs``, ``max_query_len`` and ``max_seq_len``; programs
-past a request's real work exit early. With ``flat_grid`` (``MRV2_ATTN_FLAT_GRID=1``; off until
-measured on a GPU) a prefill plan's programs walk the step's query tiles instead, each finding
-its request in ``query_start_loc`` (one vector load): ``T // block_q + num_reqs`` programs
-per kv head rather than ``ceil(max_query_len / block_q) * num_reqs``, most of which exit at
-once in a mixed step, and a grid that no longer depends on ``max_query_len`` (what a CUDA graph
-of mixed steps at a padded token count needs). Accumulation is fp32 (online softmax in base 2).
+past a request's real work exit early. A prefill plan's programs walk the step's query tiles
+(``flat_grid``, the default; ``MRV2_ATTN_FLAT_GRID=0`` turns it off), each finding its request
+in ``query_start_loc`` (one vector load): ``T // block_q + num_reqs`` programs per kv head
+rather than ``ceil(max_query_len / block_q) * num_reqs``, most of which exit at once in a mixed
+step, and a grid that does not depend on ``max_query_len``: a CUDA graph of mixed steps at a
+padded token count bakes ``max_query_len = T`` and launches no more programs than the step
+needs. (H200, 2026-12-02: a mixed step of 16 prompts and 128 decodes 248 against 253 us on
+Qwen3-0.6B heads, 390 against 388 on Qwen3-8B heads; the throughput workload equal.)
+Accumulation is fp32 (online softmax in base 2).
 """
 
 from __future__ import annotations
@@ -56,8 +59,8 @@ from .paged_attention_ref import _check_inputs, paged_attention_ref
 from .prefill_attention import prefill_attention_tma, tma_prefill_min_query, use_tma_prefill
 from .rotary import _norm_rotate, rotary_embedding_triton
 
-#: ``1``: prefill plans launch over the step's query tiles only (``paged_attention``'s
-#: ``flat_grid``); unset or anything else: one program per (query tile bound, request).
+#: ``0``: prefill plans launch one program per (query tile bound, request) instead of over the
+#: step's query tiles only (``paged_attention``'s ``flat_grid``, on by default).
 FLAT_GRID_ENV_VAR = "MRV2_ATTN_FLAT_GRID"
 
 # --------------------------------------------------------------------------------------------
@@ -423,8 +426,8 @@ def paged_attention(
     key to attend to (whether ``out`` is given or not). ``block_m``/``block_n``/``num_splits``/
     ``num_warps``/``num_stages`` override the per-device defaults of :func:`attention_plan`
     (``num_splits`` only applies to the small-query configuration). ``flat_grid`` (default:
-    :data:`FLAT_GRID_ENV_VAR`, off): a prefill plan's programs over the step's query tiles
-    only (see the module doc). Returns ``out`` (allocated when ``None``), query dtype.
+    on unless :data:`FLAT_GRID_ENV_VAR` is ``0``): a prefill plan's programs over the step's
+    query tiles only (see the module doc). Returns ``out`` (allocated when ``None``), query dtype.
     """
     num_heads, num_kv_heads, head_dim, block_size = _check_inputs(query, kv_cache)
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
@@ -520,7 +523,7 @@ def paged_attention(
 
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     flat = (not plan.small_q and (flat_grid if flat_grid is not None
-                                  else os.environ.get(FLAT_GRID_ENV_VAR, "0") == "1"))
+                                  else os.environ.get(FLAT_GRID_ENV_VAR, "1") != "0"))
     if flat:
         grid = (num_tokens // plan.block_q + num_reqs, num_kv_heads * splits, 1)
     else:

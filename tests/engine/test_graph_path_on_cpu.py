@@ -273,3 +273,91 @@ def test_batch_rows_go_longest_sequence_first(target: Path,
     plain_tokens, plain_orders = run("0")
     assert plain_orders == [["a", "b", "c"]] * 3 + [["b", "c", "d"]] * 2
     assert tokens == plain_tokens
+
+
+def _staggered(path: Path, graphs: bool, **kwargs: Any) -> tuple[dict[str, Any], Any, list]:
+    """PROMPTS arriving one a step with a 16-token budget: steps mix prompt chunks with
+    decodes. Returns each request's tokens (and prompt logprobs), the engine, and per step
+    ``(replay_tokens, num_tokens, num_reqs, num_reqs_padded)``."""
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, max_num_seqs=8,
+              max_model_len=64, max_num_batched_tokens=16, **kwargs)
+    engine = llm.engine
+    if graphs:
+        emulate_cuda_graphs(engine.runner)
+    steps: list[tuple[int, int, int, int]] = []
+    build = engine.runner.builder.build
+
+    def recorded(*args: Any) -> Any:
+        plan = build(*args)
+        b = plan.batch
+        steps.append((plan.replay_tokens, b.num_tokens, b.num_reqs, b.num_reqs_padded))
+        return plan
+
+    engine.runner.builder.build = recorded
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in NEW]
+    params[2] = SamplingParams(temperature=0.8, seed=7, max_tokens=NEW[2], ignore_eos=True,
+                               prompt_logprobs=2)
+    got: dict[str, Any] = {}
+    for i, (prompt, p) in enumerate(zip(PROMPTS, params, strict=True)):
+        engine.add_request(prompt, p, request_id=str(i))
+        for out in engine.step():
+            got[out.request_id] = (out.outputs[0].token_ids, out.prompt_logprobs)
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] = (out.outputs[0].token_ids, out.prompt_logprobs)
+    return got, engine, steps
+
+
+@pytest.mark.parametrize("spec", [None, "draft_model"])
+def test_mixed_steps_replay_padded_graphs(target: Path, spec: str | None) -> None:
+    """Steps with prompt chunks (beside decodes) replay the mixed graph of the smallest
+    captured token count that holds them, over padding requests with empty queries: the
+    tokens, sampled and prompt logprobs equal the eager path's. With a speculator, the
+    drafter reads the mixed graph's hidden states; steps that verify drafts run eager."""
+    kwargs: dict[str, Any] = {}
+    if spec == "draft_model":
+        kwargs["speculative_config"] = {"method": "draft_model", "model": str(target),
+                                        "num_speculative_tokens": 2}
+    eager, _, eager_steps = _staggered(target, graphs=False, **kwargs)
+    got, engine, steps = _staggered(target, graphs=True, **kwargs)
+    assert got == eager
+    assert all(s[0] == 0 for s in eager_steps)
+    graphs = engine.runner.graphs
+    assert sorted(graphs.mixed_graphs) == [8, 12, 16]
+    assert graphs.mixed_reqs == {8: 8, 12: 8, 16: 8}
+    mixed = [s for s in steps if s[0]]
+    # the prompts' steps replay: padded tokens and requests (the first one a prompt alone)
+    assert mixed and all(t <= pad and r <= 8 == rp for pad, t, r, rp in mixed)
+    assert any(t < pad for pad, t, _, _ in mixed) and any(r > 1 for _, _, r, _ in mixed)
+    replays = sum(g.replays for g in graphs.mixed_graphs.values())  # type: ignore[attr-defined]
+    assert replays == len(mixed)
+    assert got["2"][1] is not None  # the prompt logprobs came from the graph's hidden states
+
+
+def test_mixed_graphs_follow_the_token_cap(target: Path) -> None:
+    """``max_mixed_graph_tokens`` caps the mixed graphs' sizes (0: none); a ModelState with
+    ``mixed_step_graphs = False`` gets none either; steps beyond the cap run eager."""
+    from mrv2.runner.cuda_graphs import mixed_token_sizes
+
+    assert mixed_token_sizes(512, 8192) == [8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384,
+                                            512]
+    assert mixed_token_sizes(100, 8192) == [8, 12, 16, 24, 32, 48, 64, 96, 100]
+    assert mixed_token_sizes(512, 20) == [8, 12, 16, 20]
+    assert mixed_token_sizes(0, 8192) == [] and mixed_token_sizes(8, 8192) == [8]
+    got, engine, steps = _staggered(target, graphs=True, max_mixed_graph_tokens=12)
+    assert sorted(engine.runner.graphs.mixed_graphs) == [8, 12]
+    assert any(t > 12 and pad == 0 for pad, t, _, _ in steps)  # 16-token steps: eager
+    assert any(pad for pad, *_ in steps)
+    assert got == _staggered(target, graphs=False)[0]
+    _, engine, steps = _staggered(target, graphs=True, max_mixed_graph_tokens=0)
+    assert not engine.runner.graphs.mixed_graphs and not any(s[0] for s in steps)
+
+
+def test_a_model_state_may_keep_prompt_steps_eager(target: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from mrv2.contract.model_state import ModelState
+
+    monkeypatch.setattr(ModelState, "mixed_step_graphs", False)
+    got, engine, steps = _staggered(target, graphs=True)
+    assert not engine.runner.graphs.mixed_graphs and not any(s[0] for s in steps)
+    assert engine.runner.graphs.graphs  # decode steps still replay

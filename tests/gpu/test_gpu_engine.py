@@ -48,6 +48,35 @@ def test_fp32_greedy_matches_hf_with_async_and_graphs_on_and_off(ckpt: Path) -> 
     assert _greedy(ckpt, dtype="float32", enforce_eager=True) == expected
 
 
+def test_mixed_steps_in_graphs_match_hf_fp32(ckpt: Path) -> None:
+    """Prompts arriving one a step, a 32-token budget: steps mixing prompt chunks and decodes
+    replay the padded mixed graphs (attention's flat grid over padding requests) and give HF's
+    greedy tokens."""
+    llm = LLM(str(ckpt), device="cuda", dtype="float32", block_size=16,
+              gpu_memory_utilization=0.3, max_num_batched_tokens=32)
+    engine = llm.engine
+    replayed: list[int] = []
+    build = engine.runner.builder.build
+
+    def recorded(*args: Any) -> Any:
+        plan = build(*args)
+        replayed.append(plan.replay_tokens)
+        return plan
+
+    engine.runner.builder.build = recorded
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    got: dict[str, list[int]] = {}
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(prompt, params, request_id=str(i))
+        got.update({o.request_id: o.outputs[0].token_ids for o in engine.step()})
+    while engine.has_unfinished():
+        got.update({o.request_id: o.outputs[0].token_ids for o in engine.step()})
+    assert sorted(engine.runner.graphs.mixed_graphs) == [8, 12, 16, 24, 32]
+    assert sum(1 for t in replayed if t) >= 3
+    assert [got[str(i)] for i in range(len(PROMPTS))] == [hf_greedy(ckpt, p, 24)
+                                                           for p in PROMPTS]
+
+
 def test_bf16_async_and_graphs_on_off_agree(ckpt: Path) -> None:
     default = _greedy(ckpt, dtype="bfloat16")
     assert _greedy(ckpt, dtype="bfloat16", async_scheduling=False) == default
@@ -90,19 +119,24 @@ def test_bf16_logits_close_to_hf(ckpt: Path) -> None:
                                       gpu_memory_utilization=0.3)
     runner = Runner.from_config(config)
     captured: list[torch.Tensor] = []
-    original = runner.model.compute_logits
+    sampler = runner.sampler
 
-    def spy(hidden: torch.Tensor) -> torch.Tensor:
-        logits = original(hidden)
-        captured.append(logits.float().cpu())
-        return logits
+    class Spy:  # the logits the sampler gets (the prefill replays a mixed graph)
+        def __getattr__(self, name: str) -> Any:
+            return getattr(sampler, name)
 
-    runner.model.compute_logits = spy  # type: ignore[method-assign]
+        def __call__(self, logits: torch.Tensor, *args: Any) -> Any:
+            captured.append(logits.float().cpu())
+            return sampler(logits, *args)
+
+    runner.sampler = Spy()  # type: ignore[assignment]
     order = record_row_order(runner)  # each step's request per batch row
     new = [NewRequest(str(i), p, SamplingParams(temperature=0), seed=i,
                       block_ids=[i * 4 + j for j in range(4)]) for i, p in enumerate(PROMPTS)]
     runner.execute(SchedulerOutput({str(i): len(p) for i, p in enumerate(PROMPTS)},
                                    new_requests=new)).result()
+    assert runner.graphs is not None and runner.graphs.mixed_graphs
+    assert captured[0].shape[0] == len(PROMPTS)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
     with torch.no_grad():
         for i, prompt in enumerate(PROMPTS):

@@ -189,7 +189,8 @@ def instrument(engine: Any) -> StepLog:
         out = original(scheduled)
         if plans:
             kind = "decode" if plans[-1].batch.uniform_decode else "mixed"
-            log.kinds.append(kind + ("_graph" if plans[-1].replay_query_len else "_eager"))
+            graph = plans[-1].replay_query_len or plans[-1].replay_tokens
+            log.kinds.append(kind + ("_graph" if graph else "_eager"))
         if cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()

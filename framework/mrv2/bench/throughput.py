@@ -110,9 +110,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         need = sum(-(-(len(p) + m) // 16) for p, m in zip(prompts, max_tokens, strict=True))
         cache = {"block_size": 16, "num_gpu_blocks_override": max(1, int(need * args.kv_fraction))}
         results["num_gpu_blocks"] = cache["num_gpu_blocks_override"]
-    variants = {"default": {}, "async_off": {"async_scheduling": False},
-                "graphs_off": {"enforce_eager": True},
-                "prefix_off": {"enable_prefix_caching": False}}
+    variants: dict[str, dict[str, Any]] = {
+        "default": {}, "async_off": {"async_scheduling": False},
+        "graphs_off": {"enforce_eager": True}, "prefix_off": {"enable_prefix_caching": False},
+        "mixed_graphs_off": {"max_mixed_graph_tokens": 0},
+        "mixed_graphs_512": {"max_mixed_graph_tokens": 512}}
     chosen = args.variants if "default" in args.variants else ["default", *args.variants]
     bandwidth = None
     flop_rate = float("nan")
@@ -211,9 +213,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks (GPUs) to split the model over")
     p.add_argument("--variants", nargs="*", default=[],
-                   choices=["default", "async_off", "graphs_off", "prefix_off"],
-                   help="also run with async scheduling off / CUDA graphs off (in this order; "
-                   "name default to place it)")
+                   choices=["default", "async_off", "graphs_off", "prefix_off",
+                            "mixed_graphs_off", "mixed_graphs_512"],
+                   help="also run with async scheduling off / CUDA graphs off / the prefix "
+                   "cache off / steps with prompt tokens eager / in CUDA graphs up to 512 "
+                   "tokens only (in this order; name default to place it)")
     p.add_argument("--hf-requests", type=int, default=0,
                    help="also run the first N requests through HF generate, for a ratio")
     p.add_argument("--shared-prefix", type=int, default=0,

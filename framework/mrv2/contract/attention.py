@@ -62,6 +62,13 @@ class AttentionBackend:
 
     name: str = "abstract"
 
+    mixed_step_graphs: bool = True
+    """Whether steps with prompt tokens may run this backend inside the runner's mixed CUDA
+    graphs. Their metadata bakes ``max_query_len`` = the padded token count and
+    ``max_seq_len`` = ``max_model_len`` (upper bounds, as the metadata allows): a backend whose
+    launches grow with those bounds (programs that exit at once) says ``False`` and such steps
+    run eager."""
+
 
 class PagedAttentionBackend(AttentionBackend, ABC):
     """Attention over a ``"paged_kv"`` cache: writes new K/V into it, attends over it."""

@@ -32,6 +32,13 @@ from mrv2.contract.samples import SpeculatorInputs
 class ModelState:
     """Default decoder-only ModelState: token ids and positions in, paged attention metadata."""
 
+    mixed_step_graphs: bool = True
+    """Whether steps with prompt tokens may replay CUDA graphs (the runner's mixed graphs), as
+    decode steps do: then :meth:`prepare_inputs` and :meth:`prepare_attn` must launch the same
+    work for any step of a padded size, reading only the persistent buffers and the batch's
+    CPU-known bounds. ``False`` where a prompt's inputs need host work per step (multimodal
+    embeddings spliced in): such steps run eager."""
+
     def __init__(
         self,
         model: nn.Module,

@@ -42,6 +42,8 @@ class StepPlan:
     num_drafts_dev: torch.Tensor | None
     """``[num_reqs]`` int32 drafts per request (steps with drafts only)."""
     drafted: dict[str, Drafted] = field(default_factory=dict)
+    replay_tokens: int = 0
+    """Token count of the mixed CUDA graph that runs the step; 0: none."""
 
 
 class BatchBuilder:
@@ -214,7 +216,7 @@ class BatchBuilder:
         )
         plan = sample_plan(batch)
         return StepPlan(batch, plan, layout.replay_query_len, layout.dev["do_sample"],
-                        layout.dev.get("num_drafts"), drafted)
+                        layout.dev.get("num_drafts"), drafted, layout.replay_tokens)
 
     def _row_order(self, scheduled: SchedulerOutput) -> list[str]:
         """The step's requests in batch-row order: longest sequence (after the step) first.
@@ -262,10 +264,18 @@ class BatchBuilder:
         cu_logits = np.zeros(num_reqs + 1, dtype=np.int32)
         np.cumsum(drafts + 1, out=cu_logits[1:])
         num_logits = int(cu_logits[-1])
-        padded = None
-        if self.graphs is not None and uniform:
-            padded = self.graphs.padded_size(query_len, num_reqs)
-        num_padded = padded or num_reqs
+        padded = mixed = None
+        graphs = self.graphs
+        if graphs is not None and uniform:
+            padded = graphs.padded_size(query_len, num_reqs)
+        if graphs is not None and padded is None and not max_drafts:
+            mixed = graphs.mixed_size(num_tokens, num_reqs)
+        if padded:
+            num_padded, num_tokens_padded = padded, padded * query_len
+        elif mixed:
+            num_padded, num_tokens_padded = graphs.mixed_reqs[mixed], mixed  # type: ignore[union-attr]
+        else:
+            num_padded, num_tokens_padded = num_reqs, num_tokens
         query_start_loc = np.full(num_padded + 1, num_tokens, dtype=np.int32)
         query_start_loc[: num_reqs + 1] = qsl_cpu
 
@@ -291,18 +301,20 @@ class BatchBuilder:
             logits_indices.copy_(dev["logits_indices"])
             logits_idx_mapping = buffers.logits_idx_mapping[:num_logits]
             logits_idx_mapping.copy_(dev["logits_rows"])
-        else:
-            torch.sub(query_start_loc_dev[1 : num_reqs + 1], 1, out=logits_indices)
+        else:  # (a mixed graph's padding requests too: their rows point at the last token)
+            rows_out = num_padded if mixed else num_reqs
+            torch.sub(query_start_loc_dev[1 : rows_out + 1], 1,
+                      out=buffers.logits_indices[:rows_out])
             logits_idx_mapping = idx_mapping
         return _Layout(
             key=key, rows=rows, drafts=drafts, do_sample=do_sample, qsl_cpu=qsl_cpu,
             cu_logits=cu_logits, dev=dev, idx_mapping=idx_mapping,
             query_start_loc=query_start_loc_dev, logits_indices=logits_indices,
             logits_idx_mapping=logits_idx_mapping, num_tokens=num_tokens,
-            num_tokens_padded=padded * query_len if padded else num_tokens,
+            num_tokens_padded=num_tokens_padded,
             num_padded=num_padded, num_logits=num_logits, max_drafts=max_drafts,
             max_query_len=int(lens.max()), uniform=uniform,
-            replay_query_len=query_len if padded else 0)
+            replay_query_len=query_len if padded else 0, replay_tokens=mixed or 0)
 
 
 @dataclass
@@ -329,3 +341,4 @@ class _Layout:
     max_query_len: int
     uniform: bool
     replay_query_len: int
+    replay_tokens: int

@@ -1,4 +1,5 @@
-"""Full CUDA graphs of uniform-decode steps, one per (query length, padded batch size).
+"""Full CUDA graphs of uniform-decode steps, one per (query length, padded batch size), and of
+small mixed steps, one per padded token count.
 
 A decode step of ``B`` requests of ``q`` query tokens each (``q = 1``, or ``1 + k`` while
 verifying ``k`` drafts) is padded to the smallest captured size ``>= B`` for that ``q``; the
@@ -21,6 +22,22 @@ per ``(1 + k, size)``: all of a decode step's drafting (the drafter's catch-up a
 draft steps) over the target graph's hidden-state output and the persistent samples
 (``spec_samples``, which the verify tail writes in place), replayed right after sampling. Its
 padding requests sampled nothing, so they draft nothing.
+
+A step with prompt tokens (or any step no decode graph serves) of ``T <= max_mixed_graph_tokens``
+tokens over ``B`` requests replays the *mixed* graph of the smallest captured token count
+``T' >= T`` (:func:`mixed_token_sizes`), whose batch has ``min(max_num_seqs, T')`` requests:
+padding requests have empty queries and padding tokens write no KV, as above. Its attention
+metadata bakes ``max_query_len = T'`` and ``max_seq_len = max_model_len`` (upper bounds, as the
+metadata contract allows); the paged kernel's flat grid launches no more programs for that.
+The graph computes the logits of one row per batch request (its last token) and copies them
+and the hidden states into buffers shared by every mixed graph; sampling stays eager. Eager, a
+small mixed step is all host time: 512 tokens (prompt chunks beside 64 decodes) of a
+0.6B-parameter model took 35 ms a step back to back for 2.6 ms of GPU work, replayed 3.6 ms
+(H200, BENCHMARKS.md 2026-12-02, eleventh session). Serving pays that on every step where a
+prompt arrives. Steps that verify drafts stay eager, as do the prompt steps of
+ModelStates whose inputs need host work per prompt (``ModelState.mixed_step_graphs``) and of
+attention backends whose launches grow with the baked bounds (``AttentionBackend.
+mixed_step_graphs``).
 """
 
 from __future__ import annotations
@@ -52,6 +69,24 @@ def capture_sizes(max_num_reqs: int, limit: int = 512) -> list[int]:
     return sorted(set(sizes))
 
 
+def mixed_token_sizes(limit: int, max_num_tokens: int) -> list[int]:
+    """Token counts of the mixed graphs: 8, 12, 16, 24, 32, 48, ... (powers of two and 1.5x
+    between: a step pads by less than half), capped at ``min(limit, max_num_tokens)``, which is
+    always one of them; none when the cap is 0. Up to a few hundred tokens a step's GEMMs read
+    their weights once whatever the count, so the padding costs little there."""
+    top = min(limit, max_num_tokens)
+    sizes: list[int] = []
+    size = 8
+    while size < top:
+        sizes.append(size)
+        if size + size // 2 < top:
+            sizes.append(size + size // 2)
+        size *= 2
+    if top > 0:
+        sizes.append(top)
+    return sizes
+
+
 class DecodeGraphs:
     """Captured graphs and their outputs, keyed by ``(query length, padded batch size)``."""
 
@@ -66,6 +101,11 @@ class DecodeGraphs:
         #: The ``1 + k`` steps' verified tokens and counts (``[size, 1 + k]``, ``[size]``):
         #: written by the verify tail, read by the drafting graph and the host copy.
         self.spec_samples: StepSamples | None = None
+        #: Mixed graphs by padded token count, their batch sizes, and the outputs every one of
+        #: them copies into (hidden states ``[T, hidden]``, logits ``[requests, vocab]``).
+        self.mixed_graphs: dict[int, object] = {}
+        self.mixed_reqs: dict[int, int] = {}
+        self.mixed_outputs: Outputs | None = None
 
     def padded_size(self, query_len: int, num_reqs: int) -> int | None:
         """The captured size a batch of ``num_reqs`` requests of ``query_len`` tokens replays
@@ -102,6 +142,56 @@ class DecodeGraphs:
                 self.graphs[(q, size)] = graph
                 self.outputs[(q, size)] = out["step"]
         _sync()
+
+    def mixed_size(self, num_tokens: int, num_reqs: int) -> int | None:
+        """The token count of the mixed graph a step of ``num_tokens`` tokens over ``num_reqs``
+        requests replays at, or ``None`` (eager)."""
+        for size in sorted(self.mixed_graphs):
+            if size >= num_tokens and self.mixed_reqs[size] >= num_reqs:
+                return size
+        return None
+
+    def capture_mixed(
+        self,
+        sizes: dict[int, int],
+        dummy_batch: Callable[[int, int], InputBatch],
+        forward: Callable[[InputBatch], Outputs],
+        capture: Callable[[InputBatch, Callable[[], None]], object],
+    ) -> None:
+        """Capture a mixed graph per ``{tokens: requests}`` of ``sizes``, largest first: the
+        step's forward and its logits rows (``batch.logits_indices``, one a request), copied
+        into :attr:`mixed_outputs` (allocated here, outside the graphs' pool, at the largest
+        size's shapes)."""
+        for tokens in sorted(sizes, reverse=True):
+            num_reqs = sizes[tokens]
+            batch = dummy_batch(num_reqs, tokens)
+            hidden, logits = forward(batch)  # warm up: compile kernels outside the capture
+            if self.mixed_outputs is None:
+                self.mixed_outputs = (hidden.new_empty(hidden.shape),
+                                      logits.new_empty(logits.shape))
+            out_hidden = self.mixed_outputs[0][:tokens]
+            out_logits = self.mixed_outputs[1][:num_reqs]
+            _sync()
+
+            def body(batch: InputBatch = batch, out_hidden: torch.Tensor = out_hidden,
+                     out_logits: torch.Tensor = out_logits) -> None:
+                hidden, logits = forward(batch)
+                out_hidden.copy_(hidden)
+                out_logits.copy_(logits)
+
+            graph = capture(batch, body)
+            if graph is not None:
+                self.mixed_graphs[tokens] = graph
+                self.mixed_reqs[tokens] = num_reqs
+        _sync()
+
+    def replay_mixed(self, tokens: int) -> Outputs:
+        """Replay the mixed graph of ``tokens`` padded tokens; returns views of the shared
+        outputs: ``[tokens]`` hidden states and the logits of the graph's batch rows."""
+        self.mixed_graphs[tokens].replay()  # type: ignore[attr-defined]
+        assert self.mixed_outputs is not None
+        hidden, logits = self.mixed_outputs
+        return hidden[:tokens], logits[: self.mixed_reqs[tokens]]
 
     def replay(self, query_len: int, size: int) -> Outputs:
         """Replay the graph of ``(query_len, size)``; returns its output buffers."""

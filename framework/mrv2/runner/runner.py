@@ -42,7 +42,7 @@ from mrv2.plugins import PluginManager, get_plugin_manager
 from mrv2.registry import import_object
 from mrv2.runner.async_output import AsyncStepOutput, PinnedRing
 from mrv2.runner.batch_builder import BatchBuilder, StepPlan
-from mrv2.runner.cuda_graphs import DecodeGraphs, Outputs, capture_sizes
+from mrv2.runner.cuda_graphs import DecodeGraphs, Outputs, capture_sizes, mixed_token_sizes
 from mrv2.runner.kv_cache import KVCaches, num_blocks_for
 from mrv2.sample.prompt_logprobs import PromptLogprobs
 from mrv2.sample.rejection import step_samples
@@ -222,6 +222,20 @@ class Runner:
         hidden = self._forward(batch)
         return hidden, cast(CausalLM, self.model).compute_logits(hidden)
 
+    def _forward_logits_rows(self, batch: InputBatch) -> Outputs:
+        """Hidden states of every token and logits of ``batch.logits_indices`` (a mixed graph's
+        body)."""
+        hidden = self._forward(batch)
+        return hidden, cast(CausalLM, self.model).compute_logits(hidden[batch.logits_indices])
+
+    def _mixed_dummy_batch(self, num_reqs: int, num_tokens: int) -> InputBatch:
+        batch = self.model_state.prepare_dummy_inputs(num_reqs, num_tokens)
+        # Bake the bounds of any step this size serves, and one logits row per request.
+        return InputBatch(**{**batch.__dict__, "max_query_len": num_tokens,
+                             "max_seq_len": self.max_model_len, "uniform_decode": False,
+                             "block_table": self.buffers.block_table[:num_reqs],
+                             "logits_indices": self.buffers.logits_indices[:num_reqs]})
+
     def _graph_dummy_batch(self, size: int, query_len: int) -> InputBatch:
         batch = self.model_state.prepare_dummy_inputs(size, size * query_len)
         # Graphs serve any length up to max_model_len: bake that bound, not the dummy's.
@@ -248,6 +262,10 @@ class Runner:
                 self.sampler.record_sampled(batch, samples)
                 self._draft(step, samples, hidden)
                 return samples, out, []
+            logits = logits[: batch.num_logits]
+        elif step.replay_tokens:  # a mixed graph: its logits rows are the batch's requests
+            assert self.graphs is not None
+            hidden, logits = self.graphs.replay_mixed(step.replay_tokens)
             logits = logits[: batch.num_logits]
         else:
             hidden = self._forward(batch)
@@ -378,15 +396,26 @@ class Runner:
     # -- start-up ----------------------------------------------------------------------------
 
     def capture_graphs(self, capture: Callable[[InputBatch, Callable[[], Any]], object]) -> None:
-        """Capture the uniform-decode graphs (``1`` and ``1 + k`` tokens per request, every
-        padded size), their sampling tails (no speculator; a sampler whose ``capturable``
+        """Capture the mixed graphs (``max_mixed_graph_tokens``; when the ModelState and the
+        attention backends allow them), the uniform-decode graphs (``1`` and ``1 + k`` tokens
+        per request, every padded size), their sampling tails (a sampler whose ``capturable``
         accepts its ``graph_plan``) or, for a capturable speculator, its drafting graphs, with
         ``capture`` (the ModelState's; tests pass a stand-in that replays eagerly, to run the
-        padded graph path on the CPU). Decode steps replay them from then on."""
+        padded graph path on the CPU). The steps they fit replay them from then on."""
         query_lens = sorted({1, 1 + self.num_speculative_tokens})
         self.graphs = DecodeGraphs(capture_sizes(self.max_num_reqs), query_lens,
                                    self.max_num_tokens)
+        mixed: dict[int, int] = {}
+        if self.model_state.mixed_step_graphs and all(b.mixed_step_graphs
+                                                      for b in self.kv.backends):
+            for tokens in mixed_token_sizes(self._max_mixed_graph_tokens(), self.max_num_tokens):
+                num_reqs = min(self.max_num_reqs, tokens)  # a dummy request fits its row:
+                if -(-tokens // num_reqs) <= self.max_blocks_per_req * self.block_size:
+                    mixed[tokens] = num_reqs  # a real step of so many tokens may exist
         with torch.inference_mode():
+            # the largest graphs first: the later ones reuse their memory pool
+            self.graphs.capture_mixed(mixed, self._mixed_dummy_batch, self._forward_logits_rows,
+                                      capture)
             self.graphs.capture_all(self._graph_dummy_batch, self._forward_all_logits, capture)
             if self.speculator is not None and self.speculator.cuda_graphs:
                 self.graphs.capture_drafts(1 + self.num_speculative_tokens,
@@ -396,6 +425,16 @@ class Runner:
                     self.graphs.capture_tails(query_len, self._graph_dummy_batch,
                                               self._sample_tail, capture)
         self.builder.graphs = self.graphs
+
+    def _max_mixed_graph_tokens(self) -> int:
+        """``max_mixed_graph_tokens``, by default the whole token budget: the graphs' pool
+        then holds the largest step's activations, which eager steps never need again. With a
+        speculator, mixed steps that verify drafts run eager and would need them a second
+        time: 512 (small steps are where the host costs most)."""
+        cap = self.config.device.max_mixed_graph_tokens
+        if cap is None:
+            return 512 if self.speculator is not None else self.max_num_tokens
+        return cap
 
     def profile_shape(self) -> tuple[int, int]:
         """``(requests, tokens)`` of the largest step: the token budget over as many requests

@@ -56,6 +56,9 @@ class MLABackend(AttentionBackend):
     :mod:`mrv2_kernels.mla_attention`)."""
 
     name = "mla"
+    #: Its grid is (head tiles, query tiles of ``max_query_len``, requests): a mixed graph's
+    #: baked bound (the padded token count) would launch mostly empty programs. Eager.
+    mixed_step_graphs = False
 
     def write(self, latent: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:

@@ -43,6 +43,9 @@ class QwenVLModelState(ModelState):
     #: first out); embeddings of images that live requests hold are never evicted.
     encoder_cache_bytes = 256 << 20
 
+    #: Prompt steps run eager: their image embeddings are spliced in by host-side work.
+    mixed_step_graphs = False
+
     def __init__(self, model: Any, hf_config: Any, config: Any, buffers: Any, block_size: int,
                  device: torch.device) -> None:
         super().__init__(model, hf_config, config, buffers, block_size, device)
