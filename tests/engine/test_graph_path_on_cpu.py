@@ -278,19 +278,20 @@ def test_batch_rows_go_longest_sequence_first(target: Path,
 def _staggered(path: Path, graphs: bool, **kwargs: Any) -> tuple[dict[str, Any], Any, list]:
     """PROMPTS arriving one a step with a 16-token budget: steps mix prompt chunks with
     decodes. Returns each request's tokens (and prompt logprobs), the engine, and per step
-    ``(replay_tokens, num_tokens, num_reqs, num_reqs_padded)``."""
+    ``(replay_tokens, num_tokens, num_reqs, num_reqs_padded, drafts verified)``."""
     llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, max_num_seqs=8,
               max_model_len=64, max_num_batched_tokens=16, **kwargs)
     engine = llm.engine
     if graphs:
         emulate_cuda_graphs(engine.runner)
-    steps: list[tuple[int, int, int, int]] = []
+    steps: list[tuple[int, int, int, int, int]] = []
     build = engine.runner.builder.build
 
     def recorded(*args: Any) -> Any:
         plan = build(*args)
         b = plan.batch
-        steps.append((plan.replay_tokens, b.num_tokens, b.num_reqs, b.num_reqs_padded))
+        steps.append((plan.replay_tokens, b.num_tokens, b.num_reqs, b.num_reqs_padded,
+                      int(b.num_draft_tokens.sum())))
         return plan
 
     engine.runner.builder.build = recorded
@@ -308,16 +309,19 @@ def _staggered(path: Path, graphs: bool, **kwargs: Any) -> tuple[dict[str, Any],
     return got, engine, steps
 
 
-@pytest.mark.parametrize("spec", [None, "draft_model"])
+@pytest.mark.parametrize("spec", [None, "draft_model", "ngram_probabilistic"])
 def test_mixed_steps_replay_padded_graphs(target: Path, spec: str | None) -> None:
     """Steps with prompt chunks (beside decodes) replay the mixed graph of the smallest
     captured token count that holds them, over padding requests with empty queries: the
-    tokens, sampled and prompt logprobs equal the eager path's. With a speculator, the
-    drafter reads the mixed graph's hidden states; steps that verify drafts run eager."""
+    tokens, sampled and prompt logprobs equal the eager path's. With a speculator, the graphs
+    compute logits rows for drafts too: steps verifying drafts beside prompt chunks replay
+    them (verification and drafting eager, over the graph's hidden states)."""
     kwargs: dict[str, Any] = {}
     if spec == "draft_model":
         kwargs["speculative_config"] = {"method": "draft_model", "model": str(target),
                                         "num_speculative_tokens": 2}
+    elif spec is not None:
+        kwargs["speculative_config"] = SPECS[spec]
     eager, _, eager_steps = _staggered(target, graphs=False, **kwargs)
     got, engine, steps = _staggered(target, graphs=True, **kwargs)
     assert got == eager
@@ -325,10 +329,13 @@ def test_mixed_steps_replay_padded_graphs(target: Path, spec: str | None) -> Non
     graphs = engine.runner.graphs
     assert sorted(graphs.mixed_graphs) == [8, 12, 16]
     assert graphs.mixed_reqs == {8: 8, 12: 8, 16: 8}
+    # logits rows: one a request, or 1 + 2 with drafts (at most a row a token)
+    assert graphs.mixed_rows == ({8: 8, 12: 12, 16: 16} if spec else {8: 8, 12: 8, 16: 8})
     mixed = [s for s in steps if s[0]]
     # the prompts' steps replay: padded tokens and requests (the first one a prompt alone)
-    assert mixed and all(t <= pad and r <= 8 == rp for pad, t, r, rp in mixed)
-    assert any(t < pad for pad, t, _, _ in mixed) and any(r > 1 for _, _, r, _ in mixed)
+    assert mixed and all(t <= pad and r <= 8 == rp for pad, t, r, rp, _ in mixed)
+    assert any(t < pad for pad, t, *_ in mixed) and any(r > 1 for _, _, r, *_ in mixed)
+    assert any(d for *_, d in mixed) == bool(spec)  # drafts verified after a mixed graph
     replays = sum(g.replays for g in graphs.mixed_graphs.values())  # type: ignore[attr-defined]
     assert replays == len(mixed)
     assert got["2"][1] is not None  # the prompt logprobs came from the graph's hidden states
@@ -346,7 +353,7 @@ def test_mixed_graphs_follow_the_token_cap(target: Path) -> None:
     assert mixed_token_sizes(0, 8192) == [] and mixed_token_sizes(8, 8192) == [8]
     got, engine, steps = _staggered(target, graphs=True, max_mixed_graph_tokens=12)
     assert sorted(engine.runner.graphs.mixed_graphs) == [8, 12]
-    assert any(t > 12 and pad == 0 for pad, t, _, _ in steps)  # 16-token steps: eager
+    assert any(t > 12 and pad == 0 for pad, t, *_ in steps)  # 16-token steps: eager
     assert any(pad for pad, *_ in steps)
     assert got == _staggered(target, graphs=False)[0]
     _, engine, steps = _staggered(target, graphs=True, max_mixed_graph_tokens=0)

@@ -265,15 +265,18 @@ class BatchBuilder:
         np.cumsum(drafts + 1, out=cu_logits[1:])
         num_logits = int(cu_logits[-1])
         padded = mixed = None
+        mixed_rows = 0  # a mixed graph's logits rows
         graphs = self.graphs
         if graphs is not None and uniform:
             padded = graphs.padded_size(query_len, num_reqs)
-        if graphs is not None and padded is None and not max_drafts:
-            mixed = graphs.mixed_size(num_tokens, num_reqs)
+        if graphs is not None and padded is None:
+            mixed = graphs.mixed_size(num_tokens, num_reqs, num_logits)
         if padded:
             num_padded, num_tokens_padded = padded, padded * query_len
         elif mixed:
-            num_padded, num_tokens_padded = graphs.mixed_reqs[mixed], mixed  # type: ignore[union-attr]
+            assert graphs is not None
+            num_padded, num_tokens_padded = graphs.mixed_reqs[mixed], mixed
+            mixed_rows = graphs.mixed_rows[mixed]
         else:
             num_padded, num_tokens_padded = num_reqs, num_tokens
         query_start_loc = np.full(num_padded + 1, num_tokens, dtype=np.int32)
@@ -284,7 +287,11 @@ class BatchBuilder:
             "do_sample": do_sample.astype(np.int32),
         }
         if max_drafts:
-            arrays["logits_indices"] = last_token_indices(qsl_cpu, drafts + 1)
+            indices = last_token_indices(qsl_cpu, drafts + 1)
+            if mixed:  # a mixed graph's padding rows: the last token (any valid row)
+                indices = np.concatenate([indices, np.full(mixed_rows - num_logits,
+                                                           num_tokens - 1)])
+            arrays["logits_indices"] = indices
             arrays["logits_rows"] = np.repeat(rows, drafts + 1)
             arrays["cu_num_logits"] = cu_logits
             arrays["num_drafts"] = drafts
@@ -297,14 +304,17 @@ class BatchBuilder:
         query_start_loc_dev = buffers.query_start_loc[: num_padded + 1]
         query_start_loc_dev.copy_(dev["query_start_loc"])
         logits_indices = buffers.logits_indices[:num_logits]
-        if max_drafts:
-            logits_indices.copy_(dev["logits_indices"])
+        if max_drafts:  # (padded for a mixed graph)
+            indices_dev = dev["logits_indices"]
+            buffers.logits_indices[: indices_dev.shape[0]].copy_(indices_dev)
             logits_idx_mapping = buffers.logits_idx_mapping[:num_logits]
             logits_idx_mapping.copy_(dev["logits_rows"])
         else:  # (a mixed graph's padding requests too: their rows point at the last token)
             rows_out = num_padded if mixed else num_reqs
             torch.sub(query_start_loc_dev[1 : rows_out + 1], 1,
                       out=buffers.logits_indices[:rows_out])
+            if mixed_rows > rows_out:  # the graph's rows for drafts: none, any valid token
+                buffers.logits_indices[rows_out:mixed_rows].fill_(num_tokens - 1)
             logits_idx_mapping = idx_mapping
         return _Layout(
             key=key, rows=rows, drafts=drafts, do_sample=do_sample, qsl_cpu=qsl_cpu,

@@ -29,15 +29,16 @@ tokens over ``B`` requests replays the *mixed* graph of the smallest captured to
 padding requests have empty queries and padding tokens write no KV, as above. Its attention
 metadata bakes ``max_query_len = T'`` and ``max_seq_len = max_model_len`` (upper bounds, as the
 metadata contract allows); the paged kernel's flat grid launches no more programs for that.
-The graph computes the logits of one row per batch request (its last token) and copies them
-and the hidden states into buffers shared by every mixed graph; sampling stays eager. Eager, a
+The graph computes the logits of ``min(T', B' (1 + k))`` rows (``B'`` its requests, ``k`` the
+speculative tokens: each request's last token, or its draft tokens and the one before) and
+copies them and the hidden states into buffers shared by every mixed graph; sampling, the
+drafts' verification and the drafting stay eager. Eager, a
 small mixed step is all host time: 512 tokens (prompt chunks beside 64 decodes) of a
 0.6B-parameter model took 35 ms a step back to back for 2.6 ms of GPU work, replayed 3.6 ms
 (H200, BENCHMARKS.md 2026-12-02, eleventh session). Serving pays that on every step where a
-prompt arrives. Steps that verify drafts stay eager, as do the prompt steps of
-ModelStates whose inputs need host work per prompt (``ModelState.mixed_step_graphs``) and of
-attention backends whose launches grow with the baked bounds (``AttentionBackend.
-mixed_step_graphs``).
+prompt arrives. The prompt steps of ModelStates whose inputs need host work per prompt
+(``ModelState.mixed_step_graphs``) and of attention backends whose launches grow with the
+baked bounds (``AttentionBackend.mixed_step_graphs``) stay eager.
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ class DecodeGraphs:
         #: them copies into (hidden states ``[T, hidden]``, logits ``[requests, vocab]``).
         self.mixed_graphs: dict[int, object] = {}
         self.mixed_reqs: dict[int, int] = {}
+        self.mixed_rows: dict[int, int] = {}
         self.mixed_outputs: Outputs | None = None
 
     def padded_size(self, query_len: int, num_reqs: int) -> int | None:
@@ -143,34 +145,35 @@ class DecodeGraphs:
                 self.outputs[(q, size)] = out["step"]
         _sync()
 
-    def mixed_size(self, num_tokens: int, num_reqs: int) -> int | None:
+    def mixed_size(self, num_tokens: int, num_reqs: int, num_logits: int) -> int | None:
         """The token count of the mixed graph a step of ``num_tokens`` tokens over ``num_reqs``
-        requests replays at, or ``None`` (eager)."""
+        requests with ``num_logits`` logits rows replays at, or ``None`` (eager)."""
         for size in sorted(self.mixed_graphs):
-            if size >= num_tokens and self.mixed_reqs[size] >= num_reqs:
+            if (size >= num_tokens and self.mixed_reqs[size] >= num_reqs
+                    and self.mixed_rows[size] >= num_logits):
                 return size
         return None
 
     def capture_mixed(
         self,
-        sizes: dict[int, int],
-        dummy_batch: Callable[[int, int], InputBatch],
+        sizes: dict[int, tuple[int, int]],
+        dummy_batch: Callable[[int, int, int], InputBatch],
         forward: Callable[[InputBatch], Outputs],
         capture: Callable[[InputBatch, Callable[[], None]], object],
     ) -> None:
-        """Capture a mixed graph per ``{tokens: requests}`` of ``sizes``, largest first: the
-        step's forward and its logits rows (``batch.logits_indices``, one a request), copied
-        into :attr:`mixed_outputs` (allocated here, outside the graphs' pool, at the largest
-        size's shapes)."""
+        """Capture a mixed graph per ``{tokens: (requests, logits rows)}`` of ``sizes``,
+        largest first: the step's forward and its logits rows (``batch.logits_indices``),
+        copied into :attr:`mixed_outputs` (allocated here, outside the graphs' pool, at the
+        largest size's shapes)."""
         for tokens in sorted(sizes, reverse=True):
-            num_reqs = sizes[tokens]
-            batch = dummy_batch(num_reqs, tokens)
+            num_reqs, num_rows = sizes[tokens]
+            batch = dummy_batch(num_reqs, tokens, num_rows)
             hidden, logits = forward(batch)  # warm up: compile kernels outside the capture
             if self.mixed_outputs is None:
                 self.mixed_outputs = (hidden.new_empty(hidden.shape),
                                       logits.new_empty(logits.shape))
             out_hidden = self.mixed_outputs[0][:tokens]
-            out_logits = self.mixed_outputs[1][:num_reqs]
+            out_logits = self.mixed_outputs[1][:num_rows]
             _sync()
 
             def body(batch: InputBatch = batch, out_hidden: torch.Tensor = out_hidden,
@@ -183,15 +186,16 @@ class DecodeGraphs:
             if graph is not None:
                 self.mixed_graphs[tokens] = graph
                 self.mixed_reqs[tokens] = num_reqs
+                self.mixed_rows[tokens] = num_rows
         _sync()
 
     def replay_mixed(self, tokens: int) -> Outputs:
         """Replay the mixed graph of ``tokens`` padded tokens; returns views of the shared
-        outputs: ``[tokens]`` hidden states and the logits of the graph's batch rows."""
+        outputs: ``[tokens]`` hidden states and the logits of the graph's logits rows."""
         self.mixed_graphs[tokens].replay()  # type: ignore[attr-defined]
         assert self.mixed_outputs is not None
         hidden, logits = self.mixed_outputs
-        return hidden[:tokens], logits[: self.mixed_reqs[tokens]]
+        return hidden[:tokens], logits[: self.mixed_rows[tokens]]
 
     def replay(self, query_len: int, size: int) -> Outputs:
         """Replay the graph of ``(query_len, size)``; returns its output buffers."""

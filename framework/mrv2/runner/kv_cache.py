@@ -8,6 +8,7 @@ all groups.
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import torch
@@ -80,6 +81,11 @@ def num_blocks_for(
     if device.type == "cpu":
         budget = int(cache.cpu_kv_cache_gb * _GIB)
     else:
+        # An engine of this process that nobody references any more (a test's, a notebook's
+        # earlier one) may wait in a reference cycle, its KV cache counted as in use; and
+        # blocks the caching allocator keeps free count as in use too.
+        gc.collect()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         in_use = total - free
         budget = int(total * cache.gpu_memory_utilization) - in_use - peak_bytes

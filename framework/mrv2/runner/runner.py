@@ -228,13 +228,15 @@ class Runner:
         hidden = self._forward(batch)
         return hidden, cast(CausalLM, self.model).compute_logits(hidden[batch.logits_indices])
 
-    def _mixed_dummy_batch(self, num_reqs: int, num_tokens: int) -> InputBatch:
+    def _mixed_dummy_batch(self, num_reqs: int, num_tokens: int, num_rows: int) -> InputBatch:
         batch = self.model_state.prepare_dummy_inputs(num_reqs, num_tokens)
-        # Bake the bounds of any step this size serves, and one logits row per request.
+        indices = self.buffers.logits_indices
+        indices[batch.logits_indices.shape[0] : num_rows].fill_(num_tokens - 1)  # (none, so far)
+        # Bake the bounds of any step this size serves, and its logits rows.
         return InputBatch(**{**batch.__dict__, "max_query_len": num_tokens,
                              "max_seq_len": self.max_model_len, "uniform_decode": False,
                              "block_table": self.buffers.block_table[:num_reqs],
-                             "logits_indices": self.buffers.logits_indices[:num_reqs]})
+                             "logits_indices": indices[:num_rows]})
 
     def _graph_dummy_batch(self, size: int, query_len: int) -> InputBatch:
         batch = self.model_state.prepare_dummy_inputs(size, size * query_len)
@@ -263,7 +265,7 @@ class Runner:
                 self._draft(step, samples, hidden)
                 return samples, out, []
             logits = logits[: batch.num_logits]
-        elif step.replay_tokens:  # a mixed graph: its logits rows are the batch's requests
+        elif step.replay_tokens:  # a mixed graph: the builder padded the logits rows
             assert self.graphs is not None
             hidden, logits = self.graphs.replay_mixed(step.replay_tokens)
             logits = logits[: batch.num_logits]
@@ -405,13 +407,14 @@ class Runner:
         query_lens = sorted({1, 1 + self.num_speculative_tokens})
         self.graphs = DecodeGraphs(capture_sizes(self.max_num_reqs), query_lens,
                                    self.max_num_tokens)
-        mixed: dict[int, int] = {}
+        mixed: dict[int, tuple[int, int]] = {}
         if self.model_state.mixed_step_graphs and all(b.mixed_step_graphs
                                                       for b in self.kv.backends):
             for tokens in mixed_token_sizes(self._max_mixed_graph_tokens(), self.max_num_tokens):
                 num_reqs = min(self.max_num_reqs, tokens)  # a dummy request fits its row:
                 if -(-tokens // num_reqs) <= self.max_blocks_per_req * self.block_size:
-                    mixed[tokens] = num_reqs  # a real step of so many tokens may exist
+                    rows = min(tokens, num_reqs * (1 + self.num_speculative_tokens))
+                    mixed[tokens] = (num_reqs, rows)  # a real step of so many tokens may exist
         with torch.inference_mode():
             # the largest graphs first: the later ones reuse their memory pool
             self.graphs.capture_mixed(mixed, self._mixed_dummy_batch, self._forward_logits_rows,
@@ -429,8 +432,8 @@ class Runner:
     def _max_mixed_graph_tokens(self) -> int:
         """``max_mixed_graph_tokens``, by default the whole token budget: the graphs' pool
         then holds the largest step's activations, which eager steps never need again. With a
-        speculator, mixed steps that verify drafts run eager and would need them a second
-        time: 512 (small steps are where the host costs most)."""
+        speculator, whose eager drafting after a mixed step needs activation memory beside the
+        pool's: 512 (small steps are where the host costs most)."""
         cap = self.config.device.max_mixed_graph_tokens
         if cap is None:
             return 512 if self.speculator is not None else self.max_num_tokens
