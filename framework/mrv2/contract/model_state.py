@@ -36,8 +36,8 @@ class ModelState:
     """Whether steps with prompt tokens may replay CUDA graphs (the runner's mixed graphs), as
     decode steps do: then :meth:`prepare_inputs` and :meth:`prepare_attn` must launch the same
     work for any step of a padded size, reading only the persistent buffers and the batch's
-    CPU-known bounds. ``False`` where a prompt's inputs need host work per step (multimodal
-    embeddings spliced in): such steps run eager."""
+    CPU-known bounds, at least for the steps :meth:`mixed_graph_allowed` accepts. ``False``:
+    every step with prompt tokens runs eager (nothing captured for them)."""
 
     def __init__(
         self,
@@ -73,6 +73,16 @@ class ModelState:
         """A request left ``row`` (finished, aborted or preempted): free what it held."""
 
     # -- per step ----------------------------------------------------------------------------
+
+    def mixed_graph_allowed(self, rows: list[int], num_computed: list[int],
+                            query_lens: list[int]) -> bool:
+        """Whether a step with prompt tokens may replay a mixed graph: request ``i`` of the step
+        (state-table row ``rows[i]``) computes positions ``num_computed[i]`` to
+        ``num_computed[i] + query_lens[i] - 1``. Called on the host while the step is built,
+        before :meth:`prepare_inputs`; must not touch the device. ``False`` runs this step
+        eager (a multimodal state: a step that computes placeholder tokens, whose embeddings
+        are spliced in by host work). Default: every step."""
+        return True
 
     def get_mm_embeddings(self, batch: InputBatch) -> MultiModalEmbeddings | None:
         """Embeddings of this step's multimodal placeholder tokens; text models have none."""

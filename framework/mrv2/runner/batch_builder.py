@@ -62,6 +62,10 @@ class BatchBuilder:
         self._last: _Layout | None = None  # the previous step's layout
         self.longest_first = os.environ.get(LONGEST_FIRST_ENV_VAR, "1") != "0"
         self._order: list[str] = []  # the last step's request order (longest_first)
+        #: ``(rows, num_computed, query_lens) -> bool``: may a step with prompt tokens replay a
+        #: mixed graph (the ModelState's ``mixed_graph_allowed``; the runner sets it).
+        self.mixed_graph_allowed: Callable[[list[int], list[int], list[int]], bool] = (
+            lambda rows, computed, lens: True)
 
     # -- staged writes of new rows -------------------------------------------------------------
 
@@ -175,7 +179,8 @@ class BatchBuilder:
             if drafts_l[i]:
                 drafted[req_ids[i]] = Drafted(info, drafts_l[i])
             max_seq_len = max(max_seq_len, info.num_computed)
-        key = (rows_l, lens_l, drafts_l, sample_l, in_prompt)
+        graph_ok = not in_prompt or self.mixed_graph_allowed(rows_l, computed_l, lens_l)
+        key = (rows_l, lens_l, drafts_l, sample_l, in_prompt, graph_ok)
         layout = self._last
         if layout is None or layout.key != key:
             layout = self._layout(key, staged, uploader)
@@ -244,7 +249,7 @@ class BatchBuilder:
     def _layout(self, key: tuple[Any, ...], staged: StagedEdits, uploader: Uploader) -> _Layout:
         """A step's layout from its lists: uploaded (with the staged edits, applied) and
         written into the persistent buffers."""
-        rows_l, lens_l, drafts_l, sample_l, in_prompt = key
+        rows_l, lens_l, drafts_l, sample_l, in_prompt, graph_ok = key
         buffers = self.buffers
         rows = np.array(rows_l, dtype=np.int32)
         lens = np.array(lens_l, dtype=np.int32)
@@ -269,7 +274,7 @@ class BatchBuilder:
         graphs = self.graphs
         if graphs is not None and uniform:
             padded = graphs.padded_size(query_len, num_reqs)
-        if graphs is not None and padded is None:
+        if graphs is not None and padded is None and graph_ok:
             mixed = graphs.mixed_size(num_tokens, num_reqs, num_logits)
         if padded:
             num_padded, num_tokens_padded = padded, padded * query_len

@@ -36,9 +36,10 @@ drafts' verification and the drafting stay eager. Eager, a
 small mixed step is all host time: 512 tokens (prompt chunks beside 64 decodes) of a
 0.6B-parameter model took 35 ms a step back to back for 2.6 ms of GPU work, replayed 3.6 ms
 (H200, BENCHMARKS.md 2026-12-02, eleventh session). Serving pays that on every step where a
-prompt arrives. The prompt steps of ModelStates whose inputs need host work per prompt
-(``ModelState.mixed_step_graphs``) and of attention backends whose launches grow with the
-baked bounds (``AttentionBackend.mixed_step_graphs``) stay eager.
+prompt arrives. Steps whose inputs need host work (``ModelState.mixed_graph_allowed`` says
+False: a multimodal state's steps that compute placeholders) stay eager, as do all steps with
+prompt tokens of a ModelState or an attention backend whose ``mixed_step_graphs`` is False
+(MLA: its launches grow with the baked bounds).
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ class DecodeGraphs:
     def mixed_size(self, num_tokens: int, num_reqs: int, num_logits: int) -> int | None:
         """The token count of the mixed graph a step of ``num_tokens`` tokens over ``num_reqs``
         requests with ``num_logits`` logits rows replays at, or ``None`` (eager)."""
-        for size in sorted(self.mixed_graphs):
+        for size in self.mixed_graphs:  # smallest first
             if (size >= num_tokens and self.mixed_reqs[size] >= num_reqs
                     and self.mixed_rows[size] >= num_logits):
                 return size
@@ -187,6 +188,7 @@ class DecodeGraphs:
                 self.mixed_graphs[tokens] = graph
                 self.mixed_reqs[tokens] = num_reqs
                 self.mixed_rows[tokens] = num_rows
+        self.mixed_graphs = dict(reversed(self.mixed_graphs.items()))  # smallest first
         _sync()
 
     def replay_mixed(self, tokens: int) -> Outputs:

@@ -123,6 +123,7 @@ class Runner:
         self.kv = KVCaches(specs, registries, self.device, config.device.attention_backend)
         self.builder = BatchBuilder(self.table, self.buffers, self.block_size,
                                     self.max_num_tokens, self.num_speculative_tokens)
+        self.builder.mixed_graph_allowed = self.model_state.mixed_graph_allowed
         peak = self._profile_peak_bytes()
         self.num_kv_blocks = agree_min(num_blocks_for(  # every rank holds as many
             config.cache, self.kv.bytes_per_block(self.block_size, self.dtype), self.device, peak

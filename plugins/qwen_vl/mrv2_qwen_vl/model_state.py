@@ -43,9 +43,6 @@ class QwenVLModelState(ModelState):
     #: first out); embeddings of images that live requests hold are never evicted.
     encoder_cache_bytes = 256 << 20
 
-    #: Prompt steps run eager: their image embeddings are spliced in by host-side work.
-    mixed_step_graphs = False
-
     def __init__(self, model: Any, hf_config: Any, config: Any, buffers: Any, block_size: int,
                  device: torch.device) -> None:
         super().__init__(model, hf_config, config, buffers, block_size, device)
@@ -138,6 +135,17 @@ class QwenVLModelState(ModelState):
             return None
         return MultiModalEmbeddings(to_device(np.concatenate(indices), torch.int64, self.device),
                                     parts[0] if len(parts) == 1 else torch.cat(parts))
+
+    def mixed_graph_allowed(self, rows: list[int], num_computed: list[int],
+                            query_lens: list[int]) -> bool:
+        """Steps that compute no image placeholder replay the mixed graphs (their M-RoPE
+        positions are device work); the others run eager: their image rows are spliced in on
+        the host's say-so (:meth:`get_mm_embeddings`)."""
+        for row, first, count in zip(rows, num_computed, query_lens, strict=True):
+            for item in self._images.get(row, ()):
+                if first < item.offset + item.length and item.offset < first + count:
+                    return False
+        return True
 
     def get_mm_embeddings(self, batch: InputBatch) -> MultiModalEmbeddings | None:
         """The embedding rows of the image placeholders this step computes (None for a step

@@ -177,12 +177,26 @@ def test_encoder_cache_and_prefix_cache(checkpoints: Callable[[str], Path], fami
     # steps through the CUDA-graph path (CPU stand-ins), captured without any image rows
     chunked = _llm(checkpoint, enable_prefix_caching=False, max_num_batched_tokens=4,
                    max_num_seqs=2)
-    emulate_cuda_graphs(chunked.engine.runner)
+    runner = chunked.engine.runner
+    emulate_cuda_graphs(runner)
+    steps: list[tuple[int, bool]] = []  # (mixed graph replayed, image rows in the step)
+    build = runner.builder.build
+
+    def recorded(*args: Any) -> Any:
+        plan = build(*args)
+        images = runner.model_state.get_mm_embeddings(plan.batch) is not None
+        steps.append((plan.replay_tokens, images))
+        return plan
+
+    runner.builder.build = recorded
     outs = chunked.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [fresh_a, fresh_two]
-    assert chunked.engine.runner.model_state.encoder_runs == 3
-    graphs = chunked.engine.runner.graphs
+    assert runner.model_state.encoder_runs == 3
+    graphs = runner.graphs
     assert graphs is not None and sum(g.replays for g in graphs.graphs.values()) >= 7
+    # prompt chunks without image rows replay the mixed graph; those with image rows never
+    assert any(t for t, _ in steps) and any(images for _, images in steps)
+    assert not any(t and images for t, images in steps)
     llm = _llm(checkpoint)
     state = llm.engine.runner.model_state
     prompts = [{"prompt_token_ids": ids, "multi_modal_data": {"image": [a]}},
