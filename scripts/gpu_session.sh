@@ -5,6 +5,7 @@
 # splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile, mixed,
 # flatgrid (MRV2_ATTN_FLAT_GRID: the kernel case, then the throughput A/B whose "on" side is the old grid),
 # mixedgraphs (steps with prompt tokens in CUDA graphs: small steps and the throughput workload),
+# servegraphs (the same through mrv2 serve: scripts/serve_sweep.py, eager against graphs),
 # tp_tests / tp_latency / tp_profile / tp_throughput (two GPUs: the nvidia-h200-x2 kind), glm47 (issue 19's
 # sweep: TP=4 on nvidia-h200-x4; on x2: TP=2 GLM47_ARGS="--hf-overrides '{\"num_hidden_layers\": N}'"),
 # soak (SOAK_S seconds of load, default 450: a device call is capped at 600 s; for the full 10
@@ -53,6 +54,12 @@ for step in "$@"; do
                      v.get('roofline_fraction')) for k, v in json.load(open(sys.argv[2])).items() \
                      if isinstance(v, dict) and 'output_tok_s' in v]" "$m" "$json"
                  done ;;
+    servegraphs) # mrv2 serve with steps with prompt tokens eager / in graphs (the default):
+                 # 256 requests of ~300 prompt tokens, 128 output tokens, at 64/s and at once
+                 timeout 280 python3 scripts/serve_sweep.py --model Qwen3-0.6B --out "$OUT/sweep" \
+                   --variants mixed_graphs_0 plain --rates 64 inf --num-requests 256 \
+                   --prompt-tokens 300 --max-tokens 128 --warmup-requests 32 \
+                   > "$OUT/sweep.log" 2>&1; tail -6 "$OUT/sweep.log" ;;
     mixed) # the throughput workload's mixed steps: host phases and host time by module, then
            # GPU time by kernel (scripts/profile_mixed.py), on both bundled Qwen3 sizes
            for m in Qwen3-0.6B Qwen3-8B; do python3 scripts/profile_mixed.py --model $m \
