@@ -6,6 +6,7 @@
 # flatgrid (MRV2_ATTN_FLAT_GRID: the kernel case, then the throughput A/B whose "on" side is the old grid),
 # mixedgraphs (steps with prompt tokens in CUDA graphs: small steps and the throughput workload),
 # servegraphs (the same through mrv2 serve: scripts/serve_sweep.py, eager against graphs),
+# mlaflat (MRV2_MLA_FLAT_GRID: MLA's flat grid, its tests and the DeepSeek-V2-Lite A/B),
 # tp_tests / tp_latency / tp_profile / tp_throughput (two GPUs: the nvidia-h200-x2 kind), glm47 (issue 19's
 # sweep: TP=4 on nvidia-h200-x4; on x2: TP=2 GLM47_ARGS="--hf-overrides '{\"num_hidden_layers\": N}'"),
 # soak (SOAK_S seconds of load, default 450: a device call is capped at 600 s; for the full 10
@@ -54,6 +55,15 @@ for step in "$@"; do
                      v.get('roofline_fraction')) for k, v in json.load(open(sys.argv[2])).items() \
                      if isinstance(v, dict) and 'output_tok_s' in v]" "$m" "$json"
                  done ;;
+    mlaflat) # MRV2_MLA_FLAT_GRID (the MLA kernel over the step's query tiles; DeepSeek's prompt
+             # steps then replay the mixed graphs): its CUDA tests, then the throughput A/B
+             MRV2_MLA_FLAT_GRID=1 timeout 150 python3 -m pytest -q -p no:cacheprovider \
+               tests/kernels/test_mla_attention.py 2>&1 | tee "$OUT/mla_flat_tests.log" | tail -2
+             MRV2_MLA_FLAT_GRID=1 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
+               tests/gpu/test_gpu_fp8_mla.py tests/gpu/test_gpu_mtp.py 2>&1 \
+               | tee "$OUT/mla_flat_gpu_tests.log" | tail -2
+             ROUNDS=${ROUNDS:-1} timeout 400 bash scripts/ab_env.sh MRV2_MLA_FLAT_GRID=1 \
+               throughput --model DeepSeek-V2-Lite ;;
     servegraphs) # mrv2 serve with steps with prompt tokens eager / in graphs (the default):
                  # 256 requests of ~300 prompt tokens, 128 output tokens, at 64/s and at once
                  timeout 280 python3 scripts/serve_sweep.py --model Qwen3-0.6B --out "$OUT/sweep" \

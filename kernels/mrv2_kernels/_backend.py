@@ -77,6 +77,29 @@ def online_softmax_step(q: tl.tensor, k: tl.tensor, v: tl.tensor, acc: tl.tensor
         acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, m_new, l_i
 
+@triton.jit
+def flat_query_tile(qsl_ptr: tl.tensor, num_reqs: tl.tensor, t: tl.tensor,
+                    BLOCK_Q: tl.constexpr, REQ_BLOCK: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
+    """Triton helper of the attention kernels' flat grids (programs over a step's query tiles,
+    not query-tile bound x requests): ``(request, query tile)`` of flat tile index ``t``.
+    Request ``i``'s tiles are numbered from ``start_i = query_start_loc[i] // BLOCK_Q + i``,
+    strictly increasing in ``i`` (a gap of at most one tile after each request), so the request
+    is the last ``i`` with ``start_i <= t``: counted over ``REQ_BLOCK`` requests per load (one
+    memory round trip for up to ``REQ_BLOCK`` requests, where a binary search would chain
+    ~log2 of them). Tiles past a request's queries are the caller's to skip."""
+    count = tl.full([], 0, tl.int32)
+    start = tl.full([], 0, tl.int32)
+    for c in range(0, num_reqs, REQ_BLOCK):
+        i = c + tl.arange(0, REQ_BLOCK)
+        ok = i < num_reqs
+        first = tl.load(qsl_ptr + i, mask=ok, other=0) // BLOCK_Q + i
+        seen = ok & (first <= t)
+        count += tl.sum(seen.to(tl.int32), axis=0)
+        start = tl.maximum(start, tl.max(tl.where(seen, first, 0), axis=0))
+    return count - 1, t - start
+
+
+
 #: Environment variable that forces the Triton path for CPU tensors (``MRV2_KERNELS=triton``),
 #: which only works together with ``TRITON_INTERPRET=1``.
 ENV_VAR = "MRV2_KERNELS"

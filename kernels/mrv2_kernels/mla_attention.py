@@ -27,10 +27,19 @@ accumulation; on the interpreter (and for fp32 caches) everything is fp32 right 
 
 Only rows of real query tokens are written: tokens past ``query_start_loc[num_reqs]`` and
 requests with no query are left untouched. No host sync: grids come from CPU-known bounds.
+
+With ``flat_grid`` (``MRV2_MLA_FLAT_GRID=1``; off until measured on a GPU) a plan of several
+query tiles launches over the step's query tiles instead of (query tile bound, request):
+``T // block_q + num_reqs`` programs per head tile and split, each finding its request in
+``query_start_loc`` (:func:`~mrv2_kernels._backend.flat_query_tile`). Its grid does not grow
+with ``max_query_len``, which a CUDA graph of mixed steps bakes as the padded token count (with
+``block_q = 2`` at 16 heads, the (tile, request) grid of an 8,192-token graph of 256 requests
+would launch a million programs a head tile, nearly all exiting at once).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +49,7 @@ import triton.language as tl
 
 from ._backend import LOG2E as _LOG2E
 from ._backend import M_INIT as _M_INIT
-from ._backend import cdiv, next_power_of_2, use_triton
+from ._backend import cdiv, flat_query_tile, next_power_of_2, use_triton
 from .mla_attention_ref import (
     _check_decode,
     _check_write,
@@ -52,7 +61,9 @@ _LN2 = tl.constexpr(0.6931471805599453)  # a constexpr: compiled kernels read on
 _MAX_SPLITS = 64
 
 __all__ = [
+    "FLAT_GRID_ENV_VAR",
     "MLADecodePlan",
+    "flat_grid_enabled",
     "mla_cache_write",
     "mla_cache_write_ref",
     "mla_cache_write_triton",
@@ -178,7 +189,18 @@ def _mla_tile(
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+#: ``1``: plans of several query tiles launch over the step's query tiles only
+#: (:func:`mla_decode_attention_triton`'s ``flat_grid``); unset or anything else: one program
+#: per (query tile bound, request).
+FLAT_GRID_ENV_VAR = "MRV2_MLA_FLAT_GRID"
+
+
+def flat_grid_enabled() -> bool:
+    """Whether :data:`FLAT_GRID_ENV_VAR` turns the flat grid on (read when called)."""
+    return os.environ.get(FLAT_GRID_ENV_VAR, "0") == "1"
+
+
+@triton.jit(do_not_specialize=["num_splits", "num_reqs"])
 def _mla_decode_kernel(
     ql_ptr: tl.tensor, qp_ptr: tl.tensor, cache_ptr: tl.tensor, out_ptr: tl.tensor,
     lse_ptr: tl.tensor, part_m_ptr: tl.tensor, part_l_ptr: tl.tensor, part_acc_ptr: tl.tensor,
@@ -186,17 +208,22 @@ def _mla_decode_kernel(
     stride_qlt: tl.tensor, stride_qlh: tl.tensor, stride_qpt: tl.tensor, stride_qph: tl.tensor,
     stride_ot: tl.tensor, stride_oh: tl.tensor, stride_lset: tl.tensor, stride_lseh: tl.tensor,
     stride_cb: tl.tensor, stride_cs: tl.tensor, stride_bt: tl.tensor, num_splits: tl.tensor,
-    NUM_HEADS: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, RANK_P2: tl.constexpr,
+    num_reqs: tl.tensor, NUM_HEADS: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr,
+    RANK_P2: tl.constexpr,
     ROPE_P2: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr, USE_SPLITS: tl.constexpr, HAS_LSE: tl.constexpr,
-    DOT_FP32: tl.constexpr, FP32_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, FP32_PRECISION: tl.constexpr, FLAT: tl.constexpr = False,
+    REQ_BLOCK: tl.constexpr = 16,
 ) -> None:
     NUM_H_TILES: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
     h_tile = tl.program_id(0) % NUM_H_TILES
     split = tl.program_id(0) // NUM_H_TILES
-    q_tile = tl.program_id(1)
-    req = tl.program_id(2)
+    if FLAT:  # program_id(1) counts every request's query tiles (see flat_query_tile)
+        req, q_tile = flat_query_tile(qsl_ptr, num_reqs, tl.program_id(1), BLOCK_Q, REQ_BLOCK)
+    else:
+        q_tile = tl.program_id(1)
+        req = tl.program_id(2)
 
     q_start = tl.load(qsl_ptr + req)
     seq_len = tl.load(seq_lens_ptr + req)  # issued before the exit: overlaps the load above
@@ -436,12 +463,15 @@ def mla_decode_attention_triton(
     num_splits: int | None = None,
     block_h: int | None = None, block_q: int | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None,
+    flat_grid: bool | None = None,
 ) -> torch.Tensor:
     """The Triton kernels (see the module doc); returns ``out``.
 
     ``max_query_len``, ``num_reqs`` (default ``len(query_start_loc) - 1``) and ``max_seq_len``
     (default: what ``block_table`` can address) are CPU-known bounds; only they size the grids.
-    ``num_splits`` and the tiles override :func:`mla_decode_plan`'s defaults.
+    ``num_splits`` and the tiles override :func:`mla_decode_plan`'s defaults. ``flat_grid``
+    (default: :func:`flat_grid_enabled`): a plan of several query tiles launches over the
+    step's query tiles (see the module doc); the same results, bit for bit.
     """
     num_heads, rank, rope = _check_decode(q_latent, q_pe, cache, out, lse)
     assert q_latent.dtype == q_pe.dtype == cache.dtype, "q_latent, q_pe and cache dtypes differ"
@@ -475,14 +505,20 @@ def mla_decode_attention_triton(
     lse_t = lse if lse is not None else out  # unused when HAS_LSE is False
     lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     common = {"NUM_HEADS": num_heads, "RANK": rank, "HAS_LSE": lse is not None}
-    grid = (plan.num_h_tiles * splits, plan.num_q_tiles, num_reqs)
+    flat = plan.num_q_tiles > 1 and (flat_grid if flat_grid is not None
+                                     else flat_grid_enabled())
+    if flat:
+        grid = (plan.num_h_tiles * splits, num_tokens // plan.block_q + num_reqs, 1)
+        assert grid[1] < 65536, "the flat grid's tiles are a grid dimension: at most 65535"
+    else:
+        grid = (plan.num_h_tiles * splits, plan.num_q_tiles, num_reqs)
     _mla_decode_kernel[grid](
         q_latent, q_pe, cache, out, lse_t, part_m, part_l, part_acc,
         query_start_loc, seq_lens, block_table,
         sm_scale * _LOG2E,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
         out.stride(0), out.stride(1), *lse_strides,
-        cache.stride(0), cache.stride(1), block_table.stride(0), splits,
+        cache.stride(0), cache.stride(1), block_table.stride(0), splits, num_reqs,
         ROPE=rope, RANK_P2=max(16, next_power_of_2(rank)),
         ROPE_P2=max(16, next_power_of_2(rope)),
         BLOCK_H=plan.block_h, BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n,
@@ -490,6 +526,7 @@ def mla_decode_attention_triton(
         # fp32 caches on GPU: 3xTF32 tensor-core dots (about fp32 accurate); interpreter: exact.
         DOT_FP32=(not on_gpu) or cache.dtype == torch.float32,
         FP32_PRECISION="tf32x3" if on_gpu else "ieee",
+        FLAT=flat, REQ_BLOCK=256 if on_gpu else 16,  # requests per load of the flat search
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
         **common,

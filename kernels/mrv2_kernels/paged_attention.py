@@ -52,7 +52,15 @@ import triton.language as tl
 
 from ._backend import LOG2E as _LOG2E
 from ._backend import M_INIT as _M_INIT
-from ._backend import next_power_of_2, pdl, pdl_early_meta, pdl_prologue, pdl_release, pdl_wait
+from ._backend import (
+    flat_query_tile,
+    next_power_of_2,
+    pdl,
+    pdl_early_meta,
+    pdl_prologue,
+    pdl_release,
+    pdl_wait,
+)
 from ._backend import online_softmax_step as _online_step
 from .paged_attention_plan import AttentionPlan, FusedRope, _rows_of_heads, attention_plan
 from .paged_attention_ref import _check_inputs, paged_attention_ref
@@ -79,26 +87,6 @@ def _rope_table(
     cos = tl.load(at, mask=valid[:, None], other=0.0).to(tl.float32)
     sin = tl.load(at + HALF, mask=valid[:, None], other=0.0).to(tl.float32)
     return cos, sin
-
-
-@triton.jit
-def _flat_tile(qsl_ptr: tl.tensor, num_reqs: tl.tensor, t: tl.tensor, BLOCK_Q: tl.constexpr,
-               REQ_BLOCK: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
-    """``(request, query tile)`` of flat tile index ``t``. Request ``i``'s tiles are numbered
-    from ``start_i = query_start_loc[i] // BLOCK_Q + i``, strictly increasing in ``i`` (a gap
-    of at most one tile after each request), so the request is the last ``i`` with
-    ``start_i <= t``: counted over ``REQ_BLOCK`` requests per load (one memory round trip for
-    up to ``REQ_BLOCK`` requests, where a binary search would chain ~log2 of them)."""
-    count = tl.full([], 0, tl.int32)
-    start = tl.full([], 0, tl.int32)
-    for c in range(0, num_reqs, REQ_BLOCK):
-        i = c + tl.arange(0, REQ_BLOCK)
-        ok = i < num_reqs
-        first = tl.load(qsl_ptr + i, mask=ok, other=0) // BLOCK_Q + i
-        seen = ok & (first <= t)
-        count += tl.sum(seen.to(tl.int32), axis=0)
-        start = tl.maximum(start, tl.max(tl.where(seen, first, 0), axis=0))
-    return count - 1, t - start
 
 
 @triton.jit(do_not_specialize=["num_q_tiles", "num_splits", "num_tokens", "num_reqs"])
@@ -158,7 +146,8 @@ def _paged_attn_kernel(
     REQ_BLOCK: tl.constexpr = 16,
 ) -> None:
     # Heaviest query tiles (latest positions) first: better tail balance in causal prefill.
-    # FLAT: program_id(0) counts every request's tiles (see _flat_tile), the last ones first.
+    # FLAT: program_id(0) counts every request's tiles (see flat_query_tile), the last ones
+    # first.
     q_tile = num_q_tiles - 1 - tl.program_id(0)
     pid_hs = tl.program_id(1)
     req = tl.program_id(2)
@@ -175,7 +164,7 @@ def _paged_attn_kernel(
         # (pdl_early_meta's rule: no PDL kernel writes step metadata or constant tables)
         pdl_release(PDL)
         if FLAT:
-            req, q_tile = _flat_tile(qsl_ptr, num_reqs, flat_t, BLOCK_Q, REQ_BLOCK)
+            req, q_tile = flat_query_tile(qsl_ptr, num_reqs, flat_t, BLOCK_Q, REQ_BLOCK)
         q_start = tl.load(qsl_ptr + req)
         seq_len = tl.load(seq_lens_ptr + req)
         q_end = tl.load(qsl_ptr + req + 1)  # qlen is taken after the wait: nothing before it
@@ -203,7 +192,7 @@ def _paged_attn_kernel(
     else:
         pdl_prologue(PDL)
         if FLAT:
-            req, q_tile = _flat_tile(qsl_ptr, num_reqs, flat_t, BLOCK_Q, REQ_BLOCK)
+            req, q_tile = flat_query_tile(qsl_ptr, num_reqs, flat_t, BLOCK_Q, REQ_BLOCK)
 
     if ZERO_PAD:  # rows of padding tokens (past query_start_loc[num_reqs]) become zeros:
         # spread over all programs, so no memset launch is needed before the kernel

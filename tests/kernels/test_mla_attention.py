@@ -201,6 +201,37 @@ def test_odd_heads_rank_and_tiles() -> None:
         check(c, *run_both(c, num_splits=3, block_h=2, block_q=2))
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_flat_grid_gives_the_same_bits(num_splits: int) -> None:
+    """``flat_grid``: programs over the step's query tiles (each finds its request in
+    ``query_start_loc``) write what the (query tile, request) grid writes, bit for bit, also
+    under a mixed CUDA graph's bounds (``max_query_len`` = every token, padding requests with
+    empty queries past the real ones)."""
+    c = make_case([(7, 20), (0, 0), (5, 5), (1, 30), (3, 3)], block_size=4, seed=11)
+    num_tokens = c.q_latent.shape[0]
+    # graph-like bounds: 8 requests (3 padding ones, empty: query_start_loc ends repeated)
+    qsl = torch.cat([c.qsl, c.qsl[-1:].expand(3)])
+    bounds = (c.q_latent, c.q_pe, c.cache, torch.cat([c.block_table, c.block_table[:3]]),
+              torch.cat([c.seq_lens, torch.zeros_like(c.seq_lens[:3])]), qsl, num_tokens)
+    kw: dict[str, Any] = {"num_splits": num_splits, "block_q": 2, "max_seq_len": 64,
+                          "block_h": 8 if DEVICE == "cuda" else 2}
+    for args, num_reqs in ((c.args(), 5), (bounds, 8)):
+        outs = []
+        for flat in (False, True):
+            out = nan_like(c.q_latent)
+            lse = torch.full(c.q_latent.shape[:2], float("nan"), device=c.q_latent.device)
+            mla_decode_attention_triton(*args, c.scale, out, lse=lse, num_reqs=num_reqs,
+                                        flat_grid=flat, **kw)
+            outs.append((out, lse))
+        (grid, grid_lse), (flat_out, flat_lse) = outs
+        torch.testing.assert_close(flat_out, grid, atol=0, rtol=0, equal_nan=True)
+        torch.testing.assert_close(flat_lse, grid_lse, atol=0, rtol=0, equal_nan=True)
+        ref = nan_like(c.q_latent)
+        ref_lse = torch.full_like(grid_lse, float("nan"))
+        mla_decode_attention_ref(*c.args(), c.scale, ref, lse=ref_lse)
+        check(c, ref, ref_lse, flat_out, flat_lse)
+
+
 def test_default_plan_loose_bounds_no_lse() -> None:
     """Default splits from a loose max_seq_len (as under graph capture); no lse asked for."""
     c = make_case([(1, 50), (1, 9), (1, 33)], block_size=16, seed=5, pad_tokens=1)
@@ -383,14 +414,15 @@ _SM90_SCRIPT = r"""
 from mrv2_kernels import mla_attention as m
 
 bf, f32, i32 = "*bf16", "*fp32", "*i32"
-for q_tok, splits in ((1, True), (2, False)):
+for q_tok, splits, flat in ((1, True, False), (2, False, False), (2, True, True)):
     build(m._mla_decode_kernel,
           {"ql_ptr": bf, "qp_ptr": bf, "cache_ptr": bf, "out_ptr": bf, "lse_ptr": f32,
            "part_m_ptr": f32, "part_l_ptr": f32, "part_acc_ptr": f32, "qsl_ptr": i32,
            "seq_lens_ptr": i32, "block_table_ptr": i32},
           dict(NUM_HEADS=16, RANK=512, ROPE=64, RANK_P2=512, ROPE_P2=64, BLOCK_H=16,
                BLOCK_Q=q_tok, BLOCK_N=32, KV_BLOCK_SIZE=16, USE_SPLITS=splits, HAS_LSE=True,
-               DOT_FP32=False, FP32_PRECISION="tf32x3"), num_warps=8, num_stages=3)
+               DOT_FP32=False, FP32_PRECISION="tf32x3", FLAT=flat, REQ_BLOCK=256),
+          num_warps=8, num_stages=3)
 build(m._mla_combine_kernel,
       {"part_m_ptr": f32, "part_l_ptr": f32, "part_acc_ptr": f32, "out_ptr": bf,
        "lse_ptr": f32, "qsl_ptr": i32},
@@ -407,4 +439,4 @@ def test_kernels_compile_for_sm90(tmp_path: Any) -> None:
 
     shared = [size for sizes in compile_for_sm90(_SM90_SCRIPT, tmp_path).values()
               for size in sizes]
-    assert len(shared) == 4 and max(shared) <= 100 * 1024, shared
+    assert len(shared) == 5 and max(shared) <= 100 * 1024, shared

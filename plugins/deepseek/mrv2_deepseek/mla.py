@@ -44,7 +44,7 @@ from mrv2.layers import ColumnLinear, RMSNorm, RotaryEmbedding, RowLinear
 from mrv2.layers.fp8 import FP8, Fp8LinearMixin
 from mrv2.layers.linear import LinearBase, split_evenly
 from mrv2.layers.rotary import rope_parameters_of
-from mrv2_kernels.mla_attention import mla_cache_write, mla_decode_attention
+from mrv2_kernels.mla_attention import flat_grid_enabled, mla_cache_write, mla_decode_attention
 
 #: The eps of DeepSeek's q_a / kv_a RMSNorms (HF builds them with the default).
 LATENT_NORM_EPS = 1e-6
@@ -56,9 +56,13 @@ class MLABackend(AttentionBackend):
     :mod:`mrv2_kernels.mla_attention`)."""
 
     name = "mla"
-    #: Its grid is (head tiles, query tiles of ``max_query_len``, requests): a mixed graph's
-    #: baked bound (the padded token count) would launch mostly empty programs. Eager.
-    mixed_step_graphs = False
+
+    def __init__(self) -> None:
+        # Steps with prompt tokens replay the runner's mixed graphs only with the kernel's flat
+        # grid (MRV2_MLA_FLAT_GRID=1, off until measured on a GPU): the (query tile, request)
+        # grid would launch a program per tile of the graph's baked max_query_len (its padded
+        # token count) and request, nearly all exiting at once.
+        self.mixed_step_graphs = flat_grid_enabled()
 
     def write(self, latent: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:

@@ -54,8 +54,20 @@ def test_mtp_greedy_equals_plain(checkpoint: Path, graphs: bool) -> None:
     got, llm = _run(checkpoint, MTP, graphs)
     assert got == expected
     assert llm.engine.stats()["spec_num_draft_tokens"] > 0
-    if graphs:  # MLA's grid grows with max_query_len: steps with prompt tokens stay eager
+    if graphs:  # MLA's (query tile, request) grid: steps with prompt tokens stay eager
         assert llm.engine.runner.graphs.graphs and not llm.engine.runner.graphs.mixed_graphs
+
+
+def test_mla_flat_grid_lets_prompt_steps_replay(checkpoint: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the MLA kernel's flat grid (``MRV2_MLA_FLAT_GRID=1``) the mixed graphs are
+    captured and replayed (prompts and MTP's verify steps), giving the eager tokens."""
+    expected = _run(checkpoint, None)[0]
+    monkeypatch.setenv("MRV2_MLA_FLAT_GRID", "1")
+    got, llm = _run(checkpoint, MTP, graphs=True)
+    assert got == expected
+    graphs = llm.engine.runner.graphs
+    assert sum(g.replays for g in graphs.mixed_graphs.values()) > 0  # type: ignore[attr-defined]
 
 
 def test_fp8_checkpoint_with_fp8_mtp_layer(checkpoint: Path, tmp_path: Path) -> None:
