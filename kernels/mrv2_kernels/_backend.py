@@ -22,9 +22,9 @@ import triton
 import triton.language as tl
 
 __all__ = ["ENV_VAR", "LOG2E", "M_INIT", "PDL_EARLY_META_ENV_VAR", "PDL_EARLY_WEIGHTS_ENV_VAR",
-           "PDL_ENV_VAR", "cdiv", "default_block", "next_power_of_2", "online_softmax_step",
-           "pdl", "pdl_early_meta", "pdl_early_weights", "pdl_enabled", "pdl_release",
-           "pdl_wait", "triton_forced", "use_triton"]
+           "PDL_ENV_VAR", "cdiv", "default_block", "flat_query_tile", "next_power_of_2",
+           "online_softmax_step", "pdl", "pdl_early_meta", "pdl_early_weights", "pdl_enabled",
+           "pdl_release", "pdl_wait", "softmax_rescale", "triton_forced", "use_triton"]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -49,6 +49,24 @@ M_INIT = tl.constexpr(-1.0e30)
 
 
 @triton.jit
+def softmax_rescale(s: tl.tensor, m_i: tl.tensor, l_i: tl.tensor, qk_scale: tl.tensor,
+                    keep: tl.tensor, MASKED: tl.constexpr) -> Any:
+    """Triton helper: the online-softmax update of a tile of raw scores ``s`` ``[BLOCK_M,
+    BLOCK_N]`` in base 2 (``qk_scale`` includes :data:`LOG2E`; ``keep`` masks when
+    ``MASKED``): returns ``(p, alpha, m, l)``, the tile's probabilities against the new running
+    max ``m``, the factor that rescales what was accumulated so far, and the new running sum.
+    Shared by :func:`online_softmax_step` and the MLA kernel, which differ in how they
+    accumulate ``p``'s value product."""
+    s = s * qk_scale
+    if MASKED:
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def online_softmax_step(q: tl.tensor, k: tl.tensor, v: tl.tensor, acc: tl.tensor,
                         m_i: tl.tensor, l_i: tl.tensor, qk_scale: tl.tensor, keep: tl.tensor,
                         MASKED: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -63,13 +81,7 @@ def online_softmax_step(q: tl.tensor, k: tl.tensor, v: tl.tensor, acc: tl.tensor
         qk = tl.dot(q, tl.trans(k), input_precision=FP32_PRECISION)
     else:
         qk = tl.dot(q, tl.trans(k))
-    qk = qk * qk_scale
-    if MASKED:
-        qk = tl.where(keep, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = softmax_rescale(qk, m_i, l_i, qk_scale, keep, MASKED)
     acc = acc * alpha[:, None]
     if DOT_FP32:
         acc = tl.dot(p, v, acc, input_precision=FP32_PRECISION)

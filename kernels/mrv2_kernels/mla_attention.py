@@ -49,7 +49,7 @@ import triton.language as tl
 
 from ._backend import LOG2E as _LOG2E
 from ._backend import M_INIT as _M_INIT
-from ._backend import cdiv, flat_query_tile, next_power_of_2, use_triton
+from ._backend import cdiv, flat_query_tile, next_power_of_2, softmax_rescale, use_triton
 from .mla_attention_ref import (
     _check_decode,
     _check_write,
@@ -170,20 +170,17 @@ def _mla_tile(
     l_i: tl.tensor, qk_scale: tl.tensor, visible: tl.tensor, MASKED: tl.constexpr,
     DOT_FP32: tl.constexpr, FP32_PRECISION: tl.constexpr,
 ) -> Any:
-    """One online-softmax step (log2 domain): the latent tile is both the key and the value."""
+    """One online-softmax step (log2 domain): the latent tile is both the key and the value.
+    (The value product is added after the dot, not accumulated inside it as
+    :func:`~mrv2_kernels._backend.online_softmax_step` does: not measured for MLA's 512-wide
+    accumulator.)"""
     if DOT_FP32:
         s = tl.dot(ql, tl.trans(c), input_precision=FP32_PRECISION)
         s = tl.dot(qp, tl.trans(pe), acc=s, input_precision=FP32_PRECISION)
     else:
         s = tl.dot(ql, tl.trans(c))
         s = tl.dot(qp, tl.trans(pe), acc=s)
-    s = s * qk_scale
-    if MASKED:
-        s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = softmax_rescale(s, m_i, l_i, qk_scale, visible, MASKED)
     pv = tl.dot(p, c, input_precision=FP32_PRECISION) if DOT_FP32 else tl.dot(p.to(c.dtype), c)
     acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
