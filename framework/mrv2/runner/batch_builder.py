@@ -292,11 +292,7 @@ class BatchBuilder:
             "do_sample": do_sample.astype(np.int32),
         }
         if max_drafts:
-            indices = last_token_indices(qsl_cpu, drafts + 1)
-            if mixed:  # a mixed graph's padding rows: the last token (any valid row)
-                indices = np.concatenate([indices, np.full(mixed_rows - num_logits,
-                                                           num_tokens - 1)])
-            arrays["logits_indices"] = indices
+            arrays["logits_indices"] = last_token_indices(qsl_cpu, drafts + 1)
             arrays["logits_rows"] = np.repeat(rows, drafts + 1)
             arrays["cu_num_logits"] = cu_logits
             arrays["num_drafts"] = drafts
@@ -309,18 +305,18 @@ class BatchBuilder:
         query_start_loc_dev = buffers.query_start_loc[: num_padded + 1]
         query_start_loc_dev.copy_(dev["query_start_loc"])
         logits_indices = buffers.logits_indices[:num_logits]
-        if max_drafts:  # (padded for a mixed graph)
-            indices_dev = dev["logits_indices"]
-            buffers.logits_indices[: indices_dev.shape[0]].copy_(indices_dev)
+        if max_drafts:
+            logits_indices.copy_(dev["logits_indices"])
             logits_idx_mapping = buffers.logits_idx_mapping[:num_logits]
             logits_idx_mapping.copy_(dev["logits_rows"])
+            written = num_logits
         else:  # (a mixed graph's padding requests too: their rows point at the last token)
-            rows_out = num_padded if mixed else num_reqs
-            torch.sub(query_start_loc_dev[1 : rows_out + 1], 1,
-                      out=buffers.logits_indices[:rows_out])
-            if mixed_rows > rows_out:  # the graph's rows for drafts: none, any valid token
-                buffers.logits_indices[rows_out:mixed_rows].fill_(num_tokens - 1)
+            written = num_padded if mixed else num_reqs
+            torch.sub(query_start_loc_dev[1 : written + 1], 1,
+                      out=buffers.logits_indices[:written])
             logits_idx_mapping = idx_mapping
+        if mixed_rows > written:  # the rest of a mixed graph's logits rows: any valid token
+            buffers.logits_indices[written:mixed_rows].fill_(num_tokens - 1)
         return _Layout(
             key=key, rows=rows, drafts=drafts, do_sample=do_sample, qsl_cpu=qsl_cpu,
             cu_logits=cu_logits, dev=dev, idx_mapping=idx_mapping,

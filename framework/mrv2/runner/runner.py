@@ -232,7 +232,8 @@ class Runner:
     def _mixed_dummy_batch(self, num_reqs: int, num_tokens: int, num_rows: int) -> InputBatch:
         batch = self.model_state.prepare_dummy_inputs(num_reqs, num_tokens)
         indices = self.buffers.logits_indices
-        indices[batch.logits_indices.shape[0] : num_rows].fill_(num_tokens - 1)  # (none, so far)
+        # rows the dummy left unwritten (the default writes them all), as the builder pads them
+        indices[batch.logits_indices.shape[0] : num_rows].fill_(num_tokens - 1)
         # Bake the bounds of any step this size serves, and its logits rows.
         return InputBatch(**{**batch.__dict__, "max_query_len": num_tokens,
                              "max_seq_len": self.max_model_len, "uniform_decode": False,
@@ -462,8 +463,7 @@ class Runner:
             cast(CausalLM, self.model).compute_logits(hidden[batch.logits_indices]).float()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(self.device) - before
-        self.kv.release()
-        torch.cuda.empty_cache()
+        self.kv.release()  # (num_blocks_for returns the freed memory to the device)
         return int(peak)
 
 
