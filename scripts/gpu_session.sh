@@ -5,7 +5,8 @@
 # splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile, mixed,
 # flatgrid (MRV2_ATTN_FLAT_GRID: the kernel case, then the throughput A/B whose "on" side is the old grid),
 # mixedgraphs (steps with prompt tokens in CUDA graphs: small steps and the throughput workload),
-# servegraphs (the same through mrv2 serve: scripts/serve_sweep.py, eager against graphs),
+# servegraphs (the same through mrv2 serve: scripts/serve_sweep.py, eager against graphs), servespec
+# (the same with n-gram speculation), padding (what padding rows cost: MoE and mixed graphs),
 # mlaflat (MRV2_MLA_FLAT_GRID: MLA's flat grid, its tests and the DeepSeek-V2-Lite A/B),
 # tp_tests / tp_latency / tp_profile / tp_throughput (two GPUs: the nvidia-h200-x2 kind), glm47 (issue 19's
 # sweep: TP=4 on nvidia-h200-x4; on x2: TP=2 GLM47_ARGS="--hf-overrides '{\"num_hidden_layers\": N}'"),
@@ -55,14 +56,15 @@ for step in "$@"; do
                      v.get('roofline_fraction')) for k, v in json.load(open(sys.argv[2])).items() \
                      if isinstance(v, dict) and 'output_tok_s' in v]" "$m" "$json"
                  done ;;
-    mlaflat) # MRV2_MLA_FLAT_GRID (the MLA kernel over the step's query tiles; DeepSeek's prompt
-             # steps then replay the mixed graphs): its CUDA tests, then the throughput A/B
-             MRV2_MLA_FLAT_GRID=1 timeout 150 python3 -m pytest -q -p no:cacheprovider \
-               tests/kernels/test_mla_attention.py 2>&1 | tee "$OUT/mla_flat_tests.log" | tail -2
-             MRV2_MLA_FLAT_GRID=1 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
+    mlaflat) # MRV2_MLA_FLAT_GRID (the MLA kernel over the step's query tiles, the default;
+             # DeepSeek's prompt steps replay the mixed graphs): its CUDA tests with the old
+             # (query tile, request) grid, then the throughput A/B whose "on" is the old grid
+             MRV2_MLA_FLAT_GRID=0 timeout 150 python3 -m pytest -q -p no:cacheprovider \
+               tests/kernels/test_mla_attention.py 2>&1 | tee "$OUT/mla_grid_tests.log" | tail -2
+             MRV2_MLA_FLAT_GRID=0 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
                tests/gpu/test_gpu_fp8_mla.py tests/gpu/test_gpu_mtp.py 2>&1 \
-               | tee "$OUT/mla_flat_gpu_tests.log" | tail -2
-             ROUNDS=${ROUNDS:-1} timeout 400 bash scripts/ab_env.sh MRV2_MLA_FLAT_GRID=1 \
+               | tee "$OUT/mla_grid_gpu_tests.log" | tail -2
+             ROUNDS=${ROUNDS:-1} timeout 400 bash scripts/ab_env.sh MRV2_MLA_FLAT_GRID=0 \
                throughput --model DeepSeek-V2-Lite ;;
     servegraphs) # mrv2 serve with steps with prompt tokens eager / in graphs (the default):
                  # 256 requests of ~300 prompt tokens, 128 output tokens, at 64/s and at once
@@ -70,6 +72,20 @@ for step in "$@"; do
                    --variants mixed_graphs_0 plain --rates 64 inf --num-requests 256 \
                    --prompt-tokens 300 --max-tokens 128 --warmup-requests 32 \
                    > "$OUT/sweep.log" 2>&1; tail -6 "$OUT/sweep.log" ;;
+    padding) # what padding rows cost: the routed experts with / without valid_tokens
+             # (scripts/moe_padding.py), a large model's mixed steps eager against their graphs
+             # at the padded counts (scripts/mixed_padding.py), the MoE kernel tests on CUDA
+             timeout 120 python3 scripts/moe_padding.py 2>&1 | tee "$OUT/moe_padding.log" | tail -7
+             timeout 200 python3 scripts/mixed_padding.py --model Qwen3-8B 2>&1 \
+               | tee "$OUT/mixed_padding.log" | grep -v Warning | tail -12
+             timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe.py \
+               2>&1 | tee "$OUT/moe_kernel_tests.log" | tail -2 ;;
+    servespec) # the same sweep with n-gram speculation (3 drafts, synthetic acceptance 0.9):
+               # steps with prompt tokens eager against graphs (up to 512 tokens with a speculator)
+               timeout 280 python3 scripts/serve_sweep.py --model Qwen3-0.6B --out "$OUT/sweep_spec" \
+                 --variants ngram_on_mixed_graphs_0 ngram_on --rates 64 inf --num-requests 256 \
+                 --prompt-tokens 300 --max-tokens 128 --warmup-requests 32 \
+                 > "$OUT/sweep_spec.log" 2>&1; tail -6 "$OUT/sweep_spec.log" ;;
     mixed) # the throughput workload's mixed steps: host phases and host time by module, then
            # GPU time by kernel (scripts/profile_mixed.py), on both bundled Qwen3 sizes
            for m in Qwen3-0.6B Qwen3-8B; do python3 scripts/profile_mixed.py --model $m \

@@ -19,8 +19,9 @@ TTFT p50 and output tok/s per variant and rate. Variants:
   draft token): random weights accept almost nothing, so each draft is kept with that
   probability whatever the model says — the output is not the model's;
 - ``async_off`` / ``mtp_on_async_off``: the same with async scheduling off;
-- ``mixed_graphs_N``: the plain server with ``--max-mixed-graph-tokens N`` (0: steps with
-  prompt tokens run eager).
+- ``ngram_on``: n-gram speculation, three draft tokens, the same synthetic acceptance;
+- a name ending ``mixed_graphs_N`` (``mixed_graphs_0``, ``ngram_on_mixed_graphs_0``): the
+  server with ``--max-mixed-graph-tokens N`` (0: steps with prompt tokens run eager).
 
 Writes ``<variant>/server.log``, ``<variant>/serve.json`` and ``sweep.json`` under ``--out``.
 """
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -49,8 +51,14 @@ def variant_args(name: str, acceptance: float) -> list[str]:
         args += ["--speculative-config", json.dumps(spec)]
     if name.endswith("async_off"):
         args += ["--no-async-scheduling"]
-    if name.startswith("mixed_graphs_"):  # mixed_graphs_N: --max-mixed-graph-tokens N
-        args += ["--max-mixed-graph-tokens", name.rsplit("_", 1)[1]]
+    if name.startswith("ngram_on"):
+        spec = {"method": "ngram", "num_speculative_tokens": 3,
+                "rejection_sample_method": "synthetic",
+                "synthetic_acceptance_rate": acceptance}
+        args += ["--speculative-config", json.dumps(spec)]
+    cap = re.search(r"mixed_graphs_(\d+)$", name)
+    if cap:  # ..._mixed_graphs_N: --max-mixed-graph-tokens N
+        args += ["--max-mixed-graph-tokens", cap.group(1)]
     return args
 
 

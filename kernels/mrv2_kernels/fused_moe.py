@@ -399,7 +399,8 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 
 def _moe_chunk(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                topk_ids: torch.Tensor, out: torch.Tensor, tiles: MoeTiles,
-               fp8: _Fp8 | None = None) -> None:
+               fp8: _Fp8 | None = None, valid_tokens: torch.Tensor | None = None,
+               first_token: int = 0) -> None:
     """The four steps of the module docstring for ``x`` ``[T > 0, H]``, into ``out``. FP8:
     ``x`` quantized once before the gate/up GEMM (or inside it), the activation in the
     gate/up epilogue, the down GEMM or a kernel of its own (``tiles.act_quant``)."""
@@ -409,7 +410,8 @@ def _moe_chunk(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
     inter = two_i // 2
     num_pairs = num_tokens * top_k
     bm = tiles.block_m
-    sorted_ids, block_expert, num_post = moe_align(topk_ids, num_experts, bm)
+    sorted_ids, block_expert, num_post = moe_align(topk_ids, num_experts, bm, valid_tokens,
+                                                   first_token)
     max_blocks = block_expert.shape[0]
     y = _empty((num_pairs, hidden), torch.float32, x.device)
     upcast = not x.is_cuda
@@ -488,6 +490,7 @@ def fused_moe_triton(
     fused_combine: bool | None = None,
     fuse_x_quant: bool | None = None,
     act_quant: str | None = None,
+    valid_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton implementation of :func:`fused_moe` (module docstring: align, gate/up GEMM, down
     GEMM, combine); tile arguments override :func:`moe_tiles`. Never synchronizes with the
@@ -506,6 +509,10 @@ def fused_moe_triton(
     power of two that ``block_k1`` and ``block_k2`` divide): ``fuse_x_quant`` and
     ``act_quant`` (``"epilogue"``, ``"down"``, ``"kernel"``) say where the activations are
     quantized (:class:`MoeTiles`); also scratch ``[T, H]`` fp8 and the activation's fp8 copy.
+
+    ``valid_tokens`` (int32 ``[1]`` on the device; a CUDA graph's real token count): the rows
+    from ``valid_tokens[0]`` on are padding; their pairs are left out of the alignment, so
+    no expert is read or computed for them, and their output rows are unspecified.
     """
     _check(x, w13, w2, topk_weights, topk_ids)
     fp8_block = check_fp8_args(w13, w2, w13_scale, w2_scale, block)
@@ -548,7 +555,7 @@ def fused_moe_triton(
         if fp8 is not None:
             tiles = _check_fp8_tiles(tiles, fp8.bk, fuse_x_quant is None, act_quant is None)
         _moe_chunk(x[start:stop], w13, w2, topk_weights[start:stop], topk_ids[start:stop],
-                   out[start:stop], tiles, fp8)
+                   out[start:stop], tiles, fp8, valid_tokens, start)
     return out
 
 
@@ -562,15 +569,18 @@ def fused_moe(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     block: tuple[int, int] | list[int] = DEFAULT_BLOCK,
+    valid_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The routed experts of ``x`` (see the module contract; FP8 weights with their scales:
     :mod:`~mrv2_kernels.fused_moe_fp8`): :func:`fused_moe_triton` when :func:`use_triton` says
     so (fp32/bf16/fp16 ``x``; FP8: a power-of-two block K), else :func:`fused_moe_ref` (which
-    loops over the experts present, on the host: fine on the CPU, not for CUDA graphs)."""
+    loops over the experts present, on the host: fine on the CPU, not for CUDA graphs).
+    ``valid_tokens`` (int32 ``[1]``, on ``x``'s device): rows from ``valid_tokens[0]`` on are
+    padding, not computed (their output rows are unspecified)."""
     fp8 = w13_scale is not None or w2_scale is not None
     bk = int(block[1]) if fp8 else 1
     if use_triton(x) and x.dtype in _KERNEL_DTYPES and bk > 0 and bk & (bk - 1) == 0:
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale,
-                                w2_scale=w2_scale, block=block)
+                                w2_scale=w2_scale, block=block, valid_tokens=valid_tokens)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale,
-                         w2_scale=w2_scale, block=block)
+                         w2_scale=w2_scale, block=block, valid_tokens=valid_tokens)

@@ -46,16 +46,21 @@ def fused_moe_ref(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     block: tuple[int, int] | list[int] = DEFAULT_BLOCK,
+    valid_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-torch specification: a Python loop over (token, slot) pairs grouped by expert.
     FP8 weights (both scales given): the weights dequantized, ``x`` and the activation
-    quantized per row and group of ``bk`` (:mod:`~mrv2_kernels.fused_moe_fp8`'s contract)."""
+    quantized per row and group of ``bk`` (:mod:`~mrv2_kernels.fused_moe_fp8`'s contract).
+    ``valid_tokens`` (``[1]``): rows from ``valid_tokens[0]`` on are padding, left at zero
+    here (unspecified in the contract)."""
     _check(x, w13, w2, topk_weights, topk_ids)
     fp8 = check_fp8_args(w13, w2, w13_scale, w2_scale, block)
     num_tokens, top_k = topk_ids.shape
     inter = w2.shape[2]
     out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
     flat_ids = topk_ids.reshape(-1).long()
+    if valid_tokens is not None:  # read on the host: the reference never runs in a graph
+        flat_ids = flat_ids[: max(0, int(valid_tokens.reshape(-1)[0])) * top_k]
     x_in = x if fp8 is None else quant_dequant_groups(x, fp8[1])
     for e in flat_ids.unique().tolist():
         pairs = (flat_ids == e).nonzero().squeeze(1)

@@ -28,7 +28,7 @@ accumulation; on the interpreter (and for fp32 caches) everything is fp32 right 
 Only rows of real query tokens are written: tokens past ``query_start_loc[num_reqs]`` and
 requests with no query are left untouched. No host sync: grids come from CPU-known bounds.
 
-With ``flat_grid`` (``MRV2_MLA_FLAT_GRID=1``; off until measured on a GPU) a plan of several
+With ``flat_grid`` (the default; ``MRV2_MLA_FLAT_GRID=0`` turns it off) a plan of several
 query tiles launches over the step's query tiles instead of (query tile bound, request):
 ``T // block_q + num_reqs`` programs per head tile and split, each finding its request in
 ``query_start_loc`` (:func:`~mrv2_kernels._backend.flat_query_tile`). Its grid does not grow
@@ -186,15 +186,16 @@ def _mla_tile(
     return acc, m_new, l_i
 
 
-#: ``1``: plans of several query tiles launch over the step's query tiles only
-#: (:func:`mla_decode_attention_triton`'s ``flat_grid``); unset or anything else: one program
-#: per (query tile bound, request).
+#: ``0``: plans of several query tiles launch one program per (query tile bound, request)
+#: instead of over the step's query tiles only (:func:`mla_decode_attention_triton`'s
+#: ``flat_grid``, on by default).
 FLAT_GRID_ENV_VAR = "MRV2_MLA_FLAT_GRID"
 
 
 def flat_grid_enabled() -> bool:
-    """Whether :data:`FLAT_GRID_ENV_VAR` turns the flat grid on (read when called)."""
-    return os.environ.get(FLAT_GRID_ENV_VAR, "0") == "1"
+    """Whether the flat grid is on: unless :data:`FLAT_GRID_ENV_VAR` is ``0`` (read when
+    called)."""
+    return os.environ.get(FLAT_GRID_ENV_VAR, "1") != "0"
 
 
 @triton.jit(do_not_specialize=["num_splits", "num_reqs"])

@@ -46,7 +46,8 @@ def moe_max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 def moe_align_ref(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
+    topk_ids: torch.Tensor, num_experts: int, block_m: int,
+    valid_tokens: torch.Tensor | None = None, first_token: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain-torch specification of :func:`moe_align` (loops over the experts on the host).
 
@@ -56,9 +57,16 @@ def moe_align_ref(
     padded with ``T*K`` to a multiple of ``block_m`` (and ``T*K`` past the last group);
     ``block_expert`` int32 ``[max_blocks]`` the expert of each block (``-1`` past the last);
     ``num_post`` int32 ``[1]`` the padded row count (``block_m`` times the block count).
+    With ``valid_tokens`` (an int tensor ``[1]``, on the device) only the pairs of tokens
+    ``t < valid_tokens[0] - first_token`` count: the rest are padding, left out like pairs
+    whose expert is outside ``[0, E)``.
     """
     flat = topk_ids.reshape(-1).long()
     num_pairs = flat.numel()
+    if valid_tokens is not None:
+        top_k = topk_ids.shape[-1] if topk_ids.dim() > 1 else 1
+        limit = (int(valid_tokens.reshape(-1)[0]) - first_token) * top_k
+        flat = torch.where(torch.arange(num_pairs, device=flat.device) < limit, flat, -1)
     max_blocks = moe_max_blocks(num_pairs, num_experts, block_m)
     device = topk_ids.device
     sorted_ids = torch.full((max_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
@@ -77,11 +85,14 @@ def moe_align_ref(
 
 @triton.jit
 def _chunk_ids(ids_ptr: tl.tensor, chunk: int, num_pairs: int, num_experts: int,
-               CHUNK: tl.constexpr) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+               limit_ptr: tl.tensor, first_token: int, top_k: int, CHUNK: tl.constexpr,
+               HAS_LIMIT: tl.constexpr) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """The flat indices of chunk ``chunk``, their experts (-1 where not a real pair), and
-    which are real pairs."""
+    which are real pairs (with ``HAS_LIMIT``: of tokens below ``limit_ptr[0] - first_token``)."""
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     inside = offs < num_pairs
+    if HAS_LIMIT:
+        inside = inside & (offs < (tl.load(limit_ptr) - first_token) * top_k)
     ids = tl.load(ids_ptr + offs, mask=inside, other=-1).to(tl.int32)
     valid = inside & (ids >= 0) & (ids < num_experts)
     return offs, tl.where(valid, ids, -1), valid
@@ -143,7 +154,7 @@ def _groups(counts: tl.tensor, BLOCK_M: tl.constexpr
     return padded, end - padded, end, tl.sum(padded, axis=0)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks", "first_token", "top_k"])
 def _align_single_kernel(
     ids_ptr: tl.tensor,
     sorted_ptr: tl.tensor,
@@ -152,15 +163,20 @@ def _align_single_kernel(
     num_pairs: int,
     num_experts: int,
     max_blocks: int,
+    limit_ptr: tl.tensor,
+    first_token: int,
+    top_k: int,
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
     E_PAD: tl.constexpr,
     TILE_P: tl.constexpr,
     TILE_B: tl.constexpr,
     TILE_F: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
 ) -> None:
     # All pairs in one chunk, one program, everything in registers: count, scan, scatter.
-    offs, ids, valid = _chunk_ids(ids_ptr, 0, num_pairs, num_experts, CHUNK)
+    offs, ids, valid = _chunk_ids(ids_ptr, 0, num_pairs, num_experts, limit_ptr, first_token,
+                                  top_k, CHUNK, HAS_LIMIT)
     experts = tl.arange(0, E_PAD)
     onehot = ids[:, None] == experts[None, :]
     counts = tl.sum(onehot.to(tl.int32), axis=0)
@@ -173,19 +189,24 @@ def _align_single_kernel(
     _write_tail(sorted_ptr, total, 0, max_blocks * BLOCK_M, num_pairs, TILE_F)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_chunks"])
+@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "first_token", "top_k"])
 def _align_count_kernel(
     ids_ptr: tl.tensor,
     counts_ptr: tl.tensor,
     num_pairs: int,
     num_experts: int,
     num_chunks: int,
+    limit_ptr: tl.tensor,
+    first_token: int,
+    top_k: int,
     CHUNK: tl.constexpr,
     E_PAD: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
 ) -> None:
     # counts[e, c]: the pairs of chunk c routed to expert e.
     chunk = tl.program_id(0)
-    _, ids, _ = _chunk_ids(ids_ptr, chunk, num_pairs, num_experts, CHUNK)
+    _, ids, _ = _chunk_ids(ids_ptr, chunk, num_pairs, num_experts, limit_ptr, first_token, top_k,
+                           CHUNK, HAS_LIMIT)
     experts = tl.arange(0, E_PAD)
     counts = tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
     tl.store(counts_ptr + experts * num_chunks + chunk, counts)
@@ -212,7 +233,7 @@ def _align_scan_kernel(
     tl.store(totals_ptr + expert, carry)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks", "first_token", "top_k"])
 def _align_scatter_kernel(
     ids_ptr: tl.tensor,
     base_ptr: tl.tensor,
@@ -223,12 +244,16 @@ def _align_scatter_kernel(
     num_pairs: int,
     num_experts: int,
     max_blocks: int,
+    limit_ptr: tl.tensor,
+    first_token: int,
+    top_k: int,
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
     E_PAD: tl.constexpr,
     TILE_P: tl.constexpr,
     TILE_B: tl.constexpr,
     TILE_F: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
 ) -> None:
     # Program c places chunk c's pairs and writes its share of the block experts and of the
     # sentinels past the last group; program 0 also the padding sentinels and the total.
@@ -237,7 +262,8 @@ def _align_scatter_kernel(
     experts = tl.arange(0, E_PAD)
     counts = tl.load(totals_ptr + experts)
     padded, start, end, total = _groups(counts, BLOCK_M)
-    offs, ids, valid = _chunk_ids(ids_ptr, chunk, num_pairs, num_experts, CHUNK)
+    offs, ids, valid = _chunk_ids(ids_ptr, chunk, num_pairs, num_experts, limit_ptr,
+                                  first_token, top_k, CHUNK, HAS_LIMIT)
     base = tl.load(base_ptr + ids * num_chunks + chunk, mask=valid, other=0)
     base += tl.gather(start, tl.where(valid, ids, 0), 0)
     tl.store(sorted_ptr + base + _chunk_rank(ids, CHUNK), offs, mask=valid)
@@ -252,7 +278,8 @@ def _align_scatter_kernel(
 
 
 def moe_align(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
+    topk_ids: torch.Tensor, num_experts: int, block_m: int,
+    valid_tokens: torch.Tensor | None = None, first_token: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort the ``T*K`` (token, slot) pairs of ``topk_ids`` by expert on the device.
 
@@ -261,15 +288,25 @@ def moe_align(
     can capture it. Up to 128 pairs: one program, in registers. Beyond, three launches: a
     histogram per 128 pairs, a scan over the chunks per expert, and a scatter per 128 pairs
     (each ranks its pairs within the chunk and writes a share of the block experts and of the
-    sentinels). Pairs whose expert is outside ``[0, num_experts)`` are left out.
+    sentinels). Pairs whose expert is outside ``[0, num_experts)`` are left out, and with
+    ``valid_tokens`` (int32 ``[1]`` on the device: a CUDA graph's real token count, its
+    padding tokens after them) the pairs of tokens ``t >= valid_tokens[0] - first_token``
+    too, read on the device.
     """
     if topk_ids.dtype not in _ID_DTYPES:
         raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
     if num_experts <= 0:
         raise ValueError(f"num_experts must be positive, got {num_experts}")
     block_m = _tile("block_m", block_m, 1)
+    if valid_tokens is not None and (valid_tokens.dtype != torch.int32
+                                     or valid_tokens.device != topk_ids.device):
+        raise ValueError(f"valid_tokens must be int32 on {topk_ids.device}, got "
+                         f"{valid_tokens.dtype} on {valid_tokens.device}")
     ids = topk_ids.reshape(-1)
     num_pairs = ids.numel()
+    top_k = topk_ids.shape[-1] if topk_ids.dim() > 1 else 1
+    limit = {"limit_ptr": ids if valid_tokens is None else valid_tokens,
+             "first_token": first_token, "top_k": top_k, "HAS_LIMIT": valid_tokens is not None}
     max_blocks = moe_max_blocks(num_pairs, num_experts, block_m)
     device = topk_ids.device
     sorted_ids = _empty((max_blocks * block_m,), torch.int32, device)
@@ -284,7 +321,7 @@ def moe_align(
         _align_single_kernel[(1,)](
             ids, sorted_ids, block_expert, num_post, num_pairs, num_experts, max_blocks,
             BLOCK_M=block_m, CHUNK=max(16, next_power_of_2(num_pairs)), E_PAD=e_pad,
-            num_warps=4, **tiles,
+            num_warps=4, **tiles, **limit,
         )
         return sorted_ids, block_expert, num_post
     chunk = _ALIGN_CHUNK
@@ -293,10 +330,10 @@ def moe_align(
     base = _empty((e_pad, num_chunks), torch.int32, device)
     totals = _empty((e_pad,), torch.int32, device)
     _align_count_kernel[(num_chunks,)](ids, counts, num_pairs, num_experts, num_chunks,
-                                       CHUNK=chunk, E_PAD=e_pad, num_warps=4)
+                                       CHUNK=chunk, E_PAD=e_pad, num_warps=4, **limit)
     _align_scan_kernel[(e_pad,)](counts, base, totals, num_chunks, TILE_C=1024, num_warps=4)
     _align_scatter_kernel[(num_chunks,)](
         ids, base, totals, sorted_ids, block_expert, num_post, num_pairs, num_experts,
-        max_blocks, BLOCK_M=block_m, CHUNK=chunk, E_PAD=e_pad, num_warps=8, **tiles,
+        max_blocks, BLOCK_M=block_m, CHUNK=chunk, E_PAD=e_pad, num_warps=8, **tiles, **limit,
     )
     return sorted_ids, block_expert, num_post

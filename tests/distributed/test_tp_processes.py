@@ -185,11 +185,11 @@ def test_shutdown_drops_the_graphs_before_leaving_the_group(
     """A live graph holding captured collectives keeps NCCL's finalize waiting (it hung on the
     H200 before): rank 0 drops its graphs, then leaves together with the workers."""
     import mrv2.executor.tensor_parallel as tp_module
-    from mrv2.runner.cuda_graphs import DecodeGraphs
+    from mrv2.runner.cuda_graphs import StepGraphs
 
     llm = LLM(str(model), device="cpu", dtype="float32", tensor_parallel_size=2)
     runner = llm.engine.runner
-    runner.graphs = runner.builder.graphs = DecodeGraphs([1], [1], 8)  # a stand-in capture
+    runner.graphs = runner.builder.graphs = StepGraphs([1], [1], 8)  # a stand-in capture
     seen: list[tuple[object, object]] = []
     leave = tp_module.destroy_tensor_parallel
 

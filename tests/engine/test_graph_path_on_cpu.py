@@ -328,15 +328,16 @@ def test_mixed_steps_replay_padded_graphs(target: Path, spec: str | None) -> Non
     assert all(s[0] == 0 for s in eager_steps)
     graphs = engine.runner.graphs
     assert sorted(graphs.mixed_graphs) == [8, 12, 16]
-    assert graphs.mixed_reqs == {8: 8, 12: 8, 16: 8}
+    assert {t: g.num_reqs for t, g in graphs.mixed_graphs.items()} == {8: 8, 12: 8, 16: 8}
     # logits rows: one a request, or 1 + 2 with drafts (at most a row a token)
-    assert graphs.mixed_rows == ({8: 8, 12: 12, 16: 16} if spec else {8: 8, 12: 8, 16: 8})
+    assert {t: g.num_rows for t, g in graphs.mixed_graphs.items()} == (
+        {8: 8, 12: 12, 16: 16} if spec else {8: 8, 12: 8, 16: 8})
     mixed = [s for s in steps if s[0]]
     # the prompts' steps replay: padded tokens and requests (the first one a prompt alone)
     assert mixed and all(t <= pad and r <= 8 == rp for pad, t, r, rp, _ in mixed)
     assert any(t < pad for pad, t, *_ in mixed) and any(r > 1 for _, _, r, *_ in mixed)
     assert any(d for *_, d in mixed) == bool(spec)  # drafts verified after a mixed graph
-    replays = sum(g.replays for g in graphs.mixed_graphs.values())  # type: ignore[attr-defined]
+    replays = sum(g.graph.replays for g in graphs.mixed_graphs.values())  # type: ignore[attr-defined]
     assert replays == len(mixed)
     assert got["2"][1] is not None  # the prompt logprobs came from the graph's hidden states
 
@@ -346,8 +347,13 @@ def test_mixed_graphs_follow_the_token_cap(target: Path) -> None:
     ``mixed_step_graphs = False`` gets none either; steps beyond the cap run eager."""
     from mrv2.runner.cuda_graphs import mixed_token_sizes
 
-    assert mixed_token_sizes(512, 8192) == [8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384,
-                                            512]
+    assert mixed_token_sizes(512, 8192) == [8, 12, 16, 24, 32, 48, 64, 96, 128, 192,
+                                            *range(256, 513, 32)]
+    # beyond 256 tokens (compute-bound linear layers) a step pads by at most an eighth
+    sizes = mixed_token_sizes(8192, 8192)
+    assert sizes[-9:] == list(range(4096, 8193, 512)) and len(sizes) == 51
+    assert all(b - a <= a // 8 for a, b in zip(sizes[:-1], sizes[1:], strict=True) if a >= 256)
+    assert mixed_token_sizes(6000, 8192)[-2:] == [5632, 6000]
     assert mixed_token_sizes(100, 8192) == [8, 12, 16, 24, 32, 48, 64, 96, 100]
     assert mixed_token_sizes(512, 20) == [8, 12, 16, 20]
     assert mixed_token_sizes(0, 8192) == [] and mixed_token_sizes(8, 8192) == [8]

@@ -146,6 +146,56 @@ def test_align_all_pairs_to_one_expert_over_chunks() -> None:
     assert (block_expert[:19] == 3).all() and (block_expert[19:] == -1).all()
 
 
+@pytest.mark.parametrize(("num_tokens", "valid", "first_token"), [
+    (7, 5, 0),     # one program: the last two tokens are padding
+    (7, 0, 0),     # all padding: no block at all
+    (70, 61, 0),   # 140 pairs over two chunks, the padding in the second
+    (70, 100, 40),  # a later chunk of tokens (first_token) with its padding from row 60 on
+])
+def test_align_leaves_out_padding_tokens(num_tokens: int, valid: int, first_token: int,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """``valid_tokens`` (a CUDA graph's real token count, on the device): the pairs of the
+    rows from ``valid_tokens - first_token`` on are left out, as if those rows were absent
+    (the sentinel stays ``T*K``)."""
+    _poisoned(monkeypatch)
+    top_k, num_experts, block_m = 2, 6, 16
+    _, ids = _routing(num_tokens, top_k, num_experts, seed=num_tokens + valid)
+    limit = torch.tensor([valid], dtype=torch.int32, device=DEVICE)
+    got = moe_align(ids, num_experts, block_m, limit, first_token)
+    want = moe_align_ref(ids, num_experts, block_m, limit, first_token)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g.cpu(), w.cpu())
+    real = max(0, min(num_tokens, valid - first_token))
+    sorted_ids, _, num_post = got
+    pairs = sorted_ids[: int(num_post)]
+    kept = pairs[pairs < num_tokens * top_k]
+    assert sorted(kept.tolist()) == list(range(real * top_k))  # every real pair, once
+    alone = moe_align_ref(ids[:real], num_experts, block_m)  # the same groups and blocks
+    assert int(num_post) == int(alone[2]) and torch.equal(got[1][: alone[1].numel()].cpu(),
+                                                         alone[1].cpu())
+
+
+@pytest.mark.parametrize("fused_combine", [False, True])
+def test_padding_tokens_are_not_computed(fused_combine: bool,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows from ``valid_tokens`` on route to no expert: the real rows equal the reference on
+    them alone, over chunks too; the counts reset; the reference does the same."""
+    w13, w2 = _experts(6, 32, 16, BF16, seed=13)
+    x = _tokens(9, 32, BF16)
+    weights, ids = _routing(9, 2, 6)
+    limit = torch.tensor([6], dtype=torch.int32, device=DEVICE)
+    want = fused_moe_ref(x[:6], w13, w2, weights[:6], ids[:6])
+    ref = fused_moe_ref(x, w13, w2, weights, ids, valid_tokens=limit)
+    assert torch.equal(ref[:6], want) and not ref[6:].any()
+    _poisoned(monkeypatch)
+    for chunk in (8192, 4):  # the second chunk starts at row 4
+        got = fused_moe_triton(x, w13, w2, weights, ids, fused_combine=fused_combine,
+                               valid_tokens=limit, chunk_tokens=chunk, **SMALL)
+        _close(got[:6], want)
+    for buffer in fm._COUNTERS.get(str(x.device), []):
+        assert not buffer.any()
+
+
 # ------------------------------------------------------------------------------------ fused
 
 

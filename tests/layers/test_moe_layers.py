@@ -185,3 +185,35 @@ def test_expert_reads_count_distinct_experts_per_forward(
     assert layer.expert_bytes() == (2 * 12 * H + H * 12) * 4
     monkeypatch.delenv(COUNT_READS_ENV)
     assert not FusedMoE(E, H, 12).count_reads
+
+
+def test_padding_rows_of_a_graph_step_read_no_expert(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a forward whose metadata has padding rows (a CUDA graph's: tokens past
+    ``query_start_loc[num_reqs]``), the routed experts skip them: the real rows are those of
+    the real rows alone, and the padding's experts are not counted as read."""
+    from mrv2.contract.attention import AttentionMetadata
+    from mrv2.contract.forward_context import ForwardContext, set_forward_context
+
+    monkeypatch.setenv(COUNT_READS_ENV, "1")
+    layer = FusedMoE(E, H, 12)
+    with torch.no_grad():
+        layer.w13_weight.normal_()
+        layer.w2_weight.normal_()
+    x = _hidden(4)
+    weights = torch.full((4, 2), 0.5)
+    ids = torch.tensor([[0, 5], [5, 2], [7, 1], [3, 4]], dtype=torch.int32)
+    alone = layer(x[:2], weights[:2], ids[:2])  # 3 distinct experts
+    # 3 requests, the last one padding (empty query); rows 2 and 3 are padding
+    metadata = AttentionMetadata(
+        num_reqs=3, num_tokens=4, max_query_len=1, max_seq_len=8,
+        query_start_loc=torch.tensor([0, 1, 2, 2], dtype=torch.int32),
+        seq_lens=torch.tensor([5, 6, 0], dtype=torch.int32),
+        block_table=torch.zeros(3, 2, dtype=torch.int32),
+        slot_mapping=torch.tensor([4, 13, -1, -1]), block_size=8)
+    with set_forward_context(ForwardContext(metadata, [], [])):
+        padded = layer(x, weights, ids)
+    assert torch.equal(padded[:2], alone) and not padded[2:].any()
+    assert layer.expert_reads is not None and int(layer.expert_reads) == 3 + 3
+    layer(x, weights, ids)  # outside a forward: every row is real
+    assert int(layer.expert_reads) == 6 + 7
+

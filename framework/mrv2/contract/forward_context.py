@@ -53,6 +53,21 @@ def current_forward_context() -> ForwardContext | None:
     return _CONTEXT
 
 
+def real_token_count(num_rows: int) -> torch.Tensor | None:
+    """The step's real token count as an int32 device tensor ``[1]`` (a view of
+    ``query_start_loc[num_reqs]``, no launch), when ``num_rows`` rows are the step's tokens
+    (``metadata.num_tokens``); ``None`` outside a forward pass or for another row count.
+
+    Rows from it on are padding (a CUDA graph's: the requests past the real ones have empty
+    queries): layers whose cost depends on the rows' values, like the routed experts, skip
+    them on the device."""
+    ctx = _CONTEXT
+    if ctx is None or ctx.metadata.num_tokens != num_rows:
+        return None
+    md = ctx.metadata
+    return md.query_start_loc[md.num_reqs:md.num_reqs + 1]
+
+
 def get_forward_context() -> ForwardContext:
     """The context of the forward pass in progress; raises outside one."""
     if _CONTEXT is None:

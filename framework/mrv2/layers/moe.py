@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mrv2.contract.forward_context import real_token_count
 from mrv2.distributed.parallel_state import all_reduce
 from mrv2.layers.linear import resolve_tp, split_evenly
 from mrv2.layers.mlp import GatedMLP
@@ -132,18 +133,25 @@ class FusedMoE(nn.Module):
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
+        valid = real_token_count(x.shape[0])  # a graph's padding rows: no expert read for them
         if self.count_reads:
-            self._count(topk_ids)
-        return self.reduce(fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids))
+            self._count(topk_ids, valid)
+        return self.reduce(fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                                     valid_tokens=valid))
 
-    def _count(self, topk_ids: torch.Tensor) -> None:
-        """Add the number of distinct experts ``topk_ids`` selects to ``expert_reads`` (device
-        ops only, so it counts inside CUDA graph replays too)."""
+    def _count(self, topk_ids: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Add the number of distinct experts ``topk_ids`` selects (of its first ``valid[0]``
+        rows) to ``expert_reads`` (device ops only, so it counts inside CUDA graph replays
+        too)."""
         if self.expert_reads is None or self.expert_reads.device != topk_ids.device:
             self.expert_reads = torch.zeros((), dtype=torch.int64, device=topk_ids.device)
-        hits = torch.zeros(self.num_experts, dtype=torch.int32, device=topk_ids.device)
-        hits.scatter_(0, topk_ids.reshape(-1).long(), 1)
-        self.expert_reads += hits.sum()
+        ids = topk_ids.long()
+        if valid is not None:  # padding rows pick the spare slot num_experts
+            rows = torch.arange(ids.shape[0], device=ids.device)[:, None]
+            ids = torch.where(rows < valid, ids, self.num_experts)
+        hits = torch.zeros(self.num_experts + 1, dtype=torch.int32, device=topk_ids.device)
+        hits.scatter_(0, ids.reshape(-1), 1)
+        self.expert_reads += hits[: self.num_experts].sum()
 
     def expert_bytes(self) -> int:
         """Bytes of one expert's weights (what a step reads per distinct expert it routes to)."""

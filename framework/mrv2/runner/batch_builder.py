@@ -22,7 +22,7 @@ from mrv2.contract.staged_edits import StagedEdits
 from mrv2.contract.staging import Uploader
 from mrv2.contract.state_table import RequestStateTable
 from mrv2.runner.async_output import Drafted
-from mrv2.runner.cuda_graphs import DecodeGraphs
+from mrv2.runner.cuda_graphs import StepGraphs
 from mrv2_kernels.input_prep import prepare_inputs
 
 #: ``0`` keeps the scheduler's request order in the batch instead of longest sequence first.
@@ -58,7 +58,7 @@ class BatchBuilder:
         self.block_size = block_size
         self.max_num_tokens = max_num_tokens
         self.num_speculative_tokens = num_speculative_tokens
-        self._graphs: DecodeGraphs | None = None
+        self._graphs: StepGraphs | None = None
         self._last: _Layout | None = None  # the previous step's layout
         self.longest_first = os.environ.get(LONGEST_FIRST_ENV_VAR, "1") != "0"
         self._order: list[str] = []  # the last step's request order (longest_first)
@@ -135,12 +135,12 @@ class BatchBuilder:
     # -- the batch -------------------------------------------------------------------------------
 
     @property
-    def graphs(self) -> DecodeGraphs | None:
+    def graphs(self) -> StepGraphs | None:
         """The runner's decode graphs (padded sizes come from them), or None."""
         return self._graphs
 
     @graphs.setter
-    def graphs(self, graphs: DecodeGraphs | None) -> None:
+    def graphs(self, graphs: StepGraphs | None) -> None:
         self._graphs = graphs
         self._last = None  # a layout's padding depends on them
 
@@ -280,8 +280,8 @@ class BatchBuilder:
             num_padded, num_tokens_padded = padded, padded * query_len
         elif mixed:
             assert graphs is not None
-            num_padded, num_tokens_padded = graphs.mixed_reqs[mixed], mixed
-            mixed_rows = graphs.mixed_rows[mixed]
+            num_padded, num_tokens_padded = graphs.mixed_graphs[mixed].num_reqs, mixed
+            mixed_rows = graphs.mixed_graphs[mixed].num_rows
         else:
             num_padded, num_tokens_padded = num_reqs, num_tokens
         query_start_loc = np.full(num_padded + 1, num_tokens, dtype=np.int32)

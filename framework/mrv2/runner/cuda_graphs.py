@@ -45,6 +45,7 @@ prompt tokens of a ModelState or an attention backend whose ``mixed_step_graphs`
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -71,26 +72,53 @@ def capture_sizes(max_num_reqs: int, limit: int = 512) -> list[int]:
     return sorted(set(sizes))
 
 
+#: Up to this many tokens the mixed graphs' sizes grow by 1.5x, beyond it by an eighth of a
+#: power of two (see :func:`mixed_token_sizes`).
+MIXED_FINE_ABOVE = 256
+
+
 def mixed_token_sizes(limit: int, max_num_tokens: int) -> list[int]:
-    """Token counts of the mixed graphs: 8, 12, 16, 24, 32, 48, ... (powers of two and 1.5x
-    between: a step pads by less than half), capped at ``min(limit, max_num_tokens)``, which is
-    always one of them; none when the cap is 0. Up to a few hundred tokens a step's GEMMs read
-    their weights once whatever the count, so the padding costs little there."""
+    """Token counts of the mixed graphs, capped at ``min(limit, max_num_tokens)`` (always one
+    of them; none when the cap is 0):
+
+    - 8, 12, 16, 24, ..., 192, 256: powers of two and 1.5x between. A step pads by less than
+      half, which costs little: up to a few hundred tokens a step's linear layers read their
+      weights once whatever the count (memory-bound).
+    - then every eighth of a power of two: 288, 320, ..., 512, 576, ..., 1024, 1152, ... Beyond
+      ~256 tokens the linear layers of a large model are compute-bound, so a padded token
+      costs as much as a real one; the step pads by at most 12.5%. (With the 1.5x steps an
+      8B model's 4,200-token step would compute 6,144.)
+    """
     top = min(limit, max_num_tokens)
     sizes: list[int] = []
     size = 8
-    while size < top:
+    while size < top and size < MIXED_FINE_ABOVE:
         sizes.append(size)
         if size + size // 2 < top:
             sizes.append(size + size // 2)
+        size *= 2
+    while size < top:
+        sizes += [s for s in range(size, 2 * size, size // 8) if s < top]
         size *= 2
     if top > 0:
         sizes.append(top)
     return sizes
 
 
-class DecodeGraphs:
-    """Captured graphs and their outputs, keyed by ``(query length, padded batch size)``."""
+@dataclass
+class MixedGraph:
+    """A captured mixed step: the graph, its batch's requests (real and padding) and the
+    logits rows it computes."""
+
+    graph: object
+    num_reqs: int
+    num_rows: int
+
+
+class StepGraphs:
+    """A runner's captured graphs: the decode graphs (and their sampling tails and drafting
+    graphs), keyed by ``(query length, padded batch size)``, and the mixed graphs, keyed by
+    padded token count."""
 
     def __init__(self, sizes: list[int], query_lens: list[int], max_num_tokens: int) -> None:
         self.plan = {q: sorted(s for s in sizes if s * q <= max_num_tokens) for q in query_lens}
@@ -103,11 +131,9 @@ class DecodeGraphs:
         #: The ``1 + k`` steps' verified tokens and counts (``[size, 1 + k]``, ``[size]``):
         #: written by the verify tail, read by the drafting graph and the host copy.
         self.spec_samples: StepSamples | None = None
-        #: Mixed graphs by padded token count, their batch sizes, and the outputs every one of
-        #: them copies into (hidden states ``[T, hidden]``, logits ``[requests, vocab]``).
-        self.mixed_graphs: dict[int, object] = {}
-        self.mixed_reqs: dict[int, int] = {}
-        self.mixed_rows: dict[int, int] = {}
+        #: Mixed graphs by padded token count (smallest first), and the outputs every one of
+        #: them copies into (hidden states ``[T, hidden]``, logits ``[rows, vocab]``).
+        self.mixed_graphs: dict[int, MixedGraph] = {}
         self.mixed_outputs: Outputs | None = None
 
     def padded_size(self, query_len: int, num_reqs: int) -> int | None:
@@ -149,9 +175,8 @@ class DecodeGraphs:
     def mixed_size(self, num_tokens: int, num_reqs: int, num_logits: int) -> int | None:
         """The token count of the mixed graph a step of ``num_tokens`` tokens over ``num_reqs``
         requests with ``num_logits`` logits rows replays at, or ``None`` (eager)."""
-        for size in self.mixed_graphs:  # smallest first
-            if (size >= num_tokens and self.mixed_reqs[size] >= num_reqs
-                    and self.mixed_rows[size] >= num_logits):
+        for size, mixed in self.mixed_graphs.items():  # smallest first
+            if size >= num_tokens and mixed.num_reqs >= num_reqs and mixed.num_rows >= num_logits:
                 return size
         return None
 
@@ -185,19 +210,18 @@ class DecodeGraphs:
 
             graph = capture(batch, body)
             if graph is not None:
-                self.mixed_graphs[tokens] = graph
-                self.mixed_reqs[tokens] = num_reqs
-                self.mixed_rows[tokens] = num_rows
+                self.mixed_graphs[tokens] = MixedGraph(graph, num_reqs, num_rows)
         self.mixed_graphs = dict(reversed(self.mixed_graphs.items()))  # smallest first
         _sync()
 
     def replay_mixed(self, tokens: int) -> Outputs:
         """Replay the mixed graph of ``tokens`` padded tokens; returns views of the shared
         outputs: ``[tokens]`` hidden states and the logits of the graph's logits rows."""
-        self.mixed_graphs[tokens].replay()  # type: ignore[attr-defined]
+        mixed = self.mixed_graphs[tokens]
+        mixed.graph.replay()  # type: ignore[attr-defined]
         assert self.mixed_outputs is not None
         hidden, logits = self.mixed_outputs
-        return hidden[:tokens], logits[: self.mixed_rows[tokens]]
+        return hidden[:tokens], logits[: mixed.num_rows]
 
     def replay(self, query_len: int, size: int) -> Outputs:
         """Replay the graph of ``(query_len, size)``; returns its output buffers."""

@@ -42,7 +42,7 @@ from mrv2.plugins import PluginManager, get_plugin_manager
 from mrv2.registry import import_object
 from mrv2.runner.async_output import AsyncStepOutput, PinnedRing
 from mrv2.runner.batch_builder import BatchBuilder, StepPlan
-from mrv2.runner.cuda_graphs import DecodeGraphs, Outputs, capture_sizes, mixed_token_sizes
+from mrv2.runner.cuda_graphs import Outputs, StepGraphs, capture_sizes, mixed_token_sizes
 from mrv2.runner.kv_cache import KVCaches, num_blocks_for
 from mrv2.sample.prompt_logprobs import PromptLogprobs
 from mrv2.sample.rejection import step_samples
@@ -140,7 +140,7 @@ class Runner:
                                       dtype=torch.int32, device=self.device)
         self._copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
         self._last_copy: torch.cuda.Event | None = None
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         if self.device.type == "cuda" and not config.device.enforce_eager:
             self.capture_graphs(self.model_state.capture_cuda_graph)
 
@@ -407,7 +407,7 @@ class Runner:
         ``capture`` (the ModelState's; tests pass a stand-in that replays eagerly, to run the
         padded graph path on the CPU). The steps they fit replay them from then on."""
         query_lens = sorted({1, 1 + self.num_speculative_tokens})
-        self.graphs = DecodeGraphs(capture_sizes(self.max_num_reqs), query_lens,
+        self.graphs = StepGraphs(capture_sizes(self.max_num_reqs), query_lens,
                                    self.max_num_tokens)
         mixed: dict[int, tuple[int, int]] = {}
         if self.model_state.mixed_step_graphs and all(b.mixed_step_graphs

@@ -59,7 +59,7 @@ class MLABackend(AttentionBackend):
 
     def __init__(self) -> None:
         # Steps with prompt tokens replay the runner's mixed graphs only with the kernel's flat
-        # grid (MRV2_MLA_FLAT_GRID=1, off until measured on a GPU): the (query tile, request)
+        # grid (the default; MRV2_MLA_FLAT_GRID=0 turns it off): the (query tile, request)
         # grid would launch a program per tile of the graph's baked max_query_len (its padded
         # token count) and request, nearly all exiting at once.
         self.mixed_step_graphs = flat_grid_enabled()

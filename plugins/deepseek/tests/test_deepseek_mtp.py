@@ -54,20 +54,20 @@ def test_mtp_greedy_equals_plain(checkpoint: Path, graphs: bool) -> None:
     got, llm = _run(checkpoint, MTP, graphs)
     assert got == expected
     assert llm.engine.stats()["spec_num_draft_tokens"] > 0
-    if graphs:  # MLA's (query tile, request) grid: steps with prompt tokens stay eager
-        assert llm.engine.runner.graphs.graphs and not llm.engine.runner.graphs.mixed_graphs
+    if graphs:  # MLA's flat grid (the default): prompts and MTP's verify steps replay too
+        mixed = llm.engine.runner.graphs.mixed_graphs
+        assert sum(g.graph.replays for g in mixed.values()) > 0  # type: ignore[attr-defined]
 
 
-def test_mla_flat_grid_lets_prompt_steps_replay(checkpoint: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the MLA kernel's flat grid (``MRV2_MLA_FLAT_GRID=1``) the mixed graphs are
-    captured and replayed (prompts and MTP's verify steps), giving the eager tokens."""
+def test_mla_request_grid_keeps_prompt_steps_eager(checkpoint: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the MLA kernel's (query tile, request) grid (``MRV2_MLA_FLAT_GRID=0``) steps with
+    prompt tokens run eager (no mixed graphs are captured) and give the same tokens."""
     expected = _run(checkpoint, None)[0]
-    monkeypatch.setenv("MRV2_MLA_FLAT_GRID", "1")
+    monkeypatch.setenv("MRV2_MLA_FLAT_GRID", "0")
     got, llm = _run(checkpoint, MTP, graphs=True)
     assert got == expected
-    graphs = llm.engine.runner.graphs
-    assert sum(g.replays for g in graphs.mixed_graphs.values()) > 0  # type: ignore[attr-defined]
+    assert llm.engine.runner.graphs.graphs and not llm.engine.runner.graphs.mixed_graphs
 
 
 def test_fp8_checkpoint_with_fp8_mtp_layer(checkpoint: Path, tmp_path: Path) -> None:
