@@ -39,7 +39,9 @@ small mixed step is all host time: 512 tokens (prompt chunks beside 64 decodes) 
 prompt arrives. Steps whose inputs need host work (``ModelState.mixed_graph_allowed`` says
 False: a multimodal state's steps that compute placeholders) stay eager, as do all steps with
 prompt tokens of a ModelState or an attention backend whose ``mixed_step_graphs`` is False
-(MLA: its launches grow with the baked bounds).
+(an attention whose launches grow with the baked bounds). Layers whose cost depends on the
+rows' values skip the padding rows on the device (the routed experts:
+``mrv2.contract.forward_context.real_token_count``).
 """
 
 from __future__ import annotations
