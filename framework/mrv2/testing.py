@@ -240,10 +240,18 @@ def record_row_order(runner: Any) -> list[list[str]]:
     return order
 
 
-def emulate_cuda_graphs(runner: Any) -> None:
+def emulate_cuda_graphs(runner: Any, mixed_cap: int | None = 512) -> None:
     """Give a CPU ``Runner`` the CUDA-graph path with :class:`EagerGraph` stand-ins: decode steps
     are padded to the captured sizes and "replayed", drafting included (the padding requests,
-    their stale rows, the baked ``max_seq_len``: all as on the GPU)."""
+    their stale rows, the baked ``max_seq_len``: all as on the GPU).
+
+    Each stand-in "capture" runs a forward, so where the config leaves
+    ``max_mixed_graph_tokens`` unset the mixed graphs stop at ``mixed_cap`` tokens (every
+    kind of size is below it; larger steps run eager, as past any cap); ``None`` keeps the
+    GPU's default (the whole token budget: ~100K tokens of forwards for 8,192)."""
+    device = runner.config.device
+    if mixed_cap is not None and device.max_mixed_graph_tokens is None:
+        device.max_mixed_graph_tokens = min(mixed_cap, runner._max_mixed_graph_tokens())
     runner.capture_graphs(lambda batch, body: EagerGraph(body))
 
 
