@@ -65,7 +65,7 @@ def real_token_count(num_rows: int) -> torch.Tensor | None:
     if ctx is None or ctx.metadata.num_tokens != num_rows:
         return None
     md = ctx.metadata
-    return md.query_start_loc[md.num_reqs:md.num_reqs + 1]
+    return md.query_start_loc[md.num_reqs:md.num_reqs + 1].to(torch.int32)  # int32: no copy
 
 
 def get_forward_context() -> ForwardContext:
