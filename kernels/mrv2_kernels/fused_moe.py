@@ -12,6 +12,9 @@ rows, ``w2`` ``[E, H, I]``, ``topk_weights`` ``[T, K]`` fp32, ``topk_ids`` ``[T,
 
 The roundings are those of the unfused layers (a gate/up linear, ``silu_and_mul``, a down
 linear). ``topk_ids`` outside ``[0, E)`` are not allowed (the Triton path skips such pairs).
+With ``valid_tokens`` (int32 ``[1]`` on the device: a CUDA graph's real token count) the rows
+from ``valid_tokens[0]`` on are padding: no expert is read or computed for them and their
+output rows are unspecified (the reference leaves them at zero).
 
 The Triton path (:func:`fused_moe_triton`) runs, without a host synchronization and with
 buffer sizes that depend on ``(T, K, E, BLOCK_M)`` only (so a CUDA graph can capture it):
