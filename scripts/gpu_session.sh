@@ -7,6 +7,7 @@
 # mixedgraphs (steps with prompt tokens in CUDA graphs: small steps and the throughput workload),
 # servegraphs (the same through mrv2 serve: scripts/serve_sweep.py, eager against graphs), servespec
 # (the same with n-gram speculation), padding (what padding rows cost: MoE and mixed graphs),
+# measuredcut (MRV2_MIXED_GRAPHS_MEASURED: mixed graphs only where they beat eager),
 # mlaflat (MRV2_MLA_FLAT_GRID: MLA's flat grid, its tests and the DeepSeek-V2-Lite A/B),
 # tp_tests / tp_latency / tp_profile / tp_throughput (two GPUs: the nvidia-h200-x2 kind), glm47 (issue 19's
 # sweep: TP=4 on nvidia-h200-x4; on x2: TP=2 GLM47_ARGS="--hf-overrides '{\"num_hidden_layers\": N}'"),
@@ -80,6 +81,13 @@ for step in "$@"; do
                | tee "$OUT/mixed_padding.log" | grep -v Warning | tail -12
              timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe.py \
                2>&1 | tee "$OUT/moe_kernel_tests.log" | tail -2 ;;
+    measuredcut) # MRV2_MIXED_GRAPHS_MEASURED=1 (keep the mixed graphs whose replay beats an
+                 # eager step's host time): the graphs each size keeps, then the 8B throughput A/B
+                 for m in Qwen3-0.6B Qwen3-8B; do MRV2_MIXED_GRAPHS_MEASURED=1 timeout 150 python3 \
+                   scripts/graph_startup.py --model $m --caps default 2>&1 \
+                   | tee -a "$OUT/measured_startup.log" | grep -E "graphs|eager"; done
+                 ROUNDS=${ROUNDS:-1} timeout 300 bash scripts/ab_env.sh MRV2_MIXED_GRAPHS_MEASURED=1 \
+                   throughput --model Qwen3-8B ;;
     servespec) # the same sweep with n-gram speculation (3 drafts, synthetic acceptance 0.9):
                # steps with prompt tokens eager against graphs (up to 512 tokens with a speculator)
                timeout 280 python3 scripts/serve_sweep.py --model Qwen3-0.6B --out "$OUT/sweep_spec" \

@@ -5,10 +5,12 @@ and write nothing."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from mrv2 import LLM, SamplingParams
 from mrv2.testing import emulate_cuda_graphs, make_tiny_checkpoint, record_row_order
@@ -364,6 +366,46 @@ def test_mixed_graphs_follow_the_token_cap(target: Path) -> None:
     assert got == _staggered(target, graphs=False)[0]
     _, engine, steps = _staggered(target, graphs=True, max_mixed_graph_tokens=0)
     assert not engine.runner.graphs.mixed_graphs and not any(s[0] for s in steps)
+
+
+def test_measured_cut_drops_the_mixed_graphs_slower_than_eager(
+        target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MRV2_MIXED_GRAPHS_MEASURED=1``: after capture the runner keeps the mixed graphs whose
+    replay beats an eager step's host time (here: replays take ``tokens`` ms, the host 12 ms),
+    found by a binary search; larger steps run eager with the same tokens."""
+    from mrv2.runner import cuda_graphs
+    from mrv2.runner import runner as runner_module
+    from mrv2.runner.cuda_graphs import StepGraphs
+
+    asked: list[int] = []
+    graphs = StepGraphs([1], [1], 8)
+    graphs.mixed_graphs = {t: cuda_graphs.MixedGraph(None, 1, 1) for t in range(8, 200, 8)}
+    assert graphs.drop_slow_mixed(lambda t: asked.append(t) or t > 100) == list(range(104, 200, 8))
+    assert len(asked) <= 5 and list(graphs.mixed_graphs) == list(range(8, 101, 8))
+    for host_only in (True, False):  # off CUDA both are the call's wall time
+        assert cuda_graphs.timed_ms(lambda: time.sleep(0.003), torch.device("cpu"),
+                                    host_only) >= 3.0
+
+    replayed: list[int] = []
+    replay_mixed = StepGraphs.replay_mixed
+
+    def recorded(self: StepGraphs, tokens: int) -> Any:
+        replayed.append(tokens)
+        return replay_mixed(self, tokens)
+
+    def fake_ms(fn: Any, device: Any, host_only: bool) -> float:
+        fn()
+        return 12.0 if host_only else float(replayed[-1])
+
+    monkeypatch.setattr(StepGraphs, "replay_mixed", recorded)
+    monkeypatch.setenv(cuda_graphs.MEASURED_ENV_VAR, "1")
+    monkeypatch.setattr(runner_module, "timed_ms", fake_ms)
+    got, engine, steps = _staggered(target, graphs=True)
+    assert sorted(engine.runner.graphs.mixed_graphs) == [8, 12]
+    assert any(t > 12 and pad == 0 for pad, t, *_ in steps)  # 16-token steps: eager
+    assert any(pad for pad, *_ in steps)
+    monkeypatch.delenv(cuda_graphs.MEASURED_ENV_VAR)
+    assert got == _staggered(target, graphs=False)[0]
 
 
 def test_a_model_state_may_keep_prompt_steps_eager(target: Path,

@@ -46,6 +46,9 @@ rows' values skip the padding rows on the device (the routed experts:
 
 from __future__ import annotations
 
+import logging
+import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -56,6 +59,44 @@ from mrv2.contract.samples import StepSamples
 
 Outputs = tuple[torch.Tensor, torch.Tensor]
 """``(hidden states [T, hidden], logits [T, vocab])`` of a captured step."""
+
+
+logger = logging.getLogger(__name__)
+
+#: ``1``: after capture, keep the mixed graphs only up to the largest token count whose replay
+#: beats an eager step's host time (:meth:`StepGraphs.drop_slow_mixed`); off by default until
+#: measured on a GPU.
+MEASURED_ENV_VAR = "MRV2_MIXED_GRAPHS_MEASURED"
+
+
+def measured_mixed_graphs() -> bool:
+    """Whether :data:`MEASURED_ENV_VAR` turns the measured cut of the mixed graphs on."""
+    return os.environ.get(MEASURED_ENV_VAR, "0") == "1"
+
+
+def timed_ms(fn: Callable[[], object], device: torch.device, host_only: bool) -> float:
+    """Milliseconds of ``fn()``, the least of three runs after one more: its host time
+    (``host_only``: the wall time of the call, which never waits for the device, then a
+    synchronization outside the timing), or its device time (CUDA events around it; wall
+    time on other devices)."""
+    best = float("inf")
+    for i in range(4):
+        if device.type == "cuda" and not host_only:
+            start = torch.cuda.Event(enable_timing=True)
+            stop = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            ms = start.elapsed_time(stop)
+        else:
+            begin = time.perf_counter()
+            fn()
+            ms = (time.perf_counter() - begin) * 1e3
+            _sync()
+        if i:
+            best = min(best, ms)
+    return best
 
 
 def _sync() -> None:
@@ -224,6 +265,31 @@ class StepGraphs:
         assert self.mixed_outputs is not None
         hidden, logits = self.mixed_outputs
         return hidden[:tokens], logits[: mixed.num_rows]
+
+    def drop_slow_mixed(self, slower: Callable[[int], bool]) -> list[int]:
+        """Drop the mixed graphs from the smallest token count at which ``slower(tokens)``
+        (its replay takes longer than an eager step's host time) on: those steps run eager.
+        Replay time grows with the count and a step's host time hardly does, so ``slower``
+        flips once; a binary search asks it ~log2(graphs) times. Returns the dropped counts.
+
+        Eager, a step's device work hides behind its host time until the device time is the
+        longer (Qwen3-8B on an H200: host-bound at 300 tokens, device-bound from ~1,100);
+        from there a graph only adds its padding (BENCHMARKS.md, twelfth session)."""
+        sizes = list(self.mixed_graphs)  # smallest first
+        lo, hi = 0, len(sizes)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if slower(sizes[mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        for size in sizes[lo:]:
+            del self.mixed_graphs[size]
+        if lo < len(sizes):
+            logger.info("mixed graphs up to %s tokens; steps of %d tokens and more run eager "
+                        "(their replay is no faster than an eager step's host time)",
+                        sizes[lo - 1] if lo else 0, sizes[lo - 1] + 1 if lo else 1)
+        return sizes[lo:]
 
     def replay(self, query_len: int, size: int) -> Outputs:
         """Replay the graph of ``(query_len, size)``; returns its output buffers."""

@@ -42,7 +42,14 @@ from mrv2.plugins import PluginManager, get_plugin_manager
 from mrv2.registry import import_object
 from mrv2.runner.async_output import AsyncStepOutput, PinnedRing
 from mrv2.runner.batch_builder import BatchBuilder, StepPlan
-from mrv2.runner.cuda_graphs import Outputs, StepGraphs, capture_sizes, mixed_token_sizes
+from mrv2.runner.cuda_graphs import (
+    Outputs,
+    StepGraphs,
+    capture_sizes,
+    measured_mixed_graphs,
+    mixed_token_sizes,
+    timed_ms,
+)
 from mrv2.runner.kv_cache import KVCaches, num_blocks_for
 from mrv2.sample.prompt_logprobs import PromptLogprobs
 from mrv2.sample.rejection import step_samples
@@ -421,6 +428,8 @@ class Runner:
             # the largest graphs first: the later ones reuse their memory pool
             self.graphs.capture_mixed(mixed, self._mixed_dummy_batch, self._forward_logits_rows,
                                       capture)
+            if measured_mixed_graphs() and self.graphs.mixed_graphs:
+                self.graphs.drop_slow_mixed(self._mixed_graph_slower)
             self.graphs.capture_all(self._graph_dummy_batch, self._forward_all_logits, capture)
             if self.speculator is not None and self.speculator.cuda_graphs:
                 self.graphs.capture_drafts(1 + self.num_speculative_tokens,
@@ -430,6 +439,17 @@ class Runner:
                     self.graphs.capture_tails(query_len, self._graph_dummy_batch,
                                               self._sample_tail, capture)
         self.builder.graphs = self.graphs
+
+    def _mixed_graph_slower(self, tokens: int) -> bool:
+        """Whether the mixed graph of ``tokens`` replays slower than an eager step of as many
+        tokens spends on the host (on any rank: every rank then keeps the same graphs)."""
+        graph = self.graphs.mixed_graphs[tokens] if self.graphs is not None else None
+        assert graph is not None
+        batch = self._mixed_dummy_batch(graph.num_reqs, tokens, graph.num_rows)
+        host = timed_ms(lambda: self._forward_logits_rows(batch), self.device, host_only=True)
+        replay = timed_ms(lambda: self.graphs.replay_mixed(tokens),  # type: ignore[union-attr]
+                          self.device, host_only=False)
+        return agree_min(int(replay <= host)) == 0
 
     def _max_mixed_graph_tokens(self) -> int:
         """``max_mixed_graph_tokens``, by default the whole token budget: the graphs' pool
