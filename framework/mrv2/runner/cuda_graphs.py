@@ -273,7 +273,7 @@ class StepGraphs:
         flips once; a binary search asks it ~log2(graphs) times. Returns the dropped counts.
 
         Eager, a step's device work hides behind its host time until the device time is the
-        longer (Qwen3-8B on an H200: host-bound at 300 tokens, device-bound from ~1,100);
+        longer (an 8B dense model on an H200: host-bound at 300 tokens, device-bound from ~1,100);
         from there a graph only adds its padding (BENCHMARKS.md, twelfth session)."""
         sizes = list(self.mixed_graphs)  # smallest first
         lo, hi = 0, len(sizes)
