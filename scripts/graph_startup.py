@@ -7,6 +7,7 @@ Usage: python scripts/graph_startup.py [--model Qwen3-0.6B] [--caps 0 512 defaul
 """
 
 import argparse
+import logging
 import time
 
 import torch
@@ -19,6 +20,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--model", default="Qwen3-0.6B")
 parser.add_argument("--caps", nargs="+", default=["0", "512", "default"])
 args = parser.parse_args()
+logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the measured cut's line
 for cap in args.caps:
     extra = {} if cap == "default" else {"max_mixed_graph_tokens": int(cap)}
     start = time.perf_counter()
