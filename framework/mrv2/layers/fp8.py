@@ -39,7 +39,6 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from mrv2.contract.forward_context import real_token_count
 from mrv2.layers.linear import FusedColumnLinear, LinearBase
 from mrv2.layers.moe import FusedMoE
 from mrv2.layers.weights import apply_moving_only
@@ -291,15 +290,11 @@ class Fp8FusedMoE(FusedMoE):
         return dequantize_experts(getattr(self, name), getattr(self, f"{name}_scale_inv"),
                                   (1, self.fp8_block[1]), dtype)
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-                ) -> torch.Tensor:
-        valid = real_token_count(x.shape[0])  # a graph's padding rows: no expert read for them
-        if self.count_reads:
-            self._count(topk_ids, valid)
-        return self.reduce(fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                                     w13_scale=self.w13_weight_scale_inv,
-                                     w2_scale=self.w2_weight_scale_inv, block=self.fp8_block,
-                                     valid_tokens=valid))
+    def _experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 valid: torch.Tensor | None) -> torch.Tensor:
+        return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                         w13_scale=self.w13_weight_scale_inv, w2_scale=self.w2_weight_scale_inv,
+                         block=self.fp8_block, valid_tokens=valid)
 
 
 def experts_to_fp8(moe: FusedMoE, block: tuple[int, int], fp8_weights: bool) -> Fp8FusedMoE:

@@ -136,8 +136,13 @@ class FusedMoE(nn.Module):
         valid = real_token_count(x.shape[0])  # a graph's padding rows: no expert read for them
         if self.count_reads:
             self._count(topk_ids, valid)
-        return self.reduce(fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                                     valid_tokens=valid))
+        return self.reduce(self._experts(x, topk_weights, topk_ids, valid))
+
+    def _experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 valid: torch.Tensor | None) -> torch.Tensor:
+        """The fused routed experts of this rank (rows from ``valid[0]`` on skipped)."""
+        return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                         valid_tokens=valid)
 
     def _count(self, topk_ids: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Add the number of distinct experts ``topk_ids`` selects (of its first ``valid[0]``

@@ -280,8 +280,8 @@ class BatchBuilder:
             num_padded, num_tokens_padded = padded, padded * query_len
         elif mixed:
             assert graphs is not None
-            num_padded, num_tokens_padded = graphs.mixed_graphs[mixed].num_reqs, mixed
-            mixed_rows = graphs.mixed_graphs[mixed].num_rows
+            graph = graphs.mixed_graphs[mixed]
+            num_padded, num_tokens_padded, mixed_rows = graph.num_reqs, mixed, graph.num_rows
         else:
             num_padded, num_tokens_padded = num_reqs, num_tokens
         query_start_loc = np.full(num_padded + 1, num_tokens, dtype=np.int32)

@@ -443,12 +443,12 @@ class Runner:
     def _mixed_graph_slower(self, tokens: int) -> bool:
         """Whether the mixed graph of ``tokens`` replays slower than an eager step of as many
         tokens spends on the host (on any rank: every rank then keeps the same graphs)."""
-        graph = self.graphs.mixed_graphs[tokens] if self.graphs is not None else None
-        assert graph is not None
+        graphs = self.graphs
+        assert graphs is not None
+        graph = graphs.mixed_graphs[tokens]
         batch = self._mixed_dummy_batch(graph.num_reqs, tokens, graph.num_rows)
         host = timed_ms(lambda: self._forward_logits_rows(batch), self.device, host_only=True)
-        replay = timed_ms(lambda: self.graphs.replay_mixed(tokens),  # type: ignore[union-attr]
-                          self.device, host_only=False)
+        replay = timed_ms(lambda: graphs.replay_mixed(tokens), self.device, host_only=False)
         return agree_min(int(replay <= host)) == 0
 
     def _max_mixed_graph_tokens(self) -> int:
