@@ -8,6 +8,7 @@
 # servegraphs (the same through mrv2 serve: scripts/serve_sweep.py, eager against graphs), servespec
 # (the same with n-gram speculation), padding (what padding rows cost: MoE and mixed graphs),
 # measuredcut (MRV2_MIXED_GRAPHS_MEASURED: mixed graphs only where they beat eager),
+# onetoken (MRV2_ATTN_ONE_TOKEN_APART: a prefill plan's one-token requests in their own launch),
 # mlaflat (MRV2_MLA_FLAT_GRID: MLA's flat grid, its tests and the DeepSeek-V2-Lite A/B),
 # tp_tests / tp_latency / tp_profile / tp_throughput (two GPUs: the nvidia-h200-x2 kind), glm47 (issue 19's
 # sweep: TP=4 on nvidia-h200-x4; on x2: TP=2 GLM47_ARGS="--hf-overrides '{\"num_hidden_layers\": N}'"),
@@ -81,6 +82,19 @@ for step in "$@"; do
                | tee "$OUT/mixed_padding.log" | grep -v Warning | tail -12
              timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe.py \
                2>&1 | tee "$OUT/moe_kernel_tests.log" | tail -2 ;;
+    onetoken) # MRV2_ATTN_ONE_TOKEN_APART (a prefill plan's one-token requests in a launch of
+              # their own, the decode plan's tiles; by default for 128-row prefill tiles): the
+              # mixed step both ways, the paged-attention and engine tests on CUDA with it
+              # forced on (=1: the tests' small models have 64-row tiles), then the throughput
+              # A/B whose "on" is the single launch (=0)
+              timeout 200 python3 -m mrv2_kernels.bench_attention --no-decode \
+                > "$OUT/attn_one_token.log" 2>&1; grep -E "^(prefill|mixed)" "$OUT/attn_one_token.log"
+              MRV2_ATTN_ONE_TOKEN_APART=1 timeout 200 python3 -m pytest -q -p no:cacheprovider \
+                tests/kernels/test_paged_attention.py 2>&1 | tee "$OUT/pa_tests.log" | tail -2
+              for m in ${ONE_TOKEN_MODELS:-Qwen3-8B}; do ROUNDS=${ROUNDS:-1} timeout 300 bash \
+                scripts/ab_env.sh MRV2_ATTN_ONE_TOKEN_APART=0 throughput --model $m; done
+              MRV2_ATTN_ONE_TOKEN_APART=1 timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu \
+                tests/gpu/test_gpu_engine.py 2>&1 | tee "$OUT/engine_tests.log" | tail -2 ;;
     measuredcut) # MRV2_MIXED_GRAPHS_MEASURED=1 (keep the mixed graphs whose replay beats an
                  # eager step's host time): the graphs each size keeps, then the 8B throughput A/B
                  for m in Qwen3-0.6B Qwen3-8B; do MRV2_MIXED_GRAPHS_MEASURED=1 timeout 150 python3 \

@@ -26,7 +26,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 
@@ -59,6 +59,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true", help="try block/stage/split/warp variants")
     p.add_argument("--layouts", nargs="*", default=None, help="only these head layouts (8B)")
     p.add_argument("--no-decode", action="store_true", help="prefill only")
+    p.add_argument("--mixed-tiles", action="store_true",
+                   help="also time a few prefill tiles on the 4 x 1,024 prefill and the mixed "
+                        "step")
     p.add_argument("--workload", action="store_true",
                    help="only the throughput workload's decode steps: request order and splits")
     p.add_argument("--workload-tiles", nargs="+", default=None, metavar="BN:STAGES:WARPS",
@@ -228,10 +231,8 @@ def main(argv: list[str] | None = None) -> int:
             print(lines[-1], flush=True)
         return lines
 
-    def mixed_step(lay: str, heads: int, kv_heads: int) -> list[str]:
-        """A mixed step like the throughput workload's first ones: prompts of 100-1,024
-        tokens filling the 8,192-token budget beside 128 decoding requests (contexts
-        100-1,500), through the (query tile, request) grid and the flat grid (same bits)."""
+    def mixed_case(heads: int, kv_heads: int) -> tuple[Case, list[int], list[int]]:
+        """The mixed step of :func:`mixed_step`: its case, prompt and decode lengths."""
         import random
 
         rng = random.Random(0)
@@ -245,14 +246,68 @@ def main(argv: list[str] | None = None) -> int:
         lens = decodes + prompts  # the running requests first, as the scheduler orders them
         kv_bytes = sum(lens) * kv_heads * d * 2 * elem
         c = case(heads, kv_heads, [1] * len(decodes) + prompts, lens, copies_for(kv_bytes))
-        grid, flat = c.make(flat_grid=False), c.make(flat_grid=True)
+        return c, prompts, decodes
+
+    def mixed_tiles(lay: str, heads: int, kv_heads: int, pre: Case, flops: float
+                    ) -> list[str]:
+        """Prefill tiles on both the 4 x 1,024 prefill ``pre`` and the mixed step (flat grid):
+        a tile that serves both."""
+        mixed = mixed_case(heads, kv_heads)[0]
+        lines = []
+        tiles = [(64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 32, 8, 2),
+                 (128, 64, 8, 2), (32, 64, 4, 2), (32, 32, 4, 2), (64, 128, 8, 2)]
+        for bm, bn, warps, stages in tiles:
+            kw = {"block_m": bm, "block_n": bn, "num_warps": warps, "num_stages": stages}
+            try:
+                t_pre = timer(pre.make(**kw), len(pre.kvs))
+                t_mix = timer(mixed.make(flat_grid=True, **kw), len(mixed.kvs))
+            except Exception as e:  # noqa: BLE001 (out of resources: skip the tile)
+                print(f"tiles {lay:>4} bm={bm} bn={bn} warps={warps} stages={stages}: failed "
+                      f"({type(e).__name__})")
+                continue
+            lines.append(f"tiles {lay:>4} bm={bm} bn={bn} warps={warps} stages={stages}: "
+                         f"prefill {flops / t_pre / 1e9:.1f} TFLOP/s, mixed step "
+                         f"{t_mix * 1e3:.1f} us")
+            print(lines[-1], flush=True)
+        return lines
+
+    def mixed_step(lay: str, heads: int, kv_heads: int) -> list[str]:
+        """A mixed step like the throughput workload's first ones: prompts of 100-1,024
+        tokens filling the 8,192-token budget beside 128 decoding requests (contexts
+        100-1,500), through the (query tile, request) grid and the flat grid (same bits), both
+        with the decoding requests in query tiles, then with them apart (the default); then
+        its halves alone."""
+        c, prompts, decodes = mixed_case(heads, kv_heads)
+        # one launch (the one-token requests in query tiles), then the default's two
+        grid = c.make(flat_grid=False, one_token_apart=False)
+        flat = c.make(flat_grid=True, one_token_apart=False)
         if not torch.equal(grid(0), flat(0)):
             raise SystemExit(f"mixed step {lay}: the flat grid's output differs")
         ms, msf = timer(grid, len(c.kvs)), timer(flat, len(c.kvs))
+        apart = c.make(flat_grid=True, one_token_apart=True)
+        torch.testing.assert_close(apart(0).float(), flat(0).float(), atol=2e-2, rtol=2e-2)
+        ms_apart = timer(apart, len(c.kvs))
         line = (f"mixed step {lay:>4}: {len(prompts)} prompts ({sum(prompts)} tokens) + "
-                f"{len(decodes)} decodes: grid {ms * 1e3:.1f} us, flat grid {msf * 1e3:.1f} us")
+                f"{len(decodes)} decodes: grid {ms * 1e3:.1f} us, flat grid {msf * 1e3:.1f} us"
+                f", one-token requests apart {ms_apart * 1e3:.1f} us")
         print(line, flush=True)
-        return [line]
+        # its two halves apart: the decoding requests in the prefill plan (as inside the mixed
+        # step) and in the decode plan, then the prompts alone
+        dec = case(heads, kv_heads, [1] * len(decodes), decodes,
+                   copies_for(sum(decodes) * kv_heads * d * 2 * elem))
+        pro = case(heads, kv_heads, prompts, prompts,
+                   copies_for(sum(prompts) * kv_heads * d * 2 * elem))
+        dec_pf = replace(dec, bounds={**dec.bounds, "max_query_len": max(prompts)})
+        t_dec_pf = timer(dec_pf.make(flat_grid=True, one_token_apart=False), len(dec.kvs))
+        t_dec = timer(dec.make(uniform_decode=True), len(dec.kvs))
+        t_dec1 = timer(dec.make(uniform_decode=True, num_splits=1), len(dec.kvs))
+        t_pro = timer(pro.make(flat_grid=True), len(pro.kvs))
+        line2 = (f"mixed step {lay:>4} apart: decodes in the prefill plan {t_dec_pf * 1e3:.1f} "
+                 f"us, in the decode plan "
+                 f"{t_dec * 1e3:.1f} us (1 split {t_dec1 * 1e3:.1f}), prompts alone "
+                 f"{t_pro * 1e3:.1f} us")
+        print(line2, flush=True)
+        return [line, line2]
 
     # ---- correctness first ----------------------------------------------------------------
     ctx0 = shapes.contexts[0]
@@ -352,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
         summary += mixed_step(lay, heads, kv_heads)
         if args.sweep:
             summary += sweep_tiles(c.make, len(c.kvs), flops, "")
+        if args.mixed_tiles:
+            summary += mixed_tiles(lay, heads, kv_heads, c, flops)
         del c
     print("\nsummary:\n" + "\n".join(summary))
     return 0

@@ -38,6 +38,18 @@ step, and a grid that does not depend on ``max_query_len``: a CUDA graph of mixe
 padded token count bakes ``max_query_len = T`` and launches no more programs than the step
 needs. (H200, 2026-12-02: a mixed step of 16 prompts and 128 decodes 248 against 253 us on
 Qwen3-0.6B heads, 390 against 388 on Qwen3-8B heads; the throughput workload equal.)
+A prefill plan's requests of one query token (a mixed step's decoding requests) attend first,
+in a launch of their own in the decode plan's tiles (``one_token_apart``; by default where the
+prefill tiles have 128 rows, ``MRV2_ATTN_ONE_TOKEN_APART=0`` / ``1``: never / always), and the
+prefill launch skips them: in a query tile of ``BLOCK_Q`` tokens a decoding request has one
+real token (on Qwen3-8B heads one row in 32 of a 128 x 32 tile). H200, 2026-12-02: a mixed
+step of 16 prompts (8,064 tokens) and 128 decoding requests 384 -> 321 us on Qwen3-8B heads,
+247 us either way on Qwen3-0.6B heads (64 x 64 tiles on 4 warps: its decoding requests'
+programs are cheap and overlap the prompts'), prefill rates unchanged. The second launch has
+no splits: a few decoding requests of long contexts beside a long prompt chunk take a little
+longer than inside the prefill launch, where they overlapped it. (The same path as a branch of the
+prefill kernel instead of a launch was tried: the branch cost the 8B prefill kernel 252 ->
+156 TFLOP/s.)
 Accumulation is fp32 (online softmax in base 2).
 """
 
@@ -70,6 +82,16 @@ from .rotary import _norm_rotate, rotary_embedding_triton
 #: ``0``: prefill plans launch one program per (query tile bound, request) instead of over the
 #: step's query tiles only (``paged_attention``'s ``flat_grid``, on by default).
 FLAT_GRID_ENV_VAR = "MRV2_ATTN_FLAT_GRID"
+#: A prefill plan's one-token requests (a mixed step's decoding requests) get a launch of their
+#: own in the decode plan's tiles (``paged_attention``'s ``one_token_apart``) where its tiles
+#: have at least :data:`ONE_TOKEN_APART_MIN_BLOCK_M` rows; ``1``: for every prefill plan, ``0``:
+#: never (they take a query tile each).
+ONE_TOKEN_ENV_VAR = "MRV2_ATTN_ONE_TOKEN_APART"
+#: Tile rows from which one-token requests attend apart by default: 128-row tiles (Qwen3-8B's
+#: 4-head groups) gave a mixed step 384 -> 321 us; 64-row ones (Qwen3-0.6B) 247 us either way,
+#: where the extra launch would only cost host time in eager steps (H200, BENCHMARKS.md
+#: 2026-12-02, thirteenth session).
+ONE_TOKEN_APART_MIN_BLOCK_M = 128
 
 # --------------------------------------------------------------------------------------------
 # Kernels
@@ -144,6 +166,7 @@ def _paged_attn_kernel(
     SKIP_LONG: tl.constexpr = False,
     FLAT: tl.constexpr = False,
     REQ_BLOCK: tl.constexpr = 16,
+    ONE_TOKEN: tl.constexpr = 0,
 ) -> None:
     # Heaviest query tiles (latest positions) first: better tail balance in causal prefill.
     # FLAT: program_id(0) counts every request's tiles (see flat_query_tile), the last ones
@@ -219,6 +242,12 @@ def _paged_attn_kernel(
         return
     if SKIP_LONG:  # noqa: SIM102 (constexpr branch) requests of long_qlen+ query tokens: TMA
         if qlen >= long_qlen:
+            return
+    if ONE_TOKEN == 1:  # noqa: SIM102 (constexpr branch) this launch: one-token requests only
+        if qlen != 1:
+            return
+    if ONE_TOKEN == 2:  # noqa: SIM102 (constexpr branch) they have their own launch
+        if qlen == 1:
             return
     ctx_len = seq_len - qlen
 
@@ -400,6 +429,7 @@ def paged_attention(
     num_stages: int | None = None,
     rope: FusedRope | None = None,
     flat_grid: bool | None = None,
+    one_token_apart: bool | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of ``query`` ``[T, H, D]`` over ``kv_cache``; see the module doc.
 
@@ -416,7 +446,11 @@ def paged_attention(
     ``num_warps``/``num_stages`` override the per-device defaults of :func:`attention_plan`
     (``num_splits`` only applies to the small-query configuration). ``flat_grid`` (default:
     on unless :data:`FLAT_GRID_ENV_VAR` is ``0``): a prefill plan's programs over the step's
-    query tiles only (see the module doc). Returns ``out`` (allocated when ``None``), query dtype.
+    query tiles only (see the module doc). ``one_token_apart`` (default: :data:`ONE_TOKEN_ENV_VAR`'s
+    rule): a prefill plan's requests of one query token attend in a launch of their own
+    first, in the decode plan's tiles (one query row per kv head's group instead of a query
+    tile in which one token is real). Returns ``out`` (allocated when
+    ``None``), query dtype.
     """
     num_heads, num_kv_heads, head_dim, block_size = _check_inputs(query, kv_cache)
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
@@ -513,10 +547,32 @@ def paged_attention(
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     flat = (not plan.small_q and (flat_grid if flat_grid is not None
                                   else os.environ.get(FLAT_GRID_ENV_VAR, "1") != "0"))
+    if one_token_apart is None:
+        setting = os.environ.get(ONE_TOKEN_ENV_VAR)
+        one_token_apart = (plan.block_m >= ONE_TOKEN_APART_MIN_BLOCK_M if setting is None
+                           else setting != "0")
+    apart = not plan.small_q and num_reqs > 1 and rope is None and one_token_apart
     if flat:
         grid = (num_tokens // plan.block_q + num_reqs, num_kv_heads * splits, 1)
     else:
         grid = (num_q_tiles, num_kv_heads * splits, num_reqs)
+    if apart:
+        # One-token requests (decoding requests in a mixed step) first, in the decode plan's
+        # tiles, without splits: [1 query tile, kv head, request] programs; the others exit.
+        one = attention_plan(query, kv_cache, max_query_len=1, max_seq_len=max_seq_len,
+                             num_reqs=num_reqs, uniform_decode=True, num_splits=1)
+        _paged_attn_kernel[(1, num_kv_heads, num_reqs)](
+            query, key_cache, value_cache, out, part_m, part_l, part_acc, qsl, seq_lens,
+            block_table, scale * _LOG2E, 1, num_heads, query.stride(0), query.stride(1),
+            out.stride(0), out.stride(1), key_cache.stride(0), key_cache.stride(1),
+            key_cache.stride(2), block_table.stride(0), 1, num_tokens, *rope_args, 0, num_reqs,
+            GROUP=group, GROUP_P2=next_power_of_2(group), BLOCK_Q=one.block_q,
+            BLOCK_M=one.block_m, BLOCK_N=one.block_n, HEAD_DIM=head_dim,
+            KV_BLOCK_SIZE=block_size, USE_SPLITS=False, ZERO_PAD=False, DOT_FP32=dot_fp32,
+            FP32_PRECISION="tf32x3" if on_gpu else "ieee", num_warps=one.num_warps,
+            num_stages=one.num_stages, EARLY_META=pdl_early_meta(query), ROPE=False,
+            QK_NORM=False, ONE_TOKEN=1, **pdl(query),
+        )
     _paged_attn_kernel[grid](
         query,
         key_cache,
@@ -564,6 +620,7 @@ def paged_attention(
         SKIP_LONG=long_qlen > 0,
         FLAT=flat,
         REQ_BLOCK=256 if on_gpu else 16,  # requests per load of the flat grid's search
+        ONE_TOKEN=2 if apart else 0,
         **pdl(query),
     )
     if splits > 1:
@@ -586,5 +643,6 @@ def paged_attention(
     return out
 
 
-__all__ = ["FLAT_GRID_ENV_VAR", "AttentionPlan", "FusedRope", "attention_plan", "paged_attention",
-           "paged_attention_ref"]
+__all__ = ["FLAT_GRID_ENV_VAR", "ONE_TOKEN_APART_MIN_BLOCK_M", "ONE_TOKEN_ENV_VAR", "AttentionPlan",
+           "FusedRope",
+           "attention_plan", "paged_attention", "paged_attention_ref"]

@@ -451,6 +451,69 @@ def test_flat_grid_gives_the_same_bits(reqs: list[tuple[int, int]], block_m: int
     assert (flat[b.num_real_tokens:] == 0).all()
 
 
+@pytest.mark.parametrize(("reqs", "flat", "dtype"), [
+    (MIXED, True, torch.float32),
+    # one-token requests of 1, 15, 16 and 17 keys (around a 16-key tile), a one-token prompt,
+    # a spec-decode-sized request, padding after
+    ([(1, 16), (1, 17), (12, 40), (1, 1), (1, 15), (3, 9), (1, 33)], True, torch.float32),
+    ([(1, 16), (1, 17), (12, 40), (1, 1), (1, 15), (3, 9), (1, 33)], False, torch.bfloat16),
+])
+def test_one_token_requests_apart(reqs: list[tuple[int, int]], flat: bool,
+                                  dtype: torch.dtype) -> None:
+    """``one_token_apart``: a prefill plan's requests of one query token attend in a launch of
+    their own (the decode plan's tiles) before the rest; every row matches the reference and the
+    single launch, the other requests' rows are the same bits, padding rows stay zero."""
+    b = make_batch(reqs, num_heads=8, num_kv_heads=2, head_dim=16, block_size=4, dtype=dtype,
+                   pad_tokens=2, seed=13)
+    args = (b.query, b.kv_cache, b.qsl, b.seq_lens, b.block_table, b.scale)
+    assert b.bounds["max_query_len"] > 1  # a prefill plan
+    out = {apart: paged_attention(*args, **b.bounds, flat_grid=flat, one_token_apart=apart,
+                                  out=torch.full_like(b.query, float("nan")))
+           for apart in (True, False)}
+    _check(out[True], paged_attention_ref(*args, **b.bounds), b, dtype)
+    _check(out[True], out[False], b, dtype)
+    n = b.num_real_tokens
+    longer = torch.cat([torch.full((q,), q != 1) for q, _ in reqs])
+    assert torch.equal(out[True][:n][longer], out[False][:n][longer])
+    assert (out[True][n:] == 0).all()
+
+
+def test_one_token_apart_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two attention launches for a prefill plan with one-token requests apart, one without:
+    by default apart from 128-row tiles on (``ONE_TOKEN_APART_MIN_BLOCK_M``), ``1`` / ``0``
+    always / never; one launch for a decode plan either way (its requests all have one
+    token)."""
+    from mrv2_kernels import paged_attention as module
+
+    b = make_batch(MIXED, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4,
+                   dtype=torch.float32, pad_tokens=1, seed=3)
+    args = (b.query, b.kv_cache, b.qsl, b.seq_lens, b.block_table, b.scale)
+    launches: list[int] = []
+
+    class Counted:
+        def __getitem__(self, grid: Any) -> Any:
+            launches.append(1)
+            return plain[grid]
+
+    plain = module._paged_attn_kernel
+    monkeypatch.setattr(module, "_paged_attn_kernel", Counted())
+    assert module.ONE_TOKEN_APART_MIN_BLOCK_M == 128
+    for setting, block_m, want in ((None, 128, 2), (None, 64, 1), ("1", 32, 2), ("0", 128, 1)):
+        if setting is None:
+            monkeypatch.delenv(module.ONE_TOKEN_ENV_VAR, raising=False)
+        else:
+            monkeypatch.setenv(module.ONE_TOKEN_ENV_VAR, setting)
+        launches.clear()
+        paged_attention(*args, **b.bounds, block_m=block_m)
+        assert len(launches) == want, (setting, block_m)
+    d = make_batch([(1, 9), (1, 30)], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4,
+                   dtype=torch.float32, pad_tokens=0, seed=4)
+    monkeypatch.setenv(module.ONE_TOKEN_ENV_VAR, "1")
+    launches.clear()
+    paged_attention(d.query, d.kv_cache, d.qsl, d.seq_lens, d.block_table, d.scale, **d.bounds)
+    assert len(launches) == 1
+
+
 _SM90_SCRIPT = r"""
 from mrv2_kernels import paged_attention as m
 
@@ -463,10 +526,11 @@ common = dict(HEAD_DIM=128, KV_BLOCK_SIZE=16, DOT_FP32=False, FP32_PRECISION="tf
               PDL=True, EARLY_META=False, ROPE=False, QK_NORM=False, SKIP_LONG=False)
 # the GPU prefill tiles (attention_plan): 8B heads (group 4), 0.6B heads (group 2)
 for group, bm, bn, warps in ((4, 128, 32, 8), (2, 64, 64, 4)):
-    for flat in (False, True):
+    for flat, one in ((False, 0), (True, 0), (True, 2)):  # 2: one-token requests skipped
         build(m._paged_attn_kernel, ptrs,
               dict(common, GROUP=group, GROUP_P2=group, BLOCK_Q=bm // group, BLOCK_M=bm,
-                   BLOCK_N=bn, USE_SPLITS=False, ZERO_PAD=True, FLAT=flat, REQ_BLOCK=256),
+                   BLOCK_N=bn, USE_SPLITS=False, ZERO_PAD=True, FLAT=flat, REQ_BLOCK=256,
+                   ONE_TOKEN=one),
               num_warps=warps, num_stages=2)
 """
 
@@ -474,13 +538,13 @@ for group, bm, bn, warps in ((4, 128, 32, 8), (2, 64, 64, 4)):
 @pytest.mark.skipif(DEVICE == "cuda", reason="the GPU run compiles it for real")
 def test_prefill_plans_compile_for_sm90_flat_or_not(tmp_path: Any) -> None:
     """The prefill plans' kernels compile for an H100/H200 (no GPU needed) with the flat grid's
-    request search and without, and the search costs no shared memory (so no resident
-    program per SM)."""
+    request search and without, and skipping one-token requests; neither costs shared memory
+    (so no resident program per SM)."""
     from sm90 import compile_for_sm90
 
     sizes = compile_for_sm90(_SM90_SCRIPT, tmp_path)["_paged_attn_kernel"]
-    assert len(sizes) == 4 and all(s > 0 for s in sizes)
-    assert sizes[0] == sizes[1] and sizes[2] == sizes[3], sizes
+    assert len(sizes) == 6 and all(s > 0 for s in sizes)
+    assert sizes[0] == sizes[1] == sizes[2] and sizes[3] == sizes[4] == sizes[5], sizes
 
 
 def count_calls(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[int]:
