@@ -9,6 +9,7 @@
 # (the same with n-gram speculation), padding (what padding rows cost: MoE and mixed graphs),
 # measuredcut (MRV2_MIXED_GRAPHS_MEASURED: mixed graphs only where they beat eager),
 # onetoken (MRV2_ATTN_ONE_TOKEN_APART: a prefill plan's one-token requests in their own launch),
+# serve8b (mrv2 serve on Qwen3-8B with long prompts: the default against either switch),
 # mlaflat (MRV2_MLA_FLAT_GRID: MLA's flat grid, its tests and the DeepSeek-V2-Lite A/B),
 # tp_tests / tp_latency / tp_profile / tp_throughput (two GPUs: the nvidia-h200-x2 kind), glm47 (issue 19's
 # sweep: TP=4 on nvidia-h200-x4; on x2: TP=2 GLM47_ARGS="--hf-overrides '{\"num_hidden_layers\": N}'"),
@@ -95,6 +96,14 @@ for step in "$@"; do
                 scripts/ab_env.sh MRV2_ATTN_ONE_TOKEN_APART=0 throughput --model $m; done
               MRV2_ATTN_ONE_TOKEN_APART=1 timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu \
                 tests/gpu/test_gpu_engine.py 2>&1 | tee "$OUT/engine_tests.log" | tail -2 ;;
+    serve8b) # mrv2 serve, Qwen3-8B, ~1,500-token prompts and 128 output tokens (steps with
+             # prompt tokens of 1,500-8,192 tokens beside the decoding requests): the default,
+             # one-token requests in query tiles, and the measured cut
+             timeout 560 python3 scripts/serve_sweep.py --model Qwen3-8B --out "$OUT/serve8b" \
+               --variants plain plain+MRV2_ATTN_ONE_TOKEN_APART=0 \
+               plain+MRV2_MIXED_GRAPHS_MEASURED=1 --rates 8 16 inf --num-requests 128 \
+               --prompt-tokens 1500 --max-tokens 128 --warmup-requests 16 \
+               > "$OUT/serve8b.log" 2>&1; tail -10 "$OUT/serve8b.log" ;;
     measuredcut) # MRV2_MIXED_GRAPHS_MEASURED=1 (keep the mixed graphs whose replay beats an
                  # eager step's host time): the graphs each size keeps, then the 8B throughput A/B
                  for m in Qwen3-0.6B Qwen3-8B; do MRV2_MIXED_GRAPHS_MEASURED=1 timeout 150 python3 \

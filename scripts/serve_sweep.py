@@ -21,7 +21,10 @@ TTFT p50 and output tok/s per variant and rate. Variants:
 - ``async_off`` / ``mtp_on_async_off``: the same with async scheduling off;
 - ``ngram_on``: n-gram speculation, three draft tokens, the same synthetic acceptance;
 - a name ending ``mixed_graphs_N`` (``mixed_graphs_0``, ``ngram_on_mixed_graphs_0``): the
-  server with ``--max-mixed-graph-tokens N`` (0: steps with prompt tokens run eager).
+  server with ``--max-mixed-graph-tokens N`` (0: steps with prompt tokens run eager);
+- any of these followed by ``+VAR=VALUE`` (one or more): the server's environment gets the
+  setting, e.g. ``plain+MRV2_ATTN_ONE_TOKEN_APART=0`` or ``plain+MRV2_MIXED_GRAPHS_MEASURED=1``
+  (an A/B of an environment switch, as ``scripts/ab_env.sh`` for the offline benches).
 
 Writes ``<variant>/server.log``, ``<variant>/serve.json`` and ``sweep.json`` under ``--out``.
 """
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -41,8 +45,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import soak  # noqa: E402  (the server start/stop and the synthetic tokenizer)
 
 
+def variant_env(name: str) -> tuple[str, dict[str, str]]:
+    """A variant's name without its ``+VAR=VALUE`` suffixes, and those settings."""
+    base, *settings = name.split("+")
+    env = {}
+    for setting in settings:
+        var, sep, value = setting.partition("=")
+        if not sep or not var:
+            raise SystemExit(f"variant {name!r}: {setting!r} is not VAR=VALUE")
+        env[var] = value
+    return base, env
+
+
 def variant_args(name: str, acceptance: float) -> list[str]:
-    """The extra ``mrv2 serve`` flags of a variant."""
+    """The extra ``mrv2 serve`` flags of a variant (its ``+VAR=VALUE`` suffixes aside)."""
+    name = variant_env(name)[0]
     args: list[str] = []
     if name.startswith("mtp_on"):
         spec = {"method": "mtp", "num_speculative_tokens": 1,
@@ -101,10 +118,20 @@ def main() -> int:
     results: dict[str, Any] = {"model": args.model, "server_args": args.server_args,
                                "prompt_words": words, "variants": {}}
     for name in args.variants:
-        out = args.out / name
+        out = args.out / name.replace("+", "_").replace("=", "")
         out.mkdir(parents=True, exist_ok=True)
-        proc, url, log = soak.start_server(args, [*server_args,
-                                                  *variant_args(name, args.acceptance)], out)
+        env = variant_env(name)[1]
+        saved = {var: os.environ.get(var) for var in env}
+        os.environ.update(env)  # the server inherits it
+        try:
+            proc, url, log = soak.start_server(args, [*server_args,
+                                                      *variant_args(name, args.acceptance)], out)
+        finally:
+            for var, value in saved.items():
+                if value is None:
+                    os.environ.pop(var, None)
+                else:
+                    os.environ[var] = value
         bench = [sys.executable, "-m", "mrv2.entrypoints.cli", "bench", "serve", "--url", url,
                  "--prompt-len", str(words), "--max-tokens", str(args.max_tokens)]
         try:
