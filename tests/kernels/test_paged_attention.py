@@ -451,20 +451,22 @@ def test_flat_grid_gives_the_same_bits(reqs: list[tuple[int, int]], block_m: int
     assert (flat[b.num_real_tokens:] == 0).all()
 
 
-@pytest.mark.parametrize(("reqs", "flat", "dtype"), [
-    (MIXED, True, torch.float32),
+@pytest.mark.parametrize(("reqs", "flat", "dtype", "heads"), [
+    (MIXED, True, torch.float32, (8, 2)),
     # one-token requests of 1, 15, 16 and 17 keys (around a 16-key tile), a one-token prompt,
     # a spec-decode-sized request, padding after
-    ([(1, 16), (1, 17), (12, 40), (1, 1), (1, 15), (3, 9), (1, 33)], True, torch.float32),
-    ([(1, 16), (1, 17), (12, 40), (1, 1), (1, 15), (3, 9), (1, 33)], False, torch.bfloat16),
+    ([(1, 16), (1, 17), (12, 40), (1, 1), (1, 15), (3, 9), (1, 33)], True, torch.float32, (8, 2)),
+    ([(1, 16), (1, 17), (12, 40), (1, 1), (1, 15), (3, 9), (1, 33)], False, torch.bfloat16,
+     (8, 2)),
+    (MIXED, True, torch.float32, (12, 2)),  # groups of 6 (GLM-4.5's are 12): padded rows
 ])
 def test_one_token_requests_apart(reqs: list[tuple[int, int]], flat: bool,
-                                  dtype: torch.dtype) -> None:
+                                  dtype: torch.dtype, heads: tuple[int, int]) -> None:
     """``one_token_apart``: a prefill plan's requests of one query token attend in a launch of
     their own (the decode plan's tiles) before the rest; every row matches the reference and the
     single launch, the other requests' rows are the same bits, padding rows stay zero."""
-    b = make_batch(reqs, num_heads=8, num_kv_heads=2, head_dim=16, block_size=4, dtype=dtype,
-                   pad_tokens=2, seed=13)
+    b = make_batch(reqs, num_heads=heads[0], num_kv_heads=heads[1], head_dim=16, block_size=4,
+                   dtype=dtype, pad_tokens=2, seed=13)
     args = (b.query, b.kv_cache, b.qsl, b.seq_lens, b.block_table, b.scale)
     assert b.bounds["max_query_len"] > 1  # a prefill plan
     out = {apart: paged_attention(*args, **b.bounds, flat_grid=flat, one_token_apart=apart,
