@@ -38,17 +38,12 @@ step, and a grid that does not depend on ``max_query_len``: a CUDA graph of mixe
 padded token count bakes ``max_query_len = T`` and launches no more programs than the step
 needs. (H200, 2026-12-02: a mixed step of 16 prompts and 128 decodes 248 against 253 us on
 Qwen3-0.6B heads, 390 against 388 on Qwen3-8B heads; the throughput workload equal.)
-A prefill plan's requests of one query token (a mixed step's decoding requests) attend first,
-in a launch of their own in the decode plan's tiles (``one_token_apart``; by default where the
-prefill tiles have 128 rows, ``MRV2_ATTN_ONE_TOKEN_APART=0`` / ``1``: never / always), and the
-prefill launch skips them: in a query tile of ``BLOCK_Q`` tokens a decoding request has one
-real token (on Qwen3-8B heads one row in 32 of a 128 x 32 tile). H200, 2026-12-02: a mixed
-step of 16 prompts (8,064 tokens) and 128 decoding requests 384 -> 321 us on Qwen3-8B heads,
-247 us either way on Qwen3-0.6B heads (64 x 64 tiles on 4 warps: its decoding requests'
-programs are cheap and overlap the prompts'), prefill rates unchanged. The second launch has
-no splits: a few decoding requests of long contexts beside a long prompt chunk take a little
-longer than inside the prefill launch, where they overlapped it. (The same path as a branch of the
-prefill kernel instead of a launch was tried: the branch cost the 8B prefill kernel 252 ->
+A prefill plan's one-token requests (a mixed step's decoding requests) may attend first in a
+launch of their own, in the decode plan's tiles, the prefill launch skipping them
+(``one_token_apart``; rule and measurements at :data:`ONE_TOKEN_APART_MIN_BLOCK_M`): in a query
+tile a decoding request has one real token (one row in 32 of Qwen3-8B's 128 x 32 tiles). That
+launch has no splits, so a few long-context decoding requests beside a long prompt chunk no
+longer overlap it. (As a branch of the prefill kernel instead, the 8B prefill rate fell 252 ->
 156 TFLOP/s.)
 Accumulation is fp32 (online softmax in base 2).
 """
@@ -552,77 +547,44 @@ def paged_attention(
         one_token_apart = (plan.block_m >= ONE_TOKEN_APART_MIN_BLOCK_M if setting is None
                            else setting != "0")
     apart = not plan.small_q and num_reqs > 1 and rope is None and one_token_apart
-    if flat:
-        grid = (num_tokens // plan.block_q + num_reqs, num_kv_heads * splits, 1)
-    else:
-        grid = (num_q_tiles, num_kv_heads * splits, num_reqs)
+    def launch(grid: tuple[int, int, int], p: AttentionPlan, flags: dict[str, Any]) -> None:
+        """``_paged_attn_kernel`` over ``grid`` with plan ``p``'s tiles and splits."""
+        _paged_attn_kernel[grid](
+            query, key_cache, value_cache, out, part_m, part_l, part_acc, qsl, seq_lens,
+            block_table, scale * _LOG2E, p.num_q_tiles, num_heads, query.stride(0),
+            query.stride(1), out.stride(0), out.stride(1), key_cache.stride(0),
+            key_cache.stride(1), key_cache.stride(2), block_table.stride(0), p.num_splits,
+            num_tokens, *rope_args, flags.pop("long_qlen", 0), num_reqs,
+            GROUP=group, GROUP_P2=next_power_of_2(group), BLOCK_Q=p.block_q, BLOCK_M=p.block_m,
+            BLOCK_N=p.block_n, HEAD_DIM=head_dim, KV_BLOCK_SIZE=block_size,
+            USE_SPLITS=p.num_splits > 1, DOT_FP32=dot_fp32,
+            # fp32 models on GPU: 3xTF32 tensor-core dots (about fp32 accurate); interpreter:
+            # exact.
+            FP32_PRECISION="tf32x3" if on_gpu else "ieee", num_warps=p.num_warps,
+            num_stages=p.num_stages, EARLY_META=pdl_early_meta(query), **flags, **pdl(query),
+        )
+
     if apart:
         # One-token requests (decoding requests in a mixed step) first, in the decode plan's
         # tiles, without splits: [1 query tile, kv head, request] programs; the others exit.
         one = attention_plan(query, kv_cache, max_query_len=1, max_seq_len=max_seq_len,
                              num_reqs=num_reqs, uniform_decode=True, num_splits=1)
-        _paged_attn_kernel[(1, num_kv_heads, num_reqs)](
-            query, key_cache, value_cache, out, part_m, part_l, part_acc, qsl, seq_lens,
-            block_table, scale * _LOG2E, 1, num_heads, query.stride(0), query.stride(1),
-            out.stride(0), out.stride(1), key_cache.stride(0), key_cache.stride(1),
-            key_cache.stride(2), block_table.stride(0), 1, num_tokens, *rope_args, 0, num_reqs,
-            GROUP=group, GROUP_P2=next_power_of_2(group), BLOCK_Q=one.block_q,
-            BLOCK_M=one.block_m, BLOCK_N=one.block_n, HEAD_DIM=head_dim,
-            KV_BLOCK_SIZE=block_size, USE_SPLITS=False, ZERO_PAD=False, DOT_FP32=dot_fp32,
-            FP32_PRECISION="tf32x3" if on_gpu else "ieee", num_warps=one.num_warps,
-            num_stages=one.num_stages, EARLY_META=pdl_early_meta(query), ROPE=False,
-            QK_NORM=False, ONE_TOKEN=1, **pdl(query),
-        )
-    _paged_attn_kernel[grid](
-        query,
-        key_cache,
-        value_cache,
-        out,
-        part_m,
-        part_l,
-        part_acc,
-        qsl,
-        seq_lens,
-        block_table,
-        scale * _LOG2E,
-        num_q_tiles,
-        num_heads,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        block_table.stride(0),
-        splits,
-        num_tokens,
-        *rope_args,
-        long_qlen,
-        num_reqs,
-        GROUP=group,
-        GROUP_P2=next_power_of_2(group),
-        BLOCK_Q=plan.block_q,
-        BLOCK_M=plan.block_m,
-        BLOCK_N=plan.block_n,
-        HEAD_DIM=head_dim,
-        KV_BLOCK_SIZE=block_size,
-        USE_SPLITS=splits > 1,
-        ZERO_PAD=splits == 1,  # with splits the combine kernel zeroes the padding rows
-        DOT_FP32=dot_fp32,
-        # fp32 models on GPU: 3xTF32 tensor-core dots (about fp32 accurate); interpreter: exact.
-        FP32_PRECISION="tf32x3" if on_gpu else "ieee",
-        num_warps=plan.num_warps,
-        num_stages=plan.num_stages,
-        EARLY_META=pdl_early_meta(query),
-        ROPE=rope is not None,
-        QK_NORM=rope is not None and rope.qk_norm is not None,
-        SKIP_LONG=long_qlen > 0,
-        FLAT=flat,
-        REQ_BLOCK=256 if on_gpu else 16,  # requests per load of the flat grid's search
-        ONE_TOKEN=2 if apart else 0,
-        **pdl(query),
-    )
+        launch((1, num_kv_heads, num_reqs), one, {"ZERO_PAD": False, "ROPE": False,
+                                                  "QK_NORM": False, "ONE_TOKEN": 1})
+    if flat:
+        grid = (num_tokens // plan.block_q + num_reqs, num_kv_heads * splits, 1)
+    else:
+        grid = (num_q_tiles, num_kv_heads * splits, num_reqs)
+    launch(grid, plan, {
+        "long_qlen": long_qlen,
+        "ZERO_PAD": splits == 1,  # with splits the combine kernel zeroes the padding rows
+        "ROPE": rope is not None,
+        "QK_NORM": rope is not None and rope.qk_norm is not None,
+        "SKIP_LONG": long_qlen > 0,
+        "FLAT": flat,
+        "REQ_BLOCK": 256 if on_gpu else 16,  # requests per load of the flat grid's search
+        "ONE_TOKEN": 2 if apart else 0,
+    })
     if splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
             part_m,
@@ -644,5 +606,4 @@ def paged_attention(
 
 
 __all__ = ["FLAT_GRID_ENV_VAR", "ONE_TOKEN_APART_MIN_BLOCK_M", "ONE_TOKEN_ENV_VAR", "AttentionPlan",
-           "FusedRope",
-           "attention_plan", "paged_attention", "paged_attention_ref"]
+           "FusedRope", "attention_plan", "paged_attention", "paged_attention_ref"]
