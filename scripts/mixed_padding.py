@@ -22,6 +22,7 @@ import torch
 from mrv2.bench.measure import resolve_model
 from mrv2.config import EngineConfig
 from mrv2.engine.engine import LLMEngine
+from mrv2_kernels._backend import cuda_event_ms
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default="Qwen3-8B")
@@ -42,14 +43,7 @@ assert graphs is not None and graphs.mixed_graphs, "no mixed graphs captured"
 
 def gpu_ms(fn: object) -> float:
     """Median milliseconds of ``fn()`` on the GPU, run back to back."""
-    times = []
-    for _ in range(args.reps + 2):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()  # type: ignore[operator]
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
+    times = [cuda_event_ms(fn) for _ in range(args.reps + 2)]  # type: ignore[arg-type]
     return statistics.median(times[2:])
 
 

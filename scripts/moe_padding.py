@@ -14,6 +14,7 @@ import statistics
 
 import torch
 
+from mrv2_kernels._backend import cuda_event_ms
 from mrv2_kernels.bench_moe import DTYPE, EXPERTS, HIDDEN, INTER, TOP_K
 from mrv2_kernels.fused_moe import fused_moe_triton
 
@@ -31,14 +32,7 @@ w2 = (torch.randn(EXPERTS, HIDDEN, INTER, device=dev, generator=g) / INTER**0.5)
 
 def replay_us(graph: torch.cuda.CUDAGraph) -> float:
     """Median µs per layer of a replay (``COPIES`` layers)."""
-    times = []
-    for _ in range(args.reps + 3):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop) * 1000 / COPIES)
+    times = [cuda_event_ms(graph.replay) * 1000 / COPIES for _ in range(args.reps + 3)]
     return statistics.median(times[3:])
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,9 +23,21 @@ import triton
 import triton.language as tl
 
 __all__ = ["ENV_VAR", "LOG2E", "M_INIT", "PDL_EARLY_META_ENV_VAR", "PDL_EARLY_WEIGHTS_ENV_VAR",
-           "PDL_ENV_VAR", "cdiv", "default_block", "flat_query_tile", "next_power_of_2",
+           "PDL_ENV_VAR", "cdiv", "cuda_event_ms", "default_block", "flat_query_tile",
+           "next_power_of_2",
            "online_softmax_step", "pdl", "pdl_early_meta", "pdl_early_weights", "pdl_enabled",
            "pdl_release", "pdl_wait", "softmax_rescale", "triton_forced", "use_triton"]
+
+
+def cuda_event_ms(fn: Callable[[], object]) -> float:
+    """Milliseconds of ``fn()`` on the current CUDA stream between two timing events (waits for
+    the second): the one device timer of the benches and the runner's graph probe."""
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    stop.record()
+    stop.synchronize()
+    return float(start.elapsed_time(stop))
 
 
 def cdiv(a: int, b: int) -> int:

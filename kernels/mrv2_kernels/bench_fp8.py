@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mrv2_kernels._backend import cuda_event_ms
 from mrv2_kernels.fp8_gemm import (
     block_fp8_linear_ref,
     block_fp8_linear_triton,
@@ -53,12 +54,7 @@ def time_graph(fn: Callable[[int], torch.Tensor], copies: int, repeats: int = 20
     graph.replay()  # first replay outside the measurement
     times = []
     for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / copies)
+        times.append(cuda_event_ms(graph.replay) * 1e3 / copies)
     return sorted(times)[len(times) // 2]
 
 
@@ -69,12 +65,7 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     dst.copy_(src)
     best = float("inf")
     for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e-3)
+        best = min(best, cuda_event_ms(lambda: dst.copy_(src)) * 1e-3)
     return 2 * nbytes / best
 
 

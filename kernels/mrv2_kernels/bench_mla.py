@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         os.execve(sys.executable, cmd, env)
     import torch
 
+    from mrv2_kernels._backend import cuda_event_ms
     from mrv2_kernels.mla_attention import (
         mla_decode_attention_ref,
         mla_decode_attention_triton,
@@ -97,12 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         graph.replay()
         times = []
         for _ in range(20):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / per_call)
+            times.append(cuda_event_ms(graph.replay) * 1e3 / per_call)
         return statistics.median(times)
 
     def timer(batch: int, ctx: int) -> Callable[..., float]:

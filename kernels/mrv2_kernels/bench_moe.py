@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from mrv2_kernels._backend import cuda_event_ms
 from mrv2_kernels.fused_moe import fused_moe_ref, fused_moe_triton, moe_tiles
 from mrv2_kernels.fused_moe_fp8 import expand_scales_per_row, quantize_experts_fp8
 
@@ -110,16 +111,7 @@ def format_table(rows: list[Row], bandwidth: float) -> str:
 
 def _median_events(fn: Callable[[], object], iters: int, per_call: int = 1) -> float:
     """Median µs of ``fn()`` (divided by ``per_call``) over ``iters`` CUDA-event timings."""
-    times = []
-    for _ in range(iters):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / per_call)
-    return statistics.median(times)
+    return statistics.median(cuda_event_ms(fn) * 1e3 / per_call for _ in range(iters))
 
 
 def copy_bandwidth() -> float:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from mrv2_kernels._backend import cuda_event_ms
 from mrv2_kernels.skinny_gemm import skinny_linear_triton
 
 #: (name, N, K): Qwen3-0.6B's decode projections, then Qwen3-8B's.
@@ -40,12 +41,7 @@ def time_graph(fn: Callable[[int], torch.Tensor], copies: int, repeats: int = 20
             fn(i)
     times = []
     for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / copies)
+        times.append(cuda_event_ms(graph.replay) * 1e3 / copies)
     return sorted(times)[len(times) // 2]
 
 

@@ -16,6 +16,7 @@ from mrv2.layers.embedding import LMHead, VocabEmbedding
 from mrv2.layers.moe import COUNT_READS_ENV, FusedMoE
 from mrv2.model_loader.build import text_config_of
 from mrv2.runner.runner import Runner
+from mrv2_kernels._backend import cuda_event_ms
 
 CONFIGS = Path(__file__).parent / "configs"
 
@@ -56,15 +57,7 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 2
 
 def _median_seconds(fn: Any, repeats: int) -> float:
     """Median device seconds of ``fn()`` over ``repeats`` runs, each between CUDA events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    times.sort()
+    times = sorted(cuda_event_ms(fn) / 1e3 for _ in range(repeats))
     return times[len(times) // 2]
 
 

@@ -8,6 +8,7 @@ decode step, and there times the sampler alone on fresh random bf16 logits of
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import time
 from typing import Any
@@ -18,6 +19,7 @@ from mrv2.bench.measure import copy_bandwidth, release_engine_memory, report, re
 from mrv2.config import EngineConfig
 from mrv2.contract.params import SamplingParams
 from mrv2.engine.engine import LLMEngine
+from mrv2_kernels._backend import cuda_event_ms
 
 MODES: dict[str, dict[str, Any]] = {
     "greedy": {"temperature": 0.0},
@@ -56,13 +58,8 @@ def time_mode(engine: LLMEngine, batch: int, params: SamplingParams, repeats: in
                       for _ in range(4)]  # rotate: do not time the L2 cache
             for i in range(repeats):
                 if runner.device.type == "cuda":
-                    start = torch.cuda.Event(enable_timing=True)
-                    end = torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    original(inputs[i % 4], step, table, plan)
-                    end.record()
-                    end.synchronize()
-                    timed.append(start.elapsed_time(end) / 1e3)
+                    timed.append(cuda_event_ms(
+                        functools.partial(original, inputs[i % 4], step, table, plan)) / 1e3)
                 else:
                     begin = time.perf_counter()
                     original(inputs[i % 4], step, table, plan)

@@ -56,6 +56,7 @@ import torch
 
 from mrv2.contract.batch import InputBatch
 from mrv2.contract.samples import StepSamples
+from mrv2_kernels._backend import cuda_event_ms
 
 Outputs = tuple[torch.Tensor, torch.Tensor]
 """``(hidden states [T, hidden], logits [T, vocab])`` of a captured step."""
@@ -82,13 +83,7 @@ def timed_ms(fn: Callable[[], object], device: torch.device, host_only: bool) ->
     best = float("inf")
     for i in range(4):
         if device.type == "cuda" and not host_only:
-            start = torch.cuda.Event(enable_timing=True)
-            stop = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            ms = start.elapsed_time(stop)
+            ms = cuda_event_ms(fn)
         else:
             begin = time.perf_counter()
             fn()
