@@ -8,6 +8,8 @@
 # servegraphs (the same through mrv2 serve: scripts/serve_sweep.py, eager against graphs), servespec
 # (the same with n-gram speculation), padding (what padding rows cost: MoE and mixed graphs),
 # measuredcut (MRV2_MIXED_GRAPHS_MEASURED: mixed graphs only where they beat eager),
+# fp8kv (kv_cache_dtype=fp8: tests and the throughput A/B), fp8attn (decode attention over
+# fp8 caches per tile), blas (scripts/blas_options.py: torch's cuBLAS switches on decode GEMMs),
 # onetoken (MRV2_ATTN_ONE_TOKEN_APART: a prefill plan's one-token requests in their own launch),
 # serve8b (mrv2 serve on Qwen3-8B with long prompts: the default against either switch),
 # mlaflat (MRV2_MLA_FLAT_GRID: MLA's flat grid, its tests and the DeepSeek-V2-Lite A/B),
@@ -26,6 +28,34 @@ for step in "$@"; do
   case "$step" in
     tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
            python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/kernel_tests.log" | tail -4 ;;
+    fp8kv) # kv_cache_dtype=fp8: its GPU and kernel tests on CUDA, then the throughput workload
+           # with the default (bf16) cache and the fp8 one, in one process
+           timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_fp8_kv.py \
+             2>&1 | tee "$OUT/fp8kv_gpu_tests.log" | tail -3
+           timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_kv_cache.py \
+             tests/kernels/test_kv_cache_write.py 2>&1 | tee "$OUT/fp8kv_kernel_tests.log" | tail -3
+           for run in "Qwen3-8B:330:default kv_fp8" "Qwen3-0.6B:150:kv_fp8"; do
+             m=${run%%:*}; rest=${run#*:}; json="$OUT/fp8kv_throughput_$m.json"
+             timeout "${rest%%:*}" python3 -m mrv2.entrypoints.cli bench throughput --model "$m" \
+               --variants ${rest#*:} --json "$json" > "${json%.json}.log" 2>&1
+             python3 -c "import json, sys; [print(sys.argv[1], k, v['output_tok_s'], \
+               v.get('floor_fraction'), v.get('roofline_fraction')) for k, v in \
+               json.load(open(sys.argv[2])).items() if isinstance(v, dict) and 'output_tok_s' in v]" \
+               "$m" "$json"
+           done ;;
+    fp8attn) # decode attention over an fp8 cache against a bf16 one: the kernel tests on CUDA,
+             # then the throughput workload's decode steps (bench_attention --workload) per tile
+             timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_kv_cache.py \
+               2>&1 | tee "$OUT/fp8attn_kernel_tests.log" | grep -E "^E .*differ|passed|failed"
+             for run in "0.6B:auto:64:2:4" "0.6B:fp8:64:2:4 128:2:4 128:3:4 128:2:8 32:2:4" \
+                        "8B:auto:64:2:4" "8B:fp8:64:2:4 128:2:4 128:3:4"; do
+               lay=${run%%:*}; rest=${run#*:}; kv=${rest%%:*}
+               timeout 150 python3 -m mrv2_kernels.bench_attention --workload --layouts "$lay" \
+                 --kv-dtype "$kv" --workload-tiles ${rest#*:} 2>&1 \
+                 | tee "$OUT/fp8attn_${lay}_$kv.log" | sed -n '/^summary/,$p'
+             done ;;
+    blas) # torch's cuBLAS switches (fp32 split-K reduce, no split-K, cuBLASLt) on decode GEMMs
+          timeout 200 python3 scripts/blas_options.py 2>&1 | tee "$OUT/blas_options.log" | tail -26 ;;
     sampler) python3 -m mrv2.entrypoints.cli bench sampler --json "$OUT/sampler.json" 2>&1 \
                | tee "$OUT/sampler.log" | tail -20 ;;
     prefix) python3 -m mrv2.entrypoints.cli bench throughput --json "$OUT/prefix.json" \

@@ -79,6 +79,14 @@ class CacheConfig(_Section):
     enable_prefix_caching: bool = Field(
         default=True, description="reuse the KV of full blocks shared with earlier requests"
     )
+    # vLLM's names. "fp8" = "fp8_e4m3": a per-tensor scale of 1.0 (vLLM's without calibrated
+    # scales); half the bytes a token of "auto" (bf16), so twice the tokens fit and a decode
+    # step reads half the KV bytes.
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(
+        default="auto",
+        description="KV cache element type: 'auto' (the model's dtype) or 'fp8' / 'fp8_e4m3' "
+        "(float8 e4m3, values saturated to +-448)",
+    )
 
 
 class SchedulerConfig(_Section):

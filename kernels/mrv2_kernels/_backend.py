@@ -61,6 +61,47 @@ LOG2E = 1.4426950408889634
 M_INIT = tl.constexpr(-1.0e30)
 
 
+#: Whether Triton's interpreter runs the kernels (``TRITON_INTERPRET=1`` when this module was
+#: imported, as the tests' conftest sets it): a constexpr the kernels can branch on.
+INTERPRETER = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+#: The largest finite float8 e4m3 value: an fp8 KV cache saturates what it stores to +-448.
+FP8_KV_MAX = 448.0
+
+
+@triton.jit
+def round_e4m3(v: tl.tensor) -> tl.tensor:
+    """Triton helper: ``v`` (fp32, ``|v| <= 448``) rounded to the nearest e4m3 value (ties to
+    even), in fp32 arithmetic: the spacing is ``2^(e - 3)`` for ``|v|`` in ``[2^e, 2^(e+1))``,
+    ``2^-9`` below ``2^-6`` (subnormals); ``v / spacing`` is exact and adding and removing
+    ``1.5 * 2^23`` rounds it to an integer; a negative ``v`` that rounds to zero keeps its sign
+    (-0, as a cast does). The result converts to fp8 exactly, also under the interpreter, whose
+    own fp32 -> fp8 conversion rounds wrongly (a carry out of the mantissa is dropped,
+    subnormals are truncated)."""
+    exp = (v.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    exp = tl.maximum(exp, 121)  # 2^-6: the smallest normal e4m3
+    spacing = ((exp - 3) << 23).to(tl.float32, bitcast=True)
+    y = v / spacing
+    y = (y + 12582912.0) - 12582912.0
+    r = y * spacing
+    return tl.where(v < 0, -tl.abs(r), r)
+
+
+@triton.jit
+def kv_store_cast(x: tl.tensor, cache_ptr: tl.tensor) -> tl.tensor:
+    """Triton helper: ``x`` as the element type of the KV cache ``cache_ptr`` points into. An
+    fp8 (e4m3) cache gets ``x`` saturated to :data:`FP8_KV_MAX` and rounded to nearest even
+    (per-tensor scale 1.0), what :func:`mrv2_kernels.kv_cache.to_cache_dtype` does in torch,
+    bit for bit; any other cache a plain cast."""
+    dtype: tl.constexpr = cache_ptr.dtype.element_ty
+    if dtype == tl.float8e4nv:
+        y = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+        if INTERPRETER:  # its own conversion rounds wrongly: round first (then it is exact)
+            y = round_e4m3(y)
+        return y.to(dtype)  # on the GPU cvt.rn.satfinite: to nearest even
+    else:
+        return x.to(dtype)
+
+
 @triton.jit
 def softmax_rescale(s: tl.tensor, m_i: tl.tensor, l_i: tl.tensor, qk_scale: tl.tensor,
                     keep: tl.tensor, MASKED: tl.constexpr) -> Any:

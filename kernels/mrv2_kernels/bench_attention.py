@@ -64,6 +64,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         "step")
     p.add_argument("--workload", action="store_true",
                    help="only the throughput workload's decode steps: request order and splits")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8"],
+                   help="KV cache element type: the query's (bf16) or fp8 (e4m3)")
     p.add_argument("--workload-tiles", nargs="+", default=None, metavar="BN:STAGES:WARPS",
                    help="with --workload: time these decode tiles instead (longest first, the "
                         "plan's splits), e.g. 64:2:4 128:3:8")
@@ -91,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         device = torch.device("cuda")
     dtype = torch.bfloat16
-    elem = torch.finfo(dtype).bits // 8
+    fp8 = args.kv_dtype == "fp8"
+    elem = 1 if fp8 else torch.finfo(dtype).bits // 8  # bytes of a KV element
     d = shapes.head_dim
     scale = d**-0.5
     gen = torch.Generator(device=device).manual_seed(0)
@@ -141,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         num_blocks = sum(per_req) + 1
         kvs = [torch.randn(2, num_blocks, bs, kv_heads, d, generator=gen, device=device,
                            dtype=dtype) for _ in range(copies)]
+        if fp8:
+            from mrv2_kernels.kv_cache import FP8_KV_DTYPE, to_cache_dtype
+
+            kvs = [to_cache_dtype(kv, FP8_KV_DTYPE) for kv in kvs]
         perm = torch.randperm(num_blocks, generator=gen, device=device).to(torch.int32)
         table = torch.zeros(len(lens), max(per_req), dtype=torch.int32, device=device)
         used = 0
@@ -335,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.workload and not args.tiny:
         for lay, heads, kv_heads in layouts:
             summary += workload_steps(lay, heads, kv_heads, case, copies_for, timer,
-                                      args.workload_tiles)
+                                      args.workload_tiles, elem)
         print("\nsummary:\n" + "\n".join(summary))
         return 0
 
@@ -415,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def workload_steps(lay: str, heads: int, kv_heads: int, case: Any, copies_for: Any,
-                   timer: Any, tiles: list[str] | None = None) -> list[str]:
+                   timer: Any, tiles: list[str] | None = None, elem: int = 2) -> list[str]:
     """Device time of the throughput workload's decode attention, every 64th step, per layer.
 
     ``mrv2 bench throughput``'s 256 requests (prompts and outputs of 100-1,024 tokens) decode
@@ -424,7 +431,8 @@ def workload_steps(lay: str, heads: int, kv_heads: int, case: Any, copies_for: A
     finishes at very different times: the step is timed with the requests in arrival order
     (the scheduler's) and longest first, at the plan's split count (``max_seq_len`` 4,096, a
     decode graph's bound) and at fixed ones; or, with ``tiles`` (``"BN:STAGES:WARPS"`` each),
-    longest first at the plan's splits with each of those decode tiles.
+    longest first at the plan's splits with each of those decode tiles. ``elem``: bytes of a KV
+    element (1: an fp8 cache, ``--kv-dtype fp8``), for the floor.
     """
     import random
 
@@ -433,7 +441,7 @@ def workload_steps(lay: str, heads: int, kv_heads: int, case: Any, copies_for: A
     rng = random.Random(0)  # mrv2.bench.throughput.workload(256)'s lengths
     prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(256)]
     max_tokens = [rng.randint(100, 1024) for _ in range(256)]
-    d, elem = 128, 2
+    d = 128
     variants: list[tuple[str, bool, int | None]] = [
         ("arrival", False, None), ("arrival", False, 2), ("arrival", False, 4),
         ("longest first", True, None), ("longest first", True, 2), ("longest first", True, 4)]

@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from ._backend import cdiv, next_power_of_2, use_triton
+from ._backend import round_e4m3 as _round_e4m3
 
 __all__ = [
     "FP8_DTYPE",
@@ -169,20 +170,6 @@ def per_token_group_quant_fp8_ref(
     q = (xp / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     q = q.view(-1, groups * group)[:, :k].contiguous()
     return q.view(*lead, k), scale.view(*lead, groups)
-
-
-@triton.jit
-def _round_e4m3(v: tl.tensor) -> tl.tensor:
-    """``v`` (fp32, ``|v| <= 448``) rounded to the nearest e4m3 value (ties to even), in fp32
-    arithmetic: the spacing is ``2^(e - 3)`` for ``|v|`` in ``[2^e, 2^(e+1))``, ``2^-9`` below
-    ``2^-6`` (subnormals); ``v / spacing`` is exact and adding and removing ``1.5 * 2^23``
-    rounds it to an integer."""
-    exp = (v.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    exp = tl.maximum(exp, 121)  # 2^-6: the smallest normal e4m3
-    spacing = ((exp - 3) << 23).to(tl.float32, bitcast=True)
-    y = v / spacing
-    y = (y + 12582912.0) - 12582912.0
-    return y * spacing
 
 
 @triton.jit

@@ -154,7 +154,7 @@ def expand_scales_per_row(scale: torch.Tensor, rows: int, bn: int) -> torch.Tens
 def _round_to(v: tl.tensor, DT: tl.constexpr, CPU: tl.constexpr) -> tl.tensor:
     """fp32 ``v`` rounded to ``DT`` (nearest even), as fp32. The interpreter's fp32 -> bf16
     conversion truncates; there (``CPU``) it is done in fp32 arithmetic, as
-    :func:`~mrv2_kernels.fp8_gemm._round_e4m3` does: ``v`` divided by the bf16 spacing of its
+    :func:`~mrv2_kernels._backend.round_e4m3` does: ``v`` divided by the bf16 spacing of its
     binade (``2^(e - 7)``, kept normal) is exact, and adding and removing ``1.5 * 2^23``
     rounds it to an integer."""
     if CPU and DT == tl.bfloat16:  # noqa: SIM300 (DT is the variable)

@@ -3,7 +3,13 @@
 KV cache layout: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (0 keys, 1 values).
 Token ``t`` goes to block ``slot_mapping[t] // block_size``, offset ``slot_mapping[t] %
 block_size``; a negative slot marks a padding token, which is not written. Values are cast to
-the cache's dtype (a plain copy when the dtypes agree).
+the cache's dtype (a plain copy when the dtypes agree; :func:`to_cache_dtype`).
+
+**fp8 caches** (``torch.float8_e4m3fn``, ``kv_cache_dtype="fp8"``): a value is saturated to
++-448 and rounded to the nearest e4m3 value, ties to even, with a per-tensor scale of 1.0 (what
+vLLM does for ``--kv-cache-dtype fp8`` without calibrated scales); the attention kernels read
+it back as the query's dtype. Half the bytes a token, so twice the tokens in the same memory and
+half the KV bytes a decode step reads.
 """
 
 from __future__ import annotations
@@ -12,7 +18,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import cdiv, next_power_of_2
+from ._backend import FP8_KV_MAX, cdiv, kv_store_cast, next_power_of_2
+
+#: The cache dtypes the writes and the attention kernels take besides the model's own.
+FP8_KV_DTYPE = torch.float8_e4m3fn
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a KV cache of ``dtype`` stores it: for an fp8 cache saturated to +-448 and
+    rounded to nearest even (the kernels' :func:`~mrv2_kernels._backend.kv_store_cast`, bit
+    for bit), else a plain cast."""
+    if dtype == FP8_KV_DTYPE:
+        return x.float().clamp(-FP8_KV_MAX, FP8_KV_MAX).to(dtype)
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 @triton.jit
@@ -46,8 +64,8 @@ def _write_kv_kernel(
     dst = blk * stride_cb + (slot % KV_BLOCK_SIZE) * stride_cs + head * stride_ch + dim
     k = tl.load(key_ptr + tok * stride_kt + head * stride_kh + dim, mask=ok)
     v = tl.load(value_ptr + tok * stride_vt + head * stride_vh + dim, mask=ok)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
+    tl.store(k_cache_ptr + dst, kv_store_cast(k, k_cache_ptr), mask=ok)
+    tl.store(v_cache_ptr + dst, kv_store_cast(v, v_cache_ptr), mask=ok)
 
 
 def _check(
@@ -83,8 +101,8 @@ def write_kv_ref(
     keep = slots >= 0
     slots = slots[keep]
     blocks, offsets = slots // block_size, slots % block_size
-    kv_cache[0, blocks, offsets] = key[keep].to(kv_cache.dtype)
-    kv_cache[1, blocks, offsets] = value[keep].to(kv_cache.dtype)
+    kv_cache[0, blocks, offsets] = to_cache_dtype(key[keep], kv_cache.dtype)
+    kv_cache[1, blocks, offsets] = to_cache_dtype(value[keep], kv_cache.dtype)
 
 
 def write_kv_triton(
@@ -134,4 +152,4 @@ def write_kv_triton(
     )
 
 
-__all__ = ["write_kv_ref", "write_kv_triton"]
+__all__ = ["FP8_KV_DTYPE", "to_cache_dtype", "write_kv_ref", "write_kv_triton"]

@@ -45,7 +45,17 @@ tile a decoding request has one real token (one row in 32 of Qwen3-8B's 128 x 32
 launch has no splits, so a few long-context decoding requests beside a long prompt chunk no
 longer overlap it. (As a branch of the prefill kernel instead, the 8B prefill rate fell 252 ->
 156 TFLOP/s.)
-Accumulation is fp32 (online softmax in base 2).
+Accumulation is fp32 (online softmax in base 2). The cache may be fp8 (e4m3,
+``kv_cache_dtype="fp8"``, stored as :func:`~mrv2_kernels.kv_cache.to_cache_dtype` does):
+then the key and value tiles are converted to fp16 after the load and the query and the
+probabilities join them in fp16 for the dots (e4m3 -> fp16 is exact and one ``cvt`` per
+pair, where e4m3 -> bf16 goes through fp32; bf16 -> fp16 is exact within fp16's range, which
+the query is clamped to). H200, the throughput workload's decode attention on Qwen3-0.6B
+heads (BENCHMARKS.md 2026-12-02, fourteenth session): bf16 cache 2,101 us, fp8 with bf16
+dots 2,146, fp8 with fp16 dots 1,903 (1,839 on 2 warps): the decode kernel is not limited by
+the bytes it reads (at half of them the bf16-dot version took as long), so halving them
+gains only where the instructions per key go down too. The TMA prefill path is not taken
+with an fp8 cache (it reads the step's keys from the step's tensors, not the rounded cache).
 """
 
 from __future__ import annotations
@@ -61,6 +71,7 @@ from ._backend import LOG2E as _LOG2E
 from ._backend import M_INIT as _M_INIT
 from ._backend import (
     flat_query_tile,
+    kv_store_cast,
     next_power_of_2,
     pdl,
     pdl_early_meta,
@@ -69,6 +80,7 @@ from ._backend import (
     pdl_wait,
 )
 from ._backend import online_softmax_step as _online_step
+from .kv_cache import FP8_KV_DTYPE
 from .paged_attention_plan import AttentionPlan, FusedRope, _rows_of_heads, attention_plan
 from .paged_attention_ref import _check_inputs, paged_attention_ref
 from .prefill_attention import prefill_attention_tma, tma_prefill_min_query, use_tma_prefill
@@ -174,6 +186,7 @@ def _paged_attn_kernel(
     split = pid_hs % num_splits
     offs_d = tl.arange(0, HEAD_DIM)
     HALF: tl.constexpr = HEAD_DIM // 2
+    KV_FP8: tl.constexpr = k_ptr.dtype.element_ty == tl.float8e4nv
     rows = tl.arange(0, BLOCK_M)
     grp = rows % GROUP_P2
     head = kvh * GROUP + grp
@@ -260,6 +273,8 @@ def _paged_attn_kernel(
         q = tl.load(q_ptrs + offs_d[None, :], mask=row_valid[:, None], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
+    elif KV_FP8:  # fp16 dots (see the key loop): bf16 -> fp16 is exact within fp16's range
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
     # Keys this tile can see: [0, kv_end); split `split` takes one chunk of them.
     kv_end = tl.minimum(ctx_len + tile_start + BLOCK_Q, seq_len)
@@ -286,10 +301,11 @@ def _paged_attn_kernel(
                         + offs_d[None, :], mask=new_ok[:, None], other=0.0)
         slot_row = ((slot // KV_BLOCK_SIZE) * stride_kb + (slot % KV_BLOCK_SIZE) * stride_ks
                     + kvh.to(tl.int64) * stride_kh)[:, None]
-        dtype = k_ptr.dtype.element_ty
-        tl.store(k_ptr + slot_row + offs_h[None, :], k1.to(dtype), mask=new_ok[:, None])
-        tl.store(k_ptr + slot_row + HALF + offs_h[None, :], k2.to(dtype), mask=new_ok[:, None])
-        tl.store(v_ptr + slot_row + offs_d[None, :], v_new.to(v_ptr.dtype.element_ty),
+        tl.store(k_ptr + slot_row + offs_h[None, :], kv_store_cast(k1, k_ptr),
+                 mask=new_ok[:, None])
+        tl.store(k_ptr + slot_row + HALF + offs_h[None, :], kv_store_cast(k2, k_ptr),
+                 mask=new_ok[:, None])
+        tl.store(v_ptr + slot_row + offs_d[None, :], kv_store_cast(v_new, v_ptr),
                  mask=new_ok[:, None])
         tl.debug_barrier()
     # Keys below every row's position need no mask (and are all < seq_len).
@@ -318,6 +334,9 @@ def _paged_attn_kernel(
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        elif KV_FP8:  # an fp8 cache: the dots run in fp16 (e4m3 -> f16 is one cvt a pair)
+            k = k.to(tl.float16)
+            v = v.to(tl.float16)
         acc, m_i, l_i = _online_step(q, k, v, acc, m_i, l_i, qk_scale, pos[:, None] >= 0,
                                      False, DOT_FP32, FP32_PRECISION)
 
@@ -336,6 +355,9 @@ def _paged_attn_kernel(
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        elif KV_FP8:  # an fp8 cache: the dots run in fp16 (e4m3 -> f16 is one cvt a pair)
+            k = k.to(tl.float16)
+            v = v.to(tl.float16)
         acc, m_i, l_i = _online_step(q, k, v, acc, m_i, l_i, qk_scale,
                                      n[None, :] <= pos[:, None], True, DOT_FP32, FP32_PRECISION)
 
@@ -453,8 +475,8 @@ def paged_attention(
     )
     assert query.stride(-1) == 1 and kv_cache.stride(-1) == 1, "head_dim must be contiguous"
     assert block_table.dtype in (torch.int32, torch.int64), "block_table must be integer"
-    assert kv_cache.dtype == query.dtype, (
-        f"kv_cache dtype {kv_cache.dtype} must match the query's {query.dtype}"
+    assert kv_cache.dtype in (query.dtype, FP8_KV_DTYPE), (
+        f"kv_cache dtype {kv_cache.dtype} must be the query's {query.dtype} or {FP8_KV_DTYPE}"
     )
     assert out is None or (
         out.shape == query.shape and out.dtype == query.dtype and out.stride(-1) == 1
@@ -504,7 +526,8 @@ def paged_attention(
             rope = None
             if not plan.small_q:
                 k2 = _rows_of_heads(k2, "key", num_tokens, num_kv_heads, head_dim)
-                if use_tma_prefill(query, k2, value):
+                if kv_cache.dtype == query.dtype and use_tma_prefill(query, k2, value):
+                    # (its step keys must be what the cache holds: not with an fp8 cache)
                     step_kv = (k2, value)  # the rotated keys, as stored: read them here
         else:
             q_w, k_w, eps = rope.qk_norm if rope.qk_norm is not None else (query, query, 0.0)

@@ -32,6 +32,7 @@ import triton.language as tl
 from ._backend import (
     cdiv,
     default_block,
+    kv_store_cast,
     next_power_of_2,
     pdl,
     pdl_early_meta,
@@ -40,13 +41,14 @@ from ._backend import (
     pdl_wait,
     use_triton,
 )
-from .kv_cache import write_kv_ref, write_kv_triton
+from .kv_cache import FP8_KV_DTYPE, write_kv_ref, write_kv_triton
 from .norm import rms_norm, rms_norm_cpu, rms_norm_ref
 
 __all__ = ["KVWrite", "QKNorm", "rotary_embedding", "rotary_embedding_cpu",
            "rotary_embedding_ref", "rotary_embedding_triton"]
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CACHE_DTYPES = (*_KERNEL_DTYPES, FP8_KV_DTYPE)
 
 
 @triton.jit
@@ -130,12 +132,12 @@ def _cache_heads(
     dims = tl.arange(0, BLOCK_HALF)
     mask = (heads < num_heads)[:, None] & (dims < half)[None, :]
     dst = heads[:, None] * c_stride_h + dims[None, :]
-    dtype = k_dst.dtype.element_ty
-    tl.store(k_dst + dst, k1.to(dtype), mask=mask)
-    tl.store(k_dst + dst + half, k2.to(dtype), mask=mask)
+    tl.store(k_dst + dst, kv_store_cast(k1, k_dst), mask=mask)
+    tl.store(k_dst + dst + half, kv_store_cast(k2, k_dst), mask=mask)
     pv = v_row + heads[:, None] * v_stride_h + dims[None, :]
-    tl.store(v_dst + dst, tl.load(pv, mask=mask).to(dtype), mask=mask)
-    tl.store(v_dst + dst + half, tl.load(pv + half, mask=mask).to(dtype), mask=mask)
+    tl.store(v_dst + dst, kv_store_cast(tl.load(pv, mask=mask), v_dst), mask=mask)
+    tl.store(v_dst + dst + half, kv_store_cast(tl.load(pv + half, mask=mask), v_dst),
+             mask=mask)
 
 
 @triton.jit
@@ -442,7 +444,8 @@ def rotary_embedding_triton(
     ``kv_write = (value, kv_cache, slot_mapping)``: a key program also stores its rotated
     heads (exactly the values written back to ``key``, cast to the cache dtype) and the same
     heads of ``value`` at the token's slot of ``kv_cache``; tokens with a negative slot are not
-    written. ``value``/``kv_cache`` must be fp32/bf16/fp16 with a contiguous ``head_dim``.
+    written. ``value`` must be fp32/bf16/fp16, ``kv_cache`` that or fp8 (e4m3, stored as
+    :func:`~mrv2_kernels.kv_cache.to_cache_dtype` does), both with a contiguous ``head_dim``.
     With ``rotary_dim < head_dim`` the rotation is followed by :func:`write_kv_triton`.
     """
     _check(positions, query, key, cos_sin, head_dim, rotary_dim)
@@ -450,9 +453,12 @@ def rotary_embedding_triton(
         raise ValueError("the fused query/key RMSNorm needs rotary_dim == head_dim")
     if kv_write is not None:
         _check_kv_write(key, kv_write, head_dim)
-    for t in (query, key, cos_sin, *(kv_write or ())[:2]):
+    for t in (query, key, cos_sin, *(kv_write or ())[:1]):
         if t.dtype not in _KERNEL_DTYPES:
             raise TypeError(f"rotary_embedding_triton takes fp32/bf16/fp16, got {t.dtype}")
+    if kv_write is not None and kv_write[1].dtype not in _CACHE_DTYPES:
+        raise TypeError(f"rotary_embedding_triton writes fp32/bf16/fp16/fp8 (e4m3) caches, got "
+                        f"{kv_write[1].dtype}")
     if kv_write is not None:
         if kv_write[1].stride(-1) != 1:
             raise ValueError("kv_cache must have a contiguous head_dim")
@@ -568,7 +574,8 @@ def rotary_embedding(
             query = _head_norm(query, q_w, eps, head_dim)
             key = _head_norm(key, k_w, eps, head_dim)
             qk_norm = None
-        if kv_write is not None and any(t.dtype not in _KERNEL_DTYPES for t in kv_write[:2]):
+        if kv_write is not None and (kv_write[0].dtype not in _KERNEL_DTYPES
+                                     or kv_write[1].dtype not in _CACHE_DTYPES):
             _check_kv_write(key, kv_write, head_dim)  # not fusable: rotate, then write
             query, key = rotary_embedding_triton(positions, query, key, cos_sin, head_dim,
                                                  rotary_dim, qk_norm)

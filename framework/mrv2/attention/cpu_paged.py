@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from mrv2.contract.attention import AttentionMetadata
+from mrv2_kernels.kv_cache import to_cache_dtype
 
 _PLAN_KEY = "torch_cpu_attention"
 
@@ -136,9 +137,11 @@ def write_kv_cpu(
     new = torch.stack((key, value))  # [2, T, Hk, D]
     if rows is not None:
         new = new[:, rows]
-    if new.dtype != kv_cache.dtype:
-        new = new.to(kv_cache.dtype)
-    kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4]).index_copy_(1, slots, new)
+    new = to_cache_dtype(new, kv_cache.dtype)
+    target = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
+    if new.element_size() == 1:  # fp8: CPU index_copy_ has no float8 kernel; the bytes do
+        target, new = target.view(torch.uint8), new.view(torch.uint8)
+    target.index_copy_(1, slots, new)
 
 
 def paged_attention_cpu(

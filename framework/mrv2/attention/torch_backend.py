@@ -13,6 +13,7 @@ import torch
 from mrv2.attention.cpu_paged import paged_attention_cpu, plan_for, write_kv_cpu
 from mrv2.contract.attention import AttentionMetadata, PagedAttentionBackend
 from mrv2.contract.forward_context import current_forward_context
+from mrv2_kernels.kv_cache import to_cache_dtype
 
 
 class TorchAttentionBackend(PagedAttentionBackend):
@@ -27,6 +28,7 @@ class TorchAttentionBackend(PagedAttentionBackend):
     """
 
     name = "torch"
+    fp8_kv_cache = True
 
     def write_kv(
         self,
@@ -80,8 +82,13 @@ class TorchAttentionBackend(PagedAttentionBackend):
         target = slots[src].clamp(min=0)
         keep_old = ~valid[src][:, None, None]
         for i, new in enumerate((key, value)):
-            new_rows = new[src].to(kv_cache.dtype)
-            flat[i].index_copy_(0, target, torch.where(keep_old, flat[i][target], new_rows))
+            new_rows = to_cache_dtype(new[src], kv_cache.dtype)
+            old = flat[i][target]
+            if new_rows.element_size() == 1:  # fp8: where / index_copy_ on the bytes
+                merged = torch.where(keep_old, old.view(torch.uint8), new_rows.view(torch.uint8))
+                flat[i].view(torch.uint8).index_copy_(0, target, merged)
+            else:
+                flat[i].index_copy_(0, target, torch.where(keep_old, old, new_rows))
 
     def forward_reference(
         self,

@@ -23,6 +23,7 @@ class TritonAttentionBackend(PagedAttentionBackend):
     """Paged attention (prefill + decode, GQA, any block size) written in Triton."""
 
     name = "triton"
+    fp8_kv_cache = True
     kv_write_in_rope = True
 
     def __init__(self) -> None:

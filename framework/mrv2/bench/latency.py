@@ -190,7 +190,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             model=model_dir, load_format=args.load_format, dtype=args.dtype, device=args.device,
             max_model_len=args.max_model_len, max_num_seqs=max(args.batch_sizes),
             gpu_memory_utilization=args.gpu_memory_utilization,
-            tensor_parallel_size=args.tensor_parallel_size, **variants[name],
+            tensor_parallel_size=args.tensor_parallel_size,
+            **{"kv_cache_dtype": args.kv_cache_dtype, **variants[name]},
         )
         engine = LLMEngine(config)
         if cpu and name == "default" and not args.no_hf:
@@ -242,6 +243,8 @@ def add_parser(sub: Any) -> None:
                    help="cpu: torch threads (default: torch's own, e.g. OMP_NUM_THREADS)")
     p.add_argument("--no-hf", action="store_true", help="cpu: skip the HF reference")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="KV cache element type")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks (GPUs) to split the model over")
     p.add_argument("--variants", nargs="*", default=[],

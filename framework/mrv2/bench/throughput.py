@@ -114,7 +114,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "default": {}, "async_off": {"async_scheduling": False},
         "graphs_off": {"enforce_eager": True}, "prefix_off": {"enable_prefix_caching": False},
         "mixed_graphs_off": {"max_mixed_graph_tokens": 0},
-        "mixed_graphs_512": {"max_mixed_graph_tokens": 512}}
+        "mixed_graphs_512": {"max_mixed_graph_tokens": 512},
+        "kv_fp8": {"kv_cache_dtype": "fp8"}}
     chosen = args.variants if "default" in args.variants else ["default", *args.variants]
     bandwidth = None
     flop_rate = float("nan")
@@ -124,7 +125,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             gpu_memory_utilization=args.gpu_memory_utilization,
-            tensor_parallel_size=args.tensor_parallel_size, **cache, **variants[name],
+            tensor_parallel_size=args.tensor_parallel_size,
+            **{"kv_cache_dtype": args.kv_cache_dtype, **cache, **variants[name]},
         )
         engine = LLMEngine(config)
         warm_p, _ = workload(4, seed=1)
@@ -214,10 +216,12 @@ def add_parser(sub: Any) -> None:
                    help="ranks (GPUs) to split the model over")
     p.add_argument("--variants", nargs="*", default=[],
                    choices=["default", "async_off", "graphs_off", "prefix_off",
-                            "mixed_graphs_off", "mixed_graphs_512"],
+                            "mixed_graphs_off", "mixed_graphs_512", "kv_fp8"],
                    help="also run with async scheduling off / CUDA graphs off / the prefix "
                    "cache off / steps with prompt tokens eager / in CUDA graphs up to 512 "
-                   "tokens only (in this order; name default to place it)")
+                   "tokens only / an fp8 KV cache (in this order; name default to place it)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="KV cache element type of every variant (kv_fp8 sets fp8)")
     p.add_argument("--hf-requests", type=int, default=0,
                    help="also run the first N requests through HF generate, for a ratio")
     p.add_argument("--shared-prefix", type=int, default=0,

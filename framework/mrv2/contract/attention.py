@@ -62,6 +62,12 @@ class AttentionBackend:
 
     name: str = "abstract"
 
+    fp8_kv_cache: bool = False
+    """Whether this backend writes and reads a float8 (e4m3) cache, what ``kv_cache_dtype="fp8"``
+    allocates: values saturated to +-448 and rounded to nearest even as
+    :func:`mrv2_kernels.kv_cache.to_cache_dtype` does, read back as the query's dtype. The
+    runner refuses ``"fp8"`` for a model with a cache group whose backend says ``False``."""
+
     mixed_step_graphs: bool = True
     """Whether steps with prompt tokens may run this backend inside the runner's mixed CUDA
     graphs. Their metadata bakes ``max_query_len`` = the padded token count and

@@ -16,6 +16,10 @@ import torch
 from mrv2.config import CacheConfig
 from mrv2.contract.kv_cache import KVCacheGroup, KVCacheSpec, group_specs
 from mrv2.registry import Registries, import_object
+from mrv2_kernels.kv_cache import FP8_KV_DTYPE
+
+#: ``cache.kv_cache_dtype`` values that mean a float8 e4m3 cache.
+FP8_NAMES = ("fp8", "fp8_e4m3")
 
 _GIB = 1 << 30
 
@@ -25,7 +29,7 @@ class KVCaches:
 
     def __init__(
         self, specs: dict[int, KVCacheSpec], registries: Registries, device: torch.device,
-        backend_name: str | None,
+        backend_name: str | None, kv_cache_dtype: str = "auto",
     ) -> None:
         if not specs:
             raise ValueError("the model declares no KV cache layer (no KVCacheLayer modules)")
@@ -48,16 +52,38 @@ class KVCaches:
                 f"attention backend {backend_name!r} serves none of this model's KV cache "
                 f"kinds ({kinds})"
             )
+        #: The cache element type when it is not the model's (``kv_cache_dtype``).
+        self.kv_dtype: torch.dtype | None = None
+        if kv_cache_dtype in FP8_NAMES:
+            refused = sorted({f"{g.backend!r} (KV kind {g.spec.kind!r})" for g in self.groups
+                              if not getattr(self.backends[g.layer_indices[0]], "fp8_kv_cache",
+                                             False)})
+            if refused:
+                raise ValueError(
+                    f"cache.kv_cache_dtype={kv_cache_dtype!r} is not supported by the attention "
+                    f"backend {', '.join(refused)} of this model; allowed here: 'auto'"
+                )
+            self.kv_dtype = FP8_KV_DTYPE
+        elif kv_cache_dtype != "auto":
+            raise ValueError(f"cache.kv_cache_dtype must be one of 'auto', 'fp8', 'fp8_e4m3'; "
+                             f"got {kv_cache_dtype!r}")
         self.tensors: list[torch.Tensor] = []
 
+    def dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The caches' element type for a model of ``model_dtype``."""
+        return self.kv_dtype or model_dtype
+
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        """Device bytes of one block across every layer of every group."""
+        """Device bytes of one block across every layer of every group (``dtype``: the
+        model's)."""
+        dtype = self.dtype(dtype)
         return sum(spec.bytes_per_block(block_size, dtype) for spec in self.specs.values())
 
     def allocate(
         self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        """One tensor per layer, in the layout of its spec."""
+        """One tensor per layer, in the layout of its spec (``dtype``: the model's)."""
+        dtype = self.dtype(dtype)
         self.tensors = [self.specs[i].allocate(num_blocks, block_size, dtype, device)
                         for i in range(len(self.specs))]
 

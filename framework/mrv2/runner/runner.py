@@ -127,7 +127,8 @@ class Runner:
         specs = self.model_state.kv_cache_specs()
         if self.speculator is not None:  # a drafter's own cache layers, numbered after these
             specs = {**specs, **self.speculator.kv_cache_specs(len(specs))}
-        self.kv = KVCaches(specs, registries, self.device, config.device.attention_backend)
+        self.kv = KVCaches(specs, registries, self.device, config.device.attention_backend,
+                           config.cache.kv_cache_dtype)
         self.builder = BatchBuilder(self.table, self.buffers, self.block_size,
                                     self.max_num_tokens, self.num_speculative_tokens)
         self.builder.mixed_graph_allowed = self.model_state.mixed_graph_allowed
