@@ -9,7 +9,7 @@
 # (the same with n-gram speculation), padding (what padding rows cost: MoE and mixed graphs),
 # measuredcut (MRV2_MIXED_GRAPHS_MEASURED: mixed graphs only where they beat eager),
 # fp8kv (kv_cache_dtype=fp8: tests and the throughput A/B), fp8attn (decode attention over
-# fp8 caches per tile), blas (scripts/blas_options.py: torch's cuBLAS switches on decode GEMMs),
+# fp8 caches per tile), attnncu (Nsight Compute on a decode attention step), blas (scripts/blas_options.py: torch's cuBLAS switches on decode GEMMs),
 # onetoken (MRV2_ATTN_ONE_TOKEN_APART: a prefill plan's one-token requests in their own launch),
 # serve8b (mrv2 serve on Qwen3-8B with long prompts: the default against either switch),
 # mlaflat (MRV2_MLA_FLAT_GRID: MLA's flat grid, its tests and the DeepSeek-V2-Lite A/B),
@@ -53,6 +53,18 @@ for step in "$@"; do
                timeout 150 python3 -m mrv2_kernels.bench_attention --workload --layouts "$lay" \
                  --kv-dtype "$kv" --workload-tiles ${rest#*:} 2>&1 \
                  | tee "$OUT/fp8attn_${lay}_$kv.log" | sed -n '/^summary/,$p'
+             done ;;
+    attnncu) # Nsight Compute on one workload-shaped decode attention step, bf16 and fp8 caches
+             # (scripts/ncu_decode_attention.py): where its time per key goes
+             for kv in auto fp8; do
+               timeout 200 ncu --clock-control none -k regex:_paged_attn_kernel -s 2 -c 1 \
+                 --section SpeedOfLight --section WarpStateStats --section InstructionStats \
+                 --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+                 python3 scripts/ncu_decode_attention.py --kv-dtype $kv \
+                 > "$OUT/ncu_decode_$kv.log" 2>&1
+               python3 scripts/ncu_decode_attention.py --kv-dtype $kv | tail -1
+               grep -E "Duration|Memory Throughput|DRAM Throughput|Executed Ipc|Issue Slots|\
+Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | head -20
              done ;;
     blas) # torch's cuBLAS switches (fp32 split-K reduce, no split-K, cuBLASLt) on decode GEMMs
           timeout 200 python3 scripts/blas_options.py 2>&1 | tee "$OUT/blas_options.log" | tail -26 ;;
