@@ -240,6 +240,43 @@ def record_row_order(runner: Any) -> list[list[str]]:
     return order
 
 
+def prefill_logits(runner: Any, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Run every prompt of ``prompts`` through ``runner`` in one greedy prefill step (blocks
+    numbered in order, one spare each) and return the logits the sampler got for them,
+    ``[len(prompts), vocab]`` fp32 on the CPU in prompt order. The sampler is where to look:
+    a step that replays a CUDA graph runs ``compute_logits`` inside the graph."""
+    from mrv2.contract.params import SamplingParams
+    from mrv2.contract.requests import NewRequest, SchedulerOutput
+
+    captured: list[torch.Tensor] = []
+    sampler = runner.sampler
+
+    class Spy:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(sampler, name)
+
+        def __call__(self, logits: torch.Tensor, *args: Any) -> Any:
+            captured.append(logits.float().cpu())
+            return sampler(logits, *args)
+
+    runner.sampler = Spy()
+    order = record_row_order(runner)
+    new, next_block, bs = [], 0, runner.block_size
+    for i, prompt in enumerate(prompts):
+        blocks = list(range(next_block, next_block + -(-len(prompt) // bs) + 1))
+        next_block += len(blocks)
+        new.append(NewRequest(str(i), list(prompt), SamplingParams(temperature=0.0), seed=i,
+                              block_ids=blocks))
+    try:
+        runner.execute(SchedulerOutput(
+            num_scheduled_tokens={str(i): len(p) for i, p in enumerate(prompts)},
+            new_requests=new,
+        )).result()
+    finally:
+        runner.sampler = sampler
+    return torch.stack([captured[0][order[0].index(str(i))] for i in range(len(prompts))])
+
+
 def emulate_cuda_graphs(runner: Any, mixed_cap: int | None = 512) -> None:
     """Give a CPU ``Runner`` the CUDA-graph path with :class:`EagerGraph` stand-ins: decode steps
     are padded to the captured sizes and "replayed", drafting included (the padding requests,

@@ -13,9 +13,8 @@ import torch
 
 from mrv2 import LLM, SamplingParams
 from mrv2.config import EngineConfig
-from mrv2.contract.requests import NewRequest, SchedulerOutput
 from mrv2.runner.runner import Runner
-from mrv2.testing import make_tiny_checkpoint, record_row_order
+from mrv2.testing import make_tiny_checkpoint, prefill_logits
 
 PROMPTS = [[5, 17, 42, 9, 100, 3, 77], [8, 8, 250], [1 + i % 200 for i in range(37)], [64]]
 
@@ -35,30 +34,6 @@ def _runner(checkpoint: Path, **kwargs: Any) -> Runner:
     return Runner.from_config(config)
 
 
-def _prefill_logits(runner: Runner) -> torch.Tensor:
-    """Last-position logits of one mixed prefill step over :data:`PROMPTS`, in prompt order."""
-    captured: list[torch.Tensor] = []
-    original = runner.model.compute_logits
-
-    def spy(hidden: torch.Tensor) -> torch.Tensor:
-        logits = original(hidden)
-        captured.append(logits.clone())
-        return logits
-
-    runner.model.compute_logits = spy  # type: ignore[method-assign]
-    order = record_row_order(runner)
-    params = SamplingParams(temperature=0.0)
-    new, next_block = [], 0
-    for i, prompt in enumerate(PROMPTS):
-        blocks = list(range(next_block, next_block + -(-len(prompt) // 4) + 1))
-        next_block += len(blocks)
-        new.append(NewRequest(str(i), prompt, params, seed=i, block_ids=blocks))
-    runner.execute(SchedulerOutput(
-        num_scheduled_tokens={str(i): len(p) for i, p in enumerate(PROMPTS)}, new_requests=new,
-    )).result()
-    return torch.stack([captured[0][order[0].index(str(i))] for i in range(len(PROMPTS))])
-
-
 def test_fp8_cache_holds_four_times_the_blocks_of_an_fp32_one(checkpoint: Path) -> None:
     plain, fp8 = _runner(checkpoint), _runner(checkpoint, kv_cache_dtype="fp8")
     assert all(t.dtype == torch.float32 for t in plain.kv.tensors)
@@ -71,13 +46,14 @@ def test_fp8_cache_holds_four_times_the_blocks_of_an_fp32_one(checkpoint: Path) 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_fp8_prefill_logits_near_the_full_precision_ones(checkpoint: Path, backend: str) -> None:
     """The rounding shows (the logits move) but stays small, the same on both backends."""
-    want = _prefill_logits(_runner(checkpoint))
-    got = _prefill_logits(_runner(checkpoint, kv_cache_dtype="fp8", attention_backend=backend))
+    want = prefill_logits(_runner(checkpoint), PROMPTS)
+    got = prefill_logits(_runner(checkpoint, kv_cache_dtype="fp8", attention_backend=backend),
+                         PROMPTS)
     err = (got - want).abs().max() / want.abs().max()
     assert 1e-5 < err < 0.05, err
     if backend == "triton":  # the same stored bytes, attention in fp32 on both: equal logits
-        other = _prefill_logits(_runner(checkpoint, kv_cache_dtype="fp8",
-                                        attention_backend="torch"))
+        other = prefill_logits(_runner(checkpoint, kv_cache_dtype="fp8",
+                                       attention_backend="torch"), PROMPTS)
         torch.testing.assert_close(got, other, atol=1e-4, rtol=1e-4)
 
 

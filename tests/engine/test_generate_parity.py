@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mrv2 import LLM, SamplingParams
-from mrv2.testing import hf_greedy, make_tiny_checkpoint, record_row_order
+from mrv2.testing import hf_greedy, make_tiny_checkpoint, prefill_logits
 
 PROMPTS = [[5, 17, 42, 9, 100, 3, 77], [8, 8, 250], [1 + i % 200 for i in range(37)], [64]]
 NEW_TOKENS = 12
@@ -70,34 +70,13 @@ def test_logits_match_hf_for_prefill(checkpoint: Path) -> None:
     import transformers
 
     from mrv2.config import EngineConfig
-    from mrv2.contract.requests import NewRequest, SchedulerOutput
     from mrv2.runner.runner import Runner
 
     config = EngineConfig.from_kwargs(model=str(checkpoint), device="cpu", dtype="float32",
                                       block_size=4)
-    runner = Runner.from_config(config)
-    captured: list[torch.Tensor] = []
-    original = runner.model.compute_logits
-
-    def spy(hidden: torch.Tensor) -> torch.Tensor:
-        logits = original(hidden)
-        captured.append(logits.clone())
-        return logits
-
-    runner.model.compute_logits = spy  # type: ignore[method-assign]
-    order = record_row_order(runner)  # each step's request per batch row
-    params = SamplingParams(temperature=0.0)
-    new, next_block = [], 0
-    for i, prompt in enumerate(PROMPTS):
-        blocks = list(range(next_block, next_block + -(-len(prompt) // 4) + 1))
-        next_block += len(blocks)
-        new.append(NewRequest(str(i), prompt, params, seed=i, block_ids=blocks))
-    runner.execute(SchedulerOutput(
-        num_scheduled_tokens={str(i): len(p) for i, p in enumerate(PROMPTS)}, new_requests=new,
-    )).result()
+    got = prefill_logits(Runner.from_config(config), PROMPTS)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
     with torch.no_grad():
         for i, prompt in enumerate(PROMPTS):
             ref = hf(torch.tensor([prompt])).logits[0, -1]
-            torch.testing.assert_close(captured[0][order[0].index(str(i))], ref, atol=1e-4,
-                                       rtol=1e-4)
+            torch.testing.assert_close(got[i], ref, atol=1e-4, rtol=1e-4)

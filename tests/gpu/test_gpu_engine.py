@@ -18,7 +18,7 @@ from mrv2.contract.requests import NewRequest, SchedulerOutput
 from mrv2.testing import (
     hf_greedy,
     make_tiny_checkpoint,
-    record_row_order,
+    prefill_logits,
     run_steps_without_sync,
 )
 
@@ -118,30 +118,13 @@ def test_bf16_logits_close_to_hf(ckpt: Path) -> None:
     config = EngineConfig.from_kwargs(model=str(ckpt), device="cuda", dtype="bfloat16",
                                       gpu_memory_utilization=0.3)
     runner = Runner.from_config(config)
-    captured: list[torch.Tensor] = []
-    sampler = runner.sampler
-
-    class Spy:  # the logits the sampler gets (the prefill replays a mixed graph)
-        def __getattr__(self, name: str) -> Any:
-            return getattr(sampler, name)
-
-        def __call__(self, logits: torch.Tensor, *args: Any) -> Any:
-            captured.append(logits.float().cpu())
-            return sampler(logits, *args)
-
-    runner.sampler = Spy()  # type: ignore[assignment]
-    order = record_row_order(runner)  # each step's request per batch row
-    new = [NewRequest(str(i), p, SamplingParams(temperature=0), seed=i,
-                      block_ids=[i * 4 + j for j in range(4)]) for i, p in enumerate(PROMPTS)]
-    runner.execute(SchedulerOutput({str(i): len(p) for i, p in enumerate(PROMPTS)},
-                                   new_requests=new)).result()
+    got = prefill_logits(runner, PROMPTS)  # the prefill replays a mixed graph
     assert runner.graphs is not None and runner.graphs.mixed_graphs
-    assert captured[0].shape[0] == len(PROMPTS)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
     with torch.no_grad():
         for i, prompt in enumerate(PROMPTS):
             ref = hf(torch.tensor([prompt])).logits[0, -1]
-            err = (captured[0][order[0].index(str(i))] - ref).norm() / ref.norm()
+            err = (got[i] - ref).norm() / ref.norm()
             assert err < 2e-2, f"prompt {i}: relative error {err:.4f}"
 
 

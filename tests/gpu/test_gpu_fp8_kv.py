@@ -15,8 +15,7 @@ import torch
 from test_gpu_engine import ARCH, PROMPTS
 
 from mrv2 import LLM, EngineConfig, Runner, SamplingParams
-from mrv2.contract.requests import NewRequest, SchedulerOutput
-from mrv2.testing import make_tiny_checkpoint, record_row_order, run_steps_without_sync
+from mrv2.testing import make_tiny_checkpoint, prefill_logits, run_steps_without_sync
 
 pytestmark = pytest.mark.gpu
 
@@ -53,29 +52,12 @@ def test_fp8_caches_hold_twice_the_bf16_blocks(ckpt: Path) -> None:
 def test_fp8_prefill_logits_close_to_hf(ckpt: Path) -> None:
     import transformers
 
-    runner = _runner(ckpt, kv_cache_dtype="fp8")
-    captured: list[torch.Tensor] = []
-    sampler = runner.sampler
-
-    class Spy:  # the logits the sampler gets (the prefill replays a mixed graph)
-        def __getattr__(self, name: str) -> Any:
-            return getattr(sampler, name)
-
-        def __call__(self, logits: torch.Tensor, *args: Any) -> Any:
-            captured.append(logits.float().cpu())
-            return sampler(logits, *args)
-
-    runner.sampler = Spy()  # type: ignore[assignment]
-    order = record_row_order(runner)
-    new = [NewRequest(str(i), p, SamplingParams(temperature=0), seed=i,
-                      block_ids=[i * 4 + j for j in range(4)]) for i, p in enumerate(PROMPTS)]
-    runner.execute(SchedulerOutput({str(i): len(p) for i, p in enumerate(PROMPTS)},
-                                   new_requests=new)).result()
+    got = prefill_logits(_runner(ckpt, kv_cache_dtype="fp8"), PROMPTS)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
     with torch.no_grad():
         for i, prompt in enumerate(PROMPTS):
             ref = hf(torch.tensor([prompt])).logits[0, -1]
-            err = (captured[0][order[0].index(str(i))] - ref).norm() / ref.norm()
+            err = (got[i] - ref).norm() / ref.norm()
             assert err < 6e-2, f"prompt {i}: relative error {err:.4f}"
 
 
