@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (device tool): installs the carried wheels, then the steps named as
-# arguments: tests, moe (the fused-MoE kernel bench), tma_prefill (MRV2_TMA_PREFILL's tests and A/B),
+# arguments: tests (tests/gpu), kerneltests (tests/kernels on CUDA), moe (the fused-MoE kernel bench), tma_prefill (MRV2_TMA_PREFILL's tests and A/B),
 # gemm_proto (scripts/proto_gemm.py: Triton TMA GEMMs against cuBLAS at 8B decode shapes), attn,
 # splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile, mixed,
 # flatgrid (MRV2_ATTN_FLAT_GRID: the kernel case, then the throughput A/B whose "on" side is the old grid),
@@ -26,7 +26,8 @@ OUT=${OUT:-/tmp/out}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used,memory.total --format=csv
 for step in "$@"; do
   case "$step" in
-    tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+    tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    kerneltests) # every kernel test compiled for CUDA (~5 min: a call of its own)
            python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/kernel_tests.log" | tail -4 ;;
     fp8kv) # kv_cache_dtype=fp8: its GPU and kernel tests on CUDA, then the throughput workload
            # with the default (bf16) cache and the fp8 one, in one process
