@@ -64,8 +64,11 @@ M_INIT = tl.constexpr(-1.0e30)
 #: Whether Triton's interpreter runs the kernels (``TRITON_INTERPRET=1`` when this module was
 #: imported, as the tests' conftest sets it): a constexpr the kernels can branch on.
 INTERPRETER = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
-#: The largest finite float8 e4m3 value: an fp8 KV cache saturates what it stores to +-448.
-FP8_KV_MAX = 448.0
+#: float8 e4m3 (``fn``: no infinities), the fp8 of the weight GEMMs and of fp8 KV caches, and
+#: its largest finite value (what they saturate to); ``FP8_MAX_C`` for kernels.
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+FP8_MAX_C = tl.constexpr(FP8_MAX)
 
 
 @triton.jit
@@ -89,12 +92,12 @@ def round_e4m3(v: tl.tensor) -> tl.tensor:
 @triton.jit
 def kv_store_cast(x: tl.tensor, cache_ptr: tl.tensor) -> tl.tensor:
     """Triton helper: ``x`` as the element type of the KV cache ``cache_ptr`` points into. An
-    fp8 (e4m3) cache gets ``x`` saturated to :data:`FP8_KV_MAX` and rounded to nearest even
+    fp8 (e4m3) cache gets ``x`` saturated to :data:`FP8_MAX` and rounded to nearest even
     (per-tensor scale 1.0), what :func:`mrv2_kernels.kv_cache.to_cache_dtype` does in torch,
     bit for bit; any other cache a plain cast."""
     dtype: tl.constexpr = cache_ptr.dtype.element_ty
     if dtype == tl.float8e4nv:
-        y = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+        y = tl.minimum(tl.maximum(x.to(tl.float32), -FP8_MAX_C), FP8_MAX_C)
         if INTERPRETER:  # its own conversion rounds wrongly: round first (then it is exact)
             y = round_e4m3(y)
         return y.to(dtype)  # on the GPU cvt.rn.satfinite: to nearest even

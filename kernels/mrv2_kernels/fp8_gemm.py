@@ -48,7 +48,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._backend import cdiv, next_power_of_2, use_triton
+from ._backend import FP8_DTYPE, FP8_MAX, cdiv, next_power_of_2, use_triton
+from ._backend import FP8_MAX_C as _FP8_MAX_C
 from ._backend import round_e4m3 as _round_e4m3
 
 __all__ = [
@@ -68,13 +69,10 @@ __all__ = [
     "quantize_weight_block_fp8",
 ]
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite e4m3fn
 #: Floor of an activation group's amax (an all-zero group gets a tiny scale and zeros).
 ACT_EPS = 1e-10
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-_FP8_MAX_C = tl.constexpr(FP8_MAX)
 _INV_FP8_MAX_C = tl.constexpr(1.0 / FP8_MAX)
 _EPS_C = tl.constexpr(ACT_EPS)
 

@@ -18,10 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import FP8_KV_MAX, cdiv, kv_store_cast, next_power_of_2
+from ._backend import FP8_DTYPE, FP8_MAX, cdiv, kv_store_cast, next_power_of_2
 
-#: The cache dtypes the writes and the attention kernels take besides the model's own.
-FP8_KV_DTYPE = torch.float8_e4m3fn
+#: The cache dtype the writes and the attention kernels take besides the model's own.
+FP8_KV_DTYPE = FP8_DTYPE
 
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -29,7 +29,7 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     rounded to nearest even (the kernels' :func:`~mrv2_kernels._backend.kv_store_cast`, bit
     for bit), else a plain cast."""
     if dtype == FP8_KV_DTYPE:
-        return x.float().clamp(-FP8_KV_MAX, FP8_KV_MAX).to(dtype)
+        return x.float().clamp(-FP8_MAX, FP8_MAX).to(dtype)
     return x if x.dtype == dtype else x.to(dtype)
 
 

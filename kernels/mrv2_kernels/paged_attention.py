@@ -47,15 +47,10 @@ longer overlap it. (As a branch of the prefill kernel instead, the 8B prefill ra
 156 TFLOP/s.)
 Accumulation is fp32 (online softmax in base 2). The cache may be fp8 (e4m3,
 ``kv_cache_dtype="fp8"``, stored as :func:`~mrv2_kernels.kv_cache.to_cache_dtype` does):
-then the key and value tiles are converted to fp16 after the load and the query and the
-probabilities join them in fp16 for the dots (e4m3 -> fp16 is exact and one ``cvt`` per
-pair, where e4m3 -> bf16 goes through fp32; bf16 -> fp16 is exact within fp16's range, which
-the query is clamped to). H200, the throughput workload's decode attention on Qwen3-0.6B
-heads (BENCHMARKS.md 2026-12-02, fourteenth session): bf16 cache 2,101 us, fp8 with bf16
-dots 2,146, fp8 with fp16 dots 1,903 (1,839 on 2 warps): the decode kernel is not limited by
-the bytes it reads (at half of them the bf16-dot version took as long), so halving them
-gains only where the instructions per key go down too. The TMA prefill path is not taken
-with an fp8 cache (it reads the step's keys from the step's tensors, not the rounded cache).
+the key and value tiles become fp16 after the load, and the dots run in fp16 (e4m3 -> fp16
+is one ``cvt`` a pair, e4m3 -> bf16 goes through fp32: on the H200 the workload's decode
+attention took 1,903 against 2,146 us; the query is clamped to fp16's range). The TMA prefill
+path is not taken then (it reads the step's keys from the step's tensors, not the cache).
 """
 
 from __future__ import annotations
