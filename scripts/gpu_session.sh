@@ -8,7 +8,8 @@
 # servegraphs (the same through mrv2 serve: scripts/serve_sweep.py, eager against graphs), servespec
 # (the same with n-gram speculation), padding (what padding rows cost: MoE and mixed graphs),
 # measuredcut (MRV2_MIXED_GRAPHS_MEASURED: mixed graphs only where they beat eager),
-# fp8kv (kv_cache_dtype=fp8: tests and the throughput A/B), fp8attn (decode attention over
+# fp8kv / fp8kv8b (kv_cache_dtype=fp8: tests and the 0.6B / 8B throughput A/B), fp8warps (an fp8
+# cache's 2-warp decode against 4), fp8attn (decode attention over
 # fp8 caches per tile), attnncu (Nsight Compute on a decode attention step), blas (scripts/blas_options.py: torch's cuBLAS switches on decode GEMMs),
 # onetoken (MRV2_ATTN_ONE_TOKEN_APART: a prefill plan's one-token requests in their own launch),
 # serve8b (mrv2 serve on Qwen3-8B with long prompts: the default against either switch),
@@ -29,21 +30,34 @@ for step in "$@"; do
     tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     kerneltests) # every kernel test compiled for CUDA (~5 min: a call of its own)
            python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/kernel_tests.log" | tail -4 ;;
-    fp8kv) # kv_cache_dtype=fp8: its GPU and kernel tests on CUDA, then the throughput workload
-           # with the default (bf16) cache and the fp8 one, in one process
-           timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_fp8_kv.py \
-             2>&1 | tee "$OUT/fp8kv_gpu_tests.log" | tail -3
-           timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_kv_cache.py \
-             tests/kernels/test_kv_cache_write.py 2>&1 | tee "$OUT/fp8kv_kernel_tests.log" | tail -3
-           for run in "Qwen3-8B:330:default kv_fp8" "Qwen3-0.6B:150:kv_fp8"; do
-             m=${run%%:*}; rest=${run#*:}; json="$OUT/fp8kv_throughput_$m.json"
-             timeout "${rest%%:*}" python3 -m mrv2.entrypoints.cli bench throughput --model "$m" \
-               --variants ${rest#*:} --json "$json" > "${json%.json}.log" 2>&1
-             python3 -c "import json, sys; [print(sys.argv[1], k, v['output_tok_s'], \
-               v.get('floor_fraction'), v.get('roofline_fraction')) for k, v in \
-               json.load(open(sys.argv[2])).items() if isinstance(v, dict) and 'output_tok_s' in v]" \
-               "$m" "$json"
-           done ;;
+    fp8kv|fp8kv8b) # kv_cache_dtype=fp8: (fp8kv) its GPU and kernel tests on CUDA and the
+           # Qwen3-0.6B throughput workload, (fp8kv8b) Qwen3-8B's, each with the default (bf16)
+           # cache and the fp8 one in one process (a call can't hold both models' runs)
+           if [ "$step" = fp8kv ]; then
+             timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_fp8_kv.py \
+               2>&1 | tee "$OUT/fp8kv_gpu_tests.log" | tail -3
+             timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_kv_cache.py \
+               tests/kernels/test_kv_cache_write.py 2>&1 | tee "$OUT/fp8kv_kernel_tests.log" | tail -3
+             run="Qwen3-0.6B:280"
+           else
+             run="Qwen3-8B:360"
+           fi
+           m=${run%%:*}; json="$OUT/fp8kv_throughput_$m.json"
+           timeout "${run#*:}" python3 -m mrv2.entrypoints.cli bench throughput --model "$m" \
+             --variants default kv_fp8 --json "$json" > "${json%.json}.log" 2>&1
+           python3 -c "import json, sys; [print(sys.argv[1], k, v['output_tok_s'], \
+             v.get('floor_fraction'), v.get('roofline_fraction')) for k, v in \
+             json.load(open(sys.argv[2])).items() if isinstance(v, dict) and 'output_tok_s' in v]" \
+             "$m" "$json" ;;
+    fp8warps) # an fp8 cache's decode plan on 2 warps (the default) against 4: the decode grid
+              # (batch 1-256 x context 256-4,096, Qwen3-8B heads) and the workload's steps
+              for w in 4 0; do
+                timeout 150 python3 -m mrv2_kernels.bench_attention --layouts 8B --kv-dtype fp8 \
+                  $([ $w = 0 ] || echo --decode-warps $w) > "$OUT/fp8warps_grid_w$w.log" 2>&1
+              done
+              paste <(grep -E "^ +[0-9]+ +[0-9]+ " "$OUT/fp8warps_grid_w4.log" | awk '{print $1, $2, $5}') \
+                    <(grep -E "^ +[0-9]+ +[0-9]+ " "$OUT/fp8warps_grid_w0.log" | awk '{print $5}') \
+                | awk 'BEGIN {print "batch ctx us_4warps us_default"} {print}' ;;
     fp8attn) # decode attention over an fp8 cache against a bf16 one: the kernel tests on CUDA,
              # then the throughput workload's decode steps (bench_attention --workload) per tile
              timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_kv_cache.py \

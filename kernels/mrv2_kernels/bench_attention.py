@@ -66,6 +66,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="only the throughput workload's decode steps: request order and splits")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8"],
                    help="KV cache element type: the query's (bf16) or fp8 (e4m3)")
+    p.add_argument("--decode-warps", type=int, default=None,
+                   help="warps of the decode grid's launches (default: the plan's)")
     p.add_argument("--workload-tiles", nargs="+", default=None, metavar="BN:STAGES:WARPS",
                    help="with --workload: time these decode tiles instead (longest first, the "
                         "plan's splits), e.g. 64:2:4 128:3:8")
@@ -358,8 +360,9 @@ def main(argv: list[str] | None = None) -> int:
             kv_bytes = b * ctx * kv_heads * d * 2 * elem
             c = case(heads, kv_heads, [1] * b, [ctx] * b, copies_for(kv_bytes))
             plan = attention_plan(c.query, c.kvs[0], **c.bounds, uniform_decode=True)
-            ms = timer(c.make(uniform_decode=True), len(c.kvs))
-            ms1 = timer(c.make(uniform_decode=True, num_splits=1), len(c.kvs))
+            dw = {"num_warps": args.decode_warps} if args.decode_warps else {}
+            ms = timer(c.make(uniform_decode=True, **dw), len(c.kvs))
+            ms1 = timer(c.make(uniform_decode=True, num_splits=1, **dw), len(c.kvs))
             print(f"{b:>5} {ctx:>5} {plan.num_splits:>6} {plan.block_n:>4} {ms * 1e3:>9.1f} "
                   f"{kv_bytes / 1e6:>9.2f} {kv_bytes / ms / 1e6:>7.0f} {ms1 * 1e3:>11.1f} "
                   f"{kv_bytes / ms1 / 1e6:>7.0f}", flush=True)

@@ -172,6 +172,20 @@ def test_rope_inside_decode_attention_fp8_cache(num_splits: int, qlen: int) -> N
     _check(out, ref, b, torch.bfloat16)
 
 
+def test_fp8_cache_decode_plan_takes_two_warps() -> None:
+    """The H200 rule: decode-sized query tiles (<= 16 rows) over an fp8 cache launch 2 warps a
+    program once there is a program per multiprocessor; a bf16 cache, larger query tiles, a
+    few requests (the plan splits keys) and prefill plans keep theirs."""
+    from mrv2_kernels.paged_attention_plan import fp8_decode_warps
+
+    assert fp8_decode_warps(1, True, 16, 32 * 8, 132, 4) == 2  # 32 requests x 8 kv heads
+    assert fp8_decode_warps(1, True, 16, 132, 132, 4) == 2
+    assert fp8_decode_warps(1, True, 16, 8 * 8, 132, 4) == 4  # 8 requests: splits instead
+    assert fp8_decode_warps(2, True, 16, 256 * 8, 132, 4) == 4  # bf16 cache
+    assert fp8_decode_warps(1, True, 64, 256 * 8, 132, 4) == 4  # 16 draft tokens x 4 heads
+    assert fp8_decode_warps(1, False, 128, 256 * 8, 132, 8) == 8  # prefill plan
+
+
 _SM90_FP8_SCRIPT = r"""
 from mrv2_kernels import kv_cache as kv, paged_attention as m, rotary as r
 
@@ -190,7 +204,7 @@ build(m._paged_attn_kernel, ptrs,
 build(m._paged_attn_kernel, ptrs,
       dict(common, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64, USE_SPLITS=True, FLAT=False, ROPE=True,
            QK_NORM=True),
-      num_warps=4, num_stages=2)
+      num_warps=2, num_stages=2)  # an fp8 cache's decode plan: 2 warps
 build(kv._write_kv_kernel, {"key_ptr": bf, "value_ptr": bf, "k_cache_ptr": f8,
                             "v_cache_ptr": f8, "slot_ptr": "*i64"},
       dict(HEAD_DIM=128, ROW=1024, BLOCK=1024, KV_BLOCK_SIZE=16), num_warps=4)
