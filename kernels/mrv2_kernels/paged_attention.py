@@ -76,10 +76,10 @@ from ._backend import (
 )
 from ._backend import online_softmax_step as _online_step
 from .kv_cache import FP8_KV_DTYPE
-from .paged_attention_plan import AttentionPlan, FusedRope, _rows_of_heads, attention_plan
+from .paged_attention_plan import AttentionPlan, FusedRope, attention_plan, fused_rope_launch
 from .paged_attention_ref import _check_inputs, paged_attention_ref
-from .prefill_attention import prefill_attention_tma, tma_prefill_min_query, use_tma_prefill
-from .rotary import _norm_rotate, rotary_embedding_triton
+from .prefill_attention import prefill_attention_tma, tma_prefill_min_query
+from .rotary import _norm_rotate
 
 #: ``0``: prefill plans launch one program per (query tile bound, request) instead of over the
 #: step's query tiles only (``paged_attention``'s ``flat_grid``, on by default).
@@ -495,40 +495,8 @@ def paged_attention(
         num_stages=num_stages,
     )
     qsl = query_start_loc
-    step_kv: tuple[torch.Tensor, torch.Tensor] | None = None
-    # (positions, cos_sin, q_w, k_w, eps, key, value, key row stride, value row stride, slots):
-    # unused placeholders without rope
-    rope_args: tuple[Any, ...] = (qsl, query, query, query, 0.0, query, query, 0, 0, qsl)
-    if rope is not None:
-        key = _rows_of_heads(rope.key, "key", num_tokens, num_kv_heads, head_dim)
-        value = _rows_of_heads(rope.value, "value", num_tokens, num_kv_heads, head_dim)
-        if rope.cos_sin.dim() != 2 or rope.cos_sin.shape[1] != head_dim:
-            raise ValueError(f"FusedRope.cos_sin must be [max_position, {head_dim}], got "
-                             f"{tuple(rope.cos_sin.shape)}")
-        if not (plan.small_q and plan.num_q_tiles == 1 and plan.num_splits > 1) \
-                or num_tokens == 0:
-            # Prefill plans: a program per query tile cannot store other tiles' keys first.
-            # Unsplit decode (many requests, several waves of programs): the rotation's
-            # registers and its step before the key loop cost more than the RoPE launch
-            # (H200, Qwen3-0.6B batch 64: 1.935 against 1.808 ms a step; BENCHMARKS.md
-            # 2026-12-01, seventh session). Both run the RoPE kernel (with its cache write)
-            # first.
-            q2, k2 = rotary_embedding_triton(
-                rope.positions, query.reshape(num_tokens, num_heads * head_dim), key,
-                rope.cos_sin, head_dim, head_dim, rope.qk_norm,
-                kv_write=(value, kv_cache, rope.slot_mapping))
-            query = q2.reshape(num_tokens, num_heads, head_dim)  # then plain attention
-            rope = None
-            if not plan.small_q:
-                k2 = _rows_of_heads(k2, "key", num_tokens, num_kv_heads, head_dim)
-                if kv_cache.dtype == query.dtype and use_tma_prefill(query, k2, value):
-                    # (its step keys must be what the cache holds: not with an fp8 cache)
-                    step_kv = (k2, value)  # the rotated keys, as stored: read them here
-        else:
-            q_w, k_w, eps = rope.qk_norm if rope.qk_norm is not None else (query, query, 0.0)
-            cos_sin = rope.cos_sin if rope.cos_sin.stride(-1) == 1 else rope.cos_sin.contiguous()
-            rope_args = (rope.positions.contiguous(), cos_sin, q_w, k_w, eps, key, value,
-                         key.stride(0), value.stride(0), rope.slot_mapping)
+    query, rope, rope_args, step_kv = fused_rope_launch(query, kv_cache, plan, rope, qsl,
+                                                        num_heads, num_kv_heads, head_dim)
     if num_tokens == 0 or num_reqs == 0 or max_query_len <= 0:
         return torch.zeros_like(query) if out is None else out.zero_()
     splits = plan.num_splits

@@ -5,12 +5,14 @@ takes besides the query to rotate it itself (:class:`FusedRope`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ._backend import cdiv, next_power_of_2
 from .paged_attention_ref import _check_inputs
-from .rotary import QKNorm
+from .prefill_attention import use_tma_prefill
+from .rotary import QKNorm, rotary_embedding_triton
 
 _MAX_SPLITS = 64
 
@@ -183,3 +185,55 @@ def _rows_of_heads(t: torch.Tensor, name: str, num_tokens: int, heads: int,
         raise ValueError(f"FusedRope.{name} must be [T, Hk*D] = [{num_tokens}, "
                          f"{heads * head_dim}] with contiguous heads, got {tuple(t.shape)}")
     return flat
+
+
+def fused_rope_launch(
+    query: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan, rope: FusedRope | None,
+    qsl: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+) -> tuple[torch.Tensor, FusedRope | None, tuple[Any, ...],
+           tuple[torch.Tensor, torch.Tensor] | None]:
+    """How :func:`~mrv2_kernels.paged_attention.paged_attention` takes ``rope`` under ``plan``:
+    ``(query, rope, rope_args, step_kv)``.
+
+    Split decode plans keep ``rope`` (the attention kernel rotates and stores the step's keys
+    itself, ``rope_args`` its arguments). Every other plan runs the RoPE kernel (with its
+    cache write) here first and gets the rotated ``query`` and ``rope = None``; a prefill plan
+    that can read the step's keys through TMA also gets them as ``step_kv``. Without ``rope``,
+    ``rope_args`` are unused placeholders of the kernel's argument types.
+    """
+    num_tokens = query.shape[0]
+    step_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (positions, cos_sin, q_w, k_w, eps, key, value, key row stride, value row stride, slots):
+    # unused placeholders without rope
+    rope_args: tuple[Any, ...] = (qsl, query, query, query, 0.0, query, query, 0, 0, qsl)
+    if rope is not None:
+        key = _rows_of_heads(rope.key, "key", num_tokens, num_kv_heads, head_dim)
+        value = _rows_of_heads(rope.value, "value", num_tokens, num_kv_heads, head_dim)
+        if rope.cos_sin.dim() != 2 or rope.cos_sin.shape[1] != head_dim:
+            raise ValueError(f"FusedRope.cos_sin must be [max_position, {head_dim}], got "
+                             f"{tuple(rope.cos_sin.shape)}")
+        if not (plan.small_q and plan.num_q_tiles == 1 and plan.num_splits > 1) \
+                or num_tokens == 0:
+            # Prefill plans: a program per query tile cannot store other tiles' keys first.
+            # Unsplit decode (many requests, several waves of programs): the rotation's
+            # registers and its step before the key loop cost more than the RoPE launch
+            # (H200, Qwen3-0.6B batch 64: 1.935 against 1.808 ms a step; BENCHMARKS.md
+            # 2026-12-01, seventh session). Both run the RoPE kernel (with its cache write)
+            # first.
+            q2, k2 = rotary_embedding_triton(
+                rope.positions, query.reshape(num_tokens, num_heads * head_dim), key,
+                rope.cos_sin, head_dim, head_dim, rope.qk_norm,
+                kv_write=(value, kv_cache, rope.slot_mapping))
+            query = q2.reshape(num_tokens, num_heads, head_dim)  # then plain attention
+            rope = None
+            if not plan.small_q:
+                k2 = _rows_of_heads(k2, "key", num_tokens, num_kv_heads, head_dim)
+                if kv_cache.dtype == query.dtype and use_tma_prefill(query, k2, value):
+                    # (its step keys must be what the cache holds: not with an fp8 cache)
+                    step_kv = (k2, value)  # the rotated keys, as stored: read them here
+        else:
+            q_w, k_w, eps = rope.qk_norm if rope.qk_norm is not None else (query, query, 0.0)
+            cos_sin = rope.cos_sin if rope.cos_sin.stride(-1) == 1 else rope.cos_sin.contiguous()
+            rope_args = (rope.positions.contiguous(), cos_sin, q_w, k_w, eps, key, value,
+                         key.stride(0), value.stride(0), rope.slot_mapping)
+    return query, rope, rope_args, step_kv

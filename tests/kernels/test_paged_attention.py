@@ -629,7 +629,7 @@ def test_rope_inside_decode_attention(dtype: torch.dtype, qk_norm: bool, num_spl
     stores the step's keys (rotated) and values before it reads them (their slots start as
     NaN); unsplit, the RoPE kernel runs first. Against rotary_embedding_ref + write_kv_ref +
     paged_attention_ref."""
-    from mrv2_kernels import paged_attention as module
+    from mrv2_kernels import paged_attention_plan as module  # runs the RoPE kernel
 
     rope_kernel_calls = count_calls(monkeypatch, module, "rotary_embedding_triton")
 
