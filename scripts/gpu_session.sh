@@ -9,7 +9,7 @@
 # (the same with n-gram speculation), padding (what padding rows cost: MoE and mixed graphs),
 # measuredcut (MRV2_MIXED_GRAPHS_MEASURED: mixed graphs only where they beat eager),
 # fp8kv / fp8kv8b (kv_cache_dtype=fp8: tests and the 0.6B / 8B throughput A/B), fp8warps (an fp8
-# cache's 2-warp decode against 4), fp8attn (decode attention over
+# cache's 2-warp decode against 4), fp8proto (the prototype's next tiles), fp8attn (decode attention over
 # fp8 caches per tile), attnncu (Nsight Compute on a decode attention step), blas (scripts/blas_options.py: torch's cuBLAS switches on decode GEMMs),
 # onetoken (MRV2_ATTN_ONE_TOKEN_APART: a prefill plan's one-token requests in their own launch),
 # serve8b (mrv2 serve on Qwen3-8B with long prompts: the default against either switch),
@@ -69,6 +69,11 @@ for step in "$@"; do
                  --kv-dtype "$kv" --workload-tiles ${rest#*:} 2>&1 \
                  | tee "$OUT/fp8attn_${lay}_$kv.log" | sed -n '/^summary/,$p'
              done ;;
+    fp8proto) # scripts/proto_fp8_decode.py's leads for the fp8 decode kernel's residency: 32-key
+              # tiles on 4 warps (104 registers in the sm_90 compile) against the kept 64:2:2
+              timeout 200 python3 scripts/proto_fp8_decode.py --modes f16 \
+                --tiles 64:2:2 64:2:4 32:2:4 32:3:4 32:4:4 32:2:4:96 32:2:2 2>&1 \
+                | tee "$OUT/fp8proto.log" | grep -v Warn ;;
     attnncu) # Nsight Compute on one workload-shaped decode attention step, bf16 and fp8 caches
              # (scripts/ncu_decode_attention.py): where its time per key goes
              for kv in auto fp8; do
