@@ -49,8 +49,8 @@ for step in "$@"; do
              v.get('floor_fraction'), v.get('roofline_fraction')) for k, v in \
              json.load(open(sys.argv[2])).items() if isinstance(v, dict) and 'output_tok_s' in v]" \
              "$m" "$json" ;;
-    fp8warps) # an fp8 cache's decode plan on 2 warps (the default) against 4: the decode grid
-              # (batch 1-256 x context 256-4,096, Qwen3-8B heads) and the workload's steps
+    fp8warps) # an fp8 cache's decode plan (fp8_decode_warps' rule) against 4 warps everywhere:
+              # the decode grid (batch 1-256 x context 256-4,096, Qwen3-8B heads)
               for w in 4 0; do
                 timeout 150 python3 -m mrv2_kernels.bench_attention --layouts 8B --kv-dtype fp8 \
                   $([ $w = 0 ] || echo --decode-warps $w) > "$OUT/fp8warps_grid_w$w.log" 2>&1

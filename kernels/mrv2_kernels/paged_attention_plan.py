@@ -127,19 +127,18 @@ def attention_plan(
     assert bm >= 16 and bn >= 16, "block_m and block_n must be >= 16 (tl.dot)"
     block_q = bm // group_p2
     num_q_tiles = cdiv(max(max_query_len, 0), block_q)
+    base_programs = num_q_tiles * num_kv_heads * num_reqs  # before any split
     if not small_q:
         splits = 1
     elif num_splits is not None:
         splits = max(1, min(num_splits, _MAX_SPLITS))
     else:
         target = 2 * _sm_count(query.device) if on_gpu else 8
-        base_programs = max(num_q_tiles * num_kv_heads * num_reqs, 1)
         max_by_len = cdiv(max(max_seq_len, 1), 2 * bn)
-        splits = max(1, min(cdiv(target, base_programs), max_by_len, _MAX_SPLITS))
+        splits = max(1, min(cdiv(target, max(base_programs, 1)), max_by_len, _MAX_SPLITS))
     if on_gpu and num_warps is None:
-        warps = fp8_decode_warps(kv_cache.element_size(), small_q, bm,
-                                 num_q_tiles * num_kv_heads * num_reqs, _sm_count(query.device),
-                                 warps)
+        warps = fp8_decode_warps(kv_cache.element_size(), small_q, bm, base_programs,
+                                 _sm_count(query.device), warps)
     return AttentionPlan(
         small_q=small_q,
         block_m=bm,
