@@ -9,7 +9,8 @@
 # (the same with n-gram speculation), padding (what padding rows cost: MoE and mixed graphs),
 # measuredcut (MRV2_MIXED_GRAPHS_MEASURED: mixed graphs only where they beat eager),
 # fp8kv / fp8kv8b (kv_cache_dtype=fp8: tests and the 0.6B / 8B throughput A/B), fp8warps (an fp8
-# cache's 2-warp decode against 4), fp8proto (the prototype's next tiles), fp8attn (decode attention over
+# cache's 2-warp decode against 4), fp8proto (the prototype's next tiles), readbw
+# (scripts/read_bandwidth.py: what a read-only kernel reaches in decode attention's patterns), fp8attn (decode attention over
 # fp8 caches per tile), attnncu (Nsight Compute on a decode attention step), blas (scripts/blas_options.py: torch's cuBLAS switches on decode GEMMs),
 # onetoken (MRV2_ATTN_ONE_TOKEN_APART: a prefill plan's one-token requests in their own launch),
 # serve8b (mrv2 serve on Qwen3-8B with long prompts: the default against either switch),
@@ -49,7 +50,7 @@ for step in "$@"; do
              v.get('floor_fraction'), v.get('roofline_fraction')) for k, v in \
              json.load(open(sys.argv[2])).items() if isinstance(v, dict) and 'output_tok_s' in v]" \
              "$m" "$json" ;;
-    fp8warps) # an fp8 cache's decode plan (fp8_decode_warps' rule) against 4 warps everywhere:
+    fp8warps) # an fp8 cache's decode plan (decode_warps' rule) against 4 warps everywhere:
               # the decode grid (batch 1-256 x context 256-4,096, Qwen3-8B heads)
               for w in 4 0; do
                 timeout 150 python3 -m mrv2_kernels.bench_attention --layouts 8B --kv-dtype fp8 \
@@ -74,6 +75,11 @@ for step in "$@"; do
               timeout 200 python3 scripts/proto_fp8_decode.py --modes f16 \
                 --tiles 64:2:2 64:2:4 32:2:4 32:3:4 32:4:4 32:2:4:96 32:2:2 2>&1 \
                 | tee "$OUT/fp8proto.log" | grep -v Warn ;;
+    readbw) # scripts/read_bandwidth.py: the read bandwidth a kernel reaches in decode
+            # attention's access patterns (contiguous, per kv head through a block table, per
+            # block), against the copy bandwidth the byte floors use
+            timeout 150 python3 scripts/read_bandwidth.py 2>&1 | tee "$OUT/read_bandwidth.log" \
+              | grep -v Warn ;;
     attnncu) # Nsight Compute on one workload-shaped decode attention step, bf16 and fp8 caches
              # (scripts/ncu_decode_attention.py): where its time per key goes
              for kv in auto fp8; do

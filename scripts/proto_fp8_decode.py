@@ -28,7 +28,7 @@ tile is indeed read from shared memory a byte at a time (``LDS.U8``, the sm_90 S
 transposed layout cuts the loop from 535 to 418 instructions a warp, but every fp8 variant,
 fp8 products included, lands at 101-118 µs (0.58-0.68 of the floor) against 145 µs (0.94)
 for bf16. What moves it is resident programs: 2 warps (106 µs) or a 128-register cap (109),
-not the instruction count. The production plan takes 2 warps (``fp8_decode_warps``).
+not the instruction count. The production plan takes 2 warps (``decode_warps``).
 """
 
 from __future__ import annotations

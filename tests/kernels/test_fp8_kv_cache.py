@@ -172,18 +172,17 @@ def test_rope_inside_decode_attention_fp8_cache(num_splits: int, qlen: int) -> N
     _check(out, ref, b, torch.bfloat16)
 
 
-def test_fp8_cache_decode_plan_takes_two_warps() -> None:
-    """The H200 rule: decode-sized query tiles (<= 16 rows) over an fp8 cache launch 2 warps a
-    program once there is a program per multiprocessor; a bf16 cache, larger query tiles, a
-    few requests (the plan splits keys) and prefill plans keep theirs."""
-    from mrv2_kernels.paged_attention_plan import fp8_decode_warps
+def test_decode_plan_takes_two_warps() -> None:
+    """The H200 rule, for either cache: decode-sized query tiles (<= 16 rows) launch 2 warps a
+    program once there is a program per multiprocessor; larger query tiles, a few requests
+    (the plan splits keys) and prefill plans keep theirs."""
+    from mrv2_kernels.paged_attention_plan import decode_warps
 
-    assert fp8_decode_warps(1, True, 16, 32 * 8, 132, 4) == 2  # 32 requests x 8 kv heads
-    assert fp8_decode_warps(1, True, 16, 132, 132, 4) == 2
-    assert fp8_decode_warps(1, True, 16, 8 * 8, 132, 4) == 4  # 8 requests: splits instead
-    assert fp8_decode_warps(2, True, 16, 256 * 8, 132, 4) == 4  # bf16 cache
-    assert fp8_decode_warps(1, True, 64, 256 * 8, 132, 4) == 4  # 16 draft tokens x 4 heads
-    assert fp8_decode_warps(1, False, 128, 256 * 8, 132, 8) == 8  # prefill plan
+    assert decode_warps(True, 16, 32 * 8, 132, 4) == 2  # 32 requests x 8 kv heads
+    assert decode_warps(True, 16, 132, 132, 4) == 2
+    assert decode_warps(True, 16, 8 * 8, 132, 4) == 4  # 8 requests: splits instead
+    assert decode_warps(True, 64, 256 * 8, 132, 4) == 4  # 16 draft tokens x 4 heads
+    assert decode_warps(False, 128, 256 * 8, 132, 8) == 8  # prefill plan
 
 
 _SM90_FP8_SCRIPT = r"""
