@@ -46,6 +46,7 @@ from triton.language.extra import libdevice
 from ._backend import cdiv, default_block, next_power_of_2, use_triton
 
 __all__ = [
+    "divide_rows",
     "gumbel_noise_ref",
     "gumbel_sample",
     "gumbel_sample_cpu",
@@ -314,6 +315,24 @@ def _uniform_hash_kernel(
     tl.store(out_ptr + row * out_stride + v, hash_uniform(key, v), mask=v < vocab_size)
 
 
+@triton.jit
+def _divide_rows_kernel(
+    x_ptr: tl.tensor,
+    x_stride: int,
+    out_ptr: tl.tensor,
+    out_stride: int,
+    vocab: int,
+    div_ptr: tl.tensor,
+    BLOCK_V: tl.constexpr,
+) -> None:
+    row = tl.program_id(0).to(tl.int64)
+    v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = v < vocab
+    d = tl.load(div_ptr + row).to(tl.float32)
+    x = tl.load(x_ptr + row * x_stride + v, mask=mask).to(tl.float32)
+    tl.store(out_ptr + row * out_stride + v, tl.div_rn(x, d), mask=mask)
+
+
 def _check_args(
     logits: torch.Tensor,
     seeds: torch.Tensor,
@@ -454,3 +473,32 @@ def uniform_hash_triton(
     block = default_block(out, cuda=1024, cpu=128, block=block_v)
     grid = (n, cdiv(vocab, block))
     _uniform_hash_kernel[grid](seeds, positions, out, out.stride(0), vocab, BLOCK_V=block)
+
+
+def divide_rows(
+    logits: torch.Tensor, divisor: torch.Tensor, block_v: int | None = None
+) -> torch.Tensor:
+    """``logits.float() / divisor[:, None]`` as a new float32 tensor, bit for bit (IEEE
+    division), in one pass: the temperature stage of the samplers that filter the scaled
+    logits (top-k / top-p, min-p) before :func:`gumbel_sample`.
+
+    ``logits`` ``[N, V]`` with contiguous rows (any float dtype, read as float32); ``divisor``
+    ``[N]``. On the GPU a Triton kernel (torch's broadcast division of bf16 by a float32
+    column ran at ~1.4 TB/s: 166 µs for 256 x 151,936 on the H200); elsewhere torch.
+    """
+    if logits.dim() != 2 or (logits.shape[1] > 1 and logits.stride(1) != 1):
+        raise ValueError(f"logits must be 2-D with contiguous rows, got {tuple(logits.shape)}")
+    n, vocab = logits.shape
+    if divisor.shape != (n,):
+        raise ValueError(f"divisor must have shape ({n},), got {tuple(divisor.shape)}")
+    if not use_triton(logits):
+        return logits.float() / divisor.float()[:, None]
+    out = torch.empty((n, vocab), dtype=torch.float32, device=logits.device)
+    if n == 0 or vocab == 0:
+        return out
+    block = default_block(logits, cuda=2048, cpu=128, block=block_v)
+    _divide_rows_kernel[(n, cdiv(vocab, block))](
+        logits, logits.stride(0), out, out.stride(0), vocab, divisor, BLOCK_V=block,
+        num_warps=8 if block >= 2048 else 4,
+    )
+    return out

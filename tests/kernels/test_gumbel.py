@@ -267,3 +267,24 @@ def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.equal(sample(gumbel_sample, logits, seeds, positions, greedy), want)
     monkeypatch.delenv("MRV2_KERNELS")
     assert torch.equal(sample(gumbel_sample, logits, seeds, positions, greedy), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_divide_rows_bit_identical(dtype: torch.dtype) -> None:
+    """The Triton temperature pass gives torch's quotient bit for bit, strided rows included,
+    and writes every element (the allocator's memory is poisoned first)."""
+    from mrv2_kernels.gumbel import _divide_rows_kernel, divide_rows
+
+    g = torch.Generator().manual_seed(5)
+    base = (torch.randn(5, 300, generator=g) * 7).to(dtype).to(DEVICE)
+    logits = base[:, :290]  # row stride 300
+    divisor = torch.tensor([0.6, 1.0, 0.01, 1.7, 3.3], device=DEVICE)
+    want = logits.float() / divisor[:, None]
+    poison = torch.full((5, 290), float("nan"), device=DEVICE)
+    _divide_rows_kernel[(5, 3)](logits, logits.stride(0), poison, poison.stride(0), 290,
+                                divisor, BLOCK_V=128)
+    assert torch.equal(poison, want)
+    got = divide_rows(logits, divisor, block_v=64)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    with pytest.raises(ValueError, match="divisor must have shape"):
+        divide_rows(logits, divisor[:4])

@@ -135,6 +135,7 @@ def test_ref_tie_rule() -> None:
     ("vocab", "dtype", "kw"),
     [
         (700, torch.float32, {}),  # in-register sort of the candidates (cap 128)
+        (700, torch.float32, {"small_cap": 16}),  # both sorts: rows of <= 16 and of 17-128
         (300, torch.float32, {"cap": 16, "chunk": 64, "block_v": 32}),  # bisection, 5 chunks
         (1000, torch.bfloat16, {"block_v": 128}),  # bf16 read as fp32: many ties
     ],

@@ -45,8 +45,13 @@ class _Timed:
         return self._call(*args)
 
 
-def time_mode(engine: LLMEngine, batch: int, params: SamplingParams, repeats: int) -> float:
-    """Median seconds of one sampler call on the first uniform-decode batch of ``batch``."""
+def time_mode(engine: LLMEngine, batch: int, params: SamplingParams, repeats: int,
+              profile: list[str] | None = None) -> float:
+    """Median seconds of one sampler call on the first uniform-decode batch of ``batch``.
+
+    With ``profile`` (a list, CUDA only), one more call runs under the torch profiler and the
+    device time of its kernels (and of the whole call: launches from the host included) is
+    appended to it as text lines."""
     runner = engine.runner
     original = runner.sampler
     timed: list[float] = []
@@ -64,6 +69,9 @@ def time_mode(engine: LLMEngine, batch: int, params: SamplingParams, repeats: in
                     begin = time.perf_counter()
                     original(inputs[i % 4], step, table, plan)
                     timed.append(time.perf_counter() - begin)
+            if profile is not None and runner.device.type == "cuda":
+                profile.extend(_profile_call(
+                    functools.partial(original, inputs[0], step, table, plan)))
         return original(logits, step, table, plan)
 
     runner.sampler = _Timed(original, sampler)
@@ -77,6 +85,27 @@ def time_mode(engine: LLMEngine, batch: int, params: SamplingParams, repeats: in
         raise RuntimeError("no uniform-decode step of the full batch ran")
     timed.sort()
     return timed[len(timed) // 2]
+
+
+def _profile_call(call: Any) -> list[str]:
+    """One ``call()`` under the torch profiler: its kernels' device time (µs, longest first)
+    and the call's span between CUDA events."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        span_ms = cuda_event_ms(call)
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(event.name, []).append(event.device_time)
+    rows = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))
+    busy = sum(sum(times) for _, times in rows)
+    lines = [f"  span {span_ms * 1e3:.1f} us (events, host launches included), kernels busy "
+             f"{busy:.1f} us in {sum(len(t) for _, t in rows)} launches"]
+    lines += [f"  {sum(times):9.1f} us  x{len(times):<3d} {name[:90]}" for name, times in rows]
+    return lines
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -93,7 +122,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         engine = LLMEngine(config)
         params = SamplingParams(max_tokens=4, ignore_eos=True, seed=1, **MODES[mode])
         time_mode(engine, args.batch, params, repeats=3)  # warm up / compile
-        seconds = time_mode(engine, args.batch, params, args.repeats)
+        lines: list[str] | None = [] if args.profile else None
+        seconds = time_mode(engine, args.batch, params, args.repeats, lines)
+        if lines:
+            print(f"{mode}:", *lines, sep="\n", flush=True)
         if floor is None:
             item = torch.empty((), dtype=engine.runner.dtype).element_size()
             nbytes = args.batch * engine.runner.vocab_size * item
@@ -119,6 +151,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--profile", action="store_true",
+                   help="also print each mode's kernels (torch profiler, one call; CUDA)")
     p.add_argument("--json", default=None)
     p.set_defaults(func=main)
 

@@ -30,7 +30,7 @@ from mrv2.sample.logprobs import token_logprobs
 from mrv2.sample.masks import apply_masks
 from mrv2.sample.prompt_logprobs import PromptChunk, PromptLogprobs, compute_prompt_logprobs
 from mrv2.sample.state import SamplingState
-from mrv2_kernels.gumbel import gumbel_sample
+from mrv2_kernels.gumbel import divide_rows, gumbel_sample
 from mrv2_kernels.penalties import apply_penalties
 from mrv2_kernels.top_k_top_p import top_k_top_p
 
@@ -189,7 +189,8 @@ class Sampler:
         scale: torch.Tensor | None = None  # the temperature, when the sampling kernel applies it
         if not plan.all_greedy:
             if plan.any_min_p or plan.any_top_k_top_p:
-                logits = logits.float() / torch.where(greedy, 1.0, temperature)[:, None]
+                # One pass (the same IEEE quotient as ``logits.float() / ...``)
+                logits = divide_rows(logits, torch.where(greedy, 1.0, temperature))
                 if plan.any_min_p:
                     logits = apply_min_p(logits, state.min_p[rows])
                 if plan.any_top_k_top_p:  # in place: ``logits`` is this step's own copy
