@@ -175,6 +175,30 @@ def test_latency_bench_with_ngram_variant(tmp_path: Path) -> None:
     assert self_draft["spec_num_draft_tokens"] > 0 and self_draft["spec_acceptance_rate"] == 1.0
 
 
+def test_latency_bench_sampling_params(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                       ) -> None:
+    """``--sampling-params`` gives the requests those keywords (here top-k / top-p sampling);
+    a bad object fails at parsing, naming the flag."""
+    from mrv2.bench.latency import bench
+    from mrv2.entrypoints.cli import build_parser
+
+    ckpt = make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM", vocab_size=10_001,
+                                max_position_embeddings=512, num_hidden_layers=1)
+    argv = ["bench", "latency", "--model", str(ckpt), "--dtype", "float32", "--batch-sizes",
+            "2", "--prompt-len", "8", "--new-tokens", "6", "--max-model-len", "64", "--no-hf",
+            "--repeats", "1", "--sampling-params"]
+    args = build_parser().parse_args(
+        [*argv, '{"temperature": 0.6, "top_k": 20, "top_p": 0.95, "seed": 0}'])
+    assert args.sampling_params == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "seed": 0}
+    rows = bench(args)["default"]
+    assert [r["batch"] for r in rows] == [2] and rows[0]["tpot_ms"] > 0
+    for bad, says in (('{"top_p": 0}', "top_p"), ("[1]", "JSON object"),
+                      ('{"max_tokens": 3}', "max_tokens")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*argv, bad])
+        assert says in capsys.readouterr().err
+
+
 def test_latency_bench_on_cpu_compares_with_hf(tmp_path: Path) -> None:
     """``--device cpu``: mrv2 and HF generate on the same prompts, both timed (plumbing only:
     the numbers are not checked, only that they are there and positive)."""

@@ -67,7 +67,7 @@ def test_padded_graph_replay_equals_eager(target: Path, spec: str | None) -> Non
         replays = graphs.graphs[(query_len, size)].replays  # type: ignore[attr-defined]
         assert replays > 0
         # every decode step of these greedy requests samples (and verifies) in its tail graph
-        assert graphs.tail_graphs[(query_len, size)].replays == replays  # type: ignore[attr-defined]
+        assert graphs.tail_graphs[(query_len, size, 0)].replays == replays  # type: ignore[attr-defined]
     if spec:
         assert graphs.draft_graphs[(3, 8)].replays > 0  # type: ignore[attr-defined]
         stats, eager_stats = llm.engine.stats(), eager_llm.engine.stats()
@@ -104,7 +104,7 @@ def test_sampling_tail_graph_equals_eager(target: Path) -> None:
     graphs = llm.engine.runner.graphs
     assert graphs is not None
     replays = {size: (graphs.graphs[(1, size)].replays,  # type: ignore[attr-defined]
-                      graphs.tail_graphs[(1, size)].replays)  # type: ignore[attr-defined]
+                      graphs.tail_graphs[(1, size, 0)].replays)  # type: ignore[attr-defined]
                for size in (4, 8)}
     # Five requests pad to 8 while the top-k and logprobs ones run: eager sampling. Four or
     # fewer pad to 4: eager while the top-k one runs (one step), then in the tail graph.
@@ -141,8 +141,10 @@ def test_verification_moves_between_eager_and_the_tail_graph(target: Path) -> No
     assert stats["spec_acceptance_rate"] > 0
     graphs = llm.engine.runner.graphs
     assert graphs is not None
+    tails = {(q, size): graph for (q, size, variant), graph in graphs.tail_graphs.items()
+             if variant == 0}
     count = {name: {size: table[(3, size)].replays for size in (4, 8)}  # type: ignore[attr-defined]
-             for name, table in (("forward", graphs.graphs), ("tail", graphs.tail_graphs),
+             for name, table in (("forward", graphs.graphs), ("tail", tails),
                                  ("drafts", graphs.draft_graphs))}
     # five requests (the top-k one among them) pad to 8: verified eagerly; four pad to 4
     assert count["forward"][8] > 0 and count["tail"][8] == 0
@@ -416,3 +418,71 @@ def test_a_model_state_may_keep_prompt_steps_eager(target: Path,
     got, engine, steps = _staggered(target, graphs=True)
     assert not engine.runner.graphs.mixed_graphs and not any(s[0] for s in steps)
     assert engine.runner.graphs.graphs  # decode steps still replay
+
+
+@pytest.mark.parametrize("spec", [None, "draft_model", "ngram_probabilistic"])
+def test_top_k_tail_graph_equals_eager(target: Path, spec: str | None,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``MRV2_TOP_K_TAIL_GRAPHS=1`` decode steps whose batch has top-k / top-p rows
+    sample (and verify drafts) in the second tail graph, variant 1: the eager path's tokens
+    (and drafts); steps without them keep variant 0."""
+    from mrv2.sample.sampler import TOP_K_TAILS_ENV_VAR
+
+    monkeypatch.setenv(TOP_K_TAILS_ENV_VAR, "1")
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, top_p=0.9, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=1.2, seed=5, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_k=5, seed=1, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_k=3, top_p=0.8, seed=2, max_tokens=4,
+                             ignore_eos=True)]
+    kwargs: dict[str, Any] = {}
+    if spec == "draft_model":
+        kwargs["speculative_config"] = {"method": "draft_model", "model": str(target),
+                                        "num_speculative_tokens": 2}
+    elif spec is not None:  # drafts verified against the filtered distribution
+        kwargs["speculative_config"] = SPECS[spec]
+
+    def run(graphs: bool) -> tuple[list[list[int]], LLM]:
+        llm = LLM(str(target), device="cpu", dtype="float32", block_size=4, max_num_seqs=8,
+                  max_model_len=64, **kwargs)
+        if graphs:
+            emulate_cuda_graphs(llm.engine.runner)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], llm
+
+    eager, eager_llm = run(False)
+    got, llm = run(True)
+    assert got == eager
+    if spec:
+        stats, eager_stats = llm.engine.stats(), eager_llm.engine.stats()
+        assert stats["spec_num_draft_tokens"] == eager_stats["spec_num_draft_tokens"] > 0
+        assert stats["spec_acceptance_rate"] == eager_stats["spec_acceptance_rate"]
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None
+    q = 3 if spec else 1
+    top_k_tail = sum(g.replays for (ql, _, v), g in graphs.tail_graphs.items()  # type: ignore[attr-defined]
+                     if ql == q and v == 1)
+    forward = sum(graphs.graphs[(q, size)].replays for size in (4, 8))  # type: ignore[attr-defined]
+    # request 1 (top-p) runs to the end: every decode step has a top-k / top-p row
+    assert top_k_tail == forward > 0
+
+
+def test_graph_variant_of_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which captured tail samples a plan: temperature / greedy plans variant 0 (all-greedy
+    ones whatever their top-k / top-p), top-k / top-p plans variant 1 when it is captured,
+    min-p and rare stages none."""
+    from mrv2.sample.sampler import TOP_K_TAILS_ENV_VAR, SamplePlan, Sampler
+
+    sampler = Sampler(4, 32, torch.device("cpu"))
+    plain, top_k = SamplePlan(all_greedy=False), SamplePlan(all_greedy=False, any_top_k_top_p=True)
+    greedy_top_k = SamplePlan(all_greedy=True, any_top_k_top_p=True)
+    min_p = SamplePlan(all_greedy=False, any_min_p=True, any_top_k_top_p=True)
+    rare = SamplePlan(all_greedy=False, any_top_k_top_p=True, rare=[(0, SamplingParams())])
+    monkeypatch.delenv(TOP_K_TAILS_ENV_VAR, raising=False)
+    assert len(sampler.graph_plans()) == 1
+    assert [sampler.graph_variant(p) for p in (plain, top_k, greedy_top_k, min_p, rare)] == [
+        0, None, 0, None, None]
+    monkeypatch.setenv(TOP_K_TAILS_ENV_VAR, "1")
+    assert sampler.graph_plans() == [Sampler.graph_plan, Sampler.top_k_graph_plan]
+    assert [sampler.graph_variant(p) for p in (plain, top_k, greedy_top_k, min_p, rare)] == [
+        0, 1, 0, None, None]

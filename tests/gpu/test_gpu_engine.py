@@ -152,9 +152,9 @@ def _count_tail_replays(graphs: Any) -> list[int]:
     sizes: list[int] = []
     replay = graphs.replay_tail
 
-    def counted(query_len: int, size: int) -> Any:
+    def counted(query_len: int, size: int, variant: int = 0) -> Any:
         sizes.append(size)
-        return replay(query_len, size)
+        return replay(query_len, size, variant)
 
     graphs.replay_tail = counted
     return sizes

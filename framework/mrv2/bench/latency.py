@@ -9,6 +9,7 @@ a small CPU: the default model with its real weights (SmolLM2-135M-Instruct), fl
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import time
@@ -48,7 +49,6 @@ def eagle3_head_dir(model_dir: str) -> str:
     min(32000, vocab), the default aux layers), whose weights ``load_format="dummy"`` draws:
     a random head accepts little, so its variants time the cost of drafting with it."""
     import atexit
-    import json
     import shutil
     import tempfile
     from pathlib import Path
@@ -77,12 +77,14 @@ def bench_prompts(batch: int, prompt_len: int, seed: int, vocab_size: int = 10_0
 
 
 def measure(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int,
-            log: StepLog | None = None, seed: int = 0) -> dict[str, float]:
-    """TTFT and time per output token of ``batch`` requests decoding together; with ``log``
-    (from :func:`instrument`) also the host time in ``execute`` and the device time per
-    decode step (medians)."""
+            log: StepLog | None = None, seed: int = 0,
+            sampling: dict[str, Any] | None = None) -> dict[str, float]:
+    """TTFT and time per output token of ``batch`` requests decoding together (greedy, or
+    ``sampling``: :class:`SamplingParams` keywords); with ``log`` (from :func:`instrument`)
+    also the host time in ``execute`` and the device time per decode step (medians)."""
     first_step = len(log.steps) if log is not None else 0
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(**{"temperature": 0.0, **(sampling or {})},
+                            max_tokens=new_tokens, ignore_eos=True)
     for prompt in bench_prompts(batch, prompt_len, seed, engine.runner.vocab_size):
         engine.add_request(prompt, params, stream=True)
     start = time.perf_counter()
@@ -149,6 +151,27 @@ def compare_with_hf(engine: LLMEngine, model_dir: str, args: argparse.Namespace,
     return rows
 
 
+def _sampling_json(text: str) -> dict[str, Any]:
+    """``--sampling-params``: a JSON object of :class:`SamplingParams` keywords, checked here
+    (a bad name or value fails before any model loads)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--sampling-params is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("--sampling-params must be a JSON object, got "
+                                         f"{type(value).__name__}")
+    banned = {"max_tokens", "ignore_eos"} & set(value)
+    if banned:
+        raise argparse.ArgumentTypeError(f"--sampling-params sets {sorted(banned)}: the bench "
+                                         "sets them (--new-tokens)")
+    try:
+        SamplingParams(**value)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"--sampling-params: {exc}") from None
+    return value
+
+
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     """Latency rows for each batch size and each variant (on the CPU, beside HF's)."""
     cpu = args.device == "cpu"
@@ -197,12 +220,15 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         if cpu and name == "default" and not args.no_hf:
             results[name] = compare_with_hf(engine, model_dir, args, engine.runner.dtype)
         else:
+            sampling = args.sampling_params
             for b in args.batch_sizes:  # warm up: compile every kernel specialization first
-                measure(engine, b, args.prompt_len, 16, seed=1)  # other prompts: no prefix hits
+                measure(engine, b, args.prompt_len, 16, seed=1,  # other prompts: no prefix hits
+                        sampling=sampling)
             log = instrument(engine)
             results[name] = [
                 _median_row(b, [measure(engine, b, args.prompt_len, args.new_tokens, log,
-                                        seed=_seed(rep)) for rep in range(args.repeats)])
+                                        seed=_seed(rep), sampling=sampling)
+                                for rep in range(args.repeats)])
                 for b in args.batch_sizes
             ]
         if engine.runner.num_speculative_tokens:
@@ -247,6 +273,9 @@ def add_parser(sub: Any) -> None:
                    help="KV cache element type")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks (GPUs) to split the model over")
+    p.add_argument("--sampling-params", type=_sampling_json, default=None, metavar="JSON",
+                   help="the requests' SamplingParams keywords, e.g. '{\"temperature\": 0.6, "
+                   "\"top_k\": 20, \"top_p\": 0.95, \"seed\": 0}' (default: greedy)")
     p.add_argument("--variants", nargs="*", default=[],
                    choices=["async_off", "graphs_off", "ngram",
                             *(f"synthetic_{rate}" for rate in SYNTHETIC_RATES),

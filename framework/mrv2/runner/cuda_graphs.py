@@ -10,12 +10,14 @@ they change nothing. Attention metadata baked into a graph bounds sequence lengt
 
 Each graph also gets a *sampling tail* graph when the sampler can capture its common plan
 (``Sampler.capturable``: temperature or greedy rows, no top-k/top-p, min-p, rare stages or
-logprobs): sampling the graph's logits, verifying the drafts of a ``1 + k`` step (strict,
-probabilistic or synthetic rejection) and the post-update of the state table, replayed right
-after the forward, so a decode step launches its graphs and no sampler kernel from Python. Its
-padding requests have empty queries: the rejection gives them no tokens, the post-update skips
-them, and what is sampled at their rows is never read. The tail writes outside the graphs'
-memory pool (``tail_sampled``, ``spec_samples``), where the host copy and the drafting read.
+logprobs; with ``MRV2_TOP_K_TAIL_GRAPHS=1`` a second tail, variant 1, for batches with top-k /
+top-p rows: ``Sampler.graph_plans``): sampling the graph's logits, verifying the drafts of a
+``1 + k`` step (strict, probabilistic or synthetic rejection) and the post-update of the state
+table, replayed right after the forward, so a decode step launches its graphs and no sampler
+kernel from Python. Its padding requests have empty queries: the rejection gives them no
+tokens, the post-update skips them, and what is sampled at their rows is never read. The tail
+writes outside the graphs' memory pool (``tail_sampled``, ``spec_samples``), where the host copy
+and the drafting read.
 
 A speculator whose ``propose`` is capturable (``Speculator.cuda_graphs``) gets a further graph
 per ``(1 + k, size)``: all of a decode step's drafting (the drafter's catch-up and its ``k``
@@ -163,7 +165,7 @@ class StepGraphs:
         self.graphs: dict[tuple[int, int], object] = {}
         self.outputs: dict[tuple[int, int], Outputs] = {}
         self.draft_graphs: dict[tuple[int, int], object] = {}
-        self.tail_graphs: dict[tuple[int, int], object] = {}
+        self.tail_graphs: dict[tuple[int, int, int], object] = {}
         #: Per query length, the tail's sampled token of every logits row (``[size * q]``).
         self.tail_sampled: dict[int, torch.Tensor] = {}
         #: The ``1 + k`` steps' verified tokens and counts (``[size, 1 + k]``, ``[size]``):
@@ -366,9 +368,11 @@ class StepGraphs:
         sample_tail: Callable[[InputBatch, torch.Tensor, torch.Tensor, StepSamples | None],
                               None],
         capture: Callable[[InputBatch, Callable[[], None]], object],
+        variant: int = 0,
     ) -> None:
         """Capture ``sample_tail(batch, logits, sampled, samples)`` after every captured
-        ``(query_len, size)`` step: it samples that graph's logits into ``sampled`` (a
+        ``(query_len, size)`` step, as tail ``variant`` (the sampler's plan of that index,
+        which ``sample_tail`` applies): it samples that graph's logits into ``sampled`` (a
         persistent buffer outside the graphs' memory pool, read by the host copy), verifies a
         ``1 + k`` step's drafts into ``samples`` (the persistent :attr:`spec_samples`; None for
         one-token steps) and updates the state table. The warm-up and the capture see only
@@ -379,8 +383,9 @@ class StepGraphs:
             return
         top = max(sizes)
         device = self.outputs[(query_len, top)][1].device
-        self.tail_sampled[query_len] = torch.zeros(top * query_len, dtype=torch.int64,
-                                                   device=device)
+        if query_len not in self.tail_sampled:  # one buffer for every variant
+            self.tail_sampled[query_len] = torch.zeros(top * query_len, dtype=torch.int64,
+                                                       device=device)
         for size in sorted(sizes, reverse=True):
             batch = dummy_batch(size, query_len)
             batch.query_start_loc.zero_()
@@ -397,15 +402,15 @@ class StepGraphs:
 
             graph = capture(batch, body)
             if graph is not None:
-                self.tail_graphs[(query_len, size)] = graph
+                self.tail_graphs[(query_len, size, variant)] = graph
         _sync()
 
-    def replay_tail(self, query_len: int, size: int
+    def replay_tail(self, query_len: int, size: int, variant: int = 0
                     ) -> tuple[torch.Tensor, StepSamples | None] | None:
-        """Replay the sampling tail of the ``(query_len, size)`` graph (after that graph);
-        returns its ``[size * query_len]`` sampled tokens and, for ``1 + k`` steps, the
-        ``[size]`` verified samples; None when there is no tail graph of that key."""
-        graph = self.tail_graphs.get((query_len, size))
+        """Replay sampling tail ``variant`` of the ``(query_len, size)`` graph (after that
+        graph); returns its ``[size * query_len]`` sampled tokens and, for ``1 + k`` steps, the
+        ``[size]`` verified samples; None when there is no such tail graph."""
+        graph = self.tail_graphs.get((query_len, size, variant))
         if graph is None:
             return None
         graph.replay()  # type: ignore[attr-defined]

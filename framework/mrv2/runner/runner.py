@@ -14,6 +14,7 @@ It returns without waiting: ``AsyncStepOutput.result()`` is the only wait.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, cast
@@ -53,7 +54,7 @@ from mrv2.runner.cuda_graphs import (
 from mrv2.runner.kv_cache import KVCaches, num_blocks_for
 from mrv2.sample.prompt_logprobs import PromptLogprobs
 from mrv2.sample.rejection import step_samples
-from mrv2.sample.sampler import SamplerOutput
+from mrv2.sample.sampler import SamplePlan, SamplerOutput
 from mrv2_kernels.input_prep import post_update
 
 
@@ -314,19 +315,23 @@ class Runner:
         """The sampling tail graph's outputs for a decode step whose plan it captured (every
         request sampling), or None: sample eagerly."""
         graphs = self.graphs
-        if (graphs is None or not graphs.tail_graphs or not step.batch.do_sample.all()
-                or not self.sampler.capturable(step.sample_plan)):
+        if graphs is None or not graphs.tail_graphs or not step.batch.do_sample.all():
+            return None
+        variant = self.sampler.graph_variant(step.sample_plan)
+        if variant is None or (step.replay_query_len, step.batch.num_reqs_padded,
+                               variant) not in graphs.tail_graphs:
             return None
         if self._last_copy is not None:  # the tail's buffers are the previous step's copy source
             torch.cuda.current_stream().wait_event(self._last_copy)
-        return graphs.replay_tail(step.replay_query_len, step.batch.num_reqs_padded)
+        return graphs.replay_tail(step.replay_query_len, step.batch.num_reqs_padded, variant)
 
     def _sample_tail(self, batch: InputBatch, logits: torch.Tensor, sampled: torch.Tensor,
-                     samples: StepSamples | None) -> None:
+                     samples: StepSamples | None, plan: SamplePlan | None = None) -> None:
         """The sampling tail graph's body over every row of a padded uniform-decode batch: the
-        sampler's capturable plan at every token into ``sampled``; with drafts (``1 + k``
-        tokens a request, ``samples`` given) their verification into ``samples``; then the
-        post-update. Padding requests have empty queries: no tokens verified, rows untouched."""
+        sampler's ``plan`` (default its ``graph_plan``) at every token into ``sampled``; with
+        drafts (``1 + k`` tokens a request, ``samples`` given) their verification into
+        ``samples``; then the post-update. Padding requests have empty queries: no tokens
+        verified, rows untouched."""
         size = batch.num_reqs
         width = batch.num_tokens_padded // size  # tokens a request: every one is a logits row
         if samples is None:  # the builder wrote each request's seq_len (its token's position)
@@ -341,7 +346,7 @@ class Runner:
                 num_draft_tokens=np.full(size, width - 1, dtype=np.int32),
                 cu_num_logits=np.arange(size + 1, dtype=np.int32) * width,
                 cu_num_logits_dev=batch.query_start_loc)  # the same when every token is a row
-        out = self.sampler(logits, batch, self.table, self.sampler.graph_plan)
+        out = self.sampler(logits, batch, self.table, plan or self.sampler.graph_plan)
         sampled.copy_(out.tokens)
         if samples is None:
             tokens, counts, drafts = sampled[:, None], self._ones[:size], self._no_drafts
@@ -435,10 +440,11 @@ class Runner:
             if self.speculator is not None and self.speculator.cuda_graphs:
                 self.graphs.capture_drafts(1 + self.num_speculative_tokens,
                                            self._graph_dummy_batch, self._propose, capture)
-            if self.sampler.capturable(self.sampler.graph_plan):
+            for variant, plan in enumerate(self.sampler.graph_plans()):
                 for query_len in query_lens:
                     self.graphs.capture_tails(query_len, self._graph_dummy_batch,
-                                              self._sample_tail, capture)
+                                              functools.partial(self._sample_tail, plan=plan),
+                                              capture, variant)
         self.builder.graphs = self.graphs
 
     def _mixed_graph_slower(self, tokens: int) -> bool:

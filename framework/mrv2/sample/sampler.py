@@ -13,6 +13,7 @@ the top-k ids and the sampled id (``logits - logsumexp``), never for the whole v
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,6 +36,9 @@ from mrv2_kernels.penalties import apply_penalties
 from mrv2_kernels.top_k_top_p import top_k_top_p
 
 _GREEDY_EPS = 1e-5
+#: ``1``: decode graphs also get a sampling tail for batches with top-k / top-p rows
+#: (:meth:`Sampler.graph_plans`); unset or anything else: those batches sample eagerly.
+TOP_K_TAILS_ENV_VAR = "MRV2_TOP_K_TAIL_GRAPHS"
 
 
 @dataclass
@@ -122,6 +126,9 @@ class Sampler:
     #: greedy through the Gumbel kernel (greedy rows take the argmax whatever the plan, so one
     #: capture serves all-greedy batches too).
     graph_plan = SamplePlan(all_greedy=False)
+    #: The plan of a second tail per graph, opt-in (:data:`TOP_K_TAILS_ENV_VAR`): the same
+    #: with top-k / top-p (rows without them keep every token).
+    top_k_graph_plan = SamplePlan(all_greedy=False, any_top_k_top_p=True)
 
     def capturable(self, plan: SamplePlan) -> bool:
         """True when a batch with ``plan`` samples exactly as under :attr:`graph_plan`, so a
@@ -130,6 +137,34 @@ class Sampler:
         assumed capturable (it overrides this too when it is)."""
         return (type(self).__call__ is Sampler.__call__ and not self.processors
                 and not plan.rare and not plan.any_min_p and not plan.any_top_k_top_p)
+
+    def graph_plans(self) -> list[SamplePlan]:
+        """The plans the runner captures decode sampling tails with, one tail graph per plan
+        and graph (a plan's index is its *variant*): :attr:`graph_plan` when
+        :meth:`capturable` accepts it, then, with ``MRV2_TOP_K_TAIL_GRAPHS=1``,
+        :attr:`top_k_graph_plan` (opt-in: its scratch, two fp32 copies of the logits, lives in
+        the graphs' memory pool, and it is not yet measured on a GPU)."""
+        if not self.capturable(self.graph_plan):
+            return []
+        if os.environ.get(TOP_K_TAILS_ENV_VAR, "0") == "1":
+            return [self.graph_plan, self.top_k_graph_plan]
+        return [self.graph_plan]
+
+    def graph_variant(self, plan: SamplePlan) -> int | None:
+        """The index in :meth:`graph_plans` of the tail that samples a batch with ``plan``
+        exactly as this sampler would, or None (sample eagerly). All-greedy batches take
+        variant 0 whatever their top-k / top-p: their rows take the argmax, which those keep
+        (``top_p > 0``)."""
+        plans = self.graph_plans()
+        if not plans:
+            return None
+        if self.capturable(plan):
+            return 0
+        if plan.rare or plan.any_min_p:
+            return None
+        if plan.all_greedy:
+            return 0
+        return 1 if plan.any_top_k_top_p and len(plans) > 1 else None
 
     def plan(self, batch: InputBatch) -> SamplePlan:
         """The stages ``batch`` needs, from CPU flags only (no device reads)."""
