@@ -486,3 +486,14 @@ def test_graph_variant_of_plans(monkeypatch: pytest.MonkeyPatch) -> None:
     assert sampler.graph_plans() == [Sampler.graph_plan, Sampler.top_k_graph_plan]
     assert [sampler.graph_variant(p) for p in (plain, top_k, greedy_top_k, min_p, rare)] == [
         0, 1, 0, None, None]
+
+    class Custom(Sampler):  # its own sampling, declared capturable for the plain plan only
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return super().__call__(*args, **kwargs)
+
+        def capturable(self, plan: SamplePlan) -> bool:
+            return plan == Sampler.graph_plan
+
+    custom = Custom(4, 32, torch.device("cpu"))
+    assert custom.graph_plans() == [Sampler.graph_plan]
+    assert [custom.graph_variant(p) for p in (plain, top_k, greedy_top_k)] == [0, None, None]

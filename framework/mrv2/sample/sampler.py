@@ -146,9 +146,14 @@ class Sampler:
         the graphs' memory pool, and it is not yet measured on a GPU)."""
         if not self.capturable(self.graph_plan):
             return []
-        if os.environ.get(TOP_K_TAILS_ENV_VAR, "0") == "1":
+        if self._builtin() and os.environ.get(TOP_K_TAILS_ENV_VAR, "0") == "1":
             return [self.graph_plan, self.top_k_graph_plan]
         return [self.graph_plan]
+
+    def _builtin(self) -> bool:
+        """This class's own sampling, no logits processors: what :meth:`graph_variant` knows
+        beyond :meth:`capturable` holds only for it."""
+        return type(self).__call__ is Sampler.__call__ and not self.processors
 
     def graph_variant(self, plan: SamplePlan) -> int | None:
         """The index in :meth:`graph_plans` of the tail that samples a batch with ``plan``
@@ -160,7 +165,7 @@ class Sampler:
             return None
         if self.capturable(plan):
             return 0
-        if plan.rare or plan.any_min_p:
+        if not self._builtin() or plan.rare or plan.any_min_p:
             return None
         if plan.all_greedy:
             return 0
