@@ -37,6 +37,17 @@ def _generate(path: Path, graphs: bool, **kwargs: Any) -> tuple[list[list[int]],
     return [o.outputs[0].token_ids for o in outs], llm
 
 
+def _run(path: Path, params: list[SamplingParams], graphs: bool, **kwargs: Any
+         ) -> tuple[list[list[int]], LLM]:
+    """Each of ``PROMPTS`` under its ``params``, eager or through the emulated graphs."""
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, max_num_seqs=8,
+              max_model_len=64, **kwargs)
+    if graphs:
+        emulate_cuda_graphs(llm.engine.runner)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
 SPECS: dict[str, dict[str, Any]] = {
     "ngram_synthetic": {"method": "ngram", "num_speculative_tokens": 2,
                         "rejection_sample_method": "synthetic",
@@ -123,17 +134,8 @@ def test_verification_moves_between_eager_and_the_tail_graph(target: Path) -> No
               SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=0.7, top_k=5, seed=1, max_tokens=4, ignore_eos=True)]
     spec = {"method": "draft_model", "model": str(target), "num_speculative_tokens": 2}
-
-    def run(graphs: bool) -> tuple[list[Any], LLM]:
-        llm = LLM(str(target), device="cpu", dtype="float32", block_size=4, max_num_seqs=8,
-                  max_model_len=64, speculative_config=spec)
-        if graphs:
-            emulate_cuda_graphs(llm.engine.runner)
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs], llm
-
-    eager, eager_llm = run(False)
-    got, llm = run(True)
+    eager, eager_llm = _run(target, params, False, speculative_config=spec)
+    got, llm = _run(target, params, True, speculative_config=spec)
     assert got == eager
     stats, eager_stats = llm.engine.stats(), eager_llm.engine.stats()
     for key in ("spec_num_draft_tokens", "spec_acceptance_rate"):  # the same drafts
@@ -441,17 +443,8 @@ def test_top_k_tail_graph_equals_eager(target: Path, spec: str | None,
                                         "num_speculative_tokens": 2}
     elif spec is not None:  # drafts verified against the filtered distribution
         kwargs["speculative_config"] = SPECS[spec]
-
-    def run(graphs: bool) -> tuple[list[list[int]], LLM]:
-        llm = LLM(str(target), device="cpu", dtype="float32", block_size=4, max_num_seqs=8,
-                  max_model_len=64, **kwargs)
-        if graphs:
-            emulate_cuda_graphs(llm.engine.runner)
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs], llm
-
-    eager, eager_llm = run(False)
-    got, llm = run(True)
+    eager, eager_llm = _run(target, params, False, **kwargs)
+    got, llm = _run(target, params, True, **kwargs)
     assert got == eager
     if spec:
         stats, eager_stats = llm.engine.stats(), eager_llm.engine.stats()
