@@ -297,26 +297,21 @@ def _bisect(
     while (done == 0) & (it < 80):
         piv = lo + ((hi - lo) * (j + 1)) // (NB + 1)
         piv = tl.minimum(tl.maximum(piv, lo + 1), hi).to(tl.int32)
-        # Per-lane accumulators, reduced once a pass (as in the pivot pass).
-        cnt2 = tl.zeros([BLOCK, NB], tl.int32)
-        mass2 = tl.zeros([BLOCK, NB], tl.float32)
-        cnt_lo1 = tl.zeros([BLOCK], tl.int32)
-        mass_lo1 = tl.zeros([BLOCK], tl.float32)
+        cnt = tl.zeros([NB], tl.int32)
+        mass = tl.zeros([NB], tl.float32)
+        cnt_lo = tl.full([], 0, tl.int32)
+        mass_lo = tl.full([], 0.0, tl.float32)
         for v0 in range(0, n, BLOCK):
             v = v0 + tl.arange(0, BLOCK)
             x = tl.load(cand + v, mask=v < n, other=float("-inf"))
             key = _skey(x)
             w = tl.exp(x - m)
             gt = key[:, None] > piv[None, :]
-            cnt2 += gt.to(tl.int32)
-            mass2 += tl.where(gt, w[:, None], 0.0)
+            cnt += tl.sum(gt.to(tl.int32), axis=0)
+            mass += tl.sum(tl.where(gt, w[:, None], 0.0), axis=0)
             above = key > lo
-            cnt_lo1 += above.to(tl.int32)
-            mass_lo1 += tl.where(above, w, 0.0)
-        cnt = tl.sum(cnt2, axis=0)
-        mass = tl.sum(mass2, axis=0)
-        cnt_lo = tl.sum(cnt_lo1, axis=0)
-        mass_lo = tl.sum(mass_lo1, axis=0)
+            cnt_lo += tl.sum(above.to(tl.int32), axis=0)
+            mass_lo += tl.sum(tl.where(above, w, 0.0), axis=0)
         below = tl.where(stage_k != 0, cnt >= k, (cnt >= cnt_lo) | (mass >= p * zk))
         f = tl.max(tl.where(below, j, -1), axis=0)
         g = tl.min(tl.where(below, NB, j), axis=0)
@@ -339,8 +334,7 @@ def _bisect(
 def _resolve_kernel(
     cand_ptr: tl.tensor, cand_stride: int, vocab: int, topk_ptr: tl.tensor, topp_ptr: tl.tensor,
     stat_ptr: tl.tensor, bound_ptr: tl.tensor, thr_ptr: tl.tensor, nch: int, CAP: tl.constexpr,
-    SMALL_CAP: tl.constexpr, NB: tl.constexpr, PIVOT_BLOCK: tl.constexpr,
-    NCH_P2: tl.constexpr,
+    SMALL_CAP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr, NCH_P2: tl.constexpr,
 ) -> None:
     # One program per row: the threshold key (keep x with key >= thr). A few candidates (the
     # usual top-k case) take a small sort: a sort's cost grows with its size, not with n.
@@ -360,7 +354,7 @@ def _resolve_kernel(
         elif n <= CAP:
             thr = _sort_resolve(cand, n, m, z, k, p, kact, pact, CAP)
         else:
-            thr = _bisect(cand, n, lo, m, z, k, p, kact, pact, NB, PIVOT_BLOCK)
+            thr = _bisect(cand, n, lo, m, z, k, p, kact, pact, NB, BLOCK)
     tl.store(thr_ptr + row, thr)
 
 
@@ -415,13 +409,12 @@ def top_k_top_p_triton(
 ) -> torch.Tensor:
     """Triton implementation of :func:`top_k_top_p` (see the module docstring).
 
-    ``block_v`` is the tile of every vocab loop but the pivot pass's and the bisection's
-    (``pivot_block``: they keep ``pivot_block x 16`` accumulators), ``chunk`` the vocab slice
-    of one program in the full-row passes (a fixed size, so the arithmetic never depends on
-    the batch), ``cap`` the most candidates resolved by an in-register sort (more:
-    bisection), ``small_cap`` (at most ``cap``) the size of a smaller sort for rows with that
-    few. All powers of two; the result does not depend on them except through float
-    summation order.
+    ``block_v`` is the tile of every vocab loop but the pivot pass's (``pivot_block``: it
+    keeps ``pivot_block x 16`` accumulators), ``chunk`` the vocab slice of one program in the
+    full-row passes (a fixed size, so the arithmetic never depends on the batch), ``cap`` the
+    most candidates resolved by an in-register sort (more: bisection), ``small_cap`` (at most
+    ``cap``) the size of a smaller sort for rows with that few. All powers of two; the result
+    does not depend on them except through float summation order.
     """
     _check(logits, top_k, top_p)
     out = _output(logits, out)
@@ -455,8 +448,8 @@ def top_k_top_p_triton(
                           cand.stride(0), bound, nch, CHUNK=chunk, BLOCK=block, NB=nb,
                           NCH_P2=nch_p2)
     _resolve_kernel[(n,)](cand, cand.stride(0), vocab, top_k, top_p, stats, bound, thr, nch,
-                          CAP=cap, SMALL_CAP=small_cap, NB=nb, PIVOT_BLOCK=pivot_block,
-                          NCH_P2=nch_p2, num_warps=wide)
+                          CAP=cap, SMALL_CAP=small_cap, NB=nb, BLOCK=block, NCH_P2=nch_p2,
+                          num_warps=wide)
     _write_kernel[grid](logits, xs, out, out.stride(0), vocab, thr, CHUNK=chunk, BLOCK=block,
                         IN_PLACE=out.data_ptr() == logits.data_ptr())
     return out

@@ -135,8 +135,8 @@ class Sampler:
         captured tail may replace this call: no logits processors, rare stages (penalties,
         masks, logprobs), min-p or top-k/top-p. A subclass that overrides ``__call__`` is not
         assumed capturable (it overrides this too when it is)."""
-        return (type(self).__call__ is Sampler.__call__ and not self.processors
-                and not plan.rare and not plan.any_min_p and not plan.any_top_k_top_p)
+        return (self._builtin() and not plan.rare and not plan.any_min_p
+                and not plan.any_top_k_top_p)
 
     def graph_plans(self) -> list[SamplePlan]:
         """The plans the runner captures decode sampling tails with, one tail graph per plan
@@ -151,8 +151,8 @@ class Sampler:
         return [self.graph_plan]
 
     def _builtin(self) -> bool:
-        """This class's own sampling, no logits processors: what :meth:`graph_variant` knows
-        beyond :meth:`capturable` holds only for it."""
+        """This class's own sampling, no logits processors: the only sampling whose plans
+        :meth:`capturable` and :meth:`graph_variant` know."""
         return type(self).__call__ is Sampler.__call__ and not self.processors
 
     def graph_variant(self, plan: SamplePlan) -> int | None:
