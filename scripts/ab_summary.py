@@ -21,4 +21,5 @@ else:  # latency: the default, then each variant (--variants) on its own line
         print(side, round_, name, "  ".join(
             f"b{r['batch']}: ttft {r.get('ttft_ms')} tpot {r['tpot_ms']} "
             f"gpu {r.get('gpu_step_ms')} "
-            f"host {r.get('host_execute_ms')}" for r in value if "batch" in r))
+            f"host {r.get('host_execute_ms')}" for r in value if "batch" in r)
+            + f"  kv_blocks {result.get('kv_blocks', {}).get(name)}")

@@ -425,12 +425,12 @@ def test_a_model_state_may_keep_prompt_steps_eager(target: Path,
 @pytest.mark.parametrize("spec", [None, "draft_model", "ngram_probabilistic"])
 def test_top_k_tail_graph_equals_eager(target: Path, spec: str | None,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """With ``MRV2_TOP_K_TAIL_GRAPHS=1`` decode steps whose batch has top-k / top-p rows
-    sample (and verify drafts) in the second tail graph, variant 1: the eager path's tokens
-    (and drafts); steps without them keep variant 0."""
+    """Decode steps whose batch has top-k / top-p rows sample (and verify drafts) in the
+    second tail graph, variant 1 (the default): the eager path's tokens (and drafts); steps
+    without them keep variant 0."""
     from mrv2.sample.sampler import TOP_K_TAILS_ENV_VAR
 
-    monkeypatch.setenv(TOP_K_TAILS_ENV_VAR, "1")
+    monkeypatch.delenv(TOP_K_TAILS_ENV_VAR, raising=False)
     params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=3, top_p=0.9, max_tokens=10, ignore_eos=True),
               SamplingParams(temperature=1.2, seed=5, max_tokens=10, ignore_eos=True),
@@ -471,11 +471,11 @@ def test_graph_variant_of_plans(monkeypatch: pytest.MonkeyPatch) -> None:
     greedy_top_k = SamplePlan(all_greedy=True, any_top_k_top_p=True)
     min_p = SamplePlan(all_greedy=False, any_min_p=True, any_top_k_top_p=True)
     rare = SamplePlan(all_greedy=False, any_top_k_top_p=True, rare=[(0, SamplingParams())])
-    monkeypatch.delenv(TOP_K_TAILS_ENV_VAR, raising=False)
+    monkeypatch.setenv(TOP_K_TAILS_ENV_VAR, "0")
     assert len(sampler.graph_plans()) == 1
     assert [sampler.graph_variant(p) for p in (plain, top_k, greedy_top_k, min_p, rare)] == [
         0, None, 0, None, None]
-    monkeypatch.setenv(TOP_K_TAILS_ENV_VAR, "1")
+    monkeypatch.delenv(TOP_K_TAILS_ENV_VAR)  # the default
     assert sampler.graph_plans() == [Sampler.graph_plan, Sampler.top_k_graph_plan]
     assert [sampler.graph_variant(p) for p in (plain, top_k, greedy_top_k, min_p, rare)] == [
         0, 1, 0, None, None]

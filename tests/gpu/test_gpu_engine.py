@@ -147,17 +147,17 @@ def test_seeded_sampling_matches_cpu_and_ignores_batch(ckpt: Path) -> None:
     assert runs["cuda"] == runs["cpu"]
 
 
-def _count_tail_replays(graphs: Any) -> list[int]:
-    """Record the size of every sampling-tail replay of ``graphs`` (a StepGraphs)."""
-    sizes: list[int] = []
+def _count_tail_replays(graphs: Any) -> list[tuple[int, int]]:
+    """Record ``(size, variant)`` of every sampling-tail replay of ``graphs`` (a StepGraphs)."""
+    replays: list[tuple[int, int]] = []
     replay = graphs.replay_tail
 
     def counted(query_len: int, size: int, variant: int = 0) -> Any:
-        sizes.append(size)
+        replays.append((size, variant))
         return replay(query_len, size, variant)
 
     graphs.replay_tail = counted
-    return sizes
+    return replays
 
 
 def test_seeded_temperature_sampling_in_the_graph_tail_matches_cpu(ckpt: Path) -> None:
@@ -180,6 +180,37 @@ def test_seeded_temperature_sampling_in_the_graph_tail_matches_cpu(ckpt: Path) -
                              use_tqdm=False)[1].outputs[0].token_ids
         assert mixed == alone
         assert (len(tails) > 20) == (device == "cuda")  # every decode step: 11 + 29
+        runs[device] = alone
+    assert runs["cuda"] == runs["cpu"]
+
+
+def test_seeded_top_k_top_p_sampling_in_the_graph_tail_matches_cpu(
+        ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches with top-k / top-p rows sample inside the decode graphs' second tail (variant
+    1, the default): a seeded request's tokens equal the CPU engine's and do not depend on the
+    batch."""
+    monkeypatch.delenv("MRV2_TOP_K_TAIL_GRAPHS", raising=False)
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=99, max_tokens=12,
+                            ignore_eos=True)
+    target = {"prompt_token_ids": [11, 22, 33, 44]}
+    others = [{"prompt_token_ids": [7] * 9}, {"prompt_token_ids": [3, 1, 4, 1, 5]}]
+    runs = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(str(ckpt), device=device, dtype="float32", block_size=16,
+                  gpu_memory_utilization=0.3)
+        graphs = llm.engine.runner.graphs
+        variants = _count_tail_replays(graphs) if graphs is not None else []
+        if graphs is not None:
+            assert {key[2] for key in graphs.tail_graphs} == {0, 1}
+        alone = llm.generate(target, params, use_tqdm=False)[0].outputs[0].token_ids
+        mixed = llm.generate([others[0], target, others[1]],
+                             [SamplingParams(temperature=0.0, max_tokens=5), params,
+                              SamplingParams(temperature=1.1, top_p=0.5, seed=7,
+                                             max_tokens=30)],
+                             use_tqdm=False)[1].outputs[0].token_ids
+        assert mixed == alone
+        if device == "cuda":  # every decode step: 11 + 29, each with a top-k / top-p row
+            assert len(variants) > 20 and {v for _, v in variants} == {1}
         runs[device] = alone
     assert runs["cuda"] == runs["cpu"]
 
@@ -250,8 +281,9 @@ def test_self_draft_model_with_graphs(ckpt: Path, dtype: str) -> None:
 def test_speculative_steps_never_synchronize(ckpt: Path, method: str) -> None:
     """Prefill, then decode steps verifying drafts (eager and graph replay), with the drafts
     proposed on the device (n-gram; the target as its own draft model) and verified strictly,
-    probabilistically or synthetically, eagerly after the forward graph (top-k/top-p rows) or
-    inside its sampling tail (temperature rows, ``-tail`` and synthetic): no host sync."""
+    probabilistically or synthetically, inside the sampling tail (variant 1 for top-k / top-p
+    rows, 0 for temperature rows: ``-tail`` and synthetic) or eagerly (a step of mixed draft
+    counts): no host sync."""
     spec: dict[str, object] = {"method": method.split("-")[0], "num_speculative_tokens": 2}
     if method == "ngram-probabilistic":
         spec["rejection_sample_method"] = "probabilistic"
@@ -264,9 +296,9 @@ def test_speculative_steps_never_synchronize(ckpt: Path, method: str) -> None:
         speculative_config=spec)
     runner = Runner.from_config(config)
     assert runner.graphs is not None and runner.graphs.padded_size(3, 4) is not None
-    in_tail = method.endswith(("-tail", "-synthetic"))
+    temperature_only = method.endswith(("-tail", "-synthetic"))
     tails = _count_tail_replays(runner.graphs)
-    params = (SamplingParams(temperature=0.8) if in_tail
+    params = (SamplingParams(temperature=0.8) if temperature_only
               else SamplingParams(temperature=0.8, top_k=20, top_p=0.9))
     new = [NewRequest(str(i), p, params, seed=i, block_ids=[i * 8 + j for j in range(8)])
            for i, p in enumerate(PROMPTS)]
@@ -289,7 +321,8 @@ def test_speculative_steps_never_synchronize(ckpt: Path, method: str) -> None:
         out.result()
     assert set(first) == {"0", "1", "2", "3"} and len(first["3"]) == 1
     assert all(1 <= len(ts) <= 3 for ts in first.values())
-    assert tails == ([4] if in_tail else [])  # the uniform step's, at its padded size
+    # the uniform step's, at its padded size
+    assert tails == [(4, 0 if temperature_only else 1)]
 
 
 

@@ -159,3 +159,10 @@ def test_staged_penalty_state_of_a_resumed_request() -> None:
     state.record_sampled(torch.tensor([1, 0], dtype=torch.int32), torch.tensor([[8], [8]]),
                          torch.tensor([1, 0], dtype=torch.int32))
     assert int(state.output_counts[1, 8]) == 3 and int(state.output_counts[0, 8]) == 0
+
+
+def test_profile_scratch_runs_the_widest_stages() -> None:
+    """The runner's memory probe (``Sampler.profile_scratch``) runs the temperature pass,
+    top-k / top-p and the Gumbel kernel over dummy rows of the sampler's vocabulary."""
+    sampler = Sampler(4, VOCAB, torch.device("cpu"))
+    sampler.profile_scratch(6, torch.bfloat16)  # more rows than requests: a 1 + k step

@@ -231,6 +231,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                                 for rep in range(args.repeats)])
                 for b in args.batch_sizes
             ]
+        results.setdefault("kv_blocks", {})[name] = engine.runner.num_kv_blocks
         if engine.runner.num_speculative_tokens:
             stats = engine.stats()
             results[name].append({

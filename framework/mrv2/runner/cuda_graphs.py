@@ -10,8 +10,8 @@ they change nothing. Attention metadata baked into a graph bounds sequence lengt
 
 Each graph also gets a *sampling tail* graph when the sampler can capture its common plan
 (``Sampler.capturable``: temperature or greedy rows, no top-k/top-p, min-p, rare stages or
-logprobs; with ``MRV2_TOP_K_TAIL_GRAPHS=1`` a second tail, variant 1, for batches with top-k /
-top-p rows: ``Sampler.graph_plans``): sampling the graph's logits, verifying the drafts of a
+logprobs; unless ``MRV2_TOP_K_TAIL_GRAPHS=0``, a second tail, variant 1, for batches with
+top-k / top-p rows: ``Sampler.graph_plans``): sampling the graph's logits, verifying the drafts of a
 ``1 + k`` step (strict, probabilistic or synthetic rejection) and the post-update of the state
 table, replayed right after the forward, so a decode step launches its graphs and no sampler
 kernel from Python. Its padding requests have empty queries: the rejection gives them no

@@ -476,7 +476,8 @@ class Runner:
         return num_reqs, min(self.max_num_tokens, num_reqs * self.max_model_len)
 
     def _profile_peak_bytes(self) -> int:
-        """Activation memory of the largest step, measured by one dummy forward (CUDA only)."""
+        """Activation memory of the largest step, measured by one dummy forward, or the
+        sampler's scratch over its widest step when that is more (CUDA only)."""
         if self.device.type != "cuda" or self.config.cache.num_gpu_blocks_override is not None:
             return 0
         self.kv.allocate(1, self.block_size, self.dtype, self.device)
@@ -488,8 +489,16 @@ class Runner:
         with torch.inference_mode():
             hidden = self._forward(batch)
             cast(CausalLM, self.model).compute_logits(hidden[batch.logits_indices]).float()
+            del hidden
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated(self.device) - before
+            # the sampler's scratch over the widest step (a tail graph or an eager step with
+            # top-k / top-p), measured alone: it runs after the forward's activations are gone
+            torch.cuda.reset_peak_memory_stats(self.device)
+            rows = min(self.max_num_reqs * (1 + self.num_speculative_tokens), self.max_num_tokens)
+            self.sampler.profile_scratch(rows, self.dtype)
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated(self.device) - before
+        peak = max(peak, torch.cuda.max_memory_allocated(self.device) - before)
         self.kv.release()  # (num_blocks_for returns the freed memory to the device)
         return int(peak)
 
