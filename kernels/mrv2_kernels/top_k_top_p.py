@@ -19,24 +19,28 @@ rounding (~1e-6) of ``p``.
 
 The kernel (:func:`top_k_top_p_triton`) finds each row's threshold ``T`` exactly and keeps
 ``x >= T``. Values are compared through an order-preserving int32 key of the fp32 bits
-(``-0.0`` and ``+0.0`` share a key). Five launches, four of them over ``(row, chunk)``
+(``-0.0`` and ``+0.0`` share a key). Six launches, five of them over ``(row, chunk)``
 programs of a fixed vocab chunk (so results do not depend on the batch):
 
 1. stats: row max ``m``, finite minimum, number of finite values, ``Z = sum exp(x - m)``;
 2. pivots: at 16 pivot keys (denser near ``m``) the count and the mass ``sum exp(x - m)`` of
-   the values above each pivot, which bound the threshold from below: ``T > lo``;
-3. compaction: every value above ``lo`` is copied, in row order, to a scratch row;
-4. resolve, one program per row: when at most ``cap`` candidates remain (the usual case) they
+   the values above each pivot, which bracket the threshold: ``lo < T``, and for top-p
+   without top-k also ``T <= hi`` (top-k's values above ``lo`` all stay candidates: its
+   top-p cut may lie anywhere among them);
+3. refine, top-p rows without top-k whose bracket holds more than ``cap`` values (flat rows,
+   where the cut lies in the bulk and the first pivots are sparse): the same counts at 16
+   pivots spread evenly over the bracket, which narrow it;
+4. compaction: every value in the bracket is copied, in row order, to a scratch row;
+5. resolve, one program per row: when at most ``cap`` candidates remain (the usual case) they
    are sorted in registers (a sort of ``small_cap`` slots when they fit: top-k's usual case)
-   and top-k then top-p are applied exactly to the sorted list;
-   otherwise (huge ``k``, flat rows, mass ties) a key-space bisection with 16 pivots per pass
-   over the candidates narrows the key range until it holds one key (at most ~8 passes per
-   stage);
-5. write: ``out = where(x >= T, x, -inf)``.
+   and top-k then top-p are applied exactly to the sorted list (the mass above ``hi`` added);
+   otherwise (huge ``k``, mass ties) a key-space bisection with 16 pivots per pass over the
+   candidates narrows the key range until it holds one key (at most ~8 passes per stage);
+6. write: ``out = where(x >= T, x, -inf)``.
 
-So the logits are read four times and written once; rows without top-k / top-p are only
-copied. Top-k needs the k-th value and its mass ``Z_k`` before top-p can be decided, so for
-rows with both the compaction bound comes from top-k.
+So the logits are read four times (five for a refined row) and written once; rows without
+top-k / top-p are only copied. Top-k needs the k-th value and its mass ``Z_k`` before top-p
+can be decided, so for rows with both the compaction bound comes from top-k.
 """
 
 from __future__ import annotations
@@ -102,6 +106,61 @@ def _skey(x: tl.tensor) -> tl.tensor:
     b = x.to(tl.int32, bitcast=True)
     key = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
     return tl.where(x == 0.0, 0, key)
+
+
+@triton.jit
+def _key_value(key: tl.tensor) -> tl.tensor:
+    # The fp32 value whose _skey is ``key`` (int32; +0.0 for key 0).
+    b = tl.where(key < 0, key ^ 0x7FFFFFFF, key)
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _narrow(
+    cnt_ptr: tl.tensor, mass_ptr: tl.tensor, piv_ptr: tl.tensor, row: tl.tensor, nch: int,
+    k: tl.tensor, p: tl.tensor, z: tl.tensor, nfin: tl.tensor, kact: tl.tensor, lo: tl.tensor,
+    hi: tl.tensor, mass_hi: tl.tensor, c_lo: tl.tensor, c_hi: tl.tensor, NB: tl.constexpr,
+    NCH_P2: tl.constexpr,
+) -> tuple[tl.tensor, ...]:
+    # Narrow the bracket (lo, hi] holding the threshold key with the (row, chunk) counts and
+    # masses above the row's NB pivots: lo rises to the highest pivot the threshold lies above,
+    # hi (top-p without top-k only: top-k resolves over every value above lo) falls to the
+    # lowest pivot it does not. Only moves inward, so pivots placed from another kernel's
+    # float sums can cost candidates, never correctness. Also returns the mass above hi and
+    # each chunk's counts above lo and above hi (c_lo, c_hi).
+    j = tl.arange(0, NB)
+    piv = tl.load(piv_ptr + row * NB + j)
+    cc = tl.arange(0, NCH_P2)
+    offs = (row * nch + cc[:, None]) * NB + j[None, :]
+    cm = (cc < nch)[:, None]
+    cnt = tl.load(cnt_ptr + offs, mask=cm, other=0)
+    tot_cnt = tl.sum(cnt, axis=0)
+    tot_mass = tl.sum(tl.load(mass_ptr + offs, mask=cm, other=0.0), axis=0)
+    # below[j]: the threshold is above pivot j; a prefix of the (non-decreasing) pivots.
+    below = tl.where(kact, tot_cnt >= k, (tot_cnt >= nfin) | (tot_mass >= p * z))
+    f = tl.max(tl.where(below, j, -1), axis=0)
+    g = tl.min(tl.where(below, NB, j), axis=0)
+    piv_f = tl.sum(tl.where(j == f, piv, 0), axis=0)
+    piv_g = tl.sum(tl.where(j == g, piv, 0), axis=0)
+    up = (f >= 0) & (piv_f > lo)
+    down = (g < NB) & (piv_g < hi) & (kact == 0)
+    c_lo = tl.where(up, tl.sum(tl.where((j == f)[None, :], cnt, 0), axis=1), c_lo)
+    c_hi = tl.where(down, tl.sum(tl.where((j == g)[None, :], cnt, 0), axis=1), c_hi)
+    mass_hi = tl.where(down, tl.sum(tl.where(j == g, tot_mass, 0.0), axis=0), mass_hi)
+    return tl.where(up, piv_f, lo), tl.where(down, piv_g, hi), mass_hi, c_lo, c_hi
+
+
+@triton.jit
+def _first_bracket(
+    cnt_ptr: tl.tensor, mass_ptr: tl.tensor, piv_ptr: tl.tensor, row: tl.tensor, nch: int,
+    k: tl.tensor, p: tl.tensor, z: tl.tensor, nfin: tl.tensor, m: tl.tensor, kact: tl.tensor,
+    NB: tl.constexpr, NCH_P2: tl.constexpr,
+) -> tuple[tl.tensor, ...]:
+    # The bracket from the first pivots: (lo, hi], the mass above hi, each chunk's counts.
+    none = tl.zeros([NCH_P2], tl.int32)
+    return _narrow(cnt_ptr, mass_ptr, piv_ptr, row, nch, k, p, z, nfin, kact,
+                   tl.full([], -(2**31), tl.int32), _skey(m), tl.full([], 0.0, tl.float32),
+                   none, none, NB, NCH_P2)
 
 
 @triton.jit
@@ -215,15 +274,69 @@ def _pivot_kernel(
 
 
 @triton.jit
+def _refine_kernel(
+    x_ptr: tl.tensor, x_stride: int, vocab: int, topk_ptr: tl.tensor, topp_ptr: tl.tensor,
+    stat_ptr: tl.tensor, cnt_ptr: tl.tensor, mass_ptr: tl.tensor, piv_ptr: tl.tensor,
+    cnt2_ptr: tl.tensor, mass2_ptr: tl.tensor, piv2_ptr: tl.tensor, flag_ptr: tl.tensor,
+    nch: int, CAP: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
+    NCH_P2: tl.constexpr,
+) -> None:
+    # Program (row, chunk), top-p rows without top-k whose first bracket holds more than CAP
+    # values (flat rows: the threshold lies in the bulk, where the first pivots are sparse):
+    # count and weigh its values above NB pivots spread evenly (in value) over the bracket.
+    # Chunk 0 records whether the row was refined, and its pivots.
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    m, mn, z, nfin, k, p, kact, pact = _row_setup(
+        stat_ptr, row, nch, topk_ptr, topp_ptr, vocab, NCH_P2
+    )
+    if not (pact & (p > 0.0) & (kact == 0)):  # (the pivot pass skipped the other rows)
+        if c == 0:
+            tl.store(flag_ptr + row, 0)
+        return
+    lo, hi, mass_hi, c_lo, c_hi = _first_bracket(
+        cnt_ptr, mass_ptr, piv_ptr, row, nch, k, p, z, nfin, m, kact, NB, NCH_P2
+    )
+    refine = tl.sum(c_lo - c_hi, axis=0) > CAP
+    if c == 0:
+        tl.store(flag_ptr + row, refine.to(tl.int32))
+    if not refine:
+        return
+    j = tl.arange(0, NB)
+    t = (j + 1).to(tl.float32) / (NB + 1)
+    lo_v = _key_value(lo + 1)  # the bracket's least value: finite, unlike lo's may not be
+    hi_v = _key_value(hi)
+    piv = tl.minimum(tl.maximum(_skey(lo_v * (1.0 - t) + hi_v * t), lo), hi)
+    if c == 0:
+        tl.store(piv2_ptr + row * NB + j, piv)
+    cnt = tl.zeros([BLOCK, NB], tl.int32)
+    mass = tl.zeros([BLOCK, NB], tl.float32)
+    start = c * CHUNK
+    end = tl.minimum(start + CHUNK, vocab)
+    for v0 in range(start, end, BLOCK):
+        v = v0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * x_stride + v, mask=v < end, other=float("-inf"))
+        x = x.to(tl.float32)
+        gt = _skey(x)[:, None] > piv[None, :]
+        cnt += gt.to(tl.int32)
+        mass += tl.where(gt, tl.exp(x - m)[:, None], 0.0)
+    offs = (row * nch + c) * NB + j
+    tl.store(cnt2_ptr + offs, tl.sum(cnt, axis=0))
+    tl.store(mass2_ptr + offs, tl.sum(mass, axis=0))
+
+
+@triton.jit
 def _compact_kernel(
     x_ptr: tl.tensor, x_stride: int, vocab: int, topk_ptr: tl.tensor, topp_ptr: tl.tensor,
     stat_ptr: tl.tensor, cnt_ptr: tl.tensor, mass_ptr: tl.tensor, piv_ptr: tl.tensor,
-    cand_ptr: tl.tensor, cand_stride: int, bound_ptr: tl.tensor, nch: int, CHUNK: tl.constexpr,
-    BLOCK: tl.constexpr, NB: tl.constexpr, NCH_P2: tl.constexpr,
+    cnt2_ptr: tl.tensor, mass2_ptr: tl.tensor, piv2_ptr: tl.tensor, flag_ptr: tl.tensor,
+    cand_ptr: tl.tensor, cand_stride: int, bound_ptr: tl.tensor, base_ptr: tl.tensor, nch: int,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, NCH_P2: tl.constexpr,
 ) -> None:
-    # Program (row, chunk): choose the bound lo (the highest pivot the threshold lies above,
-    # identically in every program of the row), then copy its chunk's values above lo to the
-    # candidate row, after those of the chunks before it. Chunk 0 records (lo, count).
+    # Program (row, chunk): the bracket (lo, hi] holding the threshold key, from the first
+    # pivots and, for a refined row, the second ones (identically in every program of the
+    # row); then copy its chunk's values inside it to the candidate row, after those of the
+    # chunks before it. Chunk 0 records (lo, count, hi) and the mass above hi.
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     m, mn, z, nfin, k, p, kact, pact = _row_setup(
@@ -231,30 +344,30 @@ def _compact_kernel(
     )
     if not (kact | (pact & (p > 0.0))):
         return
-    j = tl.arange(0, NB)
-    piv = tl.load(piv_ptr + row * NB + j)
+    lo, hi, mass_hi, c_lo, c_hi = _first_bracket(
+        cnt_ptr, mass_ptr, piv_ptr, row, nch, k, p, z, nfin, m, kact, NB, NCH_P2
+    )
+    if tl.load(flag_ptr + row) != 0:
+        lo, hi, mass_hi, c_lo, c_hi = _narrow(
+            cnt2_ptr, mass2_ptr, piv2_ptr, row, nch, k, p, z, nfin, kact, lo, hi, mass_hi,
+            c_lo, c_hi, NB, NCH_P2
+        )
     cc = tl.arange(0, NCH_P2)
-    offs = (row * nch + cc[:, None]) * NB + j[None, :]
-    cm = (cc < nch)[:, None]
-    cnt = tl.load(cnt_ptr + offs, mask=cm, other=0)
-    tot_cnt = tl.sum(cnt, axis=0)
-    tot_mass = tl.sum(tl.load(mass_ptr + offs, mask=cm, other=0.0), axis=0)
-    # below[j]: the threshold is above pivot j (always true for pivot 0); a prefix of pivots.
-    below = tl.where(kact, tot_cnt >= k, (tot_cnt >= nfin) | (tot_mass >= p * z))
-    sel = j == tl.max(tl.where(below, j, 0), axis=0)
-    lo = tl.sum(tl.where(sel, piv, 0), axis=0)
-    at_lo = tl.sum(tl.where(sel[None, :], cnt, 0), axis=1)
-    off = tl.sum(tl.where(cc < c, at_lo, 0), axis=0).to(tl.int64)
+    inside = c_lo - c_hi
+    off = tl.sum(tl.where(cc < c, inside, 0), axis=0).to(tl.int64)
     if c == 0:
-        tl.store(bound_ptr + row * 2, lo.to(tl.int64))
-        tl.store(bound_ptr + row * 2 + 1, tl.sum(at_lo, axis=0).to(tl.int64))
+        tl.store(bound_ptr + row * 3, lo.to(tl.int64))
+        tl.store(bound_ptr + row * 3 + 1, tl.sum(inside, axis=0).to(tl.int64))
+        tl.store(bound_ptr + row * 3 + 2, hi.to(tl.int64))
+        tl.store(base_ptr + row, mass_hi)
     start = c * CHUNK
     end = tl.minimum(start + CHUNK, vocab)
     for v0 in range(start, end, BLOCK):
         v = v0 + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * x_stride + v, mask=v < end, other=float("-inf"))
         x = x.to(tl.float32)
-        keep = (_skey(x) > lo).to(tl.int32)
+        key = _skey(x)
+        keep = ((key > lo) & (key <= hi)).to(tl.int32)
         pos = off + tl.cumsum(keep, axis=0) - 1
         tl.store(cand_ptr + row * cand_stride + pos, x, mask=keep != 0)
         off += tl.sum(keep, axis=0)
@@ -262,33 +375,38 @@ def _compact_kernel(
 
 @triton.jit
 def _sort_resolve(
-    cand: tl.tensor, n: tl.tensor, m: tl.tensor, z: tl.tensor, k: tl.tensor, p: tl.tensor,
-    kact: tl.tensor, pact: tl.tensor, CAP: tl.constexpr,
+    cand: tl.tensor, n: tl.tensor, hi: tl.tensor, base: tl.tensor, m: tl.tensor, z: tl.tensor,
+    k: tl.tensor, p: tl.tensor, kact: tl.tensor, pact: tl.tensor, CAP: tl.constexpr,
 ) -> tl.tensor:
-    # All n <= CAP candidates (every value above the bound) sorted: exact top-k, then top-p.
+    # All n <= CAP candidates (the values in the bracket: with top-k every value above lo)
+    # sorted: exact top-k, then top-p, the bracket's values weighing ``base`` (the mass above
+    # hi, 0 with top-k) more. Top-p keeping none of them (float rounding) keeps keys >= hi.
     i = tl.arange(0, CAP)
     s = tl.sort(tl.load(cand + i, mask=i < n, other=float("-inf")), descending=True)
     kth = tl.max(tl.where(i == k - 1, s, float("-inf")), axis=0)
     kth = tl.where(kact, kth, float("-inf"))
     w = tl.where(s >= kth, tl.exp(s - m), 0.0)
     zk = tl.where(kact, tl.sum(w, axis=0), z)
-    before = tl.cumsum(w, axis=0) - w
+    before = base + tl.cumsum(w, axis=0) - w
     keep = (i < n) & (s >= kth) & (before < p * zk)
     tp = tl.min(tl.where(keep, s, float("inf")), axis=0)
-    return _skey(tl.where(pact, tp, kth)).to(tl.int64)
+    thr_p = tl.where(tp < float("inf"), _skey(tp), hi)
+    return tl.where(pact, thr_p, _skey(kth)).to(tl.int64)
 
 
 @triton.jit
 def _bisect(
-    cand: tl.tensor, n: tl.tensor, lo: tl.tensor, m: tl.tensor, z: tl.tensor, k: tl.tensor,
-    p: tl.tensor, kact: tl.tensor, pact: tl.tensor, NB: tl.constexpr, BLOCK: tl.constexpr,
+    cand: tl.tensor, n: tl.tensor, lo: tl.tensor, hi: tl.tensor, base: tl.tensor,
+    m: tl.tensor, z: tl.tensor, k: tl.tensor, p: tl.tensor, kact: tl.tensor, pact: tl.tensor,
+    NB: tl.constexpr, BLOCK: tl.constexpr,
 ) -> tl.tensor:
-    # Key-space bisection over the n candidates (all values with key > lo): the threshold key
-    # lies in (lo, hi]; each pass counts and weighs the candidates above NB pivots and keeps
-    # the sub-range holding the threshold, until hi == lo + 1. The top-k stage's final range
+    # Key-space bisection over the n candidates (the values with key in (lo, hi], the mass
+    # above hi being ``base``): the threshold key lies in (lo, hi]; each pass counts and
+    # weighs the candidates above NB pivots and keeps the sub-range holding the threshold,
+    # until hi == lo + 1. With top-k (hi = key(m), base 0), the top-k stage's final range
     # gives Z_k = mass above lo; the top-p stage then searches (key(kth) - 1, key(m)].
     j = tl.arange(0, NB)
-    hi = _skey(m).to(tl.int64)
+    hi = hi.to(tl.int64)
     stage_k = kact.to(tl.int32)
     zk = z
     t = hi
@@ -312,7 +430,7 @@ def _bisect(
             above = key > lo
             cnt_lo += tl.sum(above.to(tl.int32), axis=0)
             mass_lo += tl.sum(tl.where(above, w, 0.0), axis=0)
-        below = tl.where(stage_k != 0, cnt >= k, (cnt >= cnt_lo) | (mass >= p * zk))
+        below = tl.where(stage_k != 0, cnt >= k, (cnt >= cnt_lo) | (base + mass >= p * zk))
         f = tl.max(tl.where(below, j, -1), axis=0)
         g = tl.min(tl.where(below, NB, j), axis=0)
         mass_lo = tl.where(f >= 0, tl.sum(tl.where(j == f, mass, 0.0), axis=0), mass_lo)
@@ -333,7 +451,8 @@ def _bisect(
 @triton.jit
 def _resolve_kernel(
     cand_ptr: tl.tensor, cand_stride: int, vocab: int, topk_ptr: tl.tensor, topp_ptr: tl.tensor,
-    stat_ptr: tl.tensor, bound_ptr: tl.tensor, thr_ptr: tl.tensor, nch: int, CAP: tl.constexpr,
+    stat_ptr: tl.tensor, bound_ptr: tl.tensor, base_ptr: tl.tensor, thr_ptr: tl.tensor,
+    nch: int, CAP: tl.constexpr,
     SMALL_CAP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr, NCH_P2: tl.constexpr,
 ) -> None:
     # One program per row: the threshold key (keep x with key >= thr). A few candidates (the
@@ -346,15 +465,17 @@ def _resolve_kernel(
     if pact & (p <= 0.0):
         thr = tl.full([], _DROP_ALL, tl.int64)
     elif kact | pact:
-        lo = tl.load(bound_ptr + row * 2)
-        n = tl.load(bound_ptr + row * 2 + 1)
+        lo = tl.load(bound_ptr + row * 3)
+        n = tl.load(bound_ptr + row * 3 + 1)
+        hi = tl.load(bound_ptr + row * 3 + 2)
+        base = tl.load(base_ptr + row)
         cand = cand_ptr + row * cand_stride
         if n <= SMALL_CAP:
-            thr = _sort_resolve(cand, n, m, z, k, p, kact, pact, SMALL_CAP)
+            thr = _sort_resolve(cand, n, hi, base, m, z, k, p, kact, pact, SMALL_CAP)
         elif n <= CAP:
-            thr = _sort_resolve(cand, n, m, z, k, p, kact, pact, CAP)
+            thr = _sort_resolve(cand, n, hi, base, m, z, k, p, kact, pact, CAP)
         else:
-            thr = _bisect(cand, n, lo, m, z, k, p, kact, pact, NB, BLOCK)
+            thr = _bisect(cand, n, lo, hi, base, m, z, k, p, kact, pact, NB, BLOCK)
     tl.store(thr_ptr + row, thr)
 
 
@@ -434,22 +555,30 @@ def top_k_top_p_triton(
     cnt = torch.empty((n, nch, nb), dtype=torch.int32, device=dev)
     mass = torch.empty((n, nch, nb), dtype=torch.float32, device=dev)
     cand = torch.empty((n, vocab), dtype=torch.float32, device=dev)
-    piv = torch.empty((n, nb), dtype=torch.int32, device=dev)
-    bound = torch.empty((n, 2), dtype=torch.int64, device=dev)
+    piv1 = torch.empty((n, nb), dtype=torch.int32, device=dev)
+    piv2 = torch.empty_like(piv1)
+    cnt2 = torch.empty_like(cnt)
+    mass2 = torch.empty_like(mass)
+    flag = torch.empty(n, dtype=torch.int32, device=dev)
+    bound = torch.empty((n, 3), dtype=torch.int64, device=dev)
+    base = torch.empty(n, dtype=torch.float32, device=dev)
     thr = torch.empty(n, dtype=torch.int64, device=dev)
     ln_v = math.log(vocab)
     grid = (n, nch)
     wide = 8 if logits.is_cuda else 4
     xs = logits.stride(0)
     _stats_kernel[grid](logits, xs, vocab, top_k, top_p, stats, nch, CHUNK=chunk, BLOCK=block)
-    _pivot_kernel[grid](logits, xs, vocab, top_k, top_p, stats, cnt, mass, piv, nch, ln_v,
+    _pivot_kernel[grid](logits, xs, vocab, top_k, top_p, stats, cnt, mass, piv1, nch, ln_v,
                         CHUNK=chunk, BLOCK=pivot_block, NB=nb, NCH_P2=nch_p2, num_warps=wide)
-    _compact_kernel[grid](logits, xs, vocab, top_k, top_p, stats, cnt, mass, piv, cand,
-                          cand.stride(0), bound, nch, CHUNK=chunk, BLOCK=block, NB=nb,
-                          NCH_P2=nch_p2)
-    _resolve_kernel[(n,)](cand, cand.stride(0), vocab, top_k, top_p, stats, bound, thr, nch,
-                          CAP=cap, SMALL_CAP=small_cap, NB=nb, BLOCK=block, NCH_P2=nch_p2,
-                          num_warps=wide)
+    _refine_kernel[grid](logits, xs, vocab, top_k, top_p, stats, cnt, mass, piv1, cnt2, mass2,
+                         piv2, flag, nch, CAP=cap, CHUNK=chunk, BLOCK=pivot_block, NB=nb,
+                         NCH_P2=nch_p2, num_warps=wide)
+    _compact_kernel[grid](logits, xs, vocab, top_k, top_p, stats, cnt, mass, piv1, cnt2, mass2,
+                          piv2, flag, cand, cand.stride(0), bound, base, nch, CHUNK=chunk,
+                          BLOCK=block, NB=nb, NCH_P2=nch_p2)
+    _resolve_kernel[(n,)](cand, cand.stride(0), vocab, top_k, top_p, stats, bound, base, thr,
+                          nch, CAP=cap, SMALL_CAP=small_cap, NB=nb, BLOCK=block,
+                          NCH_P2=nch_p2, num_warps=wide)
     _write_kernel[grid](logits, xs, out, out.stride(0), vocab, thr, CHUNK=chunk, BLOCK=block,
                         IN_PLACE=out.data_ptr() == logits.data_ptr())
     return out

@@ -153,6 +153,28 @@ def test_triton_matches_ref(vocab: int, dtype: torch.dtype, kw: dict[str, int]) 
     assert torch.equal(got[5].cpu(), x[5].float().cpu())  # untouched row copied
 
 
+@pytest.mark.parametrize("kw", [{}, {"cap": 16, "small_cap": 16, "block_v": 64}])
+def test_triton_refines_flat_top_p_rows(kw: dict[str, int]) -> None:
+    """Top-p alone over flat rows: the threshold lies in the bulk, where the first pivots'
+    bracket holds hundreds of values (2,048 values over 17 brackets; the threshold near 0.4 of
+    the span from the max, in a bracket ~0.08 of it wide), more than ``cap``: a second pivot
+    pass narrows it. Brackets straddling 0, a value at -FLT_MAX (its key's neighbour is -inf)
+    and a top-k row (never refined) beside them."""
+    vocab = 2048
+    g = torch.Generator().manual_seed(11)
+    u = torch.rand(6, vocab, generator=g)
+    x = torch.stack([u[0], u[1] * 8.0, u[2] * 2.0 - 1.0, u[3] * 0.01, u[4], u[5] * 3.0])
+    x[4, 100] = -3.4028234663852886e38
+    top_k = torch.tensor([0, 0, 0, 0, 0, 1500])
+    top_p = torch.tensor([0.5, 0.9, 0.7, 0.99, 0.6, 0.8])
+    x, top_k, top_p = x.to(DEVICE), top_k.to(DEVICE), top_p.to(DEVICE)
+    want = top_k_top_p_ref(x, top_k, top_p)
+    got = top_k_top_p_triton(x, top_k, top_p, **kw)
+    assert_filter_close(got, want, x, top_k, top_p)
+    kept = torch.isfinite(want).sum(1).tolist()
+    assert all(100 < n < vocab for n in kept[:5]), kept  # cuts in the bulk of every row
+
+
 def test_triton_bf16_values_in_fp32() -> None:
     """bf16 logits converted to fp32 (every row full of ties), with top-k and top-p together."""
     g = torch.Generator().manual_seed(7)
