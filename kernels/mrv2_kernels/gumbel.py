@@ -44,6 +44,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ._backend import cdiv, default_block, next_power_of_2, use_triton
+from .top_k_top_p import order_key, order_keys
 
 __all__ = [
     "divide_rows",
@@ -125,12 +126,14 @@ def gumbel_sample_ref(
     greedy: torch.Tensor,
     out: torch.Tensor,
     temperature: torch.Tensor | None = None,
+    threshold: torch.Tensor | None = None,
 ) -> None:
     """Plain-torch specification of :func:`gumbel_sample` (same arguments, same effect)."""
-    _check_args(logits, seeds, positions, greedy, out, temperature)
+    _check_args(logits, seeds, positions, greedy, out, temperature, threshold)
     x = logits.to(torch.float32)
     if temperature is not None:
         x = x / torch.where(greedy.view(-1) != 0, 1.0, temperature.float()).view(-1, 1)
+    x = _cut(x, threshold)
     noise = gumbel_noise_ref(seeds, positions, x.shape[1])
     x = torch.where(greedy.view(-1, 1) != 0, x, x + noise)
     out.copy_(torch.argmax(x, dim=1))
@@ -143,20 +146,25 @@ def gumbel_sample_cpu(
     greedy: torch.Tensor,
     out: torch.Tensor,
     temperature: torch.Tensor | None = None,
+    threshold: torch.Tensor | None = None,
 ) -> None:
     """The torch path of :func:`gumbel_sample` (CPU): :func:`gumbel_sample_ref`'s tokens, with
     the noise (and the temperature) computed for the non-greedy rows only. Reads ``greedy``
     on the host (a sync on a GPU)."""
-    _check_args(logits, seeds, positions, greedy, out, temperature)
+    _check_args(logits, seeds, positions, greedy, out, temperature, threshold)
     sampled = (greedy.view(-1) == 0).nonzero().view(-1)
-    if sampled.numel() == 0:  # argmax of the fp32 values: the same in any float dtype
+    if sampled.numel() == 0 and threshold is None:  # the argmax is the same in any dtype
         torch.argmax(logits, dim=1, out=out)
         return
     x = logits.to(torch.float32)
-    tokens = torch.argmax(x, dim=1)
+    tokens = torch.argmax(_cut(x, threshold), dim=1)  # the greedy rows' (never scaled)
+    if sampled.numel() == 0:
+        out.copy_(tokens)
+        return
     xs = x.index_select(0, sampled)
     if temperature is not None:
         xs = xs / temperature.float().index_select(0, sampled).view(-1, 1)
+    xs = _cut(xs, None if threshold is None else threshold.index_select(0, sampled))
     xs += gumbel_noise_ref(seeds.index_select(0, sampled), positions.index_select(0, sampled),
                            xs.shape[1])
     tokens.index_copy_(0, sampled, torch.argmax(xs, dim=1))
@@ -199,12 +207,14 @@ def _chunk_argmax(
     row_ptr: tl.tensor,
     key: tl.tensor,
     temperature: tl.tensor,
+    cut: tl.tensor,
     start: tl.tensor,
     end: tl.tensor,
     BLOCK_V: tl.constexpr,
     NOISE: tl.constexpr,
     FAST_LOG: tl.constexpr,
     SCALE: tl.constexpr,
+    CUT: tl.constexpr,
 ) -> tuple[tl.tensor, tl.tensor]:
     # Running (max, smallest index of the max) of logits (+ Gumbel noise) over [start, end).
     # Each lane keeps its own (max, index): its indices only grow, so a strict ``>`` keeps a
@@ -221,6 +231,8 @@ def _chunk_argmax(
         x = tl.load(row_ptr + v, mask=mask, other=float("-inf")).to(tl.float32)
         if SCALE:  # IEEE division, bit-identical to torch's ``logits / temperature``
             x = tl.div_rn(x, temperature)
+        if CUT:  # top-k / top-p: keep the values whose order key reaches the row's threshold
+            x = tl.where(order_key(x).to(tl.int64) >= cut, x, float("-inf"))
         if NOISE:
             # The inner log needs full precision (u near 1 makes the largest noise values);
             # the outer one only needs small absolute error, which the fast log gives.
@@ -246,6 +258,7 @@ def _gumbel_sample_kernel(
     positions_ptr: tl.tensor,
     greedy_ptr: tl.tensor,
     temperature_ptr: tl.tensor,
+    cut_ptr: tl.tensor,
     out_ptr: tl.tensor,
     part_val_ptr: tl.tensor,
     part_idx_ptr: tl.tensor,
@@ -255,6 +268,7 @@ def _gumbel_sample_kernel(
     SPLIT: tl.constexpr,
     FAST_LOG: tl.constexpr,
     TEMPERATURE: tl.constexpr,
+    CUT: tl.constexpr,
 ) -> None:
     # Program (row, split) scans vocab [split * chunk, (split + 1) * chunk). Without SPLIT
     # (one split) it writes the token; with SPLIT it writes a partial (max, index).
@@ -263,16 +277,19 @@ def _gumbel_sample_kernel(
     start = split * chunk
     end = tl.minimum(start + chunk, vocab_size)
     row_ptr = logits_ptr + row * logits_stride
+    cut = tl.full([], 0, tl.int64)
+    if CUT:
+        cut = tl.load(cut_ptr + row)
     if tl.load(greedy_ptr + row) != 0:
-        best_val, best_idx = _chunk_argmax(row_ptr, 0, 1.0, start, end, BLOCK_V, False, False,
-                                           False)
+        best_val, best_idx = _chunk_argmax(row_ptr, 0, 1.0, cut, start, end, BLOCK_V, False,
+                                           False, False, CUT)
     else:
         key = hash_row_key(tl.load(seeds_ptr + row), tl.load(positions_ptr + row))
         temperature = 1.0
         if TEMPERATURE:
             temperature = tl.load(temperature_ptr + row).to(tl.float32)
-        best_val, best_idx = _chunk_argmax(row_ptr, key, temperature, start, end, BLOCK_V, True,
-                                           FAST_LOG, TEMPERATURE)
+        best_val, best_idx = _chunk_argmax(row_ptr, key, temperature, cut, start, end, BLOCK_V,
+                                           True, FAST_LOG, TEMPERATURE, CUT)
     if SPLIT:
         tl.store(part_val_ptr + row * num_splits + split, best_val)
         tl.store(part_idx_ptr + row * num_splits + split, best_idx)
@@ -340,6 +357,7 @@ def _check_args(
     greedy: torch.Tensor,
     out: torch.Tensor,
     temperature: torch.Tensor | None = None,
+    threshold: torch.Tensor | None = None,
 ) -> None:
     if logits.dim() != 2 or (logits.shape[1] > 1 and logits.stride(1) != 1):
         raise ValueError(f"logits must be 2-D with contiguous rows, got {tuple(logits.shape)}")
@@ -347,6 +365,8 @@ def _check_args(
     named = [("seeds", seeds), ("positions", positions), ("greedy", greedy), ("out", out)]
     if temperature is not None:
         named.append(("temperature", temperature))
+    if threshold is not None:
+        named.append(("threshold", threshold))
     for name, t in named:
         if t.shape != (n,):
             raise ValueError(f"{name} must have shape ({n},), got {tuple(t.shape)}")
@@ -364,6 +384,7 @@ def gumbel_sample_triton(
     greedy: torch.Tensor,
     out: torch.Tensor,
     temperature: torch.Tensor | None = None,
+    threshold: torch.Tensor | None = None,
     block_v: int | None = None,
     num_splits: int | None = None,
 ) -> None:
@@ -377,7 +398,7 @@ def gumbel_sample_triton(
     in a scratch buffer from the caching allocator. Greedy rows skip the noise. The result
     does not depend on ``block_v`` or ``num_splits``.
     """
-    _check_args(logits, seeds, positions, greedy, out, temperature)
+    _check_args(logits, seeds, positions, greedy, out, temperature, threshold)
     n, vocab = logits.shape
     if n == 0:
         return
@@ -405,6 +426,7 @@ def gumbel_sample_triton(
         positions,
         greedy,
         temperature if temperature is not None else seeds,
+        threshold if threshold is not None else seeds,
         out,
         part_val,
         part_idx,
@@ -414,6 +436,7 @@ def gumbel_sample_triton(
         SPLIT=splits > 1,
         FAST_LOG=fast_log,
         TEMPERATURE=temperature is not None,
+        CUT=threshold is not None,
         num_warps=8 if block >= 2048 else 4,
     )
     if splits > 1:
@@ -429,6 +452,7 @@ def gumbel_sample(
     greedy: torch.Tensor,
     out: torch.Tensor,
     temperature: torch.Tensor | None = None,
+    threshold: torch.Tensor | None = None,
 ) -> None:
     """Sample one token per row with the Gumbel-max trick, into ``out``.
 
@@ -443,6 +467,10 @@ def gumbel_sample(
         temperature: optional ``[N]`` float32: non-greedy rows are divided by it first
             (IEEE division, bit-identical to ``logits.float() / temperature``), which saves
             the caller a full-vocabulary temperature pass.
+        threshold: optional ``[N]`` int64 order keys (``mrv2_kernels.top_k_top_p.order_keys``
+            of the fp32 values, as ``top_k_top_p_keys`` returns them): after the division,
+            values whose key is below the row's become ``-inf``. With the keys of a top-k /
+            top-p filter that is the filter, without writing the filtered logits.
 
     Non-greedy rows get ``argmax_v(logits[n, v] + g(seeds[n], positions[n], v))`` with the
     noise of the module docstring; ties go to the smallest index. Runs
@@ -450,7 +478,15 @@ def gumbel_sample(
     :func:`gumbel_sample_cpu` (the reference's tokens).
     """
     impl = gumbel_sample_triton if use_triton(logits) else gumbel_sample_cpu
-    impl(logits, seeds, positions, greedy, out, temperature)
+    impl(logits, seeds, positions, greedy, out, temperature, threshold)
+
+
+def _cut(x: torch.Tensor, threshold: torch.Tensor | None) -> torch.Tensor:
+    """``x`` (fp32) with the values whose order key is below the row's threshold at -inf."""
+    if threshold is None:
+        return x
+    keep = order_keys(x).to(torch.int64) >= threshold.view(-1, 1)
+    return x.masked_fill(~keep, float("-inf"))
 
 
 def uniform_hash_triton(

@@ -53,7 +53,15 @@ import triton.language as tl
 
 from ._backend import cdiv, default_block, next_power_of_2, use_triton
 
-__all__ = ["top_k_top_p", "top_k_top_p_ref", "top_k_top_p_triton"]
+__all__ = [
+    "order_key",
+    "order_keys",
+    "top_k_top_p",
+    "top_k_top_p_keys",
+    "top_k_top_p_keys_ref",
+    "top_k_top_p_ref",
+    "top_k_top_p_triton",
+]
 
 _KEEP_ALL = tl.constexpr(-(2**31))  # threshold key below every key: keep the whole row
 _DROP_ALL = tl.constexpr(2**31)  # threshold key above every key: drop the whole row
@@ -97,6 +105,39 @@ def top_k_top_p_ref(
     return torch.full_like(x, float("-inf")).scatter(1, order, sorted_x)
 
 
+def order_keys(x: torch.Tensor) -> torch.Tensor:
+    """int32 keys with the order of the fp32 values ``x`` (signed compare; ``-0.0`` shares
+    ``+0.0``'s key): the keys the kernels compare, and :func:`top_k_top_p_keys` returns."""
+    b = x.float().view(torch.int32)
+    key = torch.where(b < 0, b ^ 0x7FFFFFFF, b)
+    return torch.where(x == 0, 0, key)
+
+
+def _scaled(logits: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
+    x = logits.float()
+    return x if temperature is None else x / temperature.float().view(-1, 1)
+
+
+def _active(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Rows a filter may cut (the kernel's ``kact | pact``): top-k below the number of finite
+    values, or top-p below 1 over at least one finite value."""
+    finite = (x > float("-inf")).sum(dim=1)
+    return ((top_k >= 1) & (top_k < finite)) | ((top_p < 1.0) & (finite > 0))
+
+
+def top_k_top_p_keys_ref(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+    temperature: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain-torch specification of :func:`top_k_top_p_keys`: the least order key the
+    reference keeps in each row; ``-2**31`` for rows no filter cuts, ``2**31`` for rows it
+    empties (``top_p <= 0``)."""
+    x = _scaled(logits, temperature)
+    kept = torch.isfinite(top_k_top_p_ref(x, top_k, top_p))
+    keys = torch.where(kept, order_keys(x).long(), 2**31).amin(dim=1)
+    return torch.where(_active(x, top_k, top_p), keys, -(2**31))
+
+
 # --------------------------------------------------------------------------- Triton helpers
 
 
@@ -106,6 +147,23 @@ def _skey(x: tl.tensor) -> tl.tensor:
     b = x.to(tl.int32, bitcast=True)
     key = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
     return tl.where(x == 0.0, 0, key)
+
+
+#: The Triton helper behind :func:`order_keys` (for kernels that apply the thresholds).
+order_key = _skey
+
+
+@triton.jit
+def _load_scaled(
+    x_ptr: tl.tensor, v: tl.tensor, end: tl.tensor, t_ptr: tl.tensor, row: tl.tensor,
+    TEMP: tl.constexpr,
+) -> tl.tensor:
+    # One tile of a row as fp32, divided by the row's temperature with TEMP (IEEE division:
+    # the bits of ``logits.float() / t``, as mrv2_kernels.gumbel.divide_rows gives).
+    x = tl.load(x_ptr + v, mask=v < end, other=float("-inf")).to(tl.float32)
+    if TEMP:
+        x = tl.div_rn(x, tl.load(t_ptr + row))
+    return x
 
 
 @triton.jit
@@ -202,8 +260,9 @@ def _first_pivots(
 
 @triton.jit
 def _stats_kernel(
-    x_ptr: tl.tensor, x_stride: int, vocab: int, topk_ptr: tl.tensor, topp_ptr: tl.tensor,
-    stat_ptr: tl.tensor, nch: int, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr: tl.tensor, x_stride: int, t_ptr: tl.tensor, vocab: int, topk_ptr: tl.tensor,
+    topp_ptr: tl.tensor, stat_ptr: tl.tensor, nch: int, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    TEMP: tl.constexpr,
 ) -> None:
     # Program (row, chunk): max, finite min, finite count and sum exp(x - max) of its chunk.
     row = tl.program_id(0).to(tl.int64)
@@ -220,8 +279,7 @@ def _stats_kernel(
     nf = tl.full([], 0.0, tl.float32)
     for v0 in range(start, end, BLOCK):
         v = v0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * x_stride + v, mask=v < end, other=float("-inf"))
-        x = x.to(tl.float32)
+        x = _load_scaled(x_ptr + row * x_stride, v, end, t_ptr, row, TEMP)
         fin = x > float("-inf")
         new_m = tl.maximum(m, tl.max(x, axis=0))
         safe_m = tl.where(new_m == float("-inf"), 0.0, new_m)
@@ -238,9 +296,10 @@ def _stats_kernel(
 
 @triton.jit
 def _pivot_kernel(
-    x_ptr: tl.tensor, x_stride: int, vocab: int, topk_ptr: tl.tensor, topp_ptr: tl.tensor,
-    stat_ptr: tl.tensor, cnt_ptr: tl.tensor, mass_ptr: tl.tensor, piv_ptr: tl.tensor, nch: int,
-    ln_v: float, CHUNK: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, NCH_P2: tl.constexpr,
+    x_ptr: tl.tensor, x_stride: int, t_ptr: tl.tensor, vocab: int, topk_ptr: tl.tensor,
+    topp_ptr: tl.tensor, stat_ptr: tl.tensor, cnt_ptr: tl.tensor, mass_ptr: tl.tensor,
+    piv_ptr: tl.tensor, nch: int, ln_v: float, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    NB: tl.constexpr, NCH_P2: tl.constexpr, TEMP: tl.constexpr,
 ) -> None:
     # Program (row, chunk): count and mass of its values above each first pivot. Chunk 0
     # records the pivot keys, so that the next kernel need not recompute them in float.
@@ -263,8 +322,7 @@ def _pivot_kernel(
     end = tl.minimum(start + CHUNK, vocab)
     for v0 in range(start, end, BLOCK):
         v = v0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * x_stride + v, mask=v < end, other=float("-inf"))
-        x = x.to(tl.float32)
+        x = _load_scaled(x_ptr + row * x_stride, v, end, t_ptr, row, TEMP)
         gt = _skey(x)[:, None] > piv[None, :]
         cnt += gt.to(tl.int32)
         mass += tl.where(gt, tl.exp(x - m)[:, None], 0.0)
@@ -275,11 +333,12 @@ def _pivot_kernel(
 
 @triton.jit
 def _refine_kernel(
-    x_ptr: tl.tensor, x_stride: int, vocab: int, topk_ptr: tl.tensor, topp_ptr: tl.tensor,
-    stat_ptr: tl.tensor, cnt_ptr: tl.tensor, mass_ptr: tl.tensor, piv_ptr: tl.tensor,
+    x_ptr: tl.tensor, x_stride: int, t_ptr: tl.tensor, vocab: int, topk_ptr: tl.tensor,
+    topp_ptr: tl.tensor, stat_ptr: tl.tensor, cnt_ptr: tl.tensor, mass_ptr: tl.tensor,
+    piv_ptr: tl.tensor,
     cnt2_ptr: tl.tensor, mass2_ptr: tl.tensor, piv2_ptr: tl.tensor, flag_ptr: tl.tensor,
     nch: int, CAP: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
-    NCH_P2: tl.constexpr,
+    NCH_P2: tl.constexpr, TEMP: tl.constexpr,
 ) -> None:
     # Program (row, chunk), top-p rows without top-k whose first bracket holds more than CAP
     # values (flat rows: the threshold lies in the bulk, where the first pivots are sparse):
@@ -315,8 +374,7 @@ def _refine_kernel(
     end = tl.minimum(start + CHUNK, vocab)
     for v0 in range(start, end, BLOCK):
         v = v0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * x_stride + v, mask=v < end, other=float("-inf"))
-        x = x.to(tl.float32)
+        x = _load_scaled(x_ptr + row * x_stride, v, end, t_ptr, row, TEMP)
         gt = _skey(x)[:, None] > piv[None, :]
         cnt += gt.to(tl.int32)
         mass += tl.where(gt, tl.exp(x - m)[:, None], 0.0)
@@ -327,11 +385,13 @@ def _refine_kernel(
 
 @triton.jit
 def _compact_kernel(
-    x_ptr: tl.tensor, x_stride: int, vocab: int, topk_ptr: tl.tensor, topp_ptr: tl.tensor,
-    stat_ptr: tl.tensor, cnt_ptr: tl.tensor, mass_ptr: tl.tensor, piv_ptr: tl.tensor,
+    x_ptr: tl.tensor, x_stride: int, t_ptr: tl.tensor, vocab: int, topk_ptr: tl.tensor,
+    topp_ptr: tl.tensor, stat_ptr: tl.tensor, cnt_ptr: tl.tensor, mass_ptr: tl.tensor,
+    piv_ptr: tl.tensor,
     cnt2_ptr: tl.tensor, mass2_ptr: tl.tensor, piv2_ptr: tl.tensor, flag_ptr: tl.tensor,
     cand_ptr: tl.tensor, cand_stride: int, bound_ptr: tl.tensor, base_ptr: tl.tensor, nch: int,
     CHUNK: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, NCH_P2: tl.constexpr,
+    TEMP: tl.constexpr,
 ) -> None:
     # Program (row, chunk): the bracket (lo, hi] holding the threshold key, from the first
     # pivots and, for a refined row, the second ones (identically in every program of the
@@ -364,8 +424,7 @@ def _compact_kernel(
     end = tl.minimum(start + CHUNK, vocab)
     for v0 in range(start, end, BLOCK):
         v = v0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * x_stride + v, mask=v < end, other=float("-inf"))
-        x = x.to(tl.float32)
+        x = _load_scaled(x_ptr + row * x_stride, v, end, t_ptr, row, TEMP)
         key = _skey(x)
         keep = ((key > lo) & (key <= hi)).to(tl.int32)
         pos = off + tl.cumsum(keep, axis=0) - 1
@@ -481,20 +540,21 @@ def _resolve_kernel(
 
 @triton.jit
 def _write_kernel(
-    x_ptr: tl.tensor, x_stride: int, out_ptr: tl.tensor, out_stride: int, vocab: int,
-    thr_ptr: tl.tensor, CHUNK: tl.constexpr, BLOCK: tl.constexpr, IN_PLACE: tl.constexpr,
+    x_ptr: tl.tensor, x_stride: int, t_ptr: tl.tensor, out_ptr: tl.tensor, out_stride: int,
+    vocab: int, thr_ptr: tl.tensor, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    IN_PLACE: tl.constexpr, TEMP: tl.constexpr,
 ) -> None:
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     t = tl.load(thr_ptr + row)
-    if IN_PLACE:  # noqa: SIM102 (constexpr branch; `and` would mix it with a tensor)
-        if t == _KEEP_ALL:  # nothing to drop, and out is logits
+    if IN_PLACE and not TEMP:  # noqa: SIM102 (constexpr branch; `and` would mix it with a tensor)
+        if t == _KEEP_ALL:  # nothing to drop or divide, and out is logits
             return
     start = c * CHUNK
     end = tl.minimum(start + CHUNK, vocab)
     for v0 in range(start, end, BLOCK):
         v = v0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * x_stride + v, mask=v < end, other=0.0).to(tl.float32)
+        x = _load_scaled(x_ptr + row * x_stride, v, end, t_ptr, row, TEMP)
         y = tl.where(_skey(x).to(tl.int64) >= t, x, float("-inf"))
         tl.store(out_ptr + row * out_stride + v, y, mask=v < end)
 
@@ -516,32 +576,13 @@ def _output(logits: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
-def top_k_top_p_triton(
-    logits: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    out: torch.Tensor | None = None,
-    *,
-    block_v: int | None = None,
-    chunk: int | None = None,
-    cap: int | None = None,
-    small_cap: int | None = None,
-    pivot_block: int | None = None,
-) -> torch.Tensor:
-    """Triton implementation of :func:`top_k_top_p` (see the module docstring).
-
-    ``block_v`` is the tile of every vocab loop but the pivot pass's (``pivot_block``: it
-    keeps ``pivot_block x 16`` accumulators), ``chunk`` the vocab slice of one program in the
-    full-row passes (a fixed size, so the arithmetic never depends on the batch), ``cap`` the
-    most candidates resolved by an in-register sort (more: bisection), ``small_cap`` (at most
-    ``cap``) the size of a smaller sort for rows with that few. All powers of two; the result
-    does not depend on them except through float summation order.
-    """
-    _check(logits, top_k, top_p)
-    out = _output(logits, out)
+def _thresholds(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+    temperature: torch.Tensor | None, block_v: int | None, chunk: int | None,
+    cap: int | None, small_cap: int | None, pivot_block: int | None,
+) -> tuple[torch.Tensor, int, int]:
+    """Launches 1-5 of the module docstring: each row's threshold key, the write's tiles."""
     n, vocab = logits.shape
-    if n == 0:
-        return out
     block = default_block(logits, cuda=1024, cpu=64, block=block_v)
     chunk = max(default_block(logits, cuda=8192, cpu=256, block=chunk), block)
     cap = default_block(logits, cuda=4096, cpu=128, block=cap)
@@ -567,21 +608,93 @@ def top_k_top_p_triton(
     grid = (n, nch)
     wide = 8 if logits.is_cuda else 4
     xs = logits.stride(0)
-    _stats_kernel[grid](logits, xs, vocab, top_k, top_p, stats, nch, CHUNK=chunk, BLOCK=block)
-    _pivot_kernel[grid](logits, xs, vocab, top_k, top_p, stats, cnt, mass, piv1, nch, ln_v,
-                        CHUNK=chunk, BLOCK=pivot_block, NB=nb, NCH_P2=nch_p2, num_warps=wide)
-    _refine_kernel[grid](logits, xs, vocab, top_k, top_p, stats, cnt, mass, piv1, cnt2, mass2,
-                         piv2, flag, nch, CAP=cap, CHUNK=chunk, BLOCK=pivot_block, NB=nb,
-                         NCH_P2=nch_p2, num_warps=wide)
-    _compact_kernel[grid](logits, xs, vocab, top_k, top_p, stats, cnt, mass, piv1, cnt2, mass2,
-                          piv2, flag, cand, cand.stride(0), bound, base, nch, CHUNK=chunk,
-                          BLOCK=block, NB=nb, NCH_P2=nch_p2)
+    t = temperature if temperature is not None else top_p  # (unread without TEMP)
+    temp = temperature is not None
+    _stats_kernel[grid](logits, xs, t, vocab, top_k, top_p, stats, nch, CHUNK=chunk,
+                        BLOCK=block, TEMP=temp)
+    _pivot_kernel[grid](logits, xs, t, vocab, top_k, top_p, stats, cnt, mass, piv1, nch, ln_v,
+                        CHUNK=chunk, BLOCK=pivot_block, NB=nb, NCH_P2=nch_p2, TEMP=temp,
+                        num_warps=wide)
+    _refine_kernel[grid](logits, xs, t, vocab, top_k, top_p, stats, cnt, mass, piv1, cnt2,
+                         mass2, piv2, flag, nch, CAP=cap, CHUNK=chunk, BLOCK=pivot_block, NB=nb,
+                         NCH_P2=nch_p2, TEMP=temp, num_warps=wide)
+    _compact_kernel[grid](logits, xs, t, vocab, top_k, top_p, stats, cnt, mass, piv1, cnt2,
+                          mass2, piv2, flag, cand, cand.stride(0), bound, base, nch, CHUNK=chunk,
+                          BLOCK=block, NB=nb, NCH_P2=nch_p2, TEMP=temp)
     _resolve_kernel[(n,)](cand, cand.stride(0), vocab, top_k, top_p, stats, bound, base, thr,
                           nch, CAP=cap, SMALL_CAP=small_cap, NB=nb, BLOCK=block,
                           NCH_P2=nch_p2, num_warps=wide)
-    _write_kernel[grid](logits, xs, out, out.stride(0), vocab, thr, CHUNK=chunk, BLOCK=block,
-                        IN_PLACE=out.data_ptr() == logits.data_ptr())
+    return thr, block, chunk
+
+
+def _check_temperature(logits: torch.Tensor, temperature: torch.Tensor | None) -> None:
+    if temperature is not None and (temperature.shape != (logits.shape[0],)
+                                    or temperature.dtype != torch.float32):
+        raise ValueError(f"temperature must be float32 of shape ({logits.shape[0]},), got "
+                         f"{temperature.dtype} {tuple(temperature.shape)}")
+
+
+def top_k_top_p_triton(
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    temperature: torch.Tensor | None = None,
+    block_v: int | None = None,
+    chunk: int | None = None,
+    cap: int | None = None,
+    small_cap: int | None = None,
+    pivot_block: int | None = None,
+) -> torch.Tensor:
+    """Triton implementation of :func:`top_k_top_p` (see the module docstring).
+
+    ``block_v`` is the tile of every vocab loop but the pivot passes' (``pivot_block``: they
+    keep ``pivot_block x 16`` accumulators), ``chunk`` the vocab slice of one program in the
+    full-row passes (a fixed size, so the arithmetic never depends on the batch), ``cap`` the
+    most candidates resolved by an in-register sort (more: refinement, then bisection),
+    ``small_cap`` (at most ``cap``) the size of a smaller sort for rows with that few. All
+    powers of two; the result does not depend on them except through float summation order.
+    """
+    _check(logits, top_k, top_p)
+    _check_temperature(logits, temperature)
+    out = _output(logits, out)
+    n, vocab = logits.shape
+    if n == 0:
+        return out
+    thr, block, chunk = _thresholds(logits, top_k, top_p, temperature, block_v, chunk, cap,
+                                    small_cap, pivot_block)
+    t = temperature if temperature is not None else top_p
+    _write_kernel[(n, cdiv(vocab, chunk))](
+        logits, logits.stride(0), t, out, out.stride(0), vocab, thr, CHUNK=chunk, BLOCK=block,
+        IN_PLACE=out.data_ptr() == logits.data_ptr(), TEMP=temperature is not None)
     return out
+
+
+def top_k_top_p_keys(
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    temperature: torch.Tensor | None = None,
+    **tiles: int,
+) -> torch.Tensor:
+    """Each row's top-k / top-p threshold as an int64 order key (:func:`order_keys`): the row
+    keeps the values whose key is at least its threshold (``-2**31``: a row without a filter;
+    ``2**31``: a row that keeps nothing). Takes :func:`top_k_top_p`'s arguments, with the
+    logits divided by ``temperature`` (``[B]`` float32, IEEE division) first when given, and
+    writes nothing: :func:`mrv2_kernels.gumbel.gumbel_sample` applies the keys while it
+    samples, which saves the filtered copy's write and read. ``tiles``: the Triton path's
+    tile sizes (:func:`top_k_top_p_triton`'s keywords); without Triton,
+    :func:`top_k_top_p_keys_ref`."""
+    _check(logits, top_k, top_p)
+    _check_temperature(logits, temperature)
+    if not use_triton(logits):
+        return top_k_top_p_keys_ref(logits, top_k, top_p, temperature)
+    if logits.shape[0] == 0:
+        return torch.empty(0, dtype=torch.int64, device=logits.device)
+    return _thresholds(logits, top_k, top_p, temperature, tiles.get("block_v"),
+                       tiles.get("chunk"), tiles.get("cap"), tiles.get("small_cap"),
+                       tiles.get("pivot_block"))[0]
 
 
 def top_k_top_p(
@@ -589,6 +702,7 @@ def top_k_top_p(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     out: torch.Tensor | None = None,
+    temperature: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Top-k / top-p filter each row of ``logits``; return the float32 result.
 
@@ -598,13 +712,17 @@ def top_k_top_p(
         top_p: ``[B]`` float32; ``>= 1`` disables top-p for the row.
         out: optional float32 ``[B, V]`` output; ``out=logits`` filters in place. Without it
             a new tensor is returned and ``logits`` is left untouched.
+        temperature: optional ``[B]`` float32: the rows are divided by it first (IEEE
+            division, the bits of ``logits.float() / temperature[:, None]``) and the result
+            holds the divided values: no separate temperature pass.
 
     See the module docstring for the exact rule (ties at either cut are kept whole). Runs
     :func:`top_k_top_p_triton` when :func:`use_triton` says so, else :func:`top_k_top_p_ref`.
     """
     if use_triton(logits):
-        return top_k_top_p_triton(logits, top_k, top_p, out)
-    result = top_k_top_p_ref(logits, top_k, top_p)
+        return top_k_top_p_triton(logits, top_k, top_p, out, temperature=temperature)
+    _check_temperature(logits, temperature)
+    result = top_k_top_p_ref(_scaled(logits, temperature), top_k, top_p)
     if out is None:
         return result
     _output(logits, out)

@@ -24,6 +24,7 @@ from mrv2_kernels import (
     uniform_hash_ref,
     uniform_hash_triton,
 )
+from mrv2_kernels.gumbel import gumbel_sample_cpu
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Conversion of an array with ndim:DeprecationWarning"
@@ -159,6 +160,34 @@ def test_temperature_in_kernel_equals_dividing_first(dtype: torch.dtype) -> None
         assert torch.equal(got, want), fn
     # the scale matters: unscaled sampling differs somewhere
     assert not torch.equal(sample(gumbel_sample_ref, logits, seeds, positions, greedy), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_threshold_in_kernel_equals_filtering_first(dtype: torch.dtype,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``threshold=`` (a top-k / top-p filter's order keys, after the temperature) gives
+    exactly the tokens of sampling the filtered, divided logits; greedy rows are cut too."""
+    from mrv2_kernels.top_k_top_p import top_k_top_p_keys, top_k_top_p_ref
+
+    monkeypatch.setenv("MRV2_KERNELS", "triton")  # the keys from the kernels, on the CPU too
+    logits, seeds, positions, greedy = make_inputs(seed=6, n=6, dtype=dtype)
+    logits = logits.contiguous()
+    g = torch.Generator().manual_seed(10)
+    temperature = (torch.rand(6, generator=g) + 0.3).to(DEVICE)
+    top_k = torch.tensor([5, 0, 40, 0, 1, 0], device=DEVICE)
+    top_p = torch.tensor([1.0, 0.6, 0.9, 1.0, 0.5, 0.0], device=DEVICE)  # row 5 keeps nothing
+    divisor = torch.where(greedy, 1.0, temperature)
+    keys = top_k_top_p_keys(logits, top_k, top_p, divisor)
+    filtered = top_k_top_p_ref(logits.float() / divisor[:, None], top_k, top_p)
+    want = sample(gumbel_sample_ref, filtered, seeds, positions, greedy)
+    assert keys[3] == -(2**31) and keys[5] == 2**31  # no filter / nothing kept
+    for fn in (gumbel_sample_ref, gumbel_sample_cpu, gumbel_sample_triton):
+        got = torch.full_like(want, 777)
+        fn(logits, seeds, positions, greedy, got, temperature, keys)
+        assert torch.equal(got, want), fn
+    # the cut matters: sampling without it differs somewhere
+    assert not torch.equal(sample(gumbel_sample_ref, logits.float() / divisor[:, None], seeds,
+                                  positions, greedy), want)
 
 
 @pytest.mark.parametrize(("block_v", "num_splits"), [(16, 1), (16, 3), (32, 100)])

@@ -21,7 +21,14 @@ try:
 except ImportError:  # not installed: use the source tree
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "kernels"))
 
-from mrv2_kernels.top_k_top_p import top_k_top_p, top_k_top_p_ref, top_k_top_p_triton
+from mrv2_kernels.top_k_top_p import (
+    order_keys,
+    top_k_top_p,
+    top_k_top_p_keys,
+    top_k_top_p_keys_ref,
+    top_k_top_p_ref,
+    top_k_top_p_triton,
+)
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Conversion of an array with ndim:DeprecationWarning"
@@ -173,6 +180,32 @@ def test_triton_refines_flat_top_p_rows(kw: dict[str, int]) -> None:
     assert_filter_close(got, want, x, top_k, top_p)
     kept = torch.isfinite(want).sum(1).tolist()
     assert all(100 < n < vocab for n in kept[:5]), kept  # cuts in the bulk of every row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keys_and_temperature_in_kernel(dtype: torch.dtype,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``temperature=`` filters ``logits.float() / t`` to the bit; the threshold keys keep
+    exactly the values the write kept, and match the reference's keys (away from a top-p
+    boundary within rounding, as the filters)."""
+    x, top_k, top_p = make_batch(seed=21, vocab=600, dtype=dtype)
+    g = torch.Generator().manual_seed(3)
+    t = (torch.rand(x.shape[0], generator=g) * 1.5 + 0.2).to(DEVICE)
+    scaled = x.float() / t[:, None]
+    got = top_k_top_p_triton(x, top_k, top_p, temperature=t)
+    assert torch.equal(got, top_k_top_p_triton(scaled, top_k, top_p))
+    assert_filter_close(got, top_k_top_p_ref(scaled, top_k, top_p), scaled, top_k, top_p)
+    monkeypatch.setenv("MRV2_KERNELS", "triton")  # the kernels, on the CPU too
+    keys = top_k_top_p_keys(x, top_k, top_p, t)
+    assert keys.dtype == torch.int64 and keys.shape == (x.shape[0],)
+    kept = order_keys(scaled).long() >= keys[:, None]
+    assert torch.equal(kept & torch.isfinite(scaled), torch.isfinite(got))
+    want = top_k_top_p_keys_ref(x, top_k, top_p, t)
+    assert keys[5] == want[5] == -(2**31) == keys[6] == want[6]  # untouched / all -inf rows
+    assert torch.equal(keys[[1, 3]], want[[1, 3]])  # k = 1, a tiny p: the max, exactly
+    monkeypatch.delenv("MRV2_KERNELS")
+    again = top_k_top_p(x.float(), top_k, top_p, temperature=t)  # the dispatcher's path
+    assert_filter_close(again, top_k_top_p_ref(scaled, top_k, top_p), scaled, top_k, top_p)
 
 
 def test_triton_bf16_values_in_fp32() -> None:

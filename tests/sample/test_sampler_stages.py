@@ -166,3 +166,31 @@ def test_profile_scratch_runs_the_widest_stages() -> None:
     top-k / top-p and the Gumbel kernel over dummy rows of the sampler's vocabulary."""
     sampler = Sampler(4, VOCAB, torch.device("cpu"))
     sampler.profile_scratch(6, torch.bfloat16)  # more rows than requests: a 1 + k step
+
+
+def test_top_k_top_p_sampling_equals_filtering_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches with top-k / top-p rows sample with the filter's thresholds applied inside the
+    sampling kernel (the kernels, or the torch path): the tokens of dividing by the
+    temperature, filtering, then sampling, as a direct statement does."""
+    from mrv2_kernels.gumbel import gumbel_sample_ref
+    from mrv2_kernels.top_k_top_p import top_k_top_p_ref
+
+    params = [SamplingParams(temperature=0.8, top_k=5), SamplingParams(temperature=1.3, top_p=0.6),
+              SamplingParams(temperature=0), SamplingParams(temperature=0.5, top_k=9, top_p=0.7),
+              SamplingParams(temperature=0.9)]
+    batch, table, sampler = make_batch(params, [([1, 2], [3])] * 5, VOCAB, seeds=[4, 5, 6, 7, 8])
+    logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(3)) * 3
+    rows = batch.logits_idx_mapping.long()
+    state = sampler.state
+    greedy = state.temperature[rows] < 1e-5
+    x = logits / torch.where(greedy, 1.0, state.temperature[rows])[:, None]
+    want = torch.empty(5, dtype=torch.int64)
+    gumbel_sample_ref(top_k_top_p_ref(x, state.top_k[rows], state.top_p[rows]),
+                      state.seed[rows], batch.logits_positions, greedy, want)
+    for kernels in ("torch", "triton"):
+        monkeypatch.setenv("MRV2_KERNELS", kernels)
+        assert torch.equal(sampler(logits.clone(), batch, table).tokens, want), kernels
+    # the filters matter: plain temperature sampling differs somewhere
+    plain = torch.empty(5, dtype=torch.int64)
+    gumbel_sample_ref(x, state.seed[rows], batch.logits_positions, greedy, plain)
+    assert not torch.equal(plain, want)

@@ -33,7 +33,7 @@ from mrv2.sample.prompt_logprobs import PromptChunk, PromptLogprobs, compute_pro
 from mrv2.sample.state import SamplingState
 from mrv2_kernels.gumbel import divide_rows, gumbel_sample
 from mrv2_kernels.penalties import apply_penalties
-from mrv2_kernels.top_k_top_p import top_k_top_p
+from mrv2_kernels.top_k_top_p import top_k_top_p, top_k_top_p_keys
 
 _GREEDY_EPS = 1e-5
 #: ``0``: decode graphs get no second sampling tail for batches with top-k / top-p rows
@@ -174,16 +174,16 @@ class Sampler:
         return 1 if plan.any_top_k_top_p and len(plans) > 1 else None
 
     def profile_scratch(self, rows: int, dtype: torch.dtype) -> None:
-        """Run the widest sampling stages this sampler's own ``__call__`` has (the temperature
-        pass, top-k / top-p, the Gumbel kernel) once over ``rows`` dummy logits, so a caller
-        measuring peak memory (the runner, before it sizes the KV cache) counts their scratch:
-        the top-k / top-p tail graphs and eager steps of as many rows need it."""
+        """Run the widest sampling stages this sampler's own ``__call__`` has (top-k / top-p
+        writing a divided, filtered copy, as with drafts to verify; then the Gumbel kernel)
+        once over ``rows`` dummy logits, so a caller measuring peak memory (the runner,
+        before it sizes the KV cache) counts their scratch: the top-k / top-p tail graphs
+        and eager steps of as many rows need it."""
         device = self.state.temperature.device
         logits = torch.randn(rows, self.state.vocab_size, device=device).to(dtype)
         ones = torch.ones(rows, device=device)
-        scaled = divide_rows(logits, ones)
-        scaled = top_k_top_p(scaled, torch.full((rows,), 20, dtype=torch.int32, device=device),
-                             ones * 0.9, out=scaled)
+        scaled = top_k_top_p(logits, torch.full((rows,), 20, dtype=torch.int32, device=device),
+                             ones * 0.9, temperature=ones)
         out = torch.empty(rows, dtype=torch.int64, device=device)
         zeros = torch.zeros(rows, dtype=torch.int64, device=device)
         gumbel_sample(scaled, zeros, zeros, ones < 0, out, None)
@@ -244,23 +244,32 @@ class Sampler:
         temperature = state.temperature[rows]
         greedy = temperature < _GREEDY_EPS
         scale: torch.Tensor | None = None  # the temperature, when the sampling kernel applies it
+        cut: torch.Tensor | None = None  # top-k / top-p thresholds the sampling kernel applies
+        verifies = bool(batch.max_draft_tokens) and (self.verify_method == "synthetic" or (
+            self.verify_method == "probabilistic" and not plan.all_greedy))
         if not plan.all_greedy:
-            if plan.any_min_p or plan.any_top_k_top_p:
-                # One pass (the same IEEE quotient as ``logits.float() / ...``)
-                logits = divide_rows(logits, torch.where(greedy, 1.0, temperature))
-                if plan.any_min_p:
-                    logits = apply_min_p(logits, state.min_p[rows])
-                if plan.any_top_k_top_p:  # in place: ``logits`` is this step's own copy
+            divisor = torch.where(greedy, 1.0, temperature)
+            if plan.any_top_k_top_p and not plan.any_min_p and not verifies:
+                # the filter's thresholds only, over the divided logits: the sampling kernel
+                # divides and cuts as it reads (no filtered copy written, nor read back)
+                cut = top_k_top_p_keys(logits, state.top_k[rows], state.top_p[rows], divisor)
+                scale = temperature
+            elif plan.any_min_p or plan.any_top_k_top_p:
+                undivided = True
+                if plan.any_min_p:  # one pass (the same IEEE quotient as ``x.float() / t``)
+                    logits = apply_min_p(divide_rows(logits, divisor), state.min_p[rows])
+                    undivided = False
+                if plan.any_top_k_top_p:  # dividing first unless min-p did (then in place)
                     logits = top_k_top_p(logits, state.top_k[rows], state.top_p[rows],
-                                         out=logits)
+                                         out=None if undivided else logits,
+                                         temperature=divisor if undivided else None)
             else:
                 scale = temperature  # same IEEE division, inside the kernel: no extra pass
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         seeds = state.seed[rows]
-        gumbel_sample(logits, seeds, batch.logits_positions, greedy, out, scale)
+        gumbel_sample(logits, seeds, batch.logits_positions, greedy, out, scale, cut)
         verify = None
-        if batch.max_draft_tokens and (self.verify_method == "synthetic" or (
-                self.verify_method == "probabilistic" and not plan.all_greedy)):
+        if verifies:
             # ``scale``: the kernel divided by the temperature; else ``logits`` already was
             divisor = scale if scale is not None else torch.ones_like(temperature)
             verify = VerifyInputs(logits, torch.where(greedy, 0.0, divisor), seeds,
