@@ -349,14 +349,14 @@ def _refine_kernel(
     m, mn, z, nfin, k, p, kact, pact = _row_setup(
         stat_ptr, row, nch, topk_ptr, topp_ptr, vocab, NCH_P2
     )
-    if not (pact & (p > 0.0) & (kact == 0)):  # (the pivot pass skipped the other rows)
-        if c == 0:
-            tl.store(flag_ptr + row, 0)
-        return
-    lo, hi, mass_hi, c_lo, c_hi = _first_bracket(
-        cnt_ptr, mass_ptr, piv_ptr, row, nch, k, p, z, nfin, m, kact, NB, NCH_P2
-    )
-    refine = tl.sum(c_lo - c_hi, axis=0) > CAP
+    refine = pact & (p > 0.0) & (kact == 0)
+    lo = tl.full([], 0, tl.int32)
+    hi = lo
+    if refine:  # (the pivot pass skipped the other rows: their counts are not written)
+        lo, hi, mass_hi, c_lo, c_hi = _first_bracket(
+            cnt_ptr, mass_ptr, piv_ptr, row, nch, k, p, z, nfin, m, kact, NB, NCH_P2
+        )
+        refine = tl.sum(c_lo - c_hi, axis=0) > CAP
     if c == 0:
         tl.store(flag_ptr + row, refine.to(tl.int32))
     if not refine:
