@@ -188,8 +188,10 @@ def test_top_k_top_p_sampling_equals_filtering_first(monkeypatch: pytest.MonkeyP
     gumbel_sample_ref(top_k_top_p_ref(x, state.top_k[rows], state.top_p[rows]),
                       state.seed[rows], batch.logits_positions, greedy, want)
     for kernels in ("torch", "triton"):
-        monkeypatch.setenv("MRV2_KERNELS", kernels)
-        assert torch.equal(sampler(logits.clone(), batch, table).tokens, want), kernels
+        for keys in ("1", "0"):  # the thresholds in the sampling kernel / a filtered copy
+            monkeypatch.setenv("MRV2_KERNELS", kernels)
+            monkeypatch.setenv("MRV2_TOP_K_KEYS", keys)
+            assert torch.equal(sampler(logits.clone(), batch, table).tokens, want), kernels
     # the filters matter: plain temperature sampling differs somewhere
     plain = torch.empty(5, dtype=torch.int64)
     gumbel_sample_ref(x, state.seed[rows], batch.logits_positions, greedy, plain)

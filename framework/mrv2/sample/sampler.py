@@ -41,6 +41,10 @@ _GREEDY_EPS = 1e-5
 #: sample in the graph (the default; H200, Qwen3-0.6B, top-k 20 / top-p 0.95: batch-1 time per
 #: output token 1.07 -> 0.74 ms).
 TOP_K_TAILS_ENV_VAR = "MRV2_TOP_K_TAIL_GRAPHS"
+#: ``0``: top-k / top-p batches sample from a filtered fp32 copy of the logits (the path of
+#: drafts to verify and min-p) instead of the filter's threshold keys applied inside the
+#: sampling kernel (the default; the same tokens): for A/B runs.
+TOP_K_KEYS_ENV_VAR = "MRV2_TOP_K_KEYS"
 
 
 @dataclass
@@ -249,7 +253,8 @@ class Sampler:
             self.verify_method == "probabilistic" and not plan.all_greedy))
         if not plan.all_greedy:
             divisor = torch.where(greedy, 1.0, temperature)
-            if plan.any_top_k_top_p and not plan.any_min_p and not verifies:
+            if (plan.any_top_k_top_p and not plan.any_min_p and not verifies
+                    and os.environ.get(TOP_K_KEYS_ENV_VAR, "1") != "0"):
                 # the filter's thresholds only, over the divided logits: the sampling kernel
                 # divides and cuts as it reads (no filtered copy written, nor read back)
                 cut = top_k_top_p_keys(logits, state.top_k[rows], state.top_p[rows], divisor)
