@@ -160,10 +160,19 @@ def _count_tail_replays(graphs: Any) -> list[tuple[int, int]]:
     return replays
 
 
-def test_seeded_temperature_sampling_in_the_graph_tail_matches_cpu(ckpt: Path) -> None:
-    """Greedy and temperature-only batches sample inside the decode graphs' tail: a seeded
-    request's tokens equal the CPU engine's and do not depend on the batch around it."""
-    params = SamplingParams(temperature=0.8, seed=99, max_tokens=12, ignore_eos=True)
+@pytest.mark.parametrize(("filters", "third", "variant"), [
+    ({}, {}, 0),  # greedy and temperature-only batches: the first tail
+    ({"top_k": 20, "top_p": 0.9}, {"top_p": 0.5}, 1),  # top-k / top-p rows: the second
+])
+def test_seeded_sampling_in_the_graph_tail_matches_cpu(
+        ckpt: Path, monkeypatch: pytest.MonkeyPatch, filters: dict[str, Any],
+        third: dict[str, Any], variant: int) -> None:
+    """Decode batches sample inside the decode graphs' tail of their plan (variant 1, the
+    default, for batches with top-k / top-p rows): a seeded request's tokens equal the CPU
+    engine's and do not depend on the batch around it."""
+    monkeypatch.delenv("MRV2_TOP_K_TAIL_GRAPHS", raising=False)
+    params = SamplingParams(temperature=0.8, seed=99, max_tokens=12, ignore_eos=True,
+                            **filters)
     target = {"prompt_token_ids": [11, 22, 33, 44]}
     others = [{"prompt_token_ids": [7] * 9}, {"prompt_token_ids": [3, 1, 4, 1, 5]}]
     runs = {}
@@ -173,44 +182,16 @@ def test_seeded_temperature_sampling_in_the_graph_tail_matches_cpu(ckpt: Path) -
         graphs = llm.engine.runner.graphs
         tails = _count_tail_replays(graphs) if graphs is not None else []
         assert (graphs is not None and bool(graphs.tail_graphs)) == (device == "cuda")
-        alone = llm.generate(target, params, use_tqdm=False)[0].outputs[0].token_ids
-        mixed = llm.generate([others[0], target, others[1]],
-                             [SamplingParams(temperature=0.0, max_tokens=5), params,
-                              SamplingParams(temperature=1.1, seed=7, max_tokens=30)],
-                             use_tqdm=False)[1].outputs[0].token_ids
-        assert mixed == alone
-        assert (len(tails) > 20) == (device == "cuda")  # every decode step: 11 + 29
-        runs[device] = alone
-    assert runs["cuda"] == runs["cpu"]
-
-
-def test_seeded_top_k_top_p_sampling_in_the_graph_tail_matches_cpu(
-        ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Batches with top-k / top-p rows sample inside the decode graphs' second tail (variant
-    1, the default): a seeded request's tokens equal the CPU engine's and do not depend on the
-    batch."""
-    monkeypatch.delenv("MRV2_TOP_K_TAIL_GRAPHS", raising=False)
-    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=99, max_tokens=12,
-                            ignore_eos=True)
-    target = {"prompt_token_ids": [11, 22, 33, 44]}
-    others = [{"prompt_token_ids": [7] * 9}, {"prompt_token_ids": [3, 1, 4, 1, 5]}]
-    runs = {}
-    for device in ("cpu", "cuda"):
-        llm = LLM(str(ckpt), device=device, dtype="float32", block_size=16,
-                  gpu_memory_utilization=0.3)
-        graphs = llm.engine.runner.graphs
-        variants = _count_tail_replays(graphs) if graphs is not None else []
         if graphs is not None:
             assert {key[2] for key in graphs.tail_graphs} == {0, 1}
         alone = llm.generate(target, params, use_tqdm=False)[0].outputs[0].token_ids
         mixed = llm.generate([others[0], target, others[1]],
                              [SamplingParams(temperature=0.0, max_tokens=5), params,
-                              SamplingParams(temperature=1.1, top_p=0.5, seed=7,
-                                             max_tokens=30)],
+                              SamplingParams(temperature=1.1, seed=7, max_tokens=30, **third)],
                              use_tqdm=False)[1].outputs[0].token_ids
         assert mixed == alone
-        if device == "cuda":  # every decode step: 11 + 29, each with a top-k / top-p row
-            assert len(variants) > 20 and {v for _, v in variants} == {1}
+        assert (len(tails) > 20) == (device == "cuda")  # every decode step: 11 + 29
+        assert {v for _, v in tails} <= {variant}  # (CPU: none)
         runs[device] = alone
     assert runs["cuda"] == runs["cpu"]
 

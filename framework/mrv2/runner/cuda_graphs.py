@@ -11,13 +11,13 @@ they change nothing. Attention metadata baked into a graph bounds sequence lengt
 Each graph also gets a *sampling tail* graph when the sampler can capture its common plan
 (``Sampler.capturable``: temperature or greedy rows, no top-k/top-p, min-p, rare stages or
 logprobs; unless ``MRV2_TOP_K_TAIL_GRAPHS=0``, a second tail, variant 1, for batches with
-top-k / top-p rows: ``Sampler.graph_plans``): sampling the graph's logits, verifying the drafts of a
-``1 + k`` step (strict, probabilistic or synthetic rejection) and the post-update of the state
+top-k/top-p rows: ``Sampler.graph_plans``): sampling the graph's logits, verifying the drafts of
+a ``1 + k`` step (strict, probabilistic or synthetic rejection) and the post-update of the state
 table, replayed right after the forward, so a decode step launches its graphs and no sampler
-kernel from Python. Its padding requests have empty queries: the rejection gives them no
-tokens, the post-update skips them, and what is sampled at their rows is never read. The tail
-writes outside the graphs' memory pool (``tail_sampled``, ``spec_samples``), where the host copy
-and the drafting read.
+kernel from Python. Its padding requests have empty queries: the rejection gives them no tokens,
+the post-update skips them, and what is sampled at their rows is never read. The tail writes
+outside the graphs' memory pool (``tail_sampled``, ``spec_samples``), where the host copy and
+the drafting read.
 
 A speculator whose ``propose`` is capturable (``Speculator.cuda_graphs``) gets a further graph
 per ``(1 + k, size)``: all of a decode step's drafting (the drafter's catch-up and its ``k``

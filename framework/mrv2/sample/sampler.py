@@ -276,8 +276,8 @@ class Sampler:
         verify = None
         if verifies:
             # ``scale``: the kernel divided by the temperature; else ``logits`` already was
-            divisor = scale if scale is not None else torch.ones_like(temperature)
-            verify = VerifyInputs(logits, torch.where(greedy, 0.0, divisor), seeds,
+            verify_t = scale if scale is not None else torch.ones_like(temperature)
+            verify = VerifyInputs(logits, torch.where(greedy, 0.0, verify_t), seeds,
                                   batch.logits_positions, self.synthetic_rate)
         if plan.max_logprobs < 0:
             return SamplerOutput(out, verify=verify)
