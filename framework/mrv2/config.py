@@ -42,6 +42,18 @@ class ModelConfig(_Section):
         description="'fp8': quantize the linear layers' weights to block-scaled FP8 (128 x 128 "
         "blocks) at load time; an fp8 checkpoint (quantization_config) needs no flag",
     )
+    generation_config: str = Field(
+        default="auto",
+        description="sampling defaults for what a request leaves unset: 'auto' (the model's "
+        "generation_config.json: temperature, top_k, top_p, min_p, repetition_penalty, "
+        "max_new_tokens, as vLLM), 'none' or 'vllm' (the engine's own), or a directory "
+        "holding a generation_config.json",
+    )
+    override_generation_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="generation config fields to set on top of it, as JSON: "
+        "'{\"temperature\": 0.5}'",
+    )
     hf_overrides: dict[str, Any] = Field(
         default_factory=dict,
         description="config.json fields to change, as JSON: '{\"num_hidden_layers\": 40}' runs "

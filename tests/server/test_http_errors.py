@@ -8,6 +8,8 @@ import httpx
 import pytest
 from server_util import API_KEY, MODEL, Served
 
+from conftest import serve
+
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
@@ -330,3 +332,21 @@ def test_serve_without_server_packages_says_what_to_install(
     assert main(["serve"]) == 2  # before any model loads
     err = capsys.readouterr().err
     assert "needs uvicorn" in err and "pip install 'mrv2[serve]'" in err
+
+
+def test_the_models_sampling_defaults_fill_unset_fields(model_dir: Path) -> None:
+    """``override_generation_config`` (as a model's generation_config.json would) sets what a
+    request leaves unset; what it sends wins."""
+    defaults = {"max_new_tokens": 3, "temperature": 0.0}
+    for served in serve(model_dir, {"override_generation_config": defaults}):
+        assert served.engine.sampling_defaults == {"max_tokens": 3, "temperature": 0.0}
+        for body, tokens in (({}, 3), ({"max_tokens": 5}, 5)):
+            response = _post(served, "/v1/completions", {"model": MODEL, "prompt": "hi",
+                                                          "ignore_eos": True, **body})
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["completion_tokens"] == tokens
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                "ignore_eos": True}
+        replies = [_post(served, "/v1/chat/completions", chat).json() for _ in range(2)]
+        assert [r["usage"]["completion_tokens"] for r in replies] == [3, 3]
+        assert replies[0]["choices"][0]["message"] == replies[1]["choices"][0]["message"]

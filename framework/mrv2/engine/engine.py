@@ -19,6 +19,7 @@ from mrv2.contract.params import SamplingParams, derive_seed
 from mrv2.contract.requests import MultiModalItem, NewRequest
 from mrv2.engine.block_manager import BlockManager
 from mrv2.engine.detokenizer import IncrementalDetokenizer
+from mrv2.engine.generation_defaults import load_sampling_defaults
 from mrv2.engine.outputs import CompletionOutput, RequestOutput
 from mrv2.engine.request import Request
 from mrv2.engine.sampling_outputs import (
@@ -52,6 +53,12 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, plugins: PluginManager | None = None) -> None:
         self.config = config
+        #: SamplingParams defaults from the model's generation config (``generation_config``
+        #: / ``override_generation_config``) for the fields a request leaves unset; checked
+        #: before the weights load.
+        self.sampling_defaults = load_sampling_defaults(
+            config.model.model, config.model.generation_config,
+            config.model.override_generation_config)
         self.runner = make_runner(config, plugins)
         model_dir = config.model.model or self.runner.model_dir
         self.tokenizer: Tokenizer | None = _load_tokenizer(config.model.tokenizer or model_dir)
@@ -59,6 +66,10 @@ class LLMEngine:
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = {self.tokenizer.eos_token_id}
         self.eos_token_ids = frozenset(eos)
+        if config.model.model is None:  # the default model: its directory is known now
+            self.sampling_defaults = load_sampling_defaults(
+                model_dir, config.model.generation_config,
+                config.model.override_generation_config)
         entry = self.runner.model_entry
         #: The family's multimodal prompt processor (None: the model takes text only).
         self.input_processor: InputProcessor | None = None

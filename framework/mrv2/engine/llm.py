@@ -64,6 +64,12 @@ class LLM:
         """The engine's :class:`~mrv2.engine.tokenizer.Tokenizer` (``None``: the model has none)."""
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams a prompt gets without any: the model's sampling defaults
+        (``generation_config.json``, see :mod:`mrv2.engine.generation_defaults`) over
+        SamplingParams' own, as vLLM's ``LLM.get_default_sampling_params``."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -79,7 +85,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

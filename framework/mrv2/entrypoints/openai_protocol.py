@@ -39,7 +39,13 @@ class _Request(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
-    def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling(self, max_tokens: int | None, logprobs: int | None,
+                  defaults: dict[str, Any] | None) -> SamplingParams:
+        d = defaults or {}  # the model's (generation_config.json) for the fields left unset
+
+        def pick(name: str, value: Any, fallback: Any) -> Any:
+            return value if value is not None else d.get(name, fallback)
+
         bias = None
         if self.logit_bias:
             try:
@@ -50,18 +56,18 @@ class _Request(BaseModel):
                     "expected token ids as keys") from None
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=pick("temperature", self.temperature, 1.0),
+            top_p=pick("top_p", self.top_p, 1.0),
+            top_k=pick("top_k", self.top_k, 0),
+            min_p=pick("min_p", self.min_p, 0.0),
             seed=self.seed,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty", self.repetition_penalty, 1.0),
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
-            max_tokens=max_tokens,
+            max_tokens=pick("max_tokens", max_tokens, None),
             min_tokens=self.min_tokens,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
@@ -99,12 +105,17 @@ class CompletionRequest(_Request):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """The request's SamplingParams; ``defaults`` (the model's sampling defaults) fill the
+        fields it leaves unset (``max_tokens`` too when the request does not send it)."""
         _unsupported("echo", self.echo, False)
         _unsupported("suffix", self.suffix, None)
         if self.best_of is not None and self.best_of != self.n:
             _unsupported("best_of", self.best_of, f"None or n ({self.n})")
-        return self._sampling(self.max_tokens, self.logprobs)
+        max_tokens = self.max_tokens
+        if "max_tokens" not in self.model_fields_set and defaults and "max_tokens" in defaults:
+            max_tokens = None  # OpenAI's default of 16 yields to the model's max_new_tokens
+        return self._sampling(max_tokens, self.logprobs, defaults)
 
 
 class ChatMessage(BaseModel):
@@ -143,7 +154,9 @@ class ChatCompletionRequest(_Request):
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """The request's SamplingParams; ``defaults`` (the model's sampling defaults) fill the
+        fields it leaves unset."""
         _unsupported("tools", self.tools, None)
         if self.response_format not in (None, {"type": "text"}):
             _unsupported("response_format", self.response_format, {"type": "text"})
@@ -152,7 +165,7 @@ class ChatCompletionRequest(_Request):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("SamplingParams.top_logprobs is invalid: needs logprobs=true")
         k = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling(max_tokens, k)
+        return self._sampling(max_tokens, k, defaults)
 
 
 def _unsupported(name: str, value: object, allowed: object) -> None:

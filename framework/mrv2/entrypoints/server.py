@@ -151,7 +151,7 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None,
 
     def params_of(body: Any) -> SamplingParams:
         try:
-            params: SamplingParams = body.sampling_params()
+            params: SamplingParams = body.sampling_params(engine.sampling_defaults)
         except ValueError as error:
             raise APIError(400, str(error), param=value_error_param(str(error))) from None
         if params.n > max_n:
