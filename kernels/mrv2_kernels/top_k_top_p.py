@@ -273,25 +273,30 @@ def _stats_kernel(
         return
     start = c * CHUNK
     end = tl.minimum(start + CHUNK, vocab)
-    m = tl.full([], float("-inf"), tl.float32)
-    s = tl.full([], 0.0, tl.float32)
-    mn = tl.full([], float("inf"), tl.float32)
-    nf = tl.full([], 0.0, tl.float32)
+    # Per-lane running max / sum exp(x - max) / finite min / finite count, reduced across the
+    # block once at the end (no block-wide reduction per tile); one exp per value: a value
+    # above its lane's max rescales the lane's sum by exp(old max - value).
+    m = tl.full([BLOCK], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK], tl.float32)
+    mn = tl.full([BLOCK], float("inf"), tl.float32)
+    nf = tl.zeros([BLOCK], tl.int32)
     for v0 in range(start, end, BLOCK):
         v = v0 + tl.arange(0, BLOCK)
         x = _load_scaled(x_ptr + row * x_stride, v, end, t_ptr, row, TEMP)
         fin = x > float("-inf")
-        new_m = tl.maximum(m, tl.max(x, axis=0))
-        safe_m = tl.where(new_m == float("-inf"), 0.0, new_m)
-        s = s * tl.exp(m - safe_m) + tl.sum(tl.exp(x - safe_m), axis=0)
-        m = new_m
-        mn = tl.minimum(mn, tl.min(tl.where(fin, x, float("inf")), axis=0))
-        nf += tl.sum(fin.to(tl.float32), axis=0)
+        top = tl.maximum(m, x)
+        d = tl.exp(tl.minimum(m, x) - tl.where(top == float("-inf"), 0.0, top))
+        s = tl.where(x > m, s * d + 1.0, s + d)
+        m = top
+        mn = tl.minimum(mn, tl.where(fin, x, float("inf")))
+        nf += fin.to(tl.int32)
+    row_m = tl.max(m, axis=0)
+    safe_m = tl.where(row_m == float("-inf"), 0.0, row_m)
     base = stat_ptr + (row * nch + c) * 4
-    tl.store(base, m)
-    tl.store(base + 1, mn)
-    tl.store(base + 2, s)
-    tl.store(base + 3, nf)
+    tl.store(base, row_m)
+    tl.store(base + 1, tl.min(mn, axis=0))
+    tl.store(base + 2, tl.sum(s * tl.exp(m - safe_m), axis=0))
+    tl.store(base + 3, tl.sum(nf, axis=0).to(tl.float32))
 
 
 @triton.jit
@@ -427,9 +432,11 @@ def _compact_kernel(
         x = _load_scaled(x_ptr + row * x_stride, v, end, t_ptr, row, TEMP)
         key = _skey(x)
         keep = ((key > lo) & (key <= hi)).to(tl.int32)
-        pos = off + tl.cumsum(keep, axis=0) - 1
-        tl.store(cand_ptr + row * cand_stride + pos, x, mask=keep != 0)
-        off += tl.sum(keep, axis=0)
+        kept = tl.sum(keep, axis=0)
+        if kept > 0:  # most tiles of a top-k row hold no candidate: no scan, no store
+            pos = off + tl.cumsum(keep, axis=0) - 1
+            tl.store(cand_ptr + row * cand_stride + pos, x, mask=keep != 0)
+            off += kept
 
 
 @triton.jit
