@@ -52,6 +52,14 @@ import triton
 import triton.language as tl
 
 from ._backend import cdiv, default_block, next_power_of_2, use_triton
+from .top_k_top_p_ref import (
+    check_filter_args,
+    check_temperature,
+    order_keys,
+    scaled,
+    top_k_top_p_keys_ref,
+    top_k_top_p_ref,
+)
 
 __all__ = [
     "order_key",
@@ -68,74 +76,6 @@ _DROP_ALL = tl.constexpr(2**31)  # threshold key above every key: drop the whole
 # Top-p keeps only values above m - ln(V) - 17 (the rest weighs < 2**-24 of the row's mass),
 # so its first pivots are spread over that window. Placement only: correctness never uses it.
 _P_WINDOW = tl.constexpr(17.0)
-
-
-def _check(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> None:
-    if logits.dim() != 2 or (logits.shape[1] > 1 and logits.stride(1) != 1):
-        raise ValueError(f"logits must be 2-D with contiguous rows, got {tuple(logits.shape)}")
-    if logits.shape[1] == 0:
-        raise ValueError("logits must have at least one column")
-    n = logits.shape[0]
-    for name, t in (("top_k", top_k), ("top_p", top_p)):
-        if t.shape != (n,):
-            raise ValueError(f"{name} must have shape ({n},), got {tuple(t.shape)}")
-
-
-# --------------------------------------------------------------------------- torch reference
-
-
-def top_k_top_p_ref(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    """Plain-torch specification of :func:`top_k_top_p` (a full sort of every row)."""
-    _check(logits, top_k, top_p)
-    x = logits.float()
-    vocab = x.shape[-1]
-    sorted_x, order = x.sort(dim=-1, descending=True)
-    k = torch.where(top_k <= 0, vocab, top_k.clamp(max=vocab)).long()
-    kth = sorted_x.gather(1, (k - 1)[:, None])
-    sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
-    probs = torch.softmax(sorted_x, dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    p = top_p.float()[:, None]
-    kept = (~(mass_before >= p) | (p >= 1.0)) & (sorted_x > float("-inf"))
-    # Whole tie groups: keep every value >= the smallest value the sorted rule keeps.
-    cut = torch.where(kept, sorted_x, float("inf")).amin(dim=-1, keepdim=True)
-    sorted_x = sorted_x.masked_fill(sorted_x < cut, float("-inf"))
-    return torch.full_like(x, float("-inf")).scatter(1, order, sorted_x)
-
-
-def order_keys(x: torch.Tensor) -> torch.Tensor:
-    """int32 keys with the order of the fp32 values ``x`` (signed compare; ``-0.0`` shares
-    ``+0.0``'s key): the keys the kernels compare, and :func:`top_k_top_p_keys` returns."""
-    b = x.float().view(torch.int32)
-    key = torch.where(b < 0, b ^ 0x7FFFFFFF, b)
-    return torch.where(x == 0, 0, key)
-
-
-def _scaled(logits: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
-    x = logits.float()
-    return x if temperature is None else x / temperature.float().view(-1, 1)
-
-
-def _active(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Rows a filter may cut (the kernel's ``kact | pact``): top-k below the number of finite
-    values, or top-p below 1 over at least one finite value."""
-    finite = (x > float("-inf")).sum(dim=1)
-    return ((top_k >= 1) & (top_k < finite)) | ((top_p < 1.0) & (finite > 0))
-
-
-def top_k_top_p_keys_ref(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-    temperature: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Plain-torch specification of :func:`top_k_top_p_keys`: the least order key the
-    reference keeps in each row; ``-2**31`` for rows no filter cuts, ``2**31`` for rows it
-    empties (``top_p <= 0``)."""
-    x = _scaled(logits, temperature)
-    kept = torch.isfinite(top_k_top_p_ref(x, top_k, top_p))
-    keys = torch.where(kept, order_keys(x).long(), 2**31).amin(dim=1)
-    return torch.where(_active(x, top_k, top_p), keys, -(2**31))
 
 
 # --------------------------------------------------------------------------- Triton helpers
@@ -634,13 +574,6 @@ def _thresholds(
     return thr, block, chunk
 
 
-def _check_temperature(logits: torch.Tensor, temperature: torch.Tensor | None) -> None:
-    if temperature is not None and (temperature.shape != (logits.shape[0],)
-                                    or temperature.dtype != torch.float32):
-        raise ValueError(f"temperature must be float32 of shape ({logits.shape[0]},), got "
-                         f"{temperature.dtype} {tuple(temperature.shape)}")
-
-
 def top_k_top_p_triton(
     logits: torch.Tensor,
     top_k: torch.Tensor,
@@ -663,8 +596,8 @@ def top_k_top_p_triton(
     ``small_cap`` (at most ``cap``) the size of a smaller sort for rows with that few. All
     powers of two; the result does not depend on them except through float summation order.
     """
-    _check(logits, top_k, top_p)
-    _check_temperature(logits, temperature)
+    check_filter_args(logits, top_k, top_p)
+    check_temperature(logits, temperature)
     out = _output(logits, out)
     n, vocab = logits.shape
     if n == 0:
@@ -693,8 +626,8 @@ def top_k_top_p_keys(
     samples, which saves the filtered copy's write and read. ``tiles``: the Triton path's
     tile sizes (:func:`top_k_top_p_triton`'s keywords); without Triton,
     :func:`top_k_top_p_keys_ref`."""
-    _check(logits, top_k, top_p)
-    _check_temperature(logits, temperature)
+    check_filter_args(logits, top_k, top_p)
+    check_temperature(logits, temperature)
     if not use_triton(logits):
         return top_k_top_p_keys_ref(logits, top_k, top_p, temperature)
     if logits.shape[0] == 0:
@@ -728,8 +661,8 @@ def top_k_top_p(
     """
     if use_triton(logits):
         return top_k_top_p_triton(logits, top_k, top_p, out, temperature=temperature)
-    _check_temperature(logits, temperature)
-    result = top_k_top_p_ref(_scaled(logits, temperature), top_k, top_p)
+    check_temperature(logits, temperature)
+    result = top_k_top_p_ref(scaled(logits, temperature), top_k, top_p)
     if out is None:
         return result
     _output(logits, out)
