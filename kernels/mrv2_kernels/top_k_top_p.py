@@ -404,7 +404,7 @@ def _sort_resolve(
 def _bisect(
     cand: tl.tensor, n: tl.tensor, lo: tl.tensor, hi: tl.tensor, base: tl.tensor,
     m: tl.tensor, z: tl.tensor, k: tl.tensor, p: tl.tensor, kact: tl.tensor, pact: tl.tensor,
-    NB: tl.constexpr, BLOCK: tl.constexpr,
+    NB: tl.constexpr, TILE: tl.constexpr,
 ) -> tl.tensor:
     # Key-space bisection over the n candidates (the values with key in (lo, hi], the mass
     # above hi being ``base``): the threshold key lies in (lo, hi]; each pass counts and
@@ -421,21 +421,27 @@ def _bisect(
     while (done == 0) & (it < 80):
         piv = lo + ((hi - lo) * (j + 1)) // (NB + 1)
         piv = tl.minimum(tl.maximum(piv, lo + 1), hi).to(tl.int32)
-        cnt = tl.zeros([NB], tl.int32)
-        mass = tl.zeros([NB], tl.float32)
-        cnt_lo = tl.full([], 0, tl.int32)
-        mass_lo = tl.full([], 0.0, tl.float32)
-        for v0 in range(0, n, BLOCK):
-            v = v0 + tl.arange(0, BLOCK)
+        # [NB, TILE] per-lane accumulators (one candidate a thread, its NB counts in
+        # registers), reduced once a pass (as _count_above's)
+        lane_cnt = tl.zeros([NB, TILE], tl.int32)
+        lane_mass = tl.zeros([NB, TILE], tl.float32)
+        lane_cnt_lo = tl.zeros([TILE], tl.int32)
+        lane_mass_lo = tl.zeros([TILE], tl.float32)
+        for v0 in range(0, n, TILE):
+            v = v0 + tl.arange(0, TILE)
             x = tl.load(cand + v, mask=v < n, other=float("-inf"))
             key = _skey(x)
             w = tl.exp(x - m)
-            gt = key[:, None] > piv[None, :]
-            cnt += tl.sum(gt.to(tl.int32), axis=0)
-            mass += tl.sum(tl.where(gt, w[:, None], 0.0), axis=0)
+            gt = key[None, :] > piv[:, None]
+            lane_cnt += gt.to(tl.int32)
+            lane_mass += tl.where(gt, w[None, :], 0.0)
             above = key > lo
-            cnt_lo += tl.sum(above.to(tl.int32), axis=0)
-            mass_lo += tl.sum(tl.where(above, w, 0.0), axis=0)
+            lane_cnt_lo += above.to(tl.int32)
+            lane_mass_lo += tl.where(above, w, 0.0)
+        cnt = tl.sum(lane_cnt, axis=1)
+        mass = tl.sum(lane_mass, axis=1)
+        cnt_lo = tl.sum(lane_cnt_lo, axis=0)
+        mass_lo = tl.sum(lane_mass_lo, axis=0)
         below = tl.where(stage_k != 0, cnt >= k, (cnt >= cnt_lo) | (base + mass >= p * zk))
         f = tl.max(tl.where(below, j, -1), axis=0)
         g = tl.min(tl.where(below, NB, j), axis=0)
@@ -481,7 +487,7 @@ def _resolve_kernel(
         elif n <= CAP:
             thr = _sort_resolve(cand, n, hi, base, m, z, k, p, kact, pact, CAP)
         else:
-            thr = _bisect(cand, n, lo, hi, base, m, z, k, p, kact, pact, NB, BLOCK)
+            thr = _bisect(cand, n, lo, hi, base, m, z, k, p, kact, pact, NB, BLOCK // 4)
     tl.store(thr_ptr + row, thr)
 
 
