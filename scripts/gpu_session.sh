@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (device tool): installs the carried wheels, then the steps named as
 # arguments: tests (tests/gpu), kerneltests (tests/kernels on CUDA), moe (the fused-MoE kernel bench), tma_prefill (MRV2_TMA_PREFILL's tests and A/B),
-# gemm_proto (scripts/proto_gemm.py: Triton TMA GEMMs against cuBLAS at 8B decode shapes), attn,
+# gemm_proto (scripts/proto_gemm.py: Triton TMA GEMMs against cuBLAS at 8B decode shapes),
+# pdlchain (scripts/proto_pdl_chain.py: Triton GEMMs with PDL in the decode layer's chain), attn,
 # splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile, mixed,
 # flatgrid (MRV2_ATTN_FLAT_GRID: the kernel case, then the throughput A/B whose "on" side is the old grid),
 # mixedgraphs (steps with prompt tokens in CUDA graphs: small steps and the throughput workload),
@@ -241,6 +242,12 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                    > "$OUT/tma_attn.log" 2>&1; tail -5 "$OUT/tma_attn.log"
                  ROUNDS=${ROUNDS:-1} bash scripts/ab_env.sh MRV2_TMA_PREFILL=1 throughput \
                    --model "${TMA_MODEL:-Qwen3-8B}" ;;
+    pdlchain)   # Triton GEMMs with PDL (early weight loads, the SwiGLU fused) against cuBLAS in
+                # the decode layer's chain at 32-256 rows (scripts/proto_pdl_chain.py)
+                timeout 120 python3 scripts/proto_pdl_chain.py --check > "$OUT/pdl_chain_check.log" 2>&1
+                tail -1 "$OUT/pdl_chain_check.log"
+                timeout 420 python3 scripts/proto_pdl_chain.py ${CHAIN_ARGS:-} > "$OUT/pdl_chain.log" 2>&1
+                tail -10 "$OUT/pdl_chain.log" ;;
     gemm_proto) # a Triton TMA GEMM (and gate/up with the SwiGLU fused) against cuBLAS at 64-256
                 # rows, Qwen3-8B shapes (scripts/proto_gemm.py): correctness, then the sweep
                 python3 scripts/proto_gemm.py --check > "$OUT/proto_gemm_check.log" 2>&1

@@ -1,0 +1,291 @@
+"""Prototype (H200): do Triton GEMMs with programmatic dependent launch beat cuBLAS *in the
+decode layer's chain* at 32-256 rows, where cuBLAS wins alone?
+
+A decode step of a large batch runs, per layer, ``rms_norm -> qkv -> (attention) -> o ->
+rms_norm -> gate/up -> silu_and_mul -> down``. The norms, SiLU and attention are Triton kernels
+launched with PDL (each one's launch and start-up overlap the previous kernel's tail); the four
+products are cuBLAS, which takes no part in PDL, so every cuBLAS boundary costs a full launch and
+ramp (~2 µs: BENCHMARKS.md, sixteenth session, a Qwen3-0.6B step of 128 requests spends 0.70 ms
+in GEMMs that move ~0.25 ms of bytes). The tenth session's Triton TMA GEMM (``proto_gemm.py``)
+lost to cuBLAS by 5-20% *alone* on Qwen3-8B shapes, without PDL. Here each product is
+``_chain_gemm_kernel``: pointer loads, ``tl.dot``, optionally the SwiGLU in its epilogue (one
+launch instead of gate/up + silu_and_mul), and with PDL its programs let the next kernel
+launch, load their first weight tile, and only then wait for the previous kernel (the weights
+are parameters no kernel writes: ``mrv2_kernels.norm_gemv``'s early-weight rule).
+
+Each variant runs ``--layers`` layers of distinct weights (more bytes than L2) in one CUDA graph;
+attention is left out (the o product reads a fixed buffer), so the chain is the part a Triton
+GEMM would change. Variants: ``cublas`` (the engine today), ``triton`` (PDL, early weights,
+SwiGLU fused), ``triton_late`` (PDL, weights after the wait), ``triton_nopdl``. Before the chains,
+each product's tiles are picked alone (a graph of PDL launches of that product).
+
+Usage: ``python scripts/proto_pdl_chain.py [--models 0.6B 8B] [--rows 32 64 128 256]`` on the GPU
+(table last: µs per layer, and each product's pick); ``--check`` anywhere (under
+``TRITON_INTERPRET=1`` on a CPU): the kernel against torch, plain and SwiGLU, every tile list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from mrv2_kernels._backend import pdl_release, pdl_wait
+
+
+@triton.jit
+def _chain_gemm_kernel(
+    x_ptr, w_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+    SWIGLU: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+):
+    # Program (row tile, column tile): out = x @ w.T over the whole K (no split), row tiles of
+    # one weight tile adjacent in launch order (the second reads it from L2). SWIGLU: w is
+    # [gate | up] ([2N, K]); the program also owns the matching up rows and writes
+    # silu(gate) * up, with gate and up rounded to the output dtype first (the unfused chain's
+    # roundings).
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    kk = tl.arange(0, BK)
+    row_ok = rows < M
+    col_ok = cols < N
+    x_at = x_ptr + rows[:, None].to(tl.int64) * stride_x + kk[None, :]
+    w_at = w_ptr + cols[:, None].to(tl.int64) * stride_w + kk[None, :]
+    u_at = w_at + N * stride_w
+    k_ok = kk[None, :] < K
+    if EARLY:  # the first weight tile in flight before the previous kernel ends
+        pdl_release(PDL)
+        b0 = tl.load(w_at, mask=col_ok[:, None] & k_ok, other=0.0)
+        u0 = b0
+        if SWIGLU:
+            u0 = tl.load(u_at, mask=col_ok[:, None] & k_ok, other=0.0)
+        pdl_wait(PDL)
+    else:
+        pdl_wait(PDL)
+        pdl_release(PDL)
+        b0 = tl.load(w_at, mask=col_ok[:, None] & k_ok, other=0.0)
+        u0 = b0
+        if SWIGLU:
+            u0 = tl.load(u_at, mask=col_ok[:, None] & k_ok, other=0.0)
+    a0 = tl.load(x_at, mask=row_ok[:, None] & k_ok, other=0.0)
+    acc = tl.dot(a0, b0.T, tl.zeros([BM, BN], tl.float32))
+    acc_up = acc
+    if SWIGLU:
+        acc_up = tl.dot(a0, u0.T, tl.zeros([BM, BN], tl.float32))
+    for kt in tl.range(1, tl.cdiv(K, BK), num_stages=STAGES):
+        x_at += BK
+        w_at += BK
+        k_ok = (kt * BK + kk[None, :]) < K
+        a = tl.load(x_at, mask=row_ok[:, None] & k_ok, other=0.0)
+        b = tl.load(w_at, mask=col_ok[:, None] & k_ok, other=0.0)
+        acc = tl.dot(a, b.T, acc)
+        if SWIGLU:
+            u_at += BK
+            u = tl.load(u_at, mask=col_ok[:, None] & k_ok, other=0.0)
+            acc_up = tl.dot(a, u.T, acc_up)
+    if SWIGLU:
+        g = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+        acc = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32) * up
+    out_at = out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :]
+    tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@dataclass(frozen=True)
+class Tiles:
+    bm: int
+    bn: int
+    bk: int
+    stages: int
+    warps: int
+
+    def __str__(self) -> str:
+        return f"{self.bm}x{self.bn}x{self.bk} s{self.stages} w{self.warps}"
+
+
+def chain_gemm(x: torch.Tensor, w: torch.Tensor, tiles: Tiles, swiglu: bool = False,
+               pdl: bool = True, early: bool = True) -> torch.Tensor:
+    """``x @ w.T``; with ``swiglu`` ``silu(x @ gate.T) * (x @ up.T)`` of ``w = [gate | up]``."""
+    m, k = x.shape
+    n = w.shape[0] // 2 if swiglu else w.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    on = pdl and x.is_cuda
+    launch = {"launch_pdl": True} if on else {}
+    grid = (triton.cdiv(m, tiles.bm), triton.cdiv(n, tiles.bn))
+    _chain_gemm_kernel[grid](x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
+                             BM=tiles.bm, BN=tiles.bn, BK=tiles.bk, STAGES=tiles.stages,
+                             SWIGLU=swiglu, PDL=on, EARLY=early and on,
+                             num_warps=tiles.warps, **launch)
+    return out
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, swiglu: bool) -> torch.Tensor:
+    """The unfused chain in fp32 accumulation: the product rounded, then the SwiGLU rounded as
+    ``silu_and_mul`` rounds it."""
+    y = (x.float() @ w.float().T).to(x.dtype)
+    if not swiglu:
+        return y
+    g, u = y.float().chunk(2, dim=-1)
+    return ((g / (1.0 + torch.exp(-g))).to(x.dtype).float() * u).to(x.dtype)
+
+
+def tile_list(rows: int, swiglu: bool) -> list[Tiles]:
+    """Candidates for a product of ``rows`` rows (memory-bound: narrow column tiles, deep K)
+    whose shared memory fits: the pipeline's stages plus the tile loaded before the loop, bf16
+    (sm_90 AOT compiles: 128x64x128 s3 takes 196,608 bytes; an H200 program may have
+    232,448)."""
+    bm = 64 if rows <= 64 else 128
+    out = [Tiles(bm, bn, bk, st, w) for bn, bk, st, w in
+           [(32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 3, 4), (64, 64, 6, 4), (128, 64, 3, 4),
+            (128, 64, 3, 8)]]
+    if rows > 64:
+        out.append(Tiles(64, 64, 128, 3, 4))  # two row tiles a weight tile
+    return [t for t in out
+            if (t.stages + 1) * 2 * t.bk * (t.bm + t.bn * (2 if swiglu else 1)) <= 225_000]
+
+
+#: name -> (hidden, qkv out, o in, intermediate) of the decode projections.
+MODELS = {"0.6B": (1024, 4096, 2048, 3072), "8B": (4096, 6144, 4096, 12288)}
+
+
+def check() -> None:
+    """The kernel against :func:`reference` at small shapes (fp32 under the interpreter,
+    whose bf16 arithmetic is wrong; bf16 on a GPU), every tile list, PDL off and on."""
+    cuda = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+    dev, dt = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    torch.manual_seed(0)
+    cases = [(Tiles(16, 16, 16, 2, 4), s, e) for s in (False, True) for e in (False, True)]
+    cases.append((Tiles(16, 32, 32, 2, 4), False, True))
+    if cuda:
+        cases = [(t, s, e) for s in (False, True) for t in tile_list(128, s)
+                 for e in (False, True)]
+    for tiles, swiglu, early in cases:
+        m, n, k = (40, 48, 80) if not cuda else (100, 512, 1000)
+        x = torch.randn(m, k, device=dev).to(dt)
+        w = (torch.randn(2 * n if swiglu else n, k, device=dev) / k**0.5).to(dt)
+        got = chain_gemm(x, w, tiles, swiglu, early=early).float()
+        want = reference(x, w, swiglu).float()
+        tol = 2e-2 if dt == torch.bfloat16 else 1e-4
+        err = (got - want).abs().max().item()
+        assert err <= tol * (1 + want.abs().max().item()), (str(tiles), swiglu, err)
+        print(f"ok {tiles} swiglu={swiglu} early={early} max err {err:.2e}")
+
+
+def _graph_us(fn: Callable[[], object], repeats: int = 20) -> float:
+    """Median µs of one replay of a CUDA graph of ``fn()``."""
+    from mrv2_kernels._backend import cuda_event_ms
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = sorted(cuda_event_ms(graph.replay) for _ in range(repeats))
+    return times[len(times) // 2] * 1e3
+
+
+def _case(name: str, rows: int, layers: int) -> tuple[float, list[float]]:
+    """One model at one batch: the largest difference between the Triton and cuBLAS chains'
+    outputs, and each variant's µs per layer."""
+    from mrv2_kernels.norm import rms_norm, silu_and_mul
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    hidden, qkv_n, o_k, inter = MODELS[name]
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def weight(n: int, k: int) -> torch.Tensor:
+        return (torch.randn(n, k, device=dev, generator=g) / k**0.5).to(dt)
+
+    ws = [dict(qkv=weight(qkv_n, hidden), o=weight(hidden, o_k), gu=weight(2 * inter, hidden),
+               down=weight(hidden, inter),
+               n1=torch.rand(hidden, device=dev, generator=g).to(dt) + 0.5,
+               n2=torch.rand(hidden, device=dev, generator=g).to(dt) + 0.5)
+          for _ in range(layers)]
+    x0 = torch.randn(rows, hidden, device=dev, generator=g).to(dt)
+    attn = torch.randn(rows, o_k, device=dev, generator=g).to(dt)
+    # each product's tiles, picked alone: a graph of `layers` PDL launches of it
+    picks: dict[str, Tiles] = {}
+    for key, k_in, swiglu in (("qkv", hidden, False), ("o", o_k, False), ("gu", hidden, True),
+                              ("down", inter, False)):
+        xin = torch.randn(rows, k_in, device=dev, generator=g).to(dt)
+        best: tuple[float, Tiles | None] = (float("inf"), None)
+        for tiles in tile_list(rows, swiglu):
+            try:
+                alone = _graph_us(lambda t=tiles, s=swiglu, k=key, x=xin: [
+                    chain_gemm(x, w[k], t, s) for w in ws]) / layers
+            except Exception as exc:  # noqa: BLE001 (out of resources, a compile error)
+                print(f"{name} {rows} {key} {tiles}: {type(exc).__name__}", flush=True)
+                continue
+            if alone < best[0]:
+                best = (alone, tiles)
+        assert best[1] is not None, f"no tiles ran for {name} {key}"
+        picks[key] = best[1]
+        print(f"{name} rows {rows} {key}: {best[0]:.1f} us alone with {best[1]}", flush=True)
+
+    def chain(variant: str) -> Callable[[], torch.Tensor]:
+        pdl, early = variant != "triton_nopdl", variant == "triton"
+
+        def step() -> torch.Tensor:
+            x, res = x0, x0.clone()
+            for w in ws:
+                h, res = rms_norm(x, w["n1"], 1e-6, res)
+                if variant == "cublas":
+                    F.linear(h, w["qkv"])
+                    o = F.linear(attn, w["o"])
+                    h2, res = rms_norm(o, w["n2"], 1e-6, res)
+                    x = F.linear(silu_and_mul(F.linear(h2, w["gu"])), w["down"])
+                else:
+                    chain_gemm(h, w["qkv"], picks["qkv"], pdl=pdl, early=early)
+                    o = chain_gemm(attn, w["o"], picks["o"], pdl=pdl, early=early)
+                    h2, res = rms_norm(o, w["n2"], 1e-6, res)
+                    a = chain_gemm(h2, w["gu"], picks["gu"], True, pdl=pdl, early=early)
+                    x = chain_gemm(a, w["down"], picks["down"], pdl=pdl, early=early)
+            return x
+        return step
+
+    err = (chain("triton")().float() - chain("cublas")().float()).abs().max().item()
+    us = [_graph_us(chain(v)) / layers for v in ("cublas", "triton", "triton_late",
+                                                  "triton_nopdl")]
+    print(f"{name} rows {rows}: " + ", ".join(f"{u:.1f}" for u in us), flush=True)
+    return err, us
+
+
+def run(models: list[str], rows_list: list[int], layers_06b: int) -> None:
+    """Every model at every batch; the table prints last."""
+    table = []
+    for name, rows in itertools.product(models, rows_list):
+        err, us = _case(name, rows, layers_06b if name == "0.6B" else 2)
+        table.append((name, rows, err, us))
+    print(f"\n{'model':5} {'rows':>4} {'max err':>8} {'cublas':>8} {'triton':>8} "
+          f"{'late':>8} {'no pdl':>8}   (µs per layer: norms, SiLU, 4 products)")
+    for name, rows, err, us in table:
+        print(f"{name:5} {rows:4d} {err:8.3f} " + " ".join(f"{u:8.1f}" for u in us))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--rows", type=int, nargs="+", default=[32, 64, 128, 256])
+    ap.add_argument("--layers", type=int, default=8, help="layers of the 0.6B chain (8B: 2)")
+    args = ap.parse_args()
+    if args.check:
+        check()
+        return
+    if not torch.cuda.is_available():
+        sys.exit("the chains need a GPU (--check runs anywhere)")
+    run(args.models, args.rows, args.layers)
+
+
+if __name__ == "__main__":
+    main()
