@@ -8,16 +8,16 @@ products are cuBLAS, which takes no part in PDL, so every cuBLAS boundary costs 
 ramp (~2 µs: BENCHMARKS.md, sixteenth session, a Qwen3-0.6B step of 128 requests spends 0.70 ms
 in GEMMs that move ~0.25 ms of bytes). The tenth session's Triton TMA GEMM (``proto_gemm.py``)
 lost to cuBLAS by 5-20% *alone* on Qwen3-8B shapes, without PDL. Here each product is
-``_chain_gemm_kernel``: pointer loads, ``tl.dot``, optionally the SwiGLU in its epilogue (one
-launch instead of gate/up + silu_and_mul), and with PDL its programs let the next kernel
-launch, load their first weight tile, and only then wait for the previous kernel (the weights
-are parameters no kernel writes: ``mrv2_kernels.norm_gemv``'s early-weight rule).
+:func:`mrv2_kernels.pdl_gemm.pdl_gemm` (the engine's opt-in kernel, ``MRV2_PDL_GEMM=1``):
+pointer loads, ``tl.dot``, optionally the SwiGLU in its epilogue (one launch instead of gate/up
++ silu_and_mul), and with PDL its programs let the next kernel launch, optionally load their
+first weight tile, and then wait for the previous kernel.
 
 Each variant runs ``--layers`` layers of distinct weights (more bytes than L2) in one CUDA graph;
 attention is left out (the o product reads a fixed buffer), so the chain is the part a Triton
 GEMM would change. Variants: ``cublas`` (the engine today), ``triton`` (PDL, early weights,
-SwiGLU fused), ``triton_late`` (PDL, weights after the wait), ``triton_nopdl``. Before the chains,
-each product's tiles are picked alone (a graph of PDL launches of that product).
+SwiGLU fused), ``triton_late`` (PDL, one pipelined loop after the wait), ``triton_nopdl``.
+Before the chains, each product's tiles are picked alone (a graph of PDL launches of it).
 
 Usage: ``python scripts/proto_pdl_chain.py [--models 0.6B 8B] [--rows 32 64 128 256]`` on the GPU
 (table last: µs per layer, and each product's pick); ``--check`` anywhere (under
@@ -31,112 +31,30 @@ import itertools
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
-from mrv2_kernels._backend import pdl_release, pdl_wait
+from mrv2_kernels._backend import PDL_ENV_VAR
+from mrv2_kernels.pdl_gemm import GemmTiles, pdl_gemm, pdl_gemm_ref
 
-
-@triton.jit
-def _chain_gemm_kernel(
-    x_ptr, w_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-    SWIGLU: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-):
-    # Program (row tile, column tile): out = x @ w.T over the whole K (no split), row tiles of
-    # one weight tile adjacent in launch order (the second reads it from L2). SWIGLU: w is
-    # [gate | up] ([2N, K]); the program also owns the matching up rows and writes
-    # silu(gate) * up, with gate and up rounded to the output dtype first (the unfused chain's
-    # roundings).
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rows = pid_m * BM + tl.arange(0, BM)
-    cols = pid_n * BN + tl.arange(0, BN)
-    kk = tl.arange(0, BK)
-    row_ok = rows < M
-    col_ok = cols < N
-    x_at = x_ptr + rows[:, None].to(tl.int64) * stride_x + kk[None, :]
-    w_at = w_ptr + cols[:, None].to(tl.int64) * stride_w + kk[None, :]
-    u_at = w_at + N * stride_w
-    k_ok = kk[None, :] < K
-    if EARLY:  # the first weight tile in flight before the previous kernel ends
-        pdl_release(PDL)
-        b0 = tl.load(w_at, mask=col_ok[:, None] & k_ok, other=0.0)
-        u0 = b0
-        if SWIGLU:
-            u0 = tl.load(u_at, mask=col_ok[:, None] & k_ok, other=0.0)
-        pdl_wait(PDL)
-    else:
-        pdl_wait(PDL)
-        pdl_release(PDL)
-        b0 = tl.load(w_at, mask=col_ok[:, None] & k_ok, other=0.0)
-        u0 = b0
-        if SWIGLU:
-            u0 = tl.load(u_at, mask=col_ok[:, None] & k_ok, other=0.0)
-    a0 = tl.load(x_at, mask=row_ok[:, None] & k_ok, other=0.0)
-    acc = tl.dot(a0, b0.T, tl.zeros([BM, BN], tl.float32))
-    acc_up = acc
-    if SWIGLU:
-        acc_up = tl.dot(a0, u0.T, tl.zeros([BM, BN], tl.float32))
-    for kt in tl.range(1, tl.cdiv(K, BK), num_stages=STAGES):
-        x_at += BK
-        w_at += BK
-        k_ok = (kt * BK + kk[None, :]) < K
-        a = tl.load(x_at, mask=row_ok[:, None] & k_ok, other=0.0)
-        b = tl.load(w_at, mask=col_ok[:, None] & k_ok, other=0.0)
-        acc = tl.dot(a, b.T, acc)
-        if SWIGLU:
-            u_at += BK
-            u = tl.load(u_at, mask=col_ok[:, None] & k_ok, other=0.0)
-            acc_up = tl.dot(a, u.T, acc_up)
-    if SWIGLU:
-        g = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-        up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
-        acc = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32) * up
-    out_at = out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :]
-    tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-
-
-@dataclass(frozen=True)
-class Tiles:
-    bm: int
-    bn: int
-    bk: int
-    stages: int
-    warps: int
-
-    def __str__(self) -> str:
-        return f"{self.bm}x{self.bn}x{self.bk} s{self.stages} w{self.warps}"
+#: The kernel's tiles (rows, features, reduction per tile, stages, warps).
+Tiles = GemmTiles
 
 
 def chain_gemm(x: torch.Tensor, w: torch.Tensor, tiles: Tiles, swiglu: bool = False,
                pdl: bool = True, early: bool = True) -> torch.Tensor:
-    """``x @ w.T``; with ``swiglu`` ``silu(x @ gate.T) * (x @ up.T)`` of ``w = [gate | up]``."""
-    m, k = x.shape
-    n = w.shape[0] // 2 if swiglu else w.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    on = pdl and x.is_cuda
-    launch = {"launch_pdl": True} if on else {}
-    grid = (triton.cdiv(m, tiles.bm), triton.cdiv(n, tiles.bn))
-    _chain_gemm_kernel[grid](x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-                             BM=tiles.bm, BN=tiles.bn, BK=tiles.bk, STAGES=tiles.stages,
-                             SWIGLU=swiglu, PDL=on, EARLY=early and on,
-                             num_warps=tiles.warps, **launch)
-    return out
-
-
-def reference(x: torch.Tensor, w: torch.Tensor, swiglu: bool) -> torch.Tensor:
-    """The unfused chain in fp32 accumulation: the product rounded, then the SwiGLU rounded as
-    ``silu_and_mul`` rounds it."""
-    y = (x.float() @ w.float().T).to(x.dtype)
-    if not swiglu:
-        return y
-    g, u = y.float().chunk(2, dim=-1)
-    return ((g / (1.0 + torch.exp(-g))).to(x.dtype).float() * u).to(x.dtype)
+    """``x @ w.T``; with ``swiglu`` ``silu(x @ gate.T) * (x @ up.T)`` of ``w = [gate | up]``:
+    :func:`mrv2_kernels.pdl_gemm.pdl_gemm` with these tiles, PDL on or off (``MRV2_PDL``)."""
+    saved = os.environ.get(PDL_ENV_VAR)
+    os.environ[PDL_ENV_VAR] = "1" if pdl else "0"
+    try:
+        return pdl_gemm(x, w, gated=swiglu, tiles=tiles, early=early)
+    finally:
+        if saved is None:
+            del os.environ[PDL_ENV_VAR]
+        else:
+            os.environ[PDL_ENV_VAR] = saved
 
 
 def tile_list(rows: int, swiglu: bool) -> list[Tiles]:
@@ -159,8 +77,9 @@ MODELS = {"0.6B": (1024, 4096, 2048, 3072), "8B": (4096, 6144, 4096, 12288)}
 
 
 def check() -> None:
-    """The kernel against :func:`reference` at small shapes (fp32 under the interpreter,
-    whose bf16 arithmetic is wrong; bf16 on a GPU), every tile list, PDL off and on."""
+    """The kernel against :func:`~mrv2_kernels.pdl_gemm.pdl_gemm_ref` at small shapes (fp32
+    under the interpreter, whose bf16 arithmetic is wrong; bf16 on a GPU), every tile list,
+    the first tile early or not."""
     cuda = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
     dev, dt = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     torch.manual_seed(0)
@@ -174,7 +93,7 @@ def check() -> None:
         x = torch.randn(m, k, device=dev).to(dt)
         w = (torch.randn(2 * n if swiglu else n, k, device=dev) / k**0.5).to(dt)
         got = chain_gemm(x, w, tiles, swiglu, early=early).float()
-        want = reference(x, w, swiglu).float()
+        want = pdl_gemm_ref(x, w, gated=swiglu).float()
         tol = 2e-2 if dt == torch.bfloat16 else 1e-4
         err = (got - want).abs().max().item()
         assert err <= tol * (1 + want.abs().max().item()), (str(tiles), swiglu, err)

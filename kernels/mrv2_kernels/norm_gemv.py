@@ -51,7 +51,8 @@ from ._backend import (
 )
 from .cpu_linear import linear_cpu
 from .norm import rms_norm, rms_norm_cpu, rms_norm_ref, silu_and_mul, silu_and_mul_ref
-from .skinny_gemm import skinny_linear, skinny_linear_ref
+from .pdl_gemm import pdl_gemm, use_pdl_gemm
+from .skinny_gemm import skinny_linear, skinny_linear_ref, use_skinny
 
 __all__ = [
     "FUSED_NORM_MAX_ELEMS",
@@ -333,12 +334,15 @@ def decode_linear(
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through the fastest kernel for its shape: this GEMV
     (:func:`use_norm_gemv`), else :func:`~mrv2_kernels.skinny_gemm.skinny_linear` (the skinny
-    split-K kernel, or cuBLAS); on the torch path (CPU),
+    split-K kernel, or cuBLAS; with ``MRV2_PDL_GEMM=1`` :func:`~mrv2_kernels.pdl_gemm.pdl_gemm`
+    instead of cuBLAS for 3-256 rows); on the torch path (CPU),
     :func:`~mrv2_kernels.cpu_linear.linear_cpu`."""
     if not use_triton(x):
         return linear_cpu(x, weight, bias)
     if use_norm_gemv(x, weight):
         return norm_gemv_triton(x, weight, bias)[0]
+    if use_pdl_gemm(x, weight) and not use_skinny(x, weight):
+        return pdl_gemm(x, weight, bias)
     return skinny_linear(x, weight, bias)
 
 
@@ -377,6 +381,8 @@ def norm_gemv(
     h, new_res = _normed(x, norm_weight, eps, residual, rms_norm)
     if gated and use_norm_gemv(h, weight):  # the norm did not fit; the SwiGLU still does
         y = norm_gemv_triton(h, weight, bias, gated=True)[0]
+    elif gated and use_pdl_gemm(h, weight):  # opt-in: the SwiGLU in the GEMM's epilogue
+        y = pdl_gemm(h, weight, bias, gated=True)
     else:
         y = decode_linear(h, weight, bias)
         y = silu_and_mul(y) if gated else y

@@ -6,7 +6,9 @@ test. :func:`compile_for_sm90` runs a script in a fresh process without ``TRITON
 the script gets ``build(fn, ptrs, consts, descs=None, **options)``, which compiles ``fn`` with
 the pointer arguments ``ptrs`` (name -> ``"*bf16"`` ...), the constexprs ``consts``, the
 tensor descriptors ``descs`` (name -> ``"tensordesc<bf16[64, 128]>"``), every other argument a
-32-bit integer (``qk_scale`` fp32), and prints the kernel's name and shared memory.
+32-bit integer (``qk_scale`` fp32; those named in ``divisible`` known multiples of 16, as the
+launcher specializes them at run time: Triton pipelines masked loads only then), and prints the
+kernel's name and shared memory.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ try:
 except ImportError:
     sys.exit(3)
 
-def build(fn, ptrs, consts, descs=None, **opts):
+def build(fn, ptrs, consts, descs=None, divisible=(), **opts):
     sig = {n: "i32" for n in fn.arg_names}
     sig.update(ptrs)
     sig.update(descs or {})
@@ -36,7 +38,7 @@ def build(fn, ptrs, consts, descs=None, **opts):
     for k in consts:
         sig[k] = "constexpr"
     const = {(fn.arg_names.index(k),): v for k, v in consts.items()}
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in (*ptrs, *divisible)}
     try:
         src = ASTSource(fn, sig, const, attrs)
     except TypeError:
