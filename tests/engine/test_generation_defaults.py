@@ -83,6 +83,12 @@ def test_openai_requests_take_the_defaults_for_unset_fields() -> None:
     assert completion.sampling_params({"top_k": 20}).max_tokens == 16
     sent = CompletionRequest.model_validate({"prompt": "hi", "max_tokens": 16})
     assert sent.sampling_params(QWEN3_DEFAULTS).max_tokens == 16
+    # where max_tokens came from the model (the server caps it at the context left)
+    assert completion.max_tokens_from_model(QWEN3_DEFAULTS)
+    assert not completion.max_tokens_from_model({"top_k": 20})
+    assert not sent.max_tokens_from_model(QWEN3_DEFAULTS)
+    assert chat.max_tokens_from_model(QWEN3_DEFAULTS) and not explicit.max_tokens_from_model(
+        QWEN3_DEFAULTS)
 
 
 ENGINE = dict(device="cpu", dtype="float32", block_size=4, max_model_len=64,

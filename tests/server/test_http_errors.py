@@ -350,3 +350,15 @@ def test_the_models_sampling_defaults_fill_unset_fields(model_dir: Path) -> None
         replies = [_post(served, "/v1/chat/completions", chat).json() for _ in range(2)]
         assert [r["usage"]["completion_tokens"] for r in replies] == [3, 3]
         assert replies[0]["choices"][0]["message"] == replies[1]["choices"][0]["message"]
+
+
+def test_a_models_max_new_tokens_is_capped_at_the_context_left(model_dir: Path) -> None:
+    """A default longer than the room is capped (as vLLM does), not refused; a request's own
+    max_tokens that long is still a 400."""
+    for served in serve(model_dir, {"override_generation_config": {"max_new_tokens": 1000}}):
+        body = {"model": MODEL, "prompt": [5, 6, 7, 8], "ignore_eos": True}
+        response = _post(served, "/v1/completions", body)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 64 - 4  # max_model_len 64
+        error = _error(_post(served, "/v1/completions", {**body, "max_tokens": 1000}), 400)
+        assert error["param"] == "max_tokens"

@@ -75,6 +75,16 @@ class _Request(BaseModel):
             logit_bias=bias,
         )
 
+    def max_tokens_from_model(self, defaults: dict[str, Any] | None) -> bool:
+        """Whether :meth:`sampling_params` takes ``max_tokens`` from the model's defaults (the
+        request set none): the server then caps it at the context left, as vLLM does, rather
+        than refuse a prompt too long for it."""
+        return bool(defaults and "max_tokens" in defaults and self._requested_max() is None)
+
+    def _requested_max(self) -> int | None:
+        """The request's own ``max_tokens`` (None: unset)."""
+        raise NotImplementedError
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -112,10 +122,13 @@ class CompletionRequest(_Request):
         _unsupported("suffix", self.suffix, None)
         if self.best_of is not None and self.best_of != self.n:
             _unsupported("best_of", self.best_of, f"None or n ({self.n})")
-        max_tokens = self.max_tokens
-        if "max_tokens" not in self.model_fields_set and defaults and "max_tokens" in defaults:
-            max_tokens = None  # OpenAI's default of 16 yields to the model's max_new_tokens
+        max_tokens = self._requested_max()
+        if max_tokens is None and not (defaults and "max_tokens" in defaults):
+            max_tokens = self.max_tokens  # OpenAI's default of 16 unless the model has one
         return self._sampling(max_tokens, self.logprobs, defaults)
+
+    def _requested_max(self) -> int | None:
+        return self.max_tokens if "max_tokens" in self.model_fields_set else None
 
 
 class ChatMessage(BaseModel):
@@ -160,12 +173,15 @@ class ChatCompletionRequest(_Request):
         _unsupported("tools", self.tools, None)
         if self.response_format not in (None, {"type": "text"}):
             _unsupported("response_format", self.response_format, {"type": "text"})
-        max_tokens = (self.max_tokens if self.max_completion_tokens is None
-                      else self.max_completion_tokens)
+        max_tokens = self._requested_max()
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("SamplingParams.top_logprobs is invalid: needs logprobs=true")
         k = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling(max_tokens, k, defaults)
+
+    def _requested_max(self) -> int | None:
+        return (self.max_tokens if self.max_completion_tokens is None
+                else self.max_completion_tokens)
 
 
 def _unsupported(name: str, value: object, allowed: object) -> None:

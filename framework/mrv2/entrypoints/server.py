@@ -159,12 +159,14 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None,
                            f"{max_n} (mrv2 serve --max-n, --max-pending)", param="n")
         return params
 
-    def validate(ids: list[int], params: SamplingParams) -> None:
+    def validate(ids: list[int], params: SamplingParams, body: Any) -> None:
         try:
             engine.validate(ids, params)
         except ValueError as error:
             raise APIError(400, str(error), param=value_error_param(str(error))) from None
         limit, num = engine.max_model_len, len(ids)
+        if body.max_tokens_from_model(engine.sampling_defaults):
+            return  # the model's max_new_tokens: the engine caps it at the context left
         if params.max_tokens is not None and num + params.max_tokens > limit:
             raise APIError(
                 400, f"max_tokens={params.max_tokens} is too large: this model's maximum "
@@ -193,7 +195,7 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None,
             else:
                 encoded.append((list(p), None))
         for ids, _ in encoded:
-            validate(ids, params)
+            validate(ids, params, body)
         return await _serve(request, worker, "cmpl", model_name, encoded, params, body, False)
 
     @app.post("/v1/chat/completions")
@@ -217,7 +219,7 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None,
             except (ValueError, TypeError) as error:
                 raise APIError(400, f"could not apply the chat template: {error}",
                                param="messages") from None
-        validate(ids, params)
+        validate(ids, params, body)
         return await _serve(request, worker, "chatcmpl", model_name, [(ids, None)], params,
                             body, True, items)
 
