@@ -67,15 +67,23 @@ class GemmTiles:
 
 
 @triton.jit
-def _load_tiles(x_at: tl.tensor, w_at: tl.tensor, u_at: tl.tensor, row_ok: tl.tensor,
-                col_ok: tl.tensor, k_ok: tl.tensor, GATED: tl.constexpr,
-                ) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
-    a = tl.load(x_at, mask=row_ok[:, None] & k_ok, other=0.0)
+def _weight_tiles(w_at: tl.tensor, u_at: tl.tensor, col_ok: tl.tensor, k_ok: tl.tensor,
+                  GATED: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
+    # The weight tile and, with GATED, the matching up tile (else the weight tile again).
     b = tl.load(w_at, mask=col_ok[:, None] & k_ok, other=0.0)
     u = b
     if GATED:
         u = tl.load(u_at, mask=col_ok[:, None] & k_ok, other=0.0)
-    return a, b, u
+    return b, u
+
+
+@triton.jit
+def _accumulate(a: tl.tensor, b: tl.tensor, u: tl.tensor, acc: tl.tensor, acc_up: tl.tensor,
+                GATED: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
+    acc = tl.dot(a, b.T, acc)
+    if GATED:
+        acc_up = tl.dot(a, u.T, acc_up)
+    return acc, acc_up
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -101,15 +109,10 @@ def _pdl_gemm_kernel(
     if EARLY:  # the first weight tile in flight before the previous kernel ends
         pdl_release(PDL)
         k_ok = kk[None, :] < K
-        b0 = tl.load(w_at, mask=col_ok[:, None] & k_ok, other=0.0)
-        u0 = b0
-        if GATED:
-            u0 = tl.load(u_at, mask=col_ok[:, None] & k_ok, other=0.0)
+        b0, u0 = _weight_tiles(w_at, u_at, col_ok, k_ok, GATED)
         pdl_wait(PDL)
         a0 = tl.load(x_at, mask=row_ok[:, None] & k_ok, other=0.0)
-        acc = tl.dot(a0, b0.T, acc)
-        if GATED:
-            acc_up = tl.dot(a0, u0.T, acc_up)
+        acc, acc_up = _accumulate(a0, b0, u0, acc, acc_up, GATED)
         x_at += BK
         w_at += BK
         u_at += BK
@@ -118,11 +121,10 @@ def _pdl_gemm_kernel(
         pdl_wait(PDL)
         pdl_release(PDL)
     for kt in tl.range(start, tl.cdiv(K, BK), num_stages=STAGES):
-        a, b, u = _load_tiles(x_at, w_at, u_at, row_ok, col_ok,
-                              (kt * BK + kk[None, :]) < K, GATED)
-        acc = tl.dot(a, b.T, acc)
-        if GATED:
-            acc_up = tl.dot(a, u.T, acc_up)
+        k_ok = (kt * BK + kk[None, :]) < K
+        a = tl.load(x_at, mask=row_ok[:, None] & k_ok, other=0.0)
+        b, u = _weight_tiles(w_at, u_at, col_ok, k_ok, GATED)
+        acc, acc_up = _accumulate(a, b, u, acc, acc_up, GATED)
         x_at += BK
         w_at += BK
         u_at += BK
