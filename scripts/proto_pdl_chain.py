@@ -57,19 +57,26 @@ def chain_gemm(x: torch.Tensor, w: torch.Tensor, tiles: Tiles, swiglu: bool = Fa
             os.environ[PDL_ENV_VAR] = saved
 
 
-def tile_list(rows: int, swiglu: bool) -> list[Tiles]:
+def tile_list(rows: int, swiglu: bool, n: int = 0, k: int = 0) -> list[Tiles]:
     """Candidates for a product of ``rows`` rows (memory-bound: narrow column tiles, deep K)
     whose shared memory fits: the pipeline's stages plus the tile loaded before the loop, bf16
     (sm_90 AOT compiles: 128x64x128 s3 takes 196,608 bytes; an H200 program may have
-    232,448)."""
+    232,448). With the product's ``n`` and ``k``, each also split 2, 4 and 8 ways where the
+    launch then has at most 8 waves of programs and each split at least two K tiles."""
     bm = 64 if rows <= 64 else 128
-    out = [Tiles(bm, bn, bk, st, w) for bn, bk, st, w in
-           [(32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 3, 4), (64, 64, 6, 4), (128, 64, 3, 4),
-            (128, 64, 3, 8)]]
+    base = [Tiles(bm, bn, bk, st, w) for bn, bk, st, w in
+            [(32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 3, 4), (64, 64, 6, 4), (128, 64, 3, 4),
+             (128, 64, 3, 8)]]
     if rows > 64:
-        out.append(Tiles(64, 64, 128, 3, 4))  # two row tiles a weight tile
-    return [t for t in out
+        base.append(Tiles(64, 64, 128, 3, 4))  # two row tiles a weight tile
+    base = [t for t in base
             if (t.stages + 1) * 2 * t.bk * (t.bm + t.bn * (2 if swiglu else 1)) <= 225_000]
+    out = list(base)
+    for t, splits in itertools.product(base, (2, 4, 8)):
+        programs = -(-rows // t.bm) * -(-n // t.bn) * splits
+        if n and k and programs <= 8 * 132 and k // splits >= 2 * t.bk:
+            out.append(Tiles(t.bm, t.bn, t.bk, t.stages, t.warps, splits))
+    return out
 
 
 #: name -> (hidden, qkv out, o in, intermediate) of the decode projections.
@@ -84,12 +91,13 @@ def check() -> None:
     dev, dt = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     torch.manual_seed(0)
     cases = [(Tiles(16, 16, 16, 2, 4), s, e) for s in (False, True) for e in (False, True)]
-    cases.append((Tiles(16, 32, 32, 2, 4), False, True))
+    cases += [(Tiles(16, 32, 32, 2, 4), False, True), (Tiles(16, 16, 16, 2, 4, 3), False, True),
+              (Tiles(16, 16, 16, 2, 4, 2), True, False)]
     if cuda:
-        cases = [(t, s, e) for s in (False, True) for t in tile_list(128, s)
+        cases = [(t, s, e) for s in (False, True) for t in tile_list(128, s, 512, 2000)
                  for e in (False, True)]
     for tiles, swiglu, early in cases:
-        m, n, k = (40, 48, 80) if not cuda else (100, 512, 1000)
+        m, n, k = (40, 48, 80) if not cuda else (100, 512, 2000)
         x = torch.randn(m, k, device=dev).to(dt)
         w = (torch.randn(2 * n if swiglu else n, k, device=dev) / k**0.5).to(dt)
         got = chain_gemm(x, w, tiles, swiglu, early=early).float()
@@ -113,9 +121,10 @@ def _graph_us(fn: Callable[[], object], repeats: int = 20) -> float:
     return times[len(times) // 2] * 1e3
 
 
-def _case(name: str, rows: int, layers: int) -> tuple[float, list[float]]:
+def _case(name: str, rows: int, layers: int
+          ) -> tuple[float, list[float], dict[str, tuple[float, float]]]:
     """One model at one batch: the largest difference between the Triton and cuBLAS chains'
-    outputs, and each variant's µs per layer."""
+    outputs, each variant's µs per layer, and each product alone (Triton's pick, cuBLAS)."""
     from mrv2_kernels.norm import rms_norm, silu_and_mul
 
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -134,22 +143,28 @@ def _case(name: str, rows: int, layers: int) -> tuple[float, list[float]]:
     attn = torch.randn(rows, o_k, device=dev, generator=g).to(dt)
     # each product's tiles, picked alone: a graph of `layers` PDL launches of it
     picks: dict[str, Tiles] = {}
+    alone: dict[str, tuple[float, float]] = {}
     for key, k_in, swiglu in (("qkv", hidden, False), ("o", o_k, False), ("gu", hidden, True),
                               ("down", inter, False)):
         xin = torch.randn(rows, k_in, device=dev, generator=g).to(dt)
         best: tuple[float, Tiles | None] = (float("inf"), None)
-        for tiles in tile_list(rows, swiglu):
+        n_out = ws[0][key].shape[0] // (2 if swiglu else 1)
+        for tiles in tile_list(rows, swiglu, n_out, k_in):
             try:
-                alone = _graph_us(lambda t=tiles, s=swiglu, k=key, x=xin: [
+                t_us = _graph_us(lambda t=tiles, s=swiglu, k=key, x=xin: [
                     chain_gemm(x, w[k], t, s) for w in ws]) / layers
             except Exception as exc:  # noqa: BLE001 (out of resources, a compile error)
                 print(f"{name} {rows} {key} {tiles}: {type(exc).__name__}", flush=True)
                 continue
-            if alone < best[0]:
-                best = (alone, tiles)
+            if t_us < best[0]:
+                best = (t_us, tiles)
         assert best[1] is not None, f"no tiles ran for {name} {key}"
         picks[key] = best[1]
-        print(f"{name} rows {rows} {key}: {best[0]:.1f} us alone with {best[1]}", flush=True)
+        blas = _graph_us(lambda s=swiglu, k=key, x=xin: [
+            silu_and_mul(F.linear(x, w[k])) if s else F.linear(x, w[k]) for w in ws]) / layers
+        alone[key] = (best[0], blas)
+        print(f"{name} rows {rows} {key}: {best[0]:.1f} us alone with {best[1]}; cuBLAS "
+              f"{blas:.1f} us", flush=True)
 
     def chain(variant: str) -> Callable[[], torch.Tensor]:
         pdl, early = variant != "triton_nopdl", variant == "triton"
@@ -176,19 +191,23 @@ def _case(name: str, rows: int, layers: int) -> tuple[float, list[float]]:
     us = [_graph_us(chain(v)) / layers for v in ("cublas", "triton", "triton_late",
                                                   "triton_nopdl")]
     print(f"{name} rows {rows}: " + ", ".join(f"{u:.1f}" for u in us), flush=True)
-    return err, us
+    return err, us, alone
 
 
 def run(models: list[str], rows_list: list[int], layers_06b: int) -> None:
     """Every model at every batch; the table prints last."""
     table = []
     for name, rows in itertools.product(models, rows_list):
-        err, us = _case(name, rows, layers_06b if name == "0.6B" else 2)
-        table.append((name, rows, err, us))
+        err, us, alone = _case(name, rows, layers_06b if name == "0.6B" else 2)
+        table.append((name, rows, err, us, alone))
     print(f"\n{'model':5} {'rows':>4} {'max err':>8} {'cublas':>8} {'triton':>8} "
           f"{'late':>8} {'no pdl':>8}   (µs per layer: norms, SiLU, 4 products)")
-    for name, rows, err, us in table:
+    for name, rows, err, us, _ in table:
         print(f"{name:5} {rows:4d} {err:8.3f} " + " ".join(f"{u:8.1f}" for u in us))
+    print(f"\n{'model':5} {'rows':>4}  each product alone, µs: Triton's pick / cuBLAS")
+    for name, rows, _, _, alone in table:
+        print(f"{name:5} {rows:4d}  " + "  ".join(f"{key} {t:.1f}/{b:.1f}"
+                                               for key, (t, b) in alone.items()))
 
 
 def main() -> None:

@@ -335,8 +335,8 @@ def decode_linear(
     """``F.linear(x, weight, bias)`` through the fastest kernel for its shape: this GEMV
     (:func:`use_norm_gemv`), else :func:`~mrv2_kernels.skinny_gemm.skinny_linear` (the skinny
     split-K kernel, or cuBLAS; with ``MRV2_PDL_GEMM=1`` :func:`~mrv2_kernels.pdl_gemm.pdl_gemm`
-    instead of cuBLAS for 3-256 rows); on the torch path (CPU),
-    :func:`~mrv2_kernels.cpu_linear.linear_cpu`."""
+    instead of cuBLAS where :func:`~mrv2_kernels.pdl_gemm.use_pdl_gemm`); on the torch path
+    (CPU), :func:`~mrv2_kernels.cpu_linear.linear_cpu`."""
     if not use_triton(x):
         return linear_cpu(x, weight, bias)
     if use_norm_gemv(x, weight):

@@ -1,26 +1,35 @@
-"""``x @ weight.T`` for a large decode batch (3-256 rows) as a Triton kernel that takes part in
-programmatic dependent launch, optionally with the SwiGLU fused in. **Opt-in**
-(``MRV2_PDL_GEMM=1``) until measured on a GPU.
+"""``x @ weight.T`` for a decode batch of a small model (3-64 rows) as a Triton kernel that
+takes part in programmatic dependent launch, optionally with the SwiGLU fused in and the
+reduction split across programs. **Opt-in** (``MRV2_PDL_GEMM=1``) until an engine A/B decides.
 
 Why: a decode step runs, per layer, ``rms_norm -> qkv -> attention -> o -> rms_norm -> gate/up
 -> silu_and_mul -> down``. Everything but the four products is a Triton kernel launched with
 PDL, whose launch and start-up overlap the previous kernel's tail. The products go to cuBLAS
 above :data:`~mrv2_kernels.skinny_gemm.SKINNY_MAX_M` rows, and cuBLAS kernels take no part in
-PDL: each product then pays a full launch and ramp (~2 µs; a Qwen3-0.6B step of 128 requests
-spends 0.70 ms in GEMMs that move ~0.25 ms of bytes, BENCHMARKS.md sixteenth session). Alone,
-a Triton GEMM lost to cuBLAS by 5-20% on Qwen3-8B shapes (``scripts/proto_gemm.py``, tenth
-session); whether it wins *in the chain* is what ``scripts/proto_pdl_chain.py`` measures, and
-``ab_env.sh MRV2_PDL_GEMM=1`` at engine level.
+PDL: each product then pays a full launch and ramp (~2 µs).
 
-The kernel: a program owns ``BM`` rows and ``BN`` output features over the whole ``K`` (no
-split), row tiles of one weight tile adjacent in launch order (the second reads it from L2).
-``EARLY``: the program lets the next kernel launch, loads its first weight tile, and only then
-waits for the previous kernel (weights are parameters no kernel writes: the
+What the H200 showed (``scripts/proto_pdl_chain.py``, 2026-12-03, the decode layer's chain of
+norms, SiLU and four products in a CUDA graph, µs a layer, cuBLAS -> this kernel):
+
+- Qwen3-0.6B shapes: 29.4 -> 27.4 at 32 rows, 30.1 -> 28.4 at 64; it loses from 128 rows on
+  (32.2 -> 34.6 at 128, 35.4 -> 42.2 at 256).
+- Qwen3-8B shapes: it loses at every batch (116 -> 126 µs at 32 rows, 164 -> 230 at 256),
+  split or not: cuBLAS moves those weights at 0.5-0.9 of the copy bandwidth.
+
+So :func:`use_pdl_gemm` takes products of at most :data:`PDL_GEMM_MAX_M` rows and
+:data:`PDL_GEMM_MAX_WEIGHT` weight elements only.
+
+The kernel: a program owns ``BM`` rows and ``BN`` output features over ``K`` or, with
+``splits`` > 1, over one of ``splits`` chunks of ``K``: each split stores an fp32 partial
+tile, and the last of the tile's programs to arrive (an arrival counter per tile) sums them in
+split order, so the result does not depend on which arrives last. ``EARLY``: the program lets
+the next kernel launch, loads its first weight tile, and only then waits for the previous
+kernel (weights are parameters no kernel writes: the
 :func:`~mrv2_kernels._backend.pdl_early_weights` rule); otherwise it waits first and runs one
-pipelined loop (the skinny kernel lost with its first tile outside its loop). ``gated``:
-``weight`` is ``[gate | up]`` (``[2N, K]``), the program also owns the matching up rows and
-writes ``silu(gate) * up``, with gate and up rounded to the output dtype first and the SiLU
-rounded before the product, as ``silu_and_mul`` after an unfused product.
+pipelined loop. ``gated``: ``weight`` is ``[gate | up]`` (``[2N, K]``), the program also owns
+the matching up rows and writes ``silu(gate) * up``, with gate and up rounded to the output
+dtype first and the SiLU rounded before the product, as ``silu_and_mul`` after an unfused
+product.
 
 Contract (``x`` ``[M, K]``, ``weight`` ``[N, K]`` or ``[2N, K]``, ``bias`` ``[N]`` / ``[2N]``)::
 
@@ -39,14 +48,17 @@ import triton.language as tl
 
 from ._backend import pdl, pdl_early_weights, pdl_release, pdl_wait, use_triton
 
-__all__ = ["PDL_GEMM_ENV_VAR", "PDL_GEMM_MAX_M", "GemmTiles", "pdl_gemm", "pdl_gemm_ref",
-           "use_pdl_gemm"]
+__all__ = ["PDL_GEMM_ENV_VAR", "PDL_GEMM_MAX_M", "PDL_GEMM_MAX_WEIGHT", "GemmTiles", "pdl_gemm",
+           "pdl_gemm_ref", "use_pdl_gemm"]
 
-#: ``1`` sends decode products of 3-:data:`PDL_GEMM_MAX_M` rows that no other decode kernel
-#: takes to :func:`pdl_gemm` instead of cuBLAS (off by default: not yet measured on a GPU).
+#: ``1`` sends the decode products :func:`use_pdl_gemm` describes to :func:`pdl_gemm` instead
+#: of cuBLAS (off by default until an engine A/B decides).
 PDL_GEMM_ENV_VAR = "MRV2_PDL_GEMM"
-#: Most rows :func:`use_pdl_gemm` sends to the kernel (a decode batch; prefill stays cuBLAS).
-PDL_GEMM_MAX_M = 256
+#: Most rows :func:`use_pdl_gemm` sends to the kernel (it lost from 128 rows on).
+PDL_GEMM_MAX_M = 64
+#: Most weight elements (rows x K) it sends: Qwen3-0.6B's gate/up (6,144 x 1,024) fits;
+#: Qwen3-8B's products, which cuBLAS moves faster, do not.
+PDL_GEMM_MAX_WEIGHT = 8 * 1024 * 1024
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -61,9 +73,27 @@ class GemmTiles:
     bk: int
     stages: int
     warps: int
+    #: programs sharing one tile's reduction (split-K); the last to finish sums them
+    splits: int = 1
 
     def __str__(self) -> str:
-        return f"{self.bm}x{self.bn}x{self.bk} s{self.stages} w{self.warps}"
+        split = f" k/{self.splits}" if self.splits > 1 else ""
+        return f"{self.bm}x{self.bn}x{self.bk} s{self.stages} w{self.warps}{split}"
+
+
+#: Most output tiles a split launch may have (one int32 arrival counter each).
+_MAX_SPLIT_TILES = 1 << 16
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device) -> torch.Tensor:
+    """The device's arrival counters of split launches: zero between launches (the last
+    program of each tile resets its own). Launches on one stream run one after the other."""
+    cnt = _counters.get(device)
+    if cnt is None:
+        cnt = _counters[device] = torch.zeros(_MAX_SPLIT_TILES, dtype=torch.int32,
+                                              device=device)
+    return cnt
 
 
 @triton.jit
@@ -88,27 +118,33 @@ def _accumulate(a: tl.tensor, b: tl.tensor, u: tl.tensor, acc: tl.tensor, acc_up
 
 @triton.jit(do_not_specialize=["M"])
 def _pdl_gemm_kernel(
-    x_ptr: tl.tensor, w_ptr: tl.tensor, bias_ptr: tl.tensor, out_ptr: tl.tensor, M: int,
-    N: int, K: int, stride_x: int, stride_w: int, stride_o: int,
+    x_ptr: tl.tensor, w_ptr: tl.tensor, bias_ptr: tl.tensor, out_ptr: tl.tensor,
+    ws_ptr: tl.tensor, cnt_ptr: tl.tensor, M: int, N: int, K: int, K_CHUNK: int,
+    stride_x: int, stride_w: int, stride_o: int,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-    GATED: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+    SPLIT_K: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+    EARLY: tl.constexpr,
 ) -> None:
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
     rows = pid_m * BM + tl.arange(0, BM)
     cols = pid_n * BN + tl.arange(0, BN)
     kk = tl.arange(0, BK)
     row_ok = rows < M
     col_ok = cols < N
-    x_at = x_ptr + rows[:, None].to(tl.int64) * stride_x + kk[None, :]
-    w_at = w_ptr + cols[:, None].to(tl.int64) * stride_w + kk[None, :]
+    # this program's reduction range: [k0, k_end) (K_CHUNK is a multiple of BK)
+    k0 = pid_s * K_CHUNK
+    k_end = tl.minimum(k0 + K_CHUNK, K)
+    x_at = x_ptr + rows[:, None].to(tl.int64) * stride_x + (k0 + kk)[None, :]
+    w_at = w_ptr + cols[:, None].to(tl.int64) * stride_w + (k0 + kk)[None, :]
     u_at = w_at + N * stride_w
     acc = tl.zeros([BM, BN], tl.float32)
     acc_up = tl.zeros([BM, BN], tl.float32)
     start = 0
     if EARLY:  # the first weight tile in flight before the previous kernel ends
         pdl_release(PDL)
-        k_ok = kk[None, :] < K
+        k_ok = (k0 + kk[None, :]) < k_end
         b0, u0 = _weight_tiles(w_at, u_at, col_ok, k_ok, GATED)
         pdl_wait(PDL)
         a0 = tl.load(x_at, mask=row_ok[:, None] & k_ok, other=0.0)
@@ -120,14 +156,48 @@ def _pdl_gemm_kernel(
     else:
         pdl_wait(PDL)
         pdl_release(PDL)
-    for kt in tl.range(start, tl.cdiv(K, BK), num_stages=STAGES):
-        k_ok = (kt * BK + kk[None, :]) < K
+    for kt in tl.range(start, tl.cdiv(k_end - k0, BK), num_stages=STAGES):
+        k_ok = (k0 + kt * BK + kk[None, :]) < k_end
         a = tl.load(x_at, mask=row_ok[:, None] & k_ok, other=0.0)
         b, u = _weight_tiles(w_at, u_at, col_ok, k_ok, GATED)
         acc, acc_up = _accumulate(a, b, u, acc, acc_up, GATED)
         x_at += BK
         w_at += BK
         u_at += BK
+    if SPLIT_K > 1:
+        # Each split stores its fp32 partial tile; the last split of the tile to arrive sums
+        # all of them in split order (the same order whichever arrives last: deterministic),
+        # finishes the tile and resets the tile's counter for the next launch.
+        width = N * 2 if GATED else N  # a partial row: gate then up columns
+        tile_at = rows[:, None].to(tl.int64) * width + cols[None, :]
+        tile_ok = row_ok[:, None] & col_ok[None, :]
+        ws_split = width * M
+        tl.store(ws_ptr + pid_s * ws_split + tile_at, acc, mask=tile_ok)
+        if GATED:
+            tl.store(ws_ptr + pid_s * ws_split + tile_at + N, acc_up, mask=tile_ok)
+        tile = pid_m * tl.num_programs(1) + pid_n
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            acc = tl.zeros([BM, BN], tl.float32)
+            acc_up = tl.zeros([BM, BN], tl.float32)
+            for s in range(SPLIT_K):
+                acc += tl.load(ws_ptr + s * ws_split + tile_at, mask=tile_ok, other=0.0)
+                if GATED:
+                    acc_up += tl.load(ws_ptr + s * ws_split + tile_at + N, mask=tile_ok,
+                                      other=0.0)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+            _finish(acc, acc_up, bias_ptr, out_ptr, rows, cols, row_ok, col_ok, N, stride_o,
+                    GATED, HAS_BIAS)
+    else:
+        _finish(acc, acc_up, bias_ptr, out_ptr, rows, cols, row_ok, col_ok, N, stride_o,
+                GATED, HAS_BIAS)
+
+
+@triton.jit
+def _finish(acc: tl.tensor, acc_up: tl.tensor, bias_ptr: tl.tensor, out_ptr: tl.tensor,
+            rows: tl.tensor, cols: tl.tensor, row_ok: tl.tensor, col_ok: tl.tensor, N: int,
+            stride_o: int, GATED: tl.constexpr, HAS_BIAS: tl.constexpr) -> None:
+    # The bias, the SwiGLU (gated) and the store of a finished [BM, BN] tile.
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if GATED:
@@ -142,24 +212,26 @@ def _pdl_gemm_kernel(
 
 
 def default_tiles(x: torch.Tensor, n: int, k: int, gated: bool) -> GemmTiles:
-    """The tiles of a product: a first guess until ``scripts/proto_pdl_chain.py`` has picked
-    per shape on a GPU (narrow column tiles for a memory-bound product, 128-value reductions);
-    small tiles for the interpreter."""
+    """The tiles of a product: on the GPU the H200's picks for Qwen3-0.6B's products at 32
+    and 64 rows (``scripts/proto_pdl_chain.py``): 64 x 32 x 128 tiles, 4 stages, the
+    reduction split 4 ways where ``K >= N`` (o and down: few output tiles); small tiles for
+    the interpreter."""
     if not x.is_cuda:
         return GemmTiles(16, 16, 16, 2, 4)
-    bm = 64 if x.shape[0] <= 64 else 128
-    return GemmTiles(bm, 64, 64 if gated else 128, 4 if gated else 3, 4)
+    return GemmTiles(64, 32, 128, 4, 4, splits=4 if k >= n else 1)
 
 
 def use_pdl_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when :func:`pdl_gemm` should take this product: ``MRV2_PDL_GEMM=1``, a CUDA (or
     forced-Triton) bf16/fp16 input of 3-:data:`PDL_GEMM_MAX_M` rows (fewer: the fused GEMV),
-    weights of its dtype with contiguous rows. Metadata and the environment only."""
+    weights of its dtype with contiguous rows and at most :data:`PDL_GEMM_MAX_WEIGHT`
+    elements. Metadata and the environment only."""
     if os.environ.get(PDL_GEMM_ENV_VAR, "0") != "1" or x.dim() != 2:
         return False
     return (use_triton(x) and x.dtype in _KERNEL_DTYPES and weight.dtype == x.dtype
             and 3 <= x.shape[0] <= PDL_GEMM_MAX_M and weight.stride(-1) == 1
-            and x.stride(-1) == 1 and x.shape[1] == weight.shape[1])
+            and x.stride(-1) == 1 and x.shape[1] == weight.shape[1]
+            and weight.numel() <= PDL_GEMM_MAX_WEIGHT)
 
 
 def pdl_gemm(
@@ -182,12 +254,23 @@ def pdl_gemm(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     launch = pdl(x)
     on_early = pdl_early_weights(x) if early is None else early  # (without PDL: a peeled tile)
-    grid = (triton.cdiv(m, tiles.bm), triton.cdiv(n, tiles.bn))
+    chunk = triton.cdiv(triton.cdiv(k, max(tiles.splits, 1)), tiles.bk) * tiles.bk
+    splits = triton.cdiv(k, chunk) if k else 1
+    grid = (triton.cdiv(m, tiles.bm), triton.cdiv(n, tiles.bn), splits)
+    if splits > 1:
+        if grid[0] * grid[1] > _MAX_SPLIT_TILES:
+            raise ValueError(f"pdl_gemm: {grid[0] * grid[1]} output tiles, more than a split "
+                             f"launch takes ({_MAX_SPLIT_TILES}); use larger tiles")
+        ws = torch.empty(splits, m, rows_w if gated else n, dtype=torch.float32,
+                         device=x.device)
+        cnt = _split_counters(x.device)
+    else:
+        ws = cnt = out  # unused
     _pdl_gemm_kernel[grid](
-        x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0),
-        weight.stride(0), out.stride(0), BM=tiles.bm, BN=tiles.bn, BK=tiles.bk,
-        STAGES=tiles.stages, GATED=gated, HAS_BIAS=bias is not None, EARLY=on_early,
-        num_warps=tiles.warps, **launch,
+        x, weight, bias if bias is not None else weight, out, ws, cnt, m, n, k, chunk,
+        x.stride(0), weight.stride(0), out.stride(0), BM=tiles.bm, BN=tiles.bn, BK=tiles.bk,
+        STAGES=tiles.stages, SPLIT_K=splits, GATED=gated, HAS_BIAS=bias is not None,
+        EARLY=on_early, num_warps=tiles.warps, **launch,
     )
     return out
 

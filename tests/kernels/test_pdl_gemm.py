@@ -17,7 +17,13 @@ except ImportError:  # not installed: use the source tree
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "kernels"))
 
 from mrv2_kernels import norm_gemv as ng
-from mrv2_kernels.pdl_gemm import GemmTiles, pdl_gemm, pdl_gemm_ref, use_pdl_gemm
+from mrv2_kernels.pdl_gemm import (
+    GemmTiles,
+    _split_counters,
+    pdl_gemm,
+    pdl_gemm_ref,
+    use_pdl_gemm,
+)
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 if DEVICE == "cuda" and not torch.cuda.is_available():
@@ -65,6 +71,26 @@ def test_early_first_tile_gives_the_same_bits() -> None:
     assert torch.equal(pdl_gemm(x, w, b, tiles=tiles, early=True), late)
 
 
+@pytest.mark.parametrize(("m", "n", "k", "splits", "gated", "bias", "early"), [
+    (5, 40, 72, 3, False, True, False),   # a ragged last split
+    (35, 24, 100, 4, True, True, True),   # three row tiles, the SwiGLU after the sum
+    (3, 24, 40, 8, False, False, True),   # more splits asked than K tiles: 3 run
+])
+def test_split_reduction(m: int, n: int, k: int, splits: int, gated: bool, bias: bool,
+                         early: bool) -> None:
+    """Split-K: the last program of each tile sums the partials in split order, so a repeat
+    gives the same bits, and it leaves the tile's arrival counter at zero for the next launch."""
+    x, w, b = _inputs(m, 2 * n if gated else n, k, bias, seed=m + k + splits)
+    tiles = GemmTiles(16, 16, 16, 2, 4, splits) if DEVICE == "cpu" else GemmTiles(
+        64, 32, 32, 3, 4, splits)
+    out = pdl_gemm(x, w, b, gated=gated, tiles=tiles, early=early)
+    want = pdl_gemm_ref(x, w, b, gated=gated)
+    err = (out.float() - want.float()).abs().max().item()
+    assert err <= TOL * (1 + want.float().abs().max().item()), err
+    assert torch.equal(pdl_gemm(x, w, b, gated=gated, tiles=tiles, early=early), out)
+    assert int(_split_counters(x.device).abs().sum()) == 0
+
+
 def test_errors_name_the_argument() -> None:
     x, w, _ = _inputs(4, 8, 16, False, seed=1)
     with pytest.raises(ValueError, match="do not fit"):
@@ -76,8 +102,8 @@ def test_errors_name_the_argument() -> None:
 
 
 def test_opt_in_dispatch_from_the_decode_linears(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Only with MRV2_PDL_GEMM=1, only for 3-256 rows of bf16/fp16 the GEMV and the skinny
-    kernel do not take; the SwiGLU fuses when the norm runs apart."""
+    """Only with MRV2_PDL_GEMM=1, only for 3-64 rows of bf16/fp16 and small weights that the
+    GEMV and the skinny kernel do not take; the SwiGLU fuses when the norm runs apart."""
     monkeypatch.setenv("MRV2_KERNELS", "triton")
     calls: list[tuple[int, bool]] = []
 
@@ -87,18 +113,22 @@ def test_opt_in_dispatch_from_the_decode_linears(monkeypatch: pytest.MonkeyPatch
         return pdl_gemm_ref(x, w, b, gated=gated)
 
     monkeypatch.setattr(ng, "pdl_gemm", spy)
-    w = torch.randn(64, 32, dtype=torch.float16)  # K < N: not the skinny kernel's
-    x = torch.randn(8, 32, dtype=torch.float16)
+    w = torch.randn(64, 32, dtype=torch.float16, device=DEVICE)  # K < N: not skinny's
+    x = torch.randn(8, 32, dtype=torch.float16, device=DEVICE)
     assert not use_pdl_gemm(x, w)  # off by default
     monkeypatch.setenv("MRV2_PDL_GEMM", "1")
     assert use_pdl_gemm(x, w)
-    assert not use_pdl_gemm(x[:2], w) and not use_pdl_gemm(torch.randn(257, 32).half(), w)
+    assert not use_pdl_gemm(x[:2], w) and not use_pdl_gemm(
+        torch.randn(65, 32, device=DEVICE).half(), w)
+    wide = torch.empty(4097, 2048, dtype=x.dtype, device=DEVICE)  # 8 Mi elements + a row
+    x_wide = torch.randn(8, 2048, device=DEVICE).half()
+    assert use_pdl_gemm(x_wide, wide[:4096]) and not use_pdl_gemm(x_wide, wide)
     assert not use_pdl_gemm(x.float(), w.float())
     monkeypatch.setattr(ng, "use_skinny", lambda x, w: False)
     ng.decode_linear(x, w)
     assert calls == [(8, False)]
     calls.clear()
-    nw = torch.ones(32, dtype=torch.float16)
+    nw = torch.ones(32, dtype=torch.float16, device=DEVICE)
     monkeypatch.setattr(ng, "FUSED_NORM_MAX_ELEMS", 0)  # the norm runs as its own kernel
     y, _ = ng.norm_gemv(x, w, norm_weight=nw, gated=True)
     assert calls == [(8, True)] and y.shape == (8, 32)
@@ -108,15 +138,17 @@ _SM90_SCRIPT = r"""
 from mrv2_kernels import pdl_gemm as g
 
 bf = "*bf16"
-ptrs = {"x_ptr": bf, "w_ptr": bf, "bias_ptr": bf, "out_ptr": bf}
-sizes = ("N", "K", "stride_x", "stride_w", "stride_o")  # multiples of 16, as a model's
+ptrs = {"x_ptr": bf, "w_ptr": bf, "bias_ptr": bf, "out_ptr": bf, "ws_ptr": "*fp32",
+        "cnt_ptr": "*i32"}
+# multiples of 16, as a model's
+sizes = ("N", "K", "K_CHUNK", "stride_x", "stride_w", "stride_o")
 for gated in (False, True):
     for early in (False, True):
-        for bm in (64, 128):  # the default tiles (default_tiles)
+        for bm, split in ((64, 1), (128, 4)):  # the default tiles (default_tiles); split-K
             bk, stages = (64, 4) if gated else (128, 3)
             build(g._pdl_gemm_kernel, ptrs,
-                  dict(BM=bm, BN=64, BK=bk, STAGES=stages, GATED=gated, HAS_BIAS=True,
-                       PDL=True, EARLY=early), divisible=sizes, num_warps=4)
+                  dict(BM=bm, BN=64, BK=bk, STAGES=stages, SPLIT_K=split, GATED=gated,
+                       HAS_BIAS=True, PDL=True, EARLY=early), divisible=sizes, num_warps=4)
 """
 
 
