@@ -263,7 +263,7 @@ def test_dispatch_and_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
 # kernel that applies its keys, for sm_90 at a 151,936-token vocabulary, no GPU needed.
 _SM90_SCRIPT = r"""
 from mrv2_kernels import gumbel as g
-from mrv2_kernels import top_k_top_p as t
+from mrv2_kernels import top_k_top_p_kernels as t
 
 f32, i32, i64, x = "*fp32", "*i32", "*i64", "*bf16"
 rows = {"x_ptr": x, "t_ptr": f32, "topk_ptr": i64, "topp_ptr": f32, "stat_ptr": f32}
