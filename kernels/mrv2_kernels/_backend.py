@@ -23,10 +23,30 @@ import triton
 import triton.language as tl
 
 __all__ = ["ENV_VAR", "LOG2E", "M_INIT", "PDL_EARLY_META_ENV_VAR", "PDL_EARLY_WEIGHTS_ENV_VAR",
-           "PDL_ENV_VAR", "cdiv", "cuda_event_ms", "default_block", "flat_query_tile",
-           "next_power_of_2",
+           "PDL_ENV_VAR", "arrival_counters", "cdiv", "cuda_event_ms", "default_block",
+           "flat_query_tile", "next_power_of_2",
            "online_softmax_step", "pdl", "pdl_early_meta", "pdl_early_weights", "pdl_enabled",
            "pdl_release", "pdl_wait", "softmax_rescale", "triton_forced", "use_triton"]
+
+
+_COUNTERS: dict[str, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, needed: int) -> torch.Tensor | None:
+    """At least ``needed`` zeroed int32 arrival counters on ``device`` for a split-K launch
+    whose last program to finish each output tile sums the partials and resets that tile's
+    counter to zero (so they are zero again between launches; the launches of one stream run
+    one after the other, and a PDL launch touches them only after its wait). Shared by every
+    such kernel. Allocated outside CUDA-graph capture only (a graph's warm-up forward does
+    it); None (reduce another way) if a capture finds none big enough."""
+    key = str(device)
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.numel() < needed:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = torch.zeros(max(needed, 1 << 14), dtype=torch.int32, device=device)
+        _COUNTERS[key] = counters
+    return counters
 
 
 def cuda_event_ms(fn: Callable[[], object]) -> float:

@@ -46,7 +46,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import pdl, pdl_early_weights, pdl_release, pdl_wait, use_triton
+from ._backend import (
+    arrival_counters,
+    pdl,
+    pdl_early_weights,
+    pdl_release,
+    pdl_wait,
+    use_triton,
+)
 
 __all__ = ["PDL_GEMM_ENV_VAR", "PDL_GEMM_MAX_M", "PDL_GEMM_MAX_WEIGHT", "GemmTiles", "pdl_gemm",
            "pdl_gemm_ref", "use_pdl_gemm"]
@@ -79,21 +86,6 @@ class GemmTiles:
     def __str__(self) -> str:
         split = f" k/{self.splits}" if self.splits > 1 else ""
         return f"{self.bm}x{self.bn}x{self.bk} s{self.stages} w{self.warps}{split}"
-
-
-#: Most output tiles a split launch may have (one int32 arrival counter each).
-_MAX_SPLIT_TILES = 1 << 16
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device) -> torch.Tensor:
-    """The device's arrival counters of split launches: zero between launches (the last
-    program of each tile resets its own). Launches on one stream run one after the other."""
-    cnt = _counters.get(device)
-    if cnt is None:
-        cnt = _counters[device] = torch.zeros(_MAX_SPLIT_TILES, dtype=torch.int32,
-                                              device=device)
-    return cnt
 
 
 @triton.jit
@@ -256,16 +248,15 @@ def pdl_gemm(
     on_early = pdl_early_weights(x) if early is None else early  # (without PDL: a peeled tile)
     chunk = triton.cdiv(triton.cdiv(k, max(tiles.splits, 1)), tiles.bk) * tiles.bk
     splits = triton.cdiv(k, chunk) if k else 1
-    grid = (triton.cdiv(m, tiles.bm), triton.cdiv(n, tiles.bn), splits)
-    if splits > 1:
-        if grid[0] * grid[1] > _MAX_SPLIT_TILES:
-            raise ValueError(f"pdl_gemm: {grid[0] * grid[1]} output tiles, more than a split "
-                             f"launch takes ({_MAX_SPLIT_TILES}); use larger tiles")
+    tiles_mn = (triton.cdiv(m, tiles.bm), triton.cdiv(n, tiles.bn))
+    cnt = arrival_counters(x.device, tiles_mn[0] * tiles_mn[1]) if splits > 1 else None
+    if cnt is None:  # no split, or a capture found no counters: the whole K in each program
+        chunk, splits = max(k, 1), 1
+        ws = cnt = out  # unused
+    else:
         ws = torch.empty(splits, m, rows_w if gated else n, dtype=torch.float32,
                          device=x.device)
-        cnt = _split_counters(x.device)
-    else:
-        ws = cnt = out  # unused
+    grid = (*tiles_mn, splits)
     _pdl_gemm_kernel[grid](
         x, weight, bias if bias is not None else weight, out, ws, cnt, m, n, k, chunk,
         x.stride(0), weight.stride(0), out.stride(0), BM=tiles.bm, BN=tiles.bn, BK=tiles.bk,

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ._backend import (
+    arrival_counters,
     cdiv,
     next_power_of_2,
     pdl,
@@ -175,23 +176,6 @@ def _split_reduce_kernel(
              mask=mask)
 
 
-_COUNTERS: dict[str, torch.Tensor] = {}
-
-
-def _arrival_counters(device: torch.device, needed: int) -> torch.Tensor | None:
-    """Zeroed per-slice arrival counters of the fused split-K reduction (each reduction resets
-    its own). Allocated outside CUDA-graph capture only (the decode graphs' warm-up forward
-    does it); None (use the reduce kernel) if a capture finds none big enough."""
-    key = str(device)
-    counters = _COUNTERS.get(key)
-    if counters is None or counters.numel() < needed:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = torch.zeros(max(needed, 1 << 14), dtype=torch.int32, device=device)
-        _COUNTERS[key] = counters
-    return counters
-
-
 @functools.lru_cache(maxsize=8)
 def _num_sms(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
@@ -257,7 +241,7 @@ def skinny_linear_triton(
     if split > 1:
         part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
         if fused_reduce:
-            counters = _arrival_counters(x.device, cdiv(n, block_n))
+            counters = arrival_counters(x.device, cdiv(n, block_n))
     has_bias = bias is not None
     bias_arg = bias if bias is not None else weight
     _skinny_kernel[(cdiv(n, block_n), split)](

@@ -17,13 +17,8 @@ except ImportError:  # not installed: use the source tree
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "kernels"))
 
 from mrv2_kernels import norm_gemv as ng
-from mrv2_kernels.pdl_gemm import (
-    GemmTiles,
-    _split_counters,
-    pdl_gemm,
-    pdl_gemm_ref,
-    use_pdl_gemm,
-)
+from mrv2_kernels._backend import arrival_counters
+from mrv2_kernels.pdl_gemm import GemmTiles, pdl_gemm, pdl_gemm_ref, use_pdl_gemm
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 if DEVICE == "cuda" and not torch.cuda.is_available():
@@ -88,7 +83,8 @@ def test_split_reduction(m: int, n: int, k: int, splits: int, gated: bool, bias:
     err = (out.float() - want.float()).abs().max().item()
     assert err <= TOL * (1 + want.float().abs().max().item()), err
     assert torch.equal(pdl_gemm(x, w, b, gated=gated, tiles=tiles, early=early), out)
-    assert int(_split_counters(x.device).abs().sum()) == 0
+    counters = arrival_counters(x.device, 1)
+    assert counters is not None and int(counters.abs().sum()) == 0
 
 
 def test_errors_name_the_argument() -> None:
