@@ -2,7 +2,8 @@
 # Runs on the GPU machine (device tool): installs the carried wheels, then the steps named as
 # arguments: tests (tests/gpu), kerneltests (tests/kernels on CUDA), moe (the fused-MoE kernel bench), tma_prefill (MRV2_TMA_PREFILL's tests and A/B),
 # gemm_proto (scripts/proto_gemm.py: Triton TMA GEMMs against cuBLAS at 8B decode shapes),
-# pdlchain (scripts/proto_pdl_chain.py: Triton GEMMs with PDL in the decode layer's chain), attn,
+# pdlchain (scripts/proto_pdl_chain.py: Triton GEMMs with PDL in the decode layer's chain),
+# firststeps (scripts/probe_first_steps.py: TTFT step by step, MRV2_PDL_GEMM off and on), attn,
 # splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile, mixed,
 # flatgrid (MRV2_ATTN_FLAT_GRID: the kernel case, then the throughput A/B whose "on" side is the old grid),
 # mixedgraphs (steps with prompt tokens in CUDA graphs: small steps and the throughput workload),
@@ -242,6 +243,10 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                    > "$OUT/tma_attn.log" 2>&1; tail -5 "$OUT/tma_attn.log"
                  ROUNDS=${ROUNDS:-1} bash scripts/ab_env.sh MRV2_TMA_PREFILL=1 throughput \
                    --model "${TMA_MODEL:-Qwen3-8B}" ;;
+    firststeps) # where TTFT goes, step by step (scripts/probe_first_steps.py), without and with
+                # MRV2_PDL_GEMM=1 (it raised TTFT by 1-2.8 ms in the nineteenth session)
+                for v in 0 1; do MRV2_PDL_GEMM=$v timeout 150 python3 scripts/probe_first_steps.py \
+                  > "$OUT/first_steps_pdl_gemm$v.log" 2>&1; grep -E "round 1" "$OUT/first_steps_pdl_gemm$v.log"; done ;;
     pdlchain)   # Triton GEMMs with PDL (early weight loads, the SwiGLU fused) against cuBLAS in
                 # the decode layer's chain at 32-256 rows (scripts/proto_pdl_chain.py)
                 timeout 120 python3 scripts/proto_pdl_chain.py --check > "$OUT/pdl_chain_check.log" 2>&1
