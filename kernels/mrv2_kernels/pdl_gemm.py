@@ -125,7 +125,7 @@ def _pdl_gemm_kernel(
     kk = tl.arange(0, BK)
     row_ok = rows < M
     col_ok = cols < N
-    # this program's reduction range: [k0, k_end) (K_CHUNK is a multiple of BK)
+    # this program's reduction range: [k0, k_end) (K_CHUNK: a multiple of BK when split)
     k0 = pid_s * K_CHUNK
     k_end = tl.minimum(k0 + K_CHUNK, K)
     x_at = x_ptr + rows[:, None].to(tl.int64) * stride_x + (k0 + kk)[None, :]
