@@ -24,7 +24,7 @@ import triton.language as tl
 
 __all__ = ["ENV_VAR", "LOG2E", "M_INIT", "PDL_EARLY_META_ENV_VAR", "PDL_EARLY_WEIGHTS_ENV_VAR",
            "PDL_ENV_VAR", "arrival_counters", "cdiv", "cuda_event_ms", "default_block",
-           "flat_query_tile", "next_power_of_2",
+           "flat_query_tile", "last_to_arrive", "next_power_of_2",
            "online_softmax_step", "pdl", "pdl_early_meta", "pdl_early_weights", "pdl_enabled",
            "pdl_release", "pdl_wait", "softmax_rescale", "triton_forced", "use_triton"]
 
@@ -295,6 +295,19 @@ def _pdl_option(t: torch.Tensor, env_var: str, default: bool) -> bool:
         return False
     env = os.environ.get(env_var, "").strip()
     return env == "1" if env in ("0", "1") else default
+
+
+@triton.jit
+def last_to_arrive(counter_ptr: tl.tensor, num_arrivals: tl.tensor) -> tl.tensor:
+    """A split-K program's arrival at its output tile's counter (one of
+    :func:`arrival_counters`), once it has stored its fp32 partial: True in the last of the
+    tile's ``num_arrivals`` programs, which then sees every partial (read them with
+    ``cache_modifier=".cg"``) and has reset the counter to zero for the next launch."""
+    tl.debug_barrier()  # every thread's partial is stored before the release
+    last = tl.atomic_add(counter_ptr, 1, sem="acq_rel") == num_arrivals - 1
+    if last:
+        tl.store(counter_ptr, 0)
+    return last
 
 
 @triton.jit

@@ -48,6 +48,7 @@ import triton.language as tl
 
 from ._backend import (
     arrival_counters,
+    last_to_arrive,
     pdl,
     pdl_early_weights,
     pdl_release,
@@ -167,17 +168,15 @@ def _pdl_gemm_kernel(
         tl.store(ws_ptr + pid_s * ws_split + tile_at, acc, mask=tile_ok)
         if GATED:
             tl.store(ws_ptr + pid_s * ws_split + tile_at + N, acc_up, mask=tile_ok)
-        tile = pid_m * tl.num_programs(1) + pid_n
-        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
+        if last_to_arrive(cnt_ptr + pid_m * tl.num_programs(1) + pid_n, SPLIT_K):
             acc = tl.zeros([BM, BN], tl.float32)
             acc_up = tl.zeros([BM, BN], tl.float32)
             for s in range(SPLIT_K):
-                acc += tl.load(ws_ptr + s * ws_split + tile_at, mask=tile_ok, other=0.0)
+                acc += tl.load(ws_ptr + s * ws_split + tile_at, mask=tile_ok, other=0.0,
+                               cache_modifier=".cg")
                 if GATED:
                     acc_up += tl.load(ws_ptr + s * ws_split + tile_at + N, mask=tile_ok,
-                                      other=0.0)
-            tl.atomic_xchg(cnt_ptr + tile, 0)
+                                      other=0.0, cache_modifier=".cg")
             _finish(acc, acc_up, bias_ptr, out_ptr, rows, cols, row_ok, col_ok, N, stride_o,
                     GATED, HAS_BIAS)
     else:

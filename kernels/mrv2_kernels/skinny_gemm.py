@@ -32,6 +32,7 @@ import triton.language as tl
 from ._backend import (
     arrival_counters,
     cdiv,
+    last_to_arrive,
     next_power_of_2,
     pdl,
     pdl_early_weights,
@@ -128,11 +129,8 @@ def _skinny_kernel(
         if FUSED_REDUCE:
             # The last split of this output slice to finish adds the partials (in split order:
             # deterministic), then resets the slice's arrival counter for the next launch.
-            tl.debug_barrier()  # every thread's partial is stored before the release
-            counter = counters_ptr + pid_n
             num_splits = tl.num_programs(1)
-            if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-                tl.store(counter, 0)
+            if last_to_arrive(counters_ptr + pid_n, num_splits):
                 total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 rows = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
                 for s in range(0, num_splits):
