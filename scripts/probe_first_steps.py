@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2, help="rounds per batch (the first warms)")
     ap.add_argument("--steps", type=int, default=4, help="steps printed per round")
+    ap.add_argument("--cprofile", action="store_true",
+                    help="also cProfile the last round's first step (top functions)")
     args = ap.parse_args()
     cpu = not torch.cuda.is_available()
     engine = LLMEngine(EngineConfig.from_kwargs(
@@ -52,6 +54,28 @@ def main() -> None:
         return forward_and_sample(step)
 
     runner._forward_and_sample = spy
+    # Host time of each part of a step (nested parts too), the last call's.
+    phases: dict[str, float] = {}
+
+    def timed(name: str, fn: Any) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            begin = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                phases[name] = phases.get(name, 0.0) + time.perf_counter() - begin
+        return wrapper
+
+    parts = {"schedule": (engine.scheduler, "schedule"), "execute": (runner, "execute"),
+             "process": (engine, "_process"), "build": (runner.builder, "build"),
+             "upload": (runner._uploader, "upload"),
+             "forward+sample": (runner, "_forward_and_sample"),
+             "output_copy": (runner, "_start_output_copy")}
+    if runner.graphs is not None:
+        parts["mixed_replay"] = (runner.graphs, "replay_mixed")
+    for name, (owner, attr) in parts.items():
+        setattr(owner, attr, timed(name, getattr(owner, attr)))
+    gpu = torch.cuda.is_available()
     rng = random.Random(0)
     switches = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
                         if k.startswith("MRV2_")) or "defaults"
@@ -64,21 +88,50 @@ def main() -> None:
                                    params, stream=True)
             start = time.perf_counter()
             first = None
+            begin_ev = end_ev = None
+            if gpu:
+                begin_ev = torch.cuda.Event(enable_timing=True)
+                end_ev = torch.cuda.Event(enable_timing=True)
+                begin_ev.record()
             for i in range(1000):
                 if not engine.has_unfinished():
                     break
                 kinds.clear()
+                phases.clear()
+                profiler = None
+                if args.cprofile and i == 0 and rnd == args.rounds - 1:
+                    import cProfile
+
+                    profiler = cProfile.Profile()
+                    profiler.enable()
                 t0 = time.perf_counter()
                 outs = engine.step()
                 t1 = time.perf_counter()
+                if profiler is not None:
+                    profiler.disable()
+                if i == 0 and end_ev is not None:
+                    end_ev.record()  # after everything the first step enqueued
                 if first is None and outs:
                     first = t1
                 if i < args.steps:
                     print(f"batch {batch} round {rnd} step {i}: {', '.join(kinds) or '-'}; "
                           f"step() {1e3 * (t1 - t0):.2f} ms, at {1e3 * (t1 - start):.2f} ms, "
                           f"{len(outs)} outputs", flush=True)
+                    print("    host ms: " + ", ".join(f"{k} {1e3 * v:.2f}"
+                                                     for k, v in phases.items()), flush=True)
+                if profiler is not None:
+                    import pstats
+
+                    stats = pstats.Stats(profiler)
+                    stats.sort_stats("tottime").print_stats(25)
+                    stats.sort_stats("cumulative").print_stats(40)
             assert first is not None
-            print(f"batch {batch} round {rnd}: TTFT {1e3 * (first - start):.2f} ms", flush=True)
+            gpu_done = ""
+            if begin_ev is not None and end_ev is not None:
+                gpu_done = (f"; the first step's device work done "
+                            f"{begin_ev.elapsed_time(end_ev):.2f} ms after its start")
+            print(f"batch {batch} round {rnd}: TTFT {1e3 * (first - start):.2f} ms{gpu_done}",
+                  flush=True)
 
 
 if __name__ == "__main__":
