@@ -3,7 +3,7 @@
 # arguments: tests (tests/gpu), kerneltests (tests/kernels on CUDA), moe (the fused-MoE kernel bench), tma_prefill (MRV2_TMA_PREFILL's tests and A/B),
 # gemm_proto (scripts/proto_gemm.py: Triton TMA GEMMs against cuBLAS at 8B decode shapes),
 # pdlchain (scripts/proto_pdl_chain.py: Triton GEMMs with PDL in the decode layer's chain),
-# firststeps (scripts/probe_first_steps.py: TTFT step by step, MRV2_PDL_GEMM off and on), attn,
+# firststeps (scripts/probe_first_steps.py: TTFT step by step and host part, MRV2_PDL_GEMM off and on), attn,
 # splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile, mixed,
 # flatgrid (MRV2_ATTN_FLAT_GRID: the kernel case, then the throughput A/B whose "on" side is the old grid),
 # mixedgraphs (steps with prompt tokens in CUDA graphs: small steps and the throughput workload),
@@ -243,8 +243,9 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                    > "$OUT/tma_attn.log" 2>&1; tail -5 "$OUT/tma_attn.log"
                  ROUNDS=${ROUNDS:-1} bash scripts/ab_env.sh MRV2_TMA_PREFILL=1 throughput \
                    --model "${TMA_MODEL:-Qwen3-8B}" ;;
-    firststeps) # where TTFT goes, step by step (scripts/probe_first_steps.py), without and with
-                # MRV2_PDL_GEMM=1 (it raised TTFT by 1-2.8 ms in the nineteenth session)
+    firststeps) # where TTFT goes, step by step and by host part (scripts/probe_first_steps.py),
+                # with MRV2_PDL_GEMM off and on (the nineteenth session's TTFT rise with it on
+                # did not recur in the twentieth)
                 for v in 0 1; do MRV2_PDL_GEMM=$v timeout 150 python3 scripts/probe_first_steps.py \
                   > "$OUT/first_steps_pdl_gemm$v.log" 2>&1; grep -E "round 1" "$OUT/first_steps_pdl_gemm$v.log"; done ;;
     pdlchain)   # Triton GEMMs with PDL (early weight loads, the SwiGLU fused) against cuBLAS in

@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2, help="rounds per batch (the first warms)")
     ap.add_argument("--steps", type=int, default=4, help="steps printed per round")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="decoder layers (0: the model's; fewer for a quick host profile)")
     ap.add_argument("--cprofile", action="store_true",
                     help="also cProfile the last round's first step (top functions)")
     args = ap.parse_args()
@@ -42,7 +44,8 @@ def main() -> None:
     engine = LLMEngine(EngineConfig.from_kwargs(
         model=resolve_model(args.model), load_format="dummy",
         dtype="float32" if cpu else "bfloat16", device="cpu" if cpu else "auto",
-        max_model_len=1024 if cpu else 4096, max_num_seqs=max(args.batches)))
+        max_model_len=1024 if cpu else 4096, max_num_seqs=max(args.batches),
+        hf_overrides={"num_hidden_layers": args.layers} if args.layers else None))
     runner: Any = engine.runner
     kinds: list[str] = []
     forward_and_sample = runner._forward_and_sample

@@ -334,8 +334,8 @@ def decode_linear(
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through the fastest kernel for its shape: this GEMV
     (:func:`use_norm_gemv`), else :func:`~mrv2_kernels.skinny_gemm.skinny_linear` (the skinny
-    split-K kernel, or cuBLAS; with ``MRV2_PDL_GEMM=1`` :func:`~mrv2_kernels.pdl_gemm.pdl_gemm`
-    instead of cuBLAS where :func:`~mrv2_kernels.pdl_gemm.use_pdl_gemm`); on the torch path
+    split-K kernel, or cuBLAS; :func:`~mrv2_kernels.pdl_gemm.pdl_gemm` instead of cuBLAS
+    where :func:`~mrv2_kernels.pdl_gemm.use_pdl_gemm`); on the torch path
     (CPU), :func:`~mrv2_kernels.cpu_linear.linear_cpu`."""
     if not use_triton(x):
         return linear_cpu(x, weight, bias)
@@ -381,7 +381,7 @@ def norm_gemv(
     h, new_res = _normed(x, norm_weight, eps, residual, rms_norm)
     if gated and use_norm_gemv(h, weight):  # the norm did not fit; the SwiGLU still does
         y = norm_gemv_triton(h, weight, bias, gated=True)[0]
-    elif gated and use_pdl_gemm(h, weight):  # opt-in: the SwiGLU in the GEMM's epilogue
+    elif gated and use_pdl_gemm(h, weight):  # the SwiGLU in the GEMM's epilogue
         y = pdl_gemm(h, weight, bias, gated=True)
     else:
         y = decode_linear(h, weight, bias)

@@ -1,6 +1,8 @@
 """``x @ weight.T`` for a decode batch of a small model (3-64 rows) as a Triton kernel that
 takes part in programmatic dependent launch, optionally with the SwiGLU fused in and the
-reduction split across programs. **Opt-in** (``MRV2_PDL_GEMM=1``) until an engine A/B decides.
+reduction split across programs. **On by default** wherever kernels launch with PDL (a CUDA
+device of compute capability 9.0+); ``MRV2_PDL_GEMM=0`` turns it off, ``1`` forces it on
+wherever the inputs allow (the interpreter too).
 
 Why: a decode step runs, per layer, ``rms_norm -> qkv -> attention -> o -> rms_norm -> gate/up
 -> silu_and_mul -> down``. Everything but the four products is a Triton kernel launched with
@@ -17,7 +19,11 @@ norms, SiLU and four products in a CUDA graph, µs a layer, cuBLAS -> this kerne
   split or not: cuBLAS moves those weights at 0.5-0.9 of the copy bandwidth.
 
 So :func:`use_pdl_gemm` takes products of at most :data:`PDL_GEMM_MAX_M` rows and
-:data:`PDL_GEMM_MAX_WEIGHT` weight elements only.
+:data:`PDL_GEMM_MAX_WEIGHT` weight elements only. The engine A/B that made it the default
+(H200, 2026-12-03, Qwen3-0.6B, ``mrv2 bench latency``, two rounds, BENCHMARKS.md twentieth
+session): time per output token 1.126 -> 1.074 ms at 8 requests, 1.533 -> 1.280 at 32, 1.777 ->
+1.633 at 64, level at 1 and 16 (the GEMV and the skinny kernel take those products); time to
+first token level.
 
 The kernel: a program owns ``BM`` rows and ``BN`` output features over ``K`` or, with
 ``splits`` > 1, over one of ``splits`` chunks of ``K``: each split stores an fp32 partial
@@ -51,6 +57,7 @@ from ._backend import (
     last_to_arrive,
     pdl,
     pdl_early_weights,
+    pdl_enabled,
     pdl_release,
     pdl_wait,
     use_triton,
@@ -59,8 +66,9 @@ from ._backend import (
 __all__ = ["PDL_GEMM_ENV_VAR", "PDL_GEMM_MAX_M", "PDL_GEMM_MAX_WEIGHT", "GemmTiles", "pdl_gemm",
            "pdl_gemm_ref", "use_pdl_gemm"]
 
-#: ``1`` sends the decode products :func:`use_pdl_gemm` describes to :func:`pdl_gemm` instead
-#: of cuBLAS (off by default until an engine A/B decides).
+#: ``0``: cuBLAS keeps every product. ``1``: :func:`pdl_gemm` takes the products
+#: :func:`use_pdl_gemm` describes wherever the inputs allow. Unset (the default): it takes them
+#: where kernels launch with PDL (:func:`~mrv2_kernels._backend.pdl_enabled`).
 PDL_GEMM_ENV_VAR = "MRV2_PDL_GEMM"
 #: Most rows :func:`use_pdl_gemm` sends to the kernel (it lost from 128 rows on).
 PDL_GEMM_MAX_M = 64
@@ -213,11 +221,13 @@ def default_tiles(x: torch.Tensor, n: int, k: int, gated: bool) -> GemmTiles:
 
 
 def use_pdl_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True when :func:`pdl_gemm` should take this product: ``MRV2_PDL_GEMM=1``, a CUDA (or
+    """True when :func:`pdl_gemm` should take this product: ``MRV2_PDL_GEMM`` not ``0`` (unset:
+    only where :func:`~mrv2_kernels._backend.pdl_enabled`), a CUDA (or, with ``1``,
     forced-Triton) bf16/fp16 input of 3-:data:`PDL_GEMM_MAX_M` rows (fewer: the fused GEMV),
     weights of its dtype with contiguous rows and at most :data:`PDL_GEMM_MAX_WEIGHT`
     elements. Metadata and the environment only."""
-    if os.environ.get(PDL_GEMM_ENV_VAR, "0") != "1" or x.dim() != 2:
+    setting = os.environ.get(PDL_GEMM_ENV_VAR, "").strip()
+    if setting == "0" or x.dim() != 2 or (setting != "1" and not pdl_enabled(x)):
         return False
     return (use_triton(x) and x.dtype in _KERNEL_DTYPES and weight.dtype == x.dtype
             and 3 <= x.shape[0] <= PDL_GEMM_MAX_M and weight.stride(-1) == 1

@@ -1,5 +1,5 @@
-"""The PDL GEMM (opt-in, ``MRV2_PDL_GEMM=1``) against its torch specification, its dispatch
-from the decode linear layers, and its sm_90 compile."""
+"""The PDL GEMM (on by default where kernels launch with PDL) against its torch
+specification, its dispatch from the decode linear layers, and its sm_90 compile."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ except ImportError:  # not installed: use the source tree
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "kernels"))
 
 from mrv2_kernels import norm_gemv as ng
-from mrv2_kernels._backend import arrival_counters
+from mrv2_kernels._backend import arrival_counters, pdl_enabled
 from mrv2_kernels.pdl_gemm import GemmTiles, pdl_gemm, pdl_gemm_ref, use_pdl_gemm
+
+pg = sys.modules["mrv2_kernels.pdl_gemm"]  # the module (its name is also the function's)
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 if DEVICE == "cuda" and not torch.cuda.is_available():
@@ -97,9 +99,11 @@ def test_errors_name_the_argument() -> None:
         pdl_gemm(x, w, torch.zeros(4, device=DEVICE))
 
 
-def test_opt_in_dispatch_from_the_decode_linears(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Only with MRV2_PDL_GEMM=1, only for 3-64 rows of bf16/fp16 and small weights that the
-    GEMV and the skinny kernel do not take; the SwiGLU fuses when the norm runs apart."""
+def test_dispatch_from_the_decode_linears(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default only where kernels launch with PDL (never on the interpreter), with
+    MRV2_PDL_GEMM=1 wherever Triton runs, never with 0; only for 3-64 rows of bf16/fp16 and
+    small weights that the GEMV and the skinny kernel do not take; the SwiGLU fuses when the
+    norm runs apart."""
     monkeypatch.setenv("MRV2_KERNELS", "triton")
     calls: list[tuple[int, bool]] = []
 
@@ -111,8 +115,14 @@ def test_opt_in_dispatch_from_the_decode_linears(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(ng, "pdl_gemm", spy)
     w = torch.randn(64, 32, dtype=torch.float16, device=DEVICE)  # K < N: not skinny's
     x = torch.randn(8, 32, dtype=torch.float16, device=DEVICE)
-    assert not use_pdl_gemm(x, w)  # off by default
+    monkeypatch.delenv("MRV2_PDL_GEMM", raising=False)
+    assert use_pdl_gemm(x, w) == pdl_enabled(x)  # the default: where PDL launches
+    monkeypatch.setattr(pg, "pdl_enabled", lambda t: True)
+    assert use_pdl_gemm(x, w)
+    monkeypatch.setenv("MRV2_PDL_GEMM", "0")
+    assert not use_pdl_gemm(x, w)
     monkeypatch.setenv("MRV2_PDL_GEMM", "1")
+    monkeypatch.setattr(pg, "pdl_enabled", lambda t: False)
     assert use_pdl_gemm(x, w)
     assert not use_pdl_gemm(x[:2], w) and not use_pdl_gemm(
         torch.randn(65, 32, device=DEVICE).half(), w)
