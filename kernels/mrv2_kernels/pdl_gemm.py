@@ -72,9 +72,11 @@ __all__ = ["PDL_GEMM_ENV_VAR", "PDL_GEMM_MAX_M", "PDL_GEMM_MAX_WEIGHT", "GemmTil
 PDL_GEMM_ENV_VAR = "MRV2_PDL_GEMM"
 #: Most rows :func:`use_pdl_gemm` sends to the kernel (it lost from 128 rows on).
 PDL_GEMM_MAX_M = 64
-#: Most weight elements (rows x K) it sends: Qwen3-0.6B's gate/up (6,144 x 1,024) fits;
-#: Qwen3-8B's products, which cuBLAS moves faster, do not.
-PDL_GEMM_MAX_WEIGHT = 8 * 1024 * 1024
+#: Most weight elements (rows x K) it sends: the largest product measured to win, Qwen3-0.6B's
+#: gate/up (6,144 x 1,024), exactly. Qwen3-8B's products (16.8 Mi and up), which cuBLAS moves
+#: faster, do not fit; nor do sizes between, which no measurement covers (a tensor-parallel
+#: shard of Qwen3-8B's o_proj, 4,096 x 2,048, say).
+PDL_GEMM_MAX_WEIGHT = 6 * 1024 * 1024
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 

@@ -126,9 +126,9 @@ def test_dispatch_from_the_decode_linears(monkeypatch: pytest.MonkeyPatch) -> No
     assert use_pdl_gemm(x, w)
     assert not use_pdl_gemm(x[:2], w) and not use_pdl_gemm(
         torch.randn(65, 32, device=DEVICE).half(), w)
-    wide = torch.empty(4097, 2048, dtype=x.dtype, device=DEVICE)  # 8 Mi elements + a row
-    x_wide = torch.randn(8, 2048, device=DEVICE).half()
-    assert use_pdl_gemm(x_wide, wide[:4096]) and not use_pdl_gemm(x_wide, wide)
+    wide = torch.empty(6145, 1024, dtype=x.dtype, device=DEVICE)  # 0.6B's gate/up + a row
+    x_wide = torch.randn(8, 1024, device=DEVICE).half()
+    assert use_pdl_gemm(x_wide, wide[:6144]) and not use_pdl_gemm(x_wide, wide)
     assert not use_pdl_gemm(x.float(), w.float())
     monkeypatch.setattr(ng, "use_skinny", lambda x, w: False)
     ng.decode_linear(x, w)
