@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from mrv2.bench.measure import resolve_model
+from mrv2.bench.measure import resolve_model, time_host_parts
 from mrv2.config import EngineConfig
 from mrv2.contract.params import SamplingParams
 from mrv2.engine.engine import LLMEngine
@@ -60,15 +60,6 @@ def main() -> None:
     # Host time of each part of a step (nested parts too), the last call's.
     phases: dict[str, float] = {}
 
-    def timed(name: str, fn: Any) -> Any:
-        def wrapper(*a: Any, **k: Any) -> Any:
-            begin = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                phases[name] = phases.get(name, 0.0) + time.perf_counter() - begin
-        return wrapper
-
     parts = {"schedule": (engine.scheduler, "schedule"), "execute": (runner, "execute"),
              "process": (engine, "_process"), "build": (runner.builder, "build"),
              "upload": (runner._uploader, "upload"),
@@ -76,8 +67,7 @@ def main() -> None:
              "output_copy": (runner, "_start_output_copy")}
     if runner.graphs is not None:
         parts["mixed_replay"] = (runner.graphs, "replay_mixed")
-    for name, (owner, attr) in parts.items():
-        setattr(owner, attr, timed(name, getattr(owner, attr)))
+    time_host_parts(parts, phases)
     gpu = torch.cuda.is_available()
     rng = random.Random(0)
     switches = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items())

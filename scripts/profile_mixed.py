@@ -18,11 +18,10 @@ import argparse
 import os
 import random
 import time
-from typing import Any
 
 import torch
 
-from mrv2.bench.measure import resolve_model
+from mrv2.bench.measure import resolve_model, time_host_parts
 from mrv2.config import EngineConfig
 from mrv2.contract.params import SamplingParams
 from mrv2.engine.engine import LLMEngine
@@ -103,24 +102,11 @@ unsynced = mixed_steps()
 phases: dict[str, float] = {}
 
 
-def timed(name: str, fn: Any) -> Any:
-    def wrapper(*a: Any, **k: Any) -> Any:
-        begin = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            phases[name] = phases.get(name, 0.0) + time.perf_counter() - begin
-    return wrapper
-
-
-originals = [(engine.scheduler, "schedule"), (engine.runner, "execute"),
-             (engine.runner, "_forward"), (engine, "_process")]
-saved = [getattr(owner, attr) for owner, attr in originals]
-for owner, attr in originals:
-    setattr(owner, attr, timed(attr, getattr(owner, attr)))
+restore = time_host_parts({attr: (owner, attr) for owner, attr in (
+    (engine.scheduler, "schedule"), (engine.runner, "execute"), (engine.runner, "_forward"),
+    (engine, "_process"))}, phases)
 phased = mixed_steps()
-for (owner, attr), fn in zip(originals, saved, strict=True):
-    setattr(owner, attr, fn)
+restore()
 print(f"host phases, ms a mixed step ({phased * 1e3:.2f} ms a step): "
       + ", ".join(f"{k} {v / args.steps * 1e3:.2f}" for k, v in phases.items()))
 if args.cprofile:

@@ -133,19 +133,11 @@ def chain(name: str, ws: list[Layer], half: Half
     return run
 
 
-def graph_ms(fn: Callable[[], object], repeats: int = 10) -> float:
-    """Median ms of a replay of a CUDA graph of ``fn()``."""
-    from mrv2_kernels._backend import cuda_event_ms
+def graph_ms(fn: Callable[[], torch.Tensor], repeats: int = 10) -> float:
+    """Median ms of a replay of a CUDA graph of ``fn()`` (the kernel benches' timer)."""
+    from mrv2_kernels.bench_skinny import time_graph
 
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = sorted(cuda_event_ms(graph.replay) for _ in range(repeats))
-    return times[len(times) // 2]
+    return time_graph(lambda _: fn(), 1, repeats=repeats) / 1e3
 
 
 def variants(name: str, ws: list[Layer], lens: list[int], table: torch.Tensor

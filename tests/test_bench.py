@@ -18,6 +18,7 @@ from mrv2.bench.measure import (
     linear_flops,
     resolve_model,
     roofline_seconds,
+    time_host_parts,
     weight_bytes,
 )
 from mrv2.bench.throughput import run_engine, workload
@@ -109,6 +110,29 @@ def test_breakdown_by_step_kind_with_emulated_graphs(tmp_path: Path) -> None:
                                                                     abs=1e-3)
     table = format_breakdown({"default": {"by_step_kind": kinds}})
     assert "decode_graph" in table.splitlines()[1] + table.splitlines()[2]
+
+
+def test_host_parts_add_up_and_restore() -> None:
+    """Each wrapped call adds its host time under its name (a nested part counts in both);
+    restoring puts the very originals back."""
+
+    class Owner:
+        def outer(self) -> int:
+            time.sleep(0.002)
+            return self.inner() + 1
+
+        def inner(self) -> int:
+            time.sleep(0.001)
+            return 1
+
+    owner = Owner()
+    inner, outer = owner.inner, owner.outer
+    phases: dict[str, float] = {}
+    restore = time_host_parts({"outer": (owner, "outer"), "inner": (owner, "inner")}, phases)
+    assert owner.outer() == 2 and owner.outer() == 2
+    assert phases["outer"] >= 0.006 and 0.002 <= phases["inner"] < phases["outer"]
+    restore()
+    assert owner.inner == inner and owner.outer == outer
 
 
 def test_cli_parses_bench() -> None:

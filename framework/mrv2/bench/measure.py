@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -202,6 +203,31 @@ def instrument(engine: Any) -> StepLog:
 
     runner.execute = execute
     return log
+
+
+def time_host_parts(parts: dict[str, tuple[Any, str]], phases: dict[str, float]
+                    ) -> Callable[[], None]:
+    """Wrap each ``owner.attr`` of ``parts`` (name -> (owner, attribute)) so that its calls add
+    their host seconds to ``phases[name]`` (a part nested in another counts in both); returns
+    a function that puts the originals back."""
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr in parts.values()]
+
+    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            begin = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                phases[name] = phases.get(name, 0.0) + time.perf_counter() - begin
+        return wrapper
+
+    for name, (owner, attr) in parts.items():
+        setattr(owner, attr, timed(name, getattr(owner, attr)))
+
+    def restore() -> None:
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
+    return restore
 
 
 def release_engine_memory() -> None:
