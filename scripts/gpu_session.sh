@@ -3,7 +3,8 @@
 # arguments: tests (tests/gpu), kerneltests (tests/kernels on CUDA), moe (the fused-MoE kernel bench), tma_prefill (MRV2_TMA_PREFILL's tests and A/B),
 # gemm_proto (scripts/proto_gemm.py: Triton TMA GEMMs against cuBLAS at 8B decode shapes),
 # pdlchain (scripts/proto_pdl_chain.py: Triton GEMMs with PDL in the decode layer's chain),
-# firststeps (scripts/probe_first_steps.py: TTFT step by step and host part, MRV2_PDL_GEMM off and on), attn,
+# firststeps (scripts/probe_first_steps.py: TTFT step by step and host part, MRV2_PDL_GEMM off and on),
+# graphtimes (scripts/decode_graph_times.py: each decode graph's replay time by size), attn,
 # splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile, mixed,
 # flatgrid (MRV2_ATTN_FLAT_GRID: the kernel case, then the throughput A/B whose "on" side is the old grid),
 # mixedgraphs (steps with prompt tokens in CUDA graphs: small steps and the throughput workload),
@@ -248,6 +249,11 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                 # did not recur in the twentieth)
                 for v in 0 1; do MRV2_PDL_GEMM=$v timeout 150 python3 scripts/probe_first_steps.py \
                   > "$OUT/first_steps_pdl_gemm$v.log" 2>&1; grep -E "round 1" "$OUT/first_steps_pdl_gemm$v.log"; done ;;
+    graphtimes) # every decode graph's replay time by batch size, Qwen3-0.6B and Qwen3-8B
+                # (scripts/decode_graph_times.py: a size slower than a larger one)
+                for m in Qwen3-0.6B Qwen3-8B; do timeout 250 python3 scripts/decode_graph_times.py \
+                  --model $m --profile 8 16 > "$OUT/graph_times_$m.log" 2>&1
+                  grep -A40 "^ size" "$OUT/graph_times_$m.log"; done ;;
     pdlchain)   # Triton GEMMs with PDL (early weight loads, the SwiGLU fused) against cuBLAS in
                 # the decode layer's chain at 32-256 rows (scripts/proto_pdl_chain.py)
                 timeout 120 python3 scripts/proto_pdl_chain.py --check > "$OUT/pdl_chain_check.log" 2>&1

@@ -227,9 +227,9 @@ PDL_ENV_VAR = "MRV2_PDL"
 #: on / off in every kernel that supports them, overriding each kernel's default. Measured on
 #: the H200 (BENCHMARKS.md, 2026-12-01): in the norm + GEMV kernel of batch-1/2 decode they
 #: pay (on by default: Qwen3-0.6B's per-product device time 4.42 -> 3.59 µs for norm + qkv,
-#: 2.64 -> 1.85 µs for o_proj, in a graph); in the skinny split-K kernel of batch 3-16 they
-#: cost (off by default: batch-8 decode step 1.236 -> 1.377 ms; its first tile is loaded
-#: outside its pipelined loop).
+#: 2.64 -> 1.85 µs for o_proj, in a graph); in the skinny split-K kernel (then of batch
+#: 3-16) they cost (off by default: batch-8 decode step 1.236 -> 1.377 ms; its first tile is
+#: loaded outside its pipelined loop).
 PDL_EARLY_WEIGHTS_ENV_VAR = "MRV2_PDL_EARLY_WEIGHTS"
 #: Environment variable: ``1`` turns early metadata loads (:func:`pdl_early_meta`) on in the
 #: kernels that support them (the rotary and paged-attention kernels), ``0`` off. Built

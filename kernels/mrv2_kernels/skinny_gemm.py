@@ -23,6 +23,7 @@ It agrees with ``F.linear`` to fp32 accumulation order (rounded to bf16/fp16 at 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -42,11 +43,20 @@ from ._backend import (
     use_triton,
 )
 
-__all__ = ["SKINNY_MAX_M", "skinny_linear", "skinny_linear_ref", "skinny_linear_triton",
-           "use_skinny"]
+__all__ = ["SKINNY_MAX_M", "SKINNY_MAX_M_ENV_VAR", "skinny_linear", "skinny_linear_ref",
+           "skinny_linear_triton", "use_skinny"]
 
-#: Largest number of rows :func:`use_skinny` sends to the kernel (cuBLAS does better above).
-SKINNY_MAX_M = 16
+#: Environment override of :data:`SKINNY_MAX_M` (read at import).
+SKINNY_MAX_M_ENV_VAR = "MRV2_SKINNY_MAX_M"
+#: Largest number of rows :func:`use_skinny` sends to the kernel. At 1-2 rows the fused GEMV
+#: (:mod:`~mrv2_kernels.norm_gemv`) takes every product with ``K <= 4096``, so this kernel
+#: keeps the wide reductions (Qwen3-8B's down_proj, K 12,288: its batch-1 decode graph 3.99
+#: against 4.06 ms with cuBLAS). From 3 rows on, cuBLAS (or :mod:`~mrv2_kernels.pdl_gemm` on a
+#: small model) in the PDL chain of a decode graph beats it: H200, ``mrv2 bench latency``, two
+#: rounds (BENCHMARKS.md, twenty-first session), time per output token with this kernel up to
+#: 16 rows against 2: Qwen3-8B 5.23 -> 4.72 ms at 4 requests, 4.87 -> 4.84 at 8, 5.52 -> 5.07
+#: at 16; Qwen3-0.6B 1.02-1.03 -> 0.99, 1.07 -> 1.03, 1.30 -> 1.19.
+SKINNY_MAX_M = int(os.environ.get(SKINNY_MAX_M_ENV_VAR, "2"))
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
