@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mrv2 import LLM, EngineConfig, SamplingParams
@@ -139,3 +140,63 @@ def test_runner_rejects_a_bad_step_without_changing_state(ckpt: Path) -> None:
     # nothing moved: the same step, well formed, still runs
     tokens = runner.execute(SchedulerOutput({"a": 1, "b": 1})).result()
     assert set(tokens) == {"a", "b"}
+
+
+def test_new_requests_are_checked_before_any_takes_a_row(ckpt: Path) -> None:
+    """A step's new requests are all checked before the first one takes a row: a bad one
+    leaves the state table as it was, and the same requests, well formed, then run."""
+    from mrv2.contract.requests import NewRequest, SchedulerOutput
+    from mrv2.runner.runner import Runner
+
+    runner = Runner.from_config(EngineConfig.from_kwargs(
+        model=str(ckpt), device="cpu", dtype="float32", block_size=4, max_model_len=16))
+    params = SamplingParams(temperature=0)
+    good = NewRequest("a", [1, 2, 3], params, seed=0, block_ids=[0])
+    with pytest.raises(ValueError, match="'b' has 17 tokens; allowed 1..16"):
+        runner.execute(SchedulerOutput({"a": 3, "b": 1}, new_requests=[
+            good, NewRequest("b", list(range(17)), params, seed=1, block_ids=[1])]))
+    assert len(runner.table) == 0
+    new = [good, NewRequest("b", [4, 5], params, seed=1, block_ids=[1])]
+    assert set(runner.execute(SchedulerOutput({"a": 3, "b": 2}, new_requests=new)).result()) \
+        == {"a", "b"}
+
+
+def test_a_burst_of_new_rows_stages_as_one_at_a_time() -> None:
+    """``BatchBuilder.stage_new_rows`` (one staged put per table for a step's new requests)
+    writes the same tokens, block table and counts as ``stage_new_row`` per request."""
+    import torch
+
+    from mrv2.contract.staged_edits import StagedEdits
+    from mrv2.contract.state_table import RequestStateTable, RowInfo
+    from mrv2.runner.batch_builder import BatchBuilder
+
+    rows, computed = [3, 0, 5], [0, 0, 8]
+    tokens = [[7, 1, 4, 4, 2], [9], list(range(100, 116))]
+    blocks = [[2, 6], [], [1, 3, 5, 0]]
+    tables = []
+    for batched in (False, True):
+        table = RequestStateTable(6, 16, 4, torch.device("cpu"))
+        table.token_ids.fill_(-1)
+        table.block_table.fill_(-1)
+        for i, row in enumerate(rows):
+            table.info[row] = RowInfo(str(i), computed[i], len(tokens[i]), len(tokens[i]))
+        builder = object.__new__(BatchBuilder)
+        builder.table = table
+        staged = StagedEdits()
+        if batched:
+            builder.stage_new_rows(rows, tokens, blocks, computed, staged)
+        else:
+            for i, row in enumerate(rows):
+                builder.stage_new_row(row, tokens[i], blocks[i], computed[i], staged)
+        staged.apply({k: torch.from_numpy(v) for k, v in staged.arrays().items()})
+        tables.append(table)
+    a, b = tables
+    for name in ("token_ids", "block_table", "num_computed", "num_tokens"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert b.token_ids[5].tolist() == tokens[2] and b.token_ids[3, :6].tolist() == [7, 1, 4, 4,
+                                                                                       2, -1]
+    assert b.block_table[0].tolist() == [-1] * 4 and b.num_tokens.tolist() == [1, 0, 0, 5, 0, 16]
+    assert np.array_equal(a.num_blocks, b.num_blocks) and b.num_blocks.tolist() == [0, 0, 0, 2,
+                                                                                      0, 4]
+    with pytest.raises(ValueError, match="'1' would hold more blocks"):
+        builder.stage_new_rows([0], [[1]], [[1, 2, 3, 4, 5]], [0], StagedEdits())

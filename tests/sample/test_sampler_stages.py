@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from sample_helpers import make_batch
@@ -159,6 +160,55 @@ def test_staged_penalty_state_of_a_resumed_request() -> None:
     state.record_sampled(torch.tensor([1, 0], dtype=torch.int32), torch.tensor([[8], [8]]),
                          torch.tensor([1, 0], dtype=torch.int32))
     assert int(state.output_counts[1, 8]) == 3 and int(state.output_counts[0, 8]) == 0
+
+
+def test_a_burst_of_requests_stages_as_one_at_a_time() -> None:
+    """``Sampler.add_requests`` (the runner's call for a step's new requests: one staged put
+    per column block) leaves the same device columns, CPU flags and penalty state as one
+    ``add_request`` per request, a resumed penalty request included; a subclass that
+    overrides ``add_request`` alone still gets one call per request."""
+    from sample_helpers import apply_on_cpu
+
+    from mrv2.contract.requests import NewRequest
+    from mrv2.contract.staged_edits import StagedEdits
+
+    resumed = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5, min_tokens=3)
+    resumed._num_prompt_tokens = 2
+    requests = [
+        NewRequest("a", [4, 2, 9], SamplingParams(temperature=0.7, top_k=5, seed=11), 11, []),
+        NewRequest("b", [1, 2, 3, 3, 7], resumed, 5, []),
+        NewRequest("c", [8], SamplingParams(temperature=0.0), 0, []),
+        NewRequest("d", [6, 6], SamplingParams(top_p=0.9, min_p=0.2, logprobs=2), 3, []),
+    ]
+    rows = [5, 0, 3, 1]
+    one, many = Sampler(6, VOCAB, torch.device("cpu")), Sampler(6, VOCAB, torch.device("cpu"))
+    staged = StagedEdits()
+    for request, row in zip(requests, rows, strict=True):
+        one.add_request(request, row, staged)
+    apply_on_cpu(staged)
+    staged = StagedEdits()
+    many.add_requests(requests, rows, staged)
+    apply_on_cpu(staged)
+    a, b = one.state, many.state
+    assert torch.equal(a.floats, b.floats) and torch.equal(a.ints, b.ints)
+    assert b.floats[0, 5] == pytest.approx(0.7) and int(b.ints[1, 0]) == 5  # not all zeros
+    for flag in ("greedy", "top_k_top_p", "min_p_on", "rare", "prompt_len_cpu"):
+        assert np.array_equal(getattr(a, flag), getattr(b, flag)), flag
+    assert a.params == b.params and (a.num_rare, a.num_penalty_rows) == (b.num_rare, 1) == (2, 1)
+    assert a.output_counts is not None and b.output_counts is not None
+    assert b.output_counts[0].nonzero().flatten().tolist() == [3, 7]
+    assert torch.equal(a.output_counts, b.output_counts)
+    assert torch.equal(a.prompt_mask, b.prompt_mask)
+
+    calls: list[int] = []
+
+    class PerRequest(Sampler):
+        def add_request(self, request: NewRequest, row: int, staged: StagedEdits) -> None:
+            calls.append(row)
+            super().add_request(request, row, staged)
+
+    PerRequest(6, VOCAB, torch.device("cpu")).add_requests(requests, rows, StagedEdits())
+    assert calls == rows
 
 
 def test_profile_scratch_runs_the_widest_stages() -> None:

@@ -8,6 +8,7 @@ positions, slot mapping, sequence lengths and block tables from the state table.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -74,15 +75,33 @@ class BatchBuilder:
         staged: StagedEdits,
     ) -> None:
         """A new request's tokens, blocks and counts, written with the step's upload."""
-        n = len(token_ids)
+        self.stage_new_rows([row], [token_ids], [block_ids], [num_computed], staged)
+
+    def stage_new_rows(
+        self, rows: list[int], token_ids: list[list[int]], block_ids: list[list[int]],
+        num_computed: list[int], staged: StagedEdits,
+    ) -> None:
+        """New requests' tokens, blocks and counts (one list entry per row), written with the
+        step's upload: one staged put per table for all of them."""
+        if not rows:
+            return
         table = self.table
-        staged.put(table.token_ids, (np.full(n, row), np.arange(n)),
-                   np.asarray(token_ids, dtype=np.int32))
-        table.num_blocks[row] = 0
-        self.stage_new_blocks(row, block_ids, staged)
-        one = np.array([row])
-        staged.put(table.num_computed, (one,), np.array([num_computed], dtype=np.int32))
-        staged.put(table.num_tokens, (one,), np.array([n], dtype=np.int32))
+        at = np.asarray(rows, dtype=np.int64)
+        lens = np.fromiter((len(t) for t in token_ids), dtype=np.int64, count=len(rows))
+        staged.put(table.token_ids, _ragged_index(at, lens),
+                   _concat(token_ids, int(lens.sum())))
+        table.num_blocks[at] = 0
+        num_new = np.fromiter((len(b) for b in block_ids), dtype=np.int64, count=len(rows))
+        if (num_new > table.max_blocks_per_req).any():
+            row = rows[int(np.argmax(num_new > table.max_blocks_per_req))]
+            raise ValueError(f"request {table.info[row].req_id!r} would hold more blocks than "
+                             "max_model_len needs")
+        if num_new.any():
+            staged.put(table.block_table, _ragged_index(at, num_new),
+                       _concat(block_ids, int(num_new.sum())))
+            table.num_blocks[at] = num_new
+        staged.put(table.num_computed, (at,), np.asarray(num_computed, dtype=np.int32))
+        staged.put(table.num_tokens, (at,), lens.astype(np.int32))
 
     def stage_new_blocks(self, row: int, block_ids: list[int], staged: StagedEdits) -> None:
         """Blocks appended to ``row``'s block table."""
@@ -353,3 +372,15 @@ class _Layout:
     uniform: bool
     replay_query_len: int
     replay_tokens: int
+
+
+def _ragged_index(rows: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(row, column)`` index of columns ``0 .. lens[i] - 1`` of each ``rows[i]``, rows in
+    order."""
+    firsts = np.cumsum(lens) - lens  # where each row's run starts in the concatenation
+    return np.repeat(rows, lens), np.arange(int(lens.sum())) - np.repeat(firsts, lens)
+
+
+def _concat(lists: list[list[int]], total: int) -> np.ndarray:
+    """The int lists one after another as one int32 array of ``total`` values."""
+    return np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int32, count=total)

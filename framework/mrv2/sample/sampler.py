@@ -122,6 +122,18 @@ class Sampler:
         """Stage ``request``'s sampling columns into ``row``."""
         self.state.add(row, request.sampling_params, request.seed, request.token_ids, staged)
 
+    def add_requests(self, requests: list[NewRequest], rows: list[int],
+                     staged: StagedEdits) -> None:
+        """Stage the columns of a step's new ``requests`` into their ``rows`` (the runner's
+        call): all at once here; a subclass that overrides :meth:`add_request` alone gets one
+        call of it per request."""
+        if type(self).add_request is not Sampler.add_request:
+            for request, row in zip(requests, rows, strict=True):
+                self.add_request(request, row, staged)
+            return
+        self.state.add_many(rows, [r.sampling_params for r in requests],
+                            [r.seed for r in requests], [r.token_ids for r in requests], staged)
+
     def remove_request(self, row: int) -> None:
         """The request of ``row`` left."""
         self.state.remove(row)

@@ -118,34 +118,59 @@ class SamplingState:
     def add(self, row: int, params: SamplingParams, seed: int, token_ids: list[int],
             staged: StagedEdits) -> None:
         """A request with ``params`` took ``row``; its ``token_ids`` entered with it."""
-        n = len(token_ids)
-        prompt_len = params.prompt_len(n)
+        self.add_many([row], [params], [seed], [token_ids], staged)
+
+    def add_many(self, rows: list[int], params: list[SamplingParams], seeds: list[int],
+                 token_ids: list[list[int]], staged: StagedEdits) -> None:
+        """Requests took ``rows`` (one ``params``, seed and entering ``token_ids`` each): two
+        staged puts for all of them, whatever their number (a burst of prompts is admitted in
+        one step; per request the puts cost ~10 µs of host time)."""
+        n = len(rows)
+        if not n:
+            return
+        at = np.asarray(rows, dtype=np.int64)
+        prompt_lens = [p.prompt_len(len(t)) for p, t in zip(params, token_ids, strict=True)]
+        floats = np.array([[p.temperature, p.top_p, p.min_p, p.repetition_penalty,
+                            p.frequency_penalty, p.presence_penalty] for p in params],
+                          dtype=np.float32)
+        ints = np.array([[p.top_k, seed, p.min_tokens, plen]
+                         for p, seed, plen in zip(params, seeds, prompt_lens, strict=True)],
+                        dtype=np.int64)
+        # column-major index: parameter j of every row, then parameter j + 1 (the values
+        # transposed to match)
+        staged.put(self.floats, (np.repeat(np.arange(len(_FLOATS)), n), np.tile(at, len(_FLOATS))),
+                   floats.T.reshape(-1))
+        staged.put(self.ints, (np.repeat(np.arange(len(_INTS)), n), np.tile(at, len(_INTS))),
+                   ints.T.reshape(-1))
+        self.greedy[at] = [p.greedy for p in params]
+        self.top_k_top_p[at] = [p.top_k > 0 or p.top_p < 1.0 for p in params]
+        self.min_p_on[at] = [p.min_p > 0.0 for p in params]
+        rare = [uses_rare_stage(p) for p in params]
+        self.rare[at] = rare
+        self.prompt_len_cpu[at] = prompt_lens
+        self.num_rare += sum(rare)
+        for row, p, tokens, prompt_len in zip(rows, params, token_ids, prompt_lens, strict=True):
+            self.params[row] = p
+            if p.uses_penalties:
+                self._add_penalty_row(row, tokens, prompt_len, staged)
+
+    def _add_penalty_row(self, row: int, token_ids: list[int], prompt_len: int,
+                         staged: StagedEdits) -> None:
+        """Reset ``row``'s penalty counts: its prompt's tokens marked, a resumed request's
+        earlier outputs counted."""
+        self.num_penalty_rows += 1
+        self._ensure_penalty_state()
+        assert self.output_counts is not None and self.prompt_mask is not None
         rows = np.array([row])
-        staged.put(self.floats, (np.arange(len(_FLOATS)), np.full(len(_FLOATS), row)), np.array([
-            params.temperature, params.top_p, params.min_p, params.repetition_penalty,
-            params.frequency_penalty, params.presence_penalty], dtype=np.float32))
-        staged.put(self.ints, (np.arange(len(_INTS)), np.full(len(_INTS), row)), np.array([
-            params.top_k, seed, params.min_tokens, prompt_len], dtype=np.int64))
-        self.greedy[row] = params.greedy
-        self.top_k_top_p[row] = params.top_k > 0 or params.top_p < 1.0
-        self.min_p_on[row] = params.min_p > 0.0
-        self.rare[row] = uses_rare_stage(params)
-        self.params[row] = params
-        self.prompt_len_cpu[row] = prompt_len
-        self.num_rare += bool(self.rare[row])
-        if params.uses_penalties:
-            self.num_penalty_rows += 1
-            self._ensure_penalty_state()
-            assert self.output_counts is not None and self.prompt_mask is not None
-            staged.fill(self.output_counts, rows, 0)
-            staged.fill(self.prompt_mask, rows, False)
-            prompt = np.asarray(token_ids[:prompt_len], dtype=np.int64)
-            staged.put(self.prompt_mask, (np.full(len(prompt), row), prompt),
-                       np.ones(len(prompt), dtype=bool))
-            if prompt_len < n:  # a resumed request: its earlier outputs count
-                outs = np.asarray(token_ids[prompt_len:], dtype=np.int64)
-                staged.put(self.output_counts, (np.full(len(outs), row), outs),
-                           np.ones(len(outs), dtype=np.int32), accumulate=True)
+        staged.fill(self.output_counts, rows, 0)
+        staged.fill(self.prompt_mask, rows, False)
+        prompt = np.asarray(token_ids[:prompt_len], dtype=np.int64)
+        staged.put(self.prompt_mask, (np.full(len(prompt), row), prompt),
+                   np.ones(len(prompt), dtype=bool))
+        if prompt_len < len(token_ids):  # a resumed request: its earlier outputs count
+            outs = np.asarray(token_ids[prompt_len:], dtype=np.int64)
+            staged.put(self.output_counts, (np.full(len(outs), row), outs),
+                       np.ones(len(outs), dtype=np.int32), accumulate=True)
 
     def remove(self, row: int) -> None:
         """The request of ``row`` left."""
