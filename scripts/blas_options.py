@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from mrv2_kernels._backend import cuda_event_ms
+from mrv2_kernels.bench_skinny import time_graph
 
 SHAPES = {  # name: (K, N) of y = x @ w.T
     "8B": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576),
@@ -51,19 +51,8 @@ def _set(option: str) -> None:
 
 
 def _time_graph(fn: Callable[[], None], reps: int = 20) -> float:
-    """Median ms of one replay of a graph that runs ``fn`` once."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = sorted(cuda_event_ms(graph.replay) for _ in range(reps))
-    return times[len(times) // 2]
+    """Median ms of one replay of a graph that runs ``fn`` once (``bench_skinny.time_graph``)."""
+    return time_graph(lambda _i: fn(), 1, reps) / 1e3
 
 
 def main() -> None:

@@ -11,12 +11,11 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from mrv2.bench.measure import resolve_model
+from mrv2.bench.measure import resolve_model, time_host_parts
 from mrv2.config import EngineConfig
 from mrv2.contract.params import SamplingParams
 from mrv2.engine.engine import LLMEngine
@@ -60,41 +59,34 @@ for _ in range(2 * args.steps):  # prefill, compile, warm up
     engine.step()
 torch.cuda.synchronize()
 
-phases: dict[str, list[float]] = {"schedule": [], "execute": [], "process": [], "wait": []}
-
-
-def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    def wrapper(*a: Any, **k: Any) -> Any:
-        begin = time.perf_counter()
-        out = fn(*a, **k)
-        phases[name].append(time.perf_counter() - begin)
-        return out
-    return wrapper
-
-
+parts: dict[str, tuple[Any, str]] = {"schedule": (engine.scheduler, "schedule"),
+                                     "execute": (engine.runner, "execute"),
+                                     "process": (engine, "_process")}
 if args.host_breakdown:  # the parts of execute, each timed on its own (nested ones too)
     import mrv2.runner.batch_builder as bb
 
     runner = engine.runner
-    parts = {"build": (runner.builder, "build"), "upload": (runner._uploader, "upload"),
-             "forward_and_sample": (runner, "_forward_and_sample"),
-             "replay_tail": (runner, "_replay_tail"), "draft": (runner, "_draft"),
-             "output_copy": (runner, "_start_output_copy"), "plan": (runner.sampler, "plan"),
-             "prepare_inputs": (bb, "prepare_inputs"), "record_sampled": (runner.sampler,
-                                                                          "record_sampled")}
+    parts.update({
+        "build": (runner.builder, "build"), "upload": (runner._uploader, "upload"),
+        "forward_and_sample": (runner, "_forward_and_sample"),
+        "replay_tail": (runner, "_replay_tail"), "draft": (runner, "_draft"),
+        "output_copy": (runner, "_start_output_copy"), "plan": (runner.sampler, "plan"),
+        "prepare_inputs": (bb, "prepare_inputs"),
+        "record_sampled": (runner.sampler, "record_sampled")})
     if runner.graphs is not None:
         parts["graph_replay"] = (runner.graphs, "replay")
-    for name, (owner, attr) in parts.items():
-        phases[name] = []
-        setattr(owner, attr, timed(name, getattr(owner, attr)))
-engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)  # type: ignore[method-assign]
-engine.runner.execute = timed("execute", engine.runner.execute)  # type: ignore[method-assign]
-engine._process = timed("process", engine._process)  # type: ignore[method-assign]
+step_sums: dict[str, float] = {}  # this step's host seconds by part
+restore = time_host_parts(parts, step_sums)
+phases: dict[str, list[float]] = {name: [] for name in parts}
 start = time.perf_counter()
 for _ in range(args.steps):
+    step_sums.clear()
     engine.step()
+    for name, seconds in step_sums.items():
+        phases[name].append(seconds)
 torch.cuda.synchronize()
 wall = (time.perf_counter() - start) / args.steps
+restore()
 print(f"batch {args.batch}: wall per step {wall * 1e3:.3f} ms")
 for name, values in phases.items():
     if values:

@@ -109,16 +109,10 @@ def check() -> None:
 
 
 def _graph_us(fn: Callable[[], object], repeats: int = 20) -> float:
-    """Median µs of one replay of a CUDA graph of ``fn()``."""
-    from mrv2_kernels._backend import cuda_event_ms
+    """Median µs of one replay of a CUDA graph of ``fn()`` (``bench_skinny.time_graph``)."""
+    from mrv2_kernels.bench_skinny import time_graph
 
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = sorted(cuda_event_ms(graph.replay) for _ in range(repeats))
-    return times[len(times) // 2] * 1e3
+    return time_graph(lambda _i: fn(), 1, repeats)
 
 
 def _case(name: str, rows: int, layers: int

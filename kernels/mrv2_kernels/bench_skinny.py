@@ -30,7 +30,7 @@ SHAPES = [("0.6B qkv", 4096, 1024), ("0.6B o", 1024, 2048), ("0.6B gate_up", 614
           ("8B gate_up", 24576, 4096), ("8B down", 4096, 12288)]
 
 
-def time_graph(fn: Callable[[int], torch.Tensor], copies: int, repeats: int = 20) -> float:
+def time_graph(fn: Callable[[int], object], copies: int, repeats: int = 20) -> float:
     """Median µs of ``fn(i)`` over ``copies`` inputs, captured once in a CUDA graph."""
     for i in range(copies):  # compile and warm up outside the capture
         fn(i)
