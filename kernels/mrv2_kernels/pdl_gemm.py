@@ -371,9 +371,9 @@ def _launch(
     eps, new_residual = 0.0, None
     if norm is not None:
         g, eps, residual = norm
-        if residual is not None:
+        if residual is not None:  # (a new buffer: every program reads the residual)
             res = residual
-            res_out = new_residual = torch.empty_like(x)  # (every program reads the residual)
+            res_out = new_residual = torch.empty(m, k, dtype=x.dtype, device=x.device)
     grid = (*tiles_mn, splits)
     _pdl_gemm_kernel[grid](
         x, weight, bias if bias is not None else weight, out, ws, cnt, res, g, res_out, m, n,
