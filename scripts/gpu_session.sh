@@ -257,7 +257,11 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                 MRV2_PDL_GEMM_NORM=1 timeout 250 python3 -m pytest -q -p no:cacheprovider -m gpu \
                   tests/gpu/test_gpu_engine.py 2>&1 | tee "$OUT/engine_tests_norm.log" | tail -2
                 bash scripts/ab_env.sh MRV2_PDL_GEMM_NORM=1 latency --model Qwen3-0.6B \
-                  --batch-sizes 4 8 16 32 64 --new-tokens 256 ;;
+                  --batch-sizes 4 8 16 32 64 --new-tokens 256
+                # the decode layer's chain with the norms in the prologues (variant "norm in"),
+                # past today's 64-row limit too
+                timeout 300 python3 scripts/proto_pdl_chain.py --models 0.6B --rows 32 64 96 128 \
+                  > "$OUT/pdl_chain_norm.log" 2>&1; tail -12 "$OUT/pdl_chain_norm.log" ;;
     graphtimes) # every decode graph's replay time by batch size, Qwen3-0.6B and Qwen3-8B
                 # (scripts/decode_graph_times.py: a size slower than a larger one)
                 for m in Qwen3-0.6B Qwen3-8B; do timeout 250 python3 scripts/decode_graph_times.py \
