@@ -22,9 +22,9 @@ tokens: the step after ``t`` tokens holds the requests with more than ``t`` to g
 
 Usage (GPU): ``python scripts/decode_graph_times.py --model Qwen3-8B [--passes 5]``; the
 table prints last. ``--max-size 64`` captures fewer graphs; ``--skinny-max-m`` /
-``--pdl-gemm-max-weight`` change those dispatch limits for the run (module globals, read at
-each call); ``--profile 8 16`` lists each of those graphs' kernels (torch profiler, µs a
-replay).
+``--pdl-gemm-max-weight`` / ``--norm-gemv-max-m`` change those dispatch limits for the run
+(module globals, read at each call); ``--profile 8 16`` lists each of those graphs' kernels
+(torch profiler, µs a replay).
 """
 
 from __future__ import annotations
@@ -76,8 +76,12 @@ def main() -> None:
     ap.add_argument("--max-size", type=int, default=256, help="largest decode graph")
     ap.add_argument("--skinny-max-m", type=int, default=None)
     ap.add_argument("--pdl-gemm-max-weight", type=int, default=None)
+    ap.add_argument("--norm-gemv-max-m", type=int, default=None,
+                    help="most rows the fused norm + GEMV takes (default 2; 1: cuBLAS or the "
+                         "PDL GEMM at 2 rows)")
     ap.add_argument("--profile", type=int, nargs="*", default=[], help="sizes to profile")
     args = ap.parse_args()
+    import mrv2_kernels.norm_gemv as norm_gemv_mod
     import mrv2_kernels.pdl_gemm as pdl_gemm_mod
     import mrv2_kernels.skinny_gemm as skinny_mod
 
@@ -85,8 +89,10 @@ def main() -> None:
         skinny_mod.SKINNY_MAX_M = args.skinny_max_m
     if args.pdl_gemm_max_weight is not None:
         pdl_gemm_mod.PDL_GEMM_MAX_WEIGHT = args.pdl_gemm_max_weight
+    if args.norm_gemv_max_m is not None:
+        norm_gemv_mod.NORM_GEMV_MAX_M = args.norm_gemv_max_m
     print(f"SKINNY_MAX_M {skinny_mod.SKINNY_MAX_M}, PDL_GEMM_MAX_WEIGHT "
-          f"{pdl_gemm_mod.PDL_GEMM_MAX_WEIGHT}")
+          f"{pdl_gemm_mod.PDL_GEMM_MAX_WEIGHT}, NORM_GEMV_MAX_M {norm_gemv_mod.NORM_GEMV_MAX_M}")
     engine = LLMEngine(EngineConfig.from_kwargs(
         model=resolve_model(args.model), load_format="dummy", dtype="bfloat16",
         max_model_len=4096, max_num_seqs=args.max_size, max_mixed_graph_tokens=0))
