@@ -258,6 +258,9 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                   tests/gpu/test_gpu_engine.py 2>&1 | tee "$OUT/engine_tests_norm.log" | tail -2
                 bash scripts/ab_env.sh MRV2_PDL_GEMM_NORM=1 latency --model Qwen3-0.6B \
                   --batch-sizes 4 8 16 32 64 --new-tokens 256
+                # past 64 rows (the throughput workload's decode steps), if the chain says so
+                ROUNDS=1 bash scripts/ab_env.sh "MRV2_PDL_GEMM_NORM=1 MRV2_PDL_GEMM_MAX_M=128" \
+                  latency --model Qwen3-0.6B --batch-sizes 96 128 --new-tokens 256
                 # the decode layer's chain with the norms in the prologues (variant "norm in"),
                 # past today's 64-row limit too
                 timeout 300 python3 scripts/proto_pdl_chain.py --models 0.6B --rows 32 64 96 128 \

@@ -78,8 +78,10 @@ __all__ = ["PDL_GEMM_ENV_VAR", "PDL_GEMM_MAX_M", "PDL_GEMM_MAX_WEIGHT", "PDL_GEM
 #: :func:`use_pdl_gemm` describes wherever the inputs allow. Unset (the default): it takes them
 #: where kernels launch with PDL (:func:`~mrv2_kernels._backend.pdl_enabled`).
 PDL_GEMM_ENV_VAR = "MRV2_PDL_GEMM"
-#: Most rows :func:`use_pdl_gemm` sends to the kernel (it lost from 128 rows on).
-PDL_GEMM_MAX_M = 64
+#: Most rows :func:`use_pdl_gemm` sends to the kernel (it lost from 128 rows on, with the
+#: norms as kernels of their own); ``MRV2_PDL_GEMM_MAX_M`` overrides it (read at import), to
+#: measure the kernel past it (with ``MRV2_PDL_GEMM_NORM=1``, say).
+PDL_GEMM_MAX_M = int(os.environ.get("MRV2_PDL_GEMM_MAX_M", "64"))
 #: Most weight elements (rows x K) it sends: the largest product measured to win, Qwen3-0.6B's
 #: gate/up (6,144 x 1,024), exactly. Qwen3-8B's products (16.8 Mi and up), which cuBLAS moves
 #: faster, do not fit; nor do sizes between, which no measurement covers (a tensor-parallel
