@@ -5,7 +5,8 @@
 # pdlchain (scripts/proto_pdl_chain.py: Triton GEMMs with PDL in the decode layer's chain),
 # firststeps (scripts/probe_first_steps.py: TTFT step by step and host part, MRV2_PDL_GEMM off and on),
 # graphtimes (scripts/decode_graph_times.py: each decode graph's replay time by size),
-# normgemm (MRV2_PDL_GEMM_NORM=1: its tests and the Qwen3-0.6B latency A/B), attn,
+# normgemm (MRV2_PDL_GEMM_NORM=1: its tests and the Qwen3-0.6B latency A/B),
+# streamk (scripts/proto_streamk.py: a stream-K GEMM against cuBLAS at 8B decode shapes), attn,
 # splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile, mixed,
 # flatgrid (MRV2_ATTN_FLAT_GRID: the kernel case, then the throughput A/B whose "on" side is the old grid),
 # mixedgraphs (steps with prompt tokens in CUDA graphs: small steps and the throughput workload),
@@ -265,6 +266,12 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                 # past today's 64-row limit too
                 timeout 300 python3 scripts/proto_pdl_chain.py --models 0.6B --rows 32 64 96 128 \
                   > "$OUT/pdl_chain_norm.log" 2>&1; tail -12 "$OUT/pdl_chain_norm.log" ;;
+    streamk)    # a persistent stream-K GEMM against cuBLAS on Qwen3-8B's decode products
+                # (scripts/proto_streamk.py): its check on CUDA, then the sweep
+                timeout 150 python3 scripts/proto_streamk.py --check > "$OUT/streamk_check.log" 2>&1
+                tail -2 "$OUT/streamk_check.log"
+                timeout 420 python3 scripts/proto_streamk.py > "$OUT/streamk.log" 2>&1
+                tail -14 "$OUT/streamk.log" ;;
     graphtimes) # every decode graph's replay time by batch size, Qwen3-0.6B and Qwen3-8B
                 # (scripts/decode_graph_times.py: a size slower than a larger one)
                 for m in Qwen3-0.6B Qwen3-8B; do timeout 250 python3 scripts/decode_graph_times.py \
