@@ -136,17 +136,17 @@ def _accumulate(a: tl.tensor, b: tl.tensor, u: tl.tensor, acc: tl.tensor, acc_up
 
 @triton.jit
 def _normed_tile(a: tl.tensor, r_at: tl.tensor, g_at: tl.tensor, res_out_at: tl.tensor,
-                 tile_ok: tl.tensor, k_ok: tl.tensor, ss: tl.tensor, first_n: tl.tensor,
+                 tile_ok: tl.tensor, k_ok: tl.tensor, ss: tl.tensor, store_res: tl.tensor,
                  NORM: tl.constexpr, HAS_RES: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
     # With NORM, the x tile as the product takes it: h = x (+ residual) in fp32 (the new
-    # residual, rounded, stored once: by the first column program), its squares summed into
-    # ``ss`` for the row's RMS, and h * norm_weight rounded to the input dtype (the row's
-    # 1 / RMS scales the finished sums). Without NORM, the tile as loaded.
+    # residual, rounded, stored once: where ``store_res``), its squares summed into ``ss`` for
+    # the row's RMS, and h * norm_weight rounded to the input dtype (the row's 1 / RMS scales
+    # the finished sums). Without NORM, the tile as loaded.
     if NORM:
         h = a.to(tl.float32)
         if HAS_RES:
             h += tl.load(r_at, mask=tile_ok, other=0.0).to(tl.float32)
-            if first_n:
+            if store_res:
                 tl.store(res_out_at, h.to(a.dtype), mask=tile_ok)
         ss += tl.sum(h * h, axis=1)
         g = tl.load(g_at, mask=k_ok, other=0.0).to(tl.float32)
@@ -182,7 +182,9 @@ def _pdl_gemm_kernel(
     r_at = res_ptr + rows[:, None].to(tl.int64) * K + (k0 + kk)[None, :]
     res_out_at = res_out_ptr + rows[:, None].to(tl.int64) * K + (k0 + kk)[None, :]
     g_at = g_ptr + (k0 + kk)[None, :]
-    first_n = pid_n == 0
+    # the new residual's K tile kt is stored by column program kt % (column programs): spread
+    # over programs, not all of it on one
+    num_n = tl.num_programs(1)
     ss = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BN], tl.float32)
     acc_up = tl.zeros([BM, BN], tl.float32)
@@ -194,7 +196,7 @@ def _pdl_gemm_kernel(
         pdl_wait(PDL)
         a0 = tl.load(x_at, mask=row_ok[:, None] & k_ok, other=0.0)
         a0, ss = _normed_tile(a0, r_at, g_at, res_out_at, row_ok[:, None] & k_ok, k_ok, ss,
-                              first_n, NORM, HAS_RES)
+                              pid_n == 0, NORM, HAS_RES)
         acc, acc_up = _accumulate(a0, b0, u0, acc, acc_up, GATED)
         x_at += BK
         w_at += BK
@@ -210,7 +212,7 @@ def _pdl_gemm_kernel(
         k_ok = (k0 + kt * BK + kk[None, :]) < k_end
         a = tl.load(x_at, mask=row_ok[:, None] & k_ok, other=0.0)
         a, ss = _normed_tile(a, r_at, g_at, res_out_at, row_ok[:, None] & k_ok, k_ok, ss,
-                             first_n, NORM, HAS_RES)
+                             kt % num_n == pid_n, NORM, HAS_RES)
         b, u = _weight_tiles(w_at, u_at, col_ok, k_ok, GATED)
         acc, acc_up = _accumulate(a, b, u, acc, acc_up, GATED)
         x_at += BK
@@ -322,15 +324,17 @@ def pdl_norm_gemm(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``pdl_gemm(rms_norm(x + residual), ...)`` in one launch, and the new residual ``x +
     residual`` (rounded to the dtype; None without ``residual``): the RMSNorm in the product's
-    prologue instead of a kernel of its own. Each program adds its rows' residual tile by
-    tile as the reduction walks ``K`` (the first column of programs stores the sum), sums the
-    squares, feeds ``h * norm_weight`` to the product and scales the finished sums by the
-    row's ``rsqrt(mean(h ** 2) + eps)``. So the norm's 1 / RMS is applied after the product,
-    not rounded into its input: the result agrees with :func:`pdl_norm_gemm_ref` (the norm
-    kernel, then the product) to the input dtype's rounding, not bit for bit. Never split
-    (every program needs its rows' whole ``K``). ``MRV2_PDL_GEMM_NORM=1`` sends the decode
-    layers' norm + product here (:func:`use_pdl_norm_gemm`); off by default until an H200 A/B
-    decides (BENCHMARKS.md, twenty-first session)."""
+    prologue instead of a kernel of its own.
+
+    Each program adds its rows' residual tile by tile as the reduction walks ``K`` (each K
+    tile of the sum stored by one column of programs, in turn), sums the squares, feeds ``h *
+    norm_weight`` to the product and scales the finished sums by the row's ``rsqrt(mean(h **
+    2) + eps)``. So the norm's 1 / RMS is applied after the product, not rounded into its
+    input: the result agrees with :func:`pdl_norm_gemm_ref` (the norm kernel, then the
+    product) to the input dtype's rounding, not bit for bit. Never split (every program needs
+    its rows' whole ``K``). ``MRV2_PDL_GEMM_NORM=1`` sends the decode layers' norm + product
+    here (:func:`use_pdl_norm_gemm`); off by default until an H200 A/B decides (BENCHMARKS.md,
+    twenty-first session)."""
     if norm_weight.shape != (x.shape[-1],):
         raise ValueError(f"pdl_norm_gemm: norm_weight must have shape ({x.shape[-1]},), got "
                          f"{tuple(norm_weight.shape)}")

@@ -106,7 +106,7 @@ def test_norm_in_the_prologue_matches_the_norm_then_the_product(
         m: int, n: int, k: int, gated: bool, residual: bool, bias: bool, early: bool) -> None:
     """``pdl_norm_gemm``: the RMSNorm (with the residual add) in the product's prologue gives
     the norm kernel then the product, to rounding; the new residual bit for bit (one store
-    per row, by the first column of programs); its inputs untouched. A split asked for is
+    per row and K tile, by one column of programs); its inputs untouched. A split asked for is
     not taken (every program needs its rows' whole K)."""
     x, w, b = _inputs(m, 2 * n if gated else n, k, bias, seed=m + n + k + 1)
     g = torch.Generator().manual_seed(k)
