@@ -128,6 +128,8 @@ class SamplingState:
         n = len(rows)
         if not n:
             return
+        if any(p.uses_penalties for p in params):
+            self._ensure_penalty_state()  # (its error before any row changes)
         at = np.asarray(rows, dtype=np.int64)
         prompt_lens = [p.prompt_len(len(t)) for p, t in zip(params, token_ids, strict=True)]
         floats = np.array([[p.temperature, p.top_p, p.min_p, p.repetition_penalty,
