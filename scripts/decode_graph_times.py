@@ -22,9 +22,9 @@ tokens: the step after ``t`` tokens holds the requests with more than ``t`` to g
 
 Usage (GPU): ``python scripts/decode_graph_times.py --model Qwen3-8B [--passes 5]``; the
 table prints last. ``--max-size 64`` captures fewer graphs; ``--skinny-max-m`` /
-``--pdl-gemm-max-weight`` / ``--norm-gemv-max-m`` change those dispatch limits for the run
-(module globals, read at each call); ``--profile 8 16`` lists each of those graphs' kernels
-(torch profiler, µs a replay).
+``--pdl-gemm-max-weight`` / ``--pdl-gemm-min-m`` / ``--norm-gemv-max-m`` change those dispatch
+limits for the run (module globals, read at each call); ``--profile 8 16`` lists each of those
+graphs' kernels (torch profiler, µs a replay).
 """
 
 from __future__ import annotations
@@ -76,6 +76,8 @@ def main() -> None:
     ap.add_argument("--max-size", type=int, default=256, help="largest decode graph")
     ap.add_argument("--skinny-max-m", type=int, default=None)
     ap.add_argument("--pdl-gemm-max-weight", type=int, default=None)
+    ap.add_argument("--pdl-gemm-min-m", type=int, default=None,
+                    help="fewest rows the PDL GEMM takes (default 3)")
     ap.add_argument("--norm-gemv-max-m", type=int, default=None,
                     help="most rows the fused norm + GEMV takes (default 2; 1: cuBLAS or the "
                          "PDL GEMM at 2 rows)")
@@ -91,6 +93,8 @@ def main() -> None:
         pdl_gemm_mod.PDL_GEMM_MAX_WEIGHT = args.pdl_gemm_max_weight
     if args.norm_gemv_max_m is not None:
         norm_gemv_mod.NORM_GEMV_MAX_M = args.norm_gemv_max_m
+    if args.pdl_gemm_min_m is not None:
+        pdl_gemm_mod.PDL_GEMM_MIN_M = args.pdl_gemm_min_m
     print(f"SKINNY_MAX_M {skinny_mod.SKINNY_MAX_M}, PDL_GEMM_MAX_WEIGHT "
           f"{pdl_gemm_mod.PDL_GEMM_MAX_WEIGHT}, NORM_GEMV_MAX_M {norm_gemv_mod.NORM_GEMV_MAX_M}")
     engine = LLMEngine(EngineConfig.from_kwargs(

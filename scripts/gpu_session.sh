@@ -280,7 +280,10 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                   # 2 rows without the fused norm + GEMV (+23% / +10% over 1 row with it)
                   timeout 150 python3 scripts/decode_graph_times.py --model $m --max-size 8 \
                     --norm-gemv-max-m 1 > "$OUT/graph_times_${m}_gemv1.log" 2>&1
-                  grep -A5 "^ size" "$OUT/graph_times_${m}_gemv1.log"; done ;;
+                  grep -A5 "^ size" "$OUT/graph_times_${m}_gemv1.log"
+                  timeout 150 python3 scripts/decode_graph_times.py --model $m --max-size 8 \
+                    --norm-gemv-max-m 1 --pdl-gemm-min-m 2 > "$OUT/graph_times_${m}_pdl2.log" 2>&1
+                  grep -A5 "^ size" "$OUT/graph_times_${m}_pdl2.log"; done ;;
     pdlchain)   # Triton GEMMs with PDL (early weight loads, the SwiGLU fused) against cuBLAS in
                 # the decode layer's chain at 32-256 rows (scripts/proto_pdl_chain.py)
                 timeout 120 python3 scripts/proto_pdl_chain.py --check > "$OUT/pdl_chain_check.log" 2>&1

@@ -70,7 +70,8 @@ from ._backend import (
     use_triton,
 )
 
-__all__ = ["PDL_GEMM_ENV_VAR", "PDL_GEMM_MAX_M", "PDL_GEMM_MAX_WEIGHT", "PDL_GEMM_NORM_ENV_VAR",
+__all__ = ["PDL_GEMM_ENV_VAR", "PDL_GEMM_MAX_M", "PDL_GEMM_MAX_WEIGHT", "PDL_GEMM_MIN_M",
+           "PDL_GEMM_NORM_ENV_VAR",
            "GemmTiles", "pdl_gemm", "pdl_gemm_ref", "pdl_norm_gemm", "pdl_norm_gemm_ref",
            "use_pdl_gemm", "use_pdl_norm_gemm"]
 
@@ -82,6 +83,9 @@ PDL_GEMM_ENV_VAR = "MRV2_PDL_GEMM"
 #: norms as kernels of their own); ``MRV2_PDL_GEMM_MAX_M`` overrides it (read at import), to
 #: measure the kernel past it (with ``MRV2_PDL_GEMM_NORM=1``, say).
 PDL_GEMM_MAX_M = int(os.environ.get("MRV2_PDL_GEMM_MAX_M", "64"))
+#: Fewest rows it takes: 1-2 go to the fused norm + GEMV
+#: (:data:`~mrv2_kernels.norm_gemv.NORM_GEMV_MAX_M`).
+PDL_GEMM_MIN_M = 3
 #: Most weight elements (rows x K) it sends: the largest product measured to win, Qwen3-0.6B's
 #: gate/up (6,144 x 1,024), exactly. Qwen3-8B's products (16.8 Mi and up), which cuBLAS moves
 #: faster, do not fit; nor do sizes between, which no measurement covers (a tensor-parallel
@@ -283,14 +287,15 @@ def default_tiles(x: torch.Tensor, n: int, k: int, gated: bool) -> GemmTiles:
 def use_pdl_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when :func:`pdl_gemm` should take this product: ``MRV2_PDL_GEMM`` not ``0`` (unset:
     only where :func:`~mrv2_kernels._backend.pdl_enabled`), a CUDA (or, with ``1``,
-    forced-Triton) bf16/fp16 input of 3-:data:`PDL_GEMM_MAX_M` rows (fewer: the fused GEMV),
+    forced-Triton) bf16/fp16 input of :data:`PDL_GEMM_MIN_M`-:data:`PDL_GEMM_MAX_M` rows
+    (fewer: the fused GEMV),
     weights of its dtype with contiguous rows and at most :data:`PDL_GEMM_MAX_WEIGHT`
     elements. Metadata and the environment only."""
     setting = os.environ.get(PDL_GEMM_ENV_VAR, "").strip()
     if setting == "0" or x.dim() != 2 or (setting != "1" and not pdl_enabled(x)):
         return False
     return (use_triton(x) and x.dtype in _KERNEL_DTYPES and weight.dtype == x.dtype
-            and 3 <= x.shape[0] <= PDL_GEMM_MAX_M and weight.stride(-1) == 1
+            and PDL_GEMM_MIN_M <= x.shape[0] <= PDL_GEMM_MAX_M and weight.stride(-1) == 1
             and x.stride(-1) == 1 and x.shape[1] == weight.shape[1]
             and weight.numel() <= PDL_GEMM_MAX_WEIGHT)
 
