@@ -22,7 +22,9 @@ import argparse
 import itertools
 import os
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -169,6 +171,33 @@ def check() -> None:
         print(f"ok {cfg} swiglu={swiglu} max err {err:.2e}")
 
 
+def best_config(label: str, candidates: Sequence[object],
+                launch: Callable[[Any], Callable[[], torch.Tensor]], want: torch.Tensor,
+                cublas_us: float) -> tuple[float, str]:
+    """``(µs, config)`` of the fastest candidate whose result matches ``want`` (fp32, to 5%
+    of its largest value), by ``do_bench_cudagraph``; ``launch(config)`` returns the call to
+    time (its scratch made once). Wrong results and failures (out of resources, a compile
+    error) are printed and skipped; ``(inf, "")`` when none runs. Shared with
+    ``proto_streamk.py``."""
+    from triton.testing import do_bench_cudagraph
+
+    best = (float("inf"), "")
+    for cfg in candidates:
+        try:
+            fn = launch(cfg)
+            err = (fn().float() - want).abs().max().item()
+            if err > 0.05 * (1 + want.abs().max().item()):
+                print(f"{label} {cfg}: wrong (max err {err:.3g})", flush=True)
+                continue
+            us = do_bench_cudagraph(fn, rep=50) * 1e3
+        except Exception as exc:  # noqa: BLE001 (out of resources, a compile error)
+            print(f"{label} {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            continue
+        print(f"{label} {cfg}: {us:.1f} us (cuBLAS {cublas_us:.1f})", flush=True)
+        best = min(best, (us, str(cfg)))
+    return best
+
+
 def sweep(rows_list: list[int]) -> None:
     from triton.testing import do_bench_cudagraph
 
@@ -189,25 +218,14 @@ def sweep(rows_list: list[int]) -> None:
                 return torch.nn.functional.linear(x, w)
         floor_us = (n * k + rows * k + rows * n) * 2 / 4.5e12 * 1e6
         cublas = do_bench_cudagraph(base, rep=50) * 1e3
-        best = (float("inf"), "")
-        for cfg in configs(rows, swiglu):
-            try:
-                part = (torch.empty(cfg.split_k, rows, n, dtype=torch.float32, device=dev)
-                        if cfg.split_k > 1 else None)
-                got = gemm(x, w, cfg, swiglu, part)
-                err = (got.float() - want.float()).abs().max().item()
-                if err > 0.05 * (1 + want.float().abs().max().item()):
-                    print(f"{name} {rows} {cfg}: wrong (max err {err:.3g})", flush=True)
-                    continue
-                us = do_bench_cudagraph(
-                    lambda c=cfg, p=part, x=x, w=w, s=swiglu: gemm(x, w, c, s, p),
-                    rep=50) * 1e3
-            except Exception as exc:  # noqa: BLE001 (out of resources, a compile error)
-                print(f"{name} {rows} {cfg}: {type(exc).__name__}: {str(exc)[:120]}",
-                      flush=True)
-                continue
-            print(f"{name} {rows} {cfg}: {us:.1f} us (cuBLAS {cublas:.1f})", flush=True)
-            best = min(best, (us, str(cfg)))
+
+        def launch(cfg: Config, x: torch.Tensor = x, w: torch.Tensor = w, n: int = n,
+                   swiglu: bool = swiglu) -> Callable[[], torch.Tensor]:
+            part = (torch.empty(cfg.split_k, x.shape[0], n, dtype=torch.float32, device=dev)
+                    if cfg.split_k > 1 else None)
+            return lambda: gemm(x, w, cfg, swiglu, part)
+
+        best = best_config(f"{name} {rows}", configs(rows, swiglu), launch, want.float(), cublas)
         table.append((name, rows, floor_us, cublas, *best))
     print(f"\n{'shape':16} {'rows':>4} {'floor':>7} {'cuBLAS':>7} {'best':>7}  config")
     for name, rows, floor_us, cublas, us, cfg in table:

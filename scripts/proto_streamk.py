@@ -31,6 +31,7 @@ import argparse
 import itertools
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -176,6 +177,9 @@ def check() -> None:
 def sweep(rows_list: list[int]) -> None:
     from triton.testing import do_bench_cudagraph
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from proto_gemm import best_config
+
     dev = torch.device("cuda")
     programs = num_programs(dev)
     table = []
@@ -187,26 +191,13 @@ def sweep(rows_list: list[int]) -> None:
         floor_us = (n * k + rows * k + rows * n) * 2 / 4.2e12 * 1e6
         cublas = do_bench_cudagraph(lambda x=x, w=w: torch.nn.functional.linear(x, w),
                                     rep=50) * 1e3
-        best = (float("inf"), "")
-        for cfg in configs(rows):
-            try:
-                scratch = (torch.empty(programs, cfg.bm * cfg.bn, dtype=torch.float32,
-                                       device=dev),
-                           torch.zeros(programs, dtype=torch.int32, device=dev))
-                got = streamk(x, w, cfg, programs, scratch)
-                err = (got.float() - want).abs().max().item()
-                if err > 0.05 * (1 + want.abs().max().item()):
-                    print(f"{name} {rows} {cfg}: wrong (max err {err:.3g})", flush=True)
-                    continue
-                us = do_bench_cudagraph(
-                    lambda c=cfg, s=scratch, x=x, w=w: streamk(x, w, c, programs, s),
-                    rep=50) * 1e3
-            except Exception as exc:  # noqa: BLE001 (out of resources, a compile error)
-                print(f"{name} {rows} {cfg}: {type(exc).__name__}: {str(exc)[:120]}",
-                      flush=True)
-                continue
-            print(f"{name} {rows} {cfg}: {us:.1f} us (cuBLAS {cublas:.1f})", flush=True)
-            best = min(best, (us, str(cfg)))
+        def launch(cfg: Config, x: torch.Tensor = x, w: torch.Tensor = w
+                   ) -> Callable[[], torch.Tensor]:
+            scratch = (torch.empty(programs, cfg.bm * cfg.bn, dtype=torch.float32, device=dev),
+                       torch.zeros(programs, dtype=torch.int32, device=dev))
+            return lambda: streamk(x, w, cfg, programs, scratch)
+
+        best = best_config(f"{name} {rows}", configs(rows), launch, want, cublas)
         table.append((name, rows, floor_us, cublas, *best))
     print(f"\n{'shape':8} {'rows':>4} {'floor':>7} {'cuBLAS':>7} {'streamK':>8}  config "
           f"({programs} programs)")
