@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 import triton
@@ -72,8 +71,8 @@ from ._backend import (
 
 __all__ = ["PDL_GEMM_ENV_VAR", "PDL_GEMM_MAX_M", "PDL_GEMM_MAX_WEIGHT", "PDL_GEMM_MIN_M",
            "PDL_GEMM_NORM_ENV_VAR",
-           "GemmTiles", "pdl_gemm", "pdl_gemm_ref", "pdl_norm_gemm", "pdl_norm_gemm_ref",
-           "use_pdl_gemm", "use_pdl_norm_gemm"]
+           "GemmTiles", "pdl_gemm", "pdl_gemm_ref", "pdl_norm_gemm", "use_pdl_gemm",
+           "use_pdl_norm_gemm"]
 
 #: ``0``: cuBLAS keeps every product. ``1``: :func:`pdl_gemm` takes the products
 #: :func:`use_pdl_gemm` describes wherever the inputs allow. Unset (the default): it takes them
@@ -335,8 +334,9 @@ def pdl_norm_gemm(
     tile of the sum stored by one column of programs, in turn), sums the squares, feeds ``h *
     norm_weight`` to the product and scales the finished sums by the row's ``rsqrt(mean(h **
     2) + eps)``. So the norm's 1 / RMS is applied after the product, not rounded into its
-    input: the result agrees with :func:`pdl_norm_gemm_ref` (the norm kernel, then the
-    product) to the input dtype's rounding, not bit for bit. Never split (every program needs
+    input: the result agrees with :func:`~mrv2_kernels.norm_gemv.norm_gemv_ref` (the norm,
+    then the product: the unfused chain's specification) to the input dtype's rounding, not
+    bit for bit. Never split (every program needs
     its rows' whole ``K``). ``MRV2_PDL_GEMM_NORM=1`` sends the decode layers' norm + product
     here (:func:`use_pdl_norm_gemm`); off by default until an H200 A/B decides (BENCHMARKS.md,
     twenty-first session)."""
@@ -394,23 +394,6 @@ def _launch(
         HAS_RES=new_residual is not None, num_warps=tiles.warps, **launch,
     )
     return out, new_residual
-
-
-def pdl_norm_gemm_ref(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-    norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-    gated: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Plain-torch specification of :func:`pdl_norm_gemm`: the RMSNorm (with the residual add)
-    as :func:`~mrv2_kernels.norm.rms_norm_ref` computes it, then :func:`pdl_gemm_ref`."""
-    from .norm import rms_norm_ref
-
-    if residual is None:
-        h, new_residual = cast(torch.Tensor, rms_norm_ref(x, norm_weight, eps)), None
-    else:
-        h, new_residual = cast(tuple[torch.Tensor, torch.Tensor],
-                               rms_norm_ref(x, norm_weight, eps, residual))
-    return pdl_gemm_ref(h, weight, bias, gated=gated), new_residual
 
 
 def pdl_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

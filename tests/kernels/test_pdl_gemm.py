@@ -23,7 +23,6 @@ from mrv2_kernels.pdl_gemm import (
     pdl_gemm,
     pdl_gemm_ref,
     pdl_norm_gemm,
-    pdl_norm_gemm_ref,
     use_pdl_gemm,
 )
 
@@ -105,7 +104,8 @@ def test_split_reduction(m: int, n: int, k: int, splits: int, gated: bool, bias:
 def test_norm_in_the_prologue_matches_the_norm_then_the_product(
         m: int, n: int, k: int, gated: bool, residual: bool, bias: bool, early: bool) -> None:
     """``pdl_norm_gemm``: the RMSNorm (with the residual add) in the product's prologue gives
-    the norm kernel then the product, to rounding; the new residual bit for bit (one store
+    the unfused chain's specification (``norm_gemv_ref``: the norm then the product), to
+    rounding; the new residual bit for bit (one store
     per row and K tile, by one column of programs); its inputs untouched. A split asked for is
     not taken (every program needs its rows' whole K)."""
     x, w, b = _inputs(m, 2 * n if gated else n, k, bias, seed=m + n + k + 1)
@@ -118,8 +118,8 @@ def test_norm_in_the_prologue_matches_the_norm_then_the_product(
              else GemmTiles(64, 32, 128, 4, 4, splits))
     out, new_res = pdl_norm_gemm(x, w, b, norm_weight=nw, eps=1e-5, residual=r, gated=gated,
                                  tiles=tiles, early=early)
-    want, want_res = pdl_norm_gemm_ref(x, w, b, norm_weight=nw, eps=1e-5, residual=r,
-                                       gated=gated)
+    want, want_res = ng.norm_gemv_ref(x, w, b, norm_weight=nw, eps=1e-5, residual=r,
+                                      gated=gated)
     assert out.shape == (m, n) and out.dtype == x.dtype
     err = (out.float() - want.float()).abs().max().item()
     assert err <= TOL * (1 + want.float().abs().max().item()), err
@@ -146,8 +146,8 @@ def test_the_norm_goes_into_the_product_only_when_asked(monkeypatch: pytest.Monk
             norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
             gated: bool = False, **kw: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         calls.append((x.shape[0], gated, residual is not None))
-        return pdl_norm_gemm_ref(x, w, b, norm_weight=norm_weight, eps=eps,
-                                 residual=residual, gated=gated)
+        return ng.norm_gemv_ref(x, w, b, norm_weight=norm_weight, eps=eps,
+                                residual=residual, gated=gated)
 
     monkeypatch.setattr(ng, "pdl_norm_gemm", spy)
     monkeypatch.setattr(ng, "FUSED_NORM_MAX_ELEMS", 0)  # not the norm + GEMV kernel's
@@ -157,8 +157,8 @@ def test_the_norm_goes_into_the_product_only_when_asked(monkeypatch: pytest.Monk
     nw = torch.ones(32, device=DEVICE).half()
     monkeypatch.setenv("MRV2_PDL_GEMM_NORM", "1")
     y, new_res = ng.norm_gemv(x, w, norm_weight=nw, residual=res.clone(), gated=True)
-    want, want_res = pdl_norm_gemm_ref(x, w, norm_weight=nw, eps=1e-6, residual=res,
-                                       gated=True)
+    want, want_res = ng.norm_gemv_ref(x, w, norm_weight=nw, eps=1e-6, residual=res,
+                                      gated=True)
     assert torch.equal(y, want) and torch.equal(new_res, want_res)
     y, new_res = ng.norm_gemv(x, w, norm_weight=nw)  # the first layer: x is the residual
     assert new_res is x and calls == [(8, True, True), (8, False, False)]
