@@ -30,6 +30,7 @@ graphs' kernels (torch profiler, µs a replay).
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from mrv2.bench.measure import resolve_model
 from mrv2.bench.throughput import workload
 from mrv2.config import EngineConfig
 from mrv2.engine.engine import LLMEngine
+from mrv2_kernels._backend import cuda_event_ms
 
 
 def workload_batches(num_requests: int = 256) -> list[int]:
@@ -104,20 +106,18 @@ def main() -> None:
     graphs = runner.graphs
     sizes = sorted(s for (q, s) in graphs.graphs if q == 1)
     times: dict[int, list[float]] = {s: [] for s in sizes}
+
+    def replays(size: int) -> None:
+        for _ in range(args.replays):
+            graphs.replay(1, size)
+
     for _ in range(3):  # warm
         for s in sizes:
             graphs.replay(1, s)
     torch.cuda.synchronize()
     for p in range(args.passes):
         for s in (sizes if p % 2 == 0 else reversed(sizes)):
-            start = torch.cuda.Event(enable_timing=True)
-            stop = torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(args.replays):
-                graphs.replay(1, s)
-            stop.record()
-            stop.synchronize()
-            times[s].append(start.elapsed_time(stop) / args.replays)
+            times[s].append(cuda_event_ms(functools.partial(replays, s)) / args.replays)
     med = {s: sorted(v)[len(v) // 2] for s, v in times.items()}
     for size in args.profile:
         if size in sizes:
