@@ -5,7 +5,6 @@
 # pdlchain (scripts/proto_pdl_chain.py: Triton GEMMs with PDL in the decode layer's chain),
 # firststeps (scripts/probe_first_steps.py: TTFT step by step and host part, MRV2_PDL_GEMM off and on),
 # graphtimes (scripts/decode_graph_times.py: each decode graph's replay time by size),
-# normgemm (MRV2_PDL_GEMM_NORM=1: its tests and the Qwen3-0.6B latency A/B),
 # streamk (scripts/proto_streamk.py: a stream-K GEMM against cuBLAS at 8B decode shapes), attn,
 # splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile, mixed,
 # flatgrid (MRV2_ATTN_FLAT_GRID: the kernel case, then the throughput A/B whose "on" side is the old grid),
@@ -251,21 +250,6 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                 # did not recur in the twentieth)
                 for v in 0 1; do MRV2_PDL_GEMM=$v timeout 150 python3 scripts/probe_first_steps.py \
                   > "$OUT/first_steps_pdl_gemm$v.log" 2>&1; grep -E "round 1" "$OUT/first_steps_pdl_gemm$v.log"; done ;;
-    normgemm)   # MRV2_PDL_GEMM_NORM=1 (the RMSNorm in the PDL GEMM's prologue): its kernel
-                # tests on CUDA, the engine's GPU tests with it on, then the Qwen3-0.6B A/B
-                timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_pdl_gemm.py \
-                  2>&1 | tee "$OUT/pdl_gemm_ktests.log" | tail -2
-                MRV2_PDL_GEMM_NORM=1 timeout 250 python3 -m pytest -q -p no:cacheprovider -m gpu \
-                  tests/gpu/test_gpu_engine.py 2>&1 | tee "$OUT/engine_tests_norm.log" | tail -2
-                bash scripts/ab_env.sh MRV2_PDL_GEMM_NORM=1 latency --model Qwen3-0.6B \
-                  --batch-sizes 4 8 16 32 64 --new-tokens 256
-                # past 64 rows (the throughput workload's decode steps), if the chain says so
-                ROUNDS=1 bash scripts/ab_env.sh "MRV2_PDL_GEMM_NORM=1 MRV2_PDL_GEMM_MAX_M=128" \
-                  latency --model Qwen3-0.6B --batch-sizes 96 128 --new-tokens 256
-                # the decode layer's chain with the norms in the prologues (variant "norm in"),
-                # past today's 64-row limit too
-                timeout 300 python3 scripts/proto_pdl_chain.py --models 0.6B --rows 32 64 96 128 \
-                  > "$OUT/pdl_chain_norm.log" 2>&1; tail -12 "$OUT/pdl_chain_norm.log" ;;
     streamk)    # a persistent stream-K GEMM against cuBLAS on Qwen3-8B's decode products
                 # (scripts/proto_streamk.py): its check on CUDA, then the sweep
                 timeout 150 python3 scripts/proto_streamk.py --check > "$OUT/streamk_check.log" 2>&1

@@ -16,9 +16,10 @@ first weight tile, and then wait for the previous kernel.
 Each variant runs ``--layers`` layers of distinct weights (more bytes than L2) in one CUDA graph;
 attention is left out (the o product reads a fixed buffer), so the chain is the part a Triton
 GEMM would change. Variants: ``cublas`` (the engine today), ``triton`` (PDL, early weights,
-SwiGLU fused), ``triton_late`` (PDL, one pipelined loop after the wait), ``triton_nopdl``,
-``triton_norm`` (as ``triton``, each RMSNorm in the next product's prologue:
-:func:`~mrv2_kernels.pdl_gemm.pdl_norm_gemm`, two launches a layer fewer).
+SwiGLU fused), ``triton_late`` (PDL, one pipelined loop after the wait), ``triton_nopdl``.
+(A ``triton_norm`` variant, each RMSNorm in the next product's prologue, ran 2.3x the
+``triton`` chain's time on Qwen3-0.6B at 32-128 rows and was removed with its kernel:
+BENCHMARKS.md, twenty-second session.)
 Before the chains, each product's tiles are picked alone (a graph of PDL launches of it).
 
 Usage: ``python scripts/proto_pdl_chain.py [--models 0.6B 8B] [--rows 32 64 128 256]`` on the GPU
@@ -38,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from mrv2_kernels._backend import PDL_ENV_VAR
-from mrv2_kernels.pdl_gemm import GemmTiles, pdl_gemm, pdl_gemm_ref, pdl_norm_gemm
+from mrv2_kernels.pdl_gemm import GemmTiles, pdl_gemm, pdl_gemm_ref
 
 #: The kernel's tiles (rows, features, reduction per tile, stages, warps).
 Tiles = GemmTiles
@@ -168,25 +169,12 @@ def _case(name: str, rows: int, layers: int
         def step() -> torch.Tensor:
             x, res = x0, x0.clone()
             for w in ws:
-                if variant != "triton_norm":
-                    h, res = rms_norm(x, w["n1"], 1e-6, res)
+                h, res = rms_norm(x, w["n1"], 1e-6, res)
                 if variant == "cublas":
                     F.linear(h, w["qkv"])
                     o = F.linear(attn, w["o"])
                     h2, res = rms_norm(o, w["n2"], 1e-6, res)
                     x = F.linear(silu_and_mul(F.linear(h2, w["gu"])), w["down"])
-                elif variant == "triton_norm":  # each norm in the next product's prologue
-                    _, new_res = pdl_norm_gemm(x, w["qkv"], norm_weight=w["n1"], eps=1e-6,
-                                               residual=res, tiles=picks["qkv"], early=True)
-                    assert new_res is not None
-                    res = new_res
-                    o = chain_gemm(attn, w["o"], picks["o"])
-                    a, new_res = pdl_norm_gemm(o, w["gu"], norm_weight=w["n2"], eps=1e-6,
-                                               residual=res, gated=True, tiles=picks["gu"],
-                                               early=True)
-                    assert new_res is not None
-                    res = new_res
-                    x = chain_gemm(a, w["down"], picks["down"])
                 else:
                     chain_gemm(h, w["qkv"], picks["qkv"], pdl=pdl, early=early)
                     o = chain_gemm(attn, w["o"], picks["o"], pdl=pdl, early=early)
@@ -197,11 +185,8 @@ def _case(name: str, rows: int, layers: int
         return step
 
     err = (chain("triton")().float() - chain("cublas")().float()).abs().max().item()
-    norm_err = (chain("triton_norm")().float() - chain("cublas")().float()).abs().max().item()
-    print(f"{name} rows {rows}: norm-in-prologue chain against cuBLAS's: max err {norm_err:.3f}",
-          flush=True)
     us = [_graph_us(chain(v)) / layers for v in ("cublas", "triton", "triton_late",
-                                                  "triton_nopdl", "triton_norm")]
+                                                  "triton_nopdl")]
     print(f"{name} rows {rows}: " + ", ".join(f"{u:.1f}" for u in us), flush=True)
     return err, us, alone
 
@@ -213,8 +198,7 @@ def run(models: list[str], rows_list: list[int], layers_06b: int) -> None:
         err, us, alone = _case(name, rows, layers_06b if name == "0.6B" else 2)
         table.append((name, rows, err, us, alone))
     print(f"\n{'model':5} {'rows':>4} {'max err':>8} {'cublas':>8} {'triton':>8} "
-          f"{'late':>8} {'no pdl':>8} {'norm in':>8}   (µs per layer: norms, SiLU, 4 "
-          f"products)")
+          f"{'late':>8} {'no pdl':>8}   (µs per layer: norms, SiLU, 4 products)")
     for name, rows, err, us, _ in table:
         print(f"{name:5} {rows:4d} {err:8.3f} " + " ".join(f"{u:8.1f}" for u in us))
     print(f"\n{'model':5} {'rows':>4}  each product alone, µs: Triton's pick / cuBLAS")

@@ -51,7 +51,7 @@ from ._backend import (
 )
 from .cpu_linear import linear_cpu
 from .norm import rms_norm, rms_norm_cpu, rms_norm_ref, silu_and_mul, silu_and_mul_ref
-from .pdl_gemm import pdl_gemm, pdl_norm_gemm, use_pdl_gemm, use_pdl_norm_gemm
+from .pdl_gemm import pdl_gemm, use_pdl_gemm
 from .skinny_gemm import skinny_linear, skinny_linear_ref, use_skinny
 
 __all__ = [
@@ -359,13 +359,10 @@ def norm_gemv(
     """``silu_and_mul?(linear(rms_norm(x + residual)))`` and the residual for the next layer.
 
     Returns ``(y, new_residual)``: ``new_residual`` is ``x + residual`` rounded to the dtype,
-    or ``x`` itself when ``residual`` is None. One fused launch when :func:`use_norm_gemv`,
-    or, for the products :func:`~mrv2_kernels.pdl_gemm.pdl_gemm` takes, when
-    :func:`~mrv2_kernels.pdl_gemm.use_pdl_norm_gemm` (``MRV2_PDL_GEMM_NORM=1``: the norm in the
-    product's prologue); otherwise :func:`~mrv2_kernels.norm.rms_norm`, then the product with
-    the SwiGLU fused in when the plain GEMV takes it (a decode row of a wide model), else
-    :func:`decode_linear` and :func:`~mrv2_kernels.norm.silu_and_mul`; the norm's residual
-    aliasing rules apply:
+    or ``x`` itself when ``residual`` is None. One fused launch when :func:`use_norm_gemv`;
+    otherwise :func:`~mrv2_kernels.norm.rms_norm`, then the product with the SwiGLU fused in
+    when the plain GEMV takes it (a decode row of a wide model), else :func:`decode_linear`
+    and :func:`~mrv2_kernels.norm.silu_and_mul`; the norm's residual aliasing rules apply:
     treat ``residual`` as consumed. On the torch path (CPU) the chain is
     :func:`~mrv2_kernels.norm.rms_norm_cpu`, :func:`~mrv2_kernels.cpu_linear.linear_cpu` and
     the SwiGLU reference, called directly.
@@ -381,11 +378,6 @@ def norm_gemv(
         )
         return y, (x if new_res is None else new_res)
     _check(x, weight, norm_weight, residual, gated, bias)
-    if norm_weight is not None and use_pdl_norm_gemm(x, weight, norm_weight, residual) and (
-            gated or not use_skinny(x, weight)):  # (the products decode_linear sends there)
-        y, new_res = pdl_norm_gemm(x, weight, bias, norm_weight=norm_weight, eps=eps,
-                                   residual=residual, gated=gated)
-        return y, (x if new_res is None else new_res)
     h, new_res = _normed(x, norm_weight, eps, residual, rms_norm)
     if gated and use_norm_gemv(h, weight):  # the norm did not fit; the SwiGLU still does
         y = norm_gemv_triton(h, weight, bias, gated=True)[0]

@@ -37,12 +37,6 @@ the matching up rows and writes ``silu(gate) * up``, with gate and up rounded to
 dtype first and the SiLU rounded before the product, as ``silu_and_mul`` after an unfused
 product.
 
-:func:`pdl_norm_gemm` runs the RMSNorm before the product (with the residual add) in the same
-launch: each program normalizes its rows' tiles as the reduction walks ``K`` and scales the
-finished sums by the rows' ``1 / RMS``. That removes the norm's own launch before qkv and
-gate/up (two a layer) where this kernel takes them; opt-in (``MRV2_PDL_GEMM_NORM=1``) until an
-H200 A/B decides.
-
 Contract (``x`` ``[M, K]``, ``weight`` ``[N, K]`` or ``[2N, K]``, ``bias`` ``[N]`` / ``[2N]``)::
 
     y = (x.float() @ weight.float().T + bias.float()).to(x.dtype)   # fp32 accumulation
@@ -70,17 +64,14 @@ from ._backend import (
 )
 
 __all__ = ["PDL_GEMM_ENV_VAR", "PDL_GEMM_MAX_M", "PDL_GEMM_MAX_WEIGHT", "PDL_GEMM_MIN_M",
-           "PDL_GEMM_NORM_ENV_VAR",
-           "GemmTiles", "pdl_gemm", "pdl_gemm_ref", "pdl_norm_gemm", "use_pdl_gemm",
-           "use_pdl_norm_gemm"]
+           "GemmTiles", "pdl_gemm", "pdl_gemm_ref", "use_pdl_gemm"]
 
 #: ``0``: cuBLAS keeps every product. ``1``: :func:`pdl_gemm` takes the products
 #: :func:`use_pdl_gemm` describes wherever the inputs allow. Unset (the default): it takes them
 #: where kernels launch with PDL (:func:`~mrv2_kernels._backend.pdl_enabled`).
 PDL_GEMM_ENV_VAR = "MRV2_PDL_GEMM"
-#: Most rows :func:`use_pdl_gemm` sends to the kernel (it lost from 128 rows on, with the
-#: norms as kernels of their own); ``MRV2_PDL_GEMM_MAX_M`` overrides it (read at import), to
-#: measure the kernel past it (with ``MRV2_PDL_GEMM_NORM=1``, say).
+#: Most rows :func:`use_pdl_gemm` sends to the kernel (it lost from 128 rows on);
+#: ``MRV2_PDL_GEMM_MAX_M`` overrides it (read at import), to measure the kernel past it.
 PDL_GEMM_MAX_M = int(os.environ.get("MRV2_PDL_GEMM_MAX_M", "64"))
 #: Fewest rows it takes: 1-2 go to the fused norm + GEMV
 #: (:data:`~mrv2_kernels.norm_gemv.NORM_GEMV_MAX_M`).
@@ -90,11 +81,6 @@ PDL_GEMM_MIN_M = 3
 #: faster, do not fit; nor do sizes between, which no measurement covers (a tensor-parallel
 #: shard of Qwen3-8B's o_proj, 4,096 x 2,048, say).
 PDL_GEMM_MAX_WEIGHT = 6 * 1024 * 1024
-
-#: ``1``: :func:`use_pdl_norm_gemm` sends a decode layer's RMSNorm + product to
-#: :func:`pdl_norm_gemm` (one launch) wherever :func:`use_pdl_gemm` takes the product; unset
-#: or ``0``: the norm runs as its own kernel first. Opt-in until measured on the H200.
-PDL_GEMM_NORM_ENV_VAR = "MRV2_PDL_GEMM_NORM"
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -137,35 +123,14 @@ def _accumulate(a: tl.tensor, b: tl.tensor, u: tl.tensor, acc: tl.tensor, acc_up
     return acc, acc_up
 
 
-@triton.jit
-def _normed_tile(a: tl.tensor, r_at: tl.tensor, g_at: tl.tensor, res_out_at: tl.tensor,
-                 tile_ok: tl.tensor, k_ok: tl.tensor, ss: tl.tensor, store_res: tl.tensor,
-                 NORM: tl.constexpr, HAS_RES: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
-    # With NORM, the x tile as the product takes it: h = x (+ residual) in fp32 (the new
-    # residual, rounded, stored once: where ``store_res``), its squares summed into ``ss`` for
-    # the row's RMS, and h * norm_weight rounded to the input dtype (the row's 1 / RMS scales
-    # the finished sums). Without NORM, the tile as loaded.
-    if NORM:
-        h = a.to(tl.float32)
-        if HAS_RES:
-            h += tl.load(r_at, mask=tile_ok, other=0.0).to(tl.float32)
-            if store_res:
-                tl.store(res_out_at, h.to(a.dtype), mask=tile_ok)
-        ss += tl.sum(h * h, axis=1)
-        g = tl.load(g_at, mask=k_ok, other=0.0).to(tl.float32)
-        a = (h * g).to(a.dtype)
-    return a, ss
-
-
 @triton.jit(do_not_specialize=["M"])
 def _pdl_gemm_kernel(
     x_ptr: tl.tensor, w_ptr: tl.tensor, bias_ptr: tl.tensor, out_ptr: tl.tensor,
-    ws_ptr: tl.tensor, cnt_ptr: tl.tensor, res_ptr: tl.tensor, g_ptr: tl.tensor,
-    res_out_ptr: tl.tensor, M: int, N: int, K: int, K_CHUNK: int,
-    stride_x: int, stride_w: int, stride_o: int, eps: float,
+    ws_ptr: tl.tensor, cnt_ptr: tl.tensor, M: int, N: int, K: int, K_CHUNK: int,
+    stride_x: int, stride_w: int, stride_o: int,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
     SPLIT_K: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
-    EARLY: tl.constexpr, NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False,
+    EARLY: tl.constexpr,
 ) -> None:
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -181,14 +146,6 @@ def _pdl_gemm_kernel(
     x_at = x_ptr + rows[:, None].to(tl.int64) * stride_x + (k0 + kk)[None, :]
     w_at = w_ptr + cols[:, None].to(tl.int64) * stride_w + (k0 + kk)[None, :]
     u_at = w_at + N * stride_w
-    # (NORM: the residual in, the new residual out (both [M, K], contiguous), the norm weight)
-    r_at = res_ptr + rows[:, None].to(tl.int64) * K + (k0 + kk)[None, :]
-    res_out_at = res_out_ptr + rows[:, None].to(tl.int64) * K + (k0 + kk)[None, :]
-    g_at = g_ptr + (k0 + kk)[None, :]
-    # the new residual's K tile kt is stored by column program kt % (column programs): spread
-    # over programs, not all of it on one
-    num_n = tl.num_programs(1)
-    ss = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BN], tl.float32)
     acc_up = tl.zeros([BM, BN], tl.float32)
     start = 0
@@ -198,15 +155,10 @@ def _pdl_gemm_kernel(
         b0, u0 = _weight_tiles(w_at, u_at, col_ok, k_ok, GATED)
         pdl_wait(PDL)
         a0 = tl.load(x_at, mask=row_ok[:, None] & k_ok, other=0.0)
-        a0, ss = _normed_tile(a0, r_at, g_at, res_out_at, row_ok[:, None] & k_ok, k_ok, ss,
-                              pid_n == 0, NORM, HAS_RES)
         acc, acc_up = _accumulate(a0, b0, u0, acc, acc_up, GATED)
         x_at += BK
         w_at += BK
         u_at += BK
-        r_at += BK
-        res_out_at += BK
-        g_at += BK
         start = 1
     else:
         pdl_wait(PDL)
@@ -214,20 +166,11 @@ def _pdl_gemm_kernel(
     for kt in tl.range(start, tl.cdiv(k_end - k0, BK), num_stages=STAGES):
         k_ok = (k0 + kt * BK + kk[None, :]) < k_end
         a = tl.load(x_at, mask=row_ok[:, None] & k_ok, other=0.0)
-        a, ss = _normed_tile(a, r_at, g_at, res_out_at, row_ok[:, None] & k_ok, k_ok, ss,
-                             kt % num_n == pid_n, NORM, HAS_RES)
         b, u = _weight_tiles(w_at, u_at, col_ok, k_ok, GATED)
         acc, acc_up = _accumulate(a, b, u, acc, acc_up, GATED)
         x_at += BK
         w_at += BK
         u_at += BK
-        r_at += BK
-        res_out_at += BK
-        g_at += BK
-    if NORM:  # (never split: each program sums its rows' squares over the whole of K)
-        rstd = tl.rsqrt(ss / K + eps)
-        acc *= rstd[:, None]
-        acc_up *= rstd[:, None]
     if SPLIT_K > 1:
         # Each split stores its fp32 partial tile; the last split of the tile to arrive sums
         # all of them in split order (the same order whichever arrives last: deterministic),
@@ -299,17 +242,6 @@ def use_pdl_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.numel() <= PDL_GEMM_MAX_WEIGHT)
 
 
-def use_pdl_norm_gemm(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor,
-                      residual: torch.Tensor | None) -> bool:
-    """True when :func:`pdl_norm_gemm` should take a norm and the product after it:
-    ``MRV2_PDL_GEMM_NORM=1``, :func:`use_pdl_gemm` for the product, a norm weight of the
-    input's dtype and a contiguous input and residual. Metadata and the environment only."""
-    return (os.environ.get(PDL_GEMM_NORM_ENV_VAR, "0") == "1" and use_pdl_gemm(x, weight)
-            and norm_weight.dtype == x.dtype and norm_weight.shape == (x.shape[1],)
-            and x.is_contiguous() and (residual is None or (residual.is_contiguous()
-                                                            and residual.shape == x.shape)))
-
-
 def pdl_gemm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
     gated: bool = False, tiles: GemmTiles | None = None, early: bool | None = None,
@@ -318,42 +250,6 @@ def pdl_gemm(
 
     ``tiles``: :func:`default_tiles` when None. ``early``: load the first weight tile before
     waiting for the previous kernel; None: ``MRV2_PDL_EARLY_WEIGHTS`` if set, else off."""
-    return _launch(x, weight, bias, gated, tiles, early, None)[0]
-
-
-def pdl_norm_gemm(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-    norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-    gated: bool = False, tiles: GemmTiles | None = None, early: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``pdl_gemm(rms_norm(x + residual), ...)`` in one launch, and the new residual ``x +
-    residual`` (rounded to the dtype; None without ``residual``): the RMSNorm in the product's
-    prologue instead of a kernel of its own.
-
-    Each program adds its rows' residual tile by tile as the reduction walks ``K`` (each K
-    tile of the sum stored by one column of programs, in turn), sums the squares, feeds ``h *
-    norm_weight`` to the product and scales the finished sums by the row's ``rsqrt(mean(h **
-    2) + eps)``. So the norm's 1 / RMS is applied after the product, not rounded into its
-    input: the result agrees with :func:`~mrv2_kernels.norm_gemv.norm_gemv_ref` (the norm,
-    then the product: the unfused chain's specification) to the input dtype's rounding, not
-    bit for bit. Never split (every program needs
-    its rows' whole ``K``). ``MRV2_PDL_GEMM_NORM=1`` sends the decode layers' norm + product
-    here (:func:`use_pdl_norm_gemm`); off by default until an H200 A/B decides (BENCHMARKS.md,
-    twenty-first session)."""
-    if norm_weight.shape != (x.shape[-1],):
-        raise ValueError(f"pdl_norm_gemm: norm_weight must have shape ({x.shape[-1]},), got "
-                         f"{tuple(norm_weight.shape)}")
-    if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
-        raise ValueError(f"pdl_norm_gemm: residual must be contiguous with x's shape "
-                         f"{tuple(x.shape)}, got {tuple(residual.shape)}")
-    return _launch(x, weight, bias, gated, tiles, early, (norm_weight, eps, residual))
-
-
-def _launch(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool,
-    tiles: GemmTiles | None, early: bool | None,
-    norm: tuple[torch.Tensor, float, torch.Tensor | None] | None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
     m, k = x.shape
     rows_w = weight.shape[0]
     if weight.shape[1] != k or (gated and rows_w % 2):
@@ -369,31 +265,21 @@ def _launch(
     chunk = triton.cdiv(triton.cdiv(k, max(tiles.splits, 1)), tiles.bk) * tiles.bk
     splits = triton.cdiv(k, chunk) if k else 1
     tiles_mn = (triton.cdiv(m, tiles.bm), triton.cdiv(n, tiles.bn))
-    cnt = None
-    if splits > 1 and norm is None:
-        cnt = arrival_counters(x.device, tiles_mn[0] * tiles_mn[1])
-    if cnt is None:  # no split, a norm, or a capture found no counters: the whole K
+    cnt = arrival_counters(x.device, tiles_mn[0] * tiles_mn[1]) if splits > 1 else None
+    if cnt is None:  # no split, or a capture found no counters: the whole K in each program
         chunk, splits = max(k, 1), 1
         ws = cnt = out  # unused
     else:
         ws = torch.empty(splits, m, rows_w if gated else n, dtype=torch.float32,
                          device=x.device)
-    g = res = res_out = x  # unused without a norm
-    eps, new_residual = 0.0, None
-    if norm is not None:
-        g, eps, residual = norm
-        if residual is not None:  # (a new buffer: every program reads the residual)
-            res = residual
-            res_out = new_residual = torch.empty(m, k, dtype=x.dtype, device=x.device)
     grid = (*tiles_mn, splits)
     _pdl_gemm_kernel[grid](
-        x, weight, bias if bias is not None else weight, out, ws, cnt, res, g, res_out, m, n,
-        k, chunk, x.stride(0), weight.stride(0), out.stride(0), eps, BM=tiles.bm, BN=tiles.bn,
-        BK=tiles.bk, STAGES=tiles.stages, SPLIT_K=splits, GATED=gated,
-        HAS_BIAS=bias is not None, EARLY=on_early, NORM=norm is not None,
-        HAS_RES=new_residual is not None, num_warps=tiles.warps, **launch,
+        x, weight, bias if bias is not None else weight, out, ws, cnt, m, n, k, chunk,
+        x.stride(0), weight.stride(0), out.stride(0), BM=tiles.bm, BN=tiles.bn, BK=tiles.bk,
+        STAGES=tiles.stages, SPLIT_K=splits, GATED=gated, HAS_BIAS=bias is not None,
+        EARLY=on_early, num_warps=tiles.warps, **launch,
     )
-    return out, new_residual
+    return out
 
 
 def pdl_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
