@@ -10,11 +10,14 @@ into ``P`` (one program a multiprocessor) contiguous ranges, so a program may st
 inside a tile. It stores such a partial tile in fp32 and raises its flag; the program that
 finishes the tile's last K-iteration (the tile's *owner*) waits for the flags of the programs
 before it, adds their partials in program order (the same order every launch: deterministic)
-and stores the tile. Programs before a tile's owner hold its earlier K-iterations, so under
-the interpreter (programs one after another) every partial exists before its owner reads it,
-and on the GPU every program is resident (``P`` at most one a multiprocessor), so the owners'
-waits end. Each owner zeroes the flags it consumed, for the next launch (a CUDA graph replay).
-Both operands load through TMA tensor descriptors; ``tl.dot`` on wgmma.
+and stores the tile. Each program runs its range's tiles last to first, so what an owner
+waits for is the first thing the programs before it do (in range order an owner waited for
+the whole of the program before it: a chain through every program). Programs before a
+tile's owner hold its earlier K-iterations, so under the interpreter (programs one after
+another) every partial exists before its owner reads it, and on the GPU every program is
+resident (``P`` at most one a multiprocessor), so the owners' waits end. Each owner zeroes
+the flags it consumed, for the next launch (a CUDA graph replay). Both operands load through
+TMA tensor descriptors; ``tl.dot`` on wgmma.
 
 The tenth session's non-persistent TMA GEMM (``proto_gemm.py``) lost to cuBLAS on these
 shapes but for o at 128-256 rows; its split-K needed a second kernel.
@@ -41,6 +44,40 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 @triton.jit
+def _finish_segment(acc: tl.tensor, tile: tl.tensor, k_lo: tl.tensor, k_hi: tl.tensor,
+                    out_ptr: tl.tensor, ws_ptr: tl.tensor, flag_ptr: tl.tensor, pid: tl.tensor,
+                    total: tl.tensor, iters: tl.tensor, tiles_n: tl.tensor, M: int, N: int,
+                    stride_o: int, P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr) -> None:
+    # A segment's sums (the tile's K-iterations [k_lo, k_hi)): a partial for the tile's owner,
+    # or (the owner: k_hi is the tile's last iteration) the tile, after the earlier partials
+    m0 = (tile // tiles_n) * BM
+    n0 = (tile % tiles_n) * BN
+    rows = m0 + tl.arange(0, BM)
+    cols = n0 + tl.arange(0, BN)
+    part_at = ws_ptr + pid * BM * BN + tl.arange(0, BM)[:, None] * BN \
+        + tl.arange(0, BN)[None, :]
+    if k_hi < iters:
+        # an earlier part of the tile: the partial for its owner, then the flag
+        tl.store(part_at, acc)
+        tl.debug_barrier()  # every thread's partial is stored before the release
+        tl.atomic_xchg(flag_ptr + pid, 1, sem="release")
+    else:
+        if k_lo > 0:  # the owner of a tile other programs began: their partials first
+            first = ((tile * iters + 1) * P + total - 1) // total - 1  # holds the tile's unit 0
+            total_acc = tl.zeros([BM, BN], dtype=tl.float32)
+            for q in range(first, pid):
+                while tl.atomic_add(flag_ptr + q, 0, sem="acquire") == 0:
+                    pass
+                total_acc += tl.load(ws_ptr + q * BM * BN + tl.arange(0, BM)[:, None] * BN
+                                     + tl.arange(0, BN)[None, :], cache_modifier=".cg")
+                tl.store(flag_ptr + q, 0)  # for the next launch
+            acc = total_acc + acc
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _streamk_kernel(x_desc: tl.tensor_descriptor, w_desc: tl.tensor_descriptor,
                     out_ptr: tl.tensor, ws_ptr: tl.tensor, flag_ptr: tl.tensor, M: int, N: int,
                     K: int, stride_o: int, P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -49,13 +86,18 @@ def _streamk_kernel(x_desc: tl.tensor_descriptor, w_desc: tl.tensor_descriptor,
     tiles_n = tl.cdiv(N, BN)
     iters = tl.cdiv(K, BK)
     total = tl.cdiv(M, BM) * tiles_n * iters
-    # this program's units [u, end): unit = tile * iters + k-iteration
-    u = (pid * total) // P
+    # this program's units [start, end): unit = tile * iters + k-iteration. Its segments (one
+    # a tile) run last to first: the last one is the head of a tile the next program owns
+    # (the partial that program waits for), the first one the tail of a tile this program owns
+    # (whose partials it waits for). First to last, every owner waited for the whole of the
+    # program before it, which had waited for the one before it: the programs ran one after
+    # another (the first H200 sweep: 3-7x cuBLAS's time).
+    start = (pid * total) // P
     end = ((pid + 1) * total) // P
-    while u < end:
-        tile = u // iters
-        k_lo = u - tile * iters
-        k_hi = tl.minimum(iters, k_lo + (end - u))
+    while end > start:
+        tile = (end - 1) // iters
+        k_lo = tl.maximum(start, tile * iters) - tile * iters
+        k_hi = end - tile * iters
         m0 = (tile // tiles_n) * BM
         n0 = (tile % tiles_n) * BN
         acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -63,30 +105,39 @@ def _streamk_kernel(x_desc: tl.tensor_descriptor, w_desc: tl.tensor_descriptor,
             a = x_desc.load([m0, kt * BK])
             b = w_desc.load([n0, kt * BK])
             acc = tl.dot(a, b.T, acc)
-        rows = m0 + tl.arange(0, BM)
-        cols = n0 + tl.arange(0, BN)
-        part_at = ws_ptr + pid * BM * BN + tl.arange(0, BM)[:, None] * BN \
-            + tl.arange(0, BN)[None, :]
-        if k_hi < iters:
-            # an earlier part of the tile: the partial for its owner, then the flag
-            tl.store(part_at, acc)
-            tl.debug_barrier()  # every thread's partial is stored before the release
-            tl.atomic_xchg(flag_ptr + pid, 1, sem="release")
-        else:
-            if k_lo > 0:  # the owner of a tile other programs began: their partials first
-                first = ((tile * iters + 1) * P + total - 1) // total - 1  # holds the tile's unit 0
-                total_acc = tl.zeros([BM, BN], dtype=tl.float32)
-                for q in range(first, pid):
-                    while tl.atomic_add(flag_ptr + q, 0, sem="acquire") == 0:
-                        pass
-                    total_acc += tl.load(ws_ptr + q * BM * BN + tl.arange(0, BM)[:, None] * BN
-                                         + tl.arange(0, BN)[None, :], cache_modifier=".cg")
-                    tl.store(flag_ptr + q, 0)  # for the next launch
-                acc = total_acc + acc
-            mask = (rows < M)[:, None] & (cols < N)[None, :]
-            tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :],
-                     acc.to(out_ptr.dtype.element_ty), mask=mask)
-        u += k_hi - k_lo
+        _finish_segment(acc, tile, k_lo, k_hi, out_ptr, ws_ptr, flag_ptr, pid, total, iters,
+                        tiles_n, M, N, stride_o, P, BM, BN)
+        end -= k_hi - k_lo
+
+
+@triton.jit
+def _streamk_flat_kernel(x_desc: tl.tensor_descriptor, w_desc: tl.tensor_descriptor,
+                         out_ptr: tl.tensor, ws_ptr: tl.tensor, flag_ptr: tl.tensor, M: int,
+                         N: int, K: int, stride_o: int, P: tl.constexpr, BM: tl.constexpr,
+                         BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr) -> None:
+    # The same work in one flat loop over the program's units, last to first (K-iterations
+    # too, within a tile), each segment finished inside the loop where its lowest iteration
+    # ends: the loads run on across tiles, where the nested loops refill the pipeline at every
+    # tile (a program's range crosses 1-3 tiles on these shapes).
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BN)
+    iters = tl.cdiv(K, BK)
+    total = tl.cdiv(M, BM) * tiles_n * iters
+    start = (pid * total) // P
+    end = ((pid + 1) * total) // P
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for i in tl.range(0, end - start, num_stages=STAGES):
+        u = end - 1 - i
+        tile = u // iters
+        kt = u - tile * iters
+        a = x_desc.load([(tile // tiles_n) * BM, kt * BK])
+        b = w_desc.load([(tile % tiles_n) * BN, kt * BK])
+        acc = tl.dot(a, b.T, acc)
+        if kt == 0 or u == start:  # the segment's lowest iteration
+            k_hi = tl.minimum(iters, end - tile * iters)
+            _finish_segment(acc, tile, kt, k_hi, out_ptr, ws_ptr, flag_ptr, pid, total, iters,
+                            tiles_n, M, N, stride_o, P, BM, BN)
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
 
 
 @dataclass(frozen=True)
@@ -96,9 +147,11 @@ class Config:
     bk: int
     stages: int
     warps: int
+    flat: bool = False  # _streamk_flat_kernel (one loop over the units) instead of nested loops
 
     def __str__(self) -> str:
-        return f"{self.bm}x{self.bn}x{self.bk} s{self.stages} w{self.warps}"
+        return f"{self.bm}x{self.bn}x{self.bk} s{self.stages} w{self.warps}" + \
+            (" flat" if self.flat else "")
 
 
 def num_programs(device: torch.device) -> int:
@@ -121,9 +174,10 @@ def streamk(x: torch.Tensor, w: torch.Tensor, cfg: Config, programs: int,
         scratch = (torch.empty(programs, cfg.bm * cfg.bn, dtype=torch.float32, device=x.device),
                    torch.zeros(programs, dtype=torch.int32, device=x.device))
     ws, flags = scratch
-    _streamk_kernel[(programs,)](x_desc, w_desc, out, ws, flags, m, n, k, out.stride(0),
-                                 P=programs, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
-                                 STAGES=cfg.stages, num_warps=cfg.warps)
+    kernel = _streamk_flat_kernel if cfg.flat else _streamk_kernel
+    kernel[(programs,)](x_desc, w_desc, out, ws, flags, m, n, k, out.stride(0), P=programs,
+                        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, STAGES=cfg.stages,
+                        num_warps=cfg.warps)
     return out
 
 
@@ -132,33 +186,37 @@ SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096),
           ("down", 4096, 12288)]
 
 
-def configs(rows: int) -> list[Config]:
+def configs(rows: int, flat: bool = False) -> list[Config]:
     """Candidates: row tiles as tall as the batch (at most 128: wgmma's 64 a warpgroup),
-    column tiles 64-256, shared memory within an H200 program's 227 KB."""
+    column tiles 64-256, shared memory within an H200 program's 227 KB; ``flat``: the flat
+    loop's kernel."""
     bm = 64 if rows <= 64 else 128
     out = []
     for bn, bk, stages, warps in [(64, 64, 6, 4), (128, 64, 4, 4), (128, 64, 4, 8),
                                   (128, 128, 3, 8), (256, 64, 3, 8), (64, 128, 4, 4)]:
         if stages * 2 * bk * (bm + bn) <= 225_000:
-            out.append(Config(bm, bn, bk, stages, warps))
+            out.append(Config(bm, bn, bk, stages, warps, flat))
     return out
 
 
-def check() -> None:
-    """The kernel against torch at small shapes (fp32 under the interpreter, whose bf16
-    arithmetic is wrong; bf16 on a GPU): tiles shared by 2-3 programs, whole tiles, ragged
-    edges; a second launch over the same scratch (the flags zeroed by the owners)."""
+def check(flat_only: bool = False) -> None:
+    """Both kernels (``flat_only``: the flat loop's) against torch at small shapes (fp32 under
+    the interpreter, whose bf16 arithmetic is wrong; bf16 on a GPU): tiles shared by 2-3
+    programs, whole tiles, ragged edges; a second launch over the same scratch (the flags
+    zeroed by the owners)."""
     cuda = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
     dev, dt = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"),
                                                                       torch.float32)
     torch.manual_seed(0)
-    cases = [((40, 48, 80), Config(16, 16, 16, 2, 4), 5),   # 3 x 3 tiles of 5 iterations
-             ((16, 32, 64), Config(16, 16, 16, 2, 4), 3),   # 2 tiles over 3 programs
-             ((33, 17, 40), Config(16, 16, 16, 2, 4), 4),   # ragged rows, columns, last K
-             ((16, 64, 32), Config(16, 16, 16, 2, 4), 4)]   # 4 tiles, 4 programs: no split
+    kinds = (True,) if flat_only else (False, True)
+    cases = [(shape, Config(16, 16, 16, 2, 4, flat), programs) for flat in kinds
+             for shape, programs in [((40, 48, 80), 5),   # 3 x 3 tiles of 5 iterations
+                                     ((16, 32, 64), 3),   # 2 tiles over 3 programs
+                                     ((33, 17, 40), 4),   # ragged rows, columns, last K
+                                     ((16, 64, 32), 4)]]  # 4 tiles, 4 programs: no split
     if cuda:
         cases = [((rows, 4096, 4096), cfg, num_programs(dev)) for rows in (64, 200)
-                 for cfg in configs(rows)]
+                 for flat in kinds for cfg in configs(rows, flat)]
     for (m, n, k), cfg, programs in cases:
         x = torch.randn(m, k, device=dev).to(dt)
         w = (torch.randn(n, k, device=dev) / k**0.5).to(dt)
@@ -174,7 +232,7 @@ def check() -> None:
         print(f"ok {m}x{n}x{k} {cfg} over {programs} programs, max err {err:.2e}")
 
 
-def sweep(rows_list: list[int]) -> None:
+def sweep(rows_list: list[int], flat: bool) -> None:
     from triton.testing import do_bench_cudagraph
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -197,7 +255,7 @@ def sweep(rows_list: list[int]) -> None:
                        torch.zeros(programs, dtype=torch.int32, device=dev))
             return lambda: streamk(x, w, cfg, programs, scratch)
 
-        best = best_config(f"{name} {rows}", configs(rows), launch, want, cublas)
+        best = best_config(f"{name} {rows}", configs(rows, flat), launch, want, cublas)
         table.append((name, rows, floor_us, cublas, *best))
     print(f"\n{'shape':8} {'rows':>4} {'floor':>7} {'cuBLAS':>7} {'streamK':>8}  config "
           f"({programs} programs)")
@@ -209,13 +267,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--rows", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--flat", action="store_true",
+                    help="the flat loop's kernel (the check: that one only)")
     args = ap.parse_args()
     if args.check:
-        check()
+        check(args.flat)
         return
     if not torch.cuda.is_available():
         sys.exit("the sweep needs a GPU (--check runs anywhere)")
-    sweep(args.rows)
+    sweep(args.rows, args.flat)
 
 
 if __name__ == "__main__":
