@@ -80,6 +80,37 @@ def test_one_bad_prompt_runs_nothing_and_engine_keeps_serving(llm: LLM) -> None:
     assert finished == {first: expected}
 
 
+def test_a_penalty_past_the_counters_limit_is_refused_at_submission(
+        llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Penalties need ``max_num_seqs x vocab`` per-token counters; past their limit a request
+    with a penalty is refused when it is submitted (the field and the way out named), before
+    it takes a row or fails a step, and the request already running finishes as alone."""
+    import mrv2.sample.state as sampling_state
+
+    engine = llm.engine
+    assert engine.runner.sampler.state.output_counts is None  # not allocated yet: the case
+    rows = engine.config.scheduler.max_num_seqs
+    monkeypatch.setattr(sampling_state, "PENALTY_STATE_MAX_ELEMENTS", rows * 256 - 1)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    first = engine.add_request([3, 4, 5], params)
+    with pytest.raises(ValueError, match=rf"presence_penalty=0.5: penalties need {rows * 256} "
+                       rf"per-token counters \(max_num_seqs={rows} x vocab 256\).*at most "
+                       rf"{rows - 1},"):
+        engine.add_request([3, 4], SamplingParams(presence_penalty=0.5, max_tokens=4))
+    with pytest.raises(ValueError, match="repetition_penalty=1.2: "):
+        llm.generate({"prompt_token_ids": [3, 4]}, SamplingParams(repetition_penalty=1.2),
+                     use_tqdm=False)
+    finished = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+    assert engine.runner.sampler.state.output_counts is None
+    monkeypatch.undo()
+    expected = llm.generate({"prompt_token_ids": [3, 4, 5]}, params, use_tqdm=False)
+    assert finished == {first: expected[0].outputs[0].token_ids}
+
+
 def test_bad_engine_config_names_field(ckpt: Path) -> None:
     from pydantic import ValidationError
 
@@ -156,6 +187,18 @@ def test_new_requests_are_checked_before_any_takes_a_row(ckpt: Path) -> None:
         runner.execute(SchedulerOutput({"a": 3, "b": 1}, new_requests=[
             good, NewRequest("b", list(range(17)), params, seed=1, block_ids=[1])]))
     assert len(runner.table) == 0
+    # a penalty past the counters' limit (the runner's own check, before any row changes)
+    import mrv2.sample.state as sampling_state
+
+    limit = sampling_state.PENALTY_STATE_MAX_ELEMENTS
+    sampling_state.PENALTY_STATE_MAX_ELEMENTS = 1
+    try:
+        with pytest.raises(ValueError, match="frequency_penalty=0.3: penalties need"):
+            runner.execute(SchedulerOutput({"a": 3, "b": 1}, new_requests=[good, NewRequest(
+                "b", [4], SamplingParams(frequency_penalty=0.3), seed=1, block_ids=[1])]))
+    finally:
+        sampling_state.PENALTY_STATE_MAX_ELEMENTS = limit
+    assert len(runner.table) == 0 and runner.sampler.state.output_counts is None
     new = [good, NewRequest("b", [4, 5], params, seed=1, block_ids=[1])]
     assert set(runner.execute(SchedulerOutput({"a": 3, "b": 2}, new_requests=new)).result()) \
         == {"a", "b"}

@@ -128,6 +128,7 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
         params.check_vocab(vocab)
+        self.runner.sampler.check_params(params)
         room = self.max_model_len - n
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if not self.config.scheduler.enable_chunked_prefill:

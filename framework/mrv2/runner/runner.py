@@ -192,6 +192,7 @@ class Runner:
                 )
             if len(request.block_ids) > self.max_blocks_per_req:
                 raise ValueError(f"request {request.req_id!r} holds too many blocks")
+            self.sampler.check_params(request.sampling_params)
         rows = [self.table.allocate(RowInfo(r.req_id, r.num_computed_tokens, len(r.token_ids),
                                             len(r.token_ids))) for r in requests]
         self.builder.stage_new_rows(rows, [r.token_ids for r in requests],

@@ -118,6 +118,13 @@ class Sampler:
 
     # -- requests ----------------------------------------------------------------------------
 
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise ``ValueError`` naming the field when this sampler cannot take ``params`` (a
+        penalty past the counters' size limit: :meth:`SamplingState.check_params`). The engine
+        calls it before it queues a request and the runner before a step's new requests take
+        rows, so a refused request runs nothing. Changes nothing."""
+        self.state.check_params(params)
+
     def add_request(self, request: NewRequest, row: int, staged: StagedEdits) -> None:
         """Stage ``request``'s sampling columns into ``row``."""
         self.state.add(row, request.sampling_params, request.seed, request.token_ids, staged)

@@ -128,8 +128,8 @@ class SamplingState:
         n = len(rows)
         if not n:
             return
-        if any(p.uses_penalties for p in params):
-            self._ensure_penalty_state()  # (its error before any row changes)
+        for p in params:  # (the penalty state's error before any row changes)
+            self.check_params(p)
         at = np.asarray(rows, dtype=np.int64)
         prompt_lens = [p.prompt_len(len(t)) for p, t in zip(params, token_ids, strict=True)]
         floats = np.array([[p.temperature, p.top_p, p.min_p, p.repetition_penalty,
@@ -161,7 +161,10 @@ class SamplingState:
         """Reset ``row``'s penalty counts: its prompt's tokens marked, a resumed request's
         earlier outputs counted."""
         self.num_penalty_rows += 1
-        self._ensure_penalty_state()
+        if self.output_counts is None:  # (its size checked by add_many)
+            shape = (self.max_num_reqs, self.vocab_size)
+            self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
+            self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
         assert self.output_counts is not None and self.prompt_mask is not None
         rows = np.array([row])
         staged.fill(self.output_counts, rows, 0)
@@ -181,19 +184,26 @@ class SamplingState:
         self.num_penalty_rows -= params.uses_penalties
         self.rare[row] = False
 
-    def _ensure_penalty_state(self) -> None:
-        if self.output_counts is not None:
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise ``ValueError`` naming the field when ``params`` cannot take a row here: a
+        penalty whose per-token counters (``max_num_seqs x vocab``) would pass
+        :data:`PENALTY_STATE_MAX_ELEMENTS`. Changes nothing; the engine calls it (through
+        :meth:`~mrv2.sample.sampler.Sampler.check_params`) before it queues a request."""
+        if not params.uses_penalties or self.output_counts is not None:
             return
         elements = self.max_num_reqs * self.vocab_size
         if elements > PENALTY_STATE_MAX_ELEMENTS:
+            field, value = next((f, getattr(params, f)) for f, off in (
+                ("repetition_penalty", 1.0), ("frequency_penalty", 0.0),
+                ("presence_penalty", 0.0)) if getattr(params, f) != off)
             raise ValueError(
-                f"penalties need {elements} per-token counters (max_num_seqs="
+                f"{field}={value}: penalties need {elements} per-token counters (max_num_seqs="
                 f"{self.max_num_reqs} x vocab {self.vocab_size}), more than "
-                f"{PENALTY_STATE_MAX_ELEMENTS}: lower max_num_seqs to use penalties"
+                f"{PENALTY_STATE_MAX_ELEMENTS}: lower max_num_seqs to at most "
+                f"{PENALTY_STATE_MAX_ELEMENTS // self.vocab_size}, or send the request without "
+                "repetition_penalty, frequency_penalty and presence_penalty"
             )
-        shape = (self.max_num_reqs, self.vocab_size)
-        self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
-        self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
+
 
     def record_sampled(
         self, idx_mapping: torch.Tensor, tokens: torch.Tensor, num_sampled: torch.Tensor
