@@ -22,8 +22,9 @@ TMA tensor descriptors; ``tl.dot`` on wgmma.
 The tenth session's non-persistent TMA GEMM (``proto_gemm.py``) lost to cuBLAS on these
 shapes but for o at 128-256 rows; its split-K needed a second kernel.
 
-Usage: ``python scripts/proto_streamk.py [--rows 64 128 256]`` on the GPU (the table prints
-last: µs by ``do_bench_cudagraph``, best config per case against cuBLAS and the byte floor);
+Usage: ``python scripts/proto_streamk.py [--model 8B|0.6B] [--rows 64 128 256] [--flat]`` on
+the GPU (the table prints last: µs by ``do_bench_cudagraph``, best config per case against
+cuBLAS and the byte floor);
 ``--check`` anywhere (under ``TRITON_INTERPRET=1`` on a CPU): the kernel against torch, tiles
 that split, tiles that don't, ragged edges.
 """
@@ -181,9 +182,13 @@ def streamk(x: torch.Tensor, w: torch.Tensor, cfg: Config, programs: int,
     return out
 
 
-#: Qwen3-8B decode projections: (name, N, K).
-SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096),
-          ("down", 4096, 12288)]
+#: Decode projections by model: (name, N, K). Qwen3-0.6B's have 32-48 output tiles of 128 x
+#: 128 at 128 rows (a third of the multiprocessors), where cuBLAS takes 6-8 µs for 2-3 µs
+#: of bytes.
+SHAPES = {"8B": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096),
+                 ("down", 4096, 12288)],
+          "0.6B": [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024),
+                   ("down", 1024, 3072)]}
 
 
 def configs(rows: int, flat: bool = False) -> list[Config]:
@@ -232,7 +237,7 @@ def check(flat_only: bool = False) -> None:
         print(f"ok {m}x{n}x{k} {cfg} over {programs} programs, max err {err:.2e}")
 
 
-def sweep(rows_list: list[int], flat: bool) -> None:
+def sweep(model: str, rows_list: list[int], flat: bool) -> None:
     from triton.testing import do_bench_cudagraph
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -241,7 +246,7 @@ def sweep(rows_list: list[int], flat: bool) -> None:
     dev = torch.device("cuda")
     programs = num_programs(dev)
     table = []
-    for (name, n, k), rows in itertools.product(SHAPES, rows_list):
+    for (name, n, k), rows in itertools.product(SHAPES[model], rows_list):
         torch.manual_seed(0)
         x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
         w = (torch.randn(n, k, device=dev) / k**0.5).to(torch.bfloat16)
@@ -267,6 +272,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--rows", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--model", default="8B", choices=list(SHAPES))
     ap.add_argument("--flat", action="store_true",
                     help="the flat loop's kernel (the check: that one only)")
     args = ap.parse_args()
@@ -275,7 +281,7 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         sys.exit("the sweep needs a GPU (--check runs anywhere)")
-    sweep(args.rows, args.flat)
+    sweep(args.model, args.rows, args.flat)
 
 
 if __name__ == "__main__":
