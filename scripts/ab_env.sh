@@ -18,6 +18,8 @@ for arg in "$@"; do [ "$prev" = --model ] && model=$arg; prev=$arg; done
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for side in off on; do
     json="$OUT/${bench}${model:+_$model}_${side}_$round.json"
+    # a second A/B of the same bench and model in one call: numbered, not over the first
+    n=1; while [ -e "$json" ]; do n=$((n + 1)); json="$OUT/${bench}${model:+_$model}_${side}_${round}_$n.json"; done
     setting_if_on=()
     [ "$side" = on ] && read -ra setting_if_on <<< "$setting"
     env "${setting_if_on[@]}" python3 -m mrv2.entrypoints.cli bench "$bench" --json "$json" "$@" \

@@ -22,6 +22,10 @@ TMA tensor descriptors; ``tl.dot`` on wgmma.
 The tenth session's non-persistent TMA GEMM (``proto_gemm.py``) lost to cuBLAS on these
 shapes but for o at 128-256 rows; its split-K needed a second kernel.
 
+Measured (H200, twenty-second session, BENCHMARKS.md): 0.98-1.46x cuBLAS's time on Qwen3-8B's
+products (it wins only down at 64 rows), about 2x on Qwen3-0.6B's; the flat loop (``--flat``)
+about twice the nested loops' time. Not adopted.
+
 Usage: ``python scripts/proto_streamk.py [--model 8B|0.6B] [--rows 64 128 256] [--flat]`` on
 the GPU (the table prints last: µs by ``do_bench_cudagraph``, best config per case against
 cuBLAS and the byte floor);
@@ -92,7 +96,7 @@ def _streamk_kernel(x_desc: tl.tensor_descriptor, w_desc: tl.tensor_descriptor,
     # (the partial that program waits for), the first one the tail of a tile this program owns
     # (whose partials it waits for). First to last, every owner waited for the whole of the
     # program before it, which had waited for the one before it: the programs ran one after
-    # another (the first H200 sweep: 3-7x cuBLAS's time).
+    # another (the first H200 sweep: 2.5-12x cuBLAS's time).
     start = (pid * total) // P
     end = ((pid + 1) * total) // P
     while end > start:
