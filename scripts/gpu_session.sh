@@ -9,6 +9,7 @@
 # splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile, mixed,
 # flatgrid (MRV2_ATTN_FLAT_GRID: the kernel case, then the throughput A/B whose "on" side is the old grid),
 # mixedgraphs (steps with prompt tokens in CUDA graphs: small steps and the throughput workload),
+# servestreams (mrv2 serve, 256 streams of Qwen3-0.6B at 64/s and at once),
 # servegraphs (the same through mrv2 serve: scripts/serve_sweep.py, eager against graphs), servespec
 # (the same with n-gram speculation), padding (what padding rows cost: MoE and mixed graphs),
 # measuredcut (MRV2_MIXED_GRAPHS_MEASURED: mixed graphs only where they beat eager),
@@ -141,6 +142,13 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                | tee "$OUT/mla_grid_gpu_tests.log" | tail -2
              ROUNDS=${ROUNDS:-1} timeout 400 bash scripts/ab_env.sh MRV2_MLA_FLAT_GRID=0 \
                throughput --model DeepSeek-V2-Lite ;;
+    servestreams) # mrv2 serve's streaming path (the engine thread's merged hand-over, 22nd
+                 # session): 256 requests of ~300 prompt tokens, 128 output tokens, at 64/s and
+                 # at once, Qwen3-0.6B (the twelfth session: 7,436 / 7,582 tok/s; offline ~26k)
+                 timeout 280 python3 scripts/serve_sweep.py --model Qwen3-0.6B --out "$OUT/streams" \
+                   --variants plain --rates 64 inf --num-requests 256 \
+                   --prompt-tokens 300 --max-tokens 128 --warmup-requests 32 \
+                   > "$OUT/streams.log" 2>&1; tail -4 "$OUT/streams.log" ;;
     servegraphs) # mrv2 serve with steps with prompt tokens eager / in graphs (the default):
                  # 256 requests of ~300 prompt tokens, 128 output tokens, at 64/s and at once
                  timeout 280 python3 scripts/serve_sweep.py --model Qwen3-0.6B --out "$OUT/sweep" \

@@ -351,22 +351,39 @@ class _Stream:
                      ) -> AsyncIterator[str]:
         completion = 0
         try:
+            # one choice a chunk, as OpenAI streams n > 1 (clients read choices[0])
             if self.chat:
-                yield self._chunk([{"index": self._index(r, i), "logprobs": None,
-                                    "finish_reason": None,
-                                    "delta": {"role": "assistant", "content": ""}}
-                                   for r in self.req_ids for i in range(self.params.n)])
+                yield "".join(self._chunk([{"index": self._index(r, i), "logprobs": None,
+                                            "finish_reason": None,
+                                            "delta": {"role": "assistant", "content": ""}}])
+                              for r in self.req_ids for i in range(self.params.n))
             while self.unfinished:
-                item = await sink.get()
-                if isinstance(item, BaseException):
-                    yield f"data: {json.dumps(error_body(str(item), 'server_error'))}\n\n"
+                # Everything queued since the last write, in one write: a request's outputs
+                # are cumulative, so its latest stands for the ones before it (a loop that
+                # falls behind sends a few tokens a chunk, not a chunk a token, as vLLM's
+                # output collector merges). One send a request a step at most.
+                items = [await sink.get()]
+                while not sink.empty():
+                    items.append(sink.get_nowait())
+                latest: dict[str, RequestOutput] = {}
+                error = None
+                for item in items:
+                    if isinstance(item, BaseException):
+                        error = item
+                        break
+                    latest[item.request_id] = item
+                text = ""
+                for output in latest.values():
+                    choices = self._deltas(output)
+                    if output.finished:
+                        self.unfinished.discard(output.request_id)
+                        completion += sum(len(o.token_ids) for o in output.outputs)
+                    text += "".join(self._chunk([choice]) for choice in choices)
+                if error is not None:
+                    yield text + f"data: {json.dumps(error_body(str(error), 'server_error'))}\n\n"
                     break
-                choices = self._deltas(item)
-                if item.finished:
-                    self.unfinished.discard(item.request_id)
-                    completion += sum(len(o.token_ids) for o in item.outputs)
-                if choices:
-                    yield self._chunk(choices)
+                if text:
+                    yield text
             if self.body.include_usage:
                 yield self._chunk([], self._usage(completion))
             yield "data: [DONE]\n\n"

@@ -1,0 +1,53 @@
+"""The engine thread's hand-over to the event loop: a busy loop gets a step's outputs merged."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from server_util import ENGINE_KWARGS
+
+from mrv2 import EngineConfig, SamplingParams
+from mrv2.engine.engine import LLMEngine
+from mrv2.engine.outputs import RequestOutput
+from mrv2.entrypoints.engine_thread import EngineThread
+
+
+def test_outputs_wait_and_merge_while_the_loop_is_busy(model_dir: Path) -> None:
+    """The first output goes to the loop at once; while the loop has not run it (busy), the
+    next steps' outputs wait in the backlog, the latest standing for the rest; once the loop
+    has written that batch, it gets the merged one: every token, in order, finished, as the
+    same request run alone gives them."""
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), **ENGINE_KWARGS))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine.add_request([5, 6, 7], params, request_id="alone")
+    want: list[int] = []
+    while engine.has_unfinished():
+        want = next((list(o.outputs[0].token_ids) for o in engine.step() if o.finished), want)
+    worker = EngineThread(engine)
+    worker.start()
+    loop = asyncio.new_event_loop()
+    try:
+        sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        worker.submit("r", [5, 6, 7], params, None, sink, loop)
+        deadline = time.monotonic() + 60
+        while worker.num_pending and time.monotonic() < deadline:  # the loop is not running
+            time.sleep(0.01)
+        assert worker.num_pending == 0, "the request did not finish"
+
+        async def drain() -> list[RequestOutput]:
+            items: list[RequestOutput] = []
+            while not (items and items[-1].finished):
+                item = await asyncio.wait_for(sink.get(), 30)
+                assert not isinstance(item, BaseException), item
+                items.append(item)
+            return items
+
+        items = loop.run_until_complete(drain())
+    finally:
+        worker.stop()
+        loop.close()
+    assert [len(o.outputs[0].token_ids) for o in items] == [1, 8]  # two hand-overs, not eight
+    assert len(want) == 8 and items[-1].outputs[0].token_ids == want
+    assert items[0].outputs[0].token_ids == want[:1]
