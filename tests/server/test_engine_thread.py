@@ -1,4 +1,5 @@
-"""The engine thread's hand-over to the event loop: a busy loop gets a step's outputs merged."""
+"""The engine thread's hand-over to the event loop (a busy loop gets later outputs merged), and
+how a stream reports merged outputs."""
 
 from __future__ import annotations
 
@@ -51,3 +52,25 @@ def test_outputs_wait_and_merge_while_the_loop_is_busy(model_dir: Path) -> None:
     assert [len(o.outputs[0].token_ids) for o in items] == [1, 8]  # two hand-overs, not eight
     assert len(want) == 8 and items[-1].outputs[0].token_ids == want
     assert items[0].outputs[0].token_ids == want[:1]
+
+
+def test_a_stream_reports_each_choice_under_its_own_index() -> None:
+    """With n > 1 the merged output holds the choices seen so far: a chunk of choice 1 that
+    comes before choice 0 has produced anything is reported as choice 1, not as choice 0."""
+    from mrv2.engine.outputs import CompletionOutput
+    from mrv2.entrypoints.server import _Stream
+
+    class Body:
+        include_usage = False
+
+    stream = _Stream(None, "cmpl-x", "m", False, SamplingParams(n=2, max_tokens=4), Body(),
+                     ["r"], [([1, 2], None)])  # type: ignore[arg-type]
+
+    def output(*choices: CompletionOutput) -> RequestOutput:
+        return RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1, 2],
+                             outputs=list(choices), finished=False)
+
+    first = stream._deltas(output(CompletionOutput(1, "b", [7])))
+    assert [(c["index"], c["text"]) for c in first] == [(1, "b")]
+    both = stream._deltas(output(CompletionOutput(0, "a", [5]), CompletionOutput(1, "bc", [7, 8])))
+    assert [(c["index"], c["text"]) for c in both] == [(0, "a"), (1, "c")]

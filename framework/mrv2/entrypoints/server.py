@@ -323,9 +323,9 @@ class _Stream:
             self.abort_rest()
         choices, completion = [], 0
         for req_id in self.req_ids:
-            for i, out in enumerate(self.finals[req_id].outputs):
+            for out in self.finals[req_id].outputs:
                 completion += len(out.token_ids)
-                choice: dict[str, Any] = {"index": self._index(req_id, i),
+                choice: dict[str, Any] = {"index": self._index(req_id, out.index),
                                           "finish_reason": out.finish_reason,
                                           "stop_reason": out.stop_reason,
                                           "logprobs": self._logprobs(out, 0, None)}
@@ -392,9 +392,10 @@ class _Stream:
 
     def _deltas(self, item: RequestOutput) -> list[dict[str, Any]]:
         choices = []
-        for i, out in enumerate(item.outputs):
-            key = (item.request_id, i)
-            state = self.choices.setdefault(key, _Choice(self._index(item.request_id, i)))
+        for out in item.outputs:  # (n > 1: the choices seen so far, by their own index)
+            key = (item.request_id, out.index)
+            state = self.choices.setdefault(key, _Choice(self._index(item.request_id,
+                                                                     out.index)))
             if state.done:
                 continue
             text = out.text[state.text:]
