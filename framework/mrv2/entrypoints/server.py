@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -43,6 +44,11 @@ from mrv2.entrypoints.openai_protocol import (
 DEFAULT_MAX_N = 64
 #: Seconds a server whose engine failed for good keeps answering 503 before it exits.
 FATAL_GRACE_S = 1.0
+#: Milliseconds: Python's GIL switch interval for ``mrv2 serve`` (unset: Python's 5 ms). The
+#: engine thread waits up to this long for the GIL while the event loop writes chunks; an A/B
+#: knob (``scripts/serve_sweep.py`` variant ``plain+MRV2_SERVE_SWITCH_INTERVAL_MS=1``) until an
+#: H200 sweep decides.
+SWITCH_INTERVAL_ENV_VAR = "MRV2_SERVE_SWITCH_INTERVAL_MS"
 
 logger = logging.getLogger(__name__)
 
@@ -432,6 +438,9 @@ def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000,
     1)."""
     import uvicorn
 
+    interval_ms = os.environ.get(SWITCH_INTERVAL_ENV_VAR)
+    if interval_ms:  # the GIL's switch interval (the engine thread and the loop share it)
+        sys.setswitchinterval(float(interval_ms) / 1000)
     app = create_app(engine, served_model_name, api_key, max_pending, max_n)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
     worker: EngineThread = app.state.engine_thread
