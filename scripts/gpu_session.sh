@@ -145,9 +145,11 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
     servestreams) # mrv2 serve's streaming path (the engine thread's merged hand-over, 22nd
                  # session): 256 requests of ~300 prompt tokens, 128 output tokens, at 64/s and
                  # at once, Qwen3-0.6B (the twelfth session: 7,436 / 7,582 tok/s; offline ~26k)
-                 # and with the GIL's switch interval at 1 ms (MRV2_SERVE_SWITCH_INTERVAL_MS)
-                 timeout 400 python3 scripts/serve_sweep.py --model Qwen3-0.6B --out "$OUT/streams" \
-                   --variants plain plain+MRV2_SERVE_SWITCH_INTERVAL_MS=1 --rates 64 inf --num-requests 256 \
+                 # against no merge of a busy loop's outputs (MRV2_SERVE_MERGE_OUTPUTS=0) and the
+                 # GIL's switch interval at 1 ms (MRV2_SERVE_SWITCH_INTERVAL_MS)
+                 timeout 560 python3 scripts/serve_sweep.py --model Qwen3-0.6B --out "$OUT/streams" \
+                   --variants plain plain+MRV2_SERVE_MERGE_OUTPUTS=0 \
+                   plain+MRV2_SERVE_SWITCH_INTERVAL_MS=1 --rates 64 inf --num-requests 256 \
                    --prompt-tokens 300 --max-tokens 128 --warmup-requests 32 \
                    > "$OUT/streams.log" 2>&1; tail -4 "$OUT/streams.log" ;;
     servegraphs) # mrv2 serve with steps with prompt tokens eager / in graphs (the default):

@@ -7,6 +7,7 @@ import asyncio
 import time
 from pathlib import Path
 
+import pytest
 from server_util import ENGINE_KWARGS
 
 from mrv2 import EngineConfig, SamplingParams
@@ -15,11 +16,15 @@ from mrv2.engine.outputs import RequestOutput
 from mrv2.entrypoints.engine_thread import EngineThread
 
 
-def test_outputs_wait_and_merge_while_the_loop_is_busy(model_dir: Path) -> None:
+@pytest.mark.parametrize("merge", ["1", "0"])
+def test_outputs_wait_and_merge_while_the_loop_is_busy(
+        model_dir: Path, merge: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The first output goes to the loop at once; while the loop has not run it (busy), the
     next steps' outputs wait in the backlog, the latest standing for the rest; once the loop
     has written that batch, it gets the merged one: every token, in order, finished, as the
-    same request run alone gives them."""
+    same request run alone gives them. With ``MRV2_SERVE_MERGE_OUTPUTS=0`` every step's
+    output goes over (eight)."""
+    monkeypatch.setenv("MRV2_SERVE_MERGE_OUTPUTS", merge)
     engine = LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), **ENGINE_KWARGS))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     engine.add_request([5, 6, 7], params, request_id="alone")
@@ -49,7 +54,8 @@ def test_outputs_wait_and_merge_while_the_loop_is_busy(model_dir: Path) -> None:
     finally:
         worker.stop()
         loop.close()
-    assert [len(o.outputs[0].token_ids) for o in items] == [1, 8]  # two hand-overs, not eight
+    lengths = [len(o.outputs[0].token_ids) for o in items]
+    assert lengths == ([1, 8] if merge == "1" else list(range(1, 9)))
     assert len(want) == 8 and items[-1].outputs[0].token_ids == want
     assert items[0].outputs[0].token_ids == want[:1]
 

@@ -5,11 +5,11 @@ engine thread owns the :class:`LLMEngine` and is the only thread that touches it
 read-only ``validate``). Outputs go to each request's ``asyncio.Queue`` in batches, one
 ``loop.call_soon_threadsafe`` for all of them. While the loop still works on the last batch
 (its streams' chunks not yet written), the next steps' outputs wait here and merge, the latest
-output of a request standing for the ones before it (outputs are cumulative). So a loop that
-cannot write a chunk a token for every stream writes a few tokens a chunk instead of taking
-the engine's share of the interpreter (the loop and this thread share the GIL: at 256 streams
-on a tiny model, a chunk a token held the server to a quarter of the offline throughput). The
-queues are unbounded, so a slow client never stalls decoding.
+output of a request standing for the ones before it (outputs are cumulative), as vLLM's output
+collector merges. So a loop that cannot write a chunk a token for every stream writes a few
+tokens a chunk instead of taking more of the GIL it shares with this thread (measured on the
+H200 next: :data:`MERGE_ENV_VAR` turns the merge off for the A/B). The queues are unbounded,
+so a slow client never stalls decoding.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -30,6 +31,12 @@ from mrv2.engine.outputs import RequestOutput
 from mrv2.entrypoints.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
+
+#: ``0``: a busy loop's outputs do not wait and merge; every step's go over at the end of the
+#: step (one callback all the same). Unset or ``1``: they merge. An A/B knob until an H200 serve
+#: sweep measures the merge (``gpu_session.sh servestreams``).
+MERGE_ENV_VAR = "MRV2_SERVE_MERGE_OUTPUTS"
+
 
 class QueueFullError(RuntimeError):
     """Too many sequences in flight."""
@@ -64,6 +71,7 @@ class EngineThread:
         #: have not finished the batch they were handed (guarded by ``_lock``).
         self._backlog: dict[asyncio.AbstractEventLoop, dict[str, tuple[_Sink, RequestOutput]]] = {}
         self._busy: set[asyncio.AbstractEventLoop] = set()
+        self._merge = os.environ.get(MERGE_ENV_VAR, "1") != "0"
         self._thread = threading.Thread(target=self._run, name="mrv2-engine", daemon=True)
         self._stopped = False
         #: The error that ended the engine for good (a tensor-parallel worker died), or None.
@@ -205,7 +213,7 @@ class EngineThread:
         (and merges) until the loop has written the batch it has."""
         with self._lock:
             ready = [(loop, list(items.values())) for loop, items in self._backlog.items()
-                     if items and loop not in self._busy]
+                     if items and (loop not in self._busy or not self._merge)]
             for loop, _ in ready:
                 self._busy.add(loop)
                 del self._backlog[loop]
