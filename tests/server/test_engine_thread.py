@@ -80,3 +80,18 @@ def test_a_stream_reports_each_choice_under_its_own_index() -> None:
     assert [(c["index"], c["text"]) for c in first] == [(1, "b")]
     both = stream._deltas(output(CompletionOutput(0, "a", [5]), CompletionOutput(1, "bc", [7, 8])))
     assert [(c["index"], c["text"]) for c in both] == [(0, "a"), (1, "c")]
+
+
+def test_the_switch_interval_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MRV2_SERVE_SWITCH_INTERVAL_MS``: milliseconds to seconds; unset is None; anything but
+    a positive number is an error naming the variable."""
+    from mrv2.entrypoints.server import switch_interval_from_env
+
+    monkeypatch.delenv("MRV2_SERVE_SWITCH_INTERVAL_MS", raising=False)
+    assert switch_interval_from_env() is None
+    monkeypatch.setenv("MRV2_SERVE_SWITCH_INTERVAL_MS", "0.5")
+    assert switch_interval_from_env() == 0.0005
+    for bad in ("0", "-1", "fast"):
+        monkeypatch.setenv("MRV2_SERVE_SWITCH_INTERVAL_MS", bad)
+        with pytest.raises(ValueError, match=rf"MRV2_SERVE_SWITCH_INTERVAL_MS='{bad}': expected"):
+            switch_interval_from_env()
