@@ -83,22 +83,30 @@ def _finish_segment(acc: tl.tensor, tile: tl.tensor, k_lo: tl.tensor, k_hi: tl.t
 
 
 @triton.jit
+def _program_range(M: int, N: int, K: int, P: tl.constexpr, BM: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr
+                   ) -> tuple[tl.tensor, tl.tensor, tl.tensor, tl.tensor, tl.tensor]:
+    # (column tiles, K-iterations a tile, units in all, this program's units [start, end)):
+    # unit = tile * iterations + k-iteration, cut into P equal contiguous ranges
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BN)
+    iters = tl.cdiv(K, BK)
+    total = tl.cdiv(M, BM) * tiles_n * iters
+    return tiles_n, iters, total, (pid * total) // P, ((pid + 1) * total) // P
+
+
+@triton.jit
 def _streamk_kernel(x_desc: tl.tensor_descriptor, w_desc: tl.tensor_descriptor,
                     out_ptr: tl.tensor, ws_ptr: tl.tensor, flag_ptr: tl.tensor, M: int, N: int,
                     K: int, stride_o: int, P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, STAGES: tl.constexpr) -> None:
     pid = tl.program_id(0)
-    tiles_n = tl.cdiv(N, BN)
-    iters = tl.cdiv(K, BK)
-    total = tl.cdiv(M, BM) * tiles_n * iters
-    # this program's units [start, end): unit = tile * iters + k-iteration. Its segments (one
-    # a tile) run last to first: the last one is the head of a tile the next program owns
-    # (the partial that program waits for), the first one the tail of a tile this program owns
-    # (whose partials it waits for). First to last, every owner waited for the whole of the
-    # program before it, which had waited for the one before it: the programs ran one after
-    # another (the first H200 sweep: 2.5-12x cuBLAS's time).
-    start = (pid * total) // P
-    end = ((pid + 1) * total) // P
+    tiles_n, iters, total, start, end = _program_range(M, N, K, P, BM, BN, BK)
+    # This program's segments (one a tile) run last to first: the last one is the head of a
+    # tile the next program owns (the partial that program waits for), the first one the tail
+    # of a tile this program owns (whose partials it waits for). First to last, every owner
+    # waited for the whole of the program before it, which had waited for the one before it:
+    # the programs ran one after another (the first H200 sweep: 2.5-12x cuBLAS's time).
     while end > start:
         tile = (end - 1) // iters
         k_lo = tl.maximum(start, tile * iters) - tile * iters
@@ -125,11 +133,7 @@ def _streamk_flat_kernel(x_desc: tl.tensor_descriptor, w_desc: tl.tensor_descrip
     # ends: the loads run on across tiles, where the nested loops refill the pipeline at every
     # tile (a program's range crosses 1-3 tiles on these shapes).
     pid = tl.program_id(0)
-    tiles_n = tl.cdiv(N, BN)
-    iters = tl.cdiv(K, BK)
-    total = tl.cdiv(M, BM) * tiles_n * iters
-    start = (pid * total) // P
-    end = ((pid + 1) * total) // P
+    tiles_n, iters, total, start, end = _program_range(M, N, K, P, BM, BN, BK)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for i in tl.range(0, end - start, num_stages=STAGES):
         u = end - 1 - i
