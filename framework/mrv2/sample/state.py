@@ -204,7 +204,6 @@ class SamplingState:
                 "repetition_penalty, frequency_penalty and presence_penalty"
             )
 
-
     def record_sampled(
         self, idx_mapping: torch.Tensor, tokens: torch.Tensor, num_sampled: torch.Tensor
     ) -> None:
