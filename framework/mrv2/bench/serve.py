@@ -324,13 +324,15 @@ async def _send_stream(client: Any, model: str, spec: Spec, rec: Record, start: 
         _judge(rec, check.finish())
 
 
-async def send(client: Any, model: str, spec: Spec) -> Record:
-    """Send ``spec``, cancel it if it says so, check the answer."""
+async def send(client: Any, model: str, spec: Spec, streams: Any = None) -> Record:
+    """Send ``spec``, cancel it if it says so, check the answer. A streamed one goes
+    through ``streams`` (a :class:`~mrv2.bench.sse_client.StreamClient`) when given, else
+    through ``client`` (httpx)."""
     rec = Record(kind=spec.kind, stream=spec.stream, n=spec.n, start=time.time())
     start = time.perf_counter()
     try:
         if spec.stream:
-            await _send_stream(client, model, spec, rec, start)
+            await _send_stream(streams or client, model, spec, rec, start)
         else:
             try:
                 response = await asyncio.wait_for(
@@ -401,6 +403,8 @@ async def run_load(url: str, model: str, *, rate: float = math.inf,
     the last ones."""
     import httpx
 
+    from mrv2.bench.sse_client import StreamClient
+
     if duration is None and num_requests is None:
         raise ValueError("give num_requests or duration")
     if duration is not None and not math.isfinite(rate) and not max_concurrency:
@@ -409,6 +413,7 @@ async def run_load(url: str, model: str, *, rate: float = math.inf,
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=(max_concurrency or num_requests or 1024) + 8)
+    streams = StreamClient(url, headers, timeout=600)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600,
                                  limits=limits) as client:
         tasks: list[asyncio.Task[Record]] = []
@@ -422,7 +427,7 @@ async def run_load(url: str, model: str, *, rate: float = math.inf,
                     slots.release()
                 break
             spec = draw_spec(rng, len(tasks), prompt_len, max_tokens, mix, cancel_prob)
-            task = asyncio.create_task(send(client, model, spec))
+            task = asyncio.create_task(send(client, model, spec, streams))
             if slots is not None:
                 task.add_done_callback(_releaser(slots))
             tasks.append(task)
@@ -458,6 +463,8 @@ def _model(url: str, api_key: str | None) -> str:
 def main(args: argparse.Namespace) -> int:
     url = args.url.rstrip("/")
     model = args.model or _model(url, args.api_key)
+    if args.start_at is not None:  # several client processes start their loads together
+        time.sleep(max(0.0, args.start_at - time.time()))
     if args.mix or args.duration is not None or args.max_concurrency is not None:
         return _main_load(args, url, model)
     rows = []
@@ -528,4 +535,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--cancel-prob", type=float, default=0.1,
                    help="--mix: chance that the client cancels a request")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--start-at", type=float, default=None,
+                   help="wait until this time (seconds since the epoch) before sending: "
+                   "client processes started one after another send together")
     p.set_defaults(func=main)
