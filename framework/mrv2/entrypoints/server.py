@@ -39,6 +39,7 @@ from mrv2.entrypoints.openai_protocol import (
     validation_error_body,
     value_error_param,
 )
+from mrv2.entrypoints.stack_sampler import PROFILE_ENV_VAR, StackSampler
 
 #: Default bound on a request's ``n`` (``mrv2 serve --max-n``); OpenAI's own API allows 128.
 DEFAULT_MAX_N = 64
@@ -467,11 +468,18 @@ def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000,
         threading.Timer(FATAL_GRACE_S, lambda: setattr(server, "should_exit", True)).start()
 
     worker.on_fatal.append(stop_soon)
+    profile = os.environ.get(PROFILE_ENV_VAR, "").strip()
+    sampler = StackSampler() if profile else None
+    if sampler is not None:
+        sampler.start()
     try:
         server.run()  # re-raises a captured SIGINT once the server has stopped (as uvicorn.run)
     except KeyboardInterrupt:
         pass
     finally:
+        if sampler is not None:
+            sampler.stop()
+            sampler.write(profile)
         engine.shutdown()
     if worker.fatal is not None:
         print(f"mrv2 serve: {worker.fatal}", file=sys.stderr, flush=True)
