@@ -9,7 +9,8 @@
 # splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile, mixed,
 # flatgrid (MRV2_ATTN_FLAT_GRID: the kernel case, then the throughput A/B whose "on" side is the old grid),
 # mixedgraphs (steps with prompt tokens in CUDA graphs: small steps and the throughput workload),
-# servestreams (mrv2 serve, 256 streams of Qwen3-0.6B at 64/s and at once),
+# servestreams (mrv2 serve, 256 streams of Qwen3-0.6B at 64/s and at once), serveprof (the same at
+# once under the server's stack sampler), serveclients (read by 1 and by 4 client processes),
 # servegraphs (the same through mrv2 serve: scripts/serve_sweep.py, eager against graphs), servespec
 # (the same with n-gram speculation), padding (what padding rows cost: MoE and mixed graphs),
 # measuredcut (MRV2_MIXED_GRAPHS_MEASURED: mixed graphs only where they beat eager),
@@ -152,6 +153,22 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                    plain+MRV2_SERVE_SWITCH_INTERVAL_MS=1 --rates 64 inf --num-requests 256 \
                    --prompt-tokens 300 --max-tokens 128 --warmup-requests 32 \
                    > "$OUT/streams.log" 2>&1; tail -4 "$OUT/streams.log" ;;
+    serveprof) # where mrv2 serve's threads spend 256 streams at once (Qwen3-0.6B): the
+               # server's stack sampler (MRV2_SERVE_PROFILE) and each thread's CPU seconds
+               timeout 300 python3 scripts/serve_sweep.py --model Qwen3-0.6B --out "$OUT/prof" \
+                 --variants "plain+MRV2_SERVE_PROFILE=$OUT/serveprof_plain.txt" --rates inf \
+                 --num-requests 256 --prompt-tokens 300 --max-tokens 128 --warmup-requests 32 \
+                 > "$OUT/serveprof.log" 2>&1; tail -3 "$OUT/serveprof.log"
+               grep -B1 -A14 "== thread" "$OUT/serveprof_plain.txt" | grep -v " 100.0%" | head -60 ;;
+    serveclients) # 256 Qwen3-0.6B streams at once read by 1 client process, then by 4 (the
+                  # default and MRV2_SERVE_MERGE_OUTPUTS=0); the server's own TPOT / TTFT beside
+                  for c in 1 4; do
+                    v="plain"; [ $c -gt 1 ] && v="plain plain+MRV2_SERVE_MERGE_OUTPUTS=0"
+                    timeout 250 python3 scripts/serve_sweep.py --model Qwen3-0.6B --out "$OUT/clients$c" \
+                      --variants $v --rates inf --num-requests 256 --prompt-tokens 300 \
+                      --max-tokens 128 --warmup-requests 32 --clients $c \
+                      > "$OUT/serveclients$c.log" 2>&1; tail -5 "$OUT/serveclients$c.log"
+                  done ;;
     servegraphs) # mrv2 serve with steps with prompt tokens eager / in graphs (the default):
                  # 256 requests of ~300 prompt tokens, 128 output tokens, at 64/s and at once
                  timeout 280 python3 scripts/serve_sweep.py --model Qwen3-0.6B --out "$OUT/sweep" \

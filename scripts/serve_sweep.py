@@ -36,12 +36,15 @@ import json
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import httpx  # noqa: E402
 import soak  # noqa: E402  (the server start/stop and the synthetic tokenizer)
 
 
@@ -92,6 +95,58 @@ def words_for(tokens: int, server_args: list[str], model_dir: Path) -> int:
     return max(1, round(tokens / per_word))
 
 
+def server_means(url: str) -> dict[str, float]:
+    """The server's own TPOT and TTFT histograms (``/metrics``): sums and counts."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"mrv2_time_(per_output_token|to_first_token)_seconds_(sum|count)\S* (\S+)",
+                     line)
+        if m:
+            key = f"{'tpot' if m.group(1) == 'per_output_token' else 'ttft'}_{m.group(2)}"
+            found[key] = found.get(key, 0.0) + float(m.group(3))
+    return found
+
+
+def measure_rate(bench: list[str], url: str, rate: float, k: int, args: argparse.Namespace,
+                 out: Path) -> dict[str, Any]:
+    """One rate's requests from ``args.clients`` processes that start sending together; one
+    row (the clients' rows merged), with the server's mean TPOT and TTFT over the rate."""
+    clients = args.clients
+    before = server_means(url)
+    start_at = time.time() + (8.0 if clients > 1 else 0.0)  # (imports take seconds)
+    procs, paths = [], []
+    for c in range(clients):
+        path = out / f"serve_{k}_{c}.json"
+        share = args.num_requests // clients + (c < args.num_requests % clients)
+        cmd = [*bench, "--rates", str(rate / clients), "--num-requests", str(share),
+               "--seed", str(10 + 100 * k + c), "--json", str(path)]
+        if clients > 1:
+            cmd += ["--start-at", f"{start_at:.3f}"]
+        procs.append(subprocess.Popen(cmd))
+        paths.append(path)
+    for proc in procs:
+        if proc.wait() != 0:
+            raise SystemExit(f"bench serve exited {proc.returncode}")
+    rows = [json.loads(p.read_text())[0] for p in paths]
+    after = server_means(url)
+    merged: dict[str, Any] = {"rate": rate, "clients": clients, "per_client": rows}
+    duration = max(r["duration_s"] for r in rows)
+    tokens = sum(r["output_throughput"] * r["duration_s"] for r in rows)
+    merged.update(completed=sum(r["completed"] for r in rows),
+                  failed=sum(r["failed"] for r in rows), duration_s=duration,
+                  output_throughput=tokens / duration,
+                  request_throughput=sum(r["completed"] for r in rows) / duration)
+    for key in rows[0]:
+        if key.endswith("_ms"):
+            merged[key] = statistics.median(r[key] for r in rows)
+    for name in ("tpot", "ttft"):
+        count = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+        total = after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)
+        merged[f"server_{name}_mean_ms"] = 1000 * total / count if count else float("nan")
+    return merged
+
+
 def main() -> int:
     """Run every variant and print the table."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -109,6 +164,9 @@ def main() -> int:
     p.add_argument("--startup-timeout", type=float, default=1800)
     p.add_argument("--api-key", default=None)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--clients", type=int, default=1,
+                   help="client processes sharing each rate's requests (one Python client "
+                   "reads a few tens of thousands of chunks a second at most)")
     args = p.parse_args()
     from mrv2.bench.measure import resolve_model
 
@@ -118,7 +176,7 @@ def main() -> int:
     results: dict[str, Any] = {"model": args.model, "server_args": args.server_args,
                                "prompt_words": words, "variants": {}}
     for name in args.variants:
-        out = args.out / name.replace("+", "_").replace("=", "")
+        out = args.out / re.sub(r"[^A-Za-z0-9_.-]", "", name.replace("+", "_"))
         out.mkdir(parents=True, exist_ok=True)
         env = variant_env(name)[1]
         saved = {var: os.environ.get(var) for var in env}
@@ -139,21 +197,26 @@ def main() -> int:
                 subprocess.run([*bench, "--rates", "inf", "--seed", "1000", "--num-requests",
                                 str(args.warmup_requests)], check=True,
                                stdout=subprocess.DEVNULL)
-            subprocess.run([*bench, "--rates", *args.rates, "--num-requests",
-                            str(args.num_requests), "--json", str(out / "serve.json")],
-                           check=True)
+            rows = [measure_rate(bench, url, float(rate), k, args, out)
+                    for k, rate in enumerate(args.rates)]
         finally:
             soak.stop_server(proc, log)
-        results["variants"][name] = json.loads((out / "serve.json").read_text())
+        (out / "serve.json").write_text(json.dumps(rows, indent=1))
+        results["variants"][name] = rows
     (args.out / "sweep.json").write_text(json.dumps(results, indent=1))
+    nan = float("nan")
     print(f"\n{'variant':<20}{'rate':>6}{'TPOT p50':>10}{'TPOT p90':>10}{'TTFT p50':>10}"
-          f"{'out tok/s':>11}")
+          f"{'out tok/s':>11}{'server TPOT':>12}{'server TTFT':>12}")
     for name, data in results["variants"].items():
         for row in data:
-            print(f"{name:<20}{row['rate']!s:>6}{row.get('tpot_p50_ms', float('nan')):>10.2f}"
-                  f"{row.get('tpot_p90_ms', float('nan')):>10.2f}"
-                  f"{row.get('ttft_p50_ms', float('nan')):>10.1f}"
-                  f"{row.get('output_throughput', float('nan')):>11.1f}")
+            print(f"{name:<20}{row['rate']!s:>6}{row.get('tpot_p50_ms', nan):>10.2f}"
+                  f"{row.get('tpot_p90_ms', nan):>10.2f}{row.get('ttft_p50_ms', nan):>10.1f}"
+                  f"{row.get('output_throughput', nan):>11.1f}"
+                  f"{row.get('server_tpot_mean_ms', nan):>12.2f}"
+                  f"{row.get('server_ttft_mean_ms', nan):>12.1f}")
+    if args.clients > 1:
+        print(f"({args.clients} client processes: tok/s summed over the longest client's "
+              "time; the percentiles are the median of the clients' own)")
     return 0
 
 
