@@ -143,14 +143,11 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                | tee "$OUT/mla_grid_gpu_tests.log" | tail -2
              ROUNDS=${ROUNDS:-1} timeout 400 bash scripts/ab_env.sh MRV2_MLA_FLAT_GRID=0 \
                throughput --model DeepSeek-V2-Lite ;;
-    servestreams) # mrv2 serve's streaming path (the engine thread's merged hand-over, 22nd
-                 # session): 256 requests of ~300 prompt tokens, 128 output tokens, at 64/s and
-                 # at once, Qwen3-0.6B (the twelfth session: 7,436 / 7,582 tok/s; offline ~26k)
-                 # against no merge of a busy loop's outputs (MRV2_SERVE_MERGE_OUTPUTS=0) and the
-                 # GIL's switch interval at 1 ms (MRV2_SERVE_SWITCH_INTERVAL_MS)
-                 timeout 560 python3 scripts/serve_sweep.py --model Qwen3-0.6B --out "$OUT/streams" \
-                   --variants plain plain+MRV2_SERVE_MERGE_OUTPUTS=0 \
-                   plain+MRV2_SERVE_SWITCH_INTERVAL_MS=1 --rates 64 inf --num-requests 256 \
+    servestreams) # mrv2 serve's streams: 256 requests of ~300 prompt tokens, 128 output tokens,
+                 # at 64/s and at once, Qwen3-0.6B (23rd session: 9.4-14.3k tok/s at once, the
+                 # server's own TPOT 13-19 ms; the sweeps before it measured the old httpx client)
+                 timeout 300 python3 scripts/serve_sweep.py --model Qwen3-0.6B --out "$OUT/streams" \
+                   --variants plain --rates 64 inf --num-requests 256 \
                    --prompt-tokens 300 --max-tokens 128 --warmup-requests 32 \
                    > "$OUT/streams.log" 2>&1; tail -4 "$OUT/streams.log" ;;
     serveprof) # where mrv2 serve's threads spend 256 streams at once (Qwen3-0.6B): the
@@ -160,12 +157,11 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                  --num-requests 256 --prompt-tokens 300 --max-tokens 128 --warmup-requests 32 \
                  > "$OUT/serveprof.log" 2>&1; tail -3 "$OUT/serveprof.log"
                grep -B1 -A14 "== thread" "$OUT/serveprof_plain.txt" | grep -v " 100.0%" | head -60 ;;
-    serveclients) # 256 Qwen3-0.6B streams at once read by 1 client process, then by 4 (the
-                  # default and MRV2_SERVE_MERGE_OUTPUTS=0); the server's own TPOT / TTFT beside
+    serveclients) # 256 Qwen3-0.6B streams at once read by 1 client process, then by 4; the
+                  # server's own TPOT / TTFT beside
                   for c in 1 4; do
-                    v="plain"; [ $c -gt 1 ] && v="plain plain+MRV2_SERVE_MERGE_OUTPUTS=0"
                     timeout 250 python3 scripts/serve_sweep.py --model Qwen3-0.6B --out "$OUT/clients$c" \
-                      --variants $v --rates inf --num-requests 256 --prompt-tokens 300 \
+                      --variants plain --rates inf --num-requests 256 --prompt-tokens 300 \
                       --max-tokens 128 --warmup-requests 32 --clients $c \
                       > "$OUT/serveclients$c.log" 2>&1; tail -5 "$OUT/serveclients$c.log"
                   done ;;

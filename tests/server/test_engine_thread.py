@@ -7,7 +7,6 @@ import asyncio
 import time
 from pathlib import Path
 
-import pytest
 from server_util import ENGINE_KWARGS
 
 from mrv2 import EngineConfig, SamplingParams
@@ -16,15 +15,11 @@ from mrv2.engine.outputs import RequestOutput
 from mrv2.entrypoints.engine_thread import EngineThread
 
 
-@pytest.mark.parametrize("merge", ["1", "0"])
-def test_outputs_wait_and_merge_while_the_loop_is_busy(
-        model_dir: Path, merge: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_outputs_wait_and_merge_while_the_loop_is_busy(model_dir: Path) -> None:
     """The first output goes to the loop at once; while the loop has not run it (busy), the
     next steps' outputs wait in the backlog, the latest standing for the rest; once the loop
     has written that batch, it gets the merged one: every token, in order, finished, as the
-    same request run alone gives them. With ``MRV2_SERVE_MERGE_OUTPUTS=0`` every step's
-    output goes over (eight)."""
-    monkeypatch.setenv("MRV2_SERVE_MERGE_OUTPUTS", merge)
+    same request run alone gives them."""
     engine = LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), **ENGINE_KWARGS))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     engine.add_request([5, 6, 7], params, request_id="alone")
@@ -55,7 +50,7 @@ def test_outputs_wait_and_merge_while_the_loop_is_busy(
         worker.stop()
         loop.close()
     lengths = [len(o.outputs[0].token_ids) for o in items]
-    assert lengths == ([1, 8] if merge == "1" else list(range(1, 9)))
+    assert lengths == [1, 8]
     assert len(want) == 8 and items[-1].outputs[0].token_ids == want
     assert items[0].outputs[0].token_ids == want[:1]
 
@@ -80,18 +75,3 @@ def test_a_stream_reports_each_choice_under_its_own_index() -> None:
     assert [(c["index"], c["text"]) for c in first] == [(1, "b")]
     both = stream._deltas(output(CompletionOutput(0, "a", [5]), CompletionOutput(1, "bc", [7, 8])))
     assert [(c["index"], c["text"]) for c in both] == [(0, "a"), (1, "c")]
-
-
-def test_the_switch_interval_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``MRV2_SERVE_SWITCH_INTERVAL_MS``: milliseconds to seconds; unset is None; anything but
-    a positive number is an error naming the variable."""
-    from mrv2.entrypoints.server import switch_interval_from_env
-
-    monkeypatch.delenv("MRV2_SERVE_SWITCH_INTERVAL_MS", raising=False)
-    assert switch_interval_from_env() is None
-    monkeypatch.setenv("MRV2_SERVE_SWITCH_INTERVAL_MS", "0.5")
-    assert switch_interval_from_env() == 0.0005
-    for bad in ("0", "-1", "fast"):
-        monkeypatch.setenv("MRV2_SERVE_SWITCH_INTERVAL_MS", bad)
-        with pytest.raises(ValueError, match=rf"MRV2_SERVE_SWITCH_INTERVAL_MS='{bad}': expected"):
-            switch_interval_from_env()

@@ -45,9 +45,8 @@ def _serve(args: argparse.Namespace) -> int:
               ".venv/bin/pip install -e '.[serve]')", file=sys.stderr)
         return 2
     from mrv2.engine.engine import LLMEngine
-    from mrv2.entrypoints.server import run_server, switch_interval_from_env
+    from mrv2.entrypoints.server import run_server
 
-    switch_interval_from_env()  # (a bad value: its error before the model loads)
     model = args.model_dir or args.model
     engine = LLMEngine(config_from_cli(args, model))
     return run_server(engine, args.host, args.port, args.served_model_name, args.api_key,

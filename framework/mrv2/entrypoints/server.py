@@ -45,11 +45,6 @@ from mrv2.entrypoints.stack_sampler import PROFILE_ENV_VAR, StackSampler
 DEFAULT_MAX_N = 64
 #: Seconds a server whose engine failed for good keeps answering 503 before it exits.
 FATAL_GRACE_S = 1.0
-#: Milliseconds: Python's GIL switch interval for ``mrv2 serve`` (unset: Python's 5 ms). The
-#: engine thread waits up to this long for the GIL while the event loop writes chunks; an A/B
-#: knob (``scripts/serve_sweep.py`` variant ``plain+MRV2_SERVE_SWITCH_INTERVAL_MS=1``) until an
-#: H200 sweep decides.
-SWITCH_INTERVAL_ENV_VAR = "MRV2_SERVE_SWITCH_INTERVAL_MS"
 
 logger = logging.getLogger(__name__)
 
@@ -431,23 +426,6 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def switch_interval_from_env() -> float | None:
-    """``MRV2_SERVE_SWITCH_INTERVAL_MS`` in seconds (None: unset). ``ValueError`` naming the
-    variable for anything but a positive number; ``mrv2 serve`` checks it before it loads
-    the model."""
-    value = os.environ.get(SWITCH_INTERVAL_ENV_VAR, "").strip()
-    if not value:
-        return None
-    try:
-        seconds = float(value) / 1000
-    except ValueError:
-        seconds = 0.0
-    if not seconds > 0:
-        raise ValueError(f"{SWITCH_INTERVAL_ENV_VAR}={value!r}: expected a positive number of "
-                         "milliseconds (unset: Python's 5)")
-    return seconds
-
-
 def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000,
                served_model_name: str | None = None, api_key: str | None = None,
                max_pending: int = 1024, max_n: int = DEFAULT_MAX_N) -> int:
@@ -456,9 +434,6 @@ def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000,
     1)."""
     import uvicorn
 
-    seconds = switch_interval_from_env()
-    if seconds is not None:  # the GIL's switch interval (the engine thread and the loop share it)
-        sys.setswitchinterval(seconds)
     app = create_app(engine, served_model_name, api_key, max_pending, max_n)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
     worker: EngineThread = app.state.engine_thread
