@@ -116,6 +116,11 @@ class SchedulerConfig(_Section):
         default=True, description="schedule step N+1 while step N runs"
     )
     max_waiting: int = Field(default=100_000, ge=1, description="bound of the waiting queue")
+    stream_interval: int = Field(
+        default=1, ge=1,
+        description="a streamed request's output every this many tokens (its first token and "
+        "its end at once): fewer, larger chunks for less host work a token under load",
+    )
     policy: Literal["fcfs", "priority"] = Field(
         default="fcfs",
         description="'priority': waiting requests by (priority, arrival), lower first; "

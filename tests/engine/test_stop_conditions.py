@@ -162,3 +162,34 @@ def test_streaming_deltas_add_up(llm: LLM, free_run: list[int]) -> None:
     assert [t for d in deltas for t in d] == finals[streamed].outputs[0].token_ids == free_run[:10]
     assert "".join(texts) == finals[streamed].outputs[0].text
     assert set(finals) == {streamed, quiet}
+
+
+def test_stream_interval_sends_every_kth_token(ckpt: Path, free_run: list[int]) -> None:
+    """``stream_interval=4``: a streamed request's first token at once, then an output each
+    time four more are in, and its end whatever is left: 1, 4, 4, 1 tokens of 10; the deltas
+    add up to the free run and its text. n=2 streams its merged choices the same way."""
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", block_size=4, stream_interval=4)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    streamed = engine.add_request(llm.get_tokenizer().encode(PROMPT), params, stream=True)
+    pair = engine.add_request(llm.get_tokenizer().encode(PROMPT),
+                              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=2),
+                              stream=True)
+    deltas: list[list[int]] = []
+    texts: list[str] = []
+    pair_lengths: list[list[int]] = []
+    final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == streamed:
+                deltas.append(out.new_token_ids)
+                texts.append(out.new_text)
+                final = out if out.finished else final
+            else:
+                assert out.request_id == pair
+                pair_lengths.append([len(o.token_ids) for o in out.outputs])
+    assert [len(d) for d in deltas] == [1, 4, 4, 1]
+    assert final is not None and [t for d in deltas for t in d] == free_run[:10]
+    assert final.outputs[0].token_ids == free_run[:10] and "".join(texts) == final.outputs[0].text
+    assert pair_lengths[-1] == [10, 10]
+    assert all(max(lengths) in (1, 5, 9, 10) for lengths in pair_lengths)

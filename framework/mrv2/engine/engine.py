@@ -251,6 +251,7 @@ class LLMEngine:
                 add_prompt_logprobs(tracked.logprobs, k, first, ids, values, ranks,
                                     self.tokenizer, tracked.request.num_prompt_tokens)
         outputs = []
+        interval = self.config.scheduler.stream_interval
         for req_id, tokens in sampled.items():
             tracked = self._requests.get(req_id)
             drafted = step.drafted.get(req_id)
@@ -277,7 +278,9 @@ class LLMEngine:
             if request.finished:
                 outputs.append(self._make_output(tracked))
                 del self._requests[req_id]
-            elif tracked.stream:
+            elif tracked.stream and (
+                    not tracked.sent_tokens
+                    or len(request.output_token_ids) - tracked.sent_tokens >= interval):
                 outputs.append(self._make_output(tracked))
         merged = [self._fanout.merge(o) for o in outputs]
         return [o for o in merged if o is not None]
