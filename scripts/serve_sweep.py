@@ -141,6 +141,7 @@ def measure_rate(bench: list[str], url: str, rate: float, k: int, args: argparse
                   failed=sum(r["failed"] for r in rows), duration_s=duration,
                   output_throughput=tokens / duration,
                   request_throughput=sum(r["completed"] for r in rows) / duration)
+    merged["client_cpu_fraction"] = max(r.get("client_cpu_fraction", 0.0) for r in rows)
     for key in rows[0]:
         if key.endswith("_ms"):
             merged[key] = statistics.median(r[key] for r in rows)
@@ -210,14 +211,15 @@ def main() -> int:
     (args.out / "sweep.json").write_text(json.dumps(results, indent=1))
     nan = float("nan")
     print(f"\n{'variant':<20}{'rate':>6}{'TPOT p50':>10}{'TPOT p90':>10}{'TTFT p50':>10}"
-          f"{'out tok/s':>11}{'server TPOT':>12}{'server TTFT':>12}")
+          f"{'out tok/s':>11}{'server TPOT':>12}{'server TTFT':>12}{'client CPU':>11}")
     for name, data in results["variants"].items():
         for row in data:
             print(f"{name:<20}{row['rate']!s:>6}{row.get('tpot_p50_ms', nan):>10.2f}"
                   f"{row.get('tpot_p90_ms', nan):>10.2f}{row.get('ttft_p50_ms', nan):>10.1f}"
                   f"{row.get('output_throughput', nan):>11.1f}"
                   f"{row.get('server_tpot_mean_ms', nan):>12.2f}"
-                  f"{row.get('server_ttft_mean_ms', nan):>12.1f}")
+                  f"{row.get('server_ttft_mean_ms', nan):>12.1f}"
+                  f"{row.get('client_cpu_fraction', nan):>11.0%}")
     if args.clients > 1:
         print(f"({args.clients} client processes: tok/s summed over the longest client's "
               "time; the percentiles are the median of the clients' own)")

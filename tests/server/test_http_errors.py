@@ -94,15 +94,22 @@ def test_metrics(server: Served) -> None:
         assert name in text
 
 
-def test_bench_serve_against_server(server: Served, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_serve_against_server(server: Served, capsys: pytest.CaptureFixture[str],
+                                    tmp_path: Path) -> None:
+    import json
+
     from mrv2.entrypoints.cli import main
 
     rc = main(["bench", "serve", "--url", server.url, "--api-key", API_KEY, "--rates", "50",
-               "inf", "--num-requests", "6", "--max-tokens", "4", "--prompt-len", "3"])
+               "inf", "--num-requests", "6", "--max-tokens", "4", "--prompt-len", "3",
+               "--json", str(tmp_path / "rows.json")])
     out = capsys.readouterr().out
     assert rc == 0
     assert "inf" in out and "TTFT" in out
     assert "   6    0" in out  # every request completed at both rates
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    # the client's own thread's CPU over the run (the server's threads are not counted)
+    assert all(0 < row["client_cpu_fraction"] < 1.2 for row in rows)
 
 
 def test_unsupported_chat_features_are_refused(server: Served) -> None:

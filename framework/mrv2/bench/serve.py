@@ -49,6 +49,7 @@ async def run_rate(url: str, model: str, rate: float, num_requests: int, prompt_
         "duration_s": load["duration_s"], "request_throughput": load["request_throughput"],
         "output_throughput": load["output_throughput"],
         "errors": sorted({r.error or "; ".join(r.problems[:3]) for r in failed})[:3],
+        "client_cpu_fraction": load["client_cpu_fraction"],
     }
     row.update({key: value for key, value in load.items() if key.endswith("_ms")})
     return row
@@ -417,7 +418,7 @@ async def run_load(url: str, model: str, *, rate: float = math.inf,
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600,
                                  limits=limits) as client:
         tasks: list[asyncio.Task[Record]] = []
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         deadline = start + duration if duration is not None else math.inf
         while num_requests is None or len(tasks) < num_requests:
             if slots is not None:
@@ -434,7 +435,10 @@ async def run_load(url: str, model: str, *, rate: float = math.inf,
             if math.isfinite(rate):
                 await asyncio.sleep(rng.expovariate(rate))
         records = list(await asyncio.gather(*tasks))
-    summary = summarize(records, time.perf_counter() - start)
+    duration = time.perf_counter() - start
+    summary = summarize(records, duration)
+    # The client's own CPU over the load: near 1 (a core), the client is what was measured.
+    summary["client_cpu_fraction"] = (time.thread_time() - cpu_start) / duration
     summary = {"rate": rate, "max_concurrency": max_concurrency, "mix": mix, **summary}
     return summary, records
 
@@ -448,8 +452,21 @@ def _print_load(s: dict[str, Any]) -> None:
           f"{s['request_throughput']:>7.2f} {s['output_throughput']:>8.1f} "
           f"{trio('ttft'):>22} {trio('tpot'):>22}")
     print(f"       finish reasons: {s['finish_reasons']}  statuses: {s['status_counts']}")
+    _warn_client_bound(s)
     for error in s["errors_5xx"] + s["errors_other"]:
         print(f"       error: {error}")
+
+
+#: Client CPU over wall time past which a rate's numbers say more about this client than
+#: about the server (the twenty-third session found every earlier serve sweep there).
+CLIENT_BOUND_FRACTION = 0.8
+
+
+def _warn_client_bound(s: dict[str, Any]) -> None:
+    fraction = s.get("client_cpu_fraction", 0.0)
+    if fraction > CLIENT_BOUND_FRACTION:
+        print(f"       warning: this client used {fraction:.0%} of a core over the run: it may "
+              "be the limit; split the load over processes (serve_sweep.py --clients N)")
 
 
 def _model(url: str, api_key: str | None) -> str:
@@ -483,6 +500,7 @@ def main(args: argparse.Namespace) -> int:
               f"{trio('ttft'):>22} {trio('tpot'):>22} {trio('itl'):>22}")
         for error in s["errors"]:
             print(f"       error: {error}")
+        _warn_client_bound(s)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=2)
