@@ -11,7 +11,7 @@
 # mixedgraphs (steps with prompt tokens in CUDA graphs: small steps and the throughput workload),
 # servestreams (mrv2 serve, 256 streams of Qwen3-0.6B at 64/s and at once), serveprof (the same at
 # once under the server's stack sampler), serveclients (read by 1 and by 4 client processes),
-# streaminterval (--stream-interval 1 / 4 / 16 on that load),
+# streaminterval (--stream-interval 1 / 4 / 16 on that load), serveprocess (--engine-process A/B),
 # servegraphs (the same through mrv2 serve: scripts/serve_sweep.py, eager against graphs), servespec
 # (the same with n-gram speculation), padding (what padding rows cost: MoE and mixed graphs),
 # measuredcut (MRV2_MIXED_GRAPHS_MEASURED: mixed graphs only where they beat eager),
@@ -171,6 +171,14 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                       --variants plain stream_interval_4 stream_interval_16 --rates inf \
                       --num-requests 256 --prompt-tokens 300 --max-tokens 128 --warmup-requests 32 \
                       > "$OUT/interval.log" 2>&1; tail -5 "$OUT/interval.log" ;;
+    serveprocess) # --engine-process (the engine in a child process) against the engine thread,
+                  # each also at --stream-interval 4: 256 Qwen3-0.6B streams at once, then the
+                  # engine-process server's GPU tests
+                  timeout 400 python3 scripts/serve_sweep.py --model Qwen3-0.6B --out "$OUT/process" \
+                    --variants plain engine_process plain_stream_interval_4 \
+                    engine_process_stream_interval_4 --rates 64 inf --num-requests 256 \
+                    --prompt-tokens 300 --max-tokens 128 --warmup-requests 32 \
+                    > "$OUT/process.log" 2>&1; tail -10 "$OUT/process.log" ;;
     servegraphs) # mrv2 serve with steps with prompt tokens eager / in graphs (the default):
                  # 256 requests of ~300 prompt tokens, 128 output tokens, at 64/s and at once
                  timeout 280 python3 scripts/serve_sweep.py --model Qwen3-0.6B --out "$OUT/sweep" \

@@ -20,6 +20,7 @@ TTFT p50 and output tok/s per variant and rate. Variants:
   probability whatever the model says — the output is not the model's;
 - ``async_off`` / ``mtp_on_async_off``: the same with async scheduling off;
 - ``ngram_on``: n-gram speculation, three draft tokens, the same synthetic acceptance;
+- a name holding ``engine_process``: ``--engine-process`` (the engine in a child process);
 - a name holding ``stream_interval_K`` (``stream_interval_4``): ``--stream-interval K``;
 - a name ending ``mixed_graphs_N`` (``mixed_graphs_0``, ``ngram_on_mixed_graphs_0``): the
   server with ``--max-mixed-graph-tokens N`` (0: steps with prompt tokens run eager);
@@ -77,6 +78,8 @@ def variant_args(name: str, acceptance: float) -> list[str]:
                 "rejection_sample_method": "synthetic",
                 "synthetic_acceptance_rate": acceptance}
         args += ["--speculative-config", json.dumps(spec)]
+    if "engine_process" in name:  # ...engine_process...: the engine in its own process
+        args += ["--engine-process"]
     interval = re.search(r"stream_interval_(\d+)", name)
     if interval:  # ...stream_interval_K...: --stream-interval K
         args += ["--stream-interval", interval.group(1)]

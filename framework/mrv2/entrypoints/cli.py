@@ -48,7 +48,13 @@ def _serve(args: argparse.Namespace) -> int:
     from mrv2.entrypoints.server import run_server
 
     model = args.model_dir or args.model
-    engine = LLMEngine(config_from_cli(args, model))
+    config = config_from_cli(args, model)
+    if args.engine_process:
+        from mrv2.entrypoints.engine_process import RemoteEngine
+
+        engine: LLMEngine | RemoteEngine = RemoteEngine(config, args.max_pending)
+    else:
+        engine = LLMEngine(config)
     return run_server(engine, args.host, args.port, args.served_model_name, args.api_key,
                       args.max_pending, args.max_n)
 
@@ -108,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sequences in flight (a request counts its n) before 503")
     serve.add_argument("--max-n", type=int, default=64,
                        help="largest n a request may ask for (400 above; capped by --max-pending)")
+    serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction,
+                       default=False,
+                       help="run the engine in a process of its own (vLLM's engine core): "
+                       "the server's event loop and the engine stop sharing one GIL")
     add_cli_args(serve)
     serve.set_defaults(func=_serve)
 

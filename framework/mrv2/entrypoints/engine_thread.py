@@ -108,6 +108,14 @@ class EngineThread:
         self._commands.put(("add", (req_id, prompt_token_ids, params, prompt, sink, loop,
                                     time.monotonic(), mm_items)))
 
+    async def admit(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None, sink: asyncio.Queue[RequestOutput | BaseException],
+                    loop: asyncio.AbstractEventLoop,
+                    mm_items: list[MultiModalItem] | None = None) -> None:
+        """:meth:`submit` (the server awaits either worker's ``admit``; this one has nothing
+        to wait for: the engine checked the request on the loop already)."""
+        self.submit(req_id, prompt_token_ids, params, prompt, sink, loop, mm_items)
+
     def abort(self, req_id: str) -> None:
         """Cancel a request (run on the engine thread); unknown or finished ids are ignored."""
         self._commands.put(("abort", req_id))

@@ -136,12 +136,15 @@ class _EngineCollector(Collector):
         pending.add_metric(label, float(self.metrics.num_pending()))
         yield pending
         on_gpu = self.device.type == "cuda"
-        for name, doc, read in (
+        for name, doc, read, key in (
             ("mrv2_gpu_memory_allocated_bytes", "Device memory held by tensors.",
-             torch.cuda.memory_allocated),
+             torch.cuda.memory_allocated, "gpu_memory_allocated"),
             ("mrv2_gpu_memory_reserved_bytes", "Device memory held by the caching allocator.",
-             torch.cuda.memory_reserved),
+             torch.cuda.memory_reserved, "gpu_memory_reserved"),
         ):
             gauge = GaugeMetricFamily(name, doc + " (0 on CPU)", labels=["model_name"])
-            gauge.add_metric(label, float(read(self.device) if on_gpu else 0))
+            value = stats.get(key)  # an engine in its own process reports its own
+            if value is None:
+                value = read(self.device) if on_gpu else 0
+            gauge.add_metric(label, float(value))
             yield gauge

@@ -28,6 +28,7 @@ from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.engine import LLMEngine
 from mrv2.engine.media import split_chat_media
 from mrv2.engine.outputs import RequestOutput
+from mrv2.entrypoints.engine_process import EngineProcess, RemoteEngine
 from mrv2.entrypoints.engine_thread import EngineThread, QueueFullError
 from mrv2.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from mrv2.entrypoints.openai_protocol import (
@@ -85,7 +86,7 @@ class _CheckKey:
         await self.app(scope, receive, send)
 
 
-def create_app(engine: LLMEngine, served_model_name: str | None = None,
+def create_app(engine: LLMEngine | RemoteEngine, served_model_name: str | None = None,
                api_key: str | None = None, max_pending: int = 1024,
                max_n: int = DEFAULT_MAX_N) -> FastAPI:
     """The app; its engine thread starts with the app and stops with it (``app.state``).
@@ -97,16 +98,23 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None,
         raise ValueError(f"max_n={max_n}, max_pending={max_pending} are invalid: expected >= 1")
     max_n = min(max_n, max_pending)
     model_name = served_model_name or str(engine.config.model.model or "mrv2")
-    metrics = ServerMetrics(model_name, engine.runner.device)
-    worker = EngineThread(engine, max_pending, metrics)
+    worker: EngineThread | EngineProcess
+    if isinstance(engine, RemoteEngine):  # the engine's process reports its device's memory
+        metrics = ServerMetrics(model_name, "cpu")
+        worker = engine.process
+        worker.max_pending = max_pending
+        worker.bind(metrics)
+    else:
+        metrics = ServerMetrics(model_name, engine.runner.device)
+        worker = EngineThread(engine, max_pending, metrics)
+        listen = getattr(engine.runner, "add_failure_listener", None)
+        if listen is not None:  # a tensor-parallel worker died: 503 from now on, then exit
+            listen(worker.mark_fatal)
     app = FastAPI(title="mrv2", on_startup=[worker.start], on_shutdown=[worker.stop])
     if api_key is not None:
         app.add_middleware(_CheckKey, api_key=api_key)
     app.state.engine_thread = worker
     app.state.model_name = model_name
-    listen = getattr(engine.runner, "add_failure_listener", None)
-    if listen is not None:  # a tensor-parallel worker died: 503 from now on, then exit
-        listen(worker.mark_fatal)
     created = int(time.time())
 
     @app.exception_handler(APIError)
@@ -228,8 +236,9 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None,
     return app
 
 
-def _chat_with_media(engine: LLMEngine, tokenizer: Any, messages: list[dict[str, Any]],
-                     add_generation_prompt: bool, allow_remote: bool
+def _chat_with_media(engine: LLMEngine | RemoteEngine, tokenizer: Any,
+                     messages: list[dict[str, Any]], add_generation_prompt: bool,
+                     allow_remote: bool
                      ) -> tuple[list[int], list[MultiModalItem]]:
     """Token ids and multimodal items of chat messages with image parts (ValueError on bad
     input: the caller answers 400)."""
@@ -238,7 +247,7 @@ def _chat_with_media(engine: LLMEngine, tokenizer: Any, messages: list[dict[str,
     return engine.process_multimodal(ids, {"image": images})
 
 
-async def _serve(request: Request, worker: EngineThread, kind: str, model: str,
+async def _serve(request: Request, worker: EngineThread | EngineProcess, kind: str, model: str,
                  encoded: list[tuple[list[int], str | None]], params: SamplingParams,
                  body: Any, chat: bool, mm_items: list[MultiModalItem] | None = None
                  ) -> Response:
@@ -251,12 +260,16 @@ async def _serve(request: Request, worker: EngineThread, kind: str, model: str,
     submitted: list[str] = []
     try:
         for req_id, (ids, text) in zip(req_ids, encoded, strict=True):
-            worker.submit(req_id, ids, params, text, sink, loop, mm_items)
+            await worker.admit(req_id, ids, params, text, sink, loop, mm_items)
             submitted.append(req_id)
     except QueueFullError as error:
         for req_id in submitted:
             worker.abort(req_id)
         raise APIError(503, str(error), "service_unavailable") from None
+    except ValueError as error:  # the engine in its own process refused it
+        for req_id in submitted:
+            worker.abort(req_id)
+        raise APIError(400, str(error), param=value_error_param(str(error))) from None
     stream = _Stream(worker, base, model, chat, params, body, req_ids, encoded)
     if body.stream:
         return StreamingResponse(stream.events(sink), media_type="text/event-stream")
@@ -266,7 +279,7 @@ async def _serve(request: Request, worker: EngineThread, kind: str, model: str,
 class _Stream:
     """Turns RequestOutputs of one HTTP request into OpenAI chunks or a final body."""
 
-    def __init__(self, worker: EngineThread, base: str, model: str, chat: bool,
+    def __init__(self, worker: EngineThread | EngineProcess, base: str, model: str, chat: bool,
                  params: SamplingParams, body: Any, req_ids: list[str],
                  encoded: list[tuple[list[int], str | None]]) -> None:
         self.worker, self.base, self.model, self.chat = worker, base, model, chat
@@ -426,7 +439,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000,
+def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: int = 8000,
                served_model_name: str | None = None, api_key: str | None = None,
                max_pending: int = 1024, max_n: int = DEFAULT_MAX_N) -> int:
     """Serve until interrupted (returns 0), or until the engine fails for good (a

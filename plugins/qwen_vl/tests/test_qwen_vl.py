@@ -298,10 +298,12 @@ def test_chat_with_image_parts(checkpoint: Path) -> None:
             llm.chat(bad, GREEDY, use_tqdm=False)
 
 
-def test_openai_client_sends_a_data_uri_image(checkpoint: Path) -> None:
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "process"])
+def test_openai_client_sends_a_data_uri_image(checkpoint: Path, engine_process: bool) -> None:
     """``mrv2 serve``'s chat endpoint with an OpenAI ``image_url`` data URI part: the reply is
     ``LLM.chat``'s; a bad image, too many images and a remote URL get a 400 naming the
-    messages and the server keeps serving."""
+    messages and the server keeps serving. With the engine in a process of its own
+    (``--engine-process``) the image is preprocessed there and the answers are the same."""
     openai = pytest.importorskip("openai")
     pytest.importorskip("uvicorn")
     from mrv2 import EngineConfig
@@ -310,7 +312,14 @@ def test_openai_client_sends_a_data_uri_image(checkpoint: Path) -> None:
     from mrv2.testing import serve_in_thread
 
     kwargs = {"device": "cpu", "dtype": "float32", "block_size": 4, "limit_mm_per_prompt": 1}
-    engine = LLMEngine(EngineConfig.from_kwargs(model=str(checkpoint), **kwargs))
+    config = EngineConfig.from_kwargs(model=str(checkpoint), **kwargs)
+    engine: Any
+    if engine_process:
+        from mrv2.entrypoints.engine_process import RemoteEngine
+
+        engine = RemoteEngine(config)
+    else:
+        engine = LLMEngine(config)
     image = _image(56, 84, 0)
     content = [{"type": "text", "text": "Hello "},
                {"type": "image_url", "image_url": {"url": _data_uri(image)}}]
@@ -337,6 +346,7 @@ def test_openai_client_sends_a_data_uri_image(checkpoint: Path) -> None:
                 ask(parts)
             assert caught.value.status_code == 400
         assert ask(content).choices[0].message.content == out.choices[0].message.content
+    engine.shutdown()
 
 
 def test_bench_multimodal_runs(checkpoint: Path) -> None:

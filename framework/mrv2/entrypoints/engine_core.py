@@ -1,0 +1,263 @@
+"""The engine in a process of its own (``mrv2 serve --engine-process``): its loop, and what
+goes over the pipes.
+
+In one process the event loop and the engine thread share one GIL: on the H200 with 256
+streams at once they used about one core between them and the server's own time per output
+token was 13-19 ms where the engine's step takes 3-4 ms (BENCHMARKS.md, twenty-third
+session). Here the engine steps in a child process (vLLM's engine core) and the server's
+process keeps HTTP, tokenization and the streams.
+
+Messages, parent to child (``commands``): ``("add", req_id, ids, params, prompt, mm_items)``
+(answered by an ``("ack", req_id, error or None)``), ``("abort", req_id)``,
+``("call", call_id, method, args)`` (a method of the engine, answered by ``("reply", call_id,
+ok, value)``: multimodal preprocessing) and ``("stop",)``. Child to parent (``outputs``):
+``("ready", info)`` once the engine is built, ``("outputs", deltas, stats)`` after every step
+with output (``stats``: the engine's counters at most every :data:`STATS_INTERVAL_S`, else
+None), ``("stats", stats)`` when it goes idle, ``("failed", message, req_ids)`` when a
+step raised (those requests failed, the engine goes on), ``("fatal", message)`` when it cannot
+go on.
+
+Outputs go as deltas (:class:`DeltaEncoder`): a ``RequestOutput`` holds the prompt's ids and
+every token so far, so pickling whole outputs each step would cost O(tokens so far) a stream.
+The parent rebuilds the cumulative outputs (:class:`OutputAccumulator`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from mrv2.config import EngineConfig
+from mrv2.engine.outputs import CompletionOutput, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+#: Seconds between the engine counters sent with outputs (``/metrics`` reads the latest).
+STATS_INTERVAL_S = 0.1
+
+#: One choice's change since the last message: (index, new token ids, text start, text from
+#: there, finish reason, stop reason, new logprobs or None, cumulative logprob). The text
+#: starts before the end of what was sent when a stop string cut it back.
+ChoiceDelta = tuple[int, list[int], int, str, "str | None", "int | str | None",
+                    "list[Any] | None", "float | None"]
+#: One request's change: (request id, finished, its choices' deltas).
+OutputDelta = tuple[str, bool, list[ChoiceDelta]]
+
+
+class DeltaEncoder:
+    """(child) Turns cumulative ``RequestOutput`` s into deltas against what was sent."""
+
+    def __init__(self) -> None:
+        #: (request id, choice index) -> (tokens, text length, logprobs) already sent
+        self._sent: dict[tuple[str, int], tuple[int, int, int]] = {}
+
+    def encode(self, output: RequestOutput) -> OutputDelta:
+        choices: list[ChoiceDelta] = []
+        for c in output.outputs:
+            key = (output.request_id, c.index)
+            tokens, text, num_lp = self._sent.get(key, (0, 0, 0))
+            start = min(text, len(c.text))
+            logprobs = None
+            if c.logprobs is not None:
+                logprobs = c.logprobs[num_lp:]
+                num_lp = len(c.logprobs)
+            choices.append((c.index, c.token_ids[tokens:], start, c.text[start:],
+                            c.finish_reason, c.stop_reason, logprobs, c.cumulative_logprob))
+            self._sent[key] = (len(c.token_ids), len(c.text), num_lp)
+        if output.finished:
+            for c in output.outputs:
+                self._sent.pop((output.request_id, c.index), None)
+        return output.request_id, output.finished, choices
+
+    def forget(self, request_id: str) -> None:
+        """An aborted request: drop what was sent of it."""
+        for key in [k for k in self._sent if k[0] == request_id]:
+            del self._sent[key]
+
+
+class OutputAccumulator:
+    """(parent) Rebuilds each request's cumulative ``RequestOutput`` from deltas, in place:
+    the one object of a request is updated and handed on again (outputs are cumulative, so a
+    reader that sees a later state has lost nothing)."""
+
+    def __init__(self) -> None:
+        self._outputs: dict[str, RequestOutput] = {}
+
+    def apply(self, delta: OutputDelta) -> RequestOutput:
+        req_id, finished, choices = delta
+        output = self._outputs.get(req_id)
+        if output is None:
+            output = RequestOutput(request_id=req_id, prompt=None, prompt_token_ids=[],
+                                   outputs=[], finished=False)
+            self._outputs[req_id] = output
+        by_index = {c.index: c for c in output.outputs}
+        new_ids: list[int] = []
+        for index, ids, start, text, reason, stop, logprobs, cumulative in choices:
+            c = by_index.get(index)
+            if c is None:
+                c = CompletionOutput(index=index, text="", token_ids=[])
+                by_index[index] = c
+                output.outputs = [by_index[i] for i in sorted(by_index)]
+            c.token_ids.extend(ids)
+            c.text = c.text + text if start == len(c.text) else c.text[:start] + text
+            c.finish_reason, c.stop_reason, c.cumulative_logprob = reason, stop, cumulative
+            if logprobs is not None:
+                if c.logprobs is None:
+                    c.logprobs = []
+                c.logprobs.extend(logprobs)
+            new_ids.extend(ids)
+        output.new_token_ids = new_ids
+        output.finished = finished
+        if finished:
+            del self._outputs[req_id]
+        return output
+
+    def forget(self, request_id: str) -> None:
+        self._outputs.pop(request_id, None)
+
+
+@dataclass
+class EngineInfo:
+    """What the server's process needs of the engine it does not hold (``("ready", info)``)."""
+
+    model_dir: str
+    max_model_len: int
+    vocab_size: int
+    sampling_defaults: dict[str, Any]
+    device: str
+    has_input_processor: bool
+
+
+def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connection) -> None:
+    """The child's main: build the engine, say ready, then step while there is work and take
+    commands between steps; returns on ``("stop",)`` or when the parent is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the parent stops us
+    from mrv2.engine.engine import LLMEngine
+
+    try:
+        engine = LLMEngine(config)
+    except BaseException as error:  # noqa: BLE001 (the parent reports it)
+        outputs.send(("fatal", f"the engine could not start: {type(error).__name__}: {error}"))
+        return
+    runner = engine.runner
+    outputs = _LockedConnection(outputs)  # type: ignore[assignment]
+    listen = getattr(runner, "add_failure_listener", None)
+    if listen is not None:  # a tensor-parallel worker died (told from a watcher thread)
+        listen(lambda error: _send_quietly(outputs, ("fatal", f"the engine failed: {error}")))
+    outputs.send(("ready", EngineInfo(
+        model_dir=str(config.model.model or runner.model_dir),
+        max_model_len=engine.max_model_len, vocab_size=runner.vocab_size,
+        sampling_defaults=dict(engine.sampling_defaults), device=str(runner.device),
+        has_input_processor=engine.input_processor is not None)))
+    try:
+        _loop(engine, commands, outputs)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the parent is gone
+    finally:
+        engine.shutdown()
+
+
+class _LockedConnection:
+    """The child's end of the outputs pipe, sent to from the loop and from a tensor-parallel
+    watcher thread."""
+
+    def __init__(self, connection: Connection) -> None:
+        import threading
+
+        self._connection, self._lock = connection, threading.Lock()
+
+    def send(self, message: Any) -> None:
+        with self._lock:
+            self._connection.send(message)
+
+
+def _send_quietly(outputs: Any, message: Any) -> None:
+    with contextlib.suppress(OSError):  # the parent is gone
+        outputs.send(message)
+
+
+def _stats(engine: Any) -> dict[str, Any]:
+    """The engine's counters, with its device's memory (the server's process never touches
+    the device: ``/metrics`` reports these)."""
+    stats: dict[str, Any] = engine.stats()
+    device = engine.runner.device
+    if device.type == "cuda":
+        import torch
+
+        stats["gpu_memory_allocated"] = torch.cuda.memory_allocated(device)
+        stats["gpu_memory_reserved"] = torch.cuda.memory_reserved(device)
+    return stats
+
+
+def _loop(engine: Any, commands: Connection, outputs: Connection) -> None:
+    encoder = DeltaEncoder()
+    live: set[str] = set()
+    idle_sent = False
+    stats_at = 0.0
+    while True:
+        block = not engine.has_unfinished()
+        if block and not idle_sent:
+            outputs.send(("stats", _stats(engine)))
+            idle_sent = True
+        while commands.poll(None if block else 0):
+            block = False
+            message = commands.recv()
+            kind = message[0]
+            if kind == "stop":
+                return
+            if kind == "add":
+                _, req_id, ids, params, prompt, mm_items = message
+                try:
+                    engine.add_request(ids, params, request_id=req_id, prompt=prompt,
+                                       stream=True, mm_items=mm_items)
+                except Exception as error:  # (ValueError: the request's own fault)
+                    outputs.send(("ack", req_id, f"{type(error).__name__}: {error}"
+                                  if not isinstance(error, ValueError) else str(error)))
+                    continue
+                live.add(req_id)
+                outputs.send(("ack", req_id, None))
+            elif kind == "abort":
+                engine.abort(message[1])
+                encoder.forget(message[1])
+                live.discard(message[1])
+            elif kind == "call":
+                _, call_id, method, args = message
+                try:
+                    outputs.send(("reply", call_id, True, getattr(engine, method)(*args)))
+                except Exception as error:
+                    outputs.send(("reply", call_id, False, error))
+        if not engine.has_unfinished():
+            continue
+        idle_sent = False
+        try:
+            step_outputs = engine.step()
+        except Exception as error:
+            logger.exception("engine step failed")
+            if getattr(error, "fatal", False):
+                outputs.send(("fatal", f"the engine failed: {error}"))
+                return
+            failed = sorted(live)
+            for req_id in failed:
+                try:
+                    engine.abort(req_id)
+                except Exception:  # the engine is already broken; the parent still tells
+                    logger.exception("abort after a failed step")
+                encoder.forget(req_id)
+            live.clear()
+            outputs.send(("failed", str(error), failed))
+            continue
+        if step_outputs:
+            deltas = [encoder.encode(o) for o in step_outputs]
+            for o in step_outputs:
+                if o.finished:
+                    live.discard(o.request_id)
+            now = time.monotonic()
+            stats = None
+            if now - stats_at >= STATS_INTERVAL_S:
+                stats, stats_at = _stats(engine), now
+            outputs.send(("outputs", deltas, stats))

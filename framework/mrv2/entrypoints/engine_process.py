@@ -1,0 +1,418 @@
+"""The server's side of an engine in a child process (``mrv2 serve --engine-process``).
+
+:class:`RemoteEngine` stands where the server holds an :class:`~mrv2.engine.engine.LLMEngine`
+(tokenizer, limits, sampling defaults, first checks of a request, multimodal preprocessing by
+a call into the child); :class:`EngineProcess` stands where it holds an
+:class:`~mrv2.entrypoints.engine_thread.EngineThread` (submit, abort, outputs into each
+request's asyncio queue, the same merged hand-over). The child runs
+:func:`~mrv2.entrypoints.engine_core.run_engine_core`; the pipes' messages are described
+there. A request is added when the child acknowledges it: :meth:`EngineProcess.admit`
+raises ``ValueError`` with the engine's own message for a request the engine refuses, so the
+server answers 400 as it does with the engine in its own process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from mrv2.config import EngineConfig
+from mrv2.contract.params import SamplingParams
+from mrv2.contract.requests import MultiModalItem
+from mrv2.engine.outputs import RequestOutput
+from mrv2.engine.tokenizer import Tokenizer
+from mrv2.entrypoints.engine_core import (
+    EngineInfo,
+    OutputAccumulator,
+    OutputDelta,
+    run_engine_core,
+)
+from mrv2.entrypoints.engine_thread import QueueFullError
+from mrv2.entrypoints.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Sink:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+    arrival: float
+    num_prompt: int
+    num_seqs: int
+    first: float | None = None
+    aborted: bool = False
+    tokens: dict[int, int] = field(default_factory=dict)  # choice index -> tokens so far
+
+
+class EngineProcess:
+    """Starts the engine's child process and carries requests and outputs to and from it.
+
+    The constructor returns once the engine is built (its model loaded, its graphs captured)
+    or raises ``RuntimeError`` with the child's reason. :meth:`start` / :meth:`stop` follow
+    the app's lifespan, as the engine thread's."""
+
+    def __init__(self, config: EngineConfig, max_pending: int = 1024,
+                 startup_timeout: float | None = None) -> None:
+        ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+        child_commands, self._commands = ctx.Pipe(duplex=False)
+        self._outputs, child_outputs = ctx.Pipe(duplex=False)
+        self._process = ctx.Process(target=run_engine_core, name="mrv2-engine-core",
+                                    args=(config, child_commands, child_outputs), daemon=True)
+        self._process.start()
+        child_commands.close()
+        child_outputs.close()
+        self.max_pending = max_pending
+        self.metrics: ServerMetrics | None = None
+        self.fatal: BaseException | None = None
+        self.on_fatal: list[Any] = []
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._sinks: dict[str, _Sink] = {}
+        self._acks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[str | None]]] = {}
+        self._calls: dict[int, list[Any]] = {}  # call id -> [event, ok, value]
+        self._call_ids = itertools.count()
+        self._pending = 0
+        self._stopped = False
+        self._backlog: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, OutputDelta]]] = {}
+        self._busy: set[asyncio.AbstractEventLoop] = set()
+        self._accumulator = OutputAccumulator()  # (used on the event loop only)
+        self._stats: dict[str, Any] = {}
+        self.info = self._wait_ready(startup_timeout)
+        self._reader = threading.Thread(target=self._read, name="mrv2-engine-reader",
+                                        daemon=True)
+
+    def _wait_ready(self, timeout: float | None) -> EngineInfo:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._outputs.poll(1.0):
+            if not self._process.is_alive():
+                raise RuntimeError(f"the engine process exited ({self._process.exitcode}) "
+                                   "before it was ready; its log is above")
+            if deadline is not None and time.monotonic() > deadline:
+                self._process.kill()
+                raise RuntimeError(f"the engine process was not ready after {timeout} s")
+        message = self._outputs.recv()
+        if message[0] != "ready":
+            self._process.join(10)
+            raise RuntimeError(message[1] if message[0] == "fatal" else
+                               f"the engine process sent {message[0]!r} before 'ready'")
+        info: EngineInfo = message[1]
+        return info
+
+    # -- the worker interface (as EngineThread's) ---------------------------------------------
+
+    def bind(self, metrics: ServerMetrics) -> None:
+        """Report into ``metrics`` (the app's)."""
+        self.metrics = metrics
+        metrics.stats = self._stats
+        metrics.num_pending = lambda: self._pending
+
+    def start(self) -> None:
+        self._reader.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._lock:
+            self._stopped = True
+        with contextlib.suppress(OSError):
+            self._send(("stop",))
+        self._process.join(timeout)
+        if self._process.is_alive():
+            logger.warning("the engine process did not stop in %s s: killing it", timeout)
+            self._process.kill()
+            self._process.join(5)
+        self._fail_all(RuntimeError("the server is shutting down"))
+
+    @property
+    def num_pending(self) -> int:
+        return self._pending
+
+    async def admit(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None, sink: asyncio.Queue[RequestOutput | BaseException],
+                    loop: asyncio.AbstractEventLoop,
+                    mm_items: list[MultiModalItem] | None = None) -> None:
+        """Add a request once the engine accepts it; ``ValueError`` (the engine's message)
+        if it refuses, :class:`QueueFullError` past ``max_pending`` sequences."""
+        entry = _Sink(loop, sink, time.monotonic(), len(prompt_token_ids), params.n)
+        ack: asyncio.Future[str | None] = loop.create_future()
+        with self._lock:
+            if self.fatal is not None:
+                raise QueueFullError(f"the engine failed: {self.fatal}")
+            if self._stopped:
+                raise QueueFullError("the server is shutting down")
+            if self._pending + params.n > self.max_pending:
+                raise QueueFullError(
+                    f"{self._pending} sequences in flight and this request adds {params.n}: "
+                    f"more than this server queues (--max-pending {self.max_pending}); "
+                    "retry later")
+            self._pending += params.n
+            self._sinks[req_id] = entry
+            self._acks[req_id] = (loop, ack)
+        try:
+            self._send(("add", req_id, prompt_token_ids, params, prompt, mm_items))
+        except OSError as error:
+            self._drop(req_id)
+            raise QueueFullError(f"the engine process is gone: {error}") from None
+        try:
+            refused = await ack
+        except QueueFullError:
+            self._drop(req_id)
+            raise
+        if refused is not None:
+            self._drop(req_id)
+            raise ValueError(refused)
+
+    def abort(self, req_id: str) -> None:
+        """Cancel a request (on the event loop); unknown or finished ids are ignored."""
+        entry = self._drop(req_id)
+        if entry is None:
+            return
+        entry.aborted = True
+        self._accumulator.forget(req_id)
+        if self.metrics is not None:
+            self.metrics.requests_aborted.inc()
+        with contextlib.suppress(OSError):
+            self._send(("abort", req_id))
+
+    def mark_fatal(self, error: BaseException) -> None:
+        """The engine cannot go on: refuse new requests, fail those in flight, tell the
+        :attr:`on_fatal` listeners (as EngineThread's)."""
+        with self._lock:
+            if self.fatal is not None:
+                return
+            self.fatal = error
+            self._stopped = True
+        self._fail_all(RuntimeError(f"the engine failed: {error}"))
+        for listener in list(self.on_fatal):
+            try:
+                listener(error)
+            except Exception:
+                logger.exception("an on_fatal listener failed")
+
+    def call(self, method: str, *args: Any, timeout: float = 600.0) -> Any:
+        """Run ``engine.method(*args)`` in the child (from a worker thread, never the loop);
+        its result, or its exception raised here."""
+        call_id = next(self._call_ids)
+        slot: list[Any] = [threading.Event(), False, None]
+        with self._lock:
+            if self.fatal is not None:
+                raise RuntimeError(f"the engine failed: {self.fatal}")
+            self._calls[call_id] = slot
+        self._send(("call", call_id, method, args))
+        if not slot[0].wait(timeout):
+            with self._lock:
+                self._calls.pop(call_id, None)
+            raise TimeoutError(f"the engine did not answer {method} in {timeout} s")
+        if not slot[1]:
+            raise slot[2]
+        return slot[2]
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        with self._send_lock:
+            self._commands.send(message)
+
+    def _drop(self, req_id: str) -> _Sink | None:
+        with self._lock:
+            entry = self._sinks.pop(req_id, None)
+            self._acks.pop(req_id, None)
+            if entry is not None:
+                self._pending -= entry.num_seqs
+        return entry
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            sinks, self._sinks = self._sinks, {}
+            acks, self._acks = self._acks, {}
+            calls, self._calls = self._calls, {}
+            for entry in sinks.values():
+                self._pending -= entry.num_seqs
+        for loop, ack in acks.values():  # their admit raises QueueFullError (503)
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_refuse, ack, QueueFullError(str(error)))
+        for req_id, entry in sinks.items():
+            if req_id in acks:
+                continue  # its admit raises instead
+            if self.metrics is not None:
+                self.metrics.requests_failed.inc()
+            _put(entry, error)
+        for slot in calls.values():
+            slot[1], slot[2] = False, RuntimeError(str(error))
+            slot[0].set()
+
+    # -- the reader thread --------------------------------------------------------------------
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self._outputs.recv()
+            except (EOFError, OSError):
+                with self._lock:
+                    stopped = self._stopped
+                if not stopped:
+                    self.mark_fatal(RuntimeError(
+                        f"the engine process exited ({self._process.exitcode})"))
+                return
+            kind = message[0]
+            if kind == "outputs":
+                self._deliver(message[1], time.monotonic())
+                if message[2] is not None:
+                    self._set_stats(message[2])
+            elif kind == "stats":
+                self._set_stats(message[1])
+            elif kind == "ack":
+                with self._lock:
+                    waiting = self._acks.pop(message[1], None)
+                if waiting is not None:
+                    with contextlib.suppress(RuntimeError):
+                        waiting[0].call_soon_threadsafe(_settle, waiting[1], message[2])
+            elif kind == "reply":
+                with self._lock:
+                    slot = self._calls.pop(message[1], None)
+                if slot is not None:
+                    slot[1], slot[2] = message[2], message[3]
+                    slot[0].set()
+            elif kind == "failed":
+                error = RuntimeError(f"the engine failed: {message[1]}")
+                for req_id in message[2]:
+                    entry = self._drop(req_id)
+                    if entry is not None:
+                        if self.metrics is not None:
+                            self.metrics.requests_failed.inc()
+                        _put(entry, error)
+            elif kind == "fatal":
+                self.mark_fatal(RuntimeError(message[1]))
+
+    def _set_stats(self, stats: dict[str, Any]) -> None:
+        self._stats = stats
+        if self.metrics is not None:
+            self.metrics.stats = stats
+
+    def _deliver(self, deltas: list[OutputDelta], now: float) -> None:
+        """Account each delta (TTFT, TPOT, finished counts) and add it to its loop's
+        backlog; hand each idle loop its backlog."""
+        metrics = self.metrics
+        with self._lock:
+            for delta in deltas:
+                req_id, finished, choices = delta
+                entry = self._sinks.get(req_id)
+                if entry is None:
+                    continue
+                for index, ids, *_ in choices:
+                    entry.tokens[index] = entry.tokens.get(index, 0) + len(ids)
+                    if ids and entry.first is None:
+                        entry.first = now
+                        if metrics is not None:
+                            metrics.ttft.observe(now - entry.arrival)
+                if finished:
+                    del self._sinks[req_id]
+                    self._pending -= entry.num_seqs
+                    if metrics is not None:
+                        reasons = {c[0]: c[4] or "unknown" for c in choices}
+                        lengths = [(reasons.get(i, "unknown"), n)
+                                   for i, n in sorted(entry.tokens.items())]
+                        metrics.observe_finished(entry.num_prompt, lengths)
+                        for _, num in lengths:
+                            if num > 1 and entry.first is not None:
+                                metrics.tpot.observe((now - entry.first) / (num - 1))
+                self._backlog.setdefault(entry.loop, []).append((entry, delta))
+            ready = [(loop, items) for loop, items in self._backlog.items()
+                     if items and loop not in self._busy]
+            for loop, _ in ready:
+                self._busy.add(loop)
+                del self._backlog[loop]
+        for loop, batch in ready:
+            with contextlib.suppress(RuntimeError):  # a closed loop: its clients are gone
+                loop.call_soon_threadsafe(self._hand_over, loop, batch)
+
+    def _hand_over(self, loop: asyncio.AbstractEventLoop,
+                   batch: list[tuple[_Sink, OutputDelta]]) -> None:
+        # (on the loop) the deltas into the cumulative outputs, each touched request's once
+        touched: dict[str, tuple[_Sink, RequestOutput]] = {}
+        for entry, delta in batch:
+            if entry.aborted:
+                self._accumulator.forget(delta[0])
+                continue
+            touched[delta[0]] = (entry, self._accumulator.apply(delta))
+        for entry, output in touched.values():
+            entry.queue.put_nowait(output)
+        loop.call_soon(self._loop_idle, loop)
+
+    def _loop_idle(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._lock:
+            self._busy.discard(loop)
+            batch = self._backlog.pop(loop, None)
+            if batch:
+                self._busy.add(loop)
+        if batch:  # outputs came while it was busy: hand them over now
+            self._hand_over(loop, batch)
+
+
+def _settle(future: asyncio.Future[str | None], error: str | None) -> None:
+    if not future.done():
+        future.set_result(error)
+
+
+def _refuse(future: asyncio.Future[str | None], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
+
+
+def _put(entry: _Sink, item: BaseException) -> None:
+    with contextlib.suppress(RuntimeError):  # a closed loop: the client is gone
+        entry.loop.call_soon_threadsafe(entry.queue.put_nowait, item)
+
+
+class RemoteEngine:
+    """What the server needs of an engine that runs in a child process: its config,
+    tokenizer, limits and sampling defaults, the first checks of a request, multimodal
+    preprocessing (in the child), and the worker that carries requests (:attr:`process`)."""
+
+    def __init__(self, config: EngineConfig, max_pending: int = 1024,
+                 startup_timeout: float | None = None) -> None:
+        from mrv2.engine.engine import _load_tokenizer
+
+        self.config = config
+        self.process = EngineProcess(config, max_pending, startup_timeout)
+        info = self.process.info
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
+        self.sampling_defaults = info.sampling_defaults
+        self.tokenizer: Tokenizer | None = _load_tokenizer(config.model.tokenizer
+                                                           or info.model_dir)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """The checks that need no engine state (the prompt's length and ids, the params'
+        token ids); the engine makes the rest when it adds the request."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens, but max_model_len is {self.max_model_len}: "
+                f"prompts may have at most {self.max_model_len - 1} tokens")
+        vocab = self.vocab_size
+        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+        params.check_vocab(vocab)
+
+    def process_multimodal(self, prompt_token_ids: list[int], mm_data: Any
+                           ) -> tuple[list[int], list[MultiModalItem]]:
+        """The engine's ``process_multimodal``, run in the child (call from a worker thread)."""
+        if not self.process.info.has_input_processor:
+            raise ValueError("multi_modal_data: this model takes text only")
+        result: tuple[list[int], list[MultiModalItem]] = self.process.call(
+            "process_multimodal", list(prompt_token_ids), mm_data)
+        return result
+
+    def shutdown(self) -> None:
+        """Stop the child (idempotent)."""
+        self.process.stop()

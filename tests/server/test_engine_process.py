@@ -1,0 +1,153 @@
+"""``mrv2 serve --engine-process``: the engine in a child process. Its answers equal the
+engine thread's (streamed or not, n > 1, logprobs); the engine's own refusals are 400s; a
+client that leaves has its request aborted; a dead engine process makes the server answer
+503. The deltas between the processes rebuild every cumulative output exactly."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from server_util import API_KEY, ENGINE_KWARGS, MODEL, Served
+
+from mrv2 import EngineConfig
+from mrv2.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from mrv2.entrypoints.engine_core import DeltaEncoder, OutputAccumulator
+from mrv2.testing import serve_in_thread
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _remote(model_dir: Path, **overrides: Any) -> Iterator[tuple[str, Any]]:
+    from mrv2.entrypoints.engine_process import RemoteEngine
+    from mrv2.entrypoints.server import create_app
+
+    engine = RemoteEngine(EngineConfig.from_kwargs(model=str(model_dir),
+                                                   **{**ENGINE_KWARGS, **overrides}))
+    try:
+        for url in serve_in_thread(create_app(engine, served_model_name=MODEL,
+                                              api_key=API_KEY)):
+            yield url, engine
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def remote(model_dir: Path) -> Iterator[tuple[str, Any]]:
+    yield from _remote(model_dir)
+
+
+def _post(url: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json={"model": MODEL, **body}, headers=AUTH,
+                      timeout=60)
+
+
+def _streamed(url: str, body: dict[str, Any]) -> dict[int, tuple[str, str | None, int]]:
+    """choice index -> (text, finish reason, chunks) of a streamed completion."""
+    got: dict[int, tuple[str, str | None, int]] = {}
+    with httpx.stream("POST", f"{url}/v1/completions", headers=AUTH, timeout=60,
+                      json={"model": MODEL, "stream": True, **body}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for c in json.loads(line[6:])["choices"]:
+                text, reason, chunks = got.get(c["index"], ("", None, 0))
+                got[c["index"]] = (text + c["text"], c["finish_reason"] or reason, chunks + 1)
+    return got
+
+
+BODIES = [
+    {"prompt": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0},
+    {"prompt": [9, 3, 4], "max_tokens": 9, "temperature": 0.8, "seed": 3, "n": 2},
+    {"prompt": [1, 2, 3], "max_tokens": 6, "temperature": 0, "logprobs": 2},
+    {"prompt": "hello world", "max_tokens": 10, "temperature": 0, "stop": ["ld"]},
+]
+
+
+@pytest.mark.parametrize("body", BODIES, ids=["greedy", "n2_seeded", "logprobs", "stop"])
+def test_the_same_answers_as_the_engine_thread(server: Served, remote: tuple[str, Any],
+                                               body: dict[str, Any]) -> None:
+    want, got = _post(server.url, body).json(), _post(remote[0], body).json()
+    assert got["choices"] == want["choices"] and got["usage"] == want["usage"]
+    streamed = _streamed(remote[0], body)
+    assert {i: (t, r) for i, (t, r, _) in streamed.items()} == {
+        c["index"]: (c["text"], c["finish_reason"]) for c in want["choices"]}
+
+
+def test_a_request_the_engine_refuses_is_a_400(model_dir: Path) -> None:
+    """The engine's own check (KV blocks) runs in the child: its message comes back as 400."""
+    for url, engine in _remote(model_dir, num_gpu_blocks_override=8, max_model_len=64):
+        response = _post(url, {"prompt": [5] * 20, "max_tokens": 30})
+        assert response.status_code == 400, response.text
+        assert "KV blocks" in response.json()["error"]["message"]
+        assert engine.process.num_pending == 0
+        assert _post(url, {"prompt": [5, 6], "max_tokens": 4}).status_code == 200
+        break
+
+
+def test_a_client_that_leaves_has_its_request_aborted(remote: tuple[str, Any]) -> None:
+    url, engine = remote
+    with httpx.stream("POST", f"{url}/v1/completions", headers=AUTH, timeout=60,
+                      json={"model": MODEL, "prompt": [5, 6], "max_tokens": 50,
+                            "stream": True, "ignore_eos": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                break  # leave after the first chunk
+    deadline = time.monotonic() + 30
+    while engine.process.num_pending and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.process.num_pending == 0
+    text = httpx.get(f"{url}/metrics", headers=AUTH).text
+    assert 'mrv2_request_aborted_total{model_name="tiny"} 1.0' in text
+
+
+def test_a_dead_engine_process_makes_the_server_answer_503(model_dir: Path) -> None:
+    for url, engine in _remote(model_dir):
+        assert _post(url, {"prompt": [5, 6], "max_tokens": 3}).status_code == 200
+        engine.process._process.kill()
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{url}/health").status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(f"{url}/health").status_code == 503
+        response = _post(url, {"prompt": [5, 6], "max_tokens": 3})
+        assert response.status_code == 503 and "engine" in response.json()["error"]["message"]
+        break
+
+
+def test_deltas_rebuild_every_cumulative_output() -> None:
+    """Random cumulative outputs (two choices appearing out of order, logprobs, text that a
+    stop string cuts back, the end) through the encoder and the accumulator: every rebuilt
+    output equals the original."""
+    rng = random.Random(0)
+    encoder, accumulator = DeltaEncoder(), OutputAccumulator()
+    state: dict[int, CompletionOutput] = {}
+    for step in range(40):
+        finished = step == 39
+        for index in ([1] if step < 3 else [0, 1]):
+            c = state.setdefault(index, CompletionOutput(index, "", [], logprobs=[]))
+            new = [rng.randrange(100) for _ in range(rng.randrange(0, 3))]
+            c.token_ids = c.token_ids + new
+            c.logprobs = (c.logprobs or []) + [{t: Logprob(-1.0, 1)} for t in new]
+            c.cumulative_logprob = -float(len(c.token_ids))
+            if rng.random() < 0.15 and c.text:  # a stop string matched: cut back
+                c.text = c.text[: rng.randrange(len(c.text))]
+            else:
+                c.text += "".join(rng.choice("ab\u00e9\u4e2d") for _ in new)
+            if finished:
+                c.finish_reason, c.stop_reason = "stop", "ld"
+        original = RequestOutput("r", None, [1, 2], [state[i] for i in sorted(state)],
+                                 finished=finished)
+        rebuilt = accumulator.apply(encoder.encode(original))
+        assert rebuilt.finished == finished
+        assert [(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason,
+                 c.cumulative_logprob) for c in rebuilt.outputs] == [
+            (c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason,
+             c.cumulative_logprob) for c in original.outputs]
+    assert not encoder._sent and not accumulator._outputs  # the finished request is gone
