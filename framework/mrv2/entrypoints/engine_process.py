@@ -164,6 +164,9 @@ class EngineProcess:
         except QueueFullError:
             self._drop(req_id)
             raise
+        except asyncio.CancelledError:  # the client left while the engine took it
+            self.abort(req_id)
+            raise
         if refused is not None:
             self._drop(req_id)
             raise ValueError(refused)

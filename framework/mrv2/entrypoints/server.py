@@ -270,6 +270,10 @@ async def _serve(request: Request, worker: EngineThread | EngineProcess, kind: s
         for req_id in submitted:
             worker.abort(req_id)
         raise APIError(400, str(error), param=value_error_param(str(error))) from None
+    except asyncio.CancelledError:  # the client left before the answer began
+        for req_id in submitted:
+            worker.abort(req_id)
+        raise
     stream = _Stream(worker, base, model, chat, params, body, req_ids, encoded)
     if body.stream:
         return StreamingResponse(stream.events(sink), media_type="text/event-stream")
