@@ -151,3 +151,14 @@ def test_deltas_rebuild_every_cumulative_output() -> None:
             (c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason,
              c.cumulative_logprob) for c in original.outputs]
     assert not encoder._sent and not accumulator._outputs  # the finished request is gone
+
+
+def test_engine_process_is_refused_under_torchrun(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Under torchrun every rank is torchrun's: the flag is refused before anything starts."""
+    from mrv2.entrypoints.cli import main
+
+    for var, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1")):
+        monkeypatch.setenv(var, value)
+    assert main(["serve", str(model_dir), "--device", "cpu", "--engine-process"]) == 2
+    assert "--engine-process" in capsys.readouterr().err

@@ -51,6 +51,13 @@ def _serve(args: argparse.Namespace) -> int:
     config = config_from_cli(args, model)
     if args.engine_process:
         from mrv2.entrypoints.engine_process import RemoteEngine
+        from mrv2.executor.tensor_parallel import launched_by_torchrun
+
+        if launched_by_torchrun():
+            print("mrv2 serve: --engine-process runs the engine in a child of this process; "
+                  "under torchrun every rank is started by torchrun: leave the flag out",
+                  file=sys.stderr)
+            return 2
 
         engine: LLMEngine | RemoteEngine = RemoteEngine(config, args.max_pending)
     else:
