@@ -162,3 +162,14 @@ def test_engine_process_is_refused_under_torchrun(model_dir: Path, monkeypatch: 
         monkeypatch.setenv(var, value)
     assert main(["serve", str(model_dir), "--device", "cpu", "--engine-process"]) == 2
     assert "--engine-process" in capsys.readouterr().err
+
+
+def test_an_engine_that_cannot_start_is_a_clear_error(tmp_path: Path) -> None:
+    """A checkpoint the engine cannot load: the child's reason, raised in the server's process
+    before anything serves."""
+    from mrv2.entrypoints.engine_process import RemoteEngine
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NoSuchModel"],
+                                                          "max_position_embeddings": 64}))
+    with pytest.raises(RuntimeError, match="the engine could not start.*NoSuchModel"):
+        RemoteEngine(EngineConfig.from_kwargs(model=str(tmp_path), device="cpu"))

@@ -98,7 +98,12 @@ class EngineProcess:
             if deadline is not None and time.monotonic() > deadline:
                 self._process.kill()
                 raise RuntimeError(f"the engine process was not ready after {timeout} s")
-        message = self._outputs.recv()
+        try:
+            message = self._outputs.recv()
+        except (EOFError, OSError):
+            self._process.join(10)
+            raise RuntimeError(f"the engine process exited ({self._process.exitcode}) before "
+                               "it was ready; its log is above") from None
         if message[0] != "ready":
             self._process.join(10)
             raise RuntimeError(message[1] if message[0] == "fatal" else
