@@ -169,7 +169,7 @@ def test_an_engine_that_cannot_start_is_a_clear_error(tmp_path: Path) -> None:
     before anything serves."""
     from mrv2.entrypoints.engine_process import RemoteEngine
 
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NoSuchModel"],
-                                                          "max_position_embeddings": 64}))
+    config = {"architectures": ["NoSuchModel"], "max_position_embeddings": 64}
+    (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(RuntimeError, match="the engine could not start.*NoSuchModel"):
         RemoteEngine(EngineConfig.from_kwargs(model=str(tmp_path), device="cpu"))
