@@ -8,7 +8,8 @@ socket poll, a CUDA launch) shows at the Python line that made the call. The sam
 GIL to take a sample, so the counts are the threads' positions at the moments the GIL changed
 hands; beside them the report gives each thread's CPU seconds from ``/proc`` (Linux), which
 are exact: the engine thread's and the event loop's CPU against the wall time say whether
-the process is bound by one core.
+the process is bound by one core. Taking a sample holds the GIL, so a server bound by the GIL
+runs slower with it on: use it to see where time goes, not to time the server.
 """
 
 from __future__ import annotations
