@@ -8,9 +8,8 @@ session). Here the engine steps in a child process (vLLM's engine core) and the 
 process keeps HTTP, tokenization and the streams.
 
 Messages, parent to child (``commands``): ``("add", req_id, ids, params, prompt, mm_items)``
-(answered by an ``("ack", req_id, error or None)``), ``("abort", req_id)``,
-``("call", call_id, method, args)`` (a method of the engine, answered by ``("reply", call_id,
-ok, value)``: multimodal preprocessing) and ``("stop",)``. Child to parent (``outputs``):
+(answered by an ``("ack", req_id, error or None)``), ``("abort", req_id)`` and
+``("stop",)``. Child to parent (``outputs``):
 ``("ready", info)`` once the engine is built, ``("outputs", deltas, stats)`` after every step
 with output (``stats``: the engine's counters at most every :data:`STATS_INTERVAL_S`, else
 None), ``("stats", stats)`` when it goes idle, ``("failed", message, req_ids)`` when a
@@ -130,7 +129,12 @@ class EngineInfo:
     vocab_size: int
     sampling_defaults: dict[str, Any]
     device: str
-    has_input_processor: bool
+    architecture: str
+    #: The family's multimodal prompt processor (its import path; None: text only) and the
+    #: HF config it is built with: the server's process preprocesses media itself, so the
+    #: engine's loop never stalls on an image and the items cross the pipe once.
+    input_processor: str | None
+    hf_config: Any
 
 
 def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connection) -> None:
@@ -153,7 +157,9 @@ def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connect
         model_dir=str(config.model.model or runner.model_dir),
         max_model_len=engine.max_model_len, vocab_size=runner.vocab_size,
         sampling_defaults=dict(engine.sampling_defaults), device=str(runner.device),
-        has_input_processor=engine.input_processor is not None)))
+        architecture=runner.model_entry.architecture,
+        input_processor=runner.model_entry.input_processor or None,
+        hf_config=runner.hf_config if runner.model_entry.input_processor else None)))
     try:
         _loop(engine, commands, outputs)
     except (EOFError, BrokenPipeError, ConnectionResetError):
@@ -182,8 +188,8 @@ def _send_quietly(outputs: Any, message: Any) -> None:
 
 
 def _stats(engine: Any) -> dict[str, Any]:
-    """The engine's counters, with its device's memory (the server's process never touches
-    the device: ``/metrics`` reports these)."""
+    """The engine's counters, with its device's memory (the server's process makes no CUDA
+    calls: ``/metrics`` reports these)."""
     stats: dict[str, Any] = engine.stats()
     device = engine.runner.device
     if device.type == "cuda":
@@ -225,12 +231,6 @@ def _loop(engine: Any, commands: Connection, outputs: Connection) -> None:
                 engine.abort(message[1])
                 encoder.forget(message[1])
                 live.discard(message[1])
-            elif kind == "call":
-                _, call_id, method, args = message
-                try:
-                    outputs.send(("reply", call_id, True, getattr(engine, method)(*args)))
-                except Exception as error:
-                    outputs.send(("reply", call_id, False, error))
         if not engine.has_unfinished():
             continue
         idle_sent = False

@@ -1,21 +1,21 @@
 """The server's side of an engine in a child process (``mrv2 serve --engine-process``).
 
 :class:`RemoteEngine` stands where the server holds an :class:`~mrv2.engine.engine.LLMEngine`
-(tokenizer, limits, sampling defaults, first checks of a request, multimodal preprocessing by
-a call into the child); :class:`EngineProcess` stands where it holds an
+(tokenizer, limits, sampling defaults, first checks of a request, the family's multimodal
+preprocessing, here so the engine's loop never stalls on an image and the items cross the
+pipe once); :class:`EngineProcess` stands where it holds an
 :class:`~mrv2.entrypoints.engine_thread.EngineThread` (submit, abort, outputs into each
 request's asyncio queue, the same merged hand-over). The child runs
 :func:`~mrv2.entrypoints.engine_core.run_engine_core`; the pipes' messages are described
 there. A request is added when the child acknowledges it: :meth:`EngineProcess.admit`
 raises ``ValueError`` with the engine's own message for a request the engine refuses, so the
-server answers 400 as it does with the engine in its own process.
+server answers 400 as it does with the engine on a thread of its own process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import multiprocessing
 import threading
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mrv2.config import EngineConfig
+from mrv2.contract.input_processor import InputProcessor
 from mrv2.contract.params import SamplingParams
 from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.outputs import RequestOutput
@@ -77,8 +78,6 @@ class EngineProcess:
         self._lock = threading.Lock()
         self._sinks: dict[str, _Sink] = {}
         self._acks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[str | None]]] = {}
-        self._calls: dict[int, list[Any]] = {}  # call id -> [event, ok, value]
-        self._call_ids = itertools.count()
         self._pending = 0
         self._stopped = False
         self._backlog: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, OutputDelta]]] = {}
@@ -159,8 +158,12 @@ class EngineProcess:
             self._pending += params.n
             self._sinks[req_id] = entry
             self._acks[req_id] = (loop, ack)
+        message = ("add", req_id, prompt_token_ids, params, prompt, mm_items)
         try:
-            self._send(("add", req_id, prompt_token_ids, params, prompt, mm_items))
+            if mm_items:  # media tensors: a long write, off the event loop
+                await asyncio.to_thread(self._send, message)
+            else:
+                self._send(message)
         except OSError as error:
             self._drop(req_id)
             raise QueueFullError(f"the engine process is gone: {error}") from None
@@ -203,24 +206,6 @@ class EngineProcess:
             except Exception:
                 logger.exception("an on_fatal listener failed")
 
-    def call(self, method: str, *args: Any, timeout: float = 600.0) -> Any:
-        """Run ``engine.method(*args)`` in the child (from a worker thread, never the loop);
-        its result, or its exception raised here."""
-        call_id = next(self._call_ids)
-        slot: list[Any] = [threading.Event(), False, None]
-        with self._lock:
-            if self.fatal is not None:
-                raise RuntimeError(f"the engine failed: {self.fatal}")
-            self._calls[call_id] = slot
-        self._send(("call", call_id, method, args))
-        if not slot[0].wait(timeout):
-            with self._lock:
-                self._calls.pop(call_id, None)
-            raise TimeoutError(f"the engine did not answer {method} in {timeout} s")
-        if not slot[1]:
-            raise slot[2]
-        return slot[2]
-
     # -- helpers ------------------------------------------------------------------------------
 
     def _send(self, message: tuple[Any, ...]) -> None:
@@ -239,7 +224,6 @@ class EngineProcess:
         with self._lock:
             sinks, self._sinks = self._sinks, {}
             acks, self._acks = self._acks, {}
-            calls, self._calls = self._calls, {}
             for entry in sinks.values():
                 self._pending -= entry.num_seqs
         for loop, ack in acks.values():  # their admit raises QueueFullError (503)
@@ -251,9 +235,6 @@ class EngineProcess:
             if self.metrics is not None:
                 self.metrics.requests_failed.inc()
             _put(entry, error)
-        for slot in calls.values():
-            slot[1], slot[2] = False, RuntimeError(str(error))
-            slot[0].set()
 
     # -- the reader thread --------------------------------------------------------------------
 
@@ -281,12 +262,6 @@ class EngineProcess:
                 if waiting is not None:
                     with contextlib.suppress(RuntimeError):
                         waiting[0].call_soon_threadsafe(_settle, waiting[1], message[2])
-            elif kind == "reply":
-                with self._lock:
-                    slot = self._calls.pop(message[1], None)
-                if slot is not None:
-                    slot[1], slot[2] = message[2], message[3]
-                    slot[0].set()
             elif kind == "failed":
                 error = RuntimeError(f"the engine failed: {message[1]}")
                 for req_id in message[2]:
@@ -380,12 +355,14 @@ def _put(entry: _Sink, item: BaseException) -> None:
 
 class RemoteEngine:
     """What the server needs of an engine that runs in a child process: its config,
-    tokenizer, limits and sampling defaults, the first checks of a request, multimodal
-    preprocessing (in the child), and the worker that carries requests (:attr:`process`)."""
+    tokenizer, limits and sampling defaults, the first checks of a request, the family's
+    multimodal preprocessing (here, in a worker thread of the server), and the worker that
+    carries requests (:attr:`process`)."""
 
     def __init__(self, config: EngineConfig, max_pending: int = 1024,
                  startup_timeout: float | None = None) -> None:
         from mrv2.engine.engine import _load_tokenizer
+        from mrv2.registry import import_object
 
         self.config = config
         self.process = EngineProcess(config, max_pending, startup_timeout)
@@ -395,6 +372,11 @@ class RemoteEngine:
         self.sampling_defaults = info.sampling_defaults
         self.tokenizer: Tokenizer | None = _load_tokenizer(config.model.tokenizer
                                                            or info.model_dir)
+        self.input_processor: InputProcessor | None = None
+        if info.input_processor:
+            processor_cls = import_object(info.input_processor)
+            self.input_processor = processor_cls(info.model_dir, info.hf_config,
+                                                 self.tokenizer, config)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """The checks that need no engine state (the prompt's length and ids, the params'
@@ -414,12 +396,15 @@ class RemoteEngine:
 
     def process_multimodal(self, prompt_token_ids: list[int], mm_data: Any
                            ) -> tuple[list[int], list[MultiModalItem]]:
-        """The engine's ``process_multimodal``, run in the child (call from a worker thread)."""
-        if not self.process.info.has_input_processor:
-            raise ValueError("multi_modal_data: this model takes text only")
-        result: tuple[list[int], list[MultiModalItem]] = self.process.call(
-            "process_multimodal", list(prompt_token_ids), mm_data)
-        return result
+        """As the engine's ``process_multimodal``, here in the server's process (the family's
+        processor is built here from what the child reported)."""
+        if not isinstance(mm_data, dict):
+            raise ValueError(f"multi_modal_data must be a dict such as {{'image': ...}}, got "
+                             f"{type(mm_data).__name__}")
+        if self.input_processor is None:
+            raise ValueError(f"multi_modal_data: {self.process.info.architecture} takes "
+                             "text only")
+        return self.input_processor.process(list(prompt_token_ids), mm_data)
 
     def shutdown(self) -> None:
         """Stop the child (idempotent)."""
