@@ -105,29 +105,13 @@ class LLMEngine:
         """A prompt with ``multi_modal_data`` through the family's input processor: token ids
         with the placeholders expanded, and the items for :meth:`add_request`. ValueError
         naming the field on bad data or a text-only model."""
-        if not isinstance(mm_data, dict):
-            raise ValueError(f"multi_modal_data must be a dict such as {{'image': ...}}, got "
-                             f"{type(mm_data).__name__}")
-        if self.input_processor is None:
-            raise ValueError(f"multi_modal_data: {self.runner.model_entry.architecture} takes "
-                             "text only")
-        return self.input_processor.process(list(prompt_token_ids), mm_data)
+        return process_multimodal(self.input_processor, self.runner.model_entry.architecture,
+                                  prompt_token_ids, mm_data)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check a request can run; returns its effective max_tokens. Raises ``ValueError``."""
+        check_prompt(prompt_token_ids, params, self.max_model_len, self.runner.vocab_size)
         n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty: give at least one token")
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {n} tokens, but max_model_len is {self.max_model_len}: "
-                f"prompts may have at most {self.max_model_len - 1} tokens"
-            )
-        vocab = self.runner.vocab_size
-        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
-        params.check_vocab(vocab)
         self.runner.sampler.check_params(params)
         room = self.max_model_len - n
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -383,6 +367,38 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             **self._spec_stats(),
         }
+
+
+def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int,
+                 vocab_size: int) -> None:
+    """The checks of a request that need no engine state: a prompt of 1 to
+    ``max_model_len - 1`` ids in the vocabulary, and the params' token ids. ``ValueError``
+    naming the field (``LLMEngine.validate`` and the server's ``RemoteEngine`` run it)."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    if n >= max_model_len:
+        raise ValueError(
+            f"the prompt has {n} tokens, but max_model_len is {max_model_len}: "
+            f"prompts may have at most {max_model_len - 1} tokens"
+        )
+    bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    if bad:
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size}); got {bad[:5]}")
+    params.check_vocab(vocab_size)
+
+
+def process_multimodal(processor: InputProcessor | None, architecture: str,
+                       prompt_token_ids: list[int], mm_data: Any
+                       ) -> tuple[list[int], list[MultiModalItem]]:
+    """``mm_data`` through a family's input ``processor`` (None: a text-only model):
+    ``ValueError`` naming the field on bad data or a text-only model."""
+    if not isinstance(mm_data, dict):
+        raise ValueError(f"multi_modal_data must be a dict such as {{'image': ...}}, got "
+                         f"{type(mm_data).__name__}")
+    if processor is None:
+        raise ValueError(f"multi_modal_data: {architecture} takes text only")
+    return processor.process(list(prompt_token_ids), mm_data)
 
 
 def _load_tokenizer(path: str) -> Tokenizer | None:

@@ -27,6 +27,7 @@ from mrv2.config import EngineConfig
 from mrv2.contract.input_processor import InputProcessor
 from mrv2.contract.params import SamplingParams
 from mrv2.contract.requests import MultiModalItem
+from mrv2.engine.engine import _load_tokenizer, check_prompt, process_multimodal
 from mrv2.engine.outputs import RequestOutput
 from mrv2.engine.tokenizer import Tokenizer
 from mrv2.entrypoints.engine_core import (
@@ -35,22 +36,20 @@ from mrv2.entrypoints.engine_core import (
     OutputDelta,
     run_engine_core,
 )
-from mrv2.entrypoints.engine_thread import QueueFullError
+from mrv2.entrypoints.engine_thread import QueueFullError, check_room
+from mrv2.entrypoints.engine_thread import _Sink as ThreadSink
 from mrv2.entrypoints.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _Sink:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
-    arrival: float
-    num_prompt: int
-    num_seqs: int
-    first: float | None = None
+class _Sink(ThreadSink):
+    """The engine thread's sink, and what the deltas need: an abort mark (set on the loop)
+    and each choice's tokens so far (the finished lengths for ``/metrics``)."""
+
     aborted: bool = False
-    tokens: dict[int, int] = field(default_factory=dict)  # choice index -> tokens so far
+    tokens: dict[int, int] = field(default_factory=dict)
 
 
 class EngineProcess:
@@ -143,18 +142,11 @@ class EngineProcess:
                     mm_items: list[MultiModalItem] | None = None) -> None:
         """Add a request once the engine accepts it; ``ValueError`` (the engine's message)
         if it refuses, :class:`QueueFullError` past ``max_pending`` sequences."""
-        entry = _Sink(loop, sink, time.monotonic(), len(prompt_token_ids), params.n)
+        entry = _Sink(loop, sink, time.monotonic(), num_prompt=len(prompt_token_ids),
+                      num_seqs=params.n)
         ack: asyncio.Future[str | None] = loop.create_future()
         with self._lock:
-            if self.fatal is not None:
-                raise QueueFullError(f"the engine failed: {self.fatal}")
-            if self._stopped:
-                raise QueueFullError("the server is shutting down")
-            if self._pending + params.n > self.max_pending:
-                raise QueueFullError(
-                    f"{self._pending} sequences in flight and this request adds {params.n}: "
-                    f"more than this server queues (--max-pending {self.max_pending}); "
-                    "retry later")
+            check_room(self.fatal, self._stopped, self._pending, params.n, self.max_pending)
             self._pending += params.n
             self._sinks[req_id] = entry
             self._acks[req_id] = (loop, ack)
@@ -301,10 +293,9 @@ class EngineProcess:
                         reasons = {c[0]: c[4] or "unknown" for c in choices}
                         lengths = [(reasons.get(i, "unknown"), n)
                                    for i, n in sorted(entry.tokens.items())]
-                        metrics.observe_finished(entry.num_prompt, lengths)
-                        for _, num in lengths:
-                            if num > 1 and entry.first is not None:
-                                metrics.tpot.observe((now - entry.first) / (num - 1))
+                        metrics.observe_finished(
+                            entry.num_prompt, lengths,
+                            None if entry.first is None else now - entry.first)
                 self._backlog.setdefault(entry.loop, []).append((entry, delta))
             ready = [(loop, items) for loop, items in self._backlog.items()
                      if items and loop not in self._busy]
@@ -361,7 +352,6 @@ class RemoteEngine:
 
     def __init__(self, config: EngineConfig, max_pending: int = 1024,
                  startup_timeout: float | None = None) -> None:
-        from mrv2.engine.engine import _load_tokenizer
         from mrv2.registry import import_object
 
         self.config = config
@@ -381,30 +371,14 @@ class RemoteEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """The checks that need no engine state (the prompt's length and ids, the params'
         token ids); the engine makes the rest when it adds the request."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty: give at least one token")
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {n} tokens, but max_model_len is {self.max_model_len}: "
-                f"prompts may have at most {self.max_model_len - 1} tokens")
-        vocab = self.vocab_size
-        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
-        params.check_vocab(vocab)
+        check_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size)
 
     def process_multimodal(self, prompt_token_ids: list[int], mm_data: Any
                            ) -> tuple[list[int], list[MultiModalItem]]:
         """As the engine's ``process_multimodal``, here in the server's process (the family's
         processor is built here from what the child reported)."""
-        if not isinstance(mm_data, dict):
-            raise ValueError(f"multi_modal_data must be a dict such as {{'image': ...}}, got "
-                             f"{type(mm_data).__name__}")
-        if self.input_processor is None:
-            raise ValueError(f"multi_modal_data: {self.process.info.architecture} takes "
-                             "text only")
-        return self.input_processor.process(list(prompt_token_ids), mm_data)
+        return process_multimodal(self.input_processor, self.process.info.architecture,
+                                  prompt_token_ids, mm_data)
 
     def shutdown(self) -> None:
         """Stop the child (idempotent)."""

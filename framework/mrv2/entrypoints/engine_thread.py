@@ -37,6 +37,21 @@ class QueueFullError(RuntimeError):
     """Too many sequences in flight."""
 
 
+def check_room(fatal: BaseException | None, stopped: bool, pending: int, n: int,
+               max_pending: int) -> None:
+    """Raise :class:`QueueFullError` when a request of ``n`` sequences cannot be taken: the
+    engine failed, the server is stopping, or ``max_pending`` would be passed (either
+    worker calls it under its lock before it counts the request)."""
+    if fatal is not None:
+        raise QueueFullError(f"the engine failed: {fatal}")
+    if stopped:
+        raise QueueFullError("the server is shutting down")
+    if pending + n > max_pending:
+        raise QueueFullError(
+            f"{pending} sequences in flight and this request adds {n}: more than this server "
+            f"queues (--max-pending {max_pending}); retry later")
+
+
 @dataclass
 class _Sink:
     loop: asyncio.AbstractEventLoop
@@ -95,15 +110,7 @@ class EngineThread:
         :class:`QueueFullError` when its ``n`` sequences would take the server past
         ``max_pending`` sequences in flight."""
         with self._lock:
-            if self.fatal is not None:
-                raise QueueFullError(f"the engine failed: {self.fatal}")
-            if self._stopped:
-                raise QueueFullError("the server is shutting down")
-            if self._pending + params.n > self.max_pending:
-                raise QueueFullError(
-                    f"{self._pending} sequences in flight and this request adds {params.n}: "
-                    f"more than this server queues (--max-pending {self.max_pending}); "
-                    "retry later")
+            check_room(self.fatal, self._stopped, self._pending, params.n, self.max_pending)
             self._pending += params.n
         self._commands.put(("add", (req_id, prompt_token_ids, params, prompt, sink, loop,
                                     time.monotonic(), mm_items)))
@@ -203,10 +210,8 @@ class EngineThread:
             del self._sinks[output.request_id]
             self._finish_pending(sink)
             lengths = [(c.finish_reason or "unknown", len(c.token_ids)) for c in output.outputs]
-            self.metrics.observe_finished(sink.num_prompt, lengths)
-            for _, num in lengths:
-                if num > 1 and sink.first is not None:
-                    self.metrics.tpot.observe((now - sink.first) / (num - 1))
+            self.metrics.observe_finished(sink.num_prompt, lengths,
+                                          None if sink.first is None else now - sink.first)
         with self._lock:
             self._backlog.setdefault(sink.loop, {})[output.request_id] = (sink, output)
 

@@ -96,13 +96,16 @@ class ServerMetrics:
         ProcessCollector(registry=reg)
         reg.register(_EngineCollector(self, name, torch.device(device)))
 
-    def observe_finished(self, num_prompt: int, reasons_and_lengths: list[tuple[str, int]]
-                         ) -> None:
-        """A request finished: its prompt and each sequence's finish reason and length."""
+    def observe_finished(self, num_prompt: int, reasons_and_lengths: list[tuple[str, int]],
+                         decode_seconds: float | None = None) -> None:
+        """A request finished: its prompt and each sequence's finish reason and length; with
+        ``decode_seconds`` (first token to the end) each sequence's time per output token."""
         self.prompt_tokens.inc(num_prompt)
         for reason, num in reasons_and_lengths:
             self.generation_tokens.inc(num)
             self._success.labels(self._name, reason).inc()
+            if decode_seconds is not None and num > 1:
+                self.tpot.observe(decode_seconds / (num - 1))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every series."""
