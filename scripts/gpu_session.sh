@@ -11,7 +11,8 @@
 # mixedgraphs (steps with prompt tokens in CUDA graphs: small steps and the throughput workload),
 # servestreams (mrv2 serve, 256 streams of Qwen3-0.6B at 64/s and at once), serveprof (the same at
 # once under the server's stack sampler), serveclients (read by 1 and by 4 client processes),
-# streaminterval (--stream-interval 1 / 4 / 16 on that load), serveprocess (--engine-process A/B),
+# streaminterval (--stream-interval 1 / 4 / 16 on that load), serveprocess (the engine process
+# against the engine thread), gcfreeze (MRV2_GC_FREEZE: the startup heap frozen or not),
 # servegraphs (the same through mrv2 serve: scripts/serve_sweep.py, eager against graphs), servespec
 # (the same with n-gram speculation), padding (what padding rows cost: MoE and mixed graphs),
 # measuredcut (MRV2_MIXED_GRAPHS_MEASURED: mixed graphs only where they beat eager),
@@ -152,12 +153,14 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                    --prompt-tokens 300 --max-tokens 128 --warmup-requests 32 \
                    > "$OUT/streams.log" 2>&1; tail -4 "$OUT/streams.log" ;;
     serveprof) # where mrv2 serve's threads spend 256 streams at once (Qwen3-0.6B): the
-               # server's stack sampler (MRV2_SERVE_PROFILE) and each thread's CPU seconds
+               # stack sampler (MRV2_SERVE_PROFILE) of the server's process and of the engine's (.engine)
                timeout 300 python3 scripts/serve_sweep.py --model Qwen3-0.6B --out "$OUT/prof" \
                  --variants "plain+MRV2_SERVE_PROFILE=$OUT/serveprof_plain.txt" --rates inf \
                  --num-requests 256 --prompt-tokens 300 --max-tokens 128 --warmup-requests 32 \
                  > "$OUT/serveprof.log" 2>&1; tail -3 "$OUT/serveprof.log"
-               grep -B1 -A14 "== thread" "$OUT/serveprof_plain.txt" | grep -v " 100.0%" | head -60 ;;
+               for f in "$OUT/serveprof_plain.txt" "$OUT/serveprof_plain.txt.engine"; do
+                 echo "== $f"; grep -B1 -A14 "== thread" "$f" | grep -v " 100.0%" | head -50
+               done ;;
     serveclients) # 256 Qwen3-0.6B streams at once read by 1 client process, then by 4; the
                   # server's own TPOT / TTFT beside
                   for c in 1 4; do
@@ -168,17 +171,30 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                   done ;;
     streaminterval) # --stream-interval 1 / 4 / 16 on the servestreams load at once (Qwen3-0.6B)
                     timeout 280 python3 scripts/serve_sweep.py --model Qwen3-0.6B --out "$OUT/interval" \
-                      --variants plain stream_interval_4 stream_interval_16 --rates inf \
+                      --variants plain stream_interval_4 stream_interval_16 --rates inf inf \
                       --num-requests 256 --prompt-tokens 300 --max-tokens 128 --warmup-requests 32 \
-                      > "$OUT/interval.log" 2>&1; tail -5 "$OUT/interval.log" ;;
+                      > "$OUT/interval.log" 2>&1; tail -7 "$OUT/interval.log" ;;
+    gcfreeze) # the startup heap frozen (the default) or not (MRV2_GC_FREEZE=0), the engine in a
+              # process of its own (the default) and on a thread: 256 Qwen3-0.6B streams at
+              # once, three rounds per server, the collector's pauses (GC ms) beside; then the
+              # offline throughput workload's pauses (an LLM does not freeze)
+              timeout 420 python3 scripts/serve_sweep.py --model Qwen3-0.6B --out "$OUT/gc" \
+                --variants plain plain+MRV2_GC_FREEZE=0 engine_thread \
+                engine_thread+MRV2_GC_FREEZE=0 --rates inf inf inf --num-requests 256 \
+                --prompt-tokens 300 --max-tokens 128 --warmup-requests 32 \
+                > "$OUT/gc.log" 2>&1; tail -14 "$OUT/gc.log"
+              timeout 150 python3 -m mrv2.entrypoints.cli bench throughput --model Qwen3-0.6B \
+                --json "$OUT/gc_throughput.json" > "$OUT/gc_throughput.log" 2>&1
+              grep -E "garbage|^default " "$OUT/gc_throughput.log"
+              grep -o '"output_tok_s": [0-9.]*' "$OUT/gc_throughput.json" ;;
     serveprocess) # --engine-process (the engine in a child process) against the engine thread,
-                  # each also at --stream-interval 4: 256 Qwen3-0.6B streams at once, then the
-                  # engine-process server's GPU tests
-                  timeout 400 python3 scripts/serve_sweep.py --model Qwen3-0.6B --out "$OUT/process" \
-                    --variants plain engine_process plain_stream_interval_4 \
-                    engine_process_stream_interval_4 --rates 64 inf --num-requests 256 \
+                  # each also at --stream-interval 4: 256 Qwen3-0.6B streams at once, three
+                  # rounds per server (one serve run decides nothing)
+                  timeout 540 python3 scripts/serve_sweep.py --model Qwen3-0.6B --out "$OUT/process" \
+                    --variants engine_thread engine_process engine_thread_stream_interval_4 \
+                    engine_process_stream_interval_4 --rates inf inf inf --num-requests 256 \
                     --prompt-tokens 300 --max-tokens 128 --warmup-requests 32 \
-                    > "$OUT/process.log" 2>&1; tail -10 "$OUT/process.log" ;;
+                    > "$OUT/process.log" 2>&1; tail -14 "$OUT/process.log" ;;
     servegraphs) # mrv2 serve with steps with prompt tokens eager / in graphs (the default):
                  # 256 requests of ~300 prompt tokens, 128 output tokens, at 64/s and at once
                  timeout 280 python3 scripts/serve_sweep.py --model Qwen3-0.6B --out "$OUT/sweep" \

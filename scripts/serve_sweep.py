@@ -79,7 +79,9 @@ def variant_args(name: str, acceptance: float) -> list[str]:
                 "synthetic_acceptance_rate": acceptance}
         args += ["--speculative-config", json.dumps(spec)]
     if "engine_process" in name:  # ...engine_process...: the engine in its own process
-        args += ["--engine-process"]
+        args += ["--engine-process"]  # (the default)
+    if "engine_thread" in name:  # ...engine_thread...: on a thread of the server's process
+        args += ["--no-engine-process"]
     interval = re.search(r"stream_interval_(\d+)", name)
     if interval:  # ...stream_interval_K...: --stream-interval K
         args += ["--stream-interval", interval.group(1)]
@@ -107,6 +109,9 @@ def server_means(url: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics", timeout=30).text
     found: dict[str, float] = {}
     for line in text.splitlines():
+        gc_pause = re.match(r"mrv2_gc_pause_seconds_total\S* (\S+)", line)
+        if gc_pause:  # the server's process and the engine's, summed
+            found["gc_s"] = found.get("gc_s", 0.0) + float(gc_pause.group(1))
         m = re.match(r"mrv2_time_(per_output_token|to_first_token)_seconds_(sum|count)\S* (\S+)",
                      line)
         if m:
@@ -152,6 +157,7 @@ def measure_rate(bench: list[str], url: str, rate: float, k: int, args: argparse
         count = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
         total = after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)
         merged[f"server_{name}_mean_ms"] = 1000 * total / count if count else float("nan")
+    merged["gc_pause_ms"] = 1000 * (after.get("gc_s", 0.0) - before.get("gc_s", 0.0))
     return merged
 
 
@@ -213,16 +219,18 @@ def main() -> int:
         results["variants"][name] = rows
     (args.out / "sweep.json").write_text(json.dumps(results, indent=1))
     nan = float("nan")
-    print(f"\n{'variant':<20}{'rate':>6}{'TPOT p50':>10}{'TPOT p90':>10}{'TTFT p50':>10}"
-          f"{'out tok/s':>11}{'server TPOT':>12}{'server TTFT':>12}{'client CPU':>11}")
+    print(f"\n{'variant':<34}{'rate':>6}{'TPOT p50':>10}{'TPOT p90':>10}{'TTFT p50':>10}"
+          f"{'out tok/s':>11}{'server TPOT':>12}{'server TTFT':>12}{'client CPU':>11}"
+          f"{'GC ms':>8}")
     for name, data in results["variants"].items():
         for row in data:
-            print(f"{name:<20}{row['rate']!s:>6}{row.get('tpot_p50_ms', nan):>10.2f}"
+            print(f"{name:<34}{row['rate']!s:>6}{row.get('tpot_p50_ms', nan):>10.2f}"
                   f"{row.get('tpot_p90_ms', nan):>10.2f}{row.get('ttft_p50_ms', nan):>10.1f}"
                   f"{row.get('output_throughput', nan):>11.1f}"
                   f"{row.get('server_tpot_mean_ms', nan):>12.2f}"
                   f"{row.get('server_ttft_mean_ms', nan):>12.1f}"
-                  f"{row.get('client_cpu_fraction', nan):>11.0%}")
+                  f"{row.get('client_cpu_fraction', nan):>11.0%}"
+                  f"{row.get('gc_pause_ms', nan):>8.1f}")
     if args.clients > 1:
         print(f"({args.clients} client processes: tok/s summed over the longest client's "
               "time; the percentiles are the median of the clients' own)")

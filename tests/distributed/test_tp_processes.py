@@ -93,12 +93,23 @@ def _get(url: str) -> int:
         return int(error.code)
 
 
-def test_serve_answers_503_then_exits_nonzero_when_a_worker_dies(model: Path) -> None:
-    port = 18000 + os.getpid() % 1000
+def _descendants(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            found += [int(child), *_descendants(int(child))]
+    return found
+
+
+@pytest.mark.parametrize("mode", ["--engine-process", "--no-engine-process"])
+def test_serve_answers_503_then_exits_nonzero_when_a_worker_dies(model: Path, mode: str) -> None:
+    """Rank 1 killed: 503, then exit 1 naming the rank; with the engine in a process of its
+    own (the default: rank 0 is that child, the worker its child) and on a thread."""
+    port = 18000 + os.getpid() % 1000 + (mode == "--engine-process")
     proc = subprocess.Popen(
         [sys.executable, "-m", "mrv2.entrypoints.cli", "serve", str(model), "--device", "cpu",
          "--dtype", "float32", "--tensor-parallel-size", "2", "--port", str(port),
-         "--max-model-len", "256"], stderr=subprocess.PIPE, text=True)
+         "--max-model-len", "256", mode], stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -110,9 +121,8 @@ def test_serve_answers_503_then_exits_nonzero_when_a_worker_dies(model: Path) ->
                 pass
             assert time.monotonic() < deadline, "the server did not come up"
             time.sleep(0.5)
-        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-        workers = [int(c) for c in children
-                   if "mrv2.executor.worker" in Path(f"/proc/{c}/cmdline").read_text()]
+        workers = [c for c in _descendants(proc.pid)
+                   if b"mrv2.executor.worker" in Path(f"/proc/{c}/cmdline").read_bytes()]
         assert len(workers) == 1
         os.kill(workers[0], signal.SIGKILL)
         statuses = []

@@ -1,4 +1,4 @@
-"""``mrv2 serve --engine-process``: the engine in a child process. Its answers equal the
+"""``mrv2 serve``'s default: the engine in a child process. Its answers equal the
 engine thread's (streamed or not, n > 1, logprobs); the engine's own refusals are 400s; a
 client that leaves has its request aborted; a dead engine process makes the server answer
 503. The deltas between the processes rebuild every cumulative output exactly."""
@@ -106,6 +106,8 @@ def test_a_client_that_leaves_has_its_request_aborted(remote: tuple[str, Any]) -
     assert engine.process.num_pending == 0
     text = httpx.get(f"{url}/metrics", headers=AUTH).text
     assert 'mrv2_request_aborted_total{model_name="tiny"} 1.0' in text
+    for process in ("server", "engine"):  # each process's collector pauses
+        assert f'mrv2_gc_pause_seconds_total{{model_name="tiny",process="{process}"}}' in text
 
 
 def test_a_dead_engine_process_makes_the_server_answer_503(model_dir: Path) -> None:
@@ -164,6 +166,30 @@ def test_engine_process_is_refused_under_torchrun(model_dir: Path, monkeypatch: 
     assert "--engine-process" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag,torchrun,expected", [
+    (None, False, "RemoteEngine"), (None, True, "LLMEngine"),
+    ("--no-engine-process", False, "LLMEngine"), ("--engine-process", False, "RemoteEngine")])
+def test_serve_runs_the_engine_in_a_process_of_its_own_by_default(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch, flag: str | None, torchrun: bool,
+        expected: str) -> None:
+    """``mrv2 serve`` without the flag: a child process, except under torchrun (each rank is
+    a process torchrun started), where the engine runs on a thread; the flag overrides."""
+    import mrv2.engine.engine as engine_module
+    import mrv2.entrypoints.engine_process as process_module
+    import mrv2.entrypoints.server as server_module
+    from mrv2.entrypoints.cli import main
+
+    built: list[str] = []
+    for module, name in ((engine_module, "LLMEngine"), (process_module, "RemoteEngine")):
+        monkeypatch.setattr(module, name, lambda *a, _name=name, **k: built.append(_name))
+    monkeypatch.setattr(server_module, "run_server", lambda *a, **k: 0)
+    if torchrun:
+        for var, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1")):
+            monkeypatch.setenv(var, value)
+    assert main(["serve", str(model_dir), "--device", "cpu", *([flag] if flag else [])]) == 0
+    assert built == [expected]
+
+
 def test_an_engine_that_cannot_start_is_a_clear_error(tmp_path: Path) -> None:
     """A checkpoint the engine cannot load: the child's reason, raised in the server's process
     before anything serves."""
@@ -173,3 +199,18 @@ def test_an_engine_that_cannot_start_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(RuntimeError, match="the engine could not start.*NoSuchModel"):
         RemoteEngine(EngineConfig.from_kwargs(model=str(tmp_path), device="cpu"))
+
+
+def test_the_engine_process_samples_itself_under_the_profile_variable(
+        model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MRV2_SERVE_PROFILE=FILE``: the engine's own process writes its report to FILE.engine
+    when it stops (the server's process writes FILE)."""
+    from mrv2.entrypoints.engine_process import RemoteEngine
+    from mrv2.entrypoints.stack_sampler import PROFILE_ENV_VAR
+
+    path = tmp_path / "profile.txt"
+    monkeypatch.setenv(PROFILE_ENV_VAR, str(path))
+    engine = RemoteEngine(EngineConfig.from_kwargs(model=str(model_dir), **ENGINE_KWARGS))
+    engine.shutdown()
+    report = Path(f"{path}.engine").read_text()
+    assert "== thread" in report and "MainThread" in report

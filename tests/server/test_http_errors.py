@@ -92,6 +92,9 @@ def test_metrics(server: Served) -> None:
                  "mrv2_spec_decode_num_draft_tokens_total",
                  "mrv2_spec_decode_num_accepted_tokens_total"):
         assert name in text
+    # one process (the engine on a thread): the server's collector pauses only
+    assert 'mrv2_gc_pause_seconds_total{model_name="tiny",process="server"}' in text
+    assert 'process="engine"' not in text
 
 
 def test_bench_serve_against_server(server: Served, capsys: pytest.CaptureFixture[str],

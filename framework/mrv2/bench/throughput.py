@@ -32,6 +32,7 @@ from mrv2.bench.measure import (
 from mrv2.config import EngineConfig
 from mrv2.contract.params import SamplingParams
 from mrv2.engine.engine import LLMEngine
+from mrv2.engine.gc_pauses import GCPauses
 from mrv2.layers.moe import COUNT_READS_ENV
 
 
@@ -140,7 +141,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         log = instrument(engine)
         reads_before = expert_reads(engine.runner)
         before = engine.stats()
-        produced, seconds = run_engine(engine, prompts, max_tokens, args.temperature)
+        pauses = GCPauses()  # (an offline engine's heap is not frozen: gc_pauses.py)
+        try:
+            produced, seconds = run_engine(engine, prompts, max_tokens, args.temperature)
+        finally:
+            pauses.close()
         finished = time.perf_counter()
         row: dict[str, Any] = {"output_tokens": produced, "seconds": round(seconds, 3),
                                "output_tok_s": round(produced / seconds, 1),
@@ -152,6 +157,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
         hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
         row["prefix_hit_rate"] = round(hits / queries, 3) if queries else 0.0
+        row["gc_pauses"] = pauses.summary()
         row["preemptions"] = after["num_preemptions"] - before["num_preemptions"]
         if engine.runner.device.type == "cuda":
             if bandwidth is None:
@@ -249,6 +255,12 @@ def format_breakdown(results: dict[str, Any]) -> str:
             busy = f"{k['gpu_busy']:8.2f}" if "gpu_busy" in k else f"{'-':>8s}"
             lines.append(f"{name:12s} {kind:13s} {k['steps']:6d} {k['tokens']:8d} "
                          f"{k['wall_s']:8.2f} {k['host_ms_per_step']:12.2f} {device} {busy}")
+        if "gc_pauses" in row:
+            gc_row = row["gc_pauses"]
+            lines.append(f"{name:12s} garbage collector: {sum(gc_row['ms']):.1f} ms in "
+                         f"{sum(gc_row['collections'])} collections ({gc_row['collections'][2]} "
+                         f"of the oldest generation, {gc_row['ms'][2]:.1f} ms), longest "
+                         f"{gc_row['longest_ms']:.1f} ms")
     return "\n".join(lines)
 
 

@@ -46,18 +46,21 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     from mrv2.engine.engine import LLMEngine
     from mrv2.entrypoints.server import run_server
+    from mrv2.executor.tensor_parallel import launched_by_torchrun
 
     model = args.model_dir or args.model
     config = config_from_cli(args, model)
-    if args.engine_process:
-        from mrv2.entrypoints.engine_process import RemoteEngine
-        from mrv2.executor.tensor_parallel import launched_by_torchrun
 
-        if launched_by_torchrun():
-            print("mrv2 serve: --engine-process runs the engine in a child of this process; "
-                  "under torchrun every rank is started by torchrun: leave the flag out",
-                  file=sys.stderr)
-            return 2
+    own_process = args.engine_process
+    if own_process is None:  # the default: a process of its own, but not under torchrun
+        own_process = not launched_by_torchrun()
+    elif own_process and launched_by_torchrun():
+        print("mrv2 serve: --engine-process runs the engine in a child of this process; "
+              "under torchrun every rank is started by torchrun: leave the flag out",
+              file=sys.stderr)
+        return 2
+    if own_process:
+        from mrv2.entrypoints.engine_process import RemoteEngine
 
         engine: LLMEngine | RemoteEngine = RemoteEngine(config, args.max_pending)
     else:
@@ -122,9 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-n", type=int, default=64,
                        help="largest n a request may ask for (400 above; capped by --max-pending)")
     serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction,
-                       default=False,
-                       help="run the engine in a process of its own (vLLM's engine core): "
-                       "the server's event loop and the engine stop sharing one GIL")
+                       default=None,
+                       help="run the engine in a process of its own, as vLLM's engine core "
+                       "(the default, except under torchrun, where every rank is a process "
+                       "torchrun started): the server's event loop and the engine do not "
+                       "share one GIL; --no-engine-process runs it on a thread of the "
+                       "server's process")
     add_cli_args(serve)
     serve.set_defaults(func=_serve)
 

@@ -1,4 +1,4 @@
-"""The engine in a process of its own (``mrv2 serve --engine-process``): its loop, and what
+"""The engine in a process of its own (``mrv2 serve``'s default): its loop, and what
 goes over the pipes.
 
 In one process the event loop and the engine thread share one GIL: on the H200 with 256
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -32,7 +33,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from mrv2.config import EngineConfig
+from mrv2.engine.gc_pauses import GCPauses, freeze_startup_heap
 from mrv2.engine.outputs import CompletionOutput, RequestOutput
+from mrv2.entrypoints.stack_sampler import PROFILE_ENV_VAR, StackSampler
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +152,8 @@ def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connect
         outputs.send(("fatal", f"the engine could not start: {type(error).__name__}: {error}"))
         return
     runner = engine.runner
+    freeze_startup_heap()  # this process lives as long as its engine
+    pauses = GCPauses()
     outputs = _LockedConnection(outputs)  # type: ignore[assignment]
     listen = getattr(runner, "add_failure_listener", None)
     if listen is not None:  # a tensor-parallel worker died (told from a watcher thread)
@@ -160,11 +165,18 @@ def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connect
         architecture=runner.model_entry.architecture,
         input_processor=runner.model_entry.input_processor or None,
         hf_config=runner.hf_config if runner.model_entry.input_processor else None)))
+    profile = os.environ.get(PROFILE_ENV_VAR, "").strip()
+    sampler = StackSampler() if profile else None  # (the server's report, FILE.engine)
+    if sampler is not None:
+        sampler.start()
     try:
-        _loop(engine, commands, outputs)
+        _loop(engine, commands, outputs, pauses)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the parent is gone
     finally:
+        if sampler is not None:
+            sampler.stop()
+            sampler.write(f"{profile}.engine")
         engine.shutdown()
 
 
@@ -187,10 +199,11 @@ def _send_quietly(outputs: Any, message: Any) -> None:
         outputs.send(message)
 
 
-def _stats(engine: Any) -> dict[str, Any]:
+def _stats(engine: Any, pauses: GCPauses) -> dict[str, Any]:
     """The engine's counters, with its device's memory (the server's process makes no CUDA
-    calls: ``/metrics`` reports these)."""
+    calls: ``/metrics`` reports these) and this process's garbage-collector pauses."""
     stats: dict[str, Any] = engine.stats()
+    stats["gc_pause_seconds"] = pauses.total_seconds
     device = engine.runner.device
     if device.type == "cuda":
         import torch
@@ -200,7 +213,7 @@ def _stats(engine: Any) -> dict[str, Any]:
     return stats
 
 
-def _loop(engine: Any, commands: Connection, outputs: Connection) -> None:
+def _loop(engine: Any, commands: Connection, outputs: Connection, pauses: GCPauses) -> None:
     encoder = DeltaEncoder()
     live: set[str] = set()
     idle_sent = False
@@ -208,7 +221,7 @@ def _loop(engine: Any, commands: Connection, outputs: Connection) -> None:
     while True:
         block = not engine.has_unfinished()
         if block and not idle_sent:
-            outputs.send(("stats", _stats(engine)))
+            outputs.send(("stats", _stats(engine, pauses)))
             idle_sent = True
         while commands.poll(None if block else 0):
             block = False
@@ -259,5 +272,5 @@ def _loop(engine: Any, commands: Connection, outputs: Connection) -> None:
             now = time.monotonic()
             stats = None
             if now - stats_at >= STATS_INTERVAL_S:
-                stats, stats_at = _stats(engine), now
+                stats, stats_at = _stats(engine, pauses), now
             outputs.send(("outputs", deltas, stats))

@@ -1,4 +1,4 @@
-"""The server's side of an engine in a child process (``mrv2 serve --engine-process``).
+"""The server's side of an engine in a child process (``mrv2 serve``'s default).
 
 :class:`RemoteEngine` stands where the server holds an :class:`~mrv2.engine.engine.LLMEngine`
 (tokenizer, limits, sampling defaults, first checks of a request, the family's multimodal

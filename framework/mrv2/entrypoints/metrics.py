@@ -5,7 +5,8 @@ gauges and counters (running, waiting, KV blocks, prefix cache, preemptions, spe
 read from its last ``stats()`` snapshot when ``/metrics`` is scraped, so a scrape never touches
 the engine. Every ``mrv2_*`` series carries a ``model_name`` label (``--served-model-name``,
 escaped by the library); ``process_*`` (resident memory, CPU seconds, open fds) come from the
-library's process collector.
+library's process collector; ``mrv2_gc_pause_seconds`` counts the garbage collector's pauses
+of the server's process and of the engine's, when it has one of its own.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from mrv2.engine.gc_pauses import GCPauses
 
 #: Histogram buckets (seconds) of time to first token and time per output token.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -93,8 +96,14 @@ class ServerMetrics:
         self.tpot = Histogram("mrv2_time_per_output_token_seconds", "Time per output token.",
                               ["model_name"], buckets=TPOT_BUCKETS, registry=reg).labels(name)
         self._name = name
+        #: This process's garbage-collector pauses (an engine process reports its own).
+        self.gc_pauses = GCPauses()
         ProcessCollector(registry=reg)
         reg.register(_EngineCollector(self, name, torch.device(device)))
+
+    def close(self) -> None:
+        """Stop counting this process's collector pauses (the server stopped)."""
+        self.gc_pauses.close()
 
     def observe_finished(self, num_prompt: int, reasons_and_lengths: list[tuple[str, int]],
                          decode_seconds: float | None = None) -> None:
@@ -138,6 +147,14 @@ class _EngineCollector(Collector):
                                     labels=["model_name"])
         pending.add_metric(label, float(self.metrics.num_pending()))
         yield pending
+        pauses = CounterMetricFamily(
+            "mrv2_gc_pause_seconds", "Seconds Python's garbage collector stopped a process "
+            "(server: the HTTP server's; engine: the engine's own process, when it has one).",
+            labels=["model_name", "process"])
+        pauses.add_metric([self.model_name, "server"], self.metrics.gc_pauses.total_seconds)
+        if "gc_pause_seconds" in stats:
+            pauses.add_metric([self.model_name, "engine"], float(stats["gc_pause_seconds"]))
+        yield pauses
         on_gpu = self.device.type == "cuda"
         for name, doc, read, key in (
             ("mrv2_gpu_memory_allocated_bytes", "Device memory held by tensors.",

@@ -1,6 +1,8 @@
-"""An OpenAI-compatible HTTP server (FastAPI + uvicorn) over one :class:`LLMEngine`.
+"""An OpenAI-compatible HTTP server (FastAPI + uvicorn) over one engine: an
+:class:`LLMEngine` on an :class:`EngineThread` of this process, or a :class:`RemoteEngine`
+whose engine steps in a process of its own (``mrv2 serve``'s default).
 
-``create_app(engine)`` builds the app and its :class:`EngineThread`; ``mrv2 serve`` runs it.
+``create_app(engine)`` builds the app and its worker; ``mrv2 serve`` runs it.
 Routes: ``/v1/completions``, ``/v1/chat/completions`` (both stream by server-sent events),
 ``/v1/models``, ``/health``, ``/metrics`` (Prometheus text).
 """
@@ -26,6 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from mrv2.contract.params import SamplingParams
 from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.engine import LLMEngine
+from mrv2.engine.gc_pauses import freeze_startup_heap
 from mrv2.engine.media import split_chat_media
 from mrv2.engine.outputs import RequestOutput
 from mrv2.entrypoints.engine_process import EngineProcess, RemoteEngine
@@ -110,7 +113,8 @@ def create_app(engine: LLMEngine | RemoteEngine, served_model_name: str | None =
         listen = getattr(engine.runner, "add_failure_listener", None)
         if listen is not None:  # a tensor-parallel worker died: 503 from now on, then exit
             listen(worker.mark_fatal)
-    app = FastAPI(title="mrv2", on_startup=[worker.start], on_shutdown=[worker.stop])
+    app = FastAPI(title="mrv2", on_startup=[worker.start],
+                  on_shutdown=[worker.stop, metrics.close])
     if api_key is not None:
         app.add_middleware(_CheckKey, api_key=api_key)
     app.state.engine_thread = worker
@@ -460,6 +464,7 @@ def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: 
         threading.Timer(FATAL_GRACE_S, lambda: setattr(server, "should_exit", True)).start()
 
     worker.on_fatal.append(stop_soon)
+    freeze_startup_heap()  # this process lives as long as the server
     profile = os.environ.get(PROFILE_ENV_VAR, "").strip()
     sampler = StackSampler() if profile else None
     if sampler is not None:

@@ -1,7 +1,8 @@
 """A sampling profiler for a running server: where each thread's time goes.
 
 ``mrv2 serve`` starts one when ``MRV2_SERVE_PROFILE=FILE`` is set and writes its report to
-FILE when the server stops. Every ``interval`` seconds a daemon thread reads every other
+FILE when the server stops (an engine in a process of its own samples itself into
+``FILE.engine``). Every ``interval`` seconds a daemon thread reads every other
 thread's Python stack (``sys._current_frames``) and counts, per thread, each function on it
 (inclusive) and the innermost one (self). A thread blocked in a C call (a queue wait, a
 socket poll, a CUDA launch) shows at the Python line that made the call. The sampler needs the
