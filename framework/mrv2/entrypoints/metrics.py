@@ -149,7 +149,8 @@ class _EngineCollector(Collector):
         yield pending
         pauses = CounterMetricFamily(
             "mrv2_gc_pause_seconds", "Seconds Python's garbage collector stopped a process "
-            "(server: the HTTP server's; engine: the engine's own process, when it has one).",
+            "(server: the HTTP server's process, the engine's too when it runs on a thread there; "
+            "engine: the engine's own process).",
             labels=["model_name", "process"])
         pauses.add_metric([self.model_name, "server"], self.metrics.gc_pauses.total_seconds)
         if "gc_pause_seconds" in stats:
