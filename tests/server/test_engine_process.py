@@ -205,12 +205,13 @@ def test_the_engine_process_samples_itself_under_the_profile_variable(
         model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``MRV2_SERVE_PROFILE=FILE``: the engine's own process writes its report to FILE.engine
     when it stops (the server's process writes FILE)."""
-    from mrv2.entrypoints.engine_process import RemoteEngine
     from mrv2.entrypoints.stack_sampler import PROFILE_ENV_VAR
 
     path = tmp_path / "profile.txt"
-    monkeypatch.setenv(PROFILE_ENV_VAR, str(path))
-    engine = RemoteEngine(EngineConfig.from_kwargs(model=str(model_dir), **ENGINE_KWARGS))
-    engine.shutdown()
+    monkeypatch.setenv(PROFILE_ENV_VAR, str(path))  # (the child inherits it)
+    for url, _ in _remote(model_dir):  # some steps to sample (a sample every 2 ms)
+        response = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=60, json={
+            "model": MODEL, "prompt": [5, 6], "max_tokens": 16, "ignore_eos": True})
+        assert response.status_code == 200
     report = Path(f"{path}.engine").read_text()
     assert "== thread" in report and "MainThread" in report
