@@ -455,6 +455,9 @@ def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: 
     1)."""
     import uvicorn
 
+    # This process lives as long as the server; frozen before the app (and its count of the
+    # collector's pauses) exists, so /metrics does not count this one full collection.
+    freeze_startup_heap()
     app = create_app(engine, served_model_name, api_key, max_pending, max_n)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
     worker: EngineThread = app.state.engine_thread
@@ -464,7 +467,6 @@ def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: 
         threading.Timer(FATAL_GRACE_S, lambda: setattr(server, "should_exit", True)).start()
 
     worker.on_fatal.append(stop_soon)
-    freeze_startup_heap()  # this process lives as long as the server
     profile = os.environ.get(PROFILE_ENV_VAR, "").strip()
     sampler = StackSampler() if profile else None
     if sampler is not None:
