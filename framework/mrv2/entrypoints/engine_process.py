@@ -36,7 +36,7 @@ from mrv2.entrypoints.engine_core import (
     OutputDelta,
     run_engine_core,
 )
-from mrv2.entrypoints.engine_thread import QueueFullError, check_room
+from mrv2.entrypoints.engine_thread import LoopHandOver, QueueFullError, check_room
 from mrv2.entrypoints.engine_thread import _Sink as ThreadSink
 from mrv2.entrypoints.metrics import ServerMetrics
 
@@ -79,8 +79,8 @@ class EngineProcess:
         self._acks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[str | None]]] = {}
         self._pending = 0
         self._stopped = False
-        self._backlog: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, OutputDelta]]] = {}
-        self._busy: set[asyncio.AbstractEventLoop] = set()
+        #: Deltas on their way to their event loops (each kept: a delta is not cumulative).
+        self._hand_over: LoopHandOver[tuple[_Sink, OutputDelta]] = LoopHandOver(self._apply)
         self._accumulator = OutputAccumulator()  # (used on the event loop only)
         self._stats: dict[str, Any] = {}
         self.info = self._wait_ready(startup_timeout)
@@ -271,8 +271,7 @@ class EngineProcess:
             self.metrics.stats = stats
 
     def _deliver(self, deltas: list[OutputDelta], now: float) -> None:
-        """Account each delta (TTFT, TPOT, finished counts) and add it to its loop's
-        backlog; hand each idle loop its backlog."""
+        """Account each delta (TTFT, TPOT, finished counts) and hand it to its loop."""
         metrics = self.metrics
         with self._lock:
             for delta in deltas:
@@ -296,18 +295,10 @@ class EngineProcess:
                         metrics.observe_finished(
                             entry.num_prompt, lengths,
                             None if entry.first is None else now - entry.first)
-                self._backlog.setdefault(entry.loop, []).append((entry, delta))
-            ready = [(loop, items) for loop, items in self._backlog.items()
-                     if items and loop not in self._busy]
-            for loop, _ in ready:
-                self._busy.add(loop)
-                del self._backlog[loop]
-        for loop, batch in ready:
-            with contextlib.suppress(RuntimeError):  # a closed loop: its clients are gone
-                loop.call_soon_threadsafe(self._hand_over, loop, batch)
+                self._hand_over.add(entry.loop, (entry, delta))
+        self._hand_over.post()
 
-    def _hand_over(self, loop: asyncio.AbstractEventLoop,
-                   batch: list[tuple[_Sink, OutputDelta]]) -> None:
+    def _apply(self, batch: list[tuple[_Sink, OutputDelta]]) -> None:
         # (on the loop) the deltas into the cumulative outputs, each touched request's once
         touched: dict[str, tuple[_Sink, RequestOutput]] = {}
         for entry, delta in batch:
@@ -317,16 +308,6 @@ class EngineProcess:
             touched[delta[0]] = (entry, self._accumulator.apply(delta))
         for entry, output in touched.values():
             entry.queue.put_nowait(output)
-        loop.call_soon(self._loop_idle, loop)
-
-    def _loop_idle(self, loop: asyncio.AbstractEventLoop) -> None:
-        with self._lock:
-            self._busy.discard(loop)
-            batch = self._backlog.pop(loop, None)
-            if batch:
-                self._busy.add(loop)
-        if batch:  # outputs came while it was busy: hand them over now
-            self._hand_over(loop, batch)
 
 
 def _settle(future: asyncio.Future[str | None], error: str | None) -> None:

@@ -22,8 +22,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from mrv2.contract.params import SamplingParams
 from mrv2.contract.requests import MultiModalItem
@@ -32,6 +33,9 @@ from mrv2.engine.outputs import RequestOutput
 from mrv2.entrypoints.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
 
 class QueueFullError(RuntimeError):
     """Too many sequences in flight."""
@@ -62,6 +66,53 @@ class _Sink:
     num_seqs: int = 1  # the request's n: what it counts against max_pending
 
 
+class LoopHandOver(Generic[T]):
+    """Hands items from a worker thread to the event loops that wait for them, one callback a
+    loop for all it has: while a loop works on its last batch (the tasks that batch woke have
+    not yet run), its next items wait here; ``deliver(batch)`` runs on the loop. Items added
+    under one key merge while they wait (the latest stands for the ones before: outputs are
+    cumulative); items added without a key all stay, in order. Used by the engine thread and
+    by the engine process's reader."""
+
+    def __init__(self, deliver: Callable[[list[T]], None]) -> None:
+        self._deliver = deliver
+        self._lock = threading.Lock()
+        self._backlog: dict[asyncio.AbstractEventLoop, dict[Hashable, T]] = {}
+        self._busy: set[asyncio.AbstractEventLoop] = set()
+
+    def add(self, loop: asyncio.AbstractEventLoop, item: T, key: Hashable | None = None) -> None:
+        """Queue ``item`` for ``loop`` (:meth:`post` sends it)."""
+        with self._lock:
+            self._backlog.setdefault(loop, {})[object() if key is None else key] = item
+
+    def post(self) -> None:
+        """Hand each idle loop its backlog."""
+        with self._lock:
+            ready = [(loop, list(items.values())) for loop, items in self._backlog.items()
+                     if items and loop not in self._busy]
+            for loop, _ in ready:
+                self._busy.add(loop)
+                del self._backlog[loop]
+        for loop, batch in ready:
+            with contextlib.suppress(RuntimeError):  # a closed loop: its clients are gone
+                loop.call_soon_threadsafe(self._hand_over, loop, batch)
+
+    def _hand_over(self, loop: asyncio.AbstractEventLoop, batch: list[T]) -> None:
+        # (on the loop) the loop counts as busy until the tasks this wakes have run (they were
+        # scheduled first) and written their chunks
+        self._deliver(batch)
+        loop.call_soon(self._loop_idle, loop)
+
+    def _loop_idle(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._lock:
+            self._busy.discard(loop)
+            items = self._backlog.pop(loop, None)
+            if items:
+                self._busy.add(loop)
+        if items:  # items came while it was busy: hand them over now
+            self._hand_over(loop, list(items.values()))
+
+
 class EngineThread:
     """Runs ``engine.step()`` in a daemon thread while there is work."""
 
@@ -77,10 +128,8 @@ class EngineThread:
         self._sinks: dict[str, _Sink] = {}
         self._pending = 0  # sequences (n per request) submitted, not yet finished or aborted
         self._lock = threading.Lock()
-        #: Outputs waiting for their event loop (the latest a request), and the loops that
-        #: have not finished the batch they were handed (guarded by ``_lock``).
-        self._backlog: dict[asyncio.AbstractEventLoop, dict[str, tuple[_Sink, RequestOutput]]] = {}
-        self._busy: set[asyncio.AbstractEventLoop] = set()
+        #: Outputs on their way to their event loops (the latest a request while they wait).
+        self._hand_over: LoopHandOver[tuple[_Sink, RequestOutput]] = LoopHandOver(_fill_queues)
         self._thread = threading.Thread(target=self._run, name="mrv2-engine", daemon=True)
         self._stopped = False
         #: The error that ended the engine for good (a tensor-parallel worker died), or None.
@@ -176,7 +225,7 @@ class EngineThread:
             now = time.monotonic()
             for output in outputs:
                 self._deliver(output, now)
-            self._post()
+            self._hand_over.post()
             self.metrics.stats = engine.stats()
 
     def _handle(self, command: str, arg: Any) -> None:
@@ -199,7 +248,7 @@ class EngineThread:
                 self._finish_pending(aborted)
 
     def _deliver(self, output: RequestOutput, now: float) -> None:
-        """Account ``output`` and add it to its loop's backlog (:meth:`_post` hands it over)."""
+        """Account ``output`` and queue it for its loop (``_hand_over.post`` sends it)."""
         sink = self._sinks.get(output.request_id)
         if sink is None:
             return
@@ -212,36 +261,7 @@ class EngineThread:
             lengths = [(c.finish_reason or "unknown", len(c.token_ids)) for c in output.outputs]
             self.metrics.observe_finished(sink.num_prompt, lengths,
                                           None if sink.first is None else now - sink.first)
-        with self._lock:
-            self._backlog.setdefault(sink.loop, {})[output.request_id] = (sink, output)
-
-    def _post(self) -> None:
-        """Hand each idle loop its backlog, one callback for all of it; a busy loop's waits
-        (and merges) until the loop has written the batch it has."""
-        with self._lock:
-            ready = [(loop, list(items.values())) for loop, items in self._backlog.items()
-                     if items and loop not in self._busy]
-            for loop, _ in ready:
-                self._busy.add(loop)
-                del self._backlog[loop]
-        for loop, batch in ready:
-            with contextlib.suppress(RuntimeError):  # a closed loop: its clients are gone
-                loop.call_soon_threadsafe(self._hand_over, loop, batch)
-
-    def _hand_over(self, loop: asyncio.AbstractEventLoop,
-                   batch: list[tuple[_Sink, RequestOutput]]) -> None:
-        # (on the loop) the batch into its queues; the loop counts as busy until the tasks
-        # these wake have run (they were scheduled first) and written their chunks
-        for sink, output in batch:
-            sink.queue.put_nowait(output)
-        loop.call_soon(self._loop_idle, loop)
-
-    def _loop_idle(self, loop: asyncio.AbstractEventLoop) -> None:
-        with self._lock:
-            self._busy.discard(loop)
-            waiting = bool(self._backlog.get(loop))
-        if waiting:  # outputs came while it was busy and the engine may be idle: send them
-            self._post()
+        self._hand_over.add(sink.loop, (sink, output), key=output.request_id)
 
     def _fail_all(self, error: BaseException) -> None:
         for req_id, sink in list(self._sinks.items()):
@@ -273,6 +293,12 @@ class EngineThread:
     def _finish_pending(self, sink: _Sink) -> None:
         with self._lock:
             self._pending -= sink.num_seqs
+
+
+def _fill_queues(batch: list[tuple[_Sink, RequestOutput]]) -> None:
+    """(on the loop) each output into its request's queue."""
+    for sink, output in batch:
+        sink.queue.put_nowait(output)
 
 
 def _put(sink: _Sink, item: RequestOutput | BaseException) -> None:
