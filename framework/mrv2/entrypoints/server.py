@@ -92,7 +92,8 @@ class _CheckKey:
 def create_app(engine: LLMEngine | RemoteEngine, served_model_name: str | None = None,
                api_key: str | None = None, max_pending: int = 1024,
                max_n: int = DEFAULT_MAX_N) -> FastAPI:
-    """The app; its engine thread starts with the app and stops with it (``app.state``).
+    """The app; its worker (the engine thread, or the engine process's link) starts with the
+    app and stops with it (``app.state.engine_thread``).
 
     The server holds at most ``max_pending`` sequences (a request counts ``n`` per prompt)
     and answers 503 past that; a request's ``n`` may be at most ``max_n`` (and never more than
@@ -460,7 +461,7 @@ def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: 
     freeze_startup_heap()
     app = create_app(engine, served_model_name, api_key, max_pending, max_n)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
-    worker: EngineThread = app.state.engine_thread
+    worker: EngineThread | EngineProcess = app.state.engine_thread
 
     def stop_soon(error: BaseException) -> None:
         logger.error("stopping the server: %s", error)
