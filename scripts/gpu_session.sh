@@ -4,6 +4,7 @@
 # gemm_proto (scripts/proto_gemm.py: Triton TMA GEMMs against cuBLAS at 8B decode shapes),
 # pdlchain (scripts/proto_pdl_chain.py: Triton GEMMs with PDL in the decode layer's chain),
 # firststeps (scripts/probe_first_steps.py: TTFT step by step and host part, MRV2_PDL_GEMM off and on),
+# coldstart (scripts/probe_cold_start.py: the first request of each kind on an empty Triton cache, warm-up off and on),
 # graphtimes (scripts/decode_graph_times.py: each decode graph's replay time by size),
 # streamk (scripts/proto_streamk.py: a stream-K GEMM against cuBLAS at 8B decode shapes), attn,
 # splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile, mixed,
@@ -299,6 +300,11 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                    > "$OUT/tma_attn.log" 2>&1; tail -5 "$OUT/tma_attn.log"
                  ROUNDS=${ROUNDS:-1} bash scripts/ab_env.sh MRV2_TMA_PREFILL=1 throughput \
                    --model "${TMA_MODEL:-Qwen3-8B}" ;;
+    coldstart)  # the first requests after start-up on an empty Triton cache, each kind alone:
+                # wall ms and what compiled (scripts/probe_cold_start.py), the engine's start-up
+                # warm-up off, then on (each run with a fresh cache)
+                for w in no-warmup warmup; do timeout 280 python3 scripts/probe_cold_start.py \
+                  --$w > "$OUT/cold_start_$w.log" 2>&1; tail -13 "$OUT/cold_start_$w.log"; done ;;
     firststeps) # where TTFT goes, step by step and by host part (scripts/probe_first_steps.py),
                 # with MRV2_PDL_GEMM off and on (the nineteenth session's TTFT rise with it on
                 # did not recur in the twentieth)

@@ -196,6 +196,12 @@ class DeviceConfig(_Section):
 
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="compute device")
     enforce_eager: bool = Field(default=False, description="never capture CUDA graphs")
+    warmup: bool = Field(
+        default=True,
+        description="on CUDA, run a few short requests (greedy, sampled, top-k/top-p, "
+                    "logprobs) through the whole step path at start-up, so the first real "
+                    "request does not wait for kernels to compile",
+    )
     max_mixed_graph_tokens: int | None = Field(
         default=None, ge=0,
         description="steps with prompt tokens of up to this many tokens replay CUDA graphs "

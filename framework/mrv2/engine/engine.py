@@ -31,6 +31,7 @@ from mrv2.engine.sampling_outputs import (
 )
 from mrv2.engine.scheduler import Scheduler
 from mrv2.engine.tokenizer import Tokenizer, load_generation_eos
+from mrv2.engine.warmup import warm_up
 from mrv2.executor import make_runner
 from mrv2.plugins import PluginManager
 from mrv2.registry import import_object
@@ -77,16 +78,8 @@ class LLMEngine:
             processor_cls = import_object(entry.input_processor)
             self.input_processor = processor_cls(model_dir, self.runner.hf_config,
                                                  self.tokenizer, config)
-        self.block_manager = BlockManager(
-            self.runner.num_kv_blocks, self.runner.block_size, config.cache.enable_prefix_caching
-        )
         self.max_model_len = self.runner.max_model_len
-        speculator = self.runner.speculator
-        self.scheduler = Scheduler(
-            config.scheduler, self.block_manager, self.runner.num_speculative_tokens,
-            self.max_model_len,
-            num_lookahead_tokens=speculator.num_lookahead_tokens if speculator else 0,
-        )
+        self.block_manager, self.scheduler = self._new_scheduler()
         k = self.runner.num_speculative_tokens
         #: Request-steps by how many drafts they verified (``[d]``) and kept (``[a]``); every
         #: speculation count of :meth:`stats` derives from these two histograms.
@@ -97,6 +90,31 @@ class LLMEngine:
         self._seeds = random.Random(config.model.seed)
         self._ids = itertools.count()
         self._fanout = FanOut()
+        #: Seconds the start-up warm-up took (None: it did not run; it runs on CUDA only).
+        self.warmup_seconds: float | None = None
+        if config.device.warmup and self.runner.device.type == "cuda":
+            self.warmup_seconds = warm_up(self)
+
+    def _new_scheduler(self) -> tuple[BlockManager, Scheduler]:
+        """A block manager over the whole KV cache (its prefix cache empty) and a scheduler."""
+        blocks = BlockManager(self.runner.num_kv_blocks, self.runner.block_size,
+                              self.config.cache.enable_prefix_caching)
+        speculator = self.runner.speculator
+        return blocks, Scheduler(
+            self.config.scheduler, blocks, self.runner.num_speculative_tokens,
+            self.max_model_len,
+            num_lookahead_tokens=speculator.num_lookahead_tokens if speculator else 0,
+        )
+
+    def reset_after_warmup(self) -> None:
+        """Forget what :func:`~mrv2.engine.warmup.warm_up`'s requests left: a new block
+        manager (every block free, the prefix cache empty, its counters at zero), a new
+        scheduler and zeroed speculation counts. The engine must be idle."""
+        if self.has_unfinished() or self._requests:
+            raise RuntimeError("reset_after_warmup needs an idle engine: requests are in flight")
+        self.block_manager, self.scheduler = self._new_scheduler()
+        self._drafted_hist = [0] * len(self._drafted_hist)
+        self._accepted_hist = [0] * len(self._accepted_hist)
 
     # -- requests ----------------------------------------------------------------------------
 

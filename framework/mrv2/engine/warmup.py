@@ -1,0 +1,89 @@
+"""Start-up warm-up: a few requests through the whole step path before the first real one.
+
+The runner's start-up captures CUDA graphs from dummy batches; it never builds a batch from
+real requests (``BatchBuilder.build``: the input-preparation kernels) and never samples a
+step's tokens eagerly (the prefill step's sampler, the Gumbel kernels of each sampling kind,
+logprobs). On a machine whose Triton cache is empty those kernels compile when the first real
+request needs them, and that request waits (~0.5 s on the H200 for ``prepare_inputs_triton``
+and a Gumbel specialization, twenty-fourth session). :func:`warm_up` runs those paths once,
+then leaves the engine as it found it: the request ids it hands out, the seeds it draws, the
+prefix cache and every counter of :meth:`LLMEngine.stats` are those of an engine that never
+ran it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Protocol
+
+from mrv2.contract.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+#: Request ids of the warm-up (the engine's own ids are decimal numbers).
+WARMUP_ID_PREFIX = "mrv2-warmup-"
+
+#: One batch per sampling kind (a step's sampler plan, and so which kernels and which decode
+#: tail it runs, follows the whole batch): greedy; temperature alone; top-k and top-p;
+#: logprobs of the samples and of the prompt; min-p (sampled eagerly). Not penalties: their
+#: per-token counters (``max_num_seqs x vocab``, ~190 MB for 256 x 151,936) are allocated at
+#: the first request with a penalty, and a warm-up one would make every engine hold them (or
+#: fail to start where they are too large); that first request compiles their kernels (~0.3-0.6
+#: s on the H200). Explicit seeds (greedy requests draw one too) leave the engine's seed
+#: stream untouched.
+WARMUP_BATCHES: tuple[tuple[SamplingParams, ...], ...] = (
+    (SamplingParams(temperature=0.0, seed=0), SamplingParams(temperature=0.0, seed=1)),
+    (SamplingParams(temperature=1.0, seed=0),),
+    (SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=0),),
+    (SamplingParams(temperature=0.0, seed=0, logprobs=2, prompt_logprobs=2),),
+    (SamplingParams(temperature=1.0, seed=0, min_p=0.1),),
+)
+
+
+class WarmableEngine(Protocol):
+    """What :func:`warm_up` uses of an engine (:class:`~mrv2.engine.engine.LLMEngine`)."""
+
+    runner: Any
+    max_model_len: int
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str: ...
+
+    def step(self) -> list[Any]: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def reset_after_warmup(self) -> None: ...
+
+
+def warmup_prompt(vocab_size: int, max_model_len: int, block_size: int) -> list[int]:
+    """A prompt of one KV block and a half (no longer than leaves room for 4 new tokens): the
+    batches after the first find its first block in the prefix cache, so both a prefill from
+    scratch and one after a cached prefix run."""
+    length = max(1, min(block_size + block_size // 2, max_model_len - 4))
+    return [(7 * i + 3) % vocab_size for i in range(length)]
+
+
+def warm_up(engine: WarmableEngine, max_tokens: int = 4) -> float:
+    """Run :data:`WARMUP_BATCHES` through ``engine`` to completion, one batch at a time, then
+    reset what they changed (the prefix cache and the scheduler's and speculation's
+    counters). Returns the seconds it took. The engine must be idle."""
+    if engine.has_unfinished():
+        raise RuntimeError("warm_up needs an idle engine: requests are in flight")
+    start = time.perf_counter()
+    runner = engine.runner
+    prompt = warmup_prompt(runner.vocab_size, engine.max_model_len, runner.block_size)
+    max_tokens = max(1, min(max_tokens, engine.max_model_len - len(prompt)))
+    for b, batch in enumerate(WARMUP_BATCHES):
+        for i, params in enumerate(batch):
+            params = dataclasses.replace(params, max_tokens=max_tokens, ignore_eos=True)
+            engine.add_request(prompt, params, request_id=f"{WARMUP_ID_PREFIX}{b}-{i}")
+        while engine.has_unfinished():
+            engine.step()
+    engine.reset_after_warmup()
+    seconds = time.perf_counter() - start
+    logger.info("warm-up: %d batches through the step path in %.2f s", len(WARMUP_BATCHES),
+                seconds)
+    return seconds

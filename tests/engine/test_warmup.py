@@ -1,0 +1,123 @@
+"""The start-up warm-up runs every sampling kind through the step path, then leaves the engine
+exactly as an engine that never ran it: the same request ids, seeds, outputs and counters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mrv2.config import EngineConfig
+from mrv2.contract.params import SamplingParams
+from mrv2.engine.engine import LLMEngine
+from mrv2.engine.warmup import WARMUP_BATCHES, WARMUP_ID_PREFIX, warm_up, warmup_prompt
+from mrv2.testing import make_tiny_checkpoint
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 2}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "Qwen3ForCausalLM")
+
+
+def _engine(ckpt: Path, **kwargs: Any) -> LLMEngine:
+    return LLMEngine(EngineConfig.from_kwargs(
+        **{"model": str(ckpt), "device": "cpu", "dtype": "float32", "block_size": 4, "seed": 3,
+           **kwargs}))
+
+
+def _run(engine: LLMEngine) -> tuple[list[tuple[str, list[int]]], dict[str, Any]]:
+    """A workload whose outputs depend on the engine's ids, seeds and prefix cache: unseeded
+    sampled requests, a greedy one, and a prompt sharing another's first blocks."""
+    shared = [9, 8, 7, 6, 5, 4, 3, 2, 9, 8, 7, 6]
+    prompts = [shared + [1, 2], [4, 4, 5, 5, 4, 4, 5], shared + [3], list(range(20, 31))]
+    params = [SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_k=30, top_p=0.8, max_tokens=6,
+                             ignore_eos=True),
+              SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, logprobs=1)]
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    finished: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = list(out.outputs[0].token_ids)
+    return [(i, finished[i]) for i in ids], engine.stats()
+
+
+@pytest.mark.parametrize("spec", [None, NGRAM], ids=["plain", "ngram"])
+def test_warm_up_leaves_the_engine_as_it_found_it(ckpt: Path, spec: dict[str, Any] | None
+                                                   ) -> None:
+    kwargs: dict[str, Any] = {"speculative_config": spec} if spec else {}
+    cold = _engine(ckpt, **kwargs)
+    warm = _engine(ckpt, **kwargs)
+    before_reset: dict[str, Any] = {}
+    steps: list[int] = []
+    reset, execute = warm.reset_after_warmup, warm.runner.execute
+
+    def spy_reset() -> None:
+        before_reset.update(warm.stats())
+        reset()
+
+    def spy_execute(scheduled: Any) -> Any:
+        steps.append(scheduled.num_scheduled_tokens)
+        return execute(scheduled)
+
+    warm.reset_after_warmup = spy_reset  # type: ignore[method-assign]
+    warm.runner.execute = spy_execute  # type: ignore[method-assign]
+    seconds = warm_up(warm)
+    assert seconds >= 0
+    # it ran: every batch's prefill and decode steps, and the batches after the first found
+    # the prompt's first block in the prefix cache
+    assert len(steps) >= 2 * len(WARMUP_BATCHES)
+    assert before_reset["prefix_cache_hits"] > 0
+    assert before_reset["num_running"] == before_reset["num_waiting"] == 0
+    assert len(warm.runner.table) == 0  # every warm-up row freed
+    assert warm.runner.sampler.state.output_counts is None  # no penalty counters allocated
+    # and left nothing behind
+    assert warm.stats() == cold.stats()
+    assert warm.block_manager.num_cached_blocks == 0
+    assert _run(warm) == _run(cold)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"max_num_seqs": 1}, {"max_num_batched_tokens": 8, "block_size": 16},
+    {"enable_prefix_caching": False}, {"max_model_len": 12}, {"async_scheduling": False},
+], ids=["one-seq", "chunked-prefill", "no-prefix-cache", "short-model", "sync"])
+def test_warm_up_fits_any_engine_shape(ckpt: Path, kwargs: dict[str, Any]) -> None:
+    engine = _engine(ckpt, **kwargs)
+    assert warm_up(engine) >= 0
+    assert not engine.has_unfinished() and len(engine.runner.table) == 0
+    assert engine.stats() == _engine(ckpt, **kwargs).stats()
+
+
+def test_warm_up_needs_an_idle_engine(ckpt: Path) -> None:
+    engine = _engine(ckpt)
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="idle engine"):
+        warm_up(engine)
+    with pytest.raises(RuntimeError, match="idle engine"):
+        engine.reset_after_warmup()
+
+
+def test_warmup_prompt_fits_short_models() -> None:
+    assert len(warmup_prompt(100, 4096, 16)) == 24
+    assert len(warmup_prompt(100, 8, 16)) == 4  # room for 4 new tokens
+    assert len(warmup_prompt(100, 3, 16)) == 1
+    assert all(0 <= t < 5 for t in warmup_prompt(5, 4096, 16))
+
+
+def test_warm_up_is_a_config_field_and_a_flag() -> None:
+    assert EngineConfig().device.warmup is True
+    assert EngineConfig.from_kwargs(warmup=False).device.warmup is False
+    import argparse
+
+    from mrv2.config import add_cli_args, config_from_cli
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    assert config_from_cli(parser.parse_args(["--no-warmup"]), None).device.warmup is False
+    assert WARMUP_ID_PREFIX.startswith("mrv2-")
