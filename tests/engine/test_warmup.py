@@ -121,3 +121,36 @@ def test_warm_up_is_a_config_field_and_a_flag() -> None:
     add_cli_args(parser)
     assert config_from_cli(parser.parse_args(["--no-warmup"]), None).device.warmup is False
     assert WARMUP_ID_PREFIX.startswith("mrv2-")
+
+
+@pytest.mark.parametrize("warmup", [True, False])
+def test_an_engine_on_cuda_warms_up_at_start_and_stops_its_runner_if_that_fails(
+        ckpt: Path, monkeypatch: pytest.MonkeyPatch, warmup: bool) -> None:
+    """The start-up wiring, on the CPU: a runner that says it is on CUDA gets the warm-up
+    (unless ``warmup=False``); a warm-up that raises stops the runner (tensor-parallel workers)
+    and fails the start."""
+    import torch
+
+    import mrv2.engine.engine as engine_module
+
+    make_runner = engine_module.make_runner
+    shut: list[bool] = []
+
+    def cuda_runner(*args: Any) -> Any:
+        runner = make_runner(*args)
+        runner.device = torch.device("cuda")
+        runner.shutdown = lambda: shut.append(True)
+        return runner
+
+    def failing_warm_up(engine: Any) -> float:
+        raise RuntimeError("warm-up failed")
+
+    monkeypatch.setattr(engine_module, "make_runner", cuda_runner)
+    monkeypatch.setattr(engine_module, "warm_up", failing_warm_up)
+    if warmup:
+        with pytest.raises(RuntimeError, match="warm-up failed"):
+            _engine(ckpt)
+        assert shut == [True]
+    else:
+        assert _engine(ckpt, warmup=False).warmup_seconds is None
+        assert shut == []

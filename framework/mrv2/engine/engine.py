@@ -93,7 +93,11 @@ class LLMEngine:
         #: Seconds the start-up warm-up took (None: it did not run; it runs on CUDA only).
         self.warmup_seconds: float | None = None
         if config.device.warmup and self.runner.device.type == "cuda":
-            self.warmup_seconds = warm_up(self)
+            try:
+                self.warmup_seconds = warm_up(self)
+            except BaseException:
+                self.runner.shutdown()  # tensor-parallel workers must not outlive a failed start
+                raise
 
     def _new_scheduler(self) -> tuple[BlockManager, Scheduler]:
         """A block manager over the whole KV cache (its prefix cache empty) and a scheduler."""

@@ -4,11 +4,11 @@ The runner's start-up captures CUDA graphs from dummy batches; it never builds a
 real requests (``BatchBuilder.build``: the input-preparation kernels) and never samples a
 step's tokens eagerly (the prefill step's sampler, the Gumbel kernels of each sampling kind,
 logprobs). On a machine whose Triton cache is empty those kernels compile when the first real
-request needs them, and that request waits (~0.5 s on the H200 for ``prepare_inputs_triton``
-and a Gumbel specialization, twenty-fourth session). :func:`warm_up` runs those paths once,
-then leaves the engine as it found it: the request ids it hands out, the seeds it draws, the
-prefix cache and every counter of :meth:`LLMEngine.stats` are those of an engine that never
-ran it.
+request needs them, and that request waits (0.7-1.1 s on the H200 for the first greedy
+request, Qwen3-0.6B; 0.3-0.5 s more for the first with logprobs, and for min-p).
+:func:`warm_up` runs those paths once, then leaves the engine as it found it: the request ids
+it hands out, the seeds it draws, the prefix cache and every counter of
+:meth:`LLMEngine.stats` are those of an engine that never ran it.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ WARMUP_ID_PREFIX = "mrv2-warmup-"
 #: logprobs of the samples and of the prompt; min-p (sampled eagerly). Not penalties: their
 #: per-token counters (``max_num_seqs x vocab``, ~190 MB for 256 x 151,936) are allocated at
 #: the first request with a penalty, and a warm-up one would make every engine hold them (or
-#: fail to start where they are too large); that first request compiles their kernels (~0.3-0.6
-#: s on the H200). Explicit seeds (greedy requests draw one too) leave the engine's seed
-#: stream untouched.
+#: fail to start where they are too large); that first request compiles their kernels
+#: (0.65-0.96 s on the H200). Explicit seeds (greedy requests draw one too) leave the engine's
+#: seed stream untouched.
 WARMUP_BATCHES: tuple[tuple[SamplingParams, ...], ...] = (
     (SamplingParams(temperature=0.0, seed=0), SamplingParams(temperature=0.0, seed=1)),
     (SamplingParams(temperature=1.0, seed=0),),
