@@ -148,3 +148,23 @@ def test_load_generation_eos(tmp_path: Path) -> None:
     _write(tmp_path / "generation_config.json", {"eos_token_id": 11})
     _write(tmp_path / "config.json", {"eos_token_id": None, "text_config": {"eos_token_id": [3]}})
     assert load_generation_eos(str(tmp_path)) == {3, 11}
+
+
+def test_warm_up_renders_the_chat_template_once(tok: Tokenizer, tok_dir: Path,
+                                                tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server warms its tokenizer at start-up: a template that renders says so; none, or one
+    that refuses a lone user message, is no error (the requests report it)."""
+    rendered: list[object] = []
+    render = tok.hf.apply_chat_template
+    monkeypatch.setattr(tok.hf, "apply_chat_template",
+                        lambda *a, **k: rendered.append(a) or render(*a, **k))
+    assert tok.warm_up() is True and len(rendered) == 1
+    assert Tokenizer(build_tokenizer(tmp_path / "none", chat_template=None)).warm_up() is False
+    strict = Tokenizer(build_tokenizer(
+        tmp_path / "strict",
+        chat_template="{% if messages[0]['role'] != 'system' %}"
+                      "{{ raise_exception('a system message must come first') }}{% endif %}"))
+    assert strict.warm_up() is False
+    with pytest.raises(Exception, match="system message must come first"):
+        strict.apply_chat_template([{"role": "user", "content": "hi"}])

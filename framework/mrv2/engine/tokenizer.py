@@ -78,6 +78,21 @@ class Tokenizer:
         text = self.render_chat_template(messages, add_generation_prompt, **kwargs)
         return self.encode(text, add_special_tokens=False)
 
+    def warm_up(self) -> bool:
+        """Encode a text and render a one-message chat once, so a server's first request does
+        not pay what their first use costs (Jinja compiles the chat template then: 4.2 ms
+        against 0.1 ms for SmolLM2's on this sandbox's CPU; transformers keeps the compiled
+        template). A template that refuses such a chat is left for the requests to report.
+        Returns whether the template rendered."""
+        self.encode("Hello")
+        if not self.chat_template:
+            return False
+        try:
+            self.apply_chat_template([{"role": "user", "content": "Hello"}])
+        except Exception:  # the template's own rules (e.g. a system message required)
+            return False
+        return True
+
     # -- decoding -------------------------------------------------------------------------
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:

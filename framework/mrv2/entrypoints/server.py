@@ -456,6 +456,8 @@ def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: 
     1)."""
     import uvicorn
 
+    if engine.tokenizer is not None:
+        engine.tokenizer.warm_up()  # the chat template compiled before the first request
     # This process lives as long as the server; frozen before the app (and its count of the
     # collector's pauses) exists, so /metrics does not count this one full collection.
     freeze_startup_heap()
