@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 
 def _kernels(cache: Path) -> set[str]:
@@ -61,8 +62,8 @@ def main() -> None:
           f"{'-' if warm_s is None else f'{warm_s:.2f} s'}), {len(after_start)} kernels "
           f"compiled by then", flush=True)
 
-    def params(**kw: object) -> SamplingParams:
-        return SamplingParams(**{"max_tokens": 8, "ignore_eos": True, **kw})  # type: ignore
+    def params(**kw: Any) -> SamplingParams:
+        return SamplingParams(**{"max_tokens": 8, "ignore_eos": True, **kw})
 
     vocab = engine.runner.vocab_size
     kinds: list[tuple[str, int, int, SamplingParams]] = [

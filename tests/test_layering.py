@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent / "framework" / "mrv2"
 #: Lowest first. ``contract`` is the step contract every layer above builds on.
 LAYERS = [
     "registry",      # what plugins registered (imports nothing of mrv2)
+    "logs",          # the mrv2 command's logging (imports nothing of mrv2)
     "config",        # pydantic settings (imports nothing of mrv2)
     "distributed",   # tensor-parallel group, collectives, step channel (nothing of mrv2)
     "contract",      # params, requests, batch, state table, KV specs, ModelState, Speculator

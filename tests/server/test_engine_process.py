@@ -215,3 +215,24 @@ def test_the_engine_process_samples_itself_under_the_profile_variable(
         assert response.status_code == 200
     report = Path(f"{path}.engine").read_text()
     assert "== thread" in report and "MainThread" in report
+
+
+def test_the_engine_process_logs_at_the_commands_level(
+        model_dir: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """The ``mrv2`` command configured logging: the child logs its start-up report (the KV
+    cache, the engine ready) to the same stderr at the same level."""
+    import logging
+
+    from mrv2.logs import _Handler, configure_logging
+
+    root = logging.getLogger("mrv2")
+    configure_logging("INFO")
+    try:
+        for url, _ in _remote(model_dir):
+            assert _post(url, {"prompt": [5, 6], "max_tokens": 2}).status_code == 200
+    finally:
+        for handler in [h for h in root.handlers if isinstance(h, _Handler)]:
+            root.removeHandler(handler)
+        root.setLevel(logging.NOTSET)
+    err = capfd.readouterr().err
+    assert "mrv2.runner: KV cache:" in err and "engine ready in" in err, err

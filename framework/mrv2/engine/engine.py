@@ -8,7 +8,9 @@ which is discarded here.
 from __future__ import annotations
 
 import itertools
+import logging
 import random
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +39,8 @@ from mrv2.plugins import PluginManager
 from mrv2.registry import import_object
 from mrv2.runner.async_output import AsyncStepOutput
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class _Tracked:
@@ -53,6 +57,7 @@ class LLMEngine:
     """Owns a :class:`Runner`, a :class:`Scheduler` and the requests in flight."""
 
     def __init__(self, config: EngineConfig, plugins: PluginManager | None = None) -> None:
+        started = time.perf_counter()
         self.config = config
         #: SamplingParams defaults from the model's generation config (``generation_config``
         #: / ``override_generation_config``) for the fields a request leaves unset; checked
@@ -98,6 +103,13 @@ class LLMEngine:
             except BaseException:
                 self.runner.shutdown()  # tensor-parallel workers must not outlive a failed start
                 raise
+        parts = getattr(self.runner, "startup", None)
+        seconds = dict(parts.seconds) if parts is not None else {}
+        if self.warmup_seconds is not None:
+            seconds["warm-up"] = self.warmup_seconds
+        logger.info("engine ready in %.1f s (%s)", time.perf_counter() - started,
+                    ", ".join(f"{name.replace('_', ' ')} {s:.1f} s"
+                              for name, s in seconds.items()) or "no parts timed")
 
     def _new_scheduler(self) -> tuple[BlockManager, Scheduler]:
         """A block manager over the whole KV cache (its prefix cache empty) and a scheduler."""

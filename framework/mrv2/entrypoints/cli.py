@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from mrv2.config import add_cli_args, config_from_cli, format_validation_error
+from mrv2.logs import configure_logging
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -163,6 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        configure_logging()
         return int(args.func(args))
     except ValidationError as error:
         print(f"mrv2: {format_validation_error(error)}", file=sys.stderr)

@@ -36,6 +36,7 @@ from mrv2.config import EngineConfig
 from mrv2.engine.gc_pauses import GCPauses, freeze_startup_heap
 from mrv2.engine.outputs import CompletionOutput, RequestOutput
 from mrv2.entrypoints.stack_sampler import PROFILE_ENV_VAR, StackSampler
+from mrv2.logs import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -140,10 +141,15 @@ class EngineInfo:
     hf_config: Any
 
 
-def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connection) -> None:
+def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connection,
+                    log_level: int | None = None) -> None:
     """The child's main: build the engine, say ready, then step while there is work and take
-    commands between steps; returns on ``("stop",)`` or when the parent is gone."""
+    commands between steps; returns on ``("stop",)`` or when the parent is gone.
+    ``log_level``: the parent's :func:`~mrv2.logs.configured_level` (the child logs as the
+    ``mrv2`` command's parent does; None: it configures nothing)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the parent stops us
+    if log_level is not None:
+        configure_logging(log_level)
     from mrv2.engine.engine import LLMEngine
 
     try:

@@ -39,6 +39,7 @@ from mrv2.entrypoints.engine_core import (
 from mrv2.entrypoints.engine_thread import LoopHandOver, QueueFullError, check_room
 from mrv2.entrypoints.engine_thread import _Sink as ThreadSink
 from mrv2.entrypoints.metrics import ServerMetrics
+from mrv2.logs import configured_level
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,8 @@ class EngineProcess:
         child_commands, self._commands = ctx.Pipe(duplex=False)
         self._outputs, child_outputs = ctx.Pipe(duplex=False)
         self._process = ctx.Process(target=run_engine_core, name="mrv2-engine-core",
-                                    args=(config, child_commands, child_outputs), daemon=True)
+                                    args=(config, child_commands, child_outputs,
+                                          configured_level()), daemon=True)
         self._process.start()
         child_commands.close()
         child_outputs.close()

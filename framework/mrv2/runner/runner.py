@@ -31,7 +31,7 @@ from mrv2.contract.samples import SpeculatorInputs, StepSamples
 from mrv2.contract.staged_edits import StagedEdits
 from mrv2.contract.staging import Uploader
 from mrv2.contract.state_table import RequestStateTable, RowInfo
-from mrv2.distributed.parallel_state import agree_min, tp_size
+from mrv2.distributed.parallel_state import agree_min, tp_rank, tp_size
 from mrv2.model_loader.build import (
     CausalLM,
     build_model,
@@ -52,6 +52,7 @@ from mrv2.runner.cuda_graphs import (
     timed_ms,
 )
 from mrv2.runner.kv_cache import KVCaches, num_blocks_for
+from mrv2.runner.startup import StartupReport, device_bytes_in_use
 from mrv2.sample.prompt_logprobs import PromptLogprobs
 from mrv2.sample.rejection import step_samples
 from mrv2.sample.sampler import SamplePlan, SamplerOutput
@@ -92,9 +93,13 @@ class Runner:
         self.max_model_len = _max_model_len(config, text_config_of(self.hf_config))
         self.block_size = config.cache.block_size
         registries = self.plugins.registries
-        self.model, self.model_entry = build_model(
-            config, model_dir, self.hf_config, registries, self.device, self.dtype
-        )
+        #: Each start-up part's seconds and findings (logged at INFO by rank 0).
+        self.startup = StartupReport(quiet=tp_rank() != 0)
+        with self.startup.part("load"):
+            self.model, self.model_entry = build_model(
+                config, model_dir, self.hf_config, registries, self.device, self.dtype
+            )
+        self.startup.weights(self.model_entry.architecture, self.model, tp_size())
         self.vocab_size = int(text_config_of(self.hf_config).vocab_size)
 
         sched = config.scheduler
@@ -133,11 +138,16 @@ class Runner:
         self.builder = BatchBuilder(self.table, self.buffers, self.block_size,
                                     self.max_num_tokens, self.num_speculative_tokens)
         self.builder.mixed_graph_allowed = self.model_state.mixed_graph_allowed
-        peak = self._profile_peak_bytes()
-        self.num_kv_blocks = agree_min(num_blocks_for(  # every rank holds as many
-            config.cache, self.kv.bytes_per_block(self.block_size, self.dtype), self.device, peak
-        ))
-        self.kv.allocate(self.num_kv_blocks, self.block_size, self.dtype, self.device)
+        per_block = self.kv.bytes_per_block(self.block_size, self.dtype)
+        with self.startup.part("kv_cache"):
+            peak = self._profile_peak_bytes()
+            self.num_kv_blocks = agree_min(num_blocks_for(  # every rank holds as many
+                config.cache, per_block, self.device, peak
+            ))
+            self.kv.allocate(self.num_kv_blocks, self.block_size, self.dtype, self.device)
+        self.startup.kv_cache(self.num_kv_blocks, self.block_size, per_block,
+                              _kv_dtype_name(config.cache.kv_cache_dtype, self.dtype),
+                              self.max_model_len, peak)
         if self.speculator is not None:
             self.speculator.bind_kv_caches(self.kv.tensors, self.kv.backends)
         self._uploader = Uploader(self.device)
@@ -151,7 +161,10 @@ class Runner:
         self._last_copy: torch.cuda.Event | None = None
         self.graphs: StepGraphs | None = None
         if self.device.type == "cuda" and not config.device.enforce_eager:
-            self.capture_graphs(self.model_state.capture_cuda_graph)
+            in_use = device_bytes_in_use(self.device)
+            with self.startup.part("graphs"):
+                self.capture_graphs(self.model_state.capture_cuda_graph)
+            self.startup.graphs(self.graphs, device_bytes_in_use(self.device) - in_use)
 
     @classmethod
     def from_config(cls, config: EngineConfig, plugins: PluginManager | None = None) -> Runner:
@@ -508,6 +521,11 @@ class Runner:
         peak = max(peak, torch.cuda.max_memory_allocated(self.device) - before)
         self.kv.release()  # (num_blocks_for returns the freed memory to the device)
         return int(peak)
+
+
+def _kv_dtype_name(kv_cache_dtype: str, dtype: torch.dtype) -> str:
+    """The cache's element type: the model's for ``auto``."""
+    return str(dtype).removeprefix("torch.") if kv_cache_dtype == "auto" else kv_cache_dtype
 
 
 def _max_model_len(config: EngineConfig, hf_config: Any) -> int:

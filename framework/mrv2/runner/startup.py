@@ -1,0 +1,87 @@
+"""What a runner's start-up did and how long each part took, logged as each part ends.
+
+An operator starting ``mrv2 serve`` reads here what vLLM's start-up prints: how long the
+weights took and what they weigh, how big the KV cache is in tokens and how many requests of
+``max_model_len`` fit in it at once, how long the CUDA graphs took and what they hold. The
+``mrv2`` command logs them at INFO (:func:`mrv2.logs.configure_logging`); a library user gets
+them through the ``mrv2`` logger, and every number is on :attr:`Runner.startup` too.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("mrv2.runner")
+
+_GIB = 1 << 30
+
+
+class StartupReport:
+    """Seconds of each start-up part (``seconds[name]``) and what each part found
+    (``facts``); logs a line per part unless ``quiet`` (the tensor-parallel ranks past 0)."""
+
+    def __init__(self, quiet: bool = False) -> None:
+        self.seconds: dict[str, float] = {}
+        self.facts: dict[str, Any] = {}
+        self.quiet = quiet
+
+    @contextmanager
+    def part(self, name: str) -> Iterator[None]:
+        """Time the body as part ``name``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = time.perf_counter() - start
+
+    def log(self, message: str, *args: Any) -> None:
+        if not self.quiet:
+            logger.info(message, *args)
+
+    def weights(self, architecture: str, model: torch.nn.Module, ranks: int) -> None:
+        """After the weights are loaded: the architecture, their bytes, the seconds."""
+        tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        self.facts["weight_bytes"] = size
+        self.log("%s loaded in %.1f s: %.2f GiB of weights and buffers%s", architecture,
+                 self.seconds.get("load", 0.0), size / _GIB,
+                 f" on each of {ranks} ranks" if ranks > 1 else "")
+
+    def kv_cache(self, num_blocks: int, block_size: int, bytes_per_block: int,
+                 kv_dtype: str, max_model_len: int, peak_bytes: int) -> None:
+        """After the KV cache is allocated: its size in tokens and bytes, and how many
+        requests of ``max_model_len`` tokens it holds at once."""
+        tokens = num_blocks * block_size
+        per_request = -(-max_model_len // block_size) * block_size
+        self.facts.update(kv_tokens=tokens, kv_bytes=num_blocks * bytes_per_block,
+                          max_concurrency=tokens / per_request)
+        peak = (f"; the profiling forward's activation peak {peak_bytes / _GIB:.2f} GiB"
+                if peak_bytes > 0 else "")  # (measured on CUDA only)
+        self.log("KV cache: %s tokens (%s blocks of %d, %.2f GiB, %s); %.1f requests of "
+                 "max_model_len %d fit at once%s (%.1f s)", f"{tokens:,}", f"{num_blocks:,}",
+                 block_size, num_blocks * bytes_per_block / _GIB, kv_dtype,
+                 tokens / per_request, max_model_len, peak, self.seconds.get("kv_cache", 0.0))
+
+    def graphs(self, graphs: Any, pool_bytes: int) -> None:
+        """After the CUDA graphs are captured: how many of each kind, their memory."""
+        counts = {"decode": len(graphs.graphs), "mixed": len(graphs.mixed_graphs),
+                  "sampling tails": len(graphs.tail_graphs),
+                  "drafting": len(graphs.draft_graphs)}
+        self.facts.update(graph_counts=counts, graph_pool_bytes=pool_bytes)
+        self.log("CUDA graphs captured in %.1f s: %s; %.2f GiB of device memory",
+                 self.seconds.get("graphs", 0.0),
+                 ", ".join(f"{n} {kind}" for kind, n in counts.items() if n), pool_bytes / _GIB)
+
+
+def device_bytes_in_use(device: torch.device) -> int:
+    """Bytes of device memory in use by anyone (0 off CUDA)."""
+    if device.type != "cuda":
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total - free)
