@@ -11,7 +11,13 @@ import pytest
 from mrv2.config import EngineConfig
 from mrv2.contract.params import SamplingParams
 from mrv2.engine.engine import LLMEngine
-from mrv2.engine.warmup import WARMUP_BATCHES, WARMUP_ID_PREFIX, warm_up, warmup_prompt
+from mrv2.engine.warmup import (
+    PENALTY_BATCHES,
+    WARMUP_BATCHES,
+    WARMUP_ID_PREFIX,
+    warm_up,
+    warmup_prompt,
+)
 from mrv2.testing import make_tiny_checkpoint
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
@@ -33,12 +39,17 @@ def _run(engine: LLMEngine) -> tuple[list[tuple[str, list[int]]], dict[str, Any]
     """A workload whose outputs depend on the engine's ids, seeds and prefix cache: unseeded
     sampled requests, a greedy one, and a prompt sharing another's first blocks."""
     shared = [9, 8, 7, 6, 5, 4, 3, 2, 9, 8, 7, 6]
-    prompts = [shared + [1, 2], [4, 4, 5, 5, 4, 4, 5], shared + [3], list(range(20, 31))]
+    prompts = [shared + [1, 2], [4, 4, 5, 5, 4, 4, 5], shared + [3], list(range(20, 31)),
+               [3, 3, 3, 4, 4]]
     params = [SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
               SamplingParams(temperature=0.7, top_k=30, top_p=0.8, max_tokens=6,
                              ignore_eos=True),
-              SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, logprobs=1)]
+              SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, logprobs=1),
+              # the counters the warm-up freed, allocated again (a strong penalty, so they
+              # decide the tokens)
+              SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                             repetition_penalty=5.0, frequency_penalty=2.0)]
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
     finished: dict[str, list[int]] = {}
     while engine.has_unfinished():
@@ -66,13 +77,23 @@ def test_warm_up_leaves_the_engine_as_it_found_it(ckpt: Path, spec: dict[str, An
         steps.append(scheduled.num_scheduled_tokens)
         return execute(scheduled)
 
+    state = warm.runner.sampler.state
+    release = state.release_penalty_state
+    released: list[bool] = []
+
+    def spy_release() -> bool:
+        released.append(release())
+        return released[-1]
+
     warm.reset_after_warmup = spy_reset  # type: ignore[method-assign]
     warm.runner.execute = spy_execute  # type: ignore[method-assign]
+    state.release_penalty_state = spy_release  # type: ignore[method-assign]
     seconds = warm_up(warm)
     assert seconds >= 0
     # it ran: every batch's prefill and decode steps, and the batches after the first found
     # the prompt's first block in the prefix cache
-    assert len(steps) >= 2 * len(WARMUP_BATCHES)
+    assert len(steps) >= 2 * (len(WARMUP_BATCHES) + len(PENALTY_BATCHES))
+    assert released == [True]  # the penalty batches allocated the counters; freed after
     assert before_reset["prefix_cache_hits"] > 0
     assert before_reset["num_running"] == before_reset["num_waiting"] == 0
     assert len(warm.runner.table) == 0  # every warm-up row freed
@@ -92,6 +113,45 @@ def test_warm_up_fits_any_engine_shape(ckpt: Path, kwargs: dict[str, Any]) -> No
     assert warm_up(engine) >= 0
     assert not engine.has_unfinished() and len(engine.runner.table) == 0
     assert engine.stats() == _engine(ckpt, **kwargs).stats()
+
+
+def test_penalties_are_left_out_where_their_counters_would_not_fit(
+        ckpt: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import mrv2.engine.warmup as warmup_module
+
+    engine = _engine(ckpt)
+    state = engine.runner.sampler.state
+    monkeypatch.setattr(warmup_module, "PENALTY_STATE_MAX_ELEMENTS",
+                        state.max_num_reqs * state.vocab_size - 1)
+    seen: list[SamplingParams] = []
+    add = engine.add_request
+
+    def spy_add(prompt: list[int], params: SamplingParams, request_id: str | None = None
+                ) -> str:
+        seen.append(params)
+        return add(prompt, params, request_id)
+
+    engine.add_request = spy_add  # type: ignore[method-assign]
+    caplog.set_level("INFO", logger="mrv2.engine.warmup")
+    warm_up(engine)
+    assert len(seen) == sum(map(len, WARMUP_BATCHES))
+    assert not any(p.uses_penalties for p in seen) and state.output_counts is None
+    assert "(penalties left out)" in caplog.text
+
+
+def test_the_penalty_counters_are_freed_only_when_no_row_uses_them(ckpt: Path) -> None:
+    engine = _engine(ckpt)
+    state = engine.runner.sampler.state
+    assert state.release_penalty_state() is False  # nothing held
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=3, presence_penalty=1.0))
+    engine.step()
+    assert state.output_counts is not None
+    assert state.penalty_state_bytes() == state.output_counts.numel() * 5
+    with pytest.raises(RuntimeError, match="1 rows still use penalties"):
+        state.release_penalty_state()
+    while engine.has_unfinished():
+        engine.step()
+    assert state.release_penalty_state() is True and state.output_counts is None
 
 
 def test_warm_up_needs_an_idle_engine(ckpt: Path) -> None:

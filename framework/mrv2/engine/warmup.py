@@ -5,10 +5,11 @@ real requests (``BatchBuilder.build``: the input-preparation kernels) and never 
 step's tokens eagerly (the prefill step's sampler, the Gumbel kernels of each sampling kind,
 logprobs). On a machine whose Triton cache is empty those kernels compile when the first real
 request needs them, and that request waits (0.7-1.1 s on the H200 for the first greedy
-request, Qwen3-0.6B; 0.3-0.5 s more for the first with logprobs, and for min-p).
-:func:`warm_up` runs those paths once, then leaves the engine as it found it: the request ids
-it hands out, the seeds it draws, the prefix cache and every counter of
-:meth:`LLMEngine.stats` are those of an engine that never ran it.
+request, Qwen3-0.6B; 0.3-0.5 s more for the first with logprobs, and for min-p, 0.65-0.96 s
+for the first with a penalty). :func:`warm_up` runs those paths once, then leaves the engine
+as it found it: the request ids it hands out, the seeds it draws, the prefix cache, the
+penalty counters (freed again) and every counter of :meth:`LLMEngine.stats` are those of an
+engine that never ran it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ import logging
 import time
 from typing import Any, Protocol
 
+import torch
+
 from mrv2.contract.params import SamplingParams
+from mrv2.distributed.parallel_state import tp_size
+from mrv2.sample.state import PENALTY_STATE_MAX_ELEMENTS, SamplingState
 
 logger = logging.getLogger(__name__)
 
@@ -27,18 +32,27 @@ WARMUP_ID_PREFIX = "mrv2-warmup-"
 
 #: One batch per sampling kind (a step's sampler plan, and so which kernels and which decode
 #: tail it runs, follows the whole batch): greedy; temperature alone; top-k and top-p;
-#: logprobs of the samples and of the prompt; min-p (sampled eagerly). Not penalties: their
-#: per-token counters (``max_num_seqs x vocab``, ~190 MB for 256 x 151,936) are allocated at
-#: the first request with a penalty, and a warm-up one would make every engine hold them (or
-#: fail to start where they are too large); that first request compiles their kernels
-#: (0.65-0.96 s on the H200). Explicit seeds (greedy requests draw one too) leave the engine's
-#: seed stream untouched.
+#: logprobs of the samples and of the prompt; min-p (sampled eagerly). Explicit seeds (greedy
+#: requests draw one too) leave the engine's seed stream untouched.
 WARMUP_BATCHES: tuple[tuple[SamplingParams, ...], ...] = (
     (SamplingParams(temperature=0.0, seed=0), SamplingParams(temperature=0.0, seed=1)),
     (SamplingParams(temperature=1.0, seed=0),),
     (SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=0),),
     (SamplingParams(temperature=0.0, seed=0, logprobs=2, prompt_logprobs=2),),
     (SamplingParams(temperature=1.0, seed=0, min_p=0.1),),
+)
+
+#: Then penalties, one batch per way the sampler reads their fp32 logits (greedy; temperature;
+#: top-k / top-p thresholds; Triton compiles a kernel per pointer dtype, so the batches above
+#: do not cover these). Their per-token counters (``max_num_seqs x vocab``, 5 bytes each:
+#: ~190 MB for 256 x 151,936) are freed again after them, so an engine whose requests never
+#: ask for a penalty does not hold them; skipped where the counters would pass
+#: :data:`~mrv2.sample.state.PENALTY_STATE_MAX_ELEMENTS`, where the device has not twice
+#: their bytes free, and under tensor parallelism (each rank's sampler would keep its own).
+PENALTY_BATCHES: tuple[tuple[SamplingParams, ...], ...] = (
+    (SamplingParams(temperature=0.0, seed=0, repetition_penalty=1.1),),
+    (SamplingParams(temperature=1.0, seed=0, frequency_penalty=0.5),),
+    (SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=0, presence_penalty=1.5),),
 )
 
 
@@ -76,14 +90,34 @@ def warm_up(engine: WarmableEngine, max_tokens: int = 4) -> float:
     runner = engine.runner
     prompt = warmup_prompt(runner.vocab_size, engine.max_model_len, runner.block_size)
     max_tokens = max(1, min(max_tokens, engine.max_model_len - len(prompt)))
-    for b, batch in enumerate(WARMUP_BATCHES):
+    state = getattr(runner.sampler, "state", None)
+    penalties = isinstance(state, SamplingState) and _penalty_state_fits(state)
+    batches = WARMUP_BATCHES + (PENALTY_BATCHES if penalties else ())
+    for b, batch in enumerate(batches):
         for i, params in enumerate(batch):
             params = dataclasses.replace(params, max_tokens=max_tokens, ignore_eos=True)
             engine.add_request(prompt, params, request_id=f"{WARMUP_ID_PREFIX}{b}-{i}")
         while engine.has_unfinished():
             engine.step()
+    if penalties:
+        assert isinstance(state, SamplingState)
+        if state.release_penalty_state() and state.device.type == "cuda":
+            torch.cuda.synchronize(state.device)  # (the last step's count is done with it)
+            torch.cuda.empty_cache()  # the counters' memory back to the device
     engine.reset_after_warmup()
     seconds = time.perf_counter() - start
-    logger.info("warm-up: %d batches through the step path in %.2f s", len(WARMUP_BATCHES),
-                seconds)
+    logger.info("warm-up: %d batches through the step path in %.2f s%s", len(batches), seconds,
+                "" if penalties else " (penalties left out)")
     return seconds
+
+
+def _penalty_state_fits(state: SamplingState) -> bool:
+    """Whether the warm-up may allocate the penalty counters for a moment (see
+    :data:`PENALTY_BATCHES`)."""
+    elements = state.max_num_reqs * state.vocab_size
+    if tp_size() > 1 or elements > PENALTY_STATE_MAX_ELEMENTS:
+        return False
+    if state.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(state.device)
+        return free >= 2 * state.penalty_state_bytes()
+    return True

@@ -177,6 +177,21 @@ class SamplingState:
             staged.put(self.output_counts, (np.full(len(outs), row), outs),
                        np.ones(len(outs), dtype=np.int32), accumulate=True)
 
+    def penalty_state_bytes(self) -> int:
+        """Device bytes of the penalty counters (``output_counts`` and ``prompt_mask``)."""
+        return self.max_num_reqs * self.vocab_size * 5
+
+    def release_penalty_state(self) -> bool:
+        """Free the penalty counters while no row uses a penalty (the next penalty request
+        allocates them again, as the first one did). Returns whether there were any. The
+        start-up warm-up runs penalty requests, so their kernels compile before the first
+        real one, then gives their memory back."""
+        if self.num_penalty_rows:
+            raise RuntimeError(f"{self.num_penalty_rows} rows still use penalties")
+        held = self.output_counts is not None
+        self.output_counts = self.prompt_mask = None
+        return held
+
     def remove(self, row: int) -> None:
         """The request of ``row`` left."""
         params = self.params.pop(row)
