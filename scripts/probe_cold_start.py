@@ -47,7 +47,9 @@ def main() -> None:
     from mrv2.config import EngineConfig
     from mrv2.contract.params import SamplingParams
     from mrv2.engine.engine import LLMEngine
+    from mrv2.logs import configure_logging
 
+    configure_logging()  # the start-up report (weights, KV cache, graphs, warm-up) on stderr
     cpu = not torch.cuda.is_available()
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig.from_kwargs(
