@@ -1,6 +1,7 @@
 """Test-wide setup. Environment first: Triton reads TRITON_INTERPRET when a kernel is defined."""
 
 import os
+from collections.abc import Iterator
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MRV2_PLUGIN_AUTOLOAD", "1")
@@ -21,3 +22,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _mrv2_logging_left_as_found() -> Iterator[None]:
+    """The ``mrv2`` command's logging (a test that runs ``cli.main`` in-process installs it)
+    does not outlive the test: no stderr handler, no level on the ``mrv2`` logger after it."""
+    yield
+    import logging
+
+    from mrv2.logs import _Handler
+
+    root = logging.getLogger("mrv2")
+    for handler in [h for h in root.handlers if isinstance(h, _Handler)]:
+        root.removeHandler(handler)
+    root.setLevel(logging.NOTSET)

@@ -89,6 +89,10 @@ class LLMEngine:
         #: Request-steps by how many drafts they verified (``[d]``) and kept (``[a]``); every
         #: speculation count of :meth:`stats` derives from these two histograms.
         self._drafted_hist = [0] * (k + 1)
+        #: Prompt tokens of the requests that produced their first token, and tokens
+        #: generated, since the engine started (``stats()``: what a stats line divides by
+        #: its interval).
+        self.num_prompt_tokens = self.num_generation_tokens = 0
         self._accepted_hist = [0] * (k + 1)
         self._requests: dict[str, _Tracked] = {}
         self._in_flight: deque[AsyncStepOutput] = deque()
@@ -130,6 +134,7 @@ class LLMEngine:
             raise RuntimeError("reset_after_warmup needs an idle engine: requests are in flight")
         self.block_manager, self.scheduler = self._new_scheduler()
         self._drafted_hist = [0] * len(self._drafted_hist)
+        self.num_prompt_tokens = self.num_generation_tokens = 0
         self._accepted_hist = [0] * len(self._accepted_hist)
 
     # -- requests ----------------------------------------------------------------------------
@@ -283,6 +288,9 @@ class LLMEngine:
             request.num_pending -= len(tokens)
             if request.finished:
                 continue
+            before = len(request.output_token_ids)
+            if before == 0:
+                self.num_prompt_tokens += request.num_prompt_tokens
             for token in tokens:
                 request.output_token_ids.append(token)
                 k = request.sampling_params.logprobs
@@ -291,6 +299,7 @@ class LLMEngine:
                 self._check_stop(tracked, token)
                 if request.finished:
                     break  # tokens past a stop are discarded
+            self.num_generation_tokens += len(request.output_token_ids) - before
             if request.finished and tracked.detokenizer is not None:
                 tracked.detokenizer.flush()  # release text held back for an incomplete char
             if request.finished:
@@ -383,7 +392,8 @@ class LLMEngine:
         }
 
     def stats(self) -> dict[str, Any]:
-        """Counters: running/waiting requests, KV usage, prefix cache, preemptions, and with
+        """Counters: running/waiting requests, KV usage, prefix cache, preemptions, prompt
+        tokens (of requests past their first token) and generated tokens so far, and with
         speculation the drafts verified and accepted, overall and per draft position
         (``spec_acceptance_rate_per_pos[j]``: of the drafts at position ``j``, the fraction
         kept), and the mean accepted length (tokens a verifying step yields: 1 + accepted
@@ -399,6 +409,8 @@ class LLMEngine:
             "prefix_cache_hits": blocks.num_hit_tokens,
             "prefix_cache_hit_rate": blocks.hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generation_tokens": self.num_generation_tokens,
             **self._spec_stats(),
         }
 

@@ -51,6 +51,14 @@ def _serve(args: argparse.Namespace) -> int:
 
     model = args.model_dir or args.model
     config = config_from_cli(args, model)
+    if not args.disable_log_stats:
+        from mrv2.entrypoints.stats_logger import log_stats_interval
+
+        try:
+            log_stats_interval()  # a bad interval is refused before the engine starts
+        except ValueError as error:
+            print(f"mrv2 serve: {error}", file=sys.stderr)
+            return 2
 
     own_process = args.engine_process
     if own_process is None:  # the default: a process of its own, but not under torchrun
@@ -67,7 +75,7 @@ def _serve(args: argparse.Namespace) -> int:
     else:
         engine = LLMEngine(config)
     return run_server(engine, args.host, args.port, args.served_model_name, args.api_key,
-                      args.max_pending, args.max_n)
+                      args.max_pending, args.max_n, log_stats=not args.disable_log_stats)
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -132,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "torchrun started): the server's event loop and the engine do not "
                        "share one GIL; --no-engine-process runs it on a thread of the "
                        "server's process")
+    serve.add_argument("--disable-log-stats", action="store_true",
+                       help="no stats line (throughput, requests, KV cache, prefix cache hits) "
+                       "every MRV2_LOG_STATS_INTERVAL seconds (default 10) while the engine "
+                       "has work")
     add_cli_args(serve)
     serve.set_defaults(func=_serve)
 

@@ -44,6 +44,7 @@ from mrv2.entrypoints.openai_protocol import (
     value_error_param,
 )
 from mrv2.entrypoints.stack_sampler import PROFILE_ENV_VAR, StackSampler
+from mrv2.entrypoints.stats_logger import StatsLogger, log_stats_forever, log_stats_interval
 
 #: Default bound on a request's ``n`` (``mrv2 serve --max-n``); OpenAI's own API allows 128.
 DEFAULT_MAX_N = 64
@@ -91,15 +92,18 @@ class _CheckKey:
 
 def create_app(engine: LLMEngine | RemoteEngine, served_model_name: str | None = None,
                api_key: str | None = None, max_pending: int = 1024,
-               max_n: int = DEFAULT_MAX_N) -> FastAPI:
+               max_n: int = DEFAULT_MAX_N, log_stats_interval: float | None = None) -> FastAPI:
     """The app; its worker (the engine thread, or the engine process's link) starts with the
     app and stops with it (``app.state.engine_thread``).
 
     The server holds at most ``max_pending`` sequences (a request counts ``n`` per prompt)
     and answers 503 past that; a request's ``n`` may be at most ``max_n`` (and never more than
-    ``max_pending``, or it could never run)."""
+    ``max_pending``, or it could never run). With ``log_stats_interval`` (seconds), a stats
+    line every interval while the engine has work (:mod:`mrv2.entrypoints.stats_logger`)."""
     if max_n < 1 or max_pending < 1:
         raise ValueError(f"max_n={max_n}, max_pending={max_pending} are invalid: expected >= 1")
+    if log_stats_interval is not None and not log_stats_interval > 0:
+        raise ValueError(f"log_stats_interval={log_stats_interval}: expected > 0 seconds")
     max_n = min(max_n, max_pending)
     model_name = served_model_name or str(engine.config.model.model or "mrv2")
     worker: EngineThread | EngineProcess
@@ -114,8 +118,20 @@ def create_app(engine: LLMEngine | RemoteEngine, served_model_name: str | None =
         listen = getattr(engine.runner, "add_failure_listener", None)
         if listen is not None:  # a tensor-parallel worker died: 503 from now on, then exit
             listen(worker.mark_fatal)
-    app = FastAPI(title="mrv2", on_startup=[worker.start],
-                  on_shutdown=[worker.stop, metrics.close])
+    tasks: list[asyncio.Task[None]] = []
+
+    async def start_stats_lines() -> None:
+        if log_stats_interval is not None:
+            lines = StatsLogger(lambda: metrics.stats)
+            tasks.append(asyncio.get_running_loop().create_task(
+                log_stats_forever(lines, log_stats_interval)))
+
+    async def stop_stats_lines() -> None:
+        for task in tasks:
+            task.cancel()
+
+    app = FastAPI(title="mrv2", on_startup=[worker.start, start_stats_lines],
+                  on_shutdown=[stop_stats_lines, worker.stop, metrics.close])
     if api_key is not None:
         app.add_middleware(_CheckKey, api_key=api_key)
     app.state.engine_thread = worker
@@ -450,10 +466,12 @@ async def _disconnected(request: Request) -> None:
 
 def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: int = 8000,
                served_model_name: str | None = None, api_key: str | None = None,
-               max_pending: int = 1024, max_n: int = DEFAULT_MAX_N) -> int:
+               max_pending: int = 1024, max_n: int = DEFAULT_MAX_N,
+               log_stats: bool = True) -> int:
     """Serve until interrupted (returns 0), or until the engine fails for good (a
     tensor-parallel worker died: the server answers 503 for a moment, then stops and returns
-    1)."""
+    1). ``log_stats``: a stats line every :func:`~mrv2.entrypoints.stats_logger.log_stats_interval`
+    seconds while the engine has work."""
     import uvicorn
 
     if engine.tokenizer is not None:
@@ -461,7 +479,8 @@ def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: 
     # This process lives as long as the server; frozen before the app (and its count of the
     # collector's pauses) exists, so /metrics does not count this one full collection.
     freeze_startup_heap()
-    app = create_app(engine, served_model_name, api_key, max_pending, max_n)
+    app = create_app(engine, served_model_name, api_key, max_pending, max_n,
+                     log_stats_interval() if log_stats else None)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
     worker: EngineThread | EngineProcess = app.state.engine_thread
 
