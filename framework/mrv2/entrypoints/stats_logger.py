@@ -60,7 +60,7 @@ class StatsLogger:
         self._read, self._clock = read, clock
         self._last_time = clock()
         self._last = self._counters(read())
-        self._was_active = True  # the first interval gets a line whatever it holds
+        self._was_active = False  # (an engine idle since the start says nothing)
 
     @staticmethod
     def _counters(stats: dict[str, Any]) -> dict[str, float]:
