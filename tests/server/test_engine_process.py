@@ -81,6 +81,18 @@ def test_the_same_answers_as_the_engine_thread(server: Served, remote: tuple[str
         c["index"]: (c["text"], c["finish_reason"]) for c in want["choices"]}
 
 
+def test_tokenize_and_detokenize_in_the_servers_process(remote: tuple[str, Any]) -> None:
+    url = remote[0]
+    ids = httpx.post(f"{url}/tokenize", headers=AUTH, timeout=60,
+                     json={"prompt": "hello world", "add_special_tokens": False}).json()
+    assert ids["count"] == len(ids["tokens"]) > 0 and ids["max_model_len"] == 64
+    text = httpx.post(f"{url}/detokenize", headers=AUTH, timeout=60,
+                      json={"tokens": ids["tokens"]}).json()
+    assert text == {"prompt": "hello world"}
+    bad = httpx.post(f"{url}/detokenize", headers=AUTH, timeout=60, json={"tokens": [10**6]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
 def test_a_request_the_engine_refuses_is_a_400(model_dir: Path) -> None:
     """The engine's own check (KV blocks) runs in the child: its message comes back as 400."""
     for url, engine in _remote(model_dir, num_gpu_blocks_override=8, max_model_len=64):

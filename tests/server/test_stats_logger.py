@@ -127,3 +127,21 @@ def test_the_server_logs_the_line_while_it_serves(
     assert any(" tok/s, generation " in line and "KV cache" in line for line in lines)
     with pytest.raises(ValueError, match="log_stats_interval=0"):
         next(serve(model_dir, log_stats_interval=0))
+
+
+def test_the_serve_logging_flags_reach_the_server(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import mrv2.engine.engine as engine_module
+    import mrv2.entrypoints.server as server_module
+    from mrv2.entrypoints.cli import main
+
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(engine_module, "LLMEngine", lambda *a, **k: None)
+    monkeypatch.setattr(server_module, "run_server", lambda *a, **k: calls.append(k) or 0)
+    assert main(["serve", str(model_dir), "--device", "cpu", "--no-engine-process"]) == 0
+    assert main(["serve", str(model_dir), "--device", "cpu", "--no-engine-process",
+                 "--disable-log-stats", "--uvicorn-log-level", "warning",
+                 "--disable-uvicorn-access-log"]) == 0
+    assert calls == [
+        {"log_stats": True, "uvicorn_log_level": "info", "access_log": True},
+        {"log_stats": False, "uvicorn_log_level": "warning", "access_log": False}]

@@ -239,6 +239,11 @@ class LLMEngine:
         engine takes no steps afterwards. Idempotent."""
         self.runner.shutdown()
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids run from 0 to this, exclusive (the model's vocabulary)."""
+        return int(self.runner.vocab_size)
+
     def has_unfinished(self) -> bool:
         """True while any request waits, runs or has output in flight."""
         return self.scheduler.num_unfinished > 0 or bool(self._in_flight)

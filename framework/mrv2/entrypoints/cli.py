@@ -75,7 +75,9 @@ def _serve(args: argparse.Namespace) -> int:
     else:
         engine = LLMEngine(config)
     return run_server(engine, args.host, args.port, args.served_model_name, args.api_key,
-                      args.max_pending, args.max_n, log_stats=not args.disable_log_stats)
+                      args.max_pending, args.max_n, log_stats=not args.disable_log_stats,
+                      uvicorn_log_level=args.uvicorn_log_level,
+                      access_log=not args.disable_uvicorn_access_log)
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -144,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="no stats line (throughput, requests, KV cache, prefix cache hits) "
                        "every MRV2_LOG_STATS_INTERVAL seconds (default 10) while the engine "
                        "has work")
+    serve.add_argument("--uvicorn-log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug", "trace"],
+                       help="uvicorn's log level (default info)")
+    serve.add_argument("--disable-uvicorn-access-log", action="store_true",
+                       help="no uvicorn line per HTTP request (host time at high request "
+                       "rates)")
     add_cli_args(serve)
     serve.set_defaults(func=_serve)
 

@@ -184,6 +184,29 @@ class ChatCompletionRequest(_Request):
                 else self.max_completion_tokens)
 
 
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): a text ``prompt``, or chat ``messages`` through the
+    model's chat template."""
+
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's): token ids back to text."""
+
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def _unsupported(name: str, value: object, allowed: object) -> None:
     """Refuse a field this server does not implement rather than silently ignore it."""
     if value != allowed:
@@ -194,6 +217,7 @@ def _unsupported(name: str, value: object, allowed: object) -> None:
 _Request.model_rebuild()
 CompletionRequest.model_rebuild()
 ChatCompletionRequest.model_rebuild()
+TokenizeRequest.model_rebuild()
 
 ErrorType = Literal["invalid_request_error", "authentication_error", "not_found_error",
                     "server_error", "service_unavailable"]

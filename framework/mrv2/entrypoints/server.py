@@ -36,7 +36,10 @@ from mrv2.entrypoints.engine_thread import EngineThread, QueueFullError
 from mrv2.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from mrv2.entrypoints.openai_protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     chat_logprobs,
     completion_logprobs,
     error_body,
@@ -229,32 +232,76 @@ def create_app(engine: LLMEngine | RemoteEngine, served_model_name: str | None =
             validate(ids, params, body)
         return await _serve(request, worker, "cmpl", model_name, encoded, params, body, False)
 
+    async def chat_ids(messages: list[ChatMessage], add_generation_prompt: bool
+                       ) -> tuple[list[int], list[MultiModalItem]]:
+        """The prompt's token ids through the chat template, and its images' items."""
+        if any(m.has_media for m in messages):
+            allow_remote = engine.config.multimodal.allow_remote_media
+            try:  # decoding and preprocessing images is CPU work: off the event loop
+                return await asyncio.to_thread(
+                    _chat_with_media, engine, tokenizer(), [m.with_parts() for m in messages],
+                    add_generation_prompt, allow_remote)
+            except (ValueError, TypeError) as error:
+                raise APIError(400, str(error), param="messages") from None
+        try:
+            return tokenizer().apply_chat_template([m.as_dict() for m in messages],
+                                                   add_generation_prompt), []
+        except (ValueError, TypeError) as error:
+            raise APIError(400, f"could not apply the chat template: {error}",
+                           param="messages") from None
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
         params = params_of(body)
-        items: list[MultiModalItem] = []
-        if any(m.has_media for m in body.messages):
-            allow_remote = engine.config.multimodal.allow_remote_media
-            try:  # decoding and preprocessing images is CPU work: off the event loop
-                ids, items = await asyncio.to_thread(
-                    _chat_with_media, engine, tokenizer(),
-                    [m.with_parts() for m in body.messages], body.add_generation_prompt,
-                    allow_remote)
-            except (ValueError, TypeError) as error:
-                raise APIError(400, str(error), param="messages") from None
-        else:
-            try:
-                ids = tokenizer().apply_chat_template(
-                    [m.as_dict() for m in body.messages], body.add_generation_prompt)
-            except (ValueError, TypeError) as error:
-                raise APIError(400, f"could not apply the chat template: {error}",
-                               param="messages") from None
+        ids, items = await chat_ids(body.messages, body.add_generation_prompt)
         validate(ids, params, body)
         return await _serve(request, worker, "chatcmpl", model_name, [(ids, None)], params,
                             body, True, items)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        """vLLM's: a ``prompt`` (with or without special tokens) or chat ``messages`` (with
+        images, their placeholders expanded) as the token ids a request would send."""
+        body: TokenizeRequest = await parse(request, TokenizeRequest)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give either prompt (text) or messages (chat), not both or "
+                           "neither", param="prompt")
+        if body.prompt is not None:
+            ids = tokenizer().encode(body.prompt, body.add_special_tokens)
+        else:
+            assert body.messages is not None
+            ids, _ = await chat_ids(body.messages, body.add_generation_prompt)
+        strs = tokenizer().convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
+                "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        """vLLM's: ``tokens`` back to text (special tokens kept)."""
+        body: DetokenizeRequest = await parse(request, DetokenizeRequest)
+        vocab = engine.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens: {bad} is not a token id of this model (0 <= id < "
+                           f"{vocab})", param="tokens")
+        return {"prompt": tokenizer().decode(body.tokens, skip_special_tokens=False)}
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": _version()}
+
     return app
+
+
+def _version() -> str:
+    """The installed mrv2's version (``mrv2.__version__``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mrv2")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def _chat_with_media(engine: LLMEngine | RemoteEngine, tokenizer: Any,
@@ -467,11 +514,13 @@ async def _disconnected(request: Request) -> None:
 def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: int = 8000,
                served_model_name: str | None = None, api_key: str | None = None,
                max_pending: int = 1024, max_n: int = DEFAULT_MAX_N,
-               log_stats: bool = True) -> int:
+               log_stats: bool = True, uvicorn_log_level: str = "info",
+               access_log: bool = True) -> int:
     """Serve until interrupted (returns 0), or until the engine fails for good (a
     tensor-parallel worker died: the server answers 503 for a moment, then stops and returns
     1). ``log_stats``: a stats line every :func:`~mrv2.entrypoints.stats_logger.log_stats_interval`
-    seconds while the engine has work."""
+    seconds while the engine has work. ``uvicorn_log_level`` and ``access_log``: uvicorn's
+    (a line per HTTP request unless ``access_log`` is False)."""
     import uvicorn
 
     if engine.tokenizer is not None:
@@ -481,7 +530,8 @@ def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: 
     freeze_startup_heap()
     app = create_app(engine, served_model_name, api_key, max_pending, max_n,
                      log_stats_interval() if log_stats else None)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port,
+                                           log_level=uvicorn_log_level, access_log=access_log))
     worker: EngineThread | EngineProcess = app.state.engine_thread
 
     def stop_soon(error: BaseException) -> None:

@@ -1,0 +1,66 @@
+"""``/tokenize``, ``/detokenize`` and ``/version`` (vLLM's routes): the ids a request would
+send, text or chat; back to text; bad input is a 400 naming the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+from server_util import API_KEY, MODEL, Served
+
+from mrv2.engine.tokenizer import Tokenizer
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _post(server: Served, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", headers=AUTH, timeout=30, json=body)
+
+
+def test_tokenize_text_and_chat_as_a_request_would(server: Served) -> None:
+    tok = Tokenizer.from_pretrained(server.model_dir)
+    text = "The capital of France is"
+    got = _post(server, "/tokenize", {"model": MODEL, "prompt": text}).json()
+    assert got == {"count": len(tok.encode(text)), "max_model_len": server.engine.max_model_len,
+                   "tokens": tok.encode(text), "token_strs": None}
+    bare = _post(server, "/tokenize", {"prompt": text, "add_special_tokens": False,
+                                       "return_token_strs": True}).json()
+    assert bare["tokens"] == tok.encode(text, add_special_tokens=False)
+    assert bare["token_strs"] == tok.convert_ids_to_tokens(bare["tokens"])
+    messages = [{"role": "user", "content": "Hello world!"}]
+    chat = _post(server, "/tokenize", {"messages": messages}).json()
+    assert chat["tokens"] == tok.apply_chat_template(messages, True)
+    no_prompt = _post(server, "/tokenize", {"messages": messages,
+                                            "add_generation_prompt": False}).json()
+    assert no_prompt["tokens"] == tok.apply_chat_template(messages, False)
+    assert no_prompt["tokens"] != chat["tokens"]
+
+
+def test_detokenize_round_trips_and_version(server: Served) -> None:
+    ids = _post(server, "/tokenize", {"prompt": "Hello world!",
+                                      "add_special_tokens": False}).json()["tokens"]
+    assert _post(server, "/detokenize", {"model": MODEL, "tokens": ids}).json() == {
+        "prompt": "Hello world!"}
+    version = httpx.get(f"{server.url}/version", headers=AUTH, timeout=30)
+    assert version.status_code == 200 and version.json()["version"] == "0.1.0"
+
+
+def test_bad_input_is_a_400_naming_the_field(server: Served) -> None:
+    def error(path: str, body: dict[str, Any], status: int = 400) -> dict[str, Any]:
+        response = _post(server, path, body)
+        assert response.status_code == status, response.text
+        return response.json()["error"]  # type: ignore[no-any-return]
+
+    both = error("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "x"}]})
+    assert both["param"] == "prompt" and "either prompt" in both["message"]
+    assert error("/tokenize", {})["param"] == "prompt"
+    assert error("/tokenize", {"prompt": 5})["param"] == "prompt"
+    assert error("/tokenize", {"messages": []})["param"] == "messages"
+    assert error("/tokenize", {"model": "other", "prompt": "hi"}, 404)["param"] == "model"
+    vocab = server.engine.vocab_size
+    out_of_range = error("/detokenize", {"tokens": [1, vocab]})
+    assert out_of_range["param"] == "tokens" and f"0 <= id < {vocab}" in out_of_range["message"]
+    assert error("/detokenize", {"tokens": [-1]})["param"] == "tokens"
+    assert error("/detokenize", {"tokens": ["a"]})["param"].startswith("tokens")
+    assert httpx.post(f"{server.url}/tokenize", json={"prompt": "hi"},
+                      timeout=30).status_code == 401  # behind the key, as every route but health
