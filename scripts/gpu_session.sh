@@ -304,7 +304,7 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                 # wall ms and what compiled (scripts/probe_cold_start.py), the engine's start-up
                 # warm-up off, then on (each run with a fresh cache)
                 for w in no-warmup warmup; do timeout 280 python3 scripts/probe_cold_start.py \
-                  --$w > "$OUT/cold_start_$w.log" 2>&1; tail -13 "$OUT/cold_start_$w.log"; done ;;
+                  --$w > "$OUT/cold_start_$w.log" 2>&1; tail -18 "$OUT/cold_start_$w.log"; done ;;
     firststeps) # where TTFT goes, step by step and by host part (scripts/probe_first_steps.py),
                 # with MRV2_PDL_GEMM off and on (the nineteenth session's TTFT rise with it on
                 # did not recur in the twentieth)

@@ -32,14 +32,16 @@ WARMUP_ID_PREFIX = "mrv2-warmup-"
 
 #: One batch per sampling kind (a step's sampler plan, and so which kernels and which decode
 #: tail it runs, follows the whole batch): greedy; temperature alone; top-k and top-p;
-#: logprobs of the samples and of the prompt; min-p (sampled eagerly). Explicit seeds (greedy
-#: requests draw one too) leave the engine's seed stream untouched.
+#: logprobs of the samples and of the prompt; min-p, alone and with top-k / top-p (sampled
+#: eagerly: the filter then runs over min-p's fp32 logits, another compile). Explicit seeds
+#: (greedy requests draw one too) leave the engine's seed stream untouched.
 WARMUP_BATCHES: tuple[tuple[SamplingParams, ...], ...] = (
     (SamplingParams(temperature=0.0, seed=0), SamplingParams(temperature=0.0, seed=1)),
     (SamplingParams(temperature=1.0, seed=0),),
     (SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=0),),
     (SamplingParams(temperature=0.0, seed=0, logprobs=2, prompt_logprobs=2),),
-    (SamplingParams(temperature=1.0, seed=0, min_p=0.1),),
+    (SamplingParams(temperature=1.0, seed=0, min_p=0.1),
+     SamplingParams(temperature=0.8, seed=1, min_p=0.05, top_k=40, top_p=0.95)),
 )
 
 #: Then penalties, one batch per way the sampler reads their fp32 logits (greedy; temperature;
