@@ -78,11 +78,9 @@ class LLMEngine:
                 config.model.override_generation_config)
         entry = self.runner.model_entry
         #: The family's multimodal prompt processor (None: the model takes text only).
-        self.input_processor: InputProcessor | None = None
-        if entry.input_processor:
-            processor_cls = import_object(entry.input_processor)
-            self.input_processor = processor_cls(model_dir, self.runner.hf_config,
-                                                 self.tokenizer, config)
+        self.input_processor = make_input_processor(entry.input_processor, model_dir,
+                                                    self.runner.hf_config, self.tokenizer,
+                                                    config)
         self.max_model_len = self.runner.max_model_len
         self.block_manager, self.scheduler = self._new_scheduler()
         k = self.runner.num_speculative_tokens
@@ -437,6 +435,17 @@ def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_
     if bad:
         raise ValueError(f"prompt token ids must be in [0, {vocab_size}); got {bad[:5]}")
     params.check_vocab(vocab_size)
+
+
+def make_input_processor(path: str | None, model_dir: str, hf_config: Any,
+                         tokenizer: Tokenizer | None, config: EngineConfig
+                         ) -> InputProcessor | None:
+    """The family's multimodal prompt processor registered as ``path`` (an import path; None
+    or empty: a text-only model), built for the checkpoint at ``model_dir``."""
+    if not path:
+        return None
+    processor: InputProcessor = import_object(path)(model_dir, hf_config, tokenizer, config)
+    return processor
 
 
 def process_multimodal(processor: InputProcessor | None, architecture: str,

@@ -27,7 +27,12 @@ from mrv2.config import EngineConfig
 from mrv2.contract.input_processor import InputProcessor
 from mrv2.contract.params import SamplingParams
 from mrv2.contract.requests import MultiModalItem
-from mrv2.engine.engine import _load_tokenizer, check_prompt, process_multimodal
+from mrv2.engine.engine import (
+    _load_tokenizer,
+    check_prompt,
+    make_input_processor,
+    process_multimodal,
+)
 from mrv2.engine.outputs import RequestOutput
 from mrv2.engine.tokenizer import Tokenizer
 from mrv2.entrypoints.engine_core import (
@@ -335,8 +340,6 @@ class RemoteEngine:
 
     def __init__(self, config: EngineConfig, max_pending: int = 1024,
                  startup_timeout: float | None = None) -> None:
-        from mrv2.registry import import_object
-
         self.config = config
         self.process = EngineProcess(config, max_pending, startup_timeout)
         info = self.process.info
@@ -345,11 +348,8 @@ class RemoteEngine:
         self.sampling_defaults = info.sampling_defaults
         self.tokenizer: Tokenizer | None = _load_tokenizer(config.model.tokenizer
                                                            or info.model_dir)
-        self.input_processor: InputProcessor | None = None
-        if info.input_processor:
-            processor_cls = import_object(info.input_processor)
-            self.input_processor = processor_cls(info.model_dir, info.hf_config,
-                                                 self.tokenizer, config)
+        self.input_processor: InputProcessor | None = make_input_processor(
+            info.input_processor, info.model_dir, info.hf_config, self.tokenizer, config)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """The checks that need no engine state (the prompt's length and ids, the params'
