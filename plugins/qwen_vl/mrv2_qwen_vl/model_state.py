@@ -10,10 +10,15 @@
 - **A prefill chunk that reaches an image's placeholders** gets that image's embedding rows
   (:meth:`QwenVLModelState.get_mm_embeddings`). They come from the encoder cache, keyed by the
   image's content hash, or from one run of the vision tower.
-- **The encoder cache** keeps an image's embeddings while a request holds the image (reused
-  across chunked-prefill steps and by other requests with the same image). After the last
-  request leaves, the embeddings stay in a least-recently-used pool of at most
-  :attr:`QwenVLModelState.encoder_cache_bytes`, and are freed from it.
+- **The encoder cache** keeps an image's embeddings while a request still has to compute the
+  image's placeholder rows (reused across chunked-prefill steps and by other requests with
+  the same image). A request lets go of an image in the step that computes the image's last
+  row (at once, when the prefix cache already holds the rows), as vLLM frees encoder outputs
+  after their prefill: decoding requests hold no embeddings, so the device memory they take is
+  bounded by the prompts in prefill, not by every request in flight. Released embeddings stay
+  in a least-recently-used pool of at most :attr:`QwenVLModelState.encoder_cache_bytes`, and
+  are freed from it. (A preempted request is added again with its images and holds them
+  anew; a miss runs the vision tower again.)
 - **Qwen3-VL** (:class:`Qwen3VLModelState`) caches each image's deepstack features with its
   embeddings and hands a step's share of them to the model's forward.
 """
@@ -56,6 +61,10 @@ class QwenVLModelState(ModelState):
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._refs: Counter[str] = Counter()
         self.encoder_runs = 0  # vision-tower calls (the tests count cache hits with it)
+        #: The last step's key and rows: a second call for the same step gives the same rows
+        #: (the first one let go of the images it finished).
+        self._last_step: tuple[tuple[bytes, bytes, bytes], MultiModalEmbeddings | None] | None
+        self._last_step = None
 
     # -- per request -------------------------------------------------------------------------
 
@@ -75,16 +84,27 @@ class QwenVLModelState(ModelState):
             grids.append(ImageGrid(item.offset, t, h // self.merge, w // self.merge))
         self.table.set_row(row, grids)
         self._release(row)
-        if request.mm_items:
-            self._images[row] = list(request.mm_items)
-            self._refs.update(item.content_hash for item in request.mm_items)
+        pending = [item for item in request.mm_items  # (rows the prefix cache had: done)
+                   if item.offset + item.length > request.num_computed_tokens]
+        if pending:
+            self._images[row] = pending
+            self._refs.update(item.content_hash for item in pending)
+        self._evict()
 
     def remove_request(self, req_id: str, row: int) -> None:
         """Drop the row's hold on its images' cache entries."""
         self._release(row)
 
-    def _release(self, row: int) -> None:
-        for item in self._images.pop(row, []):
+    def _release(self, row: int, done: list[MultiModalItem] | None = None) -> None:
+        """Drop the row's hold on ``done`` (default: all of its images); evict after."""
+        items = self._images.get(row, [])
+        released = items if done is None else [i for i in items if any(i is d for d in done)]
+        kept = [] if done is None else [i for i in items if not any(i is d for d in done)]
+        if kept:
+            self._images[row] = kept
+        else:
+            self._images.pop(row, None)
+        for item in released:
             self._refs[item.content_hash] -= 1
             if self._refs[item.content_hash] <= 0:
                 del self._refs[item.content_hash]
@@ -121,16 +141,30 @@ class QwenVLModelState(ModelState):
         token) of the image placeholders this step computes, with their token rows in the
         flat step batch (host-side bookkeeping over the step's CPU arrays; None for a step
         without any)."""
-        if not self._images:
-            return None
+        n = batch.num_reqs
+        key = (batch.idx_mapping_cpu[:n].tobytes(), batch.num_computed_cpu[:n].tobytes(),
+               batch.query_start_loc_cpu[: n + 1].tobytes())
+        if self._last_step is not None and self._last_step[0] == key:
+            return self._last_step[1]  # the same step asked again: the same rows
+        result = self._compute_step_rows(batch) if self._images else None
+        self._last_step = (key, result)
+        return result
+
+    def _compute_step_rows(self, batch: InputBatch) -> MultiModalEmbeddings | None:
         indices: list[np.ndarray] = []
         parts: list[torch.Tensor] = []
         for i in range(batch.num_reqs):
-            for item in self._images.get(int(batch.idx_mapping_cpu[i]), ()):
+            row = int(batch.idx_mapping_cpu[i])
+            done: list[MultiModalItem] = []
+            for item in self._images.get(row, ()):
                 rows, within = placeholder_rows(batch, i, item.offset, item.length)
                 if len(rows):  # a contiguous run of the image's rows
                     parts.append(self._embeddings(item)[int(within[0]): int(within[-1]) + 1])
                     indices.append(rows)
+                    if int(within[-1]) == item.length - 1:
+                        done.append(item)  # its last row: this request lets go (module doc)
+            if done:  # (the slices above keep their rows alive for this step)
+                self._release(row, done)
         if not parts:
             return None
         return MultiModalEmbeddings(to_device(np.concatenate(indices), torch.int64, self.device),

@@ -212,6 +212,45 @@ def test_encoder_cache_and_prefix_cache(checkpoints: Callable[[str], Path], fami
     assert llm.engine.stats()["prefix_cache_hits"] - before >= 8
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_decoding_requests_hold_no_image_embeddings(checkpoints: Callable[[str], Path],
+                                                    family: str) -> None:
+    """A request lets go of its image in the step that computes the image's last row: with
+    no pool for released embeddings (``encoder_cache_bytes = 0``), the encoder cache is empty
+    once both requests decode. Until then each request holds the image across the chunks of
+    its rows (steps of 4 tokens: three steps each): encoded once per request, since the
+    second request's prefill starts after the first let go. Tokens as a fresh engine's."""
+    checkpoint = checkpoints(family)
+    a = _image(56, 84, 0)
+    ids, _ = _prompt([5, 17], a, [42, 9, 100])
+    second = [3, 11, *ids]
+    fresh = _llm(checkpoint, enable_prefix_caching=False)
+    want = [_generate(fresh, ids, [a]), _generate(fresh, second, [a])]
+    llm = _llm(checkpoint, enable_prefix_caching=False, max_num_batched_tokens=4,
+               max_num_seqs=2)
+    runner = llm.engine.runner
+    state = runner.model_state
+    state.encoder_cache_bytes = 0
+    held: list[tuple[int, int, bool]] = []  # (cache entries, holds, a prompt row in the step)
+    execute = runner.execute
+
+    def spy(scheduled: Any) -> Any:
+        out = execute(scheduled)
+        in_prompt = any(i.num_computed <= i.num_prompt for i in runner.table.info.values())
+        held.append((len(state._cache), sum(state._refs.values()), in_prompt))
+        return out
+
+    runner.execute = spy
+    prompts = [{"prompt_token_ids": p, "multi_modal_data": {"image": [a]}}
+               for p in (ids, second)]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert state.encoder_runs == 2  # not once per chunk: held until its last row
+    assert max(entries for entries, _, _ in held) == 1
+    decoding = [(entries, holds) for entries, holds, in_prompt in held if not in_prompt]
+    assert len(decoding) >= 6 and set(decoding) == {(0, 0)}
+
+
 @pytest.mark.parametrize(("name", "family"), [("Qwen2.5-VL-7B", "qwen2_5_vl"),
                                             ("Qwen3-VL-8B", "qwen3_vl")])
 def test_bundled_configs(name: str, family: str) -> None:
