@@ -99,3 +99,17 @@ def test_the_graph_line_counts_each_kind_and_quiet_ranks_say_nothing(
     quiet = StartupReport(quiet=True)  # a tensor-parallel rank past 0
     quiet.graphs(graphs, 0)
     assert quiet.facts["graph_counts"]["decode"] == 3 and not caplog.records
+
+
+def test_the_kv_line_names_the_encoders_share(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="mrv2")
+    report = StartupReport()
+    report.facts.update(encoder_peak_bytes=3 << 28, encoder_kept_bytes=1 << 28)
+    report.kv_cache(100, 16, 1 << 20, "bfloat16", 4096, 5 << 29)
+    assert ("activation peak 2.50 GiB (the encoder's 0.75 GiB counted, 0.25 GiB reserved "
+            "for its cache)") in caplog.text
+    caplog.clear()
+    text = StartupReport()  # a text model: the encoder's share is not mentioned
+    text.facts.update(encoder_peak_bytes=0, encoder_kept_bytes=0)
+    text.kv_cache(100, 16, 1 << 20, "bfloat16", 4096, 5 << 29)
+    assert "activation peak 2.50 GiB (0.0 s)" in caplog.text

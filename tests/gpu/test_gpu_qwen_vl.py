@@ -86,3 +86,15 @@ def test_steps_never_synchronize(ckpt: Path) -> None:
     for out in outputs:
         out.result()
     assert getattr(runner.model_state, "encoder_runs", None) == 1  # one image, two chunks
+
+
+def test_the_memory_profile_counts_the_vision_tower(ckpt: Path) -> None:
+    """The KV cache is sized after a profile that ran the tower on the largest image a prompt
+    may carry, and reserved the encoder cache's budget."""
+    llm = LLM(str(ckpt), device="cuda", dtype="bfloat16", block_size=16,
+              gpu_memory_utilization=0.3, max_model_len=512)
+    facts = llm.engine.runner.startup.facts
+    state = llm.engine.runner.model_state
+    assert facts["encoder_peak_bytes"] > 0
+    assert facts["encoder_kept_bytes"] == state.encoder_cache_bytes
+    assert state.encoder_runs == 0  # the profile's image is not a cached one

@@ -128,6 +128,15 @@ class ModelState:
 
     # -- start-up ----------------------------------------------------------------------------
 
+    def profile_encoder(self, max_prompt_tokens: int) -> int:
+        """Run the family's encoder (a vision tower) once on the largest input one prompt of
+        ``max_prompt_tokens`` tokens may carry, its output dropped: the runner calls it inside
+        the memory profile it takes before sizing the KV cache, so the encoder's activations
+        are counted. Returns the bytes the family keeps on the device beyond that while
+        serving (an encoder cache's budget), which the runner reserves too. Default (text
+        models): nothing to run, 0."""
+        return 0
+
     def prepare_dummy_inputs(self, num_reqs: int, num_tokens: int) -> InputBatch:
         """A harmless batch over the persistent buffers: ``num_tokens`` split over requests.
 

@@ -497,7 +497,9 @@ class Runner:
 
     def _profile_peak_bytes(self) -> int:
         """Activation memory of the largest step, measured by one dummy forward, or the
-        sampler's scratch over its widest step when that is more (CUDA only)."""
+        sampler's scratch over its widest step, or the family's encoder over the largest
+        input one prompt may carry (``ModelState.profile_encoder``), whichever is most, plus
+        what the family keeps beside them (its encoder cache's budget). CUDA only."""
         if self.device.type != "cuda" or self.config.cache.num_gpu_blocks_override is not None:
             return 0
         self.kv.allocate(1, self.block_size, self.dtype, self.device)
@@ -517,8 +519,17 @@ class Runner:
             torch.cuda.reset_peak_memory_stats(self.device)
             rows = min(self.max_num_reqs * (1 + self.num_speculative_tokens), self.max_num_tokens)
             self.sampler.profile_scratch(rows, self.dtype)
+            torch.cuda.synchronize()
+            peak = max(peak, torch.cuda.max_memory_allocated(self.device) - before)
+            # the encoder (a vision tower) over the largest input, alone: it runs before a
+            # step's forward, its output a few rows the forward then reads
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            kept = self.model_state.profile_encoder(self.max_model_len - 1)
         torch.cuda.synchronize()
-        peak = max(peak, torch.cuda.max_memory_allocated(self.device) - before)
+        top = torch.cuda.max_memory_allocated(self.device)
+        self.startup.facts.update(encoder_peak_bytes=top - base, encoder_kept_bytes=kept)
+        peak = max(peak, top - before) + kept
         self.kv.release()  # (num_blocks_for returns the freed memory to the device)
         return int(peak)
 

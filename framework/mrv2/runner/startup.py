@@ -63,6 +63,11 @@ class StartupReport:
                           max_concurrency=tokens / per_request)
         peak = (f"; the profiling forward's activation peak {peak_bytes / _GIB:.2f} GiB"
                 if peak_bytes > 0 else "")  # (measured on CUDA only)
+        encoder = int(self.facts.get("encoder_peak_bytes", 0))
+        if peak and encoder > 0:
+            peak += (f" (the encoder's {encoder / _GIB:.2f} GiB counted, "
+                     f"{int(self.facts['encoder_kept_bytes']) / _GIB:.2f} GiB reserved for its "
+                     "cache)")
         self.log("KV cache: %s tokens (%s blocks of %d, %.2f GiB, %s); %.1f requests of "
                  "max_model_len %d fit at once%s (%.1f s)", f"{tokens:,}", f"{num_blocks:,}",
                  block_size, num_blocks * bytes_per_block / _GIB, kv_dtype,

@@ -25,7 +25,10 @@
 
 from __future__ import annotations
 
+import json
+import math
 from collections import Counter, OrderedDict
+from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
@@ -38,7 +41,7 @@ from mrv2.contract.staging import to_device
 from mrv2_qwen_vl.model_qwen3 import DeepstackRows
 from mrv2_qwen_vl.mrope import ImageGrid, MRopeTable, mrope_positions
 
-__all__ = ["Qwen3VLModelState", "QwenVLModelState"]
+__all__ = ["Qwen3VLModelState", "QwenVLModelState", "largest_image_grid"]
 
 
 class QwenVLModelState(ModelState):
@@ -65,6 +68,23 @@ class QwenVLModelState(ModelState):
         #: (the first one let go of the images it finished).
         self._last_step: tuple[tuple[bytes, bytes, bytes], MultiModalEmbeddings | None] | None
         self._last_step = None
+
+    # -- start-up ----------------------------------------------------------------------------
+
+    def profile_encoder(self, max_prompt_tokens: int) -> int:
+        """The vision tower over the largest image one prompt may carry (a square grid of at
+        most ``max_prompt_tokens`` merged tokens and at most the image processor's
+        ``max_pixels``), random pixels, output dropped; returns
+        :attr:`encoder_cache_bytes` (released embeddings the cache may keep)."""
+        grid = largest_image_grid(max_prompt_tokens, self.merge,
+                                  int(self.hf_config.vision_config.patch_size),
+                                  _max_pixels(self.config.model.model))
+        if grid is not None:
+            visual = cast(Any, self.model).visual
+            pixels = torch.randn(grid[0] * grid[1] * grid[2], int(visual.patch_dim),
+                                 device=self.device)
+            cast(Any, self.model).embed_images(pixels, [grid])
+        return self.encoder_cache_bytes
 
     # -- per request -------------------------------------------------------------------------
 
@@ -196,6 +216,34 @@ class QwenVLModelState(ModelState):
         inputs["positions"] = mrope_positions(batch.positions, rows, self.table,
                                               out=self._positions)
         return inputs
+
+
+def largest_image_grid(max_tokens: int, merge: int, patch_size: int,
+                       max_pixels: int | None) -> tuple[int, int, int] | None:
+    """``(t, h, w)`` in patches of the largest square image of at most ``max_tokens`` merged
+    tokens (``h * w / merge**2``) and ``max_pixels`` pixels; None if not even one token fits."""
+    tokens = max_tokens
+    if max_pixels is not None:
+        tokens = min(tokens, max_pixels // (merge * patch_size) ** 2)
+    side = math.isqrt(max(tokens, 0))  # in merged tokens
+    if side < 1:
+        return None
+    return 1, side * merge, side * merge
+
+
+def _max_pixels(model_dir: str | None) -> int | None:
+    """The checkpoint image processor's ``max_pixels`` (``size.longest_edge`` in newer
+    configs, a pixel count too); None where there is none to read."""
+    if not model_dir:
+        return None
+    path = Path(model_dir) / "preprocessor_config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    size = config.get("size") if isinstance(config.get("size"), dict) else {}
+    value = config.get("max_pixels") or size.get("longest_edge")
+    return int(value) if value else None
 
 
 class Qwen3VLModelState(QwenVLModelState):

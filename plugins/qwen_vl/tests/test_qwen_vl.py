@@ -251,6 +251,44 @@ def test_decoding_requests_hold_no_image_embeddings(checkpoints: Callable[[str],
     assert len(decoding) >= 6 and set(decoding) == {(0, 0)}
 
 
+def test_the_largest_image_grid() -> None:
+    from mrv2_qwen_vl.model_state import largest_image_grid
+
+    # bounded by the prompt: 4,095 tokens -> a 63 x 63 square of merged tokens
+    assert largest_image_grid(4095, 2, 14, 12845056) == (1, 126, 126)
+    # bounded by the processor: 12,845,056 px / 28**2 = 16,384 tokens -> 128 x 128
+    assert largest_image_grid(131071, 2, 14, 12845056) == (1, 256, 256)
+    assert largest_image_grid(131071, 2, 16, 16777216) == (1, 256, 256)  # Qwen3-VL: 32 px
+    assert largest_image_grid(100, 2, 14, None) == (1, 20, 20)
+    assert largest_image_grid(0, 2, 14, None) is None
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_memory_profile_runs_the_vision_tower_on_the_largest_image(
+        checkpoints: Callable[[str], Path], family: str) -> None:
+    """``profile_encoder`` (the runner calls it inside its CUDA memory profile) runs the tower
+    on the largest image a prompt may carry: the tiny processor's ``max_pixels`` (64 merged
+    tokens) or the prompt's tokens, whichever is less; the encoder cache is untouched and
+    its budget is what the family keeps beside the peak."""
+    llm = _llm(checkpoints(family))
+    state = llm.engine.runner.model_state
+    grids: list[Any] = []
+    embed = state.model.embed_images
+
+    def spy(pixels: torch.Tensor, grid_thw: list[Any]) -> torch.Tensor:
+        grids.append((tuple(pixels.shape), list(grid_thw)))
+        return embed(pixels, grid_thw)
+
+    state.model.embed_images = spy
+    assert state.profile_encoder(4095) == state.encoder_cache_bytes > 0
+    assert state.profile_encoder(30) == state.encoder_cache_bytes
+    patch_dim = state.model.visual.patch_dim
+    assert grids == [((256, patch_dim), [(1, 16, 16)]), ((100, patch_dim), [(1, 10, 10)])]
+    assert state.encoder_runs == 0 and not state._cache
+    ids, images = CASES["one_image"]()  # the engine serves as before
+    assert _generate(llm, ids, images) == _generate(_llm(checkpoints(family)), ids, images)
+
+
 @pytest.mark.parametrize(("name", "family"), [("Qwen2.5-VL-7B", "qwen2_5_vl"),
                                             ("Qwen3-VL-8B", "qwen3_vl")])
 def test_bundled_configs(name: str, family: str) -> None:
