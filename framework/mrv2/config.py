@@ -13,9 +13,42 @@ import json
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+def read_chat_template(value: str) -> str:
+    """``--chat-template``'s value as template text: a file's contents when ``value`` names
+    one, else ``value`` itself when it looks like a template (it has ``{``). ValueError on a
+    missing file or a template Jinja cannot parse (checked as transformers compiles chat
+    templates, where that is importable)."""
+    text = value
+    if "{" not in value and "\n" not in value:  # a path, not a template
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ValueError(f"chat_template={value!r}: no such file; give the path of a Jinja "
+                             "file or the template itself")
+        text = path.read_text(encoding="utf-8")
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # (another transformers: the first chat request reports it)
+        return text
+    import jinja2
+
+    try:
+        _compile_jinja_template(text)
+    except jinja2.TemplateSyntaxError as error:
+        raise ValueError(f"chat_template is not a valid Jinja template (line {error.lineno}: "
+                         f"{error.message})") from None
+    return text
 
 
 class _Section(BaseModel):
@@ -59,6 +92,16 @@ class ModelConfig(_Section):
         description="config.json fields to change, as JSON: '{\"num_hidden_layers\": 40}' runs "
         "a model's first 40 layers (with --load-format dummy: a checkpoint must match)",
     )
+    chat_template: str | None = Field(
+        default=None,
+        description="a Jinja chat template, or the path of a file holding one, used instead of "
+        "the tokenizer's (chat completions, LLM.chat, /tokenize); checked before anything loads",
+    )
+
+    @field_validator("chat_template")
+    @classmethod
+    def _read_chat_template(cls, value: str | None) -> str | None:
+        return None if value is None else read_chat_template(value)
 
 
 class MultiModalConfig(_Section):

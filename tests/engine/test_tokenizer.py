@@ -168,3 +168,37 @@ def test_warm_up_renders_the_chat_template_once(tok: Tokenizer, tok_dir: Path,
     assert strict.warm_up() is False
     with pytest.raises(Exception, match="system message must come first"):
         strict.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_a_chat_template_from_the_config(tok_dir: Path, tmp_path: Path) -> None:
+    """``--chat-template``: a file's text or the template itself replaces the tokenizer's; a
+    missing file or a template Jinja cannot parse is refused when the config is built, naming
+    the field; transformers' template extensions (loop controls, ``generation``) parse."""
+    import argparse
+
+    from pydantic import ValidationError
+
+    from mrv2.config import EngineConfig, add_cli_args, config_from_cli
+    from mrv2.engine.engine import _load_tokenizer
+
+    inline = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    path = tmp_path / "chat.jinja"
+    path.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    config = config_from_cli(parser.parse_args(["--chat-template", str(path)]), None)
+    assert config.model.chat_template == path.read_text()
+    assert EngineConfig.from_kwargs(chat_template=inline).model.chat_template == inline
+    tok = _load_tokenizer(str(tok_dir), inline)
+    assert tok is not None
+    assert tok.render_chat_template([{"role": "user", "content": "hi"}]) == "<<hi>>"
+    own = _load_tokenizer(str(tok_dir))
+    assert own is not None and own.chat_template != inline
+    with pytest.raises(ValidationError, match="chat_template='nope.jinja': no such file"):
+        EngineConfig.from_kwargs(chat_template="nope.jinja")
+    with pytest.raises(ValidationError, match=r"chat_template is not a valid Jinja template "
+                                              r"\(line 1"):
+        EngineConfig.from_kwargs(chat_template="{% for m in messages %}{{ m }")
+    extensions = ("{% for m in messages %}{% if loop.index > 3 %}{% break %}{% endif %}"
+                  "{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}")
+    assert EngineConfig.from_kwargs(chat_template=extensions).model.chat_template == extensions

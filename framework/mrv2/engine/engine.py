@@ -67,7 +67,8 @@ class LLMEngine:
             config.model.override_generation_config)
         self.runner = make_runner(config, plugins)
         model_dir = config.model.model or self.runner.model_dir
-        self.tokenizer: Tokenizer | None = _load_tokenizer(config.model.tokenizer or model_dir)
+        self.tokenizer: Tokenizer | None = _load_tokenizer(config.model.tokenizer or model_dir,
+                                                           config.model.chat_template)
         eos = load_generation_eos(model_dir)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = {self.tokenizer.eos_token_id}
@@ -461,8 +462,13 @@ def process_multimodal(processor: InputProcessor | None, architecture: str,
     return processor.process(list(prompt_token_ids), mm_data)
 
 
-def _load_tokenizer(path: str) -> Tokenizer | None:
+def _load_tokenizer(path: str, chat_template: str | None = None) -> Tokenizer | None:
+    """The tokenizer at ``path`` (None where there is none), its chat template replaced by
+    ``chat_template`` (``--chat-template``) when given."""
     try:
-        return Tokenizer(path)
+        tokenizer = Tokenizer(path)
     except (OSError, ValueError):
         return None
+    if chat_template is not None:
+        tokenizer.set_chat_template(chat_template)
+    return tokenizer

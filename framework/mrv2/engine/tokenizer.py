@@ -78,6 +78,10 @@ class Tokenizer:
         text = self.render_chat_template(messages, add_generation_prompt, **kwargs)
         return self.encode(text, add_special_tokens=False)
 
+    def set_chat_template(self, template: str) -> None:
+        """Use ``template`` (Jinja text) instead of the tokenizer's own chat template."""
+        self.hf.chat_template = template
+
     def warm_up(self) -> bool:
         """Encode a text and render a one-message chat once, so a server's first request does
         not pay what their first use costs (Jinja compiles the chat template then: 4.2 ms

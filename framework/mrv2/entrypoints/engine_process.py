@@ -346,8 +346,8 @@ class RemoteEngine:
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
         self.sampling_defaults = info.sampling_defaults
-        self.tokenizer: Tokenizer | None = _load_tokenizer(config.model.tokenizer
-                                                           or info.model_dir)
+        self.tokenizer: Tokenizer | None = _load_tokenizer(
+            config.model.tokenizer or info.model_dir, config.model.chat_template)
         self.input_processor: InputProcessor | None = make_input_processor(
             info.input_processor, info.model_dir, info.hf_config, self.tokenizer, config)
 
