@@ -174,7 +174,8 @@ def test_engine_process_is_refused_under_torchrun(model_dir: Path, monkeypatch: 
 
     for var, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1")):
         monkeypatch.setenv(var, value)
-    assert main(["serve", str(model_dir), "--device", "cpu", "--engine-process"]) == 2
+    assert main(["serve", str(model_dir), "--device", "cpu", "--port", "0",
+                 "--engine-process"]) == 2
     assert "--engine-process" in capsys.readouterr().err
 
 
@@ -194,12 +195,16 @@ def test_serve_runs_the_engine_in_a_process_of_its_own_by_default(
     built: list[str] = []
     for module, name in ((engine_module, "LLMEngine"), (process_module, "RemoteEngine")):
         monkeypatch.setattr(module, name, lambda *a, _name=name, **k: built.append(_name))
-    monkeypatch.setattr(server_module, "run_server", lambda *a, **k: 0)
+    socks: list[Any] = []
+    monkeypatch.setattr(server_module, "run_server", lambda *a, **k: socks.append(k["sock"]) or 0)
     if torchrun:
         for var, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1")):
             monkeypatch.setenv(var, value)
-    assert main(["serve", str(model_dir), "--device", "cpu", *([flag] if flag else [])]) == 0
+    assert main(["serve", str(model_dir), "--device", "cpu", "--port", "0",
+                 *([flag] if flag else [])]) == 0
     assert built == [expected]
+    assert socks[0] is not None  # rank 0 under torchrun binds it too
+    socks[0].close()
 
 
 def test_an_engine_that_cannot_start_is_a_clear_error(tmp_path: Path) -> None:

@@ -136,12 +136,49 @@ def test_the_serve_logging_flags_reach_the_server(
     from mrv2.entrypoints.cli import main
 
     calls: list[dict[str, Any]] = []
+
+    def run_server(*args: Any, **kwargs: Any) -> int:
+        kwargs.pop("sock").close()  # (bound before the engine: test_serve_binds_its_port...)
+        calls.append(kwargs)
+        return 0
+
     monkeypatch.setattr(engine_module, "LLMEngine", lambda *a, **k: None)
-    monkeypatch.setattr(server_module, "run_server", lambda *a, **k: calls.append(k) or 0)
-    assert main(["serve", str(model_dir), "--device", "cpu", "--no-engine-process"]) == 0
+    monkeypatch.setattr(server_module, "run_server", run_server)
     assert main(["serve", str(model_dir), "--device", "cpu", "--no-engine-process",
-                 "--disable-log-stats", "--uvicorn-log-level", "warning",
+                 "--port", "0"]) == 0
+    assert main(["serve", str(model_dir), "--device", "cpu", "--no-engine-process",
+                 "--port", "0", "--disable-log-stats", "--uvicorn-log-level", "warning",
                  "--disable-uvicorn-access-log"]) == 0
     assert calls == [
         {"log_stats": True, "uvicorn_log_level": "info", "access_log": True},
         {"log_stats": False, "uvicorn_log_level": "warning", "access_log": False}]
+
+
+def test_serve_binds_its_port_before_the_engine_loads(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A port in use fails at once, naming it, with nothing loaded (a large model's load
+    takes minutes); a free one reaches the server bound."""
+    import socket
+
+    import mrv2.engine.engine as engine_module
+    import mrv2.entrypoints.server as server_module
+    from mrv2.entrypoints.cli import main
+
+    built: list[bool] = []
+    socks: list[socket.socket] = []
+    monkeypatch.setattr(engine_module, "LLMEngine", lambda *a, **k: built.append(True))
+    monkeypatch.setattr(server_module, "run_server",
+                        lambda *a, **k: socks.append(k["sock"]) or 0)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", str(model_dir), "--device", "cpu", "--no-engine-process",
+                     "--port", str(port)]) == 2
+        assert f"cannot listen on 127.0.0.1:{port}: " in capsys.readouterr().err
+        assert not built and not socks
+    assert main(["serve", str(model_dir), "--device", "cpu", "--no-engine-process",
+                 "--port", str(port)]) == 0
+    assert built == [True] and socks[0].getsockname() == ("127.0.0.1", port)
+    socks[0].close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -46,7 +47,7 @@ def _serve(args: argparse.Namespace) -> int:
               ".venv/bin/pip install -e '.[serve]')", file=sys.stderr)
         return 2
     from mrv2.engine.engine import LLMEngine
-    from mrv2.entrypoints.server import run_server
+    from mrv2.entrypoints.server import listen_socket, run_server
     from mrv2.executor.tensor_parallel import launched_by_torchrun
 
     model = args.model_dir or args.model
@@ -60,6 +61,15 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"mrv2 serve: {error}", file=sys.stderr)
             return 2
 
+    sock = None  # the server's socket, bound before anything loads (torchrun: rank 0's)
+    if not launched_by_torchrun() or os.environ.get("RANK", "0") == "0":
+        try:
+            sock = listen_socket(args.host, args.port)
+        except OSError as error:
+            print(f"mrv2 serve: cannot listen on {args.host}:{args.port}: "
+                  f"{error.strerror or error}", file=sys.stderr)
+            return 2
+
     own_process = args.engine_process
     if own_process is None:  # the default: a process of its own, but not under torchrun
         own_process = not launched_by_torchrun()
@@ -67,17 +77,24 @@ def _serve(args: argparse.Namespace) -> int:
         print("mrv2 serve: --engine-process runs the engine in a child of this process; "
               "under torchrun every rank is started by torchrun: leave the flag out",
               file=sys.stderr)
+        if sock is not None:
+            sock.close()
         return 2
-    if own_process:
-        from mrv2.entrypoints.engine_process import RemoteEngine
+    try:
+        if own_process:
+            from mrv2.entrypoints.engine_process import RemoteEngine
 
-        engine: LLMEngine | RemoteEngine = RemoteEngine(config, args.max_pending)
-    else:
-        engine = LLMEngine(config)
+            engine: LLMEngine | RemoteEngine = RemoteEngine(config, args.max_pending)
+        else:
+            engine = LLMEngine(config)
+    except BaseException:
+        if sock is not None:
+            sock.close()
+        raise
     return run_server(engine, args.host, args.port, args.served_model_name, args.api_key,
                       args.max_pending, args.max_n, log_stats=not args.disable_log_stats,
                       uvicorn_log_level=args.uvicorn_log_level,
-                      access_log=not args.disable_uvicorn_access_log)
+                      access_log=not args.disable_uvicorn_access_log, sock=sock)
 
 
 def _plugins(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -294,6 +295,21 @@ def create_app(engine: LLMEngine | RemoteEngine, served_model_name: str | None =
     return app
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (``SO_REUSEADDR``, as uvicorn binds), for
+    :func:`run_server`; OSError (the port in use, an unknown host) before anything loads."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def _version() -> str:
     """The installed mrv2's version (``mrv2.__version__``)."""
     from importlib.metadata import PackageNotFoundError, version
@@ -515,12 +531,14 @@ def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: 
                served_model_name: str | None = None, api_key: str | None = None,
                max_pending: int = 1024, max_n: int = DEFAULT_MAX_N,
                log_stats: bool = True, uvicorn_log_level: str = "info",
-               access_log: bool = True) -> int:
+               access_log: bool = True, sock: socket.socket | None = None) -> int:
     """Serve until interrupted (returns 0), or until the engine fails for good (a
     tensor-parallel worker died: the server answers 503 for a moment, then stops and returns
     1). ``log_stats``: a stats line every :func:`~mrv2.entrypoints.stats_logger.log_stats_interval`
     seconds while the engine has work. ``uvicorn_log_level`` and ``access_log``: uvicorn's
-    (a line per HTTP request unless ``access_log`` is False)."""
+    (a line per HTTP request unless ``access_log`` is False). ``sock``: a socket bound to
+    ``host:port`` already (:func:`listen_socket`, which ``mrv2 serve`` calls before the
+    engine loads, so a port in use fails at once); None binds it here."""
     import uvicorn
 
     if engine.tokenizer is not None:
@@ -544,7 +562,8 @@ def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: 
     if sampler is not None:
         sampler.start()
     try:
-        server.run()  # re-raises a captured SIGINT once the server has stopped (as uvicorn.run)
+        # re-raises a captured SIGINT once the server has stopped (as uvicorn.run)
+        server.run(sockets=None if sock is None else [sock])
     except KeyboardInterrupt:
         pass
     finally:
