@@ -548,8 +548,17 @@ def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: 
     freeze_startup_heap()
     app = create_app(engine, served_model_name, api_key, max_pending, max_n,
                      log_stats_interval() if log_stats else None)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port,
-                                           log_level=uvicorn_log_level, access_log=access_log))
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if sockets and self.started:  # uvicorn says where it listens for its own only
+                name = sockets[0].getsockname()
+                logging.getLogger("uvicorn.error").info(
+                    "Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
+                    f"[{name[0]}]" if ":" in str(name[0]) else name[0], name[1])
+
+    server = Server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
+                                   access_log=access_log))
     worker: EngineThread | EngineProcess = app.state.engine_thread
 
     def stop_soon(error: BaseException) -> None:
