@@ -372,3 +372,29 @@ def test_a_models_max_new_tokens_is_capped_at_the_context_left(model_dir: Path) 
         assert response.json()["usage"]["completion_tokens"] == 64 - 4  # max_model_len 64
         error = _error(_post(served, "/v1/completions", {**body, "max_tokens": 1000}), 400)
         assert error["param"] == "max_tokens"
+
+
+def test_several_served_model_names(model_dir: Path) -> None:
+    """vLLM's aliases: /v1/models lists each, a request may give any, the answer carries the
+    first; another name is a 404 listing them."""
+    from conftest import serve
+
+    servers = serve(model_dir, served_model_name=["main", "alias"])
+    srv = next(servers)
+    try:
+        listed = httpx.get(f"{srv.url}/v1/models", headers=AUTH).json()["data"]
+        assert [m["id"] for m in listed] == ["main", "alias"]
+        assert {m["root"] for m in listed} == {"main"}
+        r = _post(srv, "/v1/completions", {"model": "alias", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == "main"
+        error = _error(_post(srv, "/v1/completions", {"model": "other", "prompt": "hi"}), 404)
+        assert error["param"] == "model" and "'main', 'alias'" in str(error["message"])
+    finally:
+        next(servers, None)
+
+
+def test_served_model_names_on_the_command_line() -> None:
+    from mrv2.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "/m", "--served-model-name", "a", "b"])
+    assert args.served_model_name == ["a", "b"] and args.model_dir == "/m"

@@ -147,7 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
-    serve.add_argument("--served-model-name", default=None, help="model name in the API")
+    serve.add_argument("--served-model-name", nargs="+", default=None,
+                       help="the model's name in the API (several: aliases requests may "
+                       "use; answers carry the first). Default: the model's path")
     serve.add_argument("--max-pending", type=int, default=1024,
                        help="sequences in flight (a request counts its n) before 503")
     serve.add_argument("--max-n", type=int, default=64,

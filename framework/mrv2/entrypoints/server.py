@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -94,7 +94,8 @@ class _CheckKey:
         await self.app(scope, receive, send)
 
 
-def create_app(engine: LLMEngine | RemoteEngine, served_model_name: str | None = None,
+def create_app(engine: LLMEngine | RemoteEngine,
+               served_model_name: str | Sequence[str] | None = None,
                api_key: str | None = None, max_pending: int = 1024,
                max_n: int = DEFAULT_MAX_N, log_stats_interval: float | None = None) -> FastAPI:
     """The app; its worker (the engine thread, or the engine process's link) starts with the
@@ -103,13 +104,19 @@ def create_app(engine: LLMEngine | RemoteEngine, served_model_name: str | None =
     The server holds at most ``max_pending`` sequences (a request counts ``n`` per prompt)
     and answers 503 past that; a request's ``n`` may be at most ``max_n`` (and never more than
     ``max_pending``, or it could never run). With ``log_stats_interval`` (seconds), a stats
-    line every interval while the engine has work (:mod:`mrv2.entrypoints.stats_logger`)."""
+    line every interval while the engine has work (:mod:`mrv2.entrypoints.stats_logger`).
+    ``served_model_name``: the name requests give (default: the model's path), or several
+    (vLLM's aliases): requests may give any, answers and metrics carry the first."""
     if max_n < 1 or max_pending < 1:
         raise ValueError(f"max_n={max_n}, max_pending={max_pending} are invalid: expected >= 1")
     if log_stats_interval is not None and not log_stats_interval > 0:
         raise ValueError(f"log_stats_interval={log_stats_interval}: expected > 0 seconds")
     max_n = min(max_n, max_pending)
-    model_name = served_model_name or str(engine.config.model.model or "mrv2")
+    names = ([served_model_name] if isinstance(served_model_name, str)
+             else list(served_model_name or ()))
+    if not names:
+        names = [str(engine.config.model.model or "mrv2")]
+    model_name = names[0]
     worker: EngineThread | EngineProcess
     if isinstance(engine, RemoteEngine):  # the engine's process reports its device's memory
         metrics = ServerMetrics(model_name, "cpu")
@@ -158,8 +165,8 @@ def create_app(engine: LLMEngine | RemoteEngine, served_model_name: str | None =
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": created, "owned_by": "mrv2",
-            "max_model_len": engine.max_model_len}]}
+            "id": name, "object": "model", "created": created, "owned_by": "mrv2",
+            "root": model_name, "max_model_len": engine.max_model_len} for name in names]}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -179,9 +186,9 @@ def create_app(engine: LLMEngine | RemoteEngine, served_model_name: str | None =
         except ValidationError as error:
             err = validation_error_body(error)["error"]
             raise APIError(400, err["message"], param=err["param"]) from None
-        if body.model is not None and body.model != model_name:
+        if body.model is not None and body.model not in names:
             raise APIError(404, f"the model {body.model!r} does not exist; this server has "
-                           f"{model_name!r}", "not_found_error", "model")
+                           f"{', '.join(map(repr, names))}", "not_found_error", "model")
         return body
 
     def params_of(body: Any) -> SamplingParams:
@@ -528,7 +535,8 @@ async def _disconnected(request: Request) -> None:
 
 
 def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: int = 8000,
-               served_model_name: str | None = None, api_key: str | None = None,
+               served_model_name: str | Sequence[str] | None = None,
+               api_key: str | None = None,
                max_pending: int = 1024, max_n: int = DEFAULT_MAX_N,
                log_stats: bool = True, uvicorn_log_level: str = "info",
                access_log: bool = True, sock: socket.socket | None = None) -> int:
