@@ -202,3 +202,26 @@ def test_a_chat_template_from_the_config(tok_dir: Path, tmp_path: Path) -> None:
     extensions = ("{% for m in messages %}{% if loop.index > 3 %}{% break %}{% endif %}"
                   "{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}")
     assert EngineConfig.from_kwargs(chat_template=extensions).model.chat_template == extensions
+
+
+def test_llm_chat_passes_the_templates_own_variables(tmp_path: Path) -> None:
+    from mrv2 import LLM, SamplingParams
+    from mrv2.testing import make_tiny_checkpoint, make_tiny_tokenizer
+
+    template = ("{% if enable_thinking is defined and not enable_thinking %}/no_think "
+                "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}>{% endif %}")
+    make_tiny_checkpoint(tmp_path, "LlamaForCausalLM", vocab_size=320)
+    make_tiny_tokenizer(tmp_path)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", chat_template=template)
+    tok = llm.engine.tokenizer
+    assert tok is not None
+    params = SamplingParams(max_tokens=1, temperature=0)
+    messages = [{"role": "user", "content": "hi"}]
+    out = llm.chat(messages, params, use_tqdm=False,
+                   chat_template_kwargs={"enable_thinking": False})
+    assert out[0].prompt_token_ids == tok.encode("/no_think hi>", add_special_tokens=False)
+    out = llm.chat(messages, params, use_tqdm=False, add_generation_prompt=False)
+    assert out[0].prompt_token_ids == tok.encode("hi", add_special_tokens=False)
+    with pytest.raises(ValueError, match="chat_template_kwargs: \\['messages'\\]"):
+        llm.chat(messages, params, chat_template_kwargs={"messages": []})

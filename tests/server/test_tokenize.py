@@ -64,3 +64,35 @@ def test_bad_input_is_a_400_naming_the_field(server: Served) -> None:
     assert error("/detokenize", {"tokens": ["a"]})["param"].startswith("tokens")
     assert httpx.post(f"{server.url}/tokenize", json={"prompt": "hi"},
                       timeout=30).status_code == 401  # behind the key, as every route but health
+
+
+THINKING = ("{% if enable_thinking is defined and not enable_thinking %}/no_think {% endif %}"
+            "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+
+
+def test_chat_template_kwargs_reach_the_template(model_dir: Any) -> None:
+    """vLLM's ``chat_template_kwargs`` (Qwen3's ``enable_thinking``) in chat completions and
+    /tokenize, with the engine's ``--chat-template``; a reserved name is a 400 naming the
+    field."""
+    from conftest import serve
+
+    messages = [{"role": "user", "content": "Hello world!"}]
+    tok = Tokenizer.from_pretrained(model_dir)
+    tok.set_chat_template(THINKING)
+    for served in serve(model_dir, engine_kwargs={"chat_template": THINKING}):
+        plain = _post(served, "/tokenize", {"messages": messages}).json()["tokens"]
+        off = _post(served, "/tokenize", {"messages": messages,
+                                          "chat_template_kwargs": {"enable_thinking": False}})
+        assert plain == tok.encode("Hello world!", add_special_tokens=False)
+        assert off.json()["tokens"] == tok.encode("/no_think Hello world!",
+                                                  add_special_tokens=False)
+        chat = _post(served, "/v1/chat/completions", {
+            "messages": messages, "max_tokens": 2, "temperature": 0,
+            "chat_template_kwargs": {"enable_thinking": False}})
+        assert chat.status_code == 200
+        assert chat.json()["usage"]["prompt_tokens"] == len(off.json()["tokens"])
+        bad = _post(served, "/v1/chat/completions", {
+            "messages": messages, "chat_template_kwargs": {"tokenize": True}})
+        assert bad.status_code == 400
+        assert bad.json()["error"]["param"] == "chat_template_kwargs"
+        assert "'tokenize'" in bad.json()["error"]["message"]

@@ -13,6 +13,7 @@ from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.engine import LLMEngine
 from mrv2.engine.media import split_chat_media
 from mrv2.engine.outputs import RequestOutput
+from mrv2.engine.tokenizer import check_template_kwargs
 from mrv2.plugins import PluginManager
 
 Prompt = str | dict[str, Any]
@@ -104,13 +105,18 @@ class LLM:
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, with the chat template.
 
         A message's ``content`` may be a list of parts: ``{"type": "text", "text": ...}``,
         ``{"type": "image", "image": PIL.Image}`` or ``{"type": "image_url", "image_url":
-        {"url": "data:..."}}`` (:mod:`mrv2.engine.media`), for a multimodal model."""
+        {"url": "data:..."}}`` (:mod:`mrv2.engine.media`), for a multimodal model.
+        ``chat_template_kwargs``: the template's own variables, as vLLM's (Qwen3:
+        ``{"enable_thinking": False}``); ValueError naming the field on a reserved name."""
         tokenizer = self._require_tokenizer()
+        template_kwargs = check_template_kwargs(chat_template_kwargs)
         conversations = cast(
             list[list[dict[str, Any]]],
             messages if messages and isinstance(messages[0], list) else [messages],
@@ -120,7 +126,8 @@ class LLM:
         for conversation in conversations:
             template_messages, images = split_chat_media(conversation, allow_remote)
             prompt: dict[str, Any] = {
-                "prompt_token_ids": tokenizer.apply_chat_template(template_messages)
+                "prompt_token_ids": tokenizer.apply_chat_template(
+                    template_messages, add_generation_prompt, **template_kwargs)
             }
             if images:
                 prompt["multi_modal_data"] = {"image": images}

@@ -58,7 +58,9 @@ class Tokenizer:
     def render_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
-        """The chat template applied to ``messages``, as text."""
+        """The chat template applied to ``messages``, as text; ``kwargs`` are the template's
+        own variables (``enable_thinking=False`` for Qwen3's: :func:`check_template_kwargs`)."""
+        check_template_kwargs(kwargs)
         if not self.chat_template:
             raise ValueError(
                 f"tokenizer of {self.model_dir or type(self.hf).__name__} has no chat template; "
@@ -166,6 +168,29 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({type(self.hf).__name__}, dir={self.model_dir}, vocab={self.vocab_size})"
+
+
+#: Names ``chat_template_kwargs`` may not use: transformers' own ``apply_chat_template``
+#: arguments (and the messages), which a template variable must not override.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
+    """``chat_template_kwargs`` (the chat template's own variables, vLLM's field): a dict of
+    names not in :data:`RESERVED_TEMPLATE_KWARGS`; ValueError naming the field otherwise."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError("chat_template_kwargs must be an object of template variables, such "
+                         "as {\"enable_thinking\": false}")
+    reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise ValueError(f"chat_template_kwargs: {reserved} are not template variables (the "
+                         "chat template's own arguments); use the request's fields")
+    return dict(kwargs)
 
 
 def _load_hf_tokenizer(path: Path, **kwargs: Any) -> Any:

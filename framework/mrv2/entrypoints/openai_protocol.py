@@ -164,6 +164,8 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    #: The chat template's own variables (vLLM's field): ``{"enable_thinking": false}``.
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -195,6 +197,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 

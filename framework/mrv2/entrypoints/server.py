@@ -32,6 +32,7 @@ from mrv2.engine.engine import LLMEngine
 from mrv2.engine.gc_pauses import freeze_startup_heap
 from mrv2.engine.media import split_chat_media
 from mrv2.engine.outputs import RequestOutput
+from mrv2.engine.tokenizer import check_template_kwargs
 from mrv2.entrypoints.engine_process import EngineProcess, RemoteEngine
 from mrv2.entrypoints.engine_thread import EngineThread, QueueFullError
 from mrv2.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
@@ -240,20 +241,25 @@ def create_app(engine: LLMEngine | RemoteEngine,
             validate(ids, params, body)
         return await _serve(request, worker, "cmpl", model_name, encoded, params, body, False)
 
-    async def chat_ids(messages: list[ChatMessage], add_generation_prompt: bool
+    async def chat_ids(messages: list[ChatMessage], add_generation_prompt: bool,
+                       template_kwargs: dict[str, Any] | None
                        ) -> tuple[list[int], list[MultiModalItem]]:
         """The prompt's token ids through the chat template, and its images' items."""
+        try:
+            kwargs = check_template_kwargs(template_kwargs)
+        except ValueError as error:
+            raise APIError(400, str(error), param="chat_template_kwargs") from None
         if any(m.has_media for m in messages):
             allow_remote = engine.config.multimodal.allow_remote_media
             try:  # decoding and preprocessing images is CPU work: off the event loop
                 return await asyncio.to_thread(
                     _chat_with_media, engine, tokenizer(), [m.with_parts() for m in messages],
-                    add_generation_prompt, allow_remote)
+                    add_generation_prompt, allow_remote, kwargs)
             except (ValueError, TypeError) as error:
                 raise APIError(400, str(error), param="messages") from None
         try:
             return tokenizer().apply_chat_template([m.as_dict() for m in messages],
-                                                   add_generation_prompt), []
+                                                   add_generation_prompt, **kwargs), []
         except (ValueError, TypeError) as error:
             raise APIError(400, f"could not apply the chat template: {error}",
                            param="messages") from None
@@ -262,7 +268,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
     async def chat(request: Request) -> Response:
         body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
         params = params_of(body)
-        ids, items = await chat_ids(body.messages, body.add_generation_prompt)
+        ids, items = await chat_ids(body.messages, body.add_generation_prompt,
+                                    body.chat_template_kwargs)
         validate(ids, params, body)
         return await _serve(request, worker, "chatcmpl", model_name, [(ids, None)], params,
                             body, True, items)
@@ -279,7 +286,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
             ids = tokenizer().encode(body.prompt, body.add_special_tokens)
         else:
             assert body.messages is not None
-            ids, _ = await chat_ids(body.messages, body.add_generation_prompt)
+            ids, _ = await chat_ids(body.messages, body.add_generation_prompt,
+                                    body.chat_template_kwargs)
         strs = tokenizer().convert_ids_to_tokens(ids) if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
                 "token_strs": strs}
@@ -329,12 +337,13 @@ def _version() -> str:
 
 def _chat_with_media(engine: LLMEngine | RemoteEngine, tokenizer: Any,
                      messages: list[dict[str, Any]], add_generation_prompt: bool,
-                     allow_remote: bool
+                     allow_remote: bool, template_kwargs: dict[str, Any]
                      ) -> tuple[list[int], list[MultiModalItem]]:
     """Token ids and multimodal items of chat messages with image parts (ValueError on bad
     input: the caller answers 400)."""
     template_messages, images = split_chat_media(messages, allow_remote)
-    ids = tokenizer.apply_chat_template(template_messages, add_generation_prompt)
+    ids = tokenizer.apply_chat_template(template_messages, add_generation_prompt,
+                                        **template_kwargs)
     return engine.process_multimodal(ids, {"image": images})
 
 
