@@ -96,3 +96,40 @@ def test_chat_template_kwargs_reach_the_template(model_dir: Any) -> None:
         assert bad.status_code == 400
         assert bad.json()["error"]["param"] == "chat_template_kwargs"
         assert "'tokenize'" in bad.json()["error"]["message"]
+
+
+def test_vllms_sampling_extras_are_honoured_or_refused(server: Served) -> None:
+    """``allowed_token_ids`` and ``bad_words`` reach the sampler, ``truncate_prompt_tokens``
+    keeps the prompt's last tokens; ``use_beam_search`` and ``prompt_logprobs``, which this
+    server does not do, are 400s naming them rather than silently ignored."""
+    body = {"prompt": [5, 6, 7, 8, 9, 10], "max_tokens": 6, "temperature": 1.0, "seed": 3}
+    allowed = _post(server, "/v1/completions", {**body, "allowed_token_ids": [11, 12]}).json()
+    tok = Tokenizer.from_pretrained(server.model_dir)
+    ids = tok.encode(allowed["choices"][0]["text"], add_special_tokens=False)
+    assert set(ids) <= {11, 12}, ids
+    truncated = _post(server, "/v1/completions", {**body, "truncate_prompt_tokens": 2,
+                                                  "temperature": 0}).json()
+    short = _post(server, "/v1/completions", {**body, "prompt": [9, 10],
+                                              "temperature": 0}).json()
+    assert truncated["usage"]["prompt_tokens"] == 2
+    assert truncated["choices"][0]["text"] == short["choices"][0]["text"]
+    chat = _post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hello world!"}], "max_tokens": 1,
+        "truncate_prompt_tokens": 3}).json()
+    assert chat["usage"]["prompt_tokens"] == 3
+    for field, value in (("use_beam_search", True), ("prompt_logprobs", 1)):
+        response = _post(server, "/v1/completions", {**body, field: value})
+        assert response.status_code == 400 and field in response.json()["error"]["message"]
+    bad = _post(server, "/v1/completions", {**body, "truncate_prompt_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_bad_words_never_come_out(server: Served) -> None:
+    body = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True}
+    free = _post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    tok = Tokenizer.from_pretrained(server.model_dir)
+    first = tok.decode(tok.encode(free, add_special_tokens=False)[:1])
+    assert first.strip()  # the greedy text's first token is a word to ban
+    banned = _post(server, "/v1/completions", {**body, "bad_words": [first.strip()]}).json()
+    assert banned["choices"][0]["text"] != free

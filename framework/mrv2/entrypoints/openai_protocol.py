@@ -38,6 +38,12 @@ class _Request(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    #: Keep only the prompt's last k tokens (vLLM's ``truncate_prompt_tokens``).
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    use_beam_search: bool = False
+    prompt_logprobs: int | None = None
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None,
                   defaults: dict[str, Any] | None) -> SamplingParams:
@@ -46,6 +52,8 @@ class _Request(BaseModel):
         def pick(name: str, value: Any, fallback: Any) -> Any:
             return value if value is not None else d.get(name, fallback)
 
+        _unsupported("use_beam_search", self.use_beam_search, False)
+        _unsupported("prompt_logprobs", self.prompt_logprobs, None)
         bias = None
         if self.logit_bias:
             try:
@@ -73,7 +81,14 @@ class _Request(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
         )
+
+    def truncate(self, ids: list[int]) -> list[int]:
+        """The prompt's last ``truncate_prompt_tokens`` ids (all of them when unset)."""
+        k = self.truncate_prompt_tokens
+        return ids if k is None or len(ids) <= k else ids[-k:]
 
     def max_tokens_from_model(self, defaults: dict[str, Any] | None) -> bool:
         """Whether :meth:`sampling_params` takes ``max_tokens`` from the model's defaults (the

@@ -234,9 +234,11 @@ def create_app(engine: LLMEngine | RemoteEngine,
         encoded: list[tuple[list[int], str | None]] = []
         for p in prompts:
             if isinstance(p, str):
-                encoded.append((tokenizer().encode(p), p))
+                full = tokenizer().encode(p)
+                ids = body.truncate(full)
+                encoded.append((ids, p if ids is full else None))  # (the text: untruncated)
             else:
-                encoded.append((list(p), None))
+                encoded.append((body.truncate(list(p)), None))
         for ids, _ in encoded:
             validate(ids, params, body)
         return await _serve(request, worker, "cmpl", model_name, encoded, params, body, False)
@@ -270,6 +272,10 @@ def create_app(engine: LLMEngine | RemoteEngine,
         params = params_of(body)
         ids, items = await chat_ids(body.messages, body.add_generation_prompt,
                                     body.chat_template_kwargs)
+        if items and body.truncate_prompt_tokens is not None:
+            raise APIError(400, "truncate_prompt_tokens is not supported with images (it could "
+                           "cut an image's rows)", param="truncate_prompt_tokens")
+        ids = body.truncate(ids)
         validate(ids, params, body)
         return await _serve(request, worker, "chatcmpl", model_name, [(ids, None)], params,
                             body, True, items)
