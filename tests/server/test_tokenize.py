@@ -133,3 +133,29 @@ def test_bad_words_never_come_out(server: Served) -> None:
     assert first.strip()  # the greedy text's first token is a word to ban
     banned = _post(server, "/v1/completions", {**body, "bad_words": [first.strip()]}).json()
     assert banned["choices"][0]["text"] != free
+
+
+def test_continue_final_message_and_the_fields_this_server_refuses(server: Served) -> None:
+    """vLLM's ``continue_final_message``: the prompt ends inside the last (assistant)
+    message; it needs ``add_generation_prompt: false``. ``echo``, ``tool_choice`` that asks
+    for a tool (there are none) are refused by name."""
+    messages = [{"role": "user", "content": "Hello"},
+                {"role": "assistant", "content": "The capital"}]
+    tok = Tokenizer.from_pretrained(server.model_dir)
+    text = tok.render_chat_template(messages, False, continue_final_message=True)
+    assert text.endswith("The capital")
+    got = _post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False,
+                                      "continue_final_message": True}).json()
+    assert got["tokens"] == tok.encode(text, add_special_tokens=False)
+    chat = {"messages": messages, "max_tokens": 2}
+    response = _post(server, "/v1/chat/completions", {
+        **chat, "add_generation_prompt": False, "continue_final_message": True})
+    assert response.status_code == 200
+    assert response.json()["usage"]["prompt_tokens"] == len(got["tokens"])
+    for extra in ({"continue_final_message": True}, {"echo": True},
+                  {"tool_choice": "required"}):
+        response = _post(server, "/v1/chat/completions", {**chat, **extra})
+        assert response.status_code == 400, extra
+        assert next(iter(extra)) in response.json()["error"]["message"]
+    assert _post(server, "/v1/chat/completions", {**chat, "tool_choice": "none"}
+                 ).status_code == 200

@@ -181,13 +181,25 @@ class ChatCompletionRequest(_Request):
     add_generation_prompt: bool = True
     #: The chat template's own variables (vLLM's field): ``{"enable_thinking": false}``.
     chat_template_kwargs: dict[str, Any] | None = None
+    #: Continue the last (assistant) message instead of opening a new one (vLLM's field;
+    #: needs ``add_generation_prompt: false``).
+    continue_final_message: bool = False
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    echo: bool = False
 
     def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """The request's SamplingParams; ``defaults`` (the model's sampling defaults) fill the
         fields it leaves unset."""
         _unsupported("tools", self.tools, None)
+        if self.tool_choice not in (None, "none", "auto"):  # (there are no tools to call)
+            _unsupported("tool_choice", self.tool_choice, "none")
+        _unsupported("echo", self.echo, False)
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("SamplingParams.continue_final_message is invalid: it needs "
+                             "add_generation_prompt=false (the reply continues the last "
+                             "message)")
         if self.response_format not in (None, {"type": "text"}):
             _unsupported("response_format", self.response_format, {"type": "text"})
         max_tokens = self._requested_max()
@@ -213,6 +225,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
 

@@ -244,13 +244,18 @@ def create_app(engine: LLMEngine | RemoteEngine,
         return await _serve(request, worker, "cmpl", model_name, encoded, params, body, False)
 
     async def chat_ids(messages: list[ChatMessage], add_generation_prompt: bool,
-                       template_kwargs: dict[str, Any] | None
+                       template_kwargs: dict[str, Any] | None, continue_final: bool = False
                        ) -> tuple[list[int], list[MultiModalItem]]:
         """The prompt's token ids through the chat template, and its images' items."""
         try:
             kwargs = check_template_kwargs(template_kwargs)
         except ValueError as error:
             raise APIError(400, str(error), param="chat_template_kwargs") from None
+        if continue_final:
+            if add_generation_prompt:
+                raise APIError(400, "continue_final_message needs add_generation_prompt: false",
+                               param="continue_final_message")
+            kwargs["continue_final_message"] = True
         if any(m.has_media for m in messages):
             allow_remote = engine.config.multimodal.allow_remote_media
             try:  # decoding and preprocessing images is CPU work: off the event loop
@@ -271,7 +276,7 @@ def create_app(engine: LLMEngine | RemoteEngine,
         body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
         params = params_of(body)
         ids, items = await chat_ids(body.messages, body.add_generation_prompt,
-                                    body.chat_template_kwargs)
+                                    body.chat_template_kwargs, body.continue_final_message)
         if items and body.truncate_prompt_tokens is not None:
             raise APIError(400, "truncate_prompt_tokens is not supported with images (it could "
                            "cut an image's rows)", param="truncate_prompt_tokens")
@@ -293,7 +298,7 @@ def create_app(engine: LLMEngine | RemoteEngine,
         else:
             assert body.messages is not None
             ids, _ = await chat_ids(body.messages, body.add_generation_prompt,
-                                    body.chat_template_kwargs)
+                                    body.chat_template_kwargs, body.continue_final_message)
         strs = tokenizer().convert_ids_to_tokens(ids) if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
                 "token_strs": strs}
