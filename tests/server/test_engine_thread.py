@@ -59,7 +59,7 @@ def test_a_stream_reports_each_choice_under_its_own_index() -> None:
     """With n > 1 the merged output holds the choices seen so far: a chunk of choice 1 that
     comes before choice 0 has produced anything is reported as choice 1, not as choice 0."""
     from mrv2.engine.outputs import CompletionOutput
-    from mrv2.entrypoints.server import _Stream
+    from mrv2.entrypoints.responses import Stream as _Stream
 
     class Body:
         include_usage = False

@@ -148,10 +148,12 @@ def test_the_serve_logging_flags_reach_the_server(
                  "--port", "0"]) == 0
     assert main(["serve", str(model_dir), "--device", "cpu", "--no-engine-process",
                  "--port", "0", "--disable-log-stats", "--uvicorn-log-level", "warning",
-                 "--disable-uvicorn-access-log"]) == 0
+                 "--disable-uvicorn-access-log", "--reasoning-parser", "qwen3"]) == 0
     assert calls == [
-        {"log_stats": True, "uvicorn_log_level": "info", "access_log": True},
-        {"log_stats": False, "uvicorn_log_level": "warning", "access_log": False}]
+        {"log_stats": True, "uvicorn_log_level": "info", "access_log": True,
+         "reasoning_parser": None},
+        {"log_stats": False, "uvicorn_log_level": "warning", "access_log": False,
+         "reasoning_parser": "qwen3"}]
 
 
 def test_serve_binds_its_port_before_the_engine_loads(

@@ -94,7 +94,8 @@ def _serve(args: argparse.Namespace) -> int:
     return run_server(engine, args.host, args.port, args.served_model_name, args.api_key,
                       args.max_pending, args.max_n, log_stats=not args.disable_log_stats,
                       uvicorn_log_level=args.uvicorn_log_level,
-                      access_log=not args.disable_uvicorn_access_log, sock=sock)
+                      access_log=not args.disable_uvicorn_access_log, sock=sock,
+                      reasoning_parser=args.reasoning_parser)
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -165,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="no stats line (throughput, requests, KV cache, prefix cache hits) "
                        "every MRV2_LOG_STATS_INTERVAL seconds (default 10) while the engine "
                        "has work")
+    serve.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                       help="chat answers carry the model's <think> text as "
+                       "reasoning_content (qwen3: the output opens the block; deepseek_r1: "
+                       "the prompt does)")
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's log level (default info)")

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -42,12 +42,12 @@ from mrv2.entrypoints.openai_protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    chat_logprobs,
-    completion_logprobs,
     error_body,
     validation_error_body,
     value_error_param,
 )
+from mrv2.entrypoints.reasoning import check_reasoning_parser
+from mrv2.entrypoints.responses import APIError, Stream
 from mrv2.entrypoints.stack_sampler import PROFILE_ENV_VAR, StackSampler
 from mrv2.entrypoints.stats_logger import StatsLogger, log_stats_forever, log_stats_interval
 
@@ -57,24 +57,6 @@ DEFAULT_MAX_N = 64
 FATAL_GRACE_S = 1.0
 
 logger = logging.getLogger(__name__)
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.type, self.param, self.status),
-                            status_code=self.status)
-
-
-class _Choice:
-    """Streaming bookkeeping of one choice: what was sent already."""
-
-    def __init__(self, index: int) -> None:
-        self.index, self.tokens, self.text, self.offset, self.done = index, 0, 0, 0, False
 
 
 class _CheckKey:
@@ -98,7 +80,8 @@ class _CheckKey:
 def create_app(engine: LLMEngine | RemoteEngine,
                served_model_name: str | Sequence[str] | None = None,
                api_key: str | None = None, max_pending: int = 1024,
-               max_n: int = DEFAULT_MAX_N, log_stats_interval: float | None = None) -> FastAPI:
+               max_n: int = DEFAULT_MAX_N, log_stats_interval: float | None = None,
+               reasoning_parser: str | None = None) -> FastAPI:
     """The app; its worker (the engine thread, or the engine process's link) starts with the
     app and stops with it (``app.state.engine_thread``).
 
@@ -107,7 +90,10 @@ def create_app(engine: LLMEngine | RemoteEngine,
     ``max_pending``, or it could never run). With ``log_stats_interval`` (seconds), a stats
     line every interval while the engine has work (:mod:`mrv2.entrypoints.stats_logger`).
     ``served_model_name``: the name requests give (default: the model's path), or several
-    (vLLM's aliases): requests may give any, answers and metrics carry the first."""
+    (vLLM's aliases): requests may give any, answers and metrics carry the first.
+    ``reasoning_parser`` (:mod:`mrv2.entrypoints.reasoning`): chat answers carry the model's
+    ``<think>`` text as ``reasoning_content``."""
+    check_reasoning_parser(reasoning_parser)
     if max_n < 1 or max_pending < 1:
         raise ValueError(f"max_n={max_n}, max_pending={max_pending} are invalid: expected >= 1")
     if log_stats_interval is not None and not log_stats_interval > 0:
@@ -283,7 +269,7 @@ def create_app(engine: LLMEngine | RemoteEngine,
         ids = body.truncate(ids)
         validate(ids, params, body)
         return await _serve(request, worker, "chatcmpl", model_name, [(ids, None)], params,
-                            body, True, items)
+                            body, True, items, reasoning_parser)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
@@ -360,8 +346,8 @@ def _chat_with_media(engine: LLMEngine | RemoteEngine, tokenizer: Any,
 
 async def _serve(request: Request, worker: EngineThread | EngineProcess, kind: str, model: str,
                  encoded: list[tuple[list[int], str | None]], params: SamplingParams,
-                 body: Any, chat: bool, mm_items: list[MultiModalItem] | None = None
-                 ) -> Response:
+                 body: Any, chat: bool, mm_items: list[MultiModalItem] | None = None,
+                 reasoning: str | None = None) -> Response:
     """Submit every prompt (with ``mm_items``: one chat prompt's images); answer with one
     JSON body or an SSE stream."""
     loop = asyncio.get_running_loop()
@@ -385,173 +371,10 @@ async def _serve(request: Request, worker: EngineThread | EngineProcess, kind: s
         for req_id in submitted:
             worker.abort(req_id)
         raise
-    stream = _Stream(worker, base, model, chat, params, body, req_ids, encoded)
+    stream = Stream(worker, base, model, chat, params, body, req_ids, encoded, reasoning)
     if body.stream:
         return StreamingResponse(stream.events(sink), media_type="text/event-stream")
     return await stream.collect(sink, request)
-
-
-class _Stream:
-    """Turns RequestOutputs of one HTTP request into OpenAI chunks or a final body."""
-
-    def __init__(self, worker: EngineThread | EngineProcess, base: str, model: str, chat: bool,
-                 params: SamplingParams, body: Any, req_ids: list[str],
-                 encoded: list[tuple[list[int], str | None]]) -> None:
-        self.worker, self.base, self.model, self.chat = worker, base, model, chat
-        self.params, self.body, self.req_ids = params, body, req_ids
-        self.order = {r: i for i, r in enumerate(req_ids)}
-        self.num_prompt = sum(len(ids) for ids, _ in encoded)
-        self.created = int(time.time())
-        self.object = "chat.completion" if chat else "text_completion"
-        self.unfinished = set(req_ids)
-        self.finals: dict[str, RequestOutput] = {}
-        self.choices: dict[tuple[str, int], _Choice] = {}
-
-    def _index(self, req_id: str, i: int) -> int:
-        return self.order[req_id] * self.params.n + i
-
-    def _logprobs(self, choice: Any, start: int, state: _Choice | None) -> Any:
-        if self.params.logprobs is None or choice.logprobs is None:
-            return None
-        ids, lps = choice.token_ids[start:], choice.logprobs[start:]
-        if self.chat:
-            return chat_logprobs(lps, ids, self.params.logprobs)
-        body, end = completion_logprobs(lps, ids, state.offset if state else 0)
-        if state is not None:
-            state.offset = end
-        return body
-
-    def _usage(self, completion: int) -> dict[str, int]:
-        return {"prompt_tokens": self.num_prompt, "completion_tokens": completion,
-                "total_tokens": self.num_prompt + completion}
-
-    def abort_rest(self) -> None:
-        for req_id in self.unfinished:
-            self.worker.abort(req_id)
-
-    async def collect(self, sink: asyncio.Queue[RequestOutput | BaseException],
-                      request: Request) -> Response:
-        """Wait for every request to finish; abort them all the moment the client leaves."""
-        gone = asyncio.ensure_future(_disconnected(request))
-        item_task: asyncio.Future[RequestOutput | BaseException] | None = None
-        try:
-            while self.unfinished:
-                item_task = item_task or asyncio.ensure_future(sink.get())
-                await asyncio.wait((item_task, gone), return_when=asyncio.FIRST_COMPLETED)
-                if not item_task.done():  # the client went away
-                    return Response(status_code=499)
-                item, item_task = item_task.result(), None
-                if isinstance(item, BaseException):
-                    raise APIError(500, str(item), "server_error")
-                if item.finished:
-                    self.unfinished.discard(item.request_id)
-                    self.finals[item.request_id] = item
-        finally:
-            for task in (gone, item_task):
-                if task is not None:
-                    task.cancel()
-            self.abort_rest()
-        choices, completion = [], 0
-        for req_id in self.req_ids:
-            for out in self.finals[req_id].outputs:
-                completion += len(out.token_ids)
-                choice: dict[str, Any] = {"index": self._index(req_id, out.index),
-                                          "finish_reason": out.finish_reason,
-                                          "stop_reason": out.stop_reason,
-                                          "logprobs": self._logprobs(out, 0, None)}
-                if self.chat:
-                    choice["message"] = {"role": "assistant", "content": out.text}
-                else:
-                    choice["text"] = out.text
-                choices.append(choice)
-        return JSONResponse({"id": self.base, "object": self.object, "created": self.created,
-                             "model": self.model, "choices": choices,
-                             "usage": self._usage(completion)})
-
-    def _chunk(self, choices: list[dict[str, Any]], usage: Any = None) -> str:
-        chunk: dict[str, Any] = {"id": self.base, "created": self.created,
-                                 "model": self.model, "choices": choices,
-                                 "object": "chat.completion.chunk" if self.chat
-                                 else "text_completion"}
-        if usage is not None:
-            chunk["usage"] = usage
-        return f"data: {json.dumps(chunk)}\n\n"
-
-    async def events(self, sink: asyncio.Queue[RequestOutput | BaseException]
-                     ) -> AsyncIterator[str]:
-        completion = 0
-        try:
-            # one choice a chunk, as OpenAI streams n > 1 (clients read choices[0])
-            if self.chat:
-                yield "".join(self._chunk([{"index": self._index(r, i), "logprobs": None,
-                                            "finish_reason": None,
-                                            "delta": {"role": "assistant", "content": ""}}])
-                              for r in self.req_ids for i in range(self.params.n))
-            while self.unfinished:
-                # Everything queued since the last write, in one write: a request's outputs
-                # are cumulative, so its latest stands for the ones before it (a loop that
-                # falls behind sends a few tokens a chunk, not a chunk a token, as vLLM's
-                # output collector merges). One send a request a step at most.
-                items = [await sink.get()]
-                while not sink.empty():
-                    items.append(sink.get_nowait())
-                latest: dict[str, RequestOutput] = {}
-                error = None
-                for item in items:
-                    if isinstance(item, BaseException):
-                        error = item
-                        break
-                    latest[item.request_id] = item
-                text = ""
-                for output in latest.values():
-                    choices = self._deltas(output)
-                    if output.finished:
-                        self.unfinished.discard(output.request_id)
-                        completion += sum(len(o.token_ids) for o in output.outputs)
-                    text += "".join(self._chunk([choice]) for choice in choices)
-                if error is not None:
-                    yield text + f"data: {json.dumps(error_body(str(error), 'server_error'))}\n\n"
-                    break
-                if text:
-                    yield text
-            if self.body.include_usage:
-                yield self._chunk([], self._usage(completion))
-            yield "data: [DONE]\n\n"
-        finally:
-            self.abort_rest()  # the client went away (or an error): stop its requests
-
-    def _deltas(self, item: RequestOutput) -> list[dict[str, Any]]:
-        choices = []
-        for out in item.outputs:  # (n > 1: the choices seen so far, by their own index)
-            key = (item.request_id, out.index)
-            state = self.choices.setdefault(key, _Choice(self._index(item.request_id,
-                                                                     out.index)))
-            if state.done:
-                continue
-            text = out.text[state.text:]
-            start = state.tokens
-            if len(out.token_ids) == start and not out.finish_reason:
-                continue
-            choice: dict[str, Any] = {"index": state.index,
-                                      "logprobs": self._logprobs(out, start, state),
-                                      "finish_reason": out.finish_reason}
-            if out.finish_reason:
-                choice["stop_reason"] = out.stop_reason
-                state.done = True
-            if self.chat:
-                choice["delta"] = {"content": text}
-            else:
-                choice["text"] = text
-            state.tokens, state.text = len(out.token_ids), max(state.text, len(out.text))
-            choices.append(choice)
-        return choices
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client disconnects. The body is read already, so the next ASGI
-    message is ``http.disconnect``."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: int = 8000,
@@ -559,7 +382,8 @@ def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: 
                api_key: str | None = None,
                max_pending: int = 1024, max_n: int = DEFAULT_MAX_N,
                log_stats: bool = True, uvicorn_log_level: str = "info",
-               access_log: bool = True, sock: socket.socket | None = None) -> int:
+               access_log: bool = True, sock: socket.socket | None = None,
+               reasoning_parser: str | None = None) -> int:
     """Serve until interrupted (returns 0), or until the engine fails for good (a
     tensor-parallel worker died: the server answers 503 for a moment, then stops and returns
     1). ``log_stats``: a stats line every :func:`~mrv2.entrypoints.stats_logger.log_stats_interval`
@@ -575,7 +399,7 @@ def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: 
     # collector's pauses) exists, so /metrics does not count this one full collection.
     freeze_startup_heap()
     app = create_app(engine, served_model_name, api_key, max_pending, max_n,
-                     log_stats_interval() if log_stats else None)
+                     log_stats_interval() if log_stats else None, reasoning_parser)
     class Server(uvicorn.Server):
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets)

@@ -1,0 +1,89 @@
+"""``mrv2 serve --reasoning-parser``: a thinking model's ``<think>...</think>`` text as the
+chat message's ``reasoning_content``, the rest as its ``content`` (vLLM's fields and parser
+names).
+
+Two conventions, as vLLM's parsers:
+
+* ``qwen3``: the output may open with ``<think>`` (leading whitespace allowed); what lies
+  between it and ``</think>`` is reasoning, what follows is content. An output that does not
+  open with ``<think>`` is all content (``enable_thinking: false``: the template closed the
+  block in the prompt).
+* ``deepseek_r1``: the template opens the block in the prompt, so the output is reasoning up
+  to ``</think>`` (a leading ``<think>`` is dropped) and content after it; an output without
+  ``</think>`` is all reasoning.
+
+A stream is split as it arrives (:class:`ReasoningStream`): text that may still turn out to
+be part of a tag is held back until the next delta decides it, so no tag ever reaches the
+client and no text is lost or repeated.
+"""
+
+from __future__ import annotations
+
+#: ``--reasoning-parser`` values.
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+
+START, END = "<think>", "</think>"
+
+
+def check_reasoning_parser(name: str | None) -> str | None:
+    """``name`` if it is a parser (or None); ValueError listing the parsers otherwise."""
+    if name is not None and name not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser={name!r}: allowed values are "
+                         f"{', '.join(REASONING_PARSERS)}")
+    return name
+
+
+def split_reasoning(kind: str, text: str) -> tuple[str | None, str | None]:
+    """A finished output's ``(reasoning_content, content)``; None for an empty part."""
+    stream = ReasoningStream(kind)
+    reasoning, content = stream.feed(text, final=True)
+    return reasoning or None, content or None
+
+
+def _held(text: str, tag: str) -> int:
+    """How many trailing characters of ``text`` may begin ``tag`` (held back for now)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ReasoningStream:
+    """Splits one choice's text deltas into ``(reasoning, content)`` deltas."""
+
+    def __init__(self, kind: str) -> None:
+        check_reasoning_parser(kind)
+        self.kind = kind
+        self.state = "start"  # until the output's first characters say whether it opens <think>
+        self.pending = ""  # text not yet sent: it may still be (part of) a tag
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
+        """The next delta of the output's text; ``final``: nothing follows (held text goes
+        out as it is)."""
+        text = self.pending + delta
+        self.pending = ""
+        reasoning = content = ""
+        while text:
+            if self.state == "start":
+                stripped = text.lstrip()
+                if stripped.startswith(START):
+                    text, self.state = stripped[len(START):], "reasoning"
+                elif START.startswith(stripped) and not final:
+                    self.pending = text  # whitespace or a part of <think>: wait
+                    break
+                else:  # no opening tag: qwen3's output is all content, R1's opens reasoning
+                    self.state = "content" if self.kind == "qwen3" else "reasoning"
+                continue
+            if self.state == "content":
+                content += text
+                break
+            end = text.find(END)
+            if end >= 0:
+                reasoning += text[:end]
+                text, self.state = text[end + len(END):], "content"
+                continue
+            keep = 0 if final else _held(text, END)
+            reasoning += text[: len(text) - keep]
+            self.pending = text[len(text) - keep:]
+            break
+        return reasoning, content

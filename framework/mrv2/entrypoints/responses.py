@@ -1,0 +1,223 @@
+"""The OpenAI server's answers: a request's outputs as one JSON body or as server-sent
+events (:class:`Stream`), and the error every route raises (:class:`APIError`).
+
+A stream writes, in one write, everything queued since its last one (a request's outputs are
+cumulative: its latest stands for the ones before it), one choice a chunk as OpenAI streams
+``n > 1``; with ``--reasoning-parser`` a chat choice's text is split into ``content`` and
+``reasoning_content`` as it arrives (:mod:`mrv2.entrypoints.reasoning`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from mrv2.contract.params import SamplingParams
+from mrv2.engine.outputs import RequestOutput
+from mrv2.entrypoints.engine_process import EngineProcess
+from mrv2.entrypoints.engine_thread import EngineThread
+from mrv2.entrypoints.openai_protocol import chat_logprobs, completion_logprobs, error_body
+from mrv2.entrypoints.reasoning import ReasoningStream, split_reasoning
+
+__all__ = ["APIError", "Stream", "disconnected"]
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.type, self.param, self.status),
+                            status_code=self.status)
+
+
+class _Choice:
+    """Streaming bookkeeping of one choice: what was sent already."""
+
+    def __init__(self, index: int, reasoning: str | None = None) -> None:
+        self.index, self.tokens, self.text, self.offset, self.done = index, 0, 0, 0, False
+        #: The choice's ``--reasoning-parser`` split, as its text arrives (chat only).
+        self.reasoning = ReasoningStream(reasoning) if reasoning else None
+
+
+class Stream:
+    """Turns RequestOutputs of one HTTP request into OpenAI chunks or a final body."""
+
+    def __init__(self, worker: EngineThread | EngineProcess, base: str, model: str, chat: bool,
+                 params: SamplingParams, body: Any, req_ids: list[str],
+                 encoded: list[tuple[list[int], str | None]],
+                 reasoning: str | None = None) -> None:
+        self.worker, self.base, self.model, self.chat = worker, base, model, chat
+        self.reasoning = reasoning if chat else None
+        self.params, self.body, self.req_ids = params, body, req_ids
+        self.order = {r: i for i, r in enumerate(req_ids)}
+        self.num_prompt = sum(len(ids) for ids, _ in encoded)
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+        self.unfinished = set(req_ids)
+        self.finals: dict[str, RequestOutput] = {}
+        self.choices: dict[tuple[str, int], _Choice] = {}
+
+    def _index(self, req_id: str, i: int) -> int:
+        return self.order[req_id] * self.params.n + i
+
+    def _logprobs(self, choice: Any, start: int, state: _Choice | None) -> Any:
+        if self.params.logprobs is None or choice.logprobs is None:
+            return None
+        ids, lps = choice.token_ids[start:], choice.logprobs[start:]
+        if self.chat:
+            return chat_logprobs(lps, ids, self.params.logprobs)
+        body, end = completion_logprobs(lps, ids, state.offset if state else 0)
+        if state is not None:
+            state.offset = end
+        return body
+
+    def _usage(self, completion: int) -> dict[str, int]:
+        return {"prompt_tokens": self.num_prompt, "completion_tokens": completion,
+                "total_tokens": self.num_prompt + completion}
+
+    def abort_rest(self) -> None:
+        for req_id in self.unfinished:
+            self.worker.abort(req_id)
+
+    async def collect(self, sink: asyncio.Queue[RequestOutput | BaseException],
+                      request: Request) -> Response:
+        """Wait for every request to finish; abort them all the moment the client leaves."""
+        gone = asyncio.ensure_future(disconnected(request))
+        item_task: asyncio.Future[RequestOutput | BaseException] | None = None
+        try:
+            while self.unfinished:
+                item_task = item_task or asyncio.ensure_future(sink.get())
+                await asyncio.wait((item_task, gone), return_when=asyncio.FIRST_COMPLETED)
+                if not item_task.done():  # the client went away
+                    return Response(status_code=499)
+                item, item_task = item_task.result(), None
+                if isinstance(item, BaseException):
+                    raise APIError(500, str(item), "server_error")
+                if item.finished:
+                    self.unfinished.discard(item.request_id)
+                    self.finals[item.request_id] = item
+        finally:
+            for task in (gone, item_task):
+                if task is not None:
+                    task.cancel()
+            self.abort_rest()
+        choices, completion = [], 0
+        for req_id in self.req_ids:
+            for out in self.finals[req_id].outputs:
+                completion += len(out.token_ids)
+                choice: dict[str, Any] = {"index": self._index(req_id, out.index),
+                                          "finish_reason": out.finish_reason,
+                                          "stop_reason": out.stop_reason,
+                                          "logprobs": self._logprobs(out, 0, None)}
+                if self.chat and self.reasoning:
+                    thought, content = split_reasoning(self.reasoning, out.text)
+                    choice["message"] = {"role": "assistant", "content": content,
+                                         "reasoning_content": thought}
+                elif self.chat:
+                    choice["message"] = {"role": "assistant", "content": out.text}
+                else:
+                    choice["text"] = out.text
+                choices.append(choice)
+        return JSONResponse({"id": self.base, "object": self.object, "created": self.created,
+                             "model": self.model, "choices": choices,
+                             "usage": self._usage(completion)})
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: Any = None) -> str:
+        chunk: dict[str, Any] = {"id": self.base, "created": self.created,
+                                 "model": self.model, "choices": choices,
+                                 "object": "chat.completion.chunk" if self.chat
+                                 else "text_completion"}
+        if usage is not None:
+            chunk["usage"] = usage
+        return f"data: {json.dumps(chunk)}\n\n"
+
+    async def events(self, sink: asyncio.Queue[RequestOutput | BaseException]
+                     ) -> AsyncIterator[str]:
+        completion = 0
+        try:
+            # one choice a chunk, as OpenAI streams n > 1 (clients read choices[0])
+            if self.chat:
+                yield "".join(self._chunk([{"index": self._index(r, i), "logprobs": None,
+                                            "finish_reason": None,
+                                            "delta": {"role": "assistant", "content": ""}}])
+                              for r in self.req_ids for i in range(self.params.n))
+            while self.unfinished:
+                # Everything queued since the last write, in one write: a request's outputs
+                # are cumulative, so its latest stands for the ones before it (a loop that
+                # falls behind sends a few tokens a chunk, not a chunk a token, as vLLM's
+                # output collector merges). One send a request a step at most.
+                items = [await sink.get()]
+                while not sink.empty():
+                    items.append(sink.get_nowait())
+                latest: dict[str, RequestOutput] = {}
+                error = None
+                for item in items:
+                    if isinstance(item, BaseException):
+                        error = item
+                        break
+                    latest[item.request_id] = item
+                text = ""
+                for output in latest.values():
+                    choices = self._deltas(output)
+                    if output.finished:
+                        self.unfinished.discard(output.request_id)
+                        completion += sum(len(o.token_ids) for o in output.outputs)
+                    text += "".join(self._chunk([choice]) for choice in choices)
+                if error is not None:
+                    yield text + f"data: {json.dumps(error_body(str(error), 'server_error'))}\n\n"
+                    break
+                if text:
+                    yield text
+            if self.body.include_usage:
+                yield self._chunk([], self._usage(completion))
+            yield "data: [DONE]\n\n"
+        finally:
+            self.abort_rest()  # the client went away (or an error): stop its requests
+
+    def _deltas(self, item: RequestOutput) -> list[dict[str, Any]]:
+        choices = []
+        for out in item.outputs:  # (n > 1: the choices seen so far, by their own index)
+            key = (item.request_id, out.index)
+            state = self.choices.setdefault(key, _Choice(self._index(item.request_id,
+                                                                     out.index),
+                                                         self.reasoning))
+            if state.done:
+                continue
+            text = out.text[state.text:]
+            start = state.tokens
+            if len(out.token_ids) == start and not out.finish_reason:
+                continue
+            choice: dict[str, Any] = {"index": state.index,
+                                      "logprobs": self._logprobs(out, start, state),
+                                      "finish_reason": out.finish_reason}
+            if out.finish_reason:
+                choice["stop_reason"] = out.stop_reason
+                state.done = True
+            if state.reasoning is not None:
+                thought, text = state.reasoning.feed(text, final=bool(out.finish_reason))
+                choice["delta"] = {"content": text}
+                if thought:
+                    choice["delta"]["reasoning_content"] = thought
+            elif self.chat:
+                choice["delta"] = {"content": text}
+            else:
+                choice["text"] = text
+            state.tokens, state.text = len(out.token_ids), max(state.text, len(out.text))
+            choices.append(choice)
+        return choices
+
+
+async def disconnected(request: Request) -> None:
+    """Returns when the client disconnects. The body is read already, so the next ASGI
+    message is ``http.disconnect``."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
