@@ -29,6 +29,8 @@ __all__ = ["APIError", "Stream", "disconnected"]
 
 
 class APIError(Exception):
+    """An error answer: the HTTP status and OpenAI's error JSON (message, type, param)."""
+
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
                  param: str | None = None) -> None:
         super().__init__(message)
