@@ -5,6 +5,7 @@
 # pdlchain (scripts/proto_pdl_chain.py: Triton GEMMs with PDL in the decode layer's chain),
 # firststeps (scripts/probe_first_steps.py: TTFT step by step and host part, MRV2_PDL_GEMM off and on),
 # coldstart (scripts/probe_cold_start.py: the first request of each kind on an empty Triton cache, warm-up off and on),
+# verify26 (the twenty-sixth session's CPU-only work on the GPU: cold start, engine/sampler/VL tests, start-up log),
 # graphtimes (scripts/decode_graph_times.py: each decode graph's replay time by size),
 # streamk (scripts/proto_streamk.py: a stream-K GEMM against cuBLAS at 8B decode shapes), attn,
 # splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile, mixed,
@@ -305,6 +306,19 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                 # warm-up off, then on (each run with a fresh cache)
                 for w in no-warmup warmup; do timeout 280 python3 scripts/probe_cold_start.py \
                   --$w > "$OUT/cold_start_$w.log" 2>&1; tail -18 "$OUT/cold_start_$w.log"; done ;;
+    verify26)   # the twenty-sixth session's CPU-only work, checked in one call (~6 min): the
+                # cold start with the warm-up (penalties warmed too), the engine, sampler and
+                # Qwen-VL GPU tests (the encoder in the memory profile), and a latency run
+                # whose log shows the start-up report (graph counts and memory on the H200)
+                timeout 200 python3 scripts/probe_cold_start.py --warmup \
+                  > "$OUT/cold_start_warmup.log" 2>&1; tail -18 "$OUT/cold_start_warmup.log"
+                timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
+                  tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_sampler.py \
+                  tests/gpu/test_gpu_qwen_vl.py 2>&1 | tee "$OUT/verify26_tests.log" | tail -4
+                timeout 120 python3 -m mrv2.entrypoints.cli bench latency --model Qwen3-0.6B \
+                  --batch-sizes 1 8 > "$OUT/verify26_latency.log" 2>&1
+                grep -E "mrv2.runner|engine ready|warm-up" "$OUT/verify26_latency.log" | cut -c1-220
+                tail -6 "$OUT/verify26_latency.log" ;;
     firststeps) # where TTFT goes, step by step and by host part (scripts/probe_first_steps.py),
                 # with MRV2_PDL_GEMM off and on (the nineteenth session's TTFT rise with it on
                 # did not recur in the twentieth)
