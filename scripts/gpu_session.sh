@@ -5,6 +5,7 @@
 # pdlchain (scripts/proto_pdl_chain.py: Triton GEMMs with PDL in the decode layer's chain),
 # firststeps (scripts/probe_first_steps.py: TTFT step by step and host part, MRV2_PDL_GEMM off and on),
 # coldstart (scripts/probe_cold_start.py: the first request of each kind on an empty Triton cache, warm-up off and on),
+# gcgen0 (MRV2_GC_GEN0_THRESHOLD=20000 against Python's own, 256 streams through mrv2 serve),
 # verify26 (the twenty-sixth session's CPU-only work on the GPU: cold start, engine/sampler/VL tests, start-up log),
 # graphtimes (scripts/decode_graph_times.py: each decode graph's replay time by size),
 # streamk (scripts/proto_streamk.py: a stream-K GEMM against cuBLAS at 8B decode shapes), attn,
@@ -176,6 +177,13 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                       --variants plain stream_interval_4 stream_interval_16 --rates inf inf \
                       --num-requests 256 --prompt-tokens 300 --max-tokens 128 --warmup-requests 32 \
                       > "$OUT/interval.log" 2>&1; tail -7 "$OUT/interval.log" ;;
+    gcgen0)   # MRV2_GC_GEN0_THRESHOLD=20000 (young collections 10-30x rarer) against Python's
+              # own, both processes frozen: 256 Qwen3-0.6B streams at once, three rounds per
+              # server, the collector's pauses (GC ms) beside
+              timeout 300 python3 scripts/serve_sweep.py --model Qwen3-0.6B --out "$OUT/gen0" \
+                --variants plain plain+MRV2_GC_GEN0_THRESHOLD=20000 --rates inf inf inf \
+                --num-requests 256 --prompt-tokens 300 --max-tokens 128 --warmup-requests 32 \
+                > "$OUT/gen0.log" 2>&1; tail -8 "$OUT/gen0.log" ;;
     gcfreeze) # the startup heap frozen (the default) or not (MRV2_GC_FREEZE=0), the engine in a
               # process of its own (the default) and on a thread: 256 Qwen3-0.6B streams at
               # once, three rounds per server, the collector's pauses (GC ms) beside; then the

@@ -53,3 +53,25 @@ def test_pauses_are_counted_by_generation_until_closed() -> None:
     before = list(pauses.counts)
     gc.collect(2)
     assert pauses.counts == before
+
+
+def test_the_young_threshold_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mrv2.engine.gc_pauses import GEN0_ENV_VAR, gen0_threshold
+
+    before = gc.get_threshold()
+    monkeypatch.setenv(FREEZE_ENV_VAR, "0")  # (the threshold only)
+    try:
+        monkeypatch.delenv(GEN0_ENV_VAR, raising=False)
+        assert gen0_threshold() is None
+        freeze_startup_heap()
+        assert gc.get_threshold() == before  # unset: Python's own
+        monkeypatch.setenv(GEN0_ENV_VAR, "20000")
+        freeze_startup_heap()
+        assert gc.get_threshold() == (20000, *before[1:])
+        for bad in ("0", "-5", "many", "1.5"):
+            monkeypatch.setenv(GEN0_ENV_VAR, bad)
+            with pytest.raises(ValueError, match=f"{GEN0_ENV_VAR}='{bad}': expected a "
+                                                 "positive integer"):
+                gen0_threshold()
+    finally:
+        gc.set_threshold(*before)

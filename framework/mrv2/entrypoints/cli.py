@@ -52,14 +52,16 @@ def _serve(args: argparse.Namespace) -> int:
 
     model = args.model_dir or args.model
     config = config_from_cli(args, model)
-    if not args.disable_log_stats:
-        from mrv2.entrypoints.stats_logger import log_stats_interval
+    from mrv2.engine.gc_pauses import gen0_threshold
+    from mrv2.entrypoints.stats_logger import log_stats_interval
 
-        try:
-            log_stats_interval()  # a bad interval is refused before the engine starts
-        except ValueError as error:
-            print(f"mrv2 serve: {error}", file=sys.stderr)
-            return 2
+    try:  # the environment's settings refused before the engine starts
+        gen0_threshold()
+        if not args.disable_log_stats:
+            log_stats_interval()
+    except ValueError as error:
+        print(f"mrv2 serve: {error}", file=sys.stderr)
+        return 2
 
     sock = None  # the server's socket, bound before anything loads (torchrun: rank 0's)
     if not launched_by_torchrun() or os.environ.get("RANK", "0") == "0":
