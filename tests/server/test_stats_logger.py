@@ -148,12 +148,15 @@ def test_the_serve_logging_flags_reach_the_server(
                  "--port", "0"]) == 0
     assert main(["serve", str(model_dir), "--device", "cpu", "--no-engine-process",
                  "--port", "0", "--disable-log-stats", "--uvicorn-log-level", "warning",
-                 "--disable-uvicorn-access-log", "--reasoning-parser", "qwen3"]) == 0
+                 "--disable-uvicorn-access-log", "--reasoning-parser", "qwen3",
+                 "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) == 0
     assert calls == [
         {"log_stats": True, "uvicorn_log_level": "info", "access_log": True,
-         "reasoning_parser": None},
+         "reasoning_parser": None, "tool_call_parser": None},
         {"log_stats": False, "uvicorn_log_level": "warning", "access_log": False,
-         "reasoning_parser": "qwen3"}]
+         "reasoning_parser": "qwen3", "tool_call_parser": "hermes"}]
+    for half in (["--enable-auto-tool-choice"], ["--tool-call-parser", "hermes"]):
+        assert main(["serve", str(model_dir), "--device", "cpu", "--port", "0", *half]) == 2
 
 
 def test_serve_binds_its_port_before_the_engine_loads(

@@ -60,10 +60,9 @@ class Tokenizer:
     ) -> str:
         """The chat template applied to ``messages``, as text; ``kwargs`` are the template's
         own variables (``enable_thinking=False`` for Qwen3's: :func:`check_template_kwargs`)."""
-        continue_final = bool(kwargs.pop("continue_final_message", False))
+        own = {k: kwargs.pop(k) for k in ("continue_final_message", "tools") if k in kwargs}
         check_template_kwargs(kwargs)
-        if continue_final:
-            kwargs["continue_final_message"] = True  # (transformers' own argument)
+        kwargs.update({k: v for k, v in own.items() if v})  # (transformers' own arguments)
         if not self.chat_template:
             raise ValueError(
                 f"tokenizer of {self.model_dir or type(self.hf).__name__} has no chat template; "

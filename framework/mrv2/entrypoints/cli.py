@@ -63,6 +63,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"mrv2 serve: {error}", file=sys.stderr)
         return 2
 
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        print("mrv2 serve: --enable-auto-tool-choice and --tool-call-parser go together "
+              "(e.g. --enable-auto-tool-choice --tool-call-parser hermes)", file=sys.stderr)
+        return 2
     sock = None  # the server's socket, bound before anything loads (torchrun: rank 0's)
     if not launched_by_torchrun() or os.environ.get("RANK", "0") == "0":
         try:
@@ -97,7 +101,8 @@ def _serve(args: argparse.Namespace) -> int:
                       args.max_pending, args.max_n, log_stats=not args.disable_log_stats,
                       uvicorn_log_level=args.uvicorn_log_level,
                       access_log=not args.disable_uvicorn_access_log, sock=sock,
-                      reasoning_parser=args.reasoning_parser)
+                      reasoning_parser=args.reasoning_parser,
+                      tool_call_parser=args.tool_call_parser)
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -172,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="chat answers carry the model's <think> text as "
                        "reasoning_content (qwen3: the output opens the block; deepseek_r1: "
                        "the prompt does)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="chat requests may offer tools; the model's calls come back as "
+                       "tool_calls (with --tool-call-parser)")
+    serve.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                       help="how the model writes its calls (hermes: Qwen2.5, Qwen3)")
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's log level (default info)")

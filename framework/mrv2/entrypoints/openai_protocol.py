@@ -5,6 +5,7 @@ field, not a coercion (an int is still a valid float)."""
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Literal
 
@@ -153,11 +154,22 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
     def as_dict(self) -> dict[str, Any]:
+        """The message as a chat template reads it: text content, and an assistant's
+        ``tool_calls`` (their JSON-text arguments as objects, as templates index them) or a
+        tool answer's ``tool_call_id`` / ``name``."""
         content = self.content
         if isinstance(content, list):  # content parts: keep the text ones
             content = "".join(str(part.get("text", "")) for part in content
                               if part.get("type", "text") == "text")
-        return {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        extra = self.model_extra or {}
+        for key in ("tool_call_id", "name"):
+            if isinstance(extra.get(key), str):
+                message[key] = extra[key]
+        calls = extra.get("tool_calls")
+        if isinstance(calls, list) and calls:
+            message["tool_calls"] = [_template_call(c) for c in calls]
+        return message
 
     @property
     def has_media(self) -> bool:
@@ -172,6 +184,23 @@ class ChatMessage(BaseModel):
         return {"role": self.role, "content": self.content or ""}
 
 
+def _template_call(call: Any) -> Any:
+    """An OpenAI tool call with its ``arguments`` JSON text parsed (a template indexes
+    them); ValueError naming the field on arguments that are not JSON."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise ValueError("messages[].tool_calls: each call must be {\"type\": \"function\", "
+                         "\"function\": {\"name\": ..., \"arguments\": ...}}")
+    function = dict(call["function"])
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            raise ValueError(f"messages[].tool_calls: arguments {arguments!r} are not JSON"
+                             ) from None
+    return {**call, "function": function}
+
+
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)  # deprecated by OpenAI, still sent
@@ -184,17 +213,27 @@ class ChatCompletionRequest(_Request):
     #: Continue the last (assistant) message instead of opening a new one (vLLM's field;
     #: needs ``add_generation_prompt: false``).
     continue_final_message: bool = False
+    #: Offered to the model through its chat template; a server with a tool-call parser
+    #: (``--enable-auto-tool-choice``) parses its calls, one without refuses them.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
     echo: bool = False
 
     def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """The request's SamplingParams; ``defaults`` (the model's sampling defaults) fill the
         fields it leaves unset."""
-        _unsupported("tools", self.tools, None)
-        if self.tool_choice not in (None, "none", "auto"):  # (there are no tools to call)
-            _unsupported("tool_choice", self.tool_choice, "none")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ValueError(f"SamplingParams.tool_choice={self.tool_choice!r} is invalid: "
+                             "expected 'auto' or 'none' (forcing a call needs guided "
+                             "decoding, which this server does not do)")
+        if self.tools is not None and not all(
+                isinstance(t, dict) and isinstance(t.get("function"), dict)
+                and isinstance(t["function"].get("name"), str) for t in self.tools):
+            raise ValueError("SamplingParams.tools is invalid: expected [{\"type\": "
+                             "\"function\", \"function\": {\"name\": ..., \"parameters\": "
+                             "{...}}}]")
         _unsupported("echo", self.echo, False)
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("SamplingParams.continue_final_message is invalid: it needs "

@@ -24,6 +24,7 @@ from mrv2.entrypoints.engine_process import EngineProcess
 from mrv2.entrypoints.engine_thread import EngineThread
 from mrv2.entrypoints.openai_protocol import chat_logprobs, completion_logprobs, error_body
 from mrv2.entrypoints.reasoning import ReasoningStream, split_reasoning
+from mrv2.entrypoints.tool_calls import ToolCallStream, parse_tool_calls
 
 __all__ = ["APIError", "Stream", "disconnected"]
 
@@ -44,10 +45,12 @@ class APIError(Exception):
 class _Choice:
     """Streaming bookkeeping of one choice: what was sent already."""
 
-    def __init__(self, index: int, reasoning: str | None = None) -> None:
+    def __init__(self, index: int, reasoning: str | None = None, tools: bool = False) -> None:
         self.index, self.tokens, self.text, self.offset, self.done = index, 0, 0, 0, False
         #: The choice's ``--reasoning-parser`` split, as its text arrives (chat only).
         self.reasoning = ReasoningStream(reasoning) if reasoning else None
+        #: Its tool calls, held until it finishes (a chat request with tools).
+        self.tool_calls = ToolCallStream() if tools else None
 
 
 class Stream:
@@ -56,9 +59,13 @@ class Stream:
     def __init__(self, worker: EngineThread | EngineProcess, base: str, model: str, chat: bool,
                  params: SamplingParams, body: Any, req_ids: list[str],
                  encoded: list[tuple[list[int], str | None]],
-                 reasoning: str | None = None) -> None:
+                 reasoning: str | None = None, tools: bool = False,
+                 parallel_tool_calls: bool = True) -> None:
         self.worker, self.base, self.model, self.chat = worker, base, model, chat
         self.reasoning = reasoning if chat else None
+        #: Parse the answers' tool calls (``--tool-call-parser``, a request with tools);
+        #: ``parallel_tool_calls`` false keeps the first call only.
+        self.tools, self.parallel_tool_calls = tools and chat, parallel_tool_calls
         self.params, self.body, self.req_ids = params, body, req_ids
         self.order = {r: i for i, r in enumerate(req_ids)}
         self.num_prompt = sum(len(ids) for ids, _ in encoded)
@@ -120,18 +127,30 @@ class Stream:
                                           "finish_reason": out.finish_reason,
                                           "stop_reason": out.stop_reason,
                                           "logprobs": self._logprobs(out, 0, None)}
-                if self.chat and self.reasoning:
-                    thought, content = split_reasoning(self.reasoning, out.text)
-                    choice["message"] = {"role": "assistant", "content": content,
-                                         "reasoning_content": thought}
-                elif self.chat:
-                    choice["message"] = {"role": "assistant", "content": out.text}
+                if self.chat:
+                    choice["message"] = self._message(out.text, choice)
                 else:
                     choice["text"] = out.text
                 choices.append(choice)
         return JSONResponse({"id": self.base, "object": self.object, "created": self.created,
                              "model": self.model, "choices": choices,
                              "usage": self._usage(completion)})
+
+    def _message(self, text: str, choice: dict[str, Any]) -> dict[str, Any]:
+        """A finished chat choice's message: its text split into reasoning and content, and
+        its tool calls parsed out (the choice then finishes with ``tool_calls``)."""
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.reasoning:
+            message["reasoning_content"], message["content"] = split_reasoning(
+                self.reasoning, text)
+        if self.tools:
+            content, calls = parse_tool_calls(message["content"] or "")
+            if calls:
+                calls = calls if self.parallel_tool_calls else calls[:1]
+                message["content"] = content
+                message["tool_calls"] = [call.as_dict() for call in calls]
+                choice["finish_reason"] = "tool_calls"
+        return message
 
     def _chunk(self, choices: list[dict[str, Any]], usage: Any = None) -> str:
         chunk: dict[str, Any] = {"id": self.base, "created": self.created,
@@ -191,7 +210,7 @@ class Stream:
             key = (item.request_id, out.index)
             state = self.choices.setdefault(key, _Choice(self._index(item.request_id,
                                                                      out.index),
-                                                         self.reasoning))
+                                                         self.reasoning, self.tools))
             if state.done:
                 continue
             text = out.text[state.text:]
@@ -204,18 +223,32 @@ class Stream:
             if out.finish_reason:
                 choice["stop_reason"] = out.stop_reason
                 state.done = True
-            if state.reasoning is not None:
-                thought, text = state.reasoning.feed(text, final=bool(out.finish_reason))
-                choice["delta"] = {"content": text}
-                if thought:
-                    choice["delta"]["reasoning_content"] = thought
-            elif self.chat:
-                choice["delta"] = {"content": text}
+            if self.chat:
+                choice["delta"] = self._delta(state, text, choice, bool(out.finish_reason))
             else:
                 choice["text"] = text
             state.tokens, state.text = len(out.token_ids), max(state.text, len(out.text))
             choices.append(choice)
         return choices
+
+
+    def _delta(self, state: _Choice, text: str, choice: dict[str, Any], final: bool
+               ) -> dict[str, Any]:
+        """A chat choice's next delta: reasoning apart, content, and its tool calls when it
+        finishes (the choice then finishes with ``tool_calls``)."""
+        delta: dict[str, Any] = {}
+        if state.reasoning is not None:
+            thought, text = state.reasoning.feed(text, final)
+            if thought:
+                delta["reasoning_content"] = thought
+        if state.tool_calls is not None:
+            text, calls = state.tool_calls.feed(text, final)
+            if calls:
+                calls = calls if self.parallel_tool_calls else calls[:1]
+                delta["tool_calls"] = [call.as_dict(i) for i, call in enumerate(calls)]
+                choice["finish_reason"] = "tool_calls"
+        delta["content"] = text
+        return delta
 
 
 async def disconnected(request: Request) -> None:

@@ -50,6 +50,7 @@ from mrv2.entrypoints.reasoning import check_reasoning_parser
 from mrv2.entrypoints.responses import APIError, Stream
 from mrv2.entrypoints.stack_sampler import PROFILE_ENV_VAR, StackSampler
 from mrv2.entrypoints.stats_logger import StatsLogger, log_stats_forever, log_stats_interval
+from mrv2.entrypoints.tool_calls import check_tool_call_parser
 
 #: Default bound on a request's ``n`` (``mrv2 serve --max-n``); OpenAI's own API allows 128.
 DEFAULT_MAX_N = 64
@@ -81,7 +82,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
                served_model_name: str | Sequence[str] | None = None,
                api_key: str | None = None, max_pending: int = 1024,
                max_n: int = DEFAULT_MAX_N, log_stats_interval: float | None = None,
-               reasoning_parser: str | None = None) -> FastAPI:
+               reasoning_parser: str | None = None,
+               tool_call_parser: str | None = None) -> FastAPI:
     """The app; its worker (the engine thread, or the engine process's link) starts with the
     app and stops with it (``app.state.engine_thread``).
 
@@ -92,8 +94,11 @@ def create_app(engine: LLMEngine | RemoteEngine,
     ``served_model_name``: the name requests give (default: the model's path), or several
     (vLLM's aliases): requests may give any, answers and metrics carry the first.
     ``reasoning_parser`` (:mod:`mrv2.entrypoints.reasoning`): chat answers carry the model's
-    ``<think>`` text as ``reasoning_content``."""
+    ``<think>`` text as ``reasoning_content``. ``tool_call_parser``
+    (:mod:`mrv2.entrypoints.tool_calls`): chat requests may offer ``tools``, and answers
+    carry the model's calls as ``tool_calls``; without one, ``tools`` are refused."""
     check_reasoning_parser(reasoning_parser)
+    check_tool_call_parser(tool_call_parser)
     if max_n < 1 or max_pending < 1:
         raise ValueError(f"max_n={max_n}, max_pending={max_pending} are invalid: expected >= 1")
     if log_stats_interval is not None and not log_stats_interval > 0:
@@ -230,7 +235,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
         return await _serve(request, worker, "cmpl", model_name, encoded, params, body, False)
 
     async def chat_ids(messages: list[ChatMessage], add_generation_prompt: bool,
-                       template_kwargs: dict[str, Any] | None, continue_final: bool = False
+                       template_kwargs: dict[str, Any] | None, continue_final: bool = False,
+                       tools: list[dict[str, Any]] | None = None
                        ) -> tuple[list[int], list[MultiModalItem]]:
         """The prompt's token ids through the chat template, and its images' items."""
         try:
@@ -242,6 +248,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
                 raise APIError(400, "continue_final_message needs add_generation_prompt: false",
                                param="continue_final_message")
             kwargs["continue_final_message"] = True
+        if tools:
+            kwargs["tools"] = tools
         if any(m.has_media for m in messages):
             allow_remote = engine.config.multimodal.allow_remote_media
             try:  # decoding and preprocessing images is CPU work: off the event loop
@@ -261,15 +269,20 @@ def create_app(engine: LLMEngine | RemoteEngine,
     async def chat(request: Request) -> Response:
         body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
         params = params_of(body)
+        if body.tools and tool_call_parser is None:
+            raise APIError(400, "tools: this server parses no tool calls; start it with "
+                           "--enable-auto-tool-choice --tool-call-parser hermes", param="tools")
         ids, items = await chat_ids(body.messages, body.add_generation_prompt,
-                                    body.chat_template_kwargs, body.continue_final_message)
+                                    body.chat_template_kwargs, body.continue_final_message,
+                                    body.tools)
         if items and body.truncate_prompt_tokens is not None:
             raise APIError(400, "truncate_prompt_tokens is not supported with images (it could "
                            "cut an image's rows)", param="truncate_prompt_tokens")
         ids = body.truncate(ids)
         validate(ids, params, body)
+        calls = bool(body.tools) and body.tool_choice != "none"
         return await _serve(request, worker, "chatcmpl", model_name, [(ids, None)], params,
-                            body, True, items, reasoning_parser)
+                            body, True, items, reasoning_parser, calls)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
@@ -347,7 +360,7 @@ def _chat_with_media(engine: LLMEngine | RemoteEngine, tokenizer: Any,
 async def _serve(request: Request, worker: EngineThread | EngineProcess, kind: str, model: str,
                  encoded: list[tuple[list[int], str | None]], params: SamplingParams,
                  body: Any, chat: bool, mm_items: list[MultiModalItem] | None = None,
-                 reasoning: str | None = None) -> Response:
+                 reasoning: str | None = None, tools: bool = False) -> Response:
     """Submit every prompt (with ``mm_items``: one chat prompt's images); answer with one
     JSON body or an SSE stream."""
     loop = asyncio.get_running_loop()
@@ -371,7 +384,8 @@ async def _serve(request: Request, worker: EngineThread | EngineProcess, kind: s
         for req_id in submitted:
             worker.abort(req_id)
         raise
-    stream = Stream(worker, base, model, chat, params, body, req_ids, encoded, reasoning)
+    stream = Stream(worker, base, model, chat, params, body, req_ids, encoded, reasoning,
+                    tools, getattr(body, "parallel_tool_calls", True))
     if body.stream:
         return StreamingResponse(stream.events(sink), media_type="text/event-stream")
     return await stream.collect(sink, request)
@@ -383,7 +397,8 @@ def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: 
                max_pending: int = 1024, max_n: int = DEFAULT_MAX_N,
                log_stats: bool = True, uvicorn_log_level: str = "info",
                access_log: bool = True, sock: socket.socket | None = None,
-               reasoning_parser: str | None = None) -> int:
+               reasoning_parser: str | None = None, tool_call_parser: str | None = None
+               ) -> int:
     """Serve until interrupted (returns 0), or until the engine fails for good (a
     tensor-parallel worker died: the server answers 503 for a moment, then stops and returns
     1). ``log_stats``: a stats line every :func:`~mrv2.entrypoints.stats_logger.log_stats_interval`
@@ -399,7 +414,8 @@ def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: 
     # collector's pauses) exists, so /metrics does not count this one full collection.
     freeze_startup_heap()
     app = create_app(engine, served_model_name, api_key, max_pending, max_n,
-                     log_stats_interval() if log_stats else None, reasoning_parser)
+                     log_stats_interval() if log_stats else None, reasoning_parser,
+                     tool_call_parser)
     class Server(uvicorn.Server):
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets)

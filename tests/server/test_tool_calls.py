@@ -1,0 +1,152 @@
+"""Tool calls (``--enable-auto-tool-choice --tool-call-parser hermes``): whole answers and
+streams cut anywhere give the same content and calls; the chat route passes tools to the
+template and messages with calls back into it; answers carry ``tool_calls`` and finish with
+``tool_calls``, streamed or not; without the flags, tools are refused as before."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from server_util import API_KEY
+
+from mrv2.contract.params import SamplingParams
+from mrv2.engine.outputs import CompletionOutput, RequestOutput
+from mrv2.engine.tokenizer import Tokenizer
+from mrv2.entrypoints.responses import Stream
+from mrv2.entrypoints.tool_calls import ToolCallStream, check_tool_call_parser, parse_tool_calls
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+CALL = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+CASES = [  # (text, content, [(name, arguments JSON)])
+    ("Let me check.\n" + CALL, "Let me check.\n", [("weather", '{"city": "Paris"}')]),
+    (CALL + "\n" + CALL.replace("Paris", "Lyon"), None,
+     [("weather", '{"city": "Paris"}'), ("weather", '{"city": "Lyon"}')]),
+    ('<tool_call>{"name": "now", "arguments": "{}"}', None, [("now", "{}")]),  # cut at EOS
+    ("No tools needed.", "No tools needed.", []),
+    ("<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>", []),
+    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
+    ("a <tool_c b", "a <tool_c b", []),
+    ("", None, []),
+]
+
+
+def _calls(calls: list[Any]) -> list[tuple[str, str]]:
+    return [(c.name, c.arguments) for c in calls]
+
+
+def test_whole_answers() -> None:
+    for text, content, calls in CASES:
+        got_content, got_calls = parse_tool_calls(text)
+        assert (got_content, _calls(got_calls)) == (content, calls), text
+        assert all(c.id.startswith("call_") for c in got_calls)
+
+
+def test_a_stream_cut_anywhere_gives_the_whole_answer() -> None:
+    rng = random.Random(0)
+    for text, content, calls in CASES:
+        for _ in range(40):
+            cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, 5)))
+            deltas = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+            stream = ToolCallStream()
+            parts = [stream.feed(d, final=i == len(deltas) - 1) for i, d in enumerate(deltas)]
+            assert ("".join(c for c, _ in parts) or None) == content, (text, deltas)
+            assert _calls([c for _, cs in parts for c in cs]) == calls
+            assert all(not cs for _, cs in parts[:-1])  # calls go out when the choice ends
+
+
+def test_the_parser_name_is_checked() -> None:
+    assert check_tool_call_parser("hermes") == "hermes"
+    with pytest.raises(ValueError, match="tool_call_parser='json': allowed values are hermes"):
+        check_tool_call_parser("json")
+
+
+class _Body:
+    include_usage = False
+
+
+def _output(text: str, finished: bool, reason: str | None = None) -> RequestOutput:
+    return RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1],
+                         outputs=[CompletionOutput(0, text, list(range(len(text))), reason)],
+                         finished=finished)
+
+
+def test_streamed_deltas_carry_the_calls_and_their_finish_reason() -> None:
+    stream = Stream(None, "chatcmpl-x", "m", True, SamplingParams(max_tokens=99),  # type: ignore[arg-type]
+                    _Body(), ["r"], [([1], None)], tools=True)
+    text = "Checking.\n" + CALL
+    first = stream._deltas(_output(text[:14], False))  # "Checking.\n<to": the tag held
+    assert first[0]["delta"] == {"content": "Checking.\n"}
+    last = stream._deltas(_output(text, True, "stop"))
+    delta = last[0]["delta"]
+    assert delta["content"] == "" and last[0]["finish_reason"] == "tool_calls"
+    assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in delta["tool_calls"]] == [(0, "weather", {"city": "Paris"})]
+
+
+def test_the_server_with_tools(tmp_path: Path, model_dir: Path) -> None:
+    """The tools reach the template and a message's calls come back into it (arguments as
+    the template's dict); the answer without a call is content; without the flags tools are
+    refused, naming them; tool_choice 'required' needs guided decoding (refused)."""
+    from conftest import serve
+
+    template = ("{% if tools %}TOOLS {% for t in tools %}{{ t['function']['name'] }} "
+                "{% endfor %}{% endif %}{% for m in messages %}{{ m['role'] }}: "
+                "{% if m.tool_calls %}{{ m.tool_calls[0]['function']['arguments']['city'] }}"
+                "{% else %}{{ m['content'] }}{% endif %}\n{% endfor %}")
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": "call_1", "type": "function", "function": {
+                        "name": "weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    tok = Tokenizer.from_pretrained(model_dir)
+    tok.set_chat_template(template)
+    want = tok.render_chat_template(
+        [messages[0], {**messages[1], "tool_calls": [{"function": {
+            "name": "weather", "arguments": {"city": "Paris"}}}]}, messages[2]],
+        True, tools=tools)
+    assert want.startswith("TOOLS weather ") and "assistant: Paristool: sunny" in want
+    body = {"messages": messages, "tools": tools, "max_tokens": 3, "temperature": 0}
+    for served in serve(model_dir, engine_kwargs={"chat_template": template},
+                        tool_call_parser="hermes"):
+        response = httpx.post(f"{served.url}/v1/chat/completions", headers=AUTH, timeout=60,
+                              json=body)
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        assert answer["usage"]["prompt_tokens"] == len(tok.encode(want,
+                                                                  add_special_tokens=False))
+        assert answer["choices"][0]["message"].get("tool_calls") in (None, [])
+        assert answer["choices"][0]["finish_reason"] == "length"
+        required = httpx.post(f"{served.url}/v1/chat/completions", headers=AUTH, timeout=60,
+                              json={**body, "tool_choice": "required"})
+        assert required.status_code == 400 and "tool_choice" in required.text
+    for served in serve(model_dir, engine_kwargs={"chat_template": template}):
+        refused = httpx.post(f"{served.url}/v1/chat/completions", headers=AUTH, timeout=60,
+                             json=body)
+        assert refused.status_code == 400
+        assert "--enable-auto-tool-choice" in refused.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_a_finished_answers_message(parallel: bool) -> None:
+    """The whole answer's message: reasoning apart (with a reasoning parser), content before
+    the calls, the calls (the first only without parallel_tool_calls), ``tool_calls``."""
+    stream = Stream(None, "chatcmpl-x", "m", True, SamplingParams(max_tokens=99),  # type: ignore[arg-type]
+                    _Body(), ["r"], [([1], None)], "qwen3", True, parallel)
+    text = "<think>use the tool</think>Checking.\n" + CALL + CALL.replace("Paris", "Lyon")
+    choice: dict[str, Any] = {"finish_reason": "stop"}
+    message = stream._message(text, choice)
+    assert message["reasoning_content"] == "use the tool"
+    assert message["content"] == "Checking.\n" and choice["finish_reason"] == "tool_calls"
+    cities = [json.loads(c["function"]["arguments"])["city"] for c in message["tool_calls"]]
+    assert cities == (["Paris", "Lyon"] if parallel else ["Paris"])
+    plain: dict[str, Any] = {"finish_reason": "length"}
+    assert stream._message("no call", plain) == {"role": "assistant", "content": "no call",
+                                                  "reasoning_content": None}
+    assert plain["finish_reason"] == "length"
