@@ -123,6 +123,9 @@ def test_the_server_with_tools(tmp_path: Path, model_dir: Path) -> None:
                                                                   add_special_tokens=False))
         assert answer["choices"][0]["message"].get("tool_calls") in (None, [])
         assert answer["choices"][0]["finish_reason"] == "length"
+        counted = httpx.post(f"{served.url}/tokenize", headers=AUTH, timeout=60,
+                             json={"messages": messages, "tools": tools}).json()
+        assert counted["count"] == answer["usage"]["prompt_tokens"]  # the same prompt
         required = httpx.post(f"{served.url}/v1/chat/completions", headers=AUTH, timeout=60,
                               json={**body, "tool_choice": "required"})
         assert required.status_code == 400 and "tool_choice" in required.text

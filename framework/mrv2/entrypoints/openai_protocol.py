@@ -265,6 +265,8 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     continue_final_message: bool = False
+    #: Offered to the chat template, as a chat request's would be.
+    tools: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
 
 

@@ -297,7 +297,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
         else:
             assert body.messages is not None
             ids, _ = await chat_ids(body.messages, body.add_generation_prompt,
-                                    body.chat_template_kwargs, body.continue_final_message)
+                                    body.chat_template_kwargs, body.continue_final_message,
+                                    body.tools)
         strs = tokenizer().convert_ids_to_tokens(ids) if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
                 "token_strs": strs}
