@@ -187,3 +187,9 @@ def test_serve_binds_its_port_before_the_engine_loads(
                  "--port", str(port)]) == 0
     assert built == [True] and socks[0].getsockname() == ("127.0.0.1", port)
     socks[0].close()
+    from mrv2.entrypoints.server import listen_socket
+
+    with listen_socket("localhost", 0) as named:  # a name: its IPv4 address
+        assert named.family == socket.AF_INET and named.getsockname()[0] == "127.0.0.1"
+    with pytest.raises(OSError):
+        listen_socket("no-such-host.invalid", 0)

@@ -323,13 +323,14 @@ def create_app(engine: LLMEngine | RemoteEngine,
 
 def listen_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to ``host:port`` (``SO_REUSEADDR``, as uvicorn binds), for
-    :func:`run_server`; OSError (the port in use, an unknown host) before anything loads."""
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    family, kind, proto, _, address = infos[0]
-    sock = socket.socket(family, kind, proto)
+    :func:`run_server`; OSError (the port in use, an unknown host) before anything loads.
+    IPv6 only for an IPv6 address (``::``, ``::1``): a name such as ``localhost`` binds its
+    IPv4 address, as vLLM's server does, whatever order the resolver lists them in."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
+        sock.bind((host, port))
     except OSError:
         sock.close()
         raise
