@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -23,6 +24,22 @@ from pydantic import (
 )
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+def positive_number_from_env(name: str, kind: type[int] | type[float], what: str
+                             ) -> int | float | None:
+    """Environment variable ``name`` as a positive finite ``kind`` (None when unset or
+    empty); ValueError naming the variable and ``what`` is expected otherwise."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = 0
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{name}={raw!r}: expected a positive {what}")
+    return value
 
 
 def read_chat_template(value: str) -> str:

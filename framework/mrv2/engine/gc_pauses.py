@@ -27,6 +27,8 @@ import os
 import time
 from typing import Any
 
+from mrv2.config import positive_number_from_env
+
 #: ``0`` keeps the startup heap in the collector's view (the freeze is on by default).
 FREEZE_ENV_VAR = "MRV2_GC_FREEZE"
 
@@ -39,17 +41,9 @@ GEN0_ENV_VAR = "MRV2_GC_GEN0_THRESHOLD"
 def gen0_threshold() -> int | None:
     """:data:`GEN0_ENV_VAR`'s value, or None when unset; ValueError naming the variable on
     anything but a positive integer."""
-    raw = os.environ.get(GEN0_ENV_VAR, "").strip()
-    if not raw:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"{GEN0_ENV_VAR}={raw!r}: expected a positive integer (allocations "
-                         "between young collections)")
-    return value
+    value = positive_number_from_env(GEN0_ENV_VAR, int,
+                                     "integer (allocations between young collections)")
+    return None if value is None else int(value)
 
 
 def freeze_startup_heap() -> bool:

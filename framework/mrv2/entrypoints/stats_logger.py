@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import Any
+
+from mrv2.config import positive_number_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -38,17 +39,8 @@ _COUNTERS = ("num_prompt_tokens", "num_generation_tokens", "prefix_cache_queries
 def log_stats_interval() -> float:
     """The interval from :data:`LOG_STATS_INTERVAL_ENV_VAR`; ValueError naming the variable
     on anything but a positive number of seconds."""
-    raw = os.environ.get(LOG_STATS_INTERVAL_ENV_VAR, "").strip()
-    if not raw:
-        return DEFAULT_LOG_STATS_INTERVAL_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = 0.0
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"{LOG_STATS_INTERVAL_ENV_VAR}={raw!r}: expected a positive number "
-                         "of seconds")
-    return value
+    value = positive_number_from_env(LOG_STATS_INTERVAL_ENV_VAR, float, "number of seconds")
+    return DEFAULT_LOG_STATS_INTERVAL_S if value is None else float(value)
 
 
 class StatsLogger:
