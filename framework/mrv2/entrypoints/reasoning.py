@@ -40,8 +40,9 @@ def split_reasoning(kind: str, text: str) -> tuple[str | None, str | None]:
     return reasoning or None, content or None
 
 
-def _held(text: str, tag: str) -> int:
-    """How many trailing characters of ``text`` may begin ``tag`` (held back for now)."""
+def held_tag_prefix(text: str, tag: str) -> int:
+    """How many trailing characters of ``text`` may begin ``tag`` (a stream holds them back
+    until the next delta decides; the tool-call parser uses it too)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):
             return n
@@ -82,7 +83,7 @@ class ReasoningStream:
                 reasoning += text[:end]
                 text, self.state = text[end + len(END):], "content"
                 continue
-            keep = 0 if final else _held(text, END)
+            keep = 0 if final else held_tag_prefix(text, END)
             reasoning += text[: len(text) - keep]
             self.pending = text[len(text) - keep:]
             break

@@ -22,6 +22,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from mrv2.entrypoints.reasoning import held_tag_prefix
+
 #: ``--tool-call-parser`` values.
 TOOL_CALL_PARSERS = ("hermes",)
 
@@ -82,14 +84,6 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     return (text[:first] or None), calls
 
 
-def _held(text: str) -> int:
-    """How many trailing characters of ``text`` may begin ``<tool_call>``."""
-    for n in range(min(len(START) - 1, len(text)), 0, -1):
-        if START.startswith(text[-n:]):
-            return n
-    return 0
-
-
 class ToolCallStream:
     """Splits one choice's content deltas into content to send now and, at the end, calls."""
 
@@ -105,7 +99,7 @@ class ToolCallStream:
         if not self.in_calls:
             start = text.find(START)
             if start < 0:
-                keep = 0 if final else _held(text)
+                keep = 0 if final else held_tag_prefix(text, START)
                 self.held = text[len(text) - keep:]
                 return text[: len(text) - keep], []
             self.in_calls = True
