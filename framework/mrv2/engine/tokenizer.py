@@ -56,13 +56,19 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def render_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
+        tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+        **kwargs: Any
     ) -> str:
-        """The chat template applied to ``messages``, as text; ``kwargs`` are the template's
-        own variables (``enable_thinking=False`` for Qwen3's: :func:`check_template_kwargs`)."""
-        own = {k: kwargs.pop(k) for k in ("continue_final_message", "tools") if k in kwargs}
+        """The chat template applied to ``messages``, as text: ``tools`` offered to the model,
+        the last message continued (``continue_final_message``); ``kwargs`` are the
+        template's own variables (``enable_thinking=False`` for Qwen3's:
+        :func:`check_template_kwargs`)."""
         check_template_kwargs(kwargs)
-        kwargs.update({k: v for k, v in own.items() if v})  # (transformers' own arguments)
+        if tools:
+            kwargs["tools"] = tools
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
         if not self.chat_template:
             raise ValueError(
                 f"tokenizer of {self.model_dir or type(self.hf).__name__} has no chat template; "

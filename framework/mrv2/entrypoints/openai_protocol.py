@@ -235,10 +235,6 @@ class ChatCompletionRequest(_Request):
                              "\"function\", \"function\": {\"name\": ..., \"parameters\": "
                              "{...}}}]")
         _unsupported("echo", self.echo, False)
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("SamplingParams.continue_final_message is invalid: it needs "
-                             "add_generation_prompt=false (the reply continues the last "
-                             "message)")
         if self.response_format not in (None, {"type": "text"}):
             _unsupported("response_format", self.response_format, {"type": "text"})
         max_tokens = self._requested_max()
