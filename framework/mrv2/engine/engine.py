@@ -88,11 +88,11 @@ class LLMEngine:
         #: Request-steps by how many drafts they verified (``[d]``) and kept (``[a]``); every
         #: speculation count of :meth:`stats` derives from these two histograms.
         self._drafted_hist = [0] * (k + 1)
+        self._accepted_hist = [0] * (k + 1)
         #: Prompt tokens of the requests that produced their first token, and tokens
         #: generated, since the engine started (``stats()``: what a stats line divides by
         #: its interval).
         self.num_prompt_tokens = self.num_generation_tokens = 0
-        self._accepted_hist = [0] * (k + 1)
         self._requests: dict[str, _Tracked] = {}
         self._in_flight: deque[AsyncStepOutput] = deque()
         self._seeds = random.Random(config.model.seed)
@@ -133,8 +133,8 @@ class LLMEngine:
             raise RuntimeError("reset_after_warmup needs an idle engine: requests are in flight")
         self.block_manager, self.scheduler = self._new_scheduler()
         self._drafted_hist = [0] * len(self._drafted_hist)
-        self.num_prompt_tokens = self.num_generation_tokens = 0
         self._accepted_hist = [0] * len(self._accepted_hist)
+        self.num_prompt_tokens = self.num_generation_tokens = 0
 
     # -- requests ----------------------------------------------------------------------------
 

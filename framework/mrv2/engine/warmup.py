@@ -116,8 +116,7 @@ def warm_up(engine: WarmableEngine, max_tokens: int = 4) -> float:
 def _penalty_state_fits(state: SamplingState) -> bool:
     """Whether the warm-up may allocate the penalty counters for a moment (see
     :data:`PENALTY_BATCHES`)."""
-    elements = state.max_num_reqs * state.vocab_size
-    if tp_size() > 1 or elements > PENALTY_STATE_MAX_ELEMENTS:
+    if tp_size() > 1 or state.penalty_state_elements > PENALTY_STATE_MAX_ELEMENTS:
         return False
     if state.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(state.device)

@@ -177,9 +177,14 @@ class SamplingState:
             staged.put(self.output_counts, (np.full(len(outs), row), outs),
                        np.ones(len(outs), dtype=np.int32), accumulate=True)
 
+    @property
+    def penalty_state_elements(self) -> int:
+        """Elements of each penalty counter (``max_num_seqs x vocab``)."""
+        return self.max_num_reqs * self.vocab_size
+
     def penalty_state_bytes(self) -> int:
         """Device bytes of the penalty counters (``output_counts`` and ``prompt_mask``)."""
-        return self.max_num_reqs * self.vocab_size * 5
+        return self.penalty_state_elements * 5
 
     def release_penalty_state(self) -> bool:
         """Free the penalty counters while no row uses a penalty (the next penalty request
@@ -206,7 +211,7 @@ class SamplingState:
         :meth:`~mrv2.sample.sampler.Sampler.check_params`) before it queues a request."""
         if not params.uses_penalties or self.output_counts is not None:
             return
-        elements = self.max_num_reqs * self.vocab_size
+        elements = self.penalty_state_elements
         if elements > PENALTY_STATE_MAX_ELEMENTS:
             field, value = next((f, getattr(params, f)) for f, off in (
                 ("repetition_penalty", 1.0), ("frequency_penalty", 0.0),

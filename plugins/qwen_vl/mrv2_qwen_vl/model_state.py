@@ -109,7 +109,6 @@ class QwenVLModelState(ModelState):
         if pending:
             self._images[row] = pending
             self._refs.update(item.content_hash for item in pending)
-        self._evict()
 
     def remove_request(self, req_id: str, row: int) -> None:
         """Drop the row's hold on its images' cache entries."""
@@ -118,8 +117,9 @@ class QwenVLModelState(ModelState):
     def _release(self, row: int, done: list[MultiModalItem] | None = None) -> None:
         """Drop the row's hold on ``done`` (default: all of its images); evict after."""
         items = self._images.get(row, [])
-        released = items if done is None else [i for i in items if any(i is d for d in done)]
-        kept = [] if done is None else [i for i in items if not any(i is d for d in done)]
+        finished = {id(item) for item in (items if done is None else done)}
+        released = [item for item in items if id(item) in finished]
+        kept = [item for item in items if id(item) not in finished]
         if kept:
             self._images[row] = kept
         else:
