@@ -7,6 +7,7 @@
 # coldstart (scripts/probe_cold_start.py: the first request of each kind on an empty Triton cache, warm-up off and on),
 # gcgen0 (MRV2_GC_GEN0_THRESHOLD=20000 against Python's own, 256 streams through mrv2 serve),
 # verify26 (the twenty-sixth session's CPU-only work on the GPU: cold start, engine/sampler/VL tests, start-up log),
+# startup (scripts/probe_startup.py: where start-up goes, cold and warm Triton cache),
 # graphtimes (scripts/decode_graph_times.py: each decode graph's replay time by size),
 # streamk (scripts/proto_streamk.py: a stream-K GEMM against cuBLAS at 8B decode shapes), attn,
 # splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile, mixed,
@@ -320,13 +321,18 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                 # whose log shows the start-up report (graph counts and memory on the H200)
                 timeout 200 python3 scripts/probe_cold_start.py --warmup \
                   > "$OUT/cold_start_warmup.log" 2>&1; tail -18 "$OUT/cold_start_warmup.log"
-                timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
+                timeout 330 python3 -m pytest -q -p no:cacheprovider -m gpu \
                   tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_sampler.py \
                   tests/gpu/test_gpu_qwen_vl.py 2>&1 | tee "$OUT/verify26_tests.log" | tail -4
                 timeout 120 python3 -m mrv2.entrypoints.cli bench latency --model Qwen3-0.6B \
                   --batch-sizes 1 8 > "$OUT/verify26_latency.log" 2>&1
                 grep -E "mrv2.runner|engine ready|warm-up" "$OUT/verify26_latency.log" | cut -c1-220
                 tail -6 "$OUT/verify26_latency.log" ;;
+    startup)    # where an engine's start-up goes (scripts/probe_startup.py under cProfile), on
+                # an empty Triton cache, then a warm one: the report's parts and what is between
+                for i in 1 2; do timeout 200 python3 scripts/probe_startup.py --top 40 \
+                  > "$OUT/startup_$i.log" 2>&1; grep -E "^imports|LLMEngine|INFO" "$OUT/startup_$i.log" \
+                  | cut -c1-200; done ;;
     firststeps) # where TTFT goes, step by step and by host part (scripts/probe_first_steps.py),
                 # with MRV2_PDL_GEMM off and on (the nineteenth session's TTFT rise with it on
                 # did not recur in the twentieth)

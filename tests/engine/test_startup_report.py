@@ -6,6 +6,7 @@ configures from ``MRV2_LOGGING_LEVEL``."""
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -73,13 +74,15 @@ def test_the_runner_reports_weights_kv_cache_and_parts(
     assert facts["weight_bytes"] == sum(t.numel() * t.element_size() for t in params.values())
     assert facts["kv_tokens"] == runner.num_kv_blocks * 4 == 160
     assert facts["max_concurrency"] == pytest.approx(160 / 64)
-    assert set(seconds) == {"load", "kv_cache"}  # no graphs off CUDA
+    assert set(seconds) == {"config", "load", "kv_cache"}  # no graphs off CUDA
     assert all(s >= 0 for s in seconds.values())
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "Qwen3ForCausalLM loaded in" in text
     assert "KV cache: 160 tokens (40 blocks of 4" in text and "float32" in text
     assert "2.5 requests of max_model_len 64 fit at once (" in text  # no peak off CUDA
-    assert "engine ready in" in text and "load" in text and "kv cache" in text
+    ready = next(r.getMessage() for r in caplog.records if "engine ready in" in r.getMessage())
+    assert re.fullmatch(r"engine ready in [\d.]+ s \(config [\d.]+ s, load [\d.]+ s, "
+                        r"kv cache [\d.]+ s, other [\d.]+ s\)", ready), ready
     assert "CUDA graphs" not in text
 
 

@@ -110,9 +110,11 @@ class LLMEngine:
         seconds = dict(parts.seconds) if parts is not None else {}
         if self.warmup_seconds is not None:
             seconds["warm-up"] = self.warmup_seconds
-        logger.info("engine ready in %.1f s (%s)", time.perf_counter() - started,
+        total = time.perf_counter() - started
+        seconds["other"] = max(0.0, total - sum(seconds.values()))  # tokenizer, tables, ...
+        logger.info("engine ready in %.1f s (%s)", total,
                     ", ".join(f"{name.replace('_', ' ')} {s:.1f} s"
-                              for name, s in seconds.items()) or "no parts timed")
+                              for name, s in seconds.items()))
 
     def _new_scheduler(self) -> tuple[BlockManager, Scheduler]:
         """A block manager over the whole KV cache (its prefix cache empty) and a scheduler."""

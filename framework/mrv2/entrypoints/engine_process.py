@@ -286,12 +286,17 @@ class EngineProcess:
                 entry = self._sinks.get(req_id)
                 if entry is None:
                     continue
+                generated = 0
                 for index, ids, *_ in choices:
                     entry.tokens[index] = entry.tokens.get(index, 0) + len(ids)
-                    if ids and entry.first is None:
-                        entry.first = now
-                        if metrics is not None:
-                            metrics.ttft.observe(now - entry.arrival)
+                    generated += len(ids)
+                if generated and metrics is not None:
+                    metrics.observe_tokens(entry.num_prompt if entry.first is None else 0,
+                                           generated)
+                if generated and entry.first is None:
+                    entry.first = now
+                    if metrics is not None:
+                        metrics.ttft.observe(now - entry.arrival)
                 if finished:
                     del self._sinks[req_id]
                     self._pending -= entry.num_seqs
@@ -300,8 +305,7 @@ class EngineProcess:
                         lengths = [(reasons.get(i, "unknown"), n)
                                    for i, n in sorted(entry.tokens.items())]
                         metrics.observe_finished(
-                            entry.num_prompt, lengths,
-                            None if entry.first is None else now - entry.first)
+                            lengths, None if entry.first is None else now - entry.first)
                 self._hand_over.add(entry.loop, (entry, delta))
         self._hand_over.post()
 

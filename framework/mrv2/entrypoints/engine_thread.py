@@ -64,6 +64,7 @@ class _Sink:
     first: float | None = None
     num_prompt: int = 0
     num_seqs: int = 1  # the request's n: what it counts against max_pending
+    num_generated: int = 0  # tokens of all its sequences counted in the metrics so far
 
 
 class LoopHandOver(Generic[T]):
@@ -252,6 +253,11 @@ class EngineThread:
         sink = self._sinks.get(output.request_id)
         if sink is None:
             return
+        generated = sum(len(c.token_ids) for c in output.outputs)  # (cumulative outputs)
+        if generated > sink.num_generated:
+            self.metrics.observe_tokens(0 if sink.num_generated else sink.num_prompt,
+                                        generated - sink.num_generated)
+            sink.num_generated = generated
         if sink.first is None and output.new_token_ids:
             sink.first = now
             self.metrics.ttft.observe(now - sink.arrival)
@@ -259,7 +265,7 @@ class EngineThread:
             del self._sinks[output.request_id]
             self._finish_pending(sink)
             lengths = [(c.finish_reason or "unknown", len(c.token_ids)) for c in output.outputs]
-            self.metrics.observe_finished(sink.num_prompt, lengths,
+            self.metrics.observe_finished(lengths,
                                           None if sink.first is None else now - sink.first)
         self._hand_over.add(sink.loop, (sink, output), key=output.request_id)
 

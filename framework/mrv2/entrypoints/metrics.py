@@ -1,6 +1,9 @@
 """The server's Prometheus metrics, kept by ``prometheus_client`` in a registry per server.
 
-The engine thread updates the counters and histograms as requests finish; the engine's own
+The engine thread (or the engine process's reader) counts prompt and generated tokens as each
+request's tokens come out, as vLLM counts them per step (a request's prompt once, with its first
+token; every sequence's tokens, an aborted request's included), and the finish reasons and
+time per output token as requests finish; the engine's own
 gauges and counters (running, waiting, KV blocks, prefix cache, preemptions, speculation) are
 read from its last ``stats()`` snapshot when ``/metrics`` is scraped, so a scrape never touches
 the engine. Every ``mrv2_*`` series carries a ``model_name`` label (``--served-model-name``,
@@ -77,11 +80,12 @@ class ServerMetrics:
         #: Sequences in flight on the server (set by the engine thread's owner).
         self.num_pending: Callable[[], int] = lambda: 0
         reg, name = self.registry, model_name
-        self.prompt_tokens = Counter("mrv2_prompt_tokens", "Prompt tokens of finished requests.",
-                                     ["model_name"], registry=reg).labels(name)
+        self.prompt_tokens = Counter(
+            "mrv2_prompt_tokens", "Prompt tokens of the requests that produced a token.",
+            ["model_name"], registry=reg).labels(name)
         self.generation_tokens = Counter(
-            "mrv2_generation_tokens", "Generated tokens of finished requests.", ["model_name"],
-            registry=reg).labels(name)
+            "mrv2_generation_tokens", "Tokens generated (counted as they come out).",
+            ["model_name"], registry=reg).labels(name)
         self._success = Counter("mrv2_request_success", "Finished sequences by finish reason.",
                                 ["model_name", "finished_reason"], registry=reg)
         for reason in ("stop", "length"):
@@ -105,13 +109,18 @@ class ServerMetrics:
         """Stop counting this process's collector pauses (the server stopped)."""
         self.gc_pauses.close()
 
-    def observe_finished(self, num_prompt: int, reasons_and_lengths: list[tuple[str, int]],
+    def observe_tokens(self, num_prompt: int, num_generated: int) -> None:
+        """Tokens came out: ``num_generated`` new ones over a request's sequences, and
+        ``num_prompt``, its prompt's length, with its first ones (else 0)."""
+        if num_prompt:
+            self.prompt_tokens.inc(num_prompt)
+        self.generation_tokens.inc(num_generated)
+
+    def observe_finished(self, reasons_and_lengths: list[tuple[str, int]],
                          decode_seconds: float | None = None) -> None:
-        """A request finished: its prompt and each sequence's finish reason and length; with
+        """A request finished: each sequence's finish reason and length; with
         ``decode_seconds`` (first token to the end) each sequence's time per output token."""
-        self.prompt_tokens.inc(num_prompt)
         for reason, num in reasons_and_lengths:
-            self.generation_tokens.inc(num)
             self._success.labels(self._name, reason).inc()
             if decode_seconds is not None and num > 1:
                 self.tpot.observe(decode_seconds / (num - 1))

@@ -88,13 +88,14 @@ class Runner:
                 "(LLMEngine does), which starts the other ranks")
         self.plugins = plugins or get_plugin_manager()
         self.device = resolve_device(config.device.device)
-        self.hf_config = load_hf_config(model_dir, config.model.hf_overrides)
+        #: Each start-up part's seconds and findings (logged at INFO by rank 0).
+        self.startup = StartupReport(quiet=tp_rank() != 0)
+        with self.startup.part("config"):  # mostly transformers' import (see StartupReport)
+            self.hf_config = load_hf_config(model_dir, config.model.hf_overrides)
         self.dtype = resolve_dtype(config.model.dtype, self.hf_config, self.device)
         self.max_model_len = _max_model_len(config, text_config_of(self.hf_config))
         self.block_size = config.cache.block_size
         registries = self.plugins.registries
-        #: Each start-up part's seconds and findings (logged at INFO by rank 0).
-        self.startup = StartupReport(quiet=tp_rank() != 0)
         with self.startup.part("load"):
             self.model, self.model_entry = build_model(
                 config, model_dir, self.hf_config, registries, self.device, self.dtype

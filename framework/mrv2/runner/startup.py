@@ -5,6 +5,14 @@ weights took and what they weigh, how big the KV cache is in tokens and how many
 ``max_model_len`` fit in it at once, how long the CUDA graphs took and what they hold. The
 ``mrv2`` command logs them at INFO (:func:`mrv2.logs.configure_logging`); a library user gets
 them through the ``mrv2`` logger, and every number is on :attr:`Runner.startup` too.
+
+The parts: ``config`` (reading ``config.json``), ``load``, ``kv_cache``, ``graphs``; the engine
+adds ``warm-up`` and ``other`` (the rest: the tokenizer, the tables, the sampler). ``config``
+is mostly an import: on transformers 5 a model's config class imports transformers' modeling
+machinery (through its docstring decorator), which imports ``torch.distributed``'s FSDP and, when
+installed, scikit-learn: ~7 of a warm 19 s start-up of Qwen3-0.6B on the H200 machine
+(``scripts/probe_startup.py``, BENCHMARKS.md 2026-12-04). Every engine that reads
+transformers' configs pays it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,97 @@
+"""``/metrics``' prompt and generation token counters count tokens as they come out (vLLM
+counts them per step), in both server modes: a request's prompt once, with its first tokens;
+every sequence's tokens; nothing left for the finish."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from server_util import ENGINE_KWARGS
+
+from mrv2 import EngineConfig, SamplingParams
+from mrv2.engine.engine import LLMEngine
+from mrv2.engine.outputs import CompletionOutput, RequestOutput
+from mrv2.entrypoints.engine_core import DeltaEncoder
+from mrv2.entrypoints.engine_process import EngineProcess, _Sink
+from mrv2.entrypoints.engine_thread import EngineThread
+from mrv2.entrypoints.metrics import ServerMetrics
+
+
+def _record(metrics: ServerMetrics) -> list[tuple[str, int, int]]:
+    """Every ``observe_tokens`` / ``observe_finished`` call, in order, as the counters stood
+    after it: ``("tokens" | "finished", prompt total, generation total)``."""
+    calls: list[tuple[str, int, int]] = []
+    tokens, finished = metrics.observe_tokens, metrics.observe_finished
+
+    def totals() -> tuple[int, int]:
+        return (int(metrics.prompt_tokens._value.get()),
+                int(metrics.generation_tokens._value.get()))
+
+    def on_tokens(*args: Any) -> None:
+        tokens(*args)
+        calls.append(("tokens", *totals()))
+
+    def on_finished(*args: Any) -> None:
+        finished(*args)
+        calls.append(("finished", *totals()))
+
+    metrics.observe_tokens = on_tokens  # type: ignore[method-assign]
+    metrics.observe_finished = on_finished  # type: ignore[method-assign]
+    return calls
+
+
+def test_the_engine_thread_counts_each_steps_tokens(model_dir: Path) -> None:
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), **ENGINE_KWARGS))
+    worker = EngineThread(engine)
+    calls = _record(worker.metrics)
+    worker.start()
+    loop = asyncio.new_event_loop()
+    try:
+        sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        worker.submit("r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                     n=2), None, sink, loop)
+        deadline = time.monotonic() + 60
+        while worker.num_pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert worker.num_pending == 0, "the request did not finish"
+    finally:
+        worker.stop()
+        loop.close()
+    assert calls[-1] == ("finished", 3, 12)  # prompt once; 2 x 6 tokens
+    counted = [c for c in calls if c[0] == "tokens"]
+    assert len(counted) >= 6 and counted[0][1] == 3  # a call per step, the prompt with the first
+    assert all(b[2] > a[2] for a, b in zip(counted, counted[1:], strict=False))
+    assert calls.index(("finished", 3, 12)) == len(calls) - 1  # all counted before the finish
+
+
+def test_the_engine_process_reader_counts_each_deltas_tokens() -> None:
+    metrics = ServerMetrics("m")
+    calls = _record(metrics)
+    reader = object.__new__(EngineProcess)  # only what _deliver reads
+    reader.metrics = metrics
+    reader._lock = threading.Lock()
+    reader._pending = 2
+    handed: list[Any] = []
+    reader._hand_over = type("HandOver", (), {"add": lambda self, loop, item: handed.append(item),
+                                              "post": lambda self: None})()
+    reader._sinks = {"r": _Sink(None, None, 0.0, num_prompt=4, num_seqs=2)}  # type: ignore[arg-type]
+    encoder = DeltaEncoder()
+    state = {1: CompletionOutput(1, "", [])}  # choice 1 comes out first
+    steps = [({1: [7]}, False), ({0: [3, 4], 1: [8]}, False), ({0: [5]}, False),
+             ({0: [], 1: [9]}, True)]
+    for new, finished in steps:
+        for index, ids in new.items():
+            c = state.setdefault(index, CompletionOutput(index, "", []))
+            c.token_ids = c.token_ids + ids
+            if finished:
+                c.finish_reason = "length"
+        output = RequestOutput("r", None, [1, 2, 3, 4], [state[i] for i in sorted(state)],
+                               finished=finished)
+        reader._deliver([encoder.encode(output)], time.monotonic())
+    assert calls == [("tokens", 4, 1), ("tokens", 4, 4), ("tokens", 4, 5), ("tokens", 4, 6),
+                     ("finished", 4, 6)]
+    assert len(handed) == 4 and reader._pending == 0 and not reader._sinks
