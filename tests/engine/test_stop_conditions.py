@@ -71,6 +71,27 @@ def test_stop_token_ids(llm: LLM, free_run: list[int]) -> None:
     assert (out.finish_reason, out.stop_reason) == ("stop", free_run[i])
 
 
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_a_stop_tokens_text_is_not_the_answers(llm: LLM, free_run: list[int],
+                                              skip_special: bool) -> None:
+    """As vLLM's: the token that stopped a request (a stop token id, or EOS) is in its
+    token ids but not in its text, even with special tokens kept; only
+    ``include_stop_str_in_output`` keeps its text."""
+    tokenizer = llm.get_tokenizer()
+    i = _first_new(free_run, 2)
+    params = SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[free_run[i]],
+                            skip_special_tokens=skip_special)
+    out = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free_run[: i + 1]
+    assert out.text == tokenizer.decode(free_run[:i], skip_special_tokens=skip_special)
+    assert out.text != tokenizer.decode(free_run[: i + 1], skip_special_tokens=skip_special)
+    kept = llm.generate(PROMPT, SamplingParams(
+        temperature=0, max_tokens=16, stop_token_ids=[free_run[i]],
+        skip_special_tokens=skip_special, include_stop_str_in_output=True),
+        use_tqdm=False)[0].outputs[0]
+    assert kept.text == tokenizer.decode(free_run[: i + 1], skip_special_tokens=skip_special)
+
+
 def test_min_tokens_defers_stop(llm: LLM, free_run: list[int]) -> None:
     i = _first_new(free_run, 1)
     params = SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[free_run[i]],

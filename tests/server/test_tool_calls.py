@@ -1,7 +1,9 @@
 """Tool calls (``--enable-auto-tool-choice --tool-call-parser hermes``): whole answers and
 streams cut anywhere give the same content and calls; the chat route passes tools to the
 template and messages with calls back into it; answers carry ``tool_calls`` and finish with
-``tool_calls``, streamed or not; without the flags, tools are refused as before."""
+``tool_calls``, streamed or not; without the flags, tools are refused as before; a parser whose
+markers are special tokens (glm45) decodes a request with tools keeping them. The other
+formats, text only: test_tool_parsers.py."""
 
 from __future__ import annotations
 
@@ -18,9 +20,22 @@ from mrv2.contract.params import SamplingParams
 from mrv2.engine.outputs import CompletionOutput, RequestOutput
 from mrv2.engine.tokenizer import Tokenizer
 from mrv2.entrypoints.responses import Stream
-from mrv2.entrypoints.tool_calls import ToolCallStream, check_tool_call_parser, parse_tool_calls
+from mrv2.entrypoints.tool_calls import (
+    ToolCalling,
+    ToolCallStream,
+    check_tool_call_parser,
+    get_tool_parser,
+    parse_tool_calls,
+)
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+HERMES = ToolCalling(get_tool_parser("hermes"))
+TEMPLATE = ("{% if tools %}TOOLS {% for t in tools %}{{ t['function']['name'] }} "
+            "{% endfor %}{% endif %}{% for m in messages %}{{ m['role'] }}: "
+            "{% if m.tool_calls %}{{ m.tool_calls[0]['function']['arguments']['city'] }}"
+            "{% else %}{{ m['content'] }}{% endif %}\n{% endfor %}")
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
 CALL = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 CASES = [  # (text, content, [(name, arguments JSON)])
     ("Let me check.\n" + CALL, "Let me check.\n", [("weather", '{"city": "Paris"}')]),
@@ -61,8 +76,14 @@ def test_a_stream_cut_anywhere_gives_the_whole_answer() -> None:
 
 def test_the_parser_name_is_checked() -> None:
     assert check_tool_call_parser("hermes") == "hermes"
-    with pytest.raises(ValueError, match="tool_call_parser='json': allowed values are hermes"):
+    allowed = "hermes, qwen3_coder, glm45, glm47, deepseek_v3, deepseek_v31, llama3_json"
+    for name in allowed.split(", "):
+        assert check_tool_call_parser(name) == name == get_tool_parser(name).name
+    with pytest.raises(ValueError, match=f"tool_call_parser='json': allowed values are "
+                       f"{allowed}$"):
         check_tool_call_parser("json")
+    with pytest.raises(ValueError, match="allowed values are hermes"):
+        get_tool_parser("glm")
 
 
 class _Body:
@@ -77,7 +98,7 @@ def _output(text: str, finished: bool, reason: str | None = None) -> RequestOutp
 
 def test_streamed_deltas_carry_the_calls_and_their_finish_reason() -> None:
     stream = Stream(None, "chatcmpl-x", "m", True, SamplingParams(max_tokens=99),  # type: ignore[arg-type]
-                    _Body(), ["r"], [([1], None)], tools=True)
+                    _Body(), ["r"], [([1], None)], tools=HERMES)
     text = "Checking.\n" + CALL
     first = stream._deltas(_output(text[:14], False))  # "Checking.\n<to": the tag held
     assert first[0]["delta"] == {"content": "Checking.\n"}
@@ -94,12 +115,7 @@ def test_the_server_with_tools(tmp_path: Path, model_dir: Path) -> None:
     refused, naming them; tool_choice 'required' needs guided decoding (refused)."""
     from conftest import serve
 
-    template = ("{% if tools %}TOOLS {% for t in tools %}{{ t['function']['name'] }} "
-                "{% endfor %}{% endif %}{% for m in messages %}{{ m['role'] }}: "
-                "{% if m.tool_calls %}{{ m.tool_calls[0]['function']['arguments']['city'] }}"
-                "{% else %}{{ m['content'] }}{% endif %}\n{% endfor %}")
-    tools = [{"type": "function", "function": {"name": "weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    template, tools = TEMPLATE, TOOLS
     messages = [{"role": "user", "content": "Weather in Paris?"},
                 {"role": "assistant", "content": None, "tool_calls": [{
                     "id": "call_1", "type": "function", "function": {
@@ -141,7 +157,7 @@ def test_a_finished_answers_message(parallel: bool) -> None:
     """The whole answer's message: reasoning apart (with a reasoning parser), content before
     the calls, the calls (the first only without parallel_tool_calls), ``tool_calls``."""
     stream = Stream(None, "chatcmpl-x", "m", True, SamplingParams(max_tokens=99),  # type: ignore[arg-type]
-                    _Body(), ["r"], [([1], None)], "qwen3", True, parallel)
+                    _Body(), ["r"], [([1], None)], "qwen3", HERMES, parallel)
     text = "<think>use the tool</think>Checking.\n" + CALL + CALL.replace("Paris", "Lyon")
     choice: dict[str, Any] = {"finish_reason": "stop"}
     message = stream._message(text, choice)
@@ -153,3 +169,66 @@ def test_a_finished_answers_message(parallel: bool) -> None:
     assert stream._message("no call", plain) == {"role": "assistant", "content": "no call",
                                                   "reasoning_content": None}
     assert plain["finish_reason"] == "length"
+
+
+def test_a_parser_with_special_tokens_keeps_them(model_dir: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """glm45's tags are special tokens: a request offering tools (tool_choice not "none") is
+    decoded with skip_special_tokens=False, others as asked; answers stream and finish."""
+    from conftest import serve
+
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    body: dict[str, Any] = {"messages": messages, "tools": TOOLS, "max_tokens": 3,
+                            "temperature": 0}
+    seen: list[bool] = []
+
+    def spy(add: Any) -> Any:
+        def add_request(ids: list[int], params: SamplingParams, *args: Any, **kwargs: Any
+                        ) -> Any:
+            seen.append(params.skip_special_tokens)
+            return add(ids, params, *args, **kwargs)
+        return add_request
+
+    for served in serve(model_dir, engine_kwargs={"chat_template": TEMPLATE},
+                        tool_call_parser="glm45"):
+        monkeypatch.setattr(served.engine, "add_request", spy(served.engine.add_request))
+        cases: list[tuple[dict[str, Any], bool]] = [
+            ({}, False), ({"stream": True}, False), ({"tool_choice": "none"}, True),
+            ({"tools": None}, True), ({"skip_special_tokens": True}, False)]
+        for extra, skip in cases:
+            response = httpx.post(f"{served.url}/v1/chat/completions", headers=AUTH,
+                                  timeout=60, json={**body, **extra})
+            assert response.status_code == 200, response.text
+            if extra.get("stream"):
+                assert response.text.endswith("data: [DONE]\n\n")
+            else:
+                assert response.json()["choices"][0]["finish_reason"] == "length"
+            assert seen.pop() is skip, extra
+    for served in serve(model_dir, engine_kwargs={"chat_template": TEMPLATE}):
+        refused = httpx.post(f"{served.url}/v1/chat/completions", headers=AUTH, timeout=60,
+                             json=body)
+        assert refused.status_code == 400
+        assert "glm45" in refused.json()["error"]["message"]  # the parsers are named
+
+
+def test_a_glm_answer_through_the_stream() -> None:
+    """A glm45 answer, whole and streamed: content before the calls, typed arguments."""
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"},
+                                         "days": {"type": "integer"}}}}}]
+    calling = ToolCalling(get_tool_parser("glm45"), tools)
+    text = ("Checking.<tool_call>weather\n<arg_key>city</arg_key>\n<arg_value>Paris"
+            "</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>")
+    choice: dict[str, Any] = {"finish_reason": "stop"}
+    stream = Stream(None, "chatcmpl-x", "m", True, SamplingParams(max_tokens=99),  # type: ignore[arg-type]
+                    _Body(), ["r"], [([1], None)], tools=calling)
+    message = stream._message(text, choice)
+    assert message["content"] == "Checking." and choice["finish_reason"] == "tool_calls"
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {
+        "city": "Paris", "days": 3}
+    first = stream._deltas(_output(text[:12], False))  # "Checking.<to": the tag held
+    assert first[0]["delta"] == {"content": "Checking."}
+    last = stream._deltas(_output(text, True, "stop"))[0]
+    assert last["delta"]["content"] == "" and last["finish_reason"] == "tool_calls"
+    assert [json.loads(c["function"]["arguments"]) for c in last["delta"]["tool_calls"]] == [
+        {"city": "Paris", "days": 3}]

@@ -321,23 +321,26 @@ class LLMEngine:
     def _check_stop(self, tracked: _Tracked, token: int) -> None:
         request = tracked.request
         params = request.sampling_params
-        if tracked.detokenizer is not None:
-            tracked.detokenizer.add_tokens([token])
         num_out = len(request.output_token_ids)
-        if num_out >= params.min_tokens:
+        stop_id = num_out >= params.min_tokens and (
+            token in (params.stop_token_ids or ()) or token in request.eos_token_ids)
+        # A stop token's (EOS's) text is not the answer's, as vLLM's, even when special tokens
+        # are kept (skip_special_tokens=False): only include_stop_str_in_output keeps it.
+        if tracked.detokenizer is not None and (
+                not stop_id or params.include_stop_str_in_output):
+            tracked.detokenizer.add_tokens([token])
+        if stop_id:
             if token in (params.stop_token_ids or ()):
                 self.scheduler.finish(request, "stop", token)
-                return
-            if token in request.eos_token_ids:
+            else:
                 self.scheduler.finish(request, "stop")
+            return
+        if num_out >= params.min_tokens and params.stop and tracked.detokenizer is not None:
+            hit = tracked.detokenizer.check_stop(list(params.stop),
+                                                 params.include_stop_str_in_output)
+            if hit is not None:
+                self.scheduler.finish(request, "stop", hit)
                 return
-            if params.stop and tracked.detokenizer is not None:
-                hit = tracked.detokenizer.check_stop(
-                    list(params.stop), params.include_stop_str_in_output
-                )
-                if hit is not None:
-                    self.scheduler.finish(request, "stop", hit)
-                    return
         if num_out >= request.max_tokens:
             self.scheduler.finish(request, "length")
 

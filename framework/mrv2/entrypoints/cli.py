@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from mrv2.config import add_cli_args, config_from_cli, format_validation_error
+from mrv2.entrypoints.tool_calls import TOOL_CALL_PARSERS
 from mrv2.logs import configure_logging
 
 
@@ -180,8 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="chat requests may offer tools; the model's calls come back as "
                        "tool_calls (with --tool-call-parser)")
-    serve.add_argument("--tool-call-parser", default=None, choices=["hermes"],
-                       help="how the model writes its calls (hermes: Qwen2.5, Qwen3)")
+    serve.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                       help="how the model writes its calls (vLLM's names): hermes (Qwen2.5, "
+                       "Qwen3), qwen3_coder (Qwen3-Coder), glm45 (GLM-4.5/4.6), glm47 "
+                       "(GLM-4.7), deepseek_v3 (DeepSeek-V3), deepseek_v31 (DeepSeek-V3.1), "
+                       "llama3_json (Llama 3.x)")
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's log level (default info)")

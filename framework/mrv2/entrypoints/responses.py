@@ -24,7 +24,7 @@ from mrv2.entrypoints.engine_process import EngineProcess
 from mrv2.entrypoints.engine_thread import EngineThread
 from mrv2.entrypoints.openai_protocol import chat_logprobs, completion_logprobs, error_body
 from mrv2.entrypoints.reasoning import ReasoningStream, split_reasoning
-from mrv2.entrypoints.tool_calls import ToolCallStream, parse_tool_calls
+from mrv2.entrypoints.tool_calls import ToolCalling
 
 __all__ = ["APIError", "Stream", "disconnected"]
 
@@ -45,12 +45,13 @@ class APIError(Exception):
 class _Choice:
     """Streaming bookkeeping of one choice: what was sent already."""
 
-    def __init__(self, index: int, reasoning: str | None = None, tools: bool = False) -> None:
+    def __init__(self, index: int, reasoning: str | None = None,
+                 tools: ToolCalling | None = None) -> None:
         self.index, self.tokens, self.text, self.offset, self.done = index, 0, 0, 0, False
         #: The choice's ``--reasoning-parser`` split, as its text arrives (chat only).
         self.reasoning = ReasoningStream(reasoning) if reasoning else None
         #: Its tool calls, held until it finishes (a chat request with tools).
-        self.tool_calls = ToolCallStream() if tools else None
+        self.tool_calls = tools.stream() if tools is not None else None
 
 
 class Stream:
@@ -59,13 +60,14 @@ class Stream:
     def __init__(self, worker: EngineThread | EngineProcess, base: str, model: str, chat: bool,
                  params: SamplingParams, body: Any, req_ids: list[str],
                  encoded: list[tuple[list[int], str | None]],
-                 reasoning: str | None = None, tools: bool = False,
+                 reasoning: str | None = None, tools: ToolCalling | None = None,
                  parallel_tool_calls: bool = True) -> None:
         self.worker, self.base, self.model, self.chat = worker, base, model, chat
         self.reasoning = reasoning if chat else None
-        #: Parse the answers' tool calls (``--tool-call-parser``, a request with tools);
+        #: Parse the answers' tool calls (``--tool-call-parser`` and the request's tools);
         #: ``parallel_tool_calls`` false keeps the first call only.
-        self.tools, self.parallel_tool_calls = tools and chat, parallel_tool_calls
+        self.tools = tools if chat else None
+        self.parallel_tool_calls = parallel_tool_calls
         self.params, self.body, self.req_ids = params, body, req_ids
         self.order = {r: i for i, r in enumerate(req_ids)}
         self.num_prompt = sum(len(ids) for ids, _ in encoded)
@@ -143,8 +145,8 @@ class Stream:
         if self.reasoning:
             message["reasoning_content"], message["content"] = split_reasoning(
                 self.reasoning, text)
-        if self.tools:
-            content, calls = parse_tool_calls(message["content"] or "")
+        if self.tools is not None:
+            content, calls = self.tools.parse(message["content"] or "")
             if calls:
                 calls = calls if self.parallel_tool_calls else calls[:1]
                 message["content"] = content

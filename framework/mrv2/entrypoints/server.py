@@ -10,6 +10,7 @@ Routes: ``/v1/completions``, ``/v1/chat/completions`` (both stream by server-sen
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -50,7 +51,7 @@ from mrv2.entrypoints.reasoning import check_reasoning_parser
 from mrv2.entrypoints.responses import APIError, Stream
 from mrv2.entrypoints.stack_sampler import PROFILE_ENV_VAR, StackSampler
 from mrv2.entrypoints.stats_logger import StatsLogger, log_stats_forever, log_stats_interval
-from mrv2.entrypoints.tool_calls import check_tool_call_parser
+from mrv2.entrypoints.tool_calls import TOOL_CALL_PARSERS, ToolCalling, get_tool_parser
 
 #: Default bound on a request's ``n`` (``mrv2 serve --max-n``); OpenAI's own API allows 128.
 DEFAULT_MAX_N = 64
@@ -98,7 +99,7 @@ def create_app(engine: LLMEngine | RemoteEngine,
     (:mod:`mrv2.entrypoints.tool_calls`): chat requests may offer ``tools``, and answers
     carry the model's calls as ``tool_calls``; without one, ``tools`` are refused."""
     check_reasoning_parser(reasoning_parser)
-    check_tool_call_parser(tool_call_parser)
+    tool_parser = None if tool_call_parser is None else get_tool_parser(tool_call_parser)
     if max_n < 1 or max_pending < 1:
         raise ValueError(f"max_n={max_n}, max_pending={max_pending} are invalid: expected >= 1")
     if log_stats_interval is not None and not log_stats_interval > 0:
@@ -269,9 +270,15 @@ def create_app(engine: LLMEngine | RemoteEngine,
     async def chat(request: Request) -> Response:
         body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
         params = params_of(body)
-        if body.tools and tool_call_parser is None:
+        if body.tools and tool_parser is None:
             raise APIError(400, "tools: this server parses no tool calls; start it with "
-                           "--enable-auto-tool-choice --tool-call-parser hermes", param="tools")
+                           "--enable-auto-tool-choice --tool-call-parser NAME (one of "
+                           f"{', '.join(TOOL_CALL_PARSERS)})", param="tools")
+        calling = None
+        if body.tools and body.tool_choice != "none" and tool_parser is not None:
+            calling = ToolCalling(tool_parser, body.tools)
+            if tool_parser.special_tokens:  # its markers are special tokens: keep them
+                params = dataclasses.replace(params, skip_special_tokens=False)
         ids, items = await chat_ids(body.messages, body.add_generation_prompt,
                                     body.chat_template_kwargs, body.continue_final_message,
                                     body.tools)
@@ -280,9 +287,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
                            "cut an image's rows)", param="truncate_prompt_tokens")
         ids = body.truncate(ids)
         validate(ids, params, body)
-        calls = bool(body.tools) and body.tool_choice != "none"
         return await _serve(request, worker, "chatcmpl", model_name, [(ids, None)], params,
-                            body, True, items, reasoning_parser, calls)
+                            body, True, items, reasoning_parser, calling)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
@@ -362,7 +368,8 @@ def _chat_with_media(engine: LLMEngine | RemoteEngine, tokenizer: Any,
 async def _serve(request: Request, worker: EngineThread | EngineProcess, kind: str, model: str,
                  encoded: list[tuple[list[int], str | None]], params: SamplingParams,
                  body: Any, chat: bool, mm_items: list[MultiModalItem] | None = None,
-                 reasoning: str | None = None, tools: bool = False) -> Response:
+                 reasoning: str | None = None, tools: ToolCalling | None = None
+                 ) -> Response:
     """Submit every prompt (with ``mm_items``: one chat prompt's images); answer with one
     JSON body or an SSE stream."""
     loop = asyncio.get_running_loop()

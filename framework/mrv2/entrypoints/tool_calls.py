@@ -1,34 +1,59 @@
-"""``mrv2 serve --enable-auto-tool-choice --tool-call-parser hermes``: a chat answer's tool
-calls as OpenAI's ``tool_calls`` (vLLM's flags and parser name).
+"""``mrv2 serve --enable-auto-tool-choice --tool-call-parser NAME``: a chat answer's tool
+calls as OpenAI's ``tool_calls`` (vLLM's flags and parser names).
 
-The ``hermes`` format (Qwen2.5, Qwen3, Hermes models): the model writes each call as
-``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. The text before the first call
-is the message's ``content`` (None when empty); each call becomes ``{"id", "type":
-"function", "function": {"name", "arguments": "<JSON text>"}}``. A block whose JSON does not
-parse, or lacks a name, leaves the whole answer as content, as vLLM's parser does; a last block
-cut off before ``</tool_call>`` still counts if its JSON is whole.
+How each model family writes its calls (``...``: more calls may follow):
 
-A stream sends the content as it arrives, holding back what may be the start of
-``<tool_call>``; from the first call on it holds everything, and the calls go out whole, each
-in one delta, when the choice finishes (OpenAI's protocol lets a call's arguments come in one
-chunk). A choice that made calls finishes with ``finish_reason: "tool_calls"``.
+* ``hermes`` (Qwen2.5, Qwen3, Hermes): ``<tool_call>{"name": ..., "arguments": {...}}
+  </tool_call>...``.
+* ``qwen3_coder`` (Qwen3-Coder): ``<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE
+  \\n</parameter>...</function>\\n</tool_call>...``; a value is raw text (one leading and one
+  trailing newline dropped). A call may also open at ``<function=`` without ``<tool_call>``.
+* ``glm45`` (GLM-4.5, GLM-4.6) and ``glm47`` (GLM-4.7, which writes no newline after the
+  name; either parser reads both): ``<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>
+  VALUE</arg_value>...</tool_call>...``.
+* ``deepseek_v3``: ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n
+  ```json\\n{...}\\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>``.
+* ``deepseek_v31`` (DeepSeek-V3.1): ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME
+  <｜tool▁sep｜>{...}<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>``.
+* ``llama3_json`` (Llama 3.x): the whole answer, after optional whitespace and
+  ``<|python_tag|>``, is ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``), or
+  several such objects separated by ``;``. An answer that does not open so is content.
+
+The text before the first call is the message's ``content`` (None when empty); each call
+becomes ``{"id", "type": "function", "function": {"name", "arguments": "<JSON text>"}}``.
+The XML-like formats (``qwen3_coder``, ``glm45``/``glm47``) write values as text: each is typed
+by the request's ``tools`` JSON schema (``integer``/``number``/``boolean``/``object``/
+``array``/``null``; a value that does not fit, or has no schema, stays a string).
+
+Failure rule (vLLM's): anything malformed (JSON that does not parse, no name, a structure cut
+off where it cannot be recovered) leaves the whole answer as content. A last call cut off by
+``max_tokens`` still counts if what came is whole (its JSON, its arguments).
+
+Special tokens: DeepSeek's markers and GLM's tags are special tokens of their tokenizers,
+which the detokenizer drops with ``skip_special_tokens`` (the request default). Those parsers
+say so (:attr:`ToolParser.special_tokens`), and the chat route then decodes a request that
+offers tools with ``skip_special_tokens=False``, as vLLM's ``adjust_request`` does.
+
+A stream (:class:`ToolCallStream`) sends the content as it arrives, holding back what may be
+the start of a call marker; from the first call on it holds everything, and the calls go out
+whole, each in one delta, when the choice finishes (OpenAI's protocol lets a call's arguments
+come in one chunk). A choice that made calls finishes with ``finish_reason: "tool_calls"``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from mrv2.entrypoints.reasoning import held_tag_prefix
 
-#: ``--tool-call-parser`` values.
-TOOL_CALL_PARSERS = ("hermes",)
-
-START, END = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+#: A request's ``tools`` (OpenAI's ``[{"type": "function", "function": {...}}]``).
+Tools = Sequence[Mapping[str, Any]]
 
 
 @dataclass
@@ -51,65 +76,322 @@ class ToolCall:
         return call
 
 
+@dataclass(frozen=True)
+class ToolParser:
+    """One ``--tool-call-parser`` format.
+
+    ``starts``: the markers that open the calls (the text before the first is content);
+    ``calls_of``: the calls in the text from that marker on, ValueError when malformed;
+    ``leading``: the calls count only if the answer opens with a marker (after whitespace);
+    ``special_tokens``: the markers are special tokens (decode with them kept)."""
+
+    name: str
+    starts: tuple[str, ...]
+    calls_of: Callable[[str, Tools], list[ToolCall]]
+    leading: bool = False
+    special_tokens: bool = False
+
+    def first_start(self, text: str) -> int:
+        """Where the calls begin in ``text`` (-1: nowhere)."""
+        if self.leading:
+            stripped = text.lstrip()
+            return 0 if any(stripped.startswith(s) for s in self.starts) else -1
+        found = [i for i in (text.find(s) for s in self.starts) if i >= 0]
+        return min(found, default=-1)
+
+    def parse(self, text: str, tools: Tools = ()) -> tuple[str | None, list[ToolCall]]:
+        """A finished answer's ``(content, calls)`` (module doc); no calls: ``(text, [])``."""
+        first = self.first_start(text)
+        if first < 0:
+            return (text or None), []
+        try:
+            calls = self.calls_of(text[first:], tools)
+        except (ValueError, RecursionError):  # malformed (RecursionError: JSON nested deep)
+            calls = []
+        if not calls:
+            return (text or None), []
+        return (text[:first] or None), calls
+
+
+# -- shared pieces ---------------------------------------------------------------------------
+
+def _blocks(text: str, start: str, end: str) -> list[tuple[str, bool]]:
+    """``(body, closed)`` of each ``start ... end`` block; the last may run to the text's end
+    unclosed (cut off). Text between blocks is ignored; blank blocks are skipped."""
+    found = re.finditer(re.escape(start) + "(.*?)(" + re.escape(end) + r"|\Z)", text, re.DOTALL)
+    return [(m.group(1), bool(m.group(2))) for m in found if m.group(1).strip()]
+
+
+def _json_call(value: Any) -> ToolCall:
+    """``{"name": ..., "arguments" | "parameters": {...}}`` as a call (ValueError: no name)."""
+    name = value.get("name") if isinstance(value, dict) else None
+    if not isinstance(name, str) or not name:
+        raise ValueError("a call without a name")
+    arguments = value.get("arguments", value.get("parameters", {}))
+    return ToolCall(name, arguments if isinstance(arguments, str)
+                    else json.dumps(arguments, ensure_ascii=False))
+
+
+def _json_arguments(name: str, text: str) -> ToolCall:
+    """A call whose arguments are a JSON object's text (ValueError: bad JSON, no name)."""
+    arguments = json.loads(text)
+    if not name or not isinstance(arguments, dict):
+        raise ValueError("a call without a name or an arguments object")
+    return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+def _schema_types(tools: Tools, name: str) -> dict[str, Any]:
+    """The JSON schema ``type`` of each parameter of the tool ``name`` (empty: unknown)."""
+    for tool in tools:
+        function = tool.get("function")
+        if isinstance(function, Mapping) and function.get("name") == name:
+            parameters = function.get("parameters")
+            props = parameters.get("properties") if isinstance(parameters, Mapping) else None
+            if isinstance(props, Mapping):
+                return {k: v.get("type") for k, v in props.items() if isinstance(v, Mapping)}
+    return {}
+
+
+_INTEGER = re.compile(r"-?\d+")
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _as_type(value: str, kind: Any) -> Any:
+    """``value`` as the schema type ``kind`` (unknown: the string); ValueError if it does not
+    fit."""
+    text = value.strip()
+    if kind in ("integer", "number") and _INTEGER.fullmatch(text):
+        return int(text)
+    if kind == "number" and _NUMBER.fullmatch(text) and math.isfinite(float(text)):
+        return float(text)
+    if kind in ("integer", "number"):
+        raise ValueError(value)
+    if kind == "boolean":
+        if text.lower() not in ("true", "false"):
+            raise ValueError(value)
+        return text.lower() == "true"
+    if kind in ("object", "array"):
+        parsed = json.loads(text, parse_constant=_no_constant)
+        if not isinstance(parsed, dict if kind == "object" else list):
+            raise ValueError(value)
+        return parsed
+    if kind == "null":
+        if text != "null":
+            raise ValueError(value)
+        return None
+    return value
+
+
+def _typed_call(name: str, pairs: list[tuple[str, str]], tools: Tools) -> ToolCall:
+    """A call from text arguments, each typed by the tool's schema (module doc)."""
+    types = _schema_types(tools, name)
+    arguments: dict[str, Any] = {}
+    for key, value in pairs:
+        kinds = types.get(key)
+        for kind in kinds if isinstance(kinds, list) else [kinds]:
+            try:
+                arguments[key] = _as_type(value, kind)
+                break
+            except ValueError:
+                continue
+        else:
+            arguments[key] = value
+    return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+def _pairs(text: str, pattern: re.Pattern[str]) -> list[tuple[str, str]]:
+    """The ``(key, value)`` matches of ``pattern`` back to back over all of ``text`` (only
+    whitespace between and after them; anything else: ValueError)."""
+    pairs, pos = [], 0
+    while (match := pattern.match(text, pos)) is not None:
+        pairs.append((match.group(1).strip(), match.group(2)))
+        pos = match.end()
+    if text[pos:].strip():
+        raise ValueError(f"unexpected text in a call: {text[pos:pos + 40]!r}")
+    return pairs
+
+
+# -- the formats -----------------------------------------------------------------------------
+
+def _hermes(text: str, tools: Tools) -> list[ToolCall]:
+    return [_json_call(json.loads(body)) for body, _ in _blocks(text, "<tool_call>",
+                                                                 "</tool_call>")]
+
+
+_PARAMETER = re.compile(r"\s*<parameter=([^>]*)>(.*?)</parameter>", re.DOTALL)
+
+
+def _qwen3_coder(text: str, tools: Tools) -> list[ToolCall]:
+    calls = []
+    for body, _ in _blocks(text, "<function=", "</function>"):
+        name, sep, rest = body.partition(">")
+        if not sep or not name.strip() or "\n" in name.strip():
+            raise ValueError("a function without a name")
+        pairs = [(key, value.removeprefix("\n").removesuffix("\n"))
+                 for key, value in _pairs(rest, _PARAMETER)]
+        calls.append(_typed_call(name.strip(), pairs, tools))
+    return calls
+
+
+_ARG = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def _glm(text: str, tools: Tools) -> list[ToolCall]:
+    calls = []
+    for body, closed in _blocks(text, "<tool_call>", "</tool_call>"):
+        args = body.find("<arg_key>")
+        head = body if args < 0 else body[:args]
+        name = head.strip()
+        if not name or "\n" in name or "<" in name:
+            raise ValueError("a call without a name")
+        if not closed and args < 0 and not head.endswith("\n"):
+            raise ValueError("a call cut off in its name")
+        pairs = _pairs(body[len(head):], _ARG)
+        calls.append(_typed_call(name, [(k, v.strip()) for k, v in pairs], tools))
+    return calls
+
+
+#: DeepSeek's markers (full-width bars U+FF5C, U+2581 for spaces).
+DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL_BEGIN, DS_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
+DS_SEP = "<｜tool▁sep｜>"
+_DS_V3_CALL = re.compile(r"\s*\w*\s*" + re.escape(DS_SEP)
+                         + r"([^\n]*)\n\s*```(?:json)?\s*\n(.*?)\n?```\s*", re.DOTALL)
+
+
+def _deepseek_v3(text: str, tools: Tools) -> list[ToolCall]:
+    calls = []
+    for body, _ in _blocks(text, DS_CALL_BEGIN, DS_CALL_END):
+        match = _DS_V3_CALL.fullmatch(body)
+        if match is None:
+            raise ValueError("a call that is not function<sep>NAME ```json ...```")
+        calls.append(_json_arguments(match.group(1).strip(), match.group(2)))
+    return calls
+
+
+def _deepseek_v31(text: str, tools: Tools) -> list[ToolCall]:
+    calls = []
+    for body, _ in _blocks(text, DS_CALL_BEGIN, DS_CALL_END):
+        name, sep, arguments = body.partition(DS_SEP)
+        if not sep:
+            raise ValueError("a call without a separator")
+        calls.append(_json_arguments(name.strip(), arguments))
+    return calls
+
+
+PYTHON_TAG = "<|python_tag|>"
+
+
+def _llama3_json(text: str, tools: Tools) -> list[ToolCall]:
+    body = text.lstrip().removeprefix(PYTHON_TAG)
+    decoder, calls, pos = json.JSONDecoder(), [], 0
+    while True:
+        pos = len(body) - len(body[pos:].lstrip())
+        value, pos = decoder.raw_decode(body, pos)
+        calls.append(_json_call(value))
+        rest = body[pos:].lstrip()
+        if not rest or rest == ";":
+            return calls
+        if not rest.startswith(";"):
+            raise ValueError("text after a call")
+        pos = len(body) - len(rest) + 1
+
+
+#: ``--tool-call-parser`` name -> format.
+PARSERS: dict[str, ToolParser] = {p.name: p for p in (
+    ToolParser("hermes", ("<tool_call>",), _hermes),
+    ToolParser("qwen3_coder", ("<tool_call>", "<function="), _qwen3_coder),
+    ToolParser("glm45", ("<tool_call>",), _glm, special_tokens=True),
+    ToolParser("glm47", ("<tool_call>",), _glm, special_tokens=True),
+    ToolParser("deepseek_v3", (DS_CALLS_BEGIN,), _deepseek_v3, special_tokens=True),
+    ToolParser("deepseek_v31", (DS_CALLS_BEGIN,), _deepseek_v31, special_tokens=True),
+    ToolParser("llama3_json", (PYTHON_TAG, "{"), _llama3_json, leading=True),
+)}
+#: ``--tool-call-parser`` values.
+TOOL_CALL_PARSERS = tuple(PARSERS)
+
+
 def check_tool_call_parser(name: str | None) -> str | None:
     """``name`` if it is a parser (or None); ValueError listing the parsers otherwise."""
-    if name is not None and name not in TOOL_CALL_PARSERS:
+    if name is not None and name not in PARSERS:
         raise ValueError(f"tool_call_parser={name!r}: allowed values are "
                          f"{', '.join(TOOL_CALL_PARSERS)}")
     return name
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+def get_tool_parser(parser: str | ToolParser) -> ToolParser:
+    """The format of a parser name (ValueError listing the names for an unknown one)."""
+    if isinstance(parser, ToolParser):
+        return parser
+    check_tool_call_parser(parser)
+    return PARSERS[parser]
+
+
+def parse_tool_calls(text: str, parser: str | ToolParser = "hermes", tools: Tools = ()
+                     ) -> tuple[str | None, list[ToolCall]]:
     """A finished answer's ``(content, calls)`` (module doc); no calls: ``(text, [])``."""
-    first = text.find(START)
-    if first < 0:
-        return (text or None), []
-    calls: list[ToolCall] = []
-    for match in _BLOCK.finditer(text, first):
-        body = match.group(1).strip()
-        if not body:
-            continue
-        try:
-            value = json.loads(body)
-        except ValueError:
-            return (text or None), []
-        name = value.get("name") if isinstance(value, dict) else None
-        if not isinstance(name, str) or not name:
-            return (text or None), []
-        arguments = value.get("arguments", value.get("parameters", {}))
-        calls.append(ToolCall(name, arguments if isinstance(arguments, str)
-                              else json.dumps(arguments, ensure_ascii=False)))
-    if not calls:
-        return (text or None), []
-    return (text[:first] or None), calls
+    return get_tool_parser(parser).parse(text, tools)
+
+
+@dataclass(frozen=True)
+class ToolCalling:
+    """One chat request's tool calling: the server's parser and the tools the request
+    offers (they type the XML-like formats' arguments)."""
+
+    parser: ToolParser
+    tools: Tools = ()
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """A finished answer's ``(content, calls)``."""
+        return self.parser.parse(text, self.tools)
+
+    def stream(self) -> ToolCallStream:
+        """A splitter for one streamed choice."""
+        return ToolCallStream(self.parser, self.tools)
 
 
 class ToolCallStream:
     """Splits one choice's content deltas into content to send now and, at the end, calls."""
 
-    def __init__(self) -> None:
-        self.held = ""  # text not sent yet: a possible tag start, or everything from a call on
-        self.in_calls = False
+    def __init__(self, parser: str | ToolParser = "hermes", tools: Tools = ()) -> None:
+        self.parser, self.tools = get_tool_parser(parser), tools
+        self.held = ""  # text not sent yet: a possible marker start, or everything from a call
+        # "open": a leading parser's answer so far may still open with a marker; "text":
+        # content, a marker may come; "calls": holding the calls; "plain": content only.
+        self.state = "open" if self.parser.leading else "text"
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[ToolCall]]:
         """The next content delta; ``final``: the choice finished (the calls, if any, come
         back now, or the held text as content when it held none)."""
-        text = self.held + delta
-        self.held = ""
-        if not self.in_calls:
-            start = text.find(START)
-            if start < 0:
-                keep = 0 if final else held_tag_prefix(text, START)
+        text, starts = self.held + delta, self.parser.starts
+        self.held, before = "", ""
+        if self.state == "open":
+            stripped = text.lstrip()
+            if self.parser.first_start(text) == 0:
+                self.state = "calls"
+            elif not final and any(s.startswith(stripped) for s in starts):
+                self.held = text  # whitespace, or a part of a marker: wait
+                return "", []
+            else:
+                self.state = "plain"
+        if self.state == "plain":
+            return text, []
+        if self.state == "text":
+            first = self.parser.first_start(text)
+            if first < 0:
+                keep = 0 if final else max(held_tag_prefix(text, s) for s in starts)
                 self.held = text[len(text) - keep:]
                 return text[: len(text) - keep], []
-            self.in_calls = True
-            before, text = text[:start], text[start:]
-        else:
-            before = ""
+            self.state = "calls"
+            before, text = text[:first], text[first:]
         if not final:
             self.held = text
             return before, []
-        content, calls = parse_tool_calls(text)
+        content, calls = self.parser.parse(text, self.tools)
         if calls:
             return before + (content or ""), calls
         return before + text, []  # not calls after all: the held text is content

@@ -1,0 +1,212 @@
+"""Every ``--tool-call-parser`` format, text only: whole answers (content before the calls,
+several calls, arguments typed by the tools' schema, malformed answers left as content, a last
+call cut off), and streams cut in random small pieces that give the same content and calls
+without ever sending what turns out to be (a part of) a call marker."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+
+from mrv2.entrypoints.tool_calls import (
+    DS_CALL_BEGIN,
+    DS_CALL_END,
+    DS_CALLS_BEGIN,
+    DS_CALLS_END,
+    DS_SEP,
+    PARSERS,
+    TOOL_CALL_PARSERS,
+    ToolCallStream,
+    parse_tool_calls,
+)
+
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+        "ratio": {"type": "number"}, "tags": {"type": "array"}, "opts": {"type": "object"},
+        "nothing": {"type": "null"}, "either": {"type": ["null", "integer", "string"]}}}}},
+         {"type": "function", "function": {"name": "now"}}]
+
+Calls = list[tuple[str, dict[str, Any]]]
+
+
+def _qc(name: str, **params: str) -> str:
+    """A qwen3_coder call."""
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+def _glm(name: str, newline: bool = True, **args: str) -> str:
+    """A glm45 call (``newline=False``: glm47's)."""
+    sep = "\n" if newline else ""
+    body = "".join(f"<arg_key>{k}</arg_key>{sep}<arg_value>{v}</arg_value>{sep}"
+                   for k, v in args.items())
+    return f"<tool_call>{name}{sep}{body}</tool_call>"
+
+
+def _v3(name: str, arguments: str) -> str:
+    return f"{DS_CALL_BEGIN}function{DS_SEP}{name}\n```json\n{arguments}\n```{DS_CALL_END}"
+
+
+def _v31(name: str, arguments: str) -> str:
+    return f"{DS_CALL_BEGIN}{name}{DS_SEP}{arguments}{DS_CALL_END}"
+
+
+HERMES = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+QC_CUT = "<tool_call>\n<function=weather>\n<parameter=city>\nPar"
+GLM_ARGS = "<tool_call>weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+PARIS: Calls = [("weather", {"city": "Paris"})]
+
+#: parser -> [(answer, content, calls)]
+CASES: dict[str, list[tuple[str, str | None, Calls]]] = {
+    "hermes": [
+        ("Let me check.\n" + HERMES + HERMES.replace("Paris", "Lyon"), "Let me check.\n",
+         [*PARIS, ("weather", {"city": "Lyon"})]),
+        ('<tool_call>{"name": "now", "arguments": {}}', None, [("now", {})]),  # cut off
+        ("<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>", []),
+    ],
+    "qwen3_coder": [
+        ("Sure.\n" + _qc("weather", city="Paris", days="3") + "\n"
+         + _qc("weather", city="New\nYork", metric="True", ratio="0.5", tags='["a", 1]',
+               opts='{"x": null}', nothing="null", either="7"),
+         "Sure.\n", [("weather", {"city": "Paris", "days": 3}),
+                     ("weather", {"city": "New\nYork", "metric": True, "ratio": 0.5,
+                                  "tags": ["a", 1], "opts": {"x": None}, "nothing": None,
+                                  "either": 7})]),
+        (_qc("weather", days="three", ratio="1e999", metric="yes", tags="{}", either="null",
+             extra="5"), None,
+         [("weather", {"days": "three", "ratio": "1e999", "metric": "yes", "tags": "{}",
+                       "either": None, "extra": "5"})]),
+        (_qc("weather", city="\n  x = 1\n", days="-2"), None,  # one newline off each end
+         [("weather", {"city": "\n  x = 1\n", "days": -2})]),
+        (_qc("lookup", days="3"), None, [("lookup", {"days": "3"})]),  # no schema: text
+        ("Run: <function=now>\n</function>", "Run: ", [("now", {})]),  # no <tool_call>
+        (_qc("now") + "\n" + _qc("weather", city="Paris")[:-24], None,  # cut off, whole
+         [("now", {}), *PARIS]),
+        ("Hi\n" + QC_CUT, "Hi\n" + QC_CUT, []),  # cut off in a value
+        ("<tool_call>\n<function=>\n</function>\n</tool_call>",
+         "<tool_call>\n<function=>\n</function>\n</tool_call>", []),
+        (_qc("now") + "<tool_call>\n<function=now>\njunk\n</function>",
+         _qc("now") + "<tool_call>\n<function=now>\njunk\n</function>", []),
+        (HERMES, HERMES, []),  # no <function=: not calls
+    ],
+    "glm45": [
+        ("Let me look.\n" + _glm("weather", city="Paris", days="3") + "\n"
+         + _glm("weather", metric="false", opts='{"a": [1]}', ratio="2"),
+         "Let me look.\n", [("weather", {"city": "Paris", "days": 3}),
+                            ("weather", {"metric": False, "opts": {"a": [1]}, "ratio": 2})]),
+        (_glm("weather", False, city="Paris", days="x"), None,  # GLM-4.7's: no newlines
+         [("weather", {"city": "Paris", "days": "x"})]),
+        ("<tool_call>now</tool_call>", None, [("now", {})]),
+        (GLM_ARGS, None, PARIS),  # cut off after a whole argument
+        ("<tool_call>now\n", None, [("now", {})]),
+        ("x" + GLM_ARGS[:-12], "x" + GLM_ARGS[:-12], []),  # cut off in a value
+        ("<tool_call>now", "<tool_call>now", []),  # cut off in the name
+        ("<tool_call>weather\n<arg_key>city</arg_key>\n</tool_call>",
+         "<tool_call>weather\n<arg_key>city</arg_key>\n</tool_call>", []),
+        ("<tool_call>\n<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
+         "<tool_call>\n<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>", []),
+    ],
+    "deepseek_v3": [
+        ("Checking." + DS_CALLS_BEGIN + _v3("weather", '{"city": "Paris"}') + "\n"
+         + _v3("now", "{}") + DS_CALLS_END + "<｜end▁of▁sentence｜>", "Checking.",
+         [*PARIS, ("now", {})]),
+        (DS_CALLS_BEGIN + _v3("weather", '{"city": "Paris"}')[:-len(DS_CALL_END)], None,
+         PARIS),  # cut off, whole
+        (DS_CALLS_BEGIN + _v3("weather", "{bad}"), DS_CALLS_BEGIN + _v3("weather", "{bad}"),
+         []),
+        (DS_CALLS_BEGIN + _v3("weather", '{"city": "Pa'), DS_CALLS_BEGIN
+         + _v3("weather", '{"city": "Pa'), []),
+        (DS_CALLS_BEGIN + _v31("weather", "{}"), DS_CALLS_BEGIN + _v31("weather", "{}"), []),
+    ],
+    "deepseek_v31": [
+        ("Checking." + DS_CALLS_BEGIN + _v31("weather", '{"city": "Paris"}')
+         + _v31("now", "{}") + DS_CALLS_END, "Checking.", [*PARIS, ("now", {})]),
+        (DS_CALLS_BEGIN + _v31("weather", '{"city": "Paris"}')[:-len(DS_CALL_END)], None,
+         PARIS),  # cut off, whole
+        (DS_CALLS_BEGIN + _v31("weather", '{"city": "Par'),
+         DS_CALLS_BEGIN + _v31("weather", '{"city": "Par'), []),
+        (DS_CALLS_BEGIN + _v31("", "{}"), DS_CALLS_BEGIN + _v31("", "{}"), []),
+        (DS_CALLS_BEGIN + f"{DS_CALL_BEGIN}weather{{}}{DS_CALL_END}",
+         DS_CALLS_BEGIN + f"{DS_CALL_BEGIN}weather{{}}{DS_CALL_END}", []),
+    ],
+    "llama3_json": [
+        ('{"name": "weather", "parameters": {"city": "Paris"}}', None, PARIS),
+        (' \n<|python_tag|>{"name": "weather", "arguments": {"city": "Paris"}} ; '
+         '{"name": "now", "parameters": {}};', None, [*PARIS, ("now", {})]),
+        ('Sure: {"name": "weather", "parameters": {}}',
+         'Sure: {"name": "weather", "parameters": {}}', []),
+        ('{"name": "weather", "parameters": {"city": "Par',
+         '{"name": "weather", "parameters": {"city": "Par', []),
+        ('{"city": "Paris"}', '{"city": "Paris"}', []),
+        ('{"name": "now", "parameters": {}} and more', '{"name": "now", "parameters": {}} and more',
+         []),
+        ("<|python_tag|>print(1)", "<|python_tag|>print(1)", []),
+        ("<|python", "<|python", []),
+        ("  ", "  ", []),
+    ],
+}
+CASES["glm47"] = CASES["glm45"]
+for _cases in CASES.values():  # every format: plain text, a near-marker, nothing
+    _cases += [("No tools needed.", "No tools needed.", []), ("a <tool_c b", "a <tool_c b", []),
+               ("", None, [])]
+ALL = [(name, *case) for name, cases in CASES.items() for case in cases]
+
+
+def _calls(calls: list[Any]) -> Calls:
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def test_every_parser_is_tested_and_the_special_tokens_rule() -> None:
+    assert sorted(CASES) == sorted(TOOL_CALL_PARSERS)
+    assert {n for n, p in PARSERS.items() if p.special_tokens} == {
+        "glm45", "glm47", "deepseek_v3", "deepseek_v31"}
+    for marker in (DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END, DS_SEP):
+        assert marker[:2] == "<\uff5c" and marker[-2:] == "\uff5c>" and "\u2581" in marker
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), ALL)
+def test_whole_answers(parser: str, text: str, content: str | None, calls: Calls) -> None:
+    got_content, got_calls = parse_tool_calls(text, parser, TOOLS)
+    assert (got_content, _calls(got_calls)) == (content, calls)
+    assert all(c.id.startswith("call_") for c in got_calls)
+    if got_calls:  # arguments are JSON text, non-ASCII kept as is
+        assert all(json.dumps(json.loads(c.arguments), ensure_ascii=False) == c.arguments
+                   for c in got_calls)
+
+
+@pytest.mark.parametrize("parser", sorted(CASES))
+def test_a_stream_in_small_pieces_gives_the_whole_answer(parser: str) -> None:
+    rng = random.Random(0)
+    for text, content, calls in CASES[parser]:
+        for _ in range(30):
+            deltas, pos = [], 0
+            while pos < len(text):
+                step = rng.randint(1, 6)
+                deltas.append(text[pos:pos + step])
+                pos += step
+            deltas = deltas or [""]
+            stream, sent, got = ToolCallStream(parser, TOOLS), "", []
+            for i, delta in enumerate(deltas):
+                piece, piece_calls = stream.feed(delta, final=i == len(deltas) - 1)
+                sent += piece
+                got += piece_calls
+                # nothing sent turns out to be (a part of) a marker: the content so far is
+                # always a beginning of the final content
+                assert (content or "").startswith(sent), (text, deltas[:i + 1])
+                assert not piece_calls or i == len(deltas) - 1  # calls go out at the end
+            assert ((sent or None), _calls(got)) == (content, calls), (text, deltas)
+
+
+def test_a_stream_holds_a_markers_beginning() -> None:
+    assert ToolCallStream("deepseek_v3").feed("Hi <｜tool▁cal") == ("Hi ", [])
+    assert ToolCallStream("qwen3_coder").feed("Hi <func") == ("Hi ", [])
+    stream = ToolCallStream("llama3_json")
+    assert stream.feed(" \n<|py") == ("", [])
+    assert stream.feed("thon") == ("", [])
+    assert stream.feed("!", final=True) == (" \n<|python!", [])
+    plain = ToolCallStream("llama3_json")
+    assert plain.feed(" Sure") == (" Sure", []) and plain.feed(" {") == (" {", [])
