@@ -134,6 +134,7 @@ def test_the_serve_logging_flags_reach_the_server(
     import mrv2.engine.engine as engine_module
     import mrv2.entrypoints.server as server_module
     from mrv2.entrypoints.cli import main
+    from mrv2.entrypoints.http_options import HTTPOptions
 
     calls: list[dict[str, Any]] = []
 
@@ -149,12 +150,14 @@ def test_the_serve_logging_flags_reach_the_server(
     assert main(["serve", str(model_dir), "--device", "cpu", "--no-engine-process",
                  "--port", "0", "--disable-log-stats", "--uvicorn-log-level", "warning",
                  "--disable-uvicorn-access-log", "--reasoning-parser", "qwen3",
-                 "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) == 0
+                 "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                 "--allowed-origins", '["https://a.example"]', "--root-path", "/llm"]) == 0
     assert calls == [
         {"log_stats": True, "uvicorn_log_level": "info", "access_log": True,
-         "reasoning_parser": None, "tool_call_parser": None},
+         "reasoning_parser": None, "tool_call_parser": None, "http": HTTPOptions()},
         {"log_stats": False, "uvicorn_log_level": "warning", "access_log": False,
-         "reasoning_parser": "qwen3", "tool_call_parser": "hermes"}]
+         "reasoning_parser": "qwen3", "tool_call_parser": "hermes",
+         "http": HTTPOptions(allowed_origins=("https://a.example",), root_path="/llm")}]
     for half in (["--enable-auto-tool-choice"], ["--tool-call-parser", "hermes"]):
         assert main(["serve", str(model_dir), "--device", "cpu", "--port", "0", *half]) == 2
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from mrv2.config import add_cli_args, config_from_cli, format_validation_error
+from mrv2.entrypoints.http_options import add_http_args
 from mrv2.entrypoints.tool_calls import TOOL_CALL_PARSERS
 from mrv2.logs import configure_logging
 
@@ -54,12 +55,15 @@ def _serve(args: argparse.Namespace) -> int:
     model = args.model_dir or args.model
     config = config_from_cli(args, model)
     from mrv2.engine.gc_pauses import gen0_threshold
+    from mrv2.entrypoints.http_options import HTTPOptions
     from mrv2.entrypoints.stats_logger import log_stats_interval
 
-    try:  # the environment's settings refused before the engine starts
+    try:  # the environment's settings and the HTTP flags refused before the engine starts
         gen0_threshold()
         if not args.disable_log_stats:
             log_stats_interval()
+        http = HTTPOptions.from_args(args)
+        http.check()
     except ValueError as error:
         print(f"mrv2 serve: {error}", file=sys.stderr)
         return 2
@@ -103,7 +107,7 @@ def _serve(args: argparse.Namespace) -> int:
                       uvicorn_log_level=args.uvicorn_log_level,
                       access_log=not args.disable_uvicorn_access_log, sock=sock,
                       reasoning_parser=args.reasoning_parser,
-                      tool_call_parser=args.tool_call_parser)
+                      tool_call_parser=args.tool_call_parser, http=http)
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -192,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--disable-uvicorn-access-log", action="store_true",
                        help="no uvicorn line per HTTP request (host time at high request "
                        "rates)")
+    add_http_args(serve)
     add_cli_args(serve)
     serve.set_defaults(func=_serve)
 

@@ -36,6 +36,7 @@ from mrv2.engine.outputs import RequestOutput
 from mrv2.engine.tokenizer import check_template_kwargs
 from mrv2.entrypoints.engine_process import EngineProcess, RemoteEngine
 from mrv2.entrypoints.engine_thread import EngineThread, QueueFullError
+from mrv2.entrypoints.http_options import HTTPOptions
 from mrv2.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from mrv2.entrypoints.openai_protocol import (
     ChatCompletionRequest,
@@ -69,7 +70,10 @@ class _CheckKey:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
+        path, root = scope.get("path", ""), scope.get("root_path", "")
+        if root and path.startswith(root):  # --root-path: uvicorn puts it in front
+            path = path[len(root):]
+        if scope["type"] == "http" and path != "/health":
             given = dict(scope["headers"]).get(b"authorization", b"")
             if given != self.expected:
                 response = APIError(401, "invalid or missing API key (Authorization: Bearer "
@@ -84,7 +88,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
                api_key: str | None = None, max_pending: int = 1024,
                max_n: int = DEFAULT_MAX_N, log_stats_interval: float | None = None,
                reasoning_parser: str | None = None,
-               tool_call_parser: str | None = None) -> FastAPI:
+               tool_call_parser: str | None = None,
+               http: HTTPOptions | None = None) -> FastAPI:
     """The app; its worker (the engine thread, or the engine process's link) starts with the
     app and stops with it (``app.state.engine_thread``).
 
@@ -97,7 +102,11 @@ def create_app(engine: LLMEngine | RemoteEngine,
     ``reasoning_parser`` (:mod:`mrv2.entrypoints.reasoning`): chat answers carry the model's
     ``<think>`` text as ``reasoning_content``. ``tool_call_parser``
     (:mod:`mrv2.entrypoints.tool_calls`): chat requests may offer ``tools``, and answers
-    carry the model's calls as ``tool_calls``; without one, ``tools`` are refused."""
+    carry the model's calls as ``tool_calls``; without one, ``tools`` are refused. ``http``
+    (:mod:`mrv2.entrypoints.http_options`): CORS and the docs pages (default: vLLM's, CORS
+    for any origin; the root path and TLS are the server's, :func:`make_server`)."""
+    http = http or HTTPOptions()
+    http.check()
     check_reasoning_parser(reasoning_parser)
     tool_parser = None if tool_call_parser is None else get_tool_parser(tool_call_parser)
     if max_n < 1 or max_pending < 1:
@@ -135,9 +144,11 @@ def create_app(engine: LLMEngine | RemoteEngine,
             task.cancel()
 
     app = FastAPI(title="mrv2", on_startup=[worker.start, start_stats_lines],
-                  on_shutdown=[stop_stats_lines, worker.stop, metrics.close])
+                  on_shutdown=[stop_stats_lines, worker.stop, metrics.close],
+                  **http.fastapi_kwargs())
     if api_key is not None:
         app.add_middleware(_CheckKey, api_key=api_key)
+    http.add_cors(app)  # outermost: preflights answered before the key is asked for
     app.state.engine_thread = worker
     app.state.model_name = model_name
     created = int(time.time())
@@ -400,23 +411,45 @@ async def _serve(request: Request, worker: EngineThread | EngineProcess, kind: s
     return await stream.collect(sink, request)
 
 
+def make_server(app: FastAPI, host: str, port: int, log_level: str = "info",
+                access_log: bool = True, http: HTTPOptions | None = None) -> Any:
+    """uvicorn's server for ``app`` (the root path and TLS from ``http``), which logs where
+    it listens also when handed a socket bound already (uvicorn says so for its own only)."""
+    import uvicorn
+
+    options = http or HTTPOptions()
+    scheme = options.scheme
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if sockets and self.started:
+                name = sockets[0].getsockname()
+                logging.getLogger("uvicorn.error").info(
+                    "Uvicorn running on %s://%s:%d (Press CTRL+C to quit)", scheme,
+                    f"[{name[0]}]" if ":" in str(name[0]) else name[0], name[1])
+
+    return Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                 access_log=access_log, **options.uvicorn_kwargs()))
+
+
 def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: int = 8000,
                served_model_name: str | Sequence[str] | None = None,
                api_key: str | None = None,
                max_pending: int = 1024, max_n: int = DEFAULT_MAX_N,
                log_stats: bool = True, uvicorn_log_level: str = "info",
                access_log: bool = True, sock: socket.socket | None = None,
-               reasoning_parser: str | None = None, tool_call_parser: str | None = None
-               ) -> int:
+               reasoning_parser: str | None = None, tool_call_parser: str | None = None,
+               http: HTTPOptions | None = None) -> int:
     """Serve until interrupted (returns 0), or until the engine fails for good (a
     tensor-parallel worker died: the server answers 503 for a moment, then stops and returns
     1). ``log_stats``: a stats line every :func:`~mrv2.entrypoints.stats_logger.log_stats_interval`
     seconds while the engine has work. ``uvicorn_log_level`` and ``access_log``: uvicorn's
     (a line per HTTP request unless ``access_log`` is False). ``sock``: a socket bound to
     ``host:port`` already (:func:`listen_socket`, which ``mrv2 serve`` calls before the
-    engine loads, so a port in use fails at once); None binds it here."""
-    import uvicorn
-
+    engine loads, so a port in use fails at once); None binds it here. ``http``: CORS, the
+    root path, TLS, the docs pages (:class:`~mrv2.entrypoints.http_options.HTTPOptions`)."""
+    http = http or HTTPOptions()
     if engine.tokenizer is not None:
         engine.tokenizer.warm_up()  # the chat template compiled before the first request
     # This process lives as long as the server; frozen before the app (and its count of the
@@ -424,18 +457,8 @@ def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: 
     freeze_startup_heap()
     app = create_app(engine, served_model_name, api_key, max_pending, max_n,
                      log_stats_interval() if log_stats else None, reasoning_parser,
-                     tool_call_parser)
-    class Server(uvicorn.Server):
-        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-            await super().startup(sockets)
-            if sockets and self.started:  # uvicorn says where it listens for its own only
-                name = sockets[0].getsockname()
-                logging.getLogger("uvicorn.error").info(
-                    "Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
-                    f"[{name[0]}]" if ":" in str(name[0]) else name[0], name[1])
-
-    server = Server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
-                                   access_log=access_log))
+                     tool_call_parser, http)
+    server = make_server(app, host, port, uvicorn_log_level, access_log, http)
     worker: EngineThread | EngineProcess = app.state.engine_thread
 
     def stop_soon(error: BaseException) -> None:
