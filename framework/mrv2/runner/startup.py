@@ -10,7 +10,7 @@ The parts: ``config`` (reading ``config.json``), ``load``, ``kv_cache``, ``graph
 adds ``warm-up`` and ``other`` (the rest: the tokenizer, the tables, the sampler). ``config``
 is mostly an import: on transformers 5 a model's config class imports transformers' modeling
 machinery (through its docstring decorator), which imports ``torch.distributed``'s FSDP and, when
-installed, scikit-learn: ~7 of a warm 19 s start-up of Qwen3-0.6B on the H200 machine
+installed, scikit-learn: ~7 of a warm 19 s start-up of a 0.6B model on the H200 machine
 (``scripts/probe_startup.py``, BENCHMARKS.md 2026-12-04). Every engine that reads
 transformers' configs pays it.
 """
