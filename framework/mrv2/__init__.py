@@ -2,7 +2,7 @@
 
 from mrv2.config import EngineConfig
 from mrv2.contract.model_state import ModelState
-from mrv2.contract.params import SamplingParams
+from mrv2.contract.params import SamplingParams, StructuredOutputsParams
 from mrv2.engine.llm import LLM
 from mrv2.engine.outputs import CompletionOutput, RequestOutput
 from mrv2.hookspecs import hookimpl
@@ -18,5 +18,6 @@ __all__ = [
     "RequestOutput",
     "Runner",
     "SamplingParams",
+    "StructuredOutputsParams",
     "hookimpl",
 ]

@@ -68,10 +68,13 @@ BODIES = [
     {"prompt": [9, 3, 4], "max_tokens": 9, "temperature": 0.8, "seed": 3, "n": 2},
     {"prompt": [1, 2, 3], "max_tokens": 6, "temperature": 0, "logprobs": 2},
     {"prompt": "hello world", "max_tokens": 10, "temperature": 0, "stop": ["ld"]},
+    {"prompt": [5, 6], "max_tokens": 20, "temperature": 0.8, "seed": 2,
+     "guided_choice": ["Paris", "London"]},
 ]
 
 
-@pytest.mark.parametrize("body", BODIES, ids=["greedy", "n2_seeded", "logprobs", "stop"])
+@pytest.mark.parametrize("body", BODIES, ids=["greedy", "n2_seeded", "logprobs", "stop",
+                                              "structured"])
 def test_the_same_answers_as_the_engine_thread(server: Served, remote: tuple[str, Any],
                                                body: dict[str, Any]) -> None:
     want, got = _post(server.url, body).json(), _post(remote[0], body).json()

@@ -121,7 +121,7 @@ def test_unsupported_chat_features_are_refused(server: Served) -> None:
         "model": MODEL, "messages": messages, "tools": [{"type": "function"}]}), 400)
     assert error["param"] == "tools"
     error = _error(_post(server, "/v1/chat/completions", {
-        "model": MODEL, "messages": messages, "response_format": {"type": "json_object"}}), 400)
+        "model": MODEL, "messages": messages, "response_format": {"type": "xml"}}), 400)
     assert error["param"] == "response_format"
 
 

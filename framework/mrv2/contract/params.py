@@ -7,11 +7,63 @@ message naming the field and the allowed values.
 from __future__ import annotations
 
 import dataclasses
+import json as _json
 from dataclasses import dataclass, field
+from typing import Any
 
 _GREEDY_EPS = 1e-5
 #: Most top-k logprobs a request may ask for (vLLM's default ``max_logprobs``).
 MAX_LOGPROBS = 20
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the output must match (vLLM's ``StructuredOutputsParams``): exactly one of a JSON
+    schema (``json``: a dict or its text), any JSON object (``json_object=True``), a regular
+    expression (``regex``), one of several strings (``choice``), or a Lark grammar
+    (``grammar``); ``disable_any_whitespace`` makes JSON compact. The engine masks, at every
+    step, the tokens that cannot continue a match (:mod:`mrv2.engine.structured_outputs`), and
+    the request stops when the match is complete."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    #: JSON without whitespace between tokens (compact separators); by default any
+    #: whitespace may appear there, as vLLM's default.
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            raise ValueError(
+                "SamplingParams.structured_outputs is invalid: expected exactly one of json, "
+                f"json_object, regex, choice, grammar (got {', '.join(kinds) or 'none'})")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    _json.loads(self.json)
+                except ValueError as error:
+                    raise ValueError("SamplingParams.structured_outputs.json is invalid: "
+                                     f"expected a JSON schema ({error})") from None
+            elif not isinstance(self.json, dict):
+                raise ValueError("SamplingParams.structured_outputs.json is invalid: expected "
+                                 "a JSON schema (a dict or its text)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and bool(value)),
+                   f"structured_outputs.{name}", value, "a non-empty string")
+        choice = self.choice
+        _check(choice is None or (isinstance(choice, list) and len(choice) > 0 and all(
+            isinstance(c, str) and c for c in choice)), "structured_outputs.choice", choice,
+               "a non-empty list of non-empty strings")
+
+    def kinds(self) -> list[str]:
+        """The constraint kinds set (valid params have one)."""
+        set_ = [name for name in ("json", "regex", "choice", "grammar")
+                if getattr(self, name) is not None]
+        return set_ + (["json_object"] if self.json_object else [])
 
 
 @dataclass
@@ -30,7 +82,9 @@ class SamplingParams:
     tokens are out. ``logprobs=k`` returns the top-k plus the sampled token's logprob and rank
     per generated token, ``prompt_logprobs=k`` the same per prompt token (``k=0``: only the
     actual token). Logprobs are those of the raw model distribution (before penalties,
-    processors and temperature), as vLLM returns by default.
+    processors and temperature), as vLLM returns by default. ``structured_outputs``
+    (:class:`StructuredOutputsParams`) constrains the output to a JSON schema, a regular
+    expression, a choice or a grammar.
     ``n > 1`` runs ``n`` independent samples (seeds derived from ``seed`` and the index).
     """
 
@@ -55,6 +109,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the engine (not user-facing): EOS ids masked by min_tokens, bad words as ids.
     _eos_token_ids: list[int] = field(default_factory=list, repr=False, compare=False)
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False,
@@ -63,6 +118,10 @@ class SamplingParams:
     # with prompt + outputs as its prefill, and penalties / min_tokens / bad words need the
     # boundary. None: the whole prefill is the prompt.
     _num_prompt_tokens: int | None = field(default=None, repr=False, compare=False)
+    # structured_outputs as a checked llguidance grammar (shared by an n > 1 request's
+    # samples), and this request's own matcher over it (mrv2.engine.structured_outputs).
+    _grammar: str | None = field(default=None, repr=False, compare=False)
+    _guide: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -120,6 +179,10 @@ class SamplingParams:
         _check(words is None or (isinstance(words, list)
                                  and all(isinstance(w, str) and w for w in words)),
                "bad_words", words, "None or a list of non-empty strings")
+        _check(self.structured_outputs is None
+               or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", self.structured_outputs,
+               "None or a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

@@ -32,6 +32,7 @@ from mrv2.engine.sampling_outputs import (
     prepare_params,
 )
 from mrv2.engine.scheduler import Scheduler
+from mrv2.engine.structured_outputs import StructuredOutputs
 from mrv2.engine.tokenizer import Tokenizer, load_generation_eos
 from mrv2.engine.warmup import warm_up
 from mrv2.executor import make_runner
@@ -98,6 +99,7 @@ class LLMEngine:
         self._seeds = random.Random(config.model.seed)
         self._ids = itertools.count()
         self._fanout = FanOut()
+        self._structured: StructuredOutputs | None = None
         #: Seconds the start-up warm-up took (None: it did not run; it runs on CUDA only).
         self.warmup_seconds: float | None = None
         if config.device.warmup and self.runner.device.type == "cuda":
@@ -153,6 +155,8 @@ class LLMEngine:
         check_prompt(prompt_token_ids, params, self.max_model_len, self.runner.vocab_size)
         n = len(prompt_token_ids)
         self.runner.sampler.check_params(params)
+        if params.structured_outputs is not None:  # compiled and checked (then cached)
+            self._structured_outputs().grammar(params.structured_outputs)
         room = self.max_model_len - n
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if not self.config.scheduler.enable_chunked_prefill:
@@ -204,6 +208,10 @@ class LLMEngine:
                 self.add_request(prompt_token_ids, child_params, child, prompt, stream, priority,
                                  mm_items)
             return req_id
+        if params.structured_outputs is not None:  # (a copy: the caller's is untouched)
+            structured = self._structured_outputs()
+            params._grammar = params._grammar or structured.grammar(params.structured_outputs)
+            params._guide = structured.guide(params)
         request = Request(
             req_id=req_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -318,10 +326,27 @@ class LLMEngine:
         merged = [self._fanout.merge(o) for o in outputs]
         return [o for o in merged if o is not None]
 
+    def _structured_outputs(self) -> StructuredOutputs:
+        """The structured-outputs side (built at the first constrained request); ValueError
+        where this engine cannot hold a request to one."""
+        if self._structured is None:
+            if self.tokenizer is None:
+                raise ValueError("SamplingParams.structured_outputs needs a tokenizer; this "
+                                 "model has none")
+            if self.config.parallel.tensor_parallel_size > 1:
+                raise ValueError("SamplingParams.structured_outputs is not supported with "
+                                 "tensor_parallel_size > 1")
+            self._structured = StructuredOutputs(self.tokenizer.hf, self.vocab_size,
+                                                 sorted(self.eos_token_ids))
+        return self._structured
+
     def _check_stop(self, tracked: _Tracked, token: int) -> None:
         request = tracked.request
         params = request.sampling_params
         num_out = len(request.output_token_ids)
+        guide = params._guide
+        if guide is not None:
+            guide.advance(token)
         stop_id = num_out >= params.min_tokens and (
             token in (params.stop_token_ids or ()) or token in request.eos_token_ids)
         # A stop token's (EOS's) text is not the answer's, as vLLM's, even when special tokens
@@ -334,6 +359,9 @@ class LLMEngine:
                 self.scheduler.finish(request, "stop", token)
             else:
                 self.scheduler.finish(request, "stop")
+            return
+        if guide is not None and guide.done:  # the structured output is complete
+            self.scheduler.finish(request, "stop")
             return
         if num_out >= params.min_tokens and params.stop and tracked.detokenizer is not None:
             hit = tracked.detokenizer.check_stop(list(params.stop),

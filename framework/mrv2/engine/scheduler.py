@@ -212,6 +212,8 @@ class Scheduler:
                 break
             if request.num_output_tokens >= request.max_tokens:
                 continue  # every token it needs is sampled; it ends when they arrive
+            if request.num_pending and request.sampling_params.structured_outputs is not None:
+                continue  # its next token's mask needs the one in flight (structured outputs)
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if n <= 0:
                 continue

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mrv2.contract.params import SamplingParams
+from mrv2.contract.params import SamplingParams, StructuredOutputsParams
 from mrv2.engine.outputs import PositionLogprobs
 
 
@@ -45,6 +45,15 @@ class _Request(BaseModel):
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     use_beam_search: bool = False
     prompt_logprobs: int | None = None
+    #: OpenAI's ``{"type": "text" | "json_object" | "json_schema", "json_schema": {"name",
+    #: "schema", "strict"}}``; vLLM's ``structured_outputs`` (``json``, ``json_object``,
+    #: ``regex``, ``choice``, ``grammar``) and its older ``guided_*`` fields: one of them.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None,
                   defaults: dict[str, Any] | None) -> SamplingParams:
@@ -84,7 +93,42 @@ class _Request(BaseModel):
             logit_bias=bias,
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
+            structured_outputs=self.structured_outputs_params(),
         )
+
+    def structured_source(self) -> str | None:
+        """The field the request's structured output came from (None: it has none)."""
+        fmt = self.response_format
+        if fmt is not None and fmt != {"type": "text"}:
+            return "response_format"
+        return next((name for name in ("structured_outputs", "guided_json", "guided_regex",
+                                       "guided_choice", "guided_grammar")
+                     if getattr(self, name) is not None), None)
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The constraint of ``response_format``, ``structured_outputs`` or a ``guided_*``
+        field (at most one of them); ValueError naming the field otherwise."""
+        given: list[tuple[str, StructuredOutputsParams]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt != {"type": "text"}:
+            given.append(("response_format", _response_format(fmt)))
+        if self.structured_outputs is not None:
+            unknown = sorted(set(self.structured_outputs) - _STRUCTURED_KEYS)
+            if unknown:
+                raise ValueError(f"SamplingParams.structured_outputs is invalid: unknown "
+                                 f"{', '.join(unknown)} (allowed: "
+                                 f"{', '.join(sorted(_STRUCTURED_KEYS))})")
+            given.append(("structured_outputs",
+                          StructuredOutputsParams(**self.structured_outputs)))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                          ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                given.append((name, StructuredOutputsParams(**{key: value})))
+        if len(given) > 1:
+            raise ValueError(f"SamplingParams.{given[1][0]} is invalid: give one of "
+                             f"{', '.join(n for n, _ in given)}, not several")
+        return given[0][1] if given else None
 
     def truncate(self, ids: list[int]) -> list[int]:
         """The prompt's last ``truncate_prompt_tokens`` ids (all of them when unset)."""
@@ -218,7 +262,6 @@ class ChatCompletionRequest(_Request):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
-    response_format: dict[str, Any] | None = None
     echo: bool = False
 
     def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
@@ -235,8 +278,6 @@ class ChatCompletionRequest(_Request):
                              "\"function\", \"function\": {\"name\": ..., \"parameters\": "
                              "{...}}}]")
         _unsupported("echo", self.echo, False)
-        if self.response_format not in (None, {"type": "text"}):
-            _unsupported("response_format", self.response_format, {"type": "text"})
         max_tokens = self._requested_max()
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("SamplingParams.top_logprobs is invalid: needs logprobs=true")
@@ -275,6 +316,26 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+_STRUCTURED_KEYS = frozenset({"json", "json_object", "regex", "choice", "grammar",
+                              "disable_any_whitespace"})
+
+
+def _response_format(fmt: dict[str, Any]) -> StructuredOutputsParams:
+    """OpenAI's ``response_format`` (not ``text``) as a constraint."""
+    kind = fmt.get("type")
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema", spec.get("json_schema")) if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ValueError("SamplingParams.response_format is invalid: json_schema needs "
+                             "{\"name\": ..., \"schema\": {...}}")
+        return StructuredOutputsParams(json=schema)
+    raise ValueError(f"SamplingParams.response_format={fmt!r} is invalid: expected type "
+                     "text, json_object or json_schema")
+
+
 def _unsupported(name: str, value: object, allowed: object) -> None:
     """Refuse a field this server does not implement rather than silently ignore it."""
     if value != allowed:
@@ -311,10 +372,13 @@ def validation_error_body(error: ValidationError) -> dict[str, Any]:
 _PARAM = re.compile(r"SamplingParams\.(\w+)")
 
 
-def value_error_param(message: str) -> str | None:
-    """The field a ``SamplingParams`` / ``LLMEngine.validate`` error names."""
+def value_error_param(message: str, body: Any = None) -> str | None:
+    """The field a ``SamplingParams`` / ``LLMEngine.validate`` error names (a structured
+    output's: the request field it came from, ``response_format`` or a ``guided_*``)."""
     match = _PARAM.search(message)
     if match:
+        if match.group(1) == "structured_outputs" and isinstance(body, _Request):
+            return body.structured_source() or match.group(1)
         return match.group(1)
     if "prompt" in message:
         return "prompt" if "max_tokens" not in message else "max_tokens"

@@ -199,7 +199,7 @@ def create_app(engine: LLMEngine | RemoteEngine,
         try:
             params: SamplingParams = body.sampling_params(engine.sampling_defaults)
         except ValueError as error:
-            raise APIError(400, str(error), param=value_error_param(str(error))) from None
+            raise APIError(400, str(error), param=value_error_param(str(error), body)) from None
         if params.n > max_n:
             raise APIError(400, f"n={params.n} is invalid: this server allows 1 <= n <= "
                            f"{max_n} (mrv2 serve --max-n, --max-pending)", param="n")
@@ -209,7 +209,7 @@ def create_app(engine: LLMEngine | RemoteEngine,
         try:
             engine.validate(ids, params)
         except ValueError as error:
-            raise APIError(400, str(error), param=value_error_param(str(error))) from None
+            raise APIError(400, str(error), param=value_error_param(str(error), body)) from None
         limit, num = engine.max_model_len, len(ids)
         if body.max_tokens_from_model(engine.sampling_defaults):
             return  # the model's max_new_tokens: the engine caps it at the context left
@@ -399,7 +399,7 @@ async def _serve(request: Request, worker: EngineThread | EngineProcess, kind: s
     except ValueError as error:  # the engine in its own process refused it
         for req_id in submitted:
             worker.abort(req_id)
-        raise APIError(400, str(error), param=value_error_param(str(error))) from None
+        raise APIError(400, str(error), param=value_error_param(str(error), body)) from None
     except asyncio.CancelledError:  # the client left before the answer began
         for req_id in submitted:
             worker.abort(req_id)

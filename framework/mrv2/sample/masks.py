@@ -1,4 +1,5 @@
-"""The rarely-used per-request logit edits: logit bias, allowed tokens, bad words, min_tokens.
+"""The rarely-used per-request logit edits: logit bias, allowed tokens, bad words, min_tokens,
+structured outputs' allowed-token bitmasks.
 
 Which requests need them is known on the CPU (their params); for those few requests a small
 index tensor is built on the CPU and one or two device ops apply the edit to the whole batch.
@@ -9,6 +10,9 @@ reach the CPU first.
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import torch
 
 from mrv2.contract.params import SamplingParams
@@ -41,7 +45,10 @@ def apply_masks(
     words: list[tuple[int, list[int]]] = []
     min_b: list[int] = []
     min_t: list[int] = []
+    guided: list[tuple[int, Any]] = []
     for b, p in special:
+        if p._guide is not None:
+            guided.append((b, p._guide))
         if p.logit_bias:
             for token, value in p.logit_bias.items():
                 bias_b.append(b)
@@ -76,6 +83,11 @@ def apply_masks(
         _fill(logits, (_t(cond_b, device), _t(cond_t, device)), _NEG_INF)
     if words:
         _ban_bad_words(logits, idx_mapping, table, state, words)
+    if guided:  # last: a structured output's mask wins over a bias
+        bitmask = np.empty((len(guided), (vocab + 31) // 32), dtype=np.int32)
+        for i, (_, guide) in enumerate(guided):
+            guide.fill_bitmask(bitmask[i])
+        apply_token_bitmask(logits, [b for b, _ in guided], bitmask)
     if min_b:
         batch_idx = _t(min_b, device)
         rows = idx_mapping[batch_idx].long()
@@ -121,3 +133,17 @@ def _fill(t: torch.Tensor, index: tuple[torch.Tensor, ...], value: float | bool)
     # ``t[index] = value`` copies the Python scalar from pageable memory (a sync on CUDA); a
     # device-side 0-d tensor does not.
     t.index_put_(index, torch.full((), value, dtype=t.dtype, device=t.device))
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> None:
+    """Set to -inf, in place, the logits of ``rows`` whose token's bit is 0 in ``bitmask``
+    (``[len(rows), words]`` int32 on the CPU; bit ``t % 32`` of word ``t // 32`` is token
+    ``t``): one upload (pinned, asynchronous on CUDA) and three device ops."""
+    device, vocab = logits.device, logits.shape[1]
+    mask = torch.from_numpy(bitmask)
+    if device.type == "cuda":
+        mask = mask.pin_memory().to(device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((mask[:, :, None] >> shifts) & 1).reshape(len(rows), -1)[:, :vocab]
+    index = _t(rows, device)
+    logits[index] = logits[index].masked_fill(allowed == 0, _NEG_INF)

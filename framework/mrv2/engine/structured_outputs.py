@@ -1,0 +1,138 @@
+"""Structured outputs: a request's output held to a JSON schema, any JSON object, a regular
+expression, a choice of strings or a Lark grammar (``SamplingParams.structured_outputs``,
+vLLM's names; the OpenAI server's ``response_format`` and vLLM's ``structured_outputs`` /
+``guided_*`` fields map onto it).
+
+The grammar engine is `llguidance <https://github.com/guidance-ai/llguidance>`_ (one of
+vLLM's backends; ``pip install llguidance``, in ``mrv2[serve]``): a request's constraint is
+compiled and checked when it is added (a bad schema or grammar is a ``ValueError`` naming the
+field, before any work), and each sample gets its own matcher over the tokenizer.
+
+Per step (GPU-native where it can be, CPU where it must): the matcher lives on the CPU and
+consumes each sampled token when the step's result reaches the engine. The scheduler runs a
+constrained request only when none of its tokens is in flight (the mask of its next token
+needs the last one), so such a request takes every other step of an async batch, or every
+step when it runs alone; the other requests keep the async pipeline. When the step runs, the
+sampler asks the matcher for the allowed-token bitmask (one bit a token, packed in int32 on
+the CPU), uploads it and sets every other token's logit to -inf before sampling
+(:func:`mrv2.sample.masks.apply_token_bitmask`), on the eager sampling path. A request whose
+match is complete (the matcher accepts nothing but the end) finishes with ``stop``.
+
+With speculative decoding a constrained request verifies no drafts (a mask per draft
+position is not built); the others keep theirs. Tensor parallelism is refused when such a
+request is added (the ranks past 0 would need the masks too).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from mrv2.contract.params import SamplingParams, StructuredOutputsParams
+
+__all__ = ["Guide", "StructuredOutputs", "grammar_of"]
+
+_FIELD = "SamplingParams.structured_outputs"
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+        import llguidance.hf
+    except ImportError:
+        raise ValueError(f"{_FIELD} needs llguidance, which this Python lacks: pip install "
+                         "llguidance (or 'mrv2[serve]')") from None
+    return llguidance
+
+
+def grammar_of(spec: StructuredOutputsParams) -> str:
+    """The llguidance grammar text of ``spec`` (not checked yet)."""
+    llg = _llguidance()
+    matcher = llg.LLMatcher
+    compact = {"whitespace_flexible": False} if spec.disable_any_whitespace else None
+    if spec.json is not None:
+        schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
+        return str(matcher.grammar_from_json_schema(schema, overrides=compact))
+    if spec.json_object:
+        return str(matcher.grammar_from_json_schema({"type": "object"}, overrides=compact))
+    if spec.regex is not None:
+        return str(matcher.grammar_from_regex(spec.regex))
+    if spec.choice is not None:  # Lark string literals, JSON-escaped
+        return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
+    assert spec.grammar is not None
+    return str(matcher.grammar_from_lark(spec.grammar))
+
+
+class Guide:
+    """One sample's matcher: the allowed next tokens, and each sampled token consumed."""
+
+    def __init__(self, matcher: Any, words: int) -> None:
+        self.matcher, self.words = matcher, words
+
+    def fill_bitmask(self, out: np.ndarray) -> None:
+        """Write the allowed next tokens into ``out`` (``[words]`` int32, one bit a token)."""
+        bits = self.matcher.compute_bitmask()
+        out[:] = np.frombuffer(bits, dtype=np.int32, count=self.words)
+
+    def advance(self, token: int) -> None:
+        """Consume a sampled token (a token the mask allowed; anything else puts the matcher
+        in its error state, which ends the request)."""
+        self.matcher.consume_token(token)
+
+    @property
+    def done(self) -> bool:
+        """The match is complete (only the end may follow), or broken."""
+        return bool(self.matcher.is_stopped() or self.matcher.is_error())
+
+
+class StructuredOutputs:
+    """An engine's structured-outputs side: the llguidance tokenizer (built at the first
+    constrained request), the checked grammars and each request's matchers."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.hf_tokenizer, self.vocab_size = hf_tokenizer, vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.words = (vocab_size + 31) // 32
+        self._tokenizer: Any = None
+        self._grammars: dict[str, str] = {}
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            llg = _llguidance()
+            self._tokenizer = llg.hf.from_tokenizer(
+                self.hf_tokenizer, n_vocab=self.vocab_size,
+                eos_token=self.eos_token_ids or None)
+        return self._tokenizer
+
+    def grammar(self, spec: StructuredOutputsParams) -> str:
+        """``spec`` compiled and checked against the tokenizer (the last 256 kept: a server
+        sees the same schema again and again); ValueError naming the field when it is not
+        a valid constraint."""
+        key = json.dumps([spec.json, spec.json_object, spec.regex, spec.choice, spec.grammar,
+                          spec.disable_any_whitespace], sort_keys=True)
+        grammar = self._grammars.get(key)
+        if grammar is None:
+            kind = spec.kinds()[0]
+            try:
+                grammar = grammar_of(spec)
+            except ValueError as error:
+                raise ValueError(f"{_FIELD}.{kind} is invalid: {error}") from None
+            message = _llguidance().LLMatcher.validate_grammar(grammar, self.tokenizer)
+            if message and not message.startswith("WARNING"):
+                raise ValueError(f"{_FIELD}.{kind} is invalid: {message.strip()}")
+            if len(self._grammars) >= 256:
+                self._grammars.pop(next(iter(self._grammars)))
+            self._grammars[key] = grammar
+        return grammar
+
+    def guide(self, params: SamplingParams) -> Guide:
+        """A fresh matcher over ``params._grammar`` (set from :meth:`grammar`)."""
+        assert params._grammar is not None
+        matcher = _llguidance().LLMatcher(self.tokenizer, params._grammar)
+        if matcher.is_error():
+            raise ValueError(f"{_FIELD} is invalid: {matcher.get_error()}")
+        return Guide(matcher, self.words)
+

@@ -1,0 +1,138 @@
+"""Structured outputs (``SamplingParams.structured_outputs``): every finished output matches its
+constraint, greedy and sampled, ``n > 1``, with async scheduling and beside unconstrained
+requests (which are unchanged by them); bad constraints are refused before any work, naming
+the field, and the engine keeps serving.
+
+The tiny model has random weights, so an unconstrained run would almost never produce any of
+these outputs: a match is the mask at work. The JSON schema is bounded (a two-digit integer,
+an enum, no whitespace) so every sample ends within ``max_tokens``."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from mrv2 import LLM, SamplingParams, StructuredOutputsParams
+from mrv2.testing import make_tiny_checkpoint, make_tiny_tokenizer
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+          "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                         "b": {"enum": ["x", "y"]}}}
+PROMPTS = ["Hello world", "The capital of France", "Paris"]
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "LlamaForCausalLM",
+                                vocab_size=320)
+    make_tiny_tokenizer(path)
+    return LLM(str(path), device="cpu", dtype="float32", block_size=4, async_scheduling=True)
+
+
+def _matches_schema(text: str) -> bool:
+    value = json.loads(text)
+    return (set(value) == {"a", "b"} and isinstance(value["a"], int)
+            and 0 <= value["a"] <= 99 and value["b"] in ("x", "y"))
+
+
+CASES = {
+    "json": (StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True), _matches_schema),
+    "json_text": (StructuredOutputsParams(json=json.dumps(SCHEMA), disable_any_whitespace=True),
+                  _matches_schema),
+    "regex": (StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}"),
+              lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2}", t) is not None),
+    "choice": (StructuredOutputsParams(choice=["Paris", "London", 'New "York"']),
+               lambda t: t in ("Paris", "London", 'New "York"')),
+    "grammar": (StructuredOutputsParams(grammar='start: "(" NUM ("," NUM)? ")"\nNUM: /[0-9]/'),
+                lambda t: re.fullmatch(r"\([0-9](,[0-9])?\)", t) is not None),
+}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("kind", list(CASES))
+def test_every_output_matches(llm: LLM, kind: str, temperature: float) -> None:
+    spec, ok = CASES[kind]
+    params = SamplingParams(temperature=temperature, seed=7, max_tokens=40, n=2,
+                            structured_outputs=spec)
+    for out in llm.generate(PROMPTS, params, use_tqdm=False):
+        for sample in out.outputs:
+            assert sample.finish_reason == "stop", (kind, sample.text)
+            assert ok(sample.text), (kind, sample.text)
+    assert params._guide is None and params._grammar is None  # the caller's params untouched
+
+
+def test_json_object_opens_an_object(llm: LLM) -> None:
+    spec = StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+    for out in llm.generate(PROMPTS, SamplingParams(temperature=0.9, seed=3, max_tokens=12,
+                                                    structured_outputs=spec), use_tqdm=False):
+        text = out.outputs[0].text
+        assert text.startswith("{"), text
+        if out.outputs[0].finish_reason == "stop":
+            assert isinstance(json.loads(text), dict)
+
+
+def test_constrained_and_free_requests_do_not_touch_each_other(llm: LLM) -> None:
+    """In one batch: the free requests give what they give alone (the masks hit their own rows
+    only), and a constrained request gives what it gives alone (its seed, its positions)."""
+    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    guided = SamplingParams(temperature=0.9, seed=11, max_tokens=30,
+                            structured_outputs=CASES["regex"][0])
+    alone_free = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, free, use_tqdm=False)]
+    alone_guided = llm.generate(PROMPTS[0], guided, use_tqdm=False)[0].outputs[0].text
+    mixed = llm.generate(PROMPTS + [PROMPTS[0]], [free, free, free, guided], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed[:3]] == alone_free
+    assert mixed[3].outputs[0].text == alone_guided
+    assert CASES["regex"][1](alone_guided)
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    (StructuredOutputsParams(regex="[0-9"), "structured_outputs.regex is invalid: .*regex"),
+    (StructuredOutputsParams(json={"type": "nonsense"}),
+     "structured_outputs.json is invalid: .*nonsense"),
+    (StructuredOutputsParams(grammar="start: undefined_rule"),
+     "structured_outputs.grammar is invalid: .*undefined_rule"),
+])
+def test_a_bad_constraint_is_refused_before_work(llm: LLM, spec: StructuredOutputsParams,
+                                                 message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        llm.generate("x", SamplingParams(structured_outputs=spec), use_tqdm=False)
+    assert not llm.engine.has_unfinished()  # nothing was added
+    out = llm.generate("x", SamplingParams(max_tokens=20, structured_outputs=CASES["choice"][0]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text in ("Paris", "London", 'New "York"')  # and it keeps serving
+    assert out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({}, "exactly one of json, json_object, regex, choice, grammar \\(got none\\)"),
+    ({"regex": "a", "choice": ["b"]}, "\\(got regex, choice\\)"),
+    ({"choice": []}, "structured_outputs.choice=\\[\\] is invalid"),
+    ({"json": "{not json"}, "structured_outputs.json is invalid: expected a JSON schema"),
+    ({"json": 3}, "structured_outputs.json is invalid"),
+])
+def test_the_params_name_what_is_wrong(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        StructuredOutputsParams(**kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="structured_outputs=.*StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"regex": "a"})  # type: ignore[arg-type]
+
+
+def test_with_speculation_the_constrained_request_takes_no_drafts(tmp_path: Path) -> None:
+    """An n-gram speculator beside a constrained request: it verifies no drafts (a mask per
+    draft position is not built) and still matches; the free request's tokens are those of a
+    run without speculation."""
+    path = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM", vocab_size=320)
+    make_tiny_tokenizer(path)
+    free = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    guided = SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=CASES["regex"][0])
+    plain = LLM(str(path), device="cpu", dtype="float32", block_size=4)
+    want = plain.generate(PROMPTS[0], free, use_tqdm=False)[0].outputs[0].token_ids
+    spec = LLM(str(path), device="cpu", dtype="float32", block_size=4, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1})
+    outs = spec.generate([PROMPTS[0], PROMPTS[1]], [free, guided], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == want
+    assert CASES["regex"][1](outs[1].outputs[0].text)
