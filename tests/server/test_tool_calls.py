@@ -112,7 +112,8 @@ def test_streamed_deltas_carry_the_calls_and_their_finish_reason() -> None:
 def test_the_server_with_tools(tmp_path: Path, model_dir: Path) -> None:
     """The tools reach the template and a message's calls come back into it (arguments as
     the template's dict); the answer without a call is content; without the flags tools are
-    refused, naming them; tool_choice 'required' needs guided decoding (refused)."""
+    refused, naming them; a forced call naming no offered tool is refused
+    (test_forced_tool_calls.py has the forced calls)."""
     from conftest import serve
 
     template, tools = TEMPLATE, TOOLS
@@ -142,9 +143,10 @@ def test_the_server_with_tools(tmp_path: Path, model_dir: Path) -> None:
         counted = httpx.post(f"{served.url}/tokenize", headers=AUTH, timeout=60,
                              json={"messages": messages, "tools": tools}).json()
         assert counted["count"] == answer["usage"]["prompt_tokens"]  # the same prompt
-        required = httpx.post(f"{served.url}/v1/chat/completions", headers=AUTH, timeout=60,
-                              json={**body, "tool_choice": "required"})
-        assert required.status_code == 400 and "tool_choice" in required.text
+        unknown = httpx.post(f"{served.url}/v1/chat/completions", headers=AUTH, timeout=60,
+                             json={**body, "tool_choice": {"type": "function",
+                                                           "function": {"name": "nope"}}})
+        assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "tool_choice"
     for served in serve(model_dir, engine_kwargs={"chat_template": template}):
         refused = httpx.post(f"{served.url}/v1/chat/completions", headers=AUTH, timeout=60,
                              json=body)

@@ -267,10 +267,14 @@ class ChatCompletionRequest(_Request):
     def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """The request's SamplingParams; ``defaults`` (the model's sampling defaults) fill the
         fields it leaves unset."""
-        if self.tool_choice not in (None, "none", "auto"):
+        if isinstance(self.tool_choice, str) and self.tool_choice not in (
+                "none", "auto", "required"):
             raise ValueError(f"SamplingParams.tool_choice={self.tool_choice!r} is invalid: "
-                             "expected 'auto' or 'none' (forcing a call needs guided "
-                             "decoding, which this server does not do)")
+                             "expected 'none', 'auto', 'required' or {\"type\": \"function\", "
+                             "\"function\": {\"name\": ...}}")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError(f"SamplingParams.tool_choice={self.tool_choice!r} is invalid: "
+                             "a forced call needs tools")
         if self.tools is not None and not all(
                 isinstance(t, dict) and isinstance(t.get("function"), dict)
                 and isinstance(t["function"].get("name"), str) for t in self.tools):

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from mrv2.contract.params import SamplingParams
+from mrv2.contract.params import SamplingParams, StructuredOutputsParams
 from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.engine import LLMEngine
 from mrv2.engine.gc_pauses import freeze_startup_heap
@@ -52,7 +52,12 @@ from mrv2.entrypoints.reasoning import check_reasoning_parser
 from mrv2.entrypoints.responses import APIError, Stream
 from mrv2.entrypoints.stack_sampler import PROFILE_ENV_VAR, StackSampler
 from mrv2.entrypoints.stats_logger import StatsLogger, log_stats_forever, log_stats_interval
-from mrv2.entrypoints.tool_calls import TOOL_CALL_PARSERS, ToolCalling, get_tool_parser
+from mrv2.entrypoints.tool_calls import (
+    TOOL_CALL_PARSERS,
+    ToolCalling,
+    forced_tool_choice,
+    get_tool_parser,
+)
 
 #: Default bound on a request's ``n`` (``mrv2 serve --max-n``); OpenAI's own API allows 128.
 DEFAULT_MAX_N = 64
@@ -281,12 +286,28 @@ def create_app(engine: LLMEngine | RemoteEngine,
     async def chat(request: Request) -> Response:
         body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
         params = params_of(body)
-        if body.tools and tool_parser is None:
+        forced = body.tools and body.tool_choice not in (None, "none", "auto")
+        if body.tools and tool_parser is None and not forced:
             raise APIError(400, "tools: this server parses no tool calls; start it with "
                            "--enable-auto-tool-choice --tool-call-parser NAME (one of "
-                           f"{', '.join(TOOL_CALL_PARSERS)})", param="tools")
+                           f"{', '.join(TOOL_CALL_PARSERS)}), or force a call with "
+                           "tool_choice", param="tools")
         calling = None
-        if body.tools and body.tool_choice != "none" and tool_parser is not None:
+        if forced:  # "required" or named: a structured output (vLLM's way), read back as calls
+            assert body.tools is not None and body.tool_choice is not None
+            if params.structured_outputs is not None:
+                raise APIError(400, "tool_choice: a forced call is a structured output, and "
+                               "the request gives another (response_format, structured_outputs "
+                               "or guided_*)", param="tool_choice")
+            try:
+                parser, schema = forced_tool_choice(body.tool_choice, body.tools,
+                                                    body.parallel_tool_calls)
+            except ValueError as error:
+                raise APIError(400, str(error), param="tool_choice") from None
+            params = dataclasses.replace(params,
+                                         structured_outputs=StructuredOutputsParams(json=schema))
+            calling = ToolCalling(parser, body.tools)
+        elif body.tools and body.tool_choice != "none" and tool_parser is not None:
             calling = ToolCalling(tool_parser, body.tools)
             if tool_parser.special_tokens:  # its markers are special tokens: keep them
                 params = dataclasses.replace(params, skip_special_tokens=False)

@@ -337,6 +337,63 @@ def parse_tool_calls(text: str, parser: str | ToolParser = "hermes", tools: Tool
     return get_tool_parser(parser).parse(text, tools)
 
 
+def _forced_calls(text: str, tools: Tools, name: str | None) -> list[ToolCall]:
+    """A forced answer's calls: a named choice's arguments object, or ``required``'s list of
+    ``{"name", "parameters"}`` (ValueError: not that JSON, e.g. cut off by max_tokens)."""
+    value = json.loads(text)
+    if name is not None:
+        if not isinstance(value, dict):
+            raise ValueError("arguments that are not an object")
+        return [ToolCall(name, json.dumps(value, ensure_ascii=False))]
+    if not isinstance(value, list) or not value:
+        raise ValueError("no list of calls")
+    calls = []
+    for item in value:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise ValueError("a call without a name")
+        calls.append(ToolCall(item["name"], json.dumps(item.get("parameters", {}),
+                                                       ensure_ascii=False)))
+    return calls
+
+
+def _parameters(tool: Mapping[str, Any]) -> dict[str, Any]:
+    schema = tool["function"].get("parameters")
+    return schema if isinstance(schema, dict) and schema else {"type": "object"}
+
+
+def forced_tool_choice(tool_choice: str | Mapping[str, Any], tools: Tools,
+                       parallel_tool_calls: bool = True) -> tuple[ToolParser, dict[str, Any]]:
+    """``tool_choice`` ``"required"`` or ``{"type": "function", "function": {"name": N}}`` as
+    vLLM does it, by structured outputs: the JSON schema the answer must match (a named
+    choice: that tool's parameters; ``required``: a list of ``{"name", "parameters"}``, one
+    item with ``parallel_tool_calls`` false) and the parser that reads it into calls.
+    ValueError naming ``tool_choice`` for a name no tool has or another form."""
+    names = [t["function"]["name"] for t in tools]
+    if tool_choice == "required":
+        items = [{"type": "object", "additionalProperties": False,
+                  "required": ["name", "parameters"],
+                  "properties": {"name": {"enum": [t["function"]["name"]]},
+                                 "parameters": _parameters(t)}} for t in tools]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                                  "items": {"anyOf": items}}
+        if not parallel_tool_calls:
+            schema["maxItems"] = 1
+        return ToolParser("required", ("",), lambda text, _: _forced_calls(text, (), None)), schema
+    function = tool_choice.get("function") if isinstance(tool_choice, Mapping) else None
+    name = function.get("name") if isinstance(function, Mapping) else None
+    if not (isinstance(tool_choice, Mapping) and tool_choice.get("type") == "function"
+            and isinstance(name, str)):
+        raise ValueError(f"SamplingParams.tool_choice={tool_choice!r} is invalid: expected "
+                         "'none', 'auto', 'required' or {\"type\": \"function\", "
+                         "\"function\": {\"name\": ...}}")
+    if name not in names:
+        raise ValueError(f"SamplingParams.tool_choice names {name!r}, which tools lacks "
+                         f"(tools: {', '.join(names)})")
+    tool = tools[names.index(name)]
+    return (ToolParser("named", ("",), lambda text, _: _forced_calls(text, (), name)),
+            _parameters(tool))
+
+
 @dataclass(frozen=True)
 class ToolCalling:
     """One chat request's tool calling: the server's parser and the tools the request

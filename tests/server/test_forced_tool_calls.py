@@ -1,0 +1,98 @@
+"""``tool_choice`` ``"required"`` or named, as vLLM does it: a structured output (the tool's
+parameters, or a list of ``{"name", "parameters"}``) read back as ``tool_calls``; with or
+without ``--tool-call-parser``; refused with another structured output or a name no tool has.
+
+The tiny model has random weights and JSON allows any whitespace between tokens (vLLM's
+default), so an answer may run out of ``max_tokens``: then it is content, and that content
+without whitespace is a prefix of a valid answer. Either way the mask held."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from server_util import API_KEY, MODEL
+
+from mrv2.entrypoints.tool_calls import forced_tool_choice
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+PICK = {"type": "object", "additionalProperties": False, "required": ["n"],
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}
+TOOLS = [{"type": "function", "function": {"name": "pick", "parameters": PICK}},
+         {"type": "function", "function": {"name": "noop"}}]
+NAMED = {"type": "function", "function": {"name": "pick"}}
+
+
+def test_the_schemas_and_readers() -> None:
+    parser, schema = forced_tool_choice(NAMED, TOOLS)
+    assert schema == PICK
+    content, calls = parser.parse('{"n": 3}')
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("pick", {"n": 3})]
+    assert parser.parse('{"n": ') == ('{"n": ', [])  # cut off: content
+    parser, schema = forced_tool_choice("required", TOOLS, parallel_tool_calls=False)
+    assert schema["type"] == "array" and schema["maxItems"] == 1
+    assert [i["properties"]["name"] for i in schema["items"]["anyOf"]] == [
+        {"enum": ["pick"]}, {"enum": ["noop"]}]
+    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object"}
+    _, calls = parser.parse('[{"name": "pick", "parameters": {"n": 1}}, '
+                            '{"name": "noop", "parameters": {}}]')
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("pick", {"n": 1}),
+                                                                    ("noop", {})]
+    for bad, message in (({"type": "function", "function": {"name": "x"}}, "which tools lacks"),
+                         ({"type": "tool"}, "tool_choice=.* is invalid")):
+        with pytest.raises(ValueError, match=message):
+            forced_tool_choice(bad, TOOLS)
+
+
+def _check_named(message: dict[str, Any], finish: str) -> None:
+    if message.get("tool_calls"):
+        (call,) = message["tool_calls"]
+        assert call["function"]["name"] == "pick" and finish == "tool_calls"
+        assert 0 <= json.loads(call["function"]["arguments"])["n"] <= 9
+    else:  # ran out of max_tokens inside the JSON
+        compact = re.sub(r"\s", "", message["content"])
+        assert finish == "length" and re.fullmatch(r"(\{(\"(n(\"(:([0-9]\}?)?)?)?)?)?)?", compact)
+
+
+@pytest.mark.parametrize("parser", [None, "hermes"])
+def test_forced_calls_through_the_server(model_dir: Path, parser: str | None) -> None:
+    from conftest import serve
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "pick"}], "tools": TOOLS,
+            "max_tokens": 40, "temperature": 0.9, "seed": 1}
+    for served in serve(model_dir, tool_call_parser=parser):
+        url = f"{served.url}/v1/chat/completions"
+        for seed in range(3):
+            r = httpx.post(url, headers=AUTH, timeout=60,
+                           json={**body, "seed": seed, "tool_choice": NAMED})
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            _check_named(choice["message"], choice["finish_reason"])
+        r = httpx.post(url, headers=AUTH, timeout=60, json={**body, "tool_choice": "required"})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        if choice["message"].get("tool_calls"):
+            assert {c["function"]["name"] for c in choice["message"]["tool_calls"]} <= {
+                "pick", "noop"}
+        else:
+            assert choice["finish_reason"] == "length"
+            assert re.sub(r"\s", "", choice["message"]["content"]).startswith("[")
+        streamed, calls, finish = "", [], None
+        with httpx.stream("POST", url, headers=AUTH, timeout=60,
+                          json={**body, "tool_choice": NAMED, "stream": True}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    c = json.loads(line[6:])["choices"][0]
+                    streamed += c["delta"].get("content") or ""
+                    calls += c["delta"].get("tool_calls") or []
+                    finish = c["finish_reason"] or finish
+        assert finish is not None
+        _check_named({"content": streamed, "tool_calls": calls}, finish)
+        both = httpx.post(url, headers=AUTH, timeout=60, json={
+            **body, "tool_choice": NAMED, "response_format": {"type": "json_object"}})
+        assert both.status_code == 400 and both.json()["error"]["param"] == "tool_choice"
