@@ -85,8 +85,8 @@ def apply_masks(
         _ban_bad_words(logits, idx_mapping, table, state, words)
     if guided:  # last: a structured output's mask wins over a bias
         bitmask = np.empty((len(guided), (vocab + 31) // 32), dtype=np.int32)
-        for i, (_, guide) in enumerate(guided):
-            guide.fill_bitmask(bitmask[i])
+        guides = [guide for _, guide in guided]
+        guides[0].fill_bitmasks(guides, bitmask)
         apply_token_bitmask(logits, [b for b, _ in guided], bitmask)
     if min_b:
         batch_idx = _t(min_b, device)
