@@ -14,8 +14,8 @@ constrained request only when none of its tokens is in flight (the mask of its n
 needs the last one), so such a request takes every other step of an async batch, or every
 step when it runs alone; the other requests keep the async pipeline. When the step runs, the
 sampler asks the matchers for the allowed-token bitmasks (one bit a token, packed in int32 on
-the CPU; several requests' on llguidance's thread pool, ~90 us a request on one core of this
-sandbox, mid-JSON, 49K vocabulary), uploads them and sets every other token's logit to -inf
+the CPU; several requests' on llguidance's thread pool; 77-107 us a request on one core of
+the CPU sandbox, 64 matchers mid-JSON, 49K vocabulary), uploads them and sets every other token's logit to -inf
 before sampling
 (:func:`mrv2.sample.masks.apply_token_bitmask`), on the eager sampling path. A request whose
 match is complete (the matcher accepts nothing but the end) finishes with ``stop``.
