@@ -136,3 +136,60 @@ def test_with_speculation_the_constrained_request_takes_no_drafts(tmp_path: Path
     outs = spec.generate([PROMPTS[0], PROMPTS[1]], [free, guided], use_tqdm=False)
     assert outs[0].outputs[0].token_ids == want
     assert CASES["regex"][1](outs[1].outputs[0].text)
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory: pytest.TempPathFactory) -> tuple[LLM, int, int]:
+    """A tiny model whose tokenizer has ``<think>`` / ``</think>`` tokens, and their ids."""
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("think"), "LlamaForCausalLM",
+                                vocab_size=320)
+    make_tiny_tokenizer(path, special_tokens=["<think>", "</think>"])
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, async_scheduling=True)
+    tokenizer = llm.get_tokenizer()
+    start, end = (tokenizer.encode(t, add_special_tokens=False)[0]
+                  for t in ("<think>", "</think>"))
+    return llm, start, end
+
+
+CHOICES = ["Paris", "London"]
+
+
+def _think(llm: LLM, prompt: list[int], reasoning: str | None, bias: dict[int, float],
+           seed: int = 0) -> tuple[str, list[int]]:
+    params = SamplingParams(temperature=0.9, seed=seed, max_tokens=30, logit_bias=bias,
+                            structured_outputs=StructuredOutputsParams(choice=CHOICES),
+                            _reasoning=reasoning)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    return out.text, out.token_ids
+
+
+def test_with_a_reasoning_parser_the_grammar_holds_after_the_thinking_block(
+        thinker: tuple[LLM, int, int]) -> None:
+    """vLLM's reasoning-aware structured outputs. A prompt that opened the block (DeepSeek-R1's
+    template): free until ``</think>`` (a bias makes the model close it at once), then held.
+    One that closed it (Qwen3, ``enable_thinking: false``), or no reasoning parser: held from
+    the first token, so the biased ``</think>`` never comes."""
+    llm, start, end = thinker
+    prompt = [5, 6, 7]
+    text, ids = _think(llm, prompt + [start], "deepseek_r1", {end: 100.0})
+    assert ids[0] == end and text in CHOICES
+    for prompt_, reasoning in ((prompt + [start, end], "qwen3"), (prompt, None),
+                               (prompt + [start], None)):
+        text, ids = _think(llm, prompt_, reasoning, {end: 100.0})
+        assert end not in ids and start not in ids and text in CHOICES, (prompt_, reasoning)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_qwen3s_first_token_may_open_the_block(thinker: tuple[LLM, int, int],
+                                               seed: int) -> None:
+    """``qwen3`` with a prompt that leaves the block to the model: the first token may be the
+    grammar's or ``<think>``, which frees the tokens until ``</think>``. Biased (``<think>``
+    +60, ``</think>`` +100): ``<think>`` first (``</think>`` is not allowed there), then
+    ``</think>``, then a choice; without the parser neither tag is ever allowed."""
+    llm, start, end = thinker
+    bias = {start: 60.0, end: 100.0}
+    text, ids = _think(llm, [5, 6, 7], "qwen3", bias, seed)
+    assert ids[:2] == [start, end] and text in CHOICES
+    text, ids = _think(llm, [5, 6, 7], None, bias, seed)
+    assert start not in ids and end not in ids and text in CHOICES

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -116,3 +117,33 @@ def test_a_bad_schema_is_a_400_naming_the_field_used(server: Served) -> None:
     r = _post(server, "/v1/completions", {"prompt": "x", "guided_regex": "[0-9"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex"
     assert _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_a_reasoning_server_holds_only_what_follows_the_thinking_block(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``--reasoning-parser``, a chat request's structured output (its own, or a forced
+    tool call's) reaches the engine marked with the parser (the engine's tests show what the
+    mark does); without a structured output, or without the parser, it is not marked."""
+    from conftest import serve
+
+    seen: list[str | None] = []
+
+    def spy(add: Any) -> Any:
+        def add_request(ids: list[int], params: Any, *args: Any, **kwargs: Any) -> Any:
+            seen.append(params._reasoning)
+            return add(ids, params, *args, **kwargs)
+        return add_request
+
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 20}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": SCHEMA}}]
+    cases = [({"guided_choice": ["a", "b"]}, "qwen3"), ({}, None),
+             ({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+              "qwen3")]
+    for parser in ("qwen3", None):
+        for served in serve(model_dir, reasoning_parser=parser):
+            monkeypatch.setattr(served.engine, "add_request", spy(served.engine.add_request))
+            for extra, want in cases:
+                r = httpx.post(f"{served.url}/v1/chat/completions", headers=AUTH, timeout=60,
+                               json={**body, **extra})
+                assert r.status_code == 200, r.text
+                assert seen.pop() == (want if parser else None), (parser, extra)

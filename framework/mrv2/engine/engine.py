@@ -211,7 +211,7 @@ class LLMEngine:
         if params.structured_outputs is not None:  # (a copy: the caller's is untouched)
             structured = self._structured_outputs()
             params._grammar = params._grammar or structured.grammar(params.structured_outputs)
-            params._guide = structured.guide(params)
+            params._guide = structured.guide(params, prompt_token_ids)
         request = Request(
             req_id=req_id,
             prompt_token_ids=list(prompt_token_ids),

@@ -15,10 +15,16 @@ needs the last one), so such a request takes every other step of an async batch,
 step when it runs alone; the other requests keep the async pipeline. When the step runs, the
 sampler asks the matchers for the allowed-token bitmasks (one bit a token, packed in int32 on
 the CPU; several requests' on llguidance's thread pool; 77-107 us a request on one core of
-the CPU sandbox, 64 matchers mid-JSON, 49K vocabulary), uploads them and sets every other token's logit to -inf
-before sampling
-(:func:`mrv2.sample.masks.apply_token_bitmask`), on the eager sampling path. A request whose
-match is complete (the matcher accepts nothing but the end) finishes with ``stop``.
+the CPU sandbox, 64 matchers mid-JSON, 49K vocabulary), uploads them and sets every other
+token's logit to -inf before sampling (:func:`mrv2.sample.masks.apply_token_bitmask`), on the
+eager sampling path. A request whose match is complete (the matcher accepts nothing but the
+end) finishes with ``stop``.
+
+With the server's ``--reasoning-parser`` (``qwen3``, ``deepseek_r1``), as vLLM: the grammar
+holds only what follows the ``<think>`` block. A prompt that closed the block (Qwen3 with
+``enable_thinking: false``) is held from the first token; one that opened it (DeepSeek-R1's
+template) is free until ``</think>``; otherwise (``qwen3``) the first token may be the
+grammar's or ``<think>``, which frees it until ``</think>``.
 
 With speculative decoding a constrained request verifies no drafts (a mask per draft
 position is not built); the others keep theirs. Tensor parallelism is refused when such a
@@ -28,6 +34,7 @@ request is added (the ranks past 0 would need the masks too).
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import numpy as np
@@ -37,6 +44,7 @@ from mrv2.contract.params import SamplingParams, StructuredOutputsParams
 __all__ = ["Guide", "StructuredOutputs", "grammar_of"]
 
 _FIELD = "SamplingParams.structured_outputs"
+logger = logging.getLogger(__name__)
 
 
 def _llguidance() -> Any:
@@ -67,11 +75,22 @@ def grammar_of(spec: StructuredOutputsParams) -> str:
     return str(matcher.grammar_from_lark(spec.grammar))
 
 
-class Guide:
-    """One sample's matcher: the allowed next tokens, and each sampled token consumed."""
+#: A guide's phases: "grammar" (every token masked by the matcher); "reasoning" (a thinking
+#: model's block: nothing masked, until its end tag); "open" (qwen3's first token: the
+#: matcher's tokens or the block's start tag).
+_PHASES = ("grammar", "reasoning", "open")
 
-    def __init__(self, matcher: Any, owner: StructuredOutputs) -> None:
+
+class Guide:
+    """One sample's matcher: the allowed next tokens, and each sampled token consumed; with a
+    reasoning model, only what follows its ``<think>`` block is held to the grammar, as vLLM
+    does (``think``: the start and end tags' token ids, and the phase to start in)."""
+
+    def __init__(self, matcher: Any, owner: StructuredOutputs,
+                 think: tuple[int, int, str] | None = None) -> None:
         self.matcher, self.owner = matcher, owner
+        self.think_start, self.think_end, self.phase = think or (-1, -1, "grammar")
+        assert self.phase in _PHASES
 
     def fill_bitmasks(self, guides: list[Guide], out: np.ndarray) -> None:
         """Write each of ``guides``' allowed next tokens into its row of ``out`` (``[len,
@@ -80,22 +99,38 @@ class Guide:
         words = self.owner.words
         assert out.dtype == np.int32 and out.shape == (len(guides), words)
         assert out.flags.c_contiguous
-        if len(guides) == 1:
-            guides[0].matcher.unsafe_compute_mask_ptr(out.ctypes.data, words * 4)
-            return
-        self.owner.executor.unsafe_compute_mask_ptr(
-            [(g.matcher, i) for i, g in enumerate(guides)], out.ctypes.data, words * 4,
-            len(guides))
+        masked = [(g, i) for i, g in enumerate(guides) if g.phase != "reasoning"]
+        if len(masked) == 1:
+            g, i = masked[0]
+            g.matcher.unsafe_compute_mask_ptr(out[i].ctypes.data, words * 4)
+        elif masked:
+            self.owner.executor.unsafe_compute_mask_ptr(
+                [(g.matcher, i) for g, i in masked], out.ctypes.data, words * 4, len(guides))
+        for i, g in enumerate(guides):
+            if g.phase == "reasoning":
+                out[i] = -1  # every token
+            elif g.phase == "open":  # or the thinking block's start
+                out.view(np.uint32)[i, g.think_start // 32] |= np.uint32(1 << g.think_start % 32)
 
     def advance(self, token: int) -> None:
         """Consume a sampled token (a token the mask allowed; anything else puts the matcher
         in its error state, which ends the request)."""
+        if self.phase == "reasoning":
+            if token == self.think_end:
+                self.phase = "grammar"
+            return
+        if self.phase == "open":
+            self.phase = "grammar"
+            if token == self.think_start:
+                self.phase = "reasoning"
+                return
         self.matcher.consume_token(token)
 
     @property
     def done(self) -> bool:
         """The match is complete (only the end may follow), or broken."""
-        return bool(self.matcher.is_stopped() or self.matcher.is_error())
+        return self.phase == "grammar" and bool(self.matcher.is_stopped()
+                                                or self.matcher.is_error())
 
 
 class StructuredOutputs:
@@ -109,6 +144,8 @@ class StructuredOutputs:
         self._tokenizer: Any = None
         self._executor: Any = None
         self._grammars: dict[str, str] = {}
+        self._tags: tuple[int, int] | None = None
+        self._tags_looked_up = False
 
     @property
     def tokenizer(self) -> Any:
@@ -147,11 +184,41 @@ class StructuredOutputs:
             self._grammars[key] = grammar
         return grammar
 
-    def guide(self, params: SamplingParams) -> Guide:
-        """A fresh matcher over ``params._grammar`` (set from :meth:`grammar`)."""
+    def guide(self, params: SamplingParams, prompt_token_ids: list[int]) -> Guide:
+        """A fresh matcher over ``params._grammar`` (set from :meth:`grammar`); with
+        ``params._reasoning`` (the server's reasoning parser) it holds only what follows the
+        thinking block: from the start if the prompt closed the block (Qwen3 with
+        ``enable_thinking: false``), after ``</think>`` if the prompt opened it (DeepSeek-R1),
+        and for ``qwen3`` otherwise the first token may open it instead."""
         assert params._grammar is not None
         matcher = _llguidance().LLMatcher(self.tokenizer, params._grammar)
         if matcher.is_error():
             raise ValueError(f"{_FIELD} is invalid: {matcher.get_error()}")
-        return Guide(matcher, self)
+        tags = self._think_tags() if params._reasoning else None
+        if tags is None:
+            return Guide(matcher, self)
+        start, end = tags
+        opened = max((i for i, t in enumerate(prompt_token_ids) if t == start), default=-1)
+        closed = max((i for i, t in enumerate(prompt_token_ids) if t == end), default=-1)
+        if closed > opened:
+            phase = "grammar"  # the template closed the block: no reasoning
+        elif opened >= 0 or params._reasoning == "deepseek_r1":
+            phase = "reasoning"
+        else:
+            phase = "open"
+        return Guide(matcher, self, (start, end, phase))
+
+    def _think_tags(self) -> tuple[int, int] | None:
+        """The ``<think>`` / ``</think>`` token ids (None, logged once, where either is not
+        one token: the grammar then holds from the first token)."""
+        if not self._tags_looked_up:
+            self._tags_looked_up = True
+            ids = [self.hf_tokenizer.encode(tag, add_special_tokens=False)
+                   for tag in ("<think>", "</think>")]
+            if all(len(i) == 1 for i in ids):
+                self._tags = (ids[0][0], ids[1][0])
+            else:
+                logger.warning("structured outputs: <think> / </think> are not single tokens "
+                               "of this tokenizer; the grammar holds from the first token")
+        return self._tags
 

@@ -311,6 +311,9 @@ def create_app(engine: LLMEngine | RemoteEngine,
             calling = ToolCalling(tool_parser, body.tools)
             if tool_parser.special_tokens:  # its markers are special tokens: keep them
                 params = dataclasses.replace(params, skip_special_tokens=False)
+        if reasoning_parser and params.structured_outputs is not None:
+            # the grammar holds what follows the thinking block (vLLM's reasoning-aware way)
+            params = dataclasses.replace(params, _reasoning=reasoning_parser)
         ids, items = await chat_ids(body.messages, body.add_generation_prompt,
                                     body.chat_template_kwargs, body.continue_final_message,
                                     body.tools)
