@@ -24,7 +24,8 @@ from mrv2.testing import serve_in_thread
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
-def _remote(model_dir: Path, **overrides: Any) -> Iterator[tuple[str, Any]]:
+def _remote(model_dir: Path, app_kwargs: dict[str, Any] | None = None,
+            **overrides: Any) -> Iterator[tuple[str, Any]]:
     from mrv2.entrypoints.engine_process import RemoteEngine
     from mrv2.entrypoints.server import create_app
 
@@ -32,7 +33,7 @@ def _remote(model_dir: Path, **overrides: Any) -> Iterator[tuple[str, Any]]:
                                                    **{**ENGINE_KWARGS, **overrides}))
     try:
         for url in serve_in_thread(create_app(engine, served_model_name=MODEL,
-                                              api_key=API_KEY)):
+                                              api_key=API_KEY, **(app_kwargs or {}))):
             yield url, engine
     finally:
         engine.shutdown()

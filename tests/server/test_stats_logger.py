@@ -151,13 +151,16 @@ def test_the_serve_logging_flags_reach_the_server(
                  "--port", "0", "--disable-log-stats", "--uvicorn-log-level", "warning",
                  "--disable-uvicorn-access-log", "--reasoning-parser", "qwen3",
                  "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                 "--allowed-origins", '["https://a.example"]', "--root-path", "/llm"]) == 0
+                 "--allowed-origins", '["https://a.example"]', "--root-path", "/llm",
+                 "--enable-prompt-tokens-details"]) == 0
     assert calls == [
         {"log_stats": True, "uvicorn_log_level": "info", "access_log": True,
-         "reasoning_parser": None, "tool_call_parser": None, "http": HTTPOptions()},
+         "reasoning_parser": None, "tool_call_parser": None, "http": HTTPOptions(),
+         "enable_prompt_tokens_details": False},
         {"log_stats": False, "uvicorn_log_level": "warning", "access_log": False,
          "reasoning_parser": "qwen3", "tool_call_parser": "hermes",
-         "http": HTTPOptions(allowed_origins=("https://a.example",), root_path="/llm")}]
+         "http": HTTPOptions(allowed_origins=("https://a.example",), root_path="/llm"),
+         "enable_prompt_tokens_details": True}]
     for half in (["--enable-auto-tool-choice"], ["--tool-call-parser", "hermes"]):
         assert main(["serve", str(model_dir), "--device", "cpu", "--port", "0", *half]) == 2
 

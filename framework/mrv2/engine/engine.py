@@ -397,6 +397,7 @@ class LLMEngine:
             finished=request.finished,
             new_token_ids=new_tokens,
             new_text=new_text,
+            num_cached_tokens=request.num_cached_tokens,
         )
         if lp is not None and params.prompt_logprobs is not None:
             output.prompt_logprobs = list(lp.prompt)

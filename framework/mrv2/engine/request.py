@@ -52,6 +52,9 @@ class Request:
     """Chain hashes of the request's full blocks whose tokens are all known on the CPU."""
     num_cached_blocks: int = 0
     """Leading blocks of ``block_ids`` already registered in (or found in) the prefix cache."""
+    num_cached_tokens: int = 0
+    """Prompt tokens the prefix cache held at the request's first admission (usage's
+    ``prompt_tokens_details.cached_tokens``)."""
     mm_items: list[MultiModalItem] = field(default_factory=list)
     """Multimodal inputs (their placeholders lie in the prompt)."""
 

@@ -136,7 +136,7 @@ class FanOut:
             outputs=outs, finished=finished,
             new_token_ids=output.new_token_ids if stream else [],
             new_text=output.new_text if stream else "",
-            num_cached_tokens=output.num_cached_tokens,
+            num_cached_tokens=min(o.num_cached_tokens for o in latest.values()),
             prompt_logprobs=(latest[0].prompt_logprobs if 0 in latest
                              else output.prompt_logprobs),
         )

@@ -273,6 +273,8 @@ class Scheduler:
         request.block_ids = hit + self.blocks.allocate(needed)
         request.num_cached_blocks = len(hit)
         request.num_computed_tokens = computed
+        if not request.num_preemptions:
+            request.num_cached_tokens = computed
         if self.blocks.enable_caching:
             self.blocks.record_query(request.num_tokens, computed)
         request.status = RequestStatus.RUNNING

@@ -107,7 +107,8 @@ def _serve(args: argparse.Namespace) -> int:
                       uvicorn_log_level=args.uvicorn_log_level,
                       access_log=not args.disable_uvicorn_access_log, sock=sock,
                       reasoning_parser=args.reasoning_parser,
-                      tool_call_parser=args.tool_call_parser, http=http)
+                      tool_call_parser=args.tool_call_parser, http=http,
+                      enable_prompt_tokens_details=args.enable_prompt_tokens_details)
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -196,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--disable-uvicorn-access-log", action="store_true",
                        help="no uvicorn line per HTTP request (host time at high request "
                        "rates)")
+    serve.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="usage carries prompt_tokens_details.cached_tokens (the prompt "
+                       "tokens the prefix cache held)")
     add_http_args(serve)
     add_cli_args(serve)
     serve.set_defaults(func=_serve)

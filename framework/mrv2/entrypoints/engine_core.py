@@ -49,7 +49,7 @@ STATS_INTERVAL_S = 0.1
 ChoiceDelta = tuple[int, list[int], int, str, "str | None", "int | str | None",
                     "list[Any] | None", "float | None"]
 #: One request's change: (request id, finished, its choices' deltas).
-OutputDelta = tuple[str, bool, list[ChoiceDelta]]
+OutputDelta = tuple[str, bool, list[ChoiceDelta], int]  # (id, finished, choices, cached)
 
 
 class DeltaEncoder:
@@ -75,7 +75,7 @@ class DeltaEncoder:
         if output.finished:
             for c in output.outputs:
                 self._sent.pop((output.request_id, c.index), None)
-        return output.request_id, output.finished, choices
+        return output.request_id, output.finished, choices, output.num_cached_tokens
 
     def forget(self, request_id: str) -> None:
         """An aborted request: drop what was sent of it."""
@@ -92,7 +92,7 @@ class OutputAccumulator:
         self._outputs: dict[str, RequestOutput] = {}
 
     def apply(self, delta: OutputDelta) -> RequestOutput:
-        req_id, finished, choices = delta
+        req_id, finished, choices, cached = delta
         output = self._outputs.get(req_id)
         if output is None:
             output = RequestOutput(request_id=req_id, prompt=None, prompt_token_ids=[],
@@ -116,6 +116,7 @@ class OutputAccumulator:
             new_ids.extend(ids)
         output.new_token_ids = new_ids
         output.finished = finished
+        output.num_cached_tokens = cached
         if finished:
             del self._outputs[req_id]
         return output

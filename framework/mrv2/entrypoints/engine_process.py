@@ -282,7 +282,7 @@ class EngineProcess:
         metrics = self.metrics
         with self._lock:
             for delta in deltas:
-                req_id, finished, choices = delta
+                req_id, finished, choices, _ = delta
                 entry = self._sinks.get(req_id)
                 if entry is None:
                     continue

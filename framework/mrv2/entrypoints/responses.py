@@ -61,7 +61,8 @@ class Stream:
                  params: SamplingParams, body: Any, req_ids: list[str],
                  encoded: list[tuple[list[int], str | None]],
                  reasoning: str | None = None, tools: ToolCalling | None = None,
-                 parallel_tool_calls: bool = True) -> None:
+                 parallel_tool_calls: bool = True, prompt_tokens_details: bool = False
+                 ) -> None:
         self.worker, self.base, self.model, self.chat = worker, base, model, chat
         self.reasoning = reasoning if chat else None
         #: Parse the answers' tool calls (``--tool-call-parser`` and the request's tools);
@@ -76,6 +77,10 @@ class Stream:
         self.unfinished = set(req_ids)
         self.finals: dict[str, RequestOutput] = {}
         self.choices: dict[tuple[str, int], _Choice] = {}
+        #: ``usage.prompt_tokens_details.cached_tokens`` (vLLM's
+        #: ``--enable-prompt-tokens-details``): the prompts' tokens found in the prefix cache.
+        self.prompt_tokens_details = prompt_tokens_details
+        self.cached: dict[str, int] = {}
 
     def _index(self, req_id: str, i: int) -> int:
         return self.order[req_id] * self.params.n + i
@@ -91,9 +96,13 @@ class Stream:
             state.offset = end
         return body
 
-    def _usage(self, completion: int) -> dict[str, int]:
-        return {"prompt_tokens": self.num_prompt, "completion_tokens": completion,
-                "total_tokens": self.num_prompt + completion}
+    def _usage(self, completion: int) -> dict[str, Any]:
+        usage: dict[str, Any] = {"prompt_tokens": self.num_prompt,
+                                 "completion_tokens": completion,
+                                 "total_tokens": self.num_prompt + completion}
+        if self.prompt_tokens_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": sum(self.cached.values())}
+        return usage
 
     def abort_rest(self) -> None:
         for req_id in self.unfinished:
@@ -116,6 +125,7 @@ class Stream:
                 if item.finished:
                     self.unfinished.discard(item.request_id)
                     self.finals[item.request_id] = item
+                    self.cached[item.request_id] = item.num_cached_tokens
         finally:
             for task in (gone, item_task):
                 if task is not None:
@@ -194,6 +204,7 @@ class Stream:
                     if output.finished:
                         self.unfinished.discard(output.request_id)
                         completion += sum(len(o.token_ids) for o in output.outputs)
+                        self.cached[output.request_id] = output.num_cached_tokens
                     text += "".join(self._chunk([choice]) for choice in choices)
                 if error is not None:
                     yield text + f"data: {json.dumps(error_body(str(error), 'server_error'))}\n\n"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import json
 import logging
 import os
@@ -80,7 +81,7 @@ class _CheckKey:
             path = path[len(root):]
         if scope["type"] == "http" and path != "/health":
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if given != self.expected:
+            if not hmac.compare_digest(given, self.expected):  # (no timing hint of the key)
                 response = APIError(401, "invalid or missing API key (Authorization: Bearer "
                                     "KEY)", "authentication_error").response()
                 await response(scope, receive, send)
@@ -94,7 +95,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
                max_n: int = DEFAULT_MAX_N, log_stats_interval: float | None = None,
                reasoning_parser: str | None = None,
                tool_call_parser: str | None = None,
-               http: HTTPOptions | None = None) -> FastAPI:
+               http: HTTPOptions | None = None,
+               enable_prompt_tokens_details: bool = False) -> FastAPI:
     """The app; its worker (the engine thread, or the engine process's link) starts with the
     app and stops with it (``app.state.engine_thread``).
 
@@ -109,7 +111,9 @@ def create_app(engine: LLMEngine | RemoteEngine,
     (:mod:`mrv2.entrypoints.tool_calls`): chat requests may offer ``tools``, and answers
     carry the model's calls as ``tool_calls``; without one, ``tools`` are refused. ``http``
     (:mod:`mrv2.entrypoints.http_options`): CORS and the docs pages (default: vLLM's, CORS
-    for any origin; the root path and TLS are the server's, :func:`make_server`)."""
+    for any origin; the root path and TLS are the server's, :func:`make_server`).
+    ``enable_prompt_tokens_details``: usage carries ``prompt_tokens_details.cached_tokens``
+    (the prompt tokens the prefix cache held), as vLLM's flag of that name."""
     http = http or HTTPOptions()
     http.check()
     check_reasoning_parser(reasoning_parser)
@@ -249,7 +253,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
                 encoded.append((body.truncate(list(p)), None))
         for ids, _ in encoded:
             validate(ids, params, body)
-        return await _serve(request, worker, "cmpl", model_name, encoded, params, body, False)
+        return await _serve(request, worker, "cmpl", model_name, encoded, params, body, False,
+                            prompt_tokens_details=enable_prompt_tokens_details)
 
     async def chat_ids(messages: list[ChatMessage], add_generation_prompt: bool,
                        template_kwargs: dict[str, Any] | None, continue_final: bool = False,
@@ -323,7 +328,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
         ids = body.truncate(ids)
         validate(ids, params, body)
         return await _serve(request, worker, "chatcmpl", model_name, [(ids, None)], params,
-                            body, True, items, reasoning_parser, calling)
+                            body, True, items, reasoning_parser, calling,
+                            enable_prompt_tokens_details)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
@@ -403,8 +409,8 @@ def _chat_with_media(engine: LLMEngine | RemoteEngine, tokenizer: Any,
 async def _serve(request: Request, worker: EngineThread | EngineProcess, kind: str, model: str,
                  encoded: list[tuple[list[int], str | None]], params: SamplingParams,
                  body: Any, chat: bool, mm_items: list[MultiModalItem] | None = None,
-                 reasoning: str | None = None, tools: ToolCalling | None = None
-                 ) -> Response:
+                 reasoning: str | None = None, tools: ToolCalling | None = None,
+                 prompt_tokens_details: bool = False) -> Response:
     """Submit every prompt (with ``mm_items``: one chat prompt's images); answer with one
     JSON body or an SSE stream."""
     loop = asyncio.get_running_loop()
@@ -429,7 +435,7 @@ async def _serve(request: Request, worker: EngineThread | EngineProcess, kind: s
             worker.abort(req_id)
         raise
     stream = Stream(worker, base, model, chat, params, body, req_ids, encoded, reasoning,
-                    tools, getattr(body, "parallel_tool_calls", True))
+                    tools, getattr(body, "parallel_tool_calls", True), prompt_tokens_details)
     if body.stream:
         return StreamingResponse(stream.events(sink), media_type="text/event-stream")
     return await stream.collect(sink, request)
@@ -464,7 +470,8 @@ def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: 
                log_stats: bool = True, uvicorn_log_level: str = "info",
                access_log: bool = True, sock: socket.socket | None = None,
                reasoning_parser: str | None = None, tool_call_parser: str | None = None,
-               http: HTTPOptions | None = None) -> int:
+               http: HTTPOptions | None = None,
+               enable_prompt_tokens_details: bool = False) -> int:
     """Serve until interrupted (returns 0), or until the engine fails for good (a
     tensor-parallel worker died: the server answers 503 for a moment, then stops and returns
     1). ``log_stats``: a stats line every :func:`~mrv2.entrypoints.stats_logger.log_stats_interval`
@@ -481,7 +488,7 @@ def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: 
     freeze_startup_heap()
     app = create_app(engine, served_model_name, api_key, max_pending, max_n,
                      log_stats_interval() if log_stats else None, reasoning_parser,
-                     tool_call_parser, http)
+                     tool_call_parser, http, enable_prompt_tokens_details)
     server = make_server(app, host, port, uvicorn_log_level, access_log, http)
     worker: EngineThread | EngineProcess = app.state.engine_thread
 
