@@ -213,3 +213,25 @@ def test_shutdown_drops_the_graphs_before_leaving_the_group(
     assert seen == [(None, None)]
     assert all(worker.proc.returncode == 0 for worker in runner._workers)
     assert time.monotonic() - start < 10  # the workers left with rank 0, none was killed
+
+
+def test_structured_outputs_under_tensor_parallelism(model: Path) -> None:
+    """Every rank masks with rank 0's bitmasks (they travel in the step's SchedulerOutput):
+    two ranks give the constrained samples one rank gives, and they match."""
+    from mrv2 import StructuredOutputsParams
+
+    params = SamplingParams(temperature=0.9, seed=5, max_tokens=20, n=2,
+                            structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]"))
+    prompts = ["Hello world", "Paris"]
+
+    def run(size: int) -> list[list[str]]:
+        llm = LLM(str(model), device="cpu", dtype="float32", tensor_parallel_size=size)
+        try:
+            return [[c.text for c in o.outputs] for o in llm.generate(prompts, params,
+                                                                       use_tqdm=False)]
+        finally:
+            llm.shutdown()
+
+    one, two = run(1), run(2)
+    assert two == one
+    assert all(len(t) == 5 and t[:3].isdigit() and t[3] == "-" for ts in two for t in ts), two

@@ -6,7 +6,7 @@ prep kernels, so a captured CUDA graph that reads them replays correctly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -95,6 +95,8 @@ class InputBatch:
     noise key: the same position gives the same draw with or without speculation)."""
     cu_num_logits_dev: torch.Tensor | None = None
     """``cu_num_logits`` on the device (steps with drafts only)."""
+    token_bitmasks: dict[str, np.ndarray] = field(default_factory=dict)
+    """``SchedulerOutput.token_bitmasks``: structured outputs' allowed tokens, by request."""
 
     @property
     def num_logits(self) -> int:

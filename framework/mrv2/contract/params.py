@@ -119,12 +119,11 @@ class SamplingParams:
     # boundary. None: the whole prefill is the prompt.
     _num_prompt_tokens: int | None = field(default=None, repr=False, compare=False)
     # structured_outputs as a checked llguidance grammar (shared by an n > 1 request's
-    # samples), and this request's own matcher over it (mrv2.engine.structured_outputs).
+    # samples; mrv2.engine.structured_outputs).
     _grammar: str | None = field(default=None, repr=False, compare=False)
     # The server's reasoning parser ("qwen3", "deepseek_r1"): the grammar holds only after the
     # thinking block.
     _reasoning: str | None = field(default=None, repr=False, compare=False)
-    _guide: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

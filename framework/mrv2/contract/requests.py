@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from mrv2.contract.params import SamplingParams
@@ -101,6 +102,10 @@ class SchedulerOutput:
     """Requests to drop from the state table before this step (finished, aborted, preempted)."""
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
     """Drafts among a decode request's scheduled tokens (absent: none)."""
+    token_bitmasks: dict[str, np.ndarray] = field(default_factory=dict)
+    """The allowed next tokens of each structured-output request that samples this step
+    (``[ceil(vocab / 32)]`` int32, bit ``t % 32`` of word ``t // 32`` for token ``t``), from
+    the engine's matchers; every tensor-parallel rank masks with the same."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -15,10 +15,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from mrv2.config import EngineConfig
 from mrv2.contract.input_processor import InputProcessor
 from mrv2.contract.params import SamplingParams, derive_seed
-from mrv2.contract.requests import MultiModalItem, NewRequest
+from mrv2.contract.requests import MultiModalItem, NewRequest, SchedulerOutput
 from mrv2.engine.block_manager import BlockManager
 from mrv2.engine.detokenizer import IncrementalDetokenizer
 from mrv2.engine.generation_defaults import load_sampling_defaults
@@ -32,7 +34,7 @@ from mrv2.engine.sampling_outputs import (
     prepare_params,
 )
 from mrv2.engine.scheduler import Scheduler
-from mrv2.engine.structured_outputs import StructuredOutputs
+from mrv2.engine.structured_outputs import Guide, StructuredOutputs
 from mrv2.engine.tokenizer import Tokenizer, load_generation_eos
 from mrv2.engine.warmup import warm_up
 from mrv2.executor import make_runner
@@ -52,6 +54,7 @@ class _Tracked:
     sent_tokens: int = 0
     sent_text: int = 0
     logprobs: LogprobState | None = None
+    guide: Guide | None = None  # a structured output's matcher
 
 
 class LLMEngine:
@@ -208,10 +211,11 @@ class LLMEngine:
                 self.add_request(prompt_token_ids, child_params, child, prompt, stream, priority,
                                  mm_items)
             return req_id
+        guide = None
         if params.structured_outputs is not None:  # (a copy: the caller's is untouched)
             structured = self._structured_outputs()
             params._grammar = params._grammar or structured.grammar(params.structured_outputs)
-            params._guide = structured.guide(params, prompt_token_ids)
+            guide = structured.guide(params, prompt_token_ids)
         request = Request(
             req_id=req_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -228,7 +232,7 @@ class LLMEngine:
                 self.tokenizer, request.prompt_token_ids, params.skip_special_tokens
             )
         self.scheduler.add(request)
-        self._requests[req_id] = _Tracked(request, prompt, detok, stream)
+        self._requests[req_id] = _Tracked(request, prompt, detok, stream, guide=guide)
         if params.logprobs is not None or params.prompt_logprobs is not None:
             self._requests[req_id].logprobs = LogprobState()
         return req_id
@@ -266,6 +270,8 @@ class LLMEngine:
         of every streaming request.
         """
         scheduled = self.scheduler.schedule()
+        if self._structured is not None and scheduled.num_scheduled_tokens:
+            self._fill_bitmasks(scheduled)
         if scheduled.num_scheduled_tokens:
             self._in_flight.append(self.runner.execute(scheduled))
         else:
@@ -326,6 +332,22 @@ class LLMEngine:
         merged = [self._fanout.merge(o) for o in outputs]
         return [o for o in merged if o is not None]
 
+    def _fill_bitmasks(self, scheduled: SchedulerOutput) -> None:
+        """The allowed next tokens of the step's structured-output requests that sample
+        (their matchers have every earlier token: the scheduler ran them with none in
+        flight), into ``scheduled.token_bitmasks`` for every rank's sampler."""
+        guides, ids = [], []
+        for req_id in scheduled.num_scheduled_tokens:
+            tracked = self._requests.get(req_id)
+            if (tracked is not None and tracked.guide is not None
+                    and self.scheduler.samples_now(req_id)):
+                guides.append(tracked.guide)
+                ids.append(req_id)
+        if guides:
+            masks = np.empty((len(guides), guides[0].owner.words), dtype=np.int32)
+            guides[0].fill_bitmasks(guides, masks)
+            scheduled.token_bitmasks = dict(zip(ids, masks, strict=True))
+
     def _structured_outputs(self) -> StructuredOutputs:
         """The structured-outputs side (built at the first constrained request); ValueError
         where this engine cannot hold a request to one."""
@@ -333,9 +355,6 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("SamplingParams.structured_outputs needs a tokenizer; this "
                                  "model has none")
-            if self.config.parallel.tensor_parallel_size > 1:
-                raise ValueError("SamplingParams.structured_outputs is not supported with "
-                                 "tensor_parallel_size > 1")
             self._structured = StructuredOutputs(self.tokenizer.hf, self.vocab_size,
                                                  sorted(self.eos_token_ids))
         return self._structured
@@ -344,7 +363,7 @@ class LLMEngine:
         request = tracked.request
         params = request.sampling_params
         num_out = len(request.output_token_ids)
-        guide = params._guide
+        guide = tracked.guide
         if guide is not None:
             guide.advance(token)
         stop_id = num_out >= params.min_tokens and (

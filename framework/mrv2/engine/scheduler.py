@@ -186,6 +186,10 @@ class Scheduler:
         if request.status is RequestStatus.RUNNING:
             request.num_computed_tokens -= num_drafts - num_accepted
 
+    def samples_now(self, req_id: str) -> bool:
+        """Whether the step just scheduled samples a token for ``req_id``."""
+        return req_id in self._sampled_now
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self._release(request)

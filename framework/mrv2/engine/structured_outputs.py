@@ -12,13 +12,15 @@ Per step (GPU-native where it can be, CPU where it must): the matcher lives on t
 consumes each sampled token when the step's result reaches the engine. The scheduler runs a
 constrained request only when none of its tokens is in flight (the mask of its next token
 needs the last one), so such a request takes every other step of an async batch, or every
-step when it runs alone; the other requests keep the async pipeline. When the step runs, the
-sampler asks the matchers for the allowed-token bitmasks (one bit a token, packed in int32 on
-the CPU; several requests' on llguidance's thread pool; 77-107 us a request on one core of
-the CPU sandbox, 64 matchers mid-JSON, 49K vocabulary), uploads them and sets every other
-token's logit to -inf before sampling (:func:`mrv2.sample.masks.apply_token_bitmask`), on the
-eager sampling path. A request whose match is complete (the matcher accepts nothing but the
-end) finishes with ``stop``.
+step when it runs alone; the other requests keep the async pipeline. Once a step is
+scheduled, the engine asks the matchers of its sampling constrained requests for their
+allowed-token bitmasks (one bit a token, packed in int32 on the CPU; several requests' on
+llguidance's thread pool; 77-107 us a request on one core of the CPU sandbox, 64 matchers
+mid-JSON, 49K vocabulary) and puts them in the step's ``SchedulerOutput.token_bitmasks``;
+every rank's sampler (tensor parallelism: the same masks on every rank) uploads them and sets
+every other token's logit to -inf before sampling
+(:func:`mrv2.sample.masks.apply_token_bitmask`), on the eager sampling path. A request whose
+match is complete (the matcher accepts nothing but the end) finishes with ``stop``.
 
 With the server's ``--reasoning-parser`` (``qwen3``, ``deepseek_r1``), as vLLM: the grammar
 holds only what follows the ``<think>`` block. A prompt that closed the block (Qwen3 with
@@ -27,8 +29,7 @@ template) is free until ``</think>``; otherwise (``qwen3``) the first token may 
 grammar's or ``<think>``, which frees it until ``</think>``.
 
 With speculative decoding a constrained request verifies no drafts (a mask per draft
-position is not built); the others keep theirs. Tensor parallelism is refused when such a
-request is added (the ranks past 0 would need the masks too).
+position is not built); the others keep theirs.
 """
 
 from __future__ import annotations

@@ -237,6 +237,7 @@ class BatchBuilder:
             num_draft_tokens=layout.drafts, cu_num_logits=layout.cu_logits,
             logits_idx_mapping=layout.logits_idx_mapping, logits_positions=logits_positions,
             cu_num_logits_dev=layout.dev.get("cu_num_logits"),
+            token_bitmasks=scheduled.token_bitmasks,
         )
         plan = sample_plan(batch)
         return StepPlan(batch, plan, layout.replay_query_len, layout.dev["do_sample"],

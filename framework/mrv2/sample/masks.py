@@ -10,8 +10,6 @@ reach the CPU first.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 
@@ -29,8 +27,10 @@ def apply_masks(
     table: RequestStateTable,
     state: SamplingState,
     special: list[tuple[int, SamplingParams]],
+    bitmasks: list[tuple[int, np.ndarray]] | None = None,
 ) -> None:
-    """Apply bias, allowed tokens, bad words and min_tokens of ``special`` rows in place.
+    """Apply bias, allowed tokens, bad words and min_tokens of ``special`` rows, and the
+    structured outputs' ``bitmasks`` (``(logits row, [words] int32)``), in place.
 
     ``special`` lists ``(logits row, params)`` of the rows whose request uses some rarely
     used stage; ``logits`` is ``[N, V]`` float32, ``idx_mapping`` ``[N]`` the state-table row of
@@ -45,10 +45,7 @@ def apply_masks(
     words: list[tuple[int, list[int]]] = []
     min_b: list[int] = []
     min_t: list[int] = []
-    guided: list[tuple[int, Any]] = []
     for b, p in special:
-        if p._guide is not None:
-            guided.append((b, p._guide))
         if p.logit_bias:
             for token, value in p.logit_bias.items():
                 bias_b.append(b)
@@ -83,11 +80,8 @@ def apply_masks(
         _fill(logits, (_t(cond_b, device), _t(cond_t, device)), _NEG_INF)
     if words:
         _ban_bad_words(logits, idx_mapping, table, state, words)
-    if guided:  # last: a structured output's mask wins over a bias
-        bitmask = np.empty((len(guided), (vocab + 31) // 32), dtype=np.int32)
-        guides = [guide for _, guide in guided]
-        guides[0].fill_bitmasks(guides, bitmask)
-        apply_token_bitmask(logits, [b for b, _ in guided], bitmask)
+    if bitmasks:  # after the bias: a structured output's mask wins over it
+        apply_token_bitmask(logits, [b for b, _ in bitmasks], np.stack([m for _, m in bitmasks]))
     if min_b:
         batch_idx = _t(min_b, device)
         rows = idx_mapping[batch_idx].long()

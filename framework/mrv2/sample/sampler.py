@@ -94,6 +94,8 @@ class SamplePlan:
     """The most top logprobs a request of the batch asked for (-1: none)."""
     prompt_chunks: list[PromptChunk] = field(default_factory=list)
     """Where this step's prompt tokens of ``prompt_logprobs`` requests lie."""
+    bitmasks: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    """``(logits row, allowed-token bitmask)`` of structured-output rows that sample."""
 
 
 class Sampler:
@@ -227,6 +229,9 @@ class Sampler:
             params = state.params[row]
             for r in range(int(batch.cu_num_logits[b]), int(batch.cu_num_logits[b + 1])):
                 plan.rare.append((r, params))
+            mask = batch.token_bitmasks.get(batch.req_ids[b])
+            if mask is not None:  # (no drafts for these requests: one logits row)
+                plan.bitmasks.append((int(batch.cu_num_logits[b]), mask))
             if params.logprobs is not None:
                 plan.max_logprobs = max(plan.max_logprobs, params.logprobs)
             k = params.prompt_logprobs
@@ -262,7 +267,7 @@ class Sampler:
                 apply_penalties(logits, idx, state.output_counts, state.prompt_mask,
                                 state.repetition_penalty, state.frequency_penalty,
                                 state.presence_penalty)
-            apply_masks(logits, idx, table, state, plan.rare)
+            apply_masks(logits, idx, table, state, plan.rare, plan.bitmasks)
         rows = idx.long()
         temperature = state.temperature[rows]
         greedy = temperature < _GREEDY_EPS
