@@ -103,6 +103,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._fanout = FanOut()
         self._structured: StructuredOutputs | None = None
+        self._guided: set[str] = set()  # requests with a structured output (some may be done)
         #: Seconds the start-up warm-up took (None: it did not run; it runs on CUDA only).
         self.warmup_seconds: float | None = None
         if config.device.warmup and self.runner.device.type == "cuda":
@@ -233,6 +234,8 @@ class LLMEngine:
             )
         self.scheduler.add(request)
         self._requests[req_id] = _Tracked(request, prompt, detok, stream, guide=guide)
+        if guide is not None:
+            self._guided.add(req_id)
         if params.logprobs is not None or params.prompt_logprobs is not None:
             self._requests[req_id].logprobs = LogprobState()
         return req_id
@@ -270,7 +273,7 @@ class LLMEngine:
         of every streaming request.
         """
         scheduled = self.scheduler.schedule()
-        if self._structured is not None and scheduled.num_scheduled_tokens:
+        if self._guided and scheduled.num_scheduled_tokens:
             self._fill_bitmasks(scheduled)
         if scheduled.num_scheduled_tokens:
             self._in_flight.append(self.runner.execute(scheduled))
@@ -337,10 +340,11 @@ class LLMEngine:
         (their matchers have every earlier token: the scheduler ran them with none in
         flight), into ``scheduled.token_bitmasks`` for every rank's sampler."""
         guides, ids = [], []
-        for req_id in scheduled.num_scheduled_tokens:
+        for req_id in list(self._guided):
             tracked = self._requests.get(req_id)
-            if (tracked is not None and tracked.guide is not None
-                    and self.scheduler.samples_now(req_id)):
+            if tracked is None:  # finished or aborted
+                self._guided.discard(req_id)
+            elif tracked.guide is not None and self.scheduler.samples_now(req_id):
                 guides.append(tracked.guide)
                 ids.append(req_id)
         if guides:
