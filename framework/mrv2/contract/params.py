@@ -118,9 +118,6 @@ class SamplingParams:
     # with prompt + outputs as its prefill, and penalties / min_tokens / bad words need the
     # boundary. None: the whole prefill is the prompt.
     _num_prompt_tokens: int | None = field(default=None, repr=False, compare=False)
-    # structured_outputs as a checked llguidance grammar (shared by an n > 1 request's
-    # samples; mrv2.engine.structured_outputs).
-    _grammar: str | None = field(default=None, repr=False, compare=False)
     # The server's reasoning parser ("qwen3", "deepseek_r1"): the grammar holds only after the
     # thinking block.
     _reasoning: str | None = field(default=None, repr=False, compare=False)

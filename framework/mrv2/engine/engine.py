@@ -213,10 +213,8 @@ class LLMEngine:
                                  mm_items)
             return req_id
         guide = None
-        if params.structured_outputs is not None:  # (a copy: the caller's is untouched)
-            structured = self._structured_outputs()
-            params._grammar = params._grammar or structured.grammar(params.structured_outputs)
-            guide = structured.guide(params, prompt_token_ids)
+        if params.structured_outputs is not None:
+            guide = self._structured_outputs().guide(params, prompt_token_ids)
         request = Request(
             req_id=req_id,
             prompt_token_ids=list(prompt_token_ids),

@@ -186,13 +186,14 @@ class StructuredOutputs:
         return grammar
 
     def guide(self, params: SamplingParams, prompt_token_ids: list[int]) -> Guide:
-        """A fresh matcher over ``params._grammar`` (set from :meth:`grammar`); with
-        ``params._reasoning`` (the server's reasoning parser) it holds only what follows the
-        thinking block: from the start if the prompt closed the block (Qwen3 with
+        """A fresh matcher over ``params.structured_outputs``' grammar (:meth:`grammar`,
+        cached); with ``params._reasoning`` (the server's reasoning parser) it holds only what
+        follows the thinking block: from the start if the prompt closed the block (Qwen3 with
         ``enable_thinking: false``), after ``</think>`` if the prompt opened it (DeepSeek-R1),
         and for ``qwen3`` otherwise the first token may open it instead."""
-        assert params._grammar is not None
-        matcher = _llguidance().LLMatcher(self.tokenizer, params._grammar)
+        assert params.structured_outputs is not None
+        matcher = _llguidance().LLMatcher(self.tokenizer,
+                                          self.grammar(params.structured_outputs))
         if matcher.is_error():
             raise ValueError(f"{_FIELD} is invalid: {matcher.get_error()}")
         tags = self._think_tags() if params._reasoning else None
