@@ -337,23 +337,15 @@ def parse_tool_calls(text: str, parser: str | ToolParser = "hermes", tools: Tool
     return get_tool_parser(parser).parse(text, tools)
 
 
-def _forced_calls(text: str, tools: Tools, name: str | None) -> list[ToolCall]:
+def _forced_calls(text: str, name: str | None) -> list[ToolCall]:
     """A forced answer's calls: a named choice's arguments object, or ``required``'s list of
     ``{"name", "parameters"}`` (ValueError: not that JSON, e.g. cut off by max_tokens)."""
-    value = json.loads(text)
     if name is not None:
-        if not isinstance(value, dict):
-            raise ValueError("arguments that are not an object")
-        return [ToolCall(name, json.dumps(value, ensure_ascii=False))]
+        return [_json_arguments(name, text)]
+    value = json.loads(text)
     if not isinstance(value, list) or not value:
         raise ValueError("no list of calls")
-    calls = []
-    for item in value:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            raise ValueError("a call without a name")
-        calls.append(ToolCall(item["name"], json.dumps(item.get("parameters", {}),
-                                                       ensure_ascii=False)))
-    return calls
+    return [_json_call(item) for item in value]
 
 
 def _parameters(tool: Mapping[str, Any]) -> dict[str, Any]:
@@ -378,7 +370,7 @@ def forced_tool_choice(tool_choice: str | Mapping[str, Any], tools: Tools,
                                   "items": {"anyOf": items}}
         if not parallel_tool_calls:
             schema["maxItems"] = 1
-        return ToolParser("required", ("",), lambda text, _: _forced_calls(text, (), None)), schema
+        return ToolParser("required", ("",), lambda text, _: _forced_calls(text, None)), schema
     function = tool_choice.get("function") if isinstance(tool_choice, Mapping) else None
     name = function.get("name") if isinstance(function, Mapping) else None
     if not (isinstance(tool_choice, Mapping) and tool_choice.get("type") == "function"
@@ -390,7 +382,7 @@ def forced_tool_choice(tool_choice: str | Mapping[str, Any], tools: Tools,
         raise ValueError(f"SamplingParams.tool_choice names {name!r}, which tools lacks "
                          f"(tools: {', '.join(names)})")
     tool = tools[names.index(name)]
-    return (ToolParser("named", ("",), lambda text, _: _forced_calls(text, (), name)),
+    return (ToolParser("named", ("",), lambda text, _: _forced_calls(text, name)),
             _parameters(tool))
 
 
