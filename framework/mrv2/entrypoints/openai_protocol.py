@@ -96,39 +96,41 @@ class _Request(BaseModel):
             structured_outputs=self.structured_outputs_params(),
         )
 
+    def _structured_fields(self) -> list[str]:
+        """The structured-output fields the request gives (``response_format`` of type
+        ``text`` is none), in the order they are read."""
+        names = [] if self.response_format in (None, {"type": "text"}) else ["response_format"]
+        return names + [name for name in ("structured_outputs", *_GUIDED)
+                        if getattr(self, name) is not None]
+
     def structured_source(self) -> str | None:
         """The field the request's structured output came from (None: it has none)."""
-        fmt = self.response_format
-        if fmt is not None and fmt != {"type": "text"}:
-            return "response_format"
-        return next((name for name in ("structured_outputs", "guided_json", "guided_regex",
-                                       "guided_choice", "guided_grammar")
-                     if getattr(self, name) is not None), None)
+        return next(iter(self._structured_fields()), None)
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The constraint of ``response_format``, ``structured_outputs`` or a ``guided_*``
         field (at most one of them); ValueError naming the field otherwise."""
-        given: list[tuple[str, StructuredOutputsParams]] = []
-        fmt = self.response_format
-        if fmt is not None and fmt != {"type": "text"}:
-            given.append(("response_format", _response_format(fmt)))
-        if self.structured_outputs is not None:
+        names = self._structured_fields()
+        given = [self._structured_field(name) for name in names]
+        if len(given) > 1:
+            raise ValueError(f"SamplingParams.{names[1]} is invalid: give one of "
+                             f"{', '.join(names)}, not several")
+        return given[0] if given else None
+
+    def _structured_field(self, name: str) -> StructuredOutputsParams:
+        """The constraint the field ``name`` (given) states; ValueError naming it."""
+        if name == "response_format":
+            assert self.response_format is not None
+            return _response_format(self.response_format)
+        if name == "structured_outputs":
+            assert self.structured_outputs is not None
             unknown = sorted(set(self.structured_outputs) - _STRUCTURED_KEYS)
             if unknown:
                 raise ValueError(f"SamplingParams.structured_outputs is invalid: unknown "
                                  f"{', '.join(unknown)} (allowed: "
                                  f"{', '.join(sorted(_STRUCTURED_KEYS))})")
-            given.append(("structured_outputs",
-                          StructuredOutputsParams(**self.structured_outputs)))
-        for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
-                          ("guided_choice", "choice"), ("guided_grammar", "grammar")):
-            value = getattr(self, name)
-            if value is not None:
-                given.append((name, StructuredOutputsParams(**{key: value})))
-        if len(given) > 1:
-            raise ValueError(f"SamplingParams.{given[1][0]} is invalid: give one of "
-                             f"{', '.join(n for n, _ in given)}, not several")
-        return given[0][1] if given else None
+            return StructuredOutputsParams(**self.structured_outputs)
+        return StructuredOutputsParams(**{_GUIDED[name]: getattr(self, name)})
 
     def truncate(self, ids: list[int]) -> list[int]:
         """The prompt's last ``truncate_prompt_tokens`` ids (all of them when unset)."""
@@ -322,6 +324,9 @@ class DetokenizeRequest(BaseModel):
 
 _STRUCTURED_KEYS = frozenset({"json", "json_object", "regex", "choice", "grammar",
                               "disable_any_whitespace"})
+#: vLLM's older fields -> the ``StructuredOutputsParams`` field each sets.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
 
 
 def _response_format(fmt: dict[str, Any]) -> StructuredOutputsParams:
