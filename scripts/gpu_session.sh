@@ -8,6 +8,7 @@
 # gcgen0 (MRV2_GC_GEN0_THRESHOLD=20000 against Python's own, 256 streams through mrv2 serve),
 # verify26 (the twenty-sixth session's CPU-only work on the GPU: cold start, engine/sampler/VL tests, start-up log),
 # startup (scripts/probe_startup.py: where start-up goes, cold and warm Triton cache),
+# structured (scripts/probe_structured.py: JSON-schema batches, late masks against waiting, and free),
 # graphtimes (scripts/decode_graph_times.py: each decode graph's replay time by size),
 # streamk (scripts/proto_streamk.py: a stream-K GEMM against cuBLAS at 8B decode shapes), attn,
 # splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile, mixed,
@@ -113,6 +114,12 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
               | tee "$OUT/prefix.log" | tail -30 ;;
     preempt) python3 -m mrv2.entrypoints.cli bench throughput --json "$OUT/preempt.json" \
                --full-warmup --kv-fraction 0.33 2>&1 | tee "$OUT/preempt.log" | tail -30 ;;
+    structured) # structured outputs under load (scripts/probe_structured.py): masks filled
+                # during the forward against each request waiting for its token, and free;
+                # the tokenizer: .whl/smollm2 (SmolLM2's, copied from the converted default model)
+                timeout 400 python3 scripts/probe_structured.py --tokenizer .whl/smollm2 \
+                  ${STRUCTURED_ARGS:-} --json "$OUT/structured.json" 2>&1 \
+                  | tee "$OUT/structured.log" | tail -8 ;;
     profile) python3 scripts/profile_decode.py --batch 1 ${PROFILE_ARGS:-} 2>&1 \
                | tee "$OUT/profile_b1.log" | tail -60 ;;
     flatgrid) # MRV2_ATTN_FLAT_GRID (paged attention's flat grid for prefill plans): the

@@ -216,17 +216,21 @@ def test_shutdown_drops_the_graphs_before_leaving_the_group(
 
 
 def test_structured_outputs_under_tensor_parallelism(model: Path) -> None:
-    """Every rank masks with rank 0's bitmasks (they travel in the step's SchedulerOutput):
-    two ranks give the constrained samples one rank gives, and they match."""
+    """Every rank masks with rank 0's bitmasks, filled during the forward (async scheduling:
+    the step goes out as "execute_late" and the masks follow) or with the step (the request
+    waiting for its token: ``late_token_masks`` off): two ranks give the constrained samples
+    one rank gives, either way, and they match."""
     from mrv2 import StructuredOutputsParams
 
     params = SamplingParams(temperature=0.9, seed=5, max_tokens=20, n=2,
                             structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]"))
     prompts = ["Hello world", "Paris"]
 
-    def run(size: int) -> list[list[str]]:
+    def run(size: int, late: bool = True) -> list[list[str]]:
         llm = LLM(str(model), device="cpu", dtype="float32", tensor_parallel_size=size)
         try:
+            assert llm.engine.scheduler.late_token_masks
+            llm.engine.scheduler.late_token_masks = late
             return [[c.text for c in o.outputs] for o in llm.generate(prompts, params,
                                                                        use_tqdm=False)]
         finally:
@@ -234,4 +238,5 @@ def test_structured_outputs_under_tensor_parallelism(model: Path) -> None:
 
     one, two = run(1), run(2)
     assert two == one
+    assert run(2, late=False) == one
     assert all(len(t) == 5 and t[:3].isdigit() and t[3] == "-" for ts in two for t in ts), two

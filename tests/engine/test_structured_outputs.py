@@ -89,6 +89,58 @@ def test_constrained_and_free_requests_do_not_touch_each_other(llm: LLM) -> None
     assert CASES["regex"][1](alone_guided)
 
 
+def _run_steps(llm: LLM, params: list[SamplingParams], late: bool
+               ) -> tuple[int, list[list[int]], list[str]]:
+    """Every request of ``params`` (one per prompt) through the engine's own loop; returns the
+    steps taken, each request's tokens and finish reason."""
+    engine = llm.engine
+    was, engine.scheduler.late_token_masks = engine.scheduler.late_token_masks, late
+    try:
+        assert engine.tokenizer is not None
+        ids = [engine.add_request(engine.tokenizer.encode(p), sp)
+               for p, sp in zip(PROMPTS, params, strict=False)]
+        done, steps = {}, 0
+        while engine.has_unfinished():
+            steps += 1
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+    finally:
+        engine.scheduler.late_token_masks = was
+    outs = [done[i].outputs[0] for i in ids]
+    return steps, [o.token_ids for o in outs], [o.finish_reason or "" for o in outs]
+
+
+def test_with_async_scheduling_a_constrained_request_samples_every_step(llm: LLM) -> None:
+    """Its mask is filled during the step's forward, once its token in flight has arrived: it
+    samples every step, as a free request does, and gives the tokens it gives when it waits
+    for each token before its next step (every other step: ``MRV2_LATE_TOKEN_MASKS=0``)."""
+    assert llm.engine.scheduler.late_token_masks  # the default with a runner in this process
+    spec = StructuredOutputsParams(regex=r"[a-z]{24}")
+    params = [SamplingParams(temperature=t, seed=5, max_tokens=40, structured_outputs=spec)
+              for t in (0.0, 0.9)]
+    params.append(SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    late_steps, late_tokens, late_reasons = _run_steps(llm, params, late=True)
+    slow_steps, slow_tokens, _ = _run_steps(llm, params, late=False)
+    assert late_tokens == slow_tokens
+    assert late_reasons[:2] == ["stop", "stop"]
+    longest = max(len(t) for t in late_tokens[:2])
+    assert longest >= 6, late_tokens  # ("[a-z]{24}" takes several tokens of this vocabulary)
+    assert late_steps <= longest + 3 < 2 * longest - 1 <= slow_steps
+
+
+def test_a_constrained_request_that_ends_while_its_next_step_runs(llm: LLM) -> None:
+    """A choice completes on a token the engine learns of while the request's next step is
+    already launched: that step's row samples with every token allowed and its token is
+    dropped; the other constrained request (still matching) keeps its own mask."""
+    short = SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=CASES["choice"][0])
+    long = SamplingParams(temperature=0.9, seed=3, max_tokens=40,
+                          structured_outputs=StructuredOutputsParams(regex=r"[0-9]{30}"))
+    _, tokens, reasons = _run_steps(llm, [short, long], late=True)
+    assert reasons == ["stop", "stop"]
+    texts = [llm.engine.tokenizer.decode(t) for t in tokens]  # type: ignore[union-attr]
+    assert texts[0] in ("Paris", "London", 'New "York"'), texts
+    assert re.fullmatch(r"[0-9]{30}", texts[1]), texts
+
+
 @pytest.mark.parametrize(("spec", "message"), [
     (StructuredOutputsParams(regex="[0-9"), "structured_outputs.regex is invalid: .*regex"),
     (StructuredOutputsParams(json={"type": "nonsense"}),

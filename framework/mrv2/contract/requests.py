@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,6 +107,11 @@ class SchedulerOutput:
     """The allowed next tokens of each structured-output request that samples this step
     (``[ceil(vocab / 32)]`` int32, bit ``t % 32`` of word ``t // 32`` for token ``t``), from
     the engine's matchers; every tensor-parallel rank masks with the same."""
+    fill_token_bitmasks: Callable[[], None] | None = None
+    """Set by an engine whose runner is in its process when the masks are not known yet (the
+    constrained requests' tokens of the step before are in flight): ``token_bitmasks`` then
+    holds the arrays, and the runner calls this after launching the forward and before
+    sampling, so the masks are filled while the device runs the forward."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import random
 import time
 from collections import deque
@@ -34,7 +35,7 @@ from mrv2.engine.sampling_outputs import (
     prepare_params,
 )
 from mrv2.engine.scheduler import Scheduler
-from mrv2.engine.structured_outputs import Guide, StructuredOutputs
+from mrv2.engine.structured_outputs import Guide, StructuredOutputs, fill_bitmasks
 from mrv2.engine.tokenizer import Tokenizer, load_generation_eos
 from mrv2.engine.warmup import warm_up
 from mrv2.executor import make_runner
@@ -43,6 +44,10 @@ from mrv2.registry import import_object
 from mrv2.runner.async_output import AsyncStepOutput
 
 logger = logging.getLogger(__name__)
+
+#: "0": a structured-output request waits for its token in flight (every other step of an
+#: async batch) instead of having its mask filled during the step's forward (the A/B switch).
+LATE_TOKEN_MASKS_ENV = "MRV2_LATE_TOKEN_MASKS"
 
 
 @dataclass
@@ -127,11 +132,14 @@ class LLMEngine:
         blocks = BlockManager(self.runner.num_kv_blocks, self.runner.block_size,
                               self.config.cache.enable_prefix_caching)
         speculator = self.runner.speculator
-        return blocks, Scheduler(
+        scheduler = Scheduler(
             self.config.scheduler, blocks, self.runner.num_speculative_tokens,
             self.max_model_len,
             num_lookahead_tokens=speculator.num_lookahead_tokens if speculator else 0,
         )
+        scheduler.late_token_masks = (bool(getattr(self.runner, "late_token_masks", False))
+                                      and os.environ.get(LATE_TOKEN_MASKS_ENV, "1") != "0")
+        return blocks, scheduler
 
     def reset_after_warmup(self) -> None:
         """Forget what :func:`~mrv2.engine.warmup.warm_up`'s requests left: a new block
@@ -334,21 +342,40 @@ class LLMEngine:
         return [o for o in merged if o is not None]
 
     def _fill_bitmasks(self, scheduled: SchedulerOutput) -> None:
-        """The allowed next tokens of the step's structured-output requests that sample
-        (their matchers have every earlier token: the scheduler ran them with none in
-        flight), into ``scheduled.token_bitmasks`` for every rank's sampler."""
-        guides, ids = [], []
+        """The allowed next tokens of the step's structured-output requests that sample, into
+        ``scheduled.token_bitmasks`` for the sampler: now when their matchers have every
+        earlier token, else (a token of theirs in flight: the runner is in this process)
+        during the step's forward, by ``scheduled.fill_token_bitmasks``."""
+        guided, late = [], False
         for req_id in list(self._guided):
             tracked = self._requests.get(req_id)
             if tracked is None:  # finished or aborted
                 self._guided.discard(req_id)
             elif tracked.guide is not None and self.scheduler.samples_now(req_id):
-                guides.append(tracked.guide)
-                ids.append(req_id)
-        if guides:
-            masks = np.empty((len(guides), guides[0].owner.words), dtype=np.int32)
-            guides[0].fill_bitmasks(guides, masks)
-            scheduled.token_bitmasks = dict(zip(ids, masks, strict=True))
+                guided.append(tracked)
+                late = late or tracked.request.num_pending > 1  # this step's, and one earlier
+        if not guided:
+            return
+        assert guided[0].guide is not None
+        masks = np.empty((len(guided), guided[0].guide.owner.words), dtype=np.int32)
+        scheduled.token_bitmasks = {t.request.req_id: row
+                                    for t, row in zip(guided, masks, strict=True)}
+        if not late:
+            _write_bitmasks(guided, masks)
+            return
+
+        def fill() -> None:  # the forward is launched: the tokens in flight, then the masks
+            for tracked in guided:
+                guide, request = tracked.guide, tracked.request
+                if guide is None or request.finished:
+                    continue
+                in_flight = [token for step in self._in_flight
+                             for token in step.result().get(request.req_id, ())]
+                for token in in_flight[guide.consumed - len(request.output_token_ids):]:
+                    guide.advance(token)  # (the step's processing, later, skips these)
+            _write_bitmasks(guided, masks)
+
+        scheduled.fill_token_bitmasks = fill
 
     def _structured_outputs(self) -> StructuredOutputs:
         """The structured-outputs side (built at the first constrained request); ValueError
@@ -366,7 +393,7 @@ class LLMEngine:
         params = request.sampling_params
         num_out = len(request.output_token_ids)
         guide = tracked.guide
-        if guide is not None:
+        if guide is not None and guide.consumed < num_out:  # (else consumed during a step)
             guide.advance(token)
         stop_id = num_out >= params.min_tokens and (
             token in (params.stop_token_ids or ()) or token in request.eos_token_ids)
@@ -472,6 +499,11 @@ class LLMEngine:
             "num_generation_tokens": self.num_generation_tokens,
             **self._spec_stats(),
         }
+
+
+def _write_bitmasks(guided: list[_Tracked], masks: np.ndarray) -> None:
+    """``guided``'s allowed next tokens into ``masks``' rows (a finished request's: any)."""
+    fill_bitmasks([None if t.request.finished else t.guide for t in guided], masks)
 
 
 def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int,

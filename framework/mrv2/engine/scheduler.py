@@ -60,6 +60,10 @@ class Scheduler:
         self._preempted_now: set[str] = set()
         self._sampled_now: set[str] = set()
         self.num_preemptions = 0
+        #: The engine fills structured outputs' masks late (during the step's forward, once the
+        #: token in flight has arrived), so a constrained request runs every step; when False
+        #: (ranks in other processes) it waits for its token in flight, every other step.
+        self.late_token_masks = False
 
     @property
     def num_unfinished(self) -> int:
@@ -216,7 +220,8 @@ class Scheduler:
                 break
             if request.num_output_tokens >= request.max_tokens:
                 continue  # every token it needs is sampled; it ends when they arrive
-            if request.num_pending and request.sampling_params.structured_outputs is not None:
+            if (request.num_pending and not self.late_token_masks
+                    and request.sampling_params.structured_outputs is not None):
                 continue  # its next token's mask needs the one in flight (structured outputs)
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if n <= 0:

@@ -9,18 +9,25 @@ compiled and checked when it is added (a bad schema or grammar is a ``ValueError
 field, before any work), and each sample gets its own matcher over the tokenizer.
 
 Per step (GPU-native where it can be, CPU where it must): the matcher lives on the CPU and
-consumes each sampled token when the step's result reaches the engine. The scheduler runs a
-constrained request only when none of its tokens is in flight (the mask of its next token
-needs the last one), so such a request takes every other step of an async batch, or every
-step when it runs alone; the other requests keep the async pipeline. Once a step is
-scheduled, the engine asks the matchers of its sampling constrained requests for their
-allowed-token bitmasks (one bit a token, packed in int32 on the CPU; several requests' on
-llguidance's thread pool; 77-107 us a request on one core of the CPU sandbox, 64 matchers
-mid-JSON, 49K vocabulary) and puts them in the step's ``SchedulerOutput.token_bitmasks``;
-every rank's sampler (tensor parallelism: the same masks on every rank) uploads them and sets
-every other token's logit to -inf before sampling
+consumes each sampled token; the mask of a request's next token needs its last one. With
+async scheduling that token is still on the device when the next step is planned, so (runner
+in the engine's process, the default) the step is planned and its forward launched anyway,
+and the masks are filled *during* the forward: the runner calls
+``SchedulerOutput.fill_token_bitmasks`` between the forward and the sampling, which waits for
+the tokens in flight (the step before's, done by then or soon), advances the matchers over
+them and writes the masks, and the sampler then uploads them. A constrained request so samples
+every step, as a free one does. Under tensor parallelism (the step crosses to other
+processes before it runs) or with ``MRV2_LATE_TOKEN_MASKS=0`` the scheduler instead runs a
+constrained request only when none of its tokens is in flight: every other step of an async
+batch, the other requests keeping the pipeline; its masks are filled right after scheduling
+and travel in ``SchedulerOutput.token_bitmasks``, the same on every rank. Either way the
+allowed-token bitmasks come from llguidance (one bit a token, packed in int32 on the CPU;
+several requests' on llguidance's thread pool: ~4 us a mask of a plain JSON schema on one
+core of the CPU sandbox, 49K vocabulary; counted repetitions such as ``maxLength`` make them
+~15x dearer), and the sampler sets every other token's logit to -inf before sampling
 (:func:`mrv2.sample.masks.apply_token_bitmask`), on the eager sampling path. A request whose
-match is complete (the matcher accepts nothing but the end) finishes with ``stop``.
+match is complete (the matcher accepts nothing but the end) finishes with ``stop``; a step
+already launched for it samples with every token allowed, and its token is dropped.
 
 With the server's ``--reasoning-parser`` (``qwen3``, ``deepseek_r1``), as vLLM: the grammar
 holds only what follows the ``<think>`` block. A prompt that closed the block (Qwen3 with
@@ -36,13 +43,13 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from mrv2.contract.params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["Guide", "StructuredOutputs", "grammar_of"]
+__all__ = ["Guide", "StructuredOutputs", "fill_bitmasks", "grammar_of"]
 
 _FIELD = "SamplingParams.structured_outputs"
 logger = logging.getLogger(__name__)
@@ -91,6 +98,9 @@ class Guide:
                  think: tuple[int, int, str] | None = None) -> None:
         self.matcher, self.owner = matcher, owner
         self.think_start, self.think_end, self.phase = think or (-1, -1, "grammar")
+        #: Tokens advanced over: the request's output so far, or past it by the tokens of
+        #: steps whose results arrived but are not processed yet (late masks).
+        self.consumed = 0
         assert self.phase in _PHASES
 
     def fill_bitmasks(self, guides: list[Guide], out: np.ndarray) -> None:
@@ -116,6 +126,7 @@ class Guide:
     def advance(self, token: int) -> None:
         """Consume a sampled token (a token the mask allowed; anything else puts the matcher
         in its error state, which ends the request)."""
+        self.consumed += 1
         if self.phase == "reasoning":
             if token == self.think_end:
                 self.phase = "grammar"
@@ -132,6 +143,23 @@ class Guide:
         """The match is complete (only the end may follow), or broken."""
         return self.phase == "grammar" and bool(self.matcher.is_stopped()
                                                 or self.matcher.is_error())
+
+
+def fill_bitmasks(guides: list[Guide | None], out: np.ndarray) -> None:
+    """Each guide's allowed next tokens into its row of ``out`` (``[len, words]`` int32,
+    C-contiguous, one bit a token); a row whose guide is None or done (its request finished
+    after the step was planned: the token is discarded) allows every token."""
+    live = [i for i, g in enumerate(guides) if g is not None and not g.done]
+    if len(live) == len(guides):
+        if guides:
+            cast(Guide, guides[0]).fill_bitmasks(cast(list[Guide], guides), out)
+        return
+    out[:] = -1
+    if live:
+        some = np.empty((len(live), out.shape[1]), dtype=np.int32)
+        first = cast(Guide, guides[live[0]])
+        first.fill_bitmasks([cast(Guide, guides[i]) for i in live], some)
+        out[live] = some
 
 
 class StructuredOutputs:

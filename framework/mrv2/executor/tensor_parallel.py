@@ -36,7 +36,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch.distributed as dist
@@ -240,7 +240,18 @@ class DistributedRunner(Runner):
     def execute(self, scheduled: SchedulerOutput) -> AsyncStepOutput:
         """Publish the step to the workers, then run it here."""
         self._check()
-        self._channel.publish(("execute", scheduled), self._check)
+        late = scheduled.fill_token_bitmasks
+        if late is None:
+            self._channel.publish(("execute", scheduled), self._check)
+        else:  # masks filled mid-step: "execute_late" goes out now, the masks once filled
+            self._channel.publish(("execute_late", replace(scheduled, fill_token_bitmasks=None)),
+                                  self._check)
+
+            def fill() -> None:
+                late()
+                self._channel.publish(("masks", scheduled.token_bitmasks), self._check)
+
+            scheduled = replace(scheduled, fill_token_bitmasks=fill)  # (the same mask arrays)
         self._in_step = True  # the step's own removals reach the workers with the step
         try:
             result: AsyncStepOutput = self._until_failure(lambda: Runner.execute(self, scheduled))

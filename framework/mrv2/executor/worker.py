@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import functools
 import os
 import pickle
 import signal
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -77,10 +79,23 @@ def serve_steps(runner: Runner, receive: Callable[[], Any]) -> None:
         kind, payload = receive()
         if kind == "execute":
             runner.execute(payload)
+        elif kind == "execute_late":  # its masks follow, filled by rank 0 during the forward
+            payload.fill_token_bitmasks = functools.partial(_receive_masks, receive,
+                                                            payload.token_bitmasks)
+            runner.execute(payload)
         elif kind == "remove":
             runner.remove_requests(payload)
         elif kind == "stop":
             return
+
+
+def _receive_masks(receive: Callable[[], Any], masks: dict[str, np.ndarray]) -> None:
+    """Rank 0's filled masks of an "execute_late" step, into the arrays its plan holds."""
+    kind, filled = receive()
+    if kind != "masks":
+        raise RuntimeError(f"expected the step's masks from rank 0, got {kind!r}")
+    for req_id, mask in filled.items():
+        masks[req_id][:] = mask
 
 
 def _die_with_parent() -> None:

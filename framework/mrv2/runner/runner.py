@@ -76,6 +76,11 @@ class Runner:
     manage KV blocks themselves; ``execute`` adds and removes requests as the output says.
     """
 
+    #: ``execute`` calls ``SchedulerOutput.fill_token_bitmasks`` between the forward and the
+    #: sampling (a subclass whose steps also run elsewhere forwards the masks there, as the
+    #: tensor-parallel runner does, or sets this False: the engine then fills masks early).
+    late_token_masks = True
+
     def __init__(
         self, config: EngineConfig, model_dir: str, plugins: PluginManager | None = None
     ) -> None:
@@ -237,7 +242,8 @@ class Runner:
             self.builder.stage_new_blocks(self.table.row_of(req_id), block_ids, staged)
         step = self.builder.build(scheduled, staged, self.sampler.plan, self._uploader)
         with torch.inference_mode():
-            samples, out, prompt_lps = self._forward_and_sample(step)
+            samples, out, prompt_lps = self._forward_and_sample(step,
+                                                                scheduled.fill_token_bitmasks)
         return self._start_output_copy(step, samples, out, prompt_lps)
 
     def _forward(self, batch: InputBatch) -> torch.Tensor:
@@ -278,13 +284,17 @@ class Runner:
                              "block_table": self.buffers.block_table[:size]})
 
     def _forward_and_sample(
-        self, step: StepPlan
+        self, step: StepPlan, before_sampling: Callable[[], None] | None = None,
     ) -> tuple[StepSamples, SamplerOutput, list[PromptLogprobs]]:
+        """The step's forward, then (``before_sampling`` called in between, the forward
+        launched) its sampling, post-update and drafting."""
         batch = step.batch
         model = cast(CausalLM, self.model)
         if step.replay_query_len:
             assert self.graphs is not None
             hidden, logits = self.graphs.replay(step.replay_query_len, batch.num_reqs_padded)
+            if before_sampling is not None:
+                before_sampling()
             tail = self._replay_tail(step)
             if tail is not None:  # sampled, verified and post-updated inside the tail graph
                 sampled, verified = tail
@@ -304,6 +314,8 @@ class Runner:
         else:
             hidden = self._forward(batch)
             logits = model.compute_logits(hidden[batch.logits_indices])
+        if before_sampling is not None and not step.replay_query_len:
+            before_sampling()
         prompt_lps = self.sampler.prompt_logprobs(hidden, model.compute_logits, self.table,
                                                   step.sample_plan)
         out = self.sampler(logits, batch, self.table, step.sample_plan)

@@ -17,6 +17,7 @@ from mrv2.contract.params import SamplingParams
 from mrv2.contract.staging import to_device
 from mrv2.contract.state_table import RequestStateTable
 from mrv2.sample.state import SamplingState
+from mrv2_kernels.token_bitmask import apply_token_bitmask as apply_bitmask_kernel
 
 _NEG_INF = float("-inf")
 
@@ -132,12 +133,7 @@ def _fill(t: torch.Tensor, index: tuple[torch.Tensor, ...], value: float | bool)
 def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> None:
     """Set to -inf, in place, the logits of ``rows`` whose token's bit is 0 in ``bitmask``
     (``[len(rows), words]`` int32 on the CPU; bit ``t % 32`` of word ``t // 32`` is token
-    ``t``): one upload (pinned, asynchronous on CUDA) and three device ops."""
-    device, vocab = logits.device, logits.shape[1]
-    mask = torch.from_numpy(bitmask)
-    if device.type == "cuda":
-        mask = mask.pin_memory().to(device, non_blocking=True)
-    shifts = torch.arange(32, dtype=torch.int32, device=device)
-    allowed = ((mask[:, :, None] >> shifts) & 1).reshape(len(rows), -1)[:, :vocab]
-    index = _t(rows, device)
-    logits[index] = logits[index].masked_fill(allowed == 0, _NEG_INF)
+    ``t``): the masks and rows uploaded (pinned, asynchronous on CUDA), then
+    :func:`mrv2_kernels.token_bitmask.apply_token_bitmask` (a store-only kernel on CUDA)."""
+    device = logits.device
+    apply_bitmask_kernel(logits, to_device(bitmask, torch.int32, device), _t(rows, device))
