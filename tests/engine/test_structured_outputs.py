@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from mrv2 import LLM, SamplingParams, StructuredOutputsParams
-from mrv2.testing import make_tiny_checkpoint, make_tiny_tokenizer
+from mrv2.testing import emulate_cuda_graphs, make_tiny_checkpoint, make_tiny_tokenizer
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
           "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -139,6 +139,39 @@ def test_a_constrained_request_that_ends_while_its_next_step_runs(llm: LLM) -> N
     texts = [llm.engine.tokenizer.decode(t) for t in tokens]  # type: ignore[union-attr]
     assert texts[0] in ("Paris", "London", 'New "York"'), texts
     assert re.fullmatch(r"[0-9]{30}", texts[1]), texts
+
+
+def test_constrained_steps_sample_in_the_graph_tail(tmp_path: Path) -> None:
+    """Through the CUDA-graph decode path (emulated on the CPU): a step with constrained rows
+    masks the forward graph's logits in place and samples in the sampling tail graph, every
+    decode step, giving the eager path's tokens."""
+    path = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM", vocab_size=320)
+    make_tiny_tokenizer(path)
+    params = [SamplingParams(temperature=0.9, seed=2, max_tokens=30,
+                             structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{9}")),
+              SamplingParams(temperature=0.0, max_tokens=30,
+                             structured_outputs=StructuredOutputsParams(regex=r"[a-z]{14}")),
+              SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)]
+
+    def run(graphs: bool) -> tuple[list[list[int]], LLM]:
+        llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, max_num_seqs=4,
+                  max_model_len=64, async_scheduling=True)
+        if graphs:
+            emulate_cuda_graphs(llm.engine.runner)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], llm
+
+    eager, _ = run(False)
+    got, llm = run(True)
+    assert got == eager
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None
+    forward = {key: g.replays for key, g in graphs.graphs.items()  # type: ignore[attr-defined]
+               if key[0] == 1}
+    tails = {(q, size): g.replays for (q, size, variant), g in graphs.tail_graphs.items()
+             if variant == 0}  # type: ignore[attr-defined]
+    assert sum(forward.values()) >= 8
+    assert all(tails[key] == n for key, n in forward.items())
 
 
 @pytest.mark.parametrize(("spec", "message"), [

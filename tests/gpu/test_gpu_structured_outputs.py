@@ -1,6 +1,7 @@
 """GPU: structured outputs with CUDA graphs and async scheduling: constrained requests match
 their constraint, and free requests in the same batch give the tokens they give alone (their
-steps keep the decode graphs; the constrained rows sample eagerly with the uploaded mask).
+steps keep the decode graphs and sampling tails: the masks are filled during the forward and
+applied to the graph's logits before the tail).
 
 Run on a CUDA machine with ``MRV2_TEST_GPU=1 python -m pytest -m gpu``.
 """

@@ -295,7 +295,7 @@ class Runner:
             hidden, logits = self.graphs.replay(step.replay_query_len, batch.num_reqs_padded)
             if before_sampling is not None:
                 before_sampling()
-            tail = self._replay_tail(step)
+            tail = self._replay_tail(step, logits)
             if tail is not None:  # sampled, verified and post-updated inside the tail graph
                 sampled, verified = tail
                 out = SamplerOutput(sampled[: batch.num_logits])
@@ -344,16 +344,22 @@ class Runner:
             return
         self._propose(batch, samples, hidden)
 
-    def _replay_tail(self, step: StepPlan) -> tuple[torch.Tensor, StepSamples | None] | None:
+    def _replay_tail(self, step: StepPlan, logits: torch.Tensor
+                     ) -> tuple[torch.Tensor, StepSamples | None] | None:
         """The sampling tail graph's outputs for a decode step whose plan it captured (every
-        request sampling), or None: sample eagerly."""
-        graphs = self.graphs
+        request sampling; structured outputs' masks applied to the graph's ``logits`` first),
+        or None: sample eagerly."""
+        graphs, plan = self.graphs, step.sample_plan
         if graphs is None or not graphs.tail_graphs or not step.batch.do_sample.all():
             return None
-        variant = self.sampler.graph_variant(step.sample_plan)
+        variant = self.sampler.graph_variant(plan)
         if variant is None or (step.replay_query_len, step.batch.num_reqs_padded,
                                variant) not in graphs.tail_graphs:
             return None
+        if plan.bitmasks:
+            if step.replay_query_len != 1:
+                return None  # (masked requests verify no drafts: not a uniform step anyway)
+            self.sampler.apply_bitmasks(logits, plan)
         if self._last_copy is not None:  # the tail's buffers are the previous step's copy source
             torch.cuda.current_stream().wait_event(self._last_copy)
         return graphs.replay_tail(step.replay_query_len, step.batch.num_reqs_padded, variant)

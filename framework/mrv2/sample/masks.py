@@ -28,10 +28,9 @@ def apply_masks(
     table: RequestStateTable,
     state: SamplingState,
     special: list[tuple[int, SamplingParams]],
-    bitmasks: list[tuple[int, np.ndarray]] | None = None,
 ) -> None:
-    """Apply bias, allowed tokens, bad words and min_tokens of ``special`` rows, and the
-    structured outputs' ``bitmasks`` (``(logits row, [words] int32)``), in place.
+    """Apply bias, allowed tokens, bad words and min_tokens of ``special`` rows, in place
+    (structured outputs' masks: :func:`apply_token_bitmask`).
 
     ``special`` lists ``(logits row, params)`` of the rows whose request uses some rarely
     used stage; ``logits`` is ``[N, V]`` float32, ``idx_mapping`` ``[N]`` the state-table row of
@@ -81,8 +80,6 @@ def apply_masks(
         _fill(logits, (_t(cond_b, device), _t(cond_t, device)), _NEG_INF)
     if words:
         _ban_bad_words(logits, idx_mapping, table, state, words)
-    if bitmasks:  # after the bias: a structured output's mask wins over it
-        apply_token_bitmask(logits, [b for b, _ in bitmasks], np.stack([m for _, m in bitmasks]))
     if min_b:
         batch_idx = _t(min_b, device)
         rows = idx_mapping[batch_idx].long()

@@ -28,7 +28,7 @@ from mrv2.contract.staged_edits import StagedEdits
 from mrv2.contract.state_table import RequestStateTable
 from mrv2.sample.logits_processor import LogitsProcessor
 from mrv2.sample.logprobs import token_logprobs
-from mrv2.sample.masks import apply_masks
+from mrv2.sample.masks import apply_masks, apply_token_bitmask
 from mrv2.sample.prompt_logprobs import PromptChunk, PromptLogprobs, compute_prompt_logprobs
 from mrv2.sample.state import SamplingState
 from mrv2_kernels.gumbel import divide_rows, gumbel_sample
@@ -95,7 +95,9 @@ class SamplePlan:
     prompt_chunks: list[PromptChunk] = field(default_factory=list)
     """Where this step's prompt tokens of ``prompt_logprobs`` requests lie."""
     bitmasks: list[tuple[int, np.ndarray]] = field(default_factory=list)
-    """``(logits row, allowed-token bitmask)`` of structured-output rows that sample."""
+    """``(logits row, allowed-token bitmask)`` of structured-output rows that sample (not rare
+    rows by themselves: :meth:`Sampler.apply_bitmasks` masks the logits in place first, so a
+    decode graph's sampling tail may still sample them)."""
 
 
 class Sampler:
@@ -160,8 +162,9 @@ class Sampler:
     def capturable(self, plan: SamplePlan) -> bool:
         """True when a batch with ``plan`` samples exactly as under :attr:`graph_plan`, so a
         captured tail may replace this call: no logits processors, rare stages (penalties,
-        masks, logprobs), min-p or top-k/top-p. A subclass that overrides ``__call__`` is not
-        assumed capturable (it overrides this too when it is)."""
+        masks, logprobs), min-p or top-k/top-p; structured outputs' ``bitmasks`` do not count,
+        as the runner applies them before a tail (:meth:`apply_bitmasks`). A subclass that
+        overrides ``__call__`` is not assumed capturable (it overrides this too when it is)."""
         return (self._builtin() and not plan.rare and not plan.any_min_p
                 and not plan.any_top_k_top_p)
 
@@ -222,6 +225,11 @@ class Sampler:
             any_min_p=bool(state.min_p_on[rows].any()),
             any_top_k_top_p=bool(state.top_k_top_p[rows].any()),
         )
+        if batch.token_bitmasks:  # (no drafts for these requests: one logits row)
+            for b, req_id in enumerate(batch.req_ids[: batch.num_reqs]):
+                mask = batch.token_bitmasks.get(req_id)
+                if mask is not None:
+                    plan.bitmasks.append((int(batch.cu_num_logits[b]), mask))
         if state.num_rare == 0:
             return plan
         for b in np.flatnonzero(state.rare[rows]).tolist():
@@ -229,9 +237,6 @@ class Sampler:
             params = state.params[row]
             for r in range(int(batch.cu_num_logits[b]), int(batch.cu_num_logits[b + 1])):
                 plan.rare.append((r, params))
-            mask = batch.token_bitmasks.get(batch.req_ids[b])
-            if mask is not None:  # (no drafts for these requests: one logits row)
-                plan.bitmasks.append((int(batch.cu_num_logits[b]), mask))
             if params.logprobs is not None:
                 plan.max_logprobs = max(plan.max_logprobs, params.logprobs)
             k = params.prompt_logprobs
@@ -260,6 +265,7 @@ class Sampler:
                 logits = logits.clone()  # the in-place stages must not touch the raw logits
         for processor in self.processors:
             processor.apply(logits, batch, table)
+        self.apply_bitmasks(logits, plan)
         idx = batch.logits_idx_mapping
         if plan.rare:
             if state.output_counts is not None and any(p.uses_penalties for _, p in plan.rare):
@@ -267,7 +273,7 @@ class Sampler:
                 apply_penalties(logits, idx, state.output_counts, state.prompt_mask,
                                 state.repetition_penalty, state.frequency_penalty,
                                 state.presence_penalty)
-            apply_masks(logits, idx, table, state, plan.rare, plan.bitmasks)
+            apply_masks(logits, idx, table, state, plan.rare)
         rows = idx.long()
         temperature = state.temperature[rows]
         greedy = temperature < _GREEDY_EPS
@@ -307,6 +313,15 @@ class Sampler:
             return SamplerOutput(out, verify=verify)
         ids, values, rank = token_logprobs(raw, out, plan.max_logprobs)
         return SamplerOutput(out, ids, values, rank, verify)
+
+    @staticmethod
+    def apply_bitmasks(logits: torch.Tensor, plan: SamplePlan) -> None:
+        """Structured outputs' masks of ``plan`` on ``logits`` (in place): every token a row's
+        mask disallows to -inf. ``__call__`` does it; the runner does it to a decode graph's
+        logits before replaying a sampling tail (whose plan has no masks)."""
+        if plan.bitmasks:
+            apply_token_bitmask(logits, [b for b, _ in plan.bitmasks],
+                                np.stack([m for _, m in plan.bitmasks]))
 
     def prompt_logprobs(
         self, hidden: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor],

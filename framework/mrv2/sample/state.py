@@ -36,12 +36,12 @@ _INTS = ("top_k", "seed", "min_tokens", "prompt_len")
 
 
 def uses_rare_stage(p: SamplingParams) -> bool:
-    """True when a request needs a rarely-used stage (penalty, bias, masks, logprobs)."""
+    """True when a request needs a rarely-used stage (penalty, bias, masks, logprobs); a
+    structured output's mask is not one (the step's bitmasks say which rows it masks)."""
     return bool(
         p.uses_penalties or p.logit_bias or p.allowed_token_ids or p._bad_words_token_ids
         or (p.min_tokens > 0 and (p._eos_token_ids or p.stop_token_ids))
         or p.logprobs is not None or p.prompt_logprobs is not None
-        or p.structured_outputs is not None
     )
 
 
