@@ -4,6 +4,7 @@ and against the layout's definition (bit ``t % 32`` of word ``t // 32`` allows t
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -70,3 +71,21 @@ def test_bad_arguments_are_refused(bitmask: torch.Tensor, rows: torch.Tensor,
     with pytest.raises(ValueError, match=message):
         apply_token_bitmask_triton(torch.zeros(2, 40, device=DEVICE), bitmask.to(DEVICE),
                                    rows.to(DEVICE))
+
+
+_SM90_SCRIPT = r"""
+from mrv2_kernels import token_bitmask as t
+
+for logits in ("*bf16", "*fp32"):
+    build(t._bitmask_kernel, {"logits_ptr": logits, "mask_ptr": "*i32", "rows_ptr": "*i64"},
+          dict(BLOCK_V=2048), num_warps=4)
+"""
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the GPU run compiles it for real")
+def test_the_kernel_compiles_for_sm90(tmp_path: Path) -> None:
+    """The store-only kernel compiles for an H100/H200 over bf16 and fp32 logits."""
+    from sm90 import compile_for_sm90
+
+    sizes = compile_for_sm90(_SM90_SCRIPT, tmp_path)
+    assert len(sizes["_bitmask_kernel"]) == 2

@@ -24,10 +24,12 @@ and travel in ``SchedulerOutput.token_bitmasks``, the same on every rank. Either
 allowed-token bitmasks come from llguidance (one bit a token, packed in int32 on the CPU;
 several requests' on llguidance's thread pool: ~4 us a mask of a plain JSON schema on one
 core of the CPU sandbox, 49K vocabulary; counted repetitions such as ``maxLength`` make them
-~15x dearer), and the sampler sets every other token's logit to -inf before sampling
-(:func:`mrv2.sample.masks.apply_token_bitmask`), on the eager sampling path. A request whose
-match is complete (the matcher accepts nothing but the end) finishes with ``stop``; a step
-already launched for it samples with every token allowed, and its token is dropped.
+~15x dearer), and every disallowed token's logit becomes -inf before sampling
+(:func:`mrv2.sample.masks.apply_token_bitmask`, a store-only kernel): on a decode graph's
+logits before its sampling tail replays (a structured output alone does not send a step to
+eager sampling), else in the eager sampler. A request whose match is complete (the matcher
+accepts nothing but the end) finishes with ``stop``; a step already launched for it samples
+with every token allowed, and its token is dropped.
 
 With the server's ``--reasoning-parser`` (``qwen3``, ``deepseek_r1``), as vLLM: the grammar
 holds only what follows the ``<think>`` block. A prompt that closed the block (Qwen3 with
