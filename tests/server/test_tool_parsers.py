@@ -148,8 +148,30 @@ CASES: dict[str, list[tuple[str, str | None, Calls]]] = {
         ("<|python", "<|python", []),
         ("  ", "  ", []),
     ],
+    "pythonic": [
+        ('[weather(city="Paris")]', None, PARIS),
+        ('<|python_start|>[weather(city="Paris"), now()]<|python_end|>', None,
+         [*PARIS, ("now", {})]),
+        (' \n[weather(city="Paris", days=3, metric=True, ratio=0.5, tags=["a", (1, 2)], '
+         'opts={"k": None})] ', None, [("weather", {
+             "city": "Paris", "days": 3, "metric": True, "ratio": 0.5, "tags": ["a", [1, 2]],
+             "opts": {"k": None}})]),
+        ("[tools.now()]", None, [("tools.now", {})]),
+        ("Sure: [now()]", "Sure: [now()]", []),  # not the whole answer
+        ('[weather(city="Par', '[weather(city="Par', []),  # cut off
+        ("[1, 2]", "[1, 2]", []),
+        ("[]", "[]", []),
+        ('[weather("Paris")]', '[weather("Paris")]', []),  # positional
+        ("[weather(city=paris)]", "[weather(city=paris)]", []),  # a name, not a literal
+        ("[weather(**opts)]", "[weather(**opts)]", []),
+        ('[__import__("os").system("ls")]', '[__import__("os").system("ls")]', []),
+        ("[weather(ratio=1e999)]", "[weather(ratio=1e999)]", []),  # not JSON
+        ("[see](https://x.org)", "[see](https://x.org)", []),
+        ("[now()] and more", "[now()] and more", []),
+    ],
 }
 CASES["glm47"] = CASES["glm45"]
+CASES["llama4_pythonic"] = CASES["pythonic"]
 for _cases in CASES.values():  # every format: plain text, a near-marker, nothing
     _cases += [("No tools needed.", "No tools needed.", []), ("a <tool_c b", "a <tool_c b", []),
                ("", None, [])]

@@ -18,6 +18,11 @@ How each model family writes its calls (``...``: more calls may follow):
 * ``llama3_json`` (Llama 3.x): the whole answer, after optional whitespace and
   ``<|python_tag|>``, is ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``), or
   several such objects separated by ``;``. An answer that does not open so is content.
+* ``pythonic`` (Llama 3.2, Llama 4, ...) and ``llama4_pythonic`` (the same parser): the whole
+  answer is a Python list of calls with keyword arguments, ``[get_weather(city="Paris",
+  days=3), now()]``, optionally inside Llama 4's ``<|python_start|>`` ... ``<|python_end|>``;
+  values are Python literals (``True``/``False``/``None`` become JSON's), read with
+  ``ast.literal_eval`` (nothing is executed). An answer that does not open so is content.
 
 The text before the first call is the message's ``content`` (None when empty); each call
 becomes ``{"id", "type": "function", "function": {"name", "arguments": "<JSON text>"}}``.
@@ -42,6 +47,7 @@ come in one chunk). A choice that made calls finishes with ``finish_reason: "too
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import re
@@ -301,6 +307,43 @@ def _llama3_json(text: str, tools: Tools) -> list[ToolCall]:
         pos = len(body) - len(rest) + 1
 
 
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
+
+
+def _python_value(node: ast.expr) -> Any:
+    """A call argument's value: a Python literal (strings, numbers, True/False/None, lists,
+    tuples, dicts), ValueError for anything else (names, calls, expressions)."""
+    value = ast.literal_eval(node)
+    if isinstance(value, (set, frozenset, bytes, complex)):
+        raise ValueError("not a JSON value")
+    return value
+
+
+def _pythonic(text: str, tools: Tools) -> list[ToolCall]:
+    body = text.strip().removeprefix(PYTHON_START).removesuffix(PYTHON_END).strip()
+    try:
+        tree = ast.parse(body, mode="eval").body
+    except SyntaxError as error:
+        raise ValueError(f"not a Python list of calls: {error}") from None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        raise ValueError("not a Python list of calls")
+    calls = []
+    for node in tree.elts:
+        if not isinstance(node, ast.Call) or node.args:  # keyword arguments only
+            raise ValueError("not a call with keyword arguments")
+        name = ast.unparse(node.func)  # a name, or a dotted one
+        if not re.fullmatch(r"[A-Za-z_][\w.-]*", name):
+            raise ValueError(f"not a function name: {name!r}")
+        arguments = {}
+        for keyword in node.keywords:
+            if keyword.arg is None:  # **kwargs
+                raise ValueError("not a call with keyword arguments")
+            arguments[keyword.arg] = _python_value(keyword.value)
+        calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False,
+                                               allow_nan=False)))  # (1e999: ValueError)
+    return calls
+
+
 #: ``--tool-call-parser`` name -> format.
 PARSERS: dict[str, ToolParser] = {p.name: p for p in (
     ToolParser("hermes", ("<tool_call>",), _hermes),
@@ -310,6 +353,8 @@ PARSERS: dict[str, ToolParser] = {p.name: p for p in (
     ToolParser("deepseek_v3", (DS_CALLS_BEGIN,), _deepseek_v3, special_tokens=True),
     ToolParser("deepseek_v31", (DS_CALLS_BEGIN,), _deepseek_v31, special_tokens=True),
     ToolParser("llama3_json", (PYTHON_TAG, "{"), _llama3_json, leading=True),
+    ToolParser("pythonic", ("[", PYTHON_START), _pythonic, leading=True),
+    ToolParser("llama4_pythonic", ("[", PYTHON_START), _pythonic, leading=True),
 )}
 #: ``--tool-call-parser`` values.
 TOOL_CALL_PARSERS = tuple(PARSERS)
