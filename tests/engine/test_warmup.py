@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from mrv2.config import EngineConfig
 from mrv2.contract.params import SamplingParams
@@ -113,6 +114,29 @@ def test_warm_up_fits_any_engine_shape(ckpt: Path, kwargs: dict[str, Any]) -> No
     assert warm_up(engine) >= 0
     assert not engine.has_unfinished() and len(engine.runner.table) == 0
     assert engine.stats() == _engine(ckpt, **kwargs).stats()
+
+
+def test_warm_up_compiles_the_structured_outputs_mask_kernel(
+        ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """For the model's logits dtype and fp32, over the whole vocabulary (a mask allowing every
+    token: nothing changes)."""
+    import mrv2.engine.warmup as warmup_module
+
+    engine = _engine(ckpt, dtype="bfloat16")
+    seen = []
+
+    def spy(logits: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> None:
+        before = logits.clone()
+        apply(logits, mask, rows)
+        assert torch.equal(logits, before)
+        seen.append((logits.dtype, logits.shape[1], mask.shape[1]))
+
+    apply = warmup_module.apply_token_bitmask
+    monkeypatch.setattr(warmup_module, "apply_token_bitmask", spy)
+    warm_up(engine)
+    vocab = engine.runner.vocab_size
+    words = (vocab + 31) // 32
+    assert seen == [(torch.bfloat16, vocab, words), (torch.float32, vocab, words)]
 
 
 def test_penalties_are_left_out_where_their_counters_would_not_fit(

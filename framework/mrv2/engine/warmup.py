@@ -3,13 +3,13 @@
 The runner's start-up captures CUDA graphs from dummy batches; it never builds a batch from
 real requests (``BatchBuilder.build``: the input-preparation kernels) and never samples a
 step's tokens eagerly (the prefill step's sampler, the Gumbel kernels of each sampling kind,
-logprobs). On a machine whose Triton cache is empty those kernels compile when the first real
-request needs them, and that request waits (0.7-1.1 s on the H200 for the first greedy
-request, Qwen3-0.6B; 0.3-0.5 s more for the first with logprobs, and for min-p, 0.65-0.96 s
-for the first with a penalty). :func:`warm_up` runs those paths once, then leaves the engine
-as it found it: the request ids it hands out, the seeds it draws, the prefix cache, the
-penalty counters (freed again) and every counter of :meth:`LLMEngine.stats` are those of an
-engine that never ran it.
+logprobs, structured outputs' mask kernel). On a machine whose Triton cache is empty those
+kernels compile when the first real request needs them, and that request waits (0.7-1.1 s on
+the H200 for the first greedy request, Qwen3-0.6B; 0.3-0.5 s more for the first with
+logprobs, and for min-p, 0.65-0.96 s for the first with a penalty). :func:`warm_up` runs
+those paths once, then leaves the engine as it found it: the request ids it hands out, the
+seeds it draws, the prefix cache, the penalty counters (freed again) and every counter of
+:meth:`LLMEngine.stats` are those of an engine that never ran it.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 from mrv2.contract.params import SamplingParams
 from mrv2.distributed.parallel_state import tp_size
 from mrv2.sample.state import PENALTY_STATE_MAX_ELEMENTS, SamplingState
+from mrv2_kernels.token_bitmask import apply_token_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ def warm_up(engine: WarmableEngine, max_tokens: int = 4) -> float:
             engine.add_request(prompt, params, request_id=f"{WARMUP_ID_PREFIX}{b}-{i}")
         while engine.has_unfinished():
             engine.step()
+    _warm_bitmask_kernel(runner)
     if penalties:
         assert isinstance(state, SamplingState)
         if state.release_penalty_state() and state.device.type == "cuda":
@@ -111,6 +113,17 @@ def warm_up(engine: WarmableEngine, max_tokens: int = 4) -> float:
     logger.info("warm-up: %d batches through the step path in %.2f s%s", len(batches), seconds,
                 "" if penalties else " (penalties left out)")
     return seconds
+
+
+def _warm_bitmask_kernel(runner: Any) -> None:
+    """Structured outputs' mask kernel compiled for the logits it may get (the model's dtype,
+    a decode graph's before its sampling tail; fp32 beside rare stages), so the first
+    constrained request does not wait for it (no grammar or llguidance needed for that)."""
+    device, vocab = runner.device, int(runner.vocab_size)
+    mask = torch.full((1, (vocab + 31) // 32), -1, dtype=torch.int32, device=device)
+    rows = torch.zeros(1, dtype=torch.int64, device=device)
+    for dtype in dict.fromkeys((runner.dtype, torch.float32)):
+        apply_token_bitmask(torch.zeros(1, vocab, dtype=dtype, device=device), mask, rows)
 
 
 def _penalty_state_fits(state: SamplingState) -> bool:
