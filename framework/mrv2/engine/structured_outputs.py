@@ -105,26 +105,6 @@ class Guide:
         self.consumed = 0
         assert self.phase in _PHASES
 
-    def fill_bitmasks(self, guides: list[Guide], out: np.ndarray) -> None:
-        """Write each of ``guides``' allowed next tokens into its row of ``out`` (``[len,
-        words]`` int32, C-contiguous, one bit a token): one guide on this thread, several on
-        llguidance's thread pool (the GIL released; H200 host: 16 cores)."""
-        words = self.owner.words
-        assert out.dtype == np.int32 and out.shape == (len(guides), words)
-        assert out.flags.c_contiguous
-        masked = [(g, i) for i, g in enumerate(guides) if g.phase != "reasoning"]
-        if len(masked) == 1:
-            g, i = masked[0]
-            g.matcher.unsafe_compute_mask_ptr(out[i].ctypes.data, words * 4)
-        elif masked:
-            self.owner.executor.unsafe_compute_mask_ptr(
-                [(g.matcher, i) for g, i in masked], out.ctypes.data, words * 4, len(guides))
-        for i, g in enumerate(guides):
-            if g.phase == "reasoning":
-                out[i] = -1  # every token
-            elif g.phase == "open":  # or the thinking block's start
-                out.view(np.uint32)[i, g.think_start // 32] |= np.uint32(1 << g.think_start % 32)
-
     def advance(self, token: int) -> None:
         """Consume a sampled token (a token the mask allowed; anything else puts the matcher
         in its error state, which ends the request)."""
@@ -153,15 +133,37 @@ def fill_bitmasks(guides: list[Guide | None], out: np.ndarray) -> None:
     after the step was planned: the token is discarded) allows every token."""
     live = [i for i, g in enumerate(guides) if g is not None and not g.done]
     if len(live) == len(guides):
-        if guides:
-            cast(Guide, guides[0]).fill_bitmasks(cast(list[Guide], guides), out)
+        _compute(cast(list[Guide], guides), out)
         return
     out[:] = -1
     if live:
         some = np.empty((len(live), out.shape[1]), dtype=np.int32)
-        first = cast(Guide, guides[live[0]])
-        first.fill_bitmasks([cast(Guide, guides[i]) for i in live], some)
+        _compute([cast(Guide, guides[i]) for i in live], some)
         out[live] = some
+
+
+def _compute(guides: list[Guide], out: np.ndarray) -> None:
+    """The guides' masks into ``out``'s rows: one guide on this thread, several on
+    llguidance's thread pool (the GIL released; H200 host: 16 cores); a guide in its thinking
+    block allows every token, one that may still open it also its start tag."""
+    if not guides:
+        return
+    owner = guides[0].owner
+    words = owner.words
+    assert out.dtype == np.int32 and out.shape == (len(guides), words)
+    assert out.flags.c_contiguous
+    masked = [(g, i) for i, g in enumerate(guides) if g.phase != "reasoning"]
+    if len(masked) == 1:
+        g, i = masked[0]
+        g.matcher.unsafe_compute_mask_ptr(out[i].ctypes.data, words * 4)
+    elif masked:
+        owner.executor.unsafe_compute_mask_ptr(
+            [(g.matcher, i) for g, i in masked], out.ctypes.data, words * 4, len(guides))
+    for i, g in enumerate(guides):
+        if g.phase == "reasoning":
+            out[i] = -1  # every token
+        elif g.phase == "open":  # or the thinking block's start
+            out.view(np.uint32)[i, g.think_start // 32] |= np.uint32(1 << g.think_start % 32)
 
 
 class StructuredOutputs:
