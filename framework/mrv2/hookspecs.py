@@ -108,7 +108,8 @@ def mrv2_make_sampler(
     """The sampler that turns each step's logits into tokens.
 
     ``registries`` holds the registered logits processors (``config.logits_processors`` names
-    those to apply).
+    those to apply). A sampler that overrides ``__call__`` applies the plan's structured-output
+    masks itself (``SamplePlan.bitmasks``: ``Sampler.apply_bitmasks``).
     First non-``None`` result wins; the core's built-in sampler is registered ``trylast``.
     Called once when the runner is built.
     """
