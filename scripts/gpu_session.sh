@@ -9,6 +9,7 @@
 # verify26 (the twenty-sixth session's CPU-only work on the GPU: cold start, engine/sampler/VL tests, start-up log),
 # startup (scripts/probe_startup.py: where start-up goes, cold and warm Triton cache),
 # structured (scripts/probe_structured.py: JSON-schema batches, late masks against waiting, and free),
+# verify28 (the twenty-eighth session's structured-outputs work on CUDA, then that probe),
 # graphtimes (scripts/decode_graph_times.py: each decode graph's replay time by size),
 # streamk (scripts/proto_streamk.py: a stream-K GEMM against cuBLAS at 8B decode shapes), attn,
 # splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile, mixed,
@@ -114,6 +115,17 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
               | tee "$OUT/prefix.log" | tail -30 ;;
     preempt) python3 -m mrv2.entrypoints.cli bench throughput --json "$OUT/preempt.json" \
                --full-warmup --kv-fraction 0.33 2>&1 | tee "$OUT/preempt.log" | tail -30 ;;
+    verify28) # the twenty-eighth session's CPU-only work on the GPU: the mask kernel and the
+              # structured-outputs / sampler tests on CUDA, then the load probe (needs
+              # .whl/qwen3s and .whl/smollm2: benchmarks/2026-12-04-h200-issue16-session28/)
+              timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_token_bitmask.py \
+                2>&1 | tee "$OUT/bitmask_kernel.log" | tail -2
+              timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu \
+                tests/gpu/test_gpu_structured_outputs.py tests/gpu/test_gpu_sampler.py \
+                2>&1 | tee "$OUT/verify28_tests.log" | tail -2
+              timeout 300 python3 scripts/probe_structured.py --tokenizer .whl/smollm2 \
+                --model .whl/qwen3s --requests 1 8 64 256 --json "$OUT/structured.json" 2>&1 \
+                | tee "$OUT/structured.log" | tail -10 ;;
     structured) # structured outputs under load (scripts/probe_structured.py): masks filled
                 # during the forward against each request waiting for its token, and free;
                 # the tokenizer: .whl/smollm2 (SmolLM2's, copied from the converted default model)
