@@ -62,7 +62,8 @@ class Scheduler:
         self.num_preemptions = 0
         #: The engine fills structured outputs' masks late (during the step's forward, once the
         #: token in flight has arrived), so a constrained request runs every step; when False
-        #: (ranks in other processes) it waits for its token in flight, every other step.
+        #: (a runner that cannot take them, or ``MRV2_LATE_TOKEN_MASKS=0``) it waits for its
+        #: token in flight, every other step.
         self.late_token_masks = False
 
     @property

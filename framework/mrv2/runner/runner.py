@@ -293,29 +293,26 @@ class Runner:
         if step.replay_query_len:
             assert self.graphs is not None
             hidden, logits = self.graphs.replay(step.replay_query_len, batch.num_reqs_padded)
-            if before_sampling is not None:
-                before_sampling()
-            tail = self._replay_tail(step, logits)
-            if tail is not None:  # sampled, verified and post-updated inside the tail graph
-                sampled, verified = tail
-                out = SamplerOutput(sampled[: batch.num_logits])
-                samples = (step_samples(batch, out.tokens, step.do_sample_dev)
-                           if verified is None else
-                           StepSamples(verified.tokens[: batch.num_reqs],
-                                       verified.num_sampled[: batch.num_reqs]))
-                self.sampler.record_sampled(batch, samples)
-                self._draft(step, samples, hidden)
-                return samples, out, []
-            logits = logits[: batch.num_logits]
         elif step.replay_tokens:  # a mixed graph: the builder padded the logits rows
             assert self.graphs is not None
             hidden, logits = self.graphs.replay_mixed(step.replay_tokens)
-            logits = logits[: batch.num_logits]
         else:
             hidden = self._forward(batch)
             logits = model.compute_logits(hidden[batch.logits_indices])
-        if before_sampling is not None and not step.replay_query_len:
+        if before_sampling is not None:
             before_sampling()
+        tail = self._replay_tail(step, logits) if step.replay_query_len else None
+        if tail is not None:  # sampled, verified and post-updated inside the tail graph
+            sampled, verified = tail
+            out = SamplerOutput(sampled[: batch.num_logits])
+            samples = (step_samples(batch, out.tokens, step.do_sample_dev)
+                       if verified is None else
+                       StepSamples(verified.tokens[: batch.num_reqs],
+                                   verified.num_sampled[: batch.num_reqs]))
+            self.sampler.record_sampled(batch, samples)
+            self._draft(step, samples, hidden)
+            return samples, out, []
+        logits = logits[: batch.num_logits]  # a graph's padding rows off (eager: all of them)
         prompt_lps = self.sampler.prompt_logprobs(hidden, model.compute_logits, self.table,
                                                   step.sample_plan)
         out = self.sampler(logits, batch, self.table, step.sample_plan)
