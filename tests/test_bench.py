@@ -317,3 +317,30 @@ def test_bench_serve_gives_each_rate_its_own_prompts(monkeypatch: pytest.MonkeyP
     assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--model", "m", "--rates",
                  "4", "16", "inf", "--num-requests", "3", "--seed", "5"]) == 0
     assert seeds == [5, 6, 7]
+
+
+def test_outputs_bench_times_both_kinds_and_gives_the_same_answers(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``mrv2 bench outputs``: each kind's four quarters, the table, the JSON; the runs it
+    times are real (every request decodes all its tokens, in both kinds)."""
+    import json
+
+    from mrv2.bench import outputs as bench_outputs
+    from mrv2.contract.params import RequestOutputKind
+    from mrv2.entrypoints.cli import main
+
+    out = tmp_path / "outputs.json"
+    assert main(["bench", "outputs", "--requests", "3", "--tokens", "16", "--logprobs",
+                 "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert set(results["kinds"]) == {"CUMULATIVE", "DELTA"}
+    for kind in results["kinds"].values():
+        assert [q["mean_tokens"] > 0 for q in kind["quarters"]] == [True] * 4
+        assert 0 < kind["total_output_s"] < kind["total_step_s"]
+    assert "us/request" in capsys.readouterr().out
+    engine = bench_outputs.build_engine(2, 8)
+    for kind in bench_outputs.KINDS:
+        rows = bench_outputs.run_kind(engine, kind, 2, 8, False)
+        assert [r[0] for r in rows] == list(range(1, 9))
+    assert engine._make_output.__func__ is type(engine)._make_output  # the timer is gone
+    assert RequestOutputKind.DELTA in bench_outputs.KINDS

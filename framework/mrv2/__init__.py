@@ -2,7 +2,7 @@
 
 from mrv2.config import EngineConfig
 from mrv2.contract.model_state import ModelState
-from mrv2.contract.params import SamplingParams, StructuredOutputsParams
+from mrv2.contract.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from mrv2.engine.llm import LLM
 from mrv2.engine.outputs import CompletionOutput, RequestOutput
 from mrv2.hookspecs import hookimpl
@@ -16,6 +16,7 @@ __all__ = [
     "EngineConfig",
     "ModelState",
     "RequestOutput",
+    "RequestOutputKind",
     "Runner",
     "SamplingParams",
     "StructuredOutputsParams",

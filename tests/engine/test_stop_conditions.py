@@ -1,4 +1,5 @@
-"""Stop tokens, EOS, stop strings, max_tokens, min_tokens and aborts.
+"""Stop tokens, EOS, stop strings, max_tokens, min_tokens and aborts; what a streamed request's
+outputs hold (cumulative, deltas, final only) and that none shows text a stop string cuts.
 
 The cases are built from a first greedy run of the fixed tiny model (its seed is fixed, so the
 run is too): a stop token is one the run produces for the first time at a known index, a stop
@@ -7,13 +8,15 @@ a case the test fails (pick another ``PROMPT``); it never skips."""
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 
-from mrv2 import LLM, SamplingParams
+from mrv2 import LLM, RequestOutput, RequestOutputKind, SamplingParams
+from mrv2.engine.engine import LLMEngine
 from mrv2.testing import make_tiny_checkpoint, make_tiny_tokenizer
 
 PROMPT = "Hello world"
@@ -214,3 +217,108 @@ def test_stream_interval_sends_every_kth_token(ckpt: Path, free_run: list[int]) 
     assert final.outputs[0].token_ids == free_run[:10] and "".join(texts) == final.outputs[0].text
     assert pair_lengths[-1] == [10, 10]
     assert all(max(lengths) in (1, 5, 9, 10) for lengths in pair_lengths)
+
+
+def _outputs(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]
+             ) -> list[list[RequestOutput]]:
+    """Every output of each request (added streamed), in the order they came."""
+    ids = [engine.add_request(prompt, params, stream=True) for prompt, params in requests]
+    got: dict[str, list[RequestOutput]] = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id].append(out)
+    return [got[i] for i in ids]
+
+
+def _folded(outputs: list[RequestOutput]) -> RequestOutput:
+    whole = copy.deepcopy(outputs[0])
+    for out in outputs[1:]:
+        whole.add(out)
+    return whole
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stream_never_shows_text_a_stop_string_cuts(llm: LLM, free_run: list[int],
+                                                      include: bool) -> None:
+    """A stop string across tokens: while the request runs its outputs keep back the last
+    ``len(stop) - 1`` characters, so a cumulative output's text only grows, the deltas' texts
+    add up to the final text, and that text is ``generate``'s (the stop string cut off, or
+    kept with ``include_stop_str_in_output``, which needs no holding back)."""
+    tokenizer = llm.get_tokenizer()
+    full = tokenizer.decode(free_run)
+    stop, at = _straddling_stop([tokenizer.decode(free_run[:k]) for k in range(17)], full)
+    want = full[: at + (len(stop) if include else 0)]
+    prompt = tokenizer.encode(PROMPT)
+    runs = _outputs(llm.engine, [
+        (prompt, SamplingParams(temperature=0, max_tokens=16, stop=[stop], ignore_eos=True,
+                                include_stop_str_in_output=include, output_kind=kind))
+        for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA)])
+    cumulative, delta = runs
+    texts = [o.outputs[0].text for o in cumulative]
+    assert texts[-1] == want and len(cumulative) > 2
+    assert all(want.startswith(t) for t in texts)  # never more than the answer
+    assert "".join(o.new_text for o in cumulative) == want
+    assert all(o.delta for o in delta) and not any(o.delta for o in cumulative)
+    assert "".join(o.outputs[0].text for o in delta) == want
+    assert [t for o in delta for t in o.outputs[0].token_ids] == cumulative[-1].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+def test_delta_outputs_add_up_to_the_cumulative_ones(ckpt: Path, interval: int) -> None:
+    """The same seeded requests (sampled, logprobs and prompt logprobs; and n=2) as
+    CUMULATIVE and as DELTA in one batch: each delta holds only the new tokens (its logprobs
+    theirs, prompt logprobs in the first output only), and the deltas folded together
+    (``RequestOutput.add``) equal the last cumulative output."""
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", block_size=4,
+              stream_interval=interval)
+    prompt = llm.get_tokenizer().encode(PROMPT)
+    requests = []
+    for n in (1, 2):
+        for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
+            requests.append((prompt, SamplingParams(
+                n=n, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True, logprobs=2,
+                prompt_logprobs=1, output_kind=kind)))
+    runs = _outputs(llm.engine, requests)
+    for cumulative, delta in (runs[0:2], runs[2:4]):
+        assert all(o.delta for o in delta) and not any(o.delta for o in cumulative)
+        assert delta[0].prompt_logprobs is not None
+        assert all(o.prompt_logprobs is None for o in delta[1:])
+        for out in delta:
+            for c in out.outputs:
+                assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
+                assert len(c.token_ids) <= interval
+        whole, last = _folded(delta), cumulative[-1]
+        assert whole.finished and last.finished
+        assert whole.prompt_logprobs == last.prompt_logprobs
+        assert [(c.index, c.text, c.token_ids, c.logprobs, c.cumulative_logprob,
+                 c.finish_reason) for c in whole.outputs] == [
+            (c.index, c.text, c.token_ids, c.logprobs, c.cumulative_logprob, c.finish_reason)
+            for c in last.outputs]
+        assert len(last.outputs) == len(whole.outputs) == (1 if cumulative is runs[0] else 2)
+        assert sum(len(o.outputs[0].token_ids) for o in delta) == sum(
+            len(c.token_ids) for c in last.outputs)
+
+
+def test_final_only_gives_one_output_even_streamed(llm: LLM, free_run: list[int]) -> None:
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    (outs,) = _outputs(llm.engine, [(llm.get_tokenizer().encode(PROMPT), params)])
+    assert len(outs) == 1 and outs[0].finished and outs[0].outputs[0].token_ids == free_run[:6]
+
+
+def test_output_kind_is_checked() -> None:
+    assert SamplingParams(output_kind=1).output_kind is RequestOutputKind.DELTA  # type: ignore[arg-type]
+    for bad in ("delta", 3, True, None):
+        with pytest.raises(ValueError, match="output_kind"):
+            SamplingParams(output_kind=bad)  # type: ignore[arg-type]
+
+
+def test_outputs_of_two_kinds_do_not_fold() -> None:
+    from mrv2.engine.outputs import CompletionOutput
+
+    delta = RequestOutput("r", None, [1], [CompletionOutput(0, "a", [3])], False, delta=True)
+    with pytest.raises(ValueError, match="delta"):
+        delta.add(RequestOutput("r", None, [1], [CompletionOutput(0, "ab", [3, 4])], False))
+    with pytest.raises(ValueError, match="'q'"):
+        delta.add(RequestOutput("q", None, [1], [CompletionOutput(0, "b", [4])], False,
+                                delta=True))

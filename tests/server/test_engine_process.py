@@ -85,6 +85,48 @@ def test_the_same_answers_as_the_engine_thread(server: Served, remote: tuple[str
         c["index"]: (c["text"], c["finish_reason"]) for c in want["choices"]}
 
 
+def test_a_streamed_answer_never_holds_text_a_stop_string_cuts(
+        server: Served, remote: tuple[str, Any]) -> None:
+    """Stop strings cut from a greedy answer (three characters that occur once in it, of
+    tokens of several characters: most lie across a token boundary): streamed through either
+    worker, the answer is the text before the stop string, as the whole answer is; no chunk
+    sent what the stop string then cut."""
+    body: dict[str, Any] = {"prompt": "hello world", "max_tokens": 16, "temperature": 0,
+                            "ignore_eos": True,  # the tokenizer's merges: text of whole chars
+                            "allowed_token_ids": list(range(260, 320))}
+    text = _post(server.url, body).json()["choices"][0]["text"]
+    stops = [(k, text[k:k + 3]) for k in range(1, len(text) - 2)
+             if text.count(text[k:k + 3]) == 1 and "\ufffd" not in text[:k + 3]][:6]
+    assert len(stops) >= 3, f"{text!r} has too few unique stop strings: change the prompt"
+    for k, stop in stops:
+        whole = _post(server.url, {**body, "stop": [stop]}).json()["choices"][0]
+        assert (whole["text"], whole["finish_reason"]) == (text[:k], "stop")
+        for url in (server.url, remote[0]):
+            streamed = _streamed(url, {**body, "stop": [stop]})
+            assert streamed[0][:2] == (text[:k], "stop"), (stop, url)
+
+
+def test_delta_outputs_cross_as_they_are() -> None:
+    """A DELTA request's outputs (the server's) go through the encoder and the accumulator
+    unchanged, n > 1 choices one at a time, and neither keeps anything of them."""
+    encoder, accumulator = DeltaEncoder(), OutputAccumulator()
+    outputs = [
+        RequestOutput("r", None, [1], [CompletionOutput(1, "ab", [3, 4], logprobs=[
+            {3: Logprob(-0.5, 1)}, {4: Logprob(-1.5, 2)}], cumulative_logprob=-2.0)], False,
+                      num_cached_tokens=4, delta=True),
+        RequestOutput("r", None, [1], [CompletionOutput(0, "c", [5])], False, delta=True),
+        RequestOutput("r", None, [1], [CompletionOutput(1, "", [6], "stop", "x")], True,
+                      delta=True),
+    ]
+    for original in outputs:
+        rebuilt = accumulator.apply(encoder.encode(original))
+        assert rebuilt.delta and rebuilt.finished == original.finished
+        assert rebuilt.num_cached_tokens == original.num_cached_tokens
+        assert rebuilt.outputs == original.outputs
+        assert rebuilt.new_token_ids == original.outputs[0].token_ids
+    assert not encoder._sent and not accumulator._outputs
+
+
 def test_tokenize_and_detokenize_in_the_servers_process(remote: tuple[str, Any]) -> None:
     url = remote[0]
     ids = httpx.post(f"{url}/tokenize", headers=AUTH, timeout=60,

@@ -7,21 +7,24 @@ import asyncio
 import time
 from pathlib import Path
 
+import pytest
 from server_util import ENGINE_KWARGS
 
-from mrv2 import EngineConfig, SamplingParams
+from mrv2 import EngineConfig, RequestOutputKind, SamplingParams
 from mrv2.engine.engine import LLMEngine
 from mrv2.engine.outputs import RequestOutput
 from mrv2.entrypoints.engine_thread import EngineThread
 
 
-def test_outputs_wait_and_merge_while_the_loop_is_busy(model_dir: Path) -> None:
+@pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA])
+def test_outputs_wait_and_merge_while_the_loop_is_busy(model_dir: Path,
+                                                       kind: RequestOutputKind) -> None:
     """The first output goes to the loop at once; while the loop has not run it (busy), the
-    next steps' outputs wait in the backlog, the latest standing for the rest; once the loop
-    has written that batch, it gets the merged one: every token, in order, finished, as the
-    same request run alone gives them."""
+    next steps' outputs wait in the backlog, folded into one (cumulative: the latest stands
+    for the rest; deltas: appended); once the loop has written that batch, it gets the merged
+    one: every token, in order, finished, as the same request run alone gives them."""
     engine = LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), **ENGINE_KWARGS))
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, output_kind=kind)
     engine.add_request([5, 6, 7], params, request_id="alone")
     want: list[int] = []
     while engine.has_unfinished():
@@ -50,9 +53,13 @@ def test_outputs_wait_and_merge_while_the_loop_is_busy(model_dir: Path) -> None:
         worker.stop()
         loop.close()
     lengths = [len(o.outputs[0].token_ids) for o in items]
-    assert lengths == [1, 8]
-    assert len(want) == 8 and items[-1].outputs[0].token_ids == want
+    delta = kind == RequestOutputKind.DELTA
+    assert lengths == ([1, 7] if delta else [1, 8])
+    assert [o.delta for o in items] == [delta, delta]
+    assert len(want) == 8 and items[-1].new_token_ids == want[1:]
     assert items[0].outputs[0].token_ids == want[:1]
+    assert (items[0].outputs[0].token_ids if delta else []) + items[-1].outputs[0].token_ids \
+        == want
 
 
 def test_a_stream_reports_each_choice_under_its_own_index() -> None:
@@ -69,9 +76,9 @@ def test_a_stream_reports_each_choice_under_its_own_index() -> None:
 
     def output(*choices: CompletionOutput) -> RequestOutput:
         return RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1, 2],
-                             outputs=list(choices), finished=False)
+                             outputs=list(choices), finished=False, delta=True)
 
     first = stream._deltas(output(CompletionOutput(1, "b", [7])))
     assert [(c["index"], c["text"]) for c in first] == [(1, "b")]
-    both = stream._deltas(output(CompletionOutput(0, "a", [5]), CompletionOutput(1, "bc", [7, 8])))
+    both = stream._deltas(output(CompletionOutput(0, "a", [5]), CompletionOutput(1, "c", [8])))
     assert [(c["index"], c["text"]) for c in both] == [(0, "a"), (1, "c")]

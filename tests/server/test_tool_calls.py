@@ -92,9 +92,10 @@ class _Body:
 
 
 def _output(text: str, finished: bool, reason: str | None = None) -> RequestOutput:
+    """A delta output (as the server asks for) of ``text``, a token a character."""
     return RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1],
                          outputs=[CompletionOutput(0, text, list(range(len(text))), reason)],
-                         finished=finished)
+                         finished=finished, delta=True)
 
 
 def test_streamed_deltas_carry_the_calls_and_their_finish_reason() -> None:
@@ -103,7 +104,7 @@ def test_streamed_deltas_carry_the_calls_and_their_finish_reason() -> None:
     text = "Checking.\n" + CALL
     first = stream._deltas(_output(text[:14], False))  # "Checking.\n<to": the tag held
     assert first[0]["delta"] == {"content": "Checking.\n"}
-    last = stream._deltas(_output(text, True, "stop"))
+    last = stream._deltas(_output(text[14:], True, "stop"))
     delta = last[0]["delta"]
     assert delta["content"] == "" and last[0]["finish_reason"] == "tool_calls"
     assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"]))
@@ -231,7 +232,7 @@ def test_a_glm_answer_through_the_stream() -> None:
         "city": "Paris", "days": 3}
     first = stream._deltas(_output(text[:12], False))  # "Checking.<to": the tag held
     assert first[0]["delta"] == {"content": "Checking."}
-    last = stream._deltas(_output(text, True, "stop"))[0]
+    last = stream._deltas(_output(text[12:], True, "stop"))[0]
     assert last["delta"]["content"] == "" and last["finish_reason"] == "tool_calls"
     assert [json.loads(c["function"]["arguments"]) for c in last["delta"]["tool_calls"]] == [
         {"city": "Paris", "days": 3}]

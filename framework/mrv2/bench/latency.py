@@ -19,7 +19,7 @@ import torch
 
 from mrv2.bench.measure import StepLog, instrument, release_engine_memory, report, resolve_model
 from mrv2.config import EngineConfig
-from mrv2.contract.params import SamplingParams
+from mrv2.contract.params import RequestOutputKind, SamplingParams
 from mrv2.engine.engine import LLMEngine
 
 #: Defaults of the arguments left unset: on the GPU, and with ``--device cpu``.
@@ -84,7 +84,8 @@ def measure(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int,
     also the host time in ``execute`` and the device time per decode step (medians)."""
     first_step = len(log.steps) if log is not None else 0
     params = SamplingParams(**{"temperature": 0.0, **(sampling or {})},
-                            max_tokens=new_tokens, ignore_eos=True)
+                            max_tokens=new_tokens, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)  # (as the server's)
     for prompt in bench_prompts(batch, prompt_len, seed, engine.runner.vocab_size):
         engine.add_request(prompt, params, stream=True)
     start = time.perf_counter()

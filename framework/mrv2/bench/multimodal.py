@@ -30,7 +30,7 @@ import torch
 from mrv2.bench.latency import measure
 from mrv2.bench.measure import release_engine_memory, report, resolve_model
 from mrv2.config import EngineConfig
-from mrv2.contract.params import SamplingParams
+from mrv2.contract.params import RequestOutputKind, SamplingParams
 from mrv2.engine.engine import LLMEngine
 from mrv2.testing import random_image
 
@@ -50,7 +50,8 @@ def image_prompt(engine: LLMEngine, prompt_len: int, seed: int) -> list[int]:
 def measure_images(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int,
                    image_size: int, seed: int) -> dict[str, float]:
     """TTFT, images/s and TPOT of ``batch`` requests with one image each."""
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)  # (as the server's)
     for i in range(batch):
         ids, items = engine.process_multimodal(
             image_prompt(engine, prompt_len, seed * 10_000 + i),

@@ -7,6 +7,7 @@ message naming the field and the allowed values.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json as _json
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,20 @@ from typing import Any
 _GREEDY_EPS = 1e-5
 #: Most top-k logprobs a request may ask for (vLLM's default ``max_logprobs``).
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each ``RequestOutput`` of a streamed request holds (vLLM's names and values).
+
+    ``CUMULATIVE``: everything so far (each output copies the whole answer: O(length) a
+    step). ``DELTA``: only what is new since the request's previous output, so a long stream
+    costs O(length) in all (``mrv2 serve`` asks for this). ``FINAL_ONLY``: one output, when the
+    request finishes, even from a streamed ``add_request``.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -84,7 +99,8 @@ class SamplingParams:
     actual token). Logprobs are those of the raw model distribution (before penalties,
     processors and temperature), as vLLM returns by default. ``structured_outputs``
     (:class:`StructuredOutputsParams`) constrains the output to a JSON schema, a regular
-    expression, a choice or a grammar.
+    expression, a choice or a grammar. ``output_kind`` (:class:`RequestOutputKind`) says whether
+    a streamed request's outputs are cumulative or deltas.
     ``n > 1`` runs ``n`` independent samples (seeds derived from ``seed`` and the index).
     """
 
@@ -110,6 +126,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled in by the engine (not user-facing): EOS ids masked by min_tokens, bad words as ids.
     _eos_token_ids: list[int] = field(default_factory=list, repr=False, compare=False)
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False,
@@ -127,6 +144,9 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if (type(self.output_kind) is int
+                and self.output_kind in RequestOutputKind._value2member_map_):
+            self.output_kind = RequestOutputKind(self.output_kind)
         self._validate()
 
     def _validate(self) -> None:
@@ -182,6 +202,8 @@ class SamplingParams:
                or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs", self.structured_outputs,
                "None or a StructuredOutputsParams")
+        _check(isinstance(self.output_kind, RequestOutputKind), "output_kind",
+               self.output_kind, "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
 
     @property
     def greedy(self) -> bool:

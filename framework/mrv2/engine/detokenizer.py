@@ -286,6 +286,12 @@ class IncrementalDetokenizer:
 
     # -- streaming ------------------------------------------------------------------------
 
+    @property
+    def streamed_text(self) -> str:
+        """``output_text`` as far as :meth:`stream_delta` has handed it out."""
+        text = self.output_text
+        return text[: self._stream_offset] if self._stream_offset < len(text) else text
+
     def stream_delta(self, finished: bool = False, holdback: int = 0) -> str:
         """Text not yet handed out by this method.
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from mrv2.config import EngineConfig
 from mrv2.contract.input_processor import InputProcessor
-from mrv2.contract.params import SamplingParams, derive_seed
+from mrv2.contract.params import RequestOutputKind, SamplingParams, derive_seed
 from mrv2.contract.requests import MultiModalItem, NewRequest, SchedulerOutput
 from mrv2.engine.block_manager import BlockManager
 from mrv2.engine.detokenizer import IncrementalDetokenizer
@@ -57,7 +57,9 @@ class _Tracked:
     detokenizer: IncrementalDetokenizer | None
     stream: bool = False
     sent_tokens: int = 0
-    sent_text: int = 0
+    sent_logprobs: int = 0
+    sent_any: bool = False  # an output of it went out (prompt logprobs go with a delta's first)
+    holdback: int = 0  # text kept back while it runs: a stop string cut there would take it
     logprobs: LogprobState | None = None
     guide: Guide | None = None  # a structured output's matcher
 
@@ -202,9 +204,14 @@ class LLMEngine:
         processor makes them); the model's ``ModelState`` embeds them.
 
         ``stream=True``: ``step()`` returns an output for this request after every new token
-        (with ``new_token_ids``/``new_text``); otherwise only its final output.
+        (every ``stream_interval``), with ``new_token_ids``/``new_text``; otherwise, or with
+        ``params.output_kind`` FINAL_ONLY, only its final output. ``output_kind`` DELTA: each
+        output holds only what is new (``RequestOutput.delta``). While a request with stop
+        strings runs, its outputs' text stops ``max(len(stop)) - 1`` characters short, so no
+        output shows text that a stop string then cuts off (as vLLM's).
         """
         max_tokens = self.validate(prompt_token_ids, params)
+        stream = stream and params.output_kind != RequestOutputKind.FINAL_ONLY
         mm_items = list(mm_items or [])
         NewRequest("validate", prompt_token_ids, params, 0, [], mm_items=mm_items)
         req_id = request_id if request_id is not None else str(next(self._ids))
@@ -239,7 +246,11 @@ class LLMEngine:
                 self.tokenizer, request.prompt_token_ids, params.skip_special_tokens
             )
         self.scheduler.add(request)
-        self._requests[req_id] = _Tracked(request, prompt, detok, stream, guide=guide)
+        holdback = 0
+        if params.stop and not params.include_stop_str_in_output:
+            holdback = max(len(s) for s in params.stop) - 1
+        self._requests[req_id] = _Tracked(request, prompt, detok, stream, guide=guide,
+                                          holdback=holdback)
         if guide is not None:
             self._guided.add(req_id)
         if params.logprobs is not None or params.prompt_logprobs is not None:
@@ -421,22 +432,30 @@ class LLMEngine:
             self.scheduler.finish(request, "length")
 
     def _make_output(self, tracked: _Tracked) -> RequestOutput:
+        """The request's output now: what is new since its previous output, and (but for a
+        DELTA request) everything so far. O(new) for a delta: a long stream costs O(length)
+        in all, where cumulative outputs cost O(length) each."""
         request = tracked.request
-        text = tracked.detokenizer.output_text if tracked.detokenizer is not None else ""
-        new_tokens = request.output_token_ids[tracked.sent_tokens :]
-        new_text = text[tracked.sent_text :]
-        tracked.sent_tokens, tracked.sent_text = len(request.output_token_ids), len(text)
+        params = request.sampling_params
+        delta = params.output_kind == RequestOutputKind.DELTA
+        detok = tracked.detokenizer
+        ids = request.output_token_ids
+        new_tokens = ids[tracked.sent_tokens :]
+        new_text = "" if detok is None else detok.stream_delta(request.finished,
+                                                               tracked.holdback)
         completion = CompletionOutput(
             index=0,
-            text=text,
-            token_ids=list(request.output_token_ids),
+            text=new_text if delta or detok is None else detok.streamed_text,
+            token_ids=new_tokens if delta else list(ids),
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
         )
-        lp, params = tracked.logprobs, request.sampling_params
+        lp = tracked.logprobs
         if lp is not None and params.logprobs is not None:
-            completion.logprobs = list(lp.logprobs)
+            completion.logprobs = (lp.logprobs[tracked.sent_logprobs :] if delta
+                                   else list(lp.logprobs))
             completion.cumulative_logprob = lp.cumulative
+            tracked.sent_logprobs = len(lp.logprobs)
         output = RequestOutput(
             request_id=request.req_id,
             prompt=tracked.prompt,
@@ -446,9 +465,12 @@ class LLMEngine:
             new_token_ids=new_tokens,
             new_text=new_text,
             num_cached_tokens=request.num_cached_tokens,
+            delta=delta,
         )
-        if lp is not None and params.prompt_logprobs is not None:
+        if lp is not None and params.prompt_logprobs is not None and not (
+                delta and tracked.sent_any):
             output.prompt_logprobs = list(lp.prompt)
+        tracked.sent_tokens, tracked.sent_any = len(ids), True
         return output
 
     # -- introspection -----------------------------------------------------------------------

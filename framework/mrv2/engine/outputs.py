@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -56,4 +57,43 @@ class RequestOutput:
     """Text added since the previous output of this request (for streaming)."""
     num_cached_tokens: int = 0
     prompt_logprobs: list[PositionLogprobs | None] | None = None
-    """Per prompt token (``None`` for the first), when ``SamplingParams.prompt_logprobs`` is set."""
+    """Per prompt token (``None`` for the first), when ``SamplingParams.prompt_logprobs`` is set
+    (of a ``delta`` request: in its first output only)."""
+    delta: bool = False
+    """True when ``outputs`` hold only what is new since this request's previous output
+    (``SamplingParams.output_kind`` DELTA): each choice's text, token ids and logprobs go on
+    from its previous ones, and a choice with nothing new may be absent (``n > 1``)."""
+
+    def add(self, later: RequestOutput) -> None:
+        """Fold ``later``, this request's next output, into this one (changed in place), as
+        if the two had been one output: a consumer that fell behind hands on one output for
+        several. A cumulative ``later`` stands for both; a delta one is appended."""
+        if later is self:
+            return
+        if later.request_id != self.request_id or later.delta != self.delta:
+            raise ValueError(f"cannot fold an output of {later.request_id!r} (delta="
+                             f"{later.delta}) into one of {self.request_id!r} (delta="
+                             f"{self.delta})")
+        self.finished, self.num_cached_tokens = later.finished, later.num_cached_tokens
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
+        if not later.delta:
+            self.outputs = later.outputs
+            self.new_token_ids = self.new_token_ids + later.new_token_ids
+            self.new_text += later.new_text
+            return
+        mine = {c.index: c for c in self.outputs}
+        for c in later.outputs:
+            have = mine.get(c.index)
+            if have is None:  # (a copy: ``later`` stays as it was)
+                mine[c.index] = dataclasses.replace(c)
+                continue
+            have.text += c.text
+            have.token_ids = have.token_ids + c.token_ids
+            if c.logprobs is not None:
+                have.logprobs = (have.logprobs or []) + c.logprobs
+            have.finish_reason, have.stop_reason = c.finish_reason, c.stop_reason
+            have.cumulative_logprob = c.cumulative_logprob
+        self.outputs = [mine[i] for i in sorted(mine)]
+        self.new_token_ids = self.new_token_ids + later.new_token_ids
+        self.new_text += later.new_text

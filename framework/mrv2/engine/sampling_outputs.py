@@ -93,13 +93,15 @@ def child_id(parent: str, index: int) -> str:
 
 
 class FanOut:
-    """Merges the outputs of ``n > 1`` sub-requests into one ``RequestOutput`` per parent."""
+    """Merges the outputs of ``n > 1`` sub-requests into one ``RequestOutput`` per parent (a
+    streamed DELTA parent's output holds the one child whose output it is)."""
 
     def __init__(self) -> None:
         self.parents: dict[str, tuple[int, bool]] = {}  # parent id -> (n, stream)
         self.child_parent: dict[str, tuple[str, int]] = {}
         self.latest: dict[str, dict[int, RequestOutput]] = {}
         self.done: dict[str, set[int]] = {}
+        self.started: set[str] = set()  # parents with an output out
 
     def add(self, parent: str, n: int, stream: bool) -> list[str]:
         """Register a parent; returns its children's ids."""
@@ -126,19 +128,23 @@ class FanOut:
         if not (stream or finished):
             return None
         latest = self.latest[parent]
+        delta = stream and output.delta  # (streamed deltas: this child's news alone)
         outs = []
-        for i in sorted(latest):
+        for i in [index] if delta else sorted(latest):
             o = latest[i].outputs[0]
             outs.append(CompletionOutput(i, o.text, o.token_ids, o.finish_reason, o.stop_reason,
                                          o.cumulative_logprob, o.logprobs))
+        prompt_logprobs = latest[0].prompt_logprobs if 0 in latest else output.prompt_logprobs
+        if delta:  # a delta request's prompt logprobs go with its first output only
+            prompt_logprobs = None if parent in self.started else output.prompt_logprobs
+        self.started.add(parent)
         merged = RequestOutput(
             request_id=parent, prompt=output.prompt, prompt_token_ids=output.prompt_token_ids,
             outputs=outs, finished=finished,
             new_token_ids=output.new_token_ids if stream else [],
             new_text=output.new_text if stream else "",
             num_cached_tokens=min(o.num_cached_tokens for o in latest.values()),
-            prompt_logprobs=(latest[0].prompt_logprobs if 0 in latest
-                             else output.prompt_logprobs),
+            prompt_logprobs=prompt_logprobs, delta=output.delta,
         )
         if finished:
             self.discard(parent)
@@ -153,4 +159,5 @@ class FanOut:
         for child in children:
             del self.child_parent[child]
         del self.latest[parent], self.done[parent]
+        self.started.discard(parent)
         return children

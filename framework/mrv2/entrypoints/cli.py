@@ -210,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks: throughput, latency")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from mrv2.bench import detokenize, latency, multimodal, sampler, throughput, tp_channel
+    from mrv2.bench import outputs as bench_outputs
     from mrv2.bench import serve as bench_serve
 
     throughput.add_parser(bench_sub)
@@ -217,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     multimodal.add_parser(bench_sub)
     sampler.add_parser(bench_sub)
     detokenize.add_parser(bench_sub)
+    bench_outputs.add_parser(bench_sub)
     tp_channel.add_parser(bench_sub)
     bench_serve.add_parser(bench_sub)
 

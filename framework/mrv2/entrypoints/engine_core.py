@@ -16,9 +16,11 @@ None), ``("stats", stats)`` when it goes idle, ``("failed", message, req_ids)`` 
 step raised (those requests failed, the engine goes on), ``("fatal", message)`` when it cannot
 go on.
 
-Outputs go as deltas (:class:`DeltaEncoder`): a ``RequestOutput`` holds the prompt's ids and
-every token so far, so pickling whole outputs each step would cost O(tokens so far) a stream.
-The parent rebuilds the cumulative outputs (:class:`OutputAccumulator`).
+Outputs go as deltas (:class:`DeltaEncoder`): a cumulative ``RequestOutput`` holds the
+prompt's ids and every token so far, so pickling whole outputs each step would cost O(tokens
+so far) a stream. The parent rebuilds the cumulative outputs (:class:`OutputAccumulator`). A
+request with ``output_kind`` DELTA (the server's) is a delta already: it crosses as it is and
+the parent keeps nothing of it.
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ STATS_INTERVAL_S = 0.1
 #: starts before the end of what was sent when a stop string cut it back.
 ChoiceDelta = tuple[int, list[int], int, str, "str | None", "int | str | None",
                     "list[Any] | None", "float | None"]
-#: One request's change: (request id, finished, its choices' deltas).
-OutputDelta = tuple[str, bool, list[ChoiceDelta], int]  # (id, finished, choices, cached)
+#: One request's change: (request id, finished, its choices' deltas, its prompt's tokens
+#: found in the prefix cache, whether the request's outputs are deltas).
+OutputDelta = tuple[str, bool, list[ChoiceDelta], int, bool]
 
 
 class DeltaEncoder:
@@ -61,6 +64,11 @@ class DeltaEncoder:
 
     def encode(self, output: RequestOutput) -> OutputDelta:
         choices: list[ChoiceDelta] = []
+        if output.delta:  # (a delta request's output: nothing to keep)
+            choices = [(c.index, c.token_ids, 0, c.text, c.finish_reason, c.stop_reason,
+                        c.logprobs, c.cumulative_logprob) for c in output.outputs]
+            return (output.request_id, output.finished, choices, output.num_cached_tokens,
+                    True)
         for c in output.outputs:
             key = (output.request_id, c.index)
             tokens, text, num_lp = self._sent.get(key, (0, 0, 0))
@@ -75,7 +83,7 @@ class DeltaEncoder:
         if output.finished:
             for c in output.outputs:
                 self._sent.pop((output.request_id, c.index), None)
-        return output.request_id, output.finished, choices, output.num_cached_tokens
+        return output.request_id, output.finished, choices, output.num_cached_tokens, False
 
     def forget(self, request_id: str) -> None:
         """An aborted request: drop what was sent of it."""
@@ -86,13 +94,22 @@ class DeltaEncoder:
 class OutputAccumulator:
     """(parent) Rebuilds each request's cumulative ``RequestOutput`` from deltas, in place:
     the one object of a request is updated and handed on again (outputs are cumulative, so a
-    reader that sees a later state has lost nothing)."""
+    reader that sees a later state has lost nothing). A delta request's output is rebuilt as
+    it came, a new object each time, and nothing of it is kept."""
 
     def __init__(self) -> None:
         self._outputs: dict[str, RequestOutput] = {}
 
     def apply(self, delta: OutputDelta) -> RequestOutput:
-        req_id, finished, choices, cached = delta
+        req_id, finished, choices, cached, is_delta = delta
+        if is_delta:  # a delta request's output, as the engine made it
+            outs = [CompletionOutput(index, text, ids, reason, stop, cumulative, logprobs)
+                    for index, ids, _, text, reason, stop, logprobs, cumulative in choices]
+            return RequestOutput(request_id=req_id, prompt=None, prompt_token_ids=[],
+                                 outputs=outs, finished=finished,
+                                 new_token_ids=[t for c in outs for t in c.token_ids],
+                                 new_text="".join(c.text for c in outs),
+                                 num_cached_tokens=cached, delta=True)
         output = self._outputs.get(req_id)
         if output is None:
             output = RequestOutput(request_id=req_id, prompt=None, prompt_token_ids=[],

@@ -20,7 +20,7 @@ import logging
 import multiprocessing
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from mrv2.config import EngineConfig
@@ -51,11 +51,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Sink(ThreadSink):
-    """The engine thread's sink, and what the deltas need: an abort mark (set on the loop)
-    and each choice's tokens so far (the finished lengths for ``/metrics``)."""
+    """The engine thread's sink, and what the deltas need: an abort mark (set on the loop)."""
 
     aborted: bool = False
-    tokens: dict[int, int] = field(default_factory=dict)
 
 
 class EngineProcess:
@@ -282,14 +280,16 @@ class EngineProcess:
         metrics = self.metrics
         with self._lock:
             for delta in deltas:
-                req_id, finished, choices, _ = delta
+                req_id, finished, choices = delta[:3]
                 entry = self._sinks.get(req_id)
                 if entry is None:
                     continue
                 generated = 0
-                for index, ids, *_ in choices:
+                for index, ids, _, _, reason, *_ in choices:
                     entry.tokens[index] = entry.tokens.get(index, 0) + len(ids)
                     generated += len(ids)
+                    if reason:
+                        entry.reasons[index] = reason
                 if generated and metrics is not None:
                     metrics.observe_tokens(entry.num_prompt if entry.first is None else 0,
                                            generated)
@@ -301,22 +301,26 @@ class EngineProcess:
                     del self._sinks[req_id]
                     self._pending -= entry.num_seqs
                     if metrics is not None:
-                        reasons = {c[0]: c[4] or "unknown" for c in choices}
-                        lengths = [(reasons.get(i, "unknown"), n)
-                                   for i, n in sorted(entry.tokens.items())]
                         metrics.observe_finished(
-                            lengths, None if entry.first is None else now - entry.first)
+                            entry.finished_lengths(),
+                            None if entry.first is None else now - entry.first)
                 self._hand_over.add(entry.loop, (entry, delta))
         self._hand_over.post()
 
     def _apply(self, batch: list[tuple[_Sink, OutputDelta]]) -> None:
-        # (on the loop) the deltas into the cumulative outputs, each touched request's once
+        # (on the loop) the deltas into outputs, each touched request's once: a cumulative
+        # output's latest state, or a delta request's outputs folded into one
         touched: dict[str, tuple[_Sink, RequestOutput]] = {}
         for entry, delta in batch:
             if entry.aborted:
                 self._accumulator.forget(delta[0])
                 continue
-            touched[delta[0]] = (entry, self._accumulator.apply(delta))
+            output = self._accumulator.apply(delta)
+            earlier = touched.get(delta[0])
+            if earlier is not None and output.delta:
+                earlier[1].add(output)
+            else:
+                touched[delta[0]] = (entry, output)
         for entry, output in touched.values():
             entry.queue.put_nowait(output)
 

@@ -4,9 +4,9 @@ HTTP handlers (on the asyncio loop) call :meth:`EngineThread.submit` / :meth:`ab
 engine thread owns the :class:`LLMEngine` and is the only thread that touches it (but for
 read-only ``validate``). Outputs go to each request's ``asyncio.Queue`` in batches, one
 ``loop.call_soon_threadsafe`` for all of them. While the loop still works on the last batch
-(its streams' chunks not yet written), the next steps' outputs wait here and merge, the latest
-output of a request standing for the ones before it (outputs are cumulative), as vLLM's output
-collector merges. So a loop that cannot write a chunk a token for every stream writes a few
+(its streams' chunks not yet written), the next steps' outputs wait here and merge into one
+output a request (:meth:`RequestOutput.add`: the server's deltas are appended), as vLLM's
+output collector merges. So a loop that cannot write a chunk a token for every stream writes a few
 tokens a chunk instead of taking more of the GIL it shares with this thread. (On the H200,
 256 streams at once, the merge measured level with a step's outputs always going over:
 10.5-11.6k tok/s either way, inside the runs' spread; it stays because it bounds the loop's
@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from mrv2.contract.params import SamplingParams
@@ -65,18 +65,27 @@ class _Sink:
     num_prompt: int = 0
     num_seqs: int = 1  # the request's n: what it counts against max_pending
     num_generated: int = 0  # tokens of all its sequences counted in the metrics so far
+    #: Per choice: its tokens so far and its finish reason (the finished lengths of /metrics).
+    tokens: dict[int, int] = field(default_factory=dict)
+    reasons: dict[int, str] = field(default_factory=dict)
+
+    def finished_lengths(self) -> list[tuple[str, int]]:
+        """(finish reason, tokens) of each choice."""
+        return [(self.reasons.get(i, "unknown"), n) for i, n in sorted(self.tokens.items())]
 
 
 class LoopHandOver(Generic[T]):
     """Hands items from a worker thread to the event loops that wait for them, one callback a
     loop for all it has: while a loop works on its last batch (the tasks that batch woke have
     not yet run), its next items wait here; ``deliver(batch)`` runs on the loop. Items added
-    under one key merge while they wait (the latest stands for the ones before: outputs are
-    cumulative); items added without a key all stay, in order. Used by the engine thread and
-    by the engine process's reader."""
+    under one key merge while they wait, by ``fold(earlier, later)`` (default: the later
+    stands for both); items added without a key all stay, in order. Used by the engine thread
+    and by the engine process's reader."""
 
-    def __init__(self, deliver: Callable[[list[T]], None]) -> None:
+    def __init__(self, deliver: Callable[[list[T]], None],
+                 fold: Callable[[T, T], T] | None = None) -> None:
         self._deliver = deliver
+        self._fold = fold
         self._lock = threading.Lock()
         self._backlog: dict[asyncio.AbstractEventLoop, dict[Hashable, T]] = {}
         self._busy: set[asyncio.AbstractEventLoop] = set()
@@ -84,7 +93,10 @@ class LoopHandOver(Generic[T]):
     def add(self, loop: asyncio.AbstractEventLoop, item: T, key: Hashable | None = None) -> None:
         """Queue ``item`` for ``loop`` (:meth:`post` sends it)."""
         with self._lock:
-            self._backlog.setdefault(loop, {})[object() if key is None else key] = item
+            backlog = self._backlog.setdefault(loop, {})
+            earlier = None if key is None or self._fold is None else backlog.get(key)
+            backlog[object() if key is None else key] = (
+                item if earlier is None or self._fold is None else self._fold(earlier, item))
 
     def post(self) -> None:
         """Hand each idle loop its backlog."""
@@ -130,7 +142,8 @@ class EngineThread:
         self._pending = 0  # sequences (n per request) submitted, not yet finished or aborted
         self._lock = threading.Lock()
         #: Outputs on their way to their event loops (the latest a request while they wait).
-        self._hand_over: LoopHandOver[tuple[_Sink, RequestOutput]] = LoopHandOver(_fill_queues)
+        self._hand_over: LoopHandOver[tuple[_Sink, RequestOutput]] = LoopHandOver(
+            _fill_queues, _fold_outputs)
         self._thread = threading.Thread(target=self._run, name="mrv2-engine", daemon=True)
         self._stopped = False
         #: The error that ended the engine for good (a tensor-parallel worker died), or None.
@@ -253,19 +266,25 @@ class EngineThread:
         sink = self._sinks.get(output.request_id)
         if sink is None:
             return
-        generated = sum(len(c.token_ids) for c in output.outputs)  # (cumulative outputs)
-        if generated > sink.num_generated:
+        generated = 0
+        for c in output.outputs:
+            before = sink.tokens.get(c.index, 0)
+            total = before + len(c.token_ids) if output.delta else len(c.token_ids)
+            generated += total - before
+            sink.tokens[c.index] = total
+            if c.finish_reason:
+                sink.reasons[c.index] = c.finish_reason
+        if generated > 0:
             self.metrics.observe_tokens(0 if sink.num_generated else sink.num_prompt,
-                                        generated - sink.num_generated)
-            sink.num_generated = generated
+                                        generated)
+            sink.num_generated += generated
         if sink.first is None and output.new_token_ids:
             sink.first = now
             self.metrics.ttft.observe(now - sink.arrival)
         if output.finished:
             del self._sinks[output.request_id]
             self._finish_pending(sink)
-            lengths = [(c.finish_reason or "unknown", len(c.token_ids)) for c in output.outputs]
-            self.metrics.observe_finished(lengths,
+            self.metrics.observe_finished(sink.finished_lengths(),
                                           None if sink.first is None else now - sink.first)
         self._hand_over.add(sink.loop, (sink, output), key=output.request_id)
 
@@ -299,6 +318,14 @@ class EngineThread:
     def _finish_pending(self, sink: _Sink) -> None:
         with self._lock:
             self._pending -= sink.num_seqs
+
+
+def _fold_outputs(earlier: tuple[_Sink, RequestOutput], later: tuple[_Sink, RequestOutput]
+                  ) -> tuple[_Sink, RequestOutput]:
+    """Two outputs of one request waiting for its loop, as one (each is the engine's own new
+    object: folding into the earlier changes nothing anybody else holds)."""
+    earlier[1].add(later[1])
+    return earlier
 
 
 def _fill_queues(batch: list[tuple[_Sink, RequestOutput]]) -> None:

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mrv2.contract.params import SamplingParams, StructuredOutputsParams
+from mrv2.contract.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from mrv2.engine.outputs import PositionLogprobs
 
 
@@ -94,6 +94,9 @@ class _Request(BaseModel):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             structured_outputs=self.structured_outputs_params(),
+            # deltas, streamed or not: a request's every output costs O(new tokens), and the
+            # server's workers count TTFT and tokens from them (responses.Stream reads deltas)
+            output_kind=RequestOutputKind.DELTA,
         )
 
     def _structured_fields(self) -> list[str]:

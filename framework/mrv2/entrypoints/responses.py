@@ -1,10 +1,11 @@
 """The OpenAI server's answers: a request's outputs as one JSON body or as server-sent
 events (:class:`Stream`), and the error every route raises (:class:`APIError`).
 
-A stream writes, in one write, everything queued since its last one (a request's outputs are
-cumulative: its latest stands for the ones before it), one choice a chunk as OpenAI streams
-``n > 1``; with ``--reasoning-parser`` a chat choice's text is split into ``content`` and
-``reasoning_content`` as it arrives (:mod:`mrv2.entrypoints.reasoning`).
+The server's requests ask for deltas (``RequestOutputKind.DELTA``), streamed or not, so each
+output costs O(new tokens) however long the answer grows. A stream writes, in one write,
+everything queued since its last one (a request's deltas folded into one), one choice a
+chunk as OpenAI streams ``n > 1``; with ``--reasoning-parser`` a chat choice's text is split
+into ``content`` and ``reasoning_content`` as it arrives (:mod:`mrv2.entrypoints.reasoning`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from mrv2.contract.params import SamplingParams
-from mrv2.engine.outputs import RequestOutput
+from mrv2.engine.outputs import CompletionOutput, RequestOutput
 from mrv2.entrypoints.engine_process import EngineProcess
 from mrv2.entrypoints.engine_thread import EngineThread
 from mrv2.entrypoints.openai_protocol import chat_logprobs, completion_logprobs, error_body
@@ -47,11 +48,37 @@ class _Choice:
 
     def __init__(self, index: int, reasoning: str | None = None,
                  tools: ToolCalling | None = None) -> None:
-        self.index, self.tokens, self.text, self.offset, self.done = index, 0, 0, 0, False
+        self.index, self.offset, self.done = index, 0, False
         #: The choice's ``--reasoning-parser`` split, as its text arrives (chat only).
         self.reasoning = ReasoningStream(reasoning) if reasoning else None
         #: Its tool calls, held until it finishes (a chat request with tools).
         self.tool_calls = tools.stream() if tools is not None else None
+
+
+class _Answer:
+    """A choice's answer gathered from its deltas, its text joined once at the end (folding
+    each delta into one output would copy the answer so far every step)."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[Any] | None = None
+        self.last: CompletionOutput | None = None
+
+    def add(self, delta: CompletionOutput) -> None:
+        self.text.append(delta.text)
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.logprobs)
+        self.last = delta
+
+    def output(self, index: int) -> CompletionOutput:
+        last = self.last
+        assert last is not None
+        return CompletionOutput(index, "".join(self.text), self.token_ids, last.finish_reason,
+                                last.stop_reason, last.cumulative_logprob, self.logprobs)
 
 
 class Stream:
@@ -75,7 +102,8 @@ class Stream:
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self.unfinished = set(req_ids)
-        self.finals: dict[str, RequestOutput] = {}
+        #: (not streamed) request id -> choice index -> its answer so far
+        self.answers: dict[str, dict[int, _Answer]] = {}
         self.choices: dict[tuple[str, int], _Choice] = {}
         #: ``usage.prompt_tokens_details.cached_tokens`` (vLLM's
         #: ``--enable-prompt-tokens-details``): the prompts' tokens found in the prefix cache.
@@ -85,10 +113,10 @@ class Stream:
     def _index(self, req_id: str, i: int) -> int:
         return self.order[req_id] * self.params.n + i
 
-    def _logprobs(self, choice: Any, start: int, state: _Choice | None) -> Any:
+    def _logprobs(self, choice: Any, state: _Choice | None) -> Any:
         if self.params.logprobs is None or choice.logprobs is None:
             return None
-        ids, lps = choice.token_ids[start:], choice.logprobs[start:]
+        ids, lps = choice.token_ids, choice.logprobs
         if self.chat:
             return chat_logprobs(lps, ids, self.params.logprobs)
         body, end = completion_logprobs(lps, ids, state.offset if state else 0)
@@ -122,9 +150,11 @@ class Stream:
                 item, item_task = item_task.result(), None
                 if isinstance(item, BaseException):
                     raise APIError(500, str(item), "server_error")
+                answers = self.answers.setdefault(item.request_id, {})
+                for c in item.outputs:
+                    answers.setdefault(c.index, _Answer()).add(c)
                 if item.finished:
                     self.unfinished.discard(item.request_id)
-                    self.finals[item.request_id] = item
                     self.cached[item.request_id] = item.num_cached_tokens
         finally:
             for task in (gone, item_task):
@@ -133,12 +163,13 @@ class Stream:
             self.abort_rest()
         choices, completion = [], 0
         for req_id in self.req_ids:
-            for out in self.finals[req_id].outputs:
+            answers = self.answers[req_id]
+            for out in (answers[i].output(i) for i in sorted(answers)):
                 completion += len(out.token_ids)
                 choice: dict[str, Any] = {"index": self._index(req_id, out.index),
                                           "finish_reason": out.finish_reason,
                                           "stop_reason": out.stop_reason,
-                                          "logprobs": self._logprobs(out, 0, None)}
+                                          "logprobs": self._logprobs(out, None)}
                 if self.chat:
                     choice["message"] = self._message(out.text, choice)
                 else:
@@ -184,10 +215,10 @@ class Stream:
                                             "delta": {"role": "assistant", "content": ""}}])
                               for r in self.req_ids for i in range(self.params.n))
             while self.unfinished:
-                # Everything queued since the last write, in one write: a request's outputs
-                # are cumulative, so its latest stands for the ones before it (a loop that
-                # falls behind sends a few tokens a chunk, not a chunk a token, as vLLM's
-                # output collector merges). One send a request a step at most.
+                # Everything queued since the last write, in one write: a request's deltas
+                # fold into one (a loop that falls behind sends a few tokens a chunk, not a
+                # chunk a token, as vLLM's output collector merges). One send a request a
+                # step at most.
                 items = [await sink.get()]
                 while not sink.empty():
                     items.append(sink.get_nowait())
@@ -197,13 +228,17 @@ class Stream:
                     if isinstance(item, BaseException):
                         error = item
                         break
-                    latest[item.request_id] = item
+                    earlier = latest.get(item.request_id)
+                    if earlier is None:
+                        latest[item.request_id] = item
+                    else:
+                        earlier.add(item)
                 text = ""
                 for output in latest.values():
                     choices = self._deltas(output)
+                    completion += sum(len(o.token_ids) for o in output.outputs)
                     if output.finished:
                         self.unfinished.discard(output.request_id)
-                        completion += sum(len(o.token_ids) for o in output.outputs)
                         self.cached[output.request_id] = output.num_cached_tokens
                     text += "".join(self._chunk([choice]) for choice in choices)
                 if error is not None:
@@ -219,19 +254,16 @@ class Stream:
 
     def _deltas(self, item: RequestOutput) -> list[dict[str, Any]]:
         choices = []
-        for out in item.outputs:  # (n > 1: the choices seen so far, by their own index)
+        for out in item.outputs:  # (a delta: the choices with news, by their own index)
             key = (item.request_id, out.index)
             state = self.choices.setdefault(key, _Choice(self._index(item.request_id,
                                                                      out.index),
                                                          self.reasoning, self.tools))
-            if state.done:
+            if state.done or not (out.token_ids or out.finish_reason):
                 continue
-            text = out.text[state.text:]
-            start = state.tokens
-            if len(out.token_ids) == start and not out.finish_reason:
-                continue
+            text = out.text
             choice: dict[str, Any] = {"index": state.index,
-                                      "logprobs": self._logprobs(out, start, state),
+                                      "logprobs": self._logprobs(out, state),
                                       "finish_reason": out.finish_reason}
             if out.finish_reason:
                 choice["stop_reason"] = out.stop_reason
@@ -240,7 +272,6 @@ class Stream:
                 choice["delta"] = self._delta(state, text, choice, bool(out.finish_reason))
             else:
                 choice["text"] = text
-            state.tokens, state.text = len(out.token_ids), max(state.text, len(out.text))
             choices.append(choice)
         return choices
 
