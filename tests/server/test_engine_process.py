@@ -71,11 +71,14 @@ BODIES = [
     {"prompt": "hello world", "max_tokens": 10, "temperature": 0, "stop": ["ld"]},
     {"prompt": [5, 6], "max_tokens": 20, "temperature": 0.8, "seed": 2,
      "guided_choice": ["Paris", "London"]},
+    {"prompt": "hello world", "max_tokens": 4, "temperature": 0.8, "seed": 5, "n": 2,
+     "echo": True, "logprobs": 1},
+    {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "prompt_logprobs": 2},
 ]
 
 
 @pytest.mark.parametrize("body", BODIES, ids=["greedy", "n2_seeded", "logprobs", "stop",
-                                              "structured"])
+                                              "structured", "echo", "prompt_logprobs"])
 def test_the_same_answers_as_the_engine_thread(server: Served, remote: tuple[str, Any],
                                                body: dict[str, Any]) -> None:
     want, got = _post(server.url, body).json(), _post(remote[0], body).json()

@@ -51,8 +51,9 @@ STATS_INTERVAL_S = 0.1
 ChoiceDelta = tuple[int, list[int], int, str, "str | None", "int | str | None",
                     "list[Any] | None", "float | None"]
 #: One request's change: (request id, finished, its choices' deltas, its prompt's tokens
-#: found in the prefix cache, whether the request's outputs are deltas).
-OutputDelta = tuple[str, bool, list[ChoiceDelta], int, bool]
+#: found in the prefix cache, whether the request's outputs are deltas, its prompt logprobs
+#: (in its first message only; None otherwise or when not asked for)).
+OutputDelta = tuple[str, bool, list[ChoiceDelta], int, bool, "list[Any] | None"]
 
 
 class DeltaEncoder:
@@ -61,6 +62,8 @@ class DeltaEncoder:
     def __init__(self) -> None:
         #: (request id, choice index) -> (tokens, text length, logprobs) already sent
         self._sent: dict[tuple[str, int], tuple[int, int, int]] = {}
+        #: cumulative requests whose prompt logprobs went with an earlier message
+        self._prompt_sent: set[str] = set()
 
     def encode(self, output: RequestOutput) -> OutputDelta:
         choices: list[ChoiceDelta] = []
@@ -68,7 +71,11 @@ class DeltaEncoder:
             choices = [(c.index, c.token_ids, 0, c.text, c.finish_reason, c.stop_reason,
                         c.logprobs, c.cumulative_logprob) for c in output.outputs]
             return (output.request_id, output.finished, choices, output.num_cached_tokens,
-                    True)
+                    True, output.prompt_logprobs)
+        prompt = None
+        if output.prompt_logprobs is not None and output.request_id not in self._prompt_sent:
+            prompt = output.prompt_logprobs
+            self._prompt_sent.add(output.request_id)
         for c in output.outputs:
             key = (output.request_id, c.index)
             tokens, text, num_lp = self._sent.get(key, (0, 0, 0))
@@ -83,12 +90,15 @@ class DeltaEncoder:
         if output.finished:
             for c in output.outputs:
                 self._sent.pop((output.request_id, c.index), None)
-        return output.request_id, output.finished, choices, output.num_cached_tokens, False
+            self._prompt_sent.discard(output.request_id)
+        return (output.request_id, output.finished, choices, output.num_cached_tokens, False,
+                prompt)
 
     def forget(self, request_id: str) -> None:
         """An aborted request: drop what was sent of it."""
         for key in [k for k in self._sent if k[0] == request_id]:
             del self._sent[key]
+        self._prompt_sent.discard(request_id)
 
 
 class OutputAccumulator:
@@ -101,7 +111,7 @@ class OutputAccumulator:
         self._outputs: dict[str, RequestOutput] = {}
 
     def apply(self, delta: OutputDelta) -> RequestOutput:
-        req_id, finished, choices, cached, is_delta = delta
+        req_id, finished, choices, cached, is_delta, prompt = delta
         if is_delta:  # a delta request's output, as the engine made it
             outs = [CompletionOutput(index, text, ids, reason, stop, cumulative, logprobs)
                     for index, ids, _, text, reason, stop, logprobs, cumulative in choices]
@@ -109,7 +119,7 @@ class OutputAccumulator:
                                  outputs=outs, finished=finished,
                                  new_token_ids=[t for c in outs for t in c.token_ids],
                                  new_text="".join(c.text for c in outs),
-                                 num_cached_tokens=cached, delta=True)
+                                 num_cached_tokens=cached, prompt_logprobs=prompt, delta=True)
         output = self._outputs.get(req_id)
         if output is None:
             output = RequestOutput(request_id=req_id, prompt=None, prompt_token_ids=[],
@@ -134,6 +144,8 @@ class OutputAccumulator:
         output.new_token_ids = new_ids
         output.finished = finished
         output.num_cached_tokens = cached
+        if prompt is not None:
+            output.prompt_logprobs = prompt
         if finished:
             del self._outputs[req_id]
         return output

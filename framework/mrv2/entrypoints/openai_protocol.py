@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -63,7 +64,6 @@ class _Request(BaseModel):
             return value if value is not None else d.get(name, fallback)
 
         _unsupported("use_beam_search", self.use_beam_search, False)
-        _unsupported("prompt_logprobs", self.prompt_logprobs, None)
         bias = None
         if self.logit_bias:
             try:
@@ -88,6 +88,7 @@ class _Request(BaseModel):
             max_tokens=pick("max_tokens", max_tokens, None),
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=self._prompt_logprobs(),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=bias,
@@ -150,6 +151,10 @@ class _Request(BaseModel):
         """The request's own ``max_tokens`` (None: unset)."""
         raise NotImplementedError
 
+    def _prompt_logprobs(self) -> int | None:
+        """The top-k logprobs to return per prompt token (vLLM's ``prompt_logprobs``)."""
+        return self.prompt_logprobs
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -183,7 +188,6 @@ class CompletionRequest(_Request):
     def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """The request's SamplingParams; ``defaults`` (the model's sampling defaults) fill the
         fields it leaves unset (``max_tokens`` too when the request does not send it)."""
-        _unsupported("echo", self.echo, False)
         _unsupported("suffix", self.suffix, None)
         if self.best_of is not None and self.best_of != self.n:
             _unsupported("best_of", self.best_of, f"None or n ({self.n})")
@@ -194,6 +198,12 @@ class CompletionRequest(_Request):
 
     def _requested_max(self) -> int | None:
         return self.max_tokens if "max_tokens" in self.model_fields_set else None
+
+    def _prompt_logprobs(self) -> int | None:
+        # ``echo`` with ``logprobs``: the prompt's tokens get theirs too (vLLM's rule)
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
 
 class ChatMessage(BaseModel):
@@ -404,22 +414,37 @@ def _token_text(lp: Any, token: int) -> str:
     return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token}"
 
 
-def completion_logprobs(positions: list[PositionLogprobs], token_ids: list[int],
-                        offset: int) -> tuple[dict[str, Any], int]:
+def completion_logprobs(positions: Sequence[PositionLogprobs | None], token_ids: list[int],
+                        offset: int, token_text: Callable[[int], str] | None = None
+                        ) -> tuple[dict[str, Any], int]:
     """OpenAI's legacy logprobs (tokens/token_logprobs/top_logprobs/text_offset); returns the
-    text offset after the last token too."""
-    tokens, token_lps, tops, offsets = [], [], [], []
+    text offset after the last token too. A position of ``None`` (an echoed prompt's first
+    token) has no logprob and no top logprobs; its text is ``token_text(token)``."""
+    tokens, token_lps, tops = [], [], []
+    offsets: list[int] = []
     for token, pos in zip(token_ids, positions, strict=False):
-        chosen = pos.get(token)
-        text = _token_text(chosen, token) if chosen is not None else ""
+        chosen = pos.get(token) if pos is not None else None
+        text = (_token_text(chosen, token) if chosen is not None
+                else token_text(token) if token_text is not None else "")
         tokens.append(text)
         token_lps.append(chosen.logprob if chosen is not None else None)
-        tops.append({_token_text(lp, t): lp.logprob for t, lp in pos.items()})
+        tops.append(None if pos is None else
+                    {_token_text(lp, t): lp.logprob for t, lp in pos.items()})
         offsets.append(offset)
         offset += len(text)
     body = {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
             "text_offset": offsets}
     return body, offset
+
+
+def prompt_logprobs_body(positions: list[PositionLogprobs | None] | None) -> Any:
+    """vLLM's ``prompt_logprobs``: per prompt token ``None`` (the first) or ``{token id:
+    {logprob, rank, decoded_token}}`` (the token itself and the top k)."""
+    if positions is None:
+        return None
+    return [None if pos is None else {
+        str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+        for t, lp in pos.items()} for pos in positions]
 
 
 def chat_logprobs(positions: list[PositionLogprobs], token_ids: list[int],

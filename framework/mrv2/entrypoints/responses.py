@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -23,11 +24,16 @@ from mrv2.contract.params import SamplingParams
 from mrv2.engine.outputs import CompletionOutput, RequestOutput
 from mrv2.entrypoints.engine_process import EngineProcess
 from mrv2.entrypoints.engine_thread import EngineThread
-from mrv2.entrypoints.openai_protocol import chat_logprobs, completion_logprobs, error_body
+from mrv2.entrypoints.openai_protocol import (
+    chat_logprobs,
+    completion_logprobs,
+    error_body,
+    prompt_logprobs_body,
+)
 from mrv2.entrypoints.reasoning import ReasoningStream, split_reasoning
 from mrv2.entrypoints.tool_calls import ToolCalling
 
-__all__ = ["APIError", "Stream", "disconnected"]
+__all__ = ["APIError", "Echo", "Stream", "disconnected"]
 
 
 class APIError(Exception):
@@ -43,12 +49,23 @@ class APIError(Exception):
                             status_code=self.status)
 
 
+@dataclass
+class Echo:
+    """Completions' ``echo``: each prompt's text before its answers, and with ``logprobs``
+    its tokens' (the request's prompt logprobs; the first token has none) before theirs."""
+
+    texts: list[str]
+    """Per prompt, in the request's order."""
+    token_text: Callable[[int], str]
+    """A token's text (the first prompt token's, which has no logprobs entry to name it)."""
+
+
 class _Choice:
     """Streaming bookkeeping of one choice: what was sent already."""
 
     def __init__(self, index: int, reasoning: str | None = None,
                  tools: ToolCalling | None = None) -> None:
-        self.index, self.offset, self.done = index, 0, False
+        self.index, self.offset, self.done, self.started = index, 0, False, False
         #: The choice's ``--reasoning-parser`` split, as its text arrives (chat only).
         self.reasoning = ReasoningStream(reasoning) if reasoning else None
         #: Its tool calls, held until it finishes (a chat request with tools).
@@ -88,8 +105,8 @@ class Stream:
                  params: SamplingParams, body: Any, req_ids: list[str],
                  encoded: list[tuple[list[int], str | None]],
                  reasoning: str | None = None, tools: ToolCalling | None = None,
-                 parallel_tool_calls: bool = True, prompt_tokens_details: bool = False
-                 ) -> None:
+                 parallel_tool_calls: bool = True, prompt_tokens_details: bool = False,
+                 echo: Echo | None = None) -> None:
         self.worker, self.base, self.model, self.chat = worker, base, model, chat
         self.reasoning = reasoning if chat else None
         #: Parse the answers' tool calls (``--tool-call-parser`` and the request's tools);
@@ -98,6 +115,9 @@ class Stream:
         self.parallel_tool_calls = parallel_tool_calls
         self.params, self.body, self.req_ids = params, body, req_ids
         self.order = {r: i for i, r in enumerate(req_ids)}
+        self.encoded, self.echo = encoded, echo if not chat else None
+        #: request id -> its prompt logprobs (they come with its first output)
+        self.prompt_lps: dict[str, list[Any] | None] = {}
         self.num_prompt = sum(len(ids) for ids, _ in encoded)
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -113,16 +133,34 @@ class Stream:
     def _index(self, req_id: str, i: int) -> int:
         return self.order[req_id] * self.params.n + i
 
-    def _logprobs(self, choice: Any, state: _Choice | None) -> Any:
+    def _logprobs(self, choice: Any, state: _Choice | None, req_id: str,
+                  first: bool) -> Any:
         if self.params.logprobs is None or choice.logprobs is None:
             return None
         ids, lps = choice.token_ids, choice.logprobs
         if self.chat:
             return chat_logprobs(lps, ids, self.params.logprobs)
-        body, end = completion_logprobs(lps, ids, state.offset if state else 0)
+        echo = self.echo
+        if first and echo is not None:  # the prompt's tokens first
+            prompt = self.prompt_lps.get(req_id) or []
+            ids = self.encoded[self.order[req_id]][0] + ids
+            lps = prompt + lps
+        body, end = completion_logprobs(lps, ids, state.offset if state else 0,
+                                        echo.token_text if echo is not None else None)
         if state is not None:
             state.offset = end
         return body
+
+    def _prompt_fields(self, req_id: str, first: bool, text: str) -> tuple[str, Any]:
+        """A choice's text with the echoed prompt before it (its first part only), and its
+        ``prompt_logprobs`` (None: not asked for, or not its first part)."""
+        if not first:
+            return text, None
+        if self.echo is not None:
+            text = self.echo.texts[self.order[req_id]] + text
+        if self.params.prompt_logprobs is None:
+            return text, None
+        return text, prompt_logprobs_body(self.prompt_lps.get(req_id))
 
     def _usage(self, completion: int) -> dict[str, Any]:
         usage: dict[str, Any] = {"prompt_tokens": self.num_prompt,
@@ -150,6 +188,8 @@ class Stream:
                 item, item_task = item_task.result(), None
                 if isinstance(item, BaseException):
                     raise APIError(500, str(item), "server_error")
+                if item.prompt_logprobs is not None:
+                    self.prompt_lps[item.request_id] = item.prompt_logprobs
                 answers = self.answers.setdefault(item.request_id, {})
                 for c in item.outputs:
                     answers.setdefault(c.index, _Answer()).add(c)
@@ -169,15 +209,20 @@ class Stream:
                 choice: dict[str, Any] = {"index": self._index(req_id, out.index),
                                           "finish_reason": out.finish_reason,
                                           "stop_reason": out.stop_reason,
-                                          "logprobs": self._logprobs(out, None)}
+                                          "logprobs": self._logprobs(out, None, req_id, True)}
+                text, prompt_lps = self._prompt_fields(req_id, True, out.text)
                 if self.chat:
-                    choice["message"] = self._message(out.text, choice)
+                    choice["message"] = self._message(text, choice)
                 else:
-                    choice["text"] = out.text
+                    choice["text"] = text
+                    if prompt_lps is not None:
+                        choice["prompt_logprobs"] = prompt_lps
                 choices.append(choice)
-        return JSONResponse({"id": self.base, "object": self.object, "created": self.created,
-                             "model": self.model, "choices": choices,
-                             "usage": self._usage(completion)})
+        answer = {"id": self.base, "object": self.object, "created": self.created,
+                  "model": self.model, "choices": choices, "usage": self._usage(completion)}
+        if self.chat and self.params.prompt_logprobs is not None:  # (vLLM's: one prompt)
+            answer["prompt_logprobs"] = prompt_logprobs_body(self.prompt_lps.get(self.req_ids[0]))
+        return JSONResponse(answer)
 
     def _message(self, text: str, choice: dict[str, Any]) -> dict[str, Any]:
         """A finished chat choice's message: its text split into reasoning and content, and
@@ -228,6 +273,8 @@ class Stream:
                     if isinstance(item, BaseException):
                         error = item
                         break
+                    if item.prompt_logprobs is not None:
+                        self.prompt_lps[item.request_id] = item.prompt_logprobs
                     earlier = latest.get(item.request_id)
                     if earlier is None:
                         latest[item.request_id] = item
@@ -261,10 +308,14 @@ class Stream:
                                                          self.reasoning, self.tools))
             if state.done or not (out.token_ids or out.finish_reason):
                 continue
-            text = out.text
+            first, state.started = not state.started, True
+            text, prompt_lps = self._prompt_fields(item.request_id, first, out.text)
             choice: dict[str, Any] = {"index": state.index,
-                                      "logprobs": self._logprobs(out, state),
+                                      "logprobs": self._logprobs(out, state, item.request_id,
+                                                                 first),
                                       "finish_reason": out.finish_reason}
+            if prompt_lps is not None:
+                choice["prompt_logprobs"] = prompt_lps
             if out.finish_reason:
                 choice["stop_reason"] = out.stop_reason
                 state.done = True

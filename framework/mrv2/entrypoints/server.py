@@ -50,7 +50,7 @@ from mrv2.entrypoints.openai_protocol import (
     value_error_param,
 )
 from mrv2.entrypoints.reasoning import check_reasoning_parser
-from mrv2.entrypoints.responses import APIError, Stream
+from mrv2.entrypoints.responses import APIError, Echo, Stream
 from mrv2.entrypoints.stack_sampler import PROFILE_ENV_VAR, StackSampler
 from mrv2.entrypoints.stats_logger import StatsLogger, log_stats_forever, log_stats_interval
 from mrv2.entrypoints.tool_calls import (
@@ -253,8 +253,14 @@ def create_app(engine: LLMEngine | RemoteEngine,
                 encoded.append((body.truncate(list(p)), None))
         for ids, _ in encoded:
             validate(ids, params, body)
+        echo = None
+        if body.echo:  # each prompt as given, or its ids' text
+            tok = tokenizer()
+            echo = Echo([text if text is not None else tok.decode(ids, False)
+                         for ids, text in encoded],
+                        lambda token: tok.decode([token], False))
         return await _serve(request, worker, "cmpl", model_name, encoded, params, body, False,
-                            prompt_tokens_details=enable_prompt_tokens_details)
+                            prompt_tokens_details=enable_prompt_tokens_details, echo=echo)
 
     async def chat_ids(messages: list[ChatMessage], add_generation_prompt: bool,
                        template_kwargs: dict[str, Any] | None, continue_final: bool = False,
@@ -410,7 +416,7 @@ async def _serve(request: Request, worker: EngineThread | EngineProcess, kind: s
                  encoded: list[tuple[list[int], str | None]], params: SamplingParams,
                  body: Any, chat: bool, mm_items: list[MultiModalItem] | None = None,
                  reasoning: str | None = None, tools: ToolCalling | None = None,
-                 prompt_tokens_details: bool = False) -> Response:
+                 prompt_tokens_details: bool = False, echo: Echo | None = None) -> Response:
     """Submit every prompt (with ``mm_items``: one chat prompt's images); answer with one
     JSON body or an SSE stream."""
     loop = asyncio.get_running_loop()
@@ -435,7 +441,8 @@ async def _serve(request: Request, worker: EngineThread | EngineProcess, kind: s
             worker.abort(req_id)
         raise
     stream = Stream(worker, base, model, chat, params, body, req_ids, encoded, reasoning,
-                    tools, getattr(body, "parallel_tool_calls", True), prompt_tokens_details)
+                    tools, getattr(body, "parallel_tool_calls", True), prompt_tokens_details,
+                    echo)
     if body.stream:
         return StreamingResponse(stream.events(sink), media_type="text/event-stream")
     return await stream.collect(sink, request)

@@ -1,0 +1,117 @@
+"""Completions' ``echo`` and vLLM's ``prompt_logprobs``: the prompt's text before the answer,
+its tokens' logprobs (the engine's, as ``LLM.generate`` returns them) first in ``logprobs``
+and in ``prompt_logprobs``, whole and streamed; chat's ``prompt_logprobs`` at the top of the
+answer; chat's ``echo`` still refused by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from server_util import API_KEY, ENGINE_KWARGS, MODEL, Served
+
+from mrv2 import LLM, SamplingParams
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _post(url: str, route: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{url}/v1/{route}", json={"model": MODEL, **body}, headers=AUTH,
+                      timeout=60)
+
+
+def _chunks(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    got = []
+    with httpx.stream("POST", f"{url}/v1/completions", headers=AUTH, timeout=60,
+                      json={"model": MODEL, "stream": True, **body}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                got.extend(json.loads(line[6:])["choices"])
+    return got
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> LLM:
+    return LLM(str(model_dir), **{k: v for k, v in ENGINE_KWARGS.items()
+                                  if k not in ("num_gpu_blocks_override", "max_num_seqs")})
+
+
+PROMPT = [5, 9, 3, 17, 4]
+
+
+def test_prompt_logprobs_are_the_engines(server: Served, reference: LLM) -> None:
+    want = reference.generate(
+        {"prompt_token_ids": PROMPT},  # type: ignore[arg-type]
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=2),
+        use_tqdm=False)[0]
+    assert want.prompt_logprobs is not None and len(want.prompt_logprobs) == len(PROMPT)
+    choice = _post(server.url, "completions", {"prompt": PROMPT, "max_tokens": 3,
+                                               "temperature": 0, "ignore_eos": True,
+                                               "prompt_logprobs": 2}).json()["choices"][0]
+    got = choice["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(PROMPT)
+    for token, mine, theirs in zip(PROMPT[1:], got[1:], want.prompt_logprobs[1:], strict=True):
+        assert theirs is not None and str(token) in mine
+        assert {int(t): v["rank"] for t, v in mine.items()} == {
+            t: lp.rank for t, lp in theirs.items()}
+        assert {int(t): v["logprob"] for t, v in mine.items()} == pytest.approx(
+            {t: lp.logprob for t, lp in theirs.items()}, abs=1e-5)
+    assert choice["text"] == want.outputs[0].text  # (no echo: the answer only)
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_first(server: Served) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "logprobs": 1}
+    plain = _post(server.url, "completions", body).json()["choices"][0]
+    echoed = _post(server.url, "completions", {**body, "echo": True}).json()["choices"][0]
+    tokenizer = server.engine.tokenizer
+    assert tokenizer is not None
+    prompt_text = tokenizer.decode(PROMPT, False)
+    assert echoed["text"] == prompt_text + plain["text"]
+    lp, plain_lp = echoed["logprobs"], plain["logprobs"]
+    n = len(PROMPT)
+    assert lp["tokens"][n:] == plain_lp["tokens"]
+    assert lp["token_logprobs"][n:] == plain_lp["token_logprobs"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(isinstance(v, float) for v in lp["token_logprobs"][1:n])
+    assert lp["tokens"][0] == tokenizer.decode([PROMPT[0]], False)
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
+    # echo + logprobs asks for the prompt's logprobs too (vLLM's rule): the same values
+    prompt_lps = echoed["prompt_logprobs"]
+    assert [None] + [p[str(t)]["logprob"] for t, p in zip(PROMPT[1:], prompt_lps[1:],
+                                                            strict=True)] \
+        == lp["token_logprobs"][:n]
+
+
+def test_a_streamed_echo_equals_the_whole_answer(server: Served) -> None:
+    body = {"prompt": "Hello world", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "echo": True, "logprobs": 1, "n": 2}
+    whole = _post(server.url, "completions", body).json()["choices"]
+    chunks = _chunks(server.url, body)
+    for choice in whole:
+        mine = [c for c in chunks if c["index"] == choice["index"]]
+        assert mine[0]["text"].startswith("Hello world")
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        tokens = [t for c in mine if c["logprobs"] for t in c["logprobs"]["tokens"]]
+        offsets = [t for c in mine if c["logprobs"] for t in c["logprobs"]["text_offset"]]
+        assert tokens == choice["logprobs"]["tokens"]
+        assert offsets == choice["logprobs"]["text_offset"]
+        assert mine[0]["prompt_logprobs"] == choice["prompt_logprobs"]
+        assert all("prompt_logprobs" not in c for c in mine[1:])
+
+
+def test_chat_prompt_logprobs_and_echo(server: Served) -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+            "temperature": 0, "ignore_eos": True}
+    answer = _post(server.url, "chat/completions", {**body, "prompt_logprobs": 0}).json()
+    prompt = answer["prompt_logprobs"]
+    assert prompt[0] is None and len(prompt) == answer["usage"]["prompt_tokens"]
+    assert all(len(p) == 1 for p in prompt[1:])  # k=0: the prompt token's own only
+    refused = _post(server.url, "chat/completions", {**body, "echo": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
+    bad = _post(server.url, "completions", {"prompt": PROMPT, "prompt_logprobs": 21})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
