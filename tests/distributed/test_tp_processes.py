@@ -219,15 +219,20 @@ def test_structured_outputs_under_tensor_parallelism(model: Path) -> None:
     """Every rank masks with rank 0's bitmasks, filled during the forward (async scheduling:
     the step goes out as "execute_late" and the masks follow) or with the step (the request
     waiting for its token: ``late_token_masks`` off): two ranks give the constrained samples
-    one rank gives, either way, and they match."""
+    one rank gives, either way, and they match; with n-gram speculation too (a mask a logits
+    row, over the drafts rank 0 copied back)."""
     from mrv2 import StructuredOutputsParams
 
     params = SamplingParams(temperature=0.9, seed=5, max_tokens=20, n=2,
                             structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]"))
     prompts = ["Hello world", "Paris"]
 
-    def run(size: int, late: bool = True) -> list[list[str]]:
-        llm = LLM(str(model), device="cpu", dtype="float32", tensor_parallel_size=size)
+    def run(size: int, late: bool = True, spec: bool = False) -> list[list[str]]:
+        extra: dict[str, object] = {"speculative_config": {
+            "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2,
+            "prompt_lookup_min": 1}} if spec else {}
+        llm = LLM(str(model), device="cpu", dtype="float32", tensor_parallel_size=size,
+                  **extra)
         try:
             assert llm.engine.scheduler.late_token_masks
             llm.engine.scheduler.late_token_masks = late
@@ -239,4 +244,5 @@ def test_structured_outputs_under_tensor_parallelism(model: Path) -> None:
     one, two = run(1), run(2)
     assert two == one
     assert run(2, late=False) == one
+    assert run(2, spec=True) == one and run(2, late=False, spec=True) == one
     assert all(len(t) == 5 and t[:3].isdigit() and t[3] == "-" for ts in two for t in ts), two

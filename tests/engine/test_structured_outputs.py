@@ -206,22 +206,90 @@ def test_the_params_name_what_is_wrong(kwargs: dict[str, object], message: str) 
         SamplingParams(structured_outputs={"regex": "a"})  # type: ignore[arg-type]
 
 
-def test_with_speculation_the_constrained_request_takes_no_drafts(tmp_path: Path) -> None:
-    """An n-gram speculator beside a constrained request: it verifies no drafts (a mask per
-    draft position is not built) and still matches; the free request's tokens are those of a
-    run without speculation."""
+def test_draft_masks_are_the_masks_after_each_draft(llm: LLM) -> None:
+    """``Guide.draft_masks``: row ``j`` is the mask a matcher has after consuming the first
+    ``j`` drafts (checked against fresh matchers that consume them for real); past a draft
+    the grammar refuses every token is allowed; the guide is left as it was."""
+    import numpy as np
+
+    so = llm.engine._structured_outputs()
+    tokenizer = llm.get_tokenizer()
+    digits = [tokenizer.encode(d, add_special_tokens=False) for d in "0123x"]
+    assert all(len(d) == 1 for d in digits), digits  # one token a character
+    zero, one, two, three, x = (d[0] for d in digits)
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(0123){2}9"))
+
+    def fresh(consumed: list[int]) -> np.ndarray:
+        guide = so.guide(params, [])
+        for token in consumed:
+            guide.advance(token)
+        row = np.empty(so.words, dtype=np.int32)
+        guide.mask(row)
+        return row
+
+    guide = so.guide(params, [])
+    guide.advance(zero)
+    before = fresh([zero])
+    for drafts, valid in (([one, two, three], 3), ([one, x, three], 1), ([x, one], 0),
+                          ([one, two, three, zero, one, two, three], 7)):
+        out = np.full((1 + len(drafts), so.words), 7, dtype=np.int32)
+        guide.draft_masks(drafts, out)
+        for j in range(valid + 1):
+            assert (out[j] == fresh([zero, *drafts[:j]])).all(), (drafts, j)
+        assert (out[valid + 1 :] == -1).all()
+        row = np.empty(so.words, dtype=np.int32)
+        guide.mask(row)
+        assert (row == before).all() and guide.consumed == 1  # rolled back
+
+
+def _spec_llm(path: Path, k: int, graphs: bool = False, method: str = "strict") -> LLM:
+    kwargs: dict[str, object] = {}
+    if k:
+        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": k,
+                                        "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+                                        "rejection_sample_method": method}
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, max_num_seqs=8,
+              max_model_len=96, async_scheduling=True, **kwargs)
+    if graphs:
+        emulate_cuda_graphs(llm.engine.runner)
+    return llm
+
+
+@pytest.mark.parametrize(("graphs", "method"), [(False, "strict"), (True, "strict"),
+                                               (False, "probabilistic")],
+                         ids=["eager", "graphs", "probabilistic"])
+def test_with_speculation_a_constrained_request_verifies_drafts(tmp_path: Path, graphs: bool,
+                                                                method: str) -> None:
+    """An n-gram speculator over prompts of repeated digits (one token each): a constrained
+    request verifies drafts, its masks covering every draft position, so the drafts its
+    grammar forces are kept (fewer steps) and one the grammar refuses is rejected where it
+    diverges; every request's tokens, constrained or free, greedy or seeded, are those of a
+    run without speculation (strict verification), through the graph path too; verified
+    probabilistically, every answer still matches its constraint."""
     path = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM", vocab_size=320)
     make_tiny_tokenizer(path)
-    free = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    guided = SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=CASES["regex"][0])
-    plain = LLM(str(path), device="cpu", dtype="float32", block_size=4)
-    want = plain.generate(PROMPTS[0], free, use_tqdm=False)[0].outputs[0].token_ids
-    spec = LLM(str(path), device="cpu", dtype="float32", block_size=4, speculative_config={
-        "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
-        "prompt_lookup_min": 1})
-    outs = spec.generate([PROMPTS[0], PROMPTS[1]], [free, guided], use_tqdm=False)
-    assert outs[0].outputs[0].token_ids == want
-    assert CASES["regex"][1](outs[1].outputs[0].text)
+    prompt = "0123012301230123"
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=30,
+                       structured_outputs=StructuredOutputsParams(regex="(0123){5}")),
+        SamplingParams(temperature=0.0, max_tokens=30,  # the drafts say 0, the grammar 9
+                       structured_outputs=StructuredOutputsParams(regex="0123012399")),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=30,
+                       structured_outputs=CASES["json"][0]),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=12, ignore_eos=True),
+    ]
+    prompts = [prompt, prompt, "Hello world", prompt]
+    want = [o.outputs[0].token_ids
+            for o in _spec_llm(path, 0).generate(prompts, params, use_tqdm=False)]
+    llm = _spec_llm(path, 3, graphs, method)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    if method == "strict":
+        assert [o.outputs[0].token_ids for o in outs] == want
+    texts = [o.outputs[0].text for o in outs]
+    assert texts[0] == "0123" * 5 and texts[1] == "0123012399"
+    assert CASES["json"][1](texts[2])
+    stats = llm.engine.stats()
+    assert stats["spec_num_accepted_tokens"] >= 10, stats  # the forced digits, kept as drafts
 
 
 @pytest.fixture(scope="module")

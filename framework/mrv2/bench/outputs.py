@@ -25,7 +25,7 @@ from typing import Any
 from mrv2.config import EngineConfig
 from mrv2.contract.params import RequestOutputKind, SamplingParams
 from mrv2.engine.engine import LLMEngine
-from mrv2.entrypoints.engine_core import DeltaEncoder, OutputAccumulator
+from mrv2.engine.output_deltas import DeltaEncoder, OutputAccumulator
 
 KINDS = (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA)
 

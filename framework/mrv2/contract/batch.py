@@ -96,7 +96,8 @@ class InputBatch:
     cu_num_logits_dev: torch.Tensor | None = None
     """``cu_num_logits`` on the device (steps with drafts only)."""
     token_bitmasks: dict[str, np.ndarray] = field(default_factory=dict)
-    """``SchedulerOutput.token_bitmasks``: structured outputs' allowed tokens, by request."""
+    """``SchedulerOutput.token_bitmasks``: structured outputs' allowed tokens, by request, one
+    row a logits row of it."""
 
     @property
     def num_logits(self) -> int:

@@ -104,9 +104,13 @@ class SchedulerOutput:
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
     """Drafts among a decode request's scheduled tokens (absent: none)."""
     token_bitmasks: dict[str, np.ndarray] = field(default_factory=dict)
-    """The allowed next tokens of each structured-output request that samples this step
-    (``[ceil(vocab / 32)]`` int32, bit ``t % 32`` of word ``t // 32`` for token ``t``), from
-    the engine's matchers; every tensor-parallel rank masks with the same."""
+    """The allowed tokens of each structured-output request that samples this step, one row
+    a logits row of it (``[1 + drafts, ceil(vocab / 32)]`` int32, bit ``t % 32`` of word
+    ``t // 32`` for token ``t``: its token's, then each draft position's), from the engine's
+    matchers; every tensor-parallel rank masks with the same."""
+    copy_drafts: bool = False
+    """Copy the drafts proposed after this step to the host with its tokens
+    (``AsyncStepOutput.drafts()``): the next step's structured-output masks need them."""
     fill_token_bitmasks: Callable[[], None] | None = None
     """Set by an engine whose runner is in its process when the masks are not known yet (the
     constrained requests' tokens of the step before are in flight): ``token_bitmasks`` then

@@ -35,7 +35,12 @@ from mrv2.engine.sampling_outputs import (
     prepare_params,
 )
 from mrv2.engine.scheduler import Scheduler
-from mrv2.engine.structured_outputs import Guide, StructuredOutputs, fill_bitmasks
+from mrv2.engine.structured_outputs import (
+    Guide,
+    StructuredOutputs,
+    fill_bitmasks,
+    fill_draft_bitmasks,
+)
 from mrv2.engine.tokenizer import Tokenizer, load_generation_eos
 from mrv2.engine.warmup import warm_up
 from mrv2.executor import make_runner
@@ -62,6 +67,9 @@ class _Tracked:
     holdback: int = 0  # text kept back while it runs: a stop string cut there would take it
     logprobs: LogprobState | None = None
     guide: Guide | None = None  # a structured output's matcher
+    #: (structured outputs with speculation) the drafts proposed after its last processed
+    #: step: the ones its next step verifies when no step of it is in flight
+    drafts: list[int] | None = None
 
 
 class LLMEngine:
@@ -307,6 +315,10 @@ class LLMEngine:
     def _process(self, step: AsyncStepOutput) -> list[RequestOutput]:
         sampled = step.result()
         logprobs = step.logprobs()
+        for req_id, drafts in step.drafts().items():  # (structured outputs with speculation)
+            tracked = self._requests.get(req_id)
+            if tracked is not None:
+                tracked.drafts = drafts
         for req_id, first, ids, values, ranks in step.prompt_logprobs():
             tracked = self._requests.get(req_id)
             k = tracked.request.sampling_params.prompt_logprobs if tracked else None
@@ -358,21 +370,27 @@ class LLMEngine:
         earlier token, else (a token of theirs in flight: the runner is in this process)
         during the step's forward, by ``scheduled.fill_token_bitmasks``."""
         guided, late = [], False
+        num_drafts = scheduled.num_draft_tokens
         for req_id in list(self._guided):
             tracked = self._requests.get(req_id)
             if tracked is None:  # finished or aborted
                 self._guided.discard(req_id)
             elif tracked.guide is not None and self.scheduler.samples_now(req_id):
                 guided.append(tracked)
-                late = late or tracked.request.num_pending > 1  # this step's, and one earlier
+                # this step's token and drafts, and a token of a step before?
+                late = late or tracked.request.num_pending > 1 + num_drafts.get(req_id, 0)
         if not guided:
             return
         assert guided[0].guide is not None
-        masks = np.empty((len(guided), guided[0].guide.owner.words), dtype=np.int32)
-        scheduled.token_bitmasks = {t.request.req_id: row
-                                    for t, row in zip(guided, masks, strict=True)}
+        # the drafts proposed after this step are the next step's: to the host with its tokens
+        scheduled.copy_drafts = self.runner.num_speculative_tokens > 0
+        rows = [1 + num_drafts.get(t.request.req_id, 0) for t in guided]
+        masks = np.empty((sum(rows), guided[0].guide.owner.words), dtype=np.int32)
+        starts = np.cumsum([0, *rows])
+        scheduled.token_bitmasks = {t.request.req_id: masks[starts[i] : starts[i + 1]]
+                                    for i, t in enumerate(guided)}
         if not late:
-            _write_bitmasks(guided, masks)
+            self._write_bitmasks(guided, masks, scheduled)
             return
 
         def fill() -> None:  # the forward is launched: the tokens in flight, then the masks
@@ -384,9 +402,38 @@ class LLMEngine:
                              for token in step.result().get(request.req_id, ())]
                 for token in in_flight[guide.consumed - len(request.output_token_ids):]:
                     guide.advance(token)  # (the step's processing, later, skips these)
-            _write_bitmasks(guided, masks)
+            self._write_bitmasks(guided, masks, scheduled)
 
         scheduled.fill_token_bitmasks = fill
+
+    def _write_bitmasks(self, guided: list[_Tracked], masks: np.ndarray,
+                        scheduled: SchedulerOutput) -> None:
+        """``guided``'s masks into ``masks`` (``scheduled.token_bitmasks``' rows; every step
+        before theirs arrived): one row a request, or with drafts one a logits row, over the
+        drafts its newest step proposed; a finished request's allow every token."""
+        guides = [None if t.request.finished else t.guide for t in guided]
+        num_drafts = scheduled.num_draft_tokens
+        ids = [t.request.req_id for t in guided]
+        if not any(num_drafts.get(i, 0) for i in ids):  # one row each, filled at once
+            fill_bitmasks(guides, masks)
+            return
+        drafts = [self._drafts_of(t, num_drafts.get(t.request.req_id, 0)) for t in guided]
+        fill_draft_bitmasks(guides, drafts, [scheduled.token_bitmasks[i] for i in ids])
+
+    def _drafts_of(self, tracked: _Tracked, count: int) -> list[int]:
+        """The ``count`` drafts a constrained request verifies this step: those proposed
+        after the newest step of it (in flight, or processed)."""
+        if not count:
+            return []
+        req_id, drafts = tracked.request.req_id, tracked.drafts
+        for step in reversed(self._in_flight):
+            if req_id in step.result():
+                drafts = step.drafts().get(req_id)
+                break
+        if drafts is None or len(drafts) < count:
+            raise RuntimeError(f"the drafts of {req_id!r} did not reach the host "
+                               "(SchedulerOutput.copy_drafts); its masks cannot be built")
+        return drafts[:count]
 
     def _structured_outputs(self) -> StructuredOutputs:
         """The structured-outputs side (built at the first constrained request); ValueError
@@ -419,7 +466,9 @@ class LLMEngine:
             else:
                 self.scheduler.finish(request, "stop")
             return
-        if guide is not None and guide.done:  # the structured output is complete
+        # the structured output is complete with this token (the late masks may have taken
+        # the guide past it, over the rest of its step's tokens)
+        if guide is not None and guide.done_at is not None and guide.done_at <= num_out:
             self.scheduler.finish(request, "stop")
             return
         if num_out >= params.min_tokens and params.stop and tracked.detokenizer is not None:
@@ -521,11 +570,6 @@ class LLMEngine:
             "num_generation_tokens": self.num_generation_tokens,
             **self._spec_stats(),
         }
-
-
-def _write_bitmasks(guided: list[_Tracked], masks: np.ndarray) -> None:
-    """``guided``'s allowed next tokens into ``masks``' rows (a finished request's: any)."""
-    fill_bitmasks([None if t.request.finished else t.guide for t in guided], masks)
 
 
 def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int,

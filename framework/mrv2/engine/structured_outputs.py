@@ -37,8 +37,13 @@ holds only what follows the ``<think>`` block. A prompt that closed the block (Q
 template) is free until ``</think>``; otherwise (``qwen3``) the first token may be the
 grammar's or ``<think>``, which frees it until ``</think>``.
 
-With speculative decoding a constrained request verifies no drafts (a mask per draft
-position is not built); the others keep theirs.
+With speculative decoding a constrained request verifies its drafts as a free one does: a
+step that samples one copies the drafts proposed after it to the host with its tokens
+(``SchedulerOutput.copy_drafts``), and the next step's masks cover every logits row of the
+request: its first token's, and each draft position's after the drafts before it, the
+matcher advancing over them tentatively and rolled back (:meth:`Guide.draft_masks`). A draft
+the grammar refuses is not allowed by its row's mask, so it is rejected there, and the rows
+past it allow every token (nothing there is kept).
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ import numpy as np
 
 from mrv2.contract.params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["Guide", "StructuredOutputs", "fill_bitmasks", "grammar_of"]
+__all__ = ["Guide", "StructuredOutputs", "fill_bitmasks", "fill_draft_bitmasks", "grammar_of"]
 
 _FIELD = "SamplingParams.structured_outputs"
 logger = logging.getLogger(__name__)
@@ -103,22 +108,65 @@ class Guide:
         #: Tokens advanced over: the request's output so far, or past it by the tokens of
         #: steps whose results arrived but are not processed yet (late masks).
         self.consumed = 0
+        #: ``consumed`` when the match completed or broke (None: not yet): the request ends
+        #: with that token, though the guide may have gone past it (late masks).
+        self.done_at: int | None = None
         assert self.phase in _PHASES
 
-    def advance(self, token: int) -> None:
+    def advance(self, token: int) -> bool:
         """Consume a sampled token (a token the mask allowed; anything else puts the matcher
-        in its error state, which ends the request)."""
+        in its error state, which ends the request); True when the matcher took it (the
+        grammar's, not the thinking block's)."""
         self.consumed += 1
         if self.phase == "reasoning":
             if token == self.think_end:
                 self.phase = "grammar"
-            return
+            return False
         if self.phase == "open":
             self.phase = "grammar"
             if token == self.think_start:
                 self.phase = "reasoning"
-                return
+                return False
         self.matcher.consume_token(token)
+        if self.done_at is None and self.done:
+            self.done_at = self.consumed
+        return True
+
+    def mask(self, out: np.ndarray) -> None:
+        """The allowed next tokens into ``out`` (``[words]`` int32): the matcher's, every
+        token in the thinking block, and the block's start tag where it may open."""
+        if self.phase == "reasoning":
+            out[:] = -1
+            return
+        self.matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.shape[0] * 4)
+        if self.phase == "open":
+            out.view(np.uint32)[self.think_start // 32] |= np.uint32(1 << self.think_start % 32)
+
+    def draft_masks(self, drafts: list[int], out: np.ndarray) -> None:
+        """The masks of a step that verifies ``drafts``: ``out[0]`` (``[1 + len(drafts),
+        words]``) the allowed next tokens, ``out[j]`` those after ``drafts[:j]``; the rows
+        past the first draft the grammar refuses (its row does not allow it, so it is
+        rejected there) allow every token. The guide is left as it was: the drafts are
+        consumed tentatively and rolled back."""
+        assert out.shape[0] == 1 + len(drafts) and out.flags.c_contiguous
+        phase, consumed, done_at, taken = self.phase, self.consumed, self.done_at, 0
+        try:
+            self.mask(out[0])
+            for j, token in enumerate(drafts):
+                bits = out[j].view(np.uint32)
+                if (self.matcher.is_error() or not 0 <= token < 32 * out.shape[1]
+                        or not (int(bits[token // 32]) >> (token % 32)) & 1):
+                    out[j + 1 :] = -1
+                    break
+                taken += self.advance(token)
+                if self.matcher.is_error():
+                    out[j + 1 :] = -1
+                    break
+                self.mask(out[j + 1])
+        finally:
+            if taken:
+                self.matcher.rollback(taken)
+            self.phase, self.consumed, self.done_at = phase, consumed, done_at
 
     @property
     def done(self) -> bool:
@@ -140,6 +188,27 @@ def fill_bitmasks(guides: list[Guide | None], out: np.ndarray) -> None:
         some = np.empty((len(live), out.shape[1]), dtype=np.int32)
         _compute([cast(Guide, guides[i]) for i in live], some)
         out[live] = some
+
+
+def fill_draft_bitmasks(guides: list[Guide | None], drafts: list[list[int]],
+                        out: list[np.ndarray]) -> None:
+    """Each guide's masks over its step's logits rows into ``out[i]`` (``[1 + len(drafts[i]),
+    words]``): :func:`fill_bitmasks` where a guide has no drafts (several at once), else
+    :meth:`Guide.draft_masks`; a guide that is None or done allows every token."""
+    single = [i for i, d in enumerate(drafts) if not d]
+    if single:
+        rows = np.empty((len(single), out[single[0]].shape[1]), dtype=np.int32)
+        fill_bitmasks([guides[i] for i in single], rows)
+        for k, i in enumerate(single):
+            out[i][0] = rows[k]
+    for i, d in enumerate(drafts):
+        if not d:
+            continue
+        guide = guides[i]
+        if guide is None or guide.done:
+            out[i][:] = -1
+        else:
+            guide.draft_masks(d, out[i])
 
 
 def _compute(guides: list[Guide], out: np.ndarray) -> None:

@@ -71,11 +71,26 @@ class AsyncStepOutput:
         """Requests that verified drafts this step, with how many."""
         self._result: dict[str, list[int]] | None = None
         self._logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._drafts: torch.Tensor | None = None
         self._prompt: list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def set_logprobs(self, ids: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor) -> None:
         """Attach the host buffers the step's sample logprobs are copied into."""
         self._logprobs = (ids, values, ranks)
+
+    def set_drafts(self, drafts: torch.Tensor) -> None:
+        """Attach the host buffer the drafts proposed after the step are copied into
+        (``[num_reqs, k]``; ``SchedulerOutput.copy_drafts``)."""
+        self._drafts = drafts
+
+    def drafts(self) -> dict[str, list[int]]:
+        """``{req_id: k drafts}`` proposed after this step, for every request that produced
+        tokens in it; empty when the step did not copy them. Waits as :meth:`result`."""
+        if self._drafts is None:
+            return {}
+        result = self.result()
+        rows = self._drafts.tolist()
+        return {req_id: rows[i] for i, req_id in enumerate(self.req_ids) if req_id in result}
 
     def add_prompt_logprobs(
         self, req_id: str, first_position: int, ids: torch.Tensor, values: torch.Tensor,

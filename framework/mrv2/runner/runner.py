@@ -160,6 +160,7 @@ class Runner:
         self._out_ring = PinnedRing(self.max_num_reqs * (1 + self.num_speculative_tokens),
                                     self.device)
         self._no_drafts = torch.zeros(self.max_num_reqs, dtype=torch.int32, device=self.device)
+        self._draft_offsets = torch.arange(self.num_speculative_tokens, device=self.device)
         self._ones = torch.ones(self.max_num_reqs, dtype=torch.int32, device=self.device)
         self._all_drafts = torch.full((self.max_num_reqs,), self.num_speculative_tokens,
                                       dtype=torch.int32, device=self.device)
@@ -244,7 +245,7 @@ class Runner:
         with torch.inference_mode():
             samples, out, prompt_lps = self._forward_and_sample(step,
                                                                 scheduled.fill_token_bitmasks)
-        return self._start_output_copy(step, samples, out, prompt_lps)
+        return self._start_output_copy(step, samples, out, prompt_lps, scheduled.copy_drafts)
 
     def _forward(self, batch: InputBatch) -> torch.Tensor:
         kwargs = self.model_state.prepare_inputs(batch)
@@ -353,9 +354,7 @@ class Runner:
         if variant is None or (step.replay_query_len, step.batch.num_reqs_padded,
                                variant) not in graphs.tail_graphs:
             return None
-        if plan.bitmasks:
-            if step.replay_query_len != 1:
-                return None  # (masked requests verify no drafts: not a uniform step anyway)
+        if plan.bitmasks:  # (every token a logits row: the plan's rows are the graph's)
             self.sampler.apply_bitmasks(logits, plan)
         if self._last_copy is not None:  # the tail's buffers are the previous step's copy source
             torch.cuda.current_stream().wait_event(self._last_copy)
@@ -405,7 +404,7 @@ class Runner:
 
     def _start_output_copy(
         self, step: StepPlan, samples: StepSamples, out: SamplerOutput,
-        prompt_lps: list[PromptLogprobs],
+        prompt_lps: list[PromptLogprobs], copy_drafts: bool = False,
     ) -> AsyncStepOutput:
         batch = step.batch
         tokens_buf, counts_buf, slot = self._out_ring.take()
@@ -419,6 +418,8 @@ class Runner:
         extras = [t for t in (out.logprob_ids, out.logprobs, out.sampled_rank) if t is not None]
         for p in prompt_lps:
             extras += [p.ids, p.logprobs, p.ranks]
+        if copy_drafts and self.speculator is not None:  # the drafts just proposed, by request
+            extras.append(self._proposed_drafts(batch))
         pinned = self._copy_stream is not None
         hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in extras]
         sources += list(zip(hosts, extras, strict=True))
@@ -444,7 +445,18 @@ class Runner:
         for i, p in enumerate(prompt_lps):
             ids, values, ranks = hosts[base + 3 * i : base + 3 * i + 3]
             result.add_prompt_logprobs(p.req_id, p.first_position, ids, values, ranks)
+        if copy_drafts and self.speculator is not None:
+            result.set_drafts(hosts[-1])
         return result
+
+    def _proposed_drafts(self, batch: InputBatch) -> torch.Tensor:
+        """``[num_reqs, k]`` on the device: the drafts the speculator wrote past each
+        request's known tokens (a request that sampled nothing: whatever its row holds
+        there, not read)."""
+        rows = batch.idx_mapping[: batch.num_reqs].long()
+        width = self.table.token_ids.shape[1]
+        cols = self.table.num_tokens[rows].long()[:, None] + self._draft_offsets
+        return self.table.token_ids[rows[:, None], cols.clamp(max=width - 1)]
 
     # -- start-up ----------------------------------------------------------------------------
 

@@ -225,11 +225,13 @@ class Sampler:
             any_min_p=bool(state.min_p_on[rows].any()),
             any_top_k_top_p=bool(state.top_k_top_p[rows].any()),
         )
-        if batch.token_bitmasks:  # (no drafts for these requests: one logits row)
+        if batch.token_bitmasks:  # (a row a logits row: the token's, then each draft's)
             for b, req_id in enumerate(batch.req_ids[: batch.num_reqs]):
-                mask = batch.token_bitmasks.get(req_id)
-                if mask is not None:
-                    plan.bitmasks.append((int(batch.cu_num_logits[b]), mask))
+                masks = batch.token_bitmasks.get(req_id)
+                if masks is not None:
+                    first = int(batch.cu_num_logits[b])
+                    assert len(masks) == int(batch.cu_num_logits[b + 1]) - first, req_id
+                    plan.bitmasks.extend((first + j, mask) for j, mask in enumerate(masks))
         if state.num_rare == 0:
             return plan
         for b in np.flatnonzero(state.rare[rows]).tolist():

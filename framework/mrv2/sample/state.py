@@ -47,11 +47,11 @@ def uses_rare_stage(p: SamplingParams) -> bool:
 
 def supports_speculation(p: SamplingParams) -> bool:
     """Whether drafts may be verified for a request: not when a stage depends on the output
-    so far within a step (penalties, bad words, min_tokens, a structured output's mask) or
-    reports per-token logprobs."""
+    so far within a step (penalties, bad words, min_tokens) or reports per-token logprobs.
+    A structured output's masks cover each draft position (the engine builds one a logits
+    row)."""
     return not (p.uses_penalties or p._bad_words_token_ids or p.min_tokens > 0
-                or p.logprobs is not None or p.prompt_logprobs is not None
-                or p.structured_outputs is not None)
+                or p.logprobs is not None or p.prompt_logprobs is not None)
 
 
 class SamplingState:
