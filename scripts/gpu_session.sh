@@ -10,6 +10,8 @@
 # startup (scripts/probe_startup.py: where start-up goes, cold and warm Triton cache),
 # structured (scripts/probe_structured.py: JSON-schema batches, late masks against waiting, and free),
 # verify28 (the twenty-eighth session's structured-outputs work on CUDA, then that probe),
+# verify29 (the twenty-ninth's: structured outputs with speculation on CUDA, the output kinds,
+# mrv2 bench outputs), servelong (256 streams of 2,048 tokens through mrv2 serve; .whl-old: A/B),
 # graphtimes (scripts/decode_graph_times.py: each decode graph's replay time by size),
 # streamk (scripts/proto_streamk.py: a stream-K GEMM against cuBLAS at 8B decode shapes), attn,
 # splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile, mixed,
@@ -126,6 +128,34 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
               timeout 300 python3 scripts/probe_structured.py --tokenizer .whl/smollm2 \
                 --model .whl/qwen3s --requests 1 8 64 256 --json "$OUT/structured.json" 2>&1 \
                 | tee "$OUT/structured.log" | tail -10 ;;
+    verify29) # the twenty-ninth session's CPU-only work on the GPU: structured outputs with
+              # speculation (graphs and tails on CUDA), the output kinds through the engine and
+              # the server, then the outputs' host cost on this host (mrv2 bench outputs)
+              timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu \
+                tests/gpu/test_gpu_structured_outputs.py tests/gpu/test_gpu_sampler.py \
+                2>&1 | tee "$OUT/verify29_gpu.log" | tail -2
+              timeout 200 python3 -m pytest -q -p no:cacheprovider \
+                tests/engine/test_stop_conditions.py tests/engine/test_structured_outputs.py \
+                tests/server/test_echo_and_prompt_logprobs.py 2>&1 | tee "$OUT/verify29_cpu.log" | tail -2
+              OMP_NUM_THREADS=1 timeout 200 python3 -m mrv2.entrypoints.cli bench outputs \
+                --requests 64 --tokens 2048 --json "$OUT/outputs.json" 2>&1 \
+                | tee "$OUT/outputs.log" | tail -12 ;;
+    servelong) # long answers through mrv2 serve (the twenty-ninth session's delta outputs):
+               # 256 streams at once of 2,048 tokens, Qwen3-0.6B; with .whl-old (a baseline's
+               # wheels, built as scripts/ab_bench.sh says) the baseline first, then this tree
+               for side in old new; do
+                 site=/tmp/site
+                 if [ "$side" = old ]; then
+                   [ -d .whl-old ] || continue
+                   site=/tmp/site-old
+                   [ -d $site ] || python3 -m pip install -q --no-index --no-deps --no-compile \
+                     --no-cache-dir --target $site .whl-old/*.whl $(ls .whl/*.whl | grep -v "/mrv2")
+                 fi
+                 PYTHONPATH=$site timeout 280 python3 scripts/serve_sweep.py --model Qwen3-0.6B \
+                   --out "$OUT/long_$side" --variants plain --rates inf --num-requests 256 \
+                   --prompt-tokens 300 --max-tokens 2048 --warmup-requests 16 \
+                   > "$OUT/long_$side.log" 2>&1; echo "== $side"; tail -3 "$OUT/long_$side.log"
+               done ;;
     structured) # structured outputs under load (scripts/probe_structured.py): masks filled
                 # during the forward against each request waiting for its token, and free;
                 # the tokenizer: .whl/smollm2 (SmolLM2's, copied from the converted default model)
