@@ -144,8 +144,8 @@ def test_ngram_changes_nothing_but_speed(checkpoint: Path, expected: list[list[i
 
 
 def test_seeded_sampling_and_mixed_params_equal_without_speculation(checkpoint: Path) -> None:
-    """Seeded samples match token for token; requests with penalties or logprobs (which do
-    not speculate) share steps with ones that do."""
+    """Seeded samples match token for token; requests with penalties (which do not
+    speculate) and with logprobs (which do) share steps with ones that do."""
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=NEW_TOKENS),
               SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, presence_penalty=1.0),
               SamplingParams(temperature=1.0, seed=3, max_tokens=NEW_TOKENS, logprobs=2),
@@ -165,6 +165,49 @@ def test_seeded_sampling_and_mixed_params_equal_without_speculation(checkpoint: 
         for token, lp in got.items():
             assert lp.rank == want[token].rank
             assert lp.logprob == pytest.approx(want[token].logprob, abs=1e-5)
+
+
+@pytest.mark.parametrize("method", ["strict", "probabilistic"])
+def test_logprobs_requests_verify_drafts(checkpoint: Path, expected: list[list[int]],
+                                         method: str) -> None:
+    """A request asking for logprobs verifies drafts (strictly: each output token is its
+    row's own sample, so that row's logprobs are the token's): greedy always, seeded
+    sampling under strict verification; every request's tokens and every token's logprobs
+    (ids, ranks, values) are those of a run without speculation. Under probabilistic
+    verification a sampled logprobs request keeps to one token a step (a rejected position
+    takes another token than its row's sample), and so still gives the same tokens."""
+    Oracle.futures = [p + e for p, e in zip(PROMPTS, expected, strict=True)]
+    Oracle.corrupt = 3  # some drafts kept, some not
+    params = [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                             logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                             logprobs=0),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=NEW_TOKENS, ignore_eos=True,
+                             logprobs=1)]
+    prompts = PROMPTS[:3]
+
+    def run(**kwargs: Any) -> tuple[list[Any], LLM]:
+        llm = _llm(checkpoint, **kwargs)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs,
+                 o.outputs[0].cumulative_logprob) for o in outs], llm
+
+    plain, _ = run()
+    spec, llm = run(speculative_config={"method": "oracle", "num_speculative_tokens": 3,
+                                        "rejection_sample_method": method})
+    assert [t for t, _, _ in spec] == [t for t, _, _ in plain]
+    assert [t for t, _, _ in spec[:2]] == expected[:2]
+    for (tokens, got, total), (_, want, want_total) in zip(spec, plain, strict=True):
+        if got is None or want is None or len(got) != len(want):
+            raise AssertionError("logprobs missing or of the wrong length")
+        assert total == pytest.approx(want_total, abs=1e-4)
+        for token, mine, theirs in zip(tokens, got, want, strict=True):
+            assert token in mine and mine.keys() == theirs.keys()
+            for t, lp in mine.items():
+                assert lp.rank == theirs[t].rank
+                assert lp.logprob == pytest.approx(theirs[t].logprob, abs=1e-5)
+    stats = llm.engine.stats()
+    assert stats["spec_num_accepted_tokens"] > 0 and stats["spec_num_draft_tokens"] > 0
 
 
 def test_stops_inside_accepted_drafts(checkpoint: Path, expected: list[list[int]]) -> None:

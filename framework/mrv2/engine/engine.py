@@ -149,6 +149,7 @@ class LLMEngine:
         )
         scheduler.late_token_masks = (bool(getattr(self.runner, "late_token_masks", False))
                                       and os.environ.get(LATE_TOKEN_MASKS_ENV, "1") != "0")
+        scheduler.verify_method = self.config.speculative.rejection_sample_method
         return blocks, scheduler
 
     def reset_after_warmup(self) -> None:
@@ -343,11 +344,12 @@ class LLMEngine:
             before = len(request.output_token_ids)
             if before == 0:
                 self.num_prompt_tokens += request.num_prompt_tokens
-            for token in tokens:
+            for j, token in enumerate(tokens):
                 request.output_token_ids.append(token)
                 k = request.sampling_params.logprobs
                 if k is not None and tracked.logprobs is not None and req_id in logprobs:
-                    add_sample_logprobs(tracked.logprobs, k, logprobs[req_id], self.tokenizer)
+                    add_sample_logprobs(tracked.logprobs, k, logprobs[req_id][j],
+                                        self.tokenizer)
                 self._check_stop(tracked, token)
                 if request.finished:
                     break  # tokens past a stop are discarded

@@ -65,6 +65,9 @@ class Scheduler:
         #: (a runner that cannot take them, or ``MRV2_LATE_TOKEN_MASKS=0``) it waits for its
         #: token in flight, every other step.
         self.late_token_masks = False
+        #: How drafts are verified (``speculative_config["rejection_sample_method"]``): which
+        #: requests may verify drafts depends on it (:func:`supports_speculation`).
+        self.verify_method = "strict"
 
     @property
     def num_unfinished(self) -> int:
@@ -171,7 +174,7 @@ class Scheduler:
         """Drafts to verify for a decode request: ``k``, fewer near ``max_tokens`` or
         ``max_model_len`` or the end of the budget; none where the sampler can't verify."""
         k = self.num_speculative_tokens
-        if not k or not supports_speculation(request.sampling_params):
+        if not k or not supports_speculation(request.sampling_params, self.verify_method):
             return 0
         k = min(k, request.max_tokens - request.num_output_tokens - 1, budget - 1)
         if self.max_model_len is not None:

@@ -99,22 +99,26 @@ class AsyncStepOutput:
         """Attach the host buffers of one request's prompt logprobs of this step."""
         self._prompt.append((req_id, first_position, ids, values, ranks))
 
-    def logprobs(self) -> dict[str, tuple[list[int], list[float], int]]:
-        """``{req_id: (ids, logprobs, sampled rank)}`` (ids[0] is the sampled token).
+    def logprobs(self) -> dict[str, list[tuple[list[int], list[float], int]]]:
+        """``{req_id: [(ids, logprobs, sampled rank)] a token}`` (ids[0] is the row's sampled
+        token): one entry per token of the request's :meth:`result`, from its logits rows in
+        order (a request that verified drafts strictly: its output token ``j`` is row ``j``'s
+        own sample, so row ``j``'s logprobs are that token's).
 
-        Holds every request of the step that sampled (the engine keeps ``k`` of each; requests
-        asking for logprobs never verify drafts, so each has one logits row); empty when no
-        request of the step asked for logprobs. Call after :meth:`result`.
+        Holds every request of the step that produced tokens (the engine keeps ``k`` of
+        each); empty when no request of the step asked for logprobs. Waits as :meth:`result`.
         """
         if self._logprobs is None:
             return {}
-        self.result()
+        result = self.result()
         ids, values, ranks = (t.tolist() for t in self._logprobs)
         out = {}
-        for i, (req_id, sampled) in enumerate(zip(self.req_ids, self.do_sample, strict=True)):
-            if sampled:
+        for i, req_id in enumerate(self.req_ids):
+            tokens = result.get(req_id)
+            if tokens:
                 r = int(self._cu_num_logits[i])
-                out[req_id] = (ids[r], values[r], int(ranks[r]))
+                out[req_id] = [(ids[r + j], values[r + j], int(ranks[r + j]))
+                               for j in range(len(tokens))]
         return out
 
     def prompt_logprobs(self) -> list[tuple[str, int, list[list[int]], list[list[float]],
