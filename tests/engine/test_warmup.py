@@ -238,3 +238,43 @@ def test_an_engine_on_cuda_warms_up_at_start_and_stops_its_runner_if_that_fails(
     else:
         assert _engine(ckpt, warmup=False).warmup_seconds is None
         assert shut == []
+
+
+def test_warm_up_readies_structured_outputs(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a tokenizer and llguidance: a constrained request goes through the step path, so
+    llguidance's tokenizer is built once, before the first real constrained request (which
+    then builds nothing), and the engine is left as a cold one; without llguidance the
+    warm-up leaves it out."""
+    from mrv2.contract.params import StructuredOutputsParams
+    from mrv2.engine import structured_outputs
+    from mrv2.testing import make_tiny_tokenizer
+
+    path = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM", vocab_size=320)
+    make_tiny_tokenizer(path)
+    built: list[int] = []
+    llg = structured_outputs._llguidance()
+    from_tokenizer = llg.hf.from_tokenizer
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        built.append(1)
+        return from_tokenizer(*args, **kwargs)
+
+    monkeypatch.setattr(llg.hf, "from_tokenizer", spy)
+    warm, cold = _engine(path), _engine(path)
+    warm_up(warm)
+    assert built == [1] and warm.stats() == cold.stats()
+    params = SamplingParams(temperature=0.0, max_tokens=12,
+                            structured_outputs=StructuredOutputsParams(regex="[0-9]{3}"))
+    outs = []
+    for engine in (warm, cold):
+        engine.add_request([5, 6, 7], params)
+        while engine.has_unfinished():
+            outs += [o.outputs[0].token_ids for o in engine.step() if o.finished]
+    assert built == [1, 1] and outs[0] == outs[1]  # the cold engine built it at its first
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    bare = _engine(path)
+    warm_up(bare)
+    assert bare._structured is None
