@@ -115,3 +115,39 @@ def test_chat_prompt_logprobs_and_echo(server: Served) -> None:
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
     bad = _post(server.url, "completions", {"prompt": PROMPT, "prompt_logprobs": 21})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_continuous_usage_stats(server: Served, route: str) -> None:
+    """vLLM's ``stream_options.continuous_usage_stats``: every chunk carries its choice's
+    usage so far (the prompt's tokens, the choice's tokens up to that chunk), the last usage
+    chunk the totals; without it chunks carry none."""
+    body: dict[str, Any] = {"max_tokens": 5, "temperature": 0, "ignore_eos": True, "n": 2,
+                            "stream": True}
+    body.update({"prompt": PROMPT} if route == "completions" else
+                {"messages": [{"role": "user", "content": "Hi"}]})
+    chunks = []
+    for options in ({"include_usage": True, "continuous_usage_stats": True},
+                    {"include_usage": True}):
+        got = []
+        with httpx.stream("POST", f"{server.url}/v1/{route}", headers=AUTH, timeout=60,
+                          json={"model": MODEL, **body, "stream_options": options}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    got.append(json.loads(line[6:]))
+        chunks.append(got)
+    continuous, plain = chunks
+    total = continuous[-1]["usage"]
+    assert not continuous[-1]["choices"] and total["completion_tokens"] == 10
+    assert all("usage" not in c for c in plain[:-1]) and plain[-1]["usage"] == total
+    seen: dict[int, int] = {}
+    for chunk in continuous[:-1]:
+        (choice,) = chunk["choices"]
+        usage = chunk["usage"]
+        assert usage["prompt_tokens"] == total["prompt_tokens"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        assert usage["completion_tokens"] >= seen.get(choice["index"], 0)
+        seen[choice["index"]] = usage["completion_tokens"]
+    assert seen == {0: 5, 1: 5}
+

@@ -70,6 +70,7 @@ def test_a_stream_reports_each_choice_under_its_own_index() -> None:
 
     class Body:
         include_usage = False
+        continuous_usage = False
 
     stream = _Stream(None, "cmpl-x", "m", False, SamplingParams(n=2, max_tokens=4), Body(),
                      ["r"], [([1, 2], None)])  # type: ignore[arg-type]
@@ -78,7 +79,8 @@ def test_a_stream_reports_each_choice_under_its_own_index() -> None:
         return RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1, 2],
                              outputs=list(choices), finished=False, delta=True)
 
-    first = stream._deltas(output(CompletionOutput(1, "b", [7])))
+    first = [c for c, _ in stream._deltas(output(CompletionOutput(1, "b", [7])))]
     assert [(c["index"], c["text"]) for c in first] == [(1, "b")]
-    both = stream._deltas(output(CompletionOutput(0, "a", [5]), CompletionOutput(1, "c", [8])))
+    both = [c for c, _ in stream._deltas(output(CompletionOutput(0, "a", [5]),
+                                                CompletionOutput(1, "c", [8])))]
     assert [(c["index"], c["text"]) for c in both] == [(0, "a"), (1, "c")]

@@ -89,6 +89,7 @@ def test_the_parser_name_is_checked() -> None:
 
 class _Body:
     include_usage = False
+    continuous_usage = False
 
 
 def _output(text: str, finished: bool, reason: str | None = None) -> RequestOutput:
@@ -102,9 +103,9 @@ def test_streamed_deltas_carry_the_calls_and_their_finish_reason() -> None:
     stream = Stream(None, "chatcmpl-x", "m", True, SamplingParams(max_tokens=99),  # type: ignore[arg-type]
                     _Body(), ["r"], [([1], None)], tools=HERMES)
     text = "Checking.\n" + CALL
-    first = stream._deltas(_output(text[:14], False))  # "Checking.\n<to": the tag held
+    first = [c for c, _ in stream._deltas(_output(text[:14], False))]  # the tag held
     assert first[0]["delta"] == {"content": "Checking.\n"}
-    last = stream._deltas(_output(text[14:], True, "stop"))
+    last = [c for c, _ in stream._deltas(_output(text[14:], True, "stop"))]
     delta = last[0]["delta"]
     assert delta["content"] == "" and last[0]["finish_reason"] == "tool_calls"
     assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"]))
@@ -230,9 +231,9 @@ def test_a_glm_answer_through_the_stream() -> None:
     assert message["content"] == "Checking." and choice["finish_reason"] == "tool_calls"
     assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {
         "city": "Paris", "days": 3}
-    first = stream._deltas(_output(text[:12], False))  # "Checking.<to": the tag held
+    first = [c for c, _ in stream._deltas(_output(text[:12], False))]  # the tag held
     assert first[0]["delta"] == {"content": "Checking."}
-    last = stream._deltas(_output(text[12:], True, "stop"))[0]
+    last = [c for c, _ in stream._deltas(_output(text[12:], True, "stop"))][0]
     assert last["delta"]["content"] == "" and last["finish_reason"] == "tool_calls"
     assert [json.loads(c["function"]["arguments"]) for c in last["delta"]["tool_calls"]] == [
         {"city": "Paris", "days": 3}]

@@ -159,11 +159,20 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``stream_options.continuous_usage_stats``: usage in every chunk (with
+        ``include_usage``)."""
+        return bool(self.include_usage and self.stream_options
+                    and self.stream_options.continuous_usage_stats)
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
 
     include_usage: bool = False
+    #: vLLM's: every chunk carries its choice's usage so far (with ``include_usage``).
+    continuous_usage_stats: bool = False
 
 
 class CompletionRequest(_Request):

@@ -66,6 +66,7 @@ class _Choice:
     def __init__(self, index: int, reasoning: str | None = None,
                  tools: ToolCalling | None = None) -> None:
         self.index, self.offset, self.done, self.started = index, 0, False, False
+        self.tokens = 0  # its tokens so far (continuous usage)
         #: The choice's ``--reasoning-parser`` split, as its text arrives (chat only).
         self.reasoning = ReasoningStream(reasoning) if reasoning else None
         #: Its tool calls, held until it finishes (a chat request with tools).
@@ -257,7 +258,8 @@ class Stream:
             if self.chat:
                 yield "".join(self._chunk([{"index": self._index(r, i), "logprobs": None,
                                             "finish_reason": None,
-                                            "delta": {"role": "assistant", "content": ""}}])
+                                            "delta": {"role": "assistant", "content": ""}}],
+                                          self._running_usage(r, 0))
                               for r in self.req_ids for i in range(self.params.n))
             while self.unfinished:
                 # Everything queued since the last write, in one write: a request's deltas
@@ -287,7 +289,7 @@ class Stream:
                     if output.finished:
                         self.unfinished.discard(output.request_id)
                         self.cached[output.request_id] = output.num_cached_tokens
-                    text += "".join(self._chunk([choice]) for choice in choices)
+                    text += "".join(self._chunk([choice], usage) for choice, usage in choices)
                 if error is not None:
                     yield text + f"data: {json.dumps(error_body(str(error), 'server_error'))}\n\n"
                     break
@@ -299,7 +301,17 @@ class Stream:
         finally:
             self.abort_rest()  # the client went away (or an error): stop its requests
 
-    def _deltas(self, item: RequestOutput) -> list[dict[str, Any]]:
+    def _running_usage(self, req_id: str, tokens: int) -> dict[str, Any] | None:
+        """A chunk's usage under ``continuous_usage_stats``: its prompt's tokens and its
+        choice's so far (None: not asked for)."""
+        if not self.body.continuous_usage:
+            return None
+        prompt = len(self.encoded[self.order[req_id]][0])
+        return {"prompt_tokens": prompt, "completion_tokens": tokens,
+                "total_tokens": prompt + tokens}
+
+    def _deltas(self, item: RequestOutput) -> list[tuple[dict[str, Any], Any]]:
+        """Each choice's next chunk, with its usage so far (continuous usage, else None)."""
         choices = []
         for out in item.outputs:  # (a delta: the choices with news, by their own index)
             key = (item.request_id, out.index)
@@ -309,6 +321,7 @@ class Stream:
             if state.done or not (out.token_ids or out.finish_reason):
                 continue
             first, state.started = not state.started, True
+            state.tokens += len(out.token_ids)
             text, prompt_lps = self._prompt_fields(item.request_id, first, out.text)
             choice: dict[str, Any] = {"index": state.index,
                                       "logprobs": self._logprobs(out, state, item.request_id,
@@ -323,7 +336,7 @@ class Stream:
                 choice["delta"] = self._delta(state, text, choice, bool(out.finish_reason))
             else:
                 choice["text"] = text
-            choices.append(choice)
+            choices.append((choice, self._running_usage(item.request_id, state.tokens)))
         return choices
 
 
