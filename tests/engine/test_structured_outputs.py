@@ -212,6 +212,8 @@ def test_draft_masks_are_the_masks_after_each_draft(llm: LLM) -> None:
     the grammar refuses every token is allowed; the guide is left as it was."""
     import numpy as np
 
+    from mrv2.engine.structured_outputs import fill_bitmasks, fill_draft_bitmasks
+
     so = llm.engine._structured_outputs()
     tokenizer = llm.get_tokenizer()
     digits = [tokenizer.encode(d, add_special_tokens=False) for d in "0123x"]
@@ -223,9 +225,9 @@ def test_draft_masks_are_the_masks_after_each_draft(llm: LLM) -> None:
         guide = so.guide(params, [])
         for token in consumed:
             guide.advance(token)
-        row = np.empty(so.words, dtype=np.int32)
-        guide.mask(row)
-        return row
+        row = np.empty((1, so.words), dtype=np.int32)
+        fill_bitmasks([guide], row)
+        return row[0]
 
     guide = so.guide(params, [])
     guide.advance(zero)
@@ -237,9 +239,31 @@ def test_draft_masks_are_the_masks_after_each_draft(llm: LLM) -> None:
         for j in range(valid + 1):
             assert (out[j] == fresh([zero, *drafts[:j]])).all(), (drafts, j)
         assert (out[valid + 1 :] == -1).all()
-        row = np.empty(so.words, dtype=np.int32)
-        guide.mask(row)
-        assert (row == before).all() and guide.consumed == 1  # rolled back
+        row = np.empty((1, so.words), dtype=np.int32)
+        fill_bitmasks([guide], row)
+        assert (row[0] == before).all() and guide.consumed == 1  # rolled back
+    # several guides at once (a level of drafts a pool call), one done, one without drafts
+    cases = [([zero], [one, two, three]), ([zero], [one, x]), ([], []), ([zero, one], [x]),
+             ([zero, one, two, three] * 2 + [so.tokenizer.eos_token], [one])]
+    guides = []
+    for consumed, _ in cases:
+        g = so.guide(params, [])
+        for token in consumed:
+            g.advance(token)
+        guides.append(g)
+    assert guides[-1].done and guides[-1].done_at == 9
+    outs = [np.full((1 + len(d), so.words), 7, dtype=np.int32) for _, d in cases]
+    fill_draft_bitmasks(list(guides), [d for _, d in cases], outs)
+    for (consumed, drafts), got, g in zip(cases[:-1], outs, guides, strict=False):
+        want = np.full_like(got, -1)
+        for j in range(len(drafts) + 1):
+            want[j] = fresh(consumed + drafts[:j])
+            if j < len(drafts) and not (int(want[j].view(np.uint32)[drafts[j] // 32])
+                                        >> drafts[j] % 32) & 1:
+                break
+        assert (got == want).all(), (consumed, drafts)
+        assert g.consumed == len(consumed)
+    assert (outs[-1] == -1).all()  # a finished guide's rows allow every token
 
 
 def _spec_llm(path: Path, k: int, graphs: bool = False, method: str = "strict") -> LLM:

@@ -132,41 +132,13 @@ class Guide:
             self.done_at = self.consumed
         return True
 
-    def mask(self, out: np.ndarray) -> None:
-        """The allowed next tokens into ``out`` (``[words]`` int32): the matcher's, every
-        token in the thinking block, and the block's start tag where it may open."""
-        if self.phase == "reasoning":
-            out[:] = -1
-            return
-        self.matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.shape[0] * 4)
-        if self.phase == "open":
-            out.view(np.uint32)[self.think_start // 32] |= np.uint32(1 << self.think_start % 32)
-
     def draft_masks(self, drafts: list[int], out: np.ndarray) -> None:
         """The masks of a step that verifies ``drafts``: ``out[0]`` (``[1 + len(drafts),
         words]``) the allowed next tokens, ``out[j]`` those after ``drafts[:j]``; the rows
         past the first draft the grammar refuses (its row does not allow it, so it is
         rejected there) allow every token. The guide is left as it was: the drafts are
-        consumed tentatively and rolled back."""
-        assert out.shape[0] == 1 + len(drafts) and out.flags.c_contiguous
-        phase, consumed, done_at, taken = self.phase, self.consumed, self.done_at, 0
-        try:
-            self.mask(out[0])
-            for j, token in enumerate(drafts):
-                bits = out[j].view(np.uint32)
-                if (self.matcher.is_error() or not 0 <= token < 32 * out.shape[1]
-                        or not (int(bits[token // 32]) >> (token % 32)) & 1):
-                    out[j + 1 :] = -1
-                    break
-                taken += self.advance(token)
-                if self.matcher.is_error():
-                    out[j + 1 :] = -1
-                    break
-                self.mask(out[j + 1])
-        finally:
-            if taken:
-                self.matcher.rollback(taken)
-            self.phase, self.consumed, self.done_at = phase, consumed, done_at
+        consumed tentatively and rolled back (:func:`fill_draft_bitmasks`, for one)."""
+        fill_draft_bitmasks([self], [drafts], [out])
 
     @property
     def done(self) -> bool:
@@ -193,22 +165,47 @@ def fill_bitmasks(guides: list[Guide | None], out: np.ndarray) -> None:
 def fill_draft_bitmasks(guides: list[Guide | None], drafts: list[list[int]],
                         out: list[np.ndarray]) -> None:
     """Each guide's masks over its step's logits rows into ``out[i]`` (``[1 + len(drafts[i]),
-    words]``): :func:`fill_bitmasks` where a guide has no drafts (several at once), else
-    :meth:`Guide.draft_masks`; a guide that is None or done allows every token."""
-    single = [i for i, d in enumerate(drafts) if not d]
-    if single:
-        rows = np.empty((len(single), out[single[0]].shape[1]), dtype=np.int32)
-        fill_bitmasks([guides[i] for i in single], rows)
-        for k, i in enumerate(single):
-            out[i][0] = rows[k]
-    for i, d in enumerate(drafts):
-        if not d:
-            continue
-        guide = guides[i]
+    words]``, C-contiguous): row ``j`` the allowed tokens after the first ``j`` drafts, as
+    :meth:`Guide.draft_masks` says. Row ``j`` of every guide is computed at once (several on
+    llguidance's thread pool), the guides advanced a draft a level and all rolled back at
+    the end; a guide that is None or done allows every token."""
+    words = out[0].shape[1] if out else 0
+    live: list[int] = []
+    for i, guide in enumerate(guides):
+        assert out[i].shape == (1 + len(drafts[i]), words) and out[i].flags.c_contiguous
         if guide is None or guide.done:
             out[i][:] = -1
         else:
-            guide.draft_masks(d, out[i])
+            live.append(i)
+    saved = {i: (g.phase, g.consumed, g.done_at)
+             for i in live if (g := guides[i]) is not None}
+    taken = dict.fromkeys(live, 0)
+    try:
+        level = 0
+        while live:
+            rows = np.empty((len(live), words), dtype=np.int32)
+            _compute([cast(Guide, guides[i]) for i in live], rows)
+            after = []
+            for k, i in enumerate(live):
+                out[i][level] = rows[k]
+                if level == len(drafts[i]):
+                    continue
+                guide, token = cast(Guide, guides[i]), drafts[i][level]
+                allowed = 0 <= token < 32 * words and (
+                    int(rows[k].view(np.uint32)[token // 32]) >> (token % 32)) & 1
+                if allowed:
+                    taken[i] += guide.advance(token)
+                if not allowed or guide.matcher.is_error():  # rejected here: rows past it
+                    out[i][level + 1 :] = -1
+                else:
+                    after.append(i)
+            live, level = after, level + 1
+    finally:
+        for i, (phase, consumed, done_at) in saved.items():
+            guide = cast(Guide, guides[i])
+            if taken[i]:
+                guide.matcher.rollback(taken[i])
+            guide.phase, guide.consumed, guide.done_at = phase, consumed, done_at
 
 
 def _compute(guides: list[Guide], out: np.ndarray) -> None:
