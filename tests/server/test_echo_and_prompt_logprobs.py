@@ -1,7 +1,7 @@
 """Completions' ``echo`` and vLLM's ``prompt_logprobs``: the prompt's text before the answer,
 its tokens' logprobs (the engine's, as ``LLM.generate`` returns them) first in ``logprobs``
 and in ``prompt_logprobs``, whole and streamed; chat's ``prompt_logprobs`` at the top of the
-answer; chat's ``echo`` still refused by name."""
+answer; chat's ``echo`` only where the last message has the answer's role."""
 
 from __future__ import annotations
 
@@ -111,8 +111,10 @@ def test_chat_prompt_logprobs_and_echo(server: Served) -> None:
     prompt = answer["prompt_logprobs"]
     assert prompt[0] is None and len(prompt) == answer["usage"]["prompt_tokens"]
     assert all(len(p) == 1 for p in prompt[1:])  # k=0: the prompt token's own only
-    refused = _post(server.url, "chat/completions", {**body, "echo": True})
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
+    # echo: the last message is the user's, not the answer's role: nothing is put before it
+    plain = _post(server.url, "chat/completions", body).json()["choices"][0]["message"]
+    echoed = _post(server.url, "chat/completions", {**body, "echo": True}).json()
+    assert echoed["choices"][0]["message"]["content"] == plain["content"]
     bad = _post(server.url, "completions", {"prompt": PROMPT, "prompt_logprobs": 21})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
 

@@ -3,6 +3,7 @@ send, text or chat; back to text; bad input is a 400 naming the field."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -137,8 +138,9 @@ def test_bad_words_never_come_out(server: Served) -> None:
 
 def test_continue_final_message_and_the_fields_this_server_refuses(server: Served) -> None:
     """vLLM's ``continue_final_message``: the prompt ends inside the last (assistant)
-    message; it needs ``add_generation_prompt: false``. ``echo``, ``tool_choice`` that asks
-    for a tool (there are none) are refused by name."""
+    message; it needs ``add_generation_prompt: false``; with ``echo`` the answer starts with
+    that message's text, whole and streamed (vLLM's). ``tool_choice`` that asks for a tool
+    (there are none) is refused by name."""
     messages = [{"role": "user", "content": "Hello"},
                 {"role": "assistant", "content": "The capital"}]
     tok = Tokenizer.from_pretrained(server.model_dir)
@@ -152,8 +154,21 @@ def test_continue_final_message_and_the_fields_this_server_refuses(server: Serve
         **chat, "add_generation_prompt": False, "continue_final_message": True})
     assert response.status_code == 200
     assert response.json()["usage"]["prompt_tokens"] == len(got["tokens"])
-    for extra in ({"continue_final_message": True}, {"echo": True},
-                  {"tool_choice": "required"}):
+    cont = {**chat, "add_generation_prompt": False, "continue_final_message": True,
+            "temperature": 0, "ignore_eos": True}
+    plain = _post(server, "/v1/chat/completions", cont).json()["choices"][0]["message"]
+    echoed = _post(server, "/v1/chat/completions", {**cont, "echo": True}).json()
+    assert echoed["choices"][0]["message"]["content"] == "The capital" + plain["content"]
+    streamed = ""
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"},
+                      json={"model": MODEL, **cont, "echo": True, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for c in json.loads(line[6:])["choices"]:
+                    streamed += c["delta"].get("content") or ""
+    assert streamed == echoed["choices"][0]["message"]["content"]
+    for extra in ({"continue_final_message": True}, {"tool_choice": "required"}):
         response = _post(server, "/v1/chat/completions", {**chat, **extra})
         assert response.status_code == 400, extra
         assert next(iter(extra)) in response.json()["error"]["message"]

@@ -286,7 +286,19 @@ class ChatCompletionRequest(_Request):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    #: vLLM's: the answer starts with the last message's content when that message has the
+    #: answer's role (``continue_final_message``: the assistant text it continues).
     echo: bool = False
+
+    def echo_text(self) -> str:
+        """What ``echo`` puts before the answer: the last message's text if it is the
+        answer's role (``assistant``, or the last message's own without a generation
+        prompt), else nothing."""
+        if not self.echo:
+            return ""
+        last = self.messages[-1]
+        role = "assistant" if self.add_generation_prompt else last.role
+        return str(last.as_dict()["content"] or "") if last.role == role else ""
 
     def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """The request's SamplingParams; ``defaults`` (the model's sampling defaults) fill the
@@ -305,7 +317,6 @@ class ChatCompletionRequest(_Request):
             raise ValueError("SamplingParams.tools is invalid: expected [{\"type\": "
                              "\"function\", \"function\": {\"name\": ..., \"parameters\": "
                              "{...}}}]")
-        _unsupported("echo", self.echo, False)
         max_tokens = self._requested_max()
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("SamplingParams.top_logprobs is invalid: needs logprobs=true")

@@ -117,6 +117,8 @@ class Stream:
         self.params, self.body, self.req_ids = params, body, req_ids
         self.order = {r: i for i, r in enumerate(req_ids)}
         self.encoded, self.echo = encoded, echo if not chat else None
+        #: chat's ``echo``: the last message's text, before the answer's content
+        self.chat_echo = echo.texts[0] if chat and echo is not None else ""
         #: request id -> its prompt logprobs (they come with its first output)
         self.prompt_lps: dict[str, list[Any] | None] = {}
         self.num_prompt = sum(len(ids) for ids, _ in encoded)
@@ -227,7 +229,14 @@ class Stream:
 
     def _message(self, text: str, choice: dict[str, Any]) -> dict[str, Any]:
         """A finished chat choice's message: its text split into reasoning and content, and
-        its tool calls parsed out (the choice then finishes with ``tool_calls``)."""
+        its tool calls parsed out (the choice then finishes with ``tool_calls``); ``echo``'s
+        text before the content."""
+        message = self._parsed_message(text, choice)
+        if self.chat_echo:
+            message["content"] = self.chat_echo + (message["content"] or "")
+        return message
+
+    def _parsed_message(self, text: str, choice: dict[str, Any]) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if self.reasoning:
             message["reasoning_content"], message["content"] = split_reasoning(
@@ -261,6 +270,12 @@ class Stream:
                                             "delta": {"role": "assistant", "content": ""}}],
                                           self._running_usage(r, 0))
                               for r in self.req_ids for i in range(self.params.n))
+                if self.chat_echo:  # echo: the last message's text first, as vLLM's
+                    yield "".join(self._chunk([{"index": self._index(r, i), "logprobs": None,
+                                                "finish_reason": None,
+                                                "delta": {"content": self.chat_echo}}],
+                                              self._running_usage(r, 0))
+                                  for r in self.req_ids for i in range(self.params.n))
             while self.unfinished:
                 # Everything queued since the last write, in one write: a request's deltas
                 # fold into one (a loop that falls behind sends a few tokens a chunk, not a

@@ -333,9 +333,10 @@ def create_app(engine: LLMEngine | RemoteEngine,
                            "cut an image's rows)", param="truncate_prompt_tokens")
         ids = body.truncate(ids)
         validate(ids, params, body)
+        echo = Echo([body.echo_text()], lambda token: "") if body.echo else None
         return await _serve(request, worker, "chatcmpl", model_name, [(ids, None)], params,
                             body, True, items, reasoning_parser, calling,
-                            enable_prompt_tokens_details)
+                            enable_prompt_tokens_details, echo)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
