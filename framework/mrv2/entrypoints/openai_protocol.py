@@ -46,6 +46,11 @@ class _Request(BaseModel):
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     use_beam_search: bool = False
     prompt_logprobs: int | None = None
+    #: vLLM's: the prompt's and each choice's token ids beside the text (streamed: the
+    #: prompt's in the first chunk, each chunk its new ids).
+    return_token_ids: bool = False
+    #: vLLM's: logprobs name their tokens ``token_id:N`` (for tokens no text can stand for).
+    return_tokens_as_token_ids: bool = False
     #: OpenAI's ``{"type": "text" | "json_object" | "json_schema", "json_schema": {"name",
     #: "schema", "strict"}}``; vLLM's ``structured_outputs`` (``json``, ``json_object``,
     #: ``regex``, ``choice``, ``grammar``) and its older ``guided_*`` fields: one of them.
@@ -430,26 +435,33 @@ def value_error_param(message: str, body: Any = None) -> str | None:
 # -- logprobs -------------------------------------------------------------------------------
 
 
-def _token_text(lp: Any, token: int) -> str:
-    return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token}"
+def _token_text(lp: Any, token: int, as_ids: bool = False) -> str:
+    if as_ids or lp.decoded_token is None:
+        return f"token_id:{token}"
+    return str(lp.decoded_token)
 
 
 def completion_logprobs(positions: Sequence[PositionLogprobs | None], token_ids: list[int],
-                        offset: int, token_text: Callable[[int], str] | None = None
-                        ) -> tuple[dict[str, Any], int]:
+                        offset: int, token_text: Callable[[int], str] | None = None,
+                        as_ids: bool = False) -> tuple[dict[str, Any], int]:
     """OpenAI's legacy logprobs (tokens/token_logprobs/top_logprobs/text_offset); returns the
     text offset after the last token too. A position of ``None`` (an echoed prompt's first
-    token) has no logprob and no top logprobs; its text is ``token_text(token)``."""
+    token) has no logprob and no top logprobs; its text is ``token_text(token)``. ``as_ids``
+    (vLLM's ``return_tokens_as_token_ids``): every token named ``token_id:N``."""
     tokens, token_lps, tops = [], [], []
     offsets: list[int] = []
     for token, pos in zip(token_ids, positions, strict=False):
         chosen = pos.get(token) if pos is not None else None
-        text = (_token_text(chosen, token) if chosen is not None
-                else token_text(token) if token_text is not None else "")
+        if as_ids:
+            text = f"token_id:{token}"
+        elif chosen is not None:
+            text = _token_text(chosen, token)
+        else:
+            text = token_text(token) if token_text is not None else ""
         tokens.append(text)
         token_lps.append(chosen.logprob if chosen is not None else None)
         tops.append(None if pos is None else
-                    {_token_text(lp, t): lp.logprob for t, lp in pos.items()})
+                    {_token_text(lp, t, as_ids): lp.logprob for t, lp in pos.items()})
         offsets.append(offset)
         offset += len(text)
     body = {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
@@ -468,17 +480,18 @@ def prompt_logprobs_body(positions: list[PositionLogprobs | None] | None) -> Any
 
 
 def chat_logprobs(positions: list[PositionLogprobs], token_ids: list[int],
-                  k: int) -> dict[str, Any]:
-    """OpenAI's chat logprobs: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+                  k: int, as_ids: bool = False) -> dict[str, Any]:
+    """OpenAI's chat logprobs: ``{"content": [{token, logprob, bytes, top_logprobs}]}``
+    (``as_ids``: tokens named ``token_id:N``)."""
     content = []
     for token, pos in zip(token_ids, positions, strict=False):
         chosen = pos.get(token)
         if chosen is None:
             continue
-        text = _token_text(chosen, token)
+        text = _token_text(chosen, token, as_ids)
         top = sorted(pos.items(), key=lambda x: x[1].rank or 0)
-        tops = [{"token": _token_text(lp, t), "logprob": lp.logprob,
-                 "bytes": list(_token_text(lp, t).encode())} for t, lp in top[:k]]
+        tops = [{"token": _token_text(lp, t, as_ids), "logprob": lp.logprob,
+                 "bytes": list(_token_text(lp, t, as_ids).encode())} for t, lp in top[:k]]
         content.append({"token": text, "logprob": chosen.logprob,
                         "bytes": list(text.encode()), "top_logprobs": tops})
     return {"content": content}

@@ -141,15 +141,16 @@ class Stream:
         if self.params.logprobs is None or choice.logprobs is None:
             return None
         ids, lps = choice.token_ids, choice.logprobs
+        as_ids = bool(getattr(self.body, "return_tokens_as_token_ids", False))
         if self.chat:
-            return chat_logprobs(lps, ids, self.params.logprobs)
+            return chat_logprobs(lps, ids, self.params.logprobs, as_ids)
         echo = self.echo
         if first and echo is not None:  # the prompt's tokens first
             prompt = self.prompt_lps.get(req_id) or []
             ids = self.encoded[self.order[req_id]][0] + ids
             lps = prompt + lps
         body, end = completion_logprobs(lps, ids, state.offset if state else 0,
-                                        echo.token_text if echo is not None else None)
+                                        echo.token_text if echo is not None else None, as_ids)
         if state is not None:
             state.offset = end
         return body
@@ -220,12 +221,23 @@ class Stream:
                     choice["text"] = text
                     if prompt_lps is not None:
                         choice["prompt_logprobs"] = prompt_lps
+                    if self._token_ids:
+                        choice["prompt_token_ids"] = self.encoded[self.order[req_id]][0]
+                if self._token_ids:
+                    choice["token_ids"] = list(out.token_ids)
                 choices.append(choice)
         answer = {"id": self.base, "object": self.object, "created": self.created,
                   "model": self.model, "choices": choices, "usage": self._usage(completion)}
         if self.chat and self.params.prompt_logprobs is not None:  # (vLLM's: one prompt)
             answer["prompt_logprobs"] = prompt_logprobs_body(self.prompt_lps.get(self.req_ids[0]))
+        if self.chat and self._token_ids:
+            answer["prompt_token_ids"] = self.encoded[0][0]
         return JSONResponse(answer)
+
+    @property
+    def _token_ids(self) -> bool:
+        """vLLM's ``return_token_ids``."""
+        return bool(getattr(self.body, "return_token_ids", False))
 
     def _message(self, text: str, choice: dict[str, Any]) -> dict[str, Any]:
         """A finished chat choice's message: its text split into reasoning and content, and
@@ -250,13 +262,16 @@ class Stream:
                 choice["finish_reason"] = "tool_calls"
         return message
 
-    def _chunk(self, choices: list[dict[str, Any]], usage: Any = None) -> str:
+    def _chunk(self, choices: list[dict[str, Any]], usage: Any = None,
+               prompt_token_ids: list[int] | None = None) -> str:
         chunk: dict[str, Any] = {"id": self.base, "created": self.created,
                                  "model": self.model, "choices": choices,
                                  "object": "chat.completion.chunk" if self.chat
                                  else "text_completion"}
         if usage is not None:
             chunk["usage"] = usage
+        if prompt_token_ids is not None:  # (return_token_ids: a chat stream's first chunk)
+            chunk["prompt_token_ids"] = prompt_token_ids
         return f"data: {json.dumps(chunk)}\n\n"
 
     async def events(self, sink: asyncio.Queue[RequestOutput | BaseException]
@@ -268,8 +283,11 @@ class Stream:
                 yield "".join(self._chunk([{"index": self._index(r, i), "logprobs": None,
                                             "finish_reason": None,
                                             "delta": {"role": "assistant", "content": ""}}],
-                                          self._running_usage(r, 0))
-                              for r in self.req_ids for i in range(self.params.n))
+                                          self._running_usage(r, 0),
+                                          self.encoded[0][0] if self._token_ids and not (
+                                              j or i) else None)
+                              for j, r in enumerate(self.req_ids)
+                              for i in range(self.params.n))
                 if self.chat_echo:  # echo: the last message's text first, as vLLM's
                     yield "".join(self._chunk([{"index": self._index(r, i), "logprobs": None,
                                                 "finish_reason": None,
@@ -344,6 +362,10 @@ class Stream:
                                       "finish_reason": out.finish_reason}
             if prompt_lps is not None:
                 choice["prompt_logprobs"] = prompt_lps
+            if self._token_ids:
+                if first and not self.chat:
+                    choice["prompt_token_ids"] = self.encoded[self.order[item.request_id]][0]
+                choice["token_ids"] = list(out.token_ids)
             if out.finish_reason:
                 choice["stop_reason"] = out.stop_reason
                 state.done = True

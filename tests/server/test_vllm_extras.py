@@ -1,7 +1,9 @@
-"""Completions' ``echo`` and vLLM's ``prompt_logprobs``: the prompt's text before the answer,
-its tokens' logprobs (the engine's, as ``LLM.generate`` returns them) first in ``logprobs``
-and in ``prompt_logprobs``, whole and streamed; chat's ``prompt_logprobs`` at the top of the
-answer; chat's ``echo`` only where the last message has the answer's role."""
+"""vLLM's extras of the OpenAI API: completions' ``echo`` and ``prompt_logprobs`` (the
+prompt's text before the answer, its tokens' logprobs, the engine's as ``LLM.generate``
+returns them, first in ``logprobs`` and in ``prompt_logprobs``, whole and streamed); chat's
+``prompt_logprobs`` at the top of the answer and ``echo`` only where the last message has the
+answer's role; ``stream_options.continuous_usage_stats``; ``return_token_ids`` and
+``return_tokens_as_token_ids``."""
 
 from __future__ import annotations
 
@@ -153,3 +155,40 @@ def test_continuous_usage_stats(server: Served, route: str) -> None:
         seen[choice["index"]] = usage["completion_tokens"]
     assert seen == {0: 5, 1: 5}
 
+
+
+def test_return_token_ids_whole_and_streamed(server: Served, reference: LLM) -> None:
+    """vLLM's ``return_token_ids``: the prompt's ids and each choice's beside its text (the
+    engine's own, as ``LLM.generate`` gives them), streamed as the prompt's in the first
+    chunk and each chunk's new ids; ``return_tokens_as_token_ids`` names logprobs' tokens
+    by id."""
+    want = reference.generate({"prompt_token_ids": PROMPT},  # type: ignore[arg-type]
+                              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0].token_ids
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "logprobs": 1, "return_tokens_as_token_ids": True}
+    choice = _post(server.url, "completions", body).json()["choices"][0]
+    assert choice["prompt_token_ids"] == PROMPT and choice["token_ids"] == want
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in want]
+    chunks = _chunks(server.url, body)
+    assert chunks[0]["prompt_token_ids"] == PROMPT
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks for t in c["token_ids"]] == want
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    answer = _post(server.url, "chat/completions", chat).json()
+    assert len(answer["prompt_token_ids"]) == answer["usage"]["prompt_tokens"]
+    ids = answer["choices"][0]["token_ids"]
+    assert len(ids) == 4
+    streamed, prompt_ids = [], []
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", headers=AUTH, timeout=60,
+                      json={"model": MODEL, **chat, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                prompt_ids.append(chunk.get("prompt_token_ids"))
+                streamed += [t for c in chunk["choices"] for t in c.get("token_ids", [])]
+    assert streamed == ids
+    assert prompt_ids[0] == answer["prompt_token_ids"] and not any(prompt_ids[1:])
+    plain = _post(server.url, "completions", {"prompt": PROMPT, "max_tokens": 2}).json()
+    assert "token_ids" not in plain["choices"][0]
