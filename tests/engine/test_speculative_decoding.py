@@ -210,6 +210,38 @@ def test_logprobs_requests_verify_drafts(checkpoint: Path, expected: list[list[i
     assert stats["spec_num_accepted_tokens"] > 0 and stats["spec_num_draft_tokens"] > 0
 
 
+def test_min_tokens_requests_verify_drafts(checkpoint: Path, expected: list[list[int]]) -> None:
+    """``min_tokens=m`` with a stop token: every draft row counts the outputs before its own
+    position (the stop token is masked exactly until the ``m``-th output), so the request
+    verifies drafts and gives the tokens of a run without speculation: stopped at a stop
+    token's first allowed place (one the free run first produces at ``m``), and past one
+    the free run produces early (masked there, so the run goes another way)."""
+    Oracle.futures = [p + e for p, e in zip(PROMPTS, expected, strict=True)]
+    Oracle.corrupt = 0
+    cases = [(i, m) for i, free in enumerate(expected) for m in range(4, NEW_TOKENS - 1)
+             if free[m] not in free[:m]]
+    cases = [next(c for c in cases if c[0] == i) for i in dict.fromkeys(i for i, _ in cases)]
+    assert len(cases) >= 2, f"{expected}: too few tokens first produced late"
+    prompts, params = [], []
+    for i, m in cases:
+        for stop in (expected[i][m], expected[i][1]):
+            prompts.append({"prompt_token_ids": PROMPTS[i]})
+            params.append(SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=m,
+                                         stop_token_ids=[stop]))
+
+    def run(**kwargs: Any) -> tuple[list[list[int]], LLM]:
+        llm = _llm(checkpoint, **kwargs)
+        outs = llm.generate(prompts, params, use_tqdm=False)  # type: ignore[arg-type]
+        return [o.outputs[0].token_ids for o in outs], llm
+
+    plain, _ = run()
+    spec, llm = run(speculative_config={"method": "oracle", "num_speculative_tokens": 3})
+    assert spec == plain
+    for k, (i, m) in enumerate(cases):
+        assert plain[2 * k] == expected[i][: m + 1]  # stopped where the mask lifted
+    assert llm.engine.stats()["spec_num_accepted_tokens"] >= sum(m for _, m in cases)
+
+
 def test_stops_inside_accepted_drafts(checkpoint: Path, expected: list[list[int]]) -> None:
     """A stop token among accepted drafts ends the request there; later tokens are dropped."""
     Oracle.futures = [p + e for p, e in zip(PROMPTS, expected, strict=True)]

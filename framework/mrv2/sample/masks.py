@@ -28,13 +28,16 @@ def apply_masks(
     table: RequestStateTable,
     state: SamplingState,
     special: list[tuple[int, SamplingParams]],
+    positions: torch.Tensor | None = None,
 ) -> None:
     """Apply bias, allowed tokens, bad words and min_tokens of ``special`` rows, in place
     (structured outputs' masks: :func:`apply_token_bitmask`).
 
     ``special`` lists ``(logits row, params)`` of the rows whose request uses some rarely
     used stage; ``logits`` is ``[N, V]`` float32, ``idx_mapping`` ``[N]`` the state-table row of
-    each logits row.
+    each logits row. ``positions`` (``InputBatch.logits_positions``): the position each row
+    predicts, so ``min_tokens`` counts the outputs before a draft row's token too (without
+    it, the request's known tokens: one row a request).
     """
     bias_b: list[int] = []
     bias_t: list[int] = []
@@ -83,7 +86,8 @@ def apply_masks(
     if min_b:
         batch_idx = _t(min_b, device)
         rows = idx_mapping[batch_idx].long()
-        num_out = table.num_tokens[rows] - state.prompt_len[rows]
+        known = table.num_tokens[rows] if positions is None else positions[batch_idx]
+        num_out = known - state.prompt_len[rows]
         add = torch.where(num_out < state.min_tokens[rows], _NEG_INF, 0.0)
         logits.index_put_((batch_idx, _t(min_t, device)), add, accumulate=True)
 

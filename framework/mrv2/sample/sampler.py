@@ -275,7 +275,7 @@ class Sampler:
                 apply_penalties(logits, idx, state.output_counts, state.prompt_mask,
                                 state.repetition_penalty, state.frequency_penalty,
                                 state.presence_penalty)
-            apply_masks(logits, idx, table, state, plan.rare)
+            apply_masks(logits, idx, table, state, plan.rare, batch.logits_positions)
         rows = idx.long()
         temperature = state.temperature[rows]
         greedy = temperature < _GREEDY_EPS
