@@ -242,6 +242,37 @@ def test_min_tokens_requests_verify_drafts(checkpoint: Path, expected: list[list
     assert llm.engine.stats()["spec_num_accepted_tokens"] >= sum(m for _, m in cases)
 
 
+@pytest.mark.parametrize("penalty", [
+    {"repetition_penalty": 3.0}, {"frequency_penalty": 2.0}, {"presence_penalty": 2.0},
+    {"repetition_penalty": 1.5, "frequency_penalty": 0.7, "presence_penalty": 0.5}],
+    ids=["repetition", "frequency", "presence", "all"])
+def test_penalty_requests_verify_drafts(checkpoint: Path, penalty: dict[str, float]) -> None:
+    """Requests with penalties verify drafts: a draft row counts the drafts before it as
+    outputs (``mrv2.sample.draft_penalties``), so greedy and seeded requests give a run
+    without speculation's tokens, drafts drawn from that run (most kept) or not."""
+    params = [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                             **penalty),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=NEW_TOKENS, ignore_eos=True,
+                             **penalty)]
+    prompts = [PROMPTS[4], PROMPTS[0], PROMPTS[2], PROMPTS[1]]
+    params = [params[0], params[1], params[0], params[1]]
+
+    def run(**kwargs: Any) -> tuple[list[list[int]], LLM]:
+        llm = _llm(checkpoint, **kwargs)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                            use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], llm
+
+    plain, _ = run()
+    free = _generate(_llm(checkpoint), GREEDY, [prompts[0]])[0]
+    assert plain[0] != free  # the penalty decides tokens
+    Oracle.futures = [p + o for p, o in zip(prompts, plain, strict=True)]
+    Oracle.corrupt = 5
+    spec, llm = run(speculative_config={"method": "oracle", "num_speculative_tokens": 3})
+    assert spec == plain
+    assert llm.engine.stats()["spec_num_accepted_tokens"] >= 2 * NEW_TOKENS
+
+
 def test_stops_inside_accepted_drafts(checkpoint: Path, expected: list[list[int]]) -> None:
     """A stop token among accepted drafts ends the request there; later tokens are dropped."""
     Oracle.futures = [p + e for p, e in zip(PROMPTS, expected, strict=True)]

@@ -26,6 +26,7 @@ from mrv2.contract.requests import NewRequest
 from mrv2.contract.samples import StepSamples
 from mrv2.contract.staged_edits import StagedEdits
 from mrv2.contract.state_table import RequestStateTable
+from mrv2.sample.draft_penalties import penalize_drafts
 from mrv2.sample.logits_processor import LogitsProcessor
 from mrv2.sample.logprobs import token_logprobs
 from mrv2.sample.masks import apply_masks, apply_token_bitmask
@@ -275,6 +276,10 @@ class Sampler:
                 apply_penalties(logits, idx, state.output_counts, state.prompt_mask,
                                 state.repetition_penalty, state.frequency_penalty,
                                 state.presence_penalty)
+                if batch.max_draft_tokens:  # a draft row counts the drafts before it too
+                    penalize_drafts(logits, batch, state.output_counts, state.prompt_mask,
+                                    state.repetition_penalty, state.frequency_penalty,
+                                    state.presence_penalty)
             apply_masks(logits, idx, table, state, plan.rare, batch.logits_positions)
         rows = idx.long()
         temperature = state.temperature[rows]

@@ -47,14 +47,15 @@ def uses_rare_stage(p: SamplingParams) -> bool:
 
 def supports_speculation(p: SamplingParams, verify_method: str = "strict") -> bool:
     """Whether drafts may be verified for a request: not when a stage depends on the output
-    tokens so far within a step (penalties, bad words) or it reports prompt logprobs
-    (``min_tokens`` counts each row's outputs before it: its position).
+    tokens so far within a step (bad words) or it reports prompt logprobs (``min_tokens``
+    counts each row's outputs before it, its position; penalties count the drafts before a
+    row, :mod:`mrv2.sample.draft_penalties`).
     Per-token logprobs go with strict verification (each output token is its row's own
     sample, whose logprobs the sampler reports; probabilistic verification is strict for
     greedy rows), not where a rejected position takes another token. A structured output's
     masks cover each draft position (the engine builds one a logits row)."""
     logprobs_ok = verify_method == "strict" or (verify_method == "probabilistic" and p.greedy)
-    return not (p.uses_penalties or p._bad_words_token_ids
+    return not (p._bad_words_token_ids
                 or (p.logprobs is not None and not logprobs_ok)
                 or p.prompt_logprobs is not None)
 
@@ -235,11 +236,19 @@ class SamplingState:
     def record_sampled(
         self, idx_mapping: torch.Tensor, tokens: torch.Tensor, num_sampled: torch.Tensor
     ) -> None:
-        """Count each request's sampled token in ``output_counts`` (device only, no sync).
-        Penalty requests never verify drafts, so each yields at most one token a step."""
+        """Count each request's kept tokens in ``output_counts`` (device only, no sync):
+        ``tokens`` ``[num_reqs, 1 + drafts]``, the first ``num_sampled`` of a row kept (its
+        accepted drafts and the token after them)."""
         if self.output_counts is None or self.num_penalty_rows == 0:
             return
+        n, width = tokens.shape
+        rows = idx_mapping[:n].long()
+        if width == 1:
+            self.output_counts.index_put_(
+                (rows, tokens[:, 0].clamp(min=0)), (num_sampled[:n] > 0).to(torch.int32),
+                accumulate=True)
+            return
+        kept = torch.arange(width, device=tokens.device)[None, :] < num_sampled[:n, None]
         self.output_counts.index_put_(
-            (idx_mapping.long(), tokens[:, 0].clamp(min=0)), (num_sampled > 0).to(torch.int32),
-            accumulate=True,
-        )
+            (rows[:, None].expand(n, width), tokens.clamp(min=0)), kept.to(torch.int32),
+            accumulate=True)
