@@ -273,6 +273,40 @@ def test_penalty_requests_verify_drafts(checkpoint: Path, penalty: dict[str, flo
     assert llm.engine.stats()["spec_num_accepted_tokens"] >= 2 * NEW_TOKENS
 
 
+def test_bad_words_requests_verify_drafts(checkpoint: Path, expected: list[list[int]],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests with bad words verify drafts: a draft row bans a word's last token where the
+    drafts before it complete the word's other tokens (they lie in the state table before
+    the row's position), so the tokens are those of a run without speculation, drafts drawn
+    from that run or from the free run (which has the banned pairs)."""
+    import mrv2.engine.engine as engine_module
+
+    # banned pairs the free runs produce (after index 1, so a draft row meets them)
+    words = [[e[i], e[i + 1]] for e in expected[:3] for i in (3, 6)]
+    prepare = engine_module.prepare_params
+
+    def with_words(*args: Any) -> SamplingParams:  # (no tokenizer here: the ids given)
+        params = prepare(*args)
+        params._bad_words_token_ids = [list(w) for w in words]
+        return params
+
+    monkeypatch.setattr(engine_module, "prepare_params", with_words)
+    prompts = PROMPTS[:3]
+
+    def run(**kwargs: Any) -> tuple[list[list[int]], LLM]:
+        llm = _llm(checkpoint, **kwargs)
+        return _generate(llm, GREEDY, prompts), llm
+
+    plain, _ = run()
+    assert plain != expected[:3]  # the bans decide tokens
+    for futures in (plain, expected[:3]):
+        Oracle.futures = [p + o for p, o in zip(prompts, futures, strict=True)]
+        Oracle.corrupt = 0
+        spec, llm = run(speculative_config={"method": "oracle", "num_speculative_tokens": 3})
+        assert spec == plain
+        assert llm.engine.stats()["spec_num_accepted_tokens"] > 0
+
+
 def test_stops_inside_accepted_drafts(checkpoint: Path, expected: list[list[int]]) -> None:
     """A stop token among accepted drafts ends the request there; later tokens are dropped."""
     Oracle.futures = [p + e for p, e in zip(PROMPTS, expected, strict=True)]

@@ -36,8 +36,8 @@ def apply_masks(
     ``special`` lists ``(logits row, params)`` of the rows whose request uses some rarely
     used stage; ``logits`` is ``[N, V]`` float32, ``idx_mapping`` ``[N]`` the state-table row of
     each logits row. ``positions`` (``InputBatch.logits_positions``): the position each row
-    predicts, so ``min_tokens`` counts the outputs before a draft row's token too (without
-    it, the request's known tokens: one row a request).
+    predicts, so ``min_tokens`` and bad words count the outputs before a draft row's token too
+    (without it, the request's known tokens: one row a request).
     """
     bias_b: list[int] = []
     bias_t: list[int] = []
@@ -82,7 +82,7 @@ def apply_masks(
     if cond_b:
         _fill(logits, (_t(cond_b, device), _t(cond_t, device)), _NEG_INF)
     if words:
-        _ban_bad_words(logits, idx_mapping, table, state, words)
+        _ban_bad_words(logits, idx_mapping, table, state, words, positions)
     if min_b:
         batch_idx = _t(min_b, device)
         rows = idx_mapping[batch_idx].long()
@@ -98,8 +98,12 @@ def _ban_bad_words(
     table: RequestStateTable,
     state: SamplingState,
     words: list[tuple[int, list[int]]],
+    positions: torch.Tensor | None = None,
 ) -> None:
-    """Ban each word's last token where its other tokens end the row's generated output."""
+    """Ban each word's last token where its other tokens end the row's generated output: the
+    tokens before the position the row predicts (``positions``; a draft row's drafts before
+    it lie there in the state table, where the drafter wrote them), else the request's known
+    tokens."""
     device = logits.device
     longest = max(len(w) for _, w in words) - 1
     prefix = torch.full((len(words), longest), -1, dtype=torch.int64)
@@ -109,7 +113,7 @@ def _ban_bad_words(
     b = _t([bb for bb, _ in words], device)
     last = _t([w[-1] for _, w in words], device)
     rows = idx_mapping[b].long()
-    end = table.num_tokens[rows].long()
+    end = (table.num_tokens[rows] if positions is None else positions[b]).long()
     start = end - plen  # first position the prefix would occupy
     j = torch.arange(longest, device=device)
     pos = (start[:, None] + j[None, :]).clamp(0, table.token_ids.shape[1] - 1)
