@@ -170,8 +170,9 @@ def test_seeded_sampling_and_mixed_params_equal_without_speculation(checkpoint: 
 @pytest.mark.parametrize("method", ["strict", "probabilistic"])
 def test_logprobs_requests_verify_drafts(checkpoint: Path, expected: list[list[int]],
                                          method: str) -> None:
-    """A request asking for logprobs verifies drafts (strictly: each output token is its
-    row's own sample, so that row's logprobs are the token's): greedy always, seeded
+    """A request asking for logprobs (one for prompt logprobs too) verifies drafts
+    (strictly: each output token is its row's own sample, so that row's logprobs are the
+    token's): greedy always, seeded
     sampling under strict verification; every request's tokens and every token's logprobs
     (ids, ranks, values) are those of a run without speculation. Under probabilistic
     verification a sampled logprobs request keeps to one token a step (a rejected position
@@ -179,7 +180,7 @@ def test_logprobs_requests_verify_drafts(checkpoint: Path, expected: list[list[i
     Oracle.futures = [p + e for p, e in zip(PROMPTS, expected, strict=True)]
     Oracle.corrupt = 3  # some drafts kept, some not
     params = [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
-                             logprobs=2),
+                             logprobs=2, prompt_logprobs=1),
               SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
                              logprobs=0),
               SamplingParams(temperature=1.0, seed=3, max_tokens=NEW_TOKENS, ignore_eos=True,
@@ -189,9 +190,11 @@ def test_logprobs_requests_verify_drafts(checkpoint: Path, expected: list[list[i
     def run(**kwargs: Any) -> tuple[list[Any], LLM]:
         llm = _llm(checkpoint, **kwargs)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        prompt_lps.append(outs[0].prompt_logprobs)
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs,
                  o.outputs[0].cumulative_logprob) for o in outs], llm
 
+    prompt_lps: list[Any] = []
     plain, _ = run()
     spec, llm = run(speculative_config={"method": "oracle", "num_speculative_tokens": 3,
                                         "rejection_sample_method": method})
@@ -208,6 +211,17 @@ def test_logprobs_requests_verify_drafts(checkpoint: Path, expected: list[list[i
                 assert lp.logprob == pytest.approx(theirs[t].logprob, abs=1e-5)
     stats = llm.engine.stats()
     assert stats["spec_num_accepted_tokens"] > 0 and stats["spec_num_draft_tokens"] > 0
+    alone = _llm(checkpoint, speculative_config={"method": "oracle",
+                                                 "num_speculative_tokens": 3,
+                                                 "rejection_sample_method": method})
+    alone.generate({"prompt_token_ids": prompts[0]}, params[0],  # type: ignore[arg-type]
+                   use_tqdm=False)
+    assert alone.engine.stats()["spec_num_accepted_tokens"] > 0  # it verified drafts too
+    mine, theirs = prompt_lps[1], prompt_lps[0]  # (the first request's, with prompt logprobs)
+    assert mine is not None and theirs is not None and len(mine) == len(prompts[0])
+    for a, b in zip(mine[1:], theirs[1:], strict=True):
+        assert a.keys() == b.keys()
+        assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-5) for t in a)
 
 
 def test_min_tokens_requests_verify_drafts(checkpoint: Path, expected: list[list[int]]) -> None:
