@@ -10,8 +10,8 @@
 # startup (scripts/probe_startup.py: where start-up goes, cold and warm Triton cache),
 # structured (scripts/probe_structured.py: JSON-schema batches, late masks against waiting, and free),
 # verify28 (the twenty-eighth session's structured-outputs work on CUDA, then that probe),
-# verify29 (the twenty-ninth's: structured outputs with speculation on CUDA, the output kinds,
-# mrv2 bench outputs), servelong (256 streams of 2,048 tokens through mrv2 serve; .whl-old: A/B),
+# verify29 (the twenty-ninth's: structured outputs and every request kind verifying drafts on
+# CUDA, no syncs, the output kinds, mrv2 bench outputs), servelong (256 streams of 2,048 tokens through mrv2 serve; .whl-old: A/B),
 # graphtimes (scripts/decode_graph_times.py: each decode graph's replay time by size),
 # streamk (scripts/proto_streamk.py: a stream-K GEMM against cuBLAS at 8B decode shapes), attn,
 # splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile, mixed,
@@ -134,6 +134,9 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
               timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu \
                 tests/gpu/test_gpu_structured_outputs.py tests/gpu/test_gpu_sampler.py \
                 2>&1 | tee "$OUT/verify29_gpu.log" | tail -2
+              timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu \
+                tests/gpu/test_gpu_engine.py -k "verifies_drafts or never_synchronize" \
+                2>&1 | tee "$OUT/verify29_spec.log" | tail -2
               timeout 200 python3 -m pytest -q -p no:cacheprovider \
                 tests/engine/test_stop_conditions.py tests/engine/test_structured_outputs.py \
                 tests/server/test_echo_and_prompt_logprobs.py 2>&1 | tee "$OUT/verify29_cpu.log" | tail -2

@@ -258,13 +258,13 @@ def test_self_draft_model_with_graphs(ckpt: Path, dtype: str) -> None:
 
 
 @pytest.mark.parametrize("method", ["ngram", "ngram-probabilistic", "draft_model",
-                                    "ngram-synthetic", "draft_model-tail"])
+                                    "ngram-synthetic", "draft_model-tail", "ngram-rare"])
 def test_speculative_steps_never_synchronize(ckpt: Path, method: str) -> None:
     """Prefill, then decode steps verifying drafts (eager and graph replay), with the drafts
     proposed on the device (n-gram; the target as its own draft model) and verified strictly,
     probabilistically or synthetically, inside the sampling tail (variant 1 for top-k / top-p
     rows, 0 for temperature rows: ``-tail`` and synthetic) or eagerly (a step of mixed draft
-    counts): no host sync."""
+    counts; ``-rare``: penalties, min_tokens and logprobs at every draft row): no host sync."""
     spec: dict[str, object] = {"method": method.split("-")[0], "num_speculative_tokens": 2}
     if method == "ngram-probabilistic":
         spec["rejection_sample_method"] = "probabilistic"
@@ -278,9 +278,14 @@ def test_speculative_steps_never_synchronize(ckpt: Path, method: str) -> None:
     runner = Runner.from_config(config)
     assert runner.graphs is not None and runner.graphs.padded_size(3, 4) is not None
     temperature_only = method.endswith(("-tail", "-synthetic"))
+    rare = method.endswith("-rare")
     tails = _count_tail_replays(runner.graphs)
     params = (SamplingParams(temperature=0.8) if temperature_only
               else SamplingParams(temperature=0.8, top_k=20, top_p=0.9))
+    if rare:
+        params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.2,
+                                frequency_penalty=0.3, presence_penalty=0.2, min_tokens=4,
+                                stop_token_ids=[3], logprobs=1)
     new = [NewRequest(str(i), p, params, seed=i, block_ids=[i * 8 + j for j in range(8)])
            for i, p in enumerate(PROMPTS)]
     outputs = []
@@ -302,9 +307,38 @@ def test_speculative_steps_never_synchronize(ckpt: Path, method: str) -> None:
         out.result()
     assert set(first) == {"0", "1", "2", "3"} and len(first["3"]) == 1
     assert all(1 <= len(ts) <= 3 for ts in first.values())
-    # the uniform step's, at its padded size
-    assert tails == [(4, 0 if temperature_only else 1)]
+    # the uniform step's, at its padded size (rare stages: sampled eagerly)
+    assert tails == ([] if rare else [(4, 0 if temperature_only else 1)])
 
+
+
+def test_every_request_kind_verifies_drafts_fp32(ckpt: Path) -> None:
+    """Penalties, min_tokens with a stop token, logprobs and prompt logprobs verify n-gram
+    drafts on the GPU (graphs and async on, fp32): the same tokens and logprobs as without
+    speculation, and drafts kept."""
+    prompts = [[7, 8, 9] * 6, [5, 6, 5, 6, 5, 6, 5, 6], [1 + i % 20 for i in range(40)]]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                             repetition_penalty=1.3, frequency_penalty=0.4),
+              SamplingParams(temperature=0, max_tokens=24, min_tokens=12,
+                             stop_token_ids=[5, 6]),
+              SamplingParams(temperature=0.7, seed=3, max_tokens=24, ignore_eos=True,
+                             logprobs=2, prompt_logprobs=1)]
+
+    def run(**kwargs: object) -> tuple[list[Any], LLM]:
+        llm = LLM(str(ckpt), device="cuda", dtype="float32", block_size=16,
+                  gpu_memory_utilization=0.3, **kwargs)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                            use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], llm
+
+    plain = run()[0]
+    got, llm = run(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                       "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    assert [t for t, _ in got] == [t for t, _ in plain]
+    for mine, theirs in zip(got[2][1] or [], plain[2][1] or [], strict=True):
+        assert mine.keys() == theirs.keys()
+        assert all(abs(mine[t].logprob - theirs[t].logprob) < 1e-4 for t in mine)
+    assert llm.engine.stats()["spec_num_accepted_tokens"] > 0
 
 
 def _greedy_alone(ckpt: Path, prompt: list[int]) -> list[int]:
