@@ -72,6 +72,7 @@ class AsyncStepOutput:
         self._result: dict[str, list[int]] | None = None
         self._logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._drafts: torch.Tensor | None = None
+        self._drafts_of: dict[str, list[int]] | None = None
         self._prompt: list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def set_logprobs(self, ids: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor) -> None:
@@ -88,9 +89,12 @@ class AsyncStepOutput:
         tokens in it; empty when the step did not copy them. Waits as :meth:`result`."""
         if self._drafts is None:
             return {}
-        result = self.result()
-        rows = self._drafts.tolist()
-        return {req_id: rows[i] for i, req_id in enumerate(self.req_ids) if req_id in result}
+        if self._drafts_of is None:
+            result = self.result()
+            rows = self._drafts.tolist()
+            self._drafts_of = {req_id: rows[i] for i, req_id in enumerate(self.req_ids)
+                               if req_id in result}
+        return self._drafts_of
 
     def add_prompt_logprobs(
         self, req_id: str, first_position: int, ids: torch.Tensor, values: torch.Tensor,
