@@ -142,7 +142,9 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                 tests/server/test_echo_and_prompt_logprobs.py 2>&1 | tee "$OUT/verify29_cpu.log" | tail -2
               OMP_NUM_THREADS=1 timeout 200 python3 -m mrv2.entrypoints.cli bench outputs \
                 --requests 64 --tokens 2048 --json "$OUT/outputs.json" 2>&1 \
-                | tee "$OUT/outputs.log" | tail -12 ;;
+                | tee "$OUT/outputs.log" | tail -12
+              [ -d .whl/smollm2 ] && timeout 60 python3 scripts/probe_draft_masks.py \
+                --tokenizer .whl/smollm2 2>&1 | tee "$OUT/draft_masks.log" | tail -8 ;;
     servelong) # long answers through mrv2 serve (the twenty-ninth session's delta outputs):
                # 256 streams at once of 2,048 tokens, Qwen3-0.6B; with .whl-old (a baseline's
                # wheels, built as scripts/ab_bench.sh says) the baseline first, then this tree
