@@ -216,9 +216,9 @@ def test_draft_masks_are_the_masks_after_each_draft(llm: LLM) -> None:
 
     so = llm.engine._structured_outputs()
     tokenizer = llm.get_tokenizer()
-    digits = [tokenizer.encode(d, add_special_tokens=False) for d in "0123x"]
+    digits = [tokenizer.encode(d, add_special_tokens=False) for d in "0123x9"]
     assert all(len(d) == 1 for d in digits), digits  # one token a character
-    zero, one, two, three, x = (d[0] for d in digits)
+    zero, one, two, three, x, nine = (d[0] for d in digits)
     params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(0123){2}9"))
 
     def fresh(consumed: list[int]) -> np.ndarray:
@@ -264,6 +264,22 @@ def test_draft_masks_are_the_masks_after_each_draft(llm: LLM) -> None:
         assert (got == want).all(), (consumed, drafts)
         assert g.consumed == len(consumed)
     assert (outs[-1] == -1).all()  # a finished guide's rows allow every token
+    # drafts that complete the match, then the end: the row after the last draft of the
+    # match allows only the end; past the end every token; the guide rolls back exactly
+    # (a stopped matcher does not count the end it is given, so the end is not consumed)
+    eos = so.tokenizer.eos_token
+    g = so.guide(params, [])
+    for token in [zero, one, two, three, zero]:
+        g.advance(token)
+    out = np.full((6, so.words), 7, dtype=np.int32)
+    g.draft_masks([one, two, three, nine, eos], out)
+    assert (out[3] == fresh([zero, one, two, three, zero, one, two, three])).all()
+    bits = np.unpackbits(out[4].view(np.uint8), bitorder="little")
+    assert bits[eos] == 1 and bits.sum() == 1  # the end only
+    assert (out[5] == -1).all() and g.consumed == 5 and g.done_at is None
+    for token in [one, two, three, nine]:
+        g.advance(token)
+    assert g.done and g.done_at == 9 and not g.matcher.is_error()
 
 
 def _spec_llm(path: Path, k: int, graphs: bool = False, method: str = "strict") -> LLM:

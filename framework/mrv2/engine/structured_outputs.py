@@ -188,9 +188,13 @@ def fill_draft_bitmasks(guides: list[Guide | None], drafts: list[list[int]],
             after = []
             for k, i in enumerate(live):
                 out[i][level] = rows[k]
+                guide = cast(Guide, guides[i])
                 if level == len(drafts[i]):
                     continue
-                guide, token = cast(Guide, guides[i]), drafts[i][level]
+                if guide.done:  # complete: the end only, and nothing past it is kept (nor is
+                    out[i][level + 1 :] = -1  # the end consumed: a stopped matcher's rollback
+                    continue  # would not count it)
+                token = drafts[i][level]
                 allowed = 0 <= token < 32 * words and (
                     int(rows[k].view(np.uint32)[token // 32]) >> (token % 32)) & 1
                 if allowed:
