@@ -109,6 +109,16 @@ def test_a_streamed_answer_never_holds_text_a_stop_string_cuts(
             assert streamed[0][:2] == (text[:k], "stop"), (stop, url)
 
 
+def test_the_responses_api_through_the_engine_process(server: Served,
+                                                      remote: tuple[str, Any]) -> None:
+    body = {"model": MODEL, "input": "Hello world", "max_output_tokens": 6, "temperature": 0}
+    got = [httpx.post(f"{url}/v1/responses", json=body, headers=AUTH, timeout=60).json()
+           for url in (server.url, remote[0])]
+    assert got[0]["output"][0]["content"] == got[1]["output"][0]["content"]
+    assert got[0]["usage"] == got[1]["usage"] and got[1]["status"] in ("completed",
+                                                                        "incomplete")
+
+
 def test_delta_outputs_cross_as_they_are() -> None:
     """A DELTA request's outputs (the server's) go through the encoder and the accumulator
     unchanged, n > 1 choices one at a time, and neither keeps anything of them."""

@@ -180,7 +180,15 @@ class Stream:
 
     async def collect(self, sink: asyncio.Queue[RequestOutput | BaseException],
                       request: Request) -> Response:
-        """Wait for every request to finish; abort them all the moment the client leaves."""
+        """Wait for every request to finish (abort them all the moment the client leaves),
+        then answer with one body."""
+        left = await self._gather(sink, request)
+        return left if left is not None else JSONResponse(self._whole())
+
+    async def _gather(self, sink: asyncio.Queue[RequestOutput | BaseException],
+                      request: Request) -> Response | None:
+        """Every request's outputs into :attr:`answers` until all finished; the 499 answer
+        when the client left first."""
         gone = asyncio.ensure_future(disconnected(request))
         item_task: asyncio.Future[RequestOutput | BaseException] | None = None
         try:
@@ -205,6 +213,10 @@ class Stream:
                 if task is not None:
                     task.cancel()
             self.abort_rest()
+        return None
+
+    def _whole(self) -> dict[str, Any]:
+        """The finished answer's body (chat or text completion)."""
         choices, completion = [], 0
         for req_id in self.req_ids:
             answers = self.answers[req_id]
@@ -232,7 +244,7 @@ class Stream:
             answer["prompt_logprobs"] = prompt_logprobs_body(self.prompt_lps.get(self.req_ids[0]))
         if self.chat and self._token_ids:
             answer["prompt_token_ids"] = self.encoded[0][0]
-        return JSONResponse(answer)
+        return answer
 
     @property
     def _token_ids(self) -> bool:

@@ -3,8 +3,8 @@
 whose engine steps in a process of its own (``mrv2 serve``'s default).
 
 ``create_app(engine)`` builds the app and its worker; ``mrv2 serve`` runs it.
-Routes: ``/v1/completions``, ``/v1/chat/completions`` (both stream by server-sent events),
-``/v1/models``, ``/health``, ``/metrics`` (Prometheus text).
+Routes: ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/responses`` (each streams by
+server-sent events), ``/v1/models``, ``/health``, ``/metrics`` (Prometheus text).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from mrv2.entrypoints.openai_protocol import (
     validation_error_body,
     value_error_param,
 )
+from mrv2.entrypoints.openai_responses import RENAMED, ResponsesRequest, ResponsesStream
 from mrv2.entrypoints.reasoning import check_reasoning_parser
 from mrv2.entrypoints.responses import APIError, Echo, Stream
 from mrv2.entrypoints.stack_sampler import PROFILE_ENV_VAR, StackSampler
@@ -296,6 +297,28 @@ def create_app(engine: LLMEngine | RemoteEngine,
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
+        return await run_chat(request, body)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        """OpenAI's Responses API over the chat path (text in and out; see
+        :mod:`mrv2.entrypoints.openai_responses`)."""
+        body: ResponsesRequest = await parse(request, ResponsesRequest)
+        try:
+            chat_body = body.as_chat()
+        except ValueError as error:
+            raise APIError(400, str(error), param=value_error_param(str(error), body)) from None
+        except ValidationError as error:  # a message the chat request refuses
+            raise APIError(400, f"input: {error.errors()[0]['msg']}", param="input") from None
+        try:
+            return await run_chat(request, chat_body, ResponsesStream, {"request": body})
+        except APIError as error:  # the chat request's field names, as this API calls them
+            error.param = RENAMED.get(error.param or "", error.param)
+            raise
+
+    async def run_chat(request: Request, body: ChatCompletionRequest,
+                       stream_cls: type[Stream] = Stream,
+                       extra: dict[str, Any] | None = None) -> Response:
         params = params_of(body)
         forced = body.tools and body.tool_choice not in (None, "none", "auto")
         if body.tools and tool_parser is None and not forced:
@@ -336,7 +359,7 @@ def create_app(engine: LLMEngine | RemoteEngine,
         echo = Echo([body.echo_text()], lambda token: "") if body.echo else None
         return await _serve(request, worker, "chatcmpl", model_name, [(ids, None)], params,
                             body, True, items, reasoning_parser, calling,
-                            enable_prompt_tokens_details, echo)
+                            enable_prompt_tokens_details, echo, stream_cls, extra)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
@@ -417,7 +440,9 @@ async def _serve(request: Request, worker: EngineThread | EngineProcess, kind: s
                  encoded: list[tuple[list[int], str | None]], params: SamplingParams,
                  body: Any, chat: bool, mm_items: list[MultiModalItem] | None = None,
                  reasoning: str | None = None, tools: ToolCalling | None = None,
-                 prompt_tokens_details: bool = False, echo: Echo | None = None) -> Response:
+                 prompt_tokens_details: bool = False, echo: Echo | None = None,
+                 stream_cls: type[Stream] = Stream, extra: dict[str, Any] | None = None
+                 ) -> Response:
     """Submit every prompt (with ``mm_items``: one chat prompt's images); answer with one
     JSON body or an SSE stream."""
     loop = asyncio.get_running_loop()
@@ -441,9 +466,9 @@ async def _serve(request: Request, worker: EngineThread | EngineProcess, kind: s
         for req_id in submitted:
             worker.abort(req_id)
         raise
-    stream = Stream(worker, base, model, chat, params, body, req_ids, encoded, reasoning,
-                    tools, getattr(body, "parallel_tool_calls", True), prompt_tokens_details,
-                    echo)
+    stream = stream_cls(worker, base, model, chat, params, body, req_ids, encoded, reasoning,
+                        tools, getattr(body, "parallel_tool_calls", True),
+                        prompt_tokens_details, echo, **(extra or {}))
     if body.stream:
         return StreamingResponse(stream.events(sink), media_type="text/event-stream")
     return await stream.collect(sink, request)

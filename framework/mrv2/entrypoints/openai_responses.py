@@ -1,0 +1,301 @@
+"""OpenAI's Responses API (``POST /v1/responses``) over the chat path: text in, text out.
+
+A request's ``instructions`` and ``input`` (a string, or message items whose content is a
+string or ``input_text`` / ``output_text`` parts) become chat messages through the model's
+chat template; ``max_output_tokens``, ``temperature``, ``top_p`` and ``text.format``
+(``json_schema``, ``json_object``: a structured output) map to the chat request's fields.
+The answer is a ``response`` object whose ``output`` holds a ``message`` item (and, behind
+``--reasoning-parser``, a ``reasoning`` item before it); ``status`` is ``incomplete`` with
+``incomplete_details.reason = "max_output_tokens"`` when the answer was cut by the limit.
+Streamed (``"stream": true``), it comes as the API's typed server-sent events:
+``response.created``, ``response.in_progress``, per item ``response.output_item.added``,
+its text's deltas (``response.reasoning_text.delta`` or ``response.content_part.added`` then
+``response.output_text.delta``) and their ``.done`` events, ``response.output_item.done``,
+then ``response.completed`` (``response.incomplete`` for a cut answer). Nothing is stored:
+``previous_response_id``, ``background``, ``tools``, ``reasoning`` and non-text inputs are
+refused by name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mrv2.engine.outputs import RequestOutput
+from mrv2.entrypoints.openai_protocol import ChatCompletionRequest, ChatMessage
+from mrv2.entrypoints.reasoning import ReasoningStream, split_reasoning
+from mrv2.entrypoints.responses import Stream
+
+__all__ = ["ResponsesRequest", "ResponsesStream"]
+
+_TEXT_PARTS = ("input_text", "output_text", "text")
+#: The chat request's fields that errors name, as the Responses API calls them.
+RENAMED = {"max_tokens": "max_output_tokens", "response_format": "text", "messages": "input"}
+
+
+class ResponsesRequest(BaseModel):
+    """``POST /v1/responses``' body (the fields mrv2 takes; others are ignored, those it
+    cannot honour are refused)."""
+
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    text: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = None
+    background: bool = False
+    reasoning: dict[str, Any] | None = None
+    store: bool = True
+    user: str | None = None
+
+    def as_chat(self) -> ChatCompletionRequest:
+        """The chat request this one is; ValueError naming the field it cannot take."""
+        for name, bad in (("previous_response_id", self.previous_response_id is not None),
+                          ("background", self.background), ("tools", bool(self.tools)),
+                          ("reasoning", self.reasoning is not None)):
+            if bad:
+                raise ValueError(f"SamplingParams.{name} is invalid: this server does not "
+                                 "support it in the Responses API (it stores no responses, "
+                                 "runs none in the background and takes no tools there)")
+        messages: list[dict[str, Any]] = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            messages.append({"role": "user", "content": self.input})
+        else:
+            messages += [_message(item) for item in self.input]
+        if not messages:
+            raise ValueError("SamplingParams.input is invalid: no message in it")
+        fields: dict[str, Any] = {
+            "messages": [ChatMessage(**m) for m in messages], "stream": self.stream,
+            "temperature": self.temperature, "top_p": self.top_p,
+            "max_completion_tokens": self.max_output_tokens}
+        fmt = (self.text or {}).get("format")
+        if fmt is not None:
+            fields["response_format"] = _response_format(fmt)
+        return ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
+
+
+def _message(item: Any) -> dict[str, Any]:
+    if not isinstance(item, dict) or item.get("type", "message") != "message":
+        kind = item.get("type") if isinstance(item, dict) else type(item).__name__
+        raise ValueError(f"SamplingParams.input is invalid: items of type {kind!r} are not "
+                         "supported (message items only)")
+    role, content = item.get("role"), item.get("content")
+    if role not in ("user", "assistant", "system", "developer"):
+        raise ValueError(f"SamplingParams.input is invalid: role {role!r} (expected user, "
+                         "assistant, system or developer)")
+    if isinstance(content, list):
+        kinds = {p.get("type") if isinstance(p, dict) else None for p in content}
+        if not kinds <= set(_TEXT_PARTS):
+            raise ValueError(f"SamplingParams.input is invalid: content parts of types "
+                             f"{sorted(str(k) for k in kinds - set(_TEXT_PARTS))} are not "
+                             "supported (text parts only)")
+        content = "".join(str(p.get("text", "")) for p in content)
+    if not isinstance(content, str):
+        raise ValueError("SamplingParams.input is invalid: a message's content must be a "
+                         "string or a list of text parts")
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def _response_format(fmt: Any) -> dict[str, Any]:
+    """``text.format`` as the chat request's ``response_format``."""
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object",
+                                                            "json_schema"):
+        raise ValueError(f"SamplingParams.text is invalid: format {fmt!r} (expected type "
+                         "text, json_object or json_schema)")
+    if fmt["type"] != "json_schema":
+        return {"type": fmt["type"]}
+    return {"type": "json_schema", "json_schema": {
+        "name": fmt.get("name", "answer"), "schema": fmt.get("schema"),
+        "strict": fmt.get("strict", False)}}
+
+
+class ResponsesStream(Stream):
+    """The chat path's outputs as a Responses API answer (one request, one choice)."""
+
+    def __init__(self, *args: Any, request: ResponsesRequest) -> None:
+        super().__init__(*args)
+        self.request = request
+        self.response_id = f"resp_{uuid.uuid4().hex}"
+        self.created_at = int(time.time())
+
+    def _response(self, status: str, output: list[dict[str, Any]],
+                  usage: dict[str, Any] | None, reason: str | None = None) -> dict[str, Any]:
+        r = self.request
+        return {
+            "id": self.response_id, "object": "response", "created_at": self.created_at,
+            "status": status, "model": self.model, "output": output,
+            "incomplete_details": {"reason": reason} if reason else None, "error": None,
+            "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
+            "metadata": r.metadata or {}, "parallel_tool_calls": r.parallel_tool_calls,
+            "temperature": self.params.temperature, "top_p": self.params.top_p,
+            "tool_choice": "auto", "tools": [], "store": False,
+            "text": r.text or {"format": {"type": "text"}}, "usage": usage}
+
+    def _usage_of(self, output_tokens: int) -> dict[str, Any]:
+        cached = sum(self.cached.values())
+        return {"input_tokens": self.num_prompt,
+                "input_tokens_details": {"cached_tokens": cached},
+                "output_tokens": output_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": self.num_prompt + output_tokens}
+
+    def _whole(self) -> dict[str, Any]:
+        out = self.answers[self.req_ids[0]][0].output(0)
+        thought, content = (split_reasoning(self.reasoning, out.text) if self.reasoning
+                            else (None, out.text))
+        items = [] if not thought else [_reasoning_item(f"rs_{self.response_id[5:]}",
+                                                        thought, "completed")]
+        items.append(_message_item(f"msg_{self.response_id[5:]}", content or "", "completed"))
+        length = out.finish_reason == "length"
+        return self._response("incomplete" if length else "completed", items,
+                              self._usage_of(len(out.token_ids)),
+                              "max_output_tokens" if length else None)
+
+    async def events(self, sink: asyncio.Queue[RequestOutput | BaseException]
+                     ) -> AsyncIterator[str]:
+        sequence = itertools.count()
+
+        def event(kind: str, **data: Any) -> str:
+            body = {"type": kind, "sequence_number": next(sequence), **data}
+            return f"event: {kind}\ndata: {json.dumps(body)}\n\n"
+
+        items = _Items(self.response_id[5:], event)
+        split = ReasoningStream(self.reasoning) if self.reasoning else None
+        tokens, reason = 0, None
+        try:
+            yield (event("response.created", response=self._response("in_progress", [], None))
+                   + event("response.in_progress",
+                           response=self._response("in_progress", [], None)))
+            while self.unfinished:
+                got = [await sink.get()]
+                while not sink.empty():
+                    got.append(sink.get_nowait())
+                text = ""
+                for item in got:
+                    if isinstance(item, BaseException):
+                        yield text + event("error", code="server_error", message=str(item),
+                                           param=None)
+                        return
+                    for c in item.outputs:
+                        tokens += len(c.token_ids)
+                        final = bool(c.finish_reason)
+                        thought, content = (split.feed(c.text, final) if split is not None
+                                            else ("", c.text))
+                        text += items.feed(thought, content)
+                        reason = c.finish_reason or reason
+                    if item.finished:
+                        self.unfinished.discard(item.request_id)
+                        self.cached[item.request_id] = item.num_cached_tokens
+                if text:
+                    yield text
+            length = reason == "length"
+            output, closing = items.close()
+            status = "incomplete" if length else "completed"
+            yield closing + event(
+                f"response.{status}", response=self._response(
+                    status, output, self._usage_of(tokens),
+                    "max_output_tokens" if length else None))
+        finally:
+            self.abort_rest()
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
+class _Items:
+    """A streamed answer's output items as events: the reasoning item while its text comes,
+    then the message (each opened at its first text and closed when the next opens or the
+    answer ends; a message is opened at the end if no text came)."""
+
+    def __init__(self, suffix: str, event: Any) -> None:
+        self.suffix, self.event = suffix, event
+        self.output: list[dict[str, Any]] = []
+        self.kind: str | None = None  # the open item's: "reasoning" or "message"
+        self.text = ""
+
+    def feed(self, thought: str, content: str) -> str:
+        out = ""
+        if thought:
+            out += self._open("reasoning")
+            self.text += thought
+            out += self.event("response.reasoning_text.delta", item_id=self._id(),
+                              output_index=len(self.output), content_index=0, delta=thought)
+        if content:
+            out += self._open("message")
+            self.text += content
+            out += self.event("response.output_text.delta", item_id=self._id(),
+                              output_index=len(self.output), content_index=0, delta=content,
+                              logprobs=[])
+        return out
+
+    def close(self) -> tuple[list[dict[str, Any]], str]:
+        """The answer's output items, and the events that close them (a message item, empty
+        if no content came, always last)."""
+        out = self._open("message")
+        return self.output, out + self._close()
+
+    def _id(self) -> str:
+        return f"{'rs' if self.kind == 'reasoning' else 'msg'}_{self.suffix}"
+
+    def _open(self, kind: str) -> str:
+        if self.kind == kind:
+            return ""
+        out = self._close()
+        self.kind, self.text = kind, ""
+        index = len(self.output)
+        if kind == "reasoning":
+            item = _reasoning_item(self._id(), "", "in_progress")
+            item["content"] = []
+            return out + self.event("response.output_item.added", output_index=index,
+                                    item=item)
+        item = _message_item(self._id(), "", "in_progress")
+        item["content"] = []
+        return (out + self.event("response.output_item.added", output_index=index, item=item)
+                + self.event("response.content_part.added", item_id=self._id(),
+                             output_index=index, content_index=0,
+                             part={"type": "output_text", "text": "", "annotations": []}))
+
+    def _close(self) -> str:
+        if self.kind is None:
+            return ""
+        index, item_id, text = len(self.output), self._id(), self.text
+        if self.kind == "reasoning":
+            item = _reasoning_item(item_id, text, "completed")
+            out = self.event("response.reasoning_text.done", item_id=item_id,
+                             output_index=index, content_index=0, text=text)
+        else:
+            item = _message_item(item_id, text, "completed")
+            part = item["content"][0]
+            out = (self.event("response.output_text.done", item_id=item_id,
+                              output_index=index, content_index=0, text=text, logprobs=[])
+                   + self.event("response.content_part.done", item_id=item_id,
+                                output_index=index, content_index=0, part=part))
+        out += self.event("response.output_item.done", output_index=index, item=item)
+        self.output.append(item)
+        self.kind = None
+        return out
