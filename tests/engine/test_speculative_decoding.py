@@ -170,13 +170,13 @@ def test_seeded_sampling_and_mixed_params_equal_without_speculation(checkpoint: 
 @pytest.mark.parametrize("method", ["strict", "probabilistic"])
 def test_logprobs_requests_verify_drafts(checkpoint: Path, expected: list[list[int]],
                                          method: str) -> None:
-    """A request asking for logprobs (one for prompt logprobs too) verifies drafts
-    (strictly: each output token is its row's own sample, so that row's logprobs are the
-    token's): greedy always, seeded
-    sampling under strict verification; every request's tokens and every token's logprobs
-    (ids, ranks, values) are those of a run without speculation. Under probabilistic
-    verification a sampled logprobs request keeps to one token a step (a rejected position
-    takes another token than its row's sample), and so still gives the same tokens."""
+    """Requests asking for logprobs (one for prompt logprobs too) verify drafts, and each
+    kept token's logprobs are reported: under strict verification its row's own sample's
+    (the tokens and every token's logprobs, ids, ranks and values, are those of a run
+    without speculation); under probabilistic verification greedy requests are verified
+    strictly (the same again), and a sampled one's kept tokens differ, so their logprobs are
+    checked against teacher forcing: the prompt logprobs of prompt + answer, without
+    speculation."""
     Oracle.futures = [p + e for p, e in zip(PROMPTS, expected, strict=True)]
     Oracle.corrupt = 3  # some drafts kept, some not
     params = [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
@@ -196,11 +196,31 @@ def test_logprobs_requests_verify_drafts(checkpoint: Path, expected: list[list[i
 
     prompt_lps: list[Any] = []
     plain, _ = run()
+    # the sampled request's drafts: its own draws without speculation, so a probabilistic
+    # test often rejects a draft its row sampled, and the position takes another token
+    Oracle.futures.insert(0, prompts[2] + plain[2][0])
     spec, llm = run(speculative_config={"method": "oracle", "num_speculative_tokens": 3,
                                         "rejection_sample_method": method})
-    assert [t for t, _, _ in spec] == [t for t, _, _ in plain]
+    strict = method == "strict"
+    same = spec if strict else spec[:2]  # (probabilistic: the sampled request draws anew)
+    assert [t for t, _, _ in same] == [t for t, _, _ in plain[: len(same)]]
     assert [t for t, _, _ in spec[:2]] == expected[:2]
-    for (tokens, got, total), (_, want, want_total) in zip(spec, plain, strict=True):
+    if not strict:  # teacher forcing: each kept token's logprob given the tokens before it
+        tokens, got, total = spec[2]
+        forced = _llm(checkpoint).generate(
+            {"prompt_token_ids": prompts[2] + tokens},  # type: ignore[arg-type]
+            SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+        assert forced.prompt_logprobs is not None and got is not None
+        teacher = forced.prompt_logprobs[len(prompts[2]):]
+        assert len(got) == len(tokens) == len(teacher)
+        for token, mine, theirs in zip(tokens, got, teacher, strict=True):
+            assert theirs is not None and token in mine
+            assert mine[token].rank == theirs[token].rank
+            assert mine[token].logprob == pytest.approx(theirs[token].logprob, abs=1e-5)
+        assert total == pytest.approx(sum(p[t].logprob for t, p in zip(tokens, got,
+                                                                          strict=True)),
+                                      abs=1e-4)
+    for (tokens, got, total), (_, want, want_total) in zip(same, plain, strict=False):
         if got is None or want is None or len(got) != len(want):
             raise AssertionError("logprobs missing or of the wrong length")
         assert total == pytest.approx(want_total, abs=1e-4)

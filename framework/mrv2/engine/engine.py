@@ -149,7 +149,6 @@ class LLMEngine:
         )
         scheduler.late_token_masks = (bool(getattr(self.runner, "late_token_masks", False))
                                       and os.environ.get(LATE_TOKEN_MASKS_ENV, "1") != "0")
-        scheduler.verify_method = self.config.speculative.rejection_sample_method
         return blocks, scheduler
 
     def reset_after_warmup(self) -> None:

@@ -27,7 +27,6 @@ from mrv2.config import SchedulerConfig
 from mrv2.contract.requests import NewRequest, SchedulerOutput
 from mrv2.engine.block_manager import BlockManager
 from mrv2.engine.request import Request, RequestStatus
-from mrv2.sample.state import supports_speculation
 
 
 class Scheduler:
@@ -65,9 +64,6 @@ class Scheduler:
         #: (a runner that cannot take them, or ``MRV2_LATE_TOKEN_MASKS=0``) it waits for its
         #: token in flight, every other step.
         self.late_token_masks = False
-        #: How drafts are verified (``speculative_config["rejection_sample_method"]``): which
-        #: requests may verify drafts depends on it (:func:`supports_speculation`).
-        self.verify_method = "strict"
 
     @property
     def num_unfinished(self) -> int:
@@ -172,9 +168,15 @@ class Scheduler:
 
     def _num_drafts(self, request: Request, budget: int) -> int:
         """Drafts to verify for a decode request: ``k``, fewer near ``max_tokens`` or
-        ``max_model_len`` or the end of the budget; none where the sampler can't verify."""
+        ``max_model_len`` or the end of the budget. Every kind of request verifies drafts:
+        the sampler's stages that depend on the output so far see a draft row's drafts
+        before it (``min_tokens`` and bad words from the row's position, penalties by
+        :mod:`mrv2.sample.draft_penalties`), a structured output's masks cover each draft
+        position, and logprobs are each kept token's
+        (:func:`mrv2.sample.rejection.kept_token_logprobs` after probabilistic or synthetic
+        verification)."""
         k = self.num_speculative_tokens
-        if not k or not supports_speculation(request.sampling_params, self.verify_method):
+        if not k:
             return 0
         k = min(k, request.max_tokens - request.num_output_tokens - 1, budget - 1)
         if self.max_model_len is not None:

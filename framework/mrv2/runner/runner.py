@@ -54,7 +54,7 @@ from mrv2.runner.cuda_graphs import (
 from mrv2.runner.kv_cache import KVCaches, num_blocks_for
 from mrv2.runner.startup import StartupReport, device_bytes_in_use
 from mrv2.sample.prompt_logprobs import PromptLogprobs
-from mrv2.sample.rejection import step_samples
+from mrv2.sample.rejection import kept_token_logprobs, step_samples
 from mrv2.sample.sampler import SamplePlan, SamplerOutput
 from mrv2_kernels.input_prep import post_update
 
@@ -320,6 +320,7 @@ class Runner:
         if isinstance(out, torch.Tensor):  # a plugin sampler returning bare tokens
             out = SamplerOutput(out)
         samples = step_samples(batch, out.tokens, step.do_sample_dev, out.verify)
+        out = kept_token_logprobs(batch, logits, out, samples)
         num_drafts = step.num_drafts_dev
         if num_drafts is None:
             num_drafts = self._no_drafts[: batch.num_reqs]

@@ -25,11 +25,14 @@ drafter that reaches it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from mrv2.contract.batch import InputBatch
 from mrv2.contract.samples import StepSamples
-from mrv2.sample.sampler import VerifyInputs
+from mrv2.sample.logprobs import token_logprobs
+from mrv2.sample.sampler import SamplerOutput, VerifyInputs
 from mrv2_kernels.prob_rejection import acceptance_uniform_ref, probabilistic_rejection
 from mrv2_kernels.spec_decode import strict_rejection
 
@@ -86,3 +89,26 @@ def step_samples(
             num_out, draft_probs=draft_probs,
         )
     return StepSamples(tokens, num_out * do_sample)
+
+
+def kept_token_logprobs(batch: InputBatch, logits: torch.Tensor, out: SamplerOutput,
+                        samples: StepSamples) -> SamplerOutput:
+    """``out`` with each logits row's logprobs those of the token the step kept at its
+    position, after drafts verified other than strictly (``out.verify``): a rejected
+    position's token is a resample of ``max(p - q, 0)`` (or, synthetic, another token), not
+    the row's own sample, whose logprobs the sampler gave. ``logits`` are the step's raw
+    logits (what logprobs are of); rows past a request's kept tokens keep their sample's.
+    Device ops only."""
+    if out.logprob_ids is None or out.verify is None or not batch.max_draft_tokens:
+        return out
+    assert batch.cu_num_logits_dev is not None
+    n, k = out.logprob_ids.shape[0], out.logprob_ids.shape[1] - 1
+    rows = torch.arange(n, device=logits.device)
+    starts = batch.cu_num_logits_dev[: batch.num_reqs + 1].long()
+    request = torch.searchsorted(starts[1:], rows, right=True).clamp(max=batch.num_reqs - 1)
+    offset = (rows - starts[request]).clamp(max=samples.tokens.shape[1] - 1)
+    kept = samples.tokens[request, offset]
+    tokens = torch.where(kept >= 0, kept, out.tokens[:n])
+    ids, values, rank = token_logprobs(logits[:n], tokens, k)
+    return dataclasses.replace(out, logprob_ids=ids, logprobs=values, sampled_rank=rank)
+

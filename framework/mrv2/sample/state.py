@@ -45,20 +45,6 @@ def uses_rare_stage(p: SamplingParams) -> bool:
     )
 
 
-def supports_speculation(p: SamplingParams, verify_method: str = "strict") -> bool:
-    """Whether drafts may be verified for a request. The stages that depend on the output
-    so far see a draft row's drafts before it:
-    ``min_tokens`` and bad words from the row's position (the drafts lie in the state table
-    there), penalties by :mod:`mrv2.sample.draft_penalties`.
-    Per-token logprobs go with strict verification (each output token is its row's own
-    sample, whose logprobs the sampler reports; probabilistic verification is strict for
-    greedy rows), not where a rejected position takes another token. A structured output's
-    masks cover each draft position (the engine builds one a logits row). Prompt logprobs
-    come from prompt steps, where no request verifies drafts."""
-    logprobs_ok = verify_method == "strict" or (verify_method == "probabilistic" and p.greedy)
-    return p.logprobs is None or logprobs_ok
-
-
 class SamplingState:
     """Sampling parameters of ``max_num_reqs`` rows, on the device and as CPU flags."""
 
