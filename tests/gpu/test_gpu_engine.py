@@ -258,7 +258,8 @@ def test_self_draft_model_with_graphs(ckpt: Path, dtype: str) -> None:
 
 
 @pytest.mark.parametrize("method", ["ngram", "ngram-probabilistic", "draft_model",
-                                    "ngram-synthetic", "draft_model-tail", "ngram-rare"])
+                                    "ngram-synthetic", "draft_model-tail", "ngram-rare",
+                                    "ngram-probabilistic-rare"])
 def test_speculative_steps_never_synchronize(ckpt: Path, method: str) -> None:
     """Prefill, then decode steps verifying drafts (eager and graph replay), with the drafts
     proposed on the device (n-gram; the target as its own draft model) and verified strictly,
@@ -266,7 +267,7 @@ def test_speculative_steps_never_synchronize(ckpt: Path, method: str) -> None:
     rows, 0 for temperature rows: ``-tail`` and synthetic) or eagerly (a step of mixed draft
     counts; ``-rare``: penalties, min_tokens and logprobs at every draft row): no host sync."""
     spec: dict[str, object] = {"method": method.split("-")[0], "num_speculative_tokens": 2}
-    if method == "ngram-probabilistic":
+    if "probabilistic" in method:  # (-rare: the kept tokens' logprobs computed again)
         spec["rejection_sample_method"] = "probabilistic"
     if method == "ngram-synthetic":
         spec.update(rejection_sample_method="synthetic", synthetic_acceptance_rate=0.7)
