@@ -9,13 +9,15 @@ gives every request the token count it had constrained (``ignore_eos``), so the 
 produce the same number of tokens.
 
 Usage (GPU machine): ``python scripts/probe_structured.py --tokenizer DIR [--model Qwen3-0.6B]
-[--requests 64]``; DIR holds a Hugging Face tokenizer (the model's vocabulary is used for the
-masks' width, so a smaller tokenizer stands in for a model's own). The table prints last.
+[--requests 64] [--speculative-config JSON]``; DIR holds a Hugging Face tokenizer (the model's
+vocabulary is used for the masks' width, so a smaller tokenizer stands in for a model's own).
+The table prints last.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from typing import Any
 
@@ -47,16 +49,24 @@ SCHEMAS = {
 
 
 class Timers:
-    """Host seconds in the engine's mask filling (patched in for the probe)."""
+    """Host seconds in the engine's mask filling (patched in for the probe: one row a
+    request, or with drafts one a logits row)."""
 
     def __init__(self) -> None:
         self.fill = 0.0
         self.calls = 0
         self.original = engine_module.fill_bitmasks
+        self.original_drafts = engine_module.fill_draft_bitmasks
 
     def __call__(self, guides: Any, out: Any) -> None:
         t0 = time.perf_counter()
         self.original(guides, out)
+        self.fill += time.perf_counter() - t0
+        self.calls += 1
+
+    def drafts(self, guides: Any, drafts: Any, out: Any) -> None:
+        t0 = time.perf_counter()
+        self.original_drafts(guides, drafts, out)
         self.fill += time.perf_counter() - t0
         self.calls += 1
 
@@ -87,6 +97,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--max-tokens", type=int, default=400)
     ap.add_argument("--schemas", nargs="+", choices=sorted(SCHEMAS), default=["plain", "bounded"])
+    ap.add_argument("--speculative-config", default=None,
+                    help='speculative decoding, as JSON: {"method": "ngram", '
+                         '"num_speculative_tokens": 3} (constrained requests verify drafts)')
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -94,11 +107,14 @@ def main() -> None:
     config = EngineConfig.from_kwargs(
         model=resolve_model(args.model), tokenizer=args.tokenizer, load_format="dummy",
         dtype="float32" if cpu else "bfloat16", device="cpu" if cpu else "auto",
-        max_model_len=2048, max_num_seqs=max(args.requests))
+        max_model_len=2048, max_num_seqs=max(args.requests),
+        **({"speculative_config": json.loads(args.speculative_config)}
+           if args.speculative_config else {}))
     engine = LLMEngine(config)
     assert engine.tokenizer is not None
     timers = Timers()
     engine_module.fill_bitmasks = timers  # type: ignore[assignment]
+    engine_module.fill_draft_bitmasks = timers.drafts  # type: ignore[assignment]
     rows: list[dict[str, Any]] = []
     for schema, n in [(schema, n) for schema in args.schemas for n in args.requests]:
         spec = StructuredOutputsParams(json=SCHEMAS[schema], disable_any_whitespace=True)
