@@ -11,7 +11,9 @@
 # structured (scripts/probe_structured.py: JSON-schema batches, late masks against waiting, and free),
 # verify28 (the twenty-eighth session's structured-outputs work on CUDA, then that probe),
 # verify29 (the twenty-ninth's: structured outputs and every request kind verifying drafts on
-# CUDA, no syncs, the output kinds, mrv2 bench outputs), servelong (256 streams of 2,048 tokens through mrv2 serve; .whl-old: A/B),
+# CUDA, no syncs, the output kinds, mrv2 bench outputs), structuredspec (the structured-outputs
+# probe with n-gram drafts), servelong (256 streams of 2,048 tokens through mrv2 serve;
+# .whl-old: A/B),
 # graphtimes (scripts/decode_graph_times.py: each decode graph's replay time by size),
 # streamk (scripts/proto_streamk.py: a stream-K GEMM against cuBLAS at 8B decode shapes), attn,
 # splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile, mixed,
@@ -161,6 +163,13 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                    --prompt-tokens 300 --max-tokens 2048 --warmup-requests 16 \
                    > "$OUT/long_$side.log" 2>&1; echo "== $side"; tail -3 "$OUT/long_$side.log"
                done ;;
+    structuredspec) # the same with n-gram speculation (constrained requests verify drafts,
+                    # a mask a logits row), the plain schema at 8 and 64 requests
+                    timeout 400 python3 scripts/probe_structured.py --tokenizer .whl/smollm2 \
+                      --model .whl/qwen3s --requests 8 64 --schemas plain \
+                      --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}' \
+                      --json "$OUT/structured_spec.json" 2>&1 | tee "$OUT/structured_spec.log" \
+                      | tail -8 ;;
     structured) # structured outputs under load (scripts/probe_structured.py): masks filled
                 # during the forward against each request waiting for its token, and free;
                 # the tokenizer: .whl/smollm2 (SmolLM2's, copied from the converted default model)
