@@ -1,7 +1,8 @@
 """OpenAI's Responses API (``POST /v1/responses``) over the chat path: text in, text out.
 
 A request's ``instructions`` and ``input`` (a string, or message items whose content is a
-string or ``input_text`` / ``output_text`` parts) become chat messages through the model's
+string or ``input_text`` / ``output_text`` / ``input_image`` parts, images for a
+vision-language model as the chat route takes them) become chat messages through the model's
 chat template; ``max_output_tokens``, ``temperature``, ``top_p`` and ``text.format``
 (``json_schema``, ``json_object``: a structured output) map to the chat request's fields.
 The answer is a ``response`` object whose ``output`` holds a ``message`` item (and, behind
@@ -12,8 +13,8 @@ Streamed (``"stream": true``), it comes as the API's typed server-sent events:
 its text's deltas (``response.reasoning_text.delta`` or ``response.content_part.added`` then
 ``response.output_text.delta``) and their ``.done`` events, ``response.output_item.done``,
 then ``response.completed`` (``response.incomplete`` for a cut answer). Nothing is stored:
-``previous_response_id``, ``background``, ``tools``, ``reasoning`` and non-text inputs are
-refused by name.
+``previous_response_id``, ``background``, ``tools``, ``reasoning``, uploaded files and
+other input items are refused by name.
 """
 
 from __future__ import annotations
@@ -103,15 +104,29 @@ def _message(item: Any) -> dict[str, Any]:
                          "assistant, system or developer)")
     if isinstance(content, list):
         kinds = {p.get("type") if isinstance(p, dict) else None for p in content}
-        if not kinds <= set(_TEXT_PARTS):
+        if not kinds <= {*_TEXT_PARTS, "input_image"}:
             raise ValueError(f"SamplingParams.input is invalid: content parts of types "
-                             f"{sorted(str(k) for k in kinds - set(_TEXT_PARTS))} are not "
-                             "supported (text parts only)")
-        content = "".join(str(p.get("text", "")) for p in content)
-    if not isinstance(content, str):
+                             f"{sorted(str(k) for k in kinds - {*_TEXT_PARTS, 'input_image'})}"
+                             " are not supported (text and image parts only)")
+        if "input_image" in kinds:  # the chat path's parts: it loads the images
+            content = [_image_part(p) if p["type"] == "input_image"
+                       else {"type": "text", "text": str(p.get("text", ""))} for p in content]
+        else:
+            content = "".join(str(p.get("text", "")) for p in content)
+    if not isinstance(content, (str, list)):
         raise ValueError("SamplingParams.input is invalid: a message's content must be a "
-                         "string or a list of text parts")
+                         "string or a list of text and image parts")
     return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def _image_part(part: dict[str, Any]) -> dict[str, Any]:
+    """An ``input_image`` part as the chat request's ``image_url`` part (a URL: a ``data:``
+    URI, or a remote one the server fetches only if allowed)."""
+    url = part.get("image_url")
+    if not isinstance(url, str):
+        raise ValueError("SamplingParams.input is invalid: an input_image part needs an "
+                         "image_url (uploaded files are not supported)")
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _response_format(fmt: Any) -> dict[str, Any]:

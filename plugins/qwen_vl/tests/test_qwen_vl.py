@@ -426,6 +426,40 @@ def test_openai_client_sends_a_data_uri_image(checkpoint: Path, engine_process: 
     engine.shutdown()
 
 
+def test_the_responses_api_takes_an_image(checkpoint: Path) -> None:
+    """``/v1/responses`` with an ``input_image`` part (a data URI): the answer is the chat
+    route's for the same image and text; a bad image is a 400 naming ``input``."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    from mrv2 import EngineConfig
+    from mrv2.engine.engine import LLMEngine
+    from mrv2.entrypoints.server import create_app
+    from mrv2.testing import serve_in_thread
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(checkpoint), device="cpu",
+                                                dtype="float32", block_size=4))
+    uri = _data_uri(_image(56, 84, 1))
+    for url in serve_in_thread(create_app(engine, served_model_name="tiny-vl")):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        chat_parts = [{"type": "text", "text": "Hello "},
+                      {"type": "image_url", "image_url": {"url": uri}}]
+        chat = client.chat.completions.create(
+            model="tiny-vl", max_tokens=6, temperature=0,
+            messages=[{"role": "user", "content": chat_parts}])
+        parts = [{"type": "input_text", "text": "Hello "},
+                 {"type": "input_image", "image_url": uri}]
+        response = client.responses.create(model="tiny-vl", max_output_tokens=6,
+                                           temperature=0,
+                                           input=[{"role": "user", "content": parts}])
+        assert response.output_text == chat.choices[0].message.content
+        assert response.usage.input_tokens == chat.usage.prompt_tokens
+        with pytest.raises(openai.BadRequestError, match="could not decode") as caught:
+            client.responses.create(model="tiny-vl", max_output_tokens=2, input=[
+                {"role": "user", "content": [{"type": "input_image",
+                                              "image_url": "data:image/png;base64,AAAA"}]}])
+        assert caught.value.body["param"] == "input"  # type: ignore[index]
+
+
 def test_bench_multimodal_runs(checkpoint: Path) -> None:
     """``mrv2 bench multimodal`` on the tiny model (CPU): every row reported."""
     from mrv2.bench.multimodal import bench
