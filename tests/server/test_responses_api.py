@@ -96,7 +96,8 @@ def test_a_json_schema_format(client: Any) -> None:
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_image",
                                                "image_url": "http://x/y.png"}]}]}, "input"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input"),
+    ({"input": [{"type": "reasoning", "id": "r", "summary": []}]}, "input"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "text": {"format": {"type": "xml"}}}, "text"),
     ({"input": "x", "temperature": -1}, "temperature"),
@@ -126,3 +127,63 @@ def test_the_thinking_is_a_reasoning_item(model_dir: Path) -> None:
                           if e.type == "response.reasoning_text.delta")
         assert thought == reasoning.content[0].text
         assert [i.type for i in events[-1].response.output] == ["reasoning", "message"]
+
+
+TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather",
+          "parameters": {"type": "object", "additionalProperties": False,
+                         "required": ["city"],
+                         "properties": {"city": {"enum": ["Paris", "Rome"]}}}}]
+CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in TOOLS[0].items()
+                                                 if k != "type"}}]
+
+
+def test_a_forced_function_call_is_a_function_call_item(client: Any) -> None:
+    """A named ``tool_choice`` (a structured output, no parser needed): the call comes back
+    as a ``function_call`` item whose arguments hold to the tool's parameters, whole and
+    streamed (the streamed call's arguments are the final response's). Sampled: a random
+    model's greedy JSON pads with whitespace up to any limit, and a sampled one finishes
+    within 50 tokens ~93% of the time, so each kind takes the first of up to 8 answers
+    that finished (all 8 falling short: ~6e-10)."""
+    kwargs = {"model": MODEL, "input": "Weather?", "temperature": 1.0,
+              "max_output_tokens": 50, "tools": TOOLS,
+              "tool_choice": {"type": "function", "name": "get_weather"}}
+
+    def calls_of(output: Any) -> list[Any]:
+        return [i for i in output if i.type == "function_call"]
+
+    response = next((r for r in (client.responses.create(**kwargs) for _ in range(8))
+                     if calls_of(r.output)), None)
+    assert response is not None, "no answer finished its call"
+    (call,) = calls_of(response.output)
+    assert call.name == "get_weather" and call.call_id and call.status == "completed"
+    assert json.loads(call.arguments)["city"] in ("Paris", "Rome")
+    events = next((e for e in (list(client.responses.create(stream=True, **kwargs))
+                               for _ in range(8)) if calls_of(e[-1].response.output)), None)
+    assert events is not None, "no streamed answer finished its call"
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
+    (final,) = calls_of(events[-1].response.output)
+    assert len(done) == 1 and done[0].arguments == final.arguments
+    assert "".join(d.delta for d in deltas) == final.arguments
+    assert json.loads(final.arguments)["city"] in ("Paris", "Rome")
+
+
+def test_function_call_items_in_the_input(client: Any) -> None:
+    """An earlier call and its output, as input items, are the chat messages of a call and
+    its result (the same prompt through the chat template)."""
+    chat = client.chat.completions.create(
+        model=MODEL, temperature=0, max_completion_tokens=4, tools=CHAT_TOOLS,
+        tool_choice="none", messages=[
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
+    response = client.responses.create(
+        model=MODEL, temperature=0, max_output_tokens=4, tools=TOOLS, tool_choice="none",
+        input=[{"role": "user", "content": "Weather?"},
+               {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                "arguments": '{"city": "Paris"}'},
+               {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}])
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.output_text == chat.choices[0].message.content

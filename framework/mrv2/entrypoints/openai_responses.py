@@ -13,8 +13,11 @@ Streamed (``"stream": true``), it comes as the API's typed server-sent events:
 its text's deltas (``response.reasoning_text.delta`` or ``response.content_part.added`` then
 ``response.output_text.delta``) and their ``.done`` events, ``response.output_item.done``,
 then ``response.completed`` (``response.incomplete`` for a cut answer). Nothing is stored:
-``previous_response_id``, ``background``, ``tools``, ``reasoning``, uploaded files and
-other input items are refused by name.
+``previous_response_id``, ``background``, ``reasoning``, uploaded files and other input
+items are refused by name. Function tools work as in chat (``--tool-call-parser``, or a
+forced ``tool_choice``): the model's calls come back as ``function_call`` items (streamed
+whole when the answer ends), and ``function_call`` / ``function_call_output`` input items
+become the chat messages of an earlier call and its result.
 """
 
 from __future__ import annotations
@@ -68,36 +71,82 @@ class ResponsesRequest(BaseModel):
     def as_chat(self) -> ChatCompletionRequest:
         """The chat request this one is; ValueError naming the field it cannot take."""
         for name, bad in (("previous_response_id", self.previous_response_id is not None),
-                          ("background", self.background), ("tools", bool(self.tools)),
+                          ("background", self.background),
                           ("reasoning", self.reasoning is not None)):
             if bad:
                 raise ValueError(f"SamplingParams.{name} is invalid: this server does not "
-                                 "support it in the Responses API (it stores no responses, "
-                                 "runs none in the background and takes no tools there)")
+                                 "support it in the Responses API (it stores no responses "
+                                 "and runs none in the background)")
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
         if isinstance(self.input, str):
             messages.append({"role": "user", "content": self.input})
         else:
-            messages += [_message(item) for item in self.input]
+            for item in self.input:
+                _add_item(messages, item)
         if not messages:
             raise ValueError("SamplingParams.input is invalid: no message in it")
         fields: dict[str, Any] = {
             "messages": [ChatMessage(**m) for m in messages], "stream": self.stream,
             "temperature": self.temperature, "top_p": self.top_p,
-            "max_completion_tokens": self.max_output_tokens}
+            "max_completion_tokens": self.max_output_tokens,
+            "parallel_tool_calls": self.parallel_tool_calls}
+        if self.tools:
+            fields["tools"] = [_chat_tool(t) for t in self.tools]
+            fields["tool_choice"] = _chat_tool_choice(self.tool_choice)
         fmt = (self.text or {}).get("format")
         if fmt is not None:
             fields["response_format"] = _response_format(fmt)
         return ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
 
 
+def _add_item(messages: list[dict[str, Any]], item: Any) -> None:
+    """An input item onto the chat messages: a message, a function call of the model's (onto
+    an assistant message's ``tool_calls``) or a function call's output (a ``tool`` message)."""
+    kind = item.get("type", "message") if isinstance(item, dict) else type(item).__name__
+    if kind == "function_call":
+        call = {"id": str(item.get("call_id", "")), "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+            last["tool_calls"].append(call)
+        else:
+            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        return
+    if kind == "function_call_output":
+        output = item.get("output")
+        messages.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
+                         "content": output if isinstance(output, str) else json.dumps(output)})
+        return
+    messages.append(_message(item))
+
+
+def _chat_tool(tool: Any) -> dict[str, Any]:
+    """A Responses API function tool (flat) as a chat one (``{"function": {...}}``)."""
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(
+            tool.get("name"), str):
+        raise ValueError(f"SamplingParams.tools is invalid: {tool!r} (function tools only: "
+                         "{\"type\": \"function\", \"name\": ..., \"parameters\": {...}})")
+    function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+    return {"type": "function", "function": function}
+
+
+def _chat_tool_choice(choice: Any) -> Any:
+    """The Responses API's ``tool_choice`` as the chat request's."""
+    if choice is None or isinstance(choice, str):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    raise ValueError(f"SamplingParams.tool_choice={choice!r} is invalid: expected 'none', "
+                     "'auto', 'required' or {\"type\": \"function\", \"name\": ...}")
+
+
 def _message(item: Any) -> dict[str, Any]:
     if not isinstance(item, dict) or item.get("type", "message") != "message":
         kind = item.get("type") if isinstance(item, dict) else type(item).__name__
         raise ValueError(f"SamplingParams.input is invalid: items of type {kind!r} are not "
-                         "supported (message items only)")
+                         "supported (messages, function_call and function_call_output)")
     role, content = item.get("role"), item.get("content")
     if role not in ("user", "assistant", "system", "developer"):
         raise ValueError(f"SamplingParams.input is invalid: role {role!r} (expected user, "
@@ -176,9 +225,16 @@ class ResponsesStream(Stream):
         out = self.answers[self.req_ids[0]][0].output(0)
         thought, content = (split_reasoning(self.reasoning, out.text) if self.reasoning
                             else (None, out.text))
-        items = [] if not thought else [_reasoning_item(f"rs_{self.response_id[5:]}",
-                                                        thought, "completed")]
-        items.append(_message_item(f"msg_{self.response_id[5:]}", content or "", "completed"))
+        calls: list[Any] = []
+        if self.tools is not None:
+            content, calls = self.tools.parse(content or "")
+            calls = calls if self.parallel_tool_calls else calls[:1]
+        suffix = self.response_id[5:]
+        items = [] if not thought else [_reasoning_item(f"rs_{suffix}", thought, "completed")]
+        if content or not calls:
+            items.append(_message_item(f"msg_{suffix}", content or "", "completed"))
+        items += [_call_item(f"fc_{suffix}_{i}", call, "completed")
+                  for i, call in enumerate(calls)]
         length = out.finish_reason == "length"
         return self._response("incomplete" if length else "completed", items,
                               self._usage_of(len(out.token_ids)),
@@ -194,6 +250,8 @@ class ResponsesStream(Stream):
 
         items = _Items(self.response_id[5:], event)
         split = ReasoningStream(self.reasoning) if self.reasoning else None
+        calling = self.tools.stream() if self.tools is not None else None
+        calls: list[Any] = []
         tokens, reason = 0, None
         try:
             yield (event("response.created", response=self._response("in_progress", [], None))
@@ -214,6 +272,9 @@ class ResponsesStream(Stream):
                         final = bool(c.finish_reason)
                         thought, content = (split.feed(c.text, final) if split is not None
                                             else ("", c.text))
+                        if calling is not None:  # (calls come whole when the answer ends)
+                            content, found = calling.feed(content, final)
+                            calls += found if self.parallel_tool_calls else found[:1]
                         text += items.feed(thought, content)
                         reason = c.finish_reason or reason
                     if item.finished:
@@ -222,7 +283,7 @@ class ResponsesStream(Stream):
                 if text:
                     yield text
             length = reason == "length"
-            output, closing = items.close()
+            output, closing = items.close(calls)
             status = "incomplete" if length else "completed"
             yield closing + event(
                 f"response.{status}", response=self._response(
@@ -235,6 +296,13 @@ class ResponsesStream(Stream):
 def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def _call_item(item_id: str, call: Any, status: str, arguments: str | None = None
+               ) -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "status": status, "call_id": call.id,
+            "name": call.name,
+            "arguments": call.arguments if arguments is None else arguments}
 
 
 def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
@@ -268,11 +336,26 @@ class _Items:
                               logprobs=[])
         return out
 
-    def close(self) -> tuple[list[dict[str, Any]], str]:
-        """The answer's output items, and the events that close them (a message item, empty
-        if no content came, always last)."""
-        out = self._open("message")
-        return self.output, out + self._close()
+    def close(self, calls: list[Any]) -> tuple[list[dict[str, Any]], str]:
+        """The answer's output items, and the events that close them: the open item, then
+        a function call item per call; a message item, empty if no content came, where there
+        are no calls."""
+        has_message = self.kind == "message" or any(i["type"] == "message"
+                                                    for i in self.output)
+        out = self._open("message") if not (has_message or calls) else ""
+        out += self._close()
+        for i, call in enumerate(calls):
+            index, item_id = len(self.output), f"fc_{self.suffix}_{i}"
+            item = _call_item(item_id, call, "completed")
+            out += (self.event("response.output_item.added", output_index=index,
+                               item=_call_item(item_id, call, "in_progress", ""))
+                    + self.event("response.function_call_arguments.delta", item_id=item_id,
+                                 output_index=index, delta=call.arguments)
+                    + self.event("response.function_call_arguments.done", item_id=item_id,
+                                 output_index=index, arguments=call.arguments)
+                    + self.event("response.output_item.done", output_index=index, item=item))
+            self.output.append(item)
+        return self.output, out
 
     def _id(self) -> str:
         return f"{'rs' if self.kind == 'reasoning' else 'msg'}_{self.suffix}"

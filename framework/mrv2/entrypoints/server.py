@@ -321,7 +321,7 @@ def create_app(engine: LLMEngine | RemoteEngine,
                        extra: dict[str, Any] | None = None) -> Response:
         params = params_of(body)
         forced = body.tools and body.tool_choice not in (None, "none", "auto")
-        if body.tools and tool_parser is None and not forced:
+        if body.tools and tool_parser is None and not forced and body.tool_choice != "none":
             raise APIError(400, "tools: this server parses no tool calls; start it with "
                            "--enable-auto-tool-choice --tool-call-parser NAME (one of "
                            f"{', '.join(TOOL_CALL_PARSERS)}), or force a call with "
