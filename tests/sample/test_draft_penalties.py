@@ -5,11 +5,12 @@ counts, prompts and drafts that repeat, reappear from the prompt or the output, 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from types import MethodType, SimpleNamespace
 
 import pytest
 import torch
 
+from mrv2.contract.batch import InputBatch
 from mrv2.sample.draft_penalties import penalize_drafts
 from mrv2_kernels.penalties import apply_penalties_ref
 
@@ -43,6 +44,7 @@ def test_draft_rows_count_the_drafts_before_them(seed: int) -> None:
     batch = SimpleNamespace(
         max_draft_tokens=k, num_reqs=len(drafts), cu_num_logits_dev=starts.to(torch.int32),
         logits_indices=logits_indices, input_ids=input_ids, logits_idx_mapping=idx.int())
+    batch.logits_row_offsets = MethodType(InputBatch.logits_row_offsets, batch)
     want = logits.clone()
     for r in range(want.shape[0]):  # the reference: full counts per row
         req = int(torch.searchsorted(starts[1:], torch.tensor(r), right=True))

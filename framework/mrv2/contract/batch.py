@@ -109,6 +109,16 @@ class InputBatch:
         """The most drafts any request verifies this step (0: no speculation in the step)."""
         return int(self.num_draft_tokens.max()) if self.num_reqs else 0
 
+    def logits_row_offsets(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(request, offset)`` of each of the first ``n`` logits rows, on the device: the
+        batch position of the row's request and the row's place among that request's rows
+        (its drafts before it). Steps with drafts only (``cu_num_logits_dev``)."""
+        assert self.cu_num_logits_dev is not None
+        rows = torch.arange(n, device=self.cu_num_logits_dev.device)
+        starts = self.cu_num_logits_dev[: self.num_reqs + 1].long()
+        request = torch.searchsorted(starts[1:], rows, right=True).clamp(max=self.num_reqs - 1)
+        return request, rows - starts[request]
+
 
 def last_token_indices(query_start_loc: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """Flat token indices of each request's last ``counts[i]`` tokens, in batch order (its

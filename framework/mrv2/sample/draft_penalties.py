@@ -31,12 +31,9 @@ def penalize_drafts(logits: torch.Tensor, batch: InputBatch, output_counts: torc
     n = logits.shape[0]
     if not k or n == 0:
         return
-    assert batch.cu_num_logits_dev is not None
     device = logits.device
     rows = torch.arange(n, device=device)
-    starts = batch.cu_num_logits_dev[: batch.num_reqs + 1].long()
-    request = torch.searchsorted(starts[1:], rows, right=True)  # each row's request
-    offset = rows - starts[request.clamp(max=batch.num_reqs - 1)]  # its drafts before it
+    offset = batch.logits_row_offsets(n)[1]  # each row's drafts before it
     m = torch.arange(k, device=device)
     valid = m[None, :] < offset[:, None]  # [n, k]: draft j - m precedes row j
     where = (batch.logits_indices[:n, None] - m[None, :]).clamp(min=0)

@@ -101,13 +101,9 @@ def kept_token_logprobs(batch: InputBatch, logits: torch.Tensor, out: SamplerOut
     Device ops only."""
     if out.logprob_ids is None or out.verify is None or not batch.max_draft_tokens:
         return out
-    assert batch.cu_num_logits_dev is not None
     n, k = out.logprob_ids.shape[0], out.logprob_ids.shape[1] - 1
-    rows = torch.arange(n, device=logits.device)
-    starts = batch.cu_num_logits_dev[: batch.num_reqs + 1].long()
-    request = torch.searchsorted(starts[1:], rows, right=True).clamp(max=batch.num_reqs - 1)
-    offset = (rows - starts[request]).clamp(max=samples.tokens.shape[1] - 1)
-    kept = samples.tokens[request, offset]
+    request, offset = batch.logits_row_offsets(n)
+    kept = samples.tokens[request, offset.clamp(max=samples.tokens.shape[1] - 1)]
     tokens = torch.where(kept >= 0, kept, out.tokens[:n])
     ids, values, rank = token_logprobs(logits[:n], tokens, k)
     return dataclasses.replace(out, logprob_ids=ids, logprobs=values, sampled_rank=rank)
