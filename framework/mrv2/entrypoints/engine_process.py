@@ -284,12 +284,8 @@ class EngineProcess:
                 entry = self._sinks.get(req_id)
                 if entry is None:
                     continue
-                generated = 0
-                for index, ids, _, _, reason, *_ in choices:
-                    entry.tokens[index] = entry.tokens.get(index, 0) + len(ids)
-                    generated += len(ids)
-                    if reason:
-                        entry.reasons[index] = reason
+                generated = sum(entry.count(index, len(ids), reason)
+                                for index, ids, _, _, reason, *_ in choices)
                 if generated and metrics is not None:
                     metrics.observe_tokens(entry.num_prompt if entry.first is None else 0,
                                            generated)

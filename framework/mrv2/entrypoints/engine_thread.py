@@ -64,10 +64,18 @@ class _Sink:
     first: float | None = None
     num_prompt: int = 0
     num_seqs: int = 1  # the request's n: what it counts against max_pending
-    num_generated: int = 0  # tokens of all its sequences counted in the metrics so far
     #: Per choice: its tokens so far and its finish reason (the finished lengths of /metrics).
     tokens: dict[int, int] = field(default_factory=dict)
     reasons: dict[int, str] = field(default_factory=dict)
+
+    def count(self, index: int, tokens: int, reason: str | None, total: bool = False) -> int:
+        """Choice ``index``'s ``tokens`` more (``total``: ``tokens`` in all, a cumulative
+        output's) and its finish reason, if any; returns how many are new."""
+        before = self.tokens.get(index, 0)
+        self.tokens[index] = tokens if total else before + tokens
+        if reason:
+            self.reasons[index] = reason
+        return self.tokens[index] - before
 
     def finished_lengths(self) -> list[tuple[str, int]]:
         """(finish reason, tokens) of each choice."""
@@ -266,18 +274,11 @@ class EngineThread:
         sink = self._sinks.get(output.request_id)
         if sink is None:
             return
-        generated = 0
-        for c in output.outputs:
-            before = sink.tokens.get(c.index, 0)
-            total = before + len(c.token_ids) if output.delta else len(c.token_ids)
-            generated += total - before
-            sink.tokens[c.index] = total
-            if c.finish_reason:
-                sink.reasons[c.index] = c.finish_reason
+        generated = sum(sink.count(c.index, len(c.token_ids), c.finish_reason,
+                                   total=not output.delta) for c in output.outputs)
         if generated > 0:
-            self.metrics.observe_tokens(0 if sink.num_generated else sink.num_prompt,
+            self.metrics.observe_tokens(sink.num_prompt if sink.first is None else 0,
                                         generated)
-            sink.num_generated += generated
         if sink.first is None and output.new_token_ids:
             sink.first = now
             self.metrics.ttft.observe(now - sink.arrival)
