@@ -342,5 +342,7 @@ def test_outputs_bench_times_both_kinds_and_gives_the_same_answers(
     for kind in bench_outputs.KINDS:
         rows = bench_outputs.run_kind(engine, kind, 2, 8, False)
         assert [r[0] for r in rows] == list(range(1, 9))
-    assert engine._make_output.__func__ is type(engine)._make_output  # the timer is gone
+    from mrv2.engine.sampling_outputs import TrackedRequest
+
+    assert TrackedRequest.output.__qualname__ == "TrackedRequest.output"  # the timer is gone
     assert RequestOutputKind.DELTA in bench_outputs.KINDS

@@ -3,7 +3,7 @@
 
 A tiny random model on the CPU (its forward is not what is measured) decodes ``--requests``
 streamed requests of ``--tokens`` tokens each, ignoring EOS, once per output kind, in one
-process. Timed each step: the engine making the step's outputs (``LLMEngine._make_output``),
+process. Timed each step: the engine making the step's outputs (``TrackedRequest.output``),
 and their trip to the server's process as ``mrv2 serve`` makes it (``DeltaEncoder.encode`` in
 the engine's process, the pipe's pickling both ways, ``OutputAccumulator.apply`` in the
 server's). Reported per quarter of the answers' length: microseconds a step for all requests,
@@ -26,6 +26,8 @@ from mrv2.config import EngineConfig
 from mrv2.contract.params import RequestOutputKind, SamplingParams
 from mrv2.engine.engine import LLMEngine
 from mrv2.engine.output_deltas import DeltaEncoder, OutputAccumulator
+from mrv2.engine.outputs import RequestOutput
+from mrv2.engine.sampling_outputs import TrackedRequest
 
 KINDS = (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA)
 
@@ -55,15 +57,15 @@ def run_kind(engine: LLMEngine, kind: RequestOutputKind, requests: int, tokens: 
         engine.add_request([5 + i % 7, 6, 7, 8], params, stream=True)
     encoder, accumulator = DeltaEncoder(), OutputAccumulator()
     made = [0.0]
-    make = engine._make_output
+    make = TrackedRequest.output
 
-    def timed(tracked: Any) -> Any:
+    def timed(tracked: TrackedRequest) -> RequestOutput:
         start = time.perf_counter()
         out = make(tracked)
         made[0] += time.perf_counter() - start
         return out
 
-    engine._make_output = timed  # type: ignore[method-assign]
+    TrackedRequest.output = timed  # type: ignore[method-assign,assignment]
     rows: list[tuple[int, float, float, float]] = []
     done = 0
     try:
@@ -80,7 +82,7 @@ def run_kind(engine: LLMEngine, kind: RequestOutputKind, requests: int, tokens: 
                 done += 1
                 rows.append((done, stepped - start, made[0], carried))
     finally:
-        del engine._make_output
+        TrackedRequest.output = make  # type: ignore[method-assign]
     return rows
 
 

@@ -13,7 +13,6 @@ import os
 import random
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,18 +24,18 @@ from mrv2.contract.requests import MultiModalItem, NewRequest, SchedulerOutput
 from mrv2.engine.block_manager import BlockManager
 from mrv2.engine.detokenizer import IncrementalDetokenizer
 from mrv2.engine.generation_defaults import load_sampling_defaults
-from mrv2.engine.outputs import CompletionOutput, RequestOutput
+from mrv2.engine.outputs import RequestOutput
 from mrv2.engine.request import Request
 from mrv2.engine.sampling_outputs import (
     FanOut,
     LogprobState,
+    TrackedRequest,
     add_prompt_logprobs,
     add_sample_logprobs,
     prepare_params,
 )
 from mrv2.engine.scheduler import Scheduler
 from mrv2.engine.structured_outputs import (
-    Guide,
     StructuredOutputs,
     fill_bitmasks,
     fill_draft_bitmasks,
@@ -53,23 +52,6 @@ logger = logging.getLogger(__name__)
 #: "0": a structured-output request waits for its token in flight (every other step of an
 #: async batch) instead of having its mask filled during the step's forward (the A/B switch).
 LATE_TOKEN_MASKS_ENV = "MRV2_LATE_TOKEN_MASKS"
-
-
-@dataclass
-class _Tracked:
-    request: Request
-    prompt: str | None
-    detokenizer: IncrementalDetokenizer | None
-    stream: bool = False
-    sent_tokens: int = 0
-    sent_logprobs: int = 0
-    sent_any: bool = False  # an output of it went out (prompt logprobs go with a delta's first)
-    holdback: int = 0  # text kept back while it runs: a stop string cut there would take it
-    logprobs: LogprobState | None = None
-    guide: Guide | None = None  # a structured output's matcher
-    #: (structured outputs with speculation) the drafts proposed after its last processed
-    #: step: the ones its next step verifies when no step of it is in flight
-    drafts: list[int] | None = None
 
 
 class LLMEngine:
@@ -112,7 +94,7 @@ class LLMEngine:
         #: generated, since the engine started (``stats()``: what a stats line divides by
         #: its interval).
         self.num_prompt_tokens = self.num_generation_tokens = 0
-        self._requests: dict[str, _Tracked] = {}
+        self._requests: dict[str, TrackedRequest] = {}
         self._in_flight: deque[AsyncStepOutput] = deque()
         self._seeds = random.Random(config.model.seed)
         self._ids = itertools.count()
@@ -257,7 +239,7 @@ class LLMEngine:
         holdback = 0
         if params.stop and not params.include_stop_str_in_output:
             holdback = max(len(s) for s in params.stop) - 1
-        self._requests[req_id] = _Tracked(request, prompt, detok, stream, guide=guide,
+        self._requests[req_id] = TrackedRequest(request, prompt, detok, stream, guide=guide,
                                           holdback=holdback)
         if guide is not None:
             self._guided.add(req_id)
@@ -356,12 +338,12 @@ class LLMEngine:
             if request.finished and tracked.detokenizer is not None:
                 tracked.detokenizer.flush()  # release text held back for an incomplete char
             if request.finished:
-                outputs.append(self._make_output(tracked))
+                outputs.append(tracked.output())
                 del self._requests[req_id]
             elif tracked.stream and (
                     not tracked.sent_tokens
                     or len(request.output_token_ids) - tracked.sent_tokens >= interval):
-                outputs.append(self._make_output(tracked))
+                outputs.append(tracked.output())
         merged = [self._fanout.merge(o) for o in outputs]
         return [o for o in merged if o is not None]
 
@@ -407,7 +389,7 @@ class LLMEngine:
 
         scheduled.fill_token_bitmasks = fill
 
-    def _write_bitmasks(self, guided: list[_Tracked], masks: np.ndarray,
+    def _write_bitmasks(self, guided: list[TrackedRequest], masks: np.ndarray,
                         scheduled: SchedulerOutput) -> None:
         """``guided``'s masks into ``masks`` (``scheduled.token_bitmasks``' rows; every step
         before theirs arrived): one row a request, or with drafts one a logits row, over the
@@ -421,7 +403,7 @@ class LLMEngine:
         drafts = [self._drafts_of(t, num_drafts.get(t.request.req_id, 0)) for t in guided]
         fill_draft_bitmasks(guides, drafts, [scheduled.token_bitmasks[i] for i in ids])
 
-    def _drafts_of(self, tracked: _Tracked, count: int) -> list[int]:
+    def _drafts_of(self, tracked: TrackedRequest, count: int) -> list[int]:
         """The ``count`` drafts a constrained request verifies this step: those proposed
         after the newest step of it (in flight, or processed)."""
         if not count:
@@ -447,7 +429,7 @@ class LLMEngine:
                                                  sorted(self.eos_token_ids))
         return self._structured
 
-    def _check_stop(self, tracked: _Tracked, token: int) -> None:
+    def _check_stop(self, tracked: TrackedRequest, token: int) -> None:
         request = tracked.request
         params = request.sampling_params
         num_out = len(request.output_token_ids)
@@ -480,48 +462,6 @@ class LLMEngine:
                 return
         if num_out >= request.max_tokens:
             self.scheduler.finish(request, "length")
-
-    def _make_output(self, tracked: _Tracked) -> RequestOutput:
-        """The request's output now: what is new since its previous output, and (but for a
-        DELTA request) everything so far. O(new) for a delta: a long stream costs O(length)
-        in all, where cumulative outputs cost O(length) each."""
-        request = tracked.request
-        params = request.sampling_params
-        delta = params.output_kind == RequestOutputKind.DELTA
-        detok = tracked.detokenizer
-        ids = request.output_token_ids
-        new_tokens = ids[tracked.sent_tokens :]
-        new_text = "" if detok is None else detok.stream_delta(request.finished,
-                                                               tracked.holdback)
-        completion = CompletionOutput(
-            index=0,
-            text=new_text if delta or detok is None else detok.streamed_text,
-            token_ids=new_tokens if delta else list(ids),
-            finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
-        )
-        lp = tracked.logprobs
-        if lp is not None and params.logprobs is not None:
-            completion.logprobs = (lp.logprobs[tracked.sent_logprobs :] if delta
-                                   else list(lp.logprobs))
-            completion.cumulative_logprob = lp.cumulative
-            tracked.sent_logprobs = len(lp.logprobs)
-        output = RequestOutput(
-            request_id=request.req_id,
-            prompt=tracked.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
-            finished=request.finished,
-            new_token_ids=new_tokens,
-            new_text=new_text,
-            num_cached_tokens=request.num_cached_tokens,
-            delta=delta,
-        )
-        if lp is not None and params.prompt_logprobs is not None and not (
-                delta and tracked.sent_any):
-            output.prompt_logprobs = list(lp.prompt)
-        tracked.sent_tokens, tracked.sent_any = len(ids), True
-        return output
 
     # -- introspection -----------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""Engine-side sampling extras: logprob bookkeeping and ``n > 1`` fan-out / merge.
+"""Engine-side sampling extras: a request's tracking and its outputs (:class:`TrackedRequest`),
+logprob bookkeeping and ``n > 1`` fan-out / merge.
 
 Kept out of ``engine.py`` so the loop stays short. Logprobs arrive with the sampled tokens
 (``AsyncStepOutput.logprobs()``) as ``(ids, values, rank)`` where ``ids[0]`` is the sampled
@@ -10,8 +11,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from mrv2.contract.params import SamplingParams
+from mrv2.contract.params import RequestOutputKind, SamplingParams
+from mrv2.engine.detokenizer import IncrementalDetokenizer
 from mrv2.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from mrv2.engine.request import Request
+from mrv2.engine.structured_outputs import Guide
 from mrv2.engine.tokenizer import Tokenizer
 
 #: Separator of a parent request id and the sample index in its sub-request ids.
@@ -25,6 +29,67 @@ class LogprobState:
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     cumulative: float = 0.0
     prompt: list[PositionLogprobs | None] = field(default_factory=lambda: [None])
+
+
+@dataclass
+class TrackedRequest:
+    """What the engine keeps of a request beside the scheduler's :class:`Request`: its
+    detokenizer, structured output's matcher and logprobs, and what its outputs sent."""
+
+    request: Request
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer | None
+    stream: bool = False
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+    sent_any: bool = False  # an output of it went out (prompt logprobs go with a delta's first)
+    holdback: int = 0  # text kept back while it runs: a stop string cut there would take it
+    logprobs: LogprobState | None = None
+    guide: Guide | None = None  # a structured output's matcher
+    #: (structured outputs with speculation) the drafts proposed after its last processed
+    #: step: the ones its next step verifies when no step of it is in flight
+    drafts: list[int] | None = None
+
+    def output(self) -> RequestOutput:
+        """The request's output now: what is new since its previous output, and (but for a
+        DELTA request) everything so far. O(new) for a delta: a long stream costs O(length)
+        in all, where cumulative outputs cost O(length) each."""
+        request = self.request
+        params = request.sampling_params
+        delta = params.output_kind == RequestOutputKind.DELTA
+        detok = self.detokenizer
+        ids = request.output_token_ids
+        new_tokens = ids[self.sent_tokens :]
+        new_text = "" if detok is None else detok.stream_delta(request.finished, self.holdback)
+        completion = CompletionOutput(
+            index=0,
+            text=new_text if delta or detok is None else detok.streamed_text,
+            token_ids=new_tokens if delta else list(ids),
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+        )
+        lp = self.logprobs
+        if lp is not None and params.logprobs is not None:
+            completion.logprobs = (lp.logprobs[self.sent_logprobs :] if delta
+                                   else list(lp.logprobs))
+            completion.cumulative_logprob = lp.cumulative
+            self.sent_logprobs = len(lp.logprobs)
+        output = RequestOutput(
+            request_id=request.req_id,
+            prompt=self.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=request.finished,
+            new_token_ids=new_tokens,
+            new_text=new_text,
+            num_cached_tokens=request.num_cached_tokens,
+            delta=delta,
+        )
+        if lp is not None and params.prompt_logprobs is not None and not (
+                delta and self.sent_any):
+            output.prompt_logprobs = list(lp.prompt)
+        self.sent_tokens, self.sent_any = len(ids), True
+        return output
 
 
 def prepare_params(params: SamplingParams, eos: frozenset[int], tokenizer: Tokenizer | None,
