@@ -17,8 +17,8 @@ import pytest
 from server_util import API_KEY, ENGINE_KWARGS, MODEL, Served
 
 from mrv2 import EngineConfig
+from mrv2.engine.output_deltas import DeltaEncoder, OutputAccumulator
 from mrv2.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from mrv2.entrypoints.engine_core import DeltaEncoder, OutputAccumulator
 from mrv2.testing import serve_in_thread
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -14,8 +14,8 @@ from server_util import ENGINE_KWARGS
 
 from mrv2 import EngineConfig, SamplingParams
 from mrv2.engine.engine import LLMEngine
+from mrv2.engine.output_deltas import DeltaEncoder
 from mrv2.engine.outputs import CompletionOutput, RequestOutput
-from mrv2.entrypoints.engine_core import DeltaEncoder
 from mrv2.entrypoints.engine_process import EngineProcess, _Sink
 from mrv2.entrypoints.engine_thread import EngineThread
 from mrv2.entrypoints.metrics import ServerMetrics

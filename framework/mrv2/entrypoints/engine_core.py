@@ -33,19 +33,13 @@ from typing import Any
 
 from mrv2.config import EngineConfig
 from mrv2.engine.gc_pauses import GCPauses, freeze_startup_heap
-from mrv2.engine.output_deltas import (  # (the pipe's codec, re-exported)
-    ChoiceDelta,
-    DeltaEncoder,
-    OutputAccumulator,
-    OutputDelta,
-)
+from mrv2.engine.output_deltas import DeltaEncoder
 from mrv2.entrypoints.stack_sampler import PROFILE_ENV_VAR, StackSampler
 from mrv2.logs import configure_logging
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ChoiceDelta", "DeltaEncoder", "EngineInfo", "OutputAccumulator", "OutputDelta",
-           "run_engine_core"]
+__all__ = ["EngineInfo", "run_engine_core"]
 
 #: Seconds between the engine counters sent with outputs (``/metrics`` reads the latest).
 STATS_INTERVAL_S = 0.1

@@ -33,14 +33,10 @@ from mrv2.engine.engine import (
     make_input_processor,
     process_multimodal,
 )
+from mrv2.engine.output_deltas import OutputAccumulator, OutputDelta
 from mrv2.engine.outputs import RequestOutput
 from mrv2.engine.tokenizer import Tokenizer
-from mrv2.entrypoints.engine_core import (
-    EngineInfo,
-    OutputAccumulator,
-    OutputDelta,
-    run_engine_core,
-)
+from mrv2.entrypoints.engine_core import EngineInfo, run_engine_core
 from mrv2.entrypoints.engine_thread import LoopHandOver, QueueFullError, check_room
 from mrv2.entrypoints.engine_thread import _Sink as ThreadSink
 from mrv2.entrypoints.metrics import ServerMetrics
