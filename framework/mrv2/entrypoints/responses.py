@@ -51,13 +51,15 @@ class APIError(Exception):
 
 @dataclass
 class Echo:
-    """Completions' ``echo``: each prompt's text before its answers, and with ``logprobs``
-    its tokens' (the request's prompt logprobs; the first token has none) before theirs."""
+    """``echo``: each prompt's text before its answers (a chat request's: the last message's
+    text, or nothing), and with a completion's ``logprobs`` its tokens' (the request's
+    prompt logprobs; the first token has none) before theirs."""
 
     texts: list[str]
     """Per prompt, in the request's order."""
-    token_text: Callable[[int], str]
-    """A token's text (the first prompt token's, which has no logprobs entry to name it)."""
+    token_text: Callable[[int], str] | None = None
+    """A token's text (a completion's first prompt token's, which has no logprobs entry to
+    name it)."""
 
 
 class _Choice:

@@ -356,7 +356,7 @@ def create_app(engine: LLMEngine | RemoteEngine,
                            "cut an image's rows)", param="truncate_prompt_tokens")
         ids = body.truncate(ids)
         validate(ids, params, body)
-        echo = Echo([body.echo_text()], lambda token: "") if body.echo else None
+        echo = Echo([body.echo_text()]) if body.echo else None
         return await _serve(request, worker, "chatcmpl", model_name, [(ids, None)], params,
                             body, True, items, reasoning_parser, calling,
                             enable_prompt_tokens_details, echo, stream_cls, extra)
