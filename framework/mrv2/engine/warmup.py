@@ -9,9 +9,9 @@ the H200 for the first greedy request, Qwen3-0.6B; 0.3-0.5 s more for the first 
 logprobs, and for min-p, 0.65-0.96 s for the first with a penalty), and the first request
 with a structured output built llguidance's view of the tokenizer (0.3 s for a 49K
 vocabulary, ~1 s at 151K). :func:`warm_up` runs those paths once, then leaves the engine as
-it found it: the request ids it hands out, the
-seeds it draws, the prefix cache, the penalty counters (freed again) and every counter of
-:meth:`LLMEngine.stats` are those of an engine that never ran it.
+it found it: the request ids it hands out, the seeds it draws, the prefix cache, the penalty
+counters (freed again) and every counter of :meth:`LLMEngine.stats` are those of an engine
+that never ran it.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from mrv2.engine.outputs import RequestOutput
 from mrv2.entrypoints.openai_protocol import ChatCompletionRequest, ChatMessage
 from mrv2.entrypoints.reasoning import ReasoningStream, split_reasoning
-from mrv2.entrypoints.responses import Stream
+from mrv2.entrypoints.responses import Stream, drain
 
 __all__ = ["ResponsesRequest", "ResponsesStream"]
 
@@ -258,9 +258,7 @@ class ResponsesStream(Stream):
                    + event("response.in_progress",
                            response=self._response("in_progress", [], None)))
             while self.unfinished:
-                got = [await sink.get()]
-                while not sink.empty():
-                    got.append(sink.get_nowait())
+                got = await drain(sink)
                 text = ""
                 for item in got:
                     if isinstance(item, BaseException):

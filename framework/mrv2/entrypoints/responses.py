@@ -33,7 +33,7 @@ from mrv2.entrypoints.openai_protocol import (
 from mrv2.entrypoints.reasoning import ReasoningStream, split_reasoning
 from mrv2.entrypoints.tool_calls import ToolCalling
 
-__all__ = ["APIError", "Echo", "Stream", "disconnected"]
+__all__ = ["APIError", "Echo", "Stream", "disconnected", "drain"]
 
 
 class APIError(Exception):
@@ -313,9 +313,7 @@ class Stream:
                 # fold into one (a loop that falls behind sends a few tokens a chunk, not a
                 # chunk a token, as vLLM's output collector merges). One send a request a
                 # step at most.
-                items = [await sink.get()]
-                while not sink.empty():
-                    items.append(sink.get_nowait())
+                items = await drain(sink)
                 latest: dict[str, RequestOutput] = {}
                 error = None
                 for item in items:
@@ -408,6 +406,15 @@ class Stream:
                 choice["finish_reason"] = "tool_calls"
         delta["content"] = text
         return delta
+
+
+async def drain(sink: asyncio.Queue[RequestOutput | BaseException]
+                ) -> list[RequestOutput | BaseException]:
+    """Everything queued: at least one item (waiting for it), then whatever else is there."""
+    items = [await sink.get()]
+    while not sink.empty():
+        items.append(sink.get_nowait())
+    return items
 
 
 async def disconnected(request: Request) -> None:
