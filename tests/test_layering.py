@@ -24,6 +24,7 @@ LAYERS = [
     "attention",     # attention backends
     "layers",        # shared model layers
     "model_loader",  # checkpoints, model building
+    "lora",          # LoRA adapters: reading them, slots on the linear layers
     "sample",        # the sampler, rejection, logprobs
     "spec_decode",   # speculators shipped with the core
     "hookspecs",     # hook specifications

@@ -1,6 +1,7 @@
 """mrv2: a modular, GPU-native, async-first LLM inference engine."""
 
 from mrv2.config import EngineConfig
+from mrv2.contract.lora import LoRARequest
 from mrv2.contract.model_state import ModelState
 from mrv2.contract.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from mrv2.engine.llm import LLM
@@ -14,6 +15,7 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "EngineConfig",
+    "LoRARequest",
     "ModelState",
     "RequestOutput",
     "RequestOutputKind",

@@ -197,6 +197,23 @@ class ParallelConfig(_Section):
         description="ranks to split the model over (one process and one GPU each)")
 
 
+class LoRAConfig(_Section):
+    """Serving LoRA adapters (vLLM's names): requests name an adapter (``LoRARequest``, or an
+    adapter's name in ``mrv2 serve``'s ``model`` field) and run through it, beside requests
+    of the base model and of other adapters in the same steps."""
+
+    enable_lora: bool = Field(default=False, description="serve LoRA adapters")
+    max_loras: int = Field(
+        default=1, ge=1, le=64,
+        description="adapters on the device at once (requests of others wait their turn)")
+    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = Field(
+        default=16, description="the largest adapter rank served (device memory per adapter "
+        "slot grows with it)")
+    max_cpu_loras: int | None = Field(
+        default=None, ge=1,
+        description="adapters kept read in host memory (default: max_loras)")
+
+
 class SpeculativeConfig(_Section):
     """Speculative decoding (vLLM's ``speculative_config`` names): which registered speculator
     and how many draft tokens; n-gram's lookup window."""
@@ -283,6 +300,7 @@ class EngineConfig(_Section):
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     device: DeviceConfig = Field(default_factory=DeviceConfig)
     multimodal: MultiModalConfig = Field(default_factory=MultiModalConfig)
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
     logits_processors: list[str] = Field(
         default_factory=list, description="registered logits processors to apply, by name"
     )
@@ -336,6 +354,7 @@ _SECTIONS: dict[str, type[_Section]] = {
     "speculative": SpeculativeConfig,
     "device": DeviceConfig,
     "multimodal": MultiModalConfig,
+    "lora": LoRAConfig,
 }
 #: Fields set only inside their section's dict (``speculative_config={"model": DIR}``, as in
 #: vLLM): a flat ``model`` is the target's checkpoint.

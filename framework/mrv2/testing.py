@@ -451,3 +451,73 @@ def run_steps_without_sync(runner: Any, prompts: Sequence[Sequence[int]]) -> lis
         torch.cuda.set_sync_debug_mode("default")
     return [out.result() for out in outputs]
 
+
+
+_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_lora_adapter(base: str | Path, path: str | Path, rank: int = 8, alpha: float = 16,
+                      seed: int = 0, targets: Sequence[str] = _LORA_TARGETS,
+                      use_rslora: bool = False, std: float = 0.3) -> Path:
+    """Save a random PEFT LoRA adapter of checkpoint ``base`` at ``path``: ``lora_A`` / ``lora_B``
+    for every ``targets`` projection of every layer (``B`` non-zero, unlike a fresh PEFT
+    init, so the adapter changes the outputs), as ``peft``'s ``save_pretrained`` writes them.
+    Returns ``path``."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    with safe_open(str(Path(base) / "model.safetensors"), "pt") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open is no mapping)
+            module = name.removesuffix(".weight")
+            if not name.endswith(".weight") or module.rsplit(".", 1)[-1] not in targets:
+                continue
+            out_size, in_size = f.get_slice(name).get_shape()
+            prefix = f"base_model.model.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_size, generator=gen) * (
+                std / in_size ** 0.5 * 4)
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_size, rank, generator=gen) * (
+                std / rank ** 0.5)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": alpha, "use_rslora": use_rslora,
+        "target_modules": sorted(set(targets)), "bias": "none", "use_dora": False,
+        "fan_in_fan_out": False, "modules_to_save": None, "task_type": "CAUSAL_LM",
+    }))
+    return path
+
+
+def merge_lora_checkpoint(base: str | Path, adapter: str | Path, path: str | Path) -> Path:
+    """The reference for a LoRA adapter: checkpoint ``base`` with every adapted weight replaced
+    by ``W + scaling * B @ A`` (read straight from the PEFT files), saved at ``path`` with the
+    base's config, for HF to run. Returns ``path``."""
+    import json
+    import math
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((Path(adapter) / "adapter_config.json").read_text())
+    rank = config["r"]
+    scaling = config["lora_alpha"] / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    weights = load_file(str(Path(base) / "model.safetensors"))
+    lora = load_file(str(Path(adapter) / "adapter_model.safetensors"))
+    for name, a in lora.items():
+        if ".lora_A." not in name:
+            continue
+        module = name.split(".lora_A.")[0].removeprefix("base_model.model.")
+        b = lora[name.replace(".lora_A.", ".lora_B.")]
+        w = weights[f"{module}.weight"]
+        weights[f"{module}.weight"] = (w.double() + scaling * b.double() @ a.double()).to(w.dtype)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    for file in Path(base).iterdir():
+        if file.is_file() and file.suffix != ".safetensors":
+            shutil.copy(file, path / file.name)
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path

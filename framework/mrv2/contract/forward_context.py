@@ -24,6 +24,9 @@ class ForwardContext:
     """One tensor per cache layer, indexed by ``layer_idx`` (layout: the layer's spec)."""
     backends: Sequence[Any]
     """The attention backend of each cache layer (its KV cache group's), by ``layer_idx``."""
+    lora_slots: torch.Tensor | None = None
+    """``[>= num_tokens]`` int32: each token's LoRA adapter slot (-1: the base model alone);
+    None when the engine serves no adapters (:mod:`mrv2.lora`)."""
 
     def kv_cache(self, layer_idx: int) -> torch.Tensor:
         """The cache tensor of layer ``layer_idx``."""

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import SamplingParams
 
 
@@ -64,6 +65,9 @@ class NewRequest:
     """Tokens whose KV is already in ``block_ids`` (prefix-cache hits)."""
     mm_items: list[MultiModalItem] = field(default_factory=list)
     """Multimodal inputs, ordered by ``offset``; their placeholders lie within the prompt."""
+    lora_request: LoRARequest | None = None
+    """The request's LoRA adapter (``enable_lora``), or None for the base model. At most
+    ``max_loras`` distinct adapters may be live in the runner at once."""
 
     def __post_init__(self) -> None:
         end = 0

@@ -19,6 +19,7 @@ import numpy as np
 
 from mrv2.config import EngineConfig
 from mrv2.contract.input_processor import InputProcessor
+from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import RequestOutputKind, SamplingParams, derive_seed
 from mrv2.contract.requests import MultiModalItem, NewRequest, SchedulerOutput
 from mrv2.engine.block_manager import BlockManager
@@ -131,6 +132,8 @@ class LLMEngine:
         )
         scheduler.late_token_masks = (bool(getattr(self.runner, "late_token_masks", False))
                                       and os.environ.get(LATE_TOKEN_MASKS_ENV, "1") != "0")
+        if self.config.lora.enable_lora:
+            scheduler.max_loras = self.config.lora.max_loras
         return blocks, scheduler
 
     def reset_after_warmup(self) -> None:
@@ -154,9 +157,16 @@ class LLMEngine:
         return process_multimodal(self.input_processor, self.runner.model_entry.architecture,
                                   prompt_token_ids, mm_data)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 lora_request: LoRARequest | None = None) -> int:
         """Check a request can run; returns its effective max_tokens. Raises ``ValueError``."""
         check_prompt(prompt_token_ids, params, self.max_model_len, self.runner.vocab_size)
+        if lora_request is not None:
+            lora = getattr(self.runner, "lora", None)
+            if lora is None:
+                raise ValueError(f"lora_request {lora_request.lora_name!r} given, but the "
+                                 "engine serves no adapters: start it with enable_lora=True")
+            lora.check(lora_request)
         n = len(prompt_token_ids)
         self.runner.sampler.check_params(params)
         if params.structured_outputs is not None:  # compiled and checked (then cached)
@@ -187,8 +197,12 @@ class LLMEngine:
         stream: bool = False,
         priority: int = 0,
         mm_items: list[MultiModalItem] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Validate and queue a request; returns its id. Nothing is queued if it is invalid.
+
+        ``lora_request``: run the request through that LoRA adapter (``enable_lora``); its
+        adapter is read and checked against the model here.
 
         ``mm_items``: multimodal inputs whose placeholder tokens lie in the prompt (a family's
         processor makes them); the model's ``ModelState`` embeds them.
@@ -200,7 +214,7 @@ class LLMEngine:
         strings runs, its outputs' text stops ``max(len(stop)) - 1`` characters short, so no
         output shows text that a stop string then cuts off (as vLLM's).
         """
-        max_tokens = self.validate(prompt_token_ids, params)
+        max_tokens = self.validate(prompt_token_ids, params, lora_request)
         stream = stream and params.output_kind != RequestOutputKind.FINAL_ONLY
         mm_items = list(mm_items or [])
         NewRequest("validate", prompt_token_ids, params, 0, [], mm_items=mm_items)
@@ -215,7 +229,7 @@ class LLMEngine:
                         enumerate(self._fanout.add(req_id, params.n, stream))]
             for child, child_params in children:
                 self.add_request(prompt_token_ids, child_params, child, prompt, stream, priority,
-                                 mm_items)
+                                 mm_items, lora_request)
             return req_id
         guide = None
         if params.structured_outputs is not None:
@@ -229,6 +243,7 @@ class LLMEngine:
             max_tokens=max_tokens,
             priority=priority,
             mm_items=mm_items,
+            lora_request=lora_request,
         )
         detok = None
         if self.tokenizer is not None:

@@ -8,6 +8,7 @@ from typing import Any, cast
 from tqdm import tqdm
 
 from mrv2.config import EngineConfig
+from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import SamplingParams
 from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.engine import LLMEngine
@@ -76,8 +77,12 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
+
+        ``lora_request``: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model); the engine must be built with ``enable_lora=True``.
 
         Every prompt is validated before any is queued: one bad prompt raises ``ValueError``
         and nothing runs.
@@ -95,10 +100,16 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts"
                 )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras: list[LoRARequest | None] = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} lora_request for {len(prompts)} prompts")
         encoded = [self._encode(prompt) for prompt in prompts]
-        for (token_ids, _, _), params in zip(encoded, params_list, strict=True):
-            self.engine.validate(token_ids, params)
-        return self._run(encoded, params_list, use_tqdm)
+        for (token_ids, _, _), params, lora in zip(encoded, params_list, loras, strict=True):
+            self.engine.validate(token_ids, params, lora)
+        return self._run(encoded, params_list, use_tqdm, loras)
 
     def chat(
         self,
@@ -107,6 +118,7 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, with the chat template.
 
@@ -132,7 +144,7 @@ class LLM:
             if images:
                 prompt["multi_modal_data"] = {"image": images}
             prompts.append(prompt)
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _require_tokenizer(self) -> Any:
         if self.engine.tokenizer is None:
@@ -162,11 +174,14 @@ class LLM:
         encoded: list[Encoded],
         params_list: list[SamplingParams],
         use_tqdm: bool,
+        loras: list[LoRARequest | None],
     ) -> list[RequestOutput]:
         engine = self.engine
         ids = [
-            engine.add_request(token_ids, params, prompt=text, mm_items=items)
-            for (token_ids, text, items), params in zip(encoded, params_list, strict=True)
+            engine.add_request(token_ids, params, prompt=text, mm_items=items,
+                               lora_request=lora)
+            for (token_ids, text, items), params, lora in zip(encoded, params_list, loras,
+                                                               strict=True)
         ]
         order = {req_id: i for i, req_id in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)

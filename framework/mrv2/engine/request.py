@@ -7,6 +7,7 @@ import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import SamplingParams
 from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.block_manager import BlockHash, hash_block
@@ -57,6 +58,8 @@ class Request:
     ``prompt_tokens_details.cached_tokens``)."""
     mm_items: list[MultiModalItem] = field(default_factory=list)
     """Multimodal inputs (their placeholders lie in the prompt)."""
+    lora_request: LoRARequest | None = None
+    """The LoRA adapter the request runs through (None: the base model)."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -85,10 +88,13 @@ class Request:
 
     def block_extra_keys(self, block_index: int, block_size: int) -> tuple[Hashable, ...] | None:
         """Extra hash keys of a block: the content hashes of the multimodal items whose
-        placeholders overlap it (with where the overlap starts in the item); none for text."""
+        placeholders overlap it (with where the overlap starts in the item), and the request's
+        LoRA adapter: a prompt's KV under one adapter is not another's; none for plain text."""
         start, end = block_index * block_size, (block_index + 1) * block_size
         keys = tuple((item.content_hash, max(start - item.offset, 0)) for item in self.mm_items
                      if item.offset < end and item.offset + item.length > start)
+        if self.lora_request is not None:  # an adapter's KV is its own
+            keys += (("lora", self.lora_request.lora_int_id),)
         return keys or None
 
     def update_block_hashes(self, block_size: int) -> list[BlockHash]:

@@ -64,6 +64,10 @@ class Scheduler:
         #: (a runner that cannot take them, or ``MRV2_LATE_TOKEN_MASKS=0``) it waits for its
         #: token in flight, every other step.
         self.late_token_masks = False
+        #: The most LoRA adapters live in the runner at once (``max_loras``; None: no
+        #: adapters served). A waiting request whose adapter would exceed it waits.
+        self.max_loras: int | None = None
+        self._lora_users: dict[int, int] = {}
 
     @property
     def num_unfinished(self) -> int:
@@ -152,6 +156,7 @@ class Scheduler:
         request.num_cached_blocks = 0
         if request.req_id in self._in_runner:
             self._in_runner.discard(request.req_id)
+            self._count_lora(request, -1)
             self._to_remove.append(request.req_id)
 
     def _unschedule(self, request: Request, out: SchedulerOutput) -> int:
@@ -254,7 +259,10 @@ class Scheduler:
             budget -= n
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+            chosen = self._next_waiting()
+            if chosen is None:
+                break
+            request = chosen
             if request.num_pending or request.req_id in self._preempted_now:
                 break  # preempted with a token in flight, or just now: resume later
             if not self._admit(request, budget, out):
@@ -266,8 +274,34 @@ class Scheduler:
         out.finished_req_ids = self.take_finished_ids()
         return out
 
+    def _count_lora(self, request: Request, change: int) -> None:
+        """Count a request with an adapter into (+1) or out of (-1) the runner's rows."""
+        if request.lora_request is None:
+            return
+        lora_id = request.lora_request.lora_int_id
+        users = self._lora_users.get(lora_id, 0) + change
+        if users:
+            self._lora_users[lora_id] = users
+        else:
+            self._lora_users.pop(lora_id, None)
+
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether the request's adapter is live already or one more adapter fits."""
+        lora = request.lora_request
+        return (lora is None or self.max_loras is None or lora.lora_int_id in self._lora_users
+                or len(self._lora_users) < self.max_loras)
+
+    def _next_waiting(self) -> Request | None:
+        """The head of the waiting queue; with ``max_loras`` adapters live, the first of the
+        next 256 waiting requests whose adapter is live or fits (a request of another adapter
+        waits, as in vLLM, while others pass it)."""
+        if self.max_loras is None or self._lora_fits(self.waiting[0]):
+            return self.waiting[0]
+        return next((r for r in itertools.islice(self.waiting, 256) if self._lora_fits(r)),
+                    None)
+
     def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> bool:
-        """Start the head of the waiting queue, after its cached prefix; False if it can't."""
+        """Start a waiting request, after its cached prefix; False if it can't."""
         size = self.blocks.block_size
         hit: list[int] = []
         # Prompt logprobs need every prompt position computed: no cache hits for them.
@@ -283,7 +317,10 @@ class Scheduler:
         needed = self.blocks.blocks_needed(self._with_lookahead(computed + n), len(hit))
         if not self.blocks.can_allocate(needed + self.blocks.num_free_among(hit)):
             return False
-        self.waiting.popleft()
+        if self.waiting[0] is request:
+            self.waiting.popleft()
+        else:  # (passed a request whose LoRA adapter must wait)
+            self.waiting.remove(request)
         self.blocks.take_cached(hit)  # before allocating, so allocation cannot evict them
         request.block_ids = hit + self.blocks.allocate(needed)
         request.num_cached_blocks = len(hit)
@@ -295,6 +332,7 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self._in_runner.add(request.req_id)
+        self._count_lora(request, 1)
         out.new_requests.append(NewRequest(
             req_id=request.req_id,
             token_ids=request.all_token_ids,
@@ -303,6 +341,7 @@ class Scheduler:
             block_ids=list(request.block_ids),
             num_computed_tokens=computed,
             mm_items=request.mm_items,
+            lora_request=request.lora_request,
         ))
         self._schedule(request, n, out)
         return True

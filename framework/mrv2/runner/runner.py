@@ -32,6 +32,7 @@ from mrv2.contract.staged_edits import StagedEdits
 from mrv2.contract.staging import Uploader
 from mrv2.contract.state_table import RequestStateTable, RowInfo
 from mrv2.distributed.parallel_state import agree_min, tp_rank, tp_size
+from mrv2.lora import make_lora_manager
 from mrv2.model_loader.build import (
     CausalLM,
     build_model,
@@ -118,6 +119,9 @@ class Runner:
         self.buffers = InputBuffers(
             self.max_num_tokens, self.max_num_reqs, self.max_blocks_per_req, self.device
         )
+        #: The adapter slots when the engine serves LoRA adapters (``enable_lora``), else None.
+        self.lora = make_lora_manager(config, self.model, self.max_num_reqs,
+                                      self.max_num_tokens, self.device, self.dtype)
         entry = self.model_entry
         state_cls = import_object(entry.model_state) if entry.model_state else ModelState
         self.model_state: ModelState = state_cls(
@@ -213,12 +217,18 @@ class Runner:
             if len(request.block_ids) > self.max_blocks_per_req:
                 raise ValueError(f"request {request.req_id!r} holds too many blocks")
             self.sampler.check_params(request.sampling_params)
+        if self.lora is not None:
+            self.lora.check_requests(requests)
+        elif any(r.lora_request is not None for r in requests):
+            raise ValueError("a request names a LoRA adapter but enable_lora is off")
         rows = [self.table.allocate(RowInfo(r.req_id, r.num_computed_tokens, len(r.token_ids),
                                             len(r.token_ids))) for r in requests]
         self.builder.stage_new_rows(rows, [r.token_ids for r in requests],
                                     [r.block_ids for r in requests],
                                     [r.num_computed_tokens for r in requests], staged)
         self.sampler.add_requests(requests, rows, staged)
+        if self.lora is not None:
+            self.lora.add_requests(requests, rows, staged)
         for request, row in zip(requests, rows, strict=True):
             self.model_state.add_request(request, row)
 
@@ -228,6 +238,8 @@ class Runner:
             row = self.table.release(req_id)
             self.sampler.remove_request(row)
             self.model_state.remove_request(req_id, row)
+            if self.lora is not None:
+                self.lora.remove_request(row)
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -250,7 +262,8 @@ class Runner:
     def _forward(self, batch: InputBatch) -> torch.Tensor:
         kwargs = self.model_state.prepare_inputs(batch)
         metadata = self.model_state.prepare_attn(batch)
-        context = ForwardContext(metadata, self.kv.tensors, self.kv.backends)
+        context = ForwardContext(metadata, self.kv.tensors, self.kv.backends,
+                                 self.lora.token_slots(batch) if self.lora else None)
         with set_forward_context(context):
             hidden = self.model(**kwargs)
         return cast(torch.Tensor, hidden)

@@ -1,0 +1,190 @@
+"""The runner's LoRA adapters: which adapter each device slot holds, each row's slot, and
+each step's per-token slots.
+
+A request with a :class:`~mrv2.contract.lora.LoRARequest` takes the slot already holding its
+adapter, else a slot no live request uses, into which the adapter's weights are copied (from
+an LRU of adapters read in host memory, ``max_cpu_loras``; pinned on CUDA, so the copy does
+not wait for the device). Its row's slot goes to the device with the step's staged edits; a
+step's per-token slots are gathered on the device from the rows (inside the CUDA graphs too),
+so nothing per token is built on the host. The scheduler keeps at most ``max_loras`` adapters
+live at once; a runner asked for more raises.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from mrv2.config import LoRAConfig
+from mrv2.contract.batch import InputBatch
+from mrv2.contract.lora import LoRARequest
+from mrv2.contract.requests import NewRequest
+from mrv2.contract.staged_edits import StagedEdits
+from mrv2.layers.weights import checkpoint_target
+from mrv2.lora.adapter import read_adapter
+from mrv2.lora.layers import TARGET_NAMES, LoRALinearMixin, add_lora_slots
+
+#: ``(layer, rank column, first output row, A part, B part)`` of one shard's weights.
+_Part = tuple[LoRALinearMixin, int, int, torch.Tensor, torch.Tensor]
+
+
+class LoRAManager:
+    """Adapter slots of one model on one device (see the module's docstring)."""
+
+    def __init__(self, config: LoRAConfig, model: torch.nn.Module, max_num_reqs: int,
+                 max_num_tokens: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.layers = add_lora_slots(model, config.max_loras, config.max_lora_rank, dtype)
+        if not self.layers:
+            raise ValueError(f"enable_lora: {type(model).__name__} has no linear layer "
+                             f"adapters can target (named {sorted(TARGET_NAMES)})")
+        self._stacked = getattr(model, "stacked_params", ())
+        self._rename: Callable[[str], str | None] = getattr(model, "rename", lambda n: n)
+        self.row_slots = torch.full((max_num_reqs,), -1, dtype=torch.int32, device=device)
+        self._token_slots = torch.full((max_num_tokens,), -1, dtype=torch.int32,
+                                       device=device)
+        self._positions = torch.arange(max_num_tokens, dtype=torch.int32, device=device)
+        #: The adapter id each slot holds (None: empty), and how many live rows use it.
+        self.slot_ids: list[int | None] = [None] * config.max_loras
+        self._slot_users = [0] * config.max_loras
+        self._row_slot: dict[int, int] = {}
+        self._read: OrderedDict[int, list[_Part]] = OrderedDict()
+        self._max_read = config.max_cpu_loras or config.max_loras
+
+    # -- adapters ------------------------------------------------------------------------------
+
+    def check(self, lora: LoRARequest) -> None:
+        """Read and check ``lora``'s adapter against this model (kept read for its requests):
+        a ValueError names what does not fit."""
+        self._parts(lora)
+
+    def _parts(self, lora: LoRARequest) -> list[_Part]:
+        parts = self._read.get(lora.lora_int_id)
+        if parts is not None:
+            self._read.move_to_end(lora.lora_int_id)
+            return parts
+        weights = read_adapter(lora.lora_path, self.config.max_lora_rank)
+        parts = []
+        pin = self.device.type == "cuda"
+        for module, (a, b) in weights.modules.items():
+            layer, shard = self._target(lora, module)
+            a_part = layer.rank_a(a).to(self.dtype)
+            b_part = layer.rank_b(b, shard).to(self.dtype)
+            column, first_row = layer.shard_slice(shard)
+            rows = layer.shard_rows(shard)[1] if shard is not None else layer.output_size
+            if a_part.shape[1] != layer.input_size or b_part.shape[0] != rows:
+                raise ValueError(
+                    f"LoRA adapter {lora.lora_name!r}: module {module!r} has lora_A "
+                    f"{tuple(a.shape)} and lora_B {tuple(b.shape)}, which do not fit the "
+                    f"model's layer (input {layer.input_size}, output {rows} on this rank)")
+            if pin:
+                a_part, b_part = a_part.pin_memory(), b_part.pin_memory()
+            parts.append((layer, column, first_row, a_part, b_part))
+        self._read[lora.lora_int_id] = parts
+        while len(self._read) > self._max_read:
+            self._read.popitem(last=False)
+        return parts
+
+    def _target(self, lora: LoRARequest, module: str) -> tuple[LoRALinearMixin, Any]:
+        """The layer (and its shard) an adapter's module name adapts."""
+        target = checkpoint_target(f"{module}.weight", self._stacked, self._rename)
+        name = target[0].removesuffix(".weight") if target is not None else module
+        layer = self.layers.get(name)
+        if layer is None or target is None:
+            raise ValueError(
+                f"LoRA adapter {lora.lora_name!r}: module {module!r} is not an adaptable "
+                f"layer of this model (adapters may target {', '.join(sorted(TARGET_NAMES))} "
+                "of the text model)")
+        return layer, target[1]
+
+    def _load(self, slot: int, parts: Sequence[_Part]) -> None:
+        for layer in self.layers.values():
+            layer.lora_a[slot].zero_()
+            layer.lora_b[slot].zero_()
+        for layer, column, first_row, a, b in parts:
+            rank = a.shape[0]
+            layer.lora_a[slot, column:column + rank].copy_(a, non_blocking=True)
+            layer.lora_b[slot, first_row:first_row + b.shape[0],
+                         column:column + rank].copy_(b, non_blocking=True)
+
+    def check_requests(self, requests: Sequence[NewRequest]) -> None:
+        """Before any row changes: every adapter read and fitting, and slots for them all."""
+        requested = set()
+        for request in requests:
+            if request.lora_request is not None:
+                self.check(request.lora_request)
+                requested.add(request.lora_request.lora_int_id)
+        new_ids = requested - set(self.slot_ids)
+        idle = [s for s, users in enumerate(self._slot_users) if users == 0]
+        free = sum(1 for s in idle if self.slot_ids[s] not in requested)
+        if len(new_ids) > free:
+            raise RuntimeError(
+                f"the step's requests need {len(new_ids)} more LoRA slots, {free} are free "
+                f"(max_loras={self.config.max_loras}: a scheduler keeps at most that many "
+                "adapters live)")
+
+    def _acquire(self, lora: LoRARequest) -> int:
+        if lora.lora_int_id in self.slot_ids:
+            slot = self.slot_ids.index(lora.lora_int_id)
+        else:
+            free = [s for s, users in enumerate(self._slot_users) if users == 0]
+            if not free:
+                raise RuntimeError(
+                    f"LoRA adapter {lora.lora_name!r} needs a slot, but all max_loras="
+                    f"{self.config.max_loras} hold adapters of live requests (a scheduler "
+                    "keeps at most max_loras adapters live)")
+            # an empty slot first, else the one loaded longest ago is as good as any
+            slot = next((s for s in free if self.slot_ids[s] is None), free[0])
+            self._load(slot, self._parts(lora))
+            self.slot_ids[slot] = lora.lora_int_id
+        self._slot_users[slot] += 1
+        return slot
+
+    # -- rows and steps ------------------------------------------------------------------------
+
+    def add_requests(self, requests: Sequence[NewRequest], rows: Sequence[int],
+                     staged: StagedEdits) -> None:
+        """Give the new rows their adapters' slots (-1 for the base model), staged."""
+        slots = []
+        for request, row in zip(requests, rows, strict=True):
+            slot = -1 if request.lora_request is None else self._acquire(request.lora_request)
+            if slot >= 0:
+                self._row_slot[row] = slot
+            slots.append(slot)
+        if rows:
+            staged.put(self.row_slots, (np.asarray(rows),), np.asarray(slots, dtype=np.int32))
+
+    def remove_request(self, row: int) -> None:
+        """A row left: its slot has one user less (the weights stay for the next request)."""
+        slot = self._row_slot.pop(row, None)
+        if slot is not None:
+            self._slot_users[slot] -= 1
+
+    def token_slots(self, batch: InputBatch) -> torch.Tensor:
+        """Each of the step's tokens' slot (``[max_num_tokens]``; its first
+        ``num_tokens_padded`` entries are this step's, -1 for padding), on the device."""
+        n, k = batch.num_tokens_padded, batch.num_reqs_padded
+        out = self._token_slots
+        if k == 0:
+            out[:n].fill_(-1)
+            return out
+        ends = batch.query_start_loc[1:k + 1]
+        request = torch.searchsorted(ends, self._positions[:n], right=True)
+        rows = batch.idx_mapping[:k][request.clamp(max=k - 1)].long()
+        out[:n] = torch.where(request < k, self.row_slots[rows], -1)
+        return out
+
+
+def make_lora_manager(config: Any, model: torch.nn.Module, max_num_reqs: int,
+                      max_num_tokens: int, device: torch.device, dtype: torch.dtype
+                      ) -> LoRAManager | None:
+    """The runner's :class:`LoRAManager` when ``config.lora.enable_lora``, else None."""
+    if not config.lora.enable_lora:
+        return None
+    return LoRAManager(config.lora, model, max_num_reqs, max_num_tokens, device, dtype)

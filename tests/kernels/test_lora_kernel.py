@@ -1,0 +1,67 @@
+"""lora_apply: the Triton shrink/expand (interpreted on CPU) against the torch reference."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from mrv2_kernels.lora import lora_apply_ref, lora_apply_triton
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim:DeprecationWarning"
+)
+
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+if DEVICE == "cuda" and not torch.cuda.is_available():
+    pytest.skip("Triton kernels need TRITON_INTERPRET=1 or a CUDA device", allow_module_level=True)
+
+
+def _case(seed: int, t: int, k: int, n: int, rank: int, num_slots: int, dtype: torch.dtype,
+          slot_values: list[int]) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, k, generator=g).to(dtype)
+    y = torch.randn(t, n, generator=g).to(dtype)
+    a = (torch.randn(num_slots, rank, k, generator=g) / k ** 0.5).to(dtype)
+    b = torch.randn(num_slots, n, rank, generator=g).to(dtype)
+    pick = torch.randint(0, len(slot_values), (t + 3,), generator=g)
+    slots = torch.tensor(slot_values, dtype=torch.int32)[pick]
+    return tuple(v.to(DEVICE) for v in (x, y, a, b, slots))
+
+
+@pytest.mark.parametrize(("t", "k", "n", "rank", "num_slots", "slot_values"), [
+    (37, 48, 40, 8, 3, [-1, 0, 1, 2]),    # mixed adapters and plain rows, ragged tiles
+    (5, 32, 96, 16, 2, [1]),              # every row one adapter (a decode batch)
+    (20, 64, 24, 12, 2, [-1]),            # no adapter: y untouched
+    (17, 40, 33, 3, 4, [3, -1]),          # a rank below the tile, odd output width
+])
+def test_matches_reference(t: int, k: int, n: int, rank: int, num_slots: int,
+                           slot_values: list[int]) -> None:
+    x, y, a, b, slots = _case(t + n, t, k, n, rank, num_slots, torch.float32, slot_values)
+    want = lora_apply_ref(x, y.clone(), a, b, slots)
+    got = lora_apply_triton(x, y.clone(), a, b, slots)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    plain = slots[:t] < 0
+    assert torch.equal(got[plain], y[plain])  # rows without an adapter: not written
+    if (~plain).any():
+        assert not torch.allclose(got[~plain], y[~plain])  # the update reached the others
+
+
+def test_slot_rows_use_their_own_adapter() -> None:
+    """Each row's update is its slot's (against a per-row product), on strided inputs."""
+    x, y, a, b, slots = _case(7, 9, 32, 48, 4, 3, torch.float32, [0, 1, 2, -1])
+    x = torch.cat([x, x], dim=1)[:, ::2]  # a non-contiguous view of the same values
+    got = lora_apply_triton(x, y.clone(), a, b, slots)
+    for i in range(9):
+        s = int(slots[i])
+        want = y[i] if s < 0 else y[i] + (x[i] @ a[s].t()) @ b[s].t()
+        torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_shapes_name_what_is_wrong() -> None:
+    x, y, a, b, slots = _case(1, 4, 16, 16, 4, 2, torch.float32, [0])
+    with pytest.raises(ValueError, match="do not chain"):
+        lora_apply_ref(x, y, a[:, :, :8], b, slots)
+    with pytest.raises(ValueError, match="slots"):
+        lora_apply_triton(x, y, a, b, slots[:2])
