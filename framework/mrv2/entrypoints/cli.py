@@ -56,6 +56,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = config_from_cli(args, model)
     from mrv2.engine.gc_pauses import gen0_threshold
     from mrv2.entrypoints.http_options import HTTPOptions
+    from mrv2.entrypoints.lora_modules import parse_lora_modules
     from mrv2.entrypoints.stats_logger import log_stats_interval
 
     try:  # the environment's settings and the HTTP flags refused before the engine starts
@@ -68,6 +69,14 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"mrv2 serve: {error}", file=sys.stderr)
         return 2
 
+    try:
+        loras = parse_lora_modules(args.lora_modules or [])
+    except ValueError as error:
+        print(f"mrv2 serve: {error}", file=sys.stderr)
+        return 2
+    if loras and not config.lora.enable_lora:
+        print("mrv2 serve: --lora-modules needs --enable-lora", file=sys.stderr)
+        return 2
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         print("mrv2 serve: --enable-auto-tool-choice and --tool-call-parser go together "
               "(e.g. --enable-auto-tool-choice --tool-call-parser hermes)", file=sys.stderr)
@@ -108,7 +117,8 @@ def _serve(args: argparse.Namespace) -> int:
                       access_log=not args.disable_uvicorn_access_log, sock=sock,
                       reasoning_parser=args.reasoning_parser,
                       tool_call_parser=args.tool_call_parser, http=http,
-                      enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+                      enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                      lora_modules=loras)
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -164,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", nargs="+", default=None,
                        help="the model's name in the API (several: aliases requests may "
                        "use; answers carry the first). Default: the model's path")
+    serve.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT directories) served under their own model "
+                       "names: NAME=PATH or JSON {\"name\": ..., \"path\": ...} (needs "
+                       "--enable-lora)")
     serve.add_argument("--max-pending", type=int, default=1024,
                        help="sequences in flight (a request counts its n) before 503")
     serve.add_argument("--max-n", type=int, default=64,

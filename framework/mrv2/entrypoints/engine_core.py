@@ -7,8 +7,8 @@ token was 13-19 ms where the engine's step takes 3-4 ms (BENCHMARKS.md, twenty-t
 session). Here the engine steps in a child process (vLLM's engine core) and the server's
 process keeps HTTP, tokenization and the streams.
 
-Messages, parent to child (``commands``): ``("add", req_id, ids, params, prompt, mm_items)``
-(answered by an ``("ack", req_id, error or None)``), ``("abort", req_id)`` and
+Messages, parent to child (``commands``): ``("add", req_id, ids, params, prompt, mm_items,
+lora)`` (answered by an ``("ack", req_id, error or None)``), ``("abort", req_id)`` and
 ``("stop",)``. Child to parent (``outputs``):
 ``("ready", info)`` once the engine is built, ``("outputs", deltas, stats)`` after every step
 with output (``stats``: the engine's counters at most every :data:`STATS_INTERVAL_S`, else
@@ -156,10 +156,10 @@ def _loop(engine: Any, commands: Connection, outputs: Connection, pauses: GCPaus
             if kind == "stop":
                 return
             if kind == "add":
-                _, req_id, ids, params, prompt, mm_items = message
+                _, req_id, ids, params, prompt, mm_items, lora = message
                 try:
                     engine.add_request(ids, params, request_id=req_id, prompt=prompt,
-                                       stream=True, mm_items=mm_items)
+                                       stream=True, mm_items=mm_items, lora_request=lora)
                 except Exception as error:  # (ValueError: the request's own fault)
                     outputs.send(("ack", req_id, f"{type(error).__name__}: {error}"
                                   if not isinstance(error, ValueError) else str(error)))

@@ -25,6 +25,7 @@ from typing import Any
 
 from mrv2.config import EngineConfig
 from mrv2.contract.input_processor import InputProcessor
+from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import SamplingParams
 from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.engine import (
@@ -140,9 +141,11 @@ class EngineProcess:
     async def admit(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None, sink: asyncio.Queue[RequestOutput | BaseException],
                     loop: asyncio.AbstractEventLoop,
-                    mm_items: list[MultiModalItem] | None = None) -> None:
-        """Add a request once the engine accepts it; ``ValueError`` (the engine's message)
-        if it refuses, :class:`QueueFullError` past ``max_pending`` sequences."""
+                    mm_items: list[MultiModalItem] | None = None,
+                    lora: LoRARequest | None = None) -> None:
+        """Add a request (through adapter ``lora``, if any) once the engine accepts it;
+        ``ValueError`` (the engine's message) if it refuses, :class:`QueueFullError` past
+        ``max_pending`` sequences."""
         entry = _Sink(loop, sink, time.monotonic(), num_prompt=len(prompt_token_ids),
                       num_seqs=params.n)
         ack: asyncio.Future[str | None] = loop.create_future()
@@ -151,7 +154,7 @@ class EngineProcess:
             self._pending += params.n
             self._sinks[req_id] = entry
             self._acks[req_id] = (loop, ack)
-        message = ("add", req_id, prompt_token_ids, params, prompt, mm_items)
+        message = ("add", req_id, prompt_token_ids, params, prompt, mm_items, lora)
         try:
             if mm_items:  # media tensors: a long write, off the event loop
                 await asyncio.to_thread(self._send, message)
@@ -351,9 +354,11 @@ class RemoteEngine:
         self.input_processor: InputProcessor | None = make_input_processor(
             info.input_processor, info.model_dir, info.hf_config, self.tokenizer, config)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 lora: LoRARequest | None = None) -> None:
         """The checks that need no engine state (the prompt's length and ids, the params'
-        token ids); the engine makes the rest when it adds the request."""
+        token ids); the engine makes the rest (``lora``'s adapter too) when it adds the
+        request."""
         check_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size)
 
     def process_multimodal(self, prompt_token_ids: list[int], mm_data: Any

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import SamplingParams, StructuredOutputsParams
 from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.engine import LLMEngine
@@ -38,6 +39,7 @@ from mrv2.engine.tokenizer import check_template_kwargs
 from mrv2.entrypoints.engine_process import EngineProcess, RemoteEngine
 from mrv2.entrypoints.engine_thread import EngineThread, QueueFullError
 from mrv2.entrypoints.http_options import HTTPOptions
+from mrv2.entrypoints.lora_modules import check_lora_modules, model_cards
 from mrv2.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from mrv2.entrypoints.openai_protocol import (
     ChatCompletionRequest,
@@ -97,7 +99,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
                reasoning_parser: str | None = None,
                tool_call_parser: str | None = None,
                http: HTTPOptions | None = None,
-               enable_prompt_tokens_details: bool = False) -> FastAPI:
+               enable_prompt_tokens_details: bool = False,
+               lora_modules: Sequence[LoRARequest] = ()) -> FastAPI:
     """The app; its worker (the engine thread, or the engine process's link) starts with the
     app and stops with it (``app.state.engine_thread``).
 
@@ -114,7 +117,9 @@ def create_app(engine: LLMEngine | RemoteEngine,
     (:mod:`mrv2.entrypoints.http_options`): CORS and the docs pages (default: vLLM's, CORS
     for any origin; the root path and TLS are the server's, :func:`make_server`).
     ``enable_prompt_tokens_details``: usage carries ``prompt_tokens_details.cached_tokens``
-    (the prompt tokens the prefix cache held), as vLLM's flag of that name."""
+    (the prompt tokens the prefix cache held), as vLLM's flag of that name.
+    ``lora_modules`` (:mod:`mrv2.entrypoints.lora_modules`): LoRA adapters requests name in
+    their ``model`` field (the engine built with ``enable_lora``), each checked here."""
     http = http or HTTPOptions()
     http.check()
     check_reasoning_parser(reasoning_parser)
@@ -129,6 +134,7 @@ def create_app(engine: LLMEngine | RemoteEngine,
     if not names:
         names = [str(engine.config.model.model or "mrv2")]
     model_name = names[0]
+    adapters = check_lora_modules(engine, lora_modules, names)
     worker: EngineThread | EngineProcess
     if isinstance(engine, RemoteEngine):  # the engine's process reports its device's memory
         metrics = ServerMetrics(model_name, "cpu")
@@ -180,7 +186,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": created, "owned_by": "mrv2",
-            "root": model_name, "max_model_len": engine.max_model_len} for name in names]}
+            "root": model_name, "max_model_len": engine.max_model_len} for name in names]
+            + model_cards(list(adapters.values()), model_name, created, engine.max_model_len)}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -200,10 +207,15 @@ def create_app(engine: LLMEngine | RemoteEngine,
         except ValidationError as error:
             err = validation_error_body(error)["error"]
             raise APIError(400, err["message"], param=err["param"]) from None
-        if body.model is not None and body.model not in names:
+        if body.model is not None and body.model not in names and body.model not in adapters:
             raise APIError(404, f"the model {body.model!r} does not exist; this server has "
-                           f"{', '.join(map(repr, names))}", "not_found_error", "model")
+                           f"{', '.join(map(repr, [*names, *adapters]))}", "not_found_error",
+                           "model")
         return body
+
+    def lora_of(body: Any) -> LoRARequest | None:
+        """The adapter the request's ``model`` names (None: the base model)."""
+        return adapters.get(body.model) if body.model is not None else None
 
     def params_of(body: Any) -> SamplingParams:
         try:
@@ -217,7 +229,7 @@ def create_app(engine: LLMEngine | RemoteEngine,
 
     def validate(ids: list[int], params: SamplingParams, body: Any) -> None:
         try:
-            engine.validate(ids, params)
+            engine.validate(ids, params, lora_of(body))
         except ValueError as error:
             raise APIError(400, str(error), param=value_error_param(str(error), body)) from None
         limit, num = engine.max_model_len, len(ids)
@@ -260,8 +272,11 @@ def create_app(engine: LLMEngine | RemoteEngine,
             echo = Echo([text if text is not None else tok.decode(ids, False)
                          for ids, text in encoded],
                         lambda token: tok.decode([token], False))
-        return await _serve(request, worker, "cmpl", model_name, encoded, params, body, False,
-                            prompt_tokens_details=enable_prompt_tokens_details, echo=echo)
+        lora = lora_of(body)
+        return await _serve(request, worker, "cmpl", lora.lora_name if lora else model_name,
+                            encoded, params, body, False,
+                            prompt_tokens_details=enable_prompt_tokens_details, echo=echo,
+                            lora=lora)
 
     async def chat_ids(messages: list[ChatMessage], add_generation_prompt: bool,
                        template_kwargs: dict[str, Any] | None, continue_final: bool = False,
@@ -357,9 +372,10 @@ def create_app(engine: LLMEngine | RemoteEngine,
         ids = body.truncate(ids)
         validate(ids, params, body)
         echo = Echo([body.echo_text()]) if body.echo else None
-        return await _serve(request, worker, "chatcmpl", model_name, [(ids, None)], params,
-                            body, True, items, reasoning_parser, calling,
-                            enable_prompt_tokens_details, echo, stream_cls, extra)
+        lora = lora_of(body)
+        return await _serve(request, worker, "chatcmpl", lora.lora_name if lora else model_name,
+                            [(ids, None)], params, body, True, items, reasoning_parser, calling,
+                            enable_prompt_tokens_details, echo, stream_cls, extra, lora)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
@@ -441,10 +457,10 @@ async def _serve(request: Request, worker: EngineThread | EngineProcess, kind: s
                  body: Any, chat: bool, mm_items: list[MultiModalItem] | None = None,
                  reasoning: str | None = None, tools: ToolCalling | None = None,
                  prompt_tokens_details: bool = False, echo: Echo | None = None,
-                 stream_cls: type[Stream] = Stream, extra: dict[str, Any] | None = None
-                 ) -> Response:
-    """Submit every prompt (with ``mm_items``: one chat prompt's images); answer with one
-    JSON body or an SSE stream."""
+                 stream_cls: type[Stream] = Stream, extra: dict[str, Any] | None = None,
+                 lora: LoRARequest | None = None) -> Response:
+    """Submit every prompt (with ``mm_items``: one chat prompt's images; through adapter
+    ``lora``, if any); answer with one JSON body or an SSE stream."""
     loop = asyncio.get_running_loop()
     sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
     base = f"{kind}-{uuid.uuid4().hex}"
@@ -452,7 +468,7 @@ async def _serve(request: Request, worker: EngineThread | EngineProcess, kind: s
     submitted: list[str] = []
     try:
         for req_id, (ids, text) in zip(req_ids, encoded, strict=True):
-            await worker.admit(req_id, ids, params, text, sink, loop, mm_items)
+            await worker.admit(req_id, ids, params, text, sink, loop, mm_items, lora)
             submitted.append(req_id)
     except QueueFullError as error:
         for req_id in submitted:
@@ -504,7 +520,8 @@ def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: 
                access_log: bool = True, sock: socket.socket | None = None,
                reasoning_parser: str | None = None, tool_call_parser: str | None = None,
                http: HTTPOptions | None = None,
-               enable_prompt_tokens_details: bool = False) -> int:
+               enable_prompt_tokens_details: bool = False,
+               lora_modules: Sequence[LoRARequest] = ()) -> int:
     """Serve until interrupted (returns 0), or until the engine fails for good (a
     tensor-parallel worker died: the server answers 503 for a moment, then stops and returns
     1). ``log_stats``: a stats line every :func:`~mrv2.entrypoints.stats_logger.log_stats_interval`
@@ -512,7 +529,8 @@ def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: 
     (a line per HTTP request unless ``access_log`` is False). ``sock``: a socket bound to
     ``host:port`` already (:func:`listen_socket`, which ``mrv2 serve`` calls before the
     engine loads, so a port in use fails at once); None binds it here. ``http``: CORS, the
-    root path, TLS, the docs pages (:class:`~mrv2.entrypoints.http_options.HTTPOptions`)."""
+    root path, TLS, the docs pages (:class:`~mrv2.entrypoints.http_options.HTTPOptions`).
+    ``lora_modules``: the adapters served by name (``--lora-modules``)."""
     http = http or HTTPOptions()
     if engine.tokenizer is not None:
         engine.tokenizer.warm_up()  # the chat template compiled before the first request
@@ -521,7 +539,7 @@ def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: 
     freeze_startup_heap()
     app = create_app(engine, served_model_name, api_key, max_pending, max_n,
                      log_stats_interval() if log_stats else None, reasoning_parser,
-                     tool_call_parser, http, enable_prompt_tokens_details)
+                     tool_call_parser, http, enable_prompt_tokens_details, lora_modules)
     server = make_server(app, host, port, uvicorn_log_level, access_log, http)
     worker: EngineThread | EngineProcess = app.state.engine_thread
 

@@ -12,6 +12,7 @@ live at once; a runner asked for more raises.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -56,6 +57,8 @@ class LoRAManager:
         self._row_slot: dict[int, int] = {}
         self._read: OrderedDict[int, list[_Part]] = OrderedDict()
         self._max_read = config.max_cpu_loras or config.max_loras
+        # the server's event loop checks adapters while the engine thread loads them
+        self._read_lock = threading.Lock()
 
     # -- adapters ------------------------------------------------------------------------------
 
@@ -65,6 +68,10 @@ class LoRAManager:
         self._parts(lora)
 
     def _parts(self, lora: LoRARequest) -> list[_Part]:
+        with self._read_lock:
+            return self._read_parts(lora)
+
+    def _read_parts(self, lora: LoRARequest) -> list[_Part]:
         parts = self._read.get(lora.lora_int_id)
         if parts is not None:
             self._read.move_to_end(lora.lora_int_id)
