@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from mrv2 import LLM, LoRARequest, SamplingParams
 from mrv2.testing import (
@@ -145,3 +147,37 @@ def test_adapters_need_enable_lora(case: Case) -> None:
     with pytest.raises(ValueError, match="enable_lora=True"):
         llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False,
                      lora_request=case.loras["all"])
+
+
+def test_tensor_parallel_splits_the_adapters(case: Case) -> None:
+    """TP=2 on the CPU (gloo): each rank keeps its part of every adapter (column-parallel
+    layers their rows of ``B``, row-parallel ones their columns of ``A``, the partial updates
+    summed with the outputs) and the batch gives the merged references' tokens."""
+    with case.llm(tensor_parallel_size=2) as llm:
+        _mixed(case, llm)
+
+
+def test_moe_model_takes_attention_adapters(tmp_path: Path) -> None:
+    """Qwen3-MoE: an adapter on the attention projections matches HF's merged model; one on
+    a routed expert is refused by name (experts take no adapters)."""
+    base = make_tiny_checkpoint(tmp_path / "base", "Qwen3MoeForCausalLM", seed=3, head_dim=16,
+                                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    adapter = make_lora_adapter(base, tmp_path / "attn", rank=8, seed=5,
+                                targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    want = hf_greedy(merge_lora_checkpoint(base, adapter, tmp_path / "merged"), PROMPTS[0], NEW)
+    assert want != hf_greedy(base, PROMPTS[0], NEW)
+    llm = LLM(str(base), device="cpu", dtype="float32", max_model_len=64, enable_lora=True)
+    lora = LoRARequest("attn", 1, str(adapter))
+    out = llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False,
+                       lora_request=lora)[0]
+    assert out.outputs[0].token_ids == want
+    expert = tmp_path / "expert"
+    expert.mkdir()
+    (expert / "adapter_config.json").write_text((adapter / "adapter_config.json").read_text())
+    name = "base_model.model.model.layers.0.mlp.experts.1.up_proj"
+    save_file({f"{name}.lora_A.weight": torch.randn(8, 64),
+               f"{name}.lora_B.weight": torch.randn(32, 8)},
+              str(expert / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.experts\.1\.up_proj' is not"):
+        llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False,
+                     lora_request=LoRARequest("expert", 2, str(expert)))

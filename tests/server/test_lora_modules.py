@@ -149,3 +149,44 @@ def test_adapters_are_checked_before_the_server_starts(model_dir: Path, tmp_path
         create_app(engine, lora_modules=[missing])
     with pytest.raises(ValueError, match="base model's name"):
         create_app(engine, served_model_name="first", lora_modules=adapters)
+
+
+def test_adapters_load_and_unload_at_runtime(model_dir: Path, adapters: list[LoRARequest],
+                                             want: dict[str | None, list[int]],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MRV2_ALLOW_RUNTIME_LORA_UPDATING=1``: vLLM's load/unload routes; a name loaded
+    again from another path is another adapter (a new id: nothing of the old one reused)."""
+    monkeypatch.setenv("MRV2_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    for served in serve(model_dir, LORA_KWARGS):
+        url = served.url
+
+        def post(route: str, body: dict[str, str], url: str = url) -> httpx.Response:
+            return httpx.post(f"{url}/v1/{route}", json=body, headers=AUTH, timeout=60)
+
+        first, second = adapters
+        assert post("load_lora_adapter", {"lora_name": "mine", "lora_path": first.lora_path}
+                    ).status_code == 200
+        assert _ids(url, "mine")[0] == want["first"]
+        again = post("load_lora_adapter", {"lora_name": "mine", "lora_path": first.lora_path})
+        assert again.status_code == 400 and "loaded already" in again.json()["error"]["message"]
+        bad = post("load_lora_adapter", {"lora_name": "bad", "lora_path": str(model_dir)})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
+        assert "no adapter_config.json" in bad.json()["error"]["message"]
+        base = post("load_lora_adapter", {"lora_name": MODEL, "lora_path": first.lora_path})
+        assert base.status_code == 400 and base.json()["error"]["param"] == "lora_name"
+        assert post("unload_lora_adapter", {"lora_name": "mine"}).status_code == 200
+        gone = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=60,
+                          json={"model": "mine", "prompt": PROMPT, "max_tokens": 2})
+        assert gone.status_code == 404
+        assert post("unload_lora_adapter", {"lora_name": "mine"}).status_code == 404
+        assert post("load_lora_adapter", {"lora_name": "mine", "lora_path": second.lora_path}
+                    ).status_code == 200
+        assert _ids(url, "mine", stream=True)[0] == want["second"]
+        ids = [c["id"] for c in httpx.get(f"{url}/v1/models", headers=AUTH).json()["data"]]
+        assert ids == [MODEL, "mine"]
+
+
+def test_runtime_routes_are_off_by_default(lora_server: Served) -> None:
+    response = httpx.post(f"{lora_server.url}/v1/load_lora_adapter", headers=AUTH,
+                          json={"lora_name": "x", "lora_path": "/x"}, timeout=60)
+    assert response.status_code == 404

@@ -39,7 +39,7 @@ from mrv2.engine.tokenizer import check_template_kwargs
 from mrv2.entrypoints.engine_process import EngineProcess, RemoteEngine
 from mrv2.entrypoints.engine_thread import EngineThread, QueueFullError
 from mrv2.entrypoints.http_options import HTTPOptions
-from mrv2.entrypoints.lora_modules import check_lora_modules, model_cards
+from mrv2.entrypoints.lora_modules import LoRAModules, model_cards, runtime_updating
 from mrv2.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from mrv2.entrypoints.openai_protocol import (
     ChatCompletionRequest,
@@ -134,7 +134,7 @@ def create_app(engine: LLMEngine | RemoteEngine,
     if not names:
         names = [str(engine.config.model.model or "mrv2")]
     model_name = names[0]
-    adapters = check_lora_modules(engine, lora_modules, names)
+    adapters = LoRAModules(engine, lora_modules, names)
     worker: EngineThread | EngineProcess
     if isinstance(engine, RemoteEngine):  # the engine's process reports its device's memory
         metrics = ServerMetrics(model_name, "cpu")
@@ -187,13 +187,14 @@ def create_app(engine: LLMEngine | RemoteEngine,
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": created, "owned_by": "mrv2",
             "root": model_name, "max_model_len": engine.max_model_len} for name in names]
-            + model_cards(list(adapters.values()), model_name, created, engine.max_model_len)}
+            + model_cards(list(adapters.by_name.values()), model_name, created,
+                          engine.max_model_len)}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    async def parse(request: Request, cls: type[Any]) -> Any:
+    async def json_object(request: Request) -> dict[str, Any]:
         try:
             data = json.loads(await request.body())
         except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
@@ -202,20 +203,48 @@ def create_app(engine: LLMEngine | RemoteEngine,
             raise APIError(400, "the body is not valid JSON: nested too deeply") from None
         if not isinstance(data, dict):
             raise APIError(400, "the body must be a JSON object")
+        return data
+
+    async def parse(request: Request, cls: type[Any]) -> Any:
+        data = await json_object(request)
         try:
             body = cls.model_validate(data)
         except ValidationError as error:
             err = validation_error_body(error)["error"]
             raise APIError(400, err["message"], param=err["param"]) from None
-        if body.model is not None and body.model not in names and body.model not in adapters:
+        if (body.model is not None and body.model not in names
+                and body.model not in adapters.by_name):
             raise APIError(404, f"the model {body.model!r} does not exist; this server has "
-                           f"{', '.join(map(repr, [*names, *adapters]))}", "not_found_error",
-                           "model")
+                           f"{', '.join(map(repr, [*names, *adapters.by_name]))}",
+                           "not_found_error", "model")
         return body
 
     def lora_of(body: Any) -> LoRARequest | None:
         """The adapter the request's ``model`` names (None: the base model)."""
-        return adapters.get(body.model) if body.model is not None else None
+        return adapters.get(body.model)
+
+    if runtime_updating():
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request) -> Response:
+            """vLLM's: ``{"lora_name", "lora_path"}`` served from now on (checked first)."""
+            data = await json_object(request)
+            try:
+                lora = await asyncio.to_thread(adapters.load, data.get("lora_name"),
+                                               data.get("lora_path"))
+            except ValueError as error:
+                raise APIError(400, str(error), param=str(error).partition(":")[0]) from None
+            return Response(f"Success: LoRA adapter '{lora.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request) -> Response:
+            """vLLM's: ``{"lora_name"}`` no longer served (its running requests finish)."""
+            name = (await json_object(request)).get("lora_name")
+            try:
+                adapters.unload(name)
+            except KeyError:
+                raise APIError(404, f"the LoRA adapter {name!r} is not loaded",
+                               "not_found_error", "lora_name") from None
+            return Response(f"Success: LoRA adapter '{name}' removed successfully.")
 
     def params_of(body: Any) -> SamplingParams:
         try:

@@ -12,6 +12,7 @@ live at once; a runner asked for more raises.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -25,9 +26,12 @@ from mrv2.contract.batch import InputBatch
 from mrv2.contract.lora import LoRARequest
 from mrv2.contract.requests import NewRequest
 from mrv2.contract.staged_edits import StagedEdits
+from mrv2.distributed.parallel_state import tp_rank
 from mrv2.layers.weights import checkpoint_target
 from mrv2.lora.adapter import read_adapter
 from mrv2.lora.layers import TARGET_NAMES, LoRALinearMixin, add_lora_slots
+
+logger = logging.getLogger("mrv2.lora")
 
 #: ``(layer, rank column, first output row, A part, B part)`` of one shard's weights.
 _Part = tuple[LoRALinearMixin, int, int, torch.Tensor, torch.Tensor]
@@ -45,6 +49,13 @@ class LoRAManager:
         if not self.layers:
             raise ValueError(f"enable_lora: {type(model).__name__} has no linear layer "
                              f"adapters can target (named {sorted(TARGET_NAMES)})")
+        #: Device bytes of every slot of every layer (allocated before the KV cache is sized).
+        self.slot_bytes = sum(t.numel() * t.element_size() for layer in self.layers.values()
+                              for t in (layer.lora_a, layer.lora_b))
+        if tp_rank() == 0:
+            logger.info("LoRA: %d adapter slots of rank %d on %d layers: %.1f MiB",
+                        config.max_loras, config.max_lora_rank, len(self.layers),
+                        self.slot_bytes / (1 << 20))
         self._stacked = getattr(model, "stacked_params", ())
         self._rename: Callable[[str], str | None] = getattr(model, "rename", lambda n: n)
         self.row_slots = torch.full((max_num_reqs,), -1, dtype=torch.int32, device=device)
