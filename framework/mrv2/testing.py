@@ -458,11 +458,12 @@ _LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 
 def make_lora_adapter(base: str | Path, path: str | Path, rank: int = 8, alpha: float = 16,
                       seed: int = 0, targets: Sequence[str] = _LORA_TARGETS,
-                      use_rslora: bool = False, std: float = 0.3) -> Path:
+                      use_rslora: bool = False, std: float = 0.3,
+                      exclude: str | None = None) -> Path:
     """Save a random PEFT LoRA adapter of checkpoint ``base`` at ``path``: ``lora_A`` / ``lora_B``
     for every ``targets`` projection of every layer (``B`` non-zero, unlike a fresh PEFT
-    init, so the adapter changes the outputs), as ``peft``'s ``save_pretrained`` writes them.
-    Returns ``path``."""
+    init, so the adapter changes the outputs), as ``peft``'s ``save_pretrained`` writes them;
+    modules whose name contains ``exclude`` are left out. Returns ``path``."""
     import json
 
     from safetensors import safe_open
@@ -473,7 +474,8 @@ def make_lora_adapter(base: str | Path, path: str | Path, rank: int = 8, alpha: 
     with safe_open(str(Path(base) / "model.safetensors"), "pt") as f:
         for name in f.keys():  # noqa: SIM118 (safe_open is no mapping)
             module = name.removesuffix(".weight")
-            if not name.endswith(".weight") or module.rsplit(".", 1)[-1] not in targets:
+            if not name.endswith(".weight") or module.rsplit(".", 1)[-1] not in targets or (
+                    exclude is not None and exclude in module):
                 continue
             out_size, in_size = f.get_slice(name).get_shape()
             prefix = f"base_model.model.{module}"

@@ -108,10 +108,15 @@ def _lora_class(cls: type[LinearBase]) -> type[LoRALinearMixin]:
     return _LORA_CLASSES[cls]
 
 
+def is_tower_module(name: str) -> bool:
+    """Whether module ``name`` belongs to a multimodal model's vision tower (``visual.*``,
+    ``model.visual.*``, ``vision_tower.*``...), which takes no adapters."""
+    return any(p.startswith(("visual", "vision")) for p in name.split("."))
+
+
 def _adaptable(name: str, module: torch.nn.Module) -> bool:
-    parts = name.split(".")
-    return (isinstance(module, LinearBase) and parts[-1] in TARGET_NAMES
-            and not any(p.startswith(("visual", "vision")) for p in parts))
+    return (isinstance(module, LinearBase) and name.rsplit(".", 1)[-1] in TARGET_NAMES
+            and not is_tower_module(name))
 
 
 def add_lora_slots(model: torch.nn.Module, max_loras: int, max_rank: int,

@@ -29,7 +29,7 @@ from mrv2.contract.staged_edits import StagedEdits
 from mrv2.distributed.parallel_state import tp_rank
 from mrv2.layers.weights import checkpoint_target
 from mrv2.lora.adapter import read_adapter
-from mrv2.lora.layers import TARGET_NAMES, LoRALinearMixin, add_lora_slots
+from mrv2.lora.layers import TARGET_NAMES, LoRALinearMixin, add_lora_slots, is_tower_module
 
 logger = logging.getLogger("mrv2.lora")
 
@@ -90,7 +90,14 @@ class LoRAManager:
         weights = read_adapter(lora.lora_path, self.config.max_lora_rank)
         parts = []
         pin = self.device.type == "cuda"
+        tower = [m for m in weights.modules if is_tower_module(m)]
+        if tower:  # as vLLM: adapters apply to the language model of a multimodal model
+            logger.warning("LoRA adapter %r: %d modules of the vision tower (%s...) are "
+                           "ignored: adapters apply to the language model", lora.lora_name,
+                           len(tower), tower[0])
         for module, (a, b) in weights.modules.items():
+            if module in tower:
+                continue
             layer, shard = self._target(lora, module)
             a_part = layer.rank_a(a).to(self.dtype)
             b_part = layer.rank_b(b, shard).to(self.dtype)

@@ -75,6 +75,11 @@ class Qwen25VLForConditionalGeneration(CausalLM):
         patch rows in order) with patch grids ``grid_thw``, in the model dtype."""
         return self.visual(pixel_values, grid_thw).to(self.model.embed_tokens.weight.dtype)
 
+    def rename(self, name: str) -> str | None:
+        """A text checkpoint name as the decoder's: transformers' ``model.language_model.*``
+        is ``model.*`` (LoRA adapters of these models use either)."""
+        return super().rename(name.replace("model.language_model.", "model.", 1))
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Text weights through the decoder's loader, ``visual.*`` through the tower's."""
         return load_text_and_vision(self, self.visual, CHECKPOINT_PREFIXES, weights)

@@ -122,6 +122,11 @@ class Qwen3VLForConditionalGeneration(CausalLM):
         rows = torch.stack([tokens, *deepstack[: self.deepstack_depth]], dim=1)
         return rows.to(self.model.embed_tokens.weight.dtype)
 
+    def rename(self, name: str) -> str | None:
+        """A text checkpoint name as the decoder's: transformers' ``model.language_model.*``
+        is ``model.*`` (LoRA adapters of these models use either)."""
+        return super().rename(name.replace("model.language_model.", "model.", 1))
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Text weights through the decoder's loader, ``visual.*`` through the tower's."""
         return load_text_and_vision(self, self.visual, CHECKPOINT_PREFIXES, weights)
