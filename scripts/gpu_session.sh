@@ -14,8 +14,8 @@
 # CUDA, no syncs, the output kinds, mrv2 bench outputs), structuredspec (the structured-outputs
 # probe with n-gram drafts), servelong (256 streams of 2,048 tokens through mrv2 serve;
 # .whl-old: A/B),
-# lora (the thirtieth's LoRA adapters: their GPU and kernel tests on CUDA, then
-# scripts/probe_lora.py's decode cost at batch 1 / 8 / 64 on Qwen3-0.6B and Qwen3-8B),
+# lora (the thirtieth's LoRA adapters: their GPU and kernel tests on CUDA, then mrv2 bench
+# latency's lora_* variants at batch 1 / 8 / 64 on Qwen3-0.6B and Qwen3-8B),
 # graphtimes (scripts/decode_graph_times.py: each decode graph's replay time by size),
 # streamk (scripts/proto_streamk.py: a stream-K GEMM against cuBLAS at 8B decode shapes), attn,
 # splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile, mixed,
@@ -154,8 +154,9 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
           timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_lora.py \
             tests/kernels/test_lora_kernel.py 2>&1 | tee "$OUT/lora_tests.log" | tail -2
           for m in Qwen3-0.6B Qwen3-8B; do
-            timeout 240 python3 scripts/probe_lora.py --model $m --batch 1 8 64 2>&1 \
-              | tee "$OUT/lora_$m.log" | tail -14
+            timeout 240 python3 -m mrv2.entrypoints.cli bench latency --model $m \
+              --new-tokens 256 --variants lora_idle lora_1 lora_4 --json "$OUT/lora_$m.json" \
+              2>&1 | tee "$OUT/lora_$m.log" | tail -14
           done ;;
     servelong) # long answers through mrv2 serve (the twenty-ninth session's delta outputs):
                # 256 streams at once of 2,048 tokens, Qwen3-0.6B; with .whl-old (a baseline's

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -197,6 +198,35 @@ def test_latency_bench_with_ngram_variant(tmp_path: Path) -> None:
     assert synthetic["spec_num_draft_tokens"] > 0 and synthetic["spec_acceptance_rate"] > 0.5
     self_draft = results["self_draft_2"][-1]
     assert self_draft["spec_num_draft_tokens"] > 0 and self_draft["spec_acceptance_rate"] == 1.0
+
+
+def test_latency_bench_lora_variants(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """lora_idle / lora_1 / lora_4: random adapters shaped from the config, on no request,
+    every request, and spread over four."""
+    from mrv2.bench.latency import bench
+    from mrv2.engine.engine import LLMEngine
+    from mrv2.entrypoints.cli import build_parser
+
+    ckpt = make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM", vocab_size=10_001, head_dim=16,
+                                max_position_embeddings=512, num_hidden_layers=1)
+    used: list[int | None] = []
+    add = LLMEngine.add_request
+
+    def spy(self: LLMEngine, *args: Any, **kwargs: Any) -> str:
+        lora = kwargs.get("lora_request")
+        used.append(lora.lora_int_id if lora is not None else None)
+        return add(self, *args, **kwargs)
+
+    monkeypatch.setattr(LLMEngine, "add_request", spy)
+    args = build_parser().parse_args([
+        "bench", "latency", "--model", str(ckpt), "--dtype", "float32", "--batch-sizes", "4",
+        "--prompt-len", "8", "--new-tokens", "4", "--max-model-len", "64", "--lora-rank", "8",
+        "--variants", "lora_idle", "lora_1", "lora_4",
+    ])
+    results = bench(args)
+    assert all(results[v][0]["tpot_ms"] > 0 for v in ("lora_idle", "lora_1", "lora_4"))
+    runs = [used[i:i + 4] for i in range(0, len(used), 4)]  # warm-up and run per variant
+    assert runs[2:] == [[None] * 4] * 2 + [[1] * 4] * 2 + [[1, 2, 3, 4]] * 2
 
 
 def test_latency_bench_sampling_params(tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -19,6 +19,7 @@ import torch
 
 from mrv2.bench.measure import StepLog, instrument, release_engine_memory, report, resolve_model
 from mrv2.config import EngineConfig
+from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import RequestOutputKind, SamplingParams
 from mrv2.engine.engine import LLMEngine
 
@@ -41,6 +42,10 @@ SYNTHETIC_RATES = (0.0, 0.3, 0.6, 0.9)
 SELF_DRAFT_KS = (1, 2, 3, 4)
 #: Draft lengths of the ``eagle3_*`` variants (a drawn EAGLE-3 head: ``mrv2-plugin-eagle``).
 EAGLE3_KS = (1, 2, 3, 4)
+#: The ``lora_*`` variants: the engine with ``enable_lora`` (4 slots of ``--lora-rank``) and
+#: the requests on no adapter, on one, or spread over four (random adapters on every
+#: projection: :mod:`mrv2.bench.lora`).
+LORA_VARIANTS = {"lora_idle": 0, "lora_1": 1, "lora_4": 4}
 
 
 def eagle3_head_dir(model_dir: str) -> str:
@@ -78,16 +83,20 @@ def bench_prompts(batch: int, prompt_len: int, seed: int, vocab_size: int = 10_0
 
 def measure(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int,
             log: StepLog | None = None, seed: int = 0,
-            sampling: dict[str, Any] | None = None) -> dict[str, float]:
+            sampling: dict[str, Any] | None = None,
+            loras: list[LoRARequest] | None = None) -> dict[str, float]:
     """TTFT and time per output token of ``batch`` requests decoding together (greedy, or
-    ``sampling``: :class:`SamplingParams` keywords); with ``log`` (from :func:`instrument`)
-    also the host time in ``execute`` and the device time per decode step (medians)."""
+    ``sampling``: :class:`SamplingParams` keywords; request ``i`` through adapter
+    ``loras[i % len(loras)]`` when given); with ``log`` (from :func:`instrument`) also the
+    host time in ``execute`` and the device time per decode step (medians)."""
     first_step = len(log.steps) if log is not None else 0
     params = SamplingParams(**{"temperature": 0.0, **(sampling or {})},
                             max_tokens=new_tokens, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)  # (as the server's)
-    for prompt in bench_prompts(batch, prompt_len, seed, engine.runner.vocab_size):
-        engine.add_request(prompt, params, stream=True)
+    for i, prompt in enumerate(bench_prompts(batch, prompt_len, seed,
+                                             engine.runner.vocab_size)):
+        engine.add_request(prompt, params, stream=True,
+                           lora_request=loras[i % len(loras)] if loras else None)
     start = time.perf_counter()
     first: float | None = None
     while engine.has_unfinished():
@@ -204,6 +213,14 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         variants.update({f"eagle3_{k}": {"speculative_config": {
             "method": "eagle3", "model": head_dir, "num_speculative_tokens": k}}
             for k in EAGLE3_KS})
+    loras = []
+    if any(v in LORA_VARIANTS for v in args.variants):
+        from mrv2.bench.lora import random_adapters
+
+        loras = random_adapters(model_dir, max(LORA_VARIANTS.values()), args.lora_rank)
+        variants.update({name: {"enable_lora": True, "max_loras": max(LORA_VARIANTS.values()),
+                                "max_lora_rank": max(16, args.lora_rank)}
+                         for name in LORA_VARIANTS})
     results: dict[str, Any] = {"model": args.model, "device": args.device,
                                "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
     if cpu:
@@ -222,13 +239,14 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             results[name] = compare_with_hf(engine, model_dir, args, engine.runner.dtype)
         else:
             sampling = args.sampling_params
+            adapters = loras[: LORA_VARIANTS.get(name, 0)]
             for b in args.batch_sizes:  # warm up: compile every kernel specialization first
                 measure(engine, b, args.prompt_len, 16, seed=1,  # other prompts: no prefix hits
-                        sampling=sampling)
+                        sampling=sampling, loras=adapters)
             log = instrument(engine)
             results[name] = [
                 _median_row(b, [measure(engine, b, args.prompt_len, args.new_tokens, log,
-                                        seed=_seed(rep), sampling=sampling)
+                                        seed=_seed(rep), sampling=sampling, loras=adapters)
                                 for rep in range(args.repeats)])
                 for b in args.batch_sizes
             ]
@@ -282,7 +300,7 @@ def add_parser(sub: Any) -> None:
                    choices=["async_off", "graphs_off", "ngram",
                             *(f"synthetic_{rate}" for rate in SYNTHETIC_RATES),
                             *(f"self_draft_{k}" for k in SELF_DRAFT_KS),
-                            *(f"eagle3_{k}" for k in EAGLE3_KS)],
+                            *(f"eagle3_{k}" for k in EAGLE3_KS), *LORA_VARIANTS],
                    help="ngram: n-gram speculation, k=3 (random weights: acceptance is whatever "
                         "the random model's greedy loops give; read it as the cost of "
                         "verifying). synthetic_A: SYNTHETIC acceptance, the n-gram drafts kept "
@@ -292,7 +310,11 @@ def add_parser(sub: Any) -> None:
                         "self_draft_K: the target as its own draft model, K drafts (every one "
                         "accepted: the ceiling of the machinery). eagle3_K: a random EAGLE-3 "
                         "head (one midlayer of the target's widths, mrv2-plugin-eagle; needs "
-                        "--load-format dummy), K drafts: the cost of drafting with it")
+                        "--load-format dummy), K drafts: the cost of drafting with it. "
+                        "lora_idle / lora_1 / lora_4: enable_lora with 4 adapter slots, the "
+                        "requests on no adapter / one / four (random adapters of --lora-rank "
+                        "on every projection): what serving adapters costs")
+    p.add_argument("--lora-rank", type=int, default=16, help="the lora_* variants' rank")
     p.add_argument("--json", default=None)
     p.set_defaults(func=main)
 
