@@ -133,6 +133,7 @@ def test_the_serve_logging_flags_reach_the_server(
         model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import mrv2.engine.engine as engine_module
     import mrv2.entrypoints.server as server_module
+    from mrv2 import LoRARequest
     from mrv2.entrypoints.cli import main
     from mrv2.entrypoints.http_options import HTTPOptions
 
@@ -152,16 +153,20 @@ def test_the_serve_logging_flags_reach_the_server(
                  "--disable-uvicorn-access-log", "--reasoning-parser", "qwen3",
                  "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                  "--allowed-origins", '["https://a.example"]', "--root-path", "/llm",
-                 "--enable-prompt-tokens-details"]) == 0
+                 "--enable-prompt-tokens-details", "--enable-lora", "--lora-modules",
+                 "sql=/adapters/sql"]) == 0
     assert calls == [
         {"log_stats": True, "uvicorn_log_level": "info", "access_log": True,
          "reasoning_parser": None, "tool_call_parser": None, "http": HTTPOptions(),
-         "enable_prompt_tokens_details": False},
+         "enable_prompt_tokens_details": False, "lora_modules": []},
         {"log_stats": False, "uvicorn_log_level": "warning", "access_log": False,
          "reasoning_parser": "qwen3", "tool_call_parser": "hermes",
          "http": HTTPOptions(allowed_origins=("https://a.example",), root_path="/llm"),
-         "enable_prompt_tokens_details": True}]
-    for half in (["--enable-auto-tool-choice"], ["--tool-call-parser", "hermes"]):
+         "enable_prompt_tokens_details": True,
+         "lora_modules": [LoRARequest("sql", 1, "/adapters/sql")]}]
+    for half in (["--enable-auto-tool-choice"], ["--tool-call-parser", "hermes"],
+                 ["--lora-modules", "sql=/adapters/sql"], ["--enable-lora", "--lora-modules",
+                                                           "no-path"]):
         assert main(["serve", str(model_dir), "--device", "cpu", "--port", "0", *half]) == 2
 
 
