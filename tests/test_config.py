@@ -27,7 +27,9 @@ def test_flat_kwargs_land_in_sections() -> None:
     ("kwargs", "field"),
     [({"dtype": "float64"}, "model.dtype"), ({"max_num_seqs": 0}, "scheduler.max_num_seqs"),
      ({"tensor_parallel_size": 0}, "parallel.tensor_parallel_size"),
-     ({"num_speculative_tokens": 3}, "speculative"), ({"device": "tpu"}, "device.device")],
+     ({"num_speculative_tokens": 3}, "speculative"), ({"device": "tpu"}, "device.device"),
+     ({"max_lora_rank": 24}, "lora.max_lora_rank"),
+     ({"max_loras": 4, "max_cpu_loras": 2}, "lora")],
 )
 def test_bad_values_name_the_field(kwargs: dict[str, object], field: str) -> None:
     with pytest.raises(ValidationError) as info:

@@ -213,6 +213,13 @@ class LoRAConfig(_Section):
         default=None, ge=1,
         description="adapters kept read in host memory (default: max_loras)")
 
+    @model_validator(mode="after")
+    def _cpu_holds_the_device_slots(self) -> LoRAConfig:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
+        return self
+
 
 class SpeculativeConfig(_Section):
     """Speculative decoding (vLLM's ``speculative_config`` names): which registered speculator
