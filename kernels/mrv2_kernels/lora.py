@@ -12,7 +12,8 @@ of tile ``m`` that belong to slot ``s`` and skips its work when there are none, 
 mixing adapters (or requests without one) costs one tile product per adapter present in the
 tile, and a batch without adapters only the launches. The grid depends on ``T`` and ``L``
 only: a CUDA graph captures it, and nothing is read back on the host. A token belongs to one
-slot, so each output element has one writer.
+slot, so each output element has one writer. Both launch with programmatic dependent launch
+where the device has it (:func:`mrv2_kernels._backend.pdl`), as the decode chain's kernels do.
 
 The intermediate is rounded to ``lora_b``'s dtype before the expand, as
 :func:`lora_apply_ref` (the plain-torch specification, and the CPU's path) does.
@@ -24,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import cdiv, default_block, next_power_of_2, use_triton
+from ._backend import cdiv, default_block, next_power_of_2, pdl, pdl_prologue, use_triton
 
 __all__ = ["lora_apply", "lora_apply_ref", "lora_apply_triton"]
 
@@ -67,7 +68,8 @@ def _shrink_kernel(x_ptr: tl.tensor, a_ptr: tl.tensor, slots_ptr: tl.tensor,
                    out_ptr: tl.tensor, T: int, K: int, R: int, sxt: int, sxk: int, sal: int,
                    sar: int, sak: int, sot: int, BLOCK_M: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   DOT_FP32: tl.constexpr) -> None:
+                   DOT_FP32: tl.constexpr, PDL: tl.constexpr) -> None:
+    pdl_prologue(PDL)
     pid_m = tl.program_id(0)
     slot = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -96,7 +98,8 @@ def _expand_kernel(h_ptr: tl.tensor, b_ptr: tl.tensor, slots_ptr: tl.tensor,
                    y_ptr: tl.tensor, T: int, N: int, R: int, sht: int, sbl: int, sbn: int,
                    sbr: int, syt: int, syn: int, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                   DOT_FP32: tl.constexpr) -> None:
+                   DOT_FP32: tl.constexpr, PDL: tl.constexpr) -> None:
+    pdl_prologue(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     slot = tl.program_id(2)
@@ -141,11 +144,11 @@ def lora_apply_triton(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor,
     _shrink_kernel[(cdiv(t, bm), num_slots)](
         x, lora_a, slots, shrunk, t, k, rank, x.stride(0), x.stride(1), lora_a.stride(0),
         lora_a.stride(1), lora_a.stride(2), shrunk.stride(0),
-        BLOCK_M=bm, BLOCK_R=br, BLOCK_K=bk, DOT_FP32=fp32)
+        BLOCK_M=bm, BLOCK_R=br, BLOCK_K=bk, DOT_FP32=fp32, **pdl(x))
     _expand_kernel[(cdiv(t, bm), cdiv(n, bn), num_slots)](
         shrunk, lora_b, slots, y, t, n, rank, shrunk.stride(0), lora_b.stride(0),
         lora_b.stride(1), lora_b.stride(2), y.stride(0), y.stride(1),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br, DOT_FP32=fp32)
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br, DOT_FP32=fp32, **pdl(x))
     return y
 
 
