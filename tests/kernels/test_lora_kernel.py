@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from mrv2_kernels.lora import lora_apply_ref, lora_apply_triton
+from mrv2_kernels.lora import _lora_apply_cpu, lora_apply_ref, lora_apply_triton
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Conversion of an array with ndim:DeprecationWarning"
@@ -65,3 +65,13 @@ def test_bad_shapes_name_what_is_wrong() -> None:
         lora_apply_ref(x, y, a[:, :, :8], b, slots)
     with pytest.raises(ValueError, match="slots"):
         lora_apply_triton(x, y, a, b, slots[:2])
+
+
+@pytest.mark.parametrize("slot_values", [[2], [-1], [0, 1, -1]])
+def test_the_cpu_path_is_the_reference(slot_values: list[int]) -> None:
+    """The CPU's path (dense products for a batch on one slot) gives the reference's values."""
+    x, y, a, b, slots = (t.cpu() for t in _case(5, 11, 24, 20, 4, 3, torch.float32,
+                                                  slot_values))
+    want = lora_apply_ref(x, y.clone(), a, b, slots)
+    torch.testing.assert_close(_lora_apply_cpu(x, y.clone(), a, b, slots), want, rtol=1e-6,
+                               atol=1e-6)
