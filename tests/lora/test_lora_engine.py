@@ -83,6 +83,22 @@ def test_mixed_batch_matches_merged_references(case: Case, graphs: bool) -> None
     _mixed(case, llm)
 
 
+@pytest.mark.parametrize("kind", ["ngram", "preemption"])
+def test_speculation_and_preemption_keep_each_adapter(case: Case, kind: str) -> None:
+    """n-gram drafts verified by the adapted model (strict: the tokens without drafts); a KV
+    cache too small for the batch, so requests are preempted and resumed on their adapter."""
+    if kind == "ngram":
+        llm = case.llm(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                           "prompt_lookup_max": 2, "prompt_lookup_min": 1})
+    else:
+        llm = case.llm(num_gpu_blocks_override=24)
+    _mixed(case, llm)
+    if kind == "ngram":
+        assert llm.engine.stats()["spec_num_draft_tokens"] > 0
+    else:
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
 def test_prefix_cache_keeps_adapters_apart(case: Case) -> None:
     llm = case.llm(enable_prefix_caching=True)
     prompt = {"prompt_token_ids": PROMPTS[1]}
