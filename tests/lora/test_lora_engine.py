@@ -197,3 +197,19 @@ def test_moe_model_takes_attention_adapters(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.experts\.1\.up_proj' is not"):
         llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False,
                      lora_request=LoRARequest("expert", 2, str(expert)))
+
+
+def test_stats_name_the_running_and_waiting_adapters(case: Case) -> None:
+    """``max_loras=1``: the first adapter's request runs, the other's waits; the stats (and
+    ``/metrics``' ``mrv2_lora_requests_info``) say which."""
+    llm = case.llm(max_loras=1)
+    engine = llm.engine
+    for name in ("all", "some"):
+        engine.add_request(PROMPTS[0], GREEDY, lora_request=case.loras[name])
+    engine.step()
+    stats = engine.stats()
+    assert (stats["max_lora"], stats["lora_running"], stats["lora_waiting"]) == (
+        1, ["all"], ["some"])
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats()["lora_running"] == engine.stats()["lora_waiting"] == []

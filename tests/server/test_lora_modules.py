@@ -190,3 +190,9 @@ def test_runtime_routes_are_off_by_default(lora_server: Served) -> None:
     response = httpx.post(f"{lora_server.url}/v1/load_lora_adapter", headers=AUTH,
                           json={"lora_name": "x", "lora_path": "/x"}, timeout=60)
     assert response.status_code == 404
+
+
+def test_metrics_carry_the_adapters_info(lora_server: Served) -> None:
+    text = httpx.get(f"{lora_server.url}/metrics", headers=AUTH).text
+    line = next(x for x in text.splitlines() if x.startswith("mrv2_lora_requests_info{"))
+    assert 'max_lora="2"' in line and 'running_lora_adapters=""' in line

@@ -506,7 +506,8 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         """Counters: running/waiting requests, KV usage, prefix cache, preemptions, prompt
-        tokens (of requests past their first token) and generated tokens so far, and with
+        tokens (of requests past their first token) and generated tokens so far, the LoRA
+        adapters of running and waiting requests, and with
         speculation the drafts verified and accepted, overall and per draft position
         (``spec_acceptance_rate_per_pos[j]``: of the drafts at position ``j``, the fraction
         kept), and the mean accepted length (tokens a verifying step yields: 1 + accepted
@@ -525,7 +526,22 @@ class LLMEngine:
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generation_tokens": self.num_generation_tokens,
             **self._spec_stats(),
+            **self._lora_stats(),
         }
+
+    def _lora_stats(self) -> dict[str, Any]:
+        """With ``enable_lora``: ``max_lora`` and the adapters (names, sorted) of the running
+        and of the waiting requests, as vLLM's ``lora_requests_info`` reports them."""
+        if not self.config.lora.enable_lora:
+            return {}
+
+        def names(requests: Any) -> list[str]:
+            return sorted({r.lora_request.lora_name for r in requests
+                           if r.lora_request is not None})
+
+        return {"max_lora": self.config.lora.max_loras,
+                "lora_running": names(self.scheduler.running),
+                "lora_waiting": names(self.scheduler.waiting)}
 
 
 def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int,

@@ -14,6 +14,7 @@ of the server's process and of the engine's, when it has one of its own.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -151,6 +152,14 @@ class _EngineCollector(Collector):
             for position, value in enumerate(stats.get(key, [])):
                 counter.add_metric([self.model_name, str(position)], float(value))
             yield counter
+        if "max_lora" in stats:  # vLLM's lora_requests_info: the labels carry the news
+            info = GaugeMetricFamily(
+                "mrv2_lora_requests_info", "LoRA adapters of running and waiting requests "
+                "(comma-separated names; the value: when this was read, Unix seconds).",
+                labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            info.add_metric([str(stats["max_lora"]), ",".join(stats["lora_running"]),
+                             ",".join(stats["lora_waiting"])], time.time())
+            yield info
         pending = GaugeMetricFamily("mrv2_num_requests_pending",
                                     "Sequences in flight on the server (a request counts n).",
                                     labels=["model_name"])
