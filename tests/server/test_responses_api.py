@@ -187,3 +187,66 @@ def test_function_call_items_in_the_input(client: Any) -> None:
                {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}])
     assert response.usage.input_tokens == chat.usage.prompt_tokens
     assert response.output_text == chat.choices[0].message.content
+
+
+def test_stored_responses_continue_the_conversation(model_dir: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MRV2_ENABLE_RESPONSES_API_STORE=1``: ``previous_response_id`` continues from a
+    stored answer (whole or streamed) as the chat route continues the same messages (the
+    continuation's own instructions, not the first's); ``GET`` / ``DELETE`` read and forget
+    a response; ``store: false`` keeps nothing."""
+    from conftest import serve
+
+    monkeypatch.setenv("MRV2_ENABLE_RESPONSES_API_STORE", "1")
+    for served in serve(model_dir):
+        client = openai.OpenAI(base_url=f"{served.url}/v1", api_key=API_KEY, max_retries=0)
+        common = {"model": MODEL, "temperature": 0, "max_output_tokens": 5}
+        first = client.responses.create(input="Hi", instructions="Be long.", **common)
+        assert first.store
+        events = client.responses.create(previous_response_id=first.id, input="Paris?",
+                                         instructions="Be brief.", stream=True, **common)
+        second = [e for e in events if e.type in ("response.completed",
+                                                  "response.incomplete")][0].response
+        third = client.responses.create(previous_response_id=second.id, input="Why?",
+                                        **common)
+        chat = _chat(client, [{"role": "system", "content": "Be brief."},
+                              {"role": "user", "content": "Hi"},
+                              {"role": "assistant", "content": first.output_text},
+                              {"role": "user", "content": "Paris?"}], 5)
+        assert second.output_text == chat.choices[0].message.content
+        assert second.previous_response_id == first.id
+        alone = _chat(client, [{"role": "system", "content": "Be brief."},
+                               {"role": "user", "content": "Paris?"}], 5)
+        assert alone.choices[0].message.content != second.output_text  # the history counted
+        chat = _chat(client, [{"role": "user", "content": "Hi"},
+                              {"role": "assistant", "content": first.output_text},
+                              {"role": "user", "content": "Paris?"},
+                              {"role": "assistant", "content": second.output_text},
+                              {"role": "user", "content": "Why?"}], 5)
+        assert third.output_text == chat.choices[0].message.content
+        got = client.responses.retrieve(second.id)
+        assert got.id == second.id and got.output_text == second.output_text
+        client.responses.delete(first.id)
+        for call in (lambda: client.responses.retrieve(first.id),
+                     lambda: client.responses.create(previous_response_id=first.id,
+                                                     input="x", **common)):
+            with pytest.raises(openai.NotFoundError):
+                call()
+        kept_not = client.responses.create(input="Hi", store=False, **common)
+        assert not kept_not.store
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(kept_not.id)
+
+
+def test_the_store_keeps_the_newest(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mrv2.entrypoints.responses_store import ResponseStore, store_from_env
+
+    store = ResponseStore(2)
+    for i in range(3):
+        store.put({"id": f"resp_{i}"}, [])
+    assert store.get("resp_0") is None and store.get("resp_2") is not None
+    assert store_from_env() is None
+    monkeypatch.setenv("MRV2_ENABLE_RESPONSES_API_STORE", "1")
+    monkeypatch.setenv("MRV2_RESPONSES_API_STORE_SIZE", "many")
+    with pytest.raises(ValueError, match="MRV2_RESPONSES_API_STORE_SIZE"):
+        store_from_env()

@@ -12,12 +12,14 @@ Streamed (``"stream": true``), it comes as the API's typed server-sent events:
 ``response.created``, ``response.in_progress``, per item ``response.output_item.added``,
 its text's deltas (``response.reasoning_text.delta`` or ``response.content_part.added`` then
 ``response.output_text.delta``) and their ``.done`` events, ``response.output_item.done``,
-then ``response.completed`` (``response.incomplete`` for a cut answer). Nothing is stored:
-``previous_response_id``, ``background``, ``reasoning``, uploaded files and other input
-items are refused by name. Function tools work as in chat (``--tool-call-parser``, or a
-forced ``tool_choice``): the model's calls come back as ``function_call`` items (streamed
-whole when the answer ends), and ``function_call`` / ``function_call_output`` input items
-become the chat messages of an earlier call and its result.
+then ``response.completed`` (``response.incomplete`` for a cut answer). With the store on
+(:mod:`mrv2.entrypoints.responses_store`) answers are kept and ``previous_response_id``
+continues a conversation; without it that field is refused. ``background``, ``reasoning``,
+uploaded files and other input items are refused by name. Function tools work as in chat
+(``--tool-call-parser``, or a forced ``tool_choice``): the model's calls come back as
+``function_call`` items (streamed whole when the answer ends), and ``function_call`` /
+``function_call_output`` input items become the chat messages of an earlier call and its
+result.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from mrv2.engine.outputs import RequestOutput
 from mrv2.entrypoints.openai_protocol import ChatCompletionRequest, ChatMessage
 from mrv2.entrypoints.reasoning import ReasoningStream, split_reasoning
 from mrv2.entrypoints.responses import Stream, drain
+from mrv2.entrypoints.responses_store import ResponseStore
 
 __all__ = ["ResponsesRequest", "ResponsesStream"]
 
@@ -68,23 +71,32 @@ class ResponsesRequest(BaseModel):
     store: bool = True
     user: str | None = None
 
-    def as_chat(self) -> ChatCompletionRequest:
-        """The chat request this one is; ValueError naming the field it cannot take."""
-        for name, bad in (("previous_response_id", self.previous_response_id is not None),
-                          ("background", self.background),
-                          ("reasoning", self.reasoning is not None)):
-            if bad:
-                raise ValueError(f"SamplingParams.{name} is invalid: this server does not "
-                                 "support it in the Responses API (it stores no responses "
-                                 "and runs none in the background)")
-        messages: list[dict[str, Any]] = []
-        if self.instructions:
-            messages.append({"role": "system", "content": self.instructions})
+    def conversation(self, previous: list[dict[str, Any]] | None = None
+                     ) -> list[dict[str, Any]]:
+        """The chat messages of the conversation so far: ``previous`` (a stored response's)
+        and this request's input, without its instructions."""
+        messages = list(previous or [])
         if isinstance(self.input, str):
             messages.append({"role": "user", "content": self.input})
         else:
             for item in self.input:
                 _add_item(messages, item)
+        return messages
+
+    def as_chat(self, previous: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+        """The chat request this one is (after the conversation ``previous``, a stored
+        response's, when ``previous_response_id`` names one); ValueError naming the field it
+        cannot take."""
+        for name, bad in (("background", self.background),
+                          ("reasoning", self.reasoning is not None)):
+            if bad:
+                raise ValueError(f"SamplingParams.{name} is invalid: this server does not "
+                                 "support it in the Responses API (it runs no responses in "
+                                 "the background and takes no reasoning options)")
+        messages: list[dict[str, Any]] = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        messages += self.conversation(previous)
         if not messages:
             raise ValueError("SamplingParams.input is invalid: no message in it")
         fields: dict[str, Any] = {
@@ -194,11 +206,27 @@ def _response_format(fmt: Any) -> dict[str, Any]:
 class ResponsesStream(Stream):
     """The chat path's outputs as a Responses API answer (one request, one choice)."""
 
-    def __init__(self, *args: Any, request: ResponsesRequest) -> None:
+    def __init__(self, *args: Any, request: ResponsesRequest,
+                 store: ResponseStore | None = None,
+                 conversation: list[dict[str, Any]] | None = None) -> None:
         super().__init__(*args)
         self.request = request
         self.response_id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
+        #: Where the answer is kept (with ``conversation``, its chat messages), if anywhere.
+        self.store = store
+        self.conversation = conversation or []
+
+    def _keep(self, response: dict[str, Any]) -> dict[str, Any]:
+        """Store the final ``response`` with its conversation (the answer's message and calls
+        as chat messages after the input's); returns it."""
+        if self.store is not None:
+            messages = list(self.conversation)
+            for item in response["output"]:
+                if item["type"] != "reasoning":
+                    _add_item(messages, item)
+            self.store.put(response, messages)
+        return response
 
     def _response(self, status: str, output: list[dict[str, Any]],
                   usage: dict[str, Any] | None, reason: str | None = None) -> dict[str, Any]:
@@ -210,7 +238,8 @@ class ResponsesStream(Stream):
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
             "metadata": r.metadata or {}, "parallel_tool_calls": r.parallel_tool_calls,
             "temperature": self.params.temperature, "top_p": self.params.top_p,
-            "tool_choice": "auto", "tools": [], "store": False,
+            "tool_choice": "auto", "tools": [], "store": self.store is not None,
+            "previous_response_id": r.previous_response_id,
             "text": r.text or {"format": {"type": "text"}}, "usage": usage}
 
     def _usage_of(self, output_tokens: int) -> dict[str, Any]:
@@ -236,9 +265,9 @@ class ResponsesStream(Stream):
         items += [_call_item(f"fc_{suffix}_{i}", call, "completed")
                   for i, call in enumerate(calls)]
         length = out.finish_reason == "length"
-        return self._response("incomplete" if length else "completed", items,
-                              self._usage_of(len(out.token_ids)),
-                              "max_output_tokens" if length else None)
+        return self._keep(self._response("incomplete" if length else "completed", items,
+                                         self._usage_of(len(out.token_ids)),
+                                         "max_output_tokens" if length else None))
 
     async def events(self, sink: asyncio.Queue[RequestOutput | BaseException]
                      ) -> AsyncIterator[str]:
@@ -284,9 +313,9 @@ class ResponsesStream(Stream):
             output, closing = items.close(calls)
             status = "incomplete" if length else "completed"
             yield closing + event(
-                f"response.{status}", response=self._response(
+                f"response.{status}", response=self._keep(self._response(
                     status, output, self._usage_of(tokens),
-                    "max_output_tokens" if length else None))
+                    "max_output_tokens" if length else None)))
         finally:
             self.abort_rest()
 

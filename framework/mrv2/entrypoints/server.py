@@ -54,6 +54,7 @@ from mrv2.entrypoints.openai_protocol import (
 from mrv2.entrypoints.openai_responses import RENAMED, ResponsesRequest, ResponsesStream
 from mrv2.entrypoints.reasoning import check_reasoning_parser
 from mrv2.entrypoints.responses import APIError, Echo, Stream
+from mrv2.entrypoints.responses_store import STORE_ENV, store_from_env
 from mrv2.entrypoints.stack_sampler import PROFILE_ENV_VAR, StackSampler
 from mrv2.entrypoints.stats_logger import StatsLogger, log_stats_forever, log_stats_interval
 from mrv2.entrypoints.tool_calls import (
@@ -135,6 +136,7 @@ def create_app(engine: LLMEngine | RemoteEngine,
         names = [str(engine.config.model.model or "mrv2")]
     model_name = names[0]
     adapters = LoRAModules(engine, lora_modules, names)
+    stored = store_from_env()  # the Responses API's store (MRV2_ENABLE_RESPONSES_API_STORE)
     worker: EngineThread | EngineProcess
     if isinstance(engine, RemoteEngine):  # the engine's process reports its device's memory
         metrics = ServerMetrics(model_name, "cpu")
@@ -348,17 +350,48 @@ def create_app(engine: LLMEngine | RemoteEngine,
         """OpenAI's Responses API over the chat path (text in and out; see
         :mod:`mrv2.entrypoints.openai_responses`)."""
         body: ResponsesRequest = await parse(request, ResponsesRequest)
+        previous = None
+        if body.previous_response_id is not None:
+            if stored is None:
+                raise APIError(400, "previous_response_id: this server stores no responses "
+                               f"(start it with {STORE_ENV}=1)", param="previous_response_id")
+            record = stored.get(body.previous_response_id)
+            if record is None:
+                raise APIError(404, f"no stored response has the id "
+                               f"{body.previous_response_id!r}", "not_found_error",
+                               "previous_response_id")
+            previous = record.messages
         try:
-            chat_body = body.as_chat()
+            chat_body = body.as_chat(previous)
         except ValueError as error:
             raise APIError(400, str(error), param=value_error_param(str(error), body)) from None
         except ValidationError as error:  # a message the chat request refuses
             raise APIError(400, f"input: {error.errors()[0]['msg']}", param="input") from None
         try:
-            return await run_chat(request, chat_body, ResponsesStream, {"request": body})
+            keep = stored if body.store else None
+            return await run_chat(request, chat_body, ResponsesStream, {
+                "request": body, "store": keep,
+                "conversation": body.conversation(previous) if keep is not None else None})
         except APIError as error:  # the chat request's field names, as this API calls them
             error.param = RENAMED.get(error.param or "", error.param)
             raise
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict[str, Any]:
+        """A stored response (the store on: ``MRV2_ENABLE_RESPONSES_API_STORE=1``)."""
+        record = stored.get(response_id) if stored is not None else None
+        if record is None:
+            raise APIError(404, f"no stored response has the id {response_id!r}",
+                           "not_found_error", "response_id")
+        return record.response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        """Forget a stored response."""
+        if stored is None or not stored.delete(response_id):
+            raise APIError(404, f"no stored response has the id {response_id!r}",
+                           "not_found_error", "response_id")
+        return {"id": response_id, "object": "response", "deleted": True}
 
     async def run_chat(request: Request, body: ChatCompletionRequest,
                        stream_cls: type[Stream] = Stream,
