@@ -4,6 +4,7 @@ from mrv2.config import EngineConfig
 from mrv2.contract.lora import LoRARequest
 from mrv2.contract.model_state import ModelState
 from mrv2.contract.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from mrv2.contract.pooling import PoolingParams
 from mrv2.engine.llm import LLM
 from mrv2.engine.outputs import CompletionOutput, RequestOutput
 from mrv2.hookspecs import hookimpl
@@ -17,6 +18,7 @@ __all__ = [
     "EngineConfig",
     "LoRARequest",
     "ModelState",
+    "PoolingParams",
     "RequestOutput",
     "RequestOutputKind",
     "Runner",

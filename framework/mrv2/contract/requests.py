@@ -11,6 +11,7 @@ import torch
 
 from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import SamplingParams
+from mrv2.contract.pooling import PoolingParams
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,9 @@ class NewRequest:
     lora_request: LoRARequest | None = None
     """The request's LoRA adapter (``enable_lora``), or None for the base model. At most
     ``max_loras`` distinct adapters may be live in the runner at once."""
+    pooling_params: PoolingParams | None = None
+    """An embedding request's pooling: the step that samples its first token also copies its
+    last prompt token's final hidden state, pooled (``AsyncStepOutput.pooled()``)."""
 
     def __post_init__(self) -> None:
         end = 0

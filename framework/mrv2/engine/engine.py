@@ -21,6 +21,7 @@ from mrv2.config import EngineConfig
 from mrv2.contract.input_processor import InputProcessor
 from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import RequestOutputKind, SamplingParams, derive_seed
+from mrv2.contract.pooling import PoolingParams
 from mrv2.contract.requests import MultiModalItem, NewRequest, SchedulerOutput
 from mrv2.engine.block_manager import BlockManager
 from mrv2.engine.detokenizer import IncrementalDetokenizer
@@ -44,6 +45,7 @@ from mrv2.engine.structured_outputs import (
 from mrv2.engine.tokenizer import Tokenizer, load_generation_eos
 from mrv2.engine.warmup import warm_up
 from mrv2.executor import make_runner
+from mrv2.model_loader.build import text_config_of
 from mrv2.plugins import PluginManager
 from mrv2.registry import import_object
 from mrv2.runner.async_output import AsyncStepOutput
@@ -85,6 +87,8 @@ class LLMEngine:
                                                     self.runner.hf_config, self.tokenizer,
                                                     config)
         self.max_model_len = self.runner.max_model_len
+        #: The length of the model's final hidden states (an embedding's, whole).
+        self.hidden_size = int(text_config_of(self.runner.hf_config).hidden_size)
         self.block_manager, self.scheduler = self._new_scheduler()
         k = self.runner.num_speculative_tokens
         #: Request-steps by how many drafts they verified (``[d]``) and kept (``[a]``); every
@@ -198,8 +202,13 @@ class LLMEngine:
         priority: int = 0,
         mm_items: list[MultiModalItem] | None = None,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> str:
         """Validate and queue a request; returns its id. Nothing is queued if it is invalid.
+
+        ``pooling_params``: an embedding request (``params`` then only gives its
+        ``output_kind``): its output's ``embedding`` is its prompt's pooled final hidden
+        state (:class:`~mrv2.contract.pooling.PoolingParams`).
 
         ``lora_request``: run the request through that LoRA adapter (``enable_lora``); its
         adapter is read and checked against the model here.
@@ -214,6 +223,10 @@ class LLMEngine:
         strings runs, its outputs' text stops ``max(len(stop)) - 1`` characters short, so no
         output shows text that a stop string then cuts off (as vLLM's).
         """
+        if pooling_params is not None:  # the prompt alone; its one sampled token is dropped
+            pooling_params.check(self.hidden_size)
+            params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                                    output_kind=params.output_kind)
         max_tokens = self.validate(prompt_token_ids, params, lora_request)
         stream = stream and params.output_kind != RequestOutputKind.FINAL_ONLY
         mm_items = list(mm_items or [])
@@ -244,6 +257,7 @@ class LLMEngine:
             priority=priority,
             mm_items=mm_items,
             lora_request=lora_request,
+            pooling_params=pooling_params,
         )
         detok = None
         if self.tokenizer is not None:
@@ -312,6 +326,10 @@ class LLMEngine:
     def _process(self, step: AsyncStepOutput) -> list[RequestOutput]:
         sampled = step.result()
         logprobs = step.logprobs()
+        for req_id, vector in step.pooled().items():  # (embedding requests)
+            tracked = self._requests.get(req_id)
+            if tracked is not None:
+                tracked.embedding = vector
         for req_id, drafts in step.drafts().items():  # (structured outputs with speculation)
             tracked = self._requests.get(req_id)
             if tracked is not None:

@@ -10,10 +10,11 @@ from tqdm import tqdm
 from mrv2.config import EngineConfig
 from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import SamplingParams
+from mrv2.contract.pooling import PoolingParams
 from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.engine import LLMEngine
 from mrv2.engine.media import split_chat_media
-from mrv2.engine.outputs import RequestOutput
+from mrv2.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from mrv2.engine.tokenizer import check_template_kwargs
 from mrv2.plugins import PluginManager
 
@@ -100,16 +101,47 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts"
                 )
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            loras: list[LoRARequest | None] = [lora_request] * len(prompts)
-        else:
-            loras = list(lora_request)
-            if len(loras) != len(prompts):
-                raise ValueError(f"got {len(loras)} lora_request for {len(prompts)} prompts")
+        loras = self._loras(lora_request, len(prompts))
         encoded = [self._encode(prompt) for prompt in prompts]
         for (token_ids, _, _), params, lora in zip(encoded, params_list, loras, strict=True):
             self.engine.validate(token_ids, params, lora)
         return self._run(encoded, params_list, use_tqdm, loras)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding, in prompt order (vLLM's ``LLM.embed``): the final hidden
+        state of its last token, normalized and truncated as ``pooling_params`` says
+        (default: normalized, whole). Requests of one call run in the same steps, as
+        ``generate``'s; every prompt is validated before any is queued."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        pooling = pooling_params or PoolingParams()
+        pooling.check(self.engine.hidden_size)
+        loras = self._loras(lora_request, len(prompts))
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        encoded = [self._encode(prompt) for prompt in prompts]
+        for (token_ids, _, _), lora in zip(encoded, loras, strict=True):
+            self.engine.validate(token_ids, params, lora)
+        outputs = self._run(encoded, [params] * len(prompts), use_tqdm, loras, pooling)
+        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding or []),
+                                       o.prompt_token_ids, True, o.num_cached_tokens)
+                for o in outputs]
+
+    @staticmethod
+    def _loras(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+               count: int) -> list[LoRARequest | None]:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * count
+        loras = list(lora_request)
+        if len(loras) != count:
+            raise ValueError(f"got {len(loras)} lora_request for {count} prompts")
+        return loras
 
     def chat(
         self,
@@ -175,11 +207,12 @@ class LLM:
         params_list: list[SamplingParams],
         use_tqdm: bool,
         loras: list[LoRARequest | None],
+        pooling: PoolingParams | None = None,
     ) -> list[RequestOutput]:
         engine = self.engine
         ids = [
             engine.add_request(token_ids, params, prompt=text, mm_items=items,
-                               lora_request=lora)
+                               lora_request=lora, pooling_params=pooling)
             for (token_ids, text, items), params, lora in zip(encoded, params_list, loras,
                                                                strict=True)
         ]

@@ -23,8 +23,10 @@ ChoiceDelta = tuple[int, list[int], int, str, "str | None", "int | str | None",
                     "list[Any] | None", "float | None"]
 #: One request's change: (request id, finished, its choices' deltas, its prompt's tokens
 #: found in the prefix cache, whether the request's outputs are deltas, its prompt logprobs
-#: (in its first message only; None otherwise or when not asked for)).
-OutputDelta = tuple[str, bool, list[ChoiceDelta], int, bool, "list[Any] | None"]
+#: (in its first message only; None otherwise or when not asked for), an embedding
+#: request's vector (None otherwise, or not yet)).
+OutputDelta = tuple[str, bool, list[ChoiceDelta], int, bool, "list[Any] | None",
+                    "list[float] | None"]
 
 
 class DeltaEncoder:
@@ -42,7 +44,7 @@ class DeltaEncoder:
             choices = [(c.index, c.token_ids, 0, c.text, c.finish_reason, c.stop_reason,
                         c.logprobs, c.cumulative_logprob) for c in output.outputs]
             return (output.request_id, output.finished, choices, output.num_cached_tokens,
-                    True, output.prompt_logprobs)
+                    True, output.prompt_logprobs, output.embedding)
         prompt = None
         if output.prompt_logprobs is not None and output.request_id not in self._prompt_sent:
             prompt = output.prompt_logprobs
@@ -63,7 +65,7 @@ class DeltaEncoder:
                 self._sent.pop((output.request_id, c.index), None)
             self._prompt_sent.discard(output.request_id)
         return (output.request_id, output.finished, choices, output.num_cached_tokens, False,
-                prompt)
+                prompt, output.embedding)
 
     def forget(self, request_id: str) -> None:
         """An aborted request: drop what was sent of it."""
@@ -82,7 +84,7 @@ class OutputAccumulator:
         self._outputs: dict[str, RequestOutput] = {}
 
     def apply(self, delta: OutputDelta) -> RequestOutput:
-        req_id, finished, choices, cached, is_delta, prompt = delta
+        req_id, finished, choices, cached, is_delta, prompt, embedding = delta
         if is_delta:  # a delta request's output, as the engine made it
             outs = [CompletionOutput(index, text, ids, reason, stop, cumulative, logprobs)
                     for index, ids, _, text, reason, stop, logprobs, cumulative in choices]
@@ -90,7 +92,8 @@ class OutputAccumulator:
                                  outputs=outs, finished=finished,
                                  new_token_ids=[t for c in outs for t in c.token_ids],
                                  new_text="".join(c.text for c in outs),
-                                 num_cached_tokens=cached, prompt_logprobs=prompt, delta=True)
+                                 num_cached_tokens=cached, prompt_logprobs=prompt, delta=True,
+                                 embedding=embedding)
         output = self._outputs.get(req_id)
         if output is None:
             output = RequestOutput(request_id=req_id, prompt=None, prompt_token_ids=[],
@@ -117,6 +120,8 @@ class OutputAccumulator:
         output.num_cached_tokens = cached
         if prompt is not None:
             output.prompt_logprobs = prompt
+        if embedding is not None:
+            output.embedding = embedding
         if finished:
             del self._outputs[req_id]
         return output

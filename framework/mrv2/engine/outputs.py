@@ -63,6 +63,9 @@ class RequestOutput:
     """True when ``outputs`` hold only what is new since this request's previous output
     (``SamplingParams.output_kind`` DELTA): each choice's text, token ids and logprobs go on
     from its previous ones, and a choice with nothing new may be absent (``n > 1``)."""
+    embedding: list[float] | None = None
+    """An embedding request's pooled vector (``pooling_params``; its ``outputs`` hold a
+    token nobody asked for)."""
 
     def add(self, later: RequestOutput) -> None:
         """Fold ``later``, this request's next output, into this one (changed in place), as
@@ -75,6 +78,8 @@ class RequestOutput:
                              f"{later.delta}) into one of {self.request_id!r} (delta="
                              f"{self.delta})")
         self.finished, self.num_cached_tokens = later.finished, later.num_cached_tokens
+        if later.embedding is not None:
+            self.embedding = later.embedding
         if self.prompt_logprobs is None:
             self.prompt_logprobs = later.prompt_logprobs
         if not later.delta:
@@ -97,3 +102,26 @@ class RequestOutput:
         self.outputs = [mine[i] for i in sorted(mine)]
         self.new_token_ids = self.new_token_ids + later.new_token_ids
         self.new_text += later.new_text
+
+
+@dataclass
+class EmbeddingOutput:
+    """An embedding request's vector (vLLM's name)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        """The vector's length."""
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What ``LLM.embed`` returns per prompt (vLLM's shape: ``output.outputs.embedding``)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import SamplingParams
+from mrv2.contract.pooling import PoolingParams
 from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.block_manager import BlockHash, hash_block
 
@@ -60,6 +61,8 @@ class Request:
     """Multimodal inputs (their placeholders lie in the prompt)."""
     lora_request: LoRARequest | None = None
     """The LoRA adapter the request runs through (None: the base model)."""
+    pooling_params: PoolingParams | None = None
+    """An embedding request's pooling (None: a generation request)."""
 
     @property
     def num_prompt_tokens(self) -> int:

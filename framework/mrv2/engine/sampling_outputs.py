@@ -49,6 +49,8 @@ class TrackedRequest:
     #: (structured outputs with speculation) the drafts proposed after its last processed
     #: step: the ones its next step verifies when no step of it is in flight
     drafts: list[int] | None = None
+    #: An embedding request's pooled state, once its prompt is computed.
+    embedding: list[float] | None = None
 
     def output(self) -> RequestOutput:
         """The request's output now: what is new since its previous output, and (but for a
@@ -84,6 +86,7 @@ class TrackedRequest:
             new_text=new_text,
             num_cached_tokens=request.num_cached_tokens,
             delta=delta,
+            embedding=self.embedding,
         )
         if lp is not None and params.prompt_logprobs is not None and not (
                 delta and self.sent_any):

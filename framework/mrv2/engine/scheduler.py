@@ -342,6 +342,7 @@ class Scheduler:
             num_computed_tokens=computed,
             mm_items=request.mm_items,
             lora_request=request.lora_request,
+            pooling_params=request.pooling_params,
         ))
         self._schedule(request, n, out)
         return True

@@ -8,7 +8,7 @@ session). Here the engine steps in a child process (vLLM's engine core) and the 
 process keeps HTTP, tokenization and the streams.
 
 Messages, parent to child (``commands``): ``("add", req_id, ids, params, prompt, mm_items,
-lora)`` (answered by an ``("ack", req_id, error or None)``), ``("abort", req_id)`` and
+lora, pooling)`` (answered by an ``("ack", req_id, error or None)``), ``("abort", req_id)`` and
 ``("stop",)``. Child to parent (``outputs``):
 ``("ready", info)`` once the engine is built, ``("outputs", deltas, stats)`` after every step
 with output (``stats``: the engine's counters at most every :data:`STATS_INTERVAL_S`, else
@@ -59,6 +59,8 @@ class EngineInfo:
     #: engine's loop never stalls on an image and the items cross the pipe once.
     input_processor: str | None
     hf_config: Any
+    #: The length of the model's embeddings (embedding requests' ``dimensions`` at most).
+    hidden_size: int = 0
 
 
 def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connection,
@@ -90,7 +92,8 @@ def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connect
         sampling_defaults=dict(engine.sampling_defaults), device=str(runner.device),
         architecture=runner.model_entry.architecture,
         input_processor=runner.model_entry.input_processor or None,
-        hf_config=runner.hf_config if runner.model_entry.input_processor else None)))
+        hf_config=runner.hf_config if runner.model_entry.input_processor else None,
+        hidden_size=engine.hidden_size)))
     profile = os.environ.get(PROFILE_ENV_VAR, "").strip()
     sampler = StackSampler() if profile else None  # (the server's report, FILE.engine)
     if sampler is not None:
@@ -156,10 +159,11 @@ def _loop(engine: Any, commands: Connection, outputs: Connection, pauses: GCPaus
             if kind == "stop":
                 return
             if kind == "add":
-                _, req_id, ids, params, prompt, mm_items, lora = message
+                _, req_id, ids, params, prompt, mm_items, lora, pooling = message
                 try:
                     engine.add_request(ids, params, request_id=req_id, prompt=prompt,
-                                       stream=True, mm_items=mm_items, lora_request=lora)
+                                       stream=True, mm_items=mm_items, lora_request=lora,
+                                       pooling_params=pooling)
                 except Exception as error:  # (ValueError: the request's own fault)
                     outputs.send(("ack", req_id, f"{type(error).__name__}: {error}"
                                   if not isinstance(error, ValueError) else str(error)))

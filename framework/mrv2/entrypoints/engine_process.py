@@ -27,6 +27,7 @@ from mrv2.config import EngineConfig
 from mrv2.contract.input_processor import InputProcessor
 from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import SamplingParams
+from mrv2.contract.pooling import PoolingParams
 from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.engine import (
     _load_tokenizer,
@@ -142,7 +143,8 @@ class EngineProcess:
                     prompt: str | None, sink: asyncio.Queue[RequestOutput | BaseException],
                     loop: asyncio.AbstractEventLoop,
                     mm_items: list[MultiModalItem] | None = None,
-                    lora: LoRARequest | None = None) -> None:
+                    lora: LoRARequest | None = None,
+                    pooling: PoolingParams | None = None) -> None:
         """Add a request (through adapter ``lora``, if any) once the engine accepts it;
         ``ValueError`` (the engine's message) if it refuses, :class:`QueueFullError` past
         ``max_pending`` sequences."""
@@ -154,7 +156,7 @@ class EngineProcess:
             self._pending += params.n
             self._sinks[req_id] = entry
             self._acks[req_id] = (loop, ack)
-        message = ("add", req_id, prompt_token_ids, params, prompt, mm_items, lora)
+        message = ("add", req_id, prompt_token_ids, params, prompt, mm_items, lora, pooling)
         try:
             if mm_items:  # media tensors: a long write, off the event loop
                 await asyncio.to_thread(self._send, message)
@@ -348,6 +350,7 @@ class RemoteEngine:
         info = self.process.info
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
+        self.hidden_size = info.hidden_size
         self.sampling_defaults = info.sampling_defaults
         self.tokenizer: Tokenizer | None = _load_tokenizer(
             config.model.tokenizer or info.model_dir, config.model.chat_template)

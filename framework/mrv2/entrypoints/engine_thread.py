@@ -28,6 +28,7 @@ from typing import Any, Generic, TypeVar
 
 from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import SamplingParams
+from mrv2.contract.pooling import PoolingParams
 from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.engine import LLMEngine
 from mrv2.engine.outputs import RequestOutput
@@ -178,7 +179,8 @@ class EngineThread:
                prompt: str | None, sink: asyncio.Queue[RequestOutput | BaseException],
                loop: asyncio.AbstractEventLoop,
                mm_items: list[MultiModalItem] | None = None,
-               lora: LoRARequest | None = None) -> None:
+               lora: LoRARequest | None = None,
+               pooling: PoolingParams | None = None) -> None:
         """Queue a (validated) request (through adapter ``lora``, if any); its outputs go to
         ``sink``. Raises
         :class:`QueueFullError` when its ``n`` sequences would take the server past
@@ -187,16 +189,18 @@ class EngineThread:
             check_room(self.fatal, self._stopped, self._pending, params.n, self.max_pending)
             self._pending += params.n
         self._commands.put(("add", (req_id, prompt_token_ids, params, prompt, sink, loop,
-                                    time.monotonic(), mm_items, lora)))
+                                    time.monotonic(), mm_items, lora, pooling)))
 
     async def admit(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None, sink: asyncio.Queue[RequestOutput | BaseException],
                     loop: asyncio.AbstractEventLoop,
                     mm_items: list[MultiModalItem] | None = None,
-                    lora: LoRARequest | None = None) -> None:
+                    lora: LoRARequest | None = None,
+                    pooling: PoolingParams | None = None) -> None:
         """:meth:`submit` (the server awaits either worker's ``admit``; this one has nothing
         to wait for: the engine checked the request on the loop already)."""
-        self.submit(req_id, prompt_token_ids, params, prompt, sink, loop, mm_items, lora)
+        self.submit(req_id, prompt_token_ids, params, prompt, sink, loop, mm_items, lora,
+                    pooling)
 
     def abort(self, req_id: str) -> None:
         """Cancel a request (run on the engine thread); unknown or finished ids are ignored."""
@@ -256,11 +260,12 @@ class EngineThread:
 
     def _handle(self, command: str, arg: Any) -> None:
         if command == "add":
-            req_id, ids, params, prompt, sink_queue, loop, arrival, mm_items, lora = arg
+            req_id, ids, params, prompt, sink_queue, loop, arrival, mm_items, lora, pool = arg
             sink = _Sink(loop, sink_queue, arrival, num_prompt=len(ids), num_seqs=params.n)
             try:
                 self.engine.add_request(ids, params, request_id=req_id, prompt=prompt,
-                                        stream=True, mm_items=mm_items, lora_request=lora)
+                                        stream=True, mm_items=mm_items, lora_request=lora,
+                                        pooling_params=pool)
             except Exception as error:
                 self._finish_pending(sink)
                 _put(sink, error)

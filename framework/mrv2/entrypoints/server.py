@@ -4,7 +4,8 @@ whose engine steps in a process of its own (``mrv2 serve``'s default).
 
 ``create_app(engine)`` builds the app and its worker; ``mrv2 serve`` runs it.
 Routes: ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/responses`` (each streams by
-server-sent events), ``/v1/models``, ``/health``, ``/metrics`` (Prometheus text).
+server-sent events), ``/v1/embeddings``, ``/v1/models``, ``/health``, ``/metrics``
+(Prometheus text).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mrv2.contract.lora import LoRARequest
-from mrv2.contract.params import SamplingParams, StructuredOutputsParams
+from mrv2.contract.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from mrv2.contract.pooling import PoolingParams
 from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.engine import LLMEngine
 from mrv2.engine.gc_pauses import freeze_startup_heap
@@ -41,6 +43,7 @@ from mrv2.entrypoints.engine_thread import EngineThread, QueueFullError
 from mrv2.entrypoints.http_options import HTTPOptions
 from mrv2.entrypoints.lora_modules import LoRAModules, model_cards, runtime_updating
 from mrv2.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
+from mrv2.entrypoints.openai_embeddings import EmbeddingRequest, embedding_response
 from mrv2.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -376,6 +379,35 @@ def create_app(engine: LLMEngine | RemoteEngine,
             error.param = RENAMED.get(error.param or "", error.param)
             raise
 
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        """OpenAI's embeddings API (:mod:`mrv2.entrypoints.openai_embeddings`)."""
+        body: EmbeddingRequest = await parse(request, EmbeddingRequest)
+        try:
+            items = body.inputs()
+        except ValueError as error:
+            raise APIError(400, str(error), param="input") from None
+        pooling = PoolingParams(normalize=body.normalize, dimensions=body.dimensions)
+        try:
+            pooling.check(engine.hidden_size)
+        except ValueError as error:
+            raise APIError(400, str(error), param="dimensions") from None
+        encoded = [body.truncate(tokenizer().encode(x) if isinstance(x, str) else x)
+                   for x in items]
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                                output_kind=RequestOutputKind.DELTA)
+        lora = lora_of(body)
+        for ids in encoded:
+            try:
+                engine.validate(ids, params, lora)
+            except ValueError as error:
+                raise APIError(400, str(error), param="input") from None
+        vectors = await _embed(worker, encoded, params, lora, pooling)
+        return JSONResponse(embedding_response(
+            vectors, sum(len(ids) for ids in encoded),
+            lora.lora_name if lora else model_name, f"embd-{uuid.uuid4().hex}",
+            int(time.time()), body.encoding_format))
+
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> dict[str, Any]:
         """A stored response (the store on: ``MRV2_ENABLE_RESPONSES_API_STORE=1``)."""
@@ -512,6 +544,38 @@ def _chat_with_media(engine: LLMEngine | RemoteEngine, tokenizer: Any,
     ids = tokenizer.apply_chat_template(template_messages, add_generation_prompt,
                                         **template_kwargs)
     return engine.process_multimodal(ids, {"image": images})
+
+
+async def _embed(worker: EngineThread | EngineProcess, encoded: list[list[int]],
+                 params: SamplingParams, lora: LoRARequest | None, pooling: PoolingParams
+                 ) -> list[list[float]]:
+    """Submit each prompt as an embedding request; their vectors in order (every request
+    aborted if one is refused or the client leaves)."""
+    loop = asyncio.get_running_loop()
+    sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+    base = f"embd-{uuid.uuid4().hex}"
+    req_ids = [f"{base}-{i}" for i in range(len(encoded))]
+    vectors: dict[str, list[float]] = {}
+    submitted: list[str] = []
+    try:
+        for req_id, ids in zip(req_ids, encoded, strict=True):
+            await worker.admit(req_id, ids, params, None, sink, loop, None, lora, pooling)
+            submitted.append(req_id)
+        while len(vectors) < len(req_ids):
+            item = await sink.get()
+            if isinstance(item, BaseException):
+                raise APIError(500, f"internal error: {item}", "server_error")
+            if item.embedding is not None:
+                vectors[item.request_id] = item.embedding
+    except QueueFullError as error:
+        raise APIError(503, str(error), "service_unavailable") from None
+    except ValueError as error:  # the engine in its own process refused it
+        raise APIError(400, str(error), param="input") from None
+    finally:
+        for req_id in submitted:
+            if req_id not in vectors:
+                worker.abort(req_id)
+    return [vectors[req_id] for req_id in req_ids]
 
 
 async def _serve(request: Request, worker: EngineThread | EngineProcess, kind: str, model: str,

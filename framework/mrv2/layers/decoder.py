@@ -253,9 +253,13 @@ class CausalLM(nn.Module):
 
     def rename(self, name: str) -> str | None:
         """A checkpoint tensor's parameter name, or None to skip it (RoPE caches; a tied
-        checkpoint's ``lm_head.weight`` fills the embedding)."""
+        checkpoint's ``lm_head.weight`` fills the embedding). A decoder saved without its
+        ``model.`` prefix (``layers.*``, ``embed_tokens.*``, ``norm.*``: Qwen3-Embedding's
+        checkpoints) loads as if it had it."""
         if "rotary_emb.inv_freq" in name:
             return None
+        if name.startswith(("layers.", "embed_tokens.", "norm.")):
+            name = "model." + name
         if self.tie_word_embeddings and name == "lm_head.weight":
             return "model.embed_tokens.weight"
         return name

@@ -72,12 +72,27 @@ class AsyncStepOutput:
         self._result: dict[str, list[int]] | None = None
         self._logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._drafts: torch.Tensor | None = None
+        self._pooled: tuple[list[str], list[torch.Tensor]] | None = None
         self._drafts_of: dict[str, list[int]] | None = None
         self._prompt: list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def set_logprobs(self, ids: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor) -> None:
         """Attach the host buffers the step's sample logprobs are copied into."""
         self._logprobs = (ids, values, ranks)
+
+    def set_pooled(self, req_ids: list[str], vectors: list[torch.Tensor]) -> None:
+        """Embedding requests' pooled states (host tensors, filled by the step's copy)."""
+        self._pooled = (req_ids, vectors)
+
+    def pooled(self) -> dict[str, list[float]]:
+        """The pooled state of each embedding request that completed its prompt in this step
+        (waits for the step, as :meth:`result`)."""
+        if self._pooled is None:
+            return {}
+        if self._event is not None:
+            self._event.synchronize()
+        req_ids, vectors = self._pooled
+        return {req_id: v.tolist() for req_id, v in zip(req_ids, vectors, strict=True)}
 
     def set_drafts(self, drafts: torch.Tensor) -> None:
         """Attach the host buffer the drafts proposed after the step are copied into

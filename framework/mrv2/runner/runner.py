@@ -53,6 +53,7 @@ from mrv2.runner.cuda_graphs import (
     timed_ms,
 )
 from mrv2.runner.kv_cache import KVCaches, num_blocks_for
+from mrv2.runner.pooling import Pooled, RowPooler
 from mrv2.runner.startup import StartupReport, device_bytes_in_use
 from mrv2.sample.prompt_logprobs import PromptLogprobs
 from mrv2.sample.rejection import kept_token_logprobs, step_samples
@@ -119,6 +120,7 @@ class Runner:
         self.buffers = InputBuffers(
             self.max_num_tokens, self.max_num_reqs, self.max_blocks_per_req, self.device
         )
+        self.pooler = RowPooler()  # embedding requests' rows
         #: The adapter slots when the engine serves LoRA adapters (``enable_lora``), else None.
         self.lora = make_lora_manager(config, self.model, self.max_num_reqs,
                                       self.max_num_tokens, self.device, self.dtype)
@@ -229,6 +231,7 @@ class Runner:
         self.sampler.add_requests(requests, rows, staged)
         if self.lora is not None:
             self.lora.add_requests(requests, rows, staged)
+        self.pooler.add(requests, rows)
         for request, row in zip(requests, rows, strict=True):
             self.model_state.add_request(request, row)
 
@@ -240,6 +243,7 @@ class Runner:
             self.model_state.remove_request(req_id, row)
             if self.lora is not None:
                 self.lora.remove_request(row)
+            self.pooler.remove(row)
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -255,9 +259,10 @@ class Runner:
             self.builder.stage_new_blocks(self.table.row_of(req_id), block_ids, staged)
         step = self.builder.build(scheduled, staged, self.sampler.plan, self._uploader)
         with torch.inference_mode():
-            samples, out, prompt_lps = self._forward_and_sample(step,
-                                                                scheduled.fill_token_bitmasks)
-        return self._start_output_copy(step, samples, out, prompt_lps, scheduled.copy_drafts)
+            samples, out, prompt_lps, pooled = self._forward_and_sample(
+                step, scheduled.fill_token_bitmasks)
+        return self._start_output_copy(step, samples, out, prompt_lps, scheduled.copy_drafts,
+                                       pooled)
 
     def _forward(self, batch: InputBatch) -> torch.Tensor:
         kwargs = self.model_state.prepare_inputs(batch)
@@ -299,9 +304,10 @@ class Runner:
 
     def _forward_and_sample(
         self, step: StepPlan, before_sampling: Callable[[], None] | None = None,
-    ) -> tuple[StepSamples, SamplerOutput, list[PromptLogprobs]]:
+    ) -> tuple[StepSamples, SamplerOutput, list[PromptLogprobs], Pooled | None]:
         """The step's forward, then (``before_sampling`` called in between, the forward
-        launched) its sampling, post-update and drafting."""
+        launched) its sampling, post-update and drafting; embedding requests' pooled
+        states."""
         batch = step.batch
         model = cast(CausalLM, self.model)
         if step.replay_query_len:
@@ -325,7 +331,7 @@ class Runner:
                                    verified.num_sampled[: batch.num_reqs]))
             self.sampler.record_sampled(batch, samples)
             self._draft(step, samples, hidden)
-            return samples, out, []
+            return samples, out, [], None  # (a decode step: no prompt completes)
         logits = logits[: batch.num_logits]  # a graph's padding rows off (eager: all of them)
         prompt_lps = self.sampler.prompt_logprobs(hidden, model.compute_logits, self.table,
                                                   step.sample_plan)
@@ -343,8 +349,9 @@ class Runner:
             self.table.num_tokens,
         )
         self.sampler.record_sampled(batch, samples)
+        pooled = self.pooler.pool(batch, hidden)
         self._draft(step, samples, hidden)
-        return samples, out, prompt_lps
+        return samples, out, prompt_lps, pooled
 
     def _draft(self, step: StepPlan, samples: StepSamples, hidden: torch.Tensor) -> None:
         """The speculator's drafting after a step: its graph when the step replayed one."""
@@ -419,6 +426,7 @@ class Runner:
     def _start_output_copy(
         self, step: StepPlan, samples: StepSamples, out: SamplerOutput,
         prompt_lps: list[PromptLogprobs], copy_drafts: bool = False,
+        pooled: Pooled | None = None,
     ) -> AsyncStepOutput:
         batch = step.batch
         tokens_buf, counts_buf, slot = self._out_ring.take()
@@ -434,6 +442,9 @@ class Runner:
             extras += [p.ids, p.logprobs, p.ranks]
         if copy_drafts and self.speculator is not None:  # the drafts just proposed, by request
             extras.append(self._proposed_drafts(batch))
+        num_pooled = len(pooled[1]) if pooled is not None else 0
+        if pooled is not None:
+            extras += pooled[1]
         pinned = self._copy_stream is not None
         hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in extras]
         sources += list(zip(hosts, extras, strict=True))
@@ -460,7 +471,9 @@ class Runner:
             ids, values, ranks = hosts[base + 3 * i : base + 3 * i + 3]
             result.add_prompt_logprobs(p.req_id, p.first_position, ids, values, ranks)
         if copy_drafts and self.speculator is not None:
-            result.set_drafts(hosts[-1])
+            result.set_drafts(hosts[-1 - num_pooled])
+        if pooled is not None:
+            result.set_pooled(pooled[0], hosts[len(hosts) - num_pooled:])
         return result
 
     def _proposed_drafts(self, batch: InputBatch) -> torch.Tensor:

@@ -1,0 +1,74 @@
+"""OpenAI's embeddings API (``POST /v1/embeddings``): each input's embedding, the final
+hidden state of its last token (:class:`~mrv2.contract.pooling.PoolingParams`), normalized,
+as vLLM serves a decoder embedding model (Qwen3-Embedding, GTE-Qwen2, E5-Mistral).
+
+``input`` is a string, a list of strings, a token id list or a list of them (at most
+:data:`MAX_INPUTS`); ``dimensions`` keeps the first so many entries (Matryoshka models) before
+normalizing; ``encoding_format`` ``"base64"`` sends each vector as little-endian float32
+bytes in base64, as OpenAI's client asks by default. The inputs of one request run in the
+same steps (beside any generation requests), each a prompt of its own.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["MAX_INPUTS", "EmbeddingRequest", "embedding_response"]
+
+#: The most inputs one request may carry (OpenAI's limit).
+MAX_INPUTS = 2048
+
+
+class EmbeddingRequest(BaseModel):
+    """``POST /v1/embeddings``' body."""
+
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+    normalize: bool = True  # (vLLM's extra)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+
+    def inputs(self) -> list[str | list[int]]:
+        """Each input: a text or a token id list; ValueError on an empty or too long list."""
+        value = self.input
+        items: list[str | list[int]]
+        if isinstance(value, str):
+            items = [value]
+        elif value and all(isinstance(v, int) for v in value):
+            items = [list(value)]  # type: ignore[arg-type]  # (one token id list)
+        else:
+            items = list(value)  # type: ignore[arg-type]
+        if not items or any(len(item) == 0 for item in items):
+            raise ValueError("input must not be empty (nor hold an empty text or id list)")
+        if len(items) > MAX_INPUTS:
+            raise ValueError(f"input holds {len(items)} items; at most {MAX_INPUTS}")
+        return items
+
+    def truncate(self, ids: list[int]) -> list[int]:
+        """The last ``truncate_prompt_tokens`` ids, when set (vLLM's)."""
+        n = self.truncate_prompt_tokens
+        return ids[-n:] if n is not None and len(ids) > n else ids
+
+
+def embedding_response(vectors: list[list[float]], num_prompt_tokens: int, model: str,
+                       request_id: str, created: int, encoding_format: str
+                       ) -> dict[str, Any]:
+    """The API's answer for ``vectors`` (one per input, in input order)."""
+    data = []
+    for index, vector in enumerate(vectors):
+        embedding: list[float] | str = vector
+        if encoding_format == "base64":
+            raw = np.asarray(vector, dtype="<f4").tobytes()
+            embedding = base64.b64encode(raw).decode("ascii")
+        data.append({"object": "embedding", "index": index, "embedding": embedding})
+    return {"id": request_id, "object": "list", "created": created, "model": model,
+            "data": data,
+            "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens}}

@@ -1,0 +1,119 @@
+"""Embedding requests (``LLM.embed``, ``pooling_params``) against HF's final hidden state of
+each prompt's last token (``AutoModel``'s ``last_hidden_state``), normalized: Qwen3 and Llama,
+beside generation requests in the same steps (whose tokens do not change), through chunked
+prefill, a prefix-cache hit and the emulated CUDA-graph path; ``dimensions`` and
+``normalize``; a checkpoint saved without its ``model.`` prefix (Qwen3-Embedding's); a LoRA
+adapter's embeddings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from mrv2 import LLM, LoRARequest, PoolingParams, SamplingParams
+from mrv2.testing import (
+    emulate_cuda_graphs,
+    hf_greedy,
+    make_lora_adapter,
+    make_tiny_checkpoint,
+    merge_lora_checkpoint,
+)
+
+PROMPTS = [[5, 17, 99, 3, 42], [1 + i % 200 for i in range(23)], [64]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def hf_states(path: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """HF's final hidden state of each prompt's last token (raw, not normalized)."""
+    model = transformers.AutoModel.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model(torch.tensor([p])).last_hidden_state[0, -1] for p in prompts]
+
+
+def _close(got: list[float], want: torch.Tensor) -> None:
+    torch.testing.assert_close(torch.tensor(got), want, rtol=1e-4, atol=1e-5)
+
+
+def _llm(path: Path, **kwargs: Any) -> LLM:
+    return LLM(str(path), device="cpu", dtype="float32", block_size=4, max_model_len=64,
+               **kwargs)
+
+
+@pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM", "LlamaForCausalLM"])
+def test_embeddings_match_hf_beside_generation(architecture: str, tmp_path: Path) -> None:
+    path = make_tiny_checkpoint(tmp_path, architecture, head_dim=16)
+    want = [torch.nn.functional.normalize(s, dim=-1) for s in hf_states(path, PROMPTS)]
+    llm = _llm(path)
+    for got, w in zip(llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False),
+                      want, strict=True):
+        assert got.outputs.hidden_size == w.shape[0]
+        _close(got.outputs.embedding, w)
+    # embedding and generation requests in the same steps
+    engine = llm.engine
+    gen = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    emb = [engine.add_request(p, GREEDY, pooling_params=PoolingParams()) for p in PROMPTS]
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    for req_id, prompt in zip(gen, PROMPTS, strict=True):
+        assert done[req_id].outputs[0].token_ids == hf_greedy(path, prompt, 6)
+        assert done[req_id].embedding is None
+    for req_id, w in zip(emb, want, strict=True):
+        _close(done[req_id].embedding or [], w)
+
+
+def test_chunks_cache_graphs_and_pooling_options(tmp_path: Path) -> None:
+    path = make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM", head_dim=16)
+    raw = hf_states(path, PROMPTS)
+    # chunked prefill (8 tokens a step), the prefix cache, the emulated graphs
+    llm = _llm(path, max_num_batched_tokens=8, enable_prefix_caching=True)
+    emulate_cuda_graphs(llm.engine.runner)
+    for _ in range(2):  # the second time the prompts' blocks are cached
+        outs = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
+        for got, state in zip(outs, raw, strict=True):
+            _close(got.outputs.embedding, torch.nn.functional.normalize(state, dim=-1))
+    assert outs[1].num_cached_tokens > 0
+    short = llm.embed({"prompt_token_ids": PROMPTS[1]}, PoolingParams(normalize=False,
+                                                                      dimensions=10),
+                      use_tqdm=False)[0]
+    _close(short.outputs.embedding, raw[1][:10])
+    with pytest.raises(ValueError, match="dimensions=65 is invalid"):
+        llm.embed({"prompt_token_ids": PROMPTS[0]}, PoolingParams(dimensions=65),
+                  use_tqdm=False)
+    with pytest.raises(ValueError, match="dimensions"):
+        PoolingParams(dimensions=0)
+
+
+def test_a_checkpoint_without_the_model_prefix(tmp_path: Path) -> None:
+    """Qwen3-Embedding's checkpoints name the decoder's tensors ``layers.*``,
+    ``embed_tokens.*``, ``norm.*`` and tie the LM head."""
+    path = make_tiny_checkpoint(tmp_path / "base", "Qwen3ForCausalLM", head_dim=16,
+                                tie_word_embeddings=True)
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for file in path.iterdir():
+        if file.suffix != ".safetensors":
+            (flat / file.name).write_bytes(file.read_bytes())
+    tensors = {k.removeprefix("model."): v for k, v in
+               load_file(str(path / "model.safetensors")).items() if k != "lm_head.weight"}
+    save_file(tensors, str(flat / "model.safetensors"), metadata={"format": "pt"})
+    assert "layers.0.self_attn.q_proj.weight" in tensors
+    got = _llm(flat).embed({"prompt_token_ids": PROMPTS[0]}, use_tqdm=False)[0]
+    _close(got.outputs.embedding,
+           torch.nn.functional.normalize(hf_states(path, PROMPTS[:1])[0], dim=-1))
+
+
+def test_an_adapters_embeddings(tmp_path: Path) -> None:
+    path = make_tiny_checkpoint(tmp_path / "base", "Qwen3ForCausalLM", head_dim=16)
+    adapter = make_lora_adapter(path, tmp_path / "adapter", rank=4, seed=3)
+    merged = merge_lora_checkpoint(path, adapter, tmp_path / "merged")
+    want = torch.nn.functional.normalize(hf_states(merged, PROMPTS[:1])[0], dim=-1)
+    llm = _llm(path, enable_lora=True)
+    got = llm.embed({"prompt_token_ids": PROMPTS[0]}, use_tqdm=False,
+                    lora_request=LoRARequest("a", 1, str(adapter)))[0]
+    _close(got.outputs.embedding, want)

@@ -1,0 +1,94 @@
+"""``POST /v1/embeddings`` through the official client: each input's vector is
+``LLM.embed``'s (texts, token ids, ``dimensions``, float and base64 encodings), with the engine
+in this process and in its own; bad inputs are a 400 naming the field."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from server_util import API_KEY, ENGINE_KWARGS, MODEL, Served
+
+from mrv2 import LLM, EngineConfig, PoolingParams
+from mrv2.testing import serve_in_thread
+
+openai = pytest.importorskip("openai")
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+TEXTS = ["Hello world", "The capital of France is"]
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> LLM:
+    return LLM(str(model_dir), **{k: v for k, v in ENGINE_KWARGS.items()
+                                  if k not in ("num_gpu_blocks_override", "max_num_seqs")})
+
+
+def _want(reference: LLM, inputs: list[Any], dimensions: int | None = None
+          ) -> list[list[float]]:
+    tokenizer = reference.get_tokenizer()
+    prompts = [{"prompt_token_ids": tokenizer.encode(x) if isinstance(x, str) else x}
+               for x in inputs]
+    outs = reference.embed(prompts, PoolingParams(dimensions=dimensions), use_tqdm=False)
+    return [o.outputs.embedding for o in outs]
+
+
+def _check(url: str, reference: LLM) -> None:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+    got = client.embeddings.create(model=MODEL, input=TEXTS)  # (the client asks base64)
+    assert [d.index for d in got.data] == [0, 1]
+    want = _want(reference, TEXTS)
+    for d, w in zip(got.data, want, strict=True):
+        np.testing.assert_allclose(d.embedding, w, rtol=1e-5, atol=1e-6)
+    assert got.usage.prompt_tokens == sum(len(reference.get_tokenizer().encode(t))
+                                          for t in TEXTS)
+    ids = [5, 9, 3, 17]
+    short = client.embeddings.create(model=MODEL, input=ids, dimensions=8,
+                                     encoding_format="float")
+    np.testing.assert_allclose(short.data[0].embedding, _want(reference, [ids], 8)[0],
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_embeddings_are_the_engines(server: Served, reference: LLM) -> None:
+    _check(server.url, reference)
+
+
+def test_embeddings_through_the_engine_process(model_dir: Path, reference: LLM) -> None:
+    from mrv2.entrypoints.engine_process import RemoteEngine
+    from mrv2.entrypoints.server import create_app
+
+    engine = RemoteEngine(EngineConfig.from_kwargs(model=str(model_dir), **ENGINE_KWARGS))
+    try:
+        for url in serve_in_thread(create_app(engine, served_model_name=MODEL,
+                                              api_key=API_KEY)):
+            _check(url, reference)
+    finally:
+        engine.shutdown()
+
+
+def test_base64_is_little_endian_float32(server: Served, reference: LLM) -> None:
+    body = {"model": MODEL, "input": "Hello world", "encoding_format": "base64"}
+    data = httpx.post(f"{server.url}/v1/embeddings", json=body, headers=AUTH,
+                      timeout=60).json()["data"]
+    vector = np.frombuffer(base64.b64decode(data[0]["embedding"]), dtype="<f4")
+    np.testing.assert_allclose(vector, _want(reference, ["Hello world"])[0], rtol=1e-5,
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": []}, "input"),
+    ({"input": [""]}, "input"),
+    ({"input": "x", "dimensions": 10_000}, "dimensions"),
+    ({"input": "x", "dimensions": 0}, "dimensions"),
+    ({"input": [[5, 100_000]]}, "input"),
+    ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+])
+def test_bad_inputs_name_the_field(server: Served, body: dict[str, Any], param: str) -> None:
+    response = httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL, **body},
+                          headers=AUTH, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
