@@ -109,6 +109,12 @@ class ModelConfig(_Section):
         description="config.json fields to change, as JSON: '{\"num_hidden_layers\": 40}' runs "
         "a model's first 40 layers (with --load-format dummy: a checkpoint must match)",
     )
+    runner: Literal["auto", "generate", "pooling"] = Field(
+        default="auto",
+        description="'pooling': an embedding model (vLLM's --runner pooling): only embedding "
+        "requests, and a checkpoint without an LM head loads (Qwen3-Embedding-8B); 'auto' "
+        "and 'generate': text generation (embedding requests too)",
+    )
     chat_template: str | None = Field(
         default=None,
         description="a Jinja chat template, or the path of a file holding one, used instead of "

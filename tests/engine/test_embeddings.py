@@ -117,3 +117,33 @@ def test_an_adapters_embeddings(tmp_path: Path) -> None:
     got = llm.embed({"prompt_token_ids": PROMPTS[0]}, use_tqdm=False,
                     lora_request=LoRARequest("a", 1, str(adapter)))[0]
     _close(got.outputs.embedding, want)
+
+
+def test_the_pooling_runner(tmp_path: Path) -> None:
+    """``runner="pooling"``: an untied checkpoint without its LM head loads (Qwen3-Embedding-8B
+    ships none), embeds as HF does, refuses generation by name, and warms up with embedding
+    requests only, leaving the engine as it found it; the generating runner refuses that
+    checkpoint."""
+    from mrv2.engine.warmup import warm_up
+
+    path = make_tiny_checkpoint(tmp_path / "base", "Qwen3ForCausalLM", head_dim=16,
+                                tie_word_embeddings=False)
+    headless = tmp_path / "headless"
+    headless.mkdir()
+    for file in path.iterdir():
+        if file.suffix != ".safetensors":
+            (headless / file.name).write_bytes(file.read_bytes())
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(headless / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        _llm(headless)
+    llm = _llm(headless, runner="pooling")
+    stats = llm.engine.stats()
+    warm_up(llm.engine)
+    assert llm.engine.stats() == stats
+    got = llm.embed({"prompt_token_ids": PROMPTS[1]}, use_tqdm=False)[0]
+    _close(got.outputs.embedding,
+           torch.nn.functional.normalize(hf_states(path, PROMPTS[1:2])[0], dim=-1))
+    with pytest.raises(ValueError, match="runner='pooling'"):
+        llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False)

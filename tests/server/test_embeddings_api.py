@@ -92,3 +92,14 @@ def test_bad_inputs_name_the_field(server: Served, body: dict[str, Any], param: 
                           headers=AUTH, timeout=60)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_a_pooling_server_refuses_generation(model_dir: Path, reference: LLM) -> None:
+    from conftest import serve
+
+    for served in serve(model_dir, {"runner": "pooling"}):
+        _check(served.url, reference)
+        response = httpx.post(f"{served.url}/v1/completions", headers=AUTH, timeout=60,
+                              json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+        assert response.status_code == 400
+        assert "runner='pooling'" in response.json()["error"]["message"]

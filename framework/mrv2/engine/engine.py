@@ -162,8 +162,10 @@ class LLMEngine:
                                   prompt_token_ids, mm_data)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
-                 lora_request: LoRARequest | None = None) -> int:
-        """Check a request can run; returns its effective max_tokens. Raises ``ValueError``."""
+                 lora_request: LoRARequest | None = None, pooling: bool = False) -> int:
+        """Check a request (an embedding request with ``pooling``) can run; returns its
+        effective max_tokens. Raises ``ValueError``."""
+        check_runner(self.config, pooling)
         check_prompt(prompt_token_ids, params, self.max_model_len, self.runner.vocab_size)
         if lora_request is not None:
             lora = getattr(self.runner, "lora", None)
@@ -227,7 +229,8 @@ class LLMEngine:
             pooling_params.check(self.hidden_size)
             params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
                                     output_kind=params.output_kind)
-        max_tokens = self.validate(prompt_token_ids, params, lora_request)
+        max_tokens = self.validate(prompt_token_ids, params, lora_request,
+                                   pooling_params is not None)
         stream = stream and params.output_kind != RequestOutputKind.FINAL_ONLY
         mm_items = list(mm_items or [])
         NewRequest("validate", prompt_token_ids, params, 0, [], mm_items=mm_items)
@@ -560,6 +563,14 @@ class LLMEngine:
         return {"max_lora": self.config.lora.max_loras,
                 "lora_running": names(self.scheduler.running),
                 "lora_waiting": names(self.scheduler.waiting)}
+
+
+def check_runner(config: EngineConfig, pooling: bool) -> None:
+    """An engine of ``runner="pooling"`` takes embedding requests only: ValueError naming
+    the runner for a generation request."""
+    if config.model.runner == "pooling" and not pooling:
+        raise ValueError("this engine runs an embedding model (runner='pooling'): it takes "
+                         "embedding requests only (LLM.embed, /v1/embeddings)")
 
 
 def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int,

@@ -127,7 +127,7 @@ class LLM:
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         encoded = [self._encode(prompt) for prompt in prompts]
         for (token_ids, _, _), lora in zip(encoded, loras, strict=True):
-            self.engine.validate(token_ids, params, lora)
+            self.engine.validate(token_ids, params, lora, pooling=True)
         outputs = self._run(encoded, [params] * len(prompts), use_tqdm, loras, pooling)
         return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding or []),
                                        o.prompt_token_ids, True, o.num_cached_tokens)

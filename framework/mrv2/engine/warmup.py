@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from mrv2.contract.params import SamplingParams, StructuredOutputsParams
+from mrv2.contract.pooling import PoolingParams
 from mrv2.distributed.parallel_state import tp_size
 from mrv2.sample.state import PENALTY_STATE_MAX_ELEMENTS, SamplingState
 from mrv2_kernels.token_bitmask import apply_token_bitmask
@@ -68,9 +69,11 @@ class WarmableEngine(Protocol):
     runner: Any
     max_model_len: int
     tokenizer: Any
+    config: Any
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> str: ...
+                    request_id: str | None = None, *,
+                    pooling_params: PoolingParams | None = None) -> str: ...
 
     def step(self) -> list[Any]: ...
 
@@ -97,6 +100,16 @@ def warm_up(engine: WarmableEngine, max_tokens: int = 4) -> float:
     runner = engine.runner
     prompt = warmup_prompt(runner.vocab_size, engine.max_model_len, runner.block_size)
     max_tokens = max(1, min(max_tokens, engine.max_model_len - len(prompt)))
+    if engine.config.model.runner == "pooling":  # embedding requests only: two of them
+        for b in range(2):  # (the second after the first's cached prefix)
+            engine.add_request(prompt, SamplingParams(), request_id=f"{WARMUP_ID_PREFIX}{b}",
+                               pooling_params=PoolingParams())
+            while engine.has_unfinished():
+                engine.step()
+        engine.reset_after_warmup()
+        seconds = time.perf_counter() - start
+        logger.info("warm-up: 2 embedding requests through the step path in %.2f s", seconds)
+        return seconds
     state = getattr(runner.sampler, "state", None)
     penalties = isinstance(state, SamplingState) and _penalty_state_fits(state)
     batches = WARMUP_BATCHES + (PENALTY_BATCHES if penalties else ())

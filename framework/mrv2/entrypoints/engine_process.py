@@ -32,6 +32,7 @@ from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.engine import (
     _load_tokenizer,
     check_prompt,
+    check_runner,
     make_input_processor,
     process_multimodal,
 )
@@ -358,10 +359,11 @@ class RemoteEngine:
             info.input_processor, info.model_dir, info.hf_config, self.tokenizer, config)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
-                 lora: LoRARequest | None = None) -> None:
-        """The checks that need no engine state (the prompt's length and ids, the params'
-        token ids); the engine makes the rest (``lora``'s adapter too) when it adds the
-        request."""
+                 lora: LoRARequest | None = None, pooling: bool = False) -> None:
+        """The checks that need no engine state (the runner's kind, the prompt's length and
+        ids, the params' token ids); the engine makes the rest (``lora``'s adapter too) when
+        it adds the request."""
+        check_runner(self.config, pooling)
         check_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size)
 
     def process_multimodal(self, prompt_token_ids: list[int], mm_data: Any

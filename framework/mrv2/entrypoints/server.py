@@ -399,7 +399,7 @@ def create_app(engine: LLMEngine | RemoteEngine,
         lora = lora_of(body)
         for ids in encoded:
             try:
-                engine.validate(ids, params, lora)
+                engine.validate(ids, params, lora, pooling=True)
             except ValueError as error:
                 raise APIError(400, str(error), param="input") from None
         vectors = await _embed(worker, encoded, params, lora, pooling)

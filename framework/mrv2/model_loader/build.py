@@ -185,6 +185,16 @@ def load_or_draw_weights(model: nn.Module, config: EngineConfig, model_dir: str)
     if config.model.load_format == "dummy":
         init_dummy_weights(model, seed=config.model.seed)
         draw_fp8_weights(model, seed=config.model.seed, std=0.02)
+    elif config.model.runner == "pooling":  # an embedding model needs no LM head
+        loaded = load_model_weights(model, iter_safetensors(model_dir),
+                                    optional=frozenset({"lm_head.weight"}))
+        head = getattr(getattr(model, "lm_head", None), "weight", None)
+        embed = getattr(getattr(getattr(model, "model", None), "embed_tokens", None), "weight",
+                        None)
+        if "lm_head.weight" not in loaded and head is not None and embed is not None and (
+                head is not embed and head.shape == embed.shape):
+            with torch.no_grad():  # (its token is drawn and dropped: any finite head does)
+                head.copy_(embed)
     else:
         load_model_weights(model, iter_safetensors(model_dir))
 

@@ -114,9 +114,11 @@ def _iter_files(paths: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model_weights(
-    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool = True
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool = True,
+    optional: frozenset[str] = frozenset(),
 ) -> set[str]:
-    """Run ``model.load_weights(weights)``; with ``strict``, fail if any parameter was not loaded.
+    """Run ``model.load_weights(weights)``; with ``strict``, fail if any parameter was not loaded
+    but those named in ``optional``.
 
     Returns the names of the parameters that were loaded.
     """
@@ -127,7 +129,8 @@ def load_model_weights(
             f"map checkpoint names to its parameters itself"
         )
     loaded: set[str] = load_weights(weights)
-    missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
+    missing = sorted(name for name, _ in model.named_parameters()
+                     if name not in loaded and name not in optional)
     if strict and missing:
         shown = ", ".join(missing[:20]) + (", ..." if len(missing) > 20 else "")
         raise ValueError(
