@@ -14,7 +14,7 @@
 # CUDA, no syncs, the output kinds, mrv2 bench outputs), structuredspec (the structured-outputs
 # probe with n-gram drafts), servelong (256 streams of 2,048 tokens through mrv2 serve;
 # .whl-old: A/B),
-# lora (the thirtieth's LoRA adapters and embeddings: their GPU and kernel tests on CUDA, then mrv2 bench
+# lora (the thirtieth's LoRA adapters, embeddings and weight updates: their GPU and kernel tests on CUDA, then mrv2 bench
 # latency's lora_* variants at batch 1 / 8 / 64 on Qwen3-0.6B and Qwen3-8B),
 # graphtimes (scripts/decode_graph_times.py: each decode graph's replay time by size),
 # streamk (scripts/proto_streamk.py: a stream-K GEMM against cuBLAS at 8B decode shapes), attn,
@@ -152,7 +152,8 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
     lora) # LoRA adapters: the GPU tests (fp32 parity with HF's merged weights, bf16 graphs
           # against eager), the kernel on CUDA, then what adapters cost a decode step
           timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_lora.py \
-            tests/gpu/test_gpu_embeddings.py 2>&1 | tee "$OUT/lora_tests.log" | tail -2
+            tests/gpu/test_gpu_embeddings.py tests/gpu/test_gpu_update_weights.py 2>&1 \
+            | tee "$OUT/lora_tests.log" | tail -2
           timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_lora_kernel.py \
             2>&1 | tee "$OUT/lora_kernel_tests.log" | tail -2
           for m in Qwen3-0.6B Qwen3-8B; do

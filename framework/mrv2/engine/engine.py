@@ -13,9 +13,11 @@ import os
 import random
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, cast
 
 import numpy as np
+import torch
 
 from mrv2.config import EngineConfig
 from mrv2.contract.input_processor import InputProcessor
@@ -150,6 +152,39 @@ class LLMEngine:
         self._drafted_hist = [0] * len(self._drafted_hist)
         self._accepted_hist = [0] * len(self._accepted_hist)
         self.num_prompt_tokens = self.num_generation_tokens = 0
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache's blocks (vLLM's name): False, and nothing done, while
+        requests run or wait (their blocks are being registered), else True."""
+        if self.has_unfinished():
+            return False
+        self.block_manager.reset_prefix_cache()
+        return True
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load ``(name, tensor)`` pairs, named as in the checkpoint, into the served model in
+        place (an RL trainer's new policy, as TRL and verl hand vLLM theirs), then forget the
+        prefix cache (its KV is the old weights'). The CUDA graphs replay the new values.
+        The engine must be idle; a tensor-parallel engine and an fp8 model refuse (their
+        weights are split or quantized at load). Returns the parameter names loaded; a name
+        the model does not have is a ValueError."""
+        from mrv2.layers.fp8 import fp8_config_of
+        from mrv2.model_loader.build import CausalLM, process_weights_after_loading
+
+        if self.has_unfinished():
+            raise RuntimeError("update_weights needs an idle engine: requests are in flight")
+        if self.config.parallel.tensor_parallel_size > 1:
+            raise ValueError("update_weights: not with tensor_parallel_size > 1 (each rank "
+                             "holds its own part of the weights)")
+        if fp8_config_of(self.runner.hf_config, self.config.model.quantization) is not None:
+            raise ValueError("update_weights: not for an fp8 model (its weights are "
+                             "quantized at load)")
+        model = self.runner.model
+        with torch.no_grad():
+            loaded: set[str] = cast(CausalLM, model).load_weights(weights)
+        process_weights_after_loading(model)  # (a layout for the device, as at load)
+        self.block_manager.reset_prefix_cache()
+        return loaded
 
     # -- requests ----------------------------------------------------------------------------
 

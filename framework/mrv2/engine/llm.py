@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
+import torch
 from tqdm import tqdm
 
 from mrv2.config import EngineConfig
@@ -106,6 +107,15 @@ class LLM:
         for (token_ids, _, _), params, lora in zip(encoded, params_list, loras, strict=True):
             self.engine.validate(token_ids, params, lora)
         return self._run(encoded, params_list, use_tqdm, loras)
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load new weights into the served model in place and forget the prefix cache
+        (:meth:`LLMEngine.update_weights`: an RL trainer's new policy between rollouts)."""
+        return self.engine.update_weights(weights)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (False while requests are in flight)."""
+        return self.engine.reset_prefix_cache()
 
     def embed(
         self,

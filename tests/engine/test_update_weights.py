@@ -1,0 +1,76 @@
+"""``LLM.update_weights`` (an RL trainer's new policy loaded in place between rollouts, as
+TRL and verl do with vLLM): after loading checkpoint B's tensors into an engine built on A,
+greedy tokens are HF's on B, for each family's layouts (dense, MoE, GLM, DeepSeek's MLA),
+through the emulated CUDA-graph path and with the prefix cache forgotten (its KV was A's);
+``reset_prefix_cache`` refuses while requests are in flight; what cannot be updated in place
+is refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mrv2 import LLM, SamplingParams
+from mrv2.model_loader.loader import iter_safetensors
+from mrv2.testing import emulate_cuda_graphs, hf_greedy, make_tiny_checkpoint
+
+MLA = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+       "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
+       "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+       "first_k_dense_replace": 1, "tie_word_embeddings": False}
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3": ("Qwen3ForCausalLM", {"head_dim": 16}),
+    "qwen3-moe": ("Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
+                                          "moe_intermediate_size": 32}),
+    "glm4-moe": ("Glm4MoeForCausalLM", {"n_routed_experts": 4, "num_experts_per_tok": 2,
+                                        "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+                                        "n_shared_experts": 1, "partial_rotary_factor": 0.5,
+                                        "n_group": 1, "topk_group": 1}),
+    "deepseek-v2-lite": ("DeepseekV2ForCausalLM", {**MLA, "q_lora_rank": None,
+                                                   "topk_method": "greedy"}),
+}
+PROMPT = [5, 17, 42, 9, 100, 3, 77, 8, 21]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def _tokens(llm: LLM) -> list[int]:
+    return llm.generate({"prompt_token_ids": PROMPT}, GREEDY, use_tqdm=False)[0].outputs[
+        0].token_ids
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_new_weights_give_the_new_models_tokens(family: str, tmp_path: Path) -> None:
+    architecture, overrides = FAMILIES[family]
+    a = make_tiny_checkpoint(tmp_path / "a", architecture, seed=1, **overrides)
+    b = make_tiny_checkpoint(tmp_path / "b", architecture, seed=2, **overrides)
+    want = hf_greedy(b, PROMPT, 8)
+    llm = LLM(str(a), device="cpu", dtype="float32", block_size=4, max_model_len=64,
+              enable_prefix_caching=True)
+    emulate_cuda_graphs(llm.engine.runner)
+    assert _tokens(llm) == hf_greedy(a, PROMPT, 8) != want  # (the prompt's blocks cached)
+    loaded = llm.update_weights(iter_safetensors(str(b)))
+    assert loaded == {name for name, _ in llm.engine.runner.model.named_parameters()}
+    out = llm.generate({"prompt_token_ids": PROMPT}, GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == want
+    assert out.num_cached_tokens == 0  # nothing of A's KV was reused
+
+
+def test_refusals(tmp_path: Path) -> None:
+    path = make_tiny_checkpoint(tmp_path / "m", "Qwen3ForCausalLM", head_dim=16)
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, max_model_len=64)
+    llm.engine.add_request(PROMPT, GREEDY)
+    assert llm.reset_prefix_cache() is False
+    with pytest.raises(RuntimeError, match="idle"):
+        llm.update_weights(iter_safetensors(str(path)))
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert llm.reset_prefix_cache() is True
+    with pytest.raises(ValueError, match="matches no parameter"):
+        llm.update_weights([("model.layers.0.nothing.weight", PROMPT)])  # type: ignore[list-item]
+    fp8 = LLM(str(path), device="cpu", dtype="float32", block_size=4, max_model_len=64,
+              quantization="fp8")
+    with pytest.raises(ValueError, match="fp8"):
+        fp8.update_weights(iter_safetensors(str(path)))
