@@ -13,6 +13,7 @@ from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import SamplingParams
 from mrv2.contract.pooling import PoolingParams
 from mrv2.contract.requests import MultiModalItem
+from mrv2.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from mrv2.engine.engine import LLMEngine
 from mrv2.engine.media import split_chat_media
 from mrv2.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
@@ -107,6 +108,18 @@ class LLM:
         for (token_ids, _, _), params, lora in zip(encoded, params_list, loras, strict=True):
             self.engine.validate(token_ids, params, lora)
         return self._run(encoded, params_list, use_tqdm, loras)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams
+                    ) -> list[BeamSearchOutput]:
+        """Beam search for each prompt (vLLM's ``LLM.beam_search``; text prompts or
+        ``{"prompt_token_ids": [...]}``): its best ``params.beam_width`` sequences, best
+        first (:mod:`mrv2.engine.beam_search`)."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        encoded = [self._encode(prompt) for prompt in prompts]
+        if any(items for _, _, items in encoded):
+            raise ValueError("beam_search takes text prompts only (no multi_modal_data)")
+        return beam_search(self.engine, [ids for ids, _, _ in encoded], params)
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load new weights into the served model in place and forget the prefix cache

@@ -61,6 +61,8 @@ class EngineInfo:
     hf_config: Any
     #: The length of the model's embeddings (embedding requests' ``dimensions`` at most).
     hidden_size: int = 0
+    #: The ids that end an answer (beam search ends its beams on them in the server).
+    eos_token_ids: frozenset[int] = frozenset()
 
 
 def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connection,
@@ -93,7 +95,7 @@ def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connect
         architecture=runner.model_entry.architecture,
         input_processor=runner.model_entry.input_processor or None,
         hf_config=runner.hf_config if runner.model_entry.input_processor else None,
-        hidden_size=engine.hidden_size)))
+        hidden_size=engine.hidden_size, eos_token_ids=engine.eos_token_ids)))
     profile = os.environ.get(PROFILE_ENV_VAR, "").strip()
     sampler = StackSampler() if profile else None  # (the server's report, FILE.engine)
     if sampler is not None:

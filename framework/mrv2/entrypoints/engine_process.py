@@ -352,6 +352,7 @@ class RemoteEngine:
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
         self.hidden_size = info.hidden_size
+        self.eos_token_ids = info.eos_token_ids
         self.sampling_defaults = info.sampling_defaults
         self.tokenizer: Tokenizer | None = _load_tokenizer(
             config.model.tokenizer or info.model_dir, config.model.chat_template)

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mrv2.contract.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from mrv2.engine.beam_search import BeamSearchParams
 from mrv2.engine.outputs import PositionLogprobs
 
 
@@ -44,7 +45,9 @@ class _Request(BaseModel):
     bad_words: list[str] | None = None
     #: Keep only the prompt's last k tokens (vLLM's ``truncate_prompt_tokens``).
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    #: vLLM's: completions by beam search, ``n`` beams (:mod:`mrv2.engine.beam_search`).
     use_beam_search: bool = False
+    length_penalty: float = 1.0
     prompt_logprobs: int | None = None
     #: vLLM's: the prompt's and each choice's token ids beside the text (streamed: the
     #: prompt's in the first chunk, each chunk its new ids).
@@ -68,7 +71,6 @@ class _Request(BaseModel):
         def pick(name: str, value: Any, fallback: Any) -> Any:
             return value if value is not None else d.get(name, fallback)
 
-        _unsupported("use_beam_search", self.use_beam_search, False)
         bias = None
         if self.logit_bias:
             try:
@@ -208,7 +210,26 @@ class CompletionRequest(_Request):
         max_tokens = self._requested_max()
         if max_tokens is None and not (defaults and "max_tokens" in defaults):
             max_tokens = self.max_tokens  # OpenAI's default of 16 unless the model has one
+        if self.use_beam_search:
+            for name, value, allowed in (("stream", self.stream, False),
+                                         ("logprobs", self.logprobs, None),
+                                         ("echo", self.echo, False)):
+                if value != allowed:
+                    raise ValueError(f"SamplingParams.{name}={value!r} is invalid with "
+                                     f"use_beam_search: expected {allowed!r}")
         return self._sampling(max_tokens, self.logprobs, defaults)
+
+    def beam_search_params(self, params: SamplingParams) -> BeamSearchParams:
+        """The beam search of a ``use_beam_search`` request: ``n`` beams of ``params``'
+        ``max_tokens``; ValueError naming the field."""
+        try:
+            return BeamSearchParams(beam_width=self.n, max_tokens=params.max_tokens or 16,
+                                    ignore_eos=self.ignore_eos,
+                                    temperature=params.temperature,
+                                    length_penalty=self.length_penalty)
+        except ValueError as error:
+            name = "n" if "beam_width" in str(error) else "length_penalty"
+            raise ValueError(f"SamplingParams.{name}: {error}") from None
 
     def _requested_max(self) -> int | None:
         return self.max_tokens if "max_tokens" in self.model_fields_set else None
@@ -308,6 +329,7 @@ class ChatCompletionRequest(_Request):
     def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """The request's SamplingParams; ``defaults`` (the model's sampling defaults) fill the
         fields it leaves unset."""
+        _unsupported("use_beam_search", self.use_beam_search, False)  # (completions only)
         if isinstance(self.tool_choice, str) and self.tool_choice not in (
                 "none", "auto", "required"):
             raise ValueError(f"SamplingParams.tool_choice={self.tool_choice!r} is invalid: "

@@ -33,6 +33,7 @@ from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from mrv2.contract.pooling import PoolingParams
 from mrv2.contract.requests import MultiModalItem
+from mrv2.engine.beam_search import BeamSearch, BeamSearchParams
 from mrv2.engine.engine import LLMEngine
 from mrv2.engine.gc_pauses import freeze_startup_heap
 from mrv2.engine.media import split_chat_media
@@ -300,6 +301,16 @@ def create_app(engine: LLMEngine | RemoteEngine,
                 encoded.append((body.truncate(list(p)), None))
         for ids, _ in encoded:
             validate(ids, params, body)
+        if body.use_beam_search:
+            try:
+                beams = body.beam_search_params(params)
+            except ValueError as error:
+                raise APIError(400, str(error), param=value_error_param(str(error))) from None
+            lora = lora_of(body)
+            return JSONResponse(await _beam_answer(
+                worker, [ids for ids, _ in encoded], beams, engine.eos_token_ids,
+                engine.max_model_len, tokenizer() if engine.tokenizer else None,
+                lora.lora_name if lora else model_name, lora))
         echo = None
         if body.echo:  # each prompt as given, or its ids' text
             tok = tokenizer()
@@ -544,6 +555,62 @@ def _chat_with_media(engine: LLMEngine | RemoteEngine, tokenizer: Any,
     ids = tokenizer.apply_chat_template(template_messages, add_generation_prompt,
                                         **template_kwargs)
     return engine.process_multimodal(ids, {"image": images})
+
+
+async def _beam_answer(worker: EngineThread | EngineProcess, prompts: list[list[int]],
+                       params: BeamSearchParams, eos: frozenset[int], max_model_len: int,
+                       tokenizer: Any, model: str, lora: LoRARequest | None
+                       ) -> dict[str, Any]:
+    """A completions answer by beam search (vLLM's ``use_beam_search``): each step's beams
+    as one-token requests through the worker; ``n`` choices a prompt, best first."""
+    search = BeamSearch(prompts, params, eos, max_model_len)
+    loop = asyncio.get_running_loop()
+    base = f"cmpl-{uuid.uuid4().hex}"
+    step = 0
+    while True:
+        requests = search.requests()
+        if not requests:
+            break
+        sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        req_ids = [f"{base}-{step}-{i}" for i in range(len(requests))]
+        tops: dict[str, dict[int, Any]] = {}
+        submitted: list[str] = []
+        try:
+            for req_id, tokens in zip(req_ids, requests, strict=True):
+                await worker.admit(req_id, tokens, search.step_params, None, sink, loop, None,
+                                   lora)
+                submitted.append(req_id)
+            while len(tops) < len(req_ids):
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    raise APIError(500, f"internal error: {item}", "server_error")
+                if item.finished:
+                    lps = item.outputs[0].logprobs if item.outputs else None
+                    tops[item.request_id] = lps[0] if lps else {}
+        except QueueFullError as error:
+            raise APIError(503, str(error), "service_unavailable") from None
+        except ValueError as error:  # the engine in its own process refused it
+            raise APIError(400, str(error), param="prompt") from None
+        finally:
+            for req_id in submitted:
+                if req_id not in tops:
+                    worker.abort(req_id)
+        search.advance([tops[req_id] for req_id in req_ids])
+        step += 1
+    choices = []
+    completion_tokens = 0
+    for i, output in enumerate(search.outputs()):
+        for j, beam in enumerate(output.sequences):
+            completion_tokens += len(beam.output_tokens)
+            text = tokenizer.decode(beam.output_tokens) if tokenizer is not None else ""
+            choices.append({"index": i * params.beam_width + j, "text": text,
+                            "logprobs": None, "finish_reason": beam.finish_reason,
+                            "stop_reason": None})
+    prompt_tokens = sum(len(p) for p in prompts)
+    return {"id": base, "object": "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
 
 
 async def _embed(worker: EngineThread | EngineProcess, encoded: list[list[int]],

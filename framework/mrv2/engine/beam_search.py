@@ -1,0 +1,169 @@
+"""Beam search over the engine, as vLLM's ``LLM.beam_search`` runs it: each step every live
+beam of every prompt is a one-token request asking for its top ``2 * beam_width`` logprobs
+(the prefix cache holds the beams' common tokens, so a step computes one token a beam), the
+candidates are ranked by cumulative logprob and the best ``beam_width`` go on; a candidate
+ending in EOS is complete. At the end the complete and the live beams are ranked by
+``cum_logprob / len(tokens) ** length_penalty`` (``tokens``: prompt and output, EOS not
+counted) and the best ``beam_width`` returned, best first.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from mrv2.contract.params import MAX_LOGPROBS, SamplingParams
+
+__all__ = ["BeamSearch", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence",
+           "beam_search"]
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's beam search parameters (``beam_width`` at most ``MAX_LOGPROBS // 2``: a step
+    reads each beam's top ``2 * beam_width`` tokens)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        top = MAX_LOGPROBS // 2
+        for name, value, ok, allowed in (
+                ("beam_width", self.beam_width, isinstance(self.beam_width, int)
+                 and 1 <= self.beam_width <= top, f"an integer in [1, {top}]"),
+                ("max_tokens", self.max_tokens, isinstance(self.max_tokens, int)
+                 and self.max_tokens >= 1, "an integer >= 1"),
+                ("temperature", self.temperature, isinstance(self.temperature, int | float)
+                 and self.temperature >= 0, "a number >= 0"),
+                ("length_penalty", self.length_penalty,
+                 isinstance(self.length_penalty, int | float), "a number")):
+            if not ok or isinstance(value, bool):
+                raise ValueError(f"BeamSearchParams.{name}={value!r} is invalid: expected "
+                                 f"{allowed}")
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam: ``tokens`` (the prompt's, then the output's), the output's per-token logprob,
+    their sum, the decoded text of ``tokens`` and why it ended ("stop": EOS, "length")."""
+
+    tokens: list[int]
+    num_prompt_tokens: int
+    logprobs: list[float] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+
+    @property
+    def output_tokens(self) -> list[int]:
+        """The tokens after the prompt."""
+        return self.tokens[self.num_prompt_tokens:]
+
+
+@dataclass
+class BeamSearchOutput:
+    """A prompt's best ``beam_width`` sequences, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+def _score(beam: BeamSearchSequence, eos: frozenset[int], length_penalty: float) -> float:
+    length = len(beam.tokens) - (1 if beam.finish_reason == "stop" and beam.tokens
+                                 and beam.tokens[-1] in eos else 0)
+    return beam.cum_logprob / (length ** length_penalty)
+
+
+class BeamSearch:
+    """The beams of some prompts, step by step, whoever runs the steps' requests
+    (:func:`beam_search` on an engine; ``mrv2 serve`` through its worker)."""
+
+    def __init__(self, prompts: list[list[int]], params: BeamSearchParams,
+                 eos_token_ids: frozenset[int], max_model_len: int) -> None:
+        self.params = params
+        self.eos = frozenset() if params.ignore_eos else eos_token_ids
+        self.max_model_len = max_model_len
+        #: Each step's requests: one token, the top ``2 * beam_width`` logprobs.
+        self.step_params = SamplingParams(temperature=params.temperature, max_tokens=1,
+                                          ignore_eos=True, logprobs=2 * params.beam_width,
+                                          seed=0)
+        self.live = [[BeamSearchSequence(list(p), len(p))] for p in prompts]
+        self.done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        self.steps = 0
+        self._asked: list[tuple[int, BeamSearchSequence]] = []
+
+    def requests(self) -> list[list[int]]:
+        """The token ids of this step's requests (none: the search is over)."""
+        self._asked = []
+        if self.steps >= self.params.max_tokens:
+            return []
+        for i, beams in enumerate(self.live):
+            for beam in beams:
+                if len(beam.tokens) >= self.max_model_len:
+                    beam.finish_reason = "length"
+                    self.done[i].append(beam)
+                else:
+                    self._asked.append((i, beam))
+            self.live[i] = [b for b in beams if b.finish_reason is None]
+        return [beam.tokens for _, beam in self._asked]
+
+    def advance(self, tops: list[dict[int, Any]]) -> None:
+        """The step's top logprobs (``{token: Logprob}``), one per request, in order."""
+        width = self.params.beam_width
+        candidates: list[list[BeamSearchSequence]] = [[] for _ in self.live]
+        for (i, beam), top in zip(self._asked, tops, strict=True):
+            for token, lp in top.items():
+                grown = BeamSearchSequence(beam.tokens + [token], beam.num_prompt_tokens,
+                                           beam.logprobs + [lp.logprob],
+                                           beam.cum_logprob + lp.logprob)
+                if token in self.eos:
+                    grown.finish_reason = "stop"
+                    self.done[i].append(grown)
+                else:
+                    candidates[i].append(grown)
+        self.live = [sorted(c, key=lambda b: b.cum_logprob, reverse=True)[:width]
+                     for c in candidates]
+        self.steps += 1
+
+    def outputs(self, tokenizer: Any = None) -> list[BeamSearchOutput]:
+        """Each prompt's best ``beam_width`` sequences, best first (texts decoded when a
+        tokenizer is given)."""
+        outputs = []
+        for i, beams in enumerate(self.live):
+            for beam in beams:
+                beam.finish_reason = beam.finish_reason or "length"
+            ranked = sorted(self.done[i] + beams, reverse=True,
+                            key=lambda b: _score(b, self.eos, self.params.length_penalty))
+            ranked = ranked[: self.params.beam_width]
+            if tokenizer is not None:
+                for beam in ranked:
+                    beam.text = tokenizer.decode(beam.tokens)
+            outputs.append(BeamSearchOutput(ranked))
+        return outputs
+
+
+def beam_search(engine: Any, prompts: list[list[int]], params: BeamSearchParams
+                ) -> list[BeamSearchOutput]:
+    """Beam search for each of ``prompts`` (token ids) on ``engine`` (an idle
+    :class:`~mrv2.engine.engine.LLMEngine`); every prompt is validated before any runs."""
+    search = BeamSearch(prompts, params, frozenset(engine.eos_token_ids), engine.max_model_len)
+    for prompt in prompts:
+        engine.validate(list(prompt), search.step_params)
+    ids = itertools.count()
+    while True:
+        asked = [engine.add_request(tokens, search.step_params,
+                                    request_id=f"beam-{id(search)}-{next(ids)}")
+                 for tokens in search.requests()]
+        if not asked:
+            break
+        top: dict[str, dict[int, Any]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    logprobs = out.outputs[0].logprobs
+                    top[out.request_id] = logprobs[0] if logprobs else {}
+        search.advance([top[req_id] for req_id in asked])
+    return search.outputs(engine.tokenizer)
