@@ -83,6 +83,32 @@ def test_mixed_batch_matches_merged_references(case: Case, graphs: bool) -> None
     _mixed(case, llm)
 
 
+def test_the_triton_kernels_in_the_engine(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layers through the Triton shrink/expand (Triton's interpreter here, the GPU's
+    path) in a mixed batch: the merged references' tokens (their first three)."""
+    import mrv2.lora.layers
+    from mrv2_kernels.lora import lora_apply_triton
+
+    calls = []
+
+    def triton_apply(*args: Any) -> Any:
+        calls.append(1)
+        return lora_apply_triton(*args)
+
+    monkeypatch.setattr(mrv2.lora.layers, "lora_apply", triton_apply)
+    llm = case.llm()  # (eager: the graph path's captures would each run the interpreter)
+    names: list[str | None] = [None, "all", "some"]
+    picked = [0, 2]  # (two prompts, three tokens: each interpreted program costs ~25 ms)
+    outs = llm.generate([{"prompt_token_ids": PROMPTS[i]} for _ in names for i in picked],
+                        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                        use_tqdm=False,
+                        lora_request=[case.loras[n] if n else None for n in names
+                                      for _ in picked])
+    assert [o.outputs[0].token_ids for o in outs] == [case.want[n][i][:3] for n in names
+                                                     for i in picked]
+    assert calls
+
+
 @pytest.mark.parametrize("kind", ["ngram", "preemption"])
 def test_speculation_and_preemption_keep_each_adapter(case: Case, kind: str) -> None:
     """n-gram drafts verified by the adapted model (strict: the tokens without drafts); a KV
