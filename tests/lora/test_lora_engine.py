@@ -239,3 +239,28 @@ def test_stats_name_the_running_and_waiting_adapters(case: Case) -> None:
     while engine.has_unfinished():
         engine.step()
     assert engine.stats()["lora_running"] == engine.stats()["lora_waiting"] == []
+
+
+def test_a_new_adapter_never_evicts_one_the_same_step_needs(case: Case) -> None:
+    """Two slots holding adapters 2 and 1, both idle; a step asking for adapters 3 and 2
+    loads 3 over adapter 1, and 2 stays where it is (not evicted, then read again)."""
+    from mrv2.contract.requests import NewRequest
+    from mrv2.contract.staged_edits import StagedEdits
+
+    runner = case.llm().engine.runner
+    lora = runner.lora
+    assert lora is not None
+    third = LoRARequest("third", 3, str(case.paths["all"]))
+
+    def new(req_id: str, adapter: LoRARequest) -> NewRequest:
+        return NewRequest(req_id, [5, 6], GREEDY, 0, [], lora_request=adapter)
+
+    lora.add_requests([new("a", case.loras["some"]), new("b", case.loras["all"])], [0, 1],
+                      StagedEdits())
+    assert lora.slot_ids == [2, 1]
+    lora.remove_request(0)
+    lora.remove_request(1)
+    requests = [new("c", third), new("d", case.loras["some"])]
+    lora.check_requests(requests)
+    lora.add_requests(requests, [2, 3], StagedEdits())
+    assert lora.slot_ids == [2, 3]

@@ -154,11 +154,14 @@ class LoRAManager:
                 f"(max_loras={self.config.max_loras}: a scheduler keeps at most that many "
                 "adapters live)")
 
-    def _acquire(self, lora: LoRARequest) -> int:
+    def _acquire(self, lora: LoRARequest, keep: set[int]) -> int:
+        """``lora``'s slot (loaded into a free one if it has none, never one holding an
+        adapter of ``keep``: the other adapters this step's requests need)."""
         if lora.lora_int_id in self.slot_ids:
             slot = self.slot_ids.index(lora.lora_int_id)
         else:
-            free = [s for s, users in enumerate(self._slot_users) if users == 0]
+            free = [s for s, users in enumerate(self._slot_users)
+                    if users == 0 and self.slot_ids[s] not in keep]
             if not free:
                 raise RuntimeError(
                     f"LoRA adapter {lora.lora_name!r} needs a slot, but all max_loras="
@@ -177,8 +180,10 @@ class LoRAManager:
                      staged: StagedEdits) -> None:
         """Give the new rows their adapters' slots (-1 for the base model), staged."""
         slots = []
+        keep = {r.lora_request.lora_int_id for r in requests if r.lora_request is not None}
         for request, row in zip(requests, rows, strict=True):
-            slot = -1 if request.lora_request is None else self._acquire(request.lora_request)
+            lora = request.lora_request
+            slot = -1 if lora is None else self._acquire(lora, keep)
             if slot >= 0:
                 self._row_slot[row] = slot
             slots.append(slot)
