@@ -166,10 +166,12 @@ class LLMEngine:
         place (an RL trainer's new policy, as TRL and verl hand vLLM theirs), then forget the
         prefix cache (its KV is the old weights'). The CUDA graphs replay the new values.
         The engine must be idle; a tensor-parallel engine and an fp8 model refuse (their
-        weights are split or quantized at load). Returns the parameter names loaded; a name
-        the model does not have is a ValueError."""
+        weights are split or quantized at load). Modules whose weights changed rerun their
+        ``process_weights_after_loading`` (in place: the graphs read the same memory); give a
+        module's tensors together. Returns the parameter names loaded; a name the model does
+        not have is a ValueError."""
         from mrv2.layers.fp8 import fp8_config_of
-        from mrv2.model_loader.build import CausalLM, process_weights_after_loading
+        from mrv2.model_loader.build import CausalLM
 
         if self.has_unfinished():
             raise RuntimeError("update_weights needs an idle engine: requests are in flight")
@@ -182,7 +184,12 @@ class LLMEngine:
         model = self.runner.model
         with torch.no_grad():
             loaded: set[str] = cast(CausalLM, model).load_weights(weights)
-        process_weights_after_loading(model)  # (a layout for the device, as at load)
+        for name, module in model.named_modules():  # the device's processing, as at load,
+            hook = getattr(module, "process_weights_after_loading", None)  # of what changed
+            prefix = f"{name}." if name else ""
+            if callable(hook) and any(f"{prefix}{p}" in loaded
+                                      for p, _ in module.named_parameters()):
+                hook()
         self.block_manager.reset_prefix_cache()
         return loaded
 

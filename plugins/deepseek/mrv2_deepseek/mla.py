@@ -188,8 +188,12 @@ class MLAAttention(KVCacheLayer):
             if isinstance(kv_b, Fp8LinearMixin) and weight.dtype == FP8:
                 weight = kv_b.dequantized(self.kv_a_layernorm.weight.dtype)
             w = weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
-            self.w_uk = w[:, : self.nope, :].contiguous()
-            self.w_uv_t = w[:, self.nope:, :].transpose(1, 2).contiguous()
+            w_uk, w_uv_t = w[:, : self.nope, :], w[:, self.nope:, :].transpose(1, 2)
+            if self.w_uk is not None and self.w_uv_t is not None:  # (new weights: in place,
+                self.w_uk.copy_(w_uk)  # where the captured CUDA graphs read them)
+                self.w_uv_t.copy_(w_uv_t)
+            else:
+                self.w_uk, self.w_uv_t = w_uk.contiguous(), w_uv_t.contiguous()
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         num_tokens, h = x.shape[0], self.num_heads
