@@ -264,3 +264,31 @@ def test_a_new_adapter_never_evicts_one_the_same_step_needs(case: Case) -> None:
     lora.check_requests(requests)
     lora.add_requests(requests, [2, 3], StagedEdits())
     assert lora.slot_ids == [2, 3]
+
+
+def test_deepseek_mla_takes_q_and_o_adapters(tmp_path: Path) -> None:
+    """DeepSeek-V2's MLA reorders its q projection's RoPE rows after loading: an adapter's
+    ``B`` rows are reordered alike (``LinearBase.row_order``), so q_proj / o_proj adapters
+    give HF's merged tokens; its latent projections take none (refused by name)."""
+    mla = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+           "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+           "v_head_dim": 12, "n_routed_experts": 8, "num_experts_per_tok": 2,
+           "n_shared_experts": 1, "first_k_dense_replace": 1, "tie_word_embeddings": False,
+           "q_lora_rank": None, "topk_method": "greedy"}
+    base = make_tiny_checkpoint(tmp_path / "base", "DeepseekV2ForCausalLM", seed=1, **mla)
+    llm = LLM(str(base), device="cpu", dtype="float32", block_size=4, max_model_len=64,
+              enable_lora=True)
+    for i, targets in enumerate((("q_proj",), ("o_proj",))):
+        adapter = make_lora_adapter(base, tmp_path / targets[0], rank=4, seed=3, std=1.5,
+                                    targets=targets)
+        want = hf_greedy(merge_lora_checkpoint(base, adapter, tmp_path / f"m{i}"), PROMPTS[0],
+                         NEW)
+        assert want != hf_greedy(base, PROMPTS[0], NEW)
+        out = llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False,
+                           lora_request=LoRARequest(targets[0], i + 1, str(adapter)))[0]
+        assert out.outputs[0].token_ids == want, targets
+    latent = make_lora_adapter(base, tmp_path / "latent", rank=4, targets=("kv_b_proj",))
+    with pytest.raises(ValueError, match="kv_b_proj' is not an adaptable layer"):
+        llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False,
+                     lora_request=LoRARequest("latent", 9, str(latent)))

@@ -14,7 +14,7 @@ there are fewer of them than ranks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
@@ -91,6 +91,10 @@ class LinearBase(nn.Module):
     tp_size: int = 1
     #: Whether this rank adds the bias (a row-parallel layer's rank 0 only).
     adds_bias: bool = True
+    #: A reordering of this rank's output rows that the layer's owner applies to the weight
+    #: after loading (DeepSeek's RoPE rows), in place on a ``[rows, ...]`` tensor; whatever
+    #: else is indexed by those rows (a LoRA adapter's ``B``) takes it too. None: no reorder.
+    row_order: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()

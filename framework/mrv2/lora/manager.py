@@ -101,6 +101,8 @@ class LoRAManager:
             layer, shard = self._target(lora, module)
             a_part = layer.rank_a(a).to(self.dtype)
             b_part = layer.rank_b(b, shard).to(self.dtype)
+            if layer.row_order is not None:  # rows the owner reorders after loading
+                b_part = layer.row_order(b_part.clone())
             column, first_row = layer.shard_slice(shard)
             rows = layer.shard_rows(shard)[1] if shard is not None else layer.output_size
             if a_part.shape[1] != layer.input_size or b_part.shape[0] != rows:

@@ -30,6 +30,7 @@ dot product is unchanged, and the rotary kernel stays the shared one.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, cast
 
@@ -153,6 +154,12 @@ class MLAAttention(KVCacheLayer):
         self.o_proj = RowLinear(total * self.v_dim, hidden, bias=bias)
         self.rotary_emb = rope
         self.interleaved_rope = interleaved_rope
+        if interleaved_rope:  # (a LoRA adapter's q rows take the reorder of the weight's)
+            q_rows = self.q_proj if self.q_proj is not None else self.q_b_proj
+            assert q_rows is not None
+            q_rows.row_order = functools.partial(
+                deinterleave_rows, num_heads=self.num_heads, head_dim=self.qk_dim,
+                rope_dim=self.rope_dim)
         _, scaling = rope_parameters_of(config)
         scale = self.qk_dim**-0.5
         if scaling is not None and scaling.get("mscale_all_dim") and scaling.get("factor"):
