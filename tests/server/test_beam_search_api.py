@@ -1,6 +1,6 @@
 """``/v1/completions`` with ``use_beam_search`` (vLLM's): ``n`` beams a prompt, best first,
-equal to ``LLM.beam_search``'s, with the engine in this process and in its own; what it
-cannot combine with is refused by name."""
+equal to ``LLM.beam_search``'s, with the engine in this process and in its own, and in chat
+completions; what it cannot combine with is refused by name."""
 
 from __future__ import annotations
 
@@ -68,10 +68,26 @@ def test_what_beam_search_cannot_combine_with(server: Served, extra: dict[str, A
     assert response.json()["error"]["param"] == param
 
 
-def test_chat_refuses_beam_search(server: Served) -> None:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-            "use_beam_search": True}
-    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=AUTH,
-                          timeout=60)
-    assert response.status_code == 400
-    assert response.json()["error"]["param"] == "use_beam_search"
+def test_chat_beams(server: Served, model_dir: Path) -> None:
+    """Chat with ``use_beam_search``: the chat-templated prompt's beams, ``LLM``'s, as
+    messages; what it cannot combine with is refused by name."""
+    messages = [{"role": "user", "content": "Hi"}]
+    llm = LLM(str(model_dir), **{k: v for k, v in ENGINE_KWARGS.items()
+                                 if k not in ("num_gpu_blocks_override", "max_num_seqs")})
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer.apply_chat_template(messages, True)
+    want = [tokenizer.decode(b.output_tokens) for b in llm.beam_search(
+        {"prompt_token_ids": ids}, BeamSearchParams(beam_width=2, max_tokens=4,
+                                                    ignore_eos=True)).pop().sequences]
+    body = {"model": MODEL, "messages": messages, "use_beam_search": True, "n": 2,
+            "max_tokens": 4, "ignore_eos": True}
+    answer = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=AUTH,
+                        timeout=60).json()
+    assert answer["object"] == "chat.completion"
+    assert [c["message"]["content"] for c in answer["choices"]] == want
+    for extra, param in (({"stream": True}, "stream"), ({"logprobs": True}, "logprobs"),
+                         ({"response_format": {"type": "json_object"}}, "response_format")):
+        response = httpx.post(f"{server.url}/v1/chat/completions", json={**body, **extra},
+                              headers=AUTH, timeout=60)
+        assert response.status_code == 400, (extra, response.text)
+        assert response.json()["error"]["param"] == param

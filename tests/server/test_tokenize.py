@@ -101,9 +101,7 @@ def test_chat_template_kwargs_reach_the_template(model_dir: Any) -> None:
 
 def test_vllms_sampling_extras_are_honoured_or_refused(server: Served) -> None:
     """``allowed_token_ids`` and ``bad_words`` reach the sampler, ``truncate_prompt_tokens``
-    keeps the prompt's last tokens; ``use_beam_search`` in chat, which this server does not
-    do (completions do: test_beam_search_api.py), is a 400 naming it rather than silently
-    ignored."""
+    keeps the prompt's last tokens (``use_beam_search``: test_beam_search_api.py)."""
     body = {"prompt": [5, 6, 7, 8, 9, 10], "max_tokens": 6, "temperature": 1.0, "seed": 3}
     allowed = _post(server, "/v1/completions", {**body, "allowed_token_ids": [11, 12]}).json()
     tok = Tokenizer.from_pretrained(server.model_dir)
@@ -119,10 +117,6 @@ def test_vllms_sampling_extras_are_honoured_or_refused(server: Served) -> None:
         "messages": [{"role": "user", "content": "Hello world!"}], "max_tokens": 1,
         "truncate_prompt_tokens": 3}).json()
     assert chat["usage"]["prompt_tokens"] == 3
-    response = _post(server, "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "Hi"}], "use_beam_search": True})
-    assert response.status_code == 400
-    assert "use_beam_search" in response.json()["error"]["message"]
     bad = _post(server, "/v1/completions", {**body, "truncate_prompt_tokens": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"
 

@@ -64,6 +64,20 @@ class _Request(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    def beam_search_params(self, params: SamplingParams, room: int) -> BeamSearchParams:
+        """The beam search of a ``use_beam_search`` request: ``n`` beams of ``params``'
+        ``max_tokens`` (``room``, the context left, when unset); ValueError naming the
+        field."""
+        try:
+            return BeamSearchParams(beam_width=self.n,
+                                    max_tokens=params.max_tokens or max(room, 1),
+                                    ignore_eos=self.ignore_eos,
+                                    temperature=params.temperature,
+                                    length_penalty=self.length_penalty)
+        except ValueError as error:
+            name = "n" if "beam_width" in str(error) else "length_penalty"
+            raise ValueError(f"SamplingParams.{name}: {error}") from None
+
     def _sampling(self, max_tokens: int | None, logprobs: int | None,
                   defaults: dict[str, Any] | None) -> SamplingParams:
         d = defaults or {}  # the model's (generation_config.json) for the fields left unset
@@ -219,18 +233,6 @@ class CompletionRequest(_Request):
                                      f"use_beam_search: expected {allowed!r}")
         return self._sampling(max_tokens, self.logprobs, defaults)
 
-    def beam_search_params(self, params: SamplingParams) -> BeamSearchParams:
-        """The beam search of a ``use_beam_search`` request: ``n`` beams of ``params``'
-        ``max_tokens``; ValueError naming the field."""
-        try:
-            return BeamSearchParams(beam_width=self.n, max_tokens=params.max_tokens or 16,
-                                    ignore_eos=self.ignore_eos,
-                                    temperature=params.temperature,
-                                    length_penalty=self.length_penalty)
-        except ValueError as error:
-            name = "n" if "beam_width" in str(error) else "length_penalty"
-            raise ValueError(f"SamplingParams.{name}: {error}") from None
-
     def _requested_max(self) -> int | None:
         return self.max_tokens if "max_tokens" in self.model_fields_set else None
 
@@ -329,7 +331,6 @@ class ChatCompletionRequest(_Request):
     def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """The request's SamplingParams; ``defaults`` (the model's sampling defaults) fill the
         fields it leaves unset."""
-        _unsupported("use_beam_search", self.use_beam_search, False)  # (completions only)
         if isinstance(self.tool_choice, str) and self.tool_choice not in (
                 "none", "auto", "required"):
             raise ValueError(f"SamplingParams.tool_choice={self.tool_choice!r} is invalid: "

@@ -33,7 +33,7 @@ from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from mrv2.contract.pooling import PoolingParams
 from mrv2.contract.requests import MultiModalItem
-from mrv2.engine.beam_search import BeamSearch, BeamSearchParams
+from mrv2.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from mrv2.engine.engine import LLMEngine
 from mrv2.engine.gc_pauses import freeze_startup_heap
 from mrv2.engine.media import split_chat_media
@@ -56,7 +56,7 @@ from mrv2.entrypoints.openai_protocol import (
     value_error_param,
 )
 from mrv2.entrypoints.openai_responses import RENAMED, ResponsesRequest, ResponsesStream
-from mrv2.entrypoints.reasoning import check_reasoning_parser
+from mrv2.entrypoints.reasoning import check_reasoning_parser, split_reasoning
 from mrv2.entrypoints.responses import APIError, Echo, Stream
 from mrv2.entrypoints.responses_store import STORE_ENV, store_from_env
 from mrv2.entrypoints.stack_sampler import PROFILE_ENV_VAR, StackSampler
@@ -302,15 +302,7 @@ def create_app(engine: LLMEngine | RemoteEngine,
         for ids, _ in encoded:
             validate(ids, params, body)
         if body.use_beam_search:
-            try:
-                beams = body.beam_search_params(params)
-            except ValueError as error:
-                raise APIError(400, str(error), param=value_error_param(str(error))) from None
-            lora = lora_of(body)
-            return JSONResponse(await _beam_answer(
-                worker, [ids for ids, _ in encoded], beams, engine.eos_token_ids,
-                engine.max_model_len, tokenizer() if engine.tokenizer else None,
-                lora.lora_name if lora else model_name, lora))
+            return await beam_answer(body, params, [ids for ids, _ in encoded], False)
         echo = None
         if body.echo:  # each prompt as given, or its ids' text
             tok = tokenizer()
@@ -353,6 +345,22 @@ def create_app(engine: LLMEngine | RemoteEngine,
         except (ValueError, TypeError) as error:
             raise APIError(400, f"could not apply the chat template: {error}",
                            param="messages") from None
+
+    async def beam_answer(body: Any, params: SamplingParams, prompts: list[list[int]],
+                          chat: bool) -> Response:
+        """A request's answer by beam search (``use_beam_search``; ``n`` beams)."""
+        try:
+            beams = body.beam_search_params(params, engine.max_model_len - max(
+                len(p) for p in prompts))
+        except ValueError as error:
+            raise APIError(400, str(error), param=value_error_param(str(error))) from None
+        lora = lora_of(body)
+        outputs = await _beam_search(worker, prompts, beams, engine.eos_token_ids,
+                                     engine.max_model_len, lora)
+        return JSONResponse(_beam_answer(outputs, prompts,
+                                         engine.tokenizer if engine.tokenizer else None,
+                                         lora.lora_name if lora else model_name, chat,
+                                         reasoning_parser))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -476,6 +484,13 @@ def create_app(engine: LLMEngine | RemoteEngine,
                            "cut an image's rows)", param="truncate_prompt_tokens")
         ids = body.truncate(ids)
         validate(ids, params, body)
+        if body.use_beam_search:
+            for name, bad in (("stream", body.stream), ("logprobs", body.logprobs),
+                              ("tools", bool(body.tools)), ("echo", body.echo),
+                              ("response_format", params.structured_outputs is not None)):
+                if bad:
+                    raise APIError(400, f"{name}: not with use_beam_search", param=name)
+            return await beam_answer(body, params, [ids], True)
         echo = Echo([body.echo_text()]) if body.echo else None
         lora = lora_of(body)
         return await _serve(request, worker, "chatcmpl", lora.lora_name if lora else model_name,
@@ -557,15 +572,15 @@ def _chat_with_media(engine: LLMEngine | RemoteEngine, tokenizer: Any,
     return engine.process_multimodal(ids, {"image": images})
 
 
-async def _beam_answer(worker: EngineThread | EngineProcess, prompts: list[list[int]],
+async def _beam_search(worker: EngineThread | EngineProcess, prompts: list[list[int]],
                        params: BeamSearchParams, eos: frozenset[int], max_model_len: int,
-                       tokenizer: Any, model: str, lora: LoRARequest | None
-                       ) -> dict[str, Any]:
-    """A completions answer by beam search (vLLM's ``use_beam_search``): each step's beams
-    as one-token requests through the worker; ``n`` choices a prompt, best first."""
+                       lora: LoRARequest | None) -> list[BeamSearchOutput]:
+    """Beam search (vLLM's ``use_beam_search``) through the worker: each step's beams as
+    one-token requests (:class:`~mrv2.engine.beam_search.BeamSearch`); every request of a
+    step aborted if one is refused or the client leaves."""
     search = BeamSearch(prompts, params, eos, max_model_len)
     loop = asyncio.get_running_loop()
-    base = f"cmpl-{uuid.uuid4().hex}"
+    base = f"beam-{uuid.uuid4().hex}"
     step = 0
     while True:
         requests = search.requests()
@@ -597,18 +612,34 @@ async def _beam_answer(worker: EngineThread | EngineProcess, prompts: list[list[
                     worker.abort(req_id)
         search.advance([tops[req_id] for req_id in req_ids])
         step += 1
+    return search.outputs()
+
+
+def _beam_answer(outputs: list[BeamSearchOutput], prompts: list[list[int]], tokenizer: Any,
+                 model: str, chat: bool, reasoning: str | None = None) -> dict[str, Any]:
+    """The completions (or, with ``chat``, chat completions) answer of beam search: each
+    prompt's beams as choices, best first."""
     choices = []
     completion_tokens = 0
-    for i, output in enumerate(search.outputs()):
+    for i, output in enumerate(outputs):
         for j, beam in enumerate(output.sequences):
             completion_tokens += len(beam.output_tokens)
             text = tokenizer.decode(beam.output_tokens) if tokenizer is not None else ""
-            choices.append({"index": i * params.beam_width + j, "text": text,
-                            "logprobs": None, "finish_reason": beam.finish_reason,
-                            "stop_reason": None})
+            choice: dict[str, Any] = {"index": i * len(output.sequences) + j,
+                                      "logprobs": None, "finish_reason": beam.finish_reason,
+                                      "stop_reason": None}
+            if chat:
+                thought, content = (split_reasoning(reasoning, text) if reasoning
+                                    else (None, text))
+                choice["message"] = {"role": "assistant", "content": content,
+                                     "reasoning_content": thought, "tool_calls": []}
+            else:
+                choice["text"] = text
+            choices.append(choice)
     prompt_tokens = sum(len(p) for p in prompts)
-    return {"id": base, "object": "text_completion", "created": int(time.time()),
-            "model": model, "choices": choices,
+    return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens}}
 
