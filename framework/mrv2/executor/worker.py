@@ -139,6 +139,7 @@ def run_torchrun_worker(config: EngineConfig, model_dir: str) -> None:
     runner = Runner(config, model_dir)
     channel = BroadcastChannel(tp_group().cpu_group, rank)
     serve_steps(runner, channel.receive)
+    channel.close()
     runner.shutdown()
     destroy_tensor_parallel()
     sys.exit(0)
