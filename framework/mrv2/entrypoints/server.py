@@ -33,7 +33,6 @@ from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from mrv2.contract.pooling import PoolingParams
 from mrv2.contract.requests import MultiModalItem
-from mrv2.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from mrv2.engine.engine import LLMEngine
 from mrv2.engine.gc_pauses import freeze_startup_heap
 from mrv2.engine.media import split_chat_media
@@ -56,7 +55,7 @@ from mrv2.entrypoints.openai_protocol import (
     value_error_param,
 )
 from mrv2.entrypoints.openai_responses import RENAMED, ResponsesRequest, ResponsesStream
-from mrv2.entrypoints.reasoning import check_reasoning_parser, split_reasoning
+from mrv2.entrypoints.reasoning import check_reasoning_parser
 from mrv2.entrypoints.responses import APIError, Echo, Stream
 from mrv2.entrypoints.responses_store import STORE_ENV, store_from_env
 from mrv2.entrypoints.stack_sampler import PROFILE_ENV_VAR, StackSampler
@@ -67,6 +66,7 @@ from mrv2.entrypoints.tool_calls import (
     forced_tool_choice,
     get_tool_parser,
 )
+from mrv2.entrypoints.whole_answers import beam_answer_body, beam_search_through, embed_through
 
 #: Default bound on a request's ``n`` (``mrv2 serve --max-n``); OpenAI's own API allows 128.
 DEFAULT_MAX_N = 64
@@ -355,12 +355,11 @@ def create_app(engine: LLMEngine | RemoteEngine,
         except ValueError as error:
             raise APIError(400, str(error), param=value_error_param(str(error))) from None
         lora = lora_of(body)
-        outputs = await _beam_search(worker, prompts, beams, engine.eos_token_ids,
-                                     engine.max_model_len, lora)
-        return JSONResponse(_beam_answer(outputs, prompts,
-                                         engine.tokenizer if engine.tokenizer else None,
-                                         lora.lora_name if lora else model_name, chat,
-                                         reasoning_parser))
+        outputs = await beam_search_through(worker, prompts, beams, engine.eos_token_ids,
+                                            engine.max_model_len, lora)
+        return JSONResponse(beam_answer_body(outputs, prompts, engine.tokenizer,
+                                             lora.lora_name if lora else model_name, chat,
+                                             reasoning_parser))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -421,7 +420,7 @@ def create_app(engine: LLMEngine | RemoteEngine,
                 engine.validate(ids, params, lora, pooling=True)
             except ValueError as error:
                 raise APIError(400, str(error), param="input") from None
-        vectors = await _embed(worker, encoded, params, lora, pooling)
+        vectors = await embed_through(worker, encoded, params, lora, pooling)
         return JSONResponse(embedding_response(
             vectors, sum(len(ids) for ids in encoded),
             lora.lora_name if lora else model_name, f"embd-{uuid.uuid4().hex}",
@@ -570,110 +569,6 @@ def _chat_with_media(engine: LLMEngine | RemoteEngine, tokenizer: Any,
     ids = tokenizer.apply_chat_template(template_messages, add_generation_prompt,
                                         **template_kwargs)
     return engine.process_multimodal(ids, {"image": images})
-
-
-async def _beam_search(worker: EngineThread | EngineProcess, prompts: list[list[int]],
-                       params: BeamSearchParams, eos: frozenset[int], max_model_len: int,
-                       lora: LoRARequest | None) -> list[BeamSearchOutput]:
-    """Beam search (vLLM's ``use_beam_search``) through the worker: each step's beams as
-    one-token requests (:class:`~mrv2.engine.beam_search.BeamSearch`); every request of a
-    step aborted if one is refused or the client leaves."""
-    search = BeamSearch(prompts, params, eos, max_model_len)
-    loop = asyncio.get_running_loop()
-    base = f"beam-{uuid.uuid4().hex}"
-    step = 0
-    while True:
-        requests = search.requests()
-        if not requests:
-            break
-        sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        req_ids = [f"{base}-{step}-{i}" for i in range(len(requests))]
-        tops: dict[str, dict[int, Any]] = {}
-        submitted: list[str] = []
-        try:
-            for req_id, tokens in zip(req_ids, requests, strict=True):
-                await worker.admit(req_id, tokens, search.step_params, None, sink, loop, None,
-                                   lora)
-                submitted.append(req_id)
-            while len(tops) < len(req_ids):
-                item = await sink.get()
-                if isinstance(item, BaseException):
-                    raise APIError(500, f"internal error: {item}", "server_error")
-                if item.finished:
-                    lps = item.outputs[0].logprobs if item.outputs else None
-                    tops[item.request_id] = lps[0] if lps else {}
-        except QueueFullError as error:
-            raise APIError(503, str(error), "service_unavailable") from None
-        except ValueError as error:  # the engine in its own process refused it
-            raise APIError(400, str(error), param="prompt") from None
-        finally:
-            for req_id in submitted:
-                if req_id not in tops:
-                    worker.abort(req_id)
-        search.advance([tops[req_id] for req_id in req_ids])
-        step += 1
-    return search.outputs()
-
-
-def _beam_answer(outputs: list[BeamSearchOutput], prompts: list[list[int]], tokenizer: Any,
-                 model: str, chat: bool, reasoning: str | None = None) -> dict[str, Any]:
-    """The completions (or, with ``chat``, chat completions) answer of beam search: each
-    prompt's beams as choices, best first."""
-    choices = []
-    completion_tokens = 0
-    for i, output in enumerate(outputs):
-        for j, beam in enumerate(output.sequences):
-            completion_tokens += len(beam.output_tokens)
-            text = tokenizer.decode(beam.output_tokens) if tokenizer is not None else ""
-            choice: dict[str, Any] = {"index": i * len(output.sequences) + j,
-                                      "logprobs": None, "finish_reason": beam.finish_reason,
-                                      "stop_reason": None}
-            if chat:
-                thought, content = (split_reasoning(reasoning, text) if reasoning
-                                    else (None, text))
-                choice["message"] = {"role": "assistant", "content": content,
-                                     "reasoning_content": thought, "tool_calls": []}
-            else:
-                choice["text"] = text
-            choices.append(choice)
-    prompt_tokens = sum(len(p) for p in prompts)
-    return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-            "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens}}
-
-
-async def _embed(worker: EngineThread | EngineProcess, encoded: list[list[int]],
-                 params: SamplingParams, lora: LoRARequest | None, pooling: PoolingParams
-                 ) -> list[list[float]]:
-    """Submit each prompt as an embedding request; their vectors in order (every request
-    aborted if one is refused or the client leaves)."""
-    loop = asyncio.get_running_loop()
-    sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-    base = f"embd-{uuid.uuid4().hex}"
-    req_ids = [f"{base}-{i}" for i in range(len(encoded))]
-    vectors: dict[str, list[float]] = {}
-    submitted: list[str] = []
-    try:
-        for req_id, ids in zip(req_ids, encoded, strict=True):
-            await worker.admit(req_id, ids, params, None, sink, loop, None, lora, pooling)
-            submitted.append(req_id)
-        while len(vectors) < len(req_ids):
-            item = await sink.get()
-            if isinstance(item, BaseException):
-                raise APIError(500, f"internal error: {item}", "server_error")
-            if item.embedding is not None:
-                vectors[item.request_id] = item.embedding
-    except QueueFullError as error:
-        raise APIError(503, str(error), "service_unavailable") from None
-    except ValueError as error:  # the engine in its own process refused it
-        raise APIError(400, str(error), param="input") from None
-    finally:
-        for req_id in submitted:
-            if req_id not in vectors:
-                worker.abort(req_id)
-    return [vectors[req_id] for req_id in req_ids]
 
 
 async def _serve(request: Request, worker: EngineThread | EngineProcess, kind: str, model: str,

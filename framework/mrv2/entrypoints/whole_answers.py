@@ -1,0 +1,111 @@
+"""Requests the server answers whole, never streamed, from their final outputs alone:
+embeddings (``/v1/embeddings``) and beam search (``use_beam_search``: each step's beams are
+one-token requests). :func:`final_outputs` submits a batch of prompts through the server's
+worker and waits for each one's final output; the rest turn those into API answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+from mrv2.contract.lora import LoRARequest
+from mrv2.contract.params import SamplingParams
+from mrv2.contract.pooling import PoolingParams
+from mrv2.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from mrv2.engine.outputs import RequestOutput
+from mrv2.entrypoints.engine_process import EngineProcess
+from mrv2.entrypoints.engine_thread import EngineThread, QueueFullError
+from mrv2.entrypoints.reasoning import split_reasoning
+from mrv2.entrypoints.responses import APIError
+
+__all__ = ["beam_answer_body", "beam_search_through", "embed_through", "final_outputs"]
+
+
+async def final_outputs(worker: EngineThread | EngineProcess, prompts: list[list[int]],
+                        params: SamplingParams, lora: LoRARequest | None = None,
+                        pooling: PoolingParams | None = None, kind: str = "req",
+                        param: str = "prompt") -> list[RequestOutput]:
+    """Submit every prompt (through adapter ``lora``; embedding requests with ``pooling``)
+    and return each one's final output, in order. Refused by the engine: a 400 naming
+    ``param``; a full server: 503; a failed engine: 500. If one is refused, or the client
+    leaves, every request of the batch not yet finished is aborted."""
+    loop = asyncio.get_running_loop()
+    sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+    base = f"{kind}-{uuid.uuid4().hex}"
+    req_ids = [f"{base}-{i}" for i in range(len(prompts))]
+    finals: dict[str, RequestOutput] = {}
+    submitted: list[str] = []
+    try:
+        for req_id, ids in zip(req_ids, prompts, strict=True):
+            await worker.admit(req_id, ids, params, None, sink, loop, None, lora, pooling)
+            submitted.append(req_id)
+        while len(finals) < len(req_ids):
+            item = await sink.get()
+            if isinstance(item, BaseException):
+                raise APIError(500, f"internal error: {item}", "server_error")
+            if item.finished:
+                finals[item.request_id] = item
+    except QueueFullError as error:
+        raise APIError(503, str(error), "service_unavailable") from None
+    except ValueError as error:  # the engine in its own process refused it
+        raise APIError(400, str(error), param=param) from None
+    finally:
+        for req_id in submitted:
+            if req_id not in finals:
+                worker.abort(req_id)
+    return [finals[req_id] for req_id in req_ids]
+
+
+async def embed_through(worker: EngineThread | EngineProcess, prompts: list[list[int]],
+                        params: SamplingParams, lora: LoRARequest | None,
+                        pooling: PoolingParams) -> list[list[float]]:
+    """Each prompt's embedding, in order (one embedding request a prompt)."""
+    outputs = await final_outputs(worker, prompts, params, lora, pooling, "embd", "input")
+    return [output.embedding or [] for output in outputs]
+
+
+async def beam_search_through(worker: EngineThread | EngineProcess, prompts: list[list[int]],
+                              params: BeamSearchParams, eos: frozenset[int],
+                              max_model_len: int, lora: LoRARequest | None
+                              ) -> list[BeamSearchOutput]:
+    """Beam search (vLLM's ``use_beam_search``) through the worker: each step's beams as
+    one-token requests (:class:`~mrv2.engine.beam_search.BeamSearch`)."""
+    search = BeamSearch(prompts, params, eos, max_model_len)
+    while requests := search.requests():
+        outputs = await final_outputs(worker, requests, search.step_params, lora, kind="beam")
+        search.advance([(o.outputs[0].logprobs or [{}])[0] if o.outputs else {}
+                        for o in outputs])
+    return search.outputs()
+
+
+def beam_answer_body(outputs: list[BeamSearchOutput], prompts: list[list[int]],
+                     tokenizer: Any, model: str, chat: bool,
+                     reasoning: str | None = None) -> dict[str, Any]:
+    """The completions (or, with ``chat``, chat completions) answer of beam search: each
+    prompt's beams as choices, best first."""
+    choices = []
+    completion_tokens = 0
+    for i, output in enumerate(outputs):
+        for j, beam in enumerate(output.sequences):
+            completion_tokens += len(beam.output_tokens)
+            text = tokenizer.decode(beam.output_tokens) if tokenizer is not None else ""
+            choice: dict[str, Any] = {"index": i * len(output.sequences) + j,
+                                      "logprobs": None, "finish_reason": beam.finish_reason,
+                                      "stop_reason": None}
+            if chat:
+                thought, content = (split_reasoning(reasoning, text) if reasoning
+                                    else (None, text))
+                choice["message"] = {"role": "assistant", "content": content,
+                                     "reasoning_content": thought, "tool_calls": []}
+            else:
+                choice["text"] = text
+            choices.append(choice)
+    prompt_tokens = sum(len(p) for p in prompts)
+    return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
