@@ -14,7 +14,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Iterable
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -171,7 +171,8 @@ class LLMEngine:
         module's tensors together. Returns the parameter names loaded; a name the model does
         not have is a ValueError."""
         from mrv2.layers.fp8 import fp8_config_of
-        from mrv2.model_loader.build import CausalLM
+        from mrv2.model_loader.build import process_weights_after_loading
+        from mrv2.model_loader.loader import load_model_weights
 
         if self.has_unfinished():
             raise RuntimeError("update_weights needs an idle engine: requests are in flight")
@@ -183,13 +184,8 @@ class LLMEngine:
                              "quantized at load)")
         model = self.runner.model
         with torch.no_grad():
-            loaded: set[str] = cast(CausalLM, model).load_weights(weights)
-        for name, module in model.named_modules():  # the device's processing, as at load,
-            hook = getattr(module, "process_weights_after_loading", None)  # of what changed
-            prefix = f"{name}." if name else ""
-            if callable(hook) and any(f"{prefix}{p}" in loaded
-                                      for p, _ in module.named_parameters()):
-                hook()
+            loaded = load_model_weights(model, weights, strict=False)
+        process_weights_after_loading(model, changed=loaded)  # as at load, of what changed
         self.block_manager.reset_prefix_cache()
         return loaded
 

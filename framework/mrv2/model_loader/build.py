@@ -215,10 +215,16 @@ def fp8_layer_names(model: nn.Module, names: list[str]) -> list[str]:
     return out
 
 
-def process_weights_after_loading(model: nn.Module) -> None:
+def process_weights_after_loading(model: nn.Module, changed: set[str] | None = None) -> None:
     """Let every module that has one run its ``process_weights_after_loading()`` (a layout for
-    the device, say) once its weights are loaded and on the device."""
-    for module in model.modules():
+    the device, say) once its weights are loaded and on the device; with ``changed`` (the
+    parameter names loaded again: ``LLMEngine.update_weights``) only the modules holding one
+    of them, parents before children, as at load."""
+    for name, module in model.named_modules():
         hook = getattr(module, "process_weights_after_loading", None)
-        if callable(hook):
+        if not callable(hook):
+            continue
+        prefix = f"{name}." if name else ""
+        if changed is None or any(f"{prefix}{p}" in changed
+                                  for p, _ in module.named_parameters()):
             hook()
