@@ -593,14 +593,9 @@ class LLMEngine:
         and of the waiting requests, as vLLM's ``lora_requests_info`` reports them."""
         if not self.config.lora.enable_lora:
             return {}
-
-        def names(requests: Any) -> list[str]:
-            return sorted({r.lora_request.lora_name for r in requests
-                           if r.lora_request is not None})
-
-        return {"max_lora": self.config.lora.max_loras,
-                "lora_running": names(self.scheduler.running),
-                "lora_waiting": names(self.scheduler.waiting)}
+        running, waiting = self.scheduler.lora_names()
+        return {"max_lora": self.config.lora.max_loras, "lora_running": running,
+                "lora_waiting": waiting}
 
 
 def check_runner(config: EngineConfig, pooling: bool) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections import deque
+from collections import Counter, deque
 
 from mrv2.config import SchedulerConfig
 from mrv2.contract.requests import NewRequest, SchedulerOutput
@@ -68,6 +68,8 @@ class Scheduler:
         #: adapters served). A waiting request whose adapter would exceed it waits.
         self.max_loras: int | None = None
         self._lora_users: dict[int, int] = {}
+        #: Waiting requests by adapter name (the stats read it every step: no queue walk).
+        self._waiting_loras: Counter[str] = Counter()
 
     @property
     def num_unfinished(self) -> int:
@@ -95,6 +97,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
+            self._count_waiting_lora(request, -1)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
@@ -112,6 +115,7 @@ class Scheduler:
         return request.priority, request.arrival_index
 
     def _enqueue(self, request: Request, front: bool) -> None:
+        self._count_waiting_lora(request, 1)
         if self._by_priority:
             bisect.insort(self.waiting, request, key=self._rank)
         elif front:
@@ -285,6 +289,17 @@ class Scheduler:
         else:
             self._lora_users.pop(lora_id, None)
 
+    def _count_waiting_lora(self, request: Request, change: int) -> None:
+        if request.lora_request is not None:
+            self._waiting_loras[request.lora_request.lora_name] += change
+            if self._waiting_loras[request.lora_request.lora_name] <= 0:
+                del self._waiting_loras[request.lora_request.lora_name]
+
+    def lora_names(self) -> tuple[list[str], list[str]]:
+        """The adapters (names, sorted) of the running and of the waiting requests."""
+        running = {r.lora_request.lora_name for r in self.running if r.lora_request is not None}
+        return sorted(running), sorted(self._waiting_loras)
+
     def _lora_fits(self, request: Request) -> bool:
         """Whether the request's adapter is live already or one more adapter fits."""
         lora = request.lora_request
@@ -321,6 +336,7 @@ class Scheduler:
             self.waiting.popleft()
         else:  # (passed a request whose LoRA adapter must wait)
             self.waiting.remove(request)
+        self._count_waiting_lora(request, -1)
         self.blocks.take_cached(hit)  # before allocating, so allocation cannot evict them
         request.block_ids = hit + self.blocks.allocate(needed)
         request.num_cached_blocks = len(hit)
