@@ -464,13 +464,12 @@ def make_lora_adapter(base: str | Path, path: str | Path, rank: int = 8, alpha: 
     for every ``targets`` projection of every layer (``B`` non-zero, unlike a fresh PEFT
     init, so the adapter changes the outputs), as ``peft``'s ``save_pretrained`` writes them;
     modules whose name contains ``exclude`` are left out. Returns ``path``."""
-    import json
-
     from safetensors import safe_open
-    from safetensors.torch import save_file
+
+    from mrv2.lora.adapter import save_adapter
 
     gen = torch.Generator().manual_seed(seed)
-    tensors: dict[str, torch.Tensor] = {}
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     with safe_open(str(Path(base) / "model.safetensors"), "pt") as f:
         for name in f.keys():  # noqa: SIM118 (safe_open is no mapping)
             module = name.removesuffix(".weight")
@@ -478,20 +477,10 @@ def make_lora_adapter(base: str | Path, path: str | Path, rank: int = 8, alpha: 
                     exclude is not None and exclude in module):
                 continue
             out_size, in_size = f.get_slice(name).get_shape()
-            prefix = f"base_model.model.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_size, generator=gen) * (
-                std / in_size ** 0.5 * 4)
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_size, rank, generator=gen) * (
-                std / rank ** 0.5)
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    (path / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": alpha, "use_rslora": use_rslora,
-        "target_modules": sorted(set(targets)), "bias": "none", "use_dora": False,
-        "fan_in_fan_out": False, "modules_to_save": None, "task_type": "CAUSAL_LM",
-    }))
-    return path
+            modules[module] = (
+                torch.randn(rank, in_size, generator=gen) * (std / in_size ** 0.5 * 4),
+                torch.randn(out_size, rank, generator=gen) * (std / rank ** 0.5))
+    return save_adapter(path, modules, alpha, use_rslora)
 
 
 def merge_lora_checkpoint(base: str | Path, adapter: str | Path, path: str | Path) -> Path:

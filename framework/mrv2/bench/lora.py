@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from mrv2.contract.lora import LoRARequest
+from mrv2.lora.adapter import save_adapter
 
 
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -46,24 +47,14 @@ def random_adapters(model_dir: str, count: int, rank: int, seed: int = 0
     layers = int(_text_config(config)["num_hidden_layers"])
     root = Path(tempfile.mkdtemp(prefix="mrv2-lora-bench-"))
     atexit.register(shutil.rmtree, root, ignore_errors=True)
-    from safetensors.torch import save_file
-
     loras = []
     for i in range(count):
         gen = torch.Generator().manual_seed(seed + i)
-        tensors = {}
-        for layer in range(layers):
-            for module, (out_size, in_size) in shapes.items():
-                prefix = f"base_model.model.model.layers.{layer}.{module}"
-                tensors[f"{prefix}.lora_A.weight"] = (torch.randn(
-                    rank, in_size, generator=gen) / in_size ** 0.5).to(torch.bfloat16)
-                tensors[f"{prefix}.lora_B.weight"] = (torch.randn(
-                    out_size, rank, generator=gen) * 0.01).to(torch.bfloat16)
-        path = root / f"adapter-{i}"
-        path.mkdir()
-        save_file(tensors, str(path / "adapter_model.safetensors"))
-        (path / "adapter_config.json").write_text(json.dumps(
-            {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
-             "target_modules": sorted({m.split(".")[1] for m in shapes})}))
+        modules = {
+            f"model.layers.{layer}.{module}": (
+                (torch.randn(rank, in_size, generator=gen) / in_size ** 0.5).to(torch.bfloat16),
+                (torch.randn(out_size, rank, generator=gen) * 0.01).to(torch.bfloat16))
+            for layer in range(layers) for module, (out_size, in_size) in shapes.items()}
+        path = save_adapter(root / f"adapter-{i}", modules, alpha=2 * rank)
         loras.append(LoRARequest(f"bench-{i}", i + 1, str(path)))
     return loras

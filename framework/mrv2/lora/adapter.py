@@ -129,3 +129,28 @@ def read_adapter(path: str | Path, max_lora_rank: int) -> AdapterWeights:
     if not modules:
         raise ValueError(f"LoRA adapter {str(path)!r} holds no LoRA weights")
     return AdapterWeights(config, modules)
+
+
+def save_adapter(path: str | Path, modules: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                 alpha: float, use_rslora: bool = False) -> Path:
+    """Write a PEFT LoRA adapter as ``peft``'s ``save_pretrained`` does (what
+    :func:`read_adapter` reads): for each module of the base model (its checkpoint name,
+    ``model.layers.0.self_attn.q_proj``) its ``(A [r, in], B [out, r])``. Returns ``path``."""
+    from safetensors.torch import save_file
+
+    if not modules:
+        raise ValueError("an adapter needs at least one module")
+    rank = next(iter(modules.values()))[0].shape[0]
+    tensors = {}
+    for module, (a, b) in modules.items():
+        tensors[f"base_model.model.{module}.lora_A.weight"] = a.contiguous()
+        tensors[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / _CONFIG).write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": alpha, "use_rslora": use_rslora,
+        "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules}), "bias": "none",
+        "use_dora": False, "fan_in_fan_out": False, "modules_to_save": None,
+        "task_type": "CAUSAL_LM"}))
+    return path
