@@ -15,7 +15,8 @@
 # probe with n-gram drafts), servelong (256 streams of 2,048 tokens through mrv2 serve;
 # .whl-old: A/B),
 # lora (the thirtieth's LoRA adapters, embeddings and weight updates: their GPU and kernel tests on CUDA, then mrv2 bench
-# latency's lora_* variants at batch 1 / 8 / 64 on Qwen3-0.6B and Qwen3-8B),
+# latency's lora_* variants at batch 1 / 8 / 64 on Qwen3-0.6B and Qwen3-8B; lorabench: the kernel tests and
+# the bench only),
 # graphtimes (scripts/decode_graph_times.py: each decode graph's replay time by size),
 # streamk (scripts/proto_streamk.py: a stream-K GEMM against cuBLAS at 8B decode shapes), attn,
 # splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile, mixed,
@@ -160,6 +161,17 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
             timeout 240 python3 -m mrv2.entrypoints.cli bench latency --model $m \
               --new-tokens 256 --variants lora_idle lora_1 lora_4 --json "$OUT/lora_$m.json" \
               2>&1 | tee "$OUT/lora_$m.log" | tail -14
+          done ;;
+    lorabench) # the LoRA kernel on CUDA and mrv2 bench latency's lora_* variants only
+          timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_lora_kernel.py \
+            2>&1 | tee "$OUT/lora_kernel_tests.log" | tail -2
+          for m in Qwen3-0.6B Qwen3-8B; do
+            timeout 150 python3 -m mrv2.entrypoints.cli bench latency --model $m \
+              --new-tokens 256 --variants lora_idle lora_1 lora_4 --json "$OUT/lora_$m.json" \
+              > "$OUT/lora_$m.log" 2>&1
+            python3 -c "import json, sys; d = json.load(open(sys.argv[1])); [print(sys.argv[2], \
+              k, *(f\"b{r['batch']} {r['tpot_ms']}\" for r in d[k])) for k in \
+              ('default', 'lora_idle', 'lora_1', 'lora_4') if k in d]" "$OUT/lora_$m.json" $m
           done ;;
     servelong) # long answers through mrv2 serve (the twenty-ninth session's delta outputs):
                # 256 streams at once of 2,048 tokens, Qwen3-0.6B; with .whl-old (a baseline's

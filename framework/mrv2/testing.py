@@ -289,7 +289,21 @@ def emulate_cuda_graphs(runner: Any, mixed_cap: int | None = 512) -> None:
     device = runner.config.device
     if mixed_cap is not None and device.max_mixed_graph_tokens is None:
         device.max_mixed_graph_tokens = min(mixed_cap, runner._max_mixed_graph_tokens())
-    runner.capture_graphs(lambda batch, body: EagerGraph(body))
+    lora = runner.lora
+
+    def capture(batch: Any, body: Callable[[], Any]) -> EagerGraph:
+        # a graph keeps what its capture launched: with LoRA, the adapters' kernels or not
+        baked = lora.force if lora is not None else None
+        if baked is None:
+            return EagerGraph(body)
+
+        def replay() -> Any:
+            with lora.forced(baked):
+                return body()
+
+        return EagerGraph(replay)
+
+    runner.capture_graphs(capture)
 
 
 def fp8_checkpoint(src: str | Path, dst: str | Path, reference: str | Path,

@@ -7,11 +7,16 @@
 zeros; the scaling already folded into ``lora_b``).
 
 Two launches, a *shrink* (``[T, K] -> [T, R]`` in fp32) and an *expand* that adds into ``y``.
-Both run a grid over (token tile, output tile, slot): program ``(m, n, s)`` multiplies the rows
-of tile ``m`` that belong to slot ``s`` and skips its work when there are none, so a batch
-mixing adapters (or requests without one) costs one tile product per adapter present in the
-tile, and a batch without adapters only the launches. The grid depends on ``T`` and ``L``
-only: a CUDA graph captures it, and nothing is read back on the host. A token belongs to one
+The shrink's grid is (token tile, K chunk, slot), the expand's (token tile, output tile,
+slot): program ``(m, ·, s)`` multiplies the rows of tile ``m`` that belong to slot ``s`` and
+skips its work when there are none, so a batch mixing adapters (or requests without one)
+costs one tile product per adapter present in the tile, and a batch without adapters only the
+launches. The shrink splits ``K`` so a decode batch's few token tiles still fill the device
+(one program walking all of ``K`` made a rank-16 adapter on Qwen3-8B cost 22 ms a decode
+step on an H200, BENCHMARKS.md 2026-12-05): each chunk writes its own fp32 partial
+``[split, T, R]`` and the expand sums them as it loads them, in a fixed order (no atomics:
+the same sums on every run, in graphs and eager alike). The grid depends on ``T``, ``K`` and
+``L`` only: a CUDA graph captures it, and nothing is read back on the host. A token belongs to one
 slot, so each output element has one writer. Both launch with programmatic dependent launch
 where the device has it (:func:`mrv2_kernels._backend.pdl`), as the decode chain's kernels do.
 
@@ -27,7 +32,7 @@ import triton.language as tl
 
 from ._backend import cdiv, default_block, next_power_of_2, pdl, pdl_prologue, use_triton
 
-__all__ = ["lora_apply", "lora_apply_ref", "lora_apply_triton"]
+__all__ = ["lora_apply", "lora_apply_ref", "lora_apply_triton", "shrink_split"]
 
 
 def _check(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -65,39 +70,43 @@ def lora_apply_ref(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor,
 
 @triton.jit(do_not_specialize=["T"])
 def _shrink_kernel(x_ptr: tl.tensor, a_ptr: tl.tensor, slots_ptr: tl.tensor,
-                   out_ptr: tl.tensor, T: int, K: int, R: int, sxt: int, sxk: int, sal: int,
-                   sar: int, sak: int, sot: int, BLOCK_M: tl.constexpr,
+                   out_ptr: tl.tensor, T: int, K: int, R: int, CHUNK: int, sxt: int, sxk: int,
+                   sal: int, sar: int, sak: int, sos: int, sot: int, BLOCK_M: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                    DOT_FP32: tl.constexpr, PDL: tl.constexpr) -> None:
     pdl_prologue(PDL)
     pid_m = tl.program_id(0)
-    slot = tl.program_id(1)
+    split = tl.program_id(1)
+    slot = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_slot = tl.load(slots_ptr + rows, mask=rows < T, other=-1)
     mine = row_slot == slot
     if tl.sum(mine.to(tl.int32), axis=0) > 0:
         r = tl.arange(0, BLOCK_R)
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        start = split * CHUNK
+        end = tl.minimum(start + CHUNK, K)
+        for k0 in range(start, end, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             xt = tl.load(x_ptr + rows[:, None] * sxt + k[None, :] * sxk,
-                         mask=mine[:, None] & (k[None, :] < K), other=0.0)
+                         mask=mine[:, None] & (k[None, :] < end), other=0.0)
             at = tl.load(a_ptr + slot * sal + r[:, None] * sar + k[None, :] * sak,
-                         mask=(r[:, None] < R) & (k[None, :] < K), other=0.0)
+                         mask=(r[:, None] < R) & (k[None, :] < end), other=0.0)
             if DOT_FP32:
                 acc = tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)), acc,
                              input_precision="ieee")
             else:
                 acc = tl.dot(xt, tl.trans(at), acc)
-        tl.store(out_ptr + rows[:, None] * sot + r[None, :], acc,
+        tl.store(out_ptr + split * sos + rows[:, None] * sot + r[None, :], acc,
                  mask=mine[:, None] & (r[None, :] < R))
 
 
 @triton.jit(do_not_specialize=["T"])
 def _expand_kernel(h_ptr: tl.tensor, b_ptr: tl.tensor, slots_ptr: tl.tensor,
-                   y_ptr: tl.tensor, T: int, N: int, R: int, sht: int, sbl: int, sbn: int,
+                   y_ptr: tl.tensor, T: int, N: int, R: int, SPLIT: int, shs: int, sht: int,
+                   sbl: int, sbn: int,
                    sbr: int, syt: int, syn: int, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
                    DOT_FP32: tl.constexpr, PDL: tl.constexpr) -> None:
     pdl_prologue(PDL)
     pid_m = tl.program_id(0)
@@ -109,25 +118,46 @@ def _expand_kernel(h_ptr: tl.tensor, b_ptr: tl.tensor, slots_ptr: tl.tensor,
     if tl.sum(mine.to(tl.int32), axis=0) > 0:
         r = tl.arange(0, BLOCK_R)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        h = tl.load(h_ptr + rows[:, None] * sht + r[None, :],
-                    mask=mine[:, None] & (r[None, :] < R), other=0.0)
         bt = tl.load(b_ptr + slot * sbl + n[:, None] * sbn + r[None, :] * sbr,
                      mask=(n[:, None] < N) & (r[None, :] < R), other=0.0)
+        out = y_ptr + rows[:, None] * syt + n[None, :] * syn
+        keep = mine[:, None] & (n[None, :] < N)
+        y = tl.load(out, mask=keep, other=0.0)
+        # the shrink's K chunks, loaded at once and summed (a fixed order: deterministic)
+        s = tl.arange(0, SPLIT_BLOCK)
+        parts = tl.load(h_ptr + s[:, None, None] * shs + rows[None, :, None] * sht
+                        + r[None, None, :],
+                        mask=(s[:, None, None] < SPLIT) & mine[None, :, None]
+                        & (r[None, None, :] < R), other=0.0)
+        h = tl.sum(parts, axis=0)
         if DOT_FP32:
             delta = tl.dot(h, tl.trans(bt.to(tl.float32)), input_precision="ieee")
         else:
             # the intermediate rounded to the adapter's dtype, as the reference does
             delta = tl.dot(h.to(bt.dtype), tl.trans(bt))
-        out = y_ptr + rows[:, None] * syt + n[None, :] * syn
-        keep = mine[:, None] & (n[None, :] < N)
-        y = tl.load(out, mask=keep, other=0.0)
         tl.store(out, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=keep)
+
+
+#: The most K chunks a shrink splits into (the expand loads them all at once).
+MAX_SPLIT = 16
+
+
+def shrink_split(t: int, k: int, block_m: int, block_k: int, on_cuda: bool) -> int:
+    """How many K chunks the shrink of ``t`` tokens over ``K = k`` runs: on CUDA enough that
+    the token tiles times the chunks make ~64 programs a slot (chunks of at least two
+    ``block_k`` steps, at most :data:`MAX_SPLIT`); one on the CPU, and once the token tiles
+    alone are that many."""
+    if not on_cuda:
+        return 1
+    return max(1, min(cdiv(k, 2 * block_k), MAX_SPLIT, 64 // cdiv(t, block_m)))
 
 
 def lora_apply_triton(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor,
                       lora_b: torch.Tensor, slots: torch.Tensor, *, block_m: int | None = None,
-                      block_n: int | None = None, block_k: int | None = None) -> torch.Tensor:
-    """The Triton implementation of :func:`lora_apply` (adds into ``y``; returns it)."""
+                      block_n: int | None = None, block_k: int | None = None,
+                      split_k: int | None = None) -> torch.Tensor:
+    """The Triton implementation of :func:`lora_apply` (adds into ``y``; returns it).
+    ``split_k``: the shrink's K chunks (default :func:`shrink_split`)."""
     _check(x, y, lora_a, lora_b, slots)
     t, k = x.shape
     num_slots, rank, _ = lora_a.shape
@@ -136,19 +166,25 @@ def lora_apply_triton(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor,
         return y
     bm = default_block(x, 16, 16, block_m)
     bn = default_block(x, 64, 32, block_n)
-    bk = default_block(x, 64, 32, block_k)
+    bk = default_block(x, 128, 32, block_k)
     br = max(16, next_power_of_2(rank))
+    split = split_k if split_k is not None else shrink_split(t, k, bm, bk, x.is_cuda)
+    if not 1 <= split <= MAX_SPLIT:
+        raise ValueError(f"split_k must be in [1, {MAX_SPLIT}], got {split}")
+    chunk = cdiv(cdiv(k, split), bk) * bk
+    split = cdiv(k, chunk)  # (no empty chunk)
     fp32 = lora_b.dtype == torch.float32
-    shrunk = torch.empty((t, rank), dtype=torch.float32, device=x.device)
+    shrunk = torch.empty((split, t, rank), dtype=torch.float32, device=x.device)
     slots = slots if slots.dtype == torch.int32 else slots.to(torch.int32)
-    _shrink_kernel[(cdiv(t, bm), num_slots)](
-        x, lora_a, slots, shrunk, t, k, rank, x.stride(0), x.stride(1), lora_a.stride(0),
-        lora_a.stride(1), lora_a.stride(2), shrunk.stride(0),
-        BLOCK_M=bm, BLOCK_R=br, BLOCK_K=bk, DOT_FP32=fp32, **pdl(x))
+    _shrink_kernel[(cdiv(t, bm), split, num_slots)](
+        x, lora_a, slots, shrunk, t, k, rank, chunk, x.stride(0), x.stride(1),
+        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), shrunk.stride(0),
+        shrunk.stride(1), BLOCK_M=bm, BLOCK_R=br, BLOCK_K=bk, DOT_FP32=fp32, **pdl(x))
     _expand_kernel[(cdiv(t, bm), cdiv(n, bn), num_slots)](
-        shrunk, lora_b, slots, y, t, n, rank, shrunk.stride(0), lora_b.stride(0),
-        lora_b.stride(1), lora_b.stride(2), y.stride(0), y.stride(1),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br, DOT_FP32=fp32, **pdl(x))
+        shrunk, lora_b, slots, y, t, n, rank, split, shrunk.stride(0), shrunk.stride(1),
+        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), y.stride(0), y.stride(1),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br, SPLIT_BLOCK=next_power_of_2(split),
+        DOT_FP32=fp32, **pdl(x))
     return y
 
 

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from mrv2_kernels.lora import _lora_apply_cpu, lora_apply_ref, lora_apply_triton
+from mrv2_kernels.lora import _lora_apply_cpu, lora_apply_ref, lora_apply_triton, shrink_split
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Conversion of an array with ndim:DeprecationWarning"
@@ -46,6 +46,29 @@ def test_matches_reference(t: int, k: int, n: int, rank: int, num_slots: int,
     assert torch.equal(got[plain], y[plain])  # rows without an adapter: not written
     if (~plain).any():
         assert not torch.allclose(got[~plain], y[~plain])  # the update reached the others
+
+
+@pytest.mark.parametrize(("k", "split_k"), [(160, 3), (96, 2), (40, 5), (544, 16)])
+def test_split_k_sums_its_chunks(k: int, split_k: int) -> None:
+    """The shrink split over K (a decode batch's grid on CUDA): chunks of whole ``block_k``
+    steps, a ragged last one, more splits asked than chunks exist, mixed slots."""
+    x, y, a, b, slots = _case(k + split_k, 6, k, 40, 8, 3, torch.float32, [-1, 0, 1, 2])
+    want = lora_apply_ref(x, y.clone(), a, b, slots)
+    got = lora_apply_triton(x, y.clone(), a, b, slots, split_k=split_k)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    plain = slots[:6] < 0
+    assert torch.equal(got[plain], y[plain])
+
+
+def test_default_split_fills_a_decode_batch() -> None:
+    assert shrink_split(1, 1024, 16, 128, on_cuda=True) == 4
+    assert shrink_split(1, 12288, 16, 128, on_cuda=True) == 16
+    assert shrink_split(256, 4096, 16, 128, on_cuda=True) == 4
+    assert shrink_split(8192, 4096, 16, 128, on_cuda=True) == 1
+    assert shrink_split(1, 4096, 16, 128, on_cuda=False) == 1
+    with pytest.raises(ValueError, match="split_k"):
+        x, y, a, b, slots = _case(0, 2, 32, 8, 4, 1, torch.float32, [0])
+        lora_apply_triton(x, y, a, b, slots, split_k=17)
 
 
 def test_slot_rows_use_their_own_adapter() -> None:

@@ -83,6 +83,31 @@ def test_mixed_batch_matches_merged_references(case: Case, graphs: bool) -> None
     _mixed(case, llm)
 
 
+def test_graphs_without_adapters_replay_while_none_is_live(case: Case) -> None:
+    """Serving adapters captures the graphs twice: steps replay the set without the adapters'
+    kernels while no live request names one, the other set once one does (here the base
+    model's requests alone, then joined by adapter requests, then alone again), every token
+    as the references'."""
+    llm = case.llm()
+    runner = llm.engine.runner
+    emulate_cuda_graphs(runner)
+    plain, with_lora = runner._lora_graphs
+
+    def replays(graphs: Any) -> int:
+        return sum(g.replays for g in graphs.graphs.values())
+
+    base = [{"prompt_token_ids": p} for p in PROMPTS]
+    outs = llm.generate(base, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == case.want[None]
+    assert replays(plain) > 0 and replays(with_lora) == 0
+    before = replays(plain)
+    _mixed(case, llm)
+    assert replays(with_lora) > 0 and replays(plain) == before
+    outs = llm.generate(base, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == case.want[None]
+    assert replays(plain) > before
+
+
 def test_the_triton_kernels_in_the_engine(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
     """The layers through the Triton shrink/expand (Triton's interpreter here, the GPU's
     path) in a mixed batch: the merged references' tokens (their first three)."""

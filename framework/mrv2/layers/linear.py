@@ -126,10 +126,16 @@ class LinearBase(nn.Module):
         """The layer's output from this rank's product (a row-parallel layer all-reduces)."""
         return y
 
+    def runs_plain(self) -> bool:
+        """Whether this layer's forward is now this class's plain product (a decode step's
+        norm may then fuse into it, :func:`norm_linear`): False for a subclass with its own
+        ``forward`` (a quantized layer), or a LoRA layer while adapters run."""
+        return type(self).forward is LinearBase.forward
+
     def process_weights_after_loading(self) -> None:
         """Called once the weights are loaded: the CPU layout (:func:`cpu_weight_layout`).
         Subclasses with their own ``forward`` (which may count on the layout) keep theirs."""
-        if type(self).forward is LinearBase.forward:
+        if self.runs_plain():
             with torch.no_grad():
                 self.weight.data = cpu_weight_layout(self.weight.data)
 
@@ -325,7 +331,7 @@ def norm_linear(
     quantized linear, another norm) always take the unfused path. Treat ``residual`` as
     consumed.
     """
-    if (type(norm).forward is RMSNorm.forward and type(linear).forward is LinearBase.forward
+    if (type(norm).forward is RMSNorm.forward and linear.runs_plain()
             and type(linear).reduce is LinearBase.reduce):
         return norm_gemv(x, linear.weight, linear.bias, norm_weight=norm.weight, eps=norm.eps,
                          residual=residual, gated=silu_and_mul)

@@ -4,8 +4,8 @@
 projections of the text model, :data:`TARGET_NAMES`) ``max_loras`` adapter slots and a forward
 that adds each token's adapter update (:func:`mrv2_kernels.lora.lora_apply`). The layer's
 class is swapped for a subclass, so every attribute the model reads stays as it was; the fused
-norm + product kernel of decode steps then steps aside for these layers
-(:func:`mrv2.layers.linear.norm_linear` fuses plain layers only).
+norm + product kernel of decode steps steps aside for these layers while adapters run
+(:func:`mrv2.layers.linear.norm_linear` fuses layers that :meth:`~LinearBase.runs_plain`).
 
 A fused layer (``qkv_proj``, ``gate_up_proj``) holds one rank-``R`` block per shard: slot
 ``s``'s ``lora_a[s]`` is ``[shards * R, in]`` (shard ``i``'s ``A`` in rows ``i*R``...) and
@@ -76,6 +76,12 @@ class LoRALinearMixin(LinearBase):
             delta = lora_apply(x, torch.zeros_like(y), self.lora_a, self.lora_b, slots)
             return y + all_reduce(delta)
         return lora_apply(x, y, self.lora_a, self.lora_b, slots)
+
+    def runs_plain(self) -> bool:
+        """The plain product while no adapter runs (the forward context carries no
+        ``lora_slots``): a decode step's norm fuses into it then."""
+        ctx = current_forward_context()
+        return self.lora_plain and (ctx is None or ctx.lora_slots is None)
 
     def shard_slice(self, shard: Any) -> tuple[int, int]:
         """``(column of lora_a/lora_b's rank block, first output row)`` of ``shard``."""

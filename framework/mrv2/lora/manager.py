@@ -12,10 +12,11 @@ live at once; a runner asked for more raises.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -66,6 +67,8 @@ class LoRAManager:
         self.slot_ids: list[int | None] = [None] * config.max_loras
         self._slot_users = [0] * config.max_loras
         self._row_slot: dict[int, int] = {}
+        #: Set by :meth:`forced` (graph capture): adapters' kernels on or off regardless.
+        self.force: bool | None = None
         self._read: OrderedDict[int, list[_Part]] = OrderedDict()
         self._max_read = config.max_cpu_loras or config.max_loras
         # the server's event loop checks adapters while the engine thread loads them
@@ -197,6 +200,29 @@ class LoRAManager:
         slot = self._row_slot.pop(row, None)
         if slot is not None:
             self._slot_users[slot] -= 1
+
+    @property
+    def active(self) -> bool:
+        """Whether a live request names an adapter: the forward then runs the adapters'
+        kernels; without one it runs the plain layers (and the graphs captured so)."""
+        return bool(self._row_slot)
+
+    @contextlib.contextmanager
+    def forced(self, on: bool) -> Iterator[None]:
+        """Within: the forward runs the adapters' kernels (``on``) or not, whatever the live
+        requests (the runner captures a graph set each way)."""
+        self.force = on
+        try:
+            yield
+        finally:
+            self.force = None
+
+    def forward_slots(self, batch: InputBatch) -> torch.Tensor | None:
+        """The forward context's ``lora_slots`` for ``batch``: :meth:`token_slots` while
+        adapters are :attr:`active` (or :meth:`forced` on), else None (the layers run
+        plain)."""
+        on = self.active if self.force is None else self.force
+        return self.token_slots(batch) if on else None
 
     def token_slots(self, batch: InputBatch) -> torch.Tensor:
         """Each of the step's tokens' slot (``[max_num_tokens]``; its first

@@ -173,6 +173,8 @@ class Runner:
         self._copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
         self._last_copy: torch.cuda.Event | None = None
         self.graphs: StepGraphs | None = None
+        #: Serving LoRA adapters: the graphs without them and with them (:meth:`capture_graphs`).
+        self._lora_graphs: tuple[StepGraphs, StepGraphs] | None = None
         if self.device.type == "cuda" and not config.device.enforce_eager:
             in_use = device_bytes_in_use(self.device)
             with self.startup.part("graphs"):
@@ -198,7 +200,7 @@ class Runner:
         """Release what outlives the object: the CUDA graphs (NCCL cannot finalize a
         communicator while a live graph holds collectives captured on it) and, for a
         tensor-parallel runner, the workers. Later steps, if any, run eager."""
-        self.graphs = None
+        self.graphs = self._lora_graphs = None
         if hasattr(self, "builder"):
             self.builder.graphs = None
         if getattr(self, "device", None) is not None and self.device.type == "cuda":
@@ -257,6 +259,9 @@ class Runner:
         self._add_requests(scheduled.new_requests, staged)
         for req_id, block_ids in scheduled.new_block_ids.items():
             self.builder.stage_new_blocks(self.table.row_of(req_id), block_ids, staged)
+        if self._lora_graphs is not None:  # (the step's rows are live now)
+            assert self.lora is not None
+            self.graphs = self.builder.graphs = self._lora_graphs[self.lora.active]
         step = self.builder.build(scheduled, staged, self.sampler.plan, self._uploader)
         with torch.inference_mode():
             samples, out, prompt_lps, pooled = self._forward_and_sample(
@@ -268,7 +273,7 @@ class Runner:
         kwargs = self.model_state.prepare_inputs(batch)
         metadata = self.model_state.prepare_attn(batch)
         context = ForwardContext(metadata, self.kv.tensors, self.kv.backends,
-                                 self.lora.token_slots(batch) if self.lora else None)
+                                 self.lora.forward_slots(batch) if self.lora else None)
         with set_forward_context(context):
             hidden = self.model(**kwargs)
         return cast(torch.Tensor, hidden)
@@ -493,10 +498,27 @@ class Runner:
         per request, every padded size), their sampling tails (a sampler whose ``capturable``
         accepts its ``graph_plan``) or, for a capturable speculator, its drafting graphs, with
         ``capture`` (the ModelState's; tests pass a stand-in that replays eagerly, to run the
-        padded graph path on the CPU). The steps they fit replay them from then on."""
+        padded graph path on the CPU). The steps they fit replay them from then on.
+
+        Serving LoRA adapters, every graph twice: with the adapters' kernels, and without
+        them for the steps while no live request names an adapter (idle, their launches made
+        a Qwen3-0.6B batch-1 decode step ~45% longer on an H200; BENCHMARKS.md 2026-12-05).
+        Both sets share the pool: one graph replays at a time."""
+        if self.lora is None:
+            self.graphs = self._capture_set(capture)
+        else:
+            with self.lora.forced(True):
+                with_lora = self._capture_set(capture)
+            with self.lora.forced(False):
+                self._lora_graphs = (self._capture_set(capture), with_lora)
+            self.graphs = with_lora
+        self.builder.graphs = self.graphs
+
+    def _capture_set(self, capture: Callable[[InputBatch, Callable[[], Any]], object]
+                     ) -> StepGraphs:
         query_lens = sorted({1, 1 + self.num_speculative_tokens})
-        self.graphs = StepGraphs(capture_sizes(self.max_num_reqs), query_lens,
-                                   self.max_num_tokens)
+        self.graphs = graphs = StepGraphs(capture_sizes(self.max_num_reqs), query_lens,
+                                          self.max_num_tokens)
         mixed: dict[int, tuple[int, int]] = {}
         if self.model_state.mixed_step_graphs and all(b.mixed_step_graphs
                                                       for b in self.kv.backends):
@@ -507,20 +529,20 @@ class Runner:
                     mixed[tokens] = (num_reqs, rows)  # a real step of so many tokens may exist
         with torch.inference_mode():
             # the largest graphs first: the later ones reuse their memory pool
-            self.graphs.capture_mixed(mixed, self._mixed_dummy_batch, self._forward_logits_rows,
-                                      capture)
-            if measured_mixed_graphs() and self.graphs.mixed_graphs:
-                self.graphs.drop_slow_mixed(self._mixed_graph_slower)
-            self.graphs.capture_all(self._graph_dummy_batch, self._forward_all_logits, capture)
+            graphs.capture_mixed(mixed, self._mixed_dummy_batch, self._forward_logits_rows,
+                                 capture)
+            if measured_mixed_graphs() and graphs.mixed_graphs:
+                graphs.drop_slow_mixed(self._mixed_graph_slower)
+            graphs.capture_all(self._graph_dummy_batch, self._forward_all_logits, capture)
             if self.speculator is not None and self.speculator.cuda_graphs:
-                self.graphs.capture_drafts(1 + self.num_speculative_tokens,
-                                           self._graph_dummy_batch, self._propose, capture)
+                graphs.capture_drafts(1 + self.num_speculative_tokens,
+                                      self._graph_dummy_batch, self._propose, capture)
             for variant, plan in enumerate(self.sampler.graph_plans()):
                 for query_len in query_lens:
-                    self.graphs.capture_tails(query_len, self._graph_dummy_batch,
-                                              functools.partial(self._sample_tail, plan=plan),
-                                              capture, variant)
-        self.builder.graphs = self.graphs
+                    graphs.capture_tails(query_len, self._graph_dummy_batch,
+                                         functools.partial(self._sample_tail, plan=plan),
+                                         capture, variant)
+        return graphs
 
     def _mixed_graph_slower(self, tokens: int) -> bool:
         """Whether the mixed graph of ``tokens`` replays slower than an eager step of as many
