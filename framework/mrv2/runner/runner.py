@@ -179,7 +179,8 @@ class Runner:
             in_use = device_bytes_in_use(self.device)
             with self.startup.part("graphs"):
                 self.capture_graphs(self.model_state.capture_cuda_graph)
-            self.startup.graphs(self.graphs, device_bytes_in_use(self.device) - in_use)
+            self.startup.graphs(self.graphs, device_bytes_in_use(self.device) - in_use,
+                                2 if self._lora_graphs else 1)
 
     @classmethod
     def from_config(cls, config: EngineConfig, plugins: PluginManager | None = None) -> Runner:

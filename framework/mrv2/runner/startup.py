@@ -81,15 +81,18 @@ class StartupReport:
                  block_size, num_blocks * bytes_per_block / _GIB, kv_dtype,
                  tokens / per_request, max_model_len, peak, self.seconds.get("kv_cache", 0.0))
 
-    def graphs(self, graphs: Any, pool_bytes: int) -> None:
-        """After the CUDA graphs are captured: how many of each kind, their memory."""
+    def graphs(self, graphs: Any, pool_bytes: int, sets: int = 1) -> None:
+        """After the CUDA graphs are captured: how many of each kind (in each of ``sets``
+        sets: 2 with and without LoRA adapters' kernels), their memory."""
         counts = {"decode": len(graphs.graphs), "mixed": len(graphs.mixed_graphs),
                   "sampling tails": len(graphs.tail_graphs),
                   "drafting": len(graphs.draft_graphs)}
-        self.facts.update(graph_counts=counts, graph_pool_bytes=pool_bytes)
-        self.log("CUDA graphs captured in %.1f s: %s; %.2f GiB of device memory",
+        self.facts.update(graph_counts=counts, graph_pool_bytes=pool_bytes, graph_sets=sets)
+        self.log("CUDA graphs captured in %.1f s: %s%s; %.2f GiB of device memory",
                  self.seconds.get("graphs", 0.0),
-                 ", ".join(f"{n} {kind}" for kind, n in counts.items() if n), pool_bytes / _GIB)
+                 ", ".join(f"{n} {kind}" for kind, n in counts.items() if n),
+                 " (each twice: with and without the LoRA adapters' kernels)" if sets == 2 else "",
+                 pool_bytes / _GIB)
 
 
 def device_bytes_in_use(device: torch.device) -> int:
