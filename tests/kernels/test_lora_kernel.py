@@ -61,14 +61,14 @@ def test_split_k_sums_its_chunks(k: int, split_k: int) -> None:
 
 
 def test_default_split_fills_a_decode_batch() -> None:
-    assert shrink_split(1, 1024, 16, 128, on_cuda=True) == 4
-    assert shrink_split(1, 12288, 16, 128, on_cuda=True) == 16
-    assert shrink_split(256, 4096, 16, 128, on_cuda=True) == 4
-    assert shrink_split(8192, 4096, 16, 128, on_cuda=True) == 1
-    assert shrink_split(1, 4096, 16, 128, on_cuda=False) == 1
+    assert shrink_split(1, 1024, 16, 64, on_cuda=True) == 8
+    assert shrink_split(1, 12288, 16, 64, on_cuda=True) == 64
+    assert shrink_split(256, 4096, 16, 64, on_cuda=True) == 4
+    assert shrink_split(8192, 4096, 16, 64, on_cuda=True) == 1
+    assert shrink_split(1, 4096, 16, 64, on_cuda=False) == 1
     with pytest.raises(ValueError, match="split_k"):
         x, y, a, b, slots = _case(0, 2, 32, 8, 4, 1, torch.float32, [0])
-        lora_apply_triton(x, y, a, b, slots, split_k=17)
+        lora_apply_triton(x, y, a, b, slots, split_k=0)
 
 
 def test_slot_rows_use_their_own_adapter() -> None:
