@@ -96,10 +96,15 @@ def test_graphs_without_adapters_replay_while_none_is_live(case: Case) -> None:
     def replays(graphs: Any) -> int:
         return sum(g.replays for g in graphs.graphs.values())
 
+    layouts = []
+    layout = runner.builder._layout
+    runner.builder._layout = lambda *a: layouts.append(1) or layout(*a)
     base = [{"prompt_token_ids": p} for p in PROMPTS]
     outs = llm.generate(base, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == case.want[None]
     assert replays(plain) > 0 and replays(with_lora) == 0
+    # a run of decode steps keeps its layout (picking the set each step does not drop it)
+    assert len(layouts) <= 3
     before = replays(plain)
     _mixed(case, llm)
     assert replays(with_lora) > 0 and replays(plain) == before

@@ -262,7 +262,9 @@ class Runner:
             self.builder.stage_new_blocks(self.table.row_of(req_id), block_ids, staged)
         if self._lora_graphs is not None:  # (the step's rows are live now)
             assert self.lora is not None
-            self.graphs = self.builder.graphs = self._lora_graphs[self.lora.active]
+            graphs = self._lora_graphs[self.lora.active]
+            if graphs is not self.graphs:  # (setting the builder's drops its last layout)
+                self.graphs = self.builder.graphs = graphs
         step = self.builder.build(scheduled, staged, self.sampler.plan, self._uploader)
         with torch.inference_mode():
             samples, out, prompt_lps, pooled = self._forward_and_sample(
