@@ -103,6 +103,7 @@ class LLMEngine:
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self._requests: dict[str, TrackedRequest] = {}
         self._in_flight: deque[AsyncStepOutput] = deque()
+        self._shut_down = False
         self._seeds = random.Random(config.model.seed)
         self._ids = itertools.count()
         self._fanout = FanOut()
@@ -174,6 +175,7 @@ class LLMEngine:
         from mrv2.model_loader.build import process_weights_after_loading
         from mrv2.model_loader.loader import load_model_weights
 
+        self._check_open()
         if self.has_unfinished():
             raise RuntimeError("update_weights needs an idle engine: requests are in flight")
         if self.config.parallel.tensor_parallel_size > 1:
@@ -203,6 +205,7 @@ class LLMEngine:
                  lora_request: LoRARequest | None = None, pooling: bool = False) -> int:
         """Check a request (an embedding request with ``pooling``) can run; returns its
         effective max_tokens. Raises ``ValueError``."""
+        self._check_open()
         check_runner(self.config, pooling)
         check_prompt(prompt_token_ids, params, self.max_model_len, self.runner.vocab_size)
         if lora_request is not None:
@@ -319,7 +322,9 @@ class LLMEngine:
 
     def abort(self, req_id: str) -> None:
         """Cancel a request (an ``n > 1`` parent: all its samples) wherever it is; unknown or
-        finished ids are ignored."""
+        finished ids are ignored (so is everything once the engine is shut down)."""
+        if self._shut_down:
+            return
         for one in self._fanout.discard(req_id) or [req_id]:
             tracked = self._requests.pop(one, None)
             if tracked is not None:
@@ -328,9 +333,18 @@ class LLMEngine:
             self.runner.remove_requests(self.scheduler.take_finished_ids())  # idle: row too
 
     def shutdown(self) -> None:
-        """Stop what the engine started outside this process (tensor-parallel workers); the
-        engine takes no steps afterwards. Idempotent."""
+        """Stop what the engine started outside this process (tensor-parallel workers) and
+        release the device memory it holds (the model, the KV cache...), even while the
+        engine is still referenced; requests still running are dropped. The engine takes no
+        requests and no steps afterwards. Idempotent."""
+        self._in_flight.clear()
         self.runner.shutdown()
+        self._shut_down = True
+
+    def _check_open(self) -> None:
+        if self._shut_down:
+            raise RuntimeError("the engine is shut down (shutdown(), or the end of a `with "
+                               "LLM(...)` block): build a new one")
 
     @property
     def vocab_size(self) -> int:
@@ -349,6 +363,7 @@ class LLMEngine:
         Returns the final output of every request that finished, and an output per new token
         of every streaming request.
         """
+        self._check_open()
         scheduled = self.scheduler.schedule()
         if self._guided and scheduled.num_scheduled_tokens:
             self._fill_bitmasks(scheduled)

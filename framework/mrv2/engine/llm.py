@@ -55,8 +55,10 @@ class LLM:
         self.engine = LLMEngine(config, plugins)
 
     def shutdown(self) -> None:
-        """Stop the engine's worker processes (``tensor_parallel_size > 1``); they also stop
-        when this process exits. ``with LLM(...) as llm:`` calls it at the end."""
+        """Stop the engine's worker processes (``tensor_parallel_size > 1``; they also stop
+        when this process exits) and release its device memory, even while this object is
+        still referenced: the next ``LLM`` of the process finds the memory free. ``with
+        LLM(...) as llm:`` calls it at the end; the engine takes no requests afterwards."""
         self.engine.shutdown()
 
     def __enter__(self) -> LLM:

@@ -15,6 +15,7 @@ It returns without waiting: ``AsyncStepOutput.result()`` is the only wait.
 from __future__ import annotations
 
 import functools
+import gc
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, cast
@@ -60,6 +61,10 @@ from mrv2.sample.rejection import kept_token_logprobs, step_samples
 from mrv2.sample.sampler import SamplePlan, SamplerOutput
 from mrv2_kernels.input_prep import post_update
 
+#: What :meth:`Runner.shutdown` lets go of: everything that holds device memory.
+_DEVICE_STATE = ("model", "model_state", "kv", "table", "buffers", "builder", "sampler",
+                 "speculator", "lora", "pooler", "_out_ring", "_uploader", "_no_drafts",
+                 "_draft_offsets", "_ones", "_all_drafts", "_copy_stream", "_last_copy")
 
 def resolve_device(name: str) -> torch.device:
     """``auto`` is CUDA when available, else the CPU."""
@@ -198,14 +203,24 @@ class Runner:
         return model_dir
 
     def shutdown(self) -> None:
-        """Release what outlives the object: the CUDA graphs (NCCL cannot finalize a
-        communicator while a live graph holds collectives captured on it) and, for a
-        tensor-parallel runner, the workers. Later steps, if any, run eager."""
+        """Release what the runner holds: the CUDA graphs first (NCCL cannot finalize a
+        communicator while a live graph holds collectives captured on it), then the device
+        memory (the model, the KV cache, the state table, the buffers, the sampler's and the
+        speculator's state), even while the runner is still referenced, so that the next
+        engine of this process (a notebook's, a test's) finds the memory free; for a
+        tensor-parallel runner, the workers too. Idempotent; the runner takes no steps
+        afterwards (the engine refuses them)."""
         self.graphs = self._lora_graphs = None
-        if hasattr(self, "builder"):
+        if "builder" in vars(self):
             self.builder.graphs = None
-        if getattr(self, "device", None) is not None and self.device.type == "cuda":
+        cuda = getattr(self, "device", None) is not None and self.device.type == "cuda"
+        if cuda:
             torch.cuda.synchronize(self.device)
+        for name in _DEVICE_STATE:
+            vars(self).pop(name, None)
+        gc.collect()  # (the model's modules reference each other)
+        if cuda:
+            torch.cuda.empty_cache()
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -505,7 +520,8 @@ class Runner:
 
         Serving LoRA adapters, every graph twice: with the adapters' kernels, and without
         them for the steps while no live request names an adapter (idle, their launches made
-        a Qwen3-0.6B batch-1 decode step ~45% longer on an H200; BENCHMARKS.md 2026-12-05).
+        a 0.6B-parameter model's batch-1 decode step ~45% longer on an H200; BENCHMARKS.md
+        2026-12-05).
         Both sets share the pool: one graph replays at a time."""
         if self.lora is None:
             self.graphs = self._capture_set(capture)
