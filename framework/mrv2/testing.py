@@ -28,14 +28,15 @@ def make_tiny_checkpoint(
     path: str | Path, architecture: str, seed: int = 0, **overrides: Any
 ) -> Path:
     """Save a tiny random ``architecture`` (``"Qwen3ForCausalLM"``, ``"LlamaForCausalLM"``,
-    ``"Qwen3MoeForCausalLM"``...: any ``XForCausalLM`` of transformers with an ``XConfig``).
+    ``"Qwen3MoeForCausalLM"``, ``"Qwen3ForSequenceClassification"``...: any ``XFor...`` of
+    transformers with an ``XConfig``).
 
     ``overrides`` change config fields (``tie_word_embeddings=False``, ``head_dim=32``,
     ``num_experts=8``...). Returns the checkpoint directory.
     """
     import transformers
 
-    config_cls: Any = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    config_cls: Any = getattr(transformers, architecture.split("For")[0] + "Config")
     model_cls: Any = getattr(transformers, architecture)
     config = config_cls(**{**TINY, "eos_token_id": 1, "bos_token_id": 0, **overrides})
     config.architectures = [architecture]

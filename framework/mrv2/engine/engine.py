@@ -91,6 +91,8 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         #: The length of the model's final hidden states (an embedding's, whole).
         self.hidden_size = int(text_config_of(self.runner.hf_config).hidden_size)
+        #: A sequence classifier's label count and names (None, {}: not a classifier).
+        self.num_labels, self.id2label = classifier_labels(config, self.runner.hf_config)
         self.block_manager, self.scheduler = self._new_scheduler()
         k = self.runner.num_speculative_tokens
         #: Request-steps by how many drafts they verified (``[d]``) and kept (``[a]``); every
@@ -267,7 +269,7 @@ class LLMEngine:
         output shows text that a stop string then cuts off (as vLLM's).
         """
         if pooling_params is not None:  # the prompt alone; its one sampled token is dropped
-            pooling_params.check(self.hidden_size)
+            pooling_params.check(self.hidden_size, self.num_labels)
             params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
                                     output_kind=params.output_kind)
         max_tokens = self.validate(prompt_token_ids, params, lora_request,
@@ -613,12 +615,31 @@ class LLMEngine:
                 "lora_waiting": waiting}
 
 
+def classifier_labels(config: EngineConfig, hf_config: Any) -> tuple[int | None, dict[int, str]]:
+    """A sequence classifier's ``(num_labels, id2label)`` (``(None, {})`` for other models).
+    A classifier is served as a pooling model: ``runner="auto"`` becomes ``"pooling"``;
+    ``"generate"`` is refused by name."""
+    from mrv2.model_loader.classification import is_classifier, num_labels_of
+
+    if not is_classifier(list(getattr(hf_config, "architectures", None) or [])):
+        return None, {}
+    if config.model.runner == "generate":
+        raise ValueError(f"runner='generate': {hf_config.architectures[0]} is a sequence "
+                         "classifier, it generates no text (runner='pooling' or 'auto')")
+    config.model.runner = "pooling"
+    labels = num_labels_of(hf_config)
+    names = getattr(hf_config, "id2label", None) or {}
+    return labels, {int(k): str(v) for k, v in names.items()}
+
+
 def check_runner(config: EngineConfig, pooling: bool) -> None:
     """An engine of ``runner="pooling"`` takes embedding requests only: ValueError naming
     the runner for a generation request."""
     if config.model.runner == "pooling" and not pooling:
-        raise ValueError("this engine runs an embedding model (runner='pooling'): it takes "
-                         "embedding requests only (LLM.embed, /v1/embeddings)")
+        raise ValueError("this engine runs a pooling model (runner='pooling'): it takes "
+                         "embedding and classification requests only (LLM.embed, "
+                         "LLM.classify, LLM.score, /v1/embeddings, /classify, /score, "
+                         "/rerank)")
 
 
 def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int,

@@ -16,7 +16,16 @@ from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from mrv2.engine.engine import LLMEngine
 from mrv2.engine.media import split_chat_media
-from mrv2.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from mrv2.engine.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from mrv2.engine.scoring import broadcast_pairs, check_scorer, cosine
 from mrv2.engine.tokenizer import check_template_kwargs
 from mrv2.plugins import PluginManager
 
@@ -143,20 +152,80 @@ class LLM:
         state of its last token, normalized and truncated as ``pooling_params`` says
         (default: normalized, whole). Requests of one call run in the same steps, as
         ``generate``'s; every prompt is validated before any is queued."""
+        outputs = self._pool(prompts, pooling_params or PoolingParams(), use_tqdm,
+                             lora_request)
+        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding or []),
+                                       o.prompt_token_ids, True, o.num_cached_tokens)
+                for o in outputs]
+
+    def classify(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Each prompt's label probabilities, in prompt order (vLLM's ``LLM.classify``), from
+        a sequence classifier (an ``XForSequenceClassification`` checkpoint): its ``score``
+        head over the last token's final hidden state, softmax (the sigmoid of a single
+        label's logit). ``llm.engine.id2label`` names the labels."""
+        outputs = self._pool(prompts, PoolingParams(task="classify"), use_tqdm, lora_request)
+        return [ClassificationRequestOutput(o.request_id, ClassificationOutput(o.embedding or []),
+                                            o.prompt_token_ids, True, o.num_cached_tokens)
+                for o in outputs]
+
+    def score(
+        self,
+        data_1: Prompt | Sequence[Prompt],
+        data_2: Prompt | Sequence[Prompt],
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """A score per pair (vLLM's ``LLM.score``): ``data_1`` one item against every item of
+        ``data_2``, or the two lists item by item. A classifier of one label (a reranker)
+        reads each pair as one prompt, ``data_1``'s tokens then ``data_2``'s (without its
+        special tokens), and scores the sigmoid of its logit; an embedding model scores the
+        cosine similarity of the two embeddings."""
+        firsts = [data_1] if isinstance(data_1, (str, dict)) else list(data_1)
+        seconds = [data_2] if isinstance(data_2, (str, dict)) else list(data_2)
+        pairs = broadcast_pairs(firsts, seconds)
+        check_scorer(self.engine.num_labels)
+        if self.engine.num_labels is None:  # an embedding model: the cosine of the two
+            n = len(pairs)
+            out = self.embed([a for a, _ in pairs] + [b for _, b in pairs], PoolingParams(),
+                             use_tqdm, lora_request)
+            return [ScoringRequestOutput(
+                f"score-{i}", ScoringOutput(cosine(a.outputs.embedding, b.outputs.embedding)),
+                a.prompt_token_ids + b.prompt_token_ids)
+                for i, (a, b) in enumerate(zip(out[:n], out[n:], strict=True))]
+        joined = [{"prompt_token_ids": self._encode(a)[0] + self._pair_ids(b)}
+                  for a, b in pairs]
+        classified = self.classify(joined, use_tqdm, lora_request)
+        return [ScoringRequestOutput(f"score-{i}", ScoringOutput(c.outputs.probs[0]),
+                                     c.prompt_token_ids)
+                for i, c in enumerate(classified)]
+
+    def _pair_ids(self, prompt: Prompt) -> list[int]:
+        """A pair's second item's ids: a text without the tokenizer's special tokens."""
+        if isinstance(prompt, str):
+            return self._require_tokenizer().encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, dict) and "multi_modal_data" in prompt:
+            raise ValueError("score takes text pairs (no multi_modal_data)")
+        return self._encode(prompt)[0]
+
+    def _pool(self, prompts: Prompt | Sequence[Prompt], pooling: PoolingParams,
+              use_tqdm: bool, lora_request: LoRARequest | Sequence[LoRARequest | None] | None
+              ) -> list[RequestOutput]:
+        """Run ``prompts`` as pooling requests; every one validated before any is queued."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
-        pooling = pooling_params or PoolingParams()
-        pooling.check(self.engine.hidden_size)
+        pooling.check(self.engine.hidden_size, self.engine.num_labels)
         loras = self._loras(lora_request, len(prompts))
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         encoded = [self._encode(prompt) for prompt in prompts]
         for (token_ids, _, _), lora in zip(encoded, loras, strict=True):
             self.engine.validate(token_ids, params, lora, pooling=True)
-        outputs = self._run(encoded, [params] * len(prompts), use_tqdm, loras, pooling)
-        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding or []),
-                                       o.prompt_token_ids, True, o.num_cached_tokens)
-                for o in outputs]
+        return self._run(encoded, [params] * len(prompts), use_tqdm, loras, pooling)
 
     @staticmethod
     def _loras(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,

@@ -125,3 +125,46 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     finished: bool = True
     num_cached_tokens: int = 0
+
+
+@dataclass
+class ClassificationOutput:
+    """A classification request's label probabilities (vLLM's name)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        """How many labels the classifier has."""
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """What ``LLM.classify`` returns per prompt (``output.outputs.probs``)."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class ScoringOutput:
+    """A pair's score (vLLM's name): a classifier's probability, or two embeddings' cosine
+    similarity."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """What ``LLM.score`` returns per pair (``output.outputs.score``); ``prompt_token_ids``:
+    the pair's tokens as the model read them (a classifier's concatenation; both texts' for
+    an embedding model)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

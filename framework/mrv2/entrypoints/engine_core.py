@@ -27,7 +27,7 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -63,6 +63,9 @@ class EngineInfo:
     hidden_size: int = 0
     #: The ids that end an answer (beam search ends its beams on them in the server).
     eos_token_ids: frozenset[int] = frozenset()
+    #: A sequence classifier's label count and names (None, {}: not a classifier).
+    num_labels: int | None = None
+    id2label: dict[int, str] = field(default_factory=dict)
 
 
 def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connection,
@@ -95,7 +98,8 @@ def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connect
         architecture=runner.model_entry.architecture,
         input_processor=runner.model_entry.input_processor or None,
         hf_config=runner.hf_config if runner.model_entry.input_processor else None,
-        hidden_size=engine.hidden_size, eos_token_ids=engine.eos_token_ids)))
+        hidden_size=engine.hidden_size, eos_token_ids=engine.eos_token_ids,
+        num_labels=engine.num_labels, id2label=engine.id2label)))
     profile = os.environ.get(PROFILE_ENV_VAR, "").strip()
     sampler = StackSampler() if profile else None  # (the server's report, FILE.engine)
     if sampler is not None:

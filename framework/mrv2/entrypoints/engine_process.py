@@ -352,6 +352,9 @@ class RemoteEngine:
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
         self.hidden_size = info.hidden_size
+        self.num_labels, self.id2label = info.num_labels, info.id2label
+        if info.num_labels is not None:  # (the engine serves a classifier as pooling)
+            config.model.runner = "pooling"
         self.eos_token_ids = info.eos_token_ids
         self.sampling_defaults = info.sampling_defaults
         self.tokenizer: Tokenizer | None = _load_tokenizer(

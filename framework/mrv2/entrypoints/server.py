@@ -55,6 +55,7 @@ from mrv2.entrypoints.openai_protocol import (
     value_error_param,
 )
 from mrv2.entrypoints.openai_responses import RENAMED, ResponsesRequest, ResponsesStream
+from mrv2.entrypoints.openai_scoring import add_scoring_routes
 from mrv2.entrypoints.reasoning import check_reasoning_parser
 from mrv2.entrypoints.responses import APIError, Echo, Stream
 from mrv2.entrypoints.responses_store import STORE_ENV, store_from_env
@@ -425,6 +426,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
             vectors, sum(len(ids) for ids in encoded),
             lora.lora_name if lora else model_name, f"embd-{uuid.uuid4().hex}",
             int(time.time()), body.encoding_format))
+
+    add_scoring_routes(app, engine, worker, parse, lora_of, tokenizer, model_name)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> dict[str, Any]:

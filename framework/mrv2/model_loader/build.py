@@ -124,11 +124,19 @@ def build_model(
 ) -> tuple[nn.Module, ModelEntry]:
     """Instantiate the registered model class on ``device`` and load (or draw) its weights."""
     from mrv2.layers.fp8 import fp8_config_of, log_fp8_memory
+    from mrv2.model_loader.classification import (
+        add_score_head,
+        causal_architectures,
+        is_classifier,
+        num_labels_of,
+    )
 
     architectures = list(getattr(hf_config, "architectures", None) or [])
     if not architectures:
         raise ValueError(f"{model_dir}/config.json names no 'architectures'")
-    entry = registries.resolve_model(architectures)
+    classifier = is_classifier(architectures)
+    entry = registries.resolve_model(causal_architectures(architectures) if classifier
+                                     else architectures)
     model_cls = import_object(entry.model)
     dummy = config.model.load_format == "dummy"
     fp8 = fp8_config_of(hf_config, config.model.quantization)
@@ -140,6 +148,9 @@ def build_model(
     try:
         with torch.device("meta" if on_meta else device):
             model = model_cls(hf_config)
+            if classifier:  # the causal LM, plus its score head
+                add_score_head(model, int(text_config_of(hf_config).hidden_size),
+                               num_labels_of(hf_config))
     finally:
         torch.set_default_dtype(previous)
     if fp8 is not None:
@@ -180,12 +191,14 @@ def load_or_draw_weights(model: nn.Module, config: EngineConfig, model_dir: str)
     """Load ``model``'s weights from the checkpoint in ``model_dir``, or draw them (fp8 layers
     included) with ``load_format="dummy"``."""
     from mrv2.layers.fp8 import draw_fp8_weights
+    from mrv2.model_loader.classification import score_head
     from mrv2.model_loader.loader import init_dummy_weights, iter_safetensors, load_model_weights
 
     if config.model.load_format == "dummy":
         init_dummy_weights(model, seed=config.model.seed)
         draw_fp8_weights(model, seed=config.model.seed, std=0.02)
-    elif config.model.runner == "pooling":  # an embedding model needs no LM head
+    elif config.model.runner == "pooling" or score_head(model) is not None:
+        # an embedding model or a classifier needs no LM head
         loaded = load_model_weights(model, iter_safetensors(model_dir),
                                     optional=frozenset({"lm_head.weight"}))
         head = getattr(getattr(model, "lm_head", None), "weight", None)

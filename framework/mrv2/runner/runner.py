@@ -41,6 +41,7 @@ from mrv2.model_loader.build import (
     resolve_dtype,
     text_config_of,
 )
+from mrv2.model_loader.classification import score_head
 from mrv2.plugins import PluginManager, get_plugin_manager
 from mrv2.registry import import_object
 from mrv2.runner.async_output import AsyncStepOutput, PinnedRing
@@ -125,7 +126,7 @@ class Runner:
         self.buffers = InputBuffers(
             self.max_num_tokens, self.max_num_reqs, self.max_blocks_per_req, self.device
         )
-        self.pooler = RowPooler()  # embedding requests' rows
+        self.pooler = RowPooler(score_head(self.model))  # pooling requests' rows
         #: The adapter slots when the engine serves LoRA adapters (``enable_lora``), else None.
         self.lora = make_lora_manager(config, self.model, self.max_num_reqs,
                                       self.max_num_tokens, self.device, self.dtype)

@@ -1,0 +1,203 @@
+"""vLLM's pooling routes beside the embeddings API, for sequence classifiers and scoring:
+
+- ``POST /classify``: each input's label probabilities (a sequence classifier's), with its
+  most likely label's name (``id2label``);
+- ``POST /score`` (``/v1/score``): a score per ``(text_1, text_2)`` pair, one ``text_1``
+  against every ``text_2`` or the two lists item by item;
+- ``POST /rerank`` (``/v1/rerank``, ``/v2/rerank``; Jina's and Cohere's shape): the
+  ``documents`` ordered by their score against ``query``, the best ``top_n``.
+
+A pair's score is a one-label classifier's (a reranker's) sigmoid over the pair read as one
+prompt (the first text's tokens, then the second's without special tokens), or an embedding
+model's cosine similarity of the two texts' embeddings (:mod:`mrv2.engine.scoring`). Every
+prompt of a request runs in the same steps, beside other requests.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from mrv2.contract.lora import LoRARequest
+from mrv2.contract.params import RequestOutputKind, SamplingParams
+from mrv2.contract.pooling import PoolingParams
+from mrv2.engine.scoring import broadcast_pairs, check_scorer, cosine
+from mrv2.entrypoints.openai_embeddings import MAX_INPUTS
+from mrv2.entrypoints.responses import APIError
+from mrv2.entrypoints.whole_answers import embed_through
+
+__all__ = ["ClassifyRequest", "RerankRequest", "ScoreRequest", "add_scoring_routes"]
+
+Texts = str | list[str] | list[int] | list[list[int]]
+
+
+class _Pooling(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)
+
+    model: str | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+
+    def truncate(self, ids: list[int]) -> list[int]:
+        """The last ``truncate_prompt_tokens`` ids, when set (vLLM's)."""
+        n = self.truncate_prompt_tokens
+        return ids[-n:] if n is not None and len(ids) > n else ids
+
+
+def _items(value: Texts, field: str) -> list[str | list[int]]:
+    """A text, a token id list, or a list of either; ValueError naming ``field``."""
+    items: list[str | list[int]]
+    if isinstance(value, str):
+        items = [value]
+    elif value and all(isinstance(v, int) for v in value):
+        items = [list(value)]  # type: ignore[arg-type]  # (one token id list)
+    else:
+        items = list(value)  # type: ignore[arg-type]
+    if not items or any(len(item) == 0 for item in items):
+        raise ValueError(f"{field} must not be empty (nor hold an empty text or id list)")
+    if len(items) > MAX_INPUTS:
+        raise ValueError(f"{field} holds {len(items)} items; at most {MAX_INPUTS}")
+    return items
+
+
+class ClassifyRequest(_Pooling):
+    """``POST /classify``'s body."""
+
+    input: Texts
+
+
+class ScoreRequest(_Pooling):
+    """``POST /score``'s body."""
+
+    text_1: Texts
+    text_2: Texts
+
+
+class RerankRequest(_Pooling):
+    """``POST /rerank``'s body."""
+
+    query: str | list[int]
+    documents: list[str] | list[list[int]]
+    top_n: int | None = Field(default=None, ge=0)  # (0 or unset: all)
+
+
+def add_scoring_routes(app: Any, engine: Any, worker: Any,
+                       parse: Callable[[Any, type[Any]], Awaitable[Any]],
+                       lora_of: Callable[[Any], LoRARequest | None],
+                       tokenizer: Callable[[], Any], model_name: str) -> None:
+    """Add ``/classify``, ``/score`` and ``/rerank`` (and their aliases) to ``app``; the
+    server's own helpers: ``parse`` (a body, its ``model`` checked), ``lora_of`` (the
+    adapter a body names) and ``tokenizer`` (400 when the model has none)."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+
+    def encode(body: _Pooling, item: str | list[int], special: bool = True) -> list[int]:
+        ids = (tokenizer().encode(item, add_special_tokens=special) if isinstance(item, str)
+               else list(item))
+        return body.truncate(ids)
+
+    async def pool(body: _Pooling, prompts: list[list[int]], pooling: PoolingParams,
+                   field: str) -> list[list[float]]:
+        lora = lora_of(body)
+        try:
+            pooling.check(engine.hidden_size, engine.num_labels)
+            for ids in prompts:
+                engine.validate(ids, params, lora, pooling=True)
+        except ValueError as error:
+            raise APIError(400, str(error), param=field) from None
+        return await embed_through(worker, prompts, params, lora, pooling)
+
+    async def scores(body: _Pooling, firsts: list[str | list[int]],
+                     seconds: list[str | list[int]], names: tuple[str, str]
+                     ) -> tuple[list[float], int]:
+        """Each pair's score and the prompt tokens read."""
+        try:
+            pairs = broadcast_pairs(firsts, seconds, names)
+            check_scorer(engine.num_labels)
+        except ValueError as error:
+            raise APIError(400, str(error), param=names[1]) from None
+        if engine.num_labels is None:  # an embedding model: the cosine of the two
+            prompts = ([encode(body, a) for a, _ in pairs]
+                       + [encode(body, b) for _, b in pairs])
+            vectors = await pool(body, prompts, PoolingParams(), names[1])
+            n = len(pairs)
+            return ([cosine(a, b) for a, b in zip(vectors[:n], vectors[n:], strict=True)],
+                    sum(map(len, prompts)))
+        joined = [body.truncate(encode(body, a) + encode(body, b, special=False))
+                  for a, b in pairs]
+        probs = await pool(body, joined, PoolingParams(task="classify"), names[1])
+        return [p[0] for p in probs], sum(map(len, joined))
+
+    def head(body: _Pooling, kind: str) -> dict[str, Any]:
+        lora = lora_of(body)
+        return {"id": f"{kind}-{uuid.uuid4().hex}", "object": "list",
+                "created": int(time.time()), "model": lora.lora_name if lora else model_name}
+
+    def usage(tokens: int) -> dict[str, int]:
+        return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
+
+    @app.post("/classify")
+    async def classify(request: Request) -> dict[str, Any]:
+        """Each input's label probabilities (a sequence classifier)."""
+        body: ClassifyRequest = await parse(request, ClassifyRequest)
+        try:
+            items = _items(body.input, "input")
+        except ValueError as error:
+            raise APIError(400, str(error), param="input") from None
+        prompts = [encode(body, item) for item in items]
+        probs = await pool(body, prompts, PoolingParams(task="classify"), "input")
+        names = engine.id2label
+        data = []
+        for index, p in enumerate(probs):
+            best = max(range(len(p)), key=p.__getitem__)
+            data.append({"index": index, "label": names.get(best, str(best)), "probs": p,
+                         "num_classes": len(p)})
+        return {**head(body, "classify"), "data": data,
+                "usage": usage(sum(map(len, prompts)))}
+
+    async def score(request: Request) -> dict[str, Any]:
+        """A score per ``(text_1, text_2)`` pair."""
+        body: ScoreRequest = await parse(request, ScoreRequest)
+        try:
+            firsts, seconds = _items(body.text_1, "text_1"), _items(body.text_2, "text_2")
+        except ValueError as error:
+            raise APIError(400, str(error), param=str(error).split(" ", 1)[0]) from None
+        values, tokens = await scores(body, firsts, seconds, ("text_1", "text_2"))
+        return {**head(body, "score"),
+                "data": [{"index": i, "object": "score", "score": v}
+                         for i, v in enumerate(values)],
+                "usage": usage(tokens)}
+
+    async def rerank(request: Request) -> dict[str, Any]:
+        """``documents`` by their score against ``query``, best first (``top_n`` of them)."""
+        body: RerankRequest = await parse(request, RerankRequest)
+        try:
+            query = _items(body.query, "query")
+            documents = _items(body.documents, "documents") if body.documents else []
+        except ValueError as error:
+            raise APIError(400, str(error), param=str(error).split(" ", 1)[0]) from None
+        if not documents:
+            raise APIError(400, "documents must hold at least one document", param="documents")
+        values, tokens = await scores(body, query, documents, ("query", "documents"))
+        order = sorted(range(len(values)), key=lambda i: -values[i])
+        if body.top_n:
+            order = order[: body.top_n]
+        results = []
+        for i in order:
+            doc = documents[i]
+            results.append({"index": i, "relevance_score": values[i],
+                            "document": {"text": doc} if isinstance(doc, str)
+                            else {"tokens": doc}})
+        answer = head(body, "rerank")
+        del answer["object"], answer["created"]
+        return {**answer, "usage": {"total_tokens": tokens}, "results": results}
+
+    for path in ("/score", "/v1/score"):
+        app.post(path)(score)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.post(path)(rerank)

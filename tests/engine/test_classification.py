@@ -1,0 +1,93 @@
+"""Sequence classifiers (``XForSequenceClassification``: any registered causal LM family plus
+its ``score`` head) and scoring, against HF transformers: ``LLM.classify``'s label
+probabilities, ``LLM.score`` with a one-label classifier (a reranker: the pair read as one
+prompt) and with an embedding model (the cosine of the embeddings)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from mrv2 import LLM, PoolingParams, SamplingParams
+from mrv2.testing import make_tiny_checkpoint
+
+PROMPTS = [[5, 17, 99, 3, 42, 7, 8, 200], [1 + i % 200 for i in range(23)], [64, 9]]
+LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+
+
+def _hf_probs(path: Path, ids: list[int]) -> torch.Tensor:
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(
+        str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    return torch.sigmoid(logits) if logits.numel() == 1 else torch.softmax(logits, dim=-1)
+
+
+def _llm(path: Path, **kwargs: object) -> LLM:
+    return LLM(str(path), device="cpu", dtype="float32", block_size=4, max_model_len=64,
+               **kwargs)
+
+
+@pytest.mark.parametrize("family", ["Qwen3", "Llama"])
+def test_classify_matches_hf(family: str, tmp_path: Path) -> None:
+    path = make_tiny_checkpoint(tmp_path / "cls", f"{family}ForSequenceClassification",
+                                seed=4, id2label=LABELS,
+                                label2id={v: k for k, v in LABELS.items()})
+    llm = _llm(path)
+    assert llm.engine.num_labels == 3 and llm.engine.id2label == LABELS
+    outs = llm.classify([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
+    for out, ids in zip(outs, PROMPTS, strict=True):
+        assert out.outputs.num_classes == 3 and out.prompt_token_ids == ids
+        torch.testing.assert_close(torch.tensor(out.outputs.probs), _hf_probs(path, ids),
+                                   rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="scoring needs a classifier of one label"):
+        llm.score({"prompt_token_ids": [5]}, {"prompt_token_ids": [6]}, use_tqdm=False)
+    # a classifier is served as a pooling model: no text, by name
+    with pytest.raises(ValueError, match="pooling model"):
+        llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(max_tokens=2),
+                     use_tqdm=False)
+    with pytest.raises(ValueError, match="runner='generate'"):
+        _llm(path, runner="generate")
+
+
+def test_a_reranker_scores_each_pair_as_one_prompt(tmp_path: Path) -> None:
+    path = make_tiny_checkpoint(tmp_path / "rerank", "Qwen3ForSequenceClassification",
+                                seed=5, num_labels=1)
+    llm = _llm(path)
+    query = {"prompt_token_ids": [11, 12, 13]}
+    docs = [{"prompt_token_ids": p} for p in PROMPTS]
+    got = llm.score(query, docs, use_tqdm=False)
+    want = [float(_hf_probs(path, [11, 12, 13] + p)[0]) for p in PROMPTS]
+    assert [g.prompt_token_ids for g in got] == [[11, 12, 13] + p for p in PROMPTS]
+    for g, w in zip(got, want, strict=True):
+        assert abs(g.outputs.score - w) < 1e-5
+    assert len({round(g.outputs.score, 6) for g in got}) == len(PROMPTS)  # (they differ)
+    pairwise = llm.score(docs[:2], docs[1:], use_tqdm=False)  # item by item
+    assert abs(pairwise[0].outputs.score
+               - float(_hf_probs(path, PROMPTS[0] + PROMPTS[1])[0])) < 1e-5
+    with pytest.raises(ValueError, match="data_1 holds 2 items and data_2 3"):
+        llm.score(docs[:2], docs, use_tqdm=False)
+
+
+def test_an_embedding_model_scores_cosine_similarity(tmp_path: Path) -> None:
+    path = make_tiny_checkpoint(tmp_path / "emb", "Qwen3ForCausalLM", seed=6)
+    llm = _llm(path)
+    hf = transformers.AutoModel.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        vecs = [torch.nn.functional.normalize(hf(torch.tensor([p])).last_hidden_state[0, -1],
+                                              dim=-1) for p in PROMPTS]
+    got = llm.score({"prompt_token_ids": PROMPTS[0]},
+                    [{"prompt_token_ids": p} for p in PROMPTS[1:]], use_tqdm=False)
+    for g, v in zip(got, vecs[1:], strict=True):
+        assert abs(g.outputs.score - float(torch.dot(vecs[0], v))) < 1e-5
+
+
+def test_classify_needs_a_classifier(tmp_path: Path) -> None:
+    llm = _llm(make_tiny_checkpoint(tmp_path / "lm", "Qwen3ForCausalLM", seed=7))
+    with pytest.raises(ValueError, match="task='classify' needs a sequence-classification"):
+        llm.classify([{"prompt_token_ids": [5, 6]}], use_tqdm=False)
+    with pytest.raises(ValueError, match="PoolingParams.task must be one of"):
+        PoolingParams(task="reward")

@@ -1,0 +1,133 @@
+"""vLLM's pooling routes for classifiers and scoring: ``/classify``, ``/score`` and ``/rerank``
+give ``LLM.classify``'s and ``LLM.score``'s numbers (a sequence classifier, a one-label
+reranker, an embedding model), with the engine in this process and in its own; bad requests
+are a 400 naming the field."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from server_util import API_KEY, ENGINE_KWARGS, MODEL, Served
+
+from mrv2 import LLM, EngineConfig
+from mrv2.testing import make_tiny_checkpoint, serve_in_thread
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+DOCS = [[5, 17, 99, 3], [1 + i % 200 for i in range(23)], [64, 9], [7, 7, 7]]
+QUERY = [11, 12, 13]
+KWARGS = {k: v for k, v in ENGINE_KWARGS.items() if k != "num_gpu_blocks_override"}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("scoring")
+    return {
+        "classifier": make_tiny_checkpoint(root / "cls", "Qwen3ForSequenceClassification",
+                                           seed=4, id2label=LABELS,
+                                           label2id={v: k for k, v in LABELS.items()}),
+        "reranker": make_tiny_checkpoint(root / "rerank", "Qwen3ForSequenceClassification",
+                                         seed=5, num_labels=1),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference_llm(model_dir: Path) -> LLM:
+    return LLM(str(model_dir), **{k: v for k, v in KWARGS.items() if k != "max_num_seqs"})
+
+
+def _serve(path: Path) -> Iterator[str]:
+    from conftest import serve
+
+    for served in serve(path):
+        yield served.url
+
+
+def _post(url: str, route: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{url}{route}", json={"model": MODEL, **body}, headers=AUTH, timeout=60)
+
+
+def test_classify_gives_the_engines_probabilities(checkpoints: dict[str, Path]) -> None:
+    path = checkpoints["classifier"]
+    want = LLM(str(path), **KWARGS).classify(
+        [{"prompt_token_ids": d} for d in DOCS], use_tqdm=False)
+    for url in _serve(path):
+        answer = _post(url, "/classify", {"input": DOCS}).json()
+        assert answer["object"] == "list" and answer["model"] == MODEL
+        assert answer["usage"]["prompt_tokens"] == sum(map(len, DOCS))
+        for item, w in zip(answer["data"], want, strict=True):
+            assert item["probs"] == pytest.approx(w.outputs.probs, rel=1e-5, abs=1e-6)
+            best = max(range(3), key=w.outputs.probs.__getitem__)
+            assert item["label"] == LABELS[best] and item["num_classes"] == 3
+        response = _post(url, "/score", {"text_1": QUERY, "text_2": DOCS})
+        assert response.status_code == 400
+        assert "num_labels=3" in response.json()["error"]["message"]
+
+
+def test_score_and_rerank_give_the_rerankers_scores(checkpoints: dict[str, Path]) -> None:
+    path = checkpoints["reranker"]
+    want = [o.outputs.score for o in LLM(str(path), **KWARGS).score(
+        {"prompt_token_ids": QUERY}, [{"prompt_token_ids": d} for d in DOCS], use_tqdm=False)]
+    assert len(set(want)) == len(DOCS)
+    for url in _serve(path):
+        for route in ("/score", "/v1/score"):
+            data = _post(url, route, {"text_1": QUERY, "text_2": DOCS}).json()["data"]
+            assert [d["index"] for d in data] == list(range(len(DOCS)))
+            assert [d["score"] for d in data] == pytest.approx(want, rel=1e-5, abs=1e-6)
+        for route in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            answer = _post(url, route, {"query": QUERY, "documents": DOCS, "top_n": 2}).json()
+            order = sorted(range(len(DOCS)), key=lambda i: -want[i])[:2]
+            assert [r["index"] for r in answer["results"]] == order
+            assert [r["relevance_score"] for r in answer["results"]] == pytest.approx(
+                [want[i] for i in order], rel=1e-5, abs=1e-6)
+            assert answer["results"][0]["document"] == {"tokens": DOCS[order[0]]}
+            assert answer["usage"]["total_tokens"] == sum(len(QUERY) + len(d) for d in DOCS)
+
+
+@pytest.mark.parametrize(("route", "body", "param"), [
+    ("/score", {"text_1": [QUERY, QUERY], "text_2": DOCS}, "text_2"),
+    ("/score", {"text_1": [], "text_2": DOCS}, "text_1"),
+    ("/rerank", {"query": QUERY, "documents": []}, "documents"),
+    ("/rerank", {"query": QUERY, "documents": DOCS, "top_n": -1}, "top_n"),
+    ("/classify", {"input": [[5, 100_000]]}, "input"),
+])
+def test_bad_requests_name_the_field(checkpoints: dict[str, Path], route: str,
+                                     body: dict[str, Any], param: str) -> None:
+    for url in _serve(checkpoints["reranker"]):
+        response = _post(url, route, body)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param
+
+
+def test_an_embedding_server_reranks_by_cosine(server: Served, reference_llm: LLM) -> None:
+    query, docs = "The capital of France is", ["Paris", "a city of lights", "bananas"]
+    want = [o.outputs.score for o in reference_llm.score(query, docs, use_tqdm=False)]
+    answer = _post(server.url, "/rerank", {"query": query, "documents": docs}).json()
+    by_index = {r["index"]: r for r in answer["results"]}
+    assert [by_index[i]["relevance_score"] for i in range(3)] == pytest.approx(
+        want, rel=1e-5, abs=1e-6)
+    assert by_index[0]["document"] == {"text": "Paris"}
+    response = _post(server.url, "/classify", {"input": "x"})
+    assert response.status_code == 400 and "task='classify'" in response.text
+
+
+def test_classify_through_the_engine_process(checkpoints: dict[str, Path]) -> None:
+    from mrv2.entrypoints.engine_process import RemoteEngine
+    from mrv2.entrypoints.server import create_app
+
+    path = checkpoints["classifier"]
+    engine = RemoteEngine(EngineConfig.from_kwargs(model=str(path), **ENGINE_KWARGS))
+    try:
+        assert engine.num_labels == 3 and engine.id2label == LABELS
+        for url in serve_in_thread(create_app(engine, served_model_name=MODEL,
+                                              api_key=API_KEY)):
+            answer = _post(url, "/classify", {"input": DOCS[0]}).json()
+            assert answer["data"][0]["num_classes"] == 3
+            response = _post(url, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2})
+            assert response.status_code == 400
+    finally:
+        engine.shutdown()
