@@ -17,10 +17,28 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["MAX_INPUTS", "EmbeddingRequest", "embedding_response"]
+__all__ = ["MAX_INPUTS", "EmbeddingRequest", "embedding_response", "input_items"]
 
 #: The most inputs one request may carry (OpenAI's limit).
 MAX_INPUTS = 2048
+
+
+def input_items(value: str | list[str] | list[int] | list[list[int]], field: str
+                ) -> list[str | list[int]]:
+    """A text, a token id list, or a list of either, as a list of items; ValueError naming
+    ``field`` when it is empty, holds an empty item, or more than :data:`MAX_INPUTS`."""
+    items: list[str | list[int]]
+    if isinstance(value, str):
+        items = [value]
+    elif value and all(isinstance(v, int) for v in value):
+        items = [list(value)]  # type: ignore[arg-type]  # (one token id list)
+    else:
+        items = list(value)  # type: ignore[arg-type]
+    if not items or any(len(item) == 0 for item in items):
+        raise ValueError(f"{field} must not be empty (nor hold an empty text or id list)")
+    if len(items) > MAX_INPUTS:
+        raise ValueError(f"{field} holds {len(items)} items; at most {MAX_INPUTS}")
+    return items
 
 
 class EmbeddingRequest(BaseModel):
@@ -38,19 +56,7 @@ class EmbeddingRequest(BaseModel):
 
     def inputs(self) -> list[str | list[int]]:
         """Each input: a text or a token id list; ValueError on an empty or too long list."""
-        value = self.input
-        items: list[str | list[int]]
-        if isinstance(value, str):
-            items = [value]
-        elif value and all(isinstance(v, int) for v in value):
-            items = [list(value)]  # type: ignore[arg-type]  # (one token id list)
-        else:
-            items = list(value)  # type: ignore[arg-type]
-        if not items or any(len(item) == 0 for item in items):
-            raise ValueError("input must not be empty (nor hold an empty text or id list)")
-        if len(items) > MAX_INPUTS:
-            raise ValueError(f"input holds {len(items)} items; at most {MAX_INPUTS}")
-        return items
+        return input_items(self.input, "input")
 
     def truncate(self, ids: list[int]) -> list[int]:
         """The last ``truncate_prompt_tokens`` ids, when set (vLLM's)."""

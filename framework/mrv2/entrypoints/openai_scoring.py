@@ -27,7 +27,7 @@ from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import RequestOutputKind, SamplingParams
 from mrv2.contract.pooling import PoolingParams
 from mrv2.engine.scoring import broadcast_pairs, check_scorer, cosine
-from mrv2.entrypoints.openai_embeddings import MAX_INPUTS
+from mrv2.entrypoints.openai_embeddings import input_items
 from mrv2.entrypoints.responses import APIError
 from mrv2.entrypoints.whole_answers import embed_through
 
@@ -47,22 +47,6 @@ class _Pooling(BaseModel):
         """The last ``truncate_prompt_tokens`` ids, when set (vLLM's)."""
         n = self.truncate_prompt_tokens
         return ids[-n:] if n is not None and len(ids) > n else ids
-
-
-def _items(value: Texts, field: str) -> list[str | list[int]]:
-    """A text, a token id list, or a list of either; ValueError naming ``field``."""
-    items: list[str | list[int]]
-    if isinstance(value, str):
-        items = [value]
-    elif value and all(isinstance(v, int) for v in value):
-        items = [list(value)]  # type: ignore[arg-type]  # (one token id list)
-    else:
-        items = list(value)  # type: ignore[arg-type]
-    if not items or any(len(item) == 0 for item in items):
-        raise ValueError(f"{field} must not be empty (nor hold an empty text or id list)")
-    if len(items) > MAX_INPUTS:
-        raise ValueError(f"{field} holds {len(items)} items; at most {MAX_INPUTS}")
-    return items
 
 
 class ClassifyRequest(_Pooling):
@@ -146,7 +130,7 @@ def add_scoring_routes(app: Any, engine: Any, worker: Any,
         """Each input's label probabilities (a sequence classifier)."""
         body: ClassifyRequest = await parse(request, ClassifyRequest)
         try:
-            items = _items(body.input, "input")
+            items = input_items(body.input, "input")
         except ValueError as error:
             raise APIError(400, str(error), param="input") from None
         prompts = [encode(body, item) for item in items]
@@ -164,7 +148,8 @@ def add_scoring_routes(app: Any, engine: Any, worker: Any,
         """A score per ``(text_1, text_2)`` pair."""
         body: ScoreRequest = await parse(request, ScoreRequest)
         try:
-            firsts, seconds = _items(body.text_1, "text_1"), _items(body.text_2, "text_2")
+            firsts = input_items(body.text_1, "text_1")
+            seconds = input_items(body.text_2, "text_2")
         except ValueError as error:
             raise APIError(400, str(error), param=str(error).split(" ", 1)[0]) from None
         values, tokens = await scores(body, firsts, seconds, ("text_1", "text_2"))
@@ -177,8 +162,8 @@ def add_scoring_routes(app: Any, engine: Any, worker: Any,
         """``documents`` by their score against ``query``, best first (``top_n`` of them)."""
         body: RerankRequest = await parse(request, RerankRequest)
         try:
-            query = _items(body.query, "query")
-            documents = _items(body.documents, "documents") if body.documents else []
+            query = input_items(body.query, "query")
+            documents = input_items(body.documents, "documents") if body.documents else []
         except ValueError as error:
             raise APIError(400, str(error), param=str(error).split(" ", 1)[0]) from None
         if not documents:
