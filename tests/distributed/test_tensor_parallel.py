@@ -55,6 +55,22 @@ def test_tp2_equals_tp1(family: str, tmp_path: Path) -> None:
     assert _tokens(model, 2) == _tokens(model, 1)
 
 
+def test_classifier_tp2_equals_tp1(tmp_path: Path) -> None:
+    """A sequence classifier's label probabilities at TP=2 are TP=1's (the score head,
+    replicated, over the gathered final hidden states)."""
+    model = make_tiny_checkpoint(tmp_path / "cls", "Qwen3ForSequenceClassification",
+                                 num_labels=3)
+
+    def probs(tp: int) -> list[list[float]]:
+        with LLM(str(model), device="cpu", dtype="float32", block_size=4, max_model_len=128,
+                 tensor_parallel_size=tp) as llm:
+            return [o.outputs.probs for o in llm.classify(
+                [{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)]
+
+    for a, b in zip(probs(2), probs(1), strict=True):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+
+
 def test_fp8_checkpoint_tp2_equals_tp1(tmp_path: Path) -> None:
     """Block scales split with the weights: rows of column-parallel layers, column blocks of
     row-parallel ones (16 x 16 blocks, so the tiny layers' slices are whole blocks)."""

@@ -124,19 +124,13 @@ def build_model(
 ) -> tuple[nn.Module, ModelEntry]:
     """Instantiate the registered model class on ``device`` and load (or draw) its weights."""
     from mrv2.layers.fp8 import fp8_config_of, log_fp8_memory
-    from mrv2.model_loader.classification import (
-        add_score_head,
-        causal_architectures,
-        is_classifier,
-        num_labels_of,
-    )
+    from mrv2.model_loader.classification import add_score_head, is_classifier, num_labels_of
 
     architectures = list(getattr(hf_config, "architectures", None) or [])
     if not architectures:
         raise ValueError(f"{model_dir}/config.json names no 'architectures'")
     classifier = is_classifier(architectures)
-    entry = registries.resolve_model(causal_architectures(architectures) if classifier
-                                     else architectures)
+    entry = registries.resolve_model(architectures)  # (a classifier: its causal LM's)
     model_cls = import_object(entry.model)
     dummy = config.model.load_format == "dummy"
     fp8 = fp8_config_of(hf_config, config.model.quantization)

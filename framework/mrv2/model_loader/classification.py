@@ -26,12 +26,6 @@ def is_classifier(architectures: Sequence[str]) -> bool:
     return bool(architectures) and architectures[0].endswith(SUFFIX)
 
 
-def causal_architectures(architectures: Sequence[str]) -> list[str]:
-    """The ``XForCausalLM`` names of ``XForSequenceClassification`` ones (others as given)."""
-    return [a[: -len(SUFFIX)] + "ForCausalLM" if a.endswith(SUFFIX) else a
-            for a in architectures]
-
-
 def num_labels_of(hf_config: Any) -> int:
     """The classifier's label count: ``num_labels`` (transformers derives it from
     ``id2label``); ValueError naming it when it is not a positive int."""
