@@ -91,3 +91,30 @@ def test_classify_needs_a_classifier(tmp_path: Path) -> None:
         llm.classify([{"prompt_token_ids": [5, 6]}], use_tqdm=False)
     with pytest.raises(ValueError, match="PoolingParams.task must be one of"):
         PoolingParams(task="reward")
+
+
+def test_a_causal_lm_becomes_a_yes_no_reranker(tmp_path: Path) -> None:
+    """Qwen3-Reranker's recipe (vLLM's ``hf_overrides``): the causal LM's ``P("yes")`` over
+    ``{"no", "yes"}`` at the last token, as one score."""
+    from mrv2.model_loader.default_model import ensure_default_model
+
+    path = make_tiny_checkpoint(tmp_path / "lm", "Qwen3ForCausalLM", seed=8,
+                                vocab_size=49152, tie_word_embeddings=False)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(ensure_default_model()))
+    tokenizer.save_pretrained(str(path))
+    yes, no = tokenizer.convert_tokens_to_ids("yes"), tokenizer.convert_tokens_to_ids("no")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path),
+                                                           dtype=torch.float32).eval()
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"],
+                 "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True}
+    llm = _llm(path, hf_overrides=overrides)
+    assert llm.engine.num_labels == 1
+    got = llm.score({"prompt_token_ids": [11, 12]}, [{"prompt_token_ids": p} for p in PROMPTS],
+                    use_tqdm=False)
+    for g, p in zip(got, PROMPTS, strict=True):
+        with torch.no_grad():
+            logits = hf(torch.tensor([[11, 12] + p])).logits[0, -1]
+        want = float(torch.softmax(logits[[no, yes]], dim=-1)[1])
+        assert abs(g.outputs.score - want) < 1e-5
+    with pytest.raises(ValueError, match="not a token of the model's tokenizer"):
+        _llm(path, hf_overrides={**overrides, "classifier_from_token": ["no", "yess-not"]})

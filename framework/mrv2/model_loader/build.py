@@ -124,7 +124,7 @@ def build_model(
 ) -> tuple[nn.Module, ModelEntry]:
     """Instantiate the registered model class on ``device`` and load (or draw) its weights."""
     from mrv2.layers.fp8 import fp8_config_of, log_fp8_memory
-    from mrv2.model_loader.classification import add_score_head, is_classifier, num_labels_of
+    from mrv2.model_loader.classification import add_score_head, is_classifier, score_from_tokens
 
     architectures = list(getattr(hf_config, "architectures", None) or [])
     if not architectures:
@@ -143,8 +143,7 @@ def build_model(
         with torch.device("meta" if on_meta else device):
             model = model_cls(hf_config)
             if classifier:  # the causal LM, plus its score head
-                add_score_head(model, int(text_config_of(hf_config).hidden_size),
-                               num_labels_of(hf_config))
+                add_score_head(model, int(text_config_of(hf_config).hidden_size), hf_config)
     finally:
         torch.set_default_dtype(previous)
     if fp8 is not None:
@@ -159,6 +158,8 @@ def build_model(
             if name in loaders and not hasattr(param, "weight_loader"):
                 param.weight_loader = loaders[name]
     load_or_draw_weights(model, config, model_dir)
+    if classifier and not dummy:
+        score_from_tokens(model, hf_config, model_dir)  # (a head made of LM-head rows)
     model.to(device=device, dtype=dtype)
     model.eval()
     process_weights_after_loading(model)
@@ -192,9 +193,11 @@ def load_or_draw_weights(model: nn.Module, config: EngineConfig, model_dir: str)
         init_dummy_weights(model, seed=config.model.seed)
         draw_fp8_weights(model, seed=config.model.seed, std=0.02)
     elif config.model.runner == "pooling" or score_head(model) is not None:
-        # an embedding model or a classifier needs no LM head
+        # an embedding model or a classifier needs no LM head (nor, made of its rows, a head)
+        scorer = score_head(model)
+        extra = {"score.weight"} if scorer is not None and scorer.from_tokens else set()
         loaded = load_model_weights(model, iter_safetensors(model_dir),
-                                    optional=frozenset({"lm_head.weight"}))
+                                    optional=frozenset({"lm_head.weight", *extra}))
         head = getattr(getattr(model, "lm_head", None), "weight", None)
         embed = getattr(getattr(getattr(model, "model", None), "embed_tokens", None), "weight",
                         None)

@@ -4,6 +4,12 @@
 state of a prompt's last token. Every family that registers a causal LM gets its classifier
 (Qwen3's reward and reranker models, Llama's...) with no plugin code.
 
+A causal LM trained to answer with tokens (Qwen3-Reranker's "yes"/"no") becomes a classifier
+through ``hf_overrides`` as in vLLM: ``architectures`` ``XForSequenceClassification`` and
+``classifier_from_token`` (with ``is_original_qwen3_reranker`` or ``method:
+"from_2_way_softmax"``, two tokens make one score, ``P(yes)``); the head is then made from
+the LM head's rows of those tokens (:func:`score_from_tokens`).
+
 The engine serves such a model as a pooling model (``runner="pooling"``): classification
 requests (``PoolingParams(task="classify")``: ``LLM.classify``, ``LLM.score``, ``/classify``,
 ``/score``, ``/rerank``) and embedding requests; the checkpoint needs no LM head.
@@ -12,6 +18,7 @@ requests (``PoolingParams(task="classify")``: ``LLM.classify``, ``LLM.score``, `
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,9 +33,35 @@ def is_classifier(architectures: Sequence[str]) -> bool:
     return bool(architectures) and architectures[0].endswith(SUFFIX)
 
 
+def classifier_tokens(hf_config: Any) -> list[str] | None:
+    """``classifier_from_token`` (vLLM's ``hf_overrides`` for a causal LM served as a
+    classifier, Qwen3-Reranker's ``["no", "yes"]``): the tokens whose LM-head rows make the
+    score head; None when the checkpoint has its own head. ValueError naming the field when
+    it is not a list of at least two strings."""
+    tokens = getattr(hf_config, "classifier_from_token", None)
+    if tokens is None:
+        return None
+    if (not isinstance(tokens, list) or len(tokens) < 2
+            or not all(isinstance(t, str) for t in tokens)):
+        raise ValueError(f"classifier_from_token must be a list of at least two token "
+                         f"strings, got {tokens!r}")
+    return tokens
+
+
+def _two_way(hf_config: Any, tokens: list[str]) -> bool:
+    """Two tokens read as one score, ``P(tokens[1])`` of the pair's softmax (vLLM's
+    ``from_2_way_softmax``, Qwen3-Reranker's ``is_original_qwen3_reranker``)."""
+    return len(tokens) == 2 and (bool(getattr(hf_config, "is_original_qwen3_reranker", False))
+                                 or getattr(hf_config, "method", None) == "from_2_way_softmax")
+
+
 def num_labels_of(hf_config: Any) -> int:
-    """The classifier's label count: ``num_labels`` (transformers derives it from
+    """The classifier's label count: one for a two-way token classifier, one per token of
+    :func:`classifier_tokens` otherwise, else ``num_labels`` (transformers derives it from
     ``id2label``); ValueError naming it when it is not a positive int."""
+    tokens = classifier_tokens(hf_config)
+    if tokens is not None:
+        return 1 if _two_way(hf_config, tokens) else len(tokens)
     labels = getattr(hf_config, "num_labels", None)
     if not isinstance(labels, int) or isinstance(labels, bool) or labels < 1:
         raise ValueError(f"config.json: num_labels (or id2label) must give >= 1 label for a "
@@ -37,19 +70,60 @@ def num_labels_of(hf_config: Any) -> int:
 
 
 class ScoreHead(nn.Module):
-    """The classifier's head: ``[N, hidden] -> [N, num_labels]`` logits (``score.weight``)."""
+    """The classifier's head: ``[N, hidden] -> [N, num_labels]`` logits (``score.weight``;
+    ``from_tokens``: made from LM-head rows, not in the checkpoint)."""
 
-    def __init__(self, hidden_size: int, num_labels: int) -> None:
+    def __init__(self, hidden_size: int, num_labels: int, from_tokens: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_labels, hidden_size))
+        self.from_tokens = from_tokens
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden.to(self.weight.dtype), self.weight)
 
 
-def add_score_head(model: nn.Module, hidden_size: int, num_labels: int) -> None:
+def add_score_head(model: nn.Module, hidden_size: int, hf_config: Any) -> None:
     """Give ``model`` its ``score`` head (built on the current default device and dtype)."""
-    model.score = ScoreHead(hidden_size, num_labels)
+    model.score = ScoreHead(hidden_size, num_labels_of(hf_config),
+                            classifier_tokens(hf_config) is not None)
+
+
+def score_from_tokens(model: nn.Module, hf_config: Any, model_dir: str) -> None:
+    """Fill a token classifier's head from the checkpoint's LM-head rows of its tokens (the
+    tied embedding's when it has no ``lm_head.weight``), read alone from the files: their
+    difference, ``yes - no``, for a two-way one (``sigmoid(l_yes - l_no)`` is the pair's
+    softmax), else the rows themselves. ValueError naming a token the tokenizer lacks."""
+    import transformers
+    from safetensors import safe_open
+
+    head = score_head(model)
+    tokens = classifier_tokens(hf_config)
+    if head is None or tokens is None:
+        return
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    ids = []
+    for token in tokens:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if not isinstance(token_id, int) or token_id == tokenizer.unk_token_id:
+            raise ValueError(f"classifier_from_token: {token!r} is not a token of the "
+                             "model's tokenizer")
+        ids.append(token_id)
+    rows: dict[str, torch.Tensor] = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            held = set(f.keys())
+            for name in ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight"):
+                if name in held and name not in rows:
+                    table = f.get_slice(name)
+                    rows[name] = torch.cat([table[i:i + 1] for i in ids]).float()
+    found = next((rows[n] for n in ("lm_head.weight", "model.embed_tokens.weight",
+                                    "embed_tokens.weight") if n in rows), None)
+    if found is None:
+        raise ValueError(f"classifier_from_token: {model_dir} holds no lm_head.weight or "
+                         "embed_tokens.weight to read the tokens' rows from")
+    weight = found[1:2] - found[0:1] if _two_way(hf_config, tokens) else found
+    with torch.no_grad():
+        head.weight.copy_(weight)
 
 
 def score_head(model: nn.Module) -> ScoreHead | None:
