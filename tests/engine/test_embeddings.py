@@ -65,6 +65,9 @@ def test_embeddings_match_hf_beside_generation(architecture: str, tmp_path: Path
         assert done[req_id].embedding is None
     for req_id, w in zip(emb, want, strict=True):
         _close(done[req_id].embedding or [], w)
+        assert done[req_id].outputs[0].token_ids == []  # (its sampled token is nobody's)
+    # only the generation requests' tokens count as generated
+    assert engine.num_generation_tokens == 6 * len(PROMPTS)
 
 
 def test_chunks_cache_graphs_and_pooling_options(tmp_path: Path) -> None:

@@ -37,7 +37,16 @@ def _want(reference: LLM, inputs: list[Any], dimensions: int | None = None
     return [o.outputs.embedding for o in outs]
 
 
+def _counters(url: str) -> tuple[float, float]:
+    """``/metrics``' prompt and generation token totals."""
+    text = httpx.get(f"{url}/metrics", headers=AUTH, timeout=60).text
+    values = {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith(("mrv2_prompt_tokens_total", "mrv2_generation_tokens_total"))}
+    return values["mrv2_prompt_tokens_total"], values["mrv2_generation_tokens_total"]
+
+
 def _check(url: str, reference: LLM) -> None:
+    prompt_before, generated_before = _counters(url)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
     got = client.embeddings.create(model=MODEL, input=TEXTS)  # (the client asks base64)
     assert [d.index for d in got.data] == [0, 1]
@@ -51,6 +60,10 @@ def _check(url: str, reference: LLM) -> None:
                                      encoding_format="float")
     np.testing.assert_allclose(short.data[0].embedding, _want(reference, [ids], 8)[0],
                                rtol=1e-5, atol=1e-6)
+    # embeddings read prompts and generate nothing (their one sampled token is the engine's)
+    prompt_after, generated_after = _counters(url)
+    assert generated_after == generated_before
+    assert prompt_after - prompt_before == got.usage.prompt_tokens + len(ids)
 
 
 def test_embeddings_are_the_engines(server: Served, reference: LLM) -> None:

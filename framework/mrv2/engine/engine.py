@@ -425,7 +425,8 @@ class LLMEngine:
                 self._check_stop(tracked, token)
                 if request.finished:
                     break  # tokens past a stop are discarded
-            self.num_generation_tokens += len(request.output_token_ids) - before
+            if request.pooling_params is None:  # (a pooling request's token is nobody's)
+                self.num_generation_tokens += len(request.output_token_ids) - before
             if request.finished and tracked.detokenizer is not None:
                 tracked.detokenizer.flush()  # release text held back for an incomplete char
             if request.finished:

@@ -59,8 +59,10 @@ class TrackedRequest:
         request = self.request
         params = request.sampling_params
         delta = params.output_kind == RequestOutputKind.DELTA
-        detok = self.detokenizer
-        ids = request.output_token_ids
+        # a pooling request's one sampled token is the engine's, nobody's output
+        pooling = request.pooling_params is not None
+        detok = None if pooling else self.detokenizer
+        ids = [] if pooling else request.output_token_ids
         new_tokens = ids[self.sent_tokens :]
         new_text = "" if detok is None else detok.stream_delta(request.finished, self.holdback)
         completion = CompletionOutput(

@@ -288,9 +288,9 @@ class EngineProcess:
                     continue
                 generated = sum(entry.count(index, len(ids), reason)
                                 for index, ids, _, _, reason, *_ in choices)
-                if generated and metrics is not None:
+                if (generated or (finished and entry.first is None)) and metrics is not None:
                     metrics.observe_tokens(entry.num_prompt if entry.first is None else 0,
-                                           generated)
+                                           generated)  # (a pooling request has no tokens)
                 if generated and entry.first is None:
                     entry.first = now
                     if metrics is not None:

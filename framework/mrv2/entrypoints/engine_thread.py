@@ -285,7 +285,7 @@ class EngineThread:
             return
         generated = sum(sink.count(c.index, len(c.token_ids), c.finish_reason,
                                    total=not output.delta) for c in output.outputs)
-        if generated > 0:
+        if generated > 0 or (output.finished and sink.first is None):  # (pooling: no tokens)
             self.metrics.observe_tokens(sink.num_prompt if sink.first is None else 0,
                                         generated)
         if sink.first is None and output.new_token_ids:
