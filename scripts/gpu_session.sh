@@ -16,7 +16,7 @@
 # .whl-old: A/B),
 # lora (the thirtieth's LoRA adapters, embeddings and weight updates: their GPU and kernel tests on CUDA, then mrv2 bench
 # latency's lora_* variants at batch 1 / 8 / 64 on Qwen3-0.6B and Qwen3-8B; lorabench: the kernel tests and
-# the bench only),
+# the bench only), pooling (mrv2 bench pooling: embedding and classification throughput),
 # graphtimes (scripts/decode_graph_times.py: each decode graph's replay time by size),
 # streamk (scripts/proto_streamk.py: a stream-K GEMM against cuBLAS at 8B decode shapes), attn,
 # splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile, mixed,
@@ -173,6 +173,14 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
               k, *(f\"b{r['batch']} {r['tpot_ms']}\" for r in d[k])) for k in \
               ('default', 'lora_idle', 'lora_1', 'lora_4') if k in d]" "$OUT/lora_$m.json" $m
           done ;;
+    pooling) # mrv2 bench pooling: embeddings and a one-label classifier's scores, 1,024
+             # prompts of 64-512 tokens, on Qwen3-0.6B and Qwen3-8B (dummy weights)
+             for m in Qwen3-0.6B Qwen3-8B; do
+               timeout 200 python3 -m mrv2.entrypoints.cli bench pooling --model $m \
+                 --json "$OUT/pooling_$m.json" > "$OUT/pooling_$m.log" 2>&1
+               python3 -c "import json, sys; d = json.load(open(sys.argv[1])); [print(sys.argv[2], \
+                 t, d[t]) for t in ('embed', 'classify') if t in d]" "$OUT/pooling_$m.json" $m
+             done ;;
     servelong) # long answers through mrv2 serve (the twenty-ninth session's delta outputs):
                # 256 streams at once of 2,048 tokens, Qwen3-0.6B; with .whl-old (a baseline's
                # wheels, built as scripts/ab_bench.sh says) the baseline first, then this tree

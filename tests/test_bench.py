@@ -376,3 +376,22 @@ def test_outputs_bench_times_both_kinds_and_gives_the_same_answers(
 
     assert TrackedRequest.output.__qualname__ == "TrackedRequest.output"  # the timer is gone
     assert RequestOutputKind.DELTA in bench_outputs.KINDS
+
+
+def test_pooling_bench_embeds_and_classifies_every_prompt(tmp_path: Path) -> None:
+    """``mrv2 bench pooling``: each task pools every prompt in its own engine (the
+    checkpoint read as a one-label classifier for ``classify``)."""
+    from mrv2.bench.pooling import bench, workload
+    from mrv2.entrypoints.cli import build_parser
+
+    ckpt = make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM", vocab_size=10_001,
+                                max_position_embeddings=512, num_hidden_layers=1)
+    args = build_parser().parse_args([
+        "bench", "pooling", "--model", str(ckpt), "--dtype", "float32", "--device", "cpu",
+        "--num-prompts", "12", "--min-len", "4", "--max-len", "40", "--max-model-len", "64",
+        "--max-num-batched-tokens", "64",
+    ])
+    results = bench(args)
+    assert results["prompt_tokens"] == sum(map(len, workload(12, 4, 40, 0)))
+    for task in ("embed", "classify"):
+        assert results[task]["prompts_per_s"] > 0 and results[task]["prompt_tok_s"] > 0

@@ -221,9 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     plugins = sub.add_parser("plugins", help="list loaded plugins and what they registered")
     plugins.set_defaults(func=_plugins)
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput, latency")
+    bench = sub.add_parser("bench", help="benchmarks: throughput, latency, pooling...")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from mrv2.bench import detokenize, latency, multimodal, sampler, throughput, tp_channel
+    from mrv2.bench import detokenize, latency, multimodal, pooling, sampler, throughput, tp_channel
     from mrv2.bench import outputs as bench_outputs
     from mrv2.bench import serve as bench_serve
 
@@ -235,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_outputs.add_parser(bench_sub)
     tp_channel.add_parser(bench_sub)
     bench_serve.add_parser(bench_sub)
+    pooling.add_parser(bench_sub)
 
     prep = sub.add_parser(
         "prepare-default-model", help="convert the bundled SmolLM2 GGUF once, print its dir"
