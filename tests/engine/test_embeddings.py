@@ -126,7 +126,7 @@ def test_the_pooling_runner(tmp_path: Path) -> None:
     """``runner="pooling"``: an untied checkpoint without its LM head loads (Qwen3-Embedding-8B
     ships none), embeds as HF does, refuses generation by name, and warms up with embedding
     requests only, leaving the engine as it found it; the generating runner refuses that
-    checkpoint."""
+    checkpoint. The engine holds no LM head, with or without one in the checkpoint."""
     from mrv2.engine.warmup import warm_up
 
     path = make_tiny_checkpoint(tmp_path / "base", "Qwen3ForCausalLM", head_dim=16,
@@ -148,5 +148,15 @@ def test_the_pooling_runner(tmp_path: Path) -> None:
     got = llm.embed({"prompt_token_ids": PROMPTS[1]}, use_tqdm=False)[0]
     _close(got.outputs.embedding,
            torch.nn.functional.normalize(hf_states(path, PROMPTS[1:2])[0], dim=-1))
+    # a pooling engine holds no LM head (its sampled token is nobody's), and one in the
+    # checkpoint is not read
+    from mrv2.layers.embedding import PoolingLogits
+
+    assert isinstance(llm.engine.runner.model.lm_head, PoolingLogits)
+    assert not any("lm_head" in n for n, _ in llm.engine.runner.model.named_parameters())
+    with_head = _llm(path, runner="pooling")
+    assert isinstance(with_head.engine.runner.model.lm_head, PoolingLogits)
+    _close(with_head.embed({"prompt_token_ids": PROMPTS[1]}, use_tqdm=False)[0]
+           .outputs.embedding, torch.tensor(got.outputs.embedding))
     with pytest.raises(ValueError, match="runner='pooling'"):
         llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False)

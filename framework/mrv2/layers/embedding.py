@@ -65,6 +65,20 @@ class VocabEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}"
 
 
+class PoolingLogits(nn.Module):
+    """Stands in for the LM head of an engine that only pools (``runner="pooling"``, a
+    sequence classifier): zero logits ``[N, vocab]``, no weights, no product. A pooling
+    request samples one token nobody reads; this spares the head's memory (vocab x hidden:
+    1.2 GB on an untied 8B model) and its product every step."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states.new_zeros(hidden_states.shape[0], self.vocab_size)
+
+
 class LMHead(nn.Module):
     """Projects hidden states ``[N, hidden]`` to logits ``[N, vocab]`` in the model dtype.
 

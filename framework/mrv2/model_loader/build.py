@@ -123,6 +123,7 @@ def build_model(
     dtype: torch.dtype,
 ) -> tuple[nn.Module, ModelEntry]:
     """Instantiate the registered model class on ``device`` and load (or draw) its weights."""
+    from mrv2.layers.embedding import PoolingLogits
     from mrv2.layers.fp8 import fp8_config_of, log_fp8_memory
     from mrv2.model_loader.classification import add_score_head, is_classifier, score_from_tokens
 
@@ -144,6 +145,10 @@ def build_model(
             model = model_cls(hf_config)
             if classifier:  # the causal LM, plus its score head
                 add_score_head(model, int(text_config_of(hf_config).hidden_size), hf_config)
+            if ((classifier or config.model.runner == "pooling")
+                    and config.speculative.method is None and hasattr(model, "lm_head")):
+                # pooling only: no LM head (before any weight is loaded or drawn into it)
+                model.lm_head = PoolingLogits(int(text_config_of(hf_config).vocab_size))
     finally:
         torch.set_default_dtype(previous)
     if fp8 is not None:

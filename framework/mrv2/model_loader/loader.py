@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from mrv2.layers.embedding import PoolingLogits
 from mrv2.layers.norm import RMSNorm
 from mrv2.layers.weights import (  # noqa: F401 (re-exported: mrv2.model_loader's names)
     StackedMapping,
@@ -128,6 +129,11 @@ def load_model_weights(
             f"{type(model).__name__} has no load_weights(weights) method: every mrv2 model must "
             f"map checkpoint names to its parameters itself"
         )
+    if isinstance(getattr(model, "lm_head", None), PoolingLogits) and not getattr(
+            model, "tie_word_embeddings", False):
+        # a pooling engine's LM head is gone: the checkpoint's is not read (a tied one's name
+        # fills the embedding, the model's rename says so)
+        weights = ((name, t) for name, t in weights if name != "lm_head.weight")
     loaded: set[str] = load_weights(weights)
     missing = sorted(name for name, _ in model.named_parameters()
                      if name not in loaded and name not in optional)
