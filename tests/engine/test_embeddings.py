@@ -156,6 +156,10 @@ def test_the_pooling_runner(tmp_path: Path) -> None:
     assert not any("lm_head" in n for n, _ in llm.engine.runner.model.named_parameters())
     with_head = _llm(path, runner="pooling")
     assert isinstance(with_head.engine.runner.model.lm_head, PoolingLogits)
+    runner = with_head.engine.runner
+    emulate_cuda_graphs(runner)  # no step decodes: the mixed graphs alone
+    assert runner.graphs is not None and runner.graphs.mixed_graphs
+    assert not runner.graphs.graphs and not runner.graphs.tail_graphs
     _close(with_head.embed({"prompt_token_ids": PROMPTS[1]}, use_tqdm=False)[0]
            .outputs.embedding, torch.tensor(got.outputs.embedding))
     with pytest.raises(ValueError, match="runner='pooling'"):

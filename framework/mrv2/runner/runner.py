@@ -33,6 +33,7 @@ from mrv2.contract.staged_edits import StagedEdits
 from mrv2.contract.staging import Uploader
 from mrv2.contract.state_table import RequestStateTable, RowInfo
 from mrv2.distributed.parallel_state import agree_min, tp_rank, tp_size
+from mrv2.layers.embedding import PoolingLogits
 from mrv2.lora import make_lora_manager
 from mrv2.model_loader.build import (
     CausalLM,
@@ -523,7 +524,9 @@ class Runner:
         them for the steps while no live request names an adapter (idle, their launches made
         a 0.6B-parameter model's batch-1 decode step ~45% longer on an H200; BENCHMARKS.md
         2026-12-05).
-        Both sets share the pool: one graph replays at a time."""
+        Both sets share the pool: one graph replays at a time. A pooling-only model (its LM
+        head :class:`~mrv2.layers.embedding.PoolingLogits`) gets the mixed graphs alone: its
+        requests end with their prompts, no step decodes."""
         if self.lora is None:
             self.graphs = self._capture_set(capture)
         else:
@@ -553,6 +556,8 @@ class Runner:
                                  capture)
             if measured_mixed_graphs() and graphs.mixed_graphs:
                 graphs.drop_slow_mixed(self._mixed_graph_slower)
+            if isinstance(getattr(self.model, "lm_head", None), PoolingLogits):
+                return graphs  # pooling only: every request ends with its prompt, none decodes
             graphs.capture_all(self._graph_dummy_batch, self._forward_all_logits, capture)
             if self.speculator is not None and self.speculator.cuda_graphs:
                 graphs.capture_drafts(1 + self.num_speculative_tokens,
