@@ -20,6 +20,7 @@ import logging
 import multiprocessing
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,7 @@ from mrv2.engine.engine import (
 from mrv2.engine.output_deltas import OutputAccumulator, OutputDelta
 from mrv2.engine.outputs import RequestOutput
 from mrv2.engine.tokenizer import Tokenizer
+from mrv2.entrypoints.engine_calls import raise_refusal
 from mrv2.entrypoints.engine_core import EngineInfo, run_engine_core
 from mrv2.entrypoints.engine_thread import LoopHandOver, QueueFullError, check_room
 from mrv2.entrypoints.engine_thread import _Sink as ThreadSink
@@ -177,6 +179,25 @@ class EngineProcess:
         if refused is not None:
             self._drop(req_id)
             raise ValueError(refused)
+
+    async def call(self, op: str, arg: Any = None) -> None:
+        """Run engine operation ``op`` in the engine's process between steps
+        (:mod:`mrv2.entrypoints.engine_calls`); raises its ValueError or
+        :class:`~mrv2.entrypoints.engine_calls.EngineBusy`."""
+        loop = asyncio.get_running_loop()
+        call_id = f"call-{uuid.uuid4().hex}"
+        done: asyncio.Future[str | None] = loop.create_future()
+        with self._lock:
+            self._acks[call_id] = (loop, done)
+        try:
+            self._send(("call", call_id, op, arg))
+        except OSError as error:
+            with self._lock:
+                self._acks.pop(call_id, None)
+            raise RuntimeError(f"the engine process is gone: {error}") from None
+        refused = await done
+        if refused is not None:
+            raise_refusal(refused)
 
     def abort(self, req_id: str) -> None:
         """Cancel a request (on the event loop); unknown or finished ids are ignored."""

@@ -32,6 +32,7 @@ from mrv2.contract.pooling import PoolingParams
 from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.engine import LLMEngine
 from mrv2.engine.outputs import RequestOutput
+from mrv2.entrypoints.engine_calls import raise_refusal, refusal, run_engine_call
 from mrv2.entrypoints.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -206,6 +207,16 @@ class EngineThread:
         """Cancel a request (run on the engine thread); unknown or finished ids are ignored."""
         self._commands.put(("abort", req_id))
 
+    async def call(self, op: str, arg: Any = None) -> None:
+        """Run engine operation ``op`` between steps (:mod:`mrv2.entrypoints.engine_calls`);
+        raises its ValueError or :class:`~mrv2.entrypoints.engine_calls.EngineBusy`."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[str | None] = loop.create_future()
+        self._commands.put(("call", (op, arg, loop, done)))
+        refused = await done
+        if refused is not None:
+            raise_refusal(refused)
+
     def mark_fatal(self, error: BaseException) -> None:
         """The engine cannot go on (any thread): refuse new requests, fail those in flight
         on the engine thread, tell the :attr:`on_fatal` listeners."""
@@ -259,6 +270,15 @@ class EngineThread:
             self.metrics.stats = engine.stats()
 
     def _handle(self, command: str, arg: Any) -> None:
+        if command == "call":
+            op, value, loop, done = arg
+            try:
+                run_engine_call(self.engine, op, value)
+                result = None
+            except Exception as error:  # (the server's 400 / 409)
+                result = refusal(error)
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
+            return
         if command == "add":
             req_id, ids, params, prompt, sink_queue, loop, arrival, mm_items, lora, pool = arg
             sink = _Sink(loop, sink_queue, arrival, num_prompt=len(ids), num_seqs=params.n)

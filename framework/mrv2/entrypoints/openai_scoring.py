@@ -186,3 +186,4 @@ def add_scoring_routes(app: Any, engine: Any, worker: Any,
         app.post(path)(score)
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
         app.post(path)(rerank)
+

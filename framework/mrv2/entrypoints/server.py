@@ -38,6 +38,8 @@ from mrv2.engine.gc_pauses import freeze_startup_heap
 from mrv2.engine.media import split_chat_media
 from mrv2.engine.outputs import RequestOutput
 from mrv2.engine.tokenizer import check_template_kwargs
+from mrv2.entrypoints.dev_routes import add_dev_routes
+from mrv2.entrypoints.engine_calls import dev_mode
 from mrv2.entrypoints.engine_process import EngineProcess, RemoteEngine
 from mrv2.entrypoints.engine_thread import EngineThread, QueueFullError
 from mrv2.entrypoints.http_options import HTTPOptions
@@ -428,6 +430,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
             int(time.time()), body.encoding_format))
 
     add_scoring_routes(app, engine, worker, parse, lora_of, tokenizer, model_name)
+    if dev_mode():
+        add_dev_routes(app, worker, json_object)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> dict[str, Any]:

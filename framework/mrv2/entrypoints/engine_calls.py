@@ -1,0 +1,61 @@
+"""Engine operations the server runs between steps, on the engine's own thread or process
+(``EngineThread.call``, ``EngineProcess.call``), for the development routes
+(``MRV2_SERVER_DEV_MODE=1``, as vLLM's ``VLLM_SERVER_DEV_MODE``): ``POST /reset_prefix_cache``
+(vLLM's) and ``POST /update_weights_from_disk`` (SGLang's: an RL trainer's new checkpoint,
+loaded in place; :meth:`~mrv2.engine.engine.LLMEngine.update_weights`). Both need the engine
+idle; a busy one refuses with :class:`EngineBusy`."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = ["CALLS", "DEV_MODE_ENV", "EngineBusy", "dev_mode", "run_engine_call"]
+
+#: ``1`` adds the development routes to ``mrv2 serve``.
+DEV_MODE_ENV = "MRV2_SERVER_DEV_MODE"
+#: The operations a worker runs.
+CALLS = ("reset_prefix_cache", "update_weights_from_disk")
+#: The prefix of a refusal's message that means "busy" (it crosses the process pipe as text).
+BUSY = "busy: "
+
+
+class EngineBusy(RuntimeError):
+    """The engine has requests in flight: the operation was not run."""
+
+
+def dev_mode() -> bool:
+    """Whether ``MRV2_SERVER_DEV_MODE=1``."""
+    return os.environ.get(DEV_MODE_ENV, "") == "1"
+
+
+def run_engine_call(engine: Any, op: str, arg: Any) -> None:
+    """Run ``op`` on ``engine`` (on its thread): ValueError for a bad ``op`` or argument,
+    :class:`EngineBusy` while requests are in flight."""
+    from mrv2.model_loader.loader import iter_safetensors
+
+    if op not in CALLS:
+        raise ValueError(f"unknown engine call {op!r}: one of {list(CALLS)}")
+    if engine.has_unfinished():
+        raise EngineBusy(f"{op}: requests are in flight; retry when the engine is idle")
+    if op == "reset_prefix_cache":
+        engine.reset_prefix_cache()
+        return
+    if not isinstance(arg, str) or not os.path.isdir(arg):
+        raise ValueError(f"model_path must be a checkpoint directory, got {arg!r}")
+    try:
+        engine.update_weights(iter_safetensors(arg))
+    except (KeyError, FileNotFoundError) as error:
+        raise ValueError(f"model_path: {error}") from None
+
+
+def refusal(error: BaseException) -> str:
+    """A failed call's message as it crosses a pipe (busy ones marked)."""
+    return (BUSY if isinstance(error, EngineBusy) else "") + str(error)
+
+
+def raise_refusal(message: str) -> None:
+    """The exception a refusal's message stands for."""
+    if message.startswith(BUSY):
+        raise EngineBusy(message[len(BUSY):])
+    raise ValueError(message)

@@ -1,0 +1,98 @@
+"""The development routes (``MRV2_SERVER_DEV_MODE=1``): ``/update_weights_from_disk`` loads
+another checkpoint's weights between steps, after which the server answers as a fresh engine
+on that checkpoint does, with the engine in this process and in its own;
+``/reset_prefix_cache``; a bad path is a 400 naming ``model_path``, a busy engine refuses, and
+without the mode the routes do not exist."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from server_util import API_KEY, ENGINE_KWARGS, MODEL
+
+from mrv2 import LLM, EngineConfig, SamplingParams
+from mrv2.entrypoints.engine_calls import DEV_MODE_ENV, EngineBusy, run_engine_call
+from mrv2.testing import make_tiny_checkpoint, make_tiny_tokenizer, serve_in_thread
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+PROMPT = "Hello there"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("dev")
+    out = []
+    for name, seed in (("a", 1), ("b", 2)):
+        path = make_tiny_checkpoint(root / name, "Qwen3ForCausalLM", seed=seed, vocab_size=320)
+        make_tiny_tokenizer(path)
+        out.append(path)
+    return out[0], out[1]
+
+
+def _text(url: str) -> str:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    response = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert response.status_code == 200, response.text
+    return str(response.json()["choices"][0]["text"])
+
+
+def _want(path: Path) -> str:
+    llm = LLM(str(path), **ENGINE_KWARGS)
+    return llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8),
+                        use_tqdm=False)[0].outputs[0].text
+
+
+def _check(url: str, a: Path, b: Path) -> None:
+    assert _text(url) == _want(a) != _want(b)
+    post = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(b)},
+                      headers=AUTH, timeout=60)
+    assert post.status_code == 200 and post.json()["success"], post.text
+    assert _text(url) == _want(b)
+    assert httpx.post(f"{url}/reset_prefix_cache", headers=AUTH, timeout=60).status_code == 200
+    bad = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": "/nonexistent"},
+                     headers=AUTH, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "model_path"
+
+
+def _serving(path: Path, process: bool) -> Iterator[str]:
+    from mrv2.engine.engine import LLMEngine
+    from mrv2.entrypoints.engine_process import RemoteEngine
+    from mrv2.entrypoints.server import create_app
+
+    config = EngineConfig.from_kwargs(model=str(path), **ENGINE_KWARGS)
+    engine = RemoteEngine(config) if process else LLMEngine(config)
+    try:
+        yield from serve_in_thread(create_app(engine, served_model_name=MODEL,
+                                              api_key=API_KEY))
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("process", [False, True])
+def test_weights_update_from_disk_between_steps(checkpoints: tuple[Path, Path], process: bool,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DEV_MODE_ENV, "1")
+    a, b = checkpoints
+    for url in _serving(a, process):
+        _check(url, a, b)
+
+
+def test_without_dev_mode_the_routes_do_not_exist(checkpoints: tuple[Path, Path],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(DEV_MODE_ENV, raising=False)
+    for url in _serving(checkpoints[0], False):
+        for route in ("/reset_prefix_cache", "/update_weights_from_disk"):
+            assert httpx.post(f"{url}{route}", json={}, headers=AUTH,
+                              timeout=60).status_code == 404
+
+
+def test_a_busy_engine_refuses(checkpoints: tuple[Path, Path]) -> None:
+    llm = LLM(str(checkpoints[0]), **ENGINE_KWARGS)
+    llm.engine.add_request([5, 6, 7], SamplingParams(max_tokens=4))
+    with pytest.raises(EngineBusy, match="requests are in flight"):
+        run_engine_call(llm.engine, "update_weights_from_disk", str(checkpoints[1]))
+    with pytest.raises(ValueError, match="unknown engine call"):
+        run_engine_call(llm.engine, "shutdown", None)
