@@ -118,3 +118,19 @@ def test_a_causal_lm_becomes_a_yes_no_reranker(tmp_path: Path) -> None:
         assert abs(g.outputs.score - want) < 1e-5
     with pytest.raises(ValueError, match="not a token of the model's tokenizer"):
         _llm(path, hf_overrides={**overrides, "classifier_from_token": ["no", "yess-not"]})
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(tmp_path: Path) -> None:
+    path = make_tiny_checkpoint(tmp_path / "cls", "Qwen3ForSequenceClassification", seed=9,
+                                num_labels=2)
+    llm = _llm(path)
+    long = PROMPTS[1]
+    cut = llm.classify({"prompt_token_ids": long}, use_tqdm=False, truncate_prompt_tokens=5)
+    assert cut[0].prompt_token_ids == long[-5:]
+    torch.testing.assert_close(torch.tensor(cut[0].outputs.probs),
+                               _hf_probs(path, long[-5:]), rtol=1e-4, atol=1e-5)
+    short = llm.embed({"prompt_token_ids": PROMPTS[2]}, use_tqdm=False,
+                      truncate_prompt_tokens=5)  # (shorter than the cut: whole)
+    assert short[0].prompt_token_ids == PROMPTS[2]
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be an int >= 1"):
+        llm.classify({"prompt_token_ids": long}, use_tqdm=False, truncate_prompt_tokens=0)

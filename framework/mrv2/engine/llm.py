@@ -147,13 +147,15 @@ class LLM:
         pooling_params: PoolingParams | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding, in prompt order (vLLM's ``LLM.embed``): the final hidden
         state of its last token, normalized and truncated as ``pooling_params`` says
         (default: normalized, whole). Requests of one call run in the same steps, as
-        ``generate``'s; every prompt is validated before any is queued."""
+        ``generate``'s; every prompt is validated before any is queued.
+        ``truncate_prompt_tokens``: keep each prompt's last so many tokens (vLLM's)."""
         outputs = self._pool(prompts, pooling_params or PoolingParams(), use_tqdm,
-                             lora_request)
+                             lora_request, truncate_prompt_tokens)
         return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding or []),
                                        o.prompt_token_ids, True, o.num_cached_tokens)
                 for o in outputs]
@@ -163,12 +165,15 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[ClassificationRequestOutput]:
         """Each prompt's label probabilities, in prompt order (vLLM's ``LLM.classify``), from
         a sequence classifier (an ``XForSequenceClassification`` checkpoint): its ``score``
         head over the last token's final hidden state, softmax (the sigmoid of a single
-        label's logit). ``llm.engine.id2label`` names the labels."""
-        outputs = self._pool(prompts, PoolingParams(task="classify"), use_tqdm, lora_request)
+        label's logit). ``llm.engine.id2label`` names the labels.
+        ``truncate_prompt_tokens``: keep each prompt's last so many tokens."""
+        outputs = self._pool(prompts, PoolingParams(task="classify"), use_tqdm, lora_request,
+                             truncate_prompt_tokens)
         return [ClassificationRequestOutput(o.request_id, ClassificationOutput(o.embedding or []),
                                             o.prompt_token_ids, True, o.num_cached_tokens)
                 for o in outputs]
@@ -179,12 +184,14 @@ class LLM:
         data_2: Prompt | Sequence[Prompt],
         use_tqdm: bool = True,
         lora_request: LoRARequest | None = None,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[ScoringRequestOutput]:
         """A score per pair (vLLM's ``LLM.score``): ``data_1`` one item against every item of
         ``data_2``, or the two lists item by item. A classifier of one label (a reranker)
         reads each pair as one prompt, ``data_1``'s tokens then ``data_2``'s (without its
         special tokens), and scores the sigmoid of its logit; an embedding model scores the
-        cosine similarity of the two embeddings."""
+        cosine similarity of the two embeddings. ``truncate_prompt_tokens`` keeps the last so
+        many tokens of each prompt the model reads (a joined pair; each text)."""
         firsts = [data_1] if isinstance(data_1, (str, dict)) else list(data_1)
         seconds = [data_2] if isinstance(data_2, (str, dict)) else list(data_2)
         pairs = broadcast_pairs(firsts, seconds)
@@ -192,14 +199,14 @@ class LLM:
         if self.engine.num_labels is None:  # an embedding model: the cosine of the two
             n = len(pairs)
             out = self.embed([a for a, _ in pairs] + [b for _, b in pairs], PoolingParams(),
-                             use_tqdm, lora_request)
+                             use_tqdm, lora_request, truncate_prompt_tokens)
             return [ScoringRequestOutput(
                 f"score-{i}", ScoringOutput(cosine(a.outputs.embedding, b.outputs.embedding)),
                 a.prompt_token_ids + b.prompt_token_ids)
                 for i, (a, b) in enumerate(zip(out[:n], out[n:], strict=True))]
         joined = [{"prompt_token_ids": self._encode(a)[0] + self._pair_ids(b)}
                   for a, b in pairs]
-        classified = self.classify(joined, use_tqdm, lora_request)
+        classified = self.classify(joined, use_tqdm, lora_request, truncate_prompt_tokens)
         return [ScoringRequestOutput(f"score-{i}", ScoringOutput(c.outputs.probs[0]),
                                      c.prompt_token_ids)
                 for i, c in enumerate(classified)]
@@ -213,16 +220,27 @@ class LLM:
         return self._encode(prompt)[0]
 
     def _pool(self, prompts: Prompt | Sequence[Prompt], pooling: PoolingParams,
-              use_tqdm: bool, lora_request: LoRARequest | Sequence[LoRARequest | None] | None
-              ) -> list[RequestOutput]:
-        """Run ``prompts`` as pooling requests; every one validated before any is queued."""
+              use_tqdm: bool, lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+              truncate_prompt_tokens: int | None = None) -> list[RequestOutput]:
+        """Run ``prompts`` as pooling requests (each cut to its last ``truncate_prompt_tokens``
+        tokens when set); every one validated before any is queued."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
+        keep = truncate_prompt_tokens
+        if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool)
+                                 or keep < 1):
+            raise ValueError(f"truncate_prompt_tokens must be an int >= 1 or None, got {keep!r}")
         pooling.check(self.engine.hidden_size, self.engine.num_labels)
         loras = self._loras(lora_request, len(prompts))
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         encoded = [self._encode(prompt) for prompt in prompts]
+        if keep is not None:
+            if any(items and len(ids) > keep for ids, _, items in encoded):
+                raise ValueError("truncate_prompt_tokens would cut a multimodal prompt (its "
+                                 "placeholders must stay whole)")
+            encoded = [(ids[-keep:], None if len(ids) > keep else text, items)
+                       for ids, text, items in encoded]
         for (token_ids, _, _), lora in zip(encoded, loras, strict=True):
             self.engine.validate(token_ids, params, lora, pooling=True)
         return self._run(encoded, [params] * len(prompts), use_tqdm, loras, pooling)
