@@ -30,15 +30,15 @@ from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import SamplingParams
 from mrv2.contract.pooling import PoolingParams
 from mrv2.contract.requests import MultiModalItem
-from mrv2.engine.engine import (
+from mrv2.engine.output_deltas import OutputAccumulator, OutputDelta
+from mrv2.engine.outputs import RequestOutput
+from mrv2.engine.request_inputs import (
     _load_tokenizer,
     check_prompt,
     check_runner,
     make_input_processor,
     process_multimodal,
 )
-from mrv2.engine.output_deltas import OutputAccumulator, OutputDelta
-from mrv2.engine.outputs import RequestOutput
 from mrv2.engine.tokenizer import Tokenizer
 from mrv2.entrypoints.engine_calls import raise_refusal
 from mrv2.entrypoints.engine_core import EngineInfo, run_engine_core

@@ -1,0 +1,100 @@
+"""What the engine checks and builds around a request before it runs, without engine state:
+prompt and runner checks, a sequence classifier's labels, the family's multimodal processor,
+the tokenizer (used by :class:`~mrv2.engine.engine.LLMEngine` and the server's
+``RemoteEngine`` alike)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mrv2.config import EngineConfig
+from mrv2.contract.input_processor import InputProcessor
+from mrv2.contract.params import SamplingParams
+from mrv2.contract.requests import MultiModalItem
+from mrv2.engine.tokenizer import Tokenizer
+from mrv2.registry import import_object
+
+__all__ = ["check_prompt", "check_runner", "classifier_labels", "make_input_processor",
+           "process_multimodal"]
+
+
+def classifier_labels(config: EngineConfig, hf_config: Any) -> tuple[int | None, dict[int, str]]:
+    """A sequence classifier's ``(num_labels, id2label)`` (``(None, {})`` for other models).
+    A classifier is served as a pooling model: ``runner="auto"`` becomes ``"pooling"``;
+    ``"generate"`` is refused by name."""
+    from mrv2.model_loader.classification import is_classifier, num_labels_of
+
+    if not is_classifier(list(getattr(hf_config, "architectures", None) or [])):
+        return None, {}
+    if config.model.runner == "generate":
+        raise ValueError(f"runner='generate': {hf_config.architectures[0]} is a sequence "
+                         "classifier, it generates no text (runner='pooling' or 'auto')")
+    config.model.runner = "pooling"
+    labels = num_labels_of(hf_config)
+    names = getattr(hf_config, "id2label", None) or {}
+    return labels, {int(k): str(v) for k, v in names.items()}
+
+
+def check_runner(config: EngineConfig, pooling: bool) -> None:
+    """An engine of ``runner="pooling"`` takes embedding requests only: ValueError naming
+    the runner for a generation request."""
+    if config.model.runner == "pooling" and not pooling:
+        raise ValueError("this engine runs a pooling model (runner='pooling'): it takes "
+                         "embedding and classification requests only (LLM.embed, "
+                         "LLM.classify, LLM.score, /v1/embeddings, /classify, /score, "
+                         "/rerank)")
+
+
+def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int,
+                 vocab_size: int) -> None:
+    """The checks of a request that need no engine state: a prompt of 1 to
+    ``max_model_len - 1`` ids in the vocabulary, and the params' token ids. ``ValueError``
+    naming the field (``LLMEngine.validate`` and the server's ``RemoteEngine`` run it)."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    if n >= max_model_len:
+        raise ValueError(
+            f"the prompt has {n} tokens, but max_model_len is {max_model_len}: "
+            f"prompts may have at most {max_model_len - 1} tokens"
+        )
+    bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    if bad:
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size}); got {bad[:5]}")
+    params.check_vocab(vocab_size)
+
+
+def make_input_processor(path: str | None, model_dir: str, hf_config: Any,
+                         tokenizer: Tokenizer | None, config: EngineConfig
+                         ) -> InputProcessor | None:
+    """The family's multimodal prompt processor registered as ``path`` (an import path; None
+    or empty: a text-only model), built for the checkpoint at ``model_dir``."""
+    if not path:
+        return None
+    processor: InputProcessor = import_object(path)(model_dir, hf_config, tokenizer, config)
+    return processor
+
+
+def process_multimodal(processor: InputProcessor | None, architecture: str,
+                       prompt_token_ids: list[int], mm_data: Any
+                       ) -> tuple[list[int], list[MultiModalItem]]:
+    """``mm_data`` through a family's input ``processor`` (None: a text-only model):
+    ``ValueError`` naming the field on bad data or a text-only model."""
+    if not isinstance(mm_data, dict):
+        raise ValueError(f"multi_modal_data must be a dict such as {{'image': ...}}, got "
+                         f"{type(mm_data).__name__}")
+    if processor is None:
+        raise ValueError(f"multi_modal_data: {architecture} takes text only")
+    return processor.process(list(prompt_token_ids), mm_data)
+
+
+def _load_tokenizer(path: str, chat_template: str | None = None) -> Tokenizer | None:
+    """The tokenizer at ``path`` (None where there is none), its chat template replaced by
+    ``chat_template`` (``--chat-template``) when given."""
+    try:
+        tokenizer = Tokenizer(path)
+    except (OSError, ValueError):
+        return None
+    if chat_template is not None:
+        tokenizer.set_chat_template(chat_template)
+    return tokenizer
