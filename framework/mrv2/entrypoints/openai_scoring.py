@@ -1,4 +1,5 @@
-"""vLLM's pooling routes beside the embeddings API, for sequence classifiers and scoring:
+"""The pooling routes: OpenAI's ``POST /v1/embeddings``
+(:mod:`mrv2.entrypoints.openai_embeddings`), and vLLM's for sequence classifiers and scoring:
 
 - ``POST /classify``: each input's label probabilities (a sequence classifier's), with its
   most likely label's name (``id2label``);
@@ -27,11 +28,11 @@ from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import RequestOutputKind, SamplingParams
 from mrv2.contract.pooling import PoolingParams
 from mrv2.engine.scoring import broadcast_pairs, check_scorer, cosine
-from mrv2.entrypoints.openai_embeddings import input_items
+from mrv2.entrypoints.openai_embeddings import EmbeddingRequest, embedding_response, input_items
 from mrv2.entrypoints.responses import APIError
 from mrv2.entrypoints.whole_answers import embed_through
 
-__all__ = ["ClassifyRequest", "RerankRequest", "ScoreRequest", "add_scoring_routes"]
+__all__ = ["ClassifyRequest", "RerankRequest", "ScoreRequest", "add_pooling_routes"]
 
 Texts = str | list[str] | list[int] | list[list[int]]
 
@@ -70,22 +71,22 @@ class RerankRequest(_Pooling):
     top_n: int | None = Field(default=None, ge=0)  # (0 or unset: all)
 
 
-def add_scoring_routes(app: Any, engine: Any, worker: Any,
+def add_pooling_routes(app: Any, engine: Any, worker: Any,
                        parse: Callable[[Any, type[Any]], Awaitable[Any]],
                        lora_of: Callable[[Any], LoRARequest | None],
                        tokenizer: Callable[[], Any], model_name: str) -> None:
-    """Add ``/classify``, ``/score`` and ``/rerank`` (and their aliases) to ``app``; the
-    server's own helpers: ``parse`` (a body, its ``model`` checked), ``lora_of`` (the
-    adapter a body names) and ``tokenizer`` (400 when the model has none)."""
+    """Add ``/v1/embeddings``, ``/classify``, ``/score`` and ``/rerank`` (and their aliases)
+    to ``app``; the server's own helpers: ``parse`` (a body, its ``model`` checked),
+    ``lora_of`` (the adapter a body names) and ``tokenizer`` (400 when the model has none)."""
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)
 
-    def encode(body: _Pooling, item: str | list[int], special: bool = True) -> list[int]:
+    def encode(body: Any, item: str | list[int], special: bool = True) -> list[int]:
         ids = (tokenizer().encode(item, add_special_tokens=special) if isinstance(item, str)
                else list(item))
         return body.truncate(ids)
 
-    async def pool(body: _Pooling, prompts: list[list[int]], pooling: PoolingParams,
+    async def pool(body: Any, prompts: list[list[int]], pooling: PoolingParams,
                    field: str) -> list[list[float]]:
         lora = lora_of(body)
         try:
@@ -124,6 +125,27 @@ def add_scoring_routes(app: Any, engine: Any, worker: Any,
 
     def usage(tokens: int) -> dict[str, int]:
         return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> dict[str, Any]:
+        """OpenAI's embeddings API (:mod:`mrv2.entrypoints.openai_embeddings`)."""
+        body: EmbeddingRequest = await parse(request, EmbeddingRequest)
+        try:
+            items = body.inputs()
+        except ValueError as error:
+            raise APIError(400, str(error), param="input") from None
+        pooling = PoolingParams(normalize=body.normalize, dimensions=body.dimensions)
+        try:
+            pooling.check(engine.hidden_size)
+        except ValueError as error:
+            raise APIError(400, str(error), param="dimensions") from None
+        prompts = [encode(body, item) for item in items]
+        vectors = await pool(body, prompts, pooling, "input")
+        lora = lora_of(body)
+        return embedding_response(vectors, sum(map(len, prompts)),
+                                  lora.lora_name if lora else model_name,
+                                  f"embd-{uuid.uuid4().hex}", int(time.time()),
+                                  body.encoding_format)
 
     @app.post("/classify")
     async def classify(request: Request) -> dict[str, Any]:

@@ -30,8 +30,7 @@ from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mrv2.contract.lora import LoRARequest
-from mrv2.contract.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
-from mrv2.contract.pooling import PoolingParams
+from mrv2.contract.params import SamplingParams, StructuredOutputsParams
 from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.engine import LLMEngine
 from mrv2.engine.gc_pauses import freeze_startup_heap
@@ -45,7 +44,6 @@ from mrv2.entrypoints.engine_thread import EngineThread, QueueFullError
 from mrv2.entrypoints.http_options import HTTPOptions
 from mrv2.entrypoints.lora_modules import LoRAModules, model_cards, runtime_updating
 from mrv2.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
-from mrv2.entrypoints.openai_embeddings import EmbeddingRequest, embedding_response
 from mrv2.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -57,7 +55,7 @@ from mrv2.entrypoints.openai_protocol import (
     value_error_param,
 )
 from mrv2.entrypoints.openai_responses import RENAMED, ResponsesRequest, ResponsesStream
-from mrv2.entrypoints.openai_scoring import add_scoring_routes
+from mrv2.entrypoints.openai_scoring import add_pooling_routes
 from mrv2.entrypoints.reasoning import check_reasoning_parser
 from mrv2.entrypoints.responses import APIError, Echo, Stream
 from mrv2.entrypoints.responses_store import STORE_ENV, store_from_env
@@ -69,7 +67,7 @@ from mrv2.entrypoints.tool_calls import (
     forced_tool_choice,
     get_tool_parser,
 )
-from mrv2.entrypoints.whole_answers import beam_answer_body, beam_search_through, embed_through
+from mrv2.entrypoints.whole_answers import beam_answer_body, beam_search_through
 
 #: Default bound on a request's ``n`` (``mrv2 serve --max-n``); OpenAI's own API allows 128.
 DEFAULT_MAX_N = 64
@@ -400,36 +398,7 @@ def create_app(engine: LLMEngine | RemoteEngine,
             error.param = RENAMED.get(error.param or "", error.param)
             raise
 
-    @app.post("/v1/embeddings")
-    async def embeddings(request: Request) -> Response:
-        """OpenAI's embeddings API (:mod:`mrv2.entrypoints.openai_embeddings`)."""
-        body: EmbeddingRequest = await parse(request, EmbeddingRequest)
-        try:
-            items = body.inputs()
-        except ValueError as error:
-            raise APIError(400, str(error), param="input") from None
-        pooling = PoolingParams(normalize=body.normalize, dimensions=body.dimensions)
-        try:
-            pooling.check(engine.hidden_size)
-        except ValueError as error:
-            raise APIError(400, str(error), param="dimensions") from None
-        encoded = [body.truncate(tokenizer().encode(x) if isinstance(x, str) else x)
-                   for x in items]
-        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
-                                output_kind=RequestOutputKind.DELTA)
-        lora = lora_of(body)
-        for ids in encoded:
-            try:
-                engine.validate(ids, params, lora, pooling=True)
-            except ValueError as error:
-                raise APIError(400, str(error), param="input") from None
-        vectors = await embed_through(worker, encoded, params, lora, pooling)
-        return JSONResponse(embedding_response(
-            vectors, sum(len(ids) for ids in encoded),
-            lora.lora_name if lora else model_name, f"embd-{uuid.uuid4().hex}",
-            int(time.time()), body.encoding_format))
-
-    add_scoring_routes(app, engine, worker, parse, lora_of, tokenizer, model_name)
+    add_pooling_routes(app, engine, worker, parse, lora_of, tokenizer, model_name)
     if dev_mode():
         add_dev_routes(app, worker, json_object)
 
