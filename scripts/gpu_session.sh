@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (device tool): installs the carried wheels, then the steps named as
-# arguments: tests (tests/gpu), kerneltests (tests/kernels on CUDA), moe (the fused-MoE kernel bench), tma_prefill (MRV2_TMA_PREFILL's tests and A/B),
+# arguments: tests (tests/gpu), newtests (this session's GPU test files), kerneltests (tests/kernels on CUDA), moe (the fused-MoE kernel bench), tma_prefill (MRV2_TMA_PREFILL's tests and A/B),
 # gemm_proto (scripts/proto_gemm.py: Triton TMA GEMMs against cuBLAS at 8B decode shapes),
 # pdlchain (scripts/proto_pdl_chain.py: Triton GEMMs with PDL in the decode layer's chain),
 # firststeps (scripts/probe_first_steps.py: TTFT step by step and host part, MRV2_PDL_GEMM off and on),
@@ -49,7 +49,15 @@ OUT=${OUT:-/tmp/out}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used,memory.total --format=csv
 for step in "$@"; do
   case "$step" in
-    tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    tests) # -v: a call's time limit that cuts the run still leaves each finished test's line
+           python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" \
+             | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" | tail -25 ;;
+    newtests) # the thirty-first session's GPU tests: adapters, embeddings, weight updates,
+              # shutdown's memory, classifiers (~3 min)
+              python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_lora.py \
+                tests/gpu/test_gpu_embeddings.py tests/gpu/test_gpu_update_weights.py \
+                tests/gpu/test_gpu_shutdown.py tests/gpu/test_gpu_classification.py 2>&1 \
+                | tee "$OUT/gpu_newtests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -15 ;;
     kerneltests) # every kernel test compiled for CUDA (~5 min: a call of its own)
            python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/kernel_tests.log" | tail -4 ;;
     fp8kv|fp8kv8b) # kv_cache_dtype=fp8: (fp8kv) its GPU and kernel tests on CUDA and the
