@@ -68,6 +68,7 @@ _DEVICE_STATE = ("model", "model_state", "kv", "table", "buffers", "builder", "s
                  "speculator", "lora", "pooler", "_out_ring", "_uploader", "_no_drafts",
                  "_draft_offsets", "_ones", "_all_drafts", "_copy_stream", "_last_copy")
 
+
 def resolve_device(name: str) -> torch.device:
     """``auto`` is CUDA when available, else the CPU."""
     if name == "auto":
