@@ -18,7 +18,6 @@ requests (``PoolingParams(task="classify")``: ``LLM.classify``, ``LLM.score``, `
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -88,13 +87,19 @@ def add_score_head(model: nn.Module, hidden_size: int, hf_config: Any) -> None:
                             classifier_tokens(hf_config) is not None)
 
 
+#: Where a token classifier's rows are read from, first found first: the LM head, else the
+#: tied embedding.
+_HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight")
+
+
 def score_from_tokens(model: nn.Module, hf_config: Any, model_dir: str) -> None:
     """Fill a token classifier's head from the checkpoint's LM-head rows of its tokens (the
     tied embedding's when it has no ``lm_head.weight``), read alone from the files: their
     difference, ``yes - no``, for a two-way one (``sigmoid(l_yes - l_no)`` is the pair's
     softmax), else the rows themselves. ValueError naming a token the tokenizer lacks."""
     import transformers
-    from safetensors import safe_open
+
+    from mrv2.model_loader.loader import iter_safetensors
 
     head = score_head(model)
     tokens = classifier_tokens(hf_config)
@@ -108,16 +113,9 @@ def score_from_tokens(model: nn.Module, hf_config: Any, model_dir: str) -> None:
             raise ValueError(f"classifier_from_token: {token!r} is not a token of the "
                              "model's tokenizer")
         ids.append(token_id)
-    rows: dict[str, torch.Tensor] = {}
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            held = set(f.keys())
-            for name in ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight"):
-                if name in held and name not in rows:
-                    table = f.get_slice(name)
-                    rows[name] = torch.cat([table[i:i + 1] for i in ids]).float()
-    found = next((rows[n] for n in ("lm_head.weight", "model.embed_tokens.weight",
-                                    "embed_tokens.weight") if n in rows), None)
+    # (the checkpoint's tensors are memory-mapped views: only the picked rows are read)
+    tables = {name: t for name, t in iter_safetensors(model_dir) if name in _HEAD_NAMES}
+    found = next((tables[n][ids].float() for n in _HEAD_NAMES if n in tables), None)
     if found is None:
         raise ValueError(f"classifier_from_token: {model_dir} holds no lm_head.weight or "
                          "embed_tokens.weight to read the tokens' rows from")
