@@ -17,7 +17,8 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["MAX_INPUTS", "EmbeddingRequest", "embedding_response", "input_items"]
+__all__ = ["MAX_INPUTS", "EmbeddingRequest", "PoolingRequest", "embedding_response",
+           "input_items"]
 
 #: The most inputs one request may carry (OpenAI's limit).
 MAX_INPUTS = 2048
@@ -41,27 +42,32 @@ def input_items(value: str | list[str] | list[int] | list[list[int]], field: str
     return items
 
 
-class EmbeddingRequest(BaseModel):
-    """``POST /v1/embeddings``' body."""
+class PoolingRequest(BaseModel):
+    """What every pooling route's body has (embeddings, classify, score, rerank)."""
 
     model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
-    normalize: bool = True  # (vLLM's extra)
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
-
-    def inputs(self) -> list[str | list[int]]:
-        """Each input: a text or a token id list; ValueError on an empty or too long list."""
-        return input_items(self.input, "input")
 
     def truncate(self, ids: list[int]) -> list[int]:
         """The last ``truncate_prompt_tokens`` ids, when set (vLLM's)."""
         n = self.truncate_prompt_tokens
         return ids[-n:] if n is not None and len(ids) > n else ids
+
+
+class EmbeddingRequest(PoolingRequest):
+    """``POST /v1/embeddings``' body."""
+
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    normalize: bool = True  # (vLLM's extra)
+
+    def inputs(self) -> list[str | list[int]]:
+        """Each input: a text or a token id list; ValueError on an empty or too long list."""
+        return input_items(self.input, "input")
 
 
 def embedding_response(vectors: list[list[float]], num_prompt_tokens: int, model: str,

@@ -22,13 +22,18 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import RequestOutputKind, SamplingParams
 from mrv2.contract.pooling import PoolingParams
 from mrv2.engine.scoring import broadcast_pairs, check_scorer, cosine
-from mrv2.entrypoints.openai_embeddings import EmbeddingRequest, embedding_response, input_items
+from mrv2.entrypoints.openai_embeddings import (
+    EmbeddingRequest,
+    PoolingRequest,
+    embedding_response,
+    input_items,
+)
 from mrv2.entrypoints.responses import APIError
 from mrv2.entrypoints.whole_answers import embed_through
 
@@ -37,33 +42,20 @@ __all__ = ["ClassifyRequest", "RerankRequest", "ScoreRequest", "add_pooling_rout
 Texts = str | list[str] | list[int] | list[list[int]]
 
 
-class _Pooling(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)
-
-    model: str | None = None
-    user: str | None = None
-    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
-
-    def truncate(self, ids: list[int]) -> list[int]:
-        """The last ``truncate_prompt_tokens`` ids, when set (vLLM's)."""
-        n = self.truncate_prompt_tokens
-        return ids[-n:] if n is not None and len(ids) > n else ids
-
-
-class ClassifyRequest(_Pooling):
+class ClassifyRequest(PoolingRequest):
     """``POST /classify``'s body."""
 
     input: Texts
 
 
-class ScoreRequest(_Pooling):
+class ScoreRequest(PoolingRequest):
     """``POST /score``'s body."""
 
     text_1: Texts
     text_2: Texts
 
 
-class RerankRequest(_Pooling):
+class RerankRequest(PoolingRequest):
     """``POST /rerank``'s body."""
 
     query: str | list[int]
@@ -81,12 +73,11 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)
 
-    def encode(body: Any, item: str | list[int], special: bool = True) -> list[int]:
-        ids = (tokenizer().encode(item, add_special_tokens=special) if isinstance(item, str)
-               else list(item))
-        return body.truncate(ids)
+    def encode(item: str | list[int], special: bool = True) -> list[int]:
+        return (tokenizer().encode(item, add_special_tokens=special) if isinstance(item, str)
+                else list(item))
 
-    async def pool(body: Any, prompts: list[list[int]], pooling: PoolingParams,
+    async def pool(body: PoolingRequest, prompts: list[list[int]], pooling: PoolingParams,
                    field: str) -> list[list[float]]:
         lora = lora_of(body)
         try:
@@ -97,7 +88,7 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
             raise APIError(400, str(error), param=field) from None
         return await embed_through(worker, prompts, params, lora, pooling)
 
-    async def scores(body: _Pooling, firsts: list[str | list[int]],
+    async def scores(body: PoolingRequest, firsts: list[str | list[int]],
                      seconds: list[str | list[int]], names: tuple[str, str]
                      ) -> tuple[list[float], int]:
         """Each pair's score and the prompt tokens read."""
@@ -107,18 +98,17 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
         except ValueError as error:
             raise APIError(400, str(error), param=names[1]) from None
         if engine.num_labels is None:  # an embedding model: the cosine of the two
-            prompts = ([encode(body, a) for a, _ in pairs]
-                       + [encode(body, b) for _, b in pairs])
+            prompts = [body.truncate(encode(x)) for x in
+                       [a for a, _ in pairs] + [b for _, b in pairs]]
             vectors = await pool(body, prompts, PoolingParams(), names[1])
             n = len(pairs)
             return ([cosine(a, b) for a, b in zip(vectors[:n], vectors[n:], strict=True)],
                     sum(map(len, prompts)))
-        joined = [body.truncate(encode(body, a) + encode(body, b, special=False))
-                  for a, b in pairs]
+        joined = [body.truncate(encode(a) + encode(b, special=False)) for a, b in pairs]
         probs = await pool(body, joined, PoolingParams(task="classify"), names[1])
         return [p[0] for p in probs], sum(map(len, joined))
 
-    def head(body: _Pooling, kind: str) -> dict[str, Any]:
+    def head(body: PoolingRequest, kind: str) -> dict[str, Any]:
         lora = lora_of(body)
         return {"id": f"{kind}-{uuid.uuid4().hex}", "object": "list",
                 "created": int(time.time()), "model": lora.lora_name if lora else model_name}
@@ -139,7 +129,7 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
             pooling.check(engine.hidden_size)
         except ValueError as error:
             raise APIError(400, str(error), param="dimensions") from None
-        prompts = [encode(body, item) for item in items]
+        prompts = [body.truncate(encode(item)) for item in items]
         vectors = await pool(body, prompts, pooling, "input")
         lora = lora_of(body)
         return embedding_response(vectors, sum(map(len, prompts)),
@@ -155,7 +145,7 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
             items = input_items(body.input, "input")
         except ValueError as error:
             raise APIError(400, str(error), param="input") from None
-        prompts = [encode(body, item) for item in items]
+        prompts = [body.truncate(encode(item)) for item in items]
         probs = await pool(body, prompts, PoolingParams(task="classify"), "input")
         names = engine.id2label
         data = []
