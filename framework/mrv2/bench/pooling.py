@@ -22,6 +22,8 @@ from mrv2.config import EngineConfig
 from mrv2.contract.params import SamplingParams
 from mrv2.contract.pooling import PoolingParams
 from mrv2.engine.engine import LLMEngine
+from mrv2.model_loader.build import load_hf_config
+from mrv2.model_loader.classification import SUFFIX
 
 TASKS = ("embed", "classify")
 
@@ -59,9 +61,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     for task in args.tasks:
         overrides: dict[str, Any] = dict(args.hf_overrides or {})
         if task == "classify":  # the checkpoint read as a one-label classifier
-            architecture = overrides.get("architectures") or _architectures(model_dir)
-            overrides["architectures"] = [a.replace("ForCausalLM", "ForSequenceClassification")
-                                          for a in architecture]
+            architecture = (overrides.get("architectures")
+                            or load_hf_config(model_dir).architectures)
+            overrides["architectures"] = [a.replace("ForCausalLM", SUFFIX) for a in architecture]
             overrides.setdefault("num_labels", 1)
         engine = LLMEngine(EngineConfig.from_kwargs(
             model=model_dir, load_format=args.load_format, dtype=args.dtype,
@@ -86,13 +88,6 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         del engine
         release_engine_memory()
     return results
-
-
-def _architectures(model_dir: str) -> list[str]:
-    import json
-    from pathlib import Path
-
-    return list(json.loads((Path(model_dir) / "config.json").read_text())["architectures"])
 
 
 def main(args: argparse.Namespace) -> int:
