@@ -22,6 +22,25 @@ TINY = {
     "vocab_size": 256,
     "max_position_embeddings": 256,
 }
+#: DeepSeek's multi-head latent attention at a tiny size (with ``TINY``'s vocabulary).
+TINY_MLA: dict[str, Any] = {
+    "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
+    "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+    "first_k_dense_replace": 1, "tie_word_embeddings": False}
+#: The MoE and MLA families' tiny checkpoints the cross-family tests share:
+#: ``{name: (architecture, make_tiny_checkpoint overrides)}``.
+TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3-moe": ("Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
+                                          "moe_intermediate_size": 32}),
+    "glm4-moe": ("Glm4MoeForCausalLM", {"n_routed_experts": 4, "num_experts_per_tok": 2,
+                                        "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+                                        "n_shared_experts": 1, "partial_rotary_factor": 0.5,
+                                        "n_group": 1, "topk_group": 1}),
+    "deepseek-v2-lite": ("DeepseekV2ForCausalLM", {**TINY_MLA, "q_lora_rank": None,
+                                                   "topk_method": "greedy"}),
+}
 
 
 def make_tiny_checkpoint(
@@ -504,9 +523,8 @@ def merge_lora_checkpoint(base: str | Path, adapter: str | Path, path: str | Pat
     base's config, for HF to run. Returns ``path``."""
     import json
     import math
-    import shutil
 
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     config = json.loads((Path(adapter) / "adapter_config.json").read_text())
     rank = config["r"]
@@ -520,10 +538,21 @@ def merge_lora_checkpoint(base: str | Path, adapter: str | Path, path: str | Pat
         b = lora[name.replace(".lora_A.", ".lora_B.")]
         w = weights[f"{module}.weight"]
         weights[f"{module}.weight"] = (w.double() + scaling * b.double() @ a.double()).to(w.dtype)
+    return save_checkpoint_like(base, path, weights)
+
+
+def save_checkpoint_like(base: str | Path, path: str | Path,
+                         tensors: dict[str, torch.Tensor]) -> Path:
+    """A checkpoint in ``path`` with ``base``'s files but its weights (config, tokenizer...)
+    and ``tensors`` as its ``model.safetensors``; returns ``path``."""
+    import shutil
+
+    from safetensors.torch import save_file
+
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     for file in Path(base).iterdir():
         if file.is_file() and file.suffix != ".safetensors":
             shutil.copy(file, path / file.name)
-    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path

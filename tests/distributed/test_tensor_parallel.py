@@ -12,26 +12,14 @@ from typing import Any
 import pytest
 
 from mrv2 import LLM, SamplingParams
-from mrv2.testing import fp8_checkpoint, make_tiny_checkpoint
+from mrv2.testing import TINY_FAMILIES, TINY_MLA, fp8_checkpoint, make_tiny_checkpoint
 
-MLA = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
-       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
-       "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
-       "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
-       "first_k_dense_replace": 1, "tie_word_embeddings": False}
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3ForCausalLM", {}),
     # one key/value head: both ranks hold it
     "llama-one-kv-head": ("LlamaForCausalLM", {"num_key_value_heads": 1, "vocab_size": 255}),
-    "qwen3-moe": ("Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
-                                          "moe_intermediate_size": 32}),
-    "glm4-moe": ("Glm4MoeForCausalLM", {"n_routed_experts": 4, "num_experts_per_tok": 2,
-                                        "moe_intermediate_size": 32, "first_k_dense_replace": 1,
-                                        "n_shared_experts": 1, "partial_rotary_factor": 0.5,
-                                        "n_group": 1, "topk_group": 1}),
-    "deepseek-v2-lite": ("DeepseekV2ForCausalLM", {**MLA, "q_lora_rank": None,
-                                                   "topk_method": "greedy"}),
-    "deepseek-v3": ("DeepseekV3ForCausalLM", {**MLA, "q_lora_rank": 24, "n_group": 2,
+    **TINY_FAMILIES,
+    "deepseek-v3": ("DeepseekV3ForCausalLM", {**TINY_MLA, "q_lora_rank": 24, "n_group": 2,
                                               "topk_group": 1}),
 }
 PREFIX = [3 + i for i in range(9)]

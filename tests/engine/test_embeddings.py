@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from mrv2 import LLM, LoRARequest, PoolingParams, SamplingParams
 from mrv2.testing import (
@@ -22,6 +22,7 @@ from mrv2.testing import (
     make_lora_adapter,
     make_tiny_checkpoint,
     merge_lora_checkpoint,
+    save_checkpoint_like,
 )
 
 PROMPTS = [[5, 17, 99, 3, 42], [1 + i % 200 for i in range(23)], [64]]
@@ -97,14 +98,9 @@ def test_a_checkpoint_without_the_model_prefix(tmp_path: Path) -> None:
     ``embed_tokens.*``, ``norm.*`` and tie the LM head."""
     path = make_tiny_checkpoint(tmp_path / "base", "Qwen3ForCausalLM", head_dim=16,
                                 tie_word_embeddings=True)
-    flat = tmp_path / "flat"
-    flat.mkdir()
-    for file in path.iterdir():
-        if file.suffix != ".safetensors":
-            (flat / file.name).write_bytes(file.read_bytes())
     tensors = {k.removeprefix("model."): v for k, v in
                load_file(str(path / "model.safetensors")).items() if k != "lm_head.weight"}
-    save_file(tensors, str(flat / "model.safetensors"), metadata={"format": "pt"})
+    flat = save_checkpoint_like(path, tmp_path / "flat", tensors)
     assert "layers.0.self_attn.q_proj.weight" in tensors
     got = _llm(flat).embed({"prompt_token_ids": PROMPTS[0]}, use_tqdm=False)[0]
     _close(got.outputs.embedding,
@@ -131,14 +127,9 @@ def test_the_pooling_runner(tmp_path: Path) -> None:
 
     path = make_tiny_checkpoint(tmp_path / "base", "Qwen3ForCausalLM", head_dim=16,
                                 tie_word_embeddings=False)
-    headless = tmp_path / "headless"
-    headless.mkdir()
-    for file in path.iterdir():
-        if file.suffix != ".safetensors":
-            (headless / file.name).write_bytes(file.read_bytes())
     tensors = load_file(str(path / "model.safetensors"))
     del tensors["lm_head.weight"]
-    save_file(tensors, str(headless / "model.safetensors"), metadata={"format": "pt"})
+    headless = save_checkpoint_like(path, tmp_path / "headless", tensors)
     with pytest.raises(ValueError, match="lm_head.weight"):
         _llm(headless)
     llm = _llm(headless, runner="pooling")

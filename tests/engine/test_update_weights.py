@@ -14,24 +14,16 @@ import pytest
 
 from mrv2 import LLM, SamplingParams
 from mrv2.model_loader.loader import iter_safetensors
-from mrv2.testing import emulate_cuda_graphs, hf_greedy, make_tiny_checkpoint
+from mrv2.testing import (
+    TINY_FAMILIES,
+    emulate_cuda_graphs,
+    hf_greedy,
+    make_tiny_checkpoint,
+    save_checkpoint_like,
+)
 
-MLA = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
-       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
-       "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
-       "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
-       "first_k_dense_replace": 1, "tie_word_embeddings": False}
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
-    "qwen3": ("Qwen3ForCausalLM", {"head_dim": 16}),
-    "qwen3-moe": ("Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
-                                          "moe_intermediate_size": 32}),
-    "glm4-moe": ("Glm4MoeForCausalLM", {"n_routed_experts": 4, "num_experts_per_tok": 2,
-                                        "moe_intermediate_size": 32, "first_k_dense_replace": 1,
-                                        "n_shared_experts": 1, "partial_rotary_factor": 0.5,
-                                        "n_group": 1, "topk_group": 1}),
-    "deepseek-v2-lite": ("DeepseekV2ForCausalLM", {**MLA, "q_lora_rank": None,
-                                                   "topk_method": "greedy"}),
-}
+    "qwen3": ("Qwen3ForCausalLM", {"head_dim": 16}), **TINY_FAMILIES}
 PROMPT = [5, 17, 42, 9, 100, 3, 77, 8, 21]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -81,20 +73,15 @@ def test_some_modules_only(tmp_path: Path) -> None:
     per-head up-projections): new weights for the first layer's attention only give the
     tokens and logprobs of the checkpoint mixing the two; the modules not given keep theirs
     as they were (not reordered twice)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     architecture, overrides = FAMILIES["deepseek-v2-lite"]
     a = make_tiny_checkpoint(tmp_path / "a", architecture, seed=1, **overrides)
     b = make_tiny_checkpoint(tmp_path / "b", architecture, seed=2, **overrides)
     new = {k: v for k, v in load_file(str(b / "model.safetensors")).items()
            if k.startswith("model.layers.0.self_attn.")}
-    mixed = tmp_path / "mixed"
-    mixed.mkdir()
-    for file in a.iterdir():
-        if file.suffix != ".safetensors":
-            (mixed / file.name).write_bytes(file.read_bytes())
-    save_file({**load_file(str(a / "model.safetensors")), **new},
-              str(mixed / "model.safetensors"), metadata={"format": "pt"})
+    mixed = save_checkpoint_like(a, tmp_path / "mixed",
+                                 {**load_file(str(a / "model.safetensors")), **new})
     scored = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3,
                             prompt_logprobs=3)
 

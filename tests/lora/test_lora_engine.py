@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from mrv2 import LLM, LoRARequest, SamplingParams
 from mrv2.testing import (
+    TINY_FAMILIES,
     emulate_cuda_graphs,
     hf_greedy,
     make_lora_adapter,
@@ -300,13 +301,8 @@ def test_deepseek_mla_takes_q_and_o_adapters(tmp_path: Path) -> None:
     """DeepSeek-V2's MLA reorders its q projection's RoPE rows after loading: an adapter's
     ``B`` rows are reordered alike (``LinearBase.row_order``), so q_proj / o_proj adapters
     give HF's merged tokens; its latent projections take none (refused by name)."""
-    mla = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
-           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
-           "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
-           "v_head_dim": 12, "n_routed_experts": 8, "num_experts_per_tok": 2,
-           "n_shared_experts": 1, "first_k_dense_replace": 1, "tie_word_embeddings": False,
-           "q_lora_rank": None, "topk_method": "greedy"}
-    base = make_tiny_checkpoint(tmp_path / "base", "DeepseekV2ForCausalLM", seed=1, **mla)
+    architecture, mla = TINY_FAMILIES["deepseek-v2-lite"]
+    base = make_tiny_checkpoint(tmp_path / "base", architecture, seed=1, **mla)
     llm = LLM(str(base), device="cpu", dtype="float32", block_size=4, max_model_len=64,
               enable_lora=True)
     for i, targets in enumerate((("q_proj",), ("o_proj",))):
