@@ -17,6 +17,7 @@
 # lora (the thirtieth's LoRA adapters, embeddings and weight updates: their GPU and kernel tests on CUDA, then mrv2 bench
 # latency's lora_* variants at batch 1 / 8 / 64 on Qwen3-0.6B and Qwen3-8B; lorabench: the kernel tests and
 # the bench only), pooling (mrv2 bench pooling: embedding and classification throughput),
+# sleep (mrv2 bench sleep: sleep mode's seconds and memory),
 # graphtimes (scripts/decode_graph_times.py: each decode graph's replay time by size),
 # streamk (scripts/proto_streamk.py: a stream-K GEMM against cuBLAS at 8B decode shapes), attn,
 # splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile, mixed,
@@ -52,12 +53,15 @@ for step in "$@"; do
     tests) # -v: a call's time limit that cuts the run still leaves each finished test's line
            python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" \
              | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" | tail -25 ;;
-    newtests) # the thirty-first session's GPU tests: adapters, embeddings, weight updates,
-              # shutdown's memory, classifiers (~3 min)
-              python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_lora.py \
+    newtests) # the thirty-first and thirty-second sessions' GPU tests: adapters, embeddings,
+              # weight updates, shutdown's memory, classifiers, sleep mode (-s: its sleep and
+              # wake_up seconds) (~3 min)
+              python3 -m pytest -v -s -p no:cacheprovider -m gpu tests/gpu/test_gpu_sleep.py \
+                tests/gpu/test_gpu_lora.py \
                 tests/gpu/test_gpu_embeddings.py tests/gpu/test_gpu_update_weights.py \
                 tests/gpu/test_gpu_shutdown.py tests/gpu/test_gpu_classification.py 2>&1 \
-                | tee "$OUT/gpu_newtests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -15 ;;
+                | tee "$OUT/gpu_newtests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|level [12]:" \
+                | tail -17 ;;
     kerneltests) # every kernel test compiled for CUDA (~5 min: a call of its own)
            python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/kernel_tests.log" | tail -4 ;;
     fp8kv|fp8kv8b) # kv_cache_dtype=fp8: (fp8kv) its GPU and kernel tests on CUDA and the
@@ -189,6 +193,14 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                python3 -c "import json, sys; d = json.load(open(sys.argv[1])); [print(sys.argv[2], \
                  t, d[t]) for t in ('embed', 'classify') if t in d]" "$OUT/pooling_$m.json" $m
              done ;;
+    sleep) # mrv2 bench sleep: sleep / wake_up seconds and the memory given back, Qwen3-0.6B
+           # and Qwen3-8B (dummy weights; two level-1 rounds, then one at level 2)
+           for m in Qwen3-0.6B Qwen3-8B; do
+             timeout 240 python3 -m mrv2.entrypoints.cli bench sleep --model $m \
+               --json "$OUT/sleep_$m.json" > "$OUT/sleep_$m.log" 2>&1
+             python3 -c "import json, sys; d = json.load(open(sys.argv[1])); [print(sys.argv[2], \
+               r) for r in d['rounds']]" "$OUT/sleep_$m.json" $m
+           done ;;
     servelong) # long answers through mrv2 serve (the twenty-ninth session's delta outputs):
                # 256 streams at once of 2,048 tokens, Qwen3-0.6B; with .whl-old (a baseline's
                # wheels, built as scripts/ab_bench.sh says) the baseline first, then this tree

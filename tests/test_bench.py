@@ -395,3 +395,21 @@ def test_pooling_bench_embeds_and_classifies_every_prompt(tmp_path: Path) -> Non
     assert results["prompt_tokens"] == sum(map(len, workload(12, 4, 40, 0)))
     for task in ("embed", "classify"):
         assert results[task]["prompts_per_s"] > 0 and results[task]["prompt_tok_s"] > 0
+
+
+def test_sleep_bench_times_each_part_and_wakes_to_the_same_tokens(tmp_path: Path) -> None:
+    """``mrv2 bench sleep``: two level-1 rounds give back tokens equal to the first ones,
+    then a level-2 round; each part timed."""
+    from mrv2.bench.sleep import bench
+    from mrv2.entrypoints.cli import build_parser
+
+    ckpt = make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM", vocab_size=5_100,
+                                max_position_embeddings=512, num_hidden_layers=1)
+    args = build_parser().parse_args([
+        "bench", "sleep", "--model", str(ckpt), "--load-format", "auto", "--dtype", "float32",
+        "--device", "cpu", "--max-model-len", "64", "--new-tokens", "4"])
+    results = bench(args)
+    rounds = results["rounds"]
+    assert [r["level"] for r in rounds] == [1, 1, 2]
+    assert all(r["tokens_match"] for r in rounds[:2]) and "tokens_match" not in rounds[2]
+    assert all(r["sleep_s"] >= 0 and r["wake_kv_cache_s"] >= 0 for r in rounds)

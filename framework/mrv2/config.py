@@ -286,6 +286,12 @@ class DeviceConfig(_Section):
 
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="compute device")
     enforce_eager: bool = Field(default=False, description="never capture CUDA graphs")
+    enable_sleep_mode: bool = Field(
+        default=False,
+        description="vLLM's flag, accepted so its settings carry over; it changes nothing: "
+                    "every mrv2 engine can sleep (LLM.sleep / wake_up), none needs a special "
+                    "allocator for it",
+    )
     warmup: bool = Field(
         default=True,
         description="on CUDA, run a few short requests (greedy, sampled, top-k/top-p, "

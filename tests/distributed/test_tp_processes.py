@@ -247,3 +247,24 @@ def test_structured_outputs_under_tensor_parallelism(model: Path) -> None:
     assert run(2, late=False) == one
     assert run(2, spec=True) == one and run(2, late=False, spec=True) == one
     assert all(len(t) == 5 and t[:3].isdigit() and t[3] == "-" for ts in two for t in ts), two
+
+
+def test_every_rank_sleeps_and_wakes(model: Path) -> None:
+    """Sleep mode under tensor parallelism: each rank gives its part back and takes it again
+    (a worker left asleep would fail the next step's collectives); level 2 is refused there,
+    since no rank can load its part of new weights in place."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm = LLM(str(model), device="cpu", dtype="float32", tensor_parallel_size=2)
+    try:
+        before = [o.outputs[0].token_ids for o in llm.generate(["Hello world"], params,
+                                                                use_tqdm=False)]
+        with pytest.raises(ValueError, match=r"sleep\(level=2\): not with tensor_parallel"):
+            llm.sleep(level=2)
+        llm.sleep()
+        llm.wake_up(["weights"])
+        llm.wake_up(["kv_cache"])
+        after = [o.outputs[0].token_ids for o in llm.generate(["Hello world"], params,
+                                                               use_tqdm=False)]
+        assert after == before
+    finally:
+        llm.shutdown()

@@ -1,7 +1,8 @@
 """The development routes (``MRV2_SERVER_DEV_MODE=1``): ``/update_weights_from_disk`` loads
 another checkpoint's weights between steps, after which the server answers as a fresh engine
 on that checkpoint does, with the engine in this process and in its own;
-``/reset_prefix_cache``; a bad path is a 400 naming ``model_path``, a busy engine refuses, and
+``/reset_prefix_cache``; sleep mode's ``/sleep``, ``/wake_up`` and ``/is_sleeping`` (503 for
+requests while asleep); a bad path is a 400 naming ``model_path``, a busy engine refuses, and
 without the mode the routes do not exist."""
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def test_without_dev_mode_the_routes_do_not_exist(checkpoints: tuple[Path, Path]
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(DEV_MODE_ENV, raising=False)
     for url in _serving(checkpoints[0], False):
-        for route in ("/reset_prefix_cache", "/update_weights_from_disk"):
+        for route in ("/reset_prefix_cache", "/update_weights_from_disk", "/sleep",
+                      "/wake_up"):
             assert httpx.post(f"{url}{route}", json={}, headers=AUTH,
                               timeout=60).status_code == 404
 
@@ -94,5 +96,54 @@ def test_a_busy_engine_refuses(checkpoints: tuple[Path, Path]) -> None:
     llm.engine.add_request([5, 6, 7], SamplingParams(max_tokens=4))
     with pytest.raises(EngineBusy, match="requests are in flight"):
         run_engine_call(llm.engine, "update_weights_from_disk", str(checkpoints[1]))
+    with pytest.raises(EngineBusy, match="requests are in flight"):
+        run_engine_call(llm.engine, "sleep", 1)
+    assert run_engine_call(llm.engine, "is_sleeping", None) is False  # (asked any time)
     with pytest.raises(ValueError, match="unknown engine call"):
         run_engine_call(llm.engine, "shutdown", None)
+
+
+def _completion(url: str) -> httpx.Response:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    return httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=60)
+
+
+def _sleeping(url: str) -> bool:
+    response = httpx.get(f"{url}/is_sleeping", headers=AUTH, timeout=60)
+    assert response.status_code == 200, response.text
+    return bool(response.json()["is_sleeping"])
+
+
+@pytest.mark.parametrize("process", [False, True])
+def test_sleep_and_wake_up_routes(checkpoints: tuple[Path, Path], process: bool,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DEV_MODE_ENV, "1")
+    a, _ = checkpoints
+    want = _want(a)
+    for url in _serving(a, process):
+        assert _text(url) == want and not _sleeping(url)
+        for level in ("3", "x"):
+            bad = httpx.post(f"{url}/sleep", params={"level": level}, headers=AUTH, timeout=60)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "level"
+        assert httpx.post(f"{url}/sleep", headers=AUTH, timeout=60).status_code == 200
+        assert _sleeping(url)
+        refused = _completion(url)
+        assert refused.status_code == 503 and "POST /wake_up" in refused.text
+        bad = httpx.post(f"{url}/wake_up", params={"tags": "weight"}, headers=AUTH, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tags"
+        woken = httpx.post(f"{url}/wake_up", params={"tags": "weights"}, headers=AUTH,
+                           timeout=60)
+        assert woken.status_code == 200 and _sleeping(url)  # the KV cache still sleeps
+        assert _completion(url).status_code == 503
+        assert httpx.post(f"{url}/wake_up", headers=AUTH, timeout=60).status_code == 200
+        assert not _sleeping(url) and _text(url) == want
+        # level 2: no request until new weights are loaded
+        assert httpx.post(f"{url}/sleep", params={"level": 2}, headers=AUTH,
+                          timeout=60).status_code == 200
+        assert httpx.post(f"{url}/wake_up", headers=AUTH, timeout=60).status_code == 200
+        refused = _completion(url)
+        assert refused.status_code == 503 and "/update_weights_from_disk" in refused.text
+        post = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(a)},
+                          headers=AUTH, timeout=60)
+        assert post.status_code == 200, post.text
+        assert _text(url) == want

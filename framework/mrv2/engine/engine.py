@@ -13,11 +13,9 @@ import os
 import random
 import time
 from collections import deque
-from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
-import torch
 
 from mrv2.config import EngineConfig
 from mrv2.contract.lora import LoRARequest
@@ -53,6 +51,7 @@ from mrv2.engine.structured_outputs import (
 )
 from mrv2.engine.tokenizer import Tokenizer, load_generation_eos
 from mrv2.engine.warmup import warm_up
+from mrv2.engine.weight_ops import WeightOps
 from mrv2.executor import make_runner
 from mrv2.model_loader.build import text_config_of
 from mrv2.plugins import PluginManager
@@ -65,8 +64,9 @@ logger = logging.getLogger(__name__)
 LATE_TOKEN_MASKS_ENV = "MRV2_LATE_TOKEN_MASKS"
 
 
-class LLMEngine:
-    """Owns a :class:`Runner`, a :class:`Scheduler` and the requests in flight."""
+class LLMEngine(WeightOps):
+    """Owns a :class:`Runner`, a :class:`Scheduler` and the requests in flight; its weight
+    and memory operations (``update_weights``, ``sleep``...) are :class:`WeightOps`'."""
 
     def __init__(self, config: EngineConfig, plugins: PluginManager | None = None) -> None:
         started = time.perf_counter()
@@ -162,43 +162,6 @@ class LLMEngine:
         self._accepted_hist = [0] * len(self._accepted_hist)
         self.num_prompt_tokens = self.num_generation_tokens = 0
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget the prefix cache's blocks (vLLM's name): False, and nothing done, while
-        requests run or wait (their blocks are being registered), else True."""
-        if self.has_unfinished():
-            return False
-        self.block_manager.reset_prefix_cache()
-        return True
-
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load ``(name, tensor)`` pairs, named as in the checkpoint, into the served model in
-        place (an RL trainer's new policy, as TRL and verl hand vLLM theirs), then forget the
-        prefix cache (its KV is the old weights'). The CUDA graphs replay the new values.
-        The engine must be idle; a tensor-parallel engine and an fp8 model refuse (their
-        weights are split or quantized at load). Modules whose weights changed rerun their
-        ``process_weights_after_loading`` (in place: the graphs read the same memory); give a
-        module's tensors together. Returns the parameter names loaded; a name the model does
-        not have is a ValueError."""
-        from mrv2.layers.fp8 import fp8_config_of
-        from mrv2.model_loader.build import process_weights_after_loading
-        from mrv2.model_loader.loader import load_model_weights
-
-        self._check_open()
-        if self.has_unfinished():
-            raise RuntimeError("update_weights needs an idle engine: requests are in flight")
-        if self.config.parallel.tensor_parallel_size > 1:
-            raise ValueError("update_weights: not with tensor_parallel_size > 1 (each rank "
-                             "holds its own part of the weights)")
-        if fp8_config_of(self.runner.hf_config, self.config.model.quantization) is not None:
-            raise ValueError("update_weights: not for an fp8 model (its weights are "
-                             "quantized at load)")
-        model = self.runner.model
-        with torch.no_grad():
-            loaded = load_model_weights(model, weights, strict=False)
-        process_weights_after_loading(model, changed=loaded)  # as at load, of what changed
-        self.block_manager.reset_prefix_cache()
-        return loaded
-
     # -- requests ----------------------------------------------------------------------------
 
     def process_multimodal(self, prompt_token_ids: list[int], mm_data: Any
@@ -214,6 +177,7 @@ class LLMEngine:
         """Check a request (an embedding request with ``pooling``) can run; returns its
         effective max_tokens. Raises ``ValueError``."""
         self._check_open()
+        self._check_awake()
         check_runner(self.config, pooling)
         check_prompt(prompt_token_ids, params, self.max_model_len, self.runner.vocab_size)
         if lora_request is not None:

@@ -137,9 +137,29 @@ class LLM:
         (:meth:`LLMEngine.update_weights`: an RL trainer's new policy between rollouts)."""
         return self.engine.update_weights(weights)
 
+    def reload_weights(self) -> set[str]:
+        """Load the checkpoint's own weights again (:meth:`LLMEngine.reload_weights`: after
+        ``sleep(level=2)``, or to undo :meth:`update_weights`)."""
+        return self.engine.reload_weights()
+
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (False while requests are in flight)."""
         return self.engine.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Give the device memory back while idle (vLLM's sleep mode,
+        :meth:`LLMEngine.sleep`): level 1 keeps the weights in host memory and discards the
+        KV cache; level 2 discards the weights too (load new ones after waking)."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the memory back (:meth:`LLMEngine.wake_up`): ``tags`` ``["weights"]``,
+        ``["kv_cache"]`` or None (both)."""
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """Whether anything is asleep (:meth:`sleep`)."""
+        return self.engine.is_sleeping()
 
     def embed(
         self,

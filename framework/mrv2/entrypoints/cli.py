@@ -226,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     from mrv2.bench import detokenize, latency, multimodal, pooling, sampler, throughput, tp_channel
     from mrv2.bench import outputs as bench_outputs
     from mrv2.bench import serve as bench_serve
+    from mrv2.bench import sleep as bench_sleep
 
     throughput.add_parser(bench_sub)
     latency.add_parser(bench_sub)
@@ -236,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     tp_channel.add_parser(bench_sub)
     bench_serve.add_parser(bench_sub)
     pooling.add_parser(bench_sub)
+    bench_sleep.add_parser(bench_sub)
 
     prep = sub.add_parser(
         "prepare-default-model", help="convert the bundled SmolLM2 GGUF once, print its dir"

@@ -1,13 +1,14 @@
 """The development routes of ``mrv2 serve`` (``MRV2_SERVER_DEV_MODE=1``, as vLLM's
 ``VLLM_SERVER_DEV_MODE``): engine operations run between steps on the engine's thread or
-process (:mod:`mrv2.entrypoints.engine_calls`)."""
+process (:mod:`mrv2.entrypoints.engine_calls`): the prefix cache, weights loaded in place,
+and sleep mode."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from fastapi import Request
+from fastapi import Request, Response
 
 from mrv2.entrypoints.engine_calls import EngineBusy
 from mrv2.entrypoints.responses import APIError
@@ -19,15 +20,30 @@ def add_dev_routes(app: Any, worker: Any,
                    json_object: Callable[[Any], Awaitable[dict[str, Any]]]) -> None:
     """The development routes (``MRV2_SERVER_DEV_MODE=1``; :mod:`mrv2.entrypoints.engine_calls`):
     ``POST /reset_prefix_cache`` and ``POST /update_weights_from_disk`` (``{"model_path":
-    DIR}``), each run between steps; 409 while requests are in flight, 400 for a bad path."""
+    DIR}``), each run between steps; 409 while requests are in flight, 400 for a bad path.
+    Sleep mode as vLLM's routes: ``POST /sleep?level=1`` (409 while busy), ``POST
+    /wake_up`` (``?tags=weights&tags=kv_cache``; none: all) and ``GET /is_sleeping``
+    (``{"is_sleeping": bool}``); while the engine sleeps, new requests get 503."""
 
-    async def run(op: str, arg: Any, param: str | None) -> None:
+    async def run(op: str, arg: Any, param: str | None) -> Any:
         try:
-            await worker.call(op, arg)
+            return await worker.call(op, arg)
         except EngineBusy as error:
             raise APIError(409, str(error), "conflict") from None
         except ValueError as error:
             raise APIError(400, str(error), param=param) from None
+
+    discarded = False  # weights discarded by /sleep?level=2, not loaded since
+
+    async def mark() -> None:
+        """Why new requests get 503 now (the worker's ``unavailable``), from the engine."""
+        if await worker.call("is_sleeping"):
+            worker.unavailable = "the engine is asleep (POST /sleep): POST /wake_up first"
+        elif discarded:
+            worker.unavailable = ("the weights were discarded by POST /sleep?level=2: POST "
+                                  "/update_weights_from_disk first")
+        else:
+            worker.unavailable = None
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> dict[str, Any]:
@@ -36,6 +52,33 @@ def add_dev_routes(app: Any, worker: Any,
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> dict[str, Any]:
+        nonlocal discarded
         path = (await json_object(request)).get("model_path")
         await run("update_weights_from_disk", path, "model_path")
+        discarded = False
+        await mark()
         return {"success": True, "message": f"weights updated from {path}"}
+
+    @app.post("/sleep")
+    async def sleep(request: Request) -> Response:
+        nonlocal discarded
+        text = request.query_params.get("level", "1")
+        if text not in ("1", "2"):
+            raise APIError(400, f"level must be one of [1, 2], got {text!r}", param="level")
+        await run("sleep", int(text), "level")
+        discarded = discarded or text == "2"
+        await mark()
+        return Response(status_code=200)
+
+    @app.post("/wake_up")
+    async def wake_up(request: Request) -> Response:
+        tags = request.query_params.getlist("tags") or None
+        try:
+            await run("wake_up", tags, "tags")
+        finally:  # (a tag that had no room stays asleep)
+            await mark()
+        return Response(status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping(request: Request) -> dict[str, Any]:
+        return {"is_sleeping": bool(await worker.call("is_sleeping"))}

@@ -34,7 +34,7 @@ from typing import Any
 from mrv2.config import EngineConfig
 from mrv2.engine.gc_pauses import GCPauses, freeze_startup_heap
 from mrv2.engine.output_deltas import DeltaEncoder
-from mrv2.entrypoints.engine_calls import refusal, run_engine_call
+from mrv2.entrypoints.engine_calls import call_reply
 from mrv2.entrypoints.stack_sampler import PROFILE_ENV_VAR, StackSampler
 from mrv2.logs import configure_logging
 
@@ -179,11 +179,7 @@ def _loop(engine: Any, commands: Connection, outputs: Connection, pauses: GCPaus
                 outputs.send(("ack", req_id, None))
             elif kind == "call":  # a development route's operation, between steps
                 _, call_id, op, arg = message
-                try:
-                    run_engine_call(engine, op, arg)
-                    outputs.send(("ack", call_id, None))
-                except Exception as error:
-                    outputs.send(("ack", call_id, refusal(error)))
+                outputs.send(("ack", call_id, call_reply(engine, op, arg)))
             elif kind == "abort":
                 engine.abort(message[1])
                 encoder.forget(message[1])

@@ -40,7 +40,7 @@ from mrv2.engine.request_inputs import (
     process_multimodal,
 )
 from mrv2.engine.tokenizer import Tokenizer
-from mrv2.entrypoints.engine_calls import raise_refusal
+from mrv2.entrypoints.engine_calls import reply_result
 from mrv2.entrypoints.engine_core import EngineInfo, run_engine_core
 from mrv2.entrypoints.engine_thread import LoopHandOver, QueueFullError, check_room
 from mrv2.entrypoints.engine_thread import _Sink as ThreadSink
@@ -82,9 +82,13 @@ class EngineProcess:
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._sinks: dict[str, _Sink] = {}
-        self._acks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[str | None]]] = {}
+        #: Futures awaiting the engine's ack: a request's refusal (str) or None; a call's
+        #: reply (:func:`~mrv2.entrypoints.engine_calls.call_reply`).
+        self._acks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
         self._pending = 0
         self._stopped = False
+        #: Why new requests get 503 for now (the engine sleeps: ``POST /sleep``), or None.
+        self.unavailable: str | None = None
         #: Deltas on their way to their event loops (each kept: a delta is not cumulative).
         self._hand_over: LoopHandOver[tuple[_Sink, OutputDelta]] = LoopHandOver(self._apply)
         self._accumulator = OutputAccumulator()  # (used on the event loop only)
@@ -155,7 +159,8 @@ class EngineProcess:
                       num_seqs=params.n)
         ack: asyncio.Future[str | None] = loop.create_future()
         with self._lock:
-            check_room(self.fatal, self._stopped, self._pending, params.n, self.max_pending)
+            check_room(self.fatal, self._stopped, self._pending, params.n, self.max_pending,
+                       self.unavailable)
             self._pending += params.n
             self._sinks[req_id] = entry
             self._acks[req_id] = (loop, ack)
@@ -180,13 +185,13 @@ class EngineProcess:
             self._drop(req_id)
             raise ValueError(refused)
 
-    async def call(self, op: str, arg: Any = None) -> None:
+    async def call(self, op: str, arg: Any = None) -> Any:
         """Run engine operation ``op`` in the engine's process between steps
-        (:mod:`mrv2.entrypoints.engine_calls`); raises its ValueError or
-        :class:`~mrv2.entrypoints.engine_calls.EngineBusy`."""
+        (:mod:`mrv2.entrypoints.engine_calls`) and return its result; raises its ValueError
+        or :class:`~mrv2.entrypoints.engine_calls.EngineBusy`."""
         loop = asyncio.get_running_loop()
         call_id = f"call-{uuid.uuid4().hex}"
-        done: asyncio.Future[str | None] = loop.create_future()
+        done: asyncio.Future[Any] = loop.create_future()
         with self._lock:
             self._acks[call_id] = (loop, done)
         try:
@@ -195,9 +200,7 @@ class EngineProcess:
             with self._lock:
                 self._acks.pop(call_id, None)
             raise RuntimeError(f"the engine process is gone: {error}") from None
-        refused = await done
-        if refused is not None:
-            raise_refusal(refused)
+        return reply_result(await done)
 
     def abort(self, req_id: str) -> None:
         """Cancel a request (on the event loop); unknown or finished ids are ignored."""
@@ -344,12 +347,12 @@ class EngineProcess:
             entry.queue.put_nowait(output)
 
 
-def _settle(future: asyncio.Future[str | None], error: str | None) -> None:
+def _settle(future: asyncio.Future[Any], reply: Any) -> None:
     if not future.done():
-        future.set_result(error)
+        future.set_result(reply)
 
 
-def _refuse(future: asyncio.Future[str | None], error: BaseException) -> None:
+def _refuse(future: asyncio.Future[Any], error: BaseException) -> None:
     if not future.done():
         future.set_exception(error)
 

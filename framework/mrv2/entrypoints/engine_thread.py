@@ -32,7 +32,7 @@ from mrv2.contract.pooling import PoolingParams
 from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.engine import LLMEngine
 from mrv2.engine.outputs import RequestOutput
-from mrv2.entrypoints.engine_calls import raise_refusal, refusal, run_engine_call
+from mrv2.entrypoints.engine_calls import call_reply, reply_result
 from mrv2.entrypoints.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -45,14 +45,17 @@ class QueueFullError(RuntimeError):
 
 
 def check_room(fatal: BaseException | None, stopped: bool, pending: int, n: int,
-               max_pending: int) -> None:
+               max_pending: int, unavailable: str | None = None) -> None:
     """Raise :class:`QueueFullError` when a request of ``n`` sequences cannot be taken: the
-    engine failed, the server is stopping, or ``max_pending`` would be passed (either
-    worker calls it under its lock before it counts the request)."""
+    engine failed, the server is stopping, the engine cannot serve for now (``unavailable``
+    says why: it sleeps), or ``max_pending`` would be passed (either worker calls it under
+    its lock before it counts the request)."""
     if fatal is not None:
         raise QueueFullError(f"the engine failed: {fatal}")
     if stopped:
         raise QueueFullError("the server is shutting down")
+    if unavailable is not None:
+        raise QueueFullError(unavailable)
     if pending + n > max_pending:
         raise QueueFullError(
             f"{pending} sequences in flight and this request adds {n}: more than this server "
@@ -159,6 +162,8 @@ class EngineThread:
         self._stopped = False
         #: The error that ended the engine for good (a tensor-parallel worker died), or None.
         self.fatal: BaseException | None = None
+        #: Why new requests get 503 for now (the engine sleeps: ``POST /sleep``), or None.
+        self.unavailable: str | None = None
         #: Called (from whichever thread saw it) once :attr:`fatal` is set.
         self.on_fatal: list[Any] = []
 
@@ -187,7 +192,8 @@ class EngineThread:
         :class:`QueueFullError` when its ``n`` sequences would take the server past
         ``max_pending`` sequences in flight."""
         with self._lock:
-            check_room(self.fatal, self._stopped, self._pending, params.n, self.max_pending)
+            check_room(self.fatal, self._stopped, self._pending, params.n, self.max_pending,
+                       self.unavailable)
             self._pending += params.n
         self._commands.put(("add", (req_id, prompt_token_ids, params, prompt, sink, loop,
                                     time.monotonic(), mm_items, lora, pooling)))
@@ -207,15 +213,14 @@ class EngineThread:
         """Cancel a request (run on the engine thread); unknown or finished ids are ignored."""
         self._commands.put(("abort", req_id))
 
-    async def call(self, op: str, arg: Any = None) -> None:
-        """Run engine operation ``op`` between steps (:mod:`mrv2.entrypoints.engine_calls`);
-        raises its ValueError or :class:`~mrv2.entrypoints.engine_calls.EngineBusy`."""
+    async def call(self, op: str, arg: Any = None) -> Any:
+        """Run engine operation ``op`` between steps (:mod:`mrv2.entrypoints.engine_calls`)
+        and return its result; raises its ValueError or
+        :class:`~mrv2.entrypoints.engine_calls.EngineBusy`."""
         loop = asyncio.get_running_loop()
-        done: asyncio.Future[str | None] = loop.create_future()
+        done: asyncio.Future[tuple[str | None, Any]] = loop.create_future()
         self._commands.put(("call", (op, arg, loop, done)))
-        refused = await done
-        if refused is not None:
-            raise_refusal(refused)
+        return reply_result(await done)
 
     def mark_fatal(self, error: BaseException) -> None:
         """The engine cannot go on (any thread): refuse new requests, fail those in flight
@@ -272,12 +277,8 @@ class EngineThread:
     def _handle(self, command: str, arg: Any) -> None:
         if command == "call":
             op, value, loop, done = arg
-            try:
-                run_engine_call(self.engine, op, value)
-                result = None
-            except Exception as error:  # (the server's 400 / 409)
-                result = refusal(error)
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
+            reply = call_reply(self.engine, op, value)
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(reply))
             return
         if command == "add":
             req_id, ids, params, prompt, sink_queue, loop, arrival, mm_items, lora, pool = arg

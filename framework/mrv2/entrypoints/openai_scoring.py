@@ -80,6 +80,8 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
     async def pool(body: PoolingRequest, prompts: list[list[int]], pooling: PoolingParams,
                    field: str) -> list[list[float]]:
         lora = lora_of(body)
+        if worker.unavailable is not None:  # (asleep: the engine would refuse it)
+            raise APIError(503, worker.unavailable, "service_unavailable")
         try:
             pooling.check(engine.hidden_size, engine.num_labels)
             for ids in prompts:

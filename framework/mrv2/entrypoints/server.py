@@ -264,6 +264,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
         return params
 
     def validate(ids: list[int], params: SamplingParams, body: Any) -> None:
+        if worker.unavailable is not None:  # (asleep: the engine would refuse it)
+            raise APIError(503, worker.unavailable, "service_unavailable")
         try:
             engine.validate(ids, params, lora_of(body))
         except ValueError as error:

@@ -54,6 +54,7 @@ from mrv2.model_loader.build import check_shardable, load_hf_config
 from mrv2.plugins import PluginManager, get_plugin_manager
 from mrv2.runner.async_output import AsyncStepOutput
 from mrv2.runner.runner import Runner
+from mrv2.runner.sleep import check_level, check_tags
 
 logger = logging.getLogger(__name__)
 
@@ -265,6 +266,23 @@ class DistributedRunner(Runner):
             self._check()
             self._channel.publish(("remove", list(req_ids)), self._check)
         Runner.remove_requests(self, req_ids)
+
+    def sleep(self, level: int = 1) -> None:
+        """Put every rank to sleep (:meth:`Runner.sleep`), the arguments checked first."""
+        check_level(level)
+        if self.asleep:
+            raise RuntimeError(f"already asleep ({', '.join(self.asleep)}): wake_up() first")
+        self._check()
+        self._channel.publish(("sleep", level), self._check)
+        self._until_failure(lambda: Runner.sleep(self, level))
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake every rank (:meth:`Runner.wake_up`: the graphs are captured on every rank
+        together). A rank whose device has no room fails, and the engine with it."""
+        woken = list(check_tags(tags))
+        self._check()
+        self._channel.publish(("wake_up", woken), self._check)
+        self._until_failure(lambda: Runner.wake_up(self, woken))
 
     def __del__(self) -> None:  # an engine dropped without shutdown(): stop its workers
         with contextlib.suppress(Exception):

@@ -85,6 +85,10 @@ def serve_steps(runner: Runner, receive: Callable[[], Any]) -> None:
             runner.execute(payload)
         elif kind == "remove":
             runner.remove_requests(payload)
+        elif kind == "sleep":
+            runner.sleep(payload)
+        elif kind == "wake_up":
+            runner.wake_up(payload)
         elif kind == "stop":
             return
 

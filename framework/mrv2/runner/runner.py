@@ -57,6 +57,7 @@ from mrv2.runner.cuda_graphs import (
 )
 from mrv2.runner.kv_cache import KVCaches, num_blocks_for
 from mrv2.runner.pooling import Pooled, RowPooler
+from mrv2.runner.sleep import Sleeper, check_level
 from mrv2.runner.startup import StartupReport, device_bytes_in_use
 from mrv2.sample.prompt_logprobs import PromptLogprobs
 from mrv2.sample.rejection import kept_token_logprobs, step_samples
@@ -183,12 +184,20 @@ class Runner:
         self.graphs: StepGraphs | None = None
         #: Serving LoRA adapters: the graphs without them and with them (:meth:`capture_graphs`).
         self._lora_graphs: tuple[StepGraphs, StepGraphs] | None = None
+        #: What :meth:`capture_graphs` captured with (:meth:`wake_up` captures again).
+        self._graph_capture: Callable[[InputBatch, Callable[[], Any]], object] | None = None
+        self._sleeper = Sleeper(self.device)
         if self.device.type == "cuda" and not config.device.enforce_eager:
-            in_use = device_bytes_in_use(self.device)
-            with self.startup.part("graphs"):
-                self.capture_graphs(self.model_state.capture_cuda_graph)
-            self.startup.graphs(self.graphs, device_bytes_in_use(self.device) - in_use,
-                                2 if self._lora_graphs else 1)
+            self._capture_timed(self.model_state.capture_cuda_graph)
+
+    def _capture_timed(self, capture: Callable[[InputBatch, Callable[[], Any]], object]
+                       ) -> None:
+        """:meth:`capture_graphs`, timed and reported as the start-up part ``graphs``."""
+        in_use = device_bytes_in_use(self.device)
+        with self.startup.part("graphs"):
+            self.capture_graphs(capture)
+        self.startup.graphs(self.graphs, device_bytes_in_use(self.device) - in_use,
+                            2 if self._lora_graphs else 1)
 
     @classmethod
     def from_config(cls, config: EngineConfig, plugins: PluginManager | None = None) -> Runner:
@@ -213,17 +222,60 @@ class Runner:
         engine of this process (a notebook's, a test's) finds the memory free; for a
         tensor-parallel runner, the workers too. Idempotent; the runner takes no steps
         afterwards (the engine refuses them)."""
-        self.graphs = self._lora_graphs = None
-        if "builder" in vars(self):
-            self.builder.graphs = None
+        self._drop_graphs()
         cuda = getattr(self, "device", None) is not None and self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)
+        if "_sleeper" in vars(self):
+            self._sleeper.release()  # (its host copies: a sleeping engine shut down)
         for name in _DEVICE_STATE:
             vars(self).pop(name, None)
         gc.collect()  # (the model's modules reference each other)
         if cuda:
             torch.cuda.empty_cache()
+
+    def _drop_graphs(self) -> None:
+        self.graphs = self._lora_graphs = None
+        if "builder" in vars(self):
+            self.builder.graphs = None
+
+    # -- sleep mode --------------------------------------------------------------------------
+
+    @property
+    def asleep(self) -> tuple[str, ...]:
+        """What is asleep (:meth:`sleep`): ``"weights"``, ``"kv_cache"``; empty when awake."""
+        return self._sleeper.asleep
+
+    def sleep(self, level: int = 1) -> None:
+        """Give the device memory back while idle (:mod:`mrv2.runner.sleep`): the CUDA graphs
+        dropped, the weights copied to host memory (at level 2 the model's parameters are
+        discarded instead, to be loaded again after waking) and the KV cache discarded. No
+        step runs until :meth:`wake_up` has woken everything. The caller forgets the KV
+        cache's blocks (their contents are gone)."""
+        check_level(level)
+        if self.asleep:
+            raise RuntimeError(f"already asleep ({', '.join(self.asleep)}): wake_up() first")
+        self._drop_graphs()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._sleeper.sleep(level, (self.model, self.model_state, self.speculator),
+                            self.model.parameters(), self.kv.tensors)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back ``tags`` (``"weights"``, ``"kv_cache"``; None: both): the kept weights
+        copied back, the discarded memory zeroed. Once everything is awake, the CUDA graphs
+        are captured again (the memory came back at other addresses). ValueError for an
+        unknown tag; an out-of-memory error while the memory comes back leaves the tag
+        asleep, to be woken again later; one while capturing leaves the runner awake without
+        graphs (its steps run eager) and is raised."""
+        was_asleep = self._sleeper.sleeping
+        if not (self._sleeper.wake(tags) and was_asleep and self._graph_capture is not None):
+            return
+        try:
+            self._capture_timed(self._graph_capture)
+        except BaseException:  # awake all the same, without graphs: steps run eager
+            self._drop_graphs()
+            raise
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -270,6 +322,9 @@ class Runner:
 
     def execute(self, scheduled: SchedulerOutput) -> AsyncStepOutput:
         """Run one step; returns at once with a handle on its tokens."""
+        if self._sleeper.sleeping:
+            raise RuntimeError(f"the runner is asleep ({', '.join(self.asleep)}): "
+                               "wake_up() first")
         if scheduled.num_draft_tokens and self.speculator is None:
             raise ValueError("the step schedules draft tokens but no speculator is configured")
         self.builder.check(scheduled)  # everything, before any count or row changes
@@ -528,6 +583,7 @@ class Runner:
         Both sets share the pool: one graph replays at a time. A pooling-only model (its LM
         head :class:`~mrv2.layers.embedding.PoolingLogits`) gets the mixed graphs alone: its
         requests end with their prompts, no step decodes."""
+        self._graph_capture = capture
         if self.lora is None:
             self.graphs = self._capture_set(capture)
         else:

@@ -1,0 +1,151 @@
+"""What an idle engine does with its weights and device memory between uses (an RL loop's
+rollouts): load new weights in place, load the checkpoint's again, and sleep mode (vLLM's
+``sleep`` / ``wake_up``: the device memory given back while a trainer uses the GPU).
+:class:`~mrv2.engine.engine.LLMEngine` inherits these."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mrv2.runner.sleep import check_level, check_tags
+
+if TYPE_CHECKING:
+    from mrv2.config import EngineConfig
+    from mrv2.engine.block_manager import BlockManager
+
+__all__ = ["WeightOps"]
+
+logger = logging.getLogger(__name__)
+
+
+class WeightOps:
+    """:class:`~mrv2.engine.engine.LLMEngine`'s weight and memory operations (a mixin: the
+    engine gives the attributes below)."""
+
+    config: EngineConfig
+    runner: Any
+    block_manager: BlockManager
+    #: Parameters discarded by ``sleep(level=2)`` and not loaded since (requests refused
+    #: until a load: :meth:`update_weights`, :meth:`reload_weights`).
+    _discarded: set[str] | None = None
+
+    def has_unfinished(self) -> bool:  # (the engine's)
+        raise NotImplementedError
+
+    def _check_open(self) -> None:  # (the engine's)
+        raise NotImplementedError
+
+    def _check_idle(self, what: str) -> None:
+        self._check_open()
+        if self.has_unfinished():
+            raise RuntimeError(f"{what} needs an idle engine: requests are in flight")
+
+    def _check_loadable(self, what: str) -> None:
+        """ValueError where weights cannot be loaded in place: tensor parallelism (each rank
+        holds its own part) and fp8 (quantized at load)."""
+        from mrv2.layers.fp8 import fp8_config_of
+
+        if self.config.parallel.tensor_parallel_size > 1:
+            raise ValueError(f"{what}: not with tensor_parallel_size > 1 (each rank holds its "
+                             "own part of the weights)")
+        if fp8_config_of(self.runner.hf_config, self.config.model.quantization) is not None:
+            raise ValueError(f"{what}: not for an fp8 model (its weights are quantized at "
+                             "load)")
+
+    def _check_awake(self) -> None:
+        """RuntimeError while anything sleeps, or while weights discarded by
+        ``sleep(level=2)`` wait to be loaded."""
+        asleep = self.runner.asleep
+        if asleep:
+            raise RuntimeError(f"the engine is asleep ({', '.join(asleep)}): wake_up() first")
+        if self._discarded is not None:
+            raise RuntimeError("the weights were discarded by sleep(level=2): load them with "
+                               "update_weights() or reload_weights() first")
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load ``(name, tensor)`` pairs, named as in the checkpoint, into the served model in
+        place (an RL trainer's new policy, as TRL and verl hand vLLM theirs), then forget the
+        prefix cache (its KV is the old weights'). The CUDA graphs replay the new values.
+        The engine must be idle, its weights awake (:meth:`wake_up`); a tensor-parallel engine
+        and an fp8 model refuse (their weights are split or quantized at load). Modules whose
+        weights changed rerun their ``process_weights_after_loading`` (in place: the graphs
+        read the same memory); give a module's tensors together. Returns the parameter names
+        loaded; a name the model does not have is a ValueError. After ``sleep(level=2)`` this
+        is the load the engine waits for (a warning names parameters it did not cover)."""
+        from mrv2.model_loader.build import process_weights_after_loading
+        from mrv2.model_loader.loader import load_model_weights
+
+        self._check_idle("update_weights")
+        self._check_loadable("update_weights")
+        if "weights" in self.runner.asleep:
+            raise RuntimeError("update_weights: the weights are asleep: "
+                               "wake_up(tags=['weights']) first")
+        model = self.runner.model
+        with torch.no_grad():
+            loaded = load_model_weights(model, weights, strict=False)
+        process_weights_after_loading(model, changed=loaded)  # as at load, of what changed
+        self.block_manager.reset_prefix_cache()
+        if self._discarded is not None:
+            missing = self._discarded - loaded
+            if missing:
+                logger.warning("update_weights after sleep(level=2): %d parameters were not "
+                               "loaded and hold zeros (%s...)", len(missing),
+                               ", ".join(sorted(missing)[:3]))
+            self._discarded = None
+        return loaded
+
+    def reload_weights(self) -> set[str]:
+        """Load the served checkpoint's weights again from its directory
+        (:meth:`update_weights` of its safetensors files): after ``sleep(level=2)``, or to
+        undo an update."""
+        from mrv2.model_loader.loader import iter_safetensors
+
+        self._check_idle("reload_weights")
+        self._check_loadable("reload_weights")
+        return self.update_weights(iter_safetensors(self.runner.model_dir))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache's blocks (vLLM's name): False, and nothing done, while
+        requests run or wait (their blocks are being registered), else True."""
+        if self.has_unfinished():
+            return False
+        self.block_manager.reset_prefix_cache()
+        return True
+
+    # -- sleep mode --------------------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Give the device memory back while the engine is idle (vLLM's sleep mode: an RL
+        trainer uses the GPU between rollouts; :mod:`mrv2.runner.sleep`). Level 1 copies the
+        weights to host memory and discards the KV cache and the CUDA graphs. Level 2 also
+        discards the model's parameters, for a trainer that loads new ones after waking
+        (:meth:`update_weights`, :meth:`reload_weights`): requests are refused until one
+        has run. The prefix cache is forgotten. While asleep, requests are refused (a
+        RuntimeError); :meth:`wake_up` brings everything back. ValueError for a ``level``
+        other than 1 or 2; level 2 is refused where weights cannot be loaded in place
+        (tensor parallelism, fp8)."""
+        check_level(level)
+        self._check_idle("sleep")
+        if level == 2:
+            self._check_loadable("sleep(level=2)")
+        self.runner.sleep(level)
+        self.block_manager.reset_prefix_cache()  # (the blocks' contents are gone)
+        if level == 2:
+            self._discarded = {name for name, _ in self.runner.model.named_parameters()}
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what :meth:`sleep` gave away: ``tags`` ``["weights"]``,
+        ``["kv_cache"]`` or None (both). Waking the weights first lets a trainer load new ones
+        (:meth:`update_weights`) before the KV cache takes its memory. Once both are back the
+        CUDA graphs are captured again (a few seconds). ValueError for an unknown tag; if
+        the device has no room, the error is raised and the tag stays asleep."""
+        self._check_open()
+        self.runner.wake_up(list(check_tags(tags)))
+
+    def is_sleeping(self) -> bool:
+        """Whether anything is asleep (:meth:`sleep`, until :meth:`wake_up` of every tag)."""
+        return bool(self.runner.asleep)
