@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
 from mrv2 import LLM, SamplingParams
 from mrv2.config import EngineConfig
@@ -249,22 +250,42 @@ def test_structured_outputs_under_tensor_parallelism(model: Path) -> None:
     assert all(len(t) == 5 and t[:3].isdigit() and t[3] == "-" for ts in two for t in ts), two
 
 
-def test_every_rank_sleeps_and_wakes(model: Path) -> None:
-    """Sleep mode under tensor parallelism: each rank gives its part back and takes it again
-    (a worker left asleep would fail the next step's collectives); level 2 is refused there,
-    since no rank can load its part of new weights in place."""
+def test_every_rank_loads_new_weights_and_sleeps(model: Path, tmp_path: Path) -> None:
+    """RL under tensor parallelism: ``update_weights`` sends each whole tensor to every rank
+    (its name on the step channel, its bytes by broadcast) and each loads its part, so two
+    ranks then answer as one rank on the new checkpoint; a name the model lacks is refused on
+    every rank and the engine goes on. Every rank sleeps and wakes, at level 2 too (its
+    weights loaded again from the checkpoint)."""
+    from mrv2.model_loader.loader import iter_safetensors
+
+    other = make_tiny_checkpoint(tmp_path / "other", "Qwen3ForCausalLM", vocab_size=320,
+                                 seed=9)
+    make_tiny_tokenizer(other)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def tokens(llm: LLM) -> list[list[int]]:
+        outs = llm.generate(["Hello world", "Paris is"], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    with LLM(str(other), device="cpu", dtype="float32") as one:
+        want = tokens(one)
     llm = LLM(str(model), device="cpu", dtype="float32", tensor_parallel_size=2)
     try:
-        before = [o.outputs[0].token_ids for o in llm.generate(["Hello world"], params,
-                                                                use_tqdm=False)]
-        with pytest.raises(ValueError, match=r"sleep\(level=2\): not with tensor_parallel"):
-            llm.sleep(level=2)
+        before = tokens(llm)
+        assert before != want
+        loaded = llm.update_weights(iter_safetensors(str(other)))
+        assert "model.embed_tokens.weight" in loaded
+        assert tokens(llm) == want
+        with pytest.raises(ValueError):
+            llm.update_weights([("model.no_such.weight", torch.zeros(3))])
+        assert tokens(llm) == want  # (every rank refused it and stayed in step)
         llm.sleep()
         llm.wake_up(["weights"])
         llm.wake_up(["kv_cache"])
-        after = [o.outputs[0].token_ids for o in llm.generate(["Hello world"], params,
-                                                               use_tqdm=False)]
-        assert after == before
+        assert tokens(llm) == want
+        llm.sleep(level=2)
+        llm.wake_up()
+        llm.reload_weights()  # the served checkpoint's own weights, on every rank
+        assert tokens(llm) == before
     finally:
         llm.shutdown()

@@ -1,6 +1,7 @@
 """GPU, two or more devices (``nvidia-h200-x2``): tensor parallelism over NCCL with the
 all-reduces captured in the decode graphs. TP=2 equals TP=1 in fp32 (graphs on); in bf16,
-graphs on and off agree; rank 0's steps never synchronize with the GPU; a MoE model too."""
+graphs on and off agree; rank 0's steps never synchronize with the GPU; new weights load on
+every rank and every rank sleeps and wakes; a MoE model too."""
 
 from __future__ import annotations
 
@@ -61,3 +62,38 @@ def test_rank0_steps_never_synchronize(ckpt: Path) -> None:
         assert set(tokens[-1]) == {"0", "1", "2", "3"}
     finally:
         runner.shutdown()
+
+
+def test_tp2_loads_new_weights_and_sleeps(ckpt: Path, tmp_path: Path) -> None:
+    """RL under TP=2 over NCCL: ``update_weights`` broadcasts each whole tensor and every
+    rank loads its part (TP=2 then equals TP=1 on the new checkpoint, in fp32 with graphs);
+    both ranks sleep (level 2 too) and wake, the graphs captured again on both."""
+    from mrv2.model_loader.loader import iter_safetensors
+
+    arch = ARCH if _arch(ckpt) == "Qwen3ForCausalLM" else MOE
+    other = make_tiny_checkpoint(tmp_path / "other", _arch(ckpt), seed=11, **arch)
+    want = _tokens(other, dtype="float32")
+    with LLM(str(ckpt), device="cuda", block_size=16, gpu_memory_utilization=0.3,
+             dtype="float32", tensor_parallel_size=2) as llm:
+        greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=24,
+                                ignore_eos=True)
+
+        def tokens() -> list[list[int]]:
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                [greedy, greedy, greedy, seeded], use_tqdm=False)
+            return [o.outputs[0].token_ids for o in outs]
+
+        before = tokens()
+        llm.update_weights(iter_safetensors(str(other)))
+        assert tokens() == want
+        llm.sleep(level=2)
+        llm.wake_up()
+        llm.reload_weights()
+        assert llm.engine.runner.graphs is not None and tokens() == before
+
+
+def _arch(ckpt: Path) -> str:
+    import json
+
+    return str(json.loads((ckpt / "config.json").read_text())["architectures"][0])

@@ -143,6 +143,14 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def broadcast_from_first(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's ``x`` on every rank, in place, as bytes (any dtype; ``x`` contiguous, on this
+    rank's device); returns ``x``. Rank 0 of the group is the process group's rank 0."""
+    if _GROUP.size > 1 and x.numel():
+        dist.broadcast(x.reshape(-1).view(torch.uint8), src=0, group=_GROUP.device_group)
+    return x
+
+
 def agree_min(value: int) -> int:
     """The smallest ``value`` over the ranks (host-side, gloo): e.g. the KV blocks every rank
     can hold."""

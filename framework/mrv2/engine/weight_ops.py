@@ -45,13 +45,10 @@ class WeightOps:
             raise RuntimeError(f"{what} needs an idle engine: requests are in flight")
 
     def _check_loadable(self, what: str) -> None:
-        """ValueError where weights cannot be loaded in place: tensor parallelism (each rank
-        holds its own part) and fp8 (quantized at load)."""
+        """ValueError where weights cannot be loaded in place: an fp8 model (quantized at
+        load)."""
         from mrv2.layers.fp8 import fp8_config_of
 
-        if self.config.parallel.tensor_parallel_size > 1:
-            raise ValueError(f"{what}: not with tensor_parallel_size > 1 (each rank holds its "
-                             "own part of the weights)")
         if fp8_config_of(self.runner.hf_config, self.config.model.quantization) is not None:
             raise ValueError(f"{what}: not for an fp8 model (its weights are quantized at "
                              "load)")
@@ -70,24 +67,19 @@ class WeightOps:
         """Load ``(name, tensor)`` pairs, named as in the checkpoint, into the served model in
         place (an RL trainer's new policy, as TRL and verl hand vLLM theirs), then forget the
         prefix cache (its KV is the old weights'). The CUDA graphs replay the new values.
-        The engine must be idle, its weights awake (:meth:`wake_up`); a tensor-parallel engine
-        and an fp8 model refuse (their weights are split or quantized at load). Modules whose
-        weights changed rerun their ``process_weights_after_loading`` (in place: the graphs
-        read the same memory); give a module's tensors together. Returns the parameter names
-        loaded; a name the model does not have is a ValueError. After ``sleep(level=2)`` this
-        is the load the engine waits for (a warning names parameters it did not cover)."""
-        from mrv2.model_loader.build import process_weights_after_loading
-        from mrv2.model_loader.loader import load_model_weights
-
+        The engine must be idle, its weights awake (:meth:`wake_up`); an fp8 model refuses
+        (its weights are quantized at load). Under tensor parallelism rank 0 broadcasts each
+        whole tensor and every rank loads its part, as at start-up. Modules whose weights
+        changed rerun their ``process_weights_after_loading`` (in place: the graphs read the
+        same memory); give a module's tensors together. Returns the parameter names loaded; a
+        name the model does not have is a ValueError. After ``sleep(level=2)`` this is the
+        load the engine waits for (a warning names parameters it did not cover)."""
         self._check_idle("update_weights")
         self._check_loadable("update_weights")
         if "weights" in self.runner.asleep:
             raise RuntimeError("update_weights: the weights are asleep: "
                                "wake_up(tags=['weights']) first")
-        model = self.runner.model
-        with torch.no_grad():
-            loaded = load_model_weights(model, weights, strict=False)
-        process_weights_after_loading(model, changed=loaded)  # as at load, of what changed
+        loaded: set[str] = self.runner.load_weights(weights)  # (every rank's)
         self.block_manager.reset_prefix_cache()
         if self._discarded is not None:
             missing = self._discarded - loaded
@@ -126,8 +118,8 @@ class WeightOps:
         (:meth:`update_weights`, :meth:`reload_weights`): requests are refused until one
         has run. The prefix cache is forgotten. While asleep, requests are refused (a
         RuntimeError); :meth:`wake_up` brings everything back. ValueError for a ``level``
-        other than 1 or 2; level 2 is refused where weights cannot be loaded in place
-        (tensor parallelism, fp8)."""
+        other than 1 or 2; level 2 is refused where weights cannot be loaded in place (an
+        fp8 model). Under tensor parallelism every rank sleeps and wakes."""
         check_level(level)
         self._check_idle("sleep")
         if level == 2:

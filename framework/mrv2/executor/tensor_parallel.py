@@ -35,16 +35,18 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from mrv2.config import EngineConfig
 from mrv2.contract.requests import SchedulerOutput
 from mrv2.distributed.channel import BroadcastChannel, ShmRing
 from mrv2.distributed.parallel_state import (
+    broadcast_from_first,
     destroy_tensor_parallel,
     init_tensor_parallel,
     tp_group,
@@ -266,6 +268,26 @@ class DistributedRunner(Runner):
             self._check()
             self._channel.publish(("remove", list(req_ids)), self._check)
         Runner.remove_requests(self, req_ids)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load new weights on every rank (:meth:`Runner.load_weights`): each tensor's name,
+        shape and dtype go out on the step channel, its bytes by a broadcast over the device
+        group, and every rank's loader takes its part of the whole tensor, as at start-up."""
+        self._check()
+        self._channel.publish(("load_weights", None), self._check)
+
+        def sent() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                whole = tensor.detach().to(self.device).contiguous()
+                self._channel.publish(("weight", (name, tuple(whole.shape), whole.dtype)),
+                                      self._check)
+                yield name, broadcast_from_first(whole)
+
+        try:
+            loaded: set[str] = self._until_failure(lambda: Runner.load_weights(self, sent()))
+        finally:  # (after a refused name too: every rank stops at the same tensor)
+            self._channel.publish(("weights_end", None), self._check)
+        return loaded
 
     def sleep(self, level: int = 1) -> None:
         """Put every rank to sleep (:meth:`Runner.sleep`), the arguments checked first."""

@@ -21,7 +21,7 @@ import pickle
 import signal
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,7 @@ import torch.distributed as dist
 from mrv2.config import EngineConfig
 from mrv2.distributed.channel import BroadcastChannel, ChannelClosed, ShmRing
 from mrv2.distributed.parallel_state import (
+    broadcast_from_first,
     destroy_tensor_parallel,
     init_tensor_parallel,
     tp_group,
@@ -85,12 +86,42 @@ def serve_steps(runner: Runner, receive: Callable[[], Any]) -> None:
             runner.execute(payload)
         elif kind == "remove":
             runner.remove_requests(payload)
+        elif kind == "load_weights":
+            _load_weights(runner, receive)
         elif kind == "sleep":
             runner.sleep(payload)
         elif kind == "wake_up":
             runner.wake_up(payload)
         elif kind == "stop":
             return
+
+
+def _receive_weights(runner: Runner, receive: Callable[[], Any]
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Rank 0's new weights (:meth:`DistributedRunner.load_weights`): each tensor's name,
+    shape and dtype from the channel, its bytes from rank 0's broadcast; until "weights_end"."""
+    while True:
+        kind, payload = receive()
+        if kind == "weights_end":
+            return
+        if kind != "weight":
+            raise RuntimeError(f"expected a weight from rank 0, got {kind!r}")
+        name, shape, dtype = payload
+        yield name, broadcast_from_first(torch.empty(shape, dtype=dtype, device=runner.device))
+
+
+def _load_weights(runner: Runner, receive: Callable[[], Any]) -> None:
+    """Load rank 0's new weights here. A tensor this rank's loader refuses, rank 0's refused
+    too (the same model, the same names): rank 0 raises it; this rank logs it, then receives
+    the rest until rank 0's end, so the channel and the collectives stay in step."""
+    weights = _receive_weights(runner, receive)
+    try:
+        runner.load_weights(weights)
+    except Exception as error:
+        print(f"mrv2 rank {tp_group().rank}: loading new weights failed: {error}",
+              file=sys.stderr, flush=True)
+    for _ in weights:  # (after a failure: what rank 0 still sent)
+        pass
 
 
 def _receive_masks(receive: Callable[[], Any], masks: dict[str, np.ndarray]) -> None:

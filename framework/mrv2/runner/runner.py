@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any, cast
 
@@ -39,10 +39,12 @@ from mrv2.model_loader.build import (
     CausalLM,
     build_model,
     load_hf_config,
+    process_weights_after_loading,
     resolve_dtype,
     text_config_of,
 )
 from mrv2.model_loader.classification import score_head
+from mrv2.model_loader.loader import load_model_weights
 from mrv2.plugins import PluginManager, get_plugin_manager
 from mrv2.registry import import_object
 from mrv2.runner.async_output import AsyncStepOutput, PinnedRing
@@ -233,6 +235,16 @@ class Runner:
         gc.collect()  # (the model's modules reference each other)
         if cuda:
             torch.cuda.empty_cache()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load ``(name, tensor)`` pairs, named as in the checkpoint, into the model in place,
+        then rerun ``process_weights_after_loading`` of the modules they changed; returns the
+        parameter names loaded (``LLMEngine.update_weights``; the CUDA graphs read the same
+        memory). A name the model does not have is a ValueError."""
+        with torch.no_grad():
+            loaded = load_model_weights(self.model, weights, strict=False)
+        process_weights_after_loading(self.model, changed=loaded)
+        return loaded
 
     def _drop_graphs(self) -> None:
         self.graphs = self._lora_graphs = None
