@@ -556,3 +556,19 @@ def save_checkpoint_like(base: str | Path, path: str | Path,
             shutil.copy(file, path / file.name)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
+
+
+def rank_and_args(runner: Any, *args: Any) -> tuple[int, tuple[Any, ...]]:
+    """A ``collective_rpc`` function for tests: this rank and the arguments it got."""
+    from mrv2.distributed.parallel_state import tp_rank
+
+    return tp_rank(), args
+
+
+def fail_past_rank_0(runner: Any) -> int:
+    """A ``collective_rpc`` function for tests: 0 on rank 0, a KeyError on every other."""
+    from mrv2.distributed.parallel_state import tp_rank
+
+    if tp_rank() > 0:
+        raise KeyError("only rank 0 may")
+    return 0

@@ -97,3 +97,49 @@ def _arch(ckpt: Path) -> str:
     import json
 
     return str(json.loads((ckpt / "config.json").read_text())["architectures"][0])
+
+
+def test_weights_from_a_trainer_over_nccl(ckpt: Path, tmp_path: Path) -> None:
+    """A trainer on GPU 1 broadcasts a checkpoint's tensors over NCCL to an engine on GPU 0
+    (SGLang's init_weights_update_group / update_weights_from_distributed); the engine then
+    answers as a fresh one on that checkpoint."""
+    import socket
+    import threading
+
+    from mrv2.distributed.weight_sync import trainer_group
+    from mrv2.model_loader.loader import iter_safetensors
+
+    arch = ARCH if _arch(ckpt) == "Qwen3ForCausalLM" else MOE
+    other = make_tiny_checkpoint(tmp_path / "other", _arch(ckpt), seed=12, **arch)
+    want = _tokens(other, dtype="float32")
+    tensors = list(iter_safetensors(str(other)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    box: dict[str, object] = {}
+
+    def trainer() -> None:
+        torch.cuda.set_device(1)
+        group = trainer_group("127.0.0.1", port, 2, backend="nccl")
+        for _, tensor in tensors:
+            group.broadcast(tensor.to("cuda:1").contiguous())
+        torch.cuda.synchronize(1)
+        box["done"] = True
+
+    with LLM(str(ckpt), device="cuda", block_size=16, gpu_memory_utilization=0.3,
+             dtype="float32") as llm:
+        thread = threading.Thread(target=trainer, daemon=True)
+        thread.start()
+        llm.init_weights_update_group("127.0.0.1", port, 1, 2, backend="nccl")
+        llm.update_weights_from_distributed(
+            [n for n, _ in tensors], [str(t.dtype).removeprefix("torch.") for _, t in tensors],
+            [list(t.shape) for _, t in tensors])
+        thread.join(120)
+        assert box.get("done")
+        greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=24,
+                                ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                            [greedy, greedy, greedy, seeded], use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        llm.destroy_weights_update_group()

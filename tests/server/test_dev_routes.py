@@ -86,7 +86,8 @@ def test_without_dev_mode_the_routes_do_not_exist(checkpoints: tuple[Path, Path]
     monkeypatch.delenv(DEV_MODE_ENV, raising=False)
     for url in _serving(checkpoints[0], False):
         for route in ("/reset_prefix_cache", "/update_weights_from_disk", "/sleep",
-                      "/wake_up"):
+                      "/wake_up", "/init_weights_update_group",
+                      "/update_weights_from_distributed", "/collective_rpc"):
             assert httpx.post(f"{url}{route}", json={}, headers=AUTH,
                               timeout=60).status_code == 404
 
@@ -147,3 +148,58 @@ def test_sleep_and_wake_up_routes(checkpoints: tuple[Path, Path], process: bool,
                           headers=AUTH, timeout=60)
         assert post.status_code == 200, post.text
         assert _text(url) == want
+
+
+@pytest.mark.parametrize("process", [False, True])
+def test_weights_from_a_trainers_process_group(checkpoints: tuple[Path, Path], process: bool,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's routes: the server joins the trainer's group (gloo here), then loads the
+    tensors the trainer broadcasts; vLLM's /collective_rpc runs a runner method by name."""
+    import socket
+    import threading
+
+    from mrv2.distributed.weight_sync import trainer_group
+    from mrv2.model_loader.loader import iter_safetensors
+
+    monkeypatch.setenv(DEV_MODE_ENV, "1")
+    a, b = checkpoints
+    tensors = list(iter_safetensors(str(b)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    for url in _serving(a, process):
+        box: dict[str, object] = {}
+        joining = threading.Thread(target=lambda box=box: box.update(group=trainer_group(
+            "127.0.0.1", port, 2, backend="gloo")))
+        joining.start()
+        joined = httpx.post(f"{url}/init_weights_update_group", headers=AUTH, timeout=60,
+                            json={"master_address": "127.0.0.1", "master_port": port,
+                                  "rank_offset": 1, "world_size": 2, "backend": "gloo"})
+        joining.join(60)
+        assert joined.status_code == 200 and joined.json()["success"], joined.text
+        group = box["group"]
+        send = group.broadcast  # type: ignore[attr-defined]
+        sending = threading.Thread(target=lambda send=send: [send(t.contiguous())
+                                                             for _, t in tensors])
+        sending.start()
+        body = {"names": [n for n, _ in tensors],
+                "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
+                "shapes": [list(t.shape) for _, t in tensors], "flush_cache": True}
+        loaded = httpx.post(f"{url}/update_weights_from_distributed", json=body, headers=AUTH,
+                            timeout=60)
+        sending.join(60)
+        assert loaded.status_code == 200 and loaded.json()["success"], loaded.text
+        assert _text(url) == _want(b)
+        bad = httpx.post(f"{url}/update_weights_from_distributed", headers=AUTH, timeout=60,
+                         json={"names": ["x"], "dtypes": ["float33"], "shapes": [[1]]})
+        assert bad.status_code == 400 and "float33" in bad.text
+        left = httpx.post(f"{url}/destroy_weights_update_group", json={}, headers=AUTH,
+                          timeout=60)
+        assert left.status_code == 200 and left.json()["success"]
+        group.close()  # type: ignore[attr-defined]
+        rpc = httpx.post(f"{url}/collective_rpc", headers=AUTH, timeout=60,
+                         json={"method": "load_weights", "args": [[]]})
+        assert rpc.status_code == 200 and rpc.json() == {"results": [[]]}, rpc.text
+        bad = httpx.post(f"{url}/collective_rpc", json={"method": "_forward"}, headers=AUTH,
+                         timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "method"

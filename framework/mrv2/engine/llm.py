@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 import torch
@@ -145,6 +145,32 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (False while requests are in flight)."""
         return self.engine.reset_prefix_cache()
+
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple[Any, ...] = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Run ``method`` on every rank's runner (:meth:`LLMEngine.collective_rpc`, vLLM's):
+        a runner method's name or ``method(runner, *args, **kwargs)``; each rank's result."""
+        return self.engine.collective_rpc(method, args, kwargs)
+
+    def init_weights_update_group(self, master_address: str, master_port: int,
+                                  rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group",
+                                  backend: str = "nccl") -> None:
+        """Join a trainer's process group for new weights
+        (:meth:`LLMEngine.init_weights_update_group`, SGLang's name)."""
+        self.engine.init_weights_update_group(master_address, master_port, rank_offset,
+                                              world_size, group_name, backend)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[Any],
+                                        shapes: list[list[int]],
+                                        group_name: str = "weight_update_group") -> set[str]:
+        """Receive new weights the trainer broadcasts over that group
+        (:meth:`LLMEngine.update_weights_from_distributed`)."""
+        return self.engine.update_weights_from_distributed(names, dtypes, shapes, group_name)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> bool:
+        """Leave the trainer's group (:meth:`LLMEngine.destroy_weights_update_group`)."""
+        return self.engine.destroy_weights_update_group(group_name)
 
     def sleep(self, level: int = 1) -> None:
         """Give the device memory back while idle (vLLM's sleep mode,

@@ -1,12 +1,13 @@
 """What an idle engine does with its weights and device memory between uses (an RL loop's
-rollouts): load new weights in place, load the checkpoint's again, and sleep mode (vLLM's
-``sleep`` / ``wake_up``: the device memory given back while a trainer uses the GPU).
-:class:`~mrv2.engine.engine.LLMEngine` inherits these."""
+rollouts): load new weights in place (given here, read from disk, or broadcast by a trainer in
+other processes), load the checkpoint's again, run a function on every rank
+(``collective_rpc``), and sleep mode (vLLM's ``sleep`` / ``wake_up``: the device memory given
+back while a trainer uses the GPU). :class:`~mrv2.engine.engine.LLMEngine` inherits these."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -79,16 +80,71 @@ class WeightOps:
         if "weights" in self.runner.asleep:
             raise RuntimeError("update_weights: the weights are asleep: "
                                "wake_up(tags=['weights']) first")
-        loaded: set[str] = self.runner.load_weights(weights)  # (every rank's)
+        return self._loaded(self.runner.load_weights(weights))  # (every rank's)
+
+    def _loaded(self, loaded: set[str]) -> set[str]:
+        """After a load: forget the prefix cache (its KV is the old weights'); after
+        ``sleep(level=2)``, stop waiting (a warning names parameters the load missed)."""
         self.block_manager.reset_prefix_cache()
         if self._discarded is not None:
             missing = self._discarded - loaded
             if missing:
-                logger.warning("update_weights after sleep(level=2): %d parameters were not "
+                logger.warning("weights loaded after sleep(level=2): %d parameters were not "
                                "loaded and hold zeros (%s...)", len(missing),
                                ", ".join(sorted(missing)[:3]))
             self._discarded = None
         return loaded
+
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple[Any, ...] = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Run ``method`` on every rank's runner, between steps, and return each rank's
+        result, rank 0's first (vLLM's ``collective_rpc``): a public method of the runner by
+        name, or a picklable function called as ``method(runner, *args, **kwargs)``. The
+        escape hatch of RL frameworks: what they run there is theirs to keep consistent."""
+        self._check_open()
+        return list(self.runner.collective_rpc(method, tuple(args), kwargs))
+
+    def init_weights_update_group(self, master_address: str, master_port: int,
+                                  rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group",
+                                  backend: str = "nccl", timeout_s: float = 600.0) -> None:
+        """Join a trainer's process group for new weights (SGLang's name;
+        :mod:`mrv2.distributed.weight_sync`): the trainer's rank 0 serves it at
+        ``master_address:master_port`` and calls ``trainer_group`` (or its own equivalent)
+        at the same time; engine rank ``r`` joins as ``rank_offset + r``. Returns once every
+        member joined. ValueError naming a bad field."""
+        from mrv2.distributed.weight_sync import GroupSpec, join
+
+        self._check_open()
+        spec = GroupSpec(master_address, master_port, rank_offset, world_size, group_name,
+                         backend, timeout_s).check(self.config.parallel.tensor_parallel_size)
+        self.runner.collective_rpc(join, (spec,))
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[Any],
+                                        shapes: list[list[int]],
+                                        group_name: str = "weight_update_group") -> set[str]:
+        """Receive new weights from the trainer's rank 0 over the group
+        :meth:`init_weights_update_group` joined (SGLang's name): it broadcasts each tensor,
+        in the order of ``names`` (checkpoint names; ``dtypes`` as torch dtype names,
+        ``"bfloat16"``; ``shapes``), and every rank loads its part, as
+        :meth:`update_weights` does. Returns the parameter names loaded."""
+        from mrv2.distributed.weight_sync import check_metas, receive
+
+        self._check_idle("update_weights_from_distributed")
+        self._check_loadable("update_weights_from_distributed")
+        if "weights" in self.runner.asleep:
+            raise RuntimeError("update_weights_from_distributed: the weights are asleep: "
+                               "wake_up(tags=['weights']) first")
+        metas = check_metas(names, dtypes, shapes)
+        loaded: set[str] = self.runner.collective_rpc(receive, (metas, group_name))[0]
+        return self._loaded(loaded)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> bool:
+        """Leave the trainer's group on every rank; whether this engine had joined it."""
+        from mrv2.distributed.weight_sync import leave
+
+        self._check_open()
+        return bool(self.runner.collective_rpc(leave, (group_name,))[0])
 
     def reload_weights(self) -> set[str]:
         """Load the served checkpoint's weights again from its directory

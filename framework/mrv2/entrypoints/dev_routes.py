@@ -1,7 +1,7 @@
 """The development routes of ``mrv2 serve`` (``MRV2_SERVER_DEV_MODE=1``, as vLLM's
 ``VLLM_SERVER_DEV_MODE``): engine operations run between steps on the engine's thread or
-process (:mod:`mrv2.entrypoints.engine_calls`): the prefix cache, weights loaded in place,
-and sleep mode."""
+process (:mod:`mrv2.entrypoints.engine_calls`): the prefix cache, weights loaded in place
+(from disk, or broadcast by a trainer's process group), sleep mode, and ``collective_rpc``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import Request, Response
+from fastapi.encoders import jsonable_encoder
 
 from mrv2.entrypoints.engine_calls import EngineBusy
 from mrv2.entrypoints.responses import APIError
@@ -23,7 +24,13 @@ def add_dev_routes(app: Any, worker: Any,
     DIR}``), each run between steps; 409 while requests are in flight, 400 for a bad path.
     Sleep mode as vLLM's routes: ``POST /sleep?level=1`` (409 while busy), ``POST
     /wake_up`` (``?tags=weights&tags=kv_cache``; none: all) and ``GET /is_sleeping``
-    (``{"is_sleeping": bool}``); while the engine sleeps, new requests get 503."""
+    (``{"is_sleeping": bool}``); while the engine sleeps, new requests get 503. A trainer's
+    weights as SGLang's routes: ``POST /init_weights_update_group`` (``master_address``,
+    ``master_port``, ``rank_offset``, ``world_size``, ``group_name``, ``backend``), ``POST
+    /update_weights_from_distributed`` (``names``, ``dtypes``, ``shapes``, ``group_name``),
+    ``POST /destroy_weights_update_group``; and vLLM's ``POST /collective_rpc``
+    (``{"method": NAME, "args": [...], "kwargs": {...}}``: a runner method by name;
+    ``{"results": [...]}``, one per rank)."""
 
     async def run(op: str, arg: Any, param: str | None) -> Any:
         try:
@@ -82,3 +89,44 @@ def add_dev_routes(app: Any, worker: Any,
     @app.get("/is_sleeping")
     async def is_sleeping(request: Request) -> dict[str, Any]:
         return {"is_sleeping": bool(await worker.call("is_sleeping"))}
+
+    def fields(body: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+        return {name: body[name] for name in names if name in body}
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request) -> dict[str, Any]:
+        body = await json_object(request)
+        await run("init_weights_update_group", fields(body, (
+            "master_address", "master_port", "rank_offset", "world_size", "group_name",
+            "backend")), None)
+        return {"success": True, "message": "joined the weight update group"}
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request) -> dict[str, Any]:
+        nonlocal discarded
+        body = await json_object(request)  # (flush_cache: the prefix cache is always flushed)
+        await run("update_weights_from_distributed",
+                  fields(body, ("names", "dtypes", "shapes", "group_name")), None)
+        discarded = False
+        await mark()
+        return {"success": True, "message": f"{len(body.get('names') or [])} tensors loaded"}
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request) -> dict[str, Any]:
+        body = await json_object(request)
+        left = await run("destroy_weights_update_group", fields(body, ("group_name",)), None)
+        return {"success": bool(left), "message": "left the group" if left else "not joined"}
+
+    @app.post("/collective_rpc")
+    async def collective_rpc(request: Request) -> dict[str, Any]:
+        body = await json_object(request)
+        method = body.get("method")
+        if not isinstance(method, str):
+            raise APIError(400, f"method must be the name of a runner method, got {method!r}",
+                           param="method")
+        args, kwargs = body.get("args") or [], body.get("kwargs") or {}
+        if not isinstance(args, list) or not isinstance(kwargs, dict):
+            raise APIError(400, "args must be a list and kwargs an object", param="args")
+        results = await run("collective_rpc", {"method": method, "args": tuple(args),
+                                               "kwargs": kwargs}, "method")
+        return {"results": jsonable_encoder(results)}

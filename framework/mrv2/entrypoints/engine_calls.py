@@ -3,7 +3,9 @@
 (``MRV2_SERVER_DEV_MODE=1``, as vLLM's ``VLLM_SERVER_DEV_MODE``): ``POST /reset_prefix_cache``
 (vLLM's), ``POST /update_weights_from_disk`` (SGLang's: an RL trainer's new checkpoint,
 loaded in place; :meth:`~mrv2.engine.engine.LLMEngine.update_weights`), and sleep mode's
-``POST /sleep``, ``POST /wake_up`` and ``GET /is_sleeping`` (vLLM's). All but waking and
+``POST /sleep``, ``POST /wake_up`` and ``GET /is_sleeping`` (vLLM's), a trainer's weights
+over a process group (SGLang's ``/init_weights_update_group``, ``/update_weights_from_distributed``,
+``/destroy_weights_update_group``) and ``POST /collective_rpc`` (vLLM's). All but waking and
 asking need the engine idle; a busy one refuses with :class:`EngineBusy`."""
 
 from __future__ import annotations
@@ -17,7 +19,12 @@ __all__ = ["CALLS", "DEV_MODE_ENV", "EngineBusy", "call_reply", "dev_mode", "rep
 #: ``1`` adds the development routes to ``mrv2 serve``.
 DEV_MODE_ENV = "MRV2_SERVER_DEV_MODE"
 #: The operations a worker runs.
-CALLS = ("reset_prefix_cache", "update_weights_from_disk", "sleep", "wake_up", "is_sleeping")
+CALLS = ("reset_prefix_cache", "update_weights_from_disk", "sleep", "wake_up", "is_sleeping",
+         "init_weights_update_group", "update_weights_from_distributed",
+         "destroy_weights_update_group", "collective_rpc")
+#: The operations whose argument is the engine method's keyword arguments.
+_KEYWORDS = ("init_weights_update_group", "update_weights_from_distributed",
+             "destroy_weights_update_group", "collective_rpc")
 #: The operations that run on a busy engine too.
 _ANY_TIME = ("wake_up", "is_sleeping")
 #: The prefix of a refusal's message that means "busy" (it crosses the process pipe as text).
@@ -50,6 +57,11 @@ def run_engine_call(engine: Any, op: str, arg: Any) -> Any:
         return engine.wake_up(arg)
     if op == "reset_prefix_cache":
         return engine.reset_prefix_cache()
+    if op in _KEYWORDS:
+        try:
+            return getattr(engine, op)(**arg)
+        except TypeError as error:  # (a field the method does not take, or one missing)
+            raise ValueError(f"{op}: {error}") from None
     if not isinstance(arg, str) or not os.path.isdir(arg):
         raise ValueError(f"model_path must be a checkpoint directory, got {arg!r}")
     try:

@@ -51,7 +51,14 @@ from mrv2.distributed.parallel_state import (
     init_tensor_parallel,
     tp_group,
 )
-from mrv2.executor.worker import STORE_TIMEOUT_S, WorkerSpec, rank_device, ready_key
+from mrv2.executor.worker import (
+    STORE_TIMEOUT_S,
+    WorkerSpec,
+    gather_replies,
+    rank_device,
+    ready_key,
+    reply_of,
+)
 from mrv2.model_loader.build import check_shardable, load_hf_config
 from mrv2.plugins import PluginManager, get_plugin_manager
 from mrv2.runner.async_output import AsyncStepOutput
@@ -108,6 +115,9 @@ class DistributedRunner(Runner):
         self._stopped = threading.Event()
         self._on_failure: list[Callable[[WorkerDiedError], None]] = []
         self._in_step = False
+        #: Inside :meth:`collective_rpc`: every rank runs the method, so what it calls here
+        #: (``load_weights``, ``sleep``...) runs on this rank alone.
+        self._in_rpc = False
         self._busy = 0  # > 0 while this thread is inside a step or start-up (collectives)
         self._channel: ShmRing | BroadcastChannel
         if launched_by_torchrun():
@@ -269,10 +279,51 @@ class DistributedRunner(Runner):
             self._channel.publish(("remove", list(req_ids)), self._check)
         Runner.remove_requests(self, req_ids)
 
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple[Any, ...] = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Run ``method`` on every rank (:meth:`Runner.collective_rpc`): it goes out on the
+        step channel, each rank runs it, and the results come back to rank 0 by a gather on
+        the host group. A rank that raises has its error raised here (rank 0's own as it
+        is, a worker's as a RuntimeError naming its rank), after every rank has answered."""
+        if self._in_rpc:
+            raise RuntimeError("collective_rpc: not from inside another collective_rpc")
+        if callable(method) and getattr(method, "__module__", None) == "__main__":
+            raise ValueError("method: a function of __main__ cannot reach the other ranks' "
+                             "processes; define it in an importable module")
+        try:  # (pickled apart: a worker that cannot unpickle it answers so, and goes on)
+            payload = pickle.dumps((method, args, kwargs))
+        except Exception as error:
+            raise ValueError(f"method, args and kwargs must be picklable to reach the other "
+                             f"ranks: {error}") from None
+        self._check()
+        self._channel.publish(("rpc", payload), self._check)
+
+        def run() -> list[Any]:
+            own: Exception | None = None
+            self._in_rpc = True
+            try:
+                mine = reply_of(self.call_method(method, args, kwargs))
+            except Exception as error:
+                own, mine = error, (False, f"{type(error).__name__}: {error}")
+            finally:
+                self._in_rpc = False
+            replies = gather_replies(mine)
+            if own is not None:
+                raise own
+            for rank, (ok, value) in enumerate(replies):
+                if not ok:
+                    raise RuntimeError(f"collective_rpc {method!r}: rank {rank} failed: {value}")
+            return [value for _, value in replies]
+
+        results: list[Any] = self._until_failure(run)
+        return results
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load new weights on every rank (:meth:`Runner.load_weights`): each tensor's name,
         shape and dtype go out on the step channel, its bytes by a broadcast over the device
         group, and every rank's loader takes its part of the whole tensor, as at start-up."""
+        if self._in_rpc:
+            return Runner.load_weights(self, weights)
         self._check()
         self._channel.publish(("load_weights", None), self._check)
 
@@ -291,6 +342,8 @@ class DistributedRunner(Runner):
 
     def sleep(self, level: int = 1) -> None:
         """Put every rank to sleep (:meth:`Runner.sleep`), the arguments checked first."""
+        if self._in_rpc:
+            return Runner.sleep(self, level)
         check_level(level)
         if self.asleep:
             raise RuntimeError(f"already asleep ({', '.join(self.asleep)}): wake_up() first")
@@ -301,6 +354,8 @@ class DistributedRunner(Runner):
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Wake every rank (:meth:`Runner.wake_up`: the graphs are captured on every rank
         together). A rank whose device has no room fails, and the engine with it."""
+        if self._in_rpc:
+            return Runner.wake_up(self, tags)
         woken = list(check_tags(tags))
         self._check()
         self._channel.publish(("wake_up", woken), self._check)

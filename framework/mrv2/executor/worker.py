@@ -86,6 +86,13 @@ def serve_steps(runner: Runner, receive: Callable[[], Any]) -> None:
             runner.execute(payload)
         elif kind == "remove":
             runner.remove_requests(payload)
+        elif kind == "rpc":  # (Runner.collective_rpc: every rank answers, errors too)
+            try:
+                method, args, kwargs = pickle.loads(payload)
+                reply = reply_of(runner.call_method(method, args, kwargs))
+            except Exception as error:
+                reply = (False, f"{type(error).__name__}: {error}")
+            gather_replies(reply)
         elif kind == "load_weights":
             _load_weights(runner, receive)
         elif kind == "sleep":
@@ -94,6 +101,24 @@ def serve_steps(runner: Runner, receive: Callable[[], Any]) -> None:
             runner.wake_up(payload)
         elif kind == "stop":
             return
+
+
+def reply_of(value: Any) -> tuple[bool, Any]:
+    """A rank's :meth:`~mrv2.runner.runner.Runner.collective_rpc` reply: ``(True, value)``,
+    or ``(False, why)`` when the value cannot travel (not picklable)."""
+    try:
+        pickle.dumps(value)
+    except Exception as error:
+        return False, f"its result cannot be pickled ({type(error).__name__}: {error})"
+    return True, value
+
+
+def gather_replies(reply: tuple[bool, Any]) -> list[tuple[bool, Any]]:
+    """Every rank's reply on rank 0, in rank order (the host group's gather); [] elsewhere."""
+    group = tp_group()
+    replies: list[Any] | None = [None] * group.size if group.rank == 0 else None
+    dist.gather_object(reply, replies, dst=0, group=group.cpu_group)
+    return list(replies or [])
 
 
 def _receive_weights(runner: Runner, receive: Callable[[], Any]

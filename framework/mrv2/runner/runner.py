@@ -236,6 +236,23 @@ class Runner:
         if cuda:
             torch.cuda.empty_cache()
 
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple[Any, ...] = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Run ``method`` on every rank's runner and return each rank's result, rank 0's
+        first (vLLM's ``collective_rpc``): a method name of the runner, or a picklable
+        function called as ``method(runner, *args, **kwargs)``. One rank here."""
+        return [self.call_method(method, args, kwargs)]
+
+    def call_method(self, method: str | Callable[..., Any], args: tuple[Any, ...] = (),
+                    kwargs: dict[str, Any] | None = None) -> Any:
+        """This rank's part of :meth:`collective_rpc`."""
+        if isinstance(method, str):
+            bound = getattr(self, method, None)
+            if method.startswith("_") or not callable(bound):
+                raise ValueError(f"method: the runner has no public method {method!r}")
+            return bound(*args, **(kwargs or {}))
+        return method(self, *args, **(kwargs or {}))
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load ``(name, tensor)`` pairs, named as in the checkpoint, into the model in place,
         then rerun ``process_weights_after_loading`` of the modules they changed; returns the
