@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import gc
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, cast
 
@@ -39,16 +39,15 @@ from mrv2.model_loader.build import (
     CausalLM,
     build_model,
     load_hf_config,
-    process_weights_after_loading,
     resolve_dtype,
     text_config_of,
 )
 from mrv2.model_loader.classification import score_head
-from mrv2.model_loader.loader import load_model_weights
 from mrv2.plugins import PluginManager, get_plugin_manager
 from mrv2.registry import import_object
 from mrv2.runner.async_output import AsyncStepOutput, PinnedRing
 from mrv2.runner.batch_builder import BatchBuilder, StepPlan
+from mrv2.runner.between_steps import BetweenSteps
 from mrv2.runner.cuda_graphs import (
     Outputs,
     StepGraphs,
@@ -59,7 +58,7 @@ from mrv2.runner.cuda_graphs import (
 )
 from mrv2.runner.kv_cache import KVCaches, num_blocks_for
 from mrv2.runner.pooling import Pooled, RowPooler
-from mrv2.runner.sleep import Sleeper, check_level
+from mrv2.runner.sleep import Sleeper
 from mrv2.runner.startup import StartupReport, device_bytes_in_use
 from mrv2.sample.prompt_logprobs import PromptLogprobs
 from mrv2.sample.rejection import kept_token_logprobs, step_samples
@@ -81,7 +80,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-class Runner:
+class Runner(BetweenSteps):
     """Runs scheduled steps of one model on one device.
 
     Build it with :meth:`from_config`. Bring-your-own-scheduler users call :meth:`execute` with
@@ -236,75 +235,10 @@ class Runner:
         if cuda:
             torch.cuda.empty_cache()
 
-    def collective_rpc(self, method: str | Callable[..., Any], args: tuple[Any, ...] = (),
-                       kwargs: dict[str, Any] | None = None) -> list[Any]:
-        """Run ``method`` on every rank's runner and return each rank's result, rank 0's
-        first (vLLM's ``collective_rpc``): a method name of the runner, or a picklable
-        function called as ``method(runner, *args, **kwargs)``. One rank here."""
-        return [self.call_method(method, args, kwargs)]
-
-    def call_method(self, method: str | Callable[..., Any], args: tuple[Any, ...] = (),
-                    kwargs: dict[str, Any] | None = None) -> Any:
-        """This rank's part of :meth:`collective_rpc`."""
-        if isinstance(method, str):
-            bound = getattr(self, method, None)
-            if method.startswith("_") or not callable(bound):
-                raise ValueError(f"method: the runner has no public method {method!r}")
-            return bound(*args, **(kwargs or {}))
-        return method(self, *args, **(kwargs or {}))
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load ``(name, tensor)`` pairs, named as in the checkpoint, into the model in place,
-        then rerun ``process_weights_after_loading`` of the modules they changed; returns the
-        parameter names loaded (``LLMEngine.update_weights``; the CUDA graphs read the same
-        memory). A name the model does not have is a ValueError."""
-        with torch.no_grad():
-            loaded = load_model_weights(self.model, weights, strict=False)
-        process_weights_after_loading(self.model, changed=loaded)
-        return loaded
-
     def _drop_graphs(self) -> None:
         self.graphs = self._lora_graphs = None
         if "builder" in vars(self):
             self.builder.graphs = None
-
-    # -- sleep mode --------------------------------------------------------------------------
-
-    @property
-    def asleep(self) -> tuple[str, ...]:
-        """What is asleep (:meth:`sleep`): ``"weights"``, ``"kv_cache"``; empty when awake."""
-        return self._sleeper.asleep
-
-    def sleep(self, level: int = 1) -> None:
-        """Give the device memory back while idle (:mod:`mrv2.runner.sleep`): the CUDA graphs
-        dropped, the weights copied to host memory (at level 2 the model's parameters are
-        discarded instead, to be loaded again after waking) and the KV cache discarded. No
-        step runs until :meth:`wake_up` has woken everything. The caller forgets the KV
-        cache's blocks (their contents are gone)."""
-        check_level(level)
-        if self.asleep:
-            raise RuntimeError(f"already asleep ({', '.join(self.asleep)}): wake_up() first")
-        self._drop_graphs()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self._sleeper.sleep(level, (self.model, self.model_state, self.speculator),
-                            self.model.parameters(), self.kv.tensors)
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Bring back ``tags`` (``"weights"``, ``"kv_cache"``; None: both): the kept weights
-        copied back, the discarded memory zeroed. Once everything is awake, the CUDA graphs
-        are captured again (the memory came back at other addresses). ValueError for an
-        unknown tag; an out-of-memory error while the memory comes back leaves the tag
-        asleep, to be woken again later; one while capturing leaves the runner awake without
-        graphs (its steps run eager) and is raised."""
-        was_asleep = self._sleeper.sleeping
-        if not (self._sleeper.wake(tags) and was_asleep and self._graph_capture is not None):
-            return
-        try:
-            self._capture_timed(self._graph_capture)
-        except BaseException:  # awake all the same, without graphs: steps run eager
-            self._drop_graphs()
-            raise
 
     # -- requests ----------------------------------------------------------------------------
 
