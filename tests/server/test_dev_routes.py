@@ -203,3 +203,35 @@ def test_weights_from_a_trainers_process_group(checkpoints: tuple[Path, Path], p
         bad = httpx.post(f"{url}/collective_rpc", json={"method": "_forward"}, headers=AUTH,
                          timeout=60)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "method"
+
+
+@pytest.mark.parametrize("process", [False, True])
+def test_pause_and_continue_generation(checkpoints: tuple[Path, Path], process: bool,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's /pause_generation: a request sent while paused waits (the weights change
+    meanwhile, requests in flight or not) and is answered once generation continues."""
+    import threading
+
+    monkeypatch.setenv(DEV_MODE_ENV, "1")
+    a, b = checkpoints
+    for url in _serving(a, process):
+        bad = httpx.post(f"{url}/pause_generation", json={"mode": "abort"}, headers=AUTH,
+                         timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "mode"
+        paused = httpx.post(f"{url}/pause_generation", json={"mode": "retract"},
+                            headers=AUTH, timeout=60)
+        assert paused.status_code == 200, paused.text
+        assert httpx.get(f"{url}/is_paused", headers=AUTH, timeout=60).json()["is_paused"]
+        box: dict[str, str] = {}
+        waiting = threading.Thread(target=lambda box=box, url=url: box.update(text=_text(url)))
+        waiting.start()
+        waiting.join(2.0)
+        assert waiting.is_alive()  # (it waits while paused)
+        post = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(b)},
+                          headers=AUTH, timeout=60)
+        assert post.status_code == 200, post.text
+        assert httpx.post(f"{url}/continue_generation", headers=AUTH,
+                          timeout=60).status_code == 200
+        waiting.join(60)
+        assert box["text"] == _want(b)
+        assert not httpx.get(f"{url}/is_paused", headers=AUTH, timeout=60).json()["is_paused"]

@@ -111,6 +111,9 @@ class LLMEngine(WeightOps):
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self._requests: dict[str, TrackedRequest] = {}
         self._in_flight: deque[AsyncStepOutput] = deque()
+        #: Outputs of the steps a pause finished (:meth:`pause_generation`), for the next
+        #: :meth:`step`.
+        self._held: list[RequestOutput] = []
         self._shut_down = False
         self._seeds = random.Random(config.model.seed)
         self._ids = itertools.count()
@@ -327,6 +330,11 @@ class LLMEngine(WeightOps):
         """True while any request waits, runs or has output in flight."""
         return self.scheduler.num_unfinished > 0 or bool(self._in_flight)
 
+    def wants_step(self) -> bool:
+        """Whether :meth:`step` has work: requests to run (unless paused:
+        :meth:`pause_generation`), or outputs the pause held."""
+        return bool(self._held) or (not self._paused and self.has_unfinished())
+
     # -- the loop ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -336,6 +344,9 @@ class LLMEngine(WeightOps):
         of every streaming request.
         """
         self._check_open()
+        outputs, self._held = self._held, []  # (finished while pausing: pause_generation)
+        if self._paused:
+            return outputs
         scheduled = self.scheduler.schedule()
         if self._guided and scheduled.num_scheduled_tokens:
             self._fill_bitmasks(scheduled)
@@ -343,7 +354,6 @@ class LLMEngine(WeightOps):
             self._in_flight.append(self.runner.execute(scheduled))
         else:
             self.runner.remove_requests(scheduled.finished_req_ids)
-        outputs: list[RequestOutput] = []
         keep = 1 if self.config.scheduler.async_scheduling and scheduled.num_scheduled_tokens else 0
         while len(self._in_flight) > keep:
             outputs.extend(self._process(self._in_flight.popleft()))

@@ -172,6 +172,14 @@ class LLM:
         """Leave the trainer's group (:meth:`LLMEngine.destroy_weights_update_group`)."""
         return self.engine.destroy_weights_update_group(group_name)
 
+    def pause_generation(self, mode: str = "keep") -> None:
+        """Stop taking steps with requests in flight (:meth:`LLMEngine.pause_generation`)."""
+        self.engine.pause_generation(mode)
+
+    def continue_generation(self) -> None:
+        """Take steps again (:meth:`LLMEngine.continue_generation`)."""
+        self.engine.continue_generation()
+
     def sleep(self, level: int = 1) -> None:
         """Give the device memory back while idle (vLLM's sleep mode,
         :meth:`LLMEngine.sleep`): level 1 keeps the weights in host memory and discards the
@@ -368,6 +376,9 @@ class LLM:
         pooling: PoolingParams | None = None,
     ) -> list[RequestOutput]:
         engine = self.engine
+        if engine.is_paused():  # (its steps would never run)
+            raise RuntimeError("the engine is paused (pause_generation): "
+                               "continue_generation() first")
         ids = [
             engine.add_request(token_ids, params, prompt=text, mm_items=items,
                                lora_request=lora, pooling_params=pooling)

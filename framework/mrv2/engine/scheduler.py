@@ -219,6 +219,15 @@ class Scheduler:
         self._preempted_now.add(request.req_id)
         self._enqueue(request, front=True)
 
+    def preempt_all(self) -> int:
+        """Preempt every running request, in order (their blocks freed; each recomputes its
+        prompt and outputs when scheduled again); the engine must have no step in flight.
+        Returns how many."""
+        victims = list(self.running)
+        for request in reversed(victims):  # (each goes to the front: the order is kept)
+            self._preempt(request)
+        return len(victims)
+
     # -- the step ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

@@ -18,7 +18,10 @@ if TYPE_CHECKING:
     from mrv2.config import EngineConfig
     from mrv2.engine.block_manager import BlockManager
 
-__all__ = ["WeightOps"]
+__all__ = ["PAUSE_MODES", "WeightOps"]
+
+#: What :meth:`WeightOps.pause_generation` does with the running requests' KV cache.
+PAUSE_MODES = ("keep", "recompute")
 
 logger = logging.getLogger(__name__)
 
@@ -34,16 +37,27 @@ class WeightOps:
     #: until a load: :meth:`update_weights`, :meth:`reload_weights`).
     _discarded: set[str] | None = None
 
+    scheduler: Any
+    _in_flight: Any  # (deque of AsyncStepOutput)
+    _held: list[Any]
+    #: Set by :meth:`pause_generation`: the engine takes no step until continued.
+    _paused: bool = False
+
     def has_unfinished(self) -> bool:  # (the engine's)
+        raise NotImplementedError
+
+    def _process(self, step: Any) -> list[Any]:  # (the engine's)
         raise NotImplementedError
 
     def _check_open(self) -> None:  # (the engine's)
         raise NotImplementedError
 
     def _check_idle(self, what: str) -> None:
+        """RuntimeError unless no step can run: no request in flight, or paused."""
         self._check_open()
-        if self.has_unfinished():
-            raise RuntimeError(f"{what} needs an idle engine: requests are in flight")
+        if self.has_unfinished() and not self._paused:
+            raise RuntimeError(f"{what} needs an idle engine: requests are in flight "
+                               "(or pause_generation() first)")
 
     def _check_loadable(self, what: str) -> None:
         """ValueError where weights cannot be loaded in place: an fp8 model (quantized at
@@ -180,6 +194,7 @@ class WeightOps:
         self._check_idle("sleep")
         if level == 2:
             self._check_loadable("sleep(level=2)")
+        self.scheduler.preempt_all()  # paused requests: their KV goes, they recompute it
         self.runner.sleep(level)
         self.block_manager.reset_prefix_cache()  # (the blocks' contents are gone)
         if level == 2:
@@ -193,6 +208,37 @@ class WeightOps:
         the device has no room, the error is raised and the tag stays asleep."""
         self._check_open()
         self.runner.wake_up(list(check_tags(tags)))
+
+    # -- pausing -----------------------------------------------------------------------------
+
+    def pause_generation(self, mode: str = "keep") -> None:
+        """Stop generating with requests in flight (SGLang's ``pause_generation``, for
+        weights updated mid-rollout): the steps already launched finish (their outputs come
+        with the next :meth:`step`), then no step runs until :meth:`continue_generation`;
+        new requests wait. Meanwhile the weight operations run (:meth:`update_weights`,
+        :meth:`update_weights_from_distributed`, :meth:`sleep`...). ``mode`` ``"keep"``
+        (SGLang's ``in_place``): running requests keep their KV cache and go on from it (the
+        tokens after the update come from the new weights, the cache before it from the old);
+        ``"recompute"`` (``retract``): they give their KV blocks back and recompute prompt and
+        output so far when generation continues. Sleeping while paused recomputes them too
+        (the cache is discarded). ValueError naming ``mode``."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        self._check_open()
+        while self._in_flight:
+            self._held.extend(self._process(self._in_flight.popleft()))
+        if mode == "recompute":
+            self.scheduler.preempt_all()
+        self._paused = True
+
+    def continue_generation(self) -> None:
+        """Take steps again after :meth:`pause_generation` (nothing if not paused)."""
+        self._check_open()
+        self._paused = False
+
+    def is_paused(self) -> bool:
+        """Whether :meth:`pause_generation` holds the engine."""
+        return self._paused
 
     def is_sleeping(self) -> bool:
         """Whether anything is asleep (:meth:`sleep`, until :meth:`wake_up` of every tag)."""

@@ -30,7 +30,10 @@ def add_dev_routes(app: Any, worker: Any,
     /update_weights_from_distributed`` (``names``, ``dtypes``, ``shapes``, ``group_name``),
     ``POST /destroy_weights_update_group``; and vLLM's ``POST /collective_rpc``
     (``{"method": NAME, "args": [...], "kwargs": {...}}``: a runner method by name;
-    ``{"results": [...]}``, one per rank)."""
+    ``{"results": [...]}``, one per rank). SGLang's ``POST /pause_generation``
+    (``{"mode": "keep" | "recompute"}``, or its ``in_place`` / ``retract``) and ``POST
+    /continue_generation``, and ``GET /is_paused``: while paused, requests wait and the
+    routes above run with them in flight."""
 
     async def run(op: str, arg: Any, param: str | None) -> Any:
         try:
@@ -130,3 +133,21 @@ def add_dev_routes(app: Any, worker: Any,
         results = await run("collective_rpc", {"method": method, "args": tuple(args),
                                                "kwargs": kwargs}, "method")
         return {"results": jsonable_encoder(results)}
+
+    #: SGLang's pause modes, by their names there.
+    sglang_modes = {"in_place": "keep", "retract": "recompute"}
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> dict[str, Any]:
+        mode = (await json_object(request)).get("mode", "keep")
+        await run("pause_generation", sglang_modes.get(mode, mode), "mode")
+        return {"success": True, "message": "paused"}
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request) -> dict[str, Any]:
+        await run("continue_generation", None, None)
+        return {"success": True, "message": "continued"}
+
+    @app.get("/is_paused")
+    async def is_paused(request: Request) -> dict[str, Any]:
+        return {"is_paused": bool(await worker.call("is_paused"))}

@@ -5,8 +5,9 @@
 loaded in place; :meth:`~mrv2.engine.engine.LLMEngine.update_weights`), and sleep mode's
 ``POST /sleep``, ``POST /wake_up`` and ``GET /is_sleeping`` (vLLM's), a trainer's weights
 over a process group (SGLang's ``/init_weights_update_group``, ``/update_weights_from_distributed``,
-``/destroy_weights_update_group``) and ``POST /collective_rpc`` (vLLM's). All but waking and
-asking need the engine idle; a busy one refuses with :class:`EngineBusy`."""
+``/destroy_weights_update_group``), ``POST /collective_rpc`` (vLLM's) and SGLang's ``POST
+/pause_generation`` / ``/continue_generation``. All but waking, pausing and asking need the
+engine idle or paused; a busy one refuses with :class:`EngineBusy`."""
 
 from __future__ import annotations
 
@@ -21,12 +22,13 @@ DEV_MODE_ENV = "MRV2_SERVER_DEV_MODE"
 #: The operations a worker runs.
 CALLS = ("reset_prefix_cache", "update_weights_from_disk", "sleep", "wake_up", "is_sleeping",
          "init_weights_update_group", "update_weights_from_distributed",
-         "destroy_weights_update_group", "collective_rpc")
+         "destroy_weights_update_group", "collective_rpc", "pause_generation",
+         "continue_generation", "is_paused")
 #: The operations whose argument is the engine method's keyword arguments.
 _KEYWORDS = ("init_weights_update_group", "update_weights_from_distributed",
              "destroy_weights_update_group", "collective_rpc")
 #: The operations that run on a busy engine too.
-_ANY_TIME = ("wake_up", "is_sleeping")
+_ANY_TIME = ("wake_up", "is_sleeping", "pause_generation", "continue_generation", "is_paused")
 #: The prefix of a refusal's message that means "busy" (it crosses the process pipe as text).
 BUSY = "busy: "
 
@@ -47,10 +49,13 @@ def run_engine_call(engine: Any, op: str, arg: Any) -> Any:
 
     if op not in CALLS:
         raise ValueError(f"unknown engine call {op!r}: one of {list(CALLS)}")
-    if op not in _ANY_TIME and engine.has_unfinished():
-        raise EngineBusy(f"{op}: requests are in flight; retry when the engine is idle")
-    if op == "is_sleeping":
-        return engine.is_sleeping()
+    if op not in _ANY_TIME and engine.has_unfinished() and not engine.is_paused():
+        raise EngineBusy(f"{op}: requests are in flight; retry when the engine is idle "
+                         "(or POST /pause_generation first)")
+    if op in ("is_sleeping", "is_paused", "continue_generation"):
+        return getattr(engine, op)()
+    if op == "pause_generation":
+        return engine.pause_generation(arg)
     if op == "sleep":
         return engine.sleep(arg)
     if op == "wake_up":

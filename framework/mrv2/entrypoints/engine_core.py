@@ -155,7 +155,7 @@ def _loop(engine: Any, commands: Connection, outputs: Connection, pauses: GCPaus
     idle_sent = False
     stats_at = 0.0
     while True:
-        block = not engine.has_unfinished()
+        block = not engine.wants_step()
         if block and not idle_sent:
             outputs.send(("stats", _stats(engine, pauses)))
             idle_sent = True
@@ -184,7 +184,7 @@ def _loop(engine: Any, commands: Connection, outputs: Connection, pauses: GCPaus
                 engine.abort(message[1])
                 encoder.forget(message[1])
                 live.discard(message[1])
-        if not engine.has_unfinished():
+        if not engine.wants_step():
             continue
         idle_sent = False
         try:

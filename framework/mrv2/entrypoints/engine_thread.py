@@ -242,7 +242,7 @@ class EngineThread:
     def _run(self) -> None:
         engine = self.engine
         while True:
-            block = not engine.has_unfinished()
+            block = not engine.wants_step()
             try:
                 while True:
                     command, arg = self._commands.get(block=block)
@@ -256,7 +256,7 @@ class EngineThread:
                     self._handle(command, arg)
             except queue.Empty:
                 pass
-            if not engine.has_unfinished():
+            if not engine.wants_step():
                 self.metrics.stats = engine.stats()
                 continue
             try:

@@ -1,0 +1,120 @@
+"""Pausing generation with requests in flight (SGLang's ``pause_generation`` /
+``continue_generation``, for weights updated mid-rollout): the steps in flight finish and
+their outputs come with the next step, then nothing runs until continued; a pause with no
+update in between changes no token; ``recompute`` gives the rest of an answer as a fresh
+engine on the new weights gives it for the prompt plus the tokens before the pause; sleeping
+while paused recomputes; the weight operations run while paused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mrv2 import LLM, SamplingParams
+from mrv2.engine.engine import LLMEngine
+from mrv2.model_loader.loader import iter_safetensors
+from mrv2.testing import make_tiny_checkpoint
+
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5], [9, 200, 31, 4], [17, 3]]
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("pause")
+    return (make_tiny_checkpoint(root / "a", "Qwen3ForCausalLM", seed=3),
+            make_tiny_checkpoint(root / "b", "Qwen3ForCausalLM", seed=4))
+
+
+def _llm(path: Path) -> LLM:
+    return LLM(str(path), device="cpu", dtype="float32", block_size=4, max_model_len=64,
+               max_num_seqs=4)
+
+
+def _start(engine: LLMEngine) -> list[str]:
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    return [engine.add_request(p, params, stream=True) for p in PROMPTS]
+
+
+def _tokens_so_far(engine: LLMEngine, ids: list[str]) -> list[list[int]]:
+    return [list(engine._requests[i].request.output_token_ids) for i in ids]
+
+
+def _finish(engine: LLMEngine, ids: list[str]) -> list[list[int]]:
+    done: dict[str, list[int]] = {}
+    while engine.wants_step():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    return [done[i] for i in ids]
+
+
+def _uninterrupted(path: Path) -> list[list[int]]:
+    engine = _llm(path).engine
+    return _finish(engine, _start(engine))
+
+
+@pytest.mark.parametrize("mode", ["keep", "recompute"])
+def test_a_pause_without_an_update_changes_no_token(checkpoints: tuple[Path, Path],
+                                                    mode: str) -> None:
+    want = _uninterrupted(checkpoints[0])
+    llm = _llm(checkpoints[0])
+    engine = llm.engine
+    ids = _start(engine)
+    for _ in range(4):
+        engine.step()
+    llm.pause_generation(mode)
+    assert engine.is_paused() and not engine._in_flight
+    before = _tokens_so_far(engine, ids)
+    assert all(0 < len(t) < NEW for t in before)
+    held = engine.step()  # what the pause finished arrives, then nothing runs
+    assert {o.request_id for o in held} <= set(ids)
+    for _ in range(3):
+        assert engine.step() == [] and not engine.wants_step()
+    assert _tokens_so_far(engine, ids) == before
+    with pytest.raises(RuntimeError, match="paused"):
+        llm.generate([{"prompt_token_ids": [1, 2]}], use_tqdm=False)
+    llm.continue_generation()
+    assert _finish(engine, ids) == want
+
+
+def test_recompute_continues_on_the_new_weights(checkpoints: tuple[Path, Path]) -> None:
+    a, b = checkpoints
+    llm = _llm(a)
+    engine = llm.engine
+    ids = _start(engine)
+    for _ in range(5):
+        engine.step()
+    llm.pause_generation("recompute")
+    engine.step()  # (the held outputs)
+    before = _tokens_so_far(engine, ids)
+    assert all(0 < len(t) < NEW for t in before) and not engine.scheduler.running
+    llm.update_weights(iter_safetensors(str(b)))  # mid-rollout, requests in flight
+    llm.continue_generation()
+    got = _finish(engine, ids)
+    fresh = _llm(b).engine
+    rest = [fresh.add_request(p + t, SamplingParams(temperature=0.0, max_tokens=NEW - len(t),
+                                                     ignore_eos=True))
+            for p, t in zip(PROMPTS, before, strict=True)]
+    assert got == [t + r for t, r in zip(before, _finish(fresh, rest), strict=True)]
+
+
+def test_sleeping_while_paused_recomputes_and_bad_modes_are_refused(
+        checkpoints: tuple[Path, Path]) -> None:
+    want = _uninterrupted(checkpoints[0])
+    llm = _llm(checkpoints[0])
+    engine = llm.engine
+    with pytest.raises(ValueError, match=r"mode must be one of \['keep', 'recompute'\]"):
+        llm.pause_generation("in_place")
+    ids = _start(engine)
+    for _ in range(4):
+        engine.step()
+    with pytest.raises(RuntimeError, match=r"pause_generation\(\) first"):
+        llm.sleep()
+    llm.pause_generation("keep")
+    llm.sleep()  # the running requests' KV is discarded: they recompute it
+    assert not engine.scheduler.running
+    llm.wake_up()
+    llm.continue_generation()
+    assert _finish(engine, ids) == want
