@@ -115,6 +115,8 @@ def test_sleeping_while_paused_recomputes_and_bad_modes_are_refused(
     llm.pause_generation("keep")
     llm.sleep()  # the running requests' KV is discarded: they recompute it
     assert not engine.scheduler.running
-    llm.wake_up()
     llm.continue_generation()
+    engine.step()  # (the outputs the pause held)
+    assert not engine.wants_step() and engine.step() == []  # asleep: the requests wait
+    llm.wake_up()
     assert _finish(engine, ids) == want

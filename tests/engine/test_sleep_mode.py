@@ -182,6 +182,9 @@ def test_a_stash_restores_shared_storages_and_keeps_what_cannot_be_resized() -> 
     torch.testing.assert_close(layer.derived, expected[0].t(), rtol=0, atol=0)
     assert tied.weight.data_ptr() == layer.weight.data_ptr()
     assert torch.count_nonzero(cache) == 16  # not freed: left as it was (never zeroed)
+    from mrv2.runner.sleep import _page_aligned
+
+    assert _page_aligned(10).data_ptr() % 4096 == 0 and _page_aligned(10).numel() == 10
     scratch = torch.randn(8) + 3
     Stash.put_to_sleep([scratch.untyped_storage()], keep=lambda s: False).wake()
     assert torch.count_nonzero(scratch) == 0  # freed and discarded: zeros, not garbage

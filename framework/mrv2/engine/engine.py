@@ -331,9 +331,13 @@ class LLMEngine(WeightOps):
         return self.scheduler.num_unfinished > 0 or bool(self._in_flight)
 
     def wants_step(self) -> bool:
-        """Whether :meth:`step` has work: requests to run (unless paused:
-        :meth:`pause_generation`), or outputs the pause held."""
-        return bool(self._held) or (not self._paused and self.has_unfinished())
+        """Whether :meth:`step` has work: outputs a pause held, or requests to run while the
+        engine may run them (not paused, asleep, or waiting for weights after
+        ``sleep(level=2)``: they wait)."""
+        return bool(self._held) or (self.has_unfinished() and self._may_step())
+
+    def _may_step(self) -> bool:
+        return not self._paused and self._discarded is None and not self.runner.asleep
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -345,7 +349,7 @@ class LLMEngine(WeightOps):
         """
         self._check_open()
         outputs, self._held = self._held, []  # (finished while pausing: pause_generation)
-        if self._paused:
+        if not self._may_step():
             return outputs
         scheduled = self.scheduler.schedule()
         if self._guided and scheduled.num_scheduled_tokens:

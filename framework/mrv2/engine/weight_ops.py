@@ -232,7 +232,8 @@ class WeightOps:
         self._paused = True
 
     def continue_generation(self) -> None:
-        """Take steps again after :meth:`pause_generation` (nothing if not paused)."""
+        """Take steps again after :meth:`pause_generation` (nothing if not paused). Asleep,
+        or after ``sleep(level=2)`` until new weights are loaded, the requests still wait."""
         self._check_open()
         self._paused = False
 

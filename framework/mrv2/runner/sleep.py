@@ -141,7 +141,7 @@ class Stash:
             offsets.append(total if keep(storage) else None)
             total += size if offsets[-1] is not None else 0
         cuda = any(s.device.type == "cuda" for s in storages)
-        host = torch.empty(total, dtype=torch.uint8) if total else None
+        host = _page_aligned(total) if total else None
         stash = cls(storages, sizes, offsets, host)
         if host is not None and cuda:
             stash.pinned = _pin(host)
@@ -201,6 +201,14 @@ class Stash:
         if self.pinned and self.host is not None:
             _unpin(self.host)
         self.host = None
+
+
+def _page_aligned(nbytes: int, page: int = 4096) -> torch.Tensor:
+    """``nbytes`` of host memory starting on a page boundary (what ``cudaHostRegister``
+    locks whole pages of)."""
+    buffer = torch.empty(nbytes + page, dtype=torch.uint8)
+    start = -buffer.data_ptr() % page
+    return buffer[start:start + nbytes]
 
 
 def _pin(host: torch.Tensor) -> bool:
