@@ -115,6 +115,22 @@ def _sleeping(url: str) -> bool:
     return bool(response.json()["is_sleeping"])
 
 
+def _gauge(url: str, name: str) -> float:
+    """``name``'s value in /metrics, once the engine's stats have caught up (they are taken
+    between steps, just after a call returns)."""
+    import time
+
+    value = float("nan")
+    for _ in range(50):
+        text = httpx.get(f"{url}/metrics", headers=AUTH, timeout=60).text
+        value = float(next(line.rsplit(" ", 1)[1] for line in text.splitlines()
+                           if line.startswith(name + "{")))
+        if value in (0.0, 1.0) and (value == 1.0) == _sleeping(url):
+            return value
+        time.sleep(0.1)
+    return value
+
+
 @pytest.mark.parametrize("process", [False, True])
 def test_sleep_and_wake_up_routes(checkpoints: tuple[Path, Path], process: bool,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
@@ -128,6 +144,7 @@ def test_sleep_and_wake_up_routes(checkpoints: tuple[Path, Path], process: bool,
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "level"
         assert httpx.post(f"{url}/sleep", headers=AUTH, timeout=60).status_code == 200
         assert _sleeping(url)
+        assert _gauge(url, "mrv2_engine_sleeping") == 1.0
         refused = _completion(url)
         assert refused.status_code == 503 and "POST /wake_up" in refused.text
         bad = httpx.post(f"{url}/wake_up", params={"tags": "weight"}, headers=AUTH, timeout=60)
@@ -138,6 +155,7 @@ def test_sleep_and_wake_up_routes(checkpoints: tuple[Path, Path], process: bool,
         assert _completion(url).status_code == 503
         assert httpx.post(f"{url}/wake_up", headers=AUTH, timeout=60).status_code == 200
         assert not _sleeping(url) and _text(url) == want
+        assert _gauge(url, "mrv2_engine_sleeping") == 0.0
         # level 2: no request until new weights are loaded
         assert httpx.post(f"{url}/sleep", params={"level": 2}, headers=AUTH,
                           timeout=60).status_code == 200

@@ -567,7 +567,8 @@ class LLMEngine(WeightOps):
 
     def stats(self) -> dict[str, Any]:
         """Counters: running/waiting requests, KV usage, prefix cache, preemptions, prompt
-        tokens (of requests past their first token) and generated tokens so far, the LoRA
+        tokens (of requests past their first token) and generated tokens so far, whether the
+        engine sleeps or is paused (1 or 0), the LoRA
         adapters of running and waiting requests, and with
         speculation the drafts verified and accepted, overall and per draft position
         (``spec_acceptance_rate_per_pos[j]``: of the drafts at position ``j``, the fraction
@@ -586,6 +587,8 @@ class LLMEngine(WeightOps):
             "num_preemptions": self.scheduler.num_preemptions,
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generation_tokens": self.num_generation_tokens,
+            "is_sleeping": int(self.is_sleeping()),
+            "is_paused": int(self._paused),
             **self._spec_stats(),
             **self._lora_stats(),
         }

@@ -180,6 +180,7 @@ def _loop(engine: Any, commands: Connection, outputs: Connection, pauses: GCPaus
             elif kind == "call":  # a development route's operation, between steps
                 _, call_id, op, arg = message
                 outputs.send(("ack", call_id, call_reply(engine, op, arg)))
+                idle_sent = False  # (what it changed shows in the next stats: sleeping...)
             elif kind == "abort":
                 engine.abort(message[1])
                 encoder.forget(message[1])

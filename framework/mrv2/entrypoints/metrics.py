@@ -49,6 +49,9 @@ _GAUGES = (
     ("mrv2_kv_cache_blocks", "KV blocks in the cache.", "kv_num_blocks"),
     ("mrv2_prefix_cache_hit_rate", "Prefix cache hits / queried tokens.",
      "prefix_cache_hit_rate"),
+    ("mrv2_engine_sleeping", "1 while the engine sleeps (sleep mode), else 0.", "is_sleeping"),
+    ("mrv2_engine_paused", "1 while generation is paused (pause_generation), else 0.",
+     "is_paused"),
 )
 _COUNTERS = (
     ("mrv2_prefix_cache_queries", "Prompt tokens looked up.", "prefix_cache_queries"),

@@ -284,7 +284,7 @@ class Sleeper:
                 stash.wake()
                 del self._stashes[tag]
                 logger.info("wake_up: %s back (%.2f GiB) in %.2f s", tag,
-                            sum(stash.sizes) / _GIB, time.perf_counter() - started)
+                            stash.freed_bytes / _GIB, time.perf_counter() - started)
         return not self._stashes
 
     def release(self) -> None:
