@@ -43,6 +43,14 @@ def test_classify_matches_hf(family: str, tmp_path: Path) -> None:
         assert out.outputs.num_classes == 3 and out.prompt_token_ids == ids
         torch.testing.assert_close(torch.tensor(out.outputs.probs), _hf_probs(path, ids),
                                    rtol=1e-4, atol=1e-5)
+    # vLLM's LLM.encode: the model's own task (a classifier's labels) as tensors
+    encoded = llm.encode([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
+    for enc, out in zip(encoded, outs, strict=True):  # (its prompts' blocks now cached)
+        torch.testing.assert_close(enc.outputs.data, torch.tensor(out.outputs.probs),
+                                   rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match=r"pooling_task must be one of \['embed', "
+                                         r"'classify'\].*'token_classify'"):
+        llm.encode({"prompt_token_ids": [5]}, pooling_task="token_classify")
     with pytest.raises(ValueError, match="scoring needs a classifier of one label"):
         llm.score({"prompt_token_ids": [5]}, {"prompt_token_ids": [6]}, use_tqdm=False)
     # a classifier is served as a pooling model: no text, by name
@@ -89,6 +97,10 @@ def test_classify_needs_a_classifier(tmp_path: Path) -> None:
     llm = _llm(make_tiny_checkpoint(tmp_path / "lm", "Qwen3ForCausalLM", seed=7))
     with pytest.raises(ValueError, match="task='classify' needs a sequence-classification"):
         llm.classify([{"prompt_token_ids": [5, 6]}], use_tqdm=False)
+    embedded = llm.embed({"prompt_token_ids": [5, 6, 7]}, use_tqdm=False)[0].outputs.embedding
+    encoded = llm.encode({"prompt_token_ids": [5, 6, 7]}, use_tqdm=False)[0].outputs.data
+    torch.testing.assert_close(encoded, torch.tensor(embedded), rtol=1e-4, atol=1e-5)
+    assert encoded.numel() == len(embedded)  # (a causal LM's own task: its embedding)
     with pytest.raises(ValueError, match="PoolingParams.task must be one of"):
         PoolingParams(task="reward")
 

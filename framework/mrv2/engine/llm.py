@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
@@ -11,7 +12,7 @@ from tqdm import tqdm
 from mrv2.config import EngineConfig
 from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import SamplingParams
-from mrv2.contract.pooling import PoolingParams
+from mrv2.contract.pooling import TASKS, PoolingParams
 from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from mrv2.engine.engine import LLMEngine
@@ -21,6 +22,8 @@ from mrv2.engine.outputs import (
     ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
     RequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
@@ -212,6 +215,32 @@ class LLM:
                              lora_request, truncate_prompt_tokens)
         return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding or []),
                                        o.prompt_token_ids, True, o.num_cached_tokens)
+                for o in outputs]
+
+    def encode(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        truncate_prompt_tokens: int | None = None,
+        pooling_task: str | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Each prompt's pooled vector as a tensor, in prompt order (vLLM's ``LLM.encode``):
+        ``pooling_task`` ``"embed"`` (as :meth:`embed`) or ``"classify"`` (as
+        :meth:`classify`); None: ``pooling_params.task`` if given, else the model's own (a
+        classifier's labels, any other model's embedding). vLLM's per-token tasks
+        (``token_embed``, ``token_classify``) are refused by name: only last-token pooling
+        is served."""
+        task = pooling_task or (pooling_params.task if pooling_params is not None else
+                                "classify" if self.engine.num_labels is not None else "embed")
+        if task not in TASKS:
+            raise ValueError(f"pooling_task must be one of {list(TASKS)} (per-token pooling "
+                             f"is not served), got {task!r}")
+        params = dataclasses.replace(pooling_params or PoolingParams(), task=task)
+        outputs = self._pool(prompts, params, use_tqdm, lora_request, truncate_prompt_tokens)
+        return [PoolingRequestOutput(o.request_id, PoolingOutput(torch.tensor(o.embedding or [])),
+                                     o.prompt_token_ids, True, o.num_cached_tokens)
                 for o in outputs]
 
     def classify(

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -145,6 +149,25 @@ class ClassificationRequestOutput:
 
     request_id: str
     outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's vector as a tensor (vLLM's ``PoolingOutput.data``): an embedding,
+    or a classifier's label probabilities."""
+
+    data: torch.Tensor
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What ``LLM.encode`` returns per prompt (``output.outputs.data``)."""
+
+    request_id: str
+    outputs: PoolingOutput
     prompt_token_ids: list[int]
     finished: bool = True
     num_cached_tokens: int = 0
