@@ -85,15 +85,16 @@ class Registries:
 
     def resolve_model(self, architectures: Sequence[str]) -> ModelEntry:
         """The entry of the first registered name in ``architectures``, or a helpful error.
-        An unregistered ``XForSequenceClassification`` resolves to its family's registered
-        ``XForCausalLM`` (the loader adds the classifier's head:
+        An unregistered ``XForSequenceClassification`` or ``XForTokenClassification`` resolves
+        to its family's registered ``XForCausalLM`` (the loader adds the classifier's head:
         :mod:`mrv2.model_loader.classification`)."""
         for name in architectures:
             if name in self.models:
                 return self.models[name]
-            causal = name.removesuffix("ForSequenceClassification") + "ForCausalLM"
-            if name.endswith("ForSequenceClassification") and causal in self.models:
-                return self.models[causal]
+            for suffix in ("ForSequenceClassification", "ForTokenClassification"):
+                causal = name.removesuffix(suffix) + "ForCausalLM"
+                if name.endswith(suffix) and causal in self.models:
+                    return self.models[causal]
         hints = [
             f"{name} is provided by '{KNOWN_PACKAGES[name]}' (pip install {KNOWN_PACKAGES[name]})"
             for name in architectures

@@ -48,9 +48,9 @@ def test_classify_matches_hf(family: str, tmp_path: Path) -> None:
     for enc, out in zip(encoded, outs, strict=True):  # (its prompts' blocks now cached)
         torch.testing.assert_close(enc.outputs.data, torch.tensor(out.outputs.probs),
                                    rtol=1e-4, atol=1e-5)
-    with pytest.raises(ValueError, match=r"pooling_task must be one of \['embed', "
-                                         r"'classify'\].*'token_classify'"):
-        llm.encode({"prompt_token_ids": [5]}, pooling_task="token_classify")
+    with pytest.raises(ValueError, match=r"pooling_task must be one of \['embed', 'classify', "
+                                         r"'token_embed', 'token_classify'\], got 'reward'"):
+        llm.encode({"prompt_token_ids": [5]}, pooling_task="reward")
     with pytest.raises(ValueError, match="scoring needs a classifier of one label"):
         llm.score({"prompt_token_ids": [5]}, {"prompt_token_ids": [6]}, use_tqdm=False)
     # a classifier is served as a pooling model: no text, by name
@@ -59,6 +59,44 @@ def test_classify_matches_hf(family: str, tmp_path: Path) -> None:
                      use_tqdm=False)
     with pytest.raises(ValueError, match="runner='generate'"):
         _llm(path, runner="generate")
+
+
+def test_token_classify_matches_hf_chunk_by_chunk(tmp_path: Path) -> None:
+    """A token classifier (``Qwen3ForTokenClassification``: the score head, with its bias,
+    on every token): a row of label probabilities per prompt token, against HF's, with the
+    23-token prompt computed in two chunks; asked again, the rows are computed again (no
+    prefix cache for per-token requests), and ``LLM.reward`` gives the same."""
+    path = make_tiny_checkpoint(tmp_path / "tok", "Qwen3ForTokenClassification", seed=5,
+                                id2label=LABELS, label2id={v: k for k, v in LABELS.items()})
+    hf = transformers.AutoModelForTokenClassification.from_pretrained(
+        str(path), dtype=torch.float32).eval()
+    llm = _llm(path, max_num_batched_tokens=16)
+    assert llm.engine.default_pooling_task == "token_classify"
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    for outs in (llm.encode(prompts, use_tqdm=False), llm.reward(prompts, use_tqdm=False)):
+        for out, ids in zip(outs, PROMPTS, strict=True):
+            with torch.no_grad():
+                want = torch.softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+            assert out.outputs.data.shape == (len(ids), 3)
+            torch.testing.assert_close(out.outputs.data, want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="dimensions applies to task='embed' or 'token_embed'"):
+        PoolingParams(task="token_classify", dimensions=4)
+
+
+def test_token_embed_gives_every_tokens_state(tmp_path: Path) -> None:
+    path = make_tiny_checkpoint(tmp_path / "emb", "Qwen3ForCausalLM", seed=6)
+    llm = _llm(path, max_num_batched_tokens=16)
+    hf = transformers.AutoModel.from_pretrained(str(path), dtype=torch.float32).eval()
+    outs = llm.encode([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False,
+                      pooling_task="token_embed")
+    for out, ids in zip(outs, PROMPTS, strict=True):
+        with torch.no_grad():
+            states = hf(torch.tensor([ids])).last_hidden_state[0]
+        torch.testing.assert_close(out.outputs.data,
+                                   torch.nn.functional.normalize(states, dim=-1),
+                                   rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="task='token_classify' needs a classification"):
+        llm.reward({"prompt_token_ids": [5, 6]}, use_tqdm=False)
 
 
 def test_a_reranker_scores_each_pair_as_one_prompt(tmp_path: Path) -> None:
@@ -95,7 +133,7 @@ def test_an_embedding_model_scores_cosine_similarity(tmp_path: Path) -> None:
 
 def test_classify_needs_a_classifier(tmp_path: Path) -> None:
     llm = _llm(make_tiny_checkpoint(tmp_path / "lm", "Qwen3ForCausalLM", seed=7))
-    with pytest.raises(ValueError, match="task='classify' needs a sequence-classification"):
+    with pytest.raises(ValueError, match="task='classify' needs a classification model"):
         llm.classify([{"prompt_token_ids": [5, 6]}], use_tqdm=False)
     embedded = llm.embed({"prompt_token_ids": [5, 6, 7]}, use_tqdm=False)[0].outputs.embedding
     encoded = llm.encode({"prompt_token_ids": [5, 6, 7]}, use_tqdm=False)[0].outputs.data

@@ -32,6 +32,7 @@ from mrv2.engine.request_inputs import (  # noqa: F401 (_load_tokenizer: tests i
     check_prompt,
     check_runner,
     classifier_labels,
+    default_pooling_task,
     make_input_processor,
     process_multimodal,
 )
@@ -99,6 +100,9 @@ class LLMEngine(WeightOps):
         self.hidden_size = int(text_config_of(self.runner.hf_config).hidden_size)
         #: A sequence classifier's label count and names (None, {}: not a classifier).
         self.num_labels, self.id2label = classifier_labels(config, self.runner.hf_config)
+        #: What a pooling request asks for when it does not say (``LLM.encode``): a token
+        #: classifier's per-token labels, a sequence classifier's labels, else an embedding.
+        self.default_pooling_task = default_pooling_task(self.runner.hf_config)
         self.block_manager, self.scheduler = self._new_scheduler()
         k = self.runner.num_speculative_tokens
         #: Request-steps by how many drafts they verified (``[d]``) and kept (``[a]``); every
@@ -370,7 +374,13 @@ class LLMEngine(WeightOps):
         logprobs = step.logprobs()
         for req_id, vector in step.pooled().items():  # (embedding requests)
             tracked = self._requests.get(req_id)
-            if tracked is not None:
+            if tracked is None:
+                continue
+            pooling, n = tracked.request.pooling_params, tracked.request.num_prompt_tokens
+            if pooling is not None and pooling.per_token:  # a chunk of rows; after a
+                # preemption the prompt's rows come again: its last pass is what counts
+                tracked.embedding = ((tracked.embedding or []) + vector)[-n:]
+            else:
                 tracked.embedding = vector
         for req_id, drafts in step.drafts().items():  # (structured outputs with speculation)
             tracked = self._requests.get(req_id)

@@ -227,21 +227,33 @@ class LLM:
         pooling_task: str | None = None,
     ) -> list[PoolingRequestOutput]:
         """Each prompt's pooled vector as a tensor, in prompt order (vLLM's ``LLM.encode``):
-        ``pooling_task`` ``"embed"`` (as :meth:`embed`) or ``"classify"`` (as
-        :meth:`classify`); None: ``pooling_params.task`` if given, else the model's own (a
-        classifier's labels, any other model's embedding). vLLM's per-token tasks
-        (``token_embed``, ``token_classify``) are refused by name: only last-token pooling
-        is served."""
+        ``pooling_task`` ``"embed"`` (as :meth:`embed`), ``"classify"`` (as :meth:`classify`),
+        or per prompt token, ``"token_embed"`` (``[tokens, hidden]``) or ``"token_classify"``
+        (``[tokens, labels]``, a token classifier's); None: ``pooling_params.task`` if given,
+        else the model's own (``engine.default_pooling_task``: a token classifier's per-token
+        labels, a sequence classifier's labels, any other model's embedding)."""
         task = pooling_task or (pooling_params.task if pooling_params is not None else
-                                "classify" if self.engine.num_labels is not None else "embed")
+                                self.engine.default_pooling_task)
         if task not in TASKS:
-            raise ValueError(f"pooling_task must be one of {list(TASKS)} (per-token pooling "
-                             f"is not served), got {task!r}")
+            raise ValueError(f"pooling_task must be one of {list(TASKS)}, got {task!r}")
         params = dataclasses.replace(pooling_params or PoolingParams(), task=task)
         outputs = self._pool(prompts, params, use_tqdm, lora_request, truncate_prompt_tokens)
         return [PoolingRequestOutput(o.request_id, PoolingOutput(torch.tensor(o.embedding or [])),
                                      o.prompt_token_ids, True, o.num_cached_tokens)
                 for o in outputs]
+
+    def reward(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Each prompt token's label probabilities from a token classifier (vLLM's
+        ``LLM.reward``: a process reward model's score at every step-separator token is its
+        row there): :meth:`encode` with ``pooling_task="token_classify"``."""
+        return self.encode(prompts, None, use_tqdm, lora_request, truncate_prompt_tokens,
+                           pooling_task="token_classify")
 
     def classify(
         self,

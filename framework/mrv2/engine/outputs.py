@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -67,9 +67,9 @@ class RequestOutput:
     """True when ``outputs`` hold only what is new since this request's previous output
     (``SamplingParams.output_kind`` DELTA): each choice's text, token ids and logprobs go on
     from its previous ones, and a choice with nothing new may be absent (``n > 1``)."""
-    embedding: list[float] | None = None
+    embedding: list[Any] | None = None
     """An embedding request's pooled vector (``pooling_params``; its ``outputs`` hold a
-    token nobody asked for)."""
+    token nobody asked for); a per-token request's: one row per prompt token."""
 
     def add(self, later: RequestOutput) -> None:
         """Fold ``later``, this request's next output, into this one (changed in place), as

@@ -19,7 +19,8 @@ __all__ = ["check_prompt", "check_runner", "classifier_labels", "make_input_proc
 
 
 def classifier_labels(config: EngineConfig, hf_config: Any) -> tuple[int | None, dict[int, str]]:
-    """A sequence classifier's ``(num_labels, id2label)`` (``(None, {})`` for other models).
+    """A sequence or token classifier's ``(num_labels, id2label)`` (``(None, {})`` for other
+    models).
     A classifier is served as a pooling model: ``runner="auto"`` becomes ``"pooling"``;
     ``"generate"`` is refused by name."""
     from mrv2.model_loader.classification import is_classifier, num_labels_of
@@ -27,12 +28,23 @@ def classifier_labels(config: EngineConfig, hf_config: Any) -> tuple[int | None,
     if not is_classifier(list(getattr(hf_config, "architectures", None) or [])):
         return None, {}
     if config.model.runner == "generate":
-        raise ValueError(f"runner='generate': {hf_config.architectures[0]} is a sequence "
+        raise ValueError(f"runner='generate': {hf_config.architectures[0]} is a "
                          "classifier, it generates no text (runner='pooling' or 'auto')")
     config.model.runner = "pooling"
     labels = num_labels_of(hf_config)
     names = getattr(hf_config, "id2label", None) or {}
     return labels, {int(k): str(v) for k, v in names.items()}
+
+
+def default_pooling_task(hf_config: Any) -> str:
+    """The pooling task of a request that names none: ``token_classify`` for a token
+    classifier, ``classify`` for a sequence classifier, else ``embed``."""
+    from mrv2.model_loader.classification import is_classifier, is_token_classifier
+
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    if is_token_classifier(architectures):
+        return "token_classify"
+    return "classify" if is_classifier(architectures) else "embed"
 
 
 def check_runner(config: EngineConfig, pooling: bool) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from mrv2.contract.params import RequestOutputKind, SamplingParams
 from mrv2.engine.detokenizer import IncrementalDetokenizer
@@ -49,8 +50,9 @@ class TrackedRequest:
     #: (structured outputs with speculation) the drafts proposed after its last processed
     #: step: the ones its next step verifies when no step of it is in flight
     drafts: list[int] | None = None
-    #: An embedding request's pooled state, once its prompt is computed.
-    embedding: list[float] | None = None
+    #: An embedding request's pooled state, once its prompt is computed (a per-token
+    #: request's: a row per prompt token, as they are computed).
+    embedding: list[Any] | None = None
 
     def output(self) -> RequestOutput:
         """The request's output now: what is new since its previous output, and (but for a

@@ -328,8 +328,11 @@ class Scheduler:
         """Start a waiting request, after its cached prefix; False if it can't."""
         size = self.blocks.block_size
         hit: list[int] = []
-        # Prompt logprobs need every prompt position computed: no cache hits for them.
-        if self.blocks.enable_caching and request.sampling_params.prompt_logprobs is None:
+        # Prompt logprobs and per-token pooling need every prompt position computed: no
+        # cache hits for them.
+        pooling = request.pooling_params
+        if (self.blocks.enable_caching and request.sampling_params.prompt_logprobs is None
+                and (pooling is None or not pooling.per_token)):
             hashes = request.update_block_hashes(size)
             hit = self.blocks.find_cached_prefix(hashes[: (request.num_tokens - 1) // size])
         computed = len(hit) * size

@@ -10,6 +10,11 @@ through ``hf_overrides`` as in vLLM: ``architectures`` ``XForSequenceClassificat
 "from_2_way_softmax"``, two tokens make one score, ``P(yes)``); the head is then made from
 the LM head's rows of those tokens (:func:`score_from_tokens`).
 
+Token classifiers (``XForTokenClassification``: the same ``score`` head, with a bias, over
+every token's final hidden state; process reward models served as vLLM serves them) load the
+same way and answer ``token_classify`` requests, one row of label probabilities per prompt
+token.
+
 The engine serves such a model as a pooling model (``runner="pooling"``): classification
 requests (``PoolingParams(task="classify")``: ``LLM.classify``, ``LLM.score``, ``/classify``,
 ``/score``, ``/rerank``) and embedding requests; the checkpoint needs no LM head.
@@ -25,11 +30,18 @@ import torch.nn.functional as F
 from torch import nn
 
 SUFFIX = "ForSequenceClassification"
+#: A token classifier's architecture suffix (``Qwen3ForTokenClassification``).
+TOKEN_SUFFIX = "ForTokenClassification"
 
 
 def is_classifier(architectures: Sequence[str]) -> bool:
-    """Whether the checkpoint's first architecture is a sequence classifier."""
-    return bool(architectures) and architectures[0].endswith(SUFFIX)
+    """Whether the checkpoint's first architecture is a sequence or token classifier."""
+    return bool(architectures) and architectures[0].endswith((SUFFIX, TOKEN_SUFFIX))
+
+
+def is_token_classifier(architectures: Sequence[str]) -> bool:
+    """Whether the checkpoint's first architecture is a token classifier."""
+    return bool(architectures) and architectures[0].endswith(TOKEN_SUFFIX)
 
 
 def classifier_tokens(hf_config: Any) -> list[str] | None:
@@ -69,22 +81,27 @@ def num_labels_of(hf_config: Any) -> int:
 
 
 class ScoreHead(nn.Module):
-    """The classifier's head: ``[N, hidden] -> [N, num_labels]`` logits (``score.weight``;
-    ``from_tokens``: made from LM-head rows, not in the checkpoint)."""
+    """The classifier's head: ``[N, hidden] -> [N, num_labels]`` logits (``score.weight``,
+    and ``score.bias`` for a token classifier, as HF lays them out; ``from_tokens``: made
+    from LM-head rows, not in the checkpoint)."""
 
-    def __init__(self, hidden_size: int, num_labels: int, from_tokens: bool = False) -> None:
+    def __init__(self, hidden_size: int, num_labels: int, from_tokens: bool = False,
+                 bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_labels, hidden_size))
+        self.bias = nn.Parameter(torch.empty(num_labels)) if bias else None
         self.from_tokens = from_tokens
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden.to(self.weight.dtype), self.weight)
+        return F.linear(hidden.to(self.weight.dtype), self.weight, self.bias)
 
 
 def add_score_head(model: nn.Module, hidden_size: int, hf_config: Any) -> None:
     """Give ``model`` its ``score`` head (built on the current default device and dtype)."""
+    architectures = list(getattr(hf_config, "architectures", None) or [])
     model.score = ScoreHead(hidden_size, num_labels_of(hf_config),
-                            classifier_tokens(hf_config) is not None)
+                            classifier_tokens(hf_config) is not None,
+                            bias=is_token_classifier(architectures))
 
 
 #: Where a token classifier's rows are read from, first found first: the LM head, else the
