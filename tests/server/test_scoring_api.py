@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from server_util import API_KEY, ENGINE_KWARGS, MODEL, Served
 
 from mrv2 import LLM, EngineConfig
@@ -129,5 +130,39 @@ def test_classify_through_the_engine_process(checkpoints: dict[str, Path]) -> No
             assert answer["data"][0]["num_classes"] == 3
             response = _post(url, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2})
             assert response.status_code == 400
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("process", [False, True])
+def test_pooling_route_gives_every_tokens_labels(tmp_path: Path, process: bool) -> None:
+    """vLLM's ``POST /pooling``: a token classifier's label probabilities per prompt token
+    (its own task), as ``LLM.encode`` gives them, through the engine thread and the engine's
+    process; ``task`` picks another (a per-token embedding); a bad task is a 400."""
+    from mrv2.engine.engine import LLMEngine
+    from mrv2.entrypoints.engine_process import RemoteEngine
+    from mrv2.entrypoints.server import create_app
+
+    path = make_tiny_checkpoint(tmp_path / "tok", "Qwen3ForTokenClassification", seed=6,
+                                id2label=LABELS, label2id={v: k for k, v in LABELS.items()})
+    want = LLM(str(path), **KWARGS).encode([{"prompt_token_ids": d} for d in DOCS],
+                                           use_tqdm=False)
+    config = EngineConfig.from_kwargs(model=str(path), **KWARGS)
+    engine = RemoteEngine(config) if process else LLMEngine(config)
+    try:
+        for url in serve_in_thread(create_app(engine, served_model_name=MODEL,
+                                              api_key=API_KEY)):
+            answer = _post(url, "/pooling", {"input": DOCS}).json()
+            assert answer["usage"]["prompt_tokens"] == sum(map(len, DOCS))
+            for item, w in zip(answer["data"], want, strict=True):
+                assert item["object"] == "pooling"
+                got = torch.tensor(item["data"])
+                assert got.shape == w.outputs.data.shape == (len(DOCS[item["index"]]), 3)
+                torch.testing.assert_close(got, w.outputs.data, rtol=1e-5, atol=1e-6)
+            rows = _post(url, "/pooling", {"input": DOCS[:1], "task": "token_embed",
+                                           "dimensions": 8}).json()["data"][0]["data"]
+            assert len(rows) == len(DOCS[0]) and all(len(r) == 8 for r in rows)
+            bad = _post(url, "/pooling", {"input": DOCS, "task": "reward"})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "task"
     finally:
         engine.shutdown()

@@ -67,6 +67,8 @@ class EngineInfo:
     #: A sequence classifier's label count and names (None, {}: not a classifier).
     num_labels: int | None = None
     id2label: dict[int, str] = field(default_factory=dict)
+    #: A pooling request's task when it names none (``LLMEngine.default_pooling_task``).
+    default_pooling_task: str = "embed"
 
 
 def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connection,
@@ -100,7 +102,8 @@ def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connect
         input_processor=runner.model_entry.input_processor or None,
         hf_config=runner.hf_config if runner.model_entry.input_processor else None,
         hidden_size=engine.hidden_size, eos_token_ids=engine.eos_token_ids,
-        num_labels=engine.num_labels, id2label=engine.id2label)))
+        num_labels=engine.num_labels, id2label=engine.id2label,
+        default_pooling_task=engine.default_pooling_task)))
     profile = os.environ.get(PROFILE_ENV_VAR, "").strip()
     sampler = StackSampler() if profile else None  # (the server's report, FILE.engine)
     if sampler is not None:

@@ -377,6 +377,7 @@ class RemoteEngine:
         self.vocab_size = info.vocab_size
         self.hidden_size = info.hidden_size
         self.num_labels, self.id2label = info.num_labels, info.id2label
+        self.default_pooling_task = info.default_pooling_task
         if info.num_labels is not None:  # (the engine serves a classifier as pooling)
             config.model.runner = "pooling"
         self.eos_token_ids = info.eos_token_ids

@@ -6,7 +6,10 @@
 - ``POST /score`` (``/v1/score``): a score per ``(text_1, text_2)`` pair, one ``text_1``
   against every ``text_2`` or the two lists item by item;
 - ``POST /rerank`` (``/v1/rerank``, ``/v2/rerank``; Jina's and Cohere's shape): the
-  ``documents`` ordered by their score against ``query``, the best ``top_n``.
+  ``documents`` ordered by their score against ``query``, the best ``top_n``;
+- ``POST /pooling``: each input's pooled data for any pooling ``task`` (``embed``,
+  ``classify``, and per token ``token_embed`` / ``token_classify``: one row per prompt
+  token; default: the model's own), as ``LLM.encode`` gives it.
 
 A pair's score is a one-label classifier's (a reranker's) sigmoid over the pair read as one
 prompt (the first text's tokens, then the second's without special tokens), or an embedding
@@ -37,7 +40,8 @@ from mrv2.entrypoints.openai_embeddings import (
 from mrv2.entrypoints.responses import APIError
 from mrv2.entrypoints.whole_answers import embed_through
 
-__all__ = ["ClassifyRequest", "RerankRequest", "ScoreRequest", "add_pooling_routes"]
+__all__ = ["ClassifyRequest", "PoolRequest", "RerankRequest", "ScoreRequest",
+           "add_pooling_routes"]
 
 Texts = str | list[str] | list[int] | list[list[int]]
 
@@ -46,6 +50,15 @@ class ClassifyRequest(PoolingRequest):
     """``POST /classify``'s body."""
 
     input: Texts
+
+
+class PoolRequest(PoolingRequest):
+    """``POST /pooling``'s body."""
+
+    input: Texts
+    task: str | None = None  # (None: the model's own)
+    dimensions: int | None = None
+    normalize: bool = True
 
 
 class ScoreRequest(PoolingRequest):
@@ -67,7 +80,8 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
                        parse: Callable[[Any, type[Any]], Awaitable[Any]],
                        lora_of: Callable[[Any], LoRARequest | None],
                        tokenizer: Callable[[], Any], model_name: str) -> None:
-    """Add ``/v1/embeddings``, ``/classify``, ``/score`` and ``/rerank`` (and their aliases)
+    """Add ``/v1/embeddings``, ``/classify``, ``/pooling``, ``/score`` and ``/rerank`` (and
+    their aliases)
     to ``app``; the server's own helpers: ``parse`` (a body, its ``model`` checked),
     ``lora_of`` (the adapter a body names) and ``tokenizer`` (400 when the model has none)."""
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
@@ -156,6 +170,27 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
             data.append({"index": index, "label": names.get(best, str(best)), "probs": p,
                          "num_classes": len(p)})
         return {**head(body, "classify"), "data": data,
+                "usage": usage(sum(map(len, prompts)))}
+
+    @app.post("/pooling")
+    async def pooling_route(request: Request) -> dict[str, Any]:
+        """Each input's pooled data for the body's ``task`` (``LLM.encode``'s)."""
+        body: PoolRequest = await parse(request, PoolRequest)
+        try:
+            items = input_items(body.input, "input")
+        except ValueError as error:
+            raise APIError(400, str(error), param="input") from None
+        try:
+            pooling = PoolingParams(task=body.task or engine.default_pooling_task,
+                                    normalize=body.normalize, dimensions=body.dimensions)
+        except ValueError as error:
+            raise APIError(400, str(error), param="dimensions" if "dimensions" in str(error)
+                           else "task") from None
+        prompts = [body.truncate(encode(item)) for item in items]
+        data = await pool(body, prompts, pooling, "input")
+        return {**head(body, "pool"),
+                "data": [{"index": i, "object": "pooling", "data": d}
+                         for i, d in enumerate(data)],
                 "usage": usage(sum(map(len, prompts)))}
 
     async def score(request: Request) -> dict[str, Any]:
