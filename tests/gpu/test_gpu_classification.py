@@ -50,3 +50,22 @@ def test_classify_and_score_match_hf_fp32(tmp_path_factory: pytest.TempPathFacto
     for g, p in zip(got, PROMPTS, strict=True):
         assert abs(g.outputs.score - float(_hf(path, [11, 12] + p)[0])) < 1e-4
     llm.shutdown()
+
+
+def test_token_classify_matches_hf_fp32_chunk_by_chunk(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A token classifier's per-token label probabilities (``LLM.reward``) against HF's, the
+    70-token prompt in chunks of 32 through the mixed graphs."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("tok"), "Qwen3ForTokenClassification",
+                                seed=6, num_labels=3, **SHAPE)
+    hf = transformers.AutoModelForTokenClassification.from_pretrained(
+        str(path), dtype=torch.float32).eval()
+    llm = LLM(str(path), device="cuda", dtype="float32", block_size=16,
+              gpu_memory_utilization=0.3, max_model_len=1024, max_num_batched_tokens=32)
+    for out, ids in zip(llm.reward([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False),
+                        PROMPTS, strict=True):
+        with torch.no_grad():
+            want = torch.softmax(hf(torch.tensor([ids])).logits[0], dim=-1)
+        torch.testing.assert_close(out.outputs.data, want, rtol=1e-4, atol=1e-5)
+    llm.shutdown()
