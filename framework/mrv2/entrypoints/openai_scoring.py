@@ -91,6 +91,14 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
         return (tokenizer().encode(item, add_special_tokens=special) if isinstance(item, str)
                 else list(item))
 
+    def prompts_of(body: ClassifyRequest | PoolRequest) -> list[list[int]]:
+        """The body's ``input`` as token ids, each cut as ``truncate_prompt_tokens`` says."""
+        try:
+            items = input_items(body.input, "input")
+        except ValueError as error:
+            raise APIError(400, str(error), param="input") from None
+        return [body.truncate(encode(item)) for item in items]
+
     async def pool(body: PoolingRequest, prompts: list[list[int]], pooling: PoolingParams,
                    field: str) -> list[list[float]]:
         lora = lora_of(body)
@@ -157,11 +165,7 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
     async def classify(request: Request) -> dict[str, Any]:
         """Each input's label probabilities (a sequence classifier)."""
         body: ClassifyRequest = await parse(request, ClassifyRequest)
-        try:
-            items = input_items(body.input, "input")
-        except ValueError as error:
-            raise APIError(400, str(error), param="input") from None
-        prompts = [body.truncate(encode(item)) for item in items]
+        prompts = prompts_of(body)
         probs = await pool(body, prompts, PoolingParams(task="classify"), "input")
         names = engine.id2label
         data = []
@@ -176,17 +180,13 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
     async def pooling_route(request: Request) -> dict[str, Any]:
         """Each input's pooled data for the body's ``task`` (``LLM.encode``'s)."""
         body: PoolRequest = await parse(request, PoolRequest)
-        try:
-            items = input_items(body.input, "input")
-        except ValueError as error:
-            raise APIError(400, str(error), param="input") from None
+        prompts = prompts_of(body)
         try:
             pooling = PoolingParams(task=body.task or engine.default_pooling_task,
                                     normalize=body.normalize, dimensions=body.dimensions)
         except ValueError as error:
             raise APIError(400, str(error), param="dimensions" if "dimensions" in str(error)
                            else "task") from None
-        prompts = [body.truncate(encode(item)) for item in items]
         data = await pool(body, prompts, pooling, "input")
         return {**head(body, "pool"),
                 "data": [{"index": i, "object": "pooling", "data": d}
