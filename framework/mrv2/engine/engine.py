@@ -24,6 +24,7 @@ from mrv2.contract.pooling import PoolingParams
 from mrv2.contract.requests import MultiModalItem, NewRequest, SchedulerOutput
 from mrv2.engine.block_manager import BlockManager
 from mrv2.engine.detokenizer import IncrementalDetokenizer
+from mrv2.engine.engine_stats import lora_stats, spec_stats
 from mrv2.engine.generation_defaults import load_sampling_defaults
 from mrv2.engine.outputs import RequestOutput
 from mrv2.engine.request import Request
@@ -556,25 +557,6 @@ class LLMEngine(WeightOps):
             self._drafted_hist[num_drafts] += 1
             self._accepted_hist[num_accepted] += 1
 
-    def _spec_stats(self) -> dict[str, Any]:
-        drafted, accepted = self._drafted_hist, self._accepted_hist
-        k = len(drafted) - 1
-        # a request-step with d drafts verified one at each position j < d (kept: j < a)
-        per_pos = [sum(drafted[j + 1:]) for j in range(k)]
-        kept = [sum(accepted[j + 1:]) for j in range(k)]
-        num_drafts, num_accepted, steps = sum(per_pos), sum(kept), sum(drafted)
-        return {
-            "spec_num_draft_tokens": num_drafts,
-            "spec_num_accepted_tokens": num_accepted,
-            "spec_acceptance_rate": num_accepted / num_drafts if num_drafts else 0.0,
-            "spec_num_steps": steps,
-            "spec_mean_accepted_length": 1 + num_accepted / steps if steps else 0.0,
-            "spec_num_drafts_per_pos": per_pos,
-            "spec_num_accepted_per_pos": kept,
-            "spec_acceptance_rate_per_pos": [a / d if d else 0.0
-                                             for a, d in zip(kept, per_pos, strict=True)],
-        }
-
     def stats(self) -> dict[str, Any]:
         """Counters: running/waiting requests, KV usage, prefix cache, preemptions, prompt
         tokens (of requests past their first token) and generated tokens so far, whether the
@@ -599,16 +581,6 @@ class LLMEngine(WeightOps):
             "num_generation_tokens": self.num_generation_tokens,
             "is_sleeping": int(self.is_sleeping()),
             "is_paused": int(self._paused),
-            **self._spec_stats(),
-            **self._lora_stats(),
+            **spec_stats(self._drafted_hist, self._accepted_hist),
+            **lora_stats(self.config, self.scheduler),
         }
-
-    def _lora_stats(self) -> dict[str, Any]:
-        """With ``enable_lora``: ``max_lora`` and the adapters (names, sorted) of the running
-        and of the waiting requests, as vLLM's ``lora_requests_info`` reports them."""
-        if not self.config.lora.enable_lora:
-            return {}
-        running, waiting = self.scheduler.lora_names()
-        return {"max_lora": self.config.lora.max_loras, "lora_running": running,
-                "lora_waiting": waiting}
-
