@@ -105,7 +105,8 @@ def test_sleeping_while_paused_recomputes_and_bad_modes_are_refused(
     want = _uninterrupted(checkpoints[0])
     llm = _llm(checkpoints[0])
     engine = llm.engine
-    with pytest.raises(ValueError, match=r"mode must be one of \['keep', 'recompute'\]"):
+    with pytest.raises(ValueError, match=r"mode must be one of \['keep', 'recompute', "
+                                         r"'abort', 'wait'\]"):
         llm.pause_generation("in_place")
     ids = _start(engine)
     for _ in range(4):
@@ -120,3 +121,40 @@ def test_sleeping_while_paused_recomputes_and_bad_modes_are_refused(
     assert not engine.wants_step() and engine.step() == []  # asleep: the requests wait
     llm.wake_up()
     assert _finish(engine, ids) == want
+
+
+def test_abort_ends_every_request_and_wait_lets_the_started_finish(
+        checkpoints: tuple[Path, Path]) -> None:
+    """vLLM's pause: ``abort`` ends every request now (finish_reason "abort", an n > 1
+    request's samples merged); ``wait`` starts no new request, runs the started ones to
+    their end (tokens unchanged), then pauses."""
+    want = _uninterrupted(checkpoints[0])
+    llm = _llm(checkpoints[0])
+    engine = llm.engine
+    ids = _start(engine)
+    n2 = engine.add_request([4, 4, 4], SamplingParams(temperature=0.8, seed=1, n=2,
+                                                      max_tokens=NEW, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    llm.pause_generation("abort")
+    ended = {o.request_id: o for o in engine.step() if o.finished}
+    assert set(ended) == {*ids, n2} and not engine.has_unfinished()
+    assert all(c.finish_reason == "abort" for o in ended.values() for c in o.outputs)
+    assert len(ended[n2].outputs) == 2
+    llm.continue_generation()
+    ids = _start(engine)
+    for _ in range(3):
+        engine.step()
+    llm.pause_generation("wait")
+    assert not engine.is_paused()
+    late = engine.add_request([9, 9], SamplingParams(temperature=0.0, max_tokens=3))
+    done: dict[str, list[int]] = {}
+    while not engine.is_paused():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    assert [done[i] for i in ids] == want and late not in done
+    assert engine.step() == [] and not engine.wants_step()  # the late one waits
+    assert llm.reset_prefix_cache()  # (paused: allowed with a request waiting)
+    llm.continue_generation()
+    assert len(_finish(engine, [late])[0]) == 3

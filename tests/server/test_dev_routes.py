@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -233,7 +234,7 @@ def test_pause_and_continue_generation(checkpoints: tuple[Path, Path], process: 
     monkeypatch.setenv(DEV_MODE_ENV, "1")
     a, b = checkpoints
     for url in _serving(a, process):
-        bad = httpx.post(f"{url}/pause_generation", json={"mode": "abort"}, headers=AUTH,
+        bad = httpx.post(f"{url}/pause_generation", json={"mode": "stop"}, headers=AUTH,
                          timeout=60)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "mode"
         paused = httpx.post(f"{url}/pause_generation", json={"mode": "retract"},
@@ -253,3 +254,64 @@ def test_pause_and_continue_generation(checkpoints: tuple[Path, Path], process: 
         waiting.join(60)
         assert box["text"] == _want(b)
         assert not httpx.get(f"{url}/is_paused", headers=AUTH, timeout=60).json()["is_paused"]
+
+
+def _stream_in_thread(url: str, max_tokens: int) -> tuple[Any, Any, dict[str, Any]]:
+    """A streamed completion in a thread: an event set at its first chunk, and its last
+    chunk's choice (``box["last"]``) once it ends."""
+    import json
+    import threading
+
+    started = threading.Event()
+    box: dict[str, Any] = {}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+
+    def read() -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH,
+                          timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    started.set()
+                    choice = json.loads(line[6:])["choices"][0]
+                    box["tokens"] = box.get("tokens", 0) + 1
+                    if choice.get("finish_reason"):
+                        box["last"] = choice
+        started.set()
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread, started, box
+
+
+@pytest.mark.parametrize("process", [False, True])
+def test_vllm_pause_aborts_or_waits_then_resume(checkpoints: tuple[Path, Path], process: bool,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's /pause: by default the requests in flight end with finish_reason "abort" (one
+    held by a pause first, so it is surely in flight); with wait_for_inflight_requests they
+    run to their end before /pause answers; /resume lets new requests run."""
+    monkeypatch.setenv(DEV_MODE_ENV, "1")
+    a, _ = checkpoints
+    for url in _serving(a, process):
+        thread, started, box = _stream_in_thread(url, 40)
+        assert started.wait(60)
+        held = httpx.post(f"{url}/pause_generation", json={"mode": "keep"}, headers=AUTH,
+                          timeout=60)
+        assert held.status_code == 200
+        assert httpx.post(f"{url}/pause", headers=AUTH, timeout=60).status_code == 200
+        thread.join(60)
+        assert box["last"]["finish_reason"] == "abort"
+        bad = httpx.post(f"{url}/pause", params={"clear_cache": "maybe"}, headers=AUTH,
+                         timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "clear_cache"
+        assert httpx.post(f"{url}/resume", headers=AUTH, timeout=60).status_code == 200
+        thread, started, box = _stream_in_thread(url, 40)
+        assert started.wait(60)
+        waited = httpx.post(f"{url}/pause", params={"wait_for_inflight_requests": "true"},
+                            headers=AUTH, timeout=60)
+        assert waited.status_code == 200
+        assert httpx.get(f"{url}/is_paused", headers=AUTH, timeout=60).json()["is_paused"]
+        thread.join(60)
+        assert box["last"]["finish_reason"] == "length"  # (it ran to its end)
+        assert httpx.post(f"{url}/resume", headers=AUTH, timeout=60).status_code == 200
+        assert _text(url) == _want(a)

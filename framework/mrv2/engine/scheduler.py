@@ -57,6 +57,9 @@ class Scheduler:
         self._to_remove: list[str] = []
         self._arrivals = itertools.count()
         self._preempted_now: set[str] = set()
+        #: False: no waiting request starts but one preempted earlier (the engine drains:
+        #: ``pause_generation("wait")``).
+        self.admitting = True
         self._sampled_now: set[str] = set()
         self.num_preemptions = 0
         #: The engine fills structured outputs' masks late (during the step's forward, once the
@@ -219,6 +222,12 @@ class Scheduler:
         self._preempted_now.add(request.req_id)
         self._enqueue(request, front=True)
 
+    @property
+    def num_started(self) -> int:
+        """Requests that started and have not finished: running, or preempted and waiting
+        to resume."""
+        return len(self.running) + sum(1 for r in self.waiting if r.num_preemptions)
+
     def preempt_all(self) -> int:
         """Preempt every running request, in order (their blocks freed; each recomputes its
         prompt and outputs when scheduled again); the engine must have no step in flight.
@@ -278,6 +287,8 @@ class Scheduler:
             request = chosen
             if request.num_pending or request.req_id in self._preempted_now:
                 break  # preempted with a token in flight, or just now: resume later
+            if not self.admitting and not request.num_preemptions:
+                break  # draining: started requests only (the preempted come first)
             if not self._admit(request, budget, out):
                 break
             budget -= out.num_scheduled_tokens[request.req_id]

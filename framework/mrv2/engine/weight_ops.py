@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 __all__ = ["PAUSE_MODES", "WeightOps"]
 
 #: What :meth:`WeightOps.pause_generation` does with the running requests' KV cache.
-PAUSE_MODES = ("keep", "recompute")
+PAUSE_MODES = ("keep", "recompute", "abort", "wait")
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,8 @@ class WeightOps:
     _held: list[Any]
     #: Set by :meth:`pause_generation`: the engine takes no step until continued.
     _paused: bool = False
+    #: ``pause_generation("wait")``: no new request starts; paused once none is left.
+    _draining: bool = False
 
     def has_unfinished(self) -> bool:  # (the engine's)
         raise NotImplementedError
@@ -172,8 +174,8 @@ class WeightOps:
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache's blocks (vLLM's name): False, and nothing done, while
-        requests run or wait (their blocks are being registered), else True."""
-        if self.has_unfinished():
+        requests run or wait (their blocks are being registered) unless paused, else True."""
+        if self.has_unfinished() and not self._paused:
             return False
         self.block_manager.reset_prefix_cache()
         return True
@@ -212,30 +214,59 @@ class WeightOps:
     # -- pausing -----------------------------------------------------------------------------
 
     def pause_generation(self, mode: str = "keep") -> None:
-        """Stop generating with requests in flight (SGLang's ``pause_generation``, for
-        weights updated mid-rollout): the steps already launched finish (their outputs come
-        with the next :meth:`step`), then no step runs until :meth:`continue_generation`;
-        new requests wait. Meanwhile the weight operations run (:meth:`update_weights`,
-        :meth:`update_weights_from_distributed`, :meth:`sleep`...). ``mode`` ``"keep"``
-        (SGLang's ``in_place``): running requests keep their KV cache and go on from it (the
-        tokens after the update come from the new weights, the cache before it from the old);
-        ``"recompute"`` (``retract``): they give their KV blocks back and recompute prompt and
-        output so far when generation continues. Sleeping while paused recomputes them too
-        (the cache is discarded). ValueError naming ``mode``."""
+        """Stop generating (SGLang's ``pause_generation`` and vLLM's ``pause``, for weights
+        updated mid-rollout): the steps already launched finish (their outputs come with the
+        next :meth:`step`), then no step runs until :meth:`continue_generation`; new requests
+        wait. Meanwhile the weight operations run (:meth:`update_weights`,
+        :meth:`update_weights_from_distributed`, :meth:`sleep`...). ``mode``:
+
+        - ``"keep"`` (SGLang's ``in_place``): running requests keep their KV cache and go on
+          from it (the tokens after an update come from the new weights, the cache before it
+          from the old);
+        - ``"recompute"`` (``retract``): they give their KV blocks back and recompute prompt
+          and output so far when generation continues;
+        - ``"abort"`` (vLLM's default): every request ends now, its output finished with
+          ``finish_reason="abort"``;
+        - ``"wait"`` (vLLM's ``wait_for_inflight_requests``): no new request starts, the
+          started ones run to their end, and only then is the engine paused
+          (:meth:`is_paused`; the server's ``/pause`` waits for it).
+
+        Sleeping while paused recomputes the running requests (the cache is discarded).
+        ValueError naming ``mode``."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
         self._check_open()
+        if mode == "wait":
+            self.scheduler.admitting = False
+            self._draining = True
+            self._drain_if_done()
+            return
         while self._in_flight:
             self._held.extend(self._process(self._in_flight.popleft()))
         if mode == "recompute":
             self.scheduler.preempt_all()
+        elif mode == "abort":
+            self._held.extend(self._abort_all())
         self._paused = True
+
+    def _drain_if_done(self) -> None:
+        """While draining (``pause_generation("wait")``): pause once no started request is
+        left (their last steps processed)."""
+        if not self._draining or self.scheduler.num_started:
+            return
+        while self._in_flight:
+            self._held.extend(self._process(self._in_flight.popleft()))
+        self._draining, self._paused = False, True
+
+    def _abort_all(self) -> list[Any]:  # (the engine's)
+        raise NotImplementedError
 
     def continue_generation(self) -> None:
         """Take steps again after :meth:`pause_generation` (nothing if not paused). Asleep,
         or after ``sleep(level=2)`` until new weights are loaded, the requests still wait."""
         self._check_open()
-        self._paused = False
+        self._paused = self._draining = False
+        self.scheduler.admitting = True
 
     def is_paused(self) -> bool:
         """Whether :meth:`pause_generation` holds the engine."""

@@ -5,6 +5,7 @@ process (:mod:`mrv2.entrypoints.engine_calls`): the prefix cache, weights loaded
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -31,9 +32,11 @@ def add_dev_routes(app: Any, worker: Any,
     ``POST /destroy_weights_update_group``; and vLLM's ``POST /collective_rpc``
     (``{"method": NAME, "args": [...], "kwargs": {...}}``: a runner method by name;
     ``{"results": [...]}``, one per rank). SGLang's ``POST /pause_generation``
-    (``{"mode": "keep" | "recompute"}``, or its ``in_place`` / ``retract``) and ``POST
-    /continue_generation``, and ``GET /is_paused``: while paused, requests wait and the
-    routes above run with them in flight."""
+    (``{"mode": "keep" | "recompute" | "abort" | "wait"}``, or its ``in_place`` /
+    ``retract``) and ``POST /continue_generation``, vLLM's ``POST /pause``
+    (``?wait_for_inflight_requests=&clear_cache=``) and ``POST /resume``, and ``GET
+    /is_paused``: while paused, requests wait and the routes above run with them in
+    flight."""
 
     async def run(op: str, arg: Any, param: str | None) -> Any:
         try:
@@ -147,6 +150,30 @@ def add_dev_routes(app: Any, worker: Any,
     async def continue_generation(request: Request) -> dict[str, Any]:
         await run("continue_generation", None, None)
         return {"success": True, "message": "continued"}
+
+    @app.post("/pause")
+    async def pause(request: Request) -> Response:
+        """vLLM's: abort the requests in flight (``wait_for_inflight_requests=false``, the
+        default) or let them finish first, then pause; ``clear_cache`` (default true)
+        forgets the prefix cache."""
+        flags = {}
+        for name, default in (("wait_for_inflight_requests", "false"), ("clear_cache", "true")):
+            text = request.query_params.get(name, default).lower()
+            if text not in ("true", "false", "1", "0"):
+                raise APIError(400, f"{name} must be true or false, got {text!r}", param=name)
+            flags[name] = text in ("true", "1")
+        wait = flags["wait_for_inflight_requests"]
+        await run("pause_generation", "wait" if wait else "abort", None)
+        while wait and not await worker.call("is_paused"):  # (the started requests end)
+            await asyncio.sleep(0.02)
+        if flags["clear_cache"]:
+            await run("reset_prefix_cache", None, None)
+        return Response(status_code=200)
+
+    @app.post("/resume")
+    async def resume(request: Request) -> Response:
+        await run("continue_generation", None, None)
+        return Response(status_code=200)
 
     @app.get("/is_paused")
     async def is_paused(request: Request) -> dict[str, Any]:
