@@ -373,21 +373,6 @@ class LLMEngine(WeightOps):
             outputs, self._held = outputs + self._held, []
         return outputs
 
-    def _abort_all(self) -> list[RequestOutput]:
-        """End every request now (``pause_generation("abort")``): each one's output,
-        finished with ``finish_reason="abort"`` (an ``n > 1`` request's merged)."""
-        ended = []
-        for req_id, tracked in list(self._requests.items()):
-            self.scheduler.finish(tracked.request, "abort")
-            if tracked.detokenizer is not None:
-                tracked.detokenizer.flush()
-            ended.append(tracked.output())
-            del self._requests[req_id]
-        if not self.has_unfinished():
-            self.runner.remove_requests(self.scheduler.take_finished_ids())
-        merged = [self._fanout.merge(o) for o in ended]
-        return [o for o in merged if o is not None]
-
     def _process(self, step: AsyncStepOutput) -> list[RequestOutput]:
         sampled = step.result()
         logprobs = step.logprobs()

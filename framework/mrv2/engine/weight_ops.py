@@ -40,6 +40,8 @@ class WeightOps:
     scheduler: Any
     _in_flight: Any  # (deque of AsyncStepOutput)
     _held: list[Any]
+    _requests: dict[str, Any]  # (TrackedRequest by id)
+    _fanout: Any
     #: Set by :meth:`pause_generation`: the engine takes no step until continued.
     _paused: bool = False
     #: ``pause_generation("wait")``: no new request starts; paused once none is left.
@@ -258,8 +260,20 @@ class WeightOps:
             self._held.extend(self._process(self._in_flight.popleft()))
         self._draining, self._paused = False, True
 
-    def _abort_all(self) -> list[Any]:  # (the engine's)
-        raise NotImplementedError
+    def _abort_all(self) -> list[Any]:
+        """End every request now (``pause_generation("abort")``): each one's output,
+        finished with ``finish_reason="abort"`` (an ``n > 1`` request's merged)."""
+        ended = []
+        for req_id, tracked in list(self._requests.items()):
+            self.scheduler.finish(tracked.request, "abort")
+            if tracked.detokenizer is not None:
+                tracked.detokenizer.flush()
+            ended.append(tracked.output())
+            del self._requests[req_id]
+        if not self.has_unfinished():
+            self.runner.remove_requests(self.scheduler.take_finished_ids())
+        merged = [self._fanout.merge(o) for o in ended]
+        return [o for o in merged if o is not None]
 
     def continue_generation(self) -> None:
         """Take steps again after :meth:`pause_generation` (nothing if not paused). Asleep,
