@@ -213,9 +213,7 @@ class LLM:
         ``truncate_prompt_tokens``: keep each prompt's last so many tokens (vLLM's)."""
         outputs = self._pool(prompts, pooling_params or PoolingParams(), use_tqdm,
                              lora_request, truncate_prompt_tokens)
-        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding or []),
-                                       o.prompt_token_ids, True, o.num_cached_tokens)
-                for o in outputs]
+        return [EmbeddingRequestOutput.of(o, EmbeddingOutput) for o in outputs]
 
     def encode(
         self,
@@ -238,8 +236,7 @@ class LLM:
             raise ValueError(f"pooling_task must be one of {list(TASKS)}, got {task!r}")
         params = dataclasses.replace(pooling_params or PoolingParams(), task=task)
         outputs = self._pool(prompts, params, use_tqdm, lora_request, truncate_prompt_tokens)
-        return [PoolingRequestOutput(o.request_id, PoolingOutput(torch.tensor(o.embedding or [])),
-                                     o.prompt_token_ids, True, o.num_cached_tokens)
+        return [PoolingRequestOutput.of(o, lambda data: PoolingOutput(torch.tensor(data)))
                 for o in outputs]
 
     def reward(
@@ -269,9 +266,7 @@ class LLM:
         ``truncate_prompt_tokens``: keep each prompt's last so many tokens."""
         outputs = self._pool(prompts, PoolingParams(task="classify"), use_tqdm, lora_request,
                              truncate_prompt_tokens)
-        return [ClassificationRequestOutput(o.request_id, ClassificationOutput(o.embedding or []),
-                                            o.prompt_token_ids, True, o.num_cached_tokens)
-                for o in outputs]
+        return [ClassificationRequestOutput.of(o, ClassificationOutput) for o in outputs]
 
     def score(
         self,

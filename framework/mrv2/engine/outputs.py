@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 if TYPE_CHECKING:
     import torch
+
+#: A pooled result's ``outputs`` type.
+Pooled = TypeVar("Pooled")
+#: A pooled result's own class (:meth:`PooledRequestOutput.of`).
+Result = TypeVar("Result", bound="PooledRequestOutput[Any]")
 
 
 @dataclass
@@ -121,14 +127,27 @@ class EmbeddingOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
-    """What ``LLM.embed`` returns per prompt (vLLM's shape: ``output.outputs.embedding``)."""
+class PooledRequestOutput(Generic[Pooled]):
+    """One prompt's result of a pooling call (``LLM.embed``, ``classify``, ``encode``): its
+    id, its pooled ``outputs``, the tokens the model read."""
 
     request_id: str
-    outputs: EmbeddingOutput
+    outputs: Pooled
     prompt_token_ids: list[int]
     finished: bool = True
     num_cached_tokens: int = 0
+
+    @classmethod
+    def of(cls: type[Result], output: RequestOutput, make: Callable[[list[Any]], Any]
+           ) -> Result:
+        """The pooling request's engine output as this result, ``make`` building its
+        ``outputs`` from the pooled vector (or rows)."""
+        return cls(output.request_id, make(output.embedding or []), output.prompt_token_ids,
+                   True, output.num_cached_tokens)
+
+
+class EmbeddingRequestOutput(PooledRequestOutput[EmbeddingOutput]):
+    """What ``LLM.embed`` returns per prompt (vLLM's shape: ``output.outputs.embedding``)."""
 
 
 @dataclass
@@ -143,15 +162,8 @@ class ClassificationOutput:
         return len(self.probs)
 
 
-@dataclass
-class ClassificationRequestOutput:
+class ClassificationRequestOutput(PooledRequestOutput[ClassificationOutput]):
     """What ``LLM.classify`` returns per prompt (``output.outputs.probs``)."""
-
-    request_id: str
-    outputs: ClassificationOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
-    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -162,15 +174,8 @@ class PoolingOutput:
     data: torch.Tensor
 
 
-@dataclass
-class PoolingRequestOutput:
+class PoolingRequestOutput(PooledRequestOutput[PoolingOutput]):
     """What ``LLM.encode`` returns per prompt (``output.outputs.data``)."""
-
-    request_id: str
-    outputs: PoolingOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
-    num_cached_tokens: int = 0
 
 
 @dataclass
