@@ -72,6 +72,15 @@ class WeightOps:
             raise ValueError(f"{what}: not for an fp8 model (its weights are quantized at "
                              "load)")
 
+    def _check_load(self, what: str) -> None:
+        """Before weights load in place: the engine idle (or paused), no fp8 model, its
+        weights awake."""
+        self._check_idle(what)
+        self._check_loadable(what)
+        if "weights" in self.runner.asleep:
+            raise RuntimeError(f"{what}: the weights are asleep: "
+                               "wake_up(tags=['weights']) first")
+
     def _check_awake(self) -> None:
         """RuntimeError while anything sleeps, or while weights discarded by
         ``sleep(level=2)`` wait to be loaded."""
@@ -93,11 +102,7 @@ class WeightOps:
         same memory); give a module's tensors together. Returns the parameter names loaded; a
         name the model does not have is a ValueError. After ``sleep(level=2)`` this is the
         load the engine waits for (a warning names parameters it did not cover)."""
-        self._check_idle("update_weights")
-        self._check_loadable("update_weights")
-        if "weights" in self.runner.asleep:
-            raise RuntimeError("update_weights: the weights are asleep: "
-                               "wake_up(tags=['weights']) first")
+        self._check_load("update_weights")
         return self._loaded(self.runner.load_weights(weights))  # (every rank's)
 
     def _loaded(self, loaded: set[str]) -> set[str]:
@@ -148,11 +153,7 @@ class WeightOps:
         :meth:`update_weights` does. Returns the parameter names loaded."""
         from mrv2.distributed.weight_sync import check_metas, receive
 
-        self._check_idle("update_weights_from_distributed")
-        self._check_loadable("update_weights_from_distributed")
-        if "weights" in self.runner.asleep:
-            raise RuntimeError("update_weights_from_distributed: the weights are asleep: "
-                               "wake_up(tags=['weights']) first")
+        self._check_load("update_weights_from_distributed")
         metas = check_metas(names, dtypes, shapes)
         loaded: set[str] = self.runner.collective_rpc(receive, (metas, group_name))[0]
         return self._loaded(loaded)
@@ -170,9 +171,8 @@ class WeightOps:
         undo an update."""
         from mrv2.model_loader.loader import iter_safetensors
 
-        self._check_idle("reload_weights")
-        self._check_loadable("reload_weights")
-        return self.update_weights(iter_safetensors(self.runner.model_dir))
+        self._check_load("reload_weights")
+        return self._loaded(self.runner.load_weights(iter_safetensors(self.runner.model_dir)))
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache's blocks (vLLM's name): False, and nothing done, while
