@@ -63,7 +63,7 @@ from mrv2.model_loader.build import check_shardable, load_hf_config
 from mrv2.plugins import PluginManager, get_plugin_manager
 from mrv2.runner.async_output import AsyncStepOutput
 from mrv2.runner.runner import Runner
-from mrv2.runner.sleep import check_level, check_tags
+from mrv2.runner.sleep import check_tags
 
 logger = logging.getLogger(__name__)
 
@@ -279,6 +279,13 @@ class DistributedRunner(Runner):
             self._channel.publish(("remove", list(req_ids)), self._check)
         Runner.remove_requests(self, req_ids)
 
+    def _on_every_rank(self, message: tuple[str, Any], here: Callable[[], Any]) -> Any:
+        """Publish ``message`` to the workers (each runs its part), then run ``here``, this
+        rank's part (a worker's failure raised as such: :meth:`_until_failure`)."""
+        self._check()
+        self._channel.publish(message, self._check)
+        return self._until_failure(here)
+
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple[Any, ...] = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
         """Run ``method`` on every rank (:meth:`Runner.collective_rpc`): it goes out on the
@@ -295,9 +302,6 @@ class DistributedRunner(Runner):
         except Exception as error:
             raise ValueError(f"method, args and kwargs must be picklable to reach the other "
                              f"ranks: {error}") from None
-        self._check()
-        self._channel.publish(("rpc", payload), self._check)
-
         def run() -> list[Any]:
             own: Exception | None = None
             self._in_rpc = True
@@ -315,7 +319,7 @@ class DistributedRunner(Runner):
                     raise RuntimeError(f"collective_rpc {method!r}: rank {rank} failed: {value}")
             return [value for _, value in replies]
 
-        results: list[Any] = self._until_failure(run)
+        results: list[Any] = self._on_every_rank(("rpc", payload), run)
         return results
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -344,12 +348,8 @@ class DistributedRunner(Runner):
         """Put every rank to sleep (:meth:`Runner.sleep`), the arguments checked first."""
         if self._in_rpc:
             return Runner.sleep(self, level)
-        check_level(level)
-        if self.asleep:
-            raise RuntimeError(f"already asleep ({', '.join(self.asleep)}): wake_up() first")
-        self._check()
-        self._channel.publish(("sleep", level), self._check)
-        self._until_failure(lambda: Runner.sleep(self, level))
+        self._sleeper.check(level)
+        self._on_every_rank(("sleep", level), lambda: Runner.sleep(self, level))
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Wake every rank (:meth:`Runner.wake_up`: the graphs are captured on every rank
@@ -357,9 +357,7 @@ class DistributedRunner(Runner):
         if self._in_rpc:
             return Runner.wake_up(self, tags)
         woken = list(check_tags(tags))
-        self._check()
-        self._channel.publish(("wake_up", woken), self._check)
-        self._until_failure(lambda: Runner.wake_up(self, woken))
+        self._on_every_rank(("wake_up", woken), lambda: Runner.wake_up(self, woken))
 
     def __del__(self) -> None:  # an engine dropped without shutdown(): stop its workers
         with contextlib.suppress(Exception):

@@ -12,7 +12,7 @@ import torch
 from mrv2.contract.batch import InputBatch
 from mrv2.model_loader.build import process_weights_after_loading
 from mrv2.model_loader.loader import load_model_weights
-from mrv2.runner.sleep import Sleeper, check_level
+from mrv2.runner.sleep import Sleeper
 
 __all__ = ["BetweenSteps"]
 
@@ -76,9 +76,7 @@ class BetweenSteps:
         discarded instead, to be loaded again after waking) and the KV cache discarded. No
         step runs until :meth:`wake_up` has woken everything. The caller forgets the KV
         cache's blocks (their contents are gone)."""
-        check_level(level)
-        if self.asleep:
-            raise RuntimeError(f"already asleep ({', '.join(self.asleep)}): wake_up() first")
+        self._sleeper.check(level)
         self._drop_graphs()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

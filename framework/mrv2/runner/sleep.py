@@ -251,14 +251,19 @@ class Sleeper:
         """Whether any tag is asleep."""
         return bool(self._stashes)
 
+    def check(self, level: int) -> None:
+        """ValueError for a ``level`` not in :data:`LEVELS`; RuntimeError when already
+        asleep (checked before anything is dropped)."""
+        check_level(level)
+        if self._stashes:
+            raise RuntimeError(f"already asleep ({', '.join(self.asleep)}): wake_up() first")
+
     def sleep(self, level: int, roots: Iterable[object], params: Iterable[torch.Tensor],
               kv_tensors: Iterable[torch.Tensor]) -> None:
         """Put every tensor of ``roots``' modules (:func:`module_storages`) and the KV caches
         to sleep: the weights copied to host memory (at ``level`` 2 only those that are not
         in ``params``), the KV caches discarded. The device must be idle."""
-        check_level(level)
-        if self._stashes:
-            raise RuntimeError(f"already asleep ({', '.join(self.asleep)}): wake_up() first")
+        self.check(level)
         started = time.perf_counter()
         kv = tensor_storages(kv_tensors)
         weights = module_storages(roots, self.device, exclude=kv)
