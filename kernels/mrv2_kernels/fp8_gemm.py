@@ -135,7 +135,7 @@ def dequantize_weight_block_fp8(
     _check_weight(w_fp8, scale_inv, bn, bk)
     n, k = w_fp8.shape
     blocks = _padded_blocks(w_fp8.float(), bn, bk) * scale_inv.float()[:, None, :, None]
-    return blocks.view(blocks.shape[0] * bn, blocks.shape[2] * bk)[:n, :k].to(dtype)
+    return blocks.view(blocks.shape[0] * bn, blocks.shape[2] * bk)[:n, :k].to(dtype).contiguous()
 
 
 def _check_weight(w: torch.Tensor, scale: torch.Tensor, bn: int, bk: int) -> None:

@@ -313,3 +313,14 @@ def test_gpu_prefill_tiles_and_graph_capture() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+
+
+def test_dequantized_weight_is_contiguous_when_blocks_overhang() -> None:
+    """A weight whose K is no multiple of the block (SmolLM2's 576) dequantizes to a
+    contiguous tensor, not a view of the padded blocks: the CPU's layers (dequantized once)
+    only take their fast layout on contiguous weights (a strided view ran the whole CPU
+    decode step 40x slower)."""
+    w = torch.randn(96, 200, generator=_gen(3))
+    w8, scale = quantize_weight_block_fp8(w, (128, 128))
+    out = dequantize_weight_block_fp8(w8, scale, (128, 128), torch.float32)
+    assert out.shape == (96, 200) and out.is_contiguous()
