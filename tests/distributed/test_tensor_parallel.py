@@ -13,6 +13,7 @@ import pytest
 
 from mrv2 import LLM, SamplingParams
 from mrv2.testing import TINY_FAMILIES, TINY_MLA, fp8_checkpoint, make_tiny_checkpoint
+from mrv2.testing_quant import gptq_checkpoint
 
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3ForCausalLM", {}),
@@ -91,3 +92,22 @@ def test_every_family_passes_the_shardability_check(family: str, tmp_path: Path)
     with pytest.raises(ValueError, match=r"tensor_parallel_size \(3\)"):  # the family's rule
         check_shardable(str(model), load_hf_config(model), registries, 3)
     assert tp_size() == 1
+
+
+@pytest.mark.parametrize("opts", [dict(bits=4, group_size=16, sym=False),
+                                  dict(bits=8, group_size=-1, sym=True)],
+                         ids=["gptq4-asym-g16", "gptq8-channel"])
+def test_gptq_checkpoint_tp2_equals_tp1(tmp_path: Path, opts: dict[str, Any]) -> None:
+    """Packed integers, scales and zero points split with the weights: rows of
+    column-parallel layers, whole groups of row-parallel ones (a single group per output:
+    on every rank)."""
+    src = make_tiny_checkpoint(tmp_path / "src", "Qwen3ForCausalLM")
+    gptq_checkpoint(src, tmp_path / "q", tmp_path / "ref", **opts)
+    assert _tokens(tmp_path / "q", 2) == _tokens(tmp_path / "q", 1)
+
+
+def test_gptq_desc_act_is_refused_under_tp(tmp_path: Path) -> None:
+    src = make_tiny_checkpoint(tmp_path / "src", "Qwen3ForCausalLM")
+    gptq_checkpoint(src, tmp_path / "q", tmp_path / "ref", desc_act=True)
+    with pytest.raises(Exception, match=r"desc_act = true is not supported for row-parallel"):
+        _tokens(tmp_path / "q", 2)

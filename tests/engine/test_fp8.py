@@ -65,7 +65,7 @@ def test_fp8_layers_keep_fp8_weights_through_to_dtype() -> None:
 
 
 @pytest.mark.parametrize("qc,match", [
-    ({"quant_method": "awq"}, r"quant_method = 'awq'"),
+    ({"quant_method": "bitsandbytes"}, r"quant_method = 'bitsandbytes'"),
     ({"quant_method": "fp8"}, r"weight_block_size = None"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
      r"activation_scheme = 'static'"),

@@ -17,7 +17,14 @@ from typing import Any
 
 import torch
 
-from mrv2.bench.measure import StepLog, instrument, release_engine_memory, report, resolve_model
+from mrv2.bench.measure import (
+    QUANT_VARIANTS,
+    StepLog,
+    instrument,
+    release_engine_memory,
+    report,
+    resolve_model,
+)
 from mrv2.config import EngineConfig
 from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import RequestOutputKind, SamplingParams
@@ -193,7 +200,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = resolve_model(args.model)
     variants: dict[str, dict[str, Any]] = {
         "default": {}, "async_off": {"async_scheduling": False},
-        "graphs_off": {"enforce_eager": True},
+        "graphs_off": {"enforce_eager": True}, **QUANT_VARIANTS,
         "ngram": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
         **{f"synthetic_{rate}": {"speculative_config": {
             "method": "ngram", "num_speculative_tokens": 3,
@@ -297,11 +304,14 @@ def add_parser(sub: Any) -> None:
                    help="the requests' SamplingParams keywords, e.g. '{\"temperature\": 0.6, "
                    "\"top_k\": 20, \"top_p\": 0.95, \"seed\": 0}' (default: greedy)")
     p.add_argument("--variants", nargs="*", default=[],
-                   choices=["async_off", "graphs_off", "ngram",
+                   choices=["async_off", "graphs_off", *QUANT_VARIANTS, "ngram",
                             *(f"synthetic_{rate}" for rate in SYNTHETIC_RATES),
                             *(f"self_draft_{k}" for k in SELF_DRAFT_KS),
                             *(f"eagle3_{k}" for k in EAGLE3_KS), *LORA_VARIANTS],
-                   help="ngram: n-gram speculation, k=3 (random weights: acceptance is whatever "
+                   help="gptq_w4 / awq_w4 / fp8_w8: the linear layers' weights as random "
+                        "GPTQ 4-bit (symmetric) / AWQ 4-bit (zero points) / block-FP8 ones "
+                        "(--load-format dummy). "
+                        "ngram: n-gram speculation, k=3 (random weights: acceptance is whatever "
                         "the random model's greedy loops give; read it as the cost of "
                         "verifying). synthetic_A: SYNTHETIC acceptance, the n-gram drafts kept "
                         "with probability A whatever the model says (the output is not the "

@@ -92,6 +92,14 @@ def linear_flops(runner: Runner) -> tuple[int, int]:
     return 2 * per_token, 2 * per_row
 
 
+#: Bench variants with quantized linear weights (random: ``--load-format dummy``), by the
+#: engine keyword that sets them. The byte floor counts their own bytes (packed integers,
+#: scales and zero points; fp8 and its scales).
+QUANT_VARIANTS: dict[str, dict[str, Any]] = {
+    "gptq_w4": {"quantization": "gptq"}, "awq_w4": {"quantization": "awq"},
+    "fp8_w8": {"quantization": "fp8"}}
+
+
 def expert_layers(runner: Runner) -> list[FusedMoE]:
     """The model's routed-expert layers (none for a dense model)."""
     return [m for m in runner.model.modules() if isinstance(m, FusedMoE)]

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from mrv2.bench.measure import (
+    QUANT_VARIANTS,
     breakdown,
     busy_fraction,
     copy_bandwidth,
@@ -116,7 +117,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "graphs_off": {"enforce_eager": True}, "prefix_off": {"enable_prefix_caching": False},
         "mixed_graphs_off": {"max_mixed_graph_tokens": 0},
         "mixed_graphs_512": {"max_mixed_graph_tokens": 512},
-        "kv_fp8": {"kv_cache_dtype": "fp8"}}
+        "kv_fp8": {"kv_cache_dtype": "fp8"}, **QUANT_VARIANTS}
     chosen = args.variants if "default" in args.variants else ["default", *args.variants]
     bandwidth = None
     flop_rate = float("nan")
@@ -222,10 +223,12 @@ def add_parser(sub: Any) -> None:
                    help="ranks (GPUs) to split the model over")
     p.add_argument("--variants", nargs="*", default=[],
                    choices=["default", "async_off", "graphs_off", "prefix_off",
-                            "mixed_graphs_off", "mixed_graphs_512", "kv_fp8"],
+                            "mixed_graphs_off", "mixed_graphs_512", "kv_fp8",
+                            *QUANT_VARIANTS],
                    help="also run with async scheduling off / CUDA graphs off / the prefix "
                    "cache off / steps with prompt tokens eager / in CUDA graphs up to 512 "
-                   "tokens only / an fp8 KV cache (in this order; name default to place it)")
+                   "tokens only / an fp8 KV cache / random GPTQ 4-bit, AWQ 4-bit or block-FP8 "
+                   "linear weights (in this order; name default to place it)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="KV cache element type of every variant (kv_fp8 sets fp8)")
     p.add_argument("--hf-requests", type=int, default=0,

@@ -39,6 +39,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from mrv2.layers.int_quant import INT_METHODS
 from mrv2.layers.linear import FusedColumnLinear, LinearBase
 from mrv2.layers.moe import FusedMoE
 from mrv2.layers.weights import apply_moving_only
@@ -70,15 +71,19 @@ class Fp8Config:
 
 def fp8_config_of(hf_config: Any, requested: str | None) -> Fp8Config | None:
     """The FP8 setting of a model: its ``quantization_config`` (only block-quantized ``fp8``
-    with dynamic activations is supported; anything else is a ``ValueError`` naming the field),
-    else ``requested`` (``"fp8"``: quantize at load with 128 x 128 blocks; None: none)."""
+    with dynamic activations is supported; anything else is a ``ValueError`` naming the field;
+    GPTQ and AWQ are :mod:`mrv2.layers.int_quant`'s, None here), else ``requested``
+    (``"fp8"``: quantize at load with 128 x 128 blocks; None or an integer method: None)."""
     qc = getattr(hf_config, "quantization_config", None)
     if qc is not None:
         get = qc.get if isinstance(qc, dict) else (lambda k, d=None: getattr(qc, k, d))
         method = get("quant_method")
+        if str(method).lower() in ("gptq", "awq"):
+            return None  # integer weights: mrv2.layers.int_quant
         if method != "fp8":
             raise ValueError(f"config.json quantization_config.quant_method = {method!r}: "
-                             "only 'fp8' (block-quantized e4m3) is supported")
+                             "allowed values are 'fp8' (block-quantized e4m3), 'gptq' and "
+                             "'awq'")
         block = get("weight_block_size")
         if not block or len(block) != 2:
             raise ValueError(f"config.json quantization_config.weight_block_size = {block!r}: "
@@ -93,10 +98,11 @@ def fp8_config_of(hf_config: Any, requested: str | None) -> Fp8Config | None:
         if requested not in (None, "fp8"):
             raise ValueError(f"quantization={requested!r}: the checkpoint is fp8")
         return Fp8Config((int(block[0]), int(block[1])), True)
-    if requested is None:
+    if requested is None or requested in INT_METHODS:
         return None
     if requested != "fp8":
-        raise ValueError(f"quantization={requested!r}: allowed values are None and 'fp8'")
+        raise ValueError(f"quantization={requested!r}: allowed values are None, 'fp8', "
+                         f"{', '.join(map(repr, INT_METHODS))}")
     return Fp8Config((128, 128), False)
 
 

@@ -135,7 +135,7 @@ def add_lora_slots(model: torch.nn.Module, max_loras: int, max_rank: int,
             continue
         assert isinstance(module, LinearBase)
         shards = len(shard_ids(module))
-        device = module.weight.device
+        device = next(module.parameters()).device  # (a quantized layer has no .weight)
         plain = type(module).forward is LinearBase.forward
         module.__class__ = _lora_class(type(module))
         layer: Any = module

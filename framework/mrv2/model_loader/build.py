@@ -11,6 +11,7 @@ from torch import nn
 
 from mrv2.config import EngineConfig
 from mrv2.layers.fp8 import Fp8Config
+from mrv2.layers.int_quant import IntQuantConfig
 from mrv2.registry import ModelEntry, Registries, import_object
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -125,6 +126,7 @@ def build_model(
     """Instantiate the registered model class on ``device`` and load (or draw) its weights."""
     from mrv2.layers.embedding import PoolingLogits
     from mrv2.layers.fp8 import fp8_config_of, log_fp8_memory
+    from mrv2.layers.int_quant import fill_int_defaults, int_quant_config_of, log_int_memory
     from mrv2.model_loader.classification import add_score_head, is_classifier, score_from_tokens
 
     architectures = list(getattr(hf_config, "architectures", None) or [])
@@ -135,9 +137,15 @@ def build_model(
     model_cls = import_object(entry.model)
     dummy = config.model.load_format == "dummy"
     fp8 = fp8_config_of(hf_config, config.model.quantization)
-    # An fp8 model is built on the meta device and allocated once its layers are fp8: its
+    int_quant = int_quant_config_of(hf_config, config.model.quantization)
+    if int_quant is not None and not int_quant.from_checkpoint and not dummy:
+        raise ValueError(f"quantization={config.model.quantization!r} needs a checkpoint "
+                         "quantized so (config.json quantization_config), or "
+                         "load_format='dummy' for random weights; mrv2 does not quantize to "
+                         "integers at load (quantization='fp8' does quantize)")
+    # A quantized model is built on the meta device and allocated once its layers are: its
     # model-dtype weights may not fit (GLM-4.5-Air: 212 GB in bf16, 111 GB in fp8).
-    on_meta = fp8 is not None and (dummy or fp8.from_checkpoint)
+    on_meta = (fp8 is not None and (dummy or fp8.from_checkpoint)) or int_quant is not None
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -153,15 +161,22 @@ def build_model(
         torch.set_default_dtype(previous)
     if fp8 is not None:
         apply_checkpoint_fp8(model, fp8, model_dir, dummy, dtype)
+    if int_quant is not None:
+        apply_checkpoint_int_quant(model, int_quant, model_dir, dummy, dtype)
     if on_meta:
         # every parameter is then loaded or drawn; leaving the meta device makes new
-        # Parameter objects, so their loaders (a sharded layer's slicing) are put back
-        loaders = {n: p.weight_loader for n, p in model.named_parameters()
-                   if hasattr(p, "weight_loader")}
+        # Parameter objects, so their loaders (a sharded layer's slicing) and whether a
+        # checkpoint may leave them out are put back
+        kept = ("weight_loader", "optional")
+        attrs = {n: {a: getattr(p, a) for a in kept if hasattr(p, a)}
+                 for n, p in model.named_parameters()}
         model.to_empty(device=device)
         for name, param in model.named_parameters():
-            if name in loaders and not hasattr(param, "weight_loader"):
-                param.weight_loader = loaders[name]
+            for attr, value in attrs.get(name, {}).items():
+                if not hasattr(param, attr):
+                    setattr(param, attr, value)
+        if int_quant is not None:
+            fill_int_defaults(model)  # (what a checkpoint may leave out)
     load_or_draw_weights(model, config, model_dir)
     if classifier and not dummy:
         score_from_tokens(model, hf_config, model_dir)  # (a head made of LM-head rows)
@@ -170,6 +185,8 @@ def build_model(
     process_weights_after_loading(model)
     if fp8 is not None:
         log_fp8_memory(model, dtype)
+    if int_quant is not None:
+        log_int_memory(model, dtype)
     return model, entry
 
 
@@ -187,16 +204,30 @@ def apply_checkpoint_fp8(model: nn.Module, fp8: Fp8Config, model_dir: str, dummy
     apply_fp8(model, fp8, dummy, names, dtype)
 
 
+def apply_checkpoint_int_quant(model: nn.Module, quant: IntQuantConfig, model_dir: str,
+                               dummy: bool, dtype: torch.dtype) -> None:
+    """Make ``model``'s linear layers integer-weight before its weights load
+    (:func:`mrv2.layers.int_quant.apply_int_quant`): those the checkpoint in ``model_dir``
+    holds a ``qweight`` for, or all with random weights."""
+    from mrv2.layers.int_quant import apply_int_quant, int_layer_names
+    from mrv2.model_loader.loader import checkpoint_names
+
+    names = None if dummy else int_layer_names(model, checkpoint_names(model_dir))
+    apply_int_quant(model, quant, names, dtype)
+
+
 def load_or_draw_weights(model: nn.Module, config: EngineConfig, model_dir: str) -> None:
     """Load ``model``'s weights from the checkpoint in ``model_dir``, or draw them (fp8 layers
     included) with ``load_format="dummy"``."""
     from mrv2.layers.fp8 import draw_fp8_weights
+    from mrv2.layers.int_quant import draw_int_weights
     from mrv2.model_loader.classification import score_head
     from mrv2.model_loader.loader import init_dummy_weights, iter_safetensors, load_model_weights
 
     if config.model.load_format == "dummy":
         init_dummy_weights(model, seed=config.model.seed)
         draw_fp8_weights(model, seed=config.model.seed, std=0.02)
+        draw_int_weights(model, seed=config.model.seed, std=0.02)
     elif config.model.runner == "pooling" or score_head(model) is not None:
         # an embedding model or a classifier needs no LM head (nor, made of its rows, a head)
         scorer = score_head(model)

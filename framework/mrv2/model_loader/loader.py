@@ -135,8 +135,9 @@ def load_model_weights(
         # fills the embedding, the model's rename says so)
         weights = ((name, t) for name, t in weights if name != "lm_head.weight")
     loaded: set[str] = load_weights(weights)
-    missing = sorted(name for name, _ in model.named_parameters()
-                     if name not in loaded and name not in optional)
+    missing = sorted(name for name, p in model.named_parameters()
+                     if name not in loaded and name not in optional
+                     and not getattr(p, "optional", False))
     if strict and missing:
         shown = ", ".join(missing[:20]) + (", ..." if len(missing) > 20 else "")
         raise ValueError(
@@ -158,8 +159,8 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
     generators: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.dtype in fp8:  # drawn by their layer (mrv2.layers.fp8.draw_fp8_weights)
-                continue
+            if param.dtype in fp8 or not param.is_floating_point():
+                continue  # drawn by their layer (mrv2.layers.fp8, mrv2.layers.int_quant)
             if id(param) in norm_weights:
                 param.fill_(1.0)
             elif name.endswith("bias"):

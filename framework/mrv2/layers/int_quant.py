@@ -1,0 +1,478 @@
+"""Weight-only integer linear layers from GPTQ and AWQ checkpoints: 4- or 8-bit weights,
+activations in the model dtype (W4A16 / W8A16).
+
+Formats (``config.json`` ``quantization_config``), per quantized linear layer ``W [N, K]``
+(``N`` outputs, ``K`` inputs, groups of ``G`` inputs):
+
+- **GPTQ** (``quant_method: "gptq"``; AutoGPTQ, GPTQModel, optimum): ``qweight`` int32
+  ``[K/pack, N]`` packed along K (``pack = 32 / bits``, lowest bits first); ``qzeros`` int32
+  ``[K/G, N/pack]`` packed along N, each stored one less than the zero point
+  (``checkpoint_format: "gptq"``, the v1 format; ``"gptq_v2"`` stores them as they are);
+  ``scales`` fp16 ``[K/G, N]``; ``g_idx`` int32 ``[K]``, the group of each input (``k // G``,
+  unless ``desc_act`` quantized the inputs in an order of their own). ``bits`` 4 or 8,
+  ``group_size`` G or -1 (one group per output), ``sym`` (zero points ``2**(bits-1)``) or not.
+- **AWQ** (``quant_method: "awq"``, ``version: "gemm"``; AutoAWQ): ``qweight`` int32
+  ``[K, N/8]`` packed along N in AWQ's interleaved order (nibble ``i`` of word ``j`` holds
+  output ``8j + [0, 2, 4, 6, 1, 3, 5, 7][i]``), ``qzeros`` int32 ``[K/G, N/8]`` the same way,
+  ``scales`` fp16 ``[K/G, N]``; 4 bits with zero points; ``modules_to_not_convert`` stay in
+  the model dtype.
+
+The real weight is ``(q - zero) * scale`` of its group. Both formats load into the one layout
+of :mod:`mrv2_kernels.wna16_gemm` (``qweight [K/pack, N]`` packed along K, ``scales [K/G,
+N]`` kept in the checkpoint's fp16, ``qzeros`` uint8 ``[K/G, N]``). Each checkpoint tensor is
+unpacked on the host, cut to this rank's rows (or inputs) and its shard's place by the layer's
+own tensor-parallel rules (those its float weight follows: fused q/k/v and gate/up,
+column- and row-parallel layers), then packed into place. After loading, zero points that
+are all the midpoint are dropped (a symmetric checkpoint's product skips them), and a
+``desc_act`` layer's inputs are reordered so that its groups are contiguous: the layer then
+gathers its input's features in that order (one index_select). The shards of a fused layer
+must share their ``g_idx`` (GPTQ quantizes one input in one order), and a row-parallel layer
+under tensor parallelism refuses ``desc_act`` (its slice of the inputs would hold parts of
+many groups).
+
+On the CPU the weight is dequantized once after loading and the layer is a plain one again,
+as FP8's (:mod:`mrv2.layers.fp8`). With random weights (``load_format="dummy"``) and
+``quantization="gptq"`` / ``"awq"`` every linear layer gets random 4-bit weights in groups of
+128 (benchmarks). Routed experts (MoE) in these formats are refused for now.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from mrv2.layers.linear import FusedColumnLinear, LinearBase, RowLinear
+from mrv2.layers.weights import apply_moving_only
+from mrv2_kernels.wna16_gemm import (
+    dequantize_wna16,
+    pack_along_k,
+    unpack_along_k,
+    wna16_linear,
+)
+
+logger = logging.getLogger(__name__)
+
+#: ``quantization=`` values that name these formats (vLLM's kernel-specific names included:
+#: the checkpoint decides the kernel here).
+INT_METHODS = {"gptq": "gptq", "gptq_marlin": "gptq", "awq": "awq", "awq_marlin": "awq"}
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+#: The quantized tensors of a layer, as the checkpoints name them.
+INT_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
+#: Group size of random weights (``load_format="dummy"``).
+DUMMY_GROUP = 128
+
+
+@dataclass(frozen=True)
+class IntQuantConfig:
+    """A GPTQ or AWQ checkpoint's quantization (module docstring)."""
+
+    method: str
+    """``"gptq"`` or ``"awq"``."""
+    bits: int
+    group_size: int
+    """Inputs per group; -1: one group of all inputs."""
+    sym: bool
+    """Zero points all ``2**(bits-1)`` (GPTQ ``sym``); AWQ: False."""
+    desc_act: bool
+    zeros_minus_one: bool
+    """GPTQ v1: stored zero points are one less than the real ones."""
+    skip: tuple[str, ...] = ()
+    """AWQ's ``modules_to_not_convert``: module name fragments left in the model dtype."""
+    from_checkpoint: bool = True
+
+
+def _getter(qc: Any) -> Any:
+    return qc.get if isinstance(qc, dict) else (lambda k, d=None: getattr(qc, k, d))
+
+
+def quant_method_of(hf_config: Any) -> str | None:
+    """The checkpoint's ``quantization_config.quant_method`` (lower case), or None."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return None
+    method = _getter(qc)("quant_method")
+    return str(method).lower() if method is not None else None
+
+
+def int_quant_config_of(hf_config: Any, requested: str | None) -> IntQuantConfig | None:
+    """The GPTQ / AWQ setting of a model: its ``quantization_config`` when that is GPTQ or
+    AWQ (what the formats allow, else a ValueError naming the field), a random-weight setting
+    for ``requested`` ``"gptq"`` / ``"awq"`` (usable with ``load_format="dummy"`` only, checked
+    at build), else None."""
+    method = quant_method_of(hf_config)
+    if method not in ("gptq", "awq"):
+        if requested in INT_METHODS and method is not None:
+            raise ValueError(f"quantization={requested!r}: the checkpoint is {method!r}")
+        if requested in INT_METHODS:
+            kind = INT_METHODS[requested]
+            return IntQuantConfig(kind, 4, DUMMY_GROUP, kind == "gptq", False, False,
+                                  from_checkpoint=False)
+        return None
+    if requested is not None and INT_METHODS.get(requested) != method:
+        raise ValueError(f"quantization={requested!r}: the checkpoint is {method!r} "
+                         f"(leave quantization unset)")
+    get = _getter(hf_config.quantization_config)
+    field = "config.json quantization_config"
+    bits = get("bits", get("w_bit"))
+    allowed_bits = (4, 8) if method == "gptq" else (4,)
+    if bits not in allowed_bits:
+        raise ValueError(f"{field}.bits = {bits!r}: allowed values are "
+                         f"{', '.join(map(str, allowed_bits))}")
+    group = get("group_size", get("q_group_size"))
+    if not isinstance(group, int) or not (group == -1 or group >= 16):
+        raise ValueError(f"{field}.group_size = {group!r}: allowed values are -1 and sizes "
+                         ">= 16")
+    if method == "awq":
+        version = str(get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ValueError(f"{field}.version = {version!r}: only 'gemm' is supported")
+        if not get("zero_point", True):
+            raise ValueError(f"{field}.zero_point = false: only AWQ with zero points is "
+                             "supported")
+        skip = tuple(get("modules_to_not_convert") or ())
+        return IntQuantConfig("awq", 4, group, False, False, False, skip)
+    fmt = str(get("checkpoint_format", "gptq")).lower()
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"{field}.checkpoint_format = {fmt!r}: allowed values are 'gptq' "
+                         "and 'gptq_v2'")
+    if get("dynamic"):
+        raise ValueError(f"{field}.dynamic: per-module GPTQ overrides are not supported")
+    return IntQuantConfig("gptq", int(bits), group, bool(get("sym", True)),
+                          bool(get("desc_act", False)), fmt == "gptq")
+
+
+def unpack_along_n(packed: torch.Tensor, bits: int, awq_order: bool) -> torch.Tensor:
+    """int32 ``[R, N/pack]`` packed along its columns (sequentially, or in AWQ's order) as
+    uint8 ``[R, N]``."""
+    pack = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+    v = (packed[:, :, None] >> shifts) & ((1 << bits) - 1)
+    if awq_order:  # nibble i holds column AWQ_ORDER[i]: put each back at its column
+        v = v[:, :, [AWQ_ORDER.index(c) for c in range(pack)]]
+    return v.reshape(packed.shape[0], -1).to(torch.uint8)
+
+
+class IntLinearMixin(LinearBase):
+    """Mixed into a linear layer's class by :func:`to_int`: packed integer weights, group
+    scales and zero points (module docstring); :func:`~mrv2_kernels.wna16_gemm.wna16_linear`
+    as forward."""
+
+    base_class: type[LinearBase]
+    quant: IntQuantConfig
+    group: int
+    qweight: nn.Parameter
+    scales: nn.Parameter
+    qzeros: nn.Parameter | None
+    g_idx: nn.Parameter
+    input_order: torch.Tensor | None
+    model_dtype: torch.dtype = torch.float32
+
+    def int_init(self, quant: IntQuantConfig) -> None:
+        """Replace the float weight by the integer layout's parameters (on its device)."""
+        n, k = self.output_size, self.input_size
+        device = self.weight.device
+        group = quant.group_size
+        if group <= 0 or (not quant.from_checkpoint and k % group):
+            group = k  # one group of this rank's inputs (random weights: where 128 won't fit)
+        if k % group or k % (32 // quant.bits):
+            raise ValueError(f"a quantized layer's inputs ({k}) must divide into groups of "
+                             f"{group} (quantization_config.group_size)")
+        if quant.desc_act and isinstance(self, RowLinear) and self.tp_size > 1:
+            raise ValueError("quantization_config.desc_act = true is not supported for "
+                             "row-parallel layers under tensor parallelism "
+                             "(tensor_parallel_size > 1); use tensor_parallel_size=1")
+        self.quant, self.group = quant, group
+        self.register_buffer("input_order", None, persistent=False)
+        del self.weight
+        self._int_param("qweight", torch.empty(k * quant.bits // 32, n, dtype=torch.int32,
+                                               device=device), self.qweight_loader)
+        self._int_param("scales", torch.empty(k // group, n, dtype=torch.float16, device=device),
+                        self.group_loader)
+        self._int_param("qzeros", torch.empty(k // group, n, dtype=torch.uint8, device=device),
+                        self.group_loader, optional=quant.sym)
+        if quant.method == "gptq":
+            self._int_param("g_idx", torch.empty(k, dtype=torch.int32, device=device),
+                            self.g_idx_loader, optional=True)
+        if device.type != "meta":
+            self.fill_defaults()
+
+    def fill_defaults(self) -> None:
+        """What a checkpoint may leave out: midpoint zero points (GPTQ ``sym``), ``g_idx``
+        ``k // G``; unit scales. (Again once a model built on the meta device is allocated.)"""
+        with torch.no_grad():
+            self.scales.data.fill_(1.0)
+            if self.qzeros is not None:
+                self.qzeros.data.fill_(1 << (self.quant.bits - 1))
+            g_idx = self._parameters.get("g_idx")
+            if g_idx is not None:
+                g_idx.data.copy_(torch.arange(self.input_size, dtype=torch.int32) // self.group)
+
+    def _int_param(self, name: str, value: torch.Tensor, loader: Any,
+                   optional: bool = False) -> None:
+        param = nn.Parameter(value, requires_grad=False)
+        param.weight_loader = loader  # type: ignore[attr-defined]
+        param.optional = optional  # type: ignore[attr-defined]
+        setattr(self, name, param)
+
+    # ---------------------------------------------------------------- loading
+
+    def _place(self, param: nn.Parameter, rows_first: torch.Tensor, shard_id: object,
+               per_group: bool) -> None:
+        """Copy ``rows_first`` (``[N, K]`` or ``[N, K/G]`` of the whole checkpoint tensor,
+        one row per output) into ``param`` (``[., N]``) at this rank's part of shard
+        ``shard_id``."""
+        start, size = self.shard_rows(shard_id)
+        if isinstance(self, FusedColumnLinear) and shard_id is not None:
+            part = self.shard_part(rows_first, shard_id)
+        elif isinstance(self, RowLinear) and self.tp_size > 1 and per_group:
+            groups = rows_first.shape[1]
+            if groups == 1:  # one group for all inputs: every rank's
+                part = rows_first
+            else:
+                per = self.input_size // self.group
+                if groups != per * self.tp_size:
+                    raise ValueError(f"{groups} groups do not cover {self.tp_size} ranks' "
+                                     f"{per} groups")
+                part = rows_first.narrow(1, self.tp_rank * per, per)
+        else:
+            part = self.rank_part(rows_first, False)
+        target = param.data.narrow(1, start, size)
+        value = part.T
+        if param is self.qweight:
+            if value.shape[0] != self.input_size:
+                raise ValueError(f"qweight holds {value.shape[0]} inputs, the layer "
+                                 f"{self.input_size} (this rank's)")
+            value = pack_along_k(value, self.quant.bits)
+        if value.shape != target.shape:
+            raise ValueError(f"expects {tuple(target.shape)} after unpacking, the checkpoint "
+                             f"tensor gives {tuple(value.shape)}")
+        with torch.no_grad():
+            target.copy_(value)
+
+    def qweight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                       shard_id: object = None) -> None:
+        """A checkpoint ``qweight`` (GPTQ ``[K/pack, N]``, AWQ ``[K, N/8]``)."""
+        bits = self.quant.bits
+        if loaded.dtype != torch.int32:
+            raise ValueError(f"qweight must be int32, got {loaded.dtype}")
+        if self.quant.method == "awq":
+            ints = unpack_along_n(loaded, bits, awq_order=True)  # [K, N]
+        else:
+            ints = unpack_along_k(loaded, bits)  # [K, N]
+        self._place(param, ints.T, shard_id, per_group=False)
+
+    def group_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                     shard_id: object = None) -> None:
+        """A checkpoint ``scales`` (``[K/G, N]``) or ``qzeros`` (int32 ``[K/G, N/pack]``)."""
+        if param is self.qzeros:
+            if loaded.dtype != torch.int32:
+                raise ValueError(f"qzeros must be int32, got {loaded.dtype}")
+            zeros = unpack_along_n(loaded, self.quant.bits, self.quant.method == "awq")
+            if self.quant.zeros_minus_one:
+                zeros = (zeros.to(torch.int32) + 1) & ((1 << self.quant.bits) - 1)
+            loaded = zeros.to(torch.uint8)
+        elif not loaded.is_floating_point():
+            raise ValueError(f"scales must be floating point, got {loaded.dtype}")
+        self._place(param, loaded.T, shard_id, per_group=True)
+
+    def g_idx_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                     shard_id: object = None) -> None:
+        """A checkpoint ``g_idx`` ``[K]``: this rank's inputs'; the shards of a fused layer must
+        agree."""
+        full = getattr(self, "full_input_size", self.input_size)
+        if loaded.shape != (full,):
+            raise ValueError(f"g_idx must have shape ({full},), got {tuple(loaded.shape)}")
+        mine = loaded.to(torch.int32)
+        if isinstance(self, RowLinear) and self.tp_size > 1:
+            mine = mine.narrow(0, self.tp_rank * self.input_size, self.input_size)
+            if self.quant.group_size > 0:  # (else one group, 0, on every rank)
+                mine = mine - self.tp_rank * (self.input_size // self.group)
+        seen: set[object] = getattr(self, "_g_idx_shards", set())
+        if seen and not torch.equal(param.data.cpu(), mine.cpu()):
+            raise ValueError(f"shard {shard_id!r}'s g_idx differs from that of shard(s) "
+                             f"{sorted(seen, key=str)}: the shards of a fused layer must "
+                             "share their input order")
+        seen.add(shard_id)
+        self._g_idx_shards = seen
+        with torch.no_grad():
+            param.data.copy_(mine)
+
+    # ---------------------------------------------------------------- after loading
+
+    def _apply(self, fn: Any, recurse: bool = True) -> IntLinearMixin:
+        # ``model.to(dtype)`` must move the fp16 scales, never cast them
+        apply_moving_only(self, ["scales"],
+                          lambda f: super(IntLinearMixin, self)._apply(f, recurse), fn)
+        return self
+
+    def process_weights_after_loading(self) -> None:
+        """:meth:`order_inputs`; on the CPU dequantize and become the plain layer again."""
+        self.order_inputs()
+        if self.qweight.device.type == "cpu":
+            with torch.no_grad():
+                self._become_plain()
+
+    def order_inputs(self) -> None:
+        """Order a ``desc_act`` layer's inputs by group (its packed rows, and the gather of
+        its input), drop zero points that are all the midpoint."""
+        with torch.no_grad():
+            g_idx = self._parameters.pop("g_idx", None)
+            self.__dict__.pop("_g_idx_shards", None)
+            k = self.input_size
+            if g_idx is not None:
+                natural = torch.arange(k, device=g_idx.device, dtype=torch.int32) // self.group
+                if not torch.equal(g_idx.data, natural):
+                    order = torch.argsort(g_idx.data.long(), stable=True)
+                    if not torch.equal(g_idx.data[order], natural):
+                        raise ValueError(f"g_idx does not put {self.group} inputs in each "
+                                         "group")
+                    ints = unpack_along_k(self.qweight.data, self.quant.bits)
+                    self.qweight.data = pack_along_k(ints[order], self.quant.bits)
+                    self.input_order = order
+            zeros = self.qzeros
+            if zeros is not None and bool((zeros.data == 1 << (self.quant.bits - 1)).all()):
+                self._parameters.pop("qzeros")
+                self.qzeros = None
+
+    def _become_plain(self) -> None:
+        """The CPU's layer: the dequantized weight in the model dtype, the base class."""
+        weight = nn.Parameter(self.dequantized(self.model_dtype), requires_grad=False)
+        weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        for name in ("qweight", "scales", "qzeros"):
+            self._parameters.pop(name, None)
+        self._buffers.pop("input_order", None)
+        for attr in ("quant", "group", "qzeros"):
+            self.__dict__.pop(attr, None)
+        self.__class__ = self.base_class  # type: ignore[assignment]
+        self.weight = weight
+        LinearBase.process_weights_after_loading(self)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight ``[N, K]`` in ``dtype``, inputs in the checkpoint's order."""
+        w = dequantize_wna16(self.qweight.data, self.scales.data,
+                             None if self.qzeros is None else self.qzeros.data,
+                             self.quant.bits, self.group, dtype)
+        if self.input_order is not None:
+            w = torch.empty_like(w).index_copy_(1, self.input_order, w)
+        return w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_order is not None:
+            x = x.index_select(-1, self.input_order)
+        zeros = None if self.qzeros is None else self.qzeros.data
+        return self.reduce(wna16_linear(x, self.qweight, self.scales, zeros, self.quant.bits,
+                                        self.group, self.bias if self.adds_bias else None))
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, {self.quant.method} {self.quant.bits}-bit, "
+                f"group={self.group}")
+
+
+_INT_CLASSES: dict[type[LinearBase], type[IntLinearMixin]] = {}
+
+
+def to_int(layer: LinearBase, quant: IntQuantConfig) -> IntLinearMixin:
+    """Turn ``layer`` into its integer-weight variant in place (before loading)."""
+    cls = type(layer)
+    if cls not in _INT_CLASSES:
+        _INT_CLASSES[cls] = cast(type[IntLinearMixin], type(
+            f"Int{cls.__name__}", (IntLinearMixin, cls), {"base_class": cls}))
+    layer.__class__ = _INT_CLASSES[cls]
+    int_layer = cast(IntLinearMixin, layer)
+    int_layer.int_init(quant)
+    return int_layer
+
+
+def apply_int_quant(model: nn.Module, quant: IntQuantConfig,
+                    checkpoint_layers: Iterable[str] | None = None,
+                    dtype: torch.dtype = torch.float32) -> int:
+    """Make the model's linear layers integer-weight before loading: those
+    ``checkpoint_layers`` names (the layers the checkpoint's ``qweight`` tensors load into),
+    or with None every linear layer not in ``quant.skip``. Returns how many."""
+    chosen = None if checkpoint_layers is None else set(checkpoint_layers)
+    if chosen is not None:
+        experts = sorted(n for n in chosen if ".experts." in n)
+        if experts:
+            raise ValueError(f"{quant.method.upper()} routed experts ({experts[0]}, ...) are "
+                             "not supported yet; only dense linear layers")
+    count = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, LinearBase) or isinstance(module, IntLinearMixin):
+            continue
+        if chosen is not None and name not in chosen:
+            continue
+        if chosen is None and any(s in name for s in quant.skip):
+            continue
+        to_int(module, quant).model_dtype = dtype
+        count += 1
+    if chosen is not None and count < len(chosen):
+        missing = sorted(chosen - {n for n, m in model.named_modules()
+                                   if isinstance(m, IntLinearMixin)})
+        raise ValueError(f"the checkpoint quantizes {missing[0]}, which is not a linear layer "
+                         f"of {type(model).__name__}")
+    return count
+
+
+def fill_int_defaults(model: nn.Module) -> None:
+    """:meth:`IntLinearMixin.fill_defaults` of every integer layer (after ``to_empty``)."""
+    for module in model.modules():
+        if isinstance(module, IntLinearMixin):
+            module.fill_defaults()
+
+
+def int_layer_names(model: nn.Module, names: Iterable[str]) -> list[str]:
+    """The model's layer names the checkpoint's ``*.qweight`` tensors load into (through the
+    model's ``rename`` and stacking)."""
+    from mrv2.layers.weights import checkpoint_target
+
+    rename = getattr(model, "rename", lambda name: name)
+    stacked = getattr(model, "stacked_params", ())
+    out = []
+    for name in names:
+        if name.endswith(".qweight"):
+            target = checkpoint_target(name, stacked, rename)
+            if target is not None:
+                out.append(target[0][: -len(".qweight")])
+    return out
+
+
+def draw_int_weights(model: nn.Module, seed: int, std: float) -> None:
+    """Random integer weights for ``load_format="dummy"``: uniform integers, scales that give
+    the weights a spread of about ``std``, random zero points near the midpoint."""
+    gen: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for module in model.modules():
+            if not isinstance(module, IntLinearMixin):
+                continue
+            dev = module.qweight.device
+            g = gen.setdefault(dev, torch.Generator(dev).manual_seed(seed))
+            top = 1 << 31
+            module.qweight.data.copy_(torch.randint(-top, top, module.qweight.shape,
+                                                    generator=g, device=dev,
+                                                    dtype=torch.int64).to(torch.int32))
+            levels = 1 << module.quant.bits
+            module.scales.data.fill_(std * (12 ** 0.5) / levels)
+            if module.qzeros is not None and not module.quant.sym:
+                mid = levels // 2
+                module.qzeros.data.copy_(torch.randint(mid - 1, mid + 2, module.qzeros.shape,
+                                                       generator=g, device=dev))
+
+
+def log_int_memory(model: nn.Module, dtype: torch.dtype) -> None:
+    """Log the integer layers' bytes and what they save against ``dtype``."""
+    own = saved = 0
+    width = torch.empty((), dtype=dtype).element_size()
+    for module in model.modules():
+        if isinstance(module, IntLinearMixin):
+            b = sum(p.numel() * p.element_size() for p in module.parameters()
+                    if p is not module.bias)
+            own += b
+            saved += module.input_size * module.output_size * width - b
+    if own:
+        logger.info("integer linear weights: %.2f GB (%.2f GB saved against %s)", own / 1e9,
+                    saved / 1e9, dtype)

@@ -1,0 +1,249 @@
+"""Test helpers for int-quantized checkpoints: save a tiny checkpoint (see
+:func:`mrv2.testing.make_tiny_checkpoint`) as GPTQ (:func:`gptq_checkpoint`) or AWQ
+(:func:`awq_checkpoint`) exactly as those formats are published, plus a "reference" copy with the
+dequantized float weights (what HF should run to match).
+
+The packing here is written from the formats' descriptions, independently of mrv2's kernels and
+layers, so a loader can be tested against it; :func:`unpack_gptq` and :func:`unpack_awq` undo it
+in plain torch (used to check the writers themselves).
+
+Quantized: every 2-D ``*_proj.weight`` outside ``.experts.`` (attention q/k/v/o_proj, MLP
+gate/up/down_proj), a weight ``W`` being ``[N, K]`` = [out_features, in_features] with groups of
+``group_size`` along ``K``. Everything else is copied unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+#: AWQ GEMM's nibble order: nibble ``i`` (bits ``4*i..4*i+3``) of packed column ``j`` holds
+#: output column ``8 * j + AWQ_ORDER[i]``.
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+#: ``(name, source weight) -> (tensors for dst, dequantized weight for reference)``
+_Quantizer = Callable[[str, torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]]
+
+
+def is_quantized_weight(name: str, tensor: torch.Tensor) -> bool:
+    """Whether the writers here quantize ``name``: a 2-D ``*_proj.weight`` outside the routed
+    experts (``.experts.``)."""
+    return name.endswith("_proj.weight") and ".experts." not in name and tensor.dim() == 2
+
+
+def gptq_checkpoint(src: str | Path, dst: str | Path, reference: str | Path, *, bits: int = 4,
+                    group_size: int = 32, desc_act: bool = False, sym: bool = True,
+                    seed: int = 0) -> None:
+    """Save ``src`` as a GPTQ checkpoint (``checkpoint_format: "gptq"``, i.e. "v1") in ``dst``
+    and its dequantized twin in ``reference``.
+
+    Per quantized weight ``<prefix>.weight`` ``[N, K]``, ``dst`` holds (with ``pack = 32 //
+    bits``, ``G`` groups):
+
+    - ``<prefix>.qweight``: int32 ``[K // pack, N]``, packed along ``K``: ``q[n, k]`` in row
+      ``k // pack`` at bits ``(k % pack) * bits`` (lowest first);
+    - ``<prefix>.qzeros``: int32 ``[G, N // pack]``, ``zero - 1`` packed along ``N`` the same
+      way (symmetric: ``2**(bits-1) - 1``);
+    - ``<prefix>.scales``: float16 ``[G, N]``; ``<prefix>.g_idx``: int32 ``[K]``, the group of
+      each input column.
+
+    ``desc_act`` draws one permutation ``perm`` of ``range(K)`` from ``seed`` (the same for every
+    weight with that ``K``, so the q/k/v and the gate/up projections of a layer share it): column
+    ``perm[i]`` is in group ``i // group_size``. Otherwise column ``k`` is in group
+    ``k // group_size``. ``group_size=-1``: one group of all ``K``.
+
+    Asymmetric zero points are kept in ``[1, 2**bits - 1]``: a stored ``zero - 1`` never wraps,
+    so kernels that add one back with or without masking read the same zero.
+    """
+    if bits not in (2, 4, 8):
+        raise ValueError(f"GPTQ bits must be 2, 4 or 8, got {bits}")
+    pack = 32 // bits
+    maxq = 2**bits - 1
+
+    def quantize(name: str, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        n, k = w.shape
+        if k % pack or n % pack:
+            raise ValueError(f"{name}: shape {tuple(w.shape)} not a multiple of {pack} (pack)")
+        g_idx = _group_index(k, group_size, desc_act, seed, name)
+        q, zero, scale, deq = _quantize(w, g_idx, bits, sym, min_zero=1)
+        prefix = name.removesuffix(".weight")
+        out = {
+            prefix + ".qweight": _pack_rows(q, bits).t().contiguous(),
+            prefix + ".qzeros": _pack_rows(((zero - 1) & maxq).t(), bits).contiguous(),
+            prefix + ".scales": scale.t().contiguous(),
+            prefix + ".g_idx": g_idx.to(torch.int32).contiguous(),
+        }
+        return out, deq.to(w.dtype).contiguous()
+
+    _rewrite(src, dst, reference, quantize, {
+        "quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act,
+        "sym": sym, "checkpoint_format": "gptq", "static_groups": False,
+        "true_sequential": True, "damp_percent": 0.01})
+
+
+def awq_checkpoint(src: str | Path, dst: str | Path, reference: str | Path, *,
+                   group_size: int = 32, seed: int = 0) -> None:
+    """Save ``src`` as an AWQ checkpoint (4 bits, zero point, GEMM version) in ``dst`` and its
+    dequantized twin in ``reference``.
+
+    Per quantized weight ``<prefix>.weight`` ``[N, K]``, ``dst`` holds (``G`` groups along
+    ``K``, ``group_size=-1``: one):
+
+    - ``<prefix>.qweight``: int32 ``[K, N // 8]``, packed along ``N``: nibble ``i`` of column
+      ``j`` holds ``q[8 * j + AWQ_ORDER[i], k]``;
+    - ``<prefix>.qzeros``: int32 ``[G, N // 8]``, the zero points packed the same way;
+    - ``<prefix>.scales``: float16 ``[G, N]``.
+
+    ``seed`` is unused (AWQ has no random part); it is there for symmetry with
+    :func:`gptq_checkpoint`.
+    """
+    del seed
+    order = torch.tensor(AWQ_ORDER)
+
+    def awq_pack(values: torch.Tensor) -> torch.Tensor:  # [R, N] -> [R, N // 8]
+        rows, n = values.shape
+        return _pack_rows(values.reshape(rows, n // 8, 8)[..., order].reshape(rows, n), 4)
+
+    def quantize(name: str, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        n, k = w.shape
+        if n % 8:
+            raise ValueError(f"{name}: {n} output features, not a multiple of 8")
+        g_idx = _group_index(k, group_size, False, 0, name)
+        q, zero, scale, deq = _quantize(w, g_idx, 4, False, min_zero=0)
+        prefix = name.removesuffix(".weight")
+        out = {
+            prefix + ".qweight": awq_pack(q.t()).contiguous(),
+            prefix + ".qzeros": awq_pack(zero.t()).contiguous(),
+            prefix + ".scales": scale.t().contiguous(),
+        }
+        return out, deq.to(w.dtype).contiguous()
+
+    _rewrite(src, dst, reference, quantize, {
+        "quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
+        "version": "gemm", "modules_to_not_convert": None})
+
+
+# -- internals ---------------------------------------------------------------------------------
+
+
+def _rewrite(src: str | Path, dst: str | Path, reference: str | Path, quantize: _Quantizer,
+             quant_config: dict[str, Any]) -> None:
+    """Copy ``src`` to ``dst`` and ``reference``, quantize its weights into ``dst`` and their
+    dequantized values into ``reference``, and set ``dst``'s ``quantization_config``."""
+    src, dst, reference = Path(src), Path(dst), Path(reference)
+    for out in (dst, reference):
+        shutil.copytree(src, out, dirs_exist_ok=True)
+    tensors = load_file(src / "model.safetensors")
+    quantized: dict[str, torch.Tensor] = {}
+    dequantized: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if is_quantized_weight(name, t):
+            packed, dequantized[name] = quantize(name, t)
+            quantized.update(packed)
+        else:
+            quantized[name] = dequantized[name] = t
+    save_file(quantized, dst / "model.safetensors")
+    save_file(dequantized, reference / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = quant_config
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _group_index(k: int, group_size: int, desc_act: bool, seed: int, name: str) -> torch.Tensor:
+    """The group of each of ``k`` input columns (int64 ``[k]``)."""
+    size = k if group_size == -1 else group_size
+    if size <= 0 or k % size:
+        raise ValueError(f"{name}: group_size {group_size} does not divide in_features {k}")
+    groups = torch.arange(k) // size
+    if not desc_act:
+        return groups
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed))
+    g_idx = torch.empty(k, dtype=torch.int64)
+    g_idx[perm] = groups
+    return g_idx
+
+
+def _quantize(w: torch.Tensor, g_idx: torch.Tensor, bits: int, sym: bool, min_zero: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize ``w`` ``[N, K]`` per (output row, group of ``g_idx``), in float32.
+
+    Returns ``q`` (int64 ``[N, K]``), ``zero`` (int64 ``[N, G]``), ``scale`` (float16
+    ``[N, G]``) and the dequantized weight ``(q - zero) * scale`` (float32 ``[N, K]``)."""
+    w = w.float()
+    n = w.shape[0]
+    maxq = 2**bits - 1
+    num_groups = int(g_idx.max()) + 1
+    index = g_idx.long().expand(n, -1)
+    # the zeros the reductions start from make these min(w, 0) and max(w, 0)
+    xmin = torch.zeros(n, num_groups).scatter_reduce(1, index, w, "amin")
+    xmax = torch.zeros(n, num_groups).scatter_reduce(1, index, w, "amax")
+    scale = torch.maximum(-xmin, xmax) * 2 / maxq if sym else (xmax - xmin) / maxq
+    scale16 = torch.where(scale == 0, 1.0, scale).half()
+    scale16 = torch.where(scale16 == 0, 1.0, scale16)  # underflowed in float16
+    s = scale16.float()
+    if sym:
+        zero = torch.full((n, num_groups), 2 ** (bits - 1), dtype=torch.int64)
+    else:
+        zero = torch.round(-xmin / s).clamp(min_zero, maxq).long()
+    s_k, zero_k = s[:, g_idx.long()], zero[:, g_idx.long()]
+    q = (torch.round(w / s_k) + zero_k).clamp(0, maxq).long()
+    return q, zero, scale16, (q - zero_k).float() * s_k
+
+
+def _to_int32(x: torch.Tensor) -> torch.Tensor:
+    """int64 values in ``[0, 2**32)`` as int32 with two's-complement wrap."""
+    return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
+
+
+def _pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack ``values`` ``[R, M]`` (in ``[0, 2**bits)``) along ``M`` into int32 ``[R, M // pack]``:
+    element ``m`` in word ``m // pack`` at bits ``(m % pack) * bits``."""
+    pack = 32 // bits
+    rows, m = values.shape
+    shifts = torch.arange(pack, dtype=torch.int64) * bits
+    words = (values.long().reshape(rows, m // pack, pack) << shifts).sum(-1)
+    return _to_int32(words)
+
+
+def _unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Undo :func:`_pack_rows`: int32 ``[R, W]`` to int64 ``[R, W * pack]``."""
+    pack = 32 // bits
+    shifts = torch.arange(pack, dtype=torch.int64) * bits
+    values = (packed.long().unsqueeze(-1) >> shifts) & (2**bits - 1)
+    return values.reshape(packed.shape[0], -1)
+
+
+# -- unpacking, to check the writers -----------------------------------------------------------
+
+
+def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                g_idx: torch.Tensor, bits: int) -> torch.Tensor:
+    """Dequantize a GPTQ ("v1") weight: ``qweight`` int32 ``[K // pack, N]``, ``qzeros`` int32
+    ``[G, N // pack]`` (zero points minus one), ``scales`` ``[G, N]``, ``g_idx`` ``[K]``.
+    Returns float32 ``[N, K]``."""
+    q = _unpack_rows(qweight.t(), bits)  # [N, K]
+    zeros = _unpack_rows(qzeros, bits) + 1  # [G, N]
+    g = g_idx.long()
+    return (q - zeros.t()[:, g]).float() * scales.float().t()[:, g]
+
+
+def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+               group_size: int) -> torch.Tensor:
+    """Dequantize an AWQ GEMM weight: ``qweight`` int32 ``[K, N // 8]``, ``qzeros`` int32
+    ``[G, N // 8]``, ``scales`` ``[G, N]``. Returns float32 ``[N, K]``."""
+    inverse = torch.argsort(torch.tensor(AWQ_ORDER))
+
+    def unpack(packed: torch.Tensor) -> torch.Tensor:  # [R, N // 8] -> [R, N]
+        nibbles = _unpack_rows(packed, 4).reshape(packed.shape[0], -1, 8)
+        return nibbles[..., inverse].reshape(packed.shape[0], -1)
+
+    q, zeros = unpack(qweight), unpack(qzeros)  # [K, N], [G, N]
+    k = q.shape[0]
+    g = torch.arange(k) // (k if group_size == -1 else group_size)
+    return ((q - zeros[g]).float() * scales.float()[g]).t()

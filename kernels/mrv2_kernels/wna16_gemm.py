@@ -1,0 +1,283 @@
+"""Weight-only integer linear layers (W4A16 / W8A16), the products of GPTQ and AWQ checkpoints.
+
+Every checkpoint format is converted at load time to one layout (``mrv2.layers.int_quant``)::
+
+    qweight  int32 [K / pack, N]   pack = 32 / bits; weight (k, n) is bits (k % pack) * bits
+                                   onward of row k // pack (lowest bits first)
+    scales   [K / G, N]            float16 / bfloat16 / float32, G the group size along K
+    zeros    uint8 [K / G, N]      or None: symmetric, every zero point 2 ** (bits - 1)
+
+and the real weight is ``W[n, k] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]``.
+Contract (``x`` ``[M, K]``)::
+
+    y = x @ W.T (+ bias)            fp32 accumulation, one rounding to x's dtype
+
+:func:`wna16_linear_ref` is that in fp32 torch (the weight dequantized first).
+:func:`wna16_linear_triton` never materializes ``W``: a ``[BM, BN]`` output tile walks K in
+``BK`` steps that each lie in one group (``BK`` divides ``G``), loads the packed words of its
+``[BK, BN]`` weight tile (each word once per ``pack`` rows, from cache after the first),
+shifts and masks the integers out, subtracts the zero points and ``tl.dot``\\ s ``x`` with
+those small integers (exact in bf16 / fp16: ``|q - z| <= 255``), and scales the step's
+product by the group's scales into the fp32 accumulator. On the GPU the dot runs in ``x``'s
+dtype on tensor cores; under the interpreter (CPU tests) in fp32, where the bf16 arithmetic
+is wrong. Few rows (decode) split K across programs until they cover the SMs; the last
+program of a tile to arrive sums the fp32 partials in split order (deterministic) and adds
+the bias, one launch in all (:func:`~mrv2_kernels._backend.last_to_arrive`).
+
+Tiles (:func:`wna16_tiles`) are first guesses, not yet measured on an H200 (built 2026-12-05
+without a GPU): 16 x 64 x 128 with split-K up to 16 rows, 32 x 64 x 64 to 64 rows, 64 x 128
+x 64 above; ``BK`` is capped by the group size.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ._backend import arrival_counters, cdiv, last_to_arrive, use_triton
+
+__all__ = [
+    "WNA16Tiles",
+    "dequantize_wna16",
+    "pack_along_k",
+    "unpack_along_k",
+    "wna16_linear",
+    "wna16_linear_ref",
+    "wna16_linear_triton",
+    "wna16_tiles",
+]
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every buffer the Triton path writes comes from here (tests poison them)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _pack(bits: int) -> int:
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    return 32 // bits
+
+
+def pack_along_k(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """``values`` ``[K, N]`` (integers in ``[0, 2**bits)``) packed into int32 ``[K / pack, N]``:
+    row ``k`` at bits ``(k % pack) * bits`` of row ``k // pack``. ``K`` must divide by the
+    pack."""
+    pack = _pack(bits)
+    k, n = values.shape
+    if k % pack:
+        raise ValueError(f"pack_along_k: {k} rows do not divide into words of {pack}")
+    v = values.to(torch.int64).view(k // pack, pack, n)
+    shifts = torch.arange(0, 32, bits, device=values.device, dtype=torch.int64)
+    words = (v << shifts[None, :, None]).sum(dim=1)
+    words = torch.where(words >= 2**31, words - 2**32, words)  # two's complement
+    return words.to(torch.int32)
+
+
+def unpack_along_k(qweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """The integers of ``qweight`` ``[K / pack, N]`` (:func:`pack_along_k`) as uint8
+    ``[K, N]``."""
+    pack = _pack(bits)
+    shifts = torch.arange(0, 32, bits, device=qweight.device, dtype=torch.int32)
+    v = (qweight[:, None, :] >> shifts[None, :, None]) & ((1 << bits) - 1)
+    return v.reshape(qweight.shape[0] * pack, qweight.shape[1]).to(torch.uint8)
+
+
+def _check(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
+           group_size: int) -> tuple[int, int]:
+    """``(K, N)`` of a weight in the module's layout; a ValueError naming what does not fit."""
+    pack = _pack(bits)
+    if qweight.dtype != torch.int32 or qweight.dim() != 2:
+        raise ValueError(f"qweight must be int32 [K / {pack}, N], got {qweight.dtype} "
+                         f"{tuple(qweight.shape)}")
+    k, n = qweight.shape[0] * pack, qweight.shape[1]
+    if group_size <= 0 or k % group_size:
+        raise ValueError(f"group_size ({group_size}) must divide K ({k})")
+    groups = k // group_size
+    if scales.shape != (groups, n):
+        raise ValueError(f"scales must be [{groups}, {n}] (K / group_size, N), got "
+                         f"{tuple(scales.shape)}")
+    if zeros is not None and (zeros.shape != (groups, n) or zeros.dtype != torch.uint8):
+        raise ValueError(f"zeros must be uint8 [{groups}, {n}], got {zeros.dtype} "
+                         f"{tuple(zeros.shape)}")
+    return k, n
+
+
+def dequantize_wna16(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                     bits: int, group_size: int, dtype: torch.dtype = torch.float32
+                     ) -> torch.Tensor:
+    """The real weight ``W`` ``[N, K]`` in ``dtype`` (fp32 products, one rounding)."""
+    k, n = _check(qweight, scales, zeros, bits, group_size)
+    q = unpack_along_k(qweight, bits).float()
+    z = (zeros.float() if zeros is not None
+         else torch.full_like(scales, 2 ** (bits - 1), dtype=torch.float32))
+    s = scales.float()
+    w = (q - z.repeat_interleave(group_size, 0)) * s.repeat_interleave(group_size, 0)
+    return w.T.contiguous().to(dtype)
+
+
+def wna16_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                     zeros: torch.Tensor | None, bits: int, group_size: int,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain-torch specification: ``x @ W.T (+ bias)`` in fp32, rounded to ``x``'s dtype."""
+    w = dequantize_wna16(qweight, scales, zeros, bits, group_size)
+    y = x.float() @ w.T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+class WNA16Tiles(NamedTuple):
+    """A launch's tiles: rows, output columns, K step, K splits (1: none), warps, stages."""
+
+    bm: int
+    bn: int
+    bk: int
+    splits: int = 1
+    warps: int = 4
+    stages: int = 3
+
+
+def _largest_pow2_dividing(n: int, cap: int) -> int:
+    b = cap
+    while b > 1 and n % b:
+        b //= 2
+    return b
+
+
+def wna16_tiles(x: torch.Tensor, n: int, k: int, group_size: int) -> WNA16Tiles:
+    """The tiles of a product (module docstring): small ones under the interpreter."""
+    if not x.is_cuda:
+        return WNA16Tiles(16, 16, _largest_pow2_dividing(group_size, 32))
+    m = x.shape[0]
+    if m <= 16:
+        bm, bn, bk = 16, 64, _largest_pow2_dividing(group_size, 128)
+        tiles = cdiv(n, bn)
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        splits = max(1, min(cdiv(2 * sms, tiles), k // (4 * bk), 16))
+        return WNA16Tiles(bm, bn, bk, splits, 4, 4)
+    if m <= 64:
+        return WNA16Tiles(32, 64, _largest_pow2_dividing(group_size, 64), 1, 4, 4)
+    return WNA16Tiles(64, 128, _largest_pow2_dividing(group_size, 64), 1, 4, 3)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _wna16_kernel(
+    x_ptr: tl.tensor, qw_ptr: tl.tensor, s_ptr: tl.tensor, z_ptr: tl.tensor,
+    bias_ptr: tl.tensor, out_ptr: tl.tensor, ws_ptr: tl.tensor, cnt_ptr: tl.tensor,
+    M: int, N: int, K: int, K_CHUNK: int, stride_x: int, stride_o: int,
+    GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
+    STAGES: tl.constexpr, DOT_F32: tl.constexpr,
+) -> None:
+    PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    ZERO: tl.constexpr = 1 << (BITS - 1)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    kk = tl.arange(0, BK)
+    row_ok = rows < M
+    col_ok = cols < N
+    k0 = pid_s * K_CHUNK  # this program's reduction range [k0, k_end), whole BK steps
+    k_end = tl.minimum(k0 + K_CHUNK, K)
+    shifts = ((kk % PACK) * BITS)[:, None]
+    acc = tl.zeros([BM, BN], tl.float32)
+    for kt in tl.range(0, tl.cdiv(k_end - k0, BK), num_stages=STAGES):
+        ks = k0 + kt * BK + kk
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + ks[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        words = tl.load(qw_ptr + (ks // PACK)[:, None].to(tl.int64) * N + cols[None, :],
+                        mask=col_ok[None, :], other=0)
+        q = (words >> shifts) & MASK
+        group = (k0 + kt * BK) // GROUP  # the step lies in one group (BK divides GROUP)
+        if HAS_ZEROS:
+            z = tl.load(z_ptr + group * N + cols, mask=col_ok, other=0).to(tl.int32)
+            q = q - z[None, :]
+        else:
+            q = q - ZERO
+        if DOT_F32:  # noqa: SIM108 (a constexpr branch: one dot is compiled)
+            part = tl.dot(x.to(tl.float32), q.to(tl.float32), input_precision="ieee")
+        else:
+            part = tl.dot(x, q.to(x.dtype))
+        s = tl.load(s_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
+        acc += part * s[None, :]
+    tile_ok = row_ok[:, None] & col_ok[None, :]
+    out_at = out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :]
+    if SPLIT_K > 1:
+        tile_at = rows[:, None].to(tl.int64) * N + cols[None, :]
+        tl.store(ws_ptr + pid_s * M * N + tile_at, acc, mask=tile_ok)
+        if last_to_arrive(cnt_ptr + pid_m * tl.num_programs(1) + pid_n, SPLIT_K):
+            acc = tl.zeros([BM, BN], tl.float32)
+            for sp in range(SPLIT_K):
+                acc += tl.load(ws_ptr + sp * M * N + tile_at, mask=tile_ok, other=0.0,
+                               cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=tile_ok)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=tile_ok)
+
+
+def wna16_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                        zeros: torch.Tensor | None, bits: int, group_size: int,
+                        bias: torch.Tensor | None = None, tiles: WNA16Tiles | None = None
+                        ) -> torch.Tensor:
+    """The module docstring's contract in one launch; ``tiles``: :func:`wna16_tiles` when
+    None (``bk`` must divide ``group_size``)."""
+    k, n = _check(qweight, scales, zeros, bits, group_size)
+    if x.dim() != 2 or x.shape[1] != k or x.dtype not in _KERNEL_DTYPES:
+        raise ValueError(f"x must be [M, {k}] float32 / bfloat16 / float16, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+    tiles = tiles or wna16_tiles(x, n, k, group_size)
+    if group_size % tiles.bk or tiles.bk < 16:
+        raise ValueError(f"tile bk ({tiles.bk}) must be >= 16 and divide group_size "
+                         f"({group_size})")
+    m = x.shape[0]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = _empty((m, n), x.dtype, x.device)
+    if m == 0:
+        return out
+    chunk = cdiv(cdiv(k, max(tiles.splits, 1)), tiles.bk) * tiles.bk
+    splits = cdiv(k, chunk)
+    grid_mn = (cdiv(m, tiles.bm), cdiv(n, tiles.bn))
+    cnt = arrival_counters(x.device, grid_mn[0] * grid_mn[1]) if splits > 1 else None
+    if cnt is None:  # no split, or a capture found no counters: all of K in each program
+        chunk, splits = k, 1
+        ws = cnt = out  # unused
+    else:
+        ws = _empty((splits, m, n), torch.float32, x.device)
+    _wna16_kernel[(*grid_mn, splits)](
+        x, qweight, scales, zeros if zeros is not None else scales,
+        bias if bias is not None else scales, out, ws, cnt, m, n, k, chunk, x.stride(0),
+        out.stride(0), GROUP=group_size, BITS=bits, HAS_ZEROS=zeros is not None,
+        HAS_BIAS=bias is not None, BM=tiles.bm, BN=tiles.bn, BK=tiles.bk, SPLIT_K=splits,
+        STAGES=tiles.stages, DOT_F32=not x.is_cuda or x.dtype == torch.float32,
+        num_warps=tiles.warps,
+    )
+    return out
+
+
+def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                 zeros: torch.Tensor | None, bits: int, group_size: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` ``[..., K]`` times the weight (module docstring): the Triton kernel where
+    :func:`~mrv2_kernels._backend.use_triton` says so, else the reference."""
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, x.shape[-1])
+    if use_triton(flat):
+        y = wna16_linear_triton(flat, qweight, scales, zeros, bits, group_size, bias)
+    else:
+        y = wna16_linear_ref(flat, qweight, scales, zeros, bits, group_size, bias)
+    return y.reshape(*lead, y.shape[-1])

@@ -1,0 +1,174 @@
+"""GPTQ and AWQ checkpoints on the CPU: saved as those formats are published
+(:mod:`mrv2.testing_quant`, written independently of the loader), they generate HF's greedy
+tokens on the dequantized weights (4 and 8 bits, symmetric and not, ``desc_act``, one group
+per channel); the loaded layers hold exactly the reference weights; the Triton layer agrees
+with the dequantized product; bad configurations name the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mrv2 import LLM, SamplingParams
+from mrv2.config import EngineConfig
+from mrv2.layers.int_quant import IntLinearMixin, apply_int_quant, int_quant_config_of
+from mrv2.layers.linear import LinearBase, MergedColumnLinear
+from mrv2.testing import hf_greedy, make_tiny_checkpoint
+from mrv2.testing_quant import awq_checkpoint, gptq_checkpoint
+
+PROMPTS = [[5, 17, 42, 9, 100, 3, 77], [8, 8, 250], [1 + i % 200 for i in range(21)]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def _llm(path: Path, **kwargs: Any) -> LLM:
+    return LLM(str(path), device="cpu", dtype="float32", block_size=4, **kwargs)
+
+
+def _greedy(llm: LLM) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+CASES = {
+    "gptq4-sym": dict(fmt="gptq", bits=4, group_size=32, sym=True, desc_act=False),
+    "gptq4-asym-act": dict(fmt="gptq", bits=4, group_size=16, sym=False, desc_act=True),
+    "gptq8-channel": dict(fmt="gptq", bits=8, group_size=-1, sym=True, desc_act=True),
+    "awq": dict(fmt="awq", group_size=32),
+    "llama-awq": dict(fmt="awq", group_size=16, arch="LlamaForCausalLM"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_int_checkpoint_matches_hf_on_dequantized_weights(tmp_path: Path, case: str) -> None:
+    opts = dict(CASES[case])
+    fmt, arch = opts.pop("fmt"), opts.pop("arch", "Qwen3ForCausalLM")
+    src = make_tiny_checkpoint(tmp_path / "src", str(arch))
+    writer = gptq_checkpoint if fmt == "gptq" else awq_checkpoint
+    writer(src, tmp_path / "q", tmp_path / "ref", **opts)  # type: ignore[operator]
+    llm = _llm(tmp_path / "q")
+    # the loaded (CPU: dequantized once) weights are the reference's, shard by shard
+    ref = load_file(tmp_path / "ref" / "model.safetensors")
+    layer = llm.engine.runner.model.model.layers[0]
+    qkv = layer.self_attn.qkv_proj
+    assert type(qkv) is not IntLinearMixin and isinstance(qkv, LinearBase)
+    q_rows = ref["model.layers.0.self_attn.q_proj.weight"].shape[0]
+    torch.testing.assert_close(qkv.weight[:q_rows], ref["model.layers.0.self_attn.q_proj.weight"],
+                               rtol=0, atol=0)
+    torch.testing.assert_close(layer.mlp.down_proj.weight,
+                               ref["model.layers.0.mlp.down_proj.weight"], rtol=0, atol=0)
+    expected = [hf_greedy(tmp_path / "ref", p, 8) for p in PROMPTS]
+    assert _greedy(llm) == expected
+
+
+def test_gptq_without_g_idx_and_symmetric_zeros_loads(tmp_path: Path) -> None:
+    """A GPTQ checkpoint may leave out ``g_idx`` (inputs in order) and, when symmetric,
+    ``qzeros`` (midpoints): the layers fill them in."""
+    from safetensors.torch import save_file
+
+    src = make_tiny_checkpoint(tmp_path / "src", "Qwen3ForCausalLM")
+    gptq_checkpoint(src, tmp_path / "q", tmp_path / "ref", bits=4, group_size=32, sym=True)
+    path = tmp_path / "q" / "model.safetensors"
+    tensors = {n: t for n, t in load_file(path).items() if not n.endswith((".g_idx", ".qzeros"))}
+    save_file(tensors, path)
+    expected = [hf_greedy(tmp_path / "ref", p, 8) for p in PROMPTS]
+    assert _greedy(_llm(tmp_path / "q")) == expected
+
+
+def test_triton_layers_match_the_dequantized_layers(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The integer layer's own forward (the Triton kernel under the interpreter, ``desc_act``
+    input order included) against the plain layer the CPU makes of it, on a fused gate/up."""
+    src = make_tiny_checkpoint(tmp_path / "src", "Qwen3ForCausalLM")
+    gptq_checkpoint(src, tmp_path / "q", tmp_path / "ref", bits=4, group_size=16, sym=False,
+                    desc_act=True)
+    tensors = load_file(tmp_path / "q" / "model.safetensors")
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    quant = int_quant_config_of(type("C", (), {"quantization_config":
+                                               config["quantization_config"]})(), None)
+    assert quant is not None and quant.desc_act
+
+    def build() -> IntLinearMixin:
+        model = torch.nn.Sequential(MergedColumnLinear(hidden, [inter, inter]))
+        assert apply_int_quant(model, quant, ["0"]) == 1
+        layer = model[0]
+        assert isinstance(layer, IntLinearMixin)
+        for shard, part in enumerate(("gate_proj", "up_proj")):
+            for t in ("qweight", "qzeros", "scales", "g_idx"):
+                param = getattr(layer, t)
+                param.weight_loader(param, tensors[f"model.layers.0.mlp.{part}.{t}"], shard)
+        return layer
+
+    monkeypatch.setenv("MRV2_KERNELS", "triton")  # the kernel, interpreted, on CPU tensors
+    kernel_layer = build()
+    kernel_layer.order_inputs()  # (what process_weights_after_loading does on a GPU)
+    assert kernel_layer.input_order is not None and kernel_layer.qzeros is not None
+    plain = build()
+    plain.process_weights_after_loading()  # the CPU's: dequantized, plain
+    assert type(plain) is MergedColumnLinear
+    x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(kernel_layer(x), plain(x), rtol=1e-4, atol=1e-5)
+
+
+def _with_qc(tmp_path: Path, qc: dict[str, object]) -> Path:
+    src = make_tiny_checkpoint(tmp_path / "src", "Qwen3ForCausalLM")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = qc
+    (src / "config.json").write_text(json.dumps(config))
+    return src
+
+
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False}
+
+
+@pytest.mark.parametrize("qc,requested,match", [
+    ({**GPTQ, "bits": 3}, None, r"quantization_config.bits = 3: allowed values are 4, 8"),
+    ({**GPTQ, "group_size": 0}, None, r"quantization_config.group_size = 0"),
+    ({**GPTQ, "checkpoint_format": "marlin"}, None, r"checkpoint_format = 'marlin'"),
+    ({"quant_method": "awq", "bits": 8, "group_size": 32}, None, r"bits = 8: allowed values are 4"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, None,
+     r"version = 'gemv'"),
+    (GPTQ, "awq", r"quantization='awq': the checkpoint is 'gptq'"),
+    (GPTQ, "fp8", r"quantization='fp8'"),
+    ({"quant_method": "bitsandbytes"}, None, r"quant_method = 'bitsandbytes': allowed values"),
+])
+def test_bad_int_quantization_config_names_the_field(tmp_path: Path, qc: dict[str, object],
+                                                      requested: str | None, match: str) -> None:
+    src = _with_qc(tmp_path, qc)
+    with pytest.raises(ValueError, match=match):
+        _llm(src, quantization=requested)
+
+
+def test_gptq_on_a_float_checkpoint_needs_dummy_weights(tmp_path: Path) -> None:
+    src = make_tiny_checkpoint(tmp_path / "src", "Qwen3ForCausalLM")
+    with pytest.raises(ValueError, match=r"quantization='gptq' needs a checkpoint quantized so"):
+        _llm(src, quantization="gptq")
+    with pytest.raises(ValueError, match=r"(?s)quantization.*'fp8', 'gptq', 'awq'"):  # the flag
+        EngineConfig.from_kwargs(model=str(src), quantization="int3")
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq_marlin"])
+def test_random_integer_weights_run(tmp_path: Path, method: str) -> None:
+    """``load_format="dummy"`` with an integer method: every linear layer gets random 4-bit
+    weights (the benchmarks' setting); they decode finite logits."""
+    src = make_tiny_checkpoint(tmp_path / "src", "Qwen3ForCausalLM")
+    llm = _llm(src, load_format="dummy", quantization=method)
+    tokens = _greedy(llm)
+    assert all(len(t) == 8 for t in tokens)
+    with pytest.raises(ValueError, match=r"not for a (GPTQ|AWQ) model"):
+        llm.engine.update_weights([])
+
+
+def test_quantized_experts_are_refused(tmp_path: Path) -> None:
+    """A checkpoint quantizing routed experts names the layer before any weight loads."""
+    model = torch.nn.Module()
+    model.experts = torch.nn.Module()  # type: ignore[assignment]
+    quant = int_quant_config_of(type("C", (), {"quantization_config": GPTQ})(), None)
+    assert quant is not None
+    with pytest.raises(ValueError, match=r"routed experts \(mlp.experts.0.gate_proj"):
+        apply_int_quant(model, quant, ["mlp.experts.0.gate_proj"])
