@@ -79,6 +79,27 @@ def test_gptq_without_g_idx_and_symmetric_zeros_loads(tmp_path: Path) -> None:
     assert _greedy(_llm(tmp_path / "q")) == expected
 
 
+def test_gptq_v2_zero_points_load_as_stored(tmp_path: Path) -> None:
+    """``checkpoint_format: "gptq_v2"`` stores zero points as they are (v1: one less)."""
+    from safetensors.torch import save_file
+
+    from mrv2_kernels.wna16_gemm import pack_along_k, unpack_along_k
+
+    src = make_tiny_checkpoint(tmp_path / "src", "Qwen3ForCausalLM")
+    gptq_checkpoint(src, tmp_path / "q", tmp_path / "ref", bits=4, group_size=16, sym=False)
+    path = tmp_path / "q" / "model.safetensors"
+    tensors = load_file(path)
+    for name in [n for n in tensors if n.endswith(".qzeros")]:  # packed along N: transpose
+        zeros = unpack_along_k(tensors[name].T.contiguous(), 4).to(torch.int64) + 1
+        tensors[name] = pack_along_k(zeros, 4).T.contiguous()
+    save_file(tensors, path)
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    config["quantization_config"]["checkpoint_format"] = "gptq_v2"
+    (tmp_path / "q" / "config.json").write_text(json.dumps(config))
+    expected = [hf_greedy(tmp_path / "ref", p, 8) for p in PROMPTS]
+    assert _greedy(_llm(tmp_path / "q")) == expected
+
+
 def test_triton_layers_match_the_dequantized_layers(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The integer layer's own forward (the Triton kernel under the interpreter, ``desc_act``
