@@ -33,6 +33,7 @@ LAYERS = [
     "runner",        # the step path
     "executor",      # one runner, or rank 0's runner and its tensor-parallel workers
     "testing",       # helpers for tests of mrv2 and its plugins
+    "testing_quant", # GPTQ / AWQ checkpoint writers for tests (imports nothing of mrv2)
     "engine",        # scheduler, block manager, engine loop, LLM
     "bench",         # benchmarks
     "entrypoints",   # CLI and server
