@@ -87,12 +87,13 @@ class ModelConfig(_Section):
     load_format: Literal["auto", "safetensors", "dummy"] = Field(
         default="auto", description="'dummy' draws random weights (benchmarks)"
     )
-    quantization: Literal["fp8", "gptq", "awq", "gptq_marlin", "awq_marlin"] | None = Field(
+    quantization: Literal["fp8", "gptq", "awq", "gptq_marlin", "awq_marlin",
+                          "compressed-tensors"] | None = Field(
         default=None,
         description="'fp8': quantize the linear layers' weights to block-scaled FP8 (128 x 128 "
-        "blocks) at load time; 'gptq' / 'awq' (or vLLM's 'gptq_marlin' / 'awq_marlin'): the "
-        "checkpoint's integer weights, or random 4-bit ones with load_format='dummy'; a "
-        "quantized checkpoint (quantization_config) needs no flag",
+        "blocks) at load time; 'gptq' / 'awq' / 'compressed-tensors' (or vLLM's 'gptq_marlin' "
+        "/ 'awq_marlin'): the checkpoint's integer weights, or random 4-bit ones with "
+        "load_format='dummy'; a quantized checkpoint (quantization_config) needs no flag",
     )
     generation_config: str = Field(
         default="auto",

@@ -1,11 +1,12 @@
 """Test helpers for int-quantized checkpoints: save a tiny checkpoint (see
-:func:`mrv2.testing.make_tiny_checkpoint`) as GPTQ (:func:`gptq_checkpoint`) or AWQ
-(:func:`awq_checkpoint`) exactly as those formats are published, plus a "reference" copy with the
-dequantized float weights (what HF should run to match).
+:func:`mrv2.testing.make_tiny_checkpoint`) as GPTQ (:func:`gptq_checkpoint`), AWQ
+(:func:`awq_checkpoint`) or compressed-tensors "pack-quantized"
+(:func:`compressed_tensors_checkpoint`) exactly as those formats are published, plus a
+"reference" copy with the dequantized float weights (what HF should run to match).
 
 The packing here is written from the formats' descriptions, independently of mrv2's kernels and
-layers, so a loader can be tested against it; :func:`unpack_gptq` and :func:`unpack_awq` undo it
-in plain torch (used to check the writers themselves).
+layers, so a loader can be tested against it; :func:`unpack_gptq`, :func:`unpack_awq` and
+:func:`unpack_compressed_tensors` undo it in plain torch (used to check the writers themselves).
 
 Quantized: every 2-D ``*_proj.weight`` outside ``.experts.`` (attention q/k/v/o_proj, MLP
 gate/up/down_proj), a weight ``W`` being ``[N, K]`` = [out_features, in_features] with groups of
@@ -129,6 +130,73 @@ def awq_checkpoint(src: str | Path, dst: str | Path, reference: str | Path, *,
         "version": "gemm", "modules_to_not_convert": None})
 
 
+def compressed_tensors_checkpoint(src: str | Path, dst: str | Path, reference: str | Path, *,
+                                  bits: int = 4, group_size: int = 32, sym: bool = True,
+                                  actorder: bool = False, seed: int = 0) -> None:
+    """Save ``src`` as an llm-compressor / compressed-tensors checkpoint (``format:
+    "pack-quantized"``, W4A16 or W8A16) in ``dst`` and its dequantized twin in ``reference``.
+
+    Values are quantized in the signed range ``[-2**(bits-1), 2**(bits-1) - 1]`` and stored
+    unsigned, plus ``offset = 2**(bits-1)`` (a symmetric 4-bit 0 is stored as 8). Per quantized
+    weight ``<prefix>.weight`` ``[N, K]`` (source dtype ``dtype``), ``dst`` holds (with
+    ``pack = 32 // bits``, ``G`` groups along ``K``):
+
+    - ``<prefix>.weight_packed``: int32 ``[N, K // pack]``, packed along ``K``: word ``j`` of row
+      ``n`` holds column ``pack * j + i`` at bits ``bits * i`` (lowest first);
+    - ``<prefix>.weight_scale``: ``dtype`` ``[N, G]``;
+    - ``<prefix>.weight_zero_point`` (only if not ``sym``): int32 ``[N // pack, G]``, the zero
+      points (plus the offset) packed along ``N``: word row ``j`` holds output row
+      ``pack * j + i`` at bits ``bits * i``;
+    - ``<prefix>.weight_g_idx`` (only with ``actorder``): int32 ``[K]``, the group of each input
+      column, drawn as :func:`gptq_checkpoint` does with ``desc_act`` (one permutation per ``K``
+      from ``seed``);
+    - ``<prefix>.weight_shape``: int64 ``[2]``, ``[N, K]``.
+
+    The dequantized weight is ``(q - zero) * scale`` in float32 (``zero = 0`` if ``sym``), the
+    scale rounded to ``dtype`` first, then cast to ``dtype``. ``group_size=-1`` is the
+    "channel" strategy (one scale per output row, ``G = 1``); ``actorder`` ("group" activation
+    ordering) needs the "group" strategy.
+    """
+    if bits not in (4, 8):
+        raise ValueError(f"compressed-tensors pack-quantized bits must be 4 or 8, got {bits}")
+    if actorder and group_size == -1:
+        raise ValueError("actorder needs the group strategy (group_size != -1)")
+    pack = 32 // bits
+
+    def quantize(name: str, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        n, k = w.shape
+        if k % pack or (not sym and n % pack):
+            raise ValueError(f"{name}: shape {tuple(w.shape)} not a multiple of {pack} (pack)")
+        g_idx = _group_index(k, group_size, actorder, seed, name)
+        # unsigned q and zero of _quantize are the signed ones plus the offset (symmetric: the
+        # zero is the offset, i.e. a signed zero of 0)
+        q, zero, scale, deq = _quantize(w, g_idx, bits, sym, min_zero=0, scale_dtype=w.dtype)
+        prefix = name.removesuffix(".weight")
+        out = {
+            prefix + ".weight_packed": _pack_rows(q, bits).contiguous(),
+            prefix + ".weight_scale": scale.contiguous(),
+            prefix + ".weight_shape": torch.tensor([n, k], dtype=torch.int64),
+        }
+        if not sym:
+            out[prefix + ".weight_zero_point"] = _pack_rows(zero.t(), bits).t().contiguous()
+        if actorder:
+            out[prefix + ".weight_g_idx"] = g_idx.to(torch.int32).contiguous()
+        return out, deq.to(w.dtype).contiguous()
+
+    weights: dict[str, Any] = {
+        "num_bits": bits, "type": "int", "symmetric": sym,
+        "strategy": "channel" if group_size == -1 else "group",
+        "group_size": None if group_size == -1 else group_size,
+        "actorder": "group" if actorder else None, "dynamic": False, "observer": "minmax",
+        "block_structure": None}
+    _rewrite(src, dst, reference, quantize, {
+        "quant_method": "compressed-tensors", "format": "pack-quantized",
+        "quantization_status": "compressed", "ignore": ["lm_head"], "kv_cache_scheme": None,
+        "config_groups": {"group_0": {
+            "targets": ["Linear"], "input_activations": None, "output_activations": None,
+            "weights": weights}}})
+
+
 # -- internals ---------------------------------------------------------------------------------
 
 
@@ -169,12 +237,15 @@ def _group_index(k: int, group_size: int, desc_act: bool, seed: int, name: str) 
     return g_idx
 
 
-def _quantize(w: torch.Tensor, g_idx: torch.Tensor, bits: int, sym: bool, min_zero: int
+def _quantize(w: torch.Tensor, g_idx: torch.Tensor, bits: int, sym: bool, min_zero: int,
+              scale_dtype: torch.dtype = torch.float16
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize ``w`` ``[N, K]`` per (output row, group of ``g_idx``), in float32.
+    """Quantize ``w`` ``[N, K]`` per (output row, group of ``g_idx``), in float32, to unsigned
+    ``[0, 2**bits)`` (symmetric: zero ``2**(bits-1)``).
 
-    Returns ``q`` (int64 ``[N, K]``), ``zero`` (int64 ``[N, G]``), ``scale`` (float16
-    ``[N, G]``) and the dequantized weight ``(q - zero) * scale`` (float32 ``[N, K]``)."""
+    Returns ``q`` (int64 ``[N, K]``), ``zero`` (int64 ``[N, G]``), ``scale`` (``scale_dtype``
+    ``[N, G]``) and the dequantized weight ``(q - zero) * scale`` (float32 ``[N, K]``), the
+    scale rounded to ``scale_dtype`` first."""
     w = w.float()
     n = w.shape[0]
     maxq = 2**bits - 1
@@ -184,8 +255,8 @@ def _quantize(w: torch.Tensor, g_idx: torch.Tensor, bits: int, sym: bool, min_ze
     xmin = torch.zeros(n, num_groups).scatter_reduce(1, index, w, "amin")
     xmax = torch.zeros(n, num_groups).scatter_reduce(1, index, w, "amax")
     scale = torch.maximum(-xmin, xmax) * 2 / maxq if sym else (xmax - xmin) / maxq
-    scale16 = torch.where(scale == 0, 1.0, scale).half()
-    scale16 = torch.where(scale16 == 0, 1.0, scale16)  # underflowed in float16
+    scale16 = torch.where(scale == 0, 1.0, scale).to(scale_dtype)
+    scale16 = torch.where(scale16 == 0, 1.0, scale16)  # underflowed in scale_dtype
     s = scale16.float()
     if sym:
         zero = torch.full((n, num_groups), 2 ** (bits - 1), dtype=torch.int64)
@@ -247,3 +318,21 @@ def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     k = q.shape[0]
     g = torch.arange(k) // (k if group_size == -1 else group_size)
     return ((q - zeros[g]).float() * scales.float()[g]).t()
+
+
+def unpack_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+                              weight_zero_point: torch.Tensor | None,
+                              g_idx: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """Dequantize a compressed-tensors "pack-quantized" weight: ``weight_packed`` int32
+    ``[N, K // pack]``, ``weight_scale`` ``[N, G]``, ``weight_zero_point`` int32
+    ``[N // pack, G]`` (``None``: symmetric), ``g_idx`` ``[K]`` (``None``: column ``k`` in group
+    ``k // (K // G)``). Returns float32 ``[N, K]``."""
+    offset = 2 ** (bits - 1)
+    q = _unpack_rows(weight_packed, bits) - offset  # [N, K], signed
+    k, num_groups = q.shape[1], weight_scale.shape[1]
+    g = torch.arange(k) // (k // num_groups) if g_idx is None else g_idx.long()
+    if weight_zero_point is None:
+        zero = torch.zeros_like(weight_scale, dtype=torch.int64)
+    else:
+        zero = _unpack_rows(weight_zero_point.t(), bits).t() - offset  # [N, G], signed
+    return (q - zero[:, g]).float() * weight_scale.float()[:, g]

@@ -14,15 +14,16 @@ Contract (``x`` ``[M, K]``)::
 
 :func:`wna16_linear_ref` is that in fp32 torch (the weight dequantized first).
 :func:`wna16_linear_triton` never materializes ``W``: a ``[BM, BN]`` output tile walks K in
-``BK`` steps that each lie in one group (``BK`` divides ``G``), loads the packed words of its
-``[BK, BN]`` weight tile (each word once per ``pack`` rows, from cache after the first),
-shifts and masks the integers out, subtracts the zero points and ``tl.dot``\\ s ``x`` with
-those small integers (exact in bf16 / fp16: ``|q - z| <= 255``), and scales the step's
-product by the group's scales into the fp32 accumulator. On the GPU the dot runs in ``x``'s
-dtype on tensor cores; under the interpreter (CPU tests) in fp32, where the bf16 arithmetic
-is wrong. Few rows (decode) split K across programs until they cover the SMs; the last
-program of a tile to arrive sums the fp32 partials in split order (deterministic) and adds
-the bias, one launch in all (:func:`~mrv2_kernels._backend.last_to_arrive`).
+``BK`` steps that each lie in one group (``BK`` divides ``G``), loads the ``[BK / pack,
+BN]`` packed words of its weight tile once, shifts and masks each word's integers out along
+K (a ``[BK / pack, pack, BN]`` tensor viewed ``[BK, BN]``), subtracts the zero points and
+``tl.dot``\\ s ``x`` with those small integers (exact in bf16 / fp16: ``|q - z| <= 255``),
+and scales the step's product by the group's scales into the fp32 accumulator. On the GPU
+the dot runs in ``x``'s dtype on tensor cores; under the interpreter (CPU tests) in fp32,
+where the bf16 arithmetic is wrong. Few rows (decode) split K across programs until they
+cover the SMs; the last program of a tile to arrive sums the fp32 partials in split order
+(deterministic) and adds the bias, one launch in all
+(:func:`~mrv2_kernels._backend.last_to_arrive`).
 
 Tiles (:func:`wna16_tiles`) are first guesses, not yet measured on an H200 (built 2026-12-05
 without a GPU): 16 x 64 x 128 with split-K up to 16 rows, 32 x 64 x 64 to 64 rows, 64 x 128
@@ -188,15 +189,18 @@ def _wna16_kernel(
     col_ok = cols < N
     k0 = pid_s * K_CHUNK  # this program's reduction range [k0, k_end), whole BK steps
     k_end = tl.minimum(k0 + K_CHUNK, K)
-    shifts = ((kk % PACK) * BITS)[:, None]
+    shifts = (tl.arange(0, PACK) * BITS)[None, :, None]
+    wk = tl.arange(0, BK // PACK)
     acc = tl.zeros([BM, BN], tl.float32)
     for kt in tl.range(0, tl.cdiv(k_end - k0, BK), num_stages=STAGES):
         ks = k0 + kt * BK + kk
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + ks[None, :],
                     mask=row_ok[:, None], other=0.0)
-        words = tl.load(qw_ptr + (ks // PACK)[:, None].to(tl.int64) * N + cols[None, :],
+        # each packed word once: [BK / PACK, BN], its PACK integers spread along K
+        word_rows = (k0 + kt * BK) // PACK + wk
+        words = tl.load(qw_ptr + word_rows[:, None].to(tl.int64) * N + cols[None, :],
                         mask=col_ok[None, :], other=0)
-        q = (words >> shifts) & MASK
+        q = tl.reshape((words[:, None, :] >> shifts) & MASK, (BK, BN))
         group = (k0 + kt * BK) // GROUP  # the step lies in one group (BK divides GROUP)
         if HAS_ZEROS:
             z = tl.load(z_ptr + group * N + cols, mask=col_ok, other=0).to(tl.int32)

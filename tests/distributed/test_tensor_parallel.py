@@ -13,7 +13,7 @@ import pytest
 
 from mrv2 import LLM, SamplingParams
 from mrv2.testing import TINY_FAMILIES, TINY_MLA, fp8_checkpoint, make_tiny_checkpoint
-from mrv2.testing_quant import gptq_checkpoint
+from mrv2.testing_quant import compressed_tensors_checkpoint, gptq_checkpoint
 
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3ForCausalLM", {}),
@@ -95,19 +95,22 @@ def test_every_family_passes_the_shardability_check(family: str, tmp_path: Path)
 
 
 @pytest.mark.parametrize("opts", [dict(bits=4, group_size=16, sym=False),
-                                  dict(bits=8, group_size=-1, sym=True)],
-                         ids=["gptq4-asym-g16", "gptq8-channel"])
-def test_gptq_checkpoint_tp2_equals_tp1(tmp_path: Path, opts: dict[str, Any]) -> None:
+                                  dict(bits=8, group_size=-1, sym=True),
+                                  dict(ct=True, bits=4, group_size=16, sym=False)],
+                         ids=["gptq4-asym-g16", "gptq8-channel", "compressed-tensors4-asym"])
+def test_int_checkpoint_tp2_equals_tp1(tmp_path: Path, opts: dict[str, Any]) -> None:
     """Packed integers, scales and zero points split with the weights: rows of
     column-parallel layers, whole groups of row-parallel ones (a single group per output:
-    on every rank)."""
+    on every rank), for GPTQ's layout and compressed-tensors' (packed the other way)."""
     src = make_tiny_checkpoint(tmp_path / "src", "Qwen3ForCausalLM")
-    gptq_checkpoint(src, tmp_path / "q", tmp_path / "ref", **opts)
+    writer = compressed_tensors_checkpoint if opts.pop("ct", False) else gptq_checkpoint
+    writer(src, tmp_path / "q", tmp_path / "ref", **opts)
     assert _tokens(tmp_path / "q", 2) == _tokens(tmp_path / "q", 1)
 
 
 def test_gptq_desc_act_is_refused_under_tp(tmp_path: Path) -> None:
     src = make_tiny_checkpoint(tmp_path / "src", "Qwen3ForCausalLM")
     gptq_checkpoint(src, tmp_path / "q", tmp_path / "ref", desc_act=True)
-    with pytest.raises(Exception, match=r"desc_act = true is not supported for row-parallel"):
+    with pytest.raises(Exception, match=r"desc_act = true \(an activation order\) is not "
+                                        r"supported for row-parallel"):
         _tokens(tmp_path / "q", 2)

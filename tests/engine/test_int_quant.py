@@ -16,10 +16,11 @@ from safetensors.torch import load_file
 
 from mrv2 import LLM, SamplingParams
 from mrv2.config import EngineConfig
-from mrv2.layers.int_quant import IntLinearMixin, apply_int_quant, int_quant_config_of
+from mrv2.layers.int_quant import IntLinearMixin, apply_int_quant
+from mrv2.layers.int_quant_config import int_quant_config_of
 from mrv2.layers.linear import LinearBase, MergedColumnLinear
 from mrv2.testing import hf_greedy, make_tiny_checkpoint
-from mrv2.testing_quant import awq_checkpoint, gptq_checkpoint
+from mrv2.testing_quant import awq_checkpoint, compressed_tensors_checkpoint, gptq_checkpoint
 
 PROMPTS = [[5, 17, 42, 9, 100, 3, 77], [8, 8, 250], [1 + i % 200 for i in range(21)]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -40,7 +41,11 @@ CASES = {
     "gptq8-channel": dict(fmt="gptq", bits=8, group_size=-1, sym=True, desc_act=True),
     "awq": dict(fmt="awq", group_size=32),
     "llama-awq": dict(fmt="awq", group_size=16, arch="LlamaForCausalLM"),
+    "ct4-sym": dict(fmt="ct", bits=4, group_size=32, sym=True),
+    "ct4-asym-actorder": dict(fmt="ct", bits=4, group_size=16, sym=False, actorder=True),
+    "ct8-channel-asym": dict(fmt="ct", bits=8, group_size=-1, sym=False),
 }
+WRITERS = {"gptq": gptq_checkpoint, "awq": awq_checkpoint, "ct": compressed_tensors_checkpoint}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -48,8 +53,7 @@ def test_int_checkpoint_matches_hf_on_dequantized_weights(tmp_path: Path, case: 
     opts = dict(CASES[case])
     fmt, arch = opts.pop("fmt"), opts.pop("arch", "Qwen3ForCausalLM")
     src = make_tiny_checkpoint(tmp_path / "src", str(arch))
-    writer = gptq_checkpoint if fmt == "gptq" else awq_checkpoint
-    writer(src, tmp_path / "q", tmp_path / "ref", **opts)  # type: ignore[operator]
+    WRITERS[str(fmt)](src, tmp_path / "q", tmp_path / "ref", **opts)  # type: ignore[operator]
     llm = _llm(tmp_path / "q")
     # the loaded (CPU: dequantized once) weights are the reference's, shard by shard
     ref = load_file(tmp_path / "ref" / "model.safetensors")
@@ -145,6 +149,11 @@ def _with_qc(tmp_path: Path, qc: dict[str, object]) -> Path:
 
 
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False}
+CT_GROUP = {"targets": ["Linear"], "input_activations": None,
+            "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                        "group_size": 32}}
+CT = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"group_0": CT_GROUP}}
 
 
 @pytest.mark.parametrize("qc,requested,match", [
@@ -157,6 +166,13 @@ GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_
     (GPTQ, "awq", r"quantization='awq': the checkpoint is 'gptq'"),
     (GPTQ, "fp8", r"quantization='fp8'"),
     ({"quant_method": "bitsandbytes"}, None, r"quant_method = 'bitsandbytes': allowed values"),
+    ({**CT, "format": "float-quantized"}, None, r"format = 'float-quantized': only"),
+    ({**CT, "config_groups": {"g": {**CT_GROUP, "input_activations": {"num_bits": 8}}}}, None,
+     r"config_groups.g.input_activations: activation quantization"),
+    ({**CT, "config_groups": {"g": {**CT_GROUP, "weights": {"num_bits": 4, "type": "int",
+                                                            "strategy": "tensor"}}}}, None,
+     r"weights.strategy = 'tensor': allowed values are 'group' and 'channel'"),
+    ({**CT, "config_groups": {"a": CT_GROUP, "b": CT_GROUP}}, None, r"has 2 groups"),
 ])
 def test_bad_int_quantization_config_names_the_field(tmp_path: Path, qc: dict[str, object],
                                                       requested: str | None, match: str) -> None:

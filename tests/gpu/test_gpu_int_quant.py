@@ -14,10 +14,11 @@ import torch
 from safetensors.torch import load_file
 
 from mrv2 import LLM, SamplingParams
-from mrv2.layers.int_quant import IntLinearMixin, apply_int_quant, int_quant_config_of
+from mrv2.layers.int_quant import IntLinearMixin, apply_int_quant
+from mrv2.layers.int_quant_config import int_quant_config_of
 from mrv2.layers.linear import MergedColumnLinear
 from mrv2.testing import hf_greedy, make_tiny_checkpoint
-from mrv2.testing_quant import awq_checkpoint, gptq_checkpoint
+from mrv2.testing_quant import awq_checkpoint, compressed_tensors_checkpoint, gptq_checkpoint
 from mrv2_kernels.wna16_gemm import pack_along_k, wna16_linear_ref, wna16_linear_triton
 
 pytestmark = pytest.mark.gpu
@@ -88,15 +89,18 @@ def test_desc_act_layer_matches_its_dequantized_weight(tmp_path: Path) -> None:
         assert (got - want).norm() / want.norm() < 1e-2
 
 
-@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+@pytest.mark.parametrize("fmt", ["gptq", "awq", "compressed-tensors"])
 def test_int_checkpoint_with_graphs(tmp_path: Path, fmt: str) -> None:
     """fp32 activations (the kernel's fp32 dot): HF's greedy tokens on the dequantized
     weights, graphs on and off; bf16: graphs on and off agree, the first tokens are HF's."""
     src = make_tiny_checkpoint(tmp_path / "src", "Qwen3ForCausalLM", **ARCH)
     if fmt == "gptq":
         gptq_checkpoint(src, tmp_path / "q", tmp_path / "ref", group_size=64, desc_act=True)
-    else:
+    elif fmt == "awq":
         awq_checkpoint(src, tmp_path / "q", tmp_path / "ref", group_size=64)
+    else:
+        compressed_tensors_checkpoint(src, tmp_path / "q", tmp_path / "ref", group_size=64,
+                                      sym=False, actorder=True)
     expected = [hf_greedy(tmp_path / "ref", p, 16) for p in PROMPTS]
     assert _generate(tmp_path / "q", "float32") == expected
     assert _generate(tmp_path / "q", "float32", enforce_eager=True) == expected

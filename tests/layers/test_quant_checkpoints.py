@@ -1,5 +1,5 @@
-"""The GPTQ / AWQ checkpoint writers of mrv2.testing_quant: packed shapes, unpacking back to the
-reference's dequantized weights, and the quantization error bound."""
+"""The GPTQ / AWQ / compressed-tensors checkpoint writers of mrv2.testing_quant: packed shapes,
+unpacking back to the reference's dequantized weights, and the quantization error bound."""
 
 from __future__ import annotations
 
@@ -8,14 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from mrv2.testing import make_tiny_checkpoint
 from mrv2.testing_quant import (
     awq_checkpoint,
+    compressed_tensors_checkpoint,
     gptq_checkpoint,
     is_quantized_weight,
     unpack_awq,
+    unpack_compressed_tensors,
     unpack_gptq,
 )
 
@@ -131,8 +133,6 @@ def test_awq(src: Path, tmp_path: Path, group_size: int) -> None:
 def test_awq_nibble_order(tmp_path: Path) -> None:
     """Hand-built weight: column c of a group constant with value growing with c, so the packed
     nibbles show AWQ's order (column 8j + AWQ_ORDER[i] in nibble i)."""
-    from safetensors.torch import save_file
-
     n, k = 8, 32
     # every row: min 0 and max 15, so scale 1 and zero 0; row r holds q = r + 1 past column 0
     w = torch.zeros(n, k)
@@ -152,3 +152,109 @@ def test_group_size_must_divide(src: Path, tmp_path: Path) -> None:
         gptq_checkpoint(src, tmp_path / "d", tmp_path / "r", group_size=48)
     with pytest.raises(ValueError, match="group_size"):
         awq_checkpoint(src, tmp_path / "d2", tmp_path / "r2", group_size=48)
+    with pytest.raises(ValueError, match="group_size"):
+        compressed_tensors_checkpoint(src, tmp_path / "d3", tmp_path / "r3", group_size=48)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize(("group_size", "actorder"), [(32, False), (32, True), (-1, False)])
+def test_compressed_tensors(src: Path, tmp_path: Path, bits: int, sym: bool, group_size: int,
+                            actorder: bool) -> None:
+    compressed_tensors_checkpoint(src, tmp_path / "dst", tmp_path / "ref", bits=bits,
+                                  group_size=group_size, sym=sym, actorder=actorder, seed=3)
+    source = load_file(src / "model.safetensors")
+    dst, ref, config = _load(tmp_path)
+    assert config["quantization_config"] == {
+        "quant_method": "compressed-tensors", "format": "pack-quantized",
+        "quantization_status": "compressed", "ignore": ["lm_head"], "kv_cache_scheme": None,
+        "config_groups": {"group_0": {
+            "targets": ["Linear"], "input_activations": None, "output_activations": None,
+            "weights": {
+                "num_bits": bits, "type": "int", "symmetric": sym,
+                "strategy": "channel" if group_size == -1 else "group",
+                "group_size": None if group_size == -1 else group_size,
+                "actorder": "group" if actorder else None, "dynamic": False,
+                "observer": "minmax", "block_structure": None}}}}
+    pack = 32 // bits
+    g_by_k: dict[int, torch.Tensor] = {}
+    for prefix in _check_common(source, dst, ref):
+        w = source[prefix + ".weight"]
+        n, k = w.shape
+        groups = 1 if group_size == -1 else k // group_size
+        packed, scale = dst[prefix + ".weight_packed"], dst[prefix + ".weight_scale"]
+        assert packed.dtype == torch.int32 and packed.shape == (n, k // pack)
+        assert scale.dtype == w.dtype and scale.shape == (n, groups)
+        shape = dst[prefix + ".weight_shape"]
+        assert shape.dtype == torch.int64 and shape.tolist() == [n, k]
+        zero_point = dst.get(prefix + ".weight_zero_point")
+        if sym:
+            assert zero_point is None
+        else:
+            assert zero_point is not None
+            assert zero_point.dtype == torch.int32 and zero_point.shape == (n // pack, groups)
+        g_idx = dst.get(prefix + ".weight_g_idx")
+        if actorder:
+            assert g_idx is not None and g_idx.dtype == torch.int32 and g_idx.shape == (k,)
+            assert torch.equal(torch.bincount(g_idx.long()), torch.full((groups,), 32))
+            assert not torch.equal(g_idx.long(), torch.arange(k) // 32)
+            assert torch.equal(g_by_k.setdefault(k, g_idx), g_idx)  # one permutation per K
+            g = g_idx.long()
+        else:
+            assert g_idx is None
+            g = torch.arange(k) // (k // groups)
+        deq = unpack_compressed_tensors(packed, scale, zero_point, g_idx, bits)
+        assert torch.equal(deq.to(w.dtype), ref[prefix + ".weight"])
+        _check_error(w, deq, scale.float()[:, g])
+
+
+def _hand_checkpoint(path: Path, dtype: torch.dtype) -> torch.Tensor:
+    """One ``x.up_proj.weight`` ``[8, 32]``: row ``r`` holds ``(c % 16) - r`` in column ``c``,
+    so its range is ``[-r, 15 - r]`` (asymmetric 4-bit: scale 1, signed zero ``r - 8``)."""
+    w = ((torch.arange(32) % 16)[None, :] - torch.arange(8)[:, None]).to(dtype)
+    path.mkdir()
+    save_file({"x.up_proj.weight": w}, path / "model.safetensors")
+    (path / "config.json").write_text("{}")
+    return w
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compressed_tensors_by_hand(tmp_path: Path, dtype: torch.dtype) -> None:
+    """The unsigned offset, packing along K (weight) and along N (zero points), checked on a
+    hand-built weight; scales in the source dtype."""
+    w = _hand_checkpoint(tmp_path / "src", dtype)
+    compressed_tensors_checkpoint(tmp_path / "src", tmp_path / "dst", tmp_path / "ref", bits=4,
+                                  group_size=32, sym=False)
+    dst = load_file(tmp_path / "dst" / "model.safetensors")
+    ref = load_file(tmp_path / "ref" / "model.safetensors")
+    scale = dst["x.up_proj.weight_scale"]
+    assert scale.dtype == dtype and bool((scale == 1).all())
+    # stored q = signed q + 8 = w + r: column c of every row stores c % 16
+    packed = dst["x.up_proj.weight_packed"]
+    assert packed.shape == (8, 4)
+    assert packed[:, 0].tolist() == [0x76543210] * 8
+    assert packed[:, 1].tolist() == [0xFEDCBA98 - 2**32] * 8  # int32 sign wrap
+    # zero points: signed r - 8, stored r, row r in nibble r of word row 0
+    zero_point = dst["x.up_proj.weight_zero_point"]
+    assert zero_point.shape == (1, 1) and int(zero_point[0, 0]) == 0x76543210
+    assert torch.equal(ref["x.up_proj.weight"], w)  # exact on this grid
+
+    compressed_tensors_checkpoint(tmp_path / "src", tmp_path / "dst_sym", tmp_path / "ref_sym",
+                                  bits=4, group_size=32, sym=True)
+    dst = load_file(tmp_path / "dst_sym" / "model.safetensors")
+    assert "x.up_proj.weight_zero_point" not in dst
+    assert dst["x.up_proj.weight_scale"].dtype == dtype
+    nibbles = ((dst["x.up_proj.weight_packed"].long()[:, :, None] >> (4 * torch.arange(8)))
+               & 15).reshape(8, 32)
+    for r in range(8):  # w[r, r] == 0 is stored as the offset, 8
+        assert int(nibbles[r, r]) == 8 and float(w[r, r]) == 0.0
+    ref = load_file(tmp_path / "ref_sym" / "model.safetensors")
+    deq = unpack_compressed_tensors(dst["x.up_proj.weight_packed"], dst["x.up_proj.weight_scale"],
+                                    None, None, 4)
+    assert torch.equal(deq.to(dtype), ref["x.up_proj.weight"])
+
+
+def test_compressed_tensors_actorder_needs_groups(src: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="actorder"):
+        compressed_tensors_checkpoint(src, tmp_path / "d", tmp_path / "r", group_size=-1,
+                                      actorder=True)

@@ -67,7 +67,7 @@ class WeightOps:
         """ValueError where weights cannot be loaded in place: an fp8 model (quantized at
         load), a GPTQ / AWQ one (repacked at load)."""
         from mrv2.layers.fp8 import fp8_config_of
-        from mrv2.layers.int_quant import int_quant_config_of
+        from mrv2.layers.int_quant_config import int_quant_config_of
 
         hf_config, requested = self.runner.hf_config, self.config.model.quantization
         if fp8_config_of(hf_config, requested) is not None:

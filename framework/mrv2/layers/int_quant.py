@@ -1,5 +1,5 @@
-"""Weight-only integer linear layers from GPTQ and AWQ checkpoints: 4- or 8-bit weights,
-activations in the model dtype (W4A16 / W8A16).
+"""Weight-only integer linear layers from GPTQ, AWQ and compressed-tensors checkpoints: 4- or
+8-bit weights, activations in the model dtype (W4A16 / W8A16).
 
 Formats (``config.json`` ``quantization_config``), per quantized linear layer ``W [N, K]``
 (``N`` outputs, ``K`` inputs, groups of ``G`` inputs):
@@ -16,10 +16,19 @@ Formats (``config.json`` ``quantization_config``), per quantized linear layer ``
   output ``8j + [0, 2, 4, 6, 1, 3, 5, 7][i]``), ``qzeros`` int32 ``[K/G, N/8]`` the same way,
   ``scales`` fp16 ``[K/G, N]``; 4 bits with zero points; ``modules_to_not_convert`` stay in
   the model dtype.
+- **compressed-tensors** ``pack-quantized`` (``quant_method: "compressed-tensors"``;
+  llm-compressor's W4A16 / W8A16): ``weight_packed`` int32 ``[N, K/pack]`` packed along K,
+  each integer stored as its signed value plus ``2**(bits-1)``; ``weight_scale`` ``[N, K/G]``
+  (``[N, 1]``: strategy ``channel``) in the model dtype; ``weight_zero_point`` int32
+  ``[N/pack, K/G]`` packed along N (the same offset; asymmetric only); ``weight_g_idx``
+  ``[K]`` (``actorder: "group"``); ``weight_shape`` ``[N, K]``. Configuration
+  (:mod:`mrv2.layers.int_quant_config`): one config group of ``int`` weights, no activation
+  quantization.
 
-The real weight is ``(q - zero) * scale`` of its group. Both formats load into the one layout
-of :mod:`mrv2_kernels.wna16_gemm` (``qweight [K/pack, N]`` packed along K, ``scales [K/G,
-N]`` kept in the checkpoint's fp16, ``qzeros`` uint8 ``[K/G, N]``). Each checkpoint tensor is
+The real weight is ``(q - zero) * scale`` of its group (compressed-tensors' offsets cancel).
+Every format loads into the one layout of :mod:`mrv2_kernels.wna16_gemm` (``qweight [K/pack,
+N]`` packed along K, ``scales [K/G, N]`` in the checkpoint's dtype, ``qzeros`` uint8 ``[K/G,
+N]``); the parameters keep the checkpoint's names until loading is done. Each checkpoint tensor is
 unpacked on the host, cut to this rank's rows (or inputs) and its shard's place by the layer's
 own tensor-parallel rules (those its float weight follows: fused q/k/v and gate/up,
 column- and row-parallel layers), then packed into place. After loading, zero points that
@@ -38,14 +47,15 @@ as FP8's (:mod:`mrv2.layers.fp8`). With random weights (``load_format="dummy"``)
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch import nn
 
+from mrv2.layers.int_quant_config import IntQuantConfig
 from mrv2.layers.linear import FusedColumnLinear, LinearBase, RowLinear
 from mrv2.layers.weights import apply_moving_only
 from mrv2_kernels.wna16_gemm import (
@@ -57,93 +67,7 @@ from mrv2_kernels.wna16_gemm import (
 
 logger = logging.getLogger(__name__)
 
-#: ``quantization=`` values that name these formats (vLLM's kernel-specific names included:
-#: the checkpoint decides the kernel here).
-INT_METHODS = {"gptq": "gptq", "gptq_marlin": "gptq", "awq": "awq", "awq_marlin": "awq"}
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-#: The quantized tensors of a layer, as the checkpoints name them.
-INT_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
-#: Group size of random weights (``load_format="dummy"``).
-DUMMY_GROUP = 128
-
-
-@dataclass(frozen=True)
-class IntQuantConfig:
-    """A GPTQ or AWQ checkpoint's quantization (module docstring)."""
-
-    method: str
-    """``"gptq"`` or ``"awq"``."""
-    bits: int
-    group_size: int
-    """Inputs per group; -1: one group of all inputs."""
-    sym: bool
-    """Zero points all ``2**(bits-1)`` (GPTQ ``sym``); AWQ: False."""
-    desc_act: bool
-    zeros_minus_one: bool
-    """GPTQ v1: stored zero points are one less than the real ones."""
-    skip: tuple[str, ...] = ()
-    """AWQ's ``modules_to_not_convert``: module name fragments left in the model dtype."""
-    from_checkpoint: bool = True
-
-
-def _getter(qc: Any) -> Any:
-    return qc.get if isinstance(qc, dict) else (lambda k, d=None: getattr(qc, k, d))
-
-
-def quant_method_of(hf_config: Any) -> str | None:
-    """The checkpoint's ``quantization_config.quant_method`` (lower case), or None."""
-    qc = getattr(hf_config, "quantization_config", None)
-    if qc is None:
-        return None
-    method = _getter(qc)("quant_method")
-    return str(method).lower() if method is not None else None
-
-
-def int_quant_config_of(hf_config: Any, requested: str | None) -> IntQuantConfig | None:
-    """The GPTQ / AWQ setting of a model: its ``quantization_config`` when that is GPTQ or
-    AWQ (what the formats allow, else a ValueError naming the field), a random-weight setting
-    for ``requested`` ``"gptq"`` / ``"awq"`` (usable with ``load_format="dummy"`` only, checked
-    at build), else None."""
-    method = quant_method_of(hf_config)
-    if method not in ("gptq", "awq"):
-        if requested in INT_METHODS and method is not None:
-            raise ValueError(f"quantization={requested!r}: the checkpoint is {method!r}")
-        if requested in INT_METHODS:
-            kind = INT_METHODS[requested]
-            return IntQuantConfig(kind, 4, DUMMY_GROUP, kind == "gptq", False, False,
-                                  from_checkpoint=False)
-        return None
-    if requested is not None and INT_METHODS.get(requested) != method:
-        raise ValueError(f"quantization={requested!r}: the checkpoint is {method!r} "
-                         f"(leave quantization unset)")
-    get = _getter(hf_config.quantization_config)
-    field = "config.json quantization_config"
-    bits = get("bits", get("w_bit"))
-    allowed_bits = (4, 8) if method == "gptq" else (4,)
-    if bits not in allowed_bits:
-        raise ValueError(f"{field}.bits = {bits!r}: allowed values are "
-                         f"{', '.join(map(str, allowed_bits))}")
-    group = get("group_size", get("q_group_size"))
-    if not isinstance(group, int) or not (group == -1 or group >= 16):
-        raise ValueError(f"{field}.group_size = {group!r}: allowed values are -1 and sizes "
-                         ">= 16")
-    if method == "awq":
-        version = str(get("version", "gemm")).lower()
-        if version != "gemm":
-            raise ValueError(f"{field}.version = {version!r}: only 'gemm' is supported")
-        if not get("zero_point", True):
-            raise ValueError(f"{field}.zero_point = false: only AWQ with zero points is "
-                             "supported")
-        skip = tuple(get("modules_to_not_convert") or ())
-        return IntQuantConfig("awq", 4, group, False, False, False, skip)
-    fmt = str(get("checkpoint_format", "gptq")).lower()
-    if fmt not in ("gptq", "gptq_v2"):
-        raise ValueError(f"{field}.checkpoint_format = {fmt!r}: allowed values are 'gptq' "
-                         "and 'gptq_v2'")
-    if get("dynamic"):
-        raise ValueError(f"{field}.dynamic: per-module GPTQ overrides are not supported")
-    return IntQuantConfig("gptq", int(bits), group, bool(get("sym", True)),
-                          bool(get("desc_act", False)), fmt == "gptq")
 
 
 def unpack_along_n(packed: torch.Tensor, bits: int, awq_order: bool) -> torch.Tensor:
@@ -172,8 +96,10 @@ class IntLinearMixin(LinearBase):
     input_order: torch.Tensor | None
     model_dtype: torch.dtype = torch.float32
 
-    def int_init(self, quant: IntQuantConfig) -> None:
-        """Replace the float weight by the integer layout's parameters (on its device)."""
+    def int_init(self, quant: IntQuantConfig, dtype: torch.dtype) -> None:
+        """Replace the float weight by the integer layout's parameters (on its device), under
+        the checkpoint's names until :meth:`order_inputs` (after loading) gives them the
+        layout's (``qweight``, ``scales``, ``qzeros``)."""
         n, k = self.output_size, self.input_size
         device = self.weight.device
         group = quant.group_size
@@ -183,49 +109,58 @@ class IntLinearMixin(LinearBase):
             raise ValueError(f"a quantized layer's inputs ({k}) must divide into groups of "
                              f"{group} (quantization_config.group_size)")
         if quant.desc_act and isinstance(self, RowLinear) and self.tp_size > 1:
-            raise ValueError("quantization_config.desc_act = true is not supported for "
-                             "row-parallel layers under tensor parallelism "
+            raise ValueError("quantization_config.desc_act = true (an activation order) is "
+                             "not supported for row-parallel layers under tensor parallelism "
                              "(tensor_parallel_size > 1); use tensor_parallel_size=1")
-        self.quant, self.group = quant, group
+        self.quant, self.group, self.model_dtype = quant, group, dtype
+        # GPTQ and AWQ store fp16 scales, compressed-tensors the model's dtype: kept as stored
+        scale_dtype = dtype if quant.method == "compressed-tensors" else torch.float16
         self.register_buffer("input_order", None, persistent=False)
         del self.weight
         self._int_param("qweight", torch.empty(k * quant.bits // 32, n, dtype=torch.int32,
-                                               device=device), self.qweight_loader)
-        self._int_param("scales", torch.empty(k // group, n, dtype=torch.float16, device=device),
-                        self.group_loader)
+                                               device=device))
+        self._int_param("scales", torch.empty(k // group, n, dtype=scale_dtype, device=device))
         self._int_param("qzeros", torch.empty(k // group, n, dtype=torch.uint8, device=device),
-                        self.group_loader, optional=quant.sym)
-        if quant.method == "gptq":
+                        optional=quant.sym)
+        if quant.method != "awq":
             self._int_param("g_idx", torch.empty(k, dtype=torch.int32, device=device),
-                            self.g_idx_loader, optional=True)
+                            optional=True)
+        if quant.method == "compressed-tensors":  # [N, K] of the whole tensor: checked
+            self._int_param("weight_shape", torch.zeros(2, dtype=torch.int64, device=device),
+                            optional=True)
         if device.type != "meta":
             self.fill_defaults()
 
+    def role(self, role: str) -> nn.Parameter | None:
+        """The parameter of ``role`` (``qweight``, ``scales``, ``qzeros``, ``g_idx``), under
+        whichever name it has now; None where there is none."""
+        param = self._parameters.get(self.quant.name(role))
+        return param if param is not None else self._parameters.get(role)
+
     def fill_defaults(self) -> None:
-        """What a checkpoint may leave out: midpoint zero points (GPTQ ``sym``), ``g_idx``
+        """What a checkpoint may leave out: midpoint zero points (symmetric), ``g_idx``
         ``k // G``; unit scales. (Again once a model built on the meta device is allocated.)"""
         with torch.no_grad():
-            self.scales.data.fill_(1.0)
-            if self.qzeros is not None:
-                self.qzeros.data.fill_(1 << (self.quant.bits - 1))
-            g_idx = self._parameters.get("g_idx")
+            cast(nn.Parameter, self.role("scales")).data.fill_(1.0)
+            zeros, g_idx = self.role("qzeros"), self.role("g_idx")
+            if zeros is not None:
+                zeros.data.fill_(1 << (self.quant.bits - 1))
             if g_idx is not None:
                 g_idx.data.copy_(torch.arange(self.input_size, dtype=torch.int32) // self.group)
 
-    def _int_param(self, name: str, value: torch.Tensor, loader: Any,
-                   optional: bool = False) -> None:
+    def _int_param(self, role: str, value: torch.Tensor, optional: bool = False) -> None:
         param = nn.Parameter(value, requires_grad=False)
-        param.weight_loader = loader  # type: ignore[attr-defined]
+        param.weight_loader = functools.partial(self._load, role)  # type: ignore[attr-defined]
         param.optional = optional  # type: ignore[attr-defined]
-        setattr(self, name, param)
+        self.register_parameter(self.quant.name(role), param)
 
     # ---------------------------------------------------------------- loading
 
     def _place(self, param: nn.Parameter, rows_first: torch.Tensor, shard_id: object,
-               per_group: bool) -> None:
+               per_group: bool, packed: bool) -> None:
         """Copy ``rows_first`` (``[N, K]`` or ``[N, K/G]`` of the whole checkpoint tensor,
-        one row per output) into ``param`` (``[., N]``) at this rank's part of shard
-        ``shard_id``."""
+        one row per output) into ``param`` (``[., N]``; ``packed``: along K) at this rank's
+        part of shard ``shard_id``."""
         start, size = self.shard_rows(shard_id)
         if isinstance(self, FusedColumnLinear) and shard_id is not None:
             part = self.shard_part(rows_first, shard_id)
@@ -243,9 +178,9 @@ class IntLinearMixin(LinearBase):
             part = self.rank_part(rows_first, False)
         target = param.data.narrow(1, start, size)
         value = part.T
-        if param is self.qweight:
+        if packed:
             if value.shape[0] != self.input_size:
-                raise ValueError(f"qweight holds {value.shape[0]} inputs, the layer "
+                raise ValueError(f"the packed weight holds {value.shape[0]} inputs, the layer "
                                  f"{self.input_size} (this rank's)")
             value = pack_along_k(value, self.quant.bits)
         if value.shape != target.shape:
@@ -254,34 +189,48 @@ class IntLinearMixin(LinearBase):
         with torch.no_grad():
             target.copy_(value)
 
-    def qweight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
-                       shard_id: object = None) -> None:
-        """A checkpoint ``qweight`` (GPTQ ``[K/pack, N]``, AWQ ``[K, N/8]``)."""
-        bits = self.quant.bits
-        if loaded.dtype != torch.int32:
-            raise ValueError(f"qweight must be int32, got {loaded.dtype}")
-        if self.quant.method == "awq":
-            ints = unpack_along_n(loaded, bits, awq_order=True)  # [K, N]
-        else:
-            ints = unpack_along_k(loaded, bits)  # [K, N]
-        self._place(param, ints.T, shard_id, per_group=False)
+    def _load(self, role: str, param: nn.Parameter, loaded: torch.Tensor,
+              shard_id: object = None) -> None:
+        """Load a checkpoint tensor of ``role`` (module docstring's formats), whole, into this
+        rank's part of shard ``shard_id``."""
+        method, bits = self.quant.method, self.quant.bits
+        name = self.quant.name(role)
+        if role == "g_idx":
+            return self._load_g_idx(param, loaded, shard_id)
+        if role == "weight_shape":
+            return self._check_shape(loaded, shard_id)
+        if role in ("qweight", "qzeros") and loaded.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {loaded.dtype}")
+        if role == "qweight":  # -> [N, K]
+            if method == "awq":  # [K, N/8], AWQ's order
+                rows_first = unpack_along_n(loaded, bits, awq_order=True).T
+            elif method == "gptq":  # [K/pack, N]
+                rows_first = unpack_along_k(loaded, bits).T
+            else:  # compressed-tensors [N, K/pack]
+                rows_first = unpack_along_n(loaded, bits, awq_order=False)
+            return self._place(param, rows_first, shard_id, per_group=False, packed=True)
+        if role == "qzeros":  # -> [N, K/G]
+            if method == "compressed-tensors":  # [N/pack, K/G], packed along the outputs
+                zeros = unpack_along_k(loaded, bits)
+            else:  # [K/G, N/pack]
+                zeros = unpack_along_n(loaded, bits, method == "awq").T
+                if self.quant.zeros_minus_one:
+                    zeros = ((zeros.to(torch.int32) + 1) & ((1 << bits) - 1)).to(torch.uint8)
+            return self._place(param, zeros, shard_id, per_group=True, packed=False)
+        if not loaded.is_floating_point():
+            raise ValueError(f"{name} must be floating point, got {loaded.dtype}")
+        scales = loaded if method == "compressed-tensors" else loaded.T  # -> [N, K/G]
+        return self._place(param, scales, shard_id, per_group=True, packed=False)
 
-    def group_loader(self, param: nn.Parameter, loaded: torch.Tensor,
-                     shard_id: object = None) -> None:
-        """A checkpoint ``scales`` (``[K/G, N]``) or ``qzeros`` (int32 ``[K/G, N/pack]``)."""
-        if param is self.qzeros:
-            if loaded.dtype != torch.int32:
-                raise ValueError(f"qzeros must be int32, got {loaded.dtype}")
-            zeros = unpack_along_n(loaded, self.quant.bits, self.quant.method == "awq")
-            if self.quant.zeros_minus_one:
-                zeros = (zeros.to(torch.int32) + 1) & ((1 << self.quant.bits) - 1)
-            loaded = zeros.to(torch.uint8)
-        elif not loaded.is_floating_point():
-            raise ValueError(f"scales must be floating point, got {loaded.dtype}")
-        self._place(param, loaded.T, shard_id, per_group=True)
+    def _check_shape(self, loaded: torch.Tensor, shard_id: object) -> None:
+        """compressed-tensors' ``weight_shape`` (the whole tensor's ``[N, K]``): its ``K``
+        must be the layer's."""
+        full_in = getattr(self, "full_input_size", self.input_size)
+        if loaded.numel() != 2 or int(loaded[1]) != full_in:
+            raise ValueError(f"weight_shape {loaded.tolist()} of shard {shard_id!r} does not "
+                             f"have this layer's {full_in} inputs")
 
-    def g_idx_loader(self, param: nn.Parameter, loaded: torch.Tensor,
-                     shard_id: object = None) -> None:
+    def _load_g_idx(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object) -> None:
         """A checkpoint ``g_idx`` ``[K]``: this rank's inputs'; the shards of a fused layer must
         agree."""
         full = getattr(self, "full_input_size", self.input_size)
@@ -306,7 +255,7 @@ class IntLinearMixin(LinearBase):
 
     def _apply(self, fn: Any, recurse: bool = True) -> IntLinearMixin:
         # ``model.to(dtype)`` must move the fp16 scales, never cast them
-        apply_moving_only(self, ["scales"],
+        apply_moving_only(self, list({self.quant.name("scales"), "scales"}),
                           lambda f: super(IntLinearMixin, self)._apply(f, recurse), fn)
         return self
 
@@ -318,10 +267,15 @@ class IntLinearMixin(LinearBase):
                 self._become_plain()
 
     def order_inputs(self) -> None:
-        """Order a ``desc_act`` layer's inputs by group (its packed rows, and the gather of
-        its input), drop zero points that are all the midpoint."""
+        """Give the tensors the layout's names, order a ``desc_act`` layer's inputs by group
+        (its packed rows, and the gather of its input), drop zero points that are all the
+        midpoint."""
         with torch.no_grad():
-            g_idx = self._parameters.pop("g_idx", None)
+            for role in ("qweight", "scales", "qzeros"):
+                param = self._parameters.pop(self.quant.name(role))
+                self.register_parameter(role, param)
+            g_idx = self._parameters.pop(self.quant.name("g_idx"), None)
+            self._parameters.pop("weight_shape", None)
             self.__dict__.pop("_g_idx_shards", None)
             k = self.input_size
             if g_idx is not None:
@@ -376,15 +330,17 @@ class IntLinearMixin(LinearBase):
 _INT_CLASSES: dict[type[LinearBase], type[IntLinearMixin]] = {}
 
 
-def to_int(layer: LinearBase, quant: IntQuantConfig) -> IntLinearMixin:
-    """Turn ``layer`` into its integer-weight variant in place (before loading)."""
+def to_int(layer: LinearBase, quant: IntQuantConfig,
+           dtype: torch.dtype = torch.float32) -> IntLinearMixin:
+    """Turn ``layer`` into its integer-weight variant in place (before loading); ``dtype``:
+    the model's (what the CPU dequantizes to)."""
     cls = type(layer)
     if cls not in _INT_CLASSES:
         _INT_CLASSES[cls] = cast(type[IntLinearMixin], type(
             f"Int{cls.__name__}", (IntLinearMixin, cls), {"base_class": cls}))
     layer.__class__ = _INT_CLASSES[cls]
     int_layer = cast(IntLinearMixin, layer)
-    int_layer.int_init(quant)
+    int_layer.int_init(quant, dtype)
     return int_layer
 
 
@@ -408,7 +364,7 @@ def apply_int_quant(model: nn.Module, quant: IntQuantConfig,
             continue
         if chosen is None and any(s in name for s in quant.skip):
             continue
-        to_int(module, quant).model_dtype = dtype
+        to_int(module, quant, dtype)
         count += 1
     if chosen is not None and count < len(chosen):
         missing = sorted(chosen - {n for n, m in model.named_modules()
@@ -426,18 +382,19 @@ def fill_int_defaults(model: nn.Module) -> None:
 
 
 def int_layer_names(model: nn.Module, names: Iterable[str]) -> list[str]:
-    """The model's layer names the checkpoint's ``*.qweight`` tensors load into (through the
-    model's ``rename`` and stacking)."""
+    """The model's layer names the checkpoint's packed weights (``*.qweight``,
+    ``*.weight_packed``) load into (through the model's ``rename`` and stacking)."""
     from mrv2.layers.weights import checkpoint_target
 
     rename = getattr(model, "rename", lambda name: name)
     stacked = getattr(model, "stacked_params", ())
     out = []
     for name in names:
-        if name.endswith(".qweight"):
+        suffix = next((s for s in (".qweight", ".weight_packed") if name.endswith(s)), None)
+        if suffix is not None:
             target = checkpoint_target(name, stacked, rename)
             if target is not None:
-                out.append(target[0][: -len(".qweight")])
+                out.append(target[0][: -len(suffix)])
     return out
 
 
@@ -449,18 +406,20 @@ def draw_int_weights(model: nn.Module, seed: int, std: float) -> None:
         for module in model.modules():
             if not isinstance(module, IntLinearMixin):
                 continue
-            dev = module.qweight.device
+            qweight, scales = module.role("qweight"), module.role("scales")
+            zeros = module.role("qzeros")
+            assert qweight is not None and scales is not None
+            dev = qweight.device
             g = gen.setdefault(dev, torch.Generator(dev).manual_seed(seed))
             top = 1 << 31
-            module.qweight.data.copy_(torch.randint(-top, top, module.qweight.shape,
-                                                    generator=g, device=dev,
-                                                    dtype=torch.int64).to(torch.int32))
+            qweight.data.copy_(torch.randint(-top, top, qweight.shape, generator=g, device=dev,
+                                             dtype=torch.int64).to(torch.int32))
             levels = 1 << module.quant.bits
-            module.scales.data.fill_(std * (12 ** 0.5) / levels)
-            if module.qzeros is not None and not module.quant.sym:
+            scales.data.fill_(std * (12 ** 0.5) / levels)
+            if zeros is not None and not module.quant.sym:
                 mid = levels // 2
-                module.qzeros.data.copy_(torch.randint(mid - 1, mid + 2, module.qzeros.shape,
-                                                       generator=g, device=dev))
+                zeros.data.copy_(torch.randint(mid - 1, mid + 2, zeros.shape, generator=g,
+                                               device=dev))
 
 
 def log_int_memory(model: nn.Module, dtype: torch.dtype) -> None:

@@ -11,7 +11,7 @@ from torch import nn
 
 from mrv2.config import EngineConfig
 from mrv2.layers.fp8 import Fp8Config
-from mrv2.layers.int_quant import IntQuantConfig
+from mrv2.layers.int_quant_config import IntQuantConfig
 from mrv2.registry import ModelEntry, Registries, import_object
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -126,7 +126,8 @@ def build_model(
     """Instantiate the registered model class on ``device`` and load (or draw) its weights."""
     from mrv2.layers.embedding import PoolingLogits
     from mrv2.layers.fp8 import fp8_config_of, log_fp8_memory
-    from mrv2.layers.int_quant import fill_int_defaults, int_quant_config_of, log_int_memory
+    from mrv2.layers.int_quant import fill_int_defaults, log_int_memory
+    from mrv2.layers.int_quant_config import int_quant_config_of
     from mrv2.model_loader.classification import add_score_head, is_classifier, score_from_tokens
 
     architectures = list(getattr(hf_config, "architectures", None) or [])
