@@ -189,7 +189,7 @@ def test_gptq_on_a_float_checkpoint_needs_dummy_weights(tmp_path: Path) -> None:
         EngineConfig.from_kwargs(model=str(src), quantization="int3")
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq_marlin"])
+@pytest.mark.parametrize("method", ["gptq", "awq_marlin", "compressed-tensors"])
 def test_random_integer_weights_run(tmp_path: Path, method: str) -> None:
     """``load_format="dummy"`` with an integer method: every linear layer gets random 4-bit
     weights (the benchmarks' setting); they decode finite logits."""
