@@ -197,7 +197,7 @@ def test_random_integer_weights_run(tmp_path: Path, method: str) -> None:
     llm = _llm(src, load_format="dummy", quantization=method)
     tokens = _greedy(llm)
     assert all(len(t) == 8 for t in tokens)
-    with pytest.raises(ValueError, match=r"not for a (GPTQ|AWQ) model"):
+    with pytest.raises(ValueError, match=r"not for a (GPTQ|AWQ|COMPRESSED-TENSORS) model"):
         llm.engine.update_weights([])
 
 
