@@ -150,6 +150,7 @@ def _paged_attn_kernel(
     slot_ptr: tl.tensor,
     long_qlen: tl.tensor,
     num_reqs: tl.tensor,
+    window: tl.tensor,
     GROUP: tl.constexpr,
     GROUP_P2: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -169,6 +170,7 @@ def _paged_attn_kernel(
     FLAT: tl.constexpr = False,
     REQ_BLOCK: tl.constexpr = 16,
     ONE_TOKEN: tl.constexpr = 0,
+    SLIDING: tl.constexpr = False,
 ) -> None:
     # Heaviest query tiles (latest positions) first: better tail balance in causal prefill.
     # FLAT: program_id(0) counts every request's tiles (see flat_query_tile), the last ones
@@ -271,15 +273,18 @@ def _paged_attn_kernel(
     elif KV_FP8:  # fp16 dots (see the key loop): bf16 -> fp16 is exact within fp16's range
         q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
-    # Keys this tile can see: [0, kv_end); split `split` takes one chunk of them.
+    # Keys this tile can see: [kv_start, kv_end); split `split` takes one chunk of them.
     kv_end = tl.minimum(ctx_len + tile_start + BLOCK_Q, seq_len)
     kv_end = tl.maximum(kv_end, 0)
+    kv_start = kv_end * 0
+    if SLIDING:  # the tile's first row sees keys from its position - window + 1 (whole tiles)
+        kv_start = (tl.maximum(ctx_len + tile_start - window + 1, 0) // BLOCK_N) * BLOCK_N
     if USE_SPLITS:
-        chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
-        lo = split * chunk
+        chunk = tl.cdiv(tl.cdiv(kv_end - kv_start, num_splits), BLOCK_N) * BLOCK_N
+        lo = kv_start + split * chunk
         hi = tl.minimum(lo + chunk, kv_end)
     else:
-        lo = kv_end * 0
+        lo = kv_start
         hi = kv_end
     if ROPE:
         # This step's keys and values (its query tokens' positions, [ctx_len, seq_len)) go
@@ -303,9 +308,12 @@ def _paged_attn_kernel(
         tl.store(v_ptr + slot_row + offs_d[None, :], kv_store_cast(v_new, v_ptr),
                  mask=new_ok[:, None])
         tl.debug_barrier()
-    # Keys below every row's position need no mask (and are all < seq_len).
+    # Keys below every row's position need no mask (and are all < seq_len); with a sliding
+    # window every tile takes the masked loop (its lower edge moves with each row).
     full_end = tl.minimum(hi, ctx_len + tile_start + 1)
     mid = lo + (tl.maximum(full_end - lo, 0) // BLOCK_N) * BLOCK_N
+    if SLIDING:
+        mid = lo
 
     m_i = tl.full([BLOCK_M], _M_INIT, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -338,6 +346,8 @@ def _paged_attn_kernel(
     for start in range(mid, hi, BLOCK_N):
         n = start + offs_n
         n_ok = n < seq_len
+        if SLIDING:  # keys before every row's window are not read (their blocks may be gone)
+            n_ok &= n > ctx_len + tile_start - window
         blk = tl.load(bt_row + n // KV_BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         kv_off = (
             blk[:, None] * stride_kb
@@ -353,8 +363,11 @@ def _paged_attn_kernel(
         elif KV_FP8:  # an fp8 cache: the dots run in fp16 (e4m3 -> f16 is one cvt a pair)
             k = k.to(tl.float16)
             v = v.to(tl.float16)
-        acc, m_i, l_i = _online_step(q, k, v, acc, m_i, l_i, qk_scale,
-                                     n[None, :] <= pos[:, None], True, DOT_FP32, FP32_PRECISION)
+        visible = n[None, :] <= pos[:, None]
+        if SLIDING:
+            visible &= n[None, :] > pos[:, None] - window
+        acc, m_i, l_i = _online_step(q, k, v, acc, m_i, l_i, qk_scale, visible, True, DOT_FP32,
+                                     FP32_PRECISION)
 
     if USE_SPLITS:
         part = (q_row * num_heads + head) * num_splits + split
@@ -442,8 +455,13 @@ def paged_attention(
     rope: FusedRope | None = None,
     flat_grid: bool | None = None,
     one_token_apart: bool | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of ``query`` ``[T, H, D]`` over ``kv_cache``; see the module doc.
+
+    ``sliding_window``: a query at position ``p`` sees keys ``p - sliding_window + 1 .. p``
+    only; its programs start at the first key tile their first row sees (decode reads the
+    window, not the context), mask every tile, and never take the TMA prefill path.
 
     With ``rope``, ``query`` is raw (not yet normalized or rotated) and this call also stores
     the step's key and value in the cache (see :class:`FusedRope`).
@@ -507,7 +525,10 @@ def paged_attention(
         # as a padding token.
         out = torch.empty_like(query)
     long_qlen = 0
-    if step_kv is not None and max_query_len >= (tile := tma_prefill_min_query(query)):
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+    if (step_kv is not None and sliding_window is None
+            and max_query_len >= (tile := tma_prefill_min_query(query))):
         # Prefill on Hopper: requests of a query tile or more read the step's own keys through
         # TMA, in their own kernel; the paged kernel below takes the rest (and the padding).
         long_qlen = tile
@@ -540,14 +561,15 @@ def paged_attention(
             block_table, scale * _LOG2E, p.num_q_tiles, num_heads, query.stride(0),
             query.stride(1), out.stride(0), out.stride(1), key_cache.stride(0),
             key_cache.stride(1), key_cache.stride(2), block_table.stride(0), p.num_splits,
-            num_tokens, *rope_args, flags.pop("long_qlen", 0), num_reqs,
+            num_tokens, *rope_args, flags.pop("long_qlen", 0), num_reqs, sliding_window or 0,
             GROUP=group, GROUP_P2=next_power_of_2(group), BLOCK_Q=p.block_q, BLOCK_M=p.block_m,
             BLOCK_N=p.block_n, HEAD_DIM=head_dim, KV_BLOCK_SIZE=block_size,
             USE_SPLITS=p.num_splits > 1, DOT_FP32=dot_fp32,
             # fp32 models on GPU: 3xTF32 tensor-core dots (about fp32 accurate); interpreter:
             # exact.
             FP32_PRECISION="tf32x3" if on_gpu else "ieee", num_warps=p.num_warps,
-            num_stages=p.num_stages, EARLY_META=pdl_early_meta(query), **flags, **pdl(query),
+            num_stages=p.num_stages, EARLY_META=pdl_early_meta(query),
+            SLIDING=sliding_window is not None, **flags, **pdl(query),
         )
 
     if apart:

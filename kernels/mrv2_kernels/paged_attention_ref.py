@@ -41,11 +41,13 @@ def paged_attention_ref(
     max_seq_len: int,
     num_reqs: int,
     uniform_decode: bool = False,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Plain-torch reference of :func:`paged_attention` (fp32 math, same outputs contract).
 
     Reads ``query_start_loc``/``seq_lens`` on the host (a sync on GPU): meant for tests and CPU.
     ``max_query_len``/``max_seq_len``/``uniform_decode`` are accepted for signature parity.
+    ``sliding_window``: a query at position ``p`` sees keys ``p - sliding_window + 1 .. p``.
     """
     del max_query_len, max_seq_len, uniform_decode
     num_heads, num_kv_heads, head_dim, block_size = _check_inputs(query, kv_cache)
@@ -59,7 +61,8 @@ def paged_attention_ref(
         if qlen <= 0 or seq_len <= 0:
             continue
         ctx_len = seq_len - qlen
-        n = torch.arange(seq_len, device=query.device)
+        first = 0 if sliding_window is None else max(0, ctx_len - sliding_window + 1)
+        n = torch.arange(first, seq_len, device=query.device)  # (earlier keys: never read)
         blocks = block_table[i, n // block_size].long()
         k = kv_cache[0, blocks, n % block_size].float()  # [S, Hk, D]
         v = kv_cache[1, blocks, n % block_size].float()
@@ -72,6 +75,8 @@ def paged_attention_ref(
             scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, c, S]
             qpos = ctx_len + torch.arange(c0, c1, device=query.device)
             visible = n[None, :] <= qpos[:, None]  # [c, S]
+            if sliding_window is not None:
+                visible &= n[None, :] > qpos[:, None] - sliding_window
             scores = scores.masked_fill(~visible[None], float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             probs = torch.nan_to_num(probs, nan=0.0)  # rows with no visible key -> zeros

@@ -46,20 +46,29 @@ class CpuAttentionPlan:
     """``[B * Q]`` int64 token row of each padded query; None: the tokens are ``[B, Q]``."""
     out_rows: torch.Tensor | None = None
     """``[real tokens]`` int64 padded-query row of each token; None: the identity."""
-    group_masks: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    query_pos: torch.Tensor | None = None
+    """``[B, Q]`` int64 position of each padded query (for sliding windows)."""
+    group_masks: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)
 
-    def mask_for(self, group: int) -> torch.Tensor | None:
-        """The mask over ``[B, 1, Q * group, L]`` query rows (row ``j * group + g``)."""
-        if group not in self.group_masks:
+    def mask_for(self, group: int, window: int | None = None) -> torch.Tensor | None:
+        """The mask over ``[B, 1, Q * group, L]`` query rows (row ``j * group + g``); with
+        ``window``, each query's last ``window`` keys only."""
+        key = (group, window or 0)
+        if key not in self.group_masks:
             mask = self.mask
+            if window is not None and self.query_pos is not None:
+                b, q = self.query_pos.shape
+                pos = torch.arange(self.max_seq_len)
+                recent = (pos > self.query_pos[:, :, None] - window).view(b, 1, q, 1, -1)
+                mask = recent if mask is None else mask & recent
             if mask is not None:
                 b, _, q, _, length = mask.shape
                 if q == 1:
                     mask = mask.view(b, 1, 1, length)  # broadcasts over the group's rows
                 else:
                     mask = mask.expand(b, 1, q, group, length).reshape(b, 1, q * group, length)
-            self.group_masks[group] = mask
-        return self.group_masks[group]
+            self.group_masks[key] = mask
+        return self.group_masks[key]
 
 
 def plan_for(metadata: AttentionMetadata) -> CpuAttentionPlan:
@@ -98,12 +107,14 @@ def _build_plan(metadata: AttentionMetadata) -> CpuAttentionPlan:
     if not equal:  # padding keys read the request's first slot: written, so finite
         slots = torch.where(in_seq, slots, slots[:, :1])
     mask = None
+    # causal: query j of a request sees positions <= seq_len - qlen + j
+    q_pos = (seq - torch.tensor(qlens)[:, None]) + torch.arange(q_max)  # [B, Q]
     if q_max == 1:
         if not equal:
             mask = in_seq.view(n, 1, 1, 1, l_max)
-    else:  # causal: query j of a request sees positions <= seq_len - qlen + j
-        q_pos = (seq - torch.tensor(qlens)[:, None]) + torch.arange(q_max)  # [B, Q]
+    else:
         mask = ((pos <= q_pos[:, :, None]) & in_seq[:, None, :]).view(n, 1, q_max, 1, l_max)
+    plan.query_pos = q_pos
     if not (all(q == q_max for q in qlens) and starts[0] == 0):  # not already [B, Q]
         rows = [starts[b] + min(j, max(qlens[b] - 1, 0)) for b in range(n) for j in range(q_max)]
         plan.query_rows = torch.tensor(rows, dtype=torch.int64).clamp_(max=num_tokens - 1)
@@ -145,9 +156,11 @@ def write_kv_cpu(
 
 
 def paged_attention_cpu(
-    query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+    query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Causal GQA attention of ``query`` ``[T, H, D]`` over the paged cache; ``[T, H, D]``."""
+    """Causal GQA attention of ``query`` ``[T, H, D]`` over the paged cache; ``[T, H, D]``;
+    ``sliding_window``: each query's last that many keys (its own included) only."""
     num_tokens, num_heads, head_dim = query.shape
     plan = plan_for(metadata)
     if plan.num_reqs == 0:
@@ -169,7 +182,8 @@ def paged_attention_cpu(
         q = q.reshape(n, num_kv_heads, q_len * group, head_dim)
     if q.dtype != torch.float32:
         q = q.float()
-    out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=plan.mask_for(group),
+    out = F.scaled_dot_product_attention(q, kv[0], kv[1],
+                                         attn_mask=plan.mask_for(group, sliding_window),
                                          scale=scale)  # [B, Hk, Q * G, D]
     if q_len == 1:
         out = out.view(n, num_heads, head_dim)

@@ -29,6 +29,7 @@ class TorchAttentionBackend(PagedAttentionBackend):
 
     name = "torch"
     fp8_kv_cache = True
+    sliding_window = True
 
     def write_kv(
         self,
@@ -53,11 +54,14 @@ class TorchAttentionBackend(PagedAttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Causal GQA attention of ``query`` ``[T, H, D]``; returns ``[T, H, D]``."""
         if query.device.type == "cpu":
-            return paged_attention_cpu(query, kv_cache, metadata, scale)
-        return self.forward_reference(query, kv_cache, metadata, scale)
+            return paged_attention_cpu(query, kv_cache, metadata, scale, sliding_window)
+        return self.forward_reference(query, kv_cache, metadata, scale,
+                                      sliding_window=sliding_window)
 
     def write_kv_reference(
         self,
@@ -96,6 +100,8 @@ class TorchAttentionBackend(PagedAttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """The device-agnostic :meth:`forward` (no host reads)."""
         num_tokens, num_heads, head_dim = query.shape
@@ -128,6 +134,8 @@ class TorchAttentionBackend(PagedAttentionBackend):
 
         scores = torch.einsum("bqhgd,blhd->bhgql", q, k) * scale
         mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, Q, L]; real queries: < seq_len
+        if sliding_window is not None:
+            mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
         scores = scores.masked_fill(~mask[:, None, None], torch.finfo(torch.float32).min)
         probs = torch.softmax(scores, dim=-1)
         out = torch.einsum("bhgql,blhd->bqhgd", probs, v).reshape(num_reqs, max_q, num_heads, -1)

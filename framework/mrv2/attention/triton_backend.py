@@ -25,6 +25,7 @@ class TritonAttentionBackend(PagedAttentionBackend):
     name = "triton"
     fp8_kv_cache = True
     kv_write_in_rope = True
+    sliding_window = True
 
     def __init__(self) -> None:
         # Split decode steps (decode and spec decode at small batches) rotate the query and
@@ -48,8 +49,10 @@ class TritonAttentionBackend(PagedAttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
-        return self._attend(query, kv_cache, metadata, scale, None)
+        return self._attend(query, kv_cache, metadata, scale, None, sliding_window)
 
     def forward_rope(
         self,
@@ -60,16 +63,19 @@ class TritonAttentionBackend(PagedAttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         rope: RopeInputs,
+        *,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         fused = FusedRope(rope.positions, rope.cos_sin, key, value, metadata.slot_mapping,
                           rope.qk_norm)
-        return self._attend(query, kv_cache, metadata, scale, fused)
+        return self._attend(query, kv_cache, metadata, scale, fused, sliding_window)
 
     @staticmethod
     def _attend(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                scale: float, rope: FusedRope | None) -> torch.Tensor:
+                scale: float, rope: FusedRope | None, window: int | None) -> torch.Tensor:
         return paged_attention(
             query, kv_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
             scale, max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len,
             num_reqs=metadata.num_reqs, uniform_decode=metadata.uniform_decode, rope=rope,
+            sliding_window=window,
         )

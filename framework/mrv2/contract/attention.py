@@ -95,6 +95,11 @@ class PagedAttentionBackend(AttentionBackend, ABC):
     ) -> None:
         """Store ``key``/``value`` ``[T, num_kv_heads, head_dim]`` at ``slot_mapping`` slots."""
 
+    sliding_window: bool = False
+    """Whether :meth:`forward` and :meth:`forward_rope` take ``sliding_window``: a query at
+    position ``p`` then sees only keys at positions ``p - sliding_window + 1 .. p`` (Gemma,
+    Mistral's local layers; HF's ``sliding_window`` counts the query's own key)."""
+
     @abstractmethod
     def forward(
         self,
@@ -102,11 +107,15 @@ class PagedAttentionBackend(AttentionBackend, ABC):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Causal attention of ``query`` ``[T, num_heads, head_dim]`` over the paged cache.
 
         Grouped-query attention: query head ``h`` reads KV head ``h // (num_heads //
         num_kv_heads)``. Returns ``[T, num_heads, head_dim]`` in the query's dtype.
+        ``sliding_window`` (where :attr:`sliding_window` says so): the last that many keys
+        up to each query's position only; None: every key up to it.
         """
 
     rope_in_attention: bool = False
@@ -122,6 +131,8 @@ class PagedAttentionBackend(AttentionBackend, ABC):
         metadata: AttentionMetadata,
         scale: float,
         rope: RopeInputs,
+        *,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """:meth:`write_kv` and :meth:`forward` of the rotated query and key, from the raw
         ``query`` ``[T, num_heads, head_dim]``, ``key``/``value`` ``[T, num_kv_heads *

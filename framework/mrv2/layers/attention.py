@@ -20,13 +20,18 @@ class Attention(KVCacheLayer):
     """
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
             )
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+        #: Keys a query sees, its own included (None: all before it); HF's ``sliding_window``.
+        self.sliding_window = sliding_window
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -59,6 +64,11 @@ class Attention(KVCacheLayer):
         kv_cache = ctx.kv_cache(self.layer_idx)
         backend = ctx.backend(self.layer_idx)
         num_tokens = q.shape[0]
+        window = self.sliding_window
+        if window is not None and not backend.sliding_window:
+            raise ValueError(f"layer {self.layer_idx} attends over a sliding window of "
+                             f"{window}; the {backend.name!r} attention backend has none")
+        extra = {} if window is None else {"sliding_window": window}
         kv_write = None
         if rotary is not None:
             if positions is None:
@@ -67,7 +77,7 @@ class Attention(KVCacheLayer):
             if table is not None:
                 query = q.reshape(num_tokens, self.num_heads, self.head_dim)
                 out = backend.forward_rope(query, k, v, kv_cache, ctx.metadata, self.scale,
-                                           RopeInputs(positions, table, qk_norm))
+                                           RopeInputs(positions, table, qk_norm), **extra)
                 return out.reshape(num_tokens, self.num_heads * self.head_dim)
             if backend.kv_write_in_rope:
                 kv_write = (v, kv_cache, ctx.metadata.slot_mapping)
@@ -77,11 +87,12 @@ class Attention(KVCacheLayer):
             value = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
             backend.write_kv(key, value, kv_cache, ctx.metadata.slot_mapping)
         query = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        out = backend.forward(query, kv_cache, ctx.metadata, self.scale)
+        out = backend.forward(query, kv_cache, ctx.metadata, self.scale, **extra)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:
         return (
             f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"scale={self.scale}, layer_idx={self.layer_idx}"
+            + (f", sliding_window={self.sliding_window}" if self.sliding_window else "")
         )
