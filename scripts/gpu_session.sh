@@ -18,9 +18,10 @@
 # latency's lora_* variants at batch 1 / 8 / 64 on Qwen3-0.6B and Qwen3-8B; lorabench: the kernel tests and
 # the bench only), pooling (mrv2 bench pooling: embedding and classification throughput),
 # sleep (mrv2 bench sleep: sleep mode's seconds and memory),
-# intquant (the thirty-third's GPTQ / AWQ / compressed-tensors layers: their GPU and kernel
-# tests on CUDA, then mrv2 bench latency's gptq_w4 / awq_w4 / fp8_w8 variants at batch 1 / 8 /
-# 64 on Qwen3-8B and Qwen3-0.6B; intbench: the bench only),
+# intquant (the thirty-third's GPTQ / AWQ / compressed-tensors layers and sliding-window
+# attention with Gemma 3: their GPU and kernel tests on CUDA, then mrv2 bench latency's
+# gptq_w4 / awq_w4 / fp8_w8 variants at batch 1 / 8 / 64 on Qwen3-8B and Qwen3-0.6B;
+# intbench: the bench only),
 # graphtimes (scripts/decode_graph_times.py: each decode graph's replay time by size),
 # streamk (scripts/proto_streamk.py: a stream-K GEMM against cuBLAS at 8B decode shapes), attn,
 # splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile, mixed,
@@ -200,10 +201,11 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
            # of random 4-bit GPTQ (symmetric) and AWQ (zero points) weights against bf16 and
            # block-FP8 ones, Qwen3-8B then Qwen3-0.6B (~4 min)
            if [ "$step" = intquant ]; then
-             timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu \
-               tests/gpu/test_gpu_int_quant.py 2>&1 | tee "$OUT/int_gpu_tests.log" | tail -3
-             timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_wna16_gemm.py \
-               2>&1 | tee "$OUT/int_kernel_tests.log" | tail -3
+             timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
+               tests/gpu/test_gpu_int_quant.py tests/gpu/test_gpu_gemma.py 2>&1 \
+               | tee "$OUT/int_gpu_tests.log" | tail -3
+             timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_wna16_gemm.py \
+               tests/kernels/test_sliding_window.py 2>&1 | tee "$OUT/int_kernel_tests.log" | tail -3
            fi
            for m in Qwen3-8B Qwen3-0.6B; do
              timeout 200 python3 -m mrv2.entrypoints.cli bench latency --model $m \

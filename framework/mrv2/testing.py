@@ -40,7 +40,16 @@ TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                         "n_group": 1, "topk_group": 1}),
     "deepseek-v2-lite": ("DeepseekV2ForCausalLM", {**TINY_MLA, "q_lora_rank": None,
                                                    "topk_method": "greedy"}),
+    # a local (sliding-window) layer, then a global one with linearly scaled RoPE
+    "gemma3": ("Gemma3ForCausalLM", {
+        "head_dim": 16, "sliding_window": 5, "query_pre_attn_scalar": 24,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                            "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                               "rope_theta": 1e6}}}),
 }
+#: Config classes whose name is not the architecture's prefix + ``Config``.
+_CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
 
 
 def make_tiny_checkpoint(
@@ -55,7 +64,8 @@ def make_tiny_checkpoint(
     """
     import transformers
 
-    config_cls: Any = getattr(transformers, architecture.split("For")[0] + "Config")
+    config_cls: Any = getattr(transformers, _CONFIG_CLASSES.get(
+        architecture, architecture.split("For")[0] + "Config"))
     model_cls: Any = getattr(transformers, architecture)
     config = config_cls(**{**TINY, "eos_token_id": 1, "bos_token_id": 0, **overrides})
     config.architectures = [architecture]

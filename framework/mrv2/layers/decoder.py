@@ -50,11 +50,14 @@ class SelfAttention(nn.Module):
     ``qkv_bias`` / ``o_bias`` put biases on the projections (Qwen3 and Llama: both per
     ``attention_bias``; GLM-4.x: q/k/v only), ``qk_norm`` adds Qwen3's
     ``q_norm`` / ``k_norm`` (built with ``rms_norm_eps``), fused into the rotation.
+    ``scale``: the scores' factor (default ``head_dim ** -0.5``); ``sliding_window``: the keys
+    a query sees, its own included (a local layer's; None: all before it).
     """
 
     def __init__(
         self, config: Any, layer_idx: int, rope: RotaryEmbedding, *, qkv_bias: bool = False,
-        o_bias: bool = False, qk_norm: bool = False,
+        o_bias: bool = False, qk_norm: bool = False, scale: float | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim_of(config)
@@ -72,7 +75,8 @@ class SelfAttention(nn.Module):
         self.rotary_emb = rope
         self.attn = Attention(  # this rank's heads
             self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, self.head_dim,
-            self.head_dim**-0.5, layer_idx
+            self.head_dim**-0.5 if scale is None else scale, layer_idx,
+            sliding_window=sliding_window,
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -98,7 +102,7 @@ def norm_mlp(
     A :class:`~mrv2.layers.mlp.GatedMLP` runs its gate/up projection fused with the norm
     (:func:`~mrv2.layers.linear.norm_linear`); any other MLP (a MoE block) after the norm.
     """
-    if isinstance(mlp, GatedMLP):
+    if isinstance(mlp, GatedMLP) and mlp.hidden_act == "silu":
         act, residual = norm_linear(norm, mlp.gate_up_proj, x, residual, silu_and_mul=True)
         return mlp.down_proj(act), residual
     if residual is None:

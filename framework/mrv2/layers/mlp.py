@@ -5,15 +5,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mrv2.layers.activation import SiluAndMul
+from mrv2.layers.activation import ACTIVATIONS
 from mrv2.layers.linear import MergedColumnLinear, RowLinear
 
 
 class GatedMLP(nn.Module):
-    """``down_proj(silu(gate_proj(x)) * up_proj(x))`` with gate and up fused into one
-    ``gate_up_proj`` (checkpoint tensors ``gate_proj`` / ``up_proj`` load as its shards 0 / 1).
+    """``down_proj(act(gate_proj(x)) * up_proj(x))`` with gate and up fused into one
+    ``gate_up_proj`` (checkpoint tensors ``gate_proj`` / ``up_proj`` load as its shards 0 / 1);
+    ``act``: SiLU (SwiGLU, ``hidden_act="silu"``) or the tanh-approximated GELU (GeGLU,
+    ``"gelu_pytorch_tanh"``: Gemma).
 
-    A decoder layer may fuse the norm before it with ``gate_up_proj``
+    A decoder layer may fuse the norm before a SwiGLU with ``gate_up_proj``
     (:func:`mrv2.layers.norm_linear` with ``silu_and_mul=True``) and call ``down_proj`` itself.
     """
 
@@ -22,12 +24,14 @@ class GatedMLP(nn.Module):
         bias: bool = False,
     ) -> None:
         super().__init__()
-        if hidden_act != "silu":
-            raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {hidden_act!r}")
+        if hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act must be one of {', '.join(map(repr, ACTIVATIONS))}, "
+                             f"got {hidden_act!r}")
+        self.hidden_act = hidden_act
         self.gate_up_proj = MergedColumnLinear(
             hidden_size, [intermediate_size, intermediate_size], bias=bias
         )
-        self.act_fn = SiluAndMul()
+        self.act_fn = ACTIVATIONS[hidden_act]()
         self.down_proj = RowLinear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

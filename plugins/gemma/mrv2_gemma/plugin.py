@@ -1,0 +1,12 @@
+"""mrv2 plugin entry point of the Gemma family: registers its architectures, lazily."""
+
+from collections.abc import Callable
+
+from mrv2 import hookimpl
+
+
+@hookimpl
+def mrv2_register_models(register: Callable[..., None]) -> None:
+    """Gemma 3's text decoder (Gemma 3 1B, and any ``Gemma3ForCausalLM`` checkpoint); it uses
+    the core's default decoder-only ModelState."""
+    register("Gemma3ForCausalLM", "mrv2_gemma.model:Gemma3ForCausalLM")

@@ -1,0 +1,106 @@
+"""Gemma3ForCausalLM against HF transformers: prefill and decode logits through the paged
+cache (local layers' windows shorter than the prompts, a global layer with linearly scaled
+RoPE, norms as offsets, scaled embeddings), greedy tokens through the engine, bad configs."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from mrv2 import LLM, SamplingParams
+from mrv2.layers import head_dim_of
+from mrv2.model_loader import iter_safetensors, load_model_weights
+from mrv2.testing import (
+    TEST_BLOCK_SIZE,
+    TEST_NUM_BLOCKS,
+    TINY_FAMILIES,
+    hf_greedy,
+    make_tiny_checkpoint,
+    poisoned_caches,
+    redraw_weights,
+    run_step,
+)
+from mrv2_gemma.model import Gemma3ForCausalLM
+
+LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+
+
+def _config(**overrides: Any) -> transformers.Gemma3TextConfig:
+    config = transformers.Gemma3TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+        sliding_window=4, query_pre_attn_scalar=24, layer_types=LAYERS,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                            "rope_theta": 1e6}},
+        **overrides)
+    config.architectures = ["Gemma3ForCausalLM"]
+    return config
+
+
+def _save(config: transformers.Gemma3TextConfig, path: Path) -> torch.nn.Module:
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForCausalLM(config).eval()
+    redraw_weights(hf)  # (norm offsets drawn far from 0 too)
+    hf.save_pretrained(path)
+    return hf
+
+
+def test_logits_match_hf(tmp_path: Path) -> None:
+    hf = _save(_config(), tmp_path)
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    model = Gemma3ForCausalLM(config)
+    load_model_weights(model, iter_safetensors(tmp_path))
+    windows = [layer.self_attn.attn.sliding_window for layer in model.model.layers]
+    assert windows == [4, None, 4, None]
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (9, 3, 13)]
+    max_blocks = math.ceil(16 / TEST_BLOCK_SIZE)
+    perm = torch.randperm(TEST_NUM_BLOCKS, generator=gen).tolist()
+    tables = [perm[i * max_blocks : (i + 1) * max_blocks] for i in range(len(prompts))]
+    caches = poisoned_caches(config.num_key_value_heads, head_dim_of(config),
+                             config.num_hidden_layers)
+    prefill, _ = run_step(model, caches, tables, [0] * len(prompts), prompts, num_pad=2)
+    with torch.no_grad():
+        for prompt, logits in zip(prompts, prefill, strict=True):
+            expected = hf(torch.tensor([prompt])).logits[0]
+            torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    next_tokens = torch.randint(0, 128, (len(prompts),), generator=gen).tolist()
+    decode, _ = run_step(model, caches, tables, [len(p) for p in prompts],
+                         [[t] for t in next_tokens])
+    with torch.no_grad():
+        for prompt, token, logits in zip(prompts, next_tokens, decode, strict=True):
+            expected = hf(torch.tensor([prompt + [token]])).logits[0, -1:]
+            torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_tokens_match_hf_through_the_engine(tmp_path: Path) -> None:
+    """Prompts and outputs past the window, chunked prefill and the prefix cache on."""
+    arch, overrides = TINY_FAMILIES["gemma3"]
+    path = make_tiny_checkpoint(tmp_path / "m", arch, **overrides)
+    prompts = [[5, 17, 42, 9, 100, 3, 77, 8, 8, 250], [3 + i for i in range(9)] + [40], [64]]
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4,
+              max_num_batched_tokens=8)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(path, p, 10) for p in prompts]
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    ({"final_logit_softcapping": 30.0}, r"final_logit_softcapping = 30.0: soft-capping"),
+    ({"attn_logit_softcapping": 50.0}, r"attn_logit_softcapping = 50.0"),
+])
+def test_unsupported_configs_name_the_field(tmp_path: Path, overrides: dict[str, Any],
+                                            match: str) -> None:
+    _save(_config(), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(overrides)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=match):
+        LLM(str(tmp_path), device="cpu", dtype="float32")
