@@ -10,6 +10,7 @@ from mrv2.layers.decoder import (
     DecoderModel,
     SelfAttention,
     head_dim_of,
+    sliding_window_of,
     norm_mlp,
 )
 from mrv2.layers.embedding import LMHead, VocabEmbedding
@@ -52,6 +53,7 @@ __all__ = [
     "VocabEmbedding",
     "get_rope",
     "head_dim_of",
+    "sliding_window_of",
     "norm_linear",
     "norm_mlp",
     "rope_parameters_of",

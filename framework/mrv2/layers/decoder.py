@@ -35,6 +35,22 @@ STACKED_PARAMS: StackedMapping = (
 )
 
 
+def sliding_window_of(config: Any, layer_idx: int) -> int | None:
+    """The keys a query of layer ``layer_idx`` sees, as HF applies ``config.sliding_window``:
+    on the layers ``config.layer_types`` calls ``"sliding_attention"`` (Gemma 3, Qwen2 with
+    ``use_sliding_window``), else on every layer unless ``use_sliding_window`` is false
+    (Mistral: every layer); None: all keys before it."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return int(window) if types[layer_idx] == "sliding_attention" else None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
+
+
 def head_dim_of(config: Any) -> int:
     """``config.head_dim``, or ``hidden_size // num_attention_heads`` when it is unset."""
     head_dim = getattr(config, "head_dim", None)
@@ -50,14 +66,13 @@ class SelfAttention(nn.Module):
     ``qkv_bias`` / ``o_bias`` put biases on the projections (Qwen3 and Llama: both per
     ``attention_bias``; GLM-4.x: q/k/v only), ``qk_norm`` adds Qwen3's
     ``q_norm`` / ``k_norm`` (built with ``rms_norm_eps``), fused into the rotation.
-    ``scale``: the scores' factor (default ``head_dim ** -0.5``); ``sliding_window``: the keys
-    a query sees, its own included (a local layer's; None: all before it).
+    ``scale``: the scores' factor (default ``head_dim ** -0.5``). Local layers attend over
+    the config's sliding window (:func:`sliding_window_of`).
     """
 
     def __init__(
         self, config: Any, layer_idx: int, rope: RotaryEmbedding, *, qkv_bias: bool = False,
         o_bias: bool = False, qk_norm: bool = False, scale: float | None = None,
-        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim_of(config)
@@ -76,7 +91,7 @@ class SelfAttention(nn.Module):
         self.attn = Attention(  # this rank's heads
             self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, self.head_dim,
             self.head_dim**-0.5 if scale is None else scale, layer_idx,
-            sliding_window=sliding_window,
+            sliding_window=sliding_window_of(config, layer_idx),
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:

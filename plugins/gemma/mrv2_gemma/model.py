@@ -97,10 +97,9 @@ class Gemma3DecoderLayer(nn.Module):
         super().__init__()
         kind = config.layer_types[layer_idx]
         bias = bool(getattr(config, "attention_bias", False))
-        self.self_attn = SelfAttention(
+        self.self_attn = SelfAttention(  # (local layers: the window, from layer_types)
             config, layer_idx, ropes[kind], qkv_bias=bias, o_bias=bias, qk_norm=True,
-            scale=float(config.query_pre_attn_scalar) ** -0.5,
-            sliding_window=int(config.sliding_window) if kind == "sliding_attention" else None)
+            scale=float(config.query_pre_attn_scalar) ** -0.5)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size,
                             config.hidden_activation)
         hidden, eps = config.hidden_size, config.rms_norm_eps
