@@ -10,8 +10,8 @@ from mrv2.layers.decoder import (
     DecoderModel,
     SelfAttention,
     head_dim_of,
-    sliding_window_of,
     norm_mlp,
+    sliding_window_of,
 )
 from mrv2.layers.embedding import LMHead, VocabEmbedding
 from mrv2.layers.linear import (
