@@ -205,9 +205,10 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                tests/gpu/test_gpu_int_quant.py tests/gpu/test_gpu_gemma.py 2>&1 \
                | tee "$OUT/int_gpu_tests.log" | tail -3
              timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_wna16_gemm.py \
-               tests/kernels/test_sliding_window.py 2>&1 | tee "$OUT/int_kernel_tests.log" | tail -3
+               tests/kernels/test_sliding_window.py tests/kernels/test_fused_moe_int.py 2>&1 \
+               | tee "$OUT/int_kernel_tests.log" | tail -3
            fi
-           for m in Qwen3-8B Qwen3-0.6B; do
+           for m in Qwen3-8B Qwen3-0.6B Qwen3-30B-A3B; do
              timeout 200 python3 -m mrv2.entrypoints.cli bench latency --model $m \
                --variants gptq_w4 awq_w4 fp8_w8 --new-tokens 256 --json "$OUT/int_$m.json" \
                > "$OUT/int_$m.log" 2>&1

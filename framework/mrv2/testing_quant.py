@@ -11,11 +11,29 @@ layers, so a loader can be tested against it; :func:`unpack_gptq`, :func:`unpack
 Quantized: every 2-D ``*_proj.weight`` outside ``.experts.`` (attention q/k/v/o_proj, MLP
 gate/up/down_proj), a weight ``W`` being ``[N, K]`` = [out_features, in_features] with groups of
 ``group_size`` along ``K``. Everything else is copied unchanged.
+
+With ``experts=True`` the routed experts of an MoE checkpoint are quantized too, stored as
+published GPTQ / AWQ / compressed-tensors MoE checkpoints (e.g. Qwen3-30B-A3B-GPTQ-Int4) store
+them: one quantized layer per expert and projection, ``<p>.experts.{e}.gate_proj.<tensors>``,
+``<p>.experts.{e}.up_proj.<tensors>`` and ``<p>.experts.{e}.down_proj.<tensors>``, each with
+exactly the tensors of a dense layer. Two source layouts are read:
+
+- per expert, ``<p>.experts.{e}.{gate,up,down}_proj.weight`` (what transformers 5's
+  ``save_pretrained`` writes for Qwen3-MoE: it converts back to the original layout on save);
+- transformers 5's in-memory stacked layout, ``<p>.experts.gate_up_proj`` ``[E, 2I, H]`` (each
+  expert's gate rows, then its up rows) and ``<p>.experts.down_proj`` ``[E, H, I]``: expert
+  ``e``'s gate is ``gate_up_proj[e, :I]``, its up ``gate_up_proj[e, I:]``, its down
+  ``down_proj[e]``.
+
+The reference keeps the source's names and shapes (stacked stays stacked, gate and up
+concatenated back), holding the dequantized values. The router (``mlp.gate.weight``) and
+anything else not named ``*_proj.weight`` stays unquantized.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -31,16 +49,28 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 #: ``(name, source weight) -> (tensors for dst, dequantized weight for reference)``
 _Quantizer = Callable[[str, torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]]
 
+#: transformers 5's stacked routed experts: ``<prefix>.experts.{gate_up_proj,down_proj}``
+_STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 
-def is_quantized_weight(name: str, tensor: torch.Tensor) -> bool:
-    """Whether the writers here quantize ``name``: a 2-D ``*_proj.weight`` outside the routed
-    experts (``.experts.``)."""
-    return name.endswith("_proj.weight") and ".experts." not in name and tensor.dim() == 2
+
+def is_quantized_weight(name: str, tensor: torch.Tensor, *, experts: bool = False) -> bool:
+    """Whether the writers here quantize ``name`` as one layer: a 2-D ``*_proj.weight`` outside
+    the routed experts (``.experts.``), or with ``experts`` inside them too (per-expert
+    ``experts.{e}.{gate,up,down}_proj.weight``; stacked experts: :func:`is_stacked_experts`)."""
+    return (name.endswith("_proj.weight") and (experts or ".experts." not in name)
+            and tensor.dim() == 2)
+
+
+def is_stacked_experts(name: str, tensor: torch.Tensor) -> bool:
+    """Whether ``name`` is transformers 5's stacked routed experts: a 3-D
+    ``<prefix>.experts.gate_up_proj`` ``[E, 2I, H]`` or ``<prefix>.experts.down_proj``
+    ``[E, H, I]``, split per expert by the writers when ``experts=True``."""
+    return _STACKED_EXPERTS.match(name) is not None and tensor.dim() == 3
 
 
 def gptq_checkpoint(src: str | Path, dst: str | Path, reference: str | Path, *, bits: int = 4,
                     group_size: int = 32, desc_act: bool = False, sym: bool = True,
-                    seed: int = 0) -> None:
+                    seed: int = 0, experts: bool = False) -> None:
     """Save ``src`` as a GPTQ checkpoint (``checkpoint_format: "gptq"``, i.e. "v1") in ``dst``
     and its dequantized twin in ``reference``.
 
@@ -57,7 +87,9 @@ def gptq_checkpoint(src: str | Path, dst: str | Path, reference: str | Path, *, 
     ``desc_act`` draws one permutation ``perm`` of ``range(K)`` from ``seed`` (the same for every
     weight with that ``K``, so the q/k/v and the gate/up projections of a layer share it): column
     ``perm[i]`` is in group ``i // group_size``. Otherwise column ``k`` is in group
-    ``k // group_size``. ``group_size=-1``: one group of all ``K``.
+    ``k // group_size``. ``group_size=-1``: one group of all ``K``. ``experts``: quantize the
+    routed experts too, one layer per expert and projection (see the module docstring), with
+    the same per-``K`` permutation.
 
     Asymmetric zero points are kept in ``[1, 2**bits - 1]``: a stored ``zero - 1`` never wraps,
     so kernels that add one back with or without masking read the same zero.
@@ -85,11 +117,11 @@ def gptq_checkpoint(src: str | Path, dst: str | Path, reference: str | Path, *, 
     _rewrite(src, dst, reference, quantize, {
         "quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act,
         "sym": sym, "checkpoint_format": "gptq", "static_groups": False,
-        "true_sequential": True, "damp_percent": 0.01})
+        "true_sequential": True, "damp_percent": 0.01}, experts)
 
 
 def awq_checkpoint(src: str | Path, dst: str | Path, reference: str | Path, *,
-                   group_size: int = 32, seed: int = 0) -> None:
+                   group_size: int = 32, seed: int = 0, experts: bool = False) -> None:
     """Save ``src`` as an AWQ checkpoint (4 bits, zero point, GEMM version) in ``dst`` and its
     dequantized twin in ``reference``.
 
@@ -102,7 +134,8 @@ def awq_checkpoint(src: str | Path, dst: str | Path, reference: str | Path, *,
     - ``<prefix>.scales``: float16 ``[G, N]``.
 
     ``seed`` is unused (AWQ has no random part); it is there for symmetry with
-    :func:`gptq_checkpoint`.
+    :func:`gptq_checkpoint`. ``experts``: quantize the routed experts too, one layer per expert
+    and projection (see the module docstring).
     """
     del seed
     order = torch.tensor(AWQ_ORDER)
@@ -127,12 +160,13 @@ def awq_checkpoint(src: str | Path, dst: str | Path, reference: str | Path, *,
 
     _rewrite(src, dst, reference, quantize, {
         "quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
-        "version": "gemm", "modules_to_not_convert": None})
+        "version": "gemm", "modules_to_not_convert": None}, experts)
 
 
 def compressed_tensors_checkpoint(src: str | Path, dst: str | Path, reference: str | Path, *,
                                   bits: int = 4, group_size: int = 32, sym: bool = True,
-                                  actorder: bool = False, seed: int = 0) -> None:
+                                  actorder: bool = False, seed: int = 0,
+                                  experts: bool = False) -> None:
     """Save ``src`` as an llm-compressor / compressed-tensors checkpoint (``format:
     "pack-quantized"``, W4A16 or W8A16) in ``dst`` and its dequantized twin in ``reference``.
 
@@ -155,7 +189,9 @@ def compressed_tensors_checkpoint(src: str | Path, dst: str | Path, reference: s
     The dequantized weight is ``(q - zero) * scale`` in float32 (``zero = 0`` if ``sym``), the
     scale rounded to ``dtype`` first, then cast to ``dtype``. ``group_size=-1`` is the
     "channel" strategy (one scale per output row, ``G = 1``); ``actorder`` ("group" activation
-    ordering) needs the "group" strategy.
+    ordering) needs the "group" strategy. ``experts``: quantize the routed experts too, one
+    layer per expert and projection (see the module docstring), with the same per-``K``
+    permutation under ``actorder``.
     """
     if bits not in (4, 8):
         raise ValueError(f"compressed-tensors pack-quantized bits must be 4 or 8, got {bits}")
@@ -194,16 +230,17 @@ def compressed_tensors_checkpoint(src: str | Path, dst: str | Path, reference: s
         "quantization_status": "compressed", "ignore": ["lm_head"], "kv_cache_scheme": None,
         "config_groups": {"group_0": {
             "targets": ["Linear"], "input_activations": None, "output_activations": None,
-            "weights": weights}}})
+            "weights": weights}}}, experts)
 
 
 # -- internals ---------------------------------------------------------------------------------
 
 
 def _rewrite(src: str | Path, dst: str | Path, reference: str | Path, quantize: _Quantizer,
-             quant_config: dict[str, Any]) -> None:
-    """Copy ``src`` to ``dst`` and ``reference``, quantize its weights into ``dst`` and their
-    dequantized values into ``reference``, and set ``dst``'s ``quantization_config``."""
+             quant_config: dict[str, Any], experts: bool) -> None:
+    """Copy ``src`` to ``dst`` and ``reference``, quantize its weights (with ``experts``, the
+    routed experts too, split per expert if stacked) into ``dst`` and their dequantized values
+    into ``reference``, and set ``dst``'s ``quantization_config``."""
     src, dst, reference = Path(src), Path(dst), Path(reference)
     for out in (dst, reference):
         shutil.copytree(src, out, dirs_exist_ok=True)
@@ -211,7 +248,9 @@ def _rewrite(src: str | Path, dst: str | Path, reference: str | Path, quantize: 
     quantized: dict[str, torch.Tensor] = {}
     dequantized: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
-        if is_quantized_weight(name, t):
+        if experts and is_stacked_experts(name, t):
+            dequantized[name] = _quantize_stacked_experts(name, t, quantize, quantized)
+        elif is_quantized_weight(name, t, experts=experts):
             packed, dequantized[name] = quantize(name, t)
             quantized.update(packed)
         else:
@@ -221,6 +260,33 @@ def _rewrite(src: str | Path, dst: str | Path, reference: str | Path, quantize: 
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = quant_config
     (dst / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _quantize_stacked_experts(name: str, t: torch.Tensor, quantize: _Quantizer,
+                              quantized: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Quantize stacked experts ``name`` (``<prefix>.experts.gate_up_proj`` ``[E, 2I, H]`` or
+    ``<prefix>.experts.down_proj`` ``[E, H, I]``) as one layer per expert and projection
+    (``<prefix>.experts.{e}.{gate,up,down}_proj``), adding their tensors to ``quantized``.
+    Returns the dequantized stack, shaped and typed as ``t``."""
+    match = _STACKED_EXPERTS.match(name)
+    assert match is not None, name
+    prefix, kind = match.groups()
+    if kind == "gate_up_proj" and t.shape[1] % 2:
+        raise ValueError(f"{name}: odd gate_up rows {t.shape[1]}")
+    inter = t.shape[1] // 2
+    parts = []
+    for e in range(t.shape[0]):
+        if kind == "down_proj":
+            layers = [("down_proj", t[e])]
+        else:
+            layers = [("gate_proj", t[e, :inter]), ("up_proj", t[e, inter:])]
+        deq = []
+        for proj, w in layers:
+            packed, d = quantize(f"{prefix}.{e}.{proj}.weight", w.contiguous())
+            quantized.update(packed)
+            deq.append(d)
+        parts.append(torch.cat(deq))
+    return torch.stack(parts).contiguous()
 
 
 def _group_index(k: int, group_size: int, desc_act: bool, seed: int, name: str) -> torch.Tensor:

@@ -45,6 +45,11 @@ quantization runs (:class:`MoeTiles`): by default ``x`` and the activation are q
 each by :func:`~mrv2_kernels.fp8_gemm.per_token_group_quant_fp8_triton`; the tiles can move
 either into the GEMM that reads it (:mod:`~mrv2_kernels.fused_moe_fp8`).
 
+Integer weights (GPTQ / AWQ / compressed-tensors experts, ``int_experts``: packed along K,
+per-row group scales and zero points; :mod:`~mrv2_kernels.fused_moe_int`): the same steps
+with the weight tiles unpacked in the GEMMs (``INT``) and nothing else quantized; the K steps
+divide the group size. Not yet measured on a GPU.
+
 Programs past the real block count exit at once. Tiles are arguments (``block_m`` etc.) with
 per-backend defaults (:func:`moe_tiles`): for decode-sized batches (a few pairs per expert, the
 step bound by reading the hit experts' weights) 16-row blocks and narrow slices, so the
@@ -65,11 +70,13 @@ import triton.language as tl
 from ._backend import cdiv, use_triton
 from .fp8_gemm import FP8_DTYPE, _quant_rows, per_token_group_quant_fp8_triton
 from .fused_moe_fp8 import DEFAULT_BLOCK, _fp8_a_tile, _fp8_dot, _round_to, check_fp8_args
+from .fused_moe_int import IntExperts, _int_tile, check_int_args
 from .fused_moe_ref import _check, fused_moe_ref
 from .moe_align import _ID_DTYPES, _tile, moe_align, moe_align_ref, moe_max_blocks
 from .moe_tiles import MoeTiles, _check_fp8_tiles, moe_tiles
 
 __all__ = [
+    "IntExperts",
     "MoeTiles",
     "fused_moe",
     "fused_moe_ref",
@@ -165,8 +172,14 @@ def _moe_gate_up_kernel(
     W_BN: tl.constexpr,
     W_BK: tl.constexpr,
     ACT_DTYPE: tl.constexpr,
+    wz_ptr: tl.tensor = None,
+    INT: tl.constexpr = False,
+    BITS: tl.constexpr = 4,
+    HAS_ZEROS: tl.constexpr = False,
 ) -> None:
-    """``act`` of one block of sorted pairs and ``BLOCK_N`` intermediate features. ``FP8``:
+    """``act`` of one block of sorted pairs and ``BLOCK_N`` intermediate features. ``INT``:
+    ``w`` holds packed integers, ``ws`` / ``wz`` the rows' group scales and zero points
+    (:mod:`~mrv2_kernels.fused_moe_int`; groups of ``W_BK``). ``FP8``:
     ``w`` is e4m3 with block scales ``ws`` and ``x`` is fp8 with per-(token, group) scales
     ``xs`` or, with ``QUANT_A`` (``BLOCK_K == W_BK``), ``x`` itself quantized step by step
     here; ``QUANT_OUT`` (``BLOCK_N == W_BK``) stores ``act`` quantized, its scales in
@@ -183,10 +196,17 @@ def _moe_gate_up_kernel(
     mask_n = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + token[:, None] * x_s0 + offs_k[None, :]
-    gate_ptrs = w_ptr + expert * w_s0 + offs_n.to(tl.int64)[None, :] * w_s1 + offs_k[:, None]
+    W_STEP: tl.constexpr = BLOCK_K // (32 // BITS) if INT else BLOCK_K  # weight elements/step
+    gate_ptrs = (w_ptr + expert * w_s0 + offs_n.to(tl.int64)[None, :] * w_s1
+                 + tl.arange(0, W_STEP)[:, None])
     up_ptrs = gate_ptrs + inter * w_s1
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if INT:  # the gate and up rows' group scales and zero points (per row)
+        gs_ptrs = ws_ptr + expert * ws_s0 + offs_n.to(tl.int64) * ws_s1
+        us_ptrs = gs_ptrs + inter * ws_s1
+        gz_ptrs = wz_ptr + expert * ws_s0 + offs_n.to(tl.int64) * ws_s1
+        uz_ptrs = gz_ptrs + inter * ws_s1
     if FP8:  # scale rows: the gate and up rows' blocks, the tokens' groups
         gs_ptrs = ws_ptr + expert * ws_s0 + (offs_n // W_BN).to(tl.int64) * ws_s1
         us_ptrs = ws_ptr + expert * ws_s0 + ((offs_n + inter) // W_BN).to(tl.int64) * ws_s1
@@ -201,7 +221,18 @@ def _moe_gate_up_kernel(
             a = tl.load(x_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
             g = tl.load(gate_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
             u = tl.load(up_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if FP8:  # one scale group per step: scale the step's fp32 products, then add
+        if INT:  # one group per step: the small integers' products, scaled, then added
+            grp = (k0 // W_BK) * ws_s2
+            g = _int_tile(g, gz_ptrs + grp, mask_n, BITS, HAS_ZEROS, BLOCK_K, BLOCK_N)
+            u = _int_tile(u, uz_ptrs + grp, mask_n, BITS, HAS_ZEROS, BLOCK_K, BLOCK_N)
+            g_scale = tl.load(gs_ptrs + grp, mask=mask_n, other=0.0).to(tl.float32)
+            u_scale = tl.load(us_ptrs + grp, mask=mask_n, other=0.0).to(tl.float32)
+            a_in = a.to(tl.float32) if UPCAST else a
+            acc_gate += tl.dot(a_in, g.to(a_in.dtype), input_precision=DOT_PRECISION) \
+                * g_scale[None, :]
+            acc_up += tl.dot(a_in, u.to(a_in.dtype), input_precision=DOT_PRECISION) \
+                * u_scale[None, :]
+        elif FP8:  # one scale group per step: scale the step's fp32 products, then add
             a, a_scale = _fp8_a_tile(a, xs_ptrs, valid, k0 // W_BK, QUANT_A, UPCAST)
             g_scale = tl.load(gs_ptrs + (k0 // W_BK) * ws_s2, mask=mask_n, other=0.0)
             u_scale = tl.load(us_ptrs + (k0 // W_BK) * ws_s2, mask=mask_n, other=0.0)
@@ -215,8 +246,8 @@ def _moe_gate_up_kernel(
             acc_gate = tl.dot(a, g, acc_gate, input_precision=DOT_PRECISION)
             acc_up = tl.dot(a, u, acc_up, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
+        gate_ptrs += W_STEP
+        up_ptrs += W_STEP
     if FP8:  # the same roundings, to nearest even on the interpreter too
         gate = _round_to(acc_gate, ACT_DTYPE, UPCAST)
         up = _round_to(acc_up, ACT_DTYPE, UPCAST)
@@ -277,9 +308,14 @@ def _moe_down_kernel(
     QUANT_A: tl.constexpr,
     W_BN: tl.constexpr,
     W_BK: tl.constexpr,
+    wz_ptr: tl.tensor = None,
+    INT: tl.constexpr = False,
+    BITS: tl.constexpr = 4,
+    HAS_ZEROS: tl.constexpr = False,
 ) -> None:
     """``y`` (and, ``FUSED_COMBINE``, ``out``) of one block of sorted pairs and ``BLOCK_N``
-    hidden features. ``FP8``: ``w`` is e4m3 with block scales ``ws`` and ``act`` is fp8 with
+    hidden features. ``INT``: packed integer weights (as the gate/up kernel's). ``FP8``:
+    ``w`` is e4m3 with block scales ``ws`` and ``act`` is fp8 with
     per-(pair, group) scales ``as`` or, with ``QUANT_A`` (``BLOCK_K == W_BK``), ``act`` itself
     quantized step by step here."""
     num_pid_n = tl.cdiv(hidden, BLOCK_N)
@@ -294,8 +330,13 @@ def _moe_down_kernel(
     mask_n = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + pair.to(tl.int64)[:, None] * act_s0 + offs_k[None, :]
-    w_ptrs = w_ptr + expert * w_s0 + offs_n.to(tl.int64)[None, :] * w_s1 + offs_k[:, None]
+    W_STEP: tl.constexpr = BLOCK_K // (32 // BITS) if INT else BLOCK_K
+    w_ptrs = (w_ptr + expert * w_s0 + offs_n.to(tl.int64)[None, :] * w_s1
+              + tl.arange(0, W_STEP)[:, None])
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if INT:
+        s_ptrs = ws_ptr + expert * ws_s0 + offs_n.to(tl.int64) * ws_s1
+        z_ptrs = wz_ptr + expert * ws_s0 + offs_n.to(tl.int64) * ws_s1
     if FP8:
         ws_ptrs = ws_ptr + expert * ws_s0 + (offs_n // W_BN).to(tl.int64) * ws_s1
         as_ptrs = as_ptr + pair.to(tl.int64) * as_s0
@@ -307,7 +348,14 @@ def _moe_down_kernel(
             mask_k = offs_k < inter - k0
             a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if FP8:
+        if INT:
+            grp = (k0 // W_BK) * ws_s2
+            w = _int_tile(w, z_ptrs + grp, mask_n, BITS, HAS_ZEROS, BLOCK_K, BLOCK_N)
+            w_scale = tl.load(s_ptrs + grp, mask=mask_n, other=0.0).to(tl.float32)
+            a_in = a.to(tl.float32) if UPCAST else a
+            acc += tl.dot(a_in, w.to(a_in.dtype), input_precision=DOT_PRECISION) \
+                * w_scale[None, :]
+        elif FP8:
             a, a_scale = _fp8_a_tile(a, as_ptrs, valid, k0 // W_BK, QUANT_A, UPCAST)
             w_scale = tl.load(ws_ptrs + (k0 // W_BK) * ws_s2, mask=mask_n, other=0.0)
             acc += _fp8_dot(a, w, UPCAST) * a_scale[:, None] * w_scale[None, :]
@@ -317,7 +365,7 @@ def _moe_down_kernel(
                 w = w.to(tl.float32)
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        w_ptrs += W_STEP
     token = pair // top_k
     slot = pair - token * top_k
     weight = tl.load(tw_ptr + token.to(tl.int64) * tw_s0 + slot * tw_s1, mask=valid, other=0.0)
@@ -403,7 +451,7 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 def _moe_chunk(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                topk_ids: torch.Tensor, out: torch.Tensor, tiles: MoeTiles,
                fp8: _Fp8 | None = None, valid_tokens: torch.Tensor | None = None,
-               first_token: int = 0) -> None:
+               first_token: int = 0, ints: IntExperts | None = None) -> None:
     """The four steps of the module docstring for ``x`` ``[T > 0, H]``, into ``out``. FP8:
     ``x`` quantized once before the gate/up GEMM (or inside it), the activation in the
     gate/up epilogue, the down GEMM or a kernel of its own (``tiles.act_quant``)."""
@@ -413,6 +461,7 @@ def _moe_chunk(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
     inter = two_i // 2
     num_pairs = num_tokens * top_k
     bm = tiles.block_m
+    int_args: dict[str, object] = {}
     sorted_ids, block_expert, num_post = moe_align(topk_ids, num_experts, bm, valid_tokens,
                                                    first_token)
     max_blocks = block_expert.shape[0]
@@ -422,7 +471,13 @@ def _moe_chunk(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
     a1, a1_scale, s13, s2 = x, y, y, y  # unused pointers: any tensor
     w_bn, w_bk = 1, 1
     quant_out = False
-    if fp8 is None:
+    if ints is not None:  # the scales' (per-row) layout; zero points in the same strides
+        s13, s2, w_bk = ints.w13_scale, ints.w2_scale, ints.group_size
+        z13 = ints.w13_zeros if ints.w13_zeros is not None else s13
+        z2 = ints.w2_zeros if ints.w2_zeros is not None else s2
+        int_args = {"INT": True, "BITS": ints.bits, "HAS_ZEROS": ints.w13_zeros is not None}
+        act = _empty((num_pairs, inter), x.dtype, x.device)
+    elif fp8 is None:
         act = _empty((num_pairs, inter), x.dtype, x.device)
     else:
         s13, s2, w_bn, w_bk = fp8
@@ -441,6 +496,7 @@ def _moe_chunk(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
         FP8=fp8 is not None, QUANT_A=fp8 is not None and tiles.fuse_x_quant,
         QUANT_OUT=quant_out, W_BN=w_bn, W_BK=w_bk, ACT_DTYPE=_TL_DTYPES[x.dtype],
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **({"wz_ptr": z13, **int_args} if ints is not None else {}),
     )
     if fp8 is not None and tiles.act_quant == "kernel":
         act, act_scale = per_token_group_quant_fp8_triton(act, w_bk)
@@ -456,6 +512,7 @@ def _moe_chunk(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
         FUSED_COMBINE=counters is not None, FP8=fp8 is not None,
         QUANT_A=fp8 is not None and tiles.act_quant == "down", W_BN=w_bn, W_BK=w_bk,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **({"wz_ptr": z2, **int_args} if ints is not None else {}),
     )
     if counters is not None:
         return
@@ -494,6 +551,7 @@ def fused_moe_triton(
     fuse_x_quant: bool | None = None,
     act_quant: str | None = None,
     valid_tokens: torch.Tensor | None = None,
+    int_experts: IntExperts | None = None,
 ) -> torch.Tensor:
     """Triton implementation of :func:`fused_moe` (module docstring: align, gate/up GEMM, down
     GEMM, combine); tile arguments override :func:`moe_tiles`. Never synchronizes with the
@@ -516,7 +574,12 @@ def fused_moe_triton(
     ``valid_tokens`` (int32 ``[1]`` on the device; a CUDA graph's real token count): the rows
     from ``valid_tokens[0]`` on are padding; their pairs are left out of the alignment, so
     no expert is read or computed for them, and their output rows are unspecified.
+
+    ``int_experts``: ``w13`` / ``w2`` hold packed integers (:mod:`~mrv2_kernels.
+    fused_moe_int`); the K steps are cut to divide the group size.
     """
+    if int_experts is not None:
+        return _fused_moe_int(x, w13, w2, topk_weights, topk_ids, int_experts, valid_tokens)
     _check(x, w13, w2, topk_weights, topk_ids)
     fp8_block = check_fp8_args(w13, w2, w13_scale, w2_scale, block)
     _check_kernel_args(x, w13, w2, topk_weights, topk_ids, fp8_block is not None)
@@ -562,6 +625,44 @@ def fused_moe_triton(
     return out
 
 
+def _fused_moe_int(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, ints: IntExperts,
+                   valid_tokens: torch.Tensor | None, chunk_tokens: int = 8192
+                   ) -> torch.Tensor:
+    """:func:`fused_moe_triton` of integer experts: the default tiles with K steps that divide
+    the group size (a step in one group), chunk after chunk."""
+    num_tokens, hidden = x.shape
+    inter, pack = check_int_args(w13, w2, ints, hidden)
+    if x.dtype not in _KERNEL_DTYPES or x.dim() != 2:
+        raise ValueError(f"x must be [T, H] fp32/bf16/fp16, got {x.dtype} {tuple(x.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != num_tokens:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights "
+                         f"{tuple(topk_weights.shape)} must both be [{num_tokens}, K]")
+    ints = ints._replace(
+        w13_scale=ints.w13_scale.contiguous(), w2_scale=ints.w2_scale.contiguous(),
+        w13_zeros=None if ints.w13_zeros is None else ints.w13_zeros.contiguous(),
+        w2_zeros=None if ints.w2_zeros is None else ints.w2_zeros.contiguous())
+    top_k = topk_ids.shape[1]
+    out = _empty((num_tokens, hidden), x.dtype, x.device)
+    if num_tokens == 0:
+        return out
+    if top_k == 0:
+        return out.zero_()
+    x = x.contiguous()
+    step = ints.group_size & -ints.group_size  # the largest power of two dividing G
+    for start in range(0, num_tokens, chunk_tokens):
+        stop = min(start + chunk_tokens, num_tokens)
+        plan = moe_tiles(stop - start, top_k, w13.shape[0], hidden, inter, x.device)
+        k1, k2 = min(plan.block_k1, step), min(plan.block_k2, step)
+        if min(k1, k2) < max(16, pack):
+            raise ValueError(f"group_size {ints.group_size} leaves K steps of {min(k1, k2)}: "
+                             "need a multiple of 16")
+        _moe_chunk(x[start:stop], w13, w2, topk_weights[start:stop], topk_ids[start:stop],
+                   out[start:stop], plan._replace(block_k1=k1, block_k2=k2), None,
+                   valid_tokens, start, ints)
+    return out
+
+
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -573,13 +674,21 @@ def fused_moe(
     w2_scale: torch.Tensor | None = None,
     block: tuple[int, int] | list[int] = DEFAULT_BLOCK,
     valid_tokens: torch.Tensor | None = None,
+    int_experts: IntExperts | None = None,
 ) -> torch.Tensor:
-    """The routed experts of ``x`` (see the module contract; FP8 weights with their scales:
+    """The routed experts of ``x`` (see the module contract; integer weights: ``int_experts``,
+    :mod:`~mrv2_kernels.fused_moe_int`; FP8 weights with their scales:
     :mod:`~mrv2_kernels.fused_moe_fp8`): :func:`fused_moe_triton` when :func:`use_triton` says
     so (fp32/bf16/fp16 ``x``; FP8: a power-of-two block K), else :func:`fused_moe_ref` (which
     loops over the experts present, on the host: fine on the CPU, not for CUDA graphs).
     ``valid_tokens`` (int32 ``[1]``, on ``x``'s device): rows from ``valid_tokens[0]`` on are
     padding, not computed (their output rows are unspecified)."""
+    if int_experts is not None:
+        if use_triton(x) and x.dtype in _KERNEL_DTYPES:
+            return fused_moe_triton(x, w13, w2, topk_weights, topk_ids,
+                                    valid_tokens=valid_tokens, int_experts=int_experts)
+        return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, valid_tokens=valid_tokens,
+                             int_experts=int_experts)
     fp8 = w13_scale is not None or w2_scale is not None
     bk = int(block[1]) if fp8 else 1
     if use_triton(x) and x.dtype in _KERNEL_DTYPES and bk > 0 and bk & (bk - 1) == 0:

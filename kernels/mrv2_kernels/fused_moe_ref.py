@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from .fp8_gemm import dequantize_weight_block_fp8
 from .fused_moe_fp8 import DEFAULT_BLOCK, check_fp8_args, quant_dequant_groups
+from .fused_moe_int import IntExperts, check_int_args, dequantize_int_experts
 
 __all__ = ["fused_moe_ref"]
 
@@ -47,12 +48,19 @@ def fused_moe_ref(
     w2_scale: torch.Tensor | None = None,
     block: tuple[int, int] | list[int] = DEFAULT_BLOCK,
     valid_tokens: torch.Tensor | None = None,
+    int_experts: IntExperts | None = None,
 ) -> torch.Tensor:
     """Plain-torch specification: a Python loop over (token, slot) pairs grouped by expert.
+    Integer weights (``int_experts``): the unquantized contract on the dequantized weights.
     FP8 weights (both scales given): the weights dequantized, ``x`` and the activation
     quantized per row and group of ``bk`` (:mod:`~mrv2_kernels.fused_moe_fp8`'s contract).
     ``valid_tokens`` (``[1]``): rows from ``valid_tokens[0]`` on are padding, left at zero
     here (unspecified in the contract)."""
+    if int_experts is not None:
+        q = int_experts
+        check_int_args(w13, w2, q, x.shape[1])
+        w13 = dequantize_int_experts(w13, q.w13_scale, q.w13_zeros, q.bits, q.group_size)
+        w2 = dequantize_int_experts(w2, q.w2_scale, q.w2_zeros, q.bits, q.group_size)
     _check(x, w13, w2, topk_weights, topk_ids)
     fp8 = check_fp8_args(w13, w2, w13_scale, w2_scale, block)
     num_tokens, top_k = topk_ids.shape

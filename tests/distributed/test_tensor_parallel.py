@@ -96,13 +96,20 @@ def test_every_family_passes_the_shardability_check(family: str, tmp_path: Path)
 
 @pytest.mark.parametrize("opts", [dict(bits=4, group_size=16, sym=False),
                                   dict(bits=8, group_size=-1, sym=True),
-                                  dict(ct=True, bits=4, group_size=16, sym=False)],
-                         ids=["gptq4-asym-g16", "gptq8-channel", "compressed-tensors4-asym"])
+                                  dict(ct=True, bits=4, group_size=16, sym=False),
+                                  dict(moe=True, bits=4, group_size=16, sym=False)],
+                         ids=["gptq4-asym-g16", "gptq8-channel", "compressed-tensors4-asym",
+                              "gptq4-moe-experts"])
 def test_int_checkpoint_tp2_equals_tp1(tmp_path: Path, opts: dict[str, Any]) -> None:
     """Packed integers, scales and zero points split with the weights: rows of
     column-parallel layers, whole groups of row-parallel ones (a single group per output:
     on every rank), for GPTQ's layout and compressed-tensors' (packed the other way)."""
-    src = make_tiny_checkpoint(tmp_path / "src", "Qwen3ForCausalLM")
+    if opts.pop("moe", False):  # experts too: gate / up rows and down's groups per rank
+        src = make_tiny_checkpoint(tmp_path / "src", "Qwen3MoeForCausalLM", num_experts=4,
+                                   num_experts_per_tok=2, moe_intermediate_size=32)
+        opts["experts"] = True
+    else:
+        src = make_tiny_checkpoint(tmp_path / "src", "Qwen3ForCausalLM")
     writer = compressed_tensors_checkpoint if opts.pop("ct", False) else gptq_checkpoint
     writer(src, tmp_path / "q", tmp_path / "ref", **opts)
     assert _tokens(tmp_path / "q", 2) == _tokens(tmp_path / "q", 1)

@@ -201,11 +201,82 @@ def test_random_integer_weights_run(tmp_path: Path, method: str) -> None:
         llm.engine.update_weights([])
 
 
-def test_quantized_experts_are_refused(tmp_path: Path) -> None:
-    """A checkpoint quantizing routed experts names the layer before any weight loads."""
-    model = torch.nn.Module()
-    model.experts = torch.nn.Module()  # type: ignore[assignment]
-    quant = int_quant_config_of(type("C", (), {"quantization_config": GPTQ})(), None)
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+
+
+def _loud_experts(path: Path) -> Path:
+    """The experts' weights scaled up 12x (std 0.24), so that the tokens depend on them (at
+    the tiny checkpoints' std 0.02 the residual stream drowns them: a gate/up mix-up went
+    unseen)."""
+    from safetensors.torch import save_file
+
+    file = path / "model.safetensors"
+    tensors = {n: t * 12 if ".experts." in n else t for n, t in load_file(file).items()}
+    save_file(tensors, file)
+    return path
+
+
+@pytest.mark.parametrize("fmt,opts", [
+    ("gptq", dict(bits=4, group_size=16, sym=False)),
+    ("awq", dict(group_size=16)),
+    ("ct", dict(bits=8, group_size=16, sym=True)),
+], ids=["gptq4-asym", "awq", "ct8-sym"])
+def test_moe_checkpoint_with_quantized_experts_matches_hf(tmp_path: Path, fmt: str,
+                                                         opts: dict[str, Any]) -> None:
+    """Every expert's gate / up / down quantized as a dense layer of the format (as
+    Qwen3-30B-A3B-GPTQ-Int4 ships them), the router left in the model dtype."""
+    src = _loud_experts(make_tiny_checkpoint(tmp_path / "src", "Qwen3MoeForCausalLM", **MOE))
+    WRITERS[fmt](src, tmp_path / "q", tmp_path / "ref", experts=True, **opts)  # type: ignore[operator]
+    names = load_file(tmp_path / "q" / "model.safetensors")
+    assert any(".experts.3.down_proj." in n for n in names)
+    expected = [hf_greedy(tmp_path / "ref", p, 8) for p in PROMPTS]
+    assert _greedy(_llm(tmp_path / "q")) == expected
+
+
+def test_experts_with_one_group_per_channel_are_refused(tmp_path: Path) -> None:
+    src = make_tiny_checkpoint(tmp_path / "src", "Qwen3MoeForCausalLM", **MOE)
+    gptq_checkpoint(src, tmp_path / "q", tmp_path / "ref", group_size=-1, experts=True)
+    with pytest.raises(ValueError, match=r"group_size = -1 \(one group per channel\) is not "
+                                         r"supported for routed experts"):
+        _llm(tmp_path / "q")
+
+
+def test_triton_experts_match_the_dequantized_experts(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The integer expert stack's own forward (the fused MoE kernel, interpreted) against the
+    plain stack the CPU makes of it, loaded expert by expert from an AWQ checkpoint."""
+    from mrv2.layers.int_quant_moe import IntFusedMoE
+    from mrv2.layers.moe import FusedMoE
+
+    src = _loud_experts(make_tiny_checkpoint(tmp_path / "src", "Qwen3MoeForCausalLM", **MOE))
+    awq_checkpoint(src, tmp_path / "q", tmp_path / "ref", group_size=16, experts=True)
+    tensors = load_file(tmp_path / "q" / "model.safetensors")
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    quant = int_quant_config_of(type("C", (), {"quantization_config": qc})(), None)
     assert quant is not None
-    with pytest.raises(ValueError, match=r"routed experts \(mlp.experts.0.gate_proj"):
-        apply_int_quant(model, quant, ["mlp.experts.0.gate_proj"])
+
+    def build() -> IntFusedMoE:
+        model = torch.nn.Sequential(FusedMoE(4, 64, 32))
+        assert apply_int_quant(model, quant, ["0"]) == 1
+        layer = model[0]
+        assert isinstance(layer, IntFusedMoE)
+        for e in range(4):
+            for kind, stack in (("gate", "w13"), ("up", "w13"), ("down", "w2")):
+                for t in ("qweight", "qzeros", "scales"):
+                    param = getattr(layer, f"{stack}_{t}")
+                    name = f"model.layers.0.mlp.experts.{e}.{kind}_proj.{t}"
+                    param.weight_loader(param, tensors[name], (e, kind))
+        return layer
+
+    monkeypatch.setenv("MRV2_KERNELS", "triton")
+    kernel_layer = build()
+    kernel_layer.finish_loading()
+    plain = build()
+    plain.process_weights_after_loading()
+    assert type(plain) is FusedMoE
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 64, generator=gen)
+    weights, ids = torch.randn(5, 4, generator=gen).softmax(-1).topk(2, dim=-1)
+    got = kernel_layer(x, weights, ids.int())
+    monkeypatch.setenv("MRV2_KERNELS", "torch")
+    torch.testing.assert_close(got, plain(x, weights, ids.int()), rtol=1e-4, atol=1e-4)

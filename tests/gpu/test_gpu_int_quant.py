@@ -109,3 +109,22 @@ def test_int_checkpoint_with_graphs(tmp_path: Path, fmt: str) -> None:
     assert [g[:4] for g in graphs] == [e[:4] for e in eager]
     agree = sum(g[0] == e[0] for g, e in zip(graphs, expected, strict=True))
     assert agree >= len(PROMPTS) - 1
+
+
+def test_moe_with_integer_experts_with_graphs(tmp_path: Path) -> None:
+    """A Qwen3-MoE checkpoint with GPTQ experts (the fused MoE's integer path): fp32 tokens
+    are HF's on the dequantized weights, graphs on and off; bf16 graphs on and off agree."""
+    from safetensors.torch import save_file
+
+    src = make_tiny_checkpoint(tmp_path / "src", "Qwen3MoeForCausalLM", num_experts=8,
+                               num_experts_per_tok=2, moe_intermediate_size=128, **ARCH)
+    file = src / "model.safetensors"
+    save_file({n: t * 8 if ".experts." in n else t for n, t in load_file(file).items()}, file)
+    gptq_checkpoint(src, tmp_path / "q", tmp_path / "ref", group_size=64, sym=False,
+                    experts=True)
+    expected = [hf_greedy(tmp_path / "ref", p, 16) for p in PROMPTS]
+    assert _generate(tmp_path / "q", "float32") == expected
+    assert _generate(tmp_path / "q", "float32", enforce_eager=True) == expected
+    graphs = _generate(tmp_path / "q", "bfloat16")
+    eager = _generate(tmp_path / "q", "bfloat16", enforce_eager=True)
+    assert [g[:4] for g in graphs] == [e[:4] for e in eager]

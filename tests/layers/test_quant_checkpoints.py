@@ -4,7 +4,9 @@ unpacking back to the reference's dequantized weights, and the quantization erro
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -258,3 +260,145 @@ def test_compressed_tensors_actorder_needs_groups(src: Path, tmp_path: Path) -> 
     with pytest.raises(ValueError, match="actorder"):
         compressed_tensors_checkpoint(src, tmp_path / "d", tmp_path / "r", group_size=-1,
                                       actorder=True)
+
+
+# -- routed experts (experts=True) -------------------------------------------------------------
+
+#: (writer, its keywords, per-layer tensor suffixes in dst) of the formats checked with experts
+EXPERT_FORMATS: dict[str, tuple[Callable[..., None], dict[str, Any], set[str]]] = {
+    "gptq_sym": (gptq_checkpoint, {"bits": 4, "group_size": 16, "sym": True},
+                 {"qweight", "qzeros", "scales", "g_idx"}),
+    "gptq_asym": (gptq_checkpoint, {"bits": 4, "group_size": 16, "sym": False},
+                  {"qweight", "qzeros", "scales", "g_idx"}),
+    "gptq_desc_act": (gptq_checkpoint, {"bits": 4, "group_size": 16, "sym": False,
+                                        "desc_act": True, "seed": 3},
+                      {"qweight", "qzeros", "scales", "g_idx"}),
+    "awq": (awq_checkpoint, {"group_size": 16}, {"qweight", "qzeros", "scales"}),
+    "ct_asym": (compressed_tensors_checkpoint, {"bits": 4, "group_size": 16, "sym": False},
+                {"weight_packed", "weight_scale", "weight_zero_point", "weight_shape"}),
+}
+MOE_LAYERS = ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
+NUM_EXPERTS, MOE_INTER, MOE_HIDDEN = 4, 32, 64
+
+
+@pytest.fixture(scope="module")
+def moe_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3-MoE as transformers 5 saves it: per-expert
+    ``experts.{e}.{gate,up,down}_proj.weight`` (converted back from its stacked parameters)."""
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("moe") / "src", "Qwen3MoeForCausalLM",
+                                num_experts=NUM_EXPERTS, num_experts_per_tok=2,
+                                moe_intermediate_size=MOE_INTER)
+    tensors = load_file(path / "model.safetensors")
+    assert tensors[MOE_LAYERS[0] + ".0.gate_proj.weight"].shape == (MOE_INTER, MOE_HIDDEN)
+    assert tensors[MOE_LAYERS[0] + ".0.down_proj.weight"].shape == (MOE_HIDDEN, MOE_INTER)
+    return path
+
+
+@pytest.fixture(scope="module")
+def moe_stacked_src(moe_src: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``moe_src`` with transformers 5's stacked experts: ``experts.gate_up_proj`` ``[E, 2I, H]``
+    (gate rows, then up rows) and ``experts.down_proj`` ``[E, H, I]``."""
+    tensors = load_file(moe_src / "model.safetensors")
+    for p in MOE_LAYERS:
+        per = {(e, proj): tensors.pop(f"{p}.{e}.{proj}.weight")
+               for e in range(NUM_EXPERTS) for proj in ("gate_proj", "up_proj", "down_proj")}
+        tensors[p + ".gate_up_proj"] = torch.stack(
+            [torch.cat([per[e, "gate_proj"], per[e, "up_proj"]]) for e in range(NUM_EXPERTS)])
+        tensors[p + ".down_proj"] = torch.stack(
+            [per[e, "down_proj"] for e in range(NUM_EXPERTS)])
+    path = tmp_path_factory.mktemp("moe_stacked") / "src"
+    path.mkdir()
+    save_file(tensors, path / "model.safetensors")
+    (path / "config.json").write_text((moe_src / "config.json").read_text())
+    return path
+
+
+def _expert_weight(tensors: dict[str, torch.Tensor], p: str, e: int, proj: str,
+                   stacked: bool) -> torch.Tensor:
+    """Expert ``e``'s ``proj`` weight ``[N, K]`` of layer ``p`` in ``tensors``, either layout."""
+    if not stacked:
+        return tensors[f"{p}.{e}.{proj}.weight"]
+    if proj == "down_proj":
+        return tensors[p + ".down_proj"][e]
+    gate_up = tensors[p + ".gate_up_proj"][e]
+    return gate_up[:MOE_INTER] if proj == "gate_proj" else gate_up[MOE_INTER:]
+
+
+def _unpack_layer(fmt: str, dst: dict[str, torch.Tensor], prefix: str, n: int,
+                  k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check the shapes of dst's layer ``prefix`` (``[n, k]``, group 16) in format ``fmt``;
+    returns its dequantized weight and its g_idx."""
+    groups = k // 16
+    if fmt.startswith("gptq"):
+        qweight, qzeros, scales, g_idx = (
+            dst[f"{prefix}.{s}"] for s in ("qweight", "qzeros", "scales", "g_idx"))
+        assert qweight.shape == (k // 8, n) and qzeros.shape == (groups, n // 8)
+        assert scales.shape == (groups, n) and g_idx.shape == (k,)
+        return unpack_gptq(qweight, qzeros, scales, g_idx, 4), g_idx.long()
+    if fmt == "awq":
+        qweight, qzeros, scales = (dst[f"{prefix}.{s}"] for s in ("qweight", "qzeros", "scales"))
+        assert qweight.shape == (k, n // 8) and qzeros.shape == (groups, n // 8)
+        assert scales.shape == (groups, n)
+        return unpack_awq(qweight, qzeros, scales, 16), torch.arange(k) // 16
+    packed, scale, zero_point, shape = (dst[f"{prefix}.{s}"] for s in (
+        "weight_packed", "weight_scale", "weight_zero_point", "weight_shape"))
+    assert packed.shape == (n, k // 8) and scale.shape == (n, groups)
+    assert zero_point.shape == (n // 8, groups) and shape.tolist() == [n, k]
+    return unpack_compressed_tensors(packed, scale, zero_point, None, 4), torch.arange(k) // 16
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["per_expert", "stacked"])
+@pytest.mark.parametrize("fmt", list(EXPERT_FORMATS))
+def test_experts(moe_src: Path, moe_stacked_src: Path, tmp_path: Path, fmt: str,
+                 stacked: bool) -> None:
+    """``experts=True``: one quantized layer per expert and projection in dst, unpacking to the
+    reference's (source-layout) experts exactly; the router and norms untouched."""
+    writer, kwargs, suffixes = EXPERT_FORMATS[fmt]
+    src = moe_stacked_src if stacked else moe_src
+    writer(src, tmp_path / "dst", tmp_path / "ref", experts=True, **kwargs)
+    source = load_file(src / "model.safetensors")
+    dst, ref, _ = _load(tmp_path)
+    assert set(ref) == set(source)
+    for name, t in source.items():
+        assert ref[name].shape == t.shape and ref[name].dtype == t.dtype
+    assert not [n for n in dst if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert not [n for n in dst if ".experts." in n and n.endswith(".weight")]
+    for name in ("model.layers.0.mlp.gate.weight", "model.layers.1.input_layernorm.weight"):
+        assert torch.equal(dst[name], source[name]) and torch.equal(ref[name], source[name])
+    assert "model.layers.0.self_attn.q_proj." + sorted(suffixes)[0] in dst
+    g_by_k: dict[int, torch.Tensor] = {}
+    _, g_by_k[MOE_HIDDEN] = _unpack_layer(fmt, dst, "model.layers.0.self_attn.q_proj", 64, 64)
+    for p in MOE_LAYERS:
+        expected = {f"{p}.{e}.{proj}.{s}" for e in range(NUM_EXPERTS) for s in suffixes
+                    for proj in ("gate_proj", "up_proj", "down_proj")}
+        assert {n for n in dst if n.startswith(p + ".")} == expected
+        for e in range(NUM_EXPERTS):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                w = _expert_weight(source, p, e, proj, stacked)
+                n, k = w.shape
+                assert (n, k) == ((MOE_HIDDEN, MOE_INTER) if proj == "down_proj"
+                                  else (MOE_INTER, MOE_HIDDEN))
+                deq, g_idx = _unpack_layer(fmt, dst, f"{p}.{e}.{proj}", n, k)
+                assert torch.equal(deq.to(w.dtype), _expert_weight(ref, p, e, proj, stacked))
+                assert torch.equal(g_by_k.setdefault(k, g_idx), g_idx)  # one permutation per K
+                assert float((deq - w).abs().max()) < float(w.abs().max()) / 4
+    if fmt == "gptq_desc_act":
+        assert not torch.equal(g_by_k[MOE_INTER], torch.arange(MOE_INTER) // 16)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["per_expert", "stacked"])
+@pytest.mark.parametrize("fmt", ["gptq_asym", "awq", "ct_asym"])
+def test_experts_off(moe_src: Path, moe_stacked_src: Path, tmp_path: Path, fmt: str,
+                     stacked: bool) -> None:
+    """``experts=False`` (the default): the experts' float tensors stay in dst as they are."""
+    writer, kwargs, _ = EXPERT_FORMATS[fmt]
+    src = moe_stacked_src if stacked else moe_src
+    writer(src, tmp_path / "dst", tmp_path / "ref", **kwargs)
+    source = load_file(src / "model.safetensors")
+    dst, ref, _ = _load(tmp_path)
+    experts = {n: t for n, t in source.items() if ".experts." in n}
+    assert len(experts) == (2 if stacked else 3 * NUM_EXPERTS) * len(MOE_LAYERS)
+    for name, t in experts.items():
+        assert torch.equal(dst[name], t) and torch.equal(ref[name], t)
+    assert {n for n in dst if ".experts." in n} == set(experts)
+    assert "model.layers.0.self_attn.q_proj.weight" not in dst

@@ -42,7 +42,7 @@ many groups).
 On the CPU the weight is dequantized once after loading and the layer is a plain one again,
 as FP8's (:mod:`mrv2.layers.fp8`). With random weights (``load_format="dummy"``) and
 ``quantization="gptq"`` / ``"awq"`` every linear layer gets random 4-bit weights in groups of
-128 (benchmarks). Routed experts (MoE) in these formats are refused for now.
+128 (benchmarks). Routed experts in these formats: :mod:`mrv2.layers.int_quant_moe`.
 """
 
 from __future__ import annotations
@@ -347,91 +347,109 @@ def to_int(layer: LinearBase, quant: IntQuantConfig,
 def apply_int_quant(model: nn.Module, quant: IntQuantConfig,
                     checkpoint_layers: Iterable[str] | None = None,
                     dtype: torch.dtype = torch.float32) -> int:
-    """Make the model's linear layers integer-weight before loading: those
-    ``checkpoint_layers`` names (the layers the checkpoint's ``qweight`` tensors load into),
-    or with None every linear layer not in ``quant.skip``. Returns how many."""
+    """Make the model's linear layers and routed experts integer-weight before loading: those
+    ``checkpoint_layers`` names (the modules the checkpoint's packed weights load into), or
+    with None every linear layer not in ``quant.skip`` and every expert stack. Returns how
+    many."""
+    from mrv2.layers.int_quant_moe import IntFusedMoE, experts_to_int
+    from mrv2.layers.moe import FusedMoE
+
     chosen = None if checkpoint_layers is None else set(checkpoint_layers)
-    if chosen is not None:
-        experts = sorted(n for n in chosen if ".experts." in n)
-        if experts:
-            raise ValueError(f"{quant.method.upper()} routed experts ({experts[0]}, ...) are "
-                             "not supported yet; only dense linear layers")
     count = 0
     for name, module in model.named_modules():
-        if not isinstance(module, LinearBase) or isinstance(module, IntLinearMixin):
-            continue
         if chosen is not None and name not in chosen:
             continue
-        if chosen is None and any(s in name for s in quant.skip):
-            continue
-        to_int(module, quant, dtype)
-        count += 1
+        if isinstance(module, LinearBase) and not isinstance(module, IntLinearMixin):
+            if chosen is None and any(s in name for s in quant.skip):
+                continue
+            to_int(module, quant, dtype)
+            count += 1
+        elif type(module) is FusedMoE:
+            experts_to_int(module, quant, dtype)
+            count += 1
     if chosen is not None and count < len(chosen):
-        missing = sorted(chosen - {n for n, m in model.named_modules()
-                                   if isinstance(m, IntLinearMixin)})
-        raise ValueError(f"the checkpoint quantizes {missing[0]}, which is not a linear layer "
-                         f"of {type(model).__name__}")
+        done = {n for n, m in model.named_modules()
+                if isinstance(m, (IntLinearMixin, IntFusedMoE))}
+        raise ValueError(f"the checkpoint quantizes {sorted(chosen - done)[0]}, which is not "
+                         f"a linear layer or an expert stack of {type(model).__name__}")
     return count
 
 
+def _int_modules(model: nn.Module) -> list[Any]:
+    from mrv2.layers.int_quant_moe import IntFusedMoE
+
+    return [m for m in model.modules() if isinstance(m, (IntLinearMixin, IntFusedMoE))]
+
+
 def fill_int_defaults(model: nn.Module) -> None:
-    """:meth:`IntLinearMixin.fill_defaults` of every integer layer (after ``to_empty``)."""
-    for module in model.modules():
-        if isinstance(module, IntLinearMixin):
-            module.fill_defaults()
+    """Every integer layer's ``fill_defaults`` (after ``to_empty``)."""
+    for module in _int_modules(model):
+        module.fill_defaults()
 
 
 def int_layer_names(model: nn.Module, names: Iterable[str]) -> list[str]:
-    """The model's layer names the checkpoint's packed weights (``*.qweight``,
-    ``*.weight_packed``) load into (through the model's ``rename`` and stacking)."""
+    """The model's module names the checkpoint's packed weights (``*.qweight``,
+    ``*.weight_packed``) load into (through the model's ``rename`` and stacking): linear
+    layers, and the expert stacks their experts' tensors go to (``<experts>.w13_qweight``)."""
     from mrv2.layers.weights import checkpoint_target
 
     rename = getattr(model, "rename", lambda name: name)
     stacked = getattr(model, "stacked_params", ())
     out = []
     for name in names:
-        suffix = next((s for s in (".qweight", ".weight_packed") if name.endswith(s)), None)
-        if suffix is not None:
-            target = checkpoint_target(name, stacked, rename)
-            if target is not None:
-                out.append(target[0][: -len(suffix)])
+        if not name.endswith((".qweight", ".weight_packed")):
+            continue
+        target = checkpoint_target(name, stacked, rename)
+        if target is None:
+            continue
+        module, _, param = target[0].rpartition(".")
+        out.append(module if param.startswith(("w13_", "w2_")) else
+                   target[0][: -len("." + name.rsplit(".", 1)[1])])
     return out
 
 
 def draw_int_weights(model: nn.Module, seed: int, std: float) -> None:
     """Random integer weights for ``load_format="dummy"``: uniform integers, scales that give
     the weights a spread of about ``std``, random zero points near the midpoint."""
+    from mrv2.layers.int_quant_moe import IntFusedMoE
+
     gen: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
-        for module in model.modules():
-            if not isinstance(module, IntLinearMixin):
-                continue
-            qweight, scales = module.role("qweight"), module.role("scales")
-            zeros = module.role("qzeros")
-            assert qweight is not None and scales is not None
-            dev = qweight.device
-            g = gen.setdefault(dev, torch.Generator(dev).manual_seed(seed))
-            top = 1 << 31
-            qweight.data.copy_(torch.randint(-top, top, qweight.shape, generator=g, device=dev,
-                                             dtype=torch.int64).to(torch.int32))
+        for module in _int_modules(model):
+            if isinstance(module, IntFusedMoE):
+                roles = [(module.role(s, "qweight"), module.role(s, "scales"),
+                          module.role(s, "qzeros")) for s in ("w13", "w2")]
+            else:
+                roles = [(module.role("qweight"), module.role("scales"), module.role("qzeros"))]
             levels = 1 << module.quant.bits
-            scales.data.fill_(std * (12 ** 0.5) / levels)
-            if zeros is not None and not module.quant.sym:
-                mid = levels // 2
-                zeros.data.copy_(torch.randint(mid - 1, mid + 2, zeros.shape, generator=g,
-                                               device=dev))
+            for qweight, scales, zeros in roles:
+                assert qweight is not None and scales is not None
+                dev = qweight.device
+                g = gen.setdefault(dev, torch.Generator(dev).manual_seed(seed))
+                top = 1 << 31
+                for rows in qweight.data.view(-1, qweight.shape[-1]).split(1 << 16):
+                    rows.copy_(torch.randint(-top, top, rows.shape, generator=g, device=dev,
+                                             dtype=torch.int64).to(torch.int32))
+                scales.data.fill_(std * (12 ** 0.5) / levels)
+                if zeros is not None and not module.quant.sym:
+                    mid = levels // 2
+                    zeros.data.copy_(torch.randint(mid - 1, mid + 2, zeros.shape, generator=g,
+                                                   device=dev))
 
 
 def log_int_memory(model: nn.Module, dtype: torch.dtype) -> None:
     """Log the integer layers' bytes and what they save against ``dtype``."""
     own = saved = 0
     width = torch.empty((), dtype=dtype).element_size()
-    for module in model.modules():
+    for module in _int_modules(model):
+        b = sum(p.numel() * p.element_size() for p in module.parameters()
+                if p is not getattr(module, "bias", None))
+        own += b
         if isinstance(module, IntLinearMixin):
-            b = sum(p.numel() * p.element_size() for p in module.parameters()
-                    if p is not module.bias)
-            own += b
             saved += module.input_size * module.output_size * width - b
+        else:  # an expert stack: 3 * E * H * I weights
+            saved += 3 * module.num_experts * module.hidden_size * module.intermediate_size \
+                * width - b
     if own:
         logger.info("integer linear weights: %.2f GB (%.2f GB saved against %s)", own / 1e9,
                     saved / 1e9, dtype)

@@ -19,7 +19,9 @@ StackedMapping = Sequence[tuple[str, str, Any]]
 """``(fused_fragment, checkpoint_fragment, shard_id)``, e.g. ``("qkv_proj", "q_proj", "q")``."""
 
 _EXPERT_NAME = re.compile(
-    r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.(weight|weight_scale_inv)$"
+    r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\."
+    r"(weight|weight_scale_inv|qweight|qzeros|scales|g_idx|weight_packed|weight_scale"
+    r"|weight_zero_point|weight_g_idx|weight_shape)$"
 )
 _STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 _EXPERT_SHARD = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
@@ -30,16 +32,16 @@ def expert_weight_target(name: str) -> tuple[str, Any] | None:
     """``(parameter_name, shard_id)`` of a routed expert's checkpoint tensor, else None.
 
     ``model.layers.3.mlp.experts.17.up_proj.weight`` (or Mixtral's ``w1``/``w3``/``w2``) goes
-    to ``model.layers.3.mlp.experts.w13_weight`` shard ``(17, "up")`` of a
+    to ``model.layers.3.mlp.experts.w13_weight`` shard ``(17, "up")`` (``...up_proj.qweight``
+    to ``w13_qweight``: each tensor of a quantized format likewise) of a
     :class:`~mrv2.layers.moe.FusedMoE`; transformers 5's stacked ``experts.gate_up_proj``
     ``[E, 2I, H]`` and ``experts.down_proj`` ``[E, H, I]`` go whole (shard None).
     """
     m = _EXPERT_NAME.match(name)
     if m is not None:
         kind = _EXPERT_SHARD[m.group(3)]
-        param = "w2_weight" if kind == "down" else "w13_weight"
-        suffix = "_scale_inv" if m.group(4) == "weight_scale_inv" else ""  # fp8 checkpoints
-        return f"{m.group(1)}.{param}{suffix}", (int(m.group(2)), kind)
+        stack = "w2" if kind == "down" else "w13"  # fp8 scales, integer experts' tensors too
+        return f"{m.group(1)}.{stack}_{m.group(4)}", (int(m.group(2)), kind)
     m = _STACKED_EXPERTS.match(name)
     if m is not None:
         param = "w13_weight" if m.group(2) == "gate_up_proj" else "w2_weight"

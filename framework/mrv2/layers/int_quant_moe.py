@@ -1,0 +1,260 @@
+"""Routed experts with integer weights (GPTQ, AWQ, compressed-tensors MoE checkpoints such as
+Qwen3-30B-A3B-GPTQ-Int4): :class:`IntFusedMoE`.
+
+The checkpoints quantize each expert's ``gate_proj`` / ``up_proj`` / ``down_proj`` as a dense
+layer of their format (:mod:`mrv2.layers.int_quant`), under
+``...experts.{e}.{gate,up,down}_proj.<tensor>``; :func:`mrv2.layers.weights.
+expert_weight_target` sends each to ``w13_<tensor>`` / ``w2_<tensor>`` shard ``(e, kind)``.
+Each tensor is unpacked on the host to one row per output, cut to this rank's
+intermediate slice as :class:`~mrv2.layers.moe.FusedMoE` cuts float experts (gate / up rows,
+down's input columns: whole groups of them), and packed into the layout of
+:mod:`mrv2_kernels.fused_moe_int` (``w13`` ``[E, 2I, H / pack]`` packed along K, per-row group
+scales and zero points), where one fused MoE kernel family multiplies them.
+
+Not supported (a ValueError before any weight loads): one group per channel
+(``group_size: -1``), an activation order (``desc_act`` / ``actorder``) in the experts.
+On the CPU the experts are dequantized once after loading (a plain :class:`FusedMoE`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from mrv2.layers.int_quant import unpack_along_n
+from mrv2.layers.int_quant_config import IntQuantConfig
+from mrv2.layers.moe import FusedMoE
+from mrv2.layers.weights import apply_moving_only
+from mrv2_kernels.fused_moe import IntExperts, fused_moe
+from mrv2_kernels.fused_moe_int import dequantize_int_experts
+from mrv2_kernels.wna16_gemm import pack_along_k, unpack_along_k
+
+_STACKS = ("w13", "w2")
+
+
+class IntFusedMoE(FusedMoE):
+    """A :class:`FusedMoE` turned integer-weight by :func:`experts_to_int` (module
+    docstring). After loading: ``w13_qweight`` / ``w2_qweight`` (int32, packed along K),
+    ``w13_scales`` / ``w2_scales`` and ``w13_qzeros`` / ``w2_qzeros`` (uint8; None when every
+    zero point is the midpoint)."""
+
+    quant: IntQuantConfig
+    model_dtype: torch.dtype = torch.float32
+    w13_qweight: nn.Parameter
+    w2_qweight: nn.Parameter
+    w13_scales: nn.Parameter
+    w2_scales: nn.Parameter
+    w13_qzeros: nn.Parameter | None
+    w2_qzeros: nn.Parameter | None
+
+    def int_init(self, quant: IntQuantConfig, dtype: torch.dtype) -> None:
+        """Replace the float stacks by the integer layout's parameters (checkpoint names)."""
+        if quant.group_size <= 0:
+            raise ValueError("quantization_config.group_size = -1 (one group per channel) is "
+                             "not supported for routed experts")
+        if quant.desc_act:
+            raise ValueError("an activation order (desc_act / actorder) is not supported for "
+                             "routed experts")
+        group, pack = quant.group_size, 32 // quant.bits
+        e, inter, hidden = self.num_experts, self.intermediate_size, self.hidden_size
+        for k in (hidden, inter):
+            if k % group or k % pack:
+                raise ValueError(f"the experts' inputs ({k}: hidden size, or the moe "
+                                 f"intermediate size / tensor_parallel_size) must divide into "
+                                 f"groups of {group} (quantization_config.group_size)")
+        self.quant, self.model_dtype = quant, dtype
+        device = self.w13_weight.device
+        del self.w13_weight, self.w2_weight
+        scale_dtype = dtype if quant.method == "compressed-tensors" else torch.float16
+        shapes = {"w13": (e, 2 * inter, hidden), "w2": (e, hidden, inter)}
+        for stack, (n_e, rows, k) in shapes.items():
+            self._param(stack, "qweight", torch.empty(n_e, rows, k // pack, dtype=torch.int32,
+                                                      device=device))
+            self._param(stack, "scales", torch.empty(n_e, rows, k // group, dtype=scale_dtype,
+                                                     device=device))
+            self._param(stack, "qzeros", torch.empty(n_e, rows, k // group, dtype=torch.uint8,
+                                                     device=device), optional=quant.sym)
+            if quant.method != "awq":  # checked to be the natural order, not kept
+                self._param(stack, "g_idx", torch.empty(0, device=device), optional=True)
+            if quant.method == "compressed-tensors":
+                self._param(stack, "weight_shape", torch.empty(0, device=device), optional=True)
+        if device.type != "meta":
+            self.fill_defaults()
+
+    def _name(self, stack: str, role: str) -> str:
+        return f"{stack}_{self.quant.name(role)}"
+
+    def _param(self, stack: str, role: str, value: torch.Tensor, optional: bool = False
+               ) -> None:
+        param = nn.Parameter(value, requires_grad=False)
+        param.weight_loader = functools.partial(self._load, role)  # type: ignore[attr-defined]
+        param.optional = optional  # type: ignore[attr-defined]
+        self.register_parameter(self._name(stack, role), param)
+
+    def role(self, stack: str, role: str) -> nn.Parameter | None:
+        """Stack ``stack``'s parameter of ``role``, under whichever name it has now."""
+        param = self._parameters.get(self._name(stack, role))
+        return param if param is not None else self._parameters.get(f"{stack}_{role}")
+
+    def fill_defaults(self) -> None:
+        """Midpoint zero points (a symmetric checkpoint has none), unit scales."""
+        with torch.no_grad():
+            for stack in _STACKS:
+                cast(nn.Parameter, self.role(stack, "scales")).data.fill_(1.0)
+                zeros = self.role(stack, "qzeros")
+                if zeros is not None:
+                    zeros.data.fill_(1 << (self.quant.bits - 1))
+
+    # ---------------------------------------------------------------- loading
+
+    def _load(self, role: str, param: nn.Parameter, loaded: torch.Tensor,
+              shard_id: tuple[int, str] | None = None) -> None:
+        """One expert's ``role`` tensor of its gate / up / down projection."""
+        if shard_id is None:
+            raise ValueError("integer experts load one expert's gate, up or down at a time")
+        expert, kind = shard_id
+        method, bits = self.quant.method, self.quant.bits
+        if role == "weight_shape":
+            return None  # (the shapes are checked when the tensors land)
+        if role == "g_idx":
+            k = loaded.shape[0]
+            natural = torch.arange(k, device=loaded.device) // self.quant.group_size
+            if not torch.equal(loaded.long(), natural):
+                raise ValueError("an expert's g_idx is not in natural order (an activation "
+                                 "order): not supported for routed experts")
+            return None
+        if role in ("qweight", "qzeros") and loaded.dtype != torch.int32:
+            raise ValueError(f"{self.quant.name(role)} must be int32, got {loaded.dtype}")
+        if role == "qweight":  # -> [N, K]
+            if method == "awq":
+                rows = unpack_along_n(loaded, bits, awq_order=True).T
+            elif method == "gptq":
+                rows = unpack_along_k(loaded, bits).T
+            else:
+                rows = unpack_along_n(loaded, bits, awq_order=False)
+        elif role == "qzeros":  # -> [N, K/G]
+            if method == "compressed-tensors":
+                rows = unpack_along_k(loaded, bits)
+            else:
+                rows = unpack_along_n(loaded, bits, method == "awq").T
+                if self.quant.zeros_minus_one:
+                    rows = ((rows.to(torch.int32) + 1) & ((1 << bits) - 1)).to(torch.uint8)
+        else:
+            if not loaded.is_floating_point():
+                raise ValueError(f"{self.quant.name(role)} must be floating point, got "
+                                 f"{loaded.dtype}")
+            rows = loaded if method == "compressed-tensors" else loaded.T
+        part = self._rank_rows(rows, kind, role != "qweight")
+        if role == "qweight":
+            part = pack_along_k(part.T.contiguous(), bits).T
+        inter = self.intermediate_size
+        target = param.data[expert]
+        if kind == "gate":
+            target = target[:inter]
+        elif kind == "up":
+            target = target[inter:]
+        if target.shape != part.shape:
+            raise ValueError(f"expert {expert}'s {kind} {self.quant.name(role)} gives "
+                             f"{tuple(part.shape)} after unpacking, the layer expects "
+                             f"{tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(part)
+        return None
+
+    def _rank_rows(self, rows: torch.Tensor, kind: str, per_group: bool) -> torch.Tensor:
+        """This rank's part of a whole ``[N, K]`` (``per_group``: ``[N, K/G]``) tensor: gate /
+        up rows, down's input columns (whole groups)."""
+        if self.tp_size == 1:
+            return rows
+        full, mine = self.full_intermediate_size, self.intermediate_size
+        if kind != "down":
+            return rows.narrow(0, self.tp_rank * mine, mine)
+        if per_group:
+            per = mine // self.quant.group_size
+            return rows.narrow(1, self.tp_rank * per, per)
+        if rows.shape[1] != full:
+            raise ValueError(f"a down projection holds {rows.shape[1]} inputs, not {full}")
+        return rows.narrow(1, self.tp_rank * mine, mine)
+
+    # ---------------------------------------------------------------- after loading
+
+    def _apply(self, fn: Any, recurse: bool = True) -> IntFusedMoE:
+        names = [n for n in self._parameters
+                 if n.endswith(("_scales", "_weight_scale")) or "qzeros" in n]
+        apply_moving_only(self, names, lambda f: super(IntFusedMoE, self)._apply(f, recurse),
+                          fn)
+        return self
+
+    def process_weights_after_loading(self) -> None:
+        """:meth:`finish_loading`; on the CPU, dequantized experts (a plain
+        :class:`FusedMoE`)."""
+        self.finish_loading()
+        if self.w13_qweight.device.type == "cpu":
+            with torch.no_grad():
+                self._become_plain()
+
+    def finish_loading(self) -> None:
+        """The layout's names; zero points dropped where all are the midpoint."""
+        with torch.no_grad():
+            for stack in _STACKS:
+                for role in ("qweight", "scales", "qzeros"):
+                    param = self._parameters.pop(self._name(stack, role))
+                    self.register_parameter(f"{stack}_{role}", param)
+                for role in ("g_idx", "weight_shape"):
+                    self._parameters.pop(f"{stack}_{role}", None)
+                    self._parameters.pop(self._name(stack, role), None)
+            mid = 1 << (self.quant.bits - 1)
+            zeros = [self._parameters[f"{s}_qzeros"] for s in _STACKS]
+            if all(bool((z.data == mid).all()) for z in zeros if z is not None):
+                for stack in _STACKS:
+                    self._parameters.pop(f"{stack}_qzeros")
+                    setattr(self, f"{stack}_qzeros", None)
+
+    def _become_plain(self) -> None:
+        w13, w2 = (nn.Parameter(self.dequantized(s, self.model_dtype), requires_grad=False)
+                   for s in _STACKS)
+        for name in [n for n in self._parameters if n.startswith(_STACKS)]:
+            self._parameters.pop(name)
+        for stack in _STACKS:
+            self.__dict__.pop(f"{stack}_qzeros", None)
+        self.__class__ = FusedMoE  # type: ignore[assignment]
+        self.w13_weight, self.w2_weight = w13, w2
+        for param in (w13, w2):
+            param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def dequantized(self, stack: str, dtype: torch.dtype) -> torch.Tensor:
+        """Stack ``stack``'s (``"w13"`` / ``"w2"``) real weights ``[E, N, K]`` in ``dtype``."""
+        zeros = getattr(self, f"{stack}_qzeros")
+        return dequantize_int_experts(getattr(self, f"{stack}_qweight").data,
+                                      getattr(self, f"{stack}_scales").data,
+                                      None if zeros is None else zeros.data, self.quant.bits,
+                                      self.quant.group_size, dtype)
+
+    def _experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 valid: torch.Tensor | None) -> torch.Tensor:
+        z13, z2 = self.w13_qzeros, self.w2_qzeros
+        ints = IntExperts(self.w13_scales, self.w2_scales, None if z13 is None else z13.data,
+                          None if z2 is None else z2.data, self.quant.bits,
+                          self.quant.group_size)
+        return fused_moe(x, self.w13_qweight, self.w2_qweight, topk_weights, topk_ids,
+                         valid_tokens=valid, int_experts=ints)
+
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's packed weights, scales and zero points."""
+        return int(sum(p[0].numel() * p.element_size() for n, p in self._parameters.items()
+                       if p is not None and n.startswith(_STACKS)))
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, {self.quant.method} {self.quant.bits}-bit, "
+                f"group={self.quant.group_size}")
+
+
+def experts_to_int(moe: FusedMoE, quant: IntQuantConfig, dtype: torch.dtype) -> IntFusedMoE:
+    """Turn ``moe`` into an :class:`IntFusedMoE` in place (before loading)."""
+    moe.__class__ = IntFusedMoE
+    int_moe = cast(IntFusedMoE, moe)
+    int_moe.int_init(quant, dtype)
+    return int_moe

@@ -1,0 +1,120 @@
+"""Integer (W4A16 / W8A16) expert weights for :mod:`mrv2_kernels.fused_moe`: the layout, its
+checks, the dequantizing reference and the jit helper that unpacks a weight tile.
+
+Layout (GPTQ, AWQ and compressed-tensors experts, converted at load by
+:mod:`mrv2.layers.int_quant_moe`)::
+
+    w13  int32 [E, 2I, H / pack]   pack = 32 / bits; packed along K (each row's inputs):
+    w2   int32 [E, H, I / pack]    input k at bits (k % pack) * bits of word k // pack
+    w13_scale [E, 2I, H / G], w2_scale [E, H, I / G]     per output row and group of G inputs
+    w13_zeros / w2_zeros: uint8, the scales' shapes, or None (symmetric: 2 ** (bits - 1))
+
+The real weight is ``(q - zero) * scale``; the contract is the unquantized one of
+:mod:`~mrv2_kernels.fused_moe` on those weights (activations stay in ``x``'s dtype: nothing
+else is quantized). The Triton GEMMs load ``[BLOCK_K / pack, BLOCK_N]`` words a step, unpack
+them along K (:func:`_int_tile`), subtract the zero points and ``tl.dot`` the small integers
+(exact in bf16 / fp16) with the activations, then scale the step's fp32 product by the
+group's scales: ``BLOCK_K`` divides ``G``, so a step lies in one group.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .wna16_gemm import dequantize_wna16
+
+__all__ = ["IntExperts", "check_int_args", "dequantize_int_experts", "pack_experts"]
+
+
+class IntExperts(NamedTuple):
+    """Integer experts' scales, zero points and format (the packed weights are ``w13`` /
+    ``w2`` themselves)."""
+
+    w13_scale: torch.Tensor
+    w2_scale: torch.Tensor
+    w13_zeros: torch.Tensor | None
+    w2_zeros: torch.Tensor | None
+    bits: int
+    group_size: int
+
+
+def check_int_args(w13: torch.Tensor, w2: torch.Tensor, q: IntExperts, hidden: int
+                   ) -> tuple[int, int]:
+    """``(intermediate size, pack)`` of integer experts in the module's layout; a ValueError
+    naming the argument otherwise."""
+    if q.bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {q.bits}")
+    pack = 32 // q.bits
+    for name, w in (("w13", w13), ("w2", w2)):
+        if w.dtype != torch.int32 or w.dim() != 3:
+            raise ValueError(f"{name} must be int32 [E, N, K / {pack}], got {w.dtype} "
+                             f"{tuple(w.shape)}")
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    group = q.group_size
+    for name, w, rows, cols in (("w13", w13, two_i, hidden), ("w2", w2, hidden, inter)):
+        if tuple(w.shape) != (num_experts, rows, cols // pack) or cols % pack:
+            raise ValueError(f"{name} must be [{num_experts}, {rows}, {cols} / {pack}], got "
+                             f"{tuple(w.shape)}")
+        if group <= 0 or cols % group:
+            raise ValueError(f"group_size ({group}) must divide {name}'s inputs ({cols})")
+    for name, t, rows, cols in (("w13_scale", q.w13_scale, two_i, hidden),
+                                ("w2_scale", q.w2_scale, hidden, inter),
+                                ("w13_zeros", q.w13_zeros, two_i, hidden),
+                                ("w2_zeros", q.w2_zeros, hidden, inter)):
+        if t is None:
+            if name.endswith("scale"):
+                raise ValueError(f"{name} is needed")
+            continue
+        want = (num_experts, rows, cols // group)
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name} must be {want}, got {tuple(t.shape)}")
+        if name.endswith("zeros") and t.dtype != torch.uint8:
+            raise ValueError(f"{name} must be uint8, got {t.dtype}")
+        if t.device != w13.device:
+            raise ValueError(f"{name} is on {t.device}, w13 on {w13.device}")
+    if (q.w13_zeros is None) != (q.w2_zeros is None):
+        raise ValueError("w13_zeros and w2_zeros: both or neither")
+    return inter, pack
+
+
+def dequantize_int_experts(w: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None,
+                           bits: int, group_size: int, dtype: torch.dtype = torch.float32
+                           ) -> torch.Tensor:
+    """The real stacked weights ``[E, N, K]`` (fp32 products, one rounding to ``dtype``)."""
+    return torch.stack([
+        dequantize_wna16(w[e].T.contiguous(), scale[e].T.contiguous(),
+                         None if zeros is None else zeros[e].T.contiguous(), bits, group_size,
+                         dtype)
+        for e in range(w.shape[0])])
+
+
+def pack_experts(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Integers ``[E, N, K]`` (in ``[0, 2**bits)``) packed along K: int32 ``[E, N, K / pack]``
+    (tests, benchmarks)."""
+    pack = 32 // bits
+    e, n, k = q.shape
+    v = q.to(torch.int64).view(e, n, k // pack, pack)
+    words = (v << (torch.arange(pack, device=q.device, dtype=torch.int64) * bits)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+@triton.jit
+def _int_tile(words: tl.tensor, zeros_ptrs: tl.tensor, mask_n: tl.tensor,
+              BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr,
+              BLOCK_N: tl.constexpr) -> tl.tensor:
+    """``[BLOCK_K, BLOCK_N]`` int32 ``q - zero`` of ``words`` ``[BLOCK_K / pack, BLOCK_N]``
+    (each word's integers spread along K), the columns' zero points at ``zeros_ptrs``."""
+    PACK: tl.constexpr = 32 // BITS
+    shifts = (tl.arange(0, PACK) * BITS)[None, :, None]
+    q = tl.reshape((words[:, None, :] >> shifts) & ((1 << BITS) - 1), (BLOCK_K, BLOCK_N))
+    if HAS_ZEROS:
+        z = tl.load(zeros_ptrs, mask=mask_n, other=0).to(tl.int32)
+        q = q - z[None, :]
+    else:
+        q = q - (1 << (BITS - 1))
+    return q

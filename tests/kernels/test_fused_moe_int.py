@@ -1,0 +1,91 @@
+"""Integer (GPTQ / AWQ / compressed-tensors) experts in the fused MoE: the dequantizing
+reference against a per-expert formula, and the Triton path (4 and 8 bits, zero points or
+not, decode-sized and larger batches, padding rows) against the reference."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from mrv2_kernels import fused_moe as fm
+from mrv2_kernels.fused_moe import IntExperts, fused_moe_ref, fused_moe_triton
+from mrv2_kernels.fused_moe_int import dequantize_int_experts, pack_experts
+
+DEVICE = "cuda" if os.environ.get("MRV2_TEST_GPU") and torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim:DeprecationWarning"
+)
+
+
+def _experts(e: int, n: int, k: int, bits: int, group: int, asym: bool, seed: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Packed ``[E, N, K / pack]``, scales, zeros (or None), the integers ``[E, N, K]``."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 2**bits, (e, n, k), generator=g)
+    scale = (torch.rand(e, n, k // group, generator=g) + 0.1) * 0.3 / 2**bits  # weights ~0.02
+    zeros = (torch.randint(0, 2**bits, (e, n, k // group), generator=g).to(torch.uint8)
+             if asym else None)
+    return pack_experts(q, bits), scale.half(), zeros, q
+
+
+def test_dequantize_is_the_formula() -> None:
+    packed, scale, zeros, q = _experts(2, 6, 32, 4, 16, True, seed=1)
+    assert zeros is not None
+    w = dequantize_int_experts(packed, scale, zeros, 4, 16)
+    for e, n, k in [(0, 0, 0), (1, 5, 31), (1, 2, 17)]:
+        want = (int(q[e, n, k]) - int(zeros[e, n, k // 16])) * float(scale[e, n, k // 16])
+        assert w[e, n, k].item() == pytest.approx(want, rel=1e-6, abs=1e-9)
+
+
+@pytest.fixture
+def poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
+    def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+              ) -> torch.Tensor:
+        return torch.full(shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype,
+                          device=device)
+
+    monkeypatch.setattr(fm, "_empty", empty)
+
+
+@pytest.mark.usefixtures("poisoned")
+@pytest.mark.parametrize(("tokens", "bits", "asym", "group", "dtype", "valid"), [
+    (3, 4, False, 32, torch.float32, None),
+    (9, 4, True, 16, torch.float32, 7),
+    (5, 8, True, 32, torch.bfloat16, None),
+])
+def test_triton_matches_reference(tokens: int, bits: int, asym: bool, group: int,
+                                  dtype: torch.dtype, valid: int | None) -> None:
+    experts, hidden, inter, top_k = 4, 64, 32, 2
+    w13, s13, z13, _ = _experts(experts, 2 * inter, hidden, bits, group, asym, seed=2)
+    w2, s2, z2, _ = _experts(experts, hidden, inter, bits, group, asym, seed=3)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    logits = torch.randn(tokens, experts, generator=g)
+    weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
+    ints = IntExperts(s13, s2, z13, z2, bits, group)
+    valid_t = None if valid is None else torch.tensor([valid], dtype=torch.int32)
+    want = fused_moe_ref(x, w13, w2, weights, ids.int(), int_experts=ints,
+                         valid_tokens=valid_t)
+    dev = [t.to(DEVICE) if t is not None else None for t in (x, w13, w2, weights, ids.int())]
+    ints_dev = IntExperts(*[t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in ints])
+    got = fused_moe_triton(*dev, int_experts=ints_dev,  # type: ignore[arg-type]
+                           valid_tokens=None if valid_t is None else valid_t.to(DEVICE)).cpu()
+    rows = tokens if valid is None else valid
+    assert not got[:rows].isnan().any()
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got[:rows].float(), want[:rows].float(), rtol=tol, atol=tol)
+
+
+def test_bad_layout_is_named() -> None:
+    w13, s13, _, _ = _experts(2, 64, 64, 4, 32, False, seed=5)
+    w2, s2, _, _ = _experts(2, 64, 32, 4, 32, False, seed=6)
+    x = torch.randn(2, 64)
+    ids = torch.zeros(2, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"w2_scale must be \(2, 64, 1\)"):
+        fused_moe_ref(x, w13, w2, torch.ones(2, 1), ids,
+                      int_experts=IntExperts(s13, s13, None, None, 4, 32))
+    with pytest.raises(ValueError, match=r"group_size \(24\) must divide"):
+        fused_moe_ref(x, w13, w2, torch.ones(2, 1), ids,
+                      int_experts=IntExperts(s13, s2, None, None, 4, 24))
