@@ -9,7 +9,9 @@ from mrv2 import hookimpl
 def mrv2_register_models(register: Callable[..., None]) -> None:
     """``LlamaForCausalLM`` (Llama 2/3, SmolLM2...) with its ModelState, and
     ``MistralForCausalLM`` (Mistral 7B, Mistral-Nemo, Ministral...: Llama's layers, the
-    config's ``sliding_window`` on every layer where it is set)."""
+    config's ``sliding_window`` on every layer where it is set), ``MixtralForCausalLM`` (its
+    layers with routed experts)."""
     for arch in ("LlamaForCausalLM", "MistralForCausalLM"):
         register(arch, "mrv2_llama.model:LlamaForCausalLM",
                  model_state="mrv2_llama.state:LlamaModelState")
+    register("MixtralForCausalLM", "mrv2_llama.mixtral:MixtralForCausalLM")

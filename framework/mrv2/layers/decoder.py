@@ -44,8 +44,9 @@ def sliding_window_of(config: Any, layer_idx: int) -> int | None:
     if not window:
         return None
     types = getattr(config, "layer_types", None)
-    if types is not None:
-        return int(window) if types[layer_idx] == "sliding_attention" else None
+    if types is not None:  # (a layer past the list, an MTP layer: full attention)
+        sliding = layer_idx < len(types) and types[layer_idx] == "sliding_attention"
+        return int(window) if sliding else None
     if getattr(config, "use_sliding_window", True) is False:
         return None
     return int(window)

@@ -55,7 +55,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from mrv2.layers.int_quant_config import IntQuantConfig
+from mrv2.layers.int_quant_config import IntQuantConfig, unpack_along_n
 from mrv2.layers.linear import FusedColumnLinear, LinearBase, RowLinear
 from mrv2.layers.weights import apply_moving_only
 from mrv2_kernels.wna16_gemm import (
@@ -66,20 +66,6 @@ from mrv2_kernels.wna16_gemm import (
 )
 
 logger = logging.getLogger(__name__)
-
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-
-
-def unpack_along_n(packed: torch.Tensor, bits: int, awq_order: bool) -> torch.Tensor:
-    """int32 ``[R, N/pack]`` packed along its columns (sequentially, or in AWQ's order) as
-    uint8 ``[R, N]``."""
-    pack = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
-    v = (packed[:, :, None] >> shifts) & ((1 << bits) - 1)
-    if awq_order:  # nibble i holds column AWQ_ORDER[i]: put each back at its column
-        v = v[:, :, [AWQ_ORDER.index(c) for c in range(pack)]]
-    return v.reshape(packed.shape[0], -1).to(torch.uint8)
-
 
 class IntLinearMixin(LinearBase):
     """Mixed into a linear layer's class by :func:`to_int`: packed integer weights, group

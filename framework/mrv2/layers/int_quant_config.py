@@ -1,11 +1,14 @@
 """What a checkpoint's ``quantization_config`` says about integer weights (GPTQ, AWQ,
 compressed-tensors' pack-quantized W4A16 / W8A16), checked field by field before anything
-loads. The layers and the formats' tensors: :mod:`mrv2.layers.int_quant`."""
+loads, and the one unpacking the formats share (:func:`unpack_along_n`). The layers and the
+formats' tensors: :mod:`mrv2.layers.int_quant` and :mod:`mrv2.layers.int_quant_moe`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 #: ``quantization=`` values that name these formats (vLLM's kernel-specific names included:
 #: the checkpoint decides the kernel here).
@@ -154,3 +157,19 @@ def _compressed_tensors(get: Any) -> IntQuantConfig:
     skip = tuple(str(i).removeprefix("re:").strip(".*") for i in get("ignore") or ())
     return IntQuantConfig("compressed-tensors", bits, group, bool(w("symmetric", True)),
                           actorder in ("group", True), skip=skip, names=CT_NAMES)
+
+
+#: AWQ GEMM checkpoints' nibble order: nibble ``i`` of word ``j`` holds column
+#: ``8 * j + AWQ_ORDER[i]``.
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def unpack_along_n(packed: torch.Tensor, bits: int, awq_order: bool) -> torch.Tensor:
+    """int32 ``[R, N/pack]`` packed along its columns (sequentially, or in AWQ's order) as
+    uint8 ``[R, N]``."""
+    pack = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+    v = (packed[:, :, None] >> shifts) & ((1 << bits) - 1)
+    if awq_order:  # nibble i holds column AWQ_ORDER[i]: put each back at its column
+        v = v[:, :, [AWQ_ORDER.index(c) for c in range(pack)]]
+    return v.reshape(packed.shape[0], -1).to(torch.uint8)

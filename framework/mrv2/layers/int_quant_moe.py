@@ -24,8 +24,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from mrv2.layers.int_quant import unpack_along_n
-from mrv2.layers.int_quant_config import IntQuantConfig
+from mrv2.layers.int_quant_config import IntQuantConfig, unpack_along_n
 from mrv2.layers.moe import FusedMoE
 from mrv2.layers.weights import apply_moving_only
 from mrv2_kernels.fused_moe import IntExperts, fused_moe
