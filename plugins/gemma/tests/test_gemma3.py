@@ -104,3 +104,31 @@ def test_unsupported_configs_name_the_field(tmp_path: Path, overrides: dict[str,
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=match):
         LLM(str(tmp_path), device="cpu", dtype="float32")
+
+
+def test_speculation_and_the_prefix_cache_keep_the_tokens(tmp_path: Path) -> None:
+    """n-gram drafts verified through the local layers' windows (several query tokens a
+    step), and a second request whose prompt hits the prefix cache past the window: the
+    same greedy tokens as plain decoding."""
+    arch, overrides = TINY_FAMILIES["gemma3"]
+    path = make_tiny_checkpoint(tmp_path / "m", arch, **overrides)
+    prefix = [7, 3, 9, 7, 3, 9, 7, 3, 9, 7, 3, 9]  # repeats: the n-gram drafter proposes
+    prompts = [prefix + [5, 6], prefix + [5, 8]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    stats: dict[str, Any] = {}
+
+    def run(**kwargs: Any) -> list[list[int]]:
+        llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, **kwargs)
+        first = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+        second = llm.generate([{"prompt_token_ids": prompts[1]}], params, use_tqdm=False)
+        stats.update(llm.engine.stats())
+        return [first[0].outputs[0].token_ids, second[0].outputs[0].token_ids]
+
+    plain = run(enable_prefix_caching=False)
+    assert plain == [hf_greedy(path, p, 12) for p in prompts]
+    llm_kwargs = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                         "prompt_lookup_max": 3, "prompt_lookup_min": 2}}
+    assert run(**llm_kwargs) == plain
+    assert stats["spec_num_draft_tokens"] > 0  # drafts were verified
+    assert run() == plain  # prefix cache on (the default): the second prompt hits it
