@@ -53,14 +53,18 @@ _CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
 
 
 def make_tiny_checkpoint(
-    path: str | Path, architecture: str, seed: int = 0, **overrides: Any
+    path: str | Path, architecture: str, seed: int = 0, std: float | None = None,
+    **overrides: Any
 ) -> Path:
     """Save a tiny random ``architecture`` (``"Qwen3ForCausalLM"``, ``"LlamaForCausalLM"``,
     ``"Qwen3MoeForCausalLM"``, ``"Qwen3ForSequenceClassification"``...: any ``XFor...`` of
     transformers with an ``XConfig``).
 
     ``overrides`` change config fields (``tie_word_embeddings=False``, ``head_dim=32``,
-    ``num_experts=8``...). Returns the checkpoint directory.
+    ``num_experts=8``...). ``std``: every weight redrawn with it (:func:`redraw_weights`);
+    at HF's init (std 0.02) attention is nearly uniform and the tokens barely depend on
+    positions, so a test of RoPE or attention masks through greedy tokens needs ~0.15.
+    Returns the checkpoint directory.
     """
     import transformers
 
@@ -75,6 +79,8 @@ def make_tiny_checkpoint(
         for param in model.parameters():
             if param.dim() == 1:  # norms: away from 1 so their weights matter
                 param.uniform_(0.5, 1.5)
+    if std is not None:
+        redraw_weights(model, seed=seed, std=std)
     path = Path(path)
     model.save_pretrained(path, safe_serialization=True)
     return path

@@ -25,7 +25,7 @@ PROMPTS = [[5, 17, 42, 9, 100, 3, 77, 8, 8, 250, 11], [3 + i for i in range(13)]
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_tokens_match_hf(case: str, tmp_path: Path) -> None:
     arch, overrides, windows = CASES[case]
-    path = make_tiny_checkpoint(tmp_path / "m", arch, **overrides)
+    path = make_tiny_checkpoint(tmp_path / "m", arch, std=0.15, **overrides)
     llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=8)
     layers = llm.engine.runner.model.model.layers
     assert [layer.self_attn.attn.sliding_window for layer in layers] == windows

@@ -1,7 +1,11 @@
 """Rotary position embedding (neox style: the two halves of the rotary dims are rotated together).
 
-Supported HF rope types: ``default``, ``linear``, ``llama3`` and ``yarn`` (with DeepSeek's
-``mscale`` / ``mscale_all_dim`` attention factor, which scales the cos/sin table). The
+Supported HF rope types: ``default``, ``linear``, ``llama3``, ``yarn`` (with DeepSeek's
+``mscale`` / ``mscale_all_dim`` attention factor, which scales the cos/sin table) and
+``longrope`` (Phi-3.5 / Phi-4-mini: ``short_factor`` frequencies for positions below
+``original_max_position_embeddings``, ``long_factor`` ones from there, as vLLM does; HF
+switches every position of a sequence to the long factors once it outgrows the original
+length, so the two differ only past it). The
 parameters come either from a transformers 5 ``rope_parameters`` dict (holding ``rope_theta``
 too) or from the older ``rope_theta`` + ``rope_scaling`` pair; :func:`rope_parameters_of` reads
 both.
@@ -18,7 +22,7 @@ from torch import nn
 
 from mrv2_kernels.rotary import KVWrite, QKNorm, rotary_embedding
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def rope_parameters_of(config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -51,6 +55,8 @@ def _inv_freq(
     if rope_type == "default":
         return inv_freq.float()
     assert scaling is not None
+    if rope_type == "longrope":  # (the short factors; the table takes the long ones too)
+        return _longrope_inv_freq(inv_freq, scaling, "short_factor")
     factor = float(scaling["factor"])
     if rope_type == "linear":
         return (inv_freq / factor).float()
@@ -61,6 +67,17 @@ def _inv_freq(
     raise NotImplementedError(
         f"rope type {rope_type!r} is not supported; supported types: {SUPPORTED_ROPE_TYPES}"
     )
+
+
+def _longrope_inv_freq(inv_freq: torch.Tensor, scaling: Mapping[str, Any], which: str
+                       ) -> torch.Tensor:
+    """LongRoPE: each frequency divided by its ``short_factor`` / ``long_factor`` entry."""
+    factors = scaling.get(which)
+    if factors is None or len(factors) != inv_freq.shape[0]:
+        raise ValueError(f"rope_parameters.{which} must list {inv_freq.shape[0]} factors (one "
+                         f"per rotary frequency), got {factors!r}")
+    ext = torch.tensor(factors, dtype=torch.float64, device=inv_freq.device)
+    return (inv_freq / ext).float()
 
 
 def _llama3_inv_freq(
@@ -120,6 +137,12 @@ def attention_factor_of(scaling: Mapping[str, Any] | None, max_position: int) ->
     """The factor a rope type multiplies cos and sin by (1 but for YaRN: its
     ``attention_factor``, else from ``factor`` with DeepSeek's ``mscale`` /
     ``mscale_all_dim``)."""
+    if scaling is not None and _rope_type(scaling) == "longrope":
+        if scaling.get("attention_factor") is not None:
+            return float(scaling["attention_factor"])
+        original = float(scaling["original_max_position_embeddings"])
+        factor = float(scaling.get("factor") or max_position / original)
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     if scaling is None or _rope_type(scaling) != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:
@@ -167,6 +190,11 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _inv_freq(self.rotary_dim, self.base, self.scaling, device)
             positions = torch.arange(self.max_position, dtype=torch.float32, device=device)
             freqs = torch.outer(positions, inv_freq)
+            if self.scaling is not None and _rope_type(self.scaling) == "longrope":
+                original = int(self.scaling["original_max_position_embeddings"])
+                plain = _inv_freq(self.rotary_dim, self.base, None, device).double()
+                long_freq = _longrope_inv_freq(plain, self.scaling, "long_factor")
+                freqs[original:] = torch.outer(positions[original:], long_freq)
             self._cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * self.attention_factor
         return self._cos_sin
 

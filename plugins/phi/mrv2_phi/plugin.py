@@ -1,0 +1,12 @@
+"""mrv2 plugin entry point of the Phi family: registers its architectures, lazily."""
+
+from collections.abc import Callable
+
+from mrv2 import hookimpl
+
+
+@hookimpl
+def mrv2_register_models(register: Callable[..., None]) -> None:
+    """``Phi3ForCausalLM``: Phi-3 / Phi-3.5 mini and medium, Phi-4, Phi-4-mini; it uses the
+    core's default decoder-only ModelState."""
+    register("Phi3ForCausalLM", "mrv2_phi.model:Phi3ForCausalLM")
