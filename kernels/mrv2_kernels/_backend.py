@@ -147,17 +147,21 @@ def softmax_rescale(s: tl.tensor, m_i: tl.tensor, l_i: tl.tensor, qk_scale: tl.t
 def online_softmax_step(q: tl.tensor, k: tl.tensor, v: tl.tensor, acc: tl.tensor,
                         m_i: tl.tensor, l_i: tl.tensor, qk_scale: tl.tensor, keep: tl.tensor,
                         MASKED: tl.constexpr, DOT_FP32: tl.constexpr,
-                        FP32_PRECISION: tl.constexpr) -> Any:
+                        FP32_PRECISION: tl.constexpr, CAP: tl.constexpr = 0.0) -> Any:
     """Triton helper: one online-softmax step of the paged and the TMA prefill attention over
     a key tile, in base 2 (``qk_scale`` includes :data:`LOG2E`). ``keep`` ``[BLOCK_M,
     BLOCK_N]`` (or broadcastable) says which scores count when ``MASKED``. Returns ``(acc,
     m, l)``; the value product accumulates into the rescaled ``acc`` inside the dot (on the
     H200 that beat adding a separate product: prefill 249 -> 254 TFLOP/s on Qwen3-8B heads,
-    the throughput workload's decode attention 2,054 -> 2,018 µs, BENCHMARKS.md 2026-12-02)."""
+    the throughput workload's decode attention 2,054 -> 2,018 µs, BENCHMARKS.md 2026-12-02).
+    ``CAP`` > 0: logit soft-capping (Gemma 2), ``cap * tanh(score / cap)`` of the scaled scores,
+    given as ``cap / scale`` (the raw dot's units: ``CAP * tanh(qk / CAP)``)."""
     if DOT_FP32:
         qk = tl.dot(q, tl.trans(k), input_precision=FP32_PRECISION)
     else:
         qk = tl.dot(q, tl.trans(k))
+    if CAP > 0:  # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates to +-1 without overflow
+        qk = CAP * (1.0 - 2.0 / (tl.exp(2.0 * qk / CAP) + 1.0))
     p, alpha, m_new, l_i = softmax_rescale(qk, m_i, l_i, qk_scale, keep, MASKED)
     acc = acc * alpha[:, None]
     if DOT_FP32:

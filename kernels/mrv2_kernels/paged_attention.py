@@ -171,6 +171,7 @@ def _paged_attn_kernel(
     REQ_BLOCK: tl.constexpr = 16,
     ONE_TOKEN: tl.constexpr = 0,
     SLIDING: tl.constexpr = False,
+    CAP: tl.constexpr = 0.0,
 ) -> None:
     # Heaviest query tiles (latest positions) first: better tail balance in causal prefill.
     # FLAT: program_id(0) counts every request's tiles (see flat_query_tile), the last ones
@@ -341,7 +342,7 @@ def _paged_attn_kernel(
             k = k.to(tl.float16)
             v = v.to(tl.float16)
         acc, m_i, l_i = _online_step(q, k, v, acc, m_i, l_i, qk_scale, pos[:, None] >= 0,
-                                     False, DOT_FP32, FP32_PRECISION)
+                                     False, DOT_FP32, FP32_PRECISION, CAP)
 
     for start in range(mid, hi, BLOCK_N):
         n = start + offs_n
@@ -367,7 +368,7 @@ def _paged_attn_kernel(
         if SLIDING:
             visible &= n[None, :] > pos[:, None] - window
         acc, m_i, l_i = _online_step(q, k, v, acc, m_i, l_i, qk_scale, visible, True, DOT_FP32,
-                                     FP32_PRECISION)
+                                     FP32_PRECISION, CAP)
 
     if USE_SPLITS:
         part = (q_row * num_heads + head) * num_splits + split
@@ -456,12 +457,15 @@ def paged_attention(
     flat_grid: bool | None = None,
     one_token_apart: bool | None = None,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of ``query`` ``[T, H, D]`` over ``kv_cache``; see the module doc.
 
     ``sliding_window``: a query at position ``p`` sees keys ``p - sliding_window + 1 .. p``
     only; its programs start at the first key tile their first row sees (decode reads the
     window, not the context), mask every tile, and never take the TMA prefill path.
+    ``logit_softcap``: scores ``cap * tanh(score / cap)`` before the softmax (Gemma 2; not on
+    the TMA path either).
 
     With ``rope``, ``query`` is raw (not yet normalized or rotated) and this call also stores
     the step's key and value in the cache (see :class:`FusedRope`).
@@ -527,7 +531,9 @@ def paged_attention(
     long_qlen = 0
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
-    if (step_kv is not None and sliding_window is None
+    if logit_softcap is not None and logit_softcap <= 0:
+        raise ValueError(f"logit_softcap must be None or > 0, got {logit_softcap}")
+    if (step_kv is not None and sliding_window is None and logit_softcap is None
             and max_query_len >= (tile := tma_prefill_min_query(query))):
         # Prefill on Hopper: requests of a query tile or more read the step's own keys through
         # TMA, in their own kernel; the paged kernel below takes the rest (and the padding).
@@ -569,7 +575,9 @@ def paged_attention(
             # exact.
             FP32_PRECISION="tf32x3" if on_gpu else "ieee", num_warps=p.num_warps,
             num_stages=p.num_stages, EARLY_META=pdl_early_meta(query),
-            SLIDING=sliding_window is not None, **flags, **pdl(query),
+            SLIDING=sliding_window is not None,
+            CAP=0.0 if logit_softcap is None else float(logit_softcap) / scale,
+            **flags, **pdl(query),
         )
 
     if apart:

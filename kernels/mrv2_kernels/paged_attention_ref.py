@@ -42,12 +42,14 @@ def paged_attention_ref(
     num_reqs: int,
     uniform_decode: bool = False,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Plain-torch reference of :func:`paged_attention` (fp32 math, same outputs contract).
 
     Reads ``query_start_loc``/``seq_lens`` on the host (a sync on GPU): meant for tests and CPU.
     ``max_query_len``/``max_seq_len``/``uniform_decode`` are accepted for signature parity.
     ``sliding_window``: a query at position ``p`` sees keys ``p - sliding_window + 1 .. p``.
+    ``logit_softcap``: scores become ``cap * tanh(score / cap)`` before the softmax.
     """
     del max_query_len, max_seq_len, uniform_decode
     num_heads, num_kv_heads, head_dim, block_size = _check_inputs(query, kv_cache)
@@ -73,6 +75,8 @@ def paged_attention_ref(
             c1 = min(c0 + chunk, qlen)
             q = query[q_start + c0 : q_start + c1].float().transpose(0, 1)  # [H, c, D]
             scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, c, S]
+            if logit_softcap is not None:
+                scores = logit_softcap * torch.tanh(scores / logit_softcap)
             qpos = ctx_len + torch.arange(c0, c1, device=query.device)
             visible = n[None, :] <= qpos[:, None]  # [c, S]
             if sliding_window is not None:

@@ -1,7 +1,7 @@
 """Sliding-window attention (``sliding_window``: a query at position ``p`` sees keys ``p - W +
-1 .. p``): the torch reference against a naive loop, the Triton kernel (prefill, mixed,
-split decode, RoPE inside decode) against the reference, and the torch backend's CPU and
-device-agnostic paths."""
+1 .. p``) and logit soft-capping (``cap * tanh(score / cap)``): the torch reference against a
+naive loop, the Triton kernel (prefill, mixed, split decode, RoPE inside decode) against the
+reference, and the torch backend's CPU and device-agnostic paths."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 
-def naive_window(b: Batch, window: int) -> torch.Tensor:
+def naive_window(b: Batch, window: int, cap: float | None = None) -> torch.Tensor:
     """Per request, token and head: softmax over the last ``window`` keys up to the query."""
     q_all, kv = b.query, b.kv_cache
     heads, kv_heads, bs = q_all.shape[1], kv.shape[3], kv.shape[2]
@@ -41,6 +41,8 @@ def naive_window(b: Batch, window: int) -> torch.Tensor:
                 k = torch.stack([kv[0, blk, off, kh].float() for blk, off in slots])
                 v = torch.stack([kv[1, blk, off, kh].float() for blk, off in slots])
                 s = (k @ q_all[t, h].float()) * b.scale
+                if cap is not None:
+                    s = cap * torch.tanh(s / cap)
                 out[t, h] = torch.softmax(s, 0) @ v
     return out
 
@@ -142,3 +144,52 @@ def test_torch_backend_paths(reqs: list[tuple[int, int]]) -> None:
         slow = backend.forward_reference(q, cache, md, b.scale, sliding_window=window)
         torch.testing.assert_close(fast[:real], ref[:real], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(slow[:real], ref[:real], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("window", "cap"), [(None, 0.7), (5, 1.5)])
+def test_softcap_ref_matches_naive(window: int | None, cap: float) -> None:
+    b = _batch([(1, 23), (13, 13), (9, 30), (0, 0)], seed=8)
+    b.query.mul_(4)  # scores well past the cap
+    ref = paged_attention_ref(b.query, b.kv_cache, b.qsl, b.seq_lens, b.block_table,
+                              b.scale, **b.bounds, sliding_window=window, logit_softcap=cap)
+    naive = naive_window(b, window or 10**6, cap)
+    torch.testing.assert_close(ref.float(), naive, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("window", "cap", "decode", "splits"), [
+    (None, 0.7, False, None), (6, 1.5, False, None), (None, 0.7, True, 3), (9, 2.0, True, 1),
+])
+def test_softcap_in_the_triton_kernel(window: int | None, cap: float, decode: bool,
+                                      splits: int | None) -> None:
+    reqs = [(1, 77), (1, 1), (1, 40), (0, 0), (1, 17)] if decode else MIXED
+    b = _batch(reqs, seed=9)
+    b.query.mul_(4)
+    args = (b.query, b.kv_cache, b.qsl, b.seq_lens, b.block_table, b.scale)
+    ref = paged_attention_ref(*args, **b.bounds, sliding_window=window, logit_softcap=cap)
+    plain = paged_attention_ref(*args, **b.bounds, sliding_window=window)
+    out = paged_attention(*args, **b.bounds, uniform_decode=decode, num_splits=splits,
+                          sliding_window=window, logit_softcap=cap)
+    _check(out, ref, b, torch.float32)
+    assert (ref - plain).abs().max() > 1e-2  # the cap changes the result
+
+
+def test_torch_backend_softcap_paths() -> None:
+    from mrv2.attention.torch_backend import TorchAttentionBackend
+    from mrv2.contract.attention import AttentionMetadata
+
+    b = _batch(MIXED, seed=10)
+    b.query.mul_(4)
+    n = len(MIXED)
+    q, cache = b.query.cpu(), b.kv_cache.cpu()
+    md = AttentionMetadata(n, q.shape[0], max(b.qlens), max(b.lens), b.qsl.cpu(),
+                           b.seq_lens.cpu(), b.block_table.cpu(), torch.zeros(q.shape[0]), 4)
+    backend = TorchAttentionBackend()
+    for window in (None, 4):
+        ref = paged_attention_ref(q, cache, md.query_start_loc, md.seq_lens, md.block_table,
+                                  b.scale, **b.bounds, sliding_window=window, logit_softcap=0.9)
+        real = b.num_real_tokens
+        for got in (backend.forward(q, cache, md, b.scale, sliding_window=window,
+                                    logit_softcap=0.9),
+                    backend.forward_reference(q, cache, md, b.scale, sliding_window=window,
+                                              logit_softcap=0.9)):
+            torch.testing.assert_close(got[:real], ref[:real], atol=1e-5, rtol=1e-5)

@@ -102,10 +102,10 @@ def test_legacy_rope_attributes() -> None:
     legacy = SimpleNamespace(rope_theta=5e5, rope_scaling={"type": "linear", "factor": 2.0})
     assert rope_parameters_of(legacy) == (5e5, {"type": "linear", "factor": 2.0})
     assert rope_parameters_of(SimpleNamespace(rope_theta=5e5, rope_scaling=None)) == (5e5, None)
-    with pytest.raises(NotImplementedError, match="longrope"):
+    with pytest.raises(NotImplementedError, match="dynamic"):
         get_rope(
             SimpleNamespace(
-                rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0},
+                rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0},
                 max_position_embeddings=64,
             ),
             head_dim=16,

@@ -155,12 +155,25 @@ def write_kv_cpu(
     target.index_copy_(1, slots, new)
 
 
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            scale: float, softcap: float | None) -> torch.Tensor:
+    """``scaled_dot_product_attention``, or its steps written out with soft-capped scores."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1), v)
+
+
 def paged_attention_cpu(
     query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | None = None, logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of ``query`` ``[T, H, D]`` over the paged cache; ``[T, H, D]``;
-    ``sliding_window``: each query's last that many keys (its own included) only."""
+    ``sliding_window``: each query's last that many keys (its own included) only;
+    ``logit_softcap``: scores ``cap * tanh(score / cap)``."""
     num_tokens, num_heads, head_dim = query.shape
     plan = plan_for(metadata)
     if plan.num_reqs == 0:
@@ -182,9 +195,8 @@ def paged_attention_cpu(
         q = q.reshape(n, num_kv_heads, q_len * group, head_dim)
     if q.dtype != torch.float32:
         q = q.float()
-    out = F.scaled_dot_product_attention(q, kv[0], kv[1],
-                                         attn_mask=plan.mask_for(group, sliding_window),
-                                         scale=scale)  # [B, Hk, Q * G, D]
+    out = _attend(q, kv[0], kv[1], plan.mask_for(group, sliding_window), scale,
+                  logit_softcap)  # [B, Hk, Q * G, D]
     if q_len == 1:
         out = out.view(n, num_heads, head_dim)
     else:

@@ -30,6 +30,7 @@ class TorchAttentionBackend(PagedAttentionBackend):
     name = "torch"
     fp8_kv_cache = True
     sliding_window = True
+    logit_softcap = True
 
     def write_kv(
         self,
@@ -56,12 +57,15 @@ class TorchAttentionBackend(PagedAttentionBackend):
         scale: float,
         *,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         """Causal GQA attention of ``query`` ``[T, H, D]``; returns ``[T, H, D]``."""
         if query.device.type == "cpu":
-            return paged_attention_cpu(query, kv_cache, metadata, scale, sliding_window)
+            return paged_attention_cpu(query, kv_cache, metadata, scale, sliding_window,
+                                       logit_softcap)
         return self.forward_reference(query, kv_cache, metadata, scale,
-                                      sliding_window=sliding_window)
+                                      sliding_window=sliding_window,
+                                      logit_softcap=logit_softcap)
 
     def write_kv_reference(
         self,
@@ -102,6 +106,7 @@ class TorchAttentionBackend(PagedAttentionBackend):
         scale: float,
         *,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         """The device-agnostic :meth:`forward` (no host reads)."""
         num_tokens, num_heads, head_dim = query.shape
@@ -133,6 +138,8 @@ class TorchAttentionBackend(PagedAttentionBackend):
         v = torch.where(in_seq[:, :, None, None], v, 0.0)  # unwritten slots may hold NaN
 
         scores = torch.einsum("bqhgd,blhd->bhgql", q, k) * scale
+        if logit_softcap is not None:
+            scores = logit_softcap * torch.tanh(scores / logit_softcap)
         mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, Q, L]; real queries: < seq_len
         if sliding_window is not None:
             mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window

@@ -100,6 +100,11 @@ class PagedAttentionBackend(AttentionBackend, ABC):
     position ``p`` then sees only keys at positions ``p - sliding_window + 1 .. p`` (Gemma,
     Mistral's local layers; HF's ``sliding_window`` counts the query's own key)."""
 
+    logit_softcap: bool = False
+    """Whether :meth:`forward` and :meth:`forward_rope` take ``logit_softcap``: the scaled
+    scores become ``cap * tanh(score / cap)`` before the softmax (Gemma 2's
+    ``attn_logit_softcapping``)."""
+
     @abstractmethod
     def forward(
         self,
@@ -109,13 +114,15 @@ class PagedAttentionBackend(AttentionBackend, ABC):
         scale: float,
         *,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         """Causal attention of ``query`` ``[T, num_heads, head_dim]`` over the paged cache.
 
         Grouped-query attention: query head ``h`` reads KV head ``h // (num_heads //
         num_kv_heads)``. Returns ``[T, num_heads, head_dim]`` in the query's dtype.
         ``sliding_window`` (where :attr:`sliding_window` says so): the last that many keys
-        up to each query's position only; None: every key up to it.
+        up to each query's position only; None: every key up to it. ``logit_softcap`` (where
+        :attr:`logit_softcap` says so): soft-capped scores.
         """
 
     rope_in_attention: bool = False
@@ -133,6 +140,7 @@ class PagedAttentionBackend(AttentionBackend, ABC):
         rope: RopeInputs,
         *,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         """:meth:`write_kv` and :meth:`forward` of the rotated query and key, from the raw
         ``query`` ``[T, num_heads, head_dim]``, ``key``/``value`` ``[T, num_kv_heads *

@@ -21,7 +21,7 @@ class Attention(KVCacheLayer):
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int,
-        sliding_window: int | None = None,
+        sliding_window: int | None = None, logit_softcap: float | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -30,8 +30,12 @@ class Attention(KVCacheLayer):
             )
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+        if logit_softcap is not None and logit_softcap <= 0:
+            raise ValueError(f"logit_softcap must be None or > 0, got {logit_softcap}")
         #: Keys a query sees, its own included (None: all before it); HF's ``sliding_window``.
         self.sliding_window = sliding_window
+        #: Scores soft-capped to ``cap * tanh(score / cap)`` (Gemma 2); None: not capped.
+        self.logit_softcap = logit_softcap
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -64,11 +68,15 @@ class Attention(KVCacheLayer):
         kv_cache = ctx.kv_cache(self.layer_idx)
         backend = ctx.backend(self.layer_idx)
         num_tokens = q.shape[0]
-        window = self.sliding_window
-        if window is not None and not backend.sliding_window:
-            raise ValueError(f"layer {self.layer_idx} attends over a sliding window of "
-                             f"{window}; the {backend.name!r} attention backend has none")
-        extra = {} if window is None else {"sliding_window": window}
+        extra: dict[str, float] = {}
+        for option in ("sliding_window", "logit_softcap"):
+            value = getattr(self, option)
+            if value is None:
+                continue
+            if not getattr(backend, option):
+                raise ValueError(f"layer {self.layer_idx} attends with {option}={value}; the "
+                                 f"{backend.name!r} attention backend does not take it")
+            extra[option] = value
         kv_write = None
         if rotary is not None:
             if positions is None:
@@ -95,4 +103,5 @@ class Attention(KVCacheLayer):
             f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"scale={self.scale}, layer_idx={self.layer_idx}"
             + (f", sliding_window={self.sliding_window}" if self.sliding_window else "")
+            + (f", logit_softcap={self.logit_softcap}" if self.logit_softcap else "")
         )

@@ -67,13 +67,15 @@ class SelfAttention(nn.Module):
     ``qkv_bias`` / ``o_bias`` put biases on the projections (Qwen3 and Llama: both per
     ``attention_bias``; GLM-4.x: q/k/v only), ``qk_norm`` adds Qwen3's
     ``q_norm`` / ``k_norm`` (built with ``rms_norm_eps``), fused into the rotation.
-    ``scale``: the scores' factor (default ``head_dim ** -0.5``). Local layers attend over
-    the config's sliding window (:func:`sliding_window_of`).
+    ``scale``: the scores' factor (default ``head_dim ** -0.5``); ``logit_softcap``: scores
+    soft-capped (Gemma 2). Local layers attend over the config's sliding window
+    (:func:`sliding_window_of`).
     """
 
     def __init__(
         self, config: Any, layer_idx: int, rope: RotaryEmbedding, *, qkv_bias: bool = False,
         o_bias: bool = False, qk_norm: bool = False, scale: float | None = None,
+        logit_softcap: float | None = None,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim_of(config)
@@ -92,7 +94,7 @@ class SelfAttention(nn.Module):
         self.attn = Attention(  # this rank's heads
             self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, self.head_dim,
             self.head_dim**-0.5 if scale is None else scale, layer_idx,
-            sliding_window=sliding_window_of(config, layer_idx),
+            sliding_window=sliding_window_of(config, layer_idx), logit_softcap=logit_softcap,
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:

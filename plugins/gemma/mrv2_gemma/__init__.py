@@ -5,14 +5,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mrv2_gemma.model import Gemma3ForCausalLM
+    from mrv2_gemma.model import Gemma2ForCausalLM, Gemma3ForCausalLM
 
-__all__ = ["Gemma3ForCausalLM"]
+__all__ = ["Gemma2ForCausalLM", "Gemma3ForCausalLM"]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "Gemma3ForCausalLM":
-        from mrv2_gemma.model import Gemma3ForCausalLM
+    if name in __all__:
+        from mrv2_gemma import model
 
-        return Gemma3ForCausalLM
+        return getattr(model, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,5 @@
-"""Gemma 3's text decoder (``Gemma3ForCausalLM``, HF ``Gemma3TextConfig``).
+"""Gemma 3's text decoder (``Gemma3ForCausalLM``, HF ``Gemma3TextConfig``) and Gemma 2
+(``Gemma2ForCausalLM``).
 
 What sets it apart from the usual pre-norm decoder, each built from the core's layers:
 
@@ -18,9 +19,13 @@ What sets it apart from the usual pre-norm decoder, each built from the core's l
   the factor rounded to the model dtype as HF does), scores scaled by
   ``query_pre_attn_scalar ** -0.5``, tied embeddings.
 
-Refused with a ValueError naming the field: attention or final logit soft-capping (Gemma 2's),
-bidirectional attention (EmbeddingGemma). The KV cache keeps every token of a local layer
-(blocks outside the window are not freed yet).
+Gemma 2 is the same decoder without q/k norms, with one RoPE for every layer and with
+soft-capped logits: attention scores ``50 * tanh(score / 50)`` (the core's
+:class:`~mrv2.layers.Attention` ``logit_softcap``) and final logits ``30 * tanh(logit / 30)``.
+
+Refused with a ValueError naming the field: soft-capping in a Gemma 3 config, bidirectional
+attention (EmbeddingGemma). The KV cache keeps every token of a local layer (blocks outside
+the window are not freed yet).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from mrv2.layers import (
     RMSNorm,
     RotaryEmbedding,
     SelfAttention,
+    get_rope,
     head_dim_of,
     norm_linear,
 )
@@ -47,11 +53,11 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 
-def _check(config: PretrainedConfig) -> None:
+def _check(config: PretrainedConfig, softcaps: bool) -> None:
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(config, name, None) is not None:
+        if not softcaps and getattr(config, name, None) is not None:
             raise ValueError(f"config.json {name} = {getattr(config, name)!r}: soft-capping "
-                             "(Gemma 2) is not supported; Gemma 3 sets it to null")
+                             "is Gemma 2's; Gemma 3 sets it to null")
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError("config.json use_bidirectional_attention = true (EmbeddingGemma) is "
                          "not supported: mrv2's attention is causal")
@@ -88,18 +94,20 @@ class ScaledEmbedding(VocabEmbedding):
         return rows * torch.tensor(self.scale, dtype=rows.dtype, device=rows.device)
 
 
-class Gemma3DecoderLayer(nn.Module):
+class GemmaDecoderLayer(nn.Module):
     """Attention and GeGLU MLP, each between a pre- and a post-norm (HF's names); the input
-    norm runs fused with the QKV projection, the residual add fused into the next norm."""
+    norm runs fused with the QKV projection, the residual add fused into the next norm.
+    ``qk_norm``: Gemma 3's per-head q/k norms; the attention soft-cap: Gemma 2's."""
 
-    def __init__(self, config: PretrainedConfig, layer_idx: int,
-                 ropes: dict[str, RotaryEmbedding]) -> None:
+    def __init__(self, config: PretrainedConfig, layer_idx: int, rope: RotaryEmbedding,
+                 qk_norm: bool) -> None:
         super().__init__()
-        kind = config.layer_types[layer_idx]
         bias = bool(getattr(config, "attention_bias", False))
+        softcap = getattr(config, "attn_logit_softcapping", None)
         self.self_attn = SelfAttention(  # (local layers: the window, from layer_types)
-            config, layer_idx, ropes[kind], qkv_bias=bias, o_bias=bias, qk_norm=True,
-            scale=float(config.query_pre_attn_scalar) ** -0.5)
+            config, layer_idx, rope, qkv_bias=bias, o_bias=bias, qk_norm=qk_norm,
+            scale=float(config.query_pre_attn_scalar) ** -0.5,
+            logit_softcap=None if softcap is None else float(softcap))
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size,
                             config.hidden_activation)
         hidden, eps = config.hidden_size, config.rms_norm_eps
@@ -117,17 +125,21 @@ class Gemma3DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
-class Gemma3ForCausalLM(CausalLM):
-    """Gemma 3's text decoder in the mrv2 model contract (module docstring)."""
+class _Gemma(CausalLM):
+    """What Gemma 2 and 3 share: scaled embeddings, norms as offsets, final soft-cap."""
 
-    def __init__(self, config: PretrainedConfig) -> None:
-        _check(config)
-        head_dim = head_dim_of(config)
-        ropes = {kind: gemma3_rope(config, kind, head_dim) for kind in set(config.layer_types)}
-        model = DecoderModel(config, lambda i: Gemma3DecoderLayer(config, i, ropes))
+    def __init__(self, config: PretrainedConfig, make_layer: Any) -> None:
+        model = DecoderModel(config, make_layer)
         model.embed_tokens = ScaledEmbedding(config.vocab_size, config.hidden_size,
                                              float(config.hidden_size) ** 0.5)
         super().__init__(config, model)
+        cap = getattr(config, "final_logit_softcapping", None)
+        self.final_softcap = None if cap is None else float(cap)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden_states)
+        cap = self.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """HF checkpoint tensors, every norm weight ``w`` loaded as ``1 + w`` (computed in
@@ -135,14 +147,25 @@ class Gemma3ForCausalLM(CausalLM):
         return super().load_weights((name, _fold_norm(name, t)) for name, t in weights)
 
 
+class Gemma3ForCausalLM(_Gemma):
+    """Gemma 3's text decoder in the mrv2 model contract (module docstring)."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        _check(config, softcaps=False)
+        head_dim = head_dim_of(config)
+        ropes = {kind: gemma3_rope(config, kind, head_dim) for kind in set(config.layer_types)}
+        super().__init__(config, lambda i: GemmaDecoderLayer(
+            config, i, ropes[config.layer_types[i]], qk_norm=True))
+
+
+class Gemma2ForCausalLM(_Gemma):
+    """Gemma 2 in the mrv2 model contract (module docstring)."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        _check(config, softcaps=True)
+        rope = get_rope(config, head_dim_of(config))
+        super().__init__(config, lambda i: GemmaDecoderLayer(config, i, rope, qk_norm=False))
+
+
 def _fold_norm(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor.float() + 1.0 if name.endswith("norm.weight") else tensor
-
-
-def gemma3_text_config(**overrides: Any) -> PretrainedConfig:
-    """A ``Gemma3TextConfig`` (transformers) with ``overrides``, naming the architecture."""
-    import transformers
-
-    config = transformers.Gemma3TextConfig(**overrides)
-    config.architectures = ["Gemma3ForCausalLM"]
-    return cast("PretrainedConfig", config)

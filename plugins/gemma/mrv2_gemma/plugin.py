@@ -7,6 +7,7 @@ from mrv2 import hookimpl
 
 @hookimpl
 def mrv2_register_models(register: Callable[..., None]) -> None:
-    """Gemma 3's text decoder (Gemma 3 1B, and any ``Gemma3ForCausalLM`` checkpoint); it uses
-    the core's default decoder-only ModelState."""
+    """Gemma 3's text decoder (Gemma 3 1B, and any ``Gemma3ForCausalLM`` checkpoint) and
+    Gemma 2; they use the core's default decoder-only ModelState."""
     register("Gemma3ForCausalLM", "mrv2_gemma.model:Gemma3ForCausalLM")
+    register("Gemma2ForCausalLM", "mrv2_gemma.model:Gemma2ForCausalLM")

@@ -132,3 +132,41 @@ def test_speculation_and_the_prefix_cache_keep_the_tokens(tmp_path: Path) -> Non
     assert run(**llm_kwargs) == plain
     assert stats["spec_num_draft_tokens"] > 0  # drafts were verified
     assert run() == plain  # prefix cache on (the default): the second prompt hits it
+
+
+def test_gemma2_logits_match_hf(tmp_path: Path) -> None:
+    """Gemma 2: soft-capped attention scores and final logits (caps small enough to bite),
+    alternating local and global layers, no q/k norms."""
+    config = transformers.Gemma2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+        sliding_window=4, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0)
+    config.architectures = ["Gemma2ForCausalLM"]
+    config._attn_implementation = "eager"  # (HF's sdpa path leaves the attention cap out)
+    torch.manual_seed(0)
+    hf = transformers.Gemma2ForCausalLM(config).eval()
+    redraw_weights(hf)
+    hf.save_pretrained(tmp_path)
+    from mrv2_gemma.model import Gemma2ForCausalLM
+
+    model = Gemma2ForCausalLM(transformers.AutoConfig.from_pretrained(tmp_path))
+    load_model_weights(model, iter_safetensors(tmp_path))
+    assert [layer.self_attn.attn.logit_softcap for layer in model.model.layers] == [2.0] * 4
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (9, 3, 13)]
+    max_blocks = math.ceil(16 / TEST_BLOCK_SIZE)
+    perm = torch.randperm(TEST_NUM_BLOCKS, generator=gen).tolist()
+    tables = [perm[i * max_blocks : (i + 1) * max_blocks] for i in range(len(prompts))]
+    caches = poisoned_caches(2, 16, 4)
+    prefill, _ = run_step(model, caches, tables, [0] * len(prompts), prompts, num_pad=2)
+    next_tokens = torch.randint(0, 128, (len(prompts),), generator=gen).tolist()
+    decode, _ = run_step(model, caches, tables, [len(p) for p in prompts],
+                         [[t] for t in next_tokens])
+    with torch.no_grad():
+        for prompt, token, pre, dec in zip(prompts, next_tokens, prefill, decode, strict=True):
+            torch.testing.assert_close(pre, hf(torch.tensor([prompt])).logits[0],
+                                       atol=1e-4, rtol=1e-4)
+            expected = hf(torch.tensor([prompt + [token]])).logits[0, -1:]
+            torch.testing.assert_close(dec, expected, atol=1e-4, rtol=1e-4)
+            assert pre.abs().max() <= 3.0  # the final cap
