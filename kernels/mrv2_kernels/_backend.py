@@ -22,9 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["ENV_VAR", "LOG2E", "M_INIT", "PDL_EARLY_META_ENV_VAR", "PDL_EARLY_WEIGHTS_ENV_VAR",
-           "PDL_ENV_VAR", "arrival_counters", "cdiv", "cuda_event_ms", "default_block",
-           "flat_query_tile", "last_to_arrive", "next_power_of_2",
+__all__ = ["ENV_VAR", "LOG2E", "LOG2E_C", "M_INIT", "PDL_EARLY_META_ENV_VAR",
+           "PDL_EARLY_WEIGHTS_ENV_VAR", "PDL_ENV_VAR", "arrival_counters", "cdiv",
+           "cuda_event_ms", "default_block", "flat_query_tile", "last_to_arrive", "next_power_of_2",
            "online_softmax_step", "pdl", "pdl_early_meta", "pdl_early_weights", "pdl_enabled",
            "pdl_release", "pdl_wait", "softmax_rescale", "triton_forced", "use_triton"]
 
@@ -74,8 +74,10 @@ def next_power_of_2(n: int) -> int:
     return 0 if n <= 0 else 1 << (int(n) - 1).bit_length()
 
 
-#: log2(e): the attention kernels run their online softmax in base 2 (scores scaled by it).
+#: log2(e): the attention kernels run their online softmax in base 2 (scores scaled by it);
+#: ``LOG2E_C`` for kernels.
 LOG2E = 1.4426950408889634
+LOG2E_C = tl.constexpr(LOG2E)
 #: Finite "minus infinity" for the attention kernels' running maxima (rows that see no key stay
 #: NaN-free); a constexpr because compiled kernels may only read constexpr globals.
 M_INIT = tl.constexpr(-1.0e30)

@@ -63,6 +63,7 @@ import triton
 import triton.language as tl
 
 from ._backend import LOG2E as _LOG2E
+from ._backend import LOG2E_C as _LOG2E_C
 from ._backend import M_INIT as _M_INIT
 from ._backend import (
     flat_query_tile,
@@ -172,6 +173,8 @@ def _paged_attn_kernel(
     ONE_TOKEN: tl.constexpr = 0,
     SLIDING: tl.constexpr = False,
     CAP: tl.constexpr = 0.0,
+    sinks_ptr: tl.tensor = None,
+    SINKS: tl.constexpr = False,
 ) -> None:
     # Heaviest query tiles (latest positions) first: better tail balance in causal prefill.
     # FLAT: program_id(0) counts every request's tiles (see flat_query_tile), the last ones
@@ -319,6 +322,11 @@ def _paged_attn_kernel(
     m_i = tl.full([BLOCK_M], _M_INIT, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if SINKS:  # a key of each head's own, valued zero, at its learned score (gpt-oss): in the
+        # running max and sum from the start, once per row (by split 0 of a split row)
+        sink = tl.load(sinks_ptr + head, mask=grp < GROUP, other=0.0).to(tl.float32)
+        m_i = tl.where(split == 0, sink * _LOG2E_C, m_i)
+        l_i = tl.where(split == 0, tl.full([BLOCK_M], 1.0, tl.float32), l_i)
 
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     offs_n = tl.arange(0, BLOCK_N)
@@ -458,6 +466,7 @@ def paged_attention(
     one_token_apart: bool | None = None,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of ``query`` ``[T, H, D]`` over ``kv_cache``; see the module doc.
 
@@ -465,7 +474,8 @@ def paged_attention(
     only; its programs start at the first key tile their first row sees (decode reads the
     window, not the context), mask every tile, and never take the TMA prefill path.
     ``logit_softcap``: scores ``cap * tanh(score / cap)`` before the softmax (Gemma 2; not on
-    the TMA path either).
+    the TMA path either). ``sinks`` ``[H]``: each head's attention sink (gpt-oss), a score
+    that joins every row's softmax with a value of zero (not on the TMA path).
 
     With ``rope``, ``query`` is raw (not yet normalized or rotated) and this call also stores
     the step's key and value in the cache (see :class:`FusedRope`).
@@ -533,8 +543,11 @@ def paged_attention(
         raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
     if logit_softcap is not None and logit_softcap <= 0:
         raise ValueError(f"logit_softcap must be None or > 0, got {logit_softcap}")
+    if sinks is not None and (sinks.shape != (num_heads,) or sinks.device != query.device):
+        raise ValueError(f"sinks must be [{num_heads}] (one per query head) on the query's "
+                         f"device, got {tuple(sinks.shape)} on {sinks.device}")
     if (step_kv is not None and sliding_window is None and logit_softcap is None
-            and max_query_len >= (tile := tma_prefill_min_query(query))):
+            and sinks is None and max_query_len >= (tile := tma_prefill_min_query(query))):
         # Prefill on Hopper: requests of a query tile or more read the step's own keys through
         # TMA, in their own kernel; the paged kernel below takes the rest (and the padding).
         long_qlen = tile
@@ -577,6 +590,7 @@ def paged_attention(
             num_stages=p.num_stages, EARLY_META=pdl_early_meta(query),
             SLIDING=sliding_window is not None,
             CAP=0.0 if logit_softcap is None else float(logit_softcap) / scale,
+            **({} if sinks is None else {"sinks_ptr": sinks, "SINKS": True}),
             **flags, **pdl(query),
         )
 

@@ -43,6 +43,7 @@ def paged_attention_ref(
     uniform_decode: bool = False,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-torch reference of :func:`paged_attention` (fp32 math, same outputs contract).
 
@@ -50,6 +51,7 @@ def paged_attention_ref(
     ``max_query_len``/``max_seq_len``/``uniform_decode`` are accepted for signature parity.
     ``sliding_window``: a query at position ``p`` sees keys ``p - sliding_window + 1 .. p``.
     ``logit_softcap``: scores become ``cap * tanh(score / cap)`` before the softmax.
+    ``sinks`` ``[H]``: each head's sink score joins the softmax (as a key valued zero).
     """
     del max_query_len, max_seq_len, uniform_decode
     num_heads, num_kv_heads, head_dim, block_size = _check_inputs(query, kv_cache)
@@ -82,7 +84,12 @@ def paged_attention_ref(
             if sliding_window is not None:
                 visible &= n[None, :] > qpos[:, None] - sliding_window
             scores = scores.masked_fill(~visible[None], float("-inf"))
+            if sinks is not None:  # a column of each head's sink, dropped after the softmax
+                column = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+                scores = torch.cat([scores, column], dim=-1)
             probs = torch.softmax(scores, dim=-1)
+            if sinks is not None:
+                probs = probs[..., :-1]
             probs = torch.nan_to_num(probs, nan=0.0)  # rows with no visible key -> zeros
             o = torch.matmul(probs, v)  # [H, c, D]
             out[q_start + c0 : q_start + c1] = o.transpose(0, 1).to(query.dtype)

@@ -1,13 +1,15 @@
-"""Sliding-window attention (``sliding_window``: a query at position ``p`` sees keys ``p - W +
-1 .. p``) and logit soft-capping (``cap * tanh(score / cap)``): the torch reference against a
-naive loop, the Triton kernel (prefill, mixed, split decode, RoPE inside decode) against the
-reference, and the torch backend's CPU and device-agnostic paths."""
+"""Sliding-window attention (``sliding_window``: a query at position ``p`` sees keys ``p - W + 1 ..
+p``), logit soft-capping (``cap * tanh(score / cap)``) and attention sinks (a score per head
+joining the softmax, valued zero): the torch reference against a naive loop, the Triton kernel
+(prefill, mixed, split decode, RoPE inside decode) against the reference, and the torch
+backend's CPU and device-agnostic paths."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from test_paged_attention import (
+    DEVICE,
     MIXED,
     Batch,
     _check,
@@ -23,7 +25,8 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 
-def naive_window(b: Batch, window: int, cap: float | None = None) -> torch.Tensor:
+def naive_window(b: Batch, window: int, cap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Per request, token and head: softmax over the last ``window`` keys up to the query."""
     q_all, kv = b.query, b.kv_cache
     heads, kv_heads, bs = q_all.shape[1], kv.shape[3], kv.shape[2]
@@ -43,6 +46,10 @@ def naive_window(b: Batch, window: int, cap: float | None = None) -> torch.Tenso
                 s = (k @ q_all[t, h].float()) * b.scale
                 if cap is not None:
                     s = cap * torch.tanh(s / cap)
+                if sinks is not None:
+                    p = torch.softmax(torch.cat([s, sinks[h:h + 1].float()]), 0)[:-1]
+                    out[t, h] = p @ v
+                    continue
                 out[t, h] = torch.softmax(s, 0) @ v
     return out
 
@@ -192,4 +199,61 @@ def test_torch_backend_softcap_paths() -> None:
                                     logit_softcap=0.9),
                     backend.forward_reference(q, cache, md, b.scale, sliding_window=window,
                                               logit_softcap=0.9)):
+            torch.testing.assert_close(got[:real], ref[:real], atol=1e-5, rtol=1e-5)
+
+
+def _sinks(heads: int, seed: int) -> torch.Tensor:
+    return (torch.randn(heads, generator=torch.Generator().manual_seed(seed)) * 2).to(DEVICE)
+
+
+@pytest.mark.parametrize(("window", "cap"), [(None, None), (5, 1.5)])
+def test_sinks_ref_matches_naive(window: int | None, cap: float | None) -> None:
+    b = _batch([(1, 23), (13, 13), (9, 30), (0, 0), (1, 0)], seed=12)
+    sinks = _sinks(4, 3)
+    ref = paged_attention_ref(b.query, b.kv_cache, b.qsl, b.seq_lens, b.block_table,
+                              b.scale, **b.bounds, sliding_window=window, logit_softcap=cap,
+                              sinks=sinks)
+    naive = naive_window(b, window or 10**6, cap, sinks)
+    torch.testing.assert_close(ref.float(), naive, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("window", "decode", "splits", "dtype"), [
+    (None, False, None, torch.float32), (6, False, None, torch.bfloat16),
+    (None, True, 3, torch.float32), (9, True, 4, torch.float32), (None, True, 1, torch.float32),
+])
+def test_sinks_in_the_triton_kernel(window: int | None, decode: bool, splits: int | None,
+                                    dtype: torch.dtype) -> None:
+    """Split decode counts each sink once (in split 0), however many splits a row has; a
+    query with no key at all gives zeros (all its weight on the sink)."""
+    reqs = [(1, 77), (1, 1), (1, 40), (0, 0), (1, 17)] if decode else MIXED
+    b = _batch(reqs, dtype, seed=13)
+    sinks = _sinks(4, 5)
+    args = (b.query, b.kv_cache, b.qsl, b.seq_lens, b.block_table, b.scale)
+    ref = paged_attention_ref(*args, **b.bounds, sliding_window=window, sinks=sinks)
+    plain = paged_attention_ref(*args, **b.bounds, sliding_window=window)
+    out = paged_attention(*args, **b.bounds, uniform_decode=decode, num_splits=splits,
+                          sliding_window=window, sinks=sinks, one_token_apart=True)
+    _check(out, ref, b, dtype)
+    assert (ref.float() - plain.float()).abs().max() > 1e-2  # the sinks change the result
+
+
+def test_torch_backend_sink_paths() -> None:
+    from mrv2.attention.torch_backend import TorchAttentionBackend
+    from mrv2.contract.attention import AttentionMetadata
+
+    for reqs in (MIXED, [(1, 30), (1, 12)]):
+        b = _batch(reqs, seed=14)
+        sinks = _sinks(4, 7).cpu()
+        n = len(reqs)
+        q, cache = b.query.cpu(), b.kv_cache.cpu()
+        md = AttentionMetadata(n, q.shape[0], max(b.qlens), max(b.lens), b.qsl.cpu(),
+                               b.seq_lens.cpu(), b.block_table.cpu(), torch.zeros(q.shape[0]),
+                               4)
+        backend = TorchAttentionBackend()
+        ref = paged_attention_ref(q, cache, md.query_start_loc, md.seq_lens, md.block_table,
+                                  b.scale, **b.bounds, sliding_window=4, sinks=sinks)
+        real = b.num_real_tokens
+        for got in (backend.forward(q, cache, md, b.scale, sliding_window=4, sinks=sinks),
+                    backend.forward_reference(q, cache, md, b.scale, sliding_window=4,
+                                              sinks=sinks)):
             torch.testing.assert_close(got[:real], ref[:real], atol=1e-5, rtol=1e-5)

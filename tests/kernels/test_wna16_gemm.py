@@ -125,3 +125,62 @@ def test_bad_layout_is_named(bad: dict[str, object], match: str) -> None:
     bits = int(bad.get("bits", 4))  # type: ignore[call-overload]
     with pytest.raises(ValueError, match=match):
         dequantize_wna16(packed, scales, zeros, bits, group)
+
+
+_SM90_SCRIPT = r"""
+from mrv2_kernels import wna16_gemm as w
+from mrv2_kernels import fused_moe as fm
+from mrv2_kernels import paged_attention as pa
+
+bf, f16, f32, i32, u8 = "*bf16", "*fp16", "*fp32", "*i32", "*u8"
+gemm = {"x_ptr": bf, "qw_ptr": i32, "s_ptr": f16, "z_ptr": u8, "bias_ptr": bf,
+        "out_ptr": bf, "ws_ptr": f32, "cnt_ptr": i32}
+# the default tiles: decode (split-K), 32 and 64+ rows; 4-bit with zero points, 8-bit without
+for bm, bn, bk, splits, stages, bits, zeros in ((16, 64, 128, 4, 4, 4, True),
+                                               (32, 64, 64, 1, 4, 4, False),
+                                               (64, 128, 64, 1, 3, 8, True)):
+    build(w._wna16_kernel, gemm,
+          dict(GROUP=128, BITS=bits, HAS_ZEROS=zeros, HAS_BIAS=True, BM=bm, BN=bn, BK=bk,
+               SPLIT_K=splits, STAGES=stages, DOT_F32=False), num_warps=4, num_stages=stages)
+moe_common = dict(BLOCK_M=16, GROUP_M=1, EVEN_K=True, UPCAST=False, DOT_PRECISION="tf32",
+                  FP8=False, QUANT_A=False, W_BN=1, W_BK=128, INT=True, BITS=4,
+                  HAS_ZEROS=True)
+build(fm._moe_gate_up_kernel,
+      {"x_ptr": bf, "w_ptr": i32, "act_ptr": bf, "sorted_ptr": i32, "block_expert_ptr": i32,
+       "num_post_ptr": i32, "xs_ptr": f32, "ws_ptr": f16, "acts_ptr": f32, "wz_ptr": u8},
+      dict(moe_common, BLOCK_N=32, BLOCK_K=128, QUANT_OUT=False, ACT_DTYPE="bf16"),
+      num_warps=4, num_stages=4)
+build(fm._moe_down_kernel,
+      {"act_ptr": bf, "w_ptr": i32, "tw_ptr": f32, "y_ptr": f32, "sorted_ptr": i32,
+       "block_expert_ptr": i32, "num_post_ptr": i32, "out_ptr": bf, "counters_ptr": i32,
+       "as_ptr": f32, "ws_ptr": f16, "wz_ptr": u8},
+      dict(moe_common, BLOCK_N=64, BLOCK_K=128, FUSED_COMBINE=True), num_warps=4, num_stages=4)
+attn = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "out_ptr": bf, "part_m_ptr": f32,
+        "part_l_ptr": f32, "part_acc_ptr": f32, "qsl_ptr": i32, "seq_lens_ptr": i32,
+        "block_table_ptr": i32, "pos_ptr": "*i64", "cos_sin_ptr": f32, "q_w_ptr": bf,
+        "k_w_ptr": bf, "new_k_ptr": bf, "new_v_ptr": bf, "slot_ptr": "*i64",
+        "sinks_ptr": f32}
+# a local, soft-capped layer with sinks: the prefill tiles and the split decode ones
+for bm, bn, splits, warps in ((128, 32, False, 8), (16, 64, True, 2)):
+    build(pa._paged_attn_kernel, attn,
+          dict(HEAD_DIM=128, KV_BLOCK_SIZE=16, DOT_FP32=False, FP32_PRECISION="tf32x3",
+               PDL=True, EARLY_META=False, ROPE=splits, QK_NORM=splits, SKIP_LONG=False,
+               GROUP=4, GROUP_P2=4, BLOCK_Q=bm // 4, BLOCK_M=bm, BLOCK_N=bn,
+               USE_SPLITS=splits, ZERO_PAD=not splits, FLAT=not splits, REQ_BLOCK=256,
+               ONE_TOKEN=0, SLIDING=True, CAP=50.0 * 16.0, SINKS=True),
+          num_warps=warps, num_stages=2)
+"""
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the GPU run compiles them for real")
+def test_new_kernels_compile_for_sm90(tmp_path: Path) -> None:
+    """The integer GEMM at its default tiles, the fused MoE's integer path and the attention
+    kernel with a window, a soft-cap and sinks compile for an H100/H200 without a GPU (the
+    interpreter accepts what the compiler may not)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from sm90 import compile_for_sm90
+
+    sizes = compile_for_sm90(_SM90_SCRIPT, tmp_path)
+    assert len(sizes["_wna16_kernel"]) == 3
+    assert len(sizes["_moe_gate_up_kernel"]) == 1 and len(sizes["_moe_down_kernel"]) == 1
+    assert len(sizes["_paged_attn_kernel"]) == 2

@@ -41,3 +41,24 @@ class LlamaForCausalLM(CausalLM):
             return DecoderLayer(config, attn, mlp)
 
         super().__init__(config, DecoderModel(config, layer))
+
+
+class SmolLM3ForCausalLM(CausalLM):
+    """SmolLM3 (HF's 3B): Llama's layers, but the layers ``config.no_rope_layers`` marks 0
+    (every fourth) use no positional encoding at all (NoPE); the window of
+    ``use_sliding_window`` where set."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        rope = get_rope(config, head_dim_of(config))
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        mlp_bias = bool(getattr(config, "mlp_bias", False))
+        use_rope = list(config.no_rope_layers)
+
+        def layer(i: int) -> DecoderLayer:
+            attn = SelfAttention(config, i, rope if use_rope[i] else None,
+                                 qkv_bias=attention_bias, o_bias=attention_bias)
+            mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                           bias=mlp_bias)
+            return DecoderLayer(config, attn, mlp)
+
+        super().__init__(config, DecoderModel(config, layer))

@@ -10,8 +10,11 @@ def mrv2_register_models(register: Callable[..., None]) -> None:
     """``LlamaForCausalLM`` (Llama 2/3, SmolLM2...) with its ModelState, and
     ``MistralForCausalLM`` (Mistral 7B, Mistral-Nemo, Ministral...: Llama's layers, the
     config's ``sliding_window`` on every layer where it is set), ``MixtralForCausalLM`` (its
-    layers with routed experts)."""
+    layers with routed experts), ``SmolLM3ForCausalLM`` (NoPE layers), ``GraniteForCausalLM``
+    (its four multipliers)."""
     for arch in ("LlamaForCausalLM", "MistralForCausalLM"):
         register(arch, "mrv2_llama.model:LlamaForCausalLM",
                  model_state="mrv2_llama.state:LlamaModelState")
     register("MixtralForCausalLM", "mrv2_llama.mixtral:MixtralForCausalLM")
+    register("SmolLM3ForCausalLM", "mrv2_llama.model:SmolLM3ForCausalLM")
+    register("GraniteForCausalLM", "mrv2_llama.granite:GraniteForCausalLM")

@@ -156,24 +156,32 @@ def write_kv_cpu(
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-            scale: float, softcap: float | None) -> torch.Tensor:
-    """``scaled_dot_product_attention``, or its steps written out with soft-capped scores."""
-    if softcap is None:
+            scale: float, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """``scaled_dot_product_attention``, or its steps written out with soft-capped scores or
+    a sink column (``sinks``: ``[Hk, rows]``, each query row's head's sink)."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = softcap * torch.tanh(scores / softcap)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(dim=-1), v)
+    if sinks is None:
+        return torch.matmul(scores.softmax(dim=-1), v)
+    column = sinks[None, :, :, None].expand(scores.shape[0], -1, -1, 1)
+    probs = torch.cat([scores, column], dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.matmul(probs, v)
 
 
 def paged_attention_cpu(
     query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
     sliding_window: int | None = None, logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of ``query`` ``[T, H, D]`` over the paged cache; ``[T, H, D]``;
     ``sliding_window``: each query's last that many keys (its own included) only;
-    ``logit_softcap``: scores ``cap * tanh(score / cap)``."""
+    ``logit_softcap``: scores ``cap * tanh(score / cap)``; ``sinks`` ``[H]``: each head's sink
+    score joins its softmax (a key valued zero)."""
     num_tokens, num_heads, head_dim = query.shape
     plan = plan_for(metadata)
     if plan.num_reqs == 0:
@@ -195,8 +203,11 @@ def paged_attention_cpu(
         q = q.reshape(n, num_kv_heads, q_len * group, head_dim)
     if q.dtype != torch.float32:
         q = q.float()
+    row_sinks = None  # the sink of each query row (row j * G + g: head g of the kv head)
+    if sinks is not None:
+        row_sinks = sinks.float().view(num_kv_heads, group).repeat(1, q_len)
     out = _attend(q, kv[0], kv[1], plan.mask_for(group, sliding_window), scale,
-                  logit_softcap)  # [B, Hk, Q * G, D]
+                  logit_softcap, row_sinks)  # [B, Hk, Q * G, D]
     if q_len == 1:
         out = out.view(n, num_heads, head_dim)
     else:

@@ -31,6 +31,7 @@ class TorchAttentionBackend(PagedAttentionBackend):
     fp8_kv_cache = True
     sliding_window = True
     logit_softcap = True
+    attention_sinks = True
 
     def write_kv(
         self,
@@ -58,14 +59,15 @@ class TorchAttentionBackend(PagedAttentionBackend):
         *,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal GQA attention of ``query`` ``[T, H, D]``; returns ``[T, H, D]``."""
         if query.device.type == "cpu":
             return paged_attention_cpu(query, kv_cache, metadata, scale, sliding_window,
-                                       logit_softcap)
+                                       logit_softcap, sinks)
         return self.forward_reference(query, kv_cache, metadata, scale,
                                       sliding_window=sliding_window,
-                                      logit_softcap=logit_softcap)
+                                      logit_softcap=logit_softcap, sinks=sinks)
 
     def write_kv_reference(
         self,
@@ -107,6 +109,7 @@ class TorchAttentionBackend(PagedAttentionBackend):
         *,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The device-agnostic :meth:`forward` (no host reads)."""
         num_tokens, num_heads, head_dim = query.shape
@@ -144,7 +147,12 @@ class TorchAttentionBackend(PagedAttentionBackend):
         if sliding_window is not None:
             mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
         scores = scores.masked_fill(~mask[:, None, None], torch.finfo(torch.float32).min)
+        if sinks is not None:  # [B, Hk, G, Q, L + 1]: each head's sink, dropped after
+            column = sinks.float().view(1, num_kv_heads, group, 1, 1)
+            scores = torch.cat([scores, column.expand(*scores.shape[:-1], 1)], dim=-1)
         probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:
+            probs = probs[..., :-1]
         out = torch.einsum("bhgql,blhd->bqhgd", probs, v).reshape(num_reqs, max_q, num_heads, -1)
 
         # Back to token rows; tokens past the last request's queries are padding.

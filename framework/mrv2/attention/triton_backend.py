@@ -27,6 +27,7 @@ class TritonAttentionBackend(PagedAttentionBackend):
     kv_write_in_rope = True
     sliding_window = True
     logit_softcap = True
+    attention_sinks = True
 
     def __init__(self) -> None:
         # Split decode steps (decode and spec decode at small batches) rotate the query and
@@ -53,9 +54,10 @@ class TritonAttentionBackend(PagedAttentionBackend):
         *,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return self._attend(query, kv_cache, metadata, scale, None, sliding_window,
-                            logit_softcap)
+                            logit_softcap, sinks)
 
     def forward_rope(
         self,
@@ -69,19 +71,21 @@ class TritonAttentionBackend(PagedAttentionBackend):
         *,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         fused = FusedRope(rope.positions, rope.cos_sin, key, value, metadata.slot_mapping,
                           rope.qk_norm)
         return self._attend(query, kv_cache, metadata, scale, fused, sliding_window,
-                            logit_softcap)
+                            logit_softcap, sinks)
 
     @staticmethod
     def _attend(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 scale: float, rope: FusedRope | None, window: int | None,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None, sinks: torch.Tensor | None = None
+                ) -> torch.Tensor:
         return paged_attention(
             query, kv_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
             scale, max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len,
             num_reqs=metadata.num_reqs, uniform_decode=metadata.uniform_decode, rope=rope,
-            sliding_window=window, logit_softcap=softcap,
+            sliding_window=window, logit_softcap=softcap, sinks=sinks,
         )

@@ -105,6 +105,11 @@ class PagedAttentionBackend(AttentionBackend, ABC):
     scores become ``cap * tanh(score / cap)`` before the softmax (Gemma 2's
     ``attn_logit_softcapping``)."""
 
+    attention_sinks: bool = False
+    """Whether :meth:`forward` and :meth:`forward_rope` take ``sinks`` (``[num_heads]``, this
+    rank's query heads): each head's learned sink score joins every query's softmax as one
+    more key whose value is zero (gpt-oss)."""
+
     @abstractmethod
     def forward(
         self,
@@ -115,6 +120,7 @@ class PagedAttentionBackend(AttentionBackend, ABC):
         *,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of ``query`` ``[T, num_heads, head_dim]`` over the paged cache.
 
@@ -122,7 +128,8 @@ class PagedAttentionBackend(AttentionBackend, ABC):
         num_kv_heads)``. Returns ``[T, num_heads, head_dim]`` in the query's dtype.
         ``sliding_window`` (where :attr:`sliding_window` says so): the last that many keys
         up to each query's position only; None: every key up to it. ``logit_softcap`` (where
-        :attr:`logit_softcap` says so): soft-capped scores.
+        :attr:`logit_softcap` says so): soft-capped scores; ``sinks`` (where
+        :attr:`attention_sinks` says so): the heads' sink scores.
         """
 
     rope_in_attention: bool = False
@@ -141,6 +148,7 @@ class PagedAttentionBackend(AttentionBackend, ABC):
         *,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`write_kv` and :meth:`forward` of the rotated query and key, from the raw
         ``query`` ``[T, num_heads, head_dim]``, ``key``/``value`` ``[T, num_kv_heads *

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from mrv2.contract.attention import RopeInputs
@@ -55,6 +57,7 @@ class Attention(KVCacheLayer):
         positions: torch.Tensor | None = None,
         rotary: RotaryEmbedding | None = None,
         qk_norm: QKNorm | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``q [T, H*D]``, ``k``/``v`` ``[T, Hk*D]`` -> ``[T, H*D]``.
 
@@ -62,19 +65,22 @@ class Attention(KVCacheLayer):
         rotated here (see :meth:`RotaryEmbedding.forward`). Where the backend can
         (``rope_in_attention``) and the rotation is plain (:meth:`RotaryEmbedding.
         whole_head_table`), the backend rotates inside attention; else, where it allows it
-        (``kv_write_in_rope``), the KV-cache write happens in the RoPE kernel.
+        (``kv_write_in_rope``), the KV-cache write happens in the RoPE kernel. ``sinks``
+        ``[num_heads]``: the heads' attention-sink scores (gpt-oss), where the backend takes
+        them (``attention_sinks``).
         """
         ctx = get_forward_context()
         kv_cache = ctx.kv_cache(self.layer_idx)
         backend = ctx.backend(self.layer_idx)
         num_tokens = q.shape[0]
-        extra: dict[str, float] = {}
-        for option in ("sliding_window", "logit_softcap"):
-            value = getattr(self, option)
+        extra: dict[str, Any] = {}
+        for option, value, able in (("sliding_window", self.sliding_window, "sliding_window"),
+                                    ("logit_softcap", self.logit_softcap, "logit_softcap"),
+                                    ("sinks", sinks, "attention_sinks")):
             if value is None:
                 continue
-            if not getattr(backend, option):
-                raise ValueError(f"layer {self.layer_idx} attends with {option}={value}; the "
+            if not getattr(backend, able):
+                raise ValueError(f"layer {self.layer_idx} attends with {option}; the "
                                  f"{backend.name!r} attention backend does not take it")
             extra[option] = value
         kv_write = None

@@ -37,18 +37,16 @@ STACKED_PARAMS: StackedMapping = (
 
 def sliding_window_of(config: Any, layer_idx: int) -> int | None:
     """The keys a query of layer ``layer_idx`` sees, as HF applies ``config.sliding_window``:
-    on the layers ``config.layer_types`` calls ``"sliding_attention"`` (Gemma 3, Qwen2 with
-    ``use_sliding_window``), else on every layer unless ``use_sliding_window`` is false
-    (Mistral: every layer); None: all keys before it."""
+    none where ``use_sliding_window`` is false; else on the layers ``config.layer_types`` calls
+    ``"sliding_attention"`` (Gemma 3, Qwen2 and SmolLM3 with ``use_sliding_window``), else on
+    every layer (Mistral); None: all keys before it."""
     window = getattr(config, "sliding_window", None)
-    if not window:
-        return None
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None  # (SmolLM3 lists sliding layer types it does not use unless told to)
     types = getattr(config, "layer_types", None)
     if types is not None:  # (a layer past the list, an MTP layer: full attention)
         sliding = layer_idx < len(types) and types[layer_idx] == "sliding_attention"
         return int(window) if sliding else None
-    if getattr(config, "use_sliding_window", True) is False:
-        return None
     return int(window)
 
 
@@ -73,7 +71,8 @@ class SelfAttention(nn.Module):
     """
 
     def __init__(
-        self, config: Any, layer_idx: int, rope: RotaryEmbedding, *, qkv_bias: bool = False,
+        self, config: Any, layer_idx: int, rope: RotaryEmbedding | None, *,
+        qkv_bias: bool = False,
         o_bias: bool = False, qk_norm: bool = False, scale: float | None = None,
         logit_softcap: float | None = None,
     ) -> None:
