@@ -27,11 +27,14 @@ cover the SMs; the last program of a tile to arrive sums the fp32 partials in sp
 
 Tiles (:func:`wna16_tiles`) are first guesses, not yet measured on an H200 (built 2026-12-05
 without a GPU): 16 x 64 x 128 with split-K up to 16 rows, 32 x 64 x 64 to 64 rows, 64 x 128
-x 64 above; ``BK`` is capped by the group size.
+x 64 above; ``BK`` is capped by the group size. From :data:`DEQUANT_MIN_ROWS` rows on
+(prefill) :func:`wna16_linear` dequantizes the weight once per call and hands the product
+to cuBLAS instead.
 """
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -41,8 +44,11 @@ import triton.language as tl
 from ._backend import arrival_counters, cdiv, last_to_arrive, use_triton
 
 __all__ = [
+    "DEQUANT_MIN_ROWS",
+    "DEQUANT_ROWS_ENV_VAR",
     "WNA16Tiles",
     "dequantize_wna16",
+    "dequantize_wna16_triton",
     "pack_along_k",
     "unpack_along_k",
     "wna16_linear",
@@ -273,15 +279,79 @@ def wna16_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     return out
 
 
+@triton.jit
+def _dequant_kernel(
+    qw_ptr: tl.tensor, s_ptr: tl.tensor, z_ptr: tl.tensor, w_ptr: tl.tensor, N: int,
+    GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, BK: tl.constexpr,
+    BN: tl.constexpr,
+) -> None:
+    """One ``[BK, BN]`` tile of the real weight, written ``[K, N]`` (rows: inputs)."""
+    PACK: tl.constexpr = 32 // BITS
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    cols = pid_n * BN + tl.arange(0, BN)
+    col_ok = cols < N
+    word_rows = pid_k * (BK // PACK) + tl.arange(0, BK // PACK)
+    words = tl.load(qw_ptr + word_rows[:, None].to(tl.int64) * N + cols[None, :],
+                    mask=col_ok[None, :], other=0)
+    shifts = (tl.arange(0, PACK) * BITS)[None, :, None]
+    q = tl.reshape((words[:, None, :] >> shifts) & ((1 << BITS) - 1), (BK, BN))
+    group = (pid_k * BK) // GROUP
+    if HAS_ZEROS:
+        q = q - tl.load(z_ptr + group * N + cols, mask=col_ok, other=0).to(tl.int32)[None, :]
+    else:
+        q = q - (1 << (BITS - 1))
+    s = tl.load(s_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
+    rows = pid_k * BK + tl.arange(0, BK)
+    tl.store(w_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
+             (q.to(tl.float32) * s[None, :]).to(w_ptr.dtype.element_ty), mask=col_ok[None, :])
+
+
+def dequantize_wna16_triton(qweight: torch.Tensor, scales: torch.Tensor,
+                            zeros: torch.Tensor | None, bits: int, group_size: int,
+                            dtype: torch.dtype, block_k: int | None = None,
+                            block_n: int | None = None) -> torch.Tensor:
+    """The real weight **transposed**, ``[K, N]`` in ``dtype`` (``x @ W.T`` is then ``x @``
+    this), in one pass over the packed words: :func:`dequantize_wna16`'s values."""
+    k, n = _check(qweight, scales, zeros, bits, group_size)
+    bk = block_k or min(64 if qweight.is_cuda else 16, group_size & -group_size)
+    bn = block_n or (128 if qweight.is_cuda else 16)
+    if group_size % bk or bk < 32 // bits:
+        raise ValueError(f"block_k ({bk}) must divide group_size ({group_size}) and hold a "
+                         "packed word")
+    out = _empty((k, n), dtype, qweight.device)
+    _dequant_kernel[(k // bk, cdiv(n, bn))](
+        qweight, scales, zeros if zeros is not None else scales, out, n, GROUP=group_size,
+        BITS=bits, HAS_ZEROS=zeros is not None, BK=bk, BN=bn, num_warps=4)
+    return out
+
+
+#: Environment variable: the row count from which :func:`wna16_linear` dequantizes the weight
+#: (one Triton pass into a ``[K, N]`` buffer) and multiplies with cuBLAS instead of the fused
+#: kernel; ``0`` never. Default :data:`DEQUANT_MIN_ROWS`.
+DEQUANT_ROWS_ENV_VAR = "MRV2_WNA16_DEQUANT_ROWS"
+#: 256: vLLM's rule for its AWQ kernel (prefill-sized products are compute bound, where
+#: cuBLAS's bf16 GEMM beats unpacking every weight tile once per row block). Not yet measured
+#: here (2026-12-05, no GPU): the next H200 session A/Bs it.
+DEQUANT_MIN_ROWS = 256
+
+
 def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  zeros: torch.Tensor | None, bits: int, group_size: int,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x`` ``[..., K]`` times the weight (module docstring): the Triton kernel where
-    :func:`~mrv2_kernels._backend.use_triton` says so, else the reference."""
+    """``x`` ``[..., K]`` times the weight (module docstring): on the GPU the fused Triton
+    kernel up to :data:`DEQUANT_MIN_ROWS` rows and, from there, the weight dequantized
+    (:func:`dequantize_wna16_triton`) and multiplied by cuBLAS; under a forced Triton backend
+    on the CPU the fused kernel; else the reference."""
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
     if use_triton(flat):
-        y = wna16_linear_triton(flat, qweight, scales, zeros, bits, group_size, bias)
+        threshold = int(os.environ.get(DEQUANT_ROWS_ENV_VAR, DEQUANT_MIN_ROWS))
+        if flat.is_cuda and 0 < threshold <= flat.shape[0]:
+            w = dequantize_wna16_triton(qweight, scales, zeros, bits, group_size, flat.dtype)
+            y = flat @ w if bias is None else torch.addmm(bias, flat, w)
+        else:
+            y = wna16_linear_triton(flat, qweight, scales, zeros, bits, group_size, bias)
     else:
         y = wna16_linear_ref(flat, qweight, scales, zeros, bits, group_size, bias)
     return y.reshape(*lead, y.shape[-1])

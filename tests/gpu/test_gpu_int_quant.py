@@ -82,7 +82,7 @@ def test_desc_act_layer_matches_its_dequantized_weight(tmp_path: Path) -> None:
     assert layer.input_order is not None
     w = torch.cat([ref["model.layers.0.mlp.gate_proj.weight"],
                    ref["model.layers.0.mlp.up_proj.weight"]]).cuda()
-    for rows in (1, 9, 100):
+    for rows in (1, 9, 100, 300):  # (300: the prefill path, dequantized then cuBLAS)
         x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
         want = x.float() @ w.float().T
         got = layer(x).float()

@@ -142,6 +142,8 @@ for bm, bn, bk, splits, stages, bits, zeros in ((16, 64, 128, 4, 4, 4, True),
     build(w._wna16_kernel, gemm,
           dict(GROUP=128, BITS=bits, HAS_ZEROS=zeros, HAS_BIAS=True, BM=bm, BN=bn, BK=bk,
                SPLIT_K=splits, STAGES=stages, DOT_F32=False), num_warps=4, num_stages=stages)
+build(w._dequant_kernel, {"qw_ptr": i32, "s_ptr": f16, "z_ptr": u8, "w_ptr": bf},
+      dict(GROUP=128, BITS=4, HAS_ZEROS=True, BK=64, BN=128), num_warps=4)
 moe_common = dict(BLOCK_M=16, GROUP_M=1, EVEN_K=True, UPCAST=False, DOT_PRECISION="tf32",
                   FP8=False, QUANT_A=False, W_BN=1, W_BK=128, INT=True, BITS=4,
                   HAS_ZEROS=True)
@@ -181,6 +183,19 @@ def test_new_kernels_compile_for_sm90(tmp_path: Path) -> None:
     from sm90 import compile_for_sm90
 
     sizes = compile_for_sm90(_SM90_SCRIPT, tmp_path)
-    assert len(sizes["_wna16_kernel"]) == 3
+    assert len(sizes["_wna16_kernel"]) == 3 and len(sizes["_dequant_kernel"]) == 1
     assert len(sizes["_moe_gate_up_kernel"]) == 1 and len(sizes["_moe_down_kernel"]) == 1
     assert len(sizes["_paged_attn_kernel"]) == 2
+
+
+@pytest.mark.usefixtures("poisoned")
+@pytest.mark.parametrize("bits,group,asym", [(4, 32, True), (8, 16, False)])
+def test_triton_dequantization_is_the_reference_transposed(bits: int, group: int,
+                                                           asym: bool) -> None:
+    """The prefill path's one-pass dequantization (``[K, N]``) against the reference's."""
+    packed, scales, zeros, _ = _weight(64, 40, bits, group, asym, seed=9)
+    args = [t.to(DEVICE) if t is not None else None for t in (packed, scales, zeros)]
+    got = wg.dequantize_wna16_triton(args[0], args[1], args[2], bits, group, torch.float32)
+    want = dequantize_wna16(packed, scales, zeros, bits, group)
+    assert got.shape == (64, 40)
+    torch.testing.assert_close(got.cpu(), want.T, rtol=0, atol=0)
