@@ -1,0 +1,27 @@
+"""Olmo2ForCausalLM against HF transformers: greedy tokens through the engine (post-norms,
+whole-projection q/k norms), and tensor parallelism refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mrv2 import LLM, SamplingParams
+from mrv2.testing import hf_greedy, make_tiny_checkpoint
+
+PROMPTS = [[5, 17, 42, 9, 100, 3, 77, 8, 8, 250, 11], [3 + i for i in range(13)], [64]]
+
+
+def test_greedy_tokens_match_hf(tmp_path: Path) -> None:
+    path = make_tiny_checkpoint(tmp_path / "m", "Olmo2ForCausalLM", std=0.15, pad_token_id=0)
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=8)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(path, p, 8) for p in PROMPTS]
+
+
+def test_tensor_parallelism_is_refused(tmp_path: Path) -> None:
+    path = make_tiny_checkpoint(tmp_path / "m", "Olmo2ForCausalLM", pad_token_id=0)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\) must be 1"):
+        LLM(str(path), device="cpu", dtype="float32", tensor_parallel_size=2)
