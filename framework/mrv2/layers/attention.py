@@ -12,6 +12,8 @@ from mrv2.contract.kv_cache import KVCacheLayer, PagedKVSpec
 from mrv2.layers.rotary import RotaryEmbedding
 from mrv2_kernels.rotary import QKNorm
 
+_NO_OPTIONS: dict[str, Any] = {}
+
 
 class Attention(KVCacheLayer):
     """Causal paged attention over layer ``layer_idx``'s KV cache (no parameters).
@@ -73,16 +75,10 @@ class Attention(KVCacheLayer):
         kv_cache = ctx.kv_cache(self.layer_idx)
         backend = ctx.backend(self.layer_idx)
         num_tokens = q.shape[0]
-        extra: dict[str, Any] = {}
-        for option, value, able in (("sliding_window", self.sliding_window, "sliding_window"),
-                                    ("logit_softcap", self.logit_softcap, "logit_softcap"),
-                                    ("sinks", sinks, "attention_sinks")):
-            if value is None:
-                continue
-            if not getattr(backend, able):
-                raise ValueError(f"layer {self.layer_idx} attends with {option}; the "
-                                 f"{backend.name!r} attention backend does not take it")
-            extra[option] = value
+        extra = _NO_OPTIONS  # (the usual layer: no per-call work for the options)
+        if sinks is not None or self.sliding_window is not None or (
+                self.logit_softcap is not None):
+            extra = self._options(backend, sinks)
         kv_write = None
         if rotary is not None:
             if positions is None:
@@ -103,6 +99,21 @@ class Attention(KVCacheLayer):
         query = q.reshape(num_tokens, self.num_heads, self.head_dim)
         out = backend.forward(query, kv_cache, ctx.metadata, self.scale, **extra)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+    def _options(self, backend: Any, sinks: torch.Tensor | None) -> dict[str, Any]:
+        """This layer's attention options for ``backend``'s call; a ValueError where the
+        backend does not take one."""
+        extra: dict[str, Any] = {}
+        for option, value, able in (("sliding_window", self.sliding_window, "sliding_window"),
+                                    ("logit_softcap", self.logit_softcap, "logit_softcap"),
+                                    ("sinks", sinks, "attention_sinks")):
+            if value is None:
+                continue
+            if not getattr(backend, able):
+                raise ValueError(f"layer {self.layer_idx} attends with {option}; the "
+                                 f"{backend.name!r} attention backend does not take it")
+            extra[option] = value
+        return extra
 
     def extra_repr(self) -> str:
         return (
