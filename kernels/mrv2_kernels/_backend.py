@@ -26,7 +26,8 @@ __all__ = ["ENV_VAR", "LOG2E", "LOG2E_C", "M_INIT", "PDL_EARLY_META_ENV_VAR",
            "PDL_EARLY_WEIGHTS_ENV_VAR", "PDL_ENV_VAR", "arrival_counters", "cdiv",
            "cuda_event_ms", "default_block", "flat_query_tile", "last_to_arrive", "next_power_of_2",
            "online_softmax_step", "pdl", "pdl_early_meta", "pdl_early_weights", "pdl_enabled",
-           "pdl_release", "pdl_wait", "softmax_rescale", "triton_forced", "use_triton"]
+           "pdl_release", "pdl_wait", "sm_count", "softmax_rescale", "triton_forced",
+           "use_triton"]
 
 
 _COUNTERS: dict[str, torch.Tensor] = {}
@@ -58,6 +59,18 @@ def cuda_event_ms(fn: Callable[[], object]) -> float:
     stop.record()
     stop.synchronize()
     return float(start.elapsed_time(stop))
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """The multiprocessor count of CUDA ``device`` (the current one when it names no index),
+    read once per device: the kernels' split and warp plans ask on every launch."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNTS:
+        _SM_COUNTS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNTS[idx]
 
 
 def cdiv(a: int, b: int) -> int:

@@ -40,7 +40,6 @@ upcasts the fp8 tiles to fp32 for an fp32 ``tl.dot``. On CUDA the conversion is 
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -48,7 +47,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._backend import FP8_DTYPE, FP8_MAX, cdiv, next_power_of_2, use_triton
+from ._backend import FP8_DTYPE, FP8_MAX, cdiv, next_power_of_2, sm_count, use_triton
 from ._backend import FP8_MAX_C as _FP8_MAX_C
 from ._backend import round_e4m3 as _round_e4m3
 
@@ -445,11 +444,6 @@ class Fp8Tiles(NamedTuple):
     fuse_quant: bool  # quantize x inside the GEMM (block_k == the weight block's K)
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
-
-
 def fp8_gemm_tiles(m: int, n: int, k: int, block: tuple[int, int] | list[int],
                    device: torch.device) -> Fp8Tiles:
     """Default tiles for ``[m, k] x [n, k]^T`` with weight blocks ``block`` (module docstring).
@@ -475,7 +469,7 @@ def fp8_gemm_tiles(m: int, n: int, k: int, block: tuple[int, int] | list[int],
         programs = cdiv(n, 64) * cdiv(m, block_m)
         steps = cdiv(k, block_k)
         split = 1
-        while programs * split < _num_sms(device) and steps // (2 * split) >= 2:
+        while programs * split < sm_count(device) and steps // (2 * split) >= 2:
             split *= 2
         return Fp8Tiles(block_m, 64, block_k, 1, split, 4, 4, False)
     return Fp8Tiles(64, 128, block_k, 8, 1, 4, 4, False)

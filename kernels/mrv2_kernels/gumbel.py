@@ -36,14 +36,13 @@ Greedy rows take ``argmax_v logits[n, v]`` through the same kernel. Ties resolve
 smallest index; an all ``-inf`` row yields index 0.
 """
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ._backend import cdiv, default_block, next_power_of_2, use_triton
+from ._backend import cdiv, default_block, next_power_of_2, sm_count, use_triton
 from .top_k_top_p import order_key, order_keys
 
 __all__ = [
@@ -372,11 +371,6 @@ def _check_args(
             raise ValueError(f"{name} must have shape ({n},), got {tuple(t.shape)}")
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
-
-
 def gumbel_sample_triton(
     logits: torch.Tensor,
     seeds: torch.Tensor,
@@ -407,7 +401,7 @@ def gumbel_sample_triton(
     block = default_block(logits, cuda=2048, cpu=128, block=block_v)
     tiles = cdiv(vocab, block)
     if num_splits is None:  # GPU: >= 2 programs per SM, and at most 8 tiles per program
-        num_splits = (max(cdiv(2 * _num_sms(logits.device), n), cdiv(tiles, 8))
+        num_splits = (max(cdiv(2 * sm_count(logits.device), n), cdiv(tiles, 8))
                       if logits.is_cuda else 1)
     chunk = cdiv(tiles, max(1, min(num_splits, tiles))) * block
     splits = cdiv(vocab, chunk)

@@ -49,7 +49,14 @@ import triton.language as tl
 
 from ._backend import LOG2E as _LOG2E
 from ._backend import M_INIT as _M_INIT
-from ._backend import cdiv, flat_query_tile, next_power_of_2, softmax_rescale, use_triton
+from ._backend import (
+    cdiv,
+    flat_query_tile,
+    next_power_of_2,
+    sm_count,
+    softmax_rescale,
+    use_triton,
+)
 from .mla_attention_ref import (
     _check_decode,
     _check_write,
@@ -485,7 +492,7 @@ def mla_decode_attention_triton(
     plan = mla_decode_plan(
         num_heads=num_heads, kv_lora_rank=rank, max_query_len=max_query_len,
         max_seq_len=max_seq_len, num_reqs=num_reqs, on_gpu=on_gpu,
-        elem_size=cache.element_size(), num_sms=_num_sms(q_latent.device) if on_gpu else 8,
+        elem_size=cache.element_size(), num_sms=sm_count(q_latent.device) if on_gpu else 8,
         block_h=block_h, block_q=block_q, block_n=block_n, num_splits=num_splits,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
@@ -554,7 +561,3 @@ def mla_decode_attention(
     fn = mla_decode_attention_triton if use_triton(q_latent) else mla_decode_attention_ref
     return fn(q_latent, q_pe, cache, block_table, seq_lens, query_start_loc, max_query_len,
               sm_scale, out, **kwargs)  # fmt: skip
-
-
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count  # cached by torch

@@ -9,21 +9,13 @@ from typing import Any
 
 import torch
 
-from ._backend import cdiv, next_power_of_2
+from ._backend import cdiv, next_power_of_2, sm_count
 from .paged_attention_ref import _check_inputs
 from .prefill_attention import use_tma_prefill
 from .rotary import QKNorm, rotary_embedding_triton
 
 _MAX_SPLITS = 64
 
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
 
 
 def _default_config(
@@ -135,11 +127,11 @@ def attention_plan(
     elif num_splits is not None:
         splits = max(1, min(num_splits, _MAX_SPLITS))
     else:
-        target = 2 * _sm_count(query.device) if on_gpu else 8
+        target = 2 * sm_count(query.device) if on_gpu else 8
         max_by_len = cdiv(max(max_seq_len, 1), 2 * bn)
         splits = max(1, min(cdiv(target, max(base_programs, 1)), max_by_len, _MAX_SPLITS))
     if on_gpu and num_warps is None:
-        warps = decode_warps(small_q, bm, base_programs, _sm_count(query.device), warps)
+        warps = decode_warps(small_q, bm, base_programs, sm_count(query.device), warps)
     return AttentionPlan(
         small_q=small_q,
         block_m=bm,

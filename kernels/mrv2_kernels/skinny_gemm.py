@@ -22,7 +22,6 @@ It agrees with ``F.linear`` to fp32 accumulation order (rounded to bf16/fp16 at 
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -40,6 +39,7 @@ from ._backend import (
     pdl_prologue,
     pdl_release,
     pdl_wait,
+    sm_count,
     use_triton,
 )
 
@@ -184,11 +184,6 @@ def _split_reduce_kernel(
              mask=mask)
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
-
-
 def _plan(m: int, n: int, k: int, cuda: bool, device: torch.device) -> tuple[int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, BLOCK_K, split_k)`` for an ``[m, k] x [n, k]^T`` product.
 
@@ -201,7 +196,7 @@ def _plan(m: int, n: int, k: int, cuda: bool, device: torch.device) -> tuple[int
         return block_m, 16, 32, (2 if k >= 64 else 1)
     block_n, block_k = 32, 128
     programs = cdiv(n, block_n)
-    target = 0.9 * _num_sms(device)
+    target = 0.9 * sm_count(device)
     split = 1
     while (programs * split < target or k // split > 4096) and k // (2 * split) >= 2 * block_k:
         split *= 2

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import arrival_counters, cdiv, last_to_arrive, use_triton
+from ._backend import arrival_counters, cdiv, last_to_arrive, sm_count, use_triton
 
 __all__ = [
     "DEQUANT_MIN_ROWS",
@@ -157,17 +157,6 @@ def _largest_pow2_dividing(n: int, cap: int) -> int:
     return b
 
 
-_SMS: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    """The device's multiprocessor count, read once (a decode step asks per layer)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
-
-
 def wna16_tiles(x: torch.Tensor, n: int, k: int, group_size: int) -> WNA16Tiles:
     """The tiles of a product (module docstring): small ones under the interpreter."""
     if not x.is_cuda:
@@ -176,7 +165,7 @@ def wna16_tiles(x: torch.Tensor, n: int, k: int, group_size: int) -> WNA16Tiles:
     if m <= 16:
         bm, bn, bk = 16, 64, _largest_pow2_dividing(group_size, 128)
         tiles = cdiv(n, bn)
-        sms = _sm_count(x.device)
+        sms = sm_count(x.device)
         splits = max(1, min(cdiv(2 * sms, tiles), k // (4 * bk), 16))
         return WNA16Tiles(bm, bn, bk, splits, 4, 4)
     if m <= 64:
