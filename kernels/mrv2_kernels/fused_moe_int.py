@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .wna16_gemm import dequantize_wna16
+from .wna16_gemm import dequantize_wna16, pack_along_k
 
 __all__ = ["IntExperts", "check_int_args", "dequantize_int_experts", "pack_experts"]
 
@@ -96,11 +96,7 @@ def dequantize_int_experts(w: torch.Tensor, scale: torch.Tensor, zeros: torch.Te
 def pack_experts(q: torch.Tensor, bits: int) -> torch.Tensor:
     """Integers ``[E, N, K]`` (in ``[0, 2**bits)``) packed along K: int32 ``[E, N, K / pack]``
     (tests, benchmarks)."""
-    pack = 32 // bits
-    e, n, k = q.shape
-    v = q.to(torch.int64).view(e, n, k // pack, pack)
-    words = (v << (torch.arange(pack, device=q.device, dtype=torch.int64) * bits)).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return torch.stack([pack_along_k(q[e].T, bits).T for e in range(q.shape[0])])
 
 
 @triton.jit

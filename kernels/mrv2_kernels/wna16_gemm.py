@@ -79,7 +79,7 @@ def pack_along_k(values: torch.Tensor, bits: int) -> torch.Tensor:
     k, n = values.shape
     if k % pack:
         raise ValueError(f"pack_along_k: {k} rows do not divide into words of {pack}")
-    v = values.to(torch.int64).view(k // pack, pack, n)
+    v = values.to(torch.int64).reshape(k // pack, pack, n)
     shifts = torch.arange(0, 32, bits, device=values.device, dtype=torch.int64)
     words = (v << shifts[None, :, None]).sum(dim=1)
     words = torch.where(words >= 2**31, words - 2**32, words)  # two's complement

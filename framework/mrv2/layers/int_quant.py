@@ -55,7 +55,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from mrv2.layers.int_quant_config import IntQuantConfig, unpack_along_n
+from mrv2.layers.int_quant_config import IntQuantConfig, rows_of
 from mrv2.layers.linear import FusedColumnLinear, LinearBase, RowLinear
 from mrv2.layers.weights import apply_moving_only
 from mrv2_kernels.wna16_gemm import (
@@ -179,34 +179,12 @@ class IntLinearMixin(LinearBase):
               shard_id: object = None) -> None:
         """Load a checkpoint tensor of ``role`` (module docstring's formats), whole, into this
         rank's part of shard ``shard_id``."""
-        method, bits = self.quant.method, self.quant.bits
-        name = self.quant.name(role)
         if role == "g_idx":
             return self._load_g_idx(param, loaded, shard_id)
         if role == "weight_shape":
             return self._check_shape(loaded, shard_id)
-        if role in ("qweight", "qzeros") and loaded.dtype != torch.int32:
-            raise ValueError(f"{name} must be int32, got {loaded.dtype}")
-        if role == "qweight":  # -> [N, K]
-            if method == "awq":  # [K, N/8], AWQ's order
-                rows_first = unpack_along_n(loaded, bits, awq_order=True).T
-            elif method == "gptq":  # [K/pack, N]
-                rows_first = unpack_along_k(loaded, bits).T
-            else:  # compressed-tensors [N, K/pack]
-                rows_first = unpack_along_n(loaded, bits, awq_order=False)
-            return self._place(param, rows_first, shard_id, per_group=False, packed=True)
-        if role == "qzeros":  # -> [N, K/G]
-            if method == "compressed-tensors":  # [N/pack, K/G], packed along the outputs
-                zeros = unpack_along_k(loaded, bits)
-            else:  # [K/G, N/pack]
-                zeros = unpack_along_n(loaded, bits, method == "awq").T
-                if self.quant.zeros_minus_one:
-                    zeros = ((zeros.to(torch.int32) + 1) & ((1 << bits) - 1)).to(torch.uint8)
-            return self._place(param, zeros, shard_id, per_group=True, packed=False)
-        if not loaded.is_floating_point():
-            raise ValueError(f"{name} must be floating point, got {loaded.dtype}")
-        scales = loaded if method == "compressed-tensors" else loaded.T  # -> [N, K/G]
-        return self._place(param, scales, shard_id, per_group=True, packed=False)
+        return self._place(param, rows_of(self.quant, role, loaded), shard_id,
+                           per_group=role != "qweight", packed=role == "qweight")
 
     def _check_shape(self, loaded: torch.Tensor, shard_id: object) -> None:
         """compressed-tensors' ``weight_shape`` (the whole tensor's ``[N, K]``): its ``K``

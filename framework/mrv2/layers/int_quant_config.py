@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from mrv2_kernels.wna16_gemm import unpack_along_k
+
 #: ``quantization=`` values that name these formats (vLLM's kernel-specific names included:
 #: the checkpoint decides the kernel here).
 INT_METHODS = {"gptq": "gptq", "gptq_marlin": "gptq", "awq": "awq", "awq_marlin": "awq",
@@ -173,3 +175,29 @@ def unpack_along_n(packed: torch.Tensor, bits: int, awq_order: bool) -> torch.Te
     if awq_order:  # nibble i holds column AWQ_ORDER[i]: put each back at its column
         v = v[:, :, [AWQ_ORDER.index(c) for c in range(pack)]]
     return v.reshape(packed.shape[0], -1).to(torch.uint8)
+
+
+def rows_of(quant: IntQuantConfig, role: str, loaded: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's ``qweight`` / ``qzeros`` / ``scales`` tensor of one layer in the form
+    every loader cuts and places: one row per output, ``[N, K]`` integers (``qweight``) or
+    ``[N, K/G]`` (zero points as uint8, real ones even in GPTQ v1; scales as stored). A
+    ValueError names a tensor of the wrong dtype."""
+    name, method, bits = quant.name(role), quant.method, quant.bits
+    if role in ("qweight", "qzeros") and loaded.dtype != torch.int32:
+        raise ValueError(f"{name} must be int32, got {loaded.dtype}")
+    if role == "qweight":
+        if method == "awq":  # [K, N/8], AWQ's order
+            return unpack_along_n(loaded, bits, awq_order=True).T
+        if method == "gptq":  # [K/pack, N]
+            return unpack_along_k(loaded, bits).T
+        return unpack_along_n(loaded, bits, awq_order=False)  # compressed-tensors [N, K/pack]
+    if role == "qzeros":
+        if method == "compressed-tensors":  # [N/pack, K/G], packed along the outputs
+            return unpack_along_k(loaded, bits)
+        zeros = unpack_along_n(loaded, bits, method == "awq").T  # [K/G, N/pack]
+        if quant.zeros_minus_one:
+            zeros = ((zeros.to(torch.int32) + 1) & ((1 << bits) - 1)).to(torch.uint8)
+        return zeros
+    if not loaded.is_floating_point():
+        raise ValueError(f"{name} must be floating point, got {loaded.dtype}")
+    return loaded if method == "compressed-tensors" else loaded.T  # scales

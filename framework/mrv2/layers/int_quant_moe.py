@@ -24,12 +24,12 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from mrv2.layers.int_quant_config import IntQuantConfig, unpack_along_n
+from mrv2.layers.int_quant_config import IntQuantConfig, rows_of
 from mrv2.layers.moe import FusedMoE
 from mrv2.layers.weights import apply_moving_only
 from mrv2_kernels.fused_moe import IntExperts, fused_moe
 from mrv2_kernels.fused_moe_int import dequantize_int_experts
-from mrv2_kernels.wna16_gemm import pack_along_k, unpack_along_k
+from mrv2_kernels.wna16_gemm import pack_along_k
 
 _STACKS = ("w13", "w2")
 
@@ -115,7 +115,6 @@ class IntFusedMoE(FusedMoE):
         if shard_id is None:
             raise ValueError("integer experts load one expert's gate, up or down at a time")
         expert, kind = shard_id
-        method, bits = self.quant.method, self.quant.bits
         if role == "weight_shape":
             return None  # (the shapes are checked when the tensors land)
         if role == "g_idx":
@@ -125,30 +124,10 @@ class IntFusedMoE(FusedMoE):
                 raise ValueError("an expert's g_idx is not in natural order (an activation "
                                  "order): not supported for routed experts")
             return None
-        if role in ("qweight", "qzeros") and loaded.dtype != torch.int32:
-            raise ValueError(f"{self.quant.name(role)} must be int32, got {loaded.dtype}")
-        if role == "qweight":  # -> [N, K]
-            if method == "awq":
-                rows = unpack_along_n(loaded, bits, awq_order=True).T
-            elif method == "gptq":
-                rows = unpack_along_k(loaded, bits).T
-            else:
-                rows = unpack_along_n(loaded, bits, awq_order=False)
-        elif role == "qzeros":  # -> [N, K/G]
-            if method == "compressed-tensors":
-                rows = unpack_along_k(loaded, bits)
-            else:
-                rows = unpack_along_n(loaded, bits, method == "awq").T
-                if self.quant.zeros_minus_one:
-                    rows = ((rows.to(torch.int32) + 1) & ((1 << bits) - 1)).to(torch.uint8)
-        else:
-            if not loaded.is_floating_point():
-                raise ValueError(f"{self.quant.name(role)} must be floating point, got "
-                                 f"{loaded.dtype}")
-            rows = loaded if method == "compressed-tensors" else loaded.T
+        rows = rows_of(self.quant, role, loaded)
         part = self._rank_rows(rows, kind, role != "qweight")
         if role == "qweight":
-            part = pack_along_k(part.T.contiguous(), bits).T
+            part = pack_along_k(part.T, self.quant.bits).T
         inter = self.intermediate_size
         target = param.data[expert]
         if kind == "gate":
