@@ -6,7 +6,7 @@ config: the token embeddings times ``embedding_multiplier``, the scores scaled b
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,19 +21,10 @@ from mrv2.layers import (
     norm_linear,
 )
 from mrv2.layers.decoder import norm_mlp
-from mrv2.layers.embedding import VocabEmbedding
+from mrv2.layers.embedding import ScaledEmbedding
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
-
-
-class _ScaledEmbedding(VocabEmbedding):
-    def __init__(self, vocab_size: int, hidden_size: int, multiplier: float) -> None:
-        super().__init__(vocab_size, hidden_size)
-        self.multiplier = multiplier
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return cast(torch.Tensor, super().forward(input_ids)) * self.multiplier
 
 
 class GraniteDecoderLayer(DecoderLayer):
@@ -68,8 +59,8 @@ class GraniteForCausalLM(CausalLM):
             return GraniteDecoderLayer(config, attn, mlp)
 
         model = DecoderModel(config, layer)
-        model.embed_tokens = _ScaledEmbedding(config.vocab_size, config.hidden_size,
-                                              float(config.embedding_multiplier))
+        model.embed_tokens = ScaledEmbedding(config.vocab_size, config.hidden_size,
+                                             float(config.embedding_multiplier))
         super().__init__(config, model)
         self.logits_scaling = float(config.logits_scaling)
 

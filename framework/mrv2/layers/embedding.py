@@ -65,6 +65,35 @@ class VocabEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}"
 
 
+class ScaledEmbedding(VocabEmbedding):
+    """Token embeddings times ``scale`` (Gemma's ``sqrt(hidden_size)``, Granite's
+    ``embedding_multiplier``); a tied LM head reads the unscaled table. ``round_scale``: the
+    factor rounded to the table's dtype first, as HF's Gemma multiplies by a tensor of the
+    embeddings' dtype (Granite multiplies by the float itself). A host float either way: no
+    tensor is made per call (nor copied to the device inside a CUDA graph's capture)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, scale: float,
+                 round_scale: bool = False) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.scale = float(scale)
+        self.round_scale = round_scale
+        self._scales: dict[torch.dtype, float] = {}
+
+    def _scale_for(self, dtype: torch.dtype) -> float:
+        if not self.round_scale:
+            return self.scale
+        if dtype not in self._scales:
+            self._scales[dtype] = float(torch.tensor(self.scale, dtype=dtype))
+        return self._scales[dtype]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = super().forward(input_ids)
+        return rows * self._scale_for(rows.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, scale={self.scale}"
+
+
 class PoolingLogits(nn.Module):
     """Stands in for the LM head of an engine that only pools (``runner="pooling"``, a
     sequence classifier): zero logits ``[N, vocab]``, no weights, no product. A pooling

@@ -31,7 +31,7 @@ the window are not freed yet).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -47,7 +47,7 @@ from mrv2.layers import (
     head_dim_of,
     norm_linear,
 )
-from mrv2.layers.embedding import VocabEmbedding
+from mrv2.layers.embedding import ScaledEmbedding
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -79,19 +79,6 @@ def gemma3_rope(config: PretrainedConfig, kind: str, head_dim: int) -> RotaryEmb
     scaling = None if rope_type == "default" else dict(params)
     return RotaryEmbedding(head_dim, max_position=int(config.max_position_embeddings),
                            base=float(params["rope_theta"]), scaling=scaling)
-
-
-class ScaledEmbedding(VocabEmbedding):
-    """Token embeddings times ``scale`` (rounded to the embedding's dtype first, as HF's
-    ``Gemma3TextScaledWordEmbedding``); the tied LM head reads the unscaled table."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, scale: float) -> None:
-        super().__init__(vocab_size, hidden_size)
-        self.scale = scale
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = cast(torch.Tensor, super().forward(input_ids))
-        return rows * torch.tensor(self.scale, dtype=rows.dtype, device=rows.device)
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -131,7 +118,7 @@ class _Gemma(CausalLM):
     def __init__(self, config: PretrainedConfig, make_layer: Any) -> None:
         model = DecoderModel(config, make_layer)
         model.embed_tokens = ScaledEmbedding(config.vocab_size, config.hidden_size,
-                                             float(config.hidden_size) ** 0.5)
+                                             float(config.hidden_size) ** 0.5, round_scale=True)
         super().__init__(config, model)
         cap = getattr(config, "final_logit_softcapping", None)
         self.final_softcap = None if cap is None else float(cap)
