@@ -241,6 +241,33 @@ def run_step(
     return list(logits[:real].split([len(t) for t in new_tokens])), hidden
 
 
+def check_steps_against_hf(model: Any, hf: torch.nn.Module, caches: list[torch.Tensor],
+                           prompt_lens: Sequence[int], vocab: int, max_len: int,
+                           atol: float = 1e-4) -> list[list[torch.Tensor]]:
+    """A prefill step of random prompts of ``prompt_lens`` tokens (two padding rows too), then
+    a decode step of one random token each, through ``model`` over ``caches`` (blocks drawn
+    at random, room for ``max_len`` tokens a request): every logit against HF's full forward
+    of the same tokens, to ``atol``. Returns both steps' logits per request."""
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in prompt_lens]
+    max_blocks = -(-max_len // TEST_BLOCK_SIZE)
+    perm = torch.randperm(TEST_NUM_BLOCKS, generator=gen).tolist()
+    tables = [perm[i * max_blocks : (i + 1) * max_blocks] for i in range(len(prompts))]
+    prefill, _ = run_step(model, caches, tables, [0] * len(prompts), prompts, num_pad=2)
+    with torch.no_grad():
+        for prompt, logits in zip(prompts, prefill, strict=True):
+            expected = hf(torch.tensor([prompt])).logits[0]
+            torch.testing.assert_close(logits, expected, atol=atol, rtol=atol)
+    next_tokens = torch.randint(0, vocab, (len(prompts),), generator=gen).tolist()
+    decode, _ = run_step(model, caches, tables, [len(p) for p in prompts],
+                         [[t] for t in next_tokens])
+    with torch.no_grad():
+        for prompt, token, logits in zip(prompts, next_tokens, decode, strict=True):
+            expected = hf(torch.tensor([prompt + [token]])).logits[0, -1:]
+            torch.testing.assert_close(logits, expected, atol=atol, rtol=atol)
+    return [prefill, decode]
+
+
 class EagerGraph:
     """A CPU stand-in for a captured CUDA graph: "capture" runs the body once and keeps its
     outputs; :meth:`replay` runs it again (over the same persistent buffers, with the batch

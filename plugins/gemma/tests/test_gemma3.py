@@ -5,7 +5,6 @@ RoPE, norms as offsets, scaled embeddings), greedy tokens through the engine, ba
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +16,12 @@ from mrv2 import LLM, SamplingParams
 from mrv2.layers import head_dim_of
 from mrv2.model_loader import iter_safetensors, load_model_weights
 from mrv2.testing import (
-    TEST_BLOCK_SIZE,
-    TEST_NUM_BLOCKS,
     TINY_FAMILIES,
+    check_steps_against_hf,
     hf_greedy,
     make_tiny_checkpoint,
     poisoned_caches,
     redraw_weights,
-    run_step,
 )
 from mrv2_gemma.model import Gemma3ForCausalLM
 
@@ -59,25 +56,9 @@ def test_logits_match_hf(tmp_path: Path) -> None:
     load_model_weights(model, iter_safetensors(tmp_path))
     windows = [layer.self_attn.attn.sliding_window for layer in model.model.layers]
     assert windows == [4, None, 4, None]
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (9, 3, 13)]
-    max_blocks = math.ceil(16 / TEST_BLOCK_SIZE)
-    perm = torch.randperm(TEST_NUM_BLOCKS, generator=gen).tolist()
-    tables = [perm[i * max_blocks : (i + 1) * max_blocks] for i in range(len(prompts))]
     caches = poisoned_caches(config.num_key_value_heads, head_dim_of(config),
                              config.num_hidden_layers)
-    prefill, _ = run_step(model, caches, tables, [0] * len(prompts), prompts, num_pad=2)
-    with torch.no_grad():
-        for prompt, logits in zip(prompts, prefill, strict=True):
-            expected = hf(torch.tensor([prompt])).logits[0]
-            torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
-    next_tokens = torch.randint(0, 128, (len(prompts),), generator=gen).tolist()
-    decode, _ = run_step(model, caches, tables, [len(p) for p in prompts],
-                         [[t] for t in next_tokens])
-    with torch.no_grad():
-        for prompt, token, logits in zip(prompts, next_tokens, decode, strict=True):
-            expected = hf(torch.tensor([prompt + [token]])).logits[0, -1:]
-            torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    check_steps_against_hf(model, hf, caches, (9, 3, 13), vocab=128, max_len=16)
 
 
 def test_greedy_tokens_match_hf_through_the_engine(tmp_path: Path) -> None:
@@ -153,20 +134,6 @@ def test_gemma2_logits_match_hf(tmp_path: Path) -> None:
     model = Gemma2ForCausalLM(transformers.AutoConfig.from_pretrained(tmp_path))
     load_model_weights(model, iter_safetensors(tmp_path))
     assert [layer.self_attn.attn.logit_softcap for layer in model.model.layers] == [2.0] * 4
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (9, 3, 13)]
-    max_blocks = math.ceil(16 / TEST_BLOCK_SIZE)
-    perm = torch.randperm(TEST_NUM_BLOCKS, generator=gen).tolist()
-    tables = [perm[i * max_blocks : (i + 1) * max_blocks] for i in range(len(prompts))]
-    caches = poisoned_caches(2, 16, 4)
-    prefill, _ = run_step(model, caches, tables, [0] * len(prompts), prompts, num_pad=2)
-    next_tokens = torch.randint(0, 128, (len(prompts),), generator=gen).tolist()
-    decode, _ = run_step(model, caches, tables, [len(p) for p in prompts],
-                         [[t] for t in next_tokens])
-    with torch.no_grad():
-        for prompt, token, pre, dec in zip(prompts, next_tokens, prefill, decode, strict=True):
-            torch.testing.assert_close(pre, hf(torch.tensor([prompt])).logits[0],
-                                       atol=1e-4, rtol=1e-4)
-            expected = hf(torch.tensor([prompt + [token]])).logits[0, -1:]
-            torch.testing.assert_close(dec, expected, atol=1e-4, rtol=1e-4)
-            assert pre.abs().max() <= 3.0  # the final cap
+    prefill, _ = check_steps_against_hf(model, hf, poisoned_caches(2, 16, 4), (9, 3, 13),
+                                        vocab=128, max_len=16)
+    assert all(logits.abs().max() <= 3.0 for logits in prefill)  # the final cap

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from mrv2.layers import head_dim_of
 from mrv2.model_loader import iter_safetensors, load_model_weights
-from mrv2.testing import TEST_BLOCK_SIZE, TEST_NUM_BLOCKS, poisoned_caches, redraw_weights, run_step
+from mrv2.testing import check_steps_against_hf, poisoned_caches, redraw_weights
 from mrv2_qwen.model import Qwen3ForCausalLM
 
 
@@ -44,27 +43,9 @@ def check_against_hf(model_cls: type, hf: torch.nn.Module, path: Path) -> None:
     config = transformers.AutoConfig.from_pretrained(path)
     model = model_cls(config)
     load_model_weights(model, iter_safetensors(path))
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (7, 3, 10)]
-    max_blocks = math.ceil(12 / TEST_BLOCK_SIZE)
-    perm = torch.randperm(TEST_NUM_BLOCKS, generator=gen).tolist()
-    tables = [perm[i * max_blocks : (i + 1) * max_blocks] for i in range(len(prompts))]
     caches = poisoned_caches(config.num_key_value_heads, head_dim_of(config),
                              config.num_hidden_layers)
-
-    prefill, _ = run_step(model, caches, tables, [0] * len(prompts), prompts, num_pad=2)
-    with torch.no_grad():
-        for prompt, logits in zip(prompts, prefill, strict=True):
-            expected = hf(torch.tensor([prompt])).logits[0]
-            torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
-
-    next_tokens = torch.randint(0, 128, (len(prompts),), generator=gen).tolist()
-    decode, _ = run_step(model, caches, tables, [len(p) for p in prompts],
-                         [[t] for t in next_tokens])
-    with torch.no_grad():
-        for prompt, token, logits in zip(prompts, next_tokens, decode, strict=True):
-            expected = hf(torch.tensor([prompt + [token]])).logits[0, -1:]
-            torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    check_steps_against_hf(model, hf, caches, (7, 3, 10), vocab=128, max_len=12)
 
 
 @pytest.mark.parametrize(
