@@ -88,12 +88,13 @@ class ModelConfig(_Section):
         default="auto", description="'dummy' draws random weights (benchmarks)"
     )
     quantization: Literal["fp8", "gptq", "awq", "gptq_marlin", "awq_marlin",
-                          "compressed-tensors"] | None = Field(
+                          "compressed-tensors", "mxfp4"] | None = Field(
         default=None,
         description="'fp8': quantize the linear layers' weights to block-scaled FP8 (128 x 128 "
         "blocks) at load time; 'gptq' / 'awq' / 'compressed-tensors' (or vLLM's 'gptq_marlin' "
         "/ 'awq_marlin'): the checkpoint's integer weights, or random 4-bit ones with "
-        "load_format='dummy'; a quantized checkpoint (quantization_config) needs no flag",
+        "load_format='dummy'; 'mxfp4': the routed experts' MXFP4 weights (gpt-oss); a "
+        "quantized checkpoint (quantization_config) needs no flag",
     )
     generation_config: str = Field(
         default="auto",

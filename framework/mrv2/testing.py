@@ -47,6 +47,14 @@ TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
                             "full_attention": {"rope_type": "linear", "factor": 2.0,
                                                "rope_theta": 1e6}}}),
+    # attention sinks, a local layer then a global one, YaRN, biased router and experts
+    "gpt-oss": ("GptOssForCausalLM", {
+        "head_dim": 16, "intermediate_size": 32, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                            "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "truncate": False}}),
 }
 #: Config classes whose name is not the architecture's prefix + ``Config``.
 _CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}

@@ -1,7 +1,8 @@
 """Test helpers for int-quantized checkpoints: save a tiny checkpoint (see
 :func:`mrv2.testing.make_tiny_checkpoint`) as GPTQ (:func:`gptq_checkpoint`), AWQ
 (:func:`awq_checkpoint`) or compressed-tensors "pack-quantized"
-(:func:`compressed_tensors_checkpoint`) exactly as those formats are published, plus a
+(:func:`compressed_tensors_checkpoint`), or its routed experts as MXFP4 (gpt-oss,
+:func:`mxfp4_checkpoint`), exactly as those formats are published, plus a
 "reference" copy with the dequantized float weights (what HF should run to match).
 
 The packing here is written from the formats' descriptions, independently of mrv2's kernels and
@@ -231,6 +232,54 @@ def compressed_tensors_checkpoint(src: str | Path, dst: str | Path, reference: s
         "config_groups": {"group_0": {
             "targets": ["Linear"], "input_activations": None, "output_activations": None,
             "weights": weights}}}, experts)
+
+
+#: e2m1's magnitudes, by the low three bits of a code (bit 3: the sign).
+_E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+#: gpt-oss's float experts in transformers 5's layout (``[E, H, 2I]`` / ``[E, I, H]``).
+_GPT_OSS_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def mxfp4_checkpoint(src: str | Path, dst: str | Path, reference: str | Path) -> None:
+    """Save a tiny gpt-oss checkpoint (``src``: transformers 5's float experts) with its routed
+    experts in MXFP4 as OpenAI publishes gpt-oss: ``<p>.experts.gate_up_proj_blocks`` uint8
+    ``[E, 2I, H / 32, 16]`` (the codes of 32 inputs in 16 bytes, the lower input in the low
+    nibble) and ``..._scales`` uint8 ``[E, 2I, H / 32]`` (e8m0: ``2 ** (s - 127)``), likewise
+    ``down_proj_*`` ``[E, H, I / 32, ...]``; rows as in the float stack transposed (gate and up
+    interleaved). Each group's scale is the smallest power of two that brings its largest
+    magnitude to 6 or below; each value rounds to the nearest e2m1. ``reference``: the same
+    checkpoint with the dequantized float experts."""
+    src, dst, reference = Path(src), Path(dst), Path(reference)
+    for out in (dst, reference):
+        shutil.copytree(src, out, dirs_exist_ok=True)
+    tensors = load_file(src / "model.safetensors")
+    quantized: dict[str, torch.Tensor] = {}
+    dequantized: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if _GPT_OSS_EXPERTS.match(name) is None or t.dim() != 3:
+            quantized[name] = dequantized[name] = t
+            continue
+        w = t.transpose(1, 2).float()  # [E, N, K]
+        groups = w.unflatten(-1, (-1, 32))
+        exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(2.0**-120) / 6))
+        scaled = groups / torch.exp2(exponent)[..., None]
+        magnitudes = torch.tensor(_E2M1_MAGNITUDES)
+        index = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1)
+        codes = index + 8 * (scaled < 0).long()
+        quantized[name + "_blocks"] = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(
+            torch.uint8).contiguous()
+        quantized[name + "_scales"] = (exponent + 127).to(torch.uint8).contiguous()
+        values = magnitudes[index] * torch.where(scaled < 0, -1.0, 1.0)
+        real = (values * torch.exp2(exponent)[..., None]).flatten(-2)
+        dequantized[name] = real.transpose(1, 2).to(t.dtype).contiguous()
+    save_file(quantized, dst / "model.safetensors")
+    save_file(dequantized, reference / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                   "model.embed_tokens", "lm_head"]}
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
 
 
 # -- internals ---------------------------------------------------------------------------------

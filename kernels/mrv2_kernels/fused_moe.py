@@ -70,12 +70,22 @@ import triton.language as tl
 from ._backend import cdiv, use_triton
 from .fp8_gemm import FP8_DTYPE, _quant_rows, per_token_group_quant_fp8_triton
 from .fused_moe_fp8 import DEFAULT_BLOCK, _fp8_a_tile, _fp8_dot, _round_to, check_fp8_args
-from .fused_moe_int import IntExperts, _int_tile, check_int_args
-from .fused_moe_ref import _check, fused_moe_ref
+from .fused_moe_int import IntExperts, _int_scale, _int_tile, check_int_args
+from .fused_moe_ref import (
+    ACTIVATIONS,
+    PLAIN,
+    SWIGLUOAI_ALPHA,
+    Epilogue,
+    _check,
+    check_epilogue,
+    fused_moe_ref,
+)
 from .moe_align import _ID_DTYPES, _tile, moe_align, moe_align_ref, moe_max_blocks
 from .moe_tiles import MoeTiles, _check_fp8_tiles, moe_tiles
 
 __all__ = [
+    "ACTIVATIONS",
+    "Epilogue",
     "IntExperts",
     "MoeTiles",
     "fused_moe",
@@ -87,6 +97,7 @@ __all__ = [
     "moe_tiles",
 ]
 
+_ALPHA = tl.constexpr(SWIGLUOAI_ALPHA)
 #: dtypes of ``x`` / the weights the Triton kernels take (loaded, converted to fp32 at once).
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -134,6 +145,18 @@ def _block_tile(pid: int, num_pid_m: int, num_pid_n: int,
     return pid_m, pid_n
 
 
+@triton.jit
+def _glu(gate: tl.tensor, up: tl.tensor, ACT: tl.constexpr, limit: float) -> tl.tensor:
+    """The gated activation of fp32 ``gate`` / ``up``: ``ACT`` 0, ``silu(gate) * up``; 1
+    (``"swigluoai"``, gpt-oss), ``g * sigmoid(1.702 g) * (u + 1)`` of ``g = min(gate, limit)``,
+    ``u = clamp(up, -limit, limit)``."""
+    if ACT == 1:
+        g = tl.minimum(gate, limit)
+        u = tl.minimum(tl.maximum(up, -limit), limit)
+        return g / (1.0 + tl.exp(-_ALPHA * g)) * (u + 1.0)
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
 def _moe_gate_up_kernel(
     x_ptr: tl.tensor,
@@ -176,8 +199,15 @@ def _moe_gate_up_kernel(
     INT: tl.constexpr = False,
     BITS: tl.constexpr = 4,
     HAS_ZEROS: tl.constexpr = False,
+    FP4: tl.constexpr = False,
+    b_ptr: tl.tensor = None,
+    b_s0: int = 0,
+    act_limit: float = 0.0,
+    HAS_BIAS: tl.constexpr = False,
+    ACT: tl.constexpr = 0,
 ) -> None:
-    """``act`` of one block of sorted pairs and ``BLOCK_N`` intermediate features. ``INT``:
+    """``act`` of one block of sorted pairs and ``BLOCK_N`` intermediate features (``ACT``
+    and ``HAS_BIAS``: :func:`_glu`, ``b`` the gate/up biases ``[E, 2I]``). ``INT``:
     ``w`` holds packed integers, ``ws`` / ``wz`` the rows' group scales and zero points
     (:mod:`~mrv2_kernels.fused_moe_int`; groups of ``W_BK``). ``FP8``:
     ``w`` is e4m3 with block scales ``ws`` and ``x`` is fp8 with per-(token, group) scales
@@ -223,10 +253,10 @@ def _moe_gate_up_kernel(
             u = tl.load(up_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         if INT:  # one group per step: the small integers' products, scaled, then added
             grp = (k0 // W_BK) * ws_s2
-            g = _int_tile(g, gz_ptrs + grp, mask_n, BITS, HAS_ZEROS, BLOCK_K, BLOCK_N)
-            u = _int_tile(u, uz_ptrs + grp, mask_n, BITS, HAS_ZEROS, BLOCK_K, BLOCK_N)
-            g_scale = tl.load(gs_ptrs + grp, mask=mask_n, other=0.0).to(tl.float32)
-            u_scale = tl.load(us_ptrs + grp, mask=mask_n, other=0.0).to(tl.float32)
+            g = _int_tile(g, gz_ptrs + grp, mask_n, BITS, HAS_ZEROS, BLOCK_K, BLOCK_N, FP4)
+            u = _int_tile(u, uz_ptrs + grp, mask_n, BITS, HAS_ZEROS, BLOCK_K, BLOCK_N, FP4)
+            g_scale = _int_scale(gs_ptrs + grp, mask_n, FP4)
+            u_scale = _int_scale(us_ptrs + grp, mask_n, FP4)
             a_in = a.to(tl.float32) if UPCAST else a
             acc_gate += tl.dot(a_in, g.to(a_in.dtype), input_precision=DOT_PRECISION) \
                 * g_scale[None, :]
@@ -248,10 +278,14 @@ def _moe_gate_up_kernel(
         x_ptrs += BLOCK_K
         gate_ptrs += W_STEP
         up_ptrs += W_STEP
+    if HAS_BIAS:
+        b_ptrs = b_ptr + expert * b_s0 + offs_n
+        acc_gate += tl.load(b_ptrs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        acc_up += tl.load(b_ptrs + inter, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     if FP8:  # the same roundings, to nearest even on the interpreter too
         gate = _round_to(acc_gate, ACT_DTYPE, UPCAST)
         up = _round_to(acc_up, ACT_DTYPE, UPCAST)
-        act = _round_to(gate / (1.0 + tl.exp(-gate)) * up, ACT_DTYPE, UPCAST)
+        act = _round_to(_glu(gate, up, ACT, act_limit), ACT_DTYPE, UPCAST)
         if QUANT_OUT:  # this slice is one scale group of the down GEMM's K
             act, act_scale = _quant_rows(act, UPCAST)
             tl.store(acts_ptr + pair.to(tl.int64) * acts_s0 + pid_n, act_scale, mask=valid)
@@ -262,7 +296,7 @@ def _moe_gate_up_kernel(
         dtype = act_ptr.dtype.element_ty
         gate = acc_gate.to(dtype).to(tl.float32)
         up = acc_up.to(dtype).to(tl.float32)
-        act = gate / (1.0 + tl.exp(-gate)) * up
+        act = _glu(gate, up, ACT, act_limit)
         dst = act_ptr + pair.to(tl.int64)[:, None] * act_s0 + offs_n[None, :]
         tl.store(dst, act.to(dtype), mask=valid[:, None] & mask_n[None, :])
 
@@ -312,9 +346,14 @@ def _moe_down_kernel(
     INT: tl.constexpr = False,
     BITS: tl.constexpr = 4,
     HAS_ZEROS: tl.constexpr = False,
+    FP4: tl.constexpr = False,
+    b_ptr: tl.tensor = None,
+    b_s0: int = 0,
+    HAS_BIAS: tl.constexpr = False,
 ) -> None:
     """``y`` (and, ``FUSED_COMBINE``, ``out``) of one block of sorted pairs and ``BLOCK_N``
-    hidden features. ``INT``: packed integer weights (as the gate/up kernel's). ``FP8``:
+    hidden features (``HAS_BIAS``: plus the expert's down bias ``b`` ``[E, H]`` before the
+    routing weight). ``INT``: packed integer weights (as the gate/up kernel's). ``FP8``:
     ``w`` is e4m3 with block scales ``ws`` and ``act`` is fp8 with
     per-(pair, group) scales ``as`` or, with ``QUANT_A`` (``BLOCK_K == W_BK``), ``act`` itself
     quantized step by step here."""
@@ -350,8 +389,8 @@ def _moe_down_kernel(
             w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         if INT:
             grp = (k0 // W_BK) * ws_s2
-            w = _int_tile(w, z_ptrs + grp, mask_n, BITS, HAS_ZEROS, BLOCK_K, BLOCK_N)
-            w_scale = tl.load(s_ptrs + grp, mask=mask_n, other=0.0).to(tl.float32)
+            w = _int_tile(w, z_ptrs + grp, mask_n, BITS, HAS_ZEROS, BLOCK_K, BLOCK_N, FP4)
+            w_scale = _int_scale(s_ptrs + grp, mask_n, FP4)
             a_in = a.to(tl.float32) if UPCAST else a
             acc += tl.dot(a_in, w.to(a_in.dtype), input_precision=DOT_PRECISION) \
                 * w_scale[None, :]
@@ -366,6 +405,9 @@ def _moe_down_kernel(
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += W_STEP
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + expert * b_s0 + offs_n, mask=mask_n, other=0.0).to(
+            tl.float32)[None, :]
     token = pair // top_k
     slot = pair - token * top_k
     weight = tl.load(tw_ptr + token.to(tl.int64) * tw_s0 + slot * tw_s1, mask=valid, other=0.0)
@@ -451,7 +493,8 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 def _moe_chunk(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                topk_ids: torch.Tensor, out: torch.Tensor, tiles: MoeTiles,
                fp8: _Fp8 | None = None, valid_tokens: torch.Tensor | None = None,
-               first_token: int = 0, ints: IntExperts | None = None) -> None:
+               first_token: int = 0, ints: IntExperts | None = None,
+               epi: Epilogue = PLAIN) -> None:
     """The four steps of the module docstring for ``x`` ``[T > 0, H]``, into ``out``. FP8:
     ``x`` quantized once before the gate/up GEMM (or inside it), the activation in the
     gate/up epilogue, the down GEMM or a kernel of its own (``tiles.act_quant``)."""
@@ -475,7 +518,8 @@ def _moe_chunk(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
         s13, s2, w_bk = ints.w13_scale, ints.w2_scale, ints.group_size
         z13 = ints.w13_zeros if ints.w13_zeros is not None else s13
         z2 = ints.w2_zeros if ints.w2_zeros is not None else s2
-        int_args = {"INT": True, "BITS": ints.bits, "HAS_ZEROS": ints.w13_zeros is not None}
+        int_args = {"INT": True, "BITS": ints.bits, "HAS_ZEROS": ints.w13_zeros is not None,
+                    "FP4": ints.fp4}
         act = _empty((num_pairs, inter), x.dtype, x.device)
     elif fp8 is None:
         act = _empty((num_pairs, inter), x.dtype, x.device)
@@ -487,6 +531,11 @@ def _moe_chunk(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
         act = _empty((num_pairs, inter), FP8_DTYPE if quant_out else x.dtype, x.device)
     act_scale = (_empty((num_pairs, cdiv(inter, w_bk)), torch.float32, x.device)
                  if quant_out else y)
+    b13, b2 = epi.w13_bias, epi.w2_bias
+    bias13 = {} if b13 is None else {"b_ptr": b13, "b_s0": b13.stride(0), "HAS_BIAS": True}
+    bias2 = {} if b2 is None else {"b_ptr": b2, "b_s0": b2.stride(0), "HAS_BIAS": True}
+    act_args = ({} if epi.activation == "silu"
+                else {"ACT": ACTIVATIONS.index(epi.activation), "act_limit": epi.swiglu_limit})
     _moe_gate_up_kernel[(max_blocks * cdiv(inter, tiles.block_n1),)](
         a1, w13, act, sorted_ids, block_expert, num_post, num_pairs, max_blocks, top_k, hidden,
         inter, a1.stride(0), w13.stride(0), w13.stride(1), act.stride(0), a1_scale, s13,
@@ -496,7 +545,7 @@ def _moe_chunk(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
         FP8=fp8 is not None, QUANT_A=fp8 is not None and tiles.fuse_x_quant,
         QUANT_OUT=quant_out, W_BN=w_bn, W_BK=w_bk, ACT_DTYPE=_TL_DTYPES[x.dtype],
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **({"wz_ptr": z13, **int_args} if ints is not None else {}),
+        **({"wz_ptr": z13, **int_args} if ints is not None else {}), **bias13, **act_args,
     )
     if fp8 is not None and tiles.act_quant == "kernel":
         act, act_scale = per_token_group_quant_fp8_triton(act, w_bk)
@@ -512,7 +561,7 @@ def _moe_chunk(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
         FUSED_COMBINE=counters is not None, FP8=fp8 is not None,
         QUANT_A=fp8 is not None and tiles.act_quant == "down", W_BN=w_bn, W_BK=w_bk,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **({"wz_ptr": z2, **int_args} if ints is not None else {}),
+        **({"wz_ptr": z2, **int_args} if ints is not None else {}), **bias2,
     )
     if counters is not None:
         return
@@ -552,6 +601,7 @@ def fused_moe_triton(
     act_quant: str | None = None,
     valid_tokens: torch.Tensor | None = None,
     int_experts: IntExperts | None = None,
+    epilogue: Epilogue = PLAIN,
 ) -> torch.Tensor:
     """Triton implementation of :func:`fused_moe` (module docstring: align, gate/up GEMM, down
     GEMM, combine); tile arguments override :func:`moe_tiles`. Never synchronizes with the
@@ -579,8 +629,10 @@ def fused_moe_triton(
     fused_moe_int`); the K steps are cut to divide the group size.
     """
     if int_experts is not None:
-        return _fused_moe_int(x, w13, w2, topk_weights, topk_ids, int_experts, valid_tokens)
+        return _fused_moe_int(x, w13, w2, topk_weights, topk_ids, int_experts, valid_tokens,
+                              epilogue)
     _check(x, w13, w2, topk_weights, topk_ids)
+    epilogue = check_epilogue(w13, w2, epilogue)
     fp8_block = check_fp8_args(w13, w2, w13_scale, w2_scale, block)
     _check_kernel_args(x, w13, w2, topk_weights, topk_ids, fp8_block is not None)
     if chunk_tokens <= 0:
@@ -621,18 +673,19 @@ def fused_moe_triton(
         if fp8 is not None:
             tiles = _check_fp8_tiles(tiles, fp8.bk, fuse_x_quant is None, act_quant is None)
         _moe_chunk(x[start:stop], w13, w2, topk_weights[start:stop], topk_ids[start:stop],
-                   out[start:stop], tiles, fp8, valid_tokens, start)
+                   out[start:stop], tiles, fp8, valid_tokens, start, epi=epilogue)
     return out
 
 
 def _fused_moe_int(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, ints: IntExperts,
-                   valid_tokens: torch.Tensor | None, chunk_tokens: int = 8192
-                   ) -> torch.Tensor:
+                   valid_tokens: torch.Tensor | None, epilogue: Epilogue,
+                   chunk_tokens: int = 8192) -> torch.Tensor:
     """:func:`fused_moe_triton` of integer experts: the default tiles with K steps that divide
     the group size (a step in one group), chunk after chunk."""
     num_tokens, hidden = x.shape
     inter, pack = check_int_args(w13, w2, ints, hidden)
+    epilogue = check_epilogue(w13, w13.new_empty(w13.shape[0], hidden, 0), epilogue)
     if x.dtype not in _KERNEL_DTYPES or x.dim() != 2:
         raise ValueError(f"x must be [T, H] fp32/bf16/fp16, got {x.dtype} {tuple(x.shape)}")
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != num_tokens:
@@ -659,7 +712,7 @@ def _fused_moe_int(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                              "need a multiple of 16")
         _moe_chunk(x[start:stop], w13, w2, topk_weights[start:stop], topk_ids[start:stop],
                    out[start:stop], plan._replace(block_k1=k1, block_k2=k2), None,
-                   valid_tokens, start, ints)
+                   valid_tokens, start, ints, epilogue)
     return out
 
 
@@ -675,24 +728,34 @@ def fused_moe(
     block: tuple[int, int] | list[int] = DEFAULT_BLOCK,
     valid_tokens: torch.Tensor | None = None,
     int_experts: IntExperts | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    swiglu_limit: float = 7.0,
 ) -> torch.Tensor:
-    """The routed experts of ``x`` (see the module contract; integer weights: ``int_experts``,
+    """The routed experts of ``x`` (see the module contract; biases and the activation:
+    ``w13_bias`` ``[E, 2I]`` and ``w2_bias`` ``[E, H]`` added to the fp32 products,
+    ``activation`` one of :data:`ACTIVATIONS`; integer weights: ``int_experts``,
     :mod:`~mrv2_kernels.fused_moe_int`; FP8 weights with their scales:
     :mod:`~mrv2_kernels.fused_moe_fp8`): :func:`fused_moe_triton` when :func:`use_triton` says
     so (fp32/bf16/fp16 ``x``; FP8: a power-of-two block K), else :func:`fused_moe_ref` (which
     loops over the experts present, on the host: fine on the CPU, not for CUDA graphs).
     ``valid_tokens`` (int32 ``[1]``, on ``x``'s device): rows from ``valid_tokens[0]`` on are
     padding, not computed (their output rows are unspecified)."""
+    epi = Epilogue(activation, swiglu_limit, w13_bias, w2_bias)
     if int_experts is not None:
         if use_triton(x) and x.dtype in _KERNEL_DTYPES:
             return fused_moe_triton(x, w13, w2, topk_weights, topk_ids,
-                                    valid_tokens=valid_tokens, int_experts=int_experts)
+                                    valid_tokens=valid_tokens, int_experts=int_experts,
+                                    epilogue=epi)
         return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, valid_tokens=valid_tokens,
-                             int_experts=int_experts)
+                             int_experts=int_experts, epilogue=epi)
     fp8 = w13_scale is not None or w2_scale is not None
     bk = int(block[1]) if fp8 else 1
     if use_triton(x) and x.dtype in _KERNEL_DTYPES and bk > 0 and bk & (bk - 1) == 0:
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale,
-                                w2_scale=w2_scale, block=block, valid_tokens=valid_tokens)
+                                w2_scale=w2_scale, block=block, valid_tokens=valid_tokens,
+                                epilogue=epi)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale,
-                         w2_scale=w2_scale, block=block, valid_tokens=valid_tokens)
+                         w2_scale=w2_scale, block=block, valid_tokens=valid_tokens,
+                         epilogue=epi)

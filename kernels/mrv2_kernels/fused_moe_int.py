@@ -9,7 +9,10 @@ Layout (GPTQ, AWQ and compressed-tensors experts, converted at load by
     w13_scale [E, 2I, H / G], w2_scale [E, H, I / G]     per output row and group of G inputs
     w13_zeros / w2_zeros: uint8, the scales' shapes, or None (symmetric: 2 ** (bits - 1))
 
-The real weight is ``(q - zero) * scale``; the contract is the unquantized one of
+The real weight is ``(q - zero) * scale``. MXFP4 experts (``fp4``; gpt-oss): the same packing
+of 4-bit codes, each an e2m1 float (sign, 2 exponent bits, 1 mantissa bit: 0, 0.5, 1, 1.5, 2,
+3, 4, 6 and their negatives), groups of 32 and uint8 e8m0 scales (``2 ** (s - 127)``; ``s = 0``
+reads as 0, not ``2 ** -127``), no zero points. The contract is the unquantized one of
 :mod:`~mrv2_kernels.fused_moe` on those weights (activations stay in ``x``'s dtype: nothing
 else is quantized). The Triton GEMMs load ``[BLOCK_K / pack, BLOCK_N]`` words a step, unpack
 them along K (:func:`_int_tile`), subtract the zero points and ``tl.dot`` the small integers
@@ -27,7 +30,12 @@ import triton.language as tl
 
 from .wna16_gemm import dequantize_wna16, pack_along_k
 
-__all__ = ["IntExperts", "check_int_args", "dequantize_int_experts", "pack_experts"]
+__all__ = ["IntExperts", "check_int_args", "dequantize_int_experts", "e2m1_values",
+           "e8m0_scales", "mxfp4_codes", "pack_experts"]
+
+#: The 16 e2m1 codes' values (code ``c``: sign ``c >> 3``, exponent ``(c >> 1) & 3``,
+#: mantissa ``c & 1``).
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 class IntExperts(NamedTuple):
@@ -40,6 +48,8 @@ class IntExperts(NamedTuple):
     w2_zeros: torch.Tensor | None
     bits: int
     group_size: int
+    fp4: bool = False
+    """MXFP4: e2m1 codes with uint8 e8m0 scales (module docstring)."""
 
 
 def check_int_args(w13: torch.Tensor, w2: torch.Tensor, q: IntExperts, hidden: int
@@ -48,6 +58,10 @@ def check_int_args(w13: torch.Tensor, w2: torch.Tensor, q: IntExperts, hidden: i
     naming the argument otherwise."""
     if q.bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {q.bits}")
+    if q.fp4 and (q.bits != 4 or q.w13_zeros is not None or q.w2_zeros is not None
+                  or q.w13_scale.dtype != torch.uint8 or q.w2_scale.dtype != torch.uint8):
+        raise ValueError("fp4 (MXFP4) experts need bits = 4, uint8 e8m0 scales and no zero "
+                         "points")
     pack = 32 // q.bits
     for name, w in (("w13", w13), ("w2", w2)):
         if w.dtype != torch.int32 or w.dim() != 3:
@@ -82,10 +96,38 @@ def check_int_args(w13: torch.Tensor, w2: torch.Tensor, q: IntExperts, hidden: i
     return inter, pack
 
 
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 values of e2m1 codes (integers in ``[0, 16)``)."""
+    table = torch.tensor(E2M1, dtype=torch.float32, device=codes.device)
+    return table[codes.long()]
+
+
+def mxfp4_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """uint8 e2m1 codes ``[..., K]`` of MXFP4 ``blocks`` as gpt-oss's checkpoints store them
+    (uint8 ``[..., K / 32, 16]``: two codes a byte, the lower input in the low nibble)."""
+    if blocks.dtype != torch.uint8 or blocks.dim() < 2 or blocks.shape[-1] != 16:
+        raise ValueError(f"MXFP4 blocks must be uint8 [..., K / 32, 16], got {blocks.dtype} "
+                         f"{tuple(blocks.shape)}")
+    flat = blocks.reshape(*blocks.shape[:-2], -1)
+    return torch.stack([flat & 15, flat >> 4], dim=-1).reshape(*flat.shape[:-1], -1)
+
+
+def e8m0_scales(scales: torch.Tensor) -> torch.Tensor:
+    """fp32 ``2 ** (s - 127)`` of uint8 e8m0 scales, as the kernels read them (the exponent
+    field of an fp32: ``s = 0`` gives 0, ``s = 255`` infinity)."""
+    return (scales.to(torch.int32) << 23).view(torch.float32)
+
+
 def dequantize_int_experts(w: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None,
-                           bits: int, group_size: int, dtype: torch.dtype = torch.float32
-                           ) -> torch.Tensor:
-    """The real stacked weights ``[E, N, K]`` (fp32 products, one rounding to ``dtype``)."""
+                           bits: int, group_size: int, dtype: torch.dtype = torch.float32,
+                           fp4: bool = False) -> torch.Tensor:
+    """The real stacked weights ``[E, N, K]`` (fp32 products, one rounding to ``dtype``);
+    ``fp4``: MXFP4 codes and e8m0 scales."""
+    if fp4:
+        shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=w.device)
+        codes = ((w[..., None] >> shifts) & 15).reshape(*w.shape[:-1], -1)
+        s = e8m0_scales(scale).repeat_interleave(group_size, -1)
+        return (e2m1_values(codes) * s).to(dtype)
     return torch.stack([
         dequantize_wna16(w[e].T.contiguous(), scale[e].T.contiguous(),
                          None if zeros is None else zeros[e].T.contiguous(), bits, group_size,
@@ -102,15 +144,31 @@ def pack_experts(q: torch.Tensor, bits: int) -> torch.Tensor:
 @triton.jit
 def _int_tile(words: tl.tensor, zeros_ptrs: tl.tensor, mask_n: tl.tensor,
               BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr,
-              BLOCK_N: tl.constexpr) -> tl.tensor:
+              BLOCK_N: tl.constexpr, FP4: tl.constexpr = False) -> tl.tensor:
     """``[BLOCK_K, BLOCK_N]`` int32 ``q - zero`` of ``words`` ``[BLOCK_K / pack, BLOCK_N]``
-    (each word's integers spread along K), the columns' zero points at ``zeros_ptrs``."""
+    (each word's integers spread along K), the columns' zero points at ``zeros_ptrs``;
+    ``FP4``: the codes' e2m1 values (fp32, exact in bf16)."""
     PACK: tl.constexpr = 32 // BITS
     shifts = (tl.arange(0, PACK) * BITS)[None, :, None]
     q = tl.reshape((words[:, None, :] >> shifts) & ((1 << BITS) - 1), (BLOCK_K, BLOCK_N))
-    if HAS_ZEROS:
+    if FP4:  # the fp32 bit pattern: sign, exponent e - 1 + 127 (0.5 where e = 0), mantissa
+        e = (q >> 1) & 3
+        m = q & 1
+        bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22))
+        out = (bits | ((q >> 3) << 31)).to(tl.float32, bitcast=True)
+    elif HAS_ZEROS:
         z = tl.load(zeros_ptrs, mask=mask_n, other=0).to(tl.int32)
-        q = q - z[None, :]
+        out = q - z[None, :]
     else:
-        q = q - (1 << (BITS - 1))
-    return q
+        out = q - (1 << (BITS - 1))
+    return out
+
+
+@triton.jit
+def _int_scale(ptrs: tl.tensor, mask_n: tl.tensor, FP4: tl.constexpr = False) -> tl.tensor:
+    """fp32 group scales of ``BLOCK_N`` columns (``FP4``: uint8 e8m0, as
+    :func:`e8m0_scales`)."""
+    if FP4:
+        s = tl.load(ptrs, mask=mask_n, other=0).to(tl.int32)
+        return (s << 23).to(tl.float32, bitcast=True)
+    return tl.load(ptrs, mask=mask_n, other=0.0).to(tl.float32)

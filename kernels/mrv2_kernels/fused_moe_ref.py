@@ -3,6 +3,8 @@ that module's docstring) and the shape checks both paths share."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -10,7 +12,58 @@ from .fp8_gemm import dequantize_weight_block_fp8
 from .fused_moe_fp8 import DEFAULT_BLOCK, check_fp8_args, quant_dequant_groups
 from .fused_moe_int import IntExperts, check_int_args, dequantize_int_experts
 
-__all__ = ["fused_moe_ref"]
+__all__ = ["ACTIVATIONS", "PLAIN", "SWIGLUOAI_ALPHA", "Epilogue", "fused_moe_ref", "glu"]
+
+#: The gated activations of the contract: ``silu(gate) * up``, and gpt-oss's clamped
+#: ``"swigluoai"`` (:func:`glu`).
+ACTIVATIONS = ("silu", "swigluoai")
+#: ``swigluoai``'s sigmoid slope (gpt-oss).
+SWIGLUOAI_ALPHA = 1.702
+
+
+class Epilogue(NamedTuple):
+    """The experts' activation and optional biases (``w13_bias`` ``[E, 2I]``: gate then up,
+    ``w2_bias`` ``[E, H]``), as :func:`check_epilogue` returns them."""
+
+    activation: str = "silu"
+    swiglu_limit: float = 7.0
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
+
+
+#: SiLU, no biases.
+PLAIN = Epilogue()
+
+
+def check_epilogue(w13: torch.Tensor, w2: torch.Tensor, epi: Epilogue) -> Epilogue:
+    """``epi`` with contiguous biases; a ValueError naming a bad activation or bias."""
+    if epi.activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}; got "
+                         f"{epi.activation!r}")
+    if epi.activation == "swigluoai" and not epi.swiglu_limit > 0:
+        raise ValueError(f"swiglu_limit must be positive, got {epi.swiglu_limit}")
+    e, two_i = w13.shape[0], w13.shape[1]
+    hidden = w2.shape[1]
+    for name, b, want in (("w13_bias", epi.w13_bias, (e, two_i)),
+                          ("w2_bias", epi.w2_bias, (e, hidden))):
+        if b is not None and (tuple(b.shape) != want or b.device != w13.device):
+            raise ValueError(f"{name} must be {want} on {w13.device}, got {tuple(b.shape)} "
+                             f"on {b.device}")
+    return epi._replace(
+        w13_bias=None if epi.w13_bias is None else epi.w13_bias.contiguous(),
+        w2_bias=None if epi.w2_bias is None else epi.w2_bias.contiguous())
+
+
+def glu(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu",
+        swiglu_limit: float = 7.0) -> torch.Tensor:
+    """The gated activation of fp32 ``gate`` / ``up``: ``silu(gate) * up``, or (``swigluoai``)
+    ``g * sigmoid(1.702 g) * (u + 1)`` of ``g = min(gate, limit)`` and ``u = clamp(up, -limit,
+    limit)``."""
+    if activation == "swigluoai":
+        g = gate.clamp(max=swiglu_limit)
+        u = up.clamp(-swiglu_limit, swiglu_limit)
+        return g * torch.sigmoid(SWIGLUOAI_ALPHA * g) * (u + 1)
+    return F.silu(gate) * up
 
 
 def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -49,8 +102,11 @@ def fused_moe_ref(
     block: tuple[int, int] | list[int] = DEFAULT_BLOCK,
     valid_tokens: torch.Tensor | None = None,
     int_experts: IntExperts | None = None,
+    epilogue: Epilogue = PLAIN,
 ) -> torch.Tensor:
     """Plain-torch specification: a Python loop over (token, slot) pairs grouped by expert.
+    ``epilogue``: the activation and the biases (added to the fp32 products, before the
+    roundings and the routing weight).
     Integer weights (``int_experts``): the unquantized contract on the dequantized weights.
     FP8 weights (both scales given): the weights dequantized, ``x`` and the activation
     quantized per row and group of ``bk`` (:mod:`~mrv2_kernels.fused_moe_fp8`'s contract).
@@ -59,9 +115,12 @@ def fused_moe_ref(
     if int_experts is not None:
         q = int_experts
         check_int_args(w13, w2, q, x.shape[1])
-        w13 = dequantize_int_experts(w13, q.w13_scale, q.w13_zeros, q.bits, q.group_size)
-        w2 = dequantize_int_experts(w2, q.w2_scale, q.w2_zeros, q.bits, q.group_size)
+        w13 = dequantize_int_experts(w13, q.w13_scale, q.w13_zeros, q.bits, q.group_size,
+                                     fp4=q.fp4)
+        w2 = dequantize_int_experts(w2, q.w2_scale, q.w2_zeros, q.bits, q.group_size,
+                                    fp4=q.fp4)
     _check(x, w13, w2, topk_weights, topk_ids)
+    epi = check_epilogue(w13, w2, epilogue)
     fp8 = check_fp8_args(w13, w2, w13_scale, w2_scale, block)
     num_tokens, top_k = topk_ids.shape
     inter = w2.shape[2]
@@ -78,10 +137,16 @@ def fused_moe_ref(
         else:
             w13_e = dequantize_weight_block_fp8(w13[e], w13_scale[e], fp8, torch.float32)
             w2_e = dequantize_weight_block_fp8(w2[e], w2_scale[e], fp8, torch.float32)
-        gate_up = (x_in[tokens].float() @ w13_e.T).to(x.dtype)
-        act = (F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(x.dtype)
+        gate_up = x_in[tokens].float() @ w13_e.T
+        if epi.w13_bias is not None:
+            gate_up = gate_up + epi.w13_bias[e].float()
+        gate_up = gate_up.to(x.dtype).float()
+        act = glu(gate_up[:, :inter], gate_up[:, inter:], epi.activation,
+                  epi.swiglu_limit).to(x.dtype)
         act_in = act if fp8 is None else quant_dequant_groups(act, fp8[1])
         y = act_in.float() @ w2_e.T
+        if epi.w2_bias is not None:
+            y = y + epi.w2_bias[e].float()
         weight = topk_weights.reshape(-1)[pairs].float()
         out.index_add_(0, tokens, y * weight[:, None])
     return out.to(x.dtype)

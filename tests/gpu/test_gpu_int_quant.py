@@ -17,8 +17,13 @@ from mrv2 import LLM, SamplingParams
 from mrv2.layers.int_quant import IntLinearMixin, apply_int_quant
 from mrv2.layers.int_quant_config import int_quant_config_of
 from mrv2.layers.linear import MergedColumnLinear
-from mrv2.testing import hf_greedy, make_tiny_checkpoint
-from mrv2.testing_quant import awq_checkpoint, compressed_tensors_checkpoint, gptq_checkpoint
+from mrv2.testing import TINY_FAMILIES, hf_greedy, make_tiny_checkpoint
+from mrv2.testing_quant import (
+    awq_checkpoint,
+    compressed_tensors_checkpoint,
+    gptq_checkpoint,
+    mxfp4_checkpoint,
+)
 from mrv2_kernels.wna16_gemm import pack_along_k, wna16_linear_ref, wna16_linear_triton
 
 pytestmark = pytest.mark.gpu
@@ -129,4 +134,16 @@ def test_moe_with_integer_experts_with_graphs(tmp_path: Path) -> None:
     save_file({n: t * 8 if ".experts." in n else t for n, t in load_file(file).items()}, file)
     gptq_checkpoint(src, tmp_path / "q", tmp_path / "ref", group_size=64, sym=False,
                     experts=True)
+    _check_with_graphs(tmp_path / "q", [hf_greedy(tmp_path / "ref", p, 16) for p in PROMPTS])
+
+
+def test_gpt_oss_mxfp4_experts_through_the_engine(tmp_path: Path) -> None:
+    """gpt-oss with MXFP4 experts (the fused MoE's e2m1 path, with the experts' biases and
+    the clamped swigluoai), attention sinks and a local layer, on CUDA: fp32 tokens are HF's
+    on the dequantized weights, graphs on and off; bf16 graphs agree with eager."""
+    arch, tiny = TINY_FAMILIES["gpt-oss"]
+    src = make_tiny_checkpoint(tmp_path / "src", arch, **{
+        **tiny, "hidden_size": 128, "intermediate_size": 64, "head_dim": 32,
+        "num_local_experts": 8, "num_experts_per_tok": 4, "sliding_window": 8})
+    mxfp4_checkpoint(src, tmp_path / "q", tmp_path / "ref")
     _check_with_graphs(tmp_path / "q", [hf_greedy(tmp_path / "ref", p, 16) for p in PROMPTS])

@@ -145,18 +145,24 @@ for bm, bn, bk, splits, stages, bits, zeros in ((16, 64, 128, 4, 4, 4, True),
 build(w._dequant_kernel, {"qw_ptr": i32, "s_ptr": f16, "z_ptr": u8, "w_ptr": bf},
       dict(GROUP=128, BITS=4, HAS_ZEROS=True, BK=64, BN=128), num_warps=4)
 moe_common = dict(BLOCK_M=16, GROUP_M=1, EVEN_K=True, UPCAST=False, DOT_PRECISION="tf32",
-                  FP8=False, QUANT_A=False, W_BN=1, W_BK=128, INT=True, BITS=4,
-                  HAS_ZEROS=True)
-build(fm._moe_gate_up_kernel,
-      {"x_ptr": bf, "w_ptr": i32, "act_ptr": bf, "sorted_ptr": i32, "block_expert_ptr": i32,
-       "num_post_ptr": i32, "xs_ptr": f32, "ws_ptr": f16, "acts_ptr": f32, "wz_ptr": u8},
-      dict(moe_common, BLOCK_N=32, BLOCK_K=128, QUANT_OUT=False, ACT_DTYPE="bf16"),
-      num_warps=4, num_stages=4)
-build(fm._moe_down_kernel,
-      {"act_ptr": bf, "w_ptr": i32, "tw_ptr": f32, "y_ptr": f32, "sorted_ptr": i32,
-       "block_expert_ptr": i32, "num_post_ptr": i32, "out_ptr": bf, "counters_ptr": i32,
-       "as_ptr": f32, "ws_ptr": f16, "wz_ptr": u8},
-      dict(moe_common, BLOCK_N=64, BLOCK_K=128, FUSED_COMBINE=True), num_warps=4, num_stages=4)
+                  FP8=False, QUANT_A=False, W_BN=1, INT=True, BITS=4)
+# GPTQ-like (fp16 scales, zero points, SiLU), then gpt-oss's MXFP4 (e8m0 scales, groups of
+# 32, the experts' biases, swigluoai)
+for group, fp4, scale in ((128, False, f16), (32, True, u8)):
+    flags = dict(moe_common, W_BK=group, HAS_ZEROS=not fp4, FP4=fp4, HAS_BIAS=fp4)
+    bias = {"b_ptr": bf} if fp4 else {}
+    build(fm._moe_gate_up_kernel,
+          {"x_ptr": bf, "w_ptr": i32, "act_ptr": bf, "sorted_ptr": i32,
+           "block_expert_ptr": i32, "num_post_ptr": i32, "xs_ptr": f32, "ws_ptr": scale,
+           "acts_ptr": f32, "wz_ptr": u8, **bias},
+          dict(flags, BLOCK_N=32, BLOCK_K=min(group, 128), QUANT_OUT=False, ACT_DTYPE="bf16",
+               ACT=int(fp4)), num_warps=4, num_stages=4)
+    build(fm._moe_down_kernel,
+          {"act_ptr": bf, "w_ptr": i32, "tw_ptr": f32, "y_ptr": f32, "sorted_ptr": i32,
+           "block_expert_ptr": i32, "num_post_ptr": i32, "out_ptr": bf, "counters_ptr": i32,
+           "as_ptr": f32, "ws_ptr": scale, "wz_ptr": u8, **bias},
+          dict(flags, BLOCK_N=64, BLOCK_K=min(group, 128), FUSED_COMBINE=True), num_warps=4,
+          num_stages=4)
 attn = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "out_ptr": bf, "part_m_ptr": f32,
         "part_l_ptr": f32, "part_acc_ptr": f32, "qsl_ptr": i32, "seq_lens_ptr": i32,
         "block_table_ptr": i32, "pos_ptr": "*i64", "cos_sin_ptr": f32, "q_w_ptr": bf,
@@ -176,7 +182,7 @@ for bm, bn, splits, warps in ((128, 32, False, 8), (16, 64, True, 2)):
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the GPU run compiles them for real")
 def test_new_kernels_compile_for_sm90(tmp_path: Path) -> None:
-    """The integer GEMM at its default tiles, the fused MoE's integer path and the attention
+    """The integer GEMM at its default tiles, the fused MoE's integer and MXFP4 paths and the attention
     kernel with a window, a soft-cap and sinks compile for an H100/H200 without a GPU (the
     interpreter accepts what the compiler may not)."""
     sys.path.insert(0, str(Path(__file__).parent))
@@ -184,7 +190,7 @@ def test_new_kernels_compile_for_sm90(tmp_path: Path) -> None:
 
     sizes = compile_for_sm90(_SM90_SCRIPT, tmp_path)
     assert len(sizes["_wna16_kernel"]) == 3 and len(sizes["_dequant_kernel"]) == 1
-    assert len(sizes["_moe_gate_up_kernel"]) == 1 and len(sizes["_moe_down_kernel"]) == 1
+    assert len(sizes["_moe_gate_up_kernel"]) == 2 and len(sizes["_moe_down_kernel"]) == 2
     assert len(sizes["_paged_attn_kernel"]) == 2
 
 

@@ -66,15 +66,16 @@ class SelfAttention(nn.Module):
     ``attention_bias``; GLM-4.x: q/k/v only), ``qk_norm`` adds Qwen3's
     ``q_norm`` / ``k_norm`` (built with ``rms_norm_eps``), fused into the rotation.
     ``scale``: the scores' factor (default ``head_dim ** -0.5``); ``logit_softcap``: scores
-    soft-capped (Gemma 2). Local layers attend over the config's sliding window
-    (:func:`sliding_window_of`).
+    soft-capped (Gemma 2); ``sinks``: a learned attention-sink score per head, ``sinks``
+    ``[num_heads]`` (gpt-oss; this rank's heads under tensor parallelism). Local layers
+    attend over the config's sliding window (:func:`sliding_window_of`).
     """
 
     def __init__(
         self, config: Any, layer_idx: int, rope: RotaryEmbedding | None, *,
         qkv_bias: bool = False,
         o_bias: bool = False, qk_norm: bool = False, scale: float | None = None,
-        logit_softcap: float | None = None,
+        logit_softcap: float | None = None, sinks: bool = False,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim_of(config)
@@ -90,6 +91,10 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.rotary_emb = rope
+        self.sinks: nn.Parameter | None = None
+        if sinks:
+            self.sinks = nn.Parameter(torch.empty(self.qkv_proj.num_heads))
+            self.sinks.weight_loader = self._load_sinks  # type: ignore[attr-defined]
         self.attn = Attention(  # this rank's heads
             self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, self.head_dim,
             self.head_dim**-0.5 if scale is None else scale, layer_idx,
@@ -107,8 +112,18 @@ class SelfAttention(nn.Module):
         norms = None
         if self.q_norm is not None and self.k_norm is not None:
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        out = self.attn(q, k, v, positions=positions, rotary=self.rotary_emb, qk_norm=norms)
+        out = self.attn(q, k, v, positions=positions, rotary=self.rotary_emb, qk_norm=norms,
+                        sinks=self.sinks)
         return cast(torch.Tensor, self.o_proj(out))
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """This rank's heads of the checkpoint's ``sinks`` ``[num_attention_heads]``."""
+        heads, rank, size = param.shape[0], self.qkv_proj.tp_rank, self.qkv_proj.tp_size
+        if tuple(loaded.shape) != (heads * size,):
+            raise ValueError(f"sinks must be [{heads * size}] (one per attention head), got "
+                             f"{tuple(loaded.shape)}")
+        with torch.no_grad():
+            param.data.copy_(loaded.narrow(0, rank * heads, heads))
 
 
 def norm_mlp(

@@ -39,7 +39,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from mrv2.layers.int_quant_config import INT_METHODS
+from mrv2.layers.int_quant_config import CHECKPOINT_METHODS, INT_METHODS
 from mrv2.layers.linear import FusedColumnLinear, LinearBase
 from mrv2.layers.moe import FusedMoE
 from mrv2.layers.weights import apply_moving_only
@@ -78,12 +78,12 @@ def fp8_config_of(hf_config: Any, requested: str | None) -> Fp8Config | None:
     if qc is not None:
         get = qc.get if isinstance(qc, dict) else (lambda k, d=None: getattr(qc, k, d))
         method = get("quant_method")
-        if str(method).lower() in ("gptq", "awq", "compressed-tensors"):
-            return None  # integer weights: mrv2.layers.int_quant
+        if str(method).lower() in CHECKPOINT_METHODS:
+            return None  # integer / MXFP4 weights: mrv2.layers.int_quant
         if method != "fp8":
             raise ValueError(f"config.json quantization_config.quant_method = {method!r}: "
                              "allowed values are 'fp8' (block-quantized e4m3), 'gptq', "
-                             "'awq' and 'compressed-tensors'")
+                             "'awq', 'compressed-tensors' and 'mxfp4'")
         block = get("weight_block_size")
         if not block or len(block) != 2:
             raise ValueError(f"config.json quantization_config.weight_block_size = {block!r}: "
@@ -300,7 +300,7 @@ class Fp8FusedMoE(FusedMoE):
                  valid: torch.Tensor | None) -> torch.Tensor:
         return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                          w13_scale=self.w13_weight_scale_inv, w2_scale=self.w2_weight_scale_inv,
-                         block=self.fp8_block, valid_tokens=valid)
+                         block=self.fp8_block, valid_tokens=valid, **self.epilogue())
 
 
 def experts_to_fp8(moe: FusedMoE, block: tuple[int, int], fp8_weights: bool) -> Fp8FusedMoE:

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Iterable
 from typing import Any, cast
 
@@ -324,7 +325,7 @@ def apply_int_quant(model: nn.Module, quant: IntQuantConfig,
         if chosen is not None and name not in chosen:
             continue
         if isinstance(module, LinearBase) and not isinstance(module, IntLinearMixin):
-            if chosen is None and any(s in name for s in quant.skip):
+            if quant.experts_only or chosen is None and any(s in name for s in quant.skip):
                 continue
             to_int(module, quant, dtype)
             count += 1
@@ -394,7 +395,10 @@ def draw_int_weights(model: nn.Module, seed: int, std: float) -> None:
                 for rows in qweight.data.view(-1, qweight.shape[-1]).split(1 << 16):
                     rows.copy_(torch.randint(-top, top, rows.shape, generator=g, device=dev,
                                              dtype=torch.int64).to(torch.int32))
-                scales.data.fill_(std * (12 ** 0.5) / levels)
+                if module.quant.fp4:  # uniform codes: an rms of 2.93 units
+                    scales.data.fill_(127 + round(math.log2(std / 2.93)))
+                else:
+                    scales.data.fill_(std * (12 ** 0.5) / levels)
                 if zeros is not None and not module.quant.sym:
                     mid = levels // 2
                     zeros.data.copy_(torch.randint(mid - 1, mid + 2, zeros.shape, generator=g,

@@ -1,6 +1,7 @@
 """What a checkpoint's ``quantization_config`` says about integer weights (GPTQ, AWQ,
-compressed-tensors' pack-quantized W4A16 / W8A16), checked field by field before anything
-loads, and the one unpacking the formats share (:func:`unpack_along_n`). The layers and the
+compressed-tensors' pack-quantized W4A16 / W8A16) and MXFP4 experts (gpt-oss: 4-bit e2m1 codes
+in groups of 32 with e8m0 scales, the routed experts only), checked field by field before
+anything loads, and the one unpacking the formats share (:func:`unpack_along_n`). The layers and the
 formats' tensors: :mod:`mrv2.layers.int_quant` and :mod:`mrv2.layers.int_quant_moe`."""
 
 from __future__ import annotations
@@ -10,12 +11,17 @@ from typing import Any
 
 import torch
 
+from mrv2_kernels.fused_moe_int import mxfp4_codes
 from mrv2_kernels.wna16_gemm import unpack_along_k
 
 #: ``quantization=`` values that name these formats (vLLM's kernel-specific names included:
 #: the checkpoint decides the kernel here).
 INT_METHODS = {"gptq": "gptq", "gptq_marlin": "gptq", "awq": "awq", "awq_marlin": "awq",
-               "compressed-tensors": "compressed-tensors"}
+               "compressed-tensors": "compressed-tensors", "mxfp4": "mxfp4"}
+#: The checkpoints' ``quant_method`` values these formats have.
+CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors", "mxfp4")
+#: MXFP4's tensors: ``<name>_blocks`` (codes) and ``<name>_scales`` (e8m0).
+MXFP4_NAMES = {"qweight": "blocks", "scales": "scales"}
 #: Group size of random weights (``load_format="dummy"``).
 DUMMY_GROUP = 128
 #: What compressed-tensors calls each of the layer's tensors (GPTQ and AWQ: the roles' names).
@@ -29,7 +35,7 @@ class IntQuantConfig:
     """A checkpoint's integer-weight quantization (:mod:`mrv2.layers.int_quant`)."""
 
     method: str
-    """``"gptq"``, ``"awq"`` or ``"compressed-tensors"``."""
+    """``"gptq"``, ``"awq"``, ``"compressed-tensors"`` or ``"mxfp4"``."""
     bits: int
     group_size: int
     """Inputs per group; -1: one group of all inputs (per output channel)."""
@@ -46,6 +52,13 @@ class IntQuantConfig:
     names: dict[str, str] = field(default_factory=dict)
     """Each role's (``qweight``, ``scales``, ``qzeros``, ``g_idx``) checkpoint tensor name,
     where the format's differs."""
+    experts_only: bool = False
+    """Only the routed experts are quantized (MXFP4): linear layers stay in the model dtype."""
+
+    @property
+    def fp4(self) -> bool:
+        """e2m1 codes with e8m0 scales (MXFP4) rather than integers."""
+        return self.method == "mxfp4"
 
     def name(self, role: str) -> str:
         """The checkpoint's name of tensor ``role``."""
@@ -85,9 +98,11 @@ def int_quant_config_of(hf_config: Any, requested: str | None) -> IntQuantConfig
     random-weight setting for a ``requested`` integer method (usable with
     ``load_format="dummy"`` only, checked at build), else None."""
     method = quant_method_of(hf_config)
-    if method not in ("gptq", "awq", "compressed-tensors"):
+    if method not in CHECKPOINT_METHODS:
         if requested in INT_METHODS and method is not None:
             raise ValueError(f"quantization={requested!r}: the checkpoint is {method!r}")
+        if requested == "mxfp4":
+            return _mxfp4(_getter({}), from_checkpoint=False)
         if requested in INT_METHODS:
             kind = INT_METHODS[requested]
             return IntQuantConfig(kind, 4, DUMMY_GROUP, kind != "awq", False,
@@ -100,6 +115,8 @@ def int_quant_config_of(hf_config: Any, requested: str | None) -> IntQuantConfig
     get = _getter(hf_config.quantization_config)
     if method == "compressed-tensors":
         return _compressed_tensors(get)
+    if method == "mxfp4":
+        return _mxfp4(get)
     bits = _check_bits(get("bits", get("w_bit")), (4, 8) if method == "gptq" else (4,), "bits")
     group = _check_group(get("group_size", get("q_group_size")), "group_size")
     if method == "awq":
@@ -119,6 +136,14 @@ def int_quant_config_of(hf_config: Any, requested: str | None) -> IntQuantConfig
         raise ValueError(f"{_FIELD}.dynamic: per-module GPTQ overrides are not supported")
     return IntQuantConfig("gptq", bits, group, bool(get("sym", True)),
                           bool(get("desc_act", False)), zeros_minus_one=fmt == "gptq")
+
+
+def _mxfp4(get: Any, from_checkpoint: bool = True) -> IntQuantConfig:
+    """MXFP4 routed experts (gpt-oss): groups of 32, e8m0 scales, every other layer in the
+    model dtype."""
+    return IntQuantConfig("mxfp4", 4, 32, True, False, from_checkpoint=from_checkpoint,
+                          skip=tuple(get("modules_to_not_convert") or ()), names=MXFP4_NAMES,
+                          experts_only=True)
 
 
 def _compressed_tensors(get: Any) -> IntQuantConfig:
@@ -183,6 +208,10 @@ def rows_of(quant: IntQuantConfig, role: str, loaded: torch.Tensor) -> torch.Ten
     ``[N, K/G]`` (zero points as uint8, real ones even in GPTQ v1; scales as stored). A
     ValueError names a tensor of the wrong dtype."""
     name, method, bits = quant.name(role), quant.method, quant.bits
+    if method == "mxfp4":  # [N, K / 32, 16] bytes of codes; scales [N, K / 32] uint8
+        if loaded.dtype != torch.uint8:
+            raise ValueError(f"{name} must be uint8, got {loaded.dtype}")
+        return mxfp4_codes(loaded) if role == "qweight" else loaded
     if role in ("qweight", "qzeros") and loaded.dtype != torch.int32:
         raise ValueError(f"{name} must be int32, got {loaded.dtype}")
     if role == "qweight":

@@ -67,7 +67,8 @@ class IntFusedMoE(FusedMoE):
         self.quant, self.model_dtype = quant, dtype
         device = self.w13_weight.device
         del self.w13_weight, self.w2_weight
-        scale_dtype = dtype if quant.method == "compressed-tensors" else torch.float16
+        scale_dtype = {"compressed-tensors": dtype, "mxfp4": torch.uint8}.get(quant.method,
+                                                                             torch.float16)
         shapes = {"w13": (e, 2 * inter, hidden), "w2": (e, hidden, inter)}
         for stack, (n_e, rows, k) in shapes.items():
             self._param(stack, "qweight", torch.empty(n_e, rows, k // pack, dtype=torch.int32,
@@ -76,7 +77,7 @@ class IntFusedMoE(FusedMoE):
                                                      device=device))
             self._param(stack, "qzeros", torch.empty(n_e, rows, k // group, dtype=torch.uint8,
                                                      device=device), optional=quant.sym)
-            if quant.method != "awq":  # checked to be the natural order, not kept
+            if quant.method not in ("awq", "mxfp4"):  # checked: the natural order, not kept
                 self._param(stack, "g_idx", torch.empty(0, device=device), optional=True)
             if quant.method == "compressed-tensors":
                 self._param(stack, "weight_shape", torch.empty(0, device=device), optional=True)
@@ -99,10 +100,12 @@ class IntFusedMoE(FusedMoE):
         return param if param is not None else self._parameters.get(f"{stack}_{role}")
 
     def fill_defaults(self) -> None:
-        """Midpoint zero points (a symmetric checkpoint has none), unit scales."""
+        """Midpoint zero points (a symmetric checkpoint has none), unit scales (MXFP4: the
+        e8m0 code of 1)."""
         with torch.no_grad():
             for stack in _STACKS:
-                cast(nn.Parameter, self.role(stack, "scales")).data.fill_(1.0)
+                cast(nn.Parameter, self.role(stack, "scales")).data.fill_(
+                    127 if self.quant.fp4 else 1.0)
                 zeros = self.role(stack, "qzeros")
                 if zeros is not None:
                     zeros.data.fill_(1 << (self.quant.bits - 1))
@@ -194,7 +197,8 @@ class IntFusedMoE(FusedMoE):
     def _become_plain(self) -> None:
         w13, w2 = (nn.Parameter(self.dequantized(s, self.model_dtype), requires_grad=False)
                    for s in _STACKS)
-        for name in [n for n in self._parameters if n.startswith(_STACKS)]:
+        for name in [n for n in self._parameters
+                     if n.startswith(_STACKS) and not n.endswith("_bias")]:
             self._parameters.pop(name)
         for stack in _STACKS:
             self.__dict__.pop(f"{stack}_qzeros", None)
@@ -209,16 +213,16 @@ class IntFusedMoE(FusedMoE):
         return dequantize_int_experts(getattr(self, f"{stack}_qweight").data,
                                       getattr(self, f"{stack}_scales").data,
                                       None if zeros is None else zeros.data, self.quant.bits,
-                                      self.quant.group_size, dtype)
+                                      self.quant.group_size, dtype, fp4=self.quant.fp4)
 
     def _experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                  valid: torch.Tensor | None) -> torch.Tensor:
         z13, z2 = self.w13_qzeros, self.w2_qzeros
         ints = IntExperts(self.w13_scales, self.w2_scales, None if z13 is None else z13.data,
                           None if z2 is None else z2.data, self.quant.bits,
-                          self.quant.group_size)
+                          self.quant.group_size, fp4=self.quant.fp4)
         return fused_moe(x, self.w13_qweight, self.w2_qweight, topk_weights, topk_ids,
-                         valid_tokens=valid, int_experts=ints)
+                         valid_tokens=valid, int_experts=ints, **self.epilogue())
 
     def expert_bytes(self) -> int:
         """Bytes of one expert's packed weights, scales and zero points."""

@@ -35,7 +35,7 @@ from mrv2.distributed.parallel_state import all_reduce
 from mrv2.layers.linear import resolve_tp, split_evenly
 from mrv2.layers.mlp import GatedMLP
 from mrv2.layers.weights import apply_moving_only
-from mrv2_kernels.fused_moe import fused_moe
+from mrv2_kernels.fused_moe import ACTIVATIONS, fused_moe
 
 #: Environment variable: when set to 1 before a model is built, every :class:`FusedMoE` counts
 #: the distinct experts each forward reads (``FusedMoE.expert_reads``), for the benchmarks'
@@ -49,6 +49,10 @@ class FusedMoE(nn.Module):
     ``w2_weight`` ``[E, H, I]`` its down projection. ``forward(x, topk_weights, topk_ids)``
     returns ``sum_j topk_weights[:, j] * expert_{topk_ids[:, j]}(x)``.
 
+    ``bias``: ``w13_bias`` ``[E, 2I]`` (gate then up) and ``w2_bias`` ``[E, H]`` on the
+    projections; ``activation``: ``"silu"`` (``silu(gate) * up``) or gpt-oss's clamped
+    ``"swigluoai"`` (:func:`mrv2_kernels.fused_moe_ref.glu`, clamped at ``swiglu_limit``).
+
     Tensor parallelism splits every expert's intermediate dimension: a rank holds ``I / size``
     gate, up and down columns of each expert (tensor parallelism inside the experts; the
     router and the routing are the same on every rank) and the partial outputs are summed
@@ -58,9 +62,15 @@ class FusedMoE(nn.Module):
 
     def __init__(
         self, num_experts: int, hidden_size: int, intermediate_size: int,
-        tp_size: int | None = None, reduce_output: bool = True,
+        tp_size: int | None = None, reduce_output: bool = True, *, bias: bool = False,
+        activation: str = "silu", swiglu_limit: float = 7.0,
     ) -> None:
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"the experts' activation must be one of {', '.join(ACTIVATIONS)};"
+                             f" got {activation!r}")
+        self.activation = activation
+        self.swiglu_limit = float(swiglu_limit)
         self.tp_rank, self.tp_size = resolve_tp(tp_size)
         self.reduce_output = reduce_output
         self.num_experts = num_experts
@@ -74,6 +84,13 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         for param in (self.w13_weight, self.w2_weight):
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.w13_bias: nn.Parameter | None = None
+        self.w2_bias: nn.Parameter | None = None
+        if bias:
+            self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
+            self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+            for param in (self.w13_bias, self.w2_bias):
+                param.weight_loader = self.bias_loader  # type: ignore[attr-defined]
         self.count_reads = os.environ.get(COUNT_READS_ENV, "") == "1"
         self.expert_reads: torch.Tensor | None = None
 
@@ -105,6 +122,30 @@ class FusedMoE(nn.Module):
             )
         with torch.no_grad():
             target.copy_(loaded)
+
+    def bias_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """The stacked biases: ``w13_bias`` ``[E, 2I]`` (this rank's gate and up columns),
+        ``w2_bias`` ``[E, H]`` (added once: on rank 0, zero on the others, since the ranks'
+        outputs are summed)."""
+        want = ((self.num_experts, 2 * self.full_intermediate_size) if param is self.w13_bias
+                else (self.num_experts, self.hidden_size))
+        if tuple(loaded.shape) != want:
+            raise ValueError(f"expects the whole stacked bias {want}, got {tuple(loaded.shape)}")
+        if param is self.w13_bias and self.tp_size > 1:
+            full, mine = self.full_intermediate_size, self.intermediate_size
+            start = self.tp_rank * mine
+            loaded = torch.cat([loaded.narrow(-1, start, mine),
+                                loaded.narrow(-1, full + start, mine)], dim=-1)
+        elif param is self.w2_bias and self.tp_rank > 0:
+            loaded = torch.zeros_like(loaded)
+        with torch.no_grad():
+            param.data.copy_(loaded)
+
+    def epilogue(self) -> dict[str, Any]:
+        """The biases and the activation, as :func:`~mrv2_kernels.fused_moe.fused_moe` takes
+        them (every expert kind passes them on)."""
+        return {"w13_bias": self.w13_bias, "w2_bias": self.w2_bias,
+                "activation": self.activation, "swiglu_limit": self.swiglu_limit}
 
     def rank_part(self, param: nn.Parameter, loaded: torch.Tensor,
                   shard_id: tuple[int, str] | None) -> torch.Tensor:
@@ -142,7 +183,7 @@ class FusedMoE(nn.Module):
                  valid: torch.Tensor | None) -> torch.Tensor:
         """The fused routed experts of this rank (rows from ``valid[0]`` on skipped)."""
         return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                         valid_tokens=valid)
+                         valid_tokens=valid, **self.epilogue())
 
     def _count(self, topk_ids: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Add the number of distinct experts ``topk_ids`` selects (of its first ``valid[0]``
@@ -165,23 +206,28 @@ class FusedMoE(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, "
-                f"intermediate={self.intermediate_size}")
+                f"intermediate={self.intermediate_size}"
+                + (", bias" if self.w13_bias is not None else "")
+                + (f", {self.activation}" if self.activation != "silu" else ""))
 
 
 class SoftmaxTopKRouter(nn.Module):
-    """``softmax(x @ weight.T)`` in fp32, the ``top_k`` largest, renormalized to sum 1 when
-    ``renormalize``. ``forward(x)`` returns ``(topk_weights fp32, topk_ids int32)`` ``[T, k]``."""
+    """``softmax(x @ weight.T (+ bias))`` in fp32, the ``top_k`` largest, renormalized to sum
+    1 when ``renormalize`` (the same as a softmax over the ``top_k`` largest logits: gpt-oss,
+    with ``bias``). ``forward(x)`` returns ``(topk_weights fp32, topk_ids int32)`` ``[T, k]``."""
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool,
+                 bias: bool = False) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {top_k}")
         self.top_k = top_k
         self.renormalize = renormalize
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probs = F.linear(x, self.weight).softmax(dim=-1, dtype=torch.float32)
+        probs = F.linear(x, self.weight, self.bias).softmax(dim=-1, dtype=torch.float32)
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -21,7 +21,7 @@ StackedMapping = Sequence[tuple[str, str, Any]]
 _EXPERT_NAME = re.compile(
     r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\."
     r"(weight|weight_scale_inv|qweight|qzeros|scales|g_idx|weight_packed|weight_scale"
-    r"|weight_zero_point|weight_g_idx|weight_shape)$"
+    r"|weight_zero_point|weight_g_idx|weight_shape|blocks)$"
 )
 _STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 _EXPERT_SHARD = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",

@@ -213,7 +213,8 @@ def apply_checkpoint_int_quant(model: nn.Module, quant: IntQuantConfig, model_di
     from mrv2.layers.int_quant import apply_int_quant, int_layer_names
     from mrv2.model_loader.loader import checkpoint_names
 
-    names = None if dummy else int_layer_names(model, checkpoint_names(model_dir))
+    names = (None if dummy or quant.experts_only
+             else int_layer_names(model, checkpoint_names(model_dir)))
     apply_int_quant(model, quant, names, dtype)
 
 
