@@ -11,12 +11,15 @@ rows, ``w2`` ``[E, H, I]``, ``topk_weights`` ``[T, K]`` fp32, ``topk_ids`` ``[T,
     out[t] = (sum_j topk_weights[t, j] * y[t, j]).to(x.dtype)
 
 The roundings are those of the unfused layers (a gate/up linear, ``silu_and_mul``, a down
-linear). ``topk_ids`` outside ``[0, E)`` are not allowed (the Triton path skips such pairs).
+linear). Biases (``w13_bias`` ``[E, 2I]``, ``w2_bias`` ``[E, H]``) join the fp32 products
+before those roundings (the down bias before the routing weight), and ``activation`` may be
+gpt-oss's clamped ``"swigluoai"`` instead of SiLU (:func:`~mrv2_kernels.fused_moe_ref.glu`). ``topk_ids`` outside ``[0, E)`` are not allowed (the Triton path skips such pairs).
 With ``valid_tokens`` (int32 ``[1]`` on the device: a CUDA graph's real token count) the rows
 from ``valid_tokens[0]`` on are padding: no expert is read or computed for them and their
 output rows are unspecified (the reference leaves them at zero).
 
-The Triton path (:func:`fused_moe_triton`) runs, without a host synchronization and with
+The Triton path (:func:`fused_moe_triton`; its kernels in :mod:`~mrv2_kernels.
+fused_moe_kernels`) runs, without a host synchronization and with
 buffer sizes that depend on ``(T, K, E, BLOCK_M)`` only (so a CUDA graph can capture it):
 
 1. :func:`~mrv2_kernels.moe_align.moe_align` (its own module) sorts the ``T*K`` (token, slot)
@@ -48,7 +51,8 @@ either into the GEMM that reads it (:mod:`~mrv2_kernels.fused_moe_fp8`).
 Integer weights (GPTQ / AWQ / compressed-tensors experts, ``int_experts``: packed along K,
 per-row group scales and zero points; :mod:`~mrv2_kernels.fused_moe_int`): the same steps
 with the weight tiles unpacked in the GEMMs (``INT``) and nothing else quantized; the K steps
-divide the group size. Not yet measured on a GPU.
+divide the group size. MXFP4 experts (gpt-oss: e2m1 codes, e8m0 scales, groups of 32) take
+the same path with the codes decoded to their values (``FP4``). Not yet measured on a GPU.
 
 Programs past the real block count exit at once. Tiles are arguments (``block_m`` etc.) with
 per-backend defaults (:func:`moe_tiles`): for decode-sized batches (a few pairs per expert, the
@@ -64,17 +68,16 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
 import triton.language as tl
 
 from ._backend import cdiv, use_triton
-from .fp8_gemm import FP8_DTYPE, _quant_rows, per_token_group_quant_fp8_triton
-from .fused_moe_fp8 import DEFAULT_BLOCK, _fp8_a_tile, _fp8_dot, _round_to, check_fp8_args
-from .fused_moe_int import IntExperts, _int_scale, _int_tile, check_int_args
+from .fp8_gemm import FP8_DTYPE, per_token_group_quant_fp8_triton
+from .fused_moe_fp8 import DEFAULT_BLOCK, check_fp8_args
+from .fused_moe_int import IntExperts, check_int_args
+from .fused_moe_kernels import _moe_combine_kernel, _moe_down_kernel, _moe_gate_up_kernel
 from .fused_moe_ref import (
     ACTIVATIONS,
     PLAIN,
-    SWIGLUOAI_ALPHA,
     Epilogue,
     _check,
     check_epilogue,
@@ -97,7 +100,6 @@ __all__ = [
     "moe_tiles",
 ]
 
-_ALPHA = tl.constexpr(SWIGLUOAI_ALPHA)
 #: dtypes of ``x`` / the weights the Triton kernels take (loaded, converted to fp32 at once).
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -127,335 +129,6 @@ def _check_kernel_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     ("topk_ids", topk_ids)):
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device}, x on {x.device}")
-
-
-# ------------------------------------------------------------------------------ grouped GEMMs
-
-
-@triton.jit
-def _block_tile(pid: int, num_pid_m: int, num_pid_n: int,
-                GROUP_M: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
-    """``(pid_m, pid_n)`` of program ``pid``: ``GROUP_M`` blocks side by side walk the output
-    slices together, so a slice of an expert's weights serves its blocks from L2."""
-    in_group = GROUP_M * num_pid_n
-    first_m = (pid // in_group) * GROUP_M
-    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % group_size
-    pid_n = (pid % in_group) // group_size
-    return pid_m, pid_n
-
-
-@triton.jit
-def _glu(gate: tl.tensor, up: tl.tensor, ACT: tl.constexpr, limit: float) -> tl.tensor:
-    """The gated activation of fp32 ``gate`` / ``up``: ``ACT`` 0, ``silu(gate) * up``; 1
-    (``"swigluoai"``, gpt-oss), ``g * sigmoid(1.702 g) * (u + 1)`` of ``g = min(gate, limit)``,
-    ``u = clamp(up, -limit, limit)``."""
-    if ACT == 1:
-        g = tl.minimum(gate, limit)
-        u = tl.minimum(tl.maximum(up, -limit), limit)
-        return g / (1.0 + tl.exp(-_ALPHA * g)) * (u + 1.0)
-    return gate / (1.0 + tl.exp(-gate)) * up
-
-
-@triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
-def _moe_gate_up_kernel(
-    x_ptr: tl.tensor,
-    w_ptr: tl.tensor,
-    act_ptr: tl.tensor,
-    sorted_ptr: tl.tensor,
-    block_expert_ptr: tl.tensor,
-    num_post_ptr: tl.tensor,
-    num_pairs: int,
-    num_pid_m: int,
-    top_k: int,
-    hidden: int,
-    inter: int,
-    x_s0: int,
-    w_s0: int,
-    w_s1: int,
-    act_s0: int,
-    xs_ptr: tl.tensor,
-    ws_ptr: tl.tensor,
-    acts_ptr: tl.tensor,
-    xs_s0: int,
-    ws_s0: int,
-    ws_s1: int,
-    ws_s2: int,
-    acts_s0: int,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr,
-    QUANT_A: tl.constexpr,
-    QUANT_OUT: tl.constexpr,
-    W_BN: tl.constexpr,
-    W_BK: tl.constexpr,
-    ACT_DTYPE: tl.constexpr,
-    wz_ptr: tl.tensor = None,
-    INT: tl.constexpr = False,
-    BITS: tl.constexpr = 4,
-    HAS_ZEROS: tl.constexpr = False,
-    FP4: tl.constexpr = False,
-    b_ptr: tl.tensor = None,
-    b_s0: int = 0,
-    act_limit: float = 0.0,
-    HAS_BIAS: tl.constexpr = False,
-    ACT: tl.constexpr = 0,
-) -> None:
-    """``act`` of one block of sorted pairs and ``BLOCK_N`` intermediate features (``ACT``
-    and ``HAS_BIAS``: :func:`_glu`, ``b`` the gate/up biases ``[E, 2I]``). ``INT``:
-    ``w`` holds packed integers, ``ws`` / ``wz`` the rows' group scales and zero points
-    (:mod:`~mrv2_kernels.fused_moe_int`; groups of ``W_BK``). ``FP8``:
-    ``w`` is e4m3 with block scales ``ws`` and ``x`` is fp8 with per-(token, group) scales
-    ``xs`` or, with ``QUANT_A`` (``BLOCK_K == W_BK``), ``x`` itself quantized step by step
-    here; ``QUANT_OUT`` (``BLOCK_N == W_BK``) stores ``act`` quantized, its scales in
-    ``acts``."""
-    pid_m, pid_n = _block_tile(tl.program_id(0), num_pid_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
-        return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
-    token = (pair // top_k).to(tl.int64)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < inter
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + token[:, None] * x_s0 + offs_k[None, :]
-    W_STEP: tl.constexpr = BLOCK_K // (32 // BITS) if INT else BLOCK_K  # weight elements/step
-    gate_ptrs = (w_ptr + expert * w_s0 + offs_n.to(tl.int64)[None, :] * w_s1
-                 + tl.arange(0, W_STEP)[:, None])
-    up_ptrs = gate_ptrs + inter * w_s1
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if INT:  # the gate and up rows' group scales and zero points (per row)
-        gs_ptrs = ws_ptr + expert * ws_s0 + offs_n.to(tl.int64) * ws_s1
-        us_ptrs = gs_ptrs + inter * ws_s1
-        gz_ptrs = wz_ptr + expert * ws_s0 + offs_n.to(tl.int64) * ws_s1
-        uz_ptrs = gz_ptrs + inter * ws_s1
-    if FP8:  # scale rows: the gate and up rows' blocks, the tokens' groups
-        gs_ptrs = ws_ptr + expert * ws_s0 + (offs_n // W_BN).to(tl.int64) * ws_s1
-        us_ptrs = ws_ptr + expert * ws_s0 + ((offs_n + inter) // W_BN).to(tl.int64) * ws_s1
-        xs_ptrs = xs_ptr + token * xs_s0
-    for k0 in range(0, hidden, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(x_ptrs, mask=valid[:, None], other=0.0)
-            g = tl.load(gate_ptrs, mask=mask_n[None, :], other=0.0)
-            u = tl.load(up_ptrs, mask=mask_n[None, :], other=0.0)
-        else:
-            mask_k = offs_k < hidden - k0
-            a = tl.load(x_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
-            g = tl.load(gate_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            u = tl.load(up_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if INT:  # one group per step: the small integers' products, scaled, then added
-            grp = (k0 // W_BK) * ws_s2
-            g = _int_tile(g, gz_ptrs + grp, mask_n, BITS, HAS_ZEROS, BLOCK_K, BLOCK_N, FP4)
-            u = _int_tile(u, uz_ptrs + grp, mask_n, BITS, HAS_ZEROS, BLOCK_K, BLOCK_N, FP4)
-            g_scale = _int_scale(gs_ptrs + grp, mask_n, FP4)
-            u_scale = _int_scale(us_ptrs + grp, mask_n, FP4)
-            a_in = a.to(tl.float32) if UPCAST else a
-            acc_gate += tl.dot(a_in, g.to(a_in.dtype), input_precision=DOT_PRECISION) \
-                * g_scale[None, :]
-            acc_up += tl.dot(a_in, u.to(a_in.dtype), input_precision=DOT_PRECISION) \
-                * u_scale[None, :]
-        elif FP8:  # one scale group per step: scale the step's fp32 products, then add
-            a, a_scale = _fp8_a_tile(a, xs_ptrs, valid, k0 // W_BK, QUANT_A, UPCAST)
-            g_scale = tl.load(gs_ptrs + (k0 // W_BK) * ws_s2, mask=mask_n, other=0.0)
-            u_scale = tl.load(us_ptrs + (k0 // W_BK) * ws_s2, mask=mask_n, other=0.0)
-            acc_gate += _fp8_dot(a, g, UPCAST) * a_scale[:, None] * g_scale[None, :]
-            acc_up += _fp8_dot(a, u, UPCAST) * a_scale[:, None] * u_scale[None, :]
-        else:
-            if UPCAST:  # the CPU interpreter's bf16 arithmetic is wrong: convert at once there
-                a = a.to(tl.float32)
-                g = g.to(tl.float32)
-                u = u.to(tl.float32)
-            acc_gate = tl.dot(a, g, acc_gate, input_precision=DOT_PRECISION)
-            acc_up = tl.dot(a, u, acc_up, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K
-        gate_ptrs += W_STEP
-        up_ptrs += W_STEP
-    if HAS_BIAS:
-        b_ptrs = b_ptr + expert * b_s0 + offs_n
-        acc_gate += tl.load(b_ptrs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        acc_up += tl.load(b_ptrs + inter, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    if FP8:  # the same roundings, to nearest even on the interpreter too
-        gate = _round_to(acc_gate, ACT_DTYPE, UPCAST)
-        up = _round_to(acc_up, ACT_DTYPE, UPCAST)
-        act = _round_to(_glu(gate, up, ACT, act_limit), ACT_DTYPE, UPCAST)
-        if QUANT_OUT:  # this slice is one scale group of the down GEMM's K
-            act, act_scale = _quant_rows(act, UPCAST)
-            tl.store(acts_ptr + pair.to(tl.int64) * acts_s0 + pid_n, act_scale, mask=valid)
-        dst = act_ptr + pair.to(tl.int64)[:, None] * act_s0 + offs_n[None, :]
-        tl.store(dst, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
-    else:
-        # The unfused layers round gate/up to the dtype, then silu(gate) * up (fp32) once more.
-        dtype = act_ptr.dtype.element_ty
-        gate = acc_gate.to(dtype).to(tl.float32)
-        up = acc_up.to(dtype).to(tl.float32)
-        act = _glu(gate, up, ACT, act_limit)
-        dst = act_ptr + pair.to(tl.int64)[:, None] * act_s0 + offs_n[None, :]
-        tl.store(dst, act.to(dtype), mask=valid[:, None] & mask_n[None, :])
-
-
-@triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
-def _moe_down_kernel(
-    act_ptr: tl.tensor,
-    w_ptr: tl.tensor,
-    tw_ptr: tl.tensor,
-    y_ptr: tl.tensor,
-    sorted_ptr: tl.tensor,
-    block_expert_ptr: tl.tensor,
-    num_post_ptr: tl.tensor,
-    num_pairs: int,
-    num_pid_m: int,
-    top_k: int,
-    hidden: int,
-    inter: int,
-    act_s0: int,
-    w_s0: int,
-    w_s1: int,
-    tw_s0: int,
-    tw_s1: int,
-    y_s0: int,
-    out_ptr: tl.tensor,
-    counters_ptr: tl.tensor,
-    out_s0: int,
-    as_ptr: tl.tensor,
-    ws_ptr: tl.tensor,
-    as_s0: int,
-    ws_s0: int,
-    ws_s1: int,
-    ws_s2: int,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr,
-    FP8: tl.constexpr,
-    QUANT_A: tl.constexpr,
-    W_BN: tl.constexpr,
-    W_BK: tl.constexpr,
-    wz_ptr: tl.tensor = None,
-    INT: tl.constexpr = False,
-    BITS: tl.constexpr = 4,
-    HAS_ZEROS: tl.constexpr = False,
-    FP4: tl.constexpr = False,
-    b_ptr: tl.tensor = None,
-    b_s0: int = 0,
-    HAS_BIAS: tl.constexpr = False,
-) -> None:
-    """``y`` (and, ``FUSED_COMBINE``, ``out``) of one block of sorted pairs and ``BLOCK_N``
-    hidden features (``HAS_BIAS``: plus the expert's down bias ``b`` ``[E, H]`` before the
-    routing weight). ``INT``: packed integer weights (as the gate/up kernel's). ``FP8``:
-    ``w`` is e4m3 with block scales ``ws`` and ``act`` is fp8 with
-    per-(pair, group) scales ``as`` or, with ``QUANT_A`` (``BLOCK_K == W_BK``), ``act`` itself
-    quantized step by step here."""
-    num_pid_n = tl.cdiv(hidden, BLOCK_N)
-    pid_m, pid_n = _block_tile(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
-        return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < hidden
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = act_ptr + pair.to(tl.int64)[:, None] * act_s0 + offs_k[None, :]
-    W_STEP: tl.constexpr = BLOCK_K // (32 // BITS) if INT else BLOCK_K
-    w_ptrs = (w_ptr + expert * w_s0 + offs_n.to(tl.int64)[None, :] * w_s1
-              + tl.arange(0, W_STEP)[:, None])
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if INT:
-        s_ptrs = ws_ptr + expert * ws_s0 + offs_n.to(tl.int64) * ws_s1
-        z_ptrs = wz_ptr + expert * ws_s0 + offs_n.to(tl.int64) * ws_s1
-    if FP8:
-        ws_ptrs = ws_ptr + expert * ws_s0 + (offs_n // W_BN).to(tl.int64) * ws_s1
-        as_ptrs = as_ptr + pair.to(tl.int64) * as_s0
-    for k0 in range(0, inter, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
-        else:
-            mask_k = offs_k < inter - k0
-            a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if INT:
-            grp = (k0 // W_BK) * ws_s2
-            w = _int_tile(w, z_ptrs + grp, mask_n, BITS, HAS_ZEROS, BLOCK_K, BLOCK_N, FP4)
-            w_scale = _int_scale(s_ptrs + grp, mask_n, FP4)
-            a_in = a.to(tl.float32) if UPCAST else a
-            acc += tl.dot(a_in, w.to(a_in.dtype), input_precision=DOT_PRECISION) \
-                * w_scale[None, :]
-        elif FP8:
-            a, a_scale = _fp8_a_tile(a, as_ptrs, valid, k0 // W_BK, QUANT_A, UPCAST)
-            w_scale = tl.load(ws_ptrs + (k0 // W_BK) * ws_s2, mask=mask_n, other=0.0)
-            acc += _fp8_dot(a, w, UPCAST) * a_scale[:, None] * w_scale[None, :]
-        else:
-            if UPCAST:
-                a = a.to(tl.float32)
-                w = w.to(tl.float32)
-            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K
-        w_ptrs += W_STEP
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + expert * b_s0 + offs_n, mask=mask_n, other=0.0).to(
-            tl.float32)[None, :]
-    token = pair // top_k
-    slot = pair - token * top_k
-    weight = tl.load(tw_ptr + token.to(tl.int64) * tw_s0 + slot * tw_s1, mask=valid, other=0.0)
-    acc = acc * weight.to(tl.float32)[:, None]
-    dst = y_ptr + pair.to(tl.int64)[:, None] * y_s0 + offs_n[None, :]
-    tl.store(dst, acc, mask=valid[:, None] & mask_n[None, :])
-    if FUSED_COMBINE:
-        # Count this slice's arrivals per token; the program bringing a token's count to K
-        # adds its K rows in slot order (deterministic), writes the output row slice and
-        # resets the count for the next launch.
-        tl.debug_barrier()  # every thread's rows are stored before the release
-        token64 = token.to(tl.int64)
-        counter = counters_ptr + token64 * num_pid_n + pid_n
-        arrived = tl.atomic_add(counter, 1, mask=valid, sem="acq_rel")
-        last = valid & (arrived == top_k - 1)
-        if tl.sum(last.to(tl.int32), axis=0) > 0:
-            tl.debug_barrier()  # the acquiring threads' view before the others' loads
-            mask = last[:, None] & mask_n[None, :]
-            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for j in range(0, top_k):
-                src = y_ptr + (token64 * top_k + j)[:, None] * y_s0 + offs_n[None, :]
-                total += tl.load(src, mask=mask, other=0.0, cache_modifier=".cg")
-            out = out_ptr + token64[:, None] * out_s0 + offs_n[None, :]
-            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.store(counter, tl.zeros([BLOCK_M], dtype=tl.int32), mask=last)
-
-
-@triton.jit(do_not_specialize=["num_tokens"])
-def _moe_combine_kernel(
-    y_ptr: tl.tensor,
-    out_ptr: tl.tensor,
-    num_tokens: int,
-    top_k: int,
-    hidden: int,
-    y_s0: int,
-    out_s0: int,
-    BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-) -> None:
-    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = (tokens < num_tokens)[:, None] & (cols < hidden)[None, :]
-    acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
-    for j in range(0, top_k):  # slot order: deterministic
-        src = y_ptr + (tokens * top_k + j)[:, None] * y_s0 + cols[None, :]
-        acc += tl.load(src, mask=mask, other=0.0)
-    dst = out_ptr + tokens[:, None] * out_s0 + cols[None, :]
-    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # -------------------------------------------------------------------------------- the op
