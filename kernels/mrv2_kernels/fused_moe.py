@@ -13,7 +13,8 @@ rows, ``w2`` ``[E, H, I]``, ``topk_weights`` ``[T, K]`` fp32, ``topk_ids`` ``[T,
 The roundings are those of the unfused layers (a gate/up linear, ``silu_and_mul``, a down
 linear). Biases (``w13_bias`` ``[E, 2I]``, ``w2_bias`` ``[E, H]``) join the fp32 products
 before those roundings (the down bias before the routing weight), and ``activation`` may be
-gpt-oss's clamped ``"swigluoai"`` instead of SiLU (:func:`~mrv2_kernels.fused_moe_ref.glu`). ``topk_ids`` outside ``[0, E)`` are not allowed (the Triton path skips such pairs).
+gpt-oss's clamped ``"swigluoai"`` instead of SiLU (:func:`~mrv2_kernels.fused_moe_ref.glu`).
+``topk_ids`` outside ``[0, E)`` are not allowed (the Triton path skips such pairs).
 With ``valid_tokens`` (int32 ``[1]`` on the device: a CUDA graph's real token count) the rows
 from ``valid_tokens[0]`` on are padding: no expert is read or computed for them and their
 output rows are unspecified (the reference leaves them at zero).

@@ -13,7 +13,7 @@ import pytest
 
 from mrv2 import LLM, SamplingParams
 from mrv2.testing import TINY_FAMILIES, TINY_MLA, fp8_checkpoint, make_tiny_checkpoint
-from mrv2.testing_quant import compressed_tensors_checkpoint, gptq_checkpoint
+from mrv2.testing_quant import compressed_tensors_checkpoint, gptq_checkpoint, mxfp4_checkpoint
 
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3ForCausalLM", {}),
@@ -97,16 +97,27 @@ def test_every_family_passes_the_shardability_check(family: str, tmp_path: Path)
 @pytest.mark.parametrize("opts", [dict(bits=4, group_size=16, sym=False),
                                   dict(bits=8, group_size=-1, sym=True),
                                   dict(ct=True, bits=4, group_size=16, sym=False),
-                                  dict(moe=True, bits=4, group_size=16, sym=False)],
+                                  dict(moe=32, bits=4, group_size=16, sym=False),
+                                  dict(moe=96, bits=4, group_size=32, sym=False),
+                                  dict(mxfp4=True)],
                          ids=["gptq4-asym-g16", "gptq8-channel", "compressed-tensors4-asym",
-                              "gptq4-moe-experts"])
+                              "gptq4-moe-experts", "gptq4-moe-experts-padded",
+                              "mxfp4-gpt-oss-padded"])
 def test_int_checkpoint_tp2_equals_tp1(tmp_path: Path, opts: dict[str, Any]) -> None:
     """Packed integers, scales and zero points split with the weights: rows of
     column-parallel layers, whole groups of row-parallel ones (a single group per output:
-    on every rank), for GPTQ's layout and compressed-tensors' (packed the other way)."""
-    if opts.pop("moe", False):  # experts too: gate / up rows and down's groups per rank
+    on every rank), for GPTQ's layout and compressed-tensors' (packed the other way). Experts
+    whose slice per rank is not whole groups (48 of 96 rows at groups of 32; gpt-oss's MXFP4
+    experts, 16 of 32 at 32) are padded to whole groups on each rank."""
+    if opts.pop("mxfp4", False):
+        arch, tiny = TINY_FAMILIES["gpt-oss"]
+        src = make_tiny_checkpoint(tmp_path / "src", arch, std=0.15, **tiny)  # experts matter
+        mxfp4_checkpoint(src, tmp_path / "q", tmp_path / "ref")
+        assert _tokens(tmp_path / "q", 2) == _tokens(tmp_path / "q", 1)
+        return
+    if inter := opts.pop("moe", 0):  # experts too: gate / up rows and down's groups per rank
         src = make_tiny_checkpoint(tmp_path / "src", "Qwen3MoeForCausalLM", num_experts=4,
-                                   num_experts_per_tok=2, moe_intermediate_size=32)
+                                   num_experts_per_tok=2, moe_intermediate_size=inter)
         opts["experts"] = True
     else:
         src = make_tiny_checkpoint(tmp_path / "src", "Qwen3ForCausalLM")

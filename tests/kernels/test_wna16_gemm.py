@@ -182,9 +182,9 @@ for bm, bn, splits, warps in ((128, 32, False, 8), (16, 64, True, 2)):
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the GPU run compiles them for real")
 def test_new_kernels_compile_for_sm90(tmp_path: Path) -> None:
-    """The integer GEMM at its default tiles, the fused MoE's integer and MXFP4 paths and the attention
-    kernel with a window, a soft-cap and sinks compile for an H100/H200 without a GPU (the
-    interpreter accepts what the compiler may not)."""
+    """The integer GEMM at its default tiles, the fused MoE's integer and MXFP4 paths and the
+    attention kernel with a window, a soft-cap and sinks compile for an H100/H200 without a GPU
+    (the interpreter accepts what the compiler may not)."""
     sys.path.insert(0, str(Path(__file__).parent))
     from sm90 import compile_for_sm90
 

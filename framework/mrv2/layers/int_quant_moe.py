@@ -11,6 +11,13 @@ down's input columns: whole groups of them), and packed into the layout of
 :mod:`mrv2_kernels.fused_moe_int` (``w13`` ``[E, 2I, H / pack]`` packed along K, per-row group
 scales and zero points), where one fused MoE kernel family multiplies them.
 
+Tensor parallelism whose intermediate slice is not whole groups (gpt-oss-120b's 2,880 / 4 =
+720 at groups of 32; Qwen3-30B-A3B's 768 / 4 = 192 at 128): each rank's slice is laid out
+where it sits in the checkpoint's groups, padded with rows of zero scale (and zero bias) before
+and after to whole groups. A padded gate / up row outputs 0, so its activation is 0 (SiLU's and
+swigluoai's alike) and the down projection's columns there (a neighbour's, or past the end)
+add nothing: each rank multiplies up to two groups more, nothing is counted twice.
+
 Not supported (a ValueError before any weight loads): one group per channel
 (``group_size: -1``), an activation order (``desc_act`` / ``actorder``) in the experts.
 On the CPU the experts are dequantized once after loading (a plain :class:`FusedMoE`).
@@ -58,15 +65,23 @@ class IntFusedMoE(FusedMoE):
             raise ValueError("an activation order (desc_act / actorder) is not supported for "
                              "routed experts")
         group, pack = quant.group_size, 32 // quant.bits
-        e, inter, hidden = self.num_experts, self.intermediate_size, self.hidden_size
-        for k in (hidden, inter):
-            if k % group or k % pack:
+        for k in (self.hidden_size, self.full_intermediate_size):
+            if k % group or group % pack:
                 raise ValueError(f"the experts' inputs ({k}: hidden size, or the moe "
-                                 f"intermediate size / tensor_parallel_size) must divide into "
-                                 f"groups of {group} (quantization_config.group_size)")
+                                 f"intermediate size) must divide into groups of {group} "
+                                 "(quantization_config.group_size)")
+        #: This rank's intermediate rows, and where they start in its (padded) layout.
+        self.rank_inter = self.intermediate_size
+        start = self.tp_rank * self.rank_inter
+        self.pad_before = start % group
+        self.intermediate_size = -(-(self.pad_before + self.rank_inter) // group) * group
+        e, inter, hidden = self.num_experts, self.intermediate_size, self.hidden_size
         self.quant, self.model_dtype = quant, dtype
         device = self.w13_weight.device
         del self.w13_weight, self.w2_weight
+        if self.w13_bias is not None:  # laid out as the padded rows are
+            self.w13_bias = nn.Parameter(torch.empty(e, 2 * inter, device=device))
+            self.w13_bias.weight_loader = self.bias_loader  # type: ignore[attr-defined]
         scale_dtype = {"compressed-tensors": dtype, "mxfp4": torch.uint8}.get(quant.method,
                                                                              torch.float16)
         shapes = {"w13": (e, 2 * inter, hidden), "w2": (e, hidden, inter)}
@@ -131,12 +146,12 @@ class IntFusedMoE(FusedMoE):
         part = self._rank_rows(rows, kind, role != "qweight")
         if role == "qweight":
             part = pack_along_k(part.T, self.quant.bits).T
-        inter = self.intermediate_size
+        inter, first = self.intermediate_size, self.pad_before
         target = param.data[expert]
         if kind == "gate":
-            target = target[:inter]
+            target = target[first : first + self.rank_inter]
         elif kind == "up":
-            target = target[inter:]
+            target = target[inter + first : inter + first + self.rank_inter]
         if target.shape != part.shape:
             raise ValueError(f"expert {expert}'s {kind} {self.quant.name(role)} gives "
                              f"{tuple(part.shape)} after unpacking, the layer expects "
@@ -147,18 +162,23 @@ class IntFusedMoE(FusedMoE):
 
     def _rank_rows(self, rows: torch.Tensor, kind: str, per_group: bool) -> torch.Tensor:
         """This rank's part of a whole ``[N, K]`` (``per_group``: ``[N, K/G]``) tensor: gate /
-        up rows, down's input columns (whole groups)."""
+        up rows; down's input columns of the rank's padded layout (whole groups from the
+        group its first row lies in; past the end, zeros)."""
         if self.tp_size == 1:
             return rows
-        full, mine = self.full_intermediate_size, self.intermediate_size
+        full, mine, group = self.full_intermediate_size, self.rank_inter, self.quant.group_size
         if kind != "down":
             return rows.narrow(0, self.tp_rank * mine, mine)
+        first = self.tp_rank * mine - self.pad_before
+        size = self.intermediate_size
         if per_group:
-            per = mine // self.quant.group_size
-            return rows.narrow(1, self.tp_rank * per, per)
-        if rows.shape[1] != full:
+            first, size, full = first // group, size // group, full // group
+        elif rows.shape[1] != full:
             raise ValueError(f"a down projection holds {rows.shape[1]} inputs, not {full}")
-        return rows.narrow(1, self.tp_rank * mine, mine)
+        part = rows[:, first : first + size]
+        if part.shape[1] < size:  # the last rank's layout past the end of the checkpoint's
+            part = torch.cat([part, part.new_zeros(part.shape[0], size - part.shape[1])], 1)
+        return part
 
     # ---------------------------------------------------------------- after loading
 
@@ -177,9 +197,22 @@ class IntFusedMoE(FusedMoE):
             with torch.no_grad():
                 self._become_plain()
 
+    def padding_rows(self) -> list[slice]:
+        """The gate / up rows of this rank's layout that hold no intermediate row of its
+        (module docstring): none without tensor parallelism or at whole groups."""
+        inter, first, mine = self.intermediate_size, self.pad_before, self.rank_inter
+        return [s for half in (0, inter)
+                for s in (slice(half, half + first), slice(half + first + mine, half + inter))
+                if s.stop > s.start]
+
     def finish_loading(self) -> None:
-        """The layout's names; zero points dropped where all are the midpoint."""
+        """The layout's names; zero points dropped where all are the midpoint; the padding
+        rows' scales and biases zeroed (whatever was loaded or drawn)."""
         with torch.no_grad():
+            for rows in self.padding_rows():
+                cast(nn.Parameter, self.role("w13", "scales")).data[:, rows] = 0
+                if self.w13_bias is not None:
+                    self.w13_bias.data[:, rows] = 0
             for stack in _STACKS:
                 for role in ("qweight", "scales", "qzeros"):
                     param = self._parameters.pop(self._name(stack, role))

@@ -131,15 +131,21 @@ class FusedMoE(nn.Module):
                 else (self.num_experts, self.hidden_size))
         if tuple(loaded.shape) != want:
             raise ValueError(f"expects the whole stacked bias {want}, got {tuple(loaded.shape)}")
-        if param is self.w13_bias and self.tp_size > 1:
-            full, mine = self.full_intermediate_size, self.intermediate_size
-            start = self.tp_rank * mine
-            loaded = torch.cat([loaded.narrow(-1, start, mine),
-                                loaded.narrow(-1, full + start, mine)], dim=-1)
-        elif param is self.w2_bias and self.tp_rank > 0:
-            loaded = torch.zeros_like(loaded)
+        if param is self.w2_bias:
+            with torch.no_grad():
+                param.data.copy_(loaded if self.tp_rank == 0 else torch.zeros_like(loaded))
+            return
+        # this rank's gate and up columns, where its layout holds them (integer experts may
+        # pad their rows to whole groups: int_quant_moe)
+        full, mine = self.full_intermediate_size, getattr(self, "rank_inter",
+                                                          self.intermediate_size)
+        start, first, inter = self.tp_rank * mine, getattr(self, "pad_before", 0), \
+            self.intermediate_size
         with torch.no_grad():
-            param.data.copy_(loaded)
+            param.data.zero_()
+            for half in (0, 1):
+                param.data[:, half * inter + first : half * inter + first + mine] = \
+                    loaded[:, half * full + start : half * full + start + mine]
 
     def epilogue(self) -> dict[str, Any]:
         """The biases and the activation, as :func:`~mrv2_kernels.fused_moe.fused_moe` takes
