@@ -170,6 +170,16 @@ CASES: dict[str, list[tuple[str, str | None, Calls]]] = {
         ("[now()] and more", "[now()] and more", []),
     ],
 }
+_HARMONY_CALL = ('<|start|>assistant<|channel|>commentary to=functions.weather '
+                 '<|constrain|>json<|message|>{"city": "Paris", "days": 3}<|call|>')
+CASES["openai"] = [  # (test_harmony.py has the format's cases)
+    ("<|channel|>analysis<|message|>Call it.<|end|>" + _HARMONY_CALL, None,
+     [("weather", {"city": "Paris", "days": 3})]),
+    ("<|channel|>commentary<|message|>Checking.<|end|>" + _HARMONY_CALL * 2, "Checking.",
+     [("weather", {"city": "Paris", "days": 3})] * 2),
+    ("<|channel|>final<|message|>Sunny.<|return|>", "Sunny.", []),
+    (_HARMONY_CALL[:-20], None, []),  # cut off: not a call, not content
+]
 CASES["glm47"] = CASES["glm45"]
 CASES["llama4_pythonic"] = CASES["pythonic"]
 for _cases in CASES.values():  # every format: plain text, a near-marker, nothing
@@ -185,7 +195,7 @@ def _calls(calls: list[Any]) -> Calls:
 def test_every_parser_is_tested_and_the_special_tokens_rule() -> None:
     assert sorted(CASES) == sorted(TOOL_CALL_PARSERS)
     assert {n for n, p in PARSERS.items() if p.special_tokens} == {
-        "glm45", "glm47", "deepseek_v3", "deepseek_v31"}
+        "glm45", "glm47", "deepseek_v3", "deepseek_v31", "openai"}
     for marker in (DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END, DS_SEP):
         assert marker[:2] == "<\uff5c" and marker[-2:] == "\uff5c>" and "\u2581" in marker
 

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from mrv2.config import add_cli_args, config_from_cli, format_validation_error
 from mrv2.entrypoints.http_options import add_http_args
+from mrv2.entrypoints.reasoning import REASONING_PARSERS
 from mrv2.entrypoints.tool_calls import TOOL_CALL_PARSERS
 from mrv2.logs import configure_logging
 
@@ -193,10 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="no stats line (throughput, requests, KV cache, prefix cache hits) "
                        "every MRV2_LOG_STATS_INTERVAL seconds (default 10) while the engine "
                        "has work")
-    serve.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+    serve.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                        help="chat answers carry the model's <think> text as "
                        "reasoning_content (qwen3: the output opens the block; deepseek_r1: "
-                       "the prompt does)")
+                       "the prompt does; openai_gptoss: gpt-oss's harmony analysis channel)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="chat requests may offer tools; the model's calls come back as "
                        "tool_calls (with --tool-call-parser)")
@@ -204,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how the model writes its calls (vLLM's names): hermes (Qwen2.5, "
                        "Qwen3), qwen3_coder (Qwen3-Coder), glm45 (GLM-4.5/4.6), glm47 "
                        "(GLM-4.7), deepseek_v3 (DeepSeek-V3), deepseek_v31 (DeepSeek-V3.1), "
-                       "llama3_json (Llama 3.x), pythonic / llama4_pythonic (Llama 3.2, 4)")
+                       "llama3_json (Llama 3.x), pythonic / llama4_pythonic (Llama 3.2, 4), "
+                       "openai (gpt-oss's harmony format)")
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's log level (default info)")

@@ -256,7 +256,8 @@ class ResponsesStream(Stream):
                             else (None, out.text))
         calls: list[Any] = []
         if self.tools is not None:
-            content, calls = self.tools.parse(content or "")
+            content, calls = self.tools.parse(out.text if self.tools.parser.harmony
+                                              else content or "")
             calls = calls if self.parallel_tool_calls else calls[:1]
         suffix = self.response_id[5:]
         items = [] if not thought else [_reasoning_item(f"rs_{suffix}", thought, "completed")]
@@ -300,7 +301,8 @@ class ResponsesStream(Stream):
                         thought, content = (split.feed(c.text, final) if split is not None
                                             else ("", c.text))
                         if calling is not None:  # (calls come whole when the answer ends)
-                            content, found = calling.feed(content, final)
+                            content, found = calling.feed(
+                                c.text if calling.parser.harmony else content, final)
                             calls += found if self.parallel_tool_calls else found[:1]
                         text += items.feed(thought, content)
                         reason = c.finish_reason or reason

@@ -2,7 +2,7 @@
 chat message's ``reasoning_content``, the rest as its ``content`` (vLLM's fields and parser
 names).
 
-Two conventions, as vLLM's parsers:
+Three conventions, as vLLM's parsers:
 
 * ``qwen3``: the output may open with ``<think>`` (leading whitespace allowed); what lies
   between it and ``</think>`` is reasoning, what follows is content. An output that does not
@@ -11,6 +11,12 @@ Two conventions, as vLLM's parsers:
 * ``deepseek_r1``: the template opens the block in the prompt, so the output is reasoning up
   to ``</think>`` (a leading ``<think>`` is dropped) and content after it; an output without
   ``</think>`` is all reasoning.
+* ``openai_gptoss`` (gpt-oss): OpenAI's harmony messages (:mod:`mrv2.entrypoints.harmony`):
+  the ``analysis`` channel is reasoning; the ``final`` channel and ``commentary`` preambles
+  (no recipient) are content; calls (``to=functions.NAME``) are neither (the ``openai``
+  tool-call parser reads them from the whole output). Its markers are special tokens: the
+  server decodes a chat request with ``skip_special_tokens=False`` (:func:`keeps_special_tokens`),
+  and no marker reaches the client. Text that opens with no harmony header is content.
 
 A stream is split as it arrives (:class:`ReasoningStream`): text that may still turn out to
 be part of a tag is held back until the next delta decides it, so no tag ever reaches the
@@ -19,8 +25,13 @@ client and no text is lost or repeated.
 
 from __future__ import annotations
 
+from mrv2.entrypoints.harmony import HarmonyStream
+
 #: ``--reasoning-parser`` values.
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "openai_gptoss")
+#: The parsers of a ``<think>`` block, which the engine's structured outputs know (the grammar
+#: holds what follows it); with another, a grammar holds from the first token.
+THINK_PARSERS = ("qwen3", "deepseek_r1")
 
 START, END = "<think>", "</think>"
 
@@ -31,6 +42,12 @@ def check_reasoning_parser(name: str | None) -> str | None:
         raise ValueError(f"reasoning_parser={name!r}: allowed values are "
                          f"{', '.join(REASONING_PARSERS)}")
     return name
+
+
+def keeps_special_tokens(kind: str | None) -> bool:
+    """Whether the parser's markers are special tokens, which a request must be decoded
+    keeping (``skip_special_tokens=False``)."""
+    return kind == "openai_gptoss"
 
 
 def split_reasoning(kind: str, text: str) -> tuple[str | None, str | None]:
@@ -57,10 +74,15 @@ class ReasoningStream:
         self.kind = kind
         self.state = "start"  # until the output's first characters say whether it opens <think>
         self.pending = ""  # text not yet sent: it may still be (part of) a tag
+        self.harmony = HarmonyStream() if kind == "openai_gptoss" else None
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
         """The next delta of the output's text; ``final``: nothing follows (held text goes
         out as it is)."""
+        if self.harmony is not None:
+            pieces = self.harmony.feed(delta, final)
+            return ("".join(p.text for p in pieces if p.kind == "reasoning"),
+                    "".join(p.text for p in pieces if p.kind == "content"))
         text = self.pending + delta
         self.pending = ""
         reasoning = content = ""

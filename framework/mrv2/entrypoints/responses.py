@@ -268,7 +268,10 @@ class Stream:
             message["reasoning_content"], message["content"] = split_reasoning(
                 self.reasoning, text)
         if self.tools is not None:
-            content, calls = self.tools.parse(message["content"] or "")
+            harmony = self.tools.parser.harmony  # (it reads the whole text, markers and all)
+            content, calls = self.tools.parse(text if harmony else message["content"] or "")
+            if harmony:
+                message["content"] = content
             if calls:
                 calls = calls if self.parallel_tool_calls else calls[:1]
                 message["content"] = content
@@ -394,12 +397,14 @@ class Stream:
         """A chat choice's next delta: reasoning apart, content, and its tool calls when it
         finishes (the choice then finishes with ``tool_calls``)."""
         delta: dict[str, Any] = {}
+        whole = text
         if state.reasoning is not None:
             thought, text = state.reasoning.feed(text, final)
             if thought:
                 delta["reasoning_content"] = thought
         if state.tool_calls is not None:
-            text, calls = state.tool_calls.feed(text, final)
+            text, calls = state.tool_calls.feed(
+                whole if state.tool_calls.parser.harmony else text, final)
             if calls:
                 calls = calls if self.parallel_tool_calls else calls[:1]
                 delta["tool_calls"] = [call.as_dict(i) for i, call in enumerate(calls)]

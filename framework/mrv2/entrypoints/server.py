@@ -56,7 +56,7 @@ from mrv2.entrypoints.openai_protocol import (
 )
 from mrv2.entrypoints.openai_responses import RENAMED, ResponsesRequest, ResponsesStream
 from mrv2.entrypoints.openai_scoring import add_pooling_routes
-from mrv2.entrypoints.reasoning import check_reasoning_parser
+from mrv2.entrypoints.reasoning import THINK_PARSERS, check_reasoning_parser, keeps_special_tokens
 from mrv2.entrypoints.responses import APIError, Echo, Stream
 from mrv2.entrypoints.responses_store import STORE_ENV, store_from_env
 from mrv2.entrypoints.stack_sampler import PROFILE_ENV_VAR, StackSampler
@@ -117,7 +117,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
     ``served_model_name``: the name requests give (default: the model's path), or several
     (vLLM's aliases): requests may give any, answers and metrics carry the first.
     ``reasoning_parser`` (:mod:`mrv2.entrypoints.reasoning`): chat answers carry the model's
-    ``<think>`` text as ``reasoning_content``. ``tool_call_parser``
+    ``<think>`` text (gpt-oss: its ``analysis`` channel) as ``reasoning_content``.
+    ``tool_call_parser``
     (:mod:`mrv2.entrypoints.tool_calls`): chat requests may offer ``tools``, and answers
     carry the model's calls as ``tool_calls``; without one, ``tools`` are refused. ``http``
     (:mod:`mrv2.entrypoints.http_options`): CORS and the docs pages (default: vLLM's, CORS
@@ -450,7 +451,9 @@ def create_app(engine: LLMEngine | RemoteEngine,
             calling = ToolCalling(tool_parser, body.tools)
             if tool_parser.special_tokens:  # its markers are special tokens: keep them
                 params = dataclasses.replace(params, skip_special_tokens=False)
-        if reasoning_parser and params.structured_outputs is not None:
+        if keeps_special_tokens(reasoning_parser):  # (harmony's markers, likewise)
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        if reasoning_parser in THINK_PARSERS and params.structured_outputs is not None:
             # the grammar holds what follows the thinking block (vLLM's reasoning-aware way)
             params = dataclasses.replace(params, _reasoning=reasoning_parser)
         ids, items = await chat_ids(body.messages, body.add_generation_prompt,

@@ -23,6 +23,14 @@ How each model family writes its calls (``...``: more calls may follow):
   days=3), now()]``, optionally inside Llama 4's ``<|python_start|>`` ... ``<|python_end|>``;
   values are Python literals (``True``/``False``/``None`` become JSON's), read with
   ``ast.literal_eval`` (nothing is executed). An answer that does not open so is content.
+* ``openai`` (gpt-oss): OpenAI's harmony messages (:mod:`mrv2.entrypoints.harmony`); each
+  message ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}`` (ended
+  by ``<|call|>``, or by the text: ``<|call|>`` is an EOS) is a call. This parser reads the
+  model's whole output, not what a reasoning parser left (:attr:`ToolParser.harmony`): the
+  content is the ``final`` channel's text and the ``commentary`` preambles, wherever they are,
+  with no marker (the ``analysis`` channel is ``openai_gptoss``'s reasoning, dropped here);
+  arguments must be a JSON object (none before an end marker: ``{}``) unless the header
+  names another content type (they are then passed as written, as vLLM does).
 
 The text before the first call is the message's ``content`` (None when empty); each call
 becomes ``{"id", "type": "function", "function": {"name", "arguments": "<JSON text>"}}``.
@@ -32,17 +40,21 @@ by the request's ``tools`` JSON schema (``integer``/``number``/``boolean``/``obj
 
 Failure rule (vLLM's): anything malformed (JSON that does not parse, no name, a structure cut
 off where it cannot be recovered) leaves the whole answer as content. A last call cut off by
-``max_tokens`` still counts if what came is whole (its JSON, its arguments).
+``max_tokens`` still counts if what came is whole (its JSON, its arguments). (``openai``: a
+call whose JSON does not parse is dropped, the rest of the answer kept: its text was never
+content.)
 
-Special tokens: DeepSeek's markers and GLM's tags are special tokens of their tokenizers,
-which the detokenizer drops with ``skip_special_tokens`` (the request default). Those parsers
-say so (:attr:`ToolParser.special_tokens`), and the chat route then decodes a request that
-offers tools with ``skip_special_tokens=False``, as vLLM's ``adjust_request`` does.
+Special tokens: DeepSeek's markers, GLM's tags and harmony's markers are special tokens of
+their tokenizers, which the detokenizer drops with ``skip_special_tokens`` (the request
+default). Those parsers say so (:attr:`ToolParser.special_tokens`), and the chat route then
+decodes a request that offers tools with ``skip_special_tokens=False``, as vLLM's
+``adjust_request`` does.
 
 A stream (:class:`ToolCallStream`) sends the content as it arrives, holding back what may be
-the start of a call marker; from the first call on it holds everything, and the calls go out
-whole, each in one delta, when the choice finishes (OpenAI's protocol lets a call's arguments
-come in one chunk). A choice that made calls finishes with ``finish_reason: "tool_calls"``.
+the start of a call marker; from the first call on it holds everything (``openai``: only the
+calls' messages; content after them still streams), and the calls go out whole, each in one
+delta, when the choice finishes (OpenAI's protocol lets a call's arguments come in one
+chunk). A choice that made calls finishes with ``finish_reason: "tool_calls"``.
 """
 
 from __future__ import annotations
@@ -56,6 +68,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mrv2.entrypoints.harmony import CHANNEL, START, HarmonyStream, Piece, parse_harmony
 from mrv2.entrypoints.reasoning import held_tag_prefix
 
 #: A request's ``tools`` (OpenAI's ``[{"type": "function", "function": {...}}]``).
@@ -89,13 +102,16 @@ class ToolParser:
     ``starts``: the markers that open the calls (the text before the first is content);
     ``calls_of``: the calls in the text from that marker on, ValueError when malformed;
     ``leading``: the calls count only if the answer opens with a marker (after whitespace);
-    ``special_tokens``: the markers are special tokens (decode with them kept)."""
+    ``special_tokens``: the markers are special tokens (decode with them kept);
+    ``harmony``: gpt-oss's messages, read from the model's whole output (before any
+    reasoning parser's split), the content apart from the calls wherever it is."""
 
     name: str
     starts: tuple[str, ...]
     calls_of: Callable[[str, Tools], list[ToolCall]]
     leading: bool = False
     special_tokens: bool = False
+    harmony: bool = False
 
     def first_start(self, text: str) -> int:
         """Where the calls begin in ``text`` (-1: nowhere)."""
@@ -106,7 +122,11 @@ class ToolParser:
         return min(found, default=-1)
 
     def parse(self, text: str, tools: Tools = ()) -> tuple[str | None, list[ToolCall]]:
-        """A finished answer's ``(content, calls)`` (module doc); no calls: ``(text, [])``."""
+        """A finished answer's ``(content, calls)`` (module doc); no calls: ``(text, [])``
+        (``harmony``: the content without its markers)."""
+        if self.harmony:
+            content, calls = _harmony_split(parse_harmony(text))
+            return content or None, calls
         first = self.first_start(text)
         if first < 0:
             return (text or None), []
@@ -344,6 +364,31 @@ def _pythonic(text: str, tools: Tools) -> list[ToolCall]:
     return calls
 
 
+def _harmony_call(piece: Piece) -> ToolCall | None:
+    """A harmony call message as a call; None where its name is empty or its JSON arguments
+    do not parse (cut off by ``max_tokens``): not a call, and not content either. Empty JSON
+    arguments are ``{}`` where a marker ended the message (else it may have been cut off
+    right after its header)."""
+    if not piece.name or not (piece.ended or piece.text.strip()):
+        return None
+    if not piece.json:
+        return ToolCall(piece.name, piece.text)
+    try:
+        return _json_arguments(piece.name, piece.text.strip() or "{}")
+    except (ValueError, RecursionError):
+        return None
+
+
+def _harmony_split(pieces: list[Piece]) -> tuple[str, list[ToolCall]]:
+    """The content and the calls of harmony pieces (reasoning dropped)."""
+    calls = [c for p in pieces if p.kind == "call" and (c := _harmony_call(p)) is not None]
+    return "".join(p.text for p in pieces if p.kind == "content"), calls
+
+
+def _openai(text: str, tools: Tools) -> list[ToolCall]:
+    return _harmony_split(parse_harmony(text))[1]
+
+
 #: ``--tool-call-parser`` name -> format.
 PARSERS: dict[str, ToolParser] = {p.name: p for p in (
     ToolParser("hermes", ("<tool_call>",), _hermes),
@@ -355,6 +400,7 @@ PARSERS: dict[str, ToolParser] = {p.name: p for p in (
     ToolParser("llama3_json", (PYTHON_TAG, "{"), _llama3_json, leading=True),
     ToolParser("pythonic", ("[", PYTHON_START), _pythonic, leading=True),
     ToolParser("llama4_pythonic", ("[", PYTHON_START), _pythonic, leading=True),
+    ToolParser("openai", (CHANNEL, START), _openai, special_tokens=True, harmony=True),
 )}
 #: ``--tool-call-parser`` values.
 TOOL_CALL_PARSERS = tuple(PARSERS)
@@ -457,10 +503,18 @@ class ToolCallStream:
         # "open": a leading parser's answer so far may still open with a marker; "text":
         # content, a marker may come; "calls": holding the calls; "plain": content only.
         self.state = "open" if self.parser.leading else "text"
+        #: ``harmony``: the messages' split, and the calls read so far
+        self.harmony = HarmonyStream() if self.parser.harmony else None
+        self.calls: list[ToolCall] = []
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[ToolCall]]:
-        """The next content delta; ``final``: the choice finished (the calls, if any, come
-        back now, or the held text as content when it held none)."""
+        """The next content delta (``harmony``: of the model's whole output); ``final``: the
+        choice finished (the calls, if any, come back now, or the held text as content when
+        it held none)."""
+        if self.harmony is not None:
+            said, found = _harmony_split(self.harmony.feed(delta, final))
+            self.calls += found
+            return said, self.calls if final else []
         text, starts = self.held + delta, self.parser.starts
         self.held, before = "", ""
         if self.state == "open":

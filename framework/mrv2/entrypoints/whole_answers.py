@@ -18,7 +18,7 @@ from mrv2.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchPara
 from mrv2.engine.outputs import RequestOutput
 from mrv2.entrypoints.engine_process import EngineProcess
 from mrv2.entrypoints.engine_thread import EngineThread, QueueFullError
-from mrv2.entrypoints.reasoning import split_reasoning
+from mrv2.entrypoints.reasoning import keeps_special_tokens, split_reasoning
 from mrv2.entrypoints.responses import APIError
 
 __all__ = ["beam_answer_body", "beam_search_through", "embed_through", "final_outputs"]
@@ -88,10 +88,12 @@ def beam_answer_body(outputs: list[BeamSearchOutput], prompts: list[list[int]],
     prompt's beams as choices, best first."""
     choices = []
     completion_tokens = 0
+    skip = not (chat and keeps_special_tokens(reasoning))  # (the parser reads the markers)
     for i, output in enumerate(outputs):
         for j, beam in enumerate(output.sequences):
             completion_tokens += len(beam.output_tokens)
-            text = tokenizer.decode(beam.output_tokens) if tokenizer is not None else ""
+            text = (tokenizer.decode(beam.output_tokens, skip_special_tokens=skip)
+                    if tokenizer is not None else "")
             choice: dict[str, Any] = {"index": i * len(output.sequences) + j,
                                       "logprobs": None, "finish_reason": beam.finish_reason,
                                       "stop_reason": None}

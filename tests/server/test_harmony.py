@@ -1,0 +1,322 @@
+"""gpt-oss's harmony format: ``--reasoning-parser openai_gptoss`` and ``--tool-call-parser
+openai``. Whole outputs and streams cut at every character (markers split across deltas) give
+the same reasoning, content and calls, and no marker ever reaches the client; the chat
+answer (streamed or not, with either parser or both) and the Responses API's items; a
+tokenizer whose markers are special tokens, decoded token by token as the engine does; the
+server decodes such requests keeping special tokens; the CLI takes the names."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from server_util import API_KEY
+
+from mrv2.contract.params import SamplingParams
+from mrv2.engine.detokenizer import IncrementalDetokenizer
+from mrv2.engine.outputs import CompletionOutput, RequestOutput
+from mrv2.engine.tokenizer import Tokenizer
+from mrv2.entrypoints.harmony import MARKERS, HarmonyStream, read_header
+from mrv2.entrypoints.openai_responses import ResponsesRequest, ResponsesStream
+from mrv2.entrypoints.reasoning import ReasoningStream, check_reasoning_parser, split_reasoning
+from mrv2.entrypoints.responses import Stream, _Answer
+from mrv2.entrypoints.tool_calls import (
+    ToolCalling,
+    ToolCallStream,
+    check_tool_call_parser,
+    get_tool_parser,
+    parse_tool_calls,
+)
+from mrv2.testing import make_tiny_tokenizer
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+OPENAI = ToolCalling(get_tool_parser("openai"))
+A = "<|channel|>analysis<|message|>"
+PARIS = ('<|start|>assistant<|channel|>commentary to=functions.weather <|constrain|>json'
+         '<|message|>{"city": "Paris"}<|call|>')
+LYON = ('<|start|>assistant to=functions.weather<|channel|>commentary <|constrain|>json'
+        '<|message|>{"city":"Lyon","days":3}')  # recipient in the role's part; EOS cut <|call|>
+Case = tuple[str, str | None, str | None, list[tuple[str, str]]]
+#: analysis, a preamble, two calls
+TWO_CALLS: Case = (
+    A + "Two cities.<|end|><|start|>assistant<|channel|>commentary<|message|>Checking both."
+    "<|end|>" + PARIS + LYON, "Two cities.", "Checking both.",
+    [("weather", '{"city": "Paris"}'), ("weather", '{"city": "Lyon", "days": 3}')])
+CASES: list[Case] = [
+    # (text, reasoning, content, [(name, arguments)])
+    (A + "User asks 2+2.<|end|><|start|>assistant<|channel|>final<|message|>The answer is 4."
+     "<|return|>", "User asks 2+2.", "The answer is 4.", []),
+    (A + "Simple.<|end|><|start|>assistant<|channel|>final<|message|>Four.", "Simple.",
+     "Four.", []),  # (<|return|> is an EOS: not in the text)
+    (A + "stray <|constrain|>marks<|message|>!", "stray marks!", None, []),
+    (A + "Need the weather.<|end|>" + PARIS, "Need the weather.", None,
+     [("weather", '{"city": "Paris"}')]),
+    (LYON[len("<|start|>assistant"):], None, None,
+     [("weather", '{"city": "Lyon", "days": 3}')]),  # the output opens " to=functions..."
+    TWO_CALLS,
+    ("<|channel|>final<|message|>Hi there.<|return|>", None, "Hi there.", []),
+    (A + "The user wants", "The user wants", None, []),  # max_tokens cut mid-analysis
+    (A + "one<|end|><|start|>assistant<|channel|>analysis<|message|>two<|end|>"
+     "<|start|>assistant<|channel|>final<|message|>x <| y < z |>", "one\ntwo", "x <| y < z |>",
+     []),
+    (A + "look it up<|end|><|start|>assistant<|channel|>analysis to=browser.search code"
+     '<|message|>{"query": "x"}<|call|>', 'look it up\n{"query": "x"}', None, []),
+    (A + "call it<|end|><|start|>assistant<|channel|>commentary to=functions.weather "
+     '<|constrain|>json<|message|>{"city": "Pa', "call it", None, []),  # cut: no call
+    ("<|channel|>commentary to=functions.now <|constrain|>json<|message|><|call|>", None, None,
+     [("now", "{}")]),
+    (A + "now<|end|><|start|>assistant<|channel|>commentary to=functions.now<|message|>", "now",
+     None, []),  # cut right after the header: no call made up
+    ("to=" + "x" * 300, None, "to=" + "x" * 300, []),  # too long for a recipient: text
+    ("<|channel|>" + "y" * 300 + "<|message|>z", None, "y" * 300 + "z", []),  # no header
+    ("<|channel|>commentary to=functions.run <|constrain|>python<|message|>print(1)<|call|>",
+     None, None, [("run", "print(1)")]),  # another content type: as written
+    (A + "x<|end|><|start|>assistant<|channel|>fin", "x", None, []),  # a header cut off
+    (A + "think<|start|>assistant<|channel|>final<|message|>ok", "think", "ok", []),
+    (PARIS + '<|start|>functions.weather to=assistant<|channel|>commentary<|message|>'
+     '{"sunny": true}<|end|><|start|>assistant<|channel|>final<|message|>Sunny.', None,
+     "Sunny.", [("weather", '{"city": "Paris"}')]),  # a tool's answer it wrote: dropped
+    (" Plain answer, no header.", None, " Plain answer, no header.", []),
+    ('{"answer": 4}', None, '{"answer": 4}', []),  # held to a grammar from its first token
+    ("to be or not", None, "to be or not", []),
+    ("", None, None, []),
+]
+
+
+def _calls(calls: list[Any]) -> list[tuple[str, str]]:
+    return [(c.name, c.arguments) for c in calls]
+
+
+def _no_marker(*texts: str | None) -> bool:
+    return not any(m in (t or "") for t in texts for m in MARKERS)
+
+
+@pytest.mark.parametrize(("text", "reasoning", "content", "calls"), CASES)
+def test_whole_outputs(text: str, reasoning: str | None, content: str | None,
+                       calls: list[tuple[str, str]]) -> None:
+    assert split_reasoning("openai_gptoss", text) == (reasoning, content)
+    got_content, got_calls = parse_tool_calls(text, "openai")
+    assert (got_content, _calls(got_calls)) == (content, calls)
+    assert all(c.id.startswith("call_") for c in got_calls)
+
+
+def _cuts(text: str) -> list[list[str]]:
+    """The text a character a delta, and cut in two at every place."""
+    return [list(text) or [""]] + [[text[:k], text[k:]] for k in range(len(text) + 1)]
+
+
+@pytest.mark.parametrize(("text", "reasoning", "content", "calls"), CASES)
+def test_a_stream_cut_at_every_character_gives_the_whole_split(
+        text: str, reasoning: str | None, content: str | None,
+        calls: list[tuple[str, str]]) -> None:
+    for deltas in _cuts(text):
+        last = len(deltas) - 1
+        split, tools = ReasoningStream("openai_gptoss"), ToolCallStream("openai")
+        thought = said = told = ""
+        got: list[Any] = []
+        for i, delta in enumerate(deltas):
+            r, c = split.feed(delta, final=i == last)
+            t, found = tools.feed(delta, final=i == last)
+            assert _no_marker(r, c, t), (text, deltas)
+            assert not found or i == last  # the calls go out when the output ends
+            thought, said, told, got = thought + r, said + c, told + t, got + found
+            # nothing sent is taken back: what went out begins the whole split
+            assert (reasoning or "").startswith(thought) and (content or "").startswith(said)
+        assert (thought or None, said or None, told or None) == (reasoning, content, content)
+        assert _calls(got) == calls, deltas
+
+
+def test_a_stream_holds_only_what_may_be_a_marker() -> None:
+    stream = HarmonyStream()
+    assert stream.feed("<|chan") == [] and stream.feed("nel|>analysis<|mess") == []
+    assert [p.text for p in stream.feed("age|>Hmm <|e")] == ["Hmm "]
+    assert [p.text for p in stream.feed("nd! ")] == ["<|end! "]
+    assert [(p.kind, p.text) for p in stream.feed("<|end|>")] == []
+    assert [(p.kind, p.text) for p in stream.feed("More", final=True)] == [("content", "More")]
+
+
+def test_headers() -> None:
+    call = read_header("<|channel|>commentary to=functions.get_weather <|constrain|>json")
+    assert (call.kind, call.name, call.content_type) == ("call", "get_weather", "json")
+    bare = read_header("<|start|>assistant to=functions.f<|channel|>commentary json")
+    assert (bare.kind, bare.name, bare.content_type) == ("call", "f", "json")
+    assert read_header("<|start|>assistant<|channel|>final").kind == "content"
+    assert read_header("<|channel|>commentary").kind == "content"  # a preamble
+    assert read_header("<|channel|>analysis").kind == "reasoning"
+    assert read_header("<|channel|>analysis to=python").kind == "reasoning"
+    assert read_header("<|channel|>commentary to=container.exec").kind == "reasoning"
+    assert read_header("<|start|>functions.f to=assistant<|channel|>commentary").kind == "drop"
+
+
+def test_the_parser_names() -> None:
+    assert check_reasoning_parser("openai_gptoss") == "openai_gptoss"
+    assert check_tool_call_parser("openai") == "openai"
+    parser = get_tool_parser("openai")
+    assert parser.special_tokens and parser.harmony
+    with pytest.raises(ValueError, match="allowed values are qwen3, deepseek_r1, openai_gptoss"):
+        check_reasoning_parser("gptoss")
+    with pytest.raises(ValueError, match="allowed values are .*, openai$"):
+        check_tool_call_parser("harmony")
+
+
+class _Body:
+    include_usage = False
+    continuous_usage = False
+
+
+def _stream(reasoning: str | None, tools: ToolCalling | None) -> Stream:
+    return Stream(None, "chatcmpl-x", "m", True, SamplingParams(max_tokens=99),  # type: ignore[arg-type]
+                  _Body(), ["r"], [([1], None)], reasoning, tools)
+
+
+def _output(text: str, finished: bool, reason: str | None = None) -> RequestOutput:
+    return RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1],
+                         outputs=[CompletionOutput(0, text, [0] * max(len(text), 1), reason)],
+                         finished=finished, delta=True)
+
+
+def _streamed(stream: Stream, deltas: list[str]) -> dict[str, Any]:
+    """The chat stream's deltas of ``deltas`` folded: reasoning, content, calls, finish."""
+    got: dict[str, Any] = {"reasoning": "", "content": "", "calls": [], "finish": None}
+    for i, delta in enumerate(deltas):
+        final = i == len(deltas) - 1
+        for choice, _ in stream._deltas(_output(delta, final, "stop" if final else None)):
+            assert _no_marker(json.dumps(choice))
+            got["reasoning"] += choice["delta"].get("reasoning_content", "")
+            got["content"] += choice["delta"]["content"]
+            got["calls"] += [(c["function"]["name"], c["function"]["arguments"])
+                             for c in choice["delta"].get("tool_calls", [])]
+            got["finish"] = choice["finish_reason"]
+    return got
+
+
+@pytest.mark.parametrize(("reasoning", "tools"), [("openai_gptoss", OPENAI),
+                                                  ("openai_gptoss", None), (None, OPENAI)])
+def test_the_chat_answer(reasoning: str | None, tools: ToolCalling | None) -> None:
+    """Both parsers: reasoning, content, calls; the reasoning parser alone drops the calls
+    (vLLM's); the tool-call parser alone reads the content and calls from the whole text."""
+    text, thought, content, calls = TWO_CALLS
+    want_calls = calls if tools is not None else []
+    choice: dict[str, Any] = {"finish_reason": "stop"}
+    message = _stream(reasoning, tools)._message(text, choice)
+    assert message["content"] == content and _no_marker(json.dumps(message))
+    assert message.get("reasoning_content") == (thought if reasoning else None)
+    assert _calls_of(message.get("tool_calls", [])) == want_calls
+    assert choice["finish_reason"] == ("tool_calls" if want_calls else "stop")
+    for deltas in (list(text), [text[:40], text[40:90], text[90:]]):
+        got = _streamed(_stream(reasoning, tools), deltas)
+        assert got == {"reasoning": thought if reasoning else "", "content": content,
+                       "calls": want_calls,
+                       "finish": "tool_calls" if want_calls else "stop"}, deltas
+
+
+def _calls_of(calls: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
+def test_the_responses_api_items() -> None:
+    """A Responses API answer: a reasoning item, the message, the function calls; streamed,
+    the same items."""
+    text, thought, content, calls = TWO_CALLS
+    args = (None, "resp", "m", True, SamplingParams(max_tokens=99), _Body(), ["r"],
+            [([1], None)], "openai_gptoss", OPENAI)
+    whole = ResponsesStream(*args, request=ResponsesRequest(input="hi"))
+    whole.answers = {"r": {}}
+    for c in text:  # (the answer gathered from its deltas, as the server does)
+        whole.answers["r"].setdefault(0, _Answer()).add(_output(c, False).outputs[0])
+    items = whole._whole()["output"]
+    assert [i["type"] for i in items] == ["reasoning", "message", "function_call",
+                                          "function_call"]
+    assert items[0]["content"][0]["text"] == thought
+    assert items[1]["content"][0]["text"] == content
+    assert [(i["name"], i["arguments"]) for i in items[2:]] == calls
+
+    async def events() -> list[dict[str, Any]]:
+        stream = ResponsesStream(*args, request=ResponsesRequest(input="hi"))
+        sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        for i, c in enumerate(text):
+            sink.put_nowait(_output(c, i == len(text) - 1, "stop" if i == len(text) - 1
+                                    else None))
+        return [json.loads(line[6:]) async for chunk in stream.events(sink)
+                for line in chunk.splitlines() if line.startswith("data: ")]
+
+    sent = asyncio.run(events())
+    assert _no_marker(json.dumps(sent))
+    assert [(i["type"], i.get("name")) for i in sent[-1]["response"]["output"]] == [
+        (i["type"], i.get("name")) for i in items]
+
+
+def test_special_tokens_decoded_token_by_token(tmp_path: Path) -> None:
+    """With the markers special tokens of the tokenizer (as o200k_harmony's are), the engine's
+    detokenizer keeps them only with skip_special_tokens=False; its deltas, a token at a
+    time, give the chat stream its split."""
+    make_tiny_tokenizer(tmp_path, special_tokens=MARKERS)
+    tok = Tokenizer.from_pretrained(tmp_path)
+    text, thought, content, calls = TWO_CALLS
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    assert _no_marker(tok.decode(ids))  # the default decode loses the format
+    detok = IncrementalDetokenizer(tok, [1], skip_special_tokens=False)
+    deltas = [detok.add_tokens([i]) for i in ids] + [detok.flush()]
+    assert "".join(deltas) == text and "<|message|>" in deltas
+    got = _streamed(_stream("openai_gptoss", OPENAI), deltas)
+    assert (got["reasoning"], got["content"], got["calls"]) == (thought, content, calls)
+
+
+def test_the_server_keeps_special_tokens_for_harmony(model_dir: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--reasoning-parser openai_gptoss``: every chat request is decoded keeping special
+    tokens (a request's own skip_special_tokens too), a structured output is not marked for
+    the engine's ``<think>`` handling; ``--tool-call-parser openai``: requests offering tools.
+    Completions are decoded as asked."""
+    from conftest import serve
+
+    seen: list[tuple[bool, str | None]] = []
+
+    def spy(add: Any) -> Any:
+        def add_request(ids: list[int], params: SamplingParams, *args: Any, **kwargs: Any
+                        ) -> Any:
+            seen.append((params.skip_special_tokens, params._reasoning))
+            return add(ids, params, *args, **kwargs)
+        return add_request
+
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    chat = {"messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 3,
+            "temperature": 0}
+    cases: dict[str | None, list[tuple[str, dict[str, Any], bool]]] = {
+        "openai_gptoss": [("chat", {}, False), ("chat", {"skip_special_tokens": True}, False),
+                          ("chat", {"stream": True}, False),
+                          ("chat", {"guided_choice": ["a", "b"]}, False),
+                          ("chat", {"tools": tools}, False), ("completions", {}, True)],
+        None: [("chat", {"tools": tools}, False), ("chat", {"stream": True}, True),
+               ("chat", {"tools": tools, "tool_choice": "none"}, True)]}
+    for reasoning, runs in cases.items():
+        for served in serve(model_dir, reasoning_parser=reasoning, tool_call_parser="openai"):
+            monkeypatch.setattr(served.engine, "add_request", spy(served.engine.add_request))
+            for route, extra, skip in runs:
+                body = {**chat, **extra} if route == "chat" else {"prompt": "Hi",
+                                                                  "max_tokens": 3}
+                path = "chat/completions" if route == "chat" else route
+                response = httpx.post(f"{served.url}/v1/{path}", headers=AUTH, timeout=60,
+                                      json=body)
+                assert response.status_code == 200, response.text
+                assert _no_marker(response.text)
+                assert seen.pop() == (skip, None), (reasoning, route, extra)
+
+
+def test_the_cli_takes_the_names(capsys: pytest.CaptureFixture[str]) -> None:
+    from mrv2.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "m", "--reasoning-parser", "openai_gptoss",
+                                      "--enable-auto-tool-choice", "--tool-call-parser",
+                                      "openai"])
+    assert (args.reasoning_parser, args.tool_call_parser) == ("openai_gptoss", "openai")
+    for flag in ("--reasoning-parser", "--tool-call-parser"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "m", flag, "harmony"])
+        assert f"argument {flag}: invalid choice: 'harmony'" in capsys.readouterr().err
