@@ -101,6 +101,8 @@ def test_a_json_schema_format(client: Any) -> None:
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "text": {"format": {"type": "xml"}}}, "text"),
     ({"input": "x", "temperature": -1}, "temperature"),
+    ({"input": "x", "reasoning": {"effort": "low", "summary": "auto"}}, "reasoning"),
+    ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning"),
 ])
 def test_what_it_cannot_honour_is_refused_by_name(server: Served, body: dict[str, Any],
                                                   param: str) -> None:

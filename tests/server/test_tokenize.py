@@ -68,6 +68,7 @@ def test_bad_input_is_a_400_naming_the_field(server: Served) -> None:
 
 
 THINKING = ("{% if enable_thinking is defined and not enable_thinking %}/no_think {% endif %}"
+            "{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }} {% endif %}"
             "{% for m in messages %}{{ m['content'] }}{% endfor %}")
 
 
@@ -97,6 +98,20 @@ def test_chat_template_kwargs_reach_the_template(model_dir: Any) -> None:
         assert bad.status_code == 400
         assert bad.json()["error"]["param"] == "chat_template_kwargs"
         assert "'tokenize'" in bad.json()["error"]["message"]
+        # OpenAI's reasoning_effort (gpt-oss's template reads it), in chat and Responses
+        low = tok.encode("Reasoning: low Hello world!", add_special_tokens=False)
+        for path, body in (("/v1/chat/completions", {"messages": messages,
+                                                     "reasoning_effort": "low"}),
+                           ("/v1/responses", {"input": "Hello world!",
+                                              "reasoning": {"effort": "low"}})):
+            answer = _post(served, path, {**body, "max_tokens": 2, "max_output_tokens": 2,
+                                          "temperature": 0})
+            assert answer.status_code == 200, answer.text
+            usage = answer.json()["usage"]
+            assert usage.get("prompt_tokens", usage.get("input_tokens")) == len(low)
+        bad = _post(served, "/v1/chat/completions", {"messages": messages,
+                                                     "reasoning_effort": "extreme"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning_effort"
 
 
 def test_vllms_sampling_extras_are_honoured_or_refused(server: Served) -> None:

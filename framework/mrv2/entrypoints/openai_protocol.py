@@ -306,6 +306,9 @@ class ChatCompletionRequest(_Request):
     add_generation_prompt: bool = True
     #: The chat template's own variables (vLLM's field): ``{"enable_thinking": false}``.
     chat_template_kwargs: dict[str, Any] | None = None
+    #: OpenAI's field: the chat template's ``reasoning_effort`` (gpt-oss's "Reasoning: low /
+    #: medium / high" line; a template without the variable ignores it).
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     #: Continue the last (assistant) message instead of opening a new one (vLLM's field;
     #: needs ``add_generation_prompt: false``).
     continue_final_message: bool = False
@@ -317,6 +320,13 @@ class ChatCompletionRequest(_Request):
     #: vLLM's: the answer starts with the last message's content when that message has the
     #: answer's role (``continue_final_message``: the assistant text it continues).
     echo: bool = False
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """``chat_template_kwargs`` with ``reasoning_effort`` added (where set and not set
+        there already)."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     def echo_text(self) -> str:
         """What ``echo`` puts before the answer: the last message's text if it is the

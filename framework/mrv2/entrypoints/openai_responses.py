@@ -14,8 +14,9 @@ its text's deltas (``response.reasoning_text.delta`` or ``response.content_part.
 ``response.output_text.delta``) and their ``.done`` events, ``response.output_item.done``,
 then ``response.completed`` (``response.incomplete`` for a cut answer). With the store on
 (:mod:`mrv2.entrypoints.responses_store`) answers are kept and ``previous_response_id``
-continues a conversation; without it that field is refused. ``background``, ``reasoning``,
-uploaded files and other input items are refused by name. Function tools work as in chat
+continues a conversation; without it that field is refused. ``reasoning.effort`` is the chat
+template's ``reasoning_effort`` (gpt-oss); ``background``, reasoning summaries, uploaded files
+and other input items are refused by name. Function tools work as in chat
 (``--tool-call-parser``, or a forced ``tool_choice``): the model's calls come back as
 ``function_call`` items (streamed whole when the answer ends), and ``function_call`` /
 ``function_call_output`` input items become the chat messages of an earlier call and its
@@ -87,12 +88,18 @@ class ResponsesRequest(BaseModel):
         """The chat request this one is (after the conversation ``previous``, a stored
         response's, when ``previous_response_id`` names one); ValueError naming the field it
         cannot take."""
-        for name, bad in (("background", self.background),
-                          ("reasoning", self.reasoning is not None)):
+        reasoning = dict(self.reasoning or {})
+        effort = reasoning.pop("effort", None)
+        if reasoning.get("summary") is None:
+            reasoning.pop("summary", None)
+        for name, bad in (("background", self.background), ("reasoning", bool(reasoning)),
+                          ("reasoning", effort not in (None, "low", "medium", "high"))):
             if bad:
                 raise ValueError(f"SamplingParams.{name} is invalid: this server does not "
                                  "support it in the Responses API (it runs no responses in "
-                                 "the background and takes no reasoning options)")
+                                 "the background; of the reasoning options it takes effort "
+                                 "'low', 'medium' or 'high', the chat template's "
+                                 "reasoning_effort, and no summary)")
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
@@ -103,7 +110,7 @@ class ResponsesRequest(BaseModel):
             "messages": [ChatMessage(**m) for m in messages], "stream": self.stream,
             "temperature": self.temperature, "top_p": self.top_p,
             "max_completion_tokens": self.max_output_tokens,
-            "parallel_tool_calls": self.parallel_tool_calls}
+            "parallel_tool_calls": self.parallel_tool_calls, "reasoning_effort": effort}
         if self.tools:
             fields["tools"] = [_chat_tool(t) for t in self.tools]
             fields["tool_choice"] = _chat_tool_choice(self.tool_choice)

@@ -457,7 +457,7 @@ def create_app(engine: LLMEngine | RemoteEngine,
             # the grammar holds what follows the thinking block (vLLM's reasoning-aware way)
             params = dataclasses.replace(params, _reasoning=reasoning_parser)
         ids, items = await chat_ids(body.messages, body.add_generation_prompt,
-                                    body.chat_template_kwargs, body.continue_final_message,
+                                    body.template_kwargs(), body.continue_final_message,
                                     body.tools)
         if items and body.truncate_prompt_tokens is not None:
             raise APIError(400, "truncate_prompt_tokens is not supported with images (it could "
