@@ -387,3 +387,52 @@ def test_qwen3s_first_token_may_open_the_block(thinker: tuple[LLM, int, int],
     assert ids[:2] == [start, end] and text in CHOICES
     text, ids = _think(llm, [5, 6, 7], None, bias, seed)
     assert start not in ids and end not in ids and text in CHOICES
+
+
+def test_gpt_oss_grammar_holds_after_its_final_header(tmp_path: Path) -> None:
+    """``openai_gptoss`` (harmony): every token is free (the analysis, a tool call) until the
+    model writes ``<|channel|>final<|message|>``, then the grammar holds; a draft that
+    carries the header gets grammar masks past it and the guide is rolled back after; a
+    tokenizer without the markers holds from the first token."""
+    import numpy as np
+
+    from mrv2.engine.structured_outputs import fill_bitmasks
+
+    path = make_tiny_checkpoint(tmp_path / "m", "LlamaForCausalLM", vocab_size=320)
+    make_tiny_tokenizer(path, special_tokens=["<|start|>", "<|channel|>", "<|message|>",
+                                              "<|end|>"])
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4)
+    so = llm.engine._structured_outputs()
+    tok = llm.get_tokenizer()
+    header = tok.encode("<|channel|>final<|message|>", add_special_tokens=False)
+    analysis = tok.encode("<|channel|>analysis<|message|>Hello<|end|><|start|>assistant",
+                          add_special_tokens=False)
+    assert len(header) >= 3
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=CHOICES),
+                            _reasoning="openai_gptoss")
+    paris = tok.encode("Paris", add_special_tokens=False)
+
+    def mask(guide: object) -> np.ndarray:
+        row = np.empty((1, so.words), dtype=np.int32)
+        fill_bitmasks([guide], row)  # type: ignore[list-item]
+        return row[0]
+
+    def allows(row: np.ndarray, token: int) -> bool:
+        return bool((int(row.view(np.uint32)[token // 32]) >> (token % 32)) & 1)
+
+    guide = so.guide(params, [5, 6, 7])
+    for token in analysis + header[:-1]:  # free: every token allowed
+        assert (mask(guide) == -1).all()
+        assert not guide.advance(token)
+    drafts = [header[-1], paris[0]]
+    out = np.full((1 + len(drafts), so.words), 7, dtype=np.int32)
+    guide.draft_masks(drafts, out)
+    assert (out[0] == -1).all() and not (out[1] == -1).all()  # held after the header
+    assert allows(out[1], paris[0]) and not allows(out[1], header[0])
+    assert guide.phase == "reasoning"  # rolled back: the header's last token not taken
+    assert guide.tail == tuple((analysis + header[:-1])[-len(header):])
+    assert not guide.advance(header[-1]) and guide.phase == "grammar"
+    assert allows(mask(guide), paris[0]) and not allows(mask(guide), header[0])
+    plain = so.guide(SamplingParams(structured_outputs=StructuredOutputsParams(
+        choice=CHOICES)), [5, 6, 7])  # no parser: held from the first token
+    assert not allows(mask(plain), header[0])

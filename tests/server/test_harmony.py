@@ -270,8 +270,9 @@ def test_special_tokens_decoded_token_by_token(tmp_path: Path) -> None:
 def test_the_server_keeps_special_tokens_for_harmony(model_dir: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """``--reasoning-parser openai_gptoss``: every chat request is decoded keeping special
-    tokens (a request's own skip_special_tokens too), a structured output is not marked for
-    the engine's ``<think>`` handling; ``--tool-call-parser openai``: requests offering tools.
+    tokens (a request's own skip_special_tokens too), a structured output is marked for the
+    engine's reasoning-aware grammar (held after ``<|channel|>final<|message|>``);
+    ``--tool-call-parser openai``: requests offering tools.
     Completions are decoded as asked."""
     from conftest import serve
 
@@ -306,7 +307,8 @@ def test_the_server_keeps_special_tokens_for_harmony(model_dir: Path,
                                       json=body)
                 assert response.status_code == 200, response.text
                 assert _no_marker(response.text)
-                assert seen.pop() == (skip, None), (reasoning, route, extra)
+                mark = reasoning if "guided_choice" in extra else None  # held after final
+                assert seen.pop() == (skip, mark), (reasoning, route, extra)
 
 
 def test_the_cli_takes_the_names(capsys: pytest.CaptureFixture[str]) -> None:

@@ -135,8 +135,8 @@ class SamplingParams:
     # with prompt + outputs as its prefill, and penalties / min_tokens / bad words need the
     # boundary. None: the whole prefill is the prompt.
     _num_prompt_tokens: int | None = field(default=None, repr=False, compare=False)
-    # The server's reasoning parser ("qwen3", "deepseek_r1"): the grammar holds only after the
-    # thinking block.
+    # The server's reasoning parser ("qwen3", "deepseek_r1", "openai_gptoss"): the grammar
+    # holds only after the thinking block (gpt-oss: after <|channel|>final<|message|>).
     _reasoning: str | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:

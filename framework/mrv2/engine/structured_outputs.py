@@ -35,7 +35,9 @@ With the server's ``--reasoning-parser`` (``qwen3``, ``deepseek_r1``), as vLLM: 
 holds only what follows the ``<think>`` block. A prompt that closed the block (Qwen3 with
 ``enable_thinking: false``) is held from the first token; one that opened it (DeepSeek-R1's
 template) is free until ``</think>``; otherwise (``qwen3``) the first token may be the
-grammar's or ``<think>``, which frees it until ``</think>``.
+grammar's or ``<think>``, which frees it until ``</think>``. gpt-oss (``openai_gptoss``, its
+harmony messages) is free until it opens its final answer, ``<|channel|>final<|message|>``
+(vLLM's rule): its analysis and any tool call are not held to the grammar.
 
 With speculative decoding a constrained request verifies its drafts as a free one does: a
 step that samples one copies the drafts proposed after it to the host with its tokens
@@ -99,12 +101,15 @@ _PHASES = ("grammar", "reasoning", "open")
 class Guide:
     """One sample's matcher: the allowed next tokens, and each sampled token consumed; with a
     reasoning model, only what follows its ``<think>`` block is held to the grammar, as vLLM
-    does (``think``: the start and end tags' token ids, and the phase to start in)."""
+    does (``think``: the start tag's token id, the token ids that end the block (``</think>``;
+    gpt-oss: ``<|channel|>final<|message|>``), and the phase to start in)."""
 
     def __init__(self, matcher: Any, owner: StructuredOutputs,
-                 think: tuple[int, int, str] | None = None) -> None:
+                 think: tuple[int, tuple[int, ...], str] | None = None) -> None:
         self.matcher, self.owner = matcher, owner
-        self.think_start, self.think_end, self.phase = think or (-1, -1, "grammar")
+        self.think_start, self.think_end, self.phase = think or (-1, (), "grammar")
+        #: The last tokens of the reasoning phase (up to the end sequence's length).
+        self.tail: tuple[int, ...] = ()
         #: Tokens advanced over: the request's output so far, or past it by the tokens of
         #: steps whose results arrived but are not processed yet (late masks).
         self.consumed = 0
@@ -119,7 +124,8 @@ class Guide:
         grammar's, not the thinking block's)."""
         self.consumed += 1
         if self.phase == "reasoning":
-            if token == self.think_end:
+            self.tail = (*self.tail, token)[-len(self.think_end):]
+            if self.tail == self.think_end:
                 self.phase = "grammar"
             return False
         if self.phase == "open":
@@ -177,7 +183,7 @@ def fill_draft_bitmasks(guides: list[Guide | None], drafts: list[list[int]],
             out[i][:] = -1
         else:
             live.append(i)
-    saved = {i: (g.phase, g.consumed, g.done_at)
+    saved = {i: (g.phase, g.consumed, g.done_at, g.tail)
              for i in live if (g := guides[i]) is not None}
     taken = dict.fromkeys(live, 0)
     try:
@@ -205,11 +211,12 @@ def fill_draft_bitmasks(guides: list[Guide | None], drafts: list[list[int]],
                     after.append(i)
             live, level = after, level + 1
     finally:
-        for i, (phase, consumed, done_at) in saved.items():
+        for i, (phase, consumed, done_at, tail) in saved.items():
             guide = cast(Guide, guides[i])
             if taken[i]:
                 guide.matcher.rollback(taken[i])
-            guide.phase, guide.consumed, guide.done_at = phase, consumed, done_at
+            guide.phase, guide.consumed, guide.done_at, guide.tail = (phase, consumed, done_at,
+                                                                      tail)
 
 
 def _compute(guides: list[Guide], out: np.ndarray) -> None:
@@ -249,6 +256,7 @@ class StructuredOutputs:
         self._grammars: dict[str, str] = {}
         self._tags: tuple[int, int] | None = None
         self._tags_looked_up = False
+        self._final: tuple[int, ...] | None = None  # (): looked up, not in this tokenizer
 
     @property
     def tokenizer(self) -> Any:
@@ -298,6 +306,9 @@ class StructuredOutputs:
                                           self.grammar(params.structured_outputs))
         if matcher.is_error():
             raise ValueError(f"{_FIELD} is invalid: {matcher.get_error()}")
+        if params._reasoning == "openai_gptoss":  # the prompt ends in <|start|>assistant
+            final = self._harmony_final()
+            return Guide(matcher, self, None if final is None else (-1, final, "reasoning"))
         tags = self._think_tags() if params._reasoning else None
         if tags is None:
             return Guide(matcher, self)
@@ -310,7 +321,21 @@ class StructuredOutputs:
             phase = "reasoning"
         else:
             phase = "open"
-        return Guide(matcher, self, (start, end, phase))
+        return Guide(matcher, self, (start, (end,), phase))
+
+    def _harmony_final(self) -> tuple[int, ...] | None:
+        """The token ids of ``<|channel|>final<|message|>`` (None, logged once, where the
+        markers are not special tokens of this tokenizer: the grammar then holds from the
+        first token)."""
+        if self._final is None:
+            ids = self.hf_tokenizer.encode("<|channel|>final<|message|>",
+                                           add_special_tokens=False)
+            names = self.hf_tokenizer.convert_ids_to_tokens([ids[0], ids[-1]])
+            self._final = tuple(ids) if names == ["<|channel|>", "<|message|>"] else ()
+            if not self._final:
+                logger.warning("structured outputs: <|channel|> / <|message|> are not tokens "
+                               "of this tokenizer; the grammar holds from the first token")
+        return self._final or None
 
     def _think_tags(self) -> tuple[int, int] | None:
         """The ``<think>`` / ``</think>`` token ids (None, logged once, where either is not

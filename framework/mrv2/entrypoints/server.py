@@ -453,7 +453,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
                 params = dataclasses.replace(params, skip_special_tokens=False)
         if keeps_special_tokens(reasoning_parser):  # (harmony's markers, likewise)
             params = dataclasses.replace(params, skip_special_tokens=False)
-        if reasoning_parser in THINK_PARSERS and params.structured_outputs is not None:
+        if (reasoning_parser in (*THINK_PARSERS, "openai_gptoss")
+                and params.structured_outputs is not None):
             # the grammar holds what follows the thinking block (vLLM's reasoning-aware way)
             params = dataclasses.replace(params, _reasoning=reasoning_parser)
         ids, items = await chat_ids(body.messages, body.add_generation_prompt,
