@@ -33,22 +33,43 @@ prefill steps, which run eager anyway.
 Checkpoints load as HF 5.17 saves them (``model.language_model.*``, ``model.visual.*``,
 ``lm_head.weight``) and as the original layout (``model.layers.*``, ``visual.*``);
 ``tie_word_embeddings`` is read at the top level of the composite config, as HF does.
+
+Qwen3-VL-MoE (``Qwen3VLMoeForConditionalGeneration``: Qwen3-VL-30B-A3B, 235B-A22B) is the
+same model with Qwen3-MoE's routed experts in the MLP's place (layers outside
+``mlp_only_layers`` whose ``(i + 1) % decoder_sparse_step == 0``; top-k of a softmax,
+renormalized). Its published checkpoints keep each layer's experts stacked and transposed
+(``experts.gate_up_proj`` ``[E, H, 2I]``, ``experts.down_proj`` ``[E, I, H]``); transformers
+saves them untransposed (``[E, 2I, H]``, ``[E, H, I]``). Both load: a stack is transposed
+where its shape says it is the published one (where ``H == 2I`` the gate/up stack cannot
+tell, and is read as transformers saves it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
-from mrv2.layers import CausalLM, DecoderLayer, DecoderModel, GatedMLP, SelfAttention, head_dim_of
+from mrv2.layers import (
+    CausalLM,
+    DecoderLayer,
+    DecoderModel,
+    FusedMoE,
+    GatedMLP,
+    MoEBlock,
+    SelfAttention,
+    SoftmaxTopKRouter,
+    head_dim_of,
+)
 from mrv2_qwen_vl.model import load_text_and_vision, vl_text_config
 from mrv2_qwen_vl.mrope import get_mrope
 from mrv2_qwen_vl.vision_qwen3 import CHECKPOINT_PREFIXES, Qwen3VisionTower
 
-__all__ = ["DeepstackRows", "Qwen3VLForConditionalGeneration", "Qwen3VLTextModel"]
+__all__ = ["DeepstackRows", "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
+           "Qwen3VLTextModel"]
 
 
 @dataclass(frozen=True)
@@ -96,14 +117,18 @@ class Qwen3VLForConditionalGeneration(CausalLM):
 
         def layer(i: int) -> DecoderLayer:
             attention = SelfAttention(text, i, rope, qkv_bias=bias, o_bias=bias, qk_norm=True)
-            mlp = GatedMLP(text.hidden_size, text.intermediate_size, text.hidden_act)
-            return DecoderLayer(text, attention, mlp)
+            return DecoderLayer(text, attention, type(self).mlp(text, i))
 
         super().__init__(text, Qwen3VLTextModel(text, layer))
         self.hf_config = config
         self.visual = Qwen3VisionTower(config.vision_config)
         #: How many deepstack features the decoder consumes (HF ignores any past its layers).
         self.deepstack_depth = min(len(self.visual.deepstack_layers), len(self.model.layers))
+
+    @staticmethod
+    def mlp(text: Any, layer_idx: int) -> nn.Module:
+        """Decoder layer ``layer_idx``'s MLP: a SwiGLU MLP (the MoE model: its experts)."""
+        return GatedMLP(text.hidden_size, text.intermediate_size, text.hidden_act)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -130,3 +155,39 @@ class Qwen3VLForConditionalGeneration(CausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Text weights through the decoder's loader, ``visual.*`` through the tower's."""
         return load_text_and_vision(self, self.visual, CHECKPOINT_PREFIXES, weights)
+
+
+class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
+    """Qwen3-VL-MoE: Qwen3-VL with routed experts in the sparse layers (module docstring)."""
+
+    @staticmethod
+    def mlp(text: Any, layer_idx: int) -> nn.Module:
+        """Layer ``layer_idx``'s routed experts, or a SwiGLU MLP where the config keeps one."""
+        step = int(getattr(text, "decoder_sparse_step", 1) or 1)
+        dense = getattr(text, "mlp_only_layers", None) or []
+        if text.num_experts <= 0 or layer_idx in dense or (layer_idx + 1) % step:
+            return GatedMLP(text.hidden_size, text.intermediate_size, text.hidden_act)
+        if text.hidden_act != "silu":
+            raise ValueError(f"Qwen3-VL-MoE experts support hidden_act 'silu' only, got "
+                             f"{text.hidden_act!r}")
+        router = SoftmaxTopKRouter(text.hidden_size, text.num_experts,
+                                   text.num_experts_per_tok, renormalize=True)
+        return MoEBlock(router, FusedMoE(text.num_experts, text.hidden_size,
+                                         text.moe_intermediate_size))
+
+    def _untranspose(self, weights: Iterable[tuple[str, torch.Tensor]]
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+        text = vl_text_config(self.hf_config)
+        hidden, inter = int(text.hidden_size), int(text.moe_intermediate_size)
+        published = {"experts.gate_up_proj": (hidden, 2 * inter),
+                     "experts.down_proj": (inter, hidden)}
+        for name, tensor in weights:
+            shape = next((s for k, s in published.items() if name.endswith(k)), None)
+            if (shape is not None and tensor.dim() == 3 and tuple(tensor.shape[1:]) == shape
+                    and shape[0] != shape[1]):
+                tensor = tensor.transpose(1, 2)
+            yield name, tensor
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """As Qwen3-VL's, the experts' stacks in either layout (module docstring)."""
+        return super().load_weights(self._untranspose(weights))

@@ -47,6 +47,9 @@ QWEN3_TEXT: dict[str, Any] = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                         "mrope_section": [4, 2, 2], "mrope_interleaved": True},
 }
+#: Qwen3-VL-MoE's text fields on top of :data:`QWEN3_TEXT` (experts 24 wide: ``2I != H``).
+QWEN3_MOE: dict[str, Any] = {"num_experts": 4, "num_experts_per_tok": 2,
+                             "moe_intermediate_size": 24, "mlp_only_layers": [2]}
 QWEN3_VISION: dict[str, Any] = {
     "depth": 3, "hidden_size": 32, "num_heads": 2, "intermediate_size": 48,
     "out_hidden_size": 64, "patch_size": 16, "temporal_patch_size": 2, "spatial_merge_size": 2,
@@ -80,25 +83,27 @@ def make_tiny_qwen_vl(path: str | Path, text: dict[str, Any] | None = None,
 
 
 def make_tiny_qwen3_vl(path: str | Path, text: dict[str, Any] | None = None,
-                       vision: dict[str, Any] | None = None) -> Path:
+                       vision: dict[str, Any] | None = None, moe: bool = False) -> Path:
     """The tiny Qwen3-VL (3 text layers, 3 vision blocks, deepstack after blocks 0 and 1 into
     text layers 0 and 1, tied embeddings as the small released models), its image processor
     (16-pixel patches, images of 4 to 64 merged tokens; the released config's image processor
-    type) and tokenizer in ``path``."""
+    type) and tokenizer in ``path``. ``moe``: Qwen3-VL-MoE (:data:`QWEN3_MOE`: routed experts
+    in layers 0 and 1, a dense MLP in layer 2)."""
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
     path = Path(path)
-    config = transformers.Qwen3VLConfig(
-        text_config={**QWEN3_TEXT, **(text or {})},
+    arch = "Qwen3VLMoe" if moe else "Qwen3VL"
+    config = getattr(transformers, f"{arch}Config")(
+        text_config={**QWEN3_TEXT, **(QWEN3_MOE if moe else {}), **(text or {})},
         vision_config={**QWEN3_VISION, **(vision or {})}, image_token_id=IMAGE,
         video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END,
         tie_word_embeddings=True)
-    config.architectures = ["Qwen3VLForConditionalGeneration"]
+    config.architectures = [f"{arch}ForConditionalGeneration"]
     torch.manual_seed(0)
-    model = transformers.Qwen3VLForConditionalGeneration(config).eval()
+    model = getattr(transformers, f"{arch}ForConditionalGeneration")(config).eval()
     redraw_weights(model, std=0.1)
     model.save_pretrained(path)
     Qwen2VLImageProcessorPil(

@@ -1,14 +1,16 @@
-"""Qwen2.5-VL and Qwen3-VL through ``LLM`` against HF transformers on tiny random checkpoints
-(CPU, fp32): greedy tokens and log-probabilities with one image, two images of different sizes
-around text, text only; the encoder cache and chunked prefill (an image's rows, and Qwen3-VL's
-deepstack features, split across steps) with decode steps on the CUDA-graph path (CPU
-stand-ins); the prefix cache never shared across different images; the bench's bundled
-configs of the released models. Bad inputs, chat, the server and the bench run on Qwen2.5-VL
-only (the engine's multimodal path, the same for both families)."""
+"""Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE through ``LLM`` against HF transformers on tiny
+random checkpoints (CPU, fp32): greedy tokens and log-probabilities with one image, two images
+of different sizes around text, text only; the encoder cache and chunked prefill (an image's
+rows, and Qwen3-VL's deepstack features, split across steps) with decode steps on the
+CUDA-graph path (CPU stand-ins); the prefix cache never shared across different images; the
+bench's bundled configs of the released models; Qwen3-VL-MoE's published expert layout. Bad
+inputs, chat, the server and the bench run on Qwen2.5-VL only (the engine's multimodal path,
+the same for every family)."""
 
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import re
 from collections.abc import Callable
@@ -37,6 +39,8 @@ _image = random_image
 FAMILIES: dict[str, tuple[Callable[[Path], Path], Any]] = {
     "qwen2_5_vl": (make_tiny_qwen_vl, transformers.Qwen2_5_VLForConditionalGeneration),
     "qwen3_vl": (make_tiny_qwen3_vl, transformers.Qwen3VLForConditionalGeneration),
+    "qwen3_vl_moe": (functools.partial(make_tiny_qwen3_vl, moe=True),
+                     transformers.Qwen3VLMoeForConditionalGeneration),
 }
 
 
@@ -474,3 +478,37 @@ def test_bench_multimodal_runs(checkpoint: Path) -> None:
     assert [r["batch"] for r in results["with_image"]] == [1, 2]
     assert all(r["images_per_s"] > 0 and r["tpot_ms"] > 0 for r in results["with_image"])
     assert [r["batch"] for r in results["text_only"]] == [1, 2]
+
+
+def test_qwen3_vl_moe_loads_the_published_expert_layout(checkpoints: Callable[[str], Path],
+                                                        tmp_path: Path) -> None:
+    """The released Qwen3-VL-MoE checkpoints keep each layer's experts stacked and transposed
+    (``gate_up_proj`` ``[E, H, 2I]``, ``down_proj`` ``[E, I, H]``); transformers saves them
+    untransposed. Both give the same tokens and log-probabilities."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    saved = checkpoints("qwen3_vl_moe")
+    published = tmp_path / "published"
+    shutil.copytree(saved, published)
+    tensors = load_file(saved / "model.safetensors")
+    moved = 0
+    for name in list(tensors):
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name] = tensors[name].transpose(1, 2).contiguous()
+            moved += 1
+    assert moved == 4  # two sparse layers, two stacks each
+    save_file(tensors, published / "model.safetensors", metadata={"format": "pt"})
+    ids, images = CASES[sorted(CASES)[0]]()
+    prompt: dict[str, Any] = {"prompt_token_ids": ids}
+    if images:
+        prompt["multi_modal_data"] = {"image": images}
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=1)
+    outs = [_llm(path).generate([prompt], params, use_tqdm=False)[0]
+            for path in (saved, published)]
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    for a, b in zip(outs[0].prompt_logprobs[1:], outs[1].prompt_logprobs[1:], strict=True):
+        assert a is not None and b is not None
+        assert {t: round(p.logprob, 4) for t, p in a.items()} == {
+            t: round(p.logprob, 4) for t, p in b.items()}
