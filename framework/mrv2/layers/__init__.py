@@ -11,6 +11,7 @@ from mrv2.layers.decoder import (
     SelfAttention,
     head_dim_of,
     norm_mlp,
+    projection_norms,
     sliding_window_of,
 )
 from mrv2.layers.embedding import LMHead, VocabEmbedding
@@ -25,7 +26,7 @@ from mrv2.layers.linear import (
 )
 from mrv2.layers.mlp import GatedMLP
 from mrv2.layers.moe import FusedMoE, GroupedTopKRouter, MoEBlock, SoftmaxTopKRouter
-from mrv2.layers.norm import RMSNorm
+from mrv2.layers.norm import RMSNorm, ShardedRMSNorm
 from mrv2.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_of
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "MoEBlock",
     "QKVLinear",
     "RMSNorm",
+    "ShardedRMSNorm",
     "RotaryEmbedding",
     "RowLinear",
     "SelfAttention",
@@ -56,5 +58,6 @@ __all__ = [
     "sliding_window_of",
     "norm_linear",
     "norm_mlp",
+    "projection_norms",
     "rope_parameters_of",
 ]

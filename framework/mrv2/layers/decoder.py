@@ -21,7 +21,7 @@ from mrv2.layers.attention import Attention
 from mrv2.layers.embedding import LMHead, VocabEmbedding
 from mrv2.layers.linear import QKVLinear, RowLinear, norm_linear
 from mrv2.layers.mlp import GatedMLP
-from mrv2.layers.norm import RMSNorm
+from mrv2.layers.norm import RMSNorm, ShardedRMSNorm
 from mrv2.layers.rotary import RotaryEmbedding
 from mrv2.layers.weights import StackedMapping, load_stacked_weights
 
@@ -124,6 +124,19 @@ class SelfAttention(nn.Module):
                              f"{tuple(loaded.shape)}")
         with torch.no_grad():
             param.data.copy_(loaded.narrow(0, rank * heads, heads))
+
+
+def projection_norms(qkv: QKVLinear, eps: float) -> tuple[ShardedRMSNorm, ShardedRMSNorm]:
+    """RMSNorms over the whole query and key projections of ``qkv`` (all heads at once: OLMo 2,
+    MiniMax-M2), each holding this rank's heads' slice of the checkpoint's weight; key heads
+    replicated over ranks count once."""
+    d, size = qkv.head_dim, qkv.tp_size
+    q = ShardedRMSNorm(qkv.num_heads * size * d, eps, qkv.tp_rank * qkv.num_heads * d,
+                       qkv.num_heads * d)
+    total = qkv.total_kv_heads
+    k = ShardedRMSNorm(total * d, eps, qkv.first_kv_head * d, qkv.num_kv_heads * d,
+                       replicas=max(1, size * qkv.num_kv_heads // total))
+    return q, k
 
 
 def norm_mlp(

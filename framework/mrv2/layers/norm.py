@@ -1,10 +1,14 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm, optionally fused with the residual add that precedes it, and its tensor-parallel
+form over a projection split across ranks (:class:`ShardedRMSNorm`)."""
 
 from __future__ import annotations
+
+from typing import cast
 
 import torch
 from torch import nn
 
+from mrv2.distributed.parallel_state import all_reduce
 from mrv2_kernels.norm import rms_norm
 
 
@@ -30,3 +34,43 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over a projection that tensor parallelism splits across the ranks: the query or
+    key projection normalized over all its heads at once (OLMo 2, MiniMax-M2), not per head.
+
+    Each rank holds ``size`` of the ``full_size`` features (from ``first`` on; the weight is
+    this slice of the checkpoint's). The mean square is the sum of every rank's squares
+    (all-reduced, fp32) over ``full_size``; ``replicas``: how many ranks hold each feature
+    (key heads replicated over more ranks than there are heads), whose sums count once.
+    Without tensor parallelism it is :class:`RMSNorm` (the fused kernel). As HF's RMSNorm: the
+    normed value cast to the input dtype before the weight multiply.
+    """
+
+    def __init__(self, full_size: int, eps: float = 1e-6, first: int = 0,
+                 size: int | None = None, replicas: int = 1) -> None:
+        super().__init__()
+        self.full_size, self.eps, self.first, self.replicas = full_size, eps, first, replicas
+        self.size = full_size if size is None else size
+        self.weight = nn.Parameter(torch.ones(self.size))
+        self.weight.weight_loader = self._load  # type: ignore[attr-defined]
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if tuple(loaded.shape) != (self.full_size,):
+            raise ValueError(f"expects the whole norm weight [{self.full_size}], got "
+                             f"{tuple(loaded.shape)}")
+        with torch.no_grad():
+            param.data.copy_(loaded.narrow(0, self.first, self.size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == self.full_size:
+            return cast(torch.Tensor, rms_norm(x, self.weight, self.eps))
+        xf = x.float()
+        squares = all_reduce(xf.pow(2).sum(-1, keepdim=True))
+        mean = squares / (self.full_size * self.replicas)
+        return self.weight * (xf * torch.rsqrt(mean + self.eps)).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"{self.size} of {self.full_size}, eps={self.eps}"
+                + (f", replicas={self.replicas}" if self.replicas > 1 else ""))

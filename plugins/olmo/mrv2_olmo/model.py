@@ -3,8 +3,9 @@ before it joins the residual stream (``post_attention_layernorm``, ``post_feedfo
 there are no pre-norms), and the query and key projections are RMS-normalized over all their
 heads at once (``q_norm`` over ``num_heads * head_dim`` features, not per head) before RoPE.
 
-That whole-projection norm spans the heads tensor parallelism would put on other ranks, so
-this family runs on one GPU per model (``tensor_parallel_size > 1`` is refused by name).
+That whole-projection norm spans the heads tensor parallelism puts on other ranks: under it
+each rank normalizes its heads by the mean square all-reduced over every rank's
+(:func:`mrv2.layers.projection_norms`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from mrv2.distributed.parallel_state import tp_size
 from mrv2.layers import (
     Attention,
     CausalLM,
@@ -26,6 +26,7 @@ from mrv2.layers import (
     RowLinear,
     get_rope,
     head_dim_of,
+    projection_norms,
     sliding_window_of,
 )
 
@@ -45,11 +46,11 @@ class Olmo2Attention(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = QKVLinear(config.hidden_size, head_dim, heads, kv_heads, bias=bias)
         self.o_proj = RowLinear(heads * head_dim, config.hidden_size, bias=bias)
-        self.q_norm = RMSNorm(heads * head_dim, eps=config.rms_norm_eps)
-        self.k_norm = RMSNorm(kv_heads * head_dim, eps=config.rms_norm_eps)
+        self.q_norm, self.k_norm = projection_norms(self.qkv_proj, config.rms_norm_eps)
         self.rotary_emb = rope
-        self.attn = Attention(heads, kv_heads, head_dim, head_dim**-0.5, layer_idx,
-                              sliding_window=sliding_window_of(config, layer_idx))
+        self.attn = Attention(  # this rank's heads
+            self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim, head_dim**-0.5,
+            layer_idx, sliding_window=sliding_window_of(config, layer_idx))
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
@@ -80,9 +81,6 @@ class Olmo2ForCausalLM(CausalLM):
     """OLMo 2 in the mrv2 model contract (module docstring)."""
 
     def __init__(self, config: PretrainedConfig) -> None:
-        if tp_size() > 1:
-            raise ValueError(f"Olmo2ForCausalLM: tensor_parallel_size ({tp_size()}) must be 1: "
-                             "its q/k norms span every head")
         rope = get_rope(config, head_dim_of(config))
         super().__init__(config, DecoderModel(config, lambda i: Olmo2DecoderLayer(config, i,
                                                                                    rope)))
