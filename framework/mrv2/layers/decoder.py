@@ -63,8 +63,10 @@ class SelfAttention(nn.Module):
     Heads from the config (``num_attention_heads``, ``num_key_value_heads`` or as many,
     :func:`head_dim_of`), split across tensor-parallel ranks by :class:`QKVLinear`;
     ``qkv_bias`` / ``o_bias`` put biases on the projections (Qwen3 and Llama: both per
-    ``attention_bias``; GLM-4.x: q/k/v only), ``qk_norm`` adds Qwen3's
-    ``q_norm`` / ``k_norm`` (built with ``rms_norm_eps``), fused into the rotation.
+    ``attention_bias``; GLM-4.x: q/k/v only), ``qk_norm`` adds Qwen3's per-head
+    ``q_norm`` / ``k_norm`` (built with ``rms_norm_eps``), fused into the rotation;
+    ``qk_norm="projection"``: norms over the whole query and key projections instead (OLMo 2,
+    MiniMax-M2; :func:`projection_norms`), before the rotation.
     ``scale``: the scores' factor (default ``head_dim ** -0.5``); ``logit_softcap``: scores
     soft-capped (Gemma 2); ``sinks``: a learned attention-sink score per head, ``sinks``
     ``[num_heads]`` (gpt-oss; this rank's heads under tensor parallelism). Local layers
@@ -74,7 +76,7 @@ class SelfAttention(nn.Module):
     def __init__(
         self, config: Any, layer_idx: int, rope: RotaryEmbedding | None, *,
         qkv_bias: bool = False,
-        o_bias: bool = False, qk_norm: bool = False, scale: float | None = None,
+        o_bias: bool = False, qk_norm: bool | str = False, scale: float | None = None,
         logit_softcap: float | None = None, sinks: bool = False,
     ) -> None:
         super().__init__()
@@ -85,9 +87,15 @@ class SelfAttention(nn.Module):
             config.hidden_size, self.head_dim, num_heads, num_kv_heads, bias=qkv_bias
         )
         self.o_proj = RowLinear(num_heads * self.head_dim, config.hidden_size, bias=o_bias)
-        self.q_norm: RMSNorm | None = None
-        self.k_norm: RMSNorm | None = None
-        if qk_norm:
+        self.q_norm: RMSNorm | ShardedRMSNorm | None = None
+        self.k_norm: RMSNorm | ShardedRMSNorm | None = None
+        if qk_norm not in (False, True, "projection"):
+            raise ValueError(f"qk_norm must be False, True (per head) or 'projection', got "
+                             f"{qk_norm!r}")
+        self.projection_norm = qk_norm == "projection"
+        if self.projection_norm:
+            self.q_norm, self.k_norm = projection_norms(self.qkv_proj, config.rms_norm_eps)
+        elif qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.rotary_emb = rope
@@ -110,7 +118,9 @@ class SelfAttention(nn.Module):
         same kernel."""
         q, k, v = self.qkv_proj.split(qkv)
         norms = None
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.projection_norm and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        elif self.q_norm is not None and self.k_norm is not None:
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         out = self.attn(q, k, v, positions=positions, rotary=self.rotary_emb, qk_norm=norms,
                         sinks=self.sinks)
