@@ -70,9 +70,18 @@ class StackSampler:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop sampling; each thread's CPU seconds are read once more, so reports made after
+        this say the same (a thread that has ended keeps its last reading)."""
         self._stop.set()
         self._thread.join()
         self.wall = time.monotonic() - self._start
+        self._read_cpu()
+
+    def _read_cpu(self) -> None:
+        for ident, (_, native) in list(self._names.items()):
+            cpu = _cpu_seconds(native)
+            if cpu is not None:
+                self._cpu1[ident] = cpu
 
     def _run(self) -> None:
         me = threading.get_ident()
@@ -80,10 +89,7 @@ class StackSampler:
         while not self._stop.wait(self.interval):
             ticks += 1
             if ticks % 50 == 0:  # /proc reads are slower than a sample: a few a second
-                for ident, (_, native) in self._names.items():
-                    cpu = _cpu_seconds(native)
-                    if cpu is not None:
-                        self._cpu1[ident] = cpu
+                self._read_cpu()
             known = {t.ident: t for t in threading.enumerate()}
             for ident, frame in sys._current_frames().items():
                 if ident == me:
@@ -114,7 +120,7 @@ class StackSampler:
         for ident in order:
             name, native = self._names[ident]
             cpu0 = self._cpu0.get(ident)
-            cpu1 = _cpu_seconds(native) or self._cpu1.get(ident)
+            cpu1 = self._cpu1.get(ident)  # (read every 50 samples and at stop)
             cpu = "?" if cpu0 is None or cpu1 is None else f"{cpu1 - cpu0:.2f}"
             n = self.samples[ident]
             lines.append(f"\n== thread {name} (native {native}): CPU {cpu} s since its "
