@@ -413,3 +413,32 @@ def test_sleep_bench_times_each_part_and_wakes_to_the_same_tokens(tmp_path: Path
     assert [r["level"] for r in rounds] == [1, 1, 2]
     assert all(r["tokens_match"] for r in rounds[:2]) and "tokens_match" not in rounds[2]
     assert all(r["sleep_s"] >= 0 and r["wake_kv_cache_s"] >= 0 for r in rounds)
+
+
+#: The released models' parameter counts (their model cards; GLM-4.7's 355B counts its MTP
+#: layer, not built here), against which each bundled config's model is checked.
+PUBLISHED_BILLIONS = {
+    "DeepSeek-V2-Lite": 15.7, "GLM-4.5-Air-FP8": 106.0, "GLM-4.7-FP8": 355.0,
+    "Qwen2.5-7B": 7.61, "Qwen2.5-VL-7B": 8.29, "Qwen3-0.6B": 0.6, "Qwen3-30B-A3B": 30.5,
+    "Qwen3-32B": 32.8, "Qwen3-8B": 8.2, "Qwen3-VL-8B": 8.77, "gpt-oss-20b": 21.0,
+}
+
+
+def test_every_bundled_config_builds_the_released_model() -> None:
+    """Each config under ``mrv2/bench/configs`` builds (on the meta device, through its
+    registered plugin) a model of the released model's size, within 2%."""
+    from mrv2.bench.measure import CONFIGS
+    from mrv2.model_loader.build import load_hf_config
+    from mrv2.plugins import get_plugin_manager
+    from mrv2.registry import import_object
+
+    registries = get_plugin_manager().registries
+    names = sorted(d.name for d in CONFIGS.iterdir() if (d / "config.json").exists())
+    assert names == sorted(PUBLISHED_BILLIONS)  # a new config needs its published size here
+    for name in names:
+        config = load_hf_config(CONFIGS / name)
+        model_cls = import_object(registries.resolve_model(list(config.architectures)).model)
+        with torch.device("meta"):
+            model = model_cls(config)
+        billions = sum(p.numel() for p in model.parameters()) / 1e9
+        assert abs(billions / PUBLISHED_BILLIONS[name] - 1) < 0.02, (name, billions)
