@@ -205,6 +205,11 @@ class ParallelConfig(_Section):
     tensor_parallel_size: int = Field(
         default=1, ge=1, le=64,
         description="ranks to split the model over (one process and one GPU each)")
+    enable_expert_parallel: bool = Field(
+        default=False,
+        description="split mixture-of-experts layers by whole experts across the ranks "
+        "(each rank holds num_experts / tensor_parallel_size of them) instead of splitting "
+        "every expert's columns; attention stays tensor-parallel")
 
 
 class LoRAConfig(_Section):

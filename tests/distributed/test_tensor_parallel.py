@@ -46,6 +46,34 @@ def test_tp2_equals_tp1(family: str, tmp_path: Path) -> None:
     assert _tokens(model, 2) == _tokens(model, 1)
 
 
+@pytest.mark.parametrize("family", ["qwen3-moe", "glm4-moe", "deepseek-v2-lite", "gpt-oss",
+                                    "fp8-experts", "gptq-experts"])
+def test_expert_parallel_equals_one_rank(family: str, tmp_path: Path) -> None:
+    """``enable_expert_parallel`` at TP=2: each rank holds half the experts whole (shared
+    experts and attention still split by columns / heads; gpt-oss's expert biases on the
+    rank of their expert; FP8 and GPTQ experts loaded expert by expert); the same tokens as
+    one rank."""
+    if family == "fp8-experts" or family == "gptq-experts":
+        src = make_tiny_checkpoint(tmp_path / "src", "Qwen3MoeForCausalLM", std=0.15,
+                                   num_experts=4, num_experts_per_tok=2,
+                                   moe_intermediate_size=32)
+        model = tmp_path / "q"
+        if family == "fp8-experts":
+            fp8_checkpoint(src, model, tmp_path / "ref", block=(16, 16))
+        else:
+            gptq_checkpoint(src, model, tmp_path / "ref", bits=4, group_size=16, sym=False,
+                            experts=True)
+    else:
+        architecture, overrides = FAMILIES[family]
+        model = make_tiny_checkpoint(tmp_path / "m", architecture, std=0.15, **overrides)
+    want = _tokens(model, 1)
+    with LLM(str(model), device="cpu", dtype="float32", block_size=4, max_model_len=128,
+             tensor_parallel_size=2, enable_expert_parallel=True) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                               [GREEDY, GREEDY, GREEDY, SEEDED], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == want
+
+
 def test_classifier_tp2_equals_tp1(tmp_path: Path) -> None:
     """A sequence classifier's label probabilities at TP=2 are TP=1's (the score head,
     replicated, over the gathered final hidden states)."""

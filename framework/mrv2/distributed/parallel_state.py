@@ -37,6 +37,26 @@ class TensorParallelGroup:
 
 
 _GROUP = TensorParallelGroup()
+#: Routed experts are split whole across the ranks (expert parallelism) in the layers built
+#: now (:func:`expert_parallel_build`), rather than each expert's columns.
+_EXPERT_PARALLEL = False
+
+
+def expert_parallel() -> bool:
+    """Whether the routed-expert layers built now split their experts across the ranks."""
+    return _EXPERT_PARALLEL
+
+
+@contextmanager
+def expert_parallel_build(enabled: bool) -> Iterator[None]:
+    """Build layers with expert parallelism ``enabled`` (the engine's
+    ``enable_expert_parallel``): routed experts whole on one rank each."""
+    global _EXPERT_PARALLEL
+    saved, _EXPERT_PARALLEL = _EXPERT_PARALLEL, enabled
+    try:
+        yield
+    finally:
+        _EXPERT_PARALLEL = saved
 
 
 def tp_group() -> TensorParallelGroup:

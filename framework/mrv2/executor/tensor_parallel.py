@@ -130,7 +130,8 @@ class DistributedRunner(Runner):
         else:
             # the model's sharding rules first: a bad split fails here, before any worker
             check_shardable(model_dir, load_hf_config(model_dir, config.model.hf_overrides),
-                            (plugins or get_plugin_manager()).registries, size)
+                            (plugins or get_plugin_manager()).registries, size,
+                            config.parallel.enable_expert_parallel)
             device = rank_device(config, 0)
             store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
                                   timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))

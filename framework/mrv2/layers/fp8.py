@@ -242,7 +242,10 @@ class Fp8FusedMoE(FusedMoE):
         weight rows) into its rows of the per-row scales."""
         if shard_id is None:
             raise ValueError("fp8 expert scales load one expert's gate, up or down at a time")
-        expert, kind = shard_id
+        expert_id, kind = shard_id
+        expert = self.local_expert(expert_id)
+        if expert is None:
+            return  # another rank's expert (expert parallelism)
         inter = self.intermediate_size
         if kind == "down":
             target = param.data[expert]

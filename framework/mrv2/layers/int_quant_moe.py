@@ -75,7 +75,7 @@ class IntFusedMoE(FusedMoE):
         start = self.tp_rank * self.rank_inter
         self.pad_before = start % group
         self.intermediate_size = -(-(self.pad_before + self.rank_inter) // group) * group
-        e, inter, hidden = self.num_experts, self.intermediate_size, self.hidden_size
+        e, inter, hidden = self.local_experts, self.intermediate_size, self.hidden_size
         self.quant, self.model_dtype = quant, dtype
         device = self.w13_weight.device
         del self.w13_weight, self.w2_weight
@@ -132,7 +132,10 @@ class IntFusedMoE(FusedMoE):
         """One expert's ``role`` tensor of its gate / up / down projection."""
         if shard_id is None:
             raise ValueError("integer experts load one expert's gate, up or down at a time")
-        expert, kind = shard_id
+        expert_id, kind = shard_id
+        expert = self.local_expert(expert_id)
+        if expert is None:
+            return None  # another rank's expert (expert parallelism)
         if role == "weight_shape":
             return None  # (the shapes are checked when the tensors land)
         if role == "g_idx":
@@ -153,7 +156,7 @@ class IntFusedMoE(FusedMoE):
         elif kind == "up":
             target = target[inter + first : inter + first + self.rank_inter]
         if target.shape != part.shape:
-            raise ValueError(f"expert {expert}'s {kind} {self.quant.name(role)} gives "
+            raise ValueError(f"expert {expert_id}'s {kind} {self.quant.name(role)} gives "
                              f"{tuple(part.shape)} after unpacking, the layer expects "
                              f"{tuple(target.shape)}")
         with torch.no_grad():

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mrv2.contract.forward_context import real_token_count
-from mrv2.distributed.parallel_state import all_reduce
+from mrv2.distributed.parallel_state import all_reduce, expert_parallel
 from mrv2.layers.linear import resolve_tp, split_evenly
 from mrv2.layers.mlp import GatedMLP
 from mrv2.layers.weights import apply_moving_only
@@ -48,6 +48,13 @@ class FusedMoE(nn.Module):
     ``w13_weight`` ``[E, 2I, H]`` holds each expert's gate rows then its up rows,
     ``w2_weight`` ``[E, H, I]`` its down projection. ``forward(x, topk_weights, topk_ids)``
     returns ``sum_j topk_weights[:, j] * expert_{topk_ids[:, j]}(x)``.
+
+    Expert parallelism (built under :func:`~mrv2.distributed.parallel_state.
+    expert_parallel_build`, the engine's ``enable_expert_parallel``): each rank holds
+    ``E / size`` whole experts (``first_expert`` on, ``local_experts`` of them; no column
+    split: ``tp_size`` reads 1 here), routes every pair and computes its own experts' (the
+    others' ids point at its first expert with a zero weight: no host sync, a graph's shapes),
+    and the ranks' outputs are summed as under tensor parallelism (``world`` ranks).
 
     ``bias``: ``w13_bias`` ``[E, 2I]`` (gate then up) and ``w2_bias`` ``[E, H]`` on the
     projections; ``activation``: ``"silu"`` (``silu(gate) * up``) or gpt-oss's clamped
@@ -71,7 +78,19 @@ class FusedMoE(nn.Module):
                              f" got {activation!r}")
         self.activation = activation
         self.swiglu_limit = float(swiglu_limit)
-        self.tp_rank, self.tp_size = resolve_tp(tp_size)
+        rank, size = resolve_tp(tp_size)
+        #: The ranks whose outputs are summed (tensor or expert parallelism alike).
+        self.world = size
+        self.expert_parallel = expert_parallel() and size > 1
+        if self.expert_parallel:  # whole experts per rank; columns not split
+            self.local_experts = split_evenly(num_experts, size,
+                                              "num_experts (expert parallelism)")
+            self.first_expert = rank * self.local_experts
+            rank, size = 0, 1
+        else:
+            self.local_experts, self.first_expert = num_experts, 0
+        #: The rank and size the experts' columns are split over (1 under expert parallelism).
+        self.tp_rank, self.tp_size = rank, size
         self.reduce_output = reduce_output
         self.num_experts = num_experts
         self.hidden_size = hidden_size
@@ -80,15 +99,16 @@ class FusedMoE(nn.Module):
         intermediate_size = split_evenly(intermediate_size, self.tp_size,
                                          "moe intermediate size")
         self.intermediate_size = intermediate_size
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        local = self.local_experts
+        self.w13_weight = nn.Parameter(torch.empty(local, 2 * intermediate_size, hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(local, hidden_size, intermediate_size))
         for param in (self.w13_weight, self.w2_weight):
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.w13_bias: nn.Parameter | None = None
         self.w2_bias: nn.Parameter | None = None
         if bias:
-            self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
-            self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+            self.w13_bias = nn.Parameter(torch.empty(local, 2 * intermediate_size))
+            self.w2_bias = nn.Parameter(torch.empty(local, hidden_size))
             for param in (self.w13_bias, self.w2_bias):
                 param.weight_loader = self.bias_loader  # type: ignore[attr-defined]
         self.count_reads = os.environ.get(COUNT_READS_ENV, "") == "1"
@@ -102,10 +122,13 @@ class FusedMoE(nn.Module):
         loaded = self.rank_part(param, loaded, shard_id)
         if shard_id is None:
             target = param.data
+            loaded = self.local_stack(loaded)
         else:
             expert, kind = shard_id
-            if not 0 <= expert < self.num_experts:
-                raise ValueError(f"expert index must be in [0, {self.num_experts}), got {expert}")
+            local = self.local_expert(expert)
+            if local is None:
+                return  # another rank's expert
+            expert = local
             inter = self.intermediate_size
             if kind == "gate":
                 target = param.data[expert, :inter]
@@ -123,6 +146,21 @@ class FusedMoE(nn.Module):
         with torch.no_grad():
             target.copy_(loaded)
 
+    def local_expert(self, expert: int) -> int | None:
+        """Expert ``expert``'s index on this rank, or None where another rank holds it; a
+        ValueError outside ``[0, num_experts)``."""
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert index must be in [0, {self.num_experts}), got {expert}")
+        local = expert - self.first_expert
+        return local if 0 <= local < self.local_experts else None
+
+    def local_stack(self, loaded: torch.Tensor) -> torch.Tensor:
+        """This rank's experts of a whole stacked checkpoint tensor ``[E, ...]``."""
+        if loaded.shape[0] != self.num_experts:
+            raise ValueError(f"expects the whole stack of {self.num_experts} experts, got "
+                             f"{tuple(loaded.shape)}")
+        return loaded.narrow(0, self.first_expert, self.local_experts)
+
     def bias_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         """The stacked biases: ``w13_bias`` ``[E, 2I]`` (this rank's gate and up columns),
         ``w2_bias`` ``[E, H]`` (added once: on rank 0, zero on the others, since the ranks'
@@ -131,6 +169,7 @@ class FusedMoE(nn.Module):
                 else (self.num_experts, self.hidden_size))
         if tuple(loaded.shape) != want:
             raise ValueError(f"expects the whole stacked bias {want}, got {tuple(loaded.shape)}")
+        loaded = self.local_stack(loaded)
         if param is self.w2_bias:
             with torch.no_grad():
                 param.data.copy_(loaded if self.tp_rank == 0 else torch.zeros_like(loaded))
@@ -175,13 +214,20 @@ class FusedMoE(nn.Module):
 
     def reduce(self, y: torch.Tensor) -> torch.Tensor:
         """The sum of the ranks' partial outputs (unless :class:`MoEBlock` does it)."""
-        return all_reduce(y) if self.reduce_output and self.tp_size > 1 else y
+        return all_reduce(y) if self.reduce_output and self.world > 1 else y
 
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         valid = real_token_count(x.shape[0])  # a graph's padding rows: no expert read for them
-        if self.count_reads:
+        if self.expert_parallel:  # the others' pairs: this rank's first expert, weight 0
+            ids = topk_ids - self.first_expert
+            mine = (ids >= 0) & (ids < self.local_experts)
+            topk_ids = torch.where(mine, ids, 0).to(topk_ids.dtype)
+            topk_weights = torch.where(mine, topk_weights, 0.0)
+            if self.count_reads:
+                self._count(torch.where(mine, ids, self.local_experts), valid)
+        elif self.count_reads:
             self._count(topk_ids, valid)
         return self.reduce(self._experts(x, topk_weights, topk_ids, valid))
 
@@ -198,12 +244,13 @@ class FusedMoE(nn.Module):
         if self.expert_reads is None or self.expert_reads.device != topk_ids.device:
             self.expert_reads = torch.zeros((), dtype=torch.int64, device=topk_ids.device)
         ids = topk_ids.long()
-        if valid is not None:  # padding rows pick the spare slot num_experts
+        spare = self.local_experts  # (expert parallelism: the others' pairs point there too)
+        if valid is not None:  # padding rows pick the spare slot
             rows = torch.arange(ids.shape[0], device=ids.device)[:, None]
-            ids = torch.where(rows < valid, ids, self.num_experts)
-        hits = torch.zeros(self.num_experts + 1, dtype=torch.int32, device=topk_ids.device)
+            ids = torch.where(rows < valid, ids, spare)
+        hits = torch.zeros(spare + 1, dtype=torch.int32, device=topk_ids.device)
         hits.scatter_(0, ids.reshape(-1), 1)
-        self.expert_reads += hits[: self.num_experts].sum()
+        self.expert_reads += hits[:spare].sum()
 
     def expert_bytes(self) -> int:
         """Bytes of one expert's weights (what a step reads per distinct expert it routes to)."""
@@ -214,7 +261,9 @@ class FusedMoE(nn.Module):
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, "
                 f"intermediate={self.intermediate_size}"
                 + (", bias" if self.w13_bias is not None else "")
-                + (f", {self.activation}" if self.activation != "silu" else ""))
+                + (f", {self.activation}" if self.activation != "silu" else "")
+                + (f", experts {self.first_expert}-{self.first_expert + self.local_experts - 1}"
+                   " here" if self.expert_parallel else ""))
 
 
 class SoftmaxTopKRouter(nn.Module):
@@ -338,7 +387,7 @@ class MoEBlock(nn.Module):
         self.gate = gate
         self.experts = experts
         self.shared_experts = shared_experts
-        self.tp_size = experts.tp_size
+        self.tp_size = experts.world
         experts.reduce_output = False
         if shared_experts is not None:
             shared_experts.down_proj.reduce_output = False

@@ -95,19 +95,20 @@ def resolve_dtype(requested: str, hf_config: Any, device: torch.device) -> torch
     return torch.bfloat16
 
 
-def check_shardable(model_dir: str, hf_config: Any, registries: Registries, size: int) -> None:
+def check_shardable(model_dir: str, hf_config: Any, registries: Registries, size: int,
+                    expert_parallel: bool = False) -> None:
     """Build the registered model class on the meta device as rank 0 of ``size`` would (no
     memory, no weights), so that its layers' divisibility rules (heads, KV heads, MLP width,
     experts over ``tensor_parallel_size``) raise their ``ValueError`` before any worker process
     starts. Any other failure is left to the real build, which reports it."""
-    from mrv2.distributed.parallel_state import as_rank
+    from mrv2.distributed.parallel_state import as_rank, expert_parallel_build
 
     architectures = list(getattr(hf_config, "architectures", None) or [])
     if not architectures:
         raise ValueError(f"{model_dir}/config.json names no 'architectures'")
     model_cls = import_object(registries.resolve_model(architectures).model)
     try:
-        with as_rank(0, size), torch.device("meta"):
+        with as_rank(0, size), torch.device("meta"), expert_parallel_build(expert_parallel):
             model_cls(hf_config)
     except ValueError:
         raise
@@ -124,6 +125,7 @@ def build_model(
     dtype: torch.dtype,
 ) -> tuple[nn.Module, ModelEntry]:
     """Instantiate the registered model class on ``device`` and load (or draw) its weights."""
+    from mrv2.distributed.parallel_state import expert_parallel_build
     from mrv2.layers.embedding import PoolingLogits
     from mrv2.layers.fp8 import fp8_config_of, log_fp8_memory
     from mrv2.layers.int_quant import fill_int_defaults, log_int_memory
@@ -150,7 +152,8 @@ def build_model(
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device("meta" if on_meta else device):
+        with (torch.device("meta" if on_meta else device),
+              expert_parallel_build(config.parallel.enable_expert_parallel)):
             model = model_cls(hf_config)
             if classifier:  # the causal LM, plus its score head
                 add_score_head(model, int(text_config_of(hf_config).hidden_size), hf_config)
