@@ -76,8 +76,8 @@ def test_a_stream_cut_anywhere_gives_the_whole_answer() -> None:
 
 def test_the_parser_name_is_checked() -> None:
     assert check_tool_call_parser("hermes") == "hermes"
-    allowed = ("hermes, qwen3_coder, glm45, glm47, deepseek_v3, deepseek_v31, llama3_json, "
-               "pythonic, llama4_pythonic, openai")
+    allowed = ("hermes, qwen3_coder, glm45, glm47, minimax_m2, deepseek_v3, deepseek_v31, "
+               "llama3_json, pythonic, llama4_pythonic, openai")
     for name in allowed.split(", "):
         assert check_tool_call_parser(name) == name == get_tool_parser(name).name
     with pytest.raises(ValueError, match=f"tool_call_parser='json': allowed values are "

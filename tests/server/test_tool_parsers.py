@@ -1,7 +1,8 @@
 """Every ``--tool-call-parser`` format, text only: whole answers (content before the calls,
 several calls, arguments typed by the tools' schema, malformed answers left as content, a last
 call cut off), and streams cut in random small pieces that give the same content and calls
-without ever sending what turns out to be (a part of) a call marker."""
+without ever sending what turns out to be (a part of) a call marker (``minimax_m2``'s also a
+character at a time and cut in two anywhere)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,18 @@ def _glm(name: str, newline: bool = True, **args: str) -> str:
     return f"<tool_call>{name}{sep}{body}</tool_call>"
 
 
+def _mm(*invokes: str) -> str:
+    """A minimax_m2 block of invokes."""
+    return "<minimax:tool_call>\n" + "".join(invokes) + "</minimax:tool_call>"
+
+
+def _inv(name: str, quote: str = '"', **params: str) -> str:
+    """A minimax_m2 invoke (``quote``: around the names)."""
+    body = "".join(f"<parameter name={quote}{k}{quote}>{v}</parameter>\n"
+                   for k, v in params.items())
+    return f"<invoke name={quote}{name}{quote}>\n{body}</invoke>\n"
+
+
 def _v3(name: str, arguments: str) -> str:
     return f"{DS_CALL_BEGIN}function{DS_SEP}{name}\n```json\n{arguments}\n```{DS_CALL_END}"
 
@@ -58,6 +71,7 @@ def _v31(name: str, arguments: str) -> str:
 HERMES = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 QC_CUT = "<tool_call>\n<function=weather>\n<parameter=city>\nPar"
 GLM_ARGS = "<tool_call>weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+MM_CUT = '<minimax:tool_call>\n<invoke name="weather">\n<parameter name="city">Par'
 PARIS: Calls = [("weather", {"city": "Paris"})]
 
 #: parser -> [(answer, content, calls)]
@@ -109,6 +123,37 @@ CASES: dict[str, list[tuple[str, str | None, Calls]]] = {
          "<tool_call>weather\n<arg_key>city</arg_key>\n</tool_call>", []),
         ("<tool_call>\n<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
          "<tool_call>\n<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>", []),
+    ],
+    "minimax_m2": [
+        ("Let me check.\n" + _mm(_inv("weather", city="Paris", days="3"),
+                                 _inv("weather", city="New York", metric="true", ratio="0.5",
+                                      tags='["a", 1]', opts='{"x": null}', nothing="null",
+                                      either="7")),
+         "Let me check.\n", [("weather", {"city": "Paris", "days": 3}),
+                             ("weather", {"city": "New York", "metric": True, "ratio": 0.5,
+                                          "tags": ["a", 1], "opts": {"x": None},
+                                          "nothing": None, "either": 7})]),
+        # several blocks: the text between and after them is content too (blank text not)
+        ("<think>\nplan\n</think>\n\n" + _mm(_inv("now")) + "\nThen:\n"
+         + _mm(_inv("weather", "'", city="Zürich")) + "\n",
+         "<think>\nplan\n</think>\n\n\nThen:\n", [("now", {}), ("weather", {"city": "Zürich"})]),
+        (_mm(_inv("weather", "", city="a < b & c", days="three", ratio="1e999", metric="yes",
+                  either="null", extra="5")), None,  # bare names; values that fit no type
+         [("weather", {"city": "a < b & c", "days": "three", "ratio": "1e999",
+                       "metric": "yes", "either": None, "extra": "5"})]),
+        (_mm(_inv("weather", city="\n  New\nYork \n", days=" -2 ")), None,  # stripped
+         [("weather", {"city": "New\nYork", "days": -2})]),
+        (_mm(_inv("lookup", days="3")), None, [("lookup", {"days": "3"})]),  # no schema: text
+        (_mm(_inv("now"))[:-len("</minimax:tool_call>")] + _inv("weather", city="Paris")[:-11],
+         None, [("now", {}), *PARIS]),  # cut off after a whole argument
+        ("Hi\n" + MM_CUT, "Hi\n" + MM_CUT, []),  # cut off in a value
+        ('<minimax:tool_call>\n<invoke name="wea', '<minimax:tool_call>\n<invoke name="wea',
+         []),  # cut off in the name
+        (_mm('<invoke name="">\n</invoke>'), _mm('<invoke name="">\n</invoke>'), []),
+        (_mm('<invoke name="now">\njunk\n</invoke>'),
+         _mm('<invoke name="now">\njunk\n</invoke>'), []),
+        (_mm(), _mm(), []),  # a block without an invoke
+        (HERMES, HERMES, []),  # another format's call: content
     ],
     "deepseek_v3": [
         ("Checking." + DS_CALLS_BEGIN + _v3("weather", '{"city": "Paris"}') + "\n"
@@ -233,9 +278,27 @@ def test_a_stream_in_small_pieces_gives_the_whole_answer(parser: str) -> None:
             assert ((sent or None), _calls(got)) == (content, calls), (text, deltas)
 
 
+@pytest.mark.parametrize(("text", "content", "calls"), CASES["minimax_m2"])
+def test_a_minimax_stream_split_anywhere_gives_the_whole_answer(
+        text: str, content: str | None, calls: Calls) -> None:
+    """``minimax_m2`` streamed a character at a time, and in two pieces cut at every place:
+    the same content and calls as the whole answer, never a part of a marker sent."""
+    splits = [list(text)] + [[text[:i], text[i:]] for i in range(len(text) + 1)]
+    for deltas in splits:
+        deltas = deltas or [""]
+        stream, sent, got = ToolCallStream("minimax_m2", TOOLS), "", []
+        for i, delta in enumerate(deltas):
+            piece, piece_calls = stream.feed(delta, final=i == len(deltas) - 1)
+            sent += piece
+            got += piece_calls
+            assert (content or "").startswith(sent), (text, deltas[:i + 1])
+        assert ((sent or None), _calls(got)) == (content, calls), (text, deltas)
+
+
 def test_a_stream_holds_a_markers_beginning() -> None:
     assert ToolCallStream("deepseek_v3").feed("Hi <｜tool▁cal") == ("Hi ", [])
     assert ToolCallStream("qwen3_coder").feed("Hi <func") == ("Hi ", [])
+    assert ToolCallStream("minimax_m2").feed("Hi <minimax:tool") == ("Hi ", [])
     stream = ToolCallStream("llama3_json")
     assert stream.feed(" \n<|py") == ("", [])
     assert stream.feed("thon") == ("", [])

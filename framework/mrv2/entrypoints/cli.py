@@ -197,16 +197,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                        help="chat answers carry the model's <think> text as "
                        "reasoning_content (qwen3: the output opens the block; deepseek_r1: "
-                       "the prompt does; openai_gptoss: gpt-oss's harmony analysis channel)")
+                       "the prompt does; minimax_m2: MiniMax-M2's, as deepseek_r1; "
+                       "minimax_m2_append_think: MiniMax-M2's block left in the content, its "
+                       "<think> put back; openai_gptoss: gpt-oss's harmony analysis channel)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="chat requests may offer tools; the model's calls come back as "
                        "tool_calls (with --tool-call-parser)")
     serve.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                        help="how the model writes its calls (vLLM's names): hermes (Qwen2.5, "
                        "Qwen3), qwen3_coder (Qwen3-Coder), glm45 (GLM-4.5/4.6), glm47 "
-                       "(GLM-4.7), deepseek_v3 (DeepSeek-V3), deepseek_v31 (DeepSeek-V3.1), "
-                       "llama3_json (Llama 3.x), pythonic / llama4_pythonic (Llama 3.2, 4), "
-                       "openai (gpt-oss's harmony format)")
+                       "(GLM-4.7), minimax_m2 (MiniMax-M2), deepseek_v3 (DeepSeek-V3), "
+                       "deepseek_v31 (DeepSeek-V3.1), llama3_json (Llama 3.x), pythonic / "
+                       "llama4_pythonic (Llama 3.2, 4), openai (gpt-oss's harmony format)")
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's log level (default info)")

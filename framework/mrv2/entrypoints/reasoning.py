@@ -2,7 +2,7 @@
 chat message's ``reasoning_content``, the rest as its ``content`` (vLLM's fields and parser
 names).
 
-Three conventions, as vLLM's parsers:
+The conventions, as vLLM's parsers:
 
 * ``qwen3``: the output may open with ``<think>`` (leading whitespace allowed); what lies
   between it and ``</think>`` is reasoning, what follows is content. An output that does not
@@ -11,6 +11,13 @@ Three conventions, as vLLM's parsers:
 * ``deepseek_r1``: the template opens the block in the prompt, so the output is reasoning up
   to ``</think>`` (a leading ``<think>`` is dropped) and content after it; an output without
   ``</think>`` is all reasoning.
+* ``minimax_m2`` (MiniMax-M2, whose template also opens the block in the prompt):
+  ``deepseek_r1``'s, and a ``</think>`` the model writes again in its content is dropped
+  (vLLM's parser drops it too). ``minimax_m2_append_think`` (what MiniMax's guides serve the
+  model with) splits nothing: the content is the whole output with the ``<think>`` the prompt
+  opened put back in front (``<think>...</think>answer``: MiniMax asks clients to send the
+  block back in later turns' messages, which a client that sees it in the content does) and
+  there is no ``reasoning_content``.
 * ``openai_gptoss`` (gpt-oss): OpenAI's harmony messages (:mod:`mrv2.entrypoints.harmony`):
   the ``analysis`` channel is reasoning; the ``final`` channel and ``commentary`` preambles
   (no recipient) are content; calls (``to=functions.NAME``) are neither (the ``openai``
@@ -20,7 +27,8 @@ Three conventions, as vLLM's parsers:
 
 A stream is split as it arrives (:class:`ReasoningStream`): text that may still turn out to
 be part of a tag is held back until the next delta decides it, so no tag ever reaches the
-client and no text is lost or repeated.
+client (but ``minimax_m2_append_think``'s, which are content) and no text is lost or
+repeated.
 """
 
 from __future__ import annotations
@@ -28,10 +36,14 @@ from __future__ import annotations
 from mrv2.entrypoints.harmony import HarmonyStream
 
 #: ``--reasoning-parser`` values.
-REASONING_PARSERS = ("qwen3", "deepseek_r1", "openai_gptoss")
-#: The parsers of a ``<think>`` block, which the engine's structured outputs know (the grammar
-#: holds what follows it); with another, a grammar holds from the first token.
-THINK_PARSERS = ("qwen3", "deepseek_r1")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "openai_gptoss", "minimax_m2",
+                     "minimax_m2_append_think")
+#: The parsers of a ``<think>`` block, each with the convention the engine's structured
+#: outputs know it by (the grammar holds what follows the block; vLLM's MiniMax-M2 parsers
+#: end the reasoning at ``</think>`` as DeepSeek-R1's does, ``minimax_m2_append_think``
+#: included, though it leaves the block in the content).
+THINK_PARSERS = {"qwen3": "qwen3", "deepseek_r1": "deepseek_r1", "minimax_m2": "deepseek_r1",
+                 "minimax_m2_append_think": "deepseek_r1"}
 
 START, END = "<think>", "</think>"
 
@@ -42,6 +54,13 @@ def check_reasoning_parser(name: str | None) -> str | None:
         raise ValueError(f"reasoning_parser={name!r}: allowed values are "
                          f"{', '.join(REASONING_PARSERS)}")
     return name
+
+
+def grammar_mark(kind: str | None) -> str | None:
+    """What a structured output is marked with under the reasoning parser ``kind``
+    (``SamplingParams._reasoning``: the convention the engine knows, its grammar then holding
+    only what follows the thinking); None: no mark, the grammar holds from the first token."""
+    return kind if kind == "openai_gptoss" else THINK_PARSERS.get(kind or "")
 
 
 def keeps_special_tokens(kind: str | None) -> bool:
@@ -83,6 +102,9 @@ class ReasoningStream:
             pieces = self.harmony.feed(delta, final)
             return ("".join(p.text for p in pieces if p.kind == "reasoning"),
                     "".join(p.text for p in pieces if p.kind == "content"))
+        if self.kind == "minimax_m2_append_think":  # all content, the prompt's <think> first
+            opened, self.state = self.state == "start", "content"
+            return "", START + delta if opened else delta
         text = self.pending + delta
         self.pending = ""
         reasoning = content = ""
@@ -97,16 +119,18 @@ class ReasoningStream:
                 else:  # no opening tag: qwen3's output is all content, R1's opens reasoning
                     self.state = "content" if self.kind == "qwen3" else "reasoning"
                 continue
-            if self.state == "content":
+            if self.state == "content" and self.kind != "minimax_m2":
                 content += text
                 break
+            # the text up to </think> (reasoning; minimax_m2's content drops a </think> again)
             end = text.find(END)
-            if end >= 0:
-                reasoning += text[:end]
-                text, self.state = text[end + len(END):], "content"
-                continue
-            keep = 0 if final else held_tag_prefix(text, END)
-            reasoning += text[: len(text) - keep]
-            self.pending = text[len(text) - keep:]
-            break
+            cut = end if end >= 0 else len(text) - (0 if final else held_tag_prefix(text, END))
+            if self.state == "content":
+                content += text[:cut]
+            else:
+                reasoning += text[:cut]
+            if end < 0:
+                self.pending = text[cut:]
+                break
+            text, self.state = text[end + len(END):], "content"
         return reasoning, content

@@ -56,7 +56,7 @@ from mrv2.entrypoints.openai_protocol import (
 )
 from mrv2.entrypoints.openai_responses import RENAMED, ResponsesRequest, ResponsesStream
 from mrv2.entrypoints.openai_scoring import add_pooling_routes
-from mrv2.entrypoints.reasoning import THINK_PARSERS, check_reasoning_parser, keeps_special_tokens
+from mrv2.entrypoints.reasoning import check_reasoning_parser, grammar_mark, keeps_special_tokens
 from mrv2.entrypoints.responses import APIError, Echo, Stream
 from mrv2.entrypoints.responses_store import STORE_ENV, store_from_env
 from mrv2.entrypoints.stack_sampler import PROFILE_ENV_VAR, StackSampler
@@ -453,10 +453,9 @@ def create_app(engine: LLMEngine | RemoteEngine,
                 params = dataclasses.replace(params, skip_special_tokens=False)
         if keeps_special_tokens(reasoning_parser):  # (harmony's markers, likewise)
             params = dataclasses.replace(params, skip_special_tokens=False)
-        if (reasoning_parser in (*THINK_PARSERS, "openai_gptoss")
-                and params.structured_outputs is not None):
+        if (mark := grammar_mark(reasoning_parser)) and params.structured_outputs is not None:
             # the grammar holds what follows the thinking block (vLLM's reasoning-aware way)
-            params = dataclasses.replace(params, _reasoning=reasoning_parser)
+            params = dataclasses.replace(params, _reasoning=mark)
         ids, items = await chat_ids(body.messages, body.add_generation_prompt,
                                     body.template_kwargs(), body.continue_final_message,
                                     body.tools)

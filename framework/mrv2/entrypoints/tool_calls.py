@@ -11,6 +11,10 @@ How each model family writes its calls (``...``: more calls may follow):
 * ``glm45`` (GLM-4.5, GLM-4.6) and ``glm47`` (GLM-4.7, which writes no newline after the
   name; either parser reads both): ``<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>
   VALUE</arg_value>...</tool_call>...``.
+* ``minimax_m2`` (MiniMax-M2): ``<minimax:tool_call>\\n<invoke name="NAME">\\n<parameter
+  name="KEY">VALUE</parameter>...</invoke>...</minimax:tool_call>...``, several invokes in a
+  block; names in double, single or no quotes, values with surrounding whitespace stripped
+  (vLLM's). The text between and after the blocks is content too (after the text before them).
 * ``deepseek_v3``: ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n
   ```json\\n{...}\\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>``.
 * ``deepseek_v31`` (DeepSeek-V3.1): ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME
@@ -34,9 +38,10 @@ How each model family writes its calls (``...``: more calls may follow):
 
 The text before the first call is the message's ``content`` (None when empty); each call
 becomes ``{"id", "type": "function", "function": {"name", "arguments": "<JSON text>"}}``.
-The XML-like formats (``qwen3_coder``, ``glm45``/``glm47``) write values as text: each is typed
-by the request's ``tools`` JSON schema (``integer``/``number``/``boolean``/``object``/
-``array``/``null``; a value that does not fit, or has no schema, stays a string).
+The XML-like formats (``qwen3_coder``, ``glm45``/``glm47``, ``minimax_m2``;
+:mod:`mrv2.entrypoints.tool_parsers_xml`) write values as text: each is typed by the request's
+``tools`` JSON schema (``integer``/``number``/``boolean``/``object``/``array``/``null``; a
+value that does not fit, or has no schema, stays a string).
 
 Failure rule (vLLM's): anything malformed (JSON that does not parse, no name, a structure cut
 off where it cannot be recovered) leaves the whole answer as content. A last call cut off by
@@ -52,8 +57,9 @@ decodes a request that offers tools with ``skip_special_tokens=False``, as vLLM'
 
 A stream (:class:`ToolCallStream`) sends the content as it arrives, holding back what may be
 the start of a call marker; from the first call on it holds everything (``openai``: only the
-calls' messages; content after them still streams), and the calls go out whole, each in one
-delta, when the choice finishes (OpenAI's protocol lets a call's arguments come in one
+calls' messages; content after them still streams; ``minimax_m2``: the content between and
+after its blocks goes out at the end), and the calls go out whole, each in one delta, when
+the choice finishes (OpenAI's protocol lets a call's arguments come in one
 chunk). A choice that made calls finishes with ``finish_reason: "tool_calls"``.
 """
 
@@ -61,18 +67,24 @@ from __future__ import annotations
 
 import ast
 import json
-import math
 import re
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from mrv2.entrypoints.harmony import CHANNEL, START, HarmonyStream, Piece, parse_harmony
 from mrv2.entrypoints.reasoning import held_tag_prefix
-
-#: A request's ``tools`` (OpenAI's ``[{"type": "function", "function": {...}}]``).
-Tools = Sequence[Mapping[str, Any]]
+from mrv2.entrypoints.tool_parsers_xml import (
+    MINIMAX_CALLS,
+    Call,
+    Tools,
+    glm_calls,
+    minimax_m2_calls,
+    minimax_m2_outside,
+    qwen3_coder_calls,
+)
+from mrv2.entrypoints.tool_parsers_xml import blocks as _blocks
 
 
 @dataclass
@@ -104,7 +116,9 @@ class ToolParser:
     ``leading``: the calls count only if the answer opens with a marker (after whitespace);
     ``special_tokens``: the markers are special tokens (decode with them kept);
     ``harmony``: gpt-oss's messages, read from the model's whole output (before any
-    reasoning parser's split), the content apart from the calls wherever it is."""
+    reasoning parser's split), the content apart from the calls wherever it is;
+    ``outside``: the content in the text from the first marker on, outside the calls (none
+    where it is not given: what follows the first marker is the calls')."""
 
     name: str
     starts: tuple[str, ...]
@@ -112,6 +126,7 @@ class ToolParser:
     leading: bool = False
     special_tokens: bool = False
     harmony: bool = False
+    outside: Callable[[str], str] | None = None
 
     def first_start(self, text: str) -> int:
         """Where the calls begin in ``text`` (-1: nowhere)."""
@@ -136,17 +151,11 @@ class ToolParser:
             calls = []
         if not calls:
             return (text or None), []
-        return (text[:first] or None), calls
+        rest = self.outside(text[first:]) if self.outside is not None else ""
+        return (text[:first] + rest or None), calls
 
 
 # -- shared pieces ---------------------------------------------------------------------------
-
-def _blocks(text: str, start: str, end: str) -> list[tuple[str, bool]]:
-    """``(body, closed)`` of each ``start ... end`` block; the last may run to the text's end
-    unclosed (cut off). Text between blocks is ignored; blank blocks are skipped."""
-    found = re.finditer(re.escape(start) + "(.*?)(" + re.escape(end) + r"|\Z)", text, re.DOTALL)
-    return [(m.group(1), bool(m.group(2))) for m in found if m.group(1).strip()]
-
 
 def _json_call(value: Any) -> ToolCall:
     """``{"name": ..., "arguments" | "parameters": {...}}`` as a call (ValueError: no name)."""
@@ -166,119 +175,11 @@ def _json_arguments(name: str, text: str) -> ToolCall:
     return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
 
 
-def _schema_types(tools: Tools, name: str) -> dict[str, Any]:
-    """The JSON schema ``type`` of each parameter of the tool ``name`` (empty: unknown)."""
-    for tool in tools:
-        function = tool.get("function")
-        if isinstance(function, Mapping) and function.get("name") == name:
-            parameters = function.get("parameters")
-            props = parameters.get("properties") if isinstance(parameters, Mapping) else None
-            if isinstance(props, Mapping):
-                return {k: v.get("type") for k, v in props.items() if isinstance(v, Mapping)}
-    return {}
-
-
-_INTEGER = re.compile(r"-?\d+")
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?")
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _as_type(value: str, kind: Any) -> Any:
-    """``value`` as the schema type ``kind`` (unknown: the string); ValueError if it does not
-    fit."""
-    text = value.strip()
-    if kind in ("integer", "number") and _INTEGER.fullmatch(text):
-        return int(text)
-    if kind == "number" and _NUMBER.fullmatch(text) and math.isfinite(float(text)):
-        return float(text)
-    if kind in ("integer", "number"):
-        raise ValueError(value)
-    if kind == "boolean":
-        if text.lower() not in ("true", "false"):
-            raise ValueError(value)
-        return text.lower() == "true"
-    if kind in ("object", "array"):
-        parsed = json.loads(text, parse_constant=_no_constant)
-        if not isinstance(parsed, dict if kind == "object" else list):
-            raise ValueError(value)
-        return parsed
-    if kind == "null":
-        if text != "null":
-            raise ValueError(value)
-        return None
-    return value
-
-
-def _typed_call(name: str, pairs: list[tuple[str, str]], tools: Tools) -> ToolCall:
-    """A call from text arguments, each typed by the tool's schema (module doc)."""
-    types = _schema_types(tools, name)
-    arguments: dict[str, Any] = {}
-    for key, value in pairs:
-        kinds = types.get(key)
-        for kind in kinds if isinstance(kinds, list) else [kinds]:
-            try:
-                arguments[key] = _as_type(value, kind)
-                break
-            except ValueError:
-                continue
-        else:
-            arguments[key] = value
-    return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
-
-
-def _pairs(text: str, pattern: re.Pattern[str]) -> list[tuple[str, str]]:
-    """The ``(key, value)`` matches of ``pattern`` back to back over all of ``text`` (only
-    whitespace between and after them; anything else: ValueError)."""
-    pairs, pos = [], 0
-    while (match := pattern.match(text, pos)) is not None:
-        pairs.append((match.group(1).strip(), match.group(2)))
-        pos = match.end()
-    if text[pos:].strip():
-        raise ValueError(f"unexpected text in a call: {text[pos:pos + 40]!r}")
-    return pairs
-
-
 # -- the formats -----------------------------------------------------------------------------
 
 def _hermes(text: str, tools: Tools) -> list[ToolCall]:
     return [_json_call(json.loads(body)) for body, _ in _blocks(text, "<tool_call>",
                                                                  "</tool_call>")]
-
-
-_PARAMETER = re.compile(r"\s*<parameter=([^>]*)>(.*?)</parameter>", re.DOTALL)
-
-
-def _qwen3_coder(text: str, tools: Tools) -> list[ToolCall]:
-    calls = []
-    for body, _ in _blocks(text, "<function=", "</function>"):
-        name, sep, rest = body.partition(">")
-        if not sep or not name.strip() or "\n" in name.strip():
-            raise ValueError("a function without a name")
-        pairs = [(key, value.removeprefix("\n").removesuffix("\n"))
-                 for key, value in _pairs(rest, _PARAMETER)]
-        calls.append(_typed_call(name.strip(), pairs, tools))
-    return calls
-
-
-_ARG = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
-
-
-def _glm(text: str, tools: Tools) -> list[ToolCall]:
-    calls = []
-    for body, closed in _blocks(text, "<tool_call>", "</tool_call>"):
-        args = body.find("<arg_key>")
-        head = body if args < 0 else body[:args]
-        name = head.strip()
-        if not name or "\n" in name or "<" in name:
-            raise ValueError("a call without a name")
-        if not closed and args < 0 and not head.endswith("\n"):
-            raise ValueError("a call cut off in its name")
-        pairs = _pairs(body[len(head):], _ARG)
-        calls.append(_typed_call(name, [(k, v.strip()) for k, v in pairs], tools))
-    return calls
 
 
 #: DeepSeek's markers (full-width bars U+FF5C, U+2581 for spaces).
@@ -389,12 +290,20 @@ def _openai(text: str, tools: Tools) -> list[ToolCall]:
     return _harmony_split(parse_harmony(text))[1]
 
 
+def _xml(calls_of: Callable[[str, Tools], list[Call]]) -> Callable[[str, Tools], list[ToolCall]]:
+    """An XML-like format's ``(name, arguments)`` pairs as calls."""
+    return lambda text, tools: [ToolCall(name, arguments) for name, arguments
+                                in calls_of(text, tools)]
+
+
 #: ``--tool-call-parser`` name -> format.
 PARSERS: dict[str, ToolParser] = {p.name: p for p in (
     ToolParser("hermes", ("<tool_call>",), _hermes),
-    ToolParser("qwen3_coder", ("<tool_call>", "<function="), _qwen3_coder),
-    ToolParser("glm45", ("<tool_call>",), _glm, special_tokens=True),
-    ToolParser("glm47", ("<tool_call>",), _glm, special_tokens=True),
+    ToolParser("qwen3_coder", ("<tool_call>", "<function="), _xml(qwen3_coder_calls)),
+    ToolParser("glm45", ("<tool_call>",), _xml(glm_calls), special_tokens=True),
+    ToolParser("glm47", ("<tool_call>",), _xml(glm_calls), special_tokens=True),
+    ToolParser("minimax_m2", (MINIMAX_CALLS,), _xml(minimax_m2_calls),
+               outside=minimax_m2_outside),
     ToolParser("deepseek_v3", (DS_CALLS_BEGIN,), _deepseek_v3, special_tokens=True),
     ToolParser("deepseek_v31", (DS_CALLS_BEGIN,), _deepseek_v31, special_tokens=True),
     ToolParser("llama3_json", (PYTHON_TAG, "{"), _llama3_json, leading=True),

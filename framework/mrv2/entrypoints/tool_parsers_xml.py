@@ -1,0 +1,186 @@
+"""The XML-like tool-call formats of :mod:`mrv2.entrypoints.tool_calls` (``qwen3_coder``,
+``glm45``/``glm47``, ``minimax_m2``), whose argument values are text typed by the request's
+``tools`` JSON schemas, and the block splitting every text format shares.
+
+A format here is ``(text from its first marker, tools) -> [(name, arguments JSON text)]``,
+ValueError when malformed (``tool_calls`` makes the pairs its ``ToolCall`` and applies the
+failure rule); this module imports nothing of ``tool_calls``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+#: A request's ``tools`` (OpenAI's ``[{"type": "function", "function": {...}}]``).
+Tools = Sequence[Mapping[str, Any]]
+#: One call: the function's name and its arguments as JSON text.
+Call = tuple[str, str]
+
+
+def blocks(text: str, start: str, end: str) -> list[tuple[str, bool]]:
+    """``(body, closed)`` of each ``start ... end`` block; the last may run to the text's end
+    unclosed (cut off). Text between blocks is ignored; blank blocks are skipped."""
+    found = re.finditer(re.escape(start) + "(.*?)(" + re.escape(end) + r"|\Z)", text, re.DOTALL)
+    return [(m.group(1), bool(m.group(2))) for m in found if m.group(1).strip()]
+
+
+def _schema_types(tools: Tools, name: str) -> dict[str, Any]:
+    """The JSON schema ``type`` of each parameter of the tool ``name`` (empty: unknown)."""
+    for tool in tools:
+        function = tool.get("function")
+        if isinstance(function, Mapping) and function.get("name") == name:
+            parameters = function.get("parameters")
+            props = parameters.get("properties") if isinstance(parameters, Mapping) else None
+            if isinstance(props, Mapping):
+                return {k: v.get("type") for k, v in props.items() if isinstance(v, Mapping)}
+    return {}
+
+
+_INTEGER = re.compile(r"-?\d+")
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _as_type(value: str, kind: Any) -> Any:
+    """``value`` as the schema type ``kind`` (unknown: the string); ValueError if it does not
+    fit."""
+    text = value.strip()
+    if kind in ("integer", "number") and _INTEGER.fullmatch(text):
+        return int(text)
+    if kind == "number" and _NUMBER.fullmatch(text) and math.isfinite(float(text)):
+        return float(text)
+    if kind in ("integer", "number"):
+        raise ValueError(value)
+    if kind == "boolean":
+        if text.lower() not in ("true", "false"):
+            raise ValueError(value)
+        return text.lower() == "true"
+    if kind in ("object", "array"):
+        parsed = json.loads(text, parse_constant=_no_constant)
+        if not isinstance(parsed, dict if kind == "object" else list):
+            raise ValueError(value)
+        return parsed
+    if kind == "null":
+        if text != "null":
+            raise ValueError(value)
+        return None
+    return value
+
+
+def typed_call(name: str, pairs: list[tuple[str, str]], tools: Tools) -> Call:
+    """A call from text arguments, each typed by the tool's schema (``integer``/``number``/
+    ``boolean``/``object``/``array``/``null``, or the first of a list of types that fits; a
+    value that fits none, or has no schema, stays a string)."""
+    types = _schema_types(tools, name)
+    arguments: dict[str, Any] = {}
+    for key, value in pairs:
+        kinds = types.get(key)
+        for kind in kinds if isinstance(kinds, list) else [kinds]:
+            try:
+                arguments[key] = _as_type(value, kind)
+                break
+            except ValueError:
+                continue
+        else:
+            arguments[key] = value
+    return name, json.dumps(arguments, ensure_ascii=False)
+
+
+def pairs_of(text: str, pattern: re.Pattern[str]) -> list[tuple[str, str]]:
+    """The ``(key, value)`` matches of ``pattern`` back to back over all of ``text`` (only
+    whitespace between and after them; anything else: ValueError)."""
+    pairs, pos = [], 0
+    while (match := pattern.match(text, pos)) is not None:
+        pairs.append((match.group(1).strip(), match.group(2)))
+        pos = match.end()
+    if text[pos:].strip():
+        raise ValueError(f"unexpected text in a call: {text[pos:pos + 40]!r}")
+    return pairs
+
+
+# -- Qwen3-Coder -----------------------------------------------------------------------------
+
+_PARAMETER = re.compile(r"\s*<parameter=([^>]*)>(.*?)</parameter>", re.DOTALL)
+
+
+def qwen3_coder_calls(text: str, tools: Tools) -> list[Call]:
+    calls = []
+    for body, _ in blocks(text, "<function=", "</function>"):
+        name, sep, rest = body.partition(">")
+        if not sep or not name.strip() or "\n" in name.strip():
+            raise ValueError("a function without a name")
+        pairs = [(key, value.removeprefix("\n").removesuffix("\n"))
+                 for key, value in pairs_of(rest, _PARAMETER)]
+        calls.append(typed_call(name.strip(), pairs, tools))
+    return calls
+
+
+# -- GLM-4.5 / 4.6 / 4.7 ---------------------------------------------------------------------
+
+_ARG = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def glm_calls(text: str, tools: Tools) -> list[Call]:
+    calls = []
+    for body, closed in blocks(text, "<tool_call>", "</tool_call>"):
+        args = body.find("<arg_key>")
+        head = body if args < 0 else body[:args]
+        name = head.strip()
+        if not name or "\n" in name or "<" in name:
+            raise ValueError("a call without a name")
+        if not closed and args < 0 and not head.endswith("\n"):
+            raise ValueError("a call cut off in its name")
+        pairs = pairs_of(body[len(head):], _ARG)
+        calls.append(typed_call(name, [(k, v.strip()) for k, v in pairs], tools))
+    return calls
+
+
+# -- MiniMax-M2 ------------------------------------------------------------------------------
+
+#: MiniMax-M2's call block markers (plain text in its tokenizer, not special tokens).
+MINIMAX_CALLS, MINIMAX_CALLS_END = "<minimax:tool_call>", "</minimax:tool_call>"
+_INVOKE, _INVOKE_END = "<invoke name=", "</invoke>"
+#: A name as MiniMax-M2 writes it: in double quotes, single quotes, or bare.
+_QUOTED = r"""\s*("[^"\n]*"|'[^'\n]*'|[^\s"'>]+)\s*>"""
+_INVOKE_NAME = re.compile(_QUOTED)
+_MINIMAX_PARAMETER = re.compile(r"\s*<parameter name=" + _QUOTED + "(.*?)</parameter>",
+                                re.DOTALL)
+_MINIMAX_BLOCK = re.compile(re.escape(MINIMAX_CALLS) + "(?:.*?)(?:"
+                            + re.escape(MINIMAX_CALLS_END) + r"|\Z)", re.DOTALL)
+
+
+def _unquoted(name: str, what: str) -> str:
+    if len(name) >= 2 and name[0] == name[-1] and name[0] in "\"'":
+        name = name[1:-1].strip()
+    if not name:
+        raise ValueError(f"{what} without a name")
+    return name
+
+
+def minimax_m2_calls(text: str, tools: Tools) -> list[Call]:
+    """Every ``<invoke>`` of every ``<minimax:tool_call>`` block (text between invokes is
+    ignored); values with surrounding whitespace stripped, as vLLM's parser does."""
+    calls = []
+    for block, _ in blocks(text, MINIMAX_CALLS, MINIMAX_CALLS_END):
+        for body, _ in blocks(block, _INVOKE, _INVOKE_END):
+            head = _INVOKE_NAME.match(body)
+            if head is None:
+                raise ValueError("an invoke without a name")
+            name = _unquoted(head.group(1), "an invoke")
+            pairs = [(_unquoted(key, "a parameter"), value.strip())
+                     for key, value in pairs_of(body[head.end():], _MINIMAX_PARAMETER)]
+            calls.append(typed_call(name, pairs, tools))
+    return calls
+
+
+def minimax_m2_outside(text: str) -> str:
+    """The text (from the first block on) between and after the ``<minimax:tool_call>``
+    blocks, which is content; blank pieces are dropped."""
+    return "".join(piece for piece in _MINIMAX_BLOCK.split(text) if piece.strip())
