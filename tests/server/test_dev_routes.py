@@ -59,12 +59,12 @@ def _check(url: str, a: Path, b: Path) -> None:
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "model_path"
 
 
-def _serving(path: Path, process: bool) -> Iterator[str]:
+def _serving(path: Path, process: bool, **overrides: Any) -> Iterator[str]:
     from mrv2.engine.engine import LLMEngine
     from mrv2.entrypoints.engine_process import RemoteEngine
     from mrv2.entrypoints.server import create_app
 
-    config = EngineConfig.from_kwargs(model=str(path), **ENGINE_KWARGS)
+    config = EngineConfig.from_kwargs(model=str(path), **{**ENGINE_KWARGS, **overrides})
     engine = RemoteEngine(config) if process else LLMEngine(config)
     try:
         yield from serve_in_thread(create_app(engine, served_model_name=MODEL,
@@ -292,8 +292,10 @@ def test_vllm_pause_aborts_or_waits_then_resume(checkpoints: tuple[Path, Path], 
     run to their end before /pause answers; /resume lets new requests run."""
     monkeypatch.setenv(DEV_MODE_ENV, "1")
     a, _ = checkpoints
-    for url in _serving(a, process):
-        thread, started, box = _stream_in_thread(url, 40)
+    for url in _serving(a, process, max_model_len=256):
+        # long: still running when the hold lands, on a loaded machine too (40 tokens once
+        # finished first: "length", not "abort")
+        thread, started, box = _stream_in_thread(url, 240)
         assert started.wait(60)
         held = httpx.post(f"{url}/pause_generation", json={"mode": "keep"}, headers=AUTH,
                           timeout=60)
