@@ -22,7 +22,7 @@
 # attention with Gemma 3: their GPU and kernel tests on CUDA, then mrv2 bench latency's
 # gptq_w4 / awq_w4 / fp8_w8 variants at batch 1 / 8 / 64 on Qwen3-8B and Qwen3-0.6B;
 # intbench: the bench only), gptoss (gpt-oss-20b's MXFP4 experts: tests, then bench latency;
-# GPTOSS_THROUGHPUT=1: the throughput workload too),
+# GPTOSS_THROUGHPUT=1: the throughput workload too; GPTOSS_MODEL=gpt-oss-120b: the big one),
 # graphtimes (scripts/decode_graph_times.py: each decode graph's replay time by size),
 # streamk (scripts/proto_streamk.py: a stream-K GEMM against cuBLAS at 8B decode shapes), attn,
 # splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile, mixed,
@@ -223,13 +223,13 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
               tests/gpu/test_gpu_int_quant.py -k gpt_oss 2>&1 | tee "$OUT/gptoss_gpu_tests.log" | tail -2
             timeout 150 python3 -m pytest -q -p no:cacheprovider \
               tests/kernels/test_fused_moe_gpt_oss.py 2>&1 | tee "$OUT/gptoss_kernel_tests.log" | tail -2
-            timeout 200 python3 -m mrv2.entrypoints.cli bench latency --model gpt-oss-20b \
+            timeout 200 python3 -m mrv2.entrypoints.cli bench latency --model ${GPTOSS_MODEL:-gpt-oss-20b} \
               --new-tokens 256 --json "$OUT/gptoss_latency.json" > "$OUT/gptoss_latency.log" 2>&1
             python3 -c "import json, sys; d = json.load(open(sys.argv[1])); [print('gpt-oss-20b', \
               k, [(r['batch'], r['tpot_ms'], r.get('floor_fraction')) for r in v]) \
               for k, v in d.items() if isinstance(v, list)]" "$OUT/gptoss_latency.json"
             [ -n "${GPTOSS_THROUGHPUT:-}" ] && timeout 240 python3 -m mrv2.entrypoints.cli bench \
-              throughput --model gpt-oss-20b --json "$OUT/gptoss_throughput.json" \
+              throughput --model ${GPTOSS_MODEL:-gpt-oss-20b} --json "$OUT/gptoss_throughput.json" \
               > "$OUT/gptoss_throughput.log" 2>&1; tail -5 "$OUT/gptoss_throughput.log" 2>/dev/null ;;
     sleep) # mrv2 bench sleep: sleep / wake_up seconds and the memory given back, Qwen3-0.6B
            # and Qwen3-8B (dummy weights; two level-1 rounds, then one at level 2)
