@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from mrv2.bench.measure import (
+    PARALLEL_VARIANTS,
     QUANT_VARIANTS,
     StepLog,
     instrument,
@@ -200,7 +201,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = resolve_model(args.model)
     variants: dict[str, dict[str, Any]] = {
         "default": {}, "async_off": {"async_scheduling": False},
-        "graphs_off": {"enforce_eager": True}, **QUANT_VARIANTS,
+        "graphs_off": {"enforce_eager": True}, **QUANT_VARIANTS, **PARALLEL_VARIANTS,
         "ngram": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
         **{f"synthetic_{rate}": {"speculative_config": {
             "method": "ngram", "num_speculative_tokens": 3,
@@ -304,7 +305,8 @@ def add_parser(sub: Any) -> None:
                    help="the requests' SamplingParams keywords, e.g. '{\"temperature\": 0.6, "
                    "\"top_k\": 20, \"top_p\": 0.95, \"seed\": 0}' (default: greedy)")
     p.add_argument("--variants", nargs="*", default=[],
-                   choices=["async_off", "graphs_off", *QUANT_VARIANTS, "ngram",
+                   choices=["async_off", "graphs_off", *QUANT_VARIANTS, *PARALLEL_VARIANTS,
+                            "ngram",
                             *(f"synthetic_{rate}" for rate in SYNTHETIC_RATES),
                             *(f"self_draft_{k}" for k in SELF_DRAFT_KS),
                             *(f"eagle3_{k}" for k in EAGLE3_KS), *LORA_VARIANTS],

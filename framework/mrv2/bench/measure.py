@@ -98,6 +98,10 @@ def linear_flops(runner: Runner) -> tuple[int, int]:
 QUANT_VARIANTS: dict[str, dict[str, Any]] = {
     "gptq_w4": {"quantization": "gptq"}, "awq_w4": {"quantization": "awq"},
     "fp8_w8": {"quantization": "fp8"}}
+#: Bench variants of the parallel layout (with ``--tensor-parallel-size`` > 1): MoE layers
+#: split by whole experts instead of columns.
+PARALLEL_VARIANTS: dict[str, dict[str, Any]] = {
+    "expert_parallel": {"enable_expert_parallel": True}}
 
 
 def expert_layers(runner: Runner) -> list[FusedMoE]:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from mrv2.bench.measure import (
+    PARALLEL_VARIANTS,
     QUANT_VARIANTS,
     breakdown,
     busy_fraction,
@@ -117,7 +118,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "graphs_off": {"enforce_eager": True}, "prefix_off": {"enable_prefix_caching": False},
         "mixed_graphs_off": {"max_mixed_graph_tokens": 0},
         "mixed_graphs_512": {"max_mixed_graph_tokens": 512},
-        "kv_fp8": {"kv_cache_dtype": "fp8"}, **QUANT_VARIANTS}
+        "kv_fp8": {"kv_cache_dtype": "fp8"}, **QUANT_VARIANTS, **PARALLEL_VARIANTS}
     chosen = args.variants if "default" in args.variants else ["default", *args.variants]
     bandwidth = None
     flop_rate = float("nan")
@@ -224,7 +225,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--variants", nargs="*", default=[],
                    choices=["default", "async_off", "graphs_off", "prefix_off",
                             "mixed_graphs_off", "mixed_graphs_512", "kv_fp8",
-                            *QUANT_VARIANTS],
+                            *QUANT_VARIANTS, *PARALLEL_VARIANTS],
                    help="also run with async scheduling off / CUDA graphs off / the prefix "
                    "cache off / steps with prompt tokens eager / in CUDA graphs up to 512 "
                    "tokens only / an fp8 KV cache / random GPTQ 4-bit, AWQ 4-bit or block-FP8 "
