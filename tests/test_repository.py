@@ -34,6 +34,21 @@ def test_no_file_over_the_line_limit() -> None:
     assert not too_long, f"files over {MAX_LINES} lines, split them: {too_long}"
 
 
+def test_test_modules_have_distinct_names() -> None:
+    """pytest imports test files without packages by their basename: two ``test_x.py`` in
+    different folders stop the whole run at collection (it happened: a plugin's model test
+    and the server's parser test of the same family)."""
+    seen: dict[str, Path] = {}
+    clashes = []
+    for path in _tracked_files():
+        if path.suffix == ".py" and path.name.startswith("test_") and path.is_file():
+            if path.name in seen and not (path.parent / "__init__.py").exists():
+                clashes.append(f"{seen[path.name].relative_to(ROOT)} and "
+                               f"{path.relative_to(ROOT)}")
+            seen.setdefault(path.name, path)
+    assert not clashes, f"test modules with one name: {clashes}"
+
+
 def test_ci_runs_the_readme_test_command() -> None:
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
