@@ -1,4 +1,6 @@
 """Llama decoder (``LlamaForCausalLM``): GQA, optional attention/MLP biases, Llama 3 RoPE.
+ByteDance's Seed-OSS (``SeedOssForCausalLM``) is the same decoder with the output
+projection's bias set apart (``attention_out_bias``: q/k/v biased, o not).
 
 Everything but the choices is shared (:mod:`mrv2.layers.decoder`): Llama's attention is
 :class:`~mrv2.layers.SelfAttention` with both projections biased per ``attention_bias`` and no
@@ -32,10 +34,11 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, config: PretrainedConfig) -> None:
         rope = get_rope(config, head_dim_of(config))
         attention_bias = bool(getattr(config, "attention_bias", False))
+        out_bias = bool(getattr(config, "attention_out_bias", attention_bias))  # (Seed-OSS)
         mlp_bias = bool(getattr(config, "mlp_bias", False))
 
         def layer(i: int) -> DecoderLayer:
-            attn = SelfAttention(config, i, rope, qkv_bias=attention_bias, o_bias=attention_bias)
+            attn = SelfAttention(config, i, rope, qkv_bias=attention_bias, o_bias=out_bias)
             mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
                            bias=mlp_bias)
             return DecoderLayer(config, attn, mlp)

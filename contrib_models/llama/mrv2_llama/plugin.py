@@ -11,10 +11,12 @@ def mrv2_register_models(register: Callable[..., None]) -> None:
     ``MistralForCausalLM`` (Mistral 7B, Mistral-Nemo, Ministral...: Llama's layers, the
     config's ``sliding_window`` on every layer where it is set), ``MixtralForCausalLM`` (its
     layers with routed experts), ``SmolLM3ForCausalLM`` (NoPE layers), ``GraniteForCausalLM``
-    (its four multipliers)."""
+    (its four multipliers), ``SeedOssForCausalLM`` (Llama's decoder, the output projection's
+    bias set apart)."""
     for arch in ("LlamaForCausalLM", "MistralForCausalLM"):
         register(arch, "mrv2_llama.model:LlamaForCausalLM",
                  model_state="mrv2_llama.state:LlamaModelState")
     register("MixtralForCausalLM", "mrv2_llama.mixtral:MixtralForCausalLM")
     register("SmolLM3ForCausalLM", "mrv2_llama.model:SmolLM3ForCausalLM")
     register("GraniteForCausalLM", "mrv2_llama.granite:GraniteForCausalLM")
+    register("SeedOssForCausalLM", "mrv2_llama.model:LlamaForCausalLM")
