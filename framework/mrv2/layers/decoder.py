@@ -120,6 +120,11 @@ class SelfAttention(nn.Module):
         norms = None
         if self.projection_norm and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        elif self.q_norm is not None and self.k_norm is not None and self.rotary_emb is None:
+            # per-head norms with no rotation to fuse them into (a NoPE layer: EXAONE 4)
+            d = self.head_dim
+            q = cast(torch.Tensor, self.q_norm(q.reshape(-1, d))).reshape(q.shape)
+            k = cast(torch.Tensor, self.k_norm(k.reshape(-1, d))).reshape(k.shape)
         elif self.q_norm is not None and self.k_norm is not None:
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         out = self.attn(q, k, v, positions=positions, rotary=self.rotary_emb, qk_norm=norms,
@@ -187,6 +192,27 @@ class DecoderLayer(nn.Module):
         )
         hidden_states = self.self_attn.attend(positions, qkv)
         return norm_mlp(self.post_attention_layernorm, self.mlp, hidden_states, residual)
+
+
+class PostNormDecoderLayer(nn.Module):
+    """A post-norm decoder layer (OLMo 2, EXAONE 4): attention and MLP each followed by its
+    norm (``post_attention_layernorm``, ``post_feedforward_layernorm``), then the residual add;
+    no pre-norms. The residual stream is passed on summed (``(hidden, residual)``, as the
+    pre-norm layers pass theirs)."""
+
+    def __init__(self, config: Any, self_attn: SelfAttention, mlp: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = hidden_states if residual is None else hidden_states + residual
+        x = x + cast(torch.Tensor, self.post_attention_layernorm(self.self_attn(positions, x)))
+        return cast(torch.Tensor, self.post_feedforward_layernorm(self.mlp(x))), x
 
 
 class DecoderModel(nn.Module):

@@ -11,17 +11,13 @@ each rank normalizes its heads by the mean square all-reduced over every rank's
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from mrv2.layers import (
     CausalLM,
     DecoderModel,
     GatedMLP,
-    RMSNorm,
-    RotaryEmbedding,
+    PostNormDecoderLayer,
     SelfAttention,
     get_rope,
     head_dim_of,
@@ -31,30 +27,17 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 
-class Olmo2DecoderLayer(nn.Module):
-    """Attention and MLP, each followed by its norm and then the residual add."""
-
-    def __init__(self, config: PretrainedConfig, layer_idx: int, rope: RotaryEmbedding) -> None:
-        super().__init__()
-        bias = bool(getattr(config, "attention_bias", False))
-        self.self_attn = SelfAttention(config, layer_idx, rope, qkv_bias=bias, o_bias=bias,
-                                       qk_norm="projection")
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        x = hidden_states if residual is None else hidden_states + residual
-        attn = cast(torch.Tensor, self.post_attention_layernorm(self.self_attn(positions, x)))
-        x = x + attn
-        return cast(torch.Tensor, self.post_feedforward_layernorm(self.mlp(x))), x
-
-
 class Olmo2ForCausalLM(CausalLM):
     """OLMo 2 in the mrv2 model contract (module docstring)."""
 
     def __init__(self, config: PretrainedConfig) -> None:
         rope = get_rope(config, head_dim_of(config))
-        super().__init__(config, DecoderModel(config, lambda i: Olmo2DecoderLayer(config, i,
-                                                                                   rope)))
+        bias = bool(getattr(config, "attention_bias", False))
+
+        def layer(i: int) -> PostNormDecoderLayer:
+            attention = SelfAttention(config, i, rope, qkv_bias=bias, o_bias=bias,
+                                      qk_norm="projection")
+            mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+            return PostNormDecoderLayer(config, attention, mlp)
+
+        super().__init__(config, DecoderModel(config, layer))
