@@ -70,9 +70,7 @@ class IntFusedMoE(FusedMoE):
                 raise ValueError(f"the experts' inputs ({k}: hidden size, or the moe "
                                  f"intermediate size) must divide into groups of {group} "
                                  "(quantization_config.group_size)")
-        #: This rank's intermediate rows, and where they start in its (padded) layout.
-        self.rank_inter = self.intermediate_size
-        start = self.tp_rank * self.rank_inter
+        start = self.tp_rank * self.rank_inter  # (rank_inter: FusedMoE's, unpadded)
         self.pad_before = start % group
         self.intermediate_size = -(-(self.pad_before + self.rank_inter) // group) * group
         e, inter, hidden = self.local_experts, self.intermediate_size, self.hidden_size

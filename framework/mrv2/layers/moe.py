@@ -99,6 +99,9 @@ class FusedMoE(nn.Module):
         intermediate_size = split_evenly(intermediate_size, self.tp_size,
                                          "moe intermediate size")
         self.intermediate_size = intermediate_size
+        #: This rank's intermediate rows, and where they start in its layout (integer experts
+        #: pad their layout to whole groups: :mod:`mrv2.layers.int_quant_moe`).
+        self.rank_inter, self.pad_before = intermediate_size, 0
         local = self.local_experts
         self.w13_weight = nn.Parameter(torch.empty(local, 2 * intermediate_size, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(local, hidden_size, intermediate_size))
@@ -176,10 +179,8 @@ class FusedMoE(nn.Module):
             return
         # this rank's gate and up columns, where its layout holds them (integer experts may
         # pad their rows to whole groups: int_quant_moe)
-        full, mine = self.full_intermediate_size, getattr(self, "rank_inter",
-                                                          self.intermediate_size)
-        start, first, inter = self.tp_rank * mine, getattr(self, "pad_before", 0), \
-            self.intermediate_size
+        full, mine, first = self.full_intermediate_size, self.rank_inter, self.pad_before
+        start, inter = self.tp_rank * mine, self.intermediate_size
         with torch.no_grad():
             param.data.zero_()
             for half in (0, 1):
