@@ -249,37 +249,32 @@ def mxfp4_checkpoint(src: str | Path, dst: str | Path, reference: str | Path) ->
     interleaved). Each group's scale is the smallest power of two that brings its largest
     magnitude to 6 or below; each value rounds to the nearest e2m1. ``reference``: the same
     checkpoint with the dequantized float experts."""
-    src, dst, reference = Path(src), Path(dst), Path(reference)
-    for out in (dst, reference):
-        shutil.copytree(src, out, dirs_exist_ok=True)
-    tensors = load_file(src / "model.safetensors")
-    quantized: dict[str, torch.Tensor] = {}
-    dequantized: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        if _GPT_OSS_EXPERTS.match(name) is None or t.dim() != 3:
-            quantized[name] = dequantized[name] = t
-            continue
-        w = t.transpose(1, 2).float()  # [E, N, K]
-        groups = w.unflatten(-1, (-1, 32))
-        exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(2.0**-120) / 6))
-        scaled = groups / torch.exp2(exponent)[..., None]
-        magnitudes = torch.tensor(_E2M1_MAGNITUDES)
-        index = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1)
-        codes = index + 8 * (scaled < 0).long()
-        quantized[name + "_blocks"] = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(
-            torch.uint8).contiguous()
-        quantized[name + "_scales"] = (exponent + 127).to(torch.uint8).contiguous()
-        values = magnitudes[index] * torch.where(scaled < 0, -1.0, 1.0)
-        real = (values * torch.exp2(exponent)[..., None]).flatten(-2)
-        dequantized[name] = real.transpose(1, 2).to(t.dtype).contiguous()
-    save_file(quantized, dst / "model.safetensors")
-    save_file(dequantized, reference / "model.safetensors")
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {
+    _convert_checkpoint(src, dst, reference, _mxfp4_experts, {
         "quant_method": "mxfp4",
         "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
-                                   "model.embed_tokens", "lm_head"]}
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
+                                   "model.embed_tokens", "lm_head"]})
+
+
+def _mxfp4_experts(name: str, t: torch.Tensor, quantized: dict[str, torch.Tensor]
+                   ) -> torch.Tensor:
+    """:func:`mxfp4_checkpoint`'s tensor ``name``: a float expert stack's blocks and scales
+    into ``quantized``, its dequantized values returned; anything else as it is."""
+    if _GPT_OSS_EXPERTS.match(name) is None or t.dim() != 3:
+        quantized[name] = t
+        return t
+    w = t.transpose(1, 2).float()  # [E, N, K]
+    groups = w.unflatten(-1, (-1, 32))
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(2.0**-120) / 6))
+    scaled = groups / torch.exp2(exponent)[..., None]
+    magnitudes = torch.tensor(_E2M1_MAGNITUDES)
+    index = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1)
+    codes = index + 8 * (scaled < 0).long()
+    quantized[name + "_blocks"] = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(
+        torch.uint8).contiguous()
+    quantized[name + "_scales"] = (exponent + 127).to(torch.uint8).contiguous()
+    values = magnitudes[index] * torch.where(scaled < 0, -1.0, 1.0)
+    real = (values * torch.exp2(exponent)[..., None]).flatten(-2)
+    return real.transpose(1, 2).to(t.dtype).contiguous()
 
 
 # -- internals ---------------------------------------------------------------------------------
@@ -290,20 +285,34 @@ def _rewrite(src: str | Path, dst: str | Path, reference: str | Path, quantize: 
     """Copy ``src`` to ``dst`` and ``reference``, quantize its weights (with ``experts``, the
     routed experts too, split per expert if stacked) into ``dst`` and their dequantized values
     into ``reference``, and set ``dst``'s ``quantization_config``."""
+    def convert(name: str, t: torch.Tensor, quantized: dict[str, torch.Tensor]
+                ) -> torch.Tensor:
+        if experts and is_stacked_experts(name, t):
+            return _quantize_stacked_experts(name, t, quantize, quantized)
+        if is_quantized_weight(name, t, experts=experts):
+            packed, real = quantize(name, t)
+            quantized.update(packed)
+            return real
+        quantized[name] = t
+        return t
+
+    _convert_checkpoint(src, dst, reference, convert, quant_config)
+
+
+def _convert_checkpoint(
+    src: str | Path, dst: str | Path, reference: str | Path,
+    convert: Callable[[str, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor],
+    quant_config: dict[str, Any],
+) -> None:
+    """Copy ``src`` to ``dst`` and ``reference``; ``convert(name, tensor, quantized)`` puts
+    each tensor's stored form into ``quantized`` (``dst``'s) and returns its real values
+    (``reference``'s); ``dst``'s config gets ``quant_config``."""
     src, dst, reference = Path(src), Path(dst), Path(reference)
     for out in (dst, reference):
         shutil.copytree(src, out, dirs_exist_ok=True)
-    tensors = load_file(src / "model.safetensors")
     quantized: dict[str, torch.Tensor] = {}
-    dequantized: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        if experts and is_stacked_experts(name, t):
-            dequantized[name] = _quantize_stacked_experts(name, t, quantize, quantized)
-        elif is_quantized_weight(name, t, experts=experts):
-            packed, dequantized[name] = quantize(name, t)
-            quantized.update(packed)
-        else:
-            quantized[name] = dequantized[name] = t
+    dequantized = {name: convert(name, t, quantized)
+                   for name, t in load_file(src / "model.safetensors").items()}
     save_file(quantized, dst / "model.safetensors")
     save_file(dequantized, reference / "model.safetensors")
     config = json.loads((src / "config.json").read_text())
