@@ -401,6 +401,16 @@ class MoEBlock(nn.Module):
         return all_reduce(out) if self.tp_size > 1 else out
 
 
+def is_sparse_layer(config: Any, layer_idx: int) -> bool:
+    """Whether layer ``layer_idx`` of a Qwen3-MoE-style config (Qwen3-MoE, Qwen3-VL-MoE) routes
+    to experts: ``num_experts`` > 0, not in ``mlp_only_layers``, and ``(i + 1) %
+    decoder_sparse_step == 0``; the others keep a dense MLP."""
+    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+    only_mlp = getattr(config, "mlp_only_layers", None) or []
+    return (layer_idx not in only_mlp and config.num_experts > 0
+            and (layer_idx + 1) % step == 0)
+
+
 def shared_expert_moe(config: Any, gate: nn.Module) -> MoEBlock:
     """The DeepSeek-style MoE block (DeepSeek-V2/V3, GLM-4.x): ``gate``, ``n_routed_experts``
     routed experts of ``moe_intermediate_size`` and, when ``n_shared_experts``, one shared

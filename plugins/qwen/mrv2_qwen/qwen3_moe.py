@@ -23,18 +23,11 @@ from mrv2.layers import (
     get_rope,
     head_dim_of,
 )
+from mrv2.layers.moe import is_sparse_layer
 from mrv2_qwen.model import qwen3_attention
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
-
-
-def is_sparse_layer(config: PretrainedConfig, layer_idx: int) -> bool:
-    """Whether layer ``layer_idx`` of a Qwen3-MoE config routes to experts."""
-    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
-    only_mlp = getattr(config, "mlp_only_layers", None) or []
-    return (layer_idx not in only_mlp and config.num_experts > 0
-            and (layer_idx + 1) % step == 0)
 
 
 def qwen3_moe_block(config: PretrainedConfig) -> MoEBlock:

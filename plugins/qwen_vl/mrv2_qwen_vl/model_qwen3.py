@@ -64,6 +64,7 @@ from mrv2.layers import (
     SoftmaxTopKRouter,
     head_dim_of,
 )
+from mrv2.layers.moe import is_sparse_layer
 from mrv2_qwen_vl.model import load_text_and_vision, vl_text_config
 from mrv2_qwen_vl.mrope import get_mrope
 from mrv2_qwen_vl.vision_qwen3 import CHECKPOINT_PREFIXES, Qwen3VisionTower
@@ -163,9 +164,7 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
     @staticmethod
     def mlp(text: Any, layer_idx: int) -> nn.Module:
         """Layer ``layer_idx``'s routed experts, or a SwiGLU MLP where the config keeps one."""
-        step = int(getattr(text, "decoder_sparse_step", 1) or 1)
-        dense = getattr(text, "mlp_only_layers", None) or []
-        if text.num_experts <= 0 or layer_idx in dense or (layer_idx + 1) % step:
+        if not is_sparse_layer(text, layer_idx):
             return GatedMLP(text.hidden_size, text.intermediate_size, text.hidden_act)
         if text.hidden_act != "silu":
             raise ValueError(f"Qwen3-VL-MoE experts support hidden_act 'silu' only, got "
