@@ -21,7 +21,8 @@
 # intquant (the thirty-third's GPTQ / AWQ / compressed-tensors layers and sliding-window
 # attention with Gemma 3: their GPU and kernel tests on CUDA, then mrv2 bench latency's
 # gptq_w4 / awq_w4 / fp8_w8 variants at batch 1 / 8 / 64 on Qwen3-8B and Qwen3-0.6B;
-# intbench: the bench only), gptoss (gpt-oss-20b's MXFP4 experts: tests, then bench latency;
+# intbench: the bench only), intsweep (the W4A16 GEMM's and MXFP4 MoE's tile sweep and batch-1
+# profiles of gpt-oss-20b and Qwen3-8B gptq_w4), gptoss (gpt-oss-20b's MXFP4 experts: tests, then bench latency;
 # GPTOSS_THROUGHPUT=1: the throughput workload too; GPTOSS_MODEL=gpt-oss-120b: the big one),
 # graphtimes (scripts/decode_graph_times.py: each decode graph's replay time by size),
 # streamk (scripts/proto_streamk.py: a stream-K GEMM against cuBLAS at 8B decode shapes), attn,
@@ -217,6 +218,21 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                k, [(r['batch'], r['tpot_ms']) for r in v]) for k, v in d.items() \
                if isinstance(v, list)]" "$OUT/int_$m.json" $m
            done ;;
+    intsweep) # the thirty-fifth session: the MXFP4 MoE's and the W4A16 GEMM's tile sweeps
+              # against their byte floors (bench_int), their kernel tests on CUDA, then where
+              # a batch-1 step of gpt-oss-20b goes (~8 min)
+              timeout 150 python3 -m mrv2_kernels.bench_int --sweep --moe-only 2>&1 \
+                | tee "$OUT/bench_int_moe.log" | grep -v "^  " | tail -6
+              timeout 200 python3 -m mrv2_kernels.bench_int --sweep --gemm-only 2>&1 \
+                | tee "$OUT/bench_int_gemm.log" | grep -v "^  " | tail -14
+              timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_wna16_gemm.py \
+                tests/kernels/test_fused_moe_gpt_oss.py tests/kernels/test_fused_moe_int.py 2>&1 \
+                | tee "$OUT/int_kernel_tests.log" | tail -3
+              timeout 80 python3 scripts/profile_decode.py --batch 1 --steps 32 --model \
+                ${PROFILE_MODEL:-gpt-oss-20b} > "$OUT/profile_int.log" 2>&1
+              grep -E "wall per step|GPU over" "$OUT/profile_int.log"
+              grep -A16 "Self CUDA %" "$OUT/profile_int.log" \
+                | awk '{print substr($0,1,50) "|" substr($0,length($0)-75)}' ;;
     gptoss) # gpt-oss-20b (MXFP4 experts, random weights): its GPU and kernel tests on CUDA,
             # then batch-1/8/64 TPOT (mrv2 bench latency) and the throughput workload
             timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu \

@@ -36,6 +36,9 @@ parser.add_argument("--speculative-config", default=None,
                          '"synthetic_acceptance_rate": 0.9}\'')
 parser.add_argument("--host-breakdown", action="store_true",
                     help="also time the parts of Runner.execute on the host (median per step)")
+parser.add_argument("--quantization", default=None,
+                    help="random weights of this method (gptq, awq, fp8: mrv2 bench's quant "
+                         "variants)")
 parser.add_argument("--trace", default=os.environ.get("OUT"))
 parser.add_argument("--cprofile", action="store_true",
                     help="also print the host's Python profile of the timed steps (top functions "
@@ -45,6 +48,7 @@ args = parser.parse_args()
 engine = LLMEngine(EngineConfig.from_kwargs(
     model=resolve_model(args.model), load_format="dummy", dtype="bfloat16", max_model_len=4096,
     max_num_seqs=max(args.batch, 8), tensor_parallel_size=args.tensor_parallel_size,
+    **({"quantization": args.quantization} if args.quantization else {}),
     **({"speculative_config": json.loads(args.speculative_config)}
        if args.speculative_config else {})))
 rng = random.Random(0)

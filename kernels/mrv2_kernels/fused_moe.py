@@ -66,7 +66,7 @@ and 8,192 tokens 1.6 ms (~375 TFLOP/s); the torch reference takes 3-65 ms.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton.language as tl
@@ -302,9 +302,13 @@ def fused_moe_triton(
     ``int_experts``: ``w13`` / ``w2`` hold packed integers (:mod:`~mrv2_kernels.
     fused_moe_int`); the K steps are cut to divide the group size.
     """
+    overrides = {k: v for k, v in dict(
+        block_m=block_m, block_n1=block_n1, block_k1=block_k1, block_n2=block_n2,
+        block_k2=block_k2, group_m=group_m, num_warps=num_warps, num_stages=num_stages,
+        fused_combine=fused_combine).items() if v is not None}
     if int_experts is not None:
         return _fused_moe_int(x, w13, w2, topk_weights, topk_ids, int_experts, valid_tokens,
-                              epilogue)
+                              epilogue, overrides=overrides)
     _check(x, w13, w2, topk_weights, topk_ids)
     epilogue = check_epilogue(w13, w2, epilogue)
     fp8_block = check_fp8_args(w13, w2, w13_scale, w2_scale, block)
@@ -354,9 +358,13 @@ def fused_moe_triton(
 def _fused_moe_int(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, ints: IntExperts,
                    valid_tokens: torch.Tensor | None, epilogue: Epilogue,
-                   chunk_tokens: int = 8192) -> torch.Tensor:
-    """:func:`fused_moe_triton` of integer experts: the default tiles with K steps that divide
-    the group size (a step in one group), chunk after chunk."""
+                   chunk_tokens: int = 8192, overrides: dict[str, Any] | None = None
+                   ) -> torch.Tensor:
+    """:func:`fused_moe_triton` of integer experts, chunk after chunk: the default tiles (or
+    ``overrides``, :class:`MoeTiles` fields) with K steps that divide the group size (a step
+    in one group) or, MXFP4, powers of two up to the plan's that the pack divides (the scales
+    folded into the weights where a step spans groups: :func:`~mrv2_kernels.fused_moe_int.
+    fp4_folds`)."""
     num_tokens, hidden = x.shape
     inter, pack = check_int_args(w13, w2, ints, hidden)
     epilogue = check_epilogue(w13, w13.new_empty(w13.shape[0], hidden, 0), epilogue)
@@ -376,14 +384,17 @@ def _fused_moe_int(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if top_k == 0:
         return out.zero_()
     x = x.contiguous()
-    step = ints.group_size & -ints.group_size  # the largest power of two dividing G
+    # the largest power of two dividing G; MXFP4 steps may span groups
+    step = 1 << 30 if ints.fp4 else ints.group_size & -ints.group_size
     for start in range(0, num_tokens, chunk_tokens):
         stop = min(start + chunk_tokens, num_tokens)
-        plan = moe_tiles(stop - start, top_k, w13.shape[0], hidden, inter, x.device)
+        plan = moe_tiles(stop - start, top_k, w13.shape[0], hidden, inter,
+                         x.device)._replace(**(overrides or {}))
         k1, k2 = min(plan.block_k1, step), min(plan.block_k2, step)
-        if min(k1, k2) < max(16, pack):
-            raise ValueError(f"group_size {ints.group_size} leaves K steps of {min(k1, k2)}: "
-                             "need a multiple of 16")
+        if min(k1, k2) < max(16, pack) or any(k & (k - 1) for k in (k1, k2)) or (
+                not ints.fp4 and ints.group_size % max(k1, k2)):
+            raise ValueError(f"group_size {ints.group_size} with K steps {k1} / {k2}: each "
+                             "must be a power of two >= 16 that divides it (MXFP4: any)")
         _moe_chunk(x[start:stop], w13, w2, topk_weights[start:stop], topk_ids[start:stop],
                    out[start:stop], plan._replace(block_k1=k1, block_k2=k2), None,
                    valid_tokens, start, ints, epilogue)

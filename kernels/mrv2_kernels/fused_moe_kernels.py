@@ -35,6 +35,19 @@ def _block_tile(pid: int, num_pid_m: int, num_pid_n: int,
 
 
 @triton.jit
+def _step_mask(offs_k: tl.tensor, left: int, W_STEP: tl.constexpr,
+               BLOCK_K: tl.constexpr) -> tl.tensor:
+    """``[W_STEP, 1]``: the weight rows of a K step that lie before the end, ``left`` inputs
+    on (packed weights: a row per word of ``BLOCK_K / W_STEP`` inputs, the pack dividing
+    ``left``)."""
+    if W_STEP == BLOCK_K:
+        mask = offs_k < left
+    else:
+        mask = tl.arange(0, W_STEP) < left // (BLOCK_K // W_STEP)
+    return mask[:, None]
+
+
+@triton.jit
 def _glu(gate: tl.tensor, up: tl.tensor, ACT: tl.constexpr, limit: float) -> tl.tensor:
     """The gated activation of fp32 ``gate`` / ``up``: ``ACT`` 0, ``silu(gate) * up``; 1
     (``"swigluoai"``, gpt-oss), ``g * sigmoid(1.702 g) * (u + 1)`` of ``g = min(gate, limit)``,
@@ -138,19 +151,29 @@ def _moe_gate_up_kernel(
         else:
             mask_k = offs_k < hidden - k0
             a = tl.load(x_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
-            g = tl.load(gate_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            u = tl.load(up_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            mask_w = _step_mask(offs_k, hidden - k0, W_STEP, BLOCK_K) & mask_n[None, :]
+            g = tl.load(gate_ptrs, mask=mask_w, other=0.0)
+            u = tl.load(up_ptrs, mask=mask_w, other=0.0)
         if INT:  # one group per step: the small integers' products, scaled, then added
             grp = (k0 // W_BK) * ws_s2
-            g = _int_tile(g, gz_ptrs + grp, mask_n, BITS, HAS_ZEROS, BLOCK_K, BLOCK_N, FP4)
-            u = _int_tile(u, uz_ptrs + grp, mask_n, BITS, HAS_ZEROS, BLOCK_K, BLOCK_N, FP4)
-            g_scale = _int_scale(gs_ptrs + grp, mask_n, FP4)
-            u_scale = _int_scale(us_ptrs + grp, mask_n, FP4)
             a_in = a.to(tl.float32) if UPCAST else a
-            acc_gate += tl.dot(a_in, g.to(a_in.dtype), input_precision=DOT_PRECISION) \
-                * g_scale[None, :]
-            acc_up += tl.dot(a_in, u.to(a_in.dtype), input_precision=DOT_PRECISION) \
-                * u_scale[None, :]
+            if BLOCK_K > W_BK:  # MXFP4 over several groups: the scales are in the weights
+                g = _int_tile(g, gz_ptrs, mask_n, BITS, False, BLOCK_K, BLOCK_N, True,
+                              gs_ptrs + grp, ws_s2, W_BK)
+                u = _int_tile(u, uz_ptrs, mask_n, BITS, False, BLOCK_K, BLOCK_N, True,
+                              us_ptrs + grp, ws_s2, W_BK)
+                acc_gate = tl.dot(a_in, g.to(a_in.dtype), acc_gate,
+                                  input_precision=DOT_PRECISION)
+                acc_up = tl.dot(a_in, u.to(a_in.dtype), acc_up, input_precision=DOT_PRECISION)
+            else:
+                g = _int_tile(g, gz_ptrs + grp, mask_n, BITS, HAS_ZEROS, BLOCK_K, BLOCK_N, FP4)
+                u = _int_tile(u, uz_ptrs + grp, mask_n, BITS, HAS_ZEROS, BLOCK_K, BLOCK_N, FP4)
+                g_scale = _int_scale(gs_ptrs + grp, mask_n, FP4)
+                u_scale = _int_scale(us_ptrs + grp, mask_n, FP4)
+                acc_gate += tl.dot(a_in, g.to(a_in.dtype), input_precision=DOT_PRECISION) \
+                    * g_scale[None, :]
+                acc_up += tl.dot(a_in, u.to(a_in.dtype), input_precision=DOT_PRECISION) \
+                    * u_scale[None, :]
         elif FP8:  # one scale group per step: scale the step's fp32 products, then add
             a, a_scale = _fp8_a_tile(a, xs_ptrs, valid, k0 // W_BK, QUANT_A, UPCAST)
             g_scale = tl.load(gs_ptrs + (k0 // W_BK) * ws_s2, mask=mask_n, other=0.0)
@@ -275,14 +298,20 @@ def _moe_down_kernel(
         else:
             mask_k = offs_k < inter - k0
             a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=_step_mask(offs_k, inter - k0, W_STEP, BLOCK_K)
+                        & mask_n[None, :], other=0.0)
         if INT:
             grp = (k0 // W_BK) * ws_s2
-            w = _int_tile(w, z_ptrs + grp, mask_n, BITS, HAS_ZEROS, BLOCK_K, BLOCK_N, FP4)
-            w_scale = _int_scale(s_ptrs + grp, mask_n, FP4)
             a_in = a.to(tl.float32) if UPCAST else a
-            acc += tl.dot(a_in, w.to(a_in.dtype), input_precision=DOT_PRECISION) \
-                * w_scale[None, :]
+            if BLOCK_K > W_BK:  # MXFP4 over several groups: the scales are in the weights
+                w = _int_tile(w, z_ptrs, mask_n, BITS, False, BLOCK_K, BLOCK_N, True,
+                              s_ptrs + grp, ws_s2, W_BK)
+                acc = tl.dot(a_in, w.to(a_in.dtype), acc, input_precision=DOT_PRECISION)
+            else:
+                w = _int_tile(w, z_ptrs + grp, mask_n, BITS, HAS_ZEROS, BLOCK_K, BLOCK_N, FP4)
+                w_scale = _int_scale(s_ptrs + grp, mask_n, FP4)
+                acc += tl.dot(a_in, w.to(a_in.dtype), input_precision=DOT_PRECISION) \
+                    * w_scale[None, :]
         elif FP8:
             a, a_scale = _fp8_a_tile(a, as_ptrs, valid, k0 // W_BK, QUANT_A, UPCAST)
             w_scale = tl.load(ws_ptrs + (k0 // W_BK) * ws_s2, mask=mask_n, other=0.0)

@@ -140,7 +140,9 @@ def wna16_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
 
 
 class WNA16Tiles(NamedTuple):
-    """A launch's tiles: rows, output columns, K step, K splits (1: none), warps, stages."""
+    """A launch's tiles: rows, output columns, K step, K splits (1: none), warps, stages, and
+    the kernel: ``gemv`` sums on the CUDA cores (a few rows; ``bm`` may be 1), else
+    ``tl.dot`` (``bm`` and ``bk`` >= 16)."""
 
     bm: int
     bn: int
@@ -148,6 +150,7 @@ class WNA16Tiles(NamedTuple):
     splits: int = 1
     warps: int = 4
     stages: int = 3
+    gemv: bool = False
 
 
 def _largest_pow2_dividing(n: int, cap: int) -> int:
@@ -173,28 +176,20 @@ def wna16_tiles(x: torch.Tensor, n: int, k: int, group_size: int) -> WNA16Tiles:
     return WNA16Tiles(64, 128, _largest_pow2_dividing(group_size, 64), 1, 4, 3)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _wna16_kernel(
-    x_ptr: tl.tensor, qw_ptr: tl.tensor, s_ptr: tl.tensor, z_ptr: tl.tensor,
-    bias_ptr: tl.tensor, out_ptr: tl.tensor, ws_ptr: tl.tensor, cnt_ptr: tl.tensor,
-    M: int, N: int, K: int, K_CHUNK: int, stride_x: int, stride_o: int,
-    GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
-    STAGES: tl.constexpr, DOT_F32: tl.constexpr,
-) -> None:
+@triton.jit
+def _dot_steps(x_ptr: tl.tensor, qw_ptr: tl.tensor, s_ptr: tl.tensor, z_ptr: tl.tensor,
+               rows: tl.tensor, cols: tl.tensor, row_ok: tl.tensor, col_ok: tl.tensor,
+               k0: int, k_end: int, N: int, stride_x: int, GROUP: tl.constexpr,
+               BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, BM: tl.constexpr,
+               BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+               DOT_F32: tl.constexpr) -> tl.tensor:
+    """The ``[BM, BN]`` fp32 sum over ``[k0, k_end)`` on tensor cores: each step's packed
+    words unpacked along K into a ``[BK, BN]`` tile of small integers, ``tl.dot`` with ``x``,
+    the product scaled by the step's group scales."""
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     ZERO: tl.constexpr = 1 << (BITS - 1)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    rows = pid_m * BM + tl.arange(0, BM)
-    cols = pid_n * BN + tl.arange(0, BN)
     kk = tl.arange(0, BK)
-    row_ok = rows < M
-    col_ok = cols < N
-    k0 = pid_s * K_CHUNK  # this program's reduction range [k0, k_end), whole BK steps
-    k_end = tl.minimum(k0 + K_CHUNK, K)
     shifts = (tl.arange(0, PACK) * BITS)[None, :, None]
     wk = tl.arange(0, BK // PACK)
     acc = tl.zeros([BM, BN], tl.float32)
@@ -219,6 +214,72 @@ def _wna16_kernel(
             part = tl.dot(x, q.to(x.dtype))
         s = tl.load(s_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
         acc += part * s[None, :]
+    return acc
+
+
+@triton.jit
+def _gemv_steps(x_ptr: tl.tensor, qw_ptr: tl.tensor, s_ptr: tl.tensor, z_ptr: tl.tensor,
+                rows: tl.tensor, cols: tl.tensor, row_ok: tl.tensor, col_ok: tl.tensor,
+                k0: int, k_end: int, N: int, stride_x: int, GROUP: tl.constexpr,
+                BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, BM: tl.constexpr,
+                BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr) -> tl.tensor:
+    """:func:`_dot_steps`' sum for a few rows on the CUDA cores: each step's words stay
+    ``[BK / PACK, PACK, BN]`` (no reshape, no tensor-core layout), multiplied by ``x``'s
+    matching ``[BM, BK / PACK, PACK]`` and summed over the pack in registers; the sums over
+    the word rows wait in a ``[BM, BK / PACK, BN]`` accumulator until the end (one cross-thread
+    reduction a program, not one a step)."""
+    PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    ZERO: tl.constexpr = 1 << (BITS - 1)
+    BKW: tl.constexpr = BK // PACK
+    wk = tl.arange(0, BKW)
+    shifts = (tl.arange(0, PACK) * BITS)[None, :, None]
+    x_at = x_ptr + rows[:, None].to(tl.int64) * stride_x + tl.arange(0, BK)[None, :]
+    acc = tl.zeros([BM, BKW, BN], tl.float32)
+    for kt in tl.range(0, tl.cdiv(k_end - k0, BK), num_stages=STAGES):
+        kb = k0 + kt * BK
+        words = tl.load(qw_ptr + (kb // PACK + wk)[:, None].to(tl.int64) * N + cols[None, :],
+                        mask=col_ok[None, :], other=0)
+        q = ((words[:, None, :] >> shifts) & MASK).to(tl.float32)  # [BKW, PACK, BN]
+        group = kb // GROUP
+        if HAS_ZEROS:
+            z = tl.load(z_ptr + group * N + cols, mask=col_ok, other=0).to(tl.float32)
+            q = q - z[None, None, :]
+        else:
+            q = q - ZERO
+        # converted where each value has one thread, then spread to the columns' threads
+        x = tl.reshape(tl.load(x_at + kb, mask=row_ok[:, None], other=0.0).to(tl.float32),
+                       (BM, BKW, PACK))
+        part = tl.sum(x[:, :, :, None] * q[None, :, :, :], axis=2)  # [BM, BKW, BN]
+        s = tl.load(s_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
+        acc += part * s[None, None, :]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _wna16_kernel(
+    x_ptr: tl.tensor, qw_ptr: tl.tensor, s_ptr: tl.tensor, z_ptr: tl.tensor,
+    bias_ptr: tl.tensor, out_ptr: tl.tensor, ws_ptr: tl.tensor, cnt_ptr: tl.tensor,
+    M: int, N: int, K: int, K_CHUNK: int, stride_x: int, stride_o: int,
+    GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
+    STAGES: tl.constexpr, DOT_F32: tl.constexpr, GEMV: tl.constexpr = False,
+) -> None:
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    row_ok = rows < M
+    col_ok = cols < N
+    k0 = pid_s * K_CHUNK  # this program's reduction range [k0, k_end), whole BK steps
+    k_end = tl.minimum(k0 + K_CHUNK, K)
+    if GEMV:
+        acc = _gemv_steps(x_ptr, qw_ptr, s_ptr, z_ptr, rows, cols, row_ok, col_ok, k0, k_end,
+                          N, stride_x, GROUP, BITS, HAS_ZEROS, BM, BN, BK, STAGES)
+    else:
+        acc = _dot_steps(x_ptr, qw_ptr, s_ptr, z_ptr, rows, cols, row_ok, col_ok, k0, k_end,
+                         N, stride_x, GROUP, BITS, HAS_ZEROS, BM, BN, BK, STAGES, DOT_F32)
     tile_ok = row_ok[:, None] & col_ok[None, :]
     out_at = out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :]
     if SPLIT_K > 1:
@@ -251,10 +312,14 @@ def wna16_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
     tiles = tiles or wna16_tiles(x, n, k, group_size)
-    if group_size % tiles.bk or tiles.bk < 16:
-        raise ValueError(f"tile bk ({tiles.bk}) must be >= 16 and divide group_size "
+    least = 32 // bits if tiles.gemv else 16
+    if group_size % tiles.bk or tiles.bk < least:
+        raise ValueError(f"tile bk ({tiles.bk}) must be >= {least} and divide group_size "
                          f"({group_size})")
     m = x.shape[0]
+    if tiles.gemv and tiles.bm < m:
+        raise ValueError(f"a gemv launch takes every row in one block: bm ({tiles.bm}) < "
+                         f"{m} rows")
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = _empty((m, n), x.dtype, x.device)
     if m == 0:
@@ -274,7 +339,7 @@ def wna16_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
         out.stride(0), GROUP=group_size, BITS=bits, HAS_ZEROS=zeros is not None,
         HAS_BIAS=bias is not None, BM=tiles.bm, BN=tiles.bn, BK=tiles.bk, SPLIT_K=splits,
         STAGES=tiles.stages, DOT_F32=not x.is_cuda or x.dtype == torch.float32,
-        num_warps=tiles.warps,
+        GEMV=tiles.gemv, num_warps=tiles.warps,
     )
     return out
 

@@ -166,12 +166,17 @@ def test_mxfp4_dequantization_is_hfs() -> None:
 
 
 @pytest.mark.usefixtures("poisoned")
-@pytest.mark.parametrize(("tokens", "dtype", "valid"), [
-    (3, torch.float32, None), (9, torch.float32, 5), (5, torch.bfloat16, None)])
+@pytest.mark.parametrize(("tokens", "dtype", "valid", "block_k"), [
+    (3, torch.float32, None, None), (9, torch.float32, 5, None), (5, torch.bfloat16, None, None),
+    # K steps over several groups, the scales folded into the weights: whole steps, then
+    # steps past the end of K (128 > H, INTER)
+    (5, torch.float32, None, 64), (4, torch.bfloat16, None, 128)])
 def test_mxfp4_triton_matches_reference(tokens: int, dtype: torch.dtype,
-                                        valid: int | None) -> None:
+                                        valid: int | None, block_k: int | None) -> None:
     b13, s13 = _mxfp4(2 * INTER, H, seed=8)
     b2, s2 = _mxfp4(H, INTER, seed=9)
+    s13[0, 1, 0] = 0  # a group whose scale reads as 0
+    s13[1, 2, 1] = 1  # and one whose values fall below fp32's normal range
     w13, w2 = (pack_experts(mxfp4_codes(b), 4) for b in (b13, b2))
     bias = _float_experts(seed=10)
     x, weights, ids = _routing(tokens, seed=11)
@@ -182,12 +187,12 @@ def test_mxfp4_triton_matches_reference(tokens: int, dtype: torch.dtype,
     want = fused_moe_ref(x, w13, w2, weights, ids, int_experts=ints, epilogue=epi,
                          valid_tokens=valid_t)
     on = [t.to(DEVICE) for t in (x, w13, w2, weights, ids)]
-    got = fused_moe(*on, int_experts=IntExperts(s13.to(DEVICE), s2.to(DEVICE), None, None, 4,
-                                                 32, fp4=True),
-                    w13_bias=epi.w13_bias.to(DEVICE),  # type: ignore[union-attr]
-                    w2_bias=epi.w2_bias.to(DEVICE),  # type: ignore[union-attr]
-                    activation="swigluoai", swiglu_limit=7.0,
-                    valid_tokens=None if valid_t is None else valid_t.to(DEVICE)).cpu()
+    got = fused_moe_triton(
+        *on, int_experts=IntExperts(s13.to(DEVICE), s2.to(DEVICE), None, None, 4, 32, fp4=True),
+        epilogue=Epilogue("swigluoai", 7.0, epi.w13_bias.to(DEVICE),  # type: ignore[union-attr]
+                          epi.w2_bias.to(DEVICE)),  # type: ignore[union-attr]
+        block_k1=block_k, block_k2=block_k,
+        valid_tokens=None if valid_t is None else valid_t.to(DEVICE)).cpu()
     rows = tokens if valid is None else valid
     _close(got[:rows], want[:rows])
 

@@ -80,20 +80,26 @@ def test_dequantize_is_the_per_element_formula(bits: int, asym: bool) -> None:
 
 
 @pytest.mark.usefixtures("poisoned")
-@pytest.mark.parametrize("m,n,k,group,bits,asym,bias,splits,dtype", [
-    (3, 40, 64, 32, 4, False, False, 1, torch.float32),
-    (5, 32, 96, 32, 4, True, True, 3, torch.float32),
-    (17, 48, 64, 64, 8, True, False, 2, torch.bfloat16),
-    (2, 24, 32, 16, 4, True, True, 1, torch.float16),
+@pytest.mark.parametrize("m,n,k,group,bits,asym,bias,splits,dtype,gemv", [
+    (3, 40, 64, 32, 4, False, False, 1, torch.float32, False),
+    (5, 32, 96, 32, 4, True, True, 3, torch.float32, False),
+    (17, 48, 64, 64, 8, True, False, 2, torch.bfloat16, False),
+    (2, 24, 32, 16, 4, True, True, 1, torch.float16, False),
+    # the CUDA-core kernel of a few rows: one row split over K, then 3 rows (a 4-row block)
+    (1, 40, 96, 32, 4, True, True, 3, torch.bfloat16, True),
+    (3, 24, 64, 16, 8, False, False, 1, torch.float32, True),
 ])
 def test_triton_matches_reference(m: int, n: int, k: int, group: int, bits: int, asym: bool,
-                                  bias: bool, splits: int, dtype: torch.dtype) -> None:
+                                  bias: bool, splits: int, dtype: torch.dtype,
+                                  gemv: bool) -> None:
     packed, scales, zeros, _ = _weight(k, n, bits, group, asym, seed=m + n)
     g = torch.Generator().manual_seed(7)
     x = torch.randn(m, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
     args = [t.to(DEVICE) if t is not None else None for t in (x, packed, scales, zeros, b)]
     tiles = WNA16Tiles(16, 16, 16, splits) if DEVICE == "cpu" else WNA16Tiles(16, 32, 16, splits)
+    if gemv:
+        tiles = WNA16Tiles(1 if m == 1 else 4, 16, 16, splits, gemv=True)
     got = wna16_linear_triton(args[0], args[1], args[2], args[3], bits, group, args[4], tiles)
     expected = wna16_linear_ref(x, packed, scales, zeros, bits, group, b)
     assert got.dtype == dtype and not got.isnan().any()
@@ -136,32 +142,38 @@ bf, f16, f32, i32, u8 = "*bf16", "*fp16", "*fp32", "*i32", "*u8"
 gemm = {"x_ptr": bf, "qw_ptr": i32, "s_ptr": f16, "z_ptr": u8, "bias_ptr": bf,
         "out_ptr": bf, "ws_ptr": f32, "cnt_ptr": i32}
 # the default tiles: decode (split-K), 32 and 64+ rows; 4-bit with zero points, 8-bit without
-for bm, bn, bk, splits, stages, bits, zeros in ((16, 64, 128, 4, 4, 4, True),
-                                               (32, 64, 64, 1, 4, 4, False),
-                                               (64, 128, 64, 1, 3, 8, True)):
+# the CUDA-core kernel of 1 and 4 rows
+for bm, bn, bk, splits, stages, bits, zeros, gemv in ((16, 64, 128, 4, 4, 4, True, False),
+                                                     (32, 64, 64, 1, 4, 4, False, False),
+                                                     (64, 128, 64, 1, 3, 8, True, False),
+                                                     (1, 128, 64, 4, 4, 4, True, True),
+                                                     (4, 64, 128, 1, 3, 4, False, True)):
     build(w._wna16_kernel, gemm,
           dict(GROUP=128, BITS=bits, HAS_ZEROS=zeros, HAS_BIAS=True, BM=bm, BN=bn, BK=bk,
-               SPLIT_K=splits, STAGES=stages, DOT_F32=False), num_warps=4, num_stages=stages)
+               SPLIT_K=splits, STAGES=stages, DOT_F32=False, GEMV=gemv), num_warps=4,
+          num_stages=stages)
 build(w._dequant_kernel, {"qw_ptr": i32, "s_ptr": f16, "z_ptr": u8, "w_ptr": bf},
       dict(GROUP=128, BITS=4, HAS_ZEROS=True, BK=64, BN=128), num_warps=4)
 moe_common = dict(BLOCK_M=16, GROUP_M=1, EVEN_K=True, UPCAST=False, DOT_PRECISION="tf32",
                   FP8=False, QUANT_A=False, W_BN=1, INT=True, BITS=4)
 # GPTQ-like (fp16 scales, zero points, SiLU), then gpt-oss's MXFP4 (e8m0 scales, groups of
-# 32, the experts' biases, swigluoai)
-for group, fp4, scale in ((128, False, f16), (32, True, u8)):
-    flags = dict(moe_common, W_BK=group, HAS_ZEROS=not fp4, FP4=fp4, HAS_BIAS=fp4)
+# 32, the experts' biases, swigluoai) a group a step, then 128-wide steps (scales folded into
+# the weights; gpt-oss's 2,880 features end inside a step)
+for group, fp4, scale, bk in ((128, False, f16, 128), (32, True, u8, 32), (32, True, u8, 128)):
+    flags = dict(moe_common, W_BK=group, HAS_ZEROS=not fp4, FP4=fp4, HAS_BIAS=fp4,
+                 EVEN_K=bk <= group)
     bias = {"b_ptr": bf} if fp4 else {}
     build(fm._moe_gate_up_kernel,
           {"x_ptr": bf, "w_ptr": i32, "act_ptr": bf, "sorted_ptr": i32,
            "block_expert_ptr": i32, "num_post_ptr": i32, "xs_ptr": f32, "ws_ptr": scale,
            "acts_ptr": f32, "wz_ptr": u8, **bias},
-          dict(flags, BLOCK_N=32, BLOCK_K=min(group, 128), QUANT_OUT=False, ACT_DTYPE="bf16",
+          dict(flags, BLOCK_N=32, BLOCK_K=bk, QUANT_OUT=False, ACT_DTYPE="bf16",
                ACT=int(fp4)), num_warps=4, num_stages=4)
     build(fm._moe_down_kernel,
           {"act_ptr": bf, "w_ptr": i32, "tw_ptr": f32, "y_ptr": f32, "sorted_ptr": i32,
            "block_expert_ptr": i32, "num_post_ptr": i32, "out_ptr": bf, "counters_ptr": i32,
            "as_ptr": f32, "ws_ptr": scale, "wz_ptr": u8, **bias},
-          dict(flags, BLOCK_N=64, BLOCK_K=min(group, 128), FUSED_COMBINE=True), num_warps=4,
+          dict(flags, BLOCK_N=64, BLOCK_K=bk, FUSED_COMBINE=True), num_warps=4,
           num_stages=4)
 attn = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "out_ptr": bf, "part_m_ptr": f32,
         "part_l_ptr": f32, "part_acc_ptr": f32, "qsl_ptr": i32, "seq_lens_ptr": i32,
@@ -189,8 +201,8 @@ def test_new_kernels_compile_for_sm90(tmp_path: Path) -> None:
     from sm90 import compile_for_sm90
 
     sizes = compile_for_sm90(_SM90_SCRIPT, tmp_path)
-    assert len(sizes["_wna16_kernel"]) == 3 and len(sizes["_dequant_kernel"]) == 1
-    assert len(sizes["_moe_gate_up_kernel"]) == 2 and len(sizes["_moe_down_kernel"]) == 2
+    assert len(sizes["_wna16_kernel"]) == 5 and len(sizes["_dequant_kernel"]) == 1
+    assert len(sizes["_moe_gate_up_kernel"]) == 3 and len(sizes["_moe_down_kernel"]) == 3
     assert len(sizes["_paged_attn_kernel"]) == 2
 
 

@@ -1,0 +1,203 @@
+"""Integer and MXFP4 weights at decode sizes: the W4A16 GEMM and the MXFP4 fused MoE against
+their byte floors, with a sweep of their tiles.
+
+    python -m mrv2_kernels.bench_int [--rows 1 8 64] [--sweep] [--moe-only | --gemm-only]
+
+``gemm``: Qwen3-8B's four decode projections as 4-bit GPTQ weights (symmetric, groups of
+128): the default tiles, with ``--sweep`` the best ``tl.dot`` tiles and the best CUDA-core
+(``gemv``) tiles, beside cuBLAS on the same product in bf16 (four times the bytes) and the
+weight's dequantization plus cuBLAS. ``moe``: gpt-oss-20b's expert layer (32 experts, top 4,
+2,880 x 2,880, MXFP4 with e8m0 scales, biases, swigluoai): the default tiles and, with
+``--sweep``, K steps of one group (32) against wider ones (the scales folded into the weights)
+and the output slices. Each case runs over enough weight copies (and routings) that the
+weights come from HBM, inside a CUDA graph, and reports µs and the fraction of the byte floor
+(the packed weights and scales read, over the device-to-device copy bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mrv2_kernels.bench_moe import copy_bandwidth
+from mrv2_kernels.bench_skinny import time_graph
+from mrv2_kernels.fused_moe import Epilogue, IntExperts, fused_moe_triton, moe_tiles
+from mrv2_kernels.wna16_gemm import (
+    WNA16Tiles,
+    dequantize_wna16_triton,
+    wna16_linear_triton,
+    wna16_tiles,
+)
+
+#: (name, N, K) of Qwen3-8B's decode projections.
+SHAPES = [("8B qkv", 6144, 4096), ("8B o", 4096, 4096), ("8B gate_up", 24576, 4096),
+          ("8B down", 4096, 12288)]
+GROUP = 128
+#: gpt-oss-20b's expert layer.
+EXPERTS, TOP_K, HIDDEN, INTER = 32, 4, 2880, 2880
+
+
+def _gemm_candidates(m: int) -> list[WNA16Tiles]:
+    """Tiles to try for ``m`` rows: ``tl.dot`` ones, and CUDA-core ones up to 8 rows."""
+    out = []
+    if m <= 16:
+        out += [WNA16Tiles(16, bn, bk, s, 4, 4) for bn, bk, s in itertools.product(
+            [64, 128], [64, 128], [1, 2, 4, 8])]
+        bm = 1 << (m - 1).bit_length()
+        if m <= 8:
+            out += [WNA16Tiles(bm, bn, bk, s, 4, 3, True) for bn, bk, s in itertools.product(
+                [64, 128, 256], [64, 128], [1, 2, 4])]
+    else:
+        out += [WNA16Tiles(bm, bn, 128, s, 4, 3) for bm, bn, s in itertools.product(
+            [32, 64], [64, 128], [1, 2])]
+    return out
+
+
+def _cublas(x: torch.Tensor, dense: list[torch.Tensor], i: int) -> torch.Tensor:
+    return F.linear(x, dense[i])
+
+
+def _dequant_cublas(x: torch.Tensor, qws: list[torch.Tensor], scales: list[torch.Tensor],
+                    i: int) -> torch.Tensor:
+    return x @ dequantize_wna16_triton(qws[i], scales[i], None, 4, GROUP, x.dtype)
+
+
+def bench_gemm(rows: list[int], sweep: bool, bandwidth: float) -> list[str]:
+    """One line per (shape, rows): µs of each path and the fraction of the byte floor."""
+    lines = [f"{'case':16s} {'rows':>4s} {'floor':>7s} {'default':>8s} {'best dot':>9s} "
+             f"{'best gemv':>9s} {'cuBLAS bf16':>11s} {'deq+cuBLAS':>10s}  best tiles (of floor)"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, n, k in SHAPES:
+        weight_bytes = n * k // 2 + n * (k // GROUP) * 2
+        copies = max(2, -(-400_000_000 // weight_bytes))
+        qws = [torch.randint(-2**31, 2**31 - 1, (k // 8, n), device="cuda", dtype=torch.int32,
+                             generator=gen) for _ in range(copies)]
+        scales = [torch.rand(k // GROUP, n, device="cuda", generator=gen).half() * 0.01
+                  for _ in range(copies)]
+        dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+                 for _ in range(max(2, copies // 4))]
+        floor = weight_bytes / bandwidth * 1e6
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+            def run(tiles: WNA16Tiles | None, i: int, x: torch.Tensor = x,
+                    qws: list[torch.Tensor] = qws, scales: list[torch.Tensor] = scales
+                    ) -> object:
+                return wna16_linear_triton(x, qws[i], scales[i], None, 4, GROUP, None, tiles)
+
+            default = time_graph(functools.partial(run, None), copies)
+            best: dict[bool, tuple[float, WNA16Tiles | None]] = {
+                False: (float("inf"), None), True: (float("inf"), None)}
+            if sweep:
+                for tiles in _gemm_candidates(m):
+                    try:
+                        us = time_graph(functools.partial(run, tiles), copies)
+                    except Exception as err:  # a tile the compiler refuses: skip it, say so
+                        lines.append(f"  {tiles}: {type(err).__name__}: {str(err)[:80]}")
+                        continue
+                    if us < best[tiles.gemv][0]:
+                        best[tiles.gemv] = (us, tiles)
+            cublas = time_graph(functools.partial(_cublas, x, dense), len(dense))
+            deq = time_graph(functools.partial(_dequant_cublas, x, qws, scales), copies)
+            win = min(best.values(), key=lambda b: b[0])
+            lines.append(
+                f"{name:16s} {m:4d} {floor:7.1f} {default:8.1f} {best[False][0]:9.1f} "
+                f"{best[True][0]:9.1f} {cublas:11.1f} {deq:10.1f}  "
+                f"default {wna16_tiles(x, n, k, GROUP)} ({floor / default:.2f}); "
+                f"best {win[1]} ({floor / win[0]:.2f})")
+        del qws, scales, dense
+    return lines
+
+
+def _mxfp4_layer(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, IntExperts,
+                                                 Epilogue]:
+    w13 = torch.randint(-2**31, 2**31 - 1, (EXPERTS, 2 * INTER, HIDDEN // 8), device="cuda",
+                        dtype=torch.int32, generator=gen)
+    w2 = torch.randint(-2**31, 2**31 - 1, (EXPERTS, HIDDEN, INTER // 8), device="cuda",
+                       dtype=torch.int32, generator=gen)
+    s13 = torch.randint(118, 124, (EXPERTS, 2 * INTER, HIDDEN // 32), device="cuda",
+                        generator=gen).to(torch.uint8)
+    s2 = torch.randint(118, 124, (EXPERTS, HIDDEN, INTER // 32), device="cuda",
+                       generator=gen).to(torch.uint8)
+    epi = Epilogue("swigluoai", 7.0,
+                   torch.randn(EXPERTS, 2 * INTER, device="cuda", generator=gen).bfloat16(),
+                   torch.randn(EXPERTS, HIDDEN, device="cuda", generator=gen).bfloat16())
+    return w13, w2, IntExperts(s13, s2, None, None, 4, 32, fp4=True), epi
+
+
+def _moe_candidates() -> list[dict[str, Any]]:
+    return [dict(block_n1=n1, block_k1=k, block_n2=n2, block_k2=k, num_stages=st)
+            for n1, n2, k, st in itertools.product([32, 64], [64, 128], [32, 64, 128], [3, 4])]
+
+
+def bench_moe(rows: list[int], sweep: bool, bandwidth: float) -> list[str]:
+    """One line per token count: the default tiles' µs and the best sweep tiles', against the
+    byte floor of the experts the routing hits."""
+    lines = [f"{'tokens':>6s} {'hit':>4s} {'floor':>7s} {'default':>8s} {'best':>8s}  tiles"]
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    per_expert = (2 * INTER * HIDDEN + HIDDEN * INTER) // 2 + (2 * INTER * HIDDEN
+                                                               + HIDDEN * INTER) // 32
+    copies = 4
+    layers = [_mxfp4_layer(gen) for _ in range(copies)]
+    for t in rows:
+        x = torch.randn(t, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
+        routes = []
+        for _ in range(copies):
+            logits = torch.randn(t, EXPERTS, device="cuda", generator=gen)
+            w, ids = logits.softmax(-1).topk(TOP_K, dim=-1)
+            routes.append((w, ids.to(torch.int32)))
+        hit = sum(int(r[1].unique().numel()) for r in routes) / copies
+        floor = hit * per_expert / bandwidth * 1e6
+
+        def run(tiles: dict[str, Any], i: int, x: torch.Tensor = x,
+                routes: list[tuple[torch.Tensor, torch.Tensor]] = routes) -> object:
+            w13, w2, ints, epi = layers[i]
+            return fused_moe_triton(x, w13, w2, *routes[i], int_experts=ints, epilogue=epi,
+                                    **tiles)
+
+        default = time_graph(functools.partial(run, {}), copies)
+        best: tuple[float, dict[str, Any]] = (float("inf"), {})
+        if sweep:
+            for tiles in _moe_candidates():
+                try:
+                    us = time_graph(functools.partial(run, tiles), copies)
+                except Exception as err:
+                    lines.append(f"  {tiles}: {type(err).__name__}: {str(err)[:80]}")
+                    continue
+                best = min(best, (us, tiles), key=lambda b: b[0])
+        plan = moe_tiles(t, TOP_K, EXPERTS, HIDDEN, INTER, x.device)
+        lines.append(f"{t:6d} {hit:4.1f} {floor:7.1f} {default:8.1f} {best[0]:8.1f}  default "
+                     f"{plan} ({floor / default:.2f}); best {best[1]} ({floor / best[0]:.2f})")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--gemm-only", action="store_true")
+    parser.add_argument("--moe-only", action="store_true")
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; µs per call, weights from HBM")
+    parts: list[tuple[str, Callable[[list[int], bool, float], list[str]]]] = []
+    if not args.moe_only:
+        parts.append(("W4A16 GEMM, Qwen3-8B projections (GPTQ 4-bit, groups of 128)",
+                      bench_gemm))
+    if not args.gemm_only:
+        parts.append(("MXFP4 fused MoE, gpt-oss-20b's layer", bench_moe))
+    out: list[Any] = []
+    for title, fn in parts:
+        out += ["", title, *fn(args.rows, args.sweep, bandwidth)]
+        print("\n".join(out[-1:]), flush=True)
+    print("\n".join(out))
+
+
+if __name__ == "__main__":
+    main()
