@@ -4,9 +4,10 @@ their byte floors, with a sweep of their tiles.
     python -m mrv2_kernels.bench_int [--rows 1 8 64] [--sweep] [--moe-only | --gemm-only]
 
 ``gemm``: Qwen3-8B's four decode projections as 4-bit GPTQ weights (symmetric, groups of
-128): the default tiles, with ``--sweep`` the best ``tl.dot`` tiles and the best CUDA-core
-(``gemv``) tiles, beside cuBLAS on the same product in bf16 (four times the bytes) and the
-weight's dequantization plus cuBLAS. ``moe``: gpt-oss-20b's expert layer (32 experts, top 4,
+128): the default tiles, with ``--sweep`` the best ``tl.dot`` tiles (the scales applied to
+each step's product or folded into the weight tile first) and the best CUDA-core (``gemv``)
+tiles, beside cuBLAS on the same product in bf16 (four times the bytes) and the weight's
+dequantization plus cuBLAS. ``moe``: gpt-oss-20b's expert layer (32 experts, top 4,
 2,880 x 2,880, MXFP4 with e8m0 scales, biases, swigluoai): the default tiles and, with
 ``--sweep``, K steps of one group (32) against wider ones (the scales folded into the weights)
 and the output slices. Each case runs over enough weight copies (and routings) that the
@@ -47,15 +48,15 @@ def _gemm_candidates(m: int) -> list[WNA16Tiles]:
     """Tiles to try for ``m`` rows: ``tl.dot`` ones, and CUDA-core ones up to 8 rows."""
     out = []
     if m <= 16:
-        out += [WNA16Tiles(16, bn, bk, s, 4, 4) for bn, bk, s in itertools.product(
-            [64, 128], [64, 128], [1, 2, 4, 8])]
+        out += [WNA16Tiles(16, bn, bk, s, 4, 4, False, f) for bn, bk, s, f in itertools.product(
+            [64, 128], [64, 128], [1, 4, 8], [False, True])]
         bm = 1 << (m - 1).bit_length()
         if m <= 8:
             out += [WNA16Tiles(bm, bn, bk, s, 4, 3, True) for bn, bk, s in itertools.product(
                 [64, 128, 256], [64, 128], [1, 2, 4])]
     else:
-        out += [WNA16Tiles(bm, bn, 128, s, 4, 3) for bm, bn, s in itertools.product(
-            [32, 64], [64, 128], [1, 2])]
+        out += [WNA16Tiles(bm, bn, 128, s, 4, 3, False, f) for bm, bn, s, f in itertools.product(
+            [32, 64], [64, 128], [1, 2], [False, True])]
     return out
 
 

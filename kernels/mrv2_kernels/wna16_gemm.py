@@ -142,7 +142,8 @@ def wna16_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
 class WNA16Tiles(NamedTuple):
     """A launch's tiles: rows, output columns, K step, K splits (1: none), warps, stages, and
     the kernel: ``gemv`` sums on the CUDA cores (a few rows; ``bm`` may be 1), else
-    ``tl.dot`` (``bm`` and ``bk`` >= 16)."""
+    ``tl.dot`` (``bm`` and ``bk`` >= 16), ``fold``: its weight tiles scaled and rounded to
+    ``x``'s dtype before the dot."""
 
     bm: int
     bn: int
@@ -151,6 +152,7 @@ class WNA16Tiles(NamedTuple):
     warps: int = 4
     stages: int = 3
     gemv: bool = False
+    fold: bool = False
 
 
 def _largest_pow2_dividing(n: int, cap: int) -> int:
@@ -182,10 +184,12 @@ def _dot_steps(x_ptr: tl.tensor, qw_ptr: tl.tensor, s_ptr: tl.tensor, z_ptr: tl.
                k0: int, k_end: int, N: int, stride_x: int, GROUP: tl.constexpr,
                BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, BM: tl.constexpr,
                BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-               DOT_F32: tl.constexpr) -> tl.tensor:
+               DOT_F32: tl.constexpr, FOLD: tl.constexpr) -> tl.tensor:
     """The ``[BM, BN]`` fp32 sum over ``[k0, k_end)`` on tensor cores: each step's packed
     words unpacked along K into a ``[BK, BN]`` tile of small integers, ``tl.dot`` with ``x``,
-    the product scaled by the step's group scales."""
+    the product scaled by the step's group scales; ``FOLD``: the tile scaled first and rounded
+    to ``x``'s dtype (the weight as the dequantizing path gives cuBLAS), so the dots
+    accumulate in place."""
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     ZERO: tl.constexpr = 1 << (BITS - 1)
@@ -208,12 +212,19 @@ def _dot_steps(x_ptr: tl.tensor, qw_ptr: tl.tensor, s_ptr: tl.tensor, z_ptr: tl.
             q = q - z[None, :]
         else:
             q = q - ZERO
-        if DOT_F32:  # noqa: SIM108 (a constexpr branch: one dot is compiled)
-            part = tl.dot(x.to(tl.float32), q.to(tl.float32), input_precision="ieee")
-        else:
-            part = tl.dot(x, q.to(x.dtype))
         s = tl.load(s_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
-        acc += part * s[None, :]
+        if FOLD:
+            w = q.to(tl.float32) * s[None, :]
+            if DOT_F32:
+                acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w.to(x.dtype), acc)
+        else:
+            if DOT_F32:  # noqa: SIM108 (a constexpr branch: one dot is compiled)
+                part = tl.dot(x.to(tl.float32), q.to(tl.float32), input_precision="ieee")
+            else:
+                part = tl.dot(x, q.to(x.dtype))
+            acc += part * s[None, :]
     return acc
 
 
@@ -264,6 +275,7 @@ def _wna16_kernel(
     GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
     STAGES: tl.constexpr, DOT_F32: tl.constexpr, GEMV: tl.constexpr = False,
+    FOLD: tl.constexpr = False,
 ) -> None:
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -279,7 +291,7 @@ def _wna16_kernel(
                           N, stride_x, GROUP, BITS, HAS_ZEROS, BM, BN, BK, STAGES)
     else:
         acc = _dot_steps(x_ptr, qw_ptr, s_ptr, z_ptr, rows, cols, row_ok, col_ok, k0, k_end,
-                         N, stride_x, GROUP, BITS, HAS_ZEROS, BM, BN, BK, STAGES, DOT_F32)
+                         N, stride_x, GROUP, BITS, HAS_ZEROS, BM, BN, BK, STAGES, DOT_F32, FOLD)
     tile_ok = row_ok[:, None] & col_ok[None, :]
     out_at = out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :]
     if SPLIT_K > 1:
@@ -339,7 +351,7 @@ def wna16_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
         out.stride(0), GROUP=group_size, BITS=bits, HAS_ZEROS=zeros is not None,
         HAS_BIAS=bias is not None, BM=tiles.bm, BN=tiles.bn, BK=tiles.bk, SPLIT_K=splits,
         STAGES=tiles.stages, DOT_F32=not x.is_cuda or x.dtype == torch.float32,
-        GEMV=tiles.gemv, num_warps=tiles.warps,
+        GEMV=tiles.gemv, FOLD=tiles.fold, num_warps=tiles.warps,
     )
     return out
 

@@ -88,10 +88,13 @@ def test_dequantize_is_the_per_element_formula(bits: int, asym: bool) -> None:
     # the CUDA-core kernel of a few rows: one row split over K, then 3 rows (a 4-row block)
     (1, 40, 96, 32, 4, True, True, 3, torch.bfloat16, True),
     (3, 24, 64, 16, 8, False, False, 1, torch.float32, True),
+    # the scales folded into the weight tiles before the dot (bf16-rounded weights)
+    (5, 40, 96, 32, 4, True, True, 3, torch.bfloat16, None),
+    (3, 24, 64, 16, 8, False, False, 1, torch.float32, None),
 ])
 def test_triton_matches_reference(m: int, n: int, k: int, group: int, bits: int, asym: bool,
                                   bias: bool, splits: int, dtype: torch.dtype,
-                                  gemv: bool) -> None:
+                                  gemv: bool | None) -> None:
     packed, scales, zeros, _ = _weight(k, n, bits, group, asym, seed=m + n)
     g = torch.Generator().manual_seed(7)
     x = torch.randn(m, k, generator=g).to(dtype)
@@ -100,6 +103,8 @@ def test_triton_matches_reference(m: int, n: int, k: int, group: int, bits: int,
     tiles = WNA16Tiles(16, 16, 16, splits) if DEVICE == "cpu" else WNA16Tiles(16, 32, 16, splits)
     if gemv:
         tiles = WNA16Tiles(1 if m == 1 else 4, 16, 16, splits, gemv=True)
+    elif gemv is None:
+        tiles = tiles._replace(fold=True)
     got = wna16_linear_triton(args[0], args[1], args[2], args[3], bits, group, args[4], tiles)
     expected = wna16_linear_ref(x, packed, scales, zeros, bits, group, b)
     assert got.dtype == dtype and not got.isnan().any()
@@ -142,16 +147,17 @@ bf, f16, f32, i32, u8 = "*bf16", "*fp16", "*fp32", "*i32", "*u8"
 gemm = {"x_ptr": bf, "qw_ptr": i32, "s_ptr": f16, "z_ptr": u8, "bias_ptr": bf,
         "out_ptr": bf, "ws_ptr": f32, "cnt_ptr": i32}
 # the default tiles: decode (split-K), 32 and 64+ rows; 4-bit with zero points, 8-bit without
-# the CUDA-core kernel of 1 and 4 rows
+# the CUDA-core kernel of 1 and 4 rows, then scales folded into the weight tiles
 for bm, bn, bk, splits, stages, bits, zeros, gemv in ((16, 64, 128, 4, 4, 4, True, False),
                                                      (32, 64, 64, 1, 4, 4, False, False),
                                                      (64, 128, 64, 1, 3, 8, True, False),
                                                      (1, 128, 64, 4, 4, 4, True, True),
-                                                     (4, 64, 128, 1, 3, 4, False, True)):
+                                                     (4, 64, 128, 1, 3, 4, False, True),
+                                                     (16, 64, 128, 4, 4, 4, True, None)):
     build(w._wna16_kernel, gemm,
           dict(GROUP=128, BITS=bits, HAS_ZEROS=zeros, HAS_BIAS=True, BM=bm, BN=bn, BK=bk,
-               SPLIT_K=splits, STAGES=stages, DOT_F32=False, GEMV=gemv), num_warps=4,
-          num_stages=stages)
+               SPLIT_K=splits, STAGES=stages, DOT_F32=False, GEMV=bool(gemv),
+               FOLD=gemv is None), num_warps=4, num_stages=stages)
 build(w._dequant_kernel, {"qw_ptr": i32, "s_ptr": f16, "z_ptr": u8, "w_ptr": bf},
       dict(GROUP=128, BITS=4, HAS_ZEROS=True, BK=64, BN=128), num_warps=4)
 moe_common = dict(BLOCK_M=16, GROUP_M=1, EVEN_K=True, UPCAST=False, DOT_PRECISION="tf32",
@@ -201,7 +207,7 @@ def test_new_kernels_compile_for_sm90(tmp_path: Path) -> None:
     from sm90 import compile_for_sm90
 
     sizes = compile_for_sm90(_SM90_SCRIPT, tmp_path)
-    assert len(sizes["_wna16_kernel"]) == 5 and len(sizes["_dequant_kernel"]) == 1
+    assert len(sizes["_wna16_kernel"]) == 6 and len(sizes["_dequant_kernel"]) == 1
     assert len(sizes["_moe_gate_up_kernel"]) == 3 and len(sizes["_moe_down_kernel"]) == 3
     assert len(sizes["_paged_attn_kernel"]) == 2
 
