@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -47,13 +48,8 @@ SHAPES = [(1, 96, 80), (5, 256, 384), (33, 300, 200)]  # (M, N, K): none all mul
 
 
 @pytest.fixture
-def poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every buffer the Triton path allocates starts as NaN (fp8 too: 0x7f)."""
-    def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-              ) -> torch.Tensor:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(fg, "_empty", empty)
+def poisoned(poison: Callable[[ModuleType], None]) -> None:
+    poison(fg)
 
 
 def _gen(seed: int) -> torch.Generator:

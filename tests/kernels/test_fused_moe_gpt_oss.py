@@ -9,6 +9,8 @@ reference."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from types import ModuleType
 
 import pytest
 import torch
@@ -25,13 +27,8 @@ E, H, INTER, K = 4, 64, 32, 2
 
 
 @pytest.fixture
-def poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
-    def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-              ) -> torch.Tensor:
-        return torch.full(shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype,
-                          device=device)
-
-    monkeypatch.setattr(fm, "_empty", empty)
+def poisoned(poison: Callable[[ModuleType], None]) -> None:
+    poison(fm)
 
 
 def _routing(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -5,6 +5,8 @@ not, decode-sized and larger batches, padding rows) against the reference."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from types import ModuleType
 
 import pytest
 import torch
@@ -40,13 +42,8 @@ def test_dequantize_is_the_formula() -> None:
 
 
 @pytest.fixture
-def poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
-    def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-              ) -> torch.Tensor:
-        return torch.full(shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype,
-                          device=device)
-
-    monkeypatch.setattr(fm, "_empty", empty)
+def poisoned(poison: Callable[[ModuleType], None]) -> None:
+    poison(fm)
 
 
 @pytest.mark.usefixtures("poisoned")

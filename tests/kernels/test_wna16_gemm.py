@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -36,13 +38,8 @@ pytestmark = pytest.mark.filterwarnings(
 
 
 @pytest.fixture
-def poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every buffer the Triton path allocates starts as NaN."""
-    def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-              ) -> torch.Tensor:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(wg, "_empty", empty)
+def poisoned(poison: Callable[[ModuleType], None]) -> None:
+    poison(wg)
 
 
 def _weight(k: int, n: int, bits: int, group: int, asym: bool, seed: int
