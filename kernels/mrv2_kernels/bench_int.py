@@ -40,8 +40,10 @@ from mrv2_kernels.wna16_gemm import (
 SHAPES = [("8B qkv", 6144, 4096), ("8B o", 4096, 4096), ("8B gate_up", 24576, 4096),
           ("8B down", 4096, 12288)]
 GROUP = 128
-#: gpt-oss-20b's expert layer.
-EXPERTS, TOP_K, HIDDEN, INTER = 32, 4, 2880, 2880
+#: (experts, top k, hidden, intermediate, MXFP4) of the expert layers: gpt-oss-20b's (MXFP4),
+#: Qwen3-30B-A3B's as 4-bit GPTQ (groups of 128, zero points).
+MOE_LAYERS = {"gpt-oss-20b": (32, 4, 2880, 2880, True),
+              "Qwen3-30B-A3B-GPTQ": (128, 8, 2048, 768, False)}
 
 
 def _gemm_candidates(m: int) -> list[WNA16Tiles]:
@@ -116,42 +118,55 @@ def bench_gemm(rows: list[int], sweep: bool, bandwidth: float) -> list[str]:
     return lines
 
 
-def _mxfp4_layer(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, IntExperts,
-                                                 Epilogue]:
-    w13 = torch.randint(-2**31, 2**31 - 1, (EXPERTS, 2 * INTER, HIDDEN // 8), device="cuda",
+def _moe_layer(name: str, gen: torch.Generator
+               ) -> tuple[torch.Tensor, torch.Tensor, IntExperts, Epilogue]:
+    """Random packed experts of ``name``'s layer (:data:`MOE_LAYERS`), scales, epilogue."""
+    experts, _, hidden, inter, fp4 = MOE_LAYERS[name]
+    group = 32 if fp4 else 128
+    w13 = torch.randint(-2**31, 2**31 - 1, (experts, 2 * inter, hidden // 8), device="cuda",
                         dtype=torch.int32, generator=gen)
-    w2 = torch.randint(-2**31, 2**31 - 1, (EXPERTS, HIDDEN, INTER // 8), device="cuda",
+    w2 = torch.randint(-2**31, 2**31 - 1, (experts, hidden, inter // 8), device="cuda",
                        dtype=torch.int32, generator=gen)
-    s13 = torch.randint(118, 124, (EXPERTS, 2 * INTER, HIDDEN // 32), device="cuda",
-                        generator=gen).to(torch.uint8)
-    s2 = torch.randint(118, 124, (EXPERTS, HIDDEN, INTER // 32), device="cuda",
-                       generator=gen).to(torch.uint8)
-    epi = Epilogue("swigluoai", 7.0,
-                   torch.randn(EXPERTS, 2 * INTER, device="cuda", generator=gen).bfloat16(),
-                   torch.randn(EXPERTS, HIDDEN, device="cuda", generator=gen).bfloat16())
-    return w13, w2, IntExperts(s13, s2, None, None, 4, 32, fp4=True), epi
+    shapes = ((experts, 2 * inter, hidden // group), (experts, hidden, inter // group))
+    if fp4:
+        s13, s2 = (torch.randint(118, 124, sh, device="cuda", generator=gen).to(torch.uint8)
+                   for sh in shapes)
+        epi = Epilogue("swigluoai", 7.0,
+                       torch.randn(experts, 2 * inter, device="cuda", generator=gen).bfloat16(),
+                       torch.randn(experts, hidden, device="cuda", generator=gen).bfloat16())
+        return w13, w2, IntExperts(s13, s2, None, None, 4, 32, fp4=True), epi
+    s13, s2 = (torch.rand(sh, device="cuda", generator=gen).half() * 0.01 for sh in shapes)
+    z13, z2 = (torch.randint(0, 16, sh, device="cuda", generator=gen).to(torch.uint8)
+               for sh in shapes)
+    return w13, w2, IntExperts(s13, s2, z13, z2, 4, group), Epilogue("silu")
 
 
-def _moe_candidates() -> list[dict[str, Any]]:
-    return [dict(block_n1=n1, block_k1=k, block_n2=n2, block_k2=k, num_stages=st)
-            for n1, n2, k, st in itertools.product([32, 64], [64, 128], [32, 64, 128], [3, 4])]
+def _moe_candidates(fp4: bool) -> list[dict[str, Any]]:
+    if fp4:  # one group a step (32) or several, the scales folded into the weights
+        return [dict(block_n1=n1, block_k1=k, block_n2=n2, block_k2=k, num_stages=st)
+                for n1, n2, k, st in itertools.product([32, 64], [64, 128], [32, 64, 128],
+                                                       [3, 4])]
+    return [dict(block_n1=n1, block_n2=n2, num_stages=st, int_fold=f)
+            for n1, n2, st, f in itertools.product([32, 64], [64, 128], [3, 4], [False, True])]
 
 
-def bench_moe(rows: list[int], sweep: bool, bandwidth: float) -> list[str]:
+def bench_moe(rows: list[int], sweep: bool, bandwidth: float, layer: str) -> list[str]:
     """One line per token count: the default tiles' µs and the best sweep tiles', against the
     byte floor of the experts the routing hits."""
+    experts, top_k, hidden, inter, fp4 = MOE_LAYERS[layer]
+    group = 32 if fp4 else 128
     lines = [f"{'tokens':>6s} {'hit':>4s} {'floor':>7s} {'default':>8s} {'best':>8s}  tiles"]
     gen = torch.Generator(device="cuda").manual_seed(1)
-    per_expert = (2 * INTER * HIDDEN + HIDDEN * INTER) // 2 + (2 * INTER * HIDDEN
-                                                               + HIDDEN * INTER) // 32
+    weights = 3 * inter * hidden
+    per_expert = weights // 2 + weights // group * (1 if fp4 else 3)  # codes, scales, zeros
     copies = 4
-    layers = [_mxfp4_layer(gen) for _ in range(copies)]
+    layers = [_moe_layer(layer, gen) for _ in range(copies)]
     for t in rows:
-        x = torch.randn(t, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
+        x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
         routes = []
         for _ in range(copies):
-            logits = torch.randn(t, EXPERTS, device="cuda", generator=gen)
-            w, ids = logits.softmax(-1).topk(TOP_K, dim=-1)
+            logits = torch.randn(t, experts, device="cuda", generator=gen)
+            w, ids = logits.softmax(-1).topk(top_k, dim=-1)
             routes.append((w, ids.to(torch.int32)))
         hit = sum(int(r[1].unique().numel()) for r in routes) / copies
         floor = hit * per_expert / bandwidth * 1e6
@@ -165,17 +180,21 @@ def bench_moe(rows: list[int], sweep: bool, bandwidth: float) -> list[str]:
         default = time_graph(functools.partial(run, {}), copies)
         best: tuple[float, dict[str, Any]] = (float("inf"), {})
         if sweep:
-            for tiles in _moe_candidates():
+            for tiles in _moe_candidates(fp4):
                 try:
                     us = time_graph(functools.partial(run, tiles), copies)
                 except Exception as err:
                     lines.append(f"  {tiles}: {type(err).__name__}: {str(err)[:80]}")
                     continue
                 best = min(best, (us, tiles), key=lambda b: b[0])
-        plan = moe_tiles(t, TOP_K, EXPERTS, HIDDEN, INTER, x.device)
-        lines.append(f"{t:6d} {hit:4.1f} {floor:7.1f} {default:8.1f} {best[0]:8.1f}  default "
+        plan = moe_tiles(t, top_k, experts, hidden, inter, x.device)
+        lines.append(f"{t:6d} {hit:5.1f} {floor:7.1f} {default:8.1f} {best[0]:8.1f}  default "
                      f"{plan} ({floor / default:.2f}); best {best[1]} ({floor / best[0]:.2f})")
     return lines
+
+
+def _moe_part(layer: str, rows: list[int], sweep: bool, bandwidth: float) -> list[str]:
+    return bench_moe(rows, sweep, bandwidth, layer)
 
 
 def main() -> None:
@@ -184,6 +203,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--gemm-only", action="store_true")
     parser.add_argument("--moe-only", action="store_true")
+    parser.add_argument("--moe-layers", nargs="+", default=list(MOE_LAYERS),
+                        choices=list(MOE_LAYERS))
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; µs per call, weights from HBM")
@@ -192,7 +213,8 @@ def main() -> None:
         parts.append(("W4A16 GEMM, Qwen3-8B projections (GPTQ 4-bit, groups of 128)",
                       bench_gemm))
     if not args.gemm_only:
-        parts.append(("MXFP4 fused MoE, gpt-oss-20b's layer", bench_moe))
+        parts += [(f"fused MoE, {name}'s layer", functools.partial(_moe_part, name))
+                  for name in args.moe_layers]
     out: list[Any] = []
     for title, fn in parts:
         out += ["", title, *fn(args.rows, args.sweep, bandwidth)]

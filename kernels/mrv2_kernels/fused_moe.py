@@ -193,7 +193,7 @@ def _moe_chunk(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
         z13 = ints.w13_zeros if ints.w13_zeros is not None else s13
         z2 = ints.w2_zeros if ints.w2_zeros is not None else s2
         int_args = {"INT": True, "BITS": ints.bits, "HAS_ZEROS": ints.w13_zeros is not None,
-                    "FP4": ints.fp4}
+                    "FP4": ints.fp4, "INT_FOLD": tiles.int_fold}
         act = _empty((num_pairs, inter), x.dtype, x.device)
     elif fp8 is None:
         act = _empty((num_pairs, inter), x.dtype, x.device)
@@ -276,6 +276,7 @@ def fused_moe_triton(
     valid_tokens: torch.Tensor | None = None,
     int_experts: IntExperts | None = None,
     epilogue: Epilogue = PLAIN,
+    int_fold: bool | None = None,
 ) -> torch.Tensor:
     """Triton implementation of :func:`fused_moe` (module docstring: align, gate/up GEMM, down
     GEMM, combine); tile arguments override :func:`moe_tiles`. Never synchronizes with the
@@ -300,12 +301,13 @@ def fused_moe_triton(
     no expert is read or computed for them, and their output rows are unspecified.
 
     ``int_experts``: ``w13`` / ``w2`` hold packed integers (:mod:`~mrv2_kernels.
-    fused_moe_int`); the K steps are cut to divide the group size.
+    fused_moe_int`); the K steps are cut to divide the group size; ``int_fold``
+    (:class:`MoeTiles`) scales each weight tile before its dot.
     """
     overrides = {k: v for k, v in dict(
         block_m=block_m, block_n1=block_n1, block_k1=block_k1, block_n2=block_n2,
         block_k2=block_k2, group_m=group_m, num_warps=num_warps, num_stages=num_stages,
-        fused_combine=fused_combine).items() if v is not None}
+        fused_combine=fused_combine, int_fold=int_fold).items() if v is not None}
     if int_experts is not None:
         return _fused_moe_int(x, w13, w2, topk_weights, topk_ids, int_experts, valid_tokens,
                               epilogue, overrides=overrides)

@@ -102,6 +102,7 @@ def _moe_gate_up_kernel(
     BITS: tl.constexpr = 4,
     HAS_ZEROS: tl.constexpr = False,
     FP4: tl.constexpr = False,
+    INT_FOLD: tl.constexpr = False,
     b_ptr: tl.tensor = None,
     b_s0: int = 0,
     act_limit: float = 0.0,
@@ -111,7 +112,8 @@ def _moe_gate_up_kernel(
     """``act`` of one block of sorted pairs and ``BLOCK_N`` intermediate features (``ACT``
     and ``HAS_BIAS``: :func:`_glu`, ``b`` the gate/up biases ``[E, 2I]``). ``INT``:
     ``w`` holds packed integers, ``ws`` / ``wz`` the rows' group scales and zero points
-    (:mod:`~mrv2_kernels.fused_moe_int`; groups of ``W_BK``). ``FP8``:
+    (:mod:`~mrv2_kernels.fused_moe_int`; groups of ``W_BK``; ``INT_FOLD``: each step's tile
+    scaled and rounded to ``x``'s dtype before the dot). ``FP8``:
     ``w`` is e4m3 with block scales ``ws`` and ``x`` is fp8 with per-(token, group) scales
     ``xs`` or, with ``QUANT_A`` (``BLOCK_K == W_BK``), ``x`` itself quantized step by step
     here; ``QUANT_OUT`` (``BLOCK_N == W_BK``) stores ``act`` quantized, its scales in
@@ -170,10 +172,16 @@ def _moe_gate_up_kernel(
                 u = _int_tile(u, uz_ptrs + grp, mask_n, BITS, HAS_ZEROS, BLOCK_K, BLOCK_N, FP4)
                 g_scale = _int_scale(gs_ptrs + grp, mask_n, FP4)
                 u_scale = _int_scale(us_ptrs + grp, mask_n, FP4)
-                acc_gate += tl.dot(a_in, g.to(a_in.dtype), input_precision=DOT_PRECISION) \
-                    * g_scale[None, :]
-                acc_up += tl.dot(a_in, u.to(a_in.dtype), input_precision=DOT_PRECISION) \
-                    * u_scale[None, :]
+                if INT_FOLD:  # the scaled weights, rounded, accumulate in place
+                    g = (g.to(tl.float32) * g_scale[None, :]).to(a_in.dtype)
+                    u = (u.to(tl.float32) * u_scale[None, :]).to(a_in.dtype)
+                    acc_gate = tl.dot(a_in, g, acc_gate, input_precision=DOT_PRECISION)
+                    acc_up = tl.dot(a_in, u, acc_up, input_precision=DOT_PRECISION)
+                else:
+                    acc_gate += tl.dot(a_in, g.to(a_in.dtype),
+                                       input_precision=DOT_PRECISION) * g_scale[None, :]
+                    acc_up += tl.dot(a_in, u.to(a_in.dtype),
+                                     input_precision=DOT_PRECISION) * u_scale[None, :]
         elif FP8:  # one scale group per step: scale the step's fp32 products, then add
             a, a_scale = _fp8_a_tile(a, xs_ptrs, valid, k0 // W_BK, QUANT_A, UPCAST)
             g_scale = tl.load(gs_ptrs + (k0 // W_BK) * ws_s2, mask=mask_n, other=0.0)
@@ -259,6 +267,7 @@ def _moe_down_kernel(
     BITS: tl.constexpr = 4,
     HAS_ZEROS: tl.constexpr = False,
     FP4: tl.constexpr = False,
+    INT_FOLD: tl.constexpr = False,
     b_ptr: tl.tensor = None,
     b_s0: int = 0,
     HAS_BIAS: tl.constexpr = False,
@@ -310,8 +319,12 @@ def _moe_down_kernel(
             else:
                 w = _int_tile(w, z_ptrs + grp, mask_n, BITS, HAS_ZEROS, BLOCK_K, BLOCK_N, FP4)
                 w_scale = _int_scale(s_ptrs + grp, mask_n, FP4)
-                acc += tl.dot(a_in, w.to(a_in.dtype), input_precision=DOT_PRECISION) \
-                    * w_scale[None, :]
+                if INT_FOLD:
+                    w = (w.to(tl.float32) * w_scale[None, :]).to(a_in.dtype)
+                    acc = tl.dot(a_in, w, acc, input_precision=DOT_PRECISION)
+                else:
+                    acc += tl.dot(a_in, w.to(a_in.dtype), input_precision=DOT_PRECISION) \
+                        * w_scale[None, :]
         elif FP8:
             a, a_scale = _fp8_a_tile(a, as_ptrs, valid, k0 // W_BK, QUANT_A, UPCAST)
             w_scale = tl.load(ws_ptrs + (k0 // W_BK) * ws_s2, mask=mask_n, other=0.0)

@@ -29,6 +29,9 @@ class MoeTiles(NamedTuple):
     fuse_x_quant: bool = False  # the gate/up GEMM quantizes x itself (block_k1 == bk)
     act_quant: str = "kernel"  # SiLU*up quantized in the gate/up "epilogue" (block_n1 ==
     #  bk), in the "down" GEMM's steps (block_k2 == bk), or by its own "kernel"
+    # integer weights only: each step's weight tile scaled and rounded to x's dtype before its
+    # dot (which then accumulates in place), not the step's product scaled after it
+    int_fold: bool = False
 
 
 def moe_tiles(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,

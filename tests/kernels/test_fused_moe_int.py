@@ -52,8 +52,9 @@ def poisoned(poison: Callable[[ModuleType], None]) -> None:
     (9, 4, True, 16, torch.float32, 7),
     (5, 8, True, 32, torch.bfloat16, None),
 ])
+@pytest.mark.parametrize("fold", [False, True], ids=["scaled_products", "folded_tiles"])
 def test_triton_matches_reference(tokens: int, bits: int, asym: bool, group: int,
-                                  dtype: torch.dtype, valid: int | None) -> None:
+                                  dtype: torch.dtype, valid: int | None, fold: bool) -> None:
     experts, hidden, inter, top_k = 4, 64, 32, 2
     w13, s13, z13, _ = _experts(experts, 2 * inter, hidden, bits, group, asym, seed=2)
     w2, s2, z2, _ = _experts(experts, hidden, inter, bits, group, asym, seed=3)
@@ -68,7 +69,8 @@ def test_triton_matches_reference(tokens: int, bits: int, asym: bool, group: int
     dev = [t.to(DEVICE) if t is not None else None for t in (x, w13, w2, weights, ids.int())]
     ints_dev = IntExperts(*[t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in ints])
     got = fused_moe_triton(*dev, int_experts=ints_dev,  # type: ignore[arg-type]
-                           valid_tokens=None if valid_t is None else valid_t.to(DEVICE)).cpu()
+                           valid_tokens=None if valid_t is None else valid_t.to(DEVICE),
+                           int_fold=fold).cpu()
     rows = tokens if valid is None else valid
     assert not got[:rows].isnan().any()
     tol = 1e-4 if dtype == torch.float32 else 3e-2

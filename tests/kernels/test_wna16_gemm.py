@@ -162,9 +162,10 @@ moe_common = dict(BLOCK_M=16, GROUP_M=1, EVEN_K=True, UPCAST=False, DOT_PRECISIO
 # GPTQ-like (fp16 scales, zero points, SiLU), then gpt-oss's MXFP4 (e8m0 scales, groups of
 # 32, the experts' biases, swigluoai) a group a step, then 128-wide steps (scales folded into
 # the weights; gpt-oss's 2,880 features end inside a step)
+# (the GPTQ-like one with its tiles scaled before the dots)
 for group, fp4, scale, bk in ((128, False, f16, 128), (32, True, u8, 32), (32, True, u8, 128)):
     flags = dict(moe_common, W_BK=group, HAS_ZEROS=not fp4, FP4=fp4, HAS_BIAS=fp4,
-                 EVEN_K=bk <= group)
+                 EVEN_K=bk <= group, INT_FOLD=not fp4)
     bias = {"b_ptr": bf} if fp4 else {}
     build(fm._moe_gate_up_kernel,
           {"x_ptr": bf, "w_ptr": i32, "act_ptr": bf, "sorted_ptr": i32,
