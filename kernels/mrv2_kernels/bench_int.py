@@ -114,6 +114,7 @@ def bench_gemm(rows: list[int], sweep: bool, bandwidth: float) -> list[str]:
                 f"{best[True][0]:9.1f} {cublas:11.1f} {deq:10.1f}  "
                 f"default {wna16_tiles(x, n, k, GROUP)} ({floor / default:.2f}); "
                 f"best {win[1]} ({floor / win[0]:.2f})")
+            print("  progress:", lines[-1], flush=True)
         del qws, scales, dense
     return lines
 
@@ -190,6 +191,7 @@ def bench_moe(rows: list[int], sweep: bool, bandwidth: float, layer: str) -> lis
         plan = moe_tiles(t, top_k, experts, hidden, inter, x.device)
         lines.append(f"{t:6d} {hit:5.1f} {floor:7.1f} {default:8.1f} {best[0]:8.1f}  default "
                      f"{plan} ({floor / default:.2f}); best {best[1]} ({floor / best[0]:.2f})")
+        print("  progress:", lines[-1], flush=True)
     return lines
 
 
@@ -217,8 +219,8 @@ def main() -> None:
                   for name in args.moe_layers]
     out: list[Any] = []
     for title, fn in parts:
+        print(title, flush=True)
         out += ["", title, *fn(args.rows, args.sweep, bandwidth)]
-        print("\n".join(out[-1:]), flush=True)
     print("\n".join(out))
 
 
