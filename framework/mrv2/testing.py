@@ -40,6 +40,11 @@ TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                         "n_group": 1, "topk_group": 1}),
     "deepseek-v2-lite": ("DeepseekV2ForCausalLM", {**TINY_MLA, "q_lora_rank": None,
                                                    "topk_method": "greedy"}),
+    # interleaved RoPE (q/k rows reordered as they load), a dense layer then a MoE one:
+    # softmax routing with a correction bias, a shared expert
+    "ernie4.5-moe": ("Ernie4_5_MoeForCausalLM", {
+        "head_dim": 16, "moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 32,
+        "moe_num_shared_experts": 1, "moe_layer_start_index": 1}),
     # a local (sliding-window) layer, then a global one with linearly scaled RoPE
     "gemma3": ("Gemma3ForCausalLM", {
         "head_dim": 16, "sliding_window": 5, "query_pre_attn_scalar": 24,

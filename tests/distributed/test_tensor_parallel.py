@@ -47,7 +47,7 @@ def test_tp2_equals_tp1(family: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("family", ["qwen3-moe", "glm4-moe", "deepseek-v2-lite", "gpt-oss",
-                                    "fp8-experts", "gptq-experts"])
+                                    "ernie4.5-moe", "fp8-experts", "gptq-experts"])
 def test_expert_parallel_equals_one_rank(family: str, tmp_path: Path) -> None:
     """``enable_expert_parallel`` at TP=2: each rank holds half the experts whole (shared
     experts and attention still split by columns / heads; gpt-oss's expert biases on the

@@ -105,6 +105,30 @@ def test_correction_bias_stays_fp32_when_the_model_moves_to_bf16() -> None:
     assert torch.equal(router.e_score_correction_bias, values)
 
 
+def test_fp32_weight_and_a_clamped_renormalizing_sum() -> None:
+    """``fp32_weight``: the weight is built fp32 and stays so in a bf16 model; ``norm_min``:
+    the picked scores are divided by their sum clamped at it (here above every sum: the
+    scores over ``norm_min`` itself), the picks made on the scores plus the bias."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        router = GroupedTopKRouter(H, E, 2, scoring="softmax", norm_min=2.0, fp32_weight=True)
+    finally:
+        torch.set_default_dtype(previous)
+    assert router.weight.dtype == torch.float32 and router.to(torch.bfloat16) is router
+    assert router.weight.dtype == torch.float32 and router.e_score_correction_bias is not None
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(E, H, generator=gen))
+        router.e_score_correction_bias.copy_(torch.rand(E, generator=gen))
+    x = _hidden(10, seed=4)
+    weights, ids = router(x.to(torch.bfloat16))
+    probs = F.linear(x.to(torch.bfloat16).float(), router.weight).softmax(-1)
+    want = (probs + router.e_score_correction_bias).topk(2, dim=-1)[1]
+    assert torch.equal(ids.long(), want)
+    torch.testing.assert_close(weights, probs.gather(1, want) / 2.0)
+
+
 def test_expert_names_map_to_stacked_shards() -> None:
     assert expert_weight_target("model.layers.3.mlp.experts.17.up_proj.weight") == (
         "model.layers.3.mlp.experts.w13_weight", (17, "up"))

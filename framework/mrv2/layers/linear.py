@@ -92,8 +92,10 @@ class LinearBase(nn.Module):
     #: Whether this rank adds the bias (a row-parallel layer's rank 0 only).
     adds_bias: bool = True
     #: A reordering of this rank's output rows that the layer's owner applies to the weight
-    #: after loading (DeepSeek's RoPE rows), in place on a ``[rows, ...]`` tensor; whatever
-    #: else is indexed by those rows (a LoRA adapter's ``B``) takes it too. None: no reorder.
+    #: (DeepSeek's RoPE rows after loading; interleaved-RoPE q/k rows as they load), in place
+    #: on a ``[rows, ...]`` tensor of all of them (a fused layer's: every shard's, each kept in
+    #: its shard); whatever else is indexed by those rows (a LoRA adapter's ``B``) takes it
+    #: too. None: no reorder.
     row_order: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:

@@ -302,6 +302,10 @@ class GroupedTopKRouter(nn.Module):
     for the ``top_k`` picks, made on ``score + e_score_correction_bias``. The weights are the
     picked experts' uncorrected scores, renormalized (plus 1e-20) when ``renormalize``, times
     ``routed_scaling_factor``. Returns ``(topk_weights fp32, topk_ids int32)``.
+
+    ``norm_min``: the renormalizing sum clamped at it instead of 1e-20 added (configs that name
+    their own floor). ``fp32_weight``: the router's weight kept fp32 whatever the model dtype
+    (as checkpoints that store it so are run), like the correction bias.
     """
 
     def __init__(
@@ -316,6 +320,8 @@ class GroupedTopKRouter(nn.Module):
         routed_scaling_factor: float = 1.0,
         scoring: str = "sigmoid",
         correction_bias: bool = True,
+        norm_min: float | None = None,
+        fp32_weight: bool = False,
     ) -> None:
         super().__init__()
         if scoring not in ("sigmoid", "softmax"):
@@ -336,7 +342,11 @@ class GroupedTopKRouter(nn.Module):
         self.renormalize = renormalize
         self.routed_scaling_factor = routed_scaling_factor
         self.scoring = scoring
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.norm_min = norm_min
+        #: Parameters ``model.to(dtype)`` moves but never casts (fp32 as built).
+        self._fp32 = ["e_score_correction_bias"] + (["weight"] if fp32_weight else [])
+        self.weight = nn.Parameter(torch.empty(
+            num_experts, hidden_size, dtype=torch.float32 if fp32_weight else None))
         self.e_score_correction_bias: nn.Parameter | None = None
         if correction_bias:
             self.e_score_correction_bias = nn.Parameter(
@@ -345,8 +355,9 @@ class GroupedTopKRouter(nn.Module):
 
     def _apply(self, fn: Any, recurse: bool = True) -> GroupedTopKRouter:
         # ``model.to(dtype)`` (after loading) must only move the correction bias: it stays fp32,
-        # as the checkpoints store it, since a bf16-rounded bias reorders near-tied experts.
-        apply_moving_only(self, ["e_score_correction_bias"],
+        # as the checkpoints store it, since a bf16-rounded bias reorders near-tied experts
+        # (and an fp32 router weight likewise).
+        apply_moving_only(self, self._fp32,
                           lambda f: super(GroupedTopKRouter, self)._apply(f, recurse), fn)
         return self
 
@@ -367,7 +378,9 @@ class GroupedTopKRouter(nn.Module):
         ids = choice.topk(self.top_k, dim=-1)[1]
         weights = scores.gather(1, ids)
         if self.renormalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            total = weights.sum(dim=-1, keepdim=True)
+            weights = weights / (total + 1e-20 if self.norm_min is None
+                                 else total.clamp_min(self.norm_min))
         return weights * self.routed_scaling_factor, ids.to(torch.int32)
 
     def extra_repr(self) -> str:

@@ -105,7 +105,7 @@ class LoRAManager:
             a_part = layer.rank_a(a).to(self.dtype)
             b_part = layer.rank_b(b, shard).to(self.dtype)
             if layer.row_order is not None:  # rows the owner reorders after loading
-                b_part = layer.row_order(b_part.clone())
+                b_part = _reordered(layer, b_part, shard)
             column, first_row = layer.shard_slice(shard)
             rows = layer.shard_rows(shard)[1] if shard is not None else layer.output_size
             if a_part.shape[1] != layer.input_size or b_part.shape[0] != rows:
@@ -237,6 +237,22 @@ class LoRAManager:
         rows = batch.idx_mapping[:k][request.clamp(max=k - 1)].long()
         out[:n] = torch.where(request < k, self.row_slots[rows], -1)
         return out
+
+
+def _reordered(layer: LoRALinearMixin, b: torch.Tensor, shard: Any) -> torch.Tensor:
+    """``b`` (this rank's rows of ``shard``'s ``B``) reordered as ``layer.row_order`` reorders
+    the weight's rows: over the layer's whole output, a fused layer's other shards zero (the
+    order keeps each shard's rows in the shard). A ``b`` of the wrong size is left as it is,
+    for the caller's check to name."""
+    assert layer.row_order is not None
+    if shard is None:
+        return layer.row_order(b.clone())
+    start, rows = layer.shard_rows(shard)
+    if b.dim() != 2 or b.shape[0] != rows:
+        return b
+    whole = b.new_zeros(layer.output_size, b.shape[1])
+    whole[start:start + rows] = b
+    return layer.row_order(whole)[start:start + rows].clone()
 
 
 def make_lora_manager(config: Any, model: torch.nn.Module, max_num_reqs: int,
