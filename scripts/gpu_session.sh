@@ -22,7 +22,7 @@
 # attention with Gemma 3: their GPU and kernel tests on CUDA, then mrv2 bench latency's
 # gptq_w4 / awq_w4 / fp8_w8 variants at batch 1 / 8 / 64 on Qwen3-8B and Qwen3-0.6B;
 # intbench: the bench only), intsweep (the W4A16 GEMM's and MXFP4 MoE's tile sweep and batch-1
-# profiles of gpt-oss-20b and Qwen3-8B gptq_w4), gptoss (gpt-oss-20b's MXFP4 experts: tests, then bench latency;
+# profiles of gpt-oss-20b and Qwen3-8B gptq_w4), ernie (ERNIE-4.5-21B-A3B's TPOT), gptoss (gpt-oss-20b's MXFP4 experts: tests, then bench latency;
 # GPTOSS_THROUGHPUT=1: the throughput workload too; GPTOSS_MODEL=gpt-oss-120b: the big one),
 # graphtimes (scripts/decode_graph_times.py: each decode graph's replay time by size),
 # streamk (scripts/proto_streamk.py: a stream-K GEMM against cuBLAS at 8B decode shapes), attn,
@@ -233,6 +233,12 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
               grep -E "wall per step|GPU over" "$OUT/profile_int.log"
               grep -A16 "Self CUDA %" "$OUT/profile_int.log" \
                 | awk '{print substr($0,1,50) "|" substr($0,length($0)-75)}' ;;
+    ernie) # ERNIE-4.5-21B-A3B (random bf16 weights): batch-1/8/64 TPOT (mrv2 bench latency)
+           timeout 200 python3 -m mrv2.entrypoints.cli bench latency --model ERNIE-4.5-21B-A3B \
+             --new-tokens 256 --json "$OUT/ernie_latency.json" > "$OUT/ernie_latency.log" 2>&1
+           python3 -c "import json, sys; d = json.load(open(sys.argv[1])); [print('ERNIE-4.5-21B-A3B', \
+             k, [(r['batch'], r['tpot_ms'], r.get('floor_fraction')) for r in v]) \
+             for k, v in d.items() if isinstance(v, list)]" "$OUT/ernie_latency.json" ;;
     gptoss) # gpt-oss-20b (MXFP4 experts, random weights): its GPU and kernel tests on CUDA,
             # then batch-1/8/64 TPOT (mrv2 bench latency) and the throughput workload
             timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
