@@ -357,6 +357,12 @@ def fused_moe_triton(
     return out
 
 
+#: The widest default K step of MXFP4 experts (a power of two; its scales folded into the
+#: weights where it spans groups of 32, :func:`~mrv2_kernels.fused_moe_int.fp4_folds`); 0: one
+#: group a step. Explicit ``block_k1`` / ``block_k2`` override it.
+MXFP4_MAX_STEP = 0
+
+
 def _fused_moe_int(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, ints: IntExperts,
                    valid_tokens: torch.Tensor | None, epilogue: Epilogue,
@@ -386,13 +392,17 @@ def _fused_moe_int(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if top_k == 0:
         return out.zero_()
     x = x.contiguous()
-    # the largest power of two dividing G; MXFP4 steps may span groups
-    step = 1 << 30 if ints.fp4 else ints.group_size & -ints.group_size
+    # the largest power of two dividing G; MXFP4 steps may span groups where asked for
+    step = ints.group_size & -ints.group_size
+    if ints.fp4 and MXFP4_MAX_STEP:
+        step = max(step, MXFP4_MAX_STEP)
+    overrides = overrides or {}
     for start in range(0, num_tokens, chunk_tokens):
         stop = min(start + chunk_tokens, num_tokens)
         plan = moe_tiles(stop - start, top_k, w13.shape[0], hidden, inter,
-                         x.device)._replace(**(overrides or {}))
-        k1, k2 = min(plan.block_k1, step), min(plan.block_k2, step)
+                         x.device)._replace(**overrides)
+        k1, k2 = (plan.block_k1 if "block_k1" in overrides else min(plan.block_k1, step),
+                  plan.block_k2 if "block_k2" in overrides else min(plan.block_k2, step))
         if min(k1, k2) < max(16, pack) or any(k & (k - 1) for k in (k1, k2)) or (
                 not ints.fp4 and ints.group_size % max(k1, k2)):
             raise ValueError(f"group_size {ints.group_size} with K steps {k1} / {k2}: each "
