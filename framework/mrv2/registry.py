@@ -23,6 +23,7 @@ KNOWN_PACKAGES: dict[str, str] = {
     "DeepseekV3ForCausalLM": "mrv2-plugin-deepseek",
     "Qwen2_5_VLForConditionalGeneration": "mrv2-plugin-qwen-vl",
     "Qwen3VLForConditionalGeneration": "mrv2-plugin-qwen-vl",
+    "Gemma3ForConditionalGeneration": "mrv2-plugin-gemma",
     "LlamaForCausalLM": "mrv2-contrib-llama",
 }
 

@@ -135,6 +135,22 @@ def test_fallback_to_tokenizer_json(tok_dir: Path, tmp_path: Path) -> None:
     assert tok.chat_template == CHAT_TEMPLATE
 
 
+def test_chat_template_from_chat_template_json(tmp_path: Path) -> None:
+    """A tokenizer without a template of its own takes ``chat_template.json``'s (where VL
+    checkpoints ship it); the tokenizer's own wins; a malformed file is passed over."""
+    build_tokenizer(tmp_path / "own")
+    (tmp_path / "own" / "chat_template.json").write_text(json.dumps({"chat_template": "x"}))
+    assert Tokenizer(tmp_path / "own").chat_template == CHAT_TEMPLATE
+    path = build_tokenizer(tmp_path / "vl", chat_template=None)
+    assert Tokenizer(path).chat_template is None
+    (path / "chat_template.json").write_text("{not json")
+    assert Tokenizer(path).chat_template is None
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    tok = Tokenizer(path)
+    assert tok.render_chat_template([{"role": "user", "content": "hi"}]) == (
+        "<|user|>hi</s><|assistant|>")
+
+
 def _write(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj))
 

@@ -211,7 +211,7 @@ def _load_hf_tokenizer(path: Path, **kwargs: Any) -> Any:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True, **kwargs)
+        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True, **kwargs)
     except Exception as e:
         if not (path / "tokenizer.json").is_file():
             raise RuntimeError(f"could not load the tokenizer in {path}: {e}") from e
@@ -219,15 +219,27 @@ def _load_hf_tokenizer(path: Path, **kwargs: Any) -> Any:
         hf = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
         hf.chat_template = _read_chat_template(path)
         return hf
+    if not getattr(hf, "chat_template", None):  # (a processor's chat_template.json: VL models)
+        hf.chat_template = _read_chat_template(path)
+    return hf
 
 
 def _read_chat_template(path: Path) -> str | None:
+    """The chat template of the model directory ``path``: ``chat_template.jinja``, else
+    ``tokenizer_config.json``'s ``chat_template``, else the ``chat_template`` of
+    ``chat_template.json`` (the processor's file, where vision-language checkpoints such as
+    Gemma 3's ship theirs: transformers' tokenizer does not read it). A file that is not a
+    JSON object is passed over."""
     jinja = path / "chat_template.jinja"
     if jinja.is_file():
         return jinja.read_text(encoding="utf-8")
-    config = path / "tokenizer_config.json"
-    if config.is_file():
-        template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+    for name in ("tokenizer_config.json", "chat_template.json"):
+        file = path / name
+        try:
+            data = json.loads(file.read_text(encoding="utf-8")) if file.is_file() else None
+        except ValueError:
+            continue
+        template = data.get("chat_template") if isinstance(data, dict) else None
         if isinstance(template, str):
             return template
     return None

@@ -6,11 +6,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mrv2_gemma.model import Gemma2ForCausalLM, Gemma3ForCausalLM
+    from mrv2_gemma.vl import Gemma3ForConditionalGeneration
 
-__all__ = ["Gemma2ForCausalLM", "Gemma3ForCausalLM"]
+__all__ = ["Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "Gemma3ForConditionalGeneration":
+        from mrv2_gemma import vl
+
+        return vl.Gemma3ForConditionalGeneration
     if name in __all__:
         from mrv2_gemma import model
 

@@ -8,6 +8,10 @@ from mrv2 import hookimpl
 @hookimpl
 def mrv2_register_models(register: Callable[..., None]) -> None:
     """Gemma 3's text decoder (Gemma 3 1B, and any ``Gemma3ForCausalLM`` checkpoint) and
-    Gemma 2; they use the core's default decoder-only ModelState."""
+    Gemma 2; they use the core's default decoder-only ModelState. Gemma 3's vision-language
+    checkpoints (``Gemma3ForConditionalGeneration``: 4B, 12B, 27B) serve text prompts through
+    the same decoder; their input processor refuses images (not supported yet)."""
     register("Gemma3ForCausalLM", "mrv2_gemma.model:Gemma3ForCausalLM")
     register("Gemma2ForCausalLM", "mrv2_gemma.model:Gemma2ForCausalLM")
+    register("Gemma3ForConditionalGeneration", "mrv2_gemma.vl:Gemma3ForConditionalGeneration",
+             input_processor="mrv2_gemma.vl:Gemma3ImagesRefused")
