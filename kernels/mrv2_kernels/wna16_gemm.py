@@ -25,9 +25,17 @@ cover the SMs; the last program of a tile to arrive sums the fp32 partials in sp
 (deterministic) and adds the bias, one launch in all
 (:func:`~mrv2_kernels._backend.last_to_arrive`).
 
+Two variants, chosen by the tiles (:class:`WNA16Tiles`): ``fold`` scales each weight tile
+and rounds it to ``x``'s dtype before its dot, which then accumulates in place (the weight
+the dequantizing path hands cuBLAS, as HF's and other engines' int4 kernels round it; within
+the contract's bf16 tolerance, not bit for bit the per-step scaling); ``gemv`` leaves tensor
+cores for a few rows: each step's words stay ``[BK / pack, pack, BN]`` in registers,
+multiplied by ``x`` and summed on the CUDA cores, one cross-thread reduction per program.
+
 Tiles (:func:`wna16_tiles`) are first guesses, not yet measured on an H200 (built 2026-12-05
 without a GPU): 16 x 64 x 128 with split-K up to 16 rows, 32 x 64 x 64 to 64 rows, 64 x 128
-x 64 above; ``BK`` is capped by the group size. From :data:`DEQUANT_MIN_ROWS` rows on
+x 64 above; ``BK`` is capped by the group size. ``python -m mrv2_kernels.bench_int --sweep``
+measures them against the other variants and the byte floor. From :data:`DEQUANT_MIN_ROWS` rows on
 (prefill) :func:`wna16_linear` dequantizes the weight once per call and hands the product
 to cuBLAS instead.
 """
