@@ -47,15 +47,16 @@ MOE_LAYERS = {"gpt-oss-20b": (32, 4, 2880, 2880, True),
 
 
 def _gemm_candidates(m: int) -> list[WNA16Tiles]:
-    """Tiles to try for ``m`` rows: ``tl.dot`` ones, and CUDA-core ones up to 8 rows."""
+    """Tiles to try for ``m`` rows: ``tl.dot`` ones, and CUDA-core ones where they fit."""
     out = []
     if m <= 16:
         out += [WNA16Tiles(16, bn, bk, s, 4, 4, False, f) for bn, bk, s, f in itertools.product(
             [64, 128], [64, 128], [1, 4, 8], [False, True])]
         bm = 1 << (m - 1).bit_length()
-        if m <= 8:
-            out += [WNA16Tiles(bm, bn, bk, s, 4, 3, True) for bn, bk, s in itertools.product(
-                [64, 128, 256], [64, 128], [1, 2, 4])]
+        # the CUDA-core kernel holds bm x bk x bn products in registers: at most 16K (128
+        # a thread of 4 warps), or the compiler spills (and compiles for minutes)
+        out += [WNA16Tiles(bm, bn, bk, s, 4, 3, True) for bn, bk, s in itertools.product(
+            [64, 128, 256], [32, 64, 128], [1, 2, 4]) if bm * bk * bn <= 16384]
     else:
         out += [WNA16Tiles(bm, bn, 128, s, 4, 3, False, f) for bm, bn, s, f in itertools.product(
             [32, 64], [64, 128], [1, 2], [False, True])]

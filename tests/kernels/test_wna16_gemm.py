@@ -149,7 +149,7 @@ for bm, bn, bk, splits, stages, bits, zeros, gemv in ((16, 64, 128, 4, 4, 4, Tru
                                                      (32, 64, 64, 1, 4, 4, False, False),
                                                      (64, 128, 64, 1, 3, 8, True, False),
                                                      (1, 128, 64, 4, 4, 4, True, True),
-                                                     (4, 64, 128, 1, 3, 4, False, True),
+                                                     (4, 64, 64, 1, 3, 4, False, True),
                                                      (16, 64, 128, 4, 4, 4, True, None)):
     build(w._wna16_kernel, gemm,
           dict(GROUP=128, BITS=bits, HAS_ZEROS=zeros, HAS_BIAS=True, BM=bm, BN=bn, BK=bk,
