@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from mrv2 import LLM, SamplingParams
-from mrv2.testing import TINY_FAMILIES, TINY_MLA, fp8_checkpoint, make_tiny_checkpoint
+from mrv2.testing import TINY_FAMILIES, TINY_MLA, make_tiny_checkpoint
+from mrv2.testing_checkpoints import fp8_checkpoint
 from mrv2.testing_quant import compressed_tensors_checkpoint, gptq_checkpoint, mxfp4_checkpoint
 
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {

@@ -16,14 +16,8 @@ import transformers
 from safetensors.torch import load_file
 
 from mrv2 import LLM, LoRARequest, PoolingParams, SamplingParams
-from mrv2.testing import (
-    emulate_cuda_graphs,
-    hf_greedy,
-    make_lora_adapter,
-    make_tiny_checkpoint,
-    merge_lora_checkpoint,
-    save_checkpoint_like,
-)
+from mrv2.testing import emulate_cuda_graphs, hf_greedy, make_tiny_checkpoint
+from mrv2.testing_checkpoints import make_lora_adapter, merge_lora_checkpoint, save_checkpoint_like
 
 PROMPTS = [[5, 17, 99, 3, 42], [1 + i % 200 for i in range(23)], [64]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

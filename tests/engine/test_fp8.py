@@ -15,7 +15,8 @@ import torch
 from mrv2 import LLM, SamplingParams
 from mrv2.layers.fp8 import FP8, Fp8LinearMixin, apply_fp8, fp8_config_of
 from mrv2.layers.linear import LinearBase
-from mrv2.testing import fp8_checkpoint, hf_greedy, make_tiny_checkpoint
+from mrv2.testing import hf_greedy, make_tiny_checkpoint
+from mrv2.testing_checkpoints import fp8_checkpoint
 
 PROMPTS = [[5, 17, 42, 9, 100, 3, 77], [8, 8, 250], [1 + i % 200 for i in range(21)]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

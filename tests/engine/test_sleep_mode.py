@@ -12,7 +12,8 @@ import torch
 
 from mrv2 import LLM, LoRARequest, SamplingParams
 from mrv2.runner.sleep import Stash, module_storages
-from mrv2.testing import emulate_cuda_graphs, make_lora_adapter, make_tiny_checkpoint
+from mrv2.testing import emulate_cuda_graphs, make_tiny_checkpoint
+from mrv2.testing_checkpoints import make_lora_adapter
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5], [9, 200, 31, 4]]

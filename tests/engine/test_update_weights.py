@@ -14,13 +14,8 @@ import pytest
 
 from mrv2 import LLM, SamplingParams
 from mrv2.model_loader.loader import iter_safetensors
-from mrv2.testing import (
-    TINY_FAMILIES,
-    emulate_cuda_graphs,
-    hf_greedy,
-    make_tiny_checkpoint,
-    save_checkpoint_like,
-)
+from mrv2.testing import TINY_FAMILIES, emulate_cuda_graphs, hf_greedy, make_tiny_checkpoint
+from mrv2.testing_checkpoints import save_checkpoint_like
 
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3ForCausalLM", {"head_dim": 16}), **TINY_FAMILIES}

@@ -15,7 +15,8 @@ import transformers
 from mrv2 import LLM, SamplingParams
 from mrv2.layers.fp8 import FP8, Fp8LinearMixin, apply_fp8, fp8_config_of
 from mrv2.layers.linear import LinearBase
-from mrv2.testing import fp8_checkpoint, hf_greedy, make_tiny_checkpoint, redraw_weights
+from mrv2.testing import hf_greedy, make_tiny_checkpoint, redraw_weights
+from mrv2.testing_checkpoints import fp8_checkpoint
 
 pytestmark = pytest.mark.gpu
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from mrv2 import LLM, LoRARequest, SamplingParams
-from mrv2.testing import hf_greedy, make_lora_adapter, make_tiny_checkpoint, merge_lora_checkpoint
+from mrv2.testing import hf_greedy, make_tiny_checkpoint
+from mrv2.testing_checkpoints import make_lora_adapter, merge_lora_checkpoint
 
 pytestmark = pytest.mark.gpu
 

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from mrv2 import LLM, SamplingParams
-from mrv2.testing import append_mtp_layer, make_mtp_checkpoint, make_tiny_checkpoint
+from mrv2.testing import make_tiny_checkpoint
+from mrv2.testing_checkpoints import append_mtp_layer, make_mtp_checkpoint
 
 pytestmark = pytest.mark.gpu
 

@@ -17,14 +17,8 @@ import torch
 from safetensors.torch import save_file
 
 from mrv2 import LLM, LoRARequest, SamplingParams
-from mrv2.testing import (
-    TINY_FAMILIES,
-    emulate_cuda_graphs,
-    hf_greedy,
-    make_lora_adapter,
-    make_tiny_checkpoint,
-    merge_lora_checkpoint,
-)
+from mrv2.testing import TINY_FAMILIES, emulate_cuda_graphs, hf_greedy, make_tiny_checkpoint
+from mrv2.testing_checkpoints import make_lora_adapter, merge_lora_checkpoint
 
 PROMPTS = [[5, 17, 99, 3, 42, 7, 8, 200], [1 + i % 200 for i in range(23)], [64, 9]]
 NEW = 6

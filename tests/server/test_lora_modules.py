@@ -16,7 +16,8 @@ from server_util import API_KEY, ENGINE_KWARGS, MODEL, Served
 from conftest import serve
 from mrv2 import LLM, EngineConfig, LoRARequest, SamplingParams
 from mrv2.entrypoints.lora_modules import parse_lora_modules
-from mrv2.testing import make_lora_adapter, serve_in_thread
+from mrv2.testing import serve_in_thread
+from mrv2.testing_checkpoints import make_lora_adapter
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PROMPT = [5, 9, 3, 17, 4, 60, 2]

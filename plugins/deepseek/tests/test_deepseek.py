@@ -18,13 +18,8 @@ from mrv2.attention import ForwardContext, set_forward_context
 from mrv2.contract.kv_cache import LatentKVSpec, layer_specs
 from mrv2.model_loader import iter_safetensors, load_model_weights
 from mrv2.model_loader.build import process_weights_after_loading
-from mrv2.testing import (
-    fp8_checkpoint,
-    hf_greedy,
-    redraw_weights,
-    step_inputs,
-    step_metadata,
-)
+from mrv2.testing import hf_greedy, redraw_weights, step_inputs, step_metadata
+from mrv2.testing_checkpoints import fp8_checkpoint
 from mrv2_deepseek.mla import MLABackend
 from mrv2_deepseek.model import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 

@@ -12,7 +12,8 @@ import transformers
 from safetensors.torch import load_file
 
 from mrv2 import LLM, SamplingParams
-from mrv2.testing import emulate_cuda_graphs, fp8_checkpoint, make_mtp_checkpoint
+from mrv2.testing import emulate_cuda_graphs
+from mrv2.testing_checkpoints import fp8_checkpoint, make_mtp_checkpoint
 
 PROMPTS = [[5, 17, 42, 9, 100, 3, 77], [8, 8, 120], [1 + i % 100 for i in range(21)]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

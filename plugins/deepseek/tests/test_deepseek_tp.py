@@ -22,14 +22,8 @@ from mrv2 import LLM, SamplingParams
 from mrv2.attention import ForwardContext, set_forward_context
 from mrv2.distributed import parallel_state
 from mrv2.layers.linear import ColumnLinear, LinearBase, RowLinear
-from mrv2.testing import (
-    fp8_checkpoint,
-    make_mtp_checkpoint,
-    make_tiny_checkpoint,
-    redraw_weights,
-    step_inputs,
-    step_metadata,
-)
+from mrv2.testing import make_tiny_checkpoint, redraw_weights, step_inputs, step_metadata
+from mrv2.testing_checkpoints import fp8_checkpoint, make_mtp_checkpoint
 from mrv2_deepseek.mla import MLAAttention, MLABackend
 from mrv2_deepseek.model import mla_rope
 

@@ -22,12 +22,11 @@ from mrv2.model_loader import iter_safetensors, load_model_weights
 from mrv2.testing import (
     check_steps_against_hf,
     hf_greedy,
-    make_lora_adapter,
     make_tiny_checkpoint,
-    merge_lora_checkpoint,
     poisoned_caches,
     run_step,
 )
+from mrv2.testing_checkpoints import make_lora_adapter, merge_lora_checkpoint
 from mrv2_ernie.model import Ernie4_5_MoeForCausalLM, Ernie4_5ForCausalLM
 
 #: head_dim 24, not hidden_size // heads (16): it must come from the config.

@@ -16,13 +16,13 @@ from mrv2 import LLM, EngineConfig, Runner, SamplingParams
 from mrv2.attention import set_forward_context
 from mrv2.contract.requests import NewRequest, SchedulerOutput
 from mrv2.testing import (
-    append_mtp_layer,
     emulate_cuda_graphs,
     make_tiny_checkpoint,
     poisoned_caches,
     step_metadata,
     torch_context,
 )
+from mrv2.testing_checkpoints import append_mtp_layer
 
 GLM: dict[str, Any] = {
     "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,

@@ -15,7 +15,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from mrv2 import LLM, LoRARequest, SamplingParams
-from mrv2.testing import make_lora_adapter, merge_lora_checkpoint
+from mrv2.testing_checkpoints import make_lora_adapter, merge_lora_checkpoint
 from mrv2_qwen_vl.testing import (
     END,
     IMAGE,
