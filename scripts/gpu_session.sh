@@ -219,16 +219,18 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                if isinstance(v, list)]" "$OUT/int_$m.json" $m
            done ;;
     intsweep) # the thirty-fifth session: the MXFP4 MoE's and the W4A16 GEMM's tile sweeps
-              # against their byte floors (bench_int), their kernel tests on CUDA, then where
-              # a batch-1 step of gpt-oss-20b goes (~8 min)
-              timeout 180 python3 -m mrv2_kernels.bench_int --sweep --moe-only 2>&1 \
-                | tee "$OUT/bench_int_moe.log" | grep -v "^  " | tail -10
-              timeout 180 python3 -m mrv2_kernels.bench_int --sweep --gemm-only 2>&1 \
+              # against their byte floors (bench_int), the GPTQ MoE's, their kernel tests on
+              # CUDA, then where a batch-1 step of gpt-oss-20b goes (~8 min; most useful first)
+              timeout 150 python3 -m mrv2_kernels.bench_int --sweep --moe-only --moe-layers \
+                gpt-oss-20b 2>&1 | tee "$OUT/bench_int_moe.log" | grep -v "^  " | tail -5
+              timeout 170 python3 -m mrv2_kernels.bench_int --sweep --gemm-only 2>&1 \
                 | tee "$OUT/bench_int_gemm.log" | grep -v "^  " | tail -14
-              timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_wna16_gemm.py \
+              timeout 90 python3 -m mrv2_kernels.bench_int --sweep --moe-only --moe-layers \
+                Qwen3-30B-A3B-GPTQ 2>&1 | tee "$OUT/bench_int_moe_gptq.log" | grep -v "^  " | tail -5
+              timeout 70 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_wna16_gemm.py \
                 tests/kernels/test_fused_moe_gpt_oss.py tests/kernels/test_fused_moe_int.py 2>&1 \
                 | tee "$OUT/int_kernel_tests.log" | tail -3
-              timeout 80 python3 scripts/profile_decode.py --batch 1 --steps 32 --model \
+              timeout 70 python3 scripts/profile_decode.py --batch 1 --steps 32 --model \
                 ${PROFILE_MODEL:-gpt-oss-20b} > "$OUT/profile_int.log" 2>&1
               grep -E "wall per step|GPU over" "$OUT/profile_int.log"
               grep -A16 "Self CUDA %" "$OUT/profile_int.log" \
