@@ -32,12 +32,10 @@ the contract's bf16 tolerance, not bit for bit the per-step scaling); ``gemv`` l
 cores for a few rows: each step's words stay ``[BK / pack, pack, BN]`` in registers,
 multiplied by ``x`` and summed on the CUDA cores, one cross-thread reduction per program.
 
-Tiles (:func:`wna16_tiles`) are first guesses, not yet measured on an H200 (built 2026-12-05
-without a GPU): 16 x 64 x 128 with split-K up to 16 rows, 32 x 64 x 64 to 64 rows, 64 x 128
-x 64 above; ``BK`` is capped by the group size. ``python -m mrv2_kernels.bench_int --sweep``
-measures them against the other variants and the byte floor. From :data:`DEQUANT_MIN_ROWS` rows on
-(prefill) :func:`wna16_linear` dequantizes the weight once per call and hands the product
-to cuBLAS instead.
+Tiles (:func:`wna16_tiles`): the winners of ``python -m mrv2_kernels.bench_int --sweep``
+(which times every variant against the byte floor) on an H100; not yet on an H200. From
+:data:`DEQUANT_MIN_ROWS` rows on (prefill) :func:`wna16_linear` dequantizes the weight once
+per call and hands the product to cuBLAS instead.
 """
 
 from __future__ import annotations
@@ -49,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import arrival_counters, cdiv, last_to_arrive, sm_count, use_triton
+from ._backend import arrival_counters, cdiv, last_to_arrive, use_triton
 
 __all__ = [
     "DEQUANT_MIN_ROWS",
@@ -171,19 +169,33 @@ def _largest_pow2_dividing(n: int, cap: int) -> int:
 
 
 def wna16_tiles(x: torch.Tensor, n: int, k: int, group_size: int) -> WNA16Tiles:
-    """The tiles of a product (module docstring): small ones under the interpreter."""
+    """The tiles of a product: small ones under the interpreter; on the GPU the winners of
+    ``bench_int --sweep`` on Qwen3-8B's projections (an H100, 2026-12-05; BENCHMARKS.md):
+
+    - 1 row: the CUDA-core kernel, 128 output columns (256 from 16,384 on) by 64-long steps,
+      K split 4 ways (gate_up 65.2 -> 30.6 µs, qkv 19.7 -> 13.5, o 13.1 -> 11.4);
+    - 2-16 rows: ``tl.dot`` over 16-row blocks and 128-long steps, 64 columns (128, with the
+      scales folded into the tiles, where ``N`` >= 16,384 or ``K`` >= 8,192), K split 8 ways
+      where that leaves at most 64 column tiles, else 4 (gate_up 67.1 -> 50.4 µs at 8 rows,
+      down 31.6 -> 27.2, qkv 20.0 -> 16.0);
+    - more: 64 x 64 blocks, 128-long steps, 3 stages, K split 2 ways up to 128 column tiles
+      (at 64 rows gate_up 111.5 -> 59.7 µs, down 74.7 -> 46.4, qkv 39.9 -> 25.0).
+
+    ``BK`` is capped by the largest power of two dividing the group size."""
     if not x.is_cuda:
         return WNA16Tiles(16, 16, _largest_pow2_dividing(group_size, 32))
     m = x.shape[0]
+    if m == 1:
+        bk = _largest_pow2_dividing(group_size, 64)
+        if bk >= 8:  # (a packed word of 4-bit weights at least)
+            return WNA16Tiles(1, 256 if n >= 16384 else 128, bk, 4, 4, 3, gemv=True)
+    bk = _largest_pow2_dividing(group_size, 128)
     if m <= 16:
-        bm, bn, bk = 16, 64, _largest_pow2_dividing(group_size, 128)
-        tiles = cdiv(n, bn)
-        sms = sm_count(x.device)
-        splits = max(1, min(cdiv(2 * sms, tiles), k // (4 * bk), 16))
-        return WNA16Tiles(bm, bn, bk, splits, 4, 4)
-    if m <= 64:
-        return WNA16Tiles(32, 64, _largest_pow2_dividing(group_size, 64), 1, 4, 4)
-    return WNA16Tiles(64, 128, _largest_pow2_dividing(group_size, 64), 1, 4, 3)
+        wide = n >= 16384 or k >= 8192
+        bn = 128 if wide else 64
+        splits = max(1, min(8 if cdiv(n, bn) <= 64 else 4, k // (2 * bk)))
+        return WNA16Tiles(16, bn, bk, splits, 4, 4, fold=wide)
+    return WNA16Tiles(64, 64, bk, 2 if cdiv(n, 64) <= 128 else 1, 4, 3)
 
 
 @triton.jit

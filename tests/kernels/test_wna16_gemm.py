@@ -143,14 +143,13 @@ from mrv2_kernels import paged_attention as pa
 bf, f16, f32, i32, u8 = "*bf16", "*fp16", "*fp32", "*i32", "*u8"
 gemm = {"x_ptr": bf, "qw_ptr": i32, "s_ptr": f16, "z_ptr": u8, "bias_ptr": bf,
         "out_ptr": bf, "ws_ptr": f32, "cnt_ptr": i32}
-# the default tiles: decode (split-K), 32 and 64+ rows; 4-bit with zero points, 8-bit without
-# the CUDA-core kernel of 1 and 4 rows, then scales folded into the weight tiles
-for bm, bn, bk, splits, stages, bits, zeros, gemv in ((16, 64, 128, 4, 4, 4, True, False),
-                                                     (32, 64, 64, 1, 4, 4, False, False),
-                                                     (64, 128, 64, 1, 3, 8, True, False),
-                                                     (1, 128, 64, 4, 4, 4, True, True),
-                                                     (4, 64, 64, 1, 3, 4, False, True),
-                                                     (16, 64, 128, 4, 4, 4, True, None)):
+# the default tiles (wna16_tiles): the CUDA-core kernel at 1 row (4- and 8-bit), tl.dot at
+# 2-16 rows (the scales folded into the wide tiles) and beyond; zero points or not
+for bm, bn, bk, splits, stages, bits, zeros, gemv in ((1, 128, 64, 4, 3, 4, True, True),
+                                                     (1, 256, 64, 4, 3, 8, False, True),
+                                                     (16, 64, 128, 8, 4, 4, True, False),
+                                                     (16, 128, 128, 4, 4, 4, False, None),
+                                                     (64, 64, 128, 2, 3, 8, True, False)):
     build(w._wna16_kernel, gemm,
           dict(GROUP=128, BITS=bits, HAS_ZEROS=zeros, HAS_BIAS=True, BM=bm, BN=bn, BK=bk,
                SPLIT_K=splits, STAGES=stages, DOT_F32=False, GEMV=bool(gemv),
@@ -205,7 +204,7 @@ def test_new_kernels_compile_for_sm90(tmp_path: Path) -> None:
     from sm90 import compile_for_sm90
 
     sizes = compile_for_sm90(_SM90_SCRIPT, tmp_path)
-    assert len(sizes["_wna16_kernel"]) == 6 and len(sizes["_dequant_kernel"]) == 1
+    assert len(sizes["_wna16_kernel"]) == 5 and len(sizes["_dequant_kernel"]) == 1
     assert len(sizes["_moe_gate_up_kernel"]) == 3 and len(sizes["_moe_down_kernel"]) == 3
     assert len(sizes["_paged_attn_kernel"]) == 2
 
