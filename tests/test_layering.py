@@ -34,6 +34,7 @@ LAYERS = [
     "executor",      # one runner, or rank 0's runner and its tensor-parallel workers
     "testing",       # helpers for tests of mrv2 and its plugins
     "testing_quant", # GPTQ / AWQ checkpoint writers for tests (imports nothing of mrv2)
+    "testing_checkpoints",  # FP8 / MTP / LoRA checkpoint writers for tests (on testing)
     "engine",        # scheduler, block manager, engine loop, LLM
     "bench",         # benchmarks
     "entrypoints",   # CLI and server
