@@ -28,7 +28,12 @@ from mrv2.layers.linear import (
 from mrv2.layers.mlp import GatedMLP
 from mrv2.layers.moe import FusedMoE, GroupedTopKRouter, MoEBlock, SoftmaxTopKRouter
 from mrv2.layers.norm import RMSNorm, ShardedRMSNorm
-from mrv2.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_of
+from mrv2.layers.rotary import (
+    RotaryEmbedding,
+    get_rope,
+    rope_parameters_of,
+    rope_rows_to_halves,
+)
 
 __all__ = [
     "STACKED_PARAMS",
@@ -62,4 +67,5 @@ __all__ = [
     "norm_mlp",
     "projection_norms",
     "rope_parameters_of",
+    "rope_rows_to_halves",
 ]

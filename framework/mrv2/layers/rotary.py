@@ -250,3 +250,18 @@ def get_rope(config: Any, head_dim: int) -> RotaryEmbedding:
         scaling=scaling,
         rotary_dim=int(head_dim * partial),
     )
+
+
+def rope_rows_to_halves(rows: torch.Tensor, head_dim: int, rope_dim: int | None = None
+                        ) -> torch.Tensor:
+    """Checkpoints of interleaved RoPE (GPT-J's pairs ``(x0, x1), (x2, x3), ...``: DeepSeek,
+    ERNIE) run by this module's half-split one: ``rows`` ``[heads * head_dim, ...]`` (a q or
+    k projection's output rows, or a tensor indexed by them: bias, per-row scales, a LoRA
+    ``B``), each head's last ``rope_dim`` rows (all of them by default) reordered in place from
+    the pairs to halves (even rows, then odd). q and k reordered alike keep their scores.
+    ``rows`` must be contiguous (fp8: viewed as bytes by the caller). Returns ``rows``."""
+    rope_dim = head_dim if rope_dim is None else rope_dim
+    order = torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)])
+    heads = rows.view(-1, head_dim, *rows.shape[1:])[:, head_dim - rope_dim:]
+    heads.copy_(heads[:, order.to(rows.device)])
+    return rows

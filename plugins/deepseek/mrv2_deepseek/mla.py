@@ -44,7 +44,7 @@ from mrv2.distributed.parallel_state import tp_size
 from mrv2.layers import ColumnLinear, RMSNorm, RotaryEmbedding, RowLinear
 from mrv2.layers.fp8 import FP8, Fp8LinearMixin
 from mrv2.layers.linear import LinearBase, split_evenly
-from mrv2.layers.rotary import rope_parameters_of
+from mrv2.layers.rotary import rope_parameters_of, rope_rows_to_halves
 from mrv2_kernels.mla_attention import flat_grid_enabled, mla_cache_write, mla_decode_attention
 
 #: The eps of DeepSeek's q_a / kv_a RMSNorms (HF builds them with the default).
@@ -82,17 +82,6 @@ class MLABackend(AttentionBackend):
             num_reqs=metadata.num_reqs, max_seq_len=metadata.max_seq_len,
         )
         return out
-
-
-def deinterleave_rows(weight: torch.Tensor, num_heads: int, head_dim: int, rope_dim: int
-                      ) -> torch.Tensor:
-    """``weight`` ``[num_heads * head_dim, K]`` with each head's last ``rope_dim`` output rows
-    reordered from interleaved pairs to halves (even rows, then odd)."""
-    order = torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)])
-    rows = weight.view(num_heads, head_dim, -1)
-    rope = rows[:, head_dim - rope_dim:, :]
-    rope.copy_(rope[:, order.to(weight.device), :].clone())
-    return weight
 
 
 def _row_tensors(layer: LinearBase) -> list[torch.Tensor]:
@@ -158,8 +147,7 @@ class MLAAttention(KVCacheLayer):
             q_rows = self.q_proj if self.q_proj is not None else self.q_b_proj
             assert q_rows is not None
             q_rows.row_order = functools.partial(
-                deinterleave_rows, num_heads=self.num_heads, head_dim=self.qk_dim,
-                rope_dim=self.rope_dim)
+                rope_rows_to_halves, head_dim=self.qk_dim, rope_dim=self.rope_dim)
         _, scaling = rope_parameters_of(config)
         scale = self.qk_dim**-0.5
         if scaling is not None and scaling.get("mscale_all_dim") and scaling.get("factor"):
@@ -187,9 +175,9 @@ class MLAAttention(KVCacheLayer):
                 q = self.q_proj if self.q_proj is not None else self.q_b_proj
                 assert q is not None
                 for rows in _row_tensors(q):
-                    deinterleave_rows(rows, self.num_heads, self.qk_dim, self.rope_dim)
+                    rope_rows_to_halves(rows, self.qk_dim, self.rope_dim)
                 for rows in _row_tensors(self.kv_a_proj_with_mqa):
-                    deinterleave_rows(rows, 1, self.rank + self.rope_dim, self.rope_dim)
+                    rope_rows_to_halves(rows, self.rank + self.rope_dim, self.rope_dim)
             kv_b = self.kv_b_proj
             weight = kv_b.weight.data
             if isinstance(kv_b, Fp8LinearMixin) and weight.dtype == FP8:

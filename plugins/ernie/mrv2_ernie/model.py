@@ -47,6 +47,7 @@ from mrv2.layers import (
     SelfAttention,
     get_rope,
     head_dim_of,
+    rope_rows_to_halves,
 )
 
 if TYPE_CHECKING:
@@ -66,10 +67,8 @@ def deinterleave_heads(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
     if rows.dim() == 0 or rows.shape[0] % head_dim or head_dim % 2:
         raise ValueError(f"expects whole heads of {head_dim} (even) rows, got shape "
                          f"{tuple(rows.shape)}")
-    order = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
     raw = rows.view(torch.uint8) if rows.dtype in _FP8 else rows  # (fp8: moved as bytes)
-    out = raw.reshape(-1, head_dim, *raw.shape[1:])[:, order.to(rows.device)]
-    out = out.reshape(raw.shape)
+    out = rope_rows_to_halves(raw.clone(memory_format=torch.contiguous_format), head_dim)
     return out.view(rows.dtype) if rows.dtype in _FP8 else out
 
 
