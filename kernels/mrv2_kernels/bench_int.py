@@ -196,10 +196,6 @@ def bench_moe(rows: list[int], sweep: bool, bandwidth: float, layer: str) -> lis
     return lines
 
 
-def _moe_part(layer: str, rows: list[int], sweep: bool, bandwidth: float) -> list[str]:
-    return bench_moe(rows, sweep, bandwidth, layer)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
@@ -216,7 +212,7 @@ def main() -> None:
         parts.append(("W4A16 GEMM, Qwen3-8B projections (GPTQ 4-bit, groups of 128)",
                       bench_gemm))
     if not args.gemm_only:
-        parts += [(f"fused MoE, {name}'s layer", functools.partial(_moe_part, name))
+        parts += [(f"fused MoE, {name}'s layer", functools.partial(bench_moe, layer=name))
                   for name in args.moe_layers]
     out: list[Any] = []
     for title, fn in parts:

@@ -373,7 +373,7 @@ def _int_plan(plan: MoeTiles, per_expert: float, fp4: bool, cuda: bool) -> MoeTi
 
 
 #: The widest default K step of MXFP4 experts (a power of two; its scales folded into the
-#: weights where it spans groups of 32, :func:`~mrv2_kernels.fused_moe_int.fp4_folds`); 0: one
+#: weights where it spans groups of 32, :func:`~mrv2_kernels.fused_moe_int._int_tile`); 0: one
 #: group a step (measured no slower: :func:`_int_plan`). Explicit ``block_k1`` / ``block_k2``
 #: override it.
 MXFP4_MAX_STEP = 0
@@ -388,7 +388,7 @@ def _fused_moe_int(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     ``overrides``, :class:`MoeTiles` fields) with K steps that divide the group size (a step
     in one group) or, MXFP4, powers of two up to the plan's that the pack divides (the scales
     folded into the weights where a step spans groups: :func:`~mrv2_kernels.fused_moe_int.
-    fp4_folds`)."""
+    _int_tile`)."""
     num_tokens, hidden = x.shape
     inter, pack = check_int_args(w13, w2, ints, hidden)
     epilogue = check_epilogue(w13, w13.new_empty(w13.shape[0], hidden, 0), epilogue)

@@ -18,8 +18,8 @@ else is quantized). The Triton GEMMs load ``[BLOCK_K / pack, BLOCK_N]`` words a 
 them along K (:func:`_int_tile`), subtract the zero points and ``tl.dot`` the small integers
 (exact in bf16 / fp16) with the activations, then scale the step's fp32 product by the
 group's scales: ``BLOCK_K`` divides ``G``, so a step lies in one group. MXFP4's steps may
-span several groups of 32 (:func:`fp4_folds`): their power-of-two scales go into the
-weights' exponents instead, and the step's product needs no scaling.
+span several groups of 32 (``BLOCK_K > G``, :func:`_int_tile`): their power-of-two scales go
+into the weights' exponents instead, and the step's product needs no scaling.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import triton.language as tl
 from .wna16_gemm import dequantize_wna16, pack_along_k
 
 __all__ = ["IntExperts", "check_int_args", "dequantize_int_experts", "e2m1_values",
-           "e8m0_scales", "fp4_folds", "mxfp4_codes", "pack_experts"]
+           "e8m0_scales", "mxfp4_codes", "pack_experts"]
 
 #: The 16 e2m1 codes' values (code ``c``: sign ``c >> 3``, exponent ``(c >> 1) & 3``,
 #: mantissa ``c & 1``).
@@ -98,12 +98,6 @@ def check_int_args(w13: torch.Tensor, w2: torch.Tensor, q: IntExperts, hidden: i
     return inter, pack
 
 
-def fp4_folds(block_k: int, group_size: int, fp4: bool) -> bool:
-    """Whether a K step of ``block_k`` folds MXFP4 scales into the weights (:func:`_int_tile`)
-    rather than scaling one group's product: MXFP4 steps wider than a group."""
-    return fp4 and block_k > group_size
-
-
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """fp32 values of e2m1 codes (integers in ``[0, 16)``)."""
     table = torch.tensor(E2M1, dtype=torch.float32, device=codes.device)
@@ -156,8 +150,8 @@ def _int_tile(words: tl.tensor, zeros_ptrs: tl.tensor, mask_n: tl.tensor,
               scale_s2: int = 0, GROUP: tl.constexpr = 32) -> tl.tensor:
     """``[BLOCK_K, BLOCK_N]`` int32 ``q - zero`` of ``words`` ``[BLOCK_K / pack, BLOCK_N]``
     (each word's integers spread along K), the columns' zero points at ``zeros_ptrs``;
-    ``FP4``: the codes' e2m1 values (fp32, exact in bf16). ``FP4`` with ``BLOCK_K > GROUP``
-    (:func:`fp4_folds`): the step spans several groups, so each value carries its group's e8m0
+    ``FP4``: the codes' e2m1 values (fp32, exact in bf16). ``FP4`` with ``BLOCK_K > GROUP``:
+    the step spans several groups, so each value carries its group's e8m0
     scale, read at ``scale_ptrs`` (the step's first group; ``scale_s2`` apart), in its exponent:
     ``e2m1 * 2 ** (s - 127)``, still exact in bf16 (a power of two changes only the exponent;
     flushed to 0 where it would be subnormal, ``s = 0`` reads as 0 as :func:`e8m0_scales`)."""
