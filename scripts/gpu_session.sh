@@ -21,8 +21,8 @@
 # intquant (the thirty-third's GPTQ / AWQ / compressed-tensors layers and sliding-window
 # attention with Gemma 3: their GPU and kernel tests on CUDA, then mrv2 bench latency's
 # gptq_w4 / awq_w4 / fp8_w8 variants at batch 1 / 8 / 64 on Qwen3-8B and Qwen3-0.6B;
-# intbench: the bench only), intsweep (the W4A16 GEMM's and MXFP4 MoE's tile sweep and batch-1
-# profiles of gpt-oss-20b and Qwen3-8B gptq_w4), ernie (ERNIE-4.5-21B-A3B's TPOT), gptoss (gpt-oss-20b's MXFP4 experts: tests, then bench latency;
+# intbench: the bench only), intsweep (the W4A16 GEMM's and the integer / MXFP4 MoE's tile sweeps,
+# their kernel tests, a batch-1 profile of gpt-oss-20b), ernie (ERNIE-4.5-21B-A3B's TPOT), gptoss (gpt-oss-20b's MXFP4 experts: tests, then bench latency;
 # GPTOSS_THROUGHPUT=1: the throughput workload too; GPTOSS_MODEL=gpt-oss-120b: the big one),
 # graphtimes (scripts/decode_graph_times.py: each decode graph's replay time by size),
 # streamk (scripts/proto_streamk.py: a stream-K GEMM against cuBLAS at 8B decode shapes), attn,
