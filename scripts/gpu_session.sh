@@ -22,7 +22,9 @@
 # attention with Gemma 3: their GPU and kernel tests on CUDA, then mrv2 bench latency's
 # gptq_w4 / awq_w4 / fp8_w8 variants at batch 1 / 8 / 64 on Qwen3-8B and Qwen3-0.6B;
 # intbench: the bench only), intsweep (the W4A16 GEMM's and the integer / MXFP4 MoE's tile sweeps,
-# their kernel tests, a batch-1 profile of gpt-oss-20b), ernie (ERNIE-4.5-21B-A3B's TPOT), gptoss (gpt-oss-20b's MXFP4 experts: tests, then bench latency;
+# their kernel tests, a batch-1 profile of gpt-oss-20b), magic (int_bits against the
+# conversions: kernel tests, bench_int --magic), magicab (the engine's TPOT with
+# MRV2_INT_MAGIC=0 then 1: Qwen3-8B GPTQ, gpt-oss-20b), ernie (ERNIE-4.5-21B-A3B's TPOT), gptoss (gpt-oss-20b's MXFP4 experts: tests, then bench latency;
 # GPTOSS_THROUGHPUT=1: the throughput workload too; GPTOSS_MODEL=gpt-oss-120b: the big one),
 # graphtimes (scripts/decode_graph_times.py: each decode graph's replay time by size),
 # streamk (scripts/proto_streamk.py: a stream-K GEMM against cuBLAS at 8B decode shapes), attn,
@@ -235,6 +237,35 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
               grep -E "wall per step|GPU over" "$OUT/profile_int.log"
               grep -A16 "Self CUDA %" "$OUT/profile_int.log" \
                 | awk '{print substr($0,1,50) "|" substr($0,length($0)-75)}' ;;
+    magic) # the thirty-sixth session: integer / MXFP4 weights made floats from their bits
+           # (mrv2_kernels.int_bits) against the conversions: the kernel tests on CUDA, then
+           # bench_int --magic (the default tiles with and without, wider one-row tiles)
+           timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_wna16_gemm.py \
+             tests/kernels/test_fused_moe_gpt_oss.py tests/kernels/test_fused_moe_int.py 2>&1 \
+             | tee "$OUT/magic_kernel_tests.log" | tail -3
+           timeout 200 python3 -m mrv2_kernels.bench_int --magic --gemm-only \
+             --rows ${MAGIC_ROWS:-1 8 64} 2>&1 | tee "$OUT/magic_gemm.log" | grep -v "^  " \
+             | tail -14
+           timeout 150 python3 -m mrv2_kernels.bench_int --magic --moe-only --moe-layers \
+             ${MAGIC_MOE:-gpt-oss-20b Qwen3-30B-A3B-GPTQ} 2>&1 | tee "$OUT/magic_moe.log" \
+             | grep -v "^  " | tail -12 ;;
+    magicab) # the engine with the bit-built weights' defaults (MRV2_INT_MAGIC=1) against the
+             # conversions' (0): the int GPU tests, then batch-1/8/64 TPOT of Qwen3-8B as
+             # 4-bit GPTQ and of gpt-oss-20b (MXFP4), each A then B on one warm machine
+             timeout ${MAGIC_TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu \
+               tests/gpu/test_gpu_int_quant.py ${MAGIC_TESTS_K:-} 2>&1 | tee "$OUT/magic_gpu_tests.log" | tail -2
+             for flag in 0 1; do
+               for m in ${MAGIC_MODELS:-Qwen3-8B gpt-oss-20b}; do
+                 variants=$([ $m = Qwen3-8B ] && echo "--variants gptq_w4" || echo "")
+                 MRV2_INT_MAGIC=$flag timeout 150 python3 -m mrv2.entrypoints.cli bench latency \
+                   --model $m $variants --new-tokens 128 --json "$OUT/magic${flag}_$m.json" \
+                   > "$OUT/magic${flag}_$m.log" 2>&1
+                 python3 -c "import json, sys; d = json.load(open(sys.argv[1])); [print( \
+                   'MRV2_INT_MAGIC=' + sys.argv[3], sys.argv[2], k, [(r['batch'], r['tpot_ms']) \
+                   for r in v]) for k, v in d.items() if isinstance(v, list)]" \
+                   "$OUT/magic${flag}_$m.json" $m $flag
+               done
+             done ;;
     ernie) # ERNIE-4.5-21B-A3B (random bf16 weights): batch-1/8/64 TPOT (mrv2 bench latency)
            timeout 200 python3 -m mrv2.entrypoints.cli bench latency --model ERNIE-4.5-21B-A3B \
              --new-tokens 256 --json "$OUT/ernie_latency.json" > "$OUT/ernie_latency.log" 2>&1

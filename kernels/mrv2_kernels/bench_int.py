@@ -1,7 +1,8 @@
 """Integer and MXFP4 weights at decode sizes: the W4A16 GEMM and the MXFP4 fused MoE against
 their byte floors, with a sweep of their tiles.
 
-    python -m mrv2_kernels.bench_int [--rows 1 8 64] [--sweep] [--moe-only | --gemm-only]
+    python -m mrv2_kernels.bench_int [--rows 1 8 64] [--sweep | --magic]
+                                     [--moe-only | --gemm-only]
 
 ``gemm``: Qwen3-8B's four decode projections as 4-bit GPTQ weights (symmetric, groups of
 128): the default tiles, with ``--sweep`` the best ``tl.dot`` tiles (the scales applied to
@@ -13,6 +14,8 @@ dequantization plus cuBLAS. ``moe``: gpt-oss-20b's expert layer (32 experts, top
 and the output slices. Each case runs over enough weight copies (and routings) that the
 weights come from HBM, inside a CUDA graph, and reports µs and the fraction of the byte floor
 (the packed weights and scales read, over the device-to-device copy bandwidth).
+``--magic``: the default tiles with and without ``magic`` (the integers made floats from
+their bits, :mod:`mrv2_kernels.int_bits`) and, at one row, wider CUDA-core tiles with it.
 """
 
 from __future__ import annotations
@@ -46,8 +49,20 @@ MOE_LAYERS = {"gpt-oss-20b": (32, 4, 2880, 2880, True),
               "Qwen3-30B-A3B-GPTQ": (128, 8, 2048, 768, False)}
 
 
-def _gemm_candidates(m: int) -> list[WNA16Tiles]:
-    """Tiles to try for ``m`` rows: ``tl.dot`` ones, and CUDA-core ones where they fit."""
+def _gemm_candidates(m: int, mode: str, default: WNA16Tiles) -> list[WNA16Tiles]:
+    """Tiles to try for ``m`` rows: ``tl.dot`` ones, and CUDA-core ones where they fit;
+    ``mode`` "magic": the default tiles with ``magic``, folded or not, and at one row wider
+    CUDA-core ones (the one-row kernel holds two ``[bk / 8, bn]`` fp32 tiles)."""
+    if mode == "magic":
+        out = [default._replace(magic=True)]
+        if not default.gemv:
+            out.append(default._replace(magic=True, fold=not default.fold))
+        if m == 1:
+            out += [WNA16Tiles(1, bn, bk, s, w, 3, True, magic=True)
+                    for bn, bk, s, w in itertools.product([128, 256, 512], [64, 128],
+                                                          [4, 8, 16], [4, 8])
+                    if bk // 8 * bn <= 4096 * w // 4]
+        return out
     out = []
     if m <= 16:
         out += [WNA16Tiles(16, bn, bk, s, 4, 4, False, f) for bn, bk, s, f in itertools.product(
@@ -72,8 +87,9 @@ def _dequant_cublas(x: torch.Tensor, qws: list[torch.Tensor], scales: list[torch
     return x @ dequantize_wna16_triton(qws[i], scales[i], None, 4, GROUP, x.dtype)
 
 
-def bench_gemm(rows: list[int], sweep: bool, bandwidth: float) -> list[str]:
-    """One line per (shape, rows): µs of each path and the fraction of the byte floor."""
+def bench_gemm(rows: list[int], mode: str, bandwidth: float) -> list[str]:
+    """One line per (shape, rows): µs of each path and the fraction of the byte floor (the
+    "best" columns: the sweep's, or with ``mode`` "magic" the best magic tiles')."""
     lines = [f"{'case':16s} {'rows':>4s} {'floor':>7s} {'default':>8s} {'best dot':>9s} "
              f"{'best gemv':>9s} {'cuBLAS bf16':>11s} {'deq+cuBLAS':>10s}  best tiles (of floor)"]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -98,13 +114,15 @@ def bench_gemm(rows: list[int], sweep: bool, bandwidth: float) -> list[str]:
             default = time_graph(functools.partial(run, None), copies)
             best: dict[bool, tuple[float, WNA16Tiles | None]] = {
                 False: (float("inf"), None), True: (float("inf"), None)}
-            if sweep:
-                for tiles in _gemm_candidates(m):
+            if mode != "default":
+                for tiles in _gemm_candidates(m, mode, wna16_tiles(x, n, k, GROUP)):
                     try:
                         us = time_graph(functools.partial(run, tiles), copies)
                     except Exception as err:  # a tile the compiler refuses: skip it, say so
                         lines.append(f"  {tiles}: {type(err).__name__}: {str(err)[:80]}")
                         continue
+                    if mode == "magic":
+                        lines.append(f"  {name} {m}: {tiles} {us:.1f}")
                     if us < best[tiles.gemv][0]:
                         best[tiles.gemv] = (us, tiles)
             cublas = time_graph(functools.partial(_cublas, x, dense), len(dense))
@@ -143,7 +161,12 @@ def _moe_layer(name: str, gen: torch.Generator
     return w13, w2, IntExperts(s13, s2, z13, z2, 4, group), Epilogue("silu")
 
 
-def _moe_candidates(fp4: bool) -> list[dict[str, Any]]:
+def _moe_candidates(fp4: bool, mode: str) -> list[dict[str, Any]]:
+    if mode == "magic":  # the default tiles with it (and MXFP4's output slices), folded or not
+        if fp4:
+            return [dict(int_magic=True, block_n1=n1, block_n2=n2, num_stages=st)
+                    for n1, n2, st in itertools.product([32, 64], [64, 128], [3, 4])]
+        return [dict(int_magic=True, int_fold=True), dict(int_magic=True, int_fold=False)]
     if fp4:  # one group a step (32) or several, the scales folded into the weights
         return [dict(block_n1=n1, block_k1=k, block_n2=n2, block_k2=k, num_stages=st)
                 for n1, n2, k, st in itertools.product([32, 64], [64, 128], [32, 64, 128],
@@ -152,7 +175,7 @@ def _moe_candidates(fp4: bool) -> list[dict[str, Any]]:
             for n1, n2, st, f in itertools.product([32, 64], [64, 128], [3, 4], [False, True])]
 
 
-def bench_moe(rows: list[int], sweep: bool, bandwidth: float, layer: str) -> list[str]:
+def bench_moe(rows: list[int], mode: str, bandwidth: float, layer: str) -> list[str]:
     """One line per token count: the default tiles' µs and the best sweep tiles', against the
     byte floor of the experts the routing hits."""
     experts, top_k, hidden, inter, fp4 = MOE_LAYERS[layer]
@@ -181,13 +204,15 @@ def bench_moe(rows: list[int], sweep: bool, bandwidth: float, layer: str) -> lis
 
         default = time_graph(functools.partial(run, {}), copies)
         best: tuple[float, dict[str, Any]] = (float("inf"), {})
-        if sweep:
-            for tiles in _moe_candidates(fp4):
+        if mode != "default":
+            for tiles in _moe_candidates(fp4, mode):
                 try:
                     us = time_graph(functools.partial(run, tiles), copies)
                 except Exception as err:
                     lines.append(f"  {tiles}: {type(err).__name__}: {str(err)[:80]}")
                     continue
+                if mode == "magic":
+                    lines.append(f"  {t}: {tiles} {us:.1f}")
                 best = min(best, (us, tiles), key=lambda b: b[0])
         plan = moe_tiles(t, top_k, experts, hidden, inter, x.device)
         lines.append(f"{t:6d} {hit:5.1f} {floor:7.1f} {default:8.1f} {best[0]:8.1f}  default "
@@ -199,7 +224,9 @@ def bench_moe(rows: list[int], sweep: bool, bandwidth: float, layer: str) -> lis
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
-    parser.add_argument("--sweep", action="store_true")
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument("--sweep", action="store_true")
+    modes.add_argument("--magic", action="store_true")
     parser.add_argument("--gemm-only", action="store_true")
     parser.add_argument("--moe-only", action="store_true")
     parser.add_argument("--moe-layers", nargs="+", default=list(MOE_LAYERS),
@@ -207,7 +234,7 @@ def main() -> None:
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; µs per call, weights from HBM")
-    parts: list[tuple[str, Callable[[list[int], bool, float], list[str]]]] = []
+    parts: list[tuple[str, Callable[[list[int], str, float], list[str]]]] = []
     if not args.moe_only:
         parts.append(("W4A16 GEMM, Qwen3-8B projections (GPTQ 4-bit, groups of 128)",
                       bench_gemm))
@@ -217,7 +244,8 @@ def main() -> None:
     out: list[Any] = []
     for title, fn in parts:
         print(title, flush=True)
-        out += ["", title, *fn(args.rows, args.sweep, bandwidth)]
+        mode = "sweep" if args.sweep else "magic" if args.magic else "default"
+        out += ["", title, *fn(args.rows, mode, bandwidth)]
     print("\n".join(out))
 
 

@@ -84,6 +84,7 @@ from .fused_moe_ref import (
     check_epilogue,
     fused_moe_ref,
 )
+from .int_bits import TWO23_BITS, magic_by_default
 from .moe_align import _ID_DTYPES, _tile, moe_align, moe_align_ref, moe_max_blocks
 from .moe_tiles import MoeTiles, _check_fp8_tiles, moe_tiles
 
@@ -193,7 +194,8 @@ def _moe_chunk(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
         z13 = ints.w13_zeros if ints.w13_zeros is not None else s13
         z2 = ints.w2_zeros if ints.w2_zeros is not None else s2
         int_args = {"INT": True, "BITS": ints.bits, "HAS_ZEROS": ints.w13_zeros is not None,
-                    "FP4": ints.fp4, "INT_FOLD": tiles.int_fold}
+                    "FP4": ints.fp4, "INT_FOLD": tiles.int_fold, "INT_MAGIC": tiles.int_magic,
+                    "two23": TWO23_BITS}
         act = _empty((num_pairs, inter), x.dtype, x.device)
     elif fp8 is None:
         act = _empty((num_pairs, inter), x.dtype, x.device)
@@ -277,6 +279,7 @@ def fused_moe_triton(
     int_experts: IntExperts | None = None,
     epilogue: Epilogue = PLAIN,
     int_fold: bool | None = None,
+    int_magic: bool | None = None,
 ) -> torch.Tensor:
     """Triton implementation of :func:`fused_moe` (module docstring: align, gate/up GEMM, down
     GEMM, combine); tile arguments override :func:`moe_tiles`. Never synchronizes with the
@@ -302,12 +305,14 @@ def fused_moe_triton(
 
     ``int_experts``: ``w13`` / ``w2`` hold packed integers (:mod:`~mrv2_kernels.
     fused_moe_int`); the K steps are cut to divide the group size; ``int_fold``
-    (:class:`MoeTiles`) scales each weight tile before its dot.
+    (:class:`MoeTiles`) scales each weight tile before its dot, ``int_magic`` makes the
+    weights floats from their bits.
     """
     overrides = {k: v for k, v in dict(
         block_m=block_m, block_n1=block_n1, block_k1=block_k1, block_n2=block_n2,
         block_k2=block_k2, group_m=group_m, num_warps=num_warps, num_stages=num_stages,
-        fused_combine=fused_combine, int_fold=int_fold).items() if v is not None}
+        fused_combine=fused_combine, int_fold=int_fold, int_magic=int_magic).items()
+        if v is not None}
     if int_experts is not None:
         return _fused_moe_int(x, w13, w2, topk_weights, topk_ids, int_experts, valid_tokens,
                               epilogue, overrides=overrides)
@@ -358,13 +363,22 @@ def fused_moe_triton(
 
 
 def _int_plan(plan: MoeTiles, per_expert: float, fp4: bool, cuda: bool) -> MoeTiles:
-    """The integer experts' tiles on the GPU (``bench_int --sweep``, an H100, 2026-12-05,
-    Qwen3-30B-A3B's layer as 4-bit GPTQ): each step's weight tile scaled before its dot
-    (``int_fold``; 9-19% faster at 1-64 tokens) and, from half a pair per expert on, 64
-    intermediate / 128 hidden features per program (209 -> 176 µs at 8 tokens, 472 -> 384 at
-    64). MXFP4's stay as they were: neither its 64-/128-wide folded steps nor other slices beat
-    one group a step (gpt-oss-20b's layer, 141 µs at 1 token either way)."""
-    if fp4 or not cuda:
+    """The integer experts' tiles on the GPU (``bench_int --sweep`` / ``--magic``, an H100,
+    2026-12-05). Qwen3-30B-A3B's layer as 4-bit GPTQ: each step's weight tile scaled before
+    its dot (``int_fold``; 9-19% faster at 1-64 tokens) and, from half a pair per expert on,
+    64 intermediate / 128 hidden features per program (209 -> 176 µs at 8 tokens, 472 -> 384
+    at 64); its integers made floats from their bits (``int_magic``) measured no faster.
+    MXFP4 (gpt-oss-20b's layer): the codes made floats from their bits (``int_magic``:
+    141.7 -> 115.4 µs at 1 token, 509 -> 425 at 8, 702 -> 613 at 64) and, from 8 pairs per
+    expert on, 64 intermediate features per program (613 -> 567 at 64 tokens); neither its
+    64-/128-wide folded steps nor other slices beat one group a step."""
+    if not cuda:
+        return plan
+    if fp4:
+        if magic_by_default():  # (MRV2_INT_MAGIC=0: the conversions, as before)
+            plan = plan._replace(int_magic=True)
+            if plan.block_m == 16 and per_expert >= 8:
+                plan = plan._replace(block_n1=64)
         return plan
     plan = plan._replace(int_fold=True)
     if plan.block_m == 16 and per_expert >= 0.5:

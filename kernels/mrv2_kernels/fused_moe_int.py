@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .int_bits import bias, biased, e2m1
 from .wna16_gemm import dequantize_wna16, pack_along_k
 
 __all__ = ["IntExperts", "check_int_args", "dequantize_int_experts", "e2m1_values",
@@ -190,3 +191,56 @@ def _int_scale(ptrs: tl.tensor, mask_n: tl.tensor, FP4: tl.constexpr = False) ->
         s = tl.load(ptrs, mask=mask_n, other=0).to(tl.int32)
         return (s << 23).to(tl.float32, bitcast=True)
     return tl.load(ptrs, mask=mask_n, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _int_step(acc: tl.tensor, a: tl.tensor, words: tl.tensor, zeros_ptrs: tl.tensor,
+              scale_ptrs: tl.tensor, mask_n: tl.tensor, BITS: tl.constexpr,
+              HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+              FP4: tl.constexpr, FOLD: tl.constexpr, MAGIC: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, two23: tl.tensor) -> tl.tensor:
+    """``acc`` plus one K step (one group) of ``a @ W``: ``words`` ``[BLOCK_K / pack,
+    BLOCK_N]``, the columns' zero points and group scales at ``zeros_ptrs`` /
+    ``scale_ptrs``. ``FOLD``: the tile scaled and rounded to ``a``'s dtype before the dot.
+    ``MAGIC``: the weights made floats from their bits (:mod:`~mrv2_kernels.int_bits`):
+    e2m1 codes by one exact multiplication; integers folded as ``biased(q) - (2 ** 23 + z)``
+    in fp32, else ``tl.dot`` of ``a`` with ``bias + q`` (bf16 / fp16, exact), less ``(bias +
+    z)`` times each row's sum of ``a``."""
+    scale = _int_scale(scale_ptrs, mask_n, FP4)
+    PACK: tl.constexpr = 32 // BITS
+    # the biased tile's dtype: a's, but for bf16's 7-bit mantissa against 8-bit integers
+    BDT: tl.constexpr = tl.float16 if BITS > 7 or a.dtype == tl.float16 else tl.bfloat16
+    if not MAGIC:
+        w = _int_tile(words, zeros_ptrs, mask_n, BITS, HAS_ZEROS, BLOCK_K, BLOCK_N, FP4)
+        if FOLD:
+            acc = tl.dot(a, (w.to(tl.float32) * scale[None, :]).to(a.dtype), acc,
+                         input_precision=DOT_PRECISION)
+        else:
+            acc += tl.dot(a, w.to(a.dtype), input_precision=DOT_PRECISION) * scale[None, :]
+    elif FP4:
+        shifts = (tl.arange(0, PACK) * BITS)[None, :, None]
+        w = e2m1(tl.reshape((words[:, None, :] >> shifts) & 15, (BLOCK_K, BLOCK_N)))
+        if FOLD:
+            acc = tl.dot(a, (w * scale[None, :]).to(a.dtype), acc,
+                         input_precision=DOT_PRECISION)
+        else:
+            acc += tl.dot(a, w.to(a.dtype), input_precision=DOT_PRECISION) * scale[None, :]
+    else:
+        shifts = (tl.arange(0, PACK) * BITS)[None, :, None]
+        q = tl.reshape((words[:, None, :] >> shifts) & ((1 << BITS) - 1), (BLOCK_K, BLOCK_N))
+        if HAS_ZEROS:
+            z = tl.load(zeros_ptrs, mask=mask_n, other=0).to(tl.float32)
+        else:
+            z = tl.full([BLOCK_N], 1 << (BITS - 1), tl.float32)
+        if FOLD:  # (q - z) * s from fp32 bits, one rounding
+            w = biased(q, tl.float32, two23) - (bias(tl.float32) + z)[None, :]
+            acc = tl.dot(a, (w * scale[None, :]).to(a.dtype), acc,
+                         input_precision=DOT_PRECISION)
+        elif a.dtype == BDT or a.dtype == tl.float32:
+            part = tl.dot(a, biased(q, BDT, two23).to(a.dtype), input_precision=DOT_PRECISION)
+            part -= tl.sum(a.to(tl.float32), axis=1)[:, None] * (bias(BDT) + z)[None, :]
+            acc += part * scale[None, :]
+        else:  # bf16 a, 8-bit integers: q - z from fp32 bits, exact in bf16
+            w = biased(q, tl.float32, two23) - (bias(tl.float32) + z)[None, :]
+            acc += tl.dot(a, w.to(a.dtype), input_precision=DOT_PRECISION) * scale[None, :]
+    return acc

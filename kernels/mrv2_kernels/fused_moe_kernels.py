@@ -12,7 +12,7 @@ import triton.language as tl
 
 from .fp8_gemm import _quant_rows
 from .fused_moe_fp8 import _fp8_a_tile, _fp8_dot, _round_to
-from .fused_moe_int import _int_scale, _int_tile
+from .fused_moe_int import _int_step, _int_tile
 from .fused_moe_ref import SWIGLUOAI_ALPHA
 
 _ALPHA = tl.constexpr(SWIGLUOAI_ALPHA)
@@ -103,6 +103,8 @@ def _moe_gate_up_kernel(
     HAS_ZEROS: tl.constexpr = False,
     FP4: tl.constexpr = False,
     INT_FOLD: tl.constexpr = False,
+    INT_MAGIC: tl.constexpr = False,
+    two23: int = 0,
     b_ptr: tl.tensor = None,
     b_s0: int = 0,
     act_limit: float = 0.0,
@@ -168,20 +170,12 @@ def _moe_gate_up_kernel(
                                   input_precision=DOT_PRECISION)
                 acc_up = tl.dot(a_in, u.to(a_in.dtype), acc_up, input_precision=DOT_PRECISION)
             else:
-                g = _int_tile(g, gz_ptrs + grp, mask_n, BITS, HAS_ZEROS, BLOCK_K, BLOCK_N, FP4)
-                u = _int_tile(u, uz_ptrs + grp, mask_n, BITS, HAS_ZEROS, BLOCK_K, BLOCK_N, FP4)
-                g_scale = _int_scale(gs_ptrs + grp, mask_n, FP4)
-                u_scale = _int_scale(us_ptrs + grp, mask_n, FP4)
-                if INT_FOLD:  # the scaled weights, rounded, accumulate in place
-                    g = (g.to(tl.float32) * g_scale[None, :]).to(a_in.dtype)
-                    u = (u.to(tl.float32) * u_scale[None, :]).to(a_in.dtype)
-                    acc_gate = tl.dot(a_in, g, acc_gate, input_precision=DOT_PRECISION)
-                    acc_up = tl.dot(a_in, u, acc_up, input_precision=DOT_PRECISION)
-                else:
-                    acc_gate += tl.dot(a_in, g.to(a_in.dtype),
-                                       input_precision=DOT_PRECISION) * g_scale[None, :]
-                    acc_up += tl.dot(a_in, u.to(a_in.dtype),
-                                     input_precision=DOT_PRECISION) * u_scale[None, :]
+                acc_gate = _int_step(acc_gate, a_in, g, gz_ptrs + grp, gs_ptrs + grp, mask_n,
+                                     BITS, HAS_ZEROS, BLOCK_K, BLOCK_N, FP4, INT_FOLD,
+                                     INT_MAGIC, DOT_PRECISION, two23)
+                acc_up = _int_step(acc_up, a_in, u, uz_ptrs + grp, us_ptrs + grp, mask_n, BITS,
+                                   HAS_ZEROS, BLOCK_K, BLOCK_N, FP4, INT_FOLD, INT_MAGIC,
+                                   DOT_PRECISION, two23)
         elif FP8:  # one scale group per step: scale the step's fp32 products, then add
             a, a_scale = _fp8_a_tile(a, xs_ptrs, valid, k0 // W_BK, QUANT_A, UPCAST)
             g_scale = tl.load(gs_ptrs + (k0 // W_BK) * ws_s2, mask=mask_n, other=0.0)
@@ -268,6 +262,8 @@ def _moe_down_kernel(
     HAS_ZEROS: tl.constexpr = False,
     FP4: tl.constexpr = False,
     INT_FOLD: tl.constexpr = False,
+    INT_MAGIC: tl.constexpr = False,
+    two23: int = 0,
     b_ptr: tl.tensor = None,
     b_s0: int = 0,
     HAS_BIAS: tl.constexpr = False,
@@ -317,14 +313,9 @@ def _moe_down_kernel(
                               s_ptrs + grp, ws_s2, W_BK)
                 acc = tl.dot(a_in, w.to(a_in.dtype), acc, input_precision=DOT_PRECISION)
             else:
-                w = _int_tile(w, z_ptrs + grp, mask_n, BITS, HAS_ZEROS, BLOCK_K, BLOCK_N, FP4)
-                w_scale = _int_scale(s_ptrs + grp, mask_n, FP4)
-                if INT_FOLD:
-                    w = (w.to(tl.float32) * w_scale[None, :]).to(a_in.dtype)
-                    acc = tl.dot(a_in, w, acc, input_precision=DOT_PRECISION)
-                else:
-                    acc += tl.dot(a_in, w.to(a_in.dtype), input_precision=DOT_PRECISION) \
-                        * w_scale[None, :]
+                acc = _int_step(acc, a_in, w, z_ptrs + grp, s_ptrs + grp, mask_n, BITS,
+                                HAS_ZEROS, BLOCK_K, BLOCK_N, FP4, INT_FOLD, INT_MAGIC,
+                                DOT_PRECISION, two23)
         elif FP8:
             a, a_scale = _fp8_a_tile(a, as_ptrs, valid, k0 // W_BK, QUANT_A, UPCAST)
             w_scale = tl.load(ws_ptrs + (k0 // W_BK) * ws_s2, mask=mask_n, other=0.0)

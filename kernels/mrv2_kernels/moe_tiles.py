@@ -32,6 +32,9 @@ class MoeTiles(NamedTuple):
     # integer weights only: each step's weight tile scaled and rounded to x's dtype before its
     # dot (which then accumulates in place), not the step's product scaled after it
     int_fold: bool = False
+    # integer / MXFP4 weights only: made floats from their bits (mrv2_kernels.int_bits), not by
+    # integer-to-float conversions
+    int_magic: bool = False
 
 
 def moe_tiles(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,

@@ -31,6 +31,10 @@ the dequantizing path hands cuBLAS, as HF's and other engines' int4 kernels roun
 the contract's bf16 tolerance, not bit for bit the per-step scaling); ``gemv`` leaves tensor
 cores for a few rows: each step's words stay ``[BK / pack, pack, BN]`` in registers,
 multiplied by ``x`` and summed on the CUDA cores, one cross-thread reduction per program.
+``magic`` makes the integers floats from their bits (:mod:`~mrv2_kernels.int_bits`) instead
+of by integer-to-float conversions, a quarter-rate instruction on Hopper; for one row it
+runs its own kernel (:func:`_gemv_bits_steps`: no shift a weight, bf16 ``x`` read in
+pipelined 4-byte pairs).
 
 Tiles (:func:`wna16_tiles`): the winners of ``python -m mrv2_kernels.bench_int --sweep``
 (which times every variant against the byte floor) on an H100; not yet on an H200. From
@@ -47,7 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import arrival_counters, cdiv, last_to_arrive, use_triton
+from ._backend import arrival_counters, cdiv, last_to_arrive, sm_count, use_triton
+from .int_bits import TWO23_BITS, bias, biased, magic_by_default
 
 __all__ = [
     "DEQUANT_MIN_ROWS",
@@ -159,6 +164,7 @@ class WNA16Tiles(NamedTuple):
     stages: int = 3
     gemv: bool = False
     fold: bool = False
+    magic: bool = False
 
 
 def _largest_pow2_dividing(n: int, cap: int) -> int:
@@ -170,14 +176,18 @@ def _largest_pow2_dividing(n: int, cap: int) -> int:
 
 def wna16_tiles(x: torch.Tensor, n: int, k: int, group_size: int) -> WNA16Tiles:
     """The tiles of a product: small ones under the interpreter; on the GPU the winners of
-    ``bench_int --sweep`` on Qwen3-8B's projections (an H100, 2026-12-05; BENCHMARKS.md):
+    ``bench_int --sweep`` / ``--magic`` on Qwen3-8B's projections (an H100, 2026-12-05;
+    BENCHMARKS.md):
 
-    - 1 row: the CUDA-core kernel, 128 output columns (256 from 16,384 on) by 64-long steps,
-      K split 4 ways (gate_up 65.2 -> 30.6 µs, qkv 19.7 -> 13.5, o 13.1 -> 11.4);
+    - 1 row: the CUDA-core kernel with the integers made floats from their bits (``magic``),
+      256 output columns by 64-long steps, K split until there are about three programs per
+      SM, at most 16 ways (qkv 13.1 -> 10.2 µs, o 11.4 -> 8.1, gate_up 30.4 -> 25.0, down
+      27.9 -> 15.1; ``MRV2_INT_MAGIC=0``: the conversions' 128 (256 from ``N`` = 16,384 on)
+      by 64 tiles split 4 ways);
     - 2-16 rows: ``tl.dot`` over 16-row blocks and 128-long steps, 64 columns (128, with the
       scales folded into the tiles, where ``N`` >= 16,384 or ``K`` >= 8,192), K split 8 ways
       where that leaves at most 64 column tiles, else 4 (gate_up 67.1 -> 50.4 µs at 8 rows,
-      down 31.6 -> 27.2, qkv 20.0 -> 16.0);
+      down 31.6 -> 27.2, qkv 20.0 -> 16.0); ``magic`` measured no faster there;
     - more: 64 x 64 blocks, 128-long steps, 3 stages, K split 2 ways up to 128 column tiles
       (at 64 rows gate_up 111.5 -> 59.7 µs, down 74.7 -> 46.4, qkv 39.9 -> 25.0).
 
@@ -187,8 +197,12 @@ def wna16_tiles(x: torch.Tensor, n: int, k: int, group_size: int) -> WNA16Tiles:
     m = x.shape[0]
     if m == 1:
         bk = _largest_pow2_dividing(group_size, 64)
-        if bk >= 8:  # (a packed word of 4-bit weights at least)
+        if bk >= 8 and not magic_by_default():  # the conversions' one-row tiles
             return WNA16Tiles(1, 256 if n >= 16384 else 128, bk, 4, 4, 3, gemv=True)
+        if bk >= 8:  # (a packed word of 4-bit weights at least)
+            splits = max(1, min(16, 3 * sm_count(x.device) // cdiv(n, 256), k // (2 * bk)))
+            return WNA16Tiles(1, 256, bk, 1 << (splits.bit_length() - 1), 4, 3, gemv=True,
+                              magic=True)
     bk = _largest_pow2_dividing(group_size, 128)
     if m <= 16:
         wide = n >= 16384 or k >= 8192
@@ -204,15 +218,22 @@ def _dot_steps(x_ptr: tl.tensor, qw_ptr: tl.tensor, s_ptr: tl.tensor, z_ptr: tl.
                k0: int, k_end: int, N: int, stride_x: int, GROUP: tl.constexpr,
                BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, BM: tl.constexpr,
                BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-               DOT_F32: tl.constexpr, FOLD: tl.constexpr) -> tl.tensor:
+               DOT_F32: tl.constexpr, FOLD: tl.constexpr, MAGIC: tl.constexpr,
+               two23: tl.tensor) -> tl.tensor:
     """The ``[BM, BN]`` fp32 sum over ``[k0, k_end)`` on tensor cores: each step's packed
     words unpacked along K into a ``[BK, BN]`` tile of small integers, ``tl.dot`` with ``x``,
     the product scaled by the step's group scales; ``FOLD``: the tile scaled first and rounded
     to ``x``'s dtype (the weight as the dequantizing path gives cuBLAS), so the dots
-    accumulate in place."""
+    accumulate in place. ``MAGIC``: the integers become floats by bits
+    (:mod:`~mrv2_kernels.int_bits`), not conversions: folded, ``biased(q) - (bias + z)`` in
+    fp32; else the dot takes ``bias + q`` as is (bf16 / fp16, exact) and the step's product
+    loses ``(bias + z)`` times the sum of ``x``'s step."""
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     ZERO: tl.constexpr = 1 << (BITS - 1)
+    # the biased tile's dtype: x's, except bf16's 7-bit mantissa for 8-bit integers
+    BDT: tl.constexpr = tl.float16 if BITS > 7 or x_ptr.dtype.element_ty == tl.float16 \
+        else tl.bfloat16
     kk = tl.arange(0, BK)
     shifts = (tl.arange(0, PACK) * BITS)[None, :, None]
     wk = tl.arange(0, BK // PACK)
@@ -229,22 +250,43 @@ def _dot_steps(x_ptr: tl.tensor, qw_ptr: tl.tensor, s_ptr: tl.tensor, z_ptr: tl.
         group = (k0 + kt * BK) // GROUP  # the step lies in one group (BK divides GROUP)
         if HAS_ZEROS:
             z = tl.load(z_ptr + group * N + cols, mask=col_ok, other=0).to(tl.int32)
-            q = q - z[None, :]
         else:
-            q = q - ZERO
+            z = tl.full([BN], ZERO, tl.int32)
         s = tl.load(s_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
-        if FOLD:
-            w = q.to(tl.float32) * s[None, :]
+        if MAGIC and FOLD:  # (q - z) * s from fp32 bits, one rounding to x's dtype
+            w = (biased(q, tl.float32, two23) - (bias(tl.float32) + z.to(tl.float32))[None, :]) \
+                * s[None, :]
             if DOT_F32:
                 acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
             else:
                 acc = tl.dot(x, w.to(x.dtype), acc)
-        else:
-            if DOT_F32:  # noqa: SIM108 (a constexpr branch: one dot is compiled)
-                part = tl.dot(x.to(tl.float32), q.to(tl.float32), input_precision="ieee")
-            else:
-                part = tl.dot(x, q.to(x.dtype))
+        elif MAGIC:
+            if DOT_F32 or x.dtype == BDT:  # the dot of bias + q, less (bias + z) * sum(x)
+                m = biased(q, BDT, two23)
+                if DOT_F32:  # noqa: SIM108 (a constexpr branch: one dot is compiled)
+                    part = tl.dot(x.to(tl.float32), m.to(tl.float32), input_precision="ieee")
+                else:
+                    part = tl.dot(x, m)
+                part -= tl.sum(x.to(tl.float32), axis=1)[:, None] \
+                    * (bias(BDT) + z.to(tl.float32))[None, :]
+            else:  # bf16 x, 8-bit integers (past bf16's 7-bit mantissa): q - z from fp32 bits
+                w = biased(q, tl.float32, two23) - (bias(tl.float32) + z.to(tl.float32))[None, :]
+                part = tl.dot(x, w.to(x.dtype))
             acc += part * s[None, :]
+        else:
+            q = q - z[None, :]
+            if FOLD:
+                w = q.to(tl.float32) * s[None, :]
+                if DOT_F32:
+                    acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(x, w.to(x.dtype), acc)
+            else:
+                if DOT_F32:  # noqa: SIM108 (a constexpr branch: one dot is compiled)
+                    part = tl.dot(x.to(tl.float32), q.to(tl.float32), input_precision="ieee")
+                else:
+                    part = tl.dot(x, q.to(x.dtype))
+                acc += part * s[None, :]
     return acc
 
 
@@ -253,7 +295,8 @@ def _gemv_steps(x_ptr: tl.tensor, qw_ptr: tl.tensor, s_ptr: tl.tensor, z_ptr: tl
                 rows: tl.tensor, cols: tl.tensor, row_ok: tl.tensor, col_ok: tl.tensor,
                 k0: int, k_end: int, N: int, stride_x: int, GROUP: tl.constexpr,
                 BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, BM: tl.constexpr,
-                BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr) -> tl.tensor:
+                BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                MAGIC: tl.constexpr, two23: tl.tensor) -> tl.tensor:
     """:func:`_dot_steps`' sum for a few rows on the CUDA cores: each step's words stay
     ``[BK / PACK, PACK, BN]`` (no reshape, no tensor-core layout), multiplied by ``x``'s
     matching ``[BM, BK / PACK, PACK]`` and summed over the pack in registers; the sums over
@@ -271,13 +314,16 @@ def _gemv_steps(x_ptr: tl.tensor, qw_ptr: tl.tensor, s_ptr: tl.tensor, z_ptr: tl
         kb = k0 + kt * BK
         words = tl.load(qw_ptr + (kb // PACK + wk)[:, None].to(tl.int64) * N + cols[None, :],
                         mask=col_ok[None, :], other=0)
-        q = ((words[:, None, :] >> shifts) & MASK).to(tl.float32)  # [BKW, PACK, BN]
+        q = (words[:, None, :] >> shifts) & MASK  # [BKW, PACK, BN]
         group = kb // GROUP
         if HAS_ZEROS:
             z = tl.load(z_ptr + group * N + cols, mask=col_ok, other=0).to(tl.float32)
-            q = q - z[None, None, :]
         else:
-            q = q - ZERO
+            z = tl.full([BN], ZERO, tl.float32)
+        if MAGIC:  # fp32 bits, one exact subtraction
+            q = biased(q, tl.float32, two23) - (bias(tl.float32) + z)[None, None, :]
+        else:
+            q = q.to(tl.float32) - z[None, None, :]
         # converted where each value has one thread, then spread to the columns' threads
         x = tl.reshape(tl.load(x_at + kb, mask=row_ok[:, None], other=0.0).to(tl.float32),
                        (BM, BKW, PACK))
@@ -287,15 +333,80 @@ def _gemv_steps(x_ptr: tl.tensor, qw_ptr: tl.tensor, s_ptr: tl.tensor, z_ptr: tl
     return tl.sum(acc, axis=1)
 
 
+@triton.jit
+def _gemv_bits_steps(x_ptr: tl.tensor, qw_ptr: tl.tensor, s_ptr: tl.tensor, z_ptr: tl.tensor,
+                     cols: tl.tensor, col_ok: tl.tensor, k0: int, k_end: int, N: int,
+                     two23: tl.tensor, GROUP: tl.constexpr, BITS: tl.constexpr,
+                     HAS_ZEROS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     STAGES: tl.constexpr) -> tl.tensor:
+    """:func:`_gemv_steps` for one row, each weight a float by one ``LOP3`` and one exact
+    ``FADD`` (:mod:`~mrv2_kernels.int_bits`): the integer at bits ``BITS * p`` of a word's
+    low half (``p < PACK / 2``; the high half is shifted down once a word) is masked in place
+    and OR-ed under ``2 ** 23``'s exponent, so the float reads ``2 ** 23 + q * 2 ** (BITS *
+    p)``; less ``2 ** 23 + z * 2 ** (BITS * p)`` that is ``(q - z) * 2 ** (BITS * p)``, and
+    ``x`` comes scaled by ``2 ** -(BITS * p)`` (exact: powers of two). No shift a weight, no
+    integer-to-float conversion, and the words keep the layout they are loaded in (``[BK /
+    PACK, BN]``: a thread's columns share its ``x`` values). bf16 ``x`` is read as int32
+    pairs (a bf16's bits are an fp32's high half): 4-byte loads, which the compiler
+    pipelines like the words (it cannot pipeline 2-byte ones). Returns the ``[BN]`` fp32
+    sums."""
+    PACK: tl.constexpr = 32 // BITS
+    HALF: tl.constexpr = PACK // 2
+    MASK: tl.constexpr = (1 << BITS) - 1
+    ZERO: tl.constexpr = 1 << (BITS - 1)
+    BKW: tl.constexpr = BK // PACK
+    wk = tl.arange(0, BKW)
+    X_BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
+    x_at = x_ptr + wk * PACK  # [BKW]: x_ptr is the row's
+    x2_at = x_ptr.to(tl.pointer_type(tl.int32)) + wk * (PACK // 2)  # bf16 pairs
+    acc = tl.zeros([BKW, BN], tl.float32)
+    for kt in tl.range(0, tl.cdiv(k_end - k0, BK), num_stages=STAGES):
+        kb = k0 + kt * BK
+        words = tl.load(qw_ptr + (kb // PACK + wk)[:, None].to(tl.int64) * N + cols[None, :],
+                        mask=col_ok[None, :], other=0)
+        upper = words >> 16  # the high half's integers at the low half's places
+        group = kb // GROUP
+        if HAS_ZEROS:
+            z = tl.load(z_ptr + group * N + cols, mask=col_ok, other=0).to(tl.float32)
+        else:
+            z = tl.full([BN], ZERO, tl.float32)
+        part = tl.zeros([BKW, BN], tl.float32)
+        for j in tl.static_range(HALF // 2):  # places 2j and 2j + 1 of both halves
+            if X_BF16:  # x's bf16 pairs as int32: 4-byte loads the compiler pipelines
+                lo2 = tl.load(x2_at + (kb // 2 + j))
+                hi2 = tl.load(x2_at + (kb // 2 + HALF // 2 + j))
+            for h in tl.static_range(2):
+                p = 2 * j + h
+                place = 1 << (BITS * p)  # the integer's unit at its place
+                zp = (bias(tl.float32) + z * place)[None, :]  # 2 ** 23 + z * place: exact
+                lo = biased(words & (MASK << (BITS * p)), tl.float32, two23) - zp
+                hi = biased(upper & (MASK << (BITS * p)), tl.float32, two23) - zp
+                if X_BF16:  # a bf16's bits are an fp32's high half
+                    if h == 0:
+                        x_lo = (lo2 << 16).to(tl.float32, bitcast=True)
+                        x_hi = (hi2 << 16).to(tl.float32, bitcast=True)
+                    else:
+                        x_lo = (lo2 & -65536).to(tl.float32, bitcast=True)
+                        x_hi = (hi2 & -65536).to(tl.float32, bitcast=True)
+                else:
+                    x_lo = tl.load(x_at + (kb + p)).to(tl.float32)
+                    x_hi = tl.load(x_at + (kb + p + HALF)).to(tl.float32)
+                part += (x_lo * (1.0 / place))[:, None] * lo
+                part += (x_hi * (1.0 / place))[:, None] * hi
+        s = tl.load(s_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
+        acc += part * s[None, :]
+    return tl.sum(acc, axis=0)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _wna16_kernel(
     x_ptr: tl.tensor, qw_ptr: tl.tensor, s_ptr: tl.tensor, z_ptr: tl.tensor,
     bias_ptr: tl.tensor, out_ptr: tl.tensor, ws_ptr: tl.tensor, cnt_ptr: tl.tensor,
-    M: int, N: int, K: int, K_CHUNK: int, stride_x: int, stride_o: int,
+    M: int, N: int, K: int, K_CHUNK: int, stride_x: int, stride_o: int, two23: int,
     GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
     STAGES: tl.constexpr, DOT_F32: tl.constexpr, GEMV: tl.constexpr = False,
-    FOLD: tl.constexpr = False,
+    FOLD: tl.constexpr = False, MAGIC: tl.constexpr = False,
 ) -> None:
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -306,12 +417,18 @@ def _wna16_kernel(
     col_ok = cols < N
     k0 = pid_s * K_CHUNK  # this program's reduction range [k0, k_end), whole BK steps
     k_end = tl.minimum(k0 + K_CHUNK, K)
-    if GEMV:
+    if GEMV and MAGIC and BM == 1:
+        acc = _gemv_bits_steps(x_ptr + pid_m.to(tl.int64) * stride_x, qw_ptr, s_ptr, z_ptr,
+                               cols, col_ok, k0, k_end, N, two23, GROUP, BITS, HAS_ZEROS, BN,
+                               BK, STAGES)[None, :]
+    elif GEMV:
         acc = _gemv_steps(x_ptr, qw_ptr, s_ptr, z_ptr, rows, cols, row_ok, col_ok, k0, k_end,
-                          N, stride_x, GROUP, BITS, HAS_ZEROS, BM, BN, BK, STAGES)
+                          N, stride_x, GROUP, BITS, HAS_ZEROS, BM, BN, BK, STAGES, MAGIC,
+                          two23)
     else:
         acc = _dot_steps(x_ptr, qw_ptr, s_ptr, z_ptr, rows, cols, row_ok, col_ok, k0, k_end,
-                         N, stride_x, GROUP, BITS, HAS_ZEROS, BM, BN, BK, STAGES, DOT_F32, FOLD)
+                         N, stride_x, GROUP, BITS, HAS_ZEROS, BM, BN, BK, STAGES, DOT_F32, FOLD,
+                         MAGIC, two23)
     tile_ok = row_ok[:, None] & col_ok[None, :]
     out_at = out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :]
     if SPLIT_K > 1:
@@ -353,6 +470,9 @@ def wna16_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
         raise ValueError(f"a gemv launch takes every row in one block: bm ({tiles.bm}) < "
                          f"{m} rows")
     x = x if x.stride(-1) == 1 else x.contiguous()
+    if tiles.magic and tiles.gemv and x.dtype == torch.bfloat16 and (
+            x.data_ptr() % 4 or x.stride(0) % 2):  # the one-row kernel reads bf16 pairs
+        x = torch.empty((m, k), dtype=x.dtype, device=x.device).copy_(x)
     out = _empty((m, n), x.dtype, x.device)
     if m == 0:
         return out
@@ -368,10 +488,10 @@ def wna16_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     _wna16_kernel[(*grid_mn, splits)](
         x, qweight, scales, zeros if zeros is not None else scales,
         bias if bias is not None else scales, out, ws, cnt, m, n, k, chunk, x.stride(0),
-        out.stride(0), GROUP=group_size, BITS=bits, HAS_ZEROS=zeros is not None,
+        out.stride(0), TWO23_BITS, GROUP=group_size, BITS=bits, HAS_ZEROS=zeros is not None,
         HAS_BIAS=bias is not None, BM=tiles.bm, BN=tiles.bn, BK=tiles.bk, SPLIT_K=splits,
         STAGES=tiles.stages, DOT_F32=not x.is_cuda or x.dtype == torch.float32,
-        GEMV=tiles.gemv, FOLD=tiles.fold, num_warps=tiles.warps,
+        GEMV=tiles.gemv, FOLD=tiles.fold, MAGIC=tiles.magic, num_warps=tiles.warps,
     )
     return out
 

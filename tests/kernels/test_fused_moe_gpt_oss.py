@@ -163,13 +163,16 @@ def test_mxfp4_dequantization_is_hfs() -> None:
 
 
 @pytest.mark.usefixtures("poisoned")
-@pytest.mark.parametrize(("tokens", "dtype", "valid", "block_k"), [
-    (3, torch.float32, None, None), (9, torch.float32, 5, None), (5, torch.bfloat16, None, None),
+@pytest.mark.parametrize(("tokens", "dtype", "valid", "block_k", "magic"), [
+    (3, torch.float32, None, None, False), (9, torch.float32, 5, None, False),
+    (5, torch.bfloat16, None, None, False),
+    # the codes made floats from their bits (mrv2_kernels.int_bits)
+    (3, torch.float32, None, None, True), (5, torch.bfloat16, None, None, True),
     # K steps over several groups, the scales folded into the weights: whole steps, then
     # steps past the end of K (128 > H, INTER)
-    (5, torch.float32, None, 64), (4, torch.bfloat16, None, 128)])
-def test_mxfp4_triton_matches_reference(tokens: int, dtype: torch.dtype,
-                                        valid: int | None, block_k: int | None) -> None:
+    (5, torch.float32, None, 64, False), (4, torch.bfloat16, None, 128, False)])
+def test_mxfp4_triton_matches_reference(tokens: int, dtype: torch.dtype, valid: int | None,
+                                        block_k: int | None, magic: bool) -> None:
     b13, s13 = _mxfp4(2 * INTER, H, seed=8)
     b2, s2 = _mxfp4(H, INTER, seed=9)
     s13[0, 1, 0] = 0  # a group whose scale reads as 0
@@ -188,7 +191,7 @@ def test_mxfp4_triton_matches_reference(tokens: int, dtype: torch.dtype,
         *on, int_experts=IntExperts(s13.to(DEVICE), s2.to(DEVICE), None, None, 4, 32, fp4=True),
         epilogue=Epilogue("swigluoai", 7.0, epi.w13_bias.to(DEVICE),  # type: ignore[union-attr]
                           epi.w2_bias.to(DEVICE)),  # type: ignore[union-attr]
-        block_k1=block_k, block_k2=block_k,
+        block_k1=block_k, block_k2=block_k, int_magic=magic,
         valid_tokens=None if valid_t is None else valid_t.to(DEVICE)).cpu()
     rows = tokens if valid is None else valid
     _close(got[:rows], want[:rows])

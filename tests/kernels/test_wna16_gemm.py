@@ -77,6 +77,7 @@ def test_dequantize_is_the_per_element_formula(bits: int, asym: bool) -> None:
 
 
 @pytest.mark.usefixtures("poisoned")
+@pytest.mark.parametrize("magic", [False, True])
 @pytest.mark.parametrize("m,n,k,group,bits,asym,bias,splits,dtype,gemv", [
     (3, 40, 64, 32, 4, False, False, 1, torch.float32, False),
     (5, 32, 96, 32, 4, True, True, 3, torch.float32, False),
@@ -84,6 +85,7 @@ def test_dequantize_is_the_per_element_formula(bits: int, asym: bool) -> None:
     (2, 24, 32, 16, 4, True, True, 1, torch.float16, False),
     # the CUDA-core kernel of a few rows: one row split over K, then 3 rows (a 4-row block)
     (1, 40, 96, 32, 4, True, True, 3, torch.bfloat16, True),
+    (1, 24, 64, 16, 8, False, False, 2, torch.bfloat16, True),
     (3, 24, 64, 16, 8, False, False, 1, torch.float32, True),
     # the scales folded into the weight tiles before the dot (bf16-rounded weights)
     (5, 40, 96, 32, 4, True, True, 3, torch.bfloat16, None),
@@ -91,7 +93,9 @@ def test_dequantize_is_the_per_element_formula(bits: int, asym: bool) -> None:
 ])
 def test_triton_matches_reference(m: int, n: int, k: int, group: int, bits: int, asym: bool,
                                   bias: bool, splits: int, dtype: torch.dtype,
-                                  gemv: bool | None) -> None:
+                                  gemv: bool | None, magic: bool) -> None:
+    """Every kernel variant (``magic``: the integers made floats from their bits,
+    :mod:`mrv2_kernels.int_bits`) against the fp32 reference."""
     packed, scales, zeros, _ = _weight(k, n, bits, group, asym, seed=m + n)
     g = torch.Generator().manual_seed(7)
     x = torch.randn(m, k, generator=g).to(dtype)
@@ -102,11 +106,25 @@ def test_triton_matches_reference(m: int, n: int, k: int, group: int, bits: int,
         tiles = WNA16Tiles(1 if m == 1 else 4, 16, 16, splits, gemv=True)
     elif gemv is None:
         tiles = tiles._replace(fold=True)
+    tiles = tiles._replace(magic=magic)
     got = wna16_linear_triton(args[0], args[1], args[2], args[3], bits, group, args[4], tiles)
     expected = wna16_linear_ref(x, packed, scales, zeros, bits, group, b)
     assert got.dtype == dtype and not got.isnan().any()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.cpu().float(), expected.float(), rtol=tol, atol=tol)
+
+
+def test_one_row_kernel_reads_a_misaligned_bf16_row() -> None:
+    """The one-row magic kernel reads bf16 ``x`` as int32 pairs: a row starting at an odd
+    element (a view into a larger buffer) is copied first, not read across a pair."""
+    packed, scales, zeros, _ = _weight(64, 24, 4, 32, True, seed=5)
+    buf = torch.randn(1, 65, generator=torch.Generator().manual_seed(6)).bfloat16()
+    x = buf[:, 1:]
+    args = [t.to(DEVICE) for t in (x, packed, scales, zeros)]
+    got = wna16_linear_triton(*args, 4, 32, None,  # type: ignore[misc]
+                              WNA16Tiles(1, 16, 16, 2, gemv=True, magic=True))
+    want = wna16_linear_ref(x, packed, scales, zeros, 4, 32)
+    torch.testing.assert_close(got.cpu().float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
 def test_reference_matches_the_unquantized_product_of_its_weight() -> None:
@@ -144,16 +162,18 @@ bf, f16, f32, i32, u8 = "*bf16", "*fp16", "*fp32", "*i32", "*u8"
 gemm = {"x_ptr": bf, "qw_ptr": i32, "s_ptr": f16, "z_ptr": u8, "bias_ptr": bf,
         "out_ptr": bf, "ws_ptr": f32, "cnt_ptr": i32}
 # the default tiles (wna16_tiles): the CUDA-core kernel at 1 row (4- and 8-bit), tl.dot at
-# 2-16 rows (the scales folded into the wide tiles) and beyond; zero points or not
-for bm, bn, bk, splits, stages, bits, zeros, gemv in ((1, 128, 64, 4, 3, 4, True, True),
-                                                     (1, 256, 64, 4, 3, 8, False, True),
-                                                     (16, 64, 128, 8, 4, 4, True, False),
-                                                     (16, 128, 128, 4, 4, 4, False, None),
-                                                     (64, 64, 128, 2, 3, 8, True, False)):
+# 2-16 rows (the scales folded into the wide tiles) and beyond; zero points or not; then
+# the integers made floats from their bits (magic) in each kernel
+for bm, bn, bk, splits, stages, bits, zeros, gemv, magic in (
+        (1, 128, 64, 4, 3, 4, True, True, False), (1, 256, 64, 4, 3, 8, False, True, False),
+        (16, 64, 128, 8, 4, 4, True, False, False), (16, 128, 128, 4, 4, 4, False, None, False),
+        (64, 64, 128, 2, 3, 8, True, False, False), (1, 256, 64, 4, 3, 4, True, True, True),
+        (1, 256, 64, 4, 3, 8, False, True, True), (16, 64, 128, 8, 4, 4, True, False, True),
+        (16, 128, 128, 4, 4, 4, False, None, True)):
     build(w._wna16_kernel, gemm,
           dict(GROUP=128, BITS=bits, HAS_ZEROS=zeros, HAS_BIAS=True, BM=bm, BN=bn, BK=bk,
                SPLIT_K=splits, STAGES=stages, DOT_F32=False, GEMV=bool(gemv),
-               FOLD=gemv is None), num_warps=4, num_stages=stages)
+               FOLD=gemv is None, MAGIC=magic), num_warps=4, num_stages=stages)
 build(w._dequant_kernel, {"qw_ptr": i32, "s_ptr": f16, "z_ptr": u8, "w_ptr": bf},
       dict(GROUP=128, BITS=4, HAS_ZEROS=True, BK=64, BN=128), num_warps=4)
 moe_common = dict(BLOCK_M=16, GROUP_M=1, EVEN_K=True, UPCAST=False, DOT_PRECISION="tf32",
@@ -162,9 +182,12 @@ moe_common = dict(BLOCK_M=16, GROUP_M=1, EVEN_K=True, UPCAST=False, DOT_PRECISIO
 # 32, the experts' biases, swigluoai) a group a step, then 128-wide steps (scales folded into
 # the weights; gpt-oss's 2,880 features end inside a step)
 # (the GPTQ-like one with its tiles scaled before the dots)
-for group, fp4, scale, bk in ((128, False, f16, 128), (32, True, u8, 32), (32, True, u8, 128)):
+# (then both with their weights made floats from their bits)
+for group, fp4, scale, bk, magic in ((128, False, f16, 128, False), (32, True, u8, 32, False),
+                                     (32, True, u8, 128, False), (128, False, f16, 128, True),
+                                     (32, True, u8, 32, True)):
     flags = dict(moe_common, W_BK=group, HAS_ZEROS=not fp4, FP4=fp4, HAS_BIAS=fp4,
-                 EVEN_K=bk <= group, INT_FOLD=not fp4)
+                 EVEN_K=bk <= group, INT_FOLD=not fp4, INT_MAGIC=magic)
     bias = {"b_ptr": bf} if fp4 else {}
     build(fm._moe_gate_up_kernel,
           {"x_ptr": bf, "w_ptr": i32, "act_ptr": bf, "sorted_ptr": i32,
@@ -204,8 +227,8 @@ def test_new_kernels_compile_for_sm90(tmp_path: Path) -> None:
     from sm90 import compile_for_sm90
 
     sizes = compile_for_sm90(_SM90_SCRIPT, tmp_path)
-    assert len(sizes["_wna16_kernel"]) == 5 and len(sizes["_dequant_kernel"]) == 1
-    assert len(sizes["_moe_gate_up_kernel"]) == 3 and len(sizes["_moe_down_kernel"]) == 3
+    assert len(sizes["_wna16_kernel"]) == 9 and len(sizes["_dequant_kernel"]) == 1
+    assert len(sizes["_moe_gate_up_kernel"]) == 5 and len(sizes["_moe_down_kernel"]) == 5
     assert len(sizes["_paged_attn_kernel"]) == 2
 
 
