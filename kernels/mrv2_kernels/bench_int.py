@@ -62,6 +62,11 @@ def _gemm_candidates(m: int, mode: str, default: WNA16Tiles) -> list[WNA16Tiles]
                     for bn, bk, s, w in itertools.product([128, 256, 512], [64, 128],
                                                           [4, 8, 16], [4, 8])
                     if bk // 8 * bn <= 4096 * w // 4]
+        elif m <= 16:  # the CUDA-core kernel over a block of all the rows
+            bm = 1 << (m - 1).bit_length()
+            out += [WNA16Tiles(bm, bn, 64, s, 4, 3, True, magic=True)
+                    for bn, s in itertools.product([64, 128, 256], [4, 8, 16])
+                    if bm * 8 * bn <= 8192]
         return out
     out = []
     if m <= 16:
@@ -163,9 +168,10 @@ def _moe_layer(name: str, gen: torch.Generator
 
 def _moe_candidates(fp4: bool, mode: str) -> list[dict[str, Any]]:
     if mode == "magic":  # the default tiles with it (and MXFP4's output slices), folded or not
-        if fp4:
-            return [dict(int_magic=True, block_n1=n1, block_n2=n2, num_stages=st)
-                    for n1, n2, st in itertools.product([32, 64], [64, 128], [3, 4])]
+        if fp4:  # K steps of one group or several (each group's scale then in the weights)
+            return [dict(int_magic=True, block_n1=n1, block_n2=n2, block_k1=k, block_k2=k,
+                         num_stages=3)
+                    for n1, n2, k in itertools.product([32, 64], [64, 128], [32, 64, 128])]
         return [dict(int_magic=True, int_fold=True), dict(int_magic=True, int_fold=False)]
     if fp4:  # one group a step (32) or several, the scales folded into the weights
         return [dict(block_n1=n1, block_k1=k, block_n2=n2, block_k2=k, num_stages=st)

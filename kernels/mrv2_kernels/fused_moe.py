@@ -369,16 +369,17 @@ def _int_plan(plan: MoeTiles, per_expert: float, fp4: bool, cuda: bool) -> MoeTi
     64 intermediate / 128 hidden features per program (209 -> 176 µs at 8 tokens, 472 -> 384
     at 64); its integers made floats from their bits (``int_magic``) measured no faster.
     MXFP4 (gpt-oss-20b's layer): the codes made floats from their bits (``int_magic``:
-    141.7 -> 115.4 µs at 1 token, 509 -> 425 at 8, 702 -> 613 at 64) and, from 8 pairs per
-    expert on, 64 intermediate features per program (613 -> 567 at 64 tokens); neither its
-    64-/128-wide folded steps nor other slices beat one group a step."""
+    141.7 -> 115.4 µs at 1 token, 509 -> 425 at 8, 702 -> 613 at 64) and, from 1 pair per
+    expert on, 64 intermediate features per program, with 128 hidden ones below 8 pairs (425
+    -> 404 at 8 tokens, 613 -> 563 at 64); neither its 64-/128-wide folded steps (the scales
+    in the weights, bit-built or not) nor other slices beat one group a step."""
     if not cuda:
         return plan
     if fp4:
         if magic_by_default():  # (MRV2_INT_MAGIC=0: the conversions, as before)
             plan = plan._replace(int_magic=True)
-            if plan.block_m == 16 and per_expert >= 8:
-                plan = plan._replace(block_n1=64)
+            if plan.block_m == 16 and per_expert >= 1:
+                plan = plan._replace(block_n1=64, block_n2=128 if per_expert < 8 else 64)
         return plan
     plan = plan._replace(int_fold=True)
     if plan.block_m == 16 and per_expert >= 0.5:

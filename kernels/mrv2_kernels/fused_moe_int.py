@@ -148,18 +148,27 @@ def pack_experts(q: torch.Tensor, bits: int) -> torch.Tensor:
 def _int_tile(words: tl.tensor, zeros_ptrs: tl.tensor, mask_n: tl.tensor,
               BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr,
               BLOCK_N: tl.constexpr, FP4: tl.constexpr = False, scale_ptrs: tl.tensor = None,
-              scale_s2: int = 0, GROUP: tl.constexpr = 32) -> tl.tensor:
+              scale_s2: int = 0, GROUP: tl.constexpr = 32,
+              MAGIC: tl.constexpr = False) -> tl.tensor:
     """``[BLOCK_K, BLOCK_N]`` int32 ``q - zero`` of ``words`` ``[BLOCK_K / pack, BLOCK_N]``
     (each word's integers spread along K), the columns' zero points at ``zeros_ptrs``;
     ``FP4``: the codes' e2m1 values (fp32, exact in bf16). ``FP4`` with ``BLOCK_K > GROUP``:
     the step spans several groups, so each value carries its group's e8m0
     scale, read at ``scale_ptrs`` (the step's first group; ``scale_s2`` apart), in its exponent:
     ``e2m1 * 2 ** (s - 127)``, still exact in bf16 (a power of two changes only the exponent;
-    flushed to 0 where it would be subnormal, ``s = 0`` reads as 0 as :func:`e8m0_scales`)."""
+    flushed to 0 where it would be subnormal, ``s = 0`` reads as 0 as :func:`e8m0_scales`);
+    with ``MAGIC`` the value is built from its bits and multiplied by the e8m0 scale read as an
+    fp32 (:func:`~mrv2_kernels.int_bits.e2m1`: two exact multiplications, subnormals kept)."""
     PACK: tl.constexpr = 32 // BITS
     shifts = (tl.arange(0, PACK) * BITS)[None, :, None]
     q = (words[:, None, :] >> shifts) & ((1 << BITS) - 1)  # [BLOCK_K / PACK, PACK, BLOCK_N]
-    if FP4:  # the fp32 bit pattern: sign, exponent e - 1 + 127 (0.5 where e = 0), mantissa
+    if FP4 and MAGIC and BLOCK_K > GROUP:
+        word_group = tl.arange(0, BLOCK_K // PACK) // (GROUP // PACK)
+        s = tl.load(scale_ptrs[None, :] + word_group[:, None] * scale_s2,
+                    mask=mask_n[None, :], other=0).to(tl.int32)
+        scale = (s << 23).to(tl.float32, bitcast=True)[:, None, :]  # 2 ** (s - 127); 0: 0
+        out = tl.reshape(e2m1(q) * scale, (BLOCK_K, BLOCK_N))
+    elif FP4:  # the fp32 bit pattern: sign, exponent e - 1 + 127 (0.5 where e = 0), mantissa
         e = (q >> 1) & 3
         m = q & 1
         if BLOCK_K > GROUP:

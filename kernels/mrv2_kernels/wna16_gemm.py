@@ -32,9 +32,9 @@ the contract's bf16 tolerance, not bit for bit the per-step scaling); ``gemv`` l
 cores for a few rows: each step's words stay ``[BK / pack, pack, BN]`` in registers,
 multiplied by ``x`` and summed on the CUDA cores, one cross-thread reduction per program.
 ``magic`` makes the integers floats from their bits (:mod:`~mrv2_kernels.int_bits`) instead
-of by integer-to-float conversions, a quarter-rate instruction on Hopper; for one row it
-runs its own kernel (:func:`_gemv_bits_steps`: no shift a weight, bf16 ``x`` read in
-pipelined 4-byte pairs).
+of by integer-to-float conversions, a quarter-rate instruction on Hopper; the CUDA-core
+kernel then has its own loop (:func:`_gemv_bits_steps`: no shift a weight, bf16 ``x`` read
+in pipelined 4-byte pairs).
 
 Tiles (:func:`wna16_tiles`): the winners of ``python -m mrv2_kernels.bench_int --sweep``
 (which times every variant against the byte floor) on an H100; not yet on an H200. From
@@ -179,15 +179,17 @@ def wna16_tiles(x: torch.Tensor, n: int, k: int, group_size: int) -> WNA16Tiles:
     ``bench_int --sweep`` / ``--magic`` on Qwen3-8B's projections (an H100, 2026-12-05;
     BENCHMARKS.md):
 
-    - 1 row: the CUDA-core kernel with the integers made floats from their bits (``magic``),
-      256 output columns by 64-long steps, K split until there are about three programs per
-      SM, at most 16 ways (qkv 13.1 -> 10.2 µs, o 11.4 -> 8.1, gate_up 30.4 -> 25.0, down
-      27.9 -> 15.1; ``MRV2_INT_MAGIC=0``: the conversions' 128 (256 from ``N`` = 16,384 on)
-      by 64 tiles split 4 ways);
-    - 2-16 rows: ``tl.dot`` over 16-row blocks and 128-long steps, 64 columns (128, with the
-      scales folded into the tiles, where ``N`` >= 16,384 or ``K`` >= 8,192), K split 8 ways
-      where that leaves at most 64 column tiles, else 4 (gate_up 67.1 -> 50.4 µs at 8 rows,
-      down 31.6 -> 27.2, qkv 20.0 -> 16.0); ``magic`` measured no faster there;
+    - 1-2 rows: the CUDA-core kernel with the integers made floats from their bits
+      (``magic``), 256 output columns by 64-long steps, K split until there are about three
+      programs per SM, at most 16 ways (1 row: qkv 13.1 -> 10.2 µs, o 11.4 -> 8.1, gate_up
+      30.4 -> 25.0, down 27.9 -> 15.1; 2 rows, against ``tl.dot``: 16.0 -> 12.8, 12.4 -> 9.7,
+      50.3 -> 35.1, 27.5 -> 19.4; at 4 rows the two were even, at 8 ``tl.dot`` won;
+      ``MRV2_INT_MAGIC=0``: one row's conversion tiles, 128 (256 from ``N`` = 16,384 on) by
+      64 split 4 ways, and ``tl.dot`` from 2 rows);
+    - 2-16 rows otherwise: ``tl.dot`` over 16-row blocks and 128-long steps, 64 columns
+      (128, with the scales folded into the tiles, where ``N`` >= 16,384 or ``K`` >= 8,192),
+      K split 8 ways where that leaves at most 64 column tiles, else 4 (gate_up 67.1 -> 50.4
+      µs at 8 rows, down 31.6 -> 27.2, qkv 20.0 -> 16.0); ``magic`` measured no faster there;
     - more: 64 x 64 blocks, 128-long steps, 3 stages, K split 2 ways up to 128 column tiles
       (at 64 rows gate_up 111.5 -> 59.7 µs, down 74.7 -> 46.4, qkv 39.9 -> 25.0).
 
@@ -195,14 +197,13 @@ def wna16_tiles(x: torch.Tensor, n: int, k: int, group_size: int) -> WNA16Tiles:
     if not x.is_cuda:
         return WNA16Tiles(16, 16, _largest_pow2_dividing(group_size, 32))
     m = x.shape[0]
-    if m == 1:
-        bk = _largest_pow2_dividing(group_size, 64)
-        if bk >= 8 and not magic_by_default():  # the conversions' one-row tiles
-            return WNA16Tiles(1, 256 if n >= 16384 else 128, bk, 4, 4, 3, gemv=True)
-        if bk >= 8:  # (a packed word of 4-bit weights at least)
-            splits = max(1, min(16, 3 * sm_count(x.device) // cdiv(n, 256), k // (2 * bk)))
-            return WNA16Tiles(1, 256, bk, 1 << (splits.bit_length() - 1), 4, 3, gemv=True,
-                              magic=True)
+    bk = _largest_pow2_dividing(group_size, 64)
+    if m == 1 and bk >= 8 and not magic_by_default():  # the conversions' one-row tiles
+        return WNA16Tiles(1, 256 if n >= 16384 else 128, bk, 4, 4, 3, gemv=True)
+    if m <= 2 and bk >= 8 and magic_by_default():  # (a packed word of 4-bit weights at least)
+        splits = max(1, min(16, 3 * sm_count(x.device) // cdiv(n, 256), k // (2 * bk)))
+        return WNA16Tiles(m, 256, bk, 1 << (splits.bit_length() - 1), 4, 3, gemv=True,
+                          magic=True)
     bk = _largest_pow2_dividing(group_size, 128)
     if m <= 16:
         wide = n >= 16384 or k >= 8192
@@ -295,8 +296,7 @@ def _gemv_steps(x_ptr: tl.tensor, qw_ptr: tl.tensor, s_ptr: tl.tensor, z_ptr: tl
                 rows: tl.tensor, cols: tl.tensor, row_ok: tl.tensor, col_ok: tl.tensor,
                 k0: int, k_end: int, N: int, stride_x: int, GROUP: tl.constexpr,
                 BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, BM: tl.constexpr,
-                BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-                MAGIC: tl.constexpr, two23: tl.tensor) -> tl.tensor:
+                BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr) -> tl.tensor:
     """:func:`_dot_steps`' sum for a few rows on the CUDA cores: each step's words stay
     ``[BK / PACK, PACK, BN]`` (no reshape, no tensor-core layout), multiplied by ``x``'s
     matching ``[BM, BK / PACK, PACK]`` and summed over the pack in registers; the sums over
@@ -320,10 +320,7 @@ def _gemv_steps(x_ptr: tl.tensor, qw_ptr: tl.tensor, s_ptr: tl.tensor, z_ptr: tl
             z = tl.load(z_ptr + group * N + cols, mask=col_ok, other=0).to(tl.float32)
         else:
             z = tl.full([BN], ZERO, tl.float32)
-        if MAGIC:  # fp32 bits, one exact subtraction
-            q = biased(q, tl.float32, two23) - (bias(tl.float32) + z)[None, None, :]
-        else:
-            q = q.to(tl.float32) - z[None, None, :]
+        q = q.to(tl.float32) - z[None, None, :]
         # converted where each value has one thread, then spread to the columns' threads
         x = tl.reshape(tl.load(x_at + kb, mask=row_ok[:, None], other=0.0).to(tl.float32),
                        (BM, BKW, PACK))
@@ -335,50 +332,57 @@ def _gemv_steps(x_ptr: tl.tensor, qw_ptr: tl.tensor, s_ptr: tl.tensor, z_ptr: tl
 
 @triton.jit
 def _gemv_bits_steps(x_ptr: tl.tensor, qw_ptr: tl.tensor, s_ptr: tl.tensor, z_ptr: tl.tensor,
-                     cols: tl.tensor, col_ok: tl.tensor, k0: int, k_end: int, N: int,
-                     two23: tl.tensor, GROUP: tl.constexpr, BITS: tl.constexpr,
-                     HAS_ZEROS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     rows: tl.tensor, cols: tl.tensor, row_ok: tl.tensor, col_ok: tl.tensor,
+                     k0: int, k_end: int, N: int, stride_x: int, two23: tl.tensor,
+                     GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      STAGES: tl.constexpr) -> tl.tensor:
-    """:func:`_gemv_steps` for one row, each weight a float by one ``LOP3`` and one exact
-    ``FADD`` (:mod:`~mrv2_kernels.int_bits`): the integer at bits ``BITS * p`` of a word's
-    low half (``p < PACK / 2``; the high half is shifted down once a word) is masked in place
-    and OR-ed under ``2 ** 23``'s exponent, so the float reads ``2 ** 23 + q * 2 ** (BITS *
-    p)``; less ``2 ** 23 + z * 2 ** (BITS * p)`` that is ``(q - z) * 2 ** (BITS * p)``, and
-    ``x`` comes scaled by ``2 ** -(BITS * p)`` (exact: powers of two). No shift a weight, no
-    integer-to-float conversion, and the words keep the layout they are loaded in (``[BK /
-    PACK, BN]``: a thread's columns share its ``x`` values). bf16 ``x`` is read as int32
-    pairs (a bf16's bits are an fp32's high half): 4-byte loads, which the compiler
-    pipelines like the words (it cannot pipeline 2-byte ones). Returns the ``[BN]`` fp32
-    sums."""
+    """:func:`_gemv_steps` with each weight a float by one ``LOP3`` and one exact ``FADD``
+    (:mod:`~mrv2_kernels.int_bits`): the integer at bits ``BITS * p`` of a word's low half
+    (``p < PACK / 2``; the high half is shifted down once a word) is masked in place and
+    OR-ed under ``2 ** 23``'s exponent, so the float reads ``2 ** 23 + q * 2 ** (BITS * p)``;
+    less ``2 ** 23 + z * 2 ** (BITS * p)`` that is ``(q - z) * 2 ** (BITS * p)``, and ``x``
+    comes scaled by ``2 ** -(BITS * p)`` (exact: powers of two). No shift a weight, no
+    integer-to-float conversion, and the words keep the layout they are loaded in (``[1, BK /
+    PACK, BN]``, broadcast over the ``BM`` rows: a thread's columns share its ``x`` values,
+    each weight serves every row from registers). bf16 ``x`` is read as int32 pairs (a
+    bf16's bits are an fp32's high half): 4-byte loads, which the compiler pipelines like the
+    words (it cannot pipeline 2-byte ones); the host keeps ``x``'s rows 4-byte aligned.
+    Returns the ``[BM, BN]`` fp32 sums."""
     PACK: tl.constexpr = 32 // BITS
     HALF: tl.constexpr = PACK // 2
     MASK: tl.constexpr = (1 << BITS) - 1
     ZERO: tl.constexpr = 1 << (BITS - 1)
     BKW: tl.constexpr = BK // PACK
-    wk = tl.arange(0, BKW)
     X_BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
-    x_at = x_ptr + wk * PACK  # [BKW]: x_ptr is the row's
-    x2_at = x_ptr.to(tl.pointer_type(tl.int32)) + wk * (PACK // 2)  # bf16 pairs
-    acc = tl.zeros([BKW, BN], tl.float32)
+    # [BM, BKW, 1] row and word-row offsets: the products are [BM, BKW, BN], the rows a
+    # thread's own (the words' load layout, broadcast along the rows)
+    wk3 = tl.arange(0, BKW)[None, :, None]
+    rows3 = rows[:, None, None].to(tl.int64)
+    ok3 = row_ok[:, None, None]
+    x_at = x_ptr + rows3 * stride_x + wk3 * PACK
+    x2_at = x_ptr.to(tl.pointer_type(tl.int32)) + rows3 * (stride_x // 2) + wk3 * (PACK // 2)
+    w_at = qw_ptr + wk3.to(tl.int64) * N + cols[None, None, :]  # [1, BKW, BN]
+    w_ok = col_ok[None, None, :]
+    acc = tl.zeros([BM, BKW, BN], tl.float32)
     for kt in tl.range(0, tl.cdiv(k_end - k0, BK), num_stages=STAGES):
         kb = k0 + kt * BK
-        words = tl.load(qw_ptr + (kb // PACK + wk)[:, None].to(tl.int64) * N + cols[None, :],
-                        mask=col_ok[None, :], other=0)
+        words = tl.load(w_at + (kb // PACK) * N, mask=w_ok, other=0)
         upper = words >> 16  # the high half's integers at the low half's places
         group = kb // GROUP
         if HAS_ZEROS:
             z = tl.load(z_ptr + group * N + cols, mask=col_ok, other=0).to(tl.float32)
         else:
             z = tl.full([BN], ZERO, tl.float32)
-        part = tl.zeros([BKW, BN], tl.float32)
+        part = tl.zeros([BM, BKW, BN], tl.float32)
         for j in tl.static_range(HALF // 2):  # places 2j and 2j + 1 of both halves
             if X_BF16:  # x's bf16 pairs as int32: 4-byte loads the compiler pipelines
-                lo2 = tl.load(x2_at + (kb // 2 + j))
-                hi2 = tl.load(x2_at + (kb // 2 + HALF // 2 + j))
+                lo2 = tl.load(x2_at + (kb // 2 + j), mask=ok3, other=0)
+                hi2 = tl.load(x2_at + (kb // 2 + HALF // 2 + j), mask=ok3, other=0)
             for h in tl.static_range(2):
                 p = 2 * j + h
                 place = 1 << (BITS * p)  # the integer's unit at its place
-                zp = (bias(tl.float32) + z * place)[None, :]  # 2 ** 23 + z * place: exact
+                zp = (bias(tl.float32) + z * place)[None, None, :]  # 2 ** 23 + z * place
                 lo = biased(words & (MASK << (BITS * p)), tl.float32, two23) - zp
                 hi = biased(upper & (MASK << (BITS * p)), tl.float32, two23) - zp
                 if X_BF16:  # a bf16's bits are an fp32's high half
@@ -389,13 +393,13 @@ def _gemv_bits_steps(x_ptr: tl.tensor, qw_ptr: tl.tensor, s_ptr: tl.tensor, z_pt
                         x_lo = (lo2 & -65536).to(tl.float32, bitcast=True)
                         x_hi = (hi2 & -65536).to(tl.float32, bitcast=True)
                 else:
-                    x_lo = tl.load(x_at + (kb + p)).to(tl.float32)
-                    x_hi = tl.load(x_at + (kb + p + HALF)).to(tl.float32)
-                part += (x_lo * (1.0 / place))[:, None] * lo
-                part += (x_hi * (1.0 / place))[:, None] * hi
+                    x_lo = tl.load(x_at + (kb + p), mask=ok3, other=0.0).to(tl.float32)
+                    x_hi = tl.load(x_at + (kb + p + HALF), mask=ok3, other=0.0).to(tl.float32)
+                part += (x_lo * (1.0 / place)) * lo
+                part += (x_hi * (1.0 / place)) * hi
         s = tl.load(s_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
-        acc += part * s[None, :]
-    return tl.sum(acc, axis=0)
+        acc += part * s[None, None, :]
+    return tl.sum(acc, axis=1)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -417,14 +421,13 @@ def _wna16_kernel(
     col_ok = cols < N
     k0 = pid_s * K_CHUNK  # this program's reduction range [k0, k_end), whole BK steps
     k_end = tl.minimum(k0 + K_CHUNK, K)
-    if GEMV and MAGIC and BM == 1:
-        acc = _gemv_bits_steps(x_ptr + pid_m.to(tl.int64) * stride_x, qw_ptr, s_ptr, z_ptr,
-                               cols, col_ok, k0, k_end, N, two23, GROUP, BITS, HAS_ZEROS, BN,
-                               BK, STAGES)[None, :]
+    if GEMV and MAGIC:
+        acc = _gemv_bits_steps(x_ptr, qw_ptr, s_ptr, z_ptr, rows, cols, row_ok, col_ok, k0,
+                               k_end, N, stride_x, two23, GROUP, BITS, HAS_ZEROS, BM, BN, BK,
+                               STAGES)
     elif GEMV:
         acc = _gemv_steps(x_ptr, qw_ptr, s_ptr, z_ptr, rows, cols, row_ok, col_ok, k0, k_end,
-                          N, stride_x, GROUP, BITS, HAS_ZEROS, BM, BN, BK, STAGES, MAGIC,
-                          two23)
+                          N, stride_x, GROUP, BITS, HAS_ZEROS, BM, BN, BK, STAGES)
     else:
         acc = _dot_steps(x_ptr, qw_ptr, s_ptr, z_ptr, rows, cols, row_ok, col_ok, k0, k_end,
                          N, stride_x, GROUP, BITS, HAS_ZEROS, BM, BN, BK, STAGES, DOT_F32, FOLD,

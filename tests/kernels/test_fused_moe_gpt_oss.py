@@ -170,7 +170,8 @@ def test_mxfp4_dequantization_is_hfs() -> None:
     (3, torch.float32, None, None, True), (5, torch.bfloat16, None, None, True),
     # K steps over several groups, the scales folded into the weights: whole steps, then
     # steps past the end of K (128 > H, INTER)
-    (5, torch.float32, None, 64, False), (4, torch.bfloat16, None, 128, False)])
+    (5, torch.float32, None, 64, False), (4, torch.bfloat16, None, 128, False),
+    (5, torch.float32, None, 64, True), (4, torch.bfloat16, None, 128, True)])
 def test_mxfp4_triton_matches_reference(tokens: int, dtype: torch.dtype, valid: int | None,
                                         block_k: int | None, magic: bool) -> None:
     b13, s13 = _mxfp4(2 * INTER, H, seed=8)

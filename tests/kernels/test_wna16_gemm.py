@@ -86,6 +86,7 @@ def test_dequantize_is_the_per_element_formula(bits: int, asym: bool) -> None:
     # the CUDA-core kernel of a few rows: one row split over K, then 3 rows (a 4-row block)
     (1, 40, 96, 32, 4, True, True, 3, torch.bfloat16, True),
     (1, 24, 64, 16, 8, False, False, 2, torch.bfloat16, True),
+    (3, 40, 96, 32, 4, True, True, 3, torch.bfloat16, True),
     (3, 24, 64, 16, 8, False, False, 1, torch.float32, True),
     # the scales folded into the weight tiles before the dot (bf16-rounded weights)
     (5, 40, 96, 32, 4, True, True, 3, torch.bfloat16, None),
