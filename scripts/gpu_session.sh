@@ -243,12 +243,12 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
            timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_wna16_gemm.py \
              tests/kernels/test_fused_moe_gpt_oss.py tests/kernels/test_fused_moe_int.py 2>&1 \
              | tee "$OUT/magic_kernel_tests.log" | tail -3
-           timeout 200 python3 -m mrv2_kernels.bench_int --magic --gemm-only \
-             --rows ${MAGIC_ROWS:-1 8 64} 2>&1 | tee "$OUT/magic_gemm.log" | grep -v "^  " \
-             | tail -14
-           timeout 150 python3 -m mrv2_kernels.bench_int --magic --moe-only --moe-layers \
-             ${MAGIC_MOE:-gpt-oss-20b Qwen3-30B-A3B-GPTQ} 2>&1 | tee "$OUT/magic_moe.log" \
-             | grep -v "^  " | tail -12 ;;
+           [ -z "${MAGIC_MOE_ONLY:-}" ] && timeout 200 python3 -m mrv2_kernels.bench_int \
+             --magic --gemm-only --rows ${MAGIC_ROWS:-1 8 64} 2>&1 \
+             | tee "$OUT/magic_gemm.log" | grep -v "^  " | tail -14
+           timeout 240 python3 -m mrv2_kernels.bench_int --magic --moe-only --moe-layers \
+             ${MAGIC_MOE:-gpt-oss-20b Qwen3-30B-A3B-GPTQ} --rows ${MAGIC_MOE_ROWS:-1 8 64} \
+             2>&1 | tee "$OUT/magic_moe.log" | grep -v "^  " | tail -12 ;;
     magicab) # the engine with the bit-built weights' defaults (MRV2_INT_MAGIC=1) against the
              # conversions' (0): the int GPU tests, then batch-1/8/64 TPOT of Qwen3-8B as
              # 4-bit GPTQ and of gpt-oss-20b (MXFP4), each A then B on one warm machine
@@ -256,10 +256,10 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                tests/gpu/test_gpu_int_quant.py ${MAGIC_TESTS_K:-} 2>&1 | tee "$OUT/magic_gpu_tests.log" | tail -2
              for flag in 0 1; do
                for m in ${MAGIC_MODELS:-Qwen3-8B gpt-oss-20b}; do
-                 variants=$([ $m = Qwen3-8B ] && echo "--variants gptq_w4" || echo "")
+                 variants=$(case $m in Qwen3*) echo "--variants gptq_w4";; esac)
                  MRV2_INT_MAGIC=$flag timeout 150 python3 -m mrv2.entrypoints.cli bench latency \
                    --model $m $variants --new-tokens 128 --json "$OUT/magic${flag}_$m.json" \
-                   > "$OUT/magic${flag}_$m.log" 2>&1
+                   ${MAGIC_BATCHES:+--batch-sizes $MAGIC_BATCHES} > "$OUT/magic${flag}_$m.log" 2>&1
                  python3 -c "import json, sys; d = json.load(open(sys.argv[1])); [print( \
                    'MRV2_INT_MAGIC=' + sys.argv[3], sys.argv[2], k, [(r['batch'], r['tpot_ms']) \
                    for r in v]) for k, v in d.items() if isinstance(v, list)]" \

@@ -15,7 +15,9 @@ and the output slices. Each case runs over enough weight copies (and routings) t
 weights come from HBM, inside a CUDA graph, and reports µs and the fraction of the byte floor
 (the packed weights and scales read, over the device-to-device copy bandwidth).
 ``--magic``: the default tiles with and without ``magic`` (the integers made floats from
-their bits, :mod:`mrv2_kernels.int_bits`) and, at one row, wider CUDA-core tiles with it.
+their bits, :mod:`mrv2_kernels.int_bits`) and, at one row, wider CUDA-core tiles with it;
+for the MoE layers, the GEMMs against the pair-a-program CUDA-core kernels
+(:mod:`mrv2_kernels.fused_moe_gemv`) up to 8 tokens.
 """
 
 from __future__ import annotations
@@ -166,13 +168,11 @@ def _moe_layer(name: str, gen: torch.Generator
     return w13, w2, IntExperts(s13, s2, z13, z2, 4, group), Epilogue("silu")
 
 
-def _moe_candidates(fp4: bool, mode: str) -> list[dict[str, Any]]:
-    if mode == "magic":  # the default tiles with it (and MXFP4's output slices), folded or not
-        if fp4:  # K steps of one group or several (each group's scale then in the weights)
-            return [dict(int_magic=True, block_n1=n1, block_n2=n2, block_k1=k, block_k2=k,
-                         num_stages=3)
-                    for n1, n2, k in itertools.product([32, 64], [64, 128], [32, 64, 128])]
-        return [dict(int_magic=True, int_fold=True), dict(int_magic=True, int_fold=False)]
+def _moe_candidates(fp4: bool, mode: str, tokens: int) -> list[dict[str, Any]]:
+    if mode == "magic":  # the CUDA-core kernels of a pair a program (a few tokens)
+        return [dict(int_gemv=True, block_n1=n1, block_n2=n2, block_k1=k)
+                for n1, n2, k in itertools.product([32, 64], [32, 64, 128], [64, 128])
+                ] if tokens <= 8 else []
     if fp4:  # one group a step (32) or several, the scales folded into the weights
         return [dict(block_n1=n1, block_k1=k, block_n2=n2, block_k2=k, num_stages=st)
                 for n1, n2, k, st in itertools.product([32, 64], [64, 128], [32, 64, 128],
@@ -210,8 +210,11 @@ def bench_moe(rows: list[int], mode: str, bandwidth: float, layer: str) -> list[
 
         default = time_graph(functools.partial(run, {}), copies)
         best: tuple[float, dict[str, Any]] = (float("inf"), {})
+        if mode == "magic":  # the GEMMs' default, whatever the token count's default is
+            gemms = time_graph(functools.partial(run, {"int_gemv": False}), copies)
+            lines.append(f"  {t}: GEMMs {gemms:.1f}")
         if mode != "default":
-            for tiles in _moe_candidates(fp4, mode):
+            for tiles in _moe_candidates(fp4, mode, t):
                 try:
                     us = time_graph(functools.partial(run, tiles), copies)
                 except Exception as err:

@@ -74,6 +74,7 @@ import triton.language as tl
 from ._backend import cdiv, use_triton
 from .fp8_gemm import FP8_DTYPE, per_token_group_quant_fp8_triton
 from .fused_moe_fp8 import DEFAULT_BLOCK, check_fp8_args
+from .fused_moe_gemv import GemvTiles, fused_moe_gemv, gemv_fits
 from .fused_moe_int import IntExperts, check_int_args
 from .fused_moe_kernels import _moe_combine_kernel, _moe_down_kernel, _moe_gate_up_kernel
 from .fused_moe_ref import (
@@ -280,6 +281,7 @@ def fused_moe_triton(
     epilogue: Epilogue = PLAIN,
     int_fold: bool | None = None,
     int_magic: bool | None = None,
+    int_gemv: bool | None = None,
 ) -> torch.Tensor:
     """Triton implementation of :func:`fused_moe` (module docstring: align, gate/up GEMM, down
     GEMM, combine); tile arguments override :func:`moe_tiles`. Never synchronizes with the
@@ -306,13 +308,14 @@ def fused_moe_triton(
     ``int_experts``: ``w13`` / ``w2`` hold packed integers (:mod:`~mrv2_kernels.
     fused_moe_int`); the K steps are cut to divide the group size; ``int_fold``
     (:class:`MoeTiles`) scales each weight tile before its dot, ``int_magic`` makes the
-    weights floats from their bits.
+    weights floats from their bits, ``int_gemv`` runs the pair-a-program CUDA-core kernels
+    (:mod:`~mrv2_kernels.fused_moe_gemv`; the default for a few tokens).
     """
     overrides = {k: v for k, v in dict(
         block_m=block_m, block_n1=block_n1, block_k1=block_k1, block_n2=block_n2,
         block_k2=block_k2, group_m=group_m, num_warps=num_warps, num_stages=num_stages,
-        fused_combine=fused_combine, int_fold=int_fold, int_magic=int_magic).items()
-        if v is not None}
+        fused_combine=fused_combine, int_fold=int_fold, int_magic=int_magic,
+        int_gemv=int_gemv).items() if v is not None}
     if int_experts is not None:
         return _fused_moe_int(x, w13, w2, topk_weights, topk_ids, int_experts, valid_tokens,
                               epilogue, overrides=overrides)
@@ -362,7 +365,14 @@ def fused_moe_triton(
     return out
 
 
-def _int_plan(plan: MoeTiles, per_expert: float, fp4: bool, cuda: bool) -> MoeTiles:
+#: Up to this many tokens a chunk of integer / MXFP4 experts runs the pair-a-program
+#: CUDA-core kernels (:mod:`~mrv2_kernels.fused_moe_gemv`) by default: at 1 and 2 tokens they
+#: beat the GEMMs by 26-46% (H100, ``bench_int --magic``), at 8 they lost by 15%.
+GEMV_MAX_TOKENS = 2
+
+
+def _int_plan(plan: MoeTiles, per_expert: float, fp4: bool, cuda: bool,
+              tokens: int = 0) -> MoeTiles:
     """The integer experts' tiles on the GPU (``bench_int --sweep`` / ``--magic``, an H100,
     2026-12-05). Qwen3-30B-A3B's layer as 4-bit GPTQ: each step's weight tile scaled before
     its dot (``int_fold``; 9-19% faster at 1-64 tokens) and, from half a pair per expert on,
@@ -375,6 +385,8 @@ def _int_plan(plan: MoeTiles, per_expert: float, fp4: bool, cuda: bool) -> MoeTi
     in the weights, bit-built or not) nor other slices beat one group a step."""
     if not cuda:
         return plan
+    if tokens <= GEMV_MAX_TOKENS and magic_by_default():
+        plan = plan._replace(int_gemv=True)
     if fp4:
         if magic_by_default():  # (MRV2_INT_MAGIC=0: the conversions, as before)
             plan = plan._replace(int_magic=True)
@@ -432,7 +444,20 @@ def _fused_moe_int(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         stop = min(start + chunk_tokens, num_tokens)
         plan = _int_plan(moe_tiles(stop - start, top_k, w13.shape[0], hidden, inter,
                                    x.device), (stop - start) * top_k / w13.shape[0],
-                         ints.fp4, x.is_cuda)._replace(**overrides)
+                         ints.fp4, x.is_cuda, stop - start)._replace(**overrides)
+        if plan.int_gemv and gemv_fits(ints):
+            gt = GemvTiles()
+            gt = gt._replace(**{f: overrides[o] for f, o in (
+                ("block_n1", "block_n1"), ("block_n2", "block_n2"), ("block_k", "block_k1"),
+                ("num_warps", "num_warps"), ("num_stages", "num_stages")) if o in overrides})
+            counters = _arrival_counters(x.device, (stop - start) * cdiv(hidden, gt.block_n2))
+            if counters is not None:  # (None: a capture found too few; the GEMMs instead)
+                b13, b2 = epilogue.w13_bias, epilogue.w2_bias
+                fused_moe_gemv(x[start:stop], w13, w2, topk_weights[start:stop],
+                               topk_ids[start:stop], out[start:stop], ints, counters, gt,
+                               valid_tokens, start, b13, b2,
+                               ACTIVATIONS.index(epilogue.activation), epilogue.swiglu_limit)
+                continue
         k1, k2 = (plan.block_k1 if "block_k1" in overrides else min(plan.block_k1, step),
                   plan.block_k2 if "block_k2" in overrides else min(plan.block_k2, step))
         if min(k1, k2) < max(16, pack) or any(k & (k - 1) for k in (k1, k2)) or (

@@ -35,6 +35,9 @@ class MoeTiles(NamedTuple):
     # integer / MXFP4 weights only: made floats from their bits (mrv2_kernels.int_bits), not by
     # integer-to-float conversions
     int_magic: bool = False
+    # integer / MXFP4 weights only: the CUDA-core kernels of a pair a program
+    # (mrv2_kernels.fused_moe_gemv; block_n1 / block_n2 / block_k1 their slices and K step)
+    int_gemv: bool = False
 
 
 def moe_tiles(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,

@@ -168,12 +168,14 @@ def test_mxfp4_dequantization_is_hfs() -> None:
     (5, torch.bfloat16, None, None, False),
     # the codes made floats from their bits (mrv2_kernels.int_bits)
     (3, torch.float32, None, None, True), (5, torch.bfloat16, None, None, True),
+    # the pair-a-program CUDA-core kernels (mrv2_kernels.fused_moe_gemv), padding rows too
+    (2, torch.bfloat16, None, None, "gemv"), (5, torch.float32, 3, None, "gemv"),
     # K steps over several groups, the scales folded into the weights: whole steps, then
     # steps past the end of K (128 > H, INTER)
     (5, torch.float32, None, 64, False), (4, torch.bfloat16, None, 128, False),
     (5, torch.float32, None, 64, True), (4, torch.bfloat16, None, 128, True)])
 def test_mxfp4_triton_matches_reference(tokens: int, dtype: torch.dtype, valid: int | None,
-                                        block_k: int | None, magic: bool) -> None:
+                                        block_k: int | None, magic: bool | str) -> None:
     b13, s13 = _mxfp4(2 * INTER, H, seed=8)
     b2, s2 = _mxfp4(H, INTER, seed=9)
     s13[0, 1, 0] = 0  # a group whose scale reads as 0
@@ -192,7 +194,7 @@ def test_mxfp4_triton_matches_reference(tokens: int, dtype: torch.dtype, valid: 
         *on, int_experts=IntExperts(s13.to(DEVICE), s2.to(DEVICE), None, None, 4, 32, fp4=True),
         epilogue=Epilogue("swigluoai", 7.0, epi.w13_bias.to(DEVICE),  # type: ignore[union-attr]
                           epi.w2_bias.to(DEVICE)),  # type: ignore[union-attr]
-        block_k1=block_k, block_k2=block_k, int_magic=magic,
+        block_k1=block_k, block_k2=block_k, int_magic=magic is True, int_gemv=magic == "gemv",
         valid_tokens=None if valid_t is None else valid_t.to(DEVICE)).cpu()
     rows = tokens if valid is None else valid
     _close(got[:rows], want[:rows])

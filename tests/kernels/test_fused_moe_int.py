@@ -52,14 +52,16 @@ def poisoned(poison: Callable[[ModuleType], None]) -> None:
     (9, 4, True, 16, torch.float32, 7),
     (5, 8, True, 32, torch.bfloat16, None),
 ])
-@pytest.mark.parametrize(("fold", "magic"), [(False, False), (True, False), (False, True),
-                                            (True, True)],
-                         ids=["scaled_products", "folded_tiles", "magic", "magic_folded"])
+@pytest.mark.parametrize(("fold", "magic", "gemv"), [
+    (False, False, False), (True, False, False), (False, True, False), (True, True, False),
+    (False, False, True)], ids=["scaled_products", "folded_tiles", "magic", "magic_folded",
+                                "gemv"])
 def test_triton_matches_reference(tokens: int, bits: int, asym: bool, group: int,
                                   dtype: torch.dtype, valid: int | None, fold: bool,
-                                  magic: bool) -> None:
+                                  magic: bool, gemv: bool) -> None:
     """Each step's variants (``magic``: the integers made floats from their bits,
-    :mod:`mrv2_kernels.int_bits`) against the dequantizing reference."""
+    :mod:`mrv2_kernels.int_bits`; ``gemv``: the pair-a-program CUDA-core kernels,
+    :mod:`mrv2_kernels.fused_moe_gemv`) against the dequantizing reference."""
     experts, hidden, inter, top_k = 4, 64, 32, 2
     w13, s13, z13, _ = _experts(experts, 2 * inter, hidden, bits, group, asym, seed=2)
     w2, s2, z2, _ = _experts(experts, hidden, inter, bits, group, asym, seed=3)
@@ -75,7 +77,8 @@ def test_triton_matches_reference(tokens: int, bits: int, asym: bool, group: int
     ints_dev = IntExperts(*[t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in ints])
     got = fused_moe_triton(*dev, int_experts=ints_dev,  # type: ignore[arg-type]
                            valid_tokens=None if valid_t is None else valid_t.to(DEVICE),
-                           int_fold=fold, int_magic=magic).cpu()
+                           int_fold=fold, int_magic=magic, int_gemv=gemv,
+                           block_n1=16 if gemv else None, block_k1=32 if gemv else None).cpu()
     rows = tokens if valid is None else valid
     assert not got[:rows].isnan().any()
     tol = 1e-4 if dtype == torch.float32 else 3e-2

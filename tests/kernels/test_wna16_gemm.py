@@ -202,6 +202,19 @@ for group, fp4, scale, bk, magic in ((128, False, f16, 128, False), (32, True, u
            "as_ptr": f32, "ws_ptr": scale, "wz_ptr": u8, **bias},
           dict(flags, BLOCK_N=64, BLOCK_K=bk, FUSED_COMBINE=True), num_warps=4,
           num_stages=4)
+# the pair-a-program CUDA-core MoE kernels (fused_moe_gemv): GPTQ-like, then MXFP4 with biases
+from mrv2_kernels import fused_moe_gemv as fg
+for group, fp4, scale in ((128, False, f16), (32, True, u8)):
+    flags = dict(BITS=4, HAS_ZEROS=not fp4, FP4=fp4, GROUP=group, BLOCK_K=128 if fp4 else 64,
+                 X_PAIRS=True, HAS_VALID=True, HAS_BIAS=fp4, STAGES=3, R=2)
+    build(fg._moe_gemv_gate_up_kernel,
+          {"x_ptr": bf, "w_ptr": i32, "ws_ptr": scale, "wz_ptr": u8, "ids_ptr": i32,
+           "act_ptr": bf, "valid_ptr": i32, "b_ptr": bf},
+          dict(flags, BLOCK_N=64, ACT=int(fp4)), num_warps=4, num_stages=3)
+    build(fg._moe_gemv_down_kernel,
+          {"act_ptr": bf, "w_ptr": i32, "ws_ptr": scale, "wz_ptr": u8, "ids_ptr": i32,
+           "tw_ptr": f32, "y_ptr": f32, "out_ptr": bf, "counters_ptr": i32, "valid_ptr": i32,
+           "b_ptr": bf}, dict(flags, BLOCK_N=64), num_warps=4, num_stages=3)
 attn = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "out_ptr": bf, "part_m_ptr": f32,
         "part_l_ptr": f32, "part_acc_ptr": f32, "qsl_ptr": i32, "seq_lens_ptr": i32,
         "block_table_ptr": i32, "pos_ptr": "*i64", "cos_sin_ptr": f32, "q_w_ptr": bf,
@@ -231,6 +244,7 @@ def test_new_kernels_compile_for_sm90(tmp_path: Path) -> None:
     assert len(sizes["_wna16_kernel"]) == 9 and len(sizes["_dequant_kernel"]) == 1
     assert len(sizes["_moe_gate_up_kernel"]) == 5 and len(sizes["_moe_down_kernel"]) == 5
     assert len(sizes["_paged_attn_kernel"]) == 2
+    assert len(sizes["_moe_gemv_gate_up_kernel"]) == len(sizes["_moe_gemv_down_kernel"]) == 2
 
 
 @pytest.mark.usefixtures("poisoned")
