@@ -130,6 +130,14 @@ def _rows_dot(x_row: tl.tensor, w_at: tl.tensor, s_at: tl.tensor, z_at: tl.tenso
 
 
 @triton.jit
+def _slice_rows(pid: tl.tensor, BLOCK_N: tl.constexpr, R: tl.constexpr) -> tl.tensor:
+    """Slice ``pid``'s output rows as ``[R, BLOCK_N / R]``: row ``i * (BLOCK_N / R) + j`` at
+    ``[i, j]``, so the ``R`` rows of a column are one thread's (:func:`_rows_dot`)."""
+    return pid * BLOCK_N + (tl.arange(0, R)[:, None] * (BLOCK_N // R)
+                            + tl.arange(0, BLOCK_N // R)[None, :])
+
+
+@triton.jit
 def _moe_gemv_gate_up_kernel(
     x_ptr: tl.tensor, w_ptr: tl.tensor, ws_ptr: tl.tensor, wz_ptr: tl.tensor,
     ids_ptr: tl.tensor, act_ptr: tl.tensor, valid_ptr: tl.tensor, b_ptr: tl.tensor,
@@ -147,9 +155,7 @@ def _moe_gemv_gate_up_kernel(
         if first_token + token >= tl.load(valid_ptr):
             return
     expert = tl.load(ids_ptr + pair).to(tl.int64)
-    # [R, BLOCK_N / R, 1] rows: row i * (BLOCK_N / R) + j of the slice is thread-local in i
-    rows = tl.program_id(1) * BLOCK_N + (tl.arange(0, R)[:, None] * (BLOCK_N // R)
-                                         + tl.arange(0, BLOCK_N // R)[None, :])
+    rows = _slice_rows(tl.program_id(1), BLOCK_N, R)
     row_ok = rows < inter
     r64 = rows.to(tl.int64)[:, :, None]
     w_at = w_ptr + expert * w_s0 + r64 * w_s1
@@ -192,8 +198,7 @@ def _moe_gemv_down_kernel(
         if first_token + token >= tl.load(valid_ptr):
             return
     expert = tl.load(ids_ptr + pair).to(tl.int64)
-    cols = pid_n * BLOCK_N + (tl.arange(0, R)[:, None] * (BLOCK_N // R)
-                              + tl.arange(0, BLOCK_N // R)[None, :])
+    cols = _slice_rows(pid_n, BLOCK_N, R)
     col_ok = cols < hidden
     c64 = cols.to(tl.int64)[:, :, None]
     y = _rows_dot(act_ptr + pair.to(tl.int64) * act_s0, w_ptr + expert * w_s0 + c64 * w_s1,
