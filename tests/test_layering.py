@@ -36,6 +36,7 @@ LAYERS = [
     "testing_quant", # GPTQ / AWQ checkpoint writers for tests (imports nothing of mrv2)
     "testing_checkpoints",  # FP8 / MTP / LoRA checkpoint writers for tests (on testing)
     "engine",        # scheduler, block manager, engine loop, LLM
+    "testing_engine",  # helpers for tests that run the engine (tokens at each TP size)
     "bench",         # benchmarks
     "entrypoints",   # CLI and server
     "__init__",      # the package's public names

@@ -27,6 +27,7 @@ from mrv2.testing import (
     run_step,
 )
 from mrv2.testing_checkpoints import make_lora_adapter, merge_lora_checkpoint
+from mrv2.testing_engine import tokens_at_tp
 from mrv2_ernie.model import Ernie4_5_MoeForCausalLM, Ernie4_5ForCausalLM
 
 #: head_dim 24, not hidden_size // heads (16): it must come from the config.
@@ -130,12 +131,8 @@ def test_layers_route_where_the_config_says() -> None:
 def test_greedy_tokens_match_hf_at_tp1_and_tp2(tmp_path: Path, case: str) -> None:
     path = _checkpoint(tmp_path / "m", case)
     want = [hf_greedy(path, p, 8) for p in PROMPTS]
-    for tp in (1, 2):
-        with LLM(str(path), device="cpu", dtype="float32", block_size=4,
-                 max_num_batched_tokens=8, tensor_parallel_size=tp) as llm:
-            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
-                                use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == want, tp
+    for tp, got in tokens_at_tp(path, PROMPTS, GREEDY, max_num_batched_tokens=8).items():
+        assert got == want, tp
 
 
 def test_lora_on_the_reordered_qkv_projection(tmp_path: Path) -> None:

@@ -12,10 +12,11 @@ import pytest
 import torch
 import transformers
 
-from mrv2 import LLM, SamplingParams
+from mrv2 import SamplingParams
 from mrv2.layers import head_dim_of
 from mrv2.model_loader import iter_safetensors, load_model_weights
 from mrv2.testing import check_steps_against_hf, hf_greedy, make_tiny_checkpoint, poisoned_caches
+from mrv2.testing_engine import tokens_at_tp
 from mrv2_exaone.model import Exaone4ForCausalLM
 
 LAYERS = ["sliding_attention"] * 3 + ["full_attention"]
@@ -45,9 +46,5 @@ def test_greedy_tokens_match_hf_at_tp1_and_tp2(tmp_path: Path, windowed: bool) -
     path = make_tiny_checkpoint(tmp_path / "m", "Exaone4ForCausalLM", std=0.15, **overrides)
     want = [hf_greedy(path, p, 8) for p in PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    for tp in (1, 2):
-        with LLM(str(path), device="cpu", dtype="float32", block_size=4,
-                 max_num_batched_tokens=8, tensor_parallel_size=tp) as llm:
-            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
-                                use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == want, tp
+    for tp, got in tokens_at_tp(path, PROMPTS, params, max_num_batched_tokens=8).items():
+        assert got == want, tp

@@ -13,10 +13,11 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from mrv2 import LLM, SamplingParams
+from mrv2 import SamplingParams
 from mrv2.layers import head_dim_of
 from mrv2.model_loader import iter_safetensors, load_model_weights
 from mrv2.testing import check_steps_against_hf, hf_greedy, make_tiny_checkpoint, poisoned_caches
+from mrv2.testing_engine import tokens_at_tp
 from mrv2_minimax.model import MiniMaxM2ForCausalLM
 
 TINY: dict[str, Any] = {
@@ -67,9 +68,5 @@ def test_published_names_and_tensor_parallelism(tmp_path: Path) -> None:
     config["rotary_dim"] = 8
     config["rope_parameters"].pop("partial_rotary_factor")
     (path / "config.json").write_text(json.dumps(config))
-    for tp in (1, 2):
-        with LLM(str(path), device="cpu", dtype="float32", block_size=4,
-                 max_num_batched_tokens=8, tensor_parallel_size=tp) as llm:
-            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
-                                use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == want, tp
+    for tp, got in tokens_at_tp(path, PROMPTS, GREEDY, max_num_batched_tokens=8).items():
+        assert got == want, tp
