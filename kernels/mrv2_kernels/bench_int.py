@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from mrv2_kernels.bench_moe import copy_bandwidth
 from mrv2_kernels.bench_skinny import time_graph
-from mrv2_kernels.fused_moe import Epilogue, IntExperts, fused_moe_triton, moe_tiles
+from mrv2_kernels.fused_moe import Epilogue, IntExperts, _int_plan, fused_moe_triton, moe_tiles
 from mrv2_kernels.wna16_gemm import (
     WNA16Tiles,
     dequantize_wna16_triton,
@@ -223,7 +223,8 @@ def bench_moe(rows: list[int], mode: str, bandwidth: float, layer: str) -> list[
                 if mode == "magic":
                     lines.append(f"  {t}: {tiles} {us:.1f}")
                 best = min(best, (us, tiles), key=lambda b: b[0])
-        plan = moe_tiles(t, top_k, experts, hidden, inter, x.device)
+        plan = _int_plan(moe_tiles(t, top_k, experts, hidden, inter, x.device),
+                         t * top_k / experts, fp4, True, t)  # what the default call ran
         lines.append(f"{t:6d} {hit:5.1f} {floor:7.1f} {default:8.1f} {best[0]:8.1f}  default "
                      f"{plan} ({floor / default:.2f}); best {best[1]} ({floor / best[0]:.2f})")
         print("  progress:", lines[-1], flush=True)
