@@ -251,8 +251,9 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
              2>&1 | tee "$OUT/magic_moe.log" | grep -v "^  " | tail -12 ;;
     magicab) # the engine with the bit-built weights' defaults (MRV2_INT_MAGIC=1) against the
              # conversions' (0): the int GPU tests, then batch-1/8/64 TPOT of Qwen3-8B as
-             # 4-bit GPTQ and of gpt-oss-20b (MXFP4), each A then B on one warm machine
-             timeout ${MAGIC_TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu \
+             # 4-bit GPTQ and of gpt-oss-20b (MXFP4), each A then B on one warm machine (the
+             # gpt-oss engine test compiles for ~2 min on a cold machine: MAGIC_TEST_S 300)
+             timeout ${MAGIC_TEST_S:-300} python3 -m pytest -q -p no:cacheprovider -m gpu \
                tests/gpu/test_gpu_int_quant.py ${MAGIC_TESTS_K:-} 2>&1 | tee "$OUT/magic_gpu_tests.log" | tail -2
              for flag in 0 1; do
                for m in ${MAGIC_MODELS:-Qwen3-8B gpt-oss-20b}; do
