@@ -8,8 +8,8 @@ program takes one (token, expert) pair and a slice of output features, the pair'
 ``x`` against the expert's packed rows ``[BLOCK_N, BLOCK_K / pack]`` in the layout they are
 loaded in: each word's integers (or e2m1 codes) become floats from their bits
 (:mod:`~mrv2_kernels.int_bits`: an OR and an exact subtraction, or an exact multiplication),
-are multiplied by the matching ``x`` values (bf16 ``x`` read as int32 pairs, which the
-compiler pipelines) and summed per word; each word's sum is scaled by its group's scale, and
+are multiplied by the matching ``x`` values (bf16 / fp16 ``x`` read as int32 pairs, which
+the compiler pipelines) and summed per word; each word's sum is scaled by its group's scale, and
 the words' sums of a row are added once at the end.
 
 - ``_moe_gemv_gate_up_kernel``: grid ``(pairs, I / BLOCK_N)``, the gate and up rows of the
@@ -35,7 +35,7 @@ import triton.language as tl
 from ._backend import cdiv, last_to_arrive
 from .fused_moe_int import IntExperts
 from .fused_moe_kernels import _glu
-from .int_bits import TWO23_BITS, bias, biased, e2m1
+from .int_bits import TWO23_BITS, bias, biased, e2m1, pair_half
 
 __all__ = ["GemvTiles", "fused_moe_gemv", "gemv_fits"]
 
@@ -92,7 +92,7 @@ def _rows_dot(x_row: tl.tensor, w_at: tl.tensor, s_at: tl.tensor, z_at: tl.tenso
     wk = tl.arange(0, BKW)
     wk3 = wk[None, None, :]
     x_at = x_row + wk3 * PACK  # [1, 1, BKW]: each word's first x value
-    x2_at = x_row.to(tl.pointer_type(tl.int32)) + wk3 * (PACK // 2)  # bf16 pairs as int32
+    x2_at = x_row.to(tl.pointer_type(tl.int32)) + wk3 * (PACK // 2)  # 16-bit pairs
     acc = tl.zeros([R, NR, BKW], tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         w_idx = k0 // PACK + wk3
@@ -113,12 +113,10 @@ def _rows_dot(x_row: tl.tensor, w_at: tl.tensor, s_at: tl.tensor, z_at: tl.tenso
                 zp = bias(tl.float32) + (1 << (BITS - 1))
         part = tl.zeros([R, NR, BKW], tl.float32)
         for p in tl.static_range(PACK):
-            if X_PAIRS:  # a bf16's bits are an fp32's high half
+            if X_PAIRS:  # two 16-bit values a 4-byte load
                 if p % 2 == 0:
                     pairs = tl.load(x2_at + (k0 // 2 + p // 2))
-                    xv = (pairs << 16).to(tl.float32, bitcast=True)
-                else:
-                    xv = (pairs & -65536).to(tl.float32, bitcast=True)
+                xv = pair_half(pairs, p % 2 == 1, x_row.dtype.element_ty)
             else:
                 xv = tl.load(x_at + (k0 + p)).to(tl.float32)
             v = _place_values(words, p, BITS, FP4, two23)
@@ -221,8 +219,8 @@ def _moe_gemv_down_kernel(
 
 
 def _pairs_ok(t: torch.Tensor) -> bool:
-    """bf16 rows the kernels may read as int32 pairs: 4-byte aligned rows."""
-    return t.dtype == torch.bfloat16 and t.data_ptr() % 4 == 0 and t.stride(0) % 2 == 0
+    """16-bit rows the kernels may read as int32 pairs: 4-byte aligned rows."""
+    return t.dtype != torch.float32 and t.data_ptr() % 4 == 0 and t.stride(0) % 2 == 0
 
 
 def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["E2M1_UNSCALE", "MAGIC_ENV_VAR", "TWO23_BITS", "bias", "biased", "e2m1",
-           "e2m1_scaled", "magic_by_default"]
+           "e2m1_scaled", "magic_by_default", "pair_half"]
 
 #: ``MRV2_INT_MAGIC=0`` keeps the default tiles off the bit-built weights (the A/B switch of
 #: ``scripts/gpu_session.sh magicab``); explicit tiles still choose for themselves.
@@ -90,3 +90,20 @@ def e2m1(q: tl.tensor) -> tl.tensor:
     """fp32 e2m1 values of int32 codes ``q`` in ``[0, 16)``: :func:`e2m1_scaled` times ``2 **
     126`` (exact: a power of two)."""
     return e2m1_scaled(q) * 8.507059173023462e37
+
+
+@triton.jit
+def pair_half(pairs: tl.tensor, HIGH: tl.constexpr, DTYPE: tl.constexpr) -> tl.tensor:
+    """fp32 of the low or ``HIGH`` 16-bit half of int32 ``pairs``, two ``DTYPE`` (bf16 or
+    fp16) values read as one int32 (a 4-byte load, which the compiler can pipeline; a 2-byte
+    one it cannot): a bf16's bits are an fp32's high half (a shift or a mask), an fp16 is
+    converted."""
+    if DTYPE.is_bf16():
+        if HIGH:
+            out = (pairs & -65536).to(tl.float32, bitcast=True)
+        else:
+            out = (pairs << 16).to(tl.float32, bitcast=True)
+    else:
+        half = (pairs >> 16) if HIGH else pairs
+        out = half.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return out

@@ -33,7 +33,7 @@ cores for a few rows: each step's words stay ``[BK / pack, pack, BN]`` in regist
 multiplied by ``x`` and summed on the CUDA cores, one cross-thread reduction per program.
 ``magic`` makes the integers floats from their bits (:mod:`~mrv2_kernels.int_bits`) instead
 of by integer-to-float conversions, a quarter-rate instruction on Hopper; the CUDA-core
-kernel then has its own loop (:func:`_gemv_bits_steps`: no shift a weight, bf16 ``x`` read
+kernel then has its own loop (:func:`_gemv_bits_steps`: no shift a weight, 16-bit ``x`` read
 in pipelined 4-byte pairs).
 
 Tiles (:func:`wna16_tiles`): the winners of ``python -m mrv2_kernels.bench_int --sweep``
@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from ._backend import arrival_counters, cdiv, last_to_arrive, sm_count, use_triton
-from .int_bits import TWO23_BITS, bias, biased, magic_by_default
+from .int_bits import TWO23_BITS, bias, biased, magic_by_default, pair_half
 
 __all__ = [
     "DEQUANT_MIN_ROWS",
@@ -345,16 +345,17 @@ def _gemv_bits_steps(x_ptr: tl.tensor, qw_ptr: tl.tensor, s_ptr: tl.tensor, z_pt
     comes scaled by ``2 ** -(BITS * p)`` (exact: powers of two). No shift a weight, no
     integer-to-float conversion, and the words keep the layout they are loaded in (``[1, BK /
     PACK, BN]``, broadcast over the ``BM`` rows: a thread's columns share its ``x`` values,
-    each weight serves every row from registers). bf16 ``x`` is read as int32 pairs (a
-    bf16's bits are an fp32's high half): 4-byte loads, which the compiler pipelines like the
-    words (it cannot pipeline 2-byte ones); the host keeps ``x``'s rows 4-byte aligned.
+    each weight serves every row from registers). bf16 / fp16 ``x`` is read as int32 pairs
+    (:func:`~mrv2_kernels.int_bits.pair_half`): 4-byte loads, which the compiler pipelines
+    like the words (not 2-byte ones); the host keeps ``x``'s rows 4-byte aligned.
     Returns the ``[BM, BN]`` fp32 sums."""
     PACK: tl.constexpr = 32 // BITS
     HALF: tl.constexpr = PACK // 2
     MASK: tl.constexpr = (1 << BITS) - 1
     ZERO: tl.constexpr = 1 << (BITS - 1)
     BKW: tl.constexpr = BK // PACK
-    X_BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
+    X_DT: tl.constexpr = x_ptr.dtype.element_ty
+    X_PAIRS: tl.constexpr = X_DT.is_bf16() or X_DT.is_fp16()
     # [BM, BKW, 1] row and word-row offsets: the products are [BM, BKW, BN], the rows a
     # thread's own (the words' load layout, broadcast along the rows)
     wk3 = tl.arange(0, BKW)[None, :, None]
@@ -376,7 +377,7 @@ def _gemv_bits_steps(x_ptr: tl.tensor, qw_ptr: tl.tensor, s_ptr: tl.tensor, z_pt
             z = tl.full([BN], ZERO, tl.float32)
         part = tl.zeros([BM, BKW, BN], tl.float32)
         for j in tl.static_range(HALF // 2):  # places 2j and 2j + 1 of both halves
-            if X_BF16:  # x's bf16 pairs as int32: 4-byte loads the compiler pipelines
+            if X_PAIRS:  # x's 16-bit pairs as int32: 4-byte loads the compiler pipelines
                 lo2 = tl.load(x2_at + (kb // 2 + j), mask=ok3, other=0)
                 hi2 = tl.load(x2_at + (kb // 2 + HALF // 2 + j), mask=ok3, other=0)
             for h in tl.static_range(2):
@@ -385,13 +386,9 @@ def _gemv_bits_steps(x_ptr: tl.tensor, qw_ptr: tl.tensor, s_ptr: tl.tensor, z_pt
                 zp = (bias(tl.float32) + z * place)[None, None, :]  # 2 ** 23 + z * place
                 lo = biased(words & (MASK << (BITS * p)), tl.float32, two23) - zp
                 hi = biased(upper & (MASK << (BITS * p)), tl.float32, two23) - zp
-                if X_BF16:  # a bf16's bits are an fp32's high half
-                    if h == 0:
-                        x_lo = (lo2 << 16).to(tl.float32, bitcast=True)
-                        x_hi = (hi2 << 16).to(tl.float32, bitcast=True)
-                    else:
-                        x_lo = (lo2 & -65536).to(tl.float32, bitcast=True)
-                        x_hi = (hi2 & -65536).to(tl.float32, bitcast=True)
+                if X_PAIRS:
+                    x_lo = pair_half(lo2, h == 1, X_DT)
+                    x_hi = pair_half(hi2, h == 1, X_DT)
                 else:
                     x_lo = tl.load(x_at + (kb + p), mask=ok3, other=0.0).to(tl.float32)
                     x_hi = tl.load(x_at + (kb + p + HALF), mask=ok3, other=0.0).to(tl.float32)
@@ -473,8 +470,8 @@ def wna16_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
         raise ValueError(f"a gemv launch takes every row in one block: bm ({tiles.bm}) < "
                          f"{m} rows")
     x = x if x.stride(-1) == 1 else x.contiguous()
-    if tiles.magic and tiles.gemv and x.dtype == torch.bfloat16 and (
-            x.data_ptr() % 4 or x.stride(0) % 2):  # the one-row kernel reads bf16 pairs
+    if tiles.magic and tiles.gemv and x.dtype != torch.float32 and (
+            x.data_ptr() % 4 or x.stride(0) % 2):  # the kernel reads 16-bit pairs as int32
         x = torch.empty((m, k), dtype=x.dtype, device=x.device).copy_(x)
     out = _empty((m, n), x.dtype, x.device)
     if m == 0:

@@ -51,6 +51,7 @@ def poisoned(poison: Callable[[ModuleType], None]) -> None:
     (3, 4, False, 32, torch.float32, None),
     (9, 4, True, 16, torch.float32, 7),
     (5, 8, True, 32, torch.bfloat16, None),
+    (2, 4, True, 32, torch.float16, None),
 ])
 @pytest.mark.parametrize(("fold", "magic", "gemv"), [
     (False, False, False), (True, False, False), (False, True, False), (True, True, False),

@@ -18,6 +18,7 @@ from mrv2_kernels.int_bits import (
     e2m1,
     e2m1_scaled,
     magic_by_default,
+    pair_half,
 )
 
 
@@ -35,6 +36,26 @@ def _e2m1_kernel(q_ptr: tl.tensor, out_ptr: tl.tensor, scaled_ptr: tl.tensor,
     q = tl.load(q_ptr + tl.arange(0, N))
     tl.store(out_ptr + tl.arange(0, N), e2m1(q))
     tl.store(scaled_ptr + tl.arange(0, N), e2m1_scaled(q))
+
+
+@triton.jit
+def _pairs_kernel(x_ptr: tl.tensor, out_ptr: tl.tensor, N: tl.constexpr) -> None:
+    pairs = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + tl.arange(0, N // 2))
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
+    tl.store(out_ptr + tl.arange(0, N // 2) * 2, pair_half(pairs, False, dtype))
+    tl.store(out_ptr + tl.arange(0, N // 2) * 2 + 1, pair_half(pairs, True, dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_pair_halves_are_the_values(dtype: torch.dtype) -> None:
+    """Two 16-bit values read as one int32: each half is its value in fp32 (negatives, a
+    subnormal, infinities and zeros of both signs among them)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, generator=g).to(dtype)
+    x[:6] = torch.tensor([-0.0, 0.0, float("inf"), -float("inf"), -2.0, 1e-6]).to(dtype)
+    out = torch.full((64,), float("nan"))
+    _pairs_kernel[(1,)](x, out, N=64)
+    assert torch.equal(out, x.float()) and torch.equal(out.signbit(), x.float().signbit())
 
 
 @pytest.mark.parametrize(("dtype", "limit"), [(tl.float32, 1 << 23), (tl.bfloat16, 128),

@@ -87,6 +87,7 @@ def test_dequantize_is_the_per_element_formula(bits: int, asym: bool) -> None:
     (1, 40, 96, 32, 4, True, True, 3, torch.bfloat16, True),
     (1, 24, 64, 16, 8, False, False, 2, torch.bfloat16, True),
     (3, 40, 96, 32, 4, True, True, 3, torch.bfloat16, True),
+    (2, 24, 64, 32, 4, True, False, 2, torch.float16, True),
     (3, 24, 64, 16, 8, False, False, 1, torch.float32, True),
     # the scales folded into the weight tiles before the dot (bf16-rounded weights)
     (5, 40, 96, 32, 4, True, True, 3, torch.bfloat16, None),
