@@ -205,7 +205,7 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
            # of random 4-bit GPTQ (symmetric) and AWQ (zero points) weights against bf16 and
            # block-FP8 ones, Qwen3-8B then Qwen3-0.6B (~4 min)
            if [ "$step" = intquant ]; then
-             timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
+             timeout 360 python3 -m pytest -q -p no:cacheprovider -m gpu \
                tests/gpu/test_gpu_int_quant.py tests/gpu/test_gpu_gemma.py 2>&1 \
                | tee "$OUT/int_gpu_tests.log" | tail -3
              timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_wna16_gemm.py \
