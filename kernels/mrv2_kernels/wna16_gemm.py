@@ -154,7 +154,8 @@ class WNA16Tiles(NamedTuple):
     """A launch's tiles: rows, output columns, K step, K splits (1: none), warps, stages, and
     the kernel: ``gemv`` sums on the CUDA cores (a few rows; ``bm`` may be 1), else
     ``tl.dot`` (``bm`` and ``bk`` >= 16), ``fold``: its weight tiles scaled and rounded to
-    ``x``'s dtype before the dot."""
+    ``x``'s dtype before the dot; ``magic``: the integers made floats from their bits
+    (:mod:`~mrv2_kernels.int_bits`; with ``gemv``, :func:`_gemv_bits_steps`)."""
 
     bm: int
     bn: int
