@@ -176,6 +176,11 @@ for bm, bn, bk, splits, stages, bits, zeros, gemv, magic in (
           dict(GROUP=128, BITS=bits, HAS_ZEROS=zeros, HAS_BIAS=True, BM=bm, BN=bn, BK=bk,
                SPLIT_K=splits, STAGES=stages, DOT_F32=False, GEMV=bool(gemv),
                FOLD=gemv is None, MAGIC=magic), num_warps=4, num_stages=stages)
+# fp16 activations on the two-row bit-built kernel (x read as int32 pairs, converted)
+build(w._wna16_kernel, dict(gemm, x_ptr=f16, bias_ptr=f16, out_ptr=f16),
+      dict(GROUP=128, BITS=4, HAS_ZEROS=True, HAS_BIAS=False, BM=2, BN=256, BK=64, SPLIT_K=16,
+           STAGES=3, DOT_F32=False, GEMV=True, FOLD=False, MAGIC=True), num_warps=4,
+      num_stages=3)
 build(w._dequant_kernel, {"qw_ptr": i32, "s_ptr": f16, "z_ptr": u8, "w_ptr": bf},
       dict(GROUP=128, BITS=4, HAS_ZEROS=True, BK=64, BN=128), num_warps=4)
 moe_common = dict(BLOCK_M=16, GROUP_M=1, EVEN_K=True, UPCAST=False, DOT_PRECISION="tf32",
@@ -242,7 +247,7 @@ def test_new_kernels_compile_for_sm90(tmp_path: Path) -> None:
     from sm90 import compile_for_sm90
 
     sizes = compile_for_sm90(_SM90_SCRIPT, tmp_path)
-    assert len(sizes["_wna16_kernel"]) == 9 and len(sizes["_dequant_kernel"]) == 1
+    assert len(sizes["_wna16_kernel"]) == 10 and len(sizes["_dequant_kernel"]) == 1
     assert len(sizes["_moe_gate_up_kernel"]) == 5 and len(sizes["_moe_down_kernel"]) == 5
     assert len(sizes["_paged_attn_kernel"]) == 2
     assert len(sizes["_moe_gemv_gate_up_kernel"]) == len(sizes["_moe_gemv_down_kernel"]) == 2
