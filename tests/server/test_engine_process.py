@@ -248,7 +248,7 @@ def test_serve_runs_the_engine_in_a_process_of_its_own_by_default(
     a process torchrun started), where the engine runs on a thread; the flag overrides."""
     import mrv2.engine.engine as engine_module
     import mrv2.entrypoints.engine_process as process_module
-    import mrv2.entrypoints.server as server_module
+    import mrv2.entrypoints.server_run as server_module
     from mrv2.entrypoints.cli import main
 
     built: list[str] = []

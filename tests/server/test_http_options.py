@@ -88,7 +88,8 @@ def _serve(engine: LLMEngine, http: HTTPOptions) -> Iterator[str]:
     URL once ``/health`` answers."""
     import socket
 
-    from mrv2.entrypoints.server import create_app, make_server
+    from mrv2.entrypoints.server import create_app
+    from mrv2.entrypoints.server_run import make_server
 
     app = create_app(engine, MODEL, API_KEY, http=http)
     with socket.socket() as probe:

@@ -132,7 +132,7 @@ def test_the_server_logs_the_line_while_it_serves(
 def test_the_serve_logging_flags_reach_the_server(
         model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import mrv2.engine.engine as engine_module
-    import mrv2.entrypoints.server as server_module
+    import mrv2.entrypoints.server_run as server_module
     from mrv2 import LoRARequest
     from mrv2.entrypoints.cli import main
     from mrv2.entrypoints.http_options import HTTPOptions
@@ -178,7 +178,7 @@ def test_serve_binds_its_port_before_the_engine_loads(
     import socket
 
     import mrv2.engine.engine as engine_module
-    import mrv2.entrypoints.server as server_module
+    import mrv2.entrypoints.server_run as server_module
     from mrv2.entrypoints.cli import main
 
     built: list[bool] = []
@@ -198,7 +198,7 @@ def test_serve_binds_its_port_before_the_engine_loads(
                  "--port", str(port)]) == 0
     assert built == [True] and socks[0].getsockname() == ("127.0.0.1", port)
     socks[0].close()
-    from mrv2.entrypoints.server import listen_socket
+    from mrv2.entrypoints.server_run import listen_socket
 
     with listen_socket("localhost", 0) as named:  # a name: its IPv4 address
         assert named.family == socket.AF_INET and named.getsockname()[0] == "127.0.0.1"

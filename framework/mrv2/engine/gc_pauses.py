@@ -7,7 +7,7 @@ stands still and every stream stalls; a stream of tokens allocates enough surviv
 one every few seconds. vLLM's API server and engine core freeze the startup heap for that
 reason, and so do the processes here that live as long as their engine: the engine's child
 process (:func:`~mrv2.entrypoints.engine_core.run_engine_core`) and ``mrv2 serve``'s own
-process (:func:`~mrv2.entrypoints.server.run_server`). ``gc.freeze()`` moves every object
+process (:func:`~mrv2.entrypoints.server_run.run_server`). ``gc.freeze()`` moves every object
 alive now into a generation the collector never walks; objects made later are collected as
 before. An offline ``LLM`` does not freeze: a test or a notebook may build many engines in one
 process and count on the collector to free an old one's reference cycles (its KV cache).

@@ -50,7 +50,7 @@ def _serve(args: argparse.Namespace) -> int:
               ".venv/bin/pip install -e '.[serve]')", file=sys.stderr)
         return 2
     from mrv2.engine.engine import LLMEngine
-    from mrv2.entrypoints.server import listen_socket, run_server
+    from mrv2.entrypoints.server_run import listen_socket, run_server
     from mrv2.executor.tensor_parallel import launched_by_torchrun
 
     model = args.model_dir or args.model

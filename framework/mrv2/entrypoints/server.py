@@ -2,7 +2,8 @@
 :class:`LLMEngine` on an :class:`EngineThread` of this process, or a :class:`RemoteEngine`
 whose engine steps in a process of its own (``mrv2 serve``'s default).
 
-``create_app(engine)`` builds the app and its worker; ``mrv2 serve`` runs it.
+``create_app(engine)`` builds the app and its worker; ``mrv2 serve`` runs it
+(:mod:`mrv2.entrypoints.server_run`).
 Routes: ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/responses`` (each streams by
 server-sent events), ``/v1/embeddings``, ``/v1/models``, ``/health``, ``/metrics``
 (Prometheus text).
@@ -15,10 +16,6 @@ import dataclasses
 import hmac
 import json
 import logging
-import os
-import socket
-import sys
-import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -33,7 +30,6 @@ from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import SamplingParams, StructuredOutputsParams
 from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.engine import LLMEngine
-from mrv2.engine.gc_pauses import freeze_startup_heap
 from mrv2.engine.media import split_chat_media
 from mrv2.engine.outputs import RequestOutput
 from mrv2.engine.tokenizer import check_template_kwargs
@@ -59,8 +55,7 @@ from mrv2.entrypoints.openai_scoring import add_pooling_routes
 from mrv2.entrypoints.reasoning import check_reasoning_parser, grammar_mark, keeps_special_tokens
 from mrv2.entrypoints.responses import APIError, Echo, Stream
 from mrv2.entrypoints.responses_store import STORE_ENV, store_from_env
-from mrv2.entrypoints.stack_sampler import PROFILE_ENV_VAR, StackSampler
-from mrv2.entrypoints.stats_logger import StatsLogger, log_stats_forever, log_stats_interval
+from mrv2.entrypoints.stats_logger import StatsLogger, log_stats_forever
 from mrv2.entrypoints.tool_calls import (
     TOOL_CALL_PARSERS,
     ToolCalling,
@@ -71,9 +66,6 @@ from mrv2.entrypoints.whole_answers import beam_answer_body, beam_search_through
 
 #: Default bound on a request's ``n`` (``mrv2 serve --max-n``); OpenAI's own API allows 128.
 DEFAULT_MAX_N = 64
-#: Seconds a server whose engine failed for good keeps answering 503 before it exits.
-FATAL_GRACE_S = 1.0
-
 logger = logging.getLogger(__name__)
 
 
@@ -514,22 +506,6 @@ def create_app(engine: LLMEngine | RemoteEngine,
     return app
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (``SO_REUSEADDR``, as uvicorn binds), for
-    :func:`run_server`; OSError (the port in use, an unknown host) before anything loads.
-    IPv6 only for an IPv6 address (``::``, ``::1``): a name such as ``localhost`` binds its
-    IPv4 address, as vLLM's server does, whatever order the resolver lists them in."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
 def _version() -> str:
     """The installed mrv2's version (``mrv2.__version__``)."""
     from importlib.metadata import PackageNotFoundError, version
@@ -588,81 +564,3 @@ async def _serve(request: Request, worker: EngineThread | EngineProcess, kind: s
     if body.stream:
         return StreamingResponse(stream.events(sink), media_type="text/event-stream")
     return await stream.collect(sink, request)
-
-
-def make_server(app: FastAPI, host: str, port: int, log_level: str = "info",
-                access_log: bool = True, http: HTTPOptions | None = None) -> Any:
-    """uvicorn's server for ``app`` (the root path and TLS from ``http``), which logs where
-    it listens also when handed a socket bound already (uvicorn says so for its own only)."""
-    import uvicorn
-
-    options = http or HTTPOptions()
-    scheme = options.scheme
-
-    class Server(uvicorn.Server):
-        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-            await super().startup(sockets)
-            if sockets and self.started:
-                name = sockets[0].getsockname()
-                logging.getLogger("uvicorn.error").info(
-                    "Uvicorn running on %s://%s:%d (Press CTRL+C to quit)", scheme,
-                    f"[{name[0]}]" if ":" in str(name[0]) else name[0], name[1])
-
-    return Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                 access_log=access_log, **options.uvicorn_kwargs()))
-
-
-def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: int = 8000,
-               served_model_name: str | Sequence[str] | None = None,
-               api_key: str | None = None,
-               max_pending: int = 1024, max_n: int = DEFAULT_MAX_N,
-               log_stats: bool = True, uvicorn_log_level: str = "info",
-               access_log: bool = True, sock: socket.socket | None = None,
-               reasoning_parser: str | None = None, tool_call_parser: str | None = None,
-               http: HTTPOptions | None = None,
-               enable_prompt_tokens_details: bool = False,
-               lora_modules: Sequence[LoRARequest] = ()) -> int:
-    """Serve until interrupted (returns 0), or until the engine fails for good (a
-    tensor-parallel worker died: the server answers 503 for a moment, then stops and returns
-    1). ``log_stats``: a stats line every :func:`~mrv2.entrypoints.stats_logger.log_stats_interval`
-    seconds while the engine has work. ``uvicorn_log_level`` and ``access_log``: uvicorn's
-    (a line per HTTP request unless ``access_log`` is False). ``sock``: a socket bound to
-    ``host:port`` already (:func:`listen_socket`, which ``mrv2 serve`` calls before the
-    engine loads, so a port in use fails at once); None binds it here. ``http``: CORS, the
-    root path, TLS, the docs pages (:class:`~mrv2.entrypoints.http_options.HTTPOptions`).
-    ``lora_modules``: the adapters served by name (``--lora-modules``)."""
-    http = http or HTTPOptions()
-    if engine.tokenizer is not None:
-        engine.tokenizer.warm_up()  # the chat template compiled before the first request
-    # This process lives as long as the server; frozen before the app (and its count of the
-    # collector's pauses) exists, so /metrics does not count this one full collection.
-    freeze_startup_heap()
-    app = create_app(engine, served_model_name, api_key, max_pending, max_n,
-                     log_stats_interval() if log_stats else None, reasoning_parser,
-                     tool_call_parser, http, enable_prompt_tokens_details, lora_modules)
-    server = make_server(app, host, port, uvicorn_log_level, access_log, http)
-    worker: EngineThread | EngineProcess = app.state.engine_thread
-
-    def stop_soon(error: BaseException) -> None:
-        logger.error("stopping the server: %s", error)
-        threading.Timer(FATAL_GRACE_S, lambda: setattr(server, "should_exit", True)).start()
-
-    worker.on_fatal.append(stop_soon)
-    profile = os.environ.get(PROFILE_ENV_VAR, "").strip()
-    sampler = StackSampler() if profile else None
-    if sampler is not None:
-        sampler.start()
-    try:
-        # re-raises a captured SIGINT once the server has stopped (as uvicorn.run)
-        server.run(sockets=None if sock is None else [sock])
-    except KeyboardInterrupt:
-        pass
-    finally:
-        if sampler is not None:
-            sampler.stop()
-            sampler.write(profile)
-        engine.shutdown()
-    if worker.fatal is not None:
-        print(f"mrv2 serve: {worker.fatal}", file=sys.stderr, flush=True)
-        return 1
-    return 0
