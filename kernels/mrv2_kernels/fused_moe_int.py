@@ -162,19 +162,17 @@ def _int_tile(words: tl.tensor, zeros_ptrs: tl.tensor, mask_n: tl.tensor,
     PACK: tl.constexpr = 32 // BITS
     shifts = (tl.arange(0, PACK) * BITS)[None, :, None]
     q = (words[:, None, :] >> shifts) & ((1 << BITS) - 1)  # [BLOCK_K / PACK, PACK, BLOCK_N]
-    if FP4 and MAGIC and BLOCK_K > GROUP:
+    if FP4 and BLOCK_K > GROUP:  # each word row's group's e8m0 scale
         word_group = tl.arange(0, BLOCK_K // PACK) // (GROUP // PACK)
         s = tl.load(scale_ptrs[None, :] + word_group[:, None] * scale_s2,
-                    mask=mask_n[None, :], other=0).to(tl.int32)
-        scale = (s << 23).to(tl.float32, bitcast=True)[:, None, :]  # 2 ** (s - 127); 0: 0
+                    mask=mask_n[None, :], other=0).to(tl.int32)[:, None, :]
+    if FP4 and MAGIC and BLOCK_K > GROUP:
+        scale = (s << 23).to(tl.float32, bitcast=True)  # 2 ** (s - 127); 0: 0
         out = tl.reshape(e2m1(q) * scale, (BLOCK_K, BLOCK_N))
     elif FP4:  # the fp32 bit pattern: sign, exponent e - 1 + 127 (0.5 where e = 0), mantissa
         e = (q >> 1) & 3
         m = q & 1
         if BLOCK_K > GROUP:
-            word_group = tl.arange(0, BLOCK_K // PACK) // (GROUP // PACK)
-            s = tl.load(scale_ptrs[None, :] + word_group[:, None] * scale_s2,
-                        mask=mask_n[None, :], other=0).to(tl.int32)[:, None, :]
             field = tl.where(e == 0, 126, e + 126) + s - 127
             live = ((e > 0) | (m > 0)) & (s > 0) & (field > 0)
             field = tl.minimum(field, 255)
@@ -219,37 +217,31 @@ def _int_step(acc: tl.tensor, a: tl.tensor, words: tl.tensor, zeros_ptrs: tl.ten
     PACK: tl.constexpr = 32 // BITS
     # the biased tile's dtype: a's, but for bf16's 7-bit mantissa against 8-bit integers
     BDT: tl.constexpr = tl.float16 if BITS > 7 or a.dtype == tl.float16 else tl.bfloat16
-    if not MAGIC:
-        w = _int_tile(words, zeros_ptrs, mask_n, BITS, HAS_ZEROS, BLOCK_K, BLOCK_N, FP4)
-        if FOLD:
+    # bit-built integers, unfolded, in a's dtype: the dot of bias + q less the bias sums
+    SUMS: tl.constexpr = MAGIC and not FP4 and not FOLD and (a.dtype == BDT
+                                                              or a.dtype == tl.float32)
+    if MAGIC:
+        shifts = (tl.arange(0, PACK) * BITS)[None, :, None]
+        q = tl.reshape((words[:, None, :] >> shifts) & ((1 << BITS) - 1), (BLOCK_K, BLOCK_N))
+        if not FP4:
+            if HAS_ZEROS:
+                z = tl.load(zeros_ptrs, mask=mask_n, other=0).to(tl.float32)
+            else:
+                z = tl.full([BLOCK_N], 1 << (BITS - 1), tl.float32)
+    if SUMS:
+        part = tl.dot(a, biased(q, BDT, two23).to(a.dtype), input_precision=DOT_PRECISION)
+        part -= tl.sum(a.to(tl.float32), axis=1)[:, None] * (bias(BDT) + z)[None, :]
+        acc += part * scale[None, :]
+    else:
+        if not MAGIC:
+            w = _int_tile(words, zeros_ptrs, mask_n, BITS, HAS_ZEROS, BLOCK_K, BLOCK_N, FP4)
+        elif FP4:
+            w = e2m1(q)
+        else:  # q - z from fp32 bits, exact
+            w = biased(q, tl.float32, two23) - (bias(tl.float32) + z)[None, :]
+        if FOLD:  # the scaled tile, rounded once, accumulates in place
             acc = tl.dot(a, (w.to(tl.float32) * scale[None, :]).to(a.dtype), acc,
                          input_precision=DOT_PRECISION)
         else:
-            acc += tl.dot(a, w.to(a.dtype), input_precision=DOT_PRECISION) * scale[None, :]
-    elif FP4:
-        shifts = (tl.arange(0, PACK) * BITS)[None, :, None]
-        w = e2m1(tl.reshape((words[:, None, :] >> shifts) & 15, (BLOCK_K, BLOCK_N)))
-        if FOLD:
-            acc = tl.dot(a, (w * scale[None, :]).to(a.dtype), acc,
-                         input_precision=DOT_PRECISION)
-        else:
-            acc += tl.dot(a, w.to(a.dtype), input_precision=DOT_PRECISION) * scale[None, :]
-    else:
-        shifts = (tl.arange(0, PACK) * BITS)[None, :, None]
-        q = tl.reshape((words[:, None, :] >> shifts) & ((1 << BITS) - 1), (BLOCK_K, BLOCK_N))
-        if HAS_ZEROS:
-            z = tl.load(zeros_ptrs, mask=mask_n, other=0).to(tl.float32)
-        else:
-            z = tl.full([BLOCK_N], 1 << (BITS - 1), tl.float32)
-        if FOLD:  # (q - z) * s from fp32 bits, one rounding
-            w = biased(q, tl.float32, two23) - (bias(tl.float32) + z)[None, :]
-            acc = tl.dot(a, (w * scale[None, :]).to(a.dtype), acc,
-                         input_precision=DOT_PRECISION)
-        elif a.dtype == BDT or a.dtype == tl.float32:
-            part = tl.dot(a, biased(q, BDT, two23).to(a.dtype), input_precision=DOT_PRECISION)
-            part -= tl.sum(a.to(tl.float32), axis=1)[:, None] * (bias(BDT) + z)[None, :]
-            acc += part * scale[None, :]
-        else:  # bf16 a, 8-bit integers: q - z from fp32 bits, exact in bf16
-            w = biased(q, tl.float32, two23) - (bias(tl.float32) + z)[None, :]
             acc += tl.dot(a, w.to(a.dtype), input_precision=DOT_PRECISION) * scale[None, :]
     return acc
