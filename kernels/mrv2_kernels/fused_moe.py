@@ -385,10 +385,11 @@ def _int_plan(plan: MoeTiles, per_expert: float, fp4: bool, cuda: bool,
     in the weights, bit-built or not) nor other slices beat one group a step."""
     if not cuda:
         return plan
-    if tokens <= GEMV_MAX_TOKENS and magic_by_default():
+    magic = magic_by_default()  # (MRV2_INT_MAGIC=0: the conversions and GEMMs, as before)
+    if tokens <= GEMV_MAX_TOKENS and magic:
         plan = plan._replace(int_gemv=True)
     if fp4:
-        if magic_by_default():  # (MRV2_INT_MAGIC=0: the conversions, as before)
+        if magic:
             plan = plan._replace(int_magic=True)
             if plan.block_m == 16 and per_expert >= 1:
                 plan = plan._replace(block_n1=64, block_n2=128 if per_expert < 8 else 64)
@@ -452,11 +453,9 @@ def _fused_moe_int(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 ("num_warps", "num_warps"), ("num_stages", "num_stages")) if o in overrides})
             counters = _arrival_counters(x.device, (stop - start) * cdiv(hidden, gt.block_n2))
             if counters is not None:  # (None: a capture found too few; the GEMMs instead)
-                b13, b2 = epilogue.w13_bias, epilogue.w2_bias
                 fused_moe_gemv(x[start:stop], w13, w2, topk_weights[start:stop],
                                topk_ids[start:stop], out[start:stop], ints, counters, gt,
-                               valid_tokens, start, b13, b2,
-                               ACTIVATIONS.index(epilogue.activation), epilogue.swiglu_limit)
+                               valid_tokens, start, epilogue)
                 continue
         k1, k2 = (plan.block_k1 if "block_k1" in overrides else min(plan.block_k1, step),
                   plan.block_k2 if "block_k2" in overrides else min(plan.block_k2, step))

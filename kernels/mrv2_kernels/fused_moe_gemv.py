@@ -35,6 +35,7 @@ import triton.language as tl
 from ._backend import cdiv, last_to_arrive
 from .fused_moe_int import IntExperts
 from .fused_moe_kernels import _glu
+from .fused_moe_ref import ACTIVATIONS, PLAIN, Epilogue
 from .int_bits import TWO23_BITS, bias, biased, e2m1, pair_half
 
 __all__ = ["GemvTiles", "fused_moe_gemv", "gemv_fits"]
@@ -227,13 +228,10 @@ def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
                    ints: IntExperts, counters: torch.Tensor,
                    tiles: GemvTiles | None = None, valid_tokens: torch.Tensor | None = None,
-                   first_token: int = 0, w13_bias: torch.Tensor | None = None,
-                   w2_bias: torch.Tensor | None = None, activation: int = 0,
-                   act_limit: float = 0.0) -> None:
+                   first_token: int = 0, epilogue: Epilogue = PLAIN) -> None:
     """The module's two launches for ``x`` ``[T, H]`` into ``out`` ``[T, H]`` (checked
     arguments, :func:`~mrv2_kernels.fused_moe.fused_moe_triton`'s; ``counters``: at least
-    ``T * H / block_n2`` zeroed arrival counts, left zeroed); ``activation``: the index of
-    :data:`~mrv2_kernels.fused_moe_ref.ACTIVATIONS`."""
+    ``T * H / block_n2`` zeroed arrival counts, left zeroed)."""
     tiles = tiles or GemvTiles()
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
@@ -258,14 +256,15 @@ def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             step //= 2
         return {"BLOCK_K": step}
 
+    w13_bias, w2_bias = epilogue.w13_bias, epilogue.w2_bias
     b13 = w13_bias if w13_bias is not None else x
     _moe_gemv_gate_up_kernel[(num_pairs, cdiv(inter, tiles.block_n1))](
         x, w13, ints.w13_scale, z13, ids, act, valid, b13, top_k, hidden, inter, first_token,
         x.stride(0), w13.stride(0), w13.stride(1), *ints.w13_scale.stride(),
         inter * w13.stride(1), inter * ints.w13_scale.stride(1), act.stride(0),
-        b13.stride(0), TWO23_BITS, act_limit,
+        b13.stride(0), TWO23_BITS, epilogue.swiglu_limit,
         BLOCK_N=tiles.block_n1, X_PAIRS=_pairs_ok(x), HAS_BIAS=w13_bias is not None,
-        ACT=activation, **common, **k_step(hidden))
+        ACT=ACTIVATIONS.index(epilogue.activation), **common, **k_step(hidden))
     b2 = w2_bias if w2_bias is not None else x
     _moe_gemv_down_kernel[(num_pairs, cdiv(hidden, tiles.block_n2))](
         act, w2, ints.w2_scale, z2, ids, topk_weights, y, out, counters, valid, b2, top_k,

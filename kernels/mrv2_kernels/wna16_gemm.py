@@ -199,12 +199,13 @@ def wna16_tiles(x: torch.Tensor, n: int, k: int, group_size: int) -> WNA16Tiles:
         return WNA16Tiles(16, 16, _largest_pow2_dividing(group_size, 32))
     m = x.shape[0]
     bk = _largest_pow2_dividing(group_size, 64)
-    if m == 1 and bk >= 8 and not magic_by_default():  # the conversions' one-row tiles
-        return WNA16Tiles(1, 256 if n >= 16384 else 128, bk, 4, 4, 3, gemv=True)
-    if m <= 2 and bk >= 8 and magic_by_default():  # (a packed word of 4-bit weights at least)
-        splits = max(1, min(16, 3 * sm_count(x.device) // cdiv(n, 256), k // (2 * bk)))
-        return WNA16Tiles(m, 256, bk, 1 << (splits.bit_length() - 1), 4, 3, gemv=True,
-                          magic=True)
+    if m <= 2 and bk >= 8:  # (a packed word of 4-bit weights at least)
+        if magic_by_default():
+            splits = max(1, min(16, 3 * sm_count(x.device) // cdiv(n, 256), k // (2 * bk)))
+            return WNA16Tiles(m, 256, bk, 1 << (splits.bit_length() - 1), 4, 3, gemv=True,
+                              magic=True)
+        if m == 1:  # the conversions' one-row tiles
+            return WNA16Tiles(1, 256 if n >= 16384 else 128, bk, 4, 4, 3, gemv=True)
     bk = _largest_pow2_dividing(group_size, 128)
     if m <= 16:
         wide = n >= 16384 or k >= 8192
