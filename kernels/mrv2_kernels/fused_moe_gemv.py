@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ._backend import cdiv, last_to_arrive
-from .fused_moe_int import IntExperts
+from .fused_moe_int import IntExperts, _int_scale
 from .fused_moe_kernels import _glu
 from .fused_moe_ref import ACTIVATIONS, PLAIN, Epilogue
 from .int_bits import TWO23_BITS, bias, biased, e2m1, pair_half
@@ -102,11 +102,8 @@ def _rows_dot(x_row: tl.tensor, w_at: tl.tensor, s_at: tl.tensor, z_at: tl.tenso
             grp = (k0 // GROUP) * s_s2
         else:
             grp = (w_idx // (GROUP // PACK)) * s_s2
-        if FP4:  # e8m0: 2 ** (s - 127), read as an fp32's exponent (s = 0: 0)
-            scale = (tl.load(s_at + grp, mask=row_ok, other=0).to(tl.int32) << 23).to(
-                tl.float32, bitcast=True)
-        else:
-            scale = tl.load(s_at + grp, mask=row_ok, other=0.0).to(tl.float32)
+        scale = _int_scale(s_at + grp, row_ok, FP4)  # (e8m0 read as an fp32's exponent)
+        if not FP4:
             if HAS_ZEROS:  # 2 ** 23 + z, from bits too
                 zp = biased(tl.load(z_at + grp, mask=row_ok, other=0).to(tl.int32), tl.float32,
                             two23)
