@@ -216,6 +216,17 @@ def wna16_tiles(x: torch.Tensor, n: int, k: int, group_size: int) -> WNA16Tiles:
 
 
 @triton.jit
+def _dot(x: tl.tensor, w: tl.tensor, acc: tl.tensor, DOT_F32: tl.constexpr) -> tl.tensor:
+    """``x @ w`` (``+ acc``): in fp32 (``ieee``) with ``DOT_F32``, else with ``w`` rounded
+    to ``x``'s dtype."""
+    if DOT_F32:
+        out = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    else:
+        out = tl.dot(x, w.to(x.dtype), acc)
+    return out
+
+
+@triton.jit
 def _dot_steps(x_ptr: tl.tensor, qw_ptr: tl.tensor, s_ptr: tl.tensor, z_ptr: tl.tensor,
                rows: tl.tensor, cols: tl.tensor, row_ok: tl.tensor, col_ok: tl.tensor,
                k0: int, k_end: int, N: int, stride_x: int, GROUP: tl.constexpr,
@@ -237,6 +248,8 @@ def _dot_steps(x_ptr: tl.tensor, qw_ptr: tl.tensor, s_ptr: tl.tensor, z_ptr: tl.
     # the biased tile's dtype: x's, except bf16's 7-bit mantissa for 8-bit integers
     BDT: tl.constexpr = tl.float16 if BITS > 7 or x_ptr.dtype.element_ty == tl.float16 \
         else tl.bfloat16
+    # bit-built and unfolded with x in that dtype (or fp32 dots): bias + q as is
+    SUMS: tl.constexpr = MAGIC and not FOLD and (DOT_F32 or x_ptr.dtype.element_ty == BDT)
     kk = tl.arange(0, BK)
     shifts = (tl.arange(0, PACK) * BITS)[None, :, None]
     wk = tl.arange(0, BK // PACK)
@@ -256,40 +269,20 @@ def _dot_steps(x_ptr: tl.tensor, qw_ptr: tl.tensor, s_ptr: tl.tensor, z_ptr: tl.
         else:
             z = tl.full([BN], ZERO, tl.int32)
         s = tl.load(s_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
-        if MAGIC and FOLD:  # (q - z) * s from fp32 bits, one rounding to x's dtype
-            w = (biased(q, tl.float32, two23) - (bias(tl.float32) + z.to(tl.float32))[None, :]) \
-                * s[None, :]
-            if DOT_F32:
-                acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, w.to(x.dtype), acc)
-        elif MAGIC:
-            if DOT_F32 or x.dtype == BDT:  # the dot of bias + q, less (bias + z) * sum(x)
-                m = biased(q, BDT, two23)
-                if DOT_F32:  # noqa: SIM108 (a constexpr branch: one dot is compiled)
-                    part = tl.dot(x.to(tl.float32), m.to(tl.float32), input_precision="ieee")
-                else:
-                    part = tl.dot(x, m)
-                part -= tl.sum(x.to(tl.float32), axis=1)[:, None] \
-                    * (bias(BDT) + z.to(tl.float32))[None, :]
-            else:  # bf16 x, 8-bit integers (past bf16's 7-bit mantissa): q - z from fp32 bits
-                w = biased(q, tl.float32, two23) - (bias(tl.float32) + z.to(tl.float32))[None, :]
-                part = tl.dot(x, w.to(x.dtype))
+        if SUMS:  # the dot of bias + q, less (bias + z) * sum(x)
+            part = _dot(x, biased(q, BDT, two23), None, DOT_F32)
+            part -= tl.sum(x.to(tl.float32), axis=1)[:, None] \
+                * (bias(BDT) + z.to(tl.float32))[None, :]
             acc += part * s[None, :]
         else:
-            q = q - z[None, :]
-            if FOLD:
-                w = q.to(tl.float32) * s[None, :]
-                if DOT_F32:
-                    acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(x, w.to(x.dtype), acc)
+            if MAGIC:  # noqa: SIM108 (a constexpr branch) q - z from fp32 bits, exact
+                w = biased(q, tl.float32, two23) - (bias(tl.float32) + z.to(tl.float32))[None, :]
             else:
-                if DOT_F32:  # noqa: SIM108 (a constexpr branch: one dot is compiled)
-                    part = tl.dot(x.to(tl.float32), q.to(tl.float32), input_precision="ieee")
-                else:
-                    part = tl.dot(x, q.to(x.dtype))
-                acc += part * s[None, :]
+                w = q - z[None, :]
+            if FOLD:  # the scaled tile, rounded to x's dtype once, accumulates in place
+                acc = _dot(x, w.to(tl.float32) * s[None, :], acc, DOT_F32)
+            else:
+                acc += _dot(x, w, None, DOT_F32) * s[None, :]
     return acc
 
 
