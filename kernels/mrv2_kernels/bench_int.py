@@ -53,10 +53,10 @@ MOE_LAYERS = {"gpt-oss-20b": (32, 4, 2880, 2880, True),
 
 def _gemm_candidates(m: int, mode: str, default: WNA16Tiles) -> list[WNA16Tiles]:
     """Tiles to try for ``m`` rows: ``tl.dot`` ones, and CUDA-core ones where they fit;
-    ``mode`` "magic": the default tiles with ``magic``, folded or not, and at one row wider
+    ``mode`` "magic": the default tiles with ``magic`` flipped, folded or not, and at one row wider
     CUDA-core ones (the one-row kernel holds two ``[bk / 8, bn]`` fp32 tiles)."""
-    if mode == "magic":
-        out = [default._replace(magic=True)]
+    if mode == "magic":  # (the default may be a magic one itself: then the conversions)
+        out = [default._replace(magic=not default.magic)]
         if not default.gemv:
             out.append(default._replace(magic=True, fold=not default.fold))
         if m == 1:
