@@ -418,7 +418,8 @@ def serve_in_thread(app: Any) -> Iterator[str]:
 
 def run_steps_without_sync(runner: Any, prompts: Sequence[Sequence[int]]) -> list[Any]:
     """Run ``prompts`` (request ``str(i)`` each, sampling at temperature 0.8, blocks
-    ``8i .. 8i+7``) on a CUDA ``runner`` under ``torch.cuda.set_sync_debug_mode("error")``, so
+    ``8i .. 8i+7``, in the runner's other block tables the next ``8 x len(prompts)`` blocks
+    each) on a CUDA ``runner`` under ``torch.cuda.set_sync_debug_mode("error")``, so
     any host sync in a step raises: a first step of up to 20 tokens per prompt, a second that
     finishes the longer prompts (mixed with the others' first decode), then six decode steps
     that replay graphs. Returns each step's tokens (read after the mode is reset)."""
@@ -426,7 +427,11 @@ def run_steps_without_sync(runner: Any, prompts: Sequence[Sequence[int]]) -> lis
     from mrv2.contract.requests import NewRequest, SchedulerOutput
 
     params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
-    new = [NewRequest(str(i), list(p), params, seed=i, block_ids=[i * 8 + j for j in range(8)])
+    num = len(prompts)
+    tables = len(getattr(runner, "kv_table_windows", (None,)))
+    new = [NewRequest(str(i), list(p), params, seed=i, block_ids=[i * 8 + j for j in range(8)],
+                      extra_block_ids=[[(t * num + i) * 8 + j for j in range(8)]
+                                       for t in range(1, tables)])
            for i, p in enumerate(prompts)]
     first = {str(i): min(len(p), 20) for i, p in enumerate(prompts)}
     rest = {str(i): len(p) - first[str(i)] for i, p in enumerate(prompts)}

@@ -1,8 +1,9 @@
 """Property test of Scheduler + BlockManager without a model.
 
 A fake runner mirrors the real one: it applies each SchedulerOutput to a table of rows, writes
-the "KV" of every computed position (the token itself) into a fake paged cache through the
-request's block table, checks that every position attention would read holds the right token,
+the "KV" of every computed position (the token itself) into a fake paged cache through each of
+the request's block tables (sliding-window tables too, whose blocks before the window the
+scheduler frees), checks that every position attention would read holds the right token,
 and samples a token that is a pure function of the sequence. A fake engine loop feeds tokens
 back one step late (async) or at once (sync), the way ``LLMEngine`` does, with random arrivals,
 aborts and stops. Invariants are checked after every step, and every request that was not
@@ -47,7 +48,7 @@ def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
 @dataclass
 class Row:
     tokens: list[int]
-    blocks: list[int]
+    tables: list[list[int]]
     computed: int
 
 
@@ -55,6 +56,7 @@ class Row:
 class FakeRunner:
     block_size: int
     num_blocks: int
+    windows: tuple[int | None, ...] = (None,)
     rows: dict[str, Row] = field(default_factory=dict)
     kv: dict[tuple[int, int], int] = field(default_factory=dict)
 
@@ -66,21 +68,33 @@ class FakeRunner:
         self.remove(out.finished_req_ids)
         for new in out.new_requests:
             assert new.req_id not in self.rows
-            self.rows[new.req_id] = Row(list(new.token_ids), list(new.block_ids),
-                                        new.num_computed_tokens)
+            assert len(new.extra_block_ids) == len(self.windows) - 1
+            self.rows[new.req_id] = Row(
+                list(new.token_ids), [list(new.block_ids), *map(list, new.extra_block_ids)],
+                new.num_computed_tokens)
         for req_id, blocks in out.new_block_ids.items():
-            self.rows[req_id].blocks += blocks
+            self.rows[req_id].tables[0] += blocks
+            extra = out.new_extra_block_ids.get(req_id, [])
+            assert len(extra) == len(self.windows) - 1
+            for ids, more in zip(self.rows[req_id].tables[1:], extra, strict=True):
+                ids += more
+        assert set(out.new_extra_block_ids) <= set(out.new_block_ids)
         sampled = {}
         size = self.block_size
         for req_id, n in out.num_scheduled_tokens.items():
             row = self.rows[req_id]
             assert 0 < n <= len(row.tokens) - row.computed
-            for pos in range(row.computed, row.computed + n):
-                self.kv[row.blocks[pos // size], pos % size] = row.tokens[pos]
+            for blocks in row.tables:
+                for pos in range(row.computed, row.computed + n):
+                    self.kv[blocks[pos // size], pos % size] = row.tokens[pos]
+            first = row.computed
             row.computed += n
-            for pos in range(row.computed):  # what attention reads
-                assert self.kv.get((row.blocks[pos // size], pos % size)) == row.tokens[pos], (
-                    f"{req_id}: stale KV at position {pos}")
+            for blocks, window in zip(row.tables, self.windows, strict=True):
+                # what attention reads: the window of the step's first query on
+                start = 0 if window is None else max(0, first - window + 1)
+                for pos in range(start, row.computed):
+                    assert self.kv.get((blocks[pos // size], pos % size)) == row.tokens[pos], (
+                        f"{req_id}: stale KV at position {pos} (window {window})")
             if row.computed == len(row.tokens):
                 token = next_token(row.tokens)
                 row.tokens.append(token)
@@ -153,15 +167,20 @@ class FakeEngine:
 def check_invariants(engine: FakeEngine, out: SchedulerOutput, config: SchedulerConfig) -> None:
     scheduler, blocks = engine.scheduler, engine.scheduler.blocks
     holders = [0] * blocks.num_blocks
+    tables = scheduler.tables
     for request in scheduler.running:
         assert request.status is RequestStatus.RUNNING
-        assert len(set(request.block_ids)) == len(request.block_ids)
+        held = tables.held_hits(tables.tables(request),
+                                request.held_from or [0] * tables.num_tables)
+        assert len(set(held)) == len(held)
+        assert all(len(ids) == len(request.block_ids) for ids in tables.tables(request))
         assert request.num_computed_tokens <= len(request.block_ids) * blocks.block_size
-        for block in request.block_ids:
+        for block in held:
             holders[block] += 1
     for request in scheduler.waiting:
         assert request.status is RequestStatus.WAITING
         assert request.block_ids == [] and request.num_computed_tokens == 0
+        assert not any(request.extra_block_ids)
     for request in [*scheduler.running, *scheduler.waiting]:
         assert 0 <= request.num_computed_tokens <= request.num_tokens
         assert request.num_pending in (0, 1)
@@ -196,8 +215,12 @@ def test_scheduler_invariants_and_outputs(data: st.DataObject) -> None:
         policy=data.draw(st.sampled_from(["fcfs", "priority"]), label="policy"),
     )
     caching = data.draw(st.booleans(), label="caching")
+    window = data.draw(st.integers(1, 7), label="window")
+    windows = data.draw(st.sampled_from([(None,), (None, window), (window,),
+                                         (None, window, window)]), label="tables")
     blocks = BlockManager(num_blocks, block_size, enable_caching=caching)
-    engine = FakeEngine(Scheduler(config, blocks), FakeRunner(block_size, num_blocks),
+    scheduler = Scheduler(config, blocks, table_windows=windows)
+    engine = FakeEngine(scheduler, FakeRunner(block_size, num_blocks, windows),
                         config.async_scheduling)
     added: dict[str, tuple[list[int], int]] = {}
     aborted: set[str] = set()
@@ -209,7 +232,8 @@ def test_scheduler_invariants_and_outputs(data: st.DataObject) -> None:
                 tail = data.draw(st.lists(st.integers(1, 3), max_size=6))
                 prompt = BASE[:prefix] + tail or [1]
                 max_tokens = data.draw(st.integers(1, 8))
-                if blocks.blocks_needed(len(prompt) + max_tokens, 0) > num_blocks:
+                if (scheduler.tables.most_held(len(prompt) + max_tokens,
+                                               scheduler.max_step_tokens) > num_blocks):
                     continue  # the engine rejects it up front
                 req_id = f"r{len(added)}"
                 engine.add(req_id, prompt, max_tokens, data.draw(st.integers(0, 3)))
@@ -226,6 +250,7 @@ def test_scheduler_invariants_and_outputs(data: st.DataObject) -> None:
     event(f"cache hits: {blocks.num_hit_tokens > 0}")
     event(f"preemptions: {engine.scheduler.num_preemptions > 0}")
     event(f"aborts: {bool(aborted)}")
+    event(f"tables: {len(windows)}, sliding: {windows[-1] is not None}")
     assert engine.runner.rows == {}
     assert blocks.num_free_blocks == num_blocks and not any(blocks.ref_count)
     for req_id, (prompt, max_tokens) in added.items():

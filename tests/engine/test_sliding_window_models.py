@@ -32,3 +32,32 @@ def test_greedy_tokens_match_hf(case: str, tmp_path: Path) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(path, p, 8) for p in PROMPTS]
+
+
+def test_sliding_tables_free_and_share_blocks(tmp_path: Path) -> None:
+    """Qwen2 with two full and two sliding layers: the sliding layers get a block table of
+    their own, sharing the full layers' tensors (a block id costs two layers, not four); their
+    blocks out of the window go back to the pool while requests run, in a cache too small to
+    hold every request's blocks in every layer; a second round of the same prompts hits the
+    prefix cache through both tables; the tokens are HF's throughout."""
+    path = make_tiny_checkpoint(tmp_path / "m", "Qwen2ForCausalLM", std=0.15,
+                                num_hidden_layers=4, sliding_window=6,
+                                use_sliding_window=True, max_window_layers=2)
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=8,
+              num_gpu_blocks_override=24, enable_prefix_caching=True)
+    runner, engine = llm.engine.runner, llm.engine
+    assert runner.kv_table_windows == (None, 6)
+    tensors = runner.kv.tensors
+    assert tensors[0] is tensors[2] and tensors[1] is tensors[3] and tensors[0] is not tensors[1]
+    prompts = [[(7 * i + 3 * j) % 200 + 2 for j in range(21)] for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    expected = [hf_greedy(path, p, 10) for p in prompts]
+    for round_ in range(2):  # (the second in reverse: the last one's blocks are cached yet)
+        order = list(range(3)) if round_ == 0 else [2, 1, 0]
+        outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in order], params,
+                            use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [expected[i] for i in order], round_
+        assert engine.block_manager.num_free_blocks == 24  # nothing leaked
+    # 31 tokens: 8 blocks a table; the sliding table holds at most 4 of them at a time
+    assert engine.scheduler.tables.num_freed >= 2 * 3 * 4
+    assert engine.block_manager.num_hit_tokens > 0

@@ -43,9 +43,8 @@ class TorchAttentionBackend(PagedAttentionBackend):
         """Store ``key``/``value`` at their slots; tokens with a negative slot are not stored."""
         if key.device.type == "cpu":
             ctx = current_forward_context()  # the step's plan, when these are its slots
-            plan = None
-            if ctx is not None and ctx.metadata.slot_mapping is slot_mapping:
-                plan = plan_for(ctx.metadata)
+            metadata = ctx.metadata_with_slots(slot_mapping) if ctx is not None else None
+            plan = plan_for(metadata) if metadata is not None else None
             write_kv_cpu(key, value, kv_cache, slot_mapping, plan)
         else:
             self.write_kv_reference(key, value, kv_cache, slot_mapping)

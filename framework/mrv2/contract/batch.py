@@ -41,6 +41,16 @@ class InputBuffers:
         self.logits_indices = empty(max_num_tokens, dtype=torch.int64)
         self.logits_idx_mapping = empty(max_num_tokens, dtype=torch.int32)
         self.logits_positions = empty(max_num_tokens, dtype=torch.int64)
+        #: Every block table's step view and slot mapping, ``block_table`` / ``slot_mapping``
+        #: first; more with sliding-window tables (:meth:`add_block_tables`).
+        self.block_tables = [self.block_table]
+        self.slot_mappings = [self.slot_mapping]
+
+    def add_block_tables(self, count: int) -> None:
+        """Buffers for ``count`` more block tables (sliding-window layers' own)."""
+        for _ in range(count):
+            self.block_tables.append(torch.zeros_like(self.block_table))
+            self.slot_mappings.append(torch.zeros_like(self.slot_mapping))
 
 
 @dataclass
@@ -98,6 +108,10 @@ class InputBatch:
     token_bitmasks: dict[str, np.ndarray] = field(default_factory=dict)
     """``SchedulerOutput.token_bitmasks``: structured outputs' allowed tokens, by request, one
     row a logits row of it."""
+    table_inputs: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    """``(block_table, slot_mapping)`` of each block table after the first (sliding-window
+    layers' own, :mod:`mrv2.runner.kv_tables`), shaped as ``block_table`` and
+    ``slot_mapping``."""
 
     @property
     def num_logits(self) -> int:

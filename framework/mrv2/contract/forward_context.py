@@ -27,6 +27,25 @@ class ForwardContext:
     lora_slots: torch.Tensor | None = None
     """``[>= num_tokens]`` int32: each token's LoRA adapter slot (-1: the base model alone);
     None when the engine serves no adapters (:mod:`mrv2.lora`)."""
+    table_metadata: Sequence[AttentionMetadata] = ()
+    """With more than one block table (sliding-window layers of their own,
+    :mod:`mrv2.runner.kv_tables`): the metadata of each table, ``metadata`` first; the same
+    but for ``block_table`` and ``slot_mapping``. Empty: ``metadata`` serves every layer."""
+    layer_tables: Sequence[int] = ()
+    """The block table of each cache layer, by ``layer_idx`` (empty: table 0 for all)."""
+
+    def metadata_of(self, layer_idx: int) -> AttentionMetadata:
+        """The metadata layer ``layer_idx`` reads: its block table's."""
+        if not self.layer_tables:
+            return self.metadata
+        return self.table_metadata[self.layer_tables[layer_idx]]
+
+    def metadata_with_slots(self, slot_mapping: torch.Tensor) -> AttentionMetadata | None:
+        """The table metadata whose ``slot_mapping`` is ``slot_mapping`` (None: none)."""
+        for metadata in self.table_metadata or (self.metadata,):
+            if metadata.slot_mapping is slot_mapping:
+                return metadata
+        return None
 
     def kv_cache(self, layer_idx: int) -> torch.Tensor:
         """The cache tensor of layer ``layer_idx``."""

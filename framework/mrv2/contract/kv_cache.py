@@ -16,11 +16,13 @@ Two kinds ship with the core:
 A new kind (sliding window, recurrent state) subclasses :class:`KVCacheSpec` with its own
 ``kind``, layout and bytes per block, and a plugin registers a backend for it.
 
-Block ids are shared by every group: block ``b`` of a request addresses the same tokens in each
-layer's tensor, so one block table, one block manager and one prefix cache serve all groups and
-a prefix-cache hit reuses every group's KV at once. That fits every layer that keeps all tokens
-(full attention of any layout); a group that frees old blocks (sliding window) needs a block
-table of its own, the seam for which is the group list in :class:`KVCacheGroup`.
+Block ids come from one pool (one block manager, one prefix cache). Where every layer keeps
+all of its tokens, block ``b`` of a request addresses the same tokens in each layer's tensor:
+one block table serves every group. A model with sliding-window layers (a
+:class:`PagedKVSpec` with ``sliding_window``) may get block tables of its own for them
+(:mod:`mrv2.runner.kv_tables`): their blocks before the window go back to the pool while the
+request runs, and layers of different tables share tensors, so a block id costs one table's
+layers only.
 """
 
 from __future__ import annotations
@@ -75,10 +77,16 @@ class KVCacheSpec(ABC):
 
 @dataclass(frozen=True)
 class PagedKVSpec(KVCacheSpec):
-    """Keys and values per kv-head: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``."""
+    """Keys and values per kv-head: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    ``sliding_window``: the layer attends over its last that many keys only (None: all), so
+    its blocks before the window may be freed while the request runs; it changes the
+    grouping, not the layout.
+    """
 
     num_kv_heads: int
     head_dim: int
+    sliding_window: int | None = None
     kind: ClassVar[str] = "paged_kv"
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:

@@ -72,6 +72,10 @@ class NewRequest:
     pooling_params: PoolingParams | None = None
     """An embedding request's pooling: the step that samples its first token also copies its
     last prompt token's final hidden state, pooled (``AsyncStepOutput.pooled()``)."""
+    extra_block_ids: list[list[int]] = field(default_factory=list)
+    """With sliding-window block tables (:mod:`mrv2.runner.kv_tables`): the request's blocks
+    in each table after the first, in order, as ``block_ids``. Entries before a table's window
+    name blocks the request no longer holds (any id: attention never reads them)."""
 
     def __post_init__(self) -> None:
         end = 0
@@ -107,6 +111,9 @@ class SchedulerOutput:
     new_requests: list[NewRequest] = field(default_factory=list)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     """Blocks appended to running requests this step."""
+    new_extra_block_ids: dict[str, list[list[int]]] = field(default_factory=dict)
+    """Blocks appended to running requests' other block tables (sliding-window layers'),
+    one list per table after the first."""
     finished_req_ids: list[str] = field(default_factory=list)
     """Requests to drop from the state table before this step (finished, aborted, preempted)."""
     num_draft_tokens: dict[str, int] = field(default_factory=dict)

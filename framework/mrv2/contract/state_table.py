@@ -68,6 +68,17 @@ class RequestStateTable:
         self.rows: dict[str, int] = {}
         self.info: dict[int, RowInfo] = {}
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
+        #: Every block table, ``block_table`` first; more with sliding-window tables
+        #: (:meth:`add_block_tables`). ``table_num_blocks``: the entries of each row in each.
+        self.block_tables = [self.block_table]
+        self.table_num_blocks = [self.num_blocks]
+
+    def add_block_tables(self, count: int) -> None:
+        """``count`` more block tables of the same shape (sliding-window layers' own,
+        :mod:`mrv2.runner.kv_tables`)."""
+        for _ in range(count):
+            self.block_tables.append(torch.zeros_like(self.block_table))
+            self.table_num_blocks.append(np.zeros_like(self.num_blocks))
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -83,7 +94,8 @@ class RequestStateTable:
         row = self._free_rows.pop()
         self.rows[info.req_id] = row
         self.info[row] = info
-        self.num_blocks[row] = 0
+        for counts in self.table_num_blocks:
+            counts[row] = 0
         return row
 
     def release(self, req_id: str) -> int:

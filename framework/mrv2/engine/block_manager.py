@@ -145,6 +145,10 @@ class BlockManager:
             blocks.append(block)
         return blocks
 
+    def cached_block(self, key: BlockHash) -> int | None:
+        """The block caching ``key`` (a chain hash, or a table's key of one), or None."""
+        return self._cached.get(key) if self.enable_caching else None
+
     def num_free_among(self, block_ids: Sequence[int]) -> int:
         """How many of ``block_ids`` sit in the free pool (taking them uses free capacity)."""
         return sum(1 for block in block_ids if self.ref_count[block] == 0)

@@ -152,6 +152,7 @@ class LLMEngine(WeightOps):
             self.config.scheduler, blocks, self.runner.num_speculative_tokens,
             self.max_model_len,
             num_lookahead_tokens=speculator.num_lookahead_tokens if speculator else 0,
+            table_windows=getattr(self.runner, "kv_table_windows", (None,)),
         )
         scheduler.late_token_masks = (bool(getattr(self.runner, "late_token_masks", False))
                                       and os.environ.get(LATE_TOKEN_MASKS_ENV, "1") != "0")
@@ -207,7 +208,7 @@ class LLMEngine(WeightOps):
                     f"the prompt has {n} tokens, more than max_num_batched_tokens={budget}; "
                     "enable chunked prefill or raise max_num_batched_tokens"
                 )
-        needed = self.block_manager.blocks_needed(n + max_tokens, 0)
+        needed = self.scheduler.tables.most_held(n + max_tokens, self.scheduler.max_step_tokens)
         if needed > self.block_manager.num_blocks:
             raise ValueError(
                 f"prompt + max_tokens = {n + max_tokens} tokens needs {needed} KV blocks; the "

@@ -42,6 +42,12 @@ class Request:
     num_computed_tokens: int = 0
     num_pending: int = 0
     block_ids: list[int] = field(default_factory=list)
+    extra_block_ids: list[list[int]] = field(default_factory=list)
+    """Blocks in each block table after the first (sliding-window tables:
+    :mod:`mrv2.engine.block_tables`)."""
+    held_from: list[int] = field(default_factory=list)
+    """Per block table, the first entry the request still holds (entries before it fell out
+    of a sliding window and were freed); empty: all held."""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0

@@ -22,10 +22,12 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import Counter, deque
+from collections.abc import Sequence
 
 from mrv2.config import SchedulerConfig
 from mrv2.contract.requests import NewRequest, SchedulerOutput
 from mrv2.engine.block_manager import BlockManager
+from mrv2.engine.block_tables import BlockTables
 from mrv2.engine.request import Request, RequestStatus
 
 
@@ -43,10 +45,13 @@ class Scheduler:
     def __init__(
         self, config: SchedulerConfig, block_manager: BlockManager,
         num_speculative_tokens: int = 0, max_model_len: int | None = None,
-        num_lookahead_tokens: int = 0,
+        num_lookahead_tokens: int = 0, table_windows: Sequence[int | None] = (None,),
     ) -> None:
         self.config = config
         self.blocks = block_manager
+        #: The request's blocks in each block table (``table_windows``: the runner's
+        #: ``kv_table_windows``; sliding tables free what falls out of their window).
+        self.tables = BlockTables(block_manager, table_windows, num_speculative_tokens)
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
         #: KV slots held past each step's tokens for a drafter that runs ahead of the target.
@@ -153,13 +158,12 @@ class Scheduler:
             return
         hashes = request.update_block_hashes(size)
         for i in range(request.num_cached_blocks, limit):
-            self.blocks.cache_block(request.block_ids[i], hashes[i])
+            self.tables.cache(request, i, hashes[i])
         request.num_cached_blocks = limit
 
     def _release(self, request: Request) -> None:
         self._cache_blocks(request)
-        self.blocks.free(request.block_ids)
-        request.block_ids = []
+        self.tables.release(request)
         request.num_cached_blocks = 0
         if request.req_id in self._in_runner:
             self._in_runner.discard(request.req_id)
@@ -171,6 +175,7 @@ class Scheduler:
         n = out.num_scheduled_tokens.pop(request.req_id, 0)
         if n:
             out.new_block_ids.pop(request.req_id, None)
+            out.new_extra_block_ids.pop(request.req_id, None)
             drafts = out.num_draft_tokens.pop(request.req_id, 0)
             request.num_computed_tokens -= n
             if request.req_id in self._sampled_now:
@@ -194,6 +199,12 @@ class Scheduler:
         if self.max_model_len is not None:
             k = min(k, self.max_model_len - request.num_tokens - 1)
         return max(k, 0)
+
+    @property
+    def max_step_tokens(self) -> int:
+        """The most tokens of one request a step holds KV slots for: the token budget and the
+        drafter's lookahead."""
+        return self.config.max_num_batched_tokens + self.num_lookahead_tokens
 
     def _with_lookahead(self, num_tokens: int) -> int:
         """Tokens whose KV slots a step must hold: its own plus the drafter's lookahead,
@@ -261,9 +272,11 @@ class Scheduler:
                 continue
             drafts = self._num_drafts(request, budget) if n == 1 else 0
             n += drafts
-            needed = self.blocks.blocks_needed(
-                self._with_lookahead(request.num_computed_tokens + n), len(request.block_ids)
-            )
+            if self.tables.frees:  # blocks out of a sliding window back to the pool
+                self._cache_blocks(request)
+                self.tables.free_outside_windows(request)
+            end = self._with_lookahead(request.num_computed_tokens + n)
+            needed = self.tables.blocks_needed(request, end)
             if needed:
                 while not self.blocks.can_allocate(needed):
                     victim = self._pick_victim()
@@ -274,9 +287,10 @@ class Scheduler:
                 if not self.blocks.can_allocate(needed):
                     self._preempt(request)
                     continue
-                new_blocks = self.blocks.allocate(needed)
-                request.block_ids.extend(new_blocks)
-                out.new_block_ids[request.req_id] = new_blocks
+                new_blocks = self.tables.allocate(request, end)
+                out.new_block_ids[request.req_id] = new_blocks[0]
+                if len(new_blocks) > 1:
+                    out.new_extra_block_ids[request.req_id] = new_blocks[1:]
             self._schedule(request, n, out, drafts)
             budget -= n
 
@@ -338,31 +352,34 @@ class Scheduler:
     def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> bool:
         """Start a waiting request, after its cached prefix; False if it can't."""
         size = self.blocks.block_size
-        hit: list[int] = []
+        tables = self.tables
+        hit: list[list[int]] = [[] for _ in range(tables.num_tables)]
+        held_from = [0] * tables.num_tables
         # Prompt logprobs and per-token pooling need every prompt position computed: no
         # cache hits for them.
         pooling = request.pooling_params
         if (self.blocks.enable_caching and request.sampling_params.prompt_logprobs is None
                 and (pooling is None or not pooling.per_token)):
             hashes = request.update_block_hashes(size)
-            hit = self.blocks.find_cached_prefix(hashes[: (request.num_tokens - 1) // size])
-        computed = len(hit) * size
+            hit, held_from = tables.find_prefix(hashes[: (request.num_tokens - 1) // size])
+        computed = len(hit[0]) * size
         n = request.num_tokens - computed
         if n > budget:
             if not self.config.enable_chunked_prefill and not request.num_preemptions:
                 return False  # (a resumed request may exceed the budget: it recomputes in chunks)
             n = budget
-        needed = self.blocks.blocks_needed(self._with_lookahead(computed + n), len(hit))
-        if not self.blocks.can_allocate(needed + self.blocks.num_free_among(hit)):
+        needed = (self.blocks.blocks_needed(self._with_lookahead(computed + n), len(hit[0]))
+                  * tables.num_tables)
+        held = tables.held_hits(hit, held_from)
+        if not self.blocks.can_allocate(needed + self.blocks.num_free_among(held)):
             return False
         if self.waiting[0] is request:
             self.waiting.popleft()
         else:  # (passed a request whose LoRA adapter must wait)
             self.waiting.remove(request)
         self._count_waiting_lora(request, -1)
-        self.blocks.take_cached(hit)  # before allocating, so allocation cannot evict them
-        request.block_ids = hit + self.blocks.allocate(needed)
-        request.num_cached_blocks = len(hit)
+        tables.take(request, hit, held_from, self._with_lookahead(computed + n))
+        request.num_cached_blocks = len(hit[0])
         request.num_computed_tokens = computed
         if not request.num_preemptions:
             request.num_cached_tokens = computed
@@ -378,6 +395,7 @@ class Scheduler:
             sampling_params=request.sampling_params,
             seed=request.seed,
             block_ids=list(request.block_ids),
+            extra_block_ids=[list(ids) for ids in request.extra_block_ids],
             num_computed_tokens=computed,
             mm_items=request.mm_items,
             lora_request=request.lora_request,

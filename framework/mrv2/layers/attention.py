@@ -47,8 +47,9 @@ class Attention(KVCacheLayer):
         self.layer_idx = layer_idx
 
     def kv_cache_spec(self) -> PagedKVSpec:
-        """Keys and values of ``num_kv_heads`` heads of ``head_dim`` per token."""
-        return PagedKVSpec(self.num_kv_heads, self.head_dim)
+        """Keys and values of ``num_kv_heads`` heads of ``head_dim`` per token (and the
+        window, whose blocks before it the runner may free)."""
+        return PagedKVSpec(self.num_kv_heads, self.head_dim, self.sliding_window)
 
     def forward(
         self,
@@ -74,6 +75,7 @@ class Attention(KVCacheLayer):
         ctx = get_forward_context()
         kv_cache = ctx.kv_cache(self.layer_idx)
         backend = ctx.backend(self.layer_idx)
+        metadata = ctx.metadata_of(self.layer_idx)
         num_tokens = q.shape[0]
         extra = _NO_OPTIONS  # (the usual layer: no per-call work for the options)
         if sinks is not None or self.sliding_window is not None or (
@@ -86,18 +88,18 @@ class Attention(KVCacheLayer):
             table = rotary.whole_head_table(positions) if backend.rope_in_attention else None
             if table is not None:
                 query = q.reshape(num_tokens, self.num_heads, self.head_dim)
-                out = backend.forward_rope(query, k, v, kv_cache, ctx.metadata, self.scale,
+                out = backend.forward_rope(query, k, v, kv_cache, metadata, self.scale,
                                            RopeInputs(positions, table, qk_norm), **extra)
                 return out.reshape(num_tokens, self.num_heads * self.head_dim)
             if backend.kv_write_in_rope:
-                kv_write = (v, kv_cache, ctx.metadata.slot_mapping)
+                kv_write = (v, kv_cache, metadata.slot_mapping)
             q, k = rotary(positions, q, k, qk_norm, kv_write=kv_write)
         if kv_write is None:  # not written inside the RoPE kernel
             key = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
             value = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-            backend.write_kv(key, value, kv_cache, ctx.metadata.slot_mapping)
+            backend.write_kv(key, value, kv_cache, metadata.slot_mapping)
         query = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        out = backend.forward(query, kv_cache, ctx.metadata, self.scale, **extra)
+        out = backend.forward(query, kv_cache, metadata, self.scale, **extra)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def _options(self, backend: Any, sinks: torch.Tensor | None) -> dict[str, Any]:

@@ -63,6 +63,7 @@ class BatchBuilder:
         self._last: _Layout | None = None  # the previous step's layout
         self.longest_first = os.environ.get(LONGEST_FIRST_ENV_VAR, "1") != "0"
         self._order: list[str] = []  # the last step's request order (longest_first)
+        self._scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         #: ``(rows, num_computed, query_lens) -> bool``: may a step with prompt tokens replay a
         #: mixed graph (the ModelState's ``mixed_graph_allowed``; the runner sets it).
         self.mixed_graph_allowed: Callable[[list[int], list[int], list[int]], bool] = (
@@ -80,9 +81,11 @@ class BatchBuilder:
     def stage_new_rows(
         self, rows: list[int], token_ids: list[list[int]], block_ids: list[list[int]],
         num_computed: list[int], staged: StagedEdits,
+        extra_block_ids: list[list[list[int]]] | None = None,
     ) -> None:
         """New requests' tokens, blocks and counts (one list entry per row), written with the
-        step's upload: one staged put per table for all of them."""
+        step's upload: one staged put per table for all of them. ``extra_block_ids``: each
+        row's blocks in every block table after the first (sliding-window tables)."""
         if not rows:
             return
         table = self.table
@@ -90,33 +93,45 @@ class BatchBuilder:
         lens = np.fromiter((len(t) for t in token_ids), dtype=np.int64, count=len(rows))
         staged.put(table.token_ids, _ragged_index(at, lens),
                    _concat(token_ids, int(lens.sum())))
-        table.num_blocks[at] = 0
+        self._stage_table_rows(0, rows, at, block_ids, staged)
+        for t in range(1, len(table.block_tables)):
+            assert extra_block_ids is not None  # (check() refused a step without them)
+            self._stage_table_rows(t, rows, at, [extra[t - 1] for extra in extra_block_ids],
+                                   staged)
+        staged.put(table.num_computed, (at,), np.asarray(num_computed, dtype=np.int32))
+        staged.put(table.num_tokens, (at,), lens.astype(np.int32))
+
+    def _stage_table_rows(self, t: int, rows: list[int], at: np.ndarray,
+                          block_ids: list[list[int]], staged: StagedEdits) -> None:
+        table = self.table
+        counts = table.table_num_blocks[t]
+        counts[at] = 0
         num_new = np.fromiter((len(b) for b in block_ids), dtype=np.int64, count=len(rows))
         if (num_new > table.max_blocks_per_req).any():
             row = rows[int(np.argmax(num_new > table.max_blocks_per_req))]
             raise ValueError(f"request {table.info[row].req_id!r} would hold more blocks than "
                              "max_model_len needs")
         if num_new.any():
-            staged.put(table.block_table, _ragged_index(at, num_new),
+            staged.put(table.block_tables[t], _ragged_index(at, num_new),
                        _concat(block_ids, int(num_new.sum())))
-            table.num_blocks[at] = num_new
-        staged.put(table.num_computed, (at,), np.asarray(num_computed, dtype=np.int32))
-        staged.put(table.num_tokens, (at,), lens.astype(np.int32))
+            counts[at] = num_new
 
-    def stage_new_blocks(self, row: int, block_ids: list[int], staged: StagedEdits) -> None:
-        """Blocks appended to ``row``'s block table."""
+    def stage_new_blocks(self, row: int, block_ids: list[int], staged: StagedEdits,
+                         table_index: int = 0) -> None:
+        """Blocks appended to ``row``'s block table (``table_index``: which one)."""
         if not block_ids:
             return
-        start = int(self.table.num_blocks[row])
+        counts = self.table.table_num_blocks[table_index]
+        start = int(counts[row])
         if start + len(block_ids) > self.table.max_blocks_per_req:
             raise ValueError(
                 f"request {self.table.info[row].req_id!r} would hold more blocks than "
                 "max_model_len needs"
             )
-        staged.put(self.table.block_table,
+        staged.put(self.table.block_tables[table_index],
                    (np.full(len(block_ids), row), np.arange(start, start + len(block_ids))),
                    np.asarray(block_ids, dtype=np.int32))
-        self.table.num_blocks[row] = start + len(block_ids)
+        counts[row] = start + len(block_ids)
 
     # -- checks ----------------------------------------------------------------------------------
 
@@ -131,6 +146,13 @@ class BatchBuilder:
             raise ValueError(f"{total} tokens scheduled; at most {self.max_num_tokens}")
         new = {r.req_id: r for r in scheduled.new_requests}
         leaving = set(scheduled.finished_req_ids)
+        extra = len(table.block_tables) - 1
+        for req_id, ids in itertools.chain(
+                ((r.req_id, r.extra_block_ids) for r in scheduled.new_requests),
+                scheduled.new_extra_block_ids.items()):
+            if len(ids) != extra:
+                raise ValueError(f"request {req_id!r}: blocks for {len(ids)} block tables "
+                                 f"after the first; this model has {extra}")
         for req_id, n in scheduled.num_scheduled_tokens.items():
             d = scheduled.num_draft_tokens.get(req_id, 0)
             if req_id in new:
@@ -217,6 +239,7 @@ class BatchBuilder:
                        table.num_computed, table.block_table, self.block_size, input_ids,
                        positions, buffers.slot_mapping[:num_tokens_padded], seq_lens,
                        block_table, num_block_cols)
+        table_inputs = self._table_inputs(layout, num_reqs, num_tokens_padded, num_block_cols)
         logits_positions = buffers.logits_positions[: layout.num_logits]
         if layout.max_drafts:
             torch.index_select(buffers.positions, 0, layout.logits_indices, out=logits_positions)
@@ -237,11 +260,40 @@ class BatchBuilder:
             num_draft_tokens=layout.drafts, cu_num_logits=layout.cu_logits,
             logits_idx_mapping=layout.logits_idx_mapping, logits_positions=logits_positions,
             cu_num_logits_dev=layout.dev.get("cu_num_logits"),
-            token_bitmasks=scheduled.token_bitmasks,
+            token_bitmasks=scheduled.token_bitmasks, table_inputs=table_inputs,
         )
         plan = sample_plan(batch)
         return StepPlan(batch, plan, layout.replay_query_len, layout.dev["do_sample"],
                         layout.dev.get("num_drafts"), drafted, layout.replay_tokens)
+
+    def _table_inputs(self, layout: _Layout, num_reqs: int, num_tokens: int, num_cols: int
+                      ) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """The step's block table and slot mapping of each block table after the first (a
+        prep launch each, its token ids, positions and lengths written to scratch)."""
+        table, buffers = self.table, self.buffers
+        if len(table.block_tables) == 1:
+            return ()
+        num_padded = layout.num_padded
+        scratch = self._prep_scratch()
+        out = []
+        for t in range(1, len(table.block_tables)):
+            block_table = buffers.block_tables[t][:num_padded]
+            slots = buffers.slot_mappings[t][:num_tokens]
+            prepare_inputs(layout.idx_mapping, layout.query_start_loc, num_reqs,
+                           table.token_ids, table.num_computed, table.block_tables[t],
+                           self.block_size, scratch[0][:num_tokens], scratch[1][:num_tokens],
+                           slots, scratch[2][:num_padded], block_table, num_cols)
+            out.append((block_table[:, :num_cols], slots))
+        return tuple(out)
+
+    def _prep_scratch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token ids, positions and sequence lengths the extra tables' prep launches write
+        (the first table's launch writes the real ones)."""
+        if self._scratch is None:
+            b = self.buffers
+            self._scratch = (torch.empty_like(b.input_ids), torch.empty_like(b.positions),
+                             torch.empty_like(b.seq_lens))
+        return self._scratch
 
     def _row_order(self, scheduled: SchedulerOutput) -> list[str]:
         """The step's requests in batch-row order: longest sequence (after the step) first.

@@ -1,9 +1,11 @@
 """KV cache groups, sizing and allocation, from the specs the model's ModelState declares.
 
 Layers of equal :class:`~mrv2.contract.kv_cache.KVCacheSpec` form a group with one attention
-backend (registered for the spec's kind). Every group shares the block ids of one block table, so
-one block costs the sum of every layer's bytes per block, and the block count is sized once for
-all groups.
+backend (registered for the spec's kind). Block ids come from one pool, sized once for all
+groups. With one block table (the usual case) every layer has a tensor of its own and one block
+costs the sum of every layer's bytes per block; with sliding-window tables
+(:mod:`mrv2.runner.kv_tables`) layers of different tables share tensors and a block costs one
+table's layers.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from mrv2.config import CacheConfig
 from mrv2.contract.kv_cache import KVCacheGroup, KVCacheSpec, group_specs
 from mrv2.registry import Registries, import_object
+from mrv2.runner.kv_tables import KVTableLayout
 from mrv2_kernels.kv_cache import FP8_KV_DTYPE
 
 #: ``cache.kv_cache_dtype`` values that mean a float8 e4m3 cache.
@@ -68,24 +71,35 @@ class KVCaches:
             raise ValueError(f"cache.kv_cache_dtype must be one of 'auto', 'fp8', 'fp8_e4m3'; "
                              f"got {kv_cache_dtype!r}")
         self.tensors: list[torch.Tensor] = []
+        #: Which block table each layer reads and which tensor it uses (set by the runner
+        #: before sizing: :func:`~mrv2.runner.kv_tables.plan_tables`); one table by default.
+        self.layout = KVTableLayout.single(len(specs))
+
+    def _slot_specs(self) -> list[KVCacheSpec]:
+        """The spec of each tensor (a slot's layers share one layout)."""
+        slots: dict[int, KVCacheSpec] = {}
+        for layer_idx, slot in enumerate(self.layout.layer_slots):
+            slots.setdefault(slot, self.specs[layer_idx])
+        return [slots[j] for j in range(len(slots))]
 
     def dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The caches' element type for a model of ``model_dtype``."""
         return self.kv_dtype or model_dtype
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        """Device bytes of one block across every layer of every group (``dtype``: the
-        model's)."""
+        """Device bytes of one block id across every tensor (``dtype``: the model's)."""
         dtype = self.dtype(dtype)
-        return sum(spec.bytes_per_block(block_size, dtype) for spec in self.specs.values())
+        return sum(spec.bytes_per_block(block_size, dtype) for spec in self._slot_specs())
 
     def allocate(
         self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        """One tensor per layer, in the layout of its spec (``dtype``: the model's)."""
+        """One tensor per slot, in the layout of its spec (``dtype``: the model's);
+        :attr:`tensors` gives each layer its slot's."""
         dtype = self.dtype(dtype)
-        self.tensors = [self.specs[i].allocate(num_blocks, block_size, dtype, device)
-                        for i in range(len(self.specs))]
+        slots = [spec.allocate(num_blocks, block_size, dtype, device)
+                 for spec in self._slot_specs()]
+        self.tensors = [slots[j] for j in self.layout.layer_slots]
 
     def release(self) -> None:
         """Drop the tensors (after the profiling forward)."""

@@ -57,6 +57,7 @@ from mrv2.runner.cuda_graphs import (
     timed_ms,
 )
 from mrv2.runner.kv_cache import KVCaches, num_blocks_for
+from mrv2.runner.kv_tables import plan_tables, table_metadata, with_dummy_tables, without_windows
 from mrv2.runner.pooling import Pooled, RowPooler
 from mrv2.runner.sleep import Sleeper
 from mrv2.runner.startup import StartupReport, device_bytes_in_use
@@ -154,9 +155,16 @@ class Runner(BetweenSteps):
         )
         specs = self.model_state.kv_cache_specs()
         if self.speculator is not None:  # a drafter's own cache layers, numbered after these
-            specs = {**specs, **self.speculator.kv_cache_specs(len(specs))}
+            # (on table 0: the drafter's metadata is built over it)
+            specs = {**specs, **without_windows(self.speculator.kv_cache_specs(len(specs)))}
         self.kv = KVCaches(specs, registries, self.device, config.device.attention_backend,
                            config.cache.kv_cache_dtype)
+        self.kv.layout = plan_tables(specs, self.block_size, self.max_model_len)
+        #: Each block table's sliding window (None: full attention), table 0 first: the
+        #: scheduler frees a sliding table's blocks that fall out of its window.
+        self.kv_table_windows = self.kv.layout.windows
+        self.table.add_block_tables(self.kv.layout.num_tables - 1)
+        self.buffers.add_block_tables(self.kv.layout.num_tables - 1)
         self.builder = BatchBuilder(self.table, self.buffers, self.block_size,
                                     self.max_num_tokens, self.num_speculative_tokens)
         self.builder.mixed_graph_allowed = self.model_state.mixed_graph_allowed
@@ -169,7 +177,7 @@ class Runner(BetweenSteps):
             self.kv.allocate(self.num_kv_blocks, self.block_size, self.dtype, self.device)
         self.startup.kv_cache(self.num_kv_blocks, self.block_size, per_block,
                               _kv_dtype_name(config.cache.kv_cache_dtype, self.dtype),
-                              self.max_model_len, peak)
+                              self.max_model_len, peak, self.kv_table_windows)
         if self.speculator is not None:
             self.speculator.bind_kv_caches(self.kv.tensors, self.kv.backends)
         self._uploader = Uploader(self.device)
@@ -263,7 +271,8 @@ class Runner(BetweenSteps):
                                             len(r.token_ids))) for r in requests]
         self.builder.stage_new_rows(rows, [r.token_ids for r in requests],
                                     [r.block_ids for r in requests],
-                                    [r.num_computed_tokens for r in requests], staged)
+                                    [r.num_computed_tokens for r in requests], staged,
+                                    [r.extra_block_ids for r in requests])
         self.sampler.add_requests(requests, rows, staged)
         if self.lora is not None:
             self.lora.add_requests(requests, rows, staged)
@@ -296,6 +305,9 @@ class Runner(BetweenSteps):
         self._add_requests(scheduled.new_requests, staged)
         for req_id, block_ids in scheduled.new_block_ids.items():
             self.builder.stage_new_blocks(self.table.row_of(req_id), block_ids, staged)
+        for req_id, tables in scheduled.new_extra_block_ids.items():
+            for t, block_ids in enumerate(tables, 1):
+                self.builder.stage_new_blocks(self.table.row_of(req_id), block_ids, staged, t)
         if self._lora_graphs is not None:  # (the step's rows are live now)
             assert self.lora is not None
             graphs = self._lora_graphs[self.lora.active]
@@ -313,6 +325,9 @@ class Runner(BetweenSteps):
         metadata = self.model_state.prepare_attn(batch)
         context = ForwardContext(metadata, self.kv.tensors, self.kv.backends,
                                  self.lora.forward_slots(batch) if self.lora else None)
+        if batch.table_inputs:  # sliding-window layers read block tables of their own
+            context.table_metadata = table_metadata(metadata, batch)
+            context.layer_tables = self.kv.layout.layer_tables
         with set_forward_context(context):
             hidden = self.model(**kwargs)
         return cast(torch.Tensor, hidden)
@@ -329,7 +344,8 @@ class Runner(BetweenSteps):
         return hidden, cast(CausalLM, self.model).compute_logits(hidden[batch.logits_indices])
 
     def _mixed_dummy_batch(self, num_reqs: int, num_tokens: int, num_rows: int) -> InputBatch:
-        batch = self.model_state.prepare_dummy_inputs(num_reqs, num_tokens)
+        batch = with_dummy_tables(self.model_state.prepare_dummy_inputs(num_reqs, num_tokens),
+                                  self.buffers)
         indices = self.buffers.logits_indices
         # rows the dummy left unwritten (the default writes them all), as the builder pads them
         indices[batch.logits_indices.shape[0] : num_rows].fill_(num_tokens - 1)
@@ -340,7 +356,8 @@ class Runner(BetweenSteps):
                              "logits_indices": indices[:num_rows]})
 
     def _graph_dummy_batch(self, size: int, query_len: int) -> InputBatch:
-        batch = self.model_state.prepare_dummy_inputs(size, size * query_len)
+        batch = with_dummy_tables(self.model_state.prepare_dummy_inputs(size, size * query_len),
+                                  self.buffers)
         # Graphs serve any length up to max_model_len: bake that bound, not the dummy's.
         return InputBatch(**{**batch.__dict__, "max_seq_len": self.max_model_len,
                              "uniform_decode": True,
@@ -629,7 +646,8 @@ class Runner(BetweenSteps):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        batch = self.model_state.prepare_dummy_inputs(num_reqs, num_tokens)
+        batch = with_dummy_tables(self.model_state.prepare_dummy_inputs(num_reqs, num_tokens),
+                                  self.buffers)
         with torch.inference_mode():
             hidden = self._forward(batch)
             cast(CausalLM, self.model).compute_logits(hidden[batch.logits_indices]).float()

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from mrv2.runner.kv_tables import window_blocks
+
 logger = logging.getLogger("mrv2.runner")
 
 _GIB = 1 << 30
@@ -62,13 +64,19 @@ class StartupReport:
                  f" on each of {ranks} ranks" if ranks > 1 else "")
 
     def kv_cache(self, num_blocks: int, block_size: int, bytes_per_block: int,
-                 kv_dtype: str, max_model_len: int, peak_bytes: int) -> None:
+                 kv_dtype: str, max_model_len: int, peak_bytes: int,
+                 windows: tuple[int | None, ...] = (None,)) -> None:
         """After the KV cache is allocated: its size in tokens and bytes, and how many
-        requests of ``max_model_len`` tokens it holds at once."""
+        requests of ``max_model_len`` tokens it holds at once (``windows``: each block
+        table's sliding window, :mod:`mrv2.runner.kv_tables`; a sliding table holds a
+        request's window only)."""
         tokens = num_blocks * block_size
-        per_request = -(-max_model_len // block_size) * block_size
+        per_table = -(-max_model_len // block_size)
+        per_request = sum(per_table if w is None else min(per_table, window_blocks(w, block_size))
+                          for w in windows)
+        fit = num_blocks / per_request
         self.facts.update(kv_tokens=tokens, kv_bytes=num_blocks * bytes_per_block,
-                          max_concurrency=tokens / per_request)
+                          max_concurrency=fit, kv_table_windows=list(windows))
         peak = (f"; the profiling forward's activation peak {peak_bytes / _GIB:.2f} GiB"
                 if peak_bytes > 0 else "")  # (measured on CUDA only)
         encoder = int(self.facts.get("encoder_peak_bytes", 0))
@@ -76,10 +84,15 @@ class StartupReport:
             peak += (f" (the encoder's {encoder / _GIB:.2f} GiB counted, "
                      f"{int(self.facts['encoder_kept_bytes']) / _GIB:.2f} GiB reserved for its "
                      "cache)")
-        self.log("KV cache: %s tokens (%s blocks of %d, %.2f GiB, %s); %.1f requests of "
+        tables = ""
+        if len(windows) > 1 or windows[0] is not None:
+            sliding = sorted({w for w in windows if w is not None})
+            tables = (f" in {len(windows)} block tables (sliding windows "
+                      f"{', '.join(map(str, sliding))}: blocks out of the window freed)")
+        self.log("KV cache: %s tokens (%s blocks of %d, %.2f GiB, %s)%s; %.1f requests of "
                  "max_model_len %d fit at once%s (%.1f s)", f"{tokens:,}", f"{num_blocks:,}",
-                 block_size, num_blocks * bytes_per_block / _GIB, kv_dtype,
-                 tokens / per_request, max_model_len, peak, self.seconds.get("kv_cache", 0.0))
+                 block_size, num_blocks * bytes_per_block / _GIB, kv_dtype, tables,
+                 fit, max_model_len, peak, self.seconds.get("kv_cache", 0.0))
 
     def graphs(self, graphs: Any, pool_bytes: int, sets: int = 1) -> None:
         """After the CUDA graphs are captured: how many of each kind (in each of ``sets``

@@ -1,0 +1,155 @@
+"""Block tables of their own for sliding-window layers, and the tensors their layers share.
+
+A layer that attends over its last ``W`` keys never reads a block again once the request's
+queries have moved ``W`` tokens past it. With one block table for every layer such a block
+stays held as long as the request runs, because the full-attention layers still need the same
+block id. Here, as in vLLM's hybrid KV cache manager, layers are split into *tables*: the
+full-attention layers are table 0 and the sliding layers of each window are cut into tables
+of as many layers as table 0 holds (every table of a model of sliding layers only, when it has
+no full-attention layer). Each table has its own block ids, from one pool; a request's blocks
+in a sliding table that fall out of its window go back to the pool (the scheduler frees them:
+:class:`mrv2.engine.block_tables.BlockTables`). Layer ``j`` of every table reads and writes
+the same tensor (*slot* ``j``): the tables' block ids never overlap, so a block id costs the
+bytes of one table's layers, not of the whole model.
+
+gpt-oss-20b (12 full, 12 sliding layers of 128 keys) holds at ``max_model_len`` 131,072
+8,192 + 9 blocks of 12 layers a request instead of 8,192 blocks of 24 layers: about half the
+memory, twice the requests. The layout is used only where it holds fewer bytes for a request
+of ``max_model_len`` than one table (padding a last table of fewer layers costs the missing
+layers' bytes), where every layer has the same layout but for the window, and for at most
+:data:`MAX_TABLES` tables. ``MRV2_SLIDING_KV_TABLES=0`` keeps one table for every layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from mrv2.contract.attention import AttentionMetadata
+from mrv2.contract.batch import InputBatch, InputBuffers
+from mrv2.contract.kv_cache import KVCacheSpec, PagedKVSpec
+
+#: ``0``: one block table for every layer (sliding-window blocks are kept, as before).
+SLIDING_TABLES_ENV_VAR = "MRV2_SLIDING_KV_TABLES"
+#: Most block tables a model gets (each costs a block-table row per request and a prep launch
+#: per step); past it, one table.
+MAX_TABLES = 16
+
+
+@dataclass(frozen=True)
+class KVTableLayout:
+    """Which table each cache layer reads and which tensor (slot) it uses."""
+
+    windows: tuple[int | None, ...]
+    """Each table's sliding window (None: full attention). Table 0 first."""
+    layer_tables: tuple[int, ...]
+    """The table of each cache layer, by ``layer_idx``."""
+    layer_slots: tuple[int, ...]
+    """The tensor of each cache layer, by ``layer_idx``: layers of one slot share it."""
+
+    @property
+    def num_tables(self) -> int:
+        """Block tables per request."""
+        return len(self.windows)
+
+    @property
+    def num_slots(self) -> int:
+        """Cache tensors."""
+        return max(self.layer_slots) + 1
+
+    @property
+    def freed(self) -> bool:
+        """Whether some table frees blocks out of its window."""
+        return any(w is not None for w in self.windows)
+
+    @classmethod
+    def single(cls, num_layers: int) -> KVTableLayout:
+        """One table for every layer, a tensor each."""
+        return cls((None,), (0,) * num_layers, tuple(range(num_layers)))
+
+
+def _window_of(spec: KVCacheSpec) -> int | None:
+    return spec.sliding_window if isinstance(spec, PagedKVSpec) else None
+
+
+def _unwindowed(spec: KVCacheSpec) -> KVCacheSpec:
+    if isinstance(spec, PagedKVSpec) and spec.sliding_window is not None:
+        return dataclasses.replace(spec, sliding_window=None)
+    return spec
+
+
+def without_windows(specs: dict[int, KVCacheSpec]) -> dict[int, KVCacheSpec]:
+    """``specs`` with every sliding window dropped: layers that must read table 0 (a
+    drafter's, whose metadata is built over table 0), still masked to their window by the
+    attention call."""
+    return {i: _unwindowed(spec) for i, spec in specs.items()}
+
+
+def window_blocks(window: int, block_size: int) -> int:
+    """The most blocks a request holds in a table of ``window`` at a decode step: the window's
+    keys before the query, the query's block, one more where they straddle a boundary."""
+    return -(-(window - 1) // block_size) + 1
+
+
+def plan_tables(
+    specs: dict[int, KVCacheSpec], block_size: int, max_model_len: int,
+) -> KVTableLayout:
+    """The layout for ``specs`` (see the module docstring); one table where it saves
+    nothing or does not apply."""
+    n = len(specs)
+    single = KVTableLayout.single(n)
+    windows = {i: _window_of(spec) for i, spec in specs.items()}
+    if os.environ.get(SLIDING_TABLES_ENV_VAR, "1") == "0" or all(
+            w is None for w in windows.values()):
+        return single
+    if len({_unwindowed(spec) for spec in specs.values()}) != 1:
+        return single  # layers of different layouts cannot share tensors
+    full = [i for i in sorted(specs) if windows[i] is None]
+    by_window: dict[int, list[int]] = {}
+    for i in sorted(specs):
+        w = windows[i]
+        if w is not None:
+            by_window.setdefault(w, []).append(i)
+    size = len(full) if full else min(len(layers) for layers in by_window.values())
+    tables: list[tuple[int | None, list[int]]] = [(None, full)] if full else []
+    for w, layers in by_window.items():
+        tables += [(w, layers[j : j + size]) for j in range(0, len(layers), size)]
+    if len(tables) > MAX_TABLES:
+        return single
+    per_req = -(-max_model_len // block_size)
+    held = sum(per_req if w is None else min(per_req, window_blocks(w, block_size))
+               for w, _ in tables)
+    if size * held >= n * per_req:
+        return single  # (a short max_model_len, or a lone sliding layer padded to a table)
+    layer_tables = [0] * n
+    layer_slots = [0] * n
+    for t, (_, layers) in enumerate(tables):
+        for j, i in enumerate(layers):
+            layer_tables[i], layer_slots[i] = t, j
+    return KVTableLayout(tuple(w for w, _ in tables), tuple(layer_tables), tuple(layer_slots))
+
+
+def table_metadata(metadata: AttentionMetadata, batch: InputBatch) -> list[AttentionMetadata]:
+    """``metadata`` (table 0's) and each other table's: the same but for its block table and
+    slot mapping (each a metadata object of its own, so backends' derived values are per
+    table)."""
+    return [metadata] + [dataclasses.replace(metadata, block_table=block_table,
+                                             slot_mapping=slots)
+                         for block_table, slots in batch.table_inputs]
+
+
+def with_dummy_tables(batch: InputBatch, buffers: InputBuffers) -> InputBatch:
+    """A dummy batch (:meth:`~mrv2.contract.model_state.ModelState.prepare_dummy_inputs`)
+    with the other block tables' buffers made harmless the same way: block 0, no KV
+    written."""
+    if len(buffers.block_tables) == 1:
+        return batch
+    rows, tokens = batch.num_reqs_padded, batch.num_tokens_padded
+    inputs = []
+    for block_table, slots in zip(buffers.block_tables[1:], buffers.slot_mappings[1:],
+                                  strict=True):
+        block_table[:rows].zero_()
+        slots[:tokens].fill_(-1)
+        inputs.append((block_table[:rows], slots[:tokens]))
+    return dataclasses.replace(batch, table_inputs=tuple(inputs))
