@@ -220,8 +220,8 @@ def bench_moe(rows: list[int], mode: str, bandwidth: float, layer: str) -> list[
                 except Exception as err:
                     lines.append(f"  {tiles}: {type(err).__name__}: {str(err)[:80]}")
                     continue
-                if mode == "magic":
-                    lines.append(f"  {t}: {tiles} {us:.1f}")
+                lines.append(f"  {t}: {tiles} {us:.1f}")
+                print(lines[-1], flush=True)
                 best = min(best, (us, tiles), key=lambda b: b[0])
         plan = _int_plan(moe_tiles(t, top_k, experts, hidden, inter, x.device),
                          t * top_k / experts, fp4, True, t)  # what the default call ran

@@ -88,6 +88,7 @@ from .fused_moe_ref import (
 from .int_bits import TWO23_BITS, magic_by_default
 from .moe_align import _ID_DTYPES, _tile, moe_align, moe_align_ref, moe_max_blocks
 from .moe_tiles import MoeTiles, _check_fp8_tiles, moe_tiles
+from .mxfp4_dense import dequantize_mxfp4, use_dense
 
 __all__ = [
     "ACTIVATIONS",
@@ -282,6 +283,7 @@ def fused_moe_triton(
     int_fold: bool | None = None,
     int_magic: bool | None = None,
     int_gemv: bool | None = None,
+    int_dense: bool | None = None,
 ) -> torch.Tensor:
     """Triton implementation of :func:`fused_moe` (module docstring: align, gate/up GEMM, down
     GEMM, combine); tile arguments override :func:`moe_tiles`. Never synchronizes with the
@@ -309,7 +311,9 @@ def fused_moe_triton(
     fused_moe_int`); the K steps are cut to divide the group size; ``int_fold``
     (:class:`MoeTiles`) scales each weight tile before its dot, ``int_magic`` makes the
     weights floats from their bits, ``int_gemv`` runs the pair-a-program CUDA-core kernels
-    (:mod:`~mrv2_kernels.fused_moe_gemv`; the default for a few tokens).
+    (:mod:`~mrv2_kernels.fused_moe_gemv`; the default for a few tokens); ``int_dense``:
+    MXFP4 experts dequantized to ``x``'s dtype first, then the unquantized GEMMs
+    (:mod:`~mrv2_kernels.mxfp4_dense`; the default for large steps).
     """
     overrides = {k: v for k, v in dict(
         block_m=block_m, block_n1=block_n1, block_k1=block_k1, block_n2=block_n2,
@@ -318,7 +322,7 @@ def fused_moe_triton(
         int_gemv=int_gemv).items() if v is not None}
     if int_experts is not None:
         return _fused_moe_int(x, w13, w2, topk_weights, topk_ids, int_experts, valid_tokens,
-                              epilogue, overrides=overrides)
+                              epilogue, chunk_tokens, overrides, int_dense)
     _check(x, w13, w2, topk_weights, topk_ids)
     epilogue = check_epilogue(w13, w2, epilogue)
     fp8_block = check_fp8_args(w13, w2, w13_scale, w2_scale, block)
@@ -382,7 +386,11 @@ def _int_plan(plan: MoeTiles, per_expert: float, fp4: bool, cuda: bool,
     141.7 -> 115.4 µs at 1 token, 509 -> 425 at 8, 702 -> 613 at 64) and, from 1 pair per
     expert on, 64 intermediate features per program, with 128 hidden ones below 8 pairs (425
     -> 404 at 8 tokens, 613 -> 563 at 64); neither its 64-/128-wide folded steps (the scales
-    in the weights, bit-built or not) nor other slices beat one group a step."""
+    in the weights, bit-built or not) nor other slices beat one group a step there. From
+    64-row tiles (256 tokens on) they do: K steps of 64 and 64 hidden features a program (983
+    -> 859 µs at 256 tokens; 128-row tiles with 32 intermediate features and 4 stages: 6,745
+    -> 1,928 µs at 1,024, where the dequantized path, :mod:`~mrv2_kernels.mxfp4_dense`, takes
+    over where its scratch fits)."""
     if not cuda:
         return plan
     magic = magic_by_default()  # (MRV2_INT_MAGIC=0: the conversions and GEMMs, as before)
@@ -393,6 +401,11 @@ def _int_plan(plan: MoeTiles, per_expert: float, fp4: bool, cuda: bool,
             plan = plan._replace(int_magic=True)
             if plan.block_m == 16 and per_expert >= 1:
                 plan = plan._replace(block_n1=64, block_n2=128 if per_expert < 8 else 64)
+            elif plan.block_m >= 64:
+                wide = plan.block_m > 64
+                plan = plan._replace(block_n1=32 if wide else 64, block_n2=64,
+                                     block_k1=MXFP4_WIDE_STEP, block_k2=MXFP4_WIDE_STEP,
+                                     num_stages=4 if wide else 3)
         return plan
     plan = plan._replace(int_fold=True)
     if plan.block_m == 16 and per_expert >= 0.5:
@@ -405,13 +418,15 @@ def _int_plan(plan: MoeTiles, per_expert: float, fp4: bool, cuda: bool,
 #: group a step (measured no slower: :func:`_int_plan`). Explicit ``block_k1`` / ``block_k2``
 #: override it.
 MXFP4_MAX_STEP = 0
+#: MXFP4's K step with tiles of 64 rows or more (:func:`_int_plan`): two groups, folded.
+MXFP4_WIDE_STEP = 64
 
 
 def _fused_moe_int(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, ints: IntExperts,
                    valid_tokens: torch.Tensor | None, epilogue: Epilogue,
-                   chunk_tokens: int = 8192, overrides: dict[str, Any] | None = None
-                   ) -> torch.Tensor:
+                   chunk_tokens: int = 8192, overrides: dict[str, Any] | None = None,
+                   dense: bool | None = None) -> torch.Tensor:
     """:func:`fused_moe_triton` of integer experts, chunk after chunk: the default tiles (or
     ``overrides``, :class:`MoeTiles` fields) with K steps that divide the group size (a step
     in one group) or, MXFP4, powers of two up to the plan's that the pack divides (the scales
@@ -436,6 +451,12 @@ def _fused_moe_int(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if top_k == 0:
         return out.zero_()
     x = x.contiguous()
+    if ints.fp4 and dense is not False and (dense or not overrides and use_dense(
+            num_tokens, w13, w2, pack, x.dtype)):  # a large step: dequantized GEMMs
+        return fused_moe_triton(x, dequantize_mxfp4(w13, ints.w13_scale, x.dtype),
+                                dequantize_mxfp4(w2, ints.w2_scale, x.dtype), topk_weights,
+                                topk_ids, valid_tokens=valid_tokens, epilogue=epilogue,
+                                chunk_tokens=chunk_tokens)
     # the largest power of two dividing G; MXFP4 steps may span groups where asked for
     step = ints.group_size & -ints.group_size
     if ints.fp4 and MXFP4_MAX_STEP:
@@ -446,6 +467,9 @@ def _fused_moe_int(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         plan = _int_plan(moe_tiles(stop - start, top_k, w13.shape[0], hidden, inter,
                                    x.device), (stop - start) * top_k / w13.shape[0],
                          ints.fp4, x.is_cuda, stop - start)._replace(**overrides)
+        # (_int_plan's MXFP4 steps of two groups from 64-row tiles on)
+        wide = (ints.fp4 and plan.int_magic and plan.block_m >= 64
+                and plan.block_k1 == plan.block_k2 == MXFP4_WIDE_STEP)
         if plan.int_gemv and gemv_fits(ints):
             gt = GemvTiles()
             gt = gt._replace(**{f: overrides[o] for f, o in (
@@ -457,8 +481,10 @@ def _fused_moe_int(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                                topk_ids[start:stop], out[start:stop], ints, counters, gt,
                                valid_tokens, start, epilogue)
                 continue
-        k1, k2 = (plan.block_k1 if "block_k1" in overrides else min(plan.block_k1, step),
-                  plan.block_k2 if "block_k2" in overrides else min(plan.block_k2, step))
+        k1, k2 = (plan.block_k1 if "block_k1" in overrides or wide
+                  else min(plan.block_k1, step),
+                  plan.block_k2 if "block_k2" in overrides or wide
+                  else min(plan.block_k2, step))
         if min(k1, k2) < max(16, pack) or any(k & (k - 1) for k in (k1, k2)) or (
                 not ints.fp4 and ints.group_size % max(k1, k2)):
             raise ValueError(f"group_size {ints.group_size} with K steps {k1} / {k2}: each "

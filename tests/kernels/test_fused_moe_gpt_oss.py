@@ -18,6 +18,12 @@ import torch
 from mrv2_kernels import fused_moe as fm
 from mrv2_kernels.fused_moe import Epilogue, IntExperts, fused_moe, fused_moe_ref, fused_moe_triton
 from mrv2_kernels.fused_moe_int import dequantize_int_experts, mxfp4_codes, pack_experts
+from mrv2_kernels.mxfp4_dense import (
+    DENSE_ENV_VAR,
+    DENSE_MIN_TOKENS,
+    dequantize_mxfp4,
+    use_dense,
+)
 
 DEVICE = "cuda" if os.environ.get("MRV2_TEST_GPU") and torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings(
@@ -162,6 +168,28 @@ def test_mxfp4_dequantization_is_hfs() -> None:
     torch.testing.assert_close(got, want.transpose(1, 2), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_dense_dequantization(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton pass of :func:`~mrv2_kernels.mxfp4_dense.dequantize_mxfp4` (a K that is
+    not a multiple of its tile; a group whose scale reads as 0) gives the reference's values
+    exactly; the default rule takes it for large steps only, and the variable overrides it."""
+    blocks, scales = _mxfp4(6, 96, seed=12)
+    scales[1, 2, 1] = 0
+    words = pack_experts(mxfp4_codes(blocks), 4).to(DEVICE)
+    want = dequantize_int_experts(words.cpu(), scales, None, 4, 32, dtype, fp4=True)
+    monkeypatch.setenv("MRV2_KERNELS", "triton")
+    out = dequantize_mxfp4(words, scales.to(DEVICE), dtype, block_r=4, block_w=8)
+    assert out.dtype == dtype and torch.equal(out.cpu(), want)
+    assert not bool(want[1, 2, 32:64].any())
+    big = torch.empty(32, 5760, 360, dtype=torch.int32, device="meta")
+    assert use_dense(DENSE_MIN_TOKENS, big, big[:, :2880], 8, torch.bfloat16)
+    assert not use_dense(DENSE_MIN_TOKENS - 1, big, big[:, :2880], 8, torch.bfloat16)
+    monkeypatch.setenv(DENSE_ENV_VAR, "0")
+    assert not use_dense(8192, big, big[:, :2880], 8, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"int32 \[E, N, K / 8\] with uint8 scales"):
+        dequantize_mxfp4(words, scales[..., :1], dtype)
+
+
 @pytest.mark.usefixtures("poisoned")
 @pytest.mark.parametrize(("tokens", "dtype", "valid", "block_k", "magic"), [
     (3, torch.float32, None, None, False), (9, torch.float32, 5, None, False),
@@ -173,7 +201,9 @@ def test_mxfp4_dequantization_is_hfs() -> None:
     # K steps over several groups, the scales folded into the weights: whole steps, then
     # steps past the end of K (128 > H, INTER)
     (5, torch.float32, None, 64, False), (4, torch.bfloat16, None, 128, False),
-    (5, torch.float32, None, 64, True), (4, torch.bfloat16, None, 128, True)])
+    (5, torch.float32, None, 64, True), (4, torch.bfloat16, None, 128, True),
+    # dequantized to x's dtype first, then the unquantized GEMMs (mrv2_kernels.mxfp4_dense)
+    (5, torch.float32, None, None, "dense"), (9, torch.bfloat16, 5, None, "dense")])
 def test_mxfp4_triton_matches_reference(tokens: int, dtype: torch.dtype, valid: int | None,
                                         block_k: int | None, magic: bool | str) -> None:
     b13, s13 = _mxfp4(2 * INTER, H, seed=8)
@@ -195,6 +225,7 @@ def test_mxfp4_triton_matches_reference(tokens: int, dtype: torch.dtype, valid: 
         epilogue=Epilogue("swigluoai", 7.0, epi.w13_bias.to(DEVICE),  # type: ignore[union-attr]
                           epi.w2_bias.to(DEVICE)),  # type: ignore[union-attr]
         block_k1=block_k, block_k2=block_k, int_magic=magic is True, int_gemv=magic == "gemv",
+        int_dense=magic == "dense",
         valid_tokens=None if valid_t is None else valid_t.to(DEVICE)).cpu()
     rows = tokens if valid is None else valid
     _close(got[:rows], want[:rows])
