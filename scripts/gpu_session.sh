@@ -26,6 +26,8 @@
 # conversions: kernel tests, bench_int --magic), magicab (the engine's TPOT with
 # MRV2_INT_MAGIC=0 then 1: Qwen3-8B GPTQ, gpt-oss-20b), ernie (ERNIE-4.5-21B-A3B's TPOT), gptoss (gpt-oss-20b's MXFP4 experts: tests, then bench latency;
 # GPTOSS_THROUGHPUT=1: the throughput workload too; GPTOSS_MODEL=gpt-oss-120b: the big one),
+# mxfp4dense (MXFP4 experts dequantized for large steps: tests, bench_int, gpt-oss-20b
+# throughput against MRV2_MXFP4_DENSE=0), slidingkv (sliding-window block tables: GPU tests, gpt-oss-20b throughput at equal KV memory),
 # graphtimes (scripts/decode_graph_times.py: each decode graph's replay time by size),
 # streamk (scripts/proto_streamk.py: a stream-K GEMM against cuBLAS at 8B decode shapes), attn,
 # splits, skinny, normgemv, sampler, throughput, prefix, preempt, latency, multimodal, profile, mixed,
@@ -267,6 +269,51 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                    "$OUT/magic${flag}_$m.json" $m $flag
                done
              done ;;
+    slidingkv) # the thirty-seventh session: sliding-window layers' own block tables
+               # (mrv2.runner.kv_tables): the Gemma 3 and engine GPU tests, then gpt-oss-20b's
+               # throughput workload at equal KV memory: one table (MRV2_SLIDING_KV_TABLES=0,
+               # a block id of 24 layers) at --kv-fraction SLIDING_FRACTION (default 0.5)
+               # against the tables (12 layers a block id) at twice it
+               timeout ${SLIDING_TEST_S:-300} python3 -m pytest -v -p no:cacheprovider -m gpu \
+                 tests/gpu/test_gpu_gemma.py tests/gpu/test_gpu_engine.py ${SLIDING_TESTS:-} 2>&1 \
+                 | tee "$OUT/sliding_gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -25
+               frac=${SLIDING_FRACTION:-0.5}
+               warm=--full-warmup  # (the first side compiles the model's kernels untimed)
+               for side in "0 $frac" "1 $(python3 -c "print(2 * $frac)")"; do
+                 read -r flag f <<< "$side"
+                 MRV2_SLIDING_KV_TABLES=$flag timeout ${SLIDING_BENCH_S:-200} python3 -m \
+                   mrv2.entrypoints.cli bench throughput --model ${SLIDING_MODEL:-gpt-oss-20b} \
+                   --load-format dummy --kv-fraction $f --json "$OUT/sliding${flag}.json" \
+                   $warm > "$OUT/sliding${flag}.log" 2>&1
+                 warm=
+                 grep -E "KV cache:" "$OUT/sliding${flag}.log" | tail -1
+                 python3 -c "import json, sys; d = json.load(open(sys.argv[1])); \
+                   [print('tables' if sys.argv[2] == '1' else 'one table', 'kv-fraction', \
+                   sys.argv[3], k, {x: r.get(x) for x in ('output_tok_s', 'seconds', \
+                   'preemptions')}) for k, r in d.items() \
+                   if isinstance(r, dict)]" "$OUT/sliding${flag}.json" $flag $f
+               done ;;
+    mxfp4dense) # the thirty-seventh session: MXFP4 experts dequantized for large steps
+                # (mrv2_kernels.mxfp4_dense) and two-group K steps from 64-row tiles: the
+                # kernel tests on CUDA, the gpt-oss engine GPU test, bench_int's default at
+                # 256 / 1,024 / 8,192 tokens, then gpt-oss-20b's throughput workload with
+                # MRV2_MXFP4_DENSE=0 (the GEMMs decode at every size) and without
+                timeout 150 python3 -m pytest -q -p no:cacheprovider \
+                  tests/kernels/test_fused_moe_gpt_oss.py 2>&1 | tee "$OUT/dense_kernel_tests.log" | tail -2
+                timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu \
+                  tests/gpu/test_gpu_int_quant.py -k gpt_oss 2>&1 | tee "$OUT/dense_gpu_tests.log" | tail -2
+                timeout 120 python3 -m mrv2_kernels.bench_int --moe-only --moe-layers gpt-oss-20b \
+                  --rows 256 1024 8192 2>&1 | tee "$OUT/dense_moe.log" | grep -E "^ +[0-9]+ " | cut -c1-60
+                for flag in ${DENSE_FLAGS:-0 1}; do
+                  env $( [ $flag = 0 ] && echo MRV2_MXFP4_DENSE=0 ) timeout ${DENSE_BENCH_S:-150} \
+                    python3 -m mrv2.entrypoints.cli bench throughput --model gpt-oss-20b \
+                    --load-format dummy --json "$OUT/dense${flag}.json" > "$OUT/dense${flag}.log" 2>&1
+                  python3 -c "import json, sys; d = json.load(open(sys.argv[1]))['default']; \
+                    print('MXFP4 dense' if sys.argv[2] == '1' else 'MXFP4_DENSE=0', \
+                    {x: d.get(x) for x in ('output_tok_s', 'seconds', 'preemptions')}, \
+                    {k: (v['steps'], v['device_s']) for k, v in d['by_step_kind'].items()})" \
+                    "$OUT/dense${flag}.json" $flag
+                done ;;
     ernie) # ERNIE-4.5-21B-A3B (random bf16 weights): batch-1/8/64 TPOT (mrv2 bench latency)
            timeout 200 python3 -m mrv2.entrypoints.cli bench latency --model ERNIE-4.5-21B-A3B \
              --new-tokens 256 --json "$OUT/ernie_latency.json" > "$OUT/ernie_latency.log" 2>&1
