@@ -61,3 +61,27 @@ def test_sliding_tables_free_and_share_blocks(tmp_path: Path) -> None:
     # 31 tokens: 8 blocks a table; the sliding table holds at most 4 of them at a time
     assert engine.scheduler.tables.num_freed >= 2 * 3 * 4
     assert engine.block_manager.num_hit_tokens > 0
+
+
+def test_sliding_tables_with_drafts(tmp_path: Path) -> None:
+    """n-gram drafts over sliding tables: a step's result takes back rejected drafts after
+    the scheduler freed blocks for the count that assumed them kept, so the freeing keeps
+    ``num_speculative_tokens`` more keys of each window. Greedy tokens stay HF's; drafts
+    were both kept and rejected."""
+    path = make_tiny_checkpoint(tmp_path / "m", "MistralForCausalLM", std=0.15,
+                                sliding_window=3)
+    # (a pool so small that a freed block is written again at once)
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=2, max_num_batched_tokens=8,
+              num_gpu_blocks_override=10, speculative_config={
+                  "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                  "prompt_lookup_max": 2})
+    assert llm.engine.runner.kv_table_windows == (3,)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], [9, 9, 9, 9, 9, 9], [3 + i for i in range(9)]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(path, p, 12) for p in prompts]
+    proposed = sum(n * steps for n, steps in enumerate(llm.engine._drafted_hist))
+    kept = sum(n * steps for n, steps in enumerate(llm.engine._accepted_hist))
+    assert 0 < kept < proposed, (kept, proposed)
+    assert llm.engine.scheduler.tables.num_freed > 0
+    assert llm.engine.block_manager.num_free_blocks == 10
