@@ -237,7 +237,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--shared-prefix", type=int, default=0,
                    help="put the same N random tokens in front of every prompt")
     p.add_argument("--kv-fraction", type=float, default=None,
-                   help="limit the KV cache to this fraction of what the whole workload needs")
+                   help="limit the KV cache to this fraction of what the whole workload needs "
+                        "(counted in blocks of one block table: with sliding-window tables a "
+                        "block holds fewer layers, so equal memory is twice the fraction for "
+                        "a model of as many sliding as full layers)")
     p.add_argument("--full-warmup", action="store_true",
                    help="run the workload once untimed first, so no variant pays compilation")
     p.add_argument("--no-count-expert-reads", dest="count_expert_reads", action="store_false",
