@@ -3,6 +3,8 @@
 A token at absolute position ``p`` of request ``r`` lives in block ``block_table[r, p //
 block_size]`` at offset ``p % block_size``, in every layer's cache whatever its layout;
 ``slot_mapping`` holds the flat slot ``block * block_size + offset`` of every token of the step.
+Where sliding-window layers have block tables of their own (:mod:`mrv2.runner.kv_tables`), each
+table has its metadata (``ForwardContext.metadata_of(layer_idx)``), the same but for these two.
 Each cache kind (:mod:`mrv2.contract.kv_cache`) has backends that know its layout:
 :class:`PagedAttentionBackend` serves ``"paged_kv"`` caches
 (``[2, num_blocks, block_size, num_kv_heads, head_dim]``, index 0 keys, 1 values); a latent (MLA)
