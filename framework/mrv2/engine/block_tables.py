@@ -82,6 +82,18 @@ class BlockTables:
         read in a table of ``window``."""
         return max(0, position - self.margin - window + 1) // self.blocks.block_size
 
+    def may_free(self, request: Request) -> bool:
+        """Whether :meth:`free_outside_windows` would free a block of the request now (one
+        comparison: the scheduler asks for every running request every step)."""
+        return self.frees and request.num_computed_tokens >= request.free_at
+
+    def _update_free_at(self, request: Request) -> None:
+        """The computed count at which the next block falls out of a sliding window."""
+        size = self.blocks.block_size
+        request.free_at = min(
+            (self._held_from(request, t) + 1) * size + self.margin + window - 1
+            for t, window in enumerate(self.windows) if window is not None)
+
     def free_outside_windows(self, request: Request) -> int:
         """Free the request's blocks its next queries (from its computed count on) can no
         longer see, in every sliding table; returns how many. Register them in the prefix
@@ -100,6 +112,8 @@ class BlockTables:
                 request.held_from[t] = end
                 freed += end - start
         self.num_freed += freed
+        if self.frees:
+            self._update_free_at(request)
         return freed
 
     def release(self, request: Request) -> None:
@@ -109,6 +123,7 @@ class BlockTables:
         request.block_ids = []
         request.extra_block_ids = [[] for _ in range(self.num_tables - 1)]
         request.held_from = []
+        request.free_at = 0
 
     def cache(self, request: Request, index: int, block_hash: BlockHash) -> None:
         """Register block ``index`` of each of the request's tables (those it still holds)
@@ -167,6 +182,8 @@ class BlockTables:
         request.block_ids = list(tables[0])
         request.extra_block_ids = [list(ids) for ids in tables[1:]]
         request.held_from = list(held_from) if any(held_from) else []
+        if self.frees:
+            self._update_free_at(request)
         self.allocate(request, num_tokens)
 
 

@@ -48,6 +48,9 @@ class Request:
     held_from: list[int] = field(default_factory=list)
     """Per block table, the first entry the request still holds (entries before it fell out
     of a sliding window and were freed); empty: all held."""
+    free_at: int = 0
+    """The computed token count from which a block of a sliding table falls out of its window
+    (the scheduler frees nothing before it)."""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0

@@ -272,7 +272,7 @@ class Scheduler:
                 continue
             drafts = self._num_drafts(request, budget) if n == 1 else 0
             n += drafts
-            if self.tables.frees:  # blocks out of a sliding window back to the pool
+            if self.tables.may_free(request):  # blocks out of a sliding window: to the pool
                 self._cache_blocks(request)
                 self.tables.free_outside_windows(request)
             end = self._with_lookahead(request.num_computed_tokens + n)
