@@ -60,6 +60,7 @@ def test_sliding_tables_free_and_share_blocks(tmp_path: Path) -> None:
         assert engine.block_manager.num_free_blocks == 24  # nothing leaked
     # 31 tokens: 8 blocks a table; the sliding table holds at most 4 of them at a time
     assert engine.scheduler.tables.num_freed >= 2 * 3 * 4
+    assert engine.stats()["kv_window_freed_blocks"] == engine.scheduler.tables.num_freed
     assert engine.block_manager.num_hit_tokens > 0
 
 

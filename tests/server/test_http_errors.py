@@ -86,7 +86,8 @@ def test_metrics(server: Served) -> None:
     text = httpx.get(f"{server.url}/metrics", headers=AUTH).text
     for name in ("mrv2_num_requests_running", "mrv2_num_requests_waiting",
                  "mrv2_kv_cache_usage_perc", "mrv2_prefix_cache_hit_rate",
-                 "mrv2_num_preemptions_total", "mrv2_prompt_tokens_total",
+                 "mrv2_num_preemptions_total", "mrv2_kv_cache_window_freed_blocks_total",
+                 "mrv2_prompt_tokens_total",
                  "mrv2_generation_tokens_total", "mrv2_time_to_first_token_seconds_bucket",
                  "mrv2_time_per_output_token_seconds_count", "mrv2_request_success_total",
                  "mrv2_spec_decode_num_draft_tokens_total",

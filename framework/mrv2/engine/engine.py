@@ -562,7 +562,8 @@ class LLMEngine(WeightOps):
             self._accepted_hist[num_accepted] += 1
 
     def stats(self) -> dict[str, Any]:
-        """Counters: running/waiting requests, KV usage, prefix cache, preemptions, prompt
+        """Counters: running/waiting requests, KV usage, prefix cache, preemptions, blocks
+        freed out of sliding windows (:mod:`mrv2.engine.block_tables`), prompt
         tokens (of requests past their first token) and generated tokens so far, whether the
         engine sleeps or is paused (1 or 0), the LoRA
         adapters of running and waiting requests, and with
@@ -581,6 +582,7 @@ class LLMEngine(WeightOps):
             "prefix_cache_hits": blocks.num_hit_tokens,
             "prefix_cache_hit_rate": blocks.hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
+            "kv_window_freed_blocks": self.scheduler.tables.num_freed,
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generation_tokens": self.num_generation_tokens,
             "is_sleeping": int(self.is_sleeping()),

@@ -57,6 +57,8 @@ _COUNTERS = (
     ("mrv2_prefix_cache_queries", "Prompt tokens looked up.", "prefix_cache_queries"),
     ("mrv2_prefix_cache_hits", "Prompt tokens found cached.", "prefix_cache_hits"),
     ("mrv2_num_preemptions", "Preempted requests.", "num_preemptions"),
+    ("mrv2_kv_cache_window_freed_blocks", "KV blocks freed while their request ran, out of "
+     "a sliding-window layer's window.", "kv_window_freed_blocks"),
     ("mrv2_spec_decode_num_draft_tokens", "Draft tokens verified (speculative decoding).",
      "spec_num_draft_tokens"),
     ("mrv2_spec_decode_num_accepted_tokens", "Draft tokens accepted (speculative decoding).",
