@@ -26,6 +26,7 @@
 # conversions: kernel tests, bench_int --magic), magicab (the engine's TPOT with
 # MRV2_INT_MAGIC=0 then 1: Qwen3-8B GPTQ, gpt-oss-20b), ernie (ERNIE-4.5-21B-A3B's TPOT), gptoss (gpt-oss-20b's MXFP4 experts: tests, then bench latency;
 # GPTOSS_THROUGHPUT=1: the throughput workload too; GPTOSS_MODEL=gpt-oss-120b: the big one),
+# intdense (integer experts dequantized first, opt-in: timed beside MXFP4's),
 # mxfp4dense (MXFP4 experts dequantized for large steps: tests, bench_int, gpt-oss-20b
 # throughput against MRV2_MXFP4_DENSE=0), slidingkv (sliding-window block tables: GPU tests, gpt-oss-20b throughput at equal KV memory),
 # graphtimes (scripts/decode_graph_times.py: each decode graph's replay time by size),
@@ -314,6 +315,16 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                     {k: (v['steps'], v['device_s']) for k, v in d['by_step_kind'].items()})" \
                     "$OUT/dense${flag}.json" $flag
                 done ;;
+    intdense) # the integer experts' dequantize-first path (mrv2_kernels.int_dense, opt-in:
+              # MRV2_INT_DENSE=1) timed beside MXFP4's: scripts/proto_mxfp4_dense.py on
+              # Qwen3-30B-A3B-GPTQ's layer then gpt-oss-20b's, with the dense-path kernel tests
+              timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe_int.py \
+                tests/kernels/test_fused_moe_gpt_oss.py 2>&1 | tee "$OUT/intdense_tests.log" | tail -2
+              for layer in Qwen3-30B-A3B-GPTQ gpt-oss-20b; do
+                timeout 200 python3 scripts/proto_mxfp4_dense.py --layer $layer --check \
+                  --tokens ${INTDENSE_TOKENS:-64 256 1024 2048 4096 8192} 2>&1 \
+                  | tee "$OUT/intdense_$layer.log" | grep -v "max |"
+              done ;;
     ernie) # ERNIE-4.5-21B-A3B (random bf16 weights): batch-1/8/64 TPOT (mrv2 bench latency)
            timeout 200 python3 -m mrv2.entrypoints.cli bench latency --model ERNIE-4.5-21B-A3B \
              --new-tokens 256 --json "$OUT/ernie_latency.json" > "$OUT/ernie_latency.log" 2>&1

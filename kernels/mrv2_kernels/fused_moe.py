@@ -86,6 +86,7 @@ from .fused_moe_ref import (
     fused_moe_ref,
 )
 from .int_bits import TWO23_BITS, magic_by_default
+from .int_dense import dequantize_int, use_int_dense
 from .moe_align import _ID_DTYPES, _tile, moe_align, moe_align_ref, moe_max_blocks
 from .moe_tiles import MoeTiles, _check_fp8_tiles, moe_tiles
 from .mxfp4_dense import dequantize_mxfp4, use_dense
@@ -312,8 +313,9 @@ def fused_moe_triton(
     (:class:`MoeTiles`) scales each weight tile before its dot, ``int_magic`` makes the
     weights floats from their bits, ``int_gemv`` runs the pair-a-program CUDA-core kernels
     (:mod:`~mrv2_kernels.fused_moe_gemv`; the default for a few tokens); ``int_dense``:
-    MXFP4 experts dequantized to ``x``'s dtype first, then the unquantized GEMMs
-    (:mod:`~mrv2_kernels.mxfp4_dense`; the default for large steps).
+    the experts dequantized to ``x``'s dtype first, then the unquantized GEMMs
+    (:mod:`~mrv2_kernels.mxfp4_dense`: MXFP4's default for large steps;
+    :mod:`~mrv2_kernels.int_dense`: integers', opt-in).
     """
     overrides = {k: v for k, v in dict(
         block_m=block_m, block_n1=block_n1, block_k1=block_k1, block_n2=block_n2,
@@ -451,12 +453,20 @@ def _fused_moe_int(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if top_k == 0:
         return out.zero_()
     x = x.contiguous()
-    if ints.fp4 and dense is not False and (dense or not overrides and use_dense(
-            num_tokens, w13, w2, pack, x.dtype)):  # a large step: dequantized GEMMs
-        return fused_moe_triton(x, dequantize_mxfp4(w13, ints.w13_scale, x.dtype),
-                                dequantize_mxfp4(w2, ints.w2_scale, x.dtype), topk_weights,
-                                topk_ids, valid_tokens=valid_tokens, epilogue=epilogue,
-                                chunk_tokens=chunk_tokens)
+    rule = use_dense if ints.fp4 else use_int_dense
+    if dense is not False and (dense or not overrides and rule(num_tokens, w13, w2, pack,
+                                                               x.dtype)):
+        # a large step: the experts dequantized to x's dtype, then the unquantized GEMMs
+        if ints.fp4:
+            d13 = dequantize_mxfp4(w13, ints.w13_scale, x.dtype)
+            d2 = dequantize_mxfp4(w2, ints.w2_scale, x.dtype)
+        else:
+            d13 = dequantize_int(w13, ints.w13_scale, ints.w13_zeros, ints.bits,
+                                 ints.group_size, x.dtype)
+            d2 = dequantize_int(w2, ints.w2_scale, ints.w2_zeros, ints.bits, ints.group_size,
+                                x.dtype)
+        return fused_moe_triton(x, d13, d2, topk_weights, topk_ids, valid_tokens=valid_tokens,
+                                epilogue=epilogue, chunk_tokens=chunk_tokens)
     # the largest power of two dividing G; MXFP4 steps may span groups where asked for
     step = ints.group_size & -ints.group_size
     if ints.fp4 and MXFP4_MAX_STEP:
