@@ -26,6 +26,7 @@
 # conversions: kernel tests, bench_int --magic), magicab (the engine's TPOT with
 # MRV2_INT_MAGIC=0 then 1: Qwen3-8B GPTQ, gpt-oss-20b), ernie (ERNIE-4.5-21B-A3B's TPOT), gptoss (gpt-oss-20b's MXFP4 experts: tests, then bench latency;
 # GPTOSS_THROUGHPUT=1: the throughput workload too; GPTOSS_MODEL=gpt-oss-120b: the big one),
+# gluonrs (a Gluon MXFP4 GEMM with the weights decoded into wgmma's register operand),
 # intdense (integer experts dequantized first, opt-in: timed beside MXFP4's),
 # mxfp4dense (MXFP4 experts dequantized for large steps: tests, bench_int, gpt-oss-20b
 # throughput against MRV2_MXFP4_DENSE=0), slidingkv (sliding-window block tables: GPU tests, gpt-oss-20b throughput at equal KV memory),
@@ -315,6 +316,9 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                     {k: (v['steps'], v['device_s']) for k, v in d['by_step_kind'].items()})" \
                     "$OUT/dense${flag}.json" $flag
                 done ;;
+    gluonrs) # scripts/proto_gluon_mxfp4.py --run: MXFP4 weights decoded into wgmma's register
+             # A operand (Gluon), checked against the dequantized weights and timed at 16-64 rows
+             timeout 200 python3 scripts/proto_gluon_mxfp4.py --run 2>&1 | tee "$OUT/gluonrs.log" | tail -6 ;;
     intdense) # the integer experts' dequantize-first path (mrv2_kernels.int_dense, opt-in:
               # MRV2_INT_DENSE=1) timed beside MXFP4's: scripts/proto_mxfp4_dense.py on
               # Qwen3-30B-A3B-GPTQ's layer then gpt-oss-20b's, with the dense-path kernel tests
