@@ -12,10 +12,15 @@ M = 64 output features a warpgroup), x the tokens (its N: 16-64). Offline, for s
 no shared-memory store of a weight (only x's tile and the epilogue use shared memory).
 
 Not done: each thread loads the word of each of its pairs of K values (4 words a row a K32
-step, each read by 4 threads; from L1); permuting K inside the tile (x loaded in the same
-permuted order) would let each thread read exactly its own words. ``--run`` (a CUDA machine):
-the kernel against the dequantized reference on a dense [N, K] x [M, K] product, and its time
-beside ``torch`` on the dequantized bf16 weights.
+step, each read by 4 threads; from L1). Repacking the words at load time so that word ``c`` of
+each group of 32 holds inputs ``2c, 2c+1, 2c+8, 2c+9, 16+2c, 17+2c, 24+2c, 25+2c`` (one
+thread's A fragment in a K32 step) puts every value a thread needs in one word a row; tried
+with per-element addressing, the compiler did not merge the equal loads (10 ``LDG.E`` a
+thread instead of 8), so the words need a layout of their own, ``[BN, BK / 8]`` one word a
+thread a row, expanded into the operand layout (a linear layout Gluon can express).
+
+``--run`` (a CUDA machine): the kernel against the dequantized reference on a dense
+[N, K] x [M, K] product, and its time beside ``torch`` on the dequantized bf16 weights.
 """
 
 from __future__ import annotations
