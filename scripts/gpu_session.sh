@@ -318,6 +318,7 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                 done ;;
     gluonrs) # scripts/proto_gluon_mxfp4.py --run: MXFP4 weights decoded into wgmma's register
              # A operand (Gluon), checked against the dequantized weights and timed at 16-64 rows
+             python3 scripts/proto_gluon_mxfp4.py --check-repack 2>&1 | tail -1
              timeout 200 python3 scripts/proto_gluon_mxfp4.py --run 2>&1 | tee "$OUT/gluonrs.log" | tail -6 ;;
     intdense) # the integer experts' dequantize-first path (mrv2_kernels.int_dense, opt-in:
               # MRV2_INT_DENSE=1) timed beside MXFP4's: scripts/proto_mxfp4_dense.py on
