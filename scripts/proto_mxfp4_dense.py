@@ -18,18 +18,15 @@ import functools
 
 import torch
 
-from mrv2_kernels.bench_int import MOE_LAYERS, _moe_layer
+from mrv2_kernels.bench_int import MOE_LAYERS, _moe_layer, moe_routes
 from mrv2_kernels.bench_skinny import time_graph
 from mrv2_kernels.fused_moe import IntExperts, fused_moe_triton
-from mrv2_kernels.int_dense import dequantize_int
-from mrv2_kernels.mxfp4_dense import dequantize_mxfp4
+from mrv2_kernels.int_dense import dequantize_experts
 
 
 def dequant(w: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None,
             ints: IntExperts) -> torch.Tensor:
-    if ints.fp4:
-        return dequantize_mxfp4(w, scale, torch.bfloat16)
-    return dequantize_int(w, scale, zeros, ints.bits, ints.group_size, torch.bfloat16)
+    return dequantize_experts(w, scale, zeros, ints, torch.bfloat16)
 
 
 def main() -> None:
@@ -57,11 +54,7 @@ def main() -> None:
     print(f"{'tokens':>6s} {'GEMMs':>9s} {'deq+bf16':>9s} {'bf16':>9s}")
     for t in args.tokens:
         x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
-        routes = []
-        for _ in range(copies):
-            logits = torch.randn(t, experts, device="cuda", generator=gen)
-            w, ids = logits.softmax(-1).topk(top_k, dim=-1)
-            routes.append((w, ids.to(torch.int32)))
+        routes = moe_routes(t, experts, top_k, copies, gen)
 
         def quant(i: int, dense_first: bool, x: torch.Tensor = x, routes: list = routes
                   ) -> torch.Tensor:

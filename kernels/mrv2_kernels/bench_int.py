@@ -168,6 +168,18 @@ def _moe_layer(name: str, gen: torch.Generator
     return w13, w2, IntExperts(s13, s2, z13, z2, 4, group), Epilogue("silu")
 
 
+def moe_routes(tokens: int, experts: int, top_k: int, copies: int, gen: torch.Generator
+               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``copies`` random routings of ``tokens`` tokens: the top-``top_k`` of softmaxed random
+    logits, ``(weights, int32 ids)`` each."""
+    routes = []
+    for _ in range(copies):
+        logits = torch.randn(tokens, experts, device="cuda", generator=gen)
+        w, ids = logits.softmax(-1).topk(top_k, dim=-1)
+        routes.append((w, ids.to(torch.int32)))
+    return routes
+
+
 def _moe_candidates(fp4: bool, mode: str, tokens: int) -> list[dict[str, Any]]:
     if mode == "magic":  # the CUDA-core kernels of a pair a program (a few tokens)
         return [dict(int_gemv=True, block_n1=n1, block_n2=n2, block_k1=k)
@@ -194,11 +206,7 @@ def bench_moe(rows: list[int], mode: str, bandwidth: float, layer: str) -> list[
     layers = [_moe_layer(layer, gen) for _ in range(copies)]
     for t in rows:
         x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
-        routes = []
-        for _ in range(copies):
-            logits = torch.randn(t, experts, device="cuda", generator=gen)
-            w, ids = logits.softmax(-1).topk(top_k, dim=-1)
-            routes.append((w, ids.to(torch.int32)))
+        routes = moe_routes(t, experts, top_k, copies, gen)
         hit = sum(int(r[1].unique().numel()) for r in routes) / copies
         floor = hit * per_expert / bandwidth * 1e6
 

@@ -86,10 +86,10 @@ from .fused_moe_ref import (
     fused_moe_ref,
 )
 from .int_bits import TWO23_BITS, magic_by_default
-from .int_dense import dequantize_int, use_int_dense
+from .int_dense import dequantize_experts, use_int_dense
 from .moe_align import _ID_DTYPES, _tile, moe_align, moe_align_ref, moe_max_blocks
 from .moe_tiles import MoeTiles, _check_fp8_tiles, moe_tiles
-from .mxfp4_dense import dequantize_mxfp4, use_dense
+from .mxfp4_dense import use_dense
 
 __all__ = [
     "ACTIVATIONS",
@@ -457,14 +457,8 @@ def _fused_moe_int(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if dense is not False and (dense or not overrides and rule(num_tokens, w13, w2, pack,
                                                                x.dtype)):
         # a large step: the experts dequantized to x's dtype, then the unquantized GEMMs
-        if ints.fp4:
-            d13 = dequantize_mxfp4(w13, ints.w13_scale, x.dtype)
-            d2 = dequantize_mxfp4(w2, ints.w2_scale, x.dtype)
-        else:
-            d13 = dequantize_int(w13, ints.w13_scale, ints.w13_zeros, ints.bits,
-                                 ints.group_size, x.dtype)
-            d2 = dequantize_int(w2, ints.w2_scale, ints.w2_zeros, ints.bits, ints.group_size,
-                                x.dtype)
+        d13 = dequantize_experts(w13, ints.w13_scale, ints.w13_zeros, ints, x.dtype)
+        d2 = dequantize_experts(w2, ints.w2_scale, ints.w2_zeros, ints, x.dtype)
         return fused_moe_triton(x, d13, d2, topk_weights, topk_ids, valid_tokens=valid_tokens,
                                 epilogue=epilogue, chunk_tokens=chunk_tokens)
     # the largest power of two dividing G; MXFP4 steps may span groups where asked for

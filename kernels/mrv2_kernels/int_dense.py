@@ -22,9 +22,11 @@ import triton
 import triton.language as tl
 
 from ._backend import cdiv, default_block, use_triton
-from .mxfp4_dense import DENSE_MAX_BYTES
+from .fused_moe_int import IntExperts, dequantize_int_experts
+from .mxfp4_dense import DENSE_MAX_BYTES, dequantize_mxfp4
 
-__all__ = ["INT_DENSE_ENV_VAR", "INT_DENSE_MIN_TOKENS", "dequantize_int", "use_int_dense"]
+__all__ = ["INT_DENSE_ENV_VAR", "INT_DENSE_MIN_TOKENS", "dequantize_experts", "dequantize_int",
+           "use_int_dense"]
 
 #: ``1``: integer experts dequantized first for large steps; ``all``: at every size; unset or
 #: ``0``: never (the default until it is measured).
@@ -93,8 +95,6 @@ def dequantize_int(w: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | N
                          f"group_size]; got {w.dtype} {tuple(w.shape)}, bits {bits}, "
                          f"group_size {group_size}, scales {tuple(scale.shape)}")
     if not use_triton(w):
-        from .fused_moe_int import dequantize_int_experts
-
         return dequantize_int_experts(w, scale, zeros, bits, group_size, dtype)
     e, n, words = w.shape
     out = torch.empty(e, n, words * pack, device=w.device, dtype=dtype)
@@ -105,3 +105,12 @@ def dequantize_int(w: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | N
         w.contiguous(), scale.contiguous(), z, out, e * n, words, scale.shape[2], BITS=bits,
         GROUP=group_size, HAS_ZEROS=zeros is not None, BLOCK_R=br, BLOCK_W=bw, num_warps=4)
     return out
+
+
+def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None,
+                       ints: IntExperts, dtype: torch.dtype) -> torch.Tensor:
+    """One stack of experts in ``ints``' format (MXFP4 or integer) as ``[E, N, K]`` of
+    ``dtype``: :func:`~mrv2_kernels.mxfp4_dense.dequantize_mxfp4` or :func:`dequantize_int`."""
+    if ints.fp4:
+        return dequantize_mxfp4(w, scale, dtype)
+    return dequantize_int(w, scale, zeros, ints.bits, ints.group_size, dtype)

@@ -27,6 +27,11 @@ def table_key(block_hash: BlockHash, table: int) -> BlockHash:
     return block_hash if table == 0 else block_hash + bytes([table])
 
 
+def window_start(position: int, window: int, block_size: int) -> int:
+    """The first block a query at ``position`` reads in a table of ``window``."""
+    return max(0, position - window + 1) // block_size
+
+
 class BlockTables:
     """The block tables of every request, windows ``windows`` (table 0 first), over
     ``blocks``. ``margin``: tokens a step's result may take back from a request's computed
@@ -52,9 +57,10 @@ class BlockTables:
     def _held_from(self, request: Request, table: int) -> int:
         return request.held_from[table] if request.held_from else 0
 
-    def blocks_needed(self, request: Request, num_tokens: int) -> int:
-        """Blocks to allocate, over all tables, for the request to store ``num_tokens``."""
-        return self.blocks.blocks_needed(num_tokens, len(request.block_ids)) * self.num_tables
+    def blocks_needed(self, num_tokens: int, num_held: int) -> int:
+        """Blocks to allocate, over all tables, for a request whose tables have ``num_held``
+        entries each to store ``num_tokens``."""
+        return self.blocks.blocks_needed(num_tokens, num_held) * self.num_tables
 
     def allocate(self, request: Request, num_tokens: int) -> list[list[int]]:
         """Extend every table to ``num_tokens``; the new ids of each (empty: none needed).
@@ -80,7 +86,7 @@ class BlockTables:
     def first_needed(self, window: int, position: int) -> int:
         """The first block a query at ``position`` (or up to :attr:`margin` before it) may
         read in a table of ``window``."""
-        return max(0, position - self.margin - window + 1) // self.blocks.block_size
+        return window_start(position - self.margin, window, self.blocks.block_size)
 
     def may_free(self, request: Request) -> bool:
         """Whether :meth:`free_outside_windows` would free a block of the request now (one
@@ -99,10 +105,11 @@ class BlockTables:
         longer see, in every sliding table; returns how many. Register them in the prefix
         cache first (the scheduler's ``_cache_blocks``)."""
         freed = 0
+        tables = self.tables(request)
         for t, window in enumerate(self.windows):
             if window is None:
                 continue
-            ids = self.tables(request)[t]
+            ids = tables[t]
             start = self._held_from(request, t)
             end = min(self.first_needed(window, request.num_computed_tokens), len(ids))
             if end > start:
@@ -139,23 +146,22 @@ class BlockTables:
         ids (a sliding table's entries before its window: 0, not held) and where each
         table's held entries start. Not yet referenced: see :meth:`take`."""
         lookup = self.blocks.cached_block
+        found: dict[int, list[int | None]] = {}
         length = len(hashes)
         for t, window in enumerate(self.windows):
-            if window is None:  # every block from the first
-                n = 0
-                while n < length and lookup(table_key(hashes[n], t)) is not None:
-                    n += 1
-                length = n
-        found = {t: [lookup(table_key(hashes[i], t)) for i in range(length)]
-                 for t, window in enumerate(self.windows) if window is not None}
-        runs = {t: _runs(ids) for t, ids in found.items()}
+            if window is None:  # every block from the first: the cached chain
+                chain = self.blocks.find_cached_prefix([table_key(h, t) for h in hashes])
+                found[t] = list(chain)
+                length = min(length, len(chain))
+        for t, window in enumerate(self.windows):
+            if window is not None:
+                found[t] = [lookup(table_key(hashes[i], t)) for i in range(length)]
+        runs = {t: _runs(found[t]) for t, window in enumerate(self.windows)
+                if window is not None}
         size = self.blocks.block_size
 
-        def first(length: int, window: int) -> int:  # the window of position length * size
-            return max(0, length * size - window + 1) // size
-
-        def served(length: int) -> bool:
-            return all(runs[t][length - 1] >= length - first(length, window)
+        def served(length: int) -> bool:  # each sliding table holds position length's window
+            return all(runs[t][length - 1] >= length - window_start(length * size, window, size)
                        for t, window in enumerate(self.windows) if window is not None)
 
         while length > 0 and not served(length):
@@ -163,10 +169,9 @@ class BlockTables:
         tables: list[list[int]] = []
         held_from: list[int] = []
         for t, window in enumerate(self.windows):
-            start = 0 if window is None else first(length, window)
-            ids = (found[t] if window is not None
-                   else [lookup(table_key(h, t)) for h in hashes[:length]])
-            tables.append([0] * start + [b if b is not None else 0 for b in ids[start:length]])
+            start = 0 if window is None else window_start(length * size, window, size)
+            tables.append([0] * start + [b if b is not None else 0
+                                         for b in found[t][start:length]])
             held_from.append(start)
         return tables, held_from
 

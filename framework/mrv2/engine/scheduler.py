@@ -276,7 +276,7 @@ class Scheduler:
                 self._cache_blocks(request)
                 self.tables.free_outside_windows(request)
             end = self._with_lookahead(request.num_computed_tokens + n)
-            needed = self.tables.blocks_needed(request, end)
+            needed = self.tables.blocks_needed(end, len(request.block_ids))
             if needed:
                 while not self.blocks.can_allocate(needed):
                     victim = self._pick_victim()
@@ -368,8 +368,8 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and not request.num_preemptions:
                 return False  # (a resumed request may exceed the budget: it recomputes in chunks)
             n = budget
-        needed = (self.blocks.blocks_needed(self._with_lookahead(computed + n), len(hit[0]))
-                  * tables.num_tables)
+        end = self._with_lookahead(computed + n)
+        needed = tables.blocks_needed(end, len(hit[0]))
         held = tables.held_hits(hit, held_from)
         if not self.blocks.can_allocate(needed + self.blocks.num_free_among(held)):
             return False
@@ -378,7 +378,7 @@ class Scheduler:
         else:  # (passed a request whose LoRA adapter must wait)
             self.waiting.remove(request)
         self._count_waiting_lora(request, -1)
-        tables.take(request, hit, held_from, self._with_lookahead(computed + n))
+        tables.take(request, hit, held_from, end)
         request.num_cached_blocks = len(hit[0])
         request.num_computed_tokens = computed
         if not request.num_preemptions:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mrv2.contract.attention import AttentionMetadata
@@ -58,11 +59,6 @@ class KVTableLayout:
         """Cache tensors."""
         return max(self.layer_slots) + 1
 
-    @property
-    def freed(self) -> bool:
-        """Whether some table frees blocks out of its window."""
-        return any(w is not None for w in self.windows)
-
     @classmethod
     def single(cls, num_layers: int) -> KVTableLayout:
         """One table for every layer, a tensor each."""
@@ -92,6 +88,15 @@ def window_blocks(window: int, block_size: int) -> int:
     return -(-(window - 1) // block_size) + 1
 
 
+def blocks_per_request(windows: Sequence[int | None], block_size: int, max_model_len: int
+                       ) -> int:
+    """Blocks a decoding request of ``max_model_len`` tokens holds over tables of
+    ``windows``: every block of a full table, a window's in a sliding one."""
+    per_table = -(-max_model_len // block_size)
+    return sum(per_table if w is None else min(per_table, window_blocks(w, block_size))
+               for w in windows)
+
+
 def plan_tables(
     specs: dict[int, KVCacheSpec], block_size: int, max_model_len: int,
 ) -> KVTableLayout:
@@ -117,10 +122,8 @@ def plan_tables(
         tables += [(w, layers[j : j + size]) for j in range(0, len(layers), size)]
     if len(tables) > MAX_TABLES:
         return single
-    per_req = -(-max_model_len // block_size)
-    held = sum(per_req if w is None else min(per_req, window_blocks(w, block_size))
-               for w, _ in tables)
-    if size * held >= n * per_req:
+    held = blocks_per_request([w for w, _ in tables], block_size, max_model_len)
+    if size * held >= n * blocks_per_request([None], block_size, max_model_len):
         return single  # (a short max_model_len, or a lone sliding layer padded to a table)
     layer_tables = [0] * n
     layer_slots = [0] * n

@@ -343,9 +343,13 @@ class Runner(BetweenSteps):
         hidden = self._forward(batch)
         return hidden, cast(CausalLM, self.model).compute_logits(hidden[batch.logits_indices])
 
+    def _dummy_batch(self, num_reqs: int, num_tokens: int) -> InputBatch:
+        """The ModelState's dummy batch, the other block tables' buffers made harmless too."""
+        return with_dummy_tables(self.model_state.prepare_dummy_inputs(num_reqs, num_tokens),
+                                 self.buffers)
+
     def _mixed_dummy_batch(self, num_reqs: int, num_tokens: int, num_rows: int) -> InputBatch:
-        batch = with_dummy_tables(self.model_state.prepare_dummy_inputs(num_reqs, num_tokens),
-                                  self.buffers)
+        batch = self._dummy_batch(num_reqs, num_tokens)
         indices = self.buffers.logits_indices
         # rows the dummy left unwritten (the default writes them all), as the builder pads them
         indices[batch.logits_indices.shape[0] : num_rows].fill_(num_tokens - 1)
@@ -356,8 +360,7 @@ class Runner(BetweenSteps):
                              "logits_indices": indices[:num_rows]})
 
     def _graph_dummy_batch(self, size: int, query_len: int) -> InputBatch:
-        batch = with_dummy_tables(self.model_state.prepare_dummy_inputs(size, size * query_len),
-                                  self.buffers)
+        batch = self._dummy_batch(size, size * query_len)
         # Graphs serve any length up to max_model_len: bake that bound, not the dummy's.
         return InputBatch(**{**batch.__dict__, "max_seq_len": self.max_model_len,
                              "uniform_decode": True,
@@ -646,8 +649,7 @@ class Runner(BetweenSteps):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        batch = with_dummy_tables(self.model_state.prepare_dummy_inputs(num_reqs, num_tokens),
-                                  self.buffers)
+        batch = self._dummy_batch(num_reqs, num_tokens)
         with torch.inference_mode():
             hidden = self._forward(batch)
             cast(CausalLM, self.model).compute_logits(hidden[batch.logits_indices]).float()

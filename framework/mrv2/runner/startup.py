@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from mrv2.runner.kv_tables import window_blocks
+from mrv2.runner.kv_tables import blocks_per_request
 
 logger = logging.getLogger("mrv2.runner")
 
@@ -71,10 +71,7 @@ class StartupReport:
         table's sliding window, :mod:`mrv2.runner.kv_tables`; a sliding table holds a
         request's window only)."""
         tokens = num_blocks * block_size
-        per_table = -(-max_model_len // block_size)
-        per_request = sum(per_table if w is None else min(per_table, window_blocks(w, block_size))
-                          for w in windows)
-        fit = num_blocks / per_request
+        fit = num_blocks / blocks_per_request(windows, block_size, max_model_len)
         self.facts.update(kv_tokens=tokens, kv_bytes=num_blocks * bytes_per_block,
                           max_concurrency=fit, kv_table_windows=list(windows))
         peak = (f"; the profiling forward's activation peak {peak_bytes / _GIB:.2f} GiB"
