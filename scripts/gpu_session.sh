@@ -26,7 +26,7 @@
 # conversions: kernel tests, bench_int --magic), magicab (the engine's TPOT with
 # MRV2_INT_MAGIC=0 then 1: Qwen3-8B GPTQ, gpt-oss-20b), ernie (ERNIE-4.5-21B-A3B's TPOT), gptoss (gpt-oss-20b's MXFP4 experts: tests, then bench latency;
 # GPTOSS_THROUGHPUT=1: the throughput workload too; GPTOSS_MODEL=gpt-oss-120b: the big one),
-# gluonrs (a Gluon MXFP4 GEMM with the weights decoded into wgmma's register operand),
+# gluonprefill (a Gluon causal prefill attention: FlashAttention-3's schedule), gluonrs (a Gluon MXFP4 GEMM with the weights decoded into wgmma's register operand),
 # intdense (integer experts dequantized first, opt-in: timed beside MXFP4's),
 # mxfp4dense (MXFP4 experts dequantized for large steps: tests, bench_int, gpt-oss-20b
 # throughput against MRV2_MXFP4_DENSE=0), slidingkv (sliding-window block tables: GPU tests, gpt-oss-20b throughput at equal KV memory),
@@ -320,6 +320,13 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
              # A operand (Gluon), checked against the dequantized weights and timed at 16-64 rows
              python3 scripts/proto_gluon_mxfp4.py --check-repack 2>&1 | tail -1
              timeout 200 python3 scripts/proto_gluon_mxfp4.py --run 2>&1 | tee "$OUT/gluonrs.log" | tail -6 ;;
+    gluonprefill) # scripts/proto_gluon_prefill.py --run: FlashAttention-3's schedule in Gluon
+                  # (async QK^T, P from registers, softmax overlapping PV), 4 x 1,024 causal,
+                  # Qwen3-8B then Qwen3-0.6B heads, beside the Triton TMA kernel
+                  for h in "32 8" "16 8"; do
+                    timeout 150 python3 scripts/proto_gluon_prefill.py --run --heads $h \
+                      ${GLUONPREFILL_ARGS:-} 2>&1 | tee -a "$OUT/gluonprefill.log" | tail -5
+                  done ;;
     intdense) # the integer experts' dequantize-first path (mrv2_kernels.int_dense, opt-in:
               # MRV2_INT_DENSE=1) timed beside MXFP4's: scripts/proto_mxfp4_dense.py on
               # Qwen3-30B-A3B-GPTQ's layer then gpt-oss-20b's, with the dense-path kernel tests

@@ -33,6 +33,10 @@ class ForwardContext:
     but for ``block_table`` and ``slot_mapping``. Empty: ``metadata`` serves every layer."""
     layer_tables: Sequence[int] = ()
     """The block table of each cache layer, by ``layer_idx`` (empty: table 0 for all)."""
+    bidirectional: Sequence[BidirectionalSpan] = ()
+    """Query rows that also see the later keys of their span (an image's tokens in Gemma 3):
+    set by the model's forward around its layers with :func:`bidirectional_spans`; empty (the
+    runner's default): every query causal."""
 
     def metadata_of(self, layer_idx: int) -> AttentionMetadata:
         """The metadata layer ``layer_idx`` reads: its block table's."""
@@ -56,6 +60,32 @@ class ForwardContext:
         return self.backends[layer_idx]
 
 
+@dataclass(frozen=True)
+class BidirectionalSpan:
+    """A run of one request's query rows that attend to each other both ways, as prefix-LM
+    models attend among an image's tokens (Gemma 3, PaliGemma): each query of the span sees
+    what a causal query sees plus every later key of the span (within its layer's sliding
+    window, whose lower bound still holds). The span's keys up to ``end`` are all in the
+    step (the scheduler never ends a step inside such a span:
+    :attr:`mrv2.contract.requests.MultiModalItem.bidirectional`)."""
+
+    request: int
+    """The request's index in the step's batch (its metadata row)."""
+    first_row: int
+    """The step row (flat token index) of the span's first query this step."""
+    first_position: int
+    """That query's position in its sequence."""
+    end: int
+    """The position after the span's last token: the span's queries are rows ``first_row``
+    .. ``first_row + end - first_position - 1``, and each sees keys up to ``end - 1``."""
+
+    def __post_init__(self) -> None:
+        if min(self.request, self.first_row, self.first_position) < 0 or (
+                self.end <= self.first_position):
+            raise ValueError(f"BidirectionalSpan: request, first_row, first_position must be "
+                             f">= 0 and end > first_position, got {self}")
+
+
 _CONTEXT: ForwardContext | None = None
 
 
@@ -68,6 +98,22 @@ def set_forward_context(context: ForwardContext) -> Iterator[None]:
         yield
     finally:
         _CONTEXT = previous
+
+
+@contextmanager
+def bidirectional_spans(spans: Sequence[BidirectionalSpan] | None) -> Iterator[None]:
+    """Within the block, the forward in progress attends both ways within ``spans``
+    (:class:`BidirectionalSpan`; None or empty: nothing changes). A model's forward wraps its
+    layers in it for a step whose model state found such spans."""
+    if not spans:
+        yield
+        return
+    ctx = get_forward_context()
+    previous, ctx.bidirectional = ctx.bidirectional, tuple(spans)
+    try:
+        yield
+    finally:
+        ctx.bidirectional = previous
 
 
 def current_forward_context() -> ForwardContext | None:

@@ -10,13 +10,16 @@ bad media raise ``ValueError`` naming the field, and nothing of the request runs
 
 from __future__ import annotations
 
+import importlib.util
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from mrv2.config import EngineConfig
 from mrv2.contract.requests import MultiModalItem
 
-__all__ = ["InputProcessor"]
+__all__ = ["InputProcessor", "load_image_processor"]
 
 
 class InputProcessor:
@@ -43,3 +46,27 @@ class InputProcessor:
                 ) -> tuple[list[int], list[MultiModalItem]]:
         """``(token ids with expanded placeholders, items)``; ValueError on bad input."""
         raise NotImplementedError
+
+
+def load_image_processor(model_dir: str | Path, default_type: str) -> Any:
+    """The checkpoint's HF image processor (``preprocessor_config.json``), or the PIL backend of
+    the same processor (``<Name>Pil``, same config file) where torchvision, which transformers'
+    default backend needs, is not installed (the CPU CI has none). ``default_type``: the
+    processor class of configs that name none. ValueError or FileNotFoundError naming the
+    file where neither loads."""
+    path = Path(model_dir)
+    config_file = path / "preprocessor_config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no preprocessor_config.json in {str(path)!r}: a "
+                                "vision-language checkpoint ships its image processor's config")
+    import transformers
+
+    if importlib.util.find_spec("torchvision") is not None:
+        return transformers.AutoImageProcessor.from_pretrained(str(path), local_files_only=True)
+    kind = str(json.loads(config_file.read_text()).get("image_processor_type", default_type))
+    name = kind.removesuffix("Fast").removesuffix("Pil") + "Pil"
+    cls = getattr(transformers, name, None)
+    if cls is None:
+        raise ValueError(f"image processor {kind!r} needs torchvision, and transformers has no "
+                         f"PIL backend {name!r} for it")
+    return cls.from_pretrained(str(path), local_files_only=True)

@@ -24,8 +24,9 @@ from torch import nn
 from mrv2.config import EngineConfig
 from mrv2.contract.attention import AttentionMetadata
 from mrv2.contract.batch import InputBatch, InputBuffers, last_token_indices
+from mrv2.contract.forward_context import BidirectionalSpan
 from mrv2.contract.kv_cache import KVCacheSpec, layer_specs
-from mrv2.contract.requests import MultiModalEmbeddings, NewRequest
+from mrv2.contract.requests import MultiModalEmbeddings, MultiModalItem, NewRequest
 from mrv2.contract.samples import SpeculatorInputs
 
 
@@ -231,3 +232,18 @@ def placeholder_rows(
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty
     return np.arange(lo, hi) - first + start, np.arange(lo, hi) - offset
+
+
+
+def item_span(item: MultiModalItem, index: int, rows: np.ndarray, within: np.ndarray
+              ) -> BidirectionalSpan:
+    """The :class:`~mrv2.contract.forward_context.BidirectionalSpan` of a ``bidirectional``
+    item of request ``index`` whose rows this step computes (:func:`placeholder_rows`'
+    ``rows`` and ``within``, not empty). A ValueError where the step does not compute the
+    item's end (the scheduler never cuts one: :meth:`mrv2.engine.request.Request.chunk_size`)."""
+    if int(within[-1]) != item.length - 1:
+        raise ValueError(f"a step computes {len(rows)} of the {item.length} tokens of a "
+                         f"bidirectional {item.kind} from position "
+                         f"{item.offset + int(within[0])} but not its end")
+    return BidirectionalSpan(index, int(rows[0]), item.offset + int(within[0]),
+                             item.offset + item.length)

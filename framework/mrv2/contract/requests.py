@@ -31,6 +31,13 @@ class MultiModalItem:
     content_hash: str
     offset: int
     length: int
+    bidirectional: bool = False
+    """Whether the item's tokens attend to each other both ways (an image's tokens in Gemma
+    3): the scheduler then never ends a step inside the item (a step that computes some of
+    its tokens computes the rest of them too; vLLM's ``disable_chunked_mm_input``), so the
+    item can't be longer than ``max_num_batched_tokens``; the family's model state builds the
+    step's :class:`~mrv2.contract.forward_context.BidirectionalSpan` s
+    (:meth:`~mrv2.contract.encoder_cache.EncoderCacheModelState.step_spans`)."""
 
     def __post_init__(self) -> None:
         if self.offset < 0 or self.length < 1:

@@ -98,6 +98,17 @@ class Request:
         """True once stopped, aborted or out of room."""
         return self.status is RequestStatus.FINISHED
 
+    def chunk_size(self, start: int, n: int) -> int:
+        """How many of the ``n`` tokens from position ``start`` a step may compute: ``n`` cut
+        back to the start of a bidirectional multimodal item it would end inside of, or 0 when
+        ``start`` lies inside such an item whose rest does not fit (the step may not split it:
+        :attr:`~mrv2.contract.requests.MultiModalItem.bidirectional`)."""
+        end = start + n
+        for item in self.mm_items:
+            if item.bidirectional and item.offset < end < item.offset + item.length:
+                end = item.offset if item.offset > start else start
+        return end - start
+
     def block_extra_keys(self, block_index: int, block_size: int) -> tuple[Hashable, ...] | None:
         """Extra hash keys of a block: the content hashes of the multimodal items whose
         placeholders overlap it (with where the overlap starts in the item), and the request's

@@ -268,6 +268,8 @@ class Scheduler:
                     and request.sampling_params.structured_outputs is not None):
                 continue  # its next token's mask needs the one in flight (structured outputs)
             n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if n > 1 and request.mm_items:  # (no step ends inside a bidirectional item)
+                n = request.chunk_size(request.num_computed_tokens, n)
             if n <= 0:
                 continue
             drafts = self._num_drafts(request, budget) if n == 1 else 0
@@ -368,6 +370,10 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and not request.num_preemptions:
                 return False  # (a resumed request may exceed the budget: it recomputes in chunks)
             n = budget
+        if request.mm_items:  # (no step ends inside a bidirectional item)
+            n = request.chunk_size(computed, n)
+            if n <= 0:
+                return False
         end = self._with_lookahead(computed + n)
         needed = tables.blocks_needed(end, len(hit[0]))
         held = tables.held_hits(hit, held_from)

@@ -24,8 +24,8 @@ soft-capped logits: attention scores ``50 * tanh(score / 50)`` (the core's
 :class:`~mrv2.layers.Attention` ``logit_softcap``) and final logits ``30 * tanh(logit / 30)``.
 
 Refused with a ValueError naming the field: soft-capping in a Gemma 3 config, bidirectional
-attention (EmbeddingGemma). The KV cache keeps every token of a local layer (blocks outside
-the window are not freed yet).
+attention (EmbeddingGemma). A local layer's KV blocks that fall out of its window go back to
+the pool (its own block table: :mod:`mrv2.runner.kv_tables`).
 """
 
 from __future__ import annotations

@@ -9,9 +9,11 @@ from mrv2 import hookimpl
 def mrv2_register_models(register: Callable[..., None]) -> None:
     """Gemma 3's text decoder (Gemma 3 1B, and any ``Gemma3ForCausalLM`` checkpoint) and
     Gemma 2; they use the core's default decoder-only ModelState. Gemma 3's vision-language
-    checkpoints (``Gemma3ForConditionalGeneration``: 4B, 12B, 27B) serve text prompts through
-    the same decoder; their input processor refuses images (not supported yet)."""
+    checkpoints (``Gemma3ForConditionalGeneration``: 4B, 12B, 27B) serve text and images:
+    the text decoder plus the SigLIP encoder, with their model state (encoder cache, image
+    spans that attend both ways) and input processor (the checkpoint's image processor)."""
     register("Gemma3ForCausalLM", "mrv2_gemma.model:Gemma3ForCausalLM")
     register("Gemma2ForCausalLM", "mrv2_gemma.model:Gemma2ForCausalLM")
     register("Gemma3ForConditionalGeneration", "mrv2_gemma.vl:Gemma3ForConditionalGeneration",
-             input_processor="mrv2_gemma.vl:Gemma3ImagesRefused")
+             model_state="mrv2_gemma.vl_inputs:Gemma3VLModelState",
+             input_processor="mrv2_gemma.vl_inputs:Gemma3InputProcessor")

@@ -1,21 +1,25 @@
 """Gemma 3's vision-language checkpoints (``Gemma3ForConditionalGeneration``: gemma-3-4b-it,
-12b-it, 27b-it and their fine-tunes) served for **text prompts only**.
+12b-it, 27b-it and their fine-tunes): text and images.
 
-HF's ``Gemma3ForConditionalGeneration`` is a SigLIP vision tower, a projector and Gemma 3's
-text decoder (:class:`~mrv2_gemma.model.Gemma3ForCausalLM`); ``config.json`` nests the
-decoder's config under ``text_config``. For a prompt without images HF runs the text decoder
-alone (token embeddings times ``sqrt(hidden_size)``, causal local/global attention, the LM
-head), which is what :class:`Gemma3ForConditionalGeneration` computes, built from the
-``text_config`` (its ``max_position_embeddings`` is the engine's ``max_model_len``, its
-``layer_types`` / ``sliding_window`` the local layers' windows). The LM head is tied to the
+HF's ``Gemma3ForConditionalGeneration`` is a SigLIP vision tower and a projector
+(:class:`~mrv2_gemma.siglip.Gemma3VisionEncoder`: ``mm_tokens_per_image`` soft tokens an
+image, 256 on the published checkpoints) and Gemma 3's text decoder
+(:class:`~mrv2_gemma.model.Gemma3ForCausalLM`); ``config.json`` nests the decoder's config
+under ``text_config``. :class:`Gemma3ForConditionalGeneration` builds both: the decoder from
+the ``text_config`` (its ``max_position_embeddings`` is the engine's ``max_model_len``, its
+``layer_types`` / ``sliding_window`` the local layers' windows), the LM head tied to the
 embedding by the *top-level* ``tie_word_embeddings``, as HF ties it.
 
-Not supported yet: images. The vision tower and the projector are not built; their tensors
-are skipped at load (text tensors that match no parameter are still errors). A prompt with
-``multi_modal_data`` (or an image part in ``LLM.chat`` / the chat API) is refused when it
-arrives, before anything of it runs, by :class:`Gemma3ImagesRefused`. Serving images would
-need the SigLIP tower, the projector's pooling, and the bidirectional attention HF applies
-among each image's tokens (the engine's attention is causal).
+An image's soft tokens replace their placeholders' embeddings (not scaled by
+``sqrt(hidden_size)``, as HF splices them after the scaled lookup) and **attend to each other
+both ways** in every layer (HF's ``token_type_ids`` mask: causal OR same image; a local
+layer's window still bounds it from below). The model state
+(:class:`~mrv2_gemma.vl_inputs.Gemma3VLModelState`) hands the step's image spans to
+:meth:`Gemma3ForConditionalGeneration.forward`, which sets them around the decoder
+(:func:`mrv2.contract.forward_context.bidirectional_spans`); the core's attention layer then
+recomputes those rows. The scheduler never splits an image across steps
+(:attr:`mrv2.contract.requests.MultiModalItem.bidirectional`). Prompts and images: the input
+processor (:class:`~mrv2_gemma.vl_inputs.Gemma3InputProcessor`).
 
 Checkpoints load in the published layout, which transformers 5.17's ``save_pretrained`` still
 writes (``language_model.model.*``, ``language_model.lm_head.weight``, ``vision_tower.*``,
@@ -25,23 +29,23 @@ writes (``language_model.model.*``, ``language_model.lm_head.weight``, ``vision_
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
-from mrv2.contract.input_processor import InputProcessor
-from mrv2.contract.requests import MultiModalItem
+from mrv2.contract.forward_context import BidirectionalSpan, bidirectional_spans
 from mrv2.model_loader.build import text_config_of
 from mrv2_gemma.model import Gemma3ForCausalLM
+from mrv2_gemma.siglip import Gemma3VisionEncoder
 
 __all__ = ["ARCHITECTURE", "VISION_PREFIXES", "Gemma3ForConditionalGeneration",
-           "Gemma3ImagesRefused", "gemma3_text_config"]
+           "gemma3_text_config"]
 
 ARCHITECTURE = "Gemma3ForConditionalGeneration"
 
-#: Checkpoint names of the vision tower and the projector (skipped at load): transformers'
-#: in-memory names, then the published layout's.
+#: Checkpoint names of the vision tower and the projector: transformers' in-memory names,
+#: then the published layout's.
 VISION_PREFIXES: tuple[str, ...] = ("model.vision_tower.", "model.multi_modal_projector.",
                                     "vision_tower.", "multi_modal_projector.")
 
@@ -68,18 +72,33 @@ def gemma3_text_config(config: Any) -> Any:
 
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
-    """Gemma 3's vision-language checkpoint as its text decoder: text prompts only, the vision
-    weights skipped (module docstring). ``config`` is the composite ``Gemma3Config``
+    """Gemma 3's vision-language checkpoint: the text decoder and the image encoder
+    (``vision``; module docstring). ``config`` is the composite ``Gemma3Config``
     (``self.hf_config``); ``self.config`` is its ``text_config``."""
 
     def __init__(self, config: Any) -> None:
         super().__init__(gemma3_text_config(config))
         self.hf_config = config
+        self.vision = Gemma3VisionEncoder(config)
+
+    def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """``[N, C, S, S]`` pixels -> ``[N, mm_tokens_per_image, hidden_size]`` soft tokens,
+        in the model dtype."""
+        return self.vision(pixel_values).to(self.model.embed_tokens.weight.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None,
+                bidirectional: Sequence[BidirectionalSpan] | None = None) -> torch.Tensor:
+        """The decoder's forward; ``bidirectional``: the step's image spans, whose tokens
+        attend to each other both ways (the model state's, for steps with image tokens)."""
+        with bidirectional_spans(bidirectional):
+            return super().forward(input_ids, positions, inputs_embeds)
 
     def rename(self, name: str) -> str | None:
-        """A checkpoint name as the decoder's (None: a vision tower or projector tensor,
-        skipped): ``model.language_model.*`` and ``language_model.model.*`` are ``model.*``,
-        ``language_model.lm_head.*`` is ``lm_head.*``."""
+        """A text checkpoint name as the decoder's (None: a vision tower or projector tensor,
+        which :meth:`load_weights` hands to the encoder): ``model.language_model.*`` and
+        ``language_model.model.*`` are ``model.*``, ``language_model.lm_head.*`` is
+        ``lm_head.*``."""
         if name.startswith(VISION_PREFIXES):
             return None
         for prefix, replacement in _TEXT_PREFIXES:
@@ -89,32 +108,16 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         return super().rename(name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The text decoder's tensors (norm weights as offsets); the vision tower's and the
-        projector's are passed over unread."""
-        return super().load_weights(
-            (name, tensor) for name, tensor in weights if not name.startswith(VISION_PREFIXES))
+        """The text decoder's tensors (norm weights as offsets) through its loader, the
+        vision tower's and the projector's through the encoder's."""
+        vision: list[tuple[str, torch.Tensor]] = []
 
+        def text() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if name.startswith(VISION_PREFIXES):
+                    vision.append((name, tensor))
+                else:
+                    yield name, tensor
 
-class Gemma3ImagesRefused(InputProcessor):
-    """The input processor of ``Gemma3ForConditionalGeneration``: refuses every prompt that
-    carries media, naming the architecture, before anything of it runs (images are not
-    supported yet: module docstring). A ``multi_modal_data`` with no items passes as text."""
-
-    def process(self, prompt_token_ids: list[int], mm_data: Mapping[str, Any]
-                ) -> tuple[list[int], list[MultiModalItem]]:
-        """ValueError for any media item; the prompt unchanged when there is none."""
-        carried = sorted(key for key, value in mm_data.items() if _has_items(value))
-        if carried:
-            raise ValueError(
-                f"multi_modal_data ({', '.join(carried)}): images are not supported for "
-                f"{ARCHITECTURE} yet; mrv2 serves this architecture's text prompts only "
-                "(send the prompt without images)")
-        return list(prompt_token_ids), []
-
-
-def _has_items(value: Any) -> bool:
-    if value is None:
-        return False
-    if isinstance(value, (list, tuple)):
-        return len(value) > 0
-    return True
+        loaded = super().load_weights(text())
+        return loaded | {"vision." + name for name in self.vision.load_weights(vision)}

@@ -16,8 +16,6 @@ torchvision is absent (the CPU CI has none), the same processor's PIL backend
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -25,6 +23,7 @@ from typing import Any
 import torch
 
 from mrv2.contract.input_processor import InputProcessor
+from mrv2.contract.input_processor import load_image_processor as load_core_image_processor
 from mrv2.contract.requests import MultiModalItem
 
 __all__ = ["QwenVLInputProcessor", "load_image_processor"]
@@ -32,24 +31,9 @@ __all__ = ["QwenVLInputProcessor", "load_image_processor"]
 
 def load_image_processor(model_dir: str | Path) -> Any:
     """The checkpoint's HF image processor (``preprocessor_config.json``); its PIL backend
-    where torchvision is not installed."""
-    path = Path(model_dir)
-    config_file = path / "preprocessor_config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"no preprocessor_config.json in {str(path)!r}: a Qwen-VL "
-                                "checkpoint ships its image processor's config")
-    import transformers
-
-    if importlib.util.find_spec("torchvision") is not None:
-        return transformers.AutoImageProcessor.from_pretrained(str(path), local_files_only=True)
-    kind = str(json.loads(config_file.read_text()).get("image_processor_type",
-                                                       "Qwen2VLImageProcessor"))
-    name = kind.removesuffix("Fast").removesuffix("Pil") + "Pil"
-    cls = getattr(transformers, name, None)
-    if cls is None:
-        raise ValueError(f"image processor {kind!r} needs torchvision, and transformers has no "
-                         f"PIL backend {name!r} for it")
-    return cls.from_pretrained(str(path), local_files_only=True)
+    where torchvision is not installed (:func:`mrv2.contract.input_processor.
+    load_image_processor`)."""
+    return load_core_image_processor(model_dir, "Qwen2VLImageProcessor")
 
 
 class QwenVLInputProcessor(InputProcessor):
