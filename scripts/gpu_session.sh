@@ -26,6 +26,7 @@
 # conversions: kernel tests, bench_int --magic), magicab (the engine's TPOT with
 # MRV2_INT_MAGIC=0 then 1: Qwen3-8B GPTQ, gpt-oss-20b), ernie (ERNIE-4.5-21B-A3B's TPOT), gptoss (gpt-oss-20b's MXFP4 experts: tests, then bench latency;
 # GPTOSS_THROUGHPUT=1: the throughput workload too; GPTOSS_MODEL=gpt-oss-120b: the big one),
+# gemma3vl (Gemma 3 with images: GPU tests, mrv2 bench multimodal on gemma-3-4b-it),
 # gluonprefill (a Gluon causal prefill attention: FlashAttention-3's schedule), gluonrs (a Gluon MXFP4 GEMM with the weights decoded into wgmma's register operand),
 # intdense (integer experts dequantized first, opt-in: timed beside MXFP4's),
 # mxfp4dense (MXFP4 experts dequantized for large steps: tests, bench_int, gpt-oss-20b
@@ -320,6 +321,18 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
              # A operand (Gluon), checked against the dequantized weights and timed at 16-64 rows
              python3 scripts/proto_gluon_mxfp4.py --check-repack 2>&1 | tail -1
              timeout 200 python3 scripts/proto_gluon_mxfp4.py --run 2>&1 | tee "$OUT/gluonrs.log" | tail -6 ;;
+    gemma3vl) # Gemma 3 with images: its GPU tests (HF parity with graphs, bidirectional image
+              # spans), then mrv2 bench multimodal on gemma-3-4b-it (random weights, 896 x 896
+              # images, batch 1 / 16 / 64) beside its text-only TPOT
+              timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu \
+                tests/gpu/test_gpu_gemma3_images.py tests/gpu/test_gpu_gemma.py 2>&1 \
+                | tee "$OUT/gemma3vl_tests.log" | tail -3
+              timeout 300 python3 -m mrv2.entrypoints.cli bench multimodal --model gemma-3-4b-it \
+                --image-size 896 --json "$OUT/gemma3vl_bench.json" > "$OUT/gemma3vl_bench.log" 2>&1
+              python3 -c "import json, sys; d = json.load(open(sys.argv[1])); \
+                print('encoder ms/image', d['encoder_ms_per_image']); \
+                [print('image', r) for r in d['with_image']]; \
+                [print('text', r) for r in d['text_only']]" "$OUT/gemma3vl_bench.json" ;;
     gluonprefill) # scripts/proto_gluon_prefill.py --run: FlashAttention-3's schedule in Gluon
                   # (async QK^T, P from registers, softmax overlapping PV), 4 x 1,024 causal,
                   # Qwen3-8B then Qwen3-0.6B heads, beside the Triton TMA kernel

@@ -23,6 +23,7 @@ from mrv2.contract.forward_context import (
 from mrv2.contract.params import SamplingParams
 from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.request import Request
+from mrv2.layers import bidirectional
 from mrv2.layers.attention import Attention
 
 BLOCK = 4
@@ -60,10 +61,15 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int,
 
 
 @pytest.mark.parametrize("backend_cls", [TorchAttentionBackend, TritonAttentionBackend])
-@pytest.mark.parametrize("window,cap,sink", [(None, None, False), (3, None, False),
-                                             (None, 5.0, False), (5, None, True)])
+@pytest.mark.parametrize("window,cap,sink,one_per_group", [
+    (None, None, False, False), (3, None, False, True), (None, 5.0, False, False),
+    (5, None, True, True)])
 def test_spans_match_a_dense_mask(backend_cls: type, window: int | None, cap: float | None,
-                                  sink: bool) -> None:
+                                  sink: bool, one_per_group: bool,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """All spans in one padded group, or (``one_per_group``) a group each."""
+    if one_per_group:
+        monkeypatch.setattr(bidirectional, "MAX_GROUP_ELEMENTS", 1)
     gen = torch.Generator().manual_seed(1)
     backend = backend_cls()
     if window is not None and not backend.sliding_window:

@@ -13,8 +13,10 @@ greedy tokens. The bench reports:
 - the text-only TPOT of the same model at the same batch sizes.
 
 With ``--text-model`` it also gives the TPOT of a text model, the comparison the VL model's
-decode should match. The placeholder tokens come from the config: ``vision_start_token_id``,
-``image_token_id``, ``vision_end_token_id``.
+decode should match. The placeholder tokens come from the config: Gemma 3's
+``boi_token_index`` (``<start_of_image>``), else Qwen-VL's ``vision_start_token_id``,
+``image_token_id``, ``vision_end_token_id``. Bundled configs: ``Qwen2.5-VL-7B``,
+``Qwen3-VL-8B``, ``gemma-3-4b-it``.
 """
 
 from __future__ import annotations
@@ -40,9 +42,14 @@ def image_prompt(engine: LLMEngine, prompt_len: int, seed: int) -> list[int]:
     placeholder in the middle."""
     config = engine.runner.hf_config
     rng = random.Random(seed)
-    marks = [int(config.vision_start_token_id), int(config.image_token_id),
-             int(config.vision_end_token_id)]
-    high = min(10_000, engine.runner.vocab_size, *marks) - 1  # text ids below the marks
+    if getattr(config, "boi_token_index", None) is not None:  # Gemma 3
+        marks = [int(config.boi_token_index)]
+        special = [*marks, int(config.eoi_token_index), int(config.image_token_index)]
+    else:  # Qwen-VL
+        marks = [int(config.vision_start_token_id), int(config.image_token_id),
+                 int(config.vision_end_token_id)]
+        special = marks
+    high = min(10_000, engine.runner.vocab_size, *special) - 1  # text ids below the marks
     text = [rng.randint(0, high) for _ in range(prompt_len)]
     return text[: prompt_len // 2] + marks + text[prompt_len // 2:]
 
@@ -77,27 +84,26 @@ def measure_images(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: i
 
 
 def encoder_ms_per_image(engine: LLMEngine, image_size: int, repeats: int = 10) -> float:
-    """Median time of the vision encoder on one image (device events on CUDA)."""
+    """Median time of one image through the model state's encoder (``embed_item``: the
+    pixels' copy to the device and the vision tower; device events on CUDA)."""
     _, items = engine.process_multimodal(image_prompt(engine, 2, 0),
                                          {"image": random_image(image_size, image_size, 0)})
-    model: Any = engine.runner.model
+    state: Any = engine.runner.model_state
     device = engine.runner.device
-    pixels = items[0].data["pixel_values"].to(device)
-    grid = [tuple(items[0].data["grid_thw"])]
     times = []
     with torch.inference_mode():
-        model.embed_images(pixels, grid)  # warm up
+        state.embed_item(items[0])  # warm up
         for _ in range(repeats):
             if device.type == "cuda":
                 begin, done = (torch.cuda.Event(enable_timing=True) for _ in range(2))
                 begin.record()
-                model.embed_images(pixels, grid)
+                state.embed_item(items[0])
                 done.record()
                 done.synchronize()
                 times.append(begin.elapsed_time(done))
             else:
                 t0 = time.perf_counter()
-                model.embed_images(pixels, grid)
+                state.embed_item(items[0])
                 times.append((time.perf_counter() - t0) * 1e3)
     return round(statistics.median(times), 3)
 

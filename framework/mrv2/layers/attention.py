@@ -7,8 +7,9 @@ from typing import Any
 import torch
 
 from mrv2.contract.attention import RopeInputs
-from mrv2.contract.forward_context import BidirectionalSpan, get_forward_context
+from mrv2.contract.forward_context import get_forward_context
 from mrv2.contract.kv_cache import KVCacheLayer, PagedKVSpec
+from mrv2.layers.bidirectional import attend_spans
 from mrv2.layers.rotary import RotaryEmbedding
 from mrv2_kernels.rotary import QKNorm
 
@@ -103,49 +104,12 @@ class Attention(KVCacheLayer):
             backend.write_kv(key, value, kv_cache, metadata.slot_mapping)
         query = q.reshape(num_tokens, self.num_heads, self.head_dim)
         out = backend.forward(query, kv_cache, metadata, self.scale, **extra)
-        if ctx.bidirectional:
+        if ctx.bidirectional:  # rows that also see their span's later keys
             out = out.reshape(num_tokens, self.num_heads, self.head_dim)
-            for span in ctx.bidirectional:
-                self._attend_span(out, query, kv_cache, metadata, span, sinks)
+            attend_spans(out, query, kv_cache, metadata, ctx.bidirectional, scale=self.scale,
+                         window=self.sliding_window, logit_softcap=self.logit_softcap,
+                         sinks=sinks)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
-
-    def _attend_span(self, out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor,
-                     metadata: Any, span: BidirectionalSpan, sinks: torch.Tensor | None) -> None:
-        """Overwrite the causal output of ``span``'s query rows with attention that also sees
-        the span's later keys (:class:`~mrv2.contract.forward_context.BidirectionalSpan`): in
-        torch, fp32, over keys gathered from the paged cache (every paged backend's layout,
-        ``[2, num_blocks, block_size, Hk, D]``; an fp8 cache read as floats, as the kernels
-        read it). Runs only in steps that compute an image's tokens (eager steps: the model
-        state keeps them out of the CUDA graphs); index tensors come from host integers, so
-        nothing synchronizes."""
-        n = span.end - span.first_position
-        window = self.sliding_window
-        lo = 0 if window is None else max(0, span.first_position - window + 1)
-        device = query.device
-        pos = torch.arange(lo, span.end, device=device)
-        blocks = metadata.block_table[span.request].to(torch.int64)[pos // metadata.block_size]
-        offsets = pos % metadata.block_size
-        key = kv_cache[0][blocks, offsets].to(torch.float32)  # [m, Hk, D]
-        value = kv_cache[1][blocks, offsets].to(torch.float32)
-        group = self.num_heads // self.num_kv_heads
-        q = query[span.first_row: span.first_row + n].to(torch.float32)
-        q = q.reshape(n, self.num_kv_heads, group, self.head_dim)
-        scores = torch.einsum("nkgd,mkd->kgnm", q, key) * self.scale
-        if self.logit_softcap is not None:
-            scores = torch.tanh(scores / self.logit_softcap) * self.logit_softcap
-        if window is not None:  # the window's lower bound holds for the span's queries too
-            qpos = torch.arange(span.first_position, span.end, device=device)
-            seen = pos[None, :] > qpos[:, None] - window  # [n, m]
-            scores = scores.masked_fill(~seen, float("-inf"))
-        if sinks is not None:  # a sink column per head (in the denominator only)
-            sink = sinks.to(torch.float32).reshape(self.num_kv_heads, group, 1, 1)
-            scores = torch.cat([scores, sink.expand(-1, -1, n, 1)], dim=-1)
-            probs = scores.softmax(-1)[..., :-1]
-        else:
-            probs = scores.softmax(-1)
-        rows = torch.einsum("kgnm,mkd->nkgd", probs, value)
-        out[span.first_row: span.first_row + n] = rows.reshape(
-            n, self.num_heads, self.head_dim).to(out.dtype)
 
     def _options(self, backend: Any, sinks: torch.Tensor | None) -> dict[str, Any]:
         """This layer's attention options for ``backend``'s call; a ValueError where the

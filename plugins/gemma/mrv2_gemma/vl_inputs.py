@@ -9,7 +9,8 @@ image's :class:`~mrv2.contract.requests.MultiModalItem` (``bidirectional``: they
 each other both ways, so a step never splits them). HF tokenizes the expanded *text*, so the
 inserted newlines merge with newlines next to them (``"user\\n" + "\\n\\n"`` is one
 ``"\\n\\n\\n"`` token in Gemma's vocabulary); the expansion re-tokenizes such runs of newline
-tokens on both sides with the checkpoint's tokenizer, to give HF's ids.
+tokens on both sides with the checkpoint's tokenizer, to give HF's ids (vLLM merges the same
+runs). Without a tokenizer (a bundled bench config) the newlines are left out, with a warning.
 
 **Images.** The checkpoint's image processor (``preprocessor_config.json``: resize to
 ``image_size`` squared, rescale, normalize; its PIL backend where torchvision is absent)
@@ -27,6 +28,7 @@ Steps with image tokens run eager; decode steps and text-only prefill replay the
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -38,6 +40,8 @@ from mrv2.contract.input_processor import InputProcessor, load_image_processor
 from mrv2.contract.requests import MultiModalItem, NewRequest
 
 __all__ = ["Gemma3InputProcessor", "Gemma3VLModelState"]
+
+_log = logging.getLogger(__name__)
 
 
 class Gemma3InputProcessor(InputProcessor):
@@ -52,10 +56,9 @@ class Gemma3InputProcessor(InputProcessor):
         self._newline_ids: dict[int, bool] = {}
         self._missing = ""
         self.image_processor: Any = None
-        if tokenizer is None:  # (text prompts still run; images are refused)
-            self._missing = ("Gemma3ForConditionalGeneration's images need the checkpoint's "
-                             "tokenizer (the newlines HF puts around each image)")
-            return
+        if tokenizer is None:
+            _log.warning("%s without a tokenizer (a bundled bench config): images go in "
+                         "without the newlines HF puts around them", hf_config.architectures)
         try:
             self.image_processor = load_image_processor(model_dir, "Gemma3ImageProcessor")
         except FileNotFoundError as error:  # (text prompts still run; images are refused)
@@ -67,10 +70,13 @@ class Gemma3InputProcessor(InputProcessor):
         side = int(hf_config.vision_config.image_size)
         size = getattr(self.image_processor, "size", None) or {}
         if (int(size.get("height", side)), int(size.get("width", side))) != (side, side):
-            raise ValueError(f"preprocessor_config.json size = {dict(size)}: the vision tower "
-                             f"takes {side} x {side} images")
+            raise ValueError(f"preprocessor_config.json size = {size.get('height')} x "
+                             f"{size.get('width')}: the vision tower takes {side} x {side} "
+                             "images")
 
     def _is_newlines(self, token: int) -> bool:
+        if self.tokenizer is None:
+            return False
         known = self._newline_ids.get(token)
         if known is None:
             text = self.tokenizer.decode([token], skip_special_tokens=False)
@@ -78,7 +84,10 @@ class Gemma3InputProcessor(InputProcessor):
         return known
 
     def _newlines(self, before: list[int], after: list[int]) -> list[int]:
-        """``"\\n\\n"`` with the newline tokens ``before`` and ``after`` it, re-tokenized."""
+        """``"\\n\\n"`` with the newline tokens ``before`` and ``after`` it, re-tokenized
+        (nothing without a tokenizer)."""
+        if self.tokenizer is None:
+            return []
         text = self.tokenizer.decode(before + after, skip_special_tokens=False) + "\n\n"
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 

@@ -22,14 +22,13 @@ from mrv2.testing import random_image
 from mrv2_gemma.testing import save_tiny_gemma3_vl
 from mrv2_gemma.vl_inputs import Gemma3InputProcessor
 
-BOI, EOI, SOFT = 317, 318, 319
-
 
 def _hf_generate(hf: Any, ids: list[int], pixels: torch.Tensor | None, n: int) -> list[int]:
     hf.generation_config.eos_token_id = None  # (as ignore_eos)
     kwargs: dict[str, Any] = {}
     if pixels is not None:
-        kwargs = {"pixel_values": pixels, "token_type_ids": (torch.tensor([ids]) == SOFT).long()}
+        soft = hf.config.image_token_index
+        kwargs = {"pixel_values": pixels, "token_type_ids": (torch.tensor([ids]) == soft).long()}
     with torch.no_grad():
         out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
                           max_new_tokens=n, do_sample=False, **kwargs)
@@ -39,6 +38,7 @@ def _hf_generate(hf: Any, ids: list[int], pixels: torch.Tensor | None, n: int) -
 def test_greedy_tokens_match_hf_with_images(tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     hf = save_tiny_gemma3_vl(tmp_path, tied=False, tokenizer=True, image_processor=True)
+    boi, soft = hf.config.boi_token_index, hf.config.image_token_index
     cuts: list[tuple[int, int, int]] = []
     chunk_size = Request.chunk_size
 
@@ -52,14 +52,14 @@ def test_greedy_tokens_match_hf_with_images(tmp_path: Path,
     llm = LLM(str(tmp_path), device="cpu", dtype="float32", block_size=4,
               max_num_batched_tokens=8)
     a, b = random_image(40, 24, seed=1), random_image(32, 32, seed=2)
-    prompts = [([5, 17, 42, 9, BOI, 100, 3], [a]), ([BOI, 64, 8, BOI, 250], [b, a]),
+    prompts = [([5, 17, 42, 9, boi, 100, 3], [a]), ([boi, 64, 8, boi, 250], [b, a]),
                ([3, 4, 5, 6], [])]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     processor = llm.engine.input_processor
     want = []
     for prompt, images in prompts:
         ids, items = processor.process(prompt, {"image": images})
-        assert [ids[i.offset: i.offset + i.length] for i in items] == [[SOFT] * 4] * len(items)
+        assert [ids[i.offset: i.offset + i.length] for i in items] == [[soft] * 4] * len(items)
         assert all(item.bidirectional for item in items)
         pixels = torch.stack([i.data["pixel_values"] for i in items]) if items else None
         want.append(_hf_generate(hf, ids, pixels, 8))
@@ -74,12 +74,26 @@ def test_greedy_tokens_match_hf_with_images(tmp_path: Path,
     assert [o.outputs[0].token_ids for o in again] == want[:2]
     assert state.encoder_runs == runs
 
+    # chat: an image part renders <start_of_image> through chat_template.json
+    tokenizer = llm.engine.tokenizer
+    assert tokenizer is not None
+    content = [{"type": "text", "text": "Hello"}, {"type": "image", "image": b},
+               {"type": "text", "text": "world"}]
+    chat = llm.chat([{"role": "user", "content": content}], params, use_tqdm=False)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"} if p["type"] == "image" else p
+                                      for p in content]}], add_generation_prompt=True)
+    assert rendered.count(boi) == 1
+    ids, items = processor.process(rendered, {"image": [b]})
+    assert chat[0].outputs[0].token_ids == _hf_generate(
+        hf, ids, items[0].data["pixel_values"][None], 8)
+
     # (the model is one where the image's two-way attention changes the logits)
     ids, items = processor.process(*prompts[0][:1], {"image": [a]})
     pixels = items[0].data["pixel_values"][None]
     with torch.no_grad():
         both = hf(torch.tensor([ids]), pixel_values=pixels,
-                  token_type_ids=(torch.tensor([ids]) == SOFT).long()).logits
+                  token_type_ids=(torch.tensor([ids]) == soft).long()).logits
         causal = hf(torch.tensor([ids]), pixel_values=pixels).logits
     assert (both - causal).abs().max() > 1e-3
 
@@ -168,9 +182,27 @@ def test_bad_images_are_refused(tmp_path: Path) -> None:
     save_tiny_gemma3_vl(checkpoint, tokenizer=True, image_processor=True)
     llm = LLM(str(checkpoint), device="cpu", dtype="float32", block_size=4,
               max_num_batched_tokens=3)
+    boi = json.loads((checkpoint / "config.json").read_text())["boi_token_index"]
     with pytest.raises(ValueError, match=r"an image of 4 tokens .* max_num_batched_tokens=3"):
-        llm.generate([{"prompt_token_ids": [5, BOI], "multi_modal_data": {"image": image}}],
+        llm.generate([{"prompt_token_ids": [5, boi], "multi_modal_data": {"image": image}}],
                      SamplingParams(max_tokens=2), use_tqdm=False)
     assert not llm.engine.has_unfinished()
     config = json.loads((checkpoint / "config.json").read_text())
     assert config["architectures"] == ["Gemma3ForConditionalGeneration"]
+
+
+def test_bench_multimodal_runs(tmp_path: Path) -> None:
+    """``mrv2 bench multimodal`` on the tiny Gemma 3 (CPU): every row reported, the encoder
+    timed through the model state."""
+    from mrv2.bench.multimodal import bench
+    from mrv2.entrypoints.cli import build_parser
+
+    save_tiny_gemma3_vl(tmp_path, tokenizer=True, image_processor=True)
+    args = build_parser().parse_args([
+        "bench", "multimodal", "--model", str(tmp_path), "--device", "cpu", "--dtype",
+        "float32", "--load-format", "auto", "--batch-sizes", "1", "2", "--image-size", "40",
+        "--prompt-len", "6", "--new-tokens", "3", "--max-model-len", "128"])
+    results = bench(args)
+    assert results["encoder_ms_per_image"] > 0
+    assert [r["batch"] for r in results["with_image"]] == [1, 2]
+    assert all(r["images_per_s"] > 0 and r["tpot_ms"] > 0 for r in results["with_image"])
