@@ -3,11 +3,13 @@
 A fake runner mirrors the real one: it applies each SchedulerOutput to a table of rows, writes
 the "KV" of every computed position (the token itself) into a fake paged cache through each of
 the request's block tables (sliding-window tables too, whose blocks before the window the
-scheduler frees), checks that every position attention would read holds the right token,
-and samples a token that is a pure function of the sequence. A fake engine loop feeds tokens
-back one step late (async) or at once (sync), the way ``LLMEngine`` does, with random arrivals,
-aborts and stops. Invariants are checked after every step, and every request that was not
-aborted must end with exactly the tokens it would produce alone.
+scheduler frees), checks that every position attention would read holds the right token
+and that no step ends inside a bidirectional multimodal item (an image whose tokens attend to
+each other both ways: Gemma 3's), and samples a token that is a pure function of the
+sequence. A fake engine loop feeds tokens back one step late (async) or at once (sync), the
+way ``LLMEngine`` does, with random arrivals, aborts and stops. Invariants are checked after
+every step, and every request that was not aborted must end with exactly the tokens it would
+produce alone.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from hypothesis import strategies as st
 
 from mrv2.config import SchedulerConfig
 from mrv2.contract.params import SamplingParams
-from mrv2.contract.requests import SchedulerOutput
+from mrv2.contract.requests import MultiModalItem, SchedulerOutput
 from mrv2.engine.block_manager import BlockManager
 from mrv2.engine.request import Request, RequestStatus
 from mrv2.engine.scheduler import Scheduler
@@ -50,6 +52,7 @@ class Row:
     tokens: list[int]
     tables: list[list[int]]
     computed: int
+    spans: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -71,7 +74,8 @@ class FakeRunner:
             assert len(new.extra_block_ids) == len(self.windows) - 1
             self.rows[new.req_id] = Row(
                 list(new.token_ids), [list(new.block_ids), *map(list, new.extra_block_ids)],
-                new.num_computed_tokens)
+                new.num_computed_tokens,
+                [(i.offset, i.offset + i.length) for i in new.mm_items if i.bidirectional])
         for req_id, blocks in out.new_block_ids.items():
             self.rows[req_id].tables[0] += blocks
             extra = out.new_extra_block_ids.get(req_id, [])
@@ -84,6 +88,9 @@ class FakeRunner:
         for req_id, n in out.num_scheduled_tokens.items():
             row = self.rows[req_id]
             assert 0 < n <= len(row.tokens) - row.computed
+            end = row.computed + n
+            assert not any(a < end < b for a, b in row.spans), (
+                f"{req_id}: a step ends at {end}, inside a bidirectional item ({row.spans})")
             for blocks in row.tables:
                 for pos in range(row.computed, row.computed + n):
                     self.kv[blocks[pos // size], pos % size] = row.tokens[pos]
@@ -113,10 +120,12 @@ class FakeEngine:
         self.gone: list[Request] = []
         self.scheduled_running: set[str] = set()
 
-    def add(self, req_id: str, prompt: list[int], max_tokens: int, priority: int) -> None:
+    def add(self, req_id: str, prompt: list[int], max_tokens: int, priority: int,
+            items: list[MultiModalItem]) -> None:
         request = Request(req_id=req_id, prompt_token_ids=prompt,
                           sampling_params=SamplingParams(temperature=0.0), seed=0,
-                          eos_token_ids=frozenset(), max_tokens=max_tokens, priority=priority)
+                          eos_token_ids=frozenset(), max_tokens=max_tokens, priority=priority,
+                          mm_items=items)
         self.scheduler.add(request)
         self.requests[req_id] = request
 
@@ -215,6 +224,7 @@ def test_scheduler_invariants_and_outputs(data: st.DataObject) -> None:
         policy=data.draw(st.sampled_from(["fcfs", "priority"]), label="policy"),
     )
     caching = data.draw(st.booleans(), label="caching")
+    images = data.draw(st.booleans(), label="images")
     window = data.draw(st.integers(1, 7), label="window")
     windows = data.draw(st.sampled_from([(None,), (None, window), (window,),
                                          (None, window, window)]), label="tables")
@@ -236,7 +246,15 @@ def test_scheduler_invariants_and_outputs(data: st.DataObject) -> None:
                                                scheduler.max_step_tokens) > num_blocks):
                     continue  # the engine rejects it up front
                 req_id = f"r{len(added)}"
-                engine.add(req_id, prompt, max_tokens, data.draw(st.integers(0, 3)))
+                items = []  # at most two images (their tokens named by their content)
+                if images and data.draw(st.booleans()):
+                    cuts = sorted(data.draw(st.lists(st.integers(0, len(prompt)), min_size=2,
+                                                     max_size=4, unique=True)))
+                    for a, b in zip(cuts[::2], cuts[1::2], strict=False):
+                        if b - a <= config.max_num_batched_tokens:  # (else refused up front)
+                            items.append(MultiModalItem("image", None, f"i{prompt[a:b]}", a,
+                                                        b - a, bidirectional=True))
+                engine.add(req_id, prompt, max_tokens, data.draw(st.integers(0, 3)), items)
                 added[req_id] = (prompt, max_tokens)
             if engine.requests and data.draw(st.integers(0, 5)) == 0:
                 req_id = data.draw(st.sampled_from(sorted(engine.requests)))
@@ -250,6 +268,7 @@ def test_scheduler_invariants_and_outputs(data: st.DataObject) -> None:
     event(f"cache hits: {blocks.num_hit_tokens > 0}")
     event(f"preemptions: {engine.scheduler.num_preemptions > 0}")
     event(f"aborts: {bool(aborted)}")
+    event(f"images: {images}")
     event(f"tables: {len(windows)}, sliding: {windows[-1] is not None}")
     assert engine.runner.rows == {}
     assert blocks.num_free_blocks == num_blocks and not any(blocks.ref_count)

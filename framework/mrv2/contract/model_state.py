@@ -234,7 +234,6 @@ def placeholder_rows(
     return np.arange(lo, hi) - first + start, np.arange(lo, hi) - offset
 
 
-
 def item_span(item: MultiModalItem, index: int, rows: np.ndarray, within: np.ndarray
               ) -> BidirectionalSpan:
     """The :class:`~mrv2.contract.forward_context.BidirectionalSpan` of a ``bidirectional``
