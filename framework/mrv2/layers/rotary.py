@@ -5,7 +5,10 @@ Supported HF rope types: ``default``, ``linear``, ``llama3``, ``yarn`` (with Dee
 ``longrope`` (Phi-3.5 / Phi-4-mini: ``short_factor`` frequencies for positions below
 ``original_max_position_embeddings``, ``long_factor`` ones from there, as vLLM does; HF
 switches every position of a sequence to the long factors once it outgrows the original
-length, so the two differ only past it). The
+length, so the two differ only past it), ``proportional`` (Gemma 4's global layers: the whole
+head is rotated, but only its first ``int(partial_rotary_factor * head_dim // 2)`` frequencies
+are RoPE's, exponents over the whole ``head_dim``; the other pairs get frequency 0 and stay as
+they are, which pairs dimensions differently from a partial ``rotary_dim``). The
 parameters come either from a transformers 5 ``rope_parameters`` dict (holding ``rope_theta``
 too) or from the older ``rope_theta`` + ``rope_scaling`` pair; :func:`rope_parameters_of` reads
 both.
@@ -22,7 +25,7 @@ from torch import nn
 
 from mrv2_kernels.rotary import KVWrite, QKNorm, rotary_embedding
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 
 
 def rope_parameters_of(config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -57,6 +60,8 @@ def _inv_freq(
     assert scaling is not None
     if rope_type == "longrope":  # (the short factors; the table takes the long ones too)
         return _longrope_inv_freq(inv_freq, scaling, "short_factor")
+    if rope_type == "proportional":
+        return _proportional_inv_freq(inv_freq, rotary_dim, scaling)
     factor = float(scaling["factor"])
     if rope_type == "linear":
         return (inv_freq / factor).float()
@@ -78,6 +83,17 @@ def _longrope_inv_freq(inv_freq: torch.Tensor, scaling: Mapping[str, Any], which
                          f"per rotary frequency), got {factors!r}")
     ext = torch.tensor(factors, dtype=torch.float64, device=inv_freq.device)
     return (inv_freq / ext).float()
+
+
+def _proportional_inv_freq(inv_freq: torch.Tensor, head_dim: int, scaling: Mapping[str, Any]
+                           ) -> torch.Tensor:
+    """Proportional RoPE (Gemma 4): of the ``head_dim / 2`` frequencies of a whole head, the
+    first ``int(partial_rotary_factor * head_dim // 2)`` kept (their exponents over the whole
+    ``head_dim``), the rest 0, all divided by ``factor`` (default 1), as transformers'
+    ``_compute_proportional_rope_parameters``."""
+    rotated = int(float(scaling.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+    kept = torch.arange(inv_freq.shape[0], device=inv_freq.device) < rotated
+    return (torch.where(kept, inv_freq, 0.0) / float(scaling.get("factor", 1.0))).float()
 
 
 def _llama3_inv_freq(
@@ -237,12 +253,15 @@ class RotaryEmbedding(nn.Module):
 
 
 def get_rope(config: Any, head_dim: int) -> RotaryEmbedding:
-    """The RoPE of an HF decoder config (``partial_rotary_factor`` honoured)."""
+    """The RoPE of an HF decoder config (``partial_rotary_factor`` honoured: the rotated
+    dimensions, or with ``proportional`` RoPE the frequencies kept over the whole head)."""
     base, scaling = rope_parameters_of(config)
     params = getattr(config, "rope_parameters", None) or {}
     partial = float(
         params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     )
+    if scaling is not None and _rope_type(scaling) == "proportional":
+        partial = 1.0  # (the factor picks frequencies: _proportional_inv_freq)
     return RotaryEmbedding(
         head_dim,
         max_position=int(config.max_position_embeddings),
