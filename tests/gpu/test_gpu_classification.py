@@ -35,7 +35,7 @@ def test_classify_and_score_match_hf_fp32(tmp_path_factory: pytest.TempPathFacto
     path = make_tiny_checkpoint(root / "cls", "Qwen3ForSequenceClassification", seed=4,
                                 num_labels=3, **SHAPE)
     llm = LLM(str(path), device="cuda", dtype="float32", block_size=16,
-              gpu_memory_utilization=0.3, max_model_len=1024)
+              gpu_memory_utilization=0.3, max_model_len=256)
     for out, ids in zip(llm.classify([{"prompt_token_ids": p} for p in PROMPTS],
                                      use_tqdm=False), PROMPTS, strict=True):
         torch.testing.assert_close(torch.tensor(out.outputs.probs), _hf(path, ids),
@@ -44,7 +44,7 @@ def test_classify_and_score_match_hf_fp32(tmp_path_factory: pytest.TempPathFacto
     path = make_tiny_checkpoint(root / "rerank", "Qwen3ForSequenceClassification", seed=5,
                                 num_labels=1, **SHAPE)
     llm = LLM(str(path), device="cuda", dtype="float32", block_size=16,
-              gpu_memory_utilization=0.3, max_model_len=1024)
+              gpu_memory_utilization=0.3, max_model_len=256)
     got = llm.score({"prompt_token_ids": [11, 12]}, [{"prompt_token_ids": p} for p in PROMPTS],
                     use_tqdm=False)
     for g, p in zip(got, PROMPTS, strict=True):
@@ -62,7 +62,7 @@ def test_token_classify_matches_hf_fp32_chunk_by_chunk(
     hf = transformers.AutoModelForTokenClassification.from_pretrained(
         str(path), dtype=torch.float32).eval()
     llm = LLM(str(path), device="cuda", dtype="float32", block_size=16,
-              gpu_memory_utilization=0.3, max_model_len=1024, max_num_batched_tokens=32)
+              gpu_memory_utilization=0.3, max_model_len=256, max_num_batched_tokens=32)
     for out, ids in zip(llm.reward([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False),
                         PROMPTS, strict=True):
         with torch.no_grad():
