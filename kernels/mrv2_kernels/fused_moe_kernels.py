@@ -51,7 +51,12 @@ def _step_mask(offs_k: tl.tensor, left: int, W_STEP: tl.constexpr,
 def _glu(gate: tl.tensor, up: tl.tensor, ACT: tl.constexpr, limit: float) -> tl.tensor:
     """The gated activation of fp32 ``gate`` / ``up``: ``ACT`` 0, ``silu(gate) * up``; 1
     (``"swigluoai"``, gpt-oss), ``g * sigmoid(1.702 g) * (u + 1)`` of ``g = min(gate, limit)``,
-    ``u = clamp(up, -limit, limit)``."""
+    ``u = clamp(up, -limit, limit)``; 2 (``"gelu_tanh"``, GeGLU: Gemma 4), ``0.5 g (1 +
+    tanh(sqrt(2 / pi) (g + 0.044715 g^3))) * up``, tanh as ``1 - 2 / (exp(2 z) + 1)`` (exact at
+    both ends in fp32: the exponential saturates to 0 or inf)."""
+    if ACT == 2:
+        z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        return 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)) * up
     if ACT == 1:
         g = tl.minimum(gate, limit)
         u = tl.minimum(tl.maximum(up, -limit), limit)

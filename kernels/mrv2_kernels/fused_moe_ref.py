@@ -16,7 +16,7 @@ __all__ = ["ACTIVATIONS", "PLAIN", "SWIGLUOAI_ALPHA", "Epilogue", "fused_moe_ref
 
 #: The gated activations of the contract: ``silu(gate) * up``, and gpt-oss's clamped
 #: ``"swigluoai"`` (:func:`glu`).
-ACTIVATIONS = ("silu", "swigluoai")
+ACTIVATIONS = ("silu", "swigluoai", "gelu_tanh")
 #: ``swigluoai``'s sigmoid slope (gpt-oss).
 SWIGLUOAI_ALPHA = 1.702
 
@@ -56,9 +56,11 @@ def check_epilogue(w13: torch.Tensor, w2: torch.Tensor, epi: Epilogue) -> Epilog
 
 def glu(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu",
         swiglu_limit: float = 7.0) -> torch.Tensor:
-    """The gated activation of fp32 ``gate`` / ``up``: ``silu(gate) * up``, or (``swigluoai``)
+    """The gated activation of fp32 ``gate`` / ``up``: ``silu(gate) * up``; (``swigluoai``)
     ``g * sigmoid(1.702 g) * (u + 1)`` of ``g = min(gate, limit)`` and ``u = clamp(up, -limit,
-    limit)``."""
+    limit)``; or (``gelu_tanh``, GeGLU: Gemma 4) ``gelu(gate, approximate="tanh") * up``."""
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
     if activation == "swigluoai":
         g = gate.clamp(max=swiglu_limit)
         u = up.clamp(-swiglu_limit, swiglu_limit)

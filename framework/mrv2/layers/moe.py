@@ -57,8 +57,9 @@ class FusedMoE(nn.Module):
     and the ranks' outputs are summed as under tensor parallelism (``world`` ranks).
 
     ``bias``: ``w13_bias`` ``[E, 2I]`` (gate then up) and ``w2_bias`` ``[E, H]`` on the
-    projections; ``activation``: ``"silu"`` (``silu(gate) * up``) or gpt-oss's clamped
-    ``"swigluoai"`` (:func:`mrv2_kernels.fused_moe_ref.glu`, clamped at ``swiglu_limit``).
+    projections; ``activation``: ``"silu"`` (``silu(gate) * up``), gpt-oss's clamped
+    ``"swigluoai"`` (:func:`mrv2_kernels.fused_moe_ref.glu`, clamped at ``swiglu_limit``) or
+    Gemma 4's GeGLU ``"gelu_tanh"``.
 
     Tensor parallelism splits every expert's intermediate dimension: a rank holds ``I / size``
     gate, up and down columns of each expert (tensor parallelism inside the experts; the

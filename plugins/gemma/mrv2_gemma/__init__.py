@@ -5,13 +5,24 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from mrv2_gemma.gemma4 import Gemma4ForCausalLM
+    from mrv2_gemma.gemma4_vl import Gemma4ForConditionalGeneration
     from mrv2_gemma.model import Gemma2ForCausalLM, Gemma3ForCausalLM
     from mrv2_gemma.vl import Gemma3ForConditionalGeneration
 
-__all__ = ["Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"]
+__all__ = ["Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
+           "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "Gemma4ForCausalLM":
+        from mrv2_gemma import gemma4
+
+        return gemma4.Gemma4ForCausalLM
+    if name == "Gemma4ForConditionalGeneration":
+        from mrv2_gemma import gemma4_vl
+
+        return gemma4_vl.Gemma4ForConditionalGeneration
     if name == "Gemma3ForConditionalGeneration":
         from mrv2_gemma import vl
 
