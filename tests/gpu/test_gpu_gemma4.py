@@ -69,3 +69,59 @@ def test_gemma4_with_graphs(tmp_path: Path, moe: bool) -> None:
     graphs = _generate(tmp_path, "bfloat16")
     eager = _generate(tmp_path, "bfloat16", enforce_eager=True)
     assert [g[:4] for g in graphs] == [e[:4] for e in eager]
+
+
+def test_gemma4_images_with_graphs(tmp_path: Path) -> None:
+    """Images (aspect ratios giving different soft-token counts, two in a prompt) beside text
+    prompts, chunked prefill whose budget would end steps inside images: fp32 greedy tokens
+    are HF's (``mm_token_type_ids``: two-way attention on the sliding layers), graphs on and
+    off."""
+    from mrv2.testing import random_image
+
+    image_token, boi, eoi = 250, 251, 252
+    text = {**BASE, "use_bidirectional_attention": "vision", "pad_token_id": 0}
+    vision = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32,
+              "patch_size": 4, "pooling_kernel_size": 2, "position_embedding_size": 64}
+    config = transformers.Gemma4Config(
+        text_config=text, vision_config=vision, audio_config=None, image_token_id=image_token,
+        boi_token_id=boi, eoi_token_id=eoi, video_token_id=253, audio_token_id=254,
+        boa_token_id=255, eoa_token_index=249)
+    config.architectures = ["Gemma4ForConditionalGeneration"]
+    torch.manual_seed(0)
+    hf = transformers.Gemma4ForConditionalGeneration(config).eval()
+    redraw_weights(hf)
+    hf.save_pretrained(tmp_path)
+    transformers.Gemma4ImageProcessorPil(patch_size=4, max_soft_tokens=70,
+                                         pooling_kernel_size=2).save_pretrained(tmp_path)
+    a, b = random_image(40, 24, seed=1), random_image(32, 32, seed=2)
+    requests = [{"prompt_token_ids": [5, 17, image_token, 9] * 2,
+                 "multi_modal_data": {"image": [a, b]}},
+                {"prompt_token_ids": [image_token, 64, 8], "multi_modal_data": {"image": [a]}},
+                {"prompt_token_ids": PROMPTS[2]}]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    got = []
+    for eager in (False, True):
+        llm = LLM(str(tmp_path), device="cuda", dtype="float32", block_size=16,
+                  gpu_memory_utilization=0.3, max_num_batched_tokens=96, enforce_eager=eager)
+        if not got:
+            expected = []
+            hf.generation_config.eos_token_id = None
+            for request in requests:
+                ids, items = llm.engine.input_processor.process(
+                    request["prompt_token_ids"], request.get("multi_modal_data", {}))
+                kwargs: dict[str, Any] = {}
+                if items:
+                    kwargs = {
+                        "pixel_values": torch.stack([i.data["pixel_values"] for i in items]),
+                        "image_position_ids": torch.stack([i.data["position_ids"]
+                                                           for i in items]),
+                        "mm_token_type_ids": (torch.tensor([ids]) == image_token).long()}
+                with torch.no_grad():
+                    out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
+                                      max_new_tokens=24, do_sample=False, **kwargs)
+                expected.append([int(t) for t in out[0, len(ids):]])
+        outs = llm.generate(requests, params, use_tqdm=False)
+        llm.shutdown()
+        got.append([o.outputs[0].token_ids for o in outs])
+    assert got[0] == expected and got[1] == expected

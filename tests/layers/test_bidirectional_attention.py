@@ -123,6 +123,13 @@ def test_spans_match_a_dense_mask(backend_cls: type, window: int | None, cap: fl
     # the same call without spans differs exactly on the span rows (the test can fail)
     with set_forward_context(ForwardContext(metadata, [cache], [backend])):
         causal = layer(q, k_new.reshape(row, -1), v_new.reshape(row, -1), sinks=sinks)
+    # a layer that opts out (Gemma 4's global layers) stays causal inside the spans' context
+    causal_layer = Attention(HEADS, KV_HEADS, DIM, DIM**-0.5, 0, sliding_window=window,
+                             logit_softcap=cap, bidirectional_spans=False)
+    with set_forward_context(ForwardContext(metadata, [cache], [backend])), \
+            bidirectional_spans(spans):
+        opted_out = causal_layer(q, k_new.reshape(row, -1), v_new.reshape(row, -1), sinks=sinks)
+    torch.testing.assert_close(opted_out, causal)
     changed = (causal - out).abs().amax(-1) > 1e-6
     rows = set()
     for span in spans:

@@ -29,6 +29,7 @@ class Attention(KVCacheLayer):
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int,
         sliding_window: int | None = None, logit_softcap: float | None = None,
+        bidirectional_spans: bool = True,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -43,6 +44,9 @@ class Attention(KVCacheLayer):
         self.sliding_window = sliding_window
         #: Scores soft-capped to ``cap * tanh(score / cap)`` (Gemma 2); None: not capped.
         self.logit_softcap = logit_softcap
+        #: Whether the forward context's bidirectional spans apply to this layer (Gemma 3: every
+        #: layer; Gemma 4: its sliding layers only, its global layers stay causal).
+        self.bidirectional_spans = bidirectional_spans
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -88,8 +92,9 @@ class Attention(KVCacheLayer):
         if rotary is not None:
             if positions is None:
                 raise ValueError("Attention.forward: rotary needs positions")
+            spans = ctx.bidirectional and self.bidirectional_spans
             table = (rotary.whole_head_table(positions)
-                     if backend.rope_in_attention and not ctx.bidirectional else None)
+                     if backend.rope_in_attention and not spans else None)
             if table is not None:
                 query = q.reshape(num_tokens, self.num_heads, self.head_dim)
                 out = backend.forward_rope(query, k, v, kv_cache, metadata, self.scale,
@@ -104,7 +109,7 @@ class Attention(KVCacheLayer):
             backend.write_kv(key, value, kv_cache, metadata.slot_mapping)
         query = q.reshape(num_tokens, self.num_heads, self.head_dim)
         out = backend.forward(query, kv_cache, metadata, self.scale, **extra)
-        if ctx.bidirectional:  # rows that also see their span's later keys
+        if ctx.bidirectional and self.bidirectional_spans:  # rows that see their span's later keys
             out = out.reshape(num_tokens, self.num_heads, self.head_dim)
             attend_spans(out, query, kv_cache, metadata, ctx.bidirectional, scale=self.scale,
                          window=self.sliding_window, logit_softcap=self.logit_softcap,

@@ -15,6 +15,9 @@ global layers with a RoPE each) with these differences, each checked against tra
 - **KV sharing.** The last ``num_kv_shared_layers`` layers have no keys or values of their
   own: each attends over the cache of the last earlier layer of its type, which has written
   the step's keys by then (:class:`Gemma4SharedAttention`). They declare no cache.
+- **Images' tokens attend both ways on the sliding layers only** (``use_bidirectional_attention:
+  "vision"``; HF keeps the global layers causal, unlike Gemma 3): the forward context's
+  :class:`~mrv2.contract.forward_context.BidirectionalSpan` s apply to those layers.
 - **RoPE** per layer type; the global layers' default is ``proportional``
   (:func:`mrv2.layers.rotary._proportional_inv_freq`).
 - **Per-layer embeddings** (``hidden_size_per_layer_input`` > 0): a second token table
@@ -62,6 +65,7 @@ from mrv2.layers import (
     RowLinear,
     norm_linear,
 )
+from mrv2.layers.bidirectional import attend_spans
 from mrv2.layers.embedding import ScaledEmbedding
 from mrv2.layers.rotary import SUPPORTED_ROPE_TYPES
 from mrv2.layers.weights import load_param, load_stacked_weights
@@ -189,7 +193,8 @@ class Gemma4Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps=eps)
         self.rotary_emb = rope
         self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim,
-                              1.0, layer_idx, sliding_window=_window(config, kind))
+                              1.0, layer_idx, sliding_window=_window(config, kind),
+                              bidirectional_spans=kind == "sliding_attention")
 
     @property
     def in_proj(self) -> LinearBase:
@@ -247,8 +252,12 @@ class Gemma4SharedAttention(nn.Module):
                 raise ValueError(f"the {backend.name!r} attention backend does not take "
                                  "sliding_window")
             extra["sliding_window"] = self.sliding_window
-        out = backend.forward(query, ctx.kv_cache(self.source), ctx.metadata_of(self.source),
-                              1.0, **extra)
+        kv_cache, metadata = ctx.kv_cache(self.source), ctx.metadata_of(self.source)
+        out = backend.forward(query, kv_cache, metadata, 1.0, **extra)
+        if ctx.bidirectional and self.sliding_window is not None:  # an image's tokens
+            out = out.reshape(query.shape)
+            attend_spans(out, query, kv_cache, metadata, ctx.bidirectional, scale=1.0,
+                         window=self.sliding_window, logit_softcap=None, sinks=None)
         return cast(torch.Tensor, self.o_proj(out.reshape(num_tokens, -1)))
 
 

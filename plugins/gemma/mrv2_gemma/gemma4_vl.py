@@ -1,17 +1,21 @@
 """Gemma 4's multimodal checkpoints (``Gemma4ForConditionalGeneration``: a vision tower, an
-audio tower, their embedders and Gemma 4's text decoder) served for **text prompts only**.
+audio tower, their embedders and Gemma 4's text decoder): text and images.
 
 ``config.json`` nests the decoder's config under ``text_config``;
 :class:`Gemma4ForConditionalGeneration` is :class:`~mrv2_gemma.gemma4.Gemma4ForCausalLM` built
-from it, the LM head tied by the *top-level* ``tie_word_embeddings`` as HF ties it. For a
-prompt without media HF runs the text decoder alone, with one change this model makes too:
-the media placeholder ids (``image_token_id``, ``video_token_id``, ``audio_token_id``) are
-embedded (per-layer embeddings included) as ``text_config.pad_token_id``.
+from it, the LM head tied by the *top-level* ``tie_word_embeddings`` as HF ties it, plus the
+image encoder (:class:`~mrv2_gemma.gemma4_vision.Gemma4VisionEncoder`) when the config has a
+``vision_config``. As in HF, the media placeholder ids (``image_token_id``, ``video_token_id``,
+``audio_token_id``) are embedded (per-layer embeddings included) as
+``text_config.pad_token_id``; an image's soft tokens then replace its placeholders'
+embeddings, and with ``use_bidirectional_attention: "vision"`` attend to each other both ways
+on the sliding layers (the step's spans, from the model state, set around the decoder by
+:meth:`Gemma4ForConditionalGeneration.forward`). Prompts and images: the input processor and
+model state of :mod:`mrv2_gemma.gemma4_inputs`.
 
-Not supported: images, video and audio. The towers and embedders are not built; their
-tensors are skipped at load (a text tensor matching no parameter is still an error). A prompt
-with ``multi_modal_data`` (or a media part in ``LLM.chat`` / the chat API) is refused when it
-arrives, before anything of it runs, by :class:`Gemma4MediaRefused`.
+Not supported yet: video and audio (refused by the input processor, naming the key). The audio
+tower's and embedder's tensors are skipped at load (a text tensor matching no parameter is
+still an error).
 
 Checkpoints load in transformers 5.17's names, which its ``save_pretrained`` writes
 (``model.language_model.*``, ``lm_head.weight`` when untied, ``model.vision_tower.*``,
@@ -22,23 +26,24 @@ published layout (``language_model.model.*``, ``language_model.lm_head.*``, ``vi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
-from mrv2.contract.input_processor import InputProcessor
-from mrv2.contract.requests import MultiModalItem
+from mrv2.contract.forward_context import BidirectionalSpan, bidirectional_spans
 from mrv2.model_loader.build import text_config_of
 from mrv2_gemma.gemma4 import Gemma4ForCausalLM
+from mrv2_gemma.gemma4_vision import VISION_CHECKPOINT_PREFIXES, Gemma4VisionEncoder
 
 __all__ = ["ARCHITECTURE", "MEDIA_PREFIXES", "Gemma4ForConditionalGeneration",
-           "Gemma4MediaRefused", "gemma4_text_config"]
+           "gemma4_text_config"]
 
 ARCHITECTURE = "Gemma4ForConditionalGeneration"
 
 _MEDIA_MODULES = ("vision_tower.", "audio_tower.", "embed_vision.", "embed_audio.")
-#: Checkpoint names of the media towers and embedders (skipped at load).
+#: Checkpoint names of the media towers and embedders (the decoder skips them; the vision
+#: tower's and embedder's go to the image encoder).
 MEDIA_PREFIXES: tuple[str, ...] = tuple("model." + m for m in _MEDIA_MODULES) + _MEDIA_MODULES
 
 #: The text decoder's checkpoint prefixes and the names the decoder loads them as.
@@ -70,6 +75,9 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
     def __init__(self, config: Any) -> None:
         super().__init__(gemma4_text_config(config))
         self.hf_config = config
+        #: The image encoder (None: a checkpoint without ``vision_config``).
+        self.vision = (Gemma4VisionEncoder(config)
+                       if getattr(config, "vision_config", None) is not None else None)
         ids = (getattr(config, name, None) for name in
                ("image_token_id", "video_token_id", "audio_token_id"))
         #: Placeholder ids embedded as the pad token, as HF embeds them without media.
@@ -88,9 +96,40 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().embed_input_ids(self.text_ids(input_ids))
 
+    def embed_image(self, pixel_values: torch.Tensor, position_ids: torch.Tensor,
+                    grid: tuple[int, int]) -> torch.Tensor:
+        """One image's patches and positions (its ``(width, height)`` patch grid known on the
+        host) -> its soft tokens ``[n, hidden_size]`` in the model dtype."""
+        if self.vision is None:
+            raise ValueError(f"{ARCHITECTURE}: the checkpoint has no vision_config")
+        tokens = self.vision(pixel_values, position_ids, grid)
+        return tokens.to(self.model.embed_tokens.weight.dtype)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return super().forward(self.text_ids(input_ids), positions, inputs_embeds)
+                inputs_embeds: torch.Tensor | None = None,
+                bidirectional: Sequence[BidirectionalSpan] | None = None) -> torch.Tensor:
+        """The decoder's forward over the ids with placeholders as pad; ``bidirectional``: the
+        step's image spans (the model state's, for steps with image tokens)."""
+        with bidirectional_spans(bidirectional):
+            return super().forward(self.text_ids(input_ids), positions, inputs_embeds)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The decoder's tensors through its loader (the audio tower's skipped), the vision
+        tower's and embedder's through the image encoder's."""
+        vision: list[tuple[str, torch.Tensor]] = []
+        encoder = self.vision
+
+        def text() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if encoder is not None and name.startswith(VISION_CHECKPOINT_PREFIXES):
+                    vision.append((name, tensor))
+                else:
+                    yield name, tensor
+
+        loaded = super().load_weights(text())
+        if encoder is None:
+            return loaded
+        return loaded | {"vision." + name for name in encoder.load_weights(vision)}
 
     def rename(self, name: str) -> str | None:
         """A checkpoint name as the decoder's (None: a media tensor, skipped):
@@ -103,28 +142,3 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
                 name = replacement + name[len(prefix):]
                 break
         return super().rename(name)
-
-
-class Gemma4MediaRefused(InputProcessor):
-    """The input processor of ``Gemma4ForConditionalGeneration``: refuses every prompt that
-    carries media, naming the architecture, before anything of it runs (module docstring).
-    A ``multi_modal_data`` with no items passes as text."""
-
-    def process(self, prompt_token_ids: list[int], mm_data: Mapping[str, Any]
-                ) -> tuple[list[int], list[MultiModalItem]]:
-        """ValueError for any media item; the prompt unchanged when there is none."""
-        carried = sorted(key for key, value in mm_data.items() if _has_items(value))
-        if carried:
-            raise ValueError(
-                f"multi_modal_data ({', '.join(carried)}): media are not supported for "
-                f"{ARCHITECTURE}; mrv2 serves this architecture's text prompts only (send the "
-                "prompt without images, video or audio)")
-        return list(prompt_token_ids), []
-
-
-def _has_items(value: Any) -> bool:
-    if value is None:
-        return False
-    if isinstance(value, (list, tuple)):
-        return len(value) > 0
-    return True

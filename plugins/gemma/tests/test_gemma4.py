@@ -3,7 +3,7 @@ cache (prompts past the local window) for a config with everything on (per-layer
 KV sharing, keys as values, a double-wide MLP, proportional RoPE, soft-capped logits,
 ``layer_scalar`` s), a plain one (no PLE or sharing, biases) and the MoE block; greedy tokens
 through the engine with chunked prefill; the multimodal checkpoint for text prompts (its
-names, media tensors skipped, placeholder ids as pad, media refused); bad configs refused."""
+names, the audio tensors skipped, placeholder ids as pad); bad configs refused."""
 
 from __future__ import annotations
 
@@ -201,9 +201,9 @@ def _save_multimodal(path: Path, tied: bool) -> torch.nn.Module:
 @pytest.mark.parametrize("tied", [True, False])
 def test_multimodal_checkpoint_serves_text(tmp_path: Path, tied: bool) -> None:
     """``Gemma4ForConditionalGeneration`` as transformers 5.17 saves it: the decoder under
-    ``model.language_model.*`` (the head tied by the top-level flag), the towers' and
-    embedders' tensors skipped; logits as HF's for text prompts, media placeholder ids
-    embedded as pad as HF does."""
+    ``model.language_model.*`` (the head tied by the top-level flag), the vision tower's and
+    embedder's tensors loaded into the image encoder, the audio ones skipped; logits as HF's
+    for text prompts, media placeholder ids embedded as pad as HF does."""
     hf = _save_multimodal(tmp_path, tied)
     names = checkpoint_names(tmp_path)
     assert "model.language_model.embed_tokens_per_layer.weight" in names
@@ -226,7 +226,8 @@ def test_multimodal_checkpoint_serves_text(tmp_path: Path, tied: bool) -> None:
 
 def test_multimodal_engine_serves_text_and_refuses_media(tmp_path: Path) -> None:
     """Greedy tokens of the multimodal checkpoint through the engine are HF's; a prompt with
-    an image is refused naming the architecture, one with an empty image list is text."""
+    an image, the checkpoint shipping no image processor config, is refused naming the file,
+    one with an empty image list is text (images: ``test_gemma4_images.py``)."""
     hf = _save_multimodal(tmp_path, tied=False)
     llm = LLM(str(tmp_path), device="cpu", dtype="float32", block_size=4,
               max_num_batched_tokens=8)
@@ -235,7 +236,7 @@ def test_multimodal_engine_serves_text_and_refuses_media(tmp_path: Path) -> None
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
     assert out[0].outputs[0].token_ids == _hf_generate(hf, prompt, 6)
-    with pytest.raises(ValueError, match="not supported for Gemma4ForConditionalGeneration"):
+    with pytest.raises(ValueError, match="multi_modal_data.image: no preprocessor_config.json"):
         llm.generate([{"prompt_token_ids": [7, 297, 8], "multi_modal_data": {"image": [
             torch.zeros(3, 16, 16)]}}], params, use_tqdm=False)
     empty = llm.generate([{"prompt_token_ids": prompt, "multi_modal_data": {"image": []}}],
