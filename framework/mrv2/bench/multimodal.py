@@ -14,7 +14,8 @@ greedy tokens. The bench reports:
 
 With ``--text-model`` it also gives the TPOT of a text model, the comparison the VL model's
 decode should match. The placeholder tokens come from the config: Gemma 3's
-``boi_token_index`` (``<start_of_image>``), else Qwen-VL's ``vision_start_token_id``,
+``boi_token_index`` (``<start_of_image>``), Gemma 4's ``image_token_id`` (with a
+``boi_token_id``), else Qwen-VL's ``vision_start_token_id``,
 ``image_token_id``, ``vision_end_token_id``. Bundled configs: ``Qwen2.5-VL-7B``,
 ``Qwen3-VL-8B``, ``gemma-3-4b-it``.
 """
@@ -45,6 +46,9 @@ def image_prompt(engine: LLMEngine, prompt_len: int, seed: int) -> list[int]:
     if getattr(config, "boi_token_index", None) is not None:  # Gemma 3
         marks = [int(config.boi_token_index)]
         special = [*marks, int(config.eoi_token_index), int(config.image_token_index)]
+    elif getattr(config, "boi_token_id", None) is not None:  # Gemma 4: the image token
+        marks = [int(config.image_token_id)]
+        special = [*marks, int(config.boi_token_id), int(config.eoi_token_id)]
     else:  # Qwen-VL
         marks = [int(config.vision_start_token_id), int(config.image_token_id),
                  int(config.vision_end_token_id)]

@@ -134,3 +134,19 @@ def test_greedy_tokens_match_hf_with_images(tmp_path: Path,
             llm.generate([{"prompt_token_ids": [5, IMAGE],
                            "multi_modal_data": {key: [a]}}], params, use_tqdm=False)
     assert not llm.engine.has_unfinished()
+
+
+def test_bench_multimodal_runs(tmp_path: Path) -> None:
+    """``mrv2 bench multimodal`` on the tiny Gemma 4 (CPU): every row reported."""
+    from mrv2.bench.multimodal import bench
+    from mrv2.entrypoints.cli import build_parser
+
+    _checkpoint(tmp_path)
+    args = build_parser().parse_args([
+        "bench", "multimodal", "--model", str(tmp_path), "--device", "cpu", "--dtype",
+        "float32", "--load-format", "auto", "--batch-sizes", "1", "2", "--image-size", "40",
+        "--prompt-len", "6", "--new-tokens", "3", "--max-model-len", "256"])
+    results = bench(args)
+    assert results["encoder_ms_per_image"] > 0
+    assert [r["batch"] for r in results["with_image"]] == [1, 2]
+    assert all(r["images_per_s"] > 0 and r["tpot_ms"] > 0 for r in results["with_image"])
