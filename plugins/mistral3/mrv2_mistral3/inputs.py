@@ -1,0 +1,198 @@
+"""Mistral 3's images: the input processor (prompt expansion, the checkpoint's Pixtral image
+processor) and the model state (the encoder cache, each step's image rows).
+
+**Prompts.** A prompt carries one ``[IMG]`` (``config.image_token_index``) per image where the
+chat template puts it, as in HF and vLLM. Each is expanded as HF's ``PixtralProcessor``
+expands it: for each row of the image's merged patch grid, ``cols`` ``[IMG]`` tokens and an
+``[IMG_BREAK]``, the last row's break an ``[IMG_END]`` (the two ids from the checkpoint's
+tokenizer). The whole run, ``rows * (cols + 1)`` tokens, is the image's
+:class:`~mrv2.contract.requests.MultiModalItem`; attention stays causal, so a step may split it.
+
+**Images.** The checkpoint's image processor (``preprocessor_config.json``: resized within
+``size.longest_edge`` to multiples of ``patch_size * spatial_merge_size``, rescaled,
+normalized; its PIL backend where torchvision is absent) gives each image's pixels and real
+size; the item keeps the pixels cropped to that size, and its content hash is over them.
+
+**Each step** (:class:`Mistral3ModelState`): an image's rows come from the core's encoder
+cache (:class:`~mrv2.contract.encoder_cache.EncoderCacheModelState`): one run of the encoder,
+its features at the ``[IMG]`` rows and the text embeddings of ``[IMG_BREAK]`` / ``[IMG_END]``
+at the others, as HF leaves them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from mrv2.contract.encoder_cache import EncoderCacheModelState
+from mrv2.contract.input_processor import InputProcessor, load_image_processor
+from mrv2.contract.requests import MultiModalItem, NewRequest
+
+__all__ = ["Mistral3InputProcessor", "Mistral3ModelState", "image_layout"]
+
+
+def image_layout(image_size: tuple[int, int], cell: int) -> tuple[int, int]:
+    """``(rows, cols)`` of an image's merged patch grid: its real ``(h, w)`` in pixels over
+    ``cell = patch_size * spatial_merge_size``."""
+    return image_size[0] // cell, image_size[1] // cell
+
+
+class Mistral3InputProcessor(InputProcessor):
+    """Mistral 3's :class:`~mrv2.contract.input_processor.InputProcessor` (module doc)."""
+
+    def __init__(self, model_dir: str, hf_config: Any, tokenizer: Any, config: Any) -> None:
+        super().__init__(model_dir, hf_config, tokenizer, config)
+        self.image_token = int(hf_config.image_token_index)
+        self.cell = int(hf_config.vision_config.patch_size) * int(hf_config.spatial_merge_size)
+        self._missing = ""
+        self.image_processor: Any = None
+        self.break_id = self.end_id = -1
+        if tokenizer is None:
+            self._missing = (f"{hf_config.architectures} needs the checkpoint's tokenizer "
+                             "(the [IMG_BREAK] / [IMG_END] ids)")
+            return
+        hf = getattr(tokenizer, "hf", tokenizer)  # (the engine's wraps HF's)
+        ids = [hf.convert_tokens_to_ids(t) for t in ("[IMG_BREAK]", "[IMG_END]")]
+        unknown = getattr(hf, "unk_token_id", None)
+        if any(not isinstance(i, int) or i == unknown for i in ids):
+            self._missing = "the tokenizer has no [IMG_BREAK] / [IMG_END] tokens"
+            return
+        self.break_id, self.end_id = int(ids[0]), int(ids[1])
+        try:
+            self.image_processor = load_image_processor(model_dir, "PixtralImageProcessor")
+        except FileNotFoundError as error:  # (text prompts still run; images are refused)
+            self._missing = str(error)
+
+    def process(self, prompt_token_ids: list[int], mm_data: Mapping[str, Any]
+                ) -> tuple[list[int], list[MultiModalItem]]:
+        """Expand the ``[IMG]`` placeholders and make the images' items (module doc);
+        ValueError naming the field for bad input."""
+        unknown = sorted(set(mm_data) - {"image"})
+        if unknown:
+            raise ValueError(f"multi_modal_data has unsupported keys {unknown}; allowed: "
+                             "'image'")
+        images = mm_data.get("image", [])
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        if len(images) > self.limit_per_prompt:
+            raise ValueError(f"multi_modal_data.image: {len(images)} images; at most "
+                             f"{self.limit_per_prompt} per prompt (--limit-mm-per-prompt)")
+        places = [i for i, t in enumerate(prompt_token_ids) if t == self.image_token]
+        if len(places) != len(images):
+            raise ValueError(f"multi_modal_data.image: {len(images)} images but the prompt has "
+                             f"{len(places)} image placeholders (token {self.image_token}, "
+                             "[IMG]); put one per image")
+        if not images:
+            return list(prompt_token_ids), []
+        if self.image_processor is None:
+            raise ValueError(f"multi_modal_data.image: {self._missing}")
+        try:
+            out = self.image_processor(  # (HF's PixtralProcessor passes the merged patch)
+                images=images, patch_size={"height": self.cell, "width": self.cell},
+                return_tensors="pt")
+        except Exception as error:  # noqa: BLE001 (any decoding / format failure of an image)
+            raise ValueError(f"multi_modal_data.image: could not process the images: "
+                             f"{type(error).__name__}: {error}") from error
+        pixels = cast(torch.Tensor, out["pixel_values"])
+        sizes = [(int(h), int(w)) for h, w in out["image_sizes"].tolist()]
+        ids: list[int] = []
+        items: list[MultiModalItem] = []
+        previous = 0
+        for n, place in enumerate(places):
+            ids.extend(prompt_token_ids[previous:place])
+            (h, w), (rows, cols) = sizes[n], image_layout(sizes[n], self.cell)
+            image = pixels[n, :, :h, :w].contiguous()
+            data = {"pixel_values": image, "image_size": (h, w), "break_id": self.break_id,
+                    "end_id": self.end_id}
+            items.append(MultiModalItem("image", data, _content_hash(image), len(ids),
+                                        rows * (cols + 1)))
+            for row in range(rows):
+                ids.extend([self.image_token] * cols)
+                ids.append(self.end_id if row == rows - 1 else self.break_id)
+            previous = place + 1
+        ids.extend(prompt_token_ids[previous:])
+        return ids, items
+
+
+def _content_hash(pixels: torch.Tensor) -> str:
+    digest = hashlib.sha256(repr(tuple(pixels.shape)).encode())
+    digest.update(pixels.to(torch.float32).numpy().tobytes())
+    return "image:" + digest.hexdigest()
+
+
+class Mistral3ModelState(EncoderCacheModelState):
+    """The model state of ``Mistral3ForConditionalGeneration`` (module doc)."""
+
+    def __init__(self, model: Any, hf_config: Any, config: Any, buffers: Any, block_size: int,
+                 device: torch.device) -> None:
+        super().__init__(model, hf_config, config, buffers, block_size, device)
+        self.cell = int(hf_config.vision_config.patch_size) * int(hf_config.spatial_merge_size)
+        self.channels = int(getattr(hf_config.vision_config, "num_channels", 3))
+
+    def check_item(self, request: NewRequest, item: MultiModalItem) -> None:
+        """An image of ``[C, h, w]`` pixels (multiples of the merged patch) and
+        ``rows * (cols + 1)`` placeholders."""
+        super().check_item(request, item)
+        data = item.data if isinstance(item.data, Mapping) else {}
+        pixels, size = data.get("pixel_values"), data.get("image_size")
+        if not (isinstance(pixels, torch.Tensor) and isinstance(size, tuple)
+                and tuple(pixels.shape) == (self.channels, *size)
+                and size[0] % self.cell == 0 and size[1] % self.cell == 0 and min(size) > 0):
+            raise ValueError(f"request {request.req_id!r}: an image needs pixel_values "
+                             f"[{self.channels}, h, w] with (h, w) = image_size, multiples of "
+                             f"{self.cell}")
+        rows, cols = image_layout(size, self.cell)
+        if item.length != rows * (cols + 1):
+            raise ValueError(f"request {request.req_id!r}: an image of {rows} x {cols} merged "
+                             f"patches has {rows * (cols + 1)} tokens, got length "
+                             f"{item.length}")
+
+    def embed_item(self, item: MultiModalItem) -> torch.Tensor:
+        """The image's ``rows * (cols + 1)`` rows: one run of the encoder at the ``[IMG]``
+        rows, the ``[IMG_BREAK]`` / ``[IMG_END]`` text embeddings at the row ends."""
+        pixels = cast(torch.Tensor, item.data["pixel_values"])
+        size = cast(tuple[int, int], item.data["image_size"])
+        if self.device.type == "cuda":  # pinned, non-blocking: no host sync
+            pixels = pixels.pin_memory()
+        pixels = pixels.to(self.device, non_blocking=True)
+        model = cast(Any, self.model)
+        features = model.embed_image(pixels, size)  # [rows * cols, hidden]
+        rows, cols = image_layout(size, self.cell)
+        ends = torch.tensor([item.data["break_id"], item.data["end_id"]], device=self.device)
+        ends = model.embed_input_ids(ends).to(features.dtype)
+        out = torch.empty(rows, cols + 1, features.shape[-1], dtype=features.dtype,
+                          device=features.device)
+        out[:, :cols] = features.view(rows, cols, -1)
+        out[:, cols] = ends[0]
+        out[-1, cols] = ends[1]
+        return out.view(rows * (cols + 1), -1)
+
+    def profile_encoder(self, max_prompt_tokens: int) -> int:
+        """The encoder over the largest image the processor makes (a square of
+        ``size.longest_edge`` pixels, 1,024 unless ``preprocessor_config.json`` says
+        otherwise, within ``max_prompt_tokens``), random pixels, output dropped; returns
+        :attr:`encoder_cache_bytes`."""
+        side = _longest_edge(self.config.model.model) // self.cell
+        while side > 1 and side * (side + 1) > max_prompt_tokens:
+            side -= 1
+        if side >= 1:
+            pixels = torch.randn(self.channels, side * self.cell, side * self.cell,
+                                 device=self.device)
+            cast(Any, self.model).embed_image(pixels, (side * self.cell, side * self.cell))
+        return self.encoder_cache_bytes
+
+
+def _longest_edge(model_dir: str | None) -> int:
+    """The checkpoint image processor's ``size.longest_edge`` (1,024 where none is read)."""
+    if model_dir:
+        try:
+            config = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
+            size = config.get("size") if isinstance(config.get("size"), dict) else {}
+            return int(size.get("longest_edge") or 1024)
+        except (OSError, ValueError):
+            pass
+    return 1024

@@ -1,0 +1,114 @@
+"""Mistral 3's vision-language checkpoints (``Mistral3ForConditionalGeneration``: Mistral Small
+3.1 / 3.2 24B and their fine-tunes) in the mrv2 model contract.
+
+HF's model is Mistral's text decoder (Llama's layers; a ``sliding_window``, where the config
+sets one, on every layer) plus the image encoder (:class:`~mrv2_mistral3.vision.
+Mistral3VisionEncoder`: the Pixtral vision tower and the projector with its patch merger).
+The decoder is built from ``text_config``, the LM head tied by the *top-level*
+``tie_word_embeddings`` as HF ties it. An image's features replace its ``[IMG]`` placeholders'
+embeddings; the ``[IMG_BREAK]`` / ``[IMG_END]`` tokens between its rows keep their text
+embeddings (the model state, :mod:`mrv2_mistral3.inputs`, assembles an image's rows).
+Attention stays causal, as in HF.
+
+Checkpoints load in transformers 5.17's names (``model.language_model.*``,
+``model.vision_tower.*``, ``model.multi_modal_projector.*``, ``lm_head.weight``) and in the
+published layout (``language_model.model.*``, ``language_model.lm_head.weight``,
+``vision_tower.*``, ``multi_modal_projector.*``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from mrv2.layers import (
+    CausalLM,
+    DecoderLayer,
+    DecoderModel,
+    GatedMLP,
+    SelfAttention,
+    get_rope,
+    head_dim_of,
+)
+from mrv2.model_loader.build import text_config_of
+from mrv2_mistral3.vision import VISION_CHECKPOINT_PREFIXES, Mistral3VisionEncoder
+
+__all__ = ["ARCHITECTURE", "Mistral3ForConditionalGeneration"]
+
+ARCHITECTURE = "Mistral3ForConditionalGeneration"
+
+#: The text decoder's checkpoint prefixes and the names the decoder loads them as.
+_TEXT_PREFIXES: tuple[tuple[str, str], ...] = (
+    ("model.language_model.", "model."),  # transformers' in-memory names
+    ("language_model.model.", "model."),  # the published layout
+    ("language_model.lm_head.", "lm_head."),
+)
+
+
+def _text_config(config: Any) -> Any:
+    """``config.text_config`` with ``tie_word_embeddings`` set from the top level (in place, so
+    every reader agrees). ValueError where the config has none."""
+    text = text_config_of(config)
+    if text is config:
+        raise ValueError(f"config.json of {ARCHITECTURE} has no text_config")
+    tied = getattr(config, "tie_word_embeddings", None)
+    if tied is not None:
+        text.tie_word_embeddings = bool(tied)
+    return text
+
+
+class Mistral3ForConditionalGeneration(CausalLM):
+    """Mistral 3: Mistral's text decoder and the image encoder (``vision``; module doc).
+    ``config`` is the composite ``Mistral3Config`` (``self.hf_config``); ``self.config`` is its
+    ``text_config``."""
+
+    def __init__(self, config: Any) -> None:
+        text = _text_config(config)
+        rope = get_rope(text, head_dim_of(text))
+        bias = bool(getattr(text, "attention_bias", False))
+        mlp_bias = bool(getattr(text, "mlp_bias", False))
+
+        def layer(i: int) -> DecoderLayer:
+            attention = SelfAttention(text, i, rope, qkv_bias=bias, o_bias=bias)
+            mlp = GatedMLP(text.hidden_size, text.intermediate_size, text.hidden_act,
+                           bias=mlp_bias)
+            return DecoderLayer(text, attention, mlp)
+
+        super().__init__(text, DecoderModel(text, layer))
+        self.hf_config = config
+        self.vision = Mistral3VisionEncoder(config)
+
+    def embed_image(self, pixel_values: torch.Tensor, image_size: tuple[int, int]
+                    ) -> torch.Tensor:
+        """One image's pixels ``[C, H, W]`` (its real ``(h, w)`` known on the host) -> its
+        features ``[rows * cols, hidden_size]`` (merged patches, row-major) in the model
+        dtype."""
+        return self.vision(pixel_values, image_size).to(self.model.embed_tokens.weight.dtype)
+
+    def rename(self, name: str) -> str | None:
+        """A text checkpoint name as the decoder's (None: an image-encoder tensor, which
+        :meth:`load_weights` hands to the encoder)."""
+        if name.startswith(VISION_CHECKPOINT_PREFIXES):
+            return None
+        for prefix, replacement in _TEXT_PREFIXES:
+            if name.startswith(prefix):
+                name = replacement + name[len(prefix):]
+                break
+        return super().rename(name)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The decoder's tensors through its loader, the vision tower's and the projector's
+        through the encoder's."""
+        vision: list[tuple[str, torch.Tensor]] = []
+
+        def text() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if name.startswith(VISION_CHECKPOINT_PREFIXES):
+                    vision.append((name, tensor))
+                else:
+                    yield name, tensor
+
+        loaded = super().load_weights(text())
+        return loaded | {"vision." + name for name in self.vision.load_weights(vision)}
