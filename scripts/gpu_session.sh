@@ -321,16 +321,17 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
              # A operand (Gluon), checked against the dequantized weights and timed at 16-64 rows
              python3 scripts/proto_gluon_mxfp4.py --check-repack 2>&1 | tail -1
              timeout 200 python3 scripts/proto_gluon_mxfp4.py --run 2>&1 | tee "$OUT/gluonrs.log" | tail -6 ;;
-    gemma3vl) # Gemma 3, Gemma 4 and Mistral 3 with images, Gemma 4's text decoder: their GPU
+    gemma3vl) # Gemma 3, Gemma 4, Mistral 3, InternVL with images, Gemma 4's text decoder: GPU
               # tests (HF parity with graphs, bidirectional image spans; Gemma 4's MoE on the
               # GeGLU kernels), then
               # mrv2 bench multimodal on gemma-3-4b-it (random weights, 896 x 896 images,
               # batch 1 / 16 / 64) beside its text-only TPOT
-              timeout 260 python3 -m pytest -q -p no:cacheprovider -m gpu \
+              timeout 320 python3 -m pytest -q -p no:cacheprovider -m gpu \
                 tests/gpu/test_gpu_gemma3_images.py tests/gpu/test_gpu_gemma.py \
-                tests/gpu/test_gpu_gemma4.py tests/gpu/test_gpu_mistral3.py 2>&1 \
+                tests/gpu/test_gpu_gemma4.py tests/gpu/test_gpu_mistral3.py \
+                tests/gpu/test_gpu_internvl.py 2>&1 \
                 | tee "$OUT/gemma3vl_tests.log" | tail -3
-              timeout 300 python3 -m mrv2.entrypoints.cli bench multimodal --model gemma-3-4b-it \
+              timeout 200 python3 -m mrv2.entrypoints.cli bench multimodal --model gemma-3-4b-it \
                 --image-size 896 --json "$OUT/gemma3vl_bench.json" > "$OUT/gemma3vl_bench.log" 2>&1
               python3 -c "import json, sys; d = json.load(open(sys.argv[1])); \
                 print('encoder ms/image', d['encoder_ms_per_image']); \

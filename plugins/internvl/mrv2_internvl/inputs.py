@@ -1,0 +1,182 @@
+"""InternVL's images: the input processor (prompt expansion, the checkpoint's tiling image
+processor) and the model state (the encoder cache, each step's image rows).
+
+**Prompts.** A prompt carries one ``<IMG_CONTEXT>`` (``config.image_token_id``) per image where
+the chat template puts it, as HF's ``InternVLProcessor`` takes it. Each is expanded as HF
+expands it: ``<img>``, ``tokens_per_tile x tiles`` ``<IMG_CONTEXT>`` tokens, ``</img>`` (the
+two marks' ids from the checkpoint's tokenizer). The context run is the image's
+:class:`~mrv2.contract.requests.MultiModalItem`; attention stays causal, so a step may split
+it.
+
+**Images.** The checkpoint's image processor (``preprocessor_config.json``: GOT-OCR2's, with
+``crop_to_patches`` on as HF's processor sets it: the image cut into up to ``max_patches``
+square tiles of the vision tower's size by its aspect ratio, plus a thumbnail; its PIL backend
+where torchvision is absent) gives each image's tiles; the content hash is over them.
+
+**Each step** (:class:`InternVLModelState`): an image's rows come from the core's encoder cache
+(:class:`~mrv2.contract.encoder_cache.EncoderCacheModelState`: one run of the encoder over the
+image's tiles).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from mrv2.contract.encoder_cache import EncoderCacheModelState
+from mrv2.contract.input_processor import InputProcessor, load_image_processor
+from mrv2.contract.requests import MultiModalItem, NewRequest
+
+__all__ = ["InternVLInputProcessor", "InternVLModelState", "tokens_per_tile"]
+
+
+def tokens_per_tile(hf_config: Any) -> int:
+    """Soft tokens of one tile: ``(image_size / patch_size)**2 * downsample_ratio**2``."""
+    vision = hf_config.vision_config
+    size, patch = vision.image_size, vision.patch_size
+    size = size[0] if isinstance(size, (list, tuple)) else size
+    patch = patch[0] if isinstance(patch, (list, tuple)) else patch
+    return int((int(size) // int(patch)) ** 2 * float(hf_config.downsample_ratio) ** 2)
+
+
+class InternVLInputProcessor(InputProcessor):
+    """InternVL's :class:`~mrv2.contract.input_processor.InputProcessor` (module doc)."""
+
+    def __init__(self, model_dir: str, hf_config: Any, tokenizer: Any, config: Any) -> None:
+        super().__init__(model_dir, hf_config, tokenizer, config)
+        self.image_token = int(hf_config.image_token_id)
+        self.per_tile = tokens_per_tile(hf_config)
+        self._missing = ""
+        self.image_processor: Any = None
+        self.start_id = self.end_id = -1
+        if tokenizer is None:
+            self._missing = (f"{hf_config.architectures} needs the checkpoint's tokenizer "
+                             "(the <img> / </img> ids)")
+            return
+        hf = getattr(tokenizer, "hf", tokenizer)  # (the engine's wraps HF's)
+        ids = [hf.convert_tokens_to_ids(t) for t in ("<img>", "</img>")]
+        unknown = getattr(hf, "unk_token_id", None)
+        if any(not isinstance(i, int) or i == unknown for i in ids):
+            self._missing = "the tokenizer has no <img> / </img> tokens"
+            return
+        self.start_id, self.end_id = int(ids[0]), int(ids[1])
+        try:
+            self.image_processor = load_image_processor(model_dir, "GotOcr2ImageProcessor")
+        except FileNotFoundError as error:  # (text prompts still run; images are refused)
+            self._missing = str(error)
+
+    def process(self, prompt_token_ids: list[int], mm_data: Mapping[str, Any]
+                ) -> tuple[list[int], list[MultiModalItem]]:
+        """Expand the ``<IMG_CONTEXT>`` placeholders and make the images' items (module doc);
+        ValueError naming the field for bad input."""
+        unknown = sorted(set(mm_data) - {"image"})
+        if unknown:
+            raise ValueError(f"multi_modal_data has unsupported keys {unknown}; allowed: "
+                             "'image'")
+        images = mm_data.get("image", [])
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        if len(images) > self.limit_per_prompt:
+            raise ValueError(f"multi_modal_data.image: {len(images)} images; at most "
+                             f"{self.limit_per_prompt} per prompt (--limit-mm-per-prompt)")
+        places = [i for i, t in enumerate(prompt_token_ids) if t == self.image_token]
+        if len(places) != len(images):
+            raise ValueError(f"multi_modal_data.image: {len(images)} images but the prompt has "
+                             f"{len(places)} image placeholders (token {self.image_token}, "
+                             "<IMG_CONTEXT>); put one per image")
+        if not images:
+            return list(prompt_token_ids), []
+        if self.image_processor is None:
+            raise ValueError(f"multi_modal_data.image: {self._missing}")
+        try:
+            out = self.image_processor(images=images, crop_to_patches=True,
+                                       return_tensors="pt")
+        except Exception as error:  # noqa: BLE001 (any decoding / format failure of an image)
+            raise ValueError(f"multi_modal_data.image: could not process the images: "
+                             f"{type(error).__name__}: {error}") from error
+        pixels = cast(torch.Tensor, out["pixel_values"])
+        tiles = [int(n) for n in out["num_patches"]]
+        ids: list[int] = []
+        items: list[MultiModalItem] = []
+        previous, first = 0, 0
+        for n, place in enumerate(places):
+            ids.extend(prompt_token_ids[previous:place])
+            ids.append(self.start_id)
+            image = pixels[first: first + tiles[n]].contiguous()
+            first += tiles[n]
+            length = self.per_tile * tiles[n]
+            items.append(MultiModalItem("image", {"pixel_values": image},
+                                        _content_hash(image), len(ids), length))
+            ids.extend([self.image_token] * length)
+            ids.append(self.end_id)
+            previous = place + 1
+        ids.extend(prompt_token_ids[previous:])
+        return ids, items
+
+
+def _content_hash(pixels: torch.Tensor) -> str:
+    digest = hashlib.sha256(repr(tuple(pixels.shape)).encode())
+    digest.update(pixels.to(torch.float32).numpy().tobytes())
+    return "image:" + digest.hexdigest()
+
+
+class InternVLModelState(EncoderCacheModelState):
+    """The model state of ``InternVLForConditionalGeneration`` (module doc)."""
+
+    def __init__(self, model: Any, hf_config: Any, config: Any, buffers: Any, block_size: int,
+                 device: torch.device) -> None:
+        super().__init__(model, hf_config, config, buffers, block_size, device)
+        self.per_tile = tokens_per_tile(hf_config)
+        size = hf_config.vision_config.image_size
+        self.side = int(size[0] if isinstance(size, (list, tuple)) else size)
+
+    def check_item(self, request: NewRequest, item: MultiModalItem) -> None:
+        """An image of ``[tiles, 3, S, S]`` pixels and ``tokens_per_tile * tiles``
+        placeholders."""
+        super().check_item(request, item)
+        data = item.data if isinstance(item.data, Mapping) else {}
+        pixels = data.get("pixel_values")
+        if not (isinstance(pixels, torch.Tensor) and pixels.dim() == 4
+                and tuple(pixels.shape[1:]) == (3, self.side, self.side)):
+            raise ValueError(f"request {request.req_id!r}: an image needs pixel_values "
+                             f"[tiles, 3, {self.side}, {self.side}]")
+        if item.length != self.per_tile * pixels.shape[0]:
+            raise ValueError(f"request {request.req_id!r}: an image of {pixels.shape[0]} tiles "
+                             f"has {self.per_tile * pixels.shape[0]} tokens, got length "
+                             f"{item.length}")
+
+    def embed_item(self, item: MultiModalItem) -> torch.Tensor:
+        """One run of the encoder over the image's tiles: ``[tiles * tokens_per_tile,
+        hidden_size]``."""
+        pixels = cast(torch.Tensor, item.data["pixel_values"])
+        if self.device.type == "cuda":  # pinned, non-blocking: no host sync
+            pixels = pixels.pin_memory()
+        pixels = pixels.to(self.device, non_blocking=True)
+        return cast(torch.Tensor, cast(Any, self.model).embed_image(pixels))
+
+    def profile_encoder(self, max_prompt_tokens: int) -> int:
+        """The encoder over as many tiles as one image may have (the image processor's
+        ``max_patches`` and a thumbnail: 13 unless ``preprocessor_config.json`` says otherwise,
+        within ``max_prompt_tokens``), random pixels, output dropped; returns
+        :attr:`encoder_cache_bytes`."""
+        tiles = min(_max_tiles(self.config.model.model),
+                    max_prompt_tokens // max(1, self.per_tile))
+        if tiles >= 1:
+            pixels = torch.randn(tiles, 3, self.side, self.side, device=self.device)
+            cast(Any, self.model).embed_image(pixels)
+        return self.encoder_cache_bytes
+
+
+def _max_tiles(model_dir: str | None) -> int:
+    """The image processor's ``max_patches`` plus the thumbnail (12 + 1 where none is read)."""
+    if model_dir:
+        try:
+            config = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
+            return int(config.get("max_patches") or 12) + 1
+        except (OSError, ValueError):
+            pass
+    return 13

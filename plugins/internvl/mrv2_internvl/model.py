@@ -1,0 +1,120 @@
+"""InternVL's vision-language checkpoints in transformers' format
+(``InternVLForConditionalGeneration``: InternVL3 1B-78B, InternVL3.5 dense) in the mrv2 model
+contract.
+
+HF's model is a text decoder (the ``text_config``: Qwen2, Qwen3 or Llama) plus the image
+encoder (:class:`~mrv2_internvl.vision.InternVLVisionEncoder`: InternViT over each tile of an
+image, pixel shuffle, the projector). The decoder is built here from the core's layers for
+those three kinds (Qwen2: biased q/k/v; Qwen3: per-head q/k norms; Llama: neither) and refused
+with a ValueError naming ``text_config.model_type`` for any other; the LM head is tied by the
+*top-level* ``tie_word_embeddings`` as HF ties it. An image's features replace its
+``<IMG_CONTEXT>`` placeholders' embeddings; attention stays causal, as in HF.
+
+Checkpoints load in transformers 5.17's names (``model.language_model.*``,
+``model.vision_tower.*``, ``model.multi_modal_projector.*``, ``lm_head.weight``) and in the
+layout without ``model.`` (``language_model.model.*``, ``language_model.lm_head.weight``,
+``vision_tower.*``, ``multi_modal_projector.*``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from mrv2.layers import (
+    CausalLM,
+    DecoderLayer,
+    DecoderModel,
+    GatedMLP,
+    SelfAttention,
+    get_rope,
+    head_dim_of,
+)
+from mrv2.model_loader.build import text_config_of
+from mrv2_internvl.vision import VISION_CHECKPOINT_PREFIXES, InternVLVisionEncoder
+
+__all__ = ["ARCHITECTURE", "TEXT_KINDS", "InternVLForConditionalGeneration"]
+
+ARCHITECTURE = "InternVLForConditionalGeneration"
+
+#: The text decoders built here: ``model_type`` -> (q/k/v bias, per-head q/k norms).
+TEXT_KINDS: dict[str, tuple[bool, bool]] = {"qwen2": (True, False), "qwen3": (False, True),
+                                            "llama": (False, False)}
+
+#: The text decoder's checkpoint prefixes and the names the decoder loads them as.
+_TEXT_PREFIXES: tuple[tuple[str, str], ...] = (
+    ("model.language_model.", "model."),  # transformers' in-memory names
+    ("language_model.model.", "model."),  # the layout without ``model.``
+    ("language_model.lm_head.", "lm_head."),
+)
+
+
+def _text_config(config: Any) -> Any:
+    """``config.text_config`` with ``tie_word_embeddings`` from the top level (in place);
+    ValueError where it is missing or of a kind not built here."""
+    text = text_config_of(config)
+    if text is config:
+        raise ValueError(f"config.json of {ARCHITECTURE} has no text_config")
+    kind = getattr(text, "model_type", None)
+    if kind not in TEXT_KINDS:
+        raise ValueError(f"config.json text_config.model_type = {kind!r} is not supported for "
+                         f"{ARCHITECTURE}; supported: {sorted(TEXT_KINDS)}")
+    tied = getattr(config, "tie_word_embeddings", None)
+    if tied is not None:
+        text.tie_word_embeddings = bool(tied)
+    return text
+
+
+class InternVLForConditionalGeneration(CausalLM):
+    """InternVL: the text decoder and the image encoder (``vision``; module doc). ``config``
+    is the composite ``InternVLConfig`` (``self.hf_config``); ``self.config`` is its
+    ``text_config``."""
+
+    def __init__(self, config: Any) -> None:
+        text = _text_config(config)
+        qkv_bias, qk_norm = TEXT_KINDS[text.model_type]
+        bias = qkv_bias or bool(getattr(text, "attention_bias", False))
+        rope = get_rope(text, head_dim_of(text))
+
+        def layer(i: int) -> DecoderLayer:
+            attention = SelfAttention(text, i, rope, qkv_bias=bias, qk_norm=qk_norm,
+                                      o_bias=bool(getattr(text, "attention_bias", False)))
+            mlp = GatedMLP(text.hidden_size, text.intermediate_size, text.hidden_act)
+            return DecoderLayer(text, attention, mlp)
+
+        super().__init__(text, DecoderModel(text, layer))
+        self.hf_config = config
+        self.vision = InternVLVisionEncoder(config)
+
+    def embed_image(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """One image's tiles ``[tiles, 3, S, S]`` -> its features ``[tiles * tokens_per_tile,
+        hidden_size]`` in the model dtype."""
+        return self.vision(pixel_values).to(self.model.embed_tokens.weight.dtype)
+
+    def rename(self, name: str) -> str | None:
+        """A text checkpoint name as the decoder's (None: an image-encoder tensor, which
+        :meth:`load_weights` hands to the encoder)."""
+        if name.startswith(VISION_CHECKPOINT_PREFIXES):
+            return None
+        for prefix, replacement in _TEXT_PREFIXES:
+            if name.startswith(prefix):
+                name = replacement + name[len(prefix):]
+                break
+        return super().rename(name)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The decoder's tensors through its loader, the vision tower's and the projector's
+        through the encoder's."""
+        vision: list[tuple[str, torch.Tensor]] = []
+
+        def text() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if name.startswith(VISION_CHECKPOINT_PREFIXES):
+                    vision.append((name, tensor))
+                else:
+                    yield name, tensor
+
+        loaded = super().load_weights(text())
+        return loaded | {"vision." + name for name in self.vision.load_weights(vision)}
