@@ -22,10 +22,10 @@ testing = pytest.importorskip("mrv2_qwen_vl.testing")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["qwen2.5-vl", "qwen3-vl"])
+@pytest.fixture(scope="module", params=["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
 def ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    make = testing.make_tiny_qwen_vl if request.param == "qwen2.5-vl" else \
-        testing.make_tiny_qwen3_vl
+    make = {"qwen2-vl": testing.make_tiny_qwen2_vl, "qwen2.5-vl": testing.make_tiny_qwen_vl,
+            "qwen3-vl": testing.make_tiny_qwen3_vl}[request.param]
     return Path(make(tmp_path_factory.mktemp("qwen_vl")))
 
 

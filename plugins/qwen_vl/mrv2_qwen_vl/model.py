@@ -1,4 +1,6 @@
-"""Qwen2.5-VL (``Qwen2_5_VLForConditionalGeneration``) in the mrv2 model contract.
+"""Qwen2.5-VL (``Qwen2_5_VLForConditionalGeneration``) and Qwen2-VL
+(``Qwen2VLForConditionalGeneration``: the same decoder, its own vision tower) in the mrv2 model
+contract.
 
 The language model is Qwen2's decoder (q/k/v biased, no q/k norm) over the flat token batch,
 rotating by M-RoPE (:mod:`mrv2_qwen_vl.mrope`: its positions are ``[3, T]``, which the model
@@ -13,16 +15,17 @@ transformers' in-memory names (``model.language_model.*``, ``model.visual.*``).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from mrv2.layers import CausalLM, DecoderLayer, DecoderModel, GatedMLP, SelfAttention, head_dim_of
 from mrv2.model_loader.build import text_config_of
 from mrv2_qwen_vl.mrope import get_mrope
-from mrv2_qwen_vl.vision import CHECKPOINT_PREFIXES, Qwen25VisionTower
+from mrv2_qwen_vl.vision import CHECKPOINT_PREFIXES, Qwen25VisionTower, QwenVisionBase
+from mrv2_qwen_vl.vision_qwen2 import Qwen2VisionTower
 
-__all__ = ["Qwen25VLForConditionalGeneration"]
+__all__ = ["Qwen25VLForConditionalGeneration", "Qwen2VLForConditionalGeneration"]
 
 
 def vl_text_config(config: Any) -> Any:
@@ -56,6 +59,9 @@ def load_text_and_vision(model: CausalLM, visual: Any, prefixes: tuple[str, ...]
 class Qwen25VLForConditionalGeneration(CausalLM):
     """Qwen2.5-VL: Qwen2 text decoder with M-RoPE, plus the vision tower (``visual``)."""
 
+    #: The vision tower's class (built from ``config.vision_config``).
+    tower_class: ClassVar[type[QwenVisionBase]] = Qwen25VisionTower
+
     def __init__(self, config: Any) -> None:
         text = vl_text_config(config)
         rope = get_mrope(text, head_dim_of(text))
@@ -67,7 +73,7 @@ class Qwen25VLForConditionalGeneration(CausalLM):
 
         super().__init__(text, DecoderModel(text, layer))
         self.hf_config = config
-        self.visual = Qwen25VisionTower(config.vision_config)
+        self.visual = self.tower_class(config.vision_config)
 
     def embed_images(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]
                      ) -> torch.Tensor:
@@ -83,3 +89,12 @@ class Qwen25VLForConditionalGeneration(CausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Text weights through the decoder's loader, ``visual.*`` through the tower's."""
         return load_text_and_vision(self, self.visual, CHECKPOINT_PREFIXES, weights)
+
+
+class Qwen2VLForConditionalGeneration(Qwen25VLForConditionalGeneration):
+    """Qwen2-VL, the first generation: the same Qwen2 decoder with M-RoPE, positions and
+    checkpoint layout (for images; its videos' time positions differ, and videos are not
+    taken), with its own tower (:class:`~mrv2_qwen_vl.vision_qwen2.Qwen2VisionTower`:
+    LayerNorm blocks, full attention in every block)."""
+
+    tower_class = Qwen2VisionTower

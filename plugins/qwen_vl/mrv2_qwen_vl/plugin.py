@@ -7,11 +7,16 @@ from mrv2 import hookimpl
 
 @hookimpl
 def mrv2_register_models(register: Callable[..., None]) -> None:
-    """Qwen2.5-VL (``Qwen2_5_VLForConditionalGeneration``), Qwen3-VL
+    """Qwen2-VL (``Qwen2VLForConditionalGeneration``), Qwen2.5-VL
+    (``Qwen2_5_VLForConditionalGeneration``), Qwen3-VL
     (``Qwen3VLForConditionalGeneration``) and Qwen3-VL-MoE
     (``Qwen3VLMoeForConditionalGeneration``), each with its model state (M-RoPE positions, image
     embeddings; Qwen3-VL's also the deepstack features) and the input processor (the
     checkpoint's image processor), which both share."""
+    register("Qwen2VLForConditionalGeneration",
+             "mrv2_qwen_vl.model:Qwen2VLForConditionalGeneration",
+             model_state="mrv2_qwen_vl.model_state:QwenVLModelState",
+             input_processor="mrv2_qwen_vl.processor:QwenVLInputProcessor")
     register("Qwen2_5_VLForConditionalGeneration",
              "mrv2_qwen_vl.model:Qwen25VLForConditionalGeneration",
              model_state="mrv2_qwen_vl.model_state:QwenVLModelState",

@@ -12,8 +12,8 @@ import torch
 
 from mrv2.testing import make_tiny_tokenizer, random_image, redraw_weights
 
-__all__ = ["END", "IMAGE", "START", "make_tiny_qwen3_vl", "make_tiny_qwen_vl", "random_image",
-           "random_patches"]
+__all__ = ["END", "IMAGE", "START", "make_tiny_qwen2_vl", "make_tiny_qwen3_vl",
+           "make_tiny_qwen_vl", "random_image", "random_patches"]
 
 #: The ids make_tiny_tokenizer gives the three special tokens (checked when building).
 START, END, IMAGE, VIDEO = 293, 294, 295, 296
@@ -74,6 +74,39 @@ def make_tiny_qwen_vl(path: str | Path, text: dict[str, Any] | None = None,
     config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
     torch.manual_seed(0)
     model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
+    redraw_weights(model, std=0.1)
+    model.save_pretrained(path)
+    Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=64 * 28 * 28, patch_size=14,
+                             merge_size=2, temporal_patch_size=2).save_pretrained(path)
+    _save_tokenizer(path)
+    return path
+
+
+#: Qwen2-VL's tower (its own field names: ``embed_dim`` the width, ``hidden_size`` the text's).
+QWEN2_VISION: dict[str, Any] = {
+    "depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2,
+    "patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2,
+}
+
+
+def make_tiny_qwen2_vl(path: str | Path, text: dict[str, Any] | None = None,
+                       vision: dict[str, Any] | None = None) -> Path:
+    """The tiny Qwen2-VL (the first generation: Qwen2 decoder with M-RoPE, a tower of
+    LayerNorm blocks with full attention), its image processor and tokenizer in ``path``."""
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    path = Path(path)
+    config = transformers.Qwen2VLConfig(
+        text_config={**TEXT, **(text or {})},
+        vision_config={**QWEN2_VISION, **(vision or {})}, image_token_id=IMAGE,
+        video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END,
+        tie_word_embeddings=False)
+    config.architectures = ["Qwen2VLForConditionalGeneration"]
+    torch.manual_seed(0)
+    model = transformers.Qwen2VLForConditionalGeneration(config).eval()
     redraw_weights(model, std=0.1)
     model.save_pretrained(path)
     Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=64 * 28 * 28, patch_size=14,

@@ -28,6 +28,7 @@ from mrv2_qwen_vl.testing import (
     END,
     IMAGE,
     START,
+    make_tiny_qwen2_vl,
     make_tiny_qwen3_vl,
     make_tiny_qwen_vl,
     random_image,
@@ -37,6 +38,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 _image = random_image
 #: family -> (tiny checkpoint builder, HF model class)
 FAMILIES: dict[str, tuple[Callable[[Path], Path], Any]] = {
+    "qwen2_vl": (make_tiny_qwen2_vl, transformers.Qwen2VLForConditionalGeneration),
     "qwen2_5_vl": (make_tiny_qwen_vl, transformers.Qwen2_5_VLForConditionalGeneration),
     "qwen3_vl": (make_tiny_qwen3_vl, transformers.Qwen3VLForConditionalGeneration),
     "qwen3_vl_moe": (functools.partial(make_tiny_qwen3_vl, moe=True),
