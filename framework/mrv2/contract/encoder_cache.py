@@ -65,6 +65,13 @@ class EncoderCacheModelState(ModelState):
         self._last_step: tuple[tuple[bytes, bytes, bytes], MultiModalEmbeddings | None,
                                list[BidirectionalSpan]] | None = None
 
+    def upload(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host tensor of an item (its pixels) on the device: pinned and copied without
+        blocking on CUDA (no host sync), as it is elsewhere."""
+        if self.device.type == "cuda":
+            tensor = tensor.pin_memory()
+        return tensor.to(self.device, non_blocking=True)
+
     @abstractmethod
     def embed_item(self, item: MultiModalItem) -> torch.Tensor:
         """The encoder's output for ``item``: ``[item.length, ...]`` rows on the device, row

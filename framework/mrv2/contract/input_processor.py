@@ -10,16 +10,20 @@ bad media raise ``ValueError`` naming the field, and nothing of the request runs
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from mrv2.config import EngineConfig
 from mrv2.contract.requests import MultiModalItem
 
-__all__ = ["InputProcessor", "load_image_processor"]
+__all__ = ["InputProcessor", "content_hash", "load_image_processor", "preprocessor_config",
+           "run_image_processor"]
 
 
 class InputProcessor:
@@ -46,6 +50,78 @@ class InputProcessor:
                 ) -> tuple[list[int], list[MultiModalItem]]:
         """``(token ids with expanded placeholders, items)``; ValueError on bad input."""
         raise NotImplementedError
+
+    def images_and_places(self, prompt_token_ids: list[int], mm_data: Mapping[str, Any],
+                          placeholder: int, label: str | None = None, *,
+                          only_with_items: bool = False, note: str = ""
+                          ) -> tuple[list[Any], list[int]]:
+        """The checks every image family makes before it processes a prompt's images: the
+        images of ``mm_data["image"]`` (one item or a list) and the prompt positions of the
+        ``placeholder`` token, one per image. ValueError naming the field for another key
+        (``only_with_items``: only keys that carry items count; ``note`` ends that message),
+        more images than ``--limit-mm-per-prompt``, or as many placeholders as images
+        (``label``: the placeholder's name in that message)."""
+        unknown = sorted(key for key, value in mm_data.items() if key != "image"
+                         and (not only_with_items or _has_items(value)))
+        if unknown:
+            raise ValueError(f"multi_modal_data has unsupported keys {unknown}; allowed: "
+                             f"'image'{note}")
+        images = mm_data.get("image", [])
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        if len(images) > self.limit_per_prompt:
+            raise ValueError(f"multi_modal_data.image: {len(images)} images; at most "
+                             f"{self.limit_per_prompt} per prompt (--limit-mm-per-prompt)")
+        places = [i for i, t in enumerate(prompt_token_ids) if t == placeholder]
+        if len(places) != len(images):
+            name = f"token {placeholder}" + (f", {label}" if label else "")
+            raise ValueError(f"multi_modal_data.image: {len(images)} images but the prompt has "
+                             f"{len(places)} image placeholders ({name}); put one per image")
+        return images, places
+
+
+def run_image_processor(processor: Any, images: list[Any], **kwargs: Any) -> Any:
+    """``processor(images=images, return_tensors="pt", **kwargs)``, any failure of it (a bad
+    or undecodable image) a ValueError naming the field."""
+    try:
+        return processor(images=images, return_tensors="pt", **kwargs)
+    except Exception as error:  # noqa: BLE001 (any decoding / format failure of an image)
+        raise ValueError(f"multi_modal_data.image: could not process the images: "
+                         f"{type(error).__name__}: {error}") from error
+
+
+def content_hash(*parts: Any) -> str:
+    """``"image:"`` and a SHA-256 over ``parts``: each tensor's dtype, shape and bytes, the
+    ``repr`` of anything else (an image's grid or size). Two items hash alike exactly when
+    their processed pixels (and those values) are alike."""
+    digest = hashlib.sha256()
+    for part in parts:
+        if isinstance(part, torch.Tensor):
+            tensor = part.detach().cpu().contiguous()
+            digest.update(repr((tensor.dtype, tuple(tensor.shape))).encode())
+            digest.update(tensor.view(torch.uint8).numpy().tobytes())
+        else:
+            digest.update(repr(part).encode())
+    return "image:" + digest.hexdigest()
+
+
+def preprocessor_config(model_dir: str | Path | None) -> dict[str, Any]:
+    """The checkpoint's ``preprocessor_config.json`` as a dict (empty where there is none to
+    read): the image processor's settings a model state sizes its encoder profile by."""
+    if not model_dir:
+        return {}
+    try:
+        config = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _has_items(value: Any) -> bool:
+    if value is None:
+        return False
+    if isinstance(value, (list, tuple)):
+        return len(value) > 0
+    return True
 
 
 def load_image_processor(model_dir: str | Path, default_type: str) -> Any:

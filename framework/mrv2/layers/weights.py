@@ -155,3 +155,25 @@ def apply_moving_only(module: nn.Module, names: Iterable[str],
             elif param.device != device:
                 param.data = param.data.to(device)
             module._parameters[name] = param
+
+
+def load_text_and_encoder(load_text: Callable[[Iterable[tuple[str, torch.Tensor]]], set[str]],
+                          encoder: Any, prefixes: tuple[str, ...],
+                          weights: Iterable[tuple[str, torch.Tensor]], name: str) -> set[str]:
+    """A vision-language checkpoint's tensors: those under ``prefixes`` through
+    ``encoder.load_weights`` (its names returned under ``name.``), the rest through
+    ``load_text`` (the decoder's loader); the names loaded. ``encoder`` None: every tensor to
+    ``load_text``."""
+    held: list[tuple[str, torch.Tensor]] = []
+
+    def text() -> Iterable[tuple[str, torch.Tensor]]:
+        for tensor_name, tensor in weights:
+            if encoder is not None and tensor_name.startswith(prefixes):
+                held.append((tensor_name, tensor))
+            else:
+                yield tensor_name, tensor
+
+    loaded = load_text(text())
+    if encoder is None:
+        return loaded
+    return loaded | {f"{name}.{n}" for n in encoder.load_weights(held)}

@@ -81,6 +81,38 @@ def text_config_of(hf_config: Any) -> Any:
     return text if text is not None else hf_config
 
 
+def vl_text_config(config: Any, architecture: str | None = None) -> Any:
+    """The text decoder's config of a composite vision-language ``config`` (its
+    ``text_config``) with ``tie_word_embeddings`` set from the top level, where HF ties the LM
+    head by it (set on the text config in place, so every reader agrees). ``architecture``:
+    a ValueError naming it where the config has no text config."""
+    text = text_config_of(config)
+    if architecture is not None and text is config:
+        raise ValueError(f"config.json of {architecture} has no text_config")
+    tied = getattr(config, "tie_word_embeddings", None)
+    if tied is not None:
+        text.tie_word_embeddings = bool(tied)
+    return text
+
+
+#: A vision-language checkpoint's text-decoder prefixes and the names a decoder loads them as:
+#: transformers' in-memory names, then the published layout (and 5.17's ``save_pretrained``).
+VL_TEXT_PREFIXES: tuple[tuple[str, str], ...] = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+
+
+def vl_text_name(name: str) -> str:
+    """A vision-language checkpoint's text tensor name as its decoder's
+    (:data:`VL_TEXT_PREFIXES`); other names unchanged."""
+    for prefix, replacement in VL_TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix):]
+    return name
+
+
 def resolve_dtype(requested: str, hf_config: Any, device: torch.device) -> torch.dtype:
     """``auto``: float32 on the CPU; on CUDA the checkpoint's dtype, bfloat16 for float32 ones."""
     if requested != "auto":

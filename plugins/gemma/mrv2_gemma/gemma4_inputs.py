@@ -23,29 +23,24 @@ go to the model's forward as ``bidirectional``.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, cast
 
 import torch
 
 from mrv2.contract.batch import InputBatch
 from mrv2.contract.encoder_cache import EncoderCacheModelState
-from mrv2.contract.input_processor import InputProcessor, load_image_processor
+from mrv2.contract.input_processor import (
+    InputProcessor,
+    content_hash,
+    load_image_processor,
+    preprocessor_config,
+    run_image_processor,
+)
 from mrv2.contract.requests import MultiModalItem, NewRequest
 
 __all__ = ["Gemma4InputProcessor", "Gemma4VLModelState"]
-
-
-def _has_items(value: Any) -> bool:
-    if value is None:
-        return False
-    if isinstance(value, (list, tuple)):
-        return len(value) > 0
-    return True
 
 
 class Gemma4InputProcessor(InputProcessor):
@@ -72,30 +67,14 @@ class Gemma4InputProcessor(InputProcessor):
                 ) -> tuple[list[int], list[MultiModalItem]]:
         """Expand the image placeholders and make the images' items (module doc);
         ValueError naming the field for bad input."""
-        unsupported = sorted(key for key, value in mm_data.items()
-                             if key != "image" and _has_items(value))
-        if unsupported:
-            raise ValueError(f"multi_modal_data has unsupported keys {unsupported}; allowed: "
-                             "'image' (Gemma 4's video and audio are not supported yet)")
-        images = mm_data.get("image", [])
-        images = list(images) if isinstance(images, (list, tuple)) else [images]
-        if len(images) > self.limit_per_prompt:
-            raise ValueError(f"multi_modal_data.image: {len(images)} images; at most "
-                             f"{self.limit_per_prompt} per prompt (--limit-mm-per-prompt)")
-        places = [i for i, t in enumerate(prompt_token_ids) if t == self.image_token]
-        if len(places) != len(images):
-            raise ValueError(f"multi_modal_data.image: {len(images)} images but the prompt has "
-                             f"{len(places)} image placeholders (token {self.image_token}); put "
-                             "one per image")
+        images, places = self.images_and_places(
+            prompt_token_ids, mm_data, self.image_token, only_with_items=True,
+            note=" (Gemma 4's video and audio are not supported yet)")
         if not images:
             return list(prompt_token_ids), []
         if self.image_processor is None:
             raise ValueError(f"multi_modal_data.image: {self._missing}")
-        try:
-            out = self.image_processor(images=images, return_tensors="pt")
-        except Exception as error:  # noqa: BLE001 (any decoding / format failure of an image)
-            raise ValueError(f"multi_modal_data.image: could not process the images: "
-                             f"{type(error).__name__}: {error}") from error
+        out = run_image_processor(self.image_processor, images)
         pixels = cast(torch.Tensor, out["pixel_values"])
         positions = cast(torch.Tensor, out["image_position_ids"])
         counts = [int(n) for n in out["num_soft_tokens_per_image"]]
@@ -108,20 +87,13 @@ class Gemma4InputProcessor(InputProcessor):
             rows, where = pixels[n].contiguous(), positions[n].contiguous()
             items.append(MultiModalItem(
                 "image", {"pixel_values": rows, "position_ids": where},
-                _content_hash(rows, where), len(ids), counts[n],
+                content_hash(rows, where), len(ids), counts[n],
                 bidirectional=self.bidirectional))
             ids.extend([self.image_token] * counts[n])
             ids.append(self.eoi)
             previous = place + 1
         ids.extend(prompt_token_ids[previous:])
         return ids, items
-
-
-def _content_hash(pixels: torch.Tensor, positions: torch.Tensor) -> str:
-    digest = hashlib.sha256(repr(tuple(pixels.shape)).encode())
-    digest.update(pixels.to(torch.float32).numpy().tobytes())
-    digest.update(positions.to(torch.int64).numpy().tobytes())
-    return "image:" + digest.hexdigest()
 
 
 class Gemma4VLModelState(EncoderCacheModelState):
@@ -167,12 +139,8 @@ class Gemma4VLModelState(EncoderCacheModelState):
         where = cast(torch.Tensor, item.data["position_ids"])
         grid = _grid(where)  # (host tensors: no device read)
         rows = grid[0] * grid[1]  # the real patches, first (the padding is not copied)
-        pixels = cast(torch.Tensor, item.data["pixel_values"])[:rows]
-        where = where[:rows]
-        if self.device.type == "cuda":  # pinned, non-blocking: no host sync
-            pixels, where = pixels.pin_memory(), where.pin_memory()
-        pixels = pixels.to(self.device, non_blocking=True)
-        where = where.to(self.device, non_blocking=True)
+        pixels = self.upload(cast(torch.Tensor, item.data["pixel_values"])[:rows])
+        where = self.upload(where[:rows])
         return cast(torch.Tensor, cast(Any, self.model).embed_image(pixels, where, grid))
 
     def profile_encoder(self, max_prompt_tokens: int) -> int:
@@ -180,8 +148,9 @@ class Gemma4VLModelState(EncoderCacheModelState):
         pooled patches, 280 unless ``preprocessor_config.json`` says otherwise; random pixels,
         a square grid), output dropped; returns :attr:`encoder_cache_bytes`."""
         if self.pixel_width is not None and self.pool is not None:
-            side = math.isqrt(min(_max_soft_tokens(self.config.model.model),
-                                  max(1, max_prompt_tokens))) * self.pool
+            most = int(preprocessor_config(self.config.model.model).get("max_soft_tokens")
+                       or 280)
+            side = math.isqrt(min(most, max(1, max_prompt_tokens))) * self.pool
             grid = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side),
                                               indexing="xy"), dim=-1).reshape(-1, 2)
             pixels = torch.rand(side * side, self.pixel_width)
@@ -207,13 +176,3 @@ def _grid(positions: torch.Tensor) -> tuple[int, int]:
         return 0, 0
     return int(real[:, 0].max()) + 1, int(real[:, 1].max()) + 1
 
-
-def _max_soft_tokens(model_dir: str | None) -> int:
-    """The checkpoint image processor's ``max_soft_tokens`` (280 where none is read)."""
-    if model_dir:
-        try:
-            config = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
-            return int(config.get("max_soft_tokens") or 280)
-        except (OSError, ValueError):
-            pass
-    return 280

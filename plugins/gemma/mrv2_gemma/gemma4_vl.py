@@ -32,12 +32,12 @@ from typing import Any
 import torch
 
 from mrv2.contract.forward_context import BidirectionalSpan, bidirectional_spans
-from mrv2.model_loader.build import text_config_of
+from mrv2.layers.weights import load_text_and_encoder
+from mrv2.model_loader.build import vl_text_config, vl_text_name
 from mrv2_gemma.gemma4 import Gemma4ForCausalLM
 from mrv2_gemma.gemma4_vision import VISION_CHECKPOINT_PREFIXES, Gemma4VisionEncoder
 
-__all__ = ["ARCHITECTURE", "MEDIA_PREFIXES", "Gemma4ForConditionalGeneration",
-           "gemma4_text_config"]
+__all__ = ["ARCHITECTURE", "MEDIA_PREFIXES", "Gemma4ForConditionalGeneration"]
 
 ARCHITECTURE = "Gemma4ForConditionalGeneration"
 
@@ -46,34 +46,13 @@ _MEDIA_MODULES = ("vision_tower.", "audio_tower.", "embed_vision.", "embed_audio
 #: tower's and embedder's go to the image encoder).
 MEDIA_PREFIXES: tuple[str, ...] = tuple("model." + m for m in _MEDIA_MODULES) + _MEDIA_MODULES
 
-#: The text decoder's checkpoint prefixes and the names the decoder loads them as.
-_TEXT_PREFIXES: tuple[tuple[str, str], ...] = (
-    ("model.language_model.", "model."),
-    ("language_model.model.", "model."),
-    ("language_model.lm_head.", "lm_head."),
-)
-
-
-def gemma4_text_config(config: Any) -> Any:
-    """The decoder's config of a ``Gemma4Config`` (its ``text_config``), with
-    ``tie_word_embeddings`` set from the top level (in place, so every reader agrees).
-    ValueError where the config has no text config."""
-    text = text_config_of(config)
-    if text is config:
-        raise ValueError(f"config.json of {ARCHITECTURE} has no text_config")
-    tied = getattr(config, "tie_word_embeddings", None)
-    if tied is not None:
-        text.tie_word_embeddings = bool(tied)
-    return text
-
-
 class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
     """Gemma 4's multimodal checkpoint as its text decoder: text prompts only, the media
     weights skipped (module docstring). ``config`` is the composite ``Gemma4Config``
     (``self.hf_config``); ``self.config`` is its ``text_config``."""
 
     def __init__(self, config: Any) -> None:
-        super().__init__(gemma4_text_config(config))
+        super().__init__(vl_text_config(config, ARCHITECTURE))
         self.hf_config = config
         #: The image encoder (None: a checkpoint without ``vision_config``).
         self.vision = (Gemma4VisionEncoder(config)
@@ -116,20 +95,8 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The decoder's tensors through its loader (the audio tower's skipped), the vision
         tower's and embedder's through the image encoder's."""
-        vision: list[tuple[str, torch.Tensor]] = []
-        encoder = self.vision
-
-        def text() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                if encoder is not None and name.startswith(VISION_CHECKPOINT_PREFIXES):
-                    vision.append((name, tensor))
-                else:
-                    yield name, tensor
-
-        loaded = super().load_weights(text())
-        if encoder is None:
-            return loaded
-        return loaded | {"vision." + name for name in encoder.load_weights(vision)}
+        return load_text_and_encoder(super().load_weights, self.vision,
+                                     VISION_CHECKPOINT_PREFIXES, weights, "vision")
 
     def rename(self, name: str) -> str | None:
         """A checkpoint name as the decoder's (None: a media tensor, skipped):
@@ -137,8 +104,4 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
         ``language_model.lm_head.*`` is ``lm_head.*``."""
         if name.startswith(MEDIA_PREFIXES):
             return None
-        for prefix, replacement in _TEXT_PREFIXES:
-            if name.startswith(prefix):
-                name = replacement + name[len(prefix):]
-                break
-        return super().rename(name)
+        return super().rename(vl_text_name(name))

@@ -35,12 +35,12 @@ from typing import Any
 import torch
 
 from mrv2.contract.forward_context import BidirectionalSpan, bidirectional_spans
-from mrv2.model_loader.build import text_config_of
+from mrv2.layers.weights import load_text_and_encoder
+from mrv2.model_loader.build import vl_text_config, vl_text_name
 from mrv2_gemma.model import Gemma3ForCausalLM
 from mrv2_gemma.siglip import Gemma3VisionEncoder
 
-__all__ = ["ARCHITECTURE", "VISION_PREFIXES", "Gemma3ForConditionalGeneration",
-           "gemma3_text_config"]
+__all__ = ["ARCHITECTURE", "VISION_PREFIXES", "Gemma3ForConditionalGeneration"]
 
 ARCHITECTURE = "Gemma3ForConditionalGeneration"
 
@@ -49,35 +49,13 @@ ARCHITECTURE = "Gemma3ForConditionalGeneration"
 VISION_PREFIXES: tuple[str, ...] = ("model.vision_tower.", "model.multi_modal_projector.",
                                     "vision_tower.", "multi_modal_projector.")
 
-#: The text decoder's checkpoint prefixes and the names the decoder loads them as.
-_TEXT_PREFIXES: tuple[tuple[str, str], ...] = (
-    ("model.language_model.", "model."),  # transformers' in-memory names
-    ("language_model.model.", "model."),  # the published layout (and save_pretrained's)
-    ("language_model.lm_head.", "lm_head."),
-)
-
-
-def gemma3_text_config(config: Any) -> Any:
-    """The text decoder's config of a ``Gemma3Config`` (its ``text_config``), with
-    ``tie_word_embeddings`` set from the top level, where HF ties the LM head by it (set on
-    the text config in place, so every reader of it agrees). ValueError where the config has
-    no text config."""
-    text = text_config_of(config)
-    if text is config:
-        raise ValueError(f"config.json of {ARCHITECTURE} has no text_config")
-    tied = getattr(config, "tie_word_embeddings", None)
-    if tied is not None:
-        text.tie_word_embeddings = bool(tied)
-    return text
-
-
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     """Gemma 3's vision-language checkpoint: the text decoder and the image encoder
     (``vision``; module docstring). ``config`` is the composite ``Gemma3Config``
     (``self.hf_config``); ``self.config`` is its ``text_config``."""
 
     def __init__(self, config: Any) -> None:
-        super().__init__(gemma3_text_config(config))
+        super().__init__(vl_text_config(config, ARCHITECTURE))
         self.hf_config = config
         self.vision = Gemma3VisionEncoder(config)
 
@@ -101,23 +79,10 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         ``lm_head.*``."""
         if name.startswith(VISION_PREFIXES):
             return None
-        for prefix, replacement in _TEXT_PREFIXES:
-            if name.startswith(prefix):
-                name = replacement + name[len(prefix):]
-                break
-        return super().rename(name)
+        return super().rename(vl_text_name(name))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The text decoder's tensors (norm weights as offsets) through its loader, the
         vision tower's and the projector's through the encoder's."""
-        vision: list[tuple[str, torch.Tensor]] = []
-
-        def text() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                if name.startswith(VISION_PREFIXES):
-                    vision.append((name, tensor))
-                else:
-                    yield name, tensor
-
-        loaded = super().load_weights(text())
-        return loaded | {"vision." + name for name in self.vision.load_weights(vision)}
+        return load_text_and_encoder(super().load_weights, self.vision, VISION_PREFIXES,
+                                     weights, "vision")

@@ -27,7 +27,6 @@ Steps with image tokens run eager; decode steps and text-only prefill replay the
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Mapping
 from typing import Any, cast
@@ -36,7 +35,12 @@ import torch
 
 from mrv2.contract.batch import InputBatch
 from mrv2.contract.encoder_cache import EncoderCacheModelState
-from mrv2.contract.input_processor import InputProcessor, load_image_processor
+from mrv2.contract.input_processor import (
+    InputProcessor,
+    content_hash,
+    load_image_processor,
+    run_image_processor,
+)
 from mrv2.contract.requests import MultiModalItem, NewRequest
 
 __all__ = ["Gemma3InputProcessor", "Gemma3VLModelState"]
@@ -95,29 +99,13 @@ class Gemma3InputProcessor(InputProcessor):
                 ) -> tuple[list[int], list[MultiModalItem]]:
         """Expand the ``<start_of_image>`` placeholders and make the images' items (module
         doc); ValueError naming the field for bad input."""
-        unknown = sorted(set(mm_data) - {"image"})
-        if unknown:
-            raise ValueError(f"multi_modal_data has unsupported keys {unknown}; allowed: "
-                             "'image'")
-        images = mm_data.get("image", [])
-        images = list(images) if isinstance(images, (list, tuple)) else [images]
-        if len(images) > self.limit_per_prompt:
-            raise ValueError(f"multi_modal_data.image: {len(images)} images; at most "
-                             f"{self.limit_per_prompt} per prompt (--limit-mm-per-prompt)")
-        places = [i for i, t in enumerate(prompt_token_ids) if t == self.boi]
-        if len(places) != len(images):
-            raise ValueError(f"multi_modal_data.image: {len(images)} images but the prompt has "
-                             f"{len(places)} image placeholders (token {self.boi}, "
-                             "<start_of_image>); put one per image")
+        images, places = self.images_and_places(prompt_token_ids, mm_data, self.boi,
+                                                "<start_of_image>")
         if not images:
             return list(prompt_token_ids), []
         if self.image_processor is None:
             raise ValueError(f"multi_modal_data.image: {self._missing}")
-        try:
-            out = self.image_processor(images=images, return_tensors="pt")
-        except Exception as error:  # noqa: BLE001 (any decoding / format failure of an image)
-            raise ValueError(f"multi_modal_data.image: could not process the images: "
-                             f"{type(error).__name__}: {error}") from error
+        out = run_image_processor(self.image_processor, images)
         pixels = cast(torch.Tensor, out["pixel_values"])
         if pixels.shape[0] != len(images):
             raise ValueError(f"multi_modal_data.image: {len(images)} images gave "
@@ -135,7 +123,7 @@ class Gemma3InputProcessor(InputProcessor):
             ids.extend(self._newlines(before, []))
             ids.append(self.boi)
             rows = pixels[n].contiguous()
-            items.append(MultiModalItem("image", {"pixel_values": rows}, _content_hash(rows),
+            items.append(MultiModalItem("image", {"pixel_values": rows}, content_hash(rows),
                                         len(ids), self.tokens_per_image, bidirectional=True))
             ids.extend([self.image_token] * self.tokens_per_image)
             ids.append(self.eoi)
@@ -147,12 +135,6 @@ class Gemma3InputProcessor(InputProcessor):
             previous = nxt
         ids.extend(prompt_token_ids[previous:])
         return ids, items
-
-
-def _content_hash(pixels: torch.Tensor) -> str:
-    digest = hashlib.sha256(repr(tuple(pixels.shape)).encode())
-    digest.update(pixels.to(torch.float32).numpy().tobytes())
-    return "image:" + digest.hexdigest()
 
 
 class Gemma3VLModelState(EncoderCacheModelState):
@@ -191,10 +173,7 @@ class Gemma3VLModelState(EncoderCacheModelState):
 
     def embed_item(self, item: MultiModalItem) -> torch.Tensor:
         """One run of the encoder: ``[mm_tokens_per_image, hidden_size]``."""
-        pixels = cast(torch.Tensor, item.data["pixel_values"])
-        if self.device.type == "cuda":  # pinned, non-blocking: no host sync
-            pixels = pixels.pin_memory()
-        pixels = pixels.to(self.device, non_blocking=True)
+        pixels = self.upload(cast(torch.Tensor, item.data["pixel_values"]))
         return cast(torch.Tensor, cast(Any, self.model).embed_images(pixels[None])[0])
 
     def prepare_inputs(self, batch: InputBatch) -> dict[str, Any]:

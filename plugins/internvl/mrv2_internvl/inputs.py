@@ -20,16 +20,19 @@ image's tiles).
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, cast
 
 import torch
 
 from mrv2.contract.encoder_cache import EncoderCacheModelState
-from mrv2.contract.input_processor import InputProcessor, load_image_processor
+from mrv2.contract.input_processor import (
+    InputProcessor,
+    content_hash,
+    load_image_processor,
+    preprocessor_config,
+    run_image_processor,
+)
 from mrv2.contract.requests import MultiModalItem, NewRequest
 
 __all__ = ["InternVLInputProcessor", "InternVLModelState", "tokens_per_tile"]
@@ -74,30 +77,13 @@ class InternVLInputProcessor(InputProcessor):
                 ) -> tuple[list[int], list[MultiModalItem]]:
         """Expand the ``<IMG_CONTEXT>`` placeholders and make the images' items (module doc);
         ValueError naming the field for bad input."""
-        unknown = sorted(set(mm_data) - {"image"})
-        if unknown:
-            raise ValueError(f"multi_modal_data has unsupported keys {unknown}; allowed: "
-                             "'image'")
-        images = mm_data.get("image", [])
-        images = list(images) if isinstance(images, (list, tuple)) else [images]
-        if len(images) > self.limit_per_prompt:
-            raise ValueError(f"multi_modal_data.image: {len(images)} images; at most "
-                             f"{self.limit_per_prompt} per prompt (--limit-mm-per-prompt)")
-        places = [i for i, t in enumerate(prompt_token_ids) if t == self.image_token]
-        if len(places) != len(images):
-            raise ValueError(f"multi_modal_data.image: {len(images)} images but the prompt has "
-                             f"{len(places)} image placeholders (token {self.image_token}, "
-                             "<IMG_CONTEXT>); put one per image")
+        images, places = self.images_and_places(prompt_token_ids, mm_data, self.image_token,
+                                                "<IMG_CONTEXT>")
         if not images:
             return list(prompt_token_ids), []
         if self.image_processor is None:
             raise ValueError(f"multi_modal_data.image: {self._missing}")
-        try:
-            out = self.image_processor(images=images, crop_to_patches=True,
-                                       return_tensors="pt")
-        except Exception as error:  # noqa: BLE001 (any decoding / format failure of an image)
-            raise ValueError(f"multi_modal_data.image: could not process the images: "
-                             f"{type(error).__name__}: {error}") from error
+        out = run_image_processor(self.image_processor, images, crop_to_patches=True)
         pixels = cast(torch.Tensor, out["pixel_values"])
         tiles = [int(n) for n in out["num_patches"]]
         ids: list[int] = []
@@ -110,18 +96,12 @@ class InternVLInputProcessor(InputProcessor):
             first += tiles[n]
             length = self.per_tile * tiles[n]
             items.append(MultiModalItem("image", {"pixel_values": image},
-                                        _content_hash(image), len(ids), length))
+                                        content_hash(image), len(ids), length))
             ids.extend([self.image_token] * length)
             ids.append(self.end_id)
             previous = place + 1
         ids.extend(prompt_token_ids[previous:])
         return ids, items
-
-
-def _content_hash(pixels: torch.Tensor) -> str:
-    digest = hashlib.sha256(repr(tuple(pixels.shape)).encode())
-    digest.update(pixels.to(torch.float32).numpy().tobytes())
-    return "image:" + digest.hexdigest()
 
 
 class InternVLModelState(EncoderCacheModelState):
@@ -152,10 +132,7 @@ class InternVLModelState(EncoderCacheModelState):
     def embed_item(self, item: MultiModalItem) -> torch.Tensor:
         """One run of the encoder over the image's tiles: ``[tiles * tokens_per_tile,
         hidden_size]``."""
-        pixels = cast(torch.Tensor, item.data["pixel_values"])
-        if self.device.type == "cuda":  # pinned, non-blocking: no host sync
-            pixels = pixels.pin_memory()
-        pixels = pixels.to(self.device, non_blocking=True)
+        pixels = self.upload(cast(torch.Tensor, item.data["pixel_values"]))
         return cast(torch.Tensor, cast(Any, self.model).embed_image(pixels))
 
     def profile_encoder(self, max_prompt_tokens: int) -> int:
@@ -163,20 +140,10 @@ class InternVLModelState(EncoderCacheModelState):
         ``max_patches`` and a thumbnail: 13 unless ``preprocessor_config.json`` says otherwise,
         within ``max_prompt_tokens``), random pixels, output dropped; returns
         :attr:`encoder_cache_bytes`."""
-        tiles = min(_max_tiles(self.config.model.model),
-                    max_prompt_tokens // max(1, self.per_tile))
+        most = int(preprocessor_config(self.config.model.model).get("max_patches") or 12) + 1
+        tiles = min(most, max_prompt_tokens // max(1, self.per_tile))
         if tiles >= 1:
             pixels = torch.randn(tiles, 3, self.side, self.side, device=self.device)
             cast(Any, self.model).embed_image(pixels)
         return self.encoder_cache_bytes
 
-
-def _max_tiles(model_dir: str | None) -> int:
-    """The image processor's ``max_patches`` plus the thumbnail (12 + 1 where none is read)."""
-    if model_dir:
-        try:
-            config = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
-            return int(config.get("max_patches") or 12) + 1
-        except (OSError, ValueError):
-            pass
-    return 13

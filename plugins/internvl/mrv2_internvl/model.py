@@ -32,7 +32,8 @@ from mrv2.layers import (
     get_rope,
     head_dim_of,
 )
-from mrv2.model_loader.build import text_config_of
+from mrv2.layers.weights import load_text_and_encoder
+from mrv2.model_loader.build import vl_text_config, vl_text_name
 from mrv2_internvl.vision import VISION_CHECKPOINT_PREFIXES, InternVLVisionEncoder
 
 __all__ = ["ARCHITECTURE", "TEXT_KINDS", "InternVLForConditionalGeneration"]
@@ -43,27 +44,14 @@ ARCHITECTURE = "InternVLForConditionalGeneration"
 TEXT_KINDS: dict[str, tuple[bool, bool]] = {"qwen2": (True, False), "qwen3": (False, True),
                                             "llama": (False, False)}
 
-#: The text decoder's checkpoint prefixes and the names the decoder loads them as.
-_TEXT_PREFIXES: tuple[tuple[str, str], ...] = (
-    ("model.language_model.", "model."),  # transformers' in-memory names
-    ("language_model.model.", "model."),  # the layout without ``model.``
-    ("language_model.lm_head.", "lm_head."),
-)
-
-
 def _text_config(config: Any) -> Any:
-    """``config.text_config`` with ``tie_word_embeddings`` from the top level (in place);
-    ValueError where it is missing or of a kind not built here."""
-    text = text_config_of(config)
-    if text is config:
-        raise ValueError(f"config.json of {ARCHITECTURE} has no text_config")
+    """``config.text_config`` (:func:`~mrv2.model_loader.build.vl_text_config`); ValueError
+    where it is of a kind not built here."""
+    text = vl_text_config(config, ARCHITECTURE)
     kind = getattr(text, "model_type", None)
     if kind not in TEXT_KINDS:
         raise ValueError(f"config.json text_config.model_type = {kind!r} is not supported for "
                          f"{ARCHITECTURE}; supported: {sorted(TEXT_KINDS)}")
-    tied = getattr(config, "tie_word_embeddings", None)
-    if tied is not None:
-        text.tie_word_embeddings = bool(tied)
     return text
 
 
@@ -98,23 +86,10 @@ class InternVLForConditionalGeneration(CausalLM):
         :meth:`load_weights` hands to the encoder)."""
         if name.startswith(VISION_CHECKPOINT_PREFIXES):
             return None
-        for prefix, replacement in _TEXT_PREFIXES:
-            if name.startswith(prefix):
-                name = replacement + name[len(prefix):]
-                break
-        return super().rename(name)
+        return super().rename(vl_text_name(name))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The decoder's tensors through its loader, the vision tower's and the projector's
         through the encoder's."""
-        vision: list[tuple[str, torch.Tensor]] = []
-
-        def text() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                if name.startswith(VISION_CHECKPOINT_PREFIXES):
-                    vision.append((name, tensor))
-                else:
-                    yield name, tensor
-
-        loaded = super().load_weights(text())
-        return loaded | {"vision." + name for name in self.vision.load_weights(vision)}
+        return load_text_and_encoder(super().load_weights, self.vision,
+                                     VISION_CHECKPOINT_PREFIXES, weights, "vision")

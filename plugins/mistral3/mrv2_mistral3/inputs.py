@@ -21,17 +21,21 @@ at the others, as HF leaves them.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, cast
 
 import torch
 
 from mrv2.contract.encoder_cache import EncoderCacheModelState
-from mrv2.contract.input_processor import InputProcessor, load_image_processor
+from mrv2.contract.input_processor import (
+    InputProcessor,
+    content_hash,
+    load_image_processor,
+    preprocessor_config,
+    run_image_processor,
+)
 from mrv2.contract.requests import MultiModalItem, NewRequest
+from mrv2.contract.staging import to_device
 
 __all__ = ["Mistral3InputProcessor", "Mistral3ModelState", "image_layout"]
 
@@ -72,31 +76,14 @@ class Mistral3InputProcessor(InputProcessor):
                 ) -> tuple[list[int], list[MultiModalItem]]:
         """Expand the ``[IMG]`` placeholders and make the images' items (module doc);
         ValueError naming the field for bad input."""
-        unknown = sorted(set(mm_data) - {"image"})
-        if unknown:
-            raise ValueError(f"multi_modal_data has unsupported keys {unknown}; allowed: "
-                             "'image'")
-        images = mm_data.get("image", [])
-        images = list(images) if isinstance(images, (list, tuple)) else [images]
-        if len(images) > self.limit_per_prompt:
-            raise ValueError(f"multi_modal_data.image: {len(images)} images; at most "
-                             f"{self.limit_per_prompt} per prompt (--limit-mm-per-prompt)")
-        places = [i for i, t in enumerate(prompt_token_ids) if t == self.image_token]
-        if len(places) != len(images):
-            raise ValueError(f"multi_modal_data.image: {len(images)} images but the prompt has "
-                             f"{len(places)} image placeholders (token {self.image_token}, "
-                             "[IMG]); put one per image")
+        images, places = self.images_and_places(prompt_token_ids, mm_data, self.image_token,
+                                                "[IMG]")
         if not images:
             return list(prompt_token_ids), []
         if self.image_processor is None:
             raise ValueError(f"multi_modal_data.image: {self._missing}")
-        try:
-            out = self.image_processor(  # (HF's PixtralProcessor passes the merged patch)
-                images=images, patch_size={"height": self.cell, "width": self.cell},
-                return_tensors="pt")
-        except Exception as error:  # noqa: BLE001 (any decoding / format failure of an image)
-            raise ValueError(f"multi_modal_data.image: could not process the images: "
-                             f"{type(error).__name__}: {error}") from error
+        out = run_image_processor(  # (HF's PixtralProcessor passes the merged patch)
+            self.image_processor, images, patch_size={"height": self.cell, "width": self.cell})
         pixels = cast(torch.Tensor, out["pixel_values"])
         sizes = [(int(h), int(w)) for h, w in out["image_sizes"].tolist()]
         ids: list[int] = []
@@ -108,7 +95,7 @@ class Mistral3InputProcessor(InputProcessor):
             image = pixels[n, :, :h, :w].contiguous()
             data = {"pixel_values": image, "image_size": (h, w), "break_id": self.break_id,
                     "end_id": self.end_id}
-            items.append(MultiModalItem("image", data, _content_hash(image), len(ids),
+            items.append(MultiModalItem("image", data, content_hash(image), len(ids),
                                         rows * (cols + 1)))
             for row in range(rows):
                 ids.extend([self.image_token] * cols)
@@ -116,12 +103,6 @@ class Mistral3InputProcessor(InputProcessor):
             previous = place + 1
         ids.extend(prompt_token_ids[previous:])
         return ids, items
-
-
-def _content_hash(pixels: torch.Tensor) -> str:
-    digest = hashlib.sha256(repr(tuple(pixels.shape)).encode())
-    digest.update(pixels.to(torch.float32).numpy().tobytes())
-    return "image:" + digest.hexdigest()
 
 
 class Mistral3ModelState(EncoderCacheModelState):
@@ -154,15 +135,13 @@ class Mistral3ModelState(EncoderCacheModelState):
     def embed_item(self, item: MultiModalItem) -> torch.Tensor:
         """The image's ``rows * (cols + 1)`` rows: one run of the encoder at the ``[IMG]``
         rows, the ``[IMG_BREAK]`` / ``[IMG_END]`` text embeddings at the row ends."""
-        pixels = cast(torch.Tensor, item.data["pixel_values"])
+        pixels = self.upload(cast(torch.Tensor, item.data["pixel_values"]))
         size = cast(tuple[int, int], item.data["image_size"])
-        if self.device.type == "cuda":  # pinned, non-blocking: no host sync
-            pixels = pixels.pin_memory()
-        pixels = pixels.to(self.device, non_blocking=True)
         model = cast(Any, self.model)
         features = model.embed_image(pixels, size)  # [rows * cols, hidden]
         rows, cols = image_layout(size, self.cell)
-        ends = torch.tensor([item.data["break_id"], item.data["end_id"]], device=self.device)
+        ends = to_device([item.data["break_id"], item.data["end_id"]], torch.int64,
+                         self.device)  # (staged: a plain torch.tensor on CUDA would sync)
         ends = model.embed_input_ids(ends).to(features.dtype)
         out = torch.empty(rows, cols + 1, features.shape[-1], dtype=features.dtype,
                           device=features.device)
@@ -176,7 +155,9 @@ class Mistral3ModelState(EncoderCacheModelState):
         ``size.longest_edge`` pixels, 1,024 unless ``preprocessor_config.json`` says
         otherwise, within ``max_prompt_tokens``), random pixels, output dropped; returns
         :attr:`encoder_cache_bytes`."""
-        side = _longest_edge(self.config.model.model) // self.cell
+        size = preprocessor_config(self.config.model.model).get("size")
+        longest = size.get("longest_edge") if isinstance(size, dict) else None
+        side = int(longest or 1024) // self.cell
         while side > 1 and side * (side + 1) > max_prompt_tokens:
             side -= 1
         if side >= 1:
@@ -185,14 +166,3 @@ class Mistral3ModelState(EncoderCacheModelState):
             cast(Any, self.model).embed_image(pixels, (side * self.cell, side * self.cell))
         return self.encoder_cache_bytes
 
-
-def _longest_edge(model_dir: str | None) -> int:
-    """The checkpoint image processor's ``size.longest_edge`` (1,024 where none is read)."""
-    if model_dir:
-        try:
-            config = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
-            size = config.get("size") if isinstance(config.get("size"), dict) else {}
-            return int(size.get("longest_edge") or 1024)
-        except (OSError, ValueError):
-            pass
-    return 1024

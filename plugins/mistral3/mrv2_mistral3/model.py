@@ -32,32 +32,13 @@ from mrv2.layers import (
     get_rope,
     head_dim_of,
 )
-from mrv2.model_loader.build import text_config_of
+from mrv2.layers.weights import load_text_and_encoder
+from mrv2.model_loader.build import vl_text_config, vl_text_name
 from mrv2_mistral3.vision import VISION_CHECKPOINT_PREFIXES, Mistral3VisionEncoder
 
 __all__ = ["ARCHITECTURE", "Mistral3ForConditionalGeneration"]
 
 ARCHITECTURE = "Mistral3ForConditionalGeneration"
-
-#: The text decoder's checkpoint prefixes and the names the decoder loads them as.
-_TEXT_PREFIXES: tuple[tuple[str, str], ...] = (
-    ("model.language_model.", "model."),  # transformers' in-memory names
-    ("language_model.model.", "model."),  # the published layout
-    ("language_model.lm_head.", "lm_head."),
-)
-
-
-def _text_config(config: Any) -> Any:
-    """``config.text_config`` with ``tie_word_embeddings`` set from the top level (in place, so
-    every reader agrees). ValueError where the config has none."""
-    text = text_config_of(config)
-    if text is config:
-        raise ValueError(f"config.json of {ARCHITECTURE} has no text_config")
-    tied = getattr(config, "tie_word_embeddings", None)
-    if tied is not None:
-        text.tie_word_embeddings = bool(tied)
-    return text
-
 
 class Mistral3ForConditionalGeneration(CausalLM):
     """Mistral 3: Mistral's text decoder and the image encoder (``vision``; module doc).
@@ -65,7 +46,7 @@ class Mistral3ForConditionalGeneration(CausalLM):
     ``text_config``."""
 
     def __init__(self, config: Any) -> None:
-        text = _text_config(config)
+        text = vl_text_config(config, ARCHITECTURE)
         rope = get_rope(text, head_dim_of(text))
         bias = bool(getattr(text, "attention_bias", False))
         mlp_bias = bool(getattr(text, "mlp_bias", False))
@@ -92,23 +73,10 @@ class Mistral3ForConditionalGeneration(CausalLM):
         :meth:`load_weights` hands to the encoder)."""
         if name.startswith(VISION_CHECKPOINT_PREFIXES):
             return None
-        for prefix, replacement in _TEXT_PREFIXES:
-            if name.startswith(prefix):
-                name = replacement + name[len(prefix):]
-                break
-        return super().rename(name)
+        return super().rename(vl_text_name(name))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The decoder's tensors through its loader, the vision tower's and the projector's
         through the encoder's."""
-        vision: list[tuple[str, torch.Tensor]] = []
-
-        def text() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                if name.startswith(VISION_CHECKPOINT_PREFIXES):
-                    vision.append((name, tensor))
-                else:
-                    yield name, tensor
-
-        loaded = super().load_weights(text())
-        return loaded | {"vision." + name for name in self.vision.load_weights(vision)}
+        return load_text_and_encoder(super().load_weights, self.vision,
+                                     VISION_CHECKPOINT_PREFIXES, weights, "vision")

@@ -14,13 +14,15 @@ transformers' in-memory names (``model.language_model.*``, ``model.visual.*``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 
 from mrv2.layers import CausalLM, DecoderLayer, DecoderModel, GatedMLP, SelfAttention, head_dim_of
-from mrv2.model_loader.build import text_config_of
+from mrv2.layers.weights import load_text_and_encoder
+from mrv2.model_loader.build import vl_text_config
 from mrv2_qwen_vl.mrope import get_mrope
 from mrv2_qwen_vl.vision import CHECKPOINT_PREFIXES, Qwen25VisionTower, QwenVisionBase
 from mrv2_qwen_vl.vision_qwen2 import Qwen2VisionTower
@@ -28,32 +30,15 @@ from mrv2_qwen_vl.vision_qwen2 import Qwen2VisionTower
 __all__ = ["Qwen25VLForConditionalGeneration", "Qwen2VLForConditionalGeneration"]
 
 
-def vl_text_config(config: Any) -> Any:
-    """The text decoder's config of a composite VL ``config``, with ``tie_word_embeddings``
-    taken from the top level, where HF ties by it (set on the text config in place)."""
-    text = text_config_of(config)
-    tied = getattr(config, "tie_word_embeddings", None)
-    if tied is not None:
-        text.tie_word_embeddings = bool(tied)
-    return text
-
-
 def load_text_and_vision(model: CausalLM, visual: Any, prefixes: tuple[str, ...],
                          weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
     """A vision-language checkpoint's tensors: those under ``prefixes`` (the tower's) through
     ``visual.load_weights``, the rest (``model.language_model.*`` read as ``model.*``) through
     the text decoder's loader; the parameter names loaded."""
-    vision: list[tuple[str, torch.Tensor]] = []
-
-    def text_weights() -> Iterable[tuple[str, torch.Tensor]]:
-        for name, tensor in weights:
-            if name.startswith(prefixes):
-                vision.append((name, tensor))
-            else:
-                yield name.replace("model.language_model.", "model.", 1), tensor
-
-    loaded = CausalLM.load_weights(model, text_weights())
-    return loaded | {"visual." + name for name in visual.load_weights(vision)}
+    renamed = ((name.replace("model.language_model.", "model.", 1), tensor)
+               for name, tensor in weights)
+    return load_text_and_encoder(functools.partial(CausalLM.load_weights, model), visual,
+                                 prefixes, renamed, "visual")
 
 
 class Qwen25VLForConditionalGeneration(CausalLM):

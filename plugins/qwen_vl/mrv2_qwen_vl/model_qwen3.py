@@ -65,7 +65,8 @@ from mrv2.layers import (
     head_dim_of,
 )
 from mrv2.layers.moe import is_sparse_layer
-from mrv2_qwen_vl.model import load_text_and_vision, vl_text_config
+from mrv2.model_loader.build import vl_text_config
+from mrv2_qwen_vl.model import load_text_and_vision
 from mrv2_qwen_vl.mrope import get_mrope
 from mrv2_qwen_vl.vision_qwen3 import CHECKPOINT_PREFIXES, Qwen3VisionTower
 

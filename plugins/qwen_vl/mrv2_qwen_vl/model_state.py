@@ -16,15 +16,14 @@
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 from typing import Any, cast
 
 import torch
 
 from mrv2.contract.batch import InputBatch
 from mrv2.contract.encoder_cache import EncoderCacheModelState
+from mrv2.contract.input_processor import preprocessor_config
 from mrv2.contract.requests import MultiModalEmbeddings, MultiModalItem, NewRequest
 from mrv2_qwen_vl.model_qwen3 import DeepstackRows
 from mrv2_qwen_vl.mrope import ImageGrid, MRopeTable, mrope_positions
@@ -88,10 +87,7 @@ class QwenVLModelState(EncoderCacheModelState):
 
     def embed_item(self, item: MultiModalItem) -> torch.Tensor:
         """One run of the vision tower on the image's patch rows."""
-        pixels = cast(torch.Tensor, item.data["pixel_values"])
-        if self.device.type == "cuda":  # pinned, non-blocking: no host sync
-            pixels = pixels.pin_memory()
-        pixels = pixels.to(self.device, non_blocking=True)
+        pixels = self.upload(cast(torch.Tensor, item.data["pixel_values"]))
         return cast(torch.Tensor, cast(Any, self.model).embed_images(
             pixels, [tuple(item.data["grid_thw"])]))
 
@@ -123,15 +119,10 @@ def largest_image_grid(max_tokens: int, merge: int, patch_size: int,
 def _max_pixels(model_dir: str | None) -> int | None:
     """The checkpoint image processor's ``max_pixels`` (``size.longest_edge`` in newer
     configs, a pixel count too); None where there is none to read."""
-    if not model_dir:
-        return None
-    path = Path(model_dir) / "preprocessor_config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    size = config.get("size") if isinstance(config.get("size"), dict) else {}
-    value = config.get("max_pixels") or size.get("longest_edge")
+    config = preprocessor_config(model_dir)
+    size = config.get("size")
+    value = config.get("max_pixels") or (size.get("longest_edge")
+                                         if isinstance(size, dict) else None)
     return int(value) if value else None
 
 

@@ -15,14 +15,11 @@ torchvision is absent (the CPU CI has none), the same processor's PIL backend
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from mrv2.contract.input_processor import InputProcessor
+from mrv2.contract.input_processor import InputProcessor, content_hash, run_image_processor
 from mrv2.contract.input_processor import load_image_processor as load_core_image_processor
 from mrv2.contract.requests import MultiModalItem
 
@@ -48,27 +45,11 @@ class QwenVLInputProcessor(InputProcessor):
     def process(self, prompt_token_ids: list[int], mm_data: Mapping[str, Any]
                 ) -> tuple[list[int], list[MultiModalItem]]:
         """Expand the image placeholders and make the images' items (module doc)."""
-        unknown = sorted(set(mm_data) - {"image"})
-        if unknown:
-            raise ValueError(f"multi_modal_data has unsupported keys {unknown}; allowed: "
-                             "'image'")
-        images = mm_data.get("image", [])
-        images = list(images) if isinstance(images, (list, tuple)) else [images]
-        if len(images) > self.limit_per_prompt:
-            raise ValueError(f"multi_modal_data.image: {len(images)} images; at most "
-                             f"{self.limit_per_prompt} per prompt (--limit-mm-per-prompt)")
-        places = [i for i, t in enumerate(prompt_token_ids) if t == self.image_token_id]
-        if len(places) != len(images):
-            raise ValueError(f"multi_modal_data.image: {len(images)} images but the prompt has "
-                             f"{len(places)} image placeholders (token {self.image_token_id}, "
-                             "<|image_pad|>); put one per image")
+        images, places = self.images_and_places(prompt_token_ids, mm_data,
+                                                self.image_token_id, "<|image_pad|>")
         if not images:
             return list(prompt_token_ids), []
-        try:
-            out = self.image_processor(images=images, return_tensors="pt")
-        except Exception as error:  # noqa: BLE001 (any decoding / format failure of an image)
-            raise ValueError(f"multi_modal_data.image: could not process the images: "
-                             f"{type(error).__name__}: {error}") from error
+        out = run_image_processor(self.image_processor, images)
         pixels = out["pixel_values"]
         grids = [tuple(int(v) for v in g) for g in out["image_grid_thw"].tolist()]
         ids: list[int] = []
@@ -80,14 +61,9 @@ class QwenVLInputProcessor(InputProcessor):
             rows = pixels[first_patch: first_patch + t * h * w].contiguous()
             first_patch += t * h * w
             items.append(MultiModalItem("image", {"pixel_values": rows, "grid_thw": (t, h, w)},
-                                        _content_hash(rows, (t, h, w)), len(ids), length))
+                                        content_hash((t, h, w), rows), len(ids), length))
             ids.extend([self.image_token_id] * length)
             previous = place + 1
         ids.extend(prompt_token_ids[previous:])
         return ids, items
 
-
-def _content_hash(pixels: torch.Tensor, grid: tuple[int, int, int]) -> str:
-    digest = hashlib.sha256(repr(grid).encode())
-    digest.update(pixels.to(torch.float32).numpy().tobytes())
-    return "image:" + digest.hexdigest()
