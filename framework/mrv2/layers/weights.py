@@ -177,3 +177,51 @@ def load_text_and_encoder(load_text: Callable[[Iterable[tuple[str, torch.Tensor]
     if encoder is None:
         return loaded
     return loaded | {f"{name}.{n}" for n in encoder.load_weights(held)}
+
+
+def load_encoder_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                         target_name: Callable[[str], str | None], what: str, *,
+                         hint: str = "", buffers: bool = False,
+                         convert: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+                         ) -> set[str]:
+    """The loop of a vision (or audio) encoder's ``load_weights``: each checkpoint tensor whose
+    ``target_name(checkpoint_name)`` is not None is copied into the parameter (``buffers``:
+    or buffer) of that name in ``module``; names mapping to None are not the encoder's and are
+    skipped. ``convert(name, tensor)`` may reshape a tensor first (a Conv3d patch weight into
+    its linear layout). Returns the names loaded. ``ValueError`` naming the checkpoint tensor
+    for a name that matches nothing in ``module`` (``what`` names the encoder, ``hint`` says
+    which config field to check) or for a shape mismatch, raised before that tensor is
+    copied."""
+    targets: dict[str, torch.Tensor] = (dict(module.state_dict(keep_vars=True)) if buffers
+                                        else dict(module.named_parameters()))
+    kind = "parameter or buffer" if buffers else "parameter"
+    loaded: set[str] = set()
+    for ckpt_name, tensor in weights:
+        name = target_name(ckpt_name)
+        if name is None:
+            continue
+        if name not in targets:
+            extra = f" (check {hint})" if hint else ""
+            raise ValueError(f"{ckpt_name}: no {kind} {name!r} in the {what}{extra}")
+        target = targets[name]
+        src = convert(name, tensor) if convert is not None else tensor
+        if src.shape != target.shape:
+            raise ValueError(f"{ckpt_name}: shape {tuple(src.shape)} != {kind} {name} shape "
+                             f"{tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(src)
+        loaded.add(name)
+    return loaded
+
+
+def under_prefixes(prefixes: tuple[str, ...], strip: str = "model.",
+                   skip: Callable[[str], bool] | None = None) -> Callable[[str], str | None]:
+    """A ``target_name`` for :func:`load_encoder_weights`: names under ``prefixes`` map to
+    themselves less a leading ``strip`` (transformers 5's ``model.`` wrapper), others (and
+    those ``skip`` accepts: unused heads, computed tables) to None."""
+    def target(ckpt_name: str) -> str | None:
+        if not ckpt_name.startswith(prefixes):
+            return None
+        name = ckpt_name.removeprefix(strip)
+        return None if skip is not None and skip(name) else name
+    return target

@@ -51,6 +51,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mrv2.layers.weights import load_encoder_weights, under_prefixes
+
 __all__ = ["VISION_CHECKPOINT_PREFIXES", "Gemma4VisionEncoder"]
 
 _MODULES: tuple[str, ...] = ("vision_tower.", "embed_vision.")
@@ -340,20 +342,6 @@ class Gemma4VisionEncoder(nn.Module):
         :data:`VISION_CHECKPOINT_PREFIXES`; others ignored) and return the names of the
         parameters and buffers loaded. ValueError naming the tensor for a name under those
         prefixes that matches none of them, or a shape mismatch."""
-        targets = self.state_dict(keep_vars=True)
-        loaded: set[str] = set()
-        for ckpt_name, tensor in weights:
-            if not ckpt_name.startswith(VISION_CHECKPOINT_PREFIXES):
-                continue
-            name = ckpt_name.removeprefix("model.")
-            if name not in targets:
-                raise ValueError(f"{ckpt_name}: no parameter or buffer {name!r} in the Gemma 4 "
-                                 "vision encoder (check use_clipped_linears / standardize)")
-            target = targets[name]
-            if tensor.shape != target.shape:
-                raise ValueError(f"{ckpt_name}: shape {tuple(tensor.shape)} != {name} shape "
-                                 f"{tuple(target.shape)}")
-            with torch.no_grad():
-                target.copy_(tensor)
-            loaded.add(name)
-        return loaded
+        return load_encoder_weights(self, weights, under_prefixes(VISION_CHECKPOINT_PREFIXES),
+                                    "Gemma 4 vision encoder", buffers=True,
+                                    hint="use_clipped_linears / standardize")

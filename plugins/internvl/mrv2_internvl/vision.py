@@ -46,6 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mrv2.layers.weights import load_encoder_weights
+
 __all__ = ["VISION_CHECKPOINT_PREFIXES", "InternVLVisionEncoder"]
 
 _TOWER_PREFIXES: tuple[str, ...] = ("model.vision_tower.", "vision_tower.")
@@ -281,24 +283,7 @@ class InternVLVisionEncoder(nn.Module):
         ``embeddings.mask_token``, are ignored) and return the parameter names loaded.
         ValueError naming the tensor for a name under those prefixes that matches no
         parameter, or a shape mismatch."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for ckpt_name, tensor in weights:
-            name = _parameter_name(ckpt_name)
-            if name is None:
-                continue
-            if name not in params:
-                raise ValueError(f"{ckpt_name}: no parameter {name!r} in the InternVL vision "
-                                 "encoder")
-            param = params[name]
-            if tensor.shape != param.shape:
-                raise ValueError(f"{ckpt_name}: shape {tuple(tensor.shape)} != parameter {name} "
-                                 f"shape {tuple(param.shape)}")
-            with torch.no_grad():
-                param.copy_(tensor)
-            loaded.add(name)
-        return loaded
-
+        return load_encoder_weights(self, weights, _parameter_name, "InternVL vision encoder")
 
 def _parameter_name(ckpt_name: str) -> str | None:
     """The encoder's parameter name of a checkpoint name (None: not the encoder's, or the

@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mrv2.layers.weights import load_encoder_weights, under_prefixes
+
 __all__ = ["VISION_CHECKPOINT_PREFIXES", "Mistral3VisionEncoder"]
 
 _MODULES: tuple[str, ...] = ("vision_tower.", "multi_modal_projector.")
@@ -274,20 +276,6 @@ class Mistral3VisionEncoder(nn.Module):
         :data:`VISION_CHECKPOINT_PREFIXES`; others ignored) and return the parameter names
         loaded. ValueError naming the tensor for a name under those prefixes that matches no
         parameter, or a shape mismatch."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for ckpt_name, tensor in weights:
-            if not ckpt_name.startswith(VISION_CHECKPOINT_PREFIXES):
-                continue
-            name = ckpt_name.removeprefix("model.")
-            if name not in params:
-                raise ValueError(f"{ckpt_name}: no parameter {name!r} in the Mistral 3 vision "
-                                 "encoder (check multimodal_projector_bias / the layer count)")
-            param = params[name]
-            if tensor.shape != param.shape:
-                raise ValueError(f"{ckpt_name}: shape {tuple(tensor.shape)} != {name} shape "
-                                 f"{tuple(param.shape)}")
-            with torch.no_grad():
-                param.copy_(tensor)
-            loaded.add(name)
-        return loaded
+        return load_encoder_weights(self, weights, under_prefixes(VISION_CHECKPOINT_PREFIXES),
+                                    "Mistral 3 vision encoder",
+                                    hint="multimodal_projector_bias / the layer count")

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mrv2.contract.staging import to_device
+from mrv2.layers.weights import load_encoder_weights
 
 __all__ = ["CHECKPOINT_PREFIXES", "Qwen25VisionTower", "QwenVisionBase", "VisionPlan",
            "load_tower_weights", "plan_vision_batch"]
@@ -443,26 +444,17 @@ def load_tower_weights(tower: nn.Module, weights: Iterable[tuple[str, torch.Tens
     others ignored, as are rope tables); the Conv3d patch weight of ``conv_shape`` is
     flattened. Returns the parameter names loaded; ValueError naming the parameter on a shape
     mismatch or an unknown name under the prefix."""
-    params = dict(tower.named_parameters())
-    loaded: set[str] = set()
-    for ckpt_name, tensor in weights:
+    def target(ckpt_name: str) -> str | None:
         name = next((ckpt_name[len(p):] for p in CHECKPOINT_PREFIXES
                      if ckpt_name.startswith(p)), None)
-        if name is None or name.startswith("rotary_pos_emb."):  # rope tables: computed
-            continue
-        if name not in params:
-            raise ValueError(f"{ckpt_name}: no parameter {name!r} in the vision tower")
-        param = params[name]
-        src = tensor
-        if name == "patch_embed.proj.weight" and src.dim() == 5:
-            if tuple(src.shape) != tuple(conv_shape):
-                raise ValueError(f"{ckpt_name}: shape {tuple(src.shape)} != expected "
-                                 f"Conv3d shape {tuple(conv_shape)}")
-            src = src.reshape(conv_shape[0], -1)
-        if src.shape != param.shape:
-            raise ValueError(f"{ckpt_name}: shape {tuple(src.shape)} != parameter {name} "
-                             f"shape {tuple(param.shape)}")
-        with torch.no_grad():
-            param.copy_(src)
-        loaded.add(name)
-    return loaded
+        return None if name is None or name.startswith("rotary_pos_emb.") else name
+
+    def convert(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name != "patch_embed.proj.weight" or tensor.dim() != 5:
+            return tensor
+        if tuple(tensor.shape) != tuple(conv_shape):
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected Conv3d shape "
+                             f"{tuple(conv_shape)}")
+        return tensor.reshape(conv_shape[0], -1)
+
+    return load_encoder_weights(tower, weights, target, "vision tower", convert=convert)
