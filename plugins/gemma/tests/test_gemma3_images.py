@@ -19,6 +19,7 @@ import torch
 from mrv2 import LLM, SamplingParams
 from mrv2.engine.request import Request
 from mrv2.testing import random_image
+from mrv2.testing_engine import check_images_against_hf
 from mrv2_gemma.testing import save_tiny_gemma3_vl
 from mrv2_gemma.vl_inputs import Gemma3InputProcessor
 
@@ -52,27 +53,23 @@ def test_greedy_tokens_match_hf_with_images(tmp_path: Path,
     llm = LLM(str(tmp_path), device="cpu", dtype="float32", block_size=4,
               max_num_batched_tokens=8)
     a, b = random_image(40, 24, seed=1), random_image(32, 32, seed=2)
-    prompts = [([5, 17, 42, 9, boi, 100, 3], [a]), ([boi, 64, 8, boi, 250], [b, a]),
-               ([3, 4, 5, 6], [])]
+    prompts: list[tuple[list[int], list[Any]]] = [
+        ([5, 17, 42, 9, boi, 100, 3], [a]), ([boi, 64, 8, boi, 250], [b, a]), ([3, 4, 5, 6], [])]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     processor = llm.engine.input_processor
-    want = []
-    for prompt, images in prompts:
-        ids, items = processor.process(prompt, {"image": images})
+
+    def hf_inputs(ids: list[int], items: list[Any], images: list[Any]) -> dict[str, Any]:
+        if not items:
+            return {}
+        return {"pixel_values": torch.stack([i.data["pixel_values"] for i in items]),
+                "token_type_ids": (torch.tensor([ids]) == soft).long()}
+
+    # (encoder_runs 2: image a once for both requests)
+    expanded = check_images_against_hf(llm, hf, prompts, hf_inputs, encoder_runs=2, atol=1e-3)
+    for ids, items in expanded:
         assert [ids[i.offset: i.offset + i.length] for i in items] == [[soft] * 4] * len(items)
         assert all(item.bidirectional for item in items)
-        pixels = torch.stack([i.data["pixel_values"] for i in items]) if items else None
-        want.append(_hf_generate(hf, ids, pixels, 8))
-    requests = [{"prompt_token_ids": p, "multi_modal_data": {"image": i}} for p, i in prompts]
-    outs = llm.generate(requests, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == want
     assert cuts  # a step would have ended inside an image: it ended before it
-    state = llm.engine.runner.model_state
-    runs = state.encoder_runs
-    assert runs == 2  # image a once for both requests
-    again = llm.generate(requests[:2], params, use_tqdm=False)  # prefix / encoder caches
-    assert [o.outputs[0].token_ids for o in again] == want[:2]
-    assert state.encoder_runs == runs
 
     # chat: an image part renders <start_of_image> through chat_template.json
     tokenizer = llm.engine.tokenizer

@@ -18,6 +18,7 @@ import transformers
 from mrv2 import LLM, SamplingParams
 from mrv2.engine.request import Request
 from mrv2.testing import random_image, redraw_weights
+from mrv2.testing_engine import check_images_against_hf
 
 S, F = "sliding_attention", "full_attention"
 IMAGE, BOI, EOI = 120, 121, 122
@@ -57,14 +58,6 @@ def _hf_inputs(ids: list[int], items: list[Any]) -> dict[str, Any]:
             "mm_token_type_ids": (torch.tensor([ids]) == IMAGE).long()}
 
 
-def _hf_generate(hf: Any, ids: list[int], items: list[Any], n: int) -> list[int]:
-    hf.generation_config.eos_token_id = None  # (as ignore_eos)
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
-                          max_new_tokens=n, do_sample=False, **_hf_inputs(ids, items))
-    return [int(t) for t in out[0, len(ids):]]
-
-
 def test_greedy_tokens_match_hf_with_images(tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     hf = _checkpoint(tmp_path)
@@ -85,40 +78,21 @@ def test_greedy_tokens_match_hf_with_images(tmp_path: Path,
         ([5, 17, 42, 9, IMAGE, 100, 3], [a]), ([IMAGE, 64, 8, IMAGE, 50], [b, a]),
         ([3, 4, 5, 6] * 3, [])]
     processor = llm.engine.input_processor
-    want, counts = [], []
-    for prompt, images in prompts:
-        ids, items = processor.process(prompt, {"image": images})
+    # (every prompt position's log-probability checked, the image rows too: on the kv-shared
+    # layers only they see the two-way attention, the text after them reads earlier layers'
+    # keys; encoder_runs 2: image a once for both requests)
+    expanded = check_images_against_hf(
+        llm, hf, prompts, lambda ids, items, images: _hf_inputs(ids, items), encoder_runs=2,
+        atol=1e-3)
+    counts = []
+    for ids, items in expanded:
         for item in items:
             assert ids[item.offset - 1] == BOI and ids[item.offset + item.length] == EOI
             assert item.bidirectional
         counts += [item.length for item in items]
-        want.append(_hf_generate(hf, ids, items, 8))
     assert len(set(counts)) > 1  # (aspect ratios: different soft-token counts)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    requests = [{"prompt_token_ids": p, "multi_modal_data": {"image": i}} for p, i in prompts]
-    outs = llm.generate(requests, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == want
     assert cuts  # a step would have ended inside an image: it ended before it
-    state = llm.engine.runner.model_state
-    assert state.encoder_runs == 2
-    again = llm.generate(requests[:2], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in again] == want[:2]
-    assert state.encoder_runs == 2
-
-    # every prompt position's log-probability (the image rows too: on the kv-shared layers
-    # only they see the two-way attention, the text after them reads earlier layers' keys)
-    ids, items = processor.process(prompts[1][0], {"image": prompts[1][1]})
-    with torch.no_grad():
-        hf_lp = torch.log_softmax(hf(torch.tensor([ids]), **_hf_inputs(ids, items))
-                                  .logits[0].double(), dim=-1)
-    got = llm.generate([requests[1]], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                       use_tqdm=False)[0].prompt_logprobs
-    assert got is not None and got[0] is None and len(got) == len(ids)
-    for pos in range(1, len(ids)):
-        mine = got[pos]
-        assert mine is not None
-        assert mine[ids[pos]].logprob == pytest.approx(float(hf_lp[pos - 1, ids[pos]]),
-                                                       abs=1e-3), pos
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
     # (the model is one where the two-way attention changes the logits)
     ids, items = processor.process(prompts[0][0], {"image": [a]})

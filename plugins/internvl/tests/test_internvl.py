@@ -17,6 +17,7 @@ import transformers
 from mrv2 import LLM, SamplingParams
 from mrv2.model_loader import iter_safetensors, load_model_weights
 from mrv2.testing import make_tiny_tokenizer, random_image, redraw_weights
+from mrv2.testing_engine import HfInputs, check_images_against_hf
 from mrv2_internvl.model import InternVLForConditionalGeneration
 
 TOKENS = ("<img>", "</img>", "<IMG_CONTEXT>")
@@ -51,12 +52,15 @@ def _checkpoint(path: Path, kind: str) -> tuple[Any, list[int]]:
     return hf, ids
 
 
-def _hf_inputs(path: Path, images: list[Any]) -> dict[str, Any]:
-    if not images:
-        return {}
+def _hf_inputs(path: Path) -> HfInputs:
     processor: Any = transformers.GotOcr2ImageProcessorPil.from_pretrained(str(path))
-    return {"pixel_values": processor(images=images, crop_to_patches=True,
-                                      return_tensors="pt")["pixel_values"]}
+
+    def inputs(ids: list[int], items: list[Any], images: list[Any]) -> dict[str, Any]:
+        if not images:
+            return {}
+        return {"pixel_values": processor(images=images, crop_to_patches=True,
+                                          return_tensors="pt")["pixel_values"]}
+    return inputs
 
 
 @pytest.mark.parametrize("kind", sorted(TEXTS))
@@ -68,42 +72,14 @@ def test_tokens_and_logprobs_match_hf_with_images(tmp_path: Path, kind: str) -> 
     prompts: list[tuple[list[int], list[Any]]] = [
         ([5, 17, 42, context, 100, 3], [a]), ([context, 64, 8, context, 50], [b, a]),
         ([3, 4, 5, 6], [])]
-    processor = llm.engine.input_processor
-    hf.generation_config.eos_token_id = None
-    want, lengths = [], set()
-    for prompt, images in prompts:
-        ids, items = processor.process(prompt, {"image": images})
+    # (encoder_runs 2: image a once for both requests, across chunks)
+    expanded = check_images_against_hf(llm, hf, prompts, _hf_inputs(tmp_path), encoder_runs=2)
+    lengths = set()
+    for ids, items in expanded:
         for item in items:
             assert ids[item.offset - 1] == start and ids[item.offset + item.length] == end
             lengths.add(item.length)
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
-                              max_new_tokens=8, do_sample=False,
-                              **_hf_inputs(tmp_path, images))
-        want.append([int(t) for t in out[0, len(ids):]])
     assert len(lengths) == 2  # (two tile counts)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    requests = [{"prompt_token_ids": p, "multi_modal_data": {"image": i}} for p, i in prompts]
-    outs = llm.generate(requests, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == want
-    state = llm.engine.runner.model_state
-    assert state.encoder_runs == 2  # image a once for both requests, across chunks
-    again = llm.generate(requests[:2], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in again] == want[:2]
-    assert state.encoder_runs == 2
-
-    ids, _ = processor.process(prompts[1][0], {"image": prompts[1][1]})
-    with torch.no_grad():
-        logits = hf(torch.tensor([ids]), **_hf_inputs(tmp_path, prompts[1][1])).logits[0]
-    want_lp = torch.log_softmax(logits.double(), dim=-1)
-    got = llm.generate([requests[1]], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                       use_tqdm=False)[0].prompt_logprobs
-    assert got is not None and len(got) == len(ids)
-    for pos in range(1, len(ids)):
-        mine = got[pos]
-        assert mine is not None
-        assert mine[ids[pos]].logprob == pytest.approx(float(want_lp[pos - 1, ids[pos]]),
-                                                       abs=1e-4), pos
 
 
 def test_checkpoint_names_and_bad_input(tmp_path: Path) -> None:
