@@ -128,3 +128,23 @@ def test_engine_priority_and_overload(llm: LLM) -> None:
         engine.step()
     stats = engine.stats()
     assert stats["num_running"] == stats["num_waiting"] == 0 and stats["kv_usage"] == 0.0
+
+
+def test_one_token_left_in_the_budget_never_ends_a_step_inside_an_image() -> None:
+    """A running request at the start of a bidirectional image of 2 tokens, with 1 token of
+    budget left after two decodes: it waits rather than computing half the image (the
+    one-token case used to skip the check), and takes the image whole once there is room."""
+    from mrv2.contract.requests import MultiModalItem
+
+    scheduler = _scheduler("fcfs", max_num_batched_tokens=3)
+    scheduler.add(_request("a", 1, max_tokens=6, first=10))
+    scheduler.add(_request("b", 1, max_tokens=6, first=30))
+    _step(scheduler)
+    image = _request("img", 5, first=50)
+    image.mm_items = [MultiModalItem("image", None, "h", 3, 2, bidirectional=True)]
+    scheduler.add(image)
+    steps = [_step(scheduler).num_scheduled_tokens for _ in range(8)]
+    assert [s.get("img", 0) for s in steps[:3]] == [1, 1, 1]  # positions 0, 1, 2
+    assert steps[3] == {"a": 1, "b": 1}  # (img at 3: one token would end inside the image)
+    whole = [s.get("img", 0) for s in steps].index(2)  # the image whole, after a and b end
+    assert all("img" not in s for s in steps[3:whole])

@@ -268,7 +268,8 @@ class Scheduler:
                     and request.sampling_params.structured_outputs is not None):
                 continue  # its next token's mask needs the one in flight (structured outputs)
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if n > 1 and request.mm_items:  # (no step ends inside a bidirectional item)
+            if request.mm_items and request.num_computed_tokens < request.num_prompt_tokens:
+                # (no step ends inside a bidirectional item, a one-token step neither)
                 n = request.chunk_size(request.num_computed_tokens, n)
             if n <= 0:
                 continue
