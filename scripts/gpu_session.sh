@@ -27,7 +27,8 @@
 # MRV2_INT_MAGIC=0 then 1: Qwen3-8B GPTQ, gpt-oss-20b), ernie (ERNIE-4.5-21B-A3B's TPOT), gptoss (gpt-oss-20b's MXFP4 experts: tests, then bench latency;
 # GPTOSS_THROUGHPUT=1: the throughput workload too; GPTOSS_MODEL=gpt-oss-120b: the big one),
 # gemma3vl (Gemma 3 with images: GPU tests, mrv2 bench multimodal on gemma-3-4b-it),
-# gluonprefill (a Gluon causal prefill attention: FlashAttention-3's schedule), gluonrs (a Gluon MXFP4 GEMM with the weights decoded into wgmma's register operand),
+# gluonprefill (a Gluon causal prefill attention: FlashAttention-3's schedule),
+# qwen3next (the linear-attention kernels on CUDA, Qwen3-Next's GPU tests, its TPOT cut to 8 layers), gluonrs (a Gluon MXFP4 GEMM with the weights decoded into wgmma's register operand),
 # intdense (integer experts dequantized first, opt-in: timed beside MXFP4's),
 # mxfp4dense (MXFP4 experts dequantized for large steps: tests, bench_int, gpt-oss-20b
 # throughput against MRV2_MXFP4_DENSE=0), slidingkv (sliding-window block tables: GPU tests, gpt-oss-20b throughput at equal KV memory),
@@ -317,6 +318,21 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                     {k: (v['steps'], v['device_s']) for k, v in d['by_step_kind'].items()})" \
                     "$OUT/dense${flag}.json" $flag
                 done ;;
+    qwen3next) # Qwen3-Next: the linear-attention state kernels compiled for CUDA, the GPU tests
+               # (HF parity with graphs, chunks, preemption; no syncs), then batch-1/8/64 TPOT of
+               # Qwen3-Next-80B-A3B cut to 8 layers (2 full attention, 6 Gated DeltaNet; random
+               # weights) beside the token-serial prefill's TTFT
+               timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear_attention.py \
+                 2>&1 | tee "$OUT/qwen3next_kernel_tests.log" | tail -2
+               timeout 200 python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_qwen3_next.py \
+                 2>&1 | tee "$OUT/qwen3next_gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -4
+               timeout 200 python3 -m mrv2.entrypoints.cli bench latency --model Qwen3-Next-80B-A3B \
+                 --hf-overrides '{"num_hidden_layers": 8}' --new-tokens 128 \
+                 --json "$OUT/qwen3next_latency.json" > "$OUT/qwen3next_latency.log" 2>&1
+               python3 -c "import json, sys; d = json.load(open(sys.argv[1])); [print('qwen3-next-8L', \
+                 k, [(r['batch'], r['tpot_ms'], r.get('ttft_ms')) for r in v]) \
+                 for k, v in d.items() if isinstance(v, list)]" "$OUT/qwen3next_latency.json" \
+                 || tail -5 "$OUT/qwen3next_latency.log" ;;
     gluonrs) # scripts/proto_gluon_mxfp4.py --run: MXFP4 weights decoded into wgmma's register
              # A operand (Gluon), checked against the dequantized weights and timed at 16-64 rows
              python3 scripts/proto_gluon_mxfp4.py --check-repack 2>&1 | tail -1
@@ -329,7 +345,7 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
               timeout 320 python3 -m pytest -q -p no:cacheprovider -m gpu \
                 tests/gpu/test_gpu_gemma3_images.py tests/gpu/test_gpu_gemma.py \
                 tests/gpu/test_gpu_gemma4.py tests/gpu/test_gpu_mistral3.py \
-                tests/gpu/test_gpu_internvl.py 2>&1 \
+                tests/gpu/test_gpu_internvl.py tests/gpu/test_gpu_llava.py 2>&1 \
                 | tee "$OUT/gemma3vl_tests.log" | tail -3
               timeout 200 python3 -m mrv2.entrypoints.cli bench multimodal --model gemma-3-4b-it \
                 --image-size 896 --json "$OUT/gemma3vl_bench.json" > "$OUT/gemma3vl_bench.log" 2>&1

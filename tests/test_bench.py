@@ -421,7 +421,8 @@ PUBLISHED_BILLIONS = {
     "DeepSeek-V2-Lite": 15.7, "ERNIE-4.5-21B-A3B": 21.8, "GLM-4.5-Air-FP8": 106.0,
     "GLM-4.7-FP8": 355.0,
     "Qwen2.5-7B": 7.61, "Qwen2.5-VL-7B": 8.29, "Qwen3-0.6B": 0.6, "Qwen3-30B-A3B": 30.5,
-    "Qwen3-32B": 32.8, "Qwen3-8B": 8.2, "Qwen3-VL-8B": 8.77, "gpt-oss-20b": 21.0,
+    "Qwen3-32B": 32.8, "Qwen3-8B": 8.2, "Qwen3-VL-8B": 8.77, "Qwen3-Next-80B-A3B": 80.0,
+    "gpt-oss-20b": 21.0,
     "gpt-oss-120b": 117.0, "gemma-3-4b-it": 4.3,
 }
 

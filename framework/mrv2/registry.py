@@ -18,12 +18,16 @@ KNOWN_PACKAGES: dict[str, str] = {
     "Qwen2ForCausalLM": "mrv2-plugin-qwen",
     "Qwen3ForCausalLM": "mrv2-plugin-qwen",
     "Qwen3MoeForCausalLM": "mrv2-plugin-qwen",
+    "Qwen2MoeForCausalLM": "mrv2-plugin-qwen",
+    "Qwen3NextForCausalLM": "mrv2-plugin-qwen",
     "Glm4MoeForCausalLM": "mrv2-plugin-glm",
     "DeepseekV2ForCausalLM": "mrv2-plugin-deepseek",
     "DeepseekV3ForCausalLM": "mrv2-plugin-deepseek",
     "Qwen2_5_VLForConditionalGeneration": "mrv2-plugin-qwen-vl",
     "Qwen3VLForConditionalGeneration": "mrv2-plugin-qwen-vl",
     "Gemma3ForConditionalGeneration": "mrv2-plugin-gemma",
+    "LlavaForConditionalGeneration": "mrv2-plugin-llava",
+    "LlavaNextForConditionalGeneration": "mrv2-plugin-llava",
     "LlamaForCausalLM": "mrv2-contrib-llama",
 }
 

@@ -240,6 +240,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             max_model_len=args.max_model_len, max_num_seqs=max(args.batch_sizes),
             gpu_memory_utilization=args.gpu_memory_utilization,
             tensor_parallel_size=args.tensor_parallel_size,
+            hf_overrides=getattr(args, "hf_overrides", None) or {},
             **{"kv_cache_dtype": args.kv_cache_dtype, **variants[name]},
         )
         engine = LLMEngine(config)
@@ -327,6 +328,9 @@ def add_parser(sub: Any) -> None:
                         "requests on no adapter / one / four (random adapters of --lora-rank "
                         "on every projection): what serving adapters costs")
     p.add_argument("--lora-rank", type=int, default=16, help="the lora_* variants' rank")
+    p.add_argument("--hf-overrides", type=json.loads, default=None, metavar="JSON",
+                   help="config.json fields to change, e.g. '{\"num_hidden_layers\": 8}': a "
+                        "model too big for the device cut to fewer layers")
     p.add_argument("--json", default=None)
     p.set_defaults(func=main)
 

@@ -142,6 +142,14 @@ def kv_bytes_per_token(runner: Runner) -> int:
     return runner.kv.bytes_per_block(1, runner.dtype)
 
 
+def state_bytes_per_request(runner: Runner) -> int:
+    """Per-request state bytes across all layers (linear attention's recurrent and
+    convolution states: :mod:`mrv2.contract.request_state`); a step reads and writes them
+    for each of its requests. 0 for a model without."""
+    state = runner.model_state
+    return int(getattr(state, "request_state_bytes", 0)) // max(runner.max_num_reqs, 1)
+
+
 @dataclass
 class StepLog:
     """Per-step counts and (on CUDA) events around each step's device work."""
@@ -252,10 +260,13 @@ def release_engine_memory() -> None:
 
 def floor_seconds(log: StepLog, runner: Runner, bandwidth: float, expert_bytes: int = 0) -> float:
     """The byte floor: every step reads all weights (but the routed experts) plus the KV of
-    every sequence it extends; ``expert_bytes``: the routed experts the steps actually read
-    (:func:`expert_read_bytes`)."""
+    every sequence it extends, and reads and writes each request's state (a linear-attention
+    model's: :func:`state_bytes_per_request`); ``expert_bytes``: the routed experts the steps
+    actually read (:func:`expert_read_bytes`)."""
     weights, per_token = weight_bytes(runner), kv_bytes_per_token(runner)
-    total = sum(weights + seq * per_token for _, _, seq in log.steps) + expert_bytes
+    per_req = 2 * state_bytes_per_request(runner)
+    total = sum(weights + seq * per_token + reqs * per_req
+                for reqs, _, seq in log.steps) + expert_bytes
     return total / bandwidth
 
 
@@ -266,8 +277,9 @@ def roofline_seconds(log: StepLog, runner: Runner, bandwidth: float, flop_rate: 
     request) at ``flop_rate``; the routed experts' bytes are added for the whole run. A
     prefill step is compute-bound, so the byte floor alone under-counts it."""
     weights, per_token = weight_bytes(runner), kv_bytes_per_token(runner)
+    per_req = 2 * state_bytes_per_request(runner)
     flops_token, flops_row = linear_flops(runner)
-    return sum(max((weights + seq * per_token) / bandwidth,
+    return sum(max((weights + seq * per_token + reqs * per_req) / bandwidth,
                    (tokens * flops_token + reqs * flops_row) / flop_rate)
                for reqs, tokens, seq in log.steps) + expert_bytes / bandwidth
 

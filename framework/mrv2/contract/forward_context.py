@@ -33,6 +33,10 @@ class ForwardContext:
     but for ``block_table`` and ``slot_mapping``. Empty: ``metadata`` serves every layer."""
     layer_tables: Sequence[int] = ()
     """The block table of each cache layer, by ``layer_idx`` (empty: table 0 for all)."""
+    state_rows: torch.Tensor | None = None
+    """``[metadata.num_reqs]`` int32: each request's state-table row, where its per-request
+    state lives (:mod:`mrv2.contract.request_state`); entries of padding requests (zero
+    queries) are stale. None where the runner does not set it."""
     bidirectional: Sequence[BidirectionalSpan] = ()
     """Query rows that also see the later keys of their span (an image's tokens in Gemma 3):
     set by the model's forward around its layers with :func:`bidirectional_spans`; empty (the

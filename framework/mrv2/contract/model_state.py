@@ -26,6 +26,7 @@ from mrv2.contract.attention import AttentionMetadata
 from mrv2.contract.batch import InputBatch, InputBuffers, last_token_indices
 from mrv2.contract.forward_context import BidirectionalSpan
 from mrv2.contract.kv_cache import KVCacheSpec, layer_specs
+from mrv2.contract.request_state import allocate_request_states, request_state_layers
 from mrv2.contract.requests import MultiModalEmbeddings, MultiModalItem, NewRequest
 from mrv2.contract.samples import SpeculatorInputs
 
@@ -56,6 +57,20 @@ class ModelState:
         self.block_size = block_size
         self.device = device
         self._graph_pool: Any = None
+        #: The model's layers with per-request state (linear attention, state-space mixers:
+        #: :mod:`mrv2.contract.request_state`), their tensors allocated here, one row per
+        #: state-table row, before the KV cache is sized (the KV budget is what they leave).
+        self.request_state_layers = request_state_layers(model)
+        dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point),
+                     torch.float32)
+        self.request_state_bytes = allocate_request_states(
+            self.request_state_layers, config.scheduler.max_num_seqs, dtype, device)
+
+    @property
+    def keeps_request_state(self) -> bool:
+        """Whether the model keeps per-request state beside its KV cache: the engine then
+        turns prefix caching off and the runner refuses speculative decoding."""
+        return bool(self.request_state_layers)
 
     # -- start-up ----------------------------------------------------------------------------
 

@@ -104,6 +104,14 @@ class LLMEngine(WeightOps):
         #: What a pooling request asks for when it does not say (``LLM.encode``): a token
         #: classifier's per-token labels, a sequence classifier's labels, else an embedding.
         self.default_pooling_task = default_pooling_task(self.runner.hf_config)
+        #: Whether full prompt blocks are cached and reused: ``cache.enable_prefix_caching``,
+        #: except for a model with per-request recurrent state, whose cached blocks would
+        #: lack the state at their end (:mod:`mrv2.contract.request_state`).
+        self.prefix_caching = bool(config.cache.enable_prefix_caching)
+        if self.prefix_caching and getattr(self.runner, "keeps_request_state", False):
+            self.prefix_caching = False
+            logger.info("prefix caching off: %s keeps per-request recurrent state",
+                        entry.architecture)
         self.block_manager, self.scheduler = self._new_scheduler()
         k = self.runner.num_speculative_tokens
         #: Request-steps by how many drafts they verified (``[d]``) and kept (``[a]``); every
@@ -146,7 +154,7 @@ class LLMEngine(WeightOps):
     def _new_scheduler(self) -> tuple[BlockManager, Scheduler]:
         """A block manager over the whole KV cache (its prefix cache empty) and a scheduler."""
         blocks = BlockManager(self.runner.num_kv_blocks, self.runner.block_size,
-                              self.config.cache.enable_prefix_caching)
+                              self.prefix_caching)
         speculator = self.runner.speculator
         scheduler = Scheduler(
             self.config.scheduler, blocks, self.runner.num_speculative_tokens,

@@ -393,15 +393,25 @@ class GroupedTopKRouter(nn.Module):
 class MoEBlock(nn.Module):
     """``experts(x, *gate(x)) + shared_experts(x)``: a router named ``gate`` (checkpoints'
     ``mlp.gate``), the routed ``experts`` and optional ``shared_experts``. With tensor
-    parallelism both halves produce partial sums and the block all-reduces once."""
+    parallelism both halves produce partial sums and the block all-reduces once.
+
+    ``shared_expert_gate=True`` scales the shared experts' output per token by
+    ``sigmoid(shared_expert_gate(x))``, a ``[hidden] -> [1]`` projection replicated on every
+    rank (Qwen2-MoE, Qwen3-Next; a scalar per token, so it scales the partial sums alike)."""
 
     def __init__(
-        self, gate: nn.Module, experts: FusedMoE, shared_experts: GatedMLP | None = None
+        self, gate: nn.Module, experts: FusedMoE, shared_experts: GatedMLP | None = None,
+        shared_expert_gate: bool = False,
     ) -> None:
         super().__init__()
         self.gate = gate
         self.experts = experts
         self.shared_experts = shared_experts
+        self.shared_expert_gate: nn.Linear | None = None
+        if shared_expert_gate:
+            if shared_experts is None:
+                raise ValueError("shared_expert_gate needs shared_experts")
+            self.shared_expert_gate = nn.Linear(experts.hidden_size, 1, bias=False)
         self.tp_size = experts.world
         experts.reduce_output = False
         if shared_experts is not None:
@@ -411,7 +421,10 @@ class MoEBlock(nn.Module):
         topk_weights, topk_ids = self.gate(x)
         out: torch.Tensor = self.experts(x, topk_weights, topk_ids)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            shared = self.shared_experts(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return all_reduce(out) if self.tp_size > 1 else out
 
 

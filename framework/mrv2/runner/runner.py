@@ -148,6 +148,21 @@ class Runner(BetweenSteps):
             config=config, registries=registries, model_state=self.model_state,
             device=self.device,
         )
+        #: Whether the model keeps per-request state (:mod:`mrv2.contract.request_state`):
+        #: the engine turns prefix caching off for it.
+        self.keeps_request_state = self.model_state.keeps_request_state
+        if self.keeps_request_state:
+            state_bytes = self.model_state.request_state_bytes
+            self.startup.facts.update(request_state_bytes=state_bytes)
+            self.startup.log("request state: %d layers keep %.1f MiB per request, %.2f GiB for "
+                             "max_num_seqs=%d", len(self.model_state.request_state_layers),
+                             state_bytes / self.max_num_reqs / (1 << 20), state_bytes / (1 << 30),
+                             self.max_num_reqs)
+        if self.speculator is not None and self.keeps_request_state:
+            raise ValueError(
+                f"speculative_config: {self.model_entry.architecture} keeps per-request "
+                "recurrent state (linear-attention layers), which rejected drafts would "
+                "advance; speculative decoding is not supported for it (allowed: none)")
         if self.speculator is not None:
             self.speculator.bind_sampling(getattr(self.sampler, "state", None))
         self.num_speculative_tokens = (
@@ -325,6 +340,8 @@ class Runner(BetweenSteps):
         metadata = self.model_state.prepare_attn(batch)
         context = ForwardContext(metadata, self.kv.tensors, self.kv.backends,
                                  self.lora.forward_slots(batch) if self.lora else None)
+        if self.keeps_request_state:  # (padding requests' entries: stale, zero queries)
+            context.state_rows = self.buffers.idx_mapping[: metadata.num_reqs]
         if batch.table_inputs:  # sliding-window layers read block tables of their own
             context.table_metadata = table_metadata(metadata, batch)
             context.layer_tables = self.kv.layout.layer_tables

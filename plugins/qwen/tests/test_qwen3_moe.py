@@ -1,6 +1,7 @@
-"""Qwen3MoeForCausalLM against HF transformers: logits at every position (prefill and decode
-through the paged cache) and greedy tokens through ``LLM``, with dense layers between sparse
-ones, renormalized or raw top-k weights."""
+"""Qwen3MoeForCausalLM and Qwen2MoeForCausalLM against HF transformers: logits at every
+position (prefill and decode through the paged cache) and greedy tokens through ``LLM``, with
+dense layers between sparse ones, renormalized or raw top-k weights, Qwen2-MoE's gated shared
+expert."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from test_qwen3_forward import check_against_hf, save_hf_model
 from mrv2 import LLM, SamplingParams
 from mrv2.layers import FusedMoE, GatedMLP
 from mrv2.testing import hf_greedy, make_tiny_checkpoint
-from mrv2_qwen.qwen3_moe import Qwen3MoeForCausalLM
+from mrv2_qwen.qwen3_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MOE = {
     "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
@@ -83,3 +84,22 @@ def test_greedy_matches_hf(tmp_path: Path, kwargs: dict[str, object]) -> None:
     assert [o.outputs[0].token_ids for o in outputs] == expected
     if kwargs:
         assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_qwen2_moe_matches_hf(tmp_path: Path) -> None:
+    """Qwen2-MoE: q/k/v biases, the shared expert scaled by its sigmoid gate, a dense layer;
+    logits per position, then greedy tokens through the engine."""
+    config = transformers.Qwen2MoeConfig(**{**MOE, "shared_expert_intermediate_size": 48,
+                                            "mlp_only_layers": [1], "norm_topk_prob": False})
+    config.architectures = ["Qwen2MoeForCausalLM"]
+    hf = save_hf_model(config, tmp_path)
+    model = Qwen2MoeForCausalLM(transformers.AutoConfig.from_pretrained(tmp_path))
+    assert model.model.layers[0].mlp.shared_expert_gate is not None
+    assert model.model.layers[0].self_attn.qkv_proj.bias is not None
+    check_against_hf(Qwen2MoeForCausalLM, hf, tmp_path)
+    expected = [hf_greedy(tmp_path, p, 8) for p in PROMPTS[:2]]
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params,
+                           use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected

@@ -1,0 +1,78 @@
+"""Per-request state of fixed size: what linear-attention and state-space layers keep between
+steps instead of (or beside) a KV cache.
+
+A layer whose token mixer is recurrent (Gated DeltaNet in Qwen3-Next, a Mamba-2 mixer) keeps,
+per request, a few tensors whose size does not grow with the sequence: a short convolution's
+last inputs and the recurrent state matrix. Such a layer subclasses :class:`RequestStateLayer`
+and declares them (:meth:`RequestStateLayer.request_state_shapes`); the default
+:class:`~mrv2.contract.model_state.ModelState` allocates each as ``[rows, *shape]`` (``rows``:
+the state table's, ``scheduler.max_num_seqs``) when it is built, before the KV cache is sized,
+so the KV budget is what is left after them. A request's state lives at its state-table row;
+during a forward the layer reads the rows of the step's requests from
+:attr:`~mrv2.contract.forward_context.ForwardContext.state_rows` and the sequences from the
+attention metadata (``query_start_loc``, ``seq_lens``): a chunk that starts at position 0
+begins from a zero state whatever the row holds (a new request, a row reused, a preempted
+request computed again), a later chunk continues from the row.
+
+What the state cannot do, the engine refuses or turns off for such a model: the prefix cache
+(a cached block has no recurrent state at its end: prefix caching is off, logged at start) and
+speculative decoding (rejected drafts would have advanced the state: refused by name).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["RequestStateLayer", "allocate_request_states", "request_state_layers"]
+
+StateShapes = dict[str, tuple[tuple[int, ...], torch.dtype | None]]
+"""``{name: (per-request shape, dtype)}``; dtype None: the model's."""
+
+
+class RequestStateLayer(nn.Module):
+    """Base of a module that keeps fixed-size state per request across steps.
+
+    Subclasses implement :meth:`request_state_shapes`; after the model state allocated them,
+    :attr:`request_states` holds ``{name: tensor [rows, *shape]}`` (zeroed once; a chunk at
+    position 0 must not read its row). The tensors stay put for the engine's life, so a
+    captured CUDA graph reads and writes the same memory at every replay."""
+
+    request_states: dict[str, torch.Tensor]
+
+    def request_state_shapes(self) -> StateShapes:
+        """``{name: (shape of one request's tensor, dtype or None for the model's)}``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement request_state_shapes()")
+
+
+def request_state_layers(model: nn.Module) -> list[RequestStateLayer]:
+    """Every :class:`RequestStateLayer` of ``model``, in module order."""
+    return [m for m in model.modules() if isinstance(m, RequestStateLayer)]
+
+
+def allocate_request_states(layers: Iterable[RequestStateLayer], rows: int,
+                            dtype: torch.dtype, device: torch.device) -> int:
+    """Give each layer its zeroed ``[rows, *shape]`` tensors (``dtype``: the model's, for
+    shapes that name none); returns the bytes allocated. ``ValueError`` for a non-positive
+    dimension, naming the layer and the tensor."""
+    total = 0
+    for layer in layers:
+        states: dict[str, torch.Tensor] = {}
+        for name, (shape, own) in layer.request_state_shapes().items():
+            if not shape or min(shape) < 1:
+                raise ValueError(f"{type(layer).__name__}.request_state_shapes(): {name!r} has "
+                                 f"shape {shape}; every dimension must be >= 1")
+            tensor = torch.zeros((rows, *shape), dtype=own or dtype, device=device)
+            states[name] = tensor
+            total += tensor.numel() * tensor.element_size()
+        layer.request_states = states
+    return total
+
+
+def describe(layers: list[RequestStateLayer], rows: int, nbytes: int) -> dict[str, Any]:
+    """Start-up facts of the request states (logged by the runner)."""
+    return {"request_state_layers": len(layers), "request_state_rows": rows,
+            "request_state_bytes": nbytes}

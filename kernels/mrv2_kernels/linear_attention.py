@@ -1,0 +1,464 @@
+"""Device ops of hybrid linear-attention layers (Qwen3-Next's Gated DeltaNet): the causal
+depthwise conv over the fused q/k/v projection, and the gated delta rule recurrence.
+
+Both are varlen over a flat token batch and keep per-request state in a tensor indexed by a
+state **row** (not by batch position). Per step (all device tensors, no host syncs on the
+Triton path):
+
+* ``query_start_loc`` int32 ``[N + 1]``, ``query_start_loc[0] == 0``: sequence ``i`` owns
+  tokens ``query_start_loc[i]:query_start_loc[i + 1]``; ``N`` may count padding sequences of
+  length 0, and tokens past ``query_start_loc[N]`` are padding.
+* ``seq_lens`` int32 ``[N]``: the sequence's length after this step; its chunk starts at
+  ``start = seq_lens[i] - query length``. ``start > 0``: the row holds the state after the
+  first ``start`` tokens; ``start == 0``: begin from zeros, whatever the row holds.
+* ``state_rows`` int32 ``[N]``: sequence ``i``'s state row. Real sequences have distinct rows; a
+  zero-length sequence neither reads nor writes its row (so padding may alias any row).
+
+State layouts: the conv state is ``[R, W - 1, D]`` in ``x``'s dtype (each row's last ``W - 1``
+inputs, oldest first); the recurrent state is ``[R, Hv, K, V]`` fp32. Outputs are zero on
+padding tokens (the kernels write those zeros; nothing is left uninitialised).
+
+The Triton kernels give one program to each (sequence, channel block), which owns its state
+tile and walks the sequence's tokens in order: the conv state is read before it is
+overwritten within that program, and the delta-rule state tile stays in registers in fp32.
+This token-serial delta rule is right for decode and acceptable for prefill for now; the next
+step is a chunked prefill path (WY representation / UT transform: intra-chunk work as matrix
+products, the state carried across chunks), as the fla library's ``chunk_gated_delta_rule``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._backend import cdiv, default_block, next_power_of_2, pdl, pdl_prologue, use_triton
+
+__all__ = [
+    "causal_conv1d",
+    "causal_conv1d_ref",
+    "causal_conv1d_triton",
+    "gated_delta_rule",
+    "gated_delta_rule_ref",
+    "gated_delta_rule_triton",
+]
+
+#: dtypes the Triton kernels take for activations (loaded and converted to fp32 at once).
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: The largest key head dim of :func:`gated_delta_rule_triton` (one register tile of K).
+MAX_K = 256
+_L2_EPS = 1e-6
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every buffer the Triton path writes comes from here (tests poison them)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _check_meta(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                state_rows: torch.Tensor) -> int:
+    """The sequence count ``N`` after checking the metadata's shapes and dtypes (no sync)."""
+    n = query_start_loc.shape[0] - 1
+    if query_start_loc.dim() != 1 or n < 0:
+        raise ValueError("query_start_loc must be 1-D of length N + 1")
+    for name, t in (("seq_lens", seq_lens), ("state_rows", state_rows)):
+        if t.shape != (n,):
+            raise ValueError(f"{name} must have shape ({n},), got {tuple(t.shape)}")
+    for t in (query_start_loc, seq_lens, state_rows):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"step metadata must be int32 (or int64), got {t.dtype}")
+    return n
+
+
+@triton.jit
+def _zero_tail(out_ptr: tl.tensor, qsl_ptr: tl.tensor, num_seqs: tl.tensor,
+               num_tokens: tl.tensor, out_stride: int, cols: tl.tensor, cmask: tl.tensor,
+               BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr) -> None:
+    """Triton helper: zeros in ``out_ptr``'s rows ``query_start_loc[N]:num_tokens`` (the
+    padding tokens), columns ``cols`` (``[BLOCK_C]``) where ``cmask``."""
+    end = tl.load(qsl_ptr + num_seqs).to(tl.int32)
+    zero = tl.zeros([BLOCK_T, BLOCK_C], dtype=out_ptr.dtype.element_ty)
+    t_offs = tl.arange(0, BLOCK_T)
+    for t0 in range(end, num_tokens, BLOCK_T):
+        t = t0 + t_offs
+        dst = out_ptr + t.to(tl.int64)[:, None] * out_stride + cols[None, :]
+        tl.store(dst, zero, mask=(t < num_tokens)[:, None] & cmask[None, :])
+
+
+# ------------------------------------------------------------------------- causal conv1d
+
+
+def _check_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                conv_state: torch.Tensor, activation: str | None) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[0] != x.shape[1]:
+        raise ValueError(f"x must be [T, D] and weight [D, W], got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)}")
+    d, width = weight.shape
+    if width < 2:
+        raise ValueError(f"the conv width must be at least 2, got {width}")
+    if bias is not None and bias.shape != (d,):
+        raise ValueError(f"bias must have shape ({d},), got {tuple(bias.shape)}")
+    if conv_state.dim() != 3 or conv_state.shape[1:] != (width - 1, d):
+        raise ValueError(f"conv_state must be [R, {width - 1}, {d}], got "
+                         f"{tuple(conv_state.shape)}")
+    if conv_state.dtype != x.dtype:
+        raise TypeError(f"conv_state must be {x.dtype} like x, got {conv_state.dtype}")
+    if activation not in (None, "silu"):
+        raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
+
+
+def causal_conv1d_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, state_rows: torch.Tensor,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """Plain-torch specification of :func:`causal_conv1d` (reads the metadata on the host)."""
+    _check_conv(x, weight, bias, conv_state, activation)
+    n = _check_meta(query_start_loc, seq_lens, state_rows)
+    width = weight.shape[1]
+    w = weight.float()
+    out = torch.zeros_like(x)
+    qsl, lens, rows = query_start_loc.tolist(), seq_lens.tolist(), state_rows.tolist()
+    for i in range(n):
+        bos, eos = qsl[i], qsl[i + 1]
+        length = eos - bos
+        if length <= 0:
+            continue
+        row = rows[i]
+        if lens[i] - length > 0:
+            ctx = conv_state[row].float()
+        else:
+            ctx = torch.zeros(width - 1, x.shape[1], dtype=torch.float32, device=x.device)
+        xs = torch.cat([ctx, x[bos:eos].float()])
+        acc = torch.zeros(length, x.shape[1], dtype=torch.float32, device=x.device)
+        if bias is not None:
+            acc = acc + bias.float()
+        for j in range(width):
+            acc = acc + w[:, j] * xs[j:j + length]
+        if activation == "silu":
+            acc = F.silu(acc)
+        out[bos:eos] = acc.to(x.dtype)
+        conv_state[row] = xs[length:].to(conv_state.dtype)
+    return out
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])
+def _causal_conv1d_kernel(
+    x_ptr: tl.tensor, w_ptr: tl.tensor, b_ptr: tl.tensor, state_ptr: tl.tensor,
+    out_ptr: tl.tensor, qsl_ptr: tl.tensor, seq_lens_ptr: tl.tensor, rows_ptr: tl.tensor,
+    num_seqs: int, num_tokens: int, dim: int,
+    x_stride: int, out_stride: int, w_stride: int, s_row_stride: int, s_t_stride: int,
+    WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr,
+) -> None:
+    pdl_prologue(PDL)
+    # Programs (i < N, d block): sequence i's channels; program (N, d block): padding tokens.
+    seq = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = d < dim
+    if seq == num_seqs:
+        _zero_tail(out_ptr, qsl_ptr, num_seqs, num_tokens, out_stride, d, dmask, BLOCK_T,
+                   BLOCK_D)
+        return
+    bos = tl.load(qsl_ptr + seq).to(tl.int32)
+    n = tl.load(qsl_ptr + seq + 1).to(tl.int32) - bos
+    if n <= 0:  # padding: its row may be another sequence's
+        return
+    has_init = tl.load(seq_lens_ptr + seq).to(tl.int32) - n > 0
+    s_base = state_ptr + tl.load(rows_ptr + seq).to(tl.int64) * s_row_stride
+    x_base = x_ptr + bos.to(tl.int64) * x_stride
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros([BLOCK_D], dtype=tl.float32)
+    t_offs = tl.arange(0, BLOCK_T)
+    for t0 in range(0, n, BLOCK_T):
+        t = t0 + t_offs  # positions in the chunk
+        live = t < n
+        acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32) + bias[None, :]
+        for j in tl.static_range(WIDTH):
+            # Input j of output t is chunk position p; p < 0 is context row WIDTH - 1 + p.
+            p = t + (j - (WIDTH - 1))
+            in_x = (live & (p >= 0))[:, None] & dmask[None, :]
+            src = x_base + tl.maximum(p, 0).to(tl.int64)[:, None] * x_stride + d[None, :]
+            xv = tl.load(src, mask=in_x, other=0.0).to(tl.float32)
+            in_ctx = (live & (p < 0) & has_init)[:, None] & dmask[None, :]
+            ctx = s_base + tl.maximum(p + (WIDTH - 1), 0)[:, None] * s_t_stride + d[None, :]
+            cv = tl.load(ctx, mask=in_ctx, other=0.0).to(tl.float32)
+            wj = tl.load(w_ptr + d * w_stride + j, mask=dmask, other=0.0).to(tl.float32)
+            acc += (xv + cv) * wj[None, :]
+        if SILU:
+            acc = acc / (1.0 + tl.exp(-acc))
+        dst = out_ptr + (bos + t).to(tl.int64)[:, None] * out_stride + d[None, :]
+        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & dmask[None, :])
+    # New state row r is chunk position n - (WIDTH - 1) + r: an input, or (a chunk shorter
+    # than WIDTH - 1) an old context row, read here before any of them is overwritten.
+    r = tl.arange(0, BLOCK_W)
+    p = n - (WIDTH - 1) + r
+    rmask = (r < WIDTH - 1)[:, None] & dmask[None, :]
+    from_x = rmask & (p >= 0)[:, None]
+    src = x_base + tl.maximum(p, 0).to(tl.int64)[:, None] * x_stride + d[None, :]
+    xv = tl.load(src, mask=from_x, other=0.0).to(tl.float32)
+    from_ctx = rmask & ((p < 0) & has_init)[:, None]
+    ctx = s_base + tl.maximum(p + (WIDTH - 1), 0)[:, None] * s_t_stride + d[None, :]
+    cv = tl.load(ctx, mask=from_ctx, other=0.0).to(tl.float32)
+    tl.debug_barrier()  # every thread's reads of the old rows precede any write
+    dst = s_base + r[:, None] * s_t_stride + d[None, :]
+    tl.store(dst, (xv + cv).to(state_ptr.dtype.element_ty), mask=rmask)
+
+
+def causal_conv1d_triton(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, state_rows: torch.Tensor,
+    activation: str | None = None,
+    *,
+    block_t: int | None = None,
+    block_d: int | None = None,
+) -> torch.Tensor:
+    """Triton implementation of :func:`causal_conv1d`: one launch, grid ``(N + 1, D /
+    block_d)``; program ``(i, c)`` walks sequence ``i``'s tokens ``block_t`` at a time over
+    channel block ``c`` and then rewrites its slice of the conv state; programs ``(N, c)``
+    zero the padding tokens. ``x`` may have a row stride (its last dim is made contiguous);
+    ``conv_state`` must have a contiguous last dim (it is updated in place)."""
+    _check_conv(x, weight, bias, conv_state, activation)
+    n = _check_meta(query_start_loc, seq_lens, state_rows)
+    if x.dtype not in _KERNEL_DTYPES:
+        raise TypeError(f"causal_conv1d_triton takes fp32/bf16/fp16, got {x.dtype}")
+    if conv_state.stride(-1) != 1:
+        raise ValueError("conv_state must have a contiguous last dim")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    num_tokens, dim = x.shape
+    width = weight.shape[1]
+    out = _empty((num_tokens, dim), x.dtype, x.device)
+    if num_tokens == 0 or dim == 0:
+        return out
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    pow2 = next_power_of_2(dim)
+    bd = default_block(x, cuda=min(256, pow2), cpu=min(64, pow2), block=block_d)
+    bt = default_block(x, cuda=16, cpu=8, block=block_t)
+    _causal_conv1d_kernel[(n + 1, cdiv(dim, bd))](
+        x, weight, weight if bias is None else bias.contiguous(), conv_state, out,
+        query_start_loc, seq_lens, state_rows,
+        n, num_tokens, dim,
+        x.stride(0), out.stride(0), weight.stride(0), conv_state.stride(0),
+        conv_state.stride(1),
+        WIDTH=width, HAS_BIAS=bias is not None, SILU=activation == "silu",
+        BLOCK_T=bt, BLOCK_D=bd, BLOCK_W=next_power_of_2(width - 1),
+        num_warps=(4 if bt * bd >= 2048 else 2) if x.is_cuda else 1,
+        **pdl(x),
+    )
+    return out
+
+
+def causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, state_rows: torch.Tensor,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """Varlen causal depthwise conv1d with a rolling per-row state (Qwen3-Next's q/k/v conv).
+
+    ``x`` ``[T, D]`` (fp32/bf16/fp16), ``weight`` ``[D, W]``, ``bias`` ``[D]`` or None,
+    ``conv_state`` ``[R, W - 1, D]`` in ``x``'s dtype (each row's last ``W - 1`` inputs, oldest
+    first), ``activation`` ``"silu"`` or None; the metadata as in the module docstring. Per
+    sequence: ``ctx = conv_state[row]`` if ``start > 0`` else zeros; ``xs = cat(ctx,
+    x[tokens])``; ``out[t] = act(bias + sum_j weight[:, j] * xs[t + j])`` in fp32 (the last tap
+    multiplies the current token: ``nn.Conv1d(groups=D, padding=W - 1)`` truncated to the
+    sequence); then ``conv_state[row] = xs[-(W - 1):]``, in place. Returns ``out`` ``[T, D]`` in
+    ``x``'s dtype, zero on padding tokens. Runs :func:`causal_conv1d_triton` when
+    :func:`use_triton` says so, else :func:`causal_conv1d_ref`.
+    """
+    if use_triton(x) and x.dtype in _KERNEL_DTYPES:
+        return causal_conv1d_triton(x, weight, bias, conv_state, query_start_loc, seq_lens,
+                                    state_rows, activation)
+    return causal_conv1d_ref(x, weight, bias, conv_state, query_start_loc, seq_lens,
+                             state_rows, activation)
+
+
+# ---------------------------------------------------------------------- gated delta rule
+
+
+def _check_gdr(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+               beta: torch.Tensor, state: torch.Tensor) -> None:
+    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
+        raise ValueError(f"q, k must be [T, Hk, K] and v [T, Hv, V], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    num_tokens, hk, dk = q.shape
+    hv, dv = v.shape[1:]
+    if hk == 0 or hv % hk:
+        raise ValueError(f"the v heads ({hv}) must be a multiple of the q/k heads ({hk})")
+    for name, t in (("g", g), ("beta", beta)):
+        if t.shape != (num_tokens, hv):
+            raise ValueError(f"{name} must have shape ({num_tokens}, {hv}), got "
+                             f"{tuple(t.shape)}")
+    if state.dim() != 4 or state.shape[1:] != (hv, dk, dv):
+        raise ValueError(f"state must be [R, {hv}, {dk}, {dv}], got {tuple(state.shape)}")
+    if state.dtype != torch.float32:
+        raise TypeError(f"state must be fp32, got {state.dtype}")
+
+
+def gated_delta_rule_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+    state_rows: torch.Tensor, scale: float, l2norm_qk: bool = True,
+) -> torch.Tensor:
+    """Plain-torch specification of :func:`gated_delta_rule` (reads the metadata on the host):
+    token by token, as HF transformers' ``torch_recurrent_gated_delta_rule``."""
+    _check_gdr(q, k, v, g, beta, state)
+    n = _check_meta(query_start_loc, seq_lens, state_rows)
+    hv, dk, dv = state.shape[1:]
+    group = hv // q.shape[1]
+    out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    qsl, lens, rows = query_start_loc.tolist(), seq_lens.tolist(), state_rows.tolist()
+    for i in range(n):
+        bos, eos = qsl[i], qsl[i + 1]
+        length = eos - bos
+        if length <= 0:
+            continue
+        row = rows[i]
+        if lens[i] - length > 0:
+            s = state[row].clone()
+        else:
+            s = torch.zeros(hv, dk, dv, dtype=torch.float32, device=state.device)
+        qs = q[bos:eos].float().repeat_interleave(group, dim=1)  # [L, Hv, K]
+        ks = k[bos:eos].float().repeat_interleave(group, dim=1)
+        if l2norm_qk:
+            qs = qs * torch.rsqrt((qs * qs).sum(-1, keepdim=True) + _L2_EPS)
+            ks = ks * torch.rsqrt((ks * ks).sum(-1, keepdim=True) + _L2_EPS)
+        qs = qs * scale
+        vs, gs, bs = v[bos:eos].float(), g[bos:eos].float(), beta[bos:eos].float()
+        for t in range(length):
+            s = s * gs[t].exp()[:, None, None]
+            kv_mem = (s * ks[t][:, :, None]).sum(1)  # [Hv, V]
+            delta = (vs[t] - kv_mem) * bs[t][:, None]
+            s = s + ks[t][:, :, None] * delta[:, None, :]
+            out[bos + t] = (s * qs[t][:, :, None]).sum(1).to(out.dtype)
+        state[row] = s
+    return out
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])
+def _gated_delta_rule_kernel(
+    q_ptr: tl.tensor, k_ptr: tl.tensor, v_ptr: tl.tensor, g_ptr: tl.tensor,
+    beta_ptr: tl.tensor, state_ptr: tl.tensor, out_ptr: tl.tensor,
+    qsl_ptr: tl.tensor, seq_lens_ptr: tl.tensor, rows_ptr: tl.tensor,
+    num_seqs: int, num_tokens: int, scale: float, dim_k: int, dim_v: int, group: int,
+    q_st: int, q_sh: int, k_st: int, k_sh: int, v_st: int, v_sh: int,
+    g_st: int, g_sh: int, b_st: int, b_sh: int, o_st: int, o_sh: int,
+    s_sr: int, s_sh: int, s_sk: int,
+    L2NORM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_T: tl.constexpr, PDL: tl.constexpr,
+) -> None:
+    pdl_prologue(PDL)
+    # Programs (i < N, v head, V block) run sequence i; programs (N, ...) zero the padding.
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    kk = tl.arange(0, BLOCK_K)
+    kmask = kk < dim_k
+    vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    vmask = vv < dim_v
+    if seq == num_seqs:
+        _zero_tail(out_ptr + h * o_sh, qsl_ptr, num_seqs, num_tokens, o_st, vv, vmask,
+                   BLOCK_T, BLOCK_V)
+        return
+    bos = tl.load(qsl_ptr + seq).to(tl.int32)
+    eos = tl.load(qsl_ptr + seq + 1).to(tl.int32)
+    if eos <= bos:  # padding: its row may be another sequence's
+        return
+    has_init = tl.load(seq_lens_ptr + seq).to(tl.int32) - (eos - bos) > 0
+    row = tl.load(rows_ptr + seq).to(tl.int64)
+    hk = h // group
+    s_ptrs = state_ptr + row * s_sr + h * s_sh + kk[:, None] * s_sk + vv[None, :]
+    smask = kmask[:, None] & vmask[None, :]
+    s = tl.load(s_ptrs, mask=smask & has_init, other=0.0)  # [BLOCK_K, BLOCK_V] fp32
+    bos64 = bos.to(tl.int64)
+    for i in range(0, eos - bos):
+        t64 = bos64 + i
+        qt = tl.load(q_ptr + t64 * q_st + hk * q_sh + kk, mask=kmask, other=0.0).to(tl.float32)
+        kt = tl.load(k_ptr + t64 * k_st + hk * k_sh + kk, mask=kmask, other=0.0).to(tl.float32)
+        vt = tl.load(v_ptr + t64 * v_st + h * v_sh + vv, mask=vmask, other=0.0).to(tl.float32)
+        gt = tl.load(g_ptr + t64 * g_st + h * g_sh).to(tl.float32)
+        bt = tl.load(beta_ptr + t64 * b_st + h * b_sh).to(tl.float32)
+        if L2NORM:
+            qt = qt * tl.rsqrt(tl.sum(qt * qt, axis=0) + 1e-6)
+            kt = kt * tl.rsqrt(tl.sum(kt * kt, axis=0) + 1e-6)
+        qt = qt * scale
+        s = s * tl.exp(gt)
+        kv_mem = tl.sum(s * kt[:, None], axis=0)  # [BLOCK_V]
+        delta = (vt - kv_mem) * bt
+        s = s + kt[:, None] * delta[None, :]
+        o = tl.sum(s * qt[:, None], axis=0)
+        tl.store(out_ptr + t64 * o_st + h * o_sh + vv, o.to(out_ptr.dtype.element_ty),
+                 mask=vmask)
+    tl.store(s_ptrs, s, mask=smask)
+
+
+def gated_delta_rule_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+    state_rows: torch.Tensor, scale: float, l2norm_qk: bool = True,
+    *,
+    block_v: int | None = None,
+) -> torch.Tensor:
+    """Triton implementation of :func:`gated_delta_rule`: one launch, grid ``(N + 1, Hv, V /
+    block_v)``. Program ``(i, h, c)`` keeps its ``[K, block_v]`` state tile in fp32 registers
+    (``K <= 256``, padded to a power of two) and walks sequence ``i``'s tokens in order, its
+    loop bounds read on the device; programs ``(N, h, c)`` zero the padding tokens. q/k/v may
+    be strided views (their last dim is made contiguous); ``state`` must have a contiguous
+    last dim (it is updated in place)."""
+    _check_gdr(q, k, v, g, beta, state)
+    n = _check_meta(query_start_loc, seq_lens, state_rows)
+    for t in (q, k, v, beta):
+        if t.dtype not in _KERNEL_DTYPES:
+            raise TypeError(f"gated_delta_rule_triton takes fp32/bf16/fp16, got {t.dtype}")
+    if state.stride(-1) != 1:
+        raise ValueError("state must have a contiguous last dim")
+    num_tokens, hk, dk = q.shape
+    hv, dv = v.shape[1:]
+    if dk > MAX_K:
+        raise ValueError(f"the key head dim must be at most {MAX_K}, got {dk}")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out = _empty((num_tokens, hv, dv), v.dtype, v.device)
+    if out.numel() == 0:
+        return out
+    block_k = next_power_of_2(dk)
+    pow2 = next_power_of_2(dv)
+    bv = default_block(v, cuda=min(32, pow2), cpu=min(64, pow2), block=block_v)
+    warps = max(1, min(8, block_k * bv // 1024)) if v.is_cuda else 1
+    _gated_delta_rule_kernel[(n + 1, hv, cdiv(dv, bv))](
+        q, k, v, g, beta, state, out, query_start_loc, seq_lens, state_rows,
+        n, num_tokens, float(scale), dk, dv, hv // hk,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
+        state.stride(0), state.stride(1), state.stride(2),
+        L2NORM=l2norm_qk, BLOCK_K=block_k, BLOCK_V=bv, BLOCK_T=8,
+        num_warps=warps,
+        **pdl(v),
+    )
+    return out
+
+
+def gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+    state_rows: torch.Tensor, scale: float, l2norm_qk: bool = True,
+) -> torch.Tensor:
+    """Varlen gated delta rule with a per-row fp32 matrix state (Qwen3-Next's linear attention).
+
+    ``q``, ``k`` ``[T, Hk, K]``; ``v`` ``[T, Hv, V]`` with ``Hv`` a multiple of ``Hk`` (v head
+    ``h`` reads q/k head ``h // (Hv // Hk)``); ``g`` ``[T, Hv]`` fp32 log decay (``<= 0``);
+    ``beta`` ``[T, Hv]`` (already sigmoid-ed); ``state`` ``[R, Hv, K, V]`` fp32; the metadata as
+    in the module docstring. Per sequence and v head, from ``S = state[row, h]`` if ``start >
+    0`` else zeros, for each token in fp32: ``q, k`` l2-normalised (``rsqrt(sum(x^2) + 1e-6)``)
+    when ``l2norm_qk``; ``q *= scale``; ``S *= exp(g)``; ``delta = (v - S^T k) * beta``; ``S +=
+    outer(k, delta)``; ``o = S^T q``. Returns ``o`` ``[T, Hv, V]`` in ``v``'s dtype (zero on
+    padding tokens) and writes the final ``S`` into ``state[row, h]``, in place. Runs
+    :func:`gated_delta_rule_triton` when :func:`use_triton` says so, else
+    :func:`gated_delta_rule_ref`.
+    """
+    if use_triton(v) and all(t.dtype in _KERNEL_DTYPES for t in (q, k, v, beta)):
+        return gated_delta_rule_triton(q, k, v, g, beta, state, query_start_loc, seq_lens,
+                                       state_rows, scale, l2norm_qk)
+    return gated_delta_rule_ref(q, k, v, g, beta, state, query_start_loc, seq_lens,
+                                state_rows, scale, l2norm_qk)

@@ -1,0 +1,110 @@
+"""Qwen3-Next (hybrid Gated DeltaNet + gated attention, gated shared expert) through the engine
+against HF transformers, on one rank and split over two: greedy tokens of several requests at
+once (HF's full forward per token: its chunked delta rule, an independent form of ours),
+prompts split across steps (the recurrent and convolution states carried between chunks),
+preemption (the request computed again from a zero state), every prompt position's
+log-probability; prefix caching turned off and speculative decoding refused for it; names and
+bad configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from mrv2 import LLM, SamplingParams
+from mrv2.layers import MoEBlock
+from mrv2.testing import hf_greedy
+from mrv2.testing_engine import tokens_at_tp
+from mrv2_qwen.qwen3_next import GatedDeltaNet, Qwen3NextForCausalLM
+from mrv2_qwen.testing import save_tiny_qwen3_next
+
+PROMPTS = [[5, 17, 42, 9, 100, 3, 77], [8, 8, 120], [1 + (7 * i) % 120 for i in range(29)]]
+
+
+def _checkpoint(path: Path) -> torch.nn.Module:
+    return save_tiny_qwen3_next(path)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"max_num_batched_tokens": 8},
+                                    {"num_gpu_blocks_override": 12}],
+                         ids=["plain", "chunked", "preempt"])
+def test_greedy_and_logprobs_match_hf(tmp_path: Path, kwargs: dict[str, Any]) -> None:
+    hf = _checkpoint(tmp_path)
+    want = [hf_greedy(tmp_path, p, 10) for p in PROMPTS]
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", block_size=4,
+              enable_prefix_caching=True, **kwargs)
+    assert llm.engine.prefix_caching is False  # (the recurrent state is not in the blocks)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    if "num_gpu_blocks_override" in kwargs:
+        assert llm.engine.scheduler.num_preemptions > 0
+    # a second round on the rows the first one left (each request starts from a zero state)
+    again = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[::-1]], params,
+                         use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == want[::-1]
+
+    ids = PROMPTS[2]
+    with torch.no_grad():
+        want_lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), dim=-1)
+    got = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1,
+                                                                   prompt_logprobs=0),
+                       use_tqdm=False)[0].prompt_logprobs
+    assert got is not None and len(got) == len(ids)
+    for pos in range(1, len(ids)):
+        mine = got[pos]
+        assert mine is not None
+        assert abs(mine[ids[pos]].logprob - float(want_lp[pos - 1, ids[pos]])) < 1e-4, pos
+
+
+def test_structure_names_and_refusals(tmp_path: Path) -> None:
+    _checkpoint(tmp_path)
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    model = Qwen3NextForCausalLM(config)
+    layers = model.model.layers
+    assert [layer.linear for layer in layers] == [True, True, False, True]
+    assert isinstance(layers[0].linear_attn, GatedDeltaNet)
+    assert type(layers[1].mlp).__name__ == "GatedMLP"
+    moe = layers[0].mlp
+    assert isinstance(moe, MoEBlock) and moe.shared_expert_gate is not None
+    assert layers[2].self_attn.attn.layer_idx == 0  # (the only KV cache layer)
+    shapes = layers[0].linear_attn.request_state_shapes()
+    assert shapes == {"conv": ((3, 2 * 32 + 32), None), "recurrent": ((4, 16, 8), torch.float32)}
+
+    from mrv2.model_loader import iter_safetensors, load_model_weights
+    loaded = load_model_weights(model, iter_safetensors(tmp_path))
+    assert loaded == {n for n, _ in model.named_parameters()}
+    mtp = [("mtp.fc.weight", torch.randn(4, 4)), ("model.norm.weight", torch.randn(64))]
+    assert model.load_weights(mtp) == {"model.norm.weight"}  # (the MTP head: not loaded)
+
+    with pytest.raises(ValueError, match="speculative_config: Qwen3NextForCausalLM keeps "
+                                         "per-request recurrent state"):
+        LLM(str(tmp_path), device="cpu", dtype="float32", block_size=4,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    bad = transformers.AutoConfig.from_pretrained(tmp_path)
+    bad.layer_types = ["linear_attention", "sliding_attention", "full_attention",
+                       "linear_attention"]
+    with pytest.raises(ValueError, match=r"layer_types must list one of \['linear_attention', "
+                                         r"'full_attention'\] per layer"):
+        Qwen3NextForCausalLM(bad)
+    bad = transformers.AutoConfig.from_pretrained(tmp_path)
+    bad.linear_num_value_heads = 3
+    with pytest.raises(ValueError, match=r"linear_num_value_heads \(3\) must be a multiple of "
+                                         r"linear_num_key_heads \(2\)"):
+        Qwen3NextForCausalLM(bad)
+
+
+def test_tensor_parallel_matches_hf(tmp_path: Path) -> None:
+    """Two ranks (processes on the CPU): each holds one key-head group of every linear-attention
+    layer (its conv channels, decays and states), half the attention heads and of each expert;
+    greedy tokens equal HF's, prompts split across steps."""
+    _checkpoint(tmp_path)
+    want = [hf_greedy(tmp_path, p, 8) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for tp, got in tokens_at_tp(tmp_path, PROMPTS, params, (2,),
+                                max_num_batched_tokens=8).items():
+        assert got == want, tp
