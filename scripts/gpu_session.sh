@@ -318,13 +318,13 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                     {k: (v['steps'], v['device_s']) for k, v in d['by_step_kind'].items()})" \
                     "$OUT/dense${flag}.json" $flag
                 done ;;
-    qwen3next) # Qwen3-Next: the linear-attention state kernels compiled for CUDA, the GPU tests
+    qwen3next) # Qwen3-Next and Nemotron-H: the state kernels compiled for CUDA, the GPU tests
                # (HF parity with graphs, chunks, preemption; no syncs), then batch-1/8/64 TPOT of
                # Qwen3-Next-80B-A3B cut to 8 layers (2 full attention, 6 Gated DeltaNet; random
                # weights) beside the token-serial prefill's TTFT
                timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear_attention.py \
                  2>&1 | tee "$OUT/qwen3next_kernel_tests.log" | tail -2
-               timeout 200 python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_qwen3_next.py \
+               timeout 240 python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_qwen3_next.py tests/gpu/test_gpu_nemotron_h.py \
                  2>&1 | tee "$OUT/qwen3next_gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -4
                timeout 200 python3 -m mrv2.entrypoints.cli bench latency --model Qwen3-Next-80B-A3B \
                  --hf-overrides '{"num_hidden_layers": 8}' --new-tokens 128 \

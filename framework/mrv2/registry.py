@@ -28,6 +28,7 @@ KNOWN_PACKAGES: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "mrv2-plugin-gemma",
     "LlavaForConditionalGeneration": "mrv2-plugin-llava",
     "LlavaNextForConditionalGeneration": "mrv2-plugin-llava",
+    "NemotronHForCausalLM": "mrv2-plugin-nemotron-h",
     "LlamaForCausalLM": "mrv2-contrib-llama",
 }
 

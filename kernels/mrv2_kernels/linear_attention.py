@@ -1,5 +1,6 @@
-"""Device ops of hybrid linear-attention layers (Qwen3-Next's Gated DeltaNet): the causal
-depthwise conv over the fused q/k/v projection, and the gated delta rule recurrence.
+"""Device ops of hybrid linear-attention layers (Qwen3-Next's Gated DeltaNet, Mamba-2 mixers):
+the causal depthwise conv over the fused q/k/v projection, and the gated delta rule recurrence
+(without its delta term, Mamba-2's SSM).
 
 Both are varlen over a flat token batch and keep per-request state in a tensor indexed by a
 state **row** (not by batch position). Per step (all device tensors, no host syncs on the
@@ -301,10 +302,11 @@ def _check_gdr(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
 def gated_delta_rule_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-    state_rows: torch.Tensor, scale: float, l2norm_qk: bool = True,
+    state_rows: torch.Tensor, scale: float, l2norm_qk: bool = True, *, delta: bool = True,
 ) -> torch.Tensor:
     """Plain-torch specification of :func:`gated_delta_rule` (reads the metadata on the host):
-    token by token, as HF transformers' ``torch_recurrent_gated_delta_rule``."""
+    token by token, as HF transformers' ``torch_recurrent_gated_delta_rule`` (``delta=False``:
+    the Mamba-2 SSM recurrence)."""
     _check_gdr(q, k, v, g, beta, state)
     n = _check_meta(query_start_loc, seq_lens, state_rows)
     hv, dk, dv = state.shape[1:]
@@ -330,9 +332,10 @@ def gated_delta_rule_ref(
         vs, gs, bs = v[bos:eos].float(), g[bos:eos].float(), beta[bos:eos].float()
         for t in range(length):
             s = s * gs[t].exp()[:, None, None]
-            kv_mem = (s * ks[t][:, :, None]).sum(1)  # [Hv, V]
-            delta = (vs[t] - kv_mem) * bs[t][:, None]
-            s = s + ks[t][:, :, None] * delta[:, None, :]
+            upd = vs[t]
+            if delta:
+                upd = upd - (s * ks[t][:, :, None]).sum(1)  # v - S^T k: [Hv, V]
+            s = s + ks[t][:, :, None] * (upd * bs[t][:, None])[:, None, :]
             out[bos + t] = (s * qs[t][:, :, None]).sum(1).to(out.dtype)
         state[row] = s
     return out
@@ -347,7 +350,7 @@ def _gated_delta_rule_kernel(
     q_st: int, q_sh: int, k_st: int, k_sh: int, v_st: int, v_sh: int,
     g_st: int, g_sh: int, b_st: int, b_sh: int, o_st: int, o_sh: int,
     s_sr: int, s_sh: int, s_sk: int,
-    L2NORM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    L2NORM: tl.constexpr, DELTA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_T: tl.constexpr, PDL: tl.constexpr,
 ) -> None:
     pdl_prologue(PDL)
@@ -385,9 +388,9 @@ def _gated_delta_rule_kernel(
             kt = kt * tl.rsqrt(tl.sum(kt * kt, axis=0) + 1e-6)
         qt = qt * scale
         s = s * tl.exp(gt)
-        kv_mem = tl.sum(s * kt[:, None], axis=0)  # [BLOCK_V]
-        delta = (vt - kv_mem) * bt
-        s = s + kt[:, None] * delta[None, :]
+        if DELTA:
+            vt = vt - tl.sum(s * kt[:, None], axis=0)  # v - S^T k: [BLOCK_V]
+        s = s + kt[:, None] * (vt * bt)[None, :]
         o = tl.sum(s * qt[:, None], axis=0)
         tl.store(out_ptr + t64 * o_st + h * o_sh + vv, o.to(out_ptr.dtype.element_ty),
                  mask=vmask)
@@ -399,6 +402,7 @@ def gated_delta_rule_triton(
     state: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     state_rows: torch.Tensor, scale: float, l2norm_qk: bool = True,
     *,
+    delta: bool = True,
     block_v: int | None = None,
 ) -> torch.Tensor:
     """Triton implementation of :func:`gated_delta_rule`: one launch, grid ``(N + 1, Hv, V /
@@ -432,7 +436,7 @@ def gated_delta_rule_triton(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
         state.stride(0), state.stride(1), state.stride(2),
-        L2NORM=l2norm_qk, BLOCK_K=block_k, BLOCK_V=bv, BLOCK_T=8,
+        L2NORM=l2norm_qk, DELTA=delta, BLOCK_K=block_k, BLOCK_V=bv, BLOCK_T=8,
         num_warps=warps,
         **pdl(v),
     )
@@ -442,7 +446,7 @@ def gated_delta_rule_triton(
 def gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-    state_rows: torch.Tensor, scale: float, l2norm_qk: bool = True,
+    state_rows: torch.Tensor, scale: float, l2norm_qk: bool = True, *, delta: bool = True,
 ) -> torch.Tensor:
     """Varlen gated delta rule with a per-row fp32 matrix state (Qwen3-Next's linear attention).
 
@@ -452,13 +456,15 @@ def gated_delta_rule(
     in the module docstring. Per sequence and v head, from ``S = state[row, h]`` if ``start >
     0`` else zeros, for each token in fp32: ``q, k`` l2-normalised (``rsqrt(sum(x^2) + 1e-6)``)
     when ``l2norm_qk``; ``q *= scale``; ``S *= exp(g)``; ``delta = (v - S^T k) * beta``; ``S +=
-    outer(k, delta)``; ``o = S^T q``. Returns ``o`` ``[T, Hv, V]`` in ``v``'s dtype (zero on
-    padding tokens) and writes the final ``S`` into ``state[row, h]``, in place. Runs
+    outer(k, delta)``; ``o = S^T q``. ``delta=False`` drops the ``S^T k`` term (``S = exp(g) S +
+    outer(k, beta v)``): Mamba-2's SSM with ``q = C``, ``k = B``, ``v = x``, ``g = dt A``,
+    ``beta = dt``, ``l2norm_qk=False``, ``scale=1``. Returns ``o`` ``[T, Hv, V]`` in ``v``'s
+    dtype (zero on padding tokens) and writes the final ``S`` into ``state[row, h]``, in place. Runs
     :func:`gated_delta_rule_triton` when :func:`use_triton` says so, else
     :func:`gated_delta_rule_ref`.
     """
     if use_triton(v) and all(t.dtype in _KERNEL_DTYPES for t in (q, k, v, beta)):
         return gated_delta_rule_triton(q, k, v, g, beta, state, query_start_loc, seq_lens,
-                                       state_rows, scale, l2norm_qk)
+                                       state_rows, scale, l2norm_qk, delta=delta)
     return gated_delta_rule_ref(q, k, v, g, beta, state, query_start_loc, seq_lens,
-                                state_rows, scale, l2norm_qk)
+                                state_rows, scale, l2norm_qk, delta=delta)

@@ -1,5 +1,6 @@
-"""Gated DeltaNet ops (causal conv1d, gated delta rule): Triton (interpreted on CPU) against the
-torch reference, and the reference against HF transformers and ``F.conv1d``."""
+"""Gated DeltaNet ops (causal conv1d, gated delta rule, the rule without its delta term as
+Mamba-2's SSM): Triton (interpreted on CPU) against the torch reference, and the reference
+against HF transformers, ``F.conv1d`` and the published Mamba-2 recurrence."""
 
 from __future__ import annotations
 
@@ -288,6 +289,118 @@ def test_gated_delta_rule_ref_matches_hf() -> None:
         torch.testing.assert_close(out[sl], want[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(state[row], want_state[0], rtol=1e-5, atol=1e-6)
         bos += length
+
+
+# ----------------------------------------------- without the delta term: Mamba-2's SSM
+
+
+def mamba2_inputs(groups: int, heads: int, dstate: int, headdim: int, dtype: torch.dtype,
+                  num_tokens: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Mamba-2's operands in the rule's names: ``C`` (q), ``B`` (k) per group, ``x`` (v) per
+    head, ``g = dt * A`` and ``beta = dt`` (``dt`` softplus-like, in (0.05, 1.5))."""
+    c = randn(num_tokens, groups, dstate, dtype=dtype, seed=seed)
+    b = randn(num_tokens, groups, dstate, dtype=dtype, seed=seed + 1)
+    x = randn(num_tokens, heads, headdim, dtype=dtype, seed=seed + 2)
+    dt = rand(num_tokens, heads, seed=seed + 3) * 1.45 + 0.05
+    a = -(rand(heads, seed=seed + 4) * 3.0 + 0.5)
+    state = randn(NUM_ROWS, heads, dstate, headdim, seed=seed + 5, scale=0.5)
+    return c, b, x, dt * a, dt.to(dtype), state
+
+
+@pytest.mark.parametrize("dtype,groups,heads,dstate,headdim,block_v", [
+    (F32, 2, 4, 16, 8, None), (BF16, 2, 4, 16, 8, None), (F32, 1, 3, 24, 20, 8),
+])
+def test_gated_delta_rule_without_delta_triton_matches_ref(
+        dtype: torch.dtype, groups: int, heads: int, dstate: int, headdim: int,
+        block_v: int | None, poisoned: None) -> None:
+    batch = make_batch(MIXED, pad_tokens=2)
+    c, b, x, g, dt, state0 = mamba2_inputs(groups, heads, dstate, headdim, dtype,
+                                           batch.num_tokens, seed=60)
+    meta = (batch.qsl, batch.seq_lens, batch.rows)
+    want_state, got_state = state0.clone(), state0.clone()
+    want = gated_delta_rule_ref(c, b, x, g, dt, want_state, *meta, 1.0, False, delta=False)
+    got = gated_delta_rule_triton(c, b, x, g, dt, got_state, *meta, 1.0, False, delta=False,
+                                  block_v=block_v)
+    close(got, want, dtype)
+    assert torch.equal(got[batch.real_tokens:], torch.zeros_like(got[batch.real_tokens:]))
+    torch.testing.assert_close(got_state, want_state, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got_state[UNTOUCHED], state0[UNTOUCHED])
+    with_delta = gated_delta_rule_ref(c, b, x, g, dt, state0.clone(), *meta, 1.0, False)
+    assert not torch.allclose(with_delta.float(), want.float(), atol=1e-2)
+
+
+def mamba2_plain(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                 c: torch.Tensor, h0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba-2's selective SSM as published (Dao & Gu, 2024), token by token in fp32: per head
+    ``h`` (state ``[headdim, dstate]``) and token ``t``, ``H = exp(dt A_h) H + dt x_t B_t^T``,
+    ``y_t = H C_t``; head ``h`` reads B/C group ``h // (heads / groups)``. No ``D`` term."""
+    length, heads, headdim = x.shape
+    groups, dstate = b.shape[1:]
+    hs = torch.zeros(heads, headdim, dstate) if h0 is None else h0.clone()
+    ys = torch.zeros(length, heads, headdim)
+    for t in range(length):
+        for h in range(heads):
+            grp = h // (heads // groups)
+            decay = torch.exp(dt[t, h] * a[h])
+            hs[h] = decay * hs[h] + dt[t, h] * torch.outer(x[t, h], b[t, grp])
+            ys[t, h] = hs[h] @ c[t, grp]
+    return ys, hs
+
+
+def test_gated_delta_rule_without_delta_is_mamba2() -> None:
+    """The reference with ``delta=False`` against the published per-token Mamba-2 recurrence,
+    and that against HF's torch paths of Nemotron-H (``mamba2_chunk_scan``, chunked, several
+    chunks; ``mamba2_selective_state_update``, one token): outputs and final states (HF's and
+    the published state are ``[heads, headdim, dstate]``, the rule's ``[heads, dstate,
+    headdim]``)."""
+    hf = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
+    groups, heads, dstate, headdim = 2, 4, 6, 5
+    seqs = [(7, 3, 1), (5, 0, 0)]
+    batch = make_batch(seqs)
+    c, b, x, _, dt, state0 = (t.cpu() for t in mamba2_inputs(groups, heads, dstate, headdim,
+                                                              F32, batch.num_tokens, seed=70))
+    a = -(torch.rand(heads, generator=torch.Generator().manual_seed(71)) * 3.0 + 0.5)
+    state = state0.clone()
+    out = gated_delta_rule_ref(c, b, x, dt * a, dt, state, batch.qsl.cpu(),
+                               batch.seq_lens.cpu(), batch.rows.cpu(), 1.0, False, delta=False)
+    bos = 0
+    for length, start, row in seqs:
+        sl = slice(bos, bos + length)
+        h0 = state0[row].transpose(1, 2) if start > 0 else None
+        want, want_state = mamba2_plain(x[sl], dt[sl], a, b[sl], c[sl], h0)
+        torch.testing.assert_close(out[sl], want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(state[row].transpose(1, 2), want_state, rtol=1e-5, atol=1e-5)
+        y, final = hf.mamba2_chunk_scan(
+            x[sl][None], dt[sl][None], a, b[sl][None], c[sl][None], chunk_size=3,
+            initial_states=None if h0 is None else h0[None], return_final_states=True)
+        torch.testing.assert_close(y[0], want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(final[0], want_state, rtol=1e-5, atol=1e-5)
+        bos += length
+    # one decode token from a stored state: HF's recurrent form (its dt per head and channel)
+    h0 = state0[2].transpose(1, 2).contiguous()
+    want, want_state = mamba2_plain(x[:1], dt[:1], a, b[:1], c[:1], h0)
+    hf_state = h0[None].clone()
+    y = hf.mamba2_selective_state_update(
+        hf_state, x[:1], dt[:1, :, None].expand(-1, -1, headdim),
+        a[:, None, None].expand(-1, headdim, dstate), b[:1], c[:1])
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hf_state[0], want_state, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fn", [gated_delta_rule_triton, gated_delta_rule_ref])
+def test_gated_delta_rule_without_delta_chunk_split(fn: Callable[..., torch.Tensor]) -> None:
+    """Mamba-2's recurrence run in chunks of 3, 1 and 2 tokens equals it run whole."""
+    c, b, x, g, dt, state0 = mamba2_inputs(1, 2, 8, 4, F32, 6, seed=80)
+    whole_state = state0[:1].clone()
+    whole = fn(c, b, x, g, dt, whole_state, *_meta([(6, 0, 0)]), 1.0, False, delta=False)
+    state = state0[:1].clone()
+    parts = []
+    for bos, length in ((0, 3), (3, 1), (4, 2)):
+        sl = slice(bos, bos + length)
+        parts.append(fn(c[sl], b[sl], x[sl], g[sl], dt[sl], state, *_meta([(length, bos, 0)]),
+                        1.0, False, delta=False))
+    torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, whole_state, rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------ dispatch, checks

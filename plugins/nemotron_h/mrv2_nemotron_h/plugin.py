@@ -1,0 +1,13 @@
+"""mrv2 plugin entry point of Nemotron-H: registers its architecture, lazily."""
+
+from collections.abc import Callable
+
+from mrv2 import hookimpl
+
+
+@hookimpl
+def mrv2_register_models(register: Callable[..., None]) -> None:
+    """``NemotronHForCausalLM`` (Nemotron-H 8B/47B, Nemotron Nano 2 9B/12B: Mamba-2, attention
+    and MLP layers); it uses the core's default decoder-only ModelState (which allocates the
+    Mamba-2 mixers' per-request state)."""
+    register("NemotronHForCausalLM", "mrv2_nemotron_h.model:NemotronHForCausalLM")
