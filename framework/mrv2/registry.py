@@ -29,6 +29,8 @@ KNOWN_PACKAGES: dict[str, str] = {
     "LlavaForConditionalGeneration": "mrv2-plugin-llava",
     "LlavaNextForConditionalGeneration": "mrv2-plugin-llava",
     "NemotronHForCausalLM": "mrv2-plugin-nemotron-h",
+    "GraniteMoeHybridForCausalLM": "mrv2-plugin-granite-hybrid",
+    "BambaForCausalLM": "mrv2-plugin-granite-hybrid",
     "LlamaForCausalLM": "mrv2-contrib-llama",
 }
 

@@ -25,6 +25,7 @@ from mrv2.layers.linear import (
     RowLinear,
     norm_linear,
 )
+from mrv2.layers.mamba import Mamba2Mixer
 from mrv2.layers.mlp import GatedMLP
 from mrv2.layers.moe import FusedMoE, GroupedTopKRouter, MoEBlock, SoftmaxTopKRouter
 from mrv2.layers.norm import RMSNorm, ShardedRMSNorm
@@ -49,6 +50,7 @@ __all__ = [
     "GroupedTopKRouter",
     "LMHead",
     "LinearBase",
+    "Mamba2Mixer",
     "MergedColumnLinear",
     "MoEBlock",
     "QKVLinear",

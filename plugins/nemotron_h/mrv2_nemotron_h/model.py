@@ -1,7 +1,8 @@
 """Nemotron-H (``NemotronHForCausalLM``: Nemotron-H 8B/47B, Nemotron Nano 2 9B/12B): a stack of
 pre-norm blocks, each ``x + mixer(RMSNorm(x))`` with one mixer per ``config.layers_block_type``:
 
-* ``"linear_attention"`` (``M``): a Mamba-2 mixer (:class:`Mamba2Mixer`). ``in_proj`` gives
+* ``"linear_attention"`` (``M``): the core's Mamba-2 mixer (:class:`~mrv2.layers.Mamba2Mixer`,
+  built by :func:`mamba2_mixer` from Nemotron-H's fields). ``in_proj`` gives
   the gate ``z`` (``mamba_num_heads * mamba_head_dim``), ``xBC`` (``x``, then ``n_groups``
   ``B`` and ``C`` vectors of ``ssm_state_size``) and ``dt`` per head; ``xBC`` goes through a
   causal depthwise convolution of width ``conv_kernel`` (bias: ``use_conv_bias``) and
@@ -24,8 +25,9 @@ Checkpoint names: transformers 5's ``model.*`` and the published ``backbone.*``
 (``embeddings``, ``layers.{i}.norm``, ``layers.{i}.mixer.*``, ``norm_f``); ``mtp.*`` (the
 multi-token-prediction head) is not loaded. Tensor parallelism splits each Mamba-2 mixer by
 whole groups (``n_groups`` and ``mamba_num_heads`` divisible by the ranks: each rank projects,
-convolves and scans its heads and groups, norms its groups, all-reduces after ``out_proj``),
-the attention by heads and the MLPs by columns, as the core's layers do.
+convolves and scans its heads and groups, norms its groups, all-reduces after ``out_proj``;
+one group: replicated, its norm's statistics all-reduced), the attention by heads and the
+MLPs by columns, as the core's layers do.
 """
 
 from __future__ import annotations
@@ -35,25 +37,22 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from mrv2.contract.forward_context import get_forward_context
-from mrv2.contract.request_state import RequestStateLayer, StateShapes
 from mrv2.layers import (
     Attention,
     CausalLM,
     ColumnLinear,
     DecoderModel,
-    MergedColumnLinear,
+    Mamba2Mixer,
     QKVLinear,
     RMSNorm,
     RowLinear,
     head_dim_of,
 )
-from mrv2.layers.linear import norm_linear, resolve_tp, split_evenly
+from mrv2.layers.linear import norm_linear
+from mrv2.layers.mamba import MAMBA_ACTIVATIONS
 from mrv2.layers.weights import StackedMapping
-from mrv2_kernels.linear_attention import causal_conv1d, gated_delta_rule
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -65,16 +64,9 @@ PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe
 LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}
 
 
-def _relu2(x: torch.Tensor) -> torch.Tensor:
-    return torch.square(F.relu(x))
-
-
 #: The activations HF's ``ACT2FN`` names that these layers take (``mlp_hidden_act``,
-#: ``mamba_hidden_act``).
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "relu2": _relu2, "relu": F.relu, "silu": F.silu, "swish": F.silu, "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
+#: ``mamba_hidden_act``): the core's table.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = MAMBA_ACTIVATIONS
 
 
 def activation_of(config: Any, field: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -109,155 +101,22 @@ def block_types_of(config: Any) -> list[str]:
     return types
 
 
-def _copy(param: nn.Parameter, src: torch.Tensor, what: str) -> None:
-    if tuple(src.shape) != tuple(param.shape):
-        raise ValueError(f"{what}: this rank's part has shape {tuple(src.shape)}, the parameter "
-                         f"{tuple(param.shape)}")
-    with torch.no_grad():
-        param.copy_(src)
-
-
-class InProj(MergedColumnLinear):
-    """The mixer's ``in_proj``: shards ``[z | x | B | C | dt]`` each split across the ranks,
-    loaded from the one checkpoint tensor (or per shard, ``shard_id`` 0..4)."""
-
-    def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
-    ) -> None:
-        """The whole checkpoint ``in_proj`` weight or bias: this rank's rows of each shard."""
-        if shard_id is not None:
-            super().weight_loader(param, loaded, shard_id)
-            return
-        whole = [n * self.tp_size for n in self.output_sizes]
-        if loaded.shape[0] != sum(whole):
-            raise ValueError(f"in_proj has {sum(whole)} output rows, the checkpoint tensor "
-                             f"{loaded.shape[0]}")
-        for i, part in enumerate(loaded.split(whole)):
-            super().weight_loader(param, part, i)
-
-
-class GroupGatedRMSNorm(nn.Module):
-    """``weight * rmsnorm_per_group(y * silu(z))`` in fp32 (HF's ``Zamba2RMSNormGated`` with the
-    gate applied before the norm), groups of ``group_size`` channels; the weight holds this
-    rank's channels (whole groups)."""
-
-    def __init__(self, size: int, group_size: int, eps: float, first: int = 0) -> None:
-        super().__init__()
-        self.group_size, self.eps, self.first = group_size, eps, first
-        self.weight = nn.Parameter(torch.ones(size))
-        self.weight.weight_loader = self._load  # type: ignore[attr-defined]
-
-    def _load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        size = param.shape[0]
-        src = loaded if loaded.shape[0] == size else loaded.narrow(0, self.first, size)
-        _copy(param, src, "mixer.norm.weight")
-
-    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """``y``, ``z`` ``[T, C]`` -> fp32 ``[T, C]``."""
-        h = y.float() * F.silu(z.float())
-        g = h.view(h.shape[0], -1, self.group_size)
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight.float() * g.view(h.shape)
-
-
-class Mamba2Mixer(RequestStateLayer):
-    """Nemotron-H's Mamba-2 mixer (module docstring); HF's ``mixer.*`` names (``conv1d.*``
-    loaded into ``conv_weight`` / ``conv_bias``). Keeps per request ``conv`` ``[W - 1,
-    conv_dim]`` (model dtype) and ``ssm`` ``[heads, ssm_state_size, mamba_head_dim]`` (fp32)."""
-
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        total_h, total_g = int(config.mamba_num_heads), int(config.n_groups)
-        if total_g < 1 or total_h % total_g:
-            raise ValueError(f"Nemotron-H: mamba_num_heads ({total_h}) must be a multiple of "
-                             f"n_groups ({total_g})")
-        self.tp_rank, self.tp_size = resolve_tp(None)
-        #: This rank's heads and groups (whole groups).
-        self.num_groups = split_evenly(total_g, self.tp_size, "n_groups")
-        self.num_heads = total_h // total_g * self.num_groups
-        self.head_dim = int(config.mamba_head_dim)
-        self.state_size = int(config.ssm_state_size)
-        self.intermediate = self.num_heads * self.head_dim
-        self.bc_dim = self.num_groups * self.state_size
-        self.conv_dim = self.intermediate + 2 * self.bc_dim
-        self.kernel_size = int(config.conv_kernel)
-        self.act_name = str(config.mamba_hidden_act)
-        self.act = activation_of(config, "mamba_hidden_act")
-        self.dt_min = float(config.time_step_min)
-        hidden, size, bias = int(config.hidden_size), self.tp_size, bool(config.use_bias)
-        self.in_proj = InProj(hidden, [self.intermediate * size, self.intermediate * size,
-                                       self.bc_dim * size, self.bc_dim * size,
-                                       self.num_heads * size], bias=bias)
-        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, self.kernel_size))
-        self.conv_weight.weight_loader = self._load_conv  # type: ignore[attr-defined]
-        self.conv_bias: nn.Parameter | None = None
-        if config.use_conv_bias:
-            self.conv_bias = nn.Parameter(torch.zeros(self.conv_dim))
-            self.conv_bias.weight_loader = self._load_conv  # type: ignore[attr-defined]
-        self.dt_bias = nn.Parameter(torch.ones(self.num_heads))
-        self.A_log = nn.Parameter(torch.zeros(self.num_heads))
-        self.D = nn.Parameter(torch.ones(self.num_heads))
-        for param in (self.dt_bias, self.A_log, self.D):
-            param.weight_loader = self._load_heads  # type: ignore[attr-defined]
-        group_size = self.intermediate // self.num_groups
-        self.norm = GroupGatedRMSNorm(self.intermediate, group_size,
-                                      float(config.layer_norm_epsilon),
-                                      first=self.tp_rank * self.intermediate)
-        self.out_proj = RowLinear(self.intermediate * size, hidden, bias=bias)
-
-    def _load_conv(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        """The depthwise Conv1d weight ``[D, 1, W]`` (or ``[D, W]``) or its bias ``[D]`` over
-        the ``x``, ``B`` and ``C`` channels: this rank's slice of each."""
-        src = loaded.reshape(loaded.shape[0], -1) if loaded.dim() == 3 else loaded
-        size, rank = self.tp_size, self.tp_rank
-        if size > 1 and src.shape[0] == self.conv_dim * size:
-            parts = src.split([self.intermediate * size, self.bc_dim * size, self.bc_dim * size])
-            src = torch.cat([p.narrow(0, rank * (p.shape[0] // size), p.shape[0] // size)
-                             for p in parts])
-        _copy(param, src, "mixer.conv1d")
-
-    def _load_heads(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        """A per-head vector (``dt_bias``, ``A_log``, ``D``): this rank's heads."""
-        n = self.num_heads
-        src = loaded.narrow(0, self.tp_rank * n, n) if self.tp_size > 1 \
-            and loaded.shape[0] == n * self.tp_size else loaded
-        _copy(param, src, "mixer.dt_bias / A_log / D")
-
-    def request_state_shapes(self) -> StateShapes:
-        return {"conv": ((self.kernel_size - 1, self.conv_dim), None),
-                "ssm": ((self.num_heads, self.state_size, self.head_dim), torch.float32)}
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, hidden]`` (normed) -> ``[T, hidden]``; the step's requests' states advance."""
-        return self.mix(cast(torch.Tensor, self.in_proj(x)))
-
-    def mix(self, proj: torch.Tensor) -> torch.Tensor:
-        """After ``in_proj`` (``[T, z | xBC | dt]``): convolve, scan, gate-norm, project."""
-        ctx = get_forward_context()
-        if ctx.state_rows is None:
-            raise RuntimeError("Mamba2Mixer needs the forward context's state_rows (set by "
-                               "the runner for a model with per-request state)")
-        md = ctx.metadata
-        n = md.num_reqs
-        qsl, seq_lens, rows = md.query_start_loc[: n + 1], md.seq_lens[:n], ctx.state_rows[:n]
-        t = proj.shape[0]
-        h, p, g, s = self.num_heads, self.head_dim, self.num_groups, self.state_size
-        z, xbc, dt = proj.split([self.intermediate, self.conv_dim, h], dim=-1)
-        states = self.request_states
-        silu = self.act_name in ("silu", "swish")
-        xbc = causal_conv1d(xbc, self.conv_weight, self.conv_bias, states["conv"], qsl,
-                            seq_lens, rows, "silu" if silu else None)
-        if not silu:
-            xbc = self.act(xbc)
-        xs, b, c = xbc.split([self.intermediate, self.bc_dim, self.bc_dim], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.dt_min)
-        a = -torch.exp(self.A_log.float())
-        xs = xs.float().reshape(t, h, p)
-        y = gated_delta_rule(c.reshape(t, g, s), b.reshape(t, g, s), xs, dt * a, dt,
-                             states["ssm"], qsl, seq_lens, rows, 1.0, False, delta=False)
-        y = y + self.D.float()[:, None] * xs
-        out = self.norm(y.reshape(t, h * p), z).to(proj.dtype)
-        return cast(torch.Tensor, self.out_proj(out))
+def mamba2_mixer(config: Any) -> Mamba2Mixer:
+    """The core's :class:`~mrv2.layers.Mamba2Mixer` from Nemotron-H's fields
+    (``mamba_num_heads``, ``mamba_head_dim``, ``n_groups``, ``ssm_state_size``,
+    ``conv_kernel``, ``mamba_hidden_act``, ``time_step_min``, ``use_bias``, ``use_conv_bias``,
+    ``layer_norm_epsilon``; the gated norm per group); ValueError naming the field."""
+    heads, groups = int(config.mamba_num_heads), int(config.n_groups)
+    if groups < 1 or heads % groups:
+        raise ValueError(f"Nemotron-H: mamba_num_heads ({heads}) must be a multiple of "
+                         f"n_groups ({groups})")
+    activation_of(config, "mamba_hidden_act")
+    return Mamba2Mixer(
+        int(config.hidden_size), heads, int(config.mamba_head_dim), groups,
+        int(config.ssm_state_size), int(config.conv_kernel), str(config.mamba_hidden_act),
+        dt_min=float(config.time_step_min), proj_bias=bool(config.use_bias),
+        conv_bias=bool(config.use_conv_bias), norm_eps=float(config.layer_norm_epsilon),
+        norm_per_group=True)
 
 
 class NemotronHAttention(nn.Module):
@@ -310,7 +169,7 @@ class NemotronHBlock(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
         self.mixer: Mamba2Mixer | NemotronHAttention | NemotronHMLP
         if kind == "linear_attention":
-            self.mixer = Mamba2Mixer(config)
+            self.mixer = mamba2_mixer(config)
         elif kind == "full_attention":
             self.mixer = NemotronHAttention(config, cache_idx)
         else:

@@ -1,0 +1,84 @@
+"""Tiny random Granite 4.0-H and Bamba checkpoints for the plugin's CPU tests and the GPU
+tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mrv2.testing import redraw_weights
+
+#: A 4-layer Granite 4.0-H: Mamba-2 mixers (8 heads of 16 in 2 groups: each rank one group at
+#: TP=2) around two attention layers (GQA), MoE of 4 experts (top 2) plus the shared MLP;
+#: every multiplier away from 1; HF's chunked scan in chunks of 8 tokens; a ``dt`` clamp
+#: whose both ends change some time steps.
+TINY_GRANITE_HYBRID: dict[str, Any] = {
+    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 48,
+    "shared_intermediate_size": 80, "num_hidden_layers": 4,
+    "layer_types": ["mamba", "attention", "mamba", "attention"],
+    "num_attention_heads": 4, "num_key_value_heads": 2,
+    "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 2, "mamba_d_state": 16,
+    "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 8, "mamba_conv_bias": True,
+    "mamba_proj_bias": False, "time_step_limit": (0.05, 0.6),
+    "num_local_experts": 4, "num_experts_per_tok": 2,
+    "embedding_multiplier": 3.0, "attention_multiplier": 0.2, "residual_multiplier": 0.6,
+    "logits_scaling": 1.7, "position_embedding_type": "nope",
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "max_position_embeddings": 256, "tie_word_embeddings": True,
+    "eos_token_id": 1, "bos_token_id": 0, "pad_token_id": 0,
+}
+
+#: A 3-layer Bamba (Mamba-2, attention, Mamba-2) of the same sizes, its dense gated MLP of
+#: ``intermediate_size``.
+TINY_BAMBA: dict[str, Any] = {
+    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+    "attn_layer_indices": [1], "num_attention_heads": 4, "num_key_value_heads": 2,
+    "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 2, "mamba_d_state": 16,
+    "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 8, "mamba_conv_bias": True,
+    "mamba_proj_bias": True, "time_step_limit": (0.05, 0.6),
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "max_position_embeddings": 256, "tie_word_embeddings": False,
+    "eos_token_id": 1, "bos_token_id": 0, "pad_token_id": 0,
+}
+
+
+def _redraw(hf: torch.nn.Module) -> None:
+    """Weights far from their init; the SSM's decays in a real range (``A`` in [1, 4.5],
+    ``dt_bias`` in [-3, 0]: ``dt`` on both sides of the clamp's ends)."""
+    redraw_weights(hf, std=0.15)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith("A_log"):
+                param.uniform_(0.0, 1.5)
+            elif name.endswith("dt_bias"):
+                param.uniform_(-3.0, 0.0)
+
+
+def save_tiny_granite_hybrid(path: str | Path, **overrides: Any) -> torch.nn.Module:
+    """Save a random fp32 HF Granite 4.0-H of :data:`TINY_GRANITE_HYBRID` (``overrides``
+    change fields) to ``path``; returns HF's model."""
+    import transformers
+
+    config = transformers.GraniteMoeHybridConfig(**{**TINY_GRANITE_HYBRID, **overrides})
+    config.architectures = ["GraniteMoeHybridForCausalLM"]
+    torch.manual_seed(0)
+    hf = transformers.GraniteMoeHybridForCausalLM(config).float().eval()
+    _redraw(hf)
+    hf.save_pretrained(path)
+    return hf
+
+
+def save_tiny_bamba(path: str | Path, **overrides: Any) -> torch.nn.Module:
+    """Save a random fp32 HF Bamba of :data:`TINY_BAMBA` (``overrides`` change fields) to
+    ``path``; returns HF's model."""
+    import transformers
+
+    config = transformers.BambaConfig(**{**TINY_BAMBA, **overrides})
+    config.architectures = ["BambaForCausalLM"]
+    torch.manual_seed(0)
+    hf = transformers.BambaForCausalLM(config).float().eval()
+    _redraw(hf)
+    hf.save_pretrained(path)
+    return hf
