@@ -45,6 +45,26 @@ class InputProcessor:
         self.config = config
         #: Images one prompt may carry at most (``--limit-mm-per-prompt``).
         self.limit_per_prompt = config.multimodal.limit_mm_per_prompt
+        #: The family's image processor (:meth:`load_images`); None: images are refused, for
+        #: the reason in :attr:`images_refused` (text prompts still run).
+        self.image_processor: Any = None
+        self.images_refused = ""
+
+    def load_images(self, model_dir: str, default_type: str) -> None:
+        """Set :attr:`image_processor` from the checkpoint's preprocessor config
+        (:func:`load_image_processor`), or leave it None and keep why in
+        :attr:`images_refused` when the checkpoint has none."""
+        try:
+            self.image_processor = load_image_processor(model_dir, default_type)
+        except FileNotFoundError as error:  # (text prompts still run; images are refused)
+            self.image_processor, self.images_refused = None, str(error)
+
+    def require_images(self) -> Any:
+        """The image processor, or ValueError ``multi_modal_data.image: <why>`` where images
+        are refused (:attr:`images_refused`)."""
+        if self.image_processor is None:
+            raise ValueError(f"multi_modal_data.image: {self.images_refused}")
+        return self.image_processor
 
     def process(self, prompt_token_ids: list[int], mm_data: Mapping[str, Any]
                 ) -> tuple[list[int], list[MultiModalItem]]:

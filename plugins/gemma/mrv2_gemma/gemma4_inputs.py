@@ -34,7 +34,6 @@ from mrv2.contract.encoder_cache import EncoderCacheModelState
 from mrv2.contract.input_processor import (
     InputProcessor,
     content_hash,
-    load_image_processor,
     preprocessor_config,
     run_image_processor,
 )
@@ -53,15 +52,10 @@ class Gemma4InputProcessor(InputProcessor):
         self.eoi = int(hf_config.eoi_token_id)
         text = getattr(hf_config, "text_config", hf_config)
         self.bidirectional = getattr(text, "use_bidirectional_attention", None) == "vision"
-        self._missing = ""
-        self.image_processor: Any = None
         if getattr(hf_config, "vision_config", None) is None:
-            self._missing = "the checkpoint has no vision_config (a text-only Gemma 4)"
+            self.images_refused = "the checkpoint has no vision_config (a text-only Gemma 4)"
             return
-        try:
-            self.image_processor = load_image_processor(model_dir, "Gemma4ImageProcessor")
-        except FileNotFoundError as error:  # (text prompts still run; images are refused)
-            self._missing = str(error)
+        self.load_images(model_dir, "Gemma4ImageProcessor")
 
     def process(self, prompt_token_ids: list[int], mm_data: Mapping[str, Any]
                 ) -> tuple[list[int], list[MultiModalItem]]:
@@ -72,8 +66,7 @@ class Gemma4InputProcessor(InputProcessor):
             note=" (Gemma 4's video and audio are not supported yet)")
         if not images:
             return list(prompt_token_ids), []
-        if self.image_processor is None:
-            raise ValueError(f"multi_modal_data.image: {self._missing}")
+        self.require_images()
         out = run_image_processor(self.image_processor, images)
         pixels = cast(torch.Tensor, out["pixel_values"])
         positions = cast(torch.Tensor, out["image_position_ids"])

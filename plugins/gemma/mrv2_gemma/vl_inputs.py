@@ -38,7 +38,6 @@ from mrv2.contract.encoder_cache import EncoderCacheModelState
 from mrv2.contract.input_processor import (
     InputProcessor,
     content_hash,
-    load_image_processor,
     run_image_processor,
 )
 from mrv2.contract.requests import MultiModalItem, NewRequest
@@ -58,15 +57,11 @@ class Gemma3InputProcessor(InputProcessor):
         self.image_token = int(hf_config.image_token_index)
         self.tokens_per_image = int(hf_config.mm_tokens_per_image)
         self._newline_ids: dict[int, bool] = {}
-        self._missing = ""
-        self.image_processor: Any = None
         if tokenizer is None:
             _log.warning("%s without a tokenizer (a bundled bench config): images go in "
                          "without the newlines HF puts around them", hf_config.architectures)
-        try:
-            self.image_processor = load_image_processor(model_dir, "Gemma3ImageProcessor")
-        except FileNotFoundError as error:  # (text prompts still run; images are refused)
-            self.image_processor, self._missing = None, str(error)
+        self.load_images(model_dir, "Gemma3ImageProcessor")
+        if self.image_processor is None:
             return
         if getattr(self.image_processor, "do_pan_and_scan", None):
             raise ValueError("preprocessor_config.json do_pan_and_scan = true is not supported: "
@@ -103,8 +98,7 @@ class Gemma3InputProcessor(InputProcessor):
                                                 "<start_of_image>")
         if not images:
             return list(prompt_token_ids), []
-        if self.image_processor is None:
-            raise ValueError(f"multi_modal_data.image: {self._missing}")
+        self.require_images()
         out = run_image_processor(self.image_processor, images)
         pixels = cast(torch.Tensor, out["pixel_values"])
         if pixels.shape[0] != len(images):

@@ -29,7 +29,6 @@ from mrv2.contract.encoder_cache import EncoderCacheModelState
 from mrv2.contract.input_processor import (
     InputProcessor,
     content_hash,
-    load_image_processor,
     preprocessor_config,
     run_image_processor,
 )
@@ -54,24 +53,19 @@ class InternVLInputProcessor(InputProcessor):
         super().__init__(model_dir, hf_config, tokenizer, config)
         self.image_token = int(hf_config.image_token_id)
         self.per_tile = tokens_per_tile(hf_config)
-        self._missing = ""
-        self.image_processor: Any = None
         self.start_id = self.end_id = -1
         if tokenizer is None:
-            self._missing = (f"{hf_config.architectures} needs the checkpoint's tokenizer "
+            self.images_refused = (f"{hf_config.architectures} needs the checkpoint's tokenizer "
                              "(the <img> / </img> ids)")
             return
         hf = getattr(tokenizer, "hf", tokenizer)  # (the engine's wraps HF's)
         ids = [hf.convert_tokens_to_ids(t) for t in ("<img>", "</img>")]
         unknown = getattr(hf, "unk_token_id", None)
         if any(not isinstance(i, int) or i == unknown for i in ids):
-            self._missing = "the tokenizer has no <img> / </img> tokens"
+            self.images_refused = "the tokenizer has no <img> / </img> tokens"
             return
         self.start_id, self.end_id = int(ids[0]), int(ids[1])
-        try:
-            self.image_processor = load_image_processor(model_dir, "GotOcr2ImageProcessor")
-        except FileNotFoundError as error:  # (text prompts still run; images are refused)
-            self._missing = str(error)
+        self.load_images(model_dir, "GotOcr2ImageProcessor")
 
     def process(self, prompt_token_ids: list[int], mm_data: Mapping[str, Any]
                 ) -> tuple[list[int], list[MultiModalItem]]:
@@ -81,8 +75,7 @@ class InternVLInputProcessor(InputProcessor):
                                                 "<IMG_CONTEXT>")
         if not images:
             return list(prompt_token_ids), []
-        if self.image_processor is None:
-            raise ValueError(f"multi_modal_data.image: {self._missing}")
+        self.require_images()
         out = run_image_processor(self.image_processor, images, crop_to_patches=True)
         pixels = cast(torch.Tensor, out["pixel_values"])
         tiles = [int(n) for n in out["num_patches"]]

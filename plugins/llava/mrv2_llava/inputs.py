@@ -31,7 +31,6 @@ from mrv2.contract.encoder_cache import EncoderCacheModelState
 from mrv2.contract.input_processor import (
     InputProcessor,
     content_hash,
-    load_image_processor,
     run_image_processor,
 )
 from mrv2.contract.requests import MultiModalItem, NewRequest
@@ -63,12 +62,7 @@ class LlavaInputProcessor(InputProcessor):
         self.image_token = image_token_id(hf_config)
         self.tokens_per_image = image_tokens(hf_config)
         self.side = _side(hf_config)
-        self._missing = ""
-        self.image_processor: Any = None
-        try:
-            self.image_processor = load_image_processor(model_dir, "CLIPImageProcessor")
-        except FileNotFoundError as error:  # (text prompts still run; images are refused)
-            self._missing = str(error)
+        self.load_images(model_dir, "CLIPImageProcessor")
 
     def process(self, prompt_token_ids: list[int], mm_data: Mapping[str, Any]
                 ) -> tuple[list[int], list[MultiModalItem]]:
@@ -78,8 +72,7 @@ class LlavaInputProcessor(InputProcessor):
                                                 "<image>")
         if not images:
             return list(prompt_token_ids), []
-        if self.image_processor is None:
-            raise ValueError(f"multi_modal_data.image: {self._missing}")
+        self.require_images()
         pixels = cast(torch.Tensor, run_image_processor(self.image_processor, images)
                       ["pixel_values"])
         if tuple(pixels.shape[1:]) != (3, self.side, self.side):

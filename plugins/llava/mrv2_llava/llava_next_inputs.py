@@ -28,7 +28,6 @@ from mrv2.contract.encoder_cache import EncoderCacheModelState
 from mrv2.contract.input_processor import (
     InputProcessor,
     content_hash,
-    load_image_processor,
     run_image_processor,
 )
 from mrv2.contract.requests import MultiModalItem, NewRequest
@@ -54,16 +53,12 @@ class LlavaNextInputProcessor(InputProcessor):
         super().__init__(model_dir, hf_config, tokenizer, config)
         self.image_token = image_token_id(hf_config)
         self.side = _side(hf_config)
-        self._missing = ""
-        self.image_processor: Any = None
-        try:
-            self.image_processor = load_image_processor(model_dir, "LlavaNextImageProcessor")
-        except FileNotFoundError as error:  # (text prompts still run; images are refused)
-            self._missing = str(error)
+        self.load_images(model_dir, "LlavaNextImageProcessor")
+        if self.image_processor is None:
             return
         theirs = _pinpoints(getattr(self.image_processor, "image_grid_pinpoints", None))
         if theirs != _pinpoints(hf_config.image_grid_pinpoints):
-            self._missing = (f"preprocessor_config.json image_grid_pinpoints {theirs} differ "
+            self.images_refused = (f"preprocessor_config.json image_grid_pinpoints {theirs} differ "
                              f"from config.json's {hf_config.image_grid_pinpoints}")
             self.image_processor = None
 
@@ -75,8 +70,7 @@ class LlavaNextInputProcessor(InputProcessor):
                                                 "<image>")
         if not images:
             return list(prompt_token_ids), []
-        if self.image_processor is None:
-            raise ValueError(f"multi_modal_data.image: {self._missing}")
+        self.require_images()
         out = run_image_processor(self.image_processor, images)
         pixels = cast(torch.Tensor, out["pixel_values"])
         sizes = [(int(h), int(w)) for h, w in out["image_sizes"].tolist()]

@@ -30,7 +30,6 @@ from mrv2.contract.encoder_cache import EncoderCacheModelState
 from mrv2.contract.input_processor import (
     InputProcessor,
     content_hash,
-    load_image_processor,
     preprocessor_config,
     run_image_processor,
 )
@@ -53,24 +52,19 @@ class Mistral3InputProcessor(InputProcessor):
         super().__init__(model_dir, hf_config, tokenizer, config)
         self.image_token = int(hf_config.image_token_index)
         self.cell = int(hf_config.vision_config.patch_size) * int(hf_config.spatial_merge_size)
-        self._missing = ""
-        self.image_processor: Any = None
         self.break_id = self.end_id = -1
         if tokenizer is None:
-            self._missing = (f"{hf_config.architectures} needs the checkpoint's tokenizer "
+            self.images_refused = (f"{hf_config.architectures} needs the checkpoint's tokenizer "
                              "(the [IMG_BREAK] / [IMG_END] ids)")
             return
         hf = getattr(tokenizer, "hf", tokenizer)  # (the engine's wraps HF's)
         ids = [hf.convert_tokens_to_ids(t) for t in ("[IMG_BREAK]", "[IMG_END]")]
         unknown = getattr(hf, "unk_token_id", None)
         if any(not isinstance(i, int) or i == unknown for i in ids):
-            self._missing = "the tokenizer has no [IMG_BREAK] / [IMG_END] tokens"
+            self.images_refused = "the tokenizer has no [IMG_BREAK] / [IMG_END] tokens"
             return
         self.break_id, self.end_id = int(ids[0]), int(ids[1])
-        try:
-            self.image_processor = load_image_processor(model_dir, "PixtralImageProcessor")
-        except FileNotFoundError as error:  # (text prompts still run; images are refused)
-            self._missing = str(error)
+        self.load_images(model_dir, "PixtralImageProcessor")
 
     def process(self, prompt_token_ids: list[int], mm_data: Mapping[str, Any]
                 ) -> tuple[list[int], list[MultiModalItem]]:
@@ -80,8 +74,7 @@ class Mistral3InputProcessor(InputProcessor):
                                                 "[IMG]")
         if not images:
             return list(prompt_token_ids), []
-        if self.image_processor is None:
-            raise ValueError(f"multi_modal_data.image: {self._missing}")
+        self.require_images()
         out = run_image_processor(  # (HF's PixtralProcessor passes the merged patch)
             self.image_processor, images, patch_size={"height": self.cell, "width": self.cell})
         pixels = cast(torch.Tensor, out["pixel_values"])
