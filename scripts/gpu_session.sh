@@ -333,6 +333,17 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                  k, [(r['batch'], r['tpot_ms'], r.get('ttft_ms')) for r in v]) \
                  for k, v in d.items() if isinstance(v, list)]" "$OUT/qwen3next_latency.json" \
                  || tail -5 "$OUT/qwen3next_latency.log" ;;
+    qwen3nextprof) # Qwen3-Next-80B-A3B cut to 8 layers (random weights): batch-1/8 TPOT, then
+                   # profile_decode at batch 1 and 8 (GPU time by kernel: where ~0.5 ms a layer goes)
+                   timeout 200 python3 -m mrv2.entrypoints.cli bench latency --model Qwen3-Next-80B-A3B \
+                     --hf-overrides '{"num_hidden_layers": 8}' --new-tokens 64 --batch-sizes 1 8 \
+                     --json "$OUT/qwen3next_latency.json" > "$OUT/qwen3next_latency.log" 2>&1
+                   tail -4 "$OUT/qwen3next_latency.log"
+                   for b in 1 8; do
+                     timeout 150 python3 scripts/profile_decode.py --model Qwen3-Next-80B-A3B --batch $b \
+                       --steps 32 --hf-overrides '{"num_hidden_layers": 8}' --trace "" 2>&1 \
+                       | tee "$OUT/qwen3next_prof_b$b.log" | grep -E "wall per step|GPU over|gap " | head -12
+                   done ;;
     gluonrs) # scripts/proto_gluon_mxfp4.py --run: MXFP4 weights decoded into wgmma's register
              # A operand (Gluon), checked against the dequantized weights and timed at 16-64 rows
              python3 scripts/proto_gluon_mxfp4.py --check-repack 2>&1 | tail -1

@@ -39,6 +39,8 @@ parser.add_argument("--host-breakdown", action="store_true",
 parser.add_argument("--quantization", default=None,
                     help="random weights of this method (gptq, awq, fp8: mrv2 bench's quant "
                          "variants)")
+parser.add_argument("--hf-overrides", type=json.loads, default=None, metavar="JSON",
+                    help='config fields to override, e.g. \'{"num_hidden_layers": 8}\'')
 parser.add_argument("--trace", default=os.environ.get("OUT"))
 parser.add_argument("--cprofile", action="store_true",
                     help="also print the host's Python profile of the timed steps (top functions "
@@ -48,6 +50,7 @@ args = parser.parse_args()
 engine = LLMEngine(EngineConfig.from_kwargs(
     model=resolve_model(args.model), load_format="dummy", dtype="bfloat16", max_model_len=4096,
     max_num_seqs=max(args.batch, 8), tensor_parallel_size=args.tensor_parallel_size,
+    hf_overrides=args.hf_overrides or {},
     **({"quantization": args.quantization} if args.quantization else {}),
     **({"speculative_config": json.loads(args.speculative_config)}
        if args.speculative_config else {})))
