@@ -161,6 +161,13 @@ class CacheConfig(_Section):
     enable_prefix_caching: bool = Field(
         default=True, description="reuse the KV of full blocks shared with earlier requests"
     )
+    state_snapshot_slots: int | None = Field(
+        default=None, ge=0,
+        description="a model with per-request recurrent state (linear attention, Mamba): how "
+        "many snapshots of that state at block boundaries prefix caching keeps (each costs "
+        "one request's state in memory); None: min(64, max_num_seqs); 0: prefix caching off "
+        "for such a model",
+    )
     # vLLM's names. "fp8" = "fp8_e4m3": a per-tensor scale of 1.0 (vLLM's without calibrated
     # scales); half the bytes a token of "auto" (bf16), so twice the tokens fit and a decode
     # step reads half the KV bytes.

@@ -1,6 +1,7 @@
 """Helpers for tests that run the engine (above :mod:`mrv2.engine`, beside the lower
-:mod:`mrv2.testing`): the tokens an ``LLM`` generates at each tensor-parallel size, and the
-check every image family runs against HF transformers (:func:`check_images_against_hf`)."""
+:mod:`mrv2.testing`): the tokens an ``LLM`` generates at each tensor-parallel size, the
+check every image family runs against HF transformers (:func:`check_images_against_hf`) and
+the one every family with per-request state runs (:func:`check_state_prefix_cache`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from mrv2.contract.params import SamplingParams
 from mrv2.engine.llm import LLM
 
-__all__ = ["HfInputs", "check_images_against_hf", "tokens_at_tp"]
+__all__ = ["HfInputs", "check_images_against_hf", "check_state_prefix_cache", "tokens_at_tp"]
 
 
 def tokens_at_tp(path: str | Path, prompts: Sequence[Sequence[int]], params: SamplingParams,
@@ -88,3 +89,50 @@ def check_images_against_hf(llm: LLM, hf: torch.nn.Module,
             diff = abs(mine[ids[pos]].logprob - float(want_lp[pos - 1, ids[pos]]))
             assert diff <= atol, (pos, diff)
     return expanded
+
+
+def check_state_prefix_cache(path: str | Path, max_tokens: int = 6,
+                             **llm_kwargs: Any) -> LLM:
+    """A model with per-request state (linear attention, Mamba) under prefix caching: greedy
+    tokens equal HF ``generate`` while requests resume from state snapshots (block size 4,
+    prompts in chunks of 8): a prompt repeated (it resumes at its last full block before its
+    last token), then prompts sharing its first 13 tokens (the first of them computes from the
+    start, its prefix hit cut to no snapshot, and saves the junction after 12; the next
+    resumes there), and a repeated prompt once more after the rows were reused; asserts the
+    cached token counts each request reports. Then those prompts all at once, and through an
+    engine of one snapshot slot. Returns the first LLM."""
+    from mrv2.testing import hf_greedy
+
+    base = [3 + (11 * i) % 97 for i in range(23)]
+    share = [base[:13] + [50 + i, 7, 90 - i, 31 + 2 * i] for i in range(3)]
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4,
+              max_num_batched_tokens=8, **llm_kwargs)
+    if not llm.engine.prefix_caching or not llm.engine.state_snapshot_slots:
+        raise AssertionError("prefix caching is off for this model")
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    # (prompt, the tokens it must find cached)
+    rounds = [(base, 0), (base, 20), (share[0], 0), (share[1], 12), (share[2], 12), (base, 20)]
+    wants: dict[tuple[int, ...], list[int]] = {}
+    for i, (prompt, cached) in enumerate(rounds):
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        want = wants.setdefault(tuple(prompt), hf_greedy(path, prompt, max_tokens)
+                                if tuple(prompt) not in wants else [])
+        assert out.outputs[0].token_ids == want, (i, out.outputs[0].token_ids, want)
+        assert out.num_cached_tokens == cached, (i, out.num_cached_tokens, cached)
+    snapshots = llm.engine.scheduler.snapshots
+    assert snapshots is not None and snapshots.num_resumed == 4 and snapshots.num_saved >= 2
+    # All at once (one prompt twice: two admissions in a step resume from one slot and plan
+    # the same snapshots), then with one slot (every save evicts the last).
+    together = [share[0], share[1], base, share[2], share[0]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in together], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [wants[tuple(p)] for p in together]
+    tight = LLM(str(path), device="cpu", dtype="float32", block_size=4,
+                max_num_batched_tokens=8, state_snapshot_slots=1, **llm_kwargs)
+    for prompts in ([p for p, _ in rounds], together):
+        outs = tight.generate([{"prompt_token_ids": p} for p in prompts], params,
+                              use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [wants[tuple(p)] for p in prompts]
+    tight_snaps = tight.engine.scheduler.snapshots
+    assert tight_snaps is not None and tight_snaps.num_evicted > 0
+    tight.engine.shutdown()
+    return llm

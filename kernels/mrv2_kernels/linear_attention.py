@@ -15,6 +15,15 @@ Triton path):
 * ``state_rows`` int32 ``[N]``: sequence ``i``'s state row. Real sequences have distinct rows; a
   zero-length sequence neither reads nor writes its row (so padding may alias any row).
 
+Prefix caching (``state_table``, optional, int32 ``[R_req, 6]``, indexed by a sequence's state
+row): ``(src_row, src_pos, snap_pos0, snap_row0, snap_pos1, snap_row1)``. A chunk that starts at
+``start == src_pos`` reads its initial state from row ``src_row`` instead of its own (a request
+resuming from a snapshot of a cached prefix); and when the chunk covers absolute position
+``snap_pos`` (``start < snap_pos <= start + length``), the state after the first ``snap_pos``
+tokens is also stored in row ``snap_row`` (a snapshot for later requests). A row's defaults
+``(row, -1, -1, 0, -1, 0)`` mean neither. Snapshot rows are distinct from every row the step
+reads or writes otherwise (the engine's rule), so the stores race with nothing.
+
 State layouts: the conv state is ``[R, W - 1, D]`` in ``x``'s dtype (each row's last ``W - 1``
 inputs, oldest first); the recurrent state is ``[R, Hv, K, V]`` fp32. Outputs are zero on
 padding tokens (the kernels write those zeros; nothing is left uninitialised).
@@ -37,12 +46,16 @@ import triton.language as tl
 from ._backend import cdiv, default_block, next_power_of_2, pdl, pdl_prologue, use_triton
 
 __all__ = [
+    "STATE_TABLE_COLS",
     "causal_conv1d",
     "causal_conv1d_ref",
     "causal_conv1d_triton",
     "gated_delta_rule",
     "gated_delta_rule_ref",
+    "default_state_table",
     "gated_delta_rule_triton",
+    "gates_from_logits",
+    "mamba_gates",
 ]
 
 #: dtypes the Triton kernels take for activations (loaded and converted to fp32 at once).
@@ -55,6 +68,40 @@ _L2_EPS = 1e-6
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Every buffer the Triton path writes comes from here (tests poison them)."""
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+#: Columns of a ``state_table`` row: ``(src_row, src_pos, snap_pos0, snap_row0, snap_pos1,
+#: snap_row1)``.
+STATE_TABLE_COLS = 6
+
+
+def default_state_table(rows: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A ``state_table`` of ``rows`` rows that changes nothing: each row reads its own state
+    and stores no snapshot."""
+    table = torch.zeros((rows, STATE_TABLE_COLS), dtype=torch.int32, device=device)
+    table[:, 0] = torch.arange(rows, dtype=torch.int32, device=device)
+    table[:, 1] = table[:, 2] = table[:, 4] = -1
+    return table
+
+
+def _check_table(state_table: torch.Tensor | None) -> None:
+    if state_table is None:
+        return
+    if state_table.dim() != 2 or state_table.shape[1] != STATE_TABLE_COLS:
+        raise ValueError(f"state_table must be [R, {STATE_TABLE_COLS}], got "
+                         f"{tuple(state_table.shape)}")
+    if state_table.dtype != torch.int32 or state_table.stride(1) != 1:
+        raise TypeError("state_table must be int32 with a contiguous last dim")
+
+
+def _table_host(state_table: torch.Tensor | None, row: int, start: int
+                ) -> tuple[int, list[tuple[int, int]]]:
+    """The references' reading of ``state_table``: the row to read the initial state from and
+    the ``(tokens into the chunk, row)`` of each snapshot (unfiltered by the chunk length)."""
+    if state_table is None:
+        return row, []
+    src_row, src_pos, p0, r0, p1, r1 = state_table[row].tolist()
+    return (src_row if start == src_pos else row), [(p0 - start, r0), (p1 - start, r1)]
 
 
 def _check_meta(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
@@ -112,11 +159,12 @@ def _check_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def causal_conv1d_ref(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, state_rows: torch.Tensor,
-    activation: str | None = None,
+    activation: str | None = None, state_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-torch specification of :func:`causal_conv1d` (reads the metadata on the host)."""
     _check_conv(x, weight, bias, conv_state, activation)
     n = _check_meta(query_start_loc, seq_lens, state_rows)
+    _check_table(state_table)
     width = weight.shape[1]
     w = weight.float()
     out = torch.zeros_like(x)
@@ -127,11 +175,15 @@ def causal_conv1d_ref(
         if length <= 0:
             continue
         row = rows[i]
+        src, snaps = _table_host(state_table, row, lens[i] - length)
         if lens[i] - length > 0:
-            ctx = conv_state[row].float()
+            ctx = conv_state[src].float()
         else:
             ctx = torch.zeros(width - 1, x.shape[1], dtype=torch.float32, device=x.device)
         xs = torch.cat([ctx, x[bos:eos].float()])
+        for c, snap_row in snaps:  # the state after c tokens: xs[c : c + W - 1]
+            if 0 < c <= length:
+                conv_state[snap_row] = xs[c:c + width - 1].to(conv_state.dtype)
         acc = torch.zeros(length, x.shape[1], dtype=torch.float32, device=x.device)
         if bias is not None:
             acc = acc + bias.float()
@@ -148,10 +200,11 @@ def causal_conv1d_ref(
 def _causal_conv1d_kernel(
     x_ptr: tl.tensor, w_ptr: tl.tensor, b_ptr: tl.tensor, state_ptr: tl.tensor,
     out_ptr: tl.tensor, qsl_ptr: tl.tensor, seq_lens_ptr: tl.tensor, rows_ptr: tl.tensor,
+    tbl_ptr: tl.tensor,
     num_seqs: int, num_tokens: int, dim: int,
     x_stride: int, out_stride: int, w_stride: int, s_row_stride: int, s_t_stride: int,
     WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, HAS_TABLE: tl.constexpr, PDL: tl.constexpr,
 ) -> None:
     pdl_prologue(PDL)
     # Programs (i < N, d block): sequence i's channels; program (N, d block): padding tokens.
@@ -166,8 +219,16 @@ def _causal_conv1d_kernel(
     n = tl.load(qsl_ptr + seq + 1).to(tl.int32) - bos
     if n <= 0:  # padding: its row may be another sequence's
         return
-    has_init = tl.load(seq_lens_ptr + seq).to(tl.int32) - n > 0
-    s_base = state_ptr + tl.load(rows_ptr + seq).to(tl.int64) * s_row_stride
+    start = tl.load(seq_lens_ptr + seq).to(tl.int32) - n
+    has_init = start > 0
+    row = tl.load(rows_ptr + seq).to(tl.int64)
+    s_base = state_ptr + row * s_row_stride
+    src_base = s_base  # the initial state's row
+    if HAS_TABLE:
+        tbl = tbl_ptr + row * 6
+        src_row = tl.load(tbl).to(tl.int64)
+        src_base = tl.where(start == tl.load(tbl + 1), state_ptr + src_row * s_row_stride,
+                            s_base)
     x_base = x_ptr + bos.to(tl.int64) * x_stride
     if HAS_BIAS:
         bias = tl.load(b_ptr + d, mask=dmask, other=0.0).to(tl.float32)
@@ -185,7 +246,7 @@ def _causal_conv1d_kernel(
             src = x_base + tl.maximum(p, 0).to(tl.int64)[:, None] * x_stride + d[None, :]
             xv = tl.load(src, mask=in_x, other=0.0).to(tl.float32)
             in_ctx = (live & (p < 0) & has_init)[:, None] & dmask[None, :]
-            ctx = s_base + tl.maximum(p + (WIDTH - 1), 0)[:, None] * s_t_stride + d[None, :]
+            ctx = src_base + tl.maximum(p + (WIDTH - 1), 0)[:, None] * s_t_stride + d[None, :]
             cv = tl.load(ctx, mask=in_ctx, other=0.0).to(tl.float32)
             wj = tl.load(w_ptr + d * w_stride + j, mask=dmask, other=0.0).to(tl.float32)
             acc += (xv + cv) * wj[None, :]
@@ -193,26 +254,51 @@ def _causal_conv1d_kernel(
             acc = acc / (1.0 + tl.exp(-acc))
         dst = out_ptr + (bos + t).to(tl.int64)[:, None] * out_stride + d[None, :]
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & dmask[None, :])
+    r = tl.arange(0, BLOCK_W)
+    if HAS_TABLE:  # snapshots: the state after c tokens, into rows no one else touches
+        for k in tl.static_range(2):
+            c = tl.load(tbl + 2 + 2 * k) - start
+            if (c > 0) & (c <= n):
+                snap_base = state_ptr + tl.load(tbl + 3 + 2 * k).to(tl.int64) * s_row_stride
+                _conv_state_store(snap_base, x_base, src_base, c, has_init, r, d, dmask,
+                                  x_stride, s_t_stride, WIDTH)
     # New state row r is chunk position n - (WIDTH - 1) + r: an input, or (a chunk shorter
     # than WIDTH - 1) an old context row, read here before any of them is overwritten.
-    r = tl.arange(0, BLOCK_W)
     p = n - (WIDTH - 1) + r
     rmask = (r < WIDTH - 1)[:, None] & dmask[None, :]
     from_x = rmask & (p >= 0)[:, None]
     src = x_base + tl.maximum(p, 0).to(tl.int64)[:, None] * x_stride + d[None, :]
     xv = tl.load(src, mask=from_x, other=0.0).to(tl.float32)
     from_ctx = rmask & ((p < 0) & has_init)[:, None]
-    ctx = s_base + tl.maximum(p + (WIDTH - 1), 0)[:, None] * s_t_stride + d[None, :]
+    ctx = src_base + tl.maximum(p + (WIDTH - 1), 0)[:, None] * s_t_stride + d[None, :]
     cv = tl.load(ctx, mask=from_ctx, other=0.0).to(tl.float32)
     tl.debug_barrier()  # every thread's reads of the old rows precede any write
     dst = s_base + r[:, None] * s_t_stride + d[None, :]
     tl.store(dst, (xv + cv).to(state_ptr.dtype.element_ty), mask=rmask)
 
 
+@triton.jit
+def _conv_state_store(dst_base: tl.tensor, x_base: tl.tensor, ctx_base: tl.tensor,
+                      c: tl.tensor, has_init: tl.tensor, r: tl.tensor, d: tl.tensor,
+                      dmask: tl.tensor, x_stride: int, s_t_stride: int,
+                      WIDTH: tl.constexpr) -> None:
+    """Triton helper: the conv state after the chunk's first ``c`` tokens (its rows ``r``:
+    chunk position ``c - (WIDTH - 1) + r``, an input or an old context row) into
+    ``dst_base``."""
+    p = c - (WIDTH - 1) + r
+    rmask = (r < WIDTH - 1)[:, None] & dmask[None, :]
+    src = x_base + tl.maximum(p, 0).to(tl.int64)[:, None] * x_stride + d[None, :]
+    xv = tl.load(src, mask=rmask & (p >= 0)[:, None], other=0.0).to(tl.float32)
+    ctx = ctx_base + tl.maximum(p + (WIDTH - 1), 0)[:, None] * s_t_stride + d[None, :]
+    cv = tl.load(ctx, mask=rmask & ((p < 0) & has_init)[:, None], other=0.0).to(tl.float32)
+    dst = dst_base + r[:, None] * s_t_stride + d[None, :]
+    tl.store(dst, (xv + cv).to(dst_base.dtype.element_ty), mask=rmask)
+
+
 def causal_conv1d_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, state_rows: torch.Tensor,
-    activation: str | None = None,
+    activation: str | None = None, state_table: torch.Tensor | None = None,
     *,
     block_t: int | None = None,
     block_d: int | None = None,
@@ -224,6 +310,7 @@ def causal_conv1d_triton(
     ``conv_state`` must have a contiguous last dim (it is updated in place)."""
     _check_conv(x, weight, bias, conv_state, activation)
     n = _check_meta(query_start_loc, seq_lens, state_rows)
+    _check_table(state_table)
     if x.dtype not in _KERNEL_DTYPES:
         raise TypeError(f"causal_conv1d_triton takes fp32/bf16/fp16, got {x.dtype}")
     if conv_state.stride(-1) != 1:
@@ -242,11 +329,13 @@ def causal_conv1d_triton(
     _causal_conv1d_kernel[(n + 1, cdiv(dim, bd))](
         x, weight, weight if bias is None else bias.contiguous(), conv_state, out,
         query_start_loc, seq_lens, state_rows,
+        state_rows if state_table is None else state_table,
         n, num_tokens, dim,
         x.stride(0), out.stride(0), weight.stride(0), conv_state.stride(0),
         conv_state.stride(1),
         WIDTH=width, HAS_BIAS=bias is not None, SILU=activation == "silu",
         BLOCK_T=bt, BLOCK_D=bd, BLOCK_W=next_power_of_2(width - 1),
+        HAS_TABLE=state_table is not None,
         num_warps=(4 if bt * bd >= 2048 else 2) if x.is_cuda else 1,
         **pdl(x),
     )
@@ -256,7 +345,7 @@ def causal_conv1d_triton(
 def causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, state_rows: torch.Tensor,
-    activation: str | None = None,
+    activation: str | None = None, state_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal depthwise conv1d with a rolling per-row state (Qwen3-Next's q/k/v conv).
 
@@ -267,14 +356,15 @@ def causal_conv1d(
     x[tokens])``; ``out[t] = act(bias + sum_j weight[:, j] * xs[t + j])`` in fp32 (the last tap
     multiplies the current token: ``nn.Conv1d(groups=D, padding=W - 1)`` truncated to the
     sequence); then ``conv_state[row] = xs[-(W - 1):]``, in place. Returns ``out`` ``[T, D]`` in
-    ``x``'s dtype, zero on padding tokens. Runs :func:`causal_conv1d_triton` when
-    :func:`use_triton` says so, else :func:`causal_conv1d_ref`.
+    ``x``'s dtype, zero on padding tokens. ``state_table``: snapshots and resumed states
+    (module docstring). Runs :func:`causal_conv1d_triton` when :func:`use_triton` says so, else
+    :func:`causal_conv1d_ref`.
     """
     if use_triton(x) and x.dtype in _KERNEL_DTYPES:
         return causal_conv1d_triton(x, weight, bias, conv_state, query_start_loc, seq_lens,
-                                    state_rows, activation)
+                                    state_rows, activation, state_table)
     return causal_conv1d_ref(x, weight, bias, conv_state, query_start_loc, seq_lens,
-                             state_rows, activation)
+                             state_rows, activation, state_table)
 
 
 # ---------------------------------------------------------------------- gated delta rule
@@ -303,15 +393,25 @@ def gated_delta_rule_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     state_rows: torch.Tensor, scale: float, l2norm_qk: bool = True, *, delta: bool = True,
+    state_table: torch.Tensor | None = None,
+    gate_params: tuple[torch.Tensor, torch.Tensor] | None = None,
+    dt_limits: tuple[float, float] | None = None, skip: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Plain-torch specification of :func:`gated_delta_rule` (reads the metadata on the host):
     token by token, as HF transformers' ``torch_recurrent_gated_delta_rule`` (``delta=False``:
     the Mamba-2 SSM recurrence)."""
     _check_gdr(q, k, v, g, beta, state)
+    _check_extras(v, gate_params, dt_limits, skip)
+    if gate_params is not None and dt_limits is None:
+        g, beta = gates_from_logits(g, beta, *gate_params)
+    elif gate_params is not None and dt_limits is not None:
+        g, beta = mamba_gates(g, *gate_params, dt_limits)
     n = _check_meta(query_start_loc, seq_lens, state_rows)
+    _check_table(state_table)
     hv, dk, dv = state.shape[1:]
     group = hv // q.shape[1]
-    out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    out = torch.zeros(v.shape, dtype=out_dtype or v.dtype, device=v.device)
     qsl, lens, rows = query_start_loc.tolist(), seq_lens.tolist(), state_rows.tolist()
     for i in range(n):
         bos, eos = qsl[i], qsl[i + 1]
@@ -319,8 +419,9 @@ def gated_delta_rule_ref(
         if length <= 0:
             continue
         row = rows[i]
+        src, snaps = _table_host(state_table, row, lens[i] - length)
         if lens[i] - length > 0:
-            s = state[row].clone()
+            s = state[src].clone()
         else:
             s = torch.zeros(hv, dk, dv, dtype=torch.float32, device=state.device)
         qs = q[bos:eos].float().repeat_interleave(group, dim=1)  # [L, Hv, K]
@@ -336,22 +437,68 @@ def gated_delta_rule_ref(
             if delta:
                 upd = upd - (s * ks[t][:, :, None]).sum(1)  # v - S^T k: [Hv, V]
             s = s + ks[t][:, :, None] * (upd * bs[t][:, None])[:, None, :]
-            out[bos + t] = (s * qs[t][:, :, None]).sum(1).to(out.dtype)
+            o = (s * qs[t][:, :, None]).sum(1)
+            if skip is not None:
+                o = o + skip.float()[:, None] * vs[t]
+            out[bos + t] = o.to(out.dtype)
+            for c, snap_row in snaps:
+                if c == t + 1:
+                    state[snap_row] = s
         state[row] = s
     return out
+
+
+def gates_from_logits(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+                      dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated DeltaNet's decay and write strength from the projections' raw values (HF's
+    Qwen3-Next): ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``, fp32,
+    ``A_log`` and ``dt_bias`` per v head."""
+    _check_gate_params(a, a_log, dt_bias)
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, torch.sigmoid(b.float())
+
+
+def mamba_gates(dt: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                dt_limits: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Mamba-2 mixer's decay and write strength from its raw ``dt`` projection: ``dt =
+    clamp(softplus(dt + dt_bias), *dt_limits)``, ``g = -exp(A_log) * dt``, ``beta = dt``
+    (fp32; per head)."""
+    _check_gate_params(dt, a_log, dt_bias)
+    step = F.softplus(dt.float() + dt_bias.float()).clamp(min=dt_limits[0], max=dt_limits[1])
+    return -a_log.float().exp() * step, step
+
+
+def _check_extras(v: torch.Tensor, gate_params: tuple[torch.Tensor, torch.Tensor] | None,
+                  dt_limits: tuple[float, float] | None, skip: torch.Tensor | None) -> None:
+    if dt_limits is not None and gate_params is None:
+        raise ValueError("dt_limits (Mamba-2 gates) needs gate_params=(A_log, dt_bias)")
+    if skip is not None and skip.shape != (v.shape[1],):
+        raise ValueError(f"skip must have shape ({v.shape[1]},) (one D per v head), got "
+                         f"{tuple(skip.shape)}")
+
+
+def _check_gate_params(a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> None:
+    hv = a.shape[-1]
+    for name, t in (("A_log", a_log), ("dt_bias", dt_bias)):
+        if t.shape != (hv,):
+            raise ValueError(f"gate_params: {name} must have shape ({hv},), got "
+                             f"{tuple(t.shape)}")
 
 
 @triton.jit(do_not_specialize=["num_seqs", "num_tokens"])
 def _gated_delta_rule_kernel(
     q_ptr: tl.tensor, k_ptr: tl.tensor, v_ptr: tl.tensor, g_ptr: tl.tensor,
     beta_ptr: tl.tensor, state_ptr: tl.tensor, out_ptr: tl.tensor,
-    qsl_ptr: tl.tensor, seq_lens_ptr: tl.tensor, rows_ptr: tl.tensor,
+    qsl_ptr: tl.tensor, seq_lens_ptr: tl.tensor, rows_ptr: tl.tensor, tbl_ptr: tl.tensor,
+    a_log_ptr: tl.tensor, dt_bias_ptr: tl.tensor, skip_ptr: tl.tensor, dt_lo: float,
+    dt_hi: float,
     num_seqs: int, num_tokens: int, scale: float, dim_k: int, dim_v: int, group: int,
     q_st: int, q_sh: int, k_st: int, k_sh: int, v_st: int, v_sh: int,
     g_st: int, g_sh: int, b_st: int, b_sh: int, o_st: int, o_sh: int,
     s_sr: int, s_sh: int, s_sk: int,
     L2NORM: tl.constexpr, DELTA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_T: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_T: tl.constexpr, HAS_TABLE: tl.constexpr, RAW_GATES: tl.constexpr,
+    MAMBA_GATES: tl.constexpr, HAS_SKIP: tl.constexpr, PDL: tl.constexpr,
 ) -> None:
     pdl_prologue(PDL)
     # Programs (i < N, v head, V block) run sequence i; programs (N, ...) zero the padding.
@@ -369,12 +516,32 @@ def _gated_delta_rule_kernel(
     eos = tl.load(qsl_ptr + seq + 1).to(tl.int32)
     if eos <= bos:  # padding: its row may be another sequence's
         return
-    has_init = tl.load(seq_lens_ptr + seq).to(tl.int32) - (eos - bos) > 0
+    start = tl.load(seq_lens_ptr + seq).to(tl.int32) - (eos - bos)
+    has_init = start > 0
     row = tl.load(rows_ptr + seq).to(tl.int64)
     hk = h // group
-    s_ptrs = state_ptr + row * s_sr + h * s_sh + kk[:, None] * s_sk + vv[None, :]
+    tile = h * s_sh + kk[:, None] * s_sk + vv[None, :]
+    s_ptrs = state_ptr + row * s_sr + tile
     smask = kmask[:, None] & vmask[None, :]
-    s = tl.load(s_ptrs, mask=smask & has_init, other=0.0)  # [BLOCK_K, BLOCK_V] fp32
+    src_ptrs = s_ptrs
+    c0 = -1  # snapshots: after c0 / c1 tokens, into rows snap0 / snap1
+    c1 = -1
+    snap0 = s_ptrs
+    snap1 = s_ptrs
+    if HAS_TABLE:
+        tbl = tbl_ptr + row * 6
+        src_row = tl.load(tbl).to(tl.int64)
+        src_ptrs = tl.where(start == tl.load(tbl + 1), state_ptr + src_row * s_sr + tile, s_ptrs)
+        c0 = tl.load(tbl + 2) - start
+        snap0 = state_ptr + tl.load(tbl + 3).to(tl.int64) * s_sr + tile
+        c1 = tl.load(tbl + 4) - start
+        snap1 = state_ptr + tl.load(tbl + 5).to(tl.int64) * s_sr + tile
+    s = tl.load(src_ptrs, mask=smask & has_init, other=0.0)  # [BLOCK_K, BLOCK_V] fp32
+    if RAW_GATES:  # g and beta from the raw projections: gates_from_logits / mamba_gates
+        neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
+        dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    if HAS_SKIP:
+        skip = tl.load(skip_ptr + h).to(tl.float32)
     bos64 = bos.to(tl.int64)
     for i in range(0, eos - bos):
         t64 = bos64 + i
@@ -383,6 +550,16 @@ def _gated_delta_rule_kernel(
         vt = tl.load(v_ptr + t64 * v_st + h * v_sh + vv, mask=vmask, other=0.0).to(tl.float32)
         gt = tl.load(g_ptr + t64 * g_st + h * g_sh).to(tl.float32)
         bt = tl.load(beta_ptr + t64 * b_st + h * b_sh).to(tl.float32)
+        if RAW_GATES:
+            xa = gt + dt_bias
+            sp = tl.where(xa > 20.0, xa, tl.log(1.0 + tl.exp(xa)))  # softplus
+            if MAMBA_GATES:
+                bt = tl.minimum(tl.maximum(sp, dt_lo), dt_hi)
+                gt = neg_a * bt
+            else:
+                gt = neg_a * sp
+                bt = 1.0 / (1.0 + tl.exp(-bt))
+        v_in = vt
         if L2NORM:
             qt = qt * tl.rsqrt(tl.sum(qt * qt, axis=0) + 1e-6)
             kt = kt * tl.rsqrt(tl.sum(kt * kt, axis=0) + 1e-6)
@@ -392,8 +569,13 @@ def _gated_delta_rule_kernel(
             vt = vt - tl.sum(s * kt[:, None], axis=0)  # v - S^T k: [BLOCK_V]
         s = s + kt[:, None] * (vt * bt)[None, :]
         o = tl.sum(s * qt[:, None], axis=0)
+        if HAS_SKIP:
+            o += skip * v_in
         tl.store(out_ptr + t64 * o_st + h * o_sh + vv, o.to(out_ptr.dtype.element_ty),
                  mask=vmask)
+        if HAS_TABLE:
+            tl.store(snap0, s, mask=smask & (i + 1 == c0))
+            tl.store(snap1, s, mask=smask & (i + 1 == c1))
     tl.store(s_ptrs, s, mask=smask)
 
 
@@ -403,6 +585,10 @@ def gated_delta_rule_triton(
     state_rows: torch.Tensor, scale: float, l2norm_qk: bool = True,
     *,
     delta: bool = True,
+    state_table: torch.Tensor | None = None,
+    gate_params: tuple[torch.Tensor, torch.Tensor] | None = None,
+    dt_limits: tuple[float, float] | None = None, skip: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
     block_v: int | None = None,
 ) -> torch.Tensor:
     """Triton implementation of :func:`gated_delta_rule`: one launch, grid ``(N + 1, Hv, V /
@@ -413,6 +599,10 @@ def gated_delta_rule_triton(
     last dim (it is updated in place)."""
     _check_gdr(q, k, v, g, beta, state)
     n = _check_meta(query_start_loc, seq_lens, state_rows)
+    _check_table(state_table)
+    if gate_params is not None:
+        _check_gate_params(g, *gate_params)
+    _check_extras(v, gate_params, dt_limits, skip)
     for t in (q, k, v, beta):
         if t.dtype not in _KERNEL_DTYPES:
             raise TypeError(f"gated_delta_rule_triton takes fp32/bf16/fp16, got {t.dtype}")
@@ -423,7 +613,7 @@ def gated_delta_rule_triton(
     if dk > MAX_K:
         raise ValueError(f"the key head dim must be at most {MAX_K}, got {dk}")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    out = _empty((num_tokens, hv, dv), v.dtype, v.device)
+    out = _empty((num_tokens, hv, dv), out_dtype or v.dtype, v.device)
     if out.numel() == 0:
         return out
     block_k = next_power_of_2(dk)
@@ -432,11 +622,16 @@ def gated_delta_rule_triton(
     warps = max(1, min(8, block_k * bv // 1024)) if v.is_cuda else 1
     _gated_delta_rule_kernel[(n + 1, hv, cdiv(dv, bv))](
         q, k, v, g, beta, state, out, query_start_loc, seq_lens, state_rows,
+        state_rows if state_table is None else state_table,
+        *(gate_params if gate_params is not None else (g, g)), g if skip is None else skip,
+        *(dt_limits if dt_limits is not None else (0.0, 0.0)),
         n, num_tokens, float(scale), dk, dv, hv // hk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
         state.stride(0), state.stride(1), state.stride(2),
         L2NORM=l2norm_qk, DELTA=delta, BLOCK_K=block_k, BLOCK_V=bv, BLOCK_T=8,
+        HAS_TABLE=state_table is not None, RAW_GATES=gate_params is not None,
+        MAMBA_GATES=dt_limits is not None, HAS_SKIP=skip is not None,
         num_warps=warps,
         **pdl(v),
     )
@@ -447,6 +642,10 @@ def gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     state_rows: torch.Tensor, scale: float, l2norm_qk: bool = True, *, delta: bool = True,
+    state_table: torch.Tensor | None = None,
+    gate_params: tuple[torch.Tensor, torch.Tensor] | None = None,
+    dt_limits: tuple[float, float] | None = None, skip: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Varlen gated delta rule with a per-row fp32 matrix state (Qwen3-Next's linear attention).
 
@@ -459,12 +658,21 @@ def gated_delta_rule(
     outer(k, delta)``; ``o = S^T q``. ``delta=False`` drops the ``S^T k`` term (``S = exp(g) S +
     outer(k, beta v)``): Mamba-2's SSM with ``q = C``, ``k = B``, ``v = x``, ``g = dt A``,
     ``beta = dt``, ``l2norm_qk=False``, ``scale=1``. Returns ``o`` ``[T, Hv, V]`` in ``v``'s
-    dtype (zero on padding tokens) and writes the final ``S`` into ``state[row, h]``, in place. Runs
+    dtype (zero on padding tokens) and writes the final ``S`` into ``state[row, h]``, in place.
+    ``state_table``: snapshots and resumed states (module docstring). ``gate_params`` ``(A_log,
+    dt_bias)``: ``g`` and ``beta`` are the raw projections ``a`` and ``b``, turned into the decay
+    and write strength inside the op (:func:`gates_from_logits`); with ``dt_limits`` both are
+    the raw ``dt`` of a Mamba-2 mixer (:func:`mamba_gates`). ``skip`` ``[Hv]``: ``o += skip[h] *
+    v`` (Mamba-2's ``D``). ``out_dtype``: the output's (default ``v``'s). Runs
     :func:`gated_delta_rule_triton` when :func:`use_triton` says so, else
     :func:`gated_delta_rule_ref`.
     """
     if use_triton(v) and all(t.dtype in _KERNEL_DTYPES for t in (q, k, v, beta)):
         return gated_delta_rule_triton(q, k, v, g, beta, state, query_start_loc, seq_lens,
-                                       state_rows, scale, l2norm_qk, delta=delta)
+                                       state_rows, scale, l2norm_qk, delta=delta,
+                                       state_table=state_table, gate_params=gate_params,
+                                       dt_limits=dt_limits, skip=skip, out_dtype=out_dtype)
     return gated_delta_rule_ref(q, k, v, g, beta, state, query_start_loc, seq_lens,
-                                state_rows, scale, l2norm_qk, delta=delta)
+                                state_rows, scale, l2norm_qk, delta=delta,
+                                state_table=state_table, gate_params=gate_params,
+                                dt_limits=dt_limits, skip=skip, out_dtype=out_dtype)

@@ -1,4 +1,5 @@
-"""RMSNorm (optionally fused with the residual add before it) and the SwiGLU ``silu(gate) * up``.
+"""RMSNorm (optionally fused with the residual add before it), the SwiGLU ``silu(gate) * up``
+and the gated RMSNorm of linear-attention and Mamba-2 mixers (:func:`gated_rms_norm`).
 
 Both are memory-bound elementwise/row ops that torch runs as a chain of small kernels (pow,
 mean, rsqrt, casts, multiplies); here each is one launch. The ``*_ref`` functions are the
@@ -27,6 +28,9 @@ import triton.language as tl
 from ._backend import cdiv, default_block, next_power_of_2, pdl, pdl_prologue, use_triton
 
 __all__ = [
+    "gated_rms_norm",
+    "gated_rms_norm_ref",
+    "gated_rms_norm_triton",
     "rms_norm",
     "rms_norm_cpu",
     "rms_norm_ref",
@@ -388,3 +392,112 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if use_triton(x) and x.dtype in _KERNEL_DTYPES:
         return silu_and_mul_triton(x)
     return silu_and_mul_ref(x)
+
+
+# ----------------------------------------------------------------------- gated RMSNorm
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The gated norm's output buffer (tests poison it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _gated_rms_norm_kernel(
+    x_ptr: tl.tensor, z_ptr: tl.tensor, w_ptr: tl.tensor, out_ptr: tl.tensor,
+    num_rows: int, group_size: int, x_stride: int, z_stride: int, out_stride: int,
+    w_group_stride: int, eps: float,
+    NORM_BEFORE_GATE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+) -> None:
+    pdl_prologue(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < group_size
+    first = group * group_size
+    x = tl.load(x_ptr + row * x_stride + first + cols, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + row * z_stride + first + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + group * w_group_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = z / (1.0 + tl.exp(-z))
+    h = x if NORM_BEFORE_GATE else x * gate
+    out = w * h * tl.rsqrt(tl.sum(h * h, axis=0) / group_size + eps)
+    if NORM_BEFORE_GATE:
+        out = out * gate
+    tl.store(out_ptr + row * out_stride + first + cols, out.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def _check_gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
+                 group_size: int) -> None:
+    if x.dim() != 2 or z.shape != x.shape:
+        raise ValueError(f"x and z must be [T, C] alike, got {tuple(x.shape)}, "
+                         f"{tuple(z.shape)}")
+    channels = x.shape[1]
+    if group_size < 1 or channels % group_size:
+        raise ValueError(f"the {channels} channels must be whole groups of {group_size}")
+    if weight.shape not in ((channels,), (group_size,)):
+        raise ValueError(f"weight must have shape ({channels},) or ({group_size},) (one per "
+                         f"group's channel, shared), got {tuple(weight.shape)}")
+
+
+def gated_rms_norm_ref(
+    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int,
+    norm_before_gate: bool = False, out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Plain-torch specification of :func:`gated_rms_norm`."""
+    _check_gated(x, z, weight, group_size)
+    t, channels = x.shape
+    gate = F.silu(z.float())
+    h = x.float() if norm_before_gate else x.float() * gate
+    g = h.view(t, channels // group_size, group_size)
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    w = weight.float().view(-1, group_size)  # [groups or 1, group_size]
+    out = (w * g).view(t, channels)
+    if norm_before_gate:
+        out = out * gate
+    return out.to(out_dtype or x.dtype)
+
+
+def gated_rms_norm_triton(
+    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int,
+    norm_before_gate: bool = False, out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Triton implementation of :func:`gated_rms_norm`: a program per (row, group), the group's
+    channels in one tile. ``x`` and ``z`` may have row strides (last dim contiguous)."""
+    _check_gated(x, z, weight, group_size)
+    for t in (x, z, weight):
+        if t.dtype not in _KERNEL_DTYPES:
+            raise TypeError(f"gated_rms_norm_triton takes fp32/bf16/fp16, got {t.dtype}")
+    x, z = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, z))
+    weight = weight.contiguous()
+    rows, channels = x.shape
+    out = _empty((rows, channels), out_dtype or x.dtype, x.device)
+    if out.numel() == 0:
+        return out
+    block = next_power_of_2(group_size)
+    _gated_rms_norm_kernel[(rows, channels // group_size)](
+        x, z, weight, out, rows, group_size, x.stride(0), z.stride(0), out.stride(0),
+        group_size if weight.shape[0] == channels else 0, float(eps),
+        NORM_BEFORE_GATE=norm_before_gate, BLOCK=block,
+        num_warps=min(8, max(1, block // 256)) if x.is_cuda else 1,
+        **pdl(x),
+    )
+    return out
+
+
+def gated_rms_norm(
+    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int,
+    norm_before_gate: bool = False, out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """RMSNorm gated by ``silu(z)`` over groups of ``group_size`` channels, in fp32, one
+    rounding at the end (to ``out_dtype``, default ``x``'s).
+
+    ``x``, ``z`` ``[T, C]``; ``weight`` ``[C]``, or ``[group_size]`` shared by every group (a
+    norm per head). ``norm_before_gate``: ``weight * rmsnorm(x) * silu(z)`` (Qwen3-Next's gated
+    norm, Falcon-H1's); else ``weight * rmsnorm(x * silu(z))`` (the Mamba-2 mixers'). Runs
+    :func:`gated_rms_norm_triton` when :func:`use_triton` says so, else
+    :func:`gated_rms_norm_ref`."""
+    if use_triton(x) and all(t.dtype in _KERNEL_DTYPES for t in (x, z, weight)):
+        return gated_rms_norm_triton(x, z, weight, eps, group_size, norm_before_gate,
+                                     out_dtype)
+    return gated_rms_norm_ref(x, z, weight, eps, group_size, norm_before_gate, out_dtype)

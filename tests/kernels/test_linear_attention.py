@@ -446,3 +446,60 @@ def test_rejects_bad_arguments() -> None:
         gated_delta_rule_triton(q, k, v, g, beta, state.to(BF16), *meta, 0.5)
     with pytest.raises(ValueError, match="seq_lens"):
         gated_delta_rule_triton(q, k, v, g, beta, state, meta[0], meta[1][:0], meta[2], 0.5)
+
+
+@pytest.mark.parametrize("fn", [gated_delta_rule_triton, gated_delta_rule_ref])
+def test_gated_delta_rule_raw_gates(fn: Callable[..., torch.Tensor], poisoned: None) -> None:
+    """``gate_params=(A_log, dt_bias)``: ``g`` and ``beta`` given as the projections' raw
+    strided values (one ``[b | a]`` row each), turned into the decay and write strength inside
+    the op: the same as passing :func:`gates_from_logits`' results (a ``> 20`` softplus input
+    included: its linear branch)."""
+    hk, hv, dk, dv = 1, 2, 8, 8
+    batch = make_batch([(4, 2, 0), (1, 0, 1)], pad_tokens=1)
+    t = batch.num_tokens
+    q, k, v, _, _, state0 = gdr_inputs(hk, hv, dk, dv, BF16, t, seed=50)
+    ba = randn(t, 2 * hv, dtype=BF16, seed=51, scale=2.0)
+    ba[0, hv] = 25.0
+    a_log, dt_bias = randn(hv, seed=52, scale=0.5), randn(hv, seed=53)
+    meta = (batch.qsl, batch.seq_lens, batch.rows)
+    g, beta = la.gates_from_logits(ba[:, hv:], ba[:, :hv], a_log, dt_bias)
+    want_state, got_state = state0.clone(), state0.clone()
+    want = gated_delta_rule_ref(q, k, v, g, beta, want_state, *meta, 0.3)
+    got = fn(q, k, v, ba[:, hv:], ba[:, :hv], got_state, *meta, 0.3,
+             gate_params=(a_log, dt_bias))
+    close(got, want, BF16)
+    torch.testing.assert_close(got_state, want_state, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match=r"gate_params: A_log must have shape \(2,\)"):
+        fn(q, k, v, ba[:, hv:], ba[:, :hv], got_state, *meta, 0.3,
+           gate_params=(a_log[:1], dt_bias))
+
+
+@pytest.mark.parametrize("fn", [gated_delta_rule_triton, gated_delta_rule_ref])
+def test_gated_delta_rule_mamba_gates_and_skip(fn: Callable[..., torch.Tensor],
+                                               poisoned: None) -> None:
+    """Mamba-2's form inside the op: the raw ``dt`` (``g`` and ``beta`` alike) made ``clamp(
+    softplus(dt + dt_bias))`` (both clamp ends biting), ``g = -exp(A_log) dt``, ``beta = dt``,
+    and ``o += D x`` with bf16 ``x`` and an fp32 output: the same as the plain op on
+    :func:`mamba_gates`' results plus the skip in fp32."""
+    groups, heads, dstate, headdim = 1, 2, 8, 4
+    batch = make_batch([(3, 1, 0), (2, 0, 1)], pad_tokens=1)
+    t = batch.num_tokens
+    c, b = randn(t, groups, dstate, seed=60), randn(t, groups, dstate, seed=61)
+    x = randn(t, heads, headdim, dtype=BF16, seed=62)
+    dt = randn(t, heads, seed=63, scale=2.0)
+    a_log, dt_bias = randn(heads, seed=64, scale=0.3), randn(heads, seed=65)
+    d = randn(heads, seed=66)
+    state0 = randn(NUM_ROWS, heads, dstate, headdim, seed=67)
+    meta = (batch.qsl, batch.seq_lens, batch.rows)
+    limits = (0.3, 1.5)
+    g, beta = la.mamba_gates(dt, a_log, dt_bias, limits)
+    assert (beta == 0.3).any() and (beta == 1.5).any()
+    want_state, got_state = state0.clone(), state0.clone()
+    want = gated_delta_rule_ref(c, b, x.float(), g, beta, want_state, *meta, 1.0, False,
+                                delta=False)
+    want[: batch.real_tokens] += d[:, None] * x[: batch.real_tokens].float()
+    got = fn(c, b, x, dt, dt, got_state, *meta, 1.0, False, delta=False,
+             gate_params=(a_log, dt_bias), dt_limits=limits, skip=d, out_dtype=F32)
+    assert got.dtype == F32
+    close(got, want, F32)
+    torch.testing.assert_close(got_state, want_state, rtol=1e-4, atol=1e-5)

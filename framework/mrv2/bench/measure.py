@@ -146,8 +146,7 @@ def state_bytes_per_request(runner: Runner) -> int:
     """Per-request state bytes across all layers (linear attention's recurrent and
     convolution states: :mod:`mrv2.contract.request_state`); a step reads and writes them
     for each of its requests. 0 for a model without."""
-    state = runner.model_state
-    return int(getattr(state, "request_state_bytes", 0)) // max(runner.max_num_reqs, 1)
+    return int(getattr(runner.model_state, "request_state_row_bytes", 0))
 
 
 @dataclass

@@ -37,6 +37,11 @@ class ForwardContext:
     """``[metadata.num_reqs]`` int32: each request's state-table row, where its per-request
     state lives (:mod:`mrv2.contract.request_state`); entries of padding requests (zero
     queries) are stale. None where the runner does not set it."""
+    state_table: torch.Tensor | None = None
+    """``[max_num_seqs, 6]`` int32 by state row: where a chunk resumes from and which snapshots
+    it stores (prefix caching of per-request state; the kernels' ``state_table``:
+    :mod:`mrv2_kernels.linear_attention`). Layers with per-request state pass it to their
+    kernels as it is. None without prefix caching."""
     bidirectional: Sequence[BidirectionalSpan] = ()
     """Query rows that also see the later keys of their span (an image's tokens in Gemma 3):
     set by the model's forward around its layers with :func:`bidirectional_spans`; empty (the

@@ -26,7 +26,11 @@ from mrv2.contract.attention import AttentionMetadata
 from mrv2.contract.batch import InputBatch, InputBuffers, last_token_indices
 from mrv2.contract.forward_context import BidirectionalSpan
 from mrv2.contract.kv_cache import KVCacheSpec, layer_specs
-from mrv2.contract.request_state import allocate_request_states, request_state_layers
+from mrv2.contract.request_state import (
+    allocate_request_states,
+    request_state_layers,
+    snapshot_slots,
+)
 from mrv2.contract.requests import MultiModalEmbeddings, MultiModalItem, NewRequest
 from mrv2.contract.samples import SpeculatorInputs
 
@@ -59,17 +63,23 @@ class ModelState:
         self._graph_pool: Any = None
         #: The model's layers with per-request state (linear attention, state-space mixers:
         #: :mod:`mrv2.contract.request_state`), their tensors allocated here, one row per
-        #: state-table row, before the KV cache is sized (the KV budget is what they leave).
+        #: state-table row and one per prefix-caching snapshot slot after them, before the KV
+        #: cache is sized (the KV budget is what they leave).
         self.request_state_layers = request_state_layers(model)
         dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point),
                      torch.float32)
+        #: Snapshot slots (rows ``max_num_seqs + i``); 0 for a model without such layers.
+        self.request_state_slots = snapshot_slots(config) if self.request_state_layers else 0
+        rows = config.scheduler.max_num_seqs + self.request_state_slots
         self.request_state_bytes = allocate_request_states(
-            self.request_state_layers, config.scheduler.max_num_seqs, dtype, device)
+            self.request_state_layers, rows, dtype, device)
+        #: One row's bytes across every layer (what one request reads and writes a step).
+        self.request_state_row_bytes = self.request_state_bytes // rows
 
     @property
     def keeps_request_state(self) -> bool:
-        """Whether the model keeps per-request state beside its KV cache: the engine then
-        turns prefix caching off and the runner refuses speculative decoding."""
+        """Whether the model keeps per-request state beside its KV cache: prefix caching then
+        needs snapshot slots and the runner refuses speculative decoding."""
         return bool(self.request_state_layers)
 
     # -- start-up ----------------------------------------------------------------------------

@@ -14,9 +14,16 @@ attention metadata (``query_start_loc``, ``seq_lens``): a chunk that starts at p
 begins from a zero state whatever the row holds (a new request, a row reused, a preempted
 request computed again), a later chunk continues from the row.
 
-What the state cannot do, the engine refuses or turns off for such a model: the prefix cache
-(a cached block has no recurrent state at its end: prefix caching is off, logged at start) and
-speculative decoding (rejected drafts would have advanced the state: refused by name).
+Prefix caching needs the state after the cached prefix as well as its KV: the model state
+allocates :func:`snapshot_slots` more rows (*slots*) after the requests' ones, where the kernels
+store snapshots of the state at block boundaries as they pass them and from which a request
+resuming after a cached prefix reads its first chunk's state; which boundaries, and which slot
+holds which, is the engine's :mod:`mrv2.engine.state_snapshots`. The kernels learn it per
+request row from :attr:`~mrv2.contract.forward_context.ForwardContext.state_table` (layout:
+:data:`mrv2_kernels.linear_attention.STATE_TABLE_COLS`), which a layer passes on as it is.
+
+Speculative decoding is refused for such a model, by name (rejected drafts would have advanced
+the state).
 """
 
 from __future__ import annotations
@@ -27,7 +34,11 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["RequestStateLayer", "allocate_request_states", "request_state_layers"]
+__all__ = ["RequestStateLayer", "allocate_request_states", "request_state_layers",
+           "snapshot_slots"]
+
+#: ``cache.state_snapshot_slots``'s default bound.
+DEFAULT_SNAPSHOT_SLOTS = 64
 
 StateShapes = dict[str, tuple[tuple[int, ...], torch.dtype | None]]
 """``{name: (per-request shape, dtype)}``; dtype None: the model's."""
@@ -70,6 +81,18 @@ def allocate_request_states(layers: Iterable[RequestStateLayer], rows: int,
             total += tensor.numel() * tensor.element_size()
         layer.request_states = states
     return total
+
+
+def snapshot_slots(config: Any) -> int:
+    """The state rows kept for prefix caching's snapshots past the requests' rows
+    (``config``: the engine's): ``cache.state_snapshot_slots``, by default ``min(64,
+    max_num_seqs)``; 0 without prefix caching."""
+    cache = config.cache
+    if not cache.enable_prefix_caching:
+        return 0
+    if cache.state_snapshot_slots is not None:
+        return int(cache.state_snapshot_slots)
+    return min(DEFAULT_SNAPSHOT_SLOTS, int(config.scheduler.max_num_seqs))
 
 
 def describe(layers: list[RequestStateLayer], rows: int, nbytes: int) -> dict[str, Any]:

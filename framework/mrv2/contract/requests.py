@@ -83,6 +83,13 @@ class NewRequest:
     """With sliding-window block tables (:mod:`mrv2.runner.kv_tables`): the request's blocks
     in each table after the first, in order, as ``block_ids``. Entries before a table's window
     name blocks the request no longer holds (any id: attention never reads them)."""
+    state_table_row: tuple[int, int, int, int, int, int] | None = None
+    """A model with per-request state under prefix caching
+    (:mod:`mrv2.engine.state_snapshots`): ``(source slot, its position, snapshot position,
+    its slot, snapshot position, its slot)``, slots as snapshot indices and -1 for none: the
+    first chunk reads its state from the source slot when it starts at that position, and a
+    chunk covering a snapshot position stores the state after it in that slot. None: none of
+    it."""
 
     def __post_init__(self) -> None:
         end = 0

@@ -46,6 +46,7 @@ from mrv2.engine.sampling_outputs import (
     prepare_params,
 )
 from mrv2.engine.scheduler import Scheduler
+from mrv2.engine.state_snapshots import StateSnapshots
 from mrv2.engine.structured_outputs import (
     StructuredOutputs,
     fill_bitmasks,
@@ -104,14 +105,18 @@ class LLMEngine(WeightOps):
         #: What a pooling request asks for when it does not say (``LLM.encode``): a token
         #: classifier's per-token labels, a sequence classifier's labels, else an embedding.
         self.default_pooling_task = default_pooling_task(self.runner.hf_config)
-        #: Whether full prompt blocks are cached and reused: ``cache.enable_prefix_caching``,
-        #: except for a model with per-request recurrent state, whose cached blocks would
-        #: lack the state at their end (:mod:`mrv2.contract.request_state`).
+        #: Whether full prompt blocks are cached and reused: ``cache.enable_prefix_caching``;
+        #: for a model with per-request recurrent state, only with snapshot slots for the
+        #: state at block boundaries (:mod:`mrv2.engine.state_snapshots`).
         self.prefix_caching = bool(config.cache.enable_prefix_caching)
+        #: Those slots' count (0: the model keeps no such state, or caching is off).
+        self.state_snapshot_slots = 0
         if self.prefix_caching and getattr(self.runner, "keeps_request_state", False):
-            self.prefix_caching = False
-            logger.info("prefix caching off: %s keeps per-request recurrent state",
-                        entry.architecture)
+            self.state_snapshot_slots = int(self.runner.state_rows.num_slots)
+            if not self.state_snapshot_slots:
+                self.prefix_caching = False
+                logger.info("prefix caching off: %s keeps per-request recurrent state and "
+                            "cache.state_snapshot_slots is 0", entry.architecture)
         self.block_manager, self.scheduler = self._new_scheduler()
         k = self.runner.num_speculative_tokens
         #: Request-steps by how many drafts they verified (``[d]``) and kept (``[a]``); every
@@ -166,6 +171,9 @@ class LLMEngine(WeightOps):
                                       and os.environ.get(LATE_TOKEN_MASKS_ENV, "1") != "0")
         if self.config.lora.enable_lora:
             scheduler.max_loras = self.config.lora.max_loras
+        if self.state_snapshot_slots:
+            scheduler.snapshots = StateSnapshots(self.state_snapshot_slots,
+                                                 self.runner.block_size)
         return blocks, scheduler
 
     def reset_after_warmup(self) -> None:

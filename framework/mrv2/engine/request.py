@@ -12,6 +12,7 @@ from mrv2.contract.params import SamplingParams
 from mrv2.contract.pooling import PoolingParams
 from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.block_manager import BlockHash, hash_block
+from mrv2.engine.state_snapshots import StateSave
 
 
 class RequestStatus(enum.Enum):
@@ -72,6 +73,9 @@ class Request:
     """The LoRA adapter the request runs through (None: the base model)."""
     pooling_params: PoolingParams | None = None
     """An embedding request's pooling (None: a generation request)."""
+    state_saves: list[StateSave] = field(default_factory=list)
+    """Snapshots of its per-request state this request stores as it runs (a model with
+    per-request state under prefix caching: :mod:`mrv2.engine.state_snapshots`)."""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -29,6 +29,7 @@ from mrv2.contract.requests import NewRequest, SchedulerOutput
 from mrv2.engine.block_manager import BlockManager
 from mrv2.engine.block_tables import BlockTables
 from mrv2.engine.request import Request, RequestStatus
+from mrv2.engine.state_snapshots import StateSave, StateSnapshots
 
 
 class Scheduler:
@@ -76,6 +77,10 @@ class Scheduler:
         #: adapters served). A waiting request whose adapter would exceed it waits.
         self.max_loras: int | None = None
         self._lora_users: dict[int, int] = {}
+        #: A model with per-request state under prefix caching: the snapshots of its state at
+        #: block boundaries (:mod:`mrv2.engine.state_snapshots`); None otherwise.
+        self.snapshots: StateSnapshots | None = None
+        self._published_now: dict[str, list[StateSave]] = {}
         #: Waiting requests by adapter name (the stats read it every step: no queue walk).
         self._waiting_loras: Counter[str] = Counter()
 
@@ -162,6 +167,8 @@ class Scheduler:
         request.num_cached_blocks = limit
 
     def _release(self, request: Request) -> None:
+        if self.snapshots is not None:
+            self.snapshots.release_all(request.state_saves)
         self._cache_blocks(request)
         self.tables.release(request)
         request.num_cached_blocks = 0
@@ -173,6 +180,9 @@ class Scheduler:
     def _unschedule(self, request: Request, out: SchedulerOutput) -> int:
         """Take back a request's tokens scheduled earlier in this step; returns their count."""
         n = out.num_scheduled_tokens.pop(request.req_id, 0)
+        published = self._published_now.pop(request.req_id, None)
+        if published and self.snapshots is not None:
+            self.snapshots.unpublish_all(published)
         if n:
             out.new_block_ids.pop(request.req_id, None)
             out.new_extra_block_ids.pop(request.req_id, None)
@@ -256,6 +266,9 @@ class Scheduler:
         out = SchedulerOutput(num_scheduled_tokens={})
         self._preempted_now.clear()
         self._sampled_now.clear()
+        self._published_now.clear()
+        if self.snapshots is not None:
+            self.snapshots.begin_step()
 
         for request in self._running_order():
             if request.status is not RequestStatus.RUNNING:
@@ -365,6 +378,11 @@ class Scheduler:
                 and (pooling is None or not pooling.per_token)):
             hashes = request.update_block_hashes(size)
             hit, held_from = tables.find_prefix(hashes[: (request.num_tokens - 1) // size])
+        num_hit, resumed_from = len(hit[0]), None
+        if self.snapshots is not None and num_hit:  # (the state after the hit is needed too)
+            resumed, resumed_from = self.snapshots.deepest(request.block_hashes[:num_hit])
+            if resumed < num_hit:
+                hit, held_from = tables.find_prefix(request.block_hashes[:resumed])
         computed = len(hit[0]) * size
         n = request.num_tokens - computed
         if n > budget:
@@ -396,6 +414,11 @@ class Scheduler:
         self.running.append(request)
         self._in_runner.add(request.req_id)
         self._count_lora(request, 1)
+        state_row = None
+        if self.snapshots is not None:
+            state_row = self.snapshots.plan(
+                request.state_saves, request.update_block_hashes(size), request.num_tokens,
+                num_hit, len(hit[0]), resumed_from)
         out.new_requests.append(NewRequest(
             req_id=request.req_id,
             token_ids=request.all_token_ids,
@@ -407,12 +430,17 @@ class Scheduler:
             mm_items=request.mm_items,
             lora_request=request.lora_request,
             pooling_params=request.pooling_params,
+            state_table_row=state_row,
         ))
         self._schedule(request, n, out)
         return True
 
     def _schedule(self, request: Request, n: int, out: SchedulerOutput, drafts: int = 0) -> None:
         out.num_scheduled_tokens[request.req_id] = n
+        if request.state_saves and self.snapshots is not None:
+            due = self.snapshots.publish_due(request.state_saves, request.num_computed_tokens, n)
+            if due:
+                self._published_now[request.req_id] = due
         if drafts:
             out.num_draft_tokens[request.req_id] = drafts
         request.num_computed_tokens += n

@@ -114,7 +114,7 @@ class WeightOps:
     def _loaded(self, loaded: set[str]) -> set[str]:
         """After a load: forget the prefix cache (its KV is the old weights'); after
         ``sleep(level=2)``, stop waiting (a warning names parameters the load missed)."""
-        self.block_manager.reset_prefix_cache()
+        self._forget_cached()
         if self._discarded is not None:
             missing = self._discarded - loaded
             if missing:
@@ -185,8 +185,14 @@ class WeightOps:
         requests run or wait (their blocks are being registered) unless paused, else True."""
         if self.has_unfinished() and not self._paused:
             return False
-        self.block_manager.reset_prefix_cache()
+        self._forget_cached()
         return True
+
+    def _forget_cached(self) -> None:
+        """The prefix cache's blocks and the per-request state's snapshots."""
+        self.block_manager.reset_prefix_cache()
+        if self.scheduler.snapshots is not None:
+            self.scheduler.snapshots.reset()
 
     # -- sleep mode --------------------------------------------------------------------------
 
@@ -206,7 +212,7 @@ class WeightOps:
             self._check_loadable("sleep(level=2)")
         self.scheduler.preempt_all()  # paused requests: their KV goes, they recompute it
         self.runner.sleep(level)
-        self.block_manager.reset_prefix_cache()  # (the blocks' contents are gone)
+        self._forget_cached()  # (the blocks' contents are gone)
         if level == 2:
             self._discarded = {name for name, _ in self.runner.model.named_parameters()}
 

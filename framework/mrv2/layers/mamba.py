@@ -8,9 +8,10 @@ clamp(softplus(dt + dt_bias), dt_min, dt_max)``, ``A = -exp(A_log)``; per head t
 exp(dt A) S + outer(B, dt x)``, ``y = S^T C + D x`` (head ``h`` reads group ``h / (num_heads /
 n_groups)``; :func:`mrv2_kernels.linear_attention.gated_delta_rule` with ``delta=False``);
 then ``y * silu(z)`` RMS-normed (gate before norm; per group of channels, or over all of
-them) and ``out_proj``. Per request the mixer keeps the convolution's last inputs and the fp32
-SSM state (:mod:`mrv2.contract.request_state`), so the engine runs such a model without the
-prefix cache and without speculative decoding.
+them; or the norm first, then the gate; or no norm at all: ``y * silu(z)``) and
+``out_proj``. Per request the mixer keeps the convolution's last inputs and the fp32 SSM state
+(:mod:`mrv2.contract.request_state`), so the engine runs such a model without the prefix cache
+and without speculative decoding.
 
 Checkpoint names are HF's: ``in_proj``, ``conv1d`` (a family's ``rename`` sends
 ``conv1d.weight`` / ``conv1d.bias`` to :attr:`Mamba2Mixer.conv_weight` / ``conv_bias``),
@@ -36,6 +37,7 @@ from mrv2.contract.request_state import RequestStateLayer, StateShapes
 from mrv2.distributed.parallel_state import all_reduce
 from mrv2.layers.linear import MergedColumnLinear, RowLinear, resolve_tp, split_evenly
 from mrv2_kernels.linear_attention import causal_conv1d, gated_delta_rule
+from mrv2_kernels.norm import gated_rms_norm
 
 __all__ = ["MAMBA_ACTIVATIONS", "GroupGatedRMSNorm", "InProj", "Mamba2Mixer", "relu2"]
 
@@ -105,14 +107,16 @@ class InProj(MergedColumnLinear):
 class GroupGatedRMSNorm(nn.Module):
     """``weight * rmsnorm(y * silu(z))`` in fp32 (the gate applied before the norm, as HF's
     ``MambaRMSNormGated`` variants with ``norm_before_gate=False``), over groups of
-    ``group_size`` channels. The weight holds this rank's ``size`` channels, which start at
-    ``first`` of the checkpoint's. ``tp_size > 1`` with ``group_size`` larger than ``size``
-    (one group over every rank's channels): the sum of squares is all-reduced."""
+    ``group_size`` channels; ``norm_before_gate``: ``weight * rmsnorm(y) * silu(z)`` instead
+    (Falcon-H1's ``mamba_norm_before_gate``). The weight holds this rank's ``size`` channels,
+    which start at ``first`` of the checkpoint's. ``tp_size > 1`` with ``group_size`` larger
+    than ``size`` (one group over every rank's channels): the sum of squares is all-reduced."""
 
     def __init__(self, size: int, group_size: int, eps: float, first: int = 0,
-                 tp_size: int = 1) -> None:
+                 tp_size: int = 1, norm_before_gate: bool = False) -> None:
         super().__init__()
         self.group_size, self.eps, self.first = group_size, eps, first
+        self.norm_before_gate = norm_before_gate
         #: Whether a group spans the ranks (then its statistics are all-reduced).
         self.across_ranks = group_size > size
         if self.across_ranks and group_size != size * tp_size:
@@ -130,13 +134,16 @@ class GroupGatedRMSNorm(nn.Module):
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """``y``, ``z`` ``[T, C]`` -> fp32 ``[T, C]``."""
-        h = y.float() * F.silu(z.float())
+        gate = F.silu(z.float())
+        h = y.float() if self.norm_before_gate else y.float() * gate
         if self.across_ranks:
             sq = all_reduce(h.pow(2).sum(-1, keepdim=True))
-            return self.weight.float() * (h * torch.rsqrt(sq / self.group_size + self.eps))
-        g = h.view(h.shape[0], -1, self.group_size)
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight.float() * g.view(h.shape)
+            out = self.weight.float() * (h * torch.rsqrt(sq / self.group_size + self.eps))
+        else:
+            g = h.view(h.shape[0], -1, self.group_size)
+            g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+            out = self.weight.float() * g.view(h.shape)
+        return out * gate if self.norm_before_gate else out
 
 
 class Mamba2Mixer(RequestStateLayer):
@@ -144,10 +151,13 @@ class Mamba2Mixer(RequestStateLayer):
     ``n_groups`` B/C groups of ``state_size``; ``conv_kernel``: the convolution's width;
     ``activation``: a :data:`MAMBA_ACTIVATIONS` name, applied after the convolution;
     ``dt_min`` / ``dt_max``: the time step's clamp; ``proj_bias``: biases on ``in_proj`` and
-    ``out_proj``; ``conv_bias``: on the convolution; ``norm_eps``: the gated norm's epsilon,
-    normalising per group (``norm_per_group``, ``num_heads * head_dim / n_groups`` channels)
-    or over all channels. Keeps per request ``conv`` ``[conv_kernel - 1, conv_dim]`` (model
-    dtype) and ``ssm`` ``[heads, state_size, head_dim]`` (fp32), this rank's heads.
+    ``out_proj`` (``out_proj_bias``, when given, decides ``out_proj``'s alone);
+    ``conv_bias``: on the convolution; ``norm_eps``: the gated norm's epsilon, normalising
+    per group (``norm_per_group``, ``num_heads * head_dim / n_groups`` channels) or over all
+    channels; ``norm_before_gate``: the norm, then the gate (default: the gate first);
+    ``gated_norm`` False: no norm (no ``norm.weight``), the output ``y * silu(z)`` (Falcon-H1
+    without ``mamba_rms_norm``). Keeps per request ``conv`` ``[conv_kernel - 1, conv_dim]``
+    (model dtype) and ``ssm`` ``[heads, state_size, head_dim]`` (fp32), this rank's heads.
 
     Tensor parallelism: ``num_heads`` divisible by the ranks, and ``n_groups`` and the ranks
     dividing one another (fewer groups than ranks: each rank holds the one group its heads
@@ -158,6 +168,8 @@ class Mamba2Mixer(RequestStateLayer):
         conv_kernel: int, activation: str = "silu", *, dt_min: float = 0.0,
         dt_max: float = math.inf, proj_bias: bool = False, conv_bias: bool = True,
         norm_eps: float = 1e-5, norm_per_group: bool = True,
+        out_proj_bias: bool | None = None, gated_norm: bool = True,
+        norm_before_gate: bool = False,
     ) -> None:
         super().__init__()
         if n_groups < 1 or num_heads % n_groups:
@@ -179,7 +191,7 @@ class Mamba2Mixer(RequestStateLayer):
         self.num_heads = split_evenly(num_heads, size, "the Mamba-2 num_heads")
         self.num_groups = max(1, n_groups // size)
         self.first_group = rank * n_groups // size
-        if norm_per_group and 1 < n_groups < size:
+        if gated_norm and norm_per_group and 1 < n_groups < size:
             raise ValueError(f"Mamba2Mixer: a per-group norm of {n_groups} groups cannot span "
                              f"the {size} tensor-parallel ranks")
         self.head_dim, self.state_size = int(head_dim), int(state_size)
@@ -212,9 +224,14 @@ class Mamba2Mixer(RequestStateLayer):
             param.weight_loader = self._load_heads  # type: ignore[attr-defined]
         group = self.intermediate * size // n_groups if norm_per_group \
             else self.intermediate * size
-        self.norm = GroupGatedRMSNorm(self.intermediate, group, float(norm_eps),
-                                      first=self.tp_rank * self.intermediate, tp_size=size)
-        self.out_proj = RowLinear(self.intermediate * size, hidden_size, bias=proj_bias)
+        #: The gated norm; None: the gate alone (``gated_norm`` False).
+        self.norm: GroupGatedRMSNorm | None = None
+        if gated_norm:
+            self.norm = GroupGatedRMSNorm(self.intermediate, group, float(norm_eps),
+                                          first=self.tp_rank * self.intermediate, tp_size=size,
+                                          norm_before_gate=norm_before_gate)
+        self.out_proj = RowLinear(self.intermediate * size, hidden_size,
+                                  bias=proj_bias if out_proj_bias is None else out_proj_bias)
 
     def _load_conv(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         """The depthwise Conv1d weight ``[D, 1, W]`` (or ``[D, W]``) or its bias ``[D]`` over
@@ -259,19 +276,24 @@ class Mamba2Mixer(RequestStateLayer):
         states = self.request_states
         silu = self.act_name in ("silu", "swish")
         xbc = causal_conv1d(xbc, self.conv_weight, self.conv_bias, states["conv"], qsl,
-                            seq_lens, rows, "silu" if silu else None)
+                            seq_lens, rows, "silu" if silu else None,
+                            state_table=ctx.state_table)
         if not silu:
             xbc = self.act(xbc)
         xs, b, c = xbc.split([self.intermediate, self.bc_dim, self.bc_dim], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float())
-        if self.dt_min > 0.0 or self.dt_max < math.inf:
-            dt = dt.clamp(min=self.dt_min, max=self.dt_max)
-        a = -torch.exp(self.A_log.float())
-        xs = xs.float().reshape(t, h, p)
-        y = gated_delta_rule(c.reshape(t, g, s), b.reshape(t, g, s), xs, dt * a, dt,
-                             states["ssm"], qsl, seq_lens, rows, 1.0, False, delta=False)
-        y = y + self.D.float()[:, None] * xs
-        out = self.norm(y.reshape(t, h * p), z).to(proj.dtype)
+        # the gates from the raw dt, and y + D x, inside the op (fp32 out)
+        y = gated_delta_rule(c.view(t, g, s), b.view(t, g, s), xs.view(t, h, p), dt, dt,
+                             states["ssm"], qsl, seq_lens, rows, 1.0, False, delta=False,
+                             state_table=ctx.state_table, gate_params=(self.A_log, self.dt_bias),
+                             dt_limits=(self.dt_min, self.dt_max), skip=self.D,
+                             out_dtype=torch.float32).view(t, h * p)
+        if self.norm is None:  # (HF: the fp32 output times silu of the gate in its dtype)
+            out = (y * F.silu(z)).to(proj.dtype)
+        elif self.norm.across_ranks:
+            out = self.norm(y, z).to(proj.dtype)
+        else:
+            out = gated_rms_norm(y, z, self.norm.weight, self.norm.eps, self.norm.group_size,
+                                 self.norm.norm_before_gate, proj.dtype)
         return cast(torch.Tensor, self.out_proj(out))
 
     def extra_repr(self) -> str:

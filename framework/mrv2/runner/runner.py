@@ -61,6 +61,7 @@ from mrv2.runner.kv_tables import plan_tables, table_metadata, with_dummy_tables
 from mrv2.runner.pooling import Pooled, RowPooler
 from mrv2.runner.sleep import Sleeper
 from mrv2.runner.startup import StartupReport, device_bytes_in_use
+from mrv2.runner.state_rows import StateRows
 from mrv2.sample.prompt_logprobs import PromptLogprobs
 from mrv2.sample.rejection import kept_token_logprobs, step_samples
 from mrv2.sample.sampler import SamplePlan, SamplerOutput
@@ -148,21 +149,12 @@ class Runner(BetweenSteps):
             config=config, registries=registries, model_state=self.model_state,
             device=self.device,
         )
-        #: Whether the model keeps per-request state (:mod:`mrv2.contract.request_state`):
-        #: the engine turns prefix caching off for it.
-        self.keeps_request_state = self.model_state.keeps_request_state
-        if self.keeps_request_state:
-            state_bytes = self.model_state.request_state_bytes
-            self.startup.facts.update(request_state_bytes=state_bytes)
-            self.startup.log("request state: %d layers keep %.1f MiB per request, %.2f GiB for "
-                             "max_num_seqs=%d", len(self.model_state.request_state_layers),
-                             state_bytes / self.max_num_reqs / (1 << 20), state_bytes / (1 << 30),
-                             self.max_num_reqs)
-        if self.speculator is not None and self.keeps_request_state:
-            raise ValueError(
-                f"speculative_config: {self.model_entry.architecture} keeps per-request "
-                "recurrent state (linear-attention layers), which rejected drafts would "
-                "advance; speculative decoding is not supported for it (allowed: none)")
+        #: Per-request state (:mod:`mrv2.contract.request_state`): its report, refusals and
+        #: prefix caching's snapshot table.
+        self.state_rows = StateRows(self.model_state, self.model_entry.architecture,
+                                    self.speculator, self.max_num_reqs, self.device,
+                                    self.startup)
+        self.keeps_request_state = self.state_rows.enabled
         if self.speculator is not None:
             self.speculator.bind_sampling(getattr(self.sampler, "state", None))
         self.num_speculative_tokens = (
@@ -292,6 +284,7 @@ class Runner(BetweenSteps):
         if self.lora is not None:
             self.lora.add_requests(requests, rows, staged)
         self.pooler.add(requests, rows)
+        self.state_rows.add_requests(requests, rows, staged)
         for request, row in zip(requests, rows, strict=True):
             self.model_state.add_request(request, row)
 
@@ -340,8 +333,7 @@ class Runner(BetweenSteps):
         metadata = self.model_state.prepare_attn(batch)
         context = ForwardContext(metadata, self.kv.tensors, self.kv.backends,
                                  self.lora.forward_slots(batch) if self.lora else None)
-        if self.keeps_request_state:  # (padding requests' entries: stale, zero queries)
-            context.state_rows = self.buffers.idx_mapping[: metadata.num_reqs]
+        self.state_rows.bind(context, self.buffers.idx_mapping, metadata.num_reqs)
         if batch.table_inputs:  # sliding-window layers read block tables of their own
             context.table_metadata = table_metadata(metadata, batch)
             context.layer_tables = self.kv.layout.layer_tables

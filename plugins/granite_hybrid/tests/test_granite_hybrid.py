@@ -79,7 +79,7 @@ def test_greedy_and_logprobs_match_hf(checkpoints: dict[str, Checkpoint], varian
     path, hf, want = checkpoints[variant]
     llm = LLM(str(path), device="cpu", dtype="float32", block_size=4,
               enable_prefix_caching=True, **kwargs)
-    assert llm.engine.prefix_caching is False  # (the SSM state is not in the blocks)
+    assert llm.engine.prefix_caching is True  # (with snapshots of the state)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want

@@ -18,6 +18,7 @@ import transformers
 
 from mrv2 import LLM, SamplingParams
 from mrv2.testing import hf_greedy
+from mrv2.testing_engine import check_state_prefix_cache
 from mrv2_nemotron_h.model import (
     Mamba2Mixer,
     NemotronHAttention,
@@ -62,7 +63,7 @@ def test_greedy_and_logprobs_match_hf(checkpoint: tuple[Path, Any, list[list[int
         monkeypatch.setattr(linear_attention, "use_triton", lambda t: True)
     llm = LLM(str(path), device="cpu", dtype="float32", block_size=4,
               enable_prefix_caching=True, **kwargs)
-    assert llm.engine.prefix_caching is False  # (the SSM state is not in the blocks)
+    assert llm.engine.prefix_caching is True  # (with snapshots of the state)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
@@ -86,6 +87,21 @@ def test_greedy_and_logprobs_match_hf(checkpoint: tuple[Path, Any, list[list[int
         mine = got[pos]
         assert mine is not None
         assert abs(mine[ids[pos]].logprob - float(want_lp[pos - 1, ids[pos]])) < 1e-4, pos
+
+
+@pytest.mark.parametrize("triton", [False, True], ids=["ref", "triton"])
+def test_prefix_cache_resumes_from_state_snapshots(
+        checkpoint: tuple[Path, Any, list[list[int]]], monkeypatch: pytest.MonkeyPatch,
+        triton: bool) -> None:
+    """Requests resume from snapshots of the SSM and conv states
+    through the reference ops and through the Triton kernels (interpreted)."""
+    if triton:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("the Triton kernels on the CPU need TRITON_INTERPRET=1")
+        from mrv2_kernels import linear_attention
+
+        monkeypatch.setattr(linear_attention, "use_triton", lambda t: True)
+    check_state_prefix_cache(checkpoint[0], max_tokens=4)
 
 
 def test_structure_and_names(checkpoint: tuple[Path, Any, list[list[int]]]) -> None:

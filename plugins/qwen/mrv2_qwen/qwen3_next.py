@@ -33,6 +33,7 @@ core's layers do (the query/gate pairs stay on one rank).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -62,6 +63,7 @@ from mrv2.layers import (
 from mrv2.layers.linear import norm_linear, resolve_tp, split_evenly
 from mrv2.layers.moe import is_sparse_layer
 from mrv2_kernels.linear_attention import causal_conv1d, gated_delta_rule
+from mrv2_kernels.norm import gated_rms_norm
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -98,6 +100,31 @@ class GatedRMSNorm(nn.Module):
         x32 = x.float()
         normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         return ((self.weight * normed) * F.silu(gate.float())).to(x.dtype)
+
+
+def _by_kind(groups: int, sizes: list[int]) -> torch.Tensor:
+    """The row permutation from ``groups`` groups of ``sizes`` consecutive parts to every
+    group's part 0, then every group's part 1, ...: new row ``i`` is old row ``perm[i]``."""
+    width = sum(sizes)
+    starts = [sum(sizes[:j]) for j in range(len(sizes))]
+    return torch.cat([torch.arange(g * width + starts[j], g * width + starts[j] + n)
+                      for j, n in enumerate(sizes) for g in range(groups)])
+
+
+def _reorder_rows(perm: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` (indexed by a projection's output rows) regrouped by :func:`_by_kind`, in
+    place (``LinearBase.row_order``: a LoRA adapter's ``B`` takes it too)."""
+    raw = rows.view(torch.uint8) if rows.element_size() == 1 else rows  # (fp8: as bytes)
+    raw.copy_(raw[perm.to(raw.device)].clone())
+    return rows
+
+
+def _load_ungrouped(base: Any, param: nn.Parameter, loaded: torch.Tensor,
+                    *args: Any) -> None:
+    """A projection's weight loader: the rows arrive grouped per key head (regrouped after
+    loading: ``GatedDeltaNet.process_weights_after_loading``)."""
+    base(param, loaded, *args)
+    param.rows_by_kind = False  # type: ignore[attr-defined]
 
 
 def _copy(param: nn.Parameter, src: torch.Tensor, what: str) -> None:
@@ -144,6 +171,17 @@ class GatedDeltaNet(RequestStateLayer):
             param.weight_loader = self._load_heads  # type: ignore[attr-defined]
         self.norm = GatedRMSNorm(self.head_v_dim, float(config.rms_norm_eps))
         self.out_proj = RowLinear(self.value_dim * size, hidden)
+        # After loading, both projections' rows are regrouped from per key head ([q, k, v, z]
+        # and [b, a] per group) to per kind ([q | k | v | z], [b | a]): the convolution reads
+        # q, k, v as one slice of the output and the gates come without a copy.
+        r = self.num_v_heads // self.num_k_heads
+        group = [self.head_k_dim, self.head_k_dim, r * self.head_v_dim, r * self.head_v_dim]
+        for linear, sizes in ((self.in_proj_qkvz, group), (self.in_proj_ba, [r, r])):
+            perm = _by_kind(self.num_k_heads, sizes)
+            linear.row_order = functools.partial(_reorder_rows, perm)
+            base = linear.weight.weight_loader  # type: ignore[attr-defined]
+            linear.weight.weight_loader = functools.partial(  # type: ignore[attr-defined]
+                _load_ungrouped, base)
 
     def _load_conv(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         """The depthwise Conv1d weight ``[D, 1, W]`` (or ``[D, W]``) over all query, key and
@@ -163,6 +201,21 @@ class GatedDeltaNet(RequestStateLayer):
             and self.tp_size > 1 else loaded
         _copy(param, src, "linear_attn.dt_bias / A_log")
 
+    def process_weights_after_loading(self) -> None:
+        """Regroup the projections' freshly loaded rows by kind (``__init__``), with an fp8
+        layer's per-row scales alike; rows already regrouped stay (a reload of other
+        parameters)."""
+        for linear in (self.in_proj_qkvz, self.in_proj_ba):
+            weight = linear.weight
+            if getattr(weight, "rows_by_kind", False) or linear.row_order is None:
+                continue
+            with torch.no_grad():
+                for name in ("weight", "weight_scale_inv"):
+                    param = getattr(linear, name, None)
+                    if param is not None:
+                        linear.row_order(param.data)
+            weight.rows_by_kind = True  # type: ignore[attr-defined]
+
     def request_state_shapes(self) -> StateShapes:
         return {"conv": ((self.kernel_size - 1, self.conv_dim), None),
                 "recurrent": ((self.num_v_heads, self.head_k_dim, self.head_v_dim),
@@ -179,22 +232,21 @@ class GatedDeltaNet(RequestStateLayer):
         qsl, seq_lens, rows = md.query_start_loc[: n + 1], md.seq_lens[:n], ctx.state_rows[:n]
         t = x.shape[0]
         hk, hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
-        r = hv // hk
-        qkvz = self.in_proj_qkvz(x).view(t, hk, 2 * dk + 2 * r * dv)
-        q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=-1)
-        ba = self.in_proj_ba(x).view(t, hk, 2 * r)
-        b, a = ba[..., :r].reshape(t, hv), ba[..., r:].reshape(t, hv)
-        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        if not getattr(self.in_proj_qkvz.weight, "rows_by_kind", False):
+            raise RuntimeError("GatedDeltaNet: the projections' rows are not regrouped yet "
+                               "(process_weights_after_loading runs after loading)")
+        proj = self.in_proj_qkvz(x)  # [q | k | v | z]
+        ba = self.in_proj_ba(x)  # [b | a]
         states = self.request_states
-        mixed = causal_conv1d(mixed, self.conv_weight, None, states["conv"], qsl, seq_lens,
-                              rows, "silu")
+        mixed = causal_conv1d(proj[:, : self.conv_dim], self.conv_weight, None, states["conv"],
+                              qsl, seq_lens, rows, "silu", state_table=ctx.state_table)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        beta = torch.sigmoid(b)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        out = gated_delta_rule(q.reshape(t, hk, dk), k.reshape(t, hk, dk),
-                               v.reshape(t, hv, dv), g, beta, states["recurrent"], qsl,
-                               seq_lens, rows, dk ** -0.5, l2norm_qk=True)
-        out = self.norm(out.reshape(t * hv, dv), z.reshape(t * hv, dv))
+        out = gated_delta_rule(q.view(t, hk, dk), k.view(t, hk, dk), v.view(t, hv, dv),
+                               ba[:, hv:], ba[:, :hv], states["recurrent"], qsl, seq_lens, rows,
+                               dk ** -0.5, l2norm_qk=True, state_table=ctx.state_table,
+                               gate_params=(self.A_log, self.dt_bias))
+        out = gated_rms_norm(out.view(t, hv * dv), proj[:, self.conv_dim:], self.norm.weight,
+                             self.norm.eps, dv, norm_before_gate=True)
         return cast(torch.Tensor, self.out_proj(out.reshape(t, hv * dv)))
 
 

@@ -3,8 +3,8 @@ against HF transformers, on one rank and split over two: greedy tokens of severa
 once (HF's full forward per token: its chunked delta rule, an independent form of ours),
 prompts split across steps (the recurrent and convolution states carried between chunks),
 preemption (the request computed again from a zero state), every prompt position's
-log-probability; prefix caching turned off and speculative decoding refused for it; names and
-bad configs."""
+log-probability; prefix caching through state snapshots; speculative decoding refused for it;
+names and bad configs."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import transformers
 from mrv2 import LLM, SamplingParams
 from mrv2.layers import MoEBlock
 from mrv2.testing import hf_greedy
-from mrv2.testing_engine import tokens_at_tp
+from mrv2.testing_engine import check_state_prefix_cache, tokens_at_tp
 from mrv2_qwen.qwen3_next import GatedDeltaNet, Qwen3NextForCausalLM
 from mrv2_qwen.testing import save_tiny_qwen3_next
 
@@ -37,7 +37,7 @@ def test_greedy_and_logprobs_match_hf(tmp_path: Path, kwargs: dict[str, Any]) ->
     want = [hf_greedy(tmp_path, p, 10) for p in PROMPTS]
     llm = LLM(str(tmp_path), device="cpu", dtype="float32", block_size=4,
               enable_prefix_caching=True, **kwargs)
-    assert llm.engine.prefix_caching is False  # (the recurrent state is not in the blocks)
+    assert llm.engine.prefix_caching is True  # (with snapshots of the state)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
@@ -59,6 +59,11 @@ def test_greedy_and_logprobs_match_hf(tmp_path: Path, kwargs: dict[str, Any]) ->
         mine = got[pos]
         assert mine is not None
         assert abs(mine[ids[pos]].logprob - float(want_lp[pos - 1, ids[pos]])) < 1e-4, pos
+
+
+def test_prefix_cache_resumes_from_state_snapshots(tmp_path: Path) -> None:
+    _checkpoint(tmp_path)
+    check_state_prefix_cache(tmp_path)
 
 
 def test_structure_names_and_refusals(tmp_path: Path) -> None:

@@ -1,0 +1,175 @@
+"""The linear-attention ops' ``state_table`` (prefix caching of per-request state): a chunk
+that starts at a snapshot's position resumes from the snapshot's row, and a chunk that covers a
+snapshot position stores the state there, for the causal conv and the gated delta rule (with and
+without its delta term), Triton (interpreted on CPU) against the reference and both against
+runs without a table."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+try:
+    import mrv2_kernels  # noqa: F401
+except ImportError:  # not installed: use the source tree
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "kernels"))
+
+from mrv2_kernels import linear_attention as la
+from mrv2_kernels.linear_attention import (
+    causal_conv1d_ref,
+    causal_conv1d_triton,
+    default_state_table,
+    gated_delta_rule_ref,
+    gated_delta_rule_triton,
+)
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim:DeprecationWarning"
+)
+
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+if DEVICE == "cuda" and not torch.cuda.is_available():
+    pytest.skip("Triton kernels need TRITON_INTERPRET=1 or a CUDA device", allow_module_level=True)
+
+I32 = torch.int32
+WIDTH = 4
+ROWS = 8  # rows 0-3: requests; 4-7: snapshot slots
+HK, HV, DK, DV = 1, 2, 8, 6
+
+
+@pytest.fixture
+def poisoned(poison: Callable[[ModuleType], None]) -> None:
+    poison(la)
+
+
+def randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(DEVICE)
+
+
+def meta(seqs: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``seqs``: (query length, start, row) -> query_start_loc, seq_lens, rows."""
+    qsl = [0]
+    for n, _, _ in seqs:
+        qsl.append(qsl[-1] + n)
+    return (torch.tensor(qsl, dtype=I32, device=DEVICE),
+            torch.tensor([n + s for n, s, _ in seqs], dtype=I32, device=DEVICE),
+            torch.tensor([r for _, _, r in seqs], dtype=I32, device=DEVICE))
+
+
+def table(**rows: tuple[int, ...]) -> torch.Tensor:
+    """The default table of 4 request rows, with ``r<i>=(src_row, src_pos, p0, row0, p1,
+    row1)`` set."""
+    t = default_state_table(4, DEVICE)
+    for name, values in rows.items():
+        t[int(name[1:])] = torch.tensor(values, dtype=I32)
+    return t
+
+
+class Op:
+    """One op under test with its inputs: ``run(slice, state, meta, table)``."""
+
+    def __init__(self, kind: str, fn: str, tokens: int) -> None:
+        self.kind = kind
+        triton = fn == "triton"
+        if kind == "conv":
+            dim = 5
+            self.x = randn(tokens, dim, seed=1)
+            self.w, self.b = randn(dim, WIDTH, seed=2, scale=0.5), randn(dim, seed=3)
+            self.state0 = randn(ROWS, WIDTH - 1, dim, seed=4)
+            self.fn: Callable[..., torch.Tensor] = (causal_conv1d_triton if triton
+                                                    else causal_conv1d_ref)
+        else:
+            self.q = randn(tokens, HK, DK, seed=5)
+            self.k = randn(tokens, HK, DK, seed=6)
+            self.v = randn(tokens, HV, DV, seed=7)
+            self.g = -(randn(tokens, HV, seed=8).abs() * 0.3 + 0.01)
+            self.beta = torch.sigmoid(randn(tokens, HV, seed=9))
+            self.state0 = randn(ROWS, HV, DK, DV, seed=10, scale=0.5)
+            self.fn = gated_delta_rule_triton if triton else gated_delta_rule_ref
+
+    def run(self, sl: slice, state: torch.Tensor, m: tuple[torch.Tensor, ...],
+            tbl: torch.Tensor | None) -> torch.Tensor:
+        if self.kind == "conv":
+            return self.fn(self.x[sl], self.w, self.b, state, *m, "silu", state_table=tbl)
+        return self.fn(self.q[sl], self.k[sl], self.v[sl], self.g[sl], self.beta[sl], state, *m,
+                       DK ** -0.5, True, delta=self.kind == "gdr", state_table=tbl)
+
+
+KINDS = ["conv", "gdr", "ssm"]
+
+
+@pytest.mark.parametrize("fn", ["triton", "ref"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_snapshot_then_resume(kind: str, fn: str, poisoned: None) -> None:
+    """Request 0 computes 9 tokens from scratch in one chunk, storing snapshots after 4 and 9
+    tokens into rows 5 and 6; request 1 then resumes at position 4 from row 5 and computes
+    tokens 4..8 over a garbage row of its own: its outputs and final state are request 0's, the
+    snapshots are what 4- and 9-token runs leave, and no other row changes."""
+    op = Op(kind, fn, 9)
+    state = op.state0.clone()
+    whole = op.run(slice(0, 9), state, meta([(9, 0, 0)]), table(r0=(0, -1, 4, 5, 9, 6)))
+    plain4 = op.state0.clone()
+    op.run(slice(0, 4), plain4, meta([(4, 0, 3)]), None)
+    torch.testing.assert_close(state[5], plain4[3], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(state[6], state[0], rtol=0, atol=0)
+    for row in (1, 2, 3, 4, 7):
+        assert torch.equal(state[row], op.state0[row])
+    # Request 1 (row 2): resumes from row 5 at position 4; a table of its own there.
+    before = state.clone()
+    rest = op.run(slice(4, 9), state, meta([(5, 4, 2)]), table(r2=(5, 4, -1, 0, -1, 0)))
+    torch.testing.assert_close(rest, whole[4:9], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(state[2], state[0], rtol=1e-5, atol=1e-6)
+    for row in (0, 1, 3, 4, 5, 6, 7):
+        assert torch.equal(state[row], before[row])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_table_entries_outside_the_chunk_change_nothing(kind: str) -> None:
+    """A source position that is not the chunk's start and snapshot positions outside the
+    chunk (before it, at its start, after it) leave the run as it is without a table."""
+    op = Op(kind, "triton", 3)
+    m = meta([(3, 5, 1)])  # positions 5, 6, 7 (seq_len 8)
+    tbl = table(r1=(6, 4, 5, 4, 9, 7))  # resume only at 4; snapshots after 5 and 9 tokens
+    got_state, want_state = op.state0.clone(), op.state0.clone()
+    got = op.run(slice(0, 3), got_state, m, tbl)
+    want = op.run(slice(0, 3), want_state, m, None)
+    assert torch.equal(got, want)
+    assert torch.equal(got_state, want_state)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_triton_matches_ref_with_a_table(kind: str, poisoned: None) -> None:
+    """A mixed batch: a resumed chunk shorter than the conv width, a chunk with two snapshots
+    (one after its first token), a decode whose one token is a snapshot position, and a
+    padding sequence aliasing a row whose table asks for snapshots (it must store none)."""
+    op = Op(kind, "triton", 12)
+    seqs = [(2, 6, 0), (6, 0, 1), (0, 3, 3), (1, 8, 2)]
+    tbl = table(r0=(7, 6, -1, 0, -1, 0), r1=(1, -1, 1, 4, 6, 5), r2=(2, -1, 9, 6, -1, 0),
+                r3=(3, -1, 4, 7, 5, 7))
+    ref = Op(kind, "ref", 12)
+    got_state, want_state = op.state0.clone(), op.state0.clone()
+    m = meta(seqs)
+    got = op.run(slice(0, 9), got_state, m, tbl)
+    want = ref.run(slice(0, 9), want_state, m, tbl)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got_state, want_state, rtol=1e-4, atol=1e-5)
+    assert torch.equal(got_state[3], op.state0[3]) and torch.equal(got_state[7], op.state0[7])
+    for row in (4, 5, 6):  # each snapshot was written
+        assert not torch.equal(got_state[row], op.state0[row])
+
+
+def test_bad_table_refused() -> None:
+    op = Op("gdr", "triton", 2)
+    with pytest.raises(ValueError, match="state_table must be"):
+        op.run(slice(0, 2), op.state0.clone(), meta([(2, 0, 0)]),
+               torch.zeros(4, 5, dtype=I32, device=DEVICE))
+    with pytest.raises(TypeError, match="int32"):
+        op.run(slice(0, 2), op.state0.clone(), meta([(2, 0, 0)]),
+               default_state_table(4, DEVICE).long())
