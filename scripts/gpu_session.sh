@@ -324,7 +324,7 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                # weights) beside the token-serial prefill's TTFT
                timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear_attention.py \
                  2>&1 | tee "$OUT/qwen3next_kernel_tests.log" | tail -2
-               timeout 240 python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_qwen3_next.py tests/gpu/test_gpu_nemotron_h.py tests/gpu/test_gpu_granite_hybrid.py \
+               timeout 240 python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_qwen3_next.py tests/gpu/test_gpu_nemotron_h.py tests/gpu/test_gpu_granite_hybrid.py tests/gpu/test_gpu_falcon_h1.py \
                  2>&1 | tee "$OUT/qwen3next_gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -4
                timeout 200 python3 -m mrv2.entrypoints.cli bench latency --model Qwen3-Next-80B-A3B \
                  --hf-overrides '{"num_hidden_layers": 8}' --new-tokens 128 \
@@ -356,7 +356,7 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
               timeout 320 python3 -m pytest -q -p no:cacheprovider -m gpu \
                 tests/gpu/test_gpu_gemma3_images.py tests/gpu/test_gpu_gemma.py \
                 tests/gpu/test_gpu_gemma4.py tests/gpu/test_gpu_mistral3.py \
-                tests/gpu/test_gpu_internvl.py tests/gpu/test_gpu_llava.py 2>&1 \
+                tests/gpu/test_gpu_internvl.py tests/gpu/test_gpu_llava.py tests/gpu/test_gpu_idefics3.py 2>&1 \
                 | tee "$OUT/gemma3vl_tests.log" | tail -3
               timeout 200 python3 -m mrv2.entrypoints.cli bench multimodal --model gemma-3-4b-it \
                 --image-size 896 --json "$OUT/gemma3vl_bench.json" > "$OUT/gemma3vl_bench.log" 2>&1

@@ -28,9 +28,12 @@ KNOWN_PACKAGES: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "mrv2-plugin-gemma",
     "LlavaForConditionalGeneration": "mrv2-plugin-llava",
     "LlavaNextForConditionalGeneration": "mrv2-plugin-llava",
+    "Idefics3ForConditionalGeneration": "mrv2-plugin-idefics3",
+    "SmolVLMForConditionalGeneration": "mrv2-plugin-idefics3",
     "NemotronHForCausalLM": "mrv2-plugin-nemotron-h",
     "GraniteMoeHybridForCausalLM": "mrv2-plugin-granite-hybrid",
     "BambaForCausalLM": "mrv2-plugin-granite-hybrid",
+    "FalconH1ForCausalLM": "mrv2-plugin-falcon-h1",
     "LlamaForCausalLM": "mrv2-contrib-llama",
 }
 
