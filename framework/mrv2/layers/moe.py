@@ -36,6 +36,7 @@ from mrv2.layers.linear import resolve_tp, split_evenly
 from mrv2.layers.mlp import GatedMLP
 from mrv2.layers.weights import apply_moving_only
 from mrv2_kernels.fused_moe import ACTIVATIONS, fused_moe
+from mrv2_kernels.moe_router import grouped_topk, softmax_topk
 
 #: Environment variable: when set to 1 before a model is built, every :class:`FusedMoE` counts
 #: the distinct experts each forward reads (``FusedMoE.expert_reads``), for the benchmarks'
@@ -271,7 +272,9 @@ class FusedMoE(nn.Module):
 class SoftmaxTopKRouter(nn.Module):
     """``softmax(x @ weight.T (+ bias))`` in fp32, the ``top_k`` largest, renormalized to sum
     1 when ``renormalize`` (the same as a softmax over the ``top_k`` largest logits: gpt-oss,
-    with ``bias``). ``forward(x)`` returns ``(topk_weights fp32, topk_ids int32)`` ``[T, k]``."""
+    with ``bias``). ``forward(x)`` returns ``(topk_weights fp32, topk_ids int32)`` ``[T, k]``,
+    in descending order, equal probabilities to the lower expert first: after the linear layer,
+    :func:`mrv2_kernels.moe_router.softmax_topk` (one kernel on the GPU)."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool,
                  bias: bool = False) -> None:
@@ -284,11 +287,11 @@ class SoftmaxTopKRouter(nn.Module):
         self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probs = F.linear(x, self.weight, self.bias).softmax(dim=-1, dtype=torch.float32)
-        weights, ids = probs.topk(self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, ids.to(torch.int32)
+        logits = F.linear(x, self.weight, self.bias)
+        lead = logits.shape[:-1]
+        weights, ids = softmax_topk(logits.reshape(-1, logits.shape[-1]), self.top_k,
+                                    self.renormalize)
+        return weights.view(*lead, self.top_k), ids.view(*lead, self.top_k)
 
     def extra_repr(self) -> str:
         return f"experts={self.weight.shape[0]}, top_k={self.top_k}, renorm={self.renormalize}"
@@ -302,7 +305,9 @@ class GroupedTopKRouter(nn.Module):
     (with a correction bias), else its best score. Only the ``topk_group`` best groups compete
     for the ``top_k`` picks, made on ``score + e_score_correction_bias``. The weights are the
     picked experts' uncorrected scores, renormalized (plus 1e-20) when ``renormalize``, times
-    ``routed_scaling_factor``. Returns ``(topk_weights fp32, topk_ids int32)``.
+    ``routed_scaling_factor``. Returns ``(topk_weights fp32, topk_ids int32)`` (ties, of
+    groups and of experts, to the lower index): after the linear layer,
+    :func:`mrv2_kernels.moe_router.grouped_topk` (one kernel on the GPU).
 
     ``norm_min``: the renormalizing sum clamped at it instead of 1e-20 added (configs that name
     their own floor). ``fp32_weight``: the router's weight kept fp32 whatever the model dtype
@@ -364,25 +369,11 @@ class GroupedTopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())
-        scores = logits.sigmoid() if self.scoring == "sigmoid" else logits.softmax(dim=-1)
-        bias = self.e_score_correction_bias
-        choice = scores if bias is None else scores + bias.float()
-        if self.topk_group < self.n_group:
-            grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
-            if bias is not None and grouped.shape[-1] >= 2:
-                group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
-            else:
-                group_scores = grouped.amax(dim=-1)
-            keep = group_scores.topk(self.topk_group, dim=-1)[1]
-            mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-            choice = grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view_as(choice)
-        ids = choice.topk(self.top_k, dim=-1)[1]
-        weights = scores.gather(1, ids)
-        if self.renormalize:
-            total = weights.sum(dim=-1, keepdim=True)
-            weights = weights / (total + 1e-20 if self.norm_min is None
-                                 else total.clamp_min(self.norm_min))
-        return weights * self.routed_scaling_factor, ids.to(torch.int32)
+        return grouped_topk(logits, self.top_k, n_group=self.n_group,
+                            topk_group=self.topk_group, renormalize=self.renormalize,
+                            routed_scaling_factor=self.routed_scaling_factor,
+                            scoring=self.scoring, correction_bias=self.e_score_correction_bias,
+                            norm_min=self.norm_min)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, top_k={self.top_k}, groups={self.n_group}, "
