@@ -11,6 +11,7 @@ bad media raise ``ValueError`` naming the field, and nothing of the request runs
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import json
 from collections.abc import Mapping
@@ -161,7 +162,18 @@ def load_image_processor(model_dir: str | Path, default_type: str) -> Any:
         return transformers.AutoImageProcessor.from_pretrained(str(path), local_files_only=True)
     kind = str(json.loads(config_file.read_text()).get("image_processor_type", default_type))
     name = kind.removesuffix("Fast").removesuffix("Pil") + "Pil"
-    cls = getattr(transformers, name, None)
+    # The class from its model's module first: transformers 5.17 lists some PIL backends
+    # (Idefics3's, SmolVLM's) under torchvision's lazy group, where the top-level name is a
+    # placeholder that needs torchvision; their own modules import without it.
+    model = name.removesuffix("ImageProcessorPil").lower()
+    try:
+        module = importlib.import_module(
+            f"transformers.models.{model}.image_processing_pil_{model}")
+        cls = getattr(module, name, None)
+    except ImportError:
+        cls = None
+    if cls is None:
+        cls = getattr(transformers, name, None)
     if cls is None:
         raise ValueError(f"image processor {kind!r} needs torchvision, and transformers has no "
                          f"PIL backend {name!r} for it")

@@ -43,7 +43,6 @@ scatters them) and the text embeddings of the layout tokens at the others.
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 from collections.abc import Mapping
@@ -112,22 +111,6 @@ def _longest(value: Any) -> int | None:
     return edge if isinstance(edge, int) and not isinstance(edge, bool) and edge > 0 else None
 
 
-def _pil_processor(model_dir: str) -> Any:
-    """The checkpoint's image processor through its PIL backend, imported from its own module:
-    transformers 5.17 lists ``Idefics3ImageProcessorPil`` / ``SmolVLMImageProcessorPil``
-    under torchvision's lazy group, so the top-level names need torchvision even though the
-    classes do not."""
-    kind = str(preprocessor_config(model_dir).get("image_processor_type", ""))
-    if kind.startswith("SmolVLM"):
-        module, name = "transformers.models.smolvlm.image_processing_pil_smolvlm", \
-            "SmolVLMImageProcessorPil"
-    else:
-        module, name = "transformers.models.idefics3.image_processing_pil_idefics3", \
-            "Idefics3ImageProcessorPil"
-    cls = getattr(importlib.import_module(module), name)
-    return cls.from_pretrained(model_dir, local_files_only=True)
-
-
 class Idefics3InputProcessor(InputProcessor):
     """Idefics3's and SmolVLM's :class:`~mrv2.contract.input_processor.InputProcessor`
     (module doc). :attr:`tile` is the tile side ``M``, :attr:`image_seq_len` the image tokens
@@ -167,10 +150,7 @@ class Idefics3InputProcessor(InputProcessor):
             return
         default = ("SmolVLMImageProcessor" if getattr(hf_config, "model_type", "") == "smolvlm"
                    else "Idefics3ImageProcessor")
-        try:
-            self.load_images(model_dir, default)
-        except ImportError:  # (module doc of _pil_processor)
-            self.image_processor = _pil_processor(model_dir)
+        self.load_images(model_dir, default)
         if self.image_processor is not None:
             self._check_tiles(model_dir)
 
