@@ -333,6 +333,25 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                  k, [(r['batch'], r['tpot_ms'], r.get('ttft_ms')) for r in v]) \
                  for k, v in d.items() if isinstance(v, list)]" "$OUT/qwen3next_latency.json" \
                  || tail -5 "$OUT/qwen3next_latency.log" ;;
+    hybridverify) # the fortieth session's hybrid work on CUDA: the state kernels with snapshot
+                  # tables, raw gates, D skip and the gated norm; the hybrid families' GPU tests
+                  # (prefix caching through state snapshots now on); then Qwen3-Next's batch-1
+                  # profile with the fused glue
+                  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear_attention.py \
+                    tests/kernels/test_state_snapshots.py tests/kernels/test_gated_rms_norm.py tests/kernels/test_moe_router.py 2>&1 \
+                    | tee "$OUT/hybrid_kernel_tests.log" | tail -2
+                  timeout 300 python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_qwen3_next.py \
+                    tests/gpu/test_gpu_nemotron_h.py tests/gpu/test_gpu_granite_hybrid.py tests/gpu/test_gpu_falcon_h1.py \
+                    2>&1 | tee "$OUT/hybrid_gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -14
+                  timeout 150 python3 scripts/profile_decode.py --model Qwen3-Next-80B-A3B --batch 1 \
+                    --steps 32 --hf-overrides '{"num_hidden_layers": 8}' --trace "" 2>&1 \
+                    | tee "$OUT/qwen3next_prof_b1.log" | grep -E "wall per step|GPU over" ;;
+    deltabench) # scripts/bench_delta_rule.py: the token-serial delta rule against the chunked
+                # one on prefill-shaped steps (checked against each other first), then the
+                # chunked kernel's tests compiled for CUDA
+                timeout 200 python3 scripts/bench_delta_rule.py 2>&1 | tee "$OUT/deltabench.log" | tail -7
+                timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_chunk_delta_rule.py \
+                  2>&1 | tee "$OUT/chunk_tests.log" | tail -2 ;;
     qwen3nextprof) # Qwen3-Next-80B-A3B cut to 8 layers (random weights): batch-1/8 TPOT, then
                    # profile_decode at batch 1 and 8 (GPU time by kernel: where ~0.5 ms a layer goes)
                    timeout 200 python3 -m mrv2.entrypoints.cli bench latency --model Qwen3-Next-80B-A3B \

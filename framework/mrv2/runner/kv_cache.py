@@ -32,9 +32,9 @@ class KVCaches:
 
     def __init__(
         self, specs: dict[int, KVCacheSpec], registries: Registries, device: torch.device,
-        backend_name: str | None, kv_cache_dtype: str = "auto",
+        backend_name: str | None, kv_cache_dtype: str = "auto", allow_empty: bool = False,
     ) -> None:
-        if not specs:
+        if not specs and not allow_empty:
             raise ValueError("the model declares no KV cache layer (no KVCacheLayer modules)")
         if sorted(specs) != list(range(len(specs))):
             raise ValueError(f"KV cache layers must be numbered 0..N-1; got {sorted(specs)}")

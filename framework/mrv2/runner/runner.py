@@ -164,8 +164,10 @@ class Runner(BetweenSteps):
         if self.speculator is not None:  # a drafter's own cache layers, numbered after these
             # (on table 0: the drafter's metadata is built over it)
             specs = {**specs, **without_windows(self.speculator.kv_cache_specs(len(specs)))}
+        # (a model of state-space layers only has no KV cache layer: its blocks are the
+        # scheduler's bookkeeping and prefix caching's hashes, no memory)
         self.kv = KVCaches(specs, registries, self.device, config.device.attention_backend,
-                           config.cache.kv_cache_dtype)
+                           config.cache.kv_cache_dtype, allow_empty=self.keeps_request_state)
         self.kv.layout = plan_tables(specs, self.block_size, self.max_model_len)
         #: Each block table's sliding window (None: full attention), table 0 first: the
         #: scheduler frees a sliding table's blocks that fall out of its window.
@@ -180,7 +182,7 @@ class Runner(BetweenSteps):
             peak = self._profile_peak_bytes()
             self.num_kv_blocks = agree_min(num_blocks_for(  # every rank holds as many
                 config.cache, per_block, self.device, peak
-            ))
+            )) if per_block else self.max_num_reqs * self.max_blocks_per_req
             self.kv.allocate(self.num_kv_blocks, self.block_size, self.dtype, self.device)
         self.startup.kv_cache(self.num_kv_blocks, self.block_size, per_block,
                               _kv_dtype_name(config.cache.kv_cache_dtype, self.dtype),
