@@ -36,7 +36,8 @@ from mrv2.contract.forward_context import get_forward_context
 from mrv2.contract.request_state import RequestStateLayer, StateShapes
 from mrv2.distributed.parallel_state import all_reduce
 from mrv2.layers.linear import MergedColumnLinear, RowLinear, resolve_tp, split_evenly
-from mrv2_kernels.linear_attention import causal_conv1d, gated_delta_rule
+from mrv2_kernels.chunk_delta_rule import gated_delta_rule_auto
+from mrv2_kernels.linear_attention import causal_conv1d
 from mrv2_kernels.norm import gated_rms_norm
 
 __all__ = ["MAMBA_ACTIVATIONS", "GroupGatedRMSNorm", "InProj", "Mamba2Mixer", "relu2"]
@@ -282,11 +283,12 @@ class Mamba2Mixer(RequestStateLayer):
             xbc = self.act(xbc)
         xs, b, c = xbc.split([self.intermediate, self.bc_dim, self.bc_dim], dim=-1)
         # the gates from the raw dt, and y + D x, inside the op (fp32 out)
-        y = gated_delta_rule(c.view(t, g, s), b.view(t, g, s), xs.view(t, h, p), dt, dt,
-                             states["ssm"], qsl, seq_lens, rows, 1.0, False, delta=False,
-                             state_table=ctx.state_table, gate_params=(self.A_log, self.dt_bias),
-                             dt_limits=(self.dt_min, self.dt_max), skip=self.D,
-                             out_dtype=torch.float32).view(t, h * p)
+        y = gated_delta_rule_auto(
+            c.view(t, g, s), b.view(t, g, s), xs.view(t, h, p), dt, dt, states["ssm"], qsl,
+            seq_lens, rows, 1.0, False, delta=False, state_table=ctx.state_table,
+            gate_params=(self.A_log, self.dt_bias), dt_limits=(self.dt_min, self.dt_max),
+            skip=self.D, out_dtype=torch.float32, max_query_len=md.max_query_len,
+        ).view(t, h * p)
         if self.norm is None:  # (HF: the fp32 output times silu of the gate in its dtype)
             out = (y * F.silu(z)).to(proj.dtype)
         elif self.norm.across_ranks:

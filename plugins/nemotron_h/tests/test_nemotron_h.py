@@ -101,6 +101,10 @@ def test_prefix_cache_resumes_from_state_snapshots(
         from mrv2_kernels import linear_attention
 
         monkeypatch.setattr(linear_attention, "use_triton", lambda t: True)
+        from mrv2_kernels import chunk_delta_rule  # (prompt chunks of 4+ tokens: chunked)
+
+        monkeypatch.setattr(chunk_delta_rule, "_use_triton", lambda t: True)
+        monkeypatch.setattr(chunk_delta_rule, "CHUNKED_MIN_QUERY_LEN", 4)
     check_state_prefix_cache(checkpoint[0], max_tokens=4)
 
 

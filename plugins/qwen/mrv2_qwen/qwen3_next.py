@@ -62,7 +62,8 @@ from mrv2.layers import (
 )
 from mrv2.layers.linear import norm_linear, resolve_tp, split_evenly
 from mrv2.layers.moe import is_sparse_layer
-from mrv2_kernels.linear_attention import causal_conv1d, gated_delta_rule
+from mrv2_kernels.chunk_delta_rule import gated_delta_rule_auto
+from mrv2_kernels.linear_attention import causal_conv1d
 from mrv2_kernels.norm import gated_rms_norm
 
 if TYPE_CHECKING:
@@ -241,10 +242,11 @@ class GatedDeltaNet(RequestStateLayer):
         mixed = causal_conv1d(proj[:, : self.conv_dim], self.conv_weight, None, states["conv"],
                               qsl, seq_lens, rows, "silu", state_table=ctx.state_table)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        out = gated_delta_rule(q.view(t, hk, dk), k.view(t, hk, dk), v.view(t, hv, dv),
-                               ba[:, hv:], ba[:, :hv], states["recurrent"], qsl, seq_lens, rows,
-                               dk ** -0.5, l2norm_qk=True, state_table=ctx.state_table,
-                               gate_params=(self.A_log, self.dt_bias))
+        out = gated_delta_rule_auto(
+            q.view(t, hk, dk), k.view(t, hk, dk), v.view(t, hv, dv), ba[:, hv:], ba[:, :hv],
+            states["recurrent"], qsl, seq_lens, rows, dk ** -0.5, l2norm_qk=True,
+            state_table=ctx.state_table, gate_params=(self.A_log, self.dt_bias),
+            max_query_len=md.max_query_len)
         out = gated_rms_norm(out.view(t, hv * dv), proj[:, self.conv_dim:], self.norm.weight,
                              self.norm.eps, dv, norm_before_gate=True)
         return cast(torch.Tensor, self.out_proj(out.reshape(t, hv * dv)))

@@ -61,7 +61,14 @@ def test_greedy_and_logprobs_match_hf(tmp_path: Path, kwargs: dict[str, Any]) ->
         assert abs(mine[ids[pos]].logprob - float(want_lp[pos - 1, ids[pos]])) < 1e-4, pos
 
 
-def test_prefix_cache_resumes_from_state_snapshots(tmp_path: Path) -> None:
+@pytest.mark.parametrize("chunked", [False, True], ids=["serial", "chunked"])
+def test_prefix_cache_resumes_from_state_snapshots(tmp_path: Path, chunked: bool,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests resume from state snapshots; ``chunked``: every prompt chunk of 4 tokens or
+    more through the chunked delta rule (its snapshots inside a chunk, its resumed rows)."""
+    from mrv2_kernels import chunk_delta_rule
+
+    monkeypatch.setattr(chunk_delta_rule, "CHUNKED_MIN_QUERY_LEN", 4 if chunked else 10**9)
     _checkpoint(tmp_path)
     check_state_prefix_cache(tmp_path)
 
