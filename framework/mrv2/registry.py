@@ -34,6 +34,7 @@ KNOWN_PACKAGES: dict[str, str] = {
     "GraniteMoeHybridForCausalLM": "mrv2-plugin-granite-hybrid",
     "BambaForCausalLM": "mrv2-plugin-granite-hybrid",
     "FalconH1ForCausalLM": "mrv2-plugin-falcon-h1",
+    "Mamba2ForCausalLM": "mrv2-plugin-mamba",
     "LlamaForCausalLM": "mrv2-contrib-llama",
 }
 

@@ -182,7 +182,8 @@ class Runner(BetweenSteps):
             peak = self._profile_peak_bytes()
             self.num_kv_blocks = agree_min(num_blocks_for(  # every rank holds as many
                 config.cache, per_block, self.device, peak
-            )) if per_block else self.max_num_reqs * self.max_blocks_per_req
+            )) if per_block else (config.cache.num_gpu_blocks_override
+                                  or self.max_num_reqs * self.max_blocks_per_req)
             self.kv.allocate(self.num_kv_blocks, self.block_size, self.dtype, self.device)
         self.startup.kv_cache(self.num_kv_blocks, self.block_size, per_block,
                               _kv_dtype_name(config.cache.kv_cache_dtype, self.dtype),

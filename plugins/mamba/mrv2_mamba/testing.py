@@ -1,0 +1,75 @@
+"""Tiny random Mamba-2 checkpoints for the plugin's CPU tests and the GPU tests, and HF's gated
+norm made per group (the original Mamba-2's, which this plugin runs) for references with
+``n_groups`` above 1."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mrv2.testing import redraw_weights
+
+#: A 3-layer Mamba-2: 8 heads of 16 channels (``expand`` 2 over a hidden size of 64) in 2
+#: groups (each rank one group at TP=2) of a 16-wide state; HF's chunked scan in chunks of 8
+#: tokens (several per prompt); a ``dt`` clamp whose both ends change some time steps; biased
+#: projections; the LM head untied.
+TINY_MAMBA2: dict[str, Any] = {
+    "vocab_size": 128, "hidden_size": 64, "expand": 2, "num_heads": 8, "head_dim": 16,
+    "n_groups": 2, "state_size": 16, "conv_kernel": 4, "num_hidden_layers": 3,
+    "chunk_size": 8, "time_step_limit": (0.05, 0.6), "use_bias": True, "use_conv_bias": True,
+    "hidden_act": "silu", "layer_norm_epsilon": 1e-5, "residual_in_fp32": True,
+    "tie_word_embeddings": False, "eos_token_id": 1, "bos_token_id": 0, "pad_token_id": 0,
+}
+
+
+def save_tiny_mamba2(path: str | Path, **overrides: Any) -> torch.nn.Module:
+    """Save a random fp32 HF ``Mamba2ForCausalLM`` of :data:`TINY_MAMBA2` (``overrides``
+    change fields) to ``path``, weights redrawn far from their init and the SSM's decays in a
+    real range (``A`` in [1, 4.5], ``dt_bias`` in [-3, 0]: ``dt`` on both sides of the clamp's
+    ends); returns HF's model."""
+    import transformers
+
+    config = transformers.Mamba2Config(**{**TINY_MAMBA2, **overrides})
+    config.architectures = ["Mamba2ForCausalLM"]
+    torch.manual_seed(0)
+    hf = transformers.Mamba2ForCausalLM(config).float().eval()
+    redraw_weights(hf, std=0.15)
+    with torch.no_grad():
+        for layer in hf.backbone.layers:
+            layer.mixer.A_log.uniform_(0.0, 1.5)
+            layer.mixer.dt_bias.uniform_(-3.0, 0.0)
+    hf.save_pretrained(path)
+    return hf
+
+
+def _per_group_forward(n_groups: int) -> Any:
+    def forward(self: Any, hidden_states: torch.Tensor, gate: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        h = hidden_states.to(torch.float32)
+        if gate is not None:
+            h = h * torch.nn.functional.silu(gate.to(torch.float32))
+        g = h.view(*h.shape[:-1], n_groups, h.shape[-1] // n_groups)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * g.view(h.shape).to(dtype)
+    return forward
+
+
+@contextmanager
+def hf_gated_norm_per_group(n_groups: int) -> Iterator[None]:
+    """Within the block, HF's Mamba-2 ``MambaRMSNormGated`` normalises each of ``n_groups``
+    groups of channels on its own (``mamba_ssm``'s ``RMSNormGated(group_size=d_ssm //
+    ngroups)``, what this plugin computes) instead of all channels at once."""
+    from transformers.models.mamba2 import modeling_mamba2
+
+    cls = modeling_mamba2.MambaRMSNormGated
+    original = cls.forward
+    cls.forward = _per_group_forward(n_groups)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cls.forward = original  # type: ignore[method-assign]
