@@ -73,15 +73,20 @@ class BetweenSteps:
     def sleep(self, level: int = 1) -> None:
         """Give the device memory back while idle (:mod:`mrv2.runner.sleep`): the CUDA graphs
         dropped, the weights copied to host memory (at level 2 the model's parameters are
-        discarded instead, to be loaded again after waking) and the KV cache discarded. No
+        discarded instead, to be loaded again after waking) and the KV cache (with any
+        per-request state of linear-attention layers) discarded. No
         step runs until :meth:`wake_up` has woken everything. The caller forgets the KV
         cache's blocks (their contents are gone)."""
         self._sleeper.check(level)
         self._drop_graphs()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        # (per-request state sleeps with the KV cache: discarded, zeroed on waking; every
+        # request was preempted, and prefix caching's snapshots are forgotten with the blocks)
+        states = [t for layer in getattr(self.model_state, "request_state_layers", ())
+                  for t in layer.request_states.values()]
         self._sleeper.sleep(level, (self.model, self.model_state, self.speculator),
-                            self.model.parameters(), self.kv.tensors)
+                            self.model.parameters(), [*self.kv.tensors, *states])
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Bring back ``tags`` (``"weights"``, ``"kv_cache"``; None: both): the kept weights

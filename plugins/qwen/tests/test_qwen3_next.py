@@ -120,3 +120,27 @@ def test_tensor_parallel_matches_hf(tmp_path: Path) -> None:
     for tp, got in tokens_at_tp(tmp_path, PROMPTS, params, (2,),
                                 max_num_batched_tokens=8).items():
         assert got == want, tp
+
+
+def test_sleep_frees_the_request_state(tmp_path: Path) -> None:
+    """Sleep mode gives the per-request state's memory back with the KV cache (zeroed on
+    waking) and forgets the state snapshots: after waking, the same tokens, nothing cached."""
+    _checkpoint(tmp_path)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    before = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    states = [t for layer in llm.engine.runner.model_state.request_state_layers
+              for t in layer.request_states.values()]
+    sizes = [t.untyped_storage().nbytes() for t in states]
+    snapshots = llm.engine.scheduler.snapshots
+    assert snapshots is not None and snapshots.num_published > 0
+    llm.sleep()
+    assert all(t.untyped_storage().nbytes() == 0 for t in states)
+    assert snapshots.num_published == 0
+    llm.wake_up()
+    assert [t.untyped_storage().nbytes() for t in states] == sizes
+    assert all(bool((t == 0).all()) for t in states)
+    after = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in after] == before
+    assert all(o.num_cached_tokens == 0 for o in after)
