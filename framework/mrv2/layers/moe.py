@@ -24,7 +24,7 @@ them (and transformers 5's stacked ``experts.gate_up_proj`` / ``experts.down_pro
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,7 @@ from mrv2.layers.mlp import GatedMLP
 from mrv2.layers.weights import apply_moving_only
 from mrv2_kernels.fused_moe import ACTIVATIONS, fused_moe
 from mrv2_kernels.moe_router import grouped_topk, softmax_topk
+from mrv2_kernels.norm_gemv import decode_linear
 
 #: Environment variable: when set to 1 before a model is built, every :class:`FusedMoE` counts
 #: the distinct experts each forward reads (``FusedMoE.expert_reads``), for the benchmarks'
@@ -287,7 +288,11 @@ class SoftmaxTopKRouter(nn.Module):
         self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight, self.bias)
+        return self.route(F.linear(x, self.weight, self.bias))
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` after the linear layer: ``logits`` ``[..., num_experts]`` (rows may be
+        strided: a slice of a wider product)."""
         lead = logits.shape[:-1]
         weights, ids = softmax_topk(logits.reshape(-1, logits.shape[-1]), self.top_k,
                                     self.renormalize)
@@ -407,14 +412,41 @@ class MoEBlock(nn.Module):
         experts.reduce_output = False
         if shared_experts is not None:
             shared_experts.down_proj.reduce_output = False
+        #: The router's weight with the shared-expert gate's row after it (``[E + 1, H]``),
+        #: made after loading: one product gives both on the GPU (a decode step's GEMV
+        #: instead of the router's and the gate's cuBLAS calls). None: apart.
+        self.router_and_gate: torch.Tensor | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """With a shared-expert gate and a plain softmax router of the same dtype: stack
+        their weights (:attr:`router_and_gate`); again after the weights change."""
+        gate, shared_gate = self.gate, self.shared_expert_gate
+        self.router_and_gate = None
+        if (shared_gate is None or type(gate) is not SoftmaxTopKRouter or gate.bias is not None
+                or gate.weight.dtype != shared_gate.weight.dtype
+                or gate.weight.device != shared_gate.weight.device):
+            return
+        with torch.no_grad():
+            self.router_and_gate = torch.cat([gate.weight, shared_gate.weight]).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = self.gate(x)
+        stacked = self.router_and_gate
+        shared_scale = None
+        if stacked is not None:
+            logits = decode_linear(x, stacked)
+            experts = stacked.shape[0] - 1
+            topk_weights, topk_ids = cast(SoftmaxTopKRouter, self.gate).route(
+                logits[..., :experts])
+            shared_scale = torch.sigmoid(logits[..., experts:])
+        else:
+            topk_weights, topk_ids = self.gate(x)
         out: torch.Tensor = self.experts(x, topk_weights, topk_ids)
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
             if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+                if shared_scale is None:
+                    shared_scale = torch.sigmoid(self.shared_expert_gate(x))
+                shared = shared_scale * shared
             out = out + shared
         return all_reduce(out) if self.tp_size > 1 else out
 
