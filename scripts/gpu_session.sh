@@ -346,6 +346,17 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                   timeout 150 python3 scripts/profile_decode.py --model Qwen3-Next-80B-A3B --batch 1 \
                     --steps 32 --hf-overrides '{"num_hidden_layers": 8}' --trace "" 2>&1 \
                     | tee "$OUT/qwen3next_prof_b1.log" | grep -E "wall per step|GPU over" ;;
+    hybridquick) # hybridverify cut down for a short budget: the kernel tests on CUDA, the
+                 # Qwen3-Next and Nemotron-H GPU tests, Qwen3-Next's batch-1 profile and TPOT
+                 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear_attention.py \
+                   tests/kernels/test_state_snapshots.py tests/kernels/test_gated_rms_norm.py tests/kernels/test_moe_router.py 2>&1 \
+                   | tee "$OUT/hybrid_kernel_tests.log" | tail -2
+                 timeout 200 python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_qwen3_next.py \
+                   tests/gpu/test_gpu_nemotron_h.py 2>&1 | tee "$OUT/hybrid_gpu_tests.log" \
+                   | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -8
+                 timeout 120 python3 scripts/profile_decode.py --model Qwen3-Next-80B-A3B --batch 1 \
+                   --steps 32 --hf-overrides '{"num_hidden_layers": 8}' --trace "" 2>&1 \
+                   | tee "$OUT/qwen3next_prof_b1.log" | grep -E "wall per step|GPU over" ;;
     deltabench) # scripts/bench_delta_rule.py: the token-serial delta rule against the chunked
                 # one on prefill-shaped steps (checked against each other first), then the
                 # chunked kernel's tests compiled for CUDA
