@@ -35,6 +35,8 @@ KNOWN_PACKAGES: dict[str, str] = {
     "BambaForCausalLM": "mrv2-plugin-granite-hybrid",
     "FalconH1ForCausalLM": "mrv2-plugin-falcon-h1",
     "Mamba2ForCausalLM": "mrv2-plugin-mamba",
+    "Llama4ForCausalLM": "mrv2-plugin-llama4",
+    "Llama4ForConditionalGeneration": "mrv2-plugin-llama4",
     "LlamaForCausalLM": "mrv2-contrib-llama",
 }
 

@@ -1,0 +1,267 @@
+"""Llama 4's text model (``Llama4ForCausalLM`` and the text path of
+``Llama4ForConditionalGeneration``) against HF transformers, on a tiny model where every
+option bites (:data:`mrv2_llama4.testing.TINY_LLAMA4`: RoPE layers with llama3 scaling, the
+q/k norm and chunked attention; NoPE layers with the query temperature past
+``floor_scale``; MoE layers, top-1 sigmoid-scored input plus a shared expert, between dense
+ones): prefill and decode logits through the paged cache, what goes wrong without each part,
+greedy tokens of several requests through the engine with prompts split over steps, every
+prompt position's log-probability, TP=2 through two CPU processes, and the refusals
+(``max_model_len`` past ``attention_chunk_size``; images)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+import mrv2.testing
+import mrv2_llama4.model as llama4
+from mrv2 import LLM, SamplingParams
+from mrv2.layers import GatedMLP
+from mrv2.model_loader import iter_safetensors, load_model_weights
+from mrv2.testing import check_steps_against_hf, poisoned_caches, run_step
+from mrv2.testing_engine import tokens_at_tp
+from mrv2_llama4.model import (
+    Llama4Attention,
+    Llama4ForCausalLM,
+    Llama4ForConditionalGeneration,
+    Llama4MoE,
+    attention_temperature,
+    chunked_layers,
+    moe_layers,
+    rope_layers,
+)
+from mrv2_llama4.state import check_max_model_len
+from mrv2_llama4.testing import save_tiny_llama4, save_tiny_llama4_vl
+
+CLASSES: dict[str, type[Llama4ForCausalLM]] = {
+    "causal": Llama4ForCausalLM, "conditional": Llama4ForConditionalGeneration}
+PROMPTS = [[5, 17, 42, 9, 100, 3, 77, 8, 8, 120, 11, 19, 64, 2], [3 + i for i in range(23)],
+           [64], [90, 91]]
+NEW_TOKENS = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+PROMPT = [5, 17, 42, 9, 100, 3, 77, 8, 8, 120, 11, 19]
+
+
+def _save(path: Path, case: str, **overrides: Any) -> torch.nn.Module:
+    save = save_tiny_llama4_vl if case == "conditional" else save_tiny_llama4
+    return save(path, **overrides)
+
+
+@pytest.fixture(scope="module", params=list(CLASSES))
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[tuple[str, Path, torch.nn.Module]]:
+    """``(case, path, HF's model)`` of each architecture, saved once."""
+    case = str(request.param)
+    path = tmp_path_factory.mktemp(case)
+    yield case, path, _save(path, case)
+
+
+def _load(path: Path, case: str) -> Llama4ForCausalLM:
+    model = CLASSES[case](transformers.AutoConfig.from_pretrained(path))
+    load_model_weights(model, iter_safetensors(path))
+    return model
+
+
+def _caches() -> list[torch.Tensor]:
+    return poisoned_caches(2, 16, 4)
+
+
+def _hf_logits(hf: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([prompt])).logits[0]
+
+
+def _engine_logits(model: Llama4ForCausalLM, prompt: list[int]) -> torch.Tensor:
+    (logits,), _ = run_step(model, _caches(), [[0, 1, 2, 3]], [0], [prompt])
+    return logits
+
+
+def test_layers_are_where_the_config_says(
+        checkpoint: tuple[str, Path, torch.nn.Module]) -> None:
+    case, path, _ = checkpoint
+    model = _load(path, case)
+    layers = model.model.layers
+    assert [type(layer.mlp) for layer in layers] == [GatedMLP, Llama4MoE, GatedMLP, Llama4MoE]
+    attns = [layer.self_attn for layer in layers]
+    assert all(isinstance(a, Llama4Attention) for a in attns)
+    assert [a.rotary_emb is not None for a in attns] == [True, True, False, False]
+    assert [a.l2_norm_eps is not None for a in attns] == [True, True, False, False]
+    assert [a.temperature for a in attns] == [None, None, (2.0, 0.5), (2.0, 0.5)]
+    assert attns[0].rotary_emb is not None and attns[0].rotary_emb.max_position == 64
+    assert layers[0].mlp.gate_up_proj.output_size == 2 * 48  # intermediate_size_mlp
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+
+
+def test_logits_match_hf(checkpoint: tuple[str, Path, torch.nn.Module]) -> None:
+    """A prefill step (two padding rows) then a decode step, every logit within 1e-4 of HF's
+    full forward."""
+    case, path, hf = checkpoint
+    check_steps_against_hf(_load(path, case), hf, _caches(), (9, 3, 13), vocab=125,
+                           max_len=16)
+
+
+def test_top2_logits_match_hf(tmp_path: Path) -> None:
+    """Top-2 routing (a row per (token, pick), each scaled by its own score) is HF's too."""
+    hf = save_tiny_llama4(tmp_path, num_experts_per_tok=2)
+    check_steps_against_hf(_load(tmp_path, "causal"), hf, _caches(), (9, 3, 13), vocab=125,
+                           max_len=16)
+
+
+def test_logits_match_hf_on_the_triton_kernels(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same steps on the GPU's kernels, interpreted (``MRV2_KERNELS=triton``; the Triton
+    attention backend, which rotates q and k inside attention with the unit-weight q/k norm
+    fused, and the fused MoE)."""
+    from mrv2.attention import ForwardContext
+    from mrv2.attention.triton_backend import TritonAttentionBackend
+
+    hf = save_tiny_llama4(tmp_path)
+    backend = TritonAttentionBackend()
+    assert backend.rope_in_attention
+    monkeypatch.setenv("MRV2_KERNELS", "triton")
+    monkeypatch.setattr(mrv2.testing, "torch_context", lambda caches, metadata: ForwardContext(
+        metadata, caches, [backend] * len(caches)))
+    check_steps_against_hf(_load(tmp_path, "causal"), hf, _caches(), (9, 3, 13), vocab=125,
+                           max_len=16)
+
+
+def _no_reorder(monkeypatch: pytest.MonkeyPatch, model: Any) -> None:
+    del model
+    monkeypatch.setattr(llama4, "_halves", lambda rows, head_dim: rows)
+
+
+def _no_qk_norm(monkeypatch: pytest.MonkeyPatch, model: Any) -> None:
+    for layer in model.model.layers:
+        monkeypatch.setattr(layer.self_attn, "l2_norm_eps", None)
+
+
+def _no_temperature(monkeypatch: pytest.MonkeyPatch, model: Any) -> None:
+    for layer in model.model.layers:
+        monkeypatch.setattr(layer.self_attn, "temperature", None)
+
+
+def _scores_on_output(monkeypatch: pytest.MonkeyPatch, model: Any) -> None:
+    def forward(self: Llama4MoE, x: torch.Tensor) -> torch.Tensor:
+        scores, ids = self.gate(x)
+        shared = self.shared_experts
+        assert shared is not None
+        return self.experts(x, scores.float(), ids) + shared(x)
+
+    monkeypatch.setattr(Llama4MoE, "forward", forward)
+
+
+#: ``(what is taken away, how, the prompt positions whose logits still match HF's)``: the
+#: first token sees only itself at position 0 (no rotation; temperature 1 below floor_scale).
+BREAKS = {"rope-row-reorder": (_no_reorder, 1), "qk-norm": (_no_qk_norm, 1),
+          "temperature": (_no_temperature, 1), "scores-on-expert-output": (_scores_on_output, 0)}
+
+
+@pytest.mark.parametrize("part", list(BREAKS))
+def test_each_part_matters(tmp_path: Path, part: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without each part, HF's logits are lost (at every position past those the part cannot
+    touch): the test model exercises all of them."""
+    hf = save_tiny_llama4(tmp_path / "m")
+    want = _hf_logits(hf, PROMPT)
+    model = _load(tmp_path / "m", "causal")
+    torch.testing.assert_close(_engine_logits(model, PROMPT), want, atol=1e-4, rtol=1e-4)
+    breaks, same = BREAKS[part]
+    breaks(monkeypatch, model)
+    if part == "rope-row-reorder":
+        model = _load(tmp_path / "m", "causal")
+    got = _engine_logits(model, PROMPT)
+    torch.testing.assert_close(got[:same], want[:same], atol=1e-4, rtol=1e-4)
+    assert all((got[i] - want[i]).abs().amax() > 1e-3 for i in range(same, len(PROMPT)))
+
+
+def test_temperature_and_layout_helpers() -> None:
+    """The query temperature is HF's (1 below ``floor_scale``, then growing by log steps);
+    the layer layouts follow HF's defaults: a NoPE layer every ``no_rope_layer_interval``
+    layers, MoE every ``interleave_moe_layer_step`` (Maverick: 2), chunked attention on the
+    RoPE layers unless ``attention_chunk_size`` is unset."""
+    scale = attention_temperature(torch.arange(10), floor_scale=4, attn_scale=0.1)
+    want = [1.0] * 3 + [1 + 0.1 * float(torch.log1p(torch.tensor(float((p + 1) // 4))))
+                        for p in range(3, 10)]
+    torch.testing.assert_close(scale, torch.tensor(want))
+    config = transformers.Llama4TextConfig(num_hidden_layers=8, interleave_moe_layer_step=2,
+                                           use_qk_norm=False)
+    assert rope_layers(config) == [True, True, True, False] * 2
+    assert moe_layers(config) == {1, 3, 5, 7}
+    assert chunked_layers(config) == rope_layers(config)
+    plain = SimpleNamespace(num_hidden_layers=6, nope_layer_interval=3,
+                            interleave_moe_layer_step=3)  # (a config transformers lacks)
+    assert rope_layers(plain) == [True, True, False] * 2 and moe_layers(plain) == {2, 5}
+    assert chunked_layers(plain) == [False] * 6  # (no attention_chunk_size)
+    with pytest.raises(ValueError, match="no_rope_layers lists 2 layers"):
+        rope_layers(SimpleNamespace(num_hidden_layers=3, no_rope_layers=[1, 0]))
+
+
+def test_max_model_len_past_the_chunk_is_refused(tmp_path: Path) -> None:
+    """A context longer than ``attention_chunk_size`` is refused naming both fields, whether
+    asked for or the default (``max_position_embeddings``); up to the chunk it runs."""
+    config = transformers.Llama4TextConfig(attention_chunk_size=8192,
+                                           max_position_embeddings=10485760)
+    with pytest.raises(ValueError, match=r"max_model_len=10485760 \(max_position_embeddings"
+                                         r".*attention_chunk_size=8192"):
+        check_max_model_len(config, None)
+    check_max_model_len(config, 8192)
+    config.attention_chunk_size = None  # (no chunked layer: anything goes)
+    check_max_model_len(config, 10485760)
+    save_tiny_llama4(tmp_path, max_position_embeddings=128)
+    with pytest.raises(ValueError, match=r"max_model_len=65 exceeds attention_chunk_size=64"):
+        LLM(str(tmp_path), device="cpu", dtype="float32", block_size=4, max_model_len=65)
+
+
+def _hf_tokens(hf: Any, prompt: list[int]) -> list[int]:
+    hf.generation_config.eos_token_id = None  # (as ignore_eos)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                          dtype=torch.long), max_new_tokens=NEW_TOKENS, do_sample=False)
+    return [int(t) for t in out[0, len(prompt):]]
+
+
+def test_engine_matches_hf(checkpoint: tuple[str, Path, torch.nn.Module]) -> None:
+    """Greedy tokens of several requests at once (prompts split over steps of 8 tokens) are
+    HF ``generate``'s, every prompt position's log-probability within 1e-4 of HF's forward;
+    the multimodal checkpoint refuses images naming the field and serves text."""
+    case, path, hf = checkpoint
+    want = [_hf_tokens(hf, p) for p in PROMPTS]
+    with LLM(str(path), device="cpu", dtype="float32", block_size=4,
+             max_num_batched_tokens=8) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
+                            use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == want
+        prompt = PROMPTS[1]
+        got = llm.generate([{"prompt_token_ids": prompt}],
+                           SamplingParams(max_tokens=1, prompt_logprobs=0),
+                           use_tqdm=False)[0].prompt_logprobs
+        want_lp = torch.log_softmax(_hf_logits(hf, prompt).double(), dim=-1)
+        assert got is not None and got[0] is None and len(got) == len(prompt)
+        for pos in range(1, len(prompt)):
+            mine = got[pos]
+            assert mine is not None
+            diff = abs(mine[prompt[pos]].logprob - float(want_lp[pos - 1, prompt[pos]]))
+            assert diff <= 1e-4, (pos, diff)
+        if case == "conditional":
+            image = {"prompt_token_ids": [5, 125, 6], "multi_modal_data": {"image": object()}}
+            with pytest.raises(ValueError, match=r"multi_modal_data\.image: Llama 4's vision"):
+                llm.generate([image], GREEDY, use_tqdm=False)
+            again = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)
+            assert list(again[0].outputs[0].token_ids) == want[0]
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep"])
+def test_tensor_parallel_matches_hf(tmp_path: Path, expert_parallel: bool) -> None:
+    """TP=2 (two CPU processes: heads, the experts' columns, the shared expert and the dense
+    MLPs split; the router whole on both) gives HF's greedy tokens; so does expert
+    parallelism (each rank two whole experts, the other's picks weighted 0)."""
+    hf = save_tiny_llama4(tmp_path)
+    want = [_hf_tokens(hf, p) for p in PROMPTS]
+    got = tokens_at_tp(tmp_path, PROMPTS, GREEDY, tp_sizes=(2,), max_num_batched_tokens=8,
+                       enable_expert_parallel=expert_parallel)
+    assert got[2] == want
