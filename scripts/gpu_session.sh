@@ -349,6 +349,13 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
     llama4) # Llama 4's text model on CUDA: HF parity with graphs, chunks, preemption; no syncs
             timeout 300 python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_llama4.py 2>&1 \
               | tee "$OUT/llama4_gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -5 ;;
+    hybridmin) # the least of hybridquick: the kernel tests on CUDA, then Qwen3-Next's profile
+               timeout 110 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear_attention.py \
+                 tests/kernels/test_state_snapshots.py tests/kernels/test_gated_rms_norm.py tests/kernels/test_moe_router.py 2>&1 \
+                 | tee "$OUT/hybrid_kernel_tests.log" | tail -2
+               timeout 130 python3 scripts/profile_decode.py --model Qwen3-Next-80B-A3B --batch 1 \
+                 --steps 32 --hf-overrides '{"num_hidden_layers": 8}' --trace "" 2>&1 \
+                 | tee "$OUT/qwen3next_prof_b1.log" | grep -E "wall per step|GPU over" ;;
     hybridquick) # hybridverify cut down for a short budget: the kernel tests on CUDA, the
                  # Qwen3-Next and Nemotron-H GPU tests, Qwen3-Next's batch-1 profile and TPOT
                  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear_attention.py \
