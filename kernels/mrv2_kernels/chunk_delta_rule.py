@@ -114,7 +114,8 @@ __all__ = [
 #: least this many query tokens (half a GPU chunk). Unmeasured: an estimate that one chunk step
 #: costs what a few dozen token steps of the serial kernel do.
 CHUNKED_MIN_QUERY_LEN = 32
-#: ``MRV2_CHUNKED_DELTA_RULE=0``: every step token-serial (an A/B switch; read per call).
+#: ``MRV2_CHUNKED_DELTA_RULE``: ``0``: every step token-serial; ``1``: the chunked form for the
+#: delta rule too (by default only Mamba-2's form, ``delta=False``, takes it); read per call.
 CHUNKED_ENV_VAR = "MRV2_CHUNKED_DELTA_RULE"
 #: Sequences whose chunk starts one ``flat_query_tile`` load reads (a constexpr: not sized by N).
 _REQ_BLOCK = 64
@@ -634,9 +635,13 @@ def gated_delta_rule_auto(
     :func:`~mrv2_kernels.linear_attention.gated_delta_rule`; every keyword of the latter
     (``state_table``, ``gate_params``, ``dt_limits``, ``skip``, ``out_dtype``) passed on. Same
     results up to fp32 rounding either way."""
-    fn = (chunk_gated_delta_rule
-          if prefer_chunked(q.shape[0], query_start_loc.shape[0] - 1, max_query_len)
-          else _serial_gated_delta_rule)
+    # The delta rule itself (Gated DeltaNet) stays token-serial unless MRV2_CHUNKED_DELTA_RULE=1:
+    # on the H200 the chunked kernel took 10.5 ms for one 4,096-token Qwen3-Next prompt
+    # against 7.4 token-serial, 3.7 against 2.0 for 8 x 512 (BENCHMARKS.md, 2026-12-06);
+    # Mamba-2's form (delta=False) gained 1.9x (3.4 against 6.6 ms).
+    chunked = prefer_chunked(q.shape[0], query_start_loc.shape[0] - 1, max_query_len) and (
+        not delta or os.environ.get(CHUNKED_ENV_VAR) == "1")
+    fn = chunk_gated_delta_rule if chunked else _serial_gated_delta_rule
     return fn(q, k, v, g, beta, state, query_start_loc, seq_lens, state_rows, scale, l2norm_qk,
               delta=delta, state_table=state_table, gate_params=gate_params,
               dt_limits=dt_limits, skip=skip, out_dtype=out_dtype)

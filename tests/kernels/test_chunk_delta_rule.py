@@ -402,6 +402,7 @@ def test_auto_takes_every_keyword(monkeypatch: pytest.MonkeyPatch, max_query_len
     of 64), with every keyword at once (a snapshot, a resume, raw GDN gates, a skip on the
     delta rule, an fp32 output from bf16): the token-serial reference's results."""
     monkeypatch.setenv("MRV2_KERNELS", "triton")
+    monkeypatch.setenv(cdr.CHUNKED_ENV_VAR, "1")  # (the delta rule takes the chunked form)
     poison(cdr)
     poison(la)
     batch = make_batch([(35, 4, 0), (1, 7, 1)], pad_tokens=1)
@@ -427,6 +428,30 @@ def test_auto_takes_every_keyword(monkeypatch: pytest.MonkeyPatch, max_query_len
 
 
 # ------------------------------------------------------------------------ dispatch, checks
+
+
+@pytest.mark.parametrize("env,delta,chunked", [
+    (None, True, False), (None, False, True), ("1", True, True), ("0", False, False),
+])
+def test_auto_dispatch_by_form(monkeypatch: pytest.MonkeyPatch, env: str | None, delta: bool,
+                               chunked: bool) -> None:
+    """A long query takes the chunked form for Mamba-2's rule (``delta=False``) by default and
+    for the delta rule only with ``MRV2_CHUNKED_DELTA_RULE=1`` (the H200 timed it slower
+    there); ``0`` keeps everything token-serial."""
+    if env is None:
+        monkeypatch.delenv(cdr.CHUNKED_ENV_VAR, raising=False)
+    else:
+        monkeypatch.setenv(cdr.CHUNKED_ENV_VAR, env)
+    called: list[str] = []
+    monkeypatch.setattr(cdr, "chunk_gated_delta_rule",
+                        lambda *a, **k: called.append("chunked"))
+    monkeypatch.setattr(cdr, "_serial_gated_delta_rule",
+                        lambda *a, **k: called.append("serial"))
+    batch = make_batch([(40, 0, 0)])
+    q, k, v, g, beta, state = gdr_inputs(1, 2, 8, 8, F32, batch.num_tokens, seed=90)
+    gated_delta_rule_auto(q, k, v, g, beta, state, *batch.meta, 0.3, delta=delta,
+                          max_query_len=40)
+    assert called == ["chunked" if chunked else "serial"]
 
 
 @CPU_ONLY
@@ -473,7 +498,7 @@ def test_auto_dispatch(monkeypatch: pytest.MonkeyPatch, max_query_len: int, chun
     n = CHUNKED_MIN_QUERY_LEN
     q, k, v, g, beta, state = gdr_inputs(1, 1, 4, 4, F32, n)
     gated_delta_rule_auto(q, k, v, g, beta, state, *make_batch([(n, 0, 0)]).meta, 0.5,
-                          max_query_len=max_query_len)
+                          delta=False, max_query_len=max_query_len)  # (Mamba-2's: by default)
     assert calls == ["chunked" if chunked else "serial"]
 
 

@@ -69,6 +69,7 @@ def test_prefix_cache_resumes_from_state_snapshots(tmp_path: Path, chunked: bool
     from mrv2_kernels import chunk_delta_rule
 
     monkeypatch.setattr(chunk_delta_rule, "CHUNKED_MIN_QUERY_LEN", 4 if chunked else 10**9)
+    monkeypatch.setenv(chunk_delta_rule.CHUNKED_ENV_VAR, "1")  # (the delta rule: opt-in)
     _checkpoint(tmp_path)
     check_state_prefix_cache(tmp_path)
 
