@@ -88,16 +88,14 @@ from ._backend import use_triton as _use_triton
 from .linear_attention import (
     _KERNEL_DTYPES,
     _L2_EPS,
-    MAX_K,
-    _check_extras,
-    _check_gate_params,
     _check_gdr,
     _check_meta,
     _check_table,
     _table_host,
     _zero_tail,
-    gates_from_logits,
-    mamba_gates,
+    check_triton_args,
+    raw_gates,
+    resolve_gates,
 )
 from .linear_attention import gated_delta_rule as _serial_gated_delta_rule
 
@@ -179,11 +177,7 @@ def chunk_gated_delta_rule_ref(
     over the first ``c`` tokens alone. A second formulation of the op, independent of the
     token-serial reference and of the kernels; same results up to fp32 rounding."""
     _check_gdr(q, k, v, g, beta, state)
-    _check_extras(v, gate_params, dt_limits, skip)
-    if gate_params is not None and dt_limits is None:
-        g, beta = gates_from_logits(g, beta, *gate_params)
-    elif gate_params is not None and dt_limits is not None:
-        g, beta = mamba_gates(g, *gate_params, dt_limits)
+    g, beta = resolve_gates(g, beta, v, gate_params, dt_limits, skip)
     n = _check_meta(query_start_loc, seq_lens, state_rows)
     _check_table(state_table)
     if chunk < 1:
@@ -251,19 +245,14 @@ def _load_gates(g_ptr: tl.tensor, beta_ptr: tl.tensor, a_log_ptr: tl.tensor,
     :func:`~mrv2_kernels.linear_attention.mamba_gates` of the raw ``dt`` in ``g``), the same
     arithmetic as the token-serial kernel's."""
     gv = tl.load(g_ptr + t64 * g_st + h * g_sh, mask=live, other=0.0).to(tl.float32)
-    if MAMBA_GATES:
-        neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
-        xa = gv + tl.load(dt_bias_ptr + h).to(tl.float32)
-        sp = tl.where(xa > 20.0, xa, tl.log(1.0 + tl.exp(xa)))  # softplus
-        bv = tl.minimum(tl.maximum(sp, dt_lo), dt_hi)
-        gv = neg_a * bv
+    if MAMBA_GATES:  # (beta is the step: the same raw dt)
+        bv = gv
     else:
         bv = tl.load(beta_ptr + t64 * b_st + h * b_sh, mask=live, other=0.0).to(tl.float32)
-        if RAW_GATES:
-            neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
-            xa = gv + tl.load(dt_bias_ptr + h).to(tl.float32)
-            gv = neg_a * tl.where(xa > 20.0, xa, tl.log(1.0 + tl.exp(xa)))
-            bv = 1.0 / (1.0 + tl.exp(-bv))
+    if RAW_GATES:
+        neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
+        dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+        gv, bv = raw_gates(gv, bv, neg_a, dt_bias, dt_lo, dt_hi, MAMBA_GATES)
     return tl.where(live, gv, 0.0), tl.where(live, bv, 0.0)
 
 
@@ -510,21 +499,11 @@ def chunk_gated_delta_rule_triton(
     dim (it is updated in place, its rows also holding each program's tile between chunks).
     ``state_table``, ``gate_params``, ``dt_limits``, ``skip``, ``out_dtype``: as
     :func:`~mrv2_kernels.linear_attention.gated_delta_rule`'s (the module docstring says how)."""
-    _check_gdr(q, k, v, g, beta, state)
-    n = _check_meta(query_start_loc, seq_lens, state_rows)
-    _check_table(state_table)
-    if gate_params is not None:
-        _check_gate_params(g, *gate_params)
-    _check_extras(v, gate_params, dt_limits, skip)
-    for t in (q, k, v, beta):
-        if t.dtype not in _KERNEL_DTYPES:
-            raise TypeError(f"chunk_gated_delta_rule_triton takes fp32/bf16/fp16, got {t.dtype}")
-    if state.stride(-1) != 1:
-        raise ValueError("state must have a contiguous last dim")
+    n = check_triton_args("chunk_gated_delta_rule_triton", q, k, v, g, beta, state,
+                          query_start_loc, seq_lens, state_rows, state_table, gate_params,
+                          dt_limits, skip)
     num_tokens, hk, dk = q.shape
     hv, dv = v.shape[1:]
-    if dk > MAX_K:
-        raise ValueError(f"the key head dim must be at most {MAX_K}, got {dk}")
     on_gpu = v.is_cuda
     c = default_block(v, cuda=64, cpu=16, block=chunk)
     sub = default_block(v, cuda=16, cpu=8, block=block_sub)

@@ -404,11 +404,7 @@ def gated_delta_rule_ref(
     token by token, as HF transformers' ``torch_recurrent_gated_delta_rule`` (``delta=False``:
     the Mamba-2 SSM recurrence)."""
     _check_gdr(q, k, v, g, beta, state)
-    _check_extras(v, gate_params, dt_limits, skip)
-    if gate_params is not None and dt_limits is None:
-        g, beta = gates_from_logits(g, beta, *gate_params)
-    elif gate_params is not None and dt_limits is not None:
-        g, beta = mamba_gates(g, *gate_params, dt_limits)
+    g, beta = resolve_gates(g, beta, v, gate_params, dt_limits, skip)
     n = _check_meta(query_start_loc, seq_lens, state_rows)
     _check_table(state_table)
     hv, dk, dv = state.shape[1:]
@@ -458,6 +454,63 @@ def gates_from_logits(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
     _check_gate_params(a, a_log, dt_bias)
     g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
     return g, torch.sigmoid(b.float())
+
+
+def resolve_gates(g: torch.Tensor, beta: torch.Tensor, v: torch.Tensor,
+                  gate_params: tuple[torch.Tensor, torch.Tensor] | None,
+                  dt_limits: tuple[float, float] | None, skip: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The references' gates: the keywords checked, then ``g`` and ``beta`` as given, or made
+    from the raw projections (:func:`gates_from_logits`; with ``dt_limits``
+    :func:`mamba_gates`)."""
+    _check_extras(v, gate_params, dt_limits, skip)
+    if gate_params is None:
+        return g, beta
+    if dt_limits is None:
+        return gates_from_logits(g, beta, *gate_params)
+    return mamba_gates(g, *gate_params, dt_limits)
+
+
+def check_triton_args(
+    op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+    beta: torch.Tensor, state: torch.Tensor, query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor, state_rows: torch.Tensor, state_table: torch.Tensor | None,
+    gate_params: tuple[torch.Tensor, torch.Tensor] | None,
+    dt_limits: tuple[float, float] | None, skip: torch.Tensor | None,
+) -> int:
+    """What both Triton forms of the delta rule check before launching (``op``: the name their
+    errors give): shapes, metadata, the table and the keywords, the dtypes, the state's
+    contiguous last dim, ``K <= MAX_K``. Returns the sequence count ``N``."""
+    _check_gdr(q, k, v, g, beta, state)
+    n = _check_meta(query_start_loc, seq_lens, state_rows)
+    _check_table(state_table)
+    if gate_params is not None:
+        _check_gate_params(g, *gate_params)
+    _check_extras(v, gate_params, dt_limits, skip)
+    for t in (q, k, v, beta):
+        if t.dtype not in _KERNEL_DTYPES:
+            raise TypeError(f"{op} takes fp32/bf16/fp16, got {t.dtype}")
+    if state.stride(-1) != 1:
+        raise ValueError("state must have a contiguous last dim")
+    if q.shape[2] > MAX_K:
+        raise ValueError(f"the key head dim must be at most {MAX_K}, got {q.shape[2]}")
+    return n
+
+
+@triton.jit
+def raw_gates(gv: tl.tensor, bv: tl.tensor, neg_a: tl.tensor, dt_bias: tl.tensor,
+              dt_lo: float, dt_hi: float, MAMBA_GATES: tl.constexpr
+              ) -> tuple[tl.tensor, tl.tensor]:
+    """Triton helper shared by both kernels: the log decay and write strength (fp32, scalars
+    or vectors) from the raw ``g`` / ``beta`` values, ``neg_a = -exp(A_log[h])``:
+    :func:`gates_from_logits`' arithmetic, or with ``MAMBA_GATES`` :func:`mamba_gates`' (``beta
+    = clamp(softplus(g + dt_bias))``, ``g = neg_a * beta``; ``bv`` unused)."""
+    xa = gv + dt_bias
+    sp = tl.where(xa > 20.0, xa, tl.log(1.0 + tl.exp(xa)))  # softplus
+    if MAMBA_GATES:
+        step = tl.minimum(tl.maximum(sp, dt_lo), dt_hi)
+        return neg_a * step, step
+    return neg_a * sp, 1.0 / (1.0 + tl.exp(-bv))
 
 
 def mamba_gates(dt: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
@@ -554,14 +607,7 @@ def _gated_delta_rule_kernel(
         gt = tl.load(g_ptr + t64 * g_st + h * g_sh).to(tl.float32)
         bt = tl.load(beta_ptr + t64 * b_st + h * b_sh).to(tl.float32)
         if RAW_GATES:
-            xa = gt + dt_bias
-            sp = tl.where(xa > 20.0, xa, tl.log(1.0 + tl.exp(xa)))  # softplus
-            if MAMBA_GATES:
-                bt = tl.minimum(tl.maximum(sp, dt_lo), dt_hi)
-                gt = neg_a * bt
-            else:
-                gt = neg_a * sp
-                bt = 1.0 / (1.0 + tl.exp(-bt))
+            gt, bt = raw_gates(gt, bt, neg_a, dt_bias, dt_lo, dt_hi, MAMBA_GATES)
         v_in = vt
         if L2NORM:
             qt = qt * tl.rsqrt(tl.sum(qt * qt, axis=0) + 1e-6)
@@ -602,21 +648,10 @@ def gated_delta_rule_triton(
     loop bounds read on the device; programs ``(N, h, c)`` zero the padding tokens. q/k/v may
     be strided views (their last dim is made contiguous); ``state`` must have a contiguous
     last dim (it is updated in place)."""
-    _check_gdr(q, k, v, g, beta, state)
-    n = _check_meta(query_start_loc, seq_lens, state_rows)
-    _check_table(state_table)
-    if gate_params is not None:
-        _check_gate_params(g, *gate_params)
-    _check_extras(v, gate_params, dt_limits, skip)
-    for t in (q, k, v, beta):
-        if t.dtype not in _KERNEL_DTYPES:
-            raise TypeError(f"gated_delta_rule_triton takes fp32/bf16/fp16, got {t.dtype}")
-    if state.stride(-1) != 1:
-        raise ValueError("state must have a contiguous last dim")
+    n = check_triton_args("gated_delta_rule_triton", q, k, v, g, beta, state, query_start_loc,
+                          seq_lens, state_rows, state_table, gate_params, dt_limits, skip)
     num_tokens, hk, dk = q.shape
     hv, dv = v.shape[1:]
-    if dk > MAX_K:
-        raise ValueError(f"the key head dim must be at most {MAX_K}, got {dk}")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out = _empty((num_tokens, hv, dv), out_dtype or v.dtype, v.device)
     if out.numel() == 0:
