@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mrv2.layers.vision import VisionEncoder, VisionEncoderLayer
 from mrv2.layers.weights import load_encoder_weights
 
 __all__ = ["VISION_CHECKPOINT_PREFIXES", "Gemma3VisionEncoder"]
@@ -69,60 +70,6 @@ class _Embeddings(nn.Module):
         return x + self.position_embedding.weight
 
 
-class _Attention(nn.Module):
-    def __init__(self, dim: int, num_heads: int) -> None:
-        super().__init__()
-        if dim % num_heads:
-            raise ValueError(f"vision hidden_size {dim} not divisible by num_heads {num_heads}")
-        self.num_heads = num_heads
-        self.q_proj = nn.Linear(dim, dim)
-        self.k_proj = nn.Linear(dim, dim)
-        self.v_proj = nn.Linear(dim, dim)
-        self.out_proj = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n, seq, dim = x.shape
-        q, k, v = (proj(x).view(n, seq, self.num_heads, -1).transpose(1, 2)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
-        out = F.scaled_dot_product_attention(q, k, v)  # no mask; scale head_dim**-0.5
-        projected: torch.Tensor = self.out_proj(out.transpose(1, 2).reshape(n, seq, dim))
-        return projected
-
-
-class _MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str) -> None:
-        super().__init__()
-        if act not in _ACTIVATIONS:
-            raise ValueError(f"unsupported vision hidden_act {act!r}")
-        self.act = _ACTIVATIONS[act]
-        self.fc1 = nn.Linear(dim, hidden)
-        self.fc2 = nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.fc2(self.act(self.fc1(x)))
-        return out
-
-
-class _EncoderLayer(nn.Module):
-    def __init__(self, dim: int, num_heads: int, hidden: int, act: str, eps: float) -> None:
-        super().__init__()
-        self.layer_norm1 = nn.LayerNorm(dim, eps=eps)
-        self.self_attn = _Attention(dim, num_heads)
-        self.layer_norm2 = nn.LayerNorm(dim, eps=eps)
-        self.mlp = _MLP(dim, hidden, act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x))
-        out: torch.Tensor = x + self.mlp(self.layer_norm2(x))
-        return out
-
-
-class _Encoder(nn.Module):
-    def __init__(self, layers: Iterable[_EncoderLayer]) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(layers)
-
-
 class _VisionTransformer(nn.Module):
     """SigLIP's vision transformer without its pooling head (``last_hidden_state``)."""
 
@@ -132,8 +79,11 @@ class _VisionTransformer(nn.Module):
         act = str(getattr(cfg, "hidden_act", "gelu_pytorch_tanh"))
         self.embeddings = _Embeddings(int(getattr(cfg, "num_channels", 3)), dim,
                                       int(cfg.patch_size), num_patches)
-        self.encoder = _Encoder(
-            _EncoderLayer(dim, int(cfg.num_attention_heads), int(cfg.intermediate_size), act, eps)
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"unsupported vision hidden_act {act!r}")
+        self.encoder = VisionEncoder(
+            VisionEncoderLayer(dim, int(cfg.num_attention_heads), int(cfg.intermediate_size),
+                               _ACTIVATIONS[act], eps)
             for _ in range(int(cfg.num_hidden_layers)))
         self.post_layernorm = nn.LayerNorm(dim, eps=eps)
 

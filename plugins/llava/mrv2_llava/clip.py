@@ -45,9 +45,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from mrv2.layers.vision import VisionEncoder, VisionEncoderLayer
+from mrv2.layers.vision import vision_activation as activation
 from mrv2.layers.weights import load_encoder_weights
 
 __all__ = ["TOWER_KINDS", "VISION_CHECKPOINT_PREFIXES", "LlavaVisionEncoder", "activation",
@@ -62,24 +63,6 @@ VISION_CHECKPOINT_PREFIXES: tuple[str, ...] = (
 
 #: ``vision_config.model_type`` -> whether the tower has a CLS token and ``pre_layrnorm``.
 TOWER_KINDS: dict[str, bool] = {"clip_vision_model": True, "siglip_vision_model": False}
-
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
-    "silu": F.silu,
-    "relu": F.relu,
-}
-
-
-def activation(field: str, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The activation HF names ``name`` (config field ``field``); ValueError naming the field
-    and the allowed names for another."""
-    if name not in _ACTIVATIONS:
-        raise ValueError(f"{field}={name!r} is not supported; supported: {sorted(_ACTIVATIONS)}")
-    return _ACTIVATIONS[name]
-
 
 def _side(field: str, value: Any) -> int:
     """``value`` (an int or a square ``(h, w)`` pair) as one side; ValueError naming
@@ -148,65 +131,6 @@ class _Embeddings(nn.Module):
         return x + self.position_embedding.weight
 
 
-class _Attention(nn.Module):
-    """Bidirectional multi-head self-attention with biased projections."""
-
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        if dim % heads:
-            raise ValueError(f"vision_config.hidden_size {dim} is not divisible by "
-                             f"num_attention_heads {heads}")
-        self.num_heads = heads
-        self.q_proj = nn.Linear(dim, dim)
-        self.k_proj = nn.Linear(dim, dim)
-        self.v_proj = nn.Linear(dim, dim)
-        self.out_proj = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n, seq, dim = x.shape
-        q, k, v = (proj(x).view(n, seq, self.num_heads, -1).transpose(1, 2)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
-        out = F.scaled_dot_product_attention(q, k, v)  # (scale head_dim ** -0.5)
-        projected: torch.Tensor = self.out_proj(out.transpose(1, 2).reshape(n, seq, dim))
-        return projected
-
-
-class _MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: Callable[[torch.Tensor], torch.Tensor]
-                 ) -> None:
-        super().__init__()
-        self.act = act
-        self.fc1 = nn.Linear(dim, hidden)
-        self.fc2 = nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.fc2(self.act(self.fc1(x)))
-        return out
-
-
-class _Layer(nn.Module):
-    """One pre-norm encoder layer (CLIP's and SigLIP's are alike)."""
-
-    def __init__(self, vc: Any, act: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        super().__init__()
-        dim, eps = int(vc.hidden_size), float(vc.layer_norm_eps)
-        self.self_attn = _Attention(dim, int(vc.num_attention_heads))
-        self.layer_norm1 = nn.LayerNorm(dim, eps=eps)
-        self.mlp = _MLP(dim, int(vc.intermediate_size), act)
-        self.layer_norm2 = nn.LayerNorm(dim, eps=eps)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x))
-        out: torch.Tensor = x + self.mlp(self.layer_norm2(x))
-        return out
-
-
-class _Encoder(nn.Module):
-    def __init__(self, layers: Iterable[_Layer]) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(layers)
-
-
 class _Tower(nn.Module):
     """The vision tower's used part: embeddings, ``pre_layrnorm`` (CLIP), the first layers."""
 
@@ -217,7 +141,10 @@ class _Tower(nn.Module):
         self.pre_layrnorm: nn.Module = (
             nn.LayerNorm(int(vc.hidden_size), eps=float(vc.layer_norm_eps)) if cls_token
             else nn.Identity())
-        self.encoder = _Encoder(_Layer(vc, act) for _ in range(num_layers))
+        self.encoder = VisionEncoder(
+            VisionEncoderLayer(int(vc.hidden_size), int(vc.num_attention_heads),
+                               int(vc.intermediate_size), act, float(vc.layer_norm_eps))
+            for _ in range(num_layers))
 
 
 class _Projector(nn.Module):
