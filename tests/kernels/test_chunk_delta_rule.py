@@ -7,10 +7,8 @@ token-serial op's keywords (``state_table`` snapshots and resumes, raw GDN / Mam
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -39,55 +37,18 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:Conversion of an array with ndim:DeprecationWarning"
 )
 
-DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+sys.path.insert(0, str(Path(__file__).parent))
+from state_batches import BF16, DEVICE, F32, I32, make_batch, rand, randn  # noqa: E402
+
 if DEVICE == "cuda" and not torch.cuda.is_available():
     pytest.skip("Triton kernels need TRITON_INTERPRET=1 or a CUDA device", allow_module_level=True)
 
 CPU_ONLY = pytest.mark.skipif(DEVICE != "cpu", reason="checks the CPU dispatch")
-F32, BF16, I32 = torch.float32, torch.bfloat16, torch.int32
 
 
 @pytest.fixture
 def poisoned(poison: Callable[[ModuleType], None]) -> None:
     poison(cdr)
-
-
-def randn(*shape: int, dtype: torch.dtype = F32, seed: int = 0, scale: float = 1.0
-          ) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=gen) * scale).to(device=DEVICE, dtype=dtype)
-
-
-def rand(*shape: int, seed: int = 0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.rand(*shape, generator=gen).to(device=DEVICE)
-
-
-@dataclass
-class Batch:
-    qsl: torch.Tensor
-    seq_lens: torch.Tensor
-    rows: torch.Tensor
-    num_tokens: int  # with the padding tokens
-    real_tokens: int
-
-    @property
-    def meta(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.qsl, self.seq_lens, self.rows
-
-
-def make_batch(seqs: list[tuple[int, int, int]], pad_tokens: int = 0) -> Batch:
-    """``seqs``: (query length, start, state row) per sequence."""
-    qsl = [0]
-    for length, _, _ in seqs:
-        qsl.append(qsl[-1] + length)
-    return Batch(
-        qsl=torch.tensor(qsl, dtype=I32, device=DEVICE),
-        seq_lens=torch.tensor([q + s for q, s, _ in seqs], dtype=I32, device=DEVICE),
-        rows=torch.tensor([r for _, _, r in seqs], dtype=I32, device=DEVICE),
-        num_tokens=qsl[-1] + pad_tokens,
-        real_tokens=qsl[-1],
-    )
 
 
 # (query length, start, state row), for the CPU chunk of 16. Rows 3 and 6 are in no sequence;

@@ -4,10 +4,8 @@ against HF transformers, ``F.conv1d`` and the published Mamba-2 recurrence."""
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -34,53 +32,19 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:Conversion of an array with ndim:DeprecationWarning"
 )
 
-DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+sys.path.insert(0, str(Path(__file__).parent))
+from state_batches import BF16, DEVICE, F32, Batch, make_batch, rand, randn  # noqa: E402
+
 if DEVICE == "cuda" and not torch.cuda.is_available():
     pytest.skip("Triton kernels need TRITON_INTERPRET=1 or a CUDA device", allow_module_level=True)
 
 CPU_ONLY = pytest.mark.skipif(DEVICE != "cpu", reason="checks the CPU dispatch")
-F32, BF16, I32 = torch.float32, torch.bfloat16, torch.int32
 WIDTH = 4
 
 
 @pytest.fixture
 def poisoned(poison: Callable[[ModuleType], None]) -> None:
     poison(la)
-
-
-def randn(*shape: int, dtype: torch.dtype = F32, seed: int = 0, scale: float = 1.0
-          ) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=gen) * scale).to(device=DEVICE, dtype=dtype)
-
-
-def rand(*shape: int, seed: int = 0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.rand(*shape, generator=gen).to(device=DEVICE)
-
-
-@dataclass
-class Batch:
-    qsl: torch.Tensor
-    seq_lens: torch.Tensor
-    rows: torch.Tensor
-    num_tokens: int  # with the padding tokens
-    real_tokens: int
-
-
-def make_batch(seqs: list[tuple[int, int, int]], pad_tokens: int = 0) -> Batch:
-    """``seqs``: (query length, start, state row) per sequence."""
-    lens = [q for q, _, _ in seqs]
-    qsl = [0]
-    for n in lens:
-        qsl.append(qsl[-1] + n)
-    return Batch(
-        qsl=torch.tensor(qsl, dtype=I32, device=DEVICE),
-        seq_lens=torch.tensor([q + s for q, s, _ in seqs], dtype=I32, device=DEVICE),
-        rows=torch.tensor([r for _, _, r in seqs], dtype=I32, device=DEVICE),
-        num_tokens=qsl[-1] + pad_tokens,
-        real_tokens=qsl[-1],
-    )
 
 
 # (query length, start, state row). Rows 3 and 6 are in no sequence; row 1 holds garbage
@@ -185,8 +149,7 @@ def test_causal_conv1d_chunk_split(fn: Callable[..., torch.Tensor]) -> None:
 
 
 def _meta(seqs: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    b = make_batch(seqs)
-    return b.qsl, b.seq_lens, b.rows
+    return make_batch(seqs).meta
 
 
 # ------------------------------------------------------------------------ gated delta rule

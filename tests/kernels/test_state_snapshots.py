@@ -33,11 +33,12 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:Conversion of an array with ndim:DeprecationWarning"
 )
 
-DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+sys.path.insert(0, str(Path(__file__).parent))
+from state_batches import DEVICE, I32, make_batch, randn  # noqa: E402
+
 if DEVICE == "cuda" and not torch.cuda.is_available():
     pytest.skip("Triton kernels need TRITON_INTERPRET=1 or a CUDA device", allow_module_level=True)
 
-I32 = torch.int32
 WIDTH = 4
 ROWS = 8  # rows 0-3: requests; 4-7: snapshot slots
 HK, HV, DK, DV = 1, 2, 8, 6
@@ -48,19 +49,9 @@ def poisoned(poison: Callable[[ModuleType], None]) -> None:
     poison(la)
 
 
-def randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=gen) * scale).to(DEVICE)
-
-
 def meta(seqs: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``seqs``: (query length, start, row) -> query_start_loc, seq_lens, rows."""
-    qsl = [0]
-    for n, _, _ in seqs:
-        qsl.append(qsl[-1] + n)
-    return (torch.tensor(qsl, dtype=I32, device=DEVICE),
-            torch.tensor([n + s for n, s, _ in seqs], dtype=I32, device=DEVICE),
-            torch.tensor([r for _, _, r in seqs], dtype=I32, device=DEVICE))
+    return make_batch(seqs).meta
 
 
 def table(**rows: tuple[int, ...]) -> torch.Tensor:
