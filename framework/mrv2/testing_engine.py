@@ -14,7 +14,8 @@ import torch
 from mrv2.contract.params import SamplingParams
 from mrv2.engine.llm import LLM
 
-__all__ = ["HfInputs", "check_images_against_hf", "check_state_prefix_cache", "tokens_at_tp"]
+__all__ = ["HfInputs", "check_images_against_hf", "check_prompt_logprobs",
+           "check_state_prefix_cache", "tokens_at_tp"]
 
 
 def tokens_at_tp(path: str | Path, prompts: Sequence[Sequence[int]], params: SamplingParams,
@@ -78,17 +79,25 @@ def check_images_against_hf(llm: LLM, hf: torch.nn.Module,
         ids, items = expanded[logprobs_of]
         with torch.no_grad():
             logits = hf(torch.tensor([ids]), **hf_inputs(ids, items, prompts[logprobs_of][1]))
-        want_lp = torch.log_softmax(logits.logits[0].double(), dim=-1)
-        got = llm.generate([requests[logprobs_of]],
-                           SamplingParams(max_tokens=1, prompt_logprobs=0),
-                           use_tqdm=False)[0].prompt_logprobs
-        assert got is not None and got[0] is None and len(got) == len(ids)
-        for pos in range(1, len(ids)):
-            mine = got[pos]
-            assert mine is not None
-            diff = abs(mine[ids[pos]].logprob - float(want_lp[pos - 1, ids[pos]]))
-            assert diff <= atol, (pos, diff)
+        check_prompt_logprobs(llm, requests[logprobs_of], ids, logits.logits[0], atol)
     return expanded
+
+
+def check_prompt_logprobs(llm: LLM, request: dict[str, Any], ids: Sequence[int],
+                          logits: torch.Tensor, atol: float = 1e-4) -> None:
+    """Every position's log-probability of the prompt ``ids`` (``request``: the prompt as
+    ``LLM.generate`` takes it) from the engine (``prompt_logprobs=0``) within ``atol`` of
+    ``log_softmax(logits)``, HF's ``[len(ids), vocab]`` logits of that prompt (the first
+    position has none)."""
+    want = torch.log_softmax(logits.double(), dim=-1)
+    got = llm.generate([request], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                       use_tqdm=False)[0].prompt_logprobs
+    assert got is not None and got[0] is None and len(got) == len(ids)
+    for pos in range(1, len(ids)):
+        mine = got[pos]
+        assert mine is not None
+        diff = abs(mine[ids[pos]].logprob - float(want[pos - 1, ids[pos]]))
+        assert diff < atol, (pos, diff)
 
 
 def check_state_prefix_cache(path: str | Path, max_tokens: int = 6,

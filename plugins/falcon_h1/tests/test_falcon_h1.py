@@ -23,6 +23,7 @@ from mrv2.layers import GatedMLP, Mamba2Mixer, SelfAttention
 from mrv2.layers.embedding import ScaledEmbedding
 from mrv2.layers.mamba import GroupGatedRMSNorm
 from mrv2.testing import hf_greedy
+from mrv2.testing_engine import check_prompt_logprobs
 from mrv2_falcon_h1.model import FalconH1ForCausalLM
 from mrv2_falcon_h1.testing import save_tiny_falcon_h1
 
@@ -65,15 +66,8 @@ def _generate(llm: LLM, prompts: list[list[int]], **kwargs: Any) -> list[list[in
 def _prompt_logprobs_match(llm: LLM, hf: torch.nn.Module) -> None:
     ids = PROMPTS[2]
     with torch.no_grad():
-        want = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), dim=-1)
-    got = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1,
-                                                                   prompt_logprobs=0),
-                       use_tqdm=False)[0].prompt_logprobs
-    assert got is not None and len(got) == len(ids)
-    for pos in range(1, len(ids)):
-        mine = got[pos]
-        assert mine is not None
-        assert abs(mine[ids[pos]].logprob - float(want[pos - 1, ids[pos]])) < 1e-4, pos
+        logits = hf(torch.tensor([ids])).logits[0]
+    check_prompt_logprobs(llm, {"prompt_token_ids": ids}, ids, logits)
 
 
 @pytest.mark.parametrize("variant,kwargs", [

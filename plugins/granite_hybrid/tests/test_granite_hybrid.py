@@ -18,6 +18,7 @@ import transformers
 from mrv2 import LLM, SamplingParams
 from mrv2.layers import FusedMoE, GatedMLP, Mamba2Mixer, MoEBlock, SelfAttention
 from mrv2.testing import hf_greedy
+from mrv2.testing_engine import check_prompt_logprobs
 from mrv2_granite_hybrid.model import (
     BambaForCausalLM,
     GraniteMoeHybridForCausalLM,
@@ -57,15 +58,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Checkpoin
 def _prompt_logprobs_match(llm: LLM, hf: torch.nn.Module) -> None:
     ids = PROMPTS[2]
     with torch.no_grad():
-        want = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), dim=-1)
-    got = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1,
-                                                                   prompt_logprobs=0),
-                       use_tqdm=False)[0].prompt_logprobs
-    assert got is not None and len(got) == len(ids)
-    for pos in range(1, len(ids)):
-        mine = got[pos]
-        assert mine is not None
-        assert abs(mine[ids[pos]].logprob - float(want[pos - 1, ids[pos]])) < 1e-4, pos
+        logits = hf(torch.tensor([ids])).logits[0]
+    check_prompt_logprobs(llm, {"prompt_token_ids": ids}, ids, logits)
 
 
 @pytest.mark.parametrize("variant,kwargs", [

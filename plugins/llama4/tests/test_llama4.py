@@ -25,7 +25,7 @@ from mrv2 import LLM, SamplingParams
 from mrv2.layers import GatedMLP
 from mrv2.model_loader import iter_safetensors, load_model_weights
 from mrv2.testing import check_steps_against_hf, poisoned_caches, run_step
-from mrv2.testing_engine import tokens_at_tp
+from mrv2.testing_engine import check_prompt_logprobs, tokens_at_tp
 from mrv2_llama4.model import (
     Llama4Attention,
     Llama4ForCausalLM,
@@ -237,16 +237,8 @@ def test_engine_matches_hf(checkpoint: tuple[str, Path, torch.nn.Module]) -> Non
                             use_tqdm=False)
         assert [list(o.outputs[0].token_ids) for o in outs] == want
         prompt = PROMPTS[1]
-        got = llm.generate([{"prompt_token_ids": prompt}],
-                           SamplingParams(max_tokens=1, prompt_logprobs=0),
-                           use_tqdm=False)[0].prompt_logprobs
-        want_lp = torch.log_softmax(_hf_logits(hf, prompt).double(), dim=-1)
-        assert got is not None and got[0] is None and len(got) == len(prompt)
-        for pos in range(1, len(prompt)):
-            mine = got[pos]
-            assert mine is not None
-            diff = abs(mine[prompt[pos]].logprob - float(want_lp[pos - 1, prompt[pos]]))
-            assert diff <= 1e-4, (pos, diff)
+        check_prompt_logprobs(llm, {"prompt_token_ids": prompt}, prompt,
+                              _hf_logits(hf, prompt))
         if case == "conditional":
             image = {"prompt_token_ids": [5, 125, 6], "multi_modal_data": {"image": object()}}
             with pytest.raises(ValueError, match=r"multi_modal_data\.image: Llama 4's vision"):

@@ -28,7 +28,7 @@ from mrv2.contract.forward_context import ForwardContext, set_forward_context
 from mrv2.contract.kv_cache import layer_specs
 from mrv2.contract.request_state import allocate_request_states, request_state_layers
 from mrv2.testing import hf_greedy, redraw_weights
-from mrv2.testing_engine import check_state_prefix_cache, tokens_at_tp
+from mrv2.testing_engine import check_prompt_logprobs, check_state_prefix_cache, tokens_at_tp
 from mrv2_mamba import model as mamba_model
 from mrv2_mamba.model import FinalNorm, Mamba2Block, Mamba2ForCausalLM, Mamba2Mixer
 from mrv2_mamba.testing import TINY_MAMBA2, hf_gated_norm_per_group, save_tiny_mamba2
@@ -70,15 +70,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Checkpoin
 def _prompt_logprobs_match(llm: LLM, hf: torch.nn.Module, groups: int) -> None:
     ids = PROMPTS[2]
     with torch.no_grad(), hf_gated_norm_per_group(groups):
-        want = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), dim=-1)
-    got = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1,
-                                                                   prompt_logprobs=0),
-                       use_tqdm=False)[0].prompt_logprobs
-    assert got is not None and len(got) == len(ids)
-    for pos in range(1, len(ids)):
-        mine = got[pos]
-        assert mine is not None
-        assert abs(mine[ids[pos]].logprob - float(want[pos - 1, ids[pos]])) < 1e-4, pos
+        logits = hf(torch.tensor([ids])).logits[0]
+    check_prompt_logprobs(llm, {"prompt_token_ids": ids}, ids, logits)
 
 
 def _use_triton(monkeypatch: pytest.MonkeyPatch) -> None:

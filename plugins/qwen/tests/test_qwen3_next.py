@@ -18,7 +18,7 @@ import transformers
 from mrv2 import LLM, SamplingParams
 from mrv2.layers import MoEBlock
 from mrv2.testing import hf_greedy
-from mrv2.testing_engine import check_state_prefix_cache, tokens_at_tp
+from mrv2.testing_engine import check_prompt_logprobs, check_state_prefix_cache, tokens_at_tp
 from mrv2_qwen.qwen3_next import GatedDeltaNet, Qwen3NextForCausalLM
 from mrv2_qwen.testing import save_tiny_qwen3_next
 
@@ -50,15 +50,8 @@ def test_greedy_and_logprobs_match_hf(tmp_path: Path, kwargs: dict[str, Any]) ->
 
     ids = PROMPTS[2]
     with torch.no_grad():
-        want_lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), dim=-1)
-    got = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1,
-                                                                   prompt_logprobs=0),
-                       use_tqdm=False)[0].prompt_logprobs
-    assert got is not None and len(got) == len(ids)
-    for pos in range(1, len(ids)):
-        mine = got[pos]
-        assert mine is not None
-        assert abs(mine[ids[pos]].logprob - float(want_lp[pos - 1, ids[pos]])) < 1e-4, pos
+        logits = hf(torch.tensor([ids])).logits[0]
+    check_prompt_logprobs(llm, {"prompt_token_ids": ids}, ids, logits)
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["serial", "chunked"])
