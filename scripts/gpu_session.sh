@@ -338,7 +338,7 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                   # (prefix caching through state snapshots now on); then Qwen3-Next's batch-1
                   # profile with the fused glue
                   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear_attention.py \
-                    tests/kernels/test_state_snapshots.py tests/kernels/test_gated_rms_norm.py tests/kernels/test_moe_router.py 2>&1 \
+                    tests/kernels/test_state_snapshots.py tests/kernels/test_state_row_slots.py tests/kernels/test_gated_rms_norm.py tests/kernels/test_moe_router.py 2>&1 \
                     | tee "$OUT/hybrid_kernel_tests.log" | tail -2
                   timeout 330 python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_qwen3_next.py \
                     tests/gpu/test_gpu_nemotron_h.py tests/gpu/test_gpu_granite_hybrid.py tests/gpu/test_gpu_falcon_h1.py tests/gpu/test_gpu_mamba2.py \
@@ -351,7 +351,7 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
               | tee "$OUT/llama4_gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -5 ;;
     hybridmin) # the least of hybridquick: the kernel tests on CUDA, then Qwen3-Next's profile
                timeout 110 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear_attention.py \
-                 tests/kernels/test_state_snapshots.py tests/kernels/test_gated_rms_norm.py tests/kernels/test_moe_router.py 2>&1 \
+                 tests/kernels/test_state_snapshots.py tests/kernels/test_state_row_slots.py tests/kernels/test_gated_rms_norm.py tests/kernels/test_moe_router.py 2>&1 \
                  | tee "$OUT/hybrid_kernel_tests.log" | tail -2
                timeout 130 python3 scripts/profile_decode.py --model Qwen3-Next-80B-A3B --batch 1 \
                  --steps 32 --hf-overrides '{"num_hidden_layers": 8}' --trace "" 2>&1 \
@@ -359,7 +359,7 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
     hybridquick) # hybridverify cut down for a short budget: the kernel tests on CUDA, the
                  # Qwen3-Next and Nemotron-H GPU tests, Qwen3-Next's batch-1 profile and TPOT
                  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear_attention.py \
-                   tests/kernels/test_state_snapshots.py tests/kernels/test_gated_rms_norm.py tests/kernels/test_moe_router.py 2>&1 \
+                   tests/kernels/test_state_snapshots.py tests/kernels/test_state_row_slots.py tests/kernels/test_gated_rms_norm.py tests/kernels/test_moe_router.py 2>&1 \
                    | tee "$OUT/hybrid_kernel_tests.log" | tail -2
                  timeout 200 python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_qwen3_next.py \
                    tests/gpu/test_gpu_nemotron_h.py 2>&1 | tee "$OUT/hybrid_gpu_tests.log" \

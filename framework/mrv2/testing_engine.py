@@ -1,7 +1,8 @@
 """Helpers for tests that run the engine (above :mod:`mrv2.engine`, beside the lower
 :mod:`mrv2.testing`): the tokens an ``LLM`` generates at each tensor-parallel size, the
 check every image family runs against HF transformers (:func:`check_images_against_hf`) and
-the one every family with per-request state runs (:func:`check_state_prefix_cache`)."""
+the ones every family with per-request state runs (:func:`check_state_prefix_cache`,
+:func:`check_state_speculation`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from mrv2.contract.params import SamplingParams
 from mrv2.engine.llm import LLM
 
 __all__ = ["HfInputs", "check_images_against_hf", "check_prompt_logprobs",
-           "check_state_prefix_cache", "tokens_at_tp"]
+           "check_state_prefix_cache", "check_state_speculation", "tokens_at_tp"]
 
 
 def tokens_at_tp(path: str | Path, prompts: Sequence[Sequence[int]], params: SamplingParams,
@@ -145,3 +146,29 @@ def check_state_prefix_cache(path: str | Path, max_tokens: int = 6,
     assert tight_snaps is not None and tight_snaps.num_evicted > 0
     tight.engine.shutdown()
     return llm
+
+
+def check_state_speculation(path: str | Path, max_tokens: int = 20,
+                            **llm_kwargs: Any) -> dict[str, Any]:
+    """A model with per-request state (linear attention, Mamba) under speculative decoding
+    (n-gram drafts, 3 a step): greedy tokens equal HF ``generate`` for prompts that repeat
+    themselves (so drafts come, and the random model keeps some and rejects others: asserted
+    from the engine's counts), several requests at once, prompts split across steps (chunks
+    of 8 tokens), block size 4. Returns the engine's stats."""
+    from mrv2.testing import hf_greedy
+
+    motif = [[5, 9, 13, 17, 21], [40, 3, 40, 3, 40, 3, 7], [60 + i % 4 for i in range(11)]]
+    prompts = [m * 3 for m in motif] + [[11, 12, 13, 14] * 2 + [11, 12]]
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4,
+              max_num_batched_tokens=8, speculative_config={
+                  "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                  "prompt_lookup_min": 1}, **llm_kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    want = [hf_greedy(path, p, max_tokens) for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == want
+    stats = dict(llm.engine.stats())
+    drafted, kept = stats["spec_num_draft_tokens"], stats["spec_num_accepted_tokens"]
+    assert 0 < kept < drafted, (kept, drafted)  # drafts both kept and rejected
+    llm.engine.shutdown()
+    return stats

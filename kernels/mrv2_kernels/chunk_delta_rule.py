@@ -607,13 +607,21 @@ def gated_delta_rule_auto(
     gate_params: tuple[torch.Tensor, torch.Tensor] | None = None,
     dt_limits: tuple[float, float] | None = None, skip: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None, max_query_len: int | None = None,
+    row_slots: int = 1,
 ) -> torch.Tensor:
     """The gated delta rule by the faster form for the step: :func:`chunk_gated_delta_rule`
     where :func:`prefer_chunked` says so (from ``q``'s token count, the sequence count and
     ``max_query_len``), else the token-serial
     :func:`~mrv2_kernels.linear_attention.gated_delta_rule`; every keyword of the latter
-    (``state_table``, ``gate_params``, ``dt_limits``, ``skip``, ``out_dtype``) passed on. Same
-    results up to fp32 rounding either way."""
+    (``state_table``, ``gate_params``, ``dt_limits``, ``skip``, ``out_dtype``, ``row_slots``)
+    passed on. Same results up to fp32 rounding either way. With ``row_slots > 1``
+    (speculative decoding) the token-serial form always: it keeps the states after each of a
+    chunk's last tokens, which the chunked form does not."""
+    if row_slots != 1:
+        return _serial_gated_delta_rule(
+            q, k, v, g, beta, state, query_start_loc, seq_lens, state_rows, scale, l2norm_qk,
+            delta=delta, state_table=state_table, gate_params=gate_params,
+            dt_limits=dt_limits, skip=skip, out_dtype=out_dtype, row_slots=row_slots)
     # The delta rule itself (Gated DeltaNet) stays token-serial unless MRV2_CHUNKED_DELTA_RULE=1:
     # on the H200 the chunked kernel took 10.5 ms for one 4,096-token Qwen3-Next prompt
     # against 7.4 token-serial, 3.7 against 2.0 for 8 x 512 (BENCHMARKS.md, 2026-12-06);

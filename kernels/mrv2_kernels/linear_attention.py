@@ -24,6 +24,15 @@ tokens is also stored in row ``snap_row`` (a snapshot for later requests). A row
 ``(row, -1, -1, 0, -1, 0)`` mean neither. Snapshot rows are distinct from every row the step
 reads or writes otherwise (the engine's rule), so the stores race with nothing.
 
+Speculative decoding (``row_slots = S > 1``, the verify step's ``1 + k`` tokens): each
+sequence owns ``S`` consecutive state rows, ``state_rows[i] * S + j``, and the state after a
+sequence's first ``c`` tokens lives in row ``state_rows[i] * S + c % S``. A chunk reads its
+initial state from the row of its ``start`` and stores the states after each of its last ``S``
+tokens (the final one included), so the next step, whose ``start`` is the accepted count the
+device computed, reads the state after the last accepted token: rejected drafts are dropped
+without a host sync and without recomputing anything. ``S = 1`` is the plain layout. Table rows
+(``src_row``, snapshot rows) are absolute rows (snapshot slots after the ``R_req * S`` rows).
+
 State layouts: the conv state is ``[R, W - 1, D]`` in ``x``'s dtype (each row's last ``W - 1``
 inputs, oldest first); the recurrent state is ``[R, Hv, K, V]`` fp32. Outputs are zero on
 padding tokens (the kernels write those zeros; nothing is left uninitialised).
@@ -46,10 +55,12 @@ import triton.language as tl
 from ._backend import cdiv, default_block, next_power_of_2, pdl, pdl_prologue, use_triton
 
 __all__ = [
+    "MAX_ROW_SLOTS",
     "STATE_TABLE_COLS",
     "causal_conv1d",
     "causal_conv1d_ref",
     "causal_conv1d_triton",
+    "check_row_slots",
     "gated_delta_rule",
     "gated_delta_rule_ref",
     "default_state_table",
@@ -63,6 +74,8 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: The largest key head dim of :func:`gated_delta_rule_triton` (one register tile of K).
 MAX_K = 256
 _L2_EPS = 1e-6
+#: The most state rows a sequence may own (``row_slots``: 1 + at most 16 drafts).
+MAX_ROW_SLOTS = 17
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -94,14 +107,32 @@ def _check_table(state_table: torch.Tensor | None) -> None:
         raise TypeError("state_table must be int32 with a contiguous last dim")
 
 
-def _table_host(state_table: torch.Tensor | None, row: int, start: int
+def _table_host(state_table: torch.Tensor | None, row: int, start: int, row_slots: int = 1
                 ) -> tuple[int, list[tuple[int, int]]]:
     """The references' reading of ``state_table``: the row to read the initial state from and
     the ``(tokens into the chunk, row)`` of each snapshot (unfiltered by the chunk length)."""
+    own = row * row_slots + start % row_slots
     if state_table is None:
-        return row, []
+        return own, []
     src_row, src_pos, p0, r0, p1, r1 = state_table[row].tolist()
-    return (src_row if start == src_pos else row), [(p0 - start, r0), (p1 - start, r1)]
+    return (src_row if start == src_pos else own), [(p0 - start, r0), (p1 - start, r1)]
+
+
+def check_row_slots(row_slots: int) -> int:
+    """``row_slots`` as an int, ``ValueError`` unless it is 1 to 17 (``1 +
+    num_speculative_tokens``, at most 16 drafts)."""
+    if isinstance(row_slots, bool) or not isinstance(row_slots, int) or not \
+            1 <= row_slots <= MAX_ROW_SLOTS:
+        raise ValueError(f"row_slots must be an int in 1..{MAX_ROW_SLOTS} (1 + "
+                         f"num_speculative_tokens), got {row_slots!r}")
+    return row_slots
+
+
+def kept_counts(start: int, length: int, row_slots: int) -> list[tuple[int, int]]:
+    """The references' stores of a chunk: ``(tokens into the chunk, row offset)`` of the states
+    kept, the chunk's last ``row_slots`` (the final one last)."""
+    return [(c, (start + c) % row_slots) for c in range(max(1, length - row_slots + 1),
+                                                         length + 1)]
 
 
 def _check_meta(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
@@ -160,11 +191,13 @@ def causal_conv1d_ref(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, state_rows: torch.Tensor,
     activation: str | None = None, state_table: torch.Tensor | None = None,
+    row_slots: int = 1,
 ) -> torch.Tensor:
     """Plain-torch specification of :func:`causal_conv1d` (reads the metadata on the host)."""
     _check_conv(x, weight, bias, conv_state, activation)
     n = _check_meta(query_start_loc, seq_lens, state_rows)
     _check_table(state_table)
+    slots = check_row_slots(row_slots)
     width = weight.shape[1]
     w = weight.float()
     out = torch.zeros_like(x)
@@ -174,9 +207,9 @@ def causal_conv1d_ref(
         length = eos - bos
         if length <= 0:
             continue
-        row = rows[i]
-        src, snaps = _table_host(state_table, row, lens[i] - length)
-        if lens[i] - length > 0:
+        row, start = rows[i], lens[i] - length
+        src, snaps = _table_host(state_table, row, start, slots)
+        if start > 0:
             ctx = conv_state[src].float()
         else:
             ctx = torch.zeros(width - 1, x.shape[1], dtype=torch.float32, device=x.device)
@@ -192,7 +225,8 @@ def causal_conv1d_ref(
         if activation == "silu":
             acc = F.silu(acc)
         out[bos:eos] = acc.to(x.dtype)
-        conv_state[row] = xs[length:].to(conv_state.dtype)
+        for c, j in kept_counts(start, length, slots):  # the state after c tokens
+            conv_state[row * slots + j] = xs[c:c + width - 1].to(conv_state.dtype)
     return out
 
 
@@ -204,7 +238,8 @@ def _causal_conv1d_kernel(
     num_seqs: int, num_tokens: int, dim: int,
     x_stride: int, out_stride: int, w_stride: int, s_row_stride: int, s_t_stride: int,
     WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, HAS_TABLE: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, HAS_TABLE: tl.constexpr,
+    ROW_SLOTS: tl.constexpr, PDL: tl.constexpr,
 ) -> None:
     pdl_prologue(PDL)
     # Programs (i < N, d block): sequence i's channels; program (N, d block): padding tokens.
@@ -222,13 +257,13 @@ def _causal_conv1d_kernel(
     start = tl.load(seq_lens_ptr + seq).to(tl.int32) - n
     has_init = start > 0
     row = tl.load(rows_ptr + seq).to(tl.int64)
-    s_base = state_ptr + row * s_row_stride
-    src_base = s_base  # the initial state's row
+    s_base = state_ptr + row * ROW_SLOTS * s_row_stride  # the sequence's first state row
+    src_base = s_base + (start % ROW_SLOTS) * s_row_stride  # the initial state's row
     if HAS_TABLE:
         tbl = tbl_ptr + row * 6
         src_row = tl.load(tbl).to(tl.int64)
         src_base = tl.where(start == tl.load(tbl + 1), state_ptr + src_row * s_row_stride,
-                            s_base)
+                            src_base)
     x_base = x_ptr + bos.to(tl.int64) * x_stride
     if HAS_BIAS:
         bias = tl.load(b_ptr + d, mask=dmask, other=0.0).to(tl.float32)
@@ -261,36 +296,38 @@ def _causal_conv1d_kernel(
             if (c > 0) & (c <= n):
                 snap_base = state_ptr + tl.load(tbl + 3 + 2 * k).to(tl.int64) * s_row_stride
                 _conv_state_store(snap_base, x_base, src_base, c, has_init, r, d, dmask,
-                                  x_stride, s_t_stride, WIDTH)
-    # New state row r is chunk position n - (WIDTH - 1) + r: an input, or (a chunk shorter
-    # than WIDTH - 1) an old context row, read here before any of them is overwritten.
-    p = n - (WIDTH - 1) + r
-    rmask = (r < WIDTH - 1)[:, None] & dmask[None, :]
-    from_x = rmask & (p >= 0)[:, None]
-    src = x_base + tl.maximum(p, 0).to(tl.int64)[:, None] * x_stride + d[None, :]
-    xv = tl.load(src, mask=from_x, other=0.0).to(tl.float32)
-    from_ctx = rmask & ((p < 0) & has_init)[:, None]
-    ctx = src_base + tl.maximum(p + (WIDTH - 1), 0)[:, None] * s_t_stride + d[None, :]
-    cv = tl.load(ctx, mask=from_ctx, other=0.0).to(tl.float32)
-    tl.debug_barrier()  # every thread's reads of the old rows precede any write
-    dst = s_base + r[:, None] * s_t_stride + d[None, :]
-    tl.store(dst, (xv + cv).to(state_ptr.dtype.element_ty), mask=rmask)
+                                  x_stride, s_t_stride, WIDTH, False)
+    # The states after the chunk's last ROW_SLOTS counts c (1 <= c <= n), the state after c
+    # tokens in row c % ROW_SLOTS (of the sequence's rows). Only the count that is a multiple
+    # of ROW_SLOTS goes to the initial state's row (the whole chunk's, with ROW_SLOTS 1): it
+    # comes last, each store's reads of the old rows before its writes.
+    last = (n // ROW_SLOTS) * ROW_SLOTS
+    for u in tl.static_range(ROW_SLOTS):
+        c = last + 1 + u
+        c = tl.where(c > n, c - ROW_SLOTS, c)
+        if c >= 1:
+            _conv_state_store(s_base + ((start + c) % ROW_SLOTS) * s_row_stride, x_base,
+                              src_base, c, has_init, r, d, dmask, x_stride, s_t_stride, WIDTH,
+                              True)
 
 
 @triton.jit
 def _conv_state_store(dst_base: tl.tensor, x_base: tl.tensor, ctx_base: tl.tensor,
                       c: tl.tensor, has_init: tl.tensor, r: tl.tensor, d: tl.tensor,
                       dmask: tl.tensor, x_stride: int, s_t_stride: int,
-                      WIDTH: tl.constexpr) -> None:
+                      WIDTH: tl.constexpr, BARRIER: tl.constexpr) -> None:
     """Triton helper: the conv state after the chunk's first ``c`` tokens (its rows ``r``:
     chunk position ``c - (WIDTH - 1) + r``, an input or an old context row) into
-    ``dst_base``."""
+    ``dst_base``; ``BARRIER``: every thread's reads precede any write (``dst_base`` may be the
+    context's row)."""
     p = c - (WIDTH - 1) + r
     rmask = (r < WIDTH - 1)[:, None] & dmask[None, :]
     src = x_base + tl.maximum(p, 0).to(tl.int64)[:, None] * x_stride + d[None, :]
     xv = tl.load(src, mask=rmask & (p >= 0)[:, None], other=0.0).to(tl.float32)
     ctx = ctx_base + tl.maximum(p + (WIDTH - 1), 0)[:, None] * s_t_stride + d[None, :]
     cv = tl.load(ctx, mask=rmask & ((p < 0) & has_init)[:, None], other=0.0).to(tl.float32)
+    if BARRIER:
+        tl.debug_barrier()
     dst = dst_base + r[:, None] * s_t_stride + d[None, :]
     tl.store(dst, (xv + cv).to(dst_base.dtype.element_ty), mask=rmask)
 
@@ -299,6 +336,7 @@ def causal_conv1d_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, state_rows: torch.Tensor,
     activation: str | None = None, state_table: torch.Tensor | None = None,
+    row_slots: int = 1,
     *,
     block_t: int | None = None,
     block_d: int | None = None,
@@ -311,6 +349,7 @@ def causal_conv1d_triton(
     _check_conv(x, weight, bias, conv_state, activation)
     n = _check_meta(query_start_loc, seq_lens, state_rows)
     _check_table(state_table)
+    slots = check_row_slots(row_slots)
     if x.dtype not in _KERNEL_DTYPES:
         raise TypeError(f"causal_conv1d_triton takes fp32/bf16/fp16, got {x.dtype}")
     if conv_state.stride(-1) != 1:
@@ -335,7 +374,7 @@ def causal_conv1d_triton(
         conv_state.stride(1),
         WIDTH=width, HAS_BIAS=bias is not None, SILU=activation == "silu",
         BLOCK_T=bt, BLOCK_D=bd, BLOCK_W=next_power_of_2(width - 1),
-        HAS_TABLE=state_table is not None,
+        HAS_TABLE=state_table is not None, ROW_SLOTS=slots,
         # (16 x 256 tiles: ptxas (sm_90) gives 4 warps 255 registers and 68-88 bytes of
         # spills, 8 warps 128-138 registers and none)
         num_warps=(8 if bt * bd >= 4096 else 4 if bt * bd >= 2048 else 2) if x.is_cuda else 1,
@@ -348,6 +387,7 @@ def causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, state_rows: torch.Tensor,
     activation: str | None = None, state_table: torch.Tensor | None = None,
+    row_slots: int = 1,
 ) -> torch.Tensor:
     """Varlen causal depthwise conv1d with a rolling per-row state (Qwen3-Next's q/k/v conv).
 
@@ -358,15 +398,16 @@ def causal_conv1d(
     x[tokens])``; ``out[t] = act(bias + sum_j weight[:, j] * xs[t + j])`` in fp32 (the last tap
     multiplies the current token: ``nn.Conv1d(groups=D, padding=W - 1)`` truncated to the
     sequence); then ``conv_state[row] = xs[-(W - 1):]``, in place. Returns ``out`` ``[T, D]`` in
-    ``x``'s dtype, zero on padding tokens. ``state_table``: snapshots and resumed states
-    (module docstring). Runs :func:`causal_conv1d_triton` when :func:`use_triton` says so, else
+    ``x``'s dtype, zero on padding tokens. ``state_table``: snapshots and resumed states;
+    ``row_slots``: the rows a sequence owns under speculative decoding (module docstring). Runs
+    :func:`causal_conv1d_triton` when :func:`use_triton` says so, else
     :func:`causal_conv1d_ref`.
     """
     if use_triton(x) and x.dtype in _KERNEL_DTYPES:
         return causal_conv1d_triton(x, weight, bias, conv_state, query_start_loc, seq_lens,
-                                    state_rows, activation, state_table)
+                                    state_rows, activation, state_table, row_slots)
     return causal_conv1d_ref(x, weight, bias, conv_state, query_start_loc, seq_lens,
-                             state_rows, activation, state_table)
+                             state_rows, activation, state_table, row_slots)
 
 
 # ---------------------------------------------------------------------- gated delta rule
@@ -398,7 +439,7 @@ def gated_delta_rule_ref(
     state_table: torch.Tensor | None = None,
     gate_params: tuple[torch.Tensor, torch.Tensor] | None = None,
     dt_limits: tuple[float, float] | None = None, skip: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None, row_slots: int = 1,
 ) -> torch.Tensor:
     """Plain-torch specification of :func:`gated_delta_rule` (reads the metadata on the host):
     token by token, as HF transformers' ``torch_recurrent_gated_delta_rule`` (``delta=False``:
@@ -407,6 +448,7 @@ def gated_delta_rule_ref(
     g, beta = resolve_gates(g, beta, v, gate_params, dt_limits, skip)
     n = _check_meta(query_start_loc, seq_lens, state_rows)
     _check_table(state_table)
+    slots = check_row_slots(row_slots)
     hv, dk, dv = state.shape[1:]
     group = hv // q.shape[1]
     out = torch.zeros(v.shape, dtype=out_dtype or v.dtype, device=v.device)
@@ -416,9 +458,10 @@ def gated_delta_rule_ref(
         length = eos - bos
         if length <= 0:
             continue
-        row = rows[i]
-        src, snaps = _table_host(state_table, row, lens[i] - length)
-        if lens[i] - length > 0:
+        row, start = rows[i], lens[i] - length
+        src, snaps = _table_host(state_table, row, start, slots)
+        keep = dict(kept_counts(start, length, slots))
+        if start > 0:
             s = state[src].clone()
         else:
             s = torch.zeros(hv, dk, dv, dtype=torch.float32, device=state.device)
@@ -442,7 +485,8 @@ def gated_delta_rule_ref(
             for c, snap_row in snaps:
                 if c == t + 1:
                     state[snap_row] = s
-        state[row] = s
+            if t + 1 in keep:
+                state[row * slots + keep[t + 1]] = s
     return out
 
 
@@ -553,7 +597,8 @@ def _gated_delta_rule_kernel(
     s_sr: int, s_sh: int, s_sk: int,
     L2NORM: tl.constexpr, DELTA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_T: tl.constexpr, HAS_TABLE: tl.constexpr, RAW_GATES: tl.constexpr,
-    MAMBA_GATES: tl.constexpr, HAS_SKIP: tl.constexpr, PDL: tl.constexpr,
+    MAMBA_GATES: tl.constexpr, HAS_SKIP: tl.constexpr, ROW_SLOTS: tl.constexpr,
+    PDL: tl.constexpr,
 ) -> None:
     pdl_prologue(PDL)
     # Programs (i < N, v head, V block) run sequence i; programs (N, ...) zero the padding.
@@ -580,14 +625,16 @@ def _gated_delta_rule_kernel(
     # The table as scalars (rows and in-chunk counts): the snapshot stores below are scalar
     # branches, so no second or third [K, V] pointer tensor stays live through the token loop
     # (they spilled: 184 bytes at K = 128, V block 32).
-    src_row = row
+    n = eos - bos
+    base = row * ROW_SLOTS  # the sequence's first state row (ROW_SLOTS: module docstring)
+    src_row = base + start % ROW_SLOTS
     c0 = -1  # snapshots: after c0 / c1 tokens, into rows snap0 / snap1
     c1 = -1
     snap0 = row
     snap1 = row
     if HAS_TABLE:
         tbl = tbl_ptr + row * 6
-        src_row = tl.where(start == tl.load(tbl + 1), tl.load(tbl).to(tl.int64), row)
+        src_row = tl.where(start == tl.load(tbl + 1), tl.load(tbl).to(tl.int64), src_row)
         c0 = tl.load(tbl + 2) - start
         snap0 = tl.load(tbl + 3).to(tl.int64)
         c1 = tl.load(tbl + 4) - start
@@ -599,7 +646,7 @@ def _gated_delta_rule_kernel(
     if HAS_SKIP:
         skip = tl.load(skip_ptr + h).to(tl.float32)
     bos64 = bos.to(tl.int64)
-    for i in range(0, eos - bos):
+    for i in range(0, n):
         t64 = bos64 + i
         qt = tl.load(q_ptr + t64 * q_st + hk * q_sh + kk, mask=kmask, other=0.0).to(tl.float32)
         kt = tl.load(k_ptr + t64 * k_st + hk * k_sh + kk, mask=kmask, other=0.0).to(tl.float32)
@@ -627,7 +674,12 @@ def _gated_delta_rule_kernel(
                 tl.store(state_ptr + snap0 * s_sr + tile, s, mask=smask)
             if i + 1 == c1:
                 tl.store(state_ptr + snap1 * s_sr + tile, s, mask=smask)
-    tl.store(state_ptr + row * s_sr + tile, s, mask=smask)
+        if ROW_SLOTS > 1:  # noqa: SIM102 (constexpr: compiled out at 1)
+            # the states after the chunk's last tokens but the final one
+            if (i + ROW_SLOTS >= n) & (i + 1 < n):
+                kept = base + (start + i + 1) % ROW_SLOTS
+                tl.store(state_ptr + kept * s_sr + tile, s, mask=smask)
+    tl.store(state_ptr + (base + (start + n) % ROW_SLOTS) * s_sr + tile, s, mask=smask)
 
 
 def gated_delta_rule_triton(
@@ -639,7 +691,7 @@ def gated_delta_rule_triton(
     state_table: torch.Tensor | None = None,
     gate_params: tuple[torch.Tensor, torch.Tensor] | None = None,
     dt_limits: tuple[float, float] | None = None, skip: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None, row_slots: int = 1,
     block_v: int | None = None,
 ) -> torch.Tensor:
     """Triton implementation of :func:`gated_delta_rule`: one launch, grid ``(N + 1, Hv, V /
@@ -650,6 +702,7 @@ def gated_delta_rule_triton(
     last dim (it is updated in place)."""
     n = check_triton_args("gated_delta_rule_triton", q, k, v, g, beta, state, query_start_loc,
                           seq_lens, state_rows, state_table, gate_params, dt_limits, skip)
+    slots = check_row_slots(row_slots)
     num_tokens, hk, dk = q.shape
     hv, dv = v.shape[1:]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
@@ -673,7 +726,7 @@ def gated_delta_rule_triton(
         state.stride(0), state.stride(1), state.stride(2),
         L2NORM=l2norm_qk, DELTA=delta, BLOCK_K=block_k, BLOCK_V=bv, BLOCK_T=8,
         HAS_TABLE=state_table is not None, RAW_GATES=gate_params is not None,
-        MAMBA_GATES=dt_limits is not None, HAS_SKIP=skip is not None,
+        MAMBA_GATES=dt_limits is not None, HAS_SKIP=skip is not None, ROW_SLOTS=slots,
         num_warps=warps,
         **pdl(v),
     )
@@ -687,7 +740,7 @@ def gated_delta_rule(
     state_table: torch.Tensor | None = None,
     gate_params: tuple[torch.Tensor, torch.Tensor] | None = None,
     dt_limits: tuple[float, float] | None = None, skip: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None, row_slots: int = 1,
 ) -> torch.Tensor:
     """Varlen gated delta rule with a per-row fp32 matrix state (Qwen3-Next's linear attention).
 
@@ -705,16 +758,13 @@ def gated_delta_rule(
     dt_bias)``: ``g`` and ``beta`` are the raw projections ``a`` and ``b``, turned into the decay
     and write strength inside the op (:func:`gates_from_logits`); with ``dt_limits`` both are
     the raw ``dt`` of a Mamba-2 mixer (:func:`mamba_gates`). ``skip`` ``[Hv]``: ``o += skip[h] *
-    v`` (Mamba-2's ``D``). ``out_dtype``: the output's (default ``v``'s). Runs
+    v`` (Mamba-2's ``D``). ``out_dtype``: the output's (default ``v``'s). ``row_slots``: the
+    rows a sequence owns under speculative decoding (module docstring). Runs
     :func:`gated_delta_rule_triton` when :func:`use_triton` says so, else
     :func:`gated_delta_rule_ref`.
     """
-    if use_triton(v) and all(t.dtype in _KERNEL_DTYPES for t in (q, k, v, beta)):
-        return gated_delta_rule_triton(q, k, v, g, beta, state, query_start_loc, seq_lens,
-                                       state_rows, scale, l2norm_qk, delta=delta,
-                                       state_table=state_table, gate_params=gate_params,
-                                       dt_limits=dt_limits, skip=skip, out_dtype=out_dtype)
-    return gated_delta_rule_ref(q, k, v, g, beta, state, query_start_loc, seq_lens,
-                                state_rows, scale, l2norm_qk, delta=delta,
-                                state_table=state_table, gate_params=gate_params,
-                                dt_limits=dt_limits, skip=skip, out_dtype=out_dtype)
+    op = (gated_delta_rule_triton if use_triton(v) and all(
+        t.dtype in _KERNEL_DTYPES for t in (q, k, v, beta)) else gated_delta_rule_ref)
+    return op(q, k, v, g, beta, state, query_start_loc, seq_lens, state_rows, scale, l2norm_qk,
+              delta=delta, state_table=state_table, gate_params=gate_params,
+              dt_limits=dt_limits, skip=skip, out_dtype=out_dtype, row_slots=row_slots)

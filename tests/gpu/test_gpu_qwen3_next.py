@@ -1,7 +1,8 @@
 """GPU: Qwen3-Next (Gated DeltaNet layers with per-request state, gated attention, the gated
 shared expert) through the engine on the Triton state kernels: fp32 greedy tokens are HF's with
 CUDA graphs (decode and mixed steps) and without, prompts split across steps and requests
-preempted; bf16 graphs on and off agree and start with HF's tokens; a step never synchronizes.
+preempted, and with n-gram speculation (rejected drafts leave no trace in the state); bf16
+graphs on and off agree and start with HF's tokens; a step never synchronizes.
 
 Run on a CUDA machine with ``MRV2_TEST_GPU=1 python -m pytest -m gpu``.
 """
@@ -60,3 +61,26 @@ def test_qwen3_next_steps_never_synchronize(tmp_path: Path) -> None:
     tokens = run_steps_without_sync(runner, PROMPTS)
     assert tokens
     runner.shutdown()
+
+
+def test_qwen3_next_speculative_decoding_with_graphs(tmp_path: Path) -> None:
+    """n-gram drafts (3 a step) verified through the Triton state kernels with their rows per
+    request (``row_slots`` 4), in CUDA graphs and eager: fp32 greedy tokens are HF's, drafts
+    both kept and rejected; then the same with prefix caching's snapshots beside them."""
+    from mrv2_qwen.testing import save_tiny_qwen3_next
+
+    save_tiny_qwen3_next(tmp_path, **ARCH)
+    prompts = [[5, 9, 13, 17, 21] * 4, [40, 3] * 9 + [7], PROMPTS[2][:40]]
+    expected = [hf_greedy(tmp_path, p, 40) for p in prompts]
+    spec = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                   "prompt_lookup_max": 3, "prompt_lookup_min": 1}}
+    for kwargs in ({}, {"enforce_eager": True}, {"enable_prefix_caching": True,
+                                                  "max_num_batched_tokens": 32}):
+        llm = LLM(str(tmp_path), device="cuda", dtype="float32", block_size=16,
+                  gpu_memory_utilization=0.3, **spec, **kwargs)
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        stats = llm.engine.stats()
+        llm.shutdown()
+        assert [o.outputs[0].token_ids for o in outs] == expected, kwargs
+        assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats

@@ -42,6 +42,10 @@ class ForwardContext:
     it stores (prefix caching of per-request state; the kernels' ``state_table``:
     :mod:`mrv2_kernels.linear_attention`). Layers with per-request state pass it to their
     kernels as it is. None without prefix caching."""
+    state_row_slots: int = 1
+    """The state rows each request owns: 1, or ``1 + k`` with speculative decoding (the
+    kernels' ``row_slots``: :mod:`mrv2.contract.request_state`). Layers with per-request state
+    pass it to their kernels as it is."""
     bidirectional: Sequence[BidirectionalSpan] = ()
     """Query rows that also see the later keys of their span (an image's tokens in Gemma 3):
     set by the model's forward around its layers with :func:`bidirectional_spans`; empty (the

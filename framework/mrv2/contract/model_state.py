@@ -30,6 +30,7 @@ from mrv2.contract.request_state import (
     allocate_request_states,
     request_state_layers,
     snapshot_slots,
+    state_row_slots,
 )
 from mrv2.contract.requests import MultiModalEmbeddings, MultiModalItem, NewRequest
 from mrv2.contract.samples import SpeculatorInputs
@@ -62,24 +63,31 @@ class ModelState:
         self.device = device
         self._graph_pool: Any = None
         #: The model's layers with per-request state (linear attention, state-space mixers:
-        #: :mod:`mrv2.contract.request_state`), their tensors allocated here, one row per
-        #: state-table row and one per prefix-caching snapshot slot after them, before the KV
-        #: cache is sized (the KV budget is what they leave).
+        #: :mod:`mrv2.contract.request_state`), their tensors allocated here, ``row_slots``
+        #: rows per state-table row (1, or ``1 + k`` with speculative decoding) and one per
+        #: prefix-caching snapshot slot after them, before the KV cache is sized (the KV
+        #: budget is what they leave).
         self.request_state_layers = request_state_layers(model)
         dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point),
                      torch.float32)
-        #: Snapshot slots (rows ``max_num_seqs + i``); 0 for a model without such layers.
+        #: State rows per request (:func:`~mrv2.contract.request_state.state_row_slots`).
+        self.request_state_row_slots = state_row_slots(config)
+        #: Snapshot slots (rows ``max_num_seqs * row_slots + i``); 0 for a model without such
+        #: layers.
         self.request_state_slots = snapshot_slots(config) if self.request_state_layers else 0
-        rows = config.scheduler.max_num_seqs + self.request_state_slots
+        rows = (config.scheduler.max_num_seqs * self.request_state_row_slots
+                + self.request_state_slots)
         self.request_state_bytes = allocate_request_states(
-            self.request_state_layers, rows, dtype, device)
+            self.request_state_layers, rows, dtype, device,
+            f"max_num_seqs {config.scheduler.max_num_seqs} x {self.request_state_row_slots} "
+            f"(1 + speculative tokens) + {self.request_state_slots} snapshot slots")
         #: One row's bytes across every layer (what one request reads and writes a step).
         self.request_state_row_bytes = self.request_state_bytes // rows
 
     @property
     def keeps_request_state(self) -> bool:
         """Whether the model keeps per-request state beside its KV cache: prefix caching then
-        needs snapshot slots and the runner refuses speculative decoding."""
+        needs snapshot slots, and speculative decoding a row per query token."""
         return bool(self.request_state_layers)
 
     # -- start-up ----------------------------------------------------------------------------

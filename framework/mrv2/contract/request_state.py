@@ -22,12 +22,20 @@ holds which, is the engine's :mod:`mrv2.engine.state_snapshots`. The kernels lea
 request row from :attr:`~mrv2.contract.forward_context.ForwardContext.state_table` (layout:
 :data:`mrv2_kernels.linear_attention.STATE_TABLE_COLS`), which a layer passes on as it is.
 
-Speculative decoding is refused for such a model, by name (rejected drafts would have advanced
-the state).
+Speculative decoding (:func:`state_row_slots`): a verify step runs a request's ``1 + k`` tokens
+through the recurrence, and drafts it rejects must leave no trace. Each request then owns ``1 +
+k`` consecutive rows (row ``r``'s are ``r * (1 + k) + j``; the snapshot slots follow all of
+them), the kernels keep the state after each of a chunk's last ``1 + k`` tokens, the state after
+``c`` tokens in the request's row ``c % (1 + k)``, and a chunk reads the one of its start: the
+next step starts at the accepted count the device computed, so it reads the state after the
+last accepted token with no host sync and nothing recomputed (``row_slots`` in
+:mod:`mrv2_kernels.linear_attention`). A layer passes
+:attr:`~mrv2.contract.forward_context.ForwardContext.state_row_slots` on as it is.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -35,7 +43,7 @@ import torch
 from torch import nn
 
 __all__ = ["RequestStateLayer", "allocate_request_states", "request_state_layers",
-           "snapshot_slots"]
+           "snapshot_slots", "state_row_slots"]
 
 #: ``cache.state_snapshot_slots``'s default bound.
 DEFAULT_SNAPSHOT_SLOTS = 64
@@ -65,21 +73,32 @@ def request_state_layers(model: nn.Module) -> list[RequestStateLayer]:
 
 
 def allocate_request_states(layers: Iterable[RequestStateLayer], rows: int,
-                            dtype: torch.dtype, device: torch.device) -> int:
+                            dtype: torch.dtype, device: torch.device, rows_doc: str = "") -> int:
     """Give each layer its zeroed ``[rows, *shape]`` tensors (``dtype``: the model's, for
     shapes that name none); returns the bytes allocated. ``ValueError`` for a non-positive
-    dimension, naming the layer and the tensor."""
-    total = 0
+    dimension, naming the layer and the tensor, and (on a GPU) for tensors that would not fit
+    in 90% of its free memory, naming what sets ``rows`` (``rows_doc``) before allocating."""
+    layers = list(layers)
+    shapes = []
     for layer in layers:
-        states: dict[str, torch.Tensor] = {}
         for name, (shape, own) in layer.request_state_shapes().items():
             if not shape or min(shape) < 1:
                 raise ValueError(f"{type(layer).__name__}.request_state_shapes(): {name!r} has "
                                  f"shape {shape}; every dimension must be >= 1")
-            tensor = torch.zeros((rows, *shape), dtype=own or dtype, device=device)
-            states[name] = tensor
-            total += tensor.numel() * tensor.element_size()
-        layer.request_states = states
+            shapes.append((layer, name, shape, own or dtype))
+    total = rows * sum(math.prod(shape) * t.itemsize for _, _, shape, t in shapes)
+    if device.type == "cuda" and shapes:
+        free = torch.cuda.mem_get_info(device)[0]
+        if total > 0.9 * free:
+            raise ValueError(
+                f"the per-request state needs {total / (1 << 30):.2f} GiB ({rows} rows"
+                f"{': ' + rows_doc if rows_doc else ''}) and {free / (1 << 30):.2f} GiB are "
+                "free: lower scheduler.max_num_seqs, speculative.num_speculative_tokens or "
+                "cache.state_snapshot_slots")
+    for layer in layers:
+        layer.request_states = {
+            name: torch.zeros((rows, *shape), dtype=t, device=device)
+            for owner, name, shape, t in shapes if owner is layer}
     return total
 
 
@@ -93,6 +112,14 @@ def snapshot_slots(config: Any) -> int:
     if cache.state_snapshot_slots is not None:
         return int(cache.state_snapshot_slots)
     return min(DEFAULT_SNAPSHOT_SLOTS, int(config.scheduler.max_num_seqs))
+
+
+def state_row_slots(config: Any) -> int:
+    """The state rows each request owns (``config``: the engine's): ``1 +
+    num_speculative_tokens`` with speculative decoding (the states after each token of a
+    verify step's query, so the accepted count's can be kept), else 1."""
+    spec = config.speculative
+    return 1 + int(spec.num_speculative_tokens) if spec.method is not None else 1
 
 
 def describe(layers: list[RequestStateLayer], rows: int, nbytes: int) -> dict[str, Any]:

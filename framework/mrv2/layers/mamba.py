@@ -278,7 +278,7 @@ class Mamba2Mixer(RequestStateLayer):
         silu = self.act_name in ("silu", "swish")
         xbc = causal_conv1d(xbc, self.conv_weight, self.conv_bias, states["conv"], qsl,
                             seq_lens, rows, "silu" if silu else None,
-                            state_table=ctx.state_table)
+                            state_table=ctx.state_table, row_slots=ctx.state_row_slots)
         if not silu:
             xbc = self.act(xbc)
         xs, b, c = xbc.split([self.intermediate, self.bc_dim, self.bc_dim], dim=-1)
@@ -288,6 +288,7 @@ class Mamba2Mixer(RequestStateLayer):
             seq_lens, rows, 1.0, False, delta=False, state_table=ctx.state_table,
             gate_params=(self.A_log, self.dt_bias), dt_limits=(self.dt_min, self.dt_max),
             skip=self.D, out_dtype=torch.float32, max_query_len=md.max_query_len,
+            row_slots=ctx.state_row_slots,
         ).view(t, h * p)
         if self.norm is None:  # (HF: the fp32 output times silu of the gate in its dtype)
             out = (y * F.silu(z)).to(proj.dtype)

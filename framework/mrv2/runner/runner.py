@@ -149,10 +149,9 @@ class Runner(BetweenSteps):
             config=config, registries=registries, model_state=self.model_state,
             device=self.device,
         )
-        #: Per-request state (:mod:`mrv2.contract.request_state`): its report, refusals and
-        #: prefix caching's snapshot table.
-        self.state_rows = StateRows(self.model_state, self.model_entry.architecture,
-                                    self.speculator, self.max_num_reqs, self.device,
+        #: Per-request state (:mod:`mrv2.contract.request_state`): its report, its rows per
+        #: request and prefix caching's snapshot table.
+        self.state_rows = StateRows(self.model_state, self.max_num_reqs, self.device,
                                     self.startup)
         self.keeps_request_state = self.state_rows.enabled
         if self.speculator is not None:

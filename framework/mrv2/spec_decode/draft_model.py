@@ -32,6 +32,7 @@ from mrv2.contract.forward_context import ForwardContext, set_forward_context
 from mrv2.contract.kv_cache import KVCacheSpec, layer_specs
 from mrv2.contract.speculator import Speculator, SpeculatorInputs, StepSamples
 from mrv2.contract.state_table import RequestStateTable
+from mrv2.contract.request_state import request_state_layers
 from mrv2.model_loader.build import text_config_of
 from mrv2.spec_decode.drafting import DraftSteps
 
@@ -77,6 +78,11 @@ class DraftModelSpeculator(Speculator):
             )
         dtype = next(self.model_state.model.parameters()).dtype
         self.model, _ = build_model(self.config, path, hf_config, registries, self.device, dtype)
+        if request_state_layers(self.model):
+            raise ValueError(
+                f"speculative_config.model: the draft model ({type(self.model).__name__}) keeps "
+                "per-request recurrent state (linear-attention or Mamba layers); a draft model "
+                "must be attention-only (the target may keep such state)")
 
     def kv_cache_specs(self, first_layer_idx: int) -> dict[int, KVCacheSpec]:
         """The draft model's cache layers, renumbered from ``first_layer_idx``."""

@@ -235,10 +235,6 @@ def test_refusals(checkpoints: dict[str, Checkpoint]) -> None:
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.o_proj .* no float "
                                          r"weight .* quantized"):
         model.load_weights([])
-    with pytest.raises(ValueError, match="speculative_config: FalconH1ForCausalLM "
-                                         "keeps per-request recurrent state"):
-        LLM(str(path), device="cpu", dtype="float32", block_size=4,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
 
 @pytest.mark.parametrize("variant", ["norm-gate", "gate-norm"])

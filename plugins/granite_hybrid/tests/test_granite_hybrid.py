@@ -155,10 +155,6 @@ def test_refusals(checkpoints: dict[str, Checkpoint]) -> None:
         GraniteMoeHybridForCausalLM(bad(position_embedding_type="alibi"))
     with pytest.raises(ValueError, match="time_step_limit must be"):
         GraniteMoeHybridForCausalLM(bad(time_step_limit=(0.5, 0.1)))
-    with pytest.raises(ValueError, match="speculative_config: GraniteMoeHybridForCausalLM "
-                                         "keeps per-request recurrent state"):
-        LLM(str(path), device="cpu", dtype="float32", block_size=4,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     legacy = bad(layer_types=None)
     legacy.layers_block_type = None
     with pytest.raises(ValueError, match="names no layers"):

@@ -28,7 +28,12 @@ from mrv2.contract.forward_context import ForwardContext, set_forward_context
 from mrv2.contract.kv_cache import layer_specs
 from mrv2.contract.request_state import allocate_request_states, request_state_layers
 from mrv2.testing import hf_greedy, redraw_weights
-from mrv2.testing_engine import check_prompt_logprobs, check_state_prefix_cache, tokens_at_tp
+from mrv2.testing_engine import (
+    check_prompt_logprobs,
+    check_state_prefix_cache,
+    check_state_speculation,
+    tokens_at_tp,
+)
 from mrv2_mamba import model as mamba_model
 from mrv2_mamba.model import FinalNorm, Mamba2Block, Mamba2ForCausalLM, Mamba2Mixer
 from mrv2_mamba.testing import TINY_MAMBA2, hf_gated_norm_per_group, save_tiny_mamba2
@@ -156,6 +161,13 @@ def test_prefix_cache_resumes_from_state_snapshots(checkpoints: dict[str, Checkp
     check_state_prefix_cache(checkpoints["one-group"][0], max_tokens=4, max_model_len=256)
 
 
+def test_speculative_decoding_keeps_only_accepted_states(
+        checkpoints: dict[str, Checkpoint]) -> None:
+    """n-gram drafts verified through the Mamba-2 mixers of a model with no KV cache at all:
+    rejected drafts leave no trace in the SSM or conv state (greedy tokens equal HF's)."""
+    check_state_speculation(checkpoints["one-group"][0], max_model_len=256)
+
+
 def test_structure_and_names(checkpoints: dict[str, Checkpoint]) -> None:
     """No KV cache layer, the mixers' sizes and state shapes, the fp32 residual stream's
     norms; transformers' ``backbone.*`` names (saved and in memory), the original
@@ -276,10 +288,6 @@ def test_refusals(checkpoints: dict[str, Checkpoint], monkeypatch: pytest.Monkey
     monkeypatch.undo()
     with pytest.raises(ValueError, match="max_model_len is required"):
         LLM(str(path), device="cpu", dtype="float32", block_size=4)
-    with pytest.raises(ValueError, match="speculative_config: Mamba2ForCausalLM keeps "
-                                         "per-request recurrent state"):
-        LLM(str(path), **ENGINE, speculative_config={"method": "ngram",
-                                                     "num_speculative_tokens": 2})
 
 
 @pytest.mark.parametrize("variant", ["groups2", "one-group"])

@@ -12,8 +12,9 @@ pre-norm blocks, each ``x + mixer(RMSNorm(x))`` with one mixer per ``config.laye
   groups)``; :func:`mrv2_kernels.linear_attention.gated_delta_rule` with ``delta=False``);
   then ``y * silu(z)`` RMS-normed per group of ``heads * head_dim / n_groups`` channels
   (Zamba2's gated norm, gate before norm) and ``out_proj``. Per request the mixer keeps the
-  convolution's last inputs and the fp32 SSM state (:mod:`mrv2.contract.request_state`), so
-  the engine runs such a model without the prefix cache and without speculative decoding.
+  convolution's last inputs and the fp32 SSM state (:mod:`mrv2.contract.request_state`):
+  prefix caching keeps snapshots of it, and speculative decoding keeps it after each token of
+  a verify step.
 * ``"full_attention"`` (``*``): multi-head attention with grouped key/value heads, no
   positional encoding (no RoPE: position comes from the Mamba layers), no biases.
 * ``"mlp"`` (``-``): ``down_proj(act(up_proj(x)))``, ``act``: ``mlp_hidden_act`` (``relu2``,

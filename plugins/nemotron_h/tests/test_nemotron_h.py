@@ -147,10 +147,6 @@ def test_refusals(checkpoint: tuple[Path, Any, list[list[int]]]) -> None:
     bad.mlp_hidden_act = "quick_gelu"
     with pytest.raises(ValueError, match="mlp_hidden_act must be one of"):
         NemotronHForCausalLM(bad)
-    with pytest.raises(ValueError, match="speculative_config: NemotronHForCausalLM keeps "
-                                         "per-request recurrent state"):
-        LLM(str(path), device="cpu", dtype="float32", block_size=4,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert config.layers_block_type[0] == "linear_attention"
     pattern = SimpleNamespace(layers_block_type=None, hybrid_override_pattern="M-*M")
     assert block_types_of(pattern) == ["linear_attention", "mlp", "full_attention",

@@ -12,8 +12,8 @@ linear attention and gated full attention, with a sparse MoE whose shared expert
   and the per-head log decay ``g = -exp(A_log) * softplus(a + dt_bias)``, queries and keys
   L2-normed; the output is RMS-normed per value head, gated by ``silu(z)``, projected by
   ``out_proj``. Per request the layer keeps the convolution's last inputs and the recurrent
-  state (:mod:`mrv2.contract.request_state`), so the engine runs such a model without the
-  prefix cache and without speculative decoding.
+  state (:mod:`mrv2.contract.request_state`): prefix caching keeps snapshots of it, and
+  speculative decoding keeps it after each token of a verify step.
 * ``"full_attention"``: Qwen3's attention (q/k RMSNorm per head, RoPE over the first
   ``partial_rotary_factor`` of each head) whose ``q_proj`` also yields a gate per head
   (``[q_h, gate_h]`` per head): the attention output is scaled by ``sigmoid(gate)`` before
@@ -22,7 +22,9 @@ linear attention and gated full attention, with a sparse MoE whose shared expert
 The MLP is the routed experts (softmax top-k) plus a shared expert scaled per token by
 ``sigmoid(shared_expert_gate(x))`` on the sparse layers (Qwen3-MoE's rule), a dense SwiGLU
 elsewhere. Every RMSNorm but the gated one multiplies by ``1 + weight``: the loader adds the 1.
-Checkpoints' ``mtp.*`` (the multi-token-prediction head) are not loaded.
+Checkpoints' ``mtp.*`` (the multi-token-prediction head) are not loaded here:
+:meth:`Qwen3NextForCausalLM.build_mtp` builds it (:mod:`mrv2_qwen.qwen3_next_mtp`) for the MTP
+speculator.
 
 Tensor parallelism splits the linear-attention layers by key-head groups: each rank projects
 ``linear_num_key_heads / tp`` whole groups (their rows are contiguous in both projections),
@@ -68,6 +70,8 @@ from mrv2_kernels.norm import gated_rms_norm
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+
+    from mrv2_qwen.qwen3_next_mtp import Qwen3NextMTP
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -240,13 +244,14 @@ class GatedDeltaNet(RequestStateLayer):
         ba = self.in_proj_ba(x)  # [b | a]
         states = self.request_states
         mixed = causal_conv1d(proj[:, : self.conv_dim], self.conv_weight, None, states["conv"],
-                              qsl, seq_lens, rows, "silu", state_table=ctx.state_table)
+                              qsl, seq_lens, rows, "silu", state_table=ctx.state_table,
+                              row_slots=ctx.state_row_slots)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         out = gated_delta_rule_auto(
             q.view(t, hk, dk), k.view(t, hk, dk), v.view(t, hv, dv), ba[:, hv:], ba[:, :hv],
             states["recurrent"], qsl, seq_lens, rows, dk ** -0.5, l2norm_qk=True,
             state_table=ctx.state_table, gate_params=(self.A_log, self.dt_bias),
-            max_query_len=md.max_query_len)
+            max_query_len=md.max_query_len, row_slots=ctx.state_row_slots)
         out = gated_rms_norm(out.view(t, hv * dv), proj[:, self.conv_dim:], self.norm.weight,
                              self.norm.eps, dv, norm_before_gate=True)
         return cast(torch.Tensor, self.out_proj(out.reshape(t, hv * dv)))
@@ -347,8 +352,28 @@ class Qwen3NextForCausalLM(CausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """HF checkpoint tensors; every RMSNorm weight but the gated norm's loaded as
-        ``1 + w`` (in fp32)."""
+        ``1 + w`` (in fp32). The ``mtp.*`` tensors are skipped (:meth:`build_mtp`'s)."""
         return super().load_weights((name, _fold_norm(name, t)) for name, t in weights)
+
+    def build_mtp(self, first_layer_idx: int | None = None) -> Qwen3NextMTP:
+        """The checkpoint's MTP head as a :class:`~mrv2_qwen.qwen3_next_mtp.Qwen3NextMTP`
+        sharing this model's token embedding and LM head (same tensors), on this model's
+        device and dtype, with unloaded weights: load them with
+        ``load_model_weights(mtp, iter_safetensors(model_dir))`` (it takes the ``mtp.*``
+        tensors), then run ``mrv2.model_loader.build.process_weights_after_loading(mtp)``.
+
+        ``first_layer_idx`` numbers the MTP attention layers' KV caches (default: this model's
+        full-attention layer count, right after its cache layers; a speculator passes the
+        index the runner gives its ``kv_cache_specs``). The MTP layers keep no per-request
+        state. See :mod:`mrv2_qwen.qwen3_next_mtp` for the math and the contract (that of
+        :mod:`mrv2.layers.mtp`).
+        """
+        from mrv2.layers.mtp import build_mtp
+        from mrv2_qwen.qwen3_next_mtp import Qwen3NextMTP
+
+        # (build_mtp is typed for MultiTokenPredictor; it only calls cls(config, embed, head))
+        return cast("Qwen3NextMTP", build_mtp(self, cast(Any, Qwen3NextMTP),
+                                               first_layer_idx=first_layer_idx))
 
 
 def _fold_norm(name: str, tensor: torch.Tensor) -> torch.Tensor:

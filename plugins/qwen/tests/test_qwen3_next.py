@@ -18,7 +18,12 @@ import transformers
 from mrv2 import LLM, SamplingParams
 from mrv2.layers import MoEBlock
 from mrv2.testing import hf_greedy
-from mrv2.testing_engine import check_prompt_logprobs, check_state_prefix_cache, tokens_at_tp
+from mrv2.testing_engine import (
+    check_prompt_logprobs,
+    check_state_prefix_cache,
+    check_state_speculation,
+    tokens_at_tp,
+)
 from mrv2_qwen.qwen3_next import GatedDeltaNet, Qwen3NextForCausalLM
 from mrv2_qwen.testing import save_tiny_qwen3_next
 
@@ -67,6 +72,14 @@ def test_prefix_cache_resumes_from_state_snapshots(tmp_path: Path, chunked: bool
     check_state_prefix_cache(tmp_path)
 
 
+def test_speculative_decoding_keeps_only_accepted_states(tmp_path: Path) -> None:
+    """n-gram drafts verified through the Gated DeltaNet layers: rejected drafts leave no
+    trace in the recurrent or conv state (greedy tokens equal HF's), with prefix caching's
+    snapshots on beside them."""
+    _checkpoint(tmp_path)
+    check_state_speculation(tmp_path, enable_prefix_caching=True)
+
+
 def test_structure_names_and_refusals(tmp_path: Path) -> None:
     _checkpoint(tmp_path)
     config = transformers.AutoConfig.from_pretrained(tmp_path)
@@ -87,10 +100,11 @@ def test_structure_names_and_refusals(tmp_path: Path) -> None:
     mtp = [("mtp.fc.weight", torch.randn(4, 4)), ("model.norm.weight", torch.randn(64))]
     assert model.load_weights(mtp) == {"model.norm.weight"}  # (the MTP head: not loaded)
 
-    with pytest.raises(ValueError, match="speculative_config: Qwen3NextForCausalLM keeps "
-                                         "per-request recurrent state"):
-        LLM(str(tmp_path), device="cpu", dtype="float32", block_size=4,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match=r"speculative_config.model: the draft model "
+                                         r"\(Qwen3NextForCausalLM\) keeps per-request "
+                                         r"recurrent state"):
+        LLM(str(tmp_path), device="cpu", dtype="float32", block_size=4, speculative_config={
+            "method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2})
     bad = transformers.AutoConfig.from_pretrained(tmp_path)
     bad.layer_types = ["linear_attention", "sliding_attention", "full_attention",
                        "linear_attention"]
