@@ -143,6 +143,31 @@ def test_ngram_changes_nothing_but_speed(checkpoint: Path, expected: list[list[i
     assert llm.engine.stats()["spec_num_draft_tokens"] > 0
 
 
+def test_no_drafts_before_the_first_sample(checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+                                          ) -> None:
+    """A prompt of 9 tokens in chunks of 8: its second step (the last prompt token alone)
+    verifies no drafts, since the chunk before it sampled nothing and so the drafter wrote
+    none (the row past the prompt holds stale tokens); the steps after the first sample do."""
+    llm = _llm(checkpoint, max_num_batched_tokens=8, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1})
+    scheduler = llm.engine.scheduler
+    steps: list[tuple[int, int, int]] = []
+    schedule = scheduler._schedule
+
+    def record(request: Any, n: int, out: Any, drafts: int = 0) -> None:
+        steps.append((request.num_computed_tokens, n, drafts))
+        schedule(request, n, out, drafts)
+
+    monkeypatch.setattr(scheduler, "_schedule", record)
+    prompt = [7, 8, 9] * 3  # repeats: n-gram drafts from the first step that may verify any
+    tokens = _generate(llm, prompts=[prompt])
+    assert steps[:2] == [(0, 8, 0), (8, 1, 0)], steps
+    assert any(drafts for _, _, drafts in steps[2:]), steps
+    monkeypatch.undo()
+    assert tokens == _generate(_llm(checkpoint), prompts=[prompt])
+
+
 def test_seeded_sampling_and_mixed_params_equal_without_speculation(checkpoint: Path) -> None:
     """Seeded samples match token for token; requests with penalties (which do not
     speculate) and with logprobs (which do) share steps with ones that do."""

@@ -54,6 +54,10 @@ class Request:
     (the scheduler frees nothing before it)."""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    sampled_last_step: bool = False
+    """Whether the request's last scheduled step samples a token: only then has the drafter
+    written drafts after it for the next step to verify (a prompt whose last token is alone
+    in a step, after a chunk that did not sample, verifies none)."""
     num_preemptions: int = 0
     first_token_time: float | None = None
     priority: int = 0

@@ -238,6 +238,7 @@ class Scheduler:
         self._release(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.sampled_last_step = False
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._preempted_now.add(request.req_id)
@@ -286,7 +287,8 @@ class Scheduler:
                 n = request.chunk_size(request.num_computed_tokens, n)
             if n <= 0:
                 continue
-            drafts = self._num_drafts(request, budget) if n == 1 else 0
+            drafts = (self._num_drafts(request, budget)
+                      if n == 1 and request.sampled_last_step else 0)
             n += drafts
             if self.tables.may_free(request):  # blocks out of a sliding window: to the pool
                 self._cache_blocks(request)
@@ -444,6 +446,7 @@ class Scheduler:
         if drafts:
             out.num_draft_tokens[request.req_id] = drafts
         request.num_computed_tokens += n
-        if request.num_computed_tokens == request.num_tokens + drafts:
+        request.sampled_last_step = request.num_computed_tokens == request.num_tokens + drafts
+        if request.sampled_last_step:
             request.num_pending += 1 + drafts  # every draft counted as kept until the result
             self._sampled_now.add(request.req_id)

@@ -3,7 +3,9 @@ head; it loads every ``mtp.*`` tensor of a whole checkpoint (and nothing else, a
 ``mtp.*`` name being an error); its forward through its own paged cache layer (a catch-up over
 prompts, a decode step, a chained draft step) matches a plain-torch reference written from the
 published description (HF's ``Qwen3NextDecoderLayer`` as the decoder block, the rest by
-hand: the zero-centered norms, ``fc``, the final norm and head)."""
+hand: the zero-centered norms, ``fc``, the final norm and head). The engine drafting with it
+(an MTP head made to draft the last token repeated) keeps and rejects drafts, its greedy tokens
+HF's."""
 
 from __future__ import annotations
 
@@ -20,12 +22,19 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
     Qwen3NextRotaryEmbedding,
 )
 
+from mrv2 import LLM, SamplingParams
 from mrv2.attention import set_forward_context
 from mrv2.contract.kv_cache import PagedKVSpec
 from mrv2.model_loader import iter_safetensors, load_model_weights
 from mrv2.model_loader.build import process_weights_after_loading
 from mrv2.model_loader.loader import init_dummy_weights
-from mrv2.testing import poisoned_caches, redraw_weights, step_metadata, torch_context
+from mrv2.testing import (
+    hf_greedy,
+    poisoned_caches,
+    redraw_weights,
+    step_metadata,
+    torch_context,
+)
 from mrv2_qwen.qwen3_next import Qwen3NextForCausalLM
 from mrv2_qwen.qwen3_next_mtp import Qwen3NextMTP
 from mrv2_qwen.testing import TINY_QWEN3_NEXT, save_tiny_qwen3_next
@@ -268,11 +277,13 @@ def test_cache_numbering_layers_and_dummy_weights(tmp_path: Path) -> None:
 def identity_mtp(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``tensors`` with the MTP head made an identity on the target's hidden state: ``fc`` =
     ``[0 | I]`` (the embedding half ignored), the block's ``o_proj`` and every ``down_proj``
-    (the experts' and the shared expert's) zero so the block returns its input, and the three
-    MTP norms plain RMS normalizations (``w = 0``). Step 0's logits are then the target's at
-    the same position times a positive scalar (``norm(rms(n)) = n / rms(n)`` for the target's
-    normed state ``n``), and so are step ``s > 0``'s (the previous output, normed twice): every
-    draft is the token the target just sampled, repeated."""
+    (the routed experts' and the shared expert's) zero so the block returns its input, the
+    three MTP norms plain RMS normalizations (``w = 0``). The row fed the target's normed
+    hidden state ``n`` at position ``p`` then gives ``lm_head(n) / rms(n)``: the target's
+    logits at ``p`` times a positive scalar, and so does every chained step (the previous
+    output, ``mtp.norm`` and ``pre_fc_norm_hidden`` scale it again). Every draft is thus the
+    target's greedy token at ``p``. The first draft's row holds the hidden state just before
+    the token just sampled, so every draft is that token (greedy) repeated."""
     out = dict(tensors)
     out["mtp.fc.weight"] = torch.cat([torch.zeros(HIDDEN, HIDDEN), torch.eye(HIDDEN)], 1)
     for name, tensor in tensors.items():
@@ -286,32 +297,30 @@ def identity_mtp(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def test_engine_mtp_speculation_keeps_and_rejects_drafts(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine with MTP drafts (``k = 3``) on the tiny Qwen3-Next (Gated DeltaNet state:
-    ``1 + k`` rows a request), an MTP head that drafts the last sampled token repeated
-    (:func:`identity_mtp`): a draft is kept exactly when the target's greedy output repeats
-    that token. The prompts were picked from HF's greedy outputs: runs of one token (78 x 4: a
-    step keeps all three drafts; 3 x 3, ...) and changes. Greedy tokens equal HF ``generate``
-    for the three requests at once, prompts split across steps (8-token budget), block size 4,
-    prefix caching on; each verify step keeps the drafts the output predicts (recorded at
-    ``Scheduler.correct``), their sum being the engine's count, strictly between 0 and the
-    drafts verified."""
-    from mrv2 import LLM, SamplingParams
-    from mrv2.testing import hf_greedy
-
+    ``1 + k`` rows a request) whose MTP head drafts the last token repeated
+    (:func:`identity_mtp`), so a draft is kept exactly when the target's greedy output repeats
+    that token. The prompts were picked from HF's greedy outputs: runs (78 four times: a step
+    keeps all three drafts; 3 three times; 78 and 127 twice) and changes (the third: none, its
+    prompt sharing the first's first block, a prefix-cache hit). Greedy tokens equal HF
+    ``generate`` for the three at once, prompts split across steps (8-token budget), block
+    size 4, prefix caching on; each verify step keeps the drafts the greedy output predicts
+    (recorded at ``Scheduler.correct``), their sum being the engine's count, strictly between
+    0 and the drafts verified."""
     save_file(identity_mtp(checkpoint_with_mtp(tmp_path)), tmp_path / "model.safetensors",
               metadata={"format": "pt"})
-    prompts = [[28, 15, 86, 15, 44, 108],
-               [74, 53, 85, 10, 115, 37, 69, 101, 27, 103, 102, 36],
-               [5, 17, 42, 9, 100, 3, 77, 28, 15, 86]]
+    prompts = [[28, 15, 86, 15, 44, 108], [74, 53, 85, 10, 115, 37, 69, 101, 27, 103, 102, 36],
+               [28, 15, 86, 15, 44, 108, 5, 17, 42, 9]]
     max_tokens = 12
     want = [hf_greedy(tmp_path, p, max_tokens) for p in prompts]
     llm = LLM(str(tmp_path), device="cpu", dtype="float32", block_size=4,
               max_num_batched_tokens=8, enable_prefix_caching=True,
               speculative_config={"method": "mtp", "num_speculative_tokens": 3})
     scheduler = llm.engine.scheduler
-    steps: list[tuple[list[int], int, int]] = []  # (output so far, drafts, kept) a step
+    steps: list[tuple[int, int, int, int]] = []  # (request, its tokens out, drafts, kept)
 
     def correct(request: Any, num_drafts: int, num_accepted: int) -> None:
-        steps.append((list(request.output_token_ids), num_drafts, num_accepted))
+        steps.append((prompts.index(request.prompt_token_ids), len(request.output_token_ids),
+                       num_drafts, num_accepted))
         type(scheduler).correct(scheduler, request, num_drafts, num_accepted)
 
     monkeypatch.setattr(scheduler, "correct", correct)
@@ -321,14 +330,19 @@ def test_engine_mtp_speculation_keeps_and_rejects_drafts(
     stats = dict(llm.engine.stats())
     llm.engine.shutdown()
 
-    def expected_kept(done: list[int], num_drafts: int) -> int:
-        """Drafts ``[t] * num_drafts`` (``t = done[-1]``) against the greedy output."""
-        out = next(w for w in want if w[:len(done)] == done)
-        after = out[len(done):len(done) + num_drafts]
-        return next((j for j, tok in enumerate(after) if tok != done[-1]), len(after))
+    def expected_kept(i: int, done: int, num_drafts: int) -> int:
+        """Request ``i``'s drafts after ``done`` tokens out (its last one repeated) kept: the
+        leading ones its greedy output repeats."""
+        after = want[i][done:done + num_drafts]
+        return next((j for j, tok in enumerate(after) if tok != want[i][done - 1]), len(after))
 
-    assert [kept for _, _, kept in steps] == [expected_kept(done, d) for done, d, _ in steps]
+    # Every verify step follows a sampled token: these prompts never leave a prompt's last
+    # token alone in a step (the scheduler gives such a step drafts that no model drafter
+    # wrote: it verifies what the token row holds past the prompt).
+    assert all(done > 0 for _, done, _, _ in steps), steps
+    assert [s[3] for s in steps] == [expected_kept(*s[:3]) for s in steps], steps
     drafted, kept = stats["spec_num_draft_tokens"], stats["spec_num_accepted_tokens"]
-    assert kept == sum(k for _, _, k in steps) and drafted == sum(d for _, d, _ in steps)
+    assert (kept, drafted) == (sum(s[3] for s in steps), sum(s[2] for s in steps))
     assert 0 < kept < drafted, (kept, drafted)  # drafts both kept and rejected
     assert stats["spec_num_accepted_per_pos"][2] > 0  # (a step kept all three)
+    assert stats["prefix_cache_hits"] > 0
