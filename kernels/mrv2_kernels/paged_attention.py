@@ -70,7 +70,7 @@ from ._backend import (
 from .kv_cache import FP8_KV_DTYPE
 from .paged_attention_kernels import _combine_splits_kernel, _paged_attn_kernel
 from .paged_attention_plan import AttentionPlan, FusedRope, attention_plan, fused_rope_launch
-from .paged_attention_ref import _check_inputs, paged_attention_ref
+from .paged_attention_ref import _check_inputs, _check_local, paged_attention_ref
 from .prefill_attention import prefill_attention_tma, tma_prefill_min_query
 
 #: ``0``: prefill plans launch one program per (query tile bound, request) instead of over the
@@ -115,6 +115,7 @@ def paged_attention(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of ``query`` ``[T, H, D]`` over ``kv_cache``; see the module doc.
 
@@ -124,6 +125,12 @@ def paged_attention(
     ``logit_softcap``: scores ``cap * tanh(score / cap)`` before the softmax (Gemma 2; not on
     the TMA path either). ``sinks`` ``[H]``: each head's attention sink (gpt-oss), a score
     that joins every row's softmax with a value of zero (not on the TMA path).
+    ``attention_chunk`` ``C``: chunked local attention (Llama 4's ``attention_chunk_size``), a
+    query at position ``p`` sees keys ``(p // C) * C .. p`` only; a compile-time constant of
+    the kernel (``CHUNK``; 0, the default, compiles the plain kernel). Programs start at the
+    key tile of their first row's chunk (decode splits cut the chunk, not the context); a
+    query tile across a chunk boundary masks the tiles before its last row's chunk; not on
+    the TMA path, nor with ``sliding_window`` (a ValueError naming both).
 
     With ``rope``, ``query`` is raw (not yet normalized or rotated) and this call also stores
     the step's key and value in the cache (see :class:`FusedRope`).
@@ -157,15 +164,20 @@ def paged_attention(
         out.shape == query.shape and out.dtype == query.dtype and out.stride(-1) == 1
     ), "out must match the query's shape and dtype"
     assert num_reqs < 65536, "num_reqs is a grid dimension: at most 65535 requests per launch"
+    _check_local(sliding_window, attention_chunk)
     num_tokens = query.shape[0]
     group = num_heads // num_kv_heads
     on_gpu = query.is_cuda
     dot_fp32 = (not on_gpu) or query.dtype == torch.float32
+    # With chunks a query tile reads about its chunk's keys, not the context: what the decode
+    # splits cut (their count's bound)
+    key_span = max_seq_len if attention_chunk is None else min(
+        max_seq_len, attention_chunk + max_query_len)
     plan = attention_plan(
         query,
         kv_cache,
         max_query_len=max_query_len,
-        max_seq_len=max_seq_len,
+        max_seq_len=key_span,
         num_reqs=num_reqs,
         uniform_decode=uniform_decode,
         block_m=block_m,
@@ -187,15 +199,14 @@ def paged_attention(
         # as a padding token.
         out = torch.empty_like(query)
     long_qlen = 0
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
     if logit_softcap is not None and logit_softcap <= 0:
         raise ValueError(f"logit_softcap must be None or > 0, got {logit_softcap}")
     if sinks is not None and (sinks.shape != (num_heads,) or sinks.device != query.device):
         raise ValueError(f"sinks must be [{num_heads}] (one per query head) on the query's "
                          f"device, got {tuple(sinks.shape)} on {sinks.device}")
-    if (step_kv is not None and sliding_window is None and logit_softcap is None
-            and sinks is None and max_query_len >= (tile := tma_prefill_min_query(query))):
+    if (step_kv is not None and sliding_window is None and attention_chunk is None
+            and logit_softcap is None and sinks is None
+            and max_query_len >= (tile := tma_prefill_min_query(query))):
         # Prefill on Hopper: requests of a query tile or more read the step's own keys through
         # TMA, in their own kernel; the paged kernel below takes the rest (and the padding).
         long_qlen = tile
@@ -237,6 +248,7 @@ def paged_attention(
             FP32_PRECISION="tf32x3" if on_gpu else "ieee", num_warps=p.num_warps,
             num_stages=p.num_stages, EARLY_META=pdl_early_meta(query),
             SLIDING=sliding_window is not None,
+            **({} if attention_chunk is None else {"CHUNK": int(attention_chunk)}),
             CAP=0.0 if logit_softcap is None else float(logit_softcap) / scale,
             **({} if sinks is None else {"sinks_ptr": sinks, "SINKS": True}),
             **flags, **pdl(query),

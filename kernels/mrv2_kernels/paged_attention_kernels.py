@@ -1,7 +1,7 @@
 """The Triton kernels of :mod:`mrv2_kernels.paged_attention` (its docstring describes them
 and their plans; the launcher, :func:`~mrv2_kernels.paged_attention.paged_attention`, lives
 there): ``_paged_attn_kernel`` (prefill / mixed and split decode programs over the paged
-cache, with the fused RoPE, sliding window, soft-cap and sinks) and
+cache, with the fused RoPE, sliding window, chunked local attention, soft-cap and sinks) and
 ``_combine_splits_kernel`` (a token's split partials into its output row)."""
 
 from __future__ import annotations
@@ -33,6 +33,55 @@ def _rope_table(
     cos = tl.load(at, mask=valid[:, None], other=0.0).to(tl.float32)
     sin = tl.load(at + HALF, mask=valid[:, None], other=0.0).to(tl.float32)
     return cos, sin
+
+
+@triton.jit
+def _masked_keys(
+    q: tl.tensor, acc: tl.tensor, m_i: tl.tensor, l_i: tl.tensor, k_ptr: tl.tensor,
+    v_ptr: tl.tensor, bt_row: tl.tensor, lo: tl.tensor, hi: tl.tensor, seq_len: tl.tensor,
+    pos: tl.tensor, first_pos: tl.tensor, window: tl.tensor, key_lo: tl.tensor,
+    row_lo: tl.tensor, head_off: tl.tensor, stride_kb: tl.tensor, stride_ks: tl.tensor,
+    qk_scale: tl.tensor, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, KV_FP8: tl.constexpr,
+    FP32_PRECISION: tl.constexpr, CAP: tl.constexpr, SLIDING: tl.constexpr,
+    CHUNK: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """The key tiles ``[lo, hi)`` with every score masked: keys past ``seq_len`` or a row's
+    position, before a row's window (``SLIDING``: ``pos - window + 1``, the tile's first row
+    ``first_pos``) or its chunk (``CHUNK``: ``row_lo`` ``[BLOCK_M]``, the tile's lowest
+    ``key_lo``), whose keys are not read either. Returns ``(acc, m_i, l_i)``."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + offs_n
+        n_ok = n < seq_len
+        if SLIDING:  # keys before every row's window are not read (their blocks may be gone)
+            n_ok &= n > first_pos - window
+        if CHUNK > 0:  # nor keys before every row's chunk
+            n_ok &= n >= key_lo
+        blk = tl.load(bt_row + n // KV_BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        kv_off = (
+            blk[:, None] * stride_kb
+            + (n % KV_BLOCK_SIZE)[:, None] * stride_ks
+            + head_off
+            + offs_d[None, :]
+        )
+        k = tl.load(k_ptr + kv_off, mask=n_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + kv_off, mask=n_ok[:, None], other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        elif KV_FP8:  # an fp8 cache: the dots run in fp16 (e4m3 -> f16 is one cvt a pair)
+            k = k.to(tl.float16)
+            v = v.to(tl.float16)
+        visible = n[None, :] <= pos[:, None]
+        if SLIDING:
+            visible &= n[None, :] > pos[:, None] - window
+        if CHUNK > 0:
+            visible &= n[None, :] >= row_lo[:, None]
+        acc, m_i, l_i = _online_step(q, k, v, acc, m_i, l_i, qk_scale, visible, True, DOT_FP32,
+                                     FP32_PRECISION, CAP)
+    return acc, m_i, l_i
 
 
 @triton.jit(do_not_specialize=["num_q_tiles", "num_splits", "num_tokens", "num_reqs"])
@@ -96,6 +145,7 @@ def _paged_attn_kernel(
     CAP: tl.constexpr = 0.0,
     sinks_ptr: tl.tensor = None,
     SINKS: tl.constexpr = False,
+    CHUNK: tl.constexpr = 0,
 ) -> None:
     # Heaviest query tiles (latest positions) first: better tail balance in causal prefill.
     # FLAT: program_id(0) counts every request's tiles (see flat_query_tile), the last ones
@@ -204,6 +254,13 @@ def _paged_attn_kernel(
     kv_start = kv_end * 0
     if SLIDING:  # the tile's first row sees keys from its position - window + 1 (whole tiles)
         kv_start = (tl.maximum(ctx_len + tile_start - window + 1, 0) // BLOCK_N) * BLOCK_N
+    key_lo = kv_start
+    row_lo = pos
+    if CHUNK > 0:  # chunked local attention: a row sees keys from its chunk's start on; the
+        # tile's first row's chunk starts first (whole tiles before it are skipped)
+        key_lo = (tl.maximum(ctx_len + tile_start, 0) // CHUNK) * CHUNK
+        kv_start = (key_lo // BLOCK_N) * BLOCK_N
+        row_lo = (pos // CHUNK) * CHUNK
     if USE_SPLITS:
         chunk = tl.cdiv(tl.cdiv(kv_end - kv_start, num_splits), BLOCK_N) * BLOCK_N
         lo = kv_start + split * chunk
@@ -239,6 +296,13 @@ def _paged_attn_kernel(
     mid = lo + (tl.maximum(full_end - lo, 0) // BLOCK_N) * BLOCK_N
     if SLIDING:
         mid = lo
+    fast = lo
+    if CHUNK > 0:  # the unmasked tiles start at the tile's last row's chunk (a query tile
+        # across a chunk boundary: its rows' chunks start apart), the ones before are masked
+        last_row = ctx_len + tl.minimum(tile_start + BLOCK_Q, qlen) - 1
+        fast = tl.cdiv((last_row // CHUNK) * CHUNK, BLOCK_N) * BLOCK_N
+        fast = tl.minimum(tl.maximum(fast, lo), hi)
+        mid = fast + (tl.maximum(full_end - fast, 0) // BLOCK_N) * BLOCK_N
 
     m_i = tl.full([BLOCK_M], _M_INIT, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -253,7 +317,13 @@ def _paged_attn_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     head_off = kvh.to(tl.int64) * stride_kh
 
-    for start in range(lo, mid, BLOCK_N):
+    if CHUNK > 0:
+        acc, m_i, l_i = _masked_keys(q, acc, m_i, l_i, k_ptr, v_ptr, bt_row, lo, fast, seq_len,
+                                     pos, ctx_len + tile_start, window, key_lo, row_lo,
+                                     head_off, stride_kb, stride_ks, qk_scale, BLOCK_N,
+                                     HEAD_DIM, KV_BLOCK_SIZE, DOT_FP32, KV_FP8, FP32_PRECISION,
+                                     CAP, SLIDING, CHUNK)
+    for start in range(fast, mid, BLOCK_N):
         n = start + offs_n
         blk = tl.load(bt_row + n // KV_BLOCK_SIZE).to(tl.int64)
         kv_off = (
@@ -273,31 +343,11 @@ def _paged_attn_kernel(
         acc, m_i, l_i = _online_step(q, k, v, acc, m_i, l_i, qk_scale, pos[:, None] >= 0,
                                      False, DOT_FP32, FP32_PRECISION, CAP)
 
-    for start in range(mid, hi, BLOCK_N):
-        n = start + offs_n
-        n_ok = n < seq_len
-        if SLIDING:  # keys before every row's window are not read (their blocks may be gone)
-            n_ok &= n > ctx_len + tile_start - window
-        blk = tl.load(bt_row + n // KV_BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        kv_off = (
-            blk[:, None] * stride_kb
-            + (n % KV_BLOCK_SIZE)[:, None] * stride_ks
-            + head_off
-            + offs_d[None, :]
-        )
-        k = tl.load(k_ptr + kv_off, mask=n_ok[:, None], other=0.0)
-        v = tl.load(v_ptr + kv_off, mask=n_ok[:, None], other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        elif KV_FP8:  # an fp8 cache: the dots run in fp16 (e4m3 -> f16 is one cvt a pair)
-            k = k.to(tl.float16)
-            v = v.to(tl.float16)
-        visible = n[None, :] <= pos[:, None]
-        if SLIDING:
-            visible &= n[None, :] > pos[:, None] - window
-        acc, m_i, l_i = _online_step(q, k, v, acc, m_i, l_i, qk_scale, visible, True, DOT_FP32,
-                                     FP32_PRECISION, CAP)
+    acc, m_i, l_i = _masked_keys(q, acc, m_i, l_i, k_ptr, v_ptr, bt_row, mid, hi, seq_len, pos,
+                                 ctx_len + tile_start, window, key_lo, row_lo, head_off,
+                                 stride_kb, stride_ks, qk_scale, BLOCK_N, HEAD_DIM,
+                                 KV_BLOCK_SIZE, DOT_FP32, KV_FP8, FP32_PRECISION, CAP, SLIDING,
+                                 CHUNK)
 
     if USE_SPLITS:
         part = (q_row * num_heads + head) * num_splits + split

@@ -29,6 +29,17 @@ def _check_inputs(query: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int
     return num_heads, num_kv_heads, head_dim, block_size
 
 
+def _check_local(sliding_window: int | None, attention_chunk: int | None) -> None:
+    """ValueError for a ``sliding_window`` or ``attention_chunk`` below 1, or both given."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+    if attention_chunk is not None and attention_chunk < 1:
+        raise ValueError(f"attention_chunk must be None or >= 1, got {attention_chunk}")
+    if sliding_window is not None and attention_chunk is not None:
+        raise ValueError(f"sliding_window ({sliding_window}) and attention_chunk "
+                         f"({attention_chunk}) cannot be combined: give one or neither")
+
+
 def paged_attention_ref(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -44,6 +55,7 @@ def paged_attention_ref(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """Plain-torch reference of :func:`paged_attention` (fp32 math, same outputs contract).
 
@@ -52,9 +64,12 @@ def paged_attention_ref(
     ``sliding_window``: a query at position ``p`` sees keys ``p - sliding_window + 1 .. p``.
     ``logit_softcap``: scores become ``cap * tanh(score / cap)`` before the softmax.
     ``sinks`` ``[H]``: each head's sink score joins the softmax (as a key valued zero).
+    ``attention_chunk`` ``C``: chunked local attention (Llama 4), a query at position ``p``
+    sees keys ``(p // C) * C .. p``; not with ``sliding_window``.
     """
     del max_query_len, max_seq_len, uniform_decode
     num_heads, num_kv_heads, head_dim, block_size = _check_inputs(query, kv_cache)
+    _check_local(sliding_window, attention_chunk)
     group = num_heads // num_kv_heads
     out = torch.zeros_like(query)
     qsl = query_start_loc[: num_reqs + 1].tolist()
@@ -66,6 +81,8 @@ def paged_attention_ref(
             continue
         ctx_len = seq_len - qlen
         first = 0 if sliding_window is None else max(0, ctx_len - sliding_window + 1)
+        if attention_chunk is not None:
+            first = (max(ctx_len, 0) // attention_chunk) * attention_chunk
         n = torch.arange(first, seq_len, device=query.device)  # (earlier keys: never read)
         blocks = block_table[i, n // block_size].long()
         k = kv_cache[0, blocks, n % block_size].float()  # [S, Hk, D]
@@ -83,6 +100,8 @@ def paged_attention_ref(
             visible = n[None, :] <= qpos[:, None]  # [c, S]
             if sliding_window is not None:
                 visible &= n[None, :] > qpos[:, None] - sliding_window
+            if attention_chunk is not None:
+                visible &= n[None, :] >= (qpos[:, None] // attention_chunk) * attention_chunk
             scores = scores.masked_fill(~visible[None], float("-inf"))
             if sinks is not None:  # a column of each head's sink, dropped after the softmax
                 column = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)

@@ -526,7 +526,7 @@ ptrs = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "out_ptr": bf, "part_m_ptr": f32,
         "k_w_ptr": bf, "new_k_ptr": bf, "new_v_ptr": bf, "slot_ptr": "*i64"}
 common = dict(HEAD_DIM=128, KV_BLOCK_SIZE=16, DOT_FP32=False, FP32_PRECISION="tf32x3",
               PDL=True, EARLY_META=False, ROPE=False, QK_NORM=False, SKIP_LONG=False,
-              SLIDING=False, CAP=0.0, SINKS=False, sinks_ptr=None)
+              SLIDING=False, CAP=0.0, SINKS=False, sinks_ptr=None, CHUNK=0)
 # the GPU prefill tiles (attention_plan): 8B heads (group 4), 0.6B heads (group 2)
 for group, bm, bn, warps in ((4, 128, 32, 8), (2, 64, 64, 4)):
     for flat, one in ((False, 0), (True, 0), (True, 2)):  # 2: one-token requests skipped

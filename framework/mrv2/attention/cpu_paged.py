@@ -48,12 +48,14 @@ class CpuAttentionPlan:
     """``[real tokens]`` int64 padded-query row of each token; None: the identity."""
     query_pos: torch.Tensor | None = None
     """``[B, Q]`` int64 position of each padded query (for sliding windows)."""
-    group_masks: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)
+    group_masks: dict[tuple[int, int, int], torch.Tensor | None] = field(
+        default_factory=dict)
 
-    def mask_for(self, group: int, window: int | None = None) -> torch.Tensor | None:
+    def mask_for(self, group: int, window: int | None = None, chunk: int | None = None
+                 ) -> torch.Tensor | None:
         """The mask over ``[B, 1, Q * group, L]`` query rows (row ``j * group + g``); with
-        ``window``, each query's last ``window`` keys only."""
-        key = (group, window or 0)
+        ``window``, each query's last ``window`` keys only; with ``chunk``, its chunk's."""
+        key = (group, window or 0, chunk or 0)
         if key not in self.group_masks:
             mask = self.mask
             if window is not None and self.query_pos is not None:
@@ -61,6 +63,12 @@ class CpuAttentionPlan:
                 pos = torch.arange(self.max_seq_len)
                 recent = (pos > self.query_pos[:, :, None] - window).view(b, 1, q, 1, -1)
                 mask = recent if mask is None else mask & recent
+            if chunk is not None and self.query_pos is not None:
+                b, q = self.query_pos.shape
+                pos = torch.arange(self.max_seq_len)
+                local = pos >= self.query_pos[:, :, None] // chunk * chunk
+                mask = local.view(b, 1, q, 1, -1) if mask is None else (
+                    mask & local.view(b, 1, q, 1, -1))
             if mask is not None:
                 b, _, q, _, length = mask.shape
                 if q == 1:
@@ -176,10 +184,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 def paged_attention_cpu(
     query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
     sliding_window: int | None = None, logit_softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None, attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of ``query`` ``[T, H, D]`` over the paged cache; ``[T, H, D]``;
     ``sliding_window``: each query's last that many keys (its own included) only;
+    ``attention_chunk``: the keys of each query's chunk of that many positions only;
     ``logit_softcap``: scores ``cap * tanh(score / cap)``; ``sinks`` ``[H]``: each head's sink
     score joins its softmax (a key valued zero)."""
     num_tokens, num_heads, head_dim = query.shape
@@ -206,7 +215,7 @@ def paged_attention_cpu(
     row_sinks = None  # the sink of each query row (row j * G + g: head g of the kv head)
     if sinks is not None:
         row_sinks = sinks.float().view(num_kv_heads, group).repeat(1, q_len)
-    out = _attend(q, kv[0], kv[1], plan.mask_for(group, sliding_window), scale,
+    out = _attend(q, kv[0], kv[1], plan.mask_for(group, sliding_window, attention_chunk), scale,
                   logit_softcap, row_sinks)  # [B, Hk, Q * G, D]
     if q_len == 1:
         out = out.view(n, num_heads, head_dim)

@@ -32,6 +32,7 @@ class TorchAttentionBackend(PagedAttentionBackend):
     sliding_window = True
     logit_softcap = True
     attention_sinks = True
+    attention_chunk = True
 
     def write_kv(
         self,
@@ -59,14 +60,16 @@ class TorchAttentionBackend(PagedAttentionBackend):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        attention_chunk: int | None = None,
     ) -> torch.Tensor:
         """Causal GQA attention of ``query`` ``[T, H, D]``; returns ``[T, H, D]``."""
         if query.device.type == "cpu":
             return paged_attention_cpu(query, kv_cache, metadata, scale, sliding_window,
-                                       logit_softcap, sinks)
+                                       logit_softcap, sinks, attention_chunk)
         return self.forward_reference(query, kv_cache, metadata, scale,
                                       sliding_window=sliding_window,
-                                      logit_softcap=logit_softcap, sinks=sinks)
+                                      logit_softcap=logit_softcap, sinks=sinks,
+                                      attention_chunk=attention_chunk)
 
     def write_kv_reference(
         self,
@@ -109,6 +112,7 @@ class TorchAttentionBackend(PagedAttentionBackend):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        attention_chunk: int | None = None,
     ) -> torch.Tensor:
         """The device-agnostic :meth:`forward` (no host reads)."""
         num_tokens, num_heads, head_dim = query.shape
@@ -145,6 +149,8 @@ class TorchAttentionBackend(PagedAttentionBackend):
         mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, Q, L]; real queries: < seq_len
         if sliding_window is not None:
             mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+        if attention_chunk is not None:
+            mask &= k_pos[None, None, :] >= q_pos[:, :, None] // attention_chunk * attention_chunk
         scores = scores.masked_fill(~mask[:, None, None], torch.finfo(torch.float32).min)
         if sinks is not None:  # [B, Hk, G, Q, L + 1]: each head's sink, dropped after
             column = sinks.float().view(1, num_kv_heads, group, 1, 1)

@@ -28,6 +28,7 @@ class TritonAttentionBackend(PagedAttentionBackend):
     sliding_window = True
     logit_softcap = True
     attention_sinks = True
+    attention_chunk = True
 
     def __init__(self) -> None:
         # Split decode steps (decode and spec decode at small batches) rotate the query and
@@ -55,9 +56,10 @@ class TritonAttentionBackend(PagedAttentionBackend):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        attention_chunk: int | None = None,
     ) -> torch.Tensor:
         return self._attend(query, kv_cache, metadata, scale, None, sliding_window,
-                            logit_softcap, sinks)
+                            logit_softcap, sinks, attention_chunk)
 
     def forward_rope(
         self,
@@ -72,20 +74,21 @@ class TritonAttentionBackend(PagedAttentionBackend):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        attention_chunk: int | None = None,
     ) -> torch.Tensor:
         fused = FusedRope(rope.positions, rope.cos_sin, key, value, metadata.slot_mapping,
                           rope.qk_norm)
         return self._attend(query, kv_cache, metadata, scale, fused, sliding_window,
-                            logit_softcap, sinks)
+                            logit_softcap, sinks, attention_chunk)
 
     @staticmethod
     def _attend(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 scale: float, rope: FusedRope | None, window: int | None,
-                softcap: float | None = None, sinks: torch.Tensor | None = None
-                ) -> torch.Tensor:
+                softcap: float | None = None, sinks: torch.Tensor | None = None,
+                chunk: int | None = None) -> torch.Tensor:
         return paged_attention(
             query, kv_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
             scale, max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len,
             num_reqs=metadata.num_reqs, uniform_decode=metadata.uniform_decode, rope=rope,
-            sliding_window=window, logit_softcap=softcap, sinks=sinks,
+            sliding_window=window, logit_softcap=softcap, sinks=sinks, attention_chunk=chunk,
         )

@@ -107,6 +107,11 @@ class PagedAttentionBackend(AttentionBackend, ABC):
     scores become ``cap * tanh(score / cap)`` before the softmax (Gemma 2's
     ``attn_logit_softcapping``)."""
 
+    attention_chunk: bool = False
+    """Whether :meth:`forward` and :meth:`forward_rope` take ``attention_chunk``: a query at
+    position ``p`` then sees only keys at positions ``(p // C) * C .. p`` (chunked local
+    attention, Llama 4's ``attention_chunk_size``); never with ``sliding_window``."""
+
     attention_sinks: bool = False
     """Whether :meth:`forward` and :meth:`forward_rope` take ``sinks`` (``[num_heads]``, this
     rank's query heads): each head's learned sink score joins every query's softmax as one
@@ -123,6 +128,7 @@ class PagedAttentionBackend(AttentionBackend, ABC):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        attention_chunk: int | None = None,
     ) -> torch.Tensor:
         """Causal attention of ``query`` ``[T, num_heads, head_dim]`` over the paged cache.
 
@@ -131,7 +137,8 @@ class PagedAttentionBackend(AttentionBackend, ABC):
         ``sliding_window`` (where :attr:`sliding_window` says so): the last that many keys
         up to each query's position only; None: every key up to it. ``logit_softcap`` (where
         :attr:`logit_softcap` says so): soft-capped scores; ``sinks`` (where
-        :attr:`attention_sinks` says so): the heads' sink scores.
+        :attr:`attention_sinks` says so): the heads' sink scores; ``attention_chunk`` (where
+        :attr:`attention_chunk` says so): each query's chunk of that many positions only.
         """
 
     rope_in_attention: bool = False
@@ -151,6 +158,7 @@ class PagedAttentionBackend(AttentionBackend, ABC):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        attention_chunk: int | None = None,
     ) -> torch.Tensor:
         """:meth:`write_kv` and :meth:`forward` of the rotated query and key, from the raw
         ``query`` ``[T, num_heads, head_dim]``, ``key``/``value`` ``[T, num_kv_heads *

@@ -19,7 +19,9 @@ _NO_OPTIONS: dict[str, Any] = {}
 class Attention(KVCacheLayer):
     """Causal paged attention over layer ``layer_idx``'s KV cache (no parameters); query rows
     in the forward context's :class:`~mrv2.contract.forward_context.BidirectionalSpan` s also
-    see their span's later keys (an image's tokens in Gemma 3).
+    see their span's later keys (an image's tokens in Gemma 3). ``sliding_window``: a query
+    sees its last that many keys; ``attention_chunk`` ``C`` (chunked local attention, Llama
+    4): the keys of its own chunk of ``C`` positions, ``(p // C) * C .. p``; not both.
 
     Declares a :class:`PagedKVSpec` cache; the metadata, this layer's cache tensor and its
     backend come from the forward context the runner sets around each forward
@@ -29,7 +31,7 @@ class Attention(KVCacheLayer):
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int,
         sliding_window: int | None = None, logit_softcap: float | None = None,
-        bidirectional_spans: bool = True,
+        bidirectional_spans: bool = True, attention_chunk: int | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -38,10 +40,18 @@ class Attention(KVCacheLayer):
             )
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+        if attention_chunk is not None and attention_chunk < 1:
+            raise ValueError(f"attention_chunk must be None or >= 1, got {attention_chunk}")
+        if sliding_window is not None and attention_chunk is not None:
+            raise ValueError(f"sliding_window ({sliding_window}) and attention_chunk "
+                             f"({attention_chunk}) cannot be combined: give one or neither")
         if logit_softcap is not None and logit_softcap <= 0:
             raise ValueError(f"logit_softcap must be None or > 0, got {logit_softcap}")
         #: Keys a query sees, its own included (None: all before it); HF's ``sliding_window``.
         self.sliding_window = sliding_window
+        #: Positions per chunk of chunked local attention (a query sees its chunk's keys up to
+        #: itself; HF's ``attention_chunk_size``); None: not chunked. Every block is kept.
+        self.attention_chunk = attention_chunk
         #: Scores soft-capped to ``cap * tanh(score / cap)`` (Gemma 2); None: not capped.
         self.logit_softcap = logit_softcap
         #: Whether the forward context's bidirectional spans apply to this layer (Gemma 3: every
@@ -86,8 +96,11 @@ class Attention(KVCacheLayer):
         num_tokens = q.shape[0]
         extra = _NO_OPTIONS  # (the usual layer: no per-call work for the options)
         if sinks is not None or self.sliding_window is not None or (
-                self.logit_softcap is not None):
+                self.logit_softcap is not None or self.attention_chunk is not None):
             extra = self._options(backend, sinks)
+            if self.attention_chunk is not None and ctx.bidirectional and self.bidirectional_spans:
+                raise ValueError(f"layer {self.layer_idx} attends with attention_chunk, which "
+                                 f"bidirectional spans do not support")
         kv_write = None
         if rotary is not None:
             if positions is None:
@@ -122,10 +135,12 @@ class Attention(KVCacheLayer):
         extra: dict[str, Any] = {}
         for option, value, able in (("sliding_window", self.sliding_window, "sliding_window"),
                                     ("logit_softcap", self.logit_softcap, "logit_softcap"),
-                                    ("sinks", sinks, "attention_sinks")):
+                                    ("sinks", sinks, "attention_sinks"),
+                                    ("attention_chunk", self.attention_chunk,
+                                     "attention_chunk")):
             if value is None:
                 continue
-            if not getattr(backend, able):
+            if not getattr(backend, able, False):
                 raise ValueError(f"layer {self.layer_idx} attends with {option}; the "
                                  f"{backend.name!r} attention backend does not take it")
             extra[option] = value
@@ -137,4 +152,5 @@ class Attention(KVCacheLayer):
             f"scale={self.scale}, layer_idx={self.layer_idx}"
             + (f", sliding_window={self.sliding_window}" if self.sliding_window else "")
             + (f", logit_softcap={self.logit_softcap}" if self.logit_softcap else "")
+            + (f", attention_chunk={self.attention_chunk}" if self.attention_chunk else "")
         )

@@ -30,9 +30,9 @@ from mrv2.contract.attention import AttentionMetadata
 from mrv2.contract.batch import InputBatch
 from mrv2.contract.forward_context import ForwardContext, set_forward_context
 from mrv2.contract.kv_cache import KVCacheSpec, layer_specs
+from mrv2.contract.request_state import request_state_layers
 from mrv2.contract.speculator import Speculator, SpeculatorInputs, StepSamples
 from mrv2.contract.state_table import RequestStateTable
-from mrv2.contract.request_state import request_state_layers
 from mrv2.model_loader.build import text_config_of
 from mrv2.spec_decode.drafting import DraftSteps
 

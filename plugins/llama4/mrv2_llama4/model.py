@@ -21,13 +21,12 @@ pre-norm decoder with, per layer, as HF's ``modeling_llama4``:
   of a token at position ``p`` is scaled by ``1 + attn_scale * log1p(floor((p + 1) /
   floor_scale))``, computed per token from the positions the forward gets (graph-safe).
 - Chunked local attention (``attention_chunk_size``, 8192 in the published configs) on the
-  layers HF's ``layer_types`` calls ``chunked_attention`` (the RoPE layers): a query sees only
-  the keys of its own chunk of ``attention_chunk_size`` positions. The core's attention has no
-  chunked mode; below ``attention_chunk_size`` positions every token is in the first chunk,
-  where chunked attention *is* causal attention, so the model state
-  (:class:`~mrv2_llama4.state.Llama4ModelState`) refuses a ``max_model_len`` above
-  ``attention_chunk_size`` (a ValueError naming both), and the RoPE table is built for that
-  many positions only (not the 10M of ``max_position_embeddings``).
+  layers HF's ``layer_types`` calls ``chunked_attention`` (the RoPE layers): a query at
+  position ``p`` sees only the keys of its own chunk, ``(p // C) * C .. p``: the core's
+  ``Attention(attention_chunk=C)`` (every KV block is kept). Any ``max_model_len`` runs; the
+  RoPE table is built for the engine's ``max_model_len`` positions (the model state,
+  :class:`~mrv2_llama4.state.Llama4ModelState`, sizes it before the first step; else
+  ``max_position_embeddings``, 10M in Scout).
 - MoE on the layers ``moe_layers`` lists (HF's default: every ``interleave_moe_layer_step``-th
   layer; Scout: all, Maverick: every other one), a dense SwiGLU MLP of
   ``intermediate_size_mlp`` on the others. The router (``feed_forward.router``, a linear
@@ -61,6 +60,7 @@ from torch import nn
 
 from mrv2.distributed.parallel_state import all_reduce
 from mrv2.layers import (
+    Attention,
     CausalLM,
     DecoderLayer,
     DecoderModel,
@@ -159,11 +159,18 @@ def _halves_qk_rows(qkv: QKVLinear, rows: torch.Tensor) -> torch.Tensor:
 class Llama4Attention(SelfAttention):
     """:class:`~mrv2.layers.SelfAttention` with Llama 4's per-layer options (module
     docstring): RoPE (``rope``) or NoPE (None), the weightless q/k norm of the RoPE layers,
-    the query temperature of the NoPE layers."""
+    the query temperature of the NoPE layers, chunked attention where
+    :func:`chunked_layers` says so."""
 
     def __init__(self, config: Any, layer_idx: int, rope: RotaryEmbedding | None) -> None:
         bias = bool(getattr(config, "attention_bias", False))
         super().__init__(config, layer_idx, rope, qkv_bias=bias, o_bias=bias)
+        if chunked_layers(config)[layer_idx]:  # the same attention, within chunks
+            attn = self.attn
+            self.attn = Attention(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
+                                  layer_idx, sliding_window=attn.sliding_window,
+                                  logit_softcap=attn.logit_softcap,
+                                  attention_chunk=int(config.attention_chunk_size))
         #: The RMS norm's epsilon of q and k (RoPE layers with ``use_qk_norm``), else None.
         self.l2_norm_eps: float | None = None
         if rope is not None and getattr(config, "use_qk_norm", False):
@@ -263,11 +270,9 @@ class Llama4ForCausalLM(CausalLM):
         head_dim = head_dim_of(config)
         ropes = rope_layers(config)
         routed = moe_layers(config)
-        positions = int(config.max_position_embeddings)
-        if any(chunked_layers(config)):  # (max_model_len <= attention_chunk_size: the state)
-            positions = min(positions, int(config.attention_chunk_size))
         base, scaling = rope_parameters_of(config)
-        rope = RotaryEmbedding(head_dim, positions, base=base, scaling=scaling)
+        rope_args: dict[str, Any] = {"head_dim": head_dim, "base": base, "scaling": scaling}
+        rope = RotaryEmbedding(max_position=int(config.max_position_embeddings), **rope_args)
 
         def layer(i: int) -> DecoderLayer:
             attention = Llama4Attention(config, i, rope if ropes[i] else None)
@@ -276,6 +281,8 @@ class Llama4ForCausalLM(CausalLM):
             return DecoderLayer(config, attention, mlp)
 
         super().__init__(config, DecoderModel(config, layer))
+        #: How the RoPE layers' rotation is built, but for its positions (size_rope_table).
+        self._rope_args = rope_args
         self._head_dim = head_dim
         self._rope_layers = ropes
         heads = int(config.num_attention_heads)
@@ -284,6 +291,18 @@ class Llama4ForCausalLM(CausalLM):
         self._qk_rows = {"q": heads * head_dim, "k": kv_heads * head_dim}
         #: ``(hidden, intermediate)`` of the routed experts: the stacked tensors' checks.
         self._expert_dims = (int(config.hidden_size), int(config.intermediate_size))
+
+    def size_rope_table(self, max_position: int) -> None:
+        """The RoPE layers' table for positions ``0 .. max_position - 1`` (the engine's
+        ``max_model_len``) instead of ``max_position_embeddings`` (10M in Scout: ~5 GB of
+        fp32 cos/sin at head_dim 128). Before the first forward: the table is built on first
+        use."""
+        if max_position < 1:
+            raise ValueError(f"max_position must be >= 1, got {max_position}")
+        rope = RotaryEmbedding(max_position=max_position, **self._rope_args)
+        for module in self.modules():
+            if isinstance(module, Llama4Attention) and module.rotary_emb is not None:
+                module.rotary_emb = rope
 
     def rename(self, name: str) -> str | None:
         """HF's ``feed_forward`` as ``mlp``, its ``router`` as ``gate`` and its

@@ -1,6 +1,6 @@
-"""Llama 4's engine-side pieces: the model state, which refuses a context its chunked
-attention would need (the core attends causally only), and the multimodal checkpoints' input
-processor, which refuses images (the vision tower is not served yet; text prompts run)."""
+"""Llama 4's engine-side pieces: the model state, which sizes the RoPE table to the engine's
+context length, and the multimodal checkpoints' input processor, which refuses images (the
+vision tower is not served yet; text prompts run)."""
 
 from __future__ import annotations
 
@@ -16,37 +16,29 @@ from mrv2.contract.input_processor import InputProcessor
 from mrv2.contract.model_state import ModelState
 from mrv2.contract.requests import MultiModalItem
 from mrv2.model_loader.build import text_config_of
-from mrv2_llama4.model import chunked_layers
+from mrv2_llama4.model import Llama4ForCausalLM
 
-__all__ = ["Llama4InputProcessor", "Llama4ModelState", "check_max_model_len"]
+__all__ = ["Llama4InputProcessor", "Llama4ModelState", "context_length"]
 
 
-def check_max_model_len(text_config: Any, max_model_len: int | None) -> None:
-    """ValueError naming ``max_model_len`` and ``attention_chunk_size`` where the context
-    would pass a chunk of a chunked-attention layer: the core's attention has no chunked mode,
-    and up to ``attention_chunk_size`` positions chunked attention is causal attention.
-    ``max_model_len`` None: the engine's default, ``max_position_embeddings``."""
-    if not any(chunked_layers(text_config)):
-        return
-    chunk = int(text_config.attention_chunk_size)
-    length = int(max_model_len if max_model_len is not None
-                 else text_config.max_position_embeddings)
-    if length > chunk:
-        where = "" if max_model_len is not None else " (max_position_embeddings, the default)"
-        raise ValueError(
-            f"max_model_len={length}{where} exceeds attention_chunk_size={chunk}: Llama 4's "
-            f"chunked-attention layers see only their chunk of attention_chunk_size positions, "
-            f"which mrv2 does not implement; set max_model_len <= {chunk} (where chunked "
-            f"attention equals causal attention)")
+def context_length(text_config: Any, max_model_len: int | None) -> int:
+    """The engine's context length: ``max_model_len``, or where unset the runner's default,
+    ``max_position_embeddings``. (Any length runs: the chunked-attention layers attend within
+    their chunks of ``attention_chunk_size`` positions.)"""
+    return int(max_model_len if max_model_len is not None
+               else text_config.max_position_embeddings)
 
 
 class Llama4ModelState(ModelState):
-    """The core's decoder-only state, after :func:`check_max_model_len` (before the KV cache
-    is sized)."""
+    """The core's decoder-only state; first sizes the model's RoPE table to the engine's
+    context length (:func:`context_length`; not the 10M positions of Scout's
+    ``max_position_embeddings``), before anything runs."""
 
     def __init__(self, model: nn.Module, hf_config: Any, config: EngineConfig,
                  buffers: InputBuffers, block_size: int, device: torch.device) -> None:
-        check_max_model_len(text_config_of(hf_config), config.model.max_model_len)
+        if isinstance(model, Llama4ForCausalLM):
+            model.size_rope_table(context_length(text_config_of(hf_config),
+                                                 config.model.max_model_len))
         super().__init__(model, hf_config, config, buffers, block_size, device)
 
 

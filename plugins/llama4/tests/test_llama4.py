@@ -5,8 +5,9 @@ q/k norm and chunked attention; NoPE layers with the query temperature past
 ``floor_scale``; MoE layers, top-1 sigmoid-scored input plus a shared expert, between dense
 ones): prefill and decode logits through the paged cache, what goes wrong without each part,
 greedy tokens of several requests through the engine with prompts split over steps, every
-prompt position's log-probability, TP=2 through two CPU processes, and the refusals
-(``max_model_len`` past ``attention_chunk_size``; images)."""
+prompt position's log-probability, TP=2 through two CPU processes, the refusal of images;
+and, with chunks of 32 positions, steps and generations across several chunk boundaries
+(``max_model_len`` past ``attention_chunk_size``: the RoPE table sized to it)."""
 
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ from mrv2_llama4.model import (
     moe_layers,
     rope_layers,
 )
-from mrv2_llama4.state import check_max_model_len
-from mrv2_llama4.testing import save_tiny_llama4, save_tiny_llama4_vl
+from mrv2_llama4.state import context_length
+from mrv2_llama4.testing import TINY_LLAMA4, save_tiny_llama4, save_tiny_llama4_vl
 
 CLASSES: dict[str, type[Llama4ForCausalLM]] = {
     "causal": Llama4ForCausalLM, "conditional": Llama4ForConditionalGeneration}
@@ -201,27 +202,96 @@ def test_temperature_and_layout_helpers() -> None:
         rope_layers(SimpleNamespace(num_hidden_layers=3, no_rope_layers=[1, 0]))
 
 
-def test_max_model_len_past_the_chunk_is_refused(tmp_path: Path) -> None:
-    """A context longer than ``attention_chunk_size`` is refused naming both fields, whether
-    asked for or the default (``max_position_embeddings``); up to the chunk it runs."""
+#: Chunks of 32 positions and room for 256 (the engine's max_model_len below: 200).
+CHUNKED = {"attention_chunk_size": 32, "max_position_embeddings": 256}
+
+
+def _chunked_steps(model: Llama4ForCausalLM, hf: torch.nn.Module) -> list[int]:
+    """Two requests through three steps (prompt parts of 45 + 30 and 20 + 44 tokens, across
+    chunk boundaries of 32, then one decode token each: at position 75, and at 64, the first
+    of a chunk), every logit against HF's full forward of the same tokens; returns the first
+    request's tokens."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 125, (76,), generator=gen).tolist(),
+               torch.randint(2, 125, (65,), generator=gen).tolist()]
+    with torch.no_grad():
+        want = [hf(torch.tensor([p])).logits[0] for p in prompts]
+    caches = poisoned_caches(2, 16, 4, num_blocks=48)
+    tables = [list(range(0, 48, 2)), list(range(1, 48, 2))]  # (19 and 17 blocks used)
+    done = [0, 0]
+    for sizes in ((45, 20), (30, 44), (1, 1)):
+        new = [p[c:c + n] for p, c, n in zip(prompts, done, sizes, strict=True)]
+        logits, _ = run_step(model, caches, tables, list(done), new, num_pad=2)
+        for got, w, c, n in zip(logits, want, done, sizes, strict=True):
+            torch.testing.assert_close(got, w[c:c + n], atol=1e-4, rtol=1e-4)
+        done = [c + n for c, n in zip(done, sizes, strict=True)]
+    return prompts[0]
+
+
+def test_chunked_attention_matches_hf_past_the_chunk(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of 32 positions (layers 0 and 1): prefill chunks and decode steps past several
+    chunk boundaries give HF's logits (HF's sdpa attention applies its chunked mask: its
+    logits past the first chunk differ from the same weights' with chunks of 256); without
+    the chunks, the logits past the first chunk are lost."""
+    hf = save_tiny_llama4(tmp_path / "m", **CHUNKED)
+    assert hf.config._attn_implementation == "sdpa"
+    model = _load(tmp_path / "m", "causal")
+    assert [layer.self_attn.attn.attention_chunk for layer in model.model.layers] == [
+        32, 32, None, None]
+    prompt = _chunked_steps(model, hf)
+    wide = save_tiny_llama4(tmp_path / "wide", **{**CHUNKED, "attention_chunk_size": 256})
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        chunked, causal = hf(ids).logits[0], wide(ids).logits[0]
+    torch.testing.assert_close(chunked[:32], causal[:32], atol=1e-5, rtol=1e-5)
+    assert ((chunked[32:] - causal[32:]).abs().amax(-1) > 1e-3).all()
+    for layer in model.model.layers:
+        monkeypatch.setattr(layer.self_attn.attn, "attention_chunk", None)
+    (got,), _ = run_step(model, poisoned_caches(2, 16, 4), [list(range(10))], [0], [prompt[:40]])
+    torch.testing.assert_close(got[:32], chunked[:32], atol=1e-4, rtol=1e-4)
+    assert ((got[32:40] - chunked[32:40]).abs().amax(-1) > 1e-3).all()
+
+
+def test_chunked_attention_on_the_triton_kernels(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of 8 on the Triton attention backend, interpreted: a prefill step (prompts of 9,
+    3 and 13 tokens, two across a chunk boundary) then a decode step give HF's logits."""
+    from mrv2.attention import ForwardContext
+    from mrv2.attention.triton_backend import TritonAttentionBackend
+
+    hf = save_tiny_llama4(tmp_path, attention_chunk_size=8)
+    backend = TritonAttentionBackend()
+    monkeypatch.setenv("MRV2_KERNELS", "triton")
+    monkeypatch.setattr(mrv2.testing, "torch_context", lambda caches, metadata: ForwardContext(
+        metadata, caches, [backend] * len(caches)))
+    check_steps_against_hf(_load(tmp_path, "causal"), hf, _caches(), (9, 3, 13), vocab=125,
+                           max_len=16)
+
+
+def test_context_length_and_rope_table() -> None:
+    """The engine's context length (``max_model_len``, else ``max_position_embeddings``) sizes
+    the RoPE table, past ``attention_chunk_size`` too; a table of no position is refused."""
     config = transformers.Llama4TextConfig(attention_chunk_size=8192,
                                            max_position_embeddings=10485760)
-    with pytest.raises(ValueError, match=r"max_model_len=10485760 \(max_position_embeddings"
-                                         r".*attention_chunk_size=8192"):
-        check_max_model_len(config, None)
-    check_max_model_len(config, 8192)
-    config.attention_chunk_size = None  # (no chunked layer: anything goes)
-    check_max_model_len(config, 10485760)
-    save_tiny_llama4(tmp_path, max_position_embeddings=128)
-    with pytest.raises(ValueError, match=r"max_model_len=65 exceeds attention_chunk_size=64"):
-        LLM(str(tmp_path), device="cpu", dtype="float32", block_size=4, max_model_len=65)
+    assert context_length(config, None) == 10485760
+    assert context_length(config, 131072) == 131072
+    model = Llama4ForCausalLM(transformers.Llama4TextConfig(**{**TINY_LLAMA4, **CHUNKED}))
+    rope = model.model.layers[0].self_attn.rotary_emb
+    assert rope is not None and rope.max_position == 256
+    model.size_rope_table(100)
+    ropes = [layer.self_attn.rotary_emb for layer in model.model.layers]
+    assert ropes[0] is ropes[1] and ropes[0] is not None and ropes[0].max_position == 100
+    assert ropes[2:] == [None, None]
+    with pytest.raises(ValueError, match="max_position must be >= 1, got 0"):
+        model.size_rope_table(0)
 
 
-def _hf_tokens(hf: Any, prompt: list[int]) -> list[int]:
+def _hf_tokens(hf: Any, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
     hf.generation_config.eos_token_id = None  # (as ignore_eos)
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
-                          dtype=torch.long), max_new_tokens=NEW_TOKENS, do_sample=False)
+                          dtype=torch.long), max_new_tokens=new_tokens, do_sample=False)
     return [int(t) for t in out[0, len(prompt):]]
 
 
@@ -245,6 +315,25 @@ def test_engine_matches_hf(checkpoint: tuple[str, Path, torch.nn.Module]) -> Non
                 llm.generate([image], GREEDY, use_tqdm=False)
             again = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)
             assert list(again[0].outputs[0].token_ids) == want[0]
+
+
+def test_engine_matches_hf_past_the_chunk(tmp_path: Path) -> None:
+    """``max_model_len`` 200 with chunks of 32 (once refused): the RoPE table has 200 rows;
+    greedy tokens of two requests whose prompts (split over steps of 16 tokens) and
+    generations cross several chunk boundaries are HF ``generate``'s, every prompt position's
+    log-probability within 1e-4 of HF's forward."""
+    hf = save_tiny_llama4(tmp_path, **CHUNKED)
+    prompts = [[(7 * i) % 120 + 3 for i in range(70)], [(11 * i) % 120 + 3 for i in range(30)]]
+    want = [_hf_tokens(hf, p, 40) for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with LLM(str(tmp_path), device="cpu", dtype="float32", block_size=4, max_model_len=200,
+             max_num_batched_tokens=16) as llm:
+        rope = llm.engine.runner.model.model.layers[0].self_attn.rotary_emb
+        assert rope.max_position == 200
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == want
+        check_prompt_logprobs(llm, {"prompt_token_ids": prompts[0]}, prompts[0],
+                              _hf_logits(hf, prompts[0]))
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep"])
