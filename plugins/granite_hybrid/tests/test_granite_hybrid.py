@@ -83,6 +83,16 @@ def test_greedy_and_logprobs_match_hf(checkpoints: dict[str, Checkpoint], varian
     _prompt_logprobs_match(llm, hf)
 
 
+def test_prefix_cache_resumes_from_state_snapshots(
+        checkpoints: dict[str, Checkpoint]) -> None:
+    """Requests resume from snapshots of the mixers' SSM and conv states (the attention's KV
+    from the cached blocks beside them), routed experts and NoPE attention: greedy tokens
+    equal HF's."""
+    from mrv2.testing_engine import check_state_prefix_cache
+
+    check_state_prefix_cache(checkpoints["moe-nope"][0], max_tokens=4)
+
+
 def test_structure_and_names(checkpoints: dict[str, Checkpoint]) -> None:
     """Layer kinds, KV-cache indices, state shapes and the feed-forward of each variant; the
     published names (``input_linear``, ``router.layer``: what transformers saves) and
