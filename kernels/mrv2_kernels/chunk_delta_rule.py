@@ -85,19 +85,9 @@ import triton.language as tl
 
 from ._backend import cdiv, default_block, flat_query_tile, next_power_of_2, pdl, pdl_prologue
 from ._backend import use_triton as _use_triton
-from .linear_attention import (
-    _KERNEL_DTYPES,
-    _L2_EPS,
-    _check_gdr,
-    _check_meta,
-    _check_table,
-    _table_host,
-    _zero_tail,
-    check_triton_args,
-    raw_gates,
-    resolve_gates,
-)
+from .linear_attention import _L2_EPS, _check_gdr, check_triton_args, raw_gates, resolve_gates
 from .linear_attention import gated_delta_rule as _serial_gated_delta_rule
+from .recurrent_state import _KERNEL_DTYPES, _check_meta, _check_table, _table_host, _zero_tail
 
 __all__ = [
     "CHUNKED_MIN_QUERY_LEN",

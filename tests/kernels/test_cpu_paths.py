@@ -171,8 +171,9 @@ def test_no_pdl_kernel_writes_step_metadata() -> None:
             if re.search(r"\*\*pdl\(|launch_pdl", path.read_text()):
                 launching.add(path.relative_to(root).as_posix())
     assert launching == {
+        "kernels/mrv2_kernels/causal_conv1d.py",  # conv outputs, conv state rows
         "kernels/mrv2_kernels/chunk_delta_rule.py",  # WY scratch, delta-rule outputs, state rows
-        "kernels/mrv2_kernels/linear_attention.py",  # conv / delta-rule outputs, state rows
+        "kernels/mrv2_kernels/linear_attention.py",  # delta-rule outputs, state rows
         "kernels/mrv2_kernels/lora.py",  # the shrink's scratch, the layer's output (adds)
         "kernels/mrv2_kernels/moe_router.py",  # the routing weights and expert ids
         "kernels/mrv2_kernels/norm.py",  # writes the normed activations (and the residual)

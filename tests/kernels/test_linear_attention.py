@@ -18,6 +18,7 @@ try:
 except ImportError:  # not installed: use the source tree
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "kernels"))
 
+from mrv2_kernels import causal_conv1d as cc
 from mrv2_kernels import linear_attention as la
 from mrv2_kernels.linear_attention import (
     causal_conv1d,
@@ -45,6 +46,7 @@ WIDTH = 4
 @pytest.fixture
 def poisoned(poison: Callable[[ModuleType], None]) -> None:
     poison(la)
+    poison(cc)  # (the conv's outputs)
 
 
 # (query length, start, state row). Rows 3 and 6 are in no sequence; row 1 holds garbage

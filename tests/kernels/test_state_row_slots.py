@@ -20,6 +20,7 @@ try:
 except ImportError:  # not installed: use the source tree
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "kernels"))
 
+from mrv2_kernels import causal_conv1d as cc
 from mrv2_kernels import linear_attention as la
 from mrv2_kernels.chunk_delta_rule import gated_delta_rule_auto
 from mrv2_kernels.linear_attention import (
@@ -49,6 +50,7 @@ KINDS = ["conv", "gdr", "ssm"]
 @pytest.fixture
 def poisoned(poison: Callable[[ModuleType], None]) -> None:
     poison(la)
+    poison(cc)  # (the conv's outputs)
 
 
 class Stream:

@@ -20,6 +20,7 @@ try:
 except ImportError:  # not installed: use the source tree
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "kernels"))
 
+from mrv2_kernels import causal_conv1d as cc
 from mrv2_kernels import linear_attention as la
 from mrv2_kernels.linear_attention import (
     causal_conv1d_ref,
@@ -47,6 +48,7 @@ HK, HV, DK, DV = 1, 2, 8, 6
 @pytest.fixture
 def poisoned(poison: Callable[[ModuleType], None]) -> None:
     poison(la)
+    poison(cc)  # (the conv's outputs)
 
 
 def meta(seqs: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -174,6 +176,7 @@ try:
     from triton.compiler import ASTSource
 except ImportError:
     sys.exit(3)
+from mrv2_kernels import causal_conv1d as cc
 from mrv2_kernels import linear_attention as la
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -208,7 +211,7 @@ for slots in (1, 4):  # one state row a sequence, and speculative decoding's 1 +
     spills(la._gated_delta_rule_kernel, gdr, 4)
     conv = dict(WIDTH=4, HAS_BIAS=False, SILU=True, BLOCK_T=16, BLOCK_D=256, BLOCK_W=4,
                 HAS_TABLE=True, ROW_SLOTS=slots, PDL=True)
-    spills(la._causal_conv1d_kernel, conv, 8, state="*bf16")
+    spills(cc._causal_conv1d_kernel, conv, 8, state="*bf16")
 """
 
 
