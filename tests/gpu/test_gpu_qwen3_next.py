@@ -84,3 +84,27 @@ def test_qwen3_next_speculative_decoding_with_graphs(tmp_path: Path) -> None:
         llm.shutdown()
         assert [o.outputs[0].token_ids for o in outs] == expected, kwargs
         assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
+
+
+def test_qwen3_next_mtp_drafts_in_graphs(tmp_path: Path) -> None:
+    """Qwen3-Next's MTP head drafting (k = 3) in its drafting graphs, the verify steps in the
+    decode graphs: an MTP head made to draft the last token repeated (kept exactly where the
+    greedy output repeats it), fp32 greedy tokens HF's, eager and in graphs alike, some drafts
+    kept."""
+    from safetensors.torch import save_file
+
+    from mrv2_qwen.testing import checkpoint_with_mtp, identity_mtp
+
+    save_file(identity_mtp(checkpoint_with_mtp(tmp_path, **ARCH)),
+              str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    expected = [hf_greedy(tmp_path, p, 40) for p in PROMPTS]
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    for kwargs in ({}, {"enforce_eager": True}):
+        llm = LLM(str(tmp_path), device="cuda", dtype="float32", block_size=16,
+                  gpu_memory_utilization=0.3, speculative_config=spec, **kwargs)
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        stats = llm.engine.stats()
+        llm.shutdown()
+        assert [o.outputs[0].token_ids for o in outs] == expected, kwargs
+        assert stats["spec_num_draft_tokens"] > 0, stats

@@ -1,7 +1,9 @@
-"""Tiny random Qwen3-Next checkpoints for the plugin's CPU tests and the GPU tests."""
+"""Tiny random Qwen3-Next checkpoints for the plugin's CPU tests and the GPU tests, with an MTP
+head (random, or one that drafts the last token repeated)."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -42,3 +44,75 @@ def save_tiny_qwen3_next(path: str | Path, **overrides: Any) -> torch.nn.Module:
                 layer.linear_attn.dt_bias.uniform_(-0.5, 0.5)
     hf.save_pretrained(path)
     return hf
+
+
+def block_config(config: Any) -> Any:
+    """``config`` whose layer 0 is a full-attention layer (the MTP layer's kind), eager
+    attention (the mask passed below applies)."""
+    cfg = copy.deepcopy(config)
+    cfg.layer_types = ["full_attention"] + list(cfg.layer_types[1:])
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def mtp_tensors(config: Any, seed: int = 7) -> dict[str, torch.Tensor]:
+    """Random MTP-head tensors named as Qwen3-Next's checkpoints name them: ``mtp.fc``, the
+    three norms and layer 0 (HF's full-attention decoder layer, one tensor per expert)."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer
+
+    block = Qwen3NextDecoderLayer(block_config(config), 0)
+    hidden = int(config.hidden_size)
+    redraw_weights(block, seed)
+    inter = config.moe_intermediate_size
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in block.state_dict().items():
+        if name == "mlp.experts.gate_up_proj":
+            for e in range(tensor.shape[0]):
+                out[f"mtp.layers.0.mlp.experts.{e}.gate_proj.weight"] = tensor[e, :inter].clone()
+                out[f"mtp.layers.0.mlp.experts.{e}.up_proj.weight"] = tensor[e, inter:].clone()
+        elif name == "mlp.experts.down_proj":
+            for e in range(tensor.shape[0]):
+                out[f"mtp.layers.0.mlp.experts.{e}.down_proj.weight"] = tensor[e].clone()
+        else:
+            out["mtp.layers.0." + name] = tensor.clone()
+    gen = torch.Generator().manual_seed(seed + 100)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        out[f"mtp.{norm}.weight"] = torch.rand(hidden, generator=gen) - 0.5  # (1 + w)
+    out["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) * 0.1
+    return out
+
+
+def checkpoint_with_mtp(path: str | Path, **overrides: Any) -> dict[str, torch.Tensor]:
+    """The tiny HF Qwen3-Next saved (``overrides``: :func:`save_tiny_qwen3_next`'s), its MTP
+    head's tensors added to ``model.safetensors``; returns every tensor."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    save_tiny_qwen3_next(path, **overrides)
+    config = transformers.AutoConfig.from_pretrained(path)
+    tensors = load_file(path / "model.safetensors")
+    tensors.update(mtp_tensors(config))
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return tensors
+
+
+def identity_mtp(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with the MTP head made an identity on the target's hidden state: ``fc`` =
+    ``[0 | I]`` (the embedding half ignored), the block's ``o_proj`` and every ``down_proj``
+    (the routed experts' and the shared expert's) zero so the block returns its input, the
+    three MTP norms plain RMS normalizations (``w = 0``). The row fed the target's normed
+    hidden state ``n`` at position ``p`` then gives ``lm_head(n) / rms(n)``: the target's
+    logits at ``p`` times a positive scalar, and so does every chained step (the previous
+    output, ``mtp.norm`` and ``pre_fc_norm_hidden`` scale it again). Every draft is thus the
+    target's greedy token at ``p``. The first draft's row holds the hidden state just before
+    the token just sampled, so every draft is that token (greedy) repeated."""
+    out = dict(tensors)
+    hidden = tensors["mtp.fc.weight"].shape[0]
+    out["mtp.fc.weight"] = torch.cat([torch.zeros(hidden, hidden), torch.eye(hidden)], 1)
+    for name, tensor in tensors.items():
+        if name.startswith("mtp.") and name.endswith(("o_proj.weight", "down_proj.weight")):
+            out[name] = torch.zeros_like(tensor)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        out[f"mtp.{norm}.weight"] = torch.zeros(hidden)
+    return out

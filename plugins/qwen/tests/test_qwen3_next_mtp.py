@@ -9,14 +9,13 @@ HF's."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers.models.qwen3_next.modeling_qwen3_next import (
     Qwen3NextDecoderLayer,
     Qwen3NextRotaryEmbedding,
@@ -31,60 +30,21 @@ from mrv2.model_loader.loader import init_dummy_weights
 from mrv2.testing import (
     hf_greedy,
     poisoned_caches,
-    redraw_weights,
     step_metadata,
     torch_context,
 )
 from mrv2_qwen.qwen3_next import Qwen3NextForCausalLM
 from mrv2_qwen.qwen3_next_mtp import Qwen3NextMTP
-from mrv2_qwen.testing import TINY_QWEN3_NEXT, save_tiny_qwen3_next
+from mrv2_qwen.testing import (
+    TINY_QWEN3_NEXT,
+    block_config,
+    checkpoint_with_mtp,
+    identity_mtp,
+    save_tiny_qwen3_next,
+)
 
 VOCAB = TINY_QWEN3_NEXT["vocab_size"]
 HIDDEN = TINY_QWEN3_NEXT["hidden_size"]
-
-
-def block_config(config: Any) -> Any:
-    """``config`` whose layer 0 is a full-attention layer (the MTP layer's kind), eager
-    attention (the mask passed below applies)."""
-    cfg = copy.deepcopy(config)
-    cfg.layer_types = ["full_attention"] + list(cfg.layer_types[1:])
-    cfg._attn_implementation = "eager"
-    return cfg
-
-
-def mtp_tensors(config: Any, seed: int = 7) -> dict[str, torch.Tensor]:
-    """Random MTP-head tensors named as Qwen3-Next's checkpoints name them: ``mtp.fc``, the
-    three norms and layer 0 (HF's full-attention decoder layer, one tensor per expert)."""
-    block = Qwen3NextDecoderLayer(block_config(config), 0)
-    redraw_weights(block, seed)
-    inter = config.moe_intermediate_size
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in block.state_dict().items():
-        if name == "mlp.experts.gate_up_proj":
-            for e in range(tensor.shape[0]):
-                out[f"mtp.layers.0.mlp.experts.{e}.gate_proj.weight"] = tensor[e, :inter].clone()
-                out[f"mtp.layers.0.mlp.experts.{e}.up_proj.weight"] = tensor[e, inter:].clone()
-        elif name == "mlp.experts.down_proj":
-            for e in range(tensor.shape[0]):
-                out[f"mtp.layers.0.mlp.experts.{e}.down_proj.weight"] = tensor[e].clone()
-        else:
-            out["mtp.layers.0." + name] = tensor.clone()
-    gen = torch.Generator().manual_seed(seed + 100)
-    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        out[f"mtp.{norm}.weight"] = torch.rand(HIDDEN, generator=gen) - 0.5  # (1 + w)
-    out["mtp.fc.weight"] = torch.randn(HIDDEN, 2 * HIDDEN, generator=gen) * 0.1
-    return out
-
-
-def checkpoint_with_mtp(path: Path) -> dict[str, torch.Tensor]:
-    """The tiny HF Qwen3-Next saved, its MTP head's tensors added to ``model.safetensors``;
-    returns every tensor."""
-    save_tiny_qwen3_next(path)
-    config = transformers.AutoConfig.from_pretrained(path)
-    tensors = load_file(path / "model.safetensors")
-    tensors.update(mtp_tensors(config))
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    return tensors
 
 
 def load_both(path: Path) -> tuple[Qwen3NextForCausalLM, Qwen3NextMTP]:
@@ -274,38 +234,18 @@ def test_cache_numbering_layers_and_dummy_weights(tmp_path: Path) -> None:
     assert bool(caches[1].eq(1e4).all()) and not bool(caches[2].eq(1e4).all())  # (layer 1)
 
 
-def identity_mtp(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``tensors`` with the MTP head made an identity on the target's hidden state: ``fc`` =
-    ``[0 | I]`` (the embedding half ignored), the block's ``o_proj`` and every ``down_proj``
-    (the routed experts' and the shared expert's) zero so the block returns its input, the
-    three MTP norms plain RMS normalizations (``w = 0``). The row fed the target's normed
-    hidden state ``n`` at position ``p`` then gives ``lm_head(n) / rms(n)``: the target's
-    logits at ``p`` times a positive scalar, and so does every chained step (the previous
-    output, ``mtp.norm`` and ``pre_fc_norm_hidden`` scale it again). Every draft is thus the
-    target's greedy token at ``p``. The first draft's row holds the hidden state just before
-    the token just sampled, so every draft is that token (greedy) repeated."""
-    out = dict(tensors)
-    out["mtp.fc.weight"] = torch.cat([torch.zeros(HIDDEN, HIDDEN), torch.eye(HIDDEN)], 1)
-    for name, tensor in tensors.items():
-        if name.startswith("mtp.") and name.endswith(("o_proj.weight", "down_proj.weight")):
-            out[name] = torch.zeros_like(tensor)
-    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        out[f"mtp.{norm}.weight"] = torch.zeros(HIDDEN)
-    return out
-
-
 def test_engine_mtp_speculation_keeps_and_rejects_drafts(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine with MTP drafts (``k = 3``) on the tiny Qwen3-Next (Gated DeltaNet state:
-    ``1 + k`` rows a request) whose MTP head drafts the last token repeated
-    (:func:`identity_mtp`), so a draft is kept exactly when the target's greedy output repeats
-    that token. The prompts were picked from HF's greedy outputs: runs (78 four times: a step
-    keeps all three drafts; 3 three times; 78 and 127 twice) and changes (the third: none, its
-    prompt sharing the first's first block, a prefix-cache hit). Greedy tokens equal HF
-    ``generate`` for the three at once, prompts split across steps (8-token budget), block
-    size 4, prefix caching on; each verify step keeps the drafts the greedy output predicts
-    (recorded at ``Scheduler.correct``), their sum being the engine's count, strictly between
-    0 and the drafts verified."""
+    """The engine with MTP drafts (``k = 3``) on the tiny Qwen3-Next (Gated DeltaNet state: ``1 +
+    k`` rows a request) whose MTP head drafts the last token repeated
+    (:func:`mrv2_qwen.testing.identity_mtp`), so a draft is kept exactly when the target's
+    greedy output repeats that token. The prompts were picked from HF's greedy outputs: runs (78
+    four times: a step keeps all three drafts; 3 three times; 78 and 127 twice) and changes (the
+    third: none, its prompt sharing the first's first block, a prefix-cache hit). Greedy tokens
+    equal HF ``generate`` for the three at once, prompts split across steps (8-token budget),
+    block size 4, prefix caching on; each verify step keeps the drafts the greedy output
+    predicts (recorded at ``Scheduler.correct``), their sum being the engine's count, strictly
+    between 0 and the drafts verified."""
     save_file(identity_mtp(checkpoint_with_mtp(tmp_path)), tmp_path / "model.safetensors",
               metadata={"format": "pt"})
     prompts = [[28, 15, 86, 15, 44, 108], [74, 53, 85, 10, 115, 37, 69, 101, 27, 103, 102, 36],
@@ -336,9 +276,8 @@ def test_engine_mtp_speculation_keeps_and_rejects_drafts(
         after = want[i][done:done + num_drafts]
         return next((j for j, tok in enumerate(after) if tok != want[i][done - 1]), len(after))
 
-    # Every verify step follows a sampled token: these prompts never leave a prompt's last
-    # token alone in a step (the scheduler gives such a step drafts that no model drafter
-    # wrote: it verifies what the token row holds past the prompt).
+    # Every verify step follows a sampled token (the scheduler gives drafts only after a step
+    # that sampled: Request.sampled_last_step).
     assert all(done > 0 for _, done, _, _ in steps), steps
     assert [s[3] for s in steps] == [expected_kept(*s[:3]) for s in steps], steps
     drafted, kept = stats["spec_num_draft_tokens"], stats["spec_num_accepted_tokens"]
