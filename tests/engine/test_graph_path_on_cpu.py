@@ -377,8 +377,8 @@ def test_measured_cut_drops_the_mixed_graphs_slower_than_eager(
     """``MRV2_MIXED_GRAPHS_MEASURED=1``: after capture the runner keeps the mixed graphs whose
     replay beats an eager step's host time (here: replays take ``tokens`` ms, the host 12 ms),
     found by a binary search; larger steps run eager with the same tokens."""
+    from mrv2.runner import capture as capture_module
     from mrv2.runner import cuda_graphs
-    from mrv2.runner import runner as runner_module
     from mrv2.runner.cuda_graphs import StepGraphs
 
     asked: list[int] = []
@@ -403,7 +403,7 @@ def test_measured_cut_drops_the_mixed_graphs_slower_than_eager(
 
     monkeypatch.setattr(StepGraphs, "replay_mixed", recorded)
     monkeypatch.setenv(cuda_graphs.MEASURED_ENV_VAR, "1")
-    monkeypatch.setattr(runner_module, "timed_ms", fake_ms)
+    monkeypatch.setattr(capture_module, "timed_ms", fake_ms)
     got, engine, steps = _staggered(target, graphs=True)
     assert sorted(engine.runner.graphs.mixed_graphs) == [8, 12]
     assert any(t > 12 and pad == 0 for pad, t, *_ in steps)  # 16-token steps: eager

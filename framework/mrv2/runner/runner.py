@@ -14,7 +14,6 @@ It returns without waiting: ``AsyncStepOutput.result()`` is the only wait.
 
 from __future__ import annotations
 
-import functools
 import gc
 from collections.abc import Callable
 from dataclasses import replace
@@ -33,7 +32,6 @@ from mrv2.contract.staged_edits import StagedEdits
 from mrv2.contract.staging import Uploader
 from mrv2.contract.state_table import RequestStateTable, RowInfo
 from mrv2.distributed.parallel_state import agree_min, tp_rank, tp_size
-from mrv2.layers.embedding import PoolingLogits
 from mrv2.lora import make_lora_manager
 from mrv2.model_loader.build import (
     CausalLM,
@@ -48,13 +46,14 @@ from mrv2.registry import import_object
 from mrv2.runner.async_output import AsyncStepOutput, PinnedRing
 from mrv2.runner.batch_builder import BatchBuilder, StepPlan
 from mrv2.runner.between_steps import BetweenSteps
+from mrv2.runner.capture import (
+    capture_set,
+    max_mixed_graph_tokens,
+    profile_peak_bytes,
+)
 from mrv2.runner.cuda_graphs import (
     Outputs,
     StepGraphs,
-    capture_sizes,
-    measured_mixed_graphs,
-    mixed_token_sizes,
-    timed_ms,
 )
 from mrv2.runner.kv_cache import KVCaches, num_blocks_for
 from mrv2.runner.kv_tables import plan_tables, table_metadata, with_dummy_tables, without_windows
@@ -590,56 +589,10 @@ class Runner(BetweenSteps):
 
     def _capture_set(self, capture: Callable[[InputBatch, Callable[[], Any]], object]
                      ) -> StepGraphs:
-        query_lens = sorted({1, 1 + self.num_speculative_tokens})
-        self.graphs = graphs = StepGraphs(capture_sizes(self.max_num_reqs), query_lens,
-                                          self.max_num_tokens)
-        mixed: dict[int, tuple[int, int]] = {}
-        if self.model_state.mixed_step_graphs and all(b.mixed_step_graphs
-                                                      for b in self.kv.backends):
-            for tokens in mixed_token_sizes(self._max_mixed_graph_tokens(), self.max_num_tokens):
-                num_reqs = min(self.max_num_reqs, tokens)  # a dummy request fits its row:
-                if -(-tokens // num_reqs) <= self.max_blocks_per_req * self.block_size:
-                    rows = min(tokens, num_reqs * (1 + self.num_speculative_tokens))
-                    mixed[tokens] = (num_reqs, rows)  # a real step of so many tokens may exist
-        with torch.inference_mode():
-            # the largest graphs first: the later ones reuse their memory pool
-            graphs.capture_mixed(mixed, self._mixed_dummy_batch, self._forward_logits_rows,
-                                 capture)
-            if measured_mixed_graphs() and graphs.mixed_graphs:
-                graphs.drop_slow_mixed(self._mixed_graph_slower)
-            if isinstance(getattr(self.model, "lm_head", None), PoolingLogits):
-                return graphs  # pooling only: every request ends with its prompt, none decodes
-            graphs.capture_all(self._graph_dummy_batch, self._forward_all_logits, capture)
-            if self.speculator is not None and self.speculator.cuda_graphs:
-                graphs.capture_drafts(1 + self.num_speculative_tokens,
-                                      self._graph_dummy_batch, self._propose, capture)
-            for variant, plan in enumerate(self.sampler.graph_plans()):
-                for query_len in query_lens:
-                    graphs.capture_tails(query_len, self._graph_dummy_batch,
-                                         functools.partial(self._sample_tail, plan=plan),
-                                         capture, variant)
-        return graphs
-
-    def _mixed_graph_slower(self, tokens: int) -> bool:
-        """Whether the mixed graph of ``tokens`` replays slower than an eager step of as many
-        tokens spends on the host (on any rank: every rank then keeps the same graphs)."""
-        graphs = self.graphs
-        assert graphs is not None
-        graph = graphs.mixed_graphs[tokens]
-        batch = self._mixed_dummy_batch(graph.num_reqs, tokens, graph.num_rows)
-        host = timed_ms(lambda: self._forward_logits_rows(batch), self.device, host_only=True)
-        replay = timed_ms(lambda: graphs.replay_mixed(tokens), self.device, host_only=False)
-        return agree_min(int(replay <= host)) == 0
+        return capture_set(self, capture)
 
     def _max_mixed_graph_tokens(self) -> int:
-        """``max_mixed_graph_tokens``, by default the whole token budget: the graphs' pool
-        then holds the largest step's activations, which eager steps never need again. With a
-        speculator, whose eager drafting after a mixed step needs activation memory beside the
-        pool's: 512 (small steps are where the host costs most)."""
-        cap = self.config.device.max_mixed_graph_tokens
-        if cap is None:
-            return 512 if self.speculator is not None else self.max_num_tokens
-        return cap
+        return max_mixed_graph_tokens(self)
 
     def profile_shape(self) -> tuple[int, int]:
         """``(requests, tokens)`` of the largest step: the token budget over as many requests
@@ -649,43 +602,7 @@ class Runner(BetweenSteps):
         return num_reqs, min(self.max_num_tokens, num_reqs * self.max_model_len)
 
     def _profile_peak_bytes(self) -> int:
-        """Activation memory of the largest step, measured by one dummy forward, or the
-        sampler's scratch over its widest step, or the family's encoder over the largest
-        input one prompt may carry (``ModelState.profile_encoder``), whichever is most, plus
-        what the family keeps beside them (its encoder cache's budget). CUDA only."""
-        if self.device.type != "cuda" or self.config.cache.num_gpu_blocks_override is not None:
-            return 0
-        self.kv.allocate(1, self.block_size, self.dtype, self.device)
-        num_reqs, num_tokens = self.profile_shape()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        batch = self._dummy_batch(num_reqs, num_tokens)
-        with torch.inference_mode():
-            hidden = self._forward(batch)
-            cast(CausalLM, self.model).compute_logits(hidden[batch.logits_indices]).float()
-            del hidden
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated(self.device) - before
-            # the sampler's scratch over the widest step (a tail graph or an eager step with
-            # top-k / top-p), measured alone: it runs after the forward's activations are gone
-            torch.cuda.reset_peak_memory_stats(self.device)
-            rows = min(self.max_num_reqs * (1 + self.num_speculative_tokens), self.max_num_tokens)
-            self.sampler.profile_scratch(rows, self.dtype)
-            torch.cuda.synchronize()
-            peak = max(peak, torch.cuda.max_memory_allocated(self.device) - before)
-            # the encoder (a vision tower) over the largest input, alone: it runs before a
-            # step's forward, its output a few rows the forward then reads
-            torch.cuda.reset_peak_memory_stats(self.device)
-            base = torch.cuda.memory_allocated(self.device)
-            kept = self.model_state.profile_encoder(self.max_model_len - 1)
-        torch.cuda.synchronize()
-        top = torch.cuda.max_memory_allocated(self.device)
-        self.startup.facts.update(encoder_peak_bytes=top - base, encoder_kept_bytes=kept)
-        peak = max(peak, top - before) + kept
-        self.kv.release()  # (num_blocks_for returns the freed memory to the device)
-        return int(peak)
-
+        return profile_peak_bytes(self)
 
 def _kv_dtype_name(kv_cache_dtype: str, dtype: torch.dtype) -> str:
     """The cache's element type: the model's for ``auto``."""
