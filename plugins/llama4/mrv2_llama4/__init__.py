@@ -1,5 +1,5 @@
-"""mrv2 model plugin for Llama 4's text model. Exports resolve lazily: importing this is
-cheap."""
+"""mrv2 model plugin for Llama 4: its text model, and the images of its multimodal
+checkpoints. Exports resolve lazily: importing this is cheap."""
 
 from __future__ import annotations
 

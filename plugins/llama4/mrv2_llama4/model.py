@@ -43,8 +43,11 @@ transposed into :class:`~mrv2.layers.FusedMoE`'s ``[E, 2I, H]`` / ``[E, H, I]`` 
 tensors, ``experts.{e}.gate_proj.weight``..., of quantized exports load by name). The
 multimodal checkpoints' text tensors (``language_model.model.*``,
 ``language_model.lm_head.weight``; transformers' in-memory ``model.language_model.*``) load
-as the text model's; the vision tower and the projector are skipped (images are refused:
-:class:`~mrv2_llama4.state.Llama4InputProcessor`).
+as the text model's; the vision tower's and the projector's (``vision_model.*``,
+``multi_modal_projector.*``) as the image encoder's
+(:class:`~mrv2_llama4.vision.Llama4VisionEncoder`), whose features replace the prompt's
+``<|patch|>`` embeddings (:mod:`mrv2_llama4.inputs`); attention stays causal over them, as
+in HF.
 """
 
 from __future__ import annotations
@@ -74,7 +77,9 @@ from mrv2.layers import (
     rope_parameters_of,
     rope_rows_to_halves,
 )
+from mrv2.layers.weights import load_text_and_encoder
 from mrv2.model_loader.build import vl_text_config, vl_text_name
+from mrv2_llama4.vision import VISION_CHECKPOINT_PREFIXES, Llama4VisionEncoder
 
 __all__ = ["Llama4Attention", "Llama4ForCausalLM", "Llama4ForConditionalGeneration",
            "Llama4MoE", "Llama4Router", "attention_temperature", "chunked_layers",
@@ -85,10 +90,8 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _QK = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qk])_proj\.(\w+)$")
 #: HF's stacked routed experts (after renaming).
 _STACKED = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
-#: The vision tower and projector of a multimodal checkpoint: transformers' in-memory names,
-#: then the published layout's.
-VISION_PREFIXES: tuple[str, ...] = ("model.vision_model.", "model.multi_modal_projector.",
-                                    "vision_model.", "multi_modal_projector.")
+#: The vision tower and projector of a multimodal checkpoint (the image encoder's).
+VISION_PREFIXES: tuple[str, ...] = VISION_CHECKPOINT_PREFIXES
 
 
 def rope_layers(config: Any) -> list[bool]:
@@ -161,6 +164,8 @@ class Llama4Attention(SelfAttention):
     docstring): RoPE (``rope``) or NoPE (None), the weightless q/k norm of the RoPE layers,
     the query temperature of the NoPE layers, chunked attention where
     :func:`chunked_layers` says so."""
+
+    attn: Attention
 
     def __init__(self, config: Any, layer_idx: int, rope: RotaryEmbedding | None) -> None:
         bias = bool(getattr(config, "attention_bias", False))
@@ -360,19 +365,31 @@ class Llama4ForCausalLM(CausalLM):
 
 
 class Llama4ForConditionalGeneration(Llama4ForCausalLM):
-    """The text model of Llama 4's multimodal checkpoints (Scout, Maverick): built from the
-    ``text_config`` (the LM head tied by the top-level ``tie_word_embeddings``), the vision
-    tower and projector skipped as they load (module docstring). ``self.hf_config`` is the
-    composite config."""
+    """Llama 4's multimodal checkpoints (Scout, Maverick): the text model, built from the
+    ``text_config`` (the LM head tied by the top-level ``tie_word_embeddings``), and the image
+    encoder (``vision``, replicated under tensor parallelism; module doc). ``self.hf_config``
+    is the composite config."""
 
     def __init__(self, config: Any) -> None:
         super().__init__(vl_text_config(config, "Llama4ForConditionalGeneration"))
         self.hf_config = config
+        self.vision = Llama4VisionEncoder(config)
+
+    def embed_image(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """One image's tiles ``[tiles, 3, S, S]`` -> their features ``[tiles *
+        tokens_per_tile, hidden_size]`` (tile by tile, in order) in the model dtype."""
+        return self.vision(pixel_values).to(self.model.embed_tokens.weight.dtype)
 
     def rename(self, name: str) -> str | None:
         """``language_model.model.*`` / ``model.language_model.*`` as ``model.*``,
-        ``language_model.lm_head.*`` as ``lm_head.*``; the vision tower and the projector
-        skipped (None)."""
+        ``language_model.lm_head.*`` as ``lm_head.*``; the vision tower's and the projector's
+        None (:meth:`load_weights` hands them to the encoder)."""
         if name.startswith(VISION_PREFIXES):
             return None
         return super().rename(vl_text_name(name))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The text model's tensors through its loader (module doc), the vision tower's and
+        the projector's through the encoder's."""
+        return load_text_and_encoder(super().load_weights, self.vision, VISION_PREFIXES,
+                                     weights, "vision")

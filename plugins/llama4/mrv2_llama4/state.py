@@ -1,10 +1,9 @@
-"""Llama 4's engine-side pieces: the model state, which sizes the RoPE table to the engine's
-context length, and the multimodal checkpoints' input processor, which refuses images (the
-vision tower is not served yet; text prompts run)."""
+"""Llama 4's text model state, which sizes the RoPE table to the engine's context length (the
+multimodal checkpoints' state and input processor, which do the same and serve images, are
+in :mod:`mrv2_llama4.inputs`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -12,13 +11,11 @@ from torch import nn
 
 from mrv2.config import EngineConfig
 from mrv2.contract.batch import InputBuffers
-from mrv2.contract.input_processor import InputProcessor
 from mrv2.contract.model_state import ModelState
-from mrv2.contract.requests import MultiModalItem
 from mrv2.model_loader.build import text_config_of
 from mrv2_llama4.model import Llama4ForCausalLM
 
-__all__ = ["Llama4InputProcessor", "Llama4ModelState", "context_length"]
+__all__ = ["Llama4ModelState", "context_length"]
 
 
 def context_length(text_config: Any, max_model_len: int | None) -> int:
@@ -40,19 +37,3 @@ class Llama4ModelState(ModelState):
             model.size_rope_table(context_length(text_config_of(hf_config),
                                                  config.model.max_model_len))
         super().__init__(model, hf_config, config, buffers, block_size, device)
-
-
-class Llama4InputProcessor(InputProcessor):
-    """Refuses every media item of a prompt to ``Llama4ForConditionalGeneration`` with a
-    ValueError naming ``multi_modal_data.<kind>``: its vision tower is not served yet (text
-    prompts need no processor and run)."""
-
-    def process(self, prompt_token_ids: list[int], mm_data: Mapping[str, Any]
-                ) -> tuple[list[int], list[MultiModalItem]]:
-        """Never returns for media; a prompt with an empty ``multi_modal_data`` passes as
-        text."""
-        if not mm_data:
-            return list(prompt_token_ids), []
-        kind = next(iter(mm_data))
-        raise ValueError(f"multi_modal_data.{kind}: Llama 4's vision encoder is not supported "
-                         f"by mrv2 yet; Llama4ForConditionalGeneration serves text prompts only")
