@@ -357,8 +357,9 @@ class LLM:
         """Generate replies to one conversation or a list of them, with the chat template.
 
         A message's ``content`` may be a list of parts: ``{"type": "text", "text": ...}``,
-        ``{"type": "image", "image": PIL.Image}`` or ``{"type": "image_url", "image_url":
-        {"url": "data:..."}}`` (:mod:`mrv2.engine.media`), for a multimodal model.
+        ``{"type": "image", "image": PIL.Image}``, ``{"type": "image_url", "image_url":
+        {"url": "data:..."}}`` or ``{"type": "input_audio", "input_audio": {"data": "<base64
+        WAV>", "format": "wav"}}`` (:mod:`mrv2.engine.media`), for a multimodal model.
         ``chat_template_kwargs``: the template's own variables, as vLLM's (Qwen3:
         ``{"enable_thinking": False}``); ValueError naming the field on a reserved name."""
         tokenizer = self._require_tokenizer()
@@ -370,13 +371,14 @@ class LLM:
         allow_remote = self.engine.config.multimodal.allow_remote_media
         prompts: list[Prompt] = []
         for conversation in conversations:
-            template_messages, images = split_chat_media(conversation, allow_remote)
+            template_messages, mm_data = split_chat_media(conversation, allow_remote)
             prompt: dict[str, Any] = {
                 "prompt_token_ids": tokenizer.apply_chat_template(
                     template_messages, add_generation_prompt, **template_kwargs)
             }
-            if images:
-                prompt["multi_modal_data"] = {"image": images}
+            if any(mm_data.values()):
+                prompt["multi_modal_data"] = {key: items for key, items in mm_data.items()
+                                              if items}
             prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 

@@ -1,4 +1,5 @@
-"""Images in chat messages: content parts to template placeholders plus ``multi_modal_data``.
+"""Images and audio in chat messages: content parts to template placeholders plus
+``multi_modal_data``.
 
 Chat messages (``LLM.chat``, the OpenAI server) may carry content lists of parts:
 ``{"type": "text", "text": ...}``, ``{"type": "image", "image": PIL.Image}`` or OpenAI's
@@ -9,6 +10,13 @@ chat template renders that as its placeholder (Qwen2.5-VL:
 input processor. :func:`load_image_url` decodes ``data:`` URIs; it fetches ``http(s)`` URLs
 only when allowed (``--allow-remote-media``), and with a size cap. Every failure is a
 ``ValueError`` naming the part.
+
+Audio parts, OpenAI's ``{"type": "input_audio", "input_audio": {"data": "<base64 WAV>",
+"format": "wav"}}``, are taken too: each becomes
+``{"type": "audio"}`` for the template, and its clip, decoded by :func:`decode_wav` (PCM of
+8, 16, 24 or 32 bits, the channels averaged to mono, as floats in [-1, 1]), goes to
+``multi_modal_data["audio"]`` as ``(samples, sampling_rate)``, as vLLM takes it; a family's
+input processor that takes no audio refuses it, naming the key.
 """
 
 from __future__ import annotations
@@ -17,13 +25,19 @@ import base64
 import binascii
 import io
 import urllib.request
+import wave
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["MAX_IMAGE_BYTES", "load_image_url", "split_chat_media"]
+import numpy as np
+
+__all__ = ["MAX_AUDIO_BYTES", "MAX_IMAGE_BYTES", "decode_wav", "load_image_url",
+           "load_input_audio", "split_chat_media"]
 
 #: Largest encoded image accepted (a data URI's payload or a fetched body).
 MAX_IMAGE_BYTES = 20 << 20
+#: Largest decoded audio accepted (an ``input_audio`` part's WAV data).
+MAX_AUDIO_BYTES = 20 << 20
 _FETCH_TIMEOUT_S = 10.0
 
 
@@ -68,11 +82,61 @@ def load_image_url(url: str, allow_remote: bool = False, where: str = "image_url
                      + (", http(s)" if allow_remote else ""))
 
 
+def decode_wav(raw: bytes, where: str = "input_audio") -> tuple[np.ndarray, int]:
+    """``(mono float32 samples in [-1, 1], sampling rate)`` of WAV bytes: integer PCM of 8
+    (unsigned), 16, 24 or 32 bits, its channels averaged. ValueError naming ``where``."""
+    try:
+        with wave.open(io.BytesIO(raw), "rb") as wav:
+            channels, width, rate = wav.getnchannels(), wav.getsampwidth(), wav.getframerate()
+            data = wav.readframes(wav.getnframes())
+    except (wave.Error, EOFError, ValueError) as error:
+        raise ValueError(f"{where}: could not decode the WAV data: {error}") from error
+    count = len(data) // (width * channels)
+    if count < 1:
+        raise ValueError(f"{where}: the WAV data holds no samples")
+    data = data[: count * width * channels]
+    if width == 1:
+        ints = np.frombuffer(data, dtype=np.uint8).astype(np.float64) - 128.0
+    elif width == 3:  # (little-endian 24-bit: widened to int32 with the sign kept)
+        parts = np.frombuffer(data, dtype=np.uint8).reshape(-1, 3).astype(np.int32)
+        ints = ((parts[:, 0] | (parts[:, 1] << 8) | (parts[:, 2] << 16)) << 8 >> 8).astype(
+            np.float64)
+    elif width in (2, 4):
+        ints = np.frombuffer(data, dtype=f"<i{width}").astype(np.float64)
+    else:
+        raise ValueError(f"{where}: {8 * width}-bit WAV samples are not supported; allowed: "
+                         "8, 16, 24, 32-bit PCM")
+    samples = ints.reshape(count, channels).mean(axis=1) / float(2 ** (8 * width - 1))
+    return samples.astype(np.float32), int(rate)
+
+
+def load_input_audio(spec: Any, where: str = "input_audio") -> tuple[np.ndarray, int]:
+    """An OpenAI ``input_audio`` object (``{"data": "<base64>", "format": "wav"}``) as
+    ``(samples, sampling rate)`` (:func:`decode_wav`); ValueError naming ``where``."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("data"), str):
+        raise ValueError(f"{where}: expected {{'data': '<base64 WAV>', 'format': 'wav'}}")
+    kind = spec.get("format", "wav")
+    if kind != "wav":
+        raise ValueError(f"{where}.format: unsupported {kind!r}; allowed: 'wav'")
+    try:
+        raw = base64.b64decode(spec["data"], validate=True)
+    except (binascii.Error, ValueError) as error:
+        raise ValueError(f"{where}.data: not valid base64: {error}") from error
+    if len(raw) > MAX_AUDIO_BYTES:
+        raise ValueError(f"{where}.data: the audio is {len(raw) / 2**20:.1f} MiB; at most "
+                         f"{MAX_AUDIO_BYTES >> 20} MiB")
+    return decode_wav(raw, f"{where}.data")
+
+
 def split_chat_media(messages: Sequence[dict[str, Any]], allow_remote: bool = False
-                     ) -> tuple[list[dict[str, Any]], list[Any]]:
-    """``(messages with image parts as {"type": "image"}, the images in order)``."""
+                     ) -> tuple[list[dict[str, Any]], dict[str, list[Any]]]:
+    """``(messages with image parts as {"type": "image"} and input_audio parts as {"type":
+    "audio"}, multi_modal_data)``: ``{"image": [images in order]}``, plus ``"audio":
+    [(samples, rate) in order]`` when a part is audio (so an image-only input processor
+    sees the one key it takes)."""
     out: list[dict[str, Any]] = []
     images: list[Any] = []
+    clips: list[tuple[np.ndarray, int]] = []
     for i, message in enumerate(messages):
         content = message.get("content")
         if not isinstance(content, list):
@@ -96,8 +160,11 @@ def split_chat_media(messages: Sequence[dict[str, Any]], allow_remote: bool = Fa
                     raise ValueError(f"{where}.image_url: expected {{'url': '...'}}")
                 images.append(load_image_url(url, allow_remote, f"{where}.image_url"))
                 parts.append({"type": "image"})
+            elif kind == "input_audio":
+                clips.append(load_input_audio(part.get("input_audio"), f"{where}.input_audio"))
+                parts.append({"type": "audio"})
             else:
                 raise ValueError(f"{where}.type: unsupported {kind!r}; allowed: 'text', "
-                                 "'image', 'image_url'")
+                                 "'image', 'image_url', 'input_audio'")
         out.append({**message, "content": parts})
-    return out, images
+    return out, ({"image": images, "audio": clips} if clips else {"image": images})

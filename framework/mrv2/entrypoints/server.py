@@ -520,12 +520,12 @@ def _chat_with_media(engine: LLMEngine | RemoteEngine, tokenizer: Any,
                      messages: list[dict[str, Any]], add_generation_prompt: bool,
                      allow_remote: bool, template_kwargs: dict[str, Any]
                      ) -> tuple[list[int], list[MultiModalItem]]:
-    """Token ids and multimodal items of chat messages with image parts (ValueError on bad
-    input: the caller answers 400)."""
-    template_messages, images = split_chat_media(messages, allow_remote)
+    """Token ids and multimodal items of chat messages with image or audio parts (ValueError
+    on bad input: the caller answers 400)."""
+    template_messages, mm_data = split_chat_media(messages, allow_remote)
     ids = tokenizer.apply_chat_template(template_messages, add_generation_prompt,
                                         **template_kwargs)
-    return engine.process_multimodal(ids, {"image": images})
+    return engine.process_multimodal(ids, mm_data)
 
 
 async def _serve(request: Request, worker: EngineThread | EngineProcess, kind: str, model: str,

@@ -1,13 +1,18 @@
-"""Gemma 4's images: the input processor (prompt expansion, the checkpoint's image processor)
-and the model state (the encoder cache, each step's soft tokens and image spans).
+"""Gemma 4's images and audio: the input processor (prompt expansion, the checkpoint's image
+processor and audio feature extractor) and the model state (the encoder cache, each step's
+soft tokens and image spans).
 
-**Prompts.** A prompt carries one image token (``config.image_token_id``) per image where the
-chat template puts it, as in HF and vLLM. Each is expanded as HF's ``Gemma4Processor``
-expands it: ``<boi>`` (``boi_token_id``), as many image tokens as the image has soft tokens,
-``<eoi>`` (``eoi_token_id``); no text around it. The soft tokens are the image's
-:class:`~mrv2.contract.requests.MultiModalItem`, ``bidirectional`` when the text config says
+**Prompts.** A prompt carries one image token (``config.image_token_id``) per image and one
+audio token (``config.audio_token_id``) per clip where the chat template puts them, as in HF
+and vLLM. Each is expanded as HF's ``Gemma4Processor`` expands it: ``<boi>``
+(``boi_token_id``), as many image tokens as the image has soft tokens, ``<eoi>``
+(``eoi_token_id``); for a clip ``<boa>`` (``boa_token_id``), its audio tokens, ``<eoa>``
+(``eoa_token_id``, or HF's config name ``eoa_token_index``); no text around them. The soft
+tokens are the item's :class:`~mrv2.contract.requests.MultiModalItem` (``"image"`` or
+``"audio"``); an image's are ``bidirectional`` when the text config says
 ``use_bidirectional_attention: "vision"`` (their tokens then attend to each other both ways on
-the sliding layers, and no step splits them). Video and audio are refused, naming the key.
+the sliding layers, and no step splits them), a clip's are causal (HF marks audio tokens type
+3, outside its two-way blocks). Video is refused, naming the key.
 
 **Images.** The checkpoint's image processor (``preprocessor_config.json``: an aspect-ratio
 preserving resize to at most ``max_soft_tokens`` pooled patches, rescale, patches padded to
@@ -15,10 +20,21 @@ preserving resize to at most ``max_soft_tokens`` pooled patches, rescale, patche
 torchvision is absent) makes each image's patch rows and positions; an item's content hash is
 over both. The number of soft tokens varies with the image's aspect ratio.
 
+**Audio** (``multi_modal_data["audio"]``: ``(samples, sampling_rate)``, bare samples at the
+extractor's rate, or a list: :func:`~mrv2_gemma.audio_inputs.audio_clips`). A clip at another
+rate is resampled to the extractor's (16 kHz; :func:`~mrv2_gemma.audio_inputs.resample`).
+The checkpoint's ``Gemma4AudioFeatureExtractor`` (``processor_config.json``'s
+``feature_extractor`` section, or a ``preprocessor_config.json`` of that type) makes its
+log-mel frames as HF's processor calls it (so a clip past ``max_length``, 30 s, is cut there
+as HF cuts it); the item keeps the valid frames (``input_features [frames, mel]``), hashed
+for the encoder cache, and has ``ceil(ceil(frames / 2) / 2)`` soft tokens (HF's count: its
+two stride-2 convolutions over the valid-frame mask). A clip too short for one token is
+refused.
+
 **Each step** (:class:`Gemma4VLModelState`): the soft tokens of the images the step computes
 come from the core's encoder cache (:class:`~mrv2.contract.encoder_cache.
-EncoderCacheModelState`; one run of the vision encoder per image), and the step's image spans
-go to the model's forward as ``bidirectional``.
+EncoderCacheModelState`; one run of the vision encoder per image, of the audio encoder per
+clip), and the step's image spans go to the model's forward as ``bidirectional``.
 """
 
 from __future__ import annotations
@@ -27,6 +43,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, cast
 
+import numpy as np
 import torch
 
 from mrv2.contract.batch import InputBatch
@@ -38,8 +55,15 @@ from mrv2.contract.input_processor import (
     run_image_processor,
 )
 from mrv2.contract.requests import MultiModalItem, NewRequest
+from mrv2_gemma.audio_inputs import audio_clips, load_feature_extractor, resample
+from mrv2_gemma.gemma4_audio import audio_tokens
 
 __all__ = ["Gemma4InputProcessor", "Gemma4VLModelState"]
+
+_KEYS = ("image", "audio")
+_NOTE = " (Gemma 4's video is not supported yet)"
+#: The longest clip's valid frames the profile runs: HF's 30 s cut at 10 ms a frame.
+_PROFILE_FRAMES = 3000
 
 
 class Gemma4InputProcessor(InputProcessor):
@@ -52,45 +76,144 @@ class Gemma4InputProcessor(InputProcessor):
         self.eoi = int(hf_config.eoi_token_id)
         text = getattr(hf_config, "text_config", hf_config)
         self.bidirectional = getattr(text, "use_bidirectional_attention", None) == "vision"
+        #: The checkpoint's audio feature extractor; None: audio is refused, for the reason in
+        #: :attr:`audio_refused` (text and images still run).
+        self.feature_extractor: Any = None
+        self.audio_refused = ""
+        self.load_audio(model_dir, hf_config)
         if getattr(hf_config, "vision_config", None) is None:
             self.images_refused = "the checkpoint has no vision_config (a text-only Gemma 4)"
             return
         self.load_images(model_dir, "Gemma4ImageProcessor")
 
+    def load_audio(self, model_dir: str, hf_config: Any) -> None:
+        """Set the audio tokens and :attr:`feature_extractor`, or keep why audio is refused."""
+        ids = [getattr(hf_config, name, None) for name in ("audio_token_id", "boa_token_id")]
+        ids.append(getattr(hf_config, "eoa_token_id", None)
+                   or getattr(hf_config, "eoa_token_index", None))
+        self.audio_token, self.boa, self.eoa = (-1 if i is None else int(i) for i in ids)
+        if getattr(hf_config, "audio_config", None) is None:
+            self.audio_refused = "the checkpoint has no audio_config (no audio tower)"
+        elif min(self.audio_token, self.boa, self.eoa) < 0:
+            self.audio_refused = "the config lacks audio_token_id / boa_token_id / eoa_token_id"
+        else:
+            try:
+                self.feature_extractor = load_feature_extractor(
+                    model_dir, "Gemma4AudioFeatureExtractor")
+            except (FileNotFoundError, ValueError, TypeError) as error:
+                self.audio_refused = str(error)
+                return
+            quarter = int(hf_config.audio_config.subsampling_conv_channels[0]) // 4
+            mel = int(self.feature_extractor.feature_size)
+            if not 4 * quarter - 3 <= mel <= 4 * quarter:
+                self.feature_extractor = None
+                self.audio_refused = (f"the feature extractor's feature_size {mel} does not fit "
+                                      "audio_config.subsampling_conv_channels[0] "
+                                      f"{4 * quarter} (mel bins {4 * quarter - 3} .. "
+                                      f"{4 * quarter})")
+
+    def require_audio(self) -> Any:
+        """The feature extractor, or ValueError ``multi_modal_data.audio: <why>`` where audio
+        is refused (:attr:`audio_refused`)."""
+        if self.feature_extractor is None:
+            raise ValueError(f"multi_modal_data.audio: {self.audio_refused}")
+        return self.feature_extractor
+
     def process(self, prompt_token_ids: list[int], mm_data: Mapping[str, Any]
                 ) -> tuple[list[int], list[MultiModalItem]]:
-        """Expand the image placeholders and make the images' items (module doc);
+        """Expand the image and audio placeholders and make their items (module doc);
         ValueError naming the field for bad input."""
-        images, places = self.images_and_places(
-            prompt_token_ids, mm_data, self.image_token, only_with_items=True,
-            note=" (Gemma 4's video and audio are not supported yet)")
-        if not images:
-            return list(prompt_token_ids), []
-        self.require_images()
-        out = run_image_processor(self.image_processor, images)
-        pixels = cast(torch.Tensor, out["pixel_values"])
-        positions = cast(torch.Tensor, out["image_position_ids"])
-        counts = [int(n) for n in out["num_soft_tokens_per_image"]]
+        unknown = sorted(key for key, value in mm_data.items()
+                         if key not in _KEYS and not _empty(value))
+        if unknown:
+            raise ValueError(f"multi_modal_data has unsupported keys {unknown}; allowed: "
+                             f"'image', 'audio'{_NOTE}")
+        image = mm_data.get("image")
+        images, image_places = self.images_and_places(
+            prompt_token_ids, {"image": [] if image is None else image}, self.image_token)
+        clips = audio_clips(mm_data.get("audio"))
+        if clips:
+            self.require_audio()
+        if len(clips) > self.limit_per_prompt:
+            raise ValueError(f"multi_modal_data.audio: {len(clips)} clips; at most "
+                             f"{self.limit_per_prompt} per prompt (--limit-mm-per-prompt)")
+        audio_places = [i for i, t in enumerate(prompt_token_ids) if t == self.audio_token]
+        if len(audio_places) != len(clips):
+            raise ValueError(f"multi_modal_data.audio: {len(clips)} clips but the prompt has "
+                             f"{len(audio_places)} audio placeholders (token {self.audio_token})"
+                             "; put one per clip")
+        if images:
+            self.require_images()
+        # each placeholder's item: place -> (kind, data, content hash, soft tokens)
+        pieces: dict[int, tuple[str, dict[str, torch.Tensor], str, int]] = {}
+        if images:
+            out = run_image_processor(self.image_processor, images)
+            pixels = cast(torch.Tensor, out["pixel_values"])
+            positions = cast(torch.Tensor, out["image_position_ids"])
+            counts = [int(n) for n in out["num_soft_tokens_per_image"]]
+            for n, place in enumerate(image_places):
+                rows, where = pixels[n].contiguous(), positions[n].contiguous()
+                pieces[place] = ("image", {"pixel_values": rows, "position_ids": where},
+                                 content_hash(rows, where), counts[n])
+        for n, place in enumerate(audio_places):
+            features = self.audio_features(n, *clips[n])
+            digest = "audio:" + content_hash(features).split(":", 1)[1]
+            pieces[place] = ("audio", {"input_features": features}, digest,
+                             audio_tokens(features.shape[0]))
         ids: list[int] = []
         items: list[MultiModalItem] = []
         previous = 0
-        for n, place in enumerate(places):
+        for place in sorted(pieces):
+            kind, data, digest, count = pieces[place]
+            token, first, last = ((self.image_token, self.boi, self.eoi) if kind == "image"
+                                  else (self.audio_token, self.boa, self.eoa))
             ids.extend(prompt_token_ids[previous:place])
-            ids.append(self.boi)
-            rows, where = pixels[n].contiguous(), positions[n].contiguous()
-            items.append(MultiModalItem(
-                "image", {"pixel_values": rows, "position_ids": where},
-                content_hash(rows, where), len(ids), counts[n],
-                bidirectional=self.bidirectional))
-            ids.extend([self.image_token] * counts[n])
-            ids.append(self.eoi)
+            ids.append(first)
+            items.append(MultiModalItem(kind, data, digest, len(ids), count,
+                                        bidirectional=self.bidirectional and kind == "image"))
+            ids.extend([token] * count)
+            ids.append(last)
             previous = place + 1
         ids.extend(prompt_token_ids[previous:])
         return ids, items
 
+    def audio_features(self, index: int, samples: np.ndarray, rate: int | None
+                       ) -> torch.Tensor:
+        """Clip ``index``'s valid log-mel frames ``[frames, mel]`` (float32): resampled to
+        the extractor's rate where ``rate`` differs, through the extractor as HF's processor
+        calls it; ValueError naming the clip where it makes no token."""
+        extractor = self.require_audio()
+        where = f"multi_modal_data.audio[{index}]"
+        target = int(extractor.sampling_rate)
+        if rate is not None and rate != target:
+            samples = resample(samples, rate, target)
+        try:
+            out = extractor([samples], return_tensors="np")
+        except Exception as error:  # noqa: BLE001 (any failure of the extractor on a clip)
+            raise ValueError(f"{where}: could not extract its features: "
+                             f"{type(error).__name__}: {error}") from error
+        features = np.asarray(out["input_features"][0], dtype=np.float32)
+        mask = np.asarray(out["input_features_mask"][0], dtype=bool)
+        frames = int(mask.sum())
+        if audio_tokens(frames) < 1:
+            least = int(extractor.frame_length) - int(extractor.frame_length) // 2 + 1
+            raise ValueError(f"{where}: a clip of {len(samples)} samples at {target} Hz is too "
+                             f"short; at least {least} samples")
+        if not mask[:frames].all():  # (the extractor pads at the end only)
+            raise ValueError(f"{where}: the feature extractor's frame mask is not a prefix")
+        return torch.from_numpy(np.ascontiguousarray(features[:frames]))
+
+
+def _empty(value: Any) -> bool:
+    """Whether a ``multi_modal_data`` value carries no item (None or an empty list)."""
+    return value is None or (isinstance(value, (list, tuple)) and not value)
+
 
 class Gemma4VLModelState(EncoderCacheModelState):
-    """The model state of ``Gemma4ForConditionalGeneration`` with images (module doc)."""
+    """The model state of ``Gemma4ForConditionalGeneration`` with images and audio (module
+    doc)."""
+
+    item_kinds = _KEYS
 
     def __init__(self, model: Any, hf_config: Any, config: Any, buffers: Any, block_size: int,
                  device: torch.device) -> None:
@@ -102,11 +225,18 @@ class Gemma4VLModelState(EncoderCacheModelState):
         if vision is not None:
             self.pixel_width = int(vision.vision_tower.patch_embedder.input_proj.in_features)
             self.pool = int(vision.kernel)
+        audio = cast(Any, model).audio
+        #: The mel widths the audio encoder takes (None: no audio tower).
+        self.mel_bins: tuple[int, ...] | None = None if audio is None else tuple(audio.mel_bins)
 
     def check_item(self, request: NewRequest, item: MultiModalItem) -> None:
         """An image of ``[patches, C * P * P]`` pixels, ``[patches, 2]`` positions and as many
-        placeholders as its real patches pool to."""
+        placeholders as its real patches pool to; a clip of ``[frames, mel]`` features and as
+        many placeholders as its frames subsample to."""
         super().check_item(request, item)
+        if item.kind == "audio":
+            self._check_audio(request, item)
+            return
         if self.pixel_width is None or self.pool is None:
             raise ValueError(f"request {request.req_id!r}: the checkpoint has no vision tower")
         data = item.data if isinstance(item.data, Mapping) else {}
@@ -127,8 +257,26 @@ class Gemma4VLModelState(EncoderCacheModelState):
             raise ValueError(f"request {request.req_id!r}: an image of {real} patches has "
                              f"{real // self.pool**2} soft tokens, got length {item.length}")
 
+    def _check_audio(self, request: NewRequest, item: MultiModalItem) -> None:
+        if self.mel_bins is None:
+            raise ValueError(f"request {request.req_id!r}: the checkpoint has no audio tower")
+        data = item.data if isinstance(item.data, Mapping) else {}
+        features = data.get("input_features")
+        if not (isinstance(features, torch.Tensor) and features.dim() == 2
+                and features.is_floating_point() and features.shape[1] in self.mel_bins):
+            raise ValueError(f"request {request.req_id!r}: a clip needs input_features "
+                             f"[frames, mel] (float, mel in {list(self.mel_bins)})")
+        if audio_tokens(features.shape[0]) != item.length:
+            raise ValueError(f"request {request.req_id!r}: a clip of {features.shape[0]} frames "
+                             f"has {audio_tokens(features.shape[0])} soft tokens, got length "
+                             f"{item.length}")
+
     def embed_item(self, item: MultiModalItem) -> torch.Tensor:
-        """One run of the vision encoder: ``[soft tokens, hidden_size]``."""
+        """One run of the vision encoder (an image) or the audio encoder (a clip):
+        ``[soft tokens, hidden_size]``."""
+        if item.kind == "audio":
+            features = self.upload(cast(torch.Tensor, item.data["input_features"]))
+            return cast(torch.Tensor, cast(Any, self.model).embed_audio(features))
         where = cast(torch.Tensor, item.data["position_ids"])
         grid = _grid(where)  # (host tensors: no device read)
         rows = grid[0] * grid[1]  # the real patches, first (the padding is not copied)
@@ -137,9 +285,11 @@ class Gemma4VLModelState(EncoderCacheModelState):
         return cast(torch.Tensor, cast(Any, self.model).embed_image(pixels, where, grid))
 
     def profile_encoder(self, max_prompt_tokens: int) -> int:
-        """The encoder over one image of the processor's largest size (``max_soft_tokens``
-        pooled patches, 280 unless ``preprocessor_config.json`` says otherwise; random pixels,
-        a square grid), output dropped; returns :attr:`encoder_cache_bytes`."""
+        """The encoders over their largest inputs, outputs dropped: one image of the
+        processor's largest size (``max_soft_tokens`` pooled patches, 280 unless
+        ``preprocessor_config.json`` says otherwise; random pixels, a square grid) and one
+        clip of HF's longest (30 s: 3000 frames, or the prompt's room; random features);
+        returns :attr:`encoder_cache_bytes`."""
         if self.pixel_width is not None and self.pool is not None:
             most = int(preprocessor_config(self.config.model.model).get("max_soft_tokens")
                        or 280)
@@ -149,6 +299,10 @@ class Gemma4VLModelState(EncoderCacheModelState):
             pixels = torch.rand(side * side, self.pixel_width)
             cast(Any, self.model).embed_image(pixels.to(self.device), grid.to(self.device),
                                               (side, side))
+        if self.mel_bins is not None:
+            frames = min(_PROFILE_FRAMES, 4 * max(1, max_prompt_tokens))
+            features = torch.randn(frames, self.mel_bins[-1])
+            cast(Any, self.model).embed_audio(features.to(self.device))
         return self.encoder_cache_bytes
 
     def prepare_inputs(self, batch: InputBatch) -> dict[str, Any]:

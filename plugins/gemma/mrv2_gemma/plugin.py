@@ -13,8 +13,8 @@ def mrv2_register_models(register: Callable[..., None]) -> None:
     the text decoder plus the SigLIP encoder, with their model state (encoder cache, image
     spans that attend both ways) and input processor (the checkpoint's image processor).
     Gemma 4's text decoder (``Gemma4ForCausalLM``), and its multimodal checkpoints
-    (``Gemma4ForConditionalGeneration``) with text and images (video and audio refused by
-    their input processor)."""
+    (``Gemma4ForConditionalGeneration``) with text, images and audio (video refused by their
+    input processor)."""
     register("Gemma3ForCausalLM", "mrv2_gemma.model:Gemma3ForCausalLM")
     register("Gemma2ForCausalLM", "mrv2_gemma.model:Gemma2ForCausalLM")
     register("Gemma3ForConditionalGeneration", "mrv2_gemma.vl:Gemma3ForConditionalGeneration",
