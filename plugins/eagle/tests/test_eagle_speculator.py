@@ -57,6 +57,25 @@ def test_greedy_equals_plain(target: str, method: str, target_dirs: dict[str, Pa
     assert llm.engine.block_manager.usage == 0.0
 
 
+def test_heads_draft_for_a_target_with_recurrent_state(tmp_path: Path) -> None:
+    """EAGLE and EAGLE-3 heads over Qwen3-Next (Gated DeltaNet layers: the target keeps
+    per-request state, ``1 + k`` rows a request under speculation; EAGLE-3's aux layers read
+    from linear-attention and full-attention layers alike): greedy tokens equal HF's."""
+    from mrv2.testing import hf_greedy
+    from mrv2_qwen.testing import save_tiny_qwen3_next
+
+    target = tmp_path / "target"
+    save_tiny_qwen3_next(target)
+    prompts = [[5, 9, 13, 17, 21] * 3, [40, 3, 40, 3, 7]]
+    want = [hf_greedy(target, p, NEW) for p in prompts]
+    for method, head in (("eagle", write_eagle_head(tmp_path / "e", target, seed=5)),
+                         ("eagle3", write_eagle3_head(tmp_path / "e3", target, seed=6,
+                                                      aux_ids=[0, 1, 3]))):
+        got, llm = _run(target, _spec(head, method), prompts=prompts)
+        assert got == want, method
+        assert llm.engine.stats()["spec_num_draft_tokens"] > 0
+
+
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_prefix_caching_and_preemption(method: str, target_dirs: dict[str, Path],
                                        head_dirs: dict[tuple[str, str], Path]) -> None:
