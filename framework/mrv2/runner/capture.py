@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 
@@ -22,8 +22,9 @@ from mrv2.runner.cuda_graphs import (
     timed_ms,
 )
 
-if TYPE_CHECKING:
-    from mrv2.runner.runner import Runner
+#: The runner (:class:`mrv2.runner.runner.Runner`; typed loosely: that module imports this
+#: one).
+Runner = Any
 
 __all__ = ["capture_set", "max_mixed_graph_tokens", "mixed_graph_slower", "profile_peak_bytes"]
 
