@@ -154,7 +154,8 @@ def check_state_speculation(path: str | Path, max_tokens: int = 20,
     (n-gram drafts, 3 a step): greedy tokens equal HF ``generate`` for prompts that repeat
     themselves (so drafts come, and the random model keeps some and rejects others: asserted
     from the engine's counts), several requests at once, prompts split across steps (chunks
-    of 8 tokens), block size 4. Returns the engine's stats."""
+    of 8 tokens), block size 4; under prefix caching the same prompts once more, each resuming
+    from a state snapshot. Returns the engine's stats."""
     from mrv2.testing import hf_greedy
 
     motif = [[5, 9, 13, 17, 21], [40, 3, 40, 3, 40, 3, 7], [60 + i % 4 for i in range(11)]]
@@ -167,6 +168,12 @@ def check_state_speculation(path: str | Path, max_tokens: int = 20,
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     want = [hf_greedy(path, p, max_tokens) for p in prompts]
     assert [o.outputs[0].token_ids for o in outs] == want
+    if llm.engine.prefix_caching:  # again: each request resumes from a state snapshot
+        again = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                             use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == want
+        assert all(o.num_cached_tokens > 0 for o in again), [o.num_cached_tokens
+                                                             for o in again]
     stats = dict(llm.engine.stats())
     drafted, kept = stats["spec_num_draft_tokens"], stats["spec_num_accepted_tokens"]
     assert 0 < kept < drafted, (kept, drafted)  # drafts both kept and rejected
