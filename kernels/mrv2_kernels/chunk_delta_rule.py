@@ -59,7 +59,12 @@ for ``c = snap_pos - start - c0``; a runtime branch, so other chunks pay nothing
 pass over K blocks before pass 2 (which keeps the chunk's initial tile unchanged for it):
 ``S_c = exp(G_{c-1}) S + (exp(G_{c-1} - G) K)^T U`` with the keys masked to ``j < c`` (``U``'s
 row ``j`` depends on tokens ``<= j`` only, so the whole chunk's ``U`` serves), stored into
-``snap_row``. A padding sequence returns before reading its table entry.
+``snap_row``. A padding sequence returns before reading its table entry. ``row_slots``
+(speculative decoding: :mod:`mrv2_kernels.recurrent_state`): the chunks stream the state
+through the final count's row; the states after the sequence's last ``row_slots - 1`` counts
+but its final one take the same extra pass each, into their counts' rows, before pass 2 (its
+rows differ from pass 2's), but for the one whose row is the first chunk's initial state
+(possible when the final row differs): that one runs after pass 2, which no longer reads it.
 
 Products take fp32 operands at ``input_precision`` ``"tf32x3"`` on the GPU (fp32 accuracy on
 tensor cores, as the attention kernels) and ``"ieee"`` under the interpreter. The scratch is
@@ -87,7 +92,15 @@ from ._backend import cdiv, default_block, flat_query_tile, next_power_of_2, pdl
 from ._backend import use_triton as _use_triton
 from .linear_attention import _L2_EPS, _check_gdr, check_triton_args, raw_gates, resolve_gates
 from .linear_attention import gated_delta_rule as _serial_gated_delta_rule
-from .recurrent_state import _KERNEL_DTYPES, _check_meta, _check_table, _table_host, _zero_tail
+from .recurrent_state import (
+    _KERNEL_DTYPES,
+    _check_meta,
+    _check_table,
+    _table_host,
+    _zero_tail,
+    check_row_slots,
+    kept_counts,
+)
 
 __all__ = [
     "CHUNKED_MIN_QUERY_LEN",
@@ -157,21 +170,23 @@ def chunk_gated_delta_rule_ref(
     state_table: torch.Tensor | None = None,
     gate_params: tuple[torch.Tensor, torch.Tensor] | None = None,
     dt_limits: tuple[float, float] | None = None, skip: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None, chunk: int = 64,
+    out_dtype: torch.dtype | None = None, chunk: int = 64, row_slots: int = 1,
 ) -> torch.Tensor:
     """Plain-torch chunked form of :func:`~mrv2_kernels.linear_attention.gated_delta_rule`
     (reads the metadata on the host): the gates computed first (``gate_params`` /
     ``dt_limits``), then per sequence chunks of ``chunk`` tokens from its first one, all v heads
     at once, ``T = (I + A)^-1`` applied by ``torch.linalg.solve_triangular`` (the module
     docstring's algebra). A snapshot after ``c`` tokens (``state_table``) runs the same math
-    over the first ``c`` tokens alone. A second formulation of the op, independent of the
-    token-serial reference and of the kernels; same results up to fp32 rounding."""
+    over the first ``c`` tokens alone, and so does each state ``row_slots`` keeps. A second
+    formulation of the op, independent of the token-serial reference and of the kernels; same
+    results up to fp32 rounding."""
     _check_gdr(q, k, v, g, beta, state)
     g, beta = resolve_gates(g, beta, v, gate_params, dt_limits, skip)
     n = _check_meta(query_start_loc, seq_lens, state_rows)
     _check_table(state_table)
     if chunk < 1:
         raise ValueError(f"chunk must be positive, got {chunk}")
+    slots = check_row_slots(row_slots)
     hv, dk, dv = state.shape[1:]
     group = hv // q.shape[1]
     out = torch.zeros(v.shape, dtype=out_dtype or v.dtype, device=v.device)
@@ -181,9 +196,9 @@ def chunk_gated_delta_rule_ref(
         length = eos - bos
         if length <= 0:
             continue
-        row = rows[i]
-        src, snaps = _table_host(state_table, row, lens[i] - length)
-        if lens[i] - length > 0:
+        row, start = rows[i], lens[i] - length
+        src, snaps = _table_host(state_table, row, start, slots)
+        if start > 0:
             s0 = state[src].clone()  # [Hv, K, V]
         else:
             s0 = torch.zeros(hv, dk, dv, dtype=torch.float32, device=state.device)
@@ -200,13 +215,14 @@ def chunk_gated_delta_rule_ref(
         if skip is not None:
             o = o + skip.float()[:, None, None] * vs
         out[bos:eos] = o.transpose(0, 1).to(out.dtype)
-        for c, snap_row in snaps:
+        kept = [(c, row * slots + j) for c, j in kept_counts(start, length, slots)[:-1]]
+        for c, snap_row in snaps + kept:
             if 0 < c <= length:
                 part = slice(0, c)
                 state[snap_row] = _chunked_sequence(qs[:, part], ks[:, part], vs[:, part],
                                                     gs[:, part], bs[:, part], s0, chunk,
                                                     delta)[1]
-        state[row] = s
+        state[row * slots + (start + length) % slots] = s
     return out
 
 
@@ -320,6 +336,33 @@ def _chunk_wy_kernel(
         tl.store(wv_ptr + t64[:, None] * wv_st + h * wv_sh + vv[None, :], wv, mask=vmask)
 
 
+@triton.jit
+def _store_state_after(
+    c: tl.tensor, dst_base: tl.tensor, r_base: tl.tensor, k_base: tl.tensor, t64: tl.tensor,
+    gcum: tl.tensor, pos: tl.tensor, rk: tl.tensor, u: tl.tensor, s_ok: tl.tensor,
+    vmask: tl.tensor, dim_k: int, k_st: int, s_sk: int, BLOCK_K: tl.constexpr,
+    PREC: tl.constexpr,
+) -> None:
+    """Triton helper: the state after the chunk's first ``c`` tokens (``0 < c <= n``), the
+    end-of-chunk update with the decay reference at token ``c - 1`` and the keys masked to ``j
+    < c`` (``U``'s row ``j`` depends on tokens ``<= j`` only): ``S_c = exp(G_{c-1}) S +
+    sum_{j<c} exp(G_{c-1} - G_j) k_j u_j^T``, ``S`` read from ``r_base``, into ``dst_base`` a K
+    block at a time (each block's reads before its writes: ``dst_base`` may be ``r_base``)."""
+    g_ref = tl.sum(tl.where(pos == c - 1, gcum, 0.0), axis=0)
+    before = pos < c
+    ks_snap = tl.where(before, rk * tl.exp(tl.where(before, g_ref - gcum, 0.0)), 0.0)
+    for k0 in range(0, dim_k, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        kmask = kk < dim_k
+        smask = kmask[:, None] & vmask[None, :]
+        kd = _load_rows(k_base, t64, k_st, kk, before[:, None] & kmask[None, :])
+        s = tl.load(r_base + kk[:, None] * s_sk, mask=smask & s_ok, other=0.0,
+                    cache_modifier=".cg")
+        s = tl.dot(tl.trans(kd * ks_snap[:, None]), u, s * tl.exp(g_ref), input_precision=PREC)
+        tl.debug_barrier()
+        tl.store(dst_base + kk[:, None] * s_sk, s, mask=smask)
+
+
 @triton.jit(do_not_specialize=["num_seqs", "num_tokens"])
 def _chunk_scan_kernel(
     q_ptr: tl.tensor, k_ptr: tl.tensor, v_ptr: tl.tensor, g_ptr: tl.tensor,
@@ -334,7 +377,7 @@ def _chunk_scan_kernel(
     L2NORM: tl.constexpr, DELTA: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr, PREC: tl.constexpr,
     HAS_TABLE: tl.constexpr, RAW_GATES: tl.constexpr, MAMBA_GATES: tl.constexpr,
-    HAS_SKIP: tl.constexpr, PDL: tl.constexpr,
+    HAS_SKIP: tl.constexpr, ROW_SLOTS: tl.constexpr, PDL: tl.constexpr,
 ) -> None:
     pdl_prologue(PDL)
     # Programs (i < N, v head, V block) run sequence i; programs (N, ...) zero the padding.
@@ -353,17 +396,21 @@ def _chunk_scan_kernel(
     start = tl.load(seq_lens_ptr + seq).to(tl.int32) - length
     has_init = start > 0
     row = tl.load(rows_ptr + seq).to(tl.int64)
-    src_row = row  # the first chunk's initial state: a snapshot's row when resuming from it
+    base = row * ROW_SLOTS  # the sequence's first state row (ROW_SLOTS: recurrent_state)
+    dst = base + (start + length) % ROW_SLOTS  # the final state's row, the chunks' working row
+    # the first chunk's initial state: the row of the start's count, a snapshot's when resuming
+    src_row = base + start % ROW_SLOTS
     if HAS_TABLE:
         tbl = tbl_ptr + row * tbl_st
-        src_row = tl.where(start == tl.load(tbl + 1), tl.load(tbl).to(tl.int64), row)
+        src_row = tl.where(start == tl.load(tbl + 1), tl.load(tbl).to(tl.int64), src_row)
     q_base = q_ptr + (h // group) * q_sh
     k_base = k_ptr + (h // group) * k_sh
     # The state tile [K, BLOCK_V] lives in its own row (no other program touches it), read
     # and rewritten a K block at a time: through L2 (".cg"), behind barriers. The first chunk
-    # reads src_row (never written: a snapshot slot other requests may read too).
+    # reads src_row (never written but by the one kept state below: a snapshot slot other
+    # requests may read too is never written).
     tile = h * s_sh + vv[None, :]
-    s_base = state_ptr + row * s_sr + tile
+    s_base = state_ptr + dst * s_sr + tile
     if HAS_SKIP:
         skip = tl.load(skip_ptr + h).to(tl.float32)
     pos = tl.arange(0, CHUNK)
@@ -373,7 +420,8 @@ def _chunk_scan_kernel(
         live = pos < n
         t64 = (bos + c0).to(tl.int64) + pos
         s_ok = has_init | (c0 > 0)  # else the row holds garbage: start from zeros
-        r_base = state_ptr + tl.where(c0 == 0, src_row, row) * s_sr + tile  # S's row
+        r_row = tl.where(c0 == 0, src_row, dst)  # S's row
+        r_base = state_ptr + r_row * s_sr + tile
         gv, beta = _load_gates(g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, t64, h, live, g_st,
                                g_sh, b_st, b_sh, dt_lo, dt_hi, RAW_GATES, MAMBA_GATES)
         gcum = tl.cumsum(gv, 0)  # dead rows add 0: the last entry is the chunk's total
@@ -420,28 +468,29 @@ def _chunk_scan_kernel(
         tl.store(out_ptr + t64[:, None] * o_st + h * o_sh + vv[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=ovmask)
         if HAS_TABLE:
-            # Snapshots after c tokens of this chunk (0 < c <= n): the end-of-chunk update
-            # with the decay reference at token c - 1 and the keys masked to j < c (U's row j
-            # depends on tokens <= j only), S_c = exp(G_{c-1}) S + sum_{j<c} exp(G_{c-1} -
-            # G_j) k_j u_j^T, into rows no one else touches. A pass only where one falls.
+            # Snapshots after c tokens of this chunk (0 < c <= n), into rows no one else
+            # touches. A pass only where one falls.
             for i in tl.static_range(2):
                 c = tl.load(tbl + 2 + 2 * i) - start - c0
                 if (c > 0) & (c <= n):
                     snap_base = state_ptr + tl.load(tbl + 3 + 2 * i).to(tl.int64) * s_sr + tile
-                    g_ref = tl.sum(tl.where(pos == c - 1, gcum, 0.0), axis=0)
-                    before = pos < c
-                    ks_snap = tl.where(before, rk * tl.exp(tl.where(before, g_ref - gcum, 0.0)),
-                                       0.0)
-                    for k0 in range(0, dim_k, BLOCK_K):
-                        kk = k0 + tl.arange(0, BLOCK_K)
-                        kmask = kk < dim_k
-                        smask = kmask[:, None] & vmask[None, :]
-                        kd = _load_rows(k_base, t64, k_st, kk, before[:, None] & kmask[None, :])
-                        s = tl.load(r_base + kk[:, None] * s_sk, mask=smask & s_ok, other=0.0,
-                                    cache_modifier=".cg")
-                        s = tl.dot(tl.trans(kd * ks_snap[:, None]), u, s * tl.exp(g_ref),
-                                   input_precision=PREC)
-                        tl.store(snap_base + kk[:, None] * s_sk, s, mask=smask)
+                    _store_state_after(c, snap_base, r_base, k_base, t64, gcum, pos, rk, u,
+                                       s_ok, vmask, dim_k, k_st, s_sk, BLOCK_K, PREC)
+        deferred = -1  # (ROW_SLOTS: the kept state whose row is S's own, stored after pass 2)
+        if ROW_SLOTS > 1:
+            # The states after the sequence's last ROW_SLOTS - 1 counts but its final one that
+            # fall in this chunk (speculative decoding's verified tokens), each in its count's
+            # row; never the final one's row (dst). One may be S's own row (the first chunk,
+            # when the final count's row differs): that one waits for pass 2's reads of it.
+            lo = tl.maximum(length - ROW_SLOTS + 1, c0 + 1)
+            for c in range(lo, tl.minimum(length - 1, c0 + n) + 1):
+                kept = base + (start + c) % ROW_SLOTS
+                if kept == r_row:
+                    deferred = c - c0
+                else:
+                    _store_state_after(c - c0, state_ptr + kept * s_sr + tile, r_base, k_base,
+                                       t64, gcum, pos, rk, u, s_ok, vmask, dim_k, k_st, s_sk,
+                                       BLOCK_K, PREC)
         # Pass 2: S' = exp(G_last) S + (exp(G_last - G) K)^T U, a K block at a time.
         kscale = rk * tl.exp(g_last - gcum)
         tl.debug_barrier()  # every pass-1 read of the tile precedes its rewrite
@@ -456,6 +505,11 @@ def _chunk_scan_kernel(
                        input_precision=PREC)
             tl.debug_barrier()
             tl.store(s_base + kk[:, None] * s_sk, s, mask=smask)
+        if ROW_SLOTS > 1:  # noqa: SIM102 (constexpr: compiled out at 1)
+            if deferred > 0:  # S's own row (the first chunk's; dst is another): now free
+                tl.debug_barrier()
+                _store_state_after(deferred, r_base, r_base, k_base, t64, gcum, pos, rk, u,
+                                   s_ok, vmask, dim_k, k_st, s_sk, BLOCK_K, PREC)
         tl.debug_barrier()  # the new tile is written before the next chunk reads it
 
 
@@ -472,6 +526,7 @@ def chunk_gated_delta_rule_triton(
     gate_params: tuple[torch.Tensor, torch.Tensor] | None = None,
     dt_limits: tuple[float, float] | None = None, skip: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    row_slots: int = 1,
     chunk: int | None = None,
     block_sub: int | None = None,
     block_k: int | None = None,
@@ -487,11 +542,13 @@ def chunk_gated_delta_rule_triton(
     ``"ieee"``; ``"tf32"`` would trade accuracy, ~1e-3, for speed: unmeasured). q/k/v may be
     strided views (their last dim is made contiguous); ``state`` must have a contiguous last
     dim (it is updated in place, its rows also holding each program's tile between chunks).
-    ``state_table``, ``gate_params``, ``dt_limits``, ``skip``, ``out_dtype``: as
-    :func:`~mrv2_kernels.linear_attention.gated_delta_rule`'s (the module docstring says how)."""
+    ``state_table``, ``gate_params``, ``dt_limits``, ``skip``, ``out_dtype``, ``row_slots``:
+    as :func:`~mrv2_kernels.linear_attention.gated_delta_rule`'s (the module docstring says
+    how)."""
     n = check_triton_args("chunk_gated_delta_rule_triton", q, k, v, g, beta, state,
                           query_start_loc, seq_lens, state_rows, state_table, gate_params,
                           dt_limits, skip)
+    slots = check_row_slots(row_slots)
     num_tokens, hk, dk = q.shape
     hv, dv = v.shape[1:]
     on_gpu = v.is_cuda
@@ -544,7 +601,8 @@ def chunk_gated_delta_rule_triton(
         wv.stride(0), wv.stride(1), out.stride(0), out.stride(1),
         state.stride(0), state.stride(1), state.stride(2), tbl.stride(0),
         L2NORM=l2norm_qk, DELTA=delta, CHUNK=c, BLOCK_K=bk, BLOCK_V=bv, BLOCK_T=8,
-        PREC=prec, HAS_TABLE=state_table is not None, HAS_SKIP=skip is not None, **gates,
+        PREC=prec, HAS_TABLE=state_table is not None, HAS_SKIP=skip is not None,
+        ROW_SLOTS=slots, **gates,
         num_warps=8 if on_gpu else 1,
         **pdl(v),
     )
@@ -558,7 +616,7 @@ def chunk_gated_delta_rule(
     state_table: torch.Tensor | None = None,
     gate_params: tuple[torch.Tensor, torch.Tensor] | None = None,
     dt_limits: tuple[float, float] | None = None, skip: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None, row_slots: int = 1,
 ) -> torch.Tensor:
     """:func:`mrv2_kernels.linear_attention.gated_delta_rule` (same arguments, semantics and
     results up to fp32 rounding: see its docstring) computed a chunk of tokens at a time, for
@@ -569,7 +627,7 @@ def chunk_gated_delta_rule(
           else chunk_gated_delta_rule_ref)
     return fn(q, k, v, g, beta, state, query_start_loc, seq_lens, state_rows, scale, l2norm_qk,
               delta=delta, state_table=state_table, gate_params=gate_params,
-              dt_limits=dt_limits, skip=skip, out_dtype=out_dtype)
+              dt_limits=dt_limits, skip=skip, out_dtype=out_dtype, row_slots=row_slots)
 
 
 def prefer_chunked(num_tokens: int, num_seqs: int, max_query_len: int | None = None) -> bool:
@@ -604,14 +662,7 @@ def gated_delta_rule_auto(
     ``max_query_len``), else the token-serial
     :func:`~mrv2_kernels.linear_attention.gated_delta_rule`; every keyword of the latter
     (``state_table``, ``gate_params``, ``dt_limits``, ``skip``, ``out_dtype``, ``row_slots``)
-    passed on. Same results up to fp32 rounding either way. With ``row_slots > 1``
-    (speculative decoding) the token-serial form always: it keeps the states after each of a
-    chunk's last tokens, which the chunked form does not."""
-    if row_slots != 1:
-        return _serial_gated_delta_rule(
-            q, k, v, g, beta, state, query_start_loc, seq_lens, state_rows, scale, l2norm_qk,
-            delta=delta, state_table=state_table, gate_params=gate_params,
-            dt_limits=dt_limits, skip=skip, out_dtype=out_dtype, row_slots=row_slots)
+    passed on. Same results up to fp32 rounding either way."""
     # The delta rule itself (Gated DeltaNet) stays token-serial unless MRV2_CHUNKED_DELTA_RULE=1:
     # on the H200 the chunked kernel took 10.5 ms for one 4,096-token Qwen3-Next prompt
     # against 7.4 token-serial, 3.7 against 2.0 for 8 x 512 (BENCHMARKS.md, 2026-12-06);
@@ -621,4 +672,4 @@ def gated_delta_rule_auto(
     fn = chunk_gated_delta_rule if chunked else _serial_gated_delta_rule
     return fn(q, k, v, g, beta, state, query_start_loc, seq_lens, state_rows, scale, l2norm_qk,
               delta=delta, state_table=state_table, gate_params=gate_params,
-              dt_limits=dt_limits, skip=skip, out_dtype=out_dtype)
+              dt_limits=dt_limits, skip=skip, out_dtype=out_dtype, row_slots=row_slots)

@@ -492,7 +492,8 @@ def test_rejects_bad_arguments() -> None:
 
 
 # The GPU defaults of chunk_gated_delta_rule_triton at K = V = 128 (Qwen3-Next's heads): the
-# plain builds and those with every option (a table, raw gates; Mamba-2's with a skip).
+# plain builds and those with every option (a table, raw gates, speculative decoding's rows;
+# Mamba-2's with a skip).
 _SM90_SCRIPT = r"""
 from mrv2_kernels import chunk_delta_rule as m
 
@@ -512,7 +513,8 @@ for delta, extras in ((True, False), (False, False), (True, True), (False, True)
            "seq_lens_ptr": i32, "rows_ptr": i32, "tbl_ptr": i32, "skip_ptr": f32, **gates},
           dict(L2NORM=delta, DELTA=delta, CHUNK=64, BLOCK_K=32, BLOCK_V=32, BLOCK_T=8,
                PREC="tf32x3", HAS_TABLE=extras, RAW_GATES=extras,
-               MAMBA_GATES=extras and not delta, HAS_SKIP=extras and not delta, PDL=True),
+               MAMBA_GATES=extras and not delta, HAS_SKIP=extras and not delta,
+               ROW_SLOTS=4 if extras else 1, PDL=True),
           num_warps=8)
 """
 

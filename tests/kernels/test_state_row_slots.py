@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -22,7 +23,11 @@ except ImportError:  # not installed: use the source tree
 
 from mrv2_kernels import causal_conv1d as cc
 from mrv2_kernels import linear_attention as la
-from mrv2_kernels.chunk_delta_rule import gated_delta_rule_auto
+from mrv2_kernels.chunk_delta_rule import (
+    chunk_gated_delta_rule_ref,
+    chunk_gated_delta_rule_triton,
+    gated_delta_rule_auto,
+)
 from mrv2_kernels.linear_attention import (
     causal_conv1d_ref,
     causal_conv1d_triton,
@@ -82,10 +87,18 @@ class Stream:
         if self.kind == "conv":
             conv = causal_conv1d_triton if triton else causal_conv1d_ref
             return conv(self.x[idx], self.w, self.b, state, *m, "silu", tbl, slots)
-        gdr = gated_delta_rule_triton if triton else gated_delta_rule_ref
+        # the chunked form in chunks of 4 tokens: kept states in several chunks, the first's
+        extra: dict[str, int] = {"chunk": 4}
+        if fn == "chunked":
+            gdr: Callable[..., torch.Tensor] = chunk_gated_delta_rule_triton
+            extra["block_sub"] = 2
+        elif fn == "chunked_ref":
+            gdr = chunk_gated_delta_rule_ref
+        else:
+            gdr, extra = (gated_delta_rule_triton if triton else gated_delta_rule_ref), {}
         return gdr(self.q[idx], self.k[idx], self.v[idx], self.g[idx], self.beta[idx], state,
                    *m, DK ** -0.5, True, delta=self.kind == "gdr", state_table=tbl,
-                   row_slots=slots)
+                   row_slots=slots, **extra)
 
 
 def tokens_of(seqs: list[tuple[int, int]], base: list[int]) -> torch.Tensor:
@@ -95,12 +108,14 @@ def tokens_of(seqs: list[tuple[int, int]], base: list[int]) -> torch.Tensor:
     return torch.tensor(idx, dtype=torch.long, device=DEVICE)
 
 
-@pytest.mark.parametrize("fn", ["triton", "ref"])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind,fn", [(kind, fn) for kind in KINDS for fn in (
+    ["triton", "ref"] + (["chunked", "chunked_ref"] if kind != "conv" else []))])
 def test_rejected_tokens_leave_no_trace(kind: str, fn: str, poisoned: None) -> None:
-    """Three steps of three sequences: a prompt chunk, then verify steps of 1 + 3 tokens with
+    """Four steps of three sequences: a prompt chunk, then verify steps of 1 + 3 tokens with
     0 to 3 accepted; each step's outputs and the final state equal a run (one row a sequence)
-    that only ever saw the accepted tokens."""
+    that only ever saw the accepted tokens. ``chunked``: the delta rule's chunked form (chunks
+    of 4: kept states in a later chunk than the first, and in the first, where one may be the
+    initial state's own row)."""
     stream = Stream(kind, 3 * 32)
     base = [0, 32, 64]
     rows = [2, 0, 1]  # request rows; the speculative run's states are rows r * SLOTS + j
@@ -165,26 +180,48 @@ def test_triton_matches_ref_row_by_row(kind: str, poisoned: None) -> None:
     assert changed[4 * SLOTS:5 * SLOTS] == [False, False, True, False]
 
 
-def test_auto_goes_token_serial_with_slots(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``gated_delta_rule_auto`` with ``row_slots > 1`` never takes the chunked form (which
-    keeps only a chunk's final state), even for a long query."""
+@pytest.mark.parametrize("kind", ["gdr", "ssm"])
+def test_chunked_matches_token_serial_row_by_row(kind: str, poisoned: None,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunked form (chunks of 4) against the token-serial reference on one step of
+    verifies, a decode, prompts of 6 and 9 tokens and a resumed snapshot: outputs and every
+    state row alike (the kept states, the untouched rows); ``gated_delta_rule_auto`` takes the
+    chunked form for a long query with the rows."""
+    stream = Stream(kind, 48)
+    # (6, 5, 0): its first chunk keeps the state after 4 tokens in the initial state's own row
+    seqs = [(4, 9, 3), (6, 5, 0), (1, 13, 4), (6, 0, 1), (9, 8, 2), (0, 0, 0)]
+    m = make_batch(seqs, pad_tokens=2).meta
+    idx = torch.arange(sum(n for n, _, _ in seqs) + 2, device=DEVICE)
+    slots_base = 5 * SLOTS
+    tbl = default_state_table(5, DEVICE)
+    tbl[2] = torch.tensor([slots_base + 1, 8, -1, 0, -1, 0], dtype=I32)
+    outs, states = {}, {}
+    for fn in ("chunked", "ref"):
+        states[fn] = stream.state(slots_base + 2, seed=21)
+        outs[fn] = stream.run(fn, idx, states[fn], m, SLOTS, tbl)
+    torch.testing.assert_close(outs["chunked"].float(), outs["ref"].float(), rtol=1e-4,
+                               atol=1e-4)
+    torch.testing.assert_close(states["chunked"], states["ref"], rtol=1e-4, atol=1e-4)
     from mrv2_kernels import chunk_delta_rule as cdr
 
-    def refuse(*args: object, **kwargs: object) -> torch.Tensor:
-        raise AssertionError("the chunked form was called")
+    calls: list[int] = []
+    chunked = cdr.chunk_gated_delta_rule
 
-    monkeypatch.setattr(cdr, "chunk_gated_delta_rule", refuse)
-    stream = Stream("ssm", 40)
-    m = make_batch([(40, 0, 0)]).meta
-    state = stream.state(SLOTS)
-    idx = torch.arange(40, device=DEVICE)
+    def record(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(kwargs["row_slots"])
+        return chunked(*args, **kwargs)
+
+    monkeypatch.setattr(cdr, "chunk_gated_delta_rule", record)
+    monkeypatch.setattr(cdr, "CHUNKED_MIN_QUERY_LEN", 4)
+    monkeypatch.setenv(cdr.CHUNKED_ENV_VAR, "1")  # (the delta rule's chunked form: opt-in)
+    state = stream.state(slots_base + 2, seed=21)
     out = gated_delta_rule_auto(stream.q[idx], stream.k[idx], stream.v[idx], stream.g[idx],
-                                stream.beta[idx], state, *m, 1.0, False, delta=False,
-                                max_query_len=40, row_slots=SLOTS)
-    ref = gated_delta_rule_ref(stream.q[idx], stream.k[idx], stream.v[idx], stream.g[idx],
-                               stream.beta[idx], stream.state(1), *m, 1.0, False,
-                               delta=False)
-    torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
+                                stream.beta[idx], state, *m, DK ** -0.5, True,
+                                delta=kind == "gdr", state_table=tbl, max_query_len=9,
+                                row_slots=SLOTS)
+    assert calls == [SLOTS]
+    torch.testing.assert_close(out.float(), outs["ref"].float(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state, states["ref"], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("slots", [0, 18, 2.0])

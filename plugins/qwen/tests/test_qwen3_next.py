@@ -72,10 +72,17 @@ def test_prefix_cache_resumes_from_state_snapshots(tmp_path: Path, chunked: bool
     check_state_prefix_cache(tmp_path)
 
 
-def test_speculative_decoding_keeps_only_accepted_states(tmp_path: Path) -> None:
+@pytest.mark.parametrize("chunked", [False, True], ids=["serial", "chunked"])
+def test_speculative_decoding_keeps_only_accepted_states(
+        tmp_path: Path, chunked: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """n-gram drafts verified through the Gated DeltaNet layers: rejected drafts leave no
     trace in the recurrent or conv state (greedy tokens equal HF's), with prefix caching's
-    snapshots on beside them."""
+    snapshots on beside them; ``chunked``: every step with a query of 4 tokens or more
+    through the chunked delta rule (verifies beside prompt chunks, its kept states)."""
+    from mrv2_kernels import chunk_delta_rule
+
+    monkeypatch.setattr(chunk_delta_rule, "CHUNKED_MIN_QUERY_LEN", 4 if chunked else 10**9)
+    monkeypatch.setenv(chunk_delta_rule.CHUNKED_ENV_VAR, "1")  # (the delta rule: opt-in)
     _checkpoint(tmp_path)
     check_state_speculation(tmp_path, enable_prefix_caching=True)
 
