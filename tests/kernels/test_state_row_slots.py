@@ -50,6 +50,7 @@ WIDTH = 4
 SLOTS = 4  # 1 + 3 drafts
 HK, HV, DK, DV, DIM = 1, 2, 8, 6, 5
 KINDS = ["conv", "gdr", "ssm"]
+CHUNK = 4 if DEVICE == "cpu" else 16  # the chunked form's tokens a chunk
 
 
 @pytest.fixture
@@ -88,10 +89,11 @@ class Stream:
             conv = causal_conv1d_triton if triton else causal_conv1d_ref
             return conv(self.x[idx], self.w, self.b, state, *m, "silu", tbl, slots)
         # the chunked form in chunks of 4 tokens: kept states in several chunks, the first's
-        extra: dict[str, int] = {"chunk": 4}
+        # (tl.dot's tiles on the GPU: chunks of 16, these sequences' one chunk)
+        extra: dict[str, int] = {"chunk": CHUNK}
         if fn == "chunked":
             gdr: Callable[..., torch.Tensor] = chunk_gated_delta_rule_triton
-            extra["block_sub"] = 2
+            extra["block_sub"] = min(CHUNK, 8) // 2
         elif fn == "chunked_ref":
             gdr = chunk_gated_delta_rule_ref
         else:
