@@ -25,7 +25,9 @@ def test_freeze_takes_the_heap_alive_now_out_of_the_collectors_view(unfrozen: No
     assert frozen > 1000  # (this process's modules, at least)
     made_later = [[i] for i in range(100)]
     gc.collect()
-    assert gc.get_freeze_count() == frozen  # objects made later are not frozen
+    # objects made later are not frozen (frozen ones may still die by refcount: a pytest-xdist
+    # worker's I/O thread frees a few of its own, so the count may fall, never rise)
+    assert gc.get_freeze_count() <= frozen
     assert gc.is_tracked(made_later[0])
 
 
