@@ -27,6 +27,7 @@
 # MRV2_INT_MAGIC=0 then 1: Qwen3-8B GPTQ, gpt-oss-20b), ernie (ERNIE-4.5-21B-A3B's TPOT), gptoss (gpt-oss-20b's MXFP4 experts: tests, then bench latency;
 # GPTOSS_THROUGHPUT=1: the throughput workload too; GPTOSS_MODEL=gpt-oss-120b: the big one),
 # gemma3vl (Gemma 3 with images: GPU tests, mrv2 bench multimodal on gemma-3-4b-it),
+# mmnew (the forty-first session's Llama 4 images and Gemma 4 audio: their GPU tests),
 # gluonprefill (a Gluon causal prefill attention: FlashAttention-3's schedule),
 # qwen3next (the linear-attention kernels on CUDA, Qwen3-Next's GPU tests, its TPOT cut to 8 layers), gluonrs (a Gluon MXFP4 GEMM with the weights decoded into wgmma's register operand),
 # intdense (integer experts dequantized first, opt-in: timed beside MXFP4's),
@@ -404,6 +405,10 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                 print('encoder ms/image', d['encoder_ms_per_image']); \
                 [print('image', r) for r in d['with_image']]; \
                 [print('text', r) for r in d['text_only']]" "$OUT/gemma3vl_bench.json" ;;
+    mmnew) # the forty-first session's multimodal families on CUDA: Llama 4 images, Gemma 4 audio
+           timeout 280 python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_llama4_images.py \
+             tests/gpu/test_gpu_gemma4_audio.py 2>&1 | tee "$OUT/mmnew.log" \
+             | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -6 ;;
     gluonprefill) # scripts/proto_gluon_prefill.py --run: FlashAttention-3's schedule in Gluon
                   # (async QK^T, P from registers, softmax overlapping PV), 4 x 1,024 causal,
                   # Qwen3-8B then Qwen3-0.6B heads, beside the Triton TMA kernel

@@ -1,4 +1,6 @@
-"""Test helpers of the Gemma plugin: a tiny ``Gemma3ForConditionalGeneration`` checkpoint."""
+"""Test helpers of the Gemma plugin: a tiny ``Gemma3ForConditionalGeneration`` checkpoint and a
+tiny ``Gemma4ForConditionalGeneration`` with audio (:class:`TinyGemma4Audio`), for the plugin's
+CPU tests and the GPU tests."""
 
 from __future__ import annotations
 
@@ -6,9 +8,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-__all__ = ["IMAGE_TOKENS", "TEMPLATE", "TEXT", "VISION", "VOCAB", "save_tiny_gemma3_vl"]
+__all__ = ["AUDIO_MEL", "AUDIO_RATE", "AUDIO_SPECIAL", "AUDIO_TEMPLATE", "GEMMA4_AUDIO",
+           "GEMMA4_TEXT", "GEMMA4_VISION", "IMAGE_TOKENS", "TEMPLATE", "TEXT", "VISION", "VOCAB",
+           "TinyGemma4Audio", "audio_noise", "check_audio_against_hf", "save_tiny_gemma3_vl"]
 
 VOCAB = 320
 TEXT: dict[str, Any] = {
@@ -70,3 +75,162 @@ def save_tiny_gemma3_vl(path: Path, tied: bool = True, tokenizer: bool = False,
         transformers.Gemma3ImageProcessorPil(size={"height": side, "width": side}
                                              ).save_pretrained(path)
     return hf
+
+
+_S, _F = "sliding_attention", "full_attention"
+#: :class:`TinyGemma4Audio`'s text model: five layers (two full), two sharing earlier KV,
+#: per-layer inputs, an image's tokens two-way on the sliding layers.
+GEMMA4_TEXT: dict[str, Any] = {
+    "vocab_size": 320, "hidden_size": 64, "intermediate_size": 48, "num_hidden_layers": 5,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32,
+    "max_position_embeddings": 512, "sliding_window": 8, "layer_types": [_S, _F, _S, _S, _F],
+    "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 320,
+    "num_kv_shared_layers": 2, "use_bidirectional_attention": "vision", "eos_token_id": 1,
+    "bos_token_id": 2, "pad_token_id": 0}
+#: Its vision tower: patches of 4, pooled 2 x 2.
+GEMMA4_VISION: dict[str, Any] = {
+    "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+    "num_key_value_heads": 2, "head_dim": 16, "patch_size": 4, "pooling_kernel_size": 2,
+    "position_embedding_size": 64}
+#: Its audio tower: two conformer layers; 32 mel bins (the subsampler's first 32 channels take
+#: 32 / 4 after two halvings); blocks of 4 tokens seeing 4 before and 1 after; eps off HF's
+#: 1e-6 default.
+GEMMA4_AUDIO: dict[str, Any] = {
+    "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+    "subsampling_conv_channels": [32, 8], "conv_kernel_size": 3, "attention_chunk_size": 4,
+    "attention_context_left": 5, "attention_context_right": 2, "output_proj_dims": 24,
+    "rms_norm_eps": 1e-3}
+#: The feature extractor's mel bins and sampling rate.
+AUDIO_MEL, AUDIO_RATE = 32, 16000
+#: The tiny tokenizer's special tokens: image, its start and end, video, audio, its start and
+#: end.
+AUDIO_SPECIAL = ("<|image|>", "<boi>", "<eoi>", "<|video|>", "<|audio|>", "<boa>", "<eoa>")
+#: A chat template that renders image parts as ``<|image|>`` and audio parts as ``<|audio|>``.
+AUDIO_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{% if m['content'] is string %}"
+    "{{ m['content'] }}{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}"
+    "<|image|>{% elif p['type'] == 'audio' %}<|audio|>{% else %}{{ p['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}</s>{% endfor %}{% if add_generation_prompt %}<|assistant|>"
+    "{% endif %}")
+
+
+def _redraw_clipped(model: Any) -> None:
+    """Weights far from init; clip bounds finite in [-2, -1) / [1, 2) (they bite)."""
+    from mrv2.testing import redraw_weights
+
+    redraw_weights(model)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith(("_min", "_max")):
+                sign = -1.0 if name.endswith("_min") else 1.0
+                buf.fill_(sign * (1.0 + torch.rand((), generator=gen).item()))
+
+
+class TinyGemma4Audio:
+    """A tiny ``Gemma4ForConditionalGeneration`` with images and audio saved to ``path`` (HF's
+    fp32 model, its weights and clip bounds redrawn; a tiny tokenizer of
+    :data:`AUDIO_SPECIAL` with :data:`AUDIO_TEMPLATE`; Gemma 4's image processor and, in
+    ``processor_config.json``, HF's audio feature extractor at :data:`AUDIO_MEL` bins): its
+    path, HF's model, the extractor and the token ids. ``text`` / ``audio`` override fields of
+    :data:`GEMMA4_TEXT` / :data:`GEMMA4_AUDIO`; ``tied``: the LM head is the embedding."""
+
+    def __init__(self, path: Path, text: dict[str, Any] | None = None,
+                 audio: dict[str, Any] | None = None, tied: bool = True) -> None:
+        import transformers
+
+        from mrv2.testing import make_tiny_tokenizer
+
+        text_config = {**GEMMA4_TEXT, **(text or {})}
+        make_tiny_tokenizer(path, vocab_size=300, special_tokens=AUDIO_SPECIAL,
+                            chat_template=AUDIO_TEMPLATE)
+        tok: Any = transformers.AutoTokenizer.from_pretrained(str(path))
+        ids = [int(tok.convert_tokens_to_ids(token)) for token in AUDIO_SPECIAL]
+        assert max(ids) < text_config["vocab_size"] and len(set(ids)) == len(ids), ids
+        self.image, boi, eoi, video, self.audio, self.boa, self.eoa = ids
+        config = transformers.Gemma4Config(
+            text_config=text_config, vision_config=GEMMA4_VISION,
+            audio_config={**GEMMA4_AUDIO, **(audio or {})}, image_token_id=self.image,
+            boi_token_id=boi, eoi_token_id=eoi, video_token_id=video, audio_token_id=self.audio,
+            boa_token_id=self.boa, eoa_token_index=self.eoa, tie_word_embeddings=tied)
+        config.architectures = ["Gemma4ForConditionalGeneration"]
+        torch.manual_seed(0)
+        self.hf: Any = transformers.Gemma4ForConditionalGeneration(config).eval()
+        _redraw_clipped(self.hf)
+        self.hf.save_pretrained(path)
+        transformers.Gemma4ImageProcessorPil(patch_size=4, max_soft_tokens=70,
+                                             pooling_kernel_size=2).save_pretrained(path)
+        self.extractor = transformers.Gemma4AudioFeatureExtractor(feature_size=AUDIO_MEL)
+        (path / "processor_config.json").write_text(json.dumps(  # (transformers 5's layout)
+            {"processor_class": "Gemma4Processor",
+             "feature_extractor": json.loads(self.extractor.to_json_string())}))
+        self.path = path
+
+    def hf_inputs(self, ids: list[int], items: list[Any], clips: list[np.ndarray]
+                  ) -> dict[str, Any]:
+        """HF's inputs of a prompt: its images' processed pixels (the engine's items'), its
+        clips (at 16 kHz) through HF's feature extractor in one padded batch, the token
+        types (image 1, audio 3)."""
+        out: dict[str, Any] = {}
+        images = [i for i in items if i.kind == "image"]
+        if images:
+            out["pixel_values"] = torch.stack([i.data["pixel_values"] for i in images])
+            out["image_position_ids"] = torch.stack([i.data["position_ids"] for i in images])
+        if clips:
+            batch = self.extractor(clips, return_tensors="pt")
+            out["input_features"] = batch["input_features"]
+            out["input_features_mask"] = batch["input_features_mask"]
+        row = torch.tensor([ids])
+        out["mm_token_type_ids"] = (row == self.image).long() + 3 * (row == self.audio).long()
+        return out
+
+
+def audio_noise(seconds: float, seed: int, rate: int = AUDIO_RATE) -> np.ndarray:
+    """Seeded noise plus a sine: ``seconds`` of float32 samples at ``rate``."""
+    n = int(seconds * rate)
+    t = np.arange(n) / rate
+    rng = np.random.default_rng(seed)
+    return (0.3 * np.sin(2 * np.pi * (300 + 100 * seed) * t)
+            + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+
+def check_audio_against_hf(llm: Any, tiny: TinyGemma4Audio,
+                           prompts: list[tuple[list[int], dict[str, Any], list[np.ndarray]]],
+                           encoder_runs: int, logprobs_of: int, max_tokens: int = 6,
+                           atol: float = 1e-3) -> list[tuple[list[int], Any]]:
+    """As :func:`mrv2.testing_engine.check_images_against_hf`, for ``(prompt ids,
+    multi_modal_data, the clips at 16 kHz for HF)``: greedy tokens (``max_tokens``,
+    ``ignore_eos``) equal HF's ``generate``, the first round runs ``encoder_runs`` encoder
+    runs and a second round none, the prompt ``logprobs_of``'s log-probabilities are within
+    ``atol`` of HF's forward. Returns each prompt's expanded ids and items."""
+    from mrv2 import SamplingParams
+    from mrv2.testing_engine import check_prompt_logprobs
+
+    processor = llm.engine.input_processor
+    assert processor is not None
+    tiny.hf.generation_config.eos_token_id = None
+    expanded, want = [], []
+    for prompt, data, clips in prompts:
+        ids, items = processor.process(prompt, data)
+        expanded.append((ids, items))
+        with torch.no_grad():
+            out = tiny.hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
+                                   dtype=torch.long), max_new_tokens=max_tokens,
+                                   do_sample=False, **tiny.hf_inputs(ids, items, clips))
+        want.append([int(t) for t in out[0, len(ids):]])
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    requests = [{"prompt_token_ids": p, "multi_modal_data": d} for p, d, _ in prompts]
+    state = llm.engine.runner.model_state
+    before = state.encoder_runs
+    got = llm.generate(requests, greedy, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in got] == want
+    assert state.encoder_runs - before == encoder_runs
+    again = llm.generate(requests, greedy, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in again] == want
+    assert state.encoder_runs - before == encoder_runs  # (the encoder cache)
+    ids, items = expanded[logprobs_of]
+    with torch.no_grad():
+        logits = tiny.hf(torch.tensor([ids]), **tiny.hf_inputs(ids, items,
+                                                                prompts[logprobs_of][2])).logits
+    check_prompt_logprobs(llm, requests[logprobs_of], ids, logits[0], atol=atol)
+    return expanded

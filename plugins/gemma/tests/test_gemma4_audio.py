@@ -26,96 +26,16 @@ import transformers
 
 from mrv2 import LLM, SamplingParams
 from mrv2.model_loader import iter_safetensors
-from mrv2.testing import make_tiny_tokenizer, random_image, redraw_weights
-from mrv2.testing_engine import check_prompt_logprobs
+from mrv2.testing import random_image
 from mrv2_gemma.audio_inputs import audio_clips, load_feature_extractor, resample
 from mrv2_gemma.gemma4_audio import AUDIO_CHECKPOINT_PREFIXES, Gemma4AudioEncoder, audio_tokens
+from mrv2_gemma.testing import AUDIO_RATE as RATE
+from mrv2_gemma.testing import GEMMA4_AUDIO as AUDIO
+from mrv2_gemma.testing import GEMMA4_TEXT as TEXT
+from mrv2_gemma.testing import TinyGemma4Audio as Tiny
+from mrv2_gemma.testing import audio_noise, check_audio_against_hf
 
-S, F = "sliding_attention", "full_attention"
-TEXT: dict[str, Any] = {
-    "vocab_size": 320, "hidden_size": 64, "intermediate_size": 48, "num_hidden_layers": 5,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32,
-    "max_position_embeddings": 512, "sliding_window": 8, "layer_types": [S, F, S, S, F],
-    "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 320,
-    "num_kv_shared_layers": 2, "use_bidirectional_attention": "vision", "eos_token_id": 1,
-    "bos_token_id": 2, "pad_token_id": 0}
-VISION: dict[str, Any] = {
-    "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
-    "num_key_value_heads": 2, "head_dim": 16, "patch_size": 4, "pooling_kernel_size": 2,
-    "position_embedding_size": 64}
-#: Two conformer layers; 32 mel bins (the subsampler's first 32 channels take 32 / 4 after two
-#: halvings); blocks of 4 tokens seeing 4 before and 1 after; eps off HF's 1e-6 default.
-AUDIO: dict[str, Any] = {
-    "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-    "subsampling_conv_channels": [32, 8], "conv_kernel_size": 3, "attention_chunk_size": 4,
-    "attention_context_left": 5, "attention_context_right": 2, "output_proj_dims": 24,
-    "rms_norm_eps": 1e-3}
-MEL, RATE = 32, 16000
-SPECIAL = ("<|image|>", "<boi>", "<eoi>", "<|video|>", "<|audio|>", "<boa>", "<eoa>")
-TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{% if m['content'] is string %}"
-    "{{ m['content'] }}{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}"
-    "<|image|>{% elif p['type'] == 'audio' %}<|audio|>{% else %}{{ p['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}</s>{% endfor %}{% if add_generation_prompt %}<|assistant|>"
-    "{% endif %}")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-
-
-def _redraw(model: Any) -> None:
-    """Weights far from init; clip bounds finite in [-2, -1) / [1, 2) (they bite)."""
-    redraw_weights(model)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, buf in model.named_buffers():
-            if name.endswith(("_min", "_max")):
-                sign = -1.0 if name.endswith("_min") else 1.0
-                buf.fill_(sign * (1.0 + torch.rand((), generator=gen).item()))
-
-
-class Tiny:
-    """The tiny checkpoint: its path, HF's model, the token ids."""
-
-    def __init__(self, path: Path) -> None:
-        make_tiny_tokenizer(path, vocab_size=300, special_tokens=SPECIAL,
-                            chat_template=TEMPLATE)
-        tok: Any = transformers.AutoTokenizer.from_pretrained(str(path))
-        ids = [int(tok.convert_tokens_to_ids(token)) for token in SPECIAL]
-        assert max(ids) < TEXT["vocab_size"] and len(set(ids)) == len(ids), ids
-        self.image, boi, eoi, video, self.audio, self.boa, self.eoa = ids
-        config = transformers.Gemma4Config(
-            text_config=TEXT, vision_config=VISION, audio_config=AUDIO, image_token_id=self.image,
-            boi_token_id=boi, eoi_token_id=eoi, video_token_id=video, audio_token_id=self.audio,
-            boa_token_id=self.boa, eoa_token_index=self.eoa)
-        config.architectures = ["Gemma4ForConditionalGeneration"]
-        torch.manual_seed(0)
-        self.hf: Any = transformers.Gemma4ForConditionalGeneration(config).eval()
-        _redraw(self.hf)
-        self.hf.save_pretrained(path)
-        transformers.Gemma4ImageProcessorPil(patch_size=4, max_soft_tokens=70,
-                                             pooling_kernel_size=2).save_pretrained(path)
-        self.extractor = transformers.Gemma4AudioFeatureExtractor(feature_size=MEL)
-        (path / "processor_config.json").write_text(json.dumps(  # (transformers 5's layout)
-            {"processor_class": "Gemma4Processor",
-             "feature_extractor": json.loads(self.extractor.to_json_string())}))
-        self.path = path
-
-    def hf_inputs(self, ids: list[int], items: list[Any], clips: list[np.ndarray]
-                  ) -> dict[str, Any]:
-        """HF's inputs of a prompt: its images' processed pixels (the engine's items'), its
-        clips (at 16 kHz) through HF's feature extractor in one padded batch, the token
-        types (image 1, audio 3)."""
-        out: dict[str, Any] = {}
-        images = [i for i in items if i.kind == "image"]
-        if images:
-            out["pixel_values"] = torch.stack([i.data["pixel_values"] for i in images])
-            out["image_position_ids"] = torch.stack([i.data["position_ids"] for i in images])
-        if clips:
-            batch = self.extractor(clips, return_tensors="pt")
-            out["input_features"] = batch["input_features"]
-            out["input_features_mask"] = batch["input_features_mask"]
-        row = torch.tensor([ids])
-        out["mm_token_type_ids"] = (row == self.image).long() + 3 * (row == self.audio).long()
-        return out
 
 
 @pytest.fixture(scope="module")
@@ -129,20 +49,11 @@ def llm(tiny: Tiny) -> LLM:
                max_num_batched_tokens=80, limit_mm_per_prompt=2)
 
 
-def _noise(seconds: float, seed: int, rate: int = RATE) -> np.ndarray:
-    """Seeded noise plus a sine: ``seconds`` of float32 samples at ``rate``."""
-    n = int(seconds * rate)
-    t = np.arange(n) / rate
-    rng = np.random.default_rng(seed)
-    return (0.3 * np.sin(2 * np.pi * (300 + 100 * seed) * t)
-            + 0.1 * rng.standard_normal(n)).astype(np.float32)
-
-
 def test_prefixes_and_token_count(tiny: Tiny) -> None:
     assert set(AUDIO_CHECKPOINT_PREFIXES) == {
         "model.audio_tower.", "audio_tower.", "model.embed_audio.", "embed_audio."}
     for seconds in (0.01, 0.0101, 0.05, 0.23, 1.0):  # HF's count: the valid-frame mask's
-        mask = tiny.extractor([_noise(seconds, 0)])["input_features_mask"][0]
+        mask = tiny.extractor([audio_noise(seconds, 0)])["input_features_mask"][0]
         assert audio_tokens(int(mask.sum())) == int(mask[::2][::2].sum())
 
 
@@ -156,7 +67,7 @@ def test_encoder_matches_hf(tiny: Tiny, layout: str) -> None:
     encoder = Gemma4AudioEncoder(tiny.hf.config).eval()
     loaded = encoder.load_weights(weights)
     assert loaded == set(encoder.state_dict())
-    clips = [_noise(s, i) for i, s in enumerate((0.23, 0.41, 0.07))]
+    clips = [audio_noise(s, i) for i, s in enumerate((0.23, 0.41, 0.07))]
     batch = tiny.extractor(clips, return_tensors="pt")
     with torch.no_grad():
         ref = tiny.hf.model.get_audio_features(batch["input_features"],
@@ -183,41 +94,6 @@ def test_encoder_refuses_configs() -> None:
             Gemma4AudioEncoder(bad)
 
 
-def _audio_engine_check(llm: LLM, tiny: Tiny,
-                        prompts: list[tuple[list[int], dict[str, Any], list[np.ndarray]]],
-                        encoder_runs: int, logprobs_of: int) -> list[tuple[list[int], Any]]:
-    """As :func:`mrv2.testing_engine.check_images_against_hf`, for ``(prompt ids,
-    multi_modal_data, the clips at 16 kHz for HF)``: greedy tokens equal HF's ``generate``,
-    a second round runs no encoder, the prompt ``logprobs_of``'s log-probabilities."""
-    processor = llm.engine.input_processor
-    assert processor is not None
-    tiny.hf.generation_config.eos_token_id = None
-    expanded, want = [], []
-    for prompt, data, clips in prompts:
-        ids, items = processor.process(prompt, data)
-        expanded.append((ids, items))
-        with torch.no_grad():
-            out = tiny.hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
-                                   dtype=torch.long), max_new_tokens=GREEDY.max_tokens,
-                                   do_sample=False, **tiny.hf_inputs(ids, items, clips))
-        want.append([int(t) for t in out[0, len(ids):]])
-    requests = [{"prompt_token_ids": p, "multi_modal_data": d} for p, d, _ in prompts]
-    state = llm.engine.runner.model_state
-    before = state.encoder_runs
-    got = llm.generate(requests, GREEDY, use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in got] == want
-    assert state.encoder_runs - before == encoder_runs
-    again = llm.generate(requests, GREEDY, use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in again] == want
-    assert state.encoder_runs - before == encoder_runs  # (the encoder cache)
-    ids, items = expanded[logprobs_of]
-    with torch.no_grad():
-        logits = tiny.hf(torch.tensor([ids]), **tiny.hf_inputs(ids, items,
-                                                                prompts[logprobs_of][2])).logits
-    check_prompt_logprobs(llm, requests[logprobs_of], ids, logits[0], atol=1e-3)
-    return expanded
-
-
 def test_greedy_tokens_match_hf_with_audio(tiny: Tiny, llm: LLM,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     from mrv2.contract import encoder_cache
@@ -232,8 +108,8 @@ def test_greedy_tokens_match_hf_with_audio(tiny: Tiny, llm: LLM,
         return rows, within
 
     monkeypatch.setattr(encoder_cache, "placeholder_rows", counted)
-    a, b = _noise(0.23, 1), _noise(3.3, 2)  # (b: more tokens than a step computes)
-    slow = _noise(0.3, 3, rate=22050)  # (resampled to 16 kHz)
+    a, b = audio_noise(0.23, 1), audio_noise(3.3, 2)  # (b: more tokens than a step computes)
+    slow = audio_noise(0.3, 3, rate=22050)  # (resampled to 16 kHz)
     image = random_image(32, 32, seed=4)
     au, im = tiny.audio, tiny.image
     prompts: list[tuple[list[int], dict[str, Any], list[np.ndarray]]] = [
@@ -243,7 +119,7 @@ def test_greedy_tokens_match_hf_with_audio(tiny: Tiny, llm: LLM,
          [resample(slow, 22050, RATE)]),
         ([3, 4, 5, 6] * 3, {}, [])]
     # (encoder runs: clips a, b, the resampled one and the image)
-    expanded = _audio_engine_check(llm, tiny, prompts, encoder_runs=4, logprobs_of=1)
+    expanded = check_audio_against_hf(llm, tiny, prompts, encoder_runs=4, logprobs_of=1)
     lengths = []
     for ids, items in expanded:
         for item in (i for i in items if i.kind == "audio"):
@@ -264,7 +140,7 @@ def test_greedy_tokens_match_hf_with_audio(tiny: Tiny, llm: LLM,
 def test_audio_refused_naming_the_field(tiny: Tiny, llm: LLM, tmp_path: Path) -> None:
     processor = llm.engine.input_processor
     assert processor is not None
-    clip, au = _noise(0.1, 5), tiny.audio
+    clip, au = audio_noise(0.1, 5), tiny.audio
     cases: list[tuple[dict[str, Any], str]] = [
         ({"audio": (clip, "16k")}, "the sampling rate must be a positive integer"),
         ({"audio": [(clip, 0)]}, "the sampling rate must be a positive integer"),
@@ -326,7 +202,7 @@ def test_openai_chat_takes_input_audio(tiny: Tiny, llm: LLM) -> None:
     from mrv2.entrypoints.server import create_app
     from mrv2.testing import serve_in_thread
 
-    first, second = _noise(0.2, 6, rate=22050), _noise(0.15, 7)
+    first, second = audio_noise(0.2, 6, rate=22050), audio_noise(0.15, 7)
     content = [{"type": "text", "text": "Hello "},
                {"type": "input_audio", "input_audio": {"data": _wav(first, 22050, 2),
                                                        "format": "wav"}},
@@ -379,12 +255,12 @@ def test_resample_is_band_limited() -> None:
         if target < rate:
             high = resample(np.sin(2 * np.pi * 12000 * t), rate, target)[inner]
             assert np.sqrt(np.mean(high ** 2)) < 2e-3
-    same = _noise(0.1, 8)
+    same = audio_noise(0.1, 8)
     assert np.array_equal(resample(same, RATE, RATE), same)
 
 
 def test_audio_clips_forms() -> None:
-    clip = _noise(0.05, 9)
+    clip = audio_noise(0.05, 9)
     assert [r for _, r in audio_clips((clip, 8000))] == [8000]
     assert [r for _, r in audio_clips([(clip, 8000.0), clip])] == [8000, None]
     assert [r for _, r in audio_clips((clip, clip))] == [None, None]  # (two bare clips)

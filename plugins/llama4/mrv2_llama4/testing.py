@@ -11,8 +11,8 @@ import torch
 
 from mrv2.testing import redraw_weights
 
-__all__ = ["IMAGE_PREPROCESSOR", "TEMPLATE", "TINY_LLAMA4", "TINY_VISION", "save_tiny_llama4",
-           "save_tiny_llama4_images", "save_tiny_llama4_vl"]
+__all__ = ["IMAGE_PREPROCESSOR", "TEMPLATE", "TINY_LLAMA4", "TINY_VISION", "hf_image_inputs",
+           "save_tiny_llama4", "save_tiny_llama4_images", "save_tiny_llama4_vl"]
 
 #: A 4-layer Llama 4 text model where every option bites: layers 0 and 1 RoPE (llama3
 #: scaling, q/k norm, chunked attention: chunks of 64, as long as the context), 2 and 3 NoPE
@@ -125,3 +125,12 @@ def save_tiny_llama4_images(path: str | Path, std: float = 0.15,
     (Path(path) / "preprocessor_config.json").write_text(
         json.dumps(IMAGE_PREPROCESSOR if preprocessor is None else preprocessor))
     return hf
+
+
+def hf_image_inputs(ids: list[int], items: list[Any], images: list[Any]) -> dict[str, Any]:
+    """HF's image inputs of a prompt the engine expanded to ``ids``: the pixels its ``items``
+    carry (every image's tiles in order, fp32; HF's processor needs torchvision), none for a
+    text prompt. The ``hf_inputs`` of :func:`mrv2.testing_engine.check_images_against_hf`."""
+    if not items:
+        return {}
+    return {"pixel_values": torch.cat([item.data["pixel_values"] for item in items]).float()}

@@ -49,7 +49,7 @@ from mrv2_llama4.images import (
 )
 from mrv2_llama4.inputs import Llama4InputProcessor
 from mrv2_llama4.model import Llama4ForConditionalGeneration
-from mrv2_llama4.testing import IMAGE_PREPROCESSOR, save_tiny_llama4_images
+from mrv2_llama4.testing import IMAGE_PREPROCESSOR, hf_image_inputs, save_tiny_llama4_images
 from mrv2_llama4.vision import Llama4VisionEncoder
 
 SETTINGS = ImageSettings.from_config(IMAGE_PREPROCESSOR)
@@ -231,13 +231,6 @@ def test_encoder_matches_hf(setup: tuple[Path, Any, Any, LLM],
         assert (model.embed_image(pixels) - want).abs().amax() > 1e-2
 
 
-def _hf_inputs(ids: list[int], items: list[Any], images: list[Any]) -> dict[str, Any]:
-    """HF's model gets the pixels the engine made (HF's processor needs torchvision)."""
-    if not items:
-        return {}
-    return {"pixel_values": torch.cat([item.data["pixel_values"] for item in items]).float()}
-
-
 def test_tokens_and_logprobs_match_hf(setup: tuple[Path, Any, Any, LLM]) -> None:
     """Greedy tokens equal HF's ``generate``; image ``a`` (1 x 3 tiles and the global one)
     runs the encoder once for both requests, across steps, and no more on a second round;
@@ -249,7 +242,7 @@ def test_tokens_and_logprobs_match_hf(setup: tuple[Path, Any, Any, LLM]) -> None
     prompts: list[tuple[list[int], list[Any]]] = [
         ([5, 17, 42, image, 100, 3], [a]), ([image, 64, 8, image, 50, 9], [b, a]),
         ([3, 4, 5, 6], [])]
-    expanded = check_images_against_hf(llm, hf, prompts, _hf_inputs, max_tokens=6,
+    expanded = check_images_against_hf(llm, hf, prompts, hf_image_inputs, max_tokens=6,
                                        encoder_runs=2, logprobs_of=1)
     ids, items = expanded[1]
     assert [item.data["pixel_values"].shape[0] for item in items] == [1, 4]
@@ -279,7 +272,7 @@ def test_chat_matches_hf(setup: tuple[Path, Any, Any, LLM]) -> None:
     with torch.no_grad():
         out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
                           dtype=torch.long), max_new_tokens=5, do_sample=False,
-                          **_hf_inputs(ids, items, [picture]))
+                          **hf_image_inputs(ids, items, [picture]))
     assert list(got) == [int(t) for t in out[0, len(ids):]]
 
 
@@ -297,7 +290,7 @@ def test_tensor_parallel_matches_hf(setup: tuple[Path, Any, Any, LLM]) -> None:
         with torch.no_grad():
             out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
                               dtype=torch.long), max_new_tokens=6, do_sample=False,
-                              **_hf_inputs(ids, items, images))
+                              **hf_image_inputs(ids, items, images))
         want.append([int(t) for t in out[0, len(ids):]])
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     with LLM(str(path), device="cpu", dtype="float32", block_size=4, tensor_parallel_size=2,
