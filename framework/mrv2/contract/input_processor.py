@@ -125,16 +125,32 @@ def content_hash(*parts: Any) -> str:
     return "image:" + digest.hexdigest()
 
 
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _image_processor_settings(model_dir: str | Path) -> dict[str, Any] | None:
+    """The checkpoint's image processor settings where HF transformers 5 finds them first:
+    ``processor_config.json``'s ``image_processor`` section (what a processor's
+    ``save_pretrained`` writes now), else ``preprocessor_config.json`` (the older layout);
+    None where neither holds them."""
+    nested = _read_json(Path(model_dir) / "processor_config.json")
+    if isinstance(nested, dict) and isinstance(nested.get("image_processor"), dict):
+        return dict(nested["image_processor"])
+    flat = _read_json(Path(model_dir) / "preprocessor_config.json")
+    return flat if isinstance(flat, dict) else None
+
+
 def preprocessor_config(model_dir: str | Path | None) -> dict[str, Any]:
-    """The checkpoint's ``preprocessor_config.json`` as a dict (empty where there is none to
-    read): the image processor's settings a model state sizes its encoder profile by."""
+    """The checkpoint's image processor settings as a dict (``processor_config.json``'s
+    ``image_processor`` section, else ``preprocessor_config.json``; empty where there is none
+    to read): what a model state sizes its encoder profile by."""
     if not model_dir:
         return {}
-    try:
-        config = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return config if isinstance(config, dict) else {}
+    return _image_processor_settings(model_dir) or {}
 
 
 def _has_items(value: Any) -> bool:
@@ -146,21 +162,24 @@ def _has_items(value: Any) -> bool:
 
 
 def load_image_processor(model_dir: str | Path, default_type: str) -> Any:
-    """The checkpoint's HF image processor (``preprocessor_config.json``), or the PIL backend of
-    the same processor (``<Name>Pil``, same config file) where torchvision, which transformers'
-    default backend needs, is not installed (the CPU CI has none). ``default_type``: the
-    processor class of configs that name none. ValueError or FileNotFoundError naming the
-    file where neither loads."""
+    """The checkpoint's HF image processor (its settings in ``processor_config.json``'s
+    ``image_processor`` section, as transformers 5 saves them, or in
+    ``preprocessor_config.json``), or the PIL backend of the same processor (``<Name>Pil``,
+    same settings) where torchvision, which transformers' default backend needs, is not
+    installed (the CPU CI has none). ``default_type``: the processor class of configs that
+    name none. ValueError or FileNotFoundError naming the files where neither loads."""
     path = Path(model_dir)
-    config_file = path / "preprocessor_config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"no preprocessor_config.json in {str(path)!r}: a "
-                                "vision-language checkpoint ships its image processor's config")
+    settings = _image_processor_settings(path)
+    if settings is None:
+        raise FileNotFoundError(
+            f"no image processor settings in {str(path)!r} (processor_config.json's "
+            "image_processor section or preprocessor_config.json): a vision-language "
+            "checkpoint ships its image processor's config")
     import transformers
 
     if importlib.util.find_spec("torchvision") is not None:
         return transformers.AutoImageProcessor.from_pretrained(str(path), local_files_only=True)
-    kind = str(json.loads(config_file.read_text()).get("image_processor_type", default_type))
+    kind = str(settings.get("image_processor_type", default_type))
     name = kind.removesuffix("Fast").removesuffix("Pil") + "Pil"
     # The class from its model's module first: transformers 5.17 lists some PIL backends
     # (Idefics3's, SmolVLM's) under torchvision's lazy group, where the top-level name is a

@@ -172,7 +172,7 @@ def test_bad_images_are_refused(tmp_path: Path) -> None:
     (tmp_path / "preprocessor_config.json").unlink()
     bare = Gemma3InputProcessor(str(tmp_path), bare.hf_config, tokenizer, bare.config)
     assert bare.process([5, 6], {}) == ([5, 6], [])
-    with pytest.raises(ValueError, match="multi_modal_data.image: no preprocessor_config.json"):
+    with pytest.raises(ValueError, match="multi_modal_data.image: no image processor settings"):
         bare.process([5, boi], {"image": [image]})
 
     checkpoint = tmp_path / "model"

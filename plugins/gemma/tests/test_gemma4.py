@@ -239,7 +239,7 @@ def test_multimodal_engine_serves_text_and_refuses_media(tmp_path: Path) -> None
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
     assert out[0].outputs[0].token_ids == _hf_generate(hf, prompt, 6)
-    with pytest.raises(ValueError, match="multi_modal_data.image: no preprocessor_config.json"):
+    with pytest.raises(ValueError, match="multi_modal_data.image: no image processor settings"):
         llm.generate([{"prompt_token_ids": [7, 297, 8], "multi_modal_data": {"image": [
             torch.zeros(3, 16, 16)]}}], params, use_tqdm=False)
     empty = llm.generate([{"prompt_token_ids": prompt, "multi_modal_data": {"image": []}}],
