@@ -103,42 +103,20 @@ class MTPLayer(nn.Module):
         return cast(torch.Tensor, out + residual)
 
 
-class MultiTokenPredictor(nn.Module):
-    """The ``num_nextn_predict_layers`` MTP layers of a checkpoint (see the module for the
-    hidden-state and position contract).
+class SharedHeadMTP(nn.Module):
+    """Base of an MTP module over a causal LM's *shared* token embedding and LM head: both kept
+    in a tuple, outside the module's tree, so they are not parameters of it
+    (``named_parameters``, ``state_dict``, ``.to()`` and the strict load check see the MTP
+    layers' own weights only); its attention's KV cache layers declared by
+    :meth:`kv_cache_specs`. A family whose checkpoints lay the MTP head out otherwise than
+    :class:`MultiTokenPredictor` (Qwen3-Next's ``mtp.*``) subclasses it."""
 
-    ``embed_tokens`` and ``lm_head`` are the main model's and *shared*: kept in a tuple,
-    outside this module's tree, so they are not parameters of it (``named_parameters``,
-    ``state_dict``, ``.to()`` and the strict load check see the MTP layers' own weights only).
-    MTP layer ``i`` is ``make_block(num_hidden_layers + i, first_layer_idx + i)``; its KV cache
-    layers are declared by :meth:`kv_cache_specs`. ``stacked`` maps the checkpoint's separate
-    projections to the block's fused ones.
-    """
+    first_layer_idx: int
+    layers: nn.ModuleList
 
-    def __init__(
-        self,
-        config: Any,
-        embed_tokens: VocabEmbedding,
-        lm_head: LMHead,
-        make_block: BlockFactory,
-        stacked: StackedMapping = (),
-        first_layer_idx: int | None = None,
-    ) -> None:
+    def __init__(self, embed_tokens: VocabEmbedding, lm_head: LMHead) -> None:
         super().__init__()
-        count = mtp_layer_count(config)
-        if count < 1:
-            raise ValueError(
-                "config.num_nextn_predict_layers is 0: the checkpoint has no MTP layers"
-            )
-        self.config = config
-        self.stacked = stacked
-        self.num_main_layers = int(config.num_hidden_layers)
-        self.first_layer_idx = self.num_main_layers if first_layer_idx is None else first_layer_idx
         self._shared: tuple[VocabEmbedding, LMHead] = (embed_tokens, lm_head)
-        self.layers = nn.ModuleList(
-            MTPLayer(config, make_block(self.num_main_layers + i, self.first_layer_idx + i))
-            for i in range(count)
-        )
 
     @property
     def embed_tokens(self) -> VocabEmbedding:
@@ -155,6 +133,44 @@ class MultiTokenPredictor(nn.Module):
         ``kv_cache_specs``)."""
         return {m.layer_idx: m.kv_cache_spec() for m in self.modules()
                 if isinstance(m, KVCacheLayer)}
+
+    def extra_repr(self) -> str:
+        return f"layers={len(self.layers)}, first_cache_layer={self.first_layer_idx}"
+
+
+class MultiTokenPredictor(SharedHeadMTP):
+    """The ``num_nextn_predict_layers`` MTP layers of a checkpoint (see the module for the
+    hidden-state and position contract).
+
+    ``embed_tokens`` and ``lm_head`` are the main model's and *shared*
+    (:class:`SharedHeadMTP`). MTP layer ``i`` is ``make_block(num_hidden_layers + i,
+    first_layer_idx + i)``; its KV cache layers are declared by :meth:`kv_cache_specs`.
+    ``stacked`` maps the checkpoint's separate projections to the block's fused ones.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        embed_tokens: VocabEmbedding,
+        lm_head: LMHead,
+        make_block: BlockFactory,
+        stacked: StackedMapping = (),
+        first_layer_idx: int | None = None,
+    ) -> None:
+        super().__init__(embed_tokens, lm_head)
+        count = mtp_layer_count(config)
+        if count < 1:
+            raise ValueError(
+                "config.num_nextn_predict_layers is 0: the checkpoint has no MTP layers"
+            )
+        self.config = config
+        self.stacked = stacked
+        self.num_main_layers = int(config.num_hidden_layers)
+        self.first_layer_idx = self.num_main_layers if first_layer_idx is None else first_layer_idx
+        self.layers = nn.ModuleList(
+            MTPLayer(config, make_block(self.num_main_layers + i, self.first_layer_idx + i))
+            for i in range(count)
+        )
 
     def forward(
         self,
@@ -203,11 +219,8 @@ class MultiTokenPredictor(nn.Module):
         A checkpoint with more MTP layers than ``num_nextn_predict_layers`` is an error."""
         return load_stacked_weights(self, weights, self.stacked, self.rename)
 
-    def extra_repr(self) -> str:
-        return f"layers={len(self.layers)}, first_cache_layer={self.first_layer_idx}"
 
-
-def build_mtp(model: nn.Module, cls: type[MultiTokenPredictor], *args: Any,
+def build_mtp(model: nn.Module, cls: Callable[..., SharedHeadMTP], *args: Any,
               **kwargs: Any) -> Any:
     """``cls(config, embed_tokens, lm_head, *args, **kwargs)`` for causal LM ``model`` (a
     :class:`~mrv2.layers.decoder.CausalLM`), built on its device in its dtype with unloaded
@@ -219,6 +232,6 @@ def build_mtp(model: nn.Module, cls: type[MultiTokenPredictor], *args: Any,
     torch.set_default_dtype(weight.dtype)
     try:
         with torch.device(weight.device):
-            return cls(model.config, embed, model.lm_head, *args, **kwargs)  # type: ignore[arg-type]
+            return cls(model.config, embed, model.lm_head, *args, **kwargs)
     finally:
         torch.set_default_dtype(previous)

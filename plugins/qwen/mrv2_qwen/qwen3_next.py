@@ -371,8 +371,7 @@ class Qwen3NextForCausalLM(CausalLM):
         from mrv2.layers.mtp import build_mtp
         from mrv2_qwen.qwen3_next_mtp import Qwen3NextMTP
 
-        # (build_mtp is typed for MultiTokenPredictor; it only calls cls(config, embed, head))
-        return cast("Qwen3NextMTP", build_mtp(self, cast(Any, Qwen3NextMTP),
+        return cast("Qwen3NextMTP", build_mtp(self, Qwen3NextMTP,
                                                first_layer_idx=first_layer_idx))
 
 

@@ -40,9 +40,9 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from mrv2.contract.kv_cache import KVCacheLayer, KVCacheSpec
 from mrv2.layers import STACKED_PARAMS, LMHead, RMSNorm, VocabEmbedding, get_rope, head_dim_of
 from mrv2.layers.linear import LinearBase
+from mrv2.layers.mtp import SharedHeadMTP
 from mrv2.layers.weights import StackedMapping, load_stacked_weights
 from mrv2_qwen.qwen3_next import Qwen3NextLayer, layer_types_of
 
@@ -69,15 +69,15 @@ def _zero_centered_norm(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-class Qwen3NextMTP(nn.Module):
+class Qwen3NextMTP(SharedHeadMTP):
     """Qwen3-Next's MTP head (module docstring), built as ``Qwen3NextMTP(config, embed_tokens,
     lm_head)`` from the main model's shared embedding and LM head (usually through
     :meth:`mrv2_qwen.qwen3_next.Qwen3NextForCausalLM.build_mtp`).
 
     Parameter names are the checkpoint's without ``mtp.`` (``fc.weight``,
     ``layers.0.self_attn.qkv_proj.weight``, ``layers.0.mlp.experts.w13_weight``, ...).
-    ``embed_tokens`` and ``lm_head`` are kept in a tuple, outside this module's tree, so they
-    are not parameters of it. MTP layer ``i``'s attention caches in KV cache layer
+    ``embed_tokens`` and ``lm_head`` are shared (:class:`~mrv2.layers.mtp.SharedHeadMTP`). MTP
+    layer ``i``'s attention caches in KV cache layer
     ``first_layer_idx + i`` (default: the main model's full-attention layer count, right after
     its cache layers).
     """
@@ -89,13 +89,12 @@ class Qwen3NextMTP(nn.Module):
         lm_head: LMHead,
         first_layer_idx: int | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(embed_tokens, lm_head)
         count = mtp_layer_count(config)
         self.config = config
         if first_layer_idx is None:
             first_layer_idx = layer_types_of(config).count("full_attention")
         self.first_layer_idx = first_layer_idx
-        self._shared: tuple[VocabEmbedding, LMHead] = (embed_tokens, lm_head)
         hidden, eps = int(config.hidden_size), float(config.rms_norm_eps)
         self.pre_fc_norm_embedding = RMSNorm(hidden, eps=eps)
         self.pre_fc_norm_hidden = RMSNorm(hidden, eps=eps)
@@ -108,22 +107,6 @@ class Qwen3NextMTP(nn.Module):
             for i in range(count)
         )
         self.norm = RMSNorm(hidden, eps=eps)
-
-    @property
-    def embed_tokens(self) -> VocabEmbedding:
-        """The main model's token embedding (shared)."""
-        return self._shared[0]
-
-    @property
-    def lm_head(self) -> LMHead:
-        """The main model's LM head (shared)."""
-        return self._shared[1]
-
-    def kv_cache_specs(self) -> dict[int, KVCacheSpec]:
-        """``{cache layer index: spec}`` of the MTP layers' attention (for a speculator's
-        ``kv_cache_specs``)."""
-        return {m.layer_idx: m.kv_cache_spec() for m in self.modules()
-                if isinstance(m, KVCacheLayer)}
 
     def forward(
         self,
@@ -177,6 +160,3 @@ class Qwen3NextMTP(nn.Module):
         mine = ((name, _zero_centered_norm(name, t)) for name, t in weights
                 if self.rename(name) is not None)
         return load_stacked_weights(self, mine, STACKED_PARAMS, self.rename)
-
-    def extra_repr(self) -> str:
-        return f"layers={len(self.layers)}, first_cache_layer={self.first_layer_idx}"
