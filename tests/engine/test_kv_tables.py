@@ -1,6 +1,7 @@
-"""Block tables of their own for sliding-window layers: the layout the runner plans
-(:func:`mrv2.runner.kv_tables.plan_tables`), the tensors its tables share, and the prefix
-cache's hits through a sliding table (:class:`mrv2.engine.block_tables.BlockTables`). The
+"""Block tables of their own for sliding-window and chunked-attention layers: the layout the
+runner plans (:func:`mrv2.runner.kv_tables.plan_tables`), the tensors its tables share, what
+a chunked table frees and when, and the prefix cache's hits through a sliding or chunked
+table (:class:`mrv2.engine.block_tables.BlockTables`). The
 scheduler's use of them is checked by ``test_scheduler_property.py``, the engine's by
 ``test_sliding_window_models.py``."""
 
@@ -9,7 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mrv2.contract.kv_cache import LatentKVSpec, PagedKVSpec
+from mrv2.contract.kv_cache import (
+    AttentionChunk,
+    LatentKVSpec,
+    PagedKVSpec,
+    first_query_past,
+    first_visible,
+)
 from mrv2.contract.params import SamplingParams
 from mrv2.engine.block_manager import BlockManager, hash_block
 from mrv2.engine.block_tables import BlockTables, table_key
@@ -20,6 +27,7 @@ from mrv2.runner.kv_tables import (
     MAX_TABLES,
     SLIDING_TABLES_ENV_VAR,
     KVTableLayout,
+    blocks_per_request,
     plan_tables,
     without_windows,
 )
@@ -67,8 +75,97 @@ def test_one_table_where_it_saves_nothing(case: str, monkeypatch: pytest.MonkeyP
     assert plan_tables(layer_specs, 16, max_model_len) == KVTableLayout.single(len(layer_specs))
 
 
+def chunked(*chunks: int | None) -> dict[int, PagedKVSpec]:
+    return {i: PagedKVSpec(2, 8, None, c) for i, c in enumerate(chunks)}
+
+
+def test_chunked_layouts() -> None:
+    """Llama 4 Scout's pattern (three chunked layers of 8,192 per full one) at 131,072
+    tokens: the full table, then chunked ones of as many layers, each holding a chunk's 512
+    blocks of 16; a chunk and a sliding window of the same size never share a table."""
+    scout = plan_tables(chunked(*([8192] * 3 + [None]) * 4), 16, 131072)
+    chunk = AttentionChunk(8192)
+    assert scout.windows == (None, chunk, chunk, chunk)
+    assert scout.layer_tables[3::4] == (0,) * 4 and scout.num_slots == 4
+    assert blocks_per_request(scout.windows, 16, 131072) == 8192 + 3 * 512
+    assert blocks_per_request((AttentionChunk(10), 10), 4, 1000) == 4 + 4  # (10: straddles)
+    mixed = {**chunked(None, 64), 2: PagedKVSpec(2, 8, 64), 3: PagedKVSpec(2, 8, 64)}
+    layout = plan_tables(mixed, 16, 4096)
+    assert layout.windows == (None, AttentionChunk(64), 64, 64)  # (tables of one layer)
+    sixty_four = 64
+    assert AttentionChunk(64) != sixty_four and sixty_four != AttentionChunk(64)
+    assert len({64, AttentionChunk(64)}) == 2 and AttentionChunk(64) == AttentionChunk(64)
+
+
+def test_first_visible_key() -> None:
+    """What a query sees against a brute-force mask, for sliding windows and chunks; the
+    first query past a key is the first whose first visible key is at least it."""
+    for window in (1, 3, 8, AttentionChunk(1), AttentionChunk(3), AttentionChunk(8), None):
+        for position in range(40):
+            if window is None:
+                seen = list(range(position + 1))
+            elif isinstance(window, AttentionChunk):
+                seen = [k for k in range(position + 1) if k // window == position // window]
+            else:
+                seen = [k for k in range(position + 1) if k > position - window]
+            assert first_visible(position, window) == seen[0], (window, position)
+        if window is not None:
+            for key in range(1, 30):
+                past = first_query_past(key, window)
+                assert first_visible(past, window) >= key > first_visible(past - 1, window)
+
+
+def test_a_chunked_table_frees_at_chunk_boundaries() -> None:
+    """Chunks of 8 over blocks of 4 (a full table, a chunked one): nothing is freed while
+    the queries are in the first chunk; crossing into the next frees the first chunk's two
+    blocks at once, and ``free_at`` says the count at which the next ones go; with 2 drafts
+    of margin, the blocks stay until a query taken back two positions could not see them."""
+    for margin, first_free in ((0, 8), (2, 10)):
+        blocks = BlockManager(32, 4)
+        tables = BlockTables(blocks, (None, AttentionChunk(8)), margin)
+        request = _request(list(range(2, 30)))
+        tables.take(request, [[], []], [0, 0], 4)
+        freed_at = {}
+        for computed in range(1, 27):
+            tables.allocate(request, computed + 1)
+            request.num_computed_tokens = computed
+            if tables.may_free(request):
+                freed_at[computed] = tables.free_outside_windows(request)
+            held = request.held_from[1] if request.held_from else 0
+            # the table holds every block from the chunk of the earliest next query on
+            assert held == first_visible(computed - margin, AttentionChunk(8)) // 4
+        assert freed_at == {first_free: 2, first_free + 8: 2, first_free + 16: 2}, margin
+        tables.release(request)
+        assert blocks.num_free_blocks == 32
+
+
+def test_prefix_hit_through_a_chunked_table() -> None:
+    """24 cached tokens (6 blocks of 4) of a (full, chunks of 8) model: a hit of 6 blocks
+    needs the chunked table's blocks from position 24's chunk on (none of them: 24 starts a
+    chunk); of 5 blocks (position 20: chunk 16-23), its block 4."""
+    blocks = BlockManager(32, 4)
+    tables = BlockTables(blocks, (None, AttentionChunk(8)))
+    first = _request(list(range(2, 30)))
+    tables.take(first, [[], []], [0, 0], 24)
+    first.num_computed_tokens = 24
+    hashes = first.update_block_hashes(4)
+    for i in range(6):
+        tables.cache(first, i, hashes[i])
+    assert tables.free_outside_windows(first) == 6  # position 24 sees none of chunks 0-2
+    assert first.held_from == [0, 6]
+    tables.release(first)
+    hit, held_from = tables.find_prefix(hashes[:6])
+    assert held_from == [0, 6] and len(hit[0]) == 6 and hit[1] == [0] * 6
+    hit, held_from = tables.find_prefix(hashes[:5])  # (the chunked table's block 4 is cached)
+    assert held_from == [0, 4] and hit[1][4] == blocks.cached_block(table_key(hashes[4], 1))
+    del blocks._cached[table_key(hashes[4], 1)]  # without it: 4 blocks (16 starts a chunk)
+    hit, held_from = tables.find_prefix(hashes[:5])
+    assert len(hit[0]) == 4 and held_from == [0, 4]
+
+
 def test_drafter_layers_read_table_0() -> None:
     assert without_windows(specs(8, None)) == specs(None, None)
+    assert without_windows(chunked(8, None)) == specs(None, None)
 
 
 def test_shared_tensors_and_block_bytes() -> None:

@@ -2,14 +2,14 @@
 
 A fake runner mirrors the real one: it applies each SchedulerOutput to a table of rows, writes
 the "KV" of every computed position (the token itself) into a fake paged cache through each of
-the request's block tables (sliding-window tables too, whose blocks before the window the
-scheduler frees), checks that every position attention would read holds the right token
-and that no step ends inside a bidirectional multimodal item (an image whose tokens attend to
-each other both ways: Gemma 3's), and samples a token that is a pure function of the
-sequence. A fake engine loop feeds tokens back one step late (async) or at once (sync), the
-way ``LLMEngine`` does, with random arrivals, aborts and stops. Invariants are checked after
-every step, and every request that was not aborted must end with exactly the tokens it would
-produce alone.
+the request's block tables (sliding-window and chunked tables too, whose blocks before what
+the queries see the scheduler frees), checks that every position attention would read holds
+the right token and that no step ends inside a bidirectional multimodal item (an image whose
+tokens attend to each other both ways: Gemma 3's), and samples a token that is a pure
+function of the sequence. A fake engine loop feeds tokens back one step late (async) or at
+once (sync), the way ``LLMEngine`` does, with random arrivals, aborts and stops. Invariants
+are checked after every step, and every request that was not aborted must end with exactly
+the tokens it would produce alone.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from mrv2.config import SchedulerConfig
+from mrv2.contract.kv_cache import AttentionChunk, first_visible
 from mrv2.contract.params import SamplingParams
 from mrv2.contract.requests import MultiModalItem, SchedulerOutput
 from mrv2.engine.block_manager import BlockManager
@@ -97,8 +98,8 @@ class FakeRunner:
             first = row.computed
             row.computed += n
             for blocks, window in zip(row.tables, self.windows, strict=True):
-                # what attention reads: the window of the step's first query on
-                start = 0 if window is None else max(0, first - window + 1)
+                # what attention reads: from what the step's first query sees on
+                start = first_visible(first, window)
                 for pos in range(start, row.computed):
                     assert self.kv.get((blocks[pos // size], pos % size)) == row.tokens[pos], (
                         f"{req_id}: stale KV at position {pos} (window {window})")
@@ -226,6 +227,8 @@ def test_scheduler_invariants_and_outputs(data: st.DataObject) -> None:
     caching = data.draw(st.booleans(), label="caching")
     images = data.draw(st.booleans(), label="images")
     window = data.draw(st.integers(1, 7), label="window")
+    if data.draw(st.booleans(), label="chunked"):  # chunked local attention's tables
+        window = AttentionChunk(window)
     windows = data.draw(st.sampled_from([(None,), (None, window), (window,),
                                          (None, window, window)]), label="tables")
     blocks = BlockManager(num_blocks, block_size, enable_caching=caching)
@@ -269,7 +272,8 @@ def test_scheduler_invariants_and_outputs(data: st.DataObject) -> None:
     event(f"preemptions: {engine.scheduler.num_preemptions > 0}")
     event(f"aborts: {bool(aborted)}")
     event(f"images: {images}")
-    event(f"tables: {len(windows)}, sliding: {windows[-1] is not None}")
+    event(f"tables: {len(windows)}, sliding: {windows[-1] is not None}, "
+          f"chunked: {isinstance(window, AttentionChunk)}")
     assert engine.runner.rows == {}
     assert blocks.num_free_blocks == num_blocks and not any(blocks.ref_count)
     for req_id, (prompt, max_tokens) in added.items():

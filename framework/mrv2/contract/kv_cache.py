@@ -18,11 +18,11 @@ A new kind (sliding window, recurrent state) subclasses :class:`KVCacheSpec` wit
 
 Block ids come from one pool (one block manager, one prefix cache). Where every layer keeps
 all of its tokens, block ``b`` of a request addresses the same tokens in each layer's tensor:
-one block table serves every group. A model with sliding-window layers (a
-:class:`PagedKVSpec` with ``sliding_window``) may get block tables of its own for them
-(:mod:`mrv2.runner.kv_tables`): their blocks before the window go back to the pool while the
-request runs, and layers of different tables share tensors, so a block id costs one table's
-layers only.
+one block table serves every group. A model with sliding-window or chunked-attention layers
+(a :class:`PagedKVSpec` with ``sliding_window`` or ``attention_chunk``) may get block tables
+of their own for them (:mod:`mrv2.runner.kv_tables`): their blocks before what the next
+queries see go back to the pool while the request runs, and layers of different tables
+share tensors, so a block id costs one table's layers only.
 """
 
 from __future__ import annotations
@@ -79,15 +79,26 @@ class KVCacheSpec(ABC):
 class PagedKVSpec(KVCacheSpec):
     """Keys and values per kv-head: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
 
-    ``sliding_window``: the layer attends over its last that many keys only (None: all), so
-    its blocks before the window may be freed while the request runs; it changes the
-    grouping, not the layout.
+    ``sliding_window``: the layer attends over its last that many keys only (None: all);
+    ``attention_chunk`` ``C``: a query at position ``p`` attends over the keys of its own
+    chunk only, ``(p // C) * C .. p`` (chunked local attention, Llama 4). Either way its
+    blocks before what its next queries see may be freed while the request runs; they change
+    the grouping, not the layout.
     """
 
     num_kv_heads: int
     head_dim: int
     sliding_window: int | None = None
+    attention_chunk: int | None = None
     kind: ClassVar[str] = "paged_kv"
+
+    @property
+    def window(self) -> int | None:
+        """The keys its queries see, as a block table's window: ``sliding_window``, an
+        :class:`AttentionChunk` of ``attention_chunk``, or None (every key)."""
+        if self.attention_chunk is not None:
+            return AttentionChunk(self.attention_chunk)
+        return self.sliding_window
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         return 2 * block_size * self.num_kv_heads * self.head_dim * _itemsize(dtype)
@@ -97,6 +108,47 @@ class PagedKVSpec(KVCacheSpec):
     ) -> torch.Tensor:
         return zeroed_cache((2, num_blocks, block_size, self.num_kv_heads, self.head_dim),
                             dtype, device)
+
+
+class AttentionChunk(int):
+    """A block table's window for chunked local attention of chunk ``C`` (``int(self)``).
+
+    A window is an int, the most keys a query sees (its own included): every bound a window
+    of ``C`` keys sets (the blocks a request holds at most) holds for chunks of ``C``. What
+    differs is where the keys start, :func:`first_visible`: a sliding window's move with
+    each query, a chunk's start at the query's chunk, so a chunked table frees a whole
+    chunk's blocks at once when its queries cross into the next. Equal only to an equal
+    chunk (never to the sliding window of the same size: their tables stay apart)."""
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is AttentionChunk and int(self) == int(other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash(("chunk", int(self)))
+
+    def __repr__(self) -> str:
+        return f"AttentionChunk({int(self)})"
+
+
+def first_visible(position: int, window: int | None) -> int:
+    """The first key position a query at ``position`` sees over ``window`` (a sliding window
+    of keys, an :class:`AttentionChunk`, or None: every key, 0); never below 0."""
+    if window is None or position <= 0:
+        return 0
+    if isinstance(window, AttentionChunk):
+        return position // window * window
+    return max(0, position - window + 1)
+
+
+def first_query_past(key: int, window: int) -> int:
+    """The first query position whose :func:`first_visible` key over ``window`` is at least
+    ``key`` (from there on, no query sees a key before ``key``)."""
+    if isinstance(window, AttentionChunk):
+        return -(-key // window) * window
+    return key + window - 1
 
 
 @dataclass(frozen=True)

@@ -1,23 +1,27 @@
 """A request's KV blocks in each of the model's block tables, over one block manager.
 
 Most models have one block table: every layer keeps every token. A model whose sliding-window
-layers have tables of their own (:mod:`mrv2.runner.kv_tables`) has more, each with a window
-(None: full attention). Every table of a request is positional: entry ``i`` holds positions
-``i * block_size`` to ``(i + 1) * block_size - 1``, and all tables grow together. In a sliding
-table the entries before the window stop being held: :meth:`BlockTables.free_outside_windows`
+or chunked-attention layers have tables of their own (:mod:`mrv2.runner.kv_tables`) has more,
+each with a window (a sliding window of keys, an
+:class:`~mrv2.contract.kv_cache.AttentionChunk`, or None: full attention). Every table of a
+request is positional: entry ``i`` holds positions ``i * block_size`` to ``(i + 1) *
+block_size - 1``, and all tables grow together. In a sliding or chunked table the entries
+before what the next queries see (:func:`~mrv2.contract.kv_cache.first_visible`) stop being
+held: :meth:`BlockTables.free_outside_windows`
 returns them to the pool (cached first, where their tokens are known, so a later request with
 the same prefix can still find them) and ``Request.held_from`` says where the held entries
 start; the ids before it stay in the list (and in the runner's table), never read again.
 
 Prefix caching keys a block by its chain hash and its table: a hit of ``L`` blocks needs every
-full-attention table's blocks ``0 .. L - 1`` and each sliding table's blocks within the window
-of the first position computed, ``L * block_size``.
+full-attention table's blocks ``0 .. L - 1`` and each other table's blocks from what the first
+position computed, ``L * block_size``, sees.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from mrv2.contract.kv_cache import first_query_past, first_visible
 from mrv2.engine.block_manager import BlockHash, BlockManager
 from mrv2.engine.request import Request
 
@@ -29,7 +33,7 @@ def table_key(block_hash: BlockHash, table: int) -> BlockHash:
 
 def window_start(position: int, window: int, block_size: int) -> int:
     """The first block a query at ``position`` reads in a table of ``window``."""
-    return max(0, position - window + 1) // block_size
+    return first_visible(position, window) // block_size
 
 
 class BlockTables:
@@ -47,7 +51,7 @@ class BlockTables:
         self.margin = margin
         #: Whether some table frees blocks that fall out of its window.
         self.frees = any(w is not None for w in self.windows)
-        #: Blocks freed so far because they fell out of a sliding window.
+        #: Blocks freed so far because they fell out of a window (sliding or chunked).
         self.num_freed = 0
 
     def tables(self, request: Request) -> list[list[int]]:
@@ -94,15 +98,15 @@ class BlockTables:
         return self.frees and request.num_computed_tokens >= request.free_at
 
     def _update_free_at(self, request: Request) -> None:
-        """The computed count at which the next block falls out of a sliding window."""
+        """The computed count at which the next block falls out of a window."""
         size = self.blocks.block_size
         request.free_at = min(
-            (self._held_from(request, t) + 1) * size + self.margin + window - 1
+            first_query_past((self._held_from(request, t) + 1) * size, window) + self.margin
             for t, window in enumerate(self.windows) if window is not None)
 
     def free_outside_windows(self, request: Request) -> int:
         """Free the request's blocks its next queries (from its computed count on) can no
-        longer see, in every sliding table; returns how many. Register them in the prefix
+        longer see, in every sliding or chunked table; returns how many. Register them in the prefix
         cache first (the scheduler's ``_cache_blocks``)."""
         freed = 0
         tables = self.tables(request)
@@ -143,7 +147,7 @@ class BlockTables:
 
     def find_prefix(self, hashes: Sequence[BlockHash]) -> tuple[list[list[int]], list[int]]:
         """The longest cached prefix of ``hashes`` every table can serve: each table's block
-        ids (a sliding table's entries before its window: 0, not held) and where each
+        ids (another table's entries before what it sees: 0, not held) and where each
         table's held entries start. Not yet referenced: see :meth:`take`."""
         lookup = self.blocks.cached_block
         found: dict[int, list[int | None]] = {}
@@ -160,7 +164,7 @@ class BlockTables:
                 if window is not None}
         size = self.blocks.block_size
 
-        def served(length: int) -> bool:  # each sliding table holds position length's window
+        def served(length: int) -> bool:  # each other table holds what position length sees
             return all(runs[t][length - 1] >= length - window_start(length * size, window, size)
                        for t, window in enumerate(self.windows) if window is not None)
 

@@ -50,7 +50,8 @@ class Attention(KVCacheLayer):
         #: Keys a query sees, its own included (None: all before it); HF's ``sliding_window``.
         self.sliding_window = sliding_window
         #: Positions per chunk of chunked local attention (a query sees its chunk's keys up to
-        #: itself; HF's ``attention_chunk_size``); None: not chunked. Every block is kept.
+        #: itself; HF's ``attention_chunk_size``); None: not chunked. Blocks of earlier chunks
+        #: may be freed (:mod:`mrv2.runner.kv_tables`).
         self.attention_chunk = attention_chunk
         #: Scores soft-capped to ``cap * tanh(score / cap)`` (Gemma 2); None: not capped.
         self.logit_softcap = logit_softcap
@@ -65,8 +66,9 @@ class Attention(KVCacheLayer):
 
     def kv_cache_spec(self) -> PagedKVSpec:
         """Keys and values of ``num_kv_heads`` heads of ``head_dim`` per token (and the
-        window, whose blocks before it the runner may free)."""
-        return PagedKVSpec(self.num_kv_heads, self.head_dim, self.sliding_window)
+        window or chunk, whose blocks before what its queries see the runner may free)."""
+        return PagedKVSpec(self.num_kv_heads, self.head_dim, self.sliding_window,
+                           self.attention_chunk)
 
     def forward(
         self,

@@ -1,21 +1,26 @@
-"""Block tables of their own for sliding-window layers, and the tensors their layers share.
+"""Block tables of their own for sliding-window and chunked-attention layers, and the
+tensors their layers share.
 
 A layer that attends over its last ``W`` keys never reads a block again once the request's
-queries have moved ``W`` tokens past it. With one block table for every layer such a block
-stays held as long as the request runs, because the full-attention layers still need the same
-block id. Here, as in vLLM's hybrid KV cache manager, layers are split into *tables*: the
-full-attention layers are table 0 and the sliding layers of each window are cut into tables
-of as many layers as table 0 holds (every table of a model of sliding layers only, when it has
-no full-attention layer). Each table has its own block ids, from one pool; a request's blocks
-in a sliding table that fall out of its window go back to the pool (the scheduler frees them:
-:class:`mrv2.engine.block_tables.BlockTables`). Layer ``j`` of every table reads and writes
-the same tensor (*slot* ``j``): the tables' block ids never overlap, so a block id costs the
-bytes of one table's layers, not of the whole model.
+queries have moved ``W`` tokens past it; one of chunked local attention (chunks of ``C``,
+Llama 4) never again once its queries are in a later chunk. With one block table for every
+layer such a block stays held as long as the request runs, because the full-attention layers
+still need the same block id. Here, as in vLLM's hybrid KV cache manager, layers are split
+into *tables*: the full-attention layers are table 0 and the sliding layers of each window
+(the chunked layers of each chunk: :class:`~mrv2.contract.kv_cache.AttentionChunk`) are cut
+into tables of as many layers as table 0 holds (every table of a model of such layers only,
+when it has no full-attention layer). Each table has its own block ids, from one pool; a
+request's blocks in another table that its next queries no longer see go back to the pool
+(the scheduler frees them: :class:`mrv2.engine.block_tables.BlockTables`). Layer ``j`` of
+every table reads and writes the same tensor (*slot* ``j``): the tables' block ids never
+overlap, so a block id costs the bytes of one table's layers, not of the whole model.
 
 gpt-oss-20b (12 full, 12 sliding layers of 128 keys) holds at ``max_model_len`` 131,072
 8,192 + 9 blocks of 12 layers a request instead of 8,192 blocks of 24 layers: about half the
-memory, twice the requests. The layout is used only where it holds fewer bytes for a request
-of ``max_model_len`` than one table (padding a last table of fewer layers costs the missing
+memory, twice the requests. Llama 4 Scout (12 full layers, 36 of chunks of 8,192) holds at
+131,072 tokens 8,192 + 3 x 512 blocks of 12 layers instead of 8,192 of 48: 3.4x the
+requests. The layout is used only where it holds fewer bytes for a request of
+``max_model_len`` than one table (padding a last table of fewer layers costs the missing
 layers' bytes), where every layer has the same layout but for the window, and for at most
 :data:`MAX_TABLES` tables. ``MRV2_SLIDING_KV_TABLES=0`` keeps one table for every layer.
 """
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 
 from mrv2.contract.attention import AttentionMetadata
 from mrv2.contract.batch import InputBatch, InputBuffers
-from mrv2.contract.kv_cache import KVCacheSpec, PagedKVSpec
+from mrv2.contract.kv_cache import AttentionChunk, KVCacheSpec, PagedKVSpec
 
 #: ``0``: one block table for every layer (sliding-window blocks are kept, as before).
 SLIDING_TABLES_ENV_VAR = "MRV2_SLIDING_KV_TABLES"
@@ -43,7 +48,9 @@ class KVTableLayout:
     """Which table each cache layer reads and which tensor (slot) it uses."""
 
     windows: tuple[int | None, ...]
-    """Each table's sliding window (None: full attention). Table 0 first."""
+    """Each table's window: a sliding window of keys, an
+    :class:`~mrv2.contract.kv_cache.AttentionChunk`, or None (full attention). Table 0
+    first."""
     layer_tables: tuple[int, ...]
     """The table of each cache layer, by ``layer_idx``."""
     layer_slots: tuple[int, ...]
@@ -66,32 +73,35 @@ class KVTableLayout:
 
 
 def _window_of(spec: KVCacheSpec) -> int | None:
-    return spec.sliding_window if isinstance(spec, PagedKVSpec) else None
+    return spec.window if isinstance(spec, PagedKVSpec) else None
 
 
 def _unwindowed(spec: KVCacheSpec) -> KVCacheSpec:
-    if isinstance(spec, PagedKVSpec) and spec.sliding_window is not None:
-        return dataclasses.replace(spec, sliding_window=None)
+    if isinstance(spec, PagedKVSpec) and spec.window is not None:
+        return dataclasses.replace(spec, sliding_window=None, attention_chunk=None)
     return spec
 
 
 def without_windows(specs: dict[int, KVCacheSpec]) -> dict[int, KVCacheSpec]:
-    """``specs`` with every sliding window dropped: layers that must read table 0 (a
-    drafter's, whose metadata is built over table 0), still masked to their window by the
-    attention call."""
+    """``specs`` with every sliding window and chunk dropped: layers that must read table 0
+    (a drafter's, whose metadata is built over table 0), still masked to their window or
+    chunk by the attention call."""
     return {i: _unwindowed(spec) for i, spec in specs.items()}
 
 
 def window_blocks(window: int, block_size: int) -> int:
     """The most blocks a request holds in a table of ``window`` at a decode step: the window's
-    keys before the query, the query's block, one more where they straddle a boundary."""
+    keys before the query, the query's block, one more where they straddle a boundary (a
+    chunk of whole blocks never does)."""
+    if isinstance(window, AttentionChunk) and window % block_size == 0:
+        return window // block_size
     return -(-(window - 1) // block_size) + 1
 
 
 def blocks_per_request(windows: Sequence[int | None], block_size: int, max_model_len: int
                        ) -> int:
     """Blocks a decoding request of ``max_model_len`` tokens holds over tables of
-    ``windows``: every block of a full table, a window's in a sliding one."""
+    ``windows``: every block of a full table, a window's in a sliding or chunked one."""
     per_table = -(-max_model_len // block_size)
     return sum(per_table if w is None else min(per_table, window_blocks(w, block_size))
                for w in windows)

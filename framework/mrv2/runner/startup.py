@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from mrv2.contract.kv_cache import AttentionChunk
 from mrv2.runner.kv_tables import blocks_per_request
 
 logger = logging.getLogger("mrv2.runner")
@@ -83,9 +84,13 @@ class StartupReport:
                      "cache)")
         tables = ""
         if len(windows) > 1 or windows[0] is not None:
-            sliding = sorted({w for w in windows if w is not None})
-            tables = (f" in {len(windows)} block tables (sliding windows "
-                      f"{', '.join(map(str, sliding))}: blocks out of the window freed)")
+            sliding = sorted({int(w) for w in windows
+                              if w is not None and not isinstance(w, AttentionChunk)})
+            chunks = sorted({int(w) for w in windows if isinstance(w, AttentionChunk)})
+            kinds = ([f"sliding windows {', '.join(map(str, sliding))}"] if sliding else []) + (
+                [f"chunks of {', '.join(map(str, chunks))}"] if chunks else [])
+            tables = (f" in {len(windows)} block tables ({'; '.join(kinds)}: blocks out of "
+                      "sight freed)")
         self.log("KV cache: %s tokens (%s blocks of %d, %.2f GiB, %s)%s; %.1f requests of "
                  "max_model_len %d fit at once%s (%.1f s)", f"{tokens:,}", f"{num_blocks:,}",
                  block_size, num_blocks * bytes_per_block / _GIB, kv_dtype, tables,

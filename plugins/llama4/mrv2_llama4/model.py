@@ -23,9 +23,12 @@ pre-norm decoder with, per layer, as HF's ``modeling_llama4``:
 - Chunked local attention (``attention_chunk_size``, 8192 in the published configs) on the
   layers HF's ``layer_types`` calls ``chunked_attention`` (the RoPE layers): a query at
   position ``p`` sees only the keys of its own chunk, ``(p // C) * C .. p``: the core's
-  ``Attention(attention_chunk=C)`` (every KV block is kept). Any ``max_model_len`` runs; the
-  RoPE table is built for the engine's ``max_model_len`` positions (the model state,
-  :class:`~mrv2_llama4.state.Llama4ModelState`, sizes it before the first step; else
+  ``Attention(attention_chunk=C)``, whose layers get block tables of their own where that
+  saves memory (a request's blocks of its earlier chunks freed: at 131,072 tokens Scout
+  holds 3.4x fewer KV blocks a request; :mod:`mrv2.runner.kv_tables`). Any
+  ``max_model_len`` runs; the RoPE table is built for the engine's ``max_model_len``
+  positions (the model state, :class:`~mrv2_llama4.state.Llama4ModelState`, sizes it
+  before the first step; else
   ``max_position_embeddings``, 10M in Scout).
 - MoE on the layers ``moe_layers`` lists (HF's default: every ``interleave_moe_layer_step``-th
   layer; Scout: all, Maverick: every other one), a dense SwiGLU MLP of

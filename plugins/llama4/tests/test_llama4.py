@@ -24,6 +24,7 @@ import transformers
 import mrv2.testing
 import mrv2_llama4.model as llama4
 from mrv2 import LLM, SamplingParams
+from mrv2.contract.kv_cache import AttentionChunk
 from mrv2.layers import GatedMLP
 from mrv2.model_loader import iter_safetensors, load_model_weights
 from mrv2.testing import check_steps_against_hf, poisoned_caches, run_step
@@ -322,19 +323,33 @@ def test_engine_matches_hf(checkpoint: tuple[str, Path, torch.nn.Module]) -> Non
 
 def test_engine_matches_hf_past_the_chunk(tmp_path: Path) -> None:
     """``max_model_len`` 200 with chunks of 32 (once refused): the RoPE table has 200 rows;
-    greedy tokens of two requests whose prompts (split over steps of 16 tokens) and
-    generations cross several chunk boundaries are HF ``generate``'s, every prompt position's
-    log-probability within 1e-4 of HF's forward."""
+    the chunked layers get a block table of their own, sharing the full layers' tensors,
+    whose blocks of a request's earlier chunks go back to the pool as it runs, in a pool too
+    small to keep them (the two requests, 110 and 70 tokens, would hold 46 blocks in each of
+    the 2 tables of 80 blocks); greedy tokens of two requests whose prompts (split over steps
+    of 16 tokens) and generations cross several chunk boundaries are HF ``generate``'s, and
+    again in a second round through the prefix cache (hits through both tables); every
+    prompt position's log-probability within 1e-4 of HF's forward."""
     hf = save_tiny_llama4(tmp_path, **CHUNKED)
     prompts = [[(7 * i) % 120 + 3 for i in range(70)], [(11 * i) % 120 + 3 for i in range(30)]]
     want = [_hf_tokens(hf, p, 40) for p in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     with LLM(str(tmp_path), device="cpu", dtype="float32", block_size=4, max_model_len=200,
-             max_num_batched_tokens=16) as llm:
-        rope = llm.engine.runner.model.model.layers[0].self_attn.rotary_emb
+             max_num_batched_tokens=16, num_gpu_blocks_override=80,
+             enable_prefix_caching=True) as llm:
+        runner, engine = llm.engine.runner, llm.engine
+        rope = runner.model.model.layers[0].self_attn.rotary_emb
         assert rope.max_position == 200
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        assert [list(o.outputs[0].token_ids) for o in outs] == want
+        assert runner.kv_table_windows == (None, AttentionChunk(32))
+        assert runner.kv.tensors[0] is runner.kv.tensors[2]  # (chunked layers 0-1, full 2-3)
+        for round_ in range(2):
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                use_tqdm=False)
+            assert [list(o.outputs[0].token_ids) for o in outs] == want, round_
+            assert engine.block_manager.num_free_blocks == 80  # nothing leaked
+        # 110 and 70 tokens: chunks 0-2 and 0-1 left behind, 8 blocks each (the first round)
+        assert engine.scheduler.tables.num_freed >= (3 + 2) * 8
+        assert engine.block_manager.num_hit_tokens > 0
         check_prompt_logprobs(llm, {"prompt_token_ids": prompts[0]}, prompts[0],
                               _hf_logits(hf, prompts[0]))
 
