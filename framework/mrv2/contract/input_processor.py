@@ -14,7 +14,7 @@ import hashlib
 import importlib
 import importlib.util
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from mrv2.config import EngineConfig
 from mrv2.contract.requests import MultiModalItem
 
 __all__ = ["InputProcessor", "content_hash", "load_image_processor", "preprocessor_config",
-           "run_image_processor"]
+           "run_image_processor", "splice_placeholders"]
 
 
 class InputProcessor:
@@ -98,6 +98,40 @@ class InputProcessor:
             raise ValueError(f"multi_modal_data.image: {len(images)} images but the prompt has "
                              f"{len(places)} image placeholders ({name}); put one per image")
         return images, places
+
+
+def splice_placeholders(prompt_token_ids: Sequence[int], places: Sequence[int],
+                        expand: Callable[[int, int], tuple[Sequence[int], MultiModalItem]]
+                        ) -> tuple[list[int], list[MultiModalItem]]:
+    """``(token ids, items)``: the prompt with its placeholder tokens at ``places`` (prompt
+    positions, increasing) each replaced by what ``expand`` gives, and the items in that order.
+
+    ``expand(n, offset)`` gives placeholder ``n``'s replacement tokens, which start at
+    ``offset`` of the returned ids (any per-item layout: start / end markers, row breaks, tile
+    separators), and its :class:`~mrv2.contract.requests.MultiModalItem`, whose ``length``
+    placeholder tokens lie among them (``offset=offset + 1`` after a start marker). It is
+    called once per placeholder, in order; the text between placeholders is copied as is.
+    ValueError where ``places`` do not increase within the prompt or an item lies outside its
+    replacement (a family's bug, not bad input)."""
+    ids: list[int] = []
+    items: list[MultiModalItem] = []
+    start = 0  # the first prompt position not yet copied
+    for n, place in enumerate(places):
+        if not start <= place < len(prompt_token_ids):
+            raise ValueError(f"splice_placeholders: placeholder {n} at {place}; places must "
+                             f"increase within the prompt's {len(prompt_token_ids)} tokens")
+        ids.extend(prompt_token_ids[start:place])
+        offset = len(ids)
+        tokens, item = expand(n, offset)
+        if item.offset < offset or item.offset + item.length > offset + len(tokens):
+            raise ValueError(f"splice_placeholders: placeholder {n}'s item (offset "
+                             f"{item.offset}, length {item.length}) lies outside its "
+                             f"{len(tokens)} tokens at offset {offset}")
+        items.append(item)
+        ids.extend(tokens)
+        start = place + 1
+    ids.extend(prompt_token_ids[start:])
+    return ids, items
 
 
 def run_image_processor(processor: Any, images: list[Any], **kwargs: Any) -> Any:

@@ -53,6 +53,7 @@ from mrv2.contract.input_processor import (
     content_hash,
     preprocessor_config,
     run_image_processor,
+    splice_placeholders,
 )
 from mrv2.contract.requests import MultiModalItem, NewRequest
 from mrv2_gemma.audio_inputs import audio_clips, load_feature_extractor, resample
@@ -160,22 +161,17 @@ class Gemma4InputProcessor(InputProcessor):
             digest = "audio:" + content_hash(features).split(":", 1)[1]
             pieces[place] = ("audio", {"input_features": features}, digest,
                              audio_tokens(features.shape[0]))
-        ids: list[int] = []
-        items: list[MultiModalItem] = []
-        previous = 0
-        for place in sorted(pieces):
-            kind, data, digest, count = pieces[place]
+        places = sorted(pieces)
+
+        def expand(n: int, offset: int) -> tuple[list[int], MultiModalItem]:
+            kind, data, digest, count = pieces[places[n]]
             token, first, last = ((self.image_token, self.boi, self.eoi) if kind == "image"
                                   else (self.audio_token, self.boa, self.eoa))
-            ids.extend(prompt_token_ids[previous:place])
-            ids.append(first)
-            items.append(MultiModalItem(kind, data, digest, len(ids), count,
-                                        bidirectional=self.bidirectional and kind == "image"))
-            ids.extend([token] * count)
-            ids.append(last)
-            previous = place + 1
-        ids.extend(prompt_token_ids[previous:])
-        return ids, items
+            return [first, *[token] * count, last], MultiModalItem(
+                kind, data, digest, offset + 1, count,
+                bidirectional=self.bidirectional and kind == "image")
+
+        return splice_placeholders(prompt_token_ids, places, expand)
 
     def audio_features(self, index: int, samples: np.ndarray, rate: int | None
                        ) -> torch.Tensor:

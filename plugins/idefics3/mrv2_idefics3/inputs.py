@@ -46,6 +46,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, cast
 
@@ -58,6 +59,7 @@ from mrv2.contract.input_processor import (
     content_hash,
     preprocessor_config,
     run_image_processor,
+    splice_placeholders,
 )
 from mrv2.contract.requests import MultiModalItem, NewRequest
 from mrv2.contract.staging import to_device
@@ -218,23 +220,18 @@ class Idefics3InputProcessor(InputProcessor):
             raise ValueError(f"multi_modal_data.image: the image processor made padded or "
                              f"{tuple(pixels.shape[-2:])} frames; the model takes full "
                              f"{self.tile} x {self.tile} tiles (check preprocessor_config.json)")
-        ids: list[int] = []
-        items: list[MultiModalItem] = []
-        previous = first = 0
-        for n, place in enumerate(places):
-            rows, cols = int(out["rows"][0][n]), int(out["cols"][0][n])
-            tiles = rows * cols + 1 if rows or cols else 1
-            image = pixels[first:first + tiles].contiguous()
-            first += tiles
-            layout = self.layout(rows, cols)
-            ids.extend(prompt_token_ids[previous:place])
-            items.append(MultiModalItem("image", {"pixel_values": image, "token_ids": layout},
-                                        content_hash(image, (rows, cols)), len(ids),
-                                        len(layout)))
-            ids.extend(layout)
-            previous = place + 1
-        ids.extend(prompt_token_ids[previous:])
-        return ids, items
+        grids = [(int(out["rows"][0][n]), int(out["cols"][0][n])) for n in range(len(places))]
+        frames = [rows * cols + 1 if rows or cols else 1 for rows, cols in grids]
+        firsts = list(accumulate(frames, initial=0))  # image n's: firsts[n]..firsts[n + 1]
+
+        def expand(n: int, offset: int) -> tuple[list[int], MultiModalItem]:
+            image = pixels[firsts[n]:firsts[n + 1]].contiguous()
+            layout = self.layout(*grids[n])
+            return layout, MultiModalItem(
+                "image", {"pixel_values": image, "token_ids": layout},
+                content_hash(image, grids[n]), offset, len(layout))
+
+        return splice_placeholders(prompt_token_ids, places, expand)
 
 
 class Idefics3ModelState(EncoderCacheModelState):

@@ -21,6 +21,7 @@ image's tiles).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from itertools import accumulate
 from typing import Any, cast
 
 import torch
@@ -31,6 +32,7 @@ from mrv2.contract.input_processor import (
     content_hash,
     preprocessor_config,
     run_image_processor,
+    splice_placeholders,
 )
 from mrv2.contract.requests import MultiModalItem, NewRequest
 
@@ -79,22 +81,15 @@ class InternVLInputProcessor(InputProcessor):
         out = run_image_processor(self.image_processor, images, crop_to_patches=True)
         pixels = cast(torch.Tensor, out["pixel_values"])
         tiles = [int(n) for n in out["num_patches"]]
-        ids: list[int] = []
-        items: list[MultiModalItem] = []
-        previous, first = 0, 0
-        for n, place in enumerate(places):
-            ids.extend(prompt_token_ids[previous:place])
-            ids.append(self.start_id)
-            image = pixels[first: first + tiles[n]].contiguous()
-            first += tiles[n]
+        firsts = list(accumulate(tiles, initial=0))  # image n's tiles: firsts[n]..firsts[n + 1]
+
+        def expand(n: int, offset: int) -> tuple[list[int], MultiModalItem]:
+            image = pixels[firsts[n]: firsts[n + 1]].contiguous()
             length = self.per_tile * tiles[n]
-            items.append(MultiModalItem("image", {"pixel_values": image},
-                                        content_hash(image), len(ids), length))
-            ids.extend([self.image_token] * length)
-            ids.append(self.end_id)
-            previous = place + 1
-        ids.extend(prompt_token_ids[previous:])
-        return ids, items
+            return [self.start_id, *[self.image_token] * length, self.end_id], MultiModalItem(
+                "image", {"pixel_values": image}, content_hash(image), offset + 1, length)
+
+        return splice_placeholders(prompt_token_ids, places, expand)
 
 
 class InternVLModelState(EncoderCacheModelState):

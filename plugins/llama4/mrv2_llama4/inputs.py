@@ -35,7 +35,12 @@ import numpy as np
 import torch
 
 from mrv2.contract.encoder_cache import EncoderCacheModelState
-from mrv2.contract.input_processor import InputProcessor, content_hash, preprocessor_config
+from mrv2.contract.input_processor import (
+    InputProcessor,
+    content_hash,
+    preprocessor_config,
+    splice_placeholders,
+)
 from mrv2.contract.requests import MultiModalItem, NewRequest
 from mrv2.contract.staging import to_device
 from mrv2.model_loader.build import text_config_of
@@ -133,19 +138,15 @@ class Llama4InputProcessor(InputProcessor):
                              f"tokens (id {tokens.patch}); give one <|image|> per image, "
                              "which is expanded here")
         processed = [preprocess(image, settings) for image in images]
-        ids: list[int] = []
-        items: list[MultiModalItem] = []
-        previous = 0
-        for (tiles, (rows, cols)), place in zip(processed, places, strict=True):
+
+        def expand(n: int, offset: int) -> tuple[list[int], MultiModalItem]:
+            tiles, (rows, cols) = processed[n]
             layout = image_layout(rows, cols, self.per_tile, tokens)
-            ids.extend(prompt_token_ids[previous:place])
-            items.append(MultiModalItem("image", {"pixel_values": tiles, "token_ids": layout},
-                                        content_hash(tiles, (rows, cols)), len(ids),
-                                        len(layout)))
-            ids.extend(layout)
-            previous = place + 1
-        ids.extend(prompt_token_ids[previous:])
-        return ids, items
+            return layout, MultiModalItem(
+                "image", {"pixel_values": tiles, "token_ids": layout},
+                content_hash(tiles, (rows, cols)), offset, len(layout))
+
+        return splice_placeholders(prompt_token_ids, places, expand)
 
 
 class Llama4ImageModelState(EncoderCacheModelState):

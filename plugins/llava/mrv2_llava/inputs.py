@@ -32,6 +32,7 @@ from mrv2.contract.input_processor import (
     InputProcessor,
     content_hash,
     run_image_processor,
+    splice_placeholders,
 )
 from mrv2.contract.requests import MultiModalItem, NewRequest
 from mrv2_llava.clip import image_tokens
@@ -80,18 +81,14 @@ class LlavaInputProcessor(InputProcessor):
                              f"{tuple(pixels.shape[1:])}; the vision tower takes "
                              f"(3, {self.side}, {self.side}) (check preprocessor_config.json "
                              "crop_size)")
-        ids: list[int] = []
-        items: list[MultiModalItem] = []
-        previous = 0
-        for n, place in enumerate(places):
-            ids.extend(prompt_token_ids[previous:place])
+
+        def expand(n: int, offset: int) -> tuple[list[int], MultiModalItem]:
             image = pixels[n].contiguous()
-            items.append(MultiModalItem("image", {"pixel_values": image}, content_hash(image),
-                                        len(ids), self.tokens_per_image))
-            ids.extend([self.image_token] * self.tokens_per_image)
-            previous = place + 1
-        ids.extend(prompt_token_ids[previous:])
-        return ids, items
+            return [self.image_token] * self.tokens_per_image, MultiModalItem(
+                "image", {"pixel_values": image}, content_hash(image), offset,
+                self.tokens_per_image)
+
+        return splice_placeholders(prompt_token_ids, places, expand)
 
 
 class LlavaModelState(EncoderCacheModelState):

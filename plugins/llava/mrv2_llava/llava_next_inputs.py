@@ -29,6 +29,7 @@ from mrv2.contract.input_processor import (
     InputProcessor,
     content_hash,
     run_image_processor,
+    splice_placeholders,
 )
 from mrv2.contract.requests import MultiModalItem, NewRequest
 from mrv2_llava.inputs import image_token_id
@@ -78,20 +79,16 @@ class LlavaNextInputProcessor(InputProcessor):
             raise ValueError(f"multi_modal_data.image: the image processor made tiles of "
                              f"{tuple(pixels.shape[2:])}; the vision tower takes "
                              f"(3, {self.side}, {self.side}) (check preprocessor_config.json)")
-        ids: list[int] = []
-        items: list[MultiModalItem] = []
-        previous = 0
-        for n, place in enumerate(places):
-            ids.extend(prompt_token_ids[previous:place])
+
+        def expand(n: int, offset: int) -> tuple[list[int], MultiModalItem]:
             rows, cols = tile_grid(sizes[n], self.hf_config.image_grid_pinpoints, self.side)
             tiles = pixels[n, :rows * cols + 1].contiguous()
             length = image_token_count(self.hf_config, sizes[n])
-            items.append(MultiModalItem("image", {"pixel_values": tiles, "image_size": sizes[n]},
-                                        content_hash(tiles, sizes[n]), len(ids), length))
-            ids.extend([self.image_token] * length)
-            previous = place + 1
-        ids.extend(prompt_token_ids[previous:])
-        return ids, items
+            return [self.image_token] * length, MultiModalItem(
+                "image", {"pixel_values": tiles, "image_size": sizes[n]},
+                content_hash(tiles, sizes[n]), offset, length)
+
+        return splice_placeholders(prompt_token_ids, places, expand)
 
 
 class LlavaNextModelState(EncoderCacheModelState):

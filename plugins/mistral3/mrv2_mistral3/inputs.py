@@ -32,6 +32,7 @@ from mrv2.contract.input_processor import (
     content_hash,
     preprocessor_config,
     run_image_processor,
+    splice_placeholders,
 )
 from mrv2.contract.requests import MultiModalItem, NewRequest
 from mrv2.contract.staging import to_device
@@ -79,23 +80,20 @@ class Mistral3InputProcessor(InputProcessor):
             self.image_processor, images, patch_size={"height": self.cell, "width": self.cell})
         pixels = cast(torch.Tensor, out["pixel_values"])
         sizes = [(int(h), int(w)) for h, w in out["image_sizes"].tolist()]
-        ids: list[int] = []
-        items: list[MultiModalItem] = []
-        previous = 0
-        for n, place in enumerate(places):
-            ids.extend(prompt_token_ids[previous:place])
+
+        def expand(n: int, offset: int) -> tuple[list[int], MultiModalItem]:
             (h, w), (rows, cols) = sizes[n], image_layout(sizes[n], self.cell)
             image = pixels[n, :, :h, :w].contiguous()
             data = {"pixel_values": image, "image_size": (h, w), "break_id": self.break_id,
                     "end_id": self.end_id}
-            items.append(MultiModalItem("image", data, content_hash(image), len(ids),
-                                        rows * (cols + 1)))
+            tokens: list[int] = []
             for row in range(rows):
-                ids.extend([self.image_token] * cols)
-                ids.append(self.end_id if row == rows - 1 else self.break_id)
-            previous = place + 1
-        ids.extend(prompt_token_ids[previous:])
-        return ids, items
+                tokens.extend([self.image_token] * cols)
+                tokens.append(self.end_id if row == rows - 1 else self.break_id)
+            return tokens, MultiModalItem("image", data, content_hash(image), offset,
+                                          rows * (cols + 1))
+
+        return splice_placeholders(prompt_token_ids, places, expand)
 
 
 class Mistral3ModelState(EncoderCacheModelState):

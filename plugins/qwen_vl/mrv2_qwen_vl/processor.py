@@ -16,10 +16,16 @@ torchvision is absent (the CPU CI has none), the same processor's PIL backend
 from __future__ import annotations
 
 from collections.abc import Mapping
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
-from mrv2.contract.input_processor import InputProcessor, content_hash, run_image_processor
+from mrv2.contract.input_processor import (
+    InputProcessor,
+    content_hash,
+    run_image_processor,
+    splice_placeholders,
+)
 from mrv2.contract.input_processor import load_image_processor as load_core_image_processor
 from mrv2.contract.requests import MultiModalItem
 
@@ -52,18 +58,15 @@ class QwenVLInputProcessor(InputProcessor):
         out = run_image_processor(self.image_processor, images)
         pixels = out["pixel_values"]
         grids = [tuple(int(v) for v in g) for g in out["image_grid_thw"].tolist()]
-        ids: list[int] = []
-        items: list[MultiModalItem] = []
-        previous, first_patch = 0, 0
-        for place, (t, h, w) in zip(places, grids, strict=True):
-            ids.extend(prompt_token_ids[previous:place])
+        firsts = list(accumulate((t * h * w for t, h, w in grids), initial=0))
+
+        def expand(n: int, offset: int) -> tuple[list[int], MultiModalItem]:
+            t, h, w = grids[n]
             length = t * h * w // self.merge**2
-            rows = pixels[first_patch: first_patch + t * h * w].contiguous()
-            first_patch += t * h * w
-            items.append(MultiModalItem("image", {"pixel_values": rows, "grid_thw": (t, h, w)},
-                                        content_hash((t, h, w), rows), len(ids), length))
-            ids.extend([self.image_token_id] * length)
-            previous = place + 1
-        ids.extend(prompt_token_ids[previous:])
-        return ids, items
+            rows = pixels[firsts[n]: firsts[n + 1]].contiguous()
+            return [self.image_token_id] * length, MultiModalItem(
+                "image", {"pixel_values": rows, "grid_thw": (t, h, w)},
+                content_hash((t, h, w), rows), offset, length)
+
+        return splice_placeholders(prompt_token_ids, places, expand)
 
