@@ -9,9 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from mrv2.contract.params import SamplingParams
+    from mrv2.contract.requests import MultiModalItem, NewRequest
 
 TINY = {
     "hidden_size": 64,
@@ -416,38 +420,94 @@ def serve_in_thread(app: Any) -> Iterator[str]:
     thread.join(15)
 
 
-def run_steps_without_sync(runner: Any, prompts: Sequence[Sequence[int]]) -> list[Any]:
-    """Run ``prompts`` (request ``str(i)`` each, sampling at temperature 0.8, blocks
-    ``8i .. 8i+7``, in the runner's other block tables the next ``8 x len(prompts)`` blocks
-    each) on a CUDA ``runner`` under ``torch.cuda.set_sync_debug_mode("error")``, so
-    any host sync in a step raises: a first step of up to 20 tokens per prompt, a second that
-    finishes the longer prompts (mixed with the others' first decode), then six decode steps
-    that replay graphs. Returns each step's tokens (read after the mode is reset)."""
-    from mrv2.contract.params import SamplingParams
-    from mrv2.contract.requests import NewRequest, SchedulerOutput
+def _requests(runner: Any, prompts: Sequence[tuple[str, Sequence[int], Sequence[MultiModalItem]]],
+              params: SamplingParams, seeds: Sequence[int]) -> list[NewRequest]:
+    """Request ``name`` for each ``(name, prompt, media items)`` of ``prompts`` with its seed
+    and blocks ``8i .. 8i+7``, in the runner's other block tables (``kv_table_windows``) the
+    next ``8 x len(prompts)`` blocks each."""
+    from mrv2.contract.requests import NewRequest
 
-    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
     num = len(prompts)
     tables = len(getattr(runner, "kv_table_windows", (None,)))
-    new = [NewRequest(str(i), list(p), params, seed=i, block_ids=[i * 8 + j for j in range(8)],
-                      extra_block_ids=[[(t * num + i) * 8 + j for j in range(8)]
-                                       for t in range(1, tables)])
-           for i, p in enumerate(prompts)]
-    first = {str(i): min(len(p), 20) for i, p in enumerate(prompts)}
-    rest = {str(i): len(p) - first[str(i)] for i, p in enumerate(prompts)}
+    return [NewRequest(name, list(ids), params, seed=seed,
+                       block_ids=[i * 8 + j for j in range(8)], mm_items=list(items),
+                       extra_block_ids=[[(t * num + i) * 8 + j for j in range(8)]
+                                        for t in range(1, tables)])
+            for i, ((name, ids, items), seed) in enumerate(zip(prompts, seeds, strict=True))]
+
+
+def _execute_without_sync(runner: Any, new: Sequence[NewRequest], first: dict[str, int],
+                          decode_steps: int) -> list[dict[str, list[int]]]:
+    """Run ``new`` on a CUDA ``runner`` under ``torch.cuda.set_sync_debug_mode("error")``, so
+    any host sync in a step raises: a step of ``first[r]`` tokens of each request ``r`` (all
+    of ``new`` join in it), a second with the rest of each prompt (requests already done:
+    their first decode, after those that finish), then ``decode_steps`` decode steps. Returns
+    each step's tokens (read after the mode is reset)."""
+    from mrv2.contract.requests import SchedulerOutput
+
+    rest = {r.req_id: len(r.token_ids) - first[r.req_id] for r in new}
     outputs = []
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        outputs.append(runner.execute(SchedulerOutput(first, new_requests=new)))
+        outputs.append(runner.execute(SchedulerOutput(first, new_requests=list(new))))
         outputs.append(runner.execute(SchedulerOutput(
             {r: n for r, n in rest.items() if n} | {r: 1 for r, n in rest.items() if not n})))
-        for _ in range(6):
-            outputs.append(runner.execute(SchedulerOutput({str(i): 1
-                                                           for i in range(len(prompts))})))
+        for _ in range(decode_steps):
+            outputs.append(runner.execute(SchedulerOutput({r.req_id: 1 for r in new})))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     return [out.result() for out in outputs]
+
+
+def run_steps_without_sync(runner: Any, prompts: Sequence[Sequence[int]]
+                           ) -> list[dict[str, list[int]]]:
+    """Run ``prompts`` (request ``str(i)`` each, sampling at temperature 0.8 with seed ``i``,
+    blocks ``8i .. 8i+7``, in the runner's other block tables the next ``8 x len(prompts)``
+    blocks each) on a CUDA ``runner`` under ``torch.cuda.set_sync_debug_mode("error")``, so
+    any host sync in a step raises: a first step of up to 20 tokens per prompt, a second that
+    finishes the longer prompts (mixed with the others' first decode), then six decode steps
+    that replay graphs. Returns each step's tokens (read after the mode is reset)."""
+    from mrv2.contract.params import SamplingParams
+
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
+    new = _requests(runner, [(str(i), p, ()) for i, p in enumerate(prompts)], params,
+                    range(len(prompts)))
+    return _execute_without_sync(runner, new, {r.req_id: min(len(r.token_ids), 20) for r in new},
+                                 decode_steps=6)
+
+
+#: The text request's prompt in :func:`run_media_steps_without_sync`.
+_TEXT_BESIDE_MEDIA = (5, 17, 42, 9)
+
+
+def run_media_steps_without_sync(runner: Any, name: str, ids: Sequence[int],
+                                 items: Sequence[MultiModalItem], split: int,
+                                 seeds: tuple[int, int] = (0, 1)
+                                 ) -> list[dict[str, list[int]]]:
+    """A media item split across two steps beside a text request, then decode steps, on a
+    CUDA ``runner`` (with graphs, for the decode steps to replay them) under
+    ``torch.cuda.set_sync_debug_mode("error")``, so any host sync in a step raises.
+
+    Request ``name`` (prompt ``ids`` with media ``items``, as the model's input processor
+    expanded them) and request ``"txt"`` (prompt ``[5, 17, 42, 9]``) sample at temperature 0.8
+    with ``seeds``, in blocks ``0 .. 7`` and ``8 .. 15`` (in the runner's other block tables
+    ``t = 1, 2, ..``: ``16t ..`` and ``16t + 8 ..``). Step 1 computes ``split`` tokens of
+    ``name`` (choose it inside an item, for the item to be split) and the whole text prompt,
+    step 2 the rest of ``ids`` and the text request's first decode, then four decode steps of
+    both. Returns each step's tokens (read after the mode is reset). The caller checks what
+    is its model's own (where the items lie, how many times the encoder ran)."""
+    if not 0 < split < len(ids):
+        raise ValueError(f"split must lie in 1 .. {len(ids) - 1} (the prompt's {len(ids)} "
+                         f"tokens are split across two steps); got {split}")
+    if name == "txt":
+        raise ValueError('name must not be "txt" (the text request\'s); got "txt"')
+    from mrv2.contract.params import SamplingParams
+
+    new = _requests(runner, [(name, ids, items), ("txt", _TEXT_BESIDE_MEDIA, ())],
+                    SamplingParams(temperature=0.8), seeds)
+    return _execute_without_sync(runner, new, {name: split, "txt": len(_TEXT_BESIDE_MEDIA)},
+                                 decode_steps=4)
 
 
 def rank_and_args(runner: Any, *args: Any) -> tuple[int, tuple[Any, ...]]:

@@ -22,10 +22,9 @@ from .recurrent_state import (
     _check_meta,
     _check_table,
     _empty,
-    _table_host,
     _zero_tail,
     check_row_slots,
-    kept_counts,
+    iter_sequences,
 )
 
 __all__ = ["causal_conv1d_ref", "causal_conv1d_triton"]
@@ -59,28 +58,21 @@ def causal_conv1d_ref(
     """Plain-torch specification of :func:`~mrv2_kernels.linear_attention.causal_conv1d`
     (reads the metadata on the host)."""
     _check_conv(x, weight, bias, conv_state, activation)
-    n = _check_meta(query_start_loc, seq_lens, state_rows)
+    _check_meta(query_start_loc, seq_lens, state_rows)
     _check_table(state_table)
     slots = check_row_slots(row_slots)
     width = weight.shape[1]
     w = weight.float()
     out = torch.zeros_like(x)
-    qsl, lens, rows = query_start_loc.tolist(), seq_lens.tolist(), state_rows.tolist()
-    for i in range(n):
-        bos, eos = qsl[i], qsl[i + 1]
-        length = eos - bos
-        if length <= 0:
-            continue
-        row, start = rows[i], lens[i] - length
-        src, snaps = _table_host(state_table, row, start, slots)
-        if start > 0:
-            ctx = conv_state[src].float()
+    for seq in iter_sequences(query_start_loc, seq_lens, state_rows, state_table, slots):
+        bos, eos, length = seq.bos, seq.eos, seq.length
+        if seq.start > 0:
+            ctx = conv_state[seq.src].float()
         else:
             ctx = torch.zeros(width - 1, x.shape[1], dtype=torch.float32, device=x.device)
         xs = torch.cat([ctx, x[bos:eos].float()])
-        for c, snap_row in snaps:  # the state after c tokens: xs[c : c + W - 1]
-            if 0 < c <= length:
-                conv_state[snap_row] = xs[c:c + width - 1].to(conv_state.dtype)
+        for c, snap_row in seq.snaps:  # the state after c tokens: xs[c : c + W - 1]
+            conv_state[snap_row] = xs[c:c + width - 1].to(conv_state.dtype)
         acc = torch.zeros(length, x.shape[1], dtype=torch.float32, device=x.device)
         if bias is not None:
             acc = acc + bias.float()
@@ -89,8 +81,8 @@ def causal_conv1d_ref(
         if activation == "silu":
             acc = F.silu(acc)
         out[bos:eos] = acc.to(x.dtype)
-        for c, j in kept_counts(start, length, slots):  # the state after c tokens
-            conv_state[row * slots + j] = xs[c:c + width - 1].to(conv_state.dtype)
+        for c, kept_row in seq.kept:  # the state after c tokens
+            conv_state[kept_row] = xs[c:c + width - 1].to(conv_state.dtype)
     return out
 
 

@@ -96,10 +96,9 @@ from .recurrent_state import (
     _KERNEL_DTYPES,
     _check_meta,
     _check_table,
-    _table_host,
     _zero_tail,
     check_row_slots,
-    kept_counts,
+    iter_sequences,
 )
 
 __all__ = [
@@ -182,7 +181,7 @@ def chunk_gated_delta_rule_ref(
     results up to fp32 rounding."""
     _check_gdr(q, k, v, g, beta, state)
     g, beta = resolve_gates(g, beta, v, gate_params, dt_limits, skip)
-    n = _check_meta(query_start_loc, seq_lens, state_rows)
+    _check_meta(query_start_loc, seq_lens, state_rows)
     _check_table(state_table)
     if chunk < 1:
         raise ValueError(f"chunk must be positive, got {chunk}")
@@ -190,16 +189,10 @@ def chunk_gated_delta_rule_ref(
     hv, dk, dv = state.shape[1:]
     group = hv // q.shape[1]
     out = torch.zeros(v.shape, dtype=out_dtype or v.dtype, device=v.device)
-    qsl, lens, rows = query_start_loc.tolist(), seq_lens.tolist(), state_rows.tolist()
-    for i in range(n):
-        bos, eos = qsl[i], qsl[i + 1]
-        length = eos - bos
-        if length <= 0:
-            continue
-        row, start = rows[i], lens[i] - length
-        src, snaps = _table_host(state_table, row, start, slots)
-        if start > 0:
-            s0 = state[src].clone()  # [Hv, K, V]
+    for seq in iter_sequences(query_start_loc, seq_lens, state_rows, state_table, slots):
+        bos, eos = seq.bos, seq.eos
+        if seq.start > 0:
+            s0 = state[seq.src].clone()  # [Hv, K, V]
         else:
             s0 = torch.zeros(hv, dk, dv, dtype=torch.float32, device=state.device)
         # [Hv, L, ...] per v head
@@ -215,14 +208,11 @@ def chunk_gated_delta_rule_ref(
         if skip is not None:
             o = o + skip.float()[:, None, None] * vs
         out[bos:eos] = o.transpose(0, 1).to(out.dtype)
-        kept = [(c, row * slots + j) for c, j in kept_counts(start, length, slots)[:-1]]
-        for c, snap_row in snaps + kept:
-            if 0 < c <= length:
-                part = slice(0, c)
-                state[snap_row] = _chunked_sequence(qs[:, part], ks[:, part], vs[:, part],
-                                                    gs[:, part], bs[:, part], s0, chunk,
-                                                    delta)[1]
-        state[row * slots + (start + length) % slots] = s
+        for c, snap_row in seq.snaps + seq.kept[:-1]:  # the final state: s, below
+            part = slice(0, c)
+            state[snap_row] = _chunked_sequence(qs[:, part], ks[:, part], vs[:, part],
+                                                gs[:, part], bs[:, part], s0, chunk, delta)[1]
+        state[seq.kept[-1][1]] = s
     return out
 
 

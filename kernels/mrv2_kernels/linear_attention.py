@@ -34,10 +34,10 @@ from .recurrent_state import (
     _check_meta,
     _check_table,
     _empty,
-    _table_host,
     _zero_tail,
     check_row_slots,
     default_state_table,
+    iter_sequences,
     kept_counts,
 )
 
@@ -128,23 +128,17 @@ def gated_delta_rule_ref(
     the Mamba-2 SSM recurrence)."""
     _check_gdr(q, k, v, g, beta, state)
     g, beta = resolve_gates(g, beta, v, gate_params, dt_limits, skip)
-    n = _check_meta(query_start_loc, seq_lens, state_rows)
+    _check_meta(query_start_loc, seq_lens, state_rows)
     _check_table(state_table)
     slots = check_row_slots(row_slots)
     hv, dk, dv = state.shape[1:]
     group = hv // q.shape[1]
     out = torch.zeros(v.shape, dtype=out_dtype or v.dtype, device=v.device)
-    qsl, lens, rows = query_start_loc.tolist(), seq_lens.tolist(), state_rows.tolist()
-    for i in range(n):
-        bos, eos = qsl[i], qsl[i + 1]
-        length = eos - bos
-        if length <= 0:
-            continue
-        row, start = rows[i], lens[i] - length
-        src, snaps = _table_host(state_table, row, start, slots)
-        keep = dict(kept_counts(start, length, slots))
-        if start > 0:
-            s = state[src].clone()
+    for seq in iter_sequences(query_start_loc, seq_lens, state_rows, state_table, slots):
+        bos, eos, length = seq.bos, seq.eos, seq.length
+        keep = dict(seq.kept)
+        if seq.start > 0:
+            s = state[seq.src].clone()
         else:
             s = torch.zeros(hv, dk, dv, dtype=torch.float32, device=state.device)
         qs = q[bos:eos].float().repeat_interleave(group, dim=1)  # [L, Hv, K]
@@ -164,11 +158,11 @@ def gated_delta_rule_ref(
             if skip is not None:
                 o = o + skip.float()[:, None] * vs[t]
             out[bos + t] = o.to(out.dtype)
-            for c, snap_row in snaps:
+            for c, snap_row in seq.snaps:
                 if c == t + 1:
                     state[snap_row] = s
             if t + 1 in keep:
-                state[row * slots + keep[t + 1]] = s
+                state[keep[t + 1]] = s
     return out
 
 

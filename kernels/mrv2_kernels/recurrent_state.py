@@ -43,6 +43,9 @@ tile and walks the sequence's tokens in order.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -50,8 +53,10 @@ import triton.language as tl
 __all__ = [
     "MAX_ROW_SLOTS",
     "STATE_TABLE_COLS",
+    "SequenceChunk",
     "check_row_slots",
     "default_state_table",
+    "iter_sequences",
     "kept_counts",
 ]
 
@@ -116,6 +121,56 @@ def kept_counts(start: int, length: int, row_slots: int) -> list[tuple[int, int]
     kept, the chunk's last ``row_slots`` (the final one last)."""
     return [(c, (start + c) % row_slots) for c in range(max(1, length - row_slots + 1),
                                                          length + 1)]
+
+
+class SequenceChunk(NamedTuple):
+    """One sequence's chunk of a step as the plain-torch references read it (host ints; rows
+    are absolute rows of the state tensor)."""
+
+    bos: int
+    """The chunk's first token in the flat batch."""
+    eos: int
+    """One past its last token (``eos - bos`` is the chunk's length, at least 1)."""
+    row: int
+    """The sequence's state row (``state_rows[i]``): it owns rows ``row * S .. row * S + S - 1``
+    (``S = row_slots``)."""
+    start: int
+    """Tokens before the chunk: ``start == 0`` begins from zeros, else from row ``src``."""
+    src: int
+    """The row holding the state after the first ``start`` tokens: ``row * S + start % S``, or
+    the table's ``src_row`` when ``start == src_pos``."""
+    snaps: list[tuple[int, int]]
+    """``(tokens into the chunk, row)`` of the table's snapshots the chunk covers (``0 < c <=
+    length``), in the table's order."""
+    kept: list[tuple[int, int]]
+    """``(tokens into the chunk, row)`` of the states kept in the sequence's own rows, its last
+    ``S`` (:func:`kept_counts`), the final state last."""
+
+    @property
+    def length(self) -> int:
+        """The chunk's token count."""
+        return self.eos - self.bos
+
+
+def iter_sequences(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                   state_rows: torch.Tensor, state_table: torch.Tensor | None = None,
+                   row_slots: int = 1) -> Iterator[SequenceChunk]:
+    """The per-sequence loop of the plain-torch references: a :class:`SequenceChunk` for each
+    sequence of the step with tokens, in order (zero-length and padding sequences skipped).
+    Reads the metadata on the host; checks nothing (the references check it first, with
+    ``_check_meta``, ``_check_table`` and :func:`check_row_slots`)."""
+    qsl, lens, rows = query_start_loc.tolist(), seq_lens.tolist(), state_rows.tolist()
+    for i in range(len(rows)):
+        bos, eos = qsl[i], qsl[i + 1]
+        length = eos - bos
+        if length <= 0:
+            continue
+        row, start = rows[i], lens[i] - length
+        src, snaps = _table_host(state_table, row, start, row_slots)
+        yield SequenceChunk(bos, eos, row, start, src,
+                            [(c, r) for c, r in snaps if 0 < c <= length],
+                            [(c, row * row_slots + j)
+                             for c, j in kept_counts(start, length, row_slots)])
 
 
 def _check_meta(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,

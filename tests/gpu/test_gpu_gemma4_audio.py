@@ -21,8 +21,7 @@ import pytest
 import torch
 
 from mrv2 import LLM, EngineConfig, Runner, SamplingParams
-from mrv2.contract.requests import NewRequest, SchedulerOutput
-from mrv2.testing import random_image
+from mrv2.testing import random_image, run_media_steps_without_sync
 from mrv2_gemma.audio_inputs import resample
 from mrv2_gemma.gemma4_inputs import Gemma4InputProcessor
 from mrv2_gemma.testing import (
@@ -119,25 +118,6 @@ def test_gemma4_audio_steps_never_synchronize(tmp_path: Path) -> None:
     ids, items = processor.process([5, tiny.audio, 9],
                                    {"audio": (audio_noise(3.3, 2), AUDIO_RATE)})
     assert items[0].offset < 40 < items[0].offset + items[0].length
-    params = SamplingParams(temperature=0.8)
-    tables = len(getattr(runner, "kv_table_windows", (None,)))
-    new = [NewRequest(name, prompt, params, seed=n, block_ids=[8 * n + j for j in range(8)],
-                      mm_items=mm, extra_block_ids=[[8 * (2 * t + n) + j for j in range(8)]
-                                                    for t in range(1, tables)])
-           for n, (name, prompt, mm) in enumerate((("clip", ids, items),
-                                                   ("txt", [5, 17, 42, 9], [])))]
-    outputs = []
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        outputs.append(runner.execute(SchedulerOutput({"clip": 40, "txt": 4},
-                                                      new_requests=new)))
-        outputs.append(runner.execute(SchedulerOutput({"clip": len(ids) - 40, "txt": 1})))
-        for _ in range(4):
-            outputs.append(runner.execute(SchedulerOutput({"clip": 1, "txt": 1})))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    for out in outputs:
-        out.result()
+    run_media_steps_without_sync(runner, "clip", ids, items, split=40)
     assert runner.model_state.encoder_runs == 1
     runner.shutdown()

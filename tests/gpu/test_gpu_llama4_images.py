@@ -17,13 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import transformers
 
 from mrv2 import LLM, EngineConfig, Runner, SamplingParams
-from mrv2.contract.requests import NewRequest, SchedulerOutput
 from mrv2.engine.tokenizer import Tokenizer
-from mrv2.testing import random_image
+from mrv2.testing import random_image, run_media_steps_without_sync
 from mrv2.testing_engine import check_images_against_hf
 from mrv2_llama4.inputs import Llama4InputProcessor
 from mrv2_llama4.testing import hf_image_inputs, save_tiny_llama4_images
@@ -114,24 +112,6 @@ def test_llama4_image_steps_never_synchronize(tmp_path: Path) -> None:
     ids, items = processor.process([5, 17, _image_token(tmp_path), 42],
                                    {"image": [random_image(60, 130, seed=1)]})
     assert items[0].offset < 10 < items[0].offset + items[0].length
-    params = SamplingParams(temperature=0.8)
-    tables = len(getattr(runner, "kv_table_windows", (None,)))
-    new = [NewRequest(name, prompt, params, seed=n, block_ids=[8 * n + j for j in range(8)],
-                      mm_items=mm, extra_block_ids=[[8 * (2 * t + n) + j for j in range(8)]
-                                                    for t in range(1, tables)])
-           for n, (name, prompt, mm) in enumerate((("img", ids, items),
-                                                   ("txt", [5, 17, 42, 9], [])))]
-    outputs = []
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        outputs.append(runner.execute(SchedulerOutput({"img": 10, "txt": 4}, new_requests=new)))
-        outputs.append(runner.execute(SchedulerOutput({"img": len(ids) - 10, "txt": 1})))
-        for _ in range(4):
-            outputs.append(runner.execute(SchedulerOutput({"img": 1, "txt": 1})))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    for out in outputs:
-        out.result()
+    run_media_steps_without_sync(runner, "img", ids, items, split=10)
     assert runner.model_state.encoder_runs == 1
     runner.shutdown()

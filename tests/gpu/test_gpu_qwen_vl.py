@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from mrv2 import LLM, EngineConfig, Runner, SamplingParams
-from mrv2.contract.requests import NewRequest, SchedulerOutput
+from mrv2.testing import run_media_steps_without_sync
 
 pytestmark = pytest.mark.gpu
 testing = pytest.importorskip("mrv2_qwen_vl.testing")
@@ -70,21 +69,7 @@ def test_steps_never_synchronize(ckpt: Path) -> None:
     image = testing.random_image(56, 84, 0)
     ids, items = processor.process([5, 17, testing.START, testing.IMAGE, testing.END, 42],
                                    {"image": [image]})
-    params = SamplingParams(temperature=0.8)
-    new = [NewRequest("img", ids, params, seed=1, block_ids=list(range(8)), mm_items=items),
-           NewRequest("txt", [5, 17, 42, 9], params, seed=2, block_ids=list(range(8, 16)))]
-    outputs = []
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        outputs.append(runner.execute(SchedulerOutput({"img": 5, "txt": 4}, new_requests=new)))
-        outputs.append(runner.execute(SchedulerOutput({"img": len(ids) - 5, "txt": 1})))
-        for _ in range(4):
-            outputs.append(runner.execute(SchedulerOutput({"img": 1, "txt": 1})))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    for out in outputs:
-        out.result()
+    run_media_steps_without_sync(runner, "img", ids, items, split=5, seeds=(1, 2))
     assert getattr(runner.model_state, "encoder_runs", None) == 1  # one image, two chunks
 
 
