@@ -16,7 +16,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._backend import cdiv, default_block, next_power_of_2, pdl, pdl_prologue
+from ._backend import (
+    cdiv,
+    default_block,
+    next_power_of_2,
+    pdl,
+    pdl_early_meta,
+    pdl_prologue,
+    pdl_release,
+    pdl_wait,
+)
 from .recurrent_state import (
     _KERNEL_DTYPES,
     _check_meta,
@@ -95,20 +104,29 @@ def _causal_conv1d_kernel(
     x_stride: int, out_stride: int, w_stride: int, s_row_stride: int, s_t_stride: int,
     WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, HAS_TABLE: tl.constexpr,
-    ROW_SLOTS: tl.constexpr, PDL: tl.constexpr,
+    ROW_SLOTS: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr = False,
 ) -> None:
-    pdl_prologue(PDL)
+    # EARLY (pdl_early_meta's rule): the step's metadata, the state table and the bias before
+    # the wait for the previous kernel (no PDL kernel writes them), the inputs after it
+    if EARLY:
+        pdl_release(PDL)
+    else:
+        pdl_prologue(PDL)
     # Programs (i < N, d block): sequence i's channels; program (N, d block): padding tokens.
     seq = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = d < dim
     if seq == num_seqs:
+        if EARLY:
+            pdl_wait(PDL)
         _zero_tail(out_ptr, qsl_ptr, num_seqs, num_tokens, out_stride, d, dmask, BLOCK_T,
                    BLOCK_D)
         return
     bos = tl.load(qsl_ptr + seq).to(tl.int32)
     n = tl.load(qsl_ptr + seq + 1).to(tl.int32) - bos
     if n <= 0:  # padding: its row may be another sequence's
+        if EARLY:
+            pdl_wait(PDL)  # (every program waits: the chain's completion goes through it)
         return
     start = tl.load(seq_lens_ptr + seq).to(tl.int32) - n
     has_init = start > 0
@@ -125,6 +143,8 @@ def _causal_conv1d_kernel(
         bias = tl.load(b_ptr + d, mask=dmask, other=0.0).to(tl.float32)
     else:
         bias = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if EARLY:
+        pdl_wait(PDL)
     t_offs = tl.arange(0, BLOCK_T)
     for t0 in range(0, n, BLOCK_T):
         t = t0 + t_offs  # positions in the chunk
@@ -232,6 +252,7 @@ def causal_conv1d_triton(
         WIDTH=width, HAS_BIAS=bias is not None, SILU=activation == "silu",
         BLOCK_T=bt, BLOCK_D=bd, BLOCK_W=next_power_of_2(width - 1),
         HAS_TABLE=state_table is not None, ROW_SLOTS=slots,
+        EARLY=pdl_early_meta(x, default=True),
         # (16 x 256 tiles: ptxas (sm_90) gives 4 warps 255 registers and 68-88 bytes of
         # spills, 8 warps 128-138 registers and none)
         num_warps=(8 if bt * bd >= 4096 else 4 if bt * bd >= 2048 else 2) if x.is_cuda else 1,

@@ -25,7 +25,17 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._backend import cdiv, default_block, next_power_of_2, pdl, pdl_prologue, use_triton
+from ._backend import (
+    cdiv,
+    default_block,
+    next_power_of_2,
+    pdl,
+    pdl_early_meta,
+    pdl_prologue,
+    pdl_release,
+    pdl_wait,
+    use_triton,
+)
 from .causal_conv1d import causal_conv1d_ref, causal_conv1d_triton
 from .recurrent_state import (
     _KERNEL_DTYPES,
@@ -274,9 +284,16 @@ def _gated_delta_rule_kernel(
     L2NORM: tl.constexpr, DELTA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_T: tl.constexpr, HAS_TABLE: tl.constexpr, RAW_GATES: tl.constexpr,
     MAMBA_GATES: tl.constexpr, HAS_SKIP: tl.constexpr, ROW_SLOTS: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, EARLY: tl.constexpr = False,
 ) -> None:
-    pdl_prologue(PDL)
+    # EARLY (pdl_early_meta's rule): the step's metadata, the state table, the gates'
+    # parameters and the initial state tile are loaded before the wait for the previous
+    # kernel, only q/k/v and the gates after it. No PDL kernel writes them: a layer's state
+    # rows are written by this kernel alone (the sequence's own rows, in earlier steps).
+    if EARLY:
+        pdl_release(PDL)
+    else:
+        pdl_prologue(PDL)
     # Programs (i < N, v head, V block) run sequence i; programs (N, ...) zero the padding.
     seq = tl.program_id(0)
     h = tl.program_id(1)
@@ -285,12 +302,16 @@ def _gated_delta_rule_kernel(
     vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     vmask = vv < dim_v
     if seq == num_seqs:
+        if EARLY:
+            pdl_wait(PDL)
         _zero_tail(out_ptr + h * o_sh, qsl_ptr, num_seqs, num_tokens, o_st, vv, vmask,
                    BLOCK_T, BLOCK_V)
         return
     bos = tl.load(qsl_ptr + seq).to(tl.int32)
     eos = tl.load(qsl_ptr + seq + 1).to(tl.int32)
     if eos <= bos:  # padding: its row may be another sequence's
+        if EARLY:
+            pdl_wait(PDL)  # (every program waits: the chain's completion goes through it)
         return
     start = tl.load(seq_lens_ptr + seq).to(tl.int32) - (eos - bos)
     has_init = start > 0
@@ -321,6 +342,8 @@ def _gated_delta_rule_kernel(
         dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
     if HAS_SKIP:
         skip = tl.load(skip_ptr + h).to(tl.float32)
+    if EARLY:
+        pdl_wait(PDL)  # (the state tile's load stays in flight through it)
     bos64 = bos.to(tl.int64)
     for i in range(0, n):
         t64 = bos64 + i
@@ -403,7 +426,7 @@ def gated_delta_rule_triton(
         L2NORM=l2norm_qk, DELTA=delta, BLOCK_K=block_k, BLOCK_V=bv, BLOCK_T=8,
         HAS_TABLE=state_table is not None, RAW_GATES=gate_params is not None,
         MAMBA_GATES=dt_limits is not None, HAS_SKIP=skip is not None, ROW_SLOTS=slots,
-        num_warps=warps,
+        num_warps=warps, EARLY=pdl_early_meta(v, default=True),
         **pdl(v),
     )
     return out

@@ -207,17 +207,19 @@ def spills(fn, consts, warps, state="*fp32"):
 
 for slots in (1, 4):  # one state row a sequence, and speculative decoding's 1 + 3
     gdr = dict(L2NORM=True, DELTA=True, BLOCK_K=128, BLOCK_V=16, BLOCK_T=8, HAS_TABLE=True,
-               RAW_GATES=True, MAMBA_GATES=False, HAS_SKIP=False, ROW_SLOTS=slots, PDL=True)
+               RAW_GATES=True, MAMBA_GATES=False, HAS_SKIP=False, ROW_SLOTS=slots, PDL=True,
+               EARLY=True)
     spills(la._gated_delta_rule_kernel, gdr, 4)
     conv = dict(WIDTH=4, HAS_BIAS=False, SILU=True, BLOCK_T=16, BLOCK_D=256, BLOCK_W=4,
-                HAS_TABLE=True, ROW_SLOTS=slots, PDL=True)
+                HAS_TABLE=True, ROW_SLOTS=slots, PDL=True, EARLY=True)
     spills(cc._causal_conv1d_kernel, conv, 8, state="*bf16")
 """
 
 
 def test_decode_kernels_do_not_spill_on_sm90(tmp_path: Path) -> None:
     """The delta rule (K = 128, the launch's [K, 16] tiles in 4 warps) and the conv (16 x 256
-    tiles in 8 warps) with the snapshot table and raw gates, one state row a sequence and four
+    tiles in 8 warps) with the snapshot table and raw gates, their metadata and initial state
+    loaded before the PDL wait (the GPU's default), one state row a sequence and four
     (speculative decoding's ``row_slots``), compiled for sm_90 and read by ptxas: no register
     spills (the [K, 32] / 4-warp delta rule spilled 172 bytes with the
     table, the conv in 4 warps 68-88; with them the delta rule took 9.5 us a decode call on
