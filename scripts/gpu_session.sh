@@ -485,6 +485,30 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                   | tee "$OUT/structured.log" | tail -8 ;;
     profile) python3 scripts/profile_decode.py --batch 1 ${PROFILE_ARGS:-} 2>&1 \
                | tee "$OUT/profile_b1.log" | tail -60 ;;
+    earlyab) # the forty-second session: the state kernels' metadata and state before the PDL
+             # wait, on CUDA (their kernel tests, the hybrid families' GPU tests), then
+             # Qwen3-Next cut to 8 layers at batch 1, MRV2_PDL_EARLY_META=0 / default, twice
+             timeout 110 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear_attention.py \
+               tests/kernels/test_state_snapshots.py tests/kernels/test_state_row_slots.py 2>&1 \
+               | tee "$OUT/early_kernel_tests.log" | tail -2
+             timeout 230 python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_qwen3_next.py \
+               tests/gpu/test_gpu_nemotron_h.py tests/gpu/test_gpu_mamba2.py 2>&1 \
+               | tee "$OUT/early_gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -14
+             for r in 1 2; do for e in 0 1; do
+               MRV2_PDL_EARLY_META=$e timeout 90 python3 scripts/profile_decode.py --model Qwen3-Next-80B-A3B \
+                 --batch 1 --steps 64 --hf-overrides '{"num_hidden_layers": 8}' --trace "" 2>&1 \
+                 | tee "$OUT/early_prof_${e}_$r.log" | grep -E "wall per step" | sed "s/^/early=$e: /"
+             done; done ;;
+    b1where) # the forty-second session: where a batch-1 Qwen3-0.6B step goes beyond its decode
+             # graph (the graph's replay against the step's wall time): TPOT, the graph's
+             # replay and kernels, the host's parts and Python profile, a kernel trace
+             python3 -m mrv2.entrypoints.cli bench latency --batch-sizes 1 --json "$OUT/b1_latency.json" \
+               2>&1 | tee "$OUT/b1_latency.log" | tail -4
+             timeout 200 python3 scripts/decode_graph_times.py --max-size 8 --passes 3 --profile 1 \
+               2>&1 | tee "$OUT/b1_graph_times.log" | tail -30
+             timeout 200 python3 scripts/profile_decode.py --batch 1 --steps 64 --host-breakdown \
+               --cprofile --trace "$OUT" 2>&1 | tee "$OUT/b1_profile.log" \
+               | grep -E "wall per step|host |GPU over|gap " ;;
     flatgrid) # MRV2_ATTN_FLAT_GRID (paged attention's flat grid for prefill plans): the
               # workload-like mixed step through both grids, then the throughput A/B
               python3 -m mrv2_kernels.bench_attention --no-decode 2>&1 \
