@@ -51,6 +51,7 @@ __all__ = [
     "gumbel_sample",
     "gumbel_sample_cpu",
     "gumbel_sample_ref",
+    "gumbel_sample_rows",
     "gumbel_sample_triton",
     "hash_row_key",
     "hash_uniform",
@@ -263,11 +264,14 @@ def _gumbel_sample_kernel(
     part_idx_ptr: tl.tensor,
     chunk: int,
     num_splits: int,
+    rows_ptr: tl.tensor,
+    greedy_eps: float,
     BLOCK_V: tl.constexpr,
     SPLIT: tl.constexpr,
     FAST_LOG: tl.constexpr,
     TEMPERATURE: tl.constexpr,
     CUT: tl.constexpr,
+    ROWS: tl.constexpr = False,
 ) -> None:
     # Program (row, split) scans vocab [split * chunk, (split + 1) * chunk). Without SPLIT
     # (one split) it writes the token; with SPLIT it writes a partial (max, index).
@@ -279,14 +283,21 @@ def _gumbel_sample_kernel(
     cut = tl.full([], 0, tl.int64)
     if CUT:
         cut = tl.load(cut_ptr + row)
-    if tl.load(greedy_ptr + row) != 0:
+    if ROWS:  # per-request tables: the row's request, its temperature (greedy below eps)
+        req = tl.load(rows_ptr + row).to(tl.int64)
+        temperature = tl.load(temperature_ptr + req).to(tl.float32)
+        greedy = temperature < greedy_eps
+    else:
+        req = row
+        temperature = tl.full([], 1.0, tl.float32)
+        if TEMPERATURE:
+            temperature = tl.load(temperature_ptr + row).to(tl.float32)
+        greedy = tl.load(greedy_ptr + row) != 0
+    if greedy:
         best_val, best_idx = _chunk_argmax(row_ptr, 0, 1.0, cut, start, end, BLOCK_V, False,
                                            False, False, CUT)
     else:
-        key = hash_row_key(tl.load(seeds_ptr + row), tl.load(positions_ptr + row))
-        temperature = 1.0
-        if TEMPERATURE:
-            temperature = tl.load(temperature_ptr + row).to(tl.float32)
+        key = hash_row_key(tl.load(seeds_ptr + req), tl.load(positions_ptr + row))
         best_val, best_idx = _chunk_argmax(row_ptr, key, temperature, cut, start, end, BLOCK_V,
                                            True, FAST_LOG, TEMPERATURE, CUT)
     if SPLIT:
@@ -393,6 +404,15 @@ def gumbel_sample_triton(
     does not depend on ``block_v`` or ``num_splits``.
     """
     _check_args(logits, seeds, positions, greedy, out, temperature, threshold)
+    _launch(logits, seeds, positions, greedy, out, temperature, threshold, block_v, num_splits)
+
+
+def _launch(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+            greedy: torch.Tensor, out: torch.Tensor, temperature: torch.Tensor | None,
+            threshold: torch.Tensor | None, block_v: int | None, num_splits: int | None,
+            rows: torch.Tensor | None = None, greedy_eps: float = 0.0) -> None:
+    """:func:`gumbel_sample_triton`'s launch; with ``rows``, ``seeds`` and ``temperature``
+    are per-request tables (:func:`gumbel_sample_rows`) and ``greedy`` is unused."""
     n, vocab = logits.shape
     if n == 0:
         return
@@ -426,11 +446,14 @@ def gumbel_sample_triton(
         part_idx,
         chunk,
         splits,
+        rows if rows is not None else seeds,
+        float(greedy_eps),
         BLOCK_V=block,
         SPLIT=splits > 1,
         FAST_LOG=fast_log,
         TEMPERATURE=temperature is not None,
         CUT=threshold is not None,
+        ROWS=rows is not None,
         num_warps=8 if block >= 2048 else 4,
     )
     if splits > 1:
@@ -473,6 +496,42 @@ def gumbel_sample(
     """
     impl = gumbel_sample_triton if use_triton(logits) else gumbel_sample_cpu
     impl(logits, seeds, positions, greedy, out, temperature, threshold)
+
+
+def gumbel_sample_rows(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    seed_table: torch.Tensor,
+    temperature_table: torch.Tensor,
+    positions: torch.Tensor,
+    out: torch.Tensor,
+    greedy_eps: float,
+    threshold: torch.Tensor | None = None,
+) -> None:
+    """:func:`gumbel_sample` with each row's seed and temperature read from per-request
+    tables: row ``n`` belongs to request row ``rows[n]`` (``[N]`` int), samples with seed
+    ``seed_table[rows[n]]`` and, unless its temperature ``temperature_table[rows[n]]`` is
+    below ``greedy_eps`` (then the plain argmax), divides by that temperature. The tokens of
+    ``gumbel_sample(logits, seed_table[rows], positions, t < greedy_eps, out, t, threshold)``
+    with ``t = temperature_table[rows]``, without those gathers, the comparison and their
+    launches: on the GPU the sampling kernel reads the tables itself (a decode step's
+    sampling tail, batch 1: five small kernels fewer)."""
+    n = logits.shape[0] if logits.dim() == 2 else -1
+    if rows.shape != (n,) or rows.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"rows must be [{n}] int32/int64 (one per logits row), got "
+                         f"{tuple(rows.shape)} {rows.dtype}")
+    if seed_table.dim() != 1 or temperature_table.dim() != 1:
+        raise ValueError("seed_table and temperature_table must be 1-D (one entry a request "
+                         f"row), got {tuple(seed_table.shape)} and "
+                         f"{tuple(temperature_table.shape)}")
+    if not use_triton(logits):
+        temperature = temperature_table[rows.long()]
+        gumbel_sample_cpu(logits, seed_table[rows.long()], positions,
+                          temperature < greedy_eps, out, temperature, threshold)
+        return
+    _check_args(logits, positions, positions, positions, out, None, threshold)
+    _launch(logits, seed_table, positions, positions, out, temperature_table, threshold,
+            None, None, rows=rows, greedy_eps=greedy_eps)
 
 
 def _cut(x: torch.Tensor, threshold: torch.Tensor | None) -> torch.Tensor:

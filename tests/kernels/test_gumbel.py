@@ -24,7 +24,7 @@ from mrv2_kernels import (
     uniform_hash_ref,
     uniform_hash_triton,
 )
-from mrv2_kernels.gumbel import gumbel_sample_cpu
+from mrv2_kernels.gumbel import gumbel_sample_cpu, gumbel_sample_rows
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Conversion of an array with ndim:DeprecationWarning"
@@ -160,6 +160,35 @@ def test_temperature_in_kernel_equals_dividing_first(dtype: torch.dtype) -> None
         assert torch.equal(got, want), fn
     # the scale matters: unscaled sampling differs somewhere
     assert not torch.equal(sample(gumbel_sample_ref, logits, seeds, positions, greedy), want)
+
+
+@pytest.mark.parametrize("kernels", ["triton", "torch"])
+def test_rows_read_from_per_request_tables(kernels: str, monkeypatch: pytest.MonkeyPatch
+                                           ) -> None:
+    """``gumbel_sample_rows`` (the seed and temperature of each row's request read from
+    tables, greedy below eps) gives the tokens of gathering them first; a top-k / top-p cut
+    rides along; rows name requests in any order, some twice."""
+    monkeypatch.setenv("MRV2_KERNELS", kernels)
+    logits, seeds, positions, greedy = make_inputs(seed=7, n=6, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(11)
+    temps = (torch.rand(9, generator=g) + 0.2).to(DEVICE)
+    temps[[2, 5]] = torch.tensor([0.0, 1e-6])  # greedy requests (below eps)
+    seed_table = torch.randint(-(2**62), 2**62, (9,), generator=g).to(DEVICE)
+    rows = torch.tensor([5, 0, 8, 2, 0, 7], dtype=torch.int32, device=DEVICE)
+    t = temps[rows.long()]
+    want = torch.full((6,), 777, dtype=I64, device=DEVICE)
+    gumbel_sample_ref(logits, seed_table[rows.long()], positions, t < 1e-5, want, t)
+    assert (t < 1e-5).sum() == 2 and want[0] == logits[0].float().argmax()
+    got = torch.full_like(want, 777)
+    gumbel_sample_rows(logits, rows, seed_table, temps, positions, got, 1e-5)
+    assert torch.equal(got, want)
+    keys = torch.full((6,), -(2**31), device=DEVICE)  # no cut ...
+    keys[0] = 2**31  # ... but row 0 keeps nothing
+    got.fill_(777)
+    gumbel_sample_rows(logits, rows, seed_table, temps, positions, got, 1e-5, keys)
+    assert got[0] == 0 and torch.equal(got[1:], want[1:])  # (no other row's cut bites)
+    with pytest.raises(ValueError, match=r"rows must be \[6\] int32/int64"):
+        gumbel_sample_rows(logits, rows[:5], seed_table, temps, positions, got, 1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -32,7 +32,7 @@ from mrv2.sample.logprobs import token_logprobs
 from mrv2.sample.masks import apply_masks, apply_token_bitmask
 from mrv2.sample.prompt_logprobs import PromptChunk, PromptLogprobs, compute_prompt_logprobs
 from mrv2.sample.state import SamplingState
-from mrv2_kernels.gumbel import divide_rows, gumbel_sample
+from mrv2_kernels.gumbel import divide_rows, gumbel_sample, gumbel_sample_rows
 from mrv2_kernels.penalties import apply_penalties
 from mrv2_kernels.top_k_top_p import top_k_top_p, top_k_top_p_keys
 
@@ -281,13 +281,20 @@ class Sampler:
                                     state.repetition_penalty, state.frequency_penalty,
                                     state.presence_penalty)
             apply_masks(logits, idx, table, state, plan.rare, batch.logits_positions)
+        verifies = bool(batch.max_draft_tokens) and (self.verify_method == "synthetic" or (
+            self.verify_method == "probabilistic" and not plan.all_greedy))
+        out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+        if not verifies and (plan.all_greedy or not (plan.any_min_p or plan.any_top_k_top_p)):
+            # the common plan: the kernel reads each row's seed and temperature itself (no
+            # gathers, comparison or their launches: a decode step's sampling tail)
+            gumbel_sample_rows(logits, idx, state.seed, state.temperature,
+                               batch.logits_positions, out, _GREEDY_EPS)
+            return self._with_logprobs(raw, out, plan)
         rows = idx.long()
         temperature = state.temperature[rows]
         greedy = temperature < _GREEDY_EPS
         scale: torch.Tensor | None = None  # the temperature, when the sampling kernel applies it
         cut: torch.Tensor | None = None  # top-k / top-p thresholds the sampling kernel applies
-        verifies = bool(batch.max_draft_tokens) and (self.verify_method == "synthetic" or (
-            self.verify_method == "probabilistic" and not plan.all_greedy))
         if not plan.all_greedy:
             divisor = torch.where(greedy, 1.0, temperature)
             if (plan.any_top_k_top_p and not plan.any_min_p and not verifies
@@ -305,9 +312,6 @@ class Sampler:
                     logits = top_k_top_p(logits, state.top_k[rows], state.top_p[rows],
                                          out=None if undivided else logits,
                                          temperature=divisor if undivided else None)
-            else:
-                scale = temperature  # same IEEE division, inside the kernel: no extra pass
-        out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         seeds = state.seed[rows]
         gumbel_sample(logits, seeds, batch.logits_positions, greedy, out, scale, cut)
         verify = None
@@ -316,6 +320,13 @@ class Sampler:
             verify_t = scale if scale is not None else torch.ones_like(temperature)
             verify = VerifyInputs(logits, torch.where(greedy, 0.0, verify_t), seeds,
                                   batch.logits_positions, self.synthetic_rate)
+        return self._with_logprobs(raw, out, plan, verify)
+
+    @staticmethod
+    def _with_logprobs(raw: torch.Tensor, out: torch.Tensor, plan: SamplePlan,
+                       verify: VerifyInputs | None = None) -> SamplerOutput:
+        """The sampled ``out`` with their log-probabilities from the ``raw`` logits where the
+        plan asks for them."""
         if plan.max_logprobs < 0:
             return SamplerOutput(out, verify=verify)
         ids, values, rank = token_logprobs(raw, out, plan.max_logprobs)

@@ -24,7 +24,7 @@ import torch
 from mrv2.contract.attention import AttentionMetadata
 from mrv2.contract.batch import InputBatch
 from mrv2.contract.state_table import RequestStateTable
-from mrv2_kernels.gumbel import gumbel_sample
+from mrv2_kernels.gumbel import gumbel_sample_rows
 from mrv2_kernels.spec_decode import write_drafts
 
 _GREEDY_EPS = 1e-5
@@ -89,9 +89,8 @@ class DraftSteps:
         drafts = torch.empty(self.num_reqs, dtype=torch.int64, device=self.device)
         if sampling is None or argmax:
             return drafts.copy_(logits.argmax(dim=-1))
-        temperature = sampling.temperature[self.rows]
-        gumbel_sample(logits, sampling.seed[self.rows], pos, temperature < _GREEDY_EPS, drafts,
-                      temperature)
+        gumbel_sample_rows(logits, self.rows, sampling.seed, sampling.temperature, pos, drafts,
+                           _GREEDY_EPS)
         return drafts
 
     def write(self, pos: torch.Tensor, drafts: torch.Tensor, valid: torch.Tensor) -> None:
