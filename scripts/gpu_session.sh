@@ -485,6 +485,17 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                   | tee "$OUT/structured.log" | tail -8 ;;
     profile) python3 scripts/profile_decode.py --batch 1 ${PROFILE_ARGS:-} 2>&1 \
                | tee "$OUT/profile_b1.log" | tail -60 ;;
+    verify42) # the forty-second session's changes on CUDA: the sampling kernel's tables and
+              # the sampler's GPU tests, Llama 4 (chunked tables), its images and Gemma 4
+              # audio (the shared no-sync drill), Qwen-VL's drill
+              timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gumbel.py 2>&1 \
+                | tee "$OUT/v42_gumbel.log" | tail -1
+              timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_sampler.py \
+                2>&1 | tee "$OUT/v42_sampler.log" | tail -2
+              timeout 170 python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_llama4.py \
+                tests/gpu/test_gpu_llama4_images.py tests/gpu/test_gpu_gemma4_audio.py \
+                tests/gpu/test_gpu_qwen_vl.py -k "llama4 or gemma4_audio or never_synchronize" 2>&1 \
+                | tee "$OUT/v42_gpu.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -14 ;;
     earlyab) # the forty-second session: the state kernels' metadata and state before the PDL
              # wait, on CUDA (their kernel tests, the hybrid families' GPU tests), then
              # Qwen3-Next cut to 8 layers at batch 1, MRV2_PDL_EARLY_META=0 / default, twice
