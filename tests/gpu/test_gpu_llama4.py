@@ -79,6 +79,27 @@ def test_llama4_with_graphs(tmp_path: Path, case: str) -> None:
     assert sum(g[0] == e[0] for g, e in zip(graphs, expected, strict=True)) >= len(PROMPTS) - 1
 
 
+def test_llama4_chunked_tables_with_graphs(tmp_path: Path) -> None:
+    """Chunks of 32 (a context of 256): the chunked layers' block table of its own frees each
+    request's earlier chunks as it runs, in a pool too small to keep them; fp32 greedy
+    tokens with graphs (prompts of up to 97 tokens, 40 more: past four chunk boundaries) are
+    HF's."""
+    from mrv2.contract.kv_cache import AttentionChunk
+    from mrv2_llama4.testing import save_tiny_llama4
+
+    hf = save_tiny_llama4(tmp_path, **{**ARCH, "attention_chunk_size": 32})
+    expected = [_hf_tokens(hf, p) for p in PROMPTS]
+    llm = LLM(str(tmp_path), device="cuda", dtype="float32", block_size=16,
+              gpu_memory_utilization=0.3, num_gpu_blocks_override=30)
+    assert llm.engine.runner.kv_table_windows == (None, AttentionChunk(32))
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.engine.scheduler.tables.num_freed > 0
+    assert llm.engine.block_manager.num_free_blocks == 30
+    llm.shutdown()
+
+
 def test_llama4_steps_never_synchronize(tmp_path: Path) -> None:
     _save(tmp_path, "causal")
     config = EngineConfig.from_kwargs(model=str(tmp_path), device="cuda", dtype="bfloat16",
