@@ -172,7 +172,7 @@ def test_rows_read_from_per_request_tables(kernels: str, monkeypatch: pytest.Mon
     logits, seeds, positions, greedy = make_inputs(seed=7, n=6, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(11)
     temps = (torch.rand(9, generator=g) + 0.2).to(DEVICE)
-    temps[[2, 5]] = torch.tensor([0.0, 1e-6])  # greedy requests (below eps)
+    temps[[2, 5]] = torch.tensor([0.0, 1e-6], device=DEVICE)  # greedy requests (below eps)
     seed_table = torch.randint(-(2**62), 2**62, (9,), generator=g).to(DEVICE)
     rows = torch.tensor([5, 0, 8, 2, 0, 7], dtype=torch.int32, device=DEVICE)
     t = temps[rows.long()]
