@@ -496,6 +496,13 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                 tests/gpu/test_gpu_llama4_images.py tests/gpu/test_gpu_gemma4_audio.py \
                 tests/gpu/test_gpu_qwen_vl.py -k "llama4 or gemma4_audio or never_synchronize" 2>&1 \
                 | tee "$OUT/v42_gpu.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -14 ;;
+    verify42b) # what verify42's call left: the sampling kernel's test on CUDA, Gemma 4 audio
+               # (TF32 convolutions off for fp32 parity; the shared drill), Qwen-VL's drill
+               timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gumbel.py 2>&1 \
+                 | tee "$OUT/v42b_gumbel.log" | tail -1
+               timeout 200 python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_gemma4_audio.py \
+                 tests/gpu/test_gpu_qwen_vl.py -k "gemma4_audio or never_synchronize" 2>&1 \
+                 | tee "$OUT/v42b_gpu.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -6 ;;
     earlyab) # the forty-second session: the state kernels' metadata and state before the PDL
              # wait, on CUDA (their kernel tests, the hybrid families' GPU tests), then
              # Qwen3-Next cut to 8 layers at batch 1, MRV2_PDL_EARLY_META=0 / default, twice
