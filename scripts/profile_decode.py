@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mrv2.bench.measure import resolve_model, time_host_parts
+from mrv2.bench.measure import kernel_increments, resolve_model, time_host_parts
 from mrv2.config import EngineConfig
 from mrv2.contract.params import SamplingParams
 from mrv2.engine.engine import LLMEngine
@@ -133,6 +133,13 @@ if kernels:
           f"{sum(g for g, _ in big) / 8e3:.3f} ms/step")
     for gap, after in big:
         print(f"  gap {gap:8.1f} us after {after[:70]}")
+    # Where the steps' time goes with PDL's overlap: each kernel's increment of the span
+    incs, idle, span = kernel_increments([(e.name, e.time_range.start, e.time_range.end)
+                                          for e in kernels])
+    print(f"increments per step (us; idle {idle / 8:.1f}, span {span / 8:.1f}):")
+    for name, (calls, total) in sorted(incs.items(), key=lambda kv: -kv[1][1])[:16]:
+        print(f"  {total / 8:8.1f} us in {calls / 8:5.1f} calls ({total / calls:5.2f} each)  "
+              f"{name[:60]}")
     nccl = [e for e in kernels if "nccl" in e.name.lower()]
     if nccl:
         comm = sum(e.time_range.end - e.time_range.start for e in nccl)

@@ -445,3 +445,17 @@ def test_every_bundled_config_builds_the_released_model() -> None:
             model = model_cls(config)
         billions = sum(p.numel() for p in model.parameters()) / 1e9
         assert abs(billions / PUBLISHED_BILLIONS[name] - 1) < 0.02, (name, billions)
+
+
+def test_kernel_increments_add_up_with_overlap_and_idle() -> None:
+    """PDL-style overlap (b starts before a ends), a kernel inside the work before it (c: no
+    increment), idle time before d; increments and idle add up to the span."""
+    from mrv2.bench.measure import kernel_increments
+
+    intervals = [("b", 4.0, 9.0), ("a", 0.0, 5.0), ("c", 6.0, 8.0), ("d", 12.0, 13.5),
+                 ("a", 13.0, 16.0)]
+    incs, idle, span = kernel_increments(intervals)
+    assert incs == {"a": (2, 5.0 + 2.5), "b": (1, 4.0), "c": (1, 0.0), "d": (1, 1.5)}
+    assert idle == 3.0 and span == 16.0
+    assert sum(total for _, total in incs.values()) + idle == span
+    assert kernel_increments([]) == ({}, 0.0, 0.0)

@@ -326,3 +326,28 @@ def breakdown(log: StepLog, end: float) -> dict[str, dict[str, float]]:
             if key in row:
                 row[key] = round(row[key], 4)
     return out
+
+
+def kernel_increments(intervals: list[tuple[str, float, float]]
+                      ) -> tuple[dict[str, tuple[int, float]], float, float]:
+    """Where a stretch of GPU time goes when kernels overlap (programmatic dependent launch
+    starts a kernel before the one ahead of it ends, so kernel durations overlap and their sum
+    says little): ``({name: (calls, increment)}, idle, span)`` over ``(name, start, end)``
+    intervals on one stream. A kernel's increment is how far it moves the end of the GPU's
+    work so far (its end past the latest end before it, 0 when it ends inside the work
+    before); ``idle`` is the time no kernel ran (a start past the latest end: the host was
+    late); increments and idle add up to ``span``, the first start to the last end."""
+    out: dict[str, tuple[int, float]] = {}
+    if not intervals:
+        return out, 0.0, 0.0
+    ordered = sorted(intervals, key=lambda kernel: kernel[1])
+    frontier = ordered[0][1]
+    idle = 0.0
+    for name, start, end in ordered:
+        if start > frontier:
+            idle += start - frontier
+            frontier = start
+        calls, total = out.get(name, (0, 0.0))
+        out[name] = (calls + 1, total + max(0.0, end - frontier))
+        frontier = max(frontier, end)
+    return out, idle, frontier - ordered[0][1]
