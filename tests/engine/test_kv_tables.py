@@ -63,8 +63,8 @@ def test_one_table_where_it_saves_nothing(case: str, monkeypatch: pytest.MonkeyP
         layer_specs = dict(specs(None, None))
     elif case == "short max_model_len":
         max_model_len = 32  # the window is the whole context
-    elif case == "layouts differ":
-        layer_specs[1] = PagedKVSpec(4, 8, 32)
+    elif case == "layouts differ":  # (paged KV of other shapes shares through pages)
+        layer_specs[1] = LatentKVSpec(32)
     elif case == "too many tables":
         layer_specs = dict(specs(None, *[32] * MAX_TABLES))
     elif case == "switched off":
@@ -161,6 +161,35 @@ def test_prefix_hit_through_a_chunked_table() -> None:
     del blocks._cached[table_key(hashes[4], 1)]  # without it: 4 blocks (16 starts a chunk)
     hit, held_from = tables.find_prefix(hashes[:5])
     assert len(hit[0]) == 4 and held_from == [0, 4]
+
+
+def test_layouts_that_differ_share_pages() -> None:
+    """Gemma 4's pattern: wide global layers (4 kv heads of 16) among narrower sliding ones (2
+    of 8, window 32): tables still, each slot's tensor a view of one buffer of pages as large
+    as the widest layer's block, which is what a block id costs; the views address their own
+    blocks (a write through one lands in the buffer at its page)."""
+    layer_specs = {i: PagedKVSpec(2, 8, 32) for i in range(6)}
+    layer_specs[2] = layer_specs[5] = PagedKVSpec(4, 16)
+    layout = plan_tables(layer_specs, 4, 1024)
+    assert layout.windows == (None, 32, 32)
+    assert layout.layer_tables == (1, 1, 0, 2, 2, 0) and layout.layer_slots == (0, 1, 0, 0, 1, 1)
+    caches = KVCaches(layer_specs, get_plugin_manager().registries, torch.device("cpu"), None)
+    caches.layout = layout
+    wide = layer_specs[2].bytes_per_block(4, torch.float32)
+    assert caches.bytes_per_block(4, torch.float32) == 2 * wide
+    caches.allocate(5, 4, torch.float32, torch.device("cpu"))
+    t = caches.tensors
+    assert t[2].shape == (2, 5, 4, 4, 16) and t[0].shape == (2, 5, 4, 2, 8)
+    assert t[0].untyped_storage().data_ptr() == t[2].untyped_storage().data_ptr()
+    assert t[1].untyped_storage().data_ptr() == t[5].untyped_storage().data_ptr()
+    assert t[0].untyped_storage().data_ptr() != t[1].untyped_storage().data_ptr()
+    t[0][1, 3, 2] = 7.0  # value of block 3, offset 2 of a narrow layer
+    page = 4 * 4 * 16
+    flat = t[2].as_strided((2 * 5 * page,), (1,), t[2].storage_offset())
+    assert (flat[5 * page + 3 * page + 2 * 16 : 5 * page + 3 * page + 3 * 16] == 7.0).all()
+    # pages that cost more than they free: a narrow sliding layer beside a wide full one
+    assert plan_tables({0: PagedKVSpec(8, 64), 1: PagedKVSpec(1, 8, 32)}, 4, 64) == (
+        KVTableLayout.single(2))
 
 
 def test_drafter_layers_read_table_0() -> None:

@@ -156,11 +156,29 @@ def write_kv_cpu(
     new = torch.stack((key, value))  # [2, T, Hk, D]
     if rows is not None:
         new = new[:, rows]
-    new = to_cache_dtype(new, kv_cache.dtype)
-    target = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
+    scatter_slots(kv_cache, slots, to_cache_dtype(new, kv_cache.dtype))
+
+
+def gather_slots(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``[2, S, Hk, D]``: the keys and values at flat ``slots`` (int64, ``block * block_size
+    + offset``) of ``kv_cache`` ``[2, N, block_size, Hk, D]``, a cache of its own or a view
+    of shared pages (:func:`~mrv2.contract.kv_cache.shared_pages`)."""
+    if kv_cache.is_contiguous():
+        return kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4]).index_select(1, slots)
+    size = kv_cache.shape[2]
+    return kv_cache[:, slots // size, slots % size]
+
+
+def scatter_slots(kv_cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
+    """Store ``new`` ``[2, S, Hk, D]`` (the cache's dtype) at flat ``slots`` of ``kv_cache``
+    (as :func:`gather_slots` reads them)."""
     if new.element_size() == 1:  # fp8: CPU index_copy_ has no float8 kernel; the bytes do
-        target, new = target.view(torch.uint8), new.view(torch.uint8)
-    target.index_copy_(1, slots, new)
+        kv_cache, new = kv_cache.view(torch.uint8), new.view(torch.uint8)
+    if kv_cache.is_contiguous():
+        kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4]).index_copy_(1, slots, new)
+    else:
+        size = kv_cache.shape[2]
+        kv_cache[:, slots // size, slots % size] = new
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -200,7 +218,7 @@ def paged_attention_cpu(
     group = num_heads // num_kv_heads
     n, q_len, length = plan.num_reqs, plan.max_query_len, plan.max_seq_len
     # Keys and values as [2, B, Hk, L, D] views over the gathered [2, B * L, Hk * D] rows.
-    kv = kv_cache.view(2, -1, num_kv_heads * head_dim).index_select(1, plan.read_slots)
+    kv = gather_slots(kv_cache, plan.read_slots)
     if kv.dtype != torch.float32:
         kv = kv.float()
     kv = kv.view(2, n, length, num_kv_heads, head_dim).transpose(2, 3)

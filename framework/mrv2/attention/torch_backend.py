@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from mrv2.attention.cpu_paged import paged_attention_cpu, plan_for, write_kv_cpu
+from mrv2.attention.cpu_paged import (
+    gather_slots,
+    paged_attention_cpu,
+    plan_for,
+    scatter_slots,
+    write_kv_cpu,
+)
 from mrv2.contract.attention import AttentionMetadata, PagedAttentionBackend
 from mrv2.contract.forward_context import current_forward_context
 from mrv2_kernels.kv_cache import to_cache_dtype
@@ -85,22 +91,21 @@ class TorchAttentionBackend(PagedAttentionBackend):
         harmless; when no row is real, each writes slot 0's own value back.
         """
         num_tokens = key.shape[0]
-        flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
         slots = slot_mapping[:num_tokens]
         valid = slots >= 0
         first_valid = torch.argmax(valid.to(torch.int32))
         rows = torch.arange(num_tokens, device=slots.device)
         src = torch.where(valid, rows, first_valid)
-        target = slots[src].clamp(min=0)
-        keep_old = ~valid[src][:, None, None]
-        for i, new in enumerate((key, value)):
-            new_rows = to_cache_dtype(new[src], kv_cache.dtype)
-            old = flat[i][target]
-            if new_rows.element_size() == 1:  # fp8: where / index_copy_ on the bytes
-                merged = torch.where(keep_old, old.view(torch.uint8), new_rows.view(torch.uint8))
-                flat[i].view(torch.uint8).index_copy_(0, target, merged)
-            else:
-                flat[i].index_copy_(0, target, torch.where(keep_old, old, new_rows))
+        target = slots[src].clamp(min=0).long()
+        keep_old = ~valid[src][None, :, None, None]
+        new = to_cache_dtype(torch.stack((key[src], value[src])), kv_cache.dtype)
+        old = gather_slots(kv_cache, target)
+        if new.element_size() == 1:  # fp8: where on the bytes
+            merged = torch.where(keep_old, old.view(torch.uint8),
+                                 new.view(torch.uint8)).view(new.dtype)
+        else:
+            merged = torch.where(keep_old, old, new)
+        scatter_slots(kv_cache, target, merged)
 
     def forward_reference(
         self,

@@ -151,6 +151,22 @@ def first_query_past(key: int, window: int) -> int:
     return key + window - 1
 
 
+def shared_pages(specs: list[PagedKVSpec], num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Cache tensors of ``specs`` (keys and values of different head counts or sizes) over one
+    zeroed buffer: block ``b`` of each is page ``b`` of the buffer, pages as large as the
+    largest spec's block. Each is ``[2, num_blocks, block_size, heads, head_dim]`` with its
+    own strides (a block's stride is the page, not the block: kernels take strides); layers
+    of block tables whose layouts differ share a tensor this way (:mod:`mrv2.runner.kv_tables`,
+    Gemma 4's wide global layers beside its sliding ones)."""
+    page = max(block_size * s.num_kv_heads * s.head_dim for s in specs)
+    buffer = zeroed_cache((2, num_blocks, page), dtype, device)
+    return [buffer.as_strided((2, num_blocks, block_size, s.num_kv_heads, s.head_dim),
+                              (num_blocks * page, page, s.num_kv_heads * s.head_dim,
+                               s.head_dim, 1), buffer.storage_offset())
+            for s in specs]
+
+
 @dataclass(frozen=True)
 class LatentKVSpec(KVCacheSpec):
     """One latent vector per token: ``[num_blocks, block_size, latent_dim]`` (MLA)."""

@@ -4,21 +4,27 @@ Layers of equal :class:`~mrv2.contract.kv_cache.KVCacheSpec` form a group with o
 backend (registered for the spec's kind). Block ids come from one pool, sized once for all
 groups. With one block table (the usual case) every layer has a tensor of its own and one block
 costs the sum of every layer's bytes per block; with sliding-window tables
-(:mod:`mrv2.runner.kv_tables`) layers of different tables share tensors and a block costs one
-table's layers.
+(:mod:`mrv2.runner.kv_tables`) layers of different tables share tensors (through pages where
+their layouts differ) and a block costs one table's layers.
 """
 
 from __future__ import annotations
 
 import gc
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from mrv2.config import CacheConfig
-from mrv2.contract.kv_cache import KVCacheGroup, KVCacheSpec, group_specs
+from mrv2.contract.kv_cache import (
+    KVCacheGroup,
+    KVCacheSpec,
+    PagedKVSpec,
+    group_specs,
+    shared_pages,
+)
 from mrv2.registry import Registries, import_object
-from mrv2.runner.kv_tables import KVTableLayout
+from mrv2.runner.kv_tables import KVTableLayout, layout_of
 from mrv2_kernels.kv_cache import FP8_KV_DTYPE
 
 #: ``cache.kv_cache_dtype`` values that mean a float8 e4m3 cache.
@@ -75,11 +81,12 @@ class KVCaches:
         #: before sizing: :func:`~mrv2.runner.kv_tables.plan_tables`); one table by default.
         self.layout = KVTableLayout.single(len(specs))
 
-    def _slot_specs(self) -> list[KVCacheSpec]:
-        """The spec of each tensor (a slot's layers share one layout)."""
-        slots: dict[int, KVCacheSpec] = {}
+    def _slot_layers(self) -> list[list[int]]:
+        """The layers of each tensor slot (of one layout, or paged keys and values of
+        several: :func:`~mrv2.contract.kv_cache.shared_pages`)."""
+        slots: dict[int, list[int]] = {}
         for layer_idx, slot in enumerate(self.layout.layer_slots):
-            slots.setdefault(slot, self.specs[layer_idx])
+            slots.setdefault(slot, []).append(layer_idx)
         return [slots[j] for j in range(len(slots))]
 
     def dtype(self, model_dtype: torch.dtype) -> torch.dtype:
@@ -89,17 +96,27 @@ class KVCaches:
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         """Device bytes of one block id across every tensor (``dtype``: the model's)."""
         dtype = self.dtype(dtype)
-        return sum(spec.bytes_per_block(block_size, dtype) for spec in self._slot_specs())
+        return sum(max(self.specs[i].bytes_per_block(block_size, dtype) for i in layers)
+                   for layers in self._slot_layers())
 
     def allocate(
         self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        """One tensor per slot, in the layout of its spec (``dtype``: the model's);
+        """One tensor per slot, in the layout of its spec (``dtype``: the model's), or, for a
+        slot of paged keys and values of several layouts, one buffer of pages viewed in each;
         :attr:`tensors` gives each layer its slot's."""
         dtype = self.dtype(dtype)
-        slots = [spec.allocate(num_blocks, block_size, dtype, device)
-                 for spec in self._slot_specs()]
-        self.tensors = [slots[j] for j in self.layout.layer_slots]
+        tensors: list[torch.Tensor] = [torch.empty(0)] * len(self.specs)
+        for layers in self._slot_layers():
+            layouts = list(dict.fromkeys(layout_of(self.specs[i]) for i in layers))
+            if len(layouts) == 1:
+                views = [layouts[0].allocate(num_blocks, block_size, dtype, device)]
+            else:  # (plan_tables pages paged KV only)
+                views = shared_pages(cast(list[PagedKVSpec], layouts), num_blocks, block_size,
+                                     dtype, device)
+            for i in layers:
+                tensors[i] = views[layouts.index(layout_of(self.specs[i]))]
+        self.tensors = tensors
 
     def release(self) -> None:
         """Drop the tensors (after the profiling forward)."""

@@ -19,10 +19,13 @@ gpt-oss-20b (12 full, 12 sliding layers of 128 keys) holds at ``max_model_len`` 
 8,192 + 9 blocks of 12 layers a request instead of 8,192 blocks of 24 layers: about half the
 memory, twice the requests. Llama 4 Scout (12 full layers, 36 of chunks of 8,192) holds at
 131,072 tokens 8,192 + 3 x 512 blocks of 12 layers instead of 8,192 of 48: 3.4x the
-requests. The layout is used only where it holds fewer bytes for a request of
-``max_model_len`` than one table (padding a last table of fewer layers costs the missing
-layers' bytes), where every layer has the same layout but for the window, and for at most
-:data:`MAX_TABLES` tables. ``MRV2_SLIDING_KV_TABLES=0`` keeps one table for every layer.
+requests. Layers of different layouts (Gemma 4's global layers: twice the head size, other
+head counts) share a slot through pages (:func:`~mrv2.contract.kv_cache.shared_pages`): a
+block id costs each slot's largest block, so a narrower layer leaves part of its page unused.
+The layout is used only where it holds fewer bytes for a request of ``max_model_len`` than
+one table (a last table of fewer layers, and pages, count in full), where layouts differ
+only for paged keys and values, and for at most :data:`MAX_TABLES` tables.
+``MRV2_SLIDING_KV_TABLES=0`` keeps one table for every layer.
 """
 
 from __future__ import annotations
@@ -32,12 +35,16 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from mrv2.contract.attention import AttentionMetadata
 from mrv2.contract.batch import InputBatch, InputBuffers
 from mrv2.contract.kv_cache import AttentionChunk, KVCacheSpec, PagedKVSpec
 
 #: ``0``: one block table for every layer (sliding-window blocks are kept, as before).
 SLIDING_TABLES_ENV_VAR = "MRV2_SLIDING_KV_TABLES"
+#: The element type the layout's byte comparisons assume (they are ratios: any one dtype).
+_NOMINAL = torch.bfloat16
 #: Most block tables a model gets (each costs a block-table row per request and a prep launch
 #: per step); past it, one table.
 MAX_TABLES = 16
@@ -76,7 +83,9 @@ def _window_of(spec: KVCacheSpec) -> int | None:
     return spec.window if isinstance(spec, PagedKVSpec) else None
 
 
-def _unwindowed(spec: KVCacheSpec) -> KVCacheSpec:
+def layout_of(spec: KVCacheSpec) -> KVCacheSpec:
+    """``spec`` without its window or chunk: what its tensor's layout depends on (layers of
+    equal layouts share a tensor as it is, others through pages)."""
     if isinstance(spec, PagedKVSpec) and spec.window is not None:
         return dataclasses.replace(spec, sliding_window=None, attention_chunk=None)
     return spec
@@ -86,7 +95,7 @@ def without_windows(specs: dict[int, KVCacheSpec]) -> dict[int, KVCacheSpec]:
     """``specs`` with every sliding window and chunk dropped: layers that must read table 0
     (a drafter's, whose metadata is built over table 0), still masked to their window or
     chunk by the attention call."""
-    return {i: _unwindowed(spec) for i, spec in specs.items()}
+    return {i: layout_of(spec) for i, spec in specs.items()}
 
 
 def window_blocks(window: int, block_size: int) -> int:
@@ -118,8 +127,9 @@ def plan_tables(
     if os.environ.get(SLIDING_TABLES_ENV_VAR, "1") == "0" or all(
             w is None for w in windows.values()):
         return single
-    if len({_unwindowed(spec) for spec in specs.values()}) != 1:
-        return single  # layers of different layouts cannot share tensors
+    if len({layout_of(spec) for spec in specs.values()}) != 1 and not all(
+            isinstance(spec, PagedKVSpec) for spec in specs.values()):
+        return single  # layers of different layouts share tensors as paged KV only (pages)
     full = [i for i in sorted(specs) if windows[i] is None]
     by_window: dict[int, list[int]] = {}
     for i in sorted(specs):
@@ -132,8 +142,14 @@ def plan_tables(
         tables += [(w, layers[j : j + size]) for j in range(0, len(layers), size)]
     if len(tables) > MAX_TABLES:
         return single
+    # A block id costs every slot's page (its largest layer's block), whichever table holds it
+    pages = [0] * size
+    for _, layers in tables:
+        for j, i in enumerate(layers):
+            pages[j] = max(pages[j], specs[i].bytes_per_block(block_size, _NOMINAL))
     held = blocks_per_request([w for w, _ in tables], block_size, max_model_len)
-    if size * held >= n * blocks_per_request([None], block_size, max_model_len):
+    every = sum(spec.bytes_per_block(block_size, _NOMINAL) for spec in specs.values())
+    if held * sum(pages) >= blocks_per_request([None], block_size, max_model_len) * every:
         return single  # (a short max_model_len, or a lone sliding layer padded to a table)
     layer_tables = [0] * n
     layer_slots = [0] * n

@@ -161,14 +161,24 @@ def test_moe_block_matches_hf(tmp_path: Path) -> None:
 
 def test_greedy_tokens_match_hf_through_the_engine(tmp_path: Path) -> None:
     """Prompts and outputs past the window, chunked prefill (8 tokens a step): HF
-    ``generate``'s tokens."""
+    ``generate``'s tokens. The sliding layers get block tables of their own though the
+    global layer's cache has another shape (one kv head of 32 against two of 16: they share
+    tensors through pages), and their blocks out of the window go back to the pool."""
     hf = _save_text(tmp_path, **FULL)
     llm = LLM(str(tmp_path), device="cpu", dtype="float32", block_size=4,
-              max_num_batched_tokens=8)
+              max_num_batched_tokens=8, num_gpu_blocks_override=24)
+    runner = llm.engine.runner
+    assert runner.kv_table_windows == (None, 4, 4)
+    assert runner.kv.tensors[1].shape[3:] == (1, 32) and runner.kv.tensors[0].shape[3:] == (
+        2, 16)
+    assert runner.kv.tensors[0].untyped_storage().data_ptr() == (
+        runner.kv.tensors[1].untyped_storage().data_ptr())  # (one slot: pages)
     prompts = [[5, 17, 42, 9, 100, 3, 77, 8, 8, 120], [3 + i for i in range(9)] + [40], [64]]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [_hf_generate(hf, p, 10) for p in prompts]
+    assert llm.engine.scheduler.tables.num_freed > 0
+    assert llm.engine.block_manager.num_free_blocks == 24
 
 
 def _hf_generate(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
