@@ -138,7 +138,10 @@ def expert_read_bytes(runner: Runner, before: list[int], after: list[int]) -> in
 
 
 def kv_bytes_per_token(runner: Runner) -> int:
-    """KV-cache bytes of one token across all layers (whatever each layer's cache layout)."""
+    """KV-cache bytes a step reads for each token of its sequences: one token across all
+    layers (whatever each layer's cache layout); with block tables of their own for sliding
+    or chunked layers (:mod:`mrv2.runner.kv_tables`) a block id's bytes, which are table 0's
+    full-attention layers' (pages included): the windows' own reads, bounded, left out."""
     return runner.kv.bytes_per_block(1, runner.dtype)
 
 
