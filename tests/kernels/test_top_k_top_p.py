@@ -283,11 +283,13 @@ for in_place in (False, True):
     build(t._write_kernel, {"x_ptr": f32 if in_place else x, "t_ptr": f32, "out_ptr": f32,
                             "thr_ptr": i64},
           dict(CHUNK=8192, BLOCK=1024, IN_PLACE=in_place, TEMP=not in_place), num_warps=4)
-build(g._gumbel_sample_kernel,
-      {"logits_ptr": x, "seeds_ptr": i64, "positions_ptr": i64, "greedy_ptr": "*u8",
-       "temperature_ptr": f32, "cut_ptr": i64, "out_ptr": i64, "part_val_ptr": f32,
-       "part_idx_ptr": i32},
-      dict(BLOCK_V=2048, SPLIT=True, FAST_LOG=True, TEMPERATURE=True, CUT=True), num_warps=8)
+for rows in (False, True):  # (rows: the tables read per row, gumbel_sample_rows)
+    build(g._gumbel_sample_kernel,
+          {"logits_ptr": x, "seeds_ptr": i64, "positions_ptr": i64, "greedy_ptr": "*u8",
+           "temperature_ptr": f32, "cut_ptr": i64, "out_ptr": i64, "part_val_ptr": f32,
+           "part_idx_ptr": i32, "rows_ptr": i32},
+          dict(BLOCK_V=2048, SPLIT=True, FAST_LOG=True, TEMPERATURE=True, CUT=True, ROWS=rows),
+          num_warps=8)
 """
 
 
@@ -297,3 +299,4 @@ def test_kernels_compile_for_sm90(tmp_path: Path) -> None:
 
     built = compile_for_sm90(_SM90_SCRIPT, tmp_path)
     assert len(built) == 7 and len(built["_write_kernel"]) == 2, built
+    assert len(built["_gumbel_sample_kernel"]) == 2, built

@@ -2,8 +2,8 @@
 tensors their layers share.
 
 A layer that attends over its last ``W`` keys never reads a block again once the request's
-queries have moved ``W`` tokens past it; one of chunked local attention (chunks of ``C``,
-Llama 4) never again once its queries are in a later chunk. With one block table for every
+queries have moved ``W`` tokens past it; one of chunked local attention (chunks of ``C``)
+never again once its queries are in a later chunk. With one block table for every
 layer such a block stays held as long as the request runs, because the full-attention layers
 still need the same block id. Here, as in vLLM's hybrid KV cache manager, layers are split
 into *tables*: the full-attention layers are table 0 and the sliding layers of each window
@@ -17,10 +17,10 @@ overlap, so a block id costs the bytes of one table's layers, not of the whole m
 
 gpt-oss-20b (12 full, 12 sliding layers of 128 keys) holds at ``max_model_len`` 131,072
 8,192 + 9 blocks of 12 layers a request instead of 8,192 blocks of 24 layers: about half the
-memory, twice the requests. Llama 4 Scout (12 full layers, 36 of chunks of 8,192) holds at
-131,072 tokens 8,192 + 3 x 512 blocks of 12 layers instead of 8,192 of 48: 3.4x the
-requests. Layers of different layouts (Gemma 4's global layers: twice the head size, other
-head counts) share a slot through pages (:func:`~mrv2.contract.kv_cache.shared_pages`): a
+memory, twice the requests. A model of 12 full layers and 36 chunked ones (chunks of 8,192)
+holds at 131,072 tokens 8,192 + 3 x 512 blocks of 12 layers instead of 8,192 of 48: 3.4x the
+requests. Layers of different layouts (global layers of twice the sliding ones' head size,
+other head counts) share a slot through pages (:func:`~mrv2.contract.kv_cache.shared_pages`): a
 block id costs each slot's largest block, so a narrower layer leaves part of its page unused.
 The layout is used only where it holds fewer bytes for a request of ``max_model_len`` than
 one table (a last table of fewer layers, and pages, count in full), where layouts differ
