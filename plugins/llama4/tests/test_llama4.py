@@ -354,6 +354,30 @@ def test_engine_matches_hf_past_the_chunk(tmp_path: Path) -> None:
                               _hf_logits(hf, prompts[0]))
 
 
+def test_chunked_tables_with_drafts(tmp_path: Path) -> None:
+    """n-gram drafts over the chunked layers' table (chunks of 8, blocks of 2, a small pool):
+    the freeing keeps ``num_speculative_tokens`` positions more (a step's result may take
+    rejected drafts back across a chunk boundary; ``test_kv_tables.py`` checks the freeing
+    points). Greedy tokens stay HF's; drafts were both kept and rejected; blocks were
+    freed and none leaked."""
+    hf = save_tiny_llama4(tmp_path, attention_chunk_size=8, max_position_embeddings=128)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], [9, 9, 9, 9, 9, 9], [3 + i for i in range(9)]]
+    want = [_hf_tokens(hf, p, 20) for p in prompts]
+    with LLM(str(tmp_path), device="cpu", dtype="float32", block_size=2, max_model_len=128,
+             max_num_batched_tokens=8, num_gpu_blocks_override=40, speculative_config={
+                 "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                 "prompt_lookup_max": 2}) as llm:
+        assert llm.engine.runner.kv_table_windows == (None, AttentionChunk(8))
+        params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == want
+        proposed = sum(n * steps for n, steps in enumerate(llm.engine._drafted_hist))
+        kept = sum(n * steps for n, steps in enumerate(llm.engine._accepted_hist))
+        assert 0 < kept < proposed, (kept, proposed)
+        assert llm.engine.scheduler.tables.num_freed > 0
+        assert llm.engine.block_manager.num_free_blocks == 40
+
+
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep"])
 def test_tensor_parallel_matches_hf(tmp_path: Path, expert_parallel: bool) -> None:
     """TP=2 (two CPU processes: heads, the experts' columns, the shared expert and the dense
