@@ -5,8 +5,8 @@ contract.
 The language model is Qwen2's decoder (q/k/v biased, no q/k norm) over the flat token batch,
 rotating by M-RoPE (:mod:`mrv2_qwen_vl.mrope`: its positions are ``[3, T]``, which the model
 state computes on the device each step). The vision tower (:mod:`mrv2_qwen_vl.vision`) is a
-submodule, run by :class:`~mrv2_qwen_vl.model_state.QwenVLModelState` on a step's new images,
-not by ``forward``: the forward takes their embeddings spliced into ``inputs_embeds``.
+submodule, run by :class:`~mrv2_qwen_vl.model_state.QwenVLModelState` on a step's new images
+and videos, not by ``forward``: the forward takes their embeddings spliced into ``inputs_embeds``.
 
 Checkpoints load as published (``model.layers.*``, ``visual.*``, ``lm_head.weight``) and as
 transformers' in-memory names (``model.language_model.*``, ``model.visual.*``).
@@ -78,8 +78,9 @@ class Qwen25VLForConditionalGeneration(CausalLM):
 
 class Qwen2VLForConditionalGeneration(Qwen25VLForConditionalGeneration):
     """Qwen2-VL, the first generation: the same Qwen2 decoder with M-RoPE, positions and
-    checkpoint layout (for images; its videos' time positions differ, and videos are not
-    taken), with its own tower (:class:`~mrv2_qwen_vl.vision_qwen2.Qwen2VisionTower`:
+    checkpoint layout (its videos' frame groups advance the temporal position by 1, not by
+    Qwen2.5-VL's ``tokens_per_second`` interval: the input processor sets it), with its own
+    tower (:class:`~mrv2_qwen_vl.vision_qwen2.Qwen2VisionTower`:
     LayerNorm blocks, full attention in every block)."""
 
     tower_class = Qwen2VisionTower

@@ -1,6 +1,8 @@
-"""The Qwen-VL model states: M-RoPE positions on the device, image embeddings for each step.
+"""The Qwen-VL model states: M-RoPE positions on the device, image (and video) embeddings for
+each step.
 
-- **When a request is added** its images go into the device M-RoPE table
+- **When a request is added** its images and videos (Qwen2-VL, Qwen2.5-VL: items of kind
+  ``"video"``, with their ``time_interval``) go into the device M-RoPE table
   (:class:`~mrv2_qwen_vl.mrope.MRopeTable`), one staged copy. A text-only request's row is
   reset to plain positions.
 - **Each step**, :meth:`QwenVLModelState.prepare_inputs` maps every token to its request's row
@@ -9,7 +11,8 @@
   positions are inside the CUDA graphs like everything else of the step.
 - **The image embeddings** of each step, and the encoder cache that keeps them, are the
   core's :class:`~mrv2.contract.encoder_cache.EncoderCacheModelState`: this state's
-  :meth:`QwenVLModelState.embed_item` runs the vision tower on one image.
+  :meth:`QwenVLModelState.embed_item` runs the vision tower on one image or video (a
+  video's grid has ``t > 1`` frame groups; the tower takes it as it is).
 - **Qwen3-VL** (:class:`Qwen3VLModelState`) caches each image's deepstack features with its
   embeddings and hands a step's share of them to the model's forward.
 """
@@ -33,6 +36,8 @@ __all__ = ["Qwen3VLModelState", "QwenVLModelState", "largest_image_grid"]
 
 class QwenVLModelState(EncoderCacheModelState):
     """:class:`~mrv2.contract.model_state.ModelState` of Qwen2.5-VL (see the module doc)."""
+
+    item_kinds: tuple[str, ...] = ("image", "video")
 
     def __init__(self, model: Any, hf_config: Any, config: Any, buffers: Any, block_size: int,
                  device: torch.device) -> None:
@@ -64,29 +69,31 @@ class QwenVLModelState(EncoderCacheModelState):
     # -- per request -------------------------------------------------------------------------
 
     def check_item(self, request: NewRequest, item: MultiModalItem) -> None:
-        """An image whose grid gives its placeholder count."""
+        """An image or video whose grid gives its placeholder count."""
         super().check_item(request, item)
         t, h, w = (int(v) for v in item.data["grid_thw"])
         if item.length * self.merge**2 != t * h * w:
-            raise ValueError(f"request {request.req_id!r}: an image of grid {(t, h, w)} has "
+            what = "an image" if item.kind == "image" else "a video"
+            raise ValueError(f"request {request.req_id!r}: {what} of grid {(t, h, w)} has "
                              f"{t * h * w // self.merge**2} tokens, got length {item.length}")
 
     def add_request(self, request: NewRequest, row: int) -> None:
-        """Check the images and write them into the M-RoPE table (or reset the row), then
-        hold their cache entries."""
+        """Check the images and videos and write them into the M-RoPE table (or reset the
+        row), then hold their cache entries."""
         for item in request.mm_items:
             self.check_item(request, item)
         grids = []
         for item in request.mm_items:
             t, h, w = (int(v) for v in item.data["grid_thw"])
-            grids.append(ImageGrid(item.offset, t, h // self.merge, w // self.merge))
+            grids.append(ImageGrid(item.offset, t, h // self.merge, w // self.merge,
+                                   float(item.data.get("time_interval", 1.0))))
         self.table.set_row(row, grids)
         super().add_request(request, row)
 
     # -- per step ----------------------------------------------------------------------------
 
     def embed_item(self, item: MultiModalItem) -> torch.Tensor:
-        """One run of the vision tower on the image's patch rows."""
+        """One run of the vision tower on the image's (or video's) patch rows."""
         pixels = self.upload(cast(torch.Tensor, item.data["pixel_values"]))
         return cast(torch.Tensor, cast(Any, self.model).embed_images(
             pixels, [tuple(item.data["grid_thw"])]))
@@ -136,6 +143,8 @@ class Qwen3VLModelState(QwenVLModelState):
     :meth:`prepare_inputs` that called it, which passes them as ``deepstack``; a step without
     image rows passes nothing (no vision work, the text forward the CUDA graphs captured).
     """
+
+    item_kinds = ("image",)  # (videos: refused by the input processor)
 
     def __init__(self, model: Any, hf_config: Any, config: Any, buffers: Any, block_size: int,
                  device: torch.device) -> None:

@@ -1,21 +1,33 @@
-"""M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): 3-D rotary positions for images, 1-D for text.
+"""M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): 3-D rotary positions for images and videos, 1-D
+for text.
 
 Each token has three position components (temporal, height, width). A text token has all
 three equal; an image's ``t' x h' x w'`` merged patches (``h' = h / spatial_merge``) start at
 ``s``, the position its first token would have had as text, and take ``(s + t_idx, s + h_idx,
 s + w_idx)``; the text after the image resumes at ``s + max(h', w')`` (HF transformers 5.17's
-``get_rope_index`` for images). So past its images a request's positions are its 1-D positions
-plus a constant ``shift`` (``<= 0``: an image of ``h' * w'`` tokens advances the positions by
-only ``max(h', w')``), and every decode step keeps the shift of the request's last image.
+``get_rope_index`` for images). A video's ``t'`` frame groups take temporal positions
+``s + int(t_idx * interval)`` instead: ``interval`` is 1 but in Qwen2.5-VL, where it is
+``second_per_grid_t * tokens_per_second`` (the seconds a frame group spans, times the
+config's ``vision_config.tokens_per_second``), and the text after any image or video resumes
+at one past its largest position, ``s + span`` (``span = max(int((t' - 1) * interval), h' - 1,
+w' - 1) + 1``, ``max(h', w')`` for an image): the original Qwen code's and vLLM's rule. HF
+5.17 differs for videos in two ways: it truncates ``second_per_grid_t`` before the product
+(fixed upstream later; the two agree for whole seconds, as at the default 2 fps), and resumes
+the text after a video at ``s + max(h', w')`` while its decode positions continue from the
+largest one (they agree where the frame groups' positions stay below ``max(h', w')``). So past
+its images a request's positions are its 1-D positions plus a constant ``shift`` (``<= 0`` for
+images: an image of ``h' * w'`` tokens advances the positions by only ``max(h', w')``), and
+every decode step keeps the shift of the request's last image or video.
 
 Per request the model state keeps a small table on the device (:class:`MRopeTable`): for each
-of its images (at most ``max_items``) the 1-D offset of its first token, its token count, its
-``w'`` and ``h' * w'``, its start ``s`` and the shift after it. :func:`mrope_positions` turns a
-step's 1-D positions into ``[3, T]`` with device ops over those rows (no host sync, no work per
-token on the host), and :class:`MRotaryEmbedding` rotates by them: for each frequency it picks
-the component of its ``mrope_section`` (the first ``s_t`` frequencies by the temporal
-component, the next ``s_h`` by the height, the last ``s_w`` by the width), gathers the step's
-cos/sin rows from the 1-D table and runs the shared rotary kernel over them.
+of its images and videos (at most ``max_items``) the 1-D offset of its first token, its token
+count, its ``w'`` and ``h' * w'``, its start ``s``, its time ``interval`` and the shift after
+it. :func:`mrope_positions` turns a step's 1-D positions into ``[3, T]`` with device ops over
+those rows (no host sync, no work per token on the host), and :class:`MRotaryEmbedding`
+rotates by them: for each frequency it picks the component of its ``mrope_section`` (the first
+``s_t`` frequencies by the temporal component, the next ``s_h`` by the height, the last
+``s_w`` by the width), gathers the step's cos/sin rows from the 1-D table and runs the shared
+rotary kernel over them.
 :func:`mrope_positions_ref` is the plain-Python specification.
 """
 
@@ -32,25 +44,47 @@ from mrv2.layers.rotary import RotaryEmbedding, rope_parameters_of
 from mrv2_kernels.rotary import rotary_embedding
 
 __all__ = ["ImageGrid", "MRopeTable", "MRotaryEmbedding", "frequency_components", "get_mrope",
-           "mrope_positions", "mrope_positions_ref"]
+           "mrope_extent", "mrope_positions", "mrope_positions_ref"]
 
 _FAR = 2**30  # offset of an unused image slot: past every position
 
 
 @dataclass(frozen=True)
 class ImageGrid:
-    """An image's placeholder tokens in the prompt: 1-D ``offset`` of the first one and the
-    merged grid ``(t, h, w)`` (``t * h * w`` tokens; ``h``, ``w`` after the spatial merge)."""
+    """An image's (or a video's) placeholder tokens in the prompt: 1-D ``offset`` of the first
+    one and the merged grid ``(t, h, w)`` (``t * h * w`` tokens; ``h``, ``w`` after the spatial
+    merge); frame group ``t_idx`` is at temporal position ``start + int(t_idx * interval)``
+    (1.0 for images and Qwen2-VL's videos; module doc)."""
 
     offset: int
     t: int
     h: int
     w: int
+    interval: float = 1.0
 
     @property
     def length(self) -> int:
         """Number of placeholder tokens."""
         return self.t * self.h * self.w
+
+    @property
+    def span(self) -> int:
+        """One past its largest position component, from its start ``s``: the text after it
+        resumes at ``s + span`` (``max(h, w)`` for an image; module doc)."""
+        return 1 + max(int((self.t - 1) * self.interval), self.h - 1, self.w - 1)
+
+
+def mrope_extent(images: Sequence[ImageGrid], num_tokens: int) -> int:
+    """One past the largest position of a sequence of ``num_tokens`` tokens with ``images``
+    (videos' temporal positions may pass the 1-D ones, and must stay inside the rotary
+    table)."""
+    shift = 0
+    extent = 0
+    for image in sorted(images, key=lambda g: g.offset):
+        start = image.offset + shift
+        extent = max(extent, start + image.span)
+        shift = start + image.span - (image.offset + image.length)
+    return max(extent, num_tokens + shift)
 
 
 def mrope_positions_ref(num_tokens: int, images: Sequence[ImageGrid]) -> tuple[list[list[int]],
@@ -70,11 +104,11 @@ def mrope_positions_ref(num_tokens: int, images: Sequence[ImageGrid]) -> tuple[l
             if p >= num_tokens:
                 break
             t_idx, rem = divmod(j, image.h * image.w)
-            pos[0].append(start + t_idx)
+            pos[0].append(start + int(t_idx * image.interval))
             pos[1].append(start + rem // image.w)
             pos[2].append(start + rem % image.w)
             p += 1
-        shift = start + max(image.h, image.w) - (image.offset + image.length)
+        shift = start + image.span - (image.offset + image.length)
     while p < num_tokens:
         for c in range(3):
             pos[c].append(p + shift)
@@ -83,8 +117,9 @@ def mrope_positions_ref(num_tokens: int, images: Sequence[ImageGrid]) -> tuple[l
 
 
 class MRopeTable:
-    """Per-row image tables on ``device``: ``max_rows`` requests x ``max_items`` images
-    (int64 ``[max_rows, max_items]`` each, unused slots far past every position)."""
+    """Per-row image / video tables on ``device``: ``max_rows`` requests x ``max_items`` items
+    (int64 ``[max_rows, max_items]`` each, the time intervals float64; unused slots far past
+    every position)."""
 
     def __init__(self, max_rows: int, max_items: int, device: torch.device) -> None:
         if max_items < 1:
@@ -100,12 +135,13 @@ class MRopeTable:
         self.width = table(1)
         self.area = table(1)
         self.start = table(0)
+        self.interval = torch.ones((max_rows, max_items), dtype=torch.float64, device=device)
         #: ``[max_rows, max_items + 1]``: column ``k`` is the shift after ``k`` images.
         self.shift = torch.zeros((max_rows, max_items + 1), dtype=torch.int64, device=device)
 
     def set_row(self, row: int, images: Sequence[ImageGrid]) -> None:
         """Write ``row``'s images (at most ``max_items``; sorted by offset here; none for a
-        text-only request, whose row must still be reset). Two small staged host-to-device
+        text-only request, whose row must still be reset). Three small staged host-to-device
         copies; called when the request is added, never per step."""
         images = sorted(images, key=lambda g: g.offset)
         if len(images) > self.max_items:
@@ -120,7 +156,7 @@ class MRopeTable:
             cols["width"].append(image.w)
             cols["area"].append(image.h * image.w)
             cols["start"].append(start)
-            shifts.append(start + max(image.h, image.w) - (image.offset + image.length))
+            shifts.append(start + image.span - (image.offset + image.length))
         pad = self.max_items - len(images)
         fills = {"offset": _FAR, "length": 0, "width": 1, "area": 1, "start": 0}
         staged = to_device([values + [fills[name]] * pad for name, values in cols.items()],
@@ -128,6 +164,8 @@ class MRopeTable:
         for i, name in enumerate(cols):
             getattr(self, name)[row].copy_(staged[i])
         self.shift[row].copy_(to_device(shifts + [shifts[-1]] * pad, torch.int64, self.device))
+        self.interval[row].copy_(to_device([float(g.interval) for g in images] + [1.0] * pad,
+                                           torch.float64, self.device))
 
 
 def mrope_positions(positions: torch.Tensor, rows: torch.Tensor, table: MRopeTable,
@@ -146,8 +184,10 @@ def mrope_positions(positions: torch.Tensor, rows: torch.Tensor, table: MRopeTab
     j = p - offset.gather(1, k)
     area, width = table.area[rows].gather(1, k), table.width[rows].gather(1, k)
     start = table.start[rows].gather(1, k)
+    interval = table.interval[rows].gather(1, k)
     rem = j % area
-    image = torch.cat([start + j // area, start + rem // width, start + rem % width], dim=1)
+    time = ((j // area).to(torch.float64) * interval).to(torch.int64)  # (j >= 0 inside: floor)
+    image = torch.cat([start + time, start + rem // width, start + rem % width], dim=1)
     result = torch.where(inside.any(dim=1, keepdim=True), image, text.expand(-1, 3)).T
     if out is None:
         return result.contiguous()

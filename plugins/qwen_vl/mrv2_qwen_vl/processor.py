@@ -1,4 +1,5 @@
-"""Qwen-VL prompts with images: the checkpoint's own HF image processor, placeholder expansion.
+"""Qwen-VL prompts with images and videos: the checkpoint's own HF image processor, placeholder
+expansion.
 
 A prompt carries one ``<|image_pad|>`` (``config.image_token_id``) per image where the chat
 template puts it (``<|vision_start|><|image_pad|><|vision_end|>``), as vLLM expects. The
@@ -7,6 +8,12 @@ image processor of the checkpoint (``preprocessor_config.json``: resize within
 image into patch rows. Each placeholder is expanded to ``t * h * w / merge**2`` tokens. The
 image's :class:`~mrv2.contract.requests.MultiModalItem` carries its patch rows and grid, and
 names its content by a hash of the processed pixels.
+
+Qwen2-VL and Qwen2.5-VL also take videos (``multi_modal_data["video"]``: decoded clips, see
+:mod:`mrv2_qwen_vl.video`), one ``<|video_pad|>`` (``config.video_token_id``) per video,
+expanded alike; a video's item (kind ``"video"``) also carries its M-RoPE ``time_interval``,
+and its content hash covers that too (the positions differ with it). Qwen3-VL refuses videos
+(its prompts put timestamp text between frame groups, which is not built here).
 
 transformers' ``AutoImageProcessor`` needs torchvision for Qwen2-VL's processor. Where
 torchvision is absent (the CPU CI has none), the same processor's PIL backend
@@ -20,6 +27,8 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from mrv2.contract.input_processor import (
     InputProcessor,
     content_hash,
@@ -28,8 +37,15 @@ from mrv2.contract.input_processor import (
 )
 from mrv2.contract.input_processor import load_image_processor as load_core_image_processor
 from mrv2.contract.requests import MultiModalItem
+from mrv2.model_loader.build import vl_text_config
+from mrv2_qwen_vl.mrope import ImageGrid, mrope_extent
+from mrv2_qwen_vl.video import VideoClip, parse_videos, time_interval, video_patches
 
-__all__ = ["QwenVLInputProcessor", "load_image_processor"]
+__all__ = ["VIDEO_FAMILIES", "QwenVLInputProcessor", "load_image_processor"]
+
+#: The ``model_type`` s whose prompts take videos.
+VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+VIDEO_FIELD = "multi_modal_data.video"
 
 
 def load_image_processor(model_dir: str | Path) -> Any:
@@ -46,27 +62,88 @@ class QwenVLInputProcessor(InputProcessor):
         super().__init__(model_dir, hf_config, tokenizer, config)
         self.image_processor = load_image_processor(model_dir)
         self.image_token_id = int(hf_config.image_token_id)
+        self.video_token_id = int(getattr(hf_config, "video_token_id", None) or -1)
         self.merge = int(hf_config.vision_config.spatial_merge_size)
 
     def process(self, prompt_token_ids: list[int], mm_data: Mapping[str, Any]
                 ) -> tuple[list[int], list[MultiModalItem]]:
-        """Expand the image placeholders and make the images' items (module doc)."""
-        images, places = self.images_and_places(prompt_token_ids, mm_data,
-                                                self.image_token_id, "<|image_pad|>")
-        if not images:
+        """Expand the image and video placeholders and make their items (module doc)."""
+        clips = self._videos(mm_data)
+        rest = {key: value for key, value in mm_data.items() if key != "video"}
+        images, image_places = self.images_and_places(
+            prompt_token_ids, rest, self.image_token_id, "<|image_pad|>",
+            note=", 'video'" if self.takes_videos else "")
+        if len(images) + len(clips) > self.limit_per_prompt:
+            raise ValueError(f"multi_modal_data: {len(images)} images and {len(clips)} videos; "
+                             f"at most {self.limit_per_prompt} per prompt "
+                             "(--limit-mm-per-prompt)")
+        video_places = [i for i, t in enumerate(prompt_token_ids) if t == self.video_token_id]
+        if len(video_places) != len(clips) and (clips or self.takes_videos):
+            raise ValueError(f"{VIDEO_FIELD}: {len(clips)} videos but the prompt has "
+                             f"{len(video_places)} video placeholders (token "
+                             f"{self.video_token_id}, <|video_pad|>); put one per video")
+        if not images and not clips:
             return list(prompt_token_ids), []
-        out = run_image_processor(self.image_processor, images)
-        pixels = out["pixel_values"]
-        grids = [tuple(int(v) for v in g) for g in out["image_grid_thw"].tolist()]
-        firsts = list(accumulate((t * h * w for t, h, w in grids), initial=0))
+        # (rows, grid, kind, time interval) of each item, in prompt order
+        sources: list[tuple[torch.Tensor, tuple[int, int, int], str, float]] = []
+        if images:
+            out = run_image_processor(self.image_processor, images)
+            pixels = out["pixel_values"]
+            grids = [(int(g[0]), int(g[1]), int(g[2])) for g in out["image_grid_thw"].tolist()]
+            firsts = list(accumulate((t * h * w for t, h, w in grids), initial=0))
+            sources += [(pixels[firsts[n]: firsts[n + 1]].contiguous(), grid, "image", 1.0)
+                        for n, grid in enumerate(grids)]
+        for n, clip in enumerate(clips):
+            rows, grid = video_patches(self.image_processor, clip, f"{VIDEO_FIELD}[{n}]")
+            sources.append((rows, grid, "video", time_interval(self.hf_config, clip.fps)))
+        order = sorted(range(len(sources)), key=[*image_places, *video_places].__getitem__)
+        places = sorted([*image_places, *video_places])
 
         def expand(n: int, offset: int) -> tuple[list[int], MultiModalItem]:
-            t, h, w = grids[n]
+            rows, (t, h, w), kind, interval = sources[order[n]]
             length = t * h * w // self.merge**2
-            rows = pixels[firsts[n]: firsts[n + 1]].contiguous()
-            return [self.image_token_id] * length, MultiModalItem(
-                "image", {"pixel_values": rows, "grid_thw": (t, h, w)},
-                content_hash((t, h, w), rows), offset, length)
+            token = self.image_token_id if kind == "image" else self.video_token_id
+            data: dict[str, Any] = {"pixel_values": rows, "grid_thw": (t, h, w)}
+            digest = content_hash((t, h, w), rows)
+            if kind == "video":
+                data["time_interval"] = interval
+                digest = "video:" + content_hash((t, h, w), interval, rows).split(":", 1)[1]
+            return [token] * length, MultiModalItem(kind, data, digest, offset, length)
 
-        return splice_placeholders(prompt_token_ids, places, expand)
+        ids, items = splice_placeholders(prompt_token_ids, places, expand)
+        if clips:
+            self._check_positions(items, len(ids))
+        return ids, items
 
+    @property
+    def takes_videos(self) -> bool:
+        """Whether the family takes videos (Qwen2-VL and Qwen2.5-VL; module doc)."""
+        return getattr(self.hf_config, "model_type", "") in VIDEO_FAMILIES
+
+    def _videos(self, mm_data: Mapping[str, Any]) -> list[VideoClip]:
+        """The prompt's clips; ValueError naming ``multi_modal_data.video`` where the family
+        refuses videos or a clip is malformed."""
+        if "video" not in mm_data:
+            return []
+        if not self.takes_videos:
+            raise ValueError(f"{VIDEO_FIELD}: videos are not supported for "
+                             f"{getattr(self.hf_config, 'model_type', 'this model')!r} (Qwen3-VL "
+                             "puts timestamp text between a video's frame groups, which is not "
+                             "built); Qwen2-VL and Qwen2.5-VL take videos")
+        return parse_videos(mm_data["video"])
+
+    def _check_positions(self, items: list[MultiModalItem], num_tokens: int) -> None:
+        """ValueError where the M-RoPE positions of the prompt, or of a sequence as long as
+        ``max_model_len``, would pass the rotary table (``max_position_embeddings``): a
+        video's temporal positions may run ahead of the 1-D ones."""
+        grids = [ImageGrid(item.offset, int(item.data["grid_thw"][0]),
+                           int(item.data["grid_thw"][1]) // self.merge,
+                           int(item.data["grid_thw"][2]) // self.merge,
+                           float(item.data.get("time_interval", 1.0))) for item in items]
+        limit = int(vl_text_config(self.hf_config).max_position_embeddings)
+        longest = max(num_tokens, self.config.model.max_model_len or limit)
+        extent = mrope_extent(grids, longest)
+        if extent > limit:
+            raise ValueError(f"{VIDEO_FIELD}: with these videos M-RoPE positions reach "
+                             f"{extent - 1}, past max_position_embeddings {limit} (fewer "
+                             "frames, a higher fps or a smaller max_model_len)")

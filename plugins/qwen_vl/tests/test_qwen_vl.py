@@ -329,8 +329,8 @@ def test_bad_multimodal_inputs_name_the_field(checkpoint: Path, tmp_path: Path) 
     bad: list[tuple[dict[str, Any], str]] = [
         ({"prompt_token_ids": ids, "multi_modal_data": {"image": images * 2}},
          "multi_modal_data.image: 2 images but the prompt has 1"),
-        ({"prompt_token_ids": ids, "multi_modal_data": {"video": images}},
-         "unsupported keys \\['video'\\]"),
+        ({"prompt_token_ids": ids, "multi_modal_data": {"image": images, "audio": images}},
+         "unsupported keys \\['audio'\\]; allowed: 'image', 'video'"),
         ({"prompt_token_ids": ids, "multi_modal_data": {"image": ["not an image"]}},
          "multi_modal_data.image: could not process"),
         ({"prompt_token_ids": ids, "multi_modal_data": ["x"]}, "multi_modal_data must be"),

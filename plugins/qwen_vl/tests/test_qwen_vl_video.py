@@ -1,0 +1,327 @@
+"""Qwen2-VL and Qwen2.5-VL videos (decoded frames) through ``LLM`` against HF transformers on
+the tiny random checkpoints (CPU, fp32): greedy tokens and every prompt position's
+log-probability with one video, an image and a video, a video of an odd frame count (its last
+frame repeated) at another fps; the M-RoPE positions of video tokens against HF's
+``get_rope_index``; the encoder cache keyed by a video's content; bad videos refused naming the
+field before anything runs; Qwen3-VL refusing videos.
+
+HF's video processor needs torchvision, which the CPU CI lacks: HF's video inputs
+(``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``) are built here in plain
+torch following ``Qwen2VLVideoProcessor`` (rescale, normalize, ``patchify``: frames padded with
+the last one to a multiple of ``temporal_patch_size``) and ``Qwen2_5_VLProcessor``
+(``second_per_grid_ts = temporal_patch_size / fps``), at frame sizes that ``smart_resize``
+keeps as they are (so no resize filter is involved)."""
+
+from __future__ import annotations
+
+import json
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from PIL import Image
+
+from mrv2 import LLM, SamplingParams
+from mrv2.testing_engine import check_prompt_logprobs
+from mrv2_qwen_vl.mrope import ImageGrid, MRopeTable, mrope_positions, mrope_positions_ref
+from mrv2_qwen_vl.testing import (
+    END,
+    IMAGE,
+    START,
+    VIDEO,
+    make_tiny_qwen2_vl,
+    make_tiny_qwen3_vl,
+    make_tiny_qwen_vl,
+    random_image,
+)
+
+#: family -> (tiny checkpoint builder, HF model class); Qwen2.5-VL with the released models'
+#: ``tokens_per_second`` (2: at 2 fps a frame group advances the temporal position by 2)
+FAMILIES: dict[str, tuple[Callable[[Path], Path], Any]] = {
+    "qwen2_vl": (make_tiny_qwen2_vl, transformers.Qwen2VLForConditionalGeneration),
+    "qwen2_5_vl": (lambda path: make_tiny_qwen_vl(path, vision={"tokens_per_second": 2}),
+                   transformers.Qwen2_5_VLForConditionalGeneration),
+}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def _frames(count: int, height: int, width: int, seed: int) -> np.ndarray:
+    """``[count, height, width, 3]`` random uint8 frames."""
+    return np.random.default_rng(seed).integers(0, 256, (count, height, width, 3),
+                                                dtype=np.uint8)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            build = FAMILIES[family][0] if family in FAMILIES else make_tiny_qwen3_vl
+            built[family] = build(tmp_path_factory.mktemp(family))
+        return built[family]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def hf_models(checkpoints: Callable[[str], Path]) -> Callable[[str], Any]:
+    loaded: dict[str, Any] = {}
+
+    def get(family: str) -> Any:
+        if family not in loaded:
+            model = FAMILIES[family][1].from_pretrained(checkpoints(family)).eval()
+            model.generation_config.eos_token_id = None  # (as ignore_eos)
+            loaded[family] = model
+        return loaded[family]
+
+    return get
+
+
+def _llm(path: Path, **kwargs: Any) -> LLM:
+    return LLM(str(path), device="cpu", dtype="float32", block_size=4, **kwargs)
+
+
+def _hf_video(frames: np.ndarray, settings: dict[str, Any]) -> tuple[torch.Tensor, list[int]]:
+    """HF ``Qwen2VLVideoProcessor``'s rows and grid of one clip whose frame size
+    ``smart_resize`` keeps (its rescale, normalize and ``patchify``, in plain torch)."""
+    video = torch.from_numpy(np.array(frames)).permute(0, 3, 1, 2).float()[None]  # [1, T, C, H, W]
+    mean = torch.tensor(settings["image_mean"]).view(1, 1, 3, 1, 1)
+    std = torch.tensor(settings["image_std"]).view(1, 1, 3, 1, 1)
+    video = (video * settings["rescale_factor"] - mean) / std
+    patch, merge = settings["patch_size"], settings["merge_size"]
+    temporal = settings["temporal_patch_size"]
+    batch, num_frames, channel, height, width = video.shape
+    if pad := -num_frames % temporal:
+        video = torch.cat((video, video[:, -1:].expand(-1, pad, -1, -1, -1)), dim=1)
+        num_frames += pad
+    grid_t, grid_h, grid_w = num_frames // temporal, height // patch, width // patch
+    patches = video.view(batch, grid_t, temporal, channel, grid_h // merge, merge, patch,
+                         grid_w // merge, merge, patch)
+    patches = patches.permute(0, 1, 4, 7, 5, 8, 3, 2, 6, 9)
+    rows = patches.reshape(grid_t * grid_h * grid_w, channel * temporal * patch * patch)
+    return rows, [grid_t, grid_h, grid_w]
+
+
+def _hf_image(image: Image.Image, settings: dict[str, Any]) -> tuple[torch.Tensor, list[int]]:
+    """An image's rows and grid (an image is a clip of one frame, repeated)."""
+    return _hf_video(np.asarray(image)[None], settings)
+
+
+# Each case: the prompt's parts (token lists, ("video", clip, fps or None), ("image", image)).
+# The shapes keep each video's frame groups' positions below max(h', w') (merged), where HF
+# 5.17's text-after-a-video positions agree with the original rule (mrv2_qwen_vl.mrope).
+CASES: dict[str, Callable[[], list[Any]]] = {
+    # 4 frames of 84 x 84: t = 2 frame groups of 3 x 3 merged tokens (a numpy clip)
+    "one_video": lambda: [[5, 17], ("video", _frames(4, 84, 84, 0), None), [42, 9, 100]],
+    # a video (a list of PIL frames, 3 x 4 merged) before an image, text between and after
+    "image_and_video": lambda: [
+        [3], ("video", [Image.fromarray(f) for f in _frames(4, 84, 112, 1)], None),
+        [8, 120, 7], ("image", random_image(84, 56, 2)), [33, 4]],
+    # 3 frames (the last repeated: t = 2), a torch [T, 3, H, W] clip sampled at 1 fps
+    # (Qwen2.5-VL: its second frame group 4 positions on)
+    "odd_frames": lambda: [
+        [11], ("video", torch.from_numpy(_frames(3, 140, 56, 3)).permute(0, 3, 1, 2), 1.0),
+        [60, 2]],
+}
+
+
+def _as_numpy(clip: Any) -> np.ndarray:
+    if isinstance(clip, torch.Tensor):
+        return clip.permute(0, 2, 3, 1).numpy()
+    if isinstance(clip, list):
+        return np.stack([np.asarray(frame) for frame in clip])
+    return np.asarray(clip)
+
+
+def _build(parts: list[Any], family: str, settings: dict[str, Any]
+           ) -> tuple[dict[str, Any], list[int], dict[str, Any]]:
+    """``(the engine's request, HF's expanded prompt ids, HF's extra inputs)``."""
+    ids: list[int] = []
+    hf_ids: list[int] = []
+    images, videos, video_rows, video_grids, seconds = [], [], [], [], []
+    image_rows, image_grids = [], []
+    merge = settings["merge_size"] ** 2
+    for part in parts:
+        if isinstance(part, list):
+            ids += part
+            hf_ids += part
+        elif part[0] == "image":
+            ids += [START, IMAGE, END]
+            images.append(part[1])
+            rows, grid = _hf_image(part[1], settings)
+            image_rows.append(rows)
+            image_grids.append([1, *grid[1:]])
+            hf_ids += [START, *[IMAGE] * (grid[1] * grid[2] // merge), END]
+        else:
+            _, clip, fps = part
+            ids += [START, VIDEO, END]
+            videos.append(clip if fps is None else (clip, {"fps": fps}))
+            rows, grid = _hf_video(_as_numpy(clip), settings)
+            video_rows.append(rows)
+            video_grids.append(grid)
+            seconds.append(settings["temporal_patch_size"] / (fps or 2.0))
+            hf_ids += [START, *[VIDEO] * (grid[0] * grid[1] * grid[2] // merge), END]
+    mm: dict[str, Any] = {"video": videos}
+    if images:
+        mm["image"] = images
+    kwargs: dict[str, Any] = {"pixel_values_videos": torch.cat(video_rows),
+                              "video_grid_thw": torch.tensor(video_grids)}
+    if images:
+        kwargs["pixel_values"] = torch.cat(image_rows)
+        kwargs["image_grid_thw"] = torch.tensor(image_grids)
+    if family == "qwen2_5_vl":
+        kwargs["second_per_grid_ts"] = torch.tensor(seconds)
+    return {"prompt_token_ids": ids, "multi_modal_data": mm}, hf_ids, kwargs
+
+
+def _types(ids: torch.Tensor) -> torch.Tensor:
+    return (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_video_matches_hf(checkpoints: Callable[[str], Path], hf_models: Callable[[str], Any],
+                          family: str, case: str) -> None:
+    """The engine's expansion and pixel rows equal HF's inputs; greedy tokens equal HF
+    ``generate``'s; every prompt position's log-probability is within 1e-4 of HF's forward
+    (video rows, their temporal M-RoPE positions, the text after them)."""
+    path = checkpoints(family)
+    settings = json.loads((path / "preprocessor_config.json").read_text())
+    hf_model = hf_models(family)
+    request, hf_ids, kwargs = _build(CASES[case](), family, settings)
+    llm = _llm(path)
+    processor = llm.engine.input_processor
+    assert processor is not None
+    ids, items = processor.process(request["prompt_token_ids"], request["multi_modal_data"])
+    assert ids == hf_ids
+    videos = [item for item in items if item.kind == "video"]
+    torch.testing.assert_close(torch.cat([v.data["pixel_values"] for v in videos]),
+                               kwargs["pixel_values_videos"], rtol=0, atol=1e-5)
+    assert [list(v.data["grid_thw"]) for v in videos] == kwargs["video_grid_thw"].tolist()
+    got = llm.generate([request], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    input_ids = torch.tensor([hf_ids])
+    with torch.no_grad():
+        want = hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                 mm_token_type_ids=_types(input_ids), max_new_tokens=6,
+                                 do_sample=False, **kwargs)
+        logits = hf_model(input_ids, mm_token_type_ids=_types(input_ids), **kwargs).logits[0]
+    assert got == want[0, len(hf_ids):].tolist()
+    check_prompt_logprobs(llm, request, hf_ids, logits)
+
+
+def test_video_positions() -> None:
+    """Video tokens' M-RoPE positions: frame group ``t`` at ``s + int(t * interval)``, the text
+    after one past the video's largest position. The reference equals HF's
+    ``get_rope_index`` (with ``second_per_grid_ts``) on videos whose frame groups stay below
+    ``max(h', w')``, an image between them, and hand-written positions where HF 5.17 differs
+    (a video's frame groups reaching further; a fractional interval, truncated after the
+    product); the device table equals the reference, decode positions included."""
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf
+
+    config = transformers.Qwen2_5_VLConfig(vision_config={"spatial_merge_size": 2,
+                                                          "tokens_per_second": 3})
+    seconds = [1.0, 1.0]  # (whole seconds: HF 5.17 truncates them before the product)
+    grids = [ImageGrid(2, 3, 7, 1, 3 * seconds[0]), ImageGrid(25, 1, 1, 3),
+             ImageGrid(30, 2, 1, 4, 3 * seconds[1])]
+    num_tokens = 40
+    types_ = torch.zeros(1, num_tokens, dtype=torch.int32)
+    for g, kind in zip(grids, [2, 1, 2], strict=True):
+        types_[0, g.offset: g.offset + g.length] = kind
+    model = types.SimpleNamespace(config=config, get_vision_position_ids=lambda *a, **k: (
+        hf.Qwen2_5_VLModel.get_vision_position_ids(None, *a, **k)))
+
+    def thw(gs: list[ImageGrid]) -> torch.Tensor:
+        return torch.tensor([[g.t, g.h * 2, g.w * 2] for g in gs])
+
+    want, delta = hf.Qwen2_5_VLModel.get_rope_index(
+        model, torch.full((1, num_tokens), 3), types_, image_grid_thw=thw([grids[1]]),
+        video_grid_thw=thw([grids[0], grids[2]]), second_per_grid_ts=torch.tensor(seconds))
+    ref, shift = mrope_positions_ref(num_tokens, grids)
+    assert ref == want[:, 0].tolist() and shift == int(delta)
+    assert ref[0][2 + 7] == 2 + 3  # (the second frame group of the first video)
+    # frame groups past max(h', w') = 2: the text after resumes at 6 + 1
+    further = [ImageGrid(2, 3, 1, 2, 2.0)]
+    assert mrope_positions_ref(10, further) == ([[0, 1, 2, 2, 4, 4, 6, 6, 7, 8],
+                                                 [0, 1, 2, 2, 2, 2, 2, 2, 7, 8],
+                                                 [0, 1, 2, 3, 2, 3, 2, 3, 7, 8]], -1)
+    # interval 1.5: groups at int(0), int(1.5), int(3.0); the shift after it is positive
+    fractional = [ImageGrid(0, 3, 1, 1, 1.5)]
+    assert mrope_positions_ref(5, fractional) == ([[0, 1, 3, 4, 5], [0, 0, 0, 4, 5],
+                                                   [0, 0, 0, 4, 5]], 1)
+    table = MRopeTable(max_rows=4, max_items=3, device=torch.device("cpu"))
+    for row, case in enumerate([grids, further, fractional]):
+        table.set_row(row, case)
+        n = max(g.offset + g.length for g in case) + 5  # (decode positions past the prompt)
+        got = mrope_positions(torch.arange(n), torch.full((n,), row), table)
+        assert got.tolist() == mrope_positions_ref(n, case)[0]
+
+
+def test_encoder_cache_keys_videos_by_content(checkpoints: Callable[[str], Path]) -> None:
+    """The same clip again (in another prompt, no prefix cache) runs no encoder and gives the
+    same tokens; a different clip of the same shape, or the same one at another fps on
+    Qwen2.5-VL (other positions), is a different item; chunked prefill (steps of 4 tokens
+    through a video's 8 rows) gives the whole-prompt tokens."""
+    path = checkpoints("qwen2_5_vl")
+    llm = _llm(path, enable_prefix_caching=False)
+    clip, other = _frames(4, 56, 56, 7), _frames(4, 56, 56, 8)
+
+    def request(video: Any, head: int = 5) -> dict[str, Any]:
+        return {"prompt_token_ids": [head, START, VIDEO, END, 9],
+                "multi_modal_data": {"video": video}}
+
+    state = llm.engine.runner.model_state
+    first = llm.generate([request(clip)], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert state.encoder_runs == 1
+    again = llm.generate([request(clip.copy(), head=6), request(clip)], GREEDY,
+                         use_tqdm=False)
+    assert state.encoder_runs == 1
+    assert again[1].outputs[0].token_ids == first
+    different = llm.generate([request(other)], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert state.encoder_runs == 2 and different != first
+    slower = llm.generate([request((clip, {"fps": 1.0}))], GREEDY, use_tqdm=False)
+    assert state.encoder_runs == 3 and len(slower[0].outputs[0].token_ids) == 6
+    chunked = _llm(path, enable_prefix_caching=False, max_num_batched_tokens=4)
+    assert chunked.generate([request(clip)], GREEDY,
+                            use_tqdm=False)[0].outputs[0].token_ids == first
+
+
+def test_bad_videos_name_the_field(checkpoints: Callable[[str], Path]) -> None:
+    """Wrong ndim, dtype, channel count, no frames, a bad fps, more videos than
+    placeholders, too many items for ``--limit-mm-per-prompt``: a ValueError naming
+    ``multi_modal_data.video`` before any request of the batch is queued; Qwen3-VL refuses
+    videos."""
+    llm = _llm(checkpoints("qwen2_5_vl"), limit_mm_per_prompt=2)
+    ids = [5, START, VIDEO, END, 9]
+    good = _frames(2, 56, 56, 0)
+    bad: list[tuple[Any, str]] = [
+        (good[0], r"multi_modal_data\.video\[0\]: a numpy clip must be \[T, H, W, 3\]"),
+        (good.astype(np.float32), r"multi_modal_data\.video\[0\]: frames must be uint8"),
+        (torch.from_numpy(good), r"multi_modal_data\.video\[0\]: a torch clip must be "),
+        (good[:0], r"multi_modal_data\.video\[0\]: a clip needs at least one frame"),
+        ((good, {"fps": 0}), r"multi_modal_data\.video\[0\]: fps must be a positive"),
+        ((good, {"rate": 2}), r"multi_modal_data\.video\[0\]: unknown options"),
+        ([good, good], r"multi_modal_data\.video: 2 videos but the prompt has 1 video "
+                       r"placeholders"),
+        ("clip.mp4", r"multi_modal_data\.video: expected a clip"),
+        ([good] * 3, r"multi_modal_data: 0 images and 3 videos; at most 2 per prompt"),
+    ]
+    for video, message in bad:
+        prompt = {"prompt_token_ids": ids, "multi_modal_data": {"video": video}}
+        with pytest.raises(ValueError, match=message):
+            llm.generate([{"prompt_token_ids": [5, 6]}, prompt], GREEDY, use_tqdm=False)
+    no_video = {"prompt_token_ids": ids, "multi_modal_data": {}}
+    with pytest.raises(ValueError, match=r"multi_modal_data\.video: 0 videos but the prompt "
+                                         r"has 1 video placeholders"):
+        llm.generate([no_video], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished()  # nothing of the batches was queued
+    qwen3 = _llm(checkpoints("qwen3_vl"))
+    with pytest.raises(ValueError, match=r"multi_modal_data\.video: videos are not supported "
+                                         r"for 'qwen3_vl' \(Qwen3-VL puts timestamp text"):
+        qwen3.generate([{"prompt_token_ids": ids, "multi_modal_data": {"video": good}}],
+                       GREEDY, use_tqdm=False)
