@@ -1,8 +1,9 @@
 """The Qwen-VL model states: M-RoPE positions on the device, image (and video) embeddings for
 each step.
 
-- **When a request is added** its images and videos (Qwen2-VL, Qwen2.5-VL: items of kind
-  ``"video"``, with their ``time_interval``) go into the device M-RoPE table
+- **When a request is added** its images and videos (items of kind ``"video"``: Qwen2-VL's
+  and Qwen2.5-VL's with their ``time_interval``, Qwen3-VL's one per frame group) go into the
+  device M-RoPE table
   (:class:`~mrv2_qwen_vl.mrope.MRopeTable`), one staged copy. A text-only request's row is
   reset to plain positions.
 - **Each step**, :meth:`QwenVLModelState.prepare_inputs` maps every token to its request's row
@@ -13,8 +14,10 @@ each step.
   core's :class:`~mrv2.contract.encoder_cache.EncoderCacheModelState`: this state's
   :meth:`QwenVLModelState.embed_item` runs the vision tower on one image or video (a
   video's grid has ``t > 1`` frame groups; the tower takes it as it is).
-- **Qwen3-VL** (:class:`Qwen3VLModelState`) caches each image's deepstack features with its
-  embeddings and hands a step's share of them to the model's forward.
+- **Qwen3-VL** (:class:`Qwen3VLModelState`) caches each image's (and each video frame
+  group's) deepstack features with its embeddings and hands a step's share of them to the
+  model's forward. Its videos come as one item per frame group (grid ``(1, h, w)``,
+  :mod:`mrv2_qwen_vl.video_qwen3`), so its M-RoPE table has a slot per frame group.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from mrv2.contract.input_processor import preprocessor_config
 from mrv2.contract.requests import MultiModalEmbeddings, MultiModalItem, NewRequest
 from mrv2_qwen_vl.model_qwen3 import DeepstackRows
 from mrv2_qwen_vl.mrope import ImageGrid, MRopeTable, mrope_positions
+from mrv2_qwen_vl.video_qwen3 import qwen3_table_slots
 
 __all__ = ["Qwen3VLModelState", "QwenVLModelState", "largest_image_grid"]
 
@@ -44,10 +48,13 @@ class QwenVLModelState(EncoderCacheModelState):
         super().__init__(model, hf_config, config, buffers, block_size, device)
         self.merge = int(hf_config.vision_config.spatial_merge_size)
         max_tokens = int(buffers.positions.shape[0])
-        self.table = MRopeTable(int(buffers.idx_mapping.shape[0]),
-                                max(1, config.multimodal.limit_mm_per_prompt), device)
+        self.table = MRopeTable(int(buffers.idx_mapping.shape[0]), self.table_slots(), device)
         self._positions = torch.zeros((3, max_tokens), dtype=torch.int64, device=device)
         self._token_index = torch.arange(max_tokens, dtype=torch.int32, device=device)
+
+    def table_slots(self) -> int:
+        """Items one request may carry in the M-RoPE table: ``--limit-mm-per-prompt``."""
+        return max(1, int(self.config.multimodal.limit_mm_per_prompt))
 
     # -- start-up ----------------------------------------------------------------------------
 
@@ -144,12 +151,18 @@ class Qwen3VLModelState(QwenVLModelState):
     image rows passes nothing (no vision work, the text forward the CUDA graphs captured).
     """
 
-    item_kinds = ("image",)  # (videos: refused by the input processor)
+    item_kinds = ("image", "video")  # (a video: one item per frame group)
 
     def __init__(self, model: Any, hf_config: Any, config: Any, buffers: Any, block_size: int,
                  device: torch.device) -> None:
         super().__init__(model, hf_config, config, buffers, block_size, device)
         self._deepstack: DeepstackRows | None = None
+
+    def table_slots(self) -> int:
+        """A slot per image, or per frame group of a video of at most ``max_frames`` frames
+        (:func:`~mrv2_qwen_vl.video_qwen3.qwen3_table_slots`)."""
+        return qwen3_table_slots(self.config.model.model,
+                                 int(self.config.multimodal.limit_mm_per_prompt))
 
     def get_mm_embeddings(self, batch: InputBatch) -> MultiModalEmbeddings | None:
         """Column 0 of the step's image rows; the deepstack columns wait for

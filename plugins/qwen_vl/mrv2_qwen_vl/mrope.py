@@ -47,6 +47,7 @@ __all__ = ["ImageGrid", "MRopeTable", "MRotaryEmbedding", "frequency_components"
            "mrope_extent", "mrope_positions", "mrope_positions_ref"]
 
 _FAR = 2**30  # offset of an unused image slot: past every position
+_ROW_STRIDE = 2**31  # a row's search keys: row * _ROW_STRIDE + offset (sorted over the table)
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,9 @@ def mrope_positions_ref(num_tokens: int, images: Sequence[ImageGrid]) -> tuple[l
 class MRopeTable:
     """Per-row image / video tables on ``device``: ``max_rows`` requests x ``max_items`` items
     (int64 ``[max_rows, max_items]`` each, the time intervals float64; unused slots far past
-    every position)."""
+    every position). ``key`` (``row * 2**31 + offset``) is sorted over the flattened table, so
+    a token finds its item by one binary search however many items a row may hold (Qwen3-VL:
+    one per video frame group)."""
 
     def __init__(self, max_rows: int, max_items: int, device: torch.device) -> None:
         if max_items < 1:
@@ -131,6 +134,8 @@ class MRopeTable:
             return torch.full((max_rows, max_items), fill, dtype=torch.int64, device=device)
 
         self.offset = table(_FAR)
+        self.key = (torch.arange(max_rows, dtype=torch.int64, device=device)[:, None]
+                    * _ROW_STRIDE + self.offset)
         self.length = table(0)
         self.width = table(1)
         self.area = table(1)
@@ -163,6 +168,7 @@ class MRopeTable:
                            torch.int64, self.device)  # pinned, non-blocking: no host sync
         for i, name in enumerate(cols):
             getattr(self, name)[row].copy_(staged[i])
+        self.key[row].copy_(staged[0] + row * _ROW_STRIDE)
         self.shift[row].copy_(to_device(shifts + [shifts[-1]] * pad, torch.int64, self.device))
         self.interval[row].copy_(to_device([float(g.interval) for g in images] + [1.0] * pad,
                                            torch.float64, self.device))
@@ -173,22 +179,24 @@ def mrope_positions(positions: torch.Tensor, rows: torch.Tensor, table: MRopeTab
     """``[3, T]`` M-RoPE positions of a step's tokens: 1-D ``positions`` ``[T]`` of tokens of
     the requests in ``rows`` ``[T]`` (state-table rows), through ``table``. Device ops only;
     written into ``out`` (``[3, >= T]`` int64) when given."""
-    p = positions.to(torch.int64)[:, None]
-    offset = table.offset[rows]
-    inside = (p >= offset) & (p < offset + table.length[rows])  # [T, M]
-    before = (p >= offset + table.length[rows]).sum(dim=1, keepdim=True)  # images passed
-    text = p + table.shift[rows].gather(1, before)  # [T, 1]
-    # the image a token is in (0 when none: then masked out below)
-    k = (inside.to(torch.int64) * torch.arange(table.max_items, device=p.device)).sum(
-        dim=1, keepdim=True)
-    j = p - offset.gather(1, k)
-    area, width = table.area[rows].gather(1, k), table.width[rows].gather(1, k)
-    start = table.start[rows].gather(1, k)
-    interval = table.interval[rows].gather(1, k)
+    p = positions.to(torch.int64)
+    rows = rows.to(torch.int64)
+    # the last item of the row starting at or before p (binary search over the sorted keys)
+    found = torch.searchsorted(table.key.view(-1), rows * _ROW_STRIDE + p, right=True) - 1
+    first = rows * table.max_items
+    has = found >= first
+    k = (found - first).clamp(min=0)  # (0 where none: then masked out below)
+    offset, length = table.offset[rows, k], table.length[rows, k]
+    inside = has & (p < offset + length)
+    before = torch.where(has, k + 1 - inside.to(torch.int64), 0)  # items passed
+    text = p + table.shift[rows, before]  # [T]
+    j = p - offset
+    area, width = table.area[rows, k], table.width[rows, k]
+    start, interval = table.start[rows, k], table.interval[rows, k]
     rem = j % area
     time = ((j // area).to(torch.float64) * interval).to(torch.int64)  # (j >= 0 inside: floor)
-    image = torch.cat([start + time, start + rem // width, start + rem % width], dim=1)
-    result = torch.where(inside.any(dim=1, keepdim=True), image, text.expand(-1, 3)).T
+    image = torch.stack([start + time, start + rem // width, start + rem % width])
+    result = torch.where(inside, image, text.expand(3, -1))
     if out is None:
         return result.contiguous()
     out[:, : result.shape[1]].copy_(result)

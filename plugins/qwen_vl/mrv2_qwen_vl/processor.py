@@ -12,8 +12,10 @@ names its content by a hash of the processed pixels.
 Qwen2-VL and Qwen2.5-VL also take videos (``multi_modal_data["video"]``: decoded clips, see
 :mod:`mrv2_qwen_vl.video`), one ``<|video_pad|>`` (``config.video_token_id``) per video,
 expanded alike; a video's item (kind ``"video"``) also carries its M-RoPE ``time_interval``,
-and its content hash covers that too (the positions differ with it). Qwen3-VL refuses videos
-(its prompts put timestamp text between frame groups, which is not built here).
+and its content hash covers that too (the positions differ with it). Qwen3-VL (and its MoE)
+expands a video's placeholder into timestamp text and one ``<|vision_start|>`` video tokens
+``<|vision_end|>`` run per frame group, one item per group (:mod:`mrv2_qwen_vl.video_qwen3`);
+it needs the checkpoint's tokenizer for the timestamps.
 
 transformers' ``AutoImageProcessor`` needs torchvision for Qwen2-VL's processor. Where
 torchvision is absent (the CPU CI has none), the same processor's PIL backend
@@ -40,11 +42,17 @@ from mrv2.contract.requests import MultiModalItem
 from mrv2.model_loader.build import vl_text_config
 from mrv2_qwen_vl.mrope import ImageGrid, mrope_extent
 from mrv2_qwen_vl.video import VideoClip, parse_videos, time_interval, video_patches
+from mrv2_qwen_vl.video_qwen3 import (
+    QWEN3_VIDEO_FAMILIES,
+    Qwen3VideoSettings,
+    VideoGroup,
+    qwen3_video_groups,
+)
 
 __all__ = ["VIDEO_FAMILIES", "QwenVLInputProcessor", "load_image_processor"]
 
 #: The ``model_type`` s whose prompts take videos.
-VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", *QWEN3_VIDEO_FAMILIES)
 VIDEO_FIELD = "multi_modal_data.video"
 
 
@@ -64,6 +72,10 @@ class QwenVLInputProcessor(InputProcessor):
         self.image_token_id = int(hf_config.image_token_id)
         self.video_token_id = int(getattr(hf_config, "video_token_id", None) or -1)
         self.merge = int(hf_config.vision_config.spatial_merge_size)
+        #: Qwen3-VL's video settings (None for the other families: their videos take the
+        #: image processor's).
+        self.qwen3_video = (Qwen3VideoSettings.load(model_dir) if getattr(
+            hf_config, "model_type", "") in QWEN3_VIDEO_FAMILIES else None)
 
     def process(self, prompt_token_ids: list[int], mm_data: Mapping[str, Any]
                 ) -> tuple[list[int], list[MultiModalItem]]:
@@ -93,6 +105,14 @@ class QwenVLInputProcessor(InputProcessor):
             firsts = list(accumulate((t * h * w for t, h, w in grids), initial=0))
             sources += [(pixels[firsts[n]: firsts[n + 1]].contiguous(), grid, "image", 1.0)
                         for n, grid in enumerate(grids)]
+        if self.qwen3_video is not None and clips:
+            groups = [qwen3_video_groups(self.image_processor, self.tokenizer, clip,
+                                         self.qwen3_video, f"{VIDEO_FIELD}[{n}]")
+                      for n, clip in enumerate(clips)]
+            ids, items = self._splice_qwen3(prompt_token_ids, sources, image_places, groups,
+                                            video_places)
+            self._check_positions(items, len(ids))
+            return ids, items
         for n, clip in enumerate(clips):
             rows, grid = video_patches(self.image_processor, clip, f"{VIDEO_FIELD}[{n}]")
             sources.append((rows, grid, "video", time_interval(self.hf_config, clip.fps)))
@@ -117,7 +137,7 @@ class QwenVLInputProcessor(InputProcessor):
 
     @property
     def takes_videos(self) -> bool:
-        """Whether the family takes videos (Qwen2-VL and Qwen2.5-VL; module doc)."""
+        """Whether the family takes videos (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; module doc)."""
         return getattr(self.hf_config, "model_type", "") in VIDEO_FAMILIES
 
     def _videos(self, mm_data: Mapping[str, Any]) -> list[VideoClip]:
@@ -127,10 +147,48 @@ class QwenVLInputProcessor(InputProcessor):
             return []
         if not self.takes_videos:
             raise ValueError(f"{VIDEO_FIELD}: videos are not supported for "
-                             f"{getattr(self.hf_config, 'model_type', 'this model')!r} (Qwen3-VL "
-                             "puts timestamp text between a video's frame groups, which is not "
-                             "built); Qwen2-VL and Qwen2.5-VL take videos")
+                             f"{getattr(self.hf_config, 'model_type', 'this model')!r}; the "
+                             f"families that take them: {', '.join(VIDEO_FAMILIES)}")
+        if self.qwen3_video is not None and self.tokenizer is None:
+            raise ValueError(f"{VIDEO_FIELD}: Qwen3-VL writes each frame group's timestamp "
+                             "as text, which needs the checkpoint's tokenizer; this engine has "
+                             "none (pass --tokenizer or use a checkpoint with one)")
         return parse_videos(mm_data["video"])
+
+    def _splice_qwen3(self, prompt_token_ids: list[int],
+                      images: list[tuple[torch.Tensor, tuple[int, int, int], str, float]],
+                      image_places: list[int], videos: list[list[VideoGroup]],
+                      video_places: list[int]) -> tuple[list[int], list[MultiModalItem]]:
+        """Qwen3-VL's expansion (:mod:`mrv2_qwen_vl.video_qwen3`): each image placeholder as
+        the other families', each video placeholder as its frame groups (timestamp tokens,
+        vision start, the group's video tokens, vision end), one item per group."""
+        start_id = int(self.hf_config.vision_start_token_id)
+        end_id = int(self.hf_config.vision_end_token_id)
+        places = sorted([(p, "image", n) for n, p in enumerate(image_places)]
+                        + [(p, "video", n) for n, p in enumerate(video_places)])
+        ids: list[int] = []
+        items: list[MultiModalItem] = []
+        copied = 0
+        for place, kind, n in places:
+            ids.extend(prompt_token_ids[copied:place])
+            copied = place + 1
+            if kind == "image":
+                rows, (t, h, w), _, _ = images[n]
+                length = t * h * w // self.merge**2
+                items.append(MultiModalItem("image", {"pixel_values": rows, "grid_thw": (t, h, w)},
+                                            content_hash((t, h, w), rows), len(ids), length))
+                ids.extend([self.image_token_id] * length)
+                continue
+            for group in videos[n]:
+                ids.extend([*group.timestamp_ids, start_id])
+                length = group.grid[1] * group.grid[2] // self.merge**2
+                digest = content_hash(group.grid, group.rows).split(":", 1)[1]
+                items.append(MultiModalItem("video", {"pixel_values": group.rows,
+                                                      "grid_thw": group.grid},
+                                            "video:" + digest, len(ids), length))
+                ids.extend([*[self.video_token_id] * length, end_id])
+        ids.extend(prompt_token_ids[copied:])
+        return ids, items
 
     def _check_positions(self, items: list[MultiModalItem], num_tokens: int) -> None:
         """ValueError where the M-RoPE positions of the prompt, or of a sequence as long as

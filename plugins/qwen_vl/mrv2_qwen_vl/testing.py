@@ -1,6 +1,7 @@
 """Tiny random Qwen2.5-VL and Qwen3-VL checkpoints for tests (CPU and GPU): HF's model with its
-weights redrawn, its image processor config and a byte-level tokenizer whose chat template
-renders image parts as Qwen's placeholders."""
+weights redrawn, its image processor config (Qwen3-VL: a video processor config too) and a
+byte-level tokenizer (Qwen's vision start / end, image and video pads as special tokens) whose
+chat template renders image parts as Qwen's placeholders."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ import torch
 
 from mrv2.testing import make_tiny_tokenizer, random_image, redraw_weights
 
-__all__ = ["END", "IMAGE", "START", "make_tiny_qwen2_vl", "make_tiny_qwen3_vl",
-           "make_tiny_qwen_vl", "random_image", "random_patches"]
+__all__ = ["END", "IMAGE", "QWEN3_VIDEO_PROCESSOR", "START", "VIDEO", "make_tiny_qwen2_vl",
+           "make_tiny_qwen3_vl", "make_tiny_qwen_vl", "random_image", "random_patches"]
 
-#: The ids make_tiny_tokenizer gives the three special tokens (checked when building).
+#: The ids make_tiny_tokenizer gives the four special tokens (checked when building).
 START, END, IMAGE, VIDEO = 293, 294, 295, 296
-SPECIAL = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+SPECIAL = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{% if m['content'] is string %}"
     "{{ m['content'] }}{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}"
@@ -54,6 +55,14 @@ QWEN3_VISION: dict[str, Any] = {
     "depth": 3, "hidden_size": 32, "num_heads": 2, "intermediate_size": 48,
     "out_hidden_size": 64, "patch_size": 16, "temporal_patch_size": 2, "spatial_merge_size": 2,
     "num_position_embeddings": 16, "deepstack_visual_indexes": [0, 1],
+}
+#: The tiny Qwen3-VL's ``video_preprocessor_config.json`` (the released file's fields; a clip
+#: of 4 .. 512 merged tokens in all, at most 16 frames).
+QWEN3_VIDEO_PROCESSOR: dict[str, Any] = {
+    "size": {"shortest_edge": 4 * 32 * 32, "longest_edge": 512 * 32 * 32}, "patch_size": 16,
+    "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+    "max_frames": 16, "fps": 2, "processor_class": "Qwen3VLProcessor",
+    "video_processor_type": "Qwen3VLVideoProcessor",
 }
 
 
@@ -120,8 +129,9 @@ def make_tiny_qwen3_vl(path: str | Path, text: dict[str, Any] | None = None,
     """The tiny Qwen3-VL (3 text layers, 3 vision blocks, deepstack after blocks 0 and 1 into
     text layers 0 and 1, tied embeddings as the small released models), its image processor
     (16-pixel patches, images of 4 to 64 merged tokens; the released config's image processor
-    type) and tokenizer in ``path``. ``moe``: Qwen3-VL-MoE (:data:`QWEN3_MOE`: routed experts
-    in layers 0 and 1, a dense MLP in layer 2)."""
+    type), video processor (:data:`QWEN3_VIDEO_PROCESSOR`) and tokenizer in ``path``.
+    ``moe``: Qwen3-VL-MoE (:data:`QWEN3_MOE`: routed experts in layers 0 and 1, a dense MLP in
+    layer 2)."""
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
@@ -147,6 +157,8 @@ def make_tiny_qwen3_vl(path: str | Path, text: dict[str, Any] | None = None,
     fields = json.loads(processor_file.read_text())
     fields["image_processor_type"] = "Qwen2VLImageProcessorFast"  # as the released file
     processor_file.write_text(json.dumps(fields, indent=2))
+    (path / "video_preprocessor_config.json").write_text(
+        json.dumps(QWEN3_VIDEO_PROCESSOR, indent=2))
     _save_tokenizer(path)
     return path
 
@@ -156,9 +168,9 @@ def _save_tokenizer(path: Path) -> None:
 
     make_tiny_tokenizer(path, 300, SPECIAL, CHAT_TEMPLATE)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    if tokenizer.convert_tokens_to_ids(SPECIAL) != [START, END, IMAGE]:
+    if tokenizer.convert_tokens_to_ids(SPECIAL) != [START, END, IMAGE, VIDEO]:
         raise RuntimeError("the tiny tokenizer's special token ids changed; update START/END/"
-                           "IMAGE in mrv2_qwen_vl.testing")
+                           "IMAGE/VIDEO in mrv2_qwen_vl.testing")
 
 
 def random_patches(grids: list[tuple[int, int, int]], patch: int, seed: int

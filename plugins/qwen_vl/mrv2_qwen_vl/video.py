@@ -18,7 +18,8 @@ order). HF's video processor needs torchvision; this path does not (the image pr
 backend serves where torchvision is absent, as for images).
 
 In M-RoPE a frame group's temporal position advances by :func:`time_interval` (Qwen2.5-VL:
-``tokens_per_second * temporal_patch_size / fps``; Qwen2-VL: 1).
+``tokens_per_second * temporal_patch_size / fps``; Qwen2-VL: 1). Qwen3-VL parses clips alike
+but resizes and lays them out its own way (:mod:`mrv2_qwen_vl.video_qwen3`).
 """
 
 from __future__ import annotations
@@ -132,15 +133,16 @@ def _frames(value: Any, where: str) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
-def video_patches(image_processor: Any, clip: VideoClip, where: str
+def video_patches(image_processor: Any, clip: VideoClip, where: str, **options: Any
                   ) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """``(pixel_values_videos rows, (t, h, w))`` of one clip (module doc): its frames through
-    the checkpoint's image processor, then grouped ``temporal_patch_size`` at a time. A
-    ValueError naming ``where`` where the processor fails on them."""
+    the checkpoint's image processor (``options``: its keyword arguments, e.g.
+    ``do_resize=False``), then grouped ``temporal_patch_size`` at a time. A ValueError naming
+    ``where`` where the processor fails on them."""
     frames = list(clip.frames)
     try:
         out = image_processor(images=frames, return_tensors="pt",
-                              input_data_format="channels_last")
+                              input_data_format="channels_last", **options)
     except Exception as error:  # noqa: BLE001 (any resize / format failure of the frames)
         raise ValueError(f"{where}: could not process the frames: {type(error).__name__}: "
                          f"{error}") from error

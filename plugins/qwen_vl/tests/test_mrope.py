@@ -94,6 +94,23 @@ def test_device_positions_match_the_reference() -> None:
         table.set_row(0, [ImageGrid(4 * i, 1, 1, 2) for i in range(4)])
 
 
+def test_many_items_per_row() -> None:
+    """Rows of many items (Qwen3-VL: one per video frame group, text between them) beside a
+    row of one and a row rewritten with fewer: every position of each, decode positions
+    included, equals the reference (the items found by binary search over the table)."""
+    table = MRopeTable(max_rows=3, max_items=48, device=torch.device("cpu"))
+    groups = [ImageGrid(3 + 9 * k, 1, 2, 3) for k in range(40)]  # 3 text tokens between
+    table.set_row(2, groups[:40])
+    table.set_row(0, groups)
+    table.set_row(1, [ImageGrid(5, 1, 4, 1)])
+    table.set_row(2, groups[:7])  # (its stale slots reset)
+    cases = {0: groups, 1: [ImageGrid(5, 1, 4, 1)], 2: groups[:7]}
+    for row, images in cases.items():
+        n = max(g.offset + g.length for g in images) + 6
+        got = mrope_positions(torch.arange(n), torch.full((n,), row), table)
+        assert got.tolist() == mrope_positions_ref(n, images)[0]
+
+
 def _text_config(family: str, section: list[int], **extra: Any) -> Any:
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}
     if family == "qwen3_vl":

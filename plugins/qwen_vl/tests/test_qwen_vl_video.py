@@ -3,14 +3,21 @@ the tiny random checkpoints (CPU, fp32): greedy tokens and every prompt position
 log-probability with one video, an image and a video, a video of an odd frame count (its last
 frame repeated) at another fps; the M-RoPE positions of video tokens against HF's
 ``get_rope_index``; the encoder cache keyed by a video's content; bad videos refused naming the
-field before anything runs; Qwen3-VL refusing videos.
+field before anything runs. Qwen3-VL and Qwen3-VL-MoE (timestamp text between frame groups):
+the expanded prompt ids and video rows equal HF's own ``Qwen3VLProcessor``'s, greedy tokens HF
+``generate``'s, prompt log-probabilities and positions HF's; the encoder cache keyed by frame
+group content; bad clips refused.
 
 HF's video processor needs torchvision, which the CPU CI lacks: HF's video inputs
 (``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``) are built here in plain
 torch following ``Qwen2VLVideoProcessor`` (rescale, normalize, ``patchify``: frames padded with
 the last one to a multiple of ``temporal_patch_size``) and ``Qwen2_5_VLProcessor``
 (``second_per_grid_ts = temporal_patch_size / fps``), at frame sizes that ``smart_resize``
-keeps as they are (so no resize filter is involved)."""
+keeps as they are (so no resize filter is involved). For Qwen3-VL, HF's own processor runs
+(frames as given, ``do_sample_frames=False``, the fps in ``video_metadata``) with two shims for
+the missing torchvision: its class check skipped and its ``normalize`` in plain torch
+(``(x - mean) / std``, what torchvision's does); ``do_convert_rgb`` and ``do_resize`` off (RGB
+frames whose size its ``smart_resize`` keeps)."""
 
 from __future__ import annotations
 
@@ -39,6 +46,7 @@ from mrv2_qwen_vl.testing import (
     make_tiny_qwen_vl,
     random_image,
 )
+from mrv2_qwen_vl.video_qwen3 import Qwen3VideoSettings, frame_group_times, resize_clip
 
 #: family -> (tiny checkpoint builder, HF model class); Qwen2.5-VL with the released models'
 #: ``tokens_per_second`` (2: at 2 fps a frame group advances the temporal position by 2)
@@ -46,6 +54,12 @@ FAMILIES: dict[str, tuple[Callable[[Path], Path], Any]] = {
     "qwen2_vl": (make_tiny_qwen2_vl, transformers.Qwen2VLForConditionalGeneration),
     "qwen2_5_vl": (lambda path: make_tiny_qwen_vl(path, vision={"tokens_per_second": 2}),
                    transformers.Qwen2_5_VLForConditionalGeneration),
+}
+#: Qwen3-VL's families (builder, HF model class)
+QWEN3: dict[str, tuple[Callable[[Path], Path], Any]] = {
+    "qwen3_vl": (make_tiny_qwen3_vl, transformers.Qwen3VLForConditionalGeneration),
+    "qwen3_vl_moe": (lambda path: make_tiny_qwen3_vl(path, moe=True),
+                     transformers.Qwen3VLMoeForConditionalGeneration),
 }
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -62,8 +76,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Pat
 
     def get(family: str) -> Path:
         if family not in built:
-            build = FAMILIES[family][0] if family in FAMILIES else make_tiny_qwen3_vl
-            built[family] = build(tmp_path_factory.mktemp(family))
+            built[family] = {**FAMILIES, **QWEN3}[family][0](tmp_path_factory.mktemp(family))
         return built[family]
 
     return get
@@ -75,7 +88,7 @@ def hf_models(checkpoints: Callable[[str], Path]) -> Callable[[str], Any]:
 
     def get(family: str) -> Any:
         if family not in loaded:
-            model = FAMILIES[family][1].from_pretrained(checkpoints(family)).eval()
+            model = {**FAMILIES, **QWEN3}[family][1].from_pretrained(checkpoints(family)).eval()
             model.generation_config.eos_token_id = None  # (as ignore_eos)
             loaded[family] = model
         return loaded[family]
@@ -294,8 +307,7 @@ def test_encoder_cache_keys_videos_by_content(checkpoints: Callable[[str], Path]
 def test_bad_videos_name_the_field(checkpoints: Callable[[str], Path]) -> None:
     """Wrong ndim, dtype, channel count, no frames, a bad fps, more videos than
     placeholders, too many items for ``--limit-mm-per-prompt``: a ValueError naming
-    ``multi_modal_data.video`` before any request of the batch is queued; Qwen3-VL refuses
-    videos."""
+    ``multi_modal_data.video`` before any request of the batch is queued."""
     llm = _llm(checkpoints("qwen2_5_vl"), limit_mm_per_prompt=2)
     ids = [5, START, VIDEO, END, 9]
     good = _frames(2, 56, 56, 0)
@@ -320,8 +332,165 @@ def test_bad_videos_name_the_field(checkpoints: Callable[[str], Path]) -> None:
                                          r"has 1 video placeholders"):
         llm.generate([no_video], GREEDY, use_tqdm=False)
     assert not llm.engine.has_unfinished()  # nothing of the batches was queued
-    qwen3 = _llm(checkpoints("qwen3_vl"))
-    with pytest.raises(ValueError, match=r"multi_modal_data\.video: videos are not supported "
-                                         r"for 'qwen3_vl' \(Qwen3-VL puts timestamp text"):
-        qwen3.generate([{"prompt_token_ids": ids, "multi_modal_data": {"video": good}}],
-                       GREEDY, use_tqdm=False)
+
+
+# -- Qwen3-VL: timestamp text between frame groups --------------------------------------------
+
+def _hf_qwen3_processor(path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """HF's own ``Qwen3VLProcessor`` of the checkpoint (module doc: the torchvision shims)."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    from mrv2_qwen_vl.processor import load_image_processor
+
+    video = Qwen3VLVideoProcessor.from_pretrained(path)
+    video.normalize = lambda image, mean, std: (  # type: ignore[method-assign]
+        (image - torch.as_tensor(mean).view(-1, 1, 1)) / torch.as_tensor(std).view(-1, 1, 1))
+    monkeypatch.setattr(transformers.ProcessorMixin, "check_argument_for_proper_class",
+                        lambda *args: None)
+    return transformers.Qwen3VLProcessor(
+        image_processor=load_image_processor(path),
+        tokenizer=transformers.AutoTokenizer.from_pretrained(path), video_processor=video)
+
+
+# Each case: the prompt text, its videos ((clip, fps or None) each) and images. Frame sizes are
+# multiples of 32 within the video processor's pixel budget (kept as they are).
+QWEN3_CASES: dict[str, Callable[[], tuple[str, list[tuple[Any, float | None]], list[Any]]]] = {
+    # 4 frames of 64 x 96 at the default 2 fps: groups at 0.25 s and 1.25 s of 2 x 3 tokens
+    "one_video": lambda: ("Describe<|vision_start|><|video_pad|><|vision_end|> it.",
+                          [(_frames(4, 64, 96, 0), None)], []),
+    # 3 PIL frames (the last repeated) at 1 fps (groups at 0.5 s and 2.0 s), then an image
+    "video_and_image": lambda: (
+        "A<|vision_start|><|video_pad|><|vision_end|> then "
+        "<|vision_start|><|image_pad|><|vision_end|>!",
+        [([Image.fromarray(f) for f in _frames(3, 96, 64, 1)], 1.0)], [random_image(64, 96, 2)]),
+}
+
+
+@pytest.mark.parametrize(("family", "case"), [("qwen3_vl", "one_video"),
+                                              ("qwen3_vl", "video_and_image"),
+                                              ("qwen3_vl_moe", "one_video")])
+def test_qwen3_video_matches_hf(checkpoints: Callable[[str], Path],
+                                hf_models: Callable[[str], Any],
+                                monkeypatch: pytest.MonkeyPatch, family: str, case: str) -> None:
+    """Qwen3-VL's expanded prompt (timestamp text, vision start / end per frame group) and
+    video rows equal HF ``Qwen3VLProcessor``'s; the M-RoPE positions of its frame-group items
+    equal HF's ``get_rope_index``; greedy tokens equal HF ``generate``'s; every prompt
+    position's log-probability is within 1e-4 of HF's forward (deepstack features of video
+    rows included)."""
+    path = checkpoints(family)
+    hf_model = hf_models(family)
+    text, clips, images = QWEN3_CASES[case]()
+    processor = _hf_qwen3_processor(path, monkeypatch)
+    arrays = [_as_numpy(clip) for clip, _ in clips]
+    hf = processor(
+        text=[text], images=images or None, return_tensors="pt",
+        videos=[torch.from_numpy(a).permute(0, 3, 1, 2) for a in arrays],
+        videos_kwargs={"do_resize": False, "do_convert_rgb": False, "do_sample_frames": False,
+                       "video_metadata": [{"fps": fps or 2.0, "total_num_frames": len(a),
+                                           "frames_indices": list(range(len(a)))}
+                                          for a, (_, fps) in zip(arrays, clips, strict=True)]})
+    hf_ids = hf["input_ids"][0].tolist()
+    mm: dict[str, Any] = {"video": [clip if fps is None else (clip, {"fps": fps})
+                                    for clip, fps in clips]}
+    if images:
+        mm["image"] = images
+    request = {"prompt_token_ids": processor.tokenizer.encode(text, add_special_tokens=False),
+               "multi_modal_data": mm}
+    llm = _llm(path)
+    engine_processor = llm.engine.input_processor
+    assert engine_processor is not None
+    ids, items = engine_processor.process(request["prompt_token_ids"], mm)
+    assert ids == hf_ids
+    videos = [item for item in items if item.kind == "video"]
+    assert len(videos) == int(hf["video_grid_thw"][:, 0].sum())  # an item per frame group
+    torch.testing.assert_close(torch.cat([v.data["pixel_values"] for v in videos]),
+                               hf["pixel_values_videos"], rtol=0, atol=1e-5)
+    input_ids = hf["input_ids"]
+    types_ = hf["mm_token_type_ids"]
+    kwargs = {key: hf[key] for key in ("pixel_values", "image_grid_thw", "pixel_values_videos",
+                                       "video_grid_thw") if key in hf}
+    want_pos, _ = hf_model.model.get_rope_index(
+        input_ids, types_, image_grid_thw=kwargs.get("image_grid_thw"),
+        video_grid_thw=hf["video_grid_thw"])
+    grids = [ImageGrid(item.offset, *(int(v) for v in item.data["grid_thw"][:1]),
+                       int(item.data["grid_thw"][1]) // 2, int(item.data["grid_thw"][2]) // 2)
+             for item in items]
+    assert mrope_positions_ref(len(ids), grids)[0] == want_pos[:, 0].tolist()
+    got = llm.generate([request], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    with torch.no_grad():
+        want = hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                 mm_token_type_ids=types_, max_new_tokens=6, do_sample=False,
+                                 **kwargs)
+        logits = hf_model(input_ids, mm_token_type_ids=types_, **kwargs).logits[0]
+    assert got == want[0, len(hf_ids):].tolist()
+    check_prompt_logprobs(llm, request, hf_ids, logits)
+
+
+def test_qwen3_encoder_cache_keys_frame_groups_by_content(
+        checkpoints: Callable[[str], Path]) -> None:
+    """Qwen3-VL's frame groups are items of their own content: the same clip again runs no
+    encoder (two groups: two runs the first time) and gives the same tokens; another clip runs
+    two more; the same frames at another fps change only the timestamp text (no encoder run);
+    chunked prefill (steps of 4 tokens) gives the whole-prompt tokens."""
+    llm = _llm(checkpoints("qwen3_vl"), enable_prefix_caching=False)
+    clip, other = _frames(4, 64, 64, 7), _frames(4, 64, 64, 8)
+
+    def request(video: Any, head: int = 5) -> dict[str, Any]:
+        return {"prompt_token_ids": [head, START, VIDEO, END, 9],
+                "multi_modal_data": {"video": video}}
+
+    state = llm.engine.runner.model_state
+    first = llm.generate([request(clip)], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert state.encoder_runs == 2
+    again = llm.generate([request(clip.copy(), head=6), request(clip)], GREEDY,
+                         use_tqdm=False)
+    assert state.encoder_runs == 2 and again[1].outputs[0].token_ids == first
+    llm.generate([request(other)], GREEDY, use_tqdm=False)
+    assert state.encoder_runs == 4
+    slower = llm.generate([request((clip, {"fps": 1.0}))], GREEDY, use_tqdm=False)
+    assert state.encoder_runs == 4 and len(slower[0].outputs[0].token_ids) == 6
+    chunked = _llm(checkpoints("qwen3_vl"), enable_prefix_caching=False,
+                   max_num_batched_tokens=4)
+    assert chunked.generate([request(clip)], GREEDY,
+                            use_tqdm=False)[0].outputs[0].token_ids == first
+
+
+def test_qwen3_video_resize_and_bad_clips(checkpoints: Callable[[str], Path]) -> None:
+    """A Qwen3-VL clip whose size ``smart_resize`` changes is resized as a whole (its grid
+    HF's video processor's count); timestamps are HF's; too few or too many frames (the tiny
+    config's ``max_frames`` 16) and a missing tokenizer: a ValueError naming
+    ``multi_modal_data.video`` before anything runs."""
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    path = checkpoints("qwen3_vl")
+    llm = _llm(path)
+    processor = llm.engine.input_processor
+    assert processor is not None
+    ids = [5, START, VIDEO, END, 9]
+    frames = _frames(4, 70, 100, 4)
+    settings = Qwen3VideoSettings.load(path)
+    assert settings.max_frames == 16 and settings.max_pixels == 512 * 32 * 32
+    resized = resize_clip(frames, settings, "x")
+    assert resized.shape[1] % 32 == 0 and resized.shape[2] % 32 == 0
+    _, items = processor.process(ids, {"video": frames})
+    hf_count = Qwen3VLVideoProcessor.from_pretrained(path).get_num_of_video_patches(4, 70, 100)
+    assert sum(int(np.prod(item.data["grid_thw"])) for item in items) == hf_count
+    assert frame_group_times(5, 3.0, 2) == Qwen3VLProcessor._calculate_timestamps(
+        None, list(range(5)), 3.0, 2)  # type: ignore[arg-type]
+    for clip, message in [
+        (_frames(1, 64, 64, 0), r"multi_modal_data\.video\[0\]: a Qwen3-VL clip needs 2 to 16 "
+                                r"frames \(temporal_patch_size \.\. max_frames\), got 1"),
+        (_frames(17, 32, 32, 0), r"multi_modal_data\.video\[0\]: a Qwen3-VL clip needs 2 to 16 "
+                                 r"frames .*, got 17")]:
+        with pytest.raises(ValueError, match=message):
+            llm.generate([{"prompt_token_ids": [5, 6]},
+                          {"prompt_token_ids": ids, "multi_modal_data": {"video": clip}}],
+                         GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+    no_tokenizer = type(processor)(processor.model_dir, processor.hf_config, None,
+                                   processor.config)
+    with pytest.raises(ValueError, match=r"multi_modal_data\.video: Qwen3-VL writes each frame "
+                                         r"group's timestamp as text, which needs the "
+                                         r"checkpoint's tokenizer"):
+        no_tokenizer.process(ids, {"video": frames})
