@@ -1,7 +1,8 @@
-"""GPU: Qwen2-VL and Qwen2.5-VL with videos (``mrv2-plugin-qwen-vl``): fp32 tokens with graphs
-and eager equal the CPU engine's (which equals HF, ``plugins/qwen_vl/tests/test_qwen_vl_video.py``)
-for a video, a video beside an image and an odd frame count; bf16 graphs on/off agree; a step
-with a video split across it never synchronizes with the host.
+"""GPU: Qwen2-VL, Qwen2.5-VL and Qwen3-VL with videos (``mrv2-plugin-qwen-vl``): fp32 tokens
+with graphs and eager equal the CPU engine's (which equals HF,
+``plugins/qwen_vl/tests/test_qwen_vl_video.py``) for a video, a video beside an image and an
+odd frame count; bf16 graphs on/off agree; a step with a video split across it never
+synchronizes with the host.
 
 Run on a CUDA machine with ``MRV2_TEST_GPU=1 python -m pytest -m gpu``.
 """
@@ -21,7 +22,8 @@ pytestmark = pytest.mark.gpu
 testing = pytest.importorskip("mrv2_qwen_vl.testing")
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-FAMILIES = {"qwen2-vl": "make_tiny_qwen2_vl", "qwen2.5-vl": "make_tiny_qwen_vl"}
+FAMILIES = {"qwen2-vl": "make_tiny_qwen2_vl", "qwen2.5-vl": "make_tiny_qwen_vl",
+            "qwen3-vl": "make_tiny_qwen3_vl"}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -70,15 +72,20 @@ def test_bf16_video_graphs_on_off_agree(ckpt: Path) -> None:
 
 
 def test_video_steps_never_synchronize(ckpt: Path) -> None:
+    from transformers import AutoTokenizer
+
     config = EngineConfig.from_kwargs(model=str(ckpt), device="cuda", dtype="bfloat16",
                                       gpu_memory_utilization=0.3)
     runner = Runner.from_config(config)
     from mrv2_qwen_vl.processor import QwenVLInputProcessor
 
-    processor = QwenVLInputProcessor(str(ckpt), runner.hf_config, None, config)
+    # (Qwen3-VL's timestamps between frame groups are text: its processor needs the tokenizer)
+    processor = QwenVLInputProcessor(str(ckpt), runner.hf_config,
+                                     AutoTokenizer.from_pretrained(str(ckpt)), config)
     ids, items = processor.process([5, 17, testing.START, testing.VIDEO, testing.END, 42],
                                    {"video": _frames(4, 84, 84, 4)})
-    assert items[0].length > 4  # (split across the two steps)
-    run_media_steps_without_sync(runner, "vid", ids, items, split=5, seeds=(1, 2))
-    assert getattr(runner.model_state, "encoder_runs", None) == 1  # one video, two chunks
+    split = items[0].offset + 2  # (the first video item split across the two steps)
+    run_media_steps_without_sync(runner, "vid", ids, items, split=split, seeds=(1, 2))
+    # one encoder run an item (Qwen3-VL: an item a frame group), two chunks for the first
+    assert getattr(runner.model_state, "encoder_runs", None) == len(items)
     runner.shutdown()
