@@ -1,6 +1,6 @@
-"""Gemma 4's images and audio: the input processor (prompt expansion, the checkpoint's image
-processor and audio feature extractor) and the model state (the encoder cache, each step's
-soft tokens and image spans).
+"""Gemma 4's images, videos and audio: the input processor (prompt expansion, the checkpoint's
+image processor, its video settings and audio feature extractor) and the model state (the
+encoder cache, each step's soft tokens and image / video frame spans).
 
 **Prompts.** A prompt carries one image token (``config.image_token_id``) per image and one
 audio token (``config.audio_token_id``) per clip where the chat template puts them, as in HF
@@ -12,13 +12,23 @@ tokens are the item's :class:`~mrv2.contract.requests.MultiModalItem` (``"image"
 ``"audio"``); an image's are ``bidirectional`` when the text config says
 ``use_bidirectional_attention: "vision"`` (their tokens then attend to each other both ways on
 the sliding layers, and no step splits them), a clip's are causal (HF marks audio tokens type
-3, outside its two-way blocks). Video is refused, naming the key.
+3, outside its two-way blocks). A video placeholder (``config.video_token_id``, ``<|video|>``)
+is expanded as HF's ``replace_video_token``: per frame its timestamp text, ``<boi>``, the
+frame's video tokens, ``<eoi>``, frames joined by spaces (:mod:`mrv2_gemma.gemma4_video`);
+each frame is an item of kind ``"video"``, ``bidirectional`` as an image (HF marks video
+tokens type 2, inside its two-way blocks: one block per frame).
 
 **Images.** The checkpoint's image processor (``preprocessor_config.json``: an aspect-ratio
 preserving resize to at most ``max_soft_tokens`` pooled patches, rescale, patches padded to
 ``max_soft_tokens * pooling_kernel_size**2`` with positions ``(-1, -1)``; its PIL backend where
 torchvision is absent) makes each image's patch rows and positions; an item's content hash is
 over both. The number of soft tokens varies with the image's aspect ratio.
+
+**Videos** (``multi_modal_data["video"]``: decoded frames,
+:func:`~mrv2_gemma.gemma4_video.parse_videos`): resized and cut into patches by the video
+settings (:class:`~mrv2_gemma.gemma4_video.Gemma4VideoSettings`); a frame's item keeps its
+real patch rows and positions, hashed (``"video:..."``) for the encoder cache, and runs
+through the vision encoder as an image does. Its timestamps need the checkpoint's tokenizer.
 
 **Audio** (``multi_modal_data["audio"]``: ``(samples, sampling_rate)``, bare samples at the
 extractor's rate, or a list: :func:`~mrv2_gemma.audio_inputs.audio_clips`). A clip at another
@@ -33,8 +43,9 @@ refused.
 
 **Each step** (:class:`Gemma4VLModelState`): the soft tokens of the images the step computes
 come from the core's encoder cache (:class:`~mrv2.contract.encoder_cache.
-EncoderCacheModelState`; one run of the vision encoder per image, of the audio encoder per
-clip), and the step's image spans go to the model's forward as ``bidirectional``.
+EncoderCacheModelState`; one run of the vision encoder per image or video frame, of the audio
+encoder per clip), and the step's image and frame spans go to the model's forward as
+``bidirectional``.
 """
 
 from __future__ import annotations
@@ -53,16 +64,23 @@ from mrv2.contract.input_processor import (
     content_hash,
     preprocessor_config,
     run_image_processor,
-    splice_placeholders,
 )
 from mrv2.contract.requests import MultiModalItem, NewRequest
 from mrv2_gemma.audio_inputs import audio_clips, load_feature_extractor, resample
 from mrv2_gemma.gemma4_audio import audio_tokens
+from mrv2_gemma.gemma4_video import (
+    VIDEO_FIELD,
+    Gemma4VideoSettings,
+    VideoClip,
+    frame_patches,
+    frame_prefixes,
+    parse_videos,
+    soft_tokens,
+)
 
 __all__ = ["Gemma4InputProcessor", "Gemma4VLModelState"]
 
-_KEYS = ("image", "audio")
-_NOTE = " (Gemma 4's video is not supported yet)"
+_KEYS = ("image", "audio", "video")
 #: The longest clip's valid frames the profile runs: HF's 30 s cut at 10 ms a frame.
 _PROFILE_FRAMES = 3000
 
@@ -82,6 +100,10 @@ class Gemma4InputProcessor(InputProcessor):
         self.feature_extractor: Any = None
         self.audio_refused = ""
         self.load_audio(model_dir, hf_config)
+        video = getattr(hf_config, "video_token_id", None)
+        self.video_token = -1 if video is None else int(video)
+        #: The checkpoint's video processor settings (module doc).
+        self.video_settings = Gemma4VideoSettings.load(model_dir)
         if getattr(hf_config, "vision_config", None) is None:
             self.images_refused = "the checkpoint has no vision_config (a text-only Gemma 4)"
             return
@@ -122,13 +144,14 @@ class Gemma4InputProcessor(InputProcessor):
 
     def process(self, prompt_token_ids: list[int], mm_data: Mapping[str, Any]
                 ) -> tuple[list[int], list[MultiModalItem]]:
-        """Expand the image and audio placeholders and make their items (module doc);
+        """Expand the image, video and audio placeholders and make their items (module doc);
         ValueError naming the field for bad input."""
         unknown = sorted(key for key, value in mm_data.items()
                          if key not in _KEYS and not _empty(value))
         if unknown:
             raise ValueError(f"multi_modal_data has unsupported keys {unknown}; allowed: "
-                             f"'image', 'audio'{_NOTE}")
+                             "'image', 'audio', 'video'")
+        videos, video_places = self.videos_and_places(prompt_token_ids, mm_data.get("video"))
         image = mm_data.get("image")
         images, image_places = self.images_and_places(
             prompt_token_ids, {"image": [] if image is None else image}, self.image_token)
@@ -145,8 +168,8 @@ class Gemma4InputProcessor(InputProcessor):
                              "; put one per clip")
         if images:
             self.require_images()
-        # each placeholder's item: place -> (kind, data, content hash, soft tokens)
-        pieces: dict[int, tuple[str, dict[str, torch.Tensor], str, int]] = {}
+        # each placeholder's items: place -> [(kind, data, content hash, soft tokens, prefix)]
+        pieces: dict[int, list[tuple[str, dict[str, torch.Tensor], str, int, list[int]]]] = {}
         if images:
             out = run_image_processor(self.image_processor, images)
             pixels = cast(torch.Tensor, out["pixel_values"])
@@ -154,24 +177,83 @@ class Gemma4InputProcessor(InputProcessor):
             counts = [int(n) for n in out["num_soft_tokens_per_image"]]
             for n, place in enumerate(image_places):
                 rows, where = pixels[n].contiguous(), positions[n].contiguous()
-                pieces[place] = ("image", {"pixel_values": rows, "position_ids": where},
-                                 content_hash(rows, where), counts[n])
+                pieces[place] = [("image", {"pixel_values": rows, "position_ids": where},
+                                  content_hash(rows, where), counts[n], [])]
         for n, place in enumerate(audio_places):
             features = self.audio_features(n, *clips[n])
             digest = "audio:" + content_hash(features).split(":", 1)[1]
-            pieces[place] = ("audio", {"input_features": features}, digest,
-                             audio_tokens(features.shape[0]))
-        places = sorted(pieces)
+            pieces[place] = [("audio", {"input_features": features}, digest,
+                              audio_tokens(features.shape[0]), [])]
+        for n, place in enumerate(video_places):
+            pieces[place] = self.video_frames(videos[n], f"{VIDEO_FIELD}[{n}]")
+        ids: list[int] = []
+        items: list[MultiModalItem] = []
+        copied = 0  # the first prompt position not yet copied
+        for place in sorted(pieces):
+            ids.extend(prompt_token_ids[copied:place])
+            copied = place + 1
+            for kind, data, digest, count, prefix in pieces[place]:
+                token, first, last = {"image": (self.image_token, self.boi, self.eoi),
+                                      "video": (self.video_token, self.boi, self.eoi),
+                                      "audio": (self.audio_token, self.boa, self.eoa)}[kind]
+                ids.extend([*prefix, first])
+                items.append(MultiModalItem(kind, data, digest, len(ids), count,
+                                            bidirectional=self.bidirectional
+                                            and kind != "audio"))
+                ids.extend([*[token] * count, last])
+        ids.extend(prompt_token_ids[copied:])
+        return ids, items
 
-        def expand(n: int, offset: int) -> tuple[list[int], MultiModalItem]:
-            kind, data, digest, count = pieces[places[n]]
-            token, first, last = ((self.image_token, self.boi, self.eoi) if kind == "image"
-                                  else (self.audio_token, self.boa, self.eoa))
-            return [first, *[token] * count, last], MultiModalItem(
-                kind, data, digest, offset + 1, count,
-                bidirectional=self.bidirectional and kind == "image")
+    def videos_and_places(self, prompt_token_ids: list[int], value: Any
+                          ) -> tuple[list[VideoClip], list[int]]:
+        """The prompt's clips and the positions of its video placeholders, one per clip;
+        ValueError naming ``multi_modal_data.video`` where videos are refused (no vision
+        tower or image processor, no ``video_token_id``, video settings the tower can't take,
+        no tokenizer for the timestamps),
+        a clip is malformed, there are more than ``--limit-mm-per-prompt`` or the placeholders
+        don't match."""
+        clips = parse_videos(value)
+        if clips:
+            if self.image_processor is None:
+                raise ValueError(f"{VIDEO_FIELD}: {self.images_refused}")
+            if self.video_token < 0:
+                raise ValueError(f"{VIDEO_FIELD}: the config has no video_token_id")
+            vision, settings = self.hf_config.vision_config, self.video_settings
+            cut = (settings.patch_size, settings.pooling_kernel_size)
+            tower = (int(vision.patch_size), int(vision.pooling_kernel_size))
+            if cut != tower:
+                raise ValueError(f"{VIDEO_FIELD}: the checkpoint's video processor cuts "
+                                 f"(patch_size, pooling_kernel_size) = {cut}, its vision "
+                                 f"tower takes {tower}")
+            if self.tokenizer is None:
+                raise ValueError(f"{VIDEO_FIELD}: Gemma 4 writes each frame's timestamp as "
+                                 "text, which needs the checkpoint's tokenizer; this engine "
+                                 "has none (pass --tokenizer or use a checkpoint with one)")
+        if len(clips) > self.limit_per_prompt:
+            raise ValueError(f"{VIDEO_FIELD}: {len(clips)} videos; at most "
+                             f"{self.limit_per_prompt} per prompt (--limit-mm-per-prompt)")
+        places = ([i for i, t in enumerate(prompt_token_ids) if t == self.video_token]
+                  if self.video_token >= 0 else [])
+        if len(places) != len(clips):
+            raise ValueError(f"{VIDEO_FIELD}: {len(clips)} videos but the prompt has "
+                             f"{len(places)} video placeholders (token {self.video_token}, "
+                             "<|video|>); put one per video")
+        return clips, places
 
-        return splice_placeholders(prompt_token_ids, places, expand)
+    def video_frames(self, clip: VideoClip, where: str
+                     ) -> list[tuple[str, dict[str, torch.Tensor], str, int, list[int]]]:
+        """One clip's frame items ``(kind, data, content hash, soft tokens, timestamp
+        tokens)`` (:mod:`mrv2_gemma.gemma4_video`)."""
+        settings = self.video_settings
+        frames = frame_patches(clip, settings, where)
+        prefixes = frame_prefixes(len(frames), clip.fps)
+        out = []
+        for (rows, positions), prefix in zip(frames, prefixes, strict=True):
+            digest = "video:" + content_hash(rows, positions).split(":", 1)[1]
+            text = list(self.tokenizer.encode(prefix, add_special_tokens=False))
+            out.append(("video", {"pixel_values": rows, "position_ids": positions}, digest,
+                        soft_tokens(rows.shape[0], settings), [int(t) for t in text]))
+        return out
 
     def audio_features(self, index: int, samples: np.ndarray, rate: int | None
                        ) -> torch.Tensor:
@@ -206,8 +288,8 @@ def _empty(value: Any) -> bool:
 
 
 class Gemma4VLModelState(EncoderCacheModelState):
-    """The model state of ``Gemma4ForConditionalGeneration`` with images and audio (module
-    doc)."""
+    """The model state of ``Gemma4ForConditionalGeneration`` with images, videos and audio
+    (module doc)."""
 
     item_kinds = _KEYS
 
@@ -226,31 +308,32 @@ class Gemma4VLModelState(EncoderCacheModelState):
         self.mel_bins: tuple[int, ...] | None = None if audio is None else tuple(audio.mel_bins)
 
     def check_item(self, request: NewRequest, item: MultiModalItem) -> None:
-        """An image of ``[patches, C * P * P]`` pixels, ``[patches, 2]`` positions and as many
-        placeholders as its real patches pool to; a clip of ``[frames, mel]`` features and as
-        many placeholders as its frames subsample to."""
+        """An image or video frame of ``[patches, C * P * P]`` pixels, ``[patches, 2]``
+        positions and as many placeholders as its real patches pool to; a clip of ``[frames,
+        mel]`` features and as many placeholders as its frames subsample to."""
         super().check_item(request, item)
         if item.kind == "audio":
             self._check_audio(request, item)
             return
         if self.pixel_width is None or self.pool is None:
             raise ValueError(f"request {request.req_id!r}: the checkpoint has no vision tower")
+        what = "an image" if item.kind == "image" else "a video frame"
         data = item.data if isinstance(item.data, Mapping) else {}
         pixels, where = data.get("pixel_values"), data.get("position_ids")
         if not (isinstance(pixels, torch.Tensor) and isinstance(where, torch.Tensor)
                 and pixels.dim() == 2 and pixels.shape[1] == self.pixel_width
                 and tuple(where.shape) == (pixels.shape[0], 2)):
-            raise ValueError(f"request {request.req_id!r}: an image needs pixel_values "
+            raise ValueError(f"request {request.req_id!r}: {what} needs pixel_values "
                              f"[patches, {self.pixel_width}] and position_ids [patches, 2]")
         width, height = _grid(where)
         real = int((where[:, 0] >= 0).sum())
         ordered = bool((where[:real, 0] >= 0).all())
         if (not ordered or real != width * height or width % self.pool
                 or height % self.pool):
-            raise ValueError(f"request {request.req_id!r}: an image's position_ids must make a "
+            raise ValueError(f"request {request.req_id!r}: {what}'s position_ids must make a "
                              f"{self.pool}-divisible grid from (0, 0), padding at the end")
         if real // self.pool**2 != item.length:
-            raise ValueError(f"request {request.req_id!r}: an image of {real} patches has "
+            raise ValueError(f"request {request.req_id!r}: {what} of {real} patches has "
                              f"{real // self.pool**2} soft tokens, got length {item.length}")
 
     def _check_audio(self, request: NewRequest, item: MultiModalItem) -> None:
@@ -268,8 +351,8 @@ class Gemma4VLModelState(EncoderCacheModelState):
                              f"{item.length}")
 
     def embed_item(self, item: MultiModalItem) -> torch.Tensor:
-        """One run of the vision encoder (an image) or the audio encoder (a clip):
-        ``[soft tokens, hidden_size]``."""
+        """One run of the vision encoder (an image or a video frame) or the audio encoder (a
+        clip): ``[soft tokens, hidden_size]``."""
         if item.kind == "audio":
             features = self.upload(cast(torch.Tensor, item.data["input_features"]))
             return cast(torch.Tensor, cast(Any, self.model).embed_audio(features))
@@ -283,12 +366,14 @@ class Gemma4VLModelState(EncoderCacheModelState):
     def profile_encoder(self, max_prompt_tokens: int) -> int:
         """The encoders over their largest inputs, outputs dropped: one image of the
         processor's largest size (``max_soft_tokens`` pooled patches, 280 unless
-        ``preprocessor_config.json`` says otherwise; random pixels, a square grid) and one
+        ``preprocessor_config.json`` says otherwise, or the video settings' where larger;
+        random pixels, a square grid) and one
         clip of HF's longest (30 s: 3000 frames, or the prompt's room; random features);
         returns :attr:`encoder_cache_bytes`."""
         if self.pixel_width is not None and self.pool is not None:
-            most = int(preprocessor_config(self.config.model.model).get("max_soft_tokens")
-                       or 280)
+            model_dir = self.config.model.model
+            most = max(int(preprocessor_config(model_dir).get("max_soft_tokens") or 280),
+                       Gemma4VideoSettings.load(model_dir).max_soft_tokens)
             side = math.isqrt(min(most, max(1, max_prompt_tokens))) * self.pool
             grid = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side),
                                               indexing="xy"), dim=-1).reshape(-1, 2)
@@ -302,8 +387,8 @@ class Gemma4VLModelState(EncoderCacheModelState):
         return self.encoder_cache_bytes
 
     def prepare_inputs(self, batch: InputBatch) -> dict[str, Any]:
-        """The default inputs (image rows spliced in) and, for a step with image tokens, its
-        image spans as ``bidirectional``."""
+        """The default inputs (image and frame rows spliced in) and, for a step with image or
+        video tokens, their spans as ``bidirectional``."""
         inputs = super().prepare_inputs(batch)
         spans = self.step_spans(batch)
         if spans:

@@ -1,5 +1,5 @@
 """Gemma 4's multimodal checkpoints (``Gemma4ForConditionalGeneration``: a vision tower, an
-audio tower, their embedders and Gemma 4's text decoder): text, images and audio.
+audio tower, their embedders and Gemma 4's text decoder): text, images, videos and audio.
 
 ``config.json`` nests the decoder's config under ``text_config``;
 :class:`Gemma4ForConditionalGeneration` is :class:`~mrv2_gemma.gemma4.Gemma4ForCausalLM` built
@@ -9,15 +9,16 @@ image encoder (:class:`~mrv2_gemma.gemma4_vision.Gemma4VisionEncoder`) when the 
 when it has an ``audio_config``; both are replicated under tensor parallelism. As in HF, the
 media placeholder ids (``image_token_id``, ``video_token_id``, ``audio_token_id``) are
 embedded (per-layer embeddings included) as ``text_config.pad_token_id``; an image's or a
-clip's soft tokens then replace its placeholders' embeddings. An image's tokens, with
-``use_bidirectional_attention: "vision"``, attend to each other both ways on the sliding
-layers (the step's spans, from the model state, set around the decoder by
-:meth:`Gemma4ForConditionalGeneration.forward`); a clip's stay causal, as in HF. Prompts,
-images and audio: the input processor and model state of :mod:`mrv2_gemma.gemma4_inputs`.
+clip's soft tokens then replace its placeholders' embeddings. A video's frames are images
+of the vision tower (:meth:`Gemma4ForConditionalGeneration.embed_image`), each its own item.
+An image's or a frame's tokens, with ``use_bidirectional_attention: "vision"``, attend to each
+other both ways on the sliding layers (the step's spans, from the model state, set around the
+decoder by :meth:`Gemma4ForConditionalGeneration.forward`); a clip's stay causal, as in HF.
+Prompts, images, videos and audio: the input processor and model state of
+:mod:`mrv2_gemma.gemma4_inputs`.
 
-Not supported yet: video (refused by the input processor, naming the key). The tensors of a
-tower the config has no section for are skipped at load (a text tensor matching no parameter
-is still an error).
+The tensors of a tower the config has no section for are skipped at load (a text tensor
+matching no parameter is still an error).
 
 Checkpoints load in transformers 5.17's names, which its ``save_pretrained`` writes
 (``model.language_model.*``, ``lm_head.weight`` when untied, ``model.vision_tower.*``,

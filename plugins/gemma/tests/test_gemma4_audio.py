@@ -6,7 +6,7 @@ layout); through the engine, greedy tokens equal HF ``generate``'s with ``input_
 ``input_features_mask`` from HF's own feature extractor over all of a prompt's clips (two
 clips in one prompt, a clip beside an image, a clip at another sampling rate resampled,
 chunked prefill ending steps inside a clip), the encoder cache on a second round, every
-prompt position's log-probability; bad audio and video refused naming the field; the OpenAI
+prompt position's log-probability; bad audio (and a bad video) refused naming the field; the OpenAI
 server's ``input_audio`` parts. Plus the resampler and the feature extractor's lookup."""
 
 from __future__ import annotations
@@ -153,8 +153,9 @@ def test_audio_refused_naming_the_field(tiny: Tiny, llm: LLM, tmp_path: Path) ->
         ({"audio": [(clip, RATE), (clip, RATE)]}, "2 clips but the prompt has 1 audio"),
         ({"audio": [(clip, RATE)] * 3}, "3 clips; at most 2 per prompt"),
         ({"audio": (clip[:160], RATE)}, "too short; at least 161 samples"),
-        ({"video": [clip]}, r"unsupported keys \['video'\]; allowed: 'image', 'audio' "
-                            r"\(Gemma 4's video is not supported yet\)"),
+        ({"video": [clip]}, r"multi_modal_data\.video\[0\]: a numpy clip must be "),
+        ({"speech": [clip]}, r"unsupported keys \['speech'\]; allowed: 'image', 'audio', "
+                             r"'video'"),
     ]
     for data, message in cases:
         with pytest.raises(ValueError, match=message):
