@@ -489,6 +489,7 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
             # fp32 tokens with graphs and eager equal the CPU engine's, bf16 graphs on/off,
             # a video split across steps never synchronizes; then Gemma 4 with shared pages
             timeout 300 python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_qwen_vl_video.py \
+              tests/gpu/test_gpu_gemma4_video.py \
               2>&1 | tee "$OUT/videos.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -8
             timeout 250 python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_gemma4.py \
               2>&1 | tee "$OUT/gemma4_pages.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -8 ;;
