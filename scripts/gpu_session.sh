@@ -488,10 +488,10 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
     videos) # the forty-second session's Qwen-VL videos on CUDA (written, not yet run then):
             # fp32 tokens with graphs and eager equal the CPU engine's, bf16 graphs on/off,
             # a video split across steps never synchronizes; then Gemma 4 with shared pages
-            timeout 300 python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_qwen_vl_video.py \
+            timeout 400 python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_qwen_vl_video.py \
               tests/gpu/test_gpu_gemma4_video.py \
               2>&1 | tee "$OUT/videos.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -8
-            timeout 250 python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_gemma4.py \
+            timeout 180 python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_gemma4.py \
               2>&1 | tee "$OUT/gemma4_pages.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -8 ;;
     verify42) # the forty-second session's changes on CUDA: the sampling kernel's tables and
               # the sampler's GPU tests, Llama 4 (chunked tables), its images and Gemma 4
