@@ -24,7 +24,7 @@ from mrv2.config import EngineConfig
 from mrv2.contract.requests import MultiModalItem
 
 __all__ = ["InputProcessor", "content_hash", "load_image_processor", "preprocessor_config",
-           "run_image_processor", "splice_placeholders"]
+           "processor_settings", "run_image_processor", "splice_placeholders"]
 
 
 class InputProcessor:
@@ -166,16 +166,28 @@ def _read_json(path: Path) -> Any:
         return None
 
 
-def _image_processor_settings(model_dir: str | Path) -> dict[str, Any] | None:
-    """The checkpoint's image processor settings where HF transformers 5 finds them first:
-    ``processor_config.json``'s ``image_processor`` section (what a processor's
-    ``save_pretrained`` writes now), else ``preprocessor_config.json`` (the older layout);
-    None where neither holds them."""
+def processor_settings(model_dir: str | Path, section: str, *files: str
+                       ) -> dict[str, Any] | None:
+    """A checkpoint's processor settings where HF transformers 5 finds them first:
+    ``processor_config.json``'s ``section`` (``"image_processor"``, ``"video_processor"``:
+    what a processor's ``save_pretrained`` writes now), else the first of ``files`` (the
+    older layouts) that holds a non-empty JSON object, else the last one's object (empty);
+    None where none holds one."""
     nested = _read_json(Path(model_dir) / "processor_config.json")
-    if isinstance(nested, dict) and isinstance(nested.get("image_processor"), dict):
-        return dict(nested["image_processor"])
-    flat = _read_json(Path(model_dir) / "preprocessor_config.json")
-    return flat if isinstance(flat, dict) else None
+    if isinstance(nested, dict) and isinstance(nested.get(section), dict):
+        return dict(nested[section])
+    for name in files:
+        flat = _read_json(Path(model_dir) / name)
+        if isinstance(flat, dict) and (flat or name == files[-1]):
+            return flat
+    return None
+
+
+def _image_processor_settings(model_dir: str | Path) -> dict[str, Any] | None:
+    """The checkpoint's image processor settings: ``processor_config.json``'s
+    ``image_processor`` section, else ``preprocessor_config.json``; None where neither holds
+    them."""
+    return processor_settings(model_dir, "image_processor", "preprocessor_config.json")
 
 
 def preprocessor_config(model_dir: str | Path | None) -> dict[str, Any]:

@@ -25,7 +25,7 @@ torchvision is absent) makes each image's patch rows and positions; an item's co
 over both. The number of soft tokens varies with the image's aspect ratio.
 
 **Videos** (``multi_modal_data["video"]``: decoded frames,
-:func:`~mrv2_gemma.gemma4_video.parse_videos`): resized and cut into patches by the video
+:func:`~mrv2.contract.video_inputs.parse_videos`): resized and cut into patches by the video
 settings (:class:`~mrv2_gemma.gemma4_video.Gemma4VideoSettings`); a frame's item keeps its
 real patch rows and positions, hashed (``"video:..."``) for the encoder cache, and runs
 through the vision encoder as an image does. Its timestamps need the checkpoint's tokenizer.
@@ -66,15 +66,14 @@ from mrv2.contract.input_processor import (
     run_image_processor,
 )
 from mrv2.contract.requests import MultiModalItem, NewRequest
+from mrv2.contract.video_inputs import VIDEO_FIELD, VideoClip, parse_videos
 from mrv2_gemma.audio_inputs import audio_clips, load_feature_extractor, resample
 from mrv2_gemma.gemma4_audio import audio_tokens
 from mrv2_gemma.gemma4_video import (
-    VIDEO_FIELD,
+    DEFAULT_FPS,
     Gemma4VideoSettings,
-    VideoClip,
     frame_patches,
     frame_prefixes,
-    parse_videos,
     soft_tokens,
 )
 
@@ -212,7 +211,7 @@ class Gemma4InputProcessor(InputProcessor):
         no tokenizer for the timestamps),
         a clip is malformed, there are more than ``--limit-mm-per-prompt`` or the placeholders
         don't match."""
-        clips = parse_videos(value)
+        clips = parse_videos(value, DEFAULT_FPS)
         if clips:
             if self.image_processor is None:
                 raise ValueError(f"{VIDEO_FIELD}: {self.images_refused}")

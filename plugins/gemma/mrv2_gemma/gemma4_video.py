@@ -1,12 +1,10 @@
 """Gemma 4's videos: decoded frames into the vision tower's patch rows, one item per frame, as
 transformers 5.17's ``Gemma4Processor`` / ``Gemma4VideoProcessor`` build them.
 
-**Clips** (``multi_modal_data["video"]``; no file decoding here): a numpy ``[T, H, W, 3]``
-uint8 array, a torch ``[T, 3, H, W]`` uint8 tensor, or a list of frames (PIL images or
-``[H, W, 3]`` uint8 arrays), optionally as ``(clip, {"fps": f})``: the rate the frames were
-sampled at, default :data:`DEFAULT_FPS` (24, HF's default for frames without metadata).
-One clip, or a list of clips (a list whose first element is a frame is one clip). Every
-frame given is used (HF's processor with ``do_sample_frames=False``).
+**Clips** (``multi_modal_data["video"]``, read by :mod:`mrv2.contract.video_inputs`; no file
+decoding here): sampled at :data:`DEFAULT_FPS` where a clip names no rate (24, HF's default
+for frames without metadata). Every frame given is used (HF's processor with
+``do_sample_frames=False``).
 
 **Frames.** The clip is resized as a whole to HF's ``get_aspect_ratio_preserving_size`` of the
 video settings (the largest size of at most ``max_soft_tokens * pooling_kernel_size**2``
@@ -18,10 +16,10 @@ rescaled and normalized (fused as HF fuses them) and cut into ``patch_size`` pat
 frame through the vision tower alone, as an image, so each frame is an item of kind
 ``"video"`` that the image encoder embeds.
 
-**Settings** (:class:`Gemma4VideoSettings`): ``processor_config.json``'s ``video_processor``
-section, else ``video_preprocessor_config.json``, else ``preprocessor_config.json`` (HF's
-order), over ``Gemma4VideoProcessor``'s defaults (patches of 16, 70 soft tokens, pooling 3,
-rescale 1/255, identity normalization).
+**Settings** (:class:`Gemma4VideoSettings`): where
+:func:`~mrv2.contract.video_inputs.video_processor_settings` finds them (HF's order), over
+``Gemma4VideoProcessor``'s defaults (patches of 16, 70 soft tokens, pooling 3, rescale 1/255,
+identity normalization).
 
 **Prompt text** (:func:`frame_prefixes`): HF's ``replace_video_token`` writes frame ``i`` as
 its timestamp ``i / fps`` seconds in ``mm:ss``, a space, ``<boi>``, its video tokens,
@@ -33,31 +31,20 @@ followed a token boundary).
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-__all__ = ["DEFAULT_FPS", "VIDEO_FIELD", "Gemma4VideoSettings", "VideoClip", "frame_patches",
-           "frame_prefixes", "parse_videos", "soft_tokens", "target_size", "timestamp"]
+from mrv2.contract.video_inputs import VideoClip, video_processor_settings
+
+__all__ = ["DEFAULT_FPS", "Gemma4VideoSettings", "frame_patches", "frame_prefixes",
+           "soft_tokens", "target_size", "timestamp"]
 
 #: The frame rate a clip is taken to be sampled at when it names none (HF 5.17's
 #: ``Gemma4Processor.replace_video_token`` default).
 DEFAULT_FPS = 24.0
-VIDEO_FIELD = "multi_modal_data.video"
-
-
-@dataclass(frozen=True)
-class VideoClip:
-    """One video of a prompt: its ``frames`` (``[T, H, W, 3]`` uint8, ``T >= 1``) and the
-    ``fps`` they were sampled at."""
-
-    frames: np.ndarray
-    fps: float
 
 
 @dataclass(frozen=True)
@@ -78,13 +65,7 @@ class Gemma4VideoSettings:
     @classmethod
     def load(cls, model_dir: str | Path | None) -> Gemma4VideoSettings:
         """The settings of ``model_dir`` (module doc); the defaults for None."""
-        found: dict[str, Any] = {}
-        if model_dir is not None:
-            path = Path(model_dir)
-            nested = _read(path / "processor_config.json").get("video_processor")
-            found = nested if isinstance(nested, dict) else (
-                _read(path / "video_preprocessor_config.json")
-                or _read(path / "preprocessor_config.json"))
+        found = video_processor_settings(model_dir)
         base = cls()
         return cls(
             patch_size=int(found.get("patch_size") or base.patch_size),
@@ -102,101 +83,6 @@ class Gemma4VideoSettings:
 def _triple(value: Any) -> tuple[float, ...]:
     values = [float(v) for v in value] if isinstance(value, (list, tuple)) else [float(value)]
     return tuple(values * 3) if len(values) == 1 else tuple(values)
-
-
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-# -- clips --------------------------------------------------------------------------------------
-
-def _is_frame(value: Any) -> bool:
-    from PIL import Image
-
-    return isinstance(value, Image.Image) or (isinstance(value, np.ndarray) and value.ndim == 3)
-
-
-def _is_option_pair(value: Any) -> bool:
-    return isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], Mapping)
-
-
-def parse_videos(value: Any) -> list[VideoClip]:
-    """The clips of ``multi_modal_data["video"]`` (module doc): one clip, or a list of them;
-    None or an empty list: none. ValueError naming ``multi_modal_data.video[i]`` for a clip of
-    the wrong type, ndim, dtype or channel count, no frames, frames of different sizes or a
-    bad ``fps``."""
-    if value is None:
-        return []
-    one = (isinstance(value, (np.ndarray, torch.Tensor)) or _is_option_pair(value)
-           or (isinstance(value, (list, tuple)) and len(value) > 0 and _is_frame(value[0])))
-    clips = [value] if one else value
-    if not isinstance(clips, (list, tuple)):
-        raise ValueError(f"{VIDEO_FIELD}: expected a clip (a [T, H, W, 3] uint8 numpy array, a "
-                         f"[T, 3, H, W] uint8 torch tensor or a list of frames), optionally as "
-                         f"(clip, {{'fps': f}}), or a list of clips; got {type(value).__name__}")
-    return [_clip(clip, f"{VIDEO_FIELD}[{i}]") for i, clip in enumerate(clips)]
-
-
-def _clip(value: Any, where: str) -> VideoClip:
-    fps = DEFAULT_FPS
-    if _is_option_pair(value):
-        value, options = value
-        unknown = sorted(str(k) for k in options if k != "fps")
-        if unknown:
-            raise ValueError(f"{where}: unknown options {unknown}; allowed: 'fps'")
-        raw = options.get("fps", DEFAULT_FPS)
-        if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not 0 < raw < 1e6:
-            raise ValueError(f"{where}: fps must be a positive number, got {raw!r}")
-        fps = float(raw)
-    return VideoClip(_frames(value, where), fps)
-
-
-def _frames(value: Any, where: str) -> np.ndarray:
-    """``[T, H, W, 3]`` uint8 frames of one clip, or ValueError naming ``where``."""
-    from PIL import Image
-
-    if isinstance(value, torch.Tensor):
-        if value.dim() != 4 or value.shape[1] != 3:
-            raise ValueError(f"{where}: a torch clip must be [T, 3, H, W], got shape "
-                             f"{list(value.shape)}")
-        if value.dtype != torch.uint8:
-            raise ValueError(f"{where}: frames must be uint8, got {value.dtype}")
-        array = value.detach().cpu().permute(0, 2, 3, 1).numpy()
-    elif isinstance(value, np.ndarray):
-        if value.ndim != 4 or value.shape[3] != 3:
-            raise ValueError(f"{where}: a numpy clip must be [T, H, W, 3], got shape "
-                             f"{list(value.shape)}")
-        array = value
-    elif isinstance(value, (list, tuple)):
-        frames: list[np.ndarray] = []
-        for j, frame in enumerate(value):
-            if isinstance(frame, Image.Image):
-                frame = np.asarray(frame.convert("RGB"))
-            if not isinstance(frame, np.ndarray) or frame.ndim != 3 or frame.shape[2] != 3:
-                shape = list(frame.shape) if isinstance(frame, np.ndarray) else None
-                raise ValueError(f"{where}[{j}]: a frame must be a PIL image or an [H, W, 3] "
-                                 f"uint8 array, got {type(frame).__name__} {shape or ''}")
-            if frame.dtype != np.uint8:
-                raise ValueError(f"{where}[{j}]: frames must be uint8, got {frame.dtype}")
-            if frames and frame.shape != frames[0].shape:
-                raise ValueError(f"{where}[{j}]: frame of shape {list(frame.shape)}; the "
-                                 f"clip's frames are {list(frames[0].shape)}")
-            frames.append(frame)
-        array = np.stack(frames) if frames else np.zeros((0, 1, 1, 3), np.uint8)
-    else:
-        raise ValueError(f"{where}: expected a [T, H, W, 3] uint8 numpy array, a [T, 3, H, W] "
-                         f"uint8 torch tensor or a list of frames, got {type(value).__name__}")
-    if array.dtype != np.uint8:
-        raise ValueError(f"{where}: frames must be uint8, got {array.dtype}")
-    if array.shape[0] == 0:
-        raise ValueError(f"{where}: a clip needs at least one frame, got none")
-    if array.shape[1] < 1 or array.shape[2] < 1:
-        raise ValueError(f"{where}: empty frames of shape {list(array.shape[1:])}")
-    return np.ascontiguousarray(array)
 
 
 # -- frames -> patch rows ---------------------------------------------------------------------

@@ -39,9 +39,10 @@ from mrv2.contract.input_processor import (
 )
 from mrv2.contract.input_processor import load_image_processor as load_core_image_processor
 from mrv2.contract.requests import MultiModalItem
+from mrv2.contract.video_inputs import VIDEO_FIELD, VideoClip, parse_videos
 from mrv2.model_loader.build import vl_text_config
 from mrv2_qwen_vl.mrope import ImageGrid, mrope_extent
-from mrv2_qwen_vl.video import VideoClip, parse_videos, time_interval, video_patches
+from mrv2_qwen_vl.video import DEFAULT_FPS, time_interval, video_patches
 from mrv2_qwen_vl.video_qwen3 import (
     QWEN3_VIDEO_FAMILIES,
     Qwen3VideoSettings,
@@ -53,7 +54,6 @@ __all__ = ["VIDEO_FAMILIES", "QwenVLInputProcessor", "load_image_processor"]
 
 #: The ``model_type`` s whose prompts take videos.
 VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", *QWEN3_VIDEO_FAMILIES)
-VIDEO_FIELD = "multi_modal_data.video"
 
 
 def load_image_processor(model_dir: str | Path) -> Any:
@@ -153,7 +153,7 @@ class QwenVLInputProcessor(InputProcessor):
             raise ValueError(f"{VIDEO_FIELD}: Qwen3-VL writes each frame group's timestamp "
                              "as text, which needs the checkpoint's tokenizer; this engine has "
                              "none (pass --tokenizer or use a checkpoint with one)")
-        return parse_videos(mm_data["video"])
+        return parse_videos(mm_data["video"], DEFAULT_FPS)
 
     def _splice_qwen3(self, prompt_token_ids: list[int],
                       images: list[tuple[torch.Tensor, tuple[int, int, int], str, float]],

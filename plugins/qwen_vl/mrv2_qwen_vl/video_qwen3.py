@@ -31,7 +31,6 @@ else ``video_preprocessor_config.json``, else ``preprocessor_config.json``: HF's
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +39,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from mrv2_qwen_vl.video import VideoClip, video_patches
+from mrv2.contract.video_inputs import VideoClip, video_processor_settings
+from mrv2_qwen_vl.video import video_patches
 
 __all__ = ["QWEN3_VIDEO_FAMILIES", "Qwen3VideoSettings", "frame_group_times",
            "qwen3_table_slots", "qwen3_video_groups", "resize_clip"]
@@ -68,13 +68,7 @@ class Qwen3VideoSettings:
     @classmethod
     def load(cls, model_dir: str | Path | None) -> Qwen3VideoSettings:
         """The checkpoint's settings (module doc: HF's file order), defaults where absent."""
-        fields: dict[str, Any] = {}
-        if model_dir:
-            path = Path(model_dir)
-            nested = _read(path / "processor_config.json").get("video_processor")
-            fields = (nested if isinstance(nested, dict) else None) or _read(
-                path / "video_preprocessor_config.json") or _read(
-                path / "preprocessor_config.json")
+        fields = video_processor_settings(model_dir)
         default = cls()
         raw_size = fields.get("size")
         size: dict[str, Any] = raw_size if isinstance(raw_size, dict) else {}
@@ -93,14 +87,6 @@ class Qwen3VideoSettings:
             max_frames=int(fields.get("max_frames") or default.max_frames),
             cap_pixels_per_frame=bool(fields.get("cap_pixels_per_frame") or False),
             max_video_tokens=int(fields.get("max_video_tokens") or default.max_video_tokens))
-
-
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def resize_clip(frames: np.ndarray, settings: Qwen3VideoSettings, where: str) -> np.ndarray:
