@@ -15,8 +15,9 @@ import torch
 from mrv2.contract.params import SamplingParams
 from mrv2.engine.llm import LLM
 
-__all__ = ["HfInputs", "check_images_against_hf", "check_prompt_logprobs",
-           "check_state_prefix_cache", "check_state_speculation", "tokens_at_tp"]
+__all__ = ["HfInputs", "check_bf16_graphs_against_eager", "check_images_against_hf",
+           "check_prompt_logprobs", "check_state_prefix_cache", "check_state_speculation",
+           "tokens_at_tp"]
 
 
 def tokens_at_tp(path: str | Path, prompts: Sequence[Sequence[int]], params: SamplingParams,
@@ -99,6 +100,20 @@ def check_prompt_logprobs(llm: LLM, request: dict[str, Any], ids: Sequence[int],
         assert mine is not None
         diff = abs(mine[ids[pos]].logprob - float(want[pos - 1, ids[pos]]))
         assert diff < atol, (pos, diff)
+
+
+def check_bf16_graphs_against_eager(graphs: Sequence[Sequence[int]],
+                                    eager: Sequence[Sequence[int]],
+                                    fp32: Sequence[Sequence[int]]) -> None:
+    """bf16 greedy tokens with CUDA graphs against eager and the fp32 (HF-checked) ones, per
+    prompt: graphs and eager round differently (the decode graph's fused kernels) and a near
+    tie may part after the first token, so the first tokens agree everywhere, the first four
+    in all prompts but one, and the first token is fp32's in all prompts but one."""
+    n = len(graphs)
+    assert [g[0] for g in graphs] == [e[0] for e in eager]
+    same = sum(list(g[:4]) == list(e[:4]) for g, e in zip(graphs, eager, strict=True))
+    assert same >= n - 1, (graphs, eager)
+    assert sum(g[0] == w[0] for g, w in zip(graphs, fp32, strict=True)) >= n - 1
 
 
 def check_state_prefix_cache(path: str | Path, max_tokens: int = 6,
