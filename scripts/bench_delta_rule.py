@@ -2,7 +2,13 @@
 steps (Qwen3-Next-80B's Gated DeltaNet per rank: 16 key heads, 32 value heads of 128; the
 Mamba-2 form at Nemotron-H-8B's sizes), each checked against the other first.
 
-Usage (GPU machine): python scripts/bench_delta_rule.py [--tp 1]
+Usage (GPU machine): python scripts/bench_delta_rule.py [--tp 1] [--profile]
+    [--variant PREC,WARPS,BLOCK_V,STAGES]
+
+``--variant`` also times the chunked kernel with those launch options (the products'
+precision, the state scan's warps, V block and stages) on the Qwen3-Next cases, with its error
+against the token-serial kernel (a process per variant: a fault stays its own);
+``--profile`` prints each chunked kernel's device time per call.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import argparse
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -33,6 +40,10 @@ def timed(fn: Callable[[], object], reps: int = 20) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=1, help="heads divided by this (a rank's)")
+    parser.add_argument("--variant", default=None, metavar="PREC,WARPS,BLOCK_V,STAGES",
+                        help="also time the chunked kernel with these launch options")
+    parser.add_argument("--profile", action="store_true", help="device time by kernel")
+    parser.add_argument("--case", default=None, help="only the cases whose name has this")
     args = parser.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -44,8 +55,13 @@ def main() -> None:
         ("qwen3-next 8 x 512", 16, 32, 128, 128, True, True, [512] * 8),
         ("qwen3-next 1 x 512 + 63 decodes", 16, 32, 128, 128, True, True, [512] + [1] * 63),
         ("qwen3-next 1 x 64", 16, 32, 128, 128, True, True, [64]),
+        ("qwen3-next 1 x 128", 16, 32, 128, 128, True, True, [128]),
+        ("qwen3-next 1 x 256", 16, 32, 128, 128, True, True, [256]),
         ("mamba2 (nemotron-h 8b) 1 x 4096", 8, 128, 128, 64, False, False, [4096]),
     ]
+    if args.variant:  # the variant on the Qwen3-Next prompts alone, nothing else timed
+        cases = [case for case in cases if case[5] and len(case[7]) <= 8]
+    cases = [case for case in cases if args.case is None or args.case in case[0]]
     for name, hk, hv, dk, dv, delta, l2, lens in cases:
         hk, hv = max(1, hk // args.tp), max(1, hv // args.tp)
         n, t = len(lens), sum(lens)
@@ -64,6 +80,9 @@ def main() -> None:
         meta = (qsl, seq_lens, rows, dk ** -0.5, l2)
         s1, s2 = state0.clone(), state0.clone()
         o1 = gated_delta_rule_triton(q, k, v, g, beta, s1, *meta, delta=delta)
+        if args.variant:
+            variant(args.variant, name, o1, q, k, v, g, beta, s2, meta)
+            continue
         o2 = chunk_gated_delta_rule_triton(q, k, v, g, beta, s2, *meta, delta=delta)
         err = float((o1.float() - o2.float()).abs().max())
         # (every sequence starts at 0: the kernels ignore what the rows hold)
@@ -73,6 +92,41 @@ def main() -> None:
                                           *meta, delta=delta))
         print(f"{name:34s} {t:7d} {serial:10.3f} {chunked:11.3f} {serial / chunked:8.1f}x"
               f" {err:9.2e}")
+        if args.profile:
+            profile(functools.partial(chunk_gated_delta_rule_triton, q, k, v, g, beta, s2, *meta,
+                                      delta=delta))
+
+
+def variant(spec: str, name: str, want: torch.Tensor, *inputs: Any) -> None:
+    """Times the chunked kernel with the launch options ``spec`` (``PREC,WARPS,BLOCK_V,STAGES``)
+    on ``inputs`` (q, k, v, g, beta, state, meta) and prints its error against ``want``."""
+    q, k, v, g, beta, state, meta = inputs
+    prec, warps, bv, stages = spec.split(",")
+    opts: dict[str, Any] = dict(dot_precision=prec, scan_warps=int(warps), block_v=int(bv),
+                                scan_stages=int(stages))
+    got = chunk_gated_delta_rule_triton(q, k, v, g, beta, state.clone(), *meta, **opts)
+    err = float((want.float() - got.float()).abs().max())
+    ms = timed(functools.partial(chunk_gated_delta_rule_triton, q, k, v, g, beta, state,
+                                 *meta, **opts))
+    print(f"  variant {name:24s} {prec:6s} warps {warps} block_v {bv:2s} stages {stages}: "
+          f"{ms:8.3f} ms  max err {err:9.2e}")
+
+
+def profile(fn: Callable[[], object]) -> None:
+    """Device microseconds per call of each kernel ``fn`` launches (torch profiler, 10 calls)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+    for evt in prof.key_averages():
+        if evt.device_type.name == "CUDA" and evt.count:
+            total = getattr(evt, "device_time_total", 0.0) or getattr(evt, "cuda_time_total", 0.0)
+            print(f"  kernel {evt.key[:40]:40s} {total / 10:10.1f} us a call")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@
 # gluonprefill (a Gluon causal prefill attention: FlashAttention-3's schedule),
 # qwen3next (the linear-attention kernels on CUDA, Qwen3-Next's GPU tests, its TPOT cut to 8 layers), gluonrs (a Gluon MXFP4 GEMM with the weights decoded into wgmma's register operand),
 # intdense (integer experts dequantized first, opt-in: timed beside MXFP4's),
+# deltacheck (the chunked delta rule: error by precision, tests, times, compute-sanitizer, the
+# hybrid GPU tests), deltasweep (its launch options, a process each),
 # mxfp4dense (MXFP4 experts dequantized for large steps: tests, bench_int, gpt-oss-20b
 # throughput against MRV2_MXFP4_DENSE=0), slidingkv (sliding-window block tables: GPU tests, gpt-oss-20b throughput at equal KV memory),
 # graphtimes (scripts/decode_graph_times.py: each decode graph's replay time by size),
@@ -368,6 +370,31 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                  timeout 120 python3 scripts/profile_decode.py --model Qwen3-Next-80B-A3B --batch 1 \
                    --steps 32 --hf-overrides '{"num_hidden_layers": 8}' --trace "" 2>&1 \
                    | tee "$OUT/qwen3next_prof_b1.log" | grep -E "wall per step|GPU over" ;;
+    deltacheck) # the chunked delta rule's error by products' precision, its tests on CUDA,
+                # its time and kernels, its default launch under compute-sanitizer, then the
+                # hybrid families' GPU tests (Qwen3-Next's prompts now take it)
+                timeout 60 python3 scripts/probe_delta_precision.py 2>&1 | tee "$OUT/delta_precision.log" | tail -18
+                timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_chunk_delta_rule.py \
+                  tests/kernels/test_state_row_slots.py 2>&1 | tee "$OUT/chunk_tests.log" | grep -E "^FAILED|passed|failed"
+                timeout 100 python3 scripts/bench_delta_rule.py --profile 2>&1 \
+                  | tee "$OUT/deltabench.log" | grep -vE "Warn|warn_once" | tail -30
+                CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+                [ -n "$CS" ] && timeout 120 "$CS" --print-limit 5 python3 scripts/bench_delta_rule.py \
+                  --case "8 x 512" 2>&1 | tee "$OUT/sanitizer.log" | grep -E "ERROR SUMMARY|Invalid|qwen" | head -8
+                timeout 240 python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_qwen3_next.py \
+                  tests/gpu/test_gpu_nemotron_h.py tests/gpu/test_gpu_mamba2.py 2>&1 \
+                  | tee "$OUT/hybrid_gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -14 ;;
+    deltasweep) # the forty-third session's chunked delta rule (the state in registers, the
+                # outputs a parallel kernel): its tests on CUDA, then the bench with each
+                # chunked kernel's time and the launch options' sweep
+                timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_chunk_delta_rule.py \
+                  tests/kernels/test_state_row_slots.py 2>&1 | tee "$OUT/chunk_tests.log" | tail -2
+                timeout 120 python3 scripts/bench_delta_rule.py --profile 2>&1 \
+                  | tee "$OUT/deltasweep.log" | grep -v Warn | tail -24
+                for prec in tf32 tf32x3; do for w in 4 8; do for bv in 16 32; do for st in 1 2; do
+                  timeout 60 python3 scripts/bench_delta_rule.py --variant $prec,$w,$bv,$st 2>&1 \
+                    | tee -a "$OUT/deltasweep_variants.log" | grep -E "variant|Error" | sort -u
+                done; done; done; done ;;
     deltabench) # scripts/bench_delta_rule.py: the token-serial delta rule against the chunked
                 # one on prefill-shaped steps (checked against each other first), then the
                 # chunked kernel's tests compiled for CUDA

@@ -20,8 +20,10 @@ u_i^T`` with ``u_i = beta_i (v_i - exp(g_i) S_{i-1}^T k_i)``::
 are ``exp(G_i - G_j)`` for ``i >= j`` only, masked before the ``exp`` (the other half could
 overflow); no ``exp(-G)`` is ever formed.
 
-**The Triton path** is two launches (both PDL, neither writes step metadata). Every product
-runs over K blocks of ``BLOCK_K`` (32 on the GPU), so no tile is ``[C, K]`` whatever ``K``:
+**The Triton path** is three launches (all PDL, none writes step metadata), the fla
+library's split (Yang et al.'s ``chunk_gated_delta_rule``: the serial part of the work as small
+as it can be, everything else parallel over the step's chunks); the kernels are in
+:mod:`mrv2_kernels.chunk_delta_rule_kernels`:
 
 1. :func:`_chunk_wy_kernel` (``delta=True`` only), grid ``(cdiv(T, C) + N, Hv)``: one
    program per (chunk, v head), parallel over every chunk of the step. A program finds its
@@ -30,54 +32,59 @@ runs over K blocks of ``BLOCK_K`` (32 on the GPU), so no tile is ``[C, K]`` what
    only host-known ``T`` and ``N``; programs past a sequence's chunks return at once), builds
    ``A`` from ``K K^T`` of the raw keys (their l2 norms scale its rows and columns), inverts
    ``I + A`` and writes ``W_k`` and ``W_v`` (fp32 scratch ``[T, Hv, K]`` and ``[T, Hv, V]``,
-   by token). The inverse is blocked forward substitution over sub-blocks of ``SUB`` rows (16
-   on the GPU): the diagonal blocks' inverses ``D^-1`` all at once, row ``r`` of every block
-   in step ``r`` (``SUB - 1`` steps of one ``[C, C]`` product), then the block rows in order,
-   ``T_b = D_bb^-1 (I_b - sum_{j<b} A_bj T_j)`` (two ``[C, C]`` products each): exactly
-   forward substitution's quantities (no Neumann series and its cancellations), tensor-core
-   work throughout, and the chunk's live rows bound both loops (a 1-token chunk does none).
-2. :func:`_chunk_scan_kernel`, grid ``(N + 1, Hv, V / BLOCK_V)``: program ``(i, h, c)`` walks
+   by token). The inverse: the ``[SUB, SUB]`` diagonal blocks ``D`` by forward substitution in
+   fp32 vector arithmetic (``SUB - 1`` steps over all blocks at once, through the program's
+   ``[C, C]`` tile in the chunk's slot of the state scratch below), then ``T = (I + N)^-1
+   D^-1`` with ``N = D^-1 L`` (``L``: the blocks below the diagonal), strictly block-lower, so
+   the series ``(I - N)(I + N^2)(I + N^4)...`` ends after ``log2(C / SUB)`` factors: ``2 + 2
+   log2(C / SUB)`` ``[C, C]`` products in all. (Block rows in order through the scratch
+   tile, each ``T_bj`` a sum of ``[SUB, SUB]`` products, gave the interpreter's results but
+   errors of ~1e-5 on an H100 at ``C = 64`` with exact products: a hazard between the
+   program's own stores and loads there that barriers did not close.)
+2. :func:`_chunk_state_kernel`, grid ``(N + 1, Hv, V / BLOCK_V)``: program ``(i, h, c)`` walks
    sequence ``i``'s chunks in order (``ceil(L / C)`` serial steps instead of ``L``), its state
-   tile ``[K, BLOCK_V]`` fp32 kept in the sequence's own state row (no other program touches
-   that tile; a padding sequence never does) and streamed a K block at a time. Per chunk, a
-   first pass over K blocks accumulates ``Q K^T``, ``Q S`` and ``W_k S`` of the raw q / k and
-   their norms; then ``U = W_v - W_k S``, ``O = (exp(G) Q) S + P U``; a second pass rewrites
-   each K block of the tile, ``S' = exp(G_last) S + (exp(G_last - G) K)^T U``. The tile is read
-   through L2 (``.cg``) with barriers between the passes and chunks. (A register-resident
-   ``[K, BLOCK_V]`` tile with ``[C, K]`` operand tiles, the first build, needed 246 KB of
-   shared memory at ``K = 128`` on sm_90: past the limit.) Programs ``(N, h, c)`` zero the
-   padding tokens. ``G`` is a ``tl.cumsum`` of the chunk's ``g`` (dead rows add 0).
+   tile ``[K, BLOCK_V]`` fp32 in registers. Per chunk: the tile into the chunk's slot of the
+   state scratch (``[cdiv(T, C) + N, Hv, K * V]`` fp32, the flat chunk numbering), ``U = W_v -
+   W_k S`` (written over ``W_v``), the states a snapshot or ``row_slots`` keeps inside the
+   chunk, then ``S' = exp(G_last) S + (exp(G_last - G) K)^T U``: two products of the chunk's
+   serial chain. Programs ``(N, h, c)`` zero the padding tokens.
+3. :func:`_chunk_out_kernel`, grid ``(cdiv(T, C) + N, Hv, V / BLOCK_V_OUT)``, parallel over
+   chunks: ``O = (exp(G) Q) S_c + P U`` from the chunk's initial state ``S_c``, over K blocks
+   of ``BLOCK_K`` (``Q K^T``, ``Q S_c``, the norms).
 
-**The keywords** of the token-serial op, all taken. ``gate_params`` (``dt_limits``): both
+``G`` is a ``tl.cumsum`` of the chunk's ``g`` (dead rows add 0).
+
+**The keywords** of the token-serial op, all taken. ``gate_params`` (``dt_limits``): the
 kernels turn the raw ``g`` / ``beta`` into gates where they load them (:func:`_load_gates`, the
 token-serial kernel's arithmetic), zeroed on a partial chunk's dead rows. ``skip``: ``o +=
-skip[h] v`` in the scan; ``out_dtype``: the output buffer's. ``state_table``: the scan reads the
-first chunk's initial state from ``src_row`` when the sequence resumes there (``start ==
-src_pos``; later chunks read the sequence's own row, so ``src_row``, a snapshot slot other
-requests may read, is never written), and a chunk holding a snapshot position (``0 < c <= n``
-for ``c = snap_pos - start - c0``; a runtime branch, so other chunks pay nothing) runs one extra
-pass over K blocks before pass 2 (which keeps the chunk's initial tile unchanged for it):
-``S_c = exp(G_{c-1}) S + (exp(G_{c-1} - G) K)^T U`` with the keys masked to ``j < c`` (``U``'s
-row ``j`` depends on tokens ``<= j`` only, so the whole chunk's ``U`` serves), stored into
-``snap_row``. A padding sequence returns before reading its table entry. ``row_slots``
-(speculative decoding: :mod:`mrv2_kernels.recurrent_state`): the chunks stream the state
-through the final count's row; the states after the sequence's last ``row_slots - 1`` counts
-but its final one take the same extra pass each, into their counts' rows, before pass 2 (its
-rows differ from pass 2's), but for the one whose row is the first chunk's initial state
-(possible when the final row differs): that one runs after pass 2, which no longer reads it.
+skip[h] v`` in the output kernel; ``out_dtype``: the output buffer's. ``state_table``: the
+scan reads the first chunk's initial state from ``src_row`` when the sequence resumes there
+(``start == src_pos``), once, into registers (``src_row``, a snapshot slot other requests may
+read, is never written), and a chunk holding a snapshot position (``0 < c <= n`` for ``c =
+snap_pos - start - c0``; a runtime branch, so other chunks pay nothing) stores ``S_c =
+exp(G_{c-1}) S + (exp(G_{c-1} - G) K)^T U`` with the keys masked to ``j < c`` (``U``'s row
+``j`` depends on tokens ``<= j`` only, so the whole chunk's ``U`` serves) into ``snap_row``.
+A padding sequence returns before reading its table entry. ``row_slots`` (speculative
+decoding: :mod:`mrv2_kernels.recurrent_state`): the states after the sequence's last
+``row_slots - 1`` counts but its final one, the same product each, into their counts' rows;
+the final state into the final count's row.
 
-Products take fp32 operands at ``input_precision`` ``"tf32x3"`` on the GPU (fp32 accuracy on
-tensor cores, as the attention kernels) and ``"ieee"`` under the interpreter. The scratch is
-``4 (K + V)`` bytes per token and v head (Qwen3-Next-80B, 32 v heads of 128 + 128: 32 KiB a
-token, 256 MiB for an 8,192-token step), freed after the call. GPU tiles (``C = 64``, ``SUB =
-16``, ``BLOCK_K = 32``, ``BLOCK_V = 32``, 8 warps) come from compiling for sm_90 on a CPU
-(``ptxas -v`` at ``K = V = 128``: 96 and 64 KB of shared memory, 255 registers a thread, so
-one program per SM, and 72 / 352 bytes of spills; ``[C, 64]`` K blocks or 4 warps spill KBs),
-not from timings.
+**Precision.** Products take fp32 operands; ``input_precision`` on the GPU is ``"tf32x3"``
+(fp32 accuracy on tensor cores, as the attention kernels) where any of q / k / v or the output
+is fp32, else ``"tf32"`` (H100, Qwen3-Next's heads, 300 bf16 tokens: states 8e-4 from the fp32
+recurrence where tf32x3 gives 4e-7, outputs within their bf16 rounding; the fla library's
+products take bf16 operands), and ``"ieee"`` under the interpreter. The scratch is ``4 (K +
+V)`` bytes per token and v head (Qwen3-Next-80B, 32 v heads of 128 + 128: 256 MiB for an
+8,192-token step) and ``4 K V`` per chunk and v head (270 MiB there), freed after the call.
+GPU tiles: ``C = 64``, ``SUB = 16``, ``BLOCK_K = 32``; the scan ``BLOCK_V = 32`` in 8 warps,
+1 stage; the output kernel ``BLOCK_V = 64`` in 4 warps (H100, 2026-12-06, BENCHMARKS.md: one
+4,096-token Qwen3-Next prompt 0.97 ms against the token-serial kernel's 7.4; 8 warps with
+``BLOCK_V = 16`` read out of its shared memory under compute-sanitizer, a Triton 3.6 fault,
+and are refused).
 
 :func:`prefer_chunked` is the rule a model applies with host-known numbers to pick this path or
 the token-serial kernel (decode batches stay on the latter); :func:`gated_delta_rule_auto`
-applies it. Its threshold and the GPU tiles are untuned: set them by an H200 A/B.
+applies it, the delta rule from :data:`CHUNKED_MIN_QUERY_LEN_DELTA` tokens.
 """
 
 from __future__ import annotations
@@ -85,24 +92,23 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
-import triton.language as tl
 
-from ._backend import cdiv, default_block, flat_query_tile, next_power_of_2, pdl, pdl_prologue
+from ._backend import cdiv, default_block, next_power_of_2, pdl
 from ._backend import use_triton as _use_triton
-from .linear_attention import _L2_EPS, _check_gdr, check_triton_args, raw_gates, resolve_gates
+from .chunk_delta_rule_kernels import _chunk_out_kernel, _chunk_state_kernel, _chunk_wy_kernel
+from .linear_attention import _L2_EPS, _check_gdr, check_triton_args, resolve_gates
 from .linear_attention import gated_delta_rule as _serial_gated_delta_rule
 from .recurrent_state import (
     _KERNEL_DTYPES,
     _check_meta,
     _check_table,
-    _zero_tail,
     check_row_slots,
     iter_sequences,
 )
 
 __all__ = [
     "CHUNKED_MIN_QUERY_LEN",
+    "CHUNKED_MIN_QUERY_LEN_DELTA",
     "chunk_gated_delta_rule",
     "chunk_gated_delta_rule_ref",
     "chunk_gated_delta_rule_triton",
@@ -114,8 +120,11 @@ __all__ = [
 #: least this many query tokens (half a GPU chunk). Unmeasured: an estimate that one chunk step
 #: costs what a few dozen token steps of the serial kernel do.
 CHUNKED_MIN_QUERY_LEN = 32
-#: ``MRV2_CHUNKED_DELTA_RULE``: ``0``: every step token-serial; ``1``: the chunked form for the
-#: delta rule too (by default only Mamba-2's form, ``delta=False``, takes it); read per call.
+#: The same for the delta rule (``delta=True``): its chunks cost a WY kernel more, so a 64-token
+#: prompt still runs faster token-serial (H100, 2026-12-06: 0.16 against 0.19 ms for
+#: Qwen3-Next's heads), a 512-token one chunked (8 x 512: 3.0 against 0.9 ms).
+CHUNKED_MIN_QUERY_LEN_DELTA = 128
+#: ``MRV2_CHUNKED_DELTA_RULE=0``: every step token-serial (both forms); read per call.
 CHUNKED_ENV_VAR = "MRV2_CHUNKED_DELTA_RULE"
 #: Sequences whose chunk starts one ``flat_query_tile`` load reads (a constexpr: not sized by N).
 _REQ_BLOCK = 64
@@ -216,293 +225,6 @@ def chunk_gated_delta_rule_ref(
     return out
 
 
-# -------------------------------------------------------------------------------- kernels
-
-
-@triton.jit
-def _load_rows(ptr: tl.tensor, t64: tl.tensor, row_stride: int, cols: tl.tensor,
-               mask: tl.tensor) -> tl.tensor:
-    """Triton helper: rows ``t64`` (``[C]``, int64) of a row-strided matrix at ``ptr``, columns
-    ``cols``, where ``mask`` (``[C, BLOCK]``), as fp32 (converted at once); zeros elsewhere."""
-    src = ptr + t64[:, None] * row_stride + cols[None, :]
-    return tl.load(src, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _load_gates(g_ptr: tl.tensor, beta_ptr: tl.tensor, a_log_ptr: tl.tensor,
-                dt_bias_ptr: tl.tensor, t64: tl.tensor, h: tl.tensor, live: tl.tensor,
-                g_st: int, g_sh: int, b_st: int, b_sh: int, dt_lo: float, dt_hi: float,
-                RAW_GATES: tl.constexpr, MAMBA_GATES: tl.constexpr
-                ) -> tuple[tl.tensor, tl.tensor]:
-    """Triton helper: the log decay ``g`` and write strength ``beta`` (fp32 ``[C]``) of rows
-    ``t64`` for v head ``h``, zero on dead rows (so a ``cumsum``'s last entry is the chunk's
-    total). ``RAW_GATES``: ``g`` / ``beta`` hold the raw projections, turned into gates as
-    :func:`~mrv2_kernels.linear_attention.gates_from_logits` (``MAMBA_GATES``:
-    :func:`~mrv2_kernels.linear_attention.mamba_gates` of the raw ``dt`` in ``g``), the same
-    arithmetic as the token-serial kernel's."""
-    gv = tl.load(g_ptr + t64 * g_st + h * g_sh, mask=live, other=0.0).to(tl.float32)
-    if MAMBA_GATES:  # (beta is the step: the same raw dt)
-        bv = gv
-    else:
-        bv = tl.load(beta_ptr + t64 * b_st + h * b_sh, mask=live, other=0.0).to(tl.float32)
-    if RAW_GATES:
-        neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
-        dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-        gv, bv = raw_gates(gv, bv, neg_a, dt_bias, dt_lo, dt_hi, MAMBA_GATES)
-    return tl.where(live, gv, 0.0), tl.where(live, bv, 0.0)
-
-
-@triton.jit(do_not_specialize=["num_seqs"])
-def _chunk_wy_kernel(
-    k_ptr: tl.tensor, v_ptr: tl.tensor, g_ptr: tl.tensor, beta_ptr: tl.tensor,
-    wk_ptr: tl.tensor, wv_ptr: tl.tensor, qsl_ptr: tl.tensor, a_log_ptr: tl.tensor,
-    dt_bias_ptr: tl.tensor, dt_lo: float, dt_hi: float,
-    num_seqs: int, dim_k: int, dim_v: int, group: int,
-    k_st: int, k_sh: int, v_st: int, v_sh: int, g_st: int, g_sh: int, b_st: int, b_sh: int,
-    wk_st: int, wk_sh: int, wv_st: int, wv_sh: int,
-    L2NORM: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_V: tl.constexpr, REQ_BLOCK: tl.constexpr, PREC: tl.constexpr,
-    RAW_GATES: tl.constexpr, MAMBA_GATES: tl.constexpr, PDL: tl.constexpr,
-) -> None:
-    pdl_prologue(PDL)
-    h = tl.program_id(1)
-    seq, c = flat_query_tile(qsl_ptr, num_seqs, tl.program_id(0), CHUNK, REQ_BLOCK)
-    bos = tl.load(qsl_ptr + seq).to(tl.int32)
-    c0 = c * CHUNK
-    n = tl.load(qsl_ptr + seq + 1).to(tl.int32) - bos - c0  # the chunk's tokens (if > 0)
-    if n <= 0:  # past the sequence's chunks (or a zero-length sequence)
-        return
-    pos = tl.arange(0, CHUNK)
-    live = pos < n
-    t64 = (bos + c0).to(tl.int64) + pos
-    k_base = k_ptr + (h // group) * k_sh
-    # K K^T of the raw keys, over K blocks; the l2 norms scale its rows and columns.
-    kkt = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
-    ss = tl.zeros([CHUNK], dtype=tl.float32)
-    for k0 in range(0, dim_k, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        k = _load_rows(k_base, t64, k_st, kk, live[:, None] & (kk < dim_k)[None, :])
-        ss += tl.sum(k * k, axis=1)
-        kkt = tl.dot(k, tl.trans(k), kkt, input_precision=PREC)
-    rk = ss * 0.0 + 1.0
-    if L2NORM:
-        rk = tl.rsqrt(ss + 1e-6)
-    gv, beta = _load_gates(g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, t64, h, live, g_st, g_sh,
-                           b_st, b_sh, dt_lo, dt_hi, RAW_GATES, MAMBA_GATES)
-    gcum = tl.cumsum(gv, 0)
-    ri = pos[:, None]
-    ci = pos[None, :]
-    lower = ri > ci
-    # A: strictly lower, decays masked before the exp
-    decay = tl.exp(tl.where(lower, gcum[:, None] - gcum[None, :], 0.0))
-    a = tl.where(lower, kkt * decay * (beta * rk)[:, None] * rk[None, :], 0.0)
-    same = (ri // SUB) == (ci // SUB)
-    eye = tl.where(ri == ci, 1.0, 0.0)
-    # D^-1 (the diagonal blocks' inverses): row r of every block from the rows before it.
-    a_diag = tl.where(same, a, 0.0)
-    d_inv = eye
-    for r in range(1, tl.minimum(n, SUB)):
-        step = eye - tl.dot(a_diag, d_inv, input_precision=PREC)
-        d_inv = tl.where((ri % SUB) == r, step, d_inv)
-    # The block rows in order: T_b = D_bb^-1 (I_b - sum_{j<b} A_bj T_j).
-    a_off = tl.where(same, 0.0, a)
-    t_inv = d_inv
-    for b in range(1, tl.cdiv(n, SUB)):
-        rhs = eye - tl.dot(a_off, t_inv, input_precision=PREC)
-        step = tl.dot(d_inv, rhs, input_precision=PREC)
-        t_inv = tl.where((ri // SUB) == b, step, t_inv)
-    kscale = rk * beta * tl.exp(gcum)
-    for k0 in range(0, dim_k, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        kmask = live[:, None] & (kk < dim_k)[None, :]
-        kb = _load_rows(k_base, t64, k_st, kk, kmask) * kscale[:, None]
-        wk = tl.dot(t_inv, kb, input_precision=PREC)
-        tl.store(wk_ptr + t64[:, None] * wk_st + h * wk_sh + kk[None, :], wk, mask=kmask)
-    for v0 in range(0, dim_v, BLOCK_V):
-        vv = v0 + tl.arange(0, BLOCK_V)
-        vmask = live[:, None] & (vv < dim_v)[None, :]
-        vb = _load_rows(v_ptr + h * v_sh, t64, v_st, vv, vmask) * beta[:, None]
-        wv = tl.dot(t_inv, vb, input_precision=PREC)
-        tl.store(wv_ptr + t64[:, None] * wv_st + h * wv_sh + vv[None, :], wv, mask=vmask)
-
-
-@triton.jit
-def _store_state_after(
-    c: tl.tensor, dst_base: tl.tensor, r_base: tl.tensor, k_base: tl.tensor, t64: tl.tensor,
-    gcum: tl.tensor, pos: tl.tensor, rk: tl.tensor, u: tl.tensor, s_ok: tl.tensor,
-    vmask: tl.tensor, dim_k: int, k_st: int, s_sk: int, BLOCK_K: tl.constexpr,
-    PREC: tl.constexpr,
-) -> None:
-    """Triton helper: the state after the chunk's first ``c`` tokens (``0 < c <= n``), the
-    end-of-chunk update with the decay reference at token ``c - 1`` and the keys masked to ``j
-    < c`` (``U``'s row ``j`` depends on tokens ``<= j`` only): ``S_c = exp(G_{c-1}) S +
-    sum_{j<c} exp(G_{c-1} - G_j) k_j u_j^T``, ``S`` read from ``r_base``, into ``dst_base`` a K
-    block at a time (each block's reads before its writes: ``dst_base`` may be ``r_base``)."""
-    g_ref = tl.sum(tl.where(pos == c - 1, gcum, 0.0), axis=0)
-    before = pos < c
-    ks_snap = tl.where(before, rk * tl.exp(tl.where(before, g_ref - gcum, 0.0)), 0.0)
-    for k0 in range(0, dim_k, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        kmask = kk < dim_k
-        smask = kmask[:, None] & vmask[None, :]
-        kd = _load_rows(k_base, t64, k_st, kk, before[:, None] & kmask[None, :])
-        s = tl.load(r_base + kk[:, None] * s_sk, mask=smask & s_ok, other=0.0,
-                    cache_modifier=".cg")
-        s = tl.dot(tl.trans(kd * ks_snap[:, None]), u, s * tl.exp(g_ref), input_precision=PREC)
-        tl.debug_barrier()
-        tl.store(dst_base + kk[:, None] * s_sk, s, mask=smask)
-
-
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])
-def _chunk_scan_kernel(
-    q_ptr: tl.tensor, k_ptr: tl.tensor, v_ptr: tl.tensor, g_ptr: tl.tensor,
-    beta_ptr: tl.tensor, wk_ptr: tl.tensor, wv_ptr: tl.tensor, state_ptr: tl.tensor,
-    out_ptr: tl.tensor, qsl_ptr: tl.tensor, seq_lens_ptr: tl.tensor, rows_ptr: tl.tensor,
-    tbl_ptr: tl.tensor, a_log_ptr: tl.tensor, dt_bias_ptr: tl.tensor, skip_ptr: tl.tensor,
-    dt_lo: float, dt_hi: float,
-    num_seqs: int, num_tokens: int, scale: float, dim_k: int, dim_v: int, group: int,
-    q_st: int, q_sh: int, k_st: int, k_sh: int, v_st: int, v_sh: int,
-    g_st: int, g_sh: int, b_st: int, b_sh: int, wk_st: int, wk_sh: int, wv_st: int,
-    wv_sh: int, o_st: int, o_sh: int, s_sr: int, s_sh: int, s_sk: int, tbl_st: int,
-    L2NORM: tl.constexpr, DELTA: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr, PREC: tl.constexpr,
-    HAS_TABLE: tl.constexpr, RAW_GATES: tl.constexpr, MAMBA_GATES: tl.constexpr,
-    HAS_SKIP: tl.constexpr, ROW_SLOTS: tl.constexpr, PDL: tl.constexpr,
-) -> None:
-    pdl_prologue(PDL)
-    # Programs (i < N, v head, V block) run sequence i; programs (N, ...) zero the padding.
-    seq = tl.program_id(0)
-    h = tl.program_id(1)
-    vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    vmask = vv < dim_v
-    if seq == num_seqs:
-        _zero_tail(out_ptr + h * o_sh, qsl_ptr, num_seqs, num_tokens, o_st, vv, vmask,
-                   BLOCK_T, BLOCK_V)
-        return
-    bos = tl.load(qsl_ptr + seq).to(tl.int32)
-    length = tl.load(qsl_ptr + seq + 1).to(tl.int32) - bos
-    if length <= 0:  # padding: its row (and its table entry) may be another sequence's
-        return
-    start = tl.load(seq_lens_ptr + seq).to(tl.int32) - length
-    has_init = start > 0
-    row = tl.load(rows_ptr + seq).to(tl.int64)
-    base = row * ROW_SLOTS  # the sequence's first state row (ROW_SLOTS: recurrent_state)
-    dst = base + (start + length) % ROW_SLOTS  # the final state's row, the chunks' working row
-    # the first chunk's initial state: the row of the start's count, a snapshot's when resuming
-    src_row = base + start % ROW_SLOTS
-    if HAS_TABLE:
-        tbl = tbl_ptr + row * tbl_st
-        src_row = tl.where(start == tl.load(tbl + 1), tl.load(tbl).to(tl.int64), src_row)
-    q_base = q_ptr + (h // group) * q_sh
-    k_base = k_ptr + (h // group) * k_sh
-    # The state tile [K, BLOCK_V] lives in its own row (no other program touches it), read
-    # and rewritten a K block at a time: through L2 (".cg"), behind barriers. The first chunk
-    # reads src_row (never written but by the one kept state below: a snapshot slot other
-    # requests may read too is never written).
-    tile = h * s_sh + vv[None, :]
-    s_base = state_ptr + dst * s_sr + tile
-    if HAS_SKIP:
-        skip = tl.load(skip_ptr + h).to(tl.float32)
-    pos = tl.arange(0, CHUNK)
-    causal = pos[:, None] >= pos[None, :]
-    for c0 in range(0, length, CHUNK):
-        n = tl.minimum(length - c0, CHUNK)  # the chunk's tokens
-        live = pos < n
-        t64 = (bos + c0).to(tl.int64) + pos
-        s_ok = has_init | (c0 > 0)  # else the row holds garbage: start from zeros
-        r_row = tl.where(c0 == 0, src_row, dst)  # S's row
-        r_base = state_ptr + r_row * s_sr + tile
-        gv, beta = _load_gates(g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, t64, h, live, g_st,
-                               g_sh, b_st, b_sh, dt_lo, dt_hi, RAW_GATES, MAMBA_GATES)
-        gcum = tl.cumsum(gv, 0)  # dead rows add 0: the last entry is the chunk's total
-        g_last = tl.sum(tl.where(pos == CHUNK - 1, gcum, 0.0), axis=0)
-        # Pass 1 over K blocks: Q K^T, Q S and W_k S of the raw q / k.
-        qkt = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
-        qs = tl.zeros([CHUNK, BLOCK_V], dtype=tl.float32)
-        ws = tl.zeros([CHUNK, BLOCK_V], dtype=tl.float32)
-        q_ss = tl.zeros([CHUNK], dtype=tl.float32)
-        k_ss = tl.zeros([CHUNK], dtype=tl.float32)
-        for k0 in range(0, dim_k, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            kmask = kk < dim_k
-            qkmask = live[:, None] & kmask[None, :]
-            q = _load_rows(q_base, t64, q_st, kk, qkmask)  # [C, BLOCK_K]
-            k = _load_rows(k_base, t64, k_st, kk, qkmask)
-            q_ss += tl.sum(q * q, axis=1)
-            k_ss += tl.sum(k * k, axis=1)
-            qkt = tl.dot(q, tl.trans(k), qkt, input_precision=PREC)
-            s = tl.load(r_base + kk[:, None] * s_sk, mask=kmask[:, None] & vmask[None, :] & s_ok,
-                        other=0.0, cache_modifier=".cg")
-            qs = tl.dot(q, s, qs, input_precision=PREC)
-            if DELTA:
-                wk = _load_rows(wk_ptr + h * wk_sh, t64, wk_st, kk, qkmask)
-                ws = tl.dot(wk, s, ws, input_precision=PREC)
-        if L2NORM:
-            rq = tl.rsqrt(q_ss + 1e-6) * scale
-            rk = tl.rsqrt(k_ss + 1e-6)
-        else:
-            rq = q_ss * 0.0 + scale
-            rk = k_ss * 0.0 + 1.0
-        ovmask = live[:, None] & vmask[None, :]
-        if (not DELTA) or HAS_SKIP:
-            vt = _load_rows(v_ptr + h * v_sh, t64, v_st, vv, ovmask)  # [C, BLOCK_V]
-        if DELTA:
-            u = _load_rows(wv_ptr + h * wv_sh, t64, wv_st, vv, ovmask) - ws  # [C, BLOCK_V]
-        else:
-            u = vt * beta[:, None]
-        decay = tl.exp(tl.where(causal, gcum[:, None] - gcum[None, :], 0.0))
-        p = tl.where(causal, qkt * decay * rq[:, None] * rk[None, :], 0.0)
-        o = tl.dot(p, u, qs * (rq * tl.exp(gcum))[:, None], input_precision=PREC)
-        if HAS_SKIP:
-            o += skip * vt
-        tl.store(out_ptr + t64[:, None] * o_st + h * o_sh + vv[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=ovmask)
-        if HAS_TABLE:
-            # Snapshots after c tokens of this chunk (0 < c <= n), into rows no one else
-            # touches. A pass only where one falls.
-            for i in tl.static_range(2):
-                c = tl.load(tbl + 2 + 2 * i) - start - c0
-                if (c > 0) & (c <= n):
-                    snap_base = state_ptr + tl.load(tbl + 3 + 2 * i).to(tl.int64) * s_sr + tile
-                    _store_state_after(c, snap_base, r_base, k_base, t64, gcum, pos, rk, u,
-                                       s_ok, vmask, dim_k, k_st, s_sk, BLOCK_K, PREC)
-        deferred = -1  # (ROW_SLOTS: the kept state whose row is S's own, stored after pass 2)
-        if ROW_SLOTS > 1:
-            # The states after the sequence's last ROW_SLOTS - 1 counts but its final one that
-            # fall in this chunk (speculative decoding's verified tokens), each in its count's
-            # row; never the final one's row (dst). One may be S's own row (the first chunk,
-            # when the final count's row differs): that one waits for pass 2's reads of it.
-            lo = tl.maximum(length - ROW_SLOTS + 1, c0 + 1)
-            for c in range(lo, tl.minimum(length - 1, c0 + n) + 1):
-                kept = base + (start + c) % ROW_SLOTS
-                if kept == r_row:
-                    deferred = c - c0
-                else:
-                    _store_state_after(c - c0, state_ptr + kept * s_sr + tile, r_base, k_base,
-                                       t64, gcum, pos, rk, u, s_ok, vmask, dim_k, k_st, s_sk,
-                                       BLOCK_K, PREC)
-        # Pass 2: S' = exp(G_last) S + (exp(G_last - G) K)^T U, a K block at a time.
-        kscale = rk * tl.exp(g_last - gcum)
-        tl.debug_barrier()  # every pass-1 read of the tile precedes its rewrite
-        for k0 in range(0, dim_k, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            kmask = kk < dim_k
-            smask = kmask[:, None] & vmask[None, :]
-            kd = _load_rows(k_base, t64, k_st, kk, live[:, None] & kmask[None, :])
-            s = tl.load(r_base + kk[:, None] * s_sk, mask=smask & s_ok, other=0.0,
-                        cache_modifier=".cg")
-            s = tl.dot(tl.trans(kd * kscale[:, None]), u, s * tl.exp(g_last),
-                       input_precision=PREC)
-            tl.debug_barrier()
-            tl.store(s_base + kk[:, None] * s_sk, s, mask=smask)
-        if ROW_SLOTS > 1:  # noqa: SIM102 (constexpr: compiled out at 1)
-            if deferred > 0:  # S's own row (the first chunk's; dst is another): now free
-                tl.debug_barrier()
-                _store_state_after(deferred, r_base, r_base, k_base, t64, gcum, pos, rk, u,
-                                   s_ok, vmask, dim_k, k_st, s_sk, BLOCK_K, PREC)
-        tl.debug_barrier()  # the new tile is written before the next chunk reads it
-
-
 # ------------------------------------------------------------------------------- wrappers
 
 
@@ -521,24 +243,29 @@ def chunk_gated_delta_rule_triton(
     block_sub: int | None = None,
     block_k: int | None = None,
     block_v: int | None = None,
+    block_v_out: int | None = None,
+    scan_warps: int | None = None,
+    scan_stages: int | None = None,
     dot_precision: str | None = None,
 ) -> torch.Tensor:
-    """Triton implementation of :func:`chunk_gated_delta_rule`: two launches, no host sync
+    """Triton implementation of :func:`chunk_gated_delta_rule`: three launches, no host sync
     (the module docstring has the design). Tiles, powers of two: ``chunk`` (``C``; GPU 64,
-    CPU 16), ``block_sub`` (the triangular solve's sub-blocks, at most ``C``; GPU 16, CPU 8),
-    ``block_k`` (the K blocks the products loop over; GPU 32, CPU up to 64) and ``block_v`` (a
-    program's state columns; GPU 32, CPU up to 64); on the GPU all but ``block_sub`` at least
-    16. ``dot_precision``: the products' fp32 ``input_precision`` (GPU ``"tf32x3"``, CPU
-    ``"ieee"``; ``"tf32"`` would trade accuracy, ~1e-3, for speed: unmeasured). q/k/v may be
-    strided views (their last dim is made contiguous); ``state`` must have a contiguous last
-    dim (it is updated in place, its rows also holding each program's tile between chunks).
+    CPU 16), ``block_sub`` (the inverse's diagonal blocks, at most ``C``; GPU 16, CPU 8),
+    ``block_k`` (the K blocks the WY and output kernels' products loop over; GPU 32, CPU up to
+    64), ``block_v`` (a scan program's state columns; GPU 32, CPU up to 64) and
+    ``block_v_out`` (an output program's; GPU 64, CPU up to 64); on the GPU all but
+    ``block_sub`` at least 16. ``scan_warps`` / ``scan_stages``: the scan's launch (GPU 8 / 1;
+    8 warps with ``block_v`` 16 are refused: a Triton 3.6 fault). ``dot_precision``: the
+    products' fp32 ``input_precision`` (GPU: ``"tf32"`` where q, k, v and the output are all
+    16-bit, else ``"tf32x3"``; CPU ``"ieee"``). q/k/v may be strided views (their last dim is
+    made contiguous); ``state`` must have a contiguous last dim (it is updated in place).
     ``state_table``, ``gate_params``, ``dt_limits``, ``skip``, ``out_dtype``, ``row_slots``:
     as :func:`~mrv2_kernels.linear_attention.gated_delta_rule`'s (the module docstring says
     how)."""
     n = check_triton_args("chunk_gated_delta_rule_triton", q, k, v, g, beta, state,
                           query_start_loc, seq_lens, state_rows, state_table, gate_params,
                           dt_limits, skip)
-    slots = check_row_slots(row_slots)
+    row_slots_n = check_row_slots(row_slots)
     num_tokens, hk, dk = q.shape
     hv, dv = v.shape[1:]
     on_gpu = v.is_cuda
@@ -555,25 +282,42 @@ def chunk_gated_delta_rule_triton(
                        cpu=min(64, next_power_of_2(dk)), block=block_k)
     pow2_v = max(tile_min, next_power_of_2(dv))
     bv = default_block(v, cuda=min(32, pow2_v), cpu=min(64, pow2_v), block=block_v)
-    if on_gpu and min(bk, bv, c) < 16:
-        raise ValueError(f"chunk, block_k and block_v must be at least 16 on the GPU (tl.dot), "
-                         f"got {c}, {bk}, {bv}")
-    prec = dot_precision or ("tf32x3" if on_gpu else "ieee")
+    bvo = default_block(v, cuda=min(64, pow2_v), cpu=min(64, pow2_v), block=block_v_out)
+    if on_gpu and min(bk, bv, bvo, c) < 16:
+        raise ValueError(f"chunk, block_k, block_v and block_v_out must be at least 16 on the "
+                         f"GPU (tl.dot), got {c}, {bk}, {bv}, {bvo}")
+    warps_scan = scan_warps or (8 if on_gpu else 1)
+    if on_gpu and warps_scan == 8 and bv == 16:
+        # compute-sanitizer, H100, 2026-12-06: the scan's transposed product read past its
+        # shared memory in that layout (an illegal address in a long prompt)
+        raise ValueError("chunk_gated_delta_rule_triton: block_v 16 with scan_warps 8 faults "
+                         "in Triton 3.6; take block_v 32 or scan_warps 4")
+    # Any fp32 operand or output keeps fp32's accuracy (3 TF32 products a product); with all
+    # of them 16-bit, one TF32 product (the fla library's products take bf16 operands)
+    sixteen = all(t.dtype != torch.float32 for t in (q, k, v, out))
+    prec = dot_precision or ("ieee" if not on_gpu else "tf32" if sixteen else "tf32x3")
     a_log, dt_bias = ((g, g) if gate_params is None
                       else (gate_params[0].contiguous(), gate_params[1].contiguous()))
     dt_lo, dt_hi = (0.0, 0.0) if dt_limits is None else (float(dt_limits[0]),
                                                          float(dt_limits[1]))
     gates = {"RAW_GATES": gate_params is not None, "MAMBA_GATES": dt_limits is not None}
+    # Each chunk's initial state, for the output kernel, in fp32 (in bf16 as the fla library
+    # keeps it, Mamba-2's unnormalized states put bf16 outputs 1e-2 off the token-serial op's)
+    # (flat per head: the WY kernel's [C, C] tiles live there first, dk * dv may be smaller)
+    slots = cdiv(num_tokens, c) + n
+    h_buf = _empty((slots, hv, max(dk * dv, c * c)), torch.float32, v.device)
     if delta and n > 0:
         wk = _empty((num_tokens, hv, dk), torch.float32, v.device)
         wv = _empty((num_tokens, hv, dv), torch.float32, v.device)
-        _chunk_wy_kernel[(cdiv(num_tokens, c) + n, hv)](
-            k, v, g, beta, wk, wv, query_start_loc, a_log, dt_bias, dt_lo, dt_hi,
+        # T's [C, C] tiles in the chunks' state slots (the scan writes those only later)
+        _chunk_wy_kernel[(slots, hv)](
+            k, v, g, beta, wk, wv, h_buf, query_start_loc, a_log, dt_bias, dt_lo, dt_hi,
             n, dk, dv, hv // hk,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
             beta.stride(0), beta.stride(1), wk.stride(0), wk.stride(1), wv.stride(0),
-            wv.stride(1),
-            L2NORM=l2norm_qk, CHUNK=c, SUB=sub, BLOCK_K=bk,
+            wv.stride(1), h_buf.stride(0), h_buf.stride(1),
+            L2NORM=l2norm_qk, CHUNK=c, SUB=sub, LOG2_BLOCKS=(c // sub).bit_length() - 1,
+            BLOCK_K=bk,
             BLOCK_V=block_v or default_block(v, cuda=min(64, pow2_v), cpu=pow2_v),
             REQ_BLOCK=_REQ_BLOCK, PREC=prec, **gates,
             num_warps=8 if on_gpu else 1,
@@ -582,18 +326,30 @@ def chunk_gated_delta_rule_triton(
     else:
         wk = wv = out  # not read
     tbl = state_rows if state_table is None else state_table
-    _chunk_scan_kernel[(n + 1, hv, cdiv(dv, bv))](
-        q, k, v, g, beta, wk, wv, state, out, query_start_loc, seq_lens, state_rows,
-        tbl, a_log, dt_bias, g if skip is None else skip.contiguous(), dt_lo, dt_hi,
-        n, num_tokens, float(scale), dk, dv, hv // hk,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), wk.stride(0), wk.stride(1),
-        wv.stride(0), wv.stride(1), out.stride(0), out.stride(1),
+    _chunk_state_kernel[(n + 1, hv, cdiv(dv, bv))](
+        k, v, g, beta, wk, wv, h_buf, state, out, query_start_loc, seq_lens, state_rows,
+        tbl, a_log, dt_bias, dt_lo, dt_hi, n, num_tokens, dk, dv, hv // hk,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
+        beta.stride(0), beta.stride(1), wk.stride(0), wk.stride(1), wv.stride(0),
+        wv.stride(1), h_buf.stride(0), h_buf.stride(1), out.stride(0), out.stride(1),
         state.stride(0), state.stride(1), state.stride(2), tbl.stride(0),
-        L2NORM=l2norm_qk, DELTA=delta, CHUNK=c, BLOCK_K=bk, BLOCK_V=bv, BLOCK_T=8,
-        PREC=prec, HAS_TABLE=state_table is not None, HAS_SKIP=skip is not None,
-        ROW_SLOTS=slots, **gates,
-        num_warps=8 if on_gpu else 1,
+        L2NORM=l2norm_qk, DELTA=delta, CHUNK=c, BLOCK_KF=max(tile_min, next_power_of_2(dk)),
+        BLOCK_V=bv, BLOCK_T=8, PREC=prec, HAS_TABLE=state_table is not None,
+        ROW_SLOTS=row_slots_n, **gates,
+        num_warps=warps_scan, num_stages=scan_stages or 1,
+        **pdl(v),
+    )
+    if n == 0:
+        return out
+    _chunk_out_kernel[(slots, hv, cdiv(dv, bvo))](
+        q, k, v, g, beta, wv, h_buf, out, query_start_loc, a_log, dt_bias,
+        g if skip is None else skip.contiguous(), dt_lo, dt_hi, n, float(scale), dk, dv,
+        hv // hk, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), wv.stride(0), wv.stride(1),
+        h_buf.stride(0), h_buf.stride(1), out.stride(0), out.stride(1),
+        L2NORM=l2norm_qk, DELTA=delta, CHUNK=c, BLOCK_K=bk, BLOCK_V=bvo, REQ_BLOCK=_REQ_BLOCK,
+        PREC=prec, HAS_SKIP=skip is not None, **gates,
+        num_warps=4 if on_gpu else 1,
         **pdl(v),
     )
     return out
@@ -620,10 +376,12 @@ def chunk_gated_delta_rule(
               dt_limits=dt_limits, skip=skip, out_dtype=out_dtype, row_slots=row_slots)
 
 
-def prefer_chunked(num_tokens: int, num_seqs: int, max_query_len: int | None = None) -> bool:
+def prefer_chunked(num_tokens: int, num_seqs: int, max_query_len: int | None = None,
+                   min_query_len: int | None = None) -> bool:
     """Whether a step of ``num_tokens`` tokens over ``num_seqs`` sequences (padding ones
     included) should run the chunked path: when its longest query is at least
-    :data:`CHUNKED_MIN_QUERY_LEN` tokens. Host numbers only: ``max_query_len`` where the caller
+    ``min_query_len`` tokens (default :data:`CHUNKED_MIN_QUERY_LEN`), unless
+    ``MRV2_CHUNKED_DELTA_RULE=0``. Host numbers only: ``max_query_len`` where the caller
     knows it (the runner's ``InputBatch.max_query_len``; a mixed CUDA graph bakes its token
     count there, so its steps, which carry prompt tokens, go chunked; a decode graph bakes ``1
     + k`` and stays token-serial), else the mean query length, a lower bound of the longest (a
@@ -634,7 +392,7 @@ def prefer_chunked(num_tokens: int, num_seqs: int, max_query_len: int | None = N
         longest = min(max_query_len, num_tokens)
     else:
         longest = cdiv(num_tokens, max(num_seqs, 1))
-    return longest >= CHUNKED_MIN_QUERY_LEN
+    return longest >= (CHUNKED_MIN_QUERY_LEN if min_query_len is None else min_query_len)
 
 
 def gated_delta_rule_auto(
@@ -649,16 +407,13 @@ def gated_delta_rule_auto(
 ) -> torch.Tensor:
     """The gated delta rule by the faster form for the step: :func:`chunk_gated_delta_rule`
     where :func:`prefer_chunked` says so (from ``q``'s token count, the sequence count and
-    ``max_query_len``), else the token-serial
-    :func:`~mrv2_kernels.linear_attention.gated_delta_rule`; every keyword of the latter
-    (``state_table``, ``gate_params``, ``dt_limits``, ``skip``, ``out_dtype``, ``row_slots``)
-    passed on. Same results up to fp32 rounding either way."""
-    # The delta rule itself (Gated DeltaNet) stays token-serial unless MRV2_CHUNKED_DELTA_RULE=1:
-    # on the H200 the chunked kernel took 10.5 ms for one 4,096-token Qwen3-Next prompt
-    # against 7.4 token-serial, 3.7 against 2.0 for 8 x 512 (BENCHMARKS.md, 2026-12-06);
-    # Mamba-2's form (delta=False) gained 1.9x (3.4 against 6.6 ms).
-    chunked = prefer_chunked(q.shape[0], query_start_loc.shape[0] - 1, max_query_len) and (
-        not delta or os.environ.get(CHUNKED_ENV_VAR) == "1")
+    ``max_query_len``; the delta rule from :data:`CHUNKED_MIN_QUERY_LEN_DELTA` tokens), else
+    the token-serial :func:`~mrv2_kernels.linear_attention.gated_delta_rule`; every keyword of
+    the latter (``state_table``, ``gate_params``, ``dt_limits``, ``skip``, ``out_dtype``,
+    ``row_slots``) passed on. Same results up to fp32 rounding either way (TF32's where every
+    operand and the output are 16-bit, on the GPU: :func:`chunk_gated_delta_rule_triton`)."""
+    chunked = prefer_chunked(q.shape[0], query_start_loc.shape[0] - 1, max_query_len,
+                             CHUNKED_MIN_QUERY_LEN_DELTA if delta else CHUNKED_MIN_QUERY_LEN)
     fn = chunk_gated_delta_rule if chunked else _serial_gated_delta_rule
     return fn(q, k, v, g, beta, state, query_start_loc, seq_lens, state_rows, scale, l2norm_qk,
               delta=delta, state_table=state_table, gate_params=gate_params,

@@ -36,18 +36,25 @@ def _generate(path: Path, dtype: str, prompts: list[list[int]] = PROMPTS,
 
 
 def test_qwen3_next_with_graphs(tmp_path: Path) -> None:
+    """With a prompt of 130 tokens, past the chunked delta rule's threshold, the first step's
+    prompts take the chunked kernels eagerly as in a mixed graph (whose padded token count is
+    its query bound), so bf16 graphs and eager run the same kernels (a step of shorter prompts
+    would run token-serial eagerly: TF32 products against fp32 ones, another bf16 rounding)."""
+    from mrv2_kernels.chunk_delta_rule import CHUNKED_MIN_QUERY_LEN_DELTA
     from mrv2_qwen.testing import save_tiny_qwen3_next
 
+    prompts = [*PROMPTS, [1 + (11 * i + 3) % 120 for i in range(130)]]
+    assert len(prompts[-1]) >= CHUNKED_MIN_QUERY_LEN_DELTA
     save_tiny_qwen3_next(tmp_path, **ARCH)
-    expected = [hf_greedy(tmp_path, p, 40) for p in PROMPTS]
-    assert _generate(tmp_path, "float32") == expected
-    assert _generate(tmp_path, "float32", enforce_eager=True) == expected
-    assert _generate(tmp_path, "float32", max_num_batched_tokens=32) == expected
-    assert _generate(tmp_path, "float32", num_gpu_blocks_override=12) == expected
-    graphs = _generate(tmp_path, "bfloat16")
-    eager = _generate(tmp_path, "bfloat16", enforce_eager=True)
+    expected = [hf_greedy(tmp_path, p, 40) for p in prompts]
+    assert _generate(tmp_path, "float32", prompts) == expected
+    assert _generate(tmp_path, "float32", prompts, enforce_eager=True) == expected
+    assert _generate(tmp_path, "float32", prompts, max_num_batched_tokens=32) == expected
+    assert _generate(tmp_path, "float32", prompts, num_gpu_blocks_override=12) == expected
+    graphs = _generate(tmp_path, "bfloat16", prompts)
+    eager = _generate(tmp_path, "bfloat16", prompts, enforce_eager=True)
     assert [g[:4] for g in graphs] == [e[:4] for e in eager]
-    assert sum(g[0] == e[0] for g, e in zip(graphs, expected, strict=True)) >= len(PROMPTS) - 1
+    assert sum(g[0] == e[0] for g, e in zip(graphs, expected, strict=True)) >= len(prompts) - 1
 
 
 def test_qwen3_next_steps_never_synchronize(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from mrv2_kernels import chunk_delta_rule as cdr
 from mrv2_kernels import linear_attention as la
 from mrv2_kernels.chunk_delta_rule import (
     CHUNKED_MIN_QUERY_LEN,
+    CHUNKED_MIN_QUERY_LEN_DELTA,
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_ref,
     chunk_gated_delta_rule_triton,
@@ -87,6 +88,15 @@ def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype = F32) -> No
         torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-3)
 
 
+def state_tol(dtype: torch.dtype) -> dict[str, float]:
+    """The final states' tolerance: fp32's rounding, but for 16-bit inputs on the GPU, whose
+    products take one TF32 product there (chunk_gated_delta_rule_triton's rule; ~1e-3 off the
+    fp32 recurrence after a few dozen tokens, the outputs still within their bf16 ulp)."""
+    if DEVICE == "cuda" and dtype != F32:
+        return {"rtol": 3e-2, "atol": 5e-3}
+    return {"rtol": 1e-4, "atol": 2e-5}
+
+
 def tiles(kw: dict[str, int]) -> dict[str, Any]:
     """Tile overrides as given on the CPU; on the GPU, the products' tiles at least 16 and
     chunks of 16 unless given (MIXED's lengths are for those)."""
@@ -112,7 +122,7 @@ def check_against_serial(fn: Callable[..., torch.Tensor], dtype: torch.dtype, hk
     close(got, want, dtype)
     assert not got.isnan().any()
     assert torch.equal(got[batch.real_tokens:], torch.zeros_like(got[batch.real_tokens:]))
-    torch.testing.assert_close(got_state, want_state, rtol=1e-4, atol=2e-5)
+    torch.testing.assert_close(got_state, want_state, **state_tol(dtype))
     assert torch.equal(got_state[UNTOUCHED], state0[UNTOUCHED])
     assert not torch.allclose(want_state[1], state0[1])
 
@@ -301,7 +311,7 @@ def test_state_table_matches_token_serial(fn: str, delta: bool, dtype: torch.dty
                      state_table=tbl)
     close(got, want, dtype)
     assert torch.equal(got[batch.real_tokens:], torch.zeros_like(got[batch.real_tokens:]))
-    torch.testing.assert_close(got_state, want_state, rtol=1e-4, atol=2e-5, equal_nan=True)
+    torch.testing.assert_close(got_state, want_state, equal_nan=True, **state_tol(dtype))
     assert not got_state[:4].isnan().any()
     assert torch.equal(bits(got_state[SNAP_UNTOUCHED]), bits(state0[SNAP_UNTOUCHED]))
     assert not torch.isclose(want_state[SNAP_WRITTEN], state0[SNAP_WRITTEN]).all(-1).any()
@@ -326,7 +336,7 @@ def test_raw_gates(fn: str, poisoned: None) -> None:
     got = run_fn(fn)(*raw, got_state, *batch.meta, 0.3, gate_params=(a_log, dt_bias))
     close(got, want, BF16)
     assert torch.equal(got[batch.real_tokens:], torch.zeros_like(got[batch.real_tokens:]))
-    torch.testing.assert_close(got_state, want_state, rtol=1e-4, atol=2e-5)
+    torch.testing.assert_close(got_state, want_state, **state_tol(BF16))
 
 
 @pytest.mark.parametrize("fn", ["triton", "ref"])
@@ -363,7 +373,8 @@ def test_auto_takes_every_keyword(monkeypatch: pytest.MonkeyPatch, max_query_len
     of 64), with every keyword at once (a snapshot, a resume, raw GDN gates, a skip on the
     delta rule, an fp32 output from bf16): the token-serial reference's results."""
     monkeypatch.setenv("MRV2_KERNELS", "triton")
-    monkeypatch.setenv(cdr.CHUNKED_ENV_VAR, "1")  # (the delta rule takes the chunked form)
+    # (the delta rule takes the chunked form from the short threshold too)
+    monkeypatch.setattr(cdr, "CHUNKED_MIN_QUERY_LEN_DELTA", CHUNKED_MIN_QUERY_LEN)
     poison(cdr)
     poison(la)
     batch = make_batch([(35, 4, 0), (1, 7, 1)], pad_tokens=1)
@@ -391,14 +402,19 @@ def test_auto_takes_every_keyword(monkeypatch: pytest.MonkeyPatch, max_query_len
 # ------------------------------------------------------------------------ dispatch, checks
 
 
-@pytest.mark.parametrize("env,delta,chunked", [
-    (None, True, False), (None, False, True), ("1", True, True), ("0", False, False),
+@pytest.mark.parametrize("env,delta,max_query_len,chunked", [
+    (None, True, CHUNKED_MIN_QUERY_LEN_DELTA - 1, False),
+    (None, True, CHUNKED_MIN_QUERY_LEN_DELTA, True),
+    (None, False, CHUNKED_MIN_QUERY_LEN, True),
+    ("0", True, CHUNKED_MIN_QUERY_LEN_DELTA, False),
+    ("0", False, CHUNKED_MIN_QUERY_LEN, False),
 ])
 def test_auto_dispatch_by_form(monkeypatch: pytest.MonkeyPatch, env: str | None, delta: bool,
-                               chunked: bool) -> None:
-    """A long query takes the chunked form for Mamba-2's rule (``delta=False``) by default and
-    for the delta rule only with ``MRV2_CHUNKED_DELTA_RULE=1`` (the H200 timed it slower
-    there); ``0`` keeps everything token-serial."""
+                               max_query_len: int, chunked: bool) -> None:
+    """A long query takes the chunked form: Mamba-2's rule (``delta=False``) from
+    :data:`CHUNKED_MIN_QUERY_LEN` tokens, the delta rule from its own, longer
+    :data:`CHUNKED_MIN_QUERY_LEN_DELTA`; ``MRV2_CHUNKED_DELTA_RULE=0`` keeps everything
+    token-serial."""
     if env is None:
         monkeypatch.delenv(cdr.CHUNKED_ENV_VAR, raising=False)
     else:
@@ -408,10 +424,10 @@ def test_auto_dispatch_by_form(monkeypatch: pytest.MonkeyPatch, env: str | None,
                         lambda *a, **k: called.append("chunked"))
     monkeypatch.setattr(cdr, "_serial_gated_delta_rule",
                         lambda *a, **k: called.append("serial"))
-    batch = make_batch([(40, 0, 0)])
+    batch = make_batch([(max_query_len, 0, 0)])
     q, k, v, g, beta, state = gdr_inputs(1, 2, 8, 8, F32, batch.num_tokens, seed=90)
     gated_delta_rule_auto(q, k, v, g, beta, state, *batch.meta, 0.3, delta=delta,
-                          max_query_len=40)
+                          max_query_len=max_query_len)
     assert called == ["chunked" if chunked else "serial"]
 
 
@@ -471,6 +487,10 @@ def test_rejects_bad_arguments() -> None:
                                       block_sub=16)
     with pytest.raises(ValueError, match="power of two"):
         chunk_gated_delta_rule_triton(q, k, v, g, beta, state, *batch.meta, 0.5, chunk=24)
+    if DEVICE == "cuda":  # the launch Triton 3.6 faults on (compute-sanitizer, an H100)
+        with pytest.raises(ValueError, match="faults"):
+            chunk_gated_delta_rule_triton(q, k, v, g, beta, state, *batch.meta, 0.5, block_v=16,
+                                          scan_warps=8)
     with pytest.raises(TypeError, match="fp32"):
         chunk_gated_delta_rule_triton(q, k, v, g, beta, state.to(BF16), *batch.meta, 0.5)
     with pytest.raises(ValueError, match="chunk"):
@@ -495,27 +515,34 @@ def test_rejects_bad_arguments() -> None:
 # plain builds and those with every option (a table, raw gates, speculative decoding's rows;
 # Mamba-2's with a skip).
 _SM90_SCRIPT = r"""
-from mrv2_kernels import chunk_delta_rule as m
+from mrv2_kernels import chunk_delta_rule_kernels as m
 
 bf, f32, i32 = "*bf16", "*fp32", "*i32"
 gates = {"a_log_ptr": f32, "dt_bias_ptr": f32}
 for raw in (False, True):
     build(m._chunk_wy_kernel,
           {"k_ptr": bf, "v_ptr": bf, "g_ptr": f32, "beta_ptr": bf, "wk_ptr": f32,
-           "wv_ptr": f32, "qsl_ptr": i32, **gates},
-          dict(L2NORM=True, CHUNK=64, SUB=16, BLOCK_K=32, BLOCK_V=64, REQ_BLOCK=64,
-               PREC="tf32x3", RAW_GATES=raw, MAMBA_GATES=False, PDL=True),
+           "wv_ptr": f32, "t_ptr": f32, "qsl_ptr": i32, **gates},
+          dict(L2NORM=True, CHUNK=64, SUB=16, LOG2_BLOCKS=2, BLOCK_K=32, BLOCK_V=64,
+               REQ_BLOCK=64, PREC="tf32", RAW_GATES=raw, MAMBA_GATES=False, PDL=True),
           num_warps=8)
 for delta, extras in ((True, False), (False, False), (True, True), (False, True)):
-    build(m._chunk_scan_kernel,
-          {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "g_ptr": f32, "beta_ptr": bf, "wk_ptr": f32,
-           "wv_ptr": f32, "state_ptr": f32, "out_ptr": f32 if extras else bf, "qsl_ptr": i32,
-           "seq_lens_ptr": i32, "rows_ptr": i32, "tbl_ptr": i32, "skip_ptr": f32, **gates},
-          dict(L2NORM=delta, DELTA=delta, CHUNK=64, BLOCK_K=32, BLOCK_V=32, BLOCK_T=8,
-               PREC="tf32x3", HAS_TABLE=extras, RAW_GATES=extras,
-               MAMBA_GATES=extras and not delta, HAS_SKIP=extras and not delta,
-               ROW_SLOTS=4 if extras else 1, PDL=True),
-          num_warps=8)
+    build(m._chunk_state_kernel,
+          {"k_ptr": bf, "v_ptr": bf, "g_ptr": f32, "beta_ptr": bf, "wk_ptr": f32,
+           "u_ptr": f32, "h_ptr": f32, "state_ptr": f32, "out_ptr": f32 if extras else bf,
+           "qsl_ptr": i32, "seq_lens_ptr": i32, "rows_ptr": i32, "tbl_ptr": i32, **gates},
+          dict(L2NORM=delta, DELTA=delta, CHUNK=64, BLOCK_KF=128, BLOCK_V=32, BLOCK_T=8,
+               PREC="tf32", HAS_TABLE=extras, RAW_GATES=extras,
+               MAMBA_GATES=extras and not delta, ROW_SLOTS=4 if extras else 1, PDL=True),
+          num_warps=8, num_stages=1)
+    build(m._chunk_out_kernel,
+          {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "g_ptr": f32, "beta_ptr": bf, "u_ptr": f32,
+           "h_ptr": f32, "out_ptr": f32 if extras else bf, "qsl_ptr": i32, "skip_ptr": f32,
+           **gates},
+          dict(L2NORM=delta, DELTA=delta, CHUNK=64, BLOCK_K=32, BLOCK_V=64, REQ_BLOCK=64,
+               PREC="tf32", RAW_GATES=extras, MAMBA_GATES=extras and not delta,
+               HAS_SKIP=extras and not delta, PDL=True),
+          num_warps=4)
 """
 
 
@@ -527,6 +554,7 @@ def test_kernels_compile_for_sm90(tmp_path: Path) -> None:
     from sm90 import compile_for_sm90
 
     built = compile_for_sm90(_SM90_SCRIPT, tmp_path)
-    assert len(built["_chunk_wy_kernel"]) == 2 and len(built["_chunk_scan_kernel"]) == 4
+    assert len(built["_chunk_wy_kernel"]) == 2 and len(built["_chunk_state_kernel"]) == 4
+    assert len(built["_chunk_out_kernel"]) == 4
     for name, sizes in built.items():
         assert all(0 < size <= 115712 for size in sizes), (name, sizes)
