@@ -171,6 +171,22 @@ def test_triton_matches_token_serial(dtype: torch.dtype, hk: int, hv: int, dk: i
                          **tiles(kw))
 
 
+@pytest.mark.parametrize("block_sub", [8, 16])
+def test_triton_slow_decay_series(block_sub: int, poisoned: None) -> None:
+    """A 61-token chunk of 64 whose decays barely fade (``g`` near 0): the inverse's blocks
+    far below the diagonal matter, so every factor of the series ``(I - N)(I + N^2)(I + N^4)``
+    does (8 blocks of 8, 4 of 16)."""
+    batch = make_batch([(61, 0, 0)])
+    q, k, v, _, beta, state0 = gdr_inputs(1, 2, 16, 8, F32, batch.num_tokens, seed=95)
+    g = -(rand(batch.num_tokens, 2, seed=96) * 0.02 + 0.001)
+    want_state, got_state = state0.clone(), state0.clone()
+    want = gated_delta_rule_ref(q, k, v, g, beta, want_state, *batch.meta, 0.25)
+    got = chunk_gated_delta_rule_triton(q, k, v, g, beta, got_state, *batch.meta, 0.25,
+                                        chunk=64, block_sub=block_sub)
+    close(got, want)
+    torch.testing.assert_close(got_state, want_state, rtol=1e-4, atol=2e-5)
+
+
 @pytest.mark.parametrize("dtype,kw", [(F32, {"block_v": 8, "block_k": 4}), (BF16, {"chunk": 32})])
 def test_triton_without_delta_matches_token_serial(dtype: torch.dtype, kw: dict[str, int],
                                                    poisoned: None) -> None:
