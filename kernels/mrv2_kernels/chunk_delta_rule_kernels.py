@@ -48,6 +48,18 @@ def _load_gates(g_ptr: tl.tensor, beta_ptr: tl.tensor, a_log_ptr: tl.tensor,
 
 
 @triton.jit
+def _flat_chunk(qsl_ptr: tl.tensor, num_seqs: tl.tensor, slot: tl.tensor, CHUNK: tl.constexpr,
+                REQ_BLOCK: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
+    """Triton helper: ``(first token, tokens from it to its sequence's end)`` of the step's
+    flat chunk ``slot`` (:func:`~mrv2_kernels._backend.flat_query_tile`'s numbering: sequence
+    ``i``'s chunks from ``query_start_loc[i] // CHUNK + i``); the count is ``<= 0`` past a
+    sequence's chunks, and more than ``CHUNK`` before its last."""
+    seq, c = flat_query_tile(qsl_ptr, num_seqs, slot, CHUNK, REQ_BLOCK)
+    first = tl.load(qsl_ptr + seq).to(tl.int32) + c * CHUNK
+    return first, tl.load(qsl_ptr + seq + 1).to(tl.int32) - first
+
+
+@triton.jit
 def _inverse_diagonal_blocks(t_base: tl.tensor, CHUNK: tl.constexpr, SUB: tl.constexpr
                              ) -> None:
     """Triton helper: each ``[SUB, SUB]`` diagonal block ``I + A_bb`` of the ``[C, C]`` tile at
@@ -90,15 +102,12 @@ def _chunk_wy_kernel(
     pdl_prologue(PDL)
     h = tl.program_id(1)
     slot = tl.program_id(0)
-    seq, c = flat_query_tile(qsl_ptr, num_seqs, slot, CHUNK, REQ_BLOCK)
-    bos = tl.load(qsl_ptr + seq).to(tl.int32)
-    c0 = c * CHUNK
-    n = tl.load(qsl_ptr + seq + 1).to(tl.int32) - bos - c0  # tokens from the chunk's first
+    first, n = _flat_chunk(qsl_ptr, num_seqs, slot, CHUNK, REQ_BLOCK)
     if n <= 0:  # past the sequence's chunks (or a zero-length sequence)
         return
     pos = tl.arange(0, CHUNK)
     live = pos < n
-    t64 = (bos + c0).to(tl.int64) + pos
+    t64 = first.to(tl.int64) + pos
     k_base = k_ptr + (h // group) * k_sh
     # K K^T of the raw keys, over K blocks; the l2 norms scale its rows and columns.
     kkt = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
@@ -285,17 +294,14 @@ def _chunk_out_kernel(
     pdl_prologue(PDL)
     h = tl.program_id(1)
     slot = tl.program_id(0)
-    seq, c = flat_query_tile(qsl_ptr, num_seqs, slot, CHUNK, REQ_BLOCK)
-    bos = tl.load(qsl_ptr + seq).to(tl.int32)
-    c0 = c * CHUNK
-    n = tl.load(qsl_ptr + seq + 1).to(tl.int32) - bos - c0  # the chunk's tokens (if > 0)
+    first, n = _flat_chunk(qsl_ptr, num_seqs, slot, CHUNK, REQ_BLOCK)
     if n <= 0:  # past the sequence's chunks (or a zero-length sequence)
         return
     vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     vmask = vv < dim_v
     pos = tl.arange(0, CHUNK)
     live = pos < n
-    t64 = (bos + c0).to(tl.int64) + pos
+    t64 = first.to(tl.int64) + pos
     gv, beta = _load_gates(g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, t64, h, live, g_st, g_sh,
                            b_st, b_sh, dt_lo, dt_hi, RAW_GATES, MAMBA_GATES)
     gcum = tl.cumsum(gv, 0)
