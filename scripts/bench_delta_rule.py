@@ -20,8 +20,15 @@ from typing import Any
 
 import torch
 
-from mrv2_kernels.chunk_delta_rule import chunk_gated_delta_rule_triton
+from mrv2_kernels.chunk_delta_rule import CHUNKED_SERIAL_BELOW
+from mrv2_kernels.chunk_delta_rule import chunk_gated_delta_rule_triton as _chunked
 from mrv2_kernels.linear_attention import gated_delta_rule_triton
+
+
+def chunk_gated_delta_rule_triton(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """The chunked op as the engine runs it (``gated_delta_rule_auto``: a step's sequences of
+    fewer than ``CHUNKED_SERIAL_BELOW`` tokens token-serial)."""
+    return _chunked(*args, serial_below=CHUNKED_SERIAL_BELOW, **kwargs)
 
 
 def timed(fn: Callable[[], object], reps: int = 20) -> float:

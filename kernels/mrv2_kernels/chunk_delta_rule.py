@@ -84,12 +84,17 @@ and are refused).
 
 :func:`prefer_chunked` is the rule a model applies with host-known numbers to pick this path or
 the token-serial kernel (decode batches stay on the latter); :func:`gated_delta_rule_auto`
-applies it, the delta rule from :data:`CHUNKED_MIN_QUERY_LEN_DELTA` tokens.
+applies it, the delta rule from :data:`CHUNKED_MIN_QUERY_LEN_DELTA` tokens. In a chunked
+step, sequences of fewer than :data:`CHUNKED_SERIAL_BELOW` tokens (a mixed step's decodes)
+still run token-serial (``serial_below``): the token-serial kernel, launched first with
+``max_len``, takes them, and the chunked kernels skip them on the device (each sequence's
+length is read there, so CUDA graphs of mixed steps route the same way).
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -98,6 +103,7 @@ from ._backend import use_triton as _use_triton
 from .chunk_delta_rule_kernels import _chunk_out_kernel, _chunk_state_kernel, _chunk_wy_kernel
 from .linear_attention import _L2_EPS, _check_gdr, check_triton_args, resolve_gates
 from .linear_attention import gated_delta_rule as _serial_gated_delta_rule
+from .linear_attention import gated_delta_rule_triton as _serial_triton
 from .recurrent_state import (
     _KERNEL_DTYPES,
     _check_meta,
@@ -109,6 +115,7 @@ from .recurrent_state import (
 __all__ = [
     "CHUNKED_MIN_QUERY_LEN",
     "CHUNKED_MIN_QUERY_LEN_DELTA",
+    "CHUNKED_SERIAL_BELOW",
     "chunk_gated_delta_rule",
     "chunk_gated_delta_rule_ref",
     "chunk_gated_delta_rule_triton",
@@ -124,6 +131,12 @@ CHUNKED_MIN_QUERY_LEN = 32
 #: prompt still runs faster token-serial (H100, 2026-12-06: 0.16 against 0.19 ms for
 #: Qwen3-Next's heads), a 512-token one chunked (8 x 512: 3.0 against 0.9 ms).
 CHUNKED_MIN_QUERY_LEN_DELTA = 128
+#: In a step :func:`gated_delta_rule_auto` runs chunked, sequences of fewer tokens than this
+#: (a mixed step's decodes and speculative verifications) still run token-serial: a
+#: one-token chunk costs the chunked kernels a whole chunk's work (H100, 2026-12-06: a
+#: 512-token prompt beside 63 decodes took as long chunked as 8 prompts of 512). The value
+#: is an estimate (a 16-token serial walk against a chunk's share), not yet timed.
+CHUNKED_SERIAL_BELOW = 16
 #: ``MRV2_CHUNKED_DELTA_RULE=0``: every step token-serial (both forms); read per call.
 CHUNKED_ENV_VAR = "MRV2_CHUNKED_DELTA_RULE"
 #: Sequences whose chunk starts one ``flat_query_tile`` load reads (a constexpr: not sized by N).
@@ -247,6 +260,7 @@ def chunk_gated_delta_rule_triton(
     scan_warps: int | None = None,
     scan_stages: int | None = None,
     dot_precision: str | None = None,
+    serial_below: int = 0,
 ) -> torch.Tensor:
     """Triton implementation of :func:`chunk_gated_delta_rule`: three launches, no host sync
     (the module docstring has the design). Tiles, powers of two: ``chunk`` (``C``; GPU 64,
@@ -261,7 +275,9 @@ def chunk_gated_delta_rule_triton(
     made contiguous); ``state`` must have a contiguous last dim (it is updated in place).
     ``state_table``, ``gate_params``, ``dt_limits``, ``skip``, ``out_dtype``, ``row_slots``:
     as :func:`~mrv2_kernels.linear_attention.gated_delta_rule`'s (the module docstring says
-    how)."""
+    how). ``serial_below``: sequences of fewer tokens (a mixed step's decodes) run in the
+    token-serial kernel, launched ahead of these (a one-token chunk costs these kernels a
+    whole chunk's work), the chunked kernels skipping them on the device."""
     n = check_triton_args("chunk_gated_delta_rule_triton", q, k, v, g, beta, state,
                           query_start_loc, seq_lens, state_rows, state_table, gate_params,
                           dt_limits, skip)
@@ -301,6 +317,12 @@ def chunk_gated_delta_rule_triton(
     dt_lo, dt_hi = (0.0, 0.0) if dt_limits is None else (float(dt_limits[0]),
                                                          float(dt_limits[1]))
     gates = {"RAW_GATES": gate_params is not None, "MAMBA_GATES": dt_limits is not None}
+    min_len = max(serial_below, 1)
+    if min_len > 1 and n > 0:
+        _serial_triton(q, k, v, g, beta, state, query_start_loc, seq_lens, state_rows, scale,
+                       l2norm_qk, delta=delta, state_table=state_table,
+                       gate_params=gate_params, dt_limits=dt_limits, skip=skip,
+                       row_slots=row_slots, max_len=min_len - 1, out=out)
     # Each chunk's initial state, for the output kernel, in fp32 (in bf16 as the fla library
     # keeps it, Mamba-2's unnormalized states put bf16 outputs 1e-2 off the token-serial op's)
     # (flat per head: the WY kernel's [C, C] tiles live there first, dk * dv may be smaller)
@@ -312,7 +334,7 @@ def chunk_gated_delta_rule_triton(
         # T's [C, C] tiles in the chunks' state slots (the scan writes those only later)
         _chunk_wy_kernel[(slots, hv)](
             k, v, g, beta, wk, wv, h_buf, query_start_loc, a_log, dt_bias, dt_lo, dt_hi,
-            n, dk, dv, hv // hk,
+            n, min_len, dk, dv, hv // hk,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
             beta.stride(0), beta.stride(1), wk.stride(0), wk.stride(1), wv.stride(0),
             wv.stride(1), h_buf.stride(0), h_buf.stride(1),
@@ -328,7 +350,7 @@ def chunk_gated_delta_rule_triton(
     tbl = state_rows if state_table is None else state_table
     _chunk_state_kernel[(n + 1, hv, cdiv(dv, bv))](
         k, v, g, beta, wk, wv, h_buf, state, out, query_start_loc, seq_lens, state_rows,
-        tbl, a_log, dt_bias, dt_lo, dt_hi, n, num_tokens, dk, dv, hv // hk,
+        tbl, a_log, dt_bias, dt_lo, dt_hi, n, num_tokens, min_len, dk, dv, hv // hk,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
         beta.stride(0), beta.stride(1), wk.stride(0), wk.stride(1), wv.stride(0),
         wv.stride(1), h_buf.stride(0), h_buf.stride(1), out.stride(0), out.stride(1),
@@ -343,8 +365,8 @@ def chunk_gated_delta_rule_triton(
         return out
     _chunk_out_kernel[(slots, hv, cdiv(dv, bvo))](
         q, k, v, g, beta, wv, h_buf, out, query_start_loc, a_log, dt_bias,
-        g if skip is None else skip.contiguous(), dt_lo, dt_hi, n, float(scale), dk, dv,
-        hv // hk, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g if skip is None else skip.contiguous(), dt_lo, dt_hi, n, min_len, float(scale), dk,
+        dv, hv // hk, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), wv.stride(0), wv.stride(1),
         h_buf.stride(0), h_buf.stride(1), out.stride(0), out.stride(1),
         L2NORM=l2norm_qk, DELTA=delta, CHUNK=c, BLOCK_K=bk, BLOCK_V=bvo, REQ_BLOCK=_REQ_BLOCK,
@@ -362,18 +384,23 @@ def chunk_gated_delta_rule(
     state_table: torch.Tensor | None = None,
     gate_params: tuple[torch.Tensor, torch.Tensor] | None = None,
     dt_limits: tuple[float, float] | None = None, skip: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None, row_slots: int = 1,
+    out_dtype: torch.dtype | None = None, row_slots: int = 1, serial_below: int = 0,
 ) -> torch.Tensor:
     """:func:`mrv2_kernels.linear_attention.gated_delta_rule` (same arguments, semantics and
     results up to fp32 rounding: see its docstring) computed a chunk of tokens at a time, for
-    prefill. Runs :func:`chunk_gated_delta_rule_triton` when :func:`use_triton` says so, else
+    prefill. Runs :func:`chunk_gated_delta_rule_triton` when :func:`use_triton` says so (with
+    ``serial_below``: its shorter sequences token-serial), else
     :func:`chunk_gated_delta_rule_ref`."""
-    fn = (chunk_gated_delta_rule_triton
-          if _use_triton(v) and all(t.dtype in _KERNEL_DTYPES for t in (q, k, v, beta))
-          else chunk_gated_delta_rule_ref)
-    return fn(q, k, v, g, beta, state, query_start_loc, seq_lens, state_rows, scale, l2norm_qk,
-              delta=delta, state_table=state_table, gate_params=gate_params,
-              dt_limits=dt_limits, skip=skip, out_dtype=out_dtype, row_slots=row_slots)
+    if _use_triton(v) and all(t.dtype in _KERNEL_DTYPES for t in (q, k, v, beta)):
+        return chunk_gated_delta_rule_triton(
+            q, k, v, g, beta, state, query_start_loc, seq_lens, state_rows, scale, l2norm_qk,
+            delta=delta, state_table=state_table, gate_params=gate_params,
+            dt_limits=dt_limits, skip=skip, out_dtype=out_dtype, row_slots=row_slots,
+            serial_below=serial_below)
+    return chunk_gated_delta_rule_ref(
+        q, k, v, g, beta, state, query_start_loc, seq_lens, state_rows, scale, l2norm_qk,
+        delta=delta, state_table=state_table, gate_params=gate_params, dt_limits=dt_limits,
+        skip=skip, out_dtype=out_dtype, row_slots=row_slots)
 
 
 def prefer_chunked(num_tokens: int, num_seqs: int, max_query_len: int | None = None,
@@ -412,9 +439,13 @@ def gated_delta_rule_auto(
     the latter (``state_table``, ``gate_params``, ``dt_limits``, ``skip``, ``out_dtype``,
     ``row_slots``) passed on. Same results up to fp32 rounding either way (TF32's where every
     operand and the output are 16-bit, on the GPU: :func:`chunk_gated_delta_rule_triton`)."""
-    chunked = prefer_chunked(q.shape[0], query_start_loc.shape[0] - 1, max_query_len,
-                             CHUNKED_MIN_QUERY_LEN_DELTA if delta else CHUNKED_MIN_QUERY_LEN)
-    fn = chunk_gated_delta_rule if chunked else _serial_gated_delta_rule
-    return fn(q, k, v, g, beta, state, query_start_loc, seq_lens, state_rows, scale, l2norm_qk,
-              delta=delta, state_table=state_table, gate_params=gate_params,
-              dt_limits=dt_limits, skip=skip, out_dtype=out_dtype, row_slots=row_slots)
+    kw: dict[str, Any] = dict(delta=delta, state_table=state_table, gate_params=gate_params,
+                              dt_limits=dt_limits, skip=skip, out_dtype=out_dtype,
+                              row_slots=row_slots)
+    if prefer_chunked(q.shape[0], query_start_loc.shape[0] - 1, max_query_len,
+                      CHUNKED_MIN_QUERY_LEN_DELTA if delta else CHUNKED_MIN_QUERY_LEN):
+        return chunk_gated_delta_rule(q, k, v, g, beta, state, query_start_loc, seq_lens,
+                                      state_rows, scale, l2norm_qk,
+                                      serial_below=CHUNKED_SERIAL_BELOW, **kw)
+    return _serial_gated_delta_rule(q, k, v, g, beta, state, query_start_loc, seq_lens,
+                                    state_rows, scale, l2norm_qk, **kw)

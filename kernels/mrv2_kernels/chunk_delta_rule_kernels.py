@@ -48,15 +48,18 @@ def _load_gates(g_ptr: tl.tensor, beta_ptr: tl.tensor, a_log_ptr: tl.tensor,
 
 
 @triton.jit
-def _flat_chunk(qsl_ptr: tl.tensor, num_seqs: tl.tensor, slot: tl.tensor, CHUNK: tl.constexpr,
-                REQ_BLOCK: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
+def _flat_chunk(qsl_ptr: tl.tensor, num_seqs: tl.tensor, slot: tl.tensor, min_len: tl.tensor,
+                CHUNK: tl.constexpr, REQ_BLOCK: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
     """Triton helper: ``(first token, tokens from it to its sequence's end)`` of the step's
     flat chunk ``slot`` (:func:`~mrv2_kernels._backend.flat_query_tile`'s numbering: sequence
     ``i``'s chunks from ``query_start_loc[i] // CHUNK + i``); the count is ``<= 0`` past a
-    sequence's chunks, and more than ``CHUNK`` before its last."""
+    sequence's chunks or in a sequence of fewer than ``min_len`` tokens (the token-serial
+    kernel's), and more than ``CHUNK`` before its last."""
     seq, c = flat_query_tile(qsl_ptr, num_seqs, slot, CHUNK, REQ_BLOCK)
-    first = tl.load(qsl_ptr + seq).to(tl.int32) + c * CHUNK
-    return first, tl.load(qsl_ptr + seq + 1).to(tl.int32) - first
+    bos = tl.load(qsl_ptr + seq).to(tl.int32)
+    eos = tl.load(qsl_ptr + seq + 1).to(tl.int32)
+    first = bos + c * CHUNK
+    return first, tl.where(eos - bos < min_len, 0, eos - first)
 
 
 @triton.jit
@@ -81,12 +84,12 @@ def _inverse_diagonal_blocks(t_base: tl.tensor, CHUNK: tl.constexpr, SUB: tl.con
     tl.store(diag + j * CHUNK + col, d_t)
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs", "min_len"])
 def _chunk_wy_kernel(
     k_ptr: tl.tensor, v_ptr: tl.tensor, g_ptr: tl.tensor, beta_ptr: tl.tensor,
     wk_ptr: tl.tensor, wv_ptr: tl.tensor, t_ptr: tl.tensor, qsl_ptr: tl.tensor,
     a_log_ptr: tl.tensor, dt_bias_ptr: tl.tensor, dt_lo: float, dt_hi: float,
-    num_seqs: int, dim_k: int, dim_v: int, group: int,
+    num_seqs: int, min_len: int, dim_k: int, dim_v: int, group: int,
     k_st: int, k_sh: int, v_st: int, v_sh: int, g_st: int, g_sh: int, b_st: int, b_sh: int,
     wk_st: int, wk_sh: int, wv_st: int, wv_sh: int, t_sc: int, t_sh: int,
     L2NORM: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, LOG2_BLOCKS: tl.constexpr,
@@ -102,7 +105,7 @@ def _chunk_wy_kernel(
     pdl_prologue(PDL)
     h = tl.program_id(1)
     slot = tl.program_id(0)
-    first, n = _flat_chunk(qsl_ptr, num_seqs, slot, CHUNK, REQ_BLOCK)
+    first, n = _flat_chunk(qsl_ptr, num_seqs, slot, min_len, CHUNK, REQ_BLOCK)
     if n <= 0:  # past the sequence's chunks (or a zero-length sequence)
         return
     pos = tl.arange(0, CHUNK)
@@ -174,16 +177,16 @@ def _state_after(c: tl.tensor, s: tl.tensor, k: tl.tensor, rk: tl.tensor, gcum: 
     return tl.dot(tl.trans(k * ks[:, None]), u, s * tl.exp(g_ref), input_precision=PREC)
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "min_len"])
 def _chunk_state_kernel(
     k_ptr: tl.tensor, v_ptr: tl.tensor, g_ptr: tl.tensor, beta_ptr: tl.tensor,
     wk_ptr: tl.tensor, u_ptr: tl.tensor, h_ptr: tl.tensor, state_ptr: tl.tensor,
     out_ptr: tl.tensor, qsl_ptr: tl.tensor, seq_lens_ptr: tl.tensor, rows_ptr: tl.tensor,
     tbl_ptr: tl.tensor, a_log_ptr: tl.tensor, dt_bias_ptr: tl.tensor,
-    dt_lo: float, dt_hi: float, num_seqs: int, num_tokens: int, dim_k: int, dim_v: int,
-    group: int, k_st: int, k_sh: int, v_st: int, v_sh: int, g_st: int, g_sh: int, b_st: int,
-    b_sh: int, wk_st: int, wk_sh: int, u_st: int, u_sh: int, h_sc: int, h_sh: int, o_st: int,
-    o_sh: int, s_sr: int, s_sh: int, s_sk: int, tbl_st: int,
+    dt_lo: float, dt_hi: float, num_seqs: int, num_tokens: int, min_len: int, dim_k: int,
+    dim_v: int, group: int, k_st: int, k_sh: int, v_st: int, v_sh: int, g_st: int, g_sh: int,
+    b_st: int, b_sh: int, wk_st: int, wk_sh: int, u_st: int, u_sh: int, h_sc: int, h_sh: int,
+    o_st: int, o_sh: int, s_sr: int, s_sh: int, s_sk: int, tbl_st: int,
     L2NORM: tl.constexpr, DELTA: tl.constexpr, CHUNK: tl.constexpr, BLOCK_KF: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr, PREC: tl.constexpr,
     HAS_TABLE: tl.constexpr, RAW_GATES: tl.constexpr, MAMBA_GATES: tl.constexpr,
@@ -207,7 +210,9 @@ def _chunk_state_kernel(
         return
     bos = tl.load(qsl_ptr + seq).to(tl.int32)
     length = tl.load(qsl_ptr + seq + 1).to(tl.int32) - bos
-    if length <= 0:  # padding: its row (and its table entry) may be another sequence's
+    # padding (its row and table entry may be another sequence's), or a sequence the
+    # token-serial kernel runs (fewer than min_len tokens)
+    if (length <= 0) | (length < min_len):
         return
     start = tl.load(seq_lens_ptr + seq).to(tl.int32) - length
     row = tl.load(rows_ptr + seq).to(tl.int64)
@@ -273,15 +278,15 @@ def _chunk_state_kernel(
     tl.store(state_ptr + dst * s_sr + tile, s, mask=smask)
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs", "min_len"])
 def _chunk_out_kernel(
     q_ptr: tl.tensor, k_ptr: tl.tensor, v_ptr: tl.tensor, g_ptr: tl.tensor,
     beta_ptr: tl.tensor, u_ptr: tl.tensor, h_ptr: tl.tensor, out_ptr: tl.tensor,
     qsl_ptr: tl.tensor, a_log_ptr: tl.tensor, dt_bias_ptr: tl.tensor, skip_ptr: tl.tensor,
-    dt_lo: float, dt_hi: float, num_seqs: int, scale: float, dim_k: int, dim_v: int,
-    group: int, q_st: int, q_sh: int, k_st: int, k_sh: int, v_st: int, v_sh: int, g_st: int,
-    g_sh: int, b_st: int, b_sh: int, u_st: int, u_sh: int, h_sc: int, h_sh: int, o_st: int,
-    o_sh: int,
+    dt_lo: float, dt_hi: float, num_seqs: int, min_len: int, scale: float, dim_k: int,
+    dim_v: int, group: int, q_st: int, q_sh: int, k_st: int, k_sh: int, v_st: int, v_sh: int,
+    g_st: int, g_sh: int, b_st: int, b_sh: int, u_st: int, u_sh: int, h_sc: int, h_sh: int,
+    o_st: int, o_sh: int,
     L2NORM: tl.constexpr, DELTA: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr, REQ_BLOCK: tl.constexpr, PREC: tl.constexpr,
     RAW_GATES: tl.constexpr, MAMBA_GATES: tl.constexpr, HAS_SKIP: tl.constexpr,
@@ -294,7 +299,7 @@ def _chunk_out_kernel(
     pdl_prologue(PDL)
     h = tl.program_id(1)
     slot = tl.program_id(0)
-    first, n = _flat_chunk(qsl_ptr, num_seqs, slot, CHUNK, REQ_BLOCK)
+    first, n = _flat_chunk(qsl_ptr, num_seqs, slot, min_len, CHUNK, REQ_BLOCK)
     if n <= 0:  # past the sequence's chunks (or a zero-length sequence)
         return
     vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)

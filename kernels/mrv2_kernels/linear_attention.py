@@ -270,15 +270,15 @@ def _check_gate_params(a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tens
                              f"{tuple(t.shape)}")
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "max_len"])
 def _gated_delta_rule_kernel(
     q_ptr: tl.tensor, k_ptr: tl.tensor, v_ptr: tl.tensor, g_ptr: tl.tensor,
     beta_ptr: tl.tensor, state_ptr: tl.tensor, out_ptr: tl.tensor,
     qsl_ptr: tl.tensor, seq_lens_ptr: tl.tensor, rows_ptr: tl.tensor, tbl_ptr: tl.tensor,
     a_log_ptr: tl.tensor, dt_bias_ptr: tl.tensor, skip_ptr: tl.tensor, dt_lo: float,
     dt_hi: float,
-    num_seqs: int, num_tokens: int, scale: float, dim_k: int, dim_v: int, group: int,
-    q_st: int, q_sh: int, k_st: int, k_sh: int, v_st: int, v_sh: int,
+    num_seqs: int, num_tokens: int, max_len: int, scale: float, dim_k: int, dim_v: int,
+    group: int, q_st: int, q_sh: int, k_st: int, k_sh: int, v_st: int, v_sh: int,
     g_st: int, g_sh: int, b_st: int, b_sh: int, o_st: int, o_sh: int,
     s_sr: int, s_sh: int, s_sk: int,
     L2NORM: tl.constexpr, DELTA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -309,7 +309,9 @@ def _gated_delta_rule_kernel(
         return
     bos = tl.load(qsl_ptr + seq).to(tl.int32)
     eos = tl.load(qsl_ptr + seq + 1).to(tl.int32)
-    if eos <= bos:  # padding: its row may be another sequence's
+    # padding (its row may be another sequence's), or longer than max_len (the chunked
+    # kernels' to run)
+    if (eos <= bos) | (eos - bos > max_len):
         if EARLY:
             pdl_wait(PDL)  # (every program waits: the chain's completion goes through it)
         return
@@ -391,21 +393,28 @@ def gated_delta_rule_triton(
     gate_params: tuple[torch.Tensor, torch.Tensor] | None = None,
     dt_limits: tuple[float, float] | None = None, skip: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None, row_slots: int = 1,
-    block_v: int | None = None,
+    block_v: int | None = None, max_len: int | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton implementation of :func:`gated_delta_rule`: one launch, grid ``(N + 1, Hv, V /
     block_v)``. Program ``(i, h, c)`` keeps its ``[K, block_v]`` state tile in fp32 registers
     (``K <= 256``, padded to a power of two) and walks sequence ``i``'s tokens in order, its
     loop bounds read on the device; programs ``(N, h, c)`` zero the padding tokens. q/k/v may
     be strided views (their last dim is made contiguous); ``state`` must have a contiguous
-    last dim (it is updated in place)."""
+    last dim (it is updated in place). ``max_len``: sequences of more tokens are left alone
+    (their outputs and states unwritten: the chunked kernels' share of a step,
+    :func:`mrv2_kernels.chunk_delta_rule.chunk_gated_delta_rule_triton`'s ``serial_below``);
+    ``out``: the ``[T, Hv, V]`` buffer to write (``out_dtype`` is then its dtype)."""
     n = check_triton_args("gated_delta_rule_triton", q, k, v, g, beta, state, query_start_loc,
                           seq_lens, state_rows, state_table, gate_params, dt_limits, skip)
     slots = check_row_slots(row_slots)
     num_tokens, hk, dk = q.shape
     hv, dv = v.shape[1:]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    out = _empty((num_tokens, hv, dv), out_dtype or v.dtype, v.device)
+    if out is None:
+        out = _empty((num_tokens, hv, dv), out_dtype or v.dtype, v.device)
+    elif out.shape != (num_tokens, hv, dv) or out.stride(-1) != 1:
+        raise ValueError(f"out must be [T, Hv, V] = [{num_tokens}, {hv}, {dv}] with a "
+                         f"contiguous last dim, got {tuple(out.shape)}")
     if out.numel() == 0:
         return out
     block_k = next_power_of_2(dk)
@@ -419,7 +428,8 @@ def gated_delta_rule_triton(
         state_rows if state_table is None else state_table,
         *(gate_params if gate_params is not None else (g, g)), g if skip is None else skip,
         *(dt_limits if dt_limits is not None else (0.0, 0.0)),
-        n, num_tokens, float(scale), dk, dv, hv // hk,
+        n, num_tokens, num_tokens if max_len is None else max_len, float(scale), dk, dv,
+        hv // hk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
         state.stride(0), state.stride(1), state.stride(2),

@@ -102,8 +102,8 @@ def tiles(kw: dict[str, int]) -> dict[str, Any]:
     chunks of 16 unless given (MIXED's lengths are for those)."""
     if DEVICE == "cpu":
         return kw
-    return {"chunk": 16, **{name: value if name == "block_sub" else max(value, 16)
-                            for name, value in kw.items()}}
+    return {"chunk": 16, **{name: value if name in ("block_sub", "serial_below")
+                            else max(value, 16) for name, value in kw.items()}}
 
 
 def check_against_serial(fn: Callable[..., torch.Tensor], dtype: torch.dtype, hk: int, hv: int,
@@ -163,6 +163,7 @@ def test_ref_hard_cases() -> None:
     (F32, 1, 2, 24, 20, True, {"block_v": 8, "block_k": 8}),  # GQA, odd K / V, 3 K / V blocks
     (BF16, 1, 2, 16, 16, True, {}),
     (F32, 2, 2, 16, 12, False, {"chunk": 32, "block_sub": 8}),  # 4 sub-blocks
+    (F32, 1, 2, 8, 8, True, {"serial_below": 17}),  # 5 and 1 tokens (and 16) token-serial
     (F32, 1, 1, 8, 8, True, {"block_sub": 16}),  # one sub-block
 ])
 def test_triton_matches_token_serial(dtype: torch.dtype, hk: int, hv: int, dk: int, dv: int,
@@ -483,6 +484,9 @@ def test_auto_dispatch(monkeypatch: pytest.MonkeyPatch, max_query_len: int, chun
     def spy(name: str) -> Callable[..., torch.Tensor]:
         def fn(*args: Any, **kw: Any) -> torch.Tensor:
             calls.append(name)
+            # the chunked form keeps a step's short sequences token-serial
+            assert kw.pop("serial_below", None) == (cdr.CHUNKED_SERIAL_BELOW
+                                                    if name == "chunked" else None)
             return gated_delta_rule_ref(*args, **kw)
         return fn
 

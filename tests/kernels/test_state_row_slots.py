@@ -216,6 +216,7 @@ def test_chunked_matches_token_serial_row_by_row(kind: str, poisoned: None,
     monkeypatch.setattr(cdr, "chunk_gated_delta_rule", record)
     monkeypatch.setattr(cdr, "CHUNKED_MIN_QUERY_LEN", 4)
     monkeypatch.setattr(cdr, "CHUNKED_MIN_QUERY_LEN_DELTA", 4)
+    monkeypatch.setattr(cdr, "CHUNKED_SERIAL_BELOW", 0)  # (every sequence through the chunks)
     state = stream.state(slots_base + 2, seed=21)
     out = gated_delta_rule_auto(stream.q[idx], stream.k[idx], stream.v[idx], stream.g[idx],
                                 stream.beta[idx], state, *m, DK ** -0.5, True,
