@@ -159,17 +159,29 @@ def test_profile_step_fits_the_block_table(ckpt: Path) -> None:
     budget, and a dummy batch longer than a block-table row is refused (on the GPU its
     attention read past the row: an illegal memory access at start-up)."""
     from mrv2 import EngineConfig, Runner
+    from mrv2.runner.capture import profile_batch
 
     config = EngineConfig.from_kwargs(model=str(ckpt), device="cpu", dtype="float32",
                                       block_size=4, max_num_seqs=1, max_model_len=64,
                                       max_num_batched_tokens=256)
     runner = Runner.from_config(config)
     assert runner.profile_shape() == (1, 64)
+    batch = profile_batch(runner)  # (its query bound: the step's tokens, any step's of its size)
+    assert batch.num_tokens == batch.max_query_len == 64
     with torch.inference_mode():
-        hidden = runner._forward(runner.model_state.prepare_dummy_inputs(*runner.profile_shape()))
+        hidden = runner._forward(batch)
     assert hidden.shape[0] == 64
     with pytest.raises(ValueError, match="a block-table row holds 64"):
         runner.model_state.prepare_dummy_inputs(1, 256)
+    # Four requests of 8 tokens: the profile step still bounds its queries by 32, as any step
+    # of 32 tokens may (a layer's chunked form and its scratch are measured at start-up).
+    config = EngineConfig.from_kwargs(model=str(ckpt), device="cpu", dtype="float32",
+                                      block_size=4, max_num_seqs=4, max_model_len=64,
+                                      max_num_batched_tokens=32)
+    runner = Runner.from_config(config)
+    batch = profile_batch(runner)
+    assert (batch.num_reqs, batch.num_tokens, batch.max_query_len) == (4, 32, 32)
+    assert batch.query_start_loc.tolist() == [0, 8, 16, 24, 32]
 
 
 def test_sampler_hook_replaces_the_sampler(ckpt: Path) -> None:

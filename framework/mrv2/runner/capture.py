@@ -84,23 +84,28 @@ def max_mixed_graph_tokens(runner: Runner) -> int:
         return 512 if runner.speculator is not None else runner.max_num_tokens
     return cap
 
+def profile_batch(runner: Runner) -> InputBatch:
+    """The largest step's dummy batch (:meth:`Runner.profile_shape`) with the query bound of
+    any step of its size, its token count (one request may hold every token): layers that pick
+    a form by the longest query (the chunked delta rule, and its scratch) take their widest."""
+    num_reqs, num_tokens = runner.profile_shape()
+    batch = runner._dummy_batch(num_reqs, num_tokens)
+    return InputBatch(**{**batch.__dict__, "max_query_len": num_tokens})
+
+
 def profile_peak_bytes(runner: Runner) -> int:
-    """Activation memory of the largest step, measured by one dummy forward (its query bound
-    that of any step of its size), or the sampler's scratch over its widest step, or the
+    """Activation memory of the largest step, measured by one dummy forward
+    (:func:`profile_batch`), or the sampler's scratch over its widest step, or the
     family's encoder over the largest input one prompt may carry
     (``ModelState.profile_encoder``), whichever is most, plus what the family keeps beside
     them (its encoder cache's budget). CUDA only."""
     if runner.device.type != "cuda" or runner.config.cache.num_gpu_blocks_override is not None:
         return 0
     runner.kv.allocate(1, runner.block_size, runner.dtype, runner.device)
-    num_reqs, num_tokens = runner.profile_shape()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats(runner.device)
     before = torch.cuda.memory_allocated(runner.device)
-    # the bound of any step this size (one request may hold every token): layers that pick a
-    # form by the longest query (the chunked delta rule, its scratch) take their widest
-    batch = runner._dummy_batch(num_reqs, num_tokens)
-    batch = InputBatch(**{**batch.__dict__, "max_query_len": num_tokens})
+    batch = profile_batch(runner)
     with torch.inference_mode():
         hidden = runner._forward(batch)
         cast(CausalLM, runner.model).compute_logits(hidden[batch.logits_indices]).float()
