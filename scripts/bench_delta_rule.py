@@ -3,7 +3,7 @@ steps (Qwen3-Next-80B's Gated DeltaNet per rank: 16 key heads, 32 value heads of
 Mamba-2 form at Nemotron-H-8B's sizes), each checked against the other first.
 
 Usage (GPU machine): python scripts/bench_delta_rule.py [--tp 1] [--profile]
-    [--variant PREC,WARPS,BLOCK_V,STAGES]
+    [--variant PREC,WARPS,BLOCK_V,STAGES] [--case NAME] [--serial-below N]
 
 ``--variant`` also times the chunked kernel with those launch options (the products'
 precision, the state scan's warps, V block and stages) on the Qwen3-Next cases, with its error
@@ -24,11 +24,13 @@ from mrv2_kernels.chunk_delta_rule import CHUNKED_SERIAL_BELOW
 from mrv2_kernels.chunk_delta_rule import chunk_gated_delta_rule_triton as _chunked
 from mrv2_kernels.linear_attention import gated_delta_rule_triton
 
+SERIAL_BELOW = [CHUNKED_SERIAL_BELOW]  # --serial-below
+
 
 def chunk_gated_delta_rule_triton(*args: Any, **kwargs: Any) -> torch.Tensor:
     """The chunked op as the engine runs it (``gated_delta_rule_auto``: a step's sequences of
-    fewer than ``CHUNKED_SERIAL_BELOW`` tokens token-serial)."""
-    return _chunked(*args, serial_below=CHUNKED_SERIAL_BELOW, **kwargs)
+    fewer than ``CHUNKED_SERIAL_BELOW`` tokens token-serial; ``--serial-below`` changes it)."""
+    return _chunked(*args, serial_below=SERIAL_BELOW[0], **kwargs)
 
 
 def timed(fn: Callable[[], object], reps: int = 20) -> float:
@@ -51,7 +53,11 @@ def main() -> None:
                         help="also time the chunked kernel with these launch options")
     parser.add_argument("--profile", action="store_true", help="device time by kernel")
     parser.add_argument("--case", default=None, help="only the cases whose name has this")
+    parser.add_argument("--serial-below", type=int, default=CHUNKED_SERIAL_BELOW,
+                        help="sequences of fewer tokens token-serial in a chunked step "
+                             "(0: every sequence chunked)")
     args = parser.parse_args()
+    SERIAL_BELOW[0] = args.serial_below
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     print(f"{'case':34s} {'tokens':>7s} {'serial ms':>10s} {'chunked ms':>11s} {'speed-up':>9s}"

@@ -378,6 +378,9 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                   tests/kernels/test_state_row_slots.py 2>&1 | tee "$OUT/chunk_tests.log" | grep -E "^FAILED|passed|failed"
                 timeout 100 python3 scripts/bench_delta_rule.py --profile 2>&1 \
                   | tee "$OUT/deltabench.log" | grep -vE "Warn|warn_once" | tail -30
+                # the short sequences' token-serial routing against none (every sequence chunked)
+                timeout 60 python3 scripts/bench_delta_rule.py --case decodes --serial-below 0 2>&1 \
+                  | tee "$OUT/deltabench_unrouted.log" | grep decodes | sed "s/^/unrouted: /"
                 CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
                 [ -n "$CS" ] && timeout 120 "$CS" --print-limit 5 python3 scripts/bench_delta_rule.py \
                   --case "8 x 512" 2>&1 | tee "$OUT/sanitizer.log" | grep -E "ERROR SUMMARY|Invalid|qwen" | head -8
