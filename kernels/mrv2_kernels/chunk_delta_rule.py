@@ -37,7 +37,8 @@ as it can be, everything else parallel over the step's chunks); the kernels are 
    ``[C, C]`` tile in the chunk's slot of the state scratch below), then ``T = (I + N)^-1
    D^-1`` with ``N = D^-1 L`` (``L``: the blocks below the diagonal), strictly block-lower, so
    the series ``(I - N)(I + N^2)(I + N^4)...`` ends after ``log2(C / SUB)`` factors: ``2 + 2
-   log2(C / SUB)`` ``[C, C]`` products in all. (Block rows in order through the scratch
+   log2(C / SUB)`` ``[C, C]`` products in all (exact algebra; ``C / SUB <= 4``, since N's
+   powers cancel and lose fp32 accuracy with more blocks). (Block rows in order through the scratch
    tile, each ``T_bj`` a sum of ``[SUB, SUB]`` products, gave the interpreter's results but
    errors of ~1e-5 on an H100 at ``C = 64`` with exact products: a hazard between the
    program's own stores and loads there that barriers did not close.)
@@ -139,6 +140,10 @@ CHUNKED_MIN_QUERY_LEN_DELTA = 128
 CHUNKED_SERIAL_BELOW = 16
 #: ``MRV2_CHUNKED_DELTA_RULE=0``: every step token-serial (both forms); read per call.
 CHUNKED_ENV_VAR = "MRV2_CHUNKED_DELTA_RULE"
+#: The most diagonal blocks a chunk's inverse takes (``chunk // block_sub``): the series
+#: ``(I - N)(I + N^2)...`` forms N's powers, which cancel; at 8 blocks fp32 errors grew 4x
+#: (4e-6 relative, near-duplicate keys), at 16 to 7e-4, at 32 to garbage (a review's CPU runs).
+_MAX_BLOCKS = 4
 #: Sequences whose chunk starts one ``flat_query_tile`` load reads (a constexpr: not sized by N).
 _REQ_BLOCK = 64
 
@@ -289,6 +294,9 @@ def chunk_gated_delta_rule_triton(
     sub = default_block(v, cuda=16, cpu=8, block=block_sub)
     if sub > c:
         raise ValueError(f"block_sub ({sub}) must divide the chunk ({c})")
+    if c // sub > _MAX_BLOCKS:
+        raise ValueError(f"chunk / block_sub must be at most {_MAX_BLOCKS} (the inverse's "
+                         f"series loses accuracy past it), got {c} / {sub}")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out = _empty((num_tokens, hv, dv), out_dtype or v.dtype, v.device)
     if out.numel() == 0:

@@ -426,7 +426,9 @@ def gated_delta_rule_triton(
     _gated_delta_rule_kernel[(n + 1, hv, cdiv(dv, bv))](
         q, k, v, g, beta, state, out, query_start_loc, seq_lens, state_rows,
         state_rows if state_table is None else state_table,
-        *(gate_params if gate_params is not None else (g, g)), g if skip is None else skip,
+        # (the kernel reads A_log, dt_bias and skip at [h]: contiguous, as the chunked path's)
+        *((gate_params[0].contiguous(), gate_params[1].contiguous())
+          if gate_params is not None else (g, g)), g if skip is None else skip.contiguous(),
         *(dt_limits if dt_limits is not None else (0.0, 0.0)),
         n, num_tokens, num_tokens if max_len is None else max_len, float(scale), dk, dv,
         hv // hk,

@@ -91,8 +91,10 @@ def _check_table(state_table: torch.Tensor | None) -> None:
     if state_table.dim() != 2 or state_table.shape[1] != STATE_TABLE_COLS:
         raise ValueError(f"state_table must be [R, {STATE_TABLE_COLS}], got "
                          f"{tuple(state_table.shape)}")
-    if state_table.dtype != torch.int32 or state_table.stride(1) != 1:
-        raise TypeError("state_table must be int32 with a contiguous last dim")
+    if state_table.dtype != torch.int32 or not state_table.is_contiguous():
+        # (the token-serial kernels address a row as 6 ints: a column slice of a wider table
+        # would send their snapshot stores to other rows)
+        raise TypeError("state_table must be a contiguous int32 tensor")
 
 
 def _table_host(state_table: torch.Tensor | None, row: int, start: int, row_slots: int = 1

@@ -172,18 +172,38 @@ def test_triton_matches_token_serial(dtype: torch.dtype, hk: int, hv: int, dk: i
                          **tiles(kw))
 
 
-@pytest.mark.parametrize("block_sub", [8, 16])
-def test_triton_slow_decay_series(block_sub: int, poisoned: None) -> None:
-    """A 61-token chunk of 64 whose decays barely fade (``g`` near 0): the inverse's blocks
-    far below the diagonal matter, so every factor of the series ``(I - N)(I + N^2)(I + N^4)``
-    does (8 blocks of 8, 4 of 16)."""
+@pytest.mark.parametrize("chunk,block_sub", [(64, 16), (32, 8)])
+def test_triton_slow_decay_series(chunk: int, block_sub: int, poisoned: None) -> None:
+    """A chunk of 61 tokens (of 64; of 32, and 29 after it) whose decays barely fade (``g``
+    near 0): the inverse's blocks far below the diagonal matter, so both factors of the series
+    ``(I - N)(I + N^2)`` do (4 diagonal blocks)."""
     batch = make_batch([(61, 0, 0)])
     q, k, v, _, beta, state0 = gdr_inputs(1, 2, 16, 8, F32, batch.num_tokens, seed=95)
     g = -(rand(batch.num_tokens, 2, seed=96) * 0.02 + 0.001)
     want_state, got_state = state0.clone(), state0.clone()
     want = gated_delta_rule_ref(q, k, v, g, beta, want_state, *batch.meta, 0.25)
     got = chunk_gated_delta_rule_triton(q, k, v, g, beta, got_state, *batch.meta, 0.25,
-                                        chunk=64, block_sub=block_sub)
+                                        chunk=chunk, block_sub=block_sub)
+    close(got, want)
+    torch.testing.assert_close(got_state, want_state, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("serial_below", [0, 100])
+def test_strided_gate_params_and_skip(serial_below: int, poisoned: None) -> None:
+    """``A_log``, ``dt_bias`` and ``skip`` as strided views (columns of wider tensors), in the
+    chunked kernels and, with ``serial_below``, in the token-serial one the short sequences
+    take: the reference's results (the token-serial kernel read them at ``[h]``)."""
+    batch = make_batch([(4, 0, 0), (8, 2, 1)])
+    q, k, v, _, _, state0 = gdr_inputs(1, 2, 8, 8, F32, batch.num_tokens, seed=97)
+    ab = randn(batch.num_tokens, 4, seed=98)
+    a_log, dt_bias, skip = (randn(2, 2, seed=s)[:, 0] for s in (99, 100, 101))
+    assert a_log.stride(0) == 2
+    kw: dict[str, Any] = {"gate_params": (a_log, dt_bias), "skip": skip}
+    want_state, got_state = state0.clone(), state0.clone()
+    want = gated_delta_rule_ref(q, k, v, ab[:, :2], ab[:, 2:], want_state, *batch.meta, 0.3,
+                                **kw)
+    got = chunk_gated_delta_rule_triton(q, k, v, ab[:, :2], ab[:, 2:], got_state, *batch.meta,
+                                        0.3, serial_below=serial_below, **kw)
     close(got, want)
     torch.testing.assert_close(got_state, want_state, rtol=1e-4, atol=2e-5)
 
@@ -507,6 +527,9 @@ def test_rejects_bad_arguments() -> None:
                                       block_sub=16)
     with pytest.raises(ValueError, match="power of two"):
         chunk_gated_delta_rule_triton(q, k, v, g, beta, state, *batch.meta, 0.5, chunk=24)
+    with pytest.raises(ValueError, match="at most 4"):
+        chunk_gated_delta_rule_triton(q, k, v, g, beta, state, *batch.meta, 0.5, chunk=64,
+                                      block_sub=8)
     if DEVICE == "cuda":  # the launch Triton 3.6 faults on (compute-sanitizer, an H100)
         with pytest.raises(ValueError, match="faults"):
             chunk_gated_delta_rule_triton(q, k, v, g, beta, state, *batch.meta, 0.5, block_v=16,
@@ -526,6 +549,10 @@ def test_rejects_bad_arguments() -> None:
         with pytest.raises(ValueError, match="state_table must be"):
             fn(q, k, v, g, beta, state, *batch.meta, 0.5,
                state_table=torch.zeros(1, 5, dtype=I32, device=DEVICE))
+        # a column slice of a wider table: the token-serial kernels address rows of 6 ints
+        wide = torch.zeros(2, 8, dtype=I32, device=DEVICE)
+        with pytest.raises(TypeError, match="contiguous int32"):
+            fn(q, k, v, g, beta, state, *batch.meta, 0.5, state_table=wide[:, :6])
     q, k, v, g, beta, state = gdr_inputs(1, 1, 300, 4, F32, 2)
     with pytest.raises(ValueError, match="at most"):
         chunk_gated_delta_rule_triton(q, k, v, g, beta, state, *batch.meta, 0.5)
