@@ -32,7 +32,8 @@
 # qwen3next (the linear-attention kernels on CUDA, Qwen3-Next's GPU tests, its TPOT cut to 8 layers), gluonrs (a Gluon MXFP4 GEMM with the weights decoded into wgmma's register operand),
 # intdense (integer experts dequantized first, opt-in: timed beside MXFP4's),
 # deltacheck (the chunked delta rule: error by precision, tests, times, compute-sanitizer, the
-# hybrid GPU tests), deltasweep (its launch options, a process each),
+# hybrid GPU tests), deltasweep (its launch options, a process each), qwen3nextttft (Qwen3-Next's
+# TTFT, 8 layers, token-serial against chunked),
 # mxfp4dense (MXFP4 experts dequantized for large steps: tests, bench_int, gpt-oss-20b
 # throughput against MRV2_MXFP4_DENSE=0), slidingkv (sliding-window block tables: GPU tests, gpt-oss-20b throughput at equal KV memory),
 # graphtimes (scripts/decode_graph_times.py: each decode graph's replay time by size),
@@ -404,6 +405,20 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                 timeout 200 python3 scripts/bench_delta_rule.py 2>&1 | tee "$OUT/deltabench.log" | tail -7
                 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_chunk_delta_rule.py \
                   2>&1 | tee "$OUT/chunk_tests.log" | tail -2 ;;
+    qwen3nextttft) # the forty-third session's chunked delta rule end to end: Qwen3-Next cut to 8
+                   # layers (random weights), TTFT of one prompt of each of QN_LENS tokens (default
+                   # 1,024 and 4,096: each run starts an engine, ~1-2 min) with every step
+                   # token-serial (MRV2_CHUNKED_DELTA_RULE=0) and by default, interleaved
+                   for len in ${QN_LENS:-1024 4096}; do for env in 0 1; do
+                     MRV2_CHUNKED_DELTA_RULE=$env timeout 140 python3 -m mrv2.entrypoints.cli bench latency \
+                       --model Qwen3-Next-80B-A3B --hf-overrides '{"num_hidden_layers": 8}' \
+                       --prompt-len $len --new-tokens 8 --batch-sizes 1 --max-model-len 8192 \
+                       --json "$OUT/qn_ttft_${len}_$env.json" > "$OUT/qn_ttft_${len}_$env.log" 2>&1
+                     python3 -c "import json, sys; d = json.load(open(sys.argv[1])); \
+                       print(sys.argv[2], sys.argv[3], [(r['batch'], r['ttft_ms'], r['tpot_ms']) \
+                       for r in d['default'] if 'batch' in r])" "$OUT/qn_ttft_${len}_$env.json" \
+                       "prompt=$len" "chunked=$env" 2>&1 | tail -1
+                   done; done ;;
     qwen3nextprof) # Qwen3-Next-80B-A3B cut to 8 layers (random weights): batch-1/8 TPOT, then
                    # profile_decode at batch 1 and 8 (GPU time by kernel: where ~0.5 ms a layer goes)
                    timeout 200 python3 -m mrv2.entrypoints.cli bench latency --model Qwen3-Next-80B-A3B \
