@@ -2,20 +2,23 @@
 :mod:`mrv2.testing`): the tokens an ``LLM`` generates at each tensor-parallel size, the
 check every image family runs against HF transformers (:func:`check_images_against_hf`) and
 the ones every family with per-request state runs (:func:`check_state_prefix_cache`,
-:func:`check_state_speculation`)."""
+:func:`check_state_speculation`), and every video family's refusals (:func:`check_bad_videos`)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from mrv2.contract.params import SamplingParams
 from mrv2.engine.llm import LLM
 
-__all__ = ["HfInputs", "check_bf16_graphs_against_eager", "check_images_against_hf",
+__all__ = ["HfInputs", "check_bad_videos", "check_bf16_graphs_against_eager",
+           "check_images_against_hf",
            "check_prompt_logprobs", "check_state_prefix_cache", "check_state_speculation",
            "tokens_at_tp"]
 
@@ -100,6 +103,41 @@ def check_prompt_logprobs(llm: LLM, request: dict[str, Any], ids: Sequence[int],
         assert mine is not None
         diff = abs(mine[ids[pos]].logprob - float(want[pos - 1, ids[pos]]))
         assert diff < atol, (pos, diff)
+
+
+def check_bad_videos(llm: LLM, ids: Sequence[int], good: np.ndarray,
+                     extra: Sequence[tuple[Any, str]] = ()) -> None:
+    """The refusals every video family gives through ``llm.generate`` (the core's clip parsing,
+    :mod:`mrv2.contract.video_inputs`, and the placeholder count), then the family's own
+    ``extra`` cases (``(video, message pattern)``): for ``multi_modal_data={"video": video}``
+    on the one-video prompt ``ids``, beside a plain request, a ValueError matching the pattern,
+    and nothing of any batch queued. ``good``: a valid ``[T, H, W, 3]`` uint8 clip, T >= 2."""
+    field = r"multi_modal_data\.video"
+    cases: list[tuple[Any, str]] = [
+        (good[0], rf"{field}\[0\]: a numpy clip must be \[T, H, W, 3\]"),
+        (good.astype(np.float32), rf"{field}\[0\]: frames must be uint8"),
+        (torch.from_numpy(good), rf"{field}\[0\]: a torch clip must be "),
+        (good[:0], rf"{field}\[0\]: a clip needs at least one frame"),
+        ((good, {"fps": 0}), rf"{field}\[0\]: fps must be a positive"),
+        ((good, {"rate": 2}), rf"{field}\[0\]: unknown options"),
+        ([good, good], rf"{field}: 2 videos but the prompt has 1 video placeholders"),
+        ("clip.mp4", rf"{field}: expected a clip"),
+        *extra,
+    ]
+    requests = [{"prompt_token_ids": list(ids), "multi_modal_data": {"video": video}}
+                for video, _ in cases]
+    requests.append({"prompt_token_ids": list(ids), "multi_modal_data": {}})
+    patterns = [pattern for _, pattern in cases]
+    patterns.append(rf"{field}: 0 videos but the prompt has 1 video placeholders")
+    params = SamplingParams(temperature=0, max_tokens=4)
+    for request, pattern in zip(requests, patterns, strict=True):
+        try:
+            llm.generate([{"prompt_token_ids": [5, 6]}, request], params, use_tqdm=False)
+        except ValueError as e:
+            assert re.search(pattern, str(e)), (pattern, str(e))
+        else:
+            raise AssertionError(f"no ValueError matching {pattern!r}")
+    assert not llm.engine.has_unfinished()  # nothing of the batches was queued
 
 
 def check_bf16_graphs_against_eager(graphs: Sequence[Sequence[int]],

@@ -35,7 +35,7 @@ from PIL import Image
 
 from mrv2 import LLM, SamplingParams
 from mrv2.testing import random_image
-from mrv2.testing_engine import check_prompt_logprobs
+from mrv2.testing_engine import check_bad_videos, check_prompt_logprobs
 from mrv2_gemma.gemma4_video import DEFAULT_FPS, frame_prefixes, timestamp
 from mrv2_gemma.testing import AUDIO_SPECIAL
 from mrv2_gemma.testing import TinyGemma4Audio as Tiny
@@ -267,28 +267,10 @@ def test_bad_videos_name_the_field(llm: LLM) -> None:
     processor: Any = llm.engine.input_processor
     ids = [5, processor.video_token, 9]
     good = _frames(2, 56, 80, 0)
-    bad: list[tuple[Any, str]] = [
-        (good[0], r"multi_modal_data\.video\[0\]: a numpy clip must be \[T, H, W, 3\]"),
-        (good.astype(np.float32), r"multi_modal_data\.video\[0\]: frames must be uint8"),
-        (torch.from_numpy(good), r"multi_modal_data\.video\[0\]: a torch clip must be "),
-        (good[:0], r"multi_modal_data\.video\[0\]: a clip needs at least one frame"),
-        ((good, {"fps": 0}), r"multi_modal_data\.video\[0\]: fps must be a positive"),
-        ((good, {"rate": 2}), r"multi_modal_data\.video\[0\]: unknown options"),
+    check_bad_videos(llm, ids, good, [
         ([good[0], good[1, :8]], r"multi_modal_data\.video\[0\]\[1\]: frame of shape"),
-        ([good, good], r"multi_modal_data\.video: 2 videos but the prompt has 1 video "
-                       r"placeholders"),
-        ("clip.mp4", r"multi_modal_data\.video: expected a clip"),
         ([good] * 3, r"multi_modal_data\.video: 3 videos; at most 2 per prompt"),
-    ]
-    for video, message in bad:
-        prompt = {"prompt_token_ids": ids, "multi_modal_data": {"video": video}}
-        with pytest.raises(ValueError, match=message):
-            llm.generate([{"prompt_token_ids": [5, 6]}, prompt], GREEDY, use_tqdm=False)
-    with pytest.raises(ValueError, match=r"multi_modal_data\.video: 0 videos but the prompt "
-                                         r"has 1 video placeholders"):
-        llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {}}], GREEDY,
-                     use_tqdm=False)
-    assert not llm.engine.has_unfinished()  # nothing of the batches was queued
+    ])
     saved = processor.video_settings  # (video settings the tower can't take)
     processor.video_settings = dataclasses.replace(saved, patch_size=8)
     try:

@@ -34,7 +34,7 @@ import transformers
 from PIL import Image
 
 from mrv2 import LLM, SamplingParams
-from mrv2.testing_engine import check_prompt_logprobs
+from mrv2.testing_engine import check_bad_videos, check_prompt_logprobs
 from mrv2_qwen_vl.mrope import ImageGrid, MRopeTable, mrope_positions, mrope_positions_ref
 from mrv2_qwen_vl.testing import (
     END,
@@ -311,27 +311,9 @@ def test_bad_videos_name_the_field(checkpoints: Callable[[str], Path]) -> None:
     llm = _llm(checkpoints("qwen2_5_vl"), limit_mm_per_prompt=2)
     ids = [5, START, VIDEO, END, 9]
     good = _frames(2, 56, 56, 0)
-    bad: list[tuple[Any, str]] = [
-        (good[0], r"multi_modal_data\.video\[0\]: a numpy clip must be \[T, H, W, 3\]"),
-        (good.astype(np.float32), r"multi_modal_data\.video\[0\]: frames must be uint8"),
-        (torch.from_numpy(good), r"multi_modal_data\.video\[0\]: a torch clip must be "),
-        (good[:0], r"multi_modal_data\.video\[0\]: a clip needs at least one frame"),
-        ((good, {"fps": 0}), r"multi_modal_data\.video\[0\]: fps must be a positive"),
-        ((good, {"rate": 2}), r"multi_modal_data\.video\[0\]: unknown options"),
-        ([good, good], r"multi_modal_data\.video: 2 videos but the prompt has 1 video "
-                       r"placeholders"),
-        ("clip.mp4", r"multi_modal_data\.video: expected a clip"),
+    check_bad_videos(llm, ids, good, [
         ([good] * 3, r"multi_modal_data: 0 images and 3 videos; at most 2 per prompt"),
-    ]
-    for video, message in bad:
-        prompt = {"prompt_token_ids": ids, "multi_modal_data": {"video": video}}
-        with pytest.raises(ValueError, match=message):
-            llm.generate([{"prompt_token_ids": [5, 6]}, prompt], GREEDY, use_tqdm=False)
-    no_video = {"prompt_token_ids": ids, "multi_modal_data": {}}
-    with pytest.raises(ValueError, match=r"multi_modal_data\.video: 0 videos but the prompt "
-                                         r"has 1 video placeholders"):
-        llm.generate([no_video], GREEDY, use_tqdm=False)
-    assert not llm.engine.has_unfinished()  # nothing of the batches was queued
+    ])
 
 
 # -- Qwen3-VL: timestamp text between frame groups --------------------------------------------
