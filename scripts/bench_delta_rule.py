@@ -20,17 +20,8 @@ from typing import Any
 
 import torch
 
-from mrv2_kernels.chunk_delta_rule import CHUNKED_SERIAL_BELOW
-from mrv2_kernels.chunk_delta_rule import chunk_gated_delta_rule_triton as _chunked
+from mrv2_kernels.chunk_delta_rule import CHUNKED_SERIAL_BELOW, chunk_gated_delta_rule_triton
 from mrv2_kernels.linear_attention import gated_delta_rule_triton
-
-SERIAL_BELOW = [CHUNKED_SERIAL_BELOW]  # --serial-below
-
-
-def chunk_gated_delta_rule_triton(*args: Any, **kwargs: Any) -> torch.Tensor:
-    """The chunked op as the engine runs it (``gated_delta_rule_auto``: a step's sequences of
-    fewer than ``CHUNKED_SERIAL_BELOW`` tokens token-serial; ``--serial-below`` changes it)."""
-    return _chunked(*args, serial_below=SERIAL_BELOW[0], **kwargs)
 
 
 def timed(fn: Callable[[], object], reps: int = 20) -> float:
@@ -57,7 +48,9 @@ def main() -> None:
                         help="sequences of fewer tokens token-serial in a chunked step "
                              "(0: every sequence chunked)")
     args = parser.parse_args()
-    SERIAL_BELOW[0] = args.serial_below
+    # the chunked op as the engine runs it (gated_delta_rule_auto: a step's sequences of fewer
+    # than CHUNKED_SERIAL_BELOW tokens token-serial), unless --serial-below says otherwise
+    chunked_op = functools.partial(chunk_gated_delta_rule_triton, serial_below=args.serial_below)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     print(f"{'case':34s} {'tokens':>7s} {'serial ms':>10s} {'chunked ms':>11s} {'speed-up':>9s}"
@@ -94,33 +87,31 @@ def main() -> None:
         s1, s2 = state0.clone(), state0.clone()
         o1 = gated_delta_rule_triton(q, k, v, g, beta, s1, *meta, delta=delta)
         if args.variant:
-            variant(args.variant, name, o1, q, k, v, g, beta, s2, meta)
+            variant(chunked_op, args.variant, name, o1, q, k, v, g, beta, s2, meta)
             continue
-        o2 = chunk_gated_delta_rule_triton(q, k, v, g, beta, s2, *meta, delta=delta)
+        o2 = chunked_op(q, k, v, g, beta, s2, *meta, delta=delta)
         err = float((o1.float() - o2.float()).abs().max())
         # (every sequence starts at 0: the kernels ignore what the rows hold)
         serial = timed(functools.partial(gated_delta_rule_triton, q, k, v, g, beta, s1, *meta,
                                          delta=delta))
-        chunked = timed(functools.partial(chunk_gated_delta_rule_triton, q, k, v, g, beta, s2,
-                                          *meta, delta=delta))
+        chunked = timed(functools.partial(chunked_op, q, k, v, g, beta, s2, *meta, delta=delta))
         print(f"{name:34s} {t:7d} {serial:10.3f} {chunked:11.3f} {serial / chunked:8.1f}x"
               f" {err:9.2e}")
         if args.profile:
-            profile(functools.partial(chunk_gated_delta_rule_triton, q, k, v, g, beta, s2, *meta,
-                                      delta=delta))
+            profile(functools.partial(chunked_op, q, k, v, g, beta, s2, *meta, delta=delta))
 
 
-def variant(spec: str, name: str, want: torch.Tensor, *inputs: Any) -> None:
+def variant(op: Callable[..., torch.Tensor], spec: str, name: str, want: torch.Tensor,
+            *inputs: Any) -> None:
     """Times the chunked kernel with the launch options ``spec`` (``PREC,WARPS,BLOCK_V,STAGES``)
     on ``inputs`` (q, k, v, g, beta, state, meta) and prints its error against ``want``."""
     q, k, v, g, beta, state, meta = inputs
     prec, warps, bv, stages = spec.split(",")
     opts: dict[str, Any] = dict(dot_precision=prec, scan_warps=int(warps), block_v=int(bv),
                                 scan_stages=int(stages))
-    got = chunk_gated_delta_rule_triton(q, k, v, g, beta, state.clone(), *meta, **opts)
+    got = op(q, k, v, g, beta, state.clone(), *meta, **opts)
     err = float((want.float() - got.float()).abs().max())
-    ms = timed(functools.partial(chunk_gated_delta_rule_triton, q, k, v, g, beta, state,
-                                 *meta, **opts))
+    ms = timed(functools.partial(op, q, k, v, g, beta, state, *meta, **opts))
     print(f"  variant {name:24s} {prec:6s} warps {warps} block_v {bv:2s} stages {stages}: "
           f"{ms:8.3f} ms  max err {err:9.2e}")
 
