@@ -246,6 +246,18 @@ def chunk_gated_delta_rule_ref(
 # ------------------------------------------------------------------------------- wrappers
 
 
+def scan_warps_for(block_v: int, on_gpu: bool, scan_warps: int | None = None) -> int:
+    """The state scan's warps: ``scan_warps`` if given, else 8 on the GPU (1 on the CPU), 4
+    where the state block is 16 wide (V <= 16). 8 warps with ``block_v`` 16 are refused: in
+    Triton 3.6 the scan's transposed product read past its shared memory in that layout
+    (compute-sanitizer, H100, 2026-12-06: an illegal address in a long prompt)."""
+    warps = scan_warps or (1 if not on_gpu else 8 if block_v >= 32 else 4)
+    if on_gpu and warps == 8 and block_v == 16:
+        raise ValueError("chunk_gated_delta_rule_triton: block_v 16 with scan_warps 8 faults "
+                         "in Triton 3.6; take block_v 32 or scan_warps 4")
+    return warps
+
+
 def chunk_gated_delta_rule_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
@@ -274,7 +286,7 @@ def chunk_gated_delta_rule_triton(
     64), ``block_v`` (a scan program's state columns; GPU 32, CPU up to 64) and
     ``block_v_out`` (an output program's; GPU 64, CPU up to 64); on the GPU all but
     ``block_sub`` at least 16. ``scan_warps`` / ``scan_stages``: the scan's launch (GPU 8 / 1;
-    8 warps with ``block_v`` 16 are refused: a Triton 3.6 fault). ``dot_precision``: the
+    :func:`scan_warps_for` says why 4 at ``block_v`` 16). ``dot_precision``: the
     products' fp32 ``input_precision`` (GPU: ``"tf32"`` where q, k, v and the output are all
     16-bit, else ``"tf32x3"``; CPU ``"ieee"``). q/k/v may be strided views (their last dim is
     made contiguous); ``state`` must have a contiguous last dim (it is updated in place).
@@ -310,12 +322,7 @@ def chunk_gated_delta_rule_triton(
     if on_gpu and min(bk, bv, bvo, c) < 16:
         raise ValueError(f"chunk, block_k, block_v and block_v_out must be at least 16 on the "
                          f"GPU (tl.dot), got {c}, {bk}, {bv}, {bvo}")
-    warps_scan = scan_warps or (8 if on_gpu else 1)
-    if on_gpu and warps_scan == 8 and bv == 16:
-        # compute-sanitizer, H100, 2026-12-06: the scan's transposed product read past its
-        # shared memory in that layout (an illegal address in a long prompt)
-        raise ValueError("chunk_gated_delta_rule_triton: block_v 16 with scan_warps 8 faults "
-                         "in Triton 3.6; take block_v 32 or scan_warps 4")
+    warps_scan = scan_warps_for(bv, on_gpu, scan_warps)
     # Any fp32 operand or output keeps fp32's accuracy (3 TF32 products a product); with all
     # of them 16-bit, one TF32 product (the fla library's products take bf16 operands)
     sixteen = all(t.dtype != torch.float32 for t in (q, k, v, out))

@@ -31,6 +31,7 @@ from mrv2_kernels.chunk_delta_rule import (
     chunk_gated_delta_rule_triton,
     gated_delta_rule_auto,
     prefer_chunked,
+    scan_warps_for,
 )
 from mrv2_kernels.linear_attention import default_state_table, gated_delta_rule_ref
 
@@ -605,3 +606,14 @@ def test_kernels_compile_for_sm90(tmp_path: Path) -> None:
     assert len(built["_chunk_out_kernel"]) == 4
     for name, sizes in built.items():
         assert all(0 < size <= 115712 for size in sizes), (name, sizes)
+
+
+def test_gpu_default_scan_launch_is_never_the_refused_one() -> None:
+    """The GPU's default scan warps for every state block the defaults pick (16 where V <=
+    16: the forty-fourth session's CUDA run refused the tests' own small-V defaults)."""
+    assert scan_warps_for(16, on_gpu=True) == 4
+    assert scan_warps_for(32, on_gpu=True) == 8
+    assert scan_warps_for(16, on_gpu=False) == 1
+    assert scan_warps_for(16, on_gpu=True, scan_warps=2) == 2
+    with pytest.raises(ValueError, match="faults"):
+        scan_warps_for(16, on_gpu=True, scan_warps=8)
