@@ -3,18 +3,21 @@ steps (Qwen3-Next-80B's Gated DeltaNet per rank: 16 key heads, 32 value heads of
 Mamba-2 form at Nemotron-H-8B's sizes), each checked against the other first.
 
 Usage (GPU machine): python scripts/bench_delta_rule.py [--tp 1] [--profile]
-    [--variant PREC,WARPS,BLOCK_V,STAGES] [--case NAME] [--serial-below N]
+    [--variant PREC,WARPS,BLOCK_V,STAGES] [--case NAME] [--serial-below N] [--graph]
 
 ``--variant`` also times the chunked kernel with those launch options (the products'
 precision, the state scan's warps, V block and stages) on the Qwen3-Next cases, with its error
 against the token-serial kernel (a process per variant: a fault stays its own);
-``--profile`` prints each chunked kernel's device time per call.
+``--profile`` prints each chunked kernel's device time per call; ``--graph`` also times each
+form replayed in a CUDA graph (the device time alone: an eager call of a short prompt is
+bound by its launches) and the host time of an eager call (launching, no sync).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -37,12 +40,38 @@ def timed(fn: Callable[[], object], reps: int = 20) -> float:
     return sorted(times[3:])[len(times[3:]) // 2]
 
 
+def timed_graph(fn: Callable[[], object], reps: int = 20) -> float:
+    """Median milliseconds of one replay of ``fn`` captured in a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm: compiled before the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return timed(graph.replay, reps)
+
+
+def host_us(fn: Callable[[], object], reps: int = 20) -> float:
+    """Median host microseconds of an eager call of ``fn`` (from an idle device, no sync)."""
+    times = []
+    for _ in range(reps + 3):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    return sorted(times[3:])[len(times[3:]) // 2]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=1, help="heads divided by this (a rank's)")
     parser.add_argument("--variant", default=None, metavar="PREC,WARPS,BLOCK_V,STAGES",
                         help="also time the chunked kernel with these launch options")
     parser.add_argument("--profile", action="store_true", help="device time by kernel")
+    parser.add_argument("--graph", action="store_true",
+                        help="also each form's time in a CUDA graph and an eager call's host time")
     parser.add_argument("--case", default=None, help="only the cases whose name has this")
     parser.add_argument("--serial-below", type=int, default=CHUNKED_SERIAL_BELOW,
                         help="sequences of fewer tokens token-serial in a chunked step "
@@ -97,6 +126,15 @@ def main() -> None:
         chunked = timed(functools.partial(chunked_op, q, k, v, g, beta, s2, *meta, delta=delta))
         print(f"{name:34s} {t:7d} {serial:10.3f} {chunked:11.3f} {serial / chunked:8.1f}x"
               f" {err:9.2e}")
+        if args.graph:
+            forms = (functools.partial(gated_delta_rule_triton, q, k, v, g, beta, s1, *meta,
+                                       delta=delta),
+                     functools.partial(chunked_op, q, k, v, g, beta, s2, *meta, delta=delta))
+            graphed = [timed_graph(fn) for fn in forms]
+            host = [host_us(fn) for fn in forms]
+            print(f"  in a CUDA graph: serial {graphed[0]:.3f} ms, chunked {graphed[1]:.3f} ms "
+                  f"({graphed[0] / graphed[1]:.1f}x); host per eager call: serial "
+                  f"{host[0]:.0f} us, chunked {host[1]:.0f} us")
         if args.profile:
             profile(functools.partial(chunked_op, q, k, v, g, beta, s2, *meta, delta=delta))
 

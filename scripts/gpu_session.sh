@@ -389,12 +389,12 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                   tests/gpu/test_gpu_nemotron_h.py tests/gpu/test_gpu_mamba2.py 2>&1 \
                   | tee "$OUT/hybrid_gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -14 ;;
     deltasweep) # the forty-third session's chunked delta rule (the state in registers, the
-                # outputs a parallel kernel): its tests on CUDA, then the bench with each
-                # chunked kernel's time and the launch options' sweep (DELTA_PRECS: the
+                # outputs a parallel kernel): its tests on CUDA, then the bench (each form in
+                # a CUDA graph, an eager call's host time) and the launch options' sweep (DELTA_PRECS: the
                 # products' precisions swept, default tf32 and tf32x3)
                 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_chunk_delta_rule.py \
                   tests/kernels/test_state_row_slots.py 2>&1 | tee "$OUT/chunk_tests.log" | tail -2
-                timeout 120 python3 scripts/bench_delta_rule.py --profile 2>&1 \
+                timeout 120 python3 scripts/bench_delta_rule.py --graph 2>&1 \
                   | tee "$OUT/deltasweep.log" | grep -v Warn | tail -24
                 for prec in ${DELTA_PRECS:-tf32 tf32x3}; do for w in 4 8; do for bv in 16 32; do for st in 1 2; do
                   timeout 60 python3 scripts/bench_delta_rule.py --variant $prec,$w,$bv,$st 2>&1 \
