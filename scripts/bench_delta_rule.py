@@ -89,6 +89,8 @@ def main() -> None:
         ("qwen3-next 1 x 4096", 16, 32, 128, 128, True, True, [4096]),
         ("qwen3-next 8 x 512", 16, 32, 128, 128, True, True, [512] * 8),
         ("qwen3-next 1 x 512 + 63 decodes", 16, 32, 128, 128, True, True, [512] + [1] * 63),
+        ("qwen3-next 1 x 512 + 8 x 12", 16, 32, 128, 128, True, True, [512] + [12] * 8),
+        ("qwen3-next 1 x 32", 16, 32, 128, 128, True, True, [32]),
         ("qwen3-next 1 x 64", 16, 32, 128, 128, True, True, [64]),
         ("qwen3-next 1 x 128", 16, 32, 128, 128, True, True, [128]),
         ("qwen3-next 1 x 256", 16, 32, 128, 128, True, True, [256]),
