@@ -95,6 +95,9 @@ def main() -> None:
         ("qwen3-next 1 x 128", 16, 32, 128, 128, True, True, [128]),
         ("qwen3-next 1 x 256", 16, 32, 128, 128, True, True, [256]),
         ("mamba2 (nemotron-h 8b) 1 x 4096", 8, 128, 128, 64, False, False, [4096]),
+        ("mamba2 (nemotron-h 8b) 1 x 16", 8, 128, 128, 64, False, False, [16]),
+        ("mamba2 (nemotron-h 8b) 1 x 32", 8, 128, 128, 64, False, False, [32]),
+        ("mamba2 (nemotron-h 8b) 1 x 128", 8, 128, 128, 64, False, False, [128]),
     ]
     if args.variant:  # the variant on the Qwen3-Next prompts alone, nothing else timed
         cases = [case for case in cases if case[5] and len(case[7]) <= 8]
