@@ -42,7 +42,12 @@ from mrv2.contract.requests import MultiModalItem
 from mrv2.contract.video_inputs import VIDEO_FIELD, VideoClip, parse_videos
 from mrv2.model_loader.build import vl_text_config
 from mrv2_qwen_vl.mrope import ImageGrid, mrope_extent
-from mrv2_qwen_vl.video import DEFAULT_FPS, time_interval, video_patches
+from mrv2_qwen_vl.video import (
+    DEFAULT_FPS,
+    Qwen2VideoSettings,
+    qwen2_video_patches,
+    time_interval,
+)
 from mrv2_qwen_vl.video_qwen3 import (
     QWEN3_VIDEO_FAMILIES,
     Qwen3VideoSettings,
@@ -72,10 +77,12 @@ class QwenVLInputProcessor(InputProcessor):
         self.image_token_id = int(hf_config.image_token_id)
         self.video_token_id = int(getattr(hf_config, "video_token_id", None) or -1)
         self.merge = int(hf_config.vision_config.spatial_merge_size)
-        #: Qwen3-VL's video settings (None for the other families: their videos take the
-        #: image processor's).
+        #: Qwen3-VL's video settings (None for the other families).
         self.qwen3_video = (Qwen3VideoSettings.load(model_dir) if getattr(
             hf_config, "model_type", "") in QWEN3_VIDEO_FAMILIES else None)
+        #: Qwen2-VL's and Qwen2.5-VL's (their checkpoint's video processor config).
+        self.qwen2_video = (Qwen2VideoSettings.load(model_dir)
+                            if self.takes_videos and self.qwen3_video is None else None)
 
     def process(self, prompt_token_ids: list[int], mm_data: Mapping[str, Any]
                 ) -> tuple[list[int], list[MultiModalItem]]:
@@ -114,7 +121,9 @@ class QwenVLInputProcessor(InputProcessor):
             self._check_positions(items, len(ids))
             return ids, items
         for n, clip in enumerate(clips):
-            rows, grid = video_patches(self.image_processor, clip, f"{VIDEO_FIELD}[{n}]")
+            assert self.qwen2_video is not None  # (a family that takes videos: _videos)
+            rows, grid = qwen2_video_patches(self.image_processor, clip, self.qwen2_video,
+                                             f"{VIDEO_FIELD}[{n}]")
             sources.append((rows, grid, "video", time_interval(self.hf_config, clip.fps)))
         order = sorted(range(len(sources)), key=[*image_places, *video_places].__getitem__)
         places = sorted([*image_places, *video_places])

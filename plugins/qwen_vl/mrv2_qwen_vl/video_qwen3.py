@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from mrv2.contract.video_inputs import VideoClip, video_processor_settings
-from mrv2_qwen_vl.video import video_patches
+from mrv2_qwen_vl.video import check_video_layout, resized_uint8, video_patches
 
 __all__ = ["QWEN3_VIDEO_FAMILIES", "Qwen3VideoSettings", "frame_group_times",
            "qwen3_table_slots", "qwen3_video_groups", "resize_clip"]
@@ -112,13 +112,7 @@ def resize_clip(frames: np.ndarray, settings: Qwen3VideoSettings, where: str) ->
                                     max_pixels=max_pixels)
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from error
-    if (new_h, new_w) == (height, width):
-        return frames
-    video = torch.from_numpy(frames).permute(0, 3, 1, 2).to(torch.float32)
-    video = torch.nn.functional.interpolate(video, size=(new_h, new_w), mode="bicubic",
-                                            align_corners=False, antialias=True)
-    video = video.clamp_(0, 255).round_().to(torch.uint8)
-    return np.ascontiguousarray(video.permute(0, 2, 3, 1).numpy())
+    return resized_uint8(frames, new_h, new_w)
 
 
 def frame_group_times(num_frames: int, fps: float, temporal: int) -> list[float]:
@@ -146,13 +140,7 @@ def qwen3_video_groups(image_processor: Any, tokenizer: Any, clip: VideoClip,
     """The frame groups of one clip (module doc): resized, through the image processor
     (without its resize; the video config's normalization), cut per group, each with its
     timestamp's tokens."""
-    layout = (settings.patch_size, settings.temporal_patch_size, settings.merge_size)
-    image_layout = tuple(int(getattr(image_processor, name)) for name in (
-        "patch_size", "temporal_patch_size", "merge_size"))
-    if layout != image_layout:
-        raise ValueError(f"{where}: the checkpoint's video processor cuts (patch, temporal, "
-                         f"merge) = {layout}, its image processor {image_layout}; videos here "
-                         "take the image processor's patches, so the two must agree")
+    check_video_layout(image_processor, settings, where)
     frames = resize_clip(clip.frames, settings, where)
     rows, (t, h, w) = video_patches(
         image_processor, VideoClip(frames, clip.fps), where, do_resize=False,

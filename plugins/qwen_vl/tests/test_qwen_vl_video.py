@@ -316,6 +316,47 @@ def test_bad_videos_name_the_field(checkpoints: Callable[[str], Path]) -> None:
     ])
 
 
+def test_video_takes_the_video_processor_config(tmp_path: Path) -> None:
+    """A Qwen2.5-VL checkpoint with a ``video_preprocessor_config.json`` of its own (a smaller
+    pixel budget, other normalization): its videos take those settings, as HF 5.17's
+    ``Qwen2VLVideoProcessor`` does, its images the image processor's. Frames of 224 x 224 fit
+    the image budget but resize to HF ``smart_resize``'s 112 x 112 under the video one; 112 x
+    112 frames are kept and normalized with the video config's mean and std (rows HF's);
+    ``min_pixels`` / ``max_pixels`` win over ``size`` (HF's ``__init__``)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    from mrv2_qwen_vl.video import Qwen2VideoSettings
+
+    path = make_tiny_qwen_vl(tmp_path / "ckpt", vision={"tokens_per_second": 2})
+    image_settings = json.loads((path / "preprocessor_config.json").read_text())
+    video_settings = {
+        "video_processor_type": "Qwen2VLVideoProcessor", "patch_size": 14,
+        "temporal_patch_size": 2, "merge_size": 2, "rescale_factor": 1 / 255,
+        "size": {"shortest_edge": 2 * 28 * 28, "longest_edge": 64 * 28 * 28},
+        "min_pixels": 4 * 28 * 28, "max_pixels": 16 * 28 * 28,
+        "image_mean": [0.5, 0.4, 0.3], "image_std": [0.2, 0.25, 0.3]}
+    (path / "video_preprocessor_config.json").write_text(json.dumps(video_settings))
+    settings = Qwen2VideoSettings.load(path)
+    assert (settings.min_pixels, settings.max_pixels) == (4 * 28 * 28, 16 * 28 * 28)
+    processor = _llm(path).engine.input_processor
+    assert processor is not None
+    ids = [5, START, VIDEO, END, 9]
+    big = _frames(4, 224, 224, 3)
+    h, w = smart_resize(224, 224, factor=28, min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28)
+    assert (h, w) == (112, 112) and image_settings["size"]["longest_edge"] >= 224 * 224
+    _, items = processor.process(ids, {"video": big})
+    assert [list(item.data["grid_thw"]) for item in items] == [[2, h // 14, w // 14]]
+    small = _frames(4, 112, 112, 4)
+    _, items = processor.process(ids, {"video": small})
+    rows, grid = _hf_video(small, video_settings)
+    torch.testing.assert_close(items[0].data["pixel_values"], rows, rtol=0, atol=1e-5)
+    assert list(items[0].data["grid_thw"]) == grid
+    image = random_image(112, 112, 5)
+    _, items = processor.process([5, START, IMAGE, END], {"image": image})
+    torch.testing.assert_close(items[0].data["pixel_values"],
+                               _hf_image(image, image_settings)[0], rtol=0, atol=1e-5)
+
+
 # -- Qwen3-VL: timestamp text between frame groups --------------------------------------------
 
 def _hf_qwen3_processor(path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
