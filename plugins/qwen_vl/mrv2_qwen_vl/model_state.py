@@ -33,9 +33,10 @@ from mrv2.contract.input_processor import preprocessor_config
 from mrv2.contract.requests import MultiModalEmbeddings, MultiModalItem, NewRequest
 from mrv2_qwen_vl.model_qwen3 import DeepstackRows
 from mrv2_qwen_vl.mrope import ImageGrid, MRopeTable, mrope_positions
+from mrv2_qwen_vl.video import Qwen2VideoSettings
 from mrv2_qwen_vl.video_qwen3 import qwen3_table_slots
 
-__all__ = ["Qwen3VLModelState", "QwenVLModelState", "largest_image_grid"]
+__all__ = ["Qwen3VLModelState", "QwenVLModelState", "largest_image_grid", "largest_video_grid"]
 
 
 class QwenVLModelState(EncoderCacheModelState):
@@ -58,19 +59,31 @@ class QwenVLModelState(EncoderCacheModelState):
 
     # -- start-up ----------------------------------------------------------------------------
 
+    #: Whether a video is one item (its ``t`` frame groups in one tower run: Qwen2-VL,
+    #: Qwen2.5-VL) rather than one item per frame group (Qwen3-VL).
+    video_is_one_item = True
+
     def profile_encoder(self, max_prompt_tokens: int) -> int:
-        """The vision tower over the largest image one prompt may carry (a square grid of at
-        most ``max_prompt_tokens`` merged tokens and at most the image processor's
-        ``max_pixels``), random pixels, output dropped; returns
+        """The vision tower over the largest item one prompt may carry, random pixels, output
+        dropped: the largest image (a square grid of at most ``max_prompt_tokens`` merged
+        tokens and at most the image processor's ``max_pixels``), then, where a video is one
+        item, the largest video (:func:`largest_video_grid`: its frames at most the video
+        processor's ``max_pixels``, as many frame groups as the prompt holds; a long video
+        runs more patches through the tower at once than any image). Returns
         :attr:`encoder_cache_bytes` (released embeddings the cache may keep)."""
-        grid = largest_image_grid(max_prompt_tokens, self.merge,
-                                  int(self.hf_config.vision_config.patch_size),
-                                  _max_pixels(self.config.model.model))
-        if grid is not None:
-            visual = cast(Any, self.model).visual
-            pixels = torch.randn(grid[0] * grid[1] * grid[2], int(visual.patch_dim),
-                                 device=self.device)
-            cast(Any, self.model).embed_images(pixels, [grid])
+        patch = int(self.hf_config.vision_config.patch_size)
+        grids = [largest_image_grid(max_prompt_tokens, self.merge, patch,
+                                    _max_pixels(self.config.model.model))]
+        if self.video_is_one_item:
+            frame_pixels = Qwen2VideoSettings.load(self.config.model.model).max_pixels
+            grids.append(largest_video_grid(max_prompt_tokens, self.merge, patch, frame_pixels))
+        visual = cast(Any, self.model).visual
+        for grid in grids:
+            if grid is not None:
+                pixels = torch.randn(grid[0] * grid[1] * grid[2], int(visual.patch_dim),
+                                     device=self.device)
+                cast(Any, self.model).embed_images(pixels, [grid])
+                del pixels
         return self.encoder_cache_bytes
 
     # -- per request -------------------------------------------------------------------------
@@ -130,6 +143,19 @@ def largest_image_grid(max_tokens: int, merge: int, patch_size: int,
     return 1, side * merge, side * merge
 
 
+def largest_video_grid(max_tokens: int, merge: int, patch_size: int,
+                       frame_pixels: int) -> tuple[int, int, int] | None:
+    """``(t, h, w)`` in patches of the largest video one item may be: square frames of at most
+    ``frame_pixels`` pixels (and ``max_tokens`` merged tokens), as many frame groups ``t`` as
+    ``max_tokens`` holds; None where that is no more than one frame group (the largest image
+    covers it)."""
+    frame = largest_image_grid(max_tokens, merge, patch_size, frame_pixels)
+    if frame is None:
+        return None
+    groups = max_tokens // (frame[1] * frame[2] // merge**2)
+    return (groups, frame[1], frame[2]) if groups > 1 else None
+
+
 def _max_pixels(model_dir: str | None) -> int | None:
     """The checkpoint image processor's ``max_pixels`` (``size.longest_edge`` in newer
     configs, a pixel count too); None where there is none to read."""
@@ -152,6 +178,8 @@ class Qwen3VLModelState(QwenVLModelState):
     """
 
     item_kinds = ("image", "video")  # (a video: one item per frame group)
+
+    video_is_one_item = False  # (a frame group an item: no larger than an image's run)
 
     def __init__(self, model: Any, hf_config: Any, config: Any, buffers: Any, block_size: int,
                  device: torch.device) -> None:

@@ -258,7 +258,7 @@ def test_decoding_requests_hold_no_image_embeddings(checkpoints: Callable[[str],
 
 
 def test_the_largest_image_grid() -> None:
-    from mrv2_qwen_vl.model_state import largest_image_grid
+    from mrv2_qwen_vl.model_state import largest_image_grid, largest_video_grid
 
     # bounded by the prompt: 4,095 tokens -> a 63 x 63 square of merged tokens
     assert largest_image_grid(4095, 2, 14, 12845056) == (1, 126, 126)
@@ -267,6 +267,11 @@ def test_the_largest_image_grid() -> None:
     assert largest_image_grid(131071, 2, 16, 16777216) == (1, 256, 256)  # Qwen3-VL: 32 px
     assert largest_image_grid(100, 2, 14, None) == (1, 20, 20)
     assert largest_image_grid(0, 2, 14, None) is None
+    # Qwen2.5-VL's video defaults (768 merged tokens a frame at most): 128k tokens hold 179
+    # frame groups of 27 x 27 (729 tokens); a prompt of one frame group's tokens is covered
+    # by the image's run
+    assert largest_video_grid(131071, 2, 14, 28 * 28 * 768) == (179, 54, 54)
+    assert largest_video_grid(700, 2, 14, 28 * 28 * 768) is None
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -289,7 +294,14 @@ def test_the_memory_profile_runs_the_vision_tower_on_the_largest_image(
     assert state.profile_encoder(4095) == state.encoder_cache_bytes > 0
     assert state.profile_encoder(30) == state.encoder_cache_bytes
     patch_dim = state.model.visual.patch_dim
-    assert grids == [((256, patch_dim), [(1, 16, 16)]), ((100, patch_dim), [(1, 10, 10)])]
+    # Qwen2-VL / Qwen2.5-VL: a video is one item, 63 frame groups of 8 x 8 merged tokens (its
+    # frames at most the video settings' 64 tokens, the preprocessor config's) fill 4,095
+    # tokens; at 30 it is one frame group, which the image covers. Qwen3-VL: a frame group
+    # an item.
+    video = ([((63 * 256, patch_dim), [(63, 16, 16)])]
+             if family in ("qwen2_vl", "qwen2_5_vl") else [])
+    assert grids == [((256, patch_dim), [(1, 16, 16)]), *video,
+                     ((100, patch_dim), [(1, 10, 10)])]
     assert state.encoder_runs == 0 and not state._cache
     ids, images = CASES["one_image"]()  # the engine serves as before
     assert _generate(llm, ids, images) == _generate(_llm(checkpoints(family)), ids, images)
