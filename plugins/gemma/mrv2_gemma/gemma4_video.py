@@ -42,6 +42,9 @@ from mrv2.contract.video_inputs import VideoClip, video_processor_settings
 __all__ = ["DEFAULT_FPS", "Gemma4VideoSettings", "frame_patches", "frame_prefixes",
            "soft_tokens", "target_size", "timestamp"]
 
+#: The ``max_soft_tokens`` HF 5.17's Gemma 4 processors take (pooled patches a frame).
+SUPPORTED_SOFT_TOKENS = (70, 140, 280, 560, 1120)
+
 #: The frame rate a clip is taken to be sampled at when it names none (HF 5.17's
 #: ``Gemma4Processor.replace_video_token`` default).
 DEFAULT_FPS = 24.0
@@ -67,9 +70,13 @@ class Gemma4VideoSettings:
         """The settings of ``model_dir`` (module doc); the defaults for None."""
         found = video_processor_settings(model_dir)
         base = cls()
+        soft = int(found.get("max_soft_tokens") or base.max_soft_tokens)
+        if soft not in SUPPORTED_SOFT_TOKENS:  # (HF's video processor refuses it alike)
+            raise ValueError(f"the video processor config's max_soft_tokens must be one of "
+                             f"{SUPPORTED_SOFT_TOKENS}, got {soft}")
         return cls(
             patch_size=int(found.get("patch_size") or base.patch_size),
-            max_soft_tokens=int(found.get("max_soft_tokens") or base.max_soft_tokens),
+            max_soft_tokens=soft,
             pooling_kernel_size=int(found.get("pooling_kernel_size")
                                     or base.pooling_kernel_size),
             do_resize=bool(found.get("do_resize", base.do_resize)),

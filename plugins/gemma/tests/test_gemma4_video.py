@@ -295,3 +295,8 @@ def test_video_settings_fall_back(tmp_path: Path) -> None:
     assert (loaded.patch_size, loaded.max_soft_tokens, loaded.do_normalize) == (4, 280, False)
     (tmp_path / "video_preprocessor_config.json").write_text(json.dumps({"patch_size": 8}))
     assert Gemma4VideoSettings.load(tmp_path).patch_size == 8
+    # a size HF's processors refuse, refused alike (naming the field and the allowed values)
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps({"max_soft_tokens": 100}))
+    with pytest.raises(ValueError, match=r"max_soft_tokens must be one of \(70, 140, 280, 560, "
+                                         r"1120\), got 100"):
+        Gemma4VideoSettings.load(tmp_path)
