@@ -245,8 +245,7 @@ def test_scheduler_invariants_and_outputs(data: st.DataObject) -> None:
                 tail = data.draw(st.lists(st.integers(1, 3), max_size=6))
                 prompt = BASE[:prefix] + tail or [1]
                 max_tokens = data.draw(st.integers(1, 8))
-                if (scheduler.tables.most_held(len(prompt) + max_tokens,
-                                               scheduler.max_step_tokens) > num_blocks):
+                if scheduler.most_blocks(len(prompt) + max_tokens) > num_blocks:
                     continue  # the engine rejects it up front
                 req_id = f"r{len(added)}"
                 items = []  # at most two images (their tokens named by their content)

@@ -148,3 +148,29 @@ def test_one_token_left_in_the_budget_never_ends_a_step_inside_an_image() -> Non
     assert steps[3] == {"a": 1, "b": 1}  # (img at 3: one token would end inside the image)
     whole = [s.get("img", 0) for s in steps].index(2)  # the image whole, after a and b end
     assert all("img" not in s for s in steps[3:whole])
+
+
+def test_a_request_the_pool_holds_with_the_lookahead_is_scheduled() -> None:
+    """A drafter's lookahead (3 slots past each step's tokens) counts in the blocks a request
+    needs: a pool of :meth:`Scheduler.most_blocks` blocks admits a lone request. The bound had
+    left the lookahead out: a one-token prompt passed the engine's check on 3 blocks of one
+    slot, then waited forever for the 4 its first step holds, never admitted, never
+    preempted; the engine now refuses it up front."""
+    config = SchedulerConfig(max_num_batched_tokens=2)
+
+    def scheduler(num_blocks: int) -> Scheduler:
+        return Scheduler(config, BlockManager(num_blocks, 1), num_lookahead_tokens=3,
+                         max_model_len=64)
+
+    big = scheduler(64)
+    needed = big.most_blocks(1 + 1)
+    assert needed == 5  # the prompt, its output and 3 lookahead slots (one token to spare)
+    assert big.tables.most_held(1 + 1, big.max_step_tokens) == 2  # (the old bound)
+    for num_blocks, admitted in [(needed, ["a"]), (3, [])]:
+        pool = scheduler(num_blocks)
+        pool.add(_request("a", 1, max_tokens=1))
+        for _ in range(3):  # 3 blocks: the first step's 4 slots never fit, nothing to preempt
+            out = _step(pool)
+            assert [r.req_id for r in out.new_requests] == admitted
+            if admitted:
+                break

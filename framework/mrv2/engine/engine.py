@@ -224,7 +224,7 @@ class LLMEngine(WeightOps):
                     f"the prompt has {n} tokens, more than max_num_batched_tokens={budget}; "
                     "enable chunked prefill or raise max_num_batched_tokens"
                 )
-        needed = self.scheduler.tables.most_held(n + max_tokens, self.scheduler.max_step_tokens)
+        needed = self.scheduler.most_blocks(n + max_tokens)
         if needed > self.block_manager.num_blocks:
             raise ValueError(
                 f"prompt + max_tokens = {n + max_tokens} tokens needs {needed} KV blocks; the "

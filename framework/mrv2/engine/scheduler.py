@@ -216,6 +216,13 @@ class Scheduler:
         drafter's lookahead."""
         return self.config.max_num_batched_tokens + self.num_lookahead_tokens
 
+    def most_blocks(self, num_tokens: int) -> int:
+        """The most KV blocks, over all tables, a request of ``num_tokens`` tokens (prompt
+        and outputs) ever holds at once: its steps hold slots for the drafter's lookahead too
+        (:meth:`_with_lookahead`). The engine refuses a request that needs more than the pool:
+        it could never be scheduled, and it would wait forever, never preempted."""
+        return self.tables.most_held(self._with_lookahead(num_tokens), self.max_step_tokens)
+
     def _with_lookahead(self, num_tokens: int) -> int:
         """Tokens whose KV slots a step must hold: its own plus the drafter's lookahead,
         within the context."""
