@@ -115,6 +115,16 @@ def test_first_visible_key() -> None:
                 assert first_visible(past, window) >= key > first_visible(past - 1, window)
 
 
+def test_paged_spec_refuses_bad_windows() -> None:
+    """A window or chunk below 1, or both at once (a plugin may build the spec itself): a
+    ValueError naming the field, before a table is planned."""
+    for kwargs, message in [({"sliding_window": 0}, "sliding_window must be at least 1"),
+                            ({"attention_chunk": 0}, "attention_chunk must be at least 1"),
+                            ({"sliding_window": 8, "attention_chunk": 4}, "not both")]:
+        with pytest.raises(ValueError, match=message):
+            PagedKVSpec(2, 8, **kwargs)
+
+
 def test_a_chunked_table_frees_at_chunk_boundaries() -> None:
     """Chunks of 8 over blocks of 4 (a full table, a chunked one): nothing is freed while
     the queries are in the first chunk; crossing into the next frees the first chunk's two

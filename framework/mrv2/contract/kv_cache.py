@@ -92,6 +92,16 @@ class PagedKVSpec(KVCacheSpec):
     attention_chunk: int | None = None
     kind: ClassVar[str] = "paged_kv"
 
+    def __post_init__(self) -> None:
+        # (a plugin may build the spec itself: refused here, before a table is planned)
+        for name in ("sliding_window", "attention_chunk"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"PagedKVSpec.{name} must be at least 1 or None, got {value}")
+        if self.sliding_window is not None and self.attention_chunk is not None:
+            raise ValueError("PagedKVSpec takes sliding_window or attention_chunk, not both "
+                             f"(got {self.sliding_window} and {self.attention_chunk})")
+
     @property
     def window(self) -> int | None:
         """The keys its queries see, as a block table's window: ``sliding_window``, an
