@@ -140,9 +140,13 @@ def expert_read_bytes(runner: Runner, before: list[int], after: list[int]) -> in
 def kv_bytes_per_token(runner: Runner) -> int:
     """KV-cache bytes a step reads for each token of its sequences: one token across all
     layers (whatever each layer's cache layout); with block tables of their own for sliding
-    or chunked layers (:mod:`mrv2.runner.kv_tables`) a block id's bytes, which are table 0's
-    full-attention layers' (pages included): the windows' own reads, bounded, left out."""
-    return runner.kv.bytes_per_block(1, runner.dtype)
+    or chunked layers (:mod:`mrv2.runner.kv_tables`) table 0's layers' own bytes (its
+    full-attention layers': the windows' reads, bounded, left out; a page a wider sliding
+    layer shares is not all read by the global layer in it)."""
+    kv = runner.kv
+    dtype = kv.dtype(runner.dtype)
+    return sum(kv.specs[layer].bytes_per_block(1, dtype)
+               for layer, table in enumerate(kv.layout.layer_tables) if table == 0)
 
 
 def state_bytes_per_request(runner: Runner) -> int:

@@ -181,6 +181,21 @@ def test_greedy_tokens_match_hf_through_the_engine(tmp_path: Path) -> None:
     assert llm.engine.block_manager.num_free_blocks == 24
 
 
+def test_kv_bytes_per_token_with_wider_sliding_layers(tmp_path: Path) -> None:
+    """With shared pages whose sliding layers are the wider (4 kv heads of 16 against the
+    global layer's 1 of 32), the bench's KV bytes a token are the global layer's own (k and v,
+    one head of 32, fp32), not the page it shares."""
+    from mrv2.bench.measure import kv_bytes_per_token
+
+    _save_text(tmp_path, **{**FULL, "num_key_value_heads": 4})
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", block_size=2,
+              num_gpu_blocks_override=40)
+    runner = llm.engine.runner
+    assert runner.kv_table_windows == (None, 4, 4)
+    assert runner.kv.bytes_per_block(1, runner.dtype) == 2 * 4 * 16 * 4  # (a page: one slot)
+    assert kv_bytes_per_token(runner) == 2 * 1 * 32 * 4
+
+
 def _hf_generate(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     hf.generation_config.eos_token_id = None  # (as ignore_eos)
     with torch.no_grad():
