@@ -400,6 +400,33 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                   timeout 60 python3 scripts/bench_delta_rule.py --variant $prec,$w,$bv,$st 2>&1 \
                     | tee -a "$OUT/deltasweep_variants.log" | grep -E "variant|Error" | sort -u
                 done; done; done; done ;;
+    verify44) # the forty-fourth session on CUDA, most needed first, within VERIFY_S seconds
+              # (default 540): the chunk kernels' tests (the small-V default launch fixed),
+              # bench_delta_rule --graph (each form in a CUDA graph), Qwen3-Next's TTFT at
+              # 4,096 tokens token-serial against chunked, the scan's launch sweep (TF32),
+              # then the Qwen-VL video GPU tests (the video processor settings)
+              end=$(( $(date +%s) + ${VERIFY_S:-540} ))
+              left() { local l=$(( end - $(date +%s) )); [ "$l" -lt "$1" ] && echo $(( l > 1 ? l : 1 )) || echo "$1"; }
+              timeout "$(left 150)" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_chunk_delta_rule.py \
+                tests/kernels/test_state_row_slots.py 2>&1 | tee "$OUT/chunk_tests.log" | grep -E "^FAILED|passed|failed"
+              timeout "$(left 120)" python3 scripts/bench_delta_rule.py --graph 2>&1 \
+                | tee "$OUT/deltagraph.log" | grep -vE "Warn|warn_once" | tail -40
+              for env in 0 1; do
+                MRV2_CHUNKED_DELTA_RULE=$env timeout "$(left 140)" python3 -m mrv2.entrypoints.cli bench latency \
+                  --model Qwen3-Next-80B-A3B --hf-overrides '{"num_hidden_layers": 8}' \
+                  --prompt-len 4096 --new-tokens 8 --batch-sizes 1 --max-model-len 8192 \
+                  --json "$OUT/qn_ttft_4096_$env.json" > "$OUT/qn_ttft_4096_$env.log" 2>&1
+                python3 -c "import json, sys; d = json.load(open(sys.argv[1])); \
+                  print('chunked=' + sys.argv[2], [(r['batch'], r['ttft_ms'], r['tpot_ms']) \
+                  for r in d['default'] if 'batch' in r])" "$OUT/qn_ttft_4096_$env.json" "$env" 2>&1 | tail -1
+              done
+              for w in 4 8; do for bv in 16 32; do for st in 1 2; do
+                [ "$(left 30)" -lt 10 ] && break 3
+                timeout "$(left 30)" python3 scripts/bench_delta_rule.py --variant tf32,$w,$bv,$st 2>&1 \
+                  | tee -a "$OUT/deltasweep_variants.log" | grep -E "variant|Error" | sort -u
+              done; done; done
+              timeout "$(left 240)" python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_qwen_vl_video.py \
+                2>&1 | tee "$OUT/qwen_vl_videos.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -8 ;;
     deltabench) # scripts/bench_delta_rule.py: the token-serial delta rule against the chunked
                 # one on prefill-shaped steps (checked against each other first), then the
                 # chunked kernel's tests compiled for CUDA
