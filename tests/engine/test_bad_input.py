@@ -42,11 +42,42 @@ def llm(ckpt: Path) -> LLM:
         ({"logit_bias": {3: 101.0}}, "logit_bias"),
         ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"bad_words": [""]}, "bad_words"),
+        # values float32 cannot hold (the sampler's tables are float32: 1e39 and inf became
+        # inf there and sampled token 0 under any mask, a top_p of 1e-46 became 0)
+        ({"temperature": 1e39}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_p": 1e-46}, "top_p"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"min_p": float("nan")}, "min_p"),
     ],
 )
 def test_invalid_sampling_params(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=f"SamplingParams.{message}="):
         SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_extreme_but_valid_sampling_values_keep_the_top_token(llm: LLM) -> None:
+    """The smallest top_p float32 holds keeps the most likely token (greedy's tokens); the
+    largest temperature it holds samples among every token the masks allow (a choice's
+    tokens only: the output is one of them); beam search refuses a non-finite
+    length_penalty or temperature, naming it."""
+    from mrv2.contract.params import F32_MAX, F32_TINY
+    from mrv2.engine.beam_search import BeamSearchParams
+
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    greedy = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5,
+                                                   ignore_eos=True), use_tqdm=False)
+    tiny = llm.generate([prompt], SamplingParams(temperature=1.0, top_p=F32_TINY, max_tokens=5,
+                                                 ignore_eos=True, seed=1), use_tqdm=False)
+    assert tiny[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
+    allowed = [11, 12, 13]
+    hot = llm.generate([prompt], SamplingParams(temperature=F32_MAX, max_tokens=4, seed=2,
+                                                allowed_token_ids=allowed, ignore_eos=True),
+                       use_tqdm=False)
+    assert set(hot[0].outputs[0].token_ids) <= set(allowed)
+    for name, value in (("length_penalty", float("nan")), ("temperature", float("inf"))):
+        with pytest.raises(ValueError, match=f"BeamSearchParams.{name}="):
+            BeamSearchParams(beam_width=2, max_tokens=3, **{name: value})
 
 
 def test_prompt_too_long_and_empty(llm: LLM) -> None:

@@ -153,9 +153,9 @@ class SamplingParams:
         _check(isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1, "n",
                self.n, "an integer >= 1")
         _check(_is_number(self.temperature) and self.temperature >= 0.0, "temperature",
-               self.temperature, "a number >= 0 (0 means greedy)")
-        _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", self.top_p,
-               "a number in (0, 1]")
+               self.temperature, "a finite number >= 0 (0 means greedy; at most 3.4e38)")
+        _check(_is_number(self.top_p) and F32_TINY <= self.top_p <= 1.0, "top_p", self.top_p,
+               "a number in (0, 1] (at least 1.2e-38, float32's smallest normal)")
         _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", self.top_k,
                "an integer >= 1, or 0 / -1 to disable")
         _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", self.min_p,
@@ -180,7 +180,8 @@ class SamplingParams:
             _check(_is_number(value) and -2.0 <= value <= 2.0, name, value,
                    "a number in [-2, 2]")
         _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0.0,
-               "repetition_penalty", self.repetition_penalty, "a number > 0 (1 disables)")
+               "repetition_penalty", self.repetition_penalty,
+               "a finite number > 0 (1 disables; at most 3.4e38)")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or (isinstance(value, int) and not isinstance(value, bool)
@@ -253,8 +254,17 @@ def _is_token(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+#: float32's largest finite value: the sampler keeps every float parameter in float32, so a
+#: larger one (1e39, JSON's Infinity) would become inf there and sample token 0.
+F32_MAX = 3.4028234663852886e38
+#: float32's smallest normal value: a top_p below it would round to 0 there.
+F32_TINY = 1.1754943508222875e-38
+
+
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    """An int or float (not a bool) that float32 holds as a finite number."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and abs(value) <= F32_MAX)  # (False for NaN and infinities too)
 
 
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:

@@ -13,7 +13,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from mrv2.contract.params import MAX_LOGPROBS, SamplingParams
+from mrv2.contract.params import F32_MAX, MAX_LOGPROBS, SamplingParams
 
 __all__ = ["BeamSearch", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence",
            "beam_search"]
@@ -38,9 +38,10 @@ class BeamSearchParams:
                 ("max_tokens", self.max_tokens, isinstance(self.max_tokens, int)
                  and self.max_tokens >= 1, "an integer >= 1"),
                 ("temperature", self.temperature, isinstance(self.temperature, int | float)
-                 and self.temperature >= 0, "a number >= 0"),
+                 and 0 <= self.temperature <= F32_MAX, "a finite number >= 0"),
                 ("length_penalty", self.length_penalty,
-                 isinstance(self.length_penalty, int | float), "a number")):
+                 isinstance(self.length_penalty, int | float)
+                 and abs(self.length_penalty) <= F32_MAX, "a finite number")):
             if not ok or isinstance(value, bool):
                 raise ValueError(f"BeamSearchParams.{name}={value!r} is invalid: expected "
                                  f"{allowed}")
