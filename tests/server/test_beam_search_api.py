@@ -68,6 +68,43 @@ def test_what_beam_search_cannot_combine_with(server: Served, extra: dict[str, A
     assert response.json()["error"]["param"] == param
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("extra", [
+    {"guided_regex": "[0-9]+"}, {"guided_choice": ["a", "b"]},
+    {"structured_outputs": {"regex": "[0-9]+"}}, {"response_format": {"type": "json_object"}},
+    {"stop": ["l"]}, {"stop": "l"}, {"stop_token_ids": [7]}, {"logit_bias": {"5": 10}},
+    {"bad_words": ["l"]}, {"allowed_token_ids": [5, 6]}, {"presence_penalty": 0.5},
+    {"frequency_penalty": 0.5}, {"repetition_penalty": 1.2}, {"min_tokens": 2},
+    {"prompt_logprobs": 1}, {"return_token_ids": True},
+])
+def test_what_beam_search_does_not_honour_is_refused(server: Served, path: str,
+                                                    extra: dict[str, Any]) -> None:
+    """A constraint beam search would drop (a structured output, stops, biases, penalties) or
+    an extra it does not give is a 400 naming the field sent, on both routes."""
+    base: dict[str, Any] = ({"messages": [{"role": "user", "content": "Hi"}]}
+                            if "chat" in path else {"prompt": "Hi"})
+    body = {"model": MODEL, **base, "max_tokens": 3, "n": 2, "use_beam_search": True, **extra}
+    response = httpx.post(f"{server.url}{path}", json=body, headers=AUTH, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == next(iter(extra))
+
+
+def test_beam_search_names_every_field_it_drops(server: Served) -> None:
+    """Several such fields: the first is the error's param, the message names them all; what
+    beam search honours, and those fields at their neutral values, are not refused."""
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "n": 2, "use_beam_search": True}
+    response = httpx.post(f"{server.url}/v1/completions", headers=AUTH, timeout=60,
+                          json={**body, "stop": ["l"], "logit_bias": {"5": 10}})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "stop"
+    assert "stop, logit_bias" in response.json()["error"]["message"]
+    neutral = {"stop": [], "stop_token_ids": [], "presence_penalty": 0,
+               "repetition_penalty": 1.0, "min_tokens": 0, "response_format": {"type": "text"},
+               "ignore_eos": True, "temperature": 0.5, "length_penalty": 0.8}
+    ok = httpx.post(f"{server.url}/v1/completions", headers=AUTH, timeout=60,
+                    json={**body, **neutral})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 2, ok.text
+
+
 def test_chat_beams(server: Served, model_dir: Path) -> None:
     """Chat with ``use_beam_search``: the chat-templated prompt's beams, ``LLM``'s, as
     messages; what it cannot combine with is refused by name."""
@@ -86,7 +123,8 @@ def test_chat_beams(server: Served, model_dir: Path) -> None:
     assert answer["object"] == "chat.completion"
     assert [c["message"]["content"] for c in answer["choices"]] == want
     for extra, param in (({"stream": True}, "stream"), ({"logprobs": True}, "logprobs"),
-                         ({"response_format": {"type": "json_object"}}, "response_format")):
+                         ({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"guided_regex": "[0-9]+"}, "guided_regex")):
         response = httpx.post(f"{server.url}/v1/chat/completions", json={**body, **extra},
                               headers=AUTH, timeout=60)
         assert response.status_code == 400, (extra, response.text)

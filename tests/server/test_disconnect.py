@@ -1,5 +1,5 @@
 """A client that leaves gets its request aborted within a couple of seconds, streamed or not,
-for any ``n``; the engine ends idle with every KV block free."""
+for any ``n``, by beam search too; the engine ends idle with every KV block free."""
 
 from __future__ import annotations
 
@@ -61,3 +61,17 @@ def test_client_gone_aborts(long_server: Served, path: str, stream: bool, n: int
                 raise httpx.ReadTimeout("leaving after the first chunk")
     _wait_idle(long_server)  # within 3 s of the client leaving
     assert _aborted(long_server) == before + 1  # aborted, not finished (8000 tokens)
+
+
+def test_beam_search_client_gone_aborts(long_server: Served) -> None:
+    """Beam search (each step's beams one-token requests) stops when its client leaves: the
+    step in flight is aborted and no other starts, long before ``max_tokens``."""
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 3000, "n": 2,
+            "use_beam_search": True, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up after 1 s of silence
+        httpx.post(f"{long_server.url}/v1/completions", json=body, headers=AUTH,
+                   timeout=httpx.Timeout(10, read=1.0))
+    _wait_idle(long_server)
+    for _ in range(10):  # and stays idle: not just between two steps
+        time.sleep(0.03)
+        assert not long_server.engine.has_unfinished(), "a beam search step after the client left"

@@ -28,8 +28,16 @@ def _error(response: httpx.Response, status: int) -> dict[str, object]:
 
 
 def test_health_without_key_and_auth(server: Served) -> None:
+    """The key guards every route but the informational ones: a Prometheus scrape,
+    ``/tokenize`` and ``/version`` need none; ``/v1/*`` and the serving routes outside it
+    (``/pooling``) do."""
     assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/metrics").status_code == 200
+    assert httpx.get(f"{server.url}/version").status_code == 200
+    assert httpx.post(f"{server.url}/tokenize", json={"prompt": "hi"}).status_code == 200
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": [5]}).status_code == 200
     _error(httpx.get(f"{server.url}/v1/models"), 401)
+    _error(httpx.post(f"{server.url}/pooling", json={"model": MODEL, "input": "hi"}), 401)
     _error(httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer no"}), 401)
     _error(_post(server, "/v1/completions", {"model": MODEL, "prompt": "hi"},
                  headers={"Authorization": "Bearer wrong"}), 401)
@@ -238,6 +246,28 @@ def test_strict_types(server: Served, path: str, body: dict[str, object], param:
     assert error["param"] == param, error
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stream_options_needs_stream(server: Served, path: str) -> None:
+    """``stream_options`` without ``stream: true`` is refused by name (as OpenAI and vLLM)."""
+    base: dict[str, object] = ({"messages": [{"role": "user", "content": "hi"}]}
+                               if "chat" in path else {"prompt": "hi"})
+    for stream in ({}, {"stream": False}):
+        error = _error(_post(server, path, {"model": MODEL, **base, **stream, "max_tokens": 2,
+                                            "stream_options": {"include_usage": True}}), 400)
+        assert error["param"] == "stream_options"
+    ok = _post(server, path, {"model": MODEL, **base, "max_tokens": 2, "stream_options": None})
+    assert ok.status_code == 200, ok.text
+
+
+def test_chat_top_logprobs_is_named(server: Served) -> None:
+    """Too many chat ``top_logprobs`` is a 400 naming ``top_logprobs`` (the field sent), not
+    ``logprobs`` (a bool in chat)."""
+    error = _error(_post(server, "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+        "top_logprobs": 30}), 400)
+    assert error["param"] == "top_logprobs" and "top_logprobs" in str(error["message"])
+
+
 def test_ints_are_valid_floats(server: Served) -> None:
     r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 1,
                                           "top_p": 1, "max_tokens": 2})
@@ -253,7 +283,7 @@ def test_max_tokens_beyond_context_is_400(server: Served, path: str, field: str)
                                if "chat" in path else {"prompt": [5, 6, 7]})
     error = _error(_post(server, path, {"model": MODEL, **base, field: 10**12}), 400)
     message = str(error["message"])
-    assert error["param"] == "max_tokens"
+    assert error["param"] == field and message.startswith(f"{field}=")  # the field sent
     assert str(10**12) in message and "64" in message  # asked, context length
     if "chat" not in path:
         assert "prompt has 3 tokens" in message and "at most 61" in message
@@ -268,6 +298,16 @@ def test_n_is_bounded(server: Served) -> None:
     ok = _post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 64,
                                            "max_tokens": 1})
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 64
+
+
+def test_a_batch_past_max_pending_is_400(server: Served) -> None:
+    """Prompts x ``n`` beyond ``--max-pending`` (1024) could never run: a 400 naming the
+    prompt, not a 503 to retry."""
+    for prompts, n in ((["a"] * 1025, 1), (["a"] * 17, 64)):
+        error = _error(_post(server, "/v1/completions", {"model": MODEL, "prompt": prompts,
+                                                         "n": n, "max_tokens": 1}), 400)
+        assert error["param"] == "prompt" and "--max-pending" in str(error["message"])
+    assert not server.engine.has_unfinished()  # nothing was submitted
 
 
 def test_n_counts_against_max_pending(model_dir: Path) -> None:

@@ -91,8 +91,29 @@ def test_a_json_schema_format(client: Any) -> None:
     assert 0 <= json.loads(response.output_text)["a"] <= 9
 
 
+def test_tools_are_echoed_and_a_cut_message_is_incomplete(server: Served) -> None:
+    """The response carries the request's ``tools`` and ``tool_choice`` (``[]`` and ``auto``
+    when it gives none); a cut answer's message item is ``incomplete`` like the answer, whole
+    and streamed."""
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 1, "temperature": 0}
+    for extra, want in (({"tools": tools, "tool_choice": "none"}, (tools, "none")),
+                        ({}, ([], "auto"))):
+        whole = httpx.post(f"{server.url}/v1/responses", headers=AUTH, timeout=60,
+                           json={**body, **extra}).json()
+        assert (whole["tools"], whole["tool_choice"]) == want
+        assert whole["status"] == "incomplete" and whole["output"][-1]["status"] == "incomplete"
+    with httpx.stream("POST", f"{server.url}/v1/responses", headers=AUTH, timeout=60,
+                      json={**body, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert events[-1]["type"] == "response.incomplete"
+    assert done[-1]["status"] == events[-1]["response"]["output"][-1]["status"] == "incomplete"
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools"),
+    ({"input": "x", "max_output_tokens": 10**6}, "max_output_tokens"),
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_image",
                                                "image_url": "http://x/y.png"}]}]}, "input"),
@@ -110,6 +131,7 @@ def test_what_it_cannot_honour_is_refused_by_name(server: Served, body: dict[str
                           json={"model": MODEL, **body})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+    assert "max_completion_tokens" not in response.json()["error"]["message"]  # (chat's name)
 
 
 def test_the_thinking_is_a_reasoning_item(model_dir: Path) -> None:

@@ -171,7 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", default=None, help="same as MODEL_DIR")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
+    serve.add_argument("--api-key", default=None,
+                       help="require Authorization: Bearer KEY on every route but /health, "
+                       "/metrics, /version, /tokenize and /detokenize")
     serve.add_argument("--served-model-name", nargs="+", default=None,
                        help="the model's name in the API (several: aliases requests may "
                        "use; answers carry the first). Default: the model's path")

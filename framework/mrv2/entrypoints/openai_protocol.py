@@ -78,8 +78,33 @@ class _Request(BaseModel):
             name = "n" if "beam_width" in str(error) else "length_penalty"
             raise ValueError(f"SamplingParams.{name}: {error}") from None
 
+    def beam_search_ignores(self) -> list[str]:
+        """The fields the request gives that beam search does not honour (it takes ``n``,
+        ``max_tokens``, ``ignore_eos``, ``temperature`` and ``length_penalty``): constraints
+        on the tokens (stops, biases, penalties, a structured output) and per-token extras."""
+        given = {"stop": bool(self.stop), "stop_token_ids": bool(self.stop_token_ids),
+                 "logit_bias": bool(self.logit_bias), "bad_words": bool(self.bad_words),
+                 "allowed_token_ids": self.allowed_token_ids is not None,
+                 "presence_penalty": self.presence_penalty != 0,
+                 "frequency_penalty": self.frequency_penalty != 0,
+                 "repetition_penalty": self.repetition_penalty not in (None, 1),
+                 "min_tokens": self.min_tokens != 0,
+                 "prompt_logprobs": self.prompt_logprobs is not None,
+                 "return_token_ids": self.return_token_ids}
+        return self._structured_fields() + [name for name, bad in given.items() if bad]
+
+    def request_field(self, name: str) -> str:
+        """The request's field that the ``SamplingParams`` field ``name`` came from."""
+        return name
+
     def _sampling(self, max_tokens: int | None, logprobs: int | None,
                   defaults: dict[str, Any] | None) -> SamplingParams:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("SamplingParams.stream_options is invalid: it needs stream: true")
+        if self.use_beam_search and (ignored := self.beam_search_ignores()):
+            raise ValueError(f"SamplingParams.{ignored[0]} is invalid with use_beam_search: "
+                             f"beam search does not honour {', '.join(ignored)} (it takes n, "
+                             "max_tokens, ignore_eos, temperature and length_penalty)")
         d = defaults or {}  # the model's (generation_config.json) for the fields left unset
 
         def pick(name: str, value: Any, fallback: Any) -> Any:
@@ -365,6 +390,13 @@ class ChatCompletionRequest(_Request):
         return (self.max_tokens if self.max_completion_tokens is None
                 else self.max_completion_tokens)
 
+    def request_field(self, name: str) -> str:
+        if name == "logprobs" and self.top_logprobs is not None:
+            return "top_logprobs"  # (the chat request's logprobs is a bool; k is this field)
+        if name == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return name
+
 
 class TokenizeRequest(BaseModel):
     """``POST /tokenize`` (vLLM's): a text ``prompt``, or chat ``messages`` through the
@@ -453,16 +485,18 @@ _PARAM = re.compile(r"SamplingParams\.(\w+)")
 
 
 def value_error_param(message: str, body: Any = None) -> str | None:
-    """The field a ``SamplingParams`` / ``LLMEngine.validate`` error names (a structured
-    output's: the request field it came from, ``response_format`` or a ``guided_*``)."""
+    """The request's field a ``SamplingParams`` / ``LLMEngine.validate`` error is about (with
+    ``body``: the field it came from, as a structured output's ``response_format`` or
+    ``guided_*``, a chat request's ``top_logprobs`` or ``max_completion_tokens``)."""
     match = _PARAM.search(message)
+    name = None
     if match:
-        if match.group(1) == "structured_outputs" and isinstance(body, _Request):
-            return body.structured_source() or match.group(1)
-        return match.group(1)
-    if "prompt" in message:
-        return "prompt" if "max_tokens" not in message else "max_tokens"
-    return None
+        name = match.group(1)
+        if name == "structured_outputs" and isinstance(body, _Request):
+            name = body.structured_source() or name
+    elif "prompt" in message:
+        name = "prompt" if "max_tokens" not in message else "max_tokens"
+    return body.request_field(name) if name and isinstance(body, _Request) else name
 
 
 # -- logprobs -------------------------------------------------------------------------------

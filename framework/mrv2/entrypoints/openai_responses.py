@@ -45,7 +45,8 @@ __all__ = ["ResponsesRequest", "ResponsesStream"]
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 #: The chat request's fields that errors name, as the Responses API calls them.
-RENAMED = {"max_tokens": "max_output_tokens", "response_format": "text", "messages": "input"}
+RENAMED = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+           "response_format": "text", "messages": "input"}
 
 
 class ResponsesRequest(BaseModel):
@@ -245,7 +246,8 @@ class ResponsesStream(Stream):
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
             "metadata": r.metadata or {}, "parallel_tool_calls": r.parallel_tool_calls,
             "temperature": self.params.temperature, "top_p": self.params.top_p,
-            "tool_choice": "auto", "tools": [], "store": self.store is not None,
+            "tool_choice": "auto" if r.tool_choice is None else r.tool_choice,
+            "tools": r.tools or [], "store": self.store is not None,
             "previous_response_id": r.previous_response_id,
             "text": r.text or {"format": {"type": "text"}}, "usage": usage}
 
@@ -267,12 +269,13 @@ class ResponsesStream(Stream):
                                               else content or "")
             calls = calls if self.parallel_tool_calls else calls[:1]
         suffix = self.response_id[5:]
+        length = out.finish_reason == "length"  # (the answer, its message, incomplete)
         items = [] if not thought else [_reasoning_item(f"rs_{suffix}", thought, "completed")]
         if content or not calls:
-            items.append(_message_item(f"msg_{suffix}", content or "", "completed"))
+            items.append(_message_item(f"msg_{suffix}", content or "",
+                                       "incomplete" if length else "completed"))
         items += [_call_item(f"fc_{suffix}_{i}", call, "completed")
                   for i, call in enumerate(calls)]
-        length = out.finish_reason == "length"
         return self._keep(self._response("incomplete" if length else "completed", items,
                                          self._usage_of(len(out.token_ids)),
                                          "max_output_tokens" if length else None))
@@ -319,8 +322,8 @@ class ResponsesStream(Stream):
                 if text:
                     yield text
             length = reason == "length"
-            output, closing = items.close(calls)
             status = "incomplete" if length else "completed"
+            output, closing = items.close(calls, status)
             yield closing + event(
                 f"response.{status}", response=self._keep(self._response(
                     status, output, self._usage_of(tokens),
@@ -372,14 +375,16 @@ class _Items:
                               logprobs=[])
         return out
 
-    def close(self, calls: list[Any]) -> tuple[list[dict[str, Any]], str]:
+    def close(self, calls: list[Any], status: str = "completed"
+              ) -> tuple[list[dict[str, Any]], str]:
         """The answer's output items, and the events that close them: the open item, then
         a function call item per call; a message item, empty if no content came, where there
-        are no calls."""
+        are no calls. The message item closed here has the answer's ``status``
+        (``incomplete``: cut by ``max_output_tokens``)."""
         has_message = self.kind == "message" or any(i["type"] == "message"
                                                     for i in self.output)
         out = self._open("message") if not (has_message or calls) else ""
-        out += self._close()
+        out += self._close(status)
         for i, call in enumerate(calls):
             index, item_id = len(self.output), f"fc_{self.suffix}_{i}"
             item = _call_item(item_id, call, "completed")
@@ -414,7 +419,7 @@ class _Items:
                              output_index=index, content_index=0,
                              part={"type": "output_text", "text": "", "annotations": []}))
 
-    def _close(self) -> str:
+    def _close(self, status: str = "completed") -> str:
         if self.kind is None:
             return ""
         index, item_id, text = len(self.output), self._id(), self.text
@@ -423,7 +428,7 @@ class _Items:
             out = self.event("response.reasoning_text.done", item_id=item_id,
                              output_index=index, content_index=0, text=text)
         else:
-            item = _message_item(item_id, text, "completed")
+            item = _message_item(item_id, text, status)
             part = item["content"][0]
             out = (self.event("response.output_text.done", item_id=item_id,
                               output_index=index, content_index=0, text=text, logprobs=[])

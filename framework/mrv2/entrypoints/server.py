@@ -62,15 +62,27 @@ from mrv2.entrypoints.tool_calls import (
     forced_tool_choice,
     get_tool_parser,
 )
-from mrv2.entrypoints.whole_answers import beam_answer_body, beam_search_through
+from mrv2.entrypoints.whole_answers import (
+    beam_answer_body,
+    beam_search_through,
+    unless_disconnected,
+)
 
 #: Default bound on a request's ``n`` (``mrv2 serve --max-n``); OpenAI's own API allows 128.
 DEFAULT_MAX_N = 64
 logger = logging.getLogger(__name__)
 
 
+#: The routes ``--api-key`` leaves open: they read nothing of a request's and change nothing.
+OPEN_ROUTES = frozenset({"/health", "/metrics", "/version", "/tokenize", "/detokenize"})
+
+
 class _CheckKey:
-    """``Authorization: Bearer KEY`` on every route but ``/health``. A plain ASGI middleware:
+    """``Authorization: Bearer KEY`` on every route but the informational ones
+    (:data:`OPEN_ROUTES`: a Prometheus scrape of ``/metrics`` needs no key, as with vLLM's
+    ``--api-key``). Unlike vLLM's, which guards ``/v1/*`` only, the model-serving routes
+    outside ``/v1`` (``/pooling``, ``/classify``, ``/score``, ``/rerank``...) and the dev-mode
+    routes (``/sleep``, ``/collective_rpc``...) keep the key. A plain ASGI middleware:
     Starlette's ``BaseHTTPMiddleware`` would hide the client's disconnect from the routes."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
@@ -80,7 +92,7 @@ class _CheckKey:
         path, root = scope.get("path", ""), scope.get("root_path", "")
         if root and path.startswith(root):  # --root-path: uvicorn puts it in front
             path = path[len(root):]
-        if scope["type"] == "http" and path != "/health":
+        if scope["type"] == "http" and path not in OPEN_ROUTES:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):  # (no timing hint of the key)
                 response = APIError(401, "invalid or missing API key (Authorization: Bearer "
@@ -250,7 +262,10 @@ def create_app(engine: LLMEngine | RemoteEngine,
         try:
             params: SamplingParams = body.sampling_params(engine.sampling_defaults)
         except ValueError as error:
-            raise APIError(400, str(error), param=value_error_param(str(error), body)) from None
+            message, param = str(error), value_error_param(str(error), body)
+            if param is not None and f"SamplingParams.{param}" not in message:
+                message = f"{param}: {message}"  # (the request's name for the field)
+            raise APIError(400, message, param=param) from None
         if params.n > max_n:
             raise APIError(400, f"n={params.n} is invalid: this server allows 1 <= n <= "
                            f"{max_n} (mrv2 serve --max-n, --max-pending)", param="n")
@@ -267,11 +282,12 @@ def create_app(engine: LLMEngine | RemoteEngine,
         if body.max_tokens_from_model(engine.sampling_defaults):
             return  # the model's max_new_tokens: the engine caps it at the context left
         if params.max_tokens is not None and num + params.max_tokens > limit:
+            name = body.request_field("max_tokens")  # (or the chat's max_completion_tokens)
             raise APIError(
-                400, f"max_tokens={params.max_tokens} is too large: this model's maximum "
+                400, f"{name}={params.max_tokens} is too large: this model's maximum "
                 f"context length is {limit} tokens and the prompt has {num} tokens "
                 f"({params.max_tokens} > {limit} - {num}); ask for at most {limit - num}",
-                param="max_tokens")
+                param=name)
 
     def tokenizer() -> Any:
         if engine.tokenizer is None:
@@ -287,6 +303,11 @@ def create_app(engine: LLMEngine | RemoteEngine,
             prompts = body.prompts()
         except ValueError as error:
             raise APIError(400, str(error), param="prompt") from None
+        if len(prompts) * params.n > max_pending:  # it could never run: not a 503 (retry)
+            raise APIError(400, f"prompt: {len(prompts)} prompts x n={params.n} are "
+                           f"{len(prompts) * params.n} sequences, more than this server ever "
+                           f"holds at once ({max_pending}: mrv2 serve --max-pending); send "
+                           "fewer prompts per request", param="prompt")
         encoded: list[tuple[list[int], str | None]] = []
         for p in prompts:
             if isinstance(p, str):
@@ -298,7 +319,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
         for ids, _ in encoded:
             validate(ids, params, body)
         if body.use_beam_search:
-            return await beam_answer(body, params, [ids for ids, _ in encoded], False)
+            return await beam_answer(request, body, params, [ids for ids, _ in encoded],
+                                     False)
         echo = None
         if body.echo:  # each prompt as given, or its ids' text
             tok = tokenizer()
@@ -342,17 +364,20 @@ def create_app(engine: LLMEngine | RemoteEngine,
             raise APIError(400, f"could not apply the chat template: {error}",
                            param="messages") from None
 
-    async def beam_answer(body: Any, params: SamplingParams, prompts: list[list[int]],
-                          chat: bool) -> Response:
-        """A request's answer by beam search (``use_beam_search``; ``n`` beams)."""
+    async def beam_answer(request: Request, body: Any, params: SamplingParams,
+                          prompts: list[list[int]], chat: bool) -> Response:
+        """A request's answer by beam search (``use_beam_search``; ``n`` beams); stopped, its
+        requests aborted, the moment the client leaves."""
         try:
             beams = body.beam_search_params(params, engine.max_model_len - max(
                 len(p) for p in prompts))
         except ValueError as error:
             raise APIError(400, str(error), param=value_error_param(str(error))) from None
         lora = lora_of(body)
-        outputs = await beam_search_through(worker, prompts, beams, engine.eos_token_ids,
-                                            engine.max_model_len, lora)
+        outputs = await unless_disconnected(request, beam_search_through(
+            worker, prompts, beams, engine.eos_token_ids, engine.max_model_len, lora))
+        if outputs is None:
+            return Response(status_code=499)  # (as Stream.collect: nobody reads it)
         return JSONResponse(beam_answer_body(outputs, prompts, engine.tokenizer,
                                              lora.lora_name if lora else model_name, chat,
                                              reasoning_parser))
@@ -390,7 +415,11 @@ def create_app(engine: LLMEngine | RemoteEngine,
                 "request": body, "store": keep,
                 "conversation": body.conversation(previous) if keep is not None else None})
         except APIError as error:  # the chat request's field names, as this API calls them
-            error.param = RENAMED.get(error.param or "", error.param)
+            name = error.param or ""
+            sent = RENAMED.get(name, name)
+            if sent != name and error.message.startswith(f"{name}="):
+                error.message = sent + error.message[len(name):]
+            error.param = sent if error.param is not None else None
             raise
 
     add_pooling_routes(app, engine, worker, parse, lora_of, tokenizer, model_name)
@@ -459,10 +488,11 @@ def create_app(engine: LLMEngine | RemoteEngine,
         if body.use_beam_search:
             for name, bad in (("stream", body.stream), ("logprobs", body.logprobs),
                               ("tools", bool(body.tools)), ("echo", body.echo),
-                              ("response_format", params.structured_outputs is not None)):
+                              (body.structured_source() or "response_format",
+                               params.structured_outputs is not None)):
                 if bad:
                     raise APIError(400, f"{name}: not with use_beam_search", param=name)
-            return await beam_answer(body, params, [ids], True)
+            return await beam_answer(request, body, params, [ids], True)
         echo = Echo([body.echo_text()]) if body.echo else None
         lora = lora_of(body)
         return await _serve(request, worker, "chatcmpl", lora.lora_name if lora else model_name,

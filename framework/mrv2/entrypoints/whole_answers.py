@@ -9,7 +9,10 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from fastapi import Request
 
 from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import SamplingParams
@@ -19,9 +22,12 @@ from mrv2.engine.outputs import RequestOutput
 from mrv2.entrypoints.engine_process import EngineProcess
 from mrv2.entrypoints.engine_thread import EngineThread, QueueFullError
 from mrv2.entrypoints.reasoning import keeps_special_tokens, split_reasoning
-from mrv2.entrypoints.responses import APIError
+from mrv2.entrypoints.responses import APIError, disconnected
 
-__all__ = ["beam_answer_body", "beam_search_through", "embed_through", "final_outputs"]
+__all__ = ["beam_answer_body", "beam_search_through", "embed_through", "final_outputs",
+           "unless_disconnected"]
+
+T = TypeVar("T")
 
 
 async def final_outputs(worker: EngineThread | EngineProcess, prompts: list[list[int]],
@@ -65,6 +71,24 @@ async def embed_through(worker: EngineThread | EngineProcess, prompts: list[list
     """Each prompt's embedding, in order (one embedding request a prompt)."""
     outputs = await final_outputs(worker, prompts, params, lora, pooling, "embd", "input")
     return [output.embedding or [] for output in outputs]
+
+
+async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
+    """``work``'s result, or None when the client disconnects first: ``work`` is then
+    cancelled (:func:`final_outputs` aborts the requests it has in flight) before this
+    returns."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(disconnected(request))
+    left = True
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+        left = not task.done()
+    finally:  # (also when this request's own task is cancelled)
+        gone.cancel()
+        if left:
+            task.cancel()
+            await asyncio.wait((task,))  # its requests aborted before this returns
+    return None if left else task.result()
 
 
 async def beam_search_through(worker: EngineThread | EngineProcess, prompts: list[list[int]],
