@@ -163,7 +163,8 @@ def check_state_prefix_cache(path: str | Path, max_tokens: int = 6,
     start, its prefix hit cut to no snapshot, and saves the junction after 12; the next
     resumes there), and a repeated prompt once more after the rows were reused; asserts the
     cached token counts each request reports. Then those prompts all at once, and through an
-    engine of one snapshot slot. Returns the first LLM."""
+    engine of one snapshot slot; then the slots one step writes, neither read nor evicted by
+    another admission of that step. Returns the first LLM."""
     from mrv2.testing import hf_greedy
 
     base = [3 + (11 * i) % 97 for i in range(23)]
@@ -198,7 +199,39 @@ def check_state_prefix_cache(path: str | Path, max_tokens: int = 6,
     tight_snaps = tight.engine.scheduler.snapshots
     assert tight_snaps is not None and tight_snaps.num_evicted > 0
     tight.engine.shutdown()
+    _check_snapshots_of_one_step(path, base, params, **llm_kwargs)
     return llm
+
+
+def _check_snapshots_of_one_step(path: str | Path, base: list[int], params: SamplingParams,
+                                 **llm_kwargs: Any) -> None:
+    """Admissions of one step (64 tokens a step) and the snapshot slots that step writes:
+    one saves the junction after 8 that another of the same step, sharing those 8 tokens and
+    a batch row ahead of it, could resume from (it must not: the slot is not written yet, on
+    the GPU a race); with one slot, one evicts the slot another of the step writes (both
+    would store into it, published under the second's hash). Greedy tokens HF's."""
+    from mrv2.testing import hf_greedy
+
+    first = base[:8] + [60, 61, 62, 63, 64]  # caches 3 blocks, its only snapshot after 12
+    saver = base[:8] + [70, 71, 72, 73, 74]  # hits 2 blocks, no snapshot: saves after 8
+    reader = base[:8] + [80, 81, 82, 83, 84, 85]  # the same step, longer: batched first
+    wide = LLM(str(path), device="cpu", dtype="float32", block_size=4,
+               max_num_batched_tokens=64, **llm_kwargs)
+    wide.generate([{"prompt_token_ids": first}], params, use_tqdm=False)
+    outs = wide.generate([{"prompt_token_ids": p} for p in (saver, reader)], params,
+                         use_tqdm=False)
+    n = params.max_tokens or 0
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(path, p, n)
+                                                      for p in (saver, reader)]
+    wide.engine.shutdown()
+    other = [5 + (13 * i) % 89 for i in range(14)]  # saves after 12 as base[:13] does
+    single = LLM(str(path), device="cpu", dtype="float32", block_size=4,
+                 max_num_batched_tokens=64, state_snapshot_slots=1, **llm_kwargs)
+    single.generate([{"prompt_token_ids": p} for p in (base[:13], other)], params,
+                    use_tqdm=False)
+    again = single.generate([{"prompt_token_ids": other}], params, use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == hf_greedy(path, other, n)
+    single.engine.shutdown()
 
 
 def check_state_speculation(path: str | Path, max_tokens: int = 20,

@@ -33,8 +33,14 @@ def test_plan_saves_the_junction_and_the_prompt_end_then_publishes_when_computed
     assert snaps.publish_due(saves, 0, 8) == []
     due = snaps.publish_due(saves, 8, 8)  # positions 9..16
     assert [s.position for s in due] == [12]
+    # the step being scheduled writes it: found from the next step on (a same-step admission
+    # resuming there would read the slot in the very launch that stores it)
+    assert snaps.deepest(A[:5]) == (0, None)
+    snaps.begin_step()
     assert snaps.deepest(A[:5]) == (3, saves[0].slot)
     snaps.publish_due(saves, 16, 7)
+    assert snaps.deepest(A[:5]) == (3, saves[0].slot)  # (the deeper one written now)
+    snaps.begin_step()
     assert snaps.deepest(A[:5]) == (5, saves[1].slot)
     assert snaps.num_saved == 2
     # A prompt resuming at the deepest snapshot plans nothing at or before it.
@@ -65,11 +71,12 @@ def test_duplicates_unpublish_release_and_reset() -> None:
     assert first is not None and second is not None
     snaps.publish(first, A[0])
     snaps.publish(second, A[0])  # the same boundary: the first stays, this one frees later
-    assert snaps.deepest(A[:1]) == (1, first)
+    assert snaps.deepest(A[:1]) == (0, None)  # (written by this step)
     third = snaps.reserve()
     assert third not in (first, second, None)  # (second: written by this step, not yet free)
-    assert snaps.reserve() is None
+    assert snaps.reserve() is None  # (first: written by this step, never evicted in it)
     snaps.begin_step()
+    assert snaps.deepest(A[:1]) == (1, first)
     assert snaps.reserve() == second
     # A publication taken back (its tokens unscheduled) is reserved again, then released.
     saves = [StateSave(4, second, A[1])]

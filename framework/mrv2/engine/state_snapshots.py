@@ -17,9 +17,11 @@ prompt's last full block before its last token (a repeated prompt, or the next t
 conversation, resumes there). A prefix hit is cut to the deepest boundary that has a snapshot.
 
 A slot is *reserved* from admission until the step that computes its position is scheduled,
-then *published* (findable); the step's kernels write it before any later step reads it
-(one stream). Published slots are evicted least recently used first; a slot read by this
-step's admissions is not evicted in the same step.
+then *published*, findable from the next step on: the step's kernels write it before any
+later step reads it (one stream), while an admission of the same step would read it in the
+very launch that stores it (a race on the GPU). Published slots are evicted least recently
+used first; a slot read or written by the step being scheduled is not evicted in it (two
+requests of one step would store into the same slot).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class StateSnapshots:
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._reserved: set[int] = set()
         self._read_now: set[int] = set()
+        self._written_now: set[int] = set()  # published by the step being scheduled
         self._free_next: list[int] = []  # written by the step being scheduled, free after it
         #: Snapshots published, prefix hits served by a snapshot, and evictions, since start.
         self.num_saved = self.num_resumed = self.num_evicted = 0
@@ -73,19 +76,20 @@ class StateSnapshots:
         return len(self._published)
 
     def begin_step(self) -> None:
-        """A new step is being scheduled: last step's reads no longer pin their slots, and
-        slots it wrote only as duplicates are free."""
+        """A new step is being scheduled: last step's reads and writes no longer pin their
+        slots (its writes become findable), and slots it wrote only as duplicates are free."""
         self._read_now.clear()
+        self._written_now.clear()
         self._free.extend(self._free_next)
         self._free_next.clear()
 
     def deepest(self, hashes: Sequence[BlockHash]) -> tuple[int, int | None]:
         """``(j, slot)``: the most leading blocks of ``hashes`` (the blocks a prompt found
-        cached) whose end has a snapshot, and its slot (pinned for this step; the least
-        recently used order refreshed); ``(0, None)`` when none has."""
+        cached) whose end has a snapshot written by an earlier step, and its slot (pinned for
+        this step; the least recently used order refreshed); ``(0, None)`` when none has."""
         for j in range(len(hashes), 0, -1):
             slot = self._published.get(hashes[j - 1])
-            if slot is not None:
+            if slot is not None and slot not in self._written_now:
                 self._published.move_to_end(hashes[j - 1])
                 self._read_now.add(slot)
                 return j, slot
@@ -97,12 +101,13 @@ class StateSnapshots:
 
     def reserve(self) -> int | None:
         """A slot to write a new snapshot into: a free one, else the least recently used
-        published slot not read this step (evicted); None when every slot is busy."""
+        published slot neither read nor written by this step (evicted); None when every slot
+        is busy."""
         if self._free:
             slot = self._free.pop()
         else:
-            victim = next((h for h, s in self._published.items() if s not in self._read_now),
-                          None)
+            victim = next((h for h, s in self._published.items()
+                           if s not in self._read_now and s not in self._written_now), None)
             if victim is None:
                 return None
             slot = self._published.pop(victim)
@@ -112,21 +117,23 @@ class StateSnapshots:
         return slot
 
     def publish(self, slot: int, block_hash: BlockHash) -> None:
-        """The step just scheduled writes ``slot``: findable under ``block_hash`` from now on
-        (a snapshot of the same boundary published meanwhile keeps its slot; this one is free
-        after this step, which still writes it)."""
+        """The step just scheduled writes ``slot``: findable under ``block_hash`` from the next
+        step on (a snapshot of the same boundary published meanwhile keeps its slot; this one
+        is free after this step, which still writes it)."""
         self._reserved.remove(slot)
         if block_hash in self._published:
             self._free_next.append(slot)
             return
         self._published[block_hash] = slot
         self._hash_of[slot] = block_hash
+        self._written_now.add(slot)
         self.num_saved += 1
 
     def unpublish(self, slot: int) -> None:
         """Take back a :meth:`publish` of this step (its tokens were unscheduled): reserved
         again."""
         block_hash = self._hash_of.pop(slot, None)
+        self._written_now.discard(slot)
         if block_hash is not None:
             del self._published[block_hash]
             self.num_saved -= 1
