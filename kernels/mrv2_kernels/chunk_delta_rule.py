@@ -125,13 +125,17 @@ __all__ = [
 ]
 
 #: :func:`prefer_chunked`'s threshold: the chunked path once some sequence of the step has at
-#: least this many query tokens (half a GPU chunk). Unmeasured: an estimate that one chunk step
-#: costs what a few dozen token steps of the serial kernel do.
+#: least this many query tokens (half a GPU chunk). Steps with prompt tokens replay CUDA graphs
+#: by default (``max_mixed_graph_tokens``), so the device time decides (H100, 2026-12-06,
+#: ``bench_delta_rule.py --graph``, Nemotron-H-8B's Mamba-2 heads, one prompt: 16 tokens 0.029
+#: ms token-serial against 0.034 chunked, 32: 0.050 against 0.034, 128: 0.178 against 0.039).
+#: An eager call costs the chunked path ~110 us more host time (3 launches against 1).
 CHUNKED_MIN_QUERY_LEN = 32
-#: The same for the delta rule (``delta=True``): its chunks cost a WY kernel more, so a 64-token
-#: prompt still runs faster token-serial (H100, 2026-12-06: 0.16 against 0.19 ms for
-#: Qwen3-Next's heads), a 512-token one chunked (8 x 512: 3.0 against 0.9 ms).
-CHUNKED_MIN_QUERY_LEN_DELTA = 128
+#: The same for the delta rule (``delta=True``), whose chunks cost a WY kernel more (same run,
+#: Qwen3-Next's heads in CUDA graphs: 32 tokens 0.052 ms token-serial against 0.049 chunked,
+#: 64: 0.098 against 0.050, 128: 0.190 against 0.055; 4,096: 7.20 against 0.86). 64, not 32:
+#: at 32 the graphs tie and an eager call loses (0.11 against 0.23 ms, its launches).
+CHUNKED_MIN_QUERY_LEN_DELTA = 64
 #: In a step :func:`gated_delta_rule_auto` runs chunked, sequences of fewer tokens than this
 #: (a mixed step's decodes and speculative verifications) still run token-serial: a
 #: one-token chunk costs the chunked kernels a whole chunk's work (H100, 2026-12-06: a
@@ -247,11 +251,13 @@ def chunk_gated_delta_rule_ref(
 
 
 def scan_warps_for(block_v: int, on_gpu: bool, scan_warps: int | None = None) -> int:
-    """The state scan's warps: ``scan_warps`` if given, else 8 on the GPU (1 on the CPU), 4
-    where the state block is 16 wide (V <= 16). 8 warps with ``block_v`` 16 are refused: in
-    Triton 3.6 the scan's transposed product read past its shared memory in that layout
-    (compute-sanitizer, H100, 2026-12-06: an illegal address in a long prompt)."""
-    warps = scan_warps or (1 if not on_gpu else 8 if block_v >= 32 else 4)
+    """The state scan's warps: ``scan_warps`` if given, else 4 on the GPU (1 on the CPU):
+    4 warps with 2 stages beat the first default, 8 with 1, by 9% (H100, 2026-12-06, two
+    sweeps a session apart: 1 x 4,096 / 8 x 512 Qwen3-Next tokens 0.910 / 0.945 ms against
+    1.001 / 1.038). 8 warps with ``block_v`` 16 are refused: in Triton 3.6 the scan's
+    transposed product read past its shared memory in that layout (compute-sanitizer, H100,
+    2026-12-06: an illegal address in a long prompt)."""
+    warps = scan_warps or (4 if on_gpu else 1)
     if on_gpu and warps == 8 and block_v == 16:
         raise ValueError("chunk_gated_delta_rule_triton: block_v 16 with scan_warps 8 faults "
                          "in Triton 3.6; take block_v 32 or scan_warps 4")
@@ -285,10 +291,10 @@ def chunk_gated_delta_rule_triton(
     ``block_k`` (the K blocks the WY and output kernels' products loop over; GPU 32, CPU up to
     64), ``block_v`` (a scan program's state columns; GPU 32, CPU up to 64) and
     ``block_v_out`` (an output program's; GPU 64, CPU up to 64); on the GPU all but
-    ``block_sub`` at least 16. ``scan_warps`` / ``scan_stages``: the scan's launch (GPU 8 / 1;
-    :func:`scan_warps_for` says why 4 at ``block_v`` 16). ``dot_precision``: the
-    products' fp32 ``input_precision`` (GPU: ``"tf32"`` where q, k, v and the output are all
-    16-bit, else ``"tf32x3"``; CPU ``"ieee"``). q/k/v may be strided views (their last dim is
+    ``block_sub`` at least 16. ``scan_warps`` / ``scan_stages``: the scan's launch (GPU 4 /
+    2: measured in :func:`scan_warps_for`; CPU 1 / 1). ``dot_precision``: the products' fp32
+    ``input_precision`` (GPU: ``"tf32"`` where q, k, v and the output are all 16-bit, else
+    ``"tf32x3"``; CPU ``"ieee"``). q/k/v may be strided views (their last dim is
     made contiguous); ``state`` must have a contiguous last dim (it is updated in place).
     ``state_table``, ``gate_params``, ``dt_limits``, ``skip``, ``out_dtype``, ``row_slots``:
     as :func:`~mrv2_kernels.linear_attention.gated_delta_rule`'s (the module docstring says
@@ -373,7 +379,7 @@ def chunk_gated_delta_rule_triton(
         L2NORM=l2norm_qk, DELTA=delta, CHUNK=c, BLOCK_KF=max(tile_min, next_power_of_2(dk)),
         BLOCK_V=bv, BLOCK_T=8, PREC=prec, HAS_TABLE=state_table is not None,
         ROW_SLOTS=row_slots_n, **gates,
-        num_warps=warps_scan, num_stages=scan_stages or 1,
+        num_warps=warps_scan, num_stages=scan_stages or (2 if on_gpu else 1),
         **pdl(v),
     )
     if n == 0:
