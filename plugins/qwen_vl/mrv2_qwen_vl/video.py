@@ -37,7 +37,8 @@ import torch
 from mrv2.contract.video_inputs import VideoClip, video_processor_settings
 
 __all__ = ["DEFAULT_FPS", "Qwen2VideoSettings", "check_video_layout", "qwen2_video_patches",
-           "resize_frames", "resized_uint8", "time_interval", "video_patches"]
+           "resize_frames", "resized_uint8", "time_interval", "video_patches",
+           "video_settings_fields"]
 
 #: The frame rate a clip is taken to be sampled at when it names none (vLLM's default).
 DEFAULT_FPS = 2.0
@@ -63,24 +64,38 @@ class Qwen2VideoSettings:
     def load(cls, model_dir: str | Path | None) -> Qwen2VideoSettings:
         """The checkpoint's settings, defaults where absent; a config's ``min_pixels`` /
         ``max_pixels`` take precedence over its ``size`` (``Qwen2VLVideoProcessor.__init__``)."""
-        fields = video_processor_settings(model_dir)
-        default = cls()
-        raw_size = fields.get("size")
-        size: dict[str, Any] = raw_size if isinstance(raw_size, dict) else {}
-        return cls(
-            min_pixels=int(fields.get("min_pixels") or size.get("shortest_edge")
-                           or default.min_pixels),
-            max_pixels=int(fields.get("max_pixels") or size.get("longest_edge")
-                           or default.max_pixels),
-            patch_size=int(fields.get("patch_size") or default.patch_size),
-            temporal_patch_size=int(fields.get("temporal_patch_size")
-                                    or default.temporal_patch_size),
-            merge_size=int(fields.get("merge_size") or default.merge_size),
-            image_mean=tuple(float(v) for v in fields.get("image_mean") or default.image_mean),
-            image_std=tuple(float(v) for v in fields.get("image_std") or default.image_std),
-            rescale_factor=float(fields.get("rescale_factor") or default.rescale_factor),
-            cap_pixels_per_frame=bool(fields.get("cap_pixels_per_frame") or False),
-            max_video_tokens=int(fields.get("max_video_tokens") or default.max_video_tokens))
+        return cls(**video_settings_fields(model_dir, cls(), pixels_over_size=True)[0])
+
+
+def video_settings_fields(model_dir: str | Path | None, default: Any, pixels_over_size: bool
+                          ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(the settings both Qwen video paths read, the config's raw fields)``: the fields of
+    :func:`~mrv2.contract.video_inputs.video_processor_settings`, ``default`` 's (a
+    :class:`Qwen2VideoSettings` or Qwen3-VL's) where absent; the pixel budget from ``size``
+    (``shortest_edge`` / ``longest_edge``) or ``min_pixels`` / ``max_pixels``, the latter
+    first where ``pixels_over_size``."""
+    fields = video_processor_settings(model_dir)
+    raw_size = fields.get("size")
+    size: dict[str, Any] = raw_size if isinstance(raw_size, dict) else {}
+
+    def budget(name: str, edge: str) -> int:
+        pair = (fields.get(name), size.get(edge))
+        first, second = pair if pixels_over_size else pair[::-1]
+        return int(first or second or getattr(default, name))
+
+    return dict(
+        min_pixels=budget("min_pixels", "shortest_edge"),
+        max_pixels=budget("max_pixels", "longest_edge"),
+        patch_size=int(fields.get("patch_size") or default.patch_size),
+        temporal_patch_size=int(fields.get("temporal_patch_size")
+                                or default.temporal_patch_size),
+        merge_size=int(fields.get("merge_size") or default.merge_size),
+        image_mean=tuple(float(v) for v in fields.get("image_mean") or default.image_mean),
+        image_std=tuple(float(v) for v in fields.get("image_std") or default.image_std),
+        rescale_factor=float(fields.get("rescale_factor") or default.rescale_factor),
+        cap_pixels_per_frame=bool(fields.get("cap_pixels_per_frame") or False),
+        max_video_tokens=int(fields.get("max_video_tokens") or default.max_video_tokens),
+    ), fields
 
 
 def check_video_layout(image_processor: Any, settings: Any, where: str) -> None:

@@ -39,8 +39,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from mrv2.contract.video_inputs import VideoClip, video_processor_settings
-from mrv2_qwen_vl.video import check_video_layout, resized_uint8, video_patches
+from mrv2.contract.video_inputs import VideoClip
+from mrv2_qwen_vl.video import (
+    check_video_layout,
+    resized_uint8,
+    video_patches,
+    video_settings_fields,
+)
 
 __all__ = ["QWEN3_VIDEO_FAMILIES", "Qwen3VideoSettings", "frame_group_times",
            "qwen3_table_slots", "qwen3_video_groups", "resize_clip"]
@@ -68,25 +73,9 @@ class Qwen3VideoSettings:
     @classmethod
     def load(cls, model_dir: str | Path | None) -> Qwen3VideoSettings:
         """The checkpoint's settings (module doc: HF's file order), defaults where absent."""
-        fields = video_processor_settings(model_dir)
         default = cls()
-        raw_size = fields.get("size")
-        size: dict[str, Any] = raw_size if isinstance(raw_size, dict) else {}
-        return cls(
-            min_pixels=int(size.get("shortest_edge") or fields.get("min_pixels")
-                           or default.min_pixels),
-            max_pixels=int(size.get("longest_edge") or fields.get("max_pixels")
-                           or default.max_pixels),
-            patch_size=int(fields.get("patch_size") or default.patch_size),
-            temporal_patch_size=int(fields.get("temporal_patch_size")
-                                    or default.temporal_patch_size),
-            merge_size=int(fields.get("merge_size") or default.merge_size),
-            image_mean=tuple(float(v) for v in fields.get("image_mean") or default.image_mean),
-            image_std=tuple(float(v) for v in fields.get("image_std") or default.image_std),
-            rescale_factor=float(fields.get("rescale_factor") or default.rescale_factor),
-            max_frames=int(fields.get("max_frames") or default.max_frames),
-            cap_pixels_per_frame=bool(fields.get("cap_pixels_per_frame") or False),
-            max_video_tokens=int(fields.get("max_video_tokens") or default.max_video_tokens))
+        common, fields = video_settings_fields(model_dir, default, pixels_over_size=False)
+        return cls(**common, max_frames=int(fields.get("max_frames") or default.max_frames))
 
 
 def resize_clip(frames: np.ndarray, settings: Qwen3VideoSettings, where: str) -> np.ndarray:
