@@ -26,14 +26,14 @@ from dataclasses import dataclass, field
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_scheduler_property import BASE, STOP, Row, expected_output, next_token
+from test_scheduler_property import BASE, STOP, Row, check_blocks, expected_output, next_token
 
 from mrv2.config import SchedulerConfig
 from mrv2.contract.kv_cache import AttentionChunk, first_visible
 from mrv2.contract.params import SamplingParams
 from mrv2.contract.requests import SchedulerOutput
 from mrv2.engine.block_manager import BlockManager
-from mrv2.engine.request import Request, RequestStatus
+from mrv2.engine.request import Request
 from mrv2.engine.scheduler import Scheduler
 
 
@@ -229,32 +229,7 @@ class DraftEngine:
 
 def check_invariants(engine: DraftEngine, out: SchedulerOutput, case: Case) -> None:
     """Block reference counts, the free list and the step's limits, after a step."""
-    scheduler, blocks = engine.scheduler, engine.scheduler.blocks
-    tables = scheduler.tables
-    holders = [0] * blocks.num_blocks
-    for request in scheduler.running:
-        assert request.status is RequestStatus.RUNNING
-        held = tables.held_hits(tables.tables(request),
-                                request.held_from or [0] * tables.num_tables)
-        assert len(set(held)) == len(held)
-        assert all(len(ids) == len(request.block_ids) for ids in tables.tables(request))
-        assert request.num_computed_tokens <= len(request.block_ids) * blocks.block_size
-        for block in held:
-            holders[block] += 1
-    for request in scheduler.waiting:
-        assert request.status is RequestStatus.WAITING
-        assert request.block_ids == [] and request.num_computed_tokens == 0
-        assert not any(request.extra_block_ids)
-    for request in [*scheduler.running, *scheduler.waiting]:
-        assert 0 <= request.num_computed_tokens <= request.num_tokens
-        assert 0 <= request.num_pending <= 1 + case.num_speculative_tokens
-    for request in engine.gone:
-        assert request.finished and request.block_ids == []
-    assert holders == blocks.ref_count
-    for block, count in enumerate(holders):
-        if count > 1:
-            assert blocks.block_hash[block] is not None, "shared block not from the cache"
-    assert sorted(blocks._free) == [b for b in range(blocks.num_blocks) if holders[b] == 0]
+    check_blocks(engine.scheduler, engine.gone, 1 + case.num_speculative_tokens)
     assert out.total_num_scheduled_tokens <= case.config.max_num_batched_tokens
     assert len(out.num_scheduled_tokens) <= case.config.max_num_seqs
     assert all(0 < d <= case.num_speculative_tokens for d in out.num_draft_tokens.values())

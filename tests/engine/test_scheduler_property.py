@@ -174,8 +174,11 @@ class FakeEngine:
                 del self.requests[req_id]
 
 
-def check_invariants(engine: FakeEngine, out: SchedulerOutput, config: SchedulerConfig) -> None:
-    scheduler, blocks = engine.scheduler, engine.scheduler.blocks
+def check_blocks(scheduler: Scheduler, gone: list[Request], max_pending: int = 1) -> None:
+    """After a step: every running request's blocks (each table's) counted once, waiting
+    and finished ones holding none, reference counts, the free list and the prefix cache
+    exact; at most ``max_pending`` tokens pending a request (1, or 1 + drafts)."""
+    blocks = scheduler.blocks
     holders = [0] * blocks.num_blocks
     tables = scheduler.tables
     for request in scheduler.running:
@@ -193,8 +196,8 @@ def check_invariants(engine: FakeEngine, out: SchedulerOutput, config: Scheduler
         assert not any(request.extra_block_ids)
     for request in [*scheduler.running, *scheduler.waiting]:
         assert 0 <= request.num_computed_tokens <= request.num_tokens
-        assert request.num_pending in (0, 1)
-    for request in engine.gone:
+        assert 0 <= request.num_pending <= max_pending
+    for request in gone:
         assert request.finished and request.block_ids == []
     assert holders == blocks.ref_count
     for block, count in enumerate(holders):
@@ -207,6 +210,10 @@ def check_invariants(engine: FakeEngine, out: SchedulerOutput, config: Scheduler
         assert blocks.block_hash[block] == block_hash
     if not blocks.enable_caching:
         assert not blocks._cached
+
+
+def check_invariants(engine: FakeEngine, out: SchedulerOutput, config: SchedulerConfig) -> None:
+    check_blocks(engine.scheduler, engine.gone)
     assert out.total_num_scheduled_tokens <= config.max_num_batched_tokens
     assert len(out.num_scheduled_tokens) <= config.max_num_seqs
     assert all(n > 0 for n in out.num_scheduled_tokens.values())
