@@ -5,6 +5,7 @@ The runner sets it around each forward; model code never passes metadata through
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -99,18 +100,25 @@ class BidirectionalSpan:
                              f">= 0 and end > first_position, got {self}")
 
 
-_CONTEXT: ForwardContext | None = None
+class _Local(threading.local):
+    context: ForwardContext | None = None
+
+
+#: The forward pass in progress, per thread: engines stepping in threads of one process (two
+#: ``LLM`` s, a server's engine beside a test's) each see their own.
+_LOCAL = _Local()
 
 
 @contextmanager
 def set_forward_context(context: ForwardContext) -> Iterator[None]:
-    """Make ``context`` visible to cache layers for the duration of the block."""
-    global _CONTEXT
-    previous, _CONTEXT = _CONTEXT, context
+    """Make ``context`` visible to cache layers for the duration of the block (in this
+    thread)."""
+    local = _LOCAL
+    previous, local.context = local.context, context
     try:
         yield
     finally:
-        _CONTEXT = previous
+        local.context = previous
 
 
 @contextmanager
@@ -131,7 +139,7 @@ def bidirectional_spans(spans: Sequence[BidirectionalSpan] | None) -> Iterator[N
 
 def current_forward_context() -> ForwardContext | None:
     """The context of the forward pass in progress, or None outside one."""
-    return _CONTEXT
+    return _LOCAL.context
 
 
 def real_token_count(num_rows: int) -> torch.Tensor | None:
@@ -142,7 +150,7 @@ def real_token_count(num_rows: int) -> torch.Tensor | None:
     Rows from it on are padding (a CUDA graph's: the requests past the real ones have empty
     queries): layers whose cost depends on the rows' values, like the routed experts, skip
     them on the device."""
-    ctx = _CONTEXT
+    ctx = _LOCAL.context
     if ctx is None or ctx.metadata.num_tokens != num_rows:
         return None
     md = ctx.metadata
@@ -151,9 +159,10 @@ def real_token_count(num_rows: int) -> torch.Tensor | None:
 
 def get_forward_context() -> ForwardContext:
     """The context of the forward pass in progress; raises outside one."""
-    if _CONTEXT is None:
+    ctx = _LOCAL.context
+    if ctx is None:
         raise RuntimeError(
             "attention layer called outside a forward pass: wrap the call in "
             "mrv2.attention.set_forward_context(...)"
         )
-    return _CONTEXT
+    return ctx
