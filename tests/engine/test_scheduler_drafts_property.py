@@ -19,21 +19,27 @@ it would produce alone, and no block may leak.
 from __future__ import annotations
 
 import random
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_scheduler_property import BASE, STOP, Row, check_blocks, expected_output, next_token
+from test_scheduler_property import (
+    BASE,
+    STOP,
+    FakeEngine,
+    Row,
+    check_blocks,
+    expected_output,
+    next_token,
+)
 
 from mrv2.config import SchedulerConfig
 from mrv2.contract.kv_cache import AttentionChunk, first_visible
-from mrv2.contract.params import SamplingParams
 from mrv2.contract.requests import SchedulerOutput
 from mrv2.engine.block_manager import BlockManager
-from mrv2.engine.request import Request
 from mrv2.engine.scheduler import Scheduler
 
 
@@ -161,50 +167,12 @@ class DraftRunner:
         return sampled
 
 
-class DraftEngine:
-    """``LLMEngine``'s loop over the scheduler: results processed one step late (async) or at
-    once, drafts corrected, requests finished on STOP or ``max_tokens``."""
+class DraftEngine(FakeEngine):
+    """:class:`FakeEngine` whose runner's results carry drafts: each request's kept tokens
+    and its draft count, the rejected drafts taken back (``Scheduler.correct``)."""
 
-    def __init__(self, scheduler: Scheduler, runner: DraftRunner, async_scheduling: bool) -> None:
-        self.scheduler = scheduler
-        self.runner = runner
-        self.async_scheduling = async_scheduling
-        self.requests: dict[str, Request] = {}
-        self.in_flight: deque[dict[str, tuple[list[int], int]]] = deque()
-        self.done: dict[str, list[int]] = {}
-        self.gone: list[Request] = []
-
-    def add(self, req_id: str, prompt: list[int], max_tokens: int) -> None:
-        request = Request(req_id=req_id, prompt_token_ids=prompt,
-                          sampling_params=SamplingParams(temperature=0.0), seed=0,
-                          eos_token_ids=frozenset(), max_tokens=max_tokens)
-        self.scheduler.add(request)
-        self.requests[req_id] = request
-
-    def abort(self, req_id: str) -> None:
-        request = self.requests.pop(req_id)
-        self.scheduler.finish(request, "abort")
-        self.gone.append(request)
-        if not self.has_unfinished():
-            self.runner.remove(self.scheduler.take_finished_ids())
-
-    def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self.in_flight)
-
-    def step(self) -> SchedulerOutput:
-        out = self.scheduler.schedule()
-        if out.num_scheduled_tokens:
-            self.in_flight.append(self.runner.execute(out))
-        else:
-            self.runner.remove(out.finished_req_ids)
-        keep = 1 if self.async_scheduling and out.num_scheduled_tokens else 0
-        while len(self.in_flight) > keep:
-            self._process(self.in_flight.popleft())
-        if not self.has_unfinished():
-            self.runner.remove(self.scheduler.take_finished_ids())
-        return out
-
-    def _process(self, sampled: dict[str, tuple[list[int], int]]) -> None:
+    def _process(self, sampled: Any) -> None:
+        """A step's result: ``{req_id: (kept tokens, drafts scheduled)}``."""
         for req_id, (tokens, num_drafts) in sampled.items():
             request = self.requests.get(req_id)
             if request is None:
@@ -212,19 +180,7 @@ class DraftEngine:
             if num_drafts:
                 self.scheduler.correct(request, num_drafts, len(tokens) - 1)
             request.num_pending -= len(tokens)
-            if request.finished:
-                continue
-            for token in tokens:
-                request.output_token_ids.append(token)
-                if token == STOP:
-                    self.scheduler.finish(request, "stop")
-                elif len(request.output_token_ids) >= request.max_tokens:
-                    self.scheduler.finish(request, "length")
-                if request.finished:
-                    self.done[req_id] = list(request.output_token_ids)
-                    self.gone.append(request)
-                    del self.requests[req_id]
-                    break
+            self._deliver(request, tokens)
 
 
 def check_invariants(engine: DraftEngine, out: SchedulerOutput, case: Case) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -110,23 +111,34 @@ class FakeRunner:
         return sampled
 
 
+class StepRunner(Protocol):
+    """What :class:`FakeEngine` drives: a fake runner's step and its row removal."""
+
+    def execute(self, out: SchedulerOutput) -> Any: ...
+
+    def remove(self, req_ids: list[str]) -> None: ...
+
+
 class FakeEngine:
-    def __init__(self, scheduler: Scheduler, runner: FakeRunner, async_scheduling: bool) -> None:
+    """``LLMEngine``'s loop over the scheduler: results processed one step late (async) or at
+    once, requests finished on STOP or ``max_tokens``."""
+
+    def __init__(self, scheduler: Scheduler, runner: StepRunner, async_scheduling: bool) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.async_scheduling = async_scheduling
         self.requests: dict[str, Request] = {}
-        self.in_flight: deque[dict[str, int]] = deque()
+        self.in_flight: deque[Any] = deque()  # (the runner's results, a step each)
         self.done: dict[str, list[int]] = {}
         self.gone: list[Request] = []
         self.scheduled_running: set[str] = set()
 
-    def add(self, req_id: str, prompt: list[int], max_tokens: int, priority: int,
-            items: list[MultiModalItem]) -> None:
+    def add(self, req_id: str, prompt: list[int], max_tokens: int, priority: int = 0,
+            items: list[MultiModalItem] | None = None) -> None:
         request = Request(req_id=req_id, prompt_token_ids=prompt,
                           sampling_params=SamplingParams(temperature=0.0), seed=0,
                           eos_token_ids=frozenset(), max_tokens=max_tokens, priority=priority,
-                          mm_items=items)
+                          mm_items=items or [])
         self.scheduler.add(request)
         self.requests[req_id] = request
 
@@ -155,23 +167,29 @@ class FakeEngine:
             self.runner.remove(self.scheduler.take_finished_ids())
         return out
 
-    def _process(self, sampled: dict[str, int]) -> None:
+    def _process(self, sampled: Any) -> None:
+        """A step's result: ``{req_id: token}`` (a runner without drafts)."""
         for req_id, token in sampled.items():
             request = self.requests.get(req_id)
-            if request is None:
-                continue
-            request.num_pending -= 1
-            if request.finished:
-                continue
+            if request is not None:
+                request.num_pending -= 1
+                self._deliver(request, [token])
+
+    def _deliver(self, request: Request, tokens: list[int]) -> None:
+        """A live request's tokens of a step, until it finishes (STOP or ``max_tokens``)."""
+        if request.finished:
+            return
+        for token in tokens:
             request.output_token_ids.append(token)
             if token == STOP:
                 self.scheduler.finish(request, "stop")
             elif len(request.output_token_ids) >= request.max_tokens:
                 self.scheduler.finish(request, "length")
             if request.finished:
-                self.done[req_id] = list(request.output_token_ids)
+                self.done[request.req_id] = list(request.output_token_ids)
                 self.gone.append(request)
-                del self.requests[req_id]
+                del self.requests[request.req_id]
+                return
 
 
 def check_blocks(scheduler: Scheduler, gone: list[Request], max_pending: int = 1) -> None:
@@ -240,8 +258,8 @@ def test_scheduler_invariants_and_outputs(data: st.DataObject) -> None:
                                          (None, window, window)]), label="tables")
     blocks = BlockManager(num_blocks, block_size, enable_caching=caching)
     scheduler = Scheduler(config, blocks, table_windows=windows)
-    engine = FakeEngine(scheduler, FakeRunner(block_size, num_blocks, windows),
-                        config.async_scheduling)
+    runner = FakeRunner(block_size, num_blocks, windows)
+    engine = FakeEngine(scheduler, runner, config.async_scheduling)
     added: dict[str, tuple[list[int], int]] = {}
     aborted: set[str] = set()
     num_steps = data.draw(st.integers(1, 40), label="steps")
@@ -280,7 +298,7 @@ def test_scheduler_invariants_and_outputs(data: st.DataObject) -> None:
     event(f"images: {images}")
     event(f"tables: {len(windows)}, sliding: {windows[-1] is not None}, "
           f"chunked: {isinstance(window, AttentionChunk)}")
-    assert engine.runner.rows == {}
+    assert runner.rows == {}
     assert blocks.num_free_blocks == num_blocks and not any(blocks.ref_count)
     for req_id, (prompt, max_tokens) in added.items():
         if req_id in aborted:
