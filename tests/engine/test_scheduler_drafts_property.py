@@ -31,6 +31,7 @@ from test_scheduler_property import (
     STOP,
     FakeEngine,
     Row,
+    apply_tables,
     check_blocks,
     expected_output,
     next_token,
@@ -98,20 +99,7 @@ class DraftRunner:
 
     def execute(self, out: SchedulerOutput) -> dict[str, tuple[list[int], int]]:
         """Run a step; per request that sampled: its kept tokens and its drafts' count."""
-        self.remove(out.finished_req_ids)
-        for new in out.new_requests:
-            assert new.req_id not in self.rows
-            assert len(new.extra_block_ids) == len(self.windows) - 1
-            self.rows[new.req_id] = Row(
-                list(new.token_ids), [list(new.block_ids), *map(list, new.extra_block_ids)],
-                new.num_computed_tokens)
-        for req_id, blocks in out.new_block_ids.items():
-            self.rows[req_id].tables[0] += blocks
-            extra = out.new_extra_block_ids.get(req_id, [])
-            assert len(extra) == len(self.windows) - 1
-            for ids, more in zip(self.rows[req_id].tables[1:], extra, strict=True):
-                ids += more
-        assert set(out.new_extra_block_ids) <= set(out.new_block_ids)
+        apply_tables(self.rows, len(self.windows), out)
         assert set(out.num_draft_tokens) <= set(out.num_scheduled_tokens)
         running = {r.req_id: r for r in self.scheduler.running}
         size = self.block_size

@@ -70,21 +70,7 @@ class FakeRunner:
             del self.rows[req_id]
 
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        self.remove(out.finished_req_ids)
-        for new in out.new_requests:
-            assert new.req_id not in self.rows
-            assert len(new.extra_block_ids) == len(self.windows) - 1
-            self.rows[new.req_id] = Row(
-                list(new.token_ids), [list(new.block_ids), *map(list, new.extra_block_ids)],
-                new.num_computed_tokens,
-                [(i.offset, i.offset + i.length) for i in new.mm_items if i.bidirectional])
-        for req_id, blocks in out.new_block_ids.items():
-            self.rows[req_id].tables[0] += blocks
-            extra = out.new_extra_block_ids.get(req_id, [])
-            assert len(extra) == len(self.windows) - 1
-            for ids, more in zip(self.rows[req_id].tables[1:], extra, strict=True):
-                ids += more
-        assert set(out.new_extra_block_ids) <= set(out.new_block_ids)
+        apply_tables(self.rows, len(self.windows), out)
         sampled = {}
         size = self.block_size
         for req_id, n in out.num_scheduled_tokens.items():
@@ -109,6 +95,27 @@ class FakeRunner:
                 row.tokens.append(token)
                 sampled[req_id] = token
         return sampled
+
+
+def apply_tables(rows: dict[str, Row], num_tables: int, out: SchedulerOutput) -> None:
+    """A fake runner's rows after a step's scheduler output: finished ones removed, new ones
+    added, every table extended by the step's new blocks (``num_tables`` tables each)."""
+    for req_id in out.finished_req_ids:
+        del rows[req_id]
+    for new in out.new_requests:
+        assert new.req_id not in rows
+        assert len(new.extra_block_ids) == num_tables - 1
+        rows[new.req_id] = Row(
+            list(new.token_ids), [list(new.block_ids), *map(list, new.extra_block_ids)],
+            new.num_computed_tokens,
+            [(i.offset, i.offset + i.length) for i in new.mm_items if i.bidirectional])
+    for req_id, blocks in out.new_block_ids.items():
+        rows[req_id].tables[0] += blocks
+        extra = out.new_extra_block_ids.get(req_id, [])
+        assert len(extra) == num_tables - 1
+        for ids, more in zip(rows[req_id].tables[1:], extra, strict=True):
+            ids += more
+    assert set(out.new_extra_block_ids) <= set(out.new_block_ids)
 
 
 class StepRunner(Protocol):
