@@ -486,10 +486,9 @@ def create_app(engine: LLMEngine | RemoteEngine,
         ids = body.truncate(ids)
         validate(ids, params, body)
         if body.use_beam_search:
+            # (a structured output, stop strings, biases...: refused with the params)
             for name, bad in (("stream", body.stream), ("logprobs", body.logprobs),
-                              ("tools", bool(body.tools)), ("echo", body.echo),
-                              (body.structured_source() or "response_format",
-                               params.structured_outputs is not None)):
+                              ("tools", bool(body.tools)), ("echo", body.echo)):
                 if bad:
                     raise APIError(400, f"{name}: not with use_beam_search", param=name)
             return await beam_answer(request, body, params, [ids], True)
