@@ -6,6 +6,7 @@
 # firststeps (scripts/probe_first_steps.py: TTFT step by step and host part, MRV2_PDL_GEMM off and on),
 # coldstart (scripts/probe_cold_start.py: the first request of each kind on an empty Triton cache, warm-up off and on),
 # gcgen0 (MRV2_GC_GEN0_THRESHOLD=20000 against Python's own, 256 streams through mrv2 serve),
+# verify45 (what the forty-fourth session's calls left: hybrid GPU tests, sanitizer, Qwen-VL videos, engine tests),
 # verify26 (the twenty-sixth session's CPU-only work on the GPU: cold start, engine/sampler/VL tests, start-up log),
 # startup (scripts/probe_startup.py: where start-up goes, cold and warm Triton cache),
 # structured (scripts/probe_structured.py: JSON-schema batches, late masks against waiting, and free),
@@ -427,6 +428,23 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
               done; done; done
               timeout "$(left 240)" python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_qwen_vl_video.py \
                 2>&1 | tee "$OUT/qwen_vl_videos.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -8 ;;
+    verify45) # what the forty-fourth session's calls left, most needed first, within VERIFY_S
+              # seconds (default 540): the hybrid families' GPU tests on the final code (the
+              # snapshot-slot fix, the chunked threshold 64, the scan's 4-warp default), the
+              # scan's default launch under compute-sanitizer, the Qwen-VL video GPU tests, then
+              # the engine's GPU tests (the forward context per thread)
+              end=$(( $(date +%s) + ${VERIFY_S:-540} ))
+              left() { local l=$(( end - $(date +%s) )); [ "$l" -lt "$1" ] && echo $(( l > 1 ? l : 1 )) || echo "$1"; }
+              timeout "$(left 240)" python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_qwen3_next.py \
+                tests/gpu/test_gpu_nemotron_h.py tests/gpu/test_gpu_mamba2.py 2>&1 \
+                | tee "$OUT/hybrid_gpu_tests.log" | grep -E "FAILED|ERROR|passed|failed" | tail -8
+              CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+              [ -n "$CS" ] && timeout "$(left 100)" "$CS" --print-limit 5 python3 scripts/bench_delta_rule.py \
+                --case "8 x 512" 2>&1 | tee "$OUT/sanitizer.log" | grep -E "ERROR SUMMARY|Invalid" | head -6
+              timeout "$(left 200)" python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_qwen_vl_video.py \
+                2>&1 | tee "$OUT/qwen_vl_videos.log" | grep -E "FAILED|ERROR|passed|failed" | tail -6
+              timeout "$(left 200)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_engine.py \
+                2>&1 | tee "$OUT/engine_gpu_tests.log" | grep -E "^FAILED|^ERROR|passed|failed" | tail -6 ;;
     deltabench) # scripts/bench_delta_rule.py: the token-serial delta rule against the chunked
                 # one on prefill-shaped steps (checked against each other first), then the
                 # chunked kernel's tests compiled for CUDA
