@@ -149,7 +149,7 @@ def _int_tile(words: tl.tensor, zeros_ptrs: tl.tensor, mask_n: tl.tensor,
               BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr,
               BLOCK_N: tl.constexpr, FP4: tl.constexpr = False, scale_ptrs: tl.tensor = None,
               scale_s2: int = 0, GROUP: tl.constexpr = 32,
-              MAGIC: tl.constexpr = False) -> tl.tensor:
+              MAGIC: tl.constexpr = False, k_left: int = 0) -> tl.tensor:
     """``[BLOCK_K, BLOCK_N]`` int32 ``q - zero`` of ``words`` ``[BLOCK_K / pack, BLOCK_N]``
     (each word's integers spread along K), the columns' zero points at ``zeros_ptrs``;
     ``FP4``: the codes' e2m1 values (fp32, exact in bf16). ``FP4`` with ``BLOCK_K > GROUP``:
@@ -158,14 +158,18 @@ def _int_tile(words: tl.tensor, zeros_ptrs: tl.tensor, mask_n: tl.tensor,
     ``e2m1 * 2 ** (s - 127)``, still exact in bf16 (a power of two changes only the exponent;
     flushed to 0 where it would be subnormal, ``s = 0`` reads as 0 as :func:`e8m0_scales`);
     with ``MAGIC`` the value is built from its bits and multiplied by the e8m0 scale read as an
-    fp32 (:func:`~mrv2_kernels.int_bits.e2m1`: two exact multiplications, subnormals kept)."""
+    fp32 (:func:`~mrv2_kernels.int_bits.e2m1`: two exact multiplications, subnormals kept).
+    ``k_left``: the inputs from the step's start to K's end; the scales of groups past it are
+    not read (past the tensor's last group, or its end: a byte 255 there is 2 ** 128 as an
+    fp32, and the masked code's 0 times it NaN)."""
     PACK: tl.constexpr = 32 // BITS
     shifts = (tl.arange(0, PACK) * BITS)[None, :, None]
     q = (words[:, None, :] >> shifts) & ((1 << BITS) - 1)  # [BLOCK_K / PACK, PACK, BLOCK_N]
     if FP4 and BLOCK_K > GROUP:  # each word row's group's e8m0 scale
         word_group = tl.arange(0, BLOCK_K // PACK) // (GROUP // PACK)
         s = tl.load(scale_ptrs[None, :] + word_group[:, None] * scale_s2,
-                    mask=mask_n[None, :], other=0).to(tl.int32)[:, None, :]
+                    mask=(word_group * GROUP < k_left)[:, None] & mask_n[None, :],
+                    other=0).to(tl.int32)[:, None, :]
     if FP4 and MAGIC and BLOCK_K > GROUP:
         scale = (s << 23).to(tl.float32, bitcast=True)  # 2 ** (s - 127); 0: 0
         out = tl.reshape(e2m1(q) * scale, (BLOCK_K, BLOCK_N))

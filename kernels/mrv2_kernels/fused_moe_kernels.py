@@ -168,9 +168,9 @@ def _moe_gate_up_kernel(
             a_in = a.to(tl.float32) if UPCAST else a
             if BLOCK_K > W_BK:  # MXFP4 over several groups: the scales are in the weights
                 g = _int_tile(g, gz_ptrs, mask_n, BITS, False, BLOCK_K, BLOCK_N, True,
-                              gs_ptrs + grp, ws_s2, W_BK, INT_MAGIC)
+                              gs_ptrs + grp, ws_s2, W_BK, INT_MAGIC, hidden - k0)
                 u = _int_tile(u, uz_ptrs, mask_n, BITS, False, BLOCK_K, BLOCK_N, True,
-                              us_ptrs + grp, ws_s2, W_BK, INT_MAGIC)
+                              us_ptrs + grp, ws_s2, W_BK, INT_MAGIC, hidden - k0)
                 acc_gate = tl.dot(a_in, g.to(a_in.dtype), acc_gate,
                                   input_precision=DOT_PRECISION)
                 acc_up = tl.dot(a_in, u.to(a_in.dtype), acc_up, input_precision=DOT_PRECISION)
@@ -315,7 +315,7 @@ def _moe_down_kernel(
             a_in = a.to(tl.float32) if UPCAST else a
             if BLOCK_K > W_BK:  # MXFP4 over several groups: the scales are in the weights
                 w = _int_tile(w, z_ptrs, mask_n, BITS, False, BLOCK_K, BLOCK_N, True,
-                              s_ptrs + grp, ws_s2, W_BK, INT_MAGIC)
+                              s_ptrs + grp, ws_s2, W_BK, INT_MAGIC, inter - k0)
                 acc = tl.dot(a_in, w.to(a_in.dtype), acc, input_precision=DOT_PRECISION)
             else:
                 acc = _int_step(acc, a_in, w, z_ptrs + grp, s_ptrs + grp, mask_n, BITS,

@@ -156,6 +156,15 @@ def _mxfp4(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks, scales
 
 
+def _past_k_255(scales: torch.Tensor) -> torch.Tensor:
+    """``scales`` (contiguous) followed in memory by bytes 255 (2 ** 128 read as an fp32):
+    what a K step past the last column's last group would read."""
+    memory = torch.full((scales.numel() + 64,), 255, dtype=torch.uint8)
+    out = memory[:scales.numel()].view(scales.shape)
+    out.copy_(scales)
+    return out
+
+
 def test_mxfp4_dequantization_is_hfs() -> None:
     """Codes unpacked from the checkpoint's bytes, packed along K, dequantized: HF's own
     MXFP4 conversion (which returns the transposed ``[E, K, N]``)."""
@@ -222,8 +231,10 @@ def test_mxfp4_triton_matches_reference(tokens: int, dtype: torch.dtype, valid: 
     want = fused_moe_ref(x, w13, w2, weights, ids, int_experts=ints, epilogue=epi,
                          valid_tokens=valid_t)
     on = [t.to(DEVICE) for t in (x, w13, w2, weights, ids)]
+    # (the scales end on bytes 255: a step past K reading its groups' scales NaNs)
     got = fused_moe_triton(
-        *on, int_experts=IntExperts(s13.to(DEVICE), s2.to(DEVICE), None, None, 4, 32, fp4=True),
+        *on, int_experts=IntExperts(_past_k_255(s13).to(DEVICE), _past_k_255(s2).to(DEVICE),
+                                    None, None, 4, 32, fp4=True),
         epilogue=Epilogue("swigluoai", 7.0, epi.w13_bias.to(DEVICE),  # type: ignore[union-attr]
                           epi.w2_bias.to(DEVICE)),  # type: ignore[union-attr]
         block_k1=block_k, block_k2=block_k, int_magic=magic is True, int_gemv=magic == "gemv",
