@@ -38,7 +38,7 @@ from mrv2.entrypoints.openai_embeddings import (
     input_items,
 )
 from mrv2.entrypoints.responses import APIError
-from mrv2.entrypoints.whole_answers import embed_through
+from mrv2.entrypoints.whole_answers import embed_through, unless_disconnected
 
 __all__ = ["ClassifyRequest", "PoolRequest", "RerankRequest", "ScoreRequest",
            "add_pooling_routes"]
@@ -99,8 +99,10 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
             raise APIError(400, str(error), param="input") from None
         return [body.truncate(encode(item)) for item in items]
 
-    async def pool(body: PoolingRequest, prompts: list[list[int]], pooling: PoolingParams,
-                   field: str) -> list[list[float]]:
+    async def pool(request: Request, body: PoolingRequest, prompts: list[list[int]],
+                   pooling: PoolingParams, field: str) -> list[list[float]]:
+        """Each prompt's pooled data; its requests aborted the moment the client leaves (a
+        499 nobody reads)."""
         lora = lora_of(body)
         if worker.unavailable is not None:  # (asleep: the engine would refuse it)
             raise APIError(503, worker.unavailable, "service_unavailable")
@@ -110,9 +112,13 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
                 engine.validate(ids, params, lora, pooling=True)
         except ValueError as error:
             raise APIError(400, str(error), param=field) from None
-        return await embed_through(worker, prompts, params, lora, pooling)
+        data = await unless_disconnected(request, embed_through(worker, prompts, params, lora,
+                                                                pooling))
+        if data is None:
+            raise APIError(499, "the client disconnected")
+        return data
 
-    async def scores(body: PoolingRequest, firsts: list[str | list[int]],
+    async def scores(request: Request, body: PoolingRequest, firsts: list[str | list[int]],
                      seconds: list[str | list[int]], names: tuple[str, str]
                      ) -> tuple[list[float], int]:
         """Each pair's score and the prompt tokens read."""
@@ -124,12 +130,12 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
         if engine.num_labels is None:  # an embedding model: the cosine of the two
             prompts = [body.truncate(encode(x)) for x in
                        [a for a, _ in pairs] + [b for _, b in pairs]]
-            vectors = await pool(body, prompts, PoolingParams(), names[1])
+            vectors = await pool(request, body, prompts, PoolingParams(), names[1])
             n = len(pairs)
             return ([cosine(a, b) for a, b in zip(vectors[:n], vectors[n:], strict=True)],
                     sum(map(len, prompts)))
         joined = [body.truncate(encode(a) + encode(b, special=False)) for a, b in pairs]
-        probs = await pool(body, joined, PoolingParams(task="classify"), names[1])
+        probs = await pool(request, body, joined, PoolingParams(task="classify"), names[1])
         return [p[0] for p in probs], sum(map(len, joined))
 
     def head(body: PoolingRequest, kind: str) -> dict[str, Any]:
@@ -154,7 +160,7 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
         except ValueError as error:
             raise APIError(400, str(error), param="dimensions") from None
         prompts = [body.truncate(encode(item)) for item in items]
-        vectors = await pool(body, prompts, pooling, "input")
+        vectors = await pool(request, body, prompts, pooling, "input")
         lora = lora_of(body)
         return embedding_response(vectors, sum(map(len, prompts)),
                                   lora.lora_name if lora else model_name,
@@ -166,7 +172,7 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
         """Each input's label probabilities (a sequence classifier)."""
         body: ClassifyRequest = await parse(request, ClassifyRequest)
         prompts = prompts_of(body)
-        probs = await pool(body, prompts, PoolingParams(task="classify"), "input")
+        probs = await pool(request, body, prompts, PoolingParams(task="classify"), "input")
         names = engine.id2label
         data = []
         for index, p in enumerate(probs):
@@ -187,7 +193,7 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
         except ValueError as error:
             raise APIError(400, str(error), param="dimensions" if "dimensions" in str(error)
                            else "task") from None
-        data = await pool(body, prompts, pooling, "input")
+        data = await pool(request, body, prompts, pooling, "input")
         return {**head(body, "pool"),
                 "data": [{"index": i, "object": "pooling", "data": d}
                          for i, d in enumerate(data)],
@@ -201,7 +207,7 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
             seconds = input_items(body.text_2, "text_2")
         except ValueError as error:
             raise APIError(400, str(error), param=str(error).split(" ", 1)[0]) from None
-        values, tokens = await scores(body, firsts, seconds, ("text_1", "text_2"))
+        values, tokens = await scores(request, body, firsts, seconds, ("text_1", "text_2"))
         return {**head(body, "score"),
                 "data": [{"index": i, "object": "score", "score": v}
                          for i, v in enumerate(values)],
@@ -217,7 +223,7 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
             raise APIError(400, str(error), param=str(error).split(" ", 1)[0]) from None
         if not documents:
             raise APIError(400, "documents must hold at least one document", param="documents")
-        values, tokens = await scores(body, query, documents, ("query", "documents"))
+        values, tokens = await scores(request, body, query, documents, ("query", "documents"))
         order = sorted(range(len(values)), key=lambda i: -values[i])
         if body.top_n:
             order = order[: body.top_n]
