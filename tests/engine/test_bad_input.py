@@ -49,6 +49,15 @@ def llm(ckpt: Path) -> LLM:
         ({"top_p": 1e-46}, "top_p"),
         ({"repetition_penalty": float("inf")}, "repetition_penalty"),
         ({"min_p": float("nan")}, "min_p"),
+        # a bool is no count of tokens (True was taken as 1), and a single value where a
+        # list belongs is named (it raised "'int' object is not iterable")
+        ({"max_tokens": True}, "max_tokens"),
+        ({"min_tokens": True}, "min_tokens"),
+        ({"top_k": True}, "top_k"),
+        ({"seed": False}, "seed"),
+        ({"stop_token_ids": [True]}, "stop_token_ids"),
+        ({"stop_token_ids": 2}, "stop_token_ids"),
+        ({"stop": 5}, "stop"),
     ],
 )
 def test_invalid_sampling_params(kwargs: dict[str, object], message: str) -> None:
@@ -109,6 +118,16 @@ def test_one_bad_prompt_runs_nothing_and_engine_keeps_serving(llm: LLM) -> None:
                 finished[out.request_id] = out.outputs[0].token_ids
     expected = llm.generate(good, params, use_tqdm=False)[0].outputs[0].token_ids
     assert finished == {first: expected}
+
+
+def test_a_prompt_refused_while_queueing_leaves_none_queued(llm: LLM) -> None:
+    """A refusal that comes only as the prompts are queued (bad words, and this model has no
+    tokenizer) aborts the prompts queued before it: none stays behind to run in a later
+    call."""
+    params = [SamplingParams(max_tokens=4), SamplingParams(max_tokens=4, bad_words=["x"])]
+    with pytest.raises(ValueError, match="bad_words"):
+        llm.generate([{"prompt_token_ids": [3, 4, 5]}] * 2, params, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
 
 
 def test_a_penalty_past_the_counters_limit_is_refused_at_submission(

@@ -319,6 +319,22 @@ def test_stop_strings_agree_across_paths(tok: Tokenizer) -> None:
         assert not any(s in full[:start] for s in stops)  # none occurs wholly before it
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_in_a_held_byte_run(decode_stream: bool, include: bool) -> None:
+    """A stop string whose text is still held (a byte run waits for the token that ends it)
+    stops the request on the token that completes it, as vLLM's: the run is never cut short
+    of it, and its text never reaches the output unless included."""
+    tok = _get("sentencepiece_llama")
+    newline = int(tok.hf.get_vocab()["<0x0A>"])
+    det = _detok(tok, decode_stream)
+    det.add_tokens(tok.encode("Hi", add_special_tokens=False))
+    assert det.check_stop(["\n"], include) is None
+    det.add_tokens([newline])
+    assert det.check_stop(["\n"], include) == "\n"
+    assert det.output_text == ("Hi\n" if include else "Hi")
+    assert det.flush() == "" and det.stream_delta(finished=True) == det.output_text
+
+
 def test_stop_search_region_is_bounded() -> None:
     """Only the last delta and len(stop) - 1 characters before it are searched."""
     tok = _get("char_level")

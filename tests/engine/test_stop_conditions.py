@@ -136,6 +136,24 @@ def test_stop_string_across_tokens(llm: LLM, free_run: list[int]) -> None:
     assert kept.text == full[: at + len(stop)]
 
 
+def test_stop_string_of_byte_fallback_tokens(tmp_path: Path) -> None:
+    """A stop string a byte-fallback token makes (Llama-2's "\\n" is ``<0x0A>``) stops the
+    request on that token: the detokenizer holds a byte run back until it ends, which must
+    neither let the request run on (up to a whole run) nor put the stop string in the text."""
+    from mrv2.bench.detokenize import sentencepiece_bpe
+
+    tokenizer = sentencepiece_bpe()
+    path = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM", vocab_size=len(tokenizer))
+    tokenizer.hf.save_pretrained(str(path))
+    newline = int(tokenizer.hf.get_vocab()["<0x0A>"])
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=3, stop=["\n"],
+                            allowed_token_ids=[newline])
+    out = llm.generate("Hi", params, use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.text) == ([newline], "")
+    assert (out.finish_reason, out.stop_reason) == ("stop", "\n")
+
+
 def test_abort_frees_everything_and_spares_others(llm: LLM, free_run: list[int]) -> None:
     engine = llm.engine
     tokenizer = llm.get_tokenizer()
@@ -163,6 +181,21 @@ def test_chat_uses_template(llm: LLM) -> None:
     out = llm.chat([{"role": "user", "content": "Hello"}], params, use_tqdm=False)[0]
     expected = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "Hello"}])
     assert out.prompt_token_ids == expected
+    assert out.prompt == "<|user|>Hello</s><|assistant|>"  # the rendered text, as vLLM's
+
+
+def test_chat_continues_the_final_message(llm: LLM) -> None:
+    """vLLM's ``LLM.chat(continue_final_message=True)``: the reply goes on from the last
+    (assistant) message, its end-of-turn left out; refused beside add_generation_prompt."""
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Pa"}]
+    out = llm.chat(messages, params, use_tqdm=False, add_generation_prompt=False,
+                   continue_final_message=True)[0]
+    tokenizer = llm.get_tokenizer()
+    assert tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False).endswith(
+        "<|assistant|>Pa")
+    with pytest.raises(ValueError, match="continue_final_message"):
+        llm.chat(messages, params, use_tqdm=False, continue_final_message=True)
 
 
 def test_streaming_deltas_add_up(llm: LLM, free_run: list[int]) -> None:

@@ -10,7 +10,7 @@ import dataclasses
 import enum
 import json as _json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 _GREEDY_EPS = 1e-5
 #: Most top-k logprobs a request may ask for (vLLM's default ``max_logprobs``).
@@ -140,6 +140,10 @@ class SamplingParams:
     _reasoning: str | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        _check(self.stop is None or isinstance(self.stop, (str, list, tuple)), "stop",
+               self.stop, "a non-empty string or a list of non-empty strings")
+        _check(self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)),
+               "stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -156,16 +160,15 @@ class SamplingParams:
                self.temperature, "a finite number >= 0 (0 means greedy; at most 3.4e38)")
         _check(_is_number(self.top_p) and F32_TINY <= self.top_p <= 1.0, "top_p", self.top_p,
                "a number in (0, 1] (at least 1.2e-38, float32's smallest normal)")
-        _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", self.top_k,
+        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", self.top_k,
                "an integer >= 1, or 0 / -1 to disable")
         _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", self.min_p,
                "a number in [0, 1]")
-        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63),
                "seed", self.seed, "None or an integer in [0, 2**63)")
-        _check(self.max_tokens is None or (isinstance(self.max_tokens, int)
-                                           and self.max_tokens >= 1),
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
                "max_tokens", self.max_tokens, "None or an integer >= 1")
-        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
                self.min_tokens, "an integer >= 0")
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
@@ -173,7 +176,7 @@ class SamplingParams:
         assert isinstance(self.stop, list) and isinstance(self.stop_token_ids, list)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
                "a non-empty string or a list of non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+        _check(all(_is_token(t) for t in self.stop_token_ids),
                "stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -250,8 +253,13 @@ def derive_seed(seed: int, index: int) -> int:
     return (x ^ (x >> 29)) & (2**63 - 1)
 
 
+def _is_int(value: object) -> TypeGuard[int]:
+    """An int, not a bool (``True`` is no count of tokens)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _is_token(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return _is_int(value) and value >= 0
 
 
 #: float32's largest finite value: the sampler keeps every float parameter in float32, so a

@@ -235,10 +235,7 @@ class IncrementalDetokenizer:
         """Release text held back at the end (an incomplete character becomes U+FFFD)."""
         if self.stop_reason is not None or self._read_offset == len(self._ids):
             return ""
-        window = self._ids[self._prefix_offset :]
-        read = self._read_offset - self._prefix_offset
-        prefix_text = self._decode(window[:read]) if read else ""
-        delta = self._decode(window)[len(prefix_text) :]
+        delta = self._held_text()
         self._prefix_offset = self._read_offset
         self._read_offset = self._fed = len(self._ids)
         self._byte_run = 0
@@ -247,14 +244,26 @@ class IncrementalDetokenizer:
         self._append(delta)
         return delta
 
+    def _held_text(self) -> str:
+        """The text held back now (a byte run, an incomplete character): what :meth:`flush`
+        would release; "" when nothing is held."""
+        if self._read_offset == len(self._ids):
+            return ""
+        window = self._ids[self._prefix_offset :]
+        read = self._read_offset - self._prefix_offset
+        prefix_text = self._decode(window[:read]) if read else ""
+        return self._decode(window)[len(prefix_text) :]
+
     # -- stop strings ---------------------------------------------------------------------
 
     def check_stop(
         self, stop: Sequence[str], include_stop_str_in_output: bool = False
     ) -> str | None:
-        """Find the earliest stop string that ends in the text of the last ``add_tokens``.
+        """Find the earliest stop string that ends in the text of the last ``add_tokens``, or
+        in the text held back (a byte run, an incomplete character: what :meth:`flush` would
+        release), which then joins the output.
 
-        Only that delta plus ``max(len(s) for s in stop) - 1`` characters before it can hold a
+        Only that text plus ``max(len(s) for s in stop) - 1`` characters before it can hold a
         new match, so only that region is searched: call this after every ``add_tokens`` (text
         of calls not followed by a check, e.g. under ``min_tokens``, is never matched). On a
         match ``output_text`` is truncated before the stop string (after it with
@@ -264,10 +273,15 @@ class IncrementalDetokenizer:
         if self.stop_reason is not None:
             return self.stop_reason
         stops = [s for s in stop if s]
-        if not stops or self._delta_start >= self._length:
+        if not stops:
             return None
-        start = max(0, self._delta_start - (max(len(s) for s in stops) - 1))
-        region = self._tail(start)
+        # Text held back (a byte run waits for the token that ends it) counts: were the output
+        # to end here, it would be released, so a stop string in it stops the request now.
+        held = self._held_text()
+        if self._delta_start >= self._length and not held:
+            return None
+        start = max(0, min(self._delta_start, self._length) - (max(len(s) for s in stops) - 1))
+        region = self._tail(start) + held
         best: tuple[int, str] | None = None
         for s in stops:
             index = region.find(s)
@@ -275,6 +289,8 @@ class IncrementalDetokenizer:
                 best = (index, s)
         if best is None:
             return None
+        if held:
+            self.flush()  # the output ends here: its held text joins it
         index, matched = best
         end = start + index + (len(matched) if include_stop_str_in_output else 0)
         text = self.output_text[:end]

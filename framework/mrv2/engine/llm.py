@@ -353,6 +353,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, with the chat template.
 
@@ -361,9 +362,16 @@ class LLM:
         {"url": "data:..."}}`` or ``{"type": "input_audio", "input_audio": {"data": "<base64
         WAV>", "format": "wav"}}`` (:mod:`mrv2.engine.media`), for a multimodal model.
         ``chat_template_kwargs``: the template's own variables, as vLLM's (Qwen3:
-        ``{"enable_thinking": False}``); ValueError naming the field on a reserved name."""
+        ``{"enable_thinking": False}``); ValueError naming the field on a reserved name.
+        ``continue_final_message``: the reply continues the last message (an assistant's
+        prefill) instead of starting a new one; needs ``add_generation_prompt=False``."""
         tokenizer = self._require_tokenizer()
         template_kwargs = check_template_kwargs(chat_template_kwargs)
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ValueError("continue_final_message=True needs add_generation_prompt="
+                                 "False (the reply continues the last message)")
+            template_kwargs["continue_final_message"] = True
         conversations = cast(
             list[list[dict[str, Any]]],
             messages if messages and isinstance(messages[0], list) else [messages],
@@ -372,9 +380,12 @@ class LLM:
         prompts: list[Prompt] = []
         for conversation in conversations:
             template_messages, mm_data = split_chat_media(conversation, allow_remote)
+            text = tokenizer.render_chat_template(template_messages, add_generation_prompt,
+                                                  **template_kwargs)
+            # (as vLLM's: the output's ``prompt`` is the rendered text; it carries any BOS)
             prompt: dict[str, Any] = {
-                "prompt_token_ids": tokenizer.apply_chat_template(
-                    template_messages, add_generation_prompt, **template_kwargs)
+                "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False),
+                "prompt": text,
             }
             if any(mm_data.values()):
                 prompt["multi_modal_data"] = {key: items for key, items in mm_data.items()
@@ -417,17 +428,16 @@ class LLM:
         if engine.is_paused():  # (its steps would never run)
             raise RuntimeError("the engine is paused (pause_generation): "
                                "continue_generation() first")
-        ids = [
-            engine.add_request(token_ids, params, prompt=text, mm_items=items,
-                               lora_request=lora, pooling_params=pooling)
+        ids: list[str] = []
+        results: list[RequestOutput | None] = [None] * len(encoded)
+        bar = tqdm(total=len(encoded), desc="Generating", unit="req",
+                   disable=not use_tqdm or len(encoded) < _TQDM_MIN_REQUESTS)
+        try:  # (a request refused while queueing: the ones queued before it are aborted)
             for (token_ids, text, items), params, lora in zip(encoded, params_list, loras,
-                                                               strict=True)
-        ]
-        order = {req_id: i for i, req_id in enumerate(ids)}
-        results: list[RequestOutput | None] = [None] * len(ids)
-        bar = tqdm(total=len(ids), desc="Generating", unit="req",
-                   disable=not use_tqdm or len(ids) < _TQDM_MIN_REQUESTS)
-        try:
+                                                              strict=True):
+                ids.append(engine.add_request(token_ids, params, prompt=text, mm_items=items,
+                                              lora_request=lora, pooling_params=pooling))
+            order = {req_id: i for i, req_id in enumerate(ids)}
             while engine.has_unfinished():
                 for output in engine.step():
                     if output.finished and output.request_id in order:
