@@ -80,12 +80,12 @@ def test_beam_search_client_gone_aborts(long_server: Served) -> None:
 @pytest.mark.parametrize("path", ["/v1/embeddings", "/pooling"])
 def test_pooling_client_gone_aborts(long_server: Served, path: str) -> None:
     """Pooling requests (embeddings, ``/pooling``; scores and classification share the path)
-    are aborted when the client leaves: a batch of long inputs stops within seconds instead
-    of running every prompt."""
+    are aborted when the client leaves: of a batch of long inputs most never run (the step
+    in flight ends first: on a busy machine one long prompt's step can take seconds)."""
     inputs = [[5 + (i * 31 + j) % 300 for j in range(6000)] for i in range(48)]
     before = _aborted(long_server)
     with pytest.raises(httpx.ReadTimeout):  # the client gives up after 1 s of silence
         httpx.post(f"{long_server.url}{path}", json={"model": MODEL, "input": inputs},
                    headers=AUTH, timeout=httpx.Timeout(10, read=1.0))
-    _wait_idle(long_server)
-    assert _aborted(long_server) > before
+    _wait_idle(long_server, timeout=120)
+    assert _aborted(long_server) - before >= len(inputs) // 2
