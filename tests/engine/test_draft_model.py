@@ -128,3 +128,32 @@ def test_bad_drafts_are_refused(target: Path, tmp_path: Path) -> None:
     small_vocab = make_tiny_checkpoint(tmp_path / "v", "Qwen3ForCausalLM", vocab_size=128)
     with pytest.raises(ValueError, match=r"vocab_size \(128\) must equal the target's \(256\)"):
         _llm(target, small_vocab)
+
+
+def test_a_draft_of_shorter_context_is_refused_up_front(target: Path, tmp_path: Path) -> None:
+    """A draft model whose positions end before ``max_model_len`` would fail mid-run (its
+    rotary table read past its end, every request of the step lost): refused at start-up,
+    and taken with ``max_model_len`` within its context."""
+    short = make_tiny_checkpoint(tmp_path / "short", "Qwen3ForCausalLM",
+                                 max_position_embeddings=32)
+    with pytest.raises(ValueError, match=r"max_position_embeddings \(32\) is below "
+                                         r"max_model_len \(\d+\)[\s\S]*at most 32"):
+        _llm(target, short)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS if len(p) < 24]
+
+    def run(draft: Path | None) -> list[list[int]]:
+        outs = _llm(target, draft, max_model_len=32).generate(prompts, params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    assert run(short) == run(None)
+
+
+def test_a_request_past_the_pool_names_the_lookahead(target: Path) -> None:
+    """47 tokens fit 12 blocks of 4; the drafter's 3 lookahead slots need a 13th: the refusal
+    says so (it read as 47 tokens needing 13 blocks)."""
+    llm = _llm(target, target, num_gpu_blocks_override=12)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    with pytest.raises(ValueError, match=r"47 tokens \(and the drafter's 3 lookahead slots\) "
+                                         r"needs 13 KV blocks; the cache has 12"):
+        llm.generate([{"prompt_token_ids": list(range(1, 18))}], params, use_tqdm=False)

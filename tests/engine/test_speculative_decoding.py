@@ -461,3 +461,14 @@ def test_a_drafter_gets_cache_layers_of_its_own(checkpoint: Path,
     assert llm.engine.stats()["spec_num_draft_tokens"] > 0
     cache = kv.tensors[2]
     assert bool((cache[0] != 0).any()) and bool(((cache[1] - cache[0])[cache[0] != 0] == 0.5).all())
+
+
+def test_prompt_lookup_min_alone_is_the_longest_match_too(checkpoint: Path,
+                                                          expected: list[list[int]]) -> None:
+    """vLLM's rule: ``prompt_lookup_min`` given alone above the default longest match (4)
+    raises that bound to it, rather than refusing the configuration."""
+    llm = _llm(checkpoint, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                               "prompt_lookup_min": 5})
+    speculator: Any = llm.engine.runner.speculator
+    assert (speculator.min_n, speculator.max_n) == (5, 5)
+    assert _generate(llm) == expected

@@ -226,9 +226,11 @@ class LLMEngine(WeightOps):
                 )
         needed = self.scheduler.most_blocks(n + max_tokens)
         if needed > self.block_manager.num_blocks:
+            lookahead = self.scheduler.num_lookahead_tokens
+            slots = f" (and the drafter's {lookahead} lookahead slots)" if lookahead else ""
             raise ValueError(
-                f"prompt + max_tokens = {n + max_tokens} tokens needs {needed} KV blocks; the "
-                f"cache has {self.block_manager.num_blocks}"
+                f"prompt + max_tokens = {n + max_tokens} tokens{slots} needs {needed} KV "
+                f"blocks; the cache has {self.block_manager.num_blocks}"
             )
         return max_tokens
 

@@ -312,6 +312,8 @@ class Sampler:
                     logits = top_k_top_p(logits, state.top_k[rows], state.top_p[rows],
                                          out=None if undivided else logits,
                                          temperature=divisor if undivided else None)
+            else:  # (drafts to verify, temperature alone) the sampling kernel divides
+                scale = temperature
         seeds = state.seed[rows]
         gumbel_sample(logits, seeds, batch.logits_positions, greedy, out, scale, cut)
         verify = None

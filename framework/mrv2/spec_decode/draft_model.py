@@ -69,12 +69,23 @@ class DraftModelSpeculator(Speculator):
 
         path = cast(str, self.config.speculative.model)
         hf_config = load_hf_config(path)
-        target_vocab = int(text_config_of(self.model_state.hf_config).vocab_size)
+        target = text_config_of(self.model_state.hf_config)
+        target_vocab = int(target.vocab_size)
         if int(getattr(hf_config, "vocab_size", -1)) != target_vocab:
             raise ValueError(
                 f"speculative_config.model: the draft model's vocab_size "
                 f"({getattr(hf_config, 'vocab_size', None)}) must equal the target's "
                 f"({target_vocab}): drafts are token ids of the target's vocabulary"
+            )
+        # (the draft runs at every position the target does: its rotary table must reach them)
+        draft_len = getattr(text_config_of(hf_config), "max_position_embeddings", None)
+        max_model_len = (self.config.model.max_model_len
+                         or getattr(target, "max_position_embeddings", None))
+        if draft_len is not None and max_model_len is not None and draft_len < max_model_len:
+            raise ValueError(
+                f"speculative_config.model: the draft model's max_position_embeddings "
+                f"({draft_len}) is below max_model_len ({max_model_len}): it must reach every "
+                f"position the target does; set max_model_len to at most {draft_len}"
             )
         dtype = next(self.model_state.model.parameters()).dtype
         self.model, _ = build_model(self.config, path, hf_config, registries, self.device, dtype)

@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
 class NgramSpeculator(Speculator):
     """``speculative_config={"method": "ngram", "num_speculative_tokens": k,
-    "prompt_lookup_max": 4, "prompt_lookup_min": 2}`` (vLLM's names)."""
+    "prompt_lookup_max": 4, "prompt_lookup_min": 2}`` (vLLM's names; the defaults, but
+    ``prompt_lookup_min`` above 4 alone makes it the longest match too)."""
 
     cuda_graphs = True  # one kernel, skipping requests that sampled nothing (padding)
 
@@ -35,7 +36,8 @@ class NgramSpeculator(Speculator):
                  device: torch.device) -> None:
         super().__init__(config, model_state, device)
         spec = config.speculative
-        self.max_n = spec.prompt_lookup_max or 4
+        # (one bound given alone: the other's default moves to meet it, as vLLM's)
+        self.max_n = spec.prompt_lookup_max or max(4, spec.prompt_lookup_min or 0)
         self.min_n = spec.prompt_lookup_min or min(2, self.max_n)
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError(

@@ -78,12 +78,16 @@ class _EagleBase(Speculator):
         """Read the head's config, check it fits the target, build the head (the target's
         dtype and device) and load its weights (or draw them, ``load_format="dummy"``)."""
         from mrv2.model_loader import init_dummy_weights, load_model_weights
-        from mrv2.model_loader.build import load_hf_config, process_weights_after_loading
+        from mrv2.model_loader.build import (
+            load_hf_config,
+            process_weights_after_loading,
+            text_config_of,
+        )
         from mrv2_eagle.heads import read_checkpoint
 
         path = cast(str, self.config.speculative.model)
         head_config = load_hf_config(path)
-        target = self.model_state.hf_config
+        target = text_config_of(self.model_state.hf_config)  # (a VL target's text decoder)
         self._check_vocab_and_hidden(head_config, target)
         model = self.model_state.model
         for name in ("embed_input_ids", "compute_logits"):
@@ -255,9 +259,10 @@ class Eagle3Speculator(_EagleBase):
 
     def _make_head(self, head_config: Any, max_position: int, names: set[str],
                    dummy: bool) -> nn.Module:
+        from mrv2.model_loader.build import text_config_of
         from mrv2_eagle.heads import Eagle3Head, eagle3_head_options
 
-        target: Any = self.model_state.hf_config
+        target: Any = text_config_of(self.model_state.hf_config)
         model: Any = self.model_state.model
         keep = getattr(model, "keep_aux_hidden_states", None)
         if not callable(keep):

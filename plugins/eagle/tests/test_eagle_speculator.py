@@ -200,6 +200,30 @@ def test_dummy_weights_need_only_a_config(target_dirs: dict[str, Path], tmp_path
         assert llm.engine.stats()["spec_num_draft_tokens"] > 0
 
 
+def test_heads_draft_for_a_vision_language_target(tmp_path: Path) -> None:
+    """A vision-language target (Qwen2.5-VL: vocabulary and widths in its ``text_config``)
+    takes an EAGLE-3 head, checked against (and built from) its text decoder's config, as
+    EAGLE's check is; greedy tokens equal the plain path's (weights drawn,
+    ``load_format="dummy"``)."""
+    from mrv2_qwen_vl.testing import make_tiny_qwen_vl
+
+    target = make_tiny_qwen_vl(tmp_path / "target")
+    text = json.loads((target / "config.json").read_text())["text_config"]
+    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "vocab_size", "rms_norm_eps", "max_position_embeddings")
+    prompts = PROMPTS[:2]
+    want, _ = _run(target, None, prompts=prompts, load_format="dummy")
+    head = tmp_path / "eagle3"
+    head.mkdir()
+    config = {**{k: text[k] for k in keep}, "model_type": "llama", "num_hidden_layers": 1,
+              "architectures": ["LlamaForCausalLMEagle3"],
+              "eagle_aux_hidden_state_layer_ids": [0, 1], "draft_vocab_size": text["vocab_size"]}
+    (head / "config.json").write_text(json.dumps(config))
+    got, llm = _run(target, _spec(head, "eagle3", k=2), prompts=prompts, load_format="dummy")
+    assert got == want
+    assert llm.engine.stats()["spec_num_draft_tokens"] > 0
+
+
 def test_latency_bench_eagle3_variant(tmp_path: Path) -> None:
     """``mrv2 bench latency --variants eagle3_2``: a head config derived from the target's,
     its weights drawn; drafts are made."""
