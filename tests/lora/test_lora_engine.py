@@ -9,6 +9,7 @@ name before any work and the engine goes on serving."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -312,3 +313,121 @@ def test_deepseek_mla_takes_q_and_o_adapters(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="kv_b_proj' is not an adaptable layer"):
         llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False,
                      lora_request=LoRARequest("latent", 9, str(latent)))
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    ({"r": True}, r"field 'r' is True; allowed: an int"),
+    ({"lora_alpha": float("nan")}, r"field 'lora_alpha' is nan; allowed: a finite number"),
+    ({"use_rslora": "false"}, r"field 'use_rslora' is 'false'; allowed: true or false"),
+    ({"r": 8}, r"lora_A \(4, 64\).*adapter_config.json's r = 8"),
+    (None, "holds a JSON list; allowed: an object"),
+])
+def test_malformed_adapter_configs_are_refused_by_field(tmp_path: Path,
+                                                        edit: dict[str, Any] | None,
+                                                        match: str) -> None:
+    """Fields PEFT would not load (or that would scale the update wrongly) are refused by
+    name, as is a config that is no JSON object; nothing reads a bool ``r`` as rank 1, a
+    string ``use_rslora`` as true or a config ``r`` other than the tensors' rank."""
+    from mrv2.lora.adapter import read_adapter, save_adapter
+
+    path = save_adapter(tmp_path / "a", {"model.layers.0.self_attn.q_proj": (
+        torch.randn(4, 64), torch.randn(64, 4))}, alpha=8)
+    config = json.loads((path / "adapter_config.json").read_text())
+    text = json.dumps([config]) if edit is None else json.dumps({**config, **edit})
+    (path / "adapter_config.json").write_text(text)
+    with pytest.raises(ValueError, match=match):
+        read_adapter(path, 16)
+
+
+def test_a_config_without_lora_alpha_scales_as_peft_loads_it(tmp_path: Path) -> None:
+    """PEFT's ``LoraConfig`` default ``lora_alpha`` is 8 (not ``r``): a rank-4 adapter whose
+    config omits it scales its update by 8 / 4."""
+    from mrv2.lora.adapter import read_adapter_config, save_adapter
+
+    path = save_adapter(tmp_path / "a", {"model.layers.0.self_attn.q_proj": (
+        torch.randn(4, 64), torch.randn(64, 4))}, alpha=8)
+    config = json.loads((path / "adapter_config.json").read_text())
+    del config["lora_alpha"]
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    assert read_adapter_config(path, 16).scaling == 2.0
+
+
+def test_adapters_of_modules_the_checkpoint_fuses(tmp_path: Path) -> None:
+    """Phi-3's checkpoint (and so its PEFT adapters) holds ``qkv_proj`` and ``gate_up_proj``
+    whole: one ``A`` shared by the shards, one ``B`` over all their rows. HF's merged model's
+    tokens; a fused ``B`` of the wrong size is refused by name."""
+    base = make_tiny_checkpoint(tmp_path / "base", "Phi3ForCausalLM", std=0.15, seed=1,
+                                pad_token_id=0)
+    adapter = make_lora_adapter(base, tmp_path / "fused", rank=4, seed=2,
+                                targets=("qkv_proj", "gate_up_proj"))
+    want = hf_greedy(merge_lora_checkpoint(base, adapter, tmp_path / "merged"), PROMPTS[0], NEW)
+    assert want != hf_greedy(base, PROMPTS[0], NEW)
+    llm = LLM(str(base), device="cpu", dtype="float32", block_size=4, max_model_len=64,
+              enable_lora=True)
+    out = llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False,
+                       lora_request=LoRARequest("fused", 1, str(adapter)))[0]
+    assert out.outputs[0].token_ids == want
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text((adapter / "adapter_config.json").read_text())
+    name = "base_model.model.model.layers.0.self_attn.qkv_proj"
+    save_file({f"{name}.lora_A.weight": torch.randn(4, 64),
+               f"{name}.lora_B.weight": torch.randn(7, 4)}, str(bad / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.qkv_proj' has lora_B "
+                                         r"\(7, 4\); the model's fused layer has"):
+        llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False,
+                     lora_request=LoRARequest("bad", 2, str(bad)))
+
+
+def test_an_adapter_gone_from_disk_fails_a_step_not_the_engine(case: Case,
+                                                               tmp_path: Path) -> None:
+    """``max_loras=1`` keeps one adapter read in host memory, so a waiting request's adapter
+    is read again as it starts; its directory removed meanwhile fails that step (naming
+    it), before the step's new requests get rows. Aborting them then frees what they held,
+    and the engine serves every adapter on."""
+    gone = shutil.copytree(case.paths["all"], tmp_path / "gone")
+    llm = case.llm(max_loras=1)
+    engine = llm.engine
+    ids = [engine.add_request(PROMPTS[0], GREEDY, lora_request=LoRARequest("gone", 7, str(gone))),
+           engine.add_request(PROMPTS[0], GREEDY, lora_request=case.loras["some"])]
+    shutil.rmtree(gone)
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        while engine.has_unfinished():
+            engine.step()
+    for req_id in ids:
+        engine.abort(req_id)
+    assert not engine.has_unfinished()
+    _mixed(case, llm)
+
+
+@pytest.mark.parametrize(("args", "match"), [
+    (("a", True, "/p"), "lora_int_id must be an int >= 1, got True"),
+    ((5, 1, "/p"), "lora_name must be a non-empty string, got 5"),
+    (("a", 1, 7), "lora_path must name the adapter's directory, got 7"),
+])
+def test_lora_requests_are_checked_by_field(args: tuple[Any, ...], match: str) -> None:
+    """A bool id (``True`` would share adapter 1's slot and prefix-cache blocks), a name or
+    path of the wrong type: refused by field when the request is made."""
+    with pytest.raises(ValueError, match=match):
+        LoRARequest(*args)
+    assert LoRARequest("a", 1, Path("/p")).lora_path == Path("/p")
+
+
+def test_beam_search_through_adapters(case: Case, tmp_path: Path) -> None:
+    """``LLM.beam_search(..., lora_request=...)`` (vLLM's): each prompt's beams through its
+    adapter, as the same search on the merged model; the base model's prompt beside them."""
+    from mrv2.engine.beam_search import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True)
+    llm = case.llm()
+
+    def tokens(outputs: Any) -> list[list[list[int]]]:
+        return [[s.tokens for s in o.sequences] for o in outputs]
+
+    merged = LLM(str(merge_lora_checkpoint(case.base, case.paths["all"], tmp_path / "m")),
+                 device="cpu", dtype="float32", block_size=4, max_model_len=64)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+    want = tokens(merged.beam_search(prompts[:1], params))
+    base = tokens(llm.beam_search(prompts[1:], params))
+    got = tokens(llm.beam_search(prompts, params, lora_request=[case.loras["all"], None]))
+    assert got == want + base and want != tokens(llm.beam_search(prompts[:1], params))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -197,3 +198,88 @@ def test_metrics_carry_the_adapters_info(lora_server: Served) -> None:
     text = httpx.get(f"{lora_server.url}/metrics", headers=AUTH).text
     line = next(x for x in text.splitlines() if x.startswith("mrv2_lora_requests_info{"))
     assert 'max_lora="2"' in line and 'running_lora_adapters=""' in line
+
+
+def test_two_loads_of_one_name_at_once_load_one_adapter() -> None:
+    """The load route reads adapters on worker threads: a second load of a name whose first
+    is still being checked is refused, not both answered 200 with the first one dropped."""
+    import threading
+    from types import SimpleNamespace
+
+    from mrv2.entrypoints.lora_modules import LoRAModules
+
+    entered, release = threading.Event(), threading.Event()
+
+    def check(lora: LoRARequest) -> None:
+        if lora.lora_path == "/first":  # (the first load is slow to read its adapter)
+            entered.set()
+            release.wait(timeout=2)
+
+    lora_config = SimpleNamespace(enable_lora=True, max_lora_rank=16)
+    engine = SimpleNamespace(config=SimpleNamespace(lora=lora_config),
+                             runner=SimpleNamespace(lora=SimpleNamespace(check=check)))
+    modules = LoRAModules(engine, [], ["base"])
+    results: dict[str, object] = {}
+
+    def load(path: str) -> None:
+        try:
+            results[path] = modules.load("mine", path)
+        except ValueError as error:
+            results[path] = error
+
+    first = threading.Thread(target=load, args=("/first",))
+    first.start()
+    assert entered.wait(timeout=2)
+    second = threading.Thread(target=load, args=("/second",))
+    second.start()
+    second.join(timeout=0.5)
+    release.set()
+    first.join()
+    second.join()
+    assert isinstance(results["/first"], LoRARequest)
+    assert isinstance(results["/second"], ValueError) and "loaded already" in str(
+        results["/second"])
+    assert modules.by_name["mine"].lora_path == "/first"
+
+
+def test_an_adapter_unloaded_mid_request_keeps_its_answers_name(
+        model_dir: Path, adapters: list[LoRARequest], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An embeddings request through adapter ``mine`` that is unloaded while the request runs
+    answers as ``mine`` (whose weights made the vectors), not as the base model."""
+    monkeypatch.setenv("MRV2_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    for served in serve(model_dir, LORA_KWARGS):
+        answer = _embed_while_unloading(served, adapters[0].lora_path, monkeypatch)
+        assert answer.status_code == 200
+        assert answer.json()["model"] == "mine"
+
+
+def _embed_while_unloading(served: Served, path: str,
+                           monkeypatch: pytest.MonkeyPatch) -> httpx.Response:
+    import threading
+    import time
+
+    url = served.url
+    assert httpx.post(f"{url}/v1/load_lora_adapter", headers=AUTH, timeout=60, json={
+        "lora_name": "mine", "lora_path": path}).status_code == 200
+    step = served.engine.step
+    started = threading.Event()
+
+    def slow_step() -> Any:  # (the unload comes while the request runs)
+        started.set()
+        time.sleep(0.3)
+        return step()
+
+    monkeypatch.setattr(served.engine, "step", slow_step)
+    answers: list[httpx.Response] = []
+
+    def embed() -> None:
+        answers.append(httpx.post(f"{url}/v1/embeddings", headers=AUTH, timeout=60,
+                                  json={"model": "mine", "input": PROMPT}))
+
+    thread = threading.Thread(target=embed)
+    thread.start()
+    assert started.wait(timeout=10)
+    assert httpx.post(f"{url}/v1/unload_lora_adapter", headers=AUTH, timeout=60,
+                      json={"lora_name": "mine"}).status_code == 200
+    thread.join()
+    return answers[0]

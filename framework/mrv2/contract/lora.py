@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 
@@ -20,10 +21,13 @@ class LoRARequest:
     lora_path: str
 
     def __post_init__(self) -> None:
-        if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
+        if (not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool)
+                or self.lora_int_id < 1):  # (True would be adapter 1's id)
             raise ValueError(f"LoRARequest.lora_int_id must be an int >= 1, got "
                              f"{self.lora_int_id!r}")
-        if not self.lora_name:
-            raise ValueError("LoRARequest.lora_name must not be empty")
-        if not self.lora_path:
-            raise ValueError("LoRARequest.lora_path must name the adapter's directory")
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError(f"LoRARequest.lora_name must be a non-empty string, got "
+                             f"{self.lora_name!r}")
+        if not isinstance(self.lora_path, str | os.PathLike) or not str(self.lora_path):
+            raise ValueError(f"LoRARequest.lora_path must name the adapter's directory, got "
+                             f"{self.lora_path!r}")

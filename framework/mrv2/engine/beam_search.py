@@ -10,9 +10,11 @@ counted) and the best ``beam_width`` returned, best first.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import F32_MAX, MAX_LOGPROBS, SamplingParams
 
 __all__ = ["BeamSearch", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence",
@@ -111,6 +113,11 @@ class BeamSearch:
             self.live[i] = [b for b in beams if b.finish_reason is None]
         return [beam.tokens for _, beam in self._asked]
 
+    @property
+    def asked_prompts(self) -> list[int]:
+        """The prompt (its index) of each of the step's :meth:`requests`."""
+        return [i for i, _ in self._asked]
+
     def advance(self, tops: list[dict[int, Any]]) -> None:
         """The step's top logprobs (``{token: Logprob}``), one per request, in order."""
         width = self.params.beam_width
@@ -146,18 +153,22 @@ class BeamSearch:
         return outputs
 
 
-def beam_search(engine: Any, prompts: list[list[int]], params: BeamSearchParams
-                ) -> list[BeamSearchOutput]:
+def beam_search(engine: Any, prompts: list[list[int]], params: BeamSearchParams,
+                loras: Sequence[LoRARequest | None] | None = None) -> list[BeamSearchOutput]:
     """Beam search for each of ``prompts`` (token ids) on ``engine`` (an idle
-    :class:`~mrv2.engine.engine.LLMEngine`); every prompt is validated before any runs."""
+    :class:`~mrv2.engine.engine.LLMEngine`), each through its adapter of ``loras`` (None:
+    the base model); every prompt is validated before any runs."""
     search = BeamSearch(prompts, params, frozenset(engine.eos_token_ids), engine.max_model_len)
-    for prompt in prompts:
-        engine.validate(list(prompt), search.step_params)
+    adapters = list(loras) if loras is not None else [None] * len(prompts)
+    for prompt, lora in zip(prompts, adapters, strict=True):
+        engine.validate(list(prompt), search.step_params, lora)
     ids = itertools.count()
     while True:
+        requests = search.requests()
         asked = [engine.add_request(tokens, search.step_params,
-                                    request_id=f"beam-{id(search)}-{next(ids)}")
-                 for tokens in search.requests()]
+                                    request_id=f"beam-{id(search)}-{next(ids)}",
+                                    lora_request=adapters[i])
+                 for tokens, i in zip(requests, search.asked_prompts, strict=True)]
         if not asked:
             break
         top: dict[str, dict[int, Any]] = {}

@@ -123,17 +123,19 @@ class LLM:
             self.engine.validate(token_ids, params, lora)
         return self._run(encoded, params_list, use_tqdm, loras)
 
-    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                     ) -> list[BeamSearchOutput]:
         """Beam search for each prompt (vLLM's ``LLM.beam_search``; text prompts or
         ``{"prompt_token_ids": [...]}``): its best ``params.beam_width`` sequences, best
-        first (:mod:`mrv2.engine.beam_search`)."""
+        first (:mod:`mrv2.engine.beam_search`). ``lora_request``: as :meth:`generate`'s."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        loras = self._loras(lora_request, len(prompts))
         encoded = [self._encode(prompt) for prompt in prompts]
         if any(items for _, _, items in encoded):
             raise ValueError("beam_search takes text prompts only (no multi_modal_data)")
-        return beam_search(self.engine, [ids for ids, _, _ in encoded], params)
+        return beam_search(self.engine, [ids for ids, _, _ in encoded], params, loras)
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load new weights into the served model in place and forget the prefix cache

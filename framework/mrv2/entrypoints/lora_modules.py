@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -72,6 +73,8 @@ class LoRAModules:
             self._check(lora)
             self.by_name[lora.lora_name] = lora
         self._ids = itertools.count(max((lora.lora_int_id for lora in loras), default=0) + 1)
+        # loads run on worker threads: two of one name must not both pass the name's check
+        self._loading = threading.Lock()
 
     def _check(self, lora: LoRARequest) -> None:
         if lora.lora_name in self.names:
@@ -99,17 +102,18 @@ class LoRAModules:
             raise ValueError("lora_name: a non-empty string is required")
         if not isinstance(path, str) or not path:
             raise ValueError("lora_path: the adapter's directory is required")
-        if name in self.by_name:
-            raise ValueError(f"lora_name: the adapter {name!r} is loaded already (unload it "
-                             "first)")
         if name in self.names:
             raise ValueError(f"lora_name: {name!r} is the base model's name")
-        lora = LoRARequest(name, next(self._ids), path)
-        try:
-            self._check(lora)
-        except ValueError as error:
-            raise ValueError(f"lora_path: {error}") from None
-        self.by_name[name] = lora
+        with self._loading:
+            if name in self.by_name:
+                raise ValueError(f"lora_name: the adapter {name!r} is loaded already (unload "
+                                 "it first)")
+            lora = LoRARequest(name, next(self._ids), path)
+            try:
+                self._check(lora)
+            except ValueError as error:
+                raise ValueError(f"lora_path: {error}") from None
+            self.by_name[name] = lora
         return lora
 
     def unload(self, name: Any) -> None:

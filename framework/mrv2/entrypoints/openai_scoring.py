@@ -160,8 +160,8 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
         except ValueError as error:
             raise APIError(400, str(error), param="dimensions") from None
         prompts = [body.truncate(encode(item)) for item in items]
+        lora = lora_of(body)  # (the adapter named now, unloaded or not later)
         vectors = await pool(request, body, prompts, pooling, "input")
-        lora = lora_of(body)
         return embedding_response(vectors, sum(map(len, prompts)),
                                   lora.lora_name if lora else model_name,
                                   f"embd-{uuid.uuid4().hex}", int(time.time()),
@@ -172,6 +172,7 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
         """Each input's label probabilities (a sequence classifier)."""
         body: ClassifyRequest = await parse(request, ClassifyRequest)
         prompts = prompts_of(body)
+        answer = head(body, "classify")  # (the adapter named now, unloaded or not later)
         probs = await pool(request, body, prompts, PoolingParams(task="classify"), "input")
         names = engine.id2label
         data = []
@@ -179,7 +180,7 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
             best = max(range(len(p)), key=p.__getitem__)
             data.append({"index": index, "label": names.get(best, str(best)), "probs": p,
                          "num_classes": len(p)})
-        return {**head(body, "classify"), "data": data,
+        return {**answer, "data": data,
                 "usage": usage(sum(map(len, prompts)))}
 
     @app.post("/pooling")
@@ -193,8 +194,9 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
         except ValueError as error:
             raise APIError(400, str(error), param="dimensions" if "dimensions" in str(error)
                            else "task") from None
+        answer = head(body, "pool")
         data = await pool(request, body, prompts, pooling, "input")
-        return {**head(body, "pool"),
+        return {**answer,
                 "data": [{"index": i, "object": "pooling", "data": d}
                          for i, d in enumerate(data)],
                 "usage": usage(sum(map(len, prompts)))}
@@ -207,8 +209,9 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
             seconds = input_items(body.text_2, "text_2")
         except ValueError as error:
             raise APIError(400, str(error), param=str(error).split(" ", 1)[0]) from None
+        answer = head(body, "score")
         values, tokens = await scores(request, body, firsts, seconds, ("text_1", "text_2"))
-        return {**head(body, "score"),
+        return {**answer,
                 "data": [{"index": i, "object": "score", "score": v}
                          for i, v in enumerate(values)],
                 "usage": usage(tokens)}
@@ -223,6 +226,7 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
             raise APIError(400, str(error), param=str(error).split(" ", 1)[0]) from None
         if not documents:
             raise APIError(400, "documents must hold at least one document", param="documents")
+        answer = head(body, "rerank")
         values, tokens = await scores(request, body, query, documents, ("query", "documents"))
         order = sorted(range(len(values)), key=lambda i: -values[i])
         if body.top_n:
@@ -233,7 +237,6 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
             results.append({"index": i, "relevance_score": values[i],
                             "document": {"text": doc} if isinstance(doc, str)
                             else {"tokens": doc}})
-        answer = head(body, "rerank")
         del answer["object"], answer["created"]
         return {**answer, "usage": {"total_tokens": tokens}, "results": results}
 

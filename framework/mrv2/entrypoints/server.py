@@ -232,8 +232,15 @@ def create_app(engine: LLMEngine | RemoteEngine,
         return body
 
     def lora_of(body: Any) -> LoRARequest | None:
-        """The adapter the request's ``model`` names (None: the base model)."""
-        return adapters.get(body.model)
+        """The adapter the request's ``model`` names (None: the base model); a 404 if it was
+        unloaded since :func:`parse` found it (never the base model's answer instead)."""
+        if body.model is None or body.model in names:
+            return None
+        lora = adapters.get(body.model)
+        if lora is None:
+            raise APIError(404, f"the LoRA adapter {body.model!r} was unloaded",
+                           "not_found_error", "model")
+        return lora
 
     if runtime_updating():
         @app.post("/v1/load_lora_adapter")

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 
 _CONFIG = "adapter_config.json"
+#: ``lora_alpha`` when the config has none: PEFT's ``LoraConfig`` default, as PEFT loads it.
+_PEFT_DEFAULT_ALPHA = 8
 _TENSOR_NAME = re.compile(
     r"^(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[A-Za-z0-9_]+)?\.weight$")
 
@@ -62,15 +64,22 @@ def read_adapter_config(path: str | Path, max_lora_rank: int) -> AdapterConfig:
         data = json.loads(file.read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"LoRA adapter {str(path)!r}: {_CONFIG} is not JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"LoRA adapter {str(path)!r}: {_CONFIG} holds a JSON "
+                         f"{type(data).__name__}; allowed: an object of PEFT's fields")
     peft_type = data.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
         raise _refuse(path, "peft_type", peft_type, "'LORA'")
     rank = data.get("r")
-    if not isinstance(rank, int) or not 1 <= rank <= max_lora_rank:
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= max_lora_rank:
         raise _refuse(path, "r", rank, f"an int in 1..{max_lora_rank} (max_lora_rank)")
-    alpha = data.get("lora_alpha", rank)
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool):
-        raise _refuse(path, "lora_alpha", alpha, "a number")
+    alpha = data.get("lora_alpha", _PEFT_DEFAULT_ALPHA)
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or (
+            isinstance(alpha, float) and not math.isfinite(alpha)):
+        raise _refuse(path, "lora_alpha", alpha, "a finite number")
+    use_rslora = data.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise _refuse(path, "use_rslora", use_rslora, "true or false")
     for field, allowed_value, allowed in (
             ("use_dora", False, "false (DoRA is not served)"),
             ("bias", "none", "'none' (trained biases are not served)"),
@@ -82,7 +91,7 @@ def read_adapter_config(path: str | Path, max_lora_rank: int) -> AdapterConfig:
     for field in ("modules_to_save", "rank_pattern", "alpha_pattern"):
         if data.get(field):
             raise _refuse(path, field, data[field], "empty (not served)")
-    scaling = alpha / (math.sqrt(rank) if data.get("use_rslora") else rank)
+    scaling = alpha / (math.sqrt(rank) if use_rslora else rank)
     return AdapterConfig(rank, float(scaling))
 
 
@@ -121,10 +130,10 @@ def read_adapter(path: str | Path, max_lora_rank: int) -> AdapterWeights:
                              f"lora_{''.join(pair)}")
         a, b = pair["A"].float(), pair["B"].float()
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or (
-                a.shape[0] > max_lora_rank):
+                a.shape[0] != config.rank):
             raise ValueError(f"LoRA adapter {str(path)!r}: module {module!r} has lora_A "
                              f"{tuple(a.shape)} and lora_B {tuple(b.shape)}; expected "
-                             f"[r, in] and [out, r] with r <= {max_lora_rank}")
+                             f"[r, in] and [out, r] with {_CONFIG}'s r = {config.rank}")
         modules[module] = (a, b * config.scaling)
     if not modules:
         raise ValueError(f"LoRA adapter {str(path)!r} holds no LoRA weights")

@@ -89,6 +89,16 @@ class LoRALinearMixin(LinearBase):
         start = self.shard_rows(shard)[0] if isinstance(self, FusedColumnLinear) else 0
         return index * self.lora_rank, start
 
+    def whole_shard_rows(self) -> list[int]:
+        """Each shard's rows in the whole (every rank's) fused checkpoint tensor, in
+        :func:`shard_ids`' order: an adapter trained on the fused module (Phi-3's
+        ``qkv_proj``) holds one ``B`` over all of them."""
+        if isinstance(self, QKVLinear):
+            kv = self.total_kv_heads * self.head_dim
+            return [self.num_heads * self.tp_size * self.head_dim, kv, kv]
+        assert isinstance(self, MergedColumnLinear)
+        return [rows * self.tp_size for rows in self.output_sizes]
+
     def rank_a(self, a: torch.Tensor) -> torch.Tensor:
         """This rank's part of a whole ``A`` ``[r, in]``: a row-parallel layer's columns."""
         if isinstance(self, RowLinear) and self.tp_size > 1:

@@ -30,7 +30,13 @@ from mrv2.contract.staged_edits import StagedEdits
 from mrv2.distributed.parallel_state import tp_rank
 from mrv2.layers.weights import checkpoint_target
 from mrv2.lora.adapter import read_adapter
-from mrv2.lora.layers import TARGET_NAMES, LoRALinearMixin, add_lora_slots, is_tower_module
+from mrv2.lora.layers import (
+    TARGET_NAMES,
+    LoRALinearMixin,
+    add_lora_slots,
+    is_tower_module,
+    shard_ids,
+)
 
 logger = logging.getLogger("mrv2.lora")
 
@@ -101,21 +107,22 @@ class LoRAManager:
         for module, (a, b) in weights.modules.items():
             if module in tower:
                 continue
-            layer, shard = self._target(lora, module)
-            a_part = layer.rank_a(a).to(self.dtype)
-            b_part = layer.rank_b(b, shard).to(self.dtype)
-            if layer.row_order is not None:  # rows the owner reorders after loading
-                b_part = _reordered(layer, b_part, shard)
-            column, first_row = layer.shard_slice(shard)
-            rows = layer.shard_rows(shard)[1] if shard is not None else layer.output_size
-            if a_part.shape[1] != layer.input_size or b_part.shape[0] != rows:
-                raise ValueError(
-                    f"LoRA adapter {lora.lora_name!r}: module {module!r} has lora_A "
-                    f"{tuple(a.shape)} and lora_B {tuple(b.shape)}, which do not fit the "
-                    f"model's layer (input {layer.input_size}, output {rows} on this rank)")
-            if pin:
-                a_part, b_part = a_part.pin_memory(), b_part.pin_memory()
-            parts.append((layer, column, first_row, a_part, b_part))
+            layer, module_shard = self._target(lora, module)
+            for shard, b_whole in _by_shard(lora, module, layer, module_shard, b):
+                a_part = layer.rank_a(a).to(self.dtype)
+                b_part = layer.rank_b(b_whole, shard).to(self.dtype)
+                if layer.row_order is not None:  # rows the owner reorders after loading
+                    b_part = _reordered(layer, b_part, shard)
+                column, first_row = layer.shard_slice(shard)
+                rows = layer.shard_rows(shard)[1] if shard is not None else layer.output_size
+                if a_part.shape[1] != layer.input_size or b_part.shape[0] != rows:
+                    raise ValueError(
+                        f"LoRA adapter {lora.lora_name!r}: module {module!r} has lora_A "
+                        f"{tuple(a.shape)} and lora_B {tuple(b.shape)}, which do not fit the "
+                        f"model's layer (input {layer.input_size}, output {rows} on this rank)")
+                if pin:
+                    a_part, b_part = a_part.pin_memory(), b_part.pin_memory()
+                parts.append((layer, column, first_row, a_part, b_part))
         self._read[lora.lora_int_id] = parts
         while len(self._read) > self._max_read:
             self._read.popitem(last=False)
@@ -237,6 +244,22 @@ class LoRAManager:
         rows = batch.idx_mapping[:k][request.clamp(max=k - 1)].long()
         out[:n] = torch.where(request < k, self.row_slots[rows], -1)
         return out
+
+
+def _by_shard(lora: LoRARequest, module: str, layer: LoRALinearMixin, shard: Any,
+              b: torch.Tensor) -> list[tuple[Any, torch.Tensor]]:
+    """``b``'s rows by the shard of ``layer`` they adapt: all of them ``shard``'s, or, for an
+    adapter of a module the model fuses that names it whole (Phi-3's ``qkv_proj``,
+    ``gate_up_proj``), each shard's rows of the fused ``B`` (the shards share its ``A``)."""
+    shards = shard_ids(layer)
+    if shard is not None or shards == [None]:
+        return [(shard, b)]
+    sizes = layer.whole_shard_rows()
+    if b.dim() != 2 or b.shape[0] != sum(sizes):
+        raise ValueError(f"LoRA adapter {lora.lora_name!r}: module {module!r} has lora_B "
+                         f"{tuple(b.shape)}; the model's fused layer has {sum(sizes)} output "
+                         f"rows ({' + '.join(map(str, sizes))})")
+    return list(zip(shards, b.split(sizes), strict=True))
 
 
 def _reordered(layer: LoRALinearMixin, b: torch.Tensor, shard: Any) -> torch.Tensor:

@@ -290,8 +290,12 @@ class Runner(BetweenSteps):
             self.model_state.add_request(request, row)
 
     def remove_requests(self, req_ids: list[str]) -> None:
-        """Free the rows of finished, aborted or preempted requests (``execute`` does it too)."""
+        """Free the rows of finished, aborted or preempted requests (``execute`` does it too).
+        An id without a row is passed over: a request admitted to a step that failed before
+        it got one (an adapter that could no longer be read), aborted since."""
         for req_id in req_ids:
+            if req_id not in self.table.rows:
+                continue
             row = self.table.release(req_id)
             self.sampler.remove_request(row)
             self.model_state.remove_request(req_id, row)
