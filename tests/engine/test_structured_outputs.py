@@ -89,6 +89,20 @@ def test_constrained_and_free_requests_do_not_touch_each_other(llm: LLM) -> None
     assert CASES["regex"][1](alone_guided)
 
 
+def test_properties_come_in_each_schemas_order(llm: LLM) -> None:
+    """Two schemas that differ only in the order of their properties: each answer lists them
+    in its own schema's order (the compiled grammars are cached apart)."""
+    def params(keys: str) -> SamplingParams:
+        schema = {"type": "object", "additionalProperties": False, "required": ["p", "q"],
+                  "properties": {k: {"enum": [k.upper()]} for k in keys}}
+        return SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=(
+            StructuredOutputsParams(json=schema, disable_any_whitespace=True)))
+
+    for keys in ("pq", "qp"):
+        out = llm.generate("Hello", params(keys), use_tqdm=False)[0].outputs[0]
+        assert list(json.loads(out.text)) == list(keys), out.text
+
+
 def _run_steps(llm: LLM, params: list[SamplingParams], late: bool
                ) -> tuple[int, list[list[int]], list[str]]:
     """Every request of ``params`` (one per prompt) through the engine's own loop; returns the
@@ -198,6 +212,10 @@ def test_a_bad_constraint_is_refused_before_work(llm: LLM, spec: StructuredOutpu
     ({"choice": []}, "structured_outputs.choice=\\[\\] is invalid"),
     ({"json": "{not json"}, "structured_outputs.json is invalid: expected a JSON schema"),
     ({"json": 3}, "structured_outputs.json is invalid"),
+    ({"json_object": "false"}, "structured_outputs.json_object='false' is invalid: expected "
+                               "true or false"),
+    ({"regex": "a", "disable_any_whitespace": "no"},
+     "structured_outputs.disable_any_whitespace='no' is invalid"),
 ])
 def test_the_params_name_what_is_wrong(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -396,7 +414,7 @@ def test_gpt_oss_grammar_holds_after_its_final_header(tmp_path: Path) -> None:
     tokenizer without the markers holds from the first token."""
     import numpy as np
 
-    from mrv2.engine.structured_outputs import fill_bitmasks
+    from mrv2.engine.structured_outputs import HARMONY_HEADER_GAP, fill_bitmasks
 
     path = make_tiny_checkpoint(tmp_path / "m", "LlamaForCausalLM", vocab_size=320)
     make_tiny_tokenizer(path, special_tokens=["<|start|>", "<|channel|>", "<|message|>",
@@ -430,9 +448,35 @@ def test_gpt_oss_grammar_holds_after_its_final_header(tmp_path: Path) -> None:
     assert (out[0] == -1).all() and not (out[1] == -1).all()  # held after the header
     assert allows(out[1], paris[0]) and not allows(out[1], header[0])
     assert guide.phase == "reasoning"  # rolled back: the header's last token not taken
-    assert guide.tail == tuple((analysis + header[:-1])[-len(header):])
+    assert guide.tail == tuple((analysis + header[:-1])[-len(header) - HARMONY_HEADER_GAP:])
     assert not guide.advance(header[-1]) and guide.phase == "grammar"
     assert allows(mask(guide), paris[0]) and not allows(mask(guide), header[0])
     plain = so.guide(SamplingParams(structured_outputs=StructuredOutputsParams(
         choice=CHOICES)), [5, 6, 7])  # no parser: held from the first token
     assert not allows(mask(plain), header[0])
+
+
+def test_gpt_oss_grammar_holds_after_a_final_header_with_a_content_type(
+        tmp_path: Path) -> None:
+    """gpt-oss may write a content type in its final header (``<|channel|>final
+    <|constrain|>json<|message|>``): the grammar still holds what follows (vLLM's rule), and
+    a ``final`` that another header follows before ``<|message|>`` does not end the thinking."""
+    from transformers import AutoTokenizer
+
+    from mrv2.engine.structured_outputs import StructuredOutputs
+
+    path = make_tiny_tokenizer(tmp_path, special_tokens=[
+        "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>"])
+    tok = AutoTokenizer.from_pretrained(str(path))
+    so = StructuredOutputs(tok, len(tok), [tok.eos_token_id])
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=CHOICES),
+                            _reasoning="openai_gptoss")
+    for text, held in (
+            ("<|channel|>final <|constrain|>json<|message|>", True),
+            ("<|channel|>analysis<|message|>Hm<|end|><|start|>assistant<|channel|>final"
+             "<|constrain|>json<|message|>", True),
+            ("<|channel|>final<|end|><|start|>assistant<|channel|>analysis<|message|>", False)):
+        guide = so.guide(params, [5, 6, 7])
+        for token in tok.encode(text, add_special_tokens=False):
+            guide.advance(token)
+        assert (guide.phase == "grammar") == held, text

@@ -49,6 +49,29 @@ def test_the_schemas_and_readers() -> None:
             forced_tool_choice(bad, TOOLS)
 
 
+def test_required_keeps_the_tools_refs_working() -> None:
+    """Tools whose parameters refer to their own ``$defs`` (pydantic's schemas): ``required``'s
+    one schema holds them at its root, where ``#/$defs/...`` points (vLLM's way), and it
+    compiles; two tools that give one name different schemas are refused, naming the field."""
+    import llguidance
+
+    def tool(name: str, unit: list[str]) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "required": ["unit"], "$defs": {"Unit": {"enum": unit}},
+            "properties": {"unit": {"$ref": "#/$defs/Unit"}}}}}
+
+    tools = [tool("a", ["c", "f"]), tool("b", ["c", "f"])]
+    _, schema = forced_tool_choice("required", tools)
+    assert schema["$defs"] == {"Unit": {"enum": ["c", "f"]}}
+    assert all("$defs" not in item["properties"]["parameters"]
+               for item in schema["items"]["anyOf"])
+    assert "$defs" in tools[0]["function"]["parameters"]  # the request's tools untouched
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+    assert llguidance.LLMatcher.validate_grammar(grammar, None) == ""
+    with pytest.raises(ValueError, match=r"tool_choice='required' is invalid: .*\$defs.Unit"):
+        forced_tool_choice("required", [tool("a", ["c"]), tool("b", ["f"])])
+
+
 def _check_named(message: dict[str, Any], finish: str) -> None:
     if message.get("tool_calls"):
         (call,) = message["tool_calls"]

@@ -4,6 +4,7 @@ answers, streamed or not."""
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from pathlib import Path
@@ -13,7 +14,13 @@ import httpx
 import pytest
 from server_util import API_KEY, Served
 
-from mrv2.entrypoints.reasoning import ReasoningStream, check_reasoning_parser, split_reasoning
+from mrv2.entrypoints.reasoning import (
+    ReasoningStream,
+    check_reasoning_parser,
+    prompt_reasoning,
+    split_reasoning,
+)
+from mrv2.testing import make_tiny_checkpoint, make_tiny_tokenizer
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -103,3 +110,36 @@ def _streamed(served: Served, body: dict[str, Any]) -> tuple[str, str]:
                     reasoning += choice["delta"].get("reasoning_content") or ""
                     content += choice["delta"].get("content") or ""
     return reasoning, content
+
+
+def test_qwen3_answers_a_prompt_that_opened_the_block_from_its_reasoning(
+        tmp_path: Path) -> None:
+    """``qwen3`` with a template that opens ``<think>`` in the prompt (Qwen3's thinking
+    models): the answer is reasoning up to ``</think>`` and content after it, whole and
+    streamed, as the engine holds a structured output (after ``</think>``, biased to come
+    first here); an answer with no ``</think>`` yet is all reasoning."""
+    from conftest import serve
+
+    path = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM", vocab_size=320)
+    make_tiny_tokenizer(path, special_tokens=["<think>", "</think>"], chat_template=(
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+        "<|assistant|><think>"))
+    for served in serve(path, reasoning_parser="qwen3"):
+        tokenizer = served.engine.tokenizer
+        assert tokenizer is not None
+        start, end = (tokenizer.encode(t, False)[0] for t in ("<think>", "</think>"))
+        encode = functools.partial(tokenizer.encode, add_special_tokens=False)
+        assert prompt_reasoning("qwen3", [5, start, 6], encode) == "deepseek_r1"
+        assert prompt_reasoning("qwen3", [start, 6, end, 7], encode) == "qwen3"
+        assert prompt_reasoning("deepseek_r1", [5], encode) == "deepseek_r1"
+        body = {"messages": [{"role": "user", "content": "Hello world!"}], "max_tokens": 20,
+                "temperature": 0, "skip_special_tokens": False,
+                "guided_choice": ["Paris", "London"], "logit_bias": {str(end): 100}}
+        message = _chat(served, body)["choices"][0]["message"]
+        assert message["content"] in ("Paris", "London") and not message["reasoning_content"]
+        assert _streamed(served, body) == ("", message["content"])
+        body = {**body, "max_tokens": 6, "ignore_eos": True, "logit_bias": {str(end): -100}}
+        del body["guided_choice"]
+        message = _chat(served, body)["choices"][0]["message"]
+        assert message["content"] is None and message["reasoning_content"]
+        assert _streamed(served, body) == (message["reasoning_content"], "")

@@ -32,6 +32,7 @@ def _chat(**fields: Any) -> ChatCompletionRequest:
      StructuredOutputsParams(json=SCHEMA)),
     ({"response_format": {"type": "json_object"}}, StructuredOutputsParams(json_object=True)),
     ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "text", "json_schema": None}}, None),  # (a client's nulls)
     ({"structured_outputs": {"regex": "[a-z]+", "disable_any_whitespace": True}},
      StructuredOutputsParams(regex="[a-z]+", disable_any_whitespace=True)),
     ({"guided_json": SCHEMA}, StructuredOutputsParams(json=SCHEMA)),
@@ -53,6 +54,8 @@ def test_the_fields_map_onto_the_params(fields: dict[str, Any],
     ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs",
      "unknown whitespace_pattern"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "give one of"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": '{"type": '
+                 '"object"}'}}], "tool_choice": "required"}, "tools", "tools is invalid"),
 ])
 def test_bad_fields_name_themselves(fields: dict[str, Any], param: str, message: str) -> None:
     from mrv2.entrypoints.openai_protocol import value_error_param
@@ -116,6 +119,16 @@ def test_a_bad_schema_is_a_400_naming_the_field_used(server: Served) -> None:
     assert error["param"] == "response_format" and "nonsense" in error["message"]
     r = _post(server, "/v1/completions", {"prompt": "x", "guided_regex": "[0-9"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex"
+    assert r.json()["error"]["message"].startswith("guided_regex: ")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}]
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        r = _post(server, "/v1/chat/completions", {"messages": MESSAGES, "tools": tools,
+                                                   "tool_choice": choice})
+        assert r.status_code == 400, r.text  # a forced call's schema is its tools'
+        error = r.json()["error"]
+        assert error["param"] == "tools" and error["message"].startswith("tools: ")
+        assert "uniqueItems" in error["message"]
     assert _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
 
 

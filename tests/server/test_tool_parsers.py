@@ -211,6 +211,10 @@ CASES: dict[str, list[tuple[str, str | None, Calls]]] = {
         ("[weather(**opts)]", "[weather(**opts)]", []),
         ('[__import__("os").system("ls")]', '[__import__("os").system("ls")]', []),
         ("[weather(ratio=1e999)]", "[weather(ratio=1e999)]", []),  # not JSON
+        ("[weather(tags=[{1, 2}])]", "[weather(tags=[{1, 2}])]", []),  # a set inside
+        ("[weather(opts={(1, 2): 3})]", "[weather(opts={(1, 2): 3})]", []),  # tuple keys
+        ("[weather(opts={[1]: 2})]", "[weather(opts={[1]: 2})]", []),  # unhashable key
+        ("[weather(city=...)]", "[weather(city=...)]", []),  # Ellipsis
         ("[see](https://x.org)", "[see](https://x.org)", []),
         ("[now()] and more", "[now()] and more", []),
     ],

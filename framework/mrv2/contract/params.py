@@ -50,6 +50,9 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
+        for flag in ("json_object", "disable_any_whitespace"):  # ("false" is no False)
+            _check(isinstance(getattr(self, flag), bool), f"structured_outputs.{flag}",
+                   getattr(self, flag), "true or false")
         kinds = self.kinds()
         if len(kinds) != 1:
             raise ValueError(

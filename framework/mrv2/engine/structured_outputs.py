@@ -37,7 +37,8 @@ holds only what follows the ``<think>`` block. A prompt that closed the block (Q
 template) is free until ``</think>``; otherwise (``qwen3``) the first token may be the
 grammar's or ``<think>``, which frees it until ``</think>``. gpt-oss (``openai_gptoss``, its
 harmony messages) is free until it opens its final answer, ``<|channel|>final<|message|>``
-(vLLM's rule): its analysis and any tool call are not held to the grammar.
+(a content type may come between: ``<|channel|>final <|constrain|>json<|message|>``; vLLM's
+rule): its analysis and any tool call are not held to the grammar.
 
 With speculative decoding a constrained request verifies its drafts as a free one does: a
 step that samples one copies the drafts proposed after it to the host with its tokens
@@ -61,6 +62,9 @@ from mrv2.contract.params import SamplingParams, StructuredOutputsParams
 __all__ = ["Guide", "StructuredOutputs", "fill_bitmasks", "fill_draft_bitmasks", "grammar_of"]
 
 _FIELD = "SamplingParams.structured_outputs"
+#: The tokens gpt-oss may write between ``<|channel|>final`` and ``<|message|>`` (a content
+#: type: `` <|constrain|>json``), its answer still held to the grammar (vLLM's 20).
+HARMONY_HEADER_GAP = 20
 logger = logging.getLogger(__name__)
 
 
@@ -102,13 +106,17 @@ class Guide:
     """One sample's matcher: the allowed next tokens, and each sampled token consumed; with a
     reasoning model, only what follows its ``<think>`` block is held to the grammar, as vLLM
     does (``think``: the start tag's token id, the token ids that end the block (``</think>``;
-    gpt-oss: ``<|channel|>final<|message|>``), and the phase to start in)."""
+    gpt-oss: ``<|channel|>final<|message|>``), and the phase to start in; ``gap``: how many
+    tokens may stand before the end sequence's last one, after the others: gpt-oss's header
+    may carry a content type, ``<|channel|>final <|constrain|>json<|message|>``, as vLLM
+    allows)."""
 
     def __init__(self, matcher: Any, owner: StructuredOutputs,
-                 think: tuple[int, tuple[int, ...], str] | None = None) -> None:
+                 think: tuple[int, tuple[int, ...], str] | None = None, gap: int = 0) -> None:
         self.matcher, self.owner = matcher, owner
         self.think_start, self.think_end, self.phase = think or (-1, (), "grammar")
-        #: The last tokens of the reasoning phase (up to the end sequence's length).
+        self.gap = gap
+        #: The last tokens of the reasoning phase (up to the end sequence's length + gap).
         self.tail: tuple[int, ...] = ()
         #: Tokens advanced over: the request's output so far, or past it by the tokens of
         #: steps whose results arrived but are not processed yet (late masks).
@@ -124,8 +132,8 @@ class Guide:
         grammar's, not the thinking block's)."""
         self.consumed += 1
         if self.phase == "reasoning":
-            self.tail = (*self.tail, token)[-len(self.think_end):]
-            if self.tail == self.think_end:
+            self.tail = (*self.tail, token)[-(len(self.think_end) + self.gap):]
+            if self._reasoning_ended():
                 self.phase = "grammar"
             return False
         if self.phase == "open":
@@ -137,6 +145,18 @@ class Guide:
         if self.done_at is None and self.done:
             self.done_at = self.consumed
         return True
+
+    def _reasoning_ended(self) -> bool:
+        """The tail ends the thinking: the end sequence's last token, and the others at the
+        tail's last start of them, up to ``gap`` tokens before it."""
+        tail, end = self.tail, self.think_end
+        if not tail or tail[-1] != end[-1]:
+            return False
+        head = end[:-1]
+        if not head:
+            return True
+        at = max((i for i, t in enumerate(tail[:-1]) if t == head[0]), default=-1)
+        return at >= 0 and at + len(head) < len(tail) and tail[at:at + len(head)] == head
 
     def draft_masks(self, drafts: list[int], out: np.ndarray) -> None:
         """The masks of a step that verifies ``drafts``: ``out[0]`` (``[1 + len(drafts),
@@ -277,9 +297,10 @@ class StructuredOutputs:
     def grammar(self, spec: StructuredOutputsParams) -> str:
         """``spec`` compiled and checked against the tokenizer (the last 256 kept: a server
         sees the same schema again and again); ValueError naming the field when it is not
-        a valid constraint."""
+        a valid constraint. (The key keeps the schema's key order: the grammar writes an
+        object's properties in the order the schema lists them.)"""
         key = json.dumps([spec.json, spec.json_object, spec.regex, spec.choice, spec.grammar,
-                          spec.disable_any_whitespace], sort_keys=True)
+                          spec.disable_any_whitespace])
         grammar = self._grammars.get(key)
         if grammar is None:
             kind = spec.kinds()[0]
@@ -308,7 +329,8 @@ class StructuredOutputs:
             raise ValueError(f"{_FIELD} is invalid: {matcher.get_error()}")
         if params._reasoning == "openai_gptoss":  # the prompt ends in <|start|>assistant
             final = self._harmony_final()
-            return Guide(matcher, self, None if final is None else (-1, final, "reasoning"))
+            return Guide(matcher, self, None if final is None else (-1, final, "reasoning"),
+                         gap=HARMONY_HEADER_GAP)
         tags = self._think_tags() if params._reasoning else None
         if tags is None:
             return Guide(matcher, self)

@@ -149,7 +149,8 @@ class _Request(BaseModel):
     def _structured_fields(self) -> list[str]:
         """The structured-output fields the request gives (``response_format`` of type
         ``text`` is none), in the order they are read."""
-        names = [] if self.response_format in (None, {"type": "text"}) else ["response_format"]
+        fmt = self.response_format
+        names = [] if fmt is None or fmt.get("type") == "text" else ["response_format"]
         return names + [name for name in ("structured_outputs", *_GUIDED)
                         if getattr(self, name) is not None]
 
@@ -374,9 +375,11 @@ class ChatCompletionRequest(_Request):
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
             raise ValueError(f"SamplingParams.tool_choice={self.tool_choice!r} is invalid: "
                              "a forced call needs tools")
-        if self.tools is not None and not all(
+        if self.tools is not None and not all(  # (parameters: a JSON schema object, or none)
                 isinstance(t, dict) and isinstance(t.get("function"), dict)
-                and isinstance(t["function"].get("name"), str) for t in self.tools):
+                and isinstance(t["function"].get("name"), str)
+                and isinstance(t["function"].get("parameters", {}), (dict, type(None)))
+                for t in self.tools):
             raise ValueError("SamplingParams.tools is invalid: expected [{\"type\": "
                              "\"function\", \"function\": {\"name\": ..., \"parameters\": "
                              "{...}}}]")
@@ -389,6 +392,14 @@ class ChatCompletionRequest(_Request):
     def _requested_max(self) -> int | None:
         return (self.max_tokens if self.max_completion_tokens is None
                 else self.max_completion_tokens)
+
+    def structured_source(self) -> str | None:
+        """The field the request's structured output came from; a forced call's (``tool_choice``
+        ``"required"`` or named) is its tools' ``parameters`` schema: ``tools``."""
+        source = super().structured_source()
+        if source is None and self.tools and self.tool_choice not in (None, "none", "auto"):
+            return "tools"
+        return source
 
     def request_field(self, name: str) -> str:
         if name == "logprobs" and self.top_logprobs is not None:

@@ -7,7 +7,9 @@ The conventions, as vLLM's parsers:
 * ``qwen3``: the output may open with ``<think>`` (leading whitespace allowed); what lies
   between it and ``</think>`` is reasoning, what follows is content. An output that does not
   open with ``<think>`` is all content (``enable_thinking: false``: the template closed the
-  block in the prompt).
+  block in the prompt). A prompt whose template opened the block (Qwen3's ``-Thinking``
+  models) is answered as ``deepseek_r1``'s (:func:`prompt_reasoning`), as the engine's
+  structured outputs hold it.
 * ``deepseek_r1``: the template opens the block in the prompt, so the output is reasoning up
   to ``</think>`` (a leading ``<think>`` is dropped) and content after it; an output without
   ``</think>`` is all reasoning.
@@ -32,6 +34,8 @@ repeated.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from mrv2.entrypoints.harmony import HarmonyStream
 
@@ -61,6 +65,28 @@ def grammar_mark(kind: str | None) -> str | None:
     (``SamplingParams._reasoning``: the convention the engine knows, its grammar then holding
     only what follows the thinking); None: no mark, the grammar holds from the first token."""
     return kind if kind == "openai_gptoss" else THINK_PARSERS.get(kind or "")
+
+
+def prompt_reasoning(kind: str | None, prompt: list[int],
+                     encode: Callable[[str], list[int]]) -> str | None:
+    """The parser of an answer to ``prompt`` (token ids; ``encode``: text to ids, no special
+    tokens added): ``qwen3``'s to a prompt that opened the ``<think>`` block (its last
+    ``<think>`` after its last ``</think>``: Qwen3's thinking models' template) is
+    ``deepseek_r1``'s, the answer opening in the reasoning (the engine's structured outputs
+    likewise hold the grammar from its ``</think>``); ``kind`` otherwise, or where either tag
+    is not one token."""
+    if kind != "qwen3":
+        return kind
+    tags = [encode(tag) for tag in (START, END)]
+    if not all(len(ids) == 1 for ids in tags):
+        return kind
+    start, end = tags[0][0], tags[1][0]
+    for token in reversed(prompt):
+        if token == end:
+            return kind
+        if token == start:
+            return "deepseek_r1"
+    return kind
 
 
 def keeps_special_tokens(kind: str | None) -> bool:

@@ -52,7 +52,12 @@ from mrv2.entrypoints.openai_protocol import (
 )
 from mrv2.entrypoints.openai_responses import RENAMED, ResponsesRequest, ResponsesStream
 from mrv2.entrypoints.openai_scoring import add_pooling_routes
-from mrv2.entrypoints.reasoning import check_reasoning_parser, grammar_mark, keeps_special_tokens
+from mrv2.entrypoints.reasoning import (
+    check_reasoning_parser,
+    grammar_mark,
+    keeps_special_tokens,
+    prompt_reasoning,
+)
 from mrv2.entrypoints.responses import APIError, Echo, Stream
 from mrv2.entrypoints.responses_store import STORE_ENV, store_from_env
 from mrv2.entrypoints.stats_logger import StatsLogger, log_stats_forever
@@ -284,7 +289,11 @@ def create_app(engine: LLMEngine | RemoteEngine,
         try:
             engine.validate(ids, params, lora_of(body))
         except ValueError as error:
-            raise APIError(400, str(error), param=value_error_param(str(error), body)) from None
+            message, param = str(error), value_error_param(str(error), body)
+            if param is not None and "SamplingParams." in message and (
+                    f"SamplingParams.{param}" not in message):
+                message = f"{param}: {message}"  # (the request's name for the field)
+            raise APIError(400, message, param=param) from None
         limit, num = engine.max_model_len, len(ids)
         if body.max_tokens_from_model(engine.sampling_defaults):
             return  # the model's max_new_tokens: the engine caps it at the context left
@@ -501,8 +510,10 @@ def create_app(engine: LLMEngine | RemoteEngine,
             return await beam_answer(request, body, params, [ids], True)
         echo = Echo([body.echo_text()]) if body.echo else None
         lora = lora_of(body)
+        reasoning = prompt_reasoning(  # (qwen3's thinking models open the block in the prompt)
+            reasoning_parser, ids, lambda text: tokenizer().encode(text, False))
         return await _serve(request, worker, "chatcmpl", lora.lora_name if lora else model_name,
-                            [(ids, None)], params, body, True, items, reasoning_parser, calling,
+                            [(ids, None)], params, body, True, items, reasoning, calling,
                             enable_prompt_tokens_details, echo, stream_cls, extra, lora)
 
     @app.post("/tokenize")

@@ -233,8 +233,12 @@ PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 
 def _python_value(node: ast.expr) -> Any:
     """A call argument's value: a Python literal (strings, numbers, True/False/None, lists,
-    tuples, dicts), ValueError for anything else (names, calls, expressions)."""
-    value = ast.literal_eval(node)
+    tuples, dicts), ValueError for anything else (names, calls, expressions, a dict keyed by
+    a list)."""
+    try:
+        value = ast.literal_eval(node)
+    except TypeError as error:  # ({[1]: 2}: an unhashable key)
+        raise ValueError(f"not a Python literal: {error}") from None
     if isinstance(value, (set, frozenset, bytes, complex)):
         raise ValueError("not a JSON value")
     return value
@@ -260,8 +264,11 @@ def _pythonic(text: str, tools: Tools) -> list[ToolCall]:
             if keyword.arg is None:  # **kwargs
                 raise ValueError("not a call with keyword arguments")
             arguments[keyword.arg] = _python_value(keyword.value)
-        calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False,
-                                               allow_nan=False)))  # (1e999: ValueError)
+        try:  # (1e999: ValueError; a set, ..., or tuple keys inside: TypeError)
+            text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        except TypeError as error:
+            raise ValueError(f"not JSON values: {error}") from None
+        calls.append(ToolCall(name, text))
     return calls
 
 
@@ -358,16 +365,31 @@ def forced_tool_choice(tool_choice: str | Mapping[str, Any], tools: Tools,
     """``tool_choice`` ``"required"`` or ``{"type": "function", "function": {"name": N}}`` as
     vLLM does it, by structured outputs: the JSON schema the answer must match (a named
     choice: that tool's parameters; ``required``: a list of ``{"name", "parameters"}``, one
-    item with ``parallel_tool_calls`` false) and the parser that reads it into calls.
+    item with ``parallel_tool_calls`` false; the tools' ``$defs`` moved to its root, where
+    their ``#/$defs/...`` references point) and the parser that reads it into calls.
     ValueError naming ``tool_choice`` for a name no tool has or another form."""
     names = [t["function"]["name"] for t in tools]
     if tool_choice == "required":
-        items = [{"type": "object", "additionalProperties": False,
-                  "required": ["name", "parameters"],
-                  "properties": {"name": {"enum": [t["function"]["name"]]},
-                                 "parameters": _parameters(t)}} for t in tools]
+        items: list[dict[str, Any]] = []
+        defs: dict[str, dict[str, Any]] = {}
+        for t in tools:
+            parameters = _parameters(t)
+            for key in ("$defs", "definitions"):  # ("#/$defs/..." refs: to the root, vLLM's)
+                nested = parameters.get(key)
+                if not isinstance(nested, dict):
+                    continue
+                parameters = {k: v for k, v in parameters.items() if k != key}
+                for def_name, value in nested.items():
+                    if defs.setdefault(key, {}).setdefault(def_name, value) != value:
+                        raise ValueError(f"SamplingParams.tool_choice='required' is invalid: "
+                                         f"the tools give {key}.{def_name} different schemas "
+                                         "(a forced call's schema holds every tool's)")
+            items.append({"type": "object", "additionalProperties": False,
+                          "required": ["name", "parameters"],
+                          "properties": {"name": {"enum": [t["function"]["name"]]},
+                                         "parameters": parameters}})
         schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                                  "items": {"anyOf": items}}
+                                  "items": {"anyOf": items}, **defs}
         if not parallel_tool_calls:
             schema["maxItems"] = 1
         return ToolParser("required", ("",), lambda text, _: _forced_calls(text, None)), schema
