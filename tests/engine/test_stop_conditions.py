@@ -154,6 +154,24 @@ def test_stop_string_of_byte_fallback_tokens(tmp_path: Path) -> None:
     assert (out.finish_reason, out.stop_reason) == ("stop", "\n")
 
 
+def test_a_sentencepiece_answer_keeps_its_leading_space(tmp_path: Path) -> None:
+    """The output's text is decoded after the prompt's last tokens (vLLM's rule): a
+    sentencepiece model's first word keeps its space ("is" + "▁Pa" + "ris" reads " Paris",
+    not "Paris"), so prompt + output reads as the model wrote it."""
+    from mrv2.bench.detokenize import sentencepiece_bpe
+
+    tokenizer = sentencepiece_bpe()
+    path = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM", vocab_size=len(tokenizer))
+    tokenizer.hf.save_pretrained(str(path))
+    vocab = tokenizer.hf.get_vocab()
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4)
+    prompt = "The capital of France is"
+    for allowed, want in ((vocab["\u2581Pa"], " Pa"), (vocab["ris"], "ris")):
+        params = SamplingParams(temperature=0, max_tokens=1, allowed_token_ids=[allowed])
+        out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        assert out.text == want
+
+
 def test_abort_frees_everything_and_spares_others(llm: LLM, free_run: list[int]) -> None:
     engine = llm.engine
     tokenizer = llm.get_tokenizer()

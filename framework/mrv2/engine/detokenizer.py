@@ -70,8 +70,9 @@ class IncrementalDetokenizer:
 
     ``prompt_token_ids`` are kept for reference. By default they are not decoding context, so
     the output text is exactly the decode of the output ids alone; with
-    ``use_prompt_context=True`` the last few prompt tokens are context (vLLM's behaviour), and a
-    sentencepiece model's first output word keeps its leading space ("is" -> " Paris").
+    ``use_prompt_context=True`` (the engine's: vLLM's behaviour) the last few prompt tokens
+    are context, and a sentencepiece model's first output word keeps its leading space ("is"
+    -> " Paris").
     ``decode_stream=False`` decodes windows in Python even for a fast tokenizer (benchmarks,
     tests).
     """

@@ -311,8 +311,11 @@ class LLMEngine(WeightOps):
         )
         detok = None
         if self.tokenizer is not None:
+            # (the prompt's last tokens as context, as vLLM's: a sentencepiece model's first
+            # word keeps its leading space, so prompt + output reads as the model wrote it)
             detok = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, params.skip_special_tokens
+                self.tokenizer, request.prompt_token_ids, params.skip_special_tokens,
+                use_prompt_context=True,
             )
         self.scheduler.add(request)
         holdback = 0
