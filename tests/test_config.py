@@ -29,7 +29,8 @@ def test_flat_kwargs_land_in_sections() -> None:
      ({"tensor_parallel_size": 0}, "parallel.tensor_parallel_size"),
      ({"num_speculative_tokens": 3}, "speculative"), ({"device": "tpu"}, "device.device"),
      ({"max_lora_rank": 24}, "lora.max_lora_rank"),
-     ({"max_loras": 4, "max_cpu_loras": 2}, "lora")],
+     ({"max_loras": 4, "max_cpu_loras": 2}, "lora"),
+     ({"cpu_kv_cache_gb": float("inf")}, "cache.cpu_kv_cache_gb")],
 )
 def test_bad_values_name_the_field(kwargs: dict[str, object], field: str) -> None:
     with pytest.raises(ValidationError) as info:
@@ -97,3 +98,48 @@ def test_hf_overrides_change_the_model_built(tmp_path: Path) -> None:
     llm = LLM(str(model), device="cpu", dtype="float32", load_format="dummy",
               hf_overrides={"num_hidden_layers": 1})
     assert len(llm.engine.runner.model.model.layers) == 1  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("flag", ["--hf-overrides", "--override-generation-config"])
+def test_a_mapping_flag_that_is_not_json_names_the_flag(
+        flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse said ``invalid loads value`` (the name of the parser function)."""
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args([flag, "{num_hidden_layers: 2}"])
+    assert f"argument {flag}: not valid JSON" in capsys.readouterr().err
+
+
+def test_hf_overrides_of_rope_scaling_keep_the_rope_theta(tmp_path: Path) -> None:
+    """``--hf-overrides '{"rope_scaling": {"rope_type": "yarn", ...}}'`` (vLLM's way to extend
+    a Qwen's context) scales the checkpoint's RoPE: transformers 5 holds ``rope_theta`` in
+    that dict, and the override dropped it (10000 was used instead of the model's 1e6)."""
+    from mrv2.layers.rotary import rope_parameters_of
+    from mrv2.model_loader.build import load_hf_config
+    from mrv2.testing import make_tiny_checkpoint
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    path = make_tiny_checkpoint(tmp_path, "Qwen2ForCausalLM",
+                                rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    theta, scaling = rope_parameters_of(load_hf_config(path, {"rope_scaling": yarn}))
+    assert theta == 1e6 and scaling is not None and scaling["factor"] == 4.0
+    assert yarn == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    theta, _ = rope_parameters_of(load_hf_config(path, {"rope_parameters": {
+        **yarn, "rope_theta": 5e5}}))
+    assert theta == 5e5  # (one the override gives wins)
+
+
+def test_hf_overrides_of_a_wrong_type_are_a_value_error_naming_the_field(tmp_path: Path
+                                                                         ) -> None:
+    """transformers 5 refuses ``{"num_hidden_layers": "1"}`` with an error that is no
+    ValueError: ``mrv2 serve`` printed a traceback instead of its one-line message."""
+    from mrv2.entrypoints.cli import main
+    from mrv2.model_loader.build import load_hf_config
+    from mrv2.testing import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM")
+    with pytest.raises(ValueError, match="hf_overrides: num_hidden_layers='1' is refused"):
+        load_hf_config(path, {"num_hidden_layers": "1"})
+    assert main(["generate", "--model", str(path), "--device", "cpu", "--load-format", "dummy",
+                 "--hf-overrides", '{"num_hidden_layers": "1"}']) == 2

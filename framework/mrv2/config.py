@@ -156,7 +156,8 @@ class CacheConfig(_Section):
         default=0.9, gt=0.0, le=1.0, description="fraction of device memory mrv2 may use"
     )
     cpu_kv_cache_gb: float = Field(
-        default=2.0, gt=0.0, description="KV cache size on the CPU device, in GiB"
+        default=2.0, gt=0.0, allow_inf_nan=False,
+        description="KV cache size on the CPU device, in GiB"
     )
     enable_prefix_caching: bool = Field(
         default=True, description="reuse the KV of full blocks shared with earlier requests"
@@ -438,13 +439,24 @@ def _cli_type(annotation: Any) -> Any:
     if get_origin(annotation) is Literal and all(isinstance(v, int) for v in values):
         return int
     if get_origin(annotation) is dict:
-        return json.loads
+        return _json_value
     kinds = {v for v in values if v is not type(None)}
     if kinds == {int}:
         return int
     if kinds == {float}:
         return float
     return str
+
+
+def _json_value(text: str) -> Any:
+    """A mapping flag's value (``--hf-overrides``), parsed as JSON; argparse names the flag
+    on an error (a value of another JSON type is the field's ValidationError)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(
+            f"not valid JSON ({error}): expected an object such as "
+            f"'{{\"num_hidden_layers\": 40}}', got {text!r}") from None
 
 
 def config_from_cli(args: argparse.Namespace, model: str | None) -> EngineConfig:

@@ -122,3 +122,20 @@ def test_a_bad_generation_config_fails_before_the_weights_load(tmp_path: Path) -
         LLM(config=EngineConfig.from_kwargs(model=str(tmp_path / "not_loaded"),
                                             override_generation_config={"beams": 2},
                                             **ENGINE))
+
+
+def test_the_tokenizers_eos_counts_with_the_configs(tmp_path: Path) -> None:
+    """A fine-tune whose tokenizer's EOS (``<|assistant|>`` here, a chat model's
+    ``<|im_end|>``) is not the one config.json names: generation stops at either, as vLLM's
+    (the tokenizer's EOS is its primary one); it was dropped whenever the configs named one."""
+    from mrv2.testing import make_tiny_tokenizer
+
+    model = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM", vocab_size=320)
+    tokenizer = make_tiny_tokenizer(tmp_path)
+    config = json.loads((tokenizer / "tokenizer_config.json").read_text())
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps(
+        {**config, "eos_token": "<|assistant|>"}))
+    llm = LLM(str(model), device="cpu", max_model_len=64, generation_config="none")
+    assert llm.get_tokenizer() is not None
+    eos = llm.get_tokenizer().eos_token_id  # type: ignore[union-attr]
+    assert eos == 3 and llm.engine.eos_token_ids == {1, eos}

@@ -125,6 +125,26 @@ def test_missing_tokenizer_files(tmp_path: Path) -> None:
         Tokenizer(tmp_path / "nope")
 
 
+def test_a_named_tokenizer_that_does_not_load_is_refused_before_the_weights(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tokenizer=`` naming a missing directory (or one without tokenizer files) is a
+    ValueError naming the field, before any weight loads; it was dropped silently, the
+    engine then serving without a tokenizer."""
+    import mrv2.engine.engine as engine_module
+    from mrv2 import LLM
+    from mrv2.testing import make_tiny_checkpoint
+
+    model = make_tiny_checkpoint(tmp_path / "model", "LlamaForCausalLM")
+
+    def no_runner(*args: object) -> None:
+        raise AssertionError("the weights started loading")
+
+    monkeypatch.setattr(engine_module, "make_runner", no_runner)
+    for tokenizer in (tmp_path / "nope", model):  # (the checkpoint has no tokenizer files)
+        with pytest.raises(ValueError, match=f"tokenizer='{tokenizer}'"):
+            LLM(str(model), device="cpu", tokenizer=str(tokenizer))
+
+
 def test_fallback_to_tokenizer_json(tok_dir: Path, tmp_path: Path) -> None:
     """An unloadable tokenizer_config.json falls back to tokenizer.json (+ chat template)."""
     (tmp_path / "tokenizer.json").write_bytes((tok_dir / "tokenizer.json").read_bytes())

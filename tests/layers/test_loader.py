@@ -130,6 +130,10 @@ def test_index_is_honoured(tmp_path: Path) -> None:
     (tmp_path / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="model-00002-of-00002"):
         iter_safetensors(tmp_path)
+    for bad in ("{", '{"metadata": {}}', '{"weight_map": ["a.safetensors"]}'):
+        (tmp_path / "model.safetensors.index.json").write_text(bad)  # (was a KeyError...)
+        with pytest.raises(ValueError, match=r"index\.json is not a safetensors index"):
+            iter_safetensors(tmp_path)
 
 
 def test_no_weights_is_a_clear_error(tmp_path: Path) -> None:
@@ -181,3 +185,49 @@ def test_dummy_weights() -> None:
     assert torch.isfinite(w).all() and 0 < w.std() < 0.1
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
     assert not torch.equal(a.layer.qkv_proj.weight, c.layer.qkv_proj.weight)
+
+
+def test_a_missing_part_of_a_fused_parameter_is_an_error() -> None:
+    """A checkpoint lacking ``k_proj`` (or ``up_proj``) while its fused ``qkv_proj``
+    (``gate_up_proj``) gets the other parts is refused, naming the part: those rows were left
+    uninitialized and the model loaded."""
+    for dropped, part in (("layer.k_proj.weight", r"layer\.qkv_proj\.weight \(k_proj\)"),
+                          ("layer.up_proj.weight", r"layer\.gate_up_proj\.weight \(up_proj\)")):
+        w = hf_block_weights()
+        del w[dropped]
+        with pytest.raises(ValueError, match=f"1 part.*: {part}"):
+            load_toy(w)
+    w = hf_block_weights()
+    del w["layer.v_proj.bias"]
+    load_toy(w, strict=False)  # (not strict: a partial load, as update_weights gives)
+
+
+def test_tied_lm_head_does_not_overwrite_the_embedding(tmp_path: Path) -> None:
+    """A tied checkpoint that also holds an ``lm_head.weight`` of other values: the embedding
+    keeps the checkpoint's embedding (as vLLM, which skips the head) whichever shard holds
+    which; it was overwritten by the head when that came later. A head alone fills it."""
+    from mrv2.config import EngineConfig
+    from mrv2.model_loader.build import build_model, load_hf_config
+    from mrv2.plugins import get_plugin_manager
+    from mrv2.testing import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM", tie_word_embeddings=True)
+    tensors = dict(iter_safetensors(path))
+    embed = tensors["model.embed_tokens.weight"].clone()
+    head = torch.randn_like(embed)
+    (path / "model.safetensors").unlink()
+    save_file({n: t.clone() for n, t in tensors.items()}, path / "a.safetensors")
+    save_file({"lm_head.weight": head}, path / "b.safetensors")  # (read after the embedding)
+    config = EngineConfig.from_kwargs(model=str(path), device="cpu")
+    hf_config = load_hf_config(path)
+    registries = get_plugin_manager().registries
+
+    def built_embedding() -> torch.Tensor:
+        model, _ = build_model(config, str(path), hf_config, registries, torch.device("cpu"),
+                               torch.float32)
+        return model.model.embed_tokens.weight  # type: ignore[union-attr]
+
+    assert torch.equal(built_embedding(), embed)
+    del tensors["model.embed_tokens.weight"]
+    save_file({n: t.clone() for n, t in tensors.items()}, path / "a.safetensors")
+    assert torch.equal(built_embedding(), head)

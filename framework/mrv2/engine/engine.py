@@ -80,13 +80,18 @@ class LLMEngine(WeightOps):
         self.sampling_defaults = load_sampling_defaults(
             config.model.model, config.model.generation_config,
             config.model.override_generation_config)
+        named = config.model.tokenizer  # (a tokenizer of its own must load: before the weights)
+        tokenizer = (None if named is None
+                     else _load_tokenizer(named, config.model.chat_template, required=True))
         self.runner = make_runner(config, plugins)
         model_dir = config.model.model or self.runner.model_dir
-        self.tokenizer: Tokenizer | None = _load_tokenizer(config.model.tokenizer or model_dir,
-                                                           config.model.chat_template)
+        self.tokenizer: Tokenizer | None = (
+            tokenizer if named is not None
+            else _load_tokenizer(model_dir, config.model.chat_template))
+        # the tokenizer's EOS (vLLM's primary one) and every one the model's configs name
         eos = load_generation_eos(model_dir)
-        if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos = {self.tokenizer.eos_token_id}
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         if config.model.model is None:  # the default model: its directory is known now
             self.sampling_defaults = load_sampling_defaults(

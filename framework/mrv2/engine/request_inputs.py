@@ -100,12 +100,17 @@ def process_multimodal(processor: InputProcessor | None, architecture: str,
     return processor.process(list(prompt_token_ids), mm_data)
 
 
-def _load_tokenizer(path: str, chat_template: str | None = None) -> Tokenizer | None:
+def _load_tokenizer(path: str, chat_template: str | None = None, required: bool = False
+                    ) -> Tokenizer | None:
     """The tokenizer at ``path`` (None where there is none), its chat template replaced by
-    ``chat_template`` (``--chat-template``) when given."""
+    ``chat_template`` (``--chat-template``) when given. ``required`` (a tokenizer named on its
+    own, ``--tokenizer``): a ValueError naming the field where none loads."""
     try:
         tokenizer = Tokenizer(path)
-    except (OSError, ValueError):
+    except (OSError, ValueError) as error:
+        if required:
+            raise ValueError(f"tokenizer={path!r}: {error}; give a directory holding a "
+                             "tokenizer (tokenizer.json, tokenizer_config.json...)") from None
         return None
     if chat_template is not None:
         tokenizer.set_chat_template(chat_template)

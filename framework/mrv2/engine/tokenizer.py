@@ -203,7 +203,7 @@ def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
 
 def _load_hf_tokenizer(path: Path, **kwargs: Any) -> Any:
     if not path.is_dir():
-        raise FileNotFoundError(f"model directory {path} does not exist")
+        raise FileNotFoundError(f"directory {path} does not exist")
     if not any((path / name).is_file() for name in _TOKENIZER_FILES):
         raise FileNotFoundError(
             f"no tokenizer files in {path} (looked for {', '.join(_TOKENIZER_FILES)})"

@@ -383,7 +383,8 @@ class RemoteEngine:
         self.eos_token_ids = info.eos_token_ids
         self.sampling_defaults = info.sampling_defaults
         self.tokenizer: Tokenizer | None = _load_tokenizer(
-            config.model.tokenizer or info.model_dir, config.model.chat_template)
+            config.model.tokenizer or info.model_dir, config.model.chat_template,
+            required=config.model.tokenizer is not None)
         self.input_processor: InputProcessor | None = make_input_processor(
             info.input_processor, info.model_dir, info.hf_config, self.tokenizer, config)
 

@@ -11,7 +11,7 @@ head (tied or not), the ``inputs_embeds`` path and the checkpoint-name mapping a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar, cast
 
 import torch
@@ -350,5 +350,22 @@ class CausalLM(nn.Module):
         return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF checkpoint tensors; returns the parameter names loaded."""
-        return load_stacked_weights(self, weights, self.stacked_params, self.rename)
+        """Load HF checkpoint tensors; returns the parameter names loaded. With tied
+        embeddings a checkpoint's LM head fills the embedding only where the checkpoint has no
+        embedding of its own (vLLM skips it then too), whichever file holds which."""
+        if not self.tie_word_embeddings:
+            return load_stacked_weights(self, weights, self.stacked_params, self.rename)
+        embed = "model.embed_tokens.weight"
+        heads: list[tuple[str, torch.Tensor]] = []
+
+        def without_head() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if "lm_head" in name and self.rename(name) == embed:
+                    heads.append((name, tensor))
+                else:
+                    yield name, tensor
+
+        loaded = load_stacked_weights(self, without_head(), self.stacked_params, self.rename)
+        if heads and embed not in loaded:
+            loaded |= load_stacked_weights(self, heads[-1:], self.stacked_params, self.rename)
+        return loaded

@@ -9,7 +9,9 @@ experts are stacked. :mod:`mrv2.model_loader` re-exports these names.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -26,6 +28,32 @@ _EXPERT_NAME = re.compile(
 _STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 _EXPERT_SHARD = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
                  "down_proj": "down", "w2": "down"}
+
+ShardCoverage = dict[str, tuple[dict[Any, str], set[Any]]]
+"""A fused parameter's name -> (its shards' checkpoint fragments by shard id, the shards
+loaded)."""
+_COVERAGE: ContextVar[ShardCoverage | None] = ContextVar("_COVERAGE", default=None)
+
+
+@contextmanager
+def shard_coverage() -> Iterator[ShardCoverage]:
+    """Record, while active, which shards of each fused parameter :func:`load_stacked_weights`
+    filled (a whole-checkpoint load checks them with :func:`missing_shards`; a partial update
+    of the weights need not give every shard)."""
+    coverage: ShardCoverage = {}
+    token = _COVERAGE.set(coverage)
+    try:
+        yield coverage
+    finally:
+        _COVERAGE.reset(token)
+
+
+def missing_shards(coverage: ShardCoverage) -> list[str]:
+    """``"param (checkpoint fragment)"`` for each shard of a fused parameter that
+    ``coverage`` saw loaded in part but never got (its rows would hold uninitialized
+    memory)."""
+    return [f"{name} ({fragment})" for name, (wanted, got) in sorted(coverage.items())
+            for shard, fragment in wanted.items() if shard not in got]
 
 
 def expert_weight_target(name: str) -> tuple[str, Any] | None:
@@ -118,6 +146,10 @@ def load_stacked_weights(
     """
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    coverage = _COVERAGE.get()
+    wanted: dict[str, dict[Any, str]] = {}  # fused fragment -> {shard id: checkpoint fragment}
+    for fused, fragment, shard in stacked:
+        wanted.setdefault(fused, {}).setdefault(shard, fragment)
     for ckpt_name, tensor in weights:
         target = checkpoint_target(ckpt_name, stacked, rename)
         if target is None:
@@ -130,6 +162,10 @@ def load_stacked_weights(
             )
         load_param(name, params[name], tensor, shard_id, source=ckpt_name)
         loaded.add(name)
+        if coverage is not None and shard_id is not None:  # (not an expert's: no mapping's)
+            stack = next((f for f in wanted if f".{f}." in name), None)
+            if stack is not None and shard_id in wanted[stack]:
+                coverage.setdefault(name, (wanted[stack], set()))[1].add(shard_id)
     return loaded
 
 

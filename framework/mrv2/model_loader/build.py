@@ -48,13 +48,35 @@ def load_hf_config(model_dir: str | Path, overrides: dict[str, Any] | None = Non
     return config
 
 
+#: The RoPE dict's names (transformers 5's, and ``rope_scaling``, its alias), and the fields
+#: of it that were attributes of their own before transformers 5 (an override of the scaling
+#: alone keeps them).
+_ROPE_FIELDS = ("rope_parameters", "rope_scaling")
+_ROPE_KEPT = ("rope_theta", "partial_rotary_factor")
+
+
 def _override(config: Any, overrides: dict[str, Any]) -> None:
     for key, value in overrides.items():
         current = getattr(config, key, None)
         if isinstance(value, dict) and hasattr(current, "to_dict"):
             _override(current, value)
+        elif key in _ROPE_FIELDS and isinstance(value, dict) and isinstance(current, dict):
+            # ('{"rope_scaling": {"rope_type": "yarn", ...}}', as vLLM's users write it: the
+            # checkpoint's rope_theta, which transformers 5 holds in that dict, stays)
+            kept = {k: current[k] for k in _ROPE_KEPT if k in current and k not in value}
+            _set(config, key, {**value, **kept})
         else:
-            setattr(config, key, value)
+            _set(config, key, value)
+
+
+def _set(config: Any, key: str, value: Any) -> None:
+    """``config.key = value``; what transformers' config refuses (a field's type: its strict
+    dataclass error, no ValueError) as a ValueError naming the override."""
+    try:
+        setattr(config, key, value)
+    except Exception as error:  # noqa: BLE001 (huggingface_hub's StrictDataclassError...)
+        raise ValueError(f"hf_overrides: {key}={value!r} is refused by "
+                         f"{type(config).__name__}: {error}") from None
 
 
 def _read_hf_config(model_dir: str | Path) -> Any:

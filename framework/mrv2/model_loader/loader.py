@@ -28,6 +28,8 @@ from mrv2.layers.weights import (  # noqa: F401 (re-exported: mrv2.model_loader'
     expert_weight_target,
     load_param,
     load_stacked_weights,
+    missing_shards,
+    shard_coverage,
 )
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -37,8 +39,14 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
         raise FileNotFoundError(f"model directory {str(model_dir)!r} does not exist")
     index = model_dir / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted({str(name) for name in weight_map.values()})
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"{index} is not a safetensors index: expected a JSON object "
+                             f"whose 'weight_map' maps tensor names to file names ({error!r})"
+                             ) from None
+        files = [model_dir / name for name in names]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise FileNotFoundError(
@@ -119,7 +127,8 @@ def load_model_weights(
     optional: frozenset[str] = frozenset(),
 ) -> set[str]:
     """Run ``model.load_weights(weights)``; with ``strict``, fail if any parameter was not loaded
-    but those named in ``optional``.
+    but those named in ``optional``, or if a fused parameter got some of its checkpoint tensors
+    but not all (``q_proj`` and ``v_proj`` but no ``k_proj``).
 
     Returns the names of the parameters that were loaded.
     """
@@ -134,7 +143,16 @@ def load_model_weights(
         # a pooling engine's LM head is gone: the checkpoint's is not read (a tied one's name
         # fills the embedding, the model's rename says so)
         weights = ((name, t) for name, t in weights if name != "lm_head.weight")
-    loaded: set[str] = load_weights(weights)
+    with shard_coverage() as coverage:
+        loaded: set[str] = load_weights(weights)
+    partial = missing_shards(coverage)
+    if strict and partial:
+        shown = ", ".join(partial[:20]) + (", ..." if len(partial) > 20 else "")
+        raise ValueError(
+            f"{len(partial)} part(s) of fused parameters of {type(model).__name__} were not "
+            f"found in the checkpoint: {shown}. Check that the checkpoint is complete and "
+            f"matches the model architecture."
+        )
     missing = sorted(name for name, p in model.named_parameters()
                      if name not in loaded and name not in optional
                      and not getattr(p, "optional", False))
