@@ -379,9 +379,10 @@ class LLM:
             messages if messages and isinstance(messages[0], list) else [messages],
         )
         allow_remote = self.engine.config.multimodal.allow_remote_media
+        limit = self.engine.config.multimodal.limit_mm_per_prompt
         prompts: list[Prompt] = []
         for conversation in conversations:
-            template_messages, mm_data = split_chat_media(conversation, allow_remote)
+            template_messages, mm_data = split_chat_media(conversation, allow_remote, limit)
             text = tokenizer.render_chat_template(template_messages, add_generation_prompt,
                                                   **template_kwargs)
             # (as vLLM's: the output's ``prompt`` is the rendered text; it carries any BOS)

@@ -8,8 +8,11 @@ Chat messages (``LLM.chat``, the OpenAI server) may carry content lists of parts
 chat template renders that as its placeholder (Qwen2.5-VL:
 ``<|vision_start|><|image_pad|><|vision_end|>``). The images are returned in order, for the
 input processor. :func:`load_image_url` decodes ``data:`` URIs; it fetches ``http(s)`` URLs
-only when allowed (``--allow-remote-media``), and with a size cap. Every failure is a
-``ValueError`` naming the part.
+only when allowed (``--allow-remote-media``), with a size cap and a deadline on the whole
+fetch, following at most a few redirects, to ``http(s)`` only. A decoded image is turned
+upright by its EXIF orientation, as HF's ``load_image`` does. A prompt's parts past
+``--limit-mm-per-prompt`` are refused before anything is decoded or fetched. Every failure
+is a ``ValueError`` naming the part.
 
 Audio parts, OpenAI's ``{"type": "input_audio", "input_audio": {"data": "<base64 WAV>",
 "format": "wav"}}``, are taken too: each becomes
@@ -23,7 +26,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import http.client
 import io
+import time
+import urllib.error
+import urllib.parse
 import urllib.request
 import wave
 from collections.abc import Sequence
@@ -38,7 +45,22 @@ __all__ = ["MAX_AUDIO_BYTES", "MAX_IMAGE_BYTES", "decode_wav", "load_image_url",
 MAX_IMAGE_BYTES = 20 << 20
 #: Largest decoded audio accepted (an ``input_audio`` part's WAV data).
 MAX_AUDIO_BYTES = 20 << 20
+#: Seconds a fetch of a remote image may take in all (its redirects and body included).
 _FETCH_TIMEOUT_S = 10.0
+#: Redirects a fetch follows at most.
+_MAX_REDIRECTS = 5
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Follows no redirect (:func:`_fetch` checks each one and follows it itself): a 3xx
+    answer raises ``HTTPError``, its body unread."""
+
+    def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any,
+                         newurl: str) -> None:
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
 
 
 def _decode(raw: bytes, where: str) -> Any:
@@ -46,13 +68,13 @@ def _decode(raw: bytes, where: str) -> Any:
         raise ValueError(f"{where}: the image is {len(raw) / 2**20:.1f} MiB; at most "
                          f"{MAX_IMAGE_BYTES >> 20} MiB")
     try:
-        from PIL import Image
+        from PIL import Image, ImageOps
     except ImportError as error:
         raise ValueError(f"{where}: images need pillow (pip install pillow)") from error
     try:
         image = Image.open(io.BytesIO(raw))
         image.load()
-        return image.convert("RGB")
+        return ImageOps.exif_transpose(image).convert("RGB")
     except (OSError, ValueError, Image.DecompressionBombError) as error:
         raise ValueError(f"{where}: could not decode the image: {error}") from error
 
@@ -72,14 +94,48 @@ def load_image_url(url: str, allow_remote: bool = False, where: str = "image_url
         if not allow_remote:
             raise ValueError(f"{where}: remote URLs are not fetched (start with "
                              "--allow-remote-media to allow it); send the image as a data: URI")
-        try:
-            with urllib.request.urlopen(url, timeout=_FETCH_TIMEOUT_S) as response:
-                raw = response.read(MAX_IMAGE_BYTES + 1)
-        except OSError as error:
-            raise ValueError(f"{where}: could not fetch {url!r}: {error}") from error
-        return _decode(raw, where)
+        return _decode(_fetch(url, where), where)
     raise ValueError(f"{where}: unsupported URL {url[:40]!r}; allowed: data: URIs"
                      + (", http(s)" if allow_remote else ""))
+
+
+def _fetch(url: str, where: str) -> bytes:
+    """The body at an ``http(s)`` ``url``, at most ``MAX_IMAGE_BYTES + 1`` bytes of it, within
+    ``_FETCH_TIMEOUT_S`` in all; at most ``_MAX_REDIRECTS`` redirects followed, each to an
+    ``http(s)`` URL. ValueError naming ``where`` otherwise."""
+    deadline = time.monotonic() + _FETCH_TIMEOUT_S
+    for _ in range(_MAX_REDIRECTS + 1):
+        if urllib.parse.urlsplit(url).scheme.lower() not in ("http", "https"):
+            raise ValueError(f"{where}: redirected to {url[:80]!r}; only http(s) URLs are "
+                             "fetched")
+        try:
+            response = _OPENER.open(url, timeout=max(deadline - time.monotonic(), 0.001))
+        except urllib.error.HTTPError as error:
+            location = error.headers.get("Location") if 300 <= error.code < 400 else None
+            error.close()
+            if location is None:
+                raise ValueError(f"{where}: could not fetch {url!r}: {error}") from error
+            url = urllib.parse.urljoin(url, location)
+            continue
+        except (OSError, ValueError, http.client.HTTPException) as error:
+            raise ValueError(f"{where}: could not fetch {url!r}: {error}") from error
+        chunks: list[bytes] = []
+        size = 0
+        with response:
+            try:
+                while size <= MAX_IMAGE_BYTES:
+                    if time.monotonic() > deadline:
+                        raise ValueError(f"{where}: fetching {url!r} took more than "
+                                         f"{_FETCH_TIMEOUT_S:g} s")
+                    chunk = response.read1(1 << 16)
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    size += len(chunk)
+            except (OSError, http.client.HTTPException) as error:
+                raise ValueError(f"{where}: could not fetch {url!r}: {error}") from error
+        return b"".join(chunks)
+    raise ValueError(f"{where}: more than {_MAX_REDIRECTS} redirects; the last to {url[:80]!r}")
 
 
 def decode_wav(raw: bytes, where: str = "input_audio") -> tuple[np.ndarray, int]:
@@ -128,12 +184,14 @@ def load_input_audio(spec: Any, where: str = "input_audio") -> tuple[np.ndarray,
     return decode_wav(raw, f"{where}.data")
 
 
-def split_chat_media(messages: Sequence[dict[str, Any]], allow_remote: bool = False
+def split_chat_media(messages: Sequence[dict[str, Any]], allow_remote: bool = False,
+                     limit: int | None = None
                      ) -> tuple[list[dict[str, Any]], dict[str, list[Any]]]:
     """``(messages with image parts as {"type": "image"} and input_audio parts as {"type":
     "audio"}, multi_modal_data)``: ``{"image": [images in order]}``, plus ``"audio":
     [(samples, rate) in order]`` when a part is audio (so an image-only input processor
-    sees the one key it takes)."""
+    sees the one key it takes). ``limit`` (``--limit-mm-per-prompt``): a ValueError naming the
+    first image or audio part past that many of its kind, before it is decoded or fetched."""
     out: list[dict[str, Any]] = []
     images: list[Any] = []
     clips: list[tuple[np.ndarray, int]] = []
@@ -146,6 +204,12 @@ def split_chat_media(messages: Sequence[dict[str, Any]], allow_remote: bool = Fa
         for j, part in enumerate(content):
             where = f"messages[{i}].content[{j}]"
             kind = part.get("type") if isinstance(part, dict) else None
+            count = (len(images) if kind in ("image", "image_url") else
+                     len(clips) if kind == "input_audio" else 0)
+            if limit is not None and count >= limit:
+                noun = "audio clips" if kind == "input_audio" else "images"
+                raise ValueError(f"{where}: more than {limit} {noun}; at most {limit} per "
+                                 "prompt (--limit-mm-per-prompt)")
             if kind == "text":
                 parts.append({"type": "text", "text": str(part.get("text", ""))})
             elif kind == "image":

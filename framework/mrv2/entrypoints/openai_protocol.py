@@ -301,9 +301,10 @@ class ChatMessage(BaseModel):
             for part in self.content)
 
     def with_parts(self) -> dict[str, Any]:
-        """The message with its content parts as sent (for :func:`~mrv2.engine.media.
-        split_chat_media`)."""
-        return {"role": self.role, "content": self.content or ""}
+        """:meth:`as_dict` with the content parts as sent (for :func:`~mrv2.engine.media.
+        split_chat_media`): an assistant's ``tool_calls``, a tool answer's ``tool_call_id``
+        and ``name`` kept."""
+        return {**self.as_dict(), "content": self.content or ""}
 
 
 def _template_call(call: Any) -> Any:

@@ -81,10 +81,13 @@ def _clip(item: Any, index: int) -> tuple[np.ndarray, int | None]:
     return samples, rate
 
 
-def resample(samples: np.ndarray, rate: int, target: int, chunk: int = 1 << 14) -> np.ndarray:
+def resample(samples: np.ndarray, rate: int, target: int, chunk: int = 1 << 14, *,
+             limit: int | None = None) -> np.ndarray:
     """``samples`` at ``rate`` Hz -> at ``target`` Hz (float32): upsample by ``up``, low-pass,
     downsample by ``down`` (``target / rate = up / down`` reduced), computed polyphase; the
-    output has ``ceil(n * up / down)`` samples, aligned with the input (module doc)."""
+    output has ``ceil(n * up / down)`` samples, aligned with the input (module doc), or only
+    the first ``limit`` of them (what a feature extractor that cuts there reads: a clip
+    declared at 1 Hz would otherwise grow 16000-fold)."""
     gcd = math.gcd(int(rate), int(target))
     up, down = int(target) // gcd, int(rate) // gcd
     x = np.asarray(samples, dtype=np.float64)
@@ -101,6 +104,8 @@ def resample(samples: np.ndarray, rate: int, target: int, chunk: int = 1 << 14) 
         phase = h[r::up]
         bank[r, : len(phase)] = phase
     n_out = -(-len(x) * up // down)
+    if limit is not None:
+        n_out = min(n_out, limit)
     padded = np.concatenate([x, np.zeros(1)])  # (index len(x): a zero for out-of-range taps)
     out = np.empty(n_out)
     for start in range(0, n_out, chunk):

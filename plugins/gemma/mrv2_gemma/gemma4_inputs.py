@@ -80,6 +80,9 @@ from mrv2_gemma.gemma4_video import (
 __all__ = ["Gemma4InputProcessor", "Gemma4VLModelState"]
 
 _KEYS = ("image", "audio", "video")
+#: Samples of a clip (at the extractor's rate) that make its features: the extractor's own
+#: ``max_length`` (30 s at 16 kHz), past which HF's processor cuts a clip too.
+MAX_AUDIO_SAMPLES = 480_000
 #: The longest clip's valid frames the profile runs: HF's 30 s cut at 10 ms a frame.
 _PROFILE_FRAMES = 3000
 
@@ -263,9 +266,10 @@ class Gemma4InputProcessor(InputProcessor):
         where = f"multi_modal_data.audio[{index}]"
         target = int(extractor.sampling_rate)
         if rate is not None and rate != target:
-            samples = resample(samples, rate, target)
+            samples = resample(samples, rate, target, limit=MAX_AUDIO_SAMPLES)
         try:
-            out = extractor([samples], return_tensors="np")
+            out = extractor([samples], return_tensors="np", max_length=MAX_AUDIO_SAMPLES,
+                            truncation=True)
         except Exception as error:  # noqa: BLE001 (any failure of the extractor on a clip)
             raise ValueError(f"{where}: could not extract its features: "
                              f"{type(error).__name__}: {error}") from error

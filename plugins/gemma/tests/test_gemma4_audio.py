@@ -17,6 +17,7 @@ import json
 import re
 import wave
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -292,3 +293,26 @@ def test_feature_extractor_lookup(tmp_path: Path) -> None:
     (tmp_path / "processor_config.json").write_text(json.dumps(nested))
     with pytest.raises(ValueError, match="'WhisperFeatureExtractor'"):
         load_feature_extractor(tmp_path, name)
+
+
+def test_a_clip_at_a_tiny_rate_is_resampled_only_as_far_as_the_extractor_reads(tiny: Tiny
+                                                                                ) -> None:
+    """A clip declared at 1 Hz (a WAV header's rate, say) grows 16000-fold when resampled:
+    only the extractor's 30 s are computed, and ``limit`` gives the full output's first
+    samples."""
+    from mrv2_gemma.gemma4_inputs import MAX_AUDIO_SAMPLES, Gemma4InputProcessor
+
+    clip = audio_noise(0.1, 9)
+    assert np.array_equal(resample(clip, 4000, RATE, limit=700), resample(clip, 4000, RATE)[:700])
+    lengths: list[int] = []
+
+    class Counted:
+        sampling_rate = tiny.extractor.sampling_rate
+
+        def __call__(self, clips: list[np.ndarray], **kwargs: Any) -> Any:
+            lengths.append(len(clips[0]))
+            return tiny.extractor(clips, **kwargs)
+
+    stub: Any = SimpleNamespace(require_audio=Counted)
+    features = Gemma4InputProcessor.audio_features(stub, 0, audio_noise(0.5, 9), 1)
+    assert lengths == [MAX_AUDIO_SAMPLES] and len(features) > 0
