@@ -120,6 +120,24 @@ def test_one_bad_prompt_runs_nothing_and_engine_keeps_serving(llm: LLM) -> None:
     assert finished == {first: expected}
 
 
+def test_params_changed_after_submission_leave_the_request_as_submitted(llm: LLM) -> None:
+    """The engine keeps its own copy of a request's params: the caller reusing its object
+    (here, an out-of-vocabulary bias key) changes neither that request nor anyone's step."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logit_bias={9: 100.0},
+                            allowed_token_ids=[9, 10])
+    first = engine.add_request([3, 4, 5], params)
+    params.logit_bias.clear()
+    params.logit_bias[10**6] = 1.0
+    params.allowed_token_ids.append(10**6)  # type: ignore[union-attr]
+    finished = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+    assert finished == {first: [9, 9, 9]}
+
+
 def test_a_prompt_refused_while_queueing_leaves_none_queued(llm: LLM) -> None:
     """A refusal that comes only as the prompts are queued (bad words, and this model has no
     tokenizer) aborts the prompts queued before it: none stays behind to run in a later

@@ -76,6 +76,32 @@ def test_sampler_applies_penalties_then_samples_greedy() -> None:
     assert out.logprobs is None
 
 
+def test_logit_bias_comes_before_the_repetition_penalty() -> None:
+    """vLLM adds the bias, then penalizes: a repetition penalty divides the biased logit."""
+    p = SamplingParams(temperature=0, repetition_penalty=2.0, logit_bias={3: 4.0})
+    batch, table, sampler = make_batch([p], [([3], [])], VOCAB)
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 3], logits[0, 5] = 1.0, 3.0
+    # (1 + 4) / 2 = 2.5 < 3 (penalizing first would give 1 / 2 + 4 = 4.5)
+    assert sampler(logits, batch, table).tokens.tolist() == [5]
+
+
+def test_top_k_and_min_tokens_past_int64_take_a_row() -> None:
+    """Validation bounds neither: a huge ``top_k`` is top-k off, a huge ``min_tokens`` (no
+    max_tokens) masks EOS for ever, instead of an OverflowError failing the whole step."""
+    huge = 2**64
+    params = [SamplingParams(temperature=0.7, top_k=huge),
+              _with(SamplingParams(temperature=0, min_tokens=huge, max_tokens=None),
+                    _eos_token_ids=[0]),
+              SamplingParams(temperature=0.7)]
+    batch, table, sampler = make_batch(params, [([1], [2])] * 3, VOCAB, seeds=[3, 4, 3])
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(5))
+    logits[1, 0] = 50.0
+    logits[2] = logits[0]
+    tokens = sampler(logits, batch, table).tokens.tolist()
+    assert tokens[0] == tokens[2] and tokens[1] != 0
+
+
 def test_sampler_logprobs_are_raw_log_softmax() -> None:
     g = torch.Generator().manual_seed(2)
     params = [SamplingParams(temperature=0.7, logprobs=3, presence_penalty=1.0),

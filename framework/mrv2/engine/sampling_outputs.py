@@ -8,6 +8,7 @@ token and ``ids[1:]`` the batch's top-k; each request keeps its own ``k``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,7 +108,9 @@ def prepare_params(params: SamplingParams, eos: frozenset[int], tokenizer: Token
     A bad word is tokenized as written and with a leading space (as vLLM does), each variant
     banned separately.
     """
-    params = dataclasses.replace(params)
+    # a deep copy: the caller may change or reuse its lists and dicts (logit_bias,
+    # allowed_token_ids, ...) while the request runs; ``replace`` validates the copy again
+    params = dataclasses.replace(copy.deepcopy(params))
     params._num_prompt_tokens = num_prompt_tokens
     params._eos_token_ids = [] if params.ignore_eos else sorted(eos)
     words: list[list[int]] = []

@@ -1,4 +1,4 @@
-"""The sampler stage: logits -> fp32 -> processors -> penalties -> bias / masks ->
+"""The sampler stage: logits -> fp32 -> processors -> bias / masks -> penalties ->
 temperature -> min-p -> top-k/top-p -> Gumbel-max with stateless (seed, position, token) noise,
 then (when asked) logprobs of the raw logits.
 
@@ -271,6 +271,9 @@ class Sampler:
         self.apply_bitmasks(logits, plan)
         idx = batch.logits_idx_mapping
         if plan.rare:
+            # bias and masks before the penalties, as vLLM: a repetition penalty scales a
+            # biased logit
+            apply_masks(logits, idx, table, state, plan.rare, batch.logits_positions)
             if state.output_counts is not None and any(p.uses_penalties for _, p in plan.rare):
                 assert state.prompt_mask is not None
                 apply_penalties(logits, idx, state.output_counts, state.prompt_mask,
@@ -280,7 +283,6 @@ class Sampler:
                     penalize_drafts(logits, batch, state.output_counts, state.prompt_mask,
                                     state.repetition_penalty, state.frequency_penalty,
                                     state.presence_penalty)
-            apply_masks(logits, idx, table, state, plan.rare, batch.logits_positions)
         verifies = bool(batch.max_draft_tokens) and (self.verify_method == "synthetic" or (
             self.verify_method == "probabilistic" and not plan.all_greedy))
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)

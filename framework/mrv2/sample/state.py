@@ -33,6 +33,9 @@ PENALTY_STATE_MAX_ELEMENTS = 2**29
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
            "presence_penalty")
 _INTS = ("top_k", "seed", "min_tokens", "prompt_len")
+#: The int columns' largest value: a ``top_k`` or ``min_tokens`` past it (validation bounds
+#: neither) is stored as it, which means the same (top-k off, min_tokens never reached).
+_INT64_MAX = 2**63 - 1
 
 
 def uses_rare_stage(p: SamplingParams) -> bool:
@@ -129,7 +132,7 @@ class SamplingState:
         floats = np.array([[p.temperature, p.top_p, p.min_p, p.repetition_penalty,
                             p.frequency_penalty, p.presence_penalty] for p in params],
                           dtype=np.float32)
-        ints = np.array([[p.top_k, seed, p.min_tokens, plen]
+        ints = np.array([[min(p.top_k, _INT64_MAX), seed, min(p.min_tokens, _INT64_MAX), plen]
                          for p, seed, plen in zip(params, seeds, prompt_lens, strict=True)],
                         dtype=np.int64)
         # column-major index: parameter j of every row, then parameter j + 1 (the values
