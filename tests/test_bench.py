@@ -13,6 +13,8 @@ import torch
 from mrv2.bench.measure import (
     StepLog,
     breakdown,
+    busy_fraction,
+    embedding_bytes_per_token,
     floor_seconds,
     instrument,
     kv_bytes_per_token,
@@ -52,13 +54,35 @@ def test_counts_and_floor_inputs(tmp_path: Path) -> None:
     # step 1 prefills both (seq lens 3 + 2); the rest decode one token each
     assert log.steps[0] == (2, 5, 5)
     assert log.steps[1] == (2, 2, 7)
+    # every parameter but the untied embedding table, of which a step reads a row a token
+    table = engine.runner.model.get_submodule("model.embed_tokens").weight
     assert weight_bytes(engine.runner) == sum(
-        p.numel() * 4 for p in engine.runner.model.parameters())
+        p.numel() * 4 for p in engine.runner.model.parameters()) - table.numel() * 4
     # 2 layers x (k + v) x 2 kv heads x head_dim x 4 bytes
     head_dim = engine.runner.hf_config.head_dim
     assert kv_bytes_per_token(engine.runner) == 2 * 2 * 2 * head_dim * 4
     # no graphs on the CPU: one eager mixed (prefill) step, then eager decode steps
     assert log.kinds == ["mixed_eager"] + ["decode_eager"] * (len(log.steps) - 1)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_floor_reads_an_untied_embedding_table_a_row_per_token(tmp_path: Path,
+                                                                tied: bool) -> None:
+    """A tied table is the LM head's weight, read whole every step (counted once); an untied
+    one is only looked up: a row per token of the step, not the whole table."""
+    ckpt = make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM", tie_word_embeddings=tied)
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(ckpt), device="cpu",
+                                                load_format="dummy", block_size=4))
+    runner = engine.runner
+    hidden, vocab = runner.hf_config.hidden_size, runner.hf_config.vocab_size
+    every = sum(p.numel() * 4 for p in runner.model.parameters())
+    assert weight_bytes(runner) == every - (0 if tied else vocab * hidden * 4)
+    assert embedding_bytes_per_token(runner) == (0 if tied else hidden * 4)
+    log = StepLog(steps=[(2, 100, 100), (2, 2, 102)])
+    kv = kv_bytes_per_token(runner)
+    rows = 0 if tied else 102 * hidden * 4
+    assert floor_seconds(log, runner, 1.0) == 2 * weight_bytes(runner) + 202 * kv + rows
+    engine.shutdown()
 
 
 def test_roofline_takes_the_longer_of_bytes_and_flops(tmp_path: Path) -> None:
@@ -81,7 +105,7 @@ def test_roofline_takes_the_longer_of_bytes_and_flops(tmp_path: Path) -> None:
     bandwidth, rate = 1e9, 1e9
     prefill_flops = 4000 * per_token + 4 * per_row
     assert prefill_flops / rate > (weights + 4000 * kv) / bandwidth  # compute-bound
-    decode_bytes = weights + 4004 * kv
+    decode_bytes = weights + 4 * embedding_bytes_per_token(runner) + 4004 * kv
     assert decode_bytes / bandwidth > (4 * per_token + 4 * per_row) / rate  # byte-bound
     got = roofline_seconds(log, runner, bandwidth, rate)
     assert got == pytest.approx(prefill_flops / rate + decode_bytes / bandwidth)
@@ -111,6 +135,33 @@ def test_breakdown_by_step_kind_with_emulated_graphs(tmp_path: Path) -> None:
                                                                     abs=1e-3)
     table = format_breakdown({"default": {"by_step_kind": kinds}})
     assert "decode_graph" in table.splitlines()[1] + table.splitlines()[2]
+
+
+class _Event:
+    """A stand-in CUDA event recorded at ``ms``."""
+
+    def __init__(self, ms: float) -> None:
+        self.ms = ms
+
+    def elapsed_time(self, other: _Event) -> float:
+        return other.ms - self.ms
+
+
+def test_busy_fraction_leaves_out_the_steps_between_decode_steps(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode steps busy 1 ms in each 1 ms, with a 100 ms prefill step among the middle half
+    of them: the decode steps are fully busy (the prefill's time is not theirs)."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    steps, events, t = [], [], 0.0
+    for i in range(9):
+        long = i == 4
+        steps.append((4, 400, 1000) if long else (4, 4, 1000))
+        events.append((_Event(t), _Event(t + (100.0 if long else 1.0))))
+        t += 100.0 if long else 1.0
+    log = StepLog(steps=steps, events=events)
+    assert busy_fraction(log) == pytest.approx(1.0)
+    events[6] = (_Event(events[6][0].ms + 0.5), events[6][1])  # 0.5 ms idle before step 6
+    assert busy_fraction(log) == pytest.approx(3.5 / 4)
 
 
 def test_host_parts_add_up_and_restore() -> None:
@@ -143,6 +194,49 @@ def test_cli_parses_bench() -> None:
                                       "--variants", "async_off"])
     assert isinstance(args, argparse.Namespace) and args.num_requests == 8
     assert args.variants == ["async_off"]
+
+
+def test_hf_subset_times_a_warmed_up_engine(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The HF ratio's mrv2 side runs the warm-up requests first, as HF's side and every
+    variant do: its timed run pays no kernel compilation."""
+    from mrv2.bench import throughput
+
+    calls: list[list[int]] = []
+    original = throughput.run_engine
+
+    def recorded(engine: LLMEngine, prompts: list[list[int]], max_tokens: list[int],
+                 temperature: float) -> tuple[int, float]:
+        calls.append(max_tokens)
+        return original(engine, prompts, max_tokens, temperature)
+
+    monkeypatch.setattr(throughput, "run_engine", recorded)
+    ckpt = make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM", vocab_size=10_001,
+                                max_position_embeddings=2048, num_hidden_layers=1)
+    config = EngineConfig.from_kwargs(model=str(ckpt), device="cpu", load_format="dummy",
+                                      max_model_len=2048)
+    tok_s = throughput.mrv2_tok_s(config, [[1, 2, 3], [4, 5]], [3, 5], temperature=0.6)
+    assert calls == [[8] * 4, [3, 5]] and tok_s > 0
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["latency", "--new-tokens", "1"], "--new-tokens"),
+    (["latency", "--batch-sizes", "1", "0"], "--batch-sizes"),
+    (["latency", "--repeats", "0"], "--repeats"),
+    (["throughput", "--num-requests", "0"], "--num-requests"),
+    (["serve", "--rates", "4", "0"], "--rates"),
+    (["serve", "--rates", "-1"], "--rates"),
+])
+def test_cli_refuses_bench_arguments_that_cannot_measure(
+        argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A TPOT of one token, no requests or a rate of 0 would divide by zero after loading
+    the model: refused at parsing, naming the flag and the bound."""
+    from mrv2.entrypoints.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", *argv])
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err and ("at least" in err or "above 0" in err), err
 
 
 def test_throughput_bench_runs_with_shared_prefix_and_small_cache(tmp_path: Path) -> None:
@@ -255,11 +349,12 @@ def test_latency_bench_sampling_params(tmp_path: Path, capsys: pytest.CaptureFix
 
 def test_latency_bench_on_cpu_compares_with_hf(tmp_path: Path) -> None:
     """``--device cpu``: mrv2 and HF generate on the same prompts, both timed (plumbing only:
-    the numbers are not checked, only that they are there and positive)."""
+    the numbers are not checked, only that they are there and positive). A vocabulary
+    below the prompts' 10,001 ids: HF's prompts are drawn below it too, as mrv2's."""
     from mrv2.bench.latency import bench
     from mrv2.entrypoints.cli import build_parser
 
-    ckpt = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM", vocab_size=10_001,
+    ckpt = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM", vocab_size=300,
                                 max_position_embeddings=128, num_hidden_layers=1)
     args = build_parser().parse_args([
         "bench", "latency", "--device", "cpu", "--model", str(ckpt), "--batch-sizes", "1", "2",
@@ -273,6 +368,36 @@ def test_latency_bench_on_cpu_compares_with_hf(tmp_path: Path) -> None:
     for row in rows:
         for key in ("ttft_ms", "tpot_ms", "hf_ttft_ms", "hf_tpot_ms", "speedup_vs_hf"):
             assert row[key] > 0, key
+
+
+def test_latency_ttft_waits_for_the_whole_batch_and_tpot_is_decode_only(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts that take several steps (a token budget of one prompt): TTFT runs until the
+    last request's first token, and TPOT over the last one's remaining tokens is one step a
+    token, not the later prompts' steps spread over the decode (a clock of one per step)."""
+    from types import SimpleNamespace
+
+    from mrv2.bench import latency
+
+    ckpt = make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM")
+    engine = LLMEngine(EngineConfig.from_kwargs(
+        model=str(ckpt), device="cpu", load_format="dummy", block_size=4, max_model_len=64,
+        max_num_batched_tokens=8, async_scheduling=False))
+    clock = [0.0]
+    step = engine.step
+
+    def counted() -> Any:
+        clock[0] += 1.0
+        return step()
+
+    monkeypatch.setattr(engine, "step", counted)
+    monkeypatch.setattr(latency, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    row = latency.measure(engine, 4, 8, 5)
+    # 8 tokens a step, the decodes' first: the last prompt's last chunk is in step 5; the
+    # old numbers were the first request's TTFT (1 step) and 2 steps a token
+    assert row["ttft_ms"] == 5000.0
+    assert row["tpot_ms"] == 1000.0
+    engine.shutdown()
 
 
 def test_latency_bench_cpu_defaults() -> None:

@@ -211,6 +211,19 @@ def test_expert_reads_count_distinct_experts_per_forward(
     assert not FusedMoE(E, H, 12).count_reads
 
 
+def test_expert_bytes_count_biases_and_fp8_scales() -> None:
+    """What a step reads per distinct expert: every per-expert stack, the biases and an fp8
+    layer's per-row scales (fp32, one per 128 inputs: 3% over the fp8 weights) too."""
+    from mrv2.layers.fp8 import experts_to_fp8
+
+    biased = FusedMoE(E, H, 12, bias=True)
+    assert biased.expert_bytes() == (2 * 12 * H + H * 12 + 2 * 12 + H) * 4
+    fp8 = experts_to_fp8(FusedMoE(4, 256, 128), (128, 128), fp8_weights=True)
+    weights = 2 * 128 * 256 + 256 * 128  # fp8: a byte each
+    scales = (2 * 128 * 2 + 256 * 1) * 4  # a row's scale per 128 inputs, fp32
+    assert fp8.expert_bytes() == weights + scales
+
+
 def test_padding_rows_of_a_graph_step_read_no_expert(monkeypatch: pytest.MonkeyPatch) -> None:
     """Inside a forward whose metadata has padding rows (a CUDA graph's: tokens past
     ``query_start_loc[num_reqs]``), the routed experts skip them: the real rows are those of

@@ -22,6 +22,7 @@ from mrv2.bench.measure import (
     QUANT_VARIANTS,
     StepLog,
     instrument,
+    int_at_least,
     release_engine_memory,
     report,
     resolve_model,
@@ -96,7 +97,10 @@ def measure(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int,
     """TTFT and time per output token of ``batch`` requests decoding together (greedy, or
     ``sampling``: :class:`SamplingParams` keywords; request ``i`` through adapter
     ``loras[i % len(loras)]`` when given); with ``log`` (from :func:`instrument`) also the
-    host time in ``execute`` and the device time per decode step (medians)."""
+    host time in ``execute`` and the device time per decode step (medians). TTFT runs until
+    every request has its first token, TPOT from there to the end over the
+    ``new_tokens - 1`` tokens the last one still makes (a batch whose prompts take several
+    steps: those steps are prefill, not the decode's)."""
     first_step = len(log.steps) if log is not None else 0
     params = SamplingParams(**{"temperature": 0.0, **(sampling or {})},
                             max_tokens=new_tokens, ignore_eos=True,
@@ -107,10 +111,13 @@ def measure(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int,
                            lora_request=loras[i % len(loras)] if loras else None)
     start = time.perf_counter()
     first: float | None = None
+    started: set[str] = set()
     while engine.has_unfinished():
         outs = engine.step()
         if first is None and outs:
-            first = time.perf_counter()
+            started.update(o.request_id for o in outs)
+            if len(started) == batch:
+                first = time.perf_counter()
     end = time.perf_counter()
     assert first is not None
     row = {"batch": batch, "ttft_ms": round((first - start) * 1e3, 2),
@@ -144,15 +151,16 @@ def compare_with_hf(engine: LLMEngine, model_dir: str, args: argparse.Namespace,
     from mrv2.bench.hf_reference import hf_measure, load_hf_model
 
     hf = load_hf_model(model_dir, args.load_format, dtype)
+    vocab = engine.runner.vocab_size  # (measure's prompts: the same token ids)
     for b in args.batch_sizes:  # warm up both on other prompts
         measure(engine, b, args.prompt_len, 8, seed=1)
-        hf_measure(hf, bench_prompts(b, args.prompt_len, 1), 8)
+        hf_measure(hf, bench_prompts(b, args.prompt_len, 1, vocab), 8)
     log = instrument(engine)
     ours: dict[int, list[dict[str, float]]] = {b: [] for b in args.batch_sizes}
     theirs: dict[int, list[dict[str, float]]] = {b: [] for b in args.batch_sizes}
     for rep in range(args.repeats):
         for b in args.batch_sizes:
-            prompts = bench_prompts(b, args.prompt_len, _seed(rep))
+            prompts = bench_prompts(b, args.prompt_len, _seed(rep), vocab)
             for ours_turn in ([True, False] if rep % 2 == 0 else [False, True]):
                 if ours_turn:
                     ours[b].append(measure(engine, b, args.prompt_len, args.new_tokens, log,
@@ -287,12 +295,15 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--load-format", default=None, choices=["auto", "dummy"],
                    help="default: dummy; cpu: auto (real weights)")
     p.add_argument("--dtype", default=None, help="default: bfloat16; cpu: float32")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+    p.add_argument("--batch-sizes", type=int_at_least(1), nargs="+", default=None,
                    help="default: 1 8 64; cpu: 1 8")
-    p.add_argument("--prompt-len", type=int, default=None, help="default: 128; cpu: 64")
-    p.add_argument("--new-tokens", type=int, default=None, help="default: 512; cpu: 64")
+    p.add_argument("--prompt-len", type=int_at_least(1), default=None,
+                   help="default: 128; cpu: 64")
+    p.add_argument("--new-tokens", type=int_at_least(2, " (TPOT is over the tokens after the "
+                                                       "first)"), default=None,
+                   help="default: 512; cpu: 64")
     p.add_argument("--max-model-len", type=int, default=None, help="default: 4096; cpu: 1024")
-    p.add_argument("--repeats", type=int, default=None,
+    p.add_argument("--repeats", type=int_at_least(1), default=None,
                    help="runs per batch size, medians reported (default: 1; cpu: 3)")
     p.add_argument("--threads", type=int, default=None,
                    help="cpu: torch threads (default: torch's own, e.g. OMP_NUM_THREADS)")

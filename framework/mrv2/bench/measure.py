@@ -3,6 +3,7 @@ roofline (each step the longer of its bytes and its linear layers' FLOPs), GPU-b
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import time
@@ -36,6 +37,20 @@ def resolve_model(model: str) -> str:
         return str(ensure_default_model())
     known = ", ".join(sorted([DEFAULT_MODEL_NAME, *(p.name for p in CONFIGS.iterdir())]))
     raise ValueError(f"{model!r} is neither a directory nor a bundled config ({known})")
+
+
+def int_at_least(minimum: int, why: str = "") -> Callable[[str], int]:
+    """An argparse ``type``: an integer of at least ``minimum`` (argparse's error names the
+    flag; ``why`` says what needs the bound)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}{why}, got {value}")
+        return value
+    return parse
 
 
 def report(results: dict[str, Any] | list[Any], json_path: str | None) -> None:
@@ -109,12 +124,29 @@ def expert_layers(runner: Runner) -> list[FusedMoE]:
     return [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
 
 
+def _lookup_tables(runner: Runner) -> list[torch.Tensor]:
+    """The token-embedding tables a step reads only a row of per token: those that are not
+    also an LM head's weight (a tied head reads the whole table every step)."""
+    modules = list(runner.model.modules())
+    heads = {id(m.weight) for m in modules if isinstance(m, LMHead)}
+    return [m.weight for m in modules
+            if isinstance(m, VocabEmbedding) and id(m.weight) not in heads]
+
+
 def weight_bytes(runner: Runner) -> int:
     """Bytes of every parameter a step reads whatever its tokens: all of them but the routed
-    experts' (see :func:`expert_read_bytes`)."""
-    experts = {id(p) for layer in expert_layers(runner) for p in layer.parameters()}
+    experts' (see :func:`expert_read_bytes`) and the untied embedding tables' (a row per
+    token: :func:`embedding_bytes_per_token`)."""
+    skip = {id(p) for layer in expert_layers(runner) for p in layer.parameters()}
+    skip |= {id(table) for table in _lookup_tables(runner)}
     return sum(p.numel() * p.element_size() for p in runner.model.parameters()
-               if id(p) not in experts)
+               if id(p) not in skip)
+
+
+def embedding_bytes_per_token(runner: Runner) -> int:
+    """Bytes a step reads for each of its tokens from the untied embedding tables: one row
+    of each (a tied table counts whole in :func:`weight_bytes`, the LM head reads it)."""
+    return sum(table.shape[-1] * table.element_size() for table in _lookup_tables(runner))
 
 
 def expert_reads(runner: Runner) -> list[int]:
@@ -264,34 +296,38 @@ def release_engine_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def floor_seconds(log: StepLog, runner: Runner, bandwidth: float, expert_bytes: int = 0) -> float:
-    """The byte floor: every step reads all weights (but the routed experts) plus the KV of
-    every sequence it extends, and reads and writes each request's state (a linear-attention
-    model's: :func:`state_bytes_per_request`); ``expert_bytes``: the routed experts the steps
-    actually read (:func:`expert_read_bytes`)."""
+def step_bytes(log: StepLog, runner: Runner) -> list[int]:
+    """Each step's bytes but the routed experts': all other weights (of an untied embedding
+    table a row per token), the KV of every sequence it extends, and each request's state
+    (a linear-attention model's: :func:`state_bytes_per_request`) read and written."""
     weights, per_token = weight_bytes(runner), kv_bytes_per_token(runner)
-    per_req = 2 * state_bytes_per_request(runner)
-    total = sum(weights + seq * per_token + reqs * per_req
-                for reqs, _, seq in log.steps) + expert_bytes
-    return total / bandwidth
+    per_input, per_req = embedding_bytes_per_token(runner), 2 * state_bytes_per_request(runner)
+    return [weights + tokens * per_input + seq * per_token + reqs * per_req
+            for reqs, tokens, seq in log.steps]
+
+
+def floor_seconds(log: StepLog, runner: Runner, bandwidth: float, expert_bytes: int = 0) -> float:
+    """The byte floor: every step reads its :func:`step_bytes`; ``expert_bytes``: the routed
+    experts the steps actually read (:func:`expert_read_bytes`)."""
+    return (sum(step_bytes(log, runner)) + expert_bytes) / bandwidth
 
 
 def roofline_seconds(log: StepLog, runner: Runner, bandwidth: float, flop_rate: float,
                      expert_bytes: int = 0) -> float:
-    """The roofline: each step takes the longer of its bytes (:func:`floor_seconds`'s) at
+    """The roofline: each step takes the longer of its bytes (:func:`step_bytes`) at
     ``bandwidth`` and its linear layers' FLOPs (:func:`linear_flops`, a logits row per
     request) at ``flop_rate``; the routed experts' bytes are added for the whole run. A
     prefill step is compute-bound, so the byte floor alone under-counts it."""
-    weights, per_token = weight_bytes(runner), kv_bytes_per_token(runner)
-    per_req = 2 * state_bytes_per_request(runner)
     flops_token, flops_row = linear_flops(runner)
-    return sum(max((weights + seq * per_token + reqs * per_req) / bandwidth,
-                   (tokens * flops_token + reqs * flops_row) / flop_rate)
-               for reqs, tokens, seq in log.steps) + expert_bytes / bandwidth
+    return sum(max(nbytes / bandwidth, (tokens * flops_token + reqs * flops_row) / flop_rate)
+               for nbytes, (reqs, tokens, _) in zip(step_bytes(log, runner), log.steps,
+                                                    strict=True)) + expert_bytes / bandwidth
 
 
 def busy_fraction(log: StepLog, decode_only: bool = True) -> float:
-    """Device time inside steps over wall time of the steady decode steps (middle half)."""
+    """Device time inside steps over wall time of the steady decode steps (middle half). A
+    step's wall time runs from its start event to the next step's (the last one's: to its
+    end event), so the steps between chosen ones (prefill chunks) count in neither."""
     if not log.events:
         return float("nan")
     torch.cuda.synchronize()
@@ -300,8 +336,10 @@ def busy_fraction(log: StepLog, decode_only: bool = True) -> float:
     idx = idx[len(idx) // 4 : 3 * len(idx) // 4]
     if len(idx) < 2:
         return float("nan")
-    busy = sum(log.events[i][0].elapsed_time(log.events[i][1]) for i in idx)
-    span = log.events[idx[0]][0].elapsed_time(log.events[idx[-1]][1])
+    events = log.events
+    busy = sum(events[i][0].elapsed_time(events[i][1]) for i in idx)
+    span = sum(events[i][0].elapsed_time(events[i + 1][0] if i + 1 < len(events)
+                                         else events[i][1]) for i in idx)
     return busy / span if span > 0 else float("nan")
 
 

@@ -36,6 +36,18 @@ def percentile(values: list[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (pos - lo)
 
 
+def _rate(text: str) -> float:
+    """``--rates``: requests per second, above 0 (``inf``: all at once)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"a rate must be above 0 (inf: all at once), got "
+                                         f"{text}")
+    return value
+
+
 async def run_rate(url: str, model: str, rate: float, num_requests: int, prompt_len: int,
                    max_tokens: int, api_key: str | None, seed: int) -> dict[str, Any]:
     """One row of the sweep: ``num_requests`` streamed greedy completions at Poisson ``rate``
@@ -408,6 +420,8 @@ async def run_load(url: str, model: str, *, rate: float = math.inf,
 
     if duration is None and num_requests is None:
         raise ValueError("give num_requests or duration")
+    if not rate > 0:
+        raise ValueError(f"rate={rate} must be above 0 requests a second (inf: all at once)")
     if duration is not None and not math.isfinite(rate) and not max_concurrency:
         raise ValueError("--duration at rate inf needs --max-concurrency")
     rng = random.Random(seed)
@@ -533,7 +547,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model name (default: the server's first)")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--rates", type=float, nargs="+", default=None,
+    p.add_argument("--rates", type=_rate, nargs="+", default=None,
                    help="requests per second; inf sends all at once (default: 1 4 16 inf; "
                    "with --duration: inf)")
     p.add_argument("--num-requests", type=int, default=64)

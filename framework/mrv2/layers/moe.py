@@ -257,9 +257,11 @@ class FusedMoE(nn.Module):
         self.expert_reads += hits[:spare].sum()
 
     def expert_bytes(self) -> int:
-        """Bytes of one expert's weights (what a step reads per distinct expert it routes to)."""
-        per = self.w13_weight[0].numel() + self.w2_weight[0].numel()
-        return int(per * self.w13_weight.element_size())
+        """Bytes of one expert's weights, biases and (a quantized subclass's) scales: what a
+        step reads per distinct expert it routes to. Every parameter of this module is a
+        stack of one row per local expert."""
+        return int(sum(p[0].numel() * p.element_size()
+                       for p in self.parameters(recurse=False)))
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, "
