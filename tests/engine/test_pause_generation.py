@@ -158,3 +158,28 @@ def test_abort_ends_every_request_and_wait_lets_the_started_finish(
     assert llm.reset_prefix_cache()  # (paused: allowed with a request waiting)
     llm.continue_generation()
     assert len(_finish(engine, [late])[0]) == 3
+
+
+def test_wait_resumes_a_preempted_request_behind_a_new_one_of_higher_priority(
+        checkpoints: tuple[Path, Path]) -> None:
+    """Under the "priority" policy a request preempted while draining (``wait``) sorts
+    behind one that arrived meanwhile with a better priority; it still resumes and runs to
+    its end, and the engine pauses (it was stuck behind the one that may not start)."""
+    llm = LLM(str(checkpoints[0]), device="cpu", dtype="float32", block_size=4,
+              max_model_len=64, num_gpu_blocks_override=6, policy="priority")
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    first = [engine.add_request(p, params, priority=1) for p in ([5, 6, 7], [8, 9, 10])]
+    engine.step()
+    engine.step()
+    llm.pause_generation("wait")
+    late = engine.add_request([11, 12], SamplingParams(max_tokens=2), priority=0)
+    done: set[str] = set()
+    for _ in range(100):
+        if engine.is_paused():
+            break
+        done |= {o.request_id for o in engine.step() if o.finished}
+    assert engine.scheduler.num_preemptions >= 1  # (6 blocks hold one of them whole)
+    assert engine.is_paused() and done == set(first)
+    llm.continue_generation()
+    assert len(_finish(engine, [late])[0]) == 2

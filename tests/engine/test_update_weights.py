@@ -40,7 +40,7 @@ def test_new_weights_give_the_new_models_tokens(family: str, tmp_path: Path) -> 
               enable_prefix_caching=True)
     emulate_cuda_graphs(llm.engine.runner)
     assert _tokens(llm) == hf_greedy(a, PROMPT, 8) != want  # (the prompt's blocks cached)
-    loaded = llm.update_weights(iter_safetensors(str(b)))
+    loaded = llm.engine.update_weights_from_disk(str(b))  # (checked whole, then loaded)
     assert loaded == {name for name, _ in llm.engine.runner.model.named_parameters()}
     out = llm.generate({"prompt_token_ids": PROMPT}, GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == want
@@ -92,6 +92,35 @@ def test_some_modules_only(tmp_path: Path) -> None:
     want = logprobs(LLM(str(mixed), **kwargs))  # (its loading: parity-tested with HF)
     llm = LLM(str(a), **kwargs)
     assert _tokens(llm) == hf_greedy(a, PROMPT, 8)
-    llm.update_weights(new.items())
+    llm.update_weights(list(new.items()))  # (checked on meta parameters first)
     assert _tokens(llm) == hf_greedy(mixed, PROMPT, 8)
     assert logprobs(llm) == pytest.approx(want, abs=1e-5)
+
+
+def test_a_refused_load_changes_no_weight(tmp_path: Path) -> None:
+    """A list of tensors, or a checkpoint directory, with a bad name or a bad shape past its
+    first tensors is refused before any weight is written (no half-updated model); an
+    iterator is loaded as it comes."""
+    import torch
+
+    path = make_tiny_checkpoint(tmp_path / "m", "Qwen3ForCausalLM", head_dim=16)
+    other = make_tiny_checkpoint(tmp_path / "wide", "Qwen3ForCausalLM", head_dim=16,
+                                 hidden_size=128)
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, max_model_len=64)
+    model = llm.engine.runner.model
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    new = [(name, t + 1) for name, t in iter_safetensors(str(path))]
+
+    def changed() -> list[str]:
+        return [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+
+    with pytest.raises(ValueError, match="matches no parameter"):
+        llm.update_weights([*new, ("model.layers.0.nothing.weight", new[0][1])])
+    with pytest.raises(ValueError, match="expects shape"):
+        llm.update_weights((*new[:-1], (new[-1][0], torch.zeros(3, 5))))
+    assert changed() == []
+    with pytest.raises(ValueError, match="expects shape"):
+        llm.engine.update_weights_from_disk(str(other))
+    assert changed() == []
+    assert all(p.device.type == "cpu" for p in model.parameters())  # (all put back)
+    assert _tokens(llm) == hf_greedy(path, PROMPT, 8)

@@ -105,6 +105,21 @@ def test_a_busy_engine_refuses(checkpoints: tuple[Path, Path]) -> None:
         run_engine_call(llm.engine, "shutdown", None)
 
 
+def test_a_checkpoint_of_another_model_changes_no_weight(checkpoints: tuple[Path, Path],
+                                                        tmp_path: Path) -> None:
+    """/update_weights_from_disk's load with a checkpoint of a deeper model (its first
+    tensors fit, its third layer's match nothing): the 400 (a ValueError) comes before any
+    tensor is loaded, so the engine answers as before."""
+    a, _ = checkpoints
+    other = make_tiny_checkpoint(tmp_path / "deep", "Qwen3ForCausalLM", seed=5,
+                                 num_hidden_layers=3, vocab_size=320)
+    llm = LLM(str(a), **ENGINE_KWARGS)
+    with pytest.raises(ValueError, match="matches no parameter"):
+        run_engine_call(llm.engine, "update_weights_from_disk", str(other))
+    assert llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8),
+                        use_tqdm=False)[0].outputs[0].text == _want(a)
+
+
 def _completion(url: str) -> httpx.Response:
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
     return httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=60)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from server_util import ENGINE_KWARGS
@@ -84,3 +85,68 @@ def test_a_stream_reports_each_choice_under_its_own_index() -> None:
     both = [c for c, _ in stream._deltas(output(CompletionOutput(0, "a", [5]),
                                                 CompletionOutput(1, "c", [8])))]
     assert [(c["index"], c["text"]) for c in both] == [(0, "a"), (1, "c")]
+
+
+def test_calls_are_answered_once_the_engine_stops_or_fails(model_dir: Path) -> None:
+    """A development route's call queued behind the stop, or sent after the engine thread
+    ended (stopped, or failed for good), is refused (QueueFullError: the routes' 503), never
+    left waiting forever."""
+    from mrv2.entrypoints.engine_thread import QueueFullError
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), **ENGINE_KWARGS))
+
+    async def refused(worker: EngineThread, then: Any = None) -> str:
+        call = asyncio.ensure_future(worker.call("is_paused"))
+        await asyncio.sleep(0)  # (queued, behind the stop)
+        if then is not None:
+            then()
+        with pytest.raises(QueueFullError) as error:
+            await asyncio.wait_for(call, 10)
+        return str(error.value)
+
+    stopped = EngineThread(engine)
+    stopped.stop()  # ("stop" queued first; the thread not yet started)
+    assert "shutting down" in asyncio.run(refused(stopped, stopped.start))
+    stopped.stop()
+    assert "shutting down" in asyncio.run(refused(stopped))  # (after the thread ended)
+    failed = EngineThread(engine)
+    failed.start()
+    failed.mark_fatal(RuntimeError("boom"))
+    failed.stop()
+    assert "the engine failed: boom" in asyncio.run(refused(failed))
+
+
+def test_an_error_outside_a_step_fails_the_engine_loudly(model_dir: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception the engine thread meets between steps (here an abort that raises) marks
+    the engine failed (/health's 503, the on_fatal listeners) and answers the requests in
+    flight, instead of ending the thread quietly with them waiting forever."""
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), **ENGINE_KWARGS))
+    engine.pause_generation("keep")  # (the requests stay in flight)
+    worker = EngineThread(engine)
+    told: list[BaseException] = []
+    worker.on_fatal.append(told.append)
+    worker.start()
+
+    def broken(req_id: str) -> None:
+        raise RuntimeError("abort broke")
+
+    async def run() -> RequestOutput | BaseException:
+        loop = asyncio.get_running_loop()
+        first: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        other: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        worker.submit("a", [5, 6, 7], SamplingParams(max_tokens=4), None, first, loop)
+        worker.submit("b", [5, 6, 7], SamplingParams(max_tokens=4), None, other, loop)
+        while worker.engine.scheduler.num_unfinished < 2:
+            await asyncio.sleep(0.01)
+        monkeypatch.setattr(engine, "abort", broken)
+        worker.abort("a")
+        return await asyncio.wait_for(other.get(), 10)
+
+    try:
+        item = asyncio.run(run())
+    finally:
+        worker.stop()
+    assert isinstance(item, RuntimeError) and "abort broke" in str(item)
+    assert worker.fatal is not None and told == [worker.fatal]
+    assert worker.num_pending == 0

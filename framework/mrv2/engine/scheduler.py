@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from mrv2.config import SchedulerConfig
 from mrv2.contract.requests import NewRequest, SchedulerOutput
@@ -326,8 +326,6 @@ class Scheduler:
             request = chosen
             if request.num_pending or request.req_id in self._preempted_now:
                 break  # preempted with a token in flight, or just now: resume later
-            if not self.admitting and not request.num_preemptions:
-                break  # draining: started requests only (the preempted come first)
             if not self._admit(request, budget, out):
                 break
             budget -= out.num_scheduled_tokens[request.req_id]
@@ -366,13 +364,15 @@ class Scheduler:
                 or len(self._lora_users) < self.max_loras)
 
     def _next_waiting(self) -> Request | None:
-        """The head of the waiting queue; with ``max_loras`` adapters live, the first of the
-        next 256 waiting requests whose adapter is live or fits (a request of another adapter
-        waits, as in vLLM, while others pass it)."""
-        if self.max_loras is None or self._lora_fits(self.waiting[0]):
-            return self.waiting[0]
-        return next((r for r in itertools.islice(self.waiting, 256) if self._lora_fits(r)),
-                    None)
+        """The head of the waiting queue (while draining, ``admitting`` False, of its started
+        requests: the preempted, wherever the priority order put them); with ``max_loras``
+        adapters live, the first of the next 256 of them whose adapter is live or fits (a
+        request of another adapter waits, as in vLLM, while others pass it)."""
+        queue: Iterable[Request] = (self.waiting if self.admitting
+                                    else (r for r in self.waiting if r.num_preemptions))
+        if self.max_loras is None:
+            return next(iter(queue), None)
+        return next((r for r in itertools.islice(queue, 256) if self._lora_fits(r)), None)
 
     def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> bool:
         """Start a waiting request, after its cached prefix; False if it can't."""

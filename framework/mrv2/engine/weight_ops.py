@@ -106,10 +106,26 @@ class WeightOps:
         whole tensor and every rank loads its part, as at start-up. Modules whose weights
         changed rerun their ``process_weights_after_loading`` (in place: the graphs read the
         same memory); give a module's tensors together. Returns the parameter names loaded; a
-        name the model does not have is a ValueError. After ``sleep(level=2)`` this is the
-        load the engine waits for (a warning names parameters it did not cover)."""
+        name the model does not have is a ValueError. A list or tuple is checked whole
+        first, so a bad name or shape changes no weight; an iterator (a trainer's tensors
+        gathered one at a time) is loaded as it comes, and one refused midway leaves those
+        before it loaded. After ``sleep(level=2)`` this is the load the engine waits for (a
+        warning names parameters it did not cover)."""
         self._check_load("update_weights")
+        if isinstance(weights, list | tuple):
+            self.runner.check_weights(weights)
         return self._loaded(self.runner.load_weights(weights))  # (every rank's)
+
+    def update_weights_from_disk(self, model_dir: str) -> set[str]:
+        """:meth:`update_weights` of the safetensors checkpoint in ``model_dir`` (SGLang's
+        ``/update_weights_from_disk``), every tensor's name and shape checked before any is
+        loaded: a checkpoint of another model changes nothing. FileNotFoundError without
+        safetensors files."""
+        from mrv2.model_loader.loader import iter_safetensors
+
+        self._check_load("update_weights_from_disk")
+        self.runner.check_weights(iter_safetensors(model_dir))  # (memory-mapped views)
+        return self._loaded(self.runner.load_weights(iter_safetensors(model_dir)))
 
     def _loaded(self, loaded: set[str]) -> set[str]:
         """After a load: forget the prefix cache (its KV is the old weights'); after

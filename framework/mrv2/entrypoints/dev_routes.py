@@ -13,6 +13,7 @@ from fastapi import Request, Response
 from fastapi.encoders import jsonable_encoder
 
 from mrv2.entrypoints.engine_calls import EngineBusy
+from mrv2.entrypoints.engine_thread import QueueFullError
 from mrv2.entrypoints.responses import APIError
 
 __all__ = ["add_dev_routes"]
@@ -43,6 +44,8 @@ def add_dev_routes(app: Any, worker: Any,
             return await worker.call(op, arg)
         except EngineBusy as error:
             raise APIError(409, str(error), "conflict") from None
+        except QueueFullError as error:  # the engine failed, or the server stops
+            raise APIError(503, str(error), "service_unavailable") from None
         except ValueError as error:
             raise APIError(400, str(error), param=param) from None
 
@@ -50,7 +53,7 @@ def add_dev_routes(app: Any, worker: Any,
 
     async def mark() -> None:
         """Why new requests get 503 now (the worker's ``unavailable``), from the engine."""
-        if await worker.call("is_sleeping"):
+        if await run("is_sleeping", None, None):
             worker.unavailable = "the engine is asleep (POST /sleep): POST /wake_up first"
         elif discarded:
             worker.unavailable = ("the weights were discarded by POST /sleep?level=2: POST "
@@ -94,7 +97,7 @@ def add_dev_routes(app: Any, worker: Any,
 
     @app.get("/is_sleeping")
     async def is_sleeping(request: Request) -> dict[str, Any]:
-        return {"is_sleeping": bool(await worker.call("is_sleeping"))}
+        return {"is_sleeping": bool(await run("is_sleeping", None, None))}
 
     def fields(body: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
         return {name: body[name] for name in names if name in body}
@@ -164,7 +167,7 @@ def add_dev_routes(app: Any, worker: Any,
             flags[name] = text in ("true", "1")
         wait = flags["wait_for_inflight_requests"]
         await run("pause_generation", "wait" if wait else "abort", None)
-        while wait and not await worker.call("is_paused"):  # (the started requests end)
+        while wait and not await run("is_paused", None, None):  # (the started requests end)
             await asyncio.sleep(0.02)
         if flags["clear_cache"]:
             await run("reset_prefix_cache", None, None)
@@ -177,4 +180,4 @@ def add_dev_routes(app: Any, worker: Any,
 
     @app.get("/is_paused")
     async def is_paused(request: Request) -> dict[str, Any]:
-        return {"is_paused": bool(await worker.call("is_paused"))}
+        return {"is_paused": bool(await run("is_paused", None, None))}

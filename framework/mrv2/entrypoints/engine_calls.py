@@ -45,8 +45,6 @@ def dev_mode() -> bool:
 def run_engine_call(engine: Any, op: str, arg: Any) -> Any:
     """Run ``op`` on ``engine`` (on its thread) and return its result: ValueError for a bad
     ``op`` or argument, :class:`EngineBusy` while requests are in flight."""
-    from mrv2.model_loader.loader import iter_safetensors
-
     if op not in CALLS:
         raise ValueError(f"unknown engine call {op!r}: one of {list(CALLS)}")
     if op not in _ANY_TIME and engine.has_unfinished() and not engine.is_paused():
@@ -70,7 +68,7 @@ def run_engine_call(engine: Any, op: str, arg: Any) -> Any:
     if not isinstance(arg, str) or not os.path.isdir(arg):
         raise ValueError(f"model_path must be a checkpoint directory, got {arg!r}")
     try:
-        engine.update_weights(iter_safetensors(arg))
+        engine.update_weights_from_disk(arg)
     except (KeyError, FileNotFoundError) as error:
         raise ValueError(f"model_path: {error}") from None
     return None

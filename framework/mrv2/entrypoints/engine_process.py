@@ -188,11 +188,15 @@ class EngineProcess:
     async def call(self, op: str, arg: Any = None) -> Any:
         """Run engine operation ``op`` in the engine's process between steps
         (:mod:`mrv2.entrypoints.engine_calls`) and return its result; raises its ValueError
-        or :class:`~mrv2.entrypoints.engine_calls.EngineBusy`."""
+        or :class:`~mrv2.entrypoints.engine_calls.EngineBusy`, and :class:`QueueFullError`
+        once the engine failed or the server stops."""
         loop = asyncio.get_running_loop()
         call_id = f"call-{uuid.uuid4().hex}"
         done: asyncio.Future[Any] = loop.create_future()
         with self._lock:
+            if self._stopped:  # (its ack would never come: _fail_all has run, or will)
+                raise QueueFullError("the server is shutting down" if self.fatal is None
+                                     else f"the engine failed: {self.fatal}")
             self._acks[call_id] = (loop, done)
         try:
             self._send(("call", call_id, op, arg))

@@ -195,8 +195,9 @@ class EngineThread:
             check_room(self.fatal, self._stopped, self._pending, params.n, self.max_pending,
                        self.unavailable)
             self._pending += params.n
-        self._commands.put(("add", (req_id, prompt_token_ids, params, prompt, sink, loop,
-                                    time.monotonic(), mm_items, lora, pooling)))
+            # (queued under the lock: a shutdown, which marks itself under it first, finds it)
+            self._commands.put(("add", (req_id, prompt_token_ids, params, prompt, sink, loop,
+                                        time.monotonic(), mm_items, lora, pooling)))
 
     async def admit(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None, sink: asyncio.Queue[RequestOutput | BaseException],
@@ -216,10 +217,15 @@ class EngineThread:
     async def call(self, op: str, arg: Any = None) -> Any:
         """Run engine operation ``op`` between steps (:mod:`mrv2.entrypoints.engine_calls`)
         and return its result; raises its ValueError or
-        :class:`~mrv2.entrypoints.engine_calls.EngineBusy`."""
+        :class:`~mrv2.entrypoints.engine_calls.EngineBusy`, and :class:`QueueFullError` once
+        the engine failed or the server stops (nobody would run it)."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[tuple[str | None, Any]] = loop.create_future()
-        self._commands.put(("call", (op, arg, loop, done)))
+        with self._lock:  # (as submit's: a shutdown answers every call queued before it)
+            if self._stopped:
+                raise QueueFullError("the server is shutting down" if self.fatal is None
+                                     else f"the engine failed: {self.fatal}")
+            self._commands.put(("call", (op, arg, loop, done)))
         return reply_result(await done)
 
     def mark_fatal(self, error: BaseException) -> None:
@@ -240,6 +246,15 @@ class EngineThread:
     # -- the engine thread -------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as error:  # outside a step (an abort, the stats...): as fatal,
+            # not a thread gone quietly with its clients waiting and /health still 200
+            logger.exception("the engine thread failed")
+            self.mark_fatal(error)
+            self._shutdown(error)
+
+    def _loop(self) -> None:
         engine = self.engine
         while True:
             block = not engine.wants_step()
@@ -295,9 +310,9 @@ class EngineThread:
         elif command == "abort":
             aborted = self._sinks.pop(arg, None)
             if aborted is not None:
-                self.engine.abort(arg)
                 self.metrics.requests_aborted.inc()
                 self._finish_pending(aborted)
+                self.engine.abort(arg)
 
     def _deliver(self, output: RequestOutput, now: float) -> None:
         """Account ``output`` and queue it for its loop (``_hand_over.post`` sends it)."""
@@ -336,7 +351,7 @@ class EngineThread:
         error = RuntimeError("the server is shutting down" if cause is None
                              else f"the engine failed: {cause}")
         self._fail_all(error)
-        while True:  # requests still queued: tell their clients
+        while True:  # requests and calls still queued: tell their clients
             try:
                 command, arg = self._commands.get_nowait()
             except queue.Empty:
@@ -345,6 +360,8 @@ class EngineThread:
                 sink = _Sink(arg[5], arg[4], arg[6], num_seqs=arg[2].n)
                 self._finish_pending(sink)
                 _put(sink, error)
+            elif command == "call":
+                _refuse(arg[2], arg[3], QueueFullError(str(error)))
 
     def _finish_pending(self, sink: _Sink) -> None:
         with self._lock:
@@ -363,6 +380,17 @@ def _fill_queues(batch: list[tuple[_Sink, RequestOutput]]) -> None:
     """(on the loop) each output into its request's queue."""
     for sink, output in batch:
         sink.queue.put_nowait(output)
+
+
+def _refuse(loop: asyncio.AbstractEventLoop, done: asyncio.Future[Any],
+            error: BaseException) -> None:
+    """Fail a call's future (from the engine thread) with ``error``."""
+    def fail() -> None:
+        if not done.done():
+            done.set_exception(error)
+
+    with contextlib.suppress(RuntimeError):  # a closed loop: the caller is gone
+        loop.call_soon_threadsafe(fail)
 
 
 def _put(sink: _Sink, item: RequestOutput | BaseException) -> None:

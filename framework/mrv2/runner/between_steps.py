@@ -4,7 +4,8 @@ inherits these; a tensor-parallel runner sends each to its other ranks too."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -63,6 +64,15 @@ class BetweenSteps:
         process_weights_after_loading(self.model, changed=loaded)
         return loaded
 
+    def check_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Run the model's loader over ``weights`` with every parameter swapped for a meta
+        tensor of its shape and dtype: a name the model does not have, or a tensor of the
+        wrong shape, raises as :meth:`load_weights` would, but before any weight is written
+        (none is: the copies land on the meta device; ``LLMEngine.update_weights`` of a
+        list, a checkpoint directory's load)."""
+        with torch.no_grad(), _meta_parameters(self.model):
+            load_model_weights(self.model, weights, strict=False)
+
     # -- sleep mode --------------------------------------------------------------------------
 
     @property
@@ -103,3 +113,29 @@ class BetweenSteps:
         except BaseException:  # awake all the same, without graphs: steps run eager
             self._drop_graphs()
             raise
+
+
+@contextlib.contextmanager
+def _meta_parameters(model: torch.nn.Module) -> Iterator[None]:
+    """Every parameter of ``model`` replaced by a meta one of its shape and dtype, with its
+    attributes (its ``weight_loader``...; a parameter shared by two modules stays one), then
+    the originals put back."""
+    metas: dict[int, torch.nn.Parameter] = {}
+    swapped: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+    try:
+        for module in model.modules():
+            for name, param in list(module._parameters.items()):
+                if param is None:
+                    continue
+                meta = metas.get(id(param))
+                if meta is None:
+                    meta = torch.nn.Parameter(torch.empty_like(param, device="meta"),
+                                              requires_grad=False)
+                    meta.__dict__.update(param.__dict__)
+                    metas[id(param)] = meta
+                swapped.append((module, name, param))
+                module._parameters[name] = meta
+        yield
+    finally:
+        for module, name, param in swapped:
+            module._parameters[name] = param
