@@ -6,6 +6,7 @@
 # firststeps (scripts/probe_first_steps.py: TTFT step by step and host part, MRV2_PDL_GEMM off and on),
 # coldstart (scripts/probe_cold_start.py: the first request of each kind on an empty Triton cache, warm-up off and on),
 # gcgen0 (MRV2_GC_GEN0_THRESHOLD=20000 against Python's own, 256 streams through mrv2 serve),
+# verify45b (the forty-fifth session's fixes: sampler, speculative decoding, structured outputs, LoRA, weight updates, MoE on CUDA),
 # verify45 (what the forty-fourth session's calls left: hybrid GPU tests, sanitizer, Qwen-VL videos, engine tests),
 # verify26 (the twenty-sixth session's CPU-only work on the GPU: cold start, engine/sampler/VL tests, start-up log),
 # startup (scripts/probe_startup.py: where start-up goes, cold and warm Triton cache),
@@ -445,6 +446,17 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                 2>&1 | tee "$OUT/qwen_vl_videos.log" | grep -E "FAILED|ERROR|passed|failed" | tail -6
               timeout "$(left 200)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_engine.py \
                 2>&1 | tee "$OUT/engine_gpu_tests.log" | grep -E "^FAILED|^ERROR|passed|failed" | tail -6 ;;
+    verify45b) # the forty-fifth session's fixes on CUDA, within VERIFY_S seconds (default 540):
+               # the sampler (masks before penalties, clamped top-k), speculative decoding
+               # (probabilistic rejection's temperature), structured outputs, LoRA (rows), weight
+               # updates (checked on meta first), then the MoE and engine-thread tests
+               end=$(( $(date +%s) + ${VERIFY_S:-540} ))
+               left() { local l=$(( end - $(date +%s) )); [ "$l" -lt "$1" ] && echo $(( l > 1 ? l : 1 )) || echo "$1"; }
+               for t in sampler eagle mtp structured_outputs lora update_weights moe; do
+                 [ "$(left 20)" -lt 15 ] && break
+                 timeout "$(left 150)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_$t.py 2>&1 \
+                   | tee "$OUT/gpu_$t.log" | grep -E "^FAILED|^ERROR|passed|failed" | tail -4 | sed "s/^/$t: /"
+               done ;;
     deltabench) # scripts/bench_delta_rule.py: the token-serial delta rule against the chunked
                 # one on prefill-shaped steps (checked against each other first), then the
                 # chunked kernel's tests compiled for CUDA
