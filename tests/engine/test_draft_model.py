@@ -157,3 +157,27 @@ def test_a_request_past_the_pool_names_the_lookahead(target: Path) -> None:
     with pytest.raises(ValueError, match=r"47 tokens \(and the drafter's 3 lookahead slots\) "
                                          r"needs 13 KV blocks; the cache has 12"):
         llm.generate([{"prompt_token_ids": list(range(1, 18))}], params, use_tqdm=False)
+
+
+def test_a_draft_reaches_a_context_rope_scaling_derives(tmp_path: Path) -> None:
+    """Target and draft with YaRN (original 64 * factor 4): both reach ``max_model_len`` 256,
+    past their ``max_position_embeddings`` 64, so a 100-token prompt drafts (every draft of
+    the model for itself accepted); a draft without the scaling is refused, naming why."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+            "rope_theta": 1e4}
+    target = make_tiny_checkpoint(tmp_path / "t", "Qwen3ForCausalLM", std=0.15,
+                                  max_position_embeddings=64, rope_parameters=yarn)
+    prompt = [{"prompt_token_ids": [(7 * i + 3) % 250 + 2 for i in range(100)]}]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm = _llm(target, target)
+    assert llm.engine.runner.max_model_len == 256
+    got = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    want = _llm(target, None).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want
+    stats = llm.engine.stats()
+    assert stats["spec_num_draft_tokens"] > 0
+    assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"]
+    plain = make_tiny_checkpoint(tmp_path / "p", "Qwen3ForCausalLM", max_position_embeddings=64)
+    with pytest.raises(ValueError, match=r"max_position_embeddings \(64\) is below "
+                                         r"max_model_len \(256\)[\s\S]*at most 64"):
+        _llm(target, plain)

@@ -39,3 +39,60 @@ def test_yarn_matches_transformers(extra: dict[str, Any]) -> None:
 def test_yarn_without_original_length_names_the_field() -> None:
     with pytest.raises(ValueError, match="original_max_position_embeddings"):
         RotaryEmbedding(16, 4096, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+
+
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+LONGROPE = {"rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 64,
+            "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+
+
+@pytest.mark.parametrize(("params", "limit"), [
+    (None, 256),
+    ({**YARN, "original_max_position_embeddings": 64}, 256),  # original * factor
+    ({**YARN, "original_max_position_embeddings": 32}, 256),  # never below max_position
+    ({**YARN, "factor": 8.0, "original_max_position_embeddings": 48}, 384),
+    ({"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}, 512),  # max_position * factor
+    (LLAMA3, 256),  # (llama3 and longrope configs state the scaled length)
+    (LONGROPE, 256),
+])
+def test_context_limit_is_derived_as_vllm_does(params: dict[str, Any] | None, limit: int
+                                               ) -> None:
+    from mrv2.layers.rotary import context_limit, get_rope
+
+    config = transformers.Qwen3Config(hidden_size=64, num_attention_heads=4, head_dim=16,
+                                      max_position_embeddings=256,
+                                      rope_parameters=params or {"rope_type": "default",
+                                                                 "rope_theta": 1e4})
+    assert context_limit(config)[0] == limit
+    assert get_rope(config, 16)._table(torch.device("cpu")).shape[0] == limit
+
+
+def test_per_layer_rope_parameters_keep_max_position_embeddings() -> None:
+    """Gemma 3's linear factor 8 is already in its 128K ``max_position_embeddings`` (vLLM
+    skips it too): per-layer-type ``rope_parameters`` derive nothing."""
+    from mrv2.layers.rotary import context_limit
+
+    config = transformers.Gemma3TextConfig(max_position_embeddings=4096, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}})
+    assert context_limit(config) == (4096, "the model's max_position_embeddings=4096")
+
+
+@pytest.mark.parametrize("params", [YARN, {**YARN, "factor": None},
+                                    {"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0},
+                                    LONGROPE])
+def test_a_longer_table_keeps_the_rows_below_max_position(params: dict[str, Any]) -> None:
+    """The table past ``max_position_embeddings`` is more rows of the same RoPE: YaRN's math
+    (its ramp from ``original_max_position_embeddings``, its attention factor, DeepSeek's
+    factor from the lengths' ratio) does not depend on the table's length."""
+    from mrv2.layers.rotary import get_rope
+
+    params = {**params, "original_max_position_embeddings": 1024}
+    config = transformers.Qwen3Config(hidden_size=64, num_attention_heads=4, head_dim=16,
+                                      max_position_embeddings=2048, rope_parameters=params)
+    old = RotaryEmbedding(16, 2048, params["rope_theta"], params)._table(torch.device("cpu"))
+    rope = get_rope(config, 16)
+    new = rope._table(torch.device("cpu"))
+    assert new.shape[0] == rope.positions >= 2048
+    assert torch.equal(new[:2048], old)

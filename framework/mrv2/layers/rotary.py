@@ -170,11 +170,63 @@ def attention_factor_of(scaling: Mapping[str, Any] | None, max_position: int) ->
     return _yarn_mscale(factor)
 
 
+#: Rope types whose config already states the scaled length in ``max_position_embeddings``
+#: (vLLM's rule; ``su`` is longrope's old name, ``mrope`` Qwen-VL's unscaled M-RoPE).
+_LENGTH_STATED = ("llama3", "longrope", "su", "mrope")
+
+
+def rope_scaled_length(config: Any) -> int | None:
+    """The context length an HF text config's RoPE scaling gives, as vLLM derives it
+    (``_get_and_verify_max_len``): YaRN's ``original_max_position_embeddings * factor``
+    (``max_position_embeddings`` where the original is not given), other types
+    ``max_position_embeddings * factor`` (``factor`` 1 where absent); None where there is no
+    scaling, no ``max_position_embeddings``, or a type whose config states its length
+    (:data:`_LENGTH_STATED`). Per-layer-type ``rope_parameters`` (Gemma 3 / 4 in
+    transformers 5, whose ``max_position_embeddings`` is already the scaled length: vLLM
+    skips Gemma 3's too) count as no scaling."""
+    limit = getattr(config, "max_position_embeddings", None)
+    _, scaling = rope_parameters_of(config)
+    if scaling is None or limit is None or _rope_type(scaling) in _LENGTH_STATED:
+        return None
+    if _rope_type(scaling) == "yarn":  # (factor: DeepSeek's ratio of the lengths if absent)
+        factor = _yarn_factor(scaling, int(limit))
+        original = scaling.get("original_max_position_embeddings") or limit
+        return int(float(original) * factor)
+    return int(int(limit) * float(scaling.get("factor") or 1.0))
+
+
+def context_limit(config: Any) -> tuple[int | None, str]:
+    """``(longest context, why)`` of an HF text config: ``max_position_embeddings``, or the
+    longer :func:`rope_scaled_length` of its RoPE scaling (never below
+    ``max_position_embeddings``, which positions always reach); None where the config has
+    no ``max_position_embeddings``. The engine's ``max_model_len`` may not pass it, and
+    rotary tables are built to reach it (:func:`get_rope`). ``why`` names its source."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is None:
+        return None, "config.json has no max_position_embeddings"
+    why = f"the model's max_position_embeddings={limit}"
+    scaled = rope_scaled_length(config)
+    if scaled is None or scaled <= int(limit):
+        return int(limit), why
+    _, scaling = rope_parameters_of(config)
+    assert scaling is not None
+    if _rope_type(scaling) == "yarn" and scaling.get("original_max_position_embeddings"):
+        base = f"original_max_position_embeddings={scaling['original_max_position_embeddings']}"
+    else:
+        base = f"max_position_embeddings={limit}"
+    return scaled, (f"the limit {scaled} its rope scaling derives ({why}; rope_type "
+                    f"{_rope_type(scaling)!r}: {base} * factor={scaling.get('factor')})")
+
+
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to query and key at given absolute positions.
 
-    The cos/sin table (fp32, ``max_position`` rows) is built on first use, on the positions'
-    device; one instance can be shared by every layer of a model.
+    The cos/sin table (fp32, ``positions`` rows: ``max_position`` by default) is built on
+    first use, on the positions' device; one instance can be shared by every layer of a
+    model. ``max_position`` is the model's ``max_position_embeddings``, which some scaling
+    math reads (YaRN without ``factor``, LongRoPE's attention factor); ``positions`` only
+    sizes the table (the longest context: RoPE scaling may reach past
+    ``max_position_embeddings``), its rows the same whatever their number.
     """
 
     def __init__(
@@ -184,6 +236,7 @@ class RotaryEmbedding(nn.Module):
         base: float = 10000.0,
         scaling: Mapping[str, Any] | None = None,
         rotary_dim: int | None = None,
+        positions: int | None = None,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
@@ -193,6 +246,8 @@ class RotaryEmbedding(nn.Module):
                 f"rotary_dim must be even and at most head_dim ({head_dim}), got {self.rotary_dim}"
             )
         self.max_position = max_position
+        #: The table's rows: the positions it reaches.
+        self.positions = max_position if positions is None else positions
         self.base = base
         self.scaling = dict(scaling) if scaling else None
         if self.scaling is not None and _rope_type(self.scaling) == "yarn":
@@ -204,7 +259,7 @@ class RotaryEmbedding(nn.Module):
     def _table(self, device: torch.device) -> torch.Tensor:
         if self._cos_sin is None or self._cos_sin.device != device:
             inv_freq = _inv_freq(self.rotary_dim, self.base, self.scaling, device)
-            positions = torch.arange(self.max_position, dtype=torch.float32, device=device)
+            positions = torch.arange(self.positions, dtype=torch.float32, device=device)
             freqs = torch.outer(positions, inv_freq)
             if self.scaling is not None and _rope_type(self.scaling) == "longrope":
                 original = int(self.scaling["original_max_position_embeddings"])
@@ -248,13 +303,16 @@ class RotaryEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, "
-            f"max_position={self.max_position}, base={self.base}, scaling={self.scaling}"
+            f"max_position={self.max_position}, positions={self.positions}, base={self.base}, "
+            f"scaling={self.scaling}"
         )
 
 
 def get_rope(config: Any, head_dim: int) -> RotaryEmbedding:
     """The RoPE of an HF decoder config (``partial_rotary_factor`` honoured: the rotated
-    dimensions, or with ``proportional`` RoPE the frequencies kept over the whole head)."""
+    dimensions, or with ``proportional`` RoPE the frequencies kept over the whole head); its
+    table reaches :func:`context_limit`, past ``max_position_embeddings`` where RoPE scaling
+    extends the context."""
     base, scaling = rope_parameters_of(config)
     params = getattr(config, "rope_parameters", None) or {}
     partial = float(
@@ -268,6 +326,7 @@ def get_rope(config: Any, head_dim: int) -> RotaryEmbedding:
         base=base,
         scaling=scaling,
         rotary_dim=int(head_dim * partial),
+        positions=context_limit(config)[0],
     )
 
 

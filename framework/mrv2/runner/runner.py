@@ -32,6 +32,7 @@ from mrv2.contract.staged_edits import StagedEdits
 from mrv2.contract.staging import Uploader
 from mrv2.contract.state_table import RequestStateTable, RowInfo
 from mrv2.distributed.parallel_state import agree_min, tp_rank, tp_size
+from mrv2.layers.rotary import context_limit
 from mrv2.lora import make_lora_manager
 from mrv2.model_loader.build import (
     CausalLM,
@@ -614,16 +615,15 @@ def _kv_dtype_name(kv_cache_dtype: str, dtype: torch.dtype) -> str:
 
 
 def _max_model_len(config: EngineConfig, hf_config: Any) -> int:
-    limit = getattr(hf_config, "max_position_embeddings", None)
+    """The engine's ``max_model_len``: the one asked for, at most the model's context limit
+    (:func:`mrv2.layers.rotary.context_limit`: ``max_position_embeddings``, or longer by its
+    RoPE scaling, as vLLM derives it), which is the default."""
+    limit, why = context_limit(hf_config)
     requested = config.model.max_model_len
     if requested is None:
         if limit is None:
-            raise ValueError(
-                "max_model_len is required: config.json has no max_position_embeddings"
-            )
-        return int(limit)
+            raise ValueError(f"max_model_len is required: {why}")
+        return limit
     if limit is not None and requested > limit:
-        raise ValueError(
-            f"max_model_len={requested} exceeds the model's max_position_embeddings={limit}"
-        )
+        raise ValueError(f"max_model_len={requested} exceeds {why}")
     return requested

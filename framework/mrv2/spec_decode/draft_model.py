@@ -33,6 +33,7 @@ from mrv2.contract.kv_cache import KVCacheSpec, layer_specs
 from mrv2.contract.request_state import request_state_layers
 from mrv2.contract.speculator import Speculator, SpeculatorInputs, StepSamples
 from mrv2.contract.state_table import RequestStateTable
+from mrv2.layers.rotary import context_limit
 from mrv2.model_loader.build import text_config_of
 from mrv2.spec_decode.drafting import DraftSteps
 
@@ -77,15 +78,16 @@ class DraftModelSpeculator(Speculator):
                 f"({getattr(hf_config, 'vocab_size', None)}) must equal the target's "
                 f"({target_vocab}): drafts are token ids of the target's vocabulary"
             )
-        # (the draft runs at every position the target does: its rotary table must reach them)
-        draft_len = getattr(text_config_of(hf_config), "max_position_embeddings", None)
-        max_model_len = (self.config.model.max_model_len
-                         or getattr(target, "max_position_embeddings", None))
+        # (the draft runs at every position the target does: its rotary table must reach them;
+        # both lengths are max_position_embeddings, or longer by RoPE scaling: context_limit)
+        draft_len, why = context_limit(text_config_of(hf_config))
+        max_model_len = self.config.model.max_model_len or context_limit(target)[0]
         if draft_len is not None and max_model_len is not None and draft_len < max_model_len:
             raise ValueError(
                 f"speculative_config.model: the draft model's max_position_embeddings "
-                f"({draft_len}) is below max_model_len ({max_model_len}): it must reach every "
-                f"position the target does; set max_model_len to at most {draft_len}"
+                f"({text_config_of(hf_config).max_position_embeddings}) is below max_model_len "
+                f"({max_model_len}): it must reach every position the target does (its "
+                f"limit: {why}); set max_model_len to at most {draft_len}"
             )
         dtype = next(self.model_state.model.parameters()).dtype
         self.model, _ = build_model(self.config, path, hf_config, registries, self.device, dtype)

@@ -40,6 +40,7 @@ from mrv2.layers import (
 )
 from mrv2.layers.moe import shared_expert_moe
 from mrv2.layers.mtp import MultiTokenPredictor, build_mtp
+from mrv2.layers.rotary import context_limit
 from mrv2.layers.weights import StackedMapping
 from mrv2_deepseek.mla import MLAAttention, MLADecoderLayer
 
@@ -111,11 +112,11 @@ def deepseek_layer(config: PretrainedConfig, layer_idx: int, rope: RotaryEmbeddi
 
 def mla_rope(config: PretrainedConfig) -> RotaryEmbedding:
     """RoPE over ``qk_rope_head_dim`` (YaRN per the config), in the half-split layout the
-    permuted projections produce."""
+    permuted projections produce; its table reaches the context YaRN derives)."""
     base, scaling = rope_parameters_of(config)
     return RotaryEmbedding(int(config.qk_rope_head_dim),
                            max_position=int(config.max_position_embeddings), base=base,
-                           scaling=scaling)
+                           scaling=scaling, positions=context_limit(config)[0])
 
 
 class _DeepseekForCausalLM(CausalLM):

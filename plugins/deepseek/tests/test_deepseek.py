@@ -135,6 +135,28 @@ def test_greedy_tokens_match_hf_with_prefix_cache_and_preemption(tmp_path: Path,
             assert llm.engine.stats()["prefix_cache_hits"] > 0
 
 
+def test_yarn_context_past_max_position_embeddings(tmp_path: Path) -> None:
+    """MLA's own RoPE table reaches the length YaRN derives (original 64 * factor 4 = 256,
+    past max_position_embeddings 64, as vLLM allows): greedy tokens of a 100-token prompt
+    equal HF's, and one token more than 256 is refused."""
+    family, overrides = CASES["v3-q-lora-yarn"]
+    config = transformers.DeepseekV3Config(**{**COMMON, **overrides,
+                                              "max_position_embeddings": 64})
+    config.architectures = [f"{family}ForCausalLM"]
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV3ForCausalLM(config).eval()
+    redraw_weights(hf)
+    hf.save_pretrained(tmp_path)
+    prompt = [(7 * i + 3) % VOCAB for i in range(100)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", block_size=BLOCK_SIZE,
+              max_model_len=256)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(tmp_path, prompt, 6)
+    with pytest.raises(ValueError, match="max_model_len=257 exceeds the limit 256"):
+        LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=257)
+
+
 def test_fp8_checkpoint_matches_hf_on_dequantized_weights(tmp_path: Path) -> None:
     """Every MLA projection, dense MLP and routed expert in FP8 (16 x 32 blocks: the q rope
     rows, the latent / rope split and the experts' gate / up split fall mid-block), saved per

@@ -37,6 +37,7 @@ from mrv2.contract.forward_context import ForwardContext, set_forward_context
 from mrv2.contract.kv_cache import KVCacheSpec
 from mrv2.contract.speculator import Speculator, SpeculatorInputs, StepSamples
 from mrv2.contract.state_table import RequestStateTable
+from mrv2.layers.rotary import RotaryEmbedding, context_limit
 from mrv2.spec_decode.drafting import DraftSteps, catch_up_inputs, first_draft_rows
 
 if TYPE_CHECKING:
@@ -106,6 +107,13 @@ class _EagleBase(Speculator):
                 head = self._make_head(head_config, max_position, set(tensors), dummy)
         finally:
             torch.set_default_dtype(previous)
+        # The head drafts at the target's positions, which RoPE scaling may take past both
+        # max_position_embeddings: its tables reach them (rows as they were below).
+        reach = max(max_position, context_limit(target)[0] or 0,
+                    self.config.model.max_model_len or 0)
+        for module in head.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.positions = max(module.positions, reach)
         if dummy:
             init_dummy_weights(head, seed=self.config.model.seed)
         else:

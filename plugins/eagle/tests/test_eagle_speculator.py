@@ -240,3 +240,30 @@ def test_latency_bench_eagle3_variant(tmp_path: Path) -> None:
     spec = bench(args)["eagle3_2"][-1]
     assert spec["spec_num_draft_tokens"] > 0
     assert len(spec["spec_acceptance_rate_per_pos"]) == 2
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_heads_draft_past_max_position_embeddings_of_a_rope_scaled_target(
+        tmp_path: Path, method: str) -> None:
+    """A YaRN target (original 64 * factor 4: ``max_model_len`` 256, past its
+    ``max_position_embeddings`` 64, as vLLM allows) and a head of plain RoPE at 64
+    positions: the head's table reaches the target's 256, a 100-token prompt drafts, greedy
+    tokens equal the plain path's."""
+    from mrv2.layers.rotary import RotaryEmbedding
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+            "rope_theta": 1e4}
+    target = make_tiny_checkpoint(tmp_path / "t", "Qwen3ForCausalLM", std=0.15,
+                                  max_position_embeddings=64, rope_parameters=yarn,
+                                  num_hidden_layers=3)
+    write = write_eagle_head if method == "eagle" else write_eagle3_head
+    head = write(tmp_path / "head", target,
+                 rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    prompts = [[(7 * i + 3) % 250 + 2 for i in range(100)]]
+    want, _ = _run(target, None, prompts=prompts)
+    got, llm = _run(target, _spec(head, method), prompts=prompts)
+    assert got == want
+    assert llm.engine.stats()["spec_num_draft_tokens"] > 0
+    speculator: Any = llm.engine.runner.speculator
+    ropes = [m for m in speculator.head.modules() if isinstance(m, RotaryEmbedding)]
+    assert ropes and all(r.positions >= 256 and r.max_position == 64 for r in ropes)

@@ -67,7 +67,7 @@ from mrv2.layers import (
 )
 from mrv2.layers.bidirectional import attend_spans
 from mrv2.layers.embedding import ScaledEmbedding
-from mrv2.layers.rotary import SUPPORTED_ROPE_TYPES
+from mrv2.layers.rotary import SUPPORTED_ROPE_TYPES, context_limit
 from mrv2.layers.weights import load_param, load_stacked_weights
 
 __all__ = ["Gemma4ForCausalLM", "check_gemma4", "kv_source", "layer_shape"]
@@ -160,7 +160,8 @@ def gemma4_rope(config: Any, kind: str, head_dim: int) -> RotaryEmbedding:
     params = dict(config.rope_parameters[kind])
     scaling = None if params.get("rope_type", "default") == "default" else params
     return RotaryEmbedding(head_dim, max_position=int(config.max_position_embeddings),
-                           base=float(params["rope_theta"]), scaling=scaling)
+                           base=float(params["rope_theta"]), scaling=scaling,
+                           positions=context_limit(config)[0])
 
 
 def _window(config: Any, kind: str) -> int | None:

@@ -48,6 +48,7 @@ from mrv2.layers import (
     norm_linear,
 )
 from mrv2.layers.embedding import ScaledEmbedding
+from mrv2.layers.rotary import context_limit
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -78,7 +79,8 @@ def gemma3_rope(config: PretrainedConfig, kind: str, head_dim: int) -> RotaryEmb
     rope_type = str(params.get("rope_type", params.get("type", "default")))
     scaling = None if rope_type == "default" else dict(params)
     return RotaryEmbedding(head_dim, max_position=int(config.max_position_embeddings),
-                           base=float(params["rope_theta"]), scaling=scaling)
+                           base=float(params["rope_theta"]), scaling=scaling,
+                           positions=context_limit(config)[0])
 
 
 class GemmaDecoderLayer(nn.Module):

@@ -4,7 +4,7 @@ in :mod:`mrv2_llama4.inputs`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -12,6 +12,7 @@ from torch import nn
 from mrv2.config import EngineConfig
 from mrv2.contract.batch import InputBuffers
 from mrv2.contract.model_state import ModelState
+from mrv2.layers.rotary import context_limit
 from mrv2.model_loader.build import text_config_of
 from mrv2_llama4.model import Llama4ForCausalLM
 
@@ -20,10 +21,11 @@ __all__ = ["Llama4ModelState", "context_length"]
 
 def context_length(text_config: Any, max_model_len: int | None) -> int:
     """The engine's context length: ``max_model_len``, or where unset the runner's default,
-    ``max_position_embeddings``. (Any length runs: the chunked-attention layers attend within
-    their chunks of ``attention_chunk_size`` positions.)"""
+    :func:`context_limit` (``max_position_embeddings``: Llama 4's ``llama3`` scaling states
+    its length there). (Any length runs: the chunked-attention layers attend within their
+    chunks of ``attention_chunk_size`` positions.)"""
     return int(max_model_len if max_model_len is not None
-               else text_config.max_position_embeddings)
+               else cast(int, context_limit(text_config)[0]))
 
 
 class Llama4ModelState(ModelState):

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from mrv2.contract.staging import to_device
-from mrv2.layers.rotary import RotaryEmbedding, rope_parameters_of
+from mrv2.layers.rotary import RotaryEmbedding, context_limit, rope_parameters_of
 from mrv2_kernels.rotary import rotary_embedding
 
 __all__ = ["ImageGrid", "MRopeTable", "MRotaryEmbedding", "frequency_components", "get_mrope",
@@ -222,8 +222,8 @@ class MRotaryEmbedding(RotaryEmbedding):
 
     def __init__(self, head_dim: int, max_position: int, mrope_section: Sequence[int],
                  base: float = 10000.0, scaling: Mapping[str, Any] | None = None,
-                 interleaved: bool = False) -> None:
-        super().__init__(head_dim, max_position, base, scaling)
+                 interleaved: bool = False, positions: int | None = None) -> None:
+        super().__init__(head_dim, max_position, base, scaling, positions=positions)
         section = [int(s) for s in mrope_section]
         if len(section) != 3 or sum(section) != self.rotary_dim // 2:
             raise ValueError(f"mrope_section must be 3 sizes summing to rotary_dim / 2 = "
@@ -276,4 +276,4 @@ def get_mrope(config: Any, head_dim: int, *, interleaved: bool = False,
             "mrope", "default"):
         scaling = None
     return MRotaryEmbedding(head_dim, int(config.max_position_embeddings), section, base,
-                            scaling, interleaved)
+                            scaling, interleaved, positions=context_limit(config)[0])

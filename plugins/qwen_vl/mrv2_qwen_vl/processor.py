@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from itertools import accumulate
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -40,6 +40,7 @@ from mrv2.contract.input_processor import (
 from mrv2.contract.input_processor import load_image_processor as load_core_image_processor
 from mrv2.contract.requests import MultiModalItem
 from mrv2.contract.video_inputs import VIDEO_FIELD, VideoClip, parse_videos
+from mrv2.layers.rotary import context_limit
 from mrv2.model_loader.build import vl_text_config
 from mrv2_qwen_vl.mrope import ImageGrid, mrope_extent
 from mrv2_qwen_vl.video import (
@@ -201,16 +202,17 @@ class QwenVLInputProcessor(InputProcessor):
 
     def _check_positions(self, items: list[MultiModalItem], num_tokens: int) -> None:
         """ValueError where the M-RoPE positions of the prompt, or of a sequence as long as
-        ``max_model_len``, would pass the rotary table (``max_position_embeddings``): a
-        video's temporal positions may run ahead of the 1-D ones."""
+        ``max_model_len``, would pass the rotary table (:func:`context_limit`:
+        ``max_position_embeddings``, or longer by RoPE scaling): a video's temporal positions
+        may run ahead of the 1-D ones."""
         grids = [ImageGrid(item.offset, int(item.data["grid_thw"][0]),
                            int(item.data["grid_thw"][1]) // self.merge,
                            int(item.data["grid_thw"][2]) // self.merge,
                            float(item.data.get("time_interval", 1.0))) for item in items]
-        limit = int(vl_text_config(self.hf_config).max_position_embeddings)
+        limit = cast(int, context_limit(vl_text_config(self.hf_config))[0])
         longest = max(num_tokens, self.config.model.max_model_len or limit)
         extent = mrope_extent(grids, longest)
         if extent > limit:
             raise ValueError(f"{VIDEO_FIELD}: with these videos M-RoPE positions reach "
-                             f"{extent - 1}, past max_position_embeddings {limit} (fewer "
+                             f"{extent - 1}, past the rotary table's {limit} positions (fewer "
                              "frames, a higher fps or a smaller max_model_len)")

@@ -156,6 +156,20 @@ def test_rotation_matches_hf(family: str, section: list[int]) -> None:
     torch.testing.assert_close(plain[0], as_3d[0], rtol=1e-6, atol=1e-6)
 
 
+def test_yarn_table_reaches_the_derived_context() -> None:
+    """M-RoPE with YaRN (Qwen2.5-VL's long-context recipe): the table reaches
+    ``original_max_position_embeddings * factor`` past ``max_position_embeddings``, its rows
+    below the same as a table of ``max_position_embeddings`` rows."""
+    config = _text_config("qwen2_5_vl", [4, 6, 6])
+    config.rope_parameters = {**config.rope_parameters, "rope_type": "yarn", "factor": 4.0,
+                              "original_max_position_embeddings": 128}
+    rope = get_mrope(config, 32)
+    table = rope._table(torch.device("cpu"))
+    assert table.shape[0] == 512 and rope.max_position == 128
+    short = MRotaryEmbedding(32, 128, [4, 6, 6], 10000.0, rope.scaling)
+    assert torch.equal(table[:128], short._table(torch.device("cpu")))
+
+
 def test_interleaved_layout() -> None:
     """The released Qwen3-VL ``[24, 20, 20]`` over 64 frequencies: t h w repeated 20 times,
     then t t t t (HF's ``recomposition_frequencies``)."""
