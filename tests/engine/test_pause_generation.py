@@ -183,3 +183,29 @@ def test_wait_resumes_a_preempted_request_behind_a_new_one_of_higher_priority(
     assert engine.is_paused() and done == set(first)
     llm.continue_generation()
     assert len(_finish(engine, [late])[0]) == 2
+
+
+def test_a_request_kept_through_an_update_caches_none_of_its_old_kv(tmp_path: Path) -> None:
+    """``keep`` then an update: the kept request's blocks hold the old weights' KV (and what
+    it computes afterwards attends to it), so none of them may enter the prefix cache the
+    update emptied; a later prompt extending its tokens gets a fresh engine's tokens on the
+    new weights, not ones read from the old KV."""
+    a = make_tiny_checkpoint(tmp_path / "a", "LlamaForCausalLM", seed=3, std=0.15)
+    b = make_tiny_checkpoint(tmp_path / "b", "LlamaForCausalLM", seed=4, std=0.15)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 9, 200, 31, 4, 17, 3, 8]
+    llm = _llm(a)
+    engine = llm.engine
+    kept = engine.add_request(prompt, params)
+    for _ in range(3):
+        engine.step()
+    llm.pause_generation("keep")
+    llm.update_weights(iter_safetensors(str(b)))
+    llm.continue_generation()
+    (tokens,) = _finish(engine, [kept])
+    llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)  # its blocks: new KV
+    longer = [{"prompt_token_ids": prompt + tokens[:8]}]
+    got = llm.generate(longer, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert engine.block_manager.num_hit_tokens == 12  # the new request's 3 blocks only
+    assert got == _llm(b).generate(longer, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert engine.block_manager.usage == 0

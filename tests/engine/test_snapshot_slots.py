@@ -98,3 +98,20 @@ def test_plan_stops_when_no_slot_is_free() -> None:
     row = snaps.plan(saves, A, 23, 3, 0, None)
     assert [s.position for s in saves] == [12] and row[4:] == (-1, -1)
     assert snaps.plan([], B, 23, 3, 0, None) == (-1, -1, -1, -1, -1, -1)
+
+
+def test_a_stale_save_is_never_published_and_its_slot_comes_back() -> None:
+    """A request kept running through a weight update (``Scheduler.forget_cached``): its
+    planned snapshot holds the old weights' state, so it is not published when computed; its
+    slot is free again once the request stops."""
+    snaps = StateSnapshots(1, 4)
+    saves: list[StateSave] = []
+    snaps.plan(saves, A, 23, 0, 0, None)
+    assert [s.position for s in saves] == [20]
+    snaps.reset()
+    saves[0].stale = True
+    assert snaps.publish_due(saves, 16, 7) == []
+    snaps.begin_step()
+    assert snaps.deepest(A[:5]) == (0, None) and snaps.num_published == 0
+    snaps.release_all(saves)
+    assert snaps.reserve() is not None

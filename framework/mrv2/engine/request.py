@@ -68,6 +68,10 @@ class Request:
     """Chain hashes of the request's full blocks whose tokens are all known on the CPU."""
     num_cached_blocks: int = 0
     """Leading blocks of ``block_ids`` already registered in (or found in) the prefix cache."""
+    kv_stale: bool = False
+    """Its KV predates a weight update (or a reset of the prefix cache) that it kept running
+    through (``pause_generation("keep")``): none of its blocks is registered in the prefix
+    cache (a later request would read the old weights' KV) until it is recomputed."""
     num_cached_tokens: int = 0
     """Prompt tokens the prefix cache held at the request's first admission (usage's
     ``prompt_tokens_details.cached_tokens``)."""

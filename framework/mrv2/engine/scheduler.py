@@ -153,7 +153,7 @@ class Scheduler:
 
     def _cache_blocks(self, request: Request) -> None:
         """Register the request's full, computed blocks whose tokens are all known."""
-        if not self.blocks.enable_caching:
+        if not self.blocks.enable_caching or request.kv_stale:
             return
         size = self.blocks.block_size
         known = len(request.prompt_token_ids) + len(request.output_token_ids)
@@ -172,6 +172,7 @@ class Scheduler:
         self._cache_blocks(request)
         self.tables.release(request)
         request.num_cached_blocks = 0
+        request.kv_stale = False  # (it recomputes every token when it runs again)
         if request.req_id in self._in_runner:
             self._in_runner.discard(request.req_id)
             self._count_lora(request, -1)
@@ -250,6 +251,19 @@ class Scheduler:
         self.num_preemptions += 1
         self._preempted_now.add(request.req_id)
         self._enqueue(request, front=True)
+
+    def forget_cached(self) -> None:
+        """Forget the prefix cache's blocks and the state snapshots (a weight update, or
+        ``reset_prefix_cache``). A running request keeps its blocks, but what it computed so
+        far (and, through attention, all it computes after) is the old weights': none of its
+        blocks or snapshots is registered from now on, or a later request would find them."""
+        self.blocks.reset_prefix_cache()
+        if self.snapshots is not None:
+            self.snapshots.reset()
+        for request in self.running:
+            request.kv_stale = True
+            for save in request.state_saves:
+                save.stale = True
 
     @property
     def num_started(self) -> int:

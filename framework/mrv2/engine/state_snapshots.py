@@ -47,6 +47,9 @@ class StateSave:
     slot: int
     block_hash: BlockHash
     published: bool = False
+    stale: bool = False
+    """The request kept running through a weight update: its state is the old weights', so
+    the snapshot is never published (its slot stays reserved until the request stops)."""
 
 
 class StateSnapshots:
@@ -185,7 +188,8 @@ class StateSnapshots:
                     ) -> list[StateSave]:
         """A step computes the request's positions ``start + 1 .. start + num_tokens``: publish
         the snapshots it stores; returns them (for :meth:`unpublish_all`)."""
-        due = [s for s in saves if not s.published and start < s.position <= start + num_tokens]
+        due = [s for s in saves if not s.published and not s.stale
+               and start < s.position <= start + num_tokens]
         for save in due:
             self.publish(save.slot, save.block_hash)
             save.published = True

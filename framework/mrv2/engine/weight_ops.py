@@ -205,10 +205,9 @@ class WeightOps:
         return True
 
     def _forget_cached(self) -> None:
-        """The prefix cache's blocks and the per-request state's snapshots."""
-        self.block_manager.reset_prefix_cache()
-        if self.scheduler.snapshots is not None:
-            self.scheduler.snapshots.reset()
+        """The prefix cache's blocks and the per-request state's snapshots (a request kept
+        running through it registers none of its blocks: :meth:`Scheduler.forget_cached`)."""
+        self.scheduler.forget_cached()
 
     # -- sleep mode --------------------------------------------------------------------------
 
