@@ -88,3 +88,25 @@ def test_eos_and_length_penalty(llm: LLM) -> None:
 def test_bad_parameters_name_the_field(kwargs: dict[str, int], name: str) -> None:
     with pytest.raises(ValueError, match=f"BeamSearchParams.{name}"):
         BeamSearchParams(**kwargs)
+
+
+def test_an_interrupted_search_leaves_no_request_queued(llm: LLM,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A beam search stopped midway (Ctrl-C in a step, a request refused while queueing)
+    aborts its requests, as ``LLM.generate`` does: none runs in the next call."""
+    engine = llm.engine
+    step = engine.step
+
+    def interrupted() -> list:
+        step()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS],
+                        BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True))
+    assert engine.scheduler.num_unfinished == 0  # (a step's output in flight may remain)
+    monkeypatch.undo()
+    out = llm.beam_search({"prompt_token_ids": PROMPTS[0]},
+                          BeamSearchParams(beam_width=2, max_tokens=2, ignore_eos=True))
+    assert [len(b.output_tokens) for b in out[0].sequences] == [2, 2]

@@ -124,3 +124,35 @@ def test_a_refused_load_changes_no_weight(tmp_path: Path) -> None:
     assert changed() == []
     assert all(p.device.type == "cpu" for p in model.parameters())  # (all put back)
     assert _tokens(llm) == hf_greedy(path, PROMPT, 8)
+
+
+def test_the_check_writes_no_buffer_either() -> None:
+    """The whole-list check runs the model's loader on meta tensors: an encoder loading
+    buffers too (Gemma 4's vision clip bounds and standardization, ``buffers=True``) must
+    not have them written by a list refused further on; the check puts them all back."""
+    import torch
+    from torch import nn
+
+    from mrv2.layers.weights import load_encoder_weights
+    from mrv2.runner.between_steps import BetweenSteps
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(2, 2)
+            self.register_buffer("scale", torch.ones(2))
+            self.register_buffer("cache", torch.zeros(3), persistent=False)
+
+        def load_weights(self, weights: Any) -> set[str]:
+            return load_encoder_weights(self, weights, lambda name: name, "encoder",
+                                        buffers=True)
+
+    runner: Any = BetweenSteps()
+    runner.model = Encoder()
+    buffers = dict(runner.model.named_buffers())
+    with pytest.raises(ValueError, match="no parameter or buffer 'nothing'"):
+        runner.check_weights([("scale", torch.full((2,), 7.0)), ("nothing", torch.ones(1))])
+    assert runner.model.scale.tolist() == [1.0, 1.0]
+    assert dict(runner.model.named_buffers()) == buffers  # (the same tensors, put back)
+    runner.check_weights([("scale", torch.full((2,), 7.0)), ("proj.weight", torch.ones(2, 2))])
+    assert runner.model.scale.tolist() == [1.0, 1.0]

@@ -143,3 +143,9 @@ def test_qwen3_answers_a_prompt_that_opened_the_block_from_its_reasoning(
         message = _chat(served, body)["choices"][0]["message"]
         assert message["content"] is None and message["reasoning_content"]
         assert _streamed(served, body) == (message["reasoning_content"], "")
+        # beam search's answers are read alike (their content was the whole reasoning)
+        beams = {"messages": body["messages"], "max_tokens": 6, "ignore_eos": True,
+                 "use_beam_search": True, "n": 2}
+        for choice in _chat(served, beams)["choices"]:
+            assert choice["message"]["content"] is None
+            assert choice["message"]["reasoning_content"]

@@ -165,17 +165,23 @@ def beam_search(engine: Any, prompts: list[list[int]], params: BeamSearchParams,
     ids = itertools.count()
     while True:
         requests = search.requests()
-        asked = [engine.add_request(tokens, search.step_params,
-                                    request_id=f"beam-{id(search)}-{next(ids)}",
-                                    lora_request=adapters[i])
-                 for tokens, i in zip(requests, search.asked_prompts, strict=True)]
+        asked: list[str] = []
+        top: dict[str, dict[int, Any]] = {}
+        try:  # (stopped midway, Ctrl-C or a refusal: its requests must not run in the next call)
+            for tokens, i in zip(requests, search.asked_prompts, strict=True):
+                asked.append(engine.add_request(tokens, search.step_params,
+                                                request_id=f"beam-{id(search)}-{next(ids)}",
+                                                lora_request=adapters[i]))
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.finished:
+                        logprobs = out.outputs[0].logprobs
+                        top[out.request_id] = logprobs[0] if logprobs else {}
+        except BaseException:
+            for req_id in asked:  # (finished ones are ignored)
+                engine.abort(req_id)
+            raise
         if not asked:
             break
-        top: dict[str, dict[int, Any]] = {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.finished:
-                    logprobs = out.outputs[0].logprobs
-                    top[out.request_id] = logprobs[0] if logprobs else {}
         search.advance([top[req_id] for req_id in asked])
     return search.outputs(engine.tokenizer)

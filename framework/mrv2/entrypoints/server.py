@@ -381,9 +381,10 @@ def create_app(engine: LLMEngine | RemoteEngine,
                            param="messages") from None
 
     async def beam_answer(request: Request, body: Any, params: SamplingParams,
-                          prompts: list[list[int]], chat: bool) -> Response:
+                          prompts: list[list[int]], chat: bool,
+                          reasoning: str | None = reasoning_parser) -> Response:
         """A request's answer by beam search (``use_beam_search``; ``n`` beams); stopped, its
-        requests aborted, the moment the client leaves."""
+        requests aborted, the moment the client leaves; a chat's read by ``reasoning``."""
         try:
             beams = body.beam_search_params(params, engine.max_model_len - max(
                 len(p) for p in prompts))
@@ -396,7 +397,7 @@ def create_app(engine: LLMEngine | RemoteEngine,
             return Response(status_code=499)  # (as Stream.collect: nobody reads it)
         return JSONResponse(beam_answer_body(outputs, prompts, engine.tokenizer,
                                              lora.lora_name if lora else model_name, chat,
-                                             reasoning_parser))
+                                             reasoning))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -501,17 +502,17 @@ def create_app(engine: LLMEngine | RemoteEngine,
                            "cut an image's rows)", param="truncate_prompt_tokens")
         ids = body.truncate(ids)
         validate(ids, params, body)
+        reasoning = prompt_reasoning(  # (qwen3's thinking models open the block in the prompt)
+            reasoning_parser, ids, lambda text: tokenizer().encode(text, False))
         if body.use_beam_search:
             # (a structured output, stop strings, biases...: refused with the params)
             for name, bad in (("stream", body.stream), ("logprobs", body.logprobs),
                               ("tools", bool(body.tools)), ("echo", body.echo)):
                 if bad:
                     raise APIError(400, f"{name}: not with use_beam_search", param=name)
-            return await beam_answer(request, body, params, [ids], True)
+            return await beam_answer(request, body, params, [ids], True, reasoning)
         echo = Echo([body.echo_text()]) if body.echo else None
         lora = lora_of(body)
-        reasoning = prompt_reasoning(  # (qwen3's thinking models open the block in the prompt)
-            reasoning_parser, ids, lambda text: tokenizer().encode(text, False))
         return await _serve(request, worker, "chatcmpl", lora.lora_name if lora else model_name,
                             [(ids, None)], params, body, True, items, reasoning, calling,
                             enable_prompt_tokens_details, echo, stream_cls, extra, lora)

@@ -65,11 +65,11 @@ class BetweenSteps:
         return loaded
 
     def check_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Run the model's loader over ``weights`` with every parameter swapped for a meta
-        tensor of its shape and dtype: a name the model does not have, or a tensor of the
-        wrong shape, raises as :meth:`load_weights` would, but before any weight is written
-        (none is: the copies land on the meta device; ``LLMEngine.update_weights`` of a
-        list, a checkpoint directory's load)."""
+        """Run the model's loader over ``weights`` with every parameter (and persistent
+        buffer) swapped for a meta tensor of its shape and dtype: a name the model does not
+        have, or a tensor of the wrong shape, raises as :meth:`load_weights` would, but before
+        any weight is written (none is: the copies land on the meta device;
+        ``LLMEngine.update_weights`` of a list, a checkpoint directory's load)."""
         with torch.no_grad(), _meta_parameters(self.model):
             load_model_weights(self.model, weights, strict=False)
 
@@ -118,12 +118,22 @@ class BetweenSteps:
 @contextlib.contextmanager
 def _meta_parameters(model: torch.nn.Module) -> Iterator[None]:
     """Every parameter of ``model`` replaced by a meta one of its shape and dtype, with its
-    attributes (its ``weight_loader``...; a parameter shared by two modules stays one), then
-    the originals put back."""
+    attributes (its ``weight_loader``...; a parameter shared by two modules stays one), and
+    every persistent buffer likewise (a vision or audio encoder's loader may write those:
+    ``buffers=True``), then the originals put back."""
     metas: dict[int, torch.nn.Parameter] = {}
     swapped: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+    buffers: dict[int, torch.Tensor] = {}
+    swapped_buffers: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
     try:
         for module in model.modules():
+            for name, buffer in list(module._buffers.items()):
+                if buffer is None or name in module._non_persistent_buffers_set:
+                    continue  # (computed tables: no checkpoint writes them)
+                meta_buffer = buffers.setdefault(id(buffer),
+                                                 torch.empty_like(buffer, device="meta"))
+                swapped_buffers.append((module, name, buffer))
+                module._buffers[name] = meta_buffer
             for name, param in list(module._parameters.items()):
                 if param is None:
                     continue
@@ -139,3 +149,5 @@ def _meta_parameters(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for module, name, param in swapped:
             module._parameters[name] = param
+        for module, name, buffer in swapped_buffers:
+            module._buffers[name] = buffer
