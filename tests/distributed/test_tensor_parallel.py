@@ -101,10 +101,19 @@ def test_fp8_checkpoint_tp2_equals_tp1(tmp_path: Path) -> None:
 
 
 def test_indivisible_heads_fail_clearly(tmp_path: Path) -> None:
+    """The error names the field and the sizes the model does split into."""
     model = make_tiny_checkpoint(tmp_path / "m", "Qwen3ForCausalLM", num_attention_heads=3,
                                  num_key_value_heads=1, head_dim=16)
-    with pytest.raises(ValueError, match=r"num_attention_heads \(3\).*tensor_parallel_size"):
+    with pytest.raises(ValueError, match=r"num_attention_heads \(3\).*tensor_parallel_size "
+                                         r"\(2\) \(this model splits into tensor_parallel_size "
+                                         r"1\)"):
         LLM(str(model), device="cpu", dtype="float32", tensor_parallel_size=2)
+    # the MLP's width (90: 2 ranks, not 4), named as the config names it
+    model = make_tiny_checkpoint(tmp_path / "w", "Qwen3ForCausalLM", intermediate_size=90)
+    with pytest.raises(ValueError, match=r"intermediate_size \(90\) must be divisible by "
+                                         r"tensor_parallel_size \(4\) \(this model splits "
+                                         r"into tensor_parallel_size 1, 2\)"):
+        LLM(str(model), device="cpu", dtype="float32", tensor_parallel_size=4)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,12 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from mrv2 import LLM, SamplingParams
+from mrv2 import LLM, LoRARequest, SamplingParams
 from mrv2.config import EngineConfig
 from mrv2.distributed.channel import ChannelClosed, ShmRing
 from mrv2.engine.engine import LLMEngine
 from mrv2.executor.tensor_parallel import WorkerDiedError
 from mrv2.testing import make_tiny_checkpoint, make_tiny_tokenizer
+from mrv2.testing_checkpoints import make_lora_adapter
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +84,95 @@ def test_killed_worker_ends_the_engine_naming_it(model: Path,
                 engine.step()
         assert time.monotonic() - start < 10
         time.sleep(1.5)  # past MRV2_TP_ABORT_S: still here
+    finally:
+        engine.shutdown()
+
+
+def test_three_ranks_then_one_killed_the_others_leave_at_shutdown(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three ranks (a vocabulary of 256, not divisible by 3: the last rank's rows padded)
+    give one rank's tokens. Then rank 1 is killed: shutdown tells rank 2, idle and waiting
+    for a step, to leave (the ring closed), rather than kill it after waiting 10 s."""
+    monkeypatch.setenv("MRV2_TP_ABORT_S", "1")
+    model = make_tiny_checkpoint(tmp_path / "m", "Qwen3ForCausalLM", num_attention_heads=6,
+                                 num_key_value_heads=3, head_dim=16, intermediate_size=192,
+                                 std=0.15)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with LLM(str(model), device="cpu", dtype="float32", max_model_len=64) as llm:
+        want = llm.generate({"prompt_token_ids": [5, 6, 7]}, params,
+                            use_tqdm=False)[0].outputs[0].token_ids
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model), device="cpu",
+                                                dtype="float32", tensor_parallel_size=3,
+                                                max_model_len=64))
+    runner = engine.runner
+    try:
+        engine.add_request([5, 6, 7], params)
+        got: list[int] = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                got = list(out.outputs[0].token_ids)
+        assert got == want
+        first, second = runner.worker_pids  # type: ignore[attr-defined]
+        os.kill(first, signal.SIGKILL)
+        start = time.monotonic()  # (noticed while idle: rank 2 is in no collective)
+        while runner._failure is None and time.monotonic() - start < 10:  # type: ignore[attr-defined]
+            time.sleep(0.05)
+        engine.add_request([5, 6, 7], params)
+        with pytest.raises(WorkerDiedError, match="rank 1"):
+            engine.step()
+        start = time.monotonic()
+    finally:
+        engine.shutdown()
+    assert time.monotonic() - start < 8
+    codes = [w.proc.returncode for w in runner._workers]  # type: ignore[attr-defined]
+    assert codes == [-signal.SIGKILL, 0]
+
+
+def test_an_engine_built_in_a_thread_that_ended_keeps_its_workers(model: Path) -> None:
+    """Linux's parent-death signal follows the thread that started a process: workers
+    started by the thread that built the engine were killed (SIGTERM) once it ended. They
+    serve on, and leave at shutdown with exit code 0."""
+    built: list[LLM] = []
+    thread = threading.Thread(target=lambda: built.append(LLM(
+        str(model), device="cpu", dtype="float32", max_model_len=64, tensor_parallel_size=2)))
+    thread.start()
+    thread.join()
+    (llm,) = built
+    workers = llm.engine.runner._workers  # type: ignore[attr-defined]
+    try:
+        time.sleep(0.5)
+        assert [w.proc.poll() for w in workers] == [None]
+        out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(
+            temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3
+    finally:
+        llm.shutdown()
+    assert [w.proc.returncode for w in workers] == [0]
+
+
+def test_workers_take_rank0s_lora_adapter_not_its_files(model: Path, tmp_path: Path) -> None:
+    """Rank 0 reads and checks an adapter when its request comes in; the workers used to
+    read the files themselves at its first step: removed since (or rewritten), the worker
+    failed and the engine with it (or ran other weights than rank 0's). Rank 0 sends them
+    what it read."""
+    adapter = make_lora_adapter(model, tmp_path / "adapter", rank=4)
+    lora = LoRARequest("a", 1, str(adapter))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with LLM(str(model), device="cpu", dtype="float32", max_model_len=64,
+             enable_lora=True) as llm:
+        want = llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False,
+                            lora_request=lora)[0].outputs[0].token_ids
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model), device="cpu",
+                                                dtype="float32", tensor_parallel_size=2,
+                                                max_model_len=64, enable_lora=True))
+    try:
+        engine.add_request([5, 6, 7], params, lora_request=lora)
+        shutil.rmtree(adapter)
+        got: list[int] = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                got = list(out.outputs[0].token_ids)
+        assert got == want
     finally:
         engine.shutdown()
 

@@ -12,7 +12,8 @@ shared-memory ring; across hosts: a gloo broadcast; :mod:`mrv2.distributed.chann
 runs the step itself; every rank builds the same inputs, runs its shard of the model (the
 layers all-reduce and all-gather on the device group), samples the same tokens from the same
 gathered logits and seeds, and updates its own state table. Only rank 0 copies tokens to the
-host. Nothing on that path waits for the GPU.
+host. Nothing on that path waits for the GPU. A step's new LoRA adapters go out first, as rank
+0 read them (the workers never read adapter files).
 
 Failures: a watchdog thread of rank 0 waits on each worker process. A worker that raises
 writes its traceback to a pipe first; one that dies (killed, out of memory) is named with its exit
@@ -30,11 +31,13 @@ import datetime
 import logging
 import os
 import pickle
+import queue
 import subprocess
 import sys
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -43,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from mrv2.config import EngineConfig
+from mrv2.contract.lora import LoRARequest
 from mrv2.contract.requests import SchedulerOutput
 from mrv2.distributed.channel import BroadcastChannel, ShmRing
 from mrv2.distributed.parallel_state import (
@@ -88,12 +92,27 @@ class _Worker:
     errors: Any  # the read end of the worker's error pipe
 
 
-def _watch(ref: weakref.ref[DistributedRunner], worker: _Worker) -> None:
-    """A watchdog thread: wait for ``worker`` to exit, then tell its runner (if it still
-    exists: the thread holds no reference, so a dropped engine is freed)."""
-    code = worker.proc.wait()
+def _start_and_watch(ref: weakref.ref[DistributedRunner], command: list[str], write_fd: int,
+                     started: queue.Queue[Any], registered: queue.Queue[_Worker | None]
+                     ) -> None:
+    """A watchdog thread: start the worker (``command``; its process, or the error, goes to
+    ``started``), wait for it to exit, then tell its runner (if it still exists: the thread
+    holds no reference, so a dropped engine is freed).
+
+    The worker is started from this thread, which lives as long as the worker: Linux sends
+    the parent-death signal (the worker's ``PR_SET_PDEATHSIG``) when the *thread* that
+    started a process ends, so a worker started by the thread building the engine would be
+    killed as soon as that thread ended (an engine built in a short-lived thread)."""
+    try:
+        proc = subprocess.Popen(command, stdin=subprocess.PIPE, pass_fds=(write_fd,))
+    except BaseException as error:
+        started.put(error)
+        return
+    started.put(proc)
+    worker = registered.get()  # (the runner lists it first, so its exit is never missed)
+    code = proc.wait()
     runner = ref()
-    if runner is not None:
+    if runner is not None and worker is not None:
         runner._worker_exited(worker, code)
 
 
@@ -119,6 +138,8 @@ class DistributedRunner(Runner):
         #: (``load_weights``, ``sleep``...) runs on this rank alone.
         self._in_rpc = False
         self._busy = 0  # > 0 while this thread is inside a step or start-up (collectives)
+        #: The LoRA adapters the workers were sent (:meth:`_send_adapters`), oldest first.
+        self._adapters_sent: OrderedDict[int, None] = OrderedDict()
         self._channel: ShmRing | BroadcastChannel
         if launched_by_torchrun():
             if int(os.environ["WORLD_SIZE"]) != size:
@@ -164,17 +185,24 @@ class DistributedRunner(Runner):
             read_fd, write_fd = os.pipe()
             spec = WorkerSpec(rank, size, config, model_dir, store_port, self._channel.name,
                               _RING_BYTES)
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "mrv2.executor.worker", str(write_fd)],
-                stdin=subprocess.PIPE, pass_fds=(write_fd,))
+            started: queue.Queue[Any] = queue.Queue()
+            registered: queue.Queue[_Worker | None] = queue.Queue()
+            threading.Thread(
+                target=_start_and_watch, daemon=True, name=f"mrv2-tp-watch{rank}",
+                args=(weakref.ref(self), [sys.executable, "-m", "mrv2.executor.worker",
+                                          str(write_fd)], write_fd, started, registered),
+            ).start()
+            proc = started.get()
             os.close(write_fd)
+            if isinstance(proc, BaseException):
+                os.close(read_fd)
+                raise proc
+            worker = _Worker(rank, proc, os.fdopen(read_fd, "r"))
+            self._workers.append(worker)
+            registered.put(worker)
             assert proc.stdin is not None
             proc.stdin.write(pickle.dumps(spec))
             proc.stdin.close()
-            worker = _Worker(rank, proc, os.fdopen(read_fd, "r"))
-            self._workers.append(worker)
-            threading.Thread(target=_watch, args=(weakref.ref(self), worker), daemon=True,
-                             name=f"mrv2-tp-watch{rank}").start()
 
     def _worker_exited(self, worker: _Worker, code: int) -> None:
         """``worker`` exited with ``code``; before :meth:`shutdown` that is a failure."""
@@ -251,9 +279,39 @@ class DistributedRunner(Runner):
 
     # -- the step ----------------------------------------------------------------------------
 
+    def _send_adapters(self, scheduled: SchedulerOutput) -> None:
+        """Send the workers the LoRA adapters of the step's new requests they were not sent
+        yet, as rank 0 read and checked them: a worker reading the files itself, later,
+        could find them gone (the engine would fail) or rewritten (other weights than rank
+        0's). The workers keep what rank 0 read recently (as many adapters as it keeps)."""
+        lora = self.lora
+        if lora is None:
+            return
+        step_ids = {r.lora_request.lora_int_id for r in scheduled.new_requests
+                    if r.lora_request is not None}
+        new: dict[int, tuple[LoRARequest, Any]] = {}
+        for request in scheduled.new_requests:
+            adapter = request.lora_request
+            if adapter is None or adapter.lora_int_id in new:
+                continue
+            if adapter.lora_int_id in self._adapters_sent:
+                self._adapters_sent.move_to_end(adapter.lora_int_id)
+                continue
+            new[adapter.lora_int_id] = (adapter, lora.as_read(adapter))  # (may raise: unsent)
+        if not new:
+            return
+        self._adapters_sent.update(dict.fromkeys(new))
+        keep = max(lora.config.max_cpu_loras or 0, lora.config.max_loras, len(step_ids))
+        old = [i for i in self._adapters_sent if i not in step_ids]
+        forget = old[:max(0, len(self._adapters_sent) - keep)]
+        for adapter_id in forget:
+            del self._adapters_sent[adapter_id]
+        self._channel.publish(("adapters", (list(new.values()), forget)), self._check)
+
     def execute(self, scheduled: SchedulerOutput) -> AsyncStepOutput:
         """Publish the step to the workers, then run it here."""
         self._check()
+        self._send_adapters(scheduled)
         late = scheduled.fill_token_bitmasks
         if late is None:
             self._channel.publish(("execute", scheduled), self._check)
@@ -377,6 +435,11 @@ class DistributedRunner(Runner):
             with contextlib.suppress(Exception):
                 Runner.shutdown(self)
         destroy_tensor_parallel(timeout_s=20.0 if self._failure is None else 2.0)
+        # closed before the wait: after a worker's failure no "stop" went out, and the ranks
+        # still alive, waiting for a step, leave on the closed ring (a message already
+        # published is still read first) rather than be killed after the timeout
+        if hasattr(self, "_channel"):
+            self._channel.close()
         for worker in self._workers:
             try:
                 worker.proc.wait(10.0)
@@ -384,5 +447,3 @@ class DistributedRunner(Runner):
                 worker.proc.kill()
                 worker.proc.wait(5.0)
             worker.errors.close()
-        if hasattr(self, "_channel"):
-            self._channel.close()

@@ -86,6 +86,9 @@ def serve_steps(runner: Runner, receive: Callable[[], Any]) -> None:
             runner.execute(payload)
         elif kind == "remove":
             runner.remove_requests(payload)
+        elif kind == "adapters":  # LoRA adapters as rank 0 read them, ahead of their step
+            assert runner.lora is not None
+            runner.lora.give(*payload)
         elif kind == "rpc":  # (Runner.collective_rpc: every rank answers, errors too)
             try:
                 method, args, kwargs = pickle.loads(payload)

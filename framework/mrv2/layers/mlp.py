@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from mrv2.layers.activation import ACTIVATIONS
-from mrv2.layers.linear import MergedColumnLinear, RowLinear
+from mrv2.layers.linear import MergedColumnLinear, RowLinear, resolve_tp, split_evenly
 
 
 class GatedMLP(nn.Module):
@@ -28,6 +28,9 @@ class GatedMLP(nn.Module):
             raise ValueError(f"hidden_act must be one of {', '.join(map(repr, ACTIVATIONS))}, "
                              f"got {hidden_act!r}")
         self.hidden_act = hidden_act
+        # (named here: the layers below would call it an "output size")
+        split_evenly(intermediate_size, resolve_tp(None)[1],
+                     "the MLP's intermediate_size")
         self.gate_up_proj = MergedColumnLinear(
             hidden_size, [intermediate_size, intermediate_size], bias=bias
         )

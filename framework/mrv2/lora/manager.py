@@ -27,9 +27,9 @@ from mrv2.contract.batch import InputBatch
 from mrv2.contract.lora import LoRARequest
 from mrv2.contract.requests import NewRequest
 from mrv2.contract.staged_edits import StagedEdits
-from mrv2.distributed.parallel_state import tp_rank
+from mrv2.distributed.parallel_state import tp_rank, tp_size
 from mrv2.layers.weights import checkpoint_target
-from mrv2.lora.adapter import read_adapter
+from mrv2.lora.adapter import AdapterWeights, read_adapter
 from mrv2.lora.layers import (
     TARGET_NAMES,
     LoRALinearMixin,
@@ -77,6 +77,12 @@ class LoRAManager:
         self.force: bool | None = None
         self._read: OrderedDict[int, list[_Part]] = OrderedDict()
         self._max_read = config.max_cpu_loras or config.max_loras
+        #: Tensor parallelism: rank 0 keeps the adapters it read as read (:meth:`as_read`),
+        #: for the other ranks, which use those (:meth:`give`) and never read the files
+        #: themselves: read later, they could be gone or rewritten since rank 0 checked them.
+        self._keep_read = tp_size() > 1 and tp_rank() == 0
+        self._as_read: dict[int, AdapterWeights] = {}
+        self._given: dict[int, list[_Part]] = {}
         # the server's event loop checks adapters while the engine thread loads them
         self._read_lock = threading.Lock()
 
@@ -91,13 +97,42 @@ class LoRAManager:
         with self._read_lock:
             return self._read_parts(lora)
 
+    def as_read(self, lora: LoRARequest) -> AdapterWeights:
+        """Rank 0: ``lora``'s adapter as read (and checked; read again if evicted)."""
+        with self._read_lock:
+            self._read_parts(lora)
+            return self._as_read[lora.lora_int_id]
+
+    def give(self, adapters: Sequence[tuple[LoRARequest, AdapterWeights]],
+             forget: Sequence[int] = ()) -> None:
+        """Another rank than 0: rank 0's adapters (:meth:`as_read`), used instead of reading
+        their files; ``forget``: adapter ids rank 0 no longer keeps here."""
+        with self._read_lock:
+            for adapter_id in forget:
+                self._given.pop(adapter_id, None)
+            for lora, weights in adapters:
+                self._given[lora.lora_int_id] = self._parts_of(lora, weights)
+
     def _read_parts(self, lora: LoRARequest) -> list[_Part]:
+        given = self._given.get(lora.lora_int_id)
+        if given is not None:
+            return given
         parts = self._read.get(lora.lora_int_id)
         if parts is not None:
             self._read.move_to_end(lora.lora_int_id)
             return parts
         weights = read_adapter(lora.lora_path, self.config.max_lora_rank)
-        parts = []
+        parts = self._parts_of(lora, weights)
+        self._read[lora.lora_int_id] = parts
+        if self._keep_read:
+            self._as_read[lora.lora_int_id] = weights
+        while len(self._read) > self._max_read:
+            self._as_read.pop(self._read.popitem(last=False)[0], None)
+        return parts
+
+    def _parts_of(self, lora: LoRARequest, weights: AdapterWeights) -> list[_Part]:
+        """This rank's parts of the adapter ``weights``, checked against the model."""
+        parts: list[_Part] = []
         pin = self.device.type == "cuda"
         tower = [m for m in weights.modules if is_tower_module(m)]
         if tower:  # as vLLM: adapters apply to the language model of a multimodal model
@@ -123,9 +158,6 @@ class LoRAManager:
                 if pin:
                     a_part, b_part = a_part.pin_memory(), b_part.pin_memory()
                 parts.append((layer, column, first_row, a_part, b_part))
-        self._read[lora.lora_int_id] = parts
-        while len(self._read) > self._max_read:
-            self._read.popitem(last=False)
         return parts
 
     def _target(self, lora: LoRARequest, module: str) -> tuple[LoRALinearMixin, Any]:

@@ -154,20 +154,43 @@ def check_shardable(model_dir: str, hf_config: Any, registries: Registries, size
     """Build the registered model class on the meta device as rank 0 of ``size`` would (no
     memory, no weights), so that its layers' divisibility rules (heads, KV heads, MLP width,
     experts over ``tensor_parallel_size``) raise their ``ValueError`` before any worker process
-    starts. Any other failure is left to the real build, which reports it."""
+    starts. Any other failure is left to the real build, which reports it. A split refused
+    names the ``tensor_parallel_size`` values the model does split into (of 1..64)."""
     from mrv2.distributed.parallel_state import as_rank, expert_parallel_build
 
     architectures = list(getattr(hf_config, "architectures", None) or [])
     if not architectures:
         raise ValueError(f"{model_dir}/config.json names no 'architectures'")
     model_cls = import_object(registries.resolve_model(architectures).model)
+
+    def build(n: int) -> None:
+        try:
+            with as_rank(0, n), torch.device("meta"), expert_parallel_build(expert_parallel):
+                model_cls(hf_config)
+        except ValueError:
+            raise
+        except Exception:  # noqa: BLE001, S110 (a constructor that needs real data: later)
+            pass
+
+    def splits(n: int) -> bool:
+        try:
+            build(n)
+        except ValueError:
+            return False
+        return True
+
     try:
-        with as_rank(0, size), torch.device("meta"), expert_parallel_build(expert_parallel):
-            model_cls(hf_config)
-    except ValueError:
-        raise
-    except Exception:  # noqa: BLE001, S110 (a constructor that needs real data: build later)
-        pass
+        build(size)
+    except ValueError as error:
+        if size == 1 or not splits(1):  # (not the split's fault)
+            raise
+        heads = getattr(getattr(hf_config, "text_config", hf_config), "num_attention_heads",
+                        None)
+        candidates = [n for n in range(2, 65) if n != size
+                      and (not isinstance(heads, int) or heads % n == 0)]
+        allowed = [1] + [n for n in candidates if splits(n)]
+        raise ValueError(f"{error} (this model splits into tensor_parallel_size "
+                         f"{', '.join(map(str, allowed))})") from None
 
 
 def build_model(
