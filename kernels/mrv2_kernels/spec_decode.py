@@ -265,7 +265,7 @@ def _ngram_propose_kernel(
     start = (best - ((best >> 32) << 32)).to(tl.int32)
     period = tl.where(found, T - start, 1)
     jk = tl.arange(0, BLOCK_K)
-    src = tl.where(found, start + jk % period, T - 1)
+    src = tl.where(found, start + jk % period, tl.maximum(T - 1, 0))  # T = 0: no row -1
     drafts = tl.load(seq_ptr + src, mask=jk < k, other=0)
     dst = T + jk
     tl.store(seq_ptr + dst, drafts, mask=(jk < k) & (dst < max_model_len))

@@ -149,6 +149,25 @@ def test_ngram_no_match(impl: str) -> None:
     assert drafts_of(impl, [42], k=2, min_n=1, max_n=2) == ([42, 42], 0)  # T = 1
 
 
+def test_ngram_empty_active_row_reads_nothing_before_it() -> None:
+    """An active request with no tokens (T = 0) proposes nothing and copies its row's first
+    entry, as the reference does: the kernel's fallback source T - 1 was -1, a read before
+    the row (row 0: before the table; here a poison row) written into the row's drafts."""
+    buf = torch.full((3, 8), -1, dtype=I32, device=DEVICE)  # row 0: poison before the table
+    tok = buf[1:]
+    tok.copy_(torch.arange(100, 116, dtype=I32).view(2, 8))
+    nt = torch.tensor([0, 0], dtype=I32, device=DEVICE)
+    idx = torch.tensor([0, 1], dtype=I32, device=DEVICE)
+    ns = torch.ones(2, dtype=I32, device=DEVICE)
+    want, want_found = tok.clone(), torch.zeros(2, dtype=I32, device=DEVICE)
+    ngram_propose_ref(want, nt, idx, ns, 2, 3, 1, 2, want_found)
+    found = torch.full((2,), -7, dtype=I32, device=DEVICE)
+    ngram_propose_triton(tok, nt, idx, ns, 2, 3, 1, 2, found)
+    assert found.tolist() == want_found.tolist() == [0, 0]
+    assert tok[:, :3].tolist() == [[100] * 3, [108] * 3]
+    assert torch.equal(tok, want) and (buf[0] == -1).all()
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_ngram_tie_goes_to_the_most_recent(impl: str) -> None:
     seq = [1, 2, 9, 1, 2, 8, 3, 1, 2]  # [1, 2] ends at e = 2 and e = 5, both length 2
