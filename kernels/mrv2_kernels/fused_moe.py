@@ -14,7 +14,12 @@ The roundings are those of the unfused layers (a gate/up linear, ``silu_and_mul`
 linear). Biases (``w13_bias`` ``[E, 2I]``, ``w2_bias`` ``[E, H]``) join the fp32 products
 before those roundings (the down bias before the routing weight), and ``activation`` may be
 gpt-oss's clamped ``"swigluoai"`` instead of SiLU (:func:`~mrv2_kernels.fused_moe_ref.glu`).
-``topk_ids`` outside ``[0, E)`` are not allowed (the Triton path skips such pairs).
+``topk_ids`` outside ``[0, E)`` are not allowed: nothing checks them, and the Triton path
+does not skip them safely (the GEMMs' alignment leaves such a pair out, so its row of the
+combine's input is never written and, with the fused combine, its token's arrival count
+never completes: the output row is left unwritten and the persistent count stays off for
+later calls; the pair-a-program kernels of :mod:`~mrv2_kernels.fused_moe_gemv` read the
+weights at that expert's offset, outside the tensors).
 With ``valid_tokens`` (int32 ``[1]`` on the device: a CUDA graph's real token count) the rows
 from ``valid_tokens[0]`` on are padding: no expert is read or computed for them and their
 output rows are unspecified (the reference leaves them at zero).
