@@ -29,7 +29,9 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
                                 vocab_size=320, hidden_size=256, intermediate_size=512,
                                 num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     make_tiny_tokenizer(path)
-    return LLM(str(path), device="cuda", block_size=16, gpu_memory_utilization=0.3)
+    # (0.15: the drafts test's engine asks for 0.3 of the device while this one lives; at 0.3
+    # each, its KV budget came out negative, on an H100 and an H200 alike)
+    return LLM(str(path), device="cuda", block_size=16, gpu_memory_utilization=0.15)
 
 
 def test_constrained_and_free_requests_on_the_gpu(llm: LLM) -> None:
