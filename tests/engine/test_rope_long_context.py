@@ -25,13 +25,23 @@ PROMPT = [(7 * i + 3) % 250 + 2 for i in range(100)]  # positions well past 64
 NEW_TOKENS = 6
 
 
+_MADE: dict[str, Path] = {}
+
+
+def _checkpoint(name: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, int]:
+    """The tiny Qwen3 of case ``name`` (made once), and its derived limit."""
+    params, limit = CASES[name]
+    if name not in _MADE:
+        _MADE[name] = make_tiny_checkpoint(tmp_path_factory.mktemp(name), "Qwen3ForCausalLM",
+                                           std=0.15, max_position_embeddings=64,
+                                           rope_parameters=params)
+    return name, _MADE[name], limit
+
+
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
          ) -> tuple[str, Path, int]:
-    params, limit = CASES[request.param]
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), "Qwen3ForCausalLM",
-                                std=0.15, max_position_embeddings=64, rope_parameters=params)
-    return request.param, path, limit
+    return _checkpoint(request.param, tmp_path_factory)
 
 
 def _llm(path: Path, **kwargs: Any) -> LLM:
@@ -53,15 +63,14 @@ def test_max_model_len_up_to_the_derived_limit(case: tuple[str, Path, int]) -> N
         assert f"rope_type {CASES[name][0]['rope_type']!r}" in str(info.value)
 
 
-def test_positions_past_max_position_embeddings_match_hf(case: tuple[str, Path, int]
-                                                         ) -> None:
+@pytest.mark.parametrize("name", ["yarn", "linear"])  # (unscaled: the limit is 64)
+def test_positions_past_max_position_embeddings_match_hf(
+        name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Greedy tokens and prefill logits of a 100-token prompt (positions up to ~106) equal
     HF's, whose RoPE has no table to run out of."""
     import transformers
 
-    name, path, limit = case
-    if name == "none":
-        pytest.skip("without scaling the limit is max_position_embeddings (64)")
+    _, path, limit = _checkpoint(name, tmp_path_factory)
     llm = _llm(path, max_model_len=limit)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": PROMPT}], params)[0].outputs[0].token_ids
