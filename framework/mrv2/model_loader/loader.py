@@ -145,24 +145,20 @@ def load_model_weights(
         weights = ((name, t) for name, t in weights if name != "lm_head.weight")
     with shard_coverage() as coverage:
         loaded: set[str] = load_weights(weights)
-    partial = missing_shards(coverage)
-    if strict and partial:
-        shown = ", ".join(partial[:20]) + (", ..." if len(partial) > 20 else "")
-        raise ValueError(
-            f"{len(partial)} part(s) of fused parameters of {type(model).__name__} were not "
-            f"found in the checkpoint: {shown}. Check that the checkpoint is complete and "
-            f"matches the model architecture."
-        )
+    if not strict:
+        return loaded
     missing = sorted(name for name, p in model.named_parameters()
                      if name not in loaded and name not in optional
                      and not getattr(p, "optional", False))
-    if strict and missing:
-        shown = ", ".join(missing[:20]) + (", ..." if len(missing) > 20 else "")
-        raise ValueError(
-            f"{len(missing)} parameter(s) of {type(model).__name__} were not found in the "
-            f"checkpoint: {shown}. Check that the checkpoint matches the model architecture "
-            f"(or load with strict=False)."
-        )
+    for names, what, advice in (
+            (missing_shards(coverage), "part(s) of fused parameters", "is complete and "
+             "matches the model architecture"),
+            (missing, "parameter(s)", "matches the model architecture (or load with "
+             "strict=False)")):
+        if names:
+            shown = ", ".join(names[:20]) + (", ..." if len(names) > 20 else "")
+            raise ValueError(f"{len(names)} {what} of {type(model).__name__} were not found "
+                             f"in the checkpoint: {shown}. Check that the checkpoint {advice}.")
     return loaded
 
 
