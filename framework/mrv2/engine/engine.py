@@ -85,8 +85,8 @@ class LLMEngine(WeightOps):
                      else _load_tokenizer(named, config.model.chat_template, required=True))
         self.runner = make_runner(config, plugins)
         model_dir = config.model.model or self.runner.model_dir
-        self.tokenizer: Tokenizer | None = (
-            tokenizer if named is not None
+        self.tokenizer: Tokenizer | None = (  # (a named one loaded, or raised, above)
+            tokenizer if tokenizer is not None
             else _load_tokenizer(model_dir, config.model.chat_template))
         # the tokenizer's EOS (vLLM's primary one) and every one the model's configs name
         eos = load_generation_eos(model_dir)

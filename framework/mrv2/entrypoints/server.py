@@ -270,14 +270,21 @@ def create_app(engine: LLMEngine | RemoteEngine,
                                "not_found_error", "lora_name") from None
             return Response(f"Success: LoRA adapter '{name}' removed successfully.")
 
+    def field_error(error: ValueError, body: Any, params_only: bool = False) -> APIError:
+        """A 400 naming the request's field ``error`` is about, its message led by that
+        field's name where the message names another (a ``SamplingParams`` field the request
+        calls otherwise); ``params_only``: only a ``SamplingParams`` message is led so."""
+        message, param = str(error), value_error_param(str(error), body)
+        if param is not None and f"SamplingParams.{param}" not in message and (
+                not params_only or "SamplingParams." in message):
+            message = f"{param}: {message}"  # (the request's name for the field)
+        return APIError(400, message, param=param)
+
     def params_of(body: Any) -> SamplingParams:
         try:
             params: SamplingParams = body.sampling_params(engine.sampling_defaults)
         except ValueError as error:
-            message, param = str(error), value_error_param(str(error), body)
-            if param is not None and f"SamplingParams.{param}" not in message:
-                message = f"{param}: {message}"  # (the request's name for the field)
-            raise APIError(400, message, param=param) from None
+            raise field_error(error, body) from None
         if params.n > max_n:
             raise APIError(400, f"n={params.n} is invalid: this server allows 1 <= n <= "
                            f"{max_n} (mrv2 serve --max-n, --max-pending)", param="n")
@@ -288,12 +295,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
             raise APIError(503, worker.unavailable, "service_unavailable")
         try:
             engine.validate(ids, params, lora_of(body))
-        except ValueError as error:
-            message, param = str(error), value_error_param(str(error), body)
-            if param is not None and "SamplingParams." in message and (
-                    f"SamplingParams.{param}" not in message):
-                message = f"{param}: {message}"  # (the request's name for the field)
-            raise APIError(400, message, param=param) from None
+        except ValueError as error:  # (the engine's own "prompt + max_tokens = ...": as sent)
+            raise field_error(error, body, params_only=True) from None
         limit, num = engine.max_model_len, len(ids)
         if body.max_tokens_from_model(engine.sampling_defaults):
             return  # the model's max_new_tokens: the engine caps it at the context left

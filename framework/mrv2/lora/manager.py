@@ -143,8 +143,10 @@ class LoRAManager:
             if module in tower:
                 continue
             layer, module_shard = self._target(lora, module)
+            a_part = layer.rank_a(a).to(self.dtype)  # (a fused module's shards share it)
+            if pin:
+                a_part = a_part.pin_memory()
             for shard, b_whole in _by_shard(lora, module, layer, module_shard, b):
-                a_part = layer.rank_a(a).to(self.dtype)
                 b_part = layer.rank_b(b_whole, shard).to(self.dtype)
                 if layer.row_order is not None:  # rows the owner reorders after loading
                     b_part = _reordered(layer, b_part, shard)
@@ -156,7 +158,7 @@ class LoRAManager:
                         f"{tuple(a.shape)} and lora_B {tuple(b.shape)}, which do not fit the "
                         f"model's layer (input {layer.input_size}, output {rows} on this rank)")
                 if pin:
-                    a_part, b_part = a_part.pin_memory(), b_part.pin_memory()
+                    b_part = b_part.pin_memory()
                 parts.append((layer, column, first_row, a_part, b_part))
         return parts
 

@@ -184,8 +184,7 @@ def check_shardable(model_dir: str, hf_config: Any, registries: Registries, size
     except ValueError as error:
         if size == 1 or not splits(1):  # (not the split's fault)
             raise
-        heads = getattr(getattr(hf_config, "text_config", hf_config), "num_attention_heads",
-                        None)
+        heads = getattr(text_config_of(hf_config), "num_attention_heads", None)
         candidates = [n for n in range(2, 65) if n != size
                       and (not isinstance(heads, int) or heads % n == 0)]
         allowed = [1] + [n for n in candidates if splits(n)]

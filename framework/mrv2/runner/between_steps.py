@@ -121,33 +121,27 @@ def _meta_parameters(model: torch.nn.Module) -> Iterator[None]:
     attributes (its ``weight_loader``...; a parameter shared by two modules stays one), and
     every persistent buffer likewise (a vision or audio encoder's loader may write those:
     ``buffers=True``), then the originals put back."""
-    metas: dict[int, torch.nn.Parameter] = {}
-    swapped: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
-    buffers: dict[int, torch.Tensor] = {}
-    swapped_buffers: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
+    metas: dict[int, torch.Tensor] = {}
+    swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
     try:
         for module in model.modules():
-            for name, buffer in list(module._buffers.items()):
-                if buffer is None or name in module._non_persistent_buffers_set:
-                    continue  # (computed tables: no checkpoint writes them)
-                meta_buffer = buffers.setdefault(id(buffer),
-                                                 torch.empty_like(buffer, device="meta"))
-                swapped_buffers.append((module, name, buffer))
-                module._buffers[name] = meta_buffer
-            for name, param in list(module._parameters.items()):
-                if param is None:
+            stores: list[tuple[dict[str, Any], str, torch.Tensor | None]] = [
+                (module._buffers, name, t) for name, t in module._buffers.items()
+                if name not in module._non_persistent_buffers_set]  # (no computed tables)
+            stores += [(module._parameters, name, t) for name, t in module._parameters.items()]
+            for store, name, tensor in stores:
+                if tensor is None:
                     continue
-                meta = metas.get(id(param))
+                meta = metas.get(id(tensor))
                 if meta is None:
-                    meta = torch.nn.Parameter(torch.empty_like(param, device="meta"),
-                                              requires_grad=False)
-                    meta.__dict__.update(param.__dict__)
-                    metas[id(param)] = meta
-                swapped.append((module, name, param))
-                module._parameters[name] = meta
+                    meta = torch.empty_like(tensor, device="meta")
+                    if isinstance(tensor, torch.nn.Parameter):
+                        meta = torch.nn.Parameter(meta, requires_grad=False)
+                        meta.__dict__.update(tensor.__dict__)
+                    metas[id(tensor)] = meta
+                swapped.append((store, name, tensor))
+                store[name] = meta
         yield
     finally:
-        for module, name, param in swapped:
-            module._parameters[name] = param
-        for module, name, buffer in swapped_buffers:
-            module._buffers[name] = buffer
+        for store, name, tensor in swapped:
+            store[name] = tensor
