@@ -6,6 +6,7 @@
 # firststeps (scripts/probe_first_steps.py: TTFT step by step and host part, MRV2_PDL_GEMM off and on),
 # coldstart (scripts/probe_cold_start.py: the first request of each kind on an empty Triton cache, warm-up off and on),
 # gcgen0 (MRV2_GC_GEN0_THRESHOLD=20000 against Python's own, 256 streams through mrv2 serve),
+# verify46 (the forty-fifth session's leftovers: structured outputs' GPU tests, a yarn-scaled 48k-token prompt),
 # verify45b (the forty-fifth session's fixes: sampler, speculative decoding, structured outputs, LoRA, weight updates, MoE on CUDA),
 # verify45 (what the forty-fourth session's calls left: hybrid GPU tests, sanitizer, Qwen-VL videos, engine tests),
 # verify26 (the twenty-sixth session's CPU-only work on the GPU: cold start, engine/sampler/VL tests, start-up log),
@@ -457,6 +458,18 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                  timeout "$(left 150)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_$t.py 2>&1 \
                    | tee "$OUT/gpu_$t.log" | grep -E "^FAILED|^ERROR|passed|failed" | tail -4 | sed "s/^/$t: /"
                done ;;
+    verify46) # what the forty-fifth session's calls left, within VERIFY_S seconds (default 540):
+              # the structured-outputs GPU tests (the module engine at 0.15 of the device), then a
+              # yarn-scaled Qwen3-0.6B past max_position_embeddings (40,960) on CUDA: a 48,000-token
+              # prompt, max_model_len 65,536 (RoPE scaling's limit), batch-1 TTFT and TPOT
+              end=$(( $(date +%s) + ${VERIFY_S:-540} ))
+              left() { local l=$(( end - $(date +%s) )); [ "$l" -lt "$1" ] && echo $(( l > 1 ? l : 1 )) || echo "$1"; }
+              timeout "$(left 200)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_structured_outputs.py \
+                2>&1 | tee "$OUT/gpu_structured_outputs.log" | grep -E "^FAILED|^ERROR|passed|failed" | tail -4
+              timeout "$(left 240)" python3 -m mrv2.entrypoints.cli bench latency --model Qwen3-0.6B \
+                --batch-sizes 1 --prompt-len 48000 --new-tokens 128 --max-model-len 65536 \
+                --hf-overrides '{"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32768}}' \
+                --json "$OUT/rope_long.json" 2>&1 | tee "$OUT/rope_long.log" | grep -E "ttft|tpot|rror" | tail -6 ;;
     deltabench) # scripts/bench_delta_rule.py: the token-serial delta rule against the chunked
                 # one on prefill-shaped steps (checked against each other first), then the
                 # chunked kernel's tests compiled for CUDA
