@@ -146,7 +146,7 @@ def test_abort_ends_every_request_and_wait_lets_the_started_finish(
     for _ in range(3):
         engine.step()
     llm.pause_generation("wait")
-    assert not engine.is_paused()
+    assert not engine.is_paused() and engine.is_draining()
     late = engine.add_request([9, 9], SamplingParams(temperature=0.0, max_tokens=3))
     done: dict[str, list[int]] = {}
     while not engine.is_paused():
@@ -154,6 +154,7 @@ def test_abort_ends_every_request_and_wait_lets_the_started_finish(
             if out.finished:
                 done[out.request_id] = list(out.outputs[0].token_ids)
     assert [done[i] for i in ids] == want and late not in done
+    assert not engine.is_draining()
     assert engine.step() == [] and not engine.wants_step()  # the late one waits
     assert llm.reset_prefix_cache()  # (paused: allowed with a request waiting)
     llm.continue_generation()

@@ -332,3 +332,58 @@ def test_vllm_pause_aborts_or_waits_then_resume(checkpoints: tuple[Path, Path], 
         assert box["last"]["finish_reason"] == "length"  # (it ran to its end)
         assert httpx.post(f"{url}/resume", headers=AUTH, timeout=60).status_code == 200
         assert _text(url) == _want(a)
+
+
+class _DrainingWorker:
+    """A worker whose engine drains (``pause_generation("wait")``) until a resume."""
+
+    def __init__(self) -> None:
+        self.draining = self.paused = False
+
+    async def call(self, op: str, arg: Any) -> Any:
+        if op == "pause_generation":
+            self.draining = arg == "wait"
+            self.paused = arg != "wait"
+        elif op == "continue_generation":
+            self.draining = self.paused = False
+        return {"is_paused": self.paused, "is_draining": self.draining}.get(op)
+
+
+def test_pause_waiting_for_requests_answers_409_when_resumed_first() -> None:
+    """/pause?wait_for_inflight_requests=true polls until the engine pauses; a /resume that
+    comes first ends the drain, so the engine never pauses: /pause answers 409 (it polled
+    forever before) instead of hanging."""
+    import asyncio
+
+    from fastapi import FastAPI
+
+    from mrv2.entrypoints.dev_routes import add_dev_routes
+    from mrv2.entrypoints.responses import APIError
+
+    app = FastAPI()
+
+    async def on_error(request: Any, error: Any) -> Any:
+        return error.response()
+
+    app.add_exception_handler(APIError, on_error)
+    worker = _DrainingWorker()
+
+    async def body(request: Any) -> dict[str, Any]:
+        return {}
+
+    add_dev_routes(app, worker, body)
+
+    async def scenario() -> tuple[httpx.Response, httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            pause = asyncio.ensure_future(client.post(
+                "/pause", params={"wait_for_inflight_requests": "true"}))
+            while not worker.draining:
+                await asyncio.sleep(0.01)
+            resumed = await client.post("/resume")
+            return await asyncio.wait_for(pause, 10), resumed
+
+    paused, resumed = asyncio.run(scenario())
+    assert resumed.status_code == 200
+    assert paused.status_code == 409
+    assert paused.json()["error"]["param"] == "wait_for_inflight_requests"

@@ -313,6 +313,11 @@ class WeightOps:
         """Whether :meth:`pause_generation` holds the engine."""
         return self._paused
 
+    def is_draining(self) -> bool:
+        """Whether ``pause_generation("wait")`` waits for the started requests' end (False
+        once paused, or once :meth:`continue_generation` called the pause off)."""
+        return self._draining
+
     def is_sleeping(self) -> bool:
         """Whether anything is asleep (:meth:`sleep`, until :meth:`wake_up` of every tag)."""
         return bool(self.runner.asleep)

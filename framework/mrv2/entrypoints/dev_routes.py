@@ -35,7 +35,8 @@ def add_dev_routes(app: Any, worker: Any,
     ``{"results": [...]}``, one per rank). SGLang's ``POST /pause_generation``
     (``{"mode": "keep" | "recompute" | "abort" | "wait"}``, or its ``in_place`` /
     ``retract``) and ``POST /continue_generation``, vLLM's ``POST /pause``
-    (``?wait_for_inflight_requests=&clear_cache=``) and ``POST /resume``, and ``GET
+    (``?wait_for_inflight_requests=&clear_cache=``; 409 if a resume comes before the
+    requests in flight end) and ``POST /resume``, and ``GET
     /is_paused``: while paused, requests wait and the routes above run with them in
     flight."""
 
@@ -168,6 +169,11 @@ def add_dev_routes(app: Any, worker: Any,
         wait = flags["wait_for_inflight_requests"]
         await run("pause_generation", "wait" if wait else "abort", None)
         while wait and not await run("is_paused", None, None):  # (the started requests end)
+            if not await run("is_draining", None, None) and not await run("is_paused", None,
+                                                                           None):
+                raise APIError(409, "a resume (POST /resume or /continue_generation) came "
+                               "before the requests in flight ended: the engine is not "
+                               "paused", "conflict", param="wait_for_inflight_requests")
             await asyncio.sleep(0.02)
         if flags["clear_cache"]:
             await run("reset_prefix_cache", None, None)

@@ -23,12 +23,13 @@ DEV_MODE_ENV = "MRV2_SERVER_DEV_MODE"
 CALLS = ("reset_prefix_cache", "update_weights_from_disk", "sleep", "wake_up", "is_sleeping",
          "init_weights_update_group", "update_weights_from_distributed",
          "destroy_weights_update_group", "collective_rpc", "pause_generation",
-         "continue_generation", "is_paused")
+         "continue_generation", "is_paused", "is_draining")
 #: The operations whose argument is the engine method's keyword arguments.
 _KEYWORDS = ("init_weights_update_group", "update_weights_from_distributed",
              "destroy_weights_update_group", "collective_rpc")
 #: The operations that run on a busy engine too.
-_ANY_TIME = ("wake_up", "is_sleeping", "pause_generation", "continue_generation", "is_paused")
+_ANY_TIME = ("wake_up", "is_sleeping", "pause_generation", "continue_generation", "is_paused",
+             "is_draining")
 #: The prefix of a refusal's message that means "busy" (it crosses the process pipe as text).
 BUSY = "busy: "
 
@@ -50,7 +51,7 @@ def run_engine_call(engine: Any, op: str, arg: Any) -> Any:
     if op not in _ANY_TIME and engine.has_unfinished() and not engine.is_paused():
         raise EngineBusy(f"{op}: requests are in flight; retry when the engine is idle "
                          "(or POST /pause_generation first)")
-    if op in ("is_sleeping", "is_paused", "continue_generation"):
+    if op in ("is_sleeping", "is_paused", "is_draining", "continue_generation"):
         return getattr(engine, op)()
     if op == "pause_generation":
         return engine.pause_generation(arg)
