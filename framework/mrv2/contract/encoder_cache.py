@@ -87,11 +87,15 @@ class EncoderCacheModelState(ModelState):
 
     # -- per request -------------------------------------------------------------------------
 
+    def check_request(self, request: NewRequest) -> None:
+        """Every item through :meth:`check_item` (before the request is queued)."""
+        for item in request.mm_items:
+            self.check_item(request, item)
+
     def add_request(self, request: NewRequest, row: int) -> None:
         """Check the request's items and hold the cache entries of those it still has to
         compute."""
-        for item in request.mm_items:
-            self.check_item(request, item)
+        self.check_request(request)
         self._release(row)
         pending = [item for item in request.mm_items  # (rows the prefix cache had: done)
                    if item.offset + item.length > request.num_computed_tokens]

@@ -99,6 +99,13 @@ class ModelState:
 
     # -- per request -------------------------------------------------------------------------
 
+    def check_request(self, request: NewRequest) -> None:
+        """Raise ``ValueError`` naming the request and the field for a request this model
+        cannot take (a multimodal item it can't embed), before the request is queued: the
+        engine's ``add_request`` calls it, so a bad request is refused alone instead of
+        failing a step for every request in it. :meth:`add_request` must accept what this
+        accepts. Text models: nothing to check."""
+
     def add_request(self, request: NewRequest, row: int) -> None:
         """A request took ``row`` (``request.mm_items``: its multimodal inputs). Text models
         keep nothing beyond the state table. Called before the step that first computes it."""

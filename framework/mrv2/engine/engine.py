@@ -278,7 +278,9 @@ class LLMEngine(WeightOps):
                                    pooling_params is not None)
         stream = stream and params.output_kind != RequestOutputKind.FINAL_ONLY
         mm_items = list(mm_items or [])
-        NewRequest("validate", prompt_token_ids, params, 0, [], mm_items=mm_items)
+        req_id = request_id if request_id is not None else str(next(self._ids))
+        self.runner.model_state.check_request(  # (the family's item checks, before queueing)
+            NewRequest(req_id, prompt_token_ids, params, 0, [], mm_items=mm_items))
         budget = self.config.scheduler.max_num_batched_tokens
         for item in mm_items:
             if item.bidirectional and item.length > budget:
@@ -286,7 +288,6 @@ class LLMEngine(WeightOps):
                                  "tokens whose tokens attend to each other is computed in one "
                                  f"step; max_num_batched_tokens={budget} is smaller (raise it "
                                  f"to at least {item.length})")
-        req_id = request_id if request_id is not None else str(next(self._ids))
         if req_id in self._requests or req_id in self._fanout.parents:
             raise ValueError(f"request id {req_id!r} is already in use")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)

@@ -272,6 +272,7 @@ class Runner(BetweenSteps):
             if len(request.block_ids) > self.max_blocks_per_req:
                 raise ValueError(f"request {request.req_id!r} holds too many blocks")
             self.sampler.check_params(request.sampling_params)
+            self.model_state.check_request(request)
         if self.lora is not None:
             self.lora.check_requests(requests)
         elif any(r.lora_request is not None for r in requests):

@@ -10,6 +10,7 @@ the same for every family)."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 import io
 import re
@@ -351,6 +352,15 @@ def test_bad_multimodal_inputs_name_the_field(checkpoint: Path, tmp_path: Path) 
         with pytest.raises(ValueError, match=message):
             llm.generate([prompt, {"prompt_token_ids": [5, 6]}], GREEDY, use_tqdm=False)
     assert not llm.engine.has_unfinished()  # nothing of the batch was queued
+    # an item of the low-level API whose grid does not give its placeholder count: refused
+    # by add_request, before it is queued (it failed the step of every request in it before)
+    processor = llm.engine.input_processor
+    assert processor is not None
+    expanded, items = processor.process(ids, {"image": images})
+    wrong = dataclasses.replace(items[0], data={**items[0].data, "grid_thw": (1, 4, 4)})
+    with pytest.raises(ValueError, match="request 'odd': an image of grid \\(1, 4, 4\\)"):
+        llm.engine.add_request(expanded, GREEDY, request_id="odd", mm_items=[wrong])
+    assert not llm.engine.has_unfinished()
     assert _generate(llm, ids, images) == _generate(_llm(checkpoint), ids, images)
     text_model = make_tiny_checkpoint(tmp_path / "text", "Qwen3ForCausalLM")
     with pytest.raises(ValueError, match="multi_modal_data: Qwen3ForCausalLM takes text only"):
