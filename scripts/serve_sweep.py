@@ -38,7 +38,6 @@ import json
 import os
 import re
 import shlex
-import statistics
 import subprocess
 import sys
 import time
@@ -48,6 +47,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import httpx  # noqa: E402
 import soak  # noqa: E402  (the server start/stop and the synthetic tokenizer)
+
+from mrv2.bench.serve import latency_percentiles  # noqa: E402
 
 
 def variant_env(name: str) -> tuple[str, dict[str, str]]:
@@ -120,6 +121,31 @@ def server_means(url: str) -> dict[str, float]:
     return found
 
 
+def merge_clients(rows: list[dict[str, Any]], rate: float) -> dict[str, Any]:
+    """One row of ``bench serve`` client rows sent together: counts summed, tok/s over the
+    longest client's time, latency percentiles of all clients' requests together (from their
+    ``samples_ms``; one client: its own)."""
+    merged: dict[str, Any] = {"rate": rate, "clients": len(rows), "per_client": rows}
+    duration = max(r["duration_s"] for r in rows)
+    tokens = sum(r["output_throughput"] * r["duration_s"] for r in rows)
+    merged.update(completed=sum(r["completed"] for r in rows),
+                  failed=sum(r["failed"] for r in rows), duration_s=duration,
+                  output_throughput=tokens / duration,
+                  request_throughput=sum(r["completed"] for r in rows) / duration)
+    merged["client_cpu_fraction"] = max(r.get("client_cpu_fraction", 0.0) for r in rows)
+    if len(rows) == 1:
+        merged.update({k: v for k, v in rows[0].items() if k.endswith("_ms")})
+        return merged
+    samples: dict[str, list[float]] = {}
+    for row in rows:
+        for name, values in row["samples_ms"].items():
+            samples.setdefault(name, []).extend(values)
+    merged.update(latency_percentiles(samples))
+    for row in rows:  # (the merged percentiles say it all; the lists would bloat the JSON)
+        row.pop("samples_ms", None)
+    return merged
+
+
 def measure_rate(bench: list[str], url: str, rate: float, k: int, args: argparse.Namespace,
                  out: Path) -> dict[str, Any]:
     """One rate's requests from ``args.clients`` processes that start sending together; one
@@ -134,7 +160,7 @@ def measure_rate(bench: list[str], url: str, rate: float, k: int, args: argparse
         cmd = [*bench, "--rates", str(rate / clients), "--num-requests", str(share),
                "--seed", str(10 + 100 * k + c), "--json", str(path)]
         if clients > 1:
-            cmd += ["--start-at", f"{start_at:.3f}"]
+            cmd += ["--start-at", f"{start_at:.3f}", "--json-samples"]
         procs.append(subprocess.Popen(cmd))
         paths.append(path)
     for proc in procs:
@@ -142,17 +168,7 @@ def measure_rate(bench: list[str], url: str, rate: float, k: int, args: argparse
             raise SystemExit(f"bench serve exited {proc.returncode}")
     rows = [json.loads(p.read_text())[0] for p in paths]
     after = server_means(url)
-    merged: dict[str, Any] = {"rate": rate, "clients": clients, "per_client": rows}
-    duration = max(r["duration_s"] for r in rows)
-    tokens = sum(r["output_throughput"] * r["duration_s"] for r in rows)
-    merged.update(completed=sum(r["completed"] for r in rows),
-                  failed=sum(r["failed"] for r in rows), duration_s=duration,
-                  output_throughput=tokens / duration,
-                  request_throughput=sum(r["completed"] for r in rows) / duration)
-    merged["client_cpu_fraction"] = max(r.get("client_cpu_fraction", 0.0) for r in rows)
-    for key in rows[0]:
-        if key.endswith("_ms"):
-            merged[key] = statistics.median(r[key] for r in rows)
+    merged = merge_clients(rows, rate)
     for name in ("tpot", "ttft"):
         count = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
         total = after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)
@@ -233,7 +249,7 @@ def main() -> int:
                   f"{row.get('gc_pause_ms', nan):>8.1f}")
     if args.clients > 1:
         print(f"({args.clients} client processes: tok/s summed over the longest client's "
-              "time; the percentiles are the median of the clients' own)")
+              "time; the percentiles are of all clients' requests together)")
     return 0
 
 

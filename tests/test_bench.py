@@ -459,7 +459,8 @@ def test_bench_serve_gives_each_rate_its_own_prompts(monkeypatch: pytest.MonkeyP
     seeds: list[int] = []
 
     async def fake_rate(url: str, model: str, rate: float, num_requests: int, prompt_len: int,
-                        max_tokens: int, api_key: str | None, seed: int) -> dict[str, object]:
+                        max_tokens: int, api_key: str | None, seed: int,
+                        samples: bool = False) -> dict[str, object]:
         seeds.append(seed)
         row: dict[str, object] = {"rate": rate, "completed": num_requests, "failed": 0,
                                   "request_throughput": 1.0, "output_throughput": 1.0,

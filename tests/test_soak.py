@@ -177,3 +177,35 @@ def test_soak_passes_on_a_tiny_server(tmp_path: Path) -> None:
     with gzip.open(out / "requests.jsonl.gz", "rt") as f:
         assert sum(1 for _ in f) == summary["sent"]
     assert "Uvicorn running" in (out / "server.log").read_text()
+
+
+def test_serve_sweep_merges_clients_percentiles_from_their_samples() -> None:
+    """scripts/serve_sweep.py --clients N: the percentiles of all clients' requests together
+    (from each client's samples_ms), not the median of each client's own (which hid a slow
+    client's tail: here a p90 of 1.0 ms against 100 ms)."""
+    _soak()  # (serve_sweep imports it)
+    spec = importlib.util.spec_from_file_location("serve_sweep",
+                                                  ROOT / "scripts" / "serve_sweep.py")
+    assert spec is not None and spec.loader is not None
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    from mrv2.bench.serve import percentile
+
+    rng = random.Random(0)
+    fast = [rng.uniform(0.5, 1.0) for _ in range(40)]
+    slow = [rng.uniform(90.0, 110.0) for _ in range(40)]
+    rows = [{"rate": 2.0, "completed": 40, "failed": 0, "duration_s": d,
+             "output_throughput": 100.0, "client_cpu_fraction": 0.1,
+             "tpot_p90_ms": percentile(v, 90), "samples_ms": {"ttft": v, "tpot": v, "itl": v}}
+            for v, d in ((fast, 10.0), (fast, 8.0), (slow, 9.0))]
+    merged = sweep.merge_clients(rows, 6.0)
+    everything = fast + fast + slow
+    for name in ("ttft", "tpot", "itl"):
+        for q in (50, 90, 99):
+            assert merged[f"{name}_p{q}_ms"] == pytest.approx(percentile(everything, q))
+    assert merged["tpot_p90_ms"] > 90.0  # (the clients' median p90: about 1.0)
+    assert merged["completed"] == 120 and merged["duration_s"] == 10.0
+    assert merged["output_throughput"] == pytest.approx(100.0 * 27.0 / 10.0)
+    assert all("samples_ms" not in row for row in merged["per_client"])
+    one = sweep.merge_clients([{**rows[2], "samples_ms": {}}], 2.0)
+    assert one["tpot_p90_ms"] == rows[2]["tpot_p90_ms"]

@@ -114,7 +114,7 @@ def test_bench_serve_against_server(server: Served, capsys: pytest.CaptureFixtur
 
     rc = main(["bench", "serve", "--url", server.url, "--api-key", API_KEY, "--rates", "50",
                "inf", "--num-requests", "6", "--max-tokens", "4", "--prompt-len", "3",
-               "--json", str(tmp_path / "rows.json")])
+               "--json", str(tmp_path / "rows.json"), "--json-samples"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "inf" in out and "TTFT" in out
@@ -122,6 +122,10 @@ def test_bench_serve_against_server(server: Served, capsys: pytest.CaptureFixtur
     rows = json.loads((tmp_path / "rows.json").read_text())
     # the client's own thread's CPU over the run (the server's threads are not counted)
     assert all(0 < row["client_cpu_fraction"] < 1.2 for row in rows)
+    from mrv2.bench.serve import percentile  # --json-samples: the percentiles' own samples
+    for row in rows:
+        assert len(row["samples_ms"]["tpot"]) == 6 and len(row["samples_ms"]["itl"]) == 18
+        assert row["tpot_p90_ms"] == pytest.approx(percentile(row["samples_ms"]["tpot"], 90))
 
 
 def test_unsupported_chat_features_are_refused(server: Served) -> None:

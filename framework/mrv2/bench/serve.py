@@ -49,9 +49,11 @@ def _rate(text: str) -> float:
 
 
 async def run_rate(url: str, model: str, rate: float, num_requests: int, prompt_len: int,
-                   max_tokens: int, api_key: str | None, seed: int) -> dict[str, Any]:
+                   max_tokens: int, api_key: str | None, seed: int, samples: bool = False
+                   ) -> dict[str, Any]:
     """One row of the sweep: ``num_requests`` streamed greedy completions at Poisson ``rate``
-    (req/s; inf: all at once), sent and checked by :func:`run_load`; summarized."""
+    (req/s; inf: all at once), sent and checked by :func:`run_load`; summarized (``samples``:
+    with each request's latencies, :func:`latency_samples`)."""
     load, records = await run_load(url, model, rate=rate, num_requests=num_requests,
                                    prompt_len=prompt_len, max_tokens=max_tokens,
                                    api_key=api_key, seed=seed)
@@ -64,6 +66,8 @@ async def run_rate(url: str, model: str, rate: float, num_requests: int, prompt_
         "client_cpu_fraction": load["client_cpu_fraction"],
     }
     row.update({key: value for key, value in load.items() if key.endswith("_ms")})
+    if samples:  # (scripts/serve_sweep.py merges several clients' into percentiles)
+        row["samples_ms"] = latency_samples(records)
     return row
 
 
@@ -372,7 +376,6 @@ def summarize(records: list[Record], duration_s: float) -> dict[str, Any]:
     failed = [r for r in records if not r.cancelled and not r.ok]
     five = [r for r in failed if r.server_error]
     tokens = sum(r.output_tokens for r in ok)
-    timed = [r for r in ok if r.stream and r.n == 1]
     kinds: dict[str, Counter[str]] = {}
     for r in records:
         state = "cancelled" if r.cancelled else "completed" if r.ok else "failed"
@@ -392,12 +395,24 @@ def summarize(records: list[Record], duration_s: float) -> dict[str, Any]:
         "status_counts": dict(Counter(str(r.status) for r in records)),
         "by_kind": {k: dict(v) for k, v in sorted(kinds.items())},
     }
-    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in timed if r.output_tokens > 1]
-    for name, values in (("ttft", [r.ttft for r in timed if r.ttft]), ("tpot", tpot),
-                         ("itl", [x for r in timed for x in r.itl])):
-        for q in (50, 90, 99):
-            summary[f"{name}_p{q}_ms"] = percentile(values, q) * 1000
+    summary.update(latency_percentiles(latency_samples(records)))
     return summary
+
+
+def latency_samples(records: list[Record]) -> dict[str, list[float]]:
+    """The streamed n=1 completed requests' TTFTs, TPOTs and inter-token latencies (ms)."""
+    timed = [r for r in records if r.ok and r.stream and r.n == 1]
+    return {"ttft": [r.ttft * 1000 for r in timed if r.ttft],
+            "tpot": [(r.latency - r.ttft) * 1000 / (r.output_tokens - 1)
+                     for r in timed if r.output_tokens > 1],
+            "itl": [x * 1000 for r in timed for x in r.itl]}
+
+
+def latency_percentiles(samples: dict[str, list[float]]) -> dict[str, float]:
+    """``{name}_p{50,90,99}_ms`` of :func:`latency_samples` (several clients' samples merged
+    first give the load's true percentiles, not a median of each client's)."""
+    return {f"{name}_p{q}_ms": percentile(values, q)
+            for name, values in samples.items() for q in (50, 90, 99)}
 
 
 def _releaser(slots: asyncio.Semaphore) -> Any:
@@ -503,7 +518,8 @@ def main(args: argparse.Namespace) -> int:
           f"{'TTFT p50/p90/p99 ms':>22} {'TPOT p50/p90/p99 ms':>22} {'ITL p50/p90/p99 ms':>22}")
     for k, rate in enumerate(args.rates or DEFAULT_RATES):
         s = asyncio.run(run_rate(url, model, rate, args.num_requests, args.prompt_len,
-                                 args.max_tokens, args.api_key, args.seed + k))
+                                 args.max_tokens, args.api_key, args.seed + k,
+                                 args.json_samples))
         rows.append(s)
 
         def trio(name: str, s: dict[str, Any] = s) -> str:
@@ -567,6 +583,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--cancel-prob", type=float, default=0.1,
                    help="--mix: chance that the client cancels a request")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--json-samples", action="store_true",
+                   help="--json rows carry each request's TTFT / TPOT / ITL (samples_ms): "
+                   "several clients' merged give the load's percentiles")
     p.add_argument("--start-at", type=float, default=None,
                    help="wait until this time (seconds since the epoch) before sending: "
                    "client processes started one after another send together")
