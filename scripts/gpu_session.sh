@@ -6,6 +6,7 @@
 # firststeps (scripts/probe_first_steps.py: TTFT step by step and host part, MRV2_PDL_GEMM off and on),
 # coldstart (scripts/probe_cold_start.py: the first request of each kind on an empty Triton cache, warm-up off and on),
 # gcgen0 (MRV2_GC_GEN0_THRESHOLD=20000 against Python's own, 256 streams through mrv2 serve),
+# longdecode (scripts/sweep_long_decode.py: decode attention's launch options at long contexts),
 # verify46 (the forty-fifth session's leftovers: structured outputs' GPU tests, a yarn-scaled 48k-token prompt),
 # verify45b (the forty-fifth session's fixes: sampler, speculative decoding, structured outputs, LoRA, weight updates, MoE on CUDA),
 # verify45 (what the forty-fourth session's calls left: hybrid GPU tests, sanitizer, Qwen-VL videos, engine tests),
@@ -801,6 +802,8 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                 | tee "$OUT/norm_gemv.log" | tail -24 ;;
     skinny) python3 -m mrv2_kernels.bench_skinny ${SKINNY_ARGS:-} 2>&1 | tee "$OUT/skinny.log" \
               | tail -40 ;;
+    longdecode) python3 scripts/sweep_long_decode.py ${LONGDECODE_ARGS:-} 2>&1 \
+                  | tee "$OUT/long_decode.log" | tail -60 ;;
     splits) python3 scripts/sweep_decode_splits.py 2>&1 | tee "$OUT/splits.log" | tail -8 ;;
     moe) python3 -m mrv2_kernels.bench_moe --json "$OUT/moe_kernel.json" 2>&1 \
            | tee "$OUT/moe_kernel.log" | tail -24 ;;
