@@ -5,7 +5,8 @@ contract.
 HF's model is a text decoder (the ``text_config``: Qwen2, Qwen3 or Llama) plus the image
 encoder (:class:`~mrv2_internvl.vision.InternVLVisionEncoder`: InternViT over each tile of an
 image, pixel shuffle, the projector). The decoder is built here from the core's layers for
-those three kinds (Qwen2: biased q/k/v; Qwen3: per-head q/k norms; Llama: neither) and refused
+those three kinds (Qwen2: biased q/k/v; Qwen3: per-head q/k norms; Llama: neither; biases
+per ``attention_bias`` / ``mlp_bias`` where the config sets them) and refused
 with a ValueError naming ``text_config.model_type`` for any other; the LM head is tied by the
 *top-level* ``tie_word_embeddings`` as HF ties it. An image's features replace its
 ``<IMG_CONTEXT>`` placeholders' embeddings; attention stays causal, as in HF.
@@ -69,7 +70,8 @@ class InternVLForConditionalGeneration(CausalLM):
         def layer(i: int) -> DecoderLayer:
             attention = SelfAttention(text, i, rope, qkv_bias=bias, qk_norm=qk_norm,
                                       o_bias=bool(getattr(text, "attention_bias", False)))
-            mlp = GatedMLP(text.hidden_size, text.intermediate_size, text.hidden_act)
+            mlp = GatedMLP(text.hidden_size, text.intermediate_size, text.hidden_act,
+                           bias=bool(getattr(text, "mlp_bias", False)))
             return DecoderLayer(text, attention, mlp)
 
         super().__init__(text, DecoderModel(text, layer))

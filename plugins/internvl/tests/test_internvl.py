@@ -1,9 +1,10 @@
-"""InternVL (``InternVLForConditionalGeneration``: a Qwen2 / Qwen3 text decoder, InternViT over
-an image's tiles, pixel shuffle and the projector) through the engine against HF transformers:
-greedy tokens and every prompt position's log-probability with images of two aspect ratios (so
-different tile counts), two in a prompt, an image shared between requests and a text prompt
-beside them, chunked prefill splitting images across steps; the encoder cache on a second
-round; checkpoint names; bad input and an unsupported text decoder refused by name."""
+"""InternVL (``InternVLForConditionalGeneration``: a Qwen2 / Qwen3 / Llama text decoder (the
+Llama one with biased attention and MLP), InternViT over an image's tiles, pixel shuffle and
+the projector) through the engine against HF transformers: greedy tokens and every prompt
+position's log-probability with images of two aspect ratios (so different tile counts), two in
+a prompt, an image shared between requests and a text prompt beside them, chunked prefill
+splitting images across steps; the encoder cache on a second round; checkpoint names; bad
+input and an unsupported text decoder refused by name."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ TOKENS = ("<img>", "</img>", "<IMG_CONTEXT>")
 TEXTS: dict[str, dict[str, Any]] = {
     "qwen2": {"model_type": "qwen2"},
     "qwen3": {"model_type": "qwen3", "head_dim": 16},
+    "llama": {"model_type": "llama", "attention_bias": True, "mlp_bias": True},
 }
 VISION: dict[str, Any] = {
     "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 2,

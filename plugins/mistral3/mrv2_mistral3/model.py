@@ -1,14 +1,17 @@
 """Mistral 3's vision-language checkpoints (``Mistral3ForConditionalGeneration``: Mistral Small
-3.1 / 3.2 24B and their fine-tunes) in the mrv2 model contract.
+3.1 / 3.2 24B, Ministral 3 and their fine-tunes) in the mrv2 model contract.
 
 HF's model is Mistral's text decoder (Llama's layers; a ``sliding_window``, where the config
-sets one, on every layer) plus the image encoder (:class:`~mrv2_mistral3.vision.
+sets one, on every layer; ``text_config.model_type`` one of :data:`TEXT_KINDS`, any other
+refused naming it) plus the image encoder (:class:`~mrv2_mistral3.vision.
 Mistral3VisionEncoder`: the Pixtral vision tower and the projector with its patch merger).
 The decoder is built from ``text_config``, the LM head tied by the *top-level*
 ``tie_word_embeddings`` as HF ties it. An image's features replace its ``[IMG]`` placeholders'
 embeddings; the ``[IMG_BREAK]`` / ``[IMG_END]`` tokens between its rows keep their text
 embeddings (the model state, :mod:`mrv2_mistral3.inputs`, assembles an image's rows).
-Attention stays causal, as in HF.
+Attention stays causal, as in HF. Ministral 3's decoder (``ministral3``) also scales each
+query at position ``p`` by ``1 + beta * log(1 + floor(p / original_max_position_embeddings))``
+(``rope_parameters``' ``llama_4_scaling_beta`` and ``original_max_position_embeddings``).
 
 Checkpoints load in transformers 5.17's names (``model.language_model.*``,
 ``model.vision_tower.*``, ``model.multi_modal_projector.*``, ``lm_head.weight``) and in the
@@ -18,8 +21,9 @@ published layout (``language_model.model.*``, ``language_model.lm_head.weight``,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -39,6 +43,44 @@ from mrv2_mistral3.vision import VISION_CHECKPOINT_PREFIXES, Mistral3VisionEncod
 __all__ = ["ARCHITECTURE", "Mistral3ForConditionalGeneration"]
 
 ARCHITECTURE = "Mistral3ForConditionalGeneration"
+#: The text decoders built here (HF's classes for them have the same bias-free layers).
+TEXT_KINDS = ("llama", "ministral", "ministral3", "mistral")
+
+
+def query_scaling(text: Any) -> tuple[float, float] | None:
+    """Ministral 3's per-position query scale ``(beta, original_max_position_embeddings)``
+    (HF's ``get_llama_4_attn_scale``; None for the other decoders); ValueError naming the
+    field where ``rope_parameters`` lacks it (HF's forward fails then too)."""
+    if text.model_type != "ministral3":
+        return None
+    params = dict(getattr(text, "rope_parameters", None) or {})
+    beta, original = (params.get(k) for k in ("llama_4_scaling_beta",
+                                              "original_max_position_embeddings"))
+    if beta is None or original is None or not math.isfinite(float(beta)) \
+            or float(original) <= 0:
+        raise ValueError(f"text_config.rope_parameters: Ministral 3 needs a finite "
+                         f"llama_4_scaling_beta and a positive original_max_position_embeddings,"
+                         f" got {beta!r} and {original!r}")
+    return float(beta), float(original)
+
+
+class ScaledQueryAttention(SelfAttention):
+    """The core's attention with each query times ``1 + beta * log(1 + floor(p / original))``
+    (``p``: its position), HF's Ministral 3 (there after the rotation; the same per-token
+    factor before it)."""
+
+    def __init__(self, config: Any, layer_idx: int, rope: Any, scaling: tuple[float, float],
+                 **kwargs: Any) -> None:
+        super().__init__(config, layer_idx, rope, **kwargs)
+        self.beta, self.original = scaling
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(qkv)
+        scale = torch.log1p(torch.floor(positions.float() / self.original)) * self.beta + 1.0
+        q = q * scale.to(q.dtype)[:, None]  # (HF: the factor rounded to the query's dtype)
+        out = self.attn(q, k, v, positions=positions, rotary=self.rotary_emb)
+        return cast(torch.Tensor, self.o_proj(out))
+
 
 class Mistral3ForConditionalGeneration(CausalLM):
     """Mistral 3: Mistral's text decoder and the image encoder (``vision``; module doc).
@@ -47,12 +89,19 @@ class Mistral3ForConditionalGeneration(CausalLM):
 
     def __init__(self, config: Any) -> None:
         text = vl_text_config(config, ARCHITECTURE)
+        kind = getattr(text, "model_type", None)
+        if kind not in TEXT_KINDS:
+            raise ValueError(f"config.json text_config.model_type = {kind!r} is not supported "
+                             f"for {ARCHITECTURE}; supported: {sorted(TEXT_KINDS)}")
+        scaling = query_scaling(text)
         rope = get_rope(text, head_dim_of(text))
         bias = bool(getattr(text, "attention_bias", False))
         mlp_bias = bool(getattr(text, "mlp_bias", False))
 
         def layer(i: int) -> DecoderLayer:
-            attention = SelfAttention(text, i, rope, qkv_bias=bias, o_bias=bias)
+            attention = SelfAttention(text, i, rope, qkv_bias=bias, o_bias=bias) \
+                if scaling is None else ScaledQueryAttention(text, i, rope, scaling,
+                                                             qkv_bias=bias, o_bias=bias)
             mlp = GatedMLP(text.hidden_size, text.intermediate_size, text.hidden_act,
                            bias=mlp_bias)
             return DecoderLayer(text, attention, mlp)

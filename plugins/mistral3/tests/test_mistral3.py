@@ -3,7 +3,9 @@ and the patch-merging projector) through the engine against HF transformers: gre
 every prompt position's log-probability with images of two aspect ratios (so different
 ``[IMG]`` / ``[IMG_BREAK]`` grids), two in a prompt, an image shared between requests and a
 text prompt beside them, chunked prefill splitting images across steps; the encoder cache on a
-second round; checkpoint names in both layouts; bad input refused by name."""
+second round; checkpoint names in both layouts; bad input refused by name. Ministral 3's
+decoder (``ministral3``: the queries scaled by position past
+``original_max_position_embeddings``) too; another text decoder refused by name."""
 
 from __future__ import annotations
 
@@ -25,19 +27,26 @@ TEXT: dict[str, Any] = {
     "model_type": "mistral", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96,
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
     "head_dim": 16, "max_position_embeddings": 512, "rope_theta": 1e4}
+#: Ministral 3's decoder: YaRN, and the query scale past 8 positions (within the prompts).
+MINISTRAL3: dict[str, Any] = {
+    **{k: v for k, v in TEXT.items() if k != "rope_theta"}, "model_type": "ministral3",
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                        "original_max_position_embeddings": 8, "beta_fast": 32.0,
+                        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                        "llama_4_scaling_beta": 0.5}}
 VISION: dict[str, Any] = {
     "model_type": "pixtral", "hidden_size": 32, "intermediate_size": 48,
     "num_hidden_layers": 2, "num_attention_heads": 2, "head_dim": 16, "patch_size": 4,
     "image_size": 64}
 
 
-def _checkpoint(path: Path) -> tuple[Any, list[int]]:
+def _checkpoint(path: Path, text: dict[str, Any] = TEXT) -> tuple[Any, list[int]]:
     """A tiny checkpoint with its tokenizer (the image tokens special) and image processor;
     HF's model and the ids of ``[IMG]``, ``[IMG_BREAK]``, ``[IMG_END]``."""
     make_tiny_tokenizer(path, vocab_size=300, special_tokens=TOKENS)
     tokenizer: Any = transformers.AutoTokenizer.from_pretrained(str(path))
     ids = [int(tokenizer.convert_tokens_to_ids(t)) for t in TOKENS]
-    config = transformers.Mistral3Config(text_config=TEXT, vision_config=VISION,
+    config = transformers.Mistral3Config(text_config=dict(text), vision_config=VISION,
                                          image_token_index=ids[0], spatial_merge_size=2,
                                          tie_word_embeddings=False)
     config.architectures = ["Mistral3ForConditionalGeneration"]
@@ -63,8 +72,10 @@ def _hf_inputs(path: Path) -> HfInputs:
     return inputs
 
 
-def test_tokens_and_logprobs_match_hf_with_images(tmp_path: Path) -> None:
-    hf, (img, brk, end) = _checkpoint(tmp_path)
+@pytest.mark.parametrize("text", [TEXT, MINISTRAL3], ids=["mistral", "ministral3"])
+def test_tokens_and_logprobs_match_hf_with_images(tmp_path: Path, text: dict[str, Any]
+                                                  ) -> None:
+    hf, (img, brk, end) = _checkpoint(tmp_path, text)
     llm = LLM(str(tmp_path), device="cpu", dtype="float32", block_size=4,
               max_num_batched_tokens=8)  # (images of 15-16 tokens: split across steps)
     a, b = random_image(40, 24, seed=1), random_image(24, 32, seed=2)
@@ -104,3 +115,6 @@ def test_checkpoint_names_and_bad_input(tmp_path: Path) -> None:
             llm.generate([{"prompt_token_ids": [5, img], "multi_modal_data": mm_data}],
                          params, use_tqdm=False)
     assert not llm.engine.has_unfinished()
+    object.__setattr__(config.text_config, "model_type", "qwen2")
+    with pytest.raises(ValueError, match="text_config.model_type = 'qwen2' is not supported"):
+        Mistral3ForConditionalGeneration(config)
