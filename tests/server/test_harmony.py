@@ -250,6 +250,37 @@ def test_the_responses_api_items() -> None:
         (i["type"], i.get("name")) for i in items]
 
 
+def test_streamed_items_have_ids_of_their_own() -> None:
+    """Analysis after a preamble (harmony's messages in any order): the stream opens a
+    reasoning item and a message again, each with an id no other item of the response has,
+    and its events name the item they belong to."""
+    text = (A + "one<|end|><|start|>assistant<|channel|>commentary<|message|>pre<|end|>"
+            "<|start|>assistant<|channel|>analysis<|message|>two<|end|><|start|>assistant"
+            "<|channel|>final<|message|>done")
+
+    async def events() -> list[dict[str, Any]]:
+        stream = ResponsesStream(None, "resp", "m", True, SamplingParams(max_tokens=99),  # type: ignore[arg-type]
+                                 _Body(), ["r"], [([1], None)], "openai_gptoss", OPENAI,
+                                 request=ResponsesRequest(input="hi"))
+        sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        for i, c in enumerate(text):
+            last = i == len(text) - 1
+            sink.put_nowait(_output(c, last, "stop" if last else None))
+        return [json.loads(line[6:]) async for chunk in stream.events(sink)
+                for line in chunk.splitlines() if line.startswith("data: ")]
+
+    sent = asyncio.run(events())
+    output = sent[-1]["response"]["output"]
+    assert [i["type"] for i in output] == ["reasoning", "message", "reasoning", "message"]
+    ids = [i["id"] for i in output]
+    assert len(set(ids)) == len(ids), ids
+    added = [e["item"]["id"] for e in sent if e["type"] == "response.output_item.added"]
+    assert added == ids
+    for e in sent:
+        if "item_id" in e:
+            assert e["item_id"] == ids[e["output_index"]], e
+
+
 def test_special_tokens_decoded_token_by_token(tmp_path: Path) -> None:
     """With the markers special tokens of the tokenizer (as o200k_harmony's are), the engine's
     detokenizer keeps them only with skip_special_tokens=False; its deltas, a token at a

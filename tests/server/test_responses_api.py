@@ -14,6 +14,8 @@ import httpx
 import pytest
 from server_util import API_KEY, MODEL, Served
 
+from mrv2.entrypoints.openai_responses import ResponsesRequest
+
 openai = pytest.importorskip("openai")
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -117,7 +119,10 @@ def test_tools_are_echoed_and_a_cut_message_is_incomplete(server: Served) -> Non
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_image",
                                                "image_url": "http://x/y.png"}]}]}, "input"),
-    ({"input": [{"type": "reasoning", "id": "r", "summary": []}]}, "input"),
+    ({"input": [{"type": "item_reference", "id": "r"}]}, "input"),
+    ({"input": "hello world " * 60}, "input"),  # (the engine's "prompt": this API's input)
+    ({"input": [{"type": "function_call_output", "call_id": "c",
+                 "output": [{"type": "input_image", "image_url": "data:,"}]}]}, "input"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "text": {"format": {"type": "xml"}}}, "text"),
@@ -213,6 +218,80 @@ def test_function_call_items_in_the_input(client: Any) -> None:
     assert response.output_text == chat.choices[0].message.content
 
 
+def _prompt_tokens(client: Any, items: list[dict[str, Any]]) -> int:
+    return client.responses.create(model=MODEL, temperature=0, max_output_tokens=1,
+                                   tools=TOOLS, tool_choice="none",
+                                   input=items).usage.input_tokens
+
+
+CALL = {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+        "arguments": '{"city": "Paris"}'}
+
+
+def test_a_call_after_an_assistant_message_is_its_turn(client: Any) -> None:
+    """A function call item after the assistant's message item (an answer's output sent
+    back: its text, then its calls) is that message's ``tool_calls``, one assistant turn, as
+    the chat route takes an answer with content and calls (OpenAI's Agents SDK's conversion
+    too); not a second assistant message."""
+    chat = client.chat.completions.create(
+        model=MODEL, temperature=0, max_completion_tokens=1, tools=CHAT_TOOLS,
+        tool_choice="none", messages=[
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "Let me check.", "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
+    assert _prompt_tokens(client, [
+        {"role": "user", "content": "Weather?"},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "Let me check."}]},
+        CALL, {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+    ]) == chat.usage.prompt_tokens
+
+
+def test_a_call_output_of_text_parts_is_their_text(client: Any) -> None:
+    """A ``function_call_output``'s output may be a list of ``input_text`` parts (the API's
+    other form): the tool message is their text, as the string form's, not their JSON."""
+    items = [{"role": "user", "content": "Weather?"}, CALL]
+    as_text = _prompt_tokens(client, [*items, {"type": "function_call_output",
+                                               "call_id": "call_1", "output": "sunny"}])
+    assert _prompt_tokens(client, [*items, {
+        "type": "function_call_output", "call_id": "call_1",
+        "output": [{"type": "input_text", "text": "sunny"}]}]) == as_text
+
+
+def test_reasoning_items_sent_back_are_dropped(client: Any) -> None:
+    """An answer's output sent back as input (``input += response.output``, how the API's
+    guides continue after a call) holds its reasoning item: taken, and dropped as the store
+    drops it (chat templates keep no reasoning in history), not refused."""
+    items = [{"role": "user", "content": "Weather?"}, CALL,
+             {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]
+    reasoning = {"type": "reasoning", "id": "rs_1", "summary": [],
+                 "content": [{"type": "reasoning_text", "text": "Call the tool."}]}
+    assert _prompt_tokens(client, [items[0], reasoning, *items[1:]]) == _prompt_tokens(
+        client, items)
+
+
+def test_a_continuation_leaves_the_stored_conversation_as_it_was() -> None:
+    """A continuation whose input opens with a call (onto the stored answer's assistant
+    message) changes its own copy of the conversation, not the stored one: the same
+    continuation twice is the same prompt, and the earlier response's record stays."""
+    from mrv2.entrypoints.responses_store import ResponseStore
+
+    store = ResponseStore()
+    call = {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    store.put({"id": "resp_0"}, [{"role": "user", "content": "Hi"},
+                                 {"role": "assistant", "content": "", "tool_calls": [call]}])
+    previous = store.get("resp_0")
+    assert previous is not None
+    body = ResponsesRequest(input=[CALL, {"type": "function_call_output", "call_id": "call_1",
+                                          "output": "sunny"}])
+    first = [m.model_dump(exclude_none=True) for m in body.as_chat(previous.messages).messages]
+    assert first == body.conversation(previous.messages)  # (the server's second reading)
+    assert [c["id"] for c in first[1]["tool_calls"]] == ["call_0", "call_1"]
+    assert previous.messages[1]["tool_calls"] == [call]
+
+
 def test_stored_responses_continue_the_conversation(model_dir: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """``MRV2_ENABLE_RESPONSES_API_STORE=1``: ``previous_response_id`` continues from a
@@ -273,3 +352,15 @@ def test_the_store_keeps_the_newest(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MRV2_RESPONSES_API_STORE_SIZE", "many")
     with pytest.raises(ValueError, match="MRV2_RESPONSES_API_STORE_SIZE"):
         store_from_env()
+
+
+def test_null_flags_are_their_defaults(server: Served) -> None:
+    """``stream``, ``store``, ``background`` and ``parallel_tool_calls`` are ``boolean or
+    null`` in the API: ``null`` is the default (a whole answer, stored where the store is
+    on, not in the background, parallel calls), not a 400."""
+    response = httpx.post(f"{server.url}/v1/responses", headers=AUTH, timeout=60, json={
+        "model": MODEL, "input": "Hi", "max_output_tokens": 2, "stream": None, "store": None,
+        "background": None, "parallel_tool_calls": None})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "response" and body["parallel_tool_calls"] is True

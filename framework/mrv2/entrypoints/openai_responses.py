@@ -19,8 +19,9 @@ template's ``reasoning_effort`` (gpt-oss); ``background``, reasoning summaries, 
 and other input items are refused by name. Function tools work as in chat
 (``--tool-call-parser``, or a forced ``tool_choice``): the model's calls come back as
 ``function_call`` items (streamed whole when the answer ends), and ``function_call`` /
-``function_call_output`` input items become the chat messages of an earlier call and its
-result.
+``function_call_output`` input items become the chat messages of an earlier call (on the
+assistant message before it, if any: one turn) and its result; ``reasoning`` input items (an
+earlier answer's output sent back) are dropped, as chat templates drop reasoning from history.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from mrv2.engine.outputs import RequestOutput
 from mrv2.entrypoints.openai_protocol import ChatCompletionRequest, ChatMessage
@@ -46,7 +47,7 @@ __all__ = ["ResponsesRequest", "ResponsesStream"]
 _TEXT_PARTS = ("input_text", "output_text", "text")
 #: The chat request's fields that errors name, as the Responses API calls them.
 RENAMED = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
-           "response_format": "text", "messages": "input"}
+           "response_format": "text", "messages": "input", "prompt": "input"}
 
 
 class ResponsesRequest(BaseModel):
@@ -72,6 +73,13 @@ class ResponsesRequest(BaseModel):
     reasoning: dict[str, Any] | None = None
     store: bool = True
     user: str | None = None
+
+    @field_validator("stream", "store", "background", "parallel_tool_calls", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
+        """The API's ``null`` for these flags (the spec's ``boolean or null``): the default."""
+        assert info.field_name is not None
+        return cls.model_fields[info.field_name].default if value is None else value
 
     def conversation(self, previous: list[dict[str, Any]] | None = None
                      ) -> list[dict[str, Any]]:
@@ -123,23 +131,39 @@ class ResponsesRequest(BaseModel):
 
 def _add_item(messages: list[dict[str, Any]], item: Any) -> None:
     """An input item onto the chat messages: a message, a function call of the model's (onto
-    an assistant message's ``tool_calls``) or a function call's output (a ``tool`` message)."""
+    the assistant message before it, the same turn: its ``tool_calls``), a function call's
+    output (a ``tool`` message); a reasoning item (an earlier answer's, sent back as the API
+    asks) is dropped, as the store drops it and chat templates drop it from history."""
     kind = item.get("type", "message") if isinstance(item, dict) else type(item).__name__
+    if kind == "reasoning":
+        return
     if kind == "function_call":
         call = {"id": str(item.get("call_id", "")), "type": "function",
                 "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
         last = messages[-1] if messages else None
-        if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-            last["tool_calls"].append(call)
+        if last is not None and last["role"] == "assistant":  # (a copy: it may be stored)
+            messages[-1] = {**last, "tool_calls": [*last.get("tool_calls", []), call]}
         else:
             messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         return
     if kind == "function_call_output":
-        output = item.get("output")
         messages.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
-                         "content": output if isinstance(output, str) else json.dumps(output)})
+                         "content": _call_output(item.get("output"))})
         return
     messages.append(_message(item))
+
+
+def _call_output(output: Any) -> str:
+    """A ``function_call_output``'s output as the tool message's text: a string, or the text
+    of a list of text parts."""
+    if isinstance(output, str):
+        return output
+    if isinstance(output, list):
+        if not all(isinstance(p, dict) and p.get("type") in _TEXT_PARTS for p in output):
+            raise ValueError("SamplingParams.input is invalid: a function_call_output's "
+                             "output must be a string or a list of input_text parts")
+        return "".join(str(p.get("text", "")) for p in output)
+    return json.dumps(output)
 
 
 def _chat_tool(tool: Any) -> dict[str, Any]:
@@ -166,7 +190,8 @@ def _message(item: Any) -> dict[str, Any]:
     if not isinstance(item, dict) or item.get("type", "message") != "message":
         kind = item.get("type") if isinstance(item, dict) else type(item).__name__
         raise ValueError(f"SamplingParams.input is invalid: items of type {kind!r} are not "
-                         "supported (messages, function_call and function_call_output)")
+                         "supported (messages, function_call, function_call_output and "
+                         "reasoning)")
     role, content = item.get("role"), item.get("content")
     if role not in ("user", "assistant", "system", "developer"):
         raise ValueError(f"SamplingParams.input is invalid: role {role!r} (expected user, "
@@ -358,6 +383,7 @@ class _Items:
         self.suffix, self.event = suffix, event
         self.output: list[dict[str, Any]] = []
         self.kind: str | None = None  # the open item's: "reasoning" or "message"
+        self.item_id = ""  # the open item's (a kind's second item on: its number after it)
         self.text = ""
 
     def feed(self, thought: str, content: str) -> str:
@@ -399,13 +425,17 @@ class _Items:
         return self.output, out
 
     def _id(self) -> str:
-        return f"{'rs' if self.kind == 'reasoning' else 'msg'}_{self.suffix}"
+        return self.item_id
 
     def _open(self, kind: str) -> str:
         if self.kind == kind:
             return ""
         out = self._close()
         self.kind, self.text = kind, ""
+        # (harmony's analysis after a preamble: a kind's item again, with an id of its own)
+        again = sum(i["type"] == kind for i in self.output)
+        self.item_id = (f"{'rs' if kind == 'reasoning' else 'msg'}_{self.suffix}"
+                        + (f"_{again}" if again else ""))
         index = len(self.output)
         if kind == "reasoning":
             item = _reasoning_item(self._id(), "", "in_progress")
