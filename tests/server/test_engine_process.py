@@ -115,8 +115,14 @@ def test_the_responses_api_through_the_engine_process(server: Served,
     got = [httpx.post(f"{url}/v1/responses", json=body, headers=AUTH, timeout=60).json()
            for url in (server.url, remote[0])]
     assert got[0]["output"][0]["content"] == got[1]["output"][0]["content"]
-    assert got[0]["usage"] == got[1]["usage"] and got[1]["status"] in ("completed",
-                                                                        "incomplete")
+
+    def counts(usage: dict[str, Any]) -> dict[str, Any]:
+        """The usage but the prefix cache's hits (the shared server may have seen the prompt
+        in an earlier module's test; the remote one is fresh)."""
+        return {**usage, "input_tokens_details": None}
+
+    assert counts(got[0]["usage"]) == counts(got[1]["usage"])
+    assert got[1]["status"] in ("completed", "incomplete")
 
 
 def test_delta_outputs_cross_as_they_are() -> None:
