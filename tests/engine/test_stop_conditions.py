@@ -202,6 +202,17 @@ def test_chat_uses_template(llm: LLM) -> None:
     assert out.prompt == "<|user|>Hello</s><|assistant|>"  # the rendered text, as vLLM's
 
 
+def test_chat_text_parts_are_a_line_each(llm: LLM) -> None:
+    """A conversation of text parts only renders as vLLM renders it for a string-content
+    template (the server's chat route too): the parts' text, a line each (the template got
+    the list of parts before: its repr, for a template that inserts the content)."""
+    params = SamplingParams(temperature=0, max_tokens=1)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"},
+                                          {"type": "text", "text": "world"}]}]
+    out = llm.chat(parts, params, use_tqdm=False)[0]
+    assert out.prompt == "<|user|>Hello\nworld</s><|assistant|>"
+
+
 def test_chat_continues_the_final_message(llm: LLM) -> None:
     """vLLM's ``LLM.chat(continue_final_message=True)``: the reply goes on from the last
     (assistant) message, its end-of-turn left out; refused beside add_generation_prompt."""

@@ -272,6 +272,25 @@ def test_chat_top_logprobs_is_named(server: Served) -> None:
     assert error["param"] == "top_logprobs" and "top_logprobs" in str(error["message"])
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_nullable_fields_take_null_as_their_default(server: Served, path: str) -> None:
+    """OpenAI types n, the penalties, stream, logprobs (chat), echo (completions) and
+    parallel_tool_calls "... or null": null is the default (it was a 400), as OpenAI and
+    vLLM take it."""
+    base: dict[str, object] = ({"messages": [{"role": "user", "content": "hi"}],
+                                "logprobs": None, "parallel_tool_calls": None}
+                               if "chat" in path else {"prompt": "hi", "echo": None})
+    nulls = dict.fromkeys(("n", "presence_penalty", "frequency_penalty", "stream"))
+    got = _post(server, path, {"model": MODEL, **base, **nulls, "max_tokens": 2,
+                               "temperature": 0})
+    want = _post(server, path, {"model": MODEL, "max_tokens": 2, "temperature": 0,
+                                **{k: v for k, v in base.items() if v is not None}})
+    assert got.status_code == want.status_code == 200, got.text
+    answer, expected = got.json(), want.json()
+    assert len(answer["choices"]) == 1 and answer["usage"] == expected["usage"]
+    assert answer["choices"][0].get("logprobs") is None
+
+
 def test_ints_are_valid_floats(server: Served) -> None:
     r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 1,
                                           "top_p": 1, "max_tokens": 2})

@@ -35,6 +35,11 @@ def test_tokenize_text_and_chat_as_a_request_would(server: Served) -> None:
                                             "add_generation_prompt": False}).json()
     assert no_prompt["tokens"] == tok.apply_chat_template(messages, False)
     assert no_prompt["tokens"] != chat["tokens"]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"},
+                                          {"type": "text", "text": "world!"}]}]
+    joined = [{"role": "user", "content": "Hello\nworld!"}]  # (vLLM's: a line a part)
+    assert _post(server, "/tokenize", {"messages": parts}).json()["tokens"] == \
+        tok.apply_chat_template(joined, True)
 
 
 def test_detokenize_round_trips_and_version(server: Served) -> None:

@@ -191,7 +191,8 @@ def split_chat_media(messages: Sequence[dict[str, Any]], allow_remote: bool = Fa
     "audio"}, multi_modal_data)``: ``{"image": [images in order]}``, plus ``"audio":
     [(samples, rate) in order]`` when a part is audio (so an image-only input processor
     sees the one key it takes). ``limit`` (``--limit-mm-per-prompt``): a ValueError naming the
-    first image or audio part past that many of its kind, before it is decoded or fetched."""
+    first image or audio part past that many of its kind, before it is decoded or fetched.
+    Without an image or audio part, a message's text parts become one string, a line each."""
     out: list[dict[str, Any]] = []
     images: list[Any] = []
     clips: list[tuple[np.ndarray, int]] = []
@@ -231,4 +232,8 @@ def split_chat_media(messages: Sequence[dict[str, Any]], allow_remote: bool = Fa
                 raise ValueError(f"{where}.type: unsupported {kind!r}; allowed: 'text', "
                                  "'image', 'image_url', 'input_audio'")
         out.append({**message, "content": parts})
+    if not images and not clips:  # text parts only: a line each, as vLLM (and the server's
+        # chat route) render them for a template that inserts the content as a string
+        out = [{**m, "content": "\n".join(p["text"] for p in m["content"])}
+               if isinstance(m.get("content"), list) else m for m in out]
     return out, ({"image": images, "audio": clips} if clips else {"image": images})

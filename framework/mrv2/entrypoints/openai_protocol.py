@@ -10,15 +10,27 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from mrv2.contract.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from mrv2.engine.beam_search import BeamSearchParams
 from mrv2.engine.outputs import PositionLogprobs
 
+#: Fields OpenAI's API types "... or null" whose null mrv2 took as a 400: null is the default.
+NULL_IS_DEFAULT = ("n", "presence_penalty", "frequency_penalty", "stream", "logprobs", "echo",
+                   "parallel_tool_calls")
+
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)
+
+    @field_validator(*NULL_IS_DEFAULT, mode="before", check_fields=False)
+    @classmethod
+    def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
+        """OpenAI's ``null`` for these (``integer or null``, ``boolean or null``...): the
+        field's default, as OpenAI and vLLM take it."""
+        assert info.field_name is not None
+        return cls.model_fields[info.field_name].default if value is None else value
 
     model: str | None = None
     n: int = 1
@@ -280,9 +292,9 @@ class ChatMessage(BaseModel):
         ``tool_calls`` (their JSON-text arguments as objects, as templates index them) or a
         tool answer's ``tool_call_id`` / ``name``."""
         content = self.content
-        if isinstance(content, list):  # content parts: keep the text ones
-            content = "".join(str(part.get("text", "")) for part in content
-                              if part.get("type", "text") == "text")
+        if isinstance(content, list):  # content parts: the text ones, a line each (vLLM's)
+            content = "\n".join(str(part.get("text", "")) for part in content
+                                if part.get("type", "text") == "text")
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         extra = self.model_extra or {}
         for key in ("tool_call_id", "name"):
