@@ -532,7 +532,9 @@ def block_fp8_linear_triton(
     split = max(1, min(split_k or plan.split_k, steps))
     per_split = cdiv(steps, split)
     split = cdiv(steps, per_split)
-    scale_b = w_scale_inv if w_scale_inv.dtype == torch.float32 else w_scale_inv.float()
+    # the kernel reads a row of scales (and the bias) as contiguous: a strided view is copied
+    scale_b = w_scale_inv.to(torch.float32).contiguous()
+    bias = None if bias is None else bias.contiguous()
     if fuse:
         a, scale_a = x2, scale_b  # scale_a unused
     else:

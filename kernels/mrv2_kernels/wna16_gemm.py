@@ -465,6 +465,11 @@ def wna16_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
         raise ValueError(f"a gemv launch takes every row in one block: bm ({tiles.bm}) < "
                          f"{m} rows")
     x = x if x.stride(-1) == 1 else x.contiguous()
+    # the kernel indexes the weight's tensors (and the bias) as contiguous: a strided view
+    # (a transposed or sliced one) is copied, a contiguous tensor passes as it is
+    qweight, scales = qweight.contiguous(), scales.contiguous()
+    zeros = None if zeros is None else zeros.contiguous()
+    bias = None if bias is None else bias.contiguous()
     if tiles.magic and tiles.gemv and x.dtype != torch.float32 and (
             x.data_ptr() % 4 or x.stride(0) % 2):  # the kernel reads 16-bit pairs as int32
         x = torch.empty((m, k), dtype=x.dtype, device=x.device).copy_(x)
@@ -531,6 +536,8 @@ def dequantize_wna16_triton(qweight: torch.Tensor, scales: torch.Tensor,
     if group_size % bk or bk < 32 // bits:
         raise ValueError(f"block_k ({bk}) must divide group_size ({group_size}) and hold a "
                          "packed word")
+    qweight, scales = qweight.contiguous(), scales.contiguous()  # (indexed as contiguous)
+    zeros = None if zeros is None else zeros.contiguous()
     out = _empty((k, n), dtype, qweight.device)
     _dequant_kernel[(k // bk, cdiv(n, bn))](
         qweight, scales, zeros if zeros is not None else scales, out, n, GROUP=group_size,

@@ -320,3 +320,16 @@ def test_dequantized_weight_is_contiguous_when_blocks_overhang() -> None:
     w8, scale = quantize_weight_block_fp8(w, (128, 128))
     out = dequantize_weight_block_fp8(w8, scale, (128, 128), torch.float32)
     assert out.shape == (96, 200) and out.is_contiguous()
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_strided_scales_and_bias_read_by_their_strides(fuse: bool, poisoned: None) -> None:
+    """Per-row scales ``[N, K/128]`` and the bias given as strided views (a column-major
+    buffer, every other entry) give the contiguous tensors' product."""
+    x, q, s, b, _ = _layer(3, 96, 256, F32, True, seed=8, block=(1, 128))
+    assert b is not None
+    s_view = s.T.contiguous().T
+    b_view = torch.stack([b, torch.zeros_like(b)], 1).reshape(-1)[::2]
+    assert not s_view.is_contiguous() and not b_view.is_contiguous()
+    got = block_fp8_linear_triton(x, q, s_view, b_view, (1, 128), fuse_quant=fuse)
+    _close(got, block_fp8_linear_ref(x, q, s, b, (1, 128)), cuda_mma=True)

@@ -264,3 +264,34 @@ def test_triton_dequantization_is_the_reference_transposed(bits: int, group: int
     want = dequantize_wna16(packed, scales, zeros, bits, group)
     assert got.shape == (64, 40)
     torch.testing.assert_close(got.cpu(), want.T, rtol=0, atol=0)
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a column-major buffer (a transposed view: not contiguous)."""
+    out = t.T.contiguous().T
+    assert not out.is_contiguous() or t.shape[0] == 1
+    return out
+
+
+@pytest.mark.usefixtures("poisoned")
+@pytest.mark.parametrize("gemv", [False, True])
+def test_strided_weight_tensors_read_by_their_strides(gemv: bool) -> None:
+    """Packed weight, scales, zero points and bias given as strided views (a column-major
+    buffer) give the contiguous tensors' product, the one-pass dequantization likewise."""
+    k, n, bits, group = 64, 40, 4, 16
+    packed, scales, zeros, q = _weight(k, n, bits, group, True, seed=11)
+    assert zeros is not None
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, k, generator=g)
+    b = torch.randn(2 * n, generator=g)[::2]  # every other entry: stride 2
+    # plain torch from the layout's description: W[n, k] = (q[k, n] - z[k // G, n]) * s
+    rows = torch.arange(k) // group
+    w = (q.float() - zeros.float()[rows]) * scales.float()[rows]
+    want = x @ w + b
+    tiles = (WNA16Tiles(4, 16, 16, 1, gemv=True) if gemv else
+             WNA16Tiles(16, 16, 16, 1) if DEVICE == "cpu" else WNA16Tiles(16, 32, 16, 1))
+    args = [_strided(t).to(DEVICE) for t in (packed, scales, zeros)]
+    got = wna16_linear_triton(x.to(DEVICE), *args, bits, group, b.to(DEVICE), tiles)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+    deq = wg.dequantize_wna16_triton(*args, bits, group, torch.float32)
+    torch.testing.assert_close(deq.cpu(), w, rtol=1e-6, atol=1e-7)

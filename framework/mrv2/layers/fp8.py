@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from mrv2.layers.int_quant_config import CHECKPOINT_METHODS, INT_METHODS
-from mrv2.layers.linear import FusedColumnLinear, LinearBase
+from mrv2.layers.linear import FusedColumnLinear, LinearBase, QKVLinear
 from mrv2.layers.moe import FusedMoE
 from mrv2.layers.weights import apply_moving_only
 from mrv2_kernels.fp8_gemm import (
@@ -139,8 +139,12 @@ class Fp8LinearMixin(LinearBase):
         """A checkpoint ``weight_scale_inv`` (one row per ``fp8_block[0]`` weight rows) into the
         per-row scales of shard ``shard_id``'s rows (this rank's rows and column blocks)."""
         start, size = self.shard_rows(shard_id)
-        full = size * self.tp_size if self.tp_size > 1 and shard_id is not None else (
-            getattr(self, "full_output_size", size))
+        if shard_id is None:
+            full = getattr(self, "full_output_size", size)
+        elif isinstance(self, QKVLinear) and shard_id != "q":  # (replicated on some ranks)
+            full = self.total_kv_heads * self.head_dim
+        else:  # the whole shard's rows: this rank's, times the ranks
+            full = size * self.tp_size
         rows = loaded.float().repeat_interleave(self.fp8_block[0], dim=0)[:full]
         if self.tp_size > 1:
             rows = self._rank_scales(rows, shard_id)

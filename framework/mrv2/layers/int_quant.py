@@ -50,7 +50,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 import torch
@@ -234,11 +234,13 @@ class IntLinearMixin(LinearBase):
     def order_inputs(self) -> None:
         """Give the tensors the layout's names, order a ``desc_act`` layer's inputs by group
         (its packed rows, and the gather of its input), drop zero points that are all the
-        midpoint."""
+        midpoint. Done once: a second call (a model's own hook that needed it first, then the
+        layer's) changes nothing."""
         with torch.no_grad():
             for role in ("qweight", "scales", "qzeros"):
-                param = self._parameters.pop(self.quant.name(role))
-                self.register_parameter(role, param)
+                param = self._parameters.pop(self.quant.name(role), None)
+                if param is not None:
+                    self.register_parameter(role, param)
             g_idx = self._parameters.pop(self.quant.name("g_idx"), None)
             self._parameters.pop("weight_shape", None)
             self.__dict__.pop("_g_idx_shards", None)
@@ -257,6 +259,20 @@ class IntLinearMixin(LinearBase):
             if zeros is not None and bool((zeros.data == 1 << (self.quant.bits - 1)).all()):
                 self._parameters.pop("qzeros")
                 self.qzeros = None
+
+    def reorder_rows(self, reorder: Callable[[torch.Tensor], object]) -> None:
+        """Run ``reorder`` (in place on a contiguous tensor whose rows are the layer's
+        outputs: a model's permutation of its rows) on the packed weight, the scales and the
+        zero points (whose columns are the outputs) and the bias (after
+        :meth:`order_inputs`)."""
+        with torch.no_grad():
+            for param in (self.qweight, self.scales, self.qzeros):
+                if param is not None:
+                    rows = param.data.T.contiguous()
+                    reorder(rows)
+                    param.data.copy_(rows.T)
+            if self.bias is not None:
+                reorder(self.bias.data[:, None])
 
     def _become_plain(self) -> None:
         """The CPU's layer: the dequantized weight in the model dtype, the base class."""

@@ -43,6 +43,7 @@ from mrv2.contract.kv_cache import KVCacheLayer, LatentKVSpec
 from mrv2.distributed.parallel_state import tp_size
 from mrv2.layers import ColumnLinear, RMSNorm, RotaryEmbedding, RowLinear
 from mrv2.layers.fp8 import FP8, Fp8LinearMixin
+from mrv2.layers.int_quant import IntLinearMixin
 from mrv2.layers.linear import LinearBase, split_evenly
 from mrv2.layers.rotary import rope_parameters_of, rope_rows_to_halves
 from mrv2_kernels.mla_attention import flat_grid_enabled, mla_cache_write, mla_decode_attention
@@ -171,17 +172,29 @@ class MLAAttention(KVCacheLayer):
         the loaded column-parallel weights and their per-row scales hold only those. Runs
         before the linears' own hooks."""
         with torch.no_grad():
-            if self.interleaved_rope:
-                q = self.q_proj if self.q_proj is not None else self.q_b_proj
-                assert q is not None
-                for rows in _row_tensors(q):
-                    rope_rows_to_halves(rows, self.qk_dim, self.rope_dim)
-                for rows in _row_tensors(self.kv_a_proj_with_mqa):
-                    rope_rows_to_halves(rows, self.rank + self.rope_dim, self.rope_dim)
+            q = self.q_proj if self.q_proj is not None else self.q_b_proj
+            assert q is not None
             kv_b = self.kv_b_proj
-            weight = kv_b.weight.data
-            if isinstance(kv_b, Fp8LinearMixin) and weight.dtype == FP8:
-                weight = kv_b.dequantized(self.kv_a_layernorm.weight.dtype)
+            for layer in (q, self.kv_a_proj_with_mqa, kv_b):
+                if isinstance(layer, IntLinearMixin):  # (integer weights: the layout's names,
+                    layer.order_inputs()  # the input order, before reading them here)
+            if self.interleaved_rope:
+                for layer, head_dim in ((q, self.qk_dim),
+                                        (self.kv_a_proj_with_mqa, self.rank + self.rope_dim)):
+                    reorder = functools.partial(rope_rows_to_halves, head_dim=head_dim,
+                                                rope_dim=self.rope_dim)
+                    if isinstance(layer, IntLinearMixin):
+                        layer.reorder_rows(reorder)
+                    else:
+                        for rows in _row_tensors(layer):
+                            reorder(rows)
+            dtype = self.kv_a_layernorm.weight.dtype
+            if isinstance(kv_b, IntLinearMixin):
+                weight = kv_b.dequantized(dtype)
+            else:
+                weight = kv_b.weight.data
+                if isinstance(kv_b, Fp8LinearMixin) and weight.dtype == FP8:
+                    weight = kv_b.dequantized(dtype)
             w = weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
             w_uk, w_uv_t = w[:, : self.nope, :], w[:, self.nope:, :].transpose(1, 2)
             if self.w_uk is not None and self.w_uv_t is not None:  # (new weights: in place,

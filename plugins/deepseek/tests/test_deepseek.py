@@ -171,6 +171,28 @@ def test_fp8_checkpoint_matches_hf_on_dequantized_weights(tmp_path: Path) -> Non
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
+@pytest.mark.parametrize(("case", "quant"), [
+    ("v2-lite", {"bits": 4, "group_size": 16, "sym": False, "desc_act": True}),
+    ("v2-grouped", {"bits": 8, "group_size": -1, "sym": True}),
+])
+def test_gptq_checkpoint_matches_hf_on_dequantized_weights(tmp_path: Path, case: str,
+                                                           quant: dict[str, Any]) -> None:
+    """Every MLA projection and dense MLP as GPTQ (AutoGPTQ's layout, written independently
+    of the loader): the interleaved rope rows of the integer q and kv_a projections reordered
+    as a float one's, the absorbed up-projections taken from the integer kv_b_proj (inputs in
+    their activation order): HF's greedy tokens on the dequantized weights."""
+    from mrv2.testing_quant import gptq_checkpoint
+
+    save_hf(tmp_path / "src", case)
+    gptq_checkpoint(tmp_path / "src", tmp_path / "q", tmp_path / "ref", **quant)
+    prompts = [[5, 17, 42, 9, 100, 3, 77], [8, 8, 120]]
+    expected = [hf_greedy(tmp_path / "ref", p, 8) for p in prompts]
+    llm = LLM(str(tmp_path / "q"), device="cpu", dtype="float32", block_size=BLOCK_SIZE)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
 def test_config_errors_name_the_field() -> None:
     config = transformers.DeepseekV2Config(**{**COMMON, "topk_method": "noaux_tc"})
     with pytest.raises(ValueError, match=r"config.topk_method = 'noaux_tc'"):

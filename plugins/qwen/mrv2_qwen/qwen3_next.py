@@ -62,7 +62,8 @@ from mrv2.layers import (
     head_dim_of,
     norm_mlp,
 )
-from mrv2.layers.linear import norm_linear, resolve_tp, split_evenly
+from mrv2.layers.int_quant import IntLinearMixin
+from mrv2.layers.linear import LinearBase, norm_linear, resolve_tp, split_evenly
 from mrv2.layers.moe import is_sparse_layer
 from mrv2_kernels.chunk_delta_rule import gated_delta_rule_auto
 from mrv2_kernels.linear_attention import causal_conv1d
@@ -112,7 +113,10 @@ def _by_kind(groups: int, sizes: list[int]) -> torch.Tensor:
     group's part 0, then every group's part 1, ...: new row ``i`` is old row ``perm[i]``."""
     width = sum(sizes)
     starts = [sum(sizes[:j]) for j in range(len(sizes))]
-    return torch.cat([torch.arange(g * width + starts[j], g * width + starts[j] + n)
+    # on the host whatever the default device (a quantized model is built on the meta
+    # device, where the permutation would hold no values)
+    return torch.cat([torch.arange(g * width + starts[j], g * width + starts[j] + n,
+                                   device="cpu")
                       for j, n in enumerate(sizes) for g in range(groups)])
 
 
@@ -130,6 +134,14 @@ def _load_ungrouped(base: Any, param: nn.Parameter, loaded: torch.Tensor,
     loading: ``GatedDeltaNet.process_weights_after_loading``)."""
     base(param, loaded, *args)
     param.rows_by_kind = False  # type: ignore[attr-defined]
+
+
+def _rows_by_kind(linear: LinearBase) -> bool:
+    """Whether a projection's rows are regrouped (:meth:`GatedDeltaNet.
+    process_weights_after_loading`): its weight's mark, or the layer's where its weight is
+    packed integers."""
+    weight = linear._parameters.get("weight")
+    return bool(getattr(weight if weight is not None else linear, "rows_by_kind", False))
 
 
 def _copy(param: nn.Parameter, src: torch.Tensor, what: str) -> None:
@@ -208,12 +220,19 @@ class GatedDeltaNet(RequestStateLayer):
 
     def process_weights_after_loading(self) -> None:
         """Regroup the projections' freshly loaded rows by kind (``__init__``), with an fp8
-        layer's per-row scales alike; rows already regrouped stay (a reload of other
+        layer's per-row scales alike (an integer layer's packed weight, scales and zero
+        points by their output columns); rows already regrouped stay (a reload of other
         parameters)."""
         for linear in (self.in_proj_qkvz, self.in_proj_ba):
-            weight = linear.weight
-            if getattr(weight, "rows_by_kind", False) or linear.row_order is None:
+            if isinstance(linear, IntLinearMixin):  # integer weights (GPTQ, AWQ, ...): the
+                linear.process_weights_after_loading()  # layer's own first (the CPU's: plain)
+            if _rows_by_kind(linear) or linear.row_order is None:
                 continue
+            if isinstance(linear, IntLinearMixin):  # (kept packed: their output columns)
+                linear.reorder_rows(linear.row_order)
+                linear.rows_by_kind = True  # type: ignore[assignment]
+                continue
+            weight = linear.weight
             with torch.no_grad():
                 for name in ("weight", "weight_scale_inv"):
                     param = getattr(linear, name, None)
@@ -237,7 +256,7 @@ class GatedDeltaNet(RequestStateLayer):
         qsl, seq_lens, rows = md.query_start_loc[: n + 1], md.seq_lens[:n], ctx.state_rows[:n]
         t = x.shape[0]
         hk, hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
-        if not getattr(self.in_proj_qkvz.weight, "rows_by_kind", False):
+        if not _rows_by_kind(self.in_proj_qkvz):
             raise RuntimeError("GatedDeltaNet: the projections' rows are not regrouped yet "
                                "(process_weights_after_loading runs after loading)")
         proj = self.in_proj_qkvz(x)  # [q | k | v | z]

@@ -159,3 +159,69 @@ def test_sleep_frees_the_request_state(tmp_path: Path) -> None:
     after = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in after] == before
     assert all(o.num_cached_tokens == 0 for o in after)
+
+
+def _fp8_in_projections(dst: Path, reference: Path, block: int) -> None:
+    """Quantize the linear-attention input projections (``in_proj_qkvz``, ``in_proj_ba``) of
+    block-FP8 checkpoint ``dst`` too, as Qwen3-Next-FP8 stores them: e4m3 values and a
+    ``weight_scale_inv`` per ``block`` x ``block`` (its amax / 448), written from the format's
+    description; ``reference`` gets the dequantized weights."""
+    from safetensors.torch import load_file, save_file
+
+    stored = load_file(dst / "model.safetensors")
+    real = load_file(reference / "model.safetensors")
+    for name in [n for n in stored if ".linear_attn.in_proj_" in n]:
+        w = stored[name].float()
+        n, k = w.shape
+        nb, kb = -(-n // block), -(-k // block)
+        scale = torch.ones(nb, kb)
+        for i in range(nb):
+            for j in range(kb):
+                amax = w[i * block:(i + 1) * block, j * block:(j + 1) * block].abs().max()
+                scale[i, j] = amax / 448 if amax > 0 else 1.0
+        full = scale.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+        q = (w / full).to(torch.float8_e4m3fn)
+        stored[name], stored[name + "_scale_inv"] = q, scale
+        real[name] = (q.float() * full).to(real[name].dtype)
+    save_file(stored, dst / "model.safetensors")
+    save_file(real, reference / "model.safetensors")
+
+
+def test_fp8_checkpoint_matches_hf_on_dequantized_weights(tmp_path: Path) -> None:
+    """A block-FP8 checkpoint (as Qwen3-Next-80B-A3B-FP8, 16 x 16 blocks here), the
+    linear-attention projections whose rows are regrouped after loading included: built on
+    the meta device, it loads, and HF's greedy tokens on the dequantized weights match."""
+    from mrv2.testing_checkpoints import fp8_checkpoint
+
+    _checkpoint(tmp_path / "src")
+    fp8_checkpoint(tmp_path / "src", tmp_path / "fp8", tmp_path / "ref", (16, 16))
+    _fp8_in_projections(tmp_path / "fp8", tmp_path / "ref", 16)
+    want = [hf_greedy(tmp_path / "ref", p, 8) for p in PROMPTS]
+    llm = LLM(str(tmp_path / "fp8"), device="cpu", dtype="float32", block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_gptq_checkpoint_with_quantized_input_projections(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPTQ checkpoint quantizing every linear layer, the linear-attention input
+    projections (whose rows are regrouped after loading) included: it loads, and HF's greedy
+    tokens on the dequantized weights match."""
+    from safetensors.torch import load_file
+
+    from mrv2 import testing_quant
+
+    plain = testing_quant.is_quantized_weight
+    monkeypatch.setattr(testing_quant, "is_quantized_weight", lambda n, t, experts=False: (
+        plain(n, t, experts=experts) or ".linear_attn.in_proj_" in n and t.dim() == 2))
+    _checkpoint(tmp_path / "src")
+    testing_quant.gptq_checkpoint(tmp_path / "src", tmp_path / "q", tmp_path / "ref", bits=4,
+                                  group_size=16, sym=False, desc_act=True)
+    assert "model.layers.0.linear_attn.in_proj_qkvz.qweight" in load_file(tmp_path / "q" /
+                                                                  "model.safetensors")
+    want = [hf_greedy(tmp_path / "ref", p, 8) for p in PROMPTS]
+    llm = LLM(str(tmp_path / "q"), device="cpu", dtype="float32", block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
