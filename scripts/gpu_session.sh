@@ -7,6 +7,7 @@
 # coldstart (scripts/probe_cold_start.py: the first request of each kind on an empty Triton cache, warm-up off and on),
 # gcgen0 (MRV2_GC_GEN0_THRESHOLD=20000 against Python's own, 256 streams through mrv2 serve),
 # longdecode (scripts/sweep_long_decode.py: decode attention's launch options at long contexts),
+# verify46b (the forty-sixth session's fixes: integer layers, MLA, Qwen3-Next, Mistral 3, GEMM operands, Qwen-VL),
 # verify46 (the forty-fifth session's leftovers: structured outputs' GPU tests, a yarn-scaled 48k-token prompt),
 # verify45b (the forty-fifth session's fixes: sampler, speculative decoding, structured outputs, LoRA, weight updates, MoE on CUDA),
 # verify45 (what the forty-fourth session's calls left: hybrid GPU tests, sanitizer, Qwen-VL videos, engine tests),
@@ -471,6 +472,23 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                 --batch-sizes 1 --prompt-len 48000 --new-tokens 128 --max-model-len 65536 \
                 --hf-overrides '{"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32768}}' \
                 --json "$OUT/rope_long.json" 2>&1 | tee "$OUT/rope_long.log" | grep -E "ttft|tpot|rror" | tail -6 ;;
+    verify46b) # the forty-sixth session's fixes on CUDA, within VERIFY_S seconds (default 540):
+               # integer layers kept packed (order_inputs once, rows reordered: GPTQ GPU tests),
+               # DeepSeek's MLA (fp8), Qwen3-Next, Ministral 3 / Mistral 3, the fp8 / W4A16
+               # GEMMs' strided operands (kernel tests), Qwen-VL (check_request), InternVL
+               end=$(( $(date +%s) + ${VERIFY_S:-540} ))
+               left() { local l=$(( end - $(date +%s) )); [ "$l" -lt "$1" ] && echo $(( l > 1 ? l : 1 )) || echo "$1"; }
+               for t in int_quant fp8_mla qwen3_next mistral3 kernels qwen_vl internvl; do
+                 [ "$(left 20)" -lt 15 ] && break
+                 if [ "$t" = kernels ]; then
+                   timeout "$(left 150)" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_gemm.py \
+                     tests/kernels/test_wna16_gemm.py 2>&1 | tee "$OUT/kernel_gemms.log" \
+                     | grep -E "^FAILED|^ERROR|passed|failed" | tail -4 | sed "s/^/$t: /"
+                   continue
+                 fi
+                 timeout "$(left 150)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_$t.py 2>&1 \
+                   | tee "$OUT/gpu_$t.log" | grep -E "^FAILED|^ERROR|passed|failed" | tail -4 | sed "s/^/$t: /"
+               done ;;
     deltabench) # scripts/bench_delta_rule.py: the token-serial delta rule against the chunked
                 # one on prefill-shaped steps (checked against each other first), then the
                 # chunked kernel's tests compiled for CUDA
