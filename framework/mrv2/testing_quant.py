@@ -71,7 +71,7 @@ def is_stacked_experts(name: str, tensor: torch.Tensor) -> bool:
 
 def gptq_checkpoint(src: str | Path, dst: str | Path, reference: str | Path, *, bits: int = 4,
                     group_size: int = 32, desc_act: bool = False, sym: bool = True,
-                    seed: int = 0, experts: bool = False) -> None:
+                    seed: int = 0, experts: bool = False, lm_head: bool = False) -> None:
     """Save ``src`` as a GPTQ checkpoint (``checkpoint_format: "gptq"``, i.e. "v1") in ``dst``
     and its dequantized twin in ``reference``.
 
@@ -90,7 +90,8 @@ def gptq_checkpoint(src: str | Path, dst: str | Path, reference: str | Path, *, 
     ``perm[i]`` is in group ``i // group_size``. Otherwise column ``k`` is in group
     ``k // group_size``. ``group_size=-1``: one group of all ``K``. ``experts``: quantize the
     routed experts too, one layer per expert and projection (see the module docstring), with
-    the same per-``K`` permutation.
+    the same per-``K`` permutation. ``lm_head``: quantize ``lm_head.weight`` too
+    (``quantization_config.lm_head: true``, as GPTQModel writes it).
 
     Asymmetric zero points are kept in ``[1, 2**bits - 1]``: a stored ``zero - 1`` never wraps,
     so kernels that add one back with or without masking read the same zero.
@@ -118,7 +119,9 @@ def gptq_checkpoint(src: str | Path, dst: str | Path, reference: str | Path, *, 
     _rewrite(src, dst, reference, quantize, {
         "quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act,
         "sym": sym, "checkpoint_format": "gptq", "static_groups": False,
-        "true_sequential": True, "damp_percent": 0.01}, experts)
+        "true_sequential": True, "damp_percent": 0.01,
+        **({"lm_head": True} if lm_head else {})}, experts,
+        extra=("lm_head.weight",) if lm_head else ())
 
 
 def awq_checkpoint(src: str | Path, dst: str | Path, reference: str | Path, *,
@@ -281,15 +284,17 @@ def _mxfp4_experts(name: str, t: torch.Tensor, quantized: dict[str, torch.Tensor
 
 
 def _rewrite(src: str | Path, dst: str | Path, reference: str | Path, quantize: _Quantizer,
-             quant_config: dict[str, Any], experts: bool) -> None:
+             quant_config: dict[str, Any], experts: bool, extra: tuple[str, ...] = ()
+             ) -> None:
     """Copy ``src`` to ``dst`` and ``reference``, quantize its weights (with ``experts``, the
-    routed experts too, split per expert if stacked) into ``dst`` and their dequantized values
-    into ``reference``, and set ``dst``'s ``quantization_config``."""
+    routed experts too, split per expert if stacked; the 2-D weights named in ``extra`` too)
+    into ``dst`` and their dequantized values into ``reference``, and set ``dst``'s
+    ``quantization_config``."""
     def convert(name: str, t: torch.Tensor, quantized: dict[str, torch.Tensor]
                 ) -> torch.Tensor:
         if experts and is_stacked_experts(name, t):
             return _quantize_stacked_experts(name, t, quantize, quantized)
-        if is_quantized_weight(name, t, experts=experts):
+        if is_quantized_weight(name, t, experts=experts) or name in extra:
             packed, real = quantize(name, t)
             quantized.update(packed)
             return real

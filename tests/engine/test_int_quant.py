@@ -69,6 +69,57 @@ def test_int_checkpoint_matches_hf_on_dequantized_weights(tmp_path: Path, case: 
     assert _greedy(llm) == expected
 
 
+@pytest.mark.parametrize("desc_act", [False, True])
+def test_gptq_quantized_lm_head_matches_hf_on_dequantized_weights(tmp_path: Path,
+                                                                  desc_act: bool) -> None:
+    """``quantization_config.lm_head: true`` (GPTQModel): the LM head's ``qweight`` /
+    ``scales`` / ``qzeros`` / ``g_idx`` load (vLLM runs them), the head holds exactly the
+    dequantized weight, and the tokens are HF's on the dequantized checkpoint."""
+    src = make_tiny_checkpoint(tmp_path / "src", "Qwen3ForCausalLM", tie_word_embeddings=False)
+    gptq_checkpoint(src, tmp_path / "q", tmp_path / "ref", bits=4, group_size=16, sym=False,
+                    desc_act=desc_act, lm_head=True)
+    assert "lm_head.qweight" in load_file(tmp_path / "q" / "model.safetensors")
+    llm = _llm(tmp_path / "q")
+    ref = load_file(tmp_path / "ref" / "model.safetensors")
+    torch.testing.assert_close(llm.engine.runner.model.lm_head.weight, ref["lm_head.weight"],
+                               rtol=0, atol=0)
+    expected = [hf_greedy(tmp_path / "ref", p, 8) for p in PROMPTS]
+    assert _greedy(llm) == expected
+
+
+def test_quantized_lm_head_rank_rows(tmp_path: Path) -> None:
+    """Under tensor parallelism each rank's quantized LM head holds its rows of the
+    dequantized head (zeros past the vocabulary); a tied head is refused by name."""
+    from mrv2.distributed.parallel_state import as_rank
+    from mrv2.layers.embedding import LMHead, VocabEmbedding
+    from mrv2.layers.int_quant import int_lm_head
+
+    src = make_tiny_checkpoint(tmp_path / "src", "Qwen3ForCausalLM", tie_word_embeddings=False,
+                               vocab_size=200)
+    gptq_checkpoint(src, tmp_path / "q", tmp_path / "ref", bits=4, group_size=16, sym=False,
+                    desc_act=True, lm_head=True)
+    tensors = load_file(tmp_path / "q" / "model.safetensors")
+    want = load_file(tmp_path / "ref" / "model.safetensors")["lm_head.weight"]
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    quant = int_quant_config_of(type("C", (), {"quantization_config":
+                                               config["quantization_config"]})(), None)
+    assert quant is not None
+    for rank in range(3):
+        with as_rank(rank, 3):
+            head = int_lm_head(LMHead(200, 64), quant)
+        params = dict(head.named_parameters())
+        for role in ("qweight", "scales", "qzeros", "g_idx"):
+            param = params[role]
+            param.weight_loader(param, tensors[f"lm_head.{role}"])  # type: ignore[attr-defined]
+        head.process_weights_after_loading()
+        rows = head.weight.shape[0]  # 67: the last rank's last row is padding
+        part = want[rank * rows:(rank + 1) * rows]
+        torch.testing.assert_close(head.weight[: part.shape[0]], part, rtol=0, atol=0)
+        assert not head.weight[part.shape[0]:].any()
+    with pytest.raises(ValueError, match="quantization_config.lm_head"):
+        int_lm_head(LMHead(200, 64, tied_to=VocabEmbedding(200, 64)), quant)
+
+
 def test_gptq_without_g_idx_and_symmetric_zeros_loads(tmp_path: Path) -> None:
     """A GPTQ checkpoint may leave out ``g_idx`` (inputs in order) and, when symmetric,
     ``qzeros`` (midpoints): the layers fill them in."""

@@ -96,7 +96,8 @@ def int_quant_config_of(hf_config: Any, requested: str | None) -> IntQuantConfig
     """The integer-weight setting of a model: its ``quantization_config`` when that is GPTQ,
     AWQ or compressed-tensors (what mrv2 runs of them, else a ValueError naming the field), a
     random-weight setting for a ``requested`` integer method (usable with
-    ``load_format="dummy"`` only, checked at build), else None."""
+    ``load_format="dummy"`` only, checked at build), else None (so for a compressed-tensors
+    checkpoint whose only scheme is ``kv_cache_scheme``: model-dtype weights)."""
     method = quant_method_of(hf_config)
     if method not in CHECKPOINT_METHODS:
         if requested in INT_METHODS and method is not None:
@@ -113,6 +114,8 @@ def int_quant_config_of(hf_config: Any, requested: str | None) -> IntQuantConfig
         raise ValueError(f"quantization={requested!r}: the checkpoint is {method!r} "
                          f"(leave quantization unset)")
     get = _getter(hf_config.quantization_config)
+    if method == "compressed-tensors" and not get("config_groups") and get("kv_cache_scheme"):
+        return None  # KV-cache scales only: model-dtype weights (check_kv_cache_scales)
     if method == "compressed-tensors":
         return _compressed_tensors(get)
     if method == "mxfp4":

@@ -207,6 +207,7 @@ def build_model(
     from mrv2.layers.int_quant import fill_int_defaults, log_int_memory
     from mrv2.layers.int_quant_config import int_quant_config_of
     from mrv2.model_loader.classification import add_score_head, is_classifier, score_from_tokens
+    from mrv2.model_loader.loader import check_kv_cache_scales
 
     architectures = list(getattr(hf_config, "architectures", None) or [])
     if not architectures:
@@ -215,6 +216,8 @@ def build_model(
     entry = registries.resolve_model(architectures)  # (a classifier: its causal LM's)
     model_cls = import_object(entry.model)
     dummy = config.model.load_format == "dummy"
+    if not dummy:  # (before anything is built: a setting the checkpoint's scales refuse)
+        check_kv_cache_scales(model_dir, config.cache.kv_cache_dtype)
     fp8 = fp8_config_of(hf_config, config.model.quantization)
     int_quant = int_quant_config_of(hf_config, config.model.quantization)
     if int_quant is not None and not int_quant.from_checkpoint and not dummy:

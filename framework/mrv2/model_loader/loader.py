@@ -11,6 +11,7 @@ and are re-exported here).
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import struct
 from collections.abc import Iterable, Iterator
@@ -33,6 +34,17 @@ from mrv2.layers.weights import (  # noqa: F401 (re-exported: mrv2.model_loader'
 )
 
 INDEX_FILE = "model.safetensors.index.json"
+logger = logging.getLogger(__name__)
+
+#: Name endings of a checkpoint's per-layer KV-cache (and attention) quantization scales:
+#: FP8 / ModelOpt checkpoints' ``self_attn.k_scale`` (or ``self_attn.attn.k_scale``, the
+#: deprecated ``kv_scale``), compressed-tensors' ``kv_cache_scheme`` (``k_proj.output_scale``
+#: in older files). mrv2's KV cache stores keys and values unscaled: no model has parameters
+#: for them (:func:`load_model_weights` leaves them out, :func:`check_kv_cache_scales` refuses
+#: an fp8 cache they would scale).
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale", ".q_scale", ".prob_scale",
+                     ".k_proj.output_scale", ".v_proj.output_scale", ".q_proj.output_scale",
+                     ".prob_output_scale")
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
     if not model_dir.is_dir():
@@ -70,6 +82,35 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
     first iteration) if there are none.
     """
     return _iter_files(_safetensors_files(Path(model_dir)))
+
+
+def is_kv_cache_scale(name: str) -> bool:
+    """Whether checkpoint tensor ``name`` is a KV-cache scale (:data:`KV_SCALE_SUFFIXES`)."""
+    return name.endswith(KV_SCALE_SUFFIXES)
+
+
+def check_kv_cache_scales(model_dir: str | Path, kv_cache_dtype: str) -> None:
+    """With an fp8 KV cache (``kv_cache_dtype`` not ``"auto"``), a ValueError if the
+    checkpoint in ``model_dir`` holds KV-cache scales other than 1: vLLM divides keys and
+    values by them before the fp8 cast, mrv2's fp8 cache does not (its kernels take no
+    per-layer scales), so the cache would hold other values than the checkpoint was
+    calibrated for. Scales of 1 are what mrv2 applies; the model-dtype cache needs none."""
+    if kv_cache_dtype == "auto":
+        return
+    scales: list[str] = []
+    for path in _safetensors_files(Path(model_dir)):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in list(f.keys()):
+                if is_kv_cache_scale(name) and not bool(
+                        (f.get_tensor(name).float() == 1.0).all()):
+                    scales.append(name)
+    if scales:
+        shown = ", ".join(sorted(scales)[:4]) + (", ..." if len(scales) > 4 else "")
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r}: the checkpoint in {str(model_dir)!r} holds "
+            f"{len(scales)} KV-cache scale tensor(s) other than 1 ({shown}), and mrv2's fp8 KV "
+            f"cache stores keys and values unscaled (it cannot apply per-layer k/v scales). "
+            f"Use kv_cache_dtype='auto' (the model's dtype: the scales are not needed)")
 
 
 def checkpoint_names(model_dir: str | Path) -> list[str]:
@@ -128,7 +169,8 @@ def load_model_weights(
 ) -> set[str]:
     """Run ``model.load_weights(weights)``; with ``strict``, fail if any parameter was not loaded
     but those named in ``optional``, or if a fused parameter got some of its checkpoint tensors
-    but not all (``q_proj`` and ``v_proj`` but no ``k_proj``).
+    but not all (``q_proj`` and ``v_proj`` but no ``k_proj``). KV-cache scales
+    (:func:`is_kv_cache_scale`) are left out, with a log line.
 
     Returns the names of the parameters that were loaded.
     """
@@ -143,8 +185,23 @@ def load_model_weights(
         # a pooling engine's LM head is gone: the checkpoint's is not read (a tied one's name
         # fills the embedding, the model's rename says so)
         weights = ((name, t) for name, t in weights if name != "lm_head.weight")
+    skipped: list[str] = []
+
+    def without_kv_scales(tensors: Iterable[tuple[str, torch.Tensor]]
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in tensors:
+            if is_kv_cache_scale(name):
+                skipped.append(name)
+            else:
+                yield name, tensor
+
     with shard_coverage() as coverage:
-        loaded: set[str] = load_weights(weights)
+        loaded: set[str] = load_weights(without_kv_scales(weights))
+    if skipped:
+        logger.info("%d KV-cache scale tensor(s) of the checkpoint (%s%s) are not used: "
+                    "mrv2's KV cache stores keys and values unscaled (kv_cache_dtype='auto': "
+                    "in the model dtype; an fp8 cache refuses scales other than 1)",
+                    len(skipped), skipped[0], ", ..." if len(skipped) > 1 else "")
     if not strict:
         return loaded
     missing = sorted(name for name, p in model.named_parameters()
