@@ -210,3 +210,25 @@ def test_a_request_kept_through_an_update_caches_none_of_its_old_kv(tmp_path: Pa
     assert engine.block_manager.num_hit_tokens == 12  # the new request's 3 blocks only
     assert got == _llm(b).generate(longer, params, use_tqdm=False)[0].outputs[0].token_ids
     assert engine.block_manager.usage == 0
+
+
+@pytest.mark.parametrize("mode", ["keep", "recompute"])
+def test_a_pause_that_ends_the_last_request_frees_its_row(checkpoints: tuple[Path, Path],
+                                                          mode: str) -> None:
+    """The last request's last token in flight when the engine pauses: the pause processes
+    it, the request ends, and its runner row is freed then, as an abort or an idle step
+    frees it (the row stayed held until some later request's step)."""
+    llm = _llm(checkpoints[0])
+    engine = llm.engine
+    req_id = engine.add_request([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3,
+                                                          ignore_eos=True))
+    request = engine._requests[req_id].request
+    while request.num_output_tokens < 3:  # (the last token is sampled, not yet read)
+        engine.step()
+    assert engine._in_flight and len(engine.runner.table) == 1
+    llm.pause_generation(mode)
+    assert engine.is_paused() and not engine.has_unfinished()
+    assert len(engine.runner.table) == 0
+    (out,) = engine.step()
+    assert out.finished and len(out.outputs[0].token_ids) == 3
+    llm.continue_generation()

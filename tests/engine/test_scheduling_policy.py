@@ -130,6 +130,30 @@ def test_engine_priority_and_overload(llm: LLM) -> None:
     assert stats["num_running"] == stats["num_waiting"] == 0 and stats["kv_usage"] == 0.0
 
 
+def test_samples_of_a_request_are_queued_all_or_none(llm: LLM) -> None:
+    """``n=2`` with room for one more request in the waiting queue: refused whole, nothing
+    queued, its id free for the retry. The first sample was queued, then the second refused:
+    the first ran for nobody (its output merged into a parent that never completed) and the
+    id stayed in use for good."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    engine.add_request([1, 2, 3], params, request_id="x")
+    engine.add_request([4, 5, 6], params, request_id="y")
+    two = SamplingParams(temperature=0.0, max_tokens=3, n=2)
+    with pytest.raises(RuntimeError, match="waiting queue full"):
+        engine.add_request([7, 8], two, request_id="w")
+    assert [r.req_id for r in engine.scheduler.waiting] == ["x", "y"]
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert sorted(o.request_id for o in outputs) == ["x", "y"]
+    engine.add_request([7, 8], two, request_id="w")  # (the retry)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert [(o.request_id, len(o.outputs)) for o in outputs] == [("w", 2)]
+
+
 def test_one_token_left_in_the_budget_never_ends_a_step_inside_an_image() -> None:
     """A running request at the start of a bidirectional image of 2 tokens, with 1 token of
     budget left after two decodes: it waits rather than computing half the image (the
@@ -148,6 +172,33 @@ def test_one_token_left_in_the_budget_never_ends_a_step_inside_an_image() -> Non
     assert steps[3] == {"a": 1, "b": 1}  # (img at 3: one token would end inside the image)
     whole = [s.get("img", 0) for s in steps].index(2)  # the image whole, after a and b end
     assert all("img" not in s for s in steps[3:whole])
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_an_image_waiting_for_room_is_not_starved_by_later_decodes(policy: str) -> None:
+    """A running request at a bidirectional image as long as the budget, under a steady
+    load of short requests: once the decodes admitted before it end, it takes the image
+    whole. The decodes went first every step, and the requests admitted after it (with the
+    budget the skipped image left) were decodes too: the image never ran."""
+    from mrv2.contract.requests import MultiModalItem
+
+    scheduler = _scheduler(policy, max_num_batched_tokens=3)
+    scheduler.add(_request("a", 1, max_tokens=6, first=10))
+    _step(scheduler)
+    image = _request("img", 4, first=50, max_tokens=2)
+    image.mm_items = [MultiModalItem("image", None, "h", 1, 3, bidirectional=True)]
+    scheduler.add(image)
+    scheduled = []
+    for i in range(40):
+        if i % 2 == 0:  # (a load the budget serves: the queue stays short)
+            scheduler.add(_request(f"x{i}", 1, max_tokens=4, first=20 + i % 9))
+        scheduled.append(_step(scheduler).num_scheduled_tokens.get("img", 0))
+        for request in list(scheduler.running):
+            if request.num_output_tokens >= request.max_tokens:
+                scheduler.finish(request, "length")
+        assert len(scheduler.waiting) <= 1
+    assert scheduled[0] == 1  # its first token, then the image whole once "a" is done
+    assert 3 in scheduled[:8] and image.finished
 
 
 def test_a_request_the_pool_holds_with_the_lookahead_is_scheduled() -> None:

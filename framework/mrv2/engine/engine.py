@@ -294,6 +294,7 @@ class LLMEngine(WeightOps):
         params = prepare_params(params, self.eos_token_ids, self.tokenizer,
                                 len(prompt_token_ids))
         if params.n > 1:  # n sub-requests, merged into one output by self._fanout
+            self.scheduler.check_room(params.n)  # (a part queued would run for nobody)
             children = [(c, params.child(i, derive_seed(seed, i))) for i, c in
                         enumerate(self._fanout.add(req_id, params.n, stream))]
             for child, child_params in children:

@@ -58,6 +58,10 @@ class Request:
     """Whether the request's last scheduled step samples a token: only then has the drafter
     written drafts after it for the next step to verify (a prompt whose last token is alone
     in a step, after a chunk that did not sample, verifies none)."""
+    waits_for_item: bool = False
+    """Whether its last step skipped it: its next chunk starts a bidirectional multimodal
+    item that did not fit the budget the decodes left (the scheduler then orders it with
+    the decodes)."""
     num_preemptions: int = 0
     first_token_time: float | None = None
     priority: int = 0

@@ -93,12 +93,17 @@ class Scheduler:
     def _by_priority(self) -> bool:
         return self.config.policy == "priority"
 
-    def add(self, request: Request) -> None:
-        """Queue a request (already validated by the engine)."""
-        if len(self.waiting) >= self.config.max_waiting:
+    def check_room(self, num_requests: int = 1) -> None:
+        """RuntimeError unless the waiting queue takes ``num_requests`` more (the ``n``
+        samples of one request are queued all or none)."""
+        if len(self.waiting) + num_requests > self.config.max_waiting:
             raise RuntimeError(
                 f"waiting queue full ({self.config.max_waiting} requests); retry later"
             )
+
+    def add(self, request: Request) -> None:
+        """Queue a request (already validated by the engine)."""
+        self.check_room()
         request.arrival_index = next(self._arrivals)
         self._enqueue(request, front=False)
 
@@ -138,11 +143,16 @@ class Scheduler:
 
     def _running_order(self) -> list[Request]:
         """Decodes (one token left to compute) before prefill chunks, so a flood of prefills
-        never starves them; within each group by priority or admission order."""
+        never starves them; within each group by priority or admission order. A prefill
+        whose next bidirectional item did not fit what the decodes left of the budget goes
+        with the decodes, in their order: decodes of requests admitted after it would
+        otherwise take that room every step, forever under a steady load."""
         if self._by_priority:
             return sorted(self.running, key=lambda r: (
-                r.num_tokens - r.num_computed_tokens > 1, r.priority, r.arrival_index))
-        return sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+                r.num_tokens - r.num_computed_tokens > 1 and not r.waits_for_item,
+                r.priority, r.arrival_index))
+        return sorted(self.running, key=lambda r: (
+            r.num_tokens - r.num_computed_tokens > 1 and not r.waits_for_item))
 
     def _pick_victim(self) -> Request:
         if self._by_priority:
@@ -246,7 +256,7 @@ class Scheduler:
         self._release(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
-        request.sampled_last_step = False
+        request.sampled_last_step = request.waits_for_item = False
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._preempted_now.add(request.req_id)
@@ -306,6 +316,7 @@ class Scheduler:
             if request.mm_items and request.num_computed_tokens < request.num_prompt_tokens:
                 # (no step ends inside a bidirectional item, a one-token step neither)
                 n = request.chunk_size(request.num_computed_tokens, n)
+                request.waits_for_item = n <= 0
             if n <= 0:
                 continue
             drafts = (self._num_drafts(request, budget)

@@ -276,6 +276,8 @@ class WeightOps:
             self.scheduler.preempt_all()
         elif mode == "abort":
             self._held.extend(self._abort_all())
+        if not self.has_unfinished():  # (the last requests ended in those steps: rows too)
+            self.runner.remove_requests(self.scheduler.take_finished_ids())
         self._paused = True
 
     def _drain_if_done(self) -> None:
