@@ -213,10 +213,21 @@ def test_prompt_context_keeps_leading_space(decode_stream: bool) -> None:
     context.add_tokens(output)
     assert context.output_text == " Paris"
     assert context.output_token_ids == output
-    # A prompt ending in a byte-fallback run is no context: the output could continue the run.
+    # A prompt ending in a byte-fallback run (Llama-2's "\n" is <0x0A>): the run is no
+    # context (the output could continue it), the tokens before it are, so "Paris" keeps its
+    # space, as in the decode of prompt + output.
     ending = prompt + tok.encode("가", add_special_tokens=False)
     assert ending[-1] in tok.byte_fallback_ids
+    assert tok.decode(ending + output).endswith("가 Paris")
     det = _detok(tok, decode_stream, ending, use_prompt_context=True)
+    det.add_tokens(output)
+    assert det.output_text == " Paris" and det.output_token_ids == output
+    # The output going on with bytes: they decode after the context, the prompt's run apart.
+    more = [int(tok.hf.get_vocab()[f"<0x{b:02X}>"]) for b in "나".encode()]
+    det = _detok(tok, decode_stream, ending, use_prompt_context=True)
+    assert det.add_tokens(more + output) == "나 Paris"
+    # Nothing but a byte run near the end of the prompt: no context.
+    det = _detok(tok, decode_stream, more * 50, use_prompt_context=True)
     det.add_tokens(output)
     assert det.output_text == "Paris"
 
@@ -319,6 +330,68 @@ def test_stop_strings_agree_across_paths(tok: Tokenizer) -> None:
         assert not any(s in full[:start] for s in stops)  # none occurs wholly before it
 
 
+def _stop_reference(tok: Tokenizer, context: list[int], out: list[int], stops: list[str],
+                    include: bool, min_tokens: int) -> tuple[int, str, str | None]:
+    """vLLM's stop rule on the decode: the first token k > min_tokens whose text (the decode
+    of the output so far, after ``context``) holds a stop string ending past the text of the
+    first min_tokens tokens (a character still incomplete there is not in it); the earliest
+    such match is cut. Returns (tokens fed, text, stop string)."""
+    base = tok.decode(context)
+
+    def text(k: int) -> str:
+        return tok.decode(context + out[:k])[len(base) :]
+
+    boundary = len(text(min_tokens).rstrip("\ufffd")) if min_tokens else 0
+    for k in range(min_tokens + 1, len(out) + 1):
+        found = [(text(k).find(s, max(0, boundary - len(s) + 1)), s) for s in stops]
+        hits = sorted((i, n, s) for n, (i, s) in enumerate(found) if i != -1)
+        if hits:
+            index, _, stop = hits[0]
+            return k, text(k)[: index + (len(stop) if include else 0)], stop
+    return len(out), text(len(out)), None
+
+
+@pytest.mark.parametrize("name", ["byte_level_bpe", "sentencepiece_llama", "char_level"])
+def test_stop_strings_match_the_reference(name: str) -> None:
+    """Random text (CJK, emoji, byte-fallback runs), random stop strings taken from it,
+    min_tokens and include_stop_str_in_output, fed as the engine feeds (one token a call, a
+    prompt as context, text streamed every 1-3 tokens with the hold-back): where it stops,
+    its text and stop string are the reference's, and the streamed deltas add up to it."""
+    tok = _get(name)
+    rng = random.Random(17)
+    pieces = ["Hello", " world", " 東京", " 😀", "\n", " STOP", " naïve", "가나", ", ", "the"]
+    for _ in range(60):
+        prompt = tok.encode(rng.choice(["Hi there", "The capital is", ""]),
+                            add_special_tokens=False)
+        out = tok.encode("".join(rng.choice(pieces) for _ in range(rng.randrange(1, 12))),
+                         add_special_tokens=False)
+        full = tok.decode(out)
+        if not full:  # (char_level has no CJK: <unk>)
+            continue
+        starts = [rng.randrange(len(full)) for _ in range(rng.randrange(1, 4))]
+        stops = [full[b : b + rng.randrange(1, 6)] for b in starts] + ["not in the text"]
+        include, min_tokens = rng.random() < 0.5, rng.choice([0, 0, 1, 2, 4])
+        hold = 0 if include else max(map(len, stops)) - 1
+        for decode_stream in (True, False):
+            det = _detok(tok, decode_stream, prompt, use_prompt_context=True)
+            streamed, fed = [], 0
+            for fed, i in enumerate(out, 1):
+                det.add_tokens([i])
+                if fed == min_tokens:
+                    det.skip_stop_check()
+                if fed > min_tokens and det.check_stop(stops, include) is not None:
+                    break
+                if rng.random() < 0.5:
+                    streamed.append(det.stream_delta(holdback=hold))
+            det.flush()
+            streamed.append(det.stream_delta(finished=True))
+            context = det._ids[: det._num_context]
+            case = (prompt, out, stops, include, min_tokens, decode_stream)
+            assert (fed, det.output_text, det.stop_reason) == _stop_reference(
+                tok, context, out, stops, include, min_tokens), case
+            assert "".join(streamed) == det.output_text, case
+
+
 @pytest.mark.parametrize("include", [False, True])
 def test_stop_string_in_a_held_byte_run(decode_stream: bool, include: bool) -> None:
     """A stop string whose text is still held (a byte run waits for the token that ends it)
@@ -335,6 +408,32 @@ def test_stop_string_in_a_held_byte_run(decode_stream: bool, include: bool) -> N
     assert det.flush() == "" and det.stream_delta(finished=True) == det.output_text
 
 
+def test_stop_strings_in_a_held_multibyte_run(decode_stream: bool) -> None:
+    """A held run mid-character decodes to U+FFFDs (ByteFallback), which the check skips
+    decoding: "다" stops on the byte that completes it, not before; a stop string holding
+    U+FFFD still finds the U+FFFDs of a run that stays invalid (a stray byte)."""
+    tok = _get("sentencepiece_llama")
+    vocab = tok.hf.get_vocab()
+    run = [int(vocab[f"<0x{b:02X}>"]) for b in "가나다라".encode()]
+    det = _detok(tok, decode_stream)
+    det.add_tokens(tok.encode("Hi", add_special_tokens=False))
+    found = []
+    for i in run:
+        det.add_tokens([i])
+        found.append(det.check_stop(["다", "xyz"]))
+        if found[-1]:
+            break
+    assert found == [None] * 8 + ["다"] and det.output_text == "Hi가나"
+    stray = [int(vocab["<0xE4>"]), *run[:2]]
+    det = _detok(tok, decode_stream)
+    det.add_tokens(tok.encode("Hi", add_special_tokens=False))
+    for i in stray:
+        det.add_tokens([i])
+        if det.check_stop(["\ufffd\ufffd\ufffd"], True):
+            break
+    assert det.stop_reason == "\ufffd\ufffd\ufffd" and det.output_text == "Hi" + "\ufffd" * 3
+
+
 def test_stop_search_region_is_bounded() -> None:
     """Only the last delta and len(stop) - 1 characters before it are searched."""
     tok = _get("char_level")
@@ -347,6 +446,69 @@ def test_stop_search_region_is_bounded() -> None:
     det.add_tokens(tok.encode("D!", add_special_tokens=False))  # completes "END" across deltas
     assert det.check_stop(["END"]) == "END"
     assert det.output_text == "aaa END bbb ccc"
+
+
+def test_a_short_stop_string_is_not_matched_in_text_before_the_new_text() -> None:
+    """vLLM's search, per stop string: a match ends in the new text. A longer stop string in
+    the list must not widen the search of a short one into text of unchecked tokens (under
+    min_tokens): "o" of "fo" (token 2, under min_tokens=2) is not a match, "o" of token 3
+    is, and the text is cut there, not at the earlier "o"."""
+    tok = _get("char_level")
+    for decode_stream in (True, False):
+        det = _detok(tok, decode_stream)
+        ids = tok.encode("foo bar", add_special_tokens=False)
+        det.add_tokens(ids[:1])
+        det.add_tokens(ids[1:2])
+        det.skip_stop_check()  # min_tokens=2: "fo" is out, unchecked
+        det.add_tokens(ids[2:3])
+        assert det.check_stop(["o", "a long one"]) == "o"
+        assert det.output_text == "fo"
+
+
+def _feed_after_min_tokens(
+    tok: Tokenizer, ids: list[int], min_tokens: int, stops: list[str], include: bool = False,
+    decode_stream: bool = True,
+) -> tuple[IncrementalDetokenizer, list[str | None]]:
+    """Feed ``ids`` one at a time as the engine does under ``min_tokens``: no check up to it
+    (``skip_stop_check`` on its last token), a check after each later token, until a match."""
+    det = _detok(tok, decode_stream)
+    found: list[str | None] = []
+    for n, i in enumerate(ids, 1):
+        det.add_tokens([i])
+        if n == min_tokens:
+            det.skip_stop_check()
+        elif n > min_tokens:
+            found.append(det.check_stop(stops, include))
+            if found[-1] is not None:
+                break
+    return det, found
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_min_tokens_boundary_for_stop_strings(include: bool) -> None:
+    """A stop string that ends in the text of the first min_tokens tokens does not count (as
+    vLLM's), even where a longer stop string would reach back over it; one that begins there
+    and ends later does."""
+    tok = _get("char_level")
+    ids = tok.encode("abxab", add_special_tokens=False)
+    det, found = _feed_after_min_tokens(tok, ids, 2, ["ab", "b", "xa", "a long stop"], include)
+    assert found == [None, "xa"]  # "xa" begins in checked text and ends in token 4's
+    assert det.output_text == ("abxa" if include else "ab")
+    det, found = _feed_after_min_tokens(tok, ids, 2, ["b", "a long stop"], include)
+    assert found == [None, None, "b"]  # the "b" of "ab" under min_tokens is no match
+    assert det.output_text == ("abxab" if include else "abxa")
+
+
+def test_min_tokens_boundary_after_an_incomplete_character() -> None:
+    """min_tokens ends on the first byte-level token of "가" (three tokens): the character is
+    not complete yet (held as U+FFFD), so the token that completes it is after the boundary
+    and "가" stops the request there."""
+    tok = _get("byte_level_bpe")
+    ids = tok.encode("가", add_special_tokens=False)
+    assert len(ids) == 3
+    for decode_stream in (True, False):
+        det, found = _feed_after_min_tokens(tok, ids, 1, ["가"], decode_stream=decode_stream)
+        assert found == [None, "가"] and det.output_text == ""
 
 
 def test_stop_not_checked_on_empty_delta() -> None:

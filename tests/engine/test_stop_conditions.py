@@ -106,6 +106,28 @@ def test_min_tokens_defers_stop(llm: LLM, free_run: list[int]) -> None:
     assert free_run[i] not in out.token_ids[: i + 2]
 
 
+def test_min_tokens_and_stop_strings(llm: LLM, free_run: list[int]) -> None:
+    """vLLM's rule: with ``min_tokens=k`` a stop string that ends in the text of the first k
+    tokens does not stop the request (it stopped on token k), nor does a longer stop string
+    beside it make the next token's check look back into that text; with ``k - 1`` it
+    stops on token k."""
+    tokenizer = llm.get_tokenizer()
+    texts = [tokenizer.decode(free_run[:k]) for k in range(17)]
+    full = texts[16]
+    k, stop = next((k, texts[k][-1]) for k in range(2, 8)
+                   if len(texts[k - 1]) < len(texts[k]) < len(texts[k + 1])
+                   and full.count(texts[k][-1]) == 1 and texts[k][-1] != "\ufffd")
+    for stops in ([stop], [stop, "a stop string longer than the rest"]):
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=stops,
+                                min_tokens=k)
+        out = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+        assert (out.token_ids, out.text, out.finish_reason) == (free_run, full, "length")
+        params.min_tokens = k - 1
+        out = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+        assert (out.token_ids, out.text) == (free_run[:k], texts[k][:-1])
+        assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+
+
 def test_eos_from_generation_config(ckpt: Path, free_run: list[int], tmp_path: Path) -> None:
     i = _first_new(free_run, 3)
     copy = tmp_path / "ckpt"
@@ -170,6 +192,12 @@ def test_a_sentencepiece_answer_keeps_its_leading_space(tmp_path: Path) -> None:
         params = SamplingParams(temperature=0, max_tokens=1, allowed_token_ids=[allowed])
         out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
         assert out.text == want
+    # after a prompt that ends in a byte-fallback run (Llama-2's "\n" is <0x0A>) too
+    ids = tokenizer.encode(prompt + " 가")
+    assert ids[-1] in tokenizer.byte_fallback_ids
+    params = SamplingParams(temperature=0, max_tokens=1, allowed_token_ids=[vocab["\u2581Pa"]])
+    out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0]
+    assert out.text == " Pa" == tokenizer.decode(ids + out.token_ids)[len(tokenizer.decode(ids)):]
 
 
 def test_abort_frees_everything_and_spares_others(llm: LLM, free_run: list[int]) -> None:

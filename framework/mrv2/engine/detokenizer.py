@@ -93,6 +93,10 @@ class IncrementalDetokenizer:
         self._skipped_ids = (
             frozenset(tokenizer.all_special_ids) if skip_special_tokens else frozenset()
         )
+        # {id: byte} where the decoder is ByteFallback (see _held_run_is_invalid)
+        self._byte_values = tokenizer.byte_fallback_values
+        if not self._byte_values.keys().isdisjoint(self._skipped_ids):
+            self._byte_values = {}
         self._num_ids = tokenizer.vocab_size  # ids past it (a padded embedding's) decode to ""
         # Context ids followed by output ids; the decoder has seen ``_ids[:_fed]`` (the rest is
         # a held byte run), and its window is ``_ids[_prefix_offset:]``.
@@ -102,11 +106,13 @@ class IncrementalDetokenizer:
         self._read_offset = 0
         self._fed = 0
         self._byte_run = 0  # byte-fallback tokens in the run the last tokens belong to
+        self._run_start = 0  # where that run begins in _ids (when _byte_run > 0)
         if use_prompt_context and self.prompt_token_ids:
-            context = self.prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]
+            end = self._context_end(self.prompt_token_ids)
+            context = self.prompt_token_ids[max(0, end - _PROMPT_CONTEXT_TOKENS) : end]
             # A prompt ending mid-character, or in a byte run the output may continue, cannot
             # serve as context: its text would not be a prefix of the text with the output.
-            if not (self._ends_in_byte_run(context)
+            if context and not (self._ends_in_byte_run(context)
                     or self._decode(context).endswith(_REPLACEMENT_CHAR)):
                 self._ids = list(context)
                 self._num_context = self._read_offset = self._fed = len(context)
@@ -124,6 +130,9 @@ class IncrementalDetokenizer:
         self._length = 0  # len(output_text)
         self._stream_offset = 0  # output_text already handed out by stream_delta
         self._delta_start = 0  # where the text of the last add_tokens/flush call starts
+        self._no_stop_before = 0  # no stop string may end at or before this (min_tokens)
+        self._held_key = (0, 0)  # (prefix, read offsets) of _held_prefix: its text's length
+        self._held_prefix = 0
         self.stop_reason: str | None = None
 
     # -- token ids -> text ----------------------------------------------------------------
@@ -173,6 +182,21 @@ class IncrementalDetokenizer:
                 return token_id in self._byte_ids
         return False
 
+    def _context_end(self, prompt: list[int]) -> int:
+        """Where the prompt's decoding context ends: at its end, or, when it ends in a byte
+        run (Llama-2's "\\n" is ``<0x0A>``), before that run, which the output may continue
+        (its text is the prompt's either way): the tokens before it are still context, so
+        the first output word keeps its leading space after such a prompt (as vLLM's, and
+        as the decode of prompt + output). 0 where no token before the run is near."""
+        in_run = False
+        for i in range(len(prompt) - 1, max(-1, len(prompt) - 4 * _MAX_BYTE_RUN - 1), -1):
+            if self._invisible(prompt[i]):
+                continue
+            if prompt[i] not in self._byte_ids:
+                return i + 1 if in_run else len(prompt)
+            in_run = True
+        return 0 if in_run else len(prompt)
+
     def add_tokens(self, new_ids: Sequence[int]) -> str:
         """Append output ids; return the text they finalize (maybe "", e.g. mid-character).
 
@@ -187,6 +211,8 @@ class IncrementalDetokenizer:
             token_id = int(token_id)
             ids.append(token_id)
             if token_id in self._byte_ids:
+                if not self._byte_run:
+                    self._run_start = len(ids) - 1
                 self._byte_run += 1
                 if self._byte_run < _MAX_BYTE_RUN:
                     continue  # held: a later byte may still change how the run decodes
@@ -240,6 +266,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset
         self._read_offset = self._fed = len(self._ids)
         self._byte_run = 0
+        self._byte_values = {}  # (a later run may join this tail's in the window)
         self._stream = None  # it has not seen this tail: any later ids go through windows
         self._delta_start = self._length
         self._append(delta)
@@ -252,8 +279,10 @@ class IncrementalDetokenizer:
             return ""
         window = self._ids[self._prefix_offset :]
         read = self._read_offset - self._prefix_offset
-        prefix_text = self._decode(window[:read]) if read else ""
-        return self._decode(window)[len(prefix_text) :]
+        key = (self._prefix_offset, self._read_offset)
+        if self._held_key != key:  # the prefix's text is the same while a run is held
+            self._held_key, self._held_prefix = key, len(self._decode(window[:read]))
+        return self._decode(window)[self._held_prefix :]
 
     # -- stop strings ---------------------------------------------------------------------
 
@@ -264,10 +293,12 @@ class IncrementalDetokenizer:
         in the text held back (a byte run, an incomplete character: what :meth:`flush` would
         release), which then joins the output.
 
-        Only that text plus ``max(len(s) for s in stop) - 1`` characters before it can hold a
-        new match, so only that region is searched: call this after every ``add_tokens`` (text
-        of calls not followed by a check, e.g. under ``min_tokens``, is never matched). On a
-        match ``output_text`` is truncated before the stop string (after it with
+        A match of ``s`` ends in that text, so it starts at most ``len(s) - 1`` characters
+        before it (vLLM's search), and only that region is searched: call this after every
+        ``add_tokens`` (a stop string that ends in the text of a call not followed by a check is
+        never matched). Under ``min_tokens``, call :meth:`skip_stop_check` instead, on the
+        last token it covers: no match ends at or before that point. On a match
+        ``output_text`` is truncated before the stop string (after it with
         ``include_stop_str_in_output``), further tokens are ignored, and the stop string is
         returned; else None.
         """
@@ -278,14 +309,17 @@ class IncrementalDetokenizer:
             return None
         # Text held back (a byte run waits for the token that ends it) counts: were the output
         # to end here, it would be released, so a stop string in it stops the request now.
-        held = self._held_text()
+        held = "" if self._held_run_is_invalid(stops) else self._held_text()
         if self._delta_start >= self._length and not held:
             return None
+        # A match must end in the new text (vLLM's rule, per stop string: a short one is not
+        # looked for in text a long one needs as lead-in), and past ``skip_stop_check``'s mark.
+        new = max(min(self._delta_start, self._length), self._no_stop_before)
         start = max(0, min(self._delta_start, self._length) - (max(len(s) for s in stops) - 1))
         region = self._tail(start) + held
         best: tuple[int, str] | None = None
         for s in stops:
-            index = region.find(s)
+            index = region.find(s, max(0, new - (len(s) - 1) - start))
             if index != -1 and (best is None or index < best[0]):
                 best = (index, s)
         if best is None:
@@ -300,6 +334,30 @@ class IncrementalDetokenizer:
         self._delta_start = min(self._delta_start, end)
         self.stop_reason = matched
         return matched
+
+    def _held_run_is_invalid(self, stops: list[str]) -> bool:
+        """True when all that is held lies in a byte run (ByteFallback) that is not valid
+        UTF-8 so far (mid-character: most of a CJK run's tokens): the decoder turns the
+        window's part of the run into one U+FFFD per byte, so the held text is U+FFFDs only,
+        where none of ``stops`` can end, and it need not be decoded to be searched."""
+        values, ids = self._byte_values, self._ids
+        if not (values and self._byte_run) or self._read_offset == len(ids):
+            return False
+        start = max(self._run_start, self._prefix_offset)  # the run as the window has it
+        if start > self._read_offset or any(_REPLACEMENT_CHAR in s for s in stops):
+            return False
+        try:
+            bytes([values[i] for i in ids[start:] if i in values]).decode("utf-8")
+        except UnicodeDecodeError:
+            return True
+        return False
+
+    def skip_stop_check(self) -> None:
+        """The output so far (held text included) is under ``min_tokens``: no stop string
+        may end in it, though one that begins in it and ends later does (vLLM's rule). An
+        incomplete character (U+FFFD, held) is not in it: the token that completes it is
+        later."""
+        self._no_stop_before = self._length + len(self._held_text().rstrip(_REPLACEMENT_CHAR))
 
     # -- streaming ------------------------------------------------------------------------
 

@@ -580,12 +580,17 @@ class LLMEngine(WeightOps):
         if guide is not None and guide.done_at is not None and guide.done_at <= num_out:
             self.scheduler.finish(request, "stop")
             return
-        if num_out >= params.min_tokens and params.stop and tracked.detokenizer is not None:
-            hit = tracked.detokenizer.check_stop(list(params.stop),
-                                                 params.include_stop_str_in_output)
-            if hit is not None:
-                self.scheduler.finish(request, "stop", hit)
-                return
+        # stop strings (vLLM's rule): one that ends in the text of the first min_tokens
+        # tokens does not count; one that begins there and ends later does
+        if params.stop and tracked.detokenizer is not None:
+            if num_out > params.min_tokens:
+                hit = tracked.detokenizer.check_stop(list(params.stop),
+                                                     params.include_stop_str_in_output)
+                if hit is not None:
+                    self.scheduler.finish(request, "stop", hit)
+                    return
+            elif num_out == params.min_tokens:
+                tracked.detokenizer.skip_stop_check()
         if num_out >= request.max_tokens:
             self.scheduler.finish(request, "length")
 

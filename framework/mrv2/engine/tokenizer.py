@@ -162,6 +162,23 @@ class Tokenizer:
         return frozenset(int(i) for t, i in vocab.items() if pattern.fullmatch(t))
 
     @cached_property
+    def byte_fallback_values(self) -> dict[int, int]:
+        """``{id: byte}`` of the byte-fallback tokens where a fast tokenizer's decoder is
+        ``ByteFallback`` (a run of them that is not valid UTF-8 decodes to one U+FFFD per
+        byte); empty otherwise (a slow tokenizer's decode may differ there)."""
+        decoder = getattr(self._backend, "decoder", None)
+        try:
+            state = json.loads(decoder.__getstate__()) if decoder is not None else {}
+        except (TypeError, ValueError, AttributeError):
+            return {}
+        parts = state.get("decoders", [state]) if isinstance(state, dict) else []
+        if not any(isinstance(d, dict) and d.get("type") == "ByteFallback" for d in parts):
+            return {}
+        vocab: dict[str, int] = self.hf.get_vocab()
+        return {int(vocab[t]): int(t[3:5], 16) for t in vocab
+                if int(vocab[t]) in self.byte_fallback_ids}
+
+    @cached_property
     def vocab_size(self) -> int:
         """Number of token ids, added tokens included (``len(hf)``, not ``hf.vocab_size``)."""
         return int(len(self.hf))
