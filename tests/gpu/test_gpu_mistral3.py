@@ -23,7 +23,10 @@ pytestmark = pytest.mark.gpu
 TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
 
 
-def test_mistral3_images_with_graphs(tmp_path: Path) -> None:
+def test_mistral3_images_with_graphs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # fp32 means fp32: cuDNN's TF32 convolutions (torch's default) move the patch embedding
+    # of HF's CPU reference far enough to flip a near-tied greedy token of the random model
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     make_tiny_tokenizer(tmp_path, vocab_size=300, special_tokens=TOKENS)
     tokenizer: Any = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     img = int(tokenizer.convert_tokens_to_ids(TOKENS[0]))
