@@ -463,14 +463,15 @@ def is_sparse_layer(config: Any, layer_idx: int) -> bool:
             and (layer_idx + 1) % step == 0)
 
 
-def shared_expert_moe(config: Any, gate: nn.Module) -> MoEBlock:
+def shared_expert_moe(config: Any, gate: nn.Module, shared_bias: bool = False) -> MoEBlock:
     """The DeepSeek-style MoE block (DeepSeek-V2/V3, GLM-4.x): ``gate``, ``n_routed_experts``
     routed experts of ``moe_intermediate_size`` and, when ``n_shared_experts``, one shared
-    SwiGLU MLP of ``moe_intermediate_size * n_shared_experts`` that sees every token."""
+    SwiGLU MLP of ``moe_intermediate_size * n_shared_experts`` that sees every token (its
+    projections biased with ``shared_bias``: DeepSeek-V2's ``mlp_bias``)."""
     experts = FusedMoE(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size)
     shared = None
     if config.n_shared_experts:
         shared = GatedMLP(config.hidden_size,
                           config.moe_intermediate_size * config.n_shared_experts,
-                          config.hidden_act)
+                          config.hidden_act, bias=shared_bias)
     return MoEBlock(gate, experts, shared)

@@ -9,11 +9,11 @@ as transformers models them.
   ``mscale(factor, mscale_all_dim)^2``).
 - MLP: layers ``< first_k_dense_replace`` are dense SwiGLU MLPs of ``intermediate_size``; the
   others a mixture of ``n_routed_experts`` experts of ``moe_intermediate_size`` plus
-  ``n_shared_experts`` shared ones. V3 routes with "noaux_tc" (sigmoid scores, a correction bias
-  that only steers the choice, group-limited top-k over ``n_group`` / ``topk_group``,
-  renormalized per ``norm_topk_prob``); V2 with softmax scores, ``greedy`` or
-  ``group_limited_greedy`` (groups ranked by their best expert), not renormalized; both times
-  ``routed_scaling_factor``.
+  ``n_shared_experts`` shared ones (V2: the dense and shared MLPs biased per ``mlp_bias``).
+  V3 routes with "noaux_tc" (sigmoid scores, a correction bias that only steers the choice,
+  group-limited top-k over ``n_group`` / ``topk_group``, renormalized per ``norm_topk_prob``);
+  V2 with softmax scores, ``greedy`` or ``group_limited_greedy`` (groups ranked by their best
+  expert), not renormalized; both times ``routed_scaling_factor``.
 - Tensor parallelism: MLA splits its heads across the ranks (see :mod:`mrv2_deepseek.mla`);
   the MoE (every expert's intermediate dimension), shared experts and dense MLPs split as the
   core's layers do; the MTP layers' blocks are built the same way.
@@ -93,7 +93,13 @@ def moe_block(config: PretrainedConfig, v3: bool) -> MoEBlock:
         scoring="sigmoid" if v3 else "softmax",
         correction_bias=v3,
     )
-    return shared_expert_moe(config, router)
+    return shared_expert_moe(config, router, shared_bias=mlp_bias_of(config, v3))
+
+
+def mlp_bias_of(config: Any, v3: bool) -> bool:
+    """Whether the dense MLPs and the shared experts have biases: DeepSeek-V2's ``mlp_bias``
+    (transformers' V3 has none, whatever its config says)."""
+    return not v3 and bool(getattr(config, "mlp_bias", False))
 
 
 def deepseek_layer(config: PretrainedConfig, layer_idx: int, rope: RotaryEmbedding, v3: bool,
@@ -106,7 +112,8 @@ def deepseek_layer(config: PretrainedConfig, layer_idx: int, rope: RotaryEmbeddi
     if layer_idx >= config.first_k_dense_replace:
         mlp = moe_block(config, v3)
     else:
-        mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                       bias=mlp_bias_of(config, v3))
     return MLADecoderLayer(config, attn, mlp)
 
 

@@ -51,6 +51,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     # V2: q_lora_rank, group-limited greedy
     "v2-grouped": ("DeepseekV2", {"q_lora_rank": 24, "topk_method": "group_limited_greedy",
                                   "n_group": 4, "topk_group": 2}),
+    # V2 with mlp_bias: the dense MLPs and the shared experts biased (the routed ones not)
+    "v2-mlp-bias": ("DeepseekV2", {"q_lora_rank": None, "topk_method": "greedy",
+                                   "mlp_bias": True}),
 }
 
 
