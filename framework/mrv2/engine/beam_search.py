@@ -154,12 +154,15 @@ class BeamSearch:
 
 
 def beam_search(engine: Any, prompts: list[list[int]], params: BeamSearchParams,
-                loras: Sequence[LoRARequest | None] | None = None) -> list[BeamSearchOutput]:
+                loras: Sequence[LoRARequest | None] | None = None,
+                salts: Sequence[str | None] | None = None) -> list[BeamSearchOutput]:
     """Beam search for each of ``prompts`` (token ids) on ``engine`` (an idle
     :class:`~mrv2.engine.engine.LLMEngine`), each through its adapter of ``loras`` (None:
-    the base model); every prompt is validated before any runs."""
+    the base model) and with its ``cache_salt`` of ``salts`` (None: unsalted); every prompt
+    is validated before any runs."""
     search = BeamSearch(prompts, params, frozenset(engine.eos_token_ids), engine.max_model_len)
     adapters = list(loras) if loras is not None else [None] * len(prompts)
+    cache_salts = list(salts) if salts is not None else [None] * len(prompts)
     for prompt, lora in zip(prompts, adapters, strict=True):
         engine.validate(list(prompt), search.step_params, lora)
     ids = itertools.count()
@@ -171,7 +174,8 @@ def beam_search(engine: Any, prompts: list[list[int]], params: BeamSearchParams,
             for tokens, i in zip(requests, search.asked_prompts, strict=True):
                 asked.append(engine.add_request(tokens, search.step_params,
                                                 request_id=f"beam-{id(search)}-{next(ids)}",
-                                                lora_request=adapters[i]))
+                                                lora_request=adapters[i],
+                                                cache_salt=cache_salts[i]))
             while engine.has_unfinished():
                 for out in engine.step():
                     if out.finished:

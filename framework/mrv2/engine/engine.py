@@ -30,6 +30,7 @@ from mrv2.engine.outputs import RequestOutput
 from mrv2.engine.request import Request
 from mrv2.engine.request_inputs import (  # noqa: F401 (_load_tokenizer: tests import it here)
     _load_tokenizer,
+    check_cache_salt,
     check_prompt,
     check_runner,
     classifier_labels,
@@ -250,8 +251,13 @@ class LLMEngine(WeightOps):
         mm_items: list[MultiModalItem] | None = None,
         lora_request: LoRARequest | None = None,
         pooling_params: PoolingParams | None = None,
+        cache_salt: str | None = None,
     ) -> str:
         """Validate and queue a request; returns its id. Nothing is queued if it is invalid.
+
+        ``cache_salt`` (vLLM's): a non-empty string mixed into the hash of the request's first
+        prefix-cache block, so only requests of the same salt share cached blocks (tenants'
+        prefixes kept apart); its ``n`` samples share it.
 
         ``pooling_params``: an embedding request (``params`` then only gives its
         ``output_kind``): its output's ``embedding`` is its prompt's pooled final hidden
@@ -270,6 +276,7 @@ class LLMEngine(WeightOps):
         strings runs, its outputs' text stops ``max(len(stop)) - 1`` characters short, so no
         output shows text that a stop string then cuts off (as vLLM's).
         """
+        check_cache_salt(cache_salt)
         if pooling_params is not None:  # the prompt alone; its one sampled token is dropped
             pooling_params.check(self.hidden_size, self.num_labels)
             params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
@@ -299,7 +306,7 @@ class LLMEngine(WeightOps):
                         enumerate(self._fanout.add(req_id, params.n, stream))]
             for child, child_params in children:
                 self.add_request(prompt_token_ids, child_params, child, prompt, stream, priority,
-                                 mm_items, lora_request)
+                                 mm_items, lora_request, cache_salt=cache_salt)
             return req_id
         guide = None
         if params.structured_outputs is not None:
@@ -314,6 +321,7 @@ class LLMEngine(WeightOps):
             priority=priority,
             mm_items=mm_items,
             lora_request=lora_request,
+            cache_salt=cache_salt,
             pooling_params=pooling_params,
         )
         detok = None

@@ -28,13 +28,15 @@ from mrv2.engine.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
+from mrv2.engine.request_inputs import check_cache_salt
 from mrv2.engine.scoring import broadcast_pairs, check_scorer, cosine
 from mrv2.engine.tokenizer import check_template_kwargs
 from mrv2.plugins import PluginManager
 
 Prompt = str | dict[str, Any]
 """A string, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``, either with
-``"multi_modal_data": {"image": PIL.Image or [images]}`` for a multimodal model."""
+``"multi_modal_data": {"image": PIL.Image or [images]}`` for a multimodal model and with
+``"cache_salt": "..."`` (vLLM's: only prompts of the same salt share prefix-cache blocks)."""
 
 Encoded = tuple[list[int], str | None, list[MultiModalItem]]
 
@@ -118,10 +120,11 @@ class LLM:
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts"
                 )
         loras = self._loras(lora_request, len(prompts))
+        salts = [_cache_salt(prompt) for prompt in prompts]
         encoded = [self._encode(prompt) for prompt in prompts]
         for (token_ids, _, _), params, lora in zip(encoded, params_list, loras, strict=True):
             self.engine.validate(token_ids, params, lora)
-        return self._run(encoded, params_list, use_tqdm, loras)
+        return self._run(encoded, params_list, use_tqdm, loras, salts=salts)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
                     lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
@@ -132,10 +135,11 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         loras = self._loras(lora_request, len(prompts))
+        salts = [_cache_salt(prompt) for prompt in prompts]
         encoded = [self._encode(prompt) for prompt in prompts]
         if any(items for _, _, items in encoded):
             raise ValueError("beam_search takes text prompts only (no multi_modal_data)")
-        return beam_search(self.engine, [ids for ids, _, _ in encoded], params, loras)
+        return beam_search(self.engine, [ids for ids, _, _ in encoded], params, loras, salts)
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load new weights into the served model in place and forget the prefix cache
@@ -326,6 +330,7 @@ class LLM:
         pooling.check(self.engine.hidden_size, self.engine.num_labels)
         loras = self._loras(lora_request, len(prompts))
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        salts = [_cache_salt(prompt) for prompt in prompts]
         encoded = [self._encode(prompt) for prompt in prompts]
         if keep is not None:
             if any(items and len(ids) > keep for ids, _, items in encoded):
@@ -335,7 +340,7 @@ class LLM:
                        for ids, text, items in encoded]
         for (token_ids, _, _), lora in zip(encoded, loras, strict=True):
             self.engine.validate(token_ids, params, lora, pooling=True)
-        return self._run(encoded, [params] * len(prompts), use_tqdm, loras, pooling)
+        return self._run(encoded, [params] * len(prompts), use_tqdm, loras, pooling, salts)
 
     @staticmethod
     def _loras(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
@@ -426,8 +431,10 @@ class LLM:
         use_tqdm: bool,
         loras: list[LoRARequest | None],
         pooling: PoolingParams | None = None,
+        salts: list[str | None] | None = None,
     ) -> list[RequestOutput]:
         engine = self.engine
+        salts = salts if salts is not None else [None] * len(encoded)
         if engine.is_paused():  # (its steps would never run)
             raise RuntimeError("the engine is paused (pause_generation): "
                                "continue_generation() first")
@@ -436,10 +443,11 @@ class LLM:
         bar = tqdm(total=len(encoded), desc="Generating", unit="req",
                    disable=not use_tqdm or len(encoded) < _TQDM_MIN_REQUESTS)
         try:  # (a request refused while queueing: the ones queued before it are aborted)
-            for (token_ids, text, items), params, lora in zip(encoded, params_list, loras,
-                                                              strict=True):
+            for (token_ids, text, items), params, lora, salt in zip(
+                    encoded, params_list, loras, salts, strict=True):
                 ids.append(engine.add_request(token_ids, params, prompt=text, mm_items=items,
-                                              lora_request=lora, pooling_params=pooling))
+                                              lora_request=lora, pooling_params=pooling,
+                                              cache_salt=salt))
             order = {req_id: i for i, req_id in enumerate(ids)}
             while engine.has_unfinished():
                 for output in engine.step():
@@ -456,3 +464,9 @@ class LLM:
         if missing:
             raise RuntimeError(f"requests {missing} ended without output")
         return [r for r in results if r is not None]
+
+
+def _cache_salt(prompt: Prompt) -> str | None:
+    """A prompt dict's ``"cache_salt"`` (None: a string prompt, or none given); ValueError
+    naming the field unless a non-empty string."""
+    return check_cache_salt(prompt.get("cache_salt")) if isinstance(prompt, dict) else None

@@ -83,6 +83,9 @@ class Request:
     """Multimodal inputs (their placeholders lie in the prompt)."""
     lora_request: LoRARequest | None = None
     """The LoRA adapter the request runs through (None: the base model)."""
+    cache_salt: str | None = None
+    """vLLM's ``cache_salt``: mixed into its first block's hash (every later hash chains from
+    it), so only requests of the same salt share cached blocks (None: unsalted)."""
     pooling_params: PoolingParams | None = None
     """An embedding request's pooling (None: a generation request)."""
     state_saves: list[StateSave] = field(default_factory=list)
@@ -127,13 +130,17 @@ class Request:
 
     def block_extra_keys(self, block_index: int, block_size: int) -> tuple[Hashable, ...] | None:
         """Extra hash keys of a block: the content hashes of the multimodal items whose
-        placeholders overlap it (with where the overlap starts in the item), and the request's
-        LoRA adapter: a prompt's KV under one adapter is not another's; none for plain text."""
+        placeholders overlap it (with where the overlap starts in the item), the request's
+        LoRA adapter (a prompt's KV under one adapter is not another's) and, for the first
+        block only, its cache salt (as vLLM's); none for plain text."""
         start, end = block_index * block_size, (block_index + 1) * block_size
-        keys = tuple((item.content_hash, max(start - item.offset, 0)) for item in self.mm_items
-                     if item.offset < end and item.offset + item.length > start)
+        keys: tuple[Hashable, ...] = tuple(
+            (item.content_hash, max(start - item.offset, 0)) for item in self.mm_items
+            if item.offset < end and item.offset + item.length > start)
         if self.lora_request is not None:  # an adapter's KV is its own
             keys += (("lora", self.lora_request.lora_int_id),)
+        if block_index == 0 and self.cache_salt is not None:  # (later hashes chain from it)
+            keys += (("cache_salt", self.cache_salt),)
         return keys or None
 
     def update_block_hashes(self, block_size: int) -> list[BlockHash]:

@@ -14,8 +14,8 @@ from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.tokenizer import Tokenizer
 from mrv2.registry import import_object
 
-__all__ = ["check_prompt", "check_runner", "classifier_labels", "make_input_processor",
-           "process_multimodal"]
+__all__ = ["check_cache_salt", "check_prompt", "check_runner", "classifier_labels",
+           "make_input_processor", "process_multimodal"]
 
 
 def classifier_labels(config: EngineConfig, hf_config: Any) -> tuple[int | None, dict[int, str]]:
@@ -74,6 +74,14 @@ def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_
     if bad:
         raise ValueError(f"prompt token ids must be in [0, {vocab_size}); got {bad[:5]}")
     params.check_vocab(vocab_size)
+
+
+def check_cache_salt(cache_salt: Any) -> str | None:
+    """A request's ``cache_salt`` (vLLM's): None, or a non-empty string; ValueError naming
+    the field otherwise."""
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise ValueError(f"cache_salt must be a non-empty string if given, got {cache_salt!r}")
+    return cache_salt
 
 
 def make_input_processor(path: str | None, model_dir: str, hf_config: Any,

@@ -169,11 +169,11 @@ def _loop(engine: Any, commands: Connection, outputs: Connection, pauses: GCPaus
             if kind == "stop":
                 return
             if kind == "add":
-                _, req_id, ids, params, prompt, mm_items, lora, pooling = message
+                _, req_id, ids, params, prompt, mm_items, lora, pooling, salt = message
                 try:
                     engine.add_request(ids, params, request_id=req_id, prompt=prompt,
                                        stream=True, mm_items=mm_items, lora_request=lora,
-                                       pooling_params=pooling)
+                                       pooling_params=pooling, cache_salt=salt)
                 except Exception as error:  # (ValueError: the request's own fault)
                     outputs.send(("ack", req_id, f"{type(error).__name__}: {error}"
                                   if not isinstance(error, ValueError) else str(error)))

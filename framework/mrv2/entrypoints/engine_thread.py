@@ -186,9 +186,10 @@ class EngineThread:
                loop: asyncio.AbstractEventLoop,
                mm_items: list[MultiModalItem] | None = None,
                lora: LoRARequest | None = None,
-               pooling: PoolingParams | None = None) -> None:
-        """Queue a (validated) request (through adapter ``lora``, if any); its outputs go to
-        ``sink``. Raises
+               pooling: PoolingParams | None = None,
+               cache_salt: str | None = None) -> None:
+        """Queue a (validated) request (through adapter ``lora``, if any; its prefix-cache
+        blocks salted with ``cache_salt``, if any); its outputs go to ``sink``. Raises
         :class:`QueueFullError` when its ``n`` sequences would take the server past
         ``max_pending`` sequences in flight."""
         with self._lock:
@@ -197,18 +198,20 @@ class EngineThread:
             self._pending += params.n
             # (queued under the lock: a shutdown, which marks itself under it first, finds it)
             self._commands.put(("add", (req_id, prompt_token_ids, params, prompt, sink, loop,
-                                        time.monotonic(), mm_items, lora, pooling)))
+                                        time.monotonic(), mm_items, lora, pooling,
+                                        cache_salt)))
 
     async def admit(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None, sink: asyncio.Queue[RequestOutput | BaseException],
                     loop: asyncio.AbstractEventLoop,
                     mm_items: list[MultiModalItem] | None = None,
                     lora: LoRARequest | None = None,
-                    pooling: PoolingParams | None = None) -> None:
+                    pooling: PoolingParams | None = None,
+                    cache_salt: str | None = None) -> None:
         """:meth:`submit` (the server awaits either worker's ``admit``; this one has nothing
         to wait for: the engine checked the request on the loop already)."""
         self.submit(req_id, prompt_token_ids, params, prompt, sink, loop, mm_items, lora,
-                    pooling)
+                    pooling, cache_salt)
 
     def abort(self, req_id: str) -> None:
         """Cancel a request (run on the engine thread); unknown or finished ids are ignored."""
@@ -296,12 +299,13 @@ class EngineThread:
             loop.call_soon_threadsafe(lambda: done.done() or done.set_result(reply))
             return
         if command == "add":
-            req_id, ids, params, prompt, sink_queue, loop, arrival, mm_items, lora, pool = arg
+            (req_id, ids, params, prompt, sink_queue, loop, arrival, mm_items, lora, pool,
+             salt) = arg
             sink = _Sink(loop, sink_queue, arrival, num_prompt=len(ids), num_seqs=params.n)
             try:
                 self.engine.add_request(ids, params, request_id=req_id, prompt=prompt,
                                         stream=True, mm_items=mm_items, lora_request=lora,
-                                        pooling_params=pool)
+                                        pooling_params=pool, cache_salt=salt)
             except Exception as error:
                 self._finish_pending(sink)
                 _put(sink, error)

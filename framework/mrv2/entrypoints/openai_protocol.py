@@ -75,6 +75,14 @@ class _Request(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    #: vLLM's: mixed into the hash of the prompt's first prefix-cache block, so only requests
+    #: of the same salt share cached blocks (a non-empty string).
+    cache_salt: str | None = None
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_not_empty(cls, value: str | None) -> str | None:
+        return non_empty_salt(value)
 
     def beam_search_params(self, params: SamplingParams, room: int) -> BeamSearchParams:
         """The beam search of a ``use_beam_search`` request: ``n`` beams of ``params``'
@@ -492,6 +500,13 @@ def error_body(message: str, type_: str, param: str | None = None,
                code: int | str | None = None) -> dict[str, Any]:
     """OpenAI's error JSON."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def non_empty_salt(value: str | None) -> str | None:
+    """A request's ``cache_salt`` as given; ValueError (a 400 naming it) when empty."""
+    if value is not None and not value:
+        raise ValueError("cache_salt must be a non-empty string if given")
+    return value
 
 
 def validation_error_body(error: ValidationError) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from mrv2.engine.outputs import RequestOutput
-from mrv2.entrypoints.openai_protocol import ChatCompletionRequest, ChatMessage
+from mrv2.entrypoints.openai_protocol import ChatCompletionRequest, ChatMessage, non_empty_salt
 from mrv2.entrypoints.reasoning import ReasoningStream, split_reasoning
 from mrv2.entrypoints.responses import Stream, drain
 from mrv2.entrypoints.responses_store import ResponseStore
@@ -73,6 +73,13 @@ class ResponsesRequest(BaseModel):
     reasoning: dict[str, Any] | None = None
     store: bool = True
     user: str | None = None
+    #: vLLM's: only requests of the same salt share prefix-cache blocks (a non-empty string).
+    cache_salt: str | None = None
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_not_empty(cls, value: str | None) -> str | None:
+        return non_empty_salt(value)
 
     @field_validator("stream", "store", "background", "parallel_tool_calls", mode="before")
     @classmethod
@@ -119,7 +126,8 @@ class ResponsesRequest(BaseModel):
             "messages": [ChatMessage(**m) for m in messages], "stream": self.stream,
             "temperature": self.temperature, "top_p": self.top_p,
             "max_completion_tokens": self.max_output_tokens,
-            "parallel_tool_calls": self.parallel_tool_calls, "reasoning_effort": effort}
+            "parallel_tool_calls": self.parallel_tool_calls, "reasoning_effort": effort,
+            "cache_salt": self.cache_salt}
         if self.tools:
             fields["tools"] = [_chat_tool(t) for t in self.tools]
             fields["tool_choice"] = _chat_tool_choice(self.tool_choice)

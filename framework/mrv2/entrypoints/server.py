@@ -395,7 +395,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
             raise APIError(400, str(error), param=value_error_param(str(error))) from None
         lora = lora_of(body)
         outputs = await unless_disconnected(request, beam_search_through(
-            worker, prompts, beams, engine.eos_token_ids, engine.max_model_len, lora))
+            worker, prompts, beams, engine.eos_token_ids, engine.max_model_len, lora,
+            body.cache_salt))
         if outputs is None:
             return Response(status_code=499)  # (as Stream.collect: nobody reads it)
         return JSONResponse(beam_answer_body(outputs, prompts, engine.tokenizer,
@@ -596,7 +597,8 @@ async def _serve(request: Request, worker: EngineThread | EngineProcess, kind: s
     submitted: list[str] = []
     try:
         for req_id, (ids, text) in zip(req_ids, encoded, strict=True):
-            await worker.admit(req_id, ids, params, text, sink, loop, mm_items, lora)
+            await worker.admit(req_id, ids, params, text, sink, loop, mm_items, lora,
+                               cache_salt=body.cache_salt)
             submitted.append(req_id)
     except QueueFullError as error:
         for req_id in submitted:

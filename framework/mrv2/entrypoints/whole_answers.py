@@ -33,8 +33,10 @@ T = TypeVar("T")
 async def final_outputs(worker: EngineThread | EngineProcess, prompts: list[list[int]],
                         params: SamplingParams, lora: LoRARequest | None = None,
                         pooling: PoolingParams | None = None, kind: str = "req",
-                        param: str = "prompt") -> list[RequestOutput]:
-    """Submit every prompt (through adapter ``lora``; embedding requests with ``pooling``)
+                        param: str = "prompt", cache_salt: str | None = None
+                        ) -> list[RequestOutput]:
+    """Submit every prompt (through adapter ``lora``; embedding requests with ``pooling``;
+    salted with ``cache_salt``)
     and return each one's final output, in order. Refused by the engine: a 400 naming
     ``param``; a full server: 503; a failed engine: 500. If one is refused, or the client
     leaves, every request of the batch not yet finished is aborted."""
@@ -46,7 +48,8 @@ async def final_outputs(worker: EngineThread | EngineProcess, prompts: list[list
     submitted: list[str] = []
     try:
         for req_id, ids in zip(req_ids, prompts, strict=True):
-            await worker.admit(req_id, ids, params, None, sink, loop, None, lora, pooling)
+            await worker.admit(req_id, ids, params, None, sink, loop, None, lora, pooling,
+                               cache_salt)
             submitted.append(req_id)
         while len(finals) < len(req_ids):
             item = await sink.get()
@@ -93,13 +96,15 @@ async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) ->
 
 async def beam_search_through(worker: EngineThread | EngineProcess, prompts: list[list[int]],
                               params: BeamSearchParams, eos: frozenset[int],
-                              max_model_len: int, lora: LoRARequest | None
-                              ) -> list[BeamSearchOutput]:
+                              max_model_len: int, lora: LoRARequest | None,
+                              cache_salt: str | None = None) -> list[BeamSearchOutput]:
     """Beam search (vLLM's ``use_beam_search``) through the worker: each step's beams as
-    one-token requests (:class:`~mrv2.engine.beam_search.BeamSearch`)."""
+    one-token requests (:class:`~mrv2.engine.beam_search.BeamSearch`), salted with
+    ``cache_salt``."""
     search = BeamSearch(prompts, params, eos, max_model_len)
     while requests := search.requests():
-        outputs = await final_outputs(worker, requests, search.step_params, lora, kind="beam")
+        outputs = await final_outputs(worker, requests, search.step_params, lora, kind="beam",
+                                      cache_salt=cache_salt)
         search.advance([(o.outputs[0].logprobs or [{}])[0] if o.outputs else {}
                         for o in outputs])
     return search.outputs()
