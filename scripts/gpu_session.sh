@@ -7,7 +7,8 @@
 # coldstart (scripts/probe_cold_start.py: the first request of each kind on an empty Triton cache, warm-up off and on),
 # gcgen0 (MRV2_GC_GEN0_THRESHOLD=20000 against Python's own, 256 streams through mrv2 serve),
 # longdecode (scripts/sweep_long_decode.py: decode attention's launch options at long contexts),
-# verify46b (the forty-sixth session's fixes: integer layers, MLA, Qwen3-Next, Mistral 3, GEMM operands, Qwen-VL),
+# verify46b (the forty-sixth session's fixes: integer layers, MLA, Qwen3-Next, Mistral 3, GEMM operands, Qwen-VL;
+# VERIFY_TESTS names the GPU test files' stems, VERIFY_CAP a file's seconds),
 # verify46 (the forty-fifth session's leftovers: structured outputs' GPU tests, a yarn-scaled 48k-token prompt),
 # verify45b (the forty-fifth session's fixes: sampler, speculative decoding, structured outputs, LoRA, weight updates, MoE on CUDA),
 # verify45 (what the forty-fourth session's calls left: hybrid GPU tests, sanitizer, Qwen-VL videos, engine tests),
@@ -478,7 +479,7 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                # GEMMs' strided operands (kernel tests), Qwen-VL (check_request), InternVL
                end=$(( $(date +%s) + ${VERIFY_S:-540} ))
                left() { local l=$(( end - $(date +%s) )); [ "$l" -lt "$1" ] && echo $(( l > 1 ? l : 1 )) || echo "$1"; }
-               for t in int_quant fp8_mla qwen3_next mistral3 kernels qwen_vl internvl; do
+               for t in ${VERIFY_TESTS:-int_quant fp8_mla qwen3_next mistral3 kernels qwen_vl internvl}; do
                  [ "$(left 20)" -lt 15 ] && break
                  if [ "$t" = kernels ]; then
                    timeout "$(left 150)" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_gemm.py \
@@ -486,7 +487,7 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                      | grep -E "^FAILED|^ERROR|passed|failed" | tail -4 | sed "s/^/$t: /"
                    continue
                  fi
-                 timeout "$(left 150)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_$t.py 2>&1 \
+                 timeout "$(left "${VERIFY_CAP:-150}")" python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_$t.py 2>&1 \
                    | tee "$OUT/gpu_$t.log" | grep -E "^FAILED|^ERROR|passed|failed" | tail -4 | sed "s/^/$t: /"
                done ;;
     deltabench) # scripts/bench_delta_rule.py: the token-serial delta rule against the chunked
