@@ -23,8 +23,7 @@ TOKENS = ("<img>", "</img>", "<IMG_CONTEXT>")
 
 
 def test_internvl_images_with_graphs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # fp32 means fp32: cuDNN's TF32 convolutions (torch's default) would move the patch
-    # embedding off HF's CPU reference (test_gpu_mistral3's greedy tokens flipped so)
+    # fp32 against HF's CPU reference: cuDNN's TF32 convolutions (torch's default) off
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     make_tiny_tokenizer(tmp_path, vocab_size=300, special_tokens=TOKENS)
     tokenizer: Any = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
