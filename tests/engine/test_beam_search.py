@@ -110,3 +110,32 @@ def test_an_interrupted_search_leaves_no_request_queued(llm: LLM,
     out = llm.beam_search({"prompt_token_ids": PROMPTS[0]},
                           BeamSearchParams(beam_width=2, max_tokens=2, ignore_eos=True))
     assert [len(b.output_tokens) for b in out[0].sequences] == [2, 2]
+
+
+@pytest.mark.parametrize(("penalty", "want"), [
+    (400.0, [[7, 7], [7, 8]]),  # the longest beams: their scores are the nearest to 0
+    (-400.0, [[9], [7, 9]]),  # the shortest: EOS at once (its length 5, EOS not counted)
+    (1.0, [[9], [7, 9]]),
+])
+def test_a_large_length_penalty_ranks_without_overflow(penalty: float,
+                                                       want: list[list[int]]) -> None:
+    """Any finite ``length_penalty`` is valid; ``length ** penalty`` of a large one overflows
+    a float (a negative one: 0, a division by zero): the ranking must not (it raised
+    OverflowError / ZeroDivisionError after the whole search had run)."""
+    from mrv2.engine.beam_search import BeamSearch
+    from mrv2.engine.outputs import Logprob
+
+    search = BeamSearch([[1, 2, 3, 4, 5]], BeamSearchParams(
+        beam_width=2, max_tokens=2, length_penalty=penalty), frozenset({9}), 64)
+    while requests := search.requests():
+        search.advance([{9: Logprob(-0.5), 7: Logprob(-1.0), 8: Logprob(-2.0)}
+                        for _ in requests])
+    beams = search.outputs()[0].sequences
+    assert [b.output_tokens for b in beams] == want
+
+    def score(b: object) -> float:  # (the documented score, exactly, where it fits a float)
+        n = len(b.tokens) - (b.finish_reason == "stop")  # type: ignore[attr-defined]
+        return b.cum_logprob / n ** penalty  # type: ignore[attr-defined]
+
+    if abs(penalty) < 100:
+        assert [score(b) for b in beams] == sorted(map(score, beams), reverse=True)

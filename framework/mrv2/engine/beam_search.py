@@ -10,6 +10,7 @@ counted) and the best ``beam_width`` returned, best first.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,10 +75,17 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
-def _score(beam: BeamSearchSequence, eos: frozenset[int], length_penalty: float) -> float:
+def _score(beam: BeamSearchSequence, eos: frozenset[int],
+           length_penalty: float) -> tuple[int, float]:
+    """A sort key (larger: better) ranking as ``cum_logprob / length ** length_penalty`` does,
+    taken in log space: ``length ** length_penalty`` of a large penalty overflows (or, of a
+    negative one, underflows to 0) as a float."""
     length = len(beam.tokens) - (1 if beam.finish_reason == "stop" and beam.tokens
                                  and beam.tokens[-1] in eos else 0)
-    return beam.cum_logprob / (length ** length_penalty)
+    cum, log_length = beam.cum_logprob, math.log(length) * length_penalty
+    if cum < 0:  # (the usual case) nearer 0 is better: a smaller log of the score's size
+        return 0, log_length - math.log(-cum)
+    return (1, 0.0) if cum == 0 else (2, math.log(cum) - log_length)
 
 
 class BeamSearch:
