@@ -15,7 +15,7 @@ from mrv2.config import EngineConfig
 from mrv2.contract.model_state import ModelState
 from mrv2.contract.speculator import Speculator
 from mrv2.hookspecs import hookimpl
-from mrv2.registry import Registries, import_object
+from mrv2.registry import KNOWN_SPECULATOR_PACKAGES, Registries
 from mrv2.sample.sampler import Sampler
 
 # -- registration ------------------------------------------------------------------------------
@@ -51,7 +51,7 @@ def mrv2_make_sampler(
         if name not in registry:
             known = ", ".join(sorted(registry)) or "none"
             raise ValueError(f"unknown logits processor {name!r}; registered: {known}")
-        processors.append(import_object(registry[name].target)(vocab_size, device))
+        processors.append(registry[name].load()(vocab_size, device))
     method = config.speculative.rejection_sample_method
     return Sampler(config.scheduler.max_num_seqs, vocab_size, device, processors,
                    verify_method=None if method == "strict" else method,
@@ -69,7 +69,11 @@ def mrv2_make_speculator(
     registry = registries.speculators
     if method not in registry:
         known = ", ".join(sorted(registry)) or "none"
-        raise ValueError(f"unknown speculative method {method!r}; registered: {known}")
-    speculator: Speculator = import_object(registry[method].target)(config, model_state, device)
+        package = KNOWN_SPECULATOR_PACKAGES.get(method)
+        hint = f" ({method!r} is provided by '{package}': pip install {package})" if package else ""
+        failed = "; ".join(registries.failed_plugins.values())
+        hint += f"; these plugins failed to load, and may register it: {failed}" if failed else ""
+        raise ValueError(f"unknown speculative method {method!r}; registered: {known}{hint}")
+    speculator: Speculator = registry[method].load()(config, model_state, device)
     speculator.build(registries)
     return speculator

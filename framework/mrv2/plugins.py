@@ -6,12 +6,17 @@ Operators control loading with environment variables:
 * ``MRV2_PLUGINS_BLOCK=glm``: never load these.
 * ``MRV2_PLUGIN_AUTOLOAD=0``: load no entry point at all (tests register plugins by hand).
 
+A plugin that fails to import, or whose registration hook raises, is skipped with a warning
+naming it (its error is kept in :attr:`PluginManager.failed`): the other plugins' models still
+load, and the "unknown architecture" error names the plugins that failed.
+
 The core's own defaults (``mrv2.defaults``) always register, through the same hooks.
 """
 
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,6 +39,8 @@ __all__ = ["ENTRY_POINT_GROUP", "PluginError", "PluginInfo", "PluginManager",
            "get_plugin_manager"]
 
 ENTRY_POINT_GROUP = "mrv2"
+
+logger = logging.getLogger("mrv2.plugins")
 
 @dataclass(frozen=True)
 class PluginInfo:
@@ -58,6 +65,8 @@ class PluginManager:
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self._sources: dict[str, tuple[str, str]] = {}
+        #: Each plugin skipped because it failed to import or to register: name -> why.
+        self.failed: dict[str, str] = {}
         from mrv2 import defaults
 
         self.register(defaults, name="mrv2.defaults", source="built-in", version=_core_version())
@@ -104,12 +113,21 @@ class PluginManager:
             source = f"{dist.metadata['Name']} (entry point {ep.value})" if dist else ep.value
             try:
                 plugin = ep.load()
-            except Exception as error:
-                raise PluginError(
-                    f"plugin {ep.name!r} ({source}) failed to load: "
-                    f"{type(error).__name__}: {error}. Block it with MRV2_PLUGINS_BLOCK={ep.name}"
-                ) from error
-            self.register(plugin, name=ep.name, source=source, version=version)
+            except Exception as error:  # (the other plugins still load: vLLM's behaviour)
+                self._fail(ep.name, f"plugin {ep.name!r} ({source}) failed to load: "
+                                    f"{type(error).__name__}: {error}")
+                continue
+            try:
+                self.register(plugin, name=ep.name, source=source, version=version)
+            except PluginError as error:  # (a misspelled hook: skipped as a failed import)
+                if self.pm.has_plugin(ep.name):
+                    self.pm.unregister(name=ep.name)
+                self._fail(ep.name, f"{error} ({source})")
+
+    def _fail(self, name: str, why: str) -> None:
+        self.failed[name] = why
+        logger.warning("%s; skipped (the other plugins still load; MRV2_PLUGINS_BLOCK=%s "
+                       "silences this)", why, name)
 
     def list_plugins(self) -> list[PluginInfo]:
         """Name, version, source and implemented hooks of each registered plugin."""
@@ -129,19 +147,26 @@ class PluginManager:
 
     def _collect(self) -> Registries:
         reg = Registries()
+        failed = dict(self.failed)
 
         def each(hook_name: str, make: Callable[[str], Callable[..., None]]) -> None:
             # Call implementations one by one so every entry records which plugin made it.
             for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+                if impl.plugin_name in failed:
+                    continue
                 try:
                     impl.function(register=make(impl.plugin_name))
                 except PluginError:
                     raise
                 except Exception as error:
-                    raise PluginError(
+                    failed[impl.plugin_name] = (
                         f"plugin {impl.plugin_name!r} failed in {hook_name}: "
-                        f"{type(error).__name__}: {error}"
-                    ) from error
+                        f"{type(error).__name__}: {error}")
+                    self._fail(impl.plugin_name, failed[impl.plugin_name])
+                    for table in (reg.models, reg.attention_backends, reg.speculators,
+                                  reg.logits_processors):  # (what it registered before)
+                        for key in [k for k, e in table.items() if e.plugin == impl.plugin_name]:
+                            del table[key]
 
         def models(plugin: str) -> Callable[..., None]:
             def register(architecture: str, model: str, model_state: str | None = None,
@@ -161,7 +186,7 @@ class PluginManager:
                 def register(name: str, target: str, devices: Sequence[str] = ()) -> None:
                     _check_path(plugin, target)
                     _check_unique(table, name, plugin, kind)
-                    table[name] = NamedEntry(name, target, plugin, tuple(devices))
+                    table[name] = NamedEntry(name, target, plugin, tuple(devices), kind=kind)
 
                 return register
 
@@ -173,7 +198,7 @@ class PluginManager:
                 _check_path(plugin, backend)
                 _check_unique(reg.attention_backends, name, plugin, "backend")
                 reg.attention_backends[name] = NamedEntry(name, backend, plugin, tuple(devices),
-                                                          tuple(cache_kinds))
+                                                          tuple(cache_kinds), kind="backend")
 
             return register
 
@@ -181,6 +206,10 @@ class PluginManager:
         each("mrv2_register_attention_backends", backends)
         each("mrv2_register_speculators", named(reg.speculators, "speculator"))
         each("mrv2_register_logits_processors", named(reg.logits_processors, "processor"))
+        for name in failed:  # (nor do its other hooks run)
+            if self.pm.has_plugin(name):
+                self.pm.unregister(name=name)
+        reg.failed_plugins = failed
         return reg
 
 

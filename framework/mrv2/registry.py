@@ -37,7 +37,34 @@ KNOWN_PACKAGES: dict[str, str] = {
     "Mamba2ForCausalLM": "mrv2-plugin-mamba",
     "Llama4ForCausalLM": "mrv2-plugin-llama4",
     "Llama4ForConditionalGeneration": "mrv2-plugin-llama4",
+    "Qwen2VLForConditionalGeneration": "mrv2-plugin-qwen-vl",
+    "Qwen3VLMoeForConditionalGeneration": "mrv2-plugin-qwen-vl",
+    "Gemma2ForCausalLM": "mrv2-plugin-gemma",
+    "Gemma3ForCausalLM": "mrv2-plugin-gemma",
+    "Gemma4ForCausalLM": "mrv2-plugin-gemma",
+    "Gemma4ForConditionalGeneration": "mrv2-plugin-gemma",
+    "Mistral3ForConditionalGeneration": "mrv2-plugin-mistral3",
+    "InternVLForConditionalGeneration": "mrv2-plugin-internvl",
+    "Phi3ForCausalLM": "mrv2-plugin-phi",
+    "Olmo2ForCausalLM": "mrv2-plugin-olmo",
+    "MiniMaxM2ForCausalLM": "mrv2-plugin-minimax",
+    "Exaone4ForCausalLM": "mrv2-plugin-exaone",
+    "Ernie4_5ForCausalLM": "mrv2-plugin-ernie",
+    "Ernie4_5_MoeForCausalLM": "mrv2-plugin-ernie",
+    "GptOssForCausalLM": "mrv2-plugin-gpt-oss",
     "LlamaForCausalLM": "mrv2-contrib-llama",
+    "MistralForCausalLM": "mrv2-contrib-llama",
+    "MixtralForCausalLM": "mrv2-contrib-llama",
+    "SmolLM3ForCausalLM": "mrv2-contrib-llama",
+    "GraniteForCausalLM": "mrv2-contrib-llama",
+    "SeedOssForCausalLM": "mrv2-contrib-llama",
+}
+
+#: Which package registers a speculative method, for the "unknown speculative method" error.
+KNOWN_SPECULATOR_PACKAGES: dict[str, str] = {
+    "eagle": "mrv2-plugin-eagle",
+    "eagle3": "mrv2-plugin-eagle",
+    "mtp": "mrv2-plugin-mtp",
 }
 
 #: The cache kind a backend serves when its registration names none (paged K/V per kv-head).
@@ -63,6 +90,18 @@ def import_object(path: str) -> Any:
     return obj
 
 
+def import_registered(path: str, plugin: str, what: str) -> Any:
+    """:func:`import_object` of a path ``plugin`` registered as ``what``; a path that does not
+    import raises :class:`PluginError` naming the plugin, what it registered and the path."""
+    try:
+        return import_object(path)
+    except Exception as error:
+        raise PluginError(
+            f"plugin {plugin!r} registered {what} {path!r}, which does not import: "
+            f"{type(error).__name__}: {error}"
+        ) from error
+
+
 @dataclass(frozen=True)
 class ModelEntry:
     """A registered architecture: lazy model and ModelState paths, and who registered it."""
@@ -75,6 +114,13 @@ class ModelEntry:
     """Lazy path of the family's :class:`~mrv2.contract.input_processor.InputProcessor`
     (multimodal prompts), or None: the model takes text only."""
 
+    def load(self, part: str = "model") -> Any:
+        """The class registered as ``part`` (``"model"``, ``"model_state"`` or
+        ``"input_processor"``), imported; :class:`PluginError` naming the plugin and the
+        architecture where its path does not import."""
+        path = getattr(self, part)
+        return import_registered(path, self.plugin, f"{self.architecture!r} with {part}")
+
 
 @dataclass(frozen=True)
 class NamedEntry:
@@ -86,6 +132,13 @@ class NamedEntry:
     devices: tuple[str, ...] = ()
     cache_kinds: tuple[str, ...] = ()
     """Attention backends only: the :class:`~mrv2.contract.kv_cache.KVCacheSpec` kinds served."""
+    kind: str = "name"
+    """What was registered (``"backend"``, ``"speculator"``, ``"processor"``), for errors."""
+
+    def load(self) -> Any:
+        """The registered class, imported; :class:`PluginError` naming the plugin and the name
+        where its path does not import."""
+        return import_registered(self.target, self.plugin, f"{self.kind} {self.name!r} with")
 
 
 @dataclass
@@ -96,6 +149,8 @@ class Registries:
     attention_backends: dict[str, NamedEntry] = field(default_factory=dict)
     speculators: dict[str, NamedEntry] = field(default_factory=dict)
     logits_processors: dict[str, NamedEntry] = field(default_factory=dict)
+    failed_plugins: dict[str, str] = field(default_factory=dict)
+    """Plugins skipped because they failed to import or to register: name -> why."""
 
     def resolve_model(self, architectures: Sequence[str]) -> ModelEntry:
         """The entry of the first registered name in ``architectures``, or a helpful error.
@@ -109,19 +164,25 @@ class Registries:
                 causal = name.removesuffix(suffix) + "ForCausalLM"
                 if name.endswith(suffix) and causal in self.models:
                     return self.models[causal]
-        hints = [
-            f"{name} is provided by '{KNOWN_PACKAGES[name]}' (pip install {KNOWN_PACKAGES[name]})"
-            for name in architectures
-            if name in KNOWN_PACKAGES
-        ]
+        hints = []
+        for name in architectures:  # (a classifier: its causal LM's package)
+            known = next((n for n in (name, name.removesuffix("ForSequenceClassification")
+                                      + "ForCausalLM", name.removesuffix("ForTokenClassification")
+                                      + "ForCausalLM") if n in KNOWN_PACKAGES), None)
+            if known is not None:
+                package = KNOWN_PACKAGES[known]
+                hints.append(f"{name} is provided by '{package}' (pip install {package})")
         registered = ", ".join(sorted(self.models)) or "none"
         message = (
             f"unknown model architecture {list(architectures)}; registered architectures: "
             f"{registered}."
         )
+        if self.failed_plugins:
+            message += (" These plugins failed to load, and may register it: "
+                        + "; ".join(self.failed_plugins.values()) + ".")
         if hints:
             message += " " + "; ".join(hints) + "."
-        else:
+        elif not self.failed_plugins:
             message += " Install a plugin that registers it, or write one (see CONTRIBUTING.md)."
         raise ValueError(message)
 

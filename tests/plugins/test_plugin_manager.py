@@ -51,6 +51,78 @@ def test_known_packages_register_what_they_advertise() -> None:
         assert dist.startswith(package), (architecture, package, dist)
 
 
+def test_every_bundled_architecture_has_its_install_hint() -> None:
+    """The "unknown architecture" error names the package to install for every architecture a
+    bundled package registers (CONTRIBUTING: a bundled plugin joins ``KNOWN_PACKAGES``)."""
+    from mrv2.registry import KNOWN_PACKAGES
+
+    manager = PluginManager(autoload=True, allow=None, block=[])
+    bundled = {info.name for info in manager.list_plugins()
+               if info.source.startswith(("mrv2-plugin-", "mrv2-contrib-"))}
+    registered = {arch for arch, entry in manager.registries.models.items()
+                  if entry.plugin in bundled}
+    assert registered - set(KNOWN_PACKAGES) == set()
+    empty = PluginManager(autoload=False).registries
+    with pytest.raises(ValueError, match=r"pip install mrv2-plugin-phi\b"):
+        empty.resolve_model(["Phi3ForCausalLM"])
+
+
+def test_plugins_that_load_image_processors_depend_on_pillow() -> None:
+    """transformers' image processors need pillow (its PIL backend where torchvision is absent,
+    and the torchvision one too): a family whose input processor loads one declares it, or an
+    engine for its vision checkpoints fails at start where pillow is not installed."""
+    import tomllib
+
+    root = TESTS_DIR.parents[1]
+    users = []
+    for pyproject in sorted(root.glob("plugins/*/pyproject.toml")):
+        sources = "\n".join(p.read_text() for p in pyproject.parent.glob("mrv2_*/*.py"))
+        if "load_images(" in sources or "load_image_processor(" in sources:
+            users.append(pyproject.parent.name)
+            deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+            assert "pillow" in deps, pyproject
+    assert {"llava", "qwen_vl"} <= set(users)
+
+
+def test_unknown_speculative_method_names_its_package() -> None:
+    import torch
+
+    from mrv2 import EngineConfig
+    from mrv2.registry import KNOWN_SPECULATOR_PACKAGES
+
+    everything = PluginManager(autoload=True, allow=None, block=[]).registries.speculators
+    for method, package in KNOWN_SPECULATOR_PACKAGES.items():
+        dist = metadata.distribution(package)
+        assert everything[method].plugin in {ep.name for ep in dist.entry_points}
+    manager = PluginManager(autoload=False)
+    config = EngineConfig.from_kwargs(speculative_config={"method": "mtp",
+                                                          "num_speculative_tokens": 1})
+    with pytest.raises(ValueError, match=r"unknown speculative method 'mtp'; registered: "
+                                         r"draft_model, ngram \('mtp' is provided by "
+                                         r"'mrv2-plugin-mtp': pip install mrv2-plugin-mtp\)"):
+        manager.hook.mrv2_make_speculator(config=config, registries=manager.registries,
+                                          model_state=None, device=torch.device("cpu"))
+
+
+def test_code_registered_plugin_refused_with_spawned_tensor_parallel_workers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spawned tensor-parallel workers load plugins from entry points only: a plugin registered
+    in code on the process-wide manager is refused before any worker starts (the workers would
+    fail on an architecture rank 0 knows)."""
+    from mrv2 import EngineConfig
+    from mrv2.executor import make_runner
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    manager = PluginManager(autoload=False)
+    manager.register(_model_plugin("InHouseForCausalLM"), name="in-house")
+    monkeypatch.setattr("mrv2.plugins._DEFAULT_MANAGER", manager)
+    config = EngineConfig.from_kwargs(model=str(TESTS_DIR), tensor_parallel_size=2,
+                                      device="cpu")
+    with pytest.raises(ValueError, match=r"registered in code \('in-house'\).*entry point"):
+        make_runner(config)
+
+
 def test_throwaway_plugin_registers_a_model() -> None:
     def mrv2_register_models(register: Callable[..., None]) -> None:
         register("ToyForCausalLM", "toy.model:Toy", model_state="toy.state:ToyState")
@@ -86,12 +158,51 @@ def test_duplicate_and_malformed_registrations_name_the_plugins() -> None:
         _ = manager.registries
 
 
+def test_registered_path_that_does_not_import_names_plugin_and_architecture(
+        tmp_path: Path) -> None:
+    """A model / ModelState path that does not import fails naming the plugin, the architecture
+    and the path, not with a bare ``No module named ...``."""
+    import json
+
+    from mrv2 import LLM
+    from mrv2.testing import make_tiny_checkpoint
+
+    model_dir = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["architectures"] = ["InHouseForCausalLM"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    for model, state, bad in [("no_such_pkg.model:M", None, "model 'no_such_pkg.model:M'"),
+                              ("mrv2_llama.model:LlamaForCausalLM", "mrv2_llama.state:Nope",
+                               "model_state 'mrv2_llama.state:Nope'")]:
+        def register_models(register: Callable[..., None], model: str = model,
+                            state: str | None = state) -> None:
+            register("InHouseForCausalLM", model, model_state=state)
+
+        manager = PluginManager(autoload=False)
+        manager.register(_plugin("inhouse", mrv2_register_models=register_models),
+                         name="inhouse")
+        with pytest.raises(PluginError, match=rf"plugin 'inhouse' registered "
+                                              rf"'InHouseForCausalLM' with {re.escape(bad)}"):
+            LLM(str(model_dir), device="cpu", max_model_len=64, load_format="dummy",
+                plugins=manager)
+
+    manager = PluginManager(autoload=False)
+    manager.register(_plugin("procs", mrv2_register_logits_processors=lambda register: register(
+        "gone", "no_such_pkg.procs:P")), name="procs")
+    with pytest.raises(PluginError, match=r"plugin 'procs' registered processor 'gone' with "
+                                          r"'no_such_pkg.procs:P'.*no_such_pkg"):
+        manager.registries.logits_processors["gone"].load()
+
+
 def test_unknown_architecture_lists_registered_and_hint() -> None:
     manager = PluginManager(autoload=False)
     with pytest.raises(ValueError, match="pip install mrv2-plugin-qwen"):
         manager.registries.resolve_model(["Qwen3ForCausalLM"])
     with pytest.raises(ValueError, match="write one"):
         manager.registries.resolve_model(["MyPrivateLM"])
+    with pytest.raises(ValueError, match=r"Qwen3ForSequenceClassification is provided by "
+                                         r"'mrv2-plugin-qwen' \(pip install mrv2-plugin-qwen\)"):
+        manager.registries.resolve_model(["Qwen3ForSequenceClassification"])
 
 
 class _FakeEntryPoint:
@@ -130,21 +241,45 @@ def test_fake_entry_points_allow_and_block(monkeypatch: pytest.MonkeyPatch) -> N
     assert PluginManager().registries.models == {}
 
 
-def test_broken_plugin_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_broken_plugin_is_named_and_others_still_load(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A plugin that fails to import, or whose registration raises, is skipped with a warning
+    naming it; the other plugins' models still resolve, and an architecture no loaded plugin
+    registers names the failed plugins (it may be theirs)."""
     def explode() -> object:
         raise ImportError("No module named 'torch_npu'")
 
-    _fake_entry_points(monkeypatch, [_FakeEntryPoint("npu", explode)])
-    with pytest.raises(PluginError, match=r"plugin 'npu'.*torch_npu.*MRV2_PLUGINS_BLOCK=npu"):
-        PluginManager(autoload=True, allow=None, block=[])
-
     def failing(register: Callable[..., None]) -> None:
+        register("HalfForCausalLM", "m.half:M")
         raise KeyError("oops")
 
-    manager = PluginManager(autoload=False)
-    manager.register(_plugin("flaky", mrv2_register_models=failing), name="flaky")
-    with pytest.raises(PluginError, match="'flaky' failed in mrv2_register_models"):
-        _ = manager.registries
+    _fake_entry_points(monkeypatch, [
+        _FakeEntryPoint("npu", explode), _FakeEntryPoint("alpha", lambda: _model_plugin("A")),
+        _FakeEntryPoint("flaky", lambda: _plugin("flaky", mrv2_register_models=failing)),
+        _FakeEntryPoint("typo", lambda: _plugin("typo", mrv2_register_modles=failing)),
+        _FakeEntryPoint("half", lambda: _model_plugin("HalfForCausalLM"))])
+    with caplog.at_level("WARNING", logger="mrv2.plugins"):
+        manager = PluginManager(autoload=True, allow=None, block=[])
+        registries = manager.registries
+    assert re.search(r"plugin 'npu'.*torch_npu.*MRV2_PLUGINS_BLOCK=npu", caplog.text)
+    assert "'flaky' failed in mrv2_register_models: KeyError" in caplog.text
+    assert "plugin 'typo' is invalid" in caplog.text and "mrv2_register_modles" in caplog.text
+    assert registries.resolve_model(["A"]).plugin == "alpha"
+    # (nothing of the failed registration stays, nor clashes with a later plugin's)
+    assert set(registries.models) == {"A", "HalfForCausalLM"}
+    assert registries.models["HalfForCausalLM"].plugin == "half"
+    assert [info.name for info in manager.list_plugins()] == ["mrv2.defaults", "alpha", "half"]
+    with pytest.raises(ValueError, match=r"unknown model architecture \['NpuForCausalLM'\].*"
+                                         r"failed to load.*'npu'.*torch_npu.*'flaky'.*oops"):
+        registries.resolve_model(["NpuForCausalLM"])
+
+    monkeypatch.setattr("mrv2.plugins._DEFAULT_MANAGER", manager)
+    from mrv2.entrypoints.cli import main
+
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^failed to load:\n    npu: .*torch_npu", out, re.M)
 
 
 def test_installed_plugins_found_through_real_entry_points() -> None:

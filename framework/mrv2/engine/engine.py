@@ -102,7 +102,7 @@ class LLMEngine(WeightOps):
         #: The family's multimodal prompt processor (None: the model takes text only).
         self.input_processor = make_input_processor(entry.input_processor, model_dir,
                                                     self.runner.hf_config, self.tokenizer,
-                                                    config)
+                                                    config, entry)
         self.max_model_len = self.runner.max_model_len
         #: The length of the model's final hidden states (an embedding's, whole).
         self.hidden_size = int(text_config_of(self.runner.hf_config).hidden_size)

@@ -12,7 +12,7 @@ from mrv2.contract.input_processor import InputProcessor
 from mrv2.contract.params import SamplingParams
 from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.tokenizer import Tokenizer
-from mrv2.registry import import_object
+from mrv2.registry import ModelEntry, import_object
 
 __all__ = ["check_cache_salt", "check_prompt", "check_runner", "classifier_labels",
            "make_input_processor", "process_multimodal"]
@@ -85,13 +85,15 @@ def check_cache_salt(cache_salt: Any) -> str | None:
 
 
 def make_input_processor(path: str | None, model_dir: str, hf_config: Any,
-                         tokenizer: Tokenizer | None, config: EngineConfig
-                         ) -> InputProcessor | None:
+                         tokenizer: Tokenizer | None, config: EngineConfig,
+                         entry: ModelEntry | None = None) -> InputProcessor | None:
     """The family's multimodal prompt processor registered as ``path`` (an import path; None
-    or empty: a text-only model), built for the checkpoint at ``model_dir``."""
+    or empty: a text-only model), built for the checkpoint at ``model_dir``. ``entry``: the
+    registration it comes from, named in the error where the path does not import."""
     if not path:
         return None
-    processor: InputProcessor = import_object(path)(model_dir, hf_config, tokenizer, config)
+    cls = entry.load("input_processor") if entry is not None else import_object(path)
+    processor: InputProcessor = cls(model_dir, hf_config, tokenizer, config)
     return processor
 
 

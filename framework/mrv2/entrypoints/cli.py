@@ -137,6 +137,10 @@ def _plugins(args: argparse.Namespace) -> int:
     print("attention backends: " + ", ".join(registries.attention_backends))
     print("speculators: " + (", ".join(registries.speculators) or "none"))
     print("logits processors: " + (", ".join(registries.logits_processors) or "none"))
+    if registries.failed_plugins:
+        print("failed to load:")
+        for name, why in registries.failed_plugins.items():
+            print(f"    {name}: {why}")
     return 0
 
 

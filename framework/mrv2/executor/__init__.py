@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from mrv2.config import EngineConfig
-from mrv2.plugins import PluginManager
+from mrv2.plugins import PluginManager, get_plugin_manager
 from mrv2.runner.runner import Runner
 
 
@@ -20,6 +20,15 @@ def make_runner(config: EngineConfig, plugins: PluginManager | None = None) -> R
     from mrv2.executor.tensor_parallel import DistributedRunner, launched_by_torchrun
     from mrv2.executor.worker import run_torchrun_worker
 
+    if plugins is None and not launched_by_torchrun():
+        in_code = [info.name for info in get_plugin_manager().list_plugins()
+                   if info.source == "registered by code"]
+        if in_code:  # (the spawned workers would not have them)
+            raise ValueError(
+                f"tensor_parallel_size > 1 starts workers that load plugins from their entry "
+                f"points only; plugins registered in code ({', '.join(map(repr, in_code))}) "
+                "are not there: install them as a package with an entry point in group 'mrv2' "
+                "(or launch every rank with torchrun)")
     model_dir = Runner.resolve_model_dir(config)
     if launched_by_torchrun() and int(os.environ["RANK"]) != 0:
         run_torchrun_worker(config, model_dir)

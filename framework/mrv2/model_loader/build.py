@@ -12,7 +12,7 @@ from torch import nn
 from mrv2.config import EngineConfig
 from mrv2.layers.fp8 import Fp8Config
 from mrv2.layers.int_quant_config import IntQuantConfig
-from mrv2.registry import ModelEntry, Registries, import_object
+from mrv2.registry import ModelEntry, Registries
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -161,7 +161,7 @@ def check_shardable(model_dir: str, hf_config: Any, registries: Registries, size
     architectures = list(getattr(hf_config, "architectures", None) or [])
     if not architectures:
         raise ValueError(f"{model_dir}/config.json names no 'architectures'")
-    model_cls = import_object(registries.resolve_model(architectures).model)
+    model_cls = registries.resolve_model(architectures).load()
 
     def build(n: int) -> None:
         try:
@@ -214,7 +214,7 @@ def build_model(
         raise ValueError(f"{model_dir}/config.json names no 'architectures'")
     classifier = is_classifier(architectures)
     entry = registries.resolve_model(architectures)  # (a classifier: its causal LM's)
-    model_cls = import_object(entry.model)
+    model_cls = entry.load()
     dummy = config.model.load_format == "dummy"
     if not dummy:  # (before anything is built: a setting the checkpoint's scales refuse)
         check_kv_cache_scales(model_dir, config.cache.kv_cache_dtype)

@@ -23,7 +23,7 @@ from mrv2.contract.kv_cache import (
     group_specs,
     shared_pages,
 )
-from mrv2.registry import Registries, import_object
+from mrv2.registry import Registries
 from mrv2.runner.kv_tables import KVTableLayout, layout_of
 from mrv2_kernels.kv_cache import FP8_KV_DTYPE
 
@@ -51,7 +51,7 @@ class KVCaches:
         for spec, layers in group_specs(specs):
             entry = registries.attention_backend_for(device.type, spec.kind, backend_name)
             if entry.name not in by_name:
-                by_name[entry.name] = import_object(entry.target)()
+                by_name[entry.name] = entry.load()()
             self.groups.append(KVCacheGroup(spec, layers, entry.name))
             for layer_idx in layers:
                 self.backends[layer_idx] = by_name[entry.name]

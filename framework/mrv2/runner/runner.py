@@ -43,7 +43,6 @@ from mrv2.model_loader.build import (
 )
 from mrv2.model_loader.classification import score_head
 from mrv2.plugins import PluginManager, get_plugin_manager
-from mrv2.registry import import_object
 from mrv2.runner.async_output import AsyncStepOutput, PinnedRing
 from mrv2.runner.batch_builder import BatchBuilder, StepPlan
 from mrv2.runner.between_steps import BetweenSteps
@@ -137,7 +136,7 @@ class Runner(BetweenSteps):
         self.lora = make_lora_manager(config, self.model, self.max_num_reqs,
                                       self.max_num_tokens, self.device, self.dtype)
         entry = self.model_entry
-        state_cls = import_object(entry.model_state) if entry.model_state else ModelState
+        state_cls = entry.load("model_state") if entry.model_state else ModelState
         self.model_state: ModelState = state_cls(
             self.model, self.hf_config, config, self.buffers, self.block_size, self.device
         )
