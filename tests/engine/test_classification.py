@@ -118,6 +118,32 @@ def test_a_reranker_scores_each_pair_as_one_prompt(tmp_path: Path) -> None:
         llm.score(docs[:2], docs, use_tqdm=False)
 
 
+def test_a_reranker_reads_text_pairs_as_the_tokenizer_pairs_them(tmp_path: Path) -> None:
+    """Two texts make one prompt as the tokenizer pairs them (``tokenizer(text=a,
+    text_pair=b)``, as vLLM and sentence-transformers' CrossEncoder read a pair), with any
+    separator its pair template puts between them (Llama 3's second BOS)."""
+    from tokenizers import processors
+
+    from mrv2.testing import make_tiny_tokenizer
+
+    path = make_tiny_checkpoint(tmp_path / "rerank", "Qwen3ForSequenceClassification",
+                                seed=5, num_labels=1, vocab_size=320)
+    make_tiny_tokenizer(path)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(path))
+    bos = hf_tok.convert_tokens_to_ids("<s>")
+    hf_tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B:1", special_tokens=[("<s>", bos)])
+    hf_tok.save_pretrained(str(path))
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(path))
+    query, docs = "The capital of France", ["is Paris.", "Hello world!"]
+    pairs = [hf_tok(text=query, text_pair=d)["input_ids"] for d in docs]
+    assert pairs[0].count(bos) == 2
+    got = _llm(path).score(query, docs, use_tqdm=False)
+    assert [g.prompt_token_ids for g in got] == pairs
+    for g, ids in zip(got, pairs, strict=True):
+        assert abs(g.outputs.score - float(_hf_probs(path, ids)[0])) < 1e-5
+
+
 def test_an_embedding_model_scores_cosine_similarity(tmp_path: Path) -> None:
     path = make_tiny_checkpoint(tmp_path / "emb", "Qwen3ForCausalLM", seed=6)
     llm = _llm(path)

@@ -69,7 +69,8 @@ def test_chunks_cache_graphs_and_pooling_options(tmp_path: Path) -> None:
     path = make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM", head_dim=16)
     raw = hf_states(path, PROMPTS)
     # chunked prefill (8 tokens a step), the prefix cache, the emulated graphs
-    llm = _llm(path, max_num_batched_tokens=8, enable_prefix_caching=True)
+    llm = _llm(path, max_num_batched_tokens=8, enable_prefix_caching=True,
+               hf_overrides={"is_matryoshka": True})
     emulate_cuda_graphs(llm.engine.runner)
     for _ in range(2):  # the second time the prompts' blocks are cached
         outs = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
@@ -85,6 +86,94 @@ def test_chunks_cache_graphs_and_pooling_options(tmp_path: Path) -> None:
                   use_tqdm=False)
     with pytest.raises(ValueError, match="dimensions"):
         PoolingParams(dimensions=0)
+
+
+def test_dimensions_need_a_matryoshka_model(tmp_path: Path) -> None:
+    """As vLLM: ``dimensions`` is refused by name for a model whose config.json says nothing
+    of Matryoshka embeddings (cutting them short would give poor vectors), and must be one of
+    ``matryoshka_dimensions`` when it lists them."""
+    path = make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM", head_dim=16)
+    prompt = {"prompt_token_ids": PROMPTS[0]}
+    with pytest.raises(ValueError, match="dimensions=8: this model does not support Matr"):
+        _llm(path).embed(prompt, PoolingParams(dimensions=8), use_tqdm=False)
+    llm = _llm(path, hf_overrides={"matryoshka_dimensions": [8, 32]})
+    with pytest.raises(ValueError, match=r"matryoshka_dimensions are \[8, 32\]"):
+        llm.embed(prompt, PoolingParams(dimensions=10), use_tqdm=False)
+    with pytest.raises(ValueError, match="Matryoshka"):
+        _llm(path).engine.add_request(PROMPTS[0], GREEDY,
+                                      pooling_params=PoolingParams(dimensions=8))
+    got = llm.embed(prompt, PoolingParams(dimensions=8), use_tqdm=False)[0]
+    _close(got.outputs.embedding,
+           torch.nn.functional.normalize(hf_states(path, PROMPTS[:1])[0][:8], dim=-1))
+
+
+def _sentence_transformers(path: Path, mode: str, *extra: str) -> None:
+    """Give ``path`` sentence-transformers' configuration: Transformer, Pooling by ``mode``,
+    then the ``extra`` module types."""
+    import json
+
+    types = ["Transformer", "Pooling", *extra]
+    modules = [{"idx": i, "name": str(i), "path": "" if i == 0 else f"{i}_{t}",
+                "type": f"sentence_transformers.models.{t}"} for i, t in enumerate(types)]
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir()
+    modes = ["cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens",
+             "weightedmean_tokens", "lasttoken"]
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 64, "include_prompt": True,
+         **{f"pooling_mode_{m}": m == mode for m in modes}}))
+
+
+@pytest.mark.parametrize(("mode", "extra", "named"), [
+    ("mean_tokens", ["Normalize"], r"pooling_mode_mean_tokens \(1_Pooling/config.json\)"),
+    ("cls_token", [], "pooling_mode_cls_token"),
+    ("lasttoken", ["Dense", "Normalize"], "sentence_transformers.models.Dense module"),
+])
+def test_a_checkpoint_pooled_otherwise_is_refused(mode: str, extra: list[str], named: str,
+                                                   tmp_path: Path) -> None:
+    """A sentence-transformers checkpoint whose embeddings are not its last token's state
+    (mean or CLS pooling, a Dense projection: modules.json) is refused embeddings by name,
+    rather than given the last token's; its per-token states and generation still run."""
+    path = make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM", head_dim=16)
+    _sentence_transformers(path, mode, *extra)
+    llm = _llm(path)
+    with pytest.raises(ValueError, match=named):
+        llm.embed({"prompt_token_ids": PROMPTS[0]}, use_tqdm=False)
+    with pytest.raises(ValueError, match="task='embed' is refused"):
+        llm.engine.add_request(PROMPTS[0], GREEDY, pooling_params=PoolingParams())
+    rows = llm.encode({"prompt_token_ids": PROMPTS[0]}, pooling_task="token_embed",
+                      use_tqdm=False)[0].outputs.data
+    assert rows.shape == (len(PROMPTS[0]), 64)
+    assert llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False)[0]
+
+
+def test_a_last_token_sentence_transformers_checkpoint(tmp_path: Path) -> None:
+    """Qwen3-Embedding's modules.json (last-token pooling, normalized) embeds as HF does."""
+    path = make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM", head_dim=16)
+    _sentence_transformers(path, "lasttoken", "Normalize")
+    got = _llm(path).embed({"prompt_token_ids": PROMPTS[0]}, use_tqdm=False)[0]
+    _close(got.outputs.embedding,
+           torch.nn.functional.normalize(hf_states(path, PROMPTS[:1])[0], dim=-1))
+
+
+def test_normalized_as_the_sentence_transformers_modules_say(tmp_path: Path) -> None:
+    """Without a Normalize module in modules.json a request that does not say gets the raw
+    state (vLLM's default from the sentence-transformers configuration); ``normalize=True``
+    still normalizes it."""
+    path = make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM", head_dim=16)
+    _sentence_transformers(path, "lasttoken")
+    raw = hf_states(path, PROMPTS[:1])[0]
+    llm = _llm(path)
+    prompt = {"prompt_token_ids": PROMPTS[0]}
+    _close(llm.embed(prompt, use_tqdm=False)[0].outputs.embedding, raw)
+    _close(llm.embed(prompt, PoolingParams(normalize=True), use_tqdm=False)[0]
+           .outputs.embedding, torch.nn.functional.normalize(raw, dim=-1))
+    engine = llm.engine
+    req = engine.add_request(PROMPTS[0], GREEDY, pooling_params=PoolingParams())
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    _close(done[req].embedding or [], raw)
 
 
 def test_a_checkpoint_without_the_model_prefix(tmp_path: Path) -> None:

@@ -19,7 +19,8 @@ uvicorn = pytest.importorskip("uvicorn")
 @pytest.fixture(scope="package")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny")
-    make_tiny_checkpoint(path, "LlamaForCausalLM", vocab_size=320)
+    make_tiny_checkpoint(path, "LlamaForCausalLM", vocab_size=320,
+                         is_matryoshka=True)  # (embedding requests may ask for dimensions)
     make_tiny_tokenizer(path)
     return path
 

@@ -107,6 +107,89 @@ def test_bad_inputs_name_the_field(server: Served, body: dict[str, Any], param: 
     assert response.json()["error"]["param"] == param
 
 
+def test_dimensions_need_a_matryoshka_model(model_dir: Path) -> None:
+    """As vLLM's: a model whose config.json says nothing of Matryoshka embeddings refuses
+    ``dimensions`` (/v1/embeddings and /pooling), a 400 naming the field."""
+    from conftest import serve
+
+    for served in serve(model_dir, {"hf_overrides": {"is_matryoshka": False}}):
+        for route in ("/v1/embeddings", "/pooling"):
+            response = httpx.post(f"{served.url}{route}", headers=AUTH, timeout=60,
+                                  json={"model": MODEL, "input": "x", "dimensions": 8})
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["param"] == "dimensions" and "Matryoshka" in error["message"]
+
+
+def test_a_mean_pooled_model_is_refused_embeddings(tmp_path: Path) -> None:
+    """A sentence-transformers checkpoint that pools by the tokens' mean (modules.json) gets
+    a 400 saying so, not the last token's state, through the engine's own process too."""
+    import json
+
+    from mrv2.entrypoints.engine_process import RemoteEngine
+    from mrv2.entrypoints.server import create_app
+    from mrv2.testing import make_tiny_checkpoint, make_tiny_tokenizer
+
+    make_tiny_checkpoint(tmp_path, "LlamaForCausalLM", vocab_size=320)
+    make_tiny_tokenizer(tmp_path)
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"}]))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"pooling_mode_mean_tokens": True, "pooling_mode_lasttoken": False}))
+    engine = RemoteEngine(EngineConfig.from_kwargs(model=str(tmp_path), **ENGINE_KWARGS))
+    try:
+        for url in serve_in_thread(create_app(engine, served_model_name=MODEL,
+                                              api_key=API_KEY)):
+            response = httpx.post(f"{url}/v1/embeddings", headers=AUTH, timeout=60,
+                                  json={"model": MODEL, "input": "x"})
+            assert response.status_code == 400, response.text
+            assert "pooling_mode_mean_tokens" in response.json()["error"]["message"]
+    finally:
+        engine.shutdown()
+
+
+def test_without_a_normalize_module_vectors_are_raw(tmp_path: Path) -> None:
+    """A last-token sentence-transformers checkpoint without a Normalize module answers its
+    raw states unless the request asks ``normalize`` (vLLM's default from modules.json),
+    through the engine's own process."""
+    import json
+
+    from mrv2.entrypoints.engine_process import RemoteEngine
+    from mrv2.entrypoints.server import create_app
+    from mrv2.testing import make_tiny_checkpoint, make_tiny_tokenizer
+
+    make_tiny_checkpoint(tmp_path, "LlamaForCausalLM", vocab_size=320)
+    make_tiny_tokenizer(tmp_path)
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"}]))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"pooling_mode_mean_tokens": False, "pooling_mode_lasttoken": True}))
+    ids = [5, 9, 3, 17]
+    want = LLM(str(tmp_path), **{k: v for k, v in ENGINE_KWARGS.items() if k not in (
+        "num_gpu_blocks_override", "max_num_seqs")}).embed(
+        {"prompt_token_ids": ids}, PoolingParams(normalize=False), use_tqdm=False)
+    raw = np.asarray(want[0].outputs.embedding)
+    assert abs(np.linalg.norm(raw) - 1) > 0.1
+    engine = RemoteEngine(EngineConfig.from_kwargs(model=str(tmp_path), **ENGINE_KWARGS))
+    try:
+        for url in serve_in_thread(create_app(engine, served_model_name=MODEL,
+                                              api_key=API_KEY)):
+            for body, vector in [({}, raw), ({"normalize": True}, raw / np.linalg.norm(raw))]:
+                got = httpx.post(f"{url}/v1/embeddings", headers=AUTH, timeout=60,
+                                 json={"model": MODEL, "input": ids,
+                                       "encoding_format": "float", **body}).json()
+                np.testing.assert_allclose(got["data"][0]["embedding"], vector, rtol=1e-5,
+                                           atol=1e-6)
+    finally:
+        engine.shutdown()
+
+
 def test_a_pooling_server_refuses_generation(model_dir: Path, reference: LLM) -> None:
     from conftest import serve
 

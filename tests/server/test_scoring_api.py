@@ -5,11 +5,13 @@ are a 400 naming the field."""
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from server_util import API_KEY, ENGINE_KWARGS, MODEL, Served
@@ -89,6 +91,36 @@ def test_score_and_rerank_give_the_rerankers_scores(checkpoints: dict[str, Path]
             assert answer["usage"]["total_tokens"] == sum(len(QUERY) + len(d) for d in DOCS)
 
 
+def test_text_pairs_are_the_tokenizers_pairs(tmp_path: Path) -> None:
+    """/score and /rerank read two texts as the tokenizer pairs them (its pair template's
+    separators kept), as vLLM does and as ``LLM.score`` does."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    from mrv2.testing import make_tiny_tokenizer
+
+    path = make_tiny_checkpoint(tmp_path, "Qwen3ForSequenceClassification", seed=5,
+                                num_labels=1, vocab_size=320)
+    make_tiny_tokenizer(path)
+    hf_tok = AutoTokenizer.from_pretrained(str(path))
+    bos = hf_tok.convert_tokens_to_ids("<s>")
+    hf_tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B:1", special_tokens=[("<s>", bos)])
+    hf_tok.save_pretrained(str(path))
+    query, docs = "The capital of France", ["is Paris.", "Hello world!", "France"]
+    pairs = [AutoTokenizer.from_pretrained(str(path))(text=query, text_pair=d)["input_ids"]
+             for d in docs]
+    want = [o.outputs.probs[0] for o in LLM(str(path), **KWARGS).classify(
+        [{"prompt_token_ids": p} for p in pairs], use_tqdm=False)]
+    for url in _serve(path):
+        data = _post(url, "/score", {"text_1": query, "text_2": docs}).json()
+        assert [d["score"] for d in data["data"]] == pytest.approx(want, rel=1e-5, abs=1e-6)
+        assert data["usage"]["prompt_tokens"] == sum(map(len, pairs))
+        answer = _post(url, "/rerank", {"query": query, "documents": docs}).json()
+        assert {r["index"]: r["relevance_score"] for r in answer["results"]} == \
+            pytest.approx(dict(enumerate(want)), rel=1e-5, abs=1e-6)
+
+
 @pytest.mark.parametrize(("route", "body", "param"), [
     ("/score", {"text_1": [QUERY, QUERY], "text_2": DOCS}, "text_2"),
     ("/score", {"text_1": [], "text_2": DOCS}, "text_1"),
@@ -114,6 +146,14 @@ def test_an_embedding_server_reranks_by_cosine(server: Served, reference_llm: LL
     assert by_index[0]["document"] == {"text": "Paris"}
     response = _post(server.url, "/classify", {"input": "x"})
     assert response.status_code == 400 and "task='classify'" in response.text
+    # (each text is a prompt of its own: a bad one is named by its own field)
+    for route, body, param in [("/rerank", {"query": [5, 100_000], "documents": docs}, "query"),
+                               ("/score", {"text_1": [[5, 9]], "text_2": [[100_000]]},
+                                "text_2"),
+                               ("/score", {"text_1": [[100_000]], "text_2": [[5]]},
+                                "text_1")]:
+        response = _post(server.url, route, body)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param
 
 
 def test_classify_through_the_engine_process(checkpoints: dict[str, Path]) -> None:
@@ -144,7 +184,8 @@ def test_pooling_route_gives_every_tokens_labels(tmp_path: Path, process: bool) 
     from mrv2.entrypoints.server import create_app
 
     path = make_tiny_checkpoint(tmp_path / "tok", "Qwen3ForTokenClassification", seed=6,
-                                id2label=LABELS, label2id={v: k for k, v in LABELS.items()})
+                                id2label=LABELS, label2id={v: k for k, v in LABELS.items()},
+                                is_matryoshka=True)
     want = LLM(str(path), **KWARGS).encode([{"prompt_token_ids": d} for d in DOCS],
                                            use_tqdm=False)
     config = EngineConfig.from_kwargs(model=str(path), **KWARGS)
@@ -162,6 +203,11 @@ def test_pooling_route_gives_every_tokens_labels(tmp_path: Path, process: bool) 
             rows = _post(url, "/pooling", {"input": DOCS[:1], "task": "token_embed",
                                            "dimensions": 8}).json()["data"][0]["data"]
             assert len(rows) == len(DOCS[0]) and all(len(r) == 8 for r in rows)
+            packed = _post(url, "/pooling", {"input": DOCS, "encoding_format": "base64"})
+            for item, w in zip(packed.json()["data"], want, strict=True):
+                got = np.frombuffer(base64.b64decode(item["data"]), dtype="<f4")
+                np.testing.assert_allclose(got, w.outputs.data.numpy().ravel(), rtol=1e-5,
+                                           atol=1e-6)
             bad = _post(url, "/pooling", {"input": DOCS, "task": "reward"})
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "task"
     finally:

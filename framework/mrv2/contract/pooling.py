@@ -3,7 +3,20 @@ asks for, as vLLM's ``PoolingParams`` names it."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+
+def matryoshka_of(hf_config: Any) -> bool | tuple[int, ...]:
+    """Whether the model's embeddings may be cut short (``dimensions``), as vLLM reads it
+    from config.json (or ``hf_overrides``): ``matryoshka_dimensions``, the sizes it allows,
+    or ``is_matryoshka: true``, any size; False: neither (a model not trained for it)."""
+    sizes = getattr(hf_config, "matryoshka_dimensions", None)
+    if sizes:
+        return tuple(int(n) for n in sizes)
+    return bool(getattr(hf_config, "is_matryoshka", False))
+
 
 #: What a pooling request can ask for: of the prompt's last token, or of every prompt token.
 TASKS = ("embed", "classify", "token_embed", "token_classify")
@@ -16,14 +29,16 @@ class PoolingParams:
     Qwen3-Embedding and decoder classifiers are trained for).
 
     ``task="embed"``: that state, its first ``dimensions`` entries when set (Matryoshka
-    models), scaled to unit length with ``normalize``. ``task="classify"``: a sequence
+    models), scaled to unit length with ``normalize`` (None: as the model says, which is
+    yes unless its sentence-transformers configuration has no ``Normalize`` module, as vLLM
+    reads it). ``task="classify"``: a sequence
     classifier's label probabilities (its ``score`` head's logits, softmax; the sigmoid of a
     single label's). ``token_embed`` / ``token_classify``: the same for every prompt token
     (a token classifier's labels, a process reward model's per-step scores, multi-vector
     retrieval), one row per token; such a request reads no prefix cache (every token's state
     is computed)."""
 
-    normalize: bool = True
+    normalize: bool | None = None
     dimensions: int | None = None
     task: str = "embed"
 
@@ -45,14 +60,28 @@ class PoolingParams:
         """Whether every prompt token gets a row (``token_embed``, ``token_classify``)."""
         return self.task.startswith("token_")
 
-    def check(self, hidden_size: int, num_labels: int | None = None) -> None:
-        """ValueError naming ``dimensions`` when the model's embeddings are shorter, or
-        ``task`` when it asks for labels of a model that has none (``num_labels`` None: not
-        a sequence classifier)."""
+    def check(self, hidden_size: int, num_labels: int | None = None,
+              matryoshka: bool | Sequence[int] = False,
+              refused: Mapping[str, str] | None = None) -> None:
+        """ValueError naming ``dimensions`` when the model's embeddings are shorter, or the
+        model may not cut them short (``matryoshka``: :func:`matryoshka_of`, vLLM's refusal),
+        or ``task`` when it asks for labels of a model that has none (``num_labels`` None: not
+        a sequence classifier); ``refused``: the tasks this model cannot answer, each with
+        its reason (the ValueError's message)."""
+        if refused and self.task in refused:
+            raise ValueError(f"task={self.task!r} is refused: {refused[self.task]}")
         if self.task.endswith("classify") and num_labels is None:
             raise ValueError(f"task={self.task!r} needs a classification model (a checkpoint "
                              "of an XForSequenceClassification or XForTokenClassification "
                              "architecture); this one has no classification head")
+        if self.dimensions is not None and not matryoshka:
+            raise ValueError(f"dimensions={self.dimensions}: this model does not support "
+                             "Matryoshka embeddings (config.json has no is_matryoshka or "
+                             "matryoshka_dimensions), its embeddings cannot be cut short")
+        if (self.dimensions is not None and not isinstance(matryoshka, bool)
+                and self.dimensions not in matryoshka):
+            raise ValueError(f"dimensions={self.dimensions} is invalid: this model's "
+                             f"matryoshka_dimensions are {list(matryoshka)}")
         if self.dimensions is not None and self.dimensions > hidden_size:
             raise ValueError(f"dimensions={self.dimensions} is invalid: this model's "
                              f"embeddings have {hidden_size} (1 <= dimensions <= "

@@ -7,6 +7,7 @@ which is discarded here.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -20,7 +21,7 @@ import numpy as np
 from mrv2.config import EngineConfig
 from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import RequestOutputKind, SamplingParams, derive_seed
-from mrv2.contract.pooling import PoolingParams
+from mrv2.contract.pooling import PoolingParams, matryoshka_of
 from mrv2.contract.requests import MultiModalItem, NewRequest, SchedulerOutput
 from mrv2.engine.block_manager import BlockManager
 from mrv2.engine.detokenizer import IncrementalDetokenizer
@@ -36,7 +37,9 @@ from mrv2.engine.request_inputs import (  # noqa: F401 (_load_tokenizer: tests i
     classifier_labels,
     default_pooling_task,
     make_input_processor,
+    normalizes_embeddings,
     process_multimodal,
+    refused_pooling_tasks,
 )
 from mrv2.engine.sampling_outputs import (
     FanOut,
@@ -106,6 +109,16 @@ class LLMEngine(WeightOps):
         self.max_model_len = self.runner.max_model_len
         #: The length of the model's final hidden states (an embedding's, whole).
         self.hidden_size = int(text_config_of(self.runner.hf_config).hidden_size)
+        #: Whether embeddings may be cut short (``dimensions``): the sizes allowed, True any
+        #: (:func:`~mrv2.contract.pooling.matryoshka_of`).
+        self.matryoshka = matryoshka_of(self.runner.hf_config)
+        #: The pooling tasks the checkpoint's sentence-transformers configuration rules out,
+        #: each with its reason (:func:`~mrv2.engine.request_inputs.refused_pooling_tasks`).
+        self.refused_pooling_tasks = refused_pooling_tasks(model_dir)
+        #: Whether an embedding is normalized when its request does not say (its
+        #: ``PoolingParams.normalize`` None): :func:`~mrv2.engine.request_inputs.
+        #: normalizes_embeddings`.
+        self.normalize_embeddings = normalizes_embeddings(model_dir)
         #: A sequence classifier's label count and names (None, {}: not a classifier).
         self.num_labels, self.id2label = classifier_labels(config, self.runner.hf_config)
         #: What a pooling request asks for when it does not say (``LLM.encode``): a token
@@ -278,7 +291,11 @@ class LLMEngine(WeightOps):
         """
         check_cache_salt(cache_salt)
         if pooling_params is not None:  # the prompt alone; its one sampled token is dropped
-            pooling_params.check(self.hidden_size, self.num_labels)
+            pooling_params.check(self.hidden_size, self.num_labels, self.matryoshka,
+                                 self.refused_pooling_tasks)
+            if pooling_params.normalize is None:  # (the model's default)
+                pooling_params = dataclasses.replace(pooling_params,
+                                                     normalize=self.normalize_embeddings)
             params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
                                     output_kind=params.output_kind)
         max_tokens = self.validate(prompt_token_ids, params, lora_request,

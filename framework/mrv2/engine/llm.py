@@ -214,8 +214,9 @@ class LLM:
     ) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding, in prompt order (vLLM's ``LLM.embed``): the final hidden
         state of its last token, normalized and truncated as ``pooling_params`` says
-        (default: normalized, whole). Requests of one call run in the same steps, as
-        ``generate``'s; every prompt is validated before any is queued.
+        (default: whole, normalized unless the checkpoint's sentence-transformers
+        configuration has no ``Normalize`` module). Requests of one call run in the same
+        steps, as ``generate``'s; every prompt is validated before any is queued.
         ``truncate_prompt_tokens``: keep each prompt's last so many tokens (vLLM's)."""
         outputs = self._pool(prompts, pooling_params or PoolingParams(), use_tqdm,
                              lora_request, truncate_prompt_tokens)
@@ -284,8 +285,9 @@ class LLM:
     ) -> list[ScoringRequestOutput]:
         """A score per pair (vLLM's ``LLM.score``): ``data_1`` one item against every item of
         ``data_2``, or the two lists item by item. A classifier of one label (a reranker)
-        reads each pair as one prompt, ``data_1``'s tokens then ``data_2``'s (without its
-        special tokens), and scores the sigmoid of its logit; an embedding model scores the
+        reads each pair as one prompt (two texts as the tokenizer pairs them, vLLM's
+        ``text_pair``; else ``data_1``'s tokens then ``data_2``'s, without its special
+        tokens), and scores the sigmoid of its logit; an embedding model scores the
         cosine similarity of the two embeddings. ``truncate_prompt_tokens`` keeps the last so
         many tokens of each prompt the model reads (a joined pair; each text)."""
         firsts = [data_1] if isinstance(data_1, (str, dict)) else list(data_1)
@@ -300,12 +302,19 @@ class LLM:
                 f"score-{i}", ScoringOutput(cosine(a.outputs.embedding, b.outputs.embedding)),
                 a.prompt_token_ids + b.prompt_token_ids)
                 for i, (a, b) in enumerate(zip(out[:n], out[n:], strict=True))]
-        joined = [{"prompt_token_ids": self._encode(a)[0] + self._pair_ids(b)}
-                  for a, b in pairs]
+        joined = [{"prompt_token_ids": self._pair(a, b)} for a, b in pairs]
         classified = self.classify(joined, use_tqdm, lora_request, truncate_prompt_tokens)
         return [ScoringRequestOutput(f"score-{i}", ScoringOutput(c.outputs.probs[0]),
                                      c.prompt_token_ids)
                 for i, c in enumerate(classified)]
+
+    def _pair(self, first: Prompt, second: Prompt) -> list[int]:
+        """A pair's prompt: two texts as the tokenizer pairs them (vLLM's ``text_pair``), else
+        the first's ids then the second's (a text's without its special tokens)."""
+        texts = [_text_of(first), _text_of(second)]
+        if texts[0] is not None and texts[1] is not None:
+            return self._require_tokenizer().encode_pair(texts[0], texts[1])
+        return self._encode(first)[0] + self._pair_ids(second)
 
     def _pair_ids(self, prompt: Prompt) -> list[int]:
         """A pair's second item's ids: a text without the tokenizer's special tokens."""
@@ -327,7 +336,8 @@ class LLM:
         if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool)
                                  or keep < 1):
             raise ValueError(f"truncate_prompt_tokens must be an int >= 1 or None, got {keep!r}")
-        pooling.check(self.engine.hidden_size, self.engine.num_labels)
+        pooling.check(self.engine.hidden_size, self.engine.num_labels, self.engine.matryoshka,
+                      self.engine.refused_pooling_tasks)
         loras = self._loras(lora_request, len(prompts))
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         salts = [_cache_salt(prompt) for prompt in prompts]
@@ -464,6 +474,17 @@ class LLM:
         if missing:
             raise RuntimeError(f"requests {missing} ended without output")
         return [r for r in results if r is not None]
+
+
+def _text_of(prompt: Prompt) -> str | None:
+    """A prompt's text when it is text alone (a string, or ``{"prompt": ...}`` without token
+    ids or media); else None."""
+    if isinstance(prompt, str):
+        return prompt
+    if (isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str)
+            and "prompt_token_ids" not in prompt and "multi_modal_data" not in prompt):
+        return str(prompt["prompt"])
+    return None
 
 
 def _cache_salt(prompt: Prompt) -> str | None:

@@ -5,6 +5,8 @@ the tokenizer (used by :class:`~mrv2.engine.engine.LLMEngine` and the server's
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from mrv2.config import EngineConfig
@@ -15,7 +17,8 @@ from mrv2.engine.tokenizer import Tokenizer
 from mrv2.registry import ModelEntry, import_object
 
 __all__ = ["check_cache_salt", "check_prompt", "check_runner", "classifier_labels",
-           "make_input_processor", "process_multimodal"]
+           "make_input_processor", "normalizes_embeddings", "process_multimodal",
+           "refused_pooling_tasks"]
 
 
 def classifier_labels(config: EngineConfig, hf_config: Any) -> tuple[int | None, dict[int, str]]:
@@ -34,6 +37,66 @@ def classifier_labels(config: EngineConfig, hf_config: Any) -> tuple[int | None,
     labels = num_labels_of(hf_config)
     names = getattr(hf_config, "id2label", None) or {}
     return labels, {int(k): str(v) for k, v in names.items()}
+
+
+#: sentence-transformers' modules (their class names) the engine's embeddings match (its
+#: last-token state, normalized or not); any other (a ``Dense`` projection...) changes it.
+_ST_MODULES = ("Transformer", "Pooling", "Normalize")
+
+
+def refused_pooling_tasks(model_dir: str | Path) -> dict[str, str]:
+    """The pooling tasks the engine cannot answer as the checkpoint's sentence-transformers
+    configuration says (``modules.json``, its ``Pooling`` module's ``config.json``), each with
+    the reason: ``embed`` when that pooling is not the last token's (``pooling_mode_mean_tokens``,
+    ``pooling_mode_cls_token``...) or a module other than the transformer, the pooling and the
+    normalization follows; the engine pools the last token only, and would otherwise give
+    other vectors than the model's own. Empty without ``modules.json``."""
+    path = Path(model_dir)
+    try:
+        modules = json.loads((path / "modules.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(modules, list):
+        return {}
+    for module in modules:
+        if not isinstance(module, dict):
+            continue
+        kind = str(module.get("type", ""))
+        if kind.rsplit(".", 1)[-1] not in _ST_MODULES:
+            return {"embed": f"this model's modules.json has a {kind} module, which the "
+                             "engine does not run (it pools the last token's state, "
+                             "normalized): its embeddings would not be the model's"}
+        if kind.rsplit(".", 1)[-1] != "Pooling":
+            continue
+        try:
+            pooling = json.loads((path / str(module.get("path", "")) / "config.json")
+                                 .read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(pooling, dict):
+            continue
+        modes = sorted(k for k, v in pooling.items() if k.startswith("pooling_mode_")
+                       and v is True)
+        if modes and modes != ["pooling_mode_lasttoken"]:
+            return {"embed": f"this model pools its embeddings by {', '.join(modes)} "
+                             f"({module.get('path')}/config.json); the engine pools the "
+                             "last token's state only (pooling_mode_lasttoken)"}
+    return {}
+
+
+def normalizes_embeddings(model_dir: str | Path) -> bool:
+    """Whether the model's embeddings are scaled to unit length when a request does not say
+    (``PoolingParams.normalize`` None), as vLLM reads the checkpoint's sentence-transformers
+    configuration: yes, unless ``modules.json`` has a ``Pooling`` module and no ``Normalize``
+    module after it."""
+    try:
+        modules = json.loads((Path(model_dir) / "modules.json").read_text())
+    except (OSError, ValueError):
+        return True
+    if not isinstance(modules, list):
+        return True
+    kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules if isinstance(m, dict)]
+    return "Pooling" not in kinds or "Normalize" in kinds
 
 
 def default_pooling_task(hf_config: Any) -> str:

@@ -55,6 +55,12 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        """Two texts as one prompt, as the tokenizer pairs them (``tokenizer(text=first,
+        text_pair=second)``: its pair template's special tokens and separators; what vLLM and
+        sentence-transformers' CrossEncoder give a cross-encoder)."""
+        return list(self.hf(text=first, text_pair=second)["input_ids"])
+
     def render_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
         tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,

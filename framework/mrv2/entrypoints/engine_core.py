@@ -69,6 +69,10 @@ class EngineInfo:
     id2label: dict[int, str] = field(default_factory=dict)
     #: A pooling request's task when it names none (``LLMEngine.default_pooling_task``).
     default_pooling_task: str = "embed"
+    #: Whether embeddings may be cut short (``LLMEngine.matryoshka``).
+    matryoshka: bool | tuple[int, ...] = False
+    #: The pooling tasks the model cannot answer (``LLMEngine.refused_pooling_tasks``).
+    refused_pooling_tasks: dict[str, str] = field(default_factory=dict)
 
 
 def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connection,
@@ -103,7 +107,8 @@ def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connect
         hf_config=runner.hf_config if runner.model_entry.input_processor else None,
         hidden_size=engine.hidden_size, eos_token_ids=engine.eos_token_ids,
         num_labels=engine.num_labels, id2label=engine.id2label,
-        default_pooling_task=engine.default_pooling_task)))
+        default_pooling_task=engine.default_pooling_task, matryoshka=engine.matryoshka,
+        refused_pooling_tasks=engine.refused_pooling_tasks)))
     profile = os.environ.get(PROFILE_ENV_VAR, "").strip()
     sampler = StackSampler() if profile else None  # (the server's report, FILE.engine)
     if sampler is not None:

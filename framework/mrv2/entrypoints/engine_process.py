@@ -385,6 +385,8 @@ class RemoteEngine:
         self.hidden_size = info.hidden_size
         self.num_labels, self.id2label = info.num_labels, info.id2label
         self.default_pooling_task = info.default_pooling_task
+        self.matryoshka = info.matryoshka
+        self.refused_pooling_tasks = info.refused_pooling_tasks
         if info.num_labels is not None:  # (the engine serves a classifier as pooling)
             config.model.runner = "pooling"
         self.eos_token_ids = info.eos_token_ids

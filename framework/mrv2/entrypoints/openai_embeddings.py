@@ -3,10 +3,10 @@ hidden state of its last token (:class:`~mrv2.contract.pooling.PoolingParams`), 
 as vLLM serves a decoder embedding model (Qwen3-Embedding, GTE-Qwen2, E5-Mistral).
 
 ``input`` is a string, a list of strings, a token id list or a list of them (at most
-:data:`MAX_INPUTS`); ``dimensions`` keeps the first so many entries (Matryoshka models) before
-normalizing; ``encoding_format`` ``"base64"`` sends each vector as little-endian float32
-bytes in base64, as OpenAI's client asks by default. The inputs of one request run in the
-same steps (beside any generation requests), each a prompt of its own.
+:data:`MAX_INPUTS`); ``dimensions`` keeps the first so many entries (Matryoshka models; others
+refuse it, as vLLM's) before normalizing; ``encoding_format`` ``"base64"`` sends each vector
+as little-endian float32 bytes in base64, as OpenAI's client asks by default. The inputs of
+one request run in the same steps (beside any generation requests), each a prompt of its own.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class EmbeddingRequest(PoolingRequest):
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
-    normalize: bool = True  # (vLLM's extra)
+    normalize: bool | None = None  # (vLLM's extra; None: the model's default)
 
     def inputs(self) -> list[str | list[int]]:
         """Each input: a text or a token id list; ValueError on an empty or too long list."""

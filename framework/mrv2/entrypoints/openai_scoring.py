@@ -12,18 +12,21 @@
   token; default: the model's own), as ``LLM.encode`` gives it.
 
 A pair's score is a one-label classifier's (a reranker's) sigmoid over the pair read as one
-prompt (the first text's tokens, then the second's without special tokens), or an embedding
-model's cosine similarity of the two texts' embeddings (:mod:`mrv2.engine.scoring`). Every
+prompt (two texts as the tokenizer pairs them, vLLM's ``text_pair``; else the first's tokens,
+then the second's without special tokens), or an embedding model's cosine similarity of the
+two texts' embeddings (:mod:`mrv2.engine.scoring`). Every
 prompt of a request runs in the same steps, beside other requests.
 """
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
+import numpy as np
 from fastapi import Request
 from pydantic import Field
 
@@ -58,7 +61,8 @@ class PoolRequest(PoolingRequest):
     input: Texts
     task: str | None = None  # (None: the model's own)
     dimensions: int | None = None
-    normalize: bool = True
+    normalize: bool | None = None  # (None: the model's default)
+    encoding_format: Literal["float", "base64"] = "float"  # (base64: as /v1/embeddings')
 
 
 class ScoreRequest(PoolingRequest):
@@ -100,18 +104,23 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
         return [body.truncate(encode(item)) for item in items]
 
     async def pool(request: Request, body: PoolingRequest, prompts: list[list[int]],
-                   pooling: PoolingParams, field: str) -> list[list[float]]:
+                   pooling: PoolingParams, field: str | list[str]) -> list[list[float]]:
         """Each prompt's pooled data; its requests aborted the moment the client leaves (a
-        499 nobody reads)."""
+        499 nobody reads). ``field``: the body's field each prompt comes from (one for all)."""
         lora = lora_of(body)
         if worker.unavailable is not None:  # (asleep: the engine would refuse it)
             raise APIError(503, worker.unavailable, "service_unavailable")
+        fields = [field] * len(prompts) if isinstance(field, str) else field
         try:
-            pooling.check(engine.hidden_size, engine.num_labels)
-            for ids in prompts:
-                engine.validate(ids, params, lora, pooling=True)
+            pooling.check(engine.hidden_size, engine.num_labels, engine.matryoshka,
+                          engine.refused_pooling_tasks)
         except ValueError as error:
-            raise APIError(400, str(error), param=field) from None
+            raise APIError(400, str(error), param=fields[-1]) from None
+        for ids, name in zip(prompts, fields, strict=True):
+            try:
+                engine.validate(ids, params, lora, pooling=True)
+            except ValueError as error:
+                raise APIError(400, str(error), param=name) from None
         data = await unless_disconnected(request, embed_through(worker, prompts, params, lora,
                                                                 pooling))
         if data is None:
@@ -130,11 +139,14 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
         if engine.num_labels is None:  # an embedding model: the cosine of the two
             prompts = [body.truncate(encode(x)) for x in
                        [a for a, _ in pairs] + [b for _, b in pairs]]
-            vectors = await pool(request, body, prompts, PoolingParams(), names[1])
+            vectors = await pool(request, body, prompts, PoolingParams(),
+                                 [names[0]] * len(pairs) + [names[1]] * len(pairs))
             n = len(pairs)
             return ([cosine(a, b) for a, b in zip(vectors[:n], vectors[n:], strict=True)],
                     sum(map(len, prompts)))
-        joined = [body.truncate(encode(a) + encode(b, special=False)) for a, b in pairs]
+        joined = [body.truncate(tokenizer().encode_pair(a, b)
+                                if isinstance(a, str) and isinstance(b, str)
+                                else encode(a) + encode(b, special=False)) for a, b in pairs]
         probs = await pool(request, body, joined, PoolingParams(task="classify"), names[1])
         return [p[0] for p in probs], sum(map(len, joined))
 
@@ -156,9 +168,11 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
             raise APIError(400, str(error), param="input") from None
         pooling = PoolingParams(normalize=body.normalize, dimensions=body.dimensions)
         try:
-            pooling.check(engine.hidden_size)
+            pooling.check(engine.hidden_size, None, engine.matryoshka,
+                          engine.refused_pooling_tasks)
         except ValueError as error:
-            raise APIError(400, str(error), param="dimensions") from None
+            raise APIError(400, str(error), param="dimensions" if "dimensions" in str(error)
+                           else None) from None
         prompts = [body.truncate(encode(item)) for item in items]
         lora = lora_of(body)  # (the adapter named now, unloaded or not later)
         vectors = await pool(request, body, prompts, pooling, "input")
@@ -191,14 +205,20 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
         try:
             pooling = PoolingParams(task=body.task or engine.default_pooling_task,
                                     normalize=body.normalize, dimensions=body.dimensions)
+            pooling.check(engine.hidden_size, engine.num_labels, engine.matryoshka,
+                          engine.refused_pooling_tasks)
         except ValueError as error:
             raise APIError(400, str(error), param="dimensions" if "dimensions" in str(error)
                            else "task") from None
         answer = head(body, "pool")
         data = await pool(request, body, prompts, pooling, "input")
+        items: list[Any] = data
+        if body.encoding_format == "base64":  # (vLLM's: the rows' float32s, flattened)
+            items = [base64.b64encode(np.asarray(d, dtype="<f4").tobytes()).decode("ascii")
+                     for d in data]
         return {**answer,
                 "data": [{"index": i, "object": "pooling", "data": d}
-                         for i, d in enumerate(data)],
+                         for i, d in enumerate(items)],
                 "usage": usage(sum(map(len, prompts)))}
 
     async def score(request: Request) -> dict[str, Any]:

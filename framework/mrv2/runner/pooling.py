@@ -88,8 +88,9 @@ class RowPooler:
     @staticmethod
     def _embed(states: torch.Tensor, params: PoolingParams) -> torch.Tensor:
         """An embedding of each state (the last dimension): its first ``dimensions``
-        entries, scaled to unit length with ``normalize``."""
+        entries, scaled to unit length with ``normalize`` (None, the engine's default left
+        unresolved: yes)."""
         states = states.float()
         if params.dimensions:
             states = states[..., : params.dimensions]
-        return F.normalize(states, dim=-1) if params.normalize else states
+        return F.normalize(states, dim=-1) if params.normalize is not False else states
