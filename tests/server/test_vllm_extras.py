@@ -192,3 +192,27 @@ def test_return_token_ids_whole_and_streamed(server: Served, reference: LLM) -> 
     assert prompt_ids[0] == answer["prompt_token_ids"] and not any(prompt_ids[1:])
     plain = _post(server.url, "completions", {"prompt": PROMPT, "max_tokens": 2}).json()
     assert "token_ids" not in plain["choices"][0]
+
+
+def test_logprobs_past_a_float_are_clamped_as_vllm_clamps_them() -> None:
+    """-inf (a token no sampling can give) and NaN are not JSON: every logprob field shows
+    them as -9999.0 (vLLM's clamp), so the answer stays valid JSON."""
+    import json
+    import math
+
+    from mrv2.engine.outputs import Logprob
+    from mrv2.entrypoints.openai_protocol import (
+        chat_logprobs,
+        completion_logprobs,
+        prompt_logprobs_body,
+    )
+
+    pos = {5: Logprob(-math.inf, 2, "a"), 6: Logprob(-0.25, 1, "b"),
+           7: Logprob(math.nan, 3, "c")}
+    bodies = [completion_logprobs([pos, pos], [5, 7], 0)[0], chat_logprobs([pos], [5], 3),
+              prompt_logprobs_body([None, pos])]
+    text = json.dumps(bodies, allow_nan=False)  # (raised ValueError before)
+    assert "-9999.0" in text and "-0.25" in text
+    completion = bodies[0]
+    assert completion["token_logprobs"] == [-9999.0, -9999.0]
+    assert completion["top_logprobs"][0] == {"a": -9999.0, "b": -0.25, "c": -9999.0}

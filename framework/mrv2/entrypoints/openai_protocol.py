@@ -547,6 +547,16 @@ def _token_text(lp: Any, token: int, as_ids: bool = False) -> str:
     return str(lp.decoded_token)
 
 
+#: The lowest logprob an answer shows (vLLM's clamp): -inf (a token no sampling can give) and
+#: NaN are not JSON.
+MIN_LOGPROB = -9999.0
+
+
+def _json_logprob(value: float) -> float:
+    """``value`` clamped to :data:`MIN_LOGPROB` (NaN, which compares false, too)."""
+    return value if value > MIN_LOGPROB else MIN_LOGPROB
+
+
 def completion_logprobs(positions: Sequence[PositionLogprobs | None], token_ids: list[int],
                         offset: int, token_text: Callable[[int], str] | None = None,
                         as_ids: bool = False) -> tuple[dict[str, Any], int]:
@@ -565,9 +575,10 @@ def completion_logprobs(positions: Sequence[PositionLogprobs | None], token_ids:
         else:
             text = token_text(token) if token_text is not None else ""
         tokens.append(text)
-        token_lps.append(chosen.logprob if chosen is not None else None)
+        token_lps.append(_json_logprob(chosen.logprob) if chosen is not None else None)
         tops.append(None if pos is None else
-                    {_token_text(lp, t, as_ids): lp.logprob for t, lp in pos.items()})
+                    {_token_text(lp, t, as_ids): _json_logprob(lp.logprob)
+                     for t, lp in pos.items()})
         offsets.append(offset)
         offset += len(text)
     body = {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
@@ -581,7 +592,8 @@ def prompt_logprobs_body(positions: list[PositionLogprobs | None] | None) -> Any
     if positions is None:
         return None
     return [None if pos is None else {
-        str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+        str(t): {"logprob": _json_logprob(lp.logprob), "rank": lp.rank,
+                 "decoded_token": lp.decoded_token}
         for t, lp in pos.items()} for pos in positions]
 
 
@@ -596,8 +608,8 @@ def chat_logprobs(positions: list[PositionLogprobs], token_ids: list[int],
             continue
         text = _token_text(chosen, token, as_ids)
         top = sorted(pos.items(), key=lambda x: x[1].rank or 0)
-        tops = [{"token": _token_text(lp, t, as_ids), "logprob": lp.logprob,
+        tops = [{"token": _token_text(lp, t, as_ids), "logprob": _json_logprob(lp.logprob),
                  "bytes": list(_token_text(lp, t, as_ids).encode())} for t, lp in top[:k]]
-        content.append({"token": text, "logprob": chosen.logprob,
+        content.append({"token": text, "logprob": _json_logprob(chosen.logprob),
                         "bytes": list(text.encode()), "top_logprobs": tops})
     return {"content": content}
