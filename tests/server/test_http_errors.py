@@ -124,7 +124,8 @@ def test_bench_serve_against_server(server: Served, capsys: pytest.CaptureFixtur
     assert all(0 < row["client_cpu_fraction"] < 1.2 for row in rows)
     from mrv2.bench.serve import percentile  # --json-samples: the percentiles' own samples
     for row in rows:
-        assert len(row["samples_ms"]["tpot"]) == 6 and len(row["samples_ms"]["itl"]) == 18
+        # (an ITL a chunk gap: a loaded server may send two tokens in one chunk)
+        assert len(row["samples_ms"]["tpot"]) == 6 and 0 < len(row["samples_ms"]["itl"]) <= 18
         assert row["tpot_p90_ms"] == pytest.approx(percentile(row["samples_ms"]["tpot"], 90))
 
 
