@@ -210,3 +210,26 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(tmp_path: Path) -> None:
     assert short[0].prompt_token_ids == PROMPTS[2]
     with pytest.raises(ValueError, match="truncate_prompt_tokens must be an int >= 1"):
         llm.classify({"prompt_token_ids": long}, use_tqdm=False, truncate_prompt_tokens=0)
+
+
+def test_encode_with_pooling_params_keeps_the_models_task(tmp_path: Path) -> None:
+    """vLLM's ``LLM.encode``: ``PoolingParams`` without a task take the ``pooling_task``
+    asked for, else (here) the model's own: a classifier's label probabilities, not its
+    embedding; a task in the params that differs from ``pooling_task`` is refused by name.
+    A prompt of ``max_model_len`` tokens is classified as HF classifies it."""
+    path = make_tiny_checkpoint(tmp_path / "cls", "Qwen3ForSequenceClassification", seed=4,
+                                id2label=LABELS, label2id={v: k for k, v in LABELS.items()})
+    llm = _llm(path)
+    full = [1 + (5 * i) % 200 for i in range(64)]
+    for ids in (PROMPTS[0], full):
+        got = llm.encode({"prompt_token_ids": ids}, PoolingParams(), use_tqdm=False)[0]
+        torch.testing.assert_close(got.outputs.data, _hf_probs(path, ids), rtol=1e-4,
+                                   atol=1e-5)
+    embedded = llm.encode({"prompt_token_ids": PROMPTS[0]}, PoolingParams(task="embed"),
+                          use_tqdm=False)[0].outputs.data
+    assert embedded.shape == (llm.engine.hidden_size,)
+    with pytest.raises(ValueError, match="pooling_task='classify'.*task='embed'"):
+        llm.encode({"prompt_token_ids": PROMPTS[0]}, PoolingParams(task="embed"),
+                   pooling_task="classify")
+    with pytest.raises(ValueError, match="pooling_task='embed'.*task='classify'"):
+        llm.embed({"prompt_token_ids": PROMPTS[0]}, PoolingParams(task="classify"))

@@ -238,3 +238,31 @@ def test_the_pooling_runner(tmp_path: Path) -> None:
            .outputs.embedding, torch.tensor(got.outputs.embedding))
     with pytest.raises(ValueError, match="runner='pooling'"):
         llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False)
+
+
+def test_a_prompt_filling_the_context(tmp_path: Path) -> None:
+    """As vLLM: a pooling prompt may hold ``max_model_len`` tokens (a generation prompt one
+    fewer, its sampled token needs the last position): its embedding is HF's, through chunked
+    prefill, a prefix-cache hit and the emulated CUDA graphs, beside a generation request; its
+    one sampled token (dropped) writes past neither its 16 blocks of 4 nor its token row."""
+    path = make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM", head_dim=16)
+    prompt = [1 + (7 * i) % 200 for i in range(64)]
+    want = torch.nn.functional.normalize(hf_states(path, [prompt])[0], dim=-1)
+    llm = _llm(path, max_num_batched_tokens=16, enable_prefix_caching=True)
+    emulate_cuda_graphs(llm.engine.runner)
+    for _ in range(2):  # the second time its blocks are cached
+        got = llm.embed({"prompt_token_ids": prompt}, use_tqdm=False)[0]
+        _close(got.outputs.embedding, want)
+    assert got.num_cached_tokens > 0
+    engine = llm.engine
+    gen = engine.add_request(PROMPTS[1], GREEDY)
+    emb = engine.add_request(prompt, GREEDY, pooling_params=PoolingParams(normalize=False))
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done[gen].outputs[0].token_ids == hf_greedy(path, PROMPTS[1], 6)
+    _close(done[emb].embedding or [], hf_states(path, [prompt])[0])
+    with pytest.raises(ValueError, match="at most 63 tokens"):
+        llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="at most 64 tokens"):
+        llm.embed({"prompt_token_ids": prompt + [5]}, use_tqdm=False)

@@ -60,10 +60,15 @@ def _check(url: str, reference: LLM) -> None:
                                      encoding_format="float")
     np.testing.assert_allclose(short.data[0].embedding, _want(reference, [ids], 8)[0],
                                rtol=1e-5, atol=1e-6)
+    # as vLLM's, an input may fill the context (max_model_len 64 tokens)
+    full = [1 + (3 * i) % 300 for i in range(64)]
+    whole = client.embeddings.create(model=MODEL, input=full, encoding_format="float")
+    np.testing.assert_allclose(whole.data[0].embedding, _want(reference, [full])[0],
+                               rtol=1e-5, atol=1e-6)
     # embeddings read prompts and generate nothing (their one sampled token is the engine's)
     prompt_after, generated_after = _counters(url)
     assert generated_after == generated_before
-    assert prompt_after - prompt_before == got.usage.prompt_tokens + len(ids)
+    assert prompt_after - prompt_before == got.usage.prompt_tokens + len(ids) + len(full)
 
 
 def test_embeddings_are_the_engines(server: Served, reference: LLM) -> None:

@@ -28,6 +28,8 @@ class PoolingParams:
     prompt's last token (last-token pooling, what decoder embedding models such as
     Qwen3-Embedding and decoder classifiers are trained for).
 
+    ``task``: None (the default, vLLM's) takes the task the caller names (``LLM.encode``'s
+    ``pooling_task``, else the model's own), and means ``"embed"`` where none is named.
     ``task="embed"``: that state, its first ``dimensions`` entries when set (Matryoshka
     models), scaled to unit length with ``normalize`` (None: as the model says, which is
     yes unless its sentence-transformers configuration has no ``Normalize`` module, as vLLM
@@ -40,13 +42,13 @@ class PoolingParams:
 
     normalize: bool | None = None
     dimensions: int | None = None
-    task: str = "embed"
+    task: str | None = None
 
     def __post_init__(self) -> None:
-        if self.task not in TASKS:
+        if self.task is not None and self.task not in TASKS:
             raise ValueError(f"PoolingParams.task must be one of {list(TASKS)}, got "
                              f"{self.task!r}")
-        if self.task.endswith("classify") and self.dimensions is not None:
+        if self.kind.endswith("classify") and self.dimensions is not None:
             raise ValueError("PoolingParams.dimensions applies to task='embed' or "
                              "'token_embed' only")
         if self.dimensions is not None and (not isinstance(self.dimensions, int)
@@ -56,9 +58,14 @@ class PoolingParams:
                              f"{self.dimensions!r}")
 
     @property
+    def kind(self) -> str:
+        """The task asked for: ``task``, ``"embed"`` when none is named."""
+        return self.task or "embed"
+
+    @property
     def per_token(self) -> bool:
         """Whether every prompt token gets a row (``token_embed``, ``token_classify``)."""
-        return self.task.startswith("token_")
+        return self.kind.startswith("token_")
 
     def check(self, hidden_size: int, num_labels: int | None = None,
               matryoshka: bool | Sequence[int] = False,
@@ -68,10 +75,10 @@ class PoolingParams:
         or ``task`` when it asks for labels of a model that has none (``num_labels`` None: not
         a sequence classifier); ``refused``: the tasks this model cannot answer, each with
         its reason (the ValueError's message)."""
-        if refused and self.task in refused:
-            raise ValueError(f"task={self.task!r} is refused: {refused[self.task]}")
-        if self.task.endswith("classify") and num_labels is None:
-            raise ValueError(f"task={self.task!r} needs a classification model (a checkpoint "
+        if refused and self.kind in refused:
+            raise ValueError(f"task={self.kind!r} is refused: {refused[self.kind]}")
+        if self.kind.endswith("classify") and num_labels is None:
+            raise ValueError(f"task={self.kind!r} needs a classification model (a checkpoint "
                              "of an XForSequenceClassification or XForTokenClassification "
                              "architecture); this one has no classification head")
         if self.dimensions is not None and not matryoshka:

@@ -223,7 +223,8 @@ class LLMEngine(WeightOps):
         self._check_open()
         self._check_awake()
         check_runner(self.config, pooling)
-        check_prompt(prompt_token_ids, params, self.max_model_len, self.runner.vocab_size)
+        check_prompt(prompt_token_ids, params, self.max_model_len, self.runner.vocab_size,
+                     pooling)
         if lora_request is not None:
             lora = getattr(self.runner, "lora", None)
             if lora is None:
@@ -235,6 +236,8 @@ class LLMEngine(WeightOps):
         if params.structured_outputs is not None:  # compiled and checked (then cached)
             self._structured_outputs().grammar(params.structured_outputs)
         room = self.max_model_len - n
+        if pooling:  # (its one sampled token, dropped, may lie past the context: the token
+            room = max(room, 1)  # table takes no token there, and its KV is never computed)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if not self.config.scheduler.enable_chunked_prefill:
             budget = self.config.scheduler.max_num_batched_tokens

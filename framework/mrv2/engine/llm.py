@@ -218,7 +218,7 @@ class LLM:
         configuration has no ``Normalize`` module). Requests of one call run in the same
         steps, as ``generate``'s; every prompt is validated before any is queued.
         ``truncate_prompt_tokens``: keep each prompt's last so many tokens (vLLM's)."""
-        outputs = self._pool(prompts, pooling_params or PoolingParams(), use_tqdm,
+        outputs = self._pool(prompts, _with_task(pooling_params, "embed"), use_tqdm,
                              lora_request, truncate_prompt_tokens)
         return [EmbeddingRequestOutput.of(o, EmbeddingOutput) for o in outputs]
 
@@ -234,14 +234,16 @@ class LLM:
         """Each prompt's pooled vector as a tensor, in prompt order (vLLM's ``LLM.encode``):
         ``pooling_task`` ``"embed"`` (as :meth:`embed`), ``"classify"`` (as :meth:`classify`),
         or per prompt token, ``"token_embed"`` (``[tokens, hidden]``) or ``"token_classify"``
-        (``[tokens, labels]``, a token classifier's); None: ``pooling_params.task`` if given,
+        (``[tokens, labels]``, a token classifier's); None: ``pooling_params.task`` if set,
         else the model's own (``engine.default_pooling_task``: a token classifier's per-token
-        labels, a sequence classifier's labels, any other model's embedding)."""
-        task = pooling_task or (pooling_params.task if pooling_params is not None else
-                                self.engine.default_pooling_task)
-        if task not in TASKS:
-            raise ValueError(f"pooling_task must be one of {list(TASKS)}, got {task!r}")
-        params = dataclasses.replace(pooling_params or PoolingParams(), task=task)
+        labels, a sequence classifier's labels, any other model's embedding). As vLLM's, a
+        ``pooling_params.task`` other than ``pooling_task`` is refused."""
+        if pooling_task is not None and pooling_task not in TASKS:
+            raise ValueError(f"pooling_task must be one of {list(TASKS)}, got "
+                             f"{pooling_task!r}")
+        params = _with_task(pooling_params, pooling_task)
+        if params.task is None:  # (neither names one: the model's own)
+            params = dataclasses.replace(params, task=self.engine.default_pooling_task)
         outputs = self._pool(prompts, params, use_tqdm, lora_request, truncate_prompt_tokens)
         return [PoolingRequestOutput.of(o, lambda data: PoolingOutput(torch.tensor(data)))
                 for o in outputs]
@@ -485,6 +487,19 @@ def _text_of(prompt: Prompt) -> str | None:
             and "prompt_token_ids" not in prompt and "multi_modal_data" not in prompt):
         return str(prompt["prompt"])
     return None
+
+
+def _with_task(pooling_params: PoolingParams | None, task: str | None) -> PoolingParams:
+    """``pooling_params`` (None: the defaults) for ``task`` (None: its own), as vLLM's
+    ``LLM.encode`` sets them: ValueError naming both where the params name another task."""
+    params = pooling_params or PoolingParams()
+    if task is None or params.task == task:
+        return params
+    if params.task is not None:
+        raise ValueError(f"pooling_task={task!r} differs from pooling_params.task="
+                         f"{params.task!r}: one cannot overwrite the other (leave "
+                         "PoolingParams.task unset)")
+    return dataclasses.replace(params, task=task)
 
 
 def _cache_salt(prompt: Prompt) -> str | None:

@@ -121,17 +121,19 @@ def check_runner(config: EngineConfig, pooling: bool) -> None:
 
 
 def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int,
-                 vocab_size: int) -> None:
+                 vocab_size: int, pooling: bool = False) -> None:
     """The checks of a request that need no engine state: a prompt of 1 to
-    ``max_model_len - 1`` ids in the vocabulary, and the params' token ids. ``ValueError``
+    ``max_model_len - 1`` ids in the vocabulary (a pooling request's: to ``max_model_len``,
+    as vLLM's; its one sampled token is dropped), and the params' token ids. ``ValueError``
     naming the field (``LLMEngine.validate`` and the server's ``RemoteEngine`` run it)."""
     n = len(prompt_token_ids)
     if n == 0:
         raise ValueError("the prompt is empty: give at least one token")
-    if n >= max_model_len:
+    most = max_model_len if pooling else max_model_len - 1
+    if n > most:
         raise ValueError(
             f"the prompt has {n} tokens, but max_model_len is {max_model_len}: "
-            f"prompts may have at most {max_model_len - 1} tokens"
+            f"prompts may have at most {most} tokens"
         )
     bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
     if bad:

@@ -403,7 +403,7 @@ class RemoteEngine:
         ids, the params' token ids); the engine makes the rest (``lora``'s adapter too) when
         it adds the request."""
         check_runner(self.config, pooling)
-        check_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size)
+        check_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size, pooling)
 
     def process_multimodal(self, prompt_token_ids: list[int], mm_data: Any
                            ) -> tuple[list[int], list[MultiModalItem]]:

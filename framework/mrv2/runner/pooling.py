@@ -68,17 +68,17 @@ class RowPooler:
             index = batch.logits_indices[index.to(hidden.device, non_blocking=True)]
             selected = hidden.index_select(0, index)
             probs = None
-            if self.head is not None and any(p.task == "classify" for _, p in last):
+            if self.head is not None and any(p.kind == "classify" for _, p in last):
                 probs = label_probs(self.head(selected))  # (every pick's: one product)
             for k, (i, params) in enumerate(last):
                 req_ids.append(batch.req_ids[i])
-                vectors.append(probs[k] if params.task == "classify" and probs is not None
+                vectors.append(probs[k] if params.kind == "classify" and probs is not None
                                else self._embed(selected[k], params))
         starts = batch.query_start_loc_cpu
         for i, params in every:
             states = hidden[int(starts[i]):int(starts[i + 1])]
             req_ids.append(batch.req_ids[i])
-            if params.task == "token_classify":
+            if params.kind == "token_classify":
                 assert self.head is not None  # (PoolingParams.check: a classifier's)
                 vectors.append(label_probs(self.head(states)))
             else:
