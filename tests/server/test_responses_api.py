@@ -156,6 +156,11 @@ def test_the_thinking_is_a_reasoning_item(model_dir: Path) -> None:
                           if e.type == "response.reasoning_text.delta")
         assert thought == reasoning.content[0].text
         assert [i.type for i in events[-1].response.output] == ["reasoning", "message"]
+        # (the reasoning's tokens are not the message's: no logprobs, whole or streamed)
+        body = {**kwargs, "top_logprobs": 1}
+        whole = httpx.post(f"{served.url}/v1/responses", headers=AUTH, timeout=60, json=body)
+        assert whole.json()["output"][-1]["content"][0]["logprobs"] == []
+        assert not any(e.get("logprobs") for e in _events(served, body))
 
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather",
@@ -364,3 +369,73 @@ def test_null_flags_are_their_defaults(server: Served) -> None:
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["object"] == "response" and body["parallel_tool_calls"] is True
+
+
+def _events(server: Served, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.stream("POST", f"{server.url}/v1/responses", headers=AUTH, timeout=60,
+                      json={**body, "stream": True}) as r:
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("ask", [{"top_logprobs": 2},
+                                 {"include": ["message.output_text.logprobs"]}])
+def test_the_message_text_has_logprobs(server: Served, ask: dict[str, Any]) -> None:
+    """``top_logprobs`` or ``include: ["message.output_text.logprobs"]``: the output_text
+    part carries the chat route's logprobs of the message's tokens (an end-of-sequence token,
+    which shows no text, left out), the streamed deltas each theirs."""
+    k = ask.get("top_logprobs", 0)
+    chat = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH, timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hello world"}],
+        "temperature": 0, "max_completion_tokens": 6, "logprobs": True,
+        "top_logprobs": k}).json()["choices"][0]["logprobs"]["content"]
+    body = {"model": MODEL, "input": "Hello world", "temperature": 0, "max_output_tokens": 6,
+            **ask}
+    whole = httpx.post(f"{server.url}/v1/responses", headers=AUTH, timeout=60, json=body)
+    assert whole.status_code == 200, whole.text
+    part = whole.json()["output"][-1]["content"][0]
+    assert part["logprobs"] and part["logprobs"] == chat[:len(part["logprobs"])]
+    assert len(part["logprobs"]) >= len(chat) - 1
+    assert all(len(lp["top_logprobs"]) == k for lp in part["logprobs"])
+    events = _events(server, body)
+    streamed = [lp for e in events if e["type"] == "response.output_text.delta"
+                for lp in e["logprobs"]]
+    assert streamed == part["logprobs"]
+    done = next(e for e in events if e["type"] == "response.output_text.done")
+    assert done["logprobs"] == part["logprobs"]
+    assert events[-1]["response"]["output"][-1]["content"][0]["logprobs"] == streamed
+
+
+def test_no_logprobs_unless_asked(server: Served) -> None:
+    body = {"model": MODEL, "input": "Hello world", "temperature": 0, "max_output_tokens": 3}
+    whole = httpx.post(f"{server.url}/v1/responses", headers=AUTH, timeout=60, json=body)
+    assert whole.json()["output"][-1]["content"][0]["logprobs"] == []
+    assert all(e["logprobs"] == [] for e in _events(server, body)
+               if e["type"] == "response.output_text.delta")
+
+
+@pytest.mark.parametrize("k", [-1, 21])
+def test_an_out_of_range_top_logprobs_is_refused(server: Served, k: int) -> None:
+    response = httpx.post(f"{server.url}/v1/responses", headers=AUTH, timeout=60,
+                          json={"model": MODEL, "input": "x", "top_logprobs": k})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "top_logprobs"
+
+
+def test_reasoning_and_tags_are_not_in_the_message_logprobs() -> None:
+    """The rule of ``_Split``: a token's logprob goes with its delta's message text; a delta
+    showing none past the reasoning (a character's first byte) holds its tokens for the next;
+    the reasoning's tokens (its end tag's too) and those held at the end are in none."""
+    from mrv2.engine.outputs import Logprob
+    from mrv2.entrypoints.openai_responses import _Split
+
+    deltas = [("<think>", 1), ("hm", 2), ("</think>", 3), ("", 4), ("Hi", 5), (" you", 6),
+              ("", 7)]
+    split = _Split("qwen3", None, True, 0)
+    got = []
+    for i, (text, token) in enumerate(deltas):
+        lp = {token: Logprob(-float(token), 1, f"t{token}")}
+        thought, content, calls, logprobs = split.feed(text, [token], [lp],
+                                                       i == len(deltas) - 1)
+        got.append((thought, content, [x["token"] for x in logprobs]))
+    assert got == [("", "", []), ("hm", "", []), ("", "", []), ("", "", []),
+                   ("", "Hi", ["t4", "t5"]), ("", " you", ["t6"]), ("", "", [])]

@@ -156,6 +156,29 @@ def test_an_embedding_server_reranks_by_cosine(server: Served, reference_llm: LL
         assert response.status_code == 400 and response.json()["error"]["param"] == param
 
 
+def test_rerank_return_documents_and_document_objects(server: Served) -> None:
+    """``return_documents`` (Jina's and Cohere's; default true, as vLLM always returns
+    them): false leaves each result's ``document`` out; documents given as Cohere's
+    ``{"text": ...}`` objects rank as their texts."""
+    query, docs = "The capital of France is", ["Paris", "a city of lights", "bananas"]
+    plain = _post(server.url, "/v1/rerank", {"query": query, "documents": docs}).json()
+    assert all(r["document"] == {"text": docs[r["index"]]} for r in plain["results"])
+    bare = _post(server.url, "/rerank", {"query": query, "documents": docs,
+                                         "return_documents": False})
+    assert bare.status_code == 200, bare.text
+    assert [r["index"] for r in bare.json()["results"]] == [
+        r["index"] for r in plain["results"]]
+    assert all("document" not in r for r in bare.json()["results"])
+    objects = _post(server.url, "/v1/rerank", {
+        "query": query, "documents": [{"text": d} for d in docs], "top_n": 2})
+    assert objects.status_code == 200, objects.text
+    assert objects.json()["results"] == plain["results"][:2]
+    for bad in ([{"title": "x"}], [{"text": 5}], ["Paris", [5, 6]]):
+        response = _post(server.url, "/rerank", {"query": query, "documents": bad})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "documents"
+
+
 def test_classify_through_the_engine_process(checkpoints: dict[str, Path]) -> None:
     from mrv2.entrypoints.engine_process import RemoteEngine
     from mrv2.entrypoints.server import create_app

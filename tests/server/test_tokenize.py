@@ -141,6 +141,42 @@ def test_vllms_sampling_extras_are_honoured_or_refused(server: Served) -> None:
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"
 
 
+def test_truncate_prompt_tokens_minus_one_is_the_context(server: Served) -> None:
+    """vLLM's ``truncate_prompt_tokens: -1``: keep the prompt's last max_model_len - max_tokens
+    tokens (the request's own max_tokens), at most the longest prompt the engine takes
+    (a pooling request's: max_model_len, as vLLM's); 0 and -2 are a
+    400."""
+    limit = server.engine.max_model_len
+    long = [5 + i % 200 for i in range(limit + 6)]
+    body = {"prompt": long, "max_tokens": 4, "temperature": 0}
+    cut = _post(server, "/v1/completions", {**body, "truncate_prompt_tokens": -1})
+    assert cut.status_code == 200, cut.text
+    assert cut.json()["usage"]["prompt_tokens"] == limit - 4
+    short = _post(server, "/v1/completions", {**body, "prompt": long[-(limit - 4):]}).json()
+    assert cut.json()["choices"][0]["text"] == short["choices"][0]["text"]
+    chat = _post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hello world! " * limit}], "max_tokens": 2,
+        "truncate_prompt_tokens": -1})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["prompt_tokens"] == limit - 2
+    unset = _post(server, "/v1/chat/completions", {  # (no max_tokens: the longest prompt)
+        "messages": [{"role": "user", "content": "Hello world! " * limit}],
+        "truncate_prompt_tokens": -1})
+    assert unset.status_code == 200, unset.text
+    assert unset.json()["usage"]["prompt_tokens"] == limit - 1
+    for route in ("/v1/embeddings", "/pooling"):
+        pooled = _post(server, route, {"input": long, "truncate_prompt_tokens": -1})
+        assert pooled.status_code == 200, pooled.text
+        assert pooled.json()["usage"]["prompt_tokens"] == limit  # (vLLM's: the context)
+        assert pooled.json()["data"][0] == _post(server, route, {
+            "input": long[-limit:]}).json()["data"][0]
+    for k in (0, -2):
+        for route, extra in (("/v1/completions", body), ("/v1/embeddings", {"input": long})):
+            bad = _post(server, route, {**extra, "truncate_prompt_tokens": k})
+            assert bad.status_code == 400, (route, k, bad.text)
+            assert bad.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 def test_bad_words_never_come_out(server: Served) -> None:
     body = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0,
             "ignore_eos": True}

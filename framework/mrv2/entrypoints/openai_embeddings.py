@@ -15,13 +15,22 @@ import base64
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 __all__ = ["MAX_INPUTS", "EmbeddingRequest", "PoolingRequest", "embedding_response",
-           "input_items"]
+           "input_items", "truncation"]
 
 #: The most inputs one request may carry (OpenAI's limit).
 MAX_INPUTS = 2048
+
+
+def truncation(value: int | None) -> int | None:
+    """A request's ``truncate_prompt_tokens`` as given: None, at least 1, or vLLM's -1 (as
+    many as the context holds); ValueError (a 400 naming it) otherwise."""
+    if value is not None and value < 1 and value != -1:
+        raise ValueError("truncate_prompt_tokens must be at least 1, or -1 (the model's "
+                         "context length)")
+    return value
 
 
 def input_items(value: str | list[str] | list[int] | list[list[int]], field: str
@@ -49,11 +58,19 @@ class PoolingRequest(BaseModel):
 
     model: str | None = None
     user: str | None = None
-    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    #: Keep only the prompt's last k tokens; -1: as many as the context holds (vLLM's).
+    truncate_prompt_tokens: int | None = None
 
-    def truncate(self, ids: list[int]) -> list[int]:
-        """The last ``truncate_prompt_tokens`` ids, when set (vLLM's)."""
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation(cls, value: int | None) -> int | None:
+        return truncation(value)
+
+    def truncate(self, ids: list[int], longest: int) -> list[int]:
+        """The last ``truncate_prompt_tokens`` ids (-1: ``longest``, the longest prompt the
+        request may have: a pooling request's ``max_model_len``, as vLLM's), when set."""
         n = self.truncate_prompt_tokens
+        n = longest if n == -1 else n
         return ids[-n:] if n is not None and len(ids) > n else ids
 
 

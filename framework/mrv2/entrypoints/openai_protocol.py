@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from mrv2.contract.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from mrv2.engine.beam_search import BeamSearchParams
 from mrv2.engine.outputs import PositionLogprobs
+from mrv2.entrypoints.openai_embeddings import truncation
 
 #: Fields OpenAI's API types "... or null" whose null mrv2 took as a 400: null is the default.
 NULL_IS_DEFAULT = ("n", "presence_penalty", "frequency_penalty", "stream", "logprobs", "echo",
@@ -55,8 +56,9 @@ class _Request(BaseModel):
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    #: Keep only the prompt's last k tokens (vLLM's ``truncate_prompt_tokens``).
-    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    #: Keep only the prompt's last k tokens (vLLM's ``truncate_prompt_tokens``; -1: as many
+    #: as the context leaves beside the request's max_tokens).
+    truncate_prompt_tokens: int | None = None
     #: vLLM's: completions by beam search, ``n`` beams (:mod:`mrv2.engine.beam_search`).
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -83,6 +85,11 @@ class _Request(BaseModel):
     @classmethod
     def _salt_not_empty(cls, value: str | None) -> str | None:
         return non_empty_salt(value)
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation(cls, value: int | None) -> int | None:
+        return truncation(value)
 
     def beam_search_params(self, params: SamplingParams, room: int) -> BeamSearchParams:
         """The beam search of a ``use_beam_search`` request: ``n`` beams of ``params``'
@@ -203,9 +210,12 @@ class _Request(BaseModel):
             return StructuredOutputsParams(**self.structured_outputs)
         return StructuredOutputsParams(**{_GUIDED[name]: getattr(self, name)})
 
-    def truncate(self, ids: list[int]) -> list[int]:
-        """The prompt's last ``truncate_prompt_tokens`` ids (all of them when unset)."""
+    def truncate(self, ids: list[int], room: int) -> list[int]:
+        """The prompt's last ``truncate_prompt_tokens`` ids (all of them when unset; -1:
+        ``room``, what the context leaves beside the answer: vLLM's max_model_len minus the
+        request's max_tokens)."""
         k = self.truncate_prompt_tokens
+        k = room if k == -1 else k
         return ids if k is None or len(ids) <= k else ids[-k:]
 
     def max_tokens_from_model(self, defaults: dict[str, Any] | None) -> bool:

@@ -4,7 +4,10 @@ A request's ``instructions`` and ``input`` (a string, or message items whose con
 string or ``input_text`` / ``output_text`` / ``input_image`` parts, images for a
 vision-language model as the chat route takes them) become chat messages through the model's
 chat template; ``max_output_tokens``, ``temperature``, ``top_p`` and ``text.format``
-(``json_schema``, ``json_object``: a structured output) map to the chat request's fields.
+(``json_schema``, ``json_object``: a structured output) map to the chat request's fields;
+``top_logprobs`` (0 to 20) or ``include: ["message.output_text.logprobs"]`` asks for the
+message text's logprobs (the chat route's, on the ``output_text`` part and each streamed
+delta; which tokens the message's are: :class:`_Split`).
 The answer is a ``response`` object whose ``output`` holds a ``message`` item (and, behind
 ``--reasoning-parser``, a ``reasoning`` item before it); ``status`` is ``incomplete`` with
 ``incomplete_details.reason = "max_output_tokens"`` when the answer was cut by the limit.
@@ -37,14 +40,21 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from mrv2.engine.outputs import RequestOutput
-from mrv2.entrypoints.openai_protocol import ChatCompletionRequest, ChatMessage, non_empty_salt
+from mrv2.entrypoints.openai_protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    chat_logprobs,
+    non_empty_salt,
+)
 from mrv2.entrypoints.reasoning import ReasoningStream, split_reasoning
-from mrv2.entrypoints.responses import Stream, drain
+from mrv2.entrypoints.responses import Stream, _Answer, drain
 from mrv2.entrypoints.responses_store import ResponseStore
 
 __all__ = ["ResponsesRequest", "ResponsesStream"]
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
+#: The ``include`` value that asks for the message text's logprobs.
+LOGPROBS = "message.output_text.logprobs"
 #: The chat request's fields that errors name, as the Responses API calls them.
 RENAMED = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
            "response_format": "text", "messages": "input", "prompt": "input"}
@@ -75,6 +85,10 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     #: vLLM's: only requests of the same salt share prefix-cache blocks (a non-empty string).
     cache_salt: str | None = None
+    #: The message text's logprobs, with this many top tokens a position (0 to 20); with
+    #: ``include: ["message.output_text.logprobs"]`` too (k = 0 when this is unset).
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    include: list[str] | None = None
 
     @field_validator("cache_salt")
     @classmethod
@@ -128,6 +142,8 @@ class ResponsesRequest(BaseModel):
             "max_completion_tokens": self.max_output_tokens,
             "parallel_tool_calls": self.parallel_tool_calls, "reasoning_effort": effort,
             "cache_salt": self.cache_salt}
+        if self.top_logprobs is not None or LOGPROBS in (self.include or ()):
+            fields.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         if self.tools:
             fields["tools"] = [_chat_tool(t) for t in self.tools]
             fields["tool_choice"] = _chat_tool_choice(self.tool_choice)
@@ -292,8 +308,27 @@ class ResponsesStream(Stream):
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": self.num_prompt + output_tokens}
 
+    def _split(self) -> _Split:
+        return _Split(self.reasoning, self.tools, self.parallel_tool_calls,
+                      self.params.logprobs)
+
+    def _message_logprobs(self, answer: _Answer) -> list[dict[str, Any]]:
+        """The message's tokens' logprobs, the streamed deltas' (the answer's deltas split
+        again as they came); [] when not asked for."""
+        if self.params.logprobs is None or answer.logprobs is None:
+            return []
+        split, got, start = self._split(), [], 0
+        for i, (text, size) in enumerate(zip(answer.text, answer.sizes, strict=True)):
+            end = start + size
+            final = i == len(answer.sizes) - 1  # (the answer is finished)
+            got += split.feed(text, answer.token_ids[start:end], answer.logprobs[start:end],
+                              final)[3]
+            start = end
+        return got
+
     def _whole(self) -> dict[str, Any]:
-        out = self.answers[self.req_ids[0]][0].output(0)
+        answer = self.answers[self.req_ids[0]][0]
+        out = answer.output(0)
         thought, content = (split_reasoning(self.reasoning, out.text) if self.reasoning
                             else (None, out.text))
         calls: list[Any] = []
@@ -306,7 +341,8 @@ class ResponsesStream(Stream):
         items = [] if not thought else [_reasoning_item(f"rs_{suffix}", thought, "completed")]
         if content or not calls:
             items.append(_message_item(f"msg_{suffix}", content or "",
-                                       "incomplete" if length else "completed"))
+                                       "incomplete" if length else "completed",
+                                       self._message_logprobs(answer)))
         items += [_call_item(f"fc_{suffix}_{i}", call, "completed")
                   for i, call in enumerate(calls)]
         return self._keep(self._response("incomplete" if length else "completed", items,
@@ -322,8 +358,7 @@ class ResponsesStream(Stream):
             return f"event: {kind}\ndata: {json.dumps(body)}\n\n"
 
         items = _Items(self.response_id[5:], event)
-        split = ReasoningStream(self.reasoning) if self.reasoning else None
-        calling = self.tools.stream() if self.tools is not None else None
+        split = self._split()
         calls: list[Any] = []
         tokens, reason = 0, None
         try:
@@ -340,14 +375,10 @@ class ResponsesStream(Stream):
                         return
                     for c in item.outputs:
                         tokens += len(c.token_ids)
-                        final = bool(c.finish_reason)
-                        thought, content = (split.feed(c.text, final) if split is not None
-                                            else ("", c.text))
-                        if calling is not None:  # (calls come whole when the answer ends)
-                            content, found = calling.feed(
-                                c.text if calling.parser.harmony else content, final)
-                            calls += found if self.parallel_tool_calls else found[:1]
-                        text += items.feed(thought, content)
+                        thought, content, found, logprobs = split.feed(
+                            c.text, c.token_ids, c.logprobs, bool(c.finish_reason))
+                        calls += found
+                        text += items.feed(thought, content, logprobs)
                         reason = c.finish_reason or reason
                     if item.finished:
                         self.unfinished.discard(item.request_id)
@@ -365,9 +396,54 @@ class ResponsesStream(Stream):
             self.abort_rest()
 
 
-def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+def _message_item(item_id: str, text: str, status: str,
+                  logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [],
+                         "logprobs": logprobs or []}]}
+
+
+class _Split:
+    """One answer's text deltas split as they come: into reasoning (``--reasoning-parser``),
+    the message's text with its tokens' logprobs (``k``: the top tokens a position; None:
+    not asked for) and, when the answer ends, tool calls.
+
+    A token's logprob goes with the message text of its delta (the engine's output of a step);
+    a delta that shows none (text held back as it may begin a tag, a character's first byte)
+    holds its tokens for the next one that does, where it lies past the reasoning; the tokens
+    of reasoning (its end tag included: gpt-oss's markers are tokens of their own) and of
+    tool calls, and those still held when the answer ends (the end-of-sequence token), are in
+    no message's logprobs."""
+
+    def __init__(self, reasoning: str | None, tools: Any, parallel: bool,
+                 k: int | None) -> None:
+        self.reasoning = ReasoningStream(reasoning) if reasoning else None
+        self.calling = tools.stream() if tools is not None else None
+        self.parallel, self.k = parallel, k
+        self.held_ids: list[int] = []
+        self.held: list[Any] = []
+
+    def feed(self, text: str, token_ids: Any, logprobs: Any, final: bool
+             ) -> tuple[str, str, list[Any], list[dict[str, Any]]]:
+        """A delta's ``(reasoning, message text, calls, the message text's logprobs)``
+        (``final``: the answer's last; the calls come then)."""
+        split = self.reasoning
+        past = split is None or (split.harmony is None and split.state == "content")
+        thought, content = split.feed(text, final) if split is not None else ("", text)
+        found: list[Any] = []
+        if self.calling is not None:
+            content, found = self.calling.feed(
+                text if self.calling.parser.harmony else content, final)
+            found = found if self.parallel else found[:1]
+        if self.k is None or logprobs is None:
+            return thought, content, found, []
+        ids, lps = self.held_ids + list(token_ids), self.held + list(logprobs)
+        self.held_ids, self.held = [], []
+        if content:
+            return thought, content, found, chat_logprobs(lps, ids, self.k)["content"]
+        if past and not (thought or found):
+            self.held_ids, self.held = ids, lps
+        return thought, content, found, []
 
 
 def _call_item(item_id: str, call: Any, status: str, arguments: str | None = None
@@ -393,8 +469,9 @@ class _Items:
         self.kind: str | None = None  # the open item's: "reasoning" or "message"
         self.item_id = ""  # the open item's (a kind's second item on: its number after it)
         self.text = ""
+        self.logprobs: list[dict[str, Any]] = []  # the open message's
 
-    def feed(self, thought: str, content: str) -> str:
+    def feed(self, thought: str, content: str, logprobs: list[dict[str, Any]]) -> str:
         out = ""
         if thought:
             out += self._open("reasoning")
@@ -404,9 +481,10 @@ class _Items:
         if content:
             out += self._open("message")
             self.text += content
+            self.logprobs += logprobs
             out += self.event("response.output_text.delta", item_id=self._id(),
                               output_index=len(self.output), content_index=0, delta=content,
-                              logprobs=[])
+                              logprobs=logprobs)
         return out
 
     def close(self, calls: list[Any], status: str = "completed"
@@ -439,7 +517,7 @@ class _Items:
         if self.kind == kind:
             return ""
         out = self._close()
-        self.kind, self.text = kind, ""
+        self.kind, self.text, self.logprobs = kind, "", []
         # (harmony's analysis after a preamble: a kind's item again, with an id of its own)
         again = sum(i["type"] == kind for i in self.output)
         self.item_id = (f"{'rs' if kind == 'reasoning' else 'msg'}_{self.suffix}"
@@ -455,7 +533,8 @@ class _Items:
         return (out + self.event("response.output_item.added", output_index=index, item=item)
                 + self.event("response.content_part.added", item_id=self._id(),
                              output_index=index, content_index=0,
-                             part={"type": "output_text", "text": "", "annotations": []}))
+                             part={"type": "output_text", "text": "", "annotations": [],
+                                   "logprobs": []}))
 
     def _close(self, status: str = "completed") -> str:
         if self.kind is None:
@@ -466,10 +545,11 @@ class _Items:
             out = self.event("response.reasoning_text.done", item_id=item_id,
                              output_index=index, content_index=0, text=text)
         else:
-            item = _message_item(item_id, text, status)
+            item = _message_item(item_id, text, status, self.logprobs)
             part = item["content"][0]
             out = (self.event("response.output_text.done", item_id=item_id,
-                              output_index=index, content_index=0, text=text, logprobs=[])
+                              output_index=index, content_index=0, text=text,
+                              logprobs=self.logprobs)
                    + self.event("response.content_part.done", item_id=item_id,
                                 output_index=index, content_index=0, part=part))
         out += self.event("response.output_item.done", output_index=index, item=item)

@@ -6,7 +6,9 @@
 - ``POST /score`` (``/v1/score``): a score per ``(text_1, text_2)`` pair, one ``text_1``
   against every ``text_2`` or the two lists item by item;
 - ``POST /rerank`` (``/v1/rerank``, ``/v2/rerank``; Jina's and Cohere's shape): the
-  ``documents`` ordered by their score against ``query``, the best ``top_n``;
+  ``documents`` (texts, Cohere's ``{"text": ...}`` objects or token id lists) ordered by
+  their score against ``query``, the best ``top_n``, each with its document unless
+  ``return_documents`` is false;
 - ``POST /pooling``: each input's pooled data for any pooling ``task`` (``embed``,
   ``classify``, and per token ``token_embed`` / ``token_classify``: one row per prompt
   token; default: the model's own), as ``LLM.encode`` gives it.
@@ -76,8 +78,21 @@ class RerankRequest(PoolingRequest):
     """``POST /rerank``'s body."""
 
     query: str | list[int]
-    documents: list[str] | list[list[int]]
+    #: Texts (Cohere's ``{"text": ...}`` objects too) or token id lists.
+    documents: list[str | dict[str, Any]] | list[list[int]]
     top_n: int | None = Field(default=None, ge=0)  # (0 or unset: all)
+    #: Jina's and Cohere's: each result carries its document (vLLM's always do).
+    return_documents: bool = True
+
+    def document_items(self) -> list[str | list[int]]:
+        """The documents as texts and token id lists; ValueError naming ``documents`` for
+        an object that is not ``{"text": ...}``."""
+        docs = [d["text"] if isinstance(d, dict) and isinstance(d.get("text"), str) else d
+                for d in self.documents]
+        if any(isinstance(d, dict) for d in docs):
+            raise ValueError("documents must be texts, {\"text\": ...} objects or token id "
+                             "lists")
+        return input_items(docs, "documents") if docs else []  # type: ignore[arg-type]
 
 
 def add_pooling_routes(app: Any, engine: Any, worker: Any,
@@ -91,6 +106,8 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)
 
+    longest = engine.max_model_len  # (a pooling prompt's longest: truncate_prompt_tokens -1's)
+
     def encode(item: str | list[int], special: bool = True) -> list[int]:
         return (tokenizer().encode(item, add_special_tokens=special) if isinstance(item, str)
                 else list(item))
@@ -101,7 +118,7 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
             items = input_items(body.input, "input")
         except ValueError as error:
             raise APIError(400, str(error), param="input") from None
-        return [body.truncate(encode(item)) for item in items]
+        return [body.truncate(encode(item), longest) for item in items]
 
     async def pool(request: Request, body: PoolingRequest, prompts: list[list[int]],
                    pooling: PoolingParams, field: str | list[str]) -> list[list[float]]:
@@ -137,7 +154,7 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
         except ValueError as error:
             raise APIError(400, str(error), param=names[1]) from None
         if engine.num_labels is None:  # an embedding model: the cosine of the two
-            prompts = [body.truncate(encode(x)) for x in
+            prompts = [body.truncate(encode(x), longest) for x in
                        [a for a, _ in pairs] + [b for _, b in pairs]]
             vectors = await pool(request, body, prompts, PoolingParams(),
                                  [names[0]] * len(pairs) + [names[1]] * len(pairs))
@@ -146,7 +163,8 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
                     sum(map(len, prompts)))
         joined = [body.truncate(tokenizer().encode_pair(a, b)
                                 if isinstance(a, str) and isinstance(b, str)
-                                else encode(a) + encode(b, special=False)) for a, b in pairs]
+                                else encode(a) + encode(b, special=False),
+                                longest) for a, b in pairs]
         probs = await pool(request, body, joined, PoolingParams(task="classify"), names[1])
         return [p[0] for p in probs], sum(map(len, joined))
 
@@ -173,7 +191,7 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
         except ValueError as error:
             raise APIError(400, str(error), param="dimensions" if "dimensions" in str(error)
                            else None) from None
-        prompts = [body.truncate(encode(item)) for item in items]
+        prompts = [body.truncate(encode(item), longest) for item in items]
         lora = lora_of(body)  # (the adapter named now, unloaded or not later)
         vectors = await pool(request, body, prompts, pooling, "input")
         return embedding_response(vectors, sum(map(len, prompts)),
@@ -241,7 +259,7 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
         body: RerankRequest = await parse(request, RerankRequest)
         try:
             query = input_items(body.query, "query")
-            documents = input_items(body.documents, "documents") if body.documents else []
+            documents = body.document_items()
         except ValueError as error:
             raise APIError(400, str(error), param=str(error).split(" ", 1)[0]) from None
         if not documents:
@@ -251,12 +269,13 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
         order = sorted(range(len(values)), key=lambda i: -values[i])
         if body.top_n:
             order = order[: body.top_n]
-        results = []
+        results: list[dict[str, Any]] = []
         for i in order:
             doc = documents[i]
-            results.append({"index": i, "relevance_score": values[i],
-                            "document": {"text": doc} if isinstance(doc, str)
-                            else {"tokens": doc}})
+            results.append({"index": i, "relevance_score": values[i]})
+            if body.return_documents:
+                results[-1]["document"] = ({"text": doc} if isinstance(doc, str)
+                                           else {"tokens": doc})
         del answer["object"], answer["created"]
         return {**answer, "usage": {"total_tokens": tokens}, "results": results}
 

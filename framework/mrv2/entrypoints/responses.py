@@ -84,9 +84,12 @@ class _Answer:
         self.token_ids: list[int] = []
         self.logprobs: list[Any] | None = None
         self.last: CompletionOutput | None = None
+        #: Each delta's token count (beside its text in :attr:`text`): the deltas replayed.
+        self.sizes: list[int] = []
 
     def add(self, delta: CompletionOutput) -> None:
         self.text.append(delta.text)
+        self.sizes.append(len(delta.token_ids))
         self.token_ids.extend(delta.token_ids)
         if delta.logprobs is not None:
             if self.logprobs is None:

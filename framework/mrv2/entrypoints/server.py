@@ -290,6 +290,13 @@ def create_app(engine: LLMEngine | RemoteEngine,
                            f"{max_n} (mrv2 serve --max-n, --max-pending)", param="n")
         return params
 
+    def room(body: Any, params: SamplingParams) -> int:
+        """What ``truncate_prompt_tokens: -1`` keeps (vLLM's): the context less the request's
+        max_tokens (a model default's none: the engine caps it at the context left), at most
+        the longest prompt the engine takes (``max_model_len - 1``)."""
+        own = 0 if body.max_tokens_from_model(engine.sampling_defaults) else params.max_tokens
+        return max(engine.max_model_len - max(own or 0, 1), 1)
+
     def validate(ids: list[int], params: SamplingParams, body: Any) -> None:
         if worker.unavailable is not None:  # (asleep: the engine would refuse it)
             raise APIError(503, worker.unavailable, "service_unavailable")
@@ -331,10 +338,10 @@ def create_app(engine: LLMEngine | RemoteEngine,
         for p in prompts:
             if isinstance(p, str):
                 full = tokenizer().encode(p)
-                ids = body.truncate(full)
+                ids = body.truncate(full, room(body, params))
                 encoded.append((ids, p if ids is full else None))  # (the text: untruncated)
             else:
-                encoded.append((body.truncate(list(p)), None))
+                encoded.append((body.truncate(list(p), room(body, params)), None))
         for ids, _ in encoded:
             validate(ids, params, body)
         if body.use_beam_search:
@@ -504,7 +511,7 @@ def create_app(engine: LLMEngine | RemoteEngine,
         if items and body.truncate_prompt_tokens is not None:
             raise APIError(400, "truncate_prompt_tokens is not supported with images (it could "
                            "cut an image's rows)", param="truncate_prompt_tokens")
-        ids = body.truncate(ids)
+        ids = body.truncate(ids, room(body, params))
         validate(ids, params, body)
         reasoning = prompt_reasoning(  # (qwen3's thinking models open the block in the prompt)
             reasoning_parser, ids, lambda text: tokenizer().encode(text, False))
