@@ -126,24 +126,31 @@ def test_dimensions_need_a_matryoshka_model(model_dir: Path) -> None:
             assert error["param"] == "dimensions" and "Matryoshka" in error["message"]
 
 
-def test_a_mean_pooled_model_is_refused_embeddings(tmp_path: Path) -> None:
-    """A sentence-transformers checkpoint that pools by the tokens' mean (modules.json) gets
-    a 400 saying so, not the last token's state, through the engine's own process too."""
+def _sentence_transformers_checkpoint(path: Path, mean: bool) -> None:
+    """A tiny Llama with a tokenizer and sentence-transformers modules: a Transformer and a
+    Pooling module of the mean of the tokens (``mean``) or the last token's state."""
     import json
 
-    from mrv2.entrypoints.engine_process import RemoteEngine
-    from mrv2.entrypoints.server import create_app
     from mrv2.testing import make_tiny_checkpoint, make_tiny_tokenizer
 
-    make_tiny_checkpoint(tmp_path, "LlamaForCausalLM", vocab_size=320)
-    make_tiny_tokenizer(tmp_path)
-    (tmp_path / "modules.json").write_text(json.dumps([
+    make_tiny_checkpoint(path, "LlamaForCausalLM", vocab_size=320)
+    make_tiny_tokenizer(path)
+    (path / "modules.json").write_text(json.dumps([
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling",
          "type": "sentence_transformers.models.Pooling"}]))
-    (tmp_path / "1_Pooling").mkdir()
-    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"pooling_mode_mean_tokens": True, "pooling_mode_lasttoken": False}))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"pooling_mode_mean_tokens": mean, "pooling_mode_lasttoken": not mean}))
+
+
+def test_a_mean_pooled_model_is_refused_embeddings(tmp_path: Path) -> None:
+    """A sentence-transformers checkpoint that pools by the tokens' mean (modules.json) gets
+    a 400 saying so, not the last token's state, through the engine's own process too."""
+    from mrv2.entrypoints.engine_process import RemoteEngine
+    from mrv2.entrypoints.server import create_app
+
+    _sentence_transformers_checkpoint(tmp_path, mean=True)
     engine = RemoteEngine(EngineConfig.from_kwargs(model=str(tmp_path), **ENGINE_KWARGS))
     try:
         for url in serve_in_thread(create_app(engine, served_model_name=MODEL,
@@ -160,21 +167,10 @@ def test_without_a_normalize_module_vectors_are_raw(tmp_path: Path) -> None:
     """A last-token sentence-transformers checkpoint without a Normalize module answers its
     raw states unless the request asks ``normalize`` (vLLM's default from modules.json),
     through the engine's own process."""
-    import json
-
     from mrv2.entrypoints.engine_process import RemoteEngine
     from mrv2.entrypoints.server import create_app
-    from mrv2.testing import make_tiny_checkpoint, make_tiny_tokenizer
 
-    make_tiny_checkpoint(tmp_path, "LlamaForCausalLM", vocab_size=320)
-    make_tiny_tokenizer(tmp_path)
-    (tmp_path / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling",
-         "type": "sentence_transformers.models.Pooling"}]))
-    (tmp_path / "1_Pooling").mkdir()
-    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"pooling_mode_mean_tokens": False, "pooling_mode_lasttoken": True}))
+    _sentence_transformers_checkpoint(tmp_path, mean=False)
     ids = [5, 9, 3, 17]
     want = LLM(str(tmp_path), **{k: v for k, v in ENGINE_KWARGS.items() if k not in (
         "num_gpu_blocks_override", "max_num_seqs")}).embed(
