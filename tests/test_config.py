@@ -143,3 +143,70 @@ def test_hf_overrides_of_a_wrong_type_are_a_value_error_naming_the_field(tmp_pat
         load_hf_config(path, {"num_hidden_layers": "1"})
     assert main(["generate", "--model", str(path), "--device", "cpu", "--load-format", "dummy",
                  "--hf-overrides", '{"num_hidden_layers": "1"}']) == 2
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("32k", 32_000), ("32K", 32_768), ("25.6k", 25_600), ("1M", 1_048_576), ("4096", 4096)])
+def test_token_counts_take_vllms_human_readable_forms(value: str, expected: int) -> None:
+    """vLLM's ``--max-model-len`` and ``--max-num-batched-tokens`` take ``32k`` (10**3) and
+    ``32K`` (2**10); argparse said ``invalid int value: '32k'``."""
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(["--max-model-len", value, "--max-num-batched-tokens", value])
+    config = config_from_cli(args, None)
+    assert config.model.max_model_len == expected
+    assert config.scheduler.max_num_batched_tokens == expected
+
+
+def test_a_bad_human_readable_token_count_names_the_flag(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-model-len", "1.5K"])
+    assert "argument --max-model-len:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("half", "float16"), ("float", "float32"), ("float16", "float16"), ("bfloat16", "bfloat16")])
+def test_dtype_takes_vllms_aliases(value: str, expected: str) -> None:
+    """vLLM's ``--dtype`` takes ``half`` (float16) and ``float`` (float32) too."""
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    assert config_from_cli(parser.parse_args(["--dtype", value]), None).model.dtype == expected
+    assert EngineConfig.from_kwargs(dtype=value).model.dtype == expected
+
+
+def test_limit_mm_per_prompt_takes_vllms_json_form(capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's ``--limit-mm-per-prompt`` is a JSON object of counts per modality (argparse said
+    ``invalid int value``); mrv2's one limit counts each modality's items alike."""
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    for value, expected in (('{"image": 2}', 2), ('{"image": 3, "audio": 3}', 3),
+                            ('{"video": 1}', 1), ("5", 5)):
+        args = parser.parse_args(["--limit-mm-per-prompt", value])
+        assert config_from_cli(args, None).multimodal.limit_mm_per_prompt == expected
+    assert EngineConfig.from_kwargs(
+        limit_mm_per_prompt={"image": 2}).multimodal.limit_mm_per_prompt == 2
+    for bad in ('{"image": 2, "video": 0}', '{"imag": 1}', '{"image": "x"}', "{}",
+                '{"image": {"count": 2}}', '{"image": [2]}'):
+        with pytest.raises(ValidationError, match="limit_mm_per_prompt"):
+            config_from_cli(parser.parse_args(["--limit-mm-per-prompt", bad]), None)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--limit-mm-per-prompt", "{image: 2}"])
+    assert "argument --limit-mm-per-prompt: not valid JSON" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("name", "text"), [("c.yaml", "dtype: [unclosed\n"),
+                                            ("c.json", '{"dtype": ')])
+def test_a_config_file_that_does_not_parse_names_the_file(
+        tmp_path: Path, name: str, text: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A YAML error was a traceback out of ``mrv2 ... --config``, a JSON error a message
+    naming neither the file nor the flag."""
+    from mrv2.entrypoints.cli import main
+
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ValueError, match=f"{name}: not valid"):
+        EngineConfig.from_file(tmp_path / name)
+    assert main(["generate", "--config", str(tmp_path / name)]) == 2
+    assert f"{name}: not valid" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -24,6 +25,8 @@ from pydantic import (
 )
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+#: vLLM's other names of a dtype (``--dtype half``), stored as the names above.
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 
 def positive_number_from_env(name: str, kind: type[int] | type[float], what: str
@@ -79,7 +82,9 @@ class ModelConfig(_Section):
         default=None, description="HF checkpoint directory; None means the default model"
     )
     tokenizer: str | None = Field(default=None, description="tokenizer directory (default: model)")
-    dtype: DType = Field(default="auto", description="weights and activations dtype")
+    dtype: DType = Field(
+        default="auto", description="weights and activations dtype (also vLLM's 'half' = "
+        "float16 and 'float' = float32)")
     max_model_len: int | None = Field(
         default=None, ge=1, description="longest sequence (prompt + output); default from config"
     )
@@ -125,6 +130,11 @@ class ModelConfig(_Section):
         "the tokenizer's (chat completions, LLM.chat, /tokenize); checked before anything loads",
     )
 
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_alias(cls, value: Any) -> Any:
+        return _DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
+
     @field_validator("chat_template")
     @classmethod
     def _read_chat_template(cls, value: str | None) -> str | None:
@@ -135,12 +145,30 @@ class MultiModalConfig(_Section):
     """Media in prompts (multimodal models)."""
 
     limit_mm_per_prompt: int = Field(
-        default=4, ge=0, le=64, description="images one prompt may carry at most"
+        default=4, ge=0, le=64,
+        description="images (and as many audio clips, videos) one prompt may carry at most; "
+        "also vLLM's JSON form '{\"image\": 2}' (one count for every modality)"
     )
     allow_remote_media: bool = Field(
         default=False,
         description="fetch http(s) image URLs (off: data: URIs and in-memory images only)",
     )
+
+    @field_validator("limit_mm_per_prompt", mode="before")
+    @classmethod
+    def _per_modality(cls, value: Any) -> Any:
+        """vLLM's mapping of counts per modality to mrv2's one count (every modality's)."""
+        if not isinstance(value, dict):
+            return value
+        counts = list(value.values())
+        unknown = sorted(map(str, set(value) - {"image", "audio", "video"}))
+        if unknown or not counts or any(
+                not isinstance(c, int) or c != counts[0] for c in counts):
+            raise ValueError(
+                "expected a count, or a JSON object of the same count for each modality "
+                f"(image, audio, video), such as {{\"image\": 2}}: mrv2 has one limit for "
+                f"them all; got {value}")
+        return counts[0]
 
 
 class CacheConfig(_Section):
@@ -374,9 +402,15 @@ class EngineConfig(_Section):
         if path.suffix in (".yaml", ".yml"):
             import yaml
 
-            data = yaml.safe_load(text) or {}
+            try:
+                data = yaml.safe_load(text) or {}
+            except yaml.YAMLError as error:
+                raise ValueError(f"{path}: not valid YAML ({error})") from None
         else:
-            data = json.loads(text)
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}: not valid JSON ({error})") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of engine arguments, got {type(data)}")
         return cls.from_kwargs(**{**data, **overrides})
@@ -419,8 +453,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                 )
             else:
                 group.add_argument(
-                    flag, dest=name, default=None, type=_cli_type(field.annotation),
-                    help=help_text,
+                    flag, dest=name, default=None,
+                    type=_CLI_TYPES.get(name) or _cli_type(field.annotation), help=help_text,
                 )
     group.add_argument(
         "--logits-processors", dest="logits_processors", default=None, nargs="*",
@@ -448,6 +482,27 @@ def _cli_type(annotation: Any) -> Any:
     return str
 
 
+def human_readable_int(text: str) -> int:
+    """A token count as vLLM's ``--max-model-len`` takes it: ``4096``, or with a decimal
+    (``32k`` = 32000, ``25.6k``) or binary (``32K`` = 32768, ``1M``) suffix."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", text.strip())
+    number, suffix = match.groups() if match else ("", "")
+    if suffix.islower():
+        return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
+    if number.isdigit():
+        return int(number) * 1024 ** ("KMGT".index(suffix) + 1 if suffix else 0)
+    raise argparse.ArgumentTypeError(
+        f"expected an integer such as 32768, 32k (32000) or 32K (32768), got {text!r}")
+
+
+def _int_or_json(text: str) -> Any:
+    """``--limit-mm-per-prompt``: a count, or vLLM's JSON object of counts."""
+    try:
+        return int(text)
+    except ValueError:
+        return _json_value(text)
+
+
 def _json_value(text: str) -> Any:
     """A mapping flag's value (``--hf-overrides``), parsed as JSON; argparse names the flag
     on an error (a value of another JSON type is the field's ValidationError)."""
@@ -457,6 +512,13 @@ def _json_value(text: str) -> Any:
         raise argparse.ArgumentTypeError(
             f"not valid JSON ({error}): expected an object such as "
             f"'{{\"num_hidden_layers\": 40}}', got {text!r}") from None
+
+
+#: The argparse ``type`` of the flags :func:`_cli_type` does not derive (vLLM's forms).
+_CLI_TYPES: dict[str, Any] = {
+    "max_model_len": human_readable_int, "max_num_batched_tokens": human_readable_int,
+    "limit_mm_per_prompt": _int_or_json,
+}
 
 
 def config_from_cli(args: argparse.Namespace, model: str | None) -> EngineConfig:

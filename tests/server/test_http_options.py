@@ -78,6 +78,31 @@ def test_serve_refuses_a_bad_option_before_the_engine_loads(
     assert "--ssl-keyfile and --ssl-certfile go together" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--max-pending", "0"], "--max-pending=0: expected >= 1"),
+    (["--max-n", "0"], "--max-n=0: expected >= 1"),
+    (["--port", "70000"], "--port=70000: expected 0 to 65535"),
+])
+def test_serve_refuses_a_bad_server_flag_before_the_engine_loads(
+        flags: list[str], message: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """They were checked once the engine had loaded (``--max-pending 0``, ``--max-n 0``: a
+    message naming create_app's parameters), or not at all (``--port 70000``: bind's
+    OverflowError, a traceback)."""
+    import mrv2.engine.engine as engine_module
+    import mrv2.entrypoints.engine_process as process_module
+    import mrv2.entrypoints.server  # noqa: F401 (imported before the patch: it keeps the names)
+    from mrv2.entrypoints.cli import main
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the engine was built")
+
+    monkeypatch.setattr(engine_module, "LLMEngine", refuse)
+    monkeypatch.setattr(process_module, "RemoteEngine", refuse)
+    assert main(["serve", "m", "--device", "cpu", "--port", "0", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def engine(model_dir: Path) -> LLMEngine:
     return LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), **ENGINE_KWARGS))

@@ -66,6 +66,11 @@ def _serve(args: argparse.Namespace) -> int:
             log_stats_interval()
         http = HTTPOptions.from_args(args)
         http.check()
+        for flag, value in (("--max-pending", args.max_pending), ("--max-n", args.max_n)):
+            if value < 1:
+                raise ValueError(f"{flag}={value}: expected >= 1")
+        if not 0 <= args.port <= 65535:
+            raise ValueError(f"--port={args.port}: expected 0 to 65535")
     except ValueError as error:
         print(f"mrv2 serve: {error}", file=sys.stderr)
         return 2
