@@ -88,6 +88,24 @@ def test_tiny_cache_preempts_often(
     _assert_clean(llm.engine)
 
 
+def test_prefix_cache_counters_count_new_prompts_only(checkpoint: Path) -> None:
+    """As vLLM's ``prefix_cache_queries`` / ``hits``: each prompt's first lookup (its tokens
+    and its ``num_cached_tokens``), not a preempted request's lookups again when it resumes
+    (it would find its own blocks: a hit rate of nothing the cache saved), nor a request
+    that never looks up (prompt logprobs)."""
+    llm = _llm(checkpoint, num_gpu_blocks_override=12)
+    queried = hits = 0
+    for batch in (PROMPTS[:1], PROMPTS[1:3], PROMPTS[3:], PROMPTS[:2]):
+        for result in llm.generate([{"prompt_token_ids": p} for p in batch], _params()):
+            queried += len(result.prompt_token_ids)
+            hits += result.num_cached_tokens
+    llm.generate([{"prompt_token_ids": PROMPTS[0]}],
+                 SamplingParams(max_tokens=1, prompt_logprobs=1))
+    stats = llm.engine.stats()
+    assert stats["num_preemptions"] > 0 and hits > 0
+    assert (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (queried, hits)
+
+
 def _run_with_aborts(engine: LLMEngine, seed: int) -> dict[str, list[int]]:
     """Keep the PROMPTS requests, plus noise requests aborted at random moments."""
     rng = random.Random(seed)

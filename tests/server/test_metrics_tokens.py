@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from server_util import ENGINE_KWARGS
 
 from mrv2 import EngineConfig, SamplingParams
@@ -95,3 +96,47 @@ def test_the_engine_process_reader_counts_each_deltas_tokens() -> None:
     assert calls == [("tokens", 4, 1), ("tokens", 4, 4), ("tokens", 4, 5), ("tokens", 4, 6),
                      ("finished", 4, 6)]
     assert len(handed) == 4 and reader._pending == 0 and not reader._sinks
+
+
+@pytest.mark.parametrize("worker", ["thread", "process"])
+def test_time_per_output_token_ends_with_each_sequence(worker: str) -> None:
+    """n=2: choice 0 stops after 2 tokens at t=1.1, choice 1 runs to 4 tokens at t=4.1
+    (first token at t=0.1). Each sequence's TPOT is its own decode time over its own tokens
+    (1.0 s and 4.0 s / 3), not the request's whole decode time over each one's tokens."""
+    metrics = ServerMetrics("m")
+    lock = threading.Lock()
+    hand_over = type("HandOver", (), {"add": lambda self, loop, item, key=None: None,
+                                      "post": lambda self: None})()
+    encoder = DeltaEncoder()
+    if worker == "thread":
+        thread = object.__new__(EngineThread)  # only what _deliver reads
+        thread.metrics, thread._lock, thread._pending, thread._hand_over = (
+            metrics, lock, 2, hand_over)
+        thread._sinks = {"r": _Sink(None, None, 0.0, num_prompt=4, num_seqs=2)}  # type: ignore[arg-type]
+
+        def deliver(output: RequestOutput, now: float) -> None:
+            thread._deliver(output, now)
+    else:
+        reader = object.__new__(EngineProcess)
+        reader.metrics, reader._lock, reader._pending, reader._hand_over = (
+            metrics, lock, 2, hand_over)
+        reader._sinks = {"r": _Sink(None, None, 0.0, num_prompt=4, num_seqs=2)}  # type: ignore[arg-type]
+
+        def deliver(output: RequestOutput, now: float) -> None:
+            reader._deliver([encoder.encode(output)], now)
+    state = [CompletionOutput(0, "", []), CompletionOutput(1, "", [])]
+    steps = [(0.1, {0: 3, 1: 7}, {}), (1.1, {0: 4, 1: 8}, {0: "stop"}),
+             (2.1, {1: 9}, {}), (4.1, {1: 10}, {1: "length"})]
+    for now, new, reasons in steps:
+        for index, token in new.items():
+            state[index].token_ids = state[index].token_ids + [token]
+        for index, reason in reasons.items():
+            state[index].finish_reason = reason
+        output = RequestOutput("r", None, [1, 2, 3, 4], [CompletionOutput(
+            c.index, "", list(c.token_ids), c.finish_reason) for c in state],
+            finished=now == 4.1, new_token_ids=[new[i] for i in sorted(new)])
+        deliver(output, now)
+    assert metrics.tpot._sum.get() == pytest.approx(1.0 / 1 + 4.0 / 3)
+    text = metrics.render().decode()
+    assert 'mrv2_request_success_total{finished_reason="stop",model_name="m"} 1.0' in text
+    assert 'mrv2_time_per_output_token_seconds_count{model_name="m"} 2.0' in text

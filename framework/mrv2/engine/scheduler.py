@@ -408,8 +408,9 @@ class Scheduler:
         # Prompt logprobs and per-token pooling need every prompt position computed: no
         # cache hits for them.
         pooling = request.pooling_params
-        if (self.blocks.enable_caching and request.sampling_params.prompt_logprobs is None
-                and (pooling is None or not pooling.per_token)):
+        looked_up = (self.blocks.enable_caching and request.sampling_params.prompt_logprobs
+                     is None and (pooling is None or not pooling.per_token))
+        if looked_up:
             hashes = request.update_block_hashes(size)
             hit, held_from = tables.find_prefix(hashes[: (request.num_tokens - 1) // size])
         num_hit, resumed_from = len(hit[0]), None
@@ -442,8 +443,8 @@ class Scheduler:
         request.num_computed_tokens = computed
         if not request.num_preemptions:
             request.num_cached_tokens = computed
-        if self.blocks.enable_caching:
-            self.blocks.record_query(request.num_tokens, computed)
+            if looked_up:  # (as vLLM's: a resumed request's lookup is no new prompt's)
+                self.blocks.record_query(request.num_tokens, computed)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self._in_runner.add(request.req_id)

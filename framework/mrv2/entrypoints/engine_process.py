@@ -317,7 +317,7 @@ class EngineProcess:
                 entry = self._sinks.get(req_id)
                 if entry is None:
                     continue
-                generated = sum(entry.count(index, len(ids), reason)
+                generated = sum(entry.count(index, len(ids), reason, now=now)
                                 for index, ids, _, _, reason, *_ in choices)
                 if (generated or (finished and entry.first is None)) and metrics is not None:
                     metrics.observe_tokens(entry.num_prompt if entry.first is None else 0,
@@ -330,9 +330,7 @@ class EngineProcess:
                     del self._sinks[req_id]
                     self._pending -= entry.num_seqs
                     if metrics is not None:
-                        metrics.observe_finished(
-                            entry.finished_lengths(),
-                            None if entry.first is None else now - entry.first)
+                        metrics.observe_finished(entry.finished_lengths(now))
                 self._hand_over.add(entry.loop, (entry, delta))
         self._hand_over.post()
 

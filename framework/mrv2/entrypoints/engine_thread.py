@@ -73,19 +73,27 @@ class _Sink:
     #: Per choice: its tokens so far and its finish reason (the finished lengths of /metrics).
     tokens: dict[int, int] = field(default_factory=dict)
     reasons: dict[int, str] = field(default_factory=dict)
+    #: Per choice: when its finish reason came (its own decode ends there, not the request's).
+    ends: dict[int, float] = field(default_factory=dict)
 
-    def count(self, index: int, tokens: int, reason: str | None, total: bool = False) -> int:
+    def count(self, index: int, tokens: int, reason: str | None, total: bool = False,
+              now: float = 0.0) -> int:
         """Choice ``index``'s ``tokens`` more (``total``: ``tokens`` in all, a cumulative
-        output's) and its finish reason, if any; returns how many are new."""
+        output's) and its finish reason, if any (come at ``now``); returns how many are new."""
         before = self.tokens.get(index, 0)
         self.tokens[index] = tokens if total else before + tokens
         if reason:
             self.reasons[index] = reason
+            self.ends.setdefault(index, now)
         return self.tokens[index] - before
 
-    def finished_lengths(self) -> list[tuple[str, int]]:
-        """(finish reason, tokens) of each choice."""
-        return [(self.reasons.get(i, "unknown"), n) for i, n in sorted(self.tokens.items())]
+    def finished_lengths(self, now: float) -> list[tuple[str, int, float | None]]:
+        """(finish reason, tokens, seconds from the request's first token to the choice's
+        end: None without a first token) of each choice, the request ending at ``now``."""
+        first = self.first
+        return [(self.reasons.get(i, "unknown"), n,
+                 None if first is None else self.ends.get(i, now) - first)
+                for i, n in sorted(self.tokens.items())]
 
 
 class LoopHandOver(Generic[T]):
@@ -324,7 +332,7 @@ class EngineThread:
         if sink is None:
             return
         generated = sum(sink.count(c.index, len(c.token_ids), c.finish_reason,
-                                   total=not output.delta) for c in output.outputs)
+                                   total=not output.delta, now=now) for c in output.outputs)
         if generated > 0 or (output.finished and sink.first is None):  # (pooling: no tokens)
             self.metrics.observe_tokens(sink.num_prompt if sink.first is None else 0,
                                         generated)
@@ -334,8 +342,7 @@ class EngineThread:
         if output.finished:
             del self._sinks[output.request_id]
             self._finish_pending(sink)
-            self.metrics.observe_finished(sink.finished_lengths(),
-                                          None if sink.first is None else now - sink.first)
+            self.metrics.observe_finished(sink.finished_lengths(now))
         self._hand_over.add(sink.loop, (sink, output), key=output.request_id)
 
     def _fail_all(self, error: BaseException) -> None:

@@ -122,11 +122,11 @@ class ServerMetrics:
             self.prompt_tokens.inc(num_prompt)
         self.generation_tokens.inc(num_generated)
 
-    def observe_finished(self, reasons_and_lengths: list[tuple[str, int]],
-                         decode_seconds: float | None = None) -> None:
-        """A request finished: each sequence's finish reason and length; with
-        ``decode_seconds`` (first token to the end) each sequence's time per output token."""
-        for reason, num in reasons_and_lengths:
+    def observe_finished(self, sequences: list[tuple[str, int, float | None]]) -> None:
+        """A request finished: each sequence's finish reason, length and, unless None, its
+        decode seconds (the request's first token to the sequence's end), which give its time
+        per output token."""
+        for reason, num, decode_seconds in sequences:
             self._success.labels(self._name, reason).inc()
             if decode_seconds is not None and num > 1:
                 self.tpot.observe(decode_seconds / (num - 1))
