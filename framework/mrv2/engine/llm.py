@@ -39,6 +39,8 @@ Prompt = str | dict[str, Any]
 ``"cache_salt": "..."`` (vLLM's: only prompts of the same salt share prefix-cache blocks)."""
 
 Encoded = tuple[list[int], str | None, list[MultiModalItem]]
+#: The keys a prompt dict may have (vLLM's TextPrompt / TokensPrompt fields mrv2 reads).
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data", "cache_salt"})
 
 _TQDM_MIN_REQUESTS = 8
 
@@ -97,11 +99,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
         ``lora_request``: the LoRA adapter of every prompt, or one per prompt (None: the base
         model); the engine must be built with ``enable_lora=True``.
+        ``priority``: one per prompt (vLLM's; lower first under ``policy="priority"``).
 
         Every prompt is validated before any is queued: one bad prompt raises ``ValueError``
         and nothing runs.
@@ -120,11 +124,17 @@ class LLM:
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts"
                 )
         loras = self._loras(lora_request, len(prompts))
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priority for {len(prompts)} prompts")
+        if not all(isinstance(p, int) and not isinstance(p, bool) for p in priorities):
+            raise ValueError(f"priority must be a list of ints, got {priority!r}")
         salts = [_cache_salt(prompt) for prompt in prompts]
         encoded = [self._encode(prompt) for prompt in prompts]
         for (token_ids, _, _), params, lora in zip(encoded, params_list, loras, strict=True):
             self.engine.validate(token_ids, params, lora)
-        return self._run(encoded, params_list, use_tqdm, loras, salts=salts)
+        return self._run(encoded, params_list, use_tqdm, loras, salts=salts,
+                         priorities=priorities)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
                     lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
@@ -369,10 +379,12 @@ class LLM:
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        *,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
-        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, with the chat template.
 
@@ -383,7 +395,9 @@ class LLM:
         ``chat_template_kwargs``: the template's own variables, as vLLM's (Qwen3:
         ``{"enable_thinking": False}``); ValueError naming the field on a reserved name.
         ``continue_final_message``: the reply continues the last message (an assistant's
-        prefill) instead of starting a new one; needs ``add_generation_prompt=False``."""
+        prefill) instead of starting a new one; needs ``add_generation_prompt=False``.
+        ``tools``: the tool definitions the template offers the model (vLLM's). The first
+        four arguments take vLLM's positional order; the others are keywords."""
         tokenizer = self._require_tokenizer()
         template_kwargs = check_template_kwargs(chat_template_kwargs)
         if continue_final_message:
@@ -401,7 +415,7 @@ class LLM:
         for conversation in conversations:
             template_messages, mm_data = split_chat_media(conversation, allow_remote, limit)
             text = tokenizer.render_chat_template(template_messages, add_generation_prompt,
-                                                  **template_kwargs)
+                                                  tools=tools, **template_kwargs)
             # (as vLLM's: the output's ``prompt`` is the rendered text; it carries any BOS)
             prompt: dict[str, Any] = {
                 "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False),
@@ -421,6 +435,10 @@ class LLM:
     def _encode(self, prompt: Prompt) -> Encoded:
         if isinstance(prompt, str):
             return self._require_tokenizer().encode(prompt), prompt, []
+        unknown = sorted(set(prompt) - _PROMPT_KEYS) if isinstance(prompt, dict) else []
+        if unknown:  # (ignored, it would not do what its sender meant)
+            raise ValueError(f"unknown prompt field(s) {unknown}; a prompt dict takes "
+                             f"{sorted(_PROMPT_KEYS)}")
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
@@ -444,9 +462,11 @@ class LLM:
         loras: list[LoRARequest | None],
         pooling: PoolingParams | None = None,
         salts: list[str | None] | None = None,
+        priorities: list[int] | None = None,
     ) -> list[RequestOutput]:
         engine = self.engine
         salts = salts if salts is not None else [None] * len(encoded)
+        priorities = priorities if priorities is not None else [0] * len(encoded)
         if engine.is_paused():  # (its steps would never run)
             raise RuntimeError("the engine is paused (pause_generation): "
                                "continue_generation() first")
@@ -455,11 +475,11 @@ class LLM:
         bar = tqdm(total=len(encoded), desc="Generating", unit="req",
                    disable=not use_tqdm or len(encoded) < _TQDM_MIN_REQUESTS)
         try:  # (a request refused while queueing: the ones queued before it are aborted)
-            for (token_ids, text, items), params, lora, salt in zip(
-                    encoded, params_list, loras, salts, strict=True):
+            for (token_ids, text, items), params, lora, salt, rank in zip(
+                    encoded, params_list, loras, salts, priorities, strict=True):
                 ids.append(engine.add_request(token_ids, params, prompt=text, mm_items=items,
                                               lora_request=lora, pooling_params=pooling,
-                                              cache_salt=salt))
+                                              cache_salt=salt, priority=rank))
             order = {req_id: i for i, req_id in enumerate(ids)}
             while engine.has_unfinished():
                 for output in engine.step():

@@ -88,11 +88,13 @@ class Tokenizer:
         return text
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
-    ) -> list[int]:
-        """Token ids of the rendered chat template (its text carries any BOS it wants)."""
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
+        tokenize: bool = True, **kwargs: Any
+    ) -> Any:
+        """Token ids of the rendered chat template (its text carries any BOS it wants);
+        ``tokenize=False``: the text (as transformers' and vLLM's users call it)."""
         text = self.render_chat_template(messages, add_generation_prompt, **kwargs)
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def set_chat_template(self, template: str) -> None:
         """Use ``template`` (Jinja text) instead of the tokenizer's own chat template."""
