@@ -137,6 +137,10 @@ def test_time_per_output_token_ends_with_each_sequence(worker: str) -> None:
             finished=now == 4.1, new_token_ids=[new[i] for i in sorted(new)])
         deliver(output, now)
     assert metrics.tpot._sum.get() == pytest.approx(1.0 / 1 + 4.0 / 3)
+    # vLLM's names: the same per-sequence time per output token; arrival (0.0) to each end
+    assert metrics._vllm_tpot._sum.get() == pytest.approx(1.0 / 1 + 4.0 / 3)
+    assert metrics._vllm_e2e._sum.get() == pytest.approx(1.1 + 4.1)
+    assert metrics._vllm_ttft._sum.get() == metrics.ttft._sum.get() == pytest.approx(0.1)
     text = metrics.render().decode()
     assert 'mrv2_request_success_total{finished_reason="stop",model_name="m"} 1.0' in text
     assert 'mrv2_time_per_output_token_seconds_count{model_name="m"} 2.0' in text

@@ -325,7 +325,7 @@ class EngineProcess:
                 if generated and entry.first is None:
                     entry.first = now
                     if metrics is not None:
-                        metrics.ttft.observe(now - entry.arrival)
+                        metrics.observe_first_token(now - entry.arrival)
                 if finished:
                     del self._sinks[req_id]
                     self._pending -= entry.num_seqs

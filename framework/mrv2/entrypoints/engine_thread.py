@@ -87,12 +87,14 @@ class _Sink:
             self.ends.setdefault(index, now)
         return self.tokens[index] - before
 
-    def finished_lengths(self, now: float) -> list[tuple[str, int, float | None]]:
+    def finished_lengths(self, now: float) -> list[tuple[str, int, float | None, float]]:
         """(finish reason, tokens, seconds from the request's first token to the choice's
-        end: None without a first token) of each choice, the request ending at ``now``."""
+        end: None without a first token, seconds from the request's arrival to the choice's
+        end) of each choice, the request ending at ``now``."""
         first = self.first
         return [(self.reasons.get(i, "unknown"), n,
-                 None if first is None else self.ends.get(i, now) - first)
+                 None if first is None else self.ends.get(i, now) - first,
+                 self.ends.get(i, now) - self.arrival)
                 for i, n in sorted(self.tokens.items())]
 
 
@@ -338,7 +340,7 @@ class EngineThread:
                                         generated)
         if sink.first is None and output.new_token_ids:
             sink.first = now
-            self.metrics.ttft.observe(now - sink.arrival)
+            self.metrics.observe_first_token(now - sink.arrival)
         if output.finished:
             del self._sinks[output.request_id]
             self._finish_pending(sink)

@@ -10,6 +10,11 @@ the engine. Every ``mrv2_*`` series carries a ``model_name`` label (``--served-m
 escaped by the library); ``process_*`` (resident memory, CPU seconds, open fds) come from the
 library's process collector; ``mrv2_gc_pause_seconds`` counts the garbage collector's pauses
 of the server's process and of the engine's, when it has one of its own.
+
+The series vLLM also serves come a second time under vLLM's names, types, bucket edges and
+labels (``model_name`` and ``engine="0"``, as vLLM v1's ``PrometheusStatLogger`` sets them),
+from the same measurement: the engine's snapshot rendered twice, the request-side counters and
+histograms updated in the same calls (:data:`VLLM_NAMES`).
 """
 
 from __future__ import annotations
@@ -38,7 +43,33 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
+#: vLLM's bucket edges (vllm/v1/metrics/loggers.py) of the histograms under vLLM's names.
+VLLM_TTFT_BUCKETS = TTFT_BUCKETS + (160.0, 640.0, 2560.0)
+VLLM_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+VLLM_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+#: The ``mrv2_*`` series vLLM also serves: mrv2's name -> vLLM's (a counter's without
+#: ``_total``; ``vllm:request_time_per_output_token_seconds`` is vLLM's per-request mean time
+#: per output token, what mrv2's TPOT measures). ``vllm:e2e_request_latency_seconds`` (arrival
+#: to a sequence's end) has no mrv2 twin.
+VLLM_NAMES = {
+    "mrv2_num_requests_running": "vllm:num_requests_running",
+    "mrv2_num_requests_waiting": "vllm:num_requests_waiting",
+    "mrv2_kv_cache_usage_perc": "vllm:kv_cache_usage_perc",
+    "mrv2_prefix_cache_queries": "vllm:prefix_cache_queries",
+    "mrv2_prefix_cache_hits": "vllm:prefix_cache_hits",
+    "mrv2_num_preemptions": "vllm:num_preemptions",
+    "mrv2_prompt_tokens": "vllm:prompt_tokens",
+    "mrv2_generation_tokens": "vllm:generation_tokens",
+    "mrv2_request_success": "vllm:request_success",
+    "mrv2_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "mrv2_time_per_output_token_seconds": "vllm:request_time_per_output_token_seconds",
+}
+_VLLM_LABELS = ["model_name", "engine"]
 
 # (name, help, key in LLMEngine.stats()) of the engine's own series.
 _GAUGES = (
@@ -105,6 +136,30 @@ class ServerMetrics:
                               ["model_name"], buckets=TTFT_BUCKETS, registry=reg).labels(name)
         self.tpot = Histogram("mrv2_time_per_output_token_seconds", "Time per output token.",
                               ["model_name"], buckets=TPOT_BUCKETS, registry=reg).labels(name)
+        # The same series under vLLM's names (and its labels, bucket edges), updated in the
+        # same calls as the mrv2 ones above.
+        vllm, engine = VLLM_NAMES, "0"
+        self._vllm_prompt_tokens = Counter(
+            vllm["mrv2_prompt_tokens"], "Number of prefill tokens processed.", _VLLM_LABELS,
+            registry=reg).labels(name, engine)
+        self._vllm_generation_tokens = Counter(
+            vllm["mrv2_generation_tokens"], "Number of generation tokens processed.",
+            _VLLM_LABELS, registry=reg).labels(name, engine)
+        self._vllm_success = Counter(vllm["mrv2_request_success"],
+                                     "Count of successfully processed requests.",
+                                     [*_VLLM_LABELS, "finished_reason"], registry=reg)
+        for reason in ("stop", "length", "abort"):  # (vLLM's FinishReason values)
+            self._vllm_success.labels(name, engine, reason)
+        self._vllm_ttft = Histogram(
+            vllm["mrv2_time_to_first_token_seconds"], "Histogram of time to first token in "
+            "seconds.", _VLLM_LABELS, buckets=VLLM_TTFT_BUCKETS, registry=reg).labels(name, engine)
+        self._vllm_tpot = Histogram(
+            vllm["mrv2_time_per_output_token_seconds"], "Histogram of "
+            "time_per_output_token_seconds per request.", _VLLM_LABELS, buckets=VLLM_TPOT_BUCKETS,
+            registry=reg).labels(name, engine)
+        self._vllm_e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+            _VLLM_LABELS, buckets=VLLM_E2E_BUCKETS, registry=reg).labels(name, engine)
         self._name = name
         #: This process's garbage-collector pauses (an engine process reports its own).
         self.gc_pauses = GCPauses()
@@ -120,16 +175,26 @@ class ServerMetrics:
         ``num_prompt``, its prompt's length, with its first ones (else 0)."""
         if num_prompt:
             self.prompt_tokens.inc(num_prompt)
+            self._vllm_prompt_tokens.inc(num_prompt)
         self.generation_tokens.inc(num_generated)
+        self._vllm_generation_tokens.inc(num_generated)
 
-    def observe_finished(self, sequences: list[tuple[str, int, float | None]]) -> None:
-        """A request finished: each sequence's finish reason, length and, unless None, its
-        decode seconds (the request's first token to the sequence's end), which give its time
-        per output token."""
-        for reason, num, decode_seconds in sequences:
+    def observe_first_token(self, seconds: float) -> None:
+        """A request's first token came ``seconds`` after it arrived."""
+        self.ttft.observe(seconds)
+        self._vllm_ttft.observe(seconds)
+
+    def observe_finished(self, sequences: list[tuple[str, int, float | None, float]]) -> None:
+        """A request finished: each sequence's finish reason, length, unless None its decode
+        seconds (the request's first token to the sequence's end), which give its time per
+        output token, and its seconds from the request's arrival to its end."""
+        for reason, num, decode_seconds, e2e_seconds in sequences:
             self._success.labels(self._name, reason).inc()
+            self._vllm_success.labels(self._name, "0", reason).inc()
+            self._vllm_e2e.observe(e2e_seconds)
             if decode_seconds is not None and num > 1:
                 self.tpot.observe(decode_seconds / (num - 1))
+                self._vllm_tpot.observe(decode_seconds / (num - 1))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every series."""
@@ -144,14 +209,23 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats, label = self.metrics.stats, [self.model_name]
+        vllm_label = [self.model_name, "0"]
         for name, doc, key in _GAUGES:
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
             family.add_metric(label, float(stats.get(key, 0)))
             yield family
+            if name in VLLM_NAMES:
+                family = GaugeMetricFamily(VLLM_NAMES[name], doc, labels=_VLLM_LABELS)
+                family.add_metric(vllm_label, float(stats.get(key, 0)))
+                yield family
         for name, doc, key in _COUNTERS:
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(label, float(stats.get(key, 0)))
             yield counter
+            if name in VLLM_NAMES:
+                counter = CounterMetricFamily(VLLM_NAMES[name], doc, labels=_VLLM_LABELS)
+                counter.add_metric(vllm_label, float(stats.get(key, 0)))
+                yield counter
         for name, doc, key in _POSITION_COUNTERS:
             counter = CounterMetricFamily(name, doc, labels=["model_name", "position"])
             for position, value in enumerate(stats.get(key, [])):
