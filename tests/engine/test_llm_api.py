@@ -88,3 +88,76 @@ def test_a_prompt_field_mrv2_does_not_read_is_refused_by_name(llm: LLM, key: str
         llm.generate({"prompt_token_ids": [5, 6], key: {}}, PARAMS, use_tqdm=False)
     with pytest.raises(ValueError, match=f"unknown prompt field.*{key}"):
         llm.generate({"prompt": "hi", key: {}}, PARAMS, use_tqdm=False)
+
+
+def test_sampling_params_detokenize_false_gives_token_ids_only(llm: LLM) -> None:
+    """vLLM's ``detokenize=False``: no text, the token ids only (it was a TypeError)."""
+    plain = llm.generate("hello", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
+    out = llm.generate("hello", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True,
+                                               detokenize=False), use_tqdm=False)[0].outputs[0]
+    assert plain.text and out.text == "" and out.token_ids == plain.token_ids
+    with pytest.raises(ValueError, match="detokenize"):  # stop strings need the text
+        SamplingParams(detokenize=False, stop=["x"])
+
+
+def test_sampling_params_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm: LLM) -> None:
+    tok = llm.engine.tokenizer
+    assert tok is not None
+    ids = tok.encode("hello there world again", add_special_tokens=False)
+    assert len(ids) > 3
+    out = llm.generate({"prompt_token_ids": ids},
+                       SamplingParams(max_tokens=1, temperature=0, truncate_prompt_tokens=3),
+                       use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids[-3:]
+    long_ids = (ids * 20)[:70]  # longer than max_model_len (64): -1 keeps 64 - max_tokens
+    out = llm.generate({"prompt_token_ids": long_ids},
+                       SamplingParams(max_tokens=4, temperature=0, truncate_prompt_tokens=-1),
+                       use_tqdm=False)[0]
+    assert out.prompt_token_ids == long_ids[-60:]
+    for bad in (0, -2, True, 1.5):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)  # type: ignore[arg-type]
+
+
+def test_sampling_params_extra_args_and_spaces_between_special_tokens() -> None:
+    """``extra_args`` is kept (opaque, as vLLM's); ``spaces_between_special_tokens=False``,
+    which mrv2's detokenizer does not do, is refused by name rather than ignored."""
+    assert SamplingParams(extra_args={"k": 1}).extra_args == {"k": 1}
+    assert SamplingParams(spaces_between_special_tokens=True).spaces_between_special_tokens
+    with pytest.raises(ValueError, match="spaces_between_special_tokens"):
+        SamplingParams(spaces_between_special_tokens=False)
+    with pytest.raises(ValueError, match="extra_args"):
+        SamplingParams(extra_args=[1])  # type: ignore[arg-type]
+
+
+def test_engine_add_request_honours_truncate_prompt_tokens(llm: LLM) -> None:
+    """Through ``LLMEngine.add_request`` too (the field was not read there)."""
+    ids = list(range(10, 20))
+    engine = llm.engine
+    engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0,
+                                           truncate_prompt_tokens=4), request_id="cut")
+    outputs = []
+    while engine.has_unfinished():
+        outputs += [o for o in engine.step() if o.finished]
+    assert [o.prompt_token_ids for o in outputs] == [ids[-4:]]
+
+
+def test_outputs_carry_the_lora_request(tmp_path: Any) -> None:
+    """vLLM's ``RequestOutput.lora_request`` / ``CompletionOutput.lora_request``: the adapter
+    the request ran through (None: the base model), n > 1 included."""
+    from mrv2.testing_checkpoints import make_lora_adapter
+
+    base = tmp_path / "base"
+    make_tiny_checkpoint(base, "LlamaForCausalLM", vocab_size=320)
+    make_tiny_tokenizer(base)
+    adapter = make_lora_adapter(base, tmp_path / "a", rank=4)
+    llm = LLM(str(base), device="cpu", dtype="float32", block_size=4, max_model_len=64,
+              enable_lora=True)
+    lora = LoRARequest("a", 1, str(adapter))
+    params = SamplingParams(max_tokens=1, temperature=0, n=2, seed=0)
+    with_lora, plain = llm.generate(["hi", "hi"], params, use_tqdm=False,
+                                    lora_request=[lora, None])
+    assert with_lora.lora_request == lora and plain.lora_request is None
+    assert [c.lora_request for c in with_lora.outputs] == [lora, lora]
+    assert [c.lora_request for c in plain.outputs] == [None, None]

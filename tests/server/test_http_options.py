@@ -199,3 +199,58 @@ def test_tls(engine: LLMEngine) -> None:
             httpx.get(f"{url}/health", verify=True, timeout=5)
         with pytest.raises(httpx.HTTPError):  # plain HTTP to a TLS port
             httpx.get(url.replace("https://", "http://") + "/health", timeout=5)
+
+
+def _serve_args(flags: list[str], monkeypatch: pytest.MonkeyPatch) -> tuple[int, dict[str, Any]]:
+    """``mrv2 serve`` with the engine and the server stubbed: its exit code and what it passed
+    to run_server."""
+    import mrv2.engine.engine as engine_module
+    import mrv2.entrypoints.server_run as run_module
+    from mrv2.entrypoints.cli import main
+
+    seen: dict[str, Any] = {}
+
+    def run_server(engine: Any, host: str, port: int, names: Any, api_key: str | None,
+                   *args: Any, **kwargs: Any) -> int:
+        seen.update(kwargs, api_key=api_key)
+        return 0
+
+    monkeypatch.setattr(engine_module, "LLMEngine", lambda config: object())
+    monkeypatch.setattr(run_module, "run_server", run_server)
+    monkeypatch.setattr(run_module, "listen_socket", lambda host, port: None)
+    code = main(["serve", "m", "--device", "cpu", "--load-format", "dummy",
+                 "--no-engine-process", *flags])
+    return code, seen
+
+
+@pytest.mark.parametrize("flag", ["--disable-log-requests", "--enable-log-requests"])
+def test_vllms_log_requests_flags_are_accepted(flag: str, monkeypatch: pytest.MonkeyPatch
+                                               ) -> None:
+    """vLLM launch scripts pass them; mrv2 never logs request contents: a no-op (they were
+    argparse's "unrecognized arguments")."""
+    assert _serve_args([flag], monkeypatch)[0] == 0
+    with pytest.raises(SystemExit):  # other unknown flags are still refused
+        build_parser().parse_args(["serve", "m", "--disable-log-everything"])
+
+
+def test_vllm_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM reads VLLM_API_KEY when --api-key is absent: a server its user believes keyed came
+    up open."""
+    monkeypatch.setenv("VLLM_API_KEY", "env-key")
+    assert _serve_args([], monkeypatch)[1]["api_key"] == "env-key"
+    assert _serve_args(["--api-key", "flag-key"], monkeypatch)[1]["api_key"] == "flag-key"
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert _serve_args([], monkeypatch)[1]["api_key"] is None
+
+
+def test_tool_call_parser_without_auto_tool_choice_is_vllms(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM refuses --enable-auto-tool-choice without a parser only; a parser alone serves
+    (auto tool choice off: forced tool_choice still works, "auto" requests are refused)."""
+    code, seen = _serve_args(["--tool-call-parser", "hermes"], monkeypatch)
+    assert code == 0 and seen["tool_call_parser"] is None
+    code, seen = _serve_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+                             monkeypatch)
+    assert code == 0 and seen["tool_call_parser"] == "hermes"
+    assert _serve_args(["--enable-auto-tool-choice"], monkeypatch)[0] == 2
+    assert "--enable-auto-tool-choice requires --tool-call-parser" in capsys.readouterr().err

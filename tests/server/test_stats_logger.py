@@ -164,7 +164,8 @@ def test_the_serve_logging_flags_reach_the_server(
          "http": HTTPOptions(allowed_origins=("https://a.example",), root_path="/llm"),
          "enable_prompt_tokens_details": True,
          "lora_modules": [LoRARequest("sql", 1, "/adapters/sql")]}]
-    for half in (["--enable-auto-tool-choice"], ["--tool-call-parser", "hermes"],
+    # (--tool-call-parser alone serves, as vLLM's: test_http_options)
+    for half in (["--enable-auto-tool-choice"],
                  ["--lora-modules", "sql=/adapters/sql"], ["--enable-lora", "--lora-modules",
                                                            "no-path"]):
         assert main(["serve", str(model_dir), "--device", "cpu", "--port", "0", *half]) == 2

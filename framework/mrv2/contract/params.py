@@ -130,6 +130,17 @@ class SamplingParams:
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    #: False: no text (``CompletionOutput.text`` is ""), the token ids only (vLLM's); stop
+    #: strings need the text and are refused with it.
+    detokenize: bool = True
+    #: Keep the prompt's last k tokens (``LLM.generate`` / ``LLM.chat``; vLLM's); -1: as many
+    #: as the context leaves beside ``max_tokens`` (at most ``max_model_len - 1``).
+    truncate_prompt_tokens: int | None = None
+    #: vLLM's opaque extra arguments (for custom logits processors): kept, never read by mrv2.
+    extra_args: dict[str, Any] | None = None
+    #: vLLM's; only True (the default) is taken: mrv2's detokenizer does not drop the spaces
+    #: between special tokens, so False is refused rather than ignored.
+    spaces_between_special_tokens: bool = True
     # Filled in by the engine (not user-facing): EOS ids masked by min_tokens, bad words as ids.
     _eos_token_ids: list[int] = field(default_factory=list, repr=False, compare=False)
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False,
@@ -211,6 +222,19 @@ class SamplingParams:
                "None or a StructuredOutputsParams")
         _check(isinstance(self.output_kind, RequestOutputKind), "output_kind",
                self.output_kind, "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
+        _check(isinstance(self.detokenize, bool), "detokenize", self.detokenize,
+               "true or false")
+        _check(self.detokenize or not self.stop, "detokenize", self.detokenize,
+               "true with stop strings (they are matched in the text)")
+        keep = self.truncate_prompt_tokens
+        _check(keep is None or (_is_int(keep) and (keep >= 1 or keep == -1)),
+               "truncate_prompt_tokens", keep, "None, an integer >= 1, or -1 (the context "
+               "less max_tokens)")
+        _check(self.extra_args is None or isinstance(self.extra_args, dict), "extra_args",
+               self.extra_args, "None or a dict")
+        _check(self.spaces_between_special_tokens is True, "spaces_between_special_tokens",
+               self.spaces_between_special_tokens, "True (mrv2's detokenizer keeps the spaces "
+               "between special tokens; False is not supported)")
 
     @property
     def greedy(self) -> bool:

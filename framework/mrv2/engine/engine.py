@@ -40,6 +40,7 @@ from mrv2.engine.request_inputs import (  # noqa: F401 (_load_tokenizer: tests i
     normalizes_embeddings,
     process_multimodal,
     refused_pooling_tasks,
+    truncate_prompt,
 )
 from mrv2.engine.sampling_outputs import (
     FanOut,
@@ -293,6 +294,10 @@ class LLMEngine(WeightOps):
         output shows text that a stop string then cuts off (as vLLM's).
         """
         check_cache_salt(cache_salt)
+        if pooling_params is None and params.truncate_prompt_tokens is not None:
+            cut = truncate_prompt(prompt_token_ids, params, self.max_model_len, bool(mm_items))
+            prompt = prompt if len(cut) == len(prompt_token_ids) else None
+            prompt_token_ids = cut
         if pooling_params is not None:  # the prompt alone; its one sampled token is dropped
             pooling_params.check(self.hidden_size, self.num_labels, self.matryoshka,
                                  self.refused_pooling_tasks)
@@ -345,7 +350,7 @@ class LLMEngine(WeightOps):
             pooling_params=pooling_params,
         )
         detok = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and params.detokenize:
             # (the prompt's last tokens as context, as vLLM's: a sentencepiece model's first
             # word keeps its leading space, so prompt + output reads as the model wrote it)
             detok = IncrementalDetokenizer(

@@ -28,7 +28,7 @@ from mrv2.engine.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from mrv2.engine.request_inputs import check_cache_salt
+from mrv2.engine.request_inputs import check_cache_salt, truncate_prompt
 from mrv2.engine.scoring import broadcast_pairs, check_scorer, cosine
 from mrv2.engine.tokenizer import check_template_kwargs
 from mrv2.plugins import PluginManager
@@ -130,7 +130,8 @@ class LLM:
         if not all(isinstance(p, int) and not isinstance(p, bool) for p in priorities):
             raise ValueError(f"priority must be a list of ints, got {priority!r}")
         salts = [_cache_salt(prompt) for prompt in prompts]
-        encoded = [self._encode(prompt) for prompt in prompts]
+        encoded = [self._truncate(self._encode(prompt), params)
+                   for prompt, params in zip(prompts, params_list, strict=True)]
         for (token_ids, _, _), params, lora in zip(encoded, params_list, loras, strict=True):
             self.engine.validate(token_ids, params, lora)
         return self._run(encoded, params_list, use_tqdm, loras, salts=salts,
@@ -363,6 +364,12 @@ class LLM:
         for (token_ids, _, _), lora in zip(encoded, loras, strict=True):
             self.engine.validate(token_ids, params, lora, pooling=True)
         return self._run(encoded, [params] * len(prompts), use_tqdm, loras, pooling, salts)
+
+    def _truncate(self, encoded: Encoded, params: SamplingParams) -> Encoded:
+        """A generate prompt cut to its last ``params.truncate_prompt_tokens`` tokens."""
+        ids, text, items = encoded
+        cut = truncate_prompt(ids, params, self.engine.max_model_len, bool(items))
+        return encoded if len(cut) == len(ids) else (cut, None, items)
 
     @staticmethod
     def _loras(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 if TYPE_CHECKING:
     import torch
 
+    from mrv2.contract.lora import LoRARequest
+
 #: A pooled result's ``outputs`` type.
 Pooled = TypeVar("Pooled")
 #: A pooled result's own class (:meth:`PooledRequestOutput.of`).
@@ -45,6 +47,8 @@ class CompletionOutput:
     """Sum of the generated tokens' logprobs (when ``logprobs`` was asked for)."""
     logprobs: list[PositionLogprobs] | None = None
     """One dict per generated token (when ``SamplingParams.logprobs`` is set)."""
+    lora_request: LoRARequest | None = None
+    """The LoRA adapter the request ran through (None: the base model), as vLLM's."""
 
     @property
     def finished(self) -> bool:
@@ -76,6 +80,9 @@ class RequestOutput:
     embedding: list[Any] | None = None
     """An embedding request's pooled vector (``pooling_params``; its ``outputs`` hold a
     token nobody asked for); a per-token request's: one row per prompt token."""
+    lora_request: LoRARequest | None = None
+    """The LoRA adapter the request ran through (None: the base model), as vLLM's (in
+    process: ``mrv2 serve``'s engine process does not send it back)."""
 
     def add(self, later: RequestOutput) -> None:
         """Fold ``later``, this request's next output, into this one (changed in place), as

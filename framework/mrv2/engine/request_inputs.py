@@ -18,7 +18,7 @@ from mrv2.registry import ModelEntry, import_object
 
 __all__ = ["check_cache_salt", "check_prompt", "check_runner", "classifier_labels",
            "make_input_processor", "normalizes_embeddings", "process_multimodal",
-           "refused_pooling_tasks"]
+           "refused_pooling_tasks", "truncate_prompt"]
 
 
 def classifier_labels(config: EngineConfig, hf_config: Any) -> tuple[int | None, dict[int, str]]:
@@ -139,6 +139,22 @@ def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_
     if bad:
         raise ValueError(f"prompt token ids must be in [0, {vocab_size}); got {bad[:5]}")
     params.check_vocab(vocab_size)
+
+
+def truncate_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int,
+                    multimodal: bool = False) -> list[int]:
+    """The prompt's last ``params.truncate_prompt_tokens`` ids (vLLM's; -1: the context less
+    max_tokens, at most ``max_model_len - 1``). Raises ``ValueError`` where it would cut a
+    ``multimodal`` prompt."""
+    keep = params.truncate_prompt_tokens
+    if keep == -1:
+        keep = max(max_model_len - max(params.max_tokens or 0, 1), 1)
+    if keep is None or len(prompt_token_ids) <= keep:
+        return prompt_token_ids
+    if multimodal:
+        raise ValueError("truncate_prompt_tokens would cut a multimodal prompt (its "
+                         "placeholders must stay whole)")
+    return prompt_token_ids[-keep:]
 
 
 def check_cache_salt(cache_salt: Any) -> str | None:

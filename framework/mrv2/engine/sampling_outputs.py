@@ -74,6 +74,7 @@ class TrackedRequest:
             token_ids=new_tokens if delta else list(ids),
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
+            lora_request=request.lora_request,
         )
         lp = self.logprobs
         if lp is not None and params.logprobs is not None:
@@ -92,6 +93,7 @@ class TrackedRequest:
             num_cached_tokens=request.num_cached_tokens,
             delta=delta,
             embedding=self.embedding,
+            lora_request=request.lora_request,
         )
         if lp is not None and params.prompt_logprobs is not None and not (
                 delta and self.sent_any):
@@ -208,7 +210,7 @@ class FanOut:
         for i in [index] if delta else sorted(latest):
             o = latest[i].outputs[0]
             outs.append(CompletionOutput(i, o.text, o.token_ids, o.finish_reason, o.stop_reason,
-                                         o.cumulative_logprob, o.logprobs))
+                                         o.cumulative_logprob, o.logprobs, o.lora_request))
         prompt_logprobs = latest[0].prompt_logprobs if 0 in latest else output.prompt_logprobs
         if delta:  # a delta request's prompt logprobs go with its first output only
             prompt_logprobs = None if parent in self.started else output.prompt_logprobs
@@ -220,6 +222,7 @@ class FanOut:
             new_text=output.new_text if stream else "",
             num_cached_tokens=min(o.num_cached_tokens for o in latest.values()),
             prompt_logprobs=prompt_logprobs, delta=output.delta,
+            lora_request=output.lora_request,
         )
         if finished:
             self.discard(parent)

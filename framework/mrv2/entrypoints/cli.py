@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -14,6 +15,8 @@ from mrv2.entrypoints.http_options import add_http_args
 from mrv2.entrypoints.reasoning import REASONING_PARSERS
 from mrv2.entrypoints.tool_calls import TOOL_CALL_PARSERS
 from mrv2.logs import configure_logging
+
+logger = logging.getLogger(__name__)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -83,10 +86,18 @@ def _serve(args: argparse.Namespace) -> int:
     if loras and not config.lora.enable_lora:
         print("mrv2 serve: --lora-modules needs --enable-lora", file=sys.stderr)
         return 2
-    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
-        print("mrv2 serve: --enable-auto-tool-choice and --tool-call-parser go together "
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:  # vLLM's rule
+        print("mrv2 serve: --enable-auto-tool-choice requires --tool-call-parser "
               "(e.g. --enable-auto-tool-choice --tool-call-parser hermes)", file=sys.stderr)
         return 2
+    tool_call_parser = args.tool_call_parser if args.enable_auto_tool_choice else None
+    if args.tool_call_parser is not None and tool_call_parser is None:
+        logger.info("--tool-call-parser without --enable-auto-tool-choice: tool_choice \"auto\" "
+                    "is refused, as vLLM's; a forced tool_choice needs no parser")
+    if args.log_requests is not None:
+        logger.info("--%s-log-requests: mrv2 never logs request contents (accepted for vLLM's "
+                    "scripts; no effect)", "enable" if args.log_requests else "disable")
+    api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None
     sock = None  # the server's socket, bound before anything loads (torchrun: rank 0's)
     if not launched_by_torchrun() or os.environ.get("RANK", "0") == "0":
         try:
@@ -117,12 +128,12 @@ def _serve(args: argparse.Namespace) -> int:
         if sock is not None:
             sock.close()
         raise
-    return run_server(engine, args.host, args.port, args.served_model_name, args.api_key,
+    return run_server(engine, args.host, args.port, args.served_model_name, api_key,
                       args.max_pending, args.max_n, log_stats=not args.disable_log_stats,
                       uvicorn_log_level=args.uvicorn_log_level,
                       access_log=not args.disable_uvicorn_access_log, sock=sock,
                       reasoning_parser=args.reasoning_parser,
-                      tool_call_parser=args.tool_call_parser, http=http,
+                      tool_call_parser=tool_call_parser, http=http,
                       enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                       lora_modules=loras)
 
@@ -182,7 +193,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None,
                        help="require Authorization: Bearer KEY on every route but /health, "
-                       "/metrics, /version, /tokenize and /detokenize")
+                       "/metrics, /version, /tokenize and /detokenize (default: the "
+                       "VLLM_API_KEY environment variable, as vLLM's)")
+    serve.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
+                       default=None, help="vLLM's flag, accepted for its launch scripts: "
+                       "mrv2 never logs request contents (no effect)")
+    serve.add_argument("--enable-log-requests", dest="log_requests", action="store_true",
+                       default=None, help="vLLM's flag, accepted for its launch scripts: "
+                       "mrv2 never logs request contents (no effect)")
     serve.add_argument("--served-model-name", nargs="+", default=None,
                        help="the model's name in the API (several: aliases requests may "
                        "use; answers carry the first). Default: the model's path")
@@ -212,8 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "minimax_m2_append_think: MiniMax-M2's block left in the content, its "
                        "<think> put back; openai_gptoss: gpt-oss's harmony analysis channel)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
-                       help="chat requests may offer tools; the model's calls come back as "
-                       "tool_calls (with --tool-call-parser)")
+                       help="chat requests may offer tools (tool_choice \"auto\"); the "
+                       "model's calls come back as tool_calls (needs --tool-call-parser)")
     serve.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                        help="how the model writes its calls (vLLM's names): hermes (Qwen2.5, "
                        "Qwen3), qwen3_coder (Qwen3-Coder), glm45 (GLM-4.5/4.6), glm47 "
