@@ -41,9 +41,9 @@ def test_internvl_images_with_graphs(tmp_path: Path, monkeypatch: pytest.MonkeyP
     hf = transformers.InternVLForConditionalGeneration(config).eval()
     redraw_weights(hf)
     hf.save_pretrained(tmp_path)
-    processor: Any = transformers.GotOcr2ImageProcessorPil(
-        size={"height": 32, "width": 32}, max_patches=4, crop_to_patches=True)
-    processor.save_pretrained(tmp_path)
+    transformers.GotOcr2ImageProcessorPil(
+        size={"height": 32, "width": 32}, max_patches=4, crop_to_patches=True
+    ).save_pretrained(tmp_path)
     a, b = random_image(80, 40, seed=1), random_image(32, 32, seed=2)
     requests: list[dict[str, Any]] = [
         {"prompt_token_ids": [5, 17, context, 9] * 2, "multi_modal_data": {"image": [a, b]}},
@@ -63,7 +63,9 @@ def test_internvl_images_with_graphs(tmp_path: Path, monkeypatch: pytest.MonkeyP
                 ids, _ = llm.engine.input_processor.process(
                     request["prompt_token_ids"], {"image": images})
                 kwargs: dict[str, Any] = {}
-                if images:
+                if images:  # (the engine's processor: transformers' torchvision backend
+                    # where torchvision is installed, whose resize is not PIL's to the bit)
+                    processor = llm.engine.input_processor.image_processor
                     kwargs = {"pixel_values": processor(images=images, crop_to_patches=True,
                                                         return_tensors="pt")["pixel_values"]}
                 with torch.no_grad():
