@@ -214,14 +214,16 @@ def test_cache_numbering_layers_and_dummy_weights(tmp_path: Path) -> None:
     model = Qwen3NextForCausalLM(config)
     assert model.build_mtp(first_layer_idx=5).kv_cache_specs() == {5: spec}
     config.num_nextn_predict_layers = 2
-    two = Qwen3NextForCausalLM(config).build_mtp()
+    main = Qwen3NextForCausalLM(config)
+    two = main.build_mtp()
     assert two.kv_cache_specs() == {1: spec, 2: spec}  # (after the one full-attention layer)
     config.num_nextn_predict_layers = 0
     with pytest.raises(ValueError, match="num_nextn_predict_layers must be >= 1, got 0"):
         Qwen3NextForCausalLM(config).build_mtp()
 
     # load_format="dummy" (the MTP speculator's load_or_draw_weights): norms 1 (w = 0).
-    init_dummy_weights(two)
+    init_dummy_weights(main)  # (the shared embedding and LM head are the main model's: left
+    init_dummy_weights(two)  # as torch.empty, they made row 0's logits NaN at times)
     process_weights_after_loading(two)
     assert all(bool((m.weight == 1).all()) for name, m in two.named_modules()
                if name.endswith("norm") or name.startswith("pre_fc_norm"))
