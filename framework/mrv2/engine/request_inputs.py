@@ -18,7 +18,7 @@ from mrv2.registry import ModelEntry, import_object
 
 __all__ = ["check_cache_salt", "check_prompt", "check_runner", "classifier_labels",
            "make_input_processor", "normalizes_embeddings", "process_multimodal",
-           "refused_pooling_tasks", "truncate_prompt"]
+           "last_tokens", "refused_pooling_tasks", "truncate_prompt", "truncation_room"]
 
 
 def classifier_labels(config: EngineConfig, hf_config: Any) -> tuple[int | None, dict[int, str]]:
@@ -141,20 +141,30 @@ def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_
     params.check_vocab(vocab_size)
 
 
+def last_tokens(ids: list[int], keep: int | None, room: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the last ``keep`` of ``ids`` (None: all of them;
+    -1: ``room``)."""
+    keep = room if keep == -1 else keep
+    return ids if keep is None or len(ids) <= keep else ids[-keep:]
+
+
+def truncation_room(max_model_len: int, max_tokens: int | None) -> int:
+    """What ``truncate_prompt_tokens: -1`` keeps of a generation prompt (vLLM's): the context
+    less ``max_tokens`` (at least one token of answer), at most ``max_model_len - 1``."""
+    return max(max_model_len - max(max_tokens or 0, 1), 1)
+
+
 def truncate_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int,
                     multimodal: bool = False) -> list[int]:
-    """The prompt's last ``params.truncate_prompt_tokens`` ids (vLLM's; -1: the context less
-    max_tokens, at most ``max_model_len - 1``). Raises ``ValueError`` where it would cut a
-    ``multimodal`` prompt."""
-    keep = params.truncate_prompt_tokens
-    if keep == -1:
-        keep = max(max_model_len - max(params.max_tokens or 0, 1), 1)
-    if keep is None or len(prompt_token_ids) <= keep:
-        return prompt_token_ids
-    if multimodal:
+    """The prompt's last ``params.truncate_prompt_tokens`` ids (:func:`last_tokens`, -1's
+    :func:`truncation_room`). Raises ``ValueError`` where it would cut a ``multimodal``
+    prompt."""
+    cut = last_tokens(prompt_token_ids, params.truncate_prompt_tokens,
+                      truncation_room(max_model_len, params.max_tokens))
+    if multimodal and len(cut) < len(prompt_token_ids):
         raise ValueError("truncate_prompt_tokens would cut a multimodal prompt (its "
                          "placeholders must stay whole)")
-    return prompt_token_ids[-keep:]
+    return cut
 
 
 def check_cache_salt(cache_salt: Any) -> str | None:

@@ -17,6 +17,8 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from mrv2.engine.request_inputs import last_tokens
+
 __all__ = ["MAX_INPUTS", "EmbeddingRequest", "PoolingRequest", "embedding_response",
            "input_items", "truncation"]
 
@@ -69,9 +71,7 @@ class PoolingRequest(BaseModel):
     def truncate(self, ids: list[int], longest: int) -> list[int]:
         """The last ``truncate_prompt_tokens`` ids (-1: ``longest``, the longest prompt the
         request may have: a pooling request's ``max_model_len``, as vLLM's), when set."""
-        n = self.truncate_prompt_tokens
-        n = longest if n == -1 else n
-        return ids[-n:] if n is not None and len(ids) > n else ids
+        return last_tokens(ids, self.truncate_prompt_tokens, longest)
 
 
 class EmbeddingRequest(PoolingRequest):

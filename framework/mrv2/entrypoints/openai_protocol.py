@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from mrv2.contract.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from mrv2.engine.beam_search import BeamSearchParams
 from mrv2.engine.outputs import PositionLogprobs
+from mrv2.engine.request_inputs import check_cache_salt, last_tokens
 from mrv2.entrypoints.openai_embeddings import truncation
 
 #: Fields OpenAI's API types "... or null" whose null mrv2 took as a 400: null is the default.
@@ -22,16 +23,18 @@ NULL_IS_DEFAULT = ("n", "presence_penalty", "frequency_penalty", "stream", "logp
                    "parallel_tool_calls")
 
 
+def null_is_default(cls: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
+    """A ``mode="before"`` field validator: OpenAI's ``null`` for a field it types "... or
+    null" is the field's default, as OpenAI and vLLM take it."""
+    assert info.field_name is not None
+    return cls.model_fields[info.field_name].default if value is None else value
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)
 
-    @field_validator(*NULL_IS_DEFAULT, mode="before", check_fields=False)
-    @classmethod
-    def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
-        """OpenAI's ``null`` for these (``integer or null``, ``boolean or null``...): the
-        field's default, as OpenAI and vLLM take it."""
-        assert info.field_name is not None
-        return cls.model_fields[info.field_name].default if value is None else value
+    _null_is_the_default = field_validator(*NULL_IS_DEFAULT, mode="before",
+                                           check_fields=False)(null_is_default)
 
     model: str | None = None
     n: int = 1
@@ -84,7 +87,7 @@ class _Request(BaseModel):
     @field_validator("cache_salt")
     @classmethod
     def _salt_not_empty(cls, value: str | None) -> str | None:
-        return non_empty_salt(value)
+        return check_cache_salt(value)
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -214,9 +217,7 @@ class _Request(BaseModel):
         """The prompt's last ``truncate_prompt_tokens`` ids (all of them when unset; -1:
         ``room``, what the context leaves beside the answer: vLLM's max_model_len minus the
         request's max_tokens)."""
-        k = self.truncate_prompt_tokens
-        k = room if k == -1 else k
-        return ids if k is None or len(ids) <= k else ids[-k:]
+        return last_tokens(ids, self.truncate_prompt_tokens, room)
 
     def max_tokens_from_model(self, defaults: dict[str, Any] | None) -> bool:
         """Whether :meth:`sampling_params` takes ``max_tokens`` from the model's defaults (the
@@ -510,13 +511,6 @@ def error_body(message: str, type_: str, param: str | None = None,
                code: int | str | None = None) -> dict[str, Any]:
     """OpenAI's error JSON."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def non_empty_salt(value: str | None) -> str | None:
-    """A request's ``cache_salt`` as given; ValueError (a 400 naming it) when empty."""
-    if value is not None and not value:
-        raise ValueError("cache_salt must be a non-empty string if given")
-    return value
 
 
 def validation_error_body(error: ValidationError) -> dict[str, Any]:

@@ -37,14 +37,15 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mrv2.engine.outputs import RequestOutput
+from mrv2.engine.request_inputs import check_cache_salt
 from mrv2.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     ChatMessage,
     chat_logprobs,
-    non_empty_salt,
+    null_is_default,
 )
 from mrv2.entrypoints.reasoning import ReasoningStream, split_reasoning
 from mrv2.entrypoints.responses import Stream, _Answer, drain
@@ -93,14 +94,10 @@ class ResponsesRequest(BaseModel):
     @field_validator("cache_salt")
     @classmethod
     def _salt_not_empty(cls, value: str | None) -> str | None:
-        return non_empty_salt(value)
+        return check_cache_salt(value)
 
-    @field_validator("stream", "store", "background", "parallel_tool_calls", mode="before")
-    @classmethod
-    def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
-        """The API's ``null`` for these flags (the spec's ``boolean or null``): the default."""
-        assert info.field_name is not None
-        return cls.model_fields[info.field_name].default if value is None else value
+    _null_is_the_default = field_validator("stream", "store", "background",
+                                           "parallel_tool_calls", mode="before")(null_is_default)
 
     def conversation(self, previous: list[dict[str, Any]] | None = None
                      ) -> list[dict[str, Any]]:

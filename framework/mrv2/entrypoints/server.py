@@ -32,6 +32,7 @@ from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.engine import LLMEngine
 from mrv2.engine.media import split_chat_media
 from mrv2.engine.outputs import RequestOutput
+from mrv2.engine.request_inputs import truncation_room
 from mrv2.engine.tokenizer import check_template_kwargs
 from mrv2.entrypoints.dev_routes import add_dev_routes
 from mrv2.entrypoints.engine_calls import dev_mode
@@ -295,7 +296,7 @@ def create_app(engine: LLMEngine | RemoteEngine,
         max_tokens (a model default's none: the engine caps it at the context left), at most
         the longest prompt the engine takes (``max_model_len - 1``)."""
         own = 0 if body.max_tokens_from_model(engine.sampling_defaults) else params.max_tokens
-        return max(engine.max_model_len - max(own or 0, 1), 1)
+        return truncation_room(engine.max_model_len, own)
 
     def validate(ids: list[int], params: SamplingParams, body: Any) -> None:
         if worker.unavailable is not None:  # (asleep: the engine would refuse it)
