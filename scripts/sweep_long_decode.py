@@ -17,11 +17,10 @@ import argparse
 from typing import Any
 
 import torch
+from sweep_decode_splits import HEAD_DIM, KV_HEADS, decode_case  # (scripts/: its own folder)
 
 from mrv2_kernels.bench_skinny import time_graph
 from mrv2_kernels.paged_attention import attention_plan, paged_attention
-
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
 
 #: (label, paged_attention overrides): the plan's defaults, then one change at a time.
 OPTIONS: list[tuple[str, dict[str, Any]]] = [
@@ -42,14 +41,7 @@ OPTIONS: list[tuple[str, dict[str, Any]]] = [
 
 def sweep(batch: int, ctx: int, layers: int, max_seq_len: int) -> list[str]:
     """Result lines of one case."""
-    dev = torch.device("cuda")
-    blocks = -(-ctx // BLOCK)
-    caches = [torch.randn(2, batch * blocks + 1, BLOCK, KV_HEADS, HEAD_DIM, device=dev,
-                          dtype=torch.bfloat16) for _ in range(layers)]
-    table = torch.randperm(batch * blocks, device=dev).to(torch.int32).view(batch, blocks)
-    query = torch.randn(batch, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
-    qsl = torch.arange(batch + 1, device=dev, dtype=torch.int32)
-    seq_lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
+    caches, (table, query, qsl, seq_lens) = decode_case(batch, ctx, layers)
     plan = attention_plan(query, caches[0], max_query_len=1, max_seq_len=max_seq_len,
                           num_reqs=batch, uniform_decode=True)
     kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2
