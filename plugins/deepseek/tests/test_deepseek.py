@@ -160,18 +160,23 @@ def test_yarn_context_past_max_position_embeddings(tmp_path: Path) -> None:
         LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=257)
 
 
+def _check_greedy_against_hf(quantized: Path, reference: Path) -> None:
+    """The quantized checkpoint's greedy tokens are HF's on its dequantized twin."""
+    prompts = [[5, 17, 42, 9, 100, 3, 77], [8, 8, 120]]
+    expected = [hf_greedy(reference, p, 8) for p in prompts]
+    llm = LLM(str(quantized), device="cpu", dtype="float32", block_size=BLOCK_SIZE)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
 def test_fp8_checkpoint_matches_hf_on_dequantized_weights(tmp_path: Path) -> None:
     """Every MLA projection, dense MLP and routed expert in FP8 (16 x 32 blocks: the q rope
     rows, the latent / rope split and the experts' gate / up split fall mid-block), saved per
     expert as DeepSeek-V3-FP8 is: HF's greedy tokens on the dequantized weights."""
     save_hf(tmp_path / "src", "v3-q-lora-yarn")
     fp8_checkpoint(tmp_path / "src", tmp_path / "fp8", tmp_path / "ref", (16, 32))
-    prompts = [[5, 17, 42, 9, 100, 3, 77], [8, 8, 120]]
-    expected = [hf_greedy(tmp_path / "ref", p, 8) for p in prompts]
-    llm = LLM(str(tmp_path / "fp8"), device="cpu", dtype="float32", block_size=BLOCK_SIZE)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == expected
+    _check_greedy_against_hf(tmp_path / "fp8", tmp_path / "ref")
 
 
 @pytest.mark.parametrize(("case", "quant"), [
@@ -188,12 +193,7 @@ def test_gptq_checkpoint_matches_hf_on_dequantized_weights(tmp_path: Path, case:
 
     save_hf(tmp_path / "src", case)
     gptq_checkpoint(tmp_path / "src", tmp_path / "q", tmp_path / "ref", **quant)
-    prompts = [[5, 17, 42, 9, 100, 3, 77], [8, 8, 120]]
-    expected = [hf_greedy(tmp_path / "ref", p, 8) for p in prompts]
-    llm = LLM(str(tmp_path / "q"), device="cpu", dtype="float32", block_size=BLOCK_SIZE)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == expected
+    _check_greedy_against_hf(tmp_path / "q", tmp_path / "ref")
 
 
 def test_config_errors_name_the_field() -> None:
