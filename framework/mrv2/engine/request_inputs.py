@@ -44,6 +44,16 @@ def classifier_labels(config: EngineConfig, hf_config: Any) -> tuple[int | None,
 _ST_MODULES = ("Transformer", "Pooling", "Normalize")
 
 
+def _st_modules(model_dir: str | Path) -> list[dict[str, Any]] | None:
+    """The checkpoint's sentence-transformers modules (``modules.json``'s entries); None
+    without a readable list there."""
+    try:
+        modules = json.loads((Path(model_dir) / "modules.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return [m for m in modules if isinstance(m, dict)] if isinstance(modules, list) else None
+
+
 def refused_pooling_tasks(model_dir: str | Path) -> dict[str, str]:
     """The pooling tasks the engine cannot answer as the checkpoint's sentence-transformers
     configuration says (``modules.json``, its ``Pooling`` module's ``config.json``), each with
@@ -52,15 +62,7 @@ def refused_pooling_tasks(model_dir: str | Path) -> dict[str, str]:
     normalization follows; the engine pools the last token only, and would otherwise give
     other vectors than the model's own. Empty without ``modules.json``."""
     path = Path(model_dir)
-    try:
-        modules = json.loads((path / "modules.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(modules, list):
-        return {}
-    for module in modules:
-        if not isinstance(module, dict):
-            continue
+    for module in _st_modules(path) or []:
         kind = str(module.get("type", ""))
         if kind.rsplit(".", 1)[-1] not in _ST_MODULES:
             return {"embed": f"this model's modules.json has a {kind} module, which the "
@@ -89,13 +91,7 @@ def normalizes_embeddings(model_dir: str | Path) -> bool:
     (``PoolingParams.normalize`` None), as vLLM reads the checkpoint's sentence-transformers
     configuration: yes, unless ``modules.json`` has a ``Pooling`` module and no ``Normalize``
     module after it."""
-    try:
-        modules = json.loads((Path(model_dir) / "modules.json").read_text())
-    except (OSError, ValueError):
-        return True
-    if not isinstance(modules, list):
-        return True
-    kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules if isinstance(m, dict)]
+    kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in _st_modules(model_dir) or []]
     return "Pooling" not in kinds or "Normalize" in kinds
 
 
