@@ -78,7 +78,8 @@ def _softmax_tile(s, m_i, l_i, qk_scale,  # type: ignore[no-untyped-def]
 def attn_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, qsl_ptr,  # type: ignore[no-untyped-def]
                     qk_scale, num_q_tiles, stride_ot,
                     GROUP: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
-                    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr) -> None:
+                    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+                    TILES_LAST: gl.constexpr = False) -> None:
     """``o [T, H, D]`` = causal attention of the fused-QKV views ``q`` ``[T, H*D]``, ``k`` /
     ``v`` ``[T, Hk*D]`` for requests at ``qsl`` (cumulative query starts); a program per
     (query tile, head, request), the heaviest tiles first."""
@@ -87,9 +88,14 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, qsl_ptr,  # type: ignore[no-u
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                   instr_shape=[16, HEAD_DIM, 16])
     p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
-    q_tile = num_q_tiles - 1 - gl.program_id(0)
-    head = gl.program_id(1)
-    req = gl.program_id(2)
+    if TILES_LAST:  # grid (head, request, query tile): the whole grid's heaviest tiles first
+        q_tile = num_q_tiles - 1 - gl.program_id(2)
+        head = gl.program_id(0)
+        req = gl.program_id(1)
+    else:  # grid (query tile, head, request): heaviest first within each head
+        q_tile = num_q_tiles - 1 - gl.program_id(0)
+        head = gl.program_id(1)
+        req = gl.program_id(2)
     q_start = gl.load(qsl_ptr + req)
     qlen = gl.load(qsl_ptr + req + 1) - q_start
     tile_start = q_tile * BLOCK
@@ -192,7 +198,7 @@ def _layout(block: list[int]) -> gl.NVMMASharedLayout:
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
            qsl: torch.Tensor, max_len: int, scale: float, *, heads: int, kv_heads: int,
-           block: int = 128, stages: int = 2) -> None:
+           block: int = 128, stages: int = 2, tiles_last: bool = False) -> None:
     """``q`` ``[T, H*D]``, ``k`` / ``v`` ``[T, Hk*D]`` (strided views of one fused QKV
     buffer), ``out`` ``[T, H*D]``; a warpgroup per 64 query rows."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -202,10 +208,12 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     descs = [TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [block, d],
                               _layout([block, d])) for t in (q, k, v)]
     num_q_tiles = triton.cdiv(max_len, block)
-    attn_fwd_kernel[(num_q_tiles, heads, qsl.numel() - 1)](
+    nreq = qsl.numel() - 1
+    grid = (heads, nreq, num_q_tiles) if tiles_last else (num_q_tiles, heads, nreq)
+    attn_fwd_kernel[grid](
         *descs, out, qsl, scale * LOG2E, num_q_tiles, out.stride(0),
         GROUP=heads // kv_heads, BLOCK=block, HEAD_DIM=d, STAGES=stages, NUM_WARPS=num_warps,
-        num_warps=num_warps)
+        TILES_LAST=tiles_last, num_warps=num_warps)
 
 
 def sass_report(block: int, stages: int, head_dim: int = 128) -> str:
@@ -259,7 +267,7 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qsl: list[int],
     return out.view(q.shape[0], heads * d)
 
 
-def run(lens: list[int], heads: int, kv_heads: int, configs: list[tuple[int, int]]) -> None:
+def run(lens: list[int], heads: int, kv_heads: int, configs: list[tuple[int, int, bool]]) -> None:
     from triton.testing import do_bench_cudagraph
 
     from mrv2_kernels.prefill_attention import prefill_attention_tma
@@ -277,31 +285,32 @@ def run(lens: list[int], heads: int, kv_heads: int, configs: list[tuple[int, int
     scale = d ** -0.5
     want = reference(q, k, v, qsl_list, heads, kv_heads, scale)
     flops = sum(4 * heads * d * n * (n + 1) // 2 for n in lens)
-    for block, stages in configs:
+    for block, stages, last in configs:
         out = torch.full((total, heads * d), float("nan"), device="cuda", dtype=torch.bfloat16)
         launch(q, k, v, out, qsl, max(lens), scale, heads=heads, kv_heads=kv_heads,
-               block=block, stages=stages)
+               block=block, stages=stages, tiles_last=last)
         err = (out.float() - want).abs().max().item()
         ms = do_bench_cudagraph(functools.partial(
             launch, q, k, v, out, qsl, max(lens), scale, heads=heads, kv_heads=kv_heads,
-            block=block, stages=stages))
-        print(f"gluon block {block} stages {stages}: max err {err:.2e}; {ms * 1e3:.1f} us, "
-              f"{flops / ms / 1e9:.1f} TFLOP/s")
+            block=block, stages=stages, tiles_last=last))
+        print(f"gluon block {block} stages {stages}{' tiles last' if last else ''}: max err "
+              f"{err:.2e}; {ms * 1e3:.1f} us, {flops / ms / 1e9:.1f} TFLOP/s")
     # the Triton TMA kernel on the same inputs (an empty cache: no earlier keys)
     kv_cache = torch.zeros(2, 1, 16, kv_heads, d, device="cuda", dtype=torch.bfloat16)
     seq_lens = torch.tensor(lens, device="cuda", dtype=torch.int32)
     bt = torch.zeros(len(lens), 1, device="cuda", dtype=torch.int32)
     o3 = torch.empty(total, heads, d, device="cuda", dtype=torch.bfloat16)
 
-    def triton_tma() -> None:
-        prefill_attention_tma(q.view(total, heads, d), k, v, kv_cache, qsl, seq_lens, bt, scale,
-                              max_query_len=max(lens), num_reqs=len(lens), out=o3)
-
-    triton_tma()
-    err = (o3.view(total, -1).float() - want).abs().max().item()
-    ms = do_bench_cudagraph(triton_tma)
-    print(f"triton TMA kernel (64 x 64): max err {err:.2e}; {ms * 1e3:.1f} us, "
-          f"{flops / ms / 1e9:.1f} TFLOP/s")
+    for last in (False, True):
+        triton_tma = functools.partial(
+            prefill_attention_tma, q.view(total, heads, d), k, v, kv_cache, qsl, seq_lens, bt,
+            scale, max_query_len=max(lens), num_reqs=len(lens), out=o3, tiles_last=last)
+        o3.fill_(float("nan"))
+        triton_tma()
+        err = (o3.view(total, -1).float() - want).abs().max().item()
+        ms = do_bench_cudagraph(triton_tma)
+        print(f"triton TMA kernel (64 x 64){' tiles last' if last else ''}: max err {err:.2e}; "
+              f"{ms * 1e3:.1f} us, {flops / ms / 1e9:.1f} TFLOP/s")
 
 
 def main() -> None:
@@ -310,13 +319,14 @@ def main() -> None:
     p.add_argument("--lens", type=int, nargs="+", default=[1024] * 4)
     p.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("H", "HK"))
     p.add_argument("--configs", nargs="+", default=["128:2", "64:2", "64:3"],
-                   help="BLOCK:STAGES")
+                   help="BLOCK:STAGES, or BLOCK:STAGES:last (the grid's tile axis slowest)")
     args = p.parse_args()
-    configs = [(int(c.split(":")[0]), int(c.split(":")[1])) for c in args.configs]
+    configs = [(int(c.split(":")[0]), int(c.split(":")[1]), c.endswith(":last"))
+               for c in args.configs]
     if args.run:
         run(args.lens, *args.heads, configs)
     else:
-        for block, stages in configs:
+        for block, stages, _ in configs:
             print(sass_report(block, stages))
 
 

@@ -59,6 +59,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true", help="try block/stage/split/warp variants")
     p.add_argument("--layouts", nargs="*", default=None, help="only these head layouts (8B)")
     p.add_argument("--no-decode", action="store_true", help="prefill only")
+    p.add_argument("--tiles-last", action="store_true",
+                   help="prefill grids with the query-tile axis slowest, beside the default")
     p.add_argument("--mixed-tiles", action="store_true",
                    help="also time a few prefill tiles on the 4 x 1,024 prefill and the mixed "
                         "step")
@@ -215,6 +217,13 @@ def main(argv: list[str] | None = None) -> int:
         lines = [f"prefill {lay:>4} {what} TMA kernel: {ms * 1e3:.1f} us "
                  f"{flops / ms / 1e9:.1f} TFLOP/s (default tiles)"]
         print(lines[0], flush=True)
+        if args.tiles_last:
+            if not torch.equal(make(tiles_last=True)(0).clone(), make()(0)):
+                raise SystemExit(f"TMA prefill {lay} {what}: tiles_last changed the output")
+            ms_last = timer(make(tiles_last=True), len(steps))
+            lines.append(f"prefill {lay:>4} {what} TMA kernel, tiles last: {ms_last * 1e3:.1f} us "
+                         f"{flops / ms_last / 1e9:.1f} TFLOP/s")
+            print(lines[-1], flush=True)
         if args.sweep:
             lines += sweep_tiles(make, len(steps), flops, "TMA ")
         return lines
@@ -238,6 +247,23 @@ def main(argv: list[str] | None = None) -> int:
         for msv, tag in sorted(results)[:3]:
             lines.append(f"      {label}{tag}: {msv * 1e3:.1f} us {flops / msv / 1e9:.1f} TFLOP/s")
             print(lines[-1], flush=True)
+        return lines
+
+    def grid_orders(lay: str, c: Case, what: str, flops: float | None) -> list[str]:
+        """``c`` through the paged kernel's prefill grids (flat and not) in both orders
+        (``tiles_last``): the same output, and each one's time."""
+        lines = []
+        for flat in (True, False):
+            base = c.make(flat_grid=flat)(0).clone()
+            for last in (False, True):
+                fn = c.make(flat_grid=flat, tiles_last=last)
+                if last and not torch.equal(fn(0), base):
+                    raise SystemExit(f"{lay} {what}: tiles_last changed the output")
+                ms = timer(fn, len(c.kvs))
+                rate = f" {flops / ms / 1e9:.1f} TFLOP/s" if flops else ""
+                lines.append(f"order {lay:>4} {what}: {'flat' if flat else 'grid'} "
+                             f"{'tiles last' if last else 'default'} {ms * 1e3:.1f} us{rate}")
+                print(lines[-1], flush=True)
         return lines
 
     def mixed_case(heads: int, kv_heads: int) -> tuple[Case, list[int], list[int]]:
@@ -404,6 +430,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + line, flush=True)
         summary.append(line)
         summary += tma_prefill(lay, c, flops, f"{pb} x {pl}")
+        if args.tiles_last:
+            summary += grid_orders(lay, c, f"{pb} x {pl}", flops)
+            summary += grid_orders(lay, mixed_case(heads, kv_heads)[0], "mixed step", None)
         # a chunk after a prefix (a long prompt's later chunk): prefix keys from the cache
         cc = case(heads, kv_heads, [pl], [3 * pl + pl], 1 if args.tiny else 4)
         chunk_flops = 4 * heads * d * pl * (3 * pl + (pl + 1) / 2)

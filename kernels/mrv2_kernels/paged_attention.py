@@ -76,6 +76,10 @@ from .prefill_attention import prefill_attention_tma, tma_prefill_min_query
 #: ``0``: prefill plans launch one program per (query tile bound, request) instead of over the
 #: step's query tiles only (``paged_attention``'s ``flat_grid``, on by default).
 FLAT_GRID_ENV_VAR = "MRV2_ATTN_FLAT_GRID"
+
+#: ``1``: prefill grids with the query-tile axis slowest (``paged_attention``'s
+#: ``tiles_last``); anything else, or unset: the tile axis fastest.
+TILES_LAST_ENV_VAR = "MRV2_ATTN_TILES_LAST"
 #: A prefill plan's one-token requests (a mixed step's decoding requests) get a launch of their
 #: own in the decode plan's tiles (``paged_attention``'s ``one_token_apart``) where its tiles
 #: have at least :data:`ONE_TOKEN_APART_MIN_BLOCK_M` rows; ``1``: for every prefill plan, ``0``:
@@ -116,6 +120,7 @@ def paged_attention(
     logit_softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     attention_chunk: int | None = None,
+    tiles_last: bool | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of ``query`` ``[T, H, D]`` over ``kv_cache``; see the module doc.
 
@@ -148,10 +153,14 @@ def paged_attention(
     query tiles only (see the module doc). ``one_token_apart`` (default: :data:`ONE_TOKEN_ENV_VAR`'s
     rule): a prefill plan's requests of one query token attend in a launch of their own
     first, in the decode plan's tiles (one query row per kv head's group instead of a query
-    tile in which one token is real). Returns ``out`` (allocated when
-    ``None``), query dtype.
+    tile in which one token is real). ``tiles_last`` (default: :data:`TILES_LAST_ENV_VAR` is
+    ``1``): a prefill plan's grid has its query-tile axis slowest, so the whole grid starts
+    with the heaviest tiles (the kernel's ``TILES_LAST``; the TMA kernel's too). Returns
+    ``out`` (allocated when ``None``), query dtype.
     """
     num_heads, num_kv_heads, head_dim, block_size = _check_inputs(query, kv_cache)
+    if tiles_last is None:
+        tiles_last = os.environ.get(TILES_LAST_ENV_VAR) == "1"
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
         f"paged_attention (Triton) needs a power-of-2 head_dim >= 16, got {head_dim}"
     )
@@ -212,7 +221,7 @@ def paged_attention(
         long_qlen = tile
         prefill_attention_tma(query, *step_kv, kv_cache, qsl, seq_lens, block_table, scale,
                               max_query_len=max_query_len, num_reqs=num_reqs, out=out,
-                              min_query_len=long_qlen)
+                              min_query_len=long_qlen, tiles_last=tiles_last)
     if splits > 1:
         part_m = torch.empty(
             (num_tokens, num_heads, splits), dtype=torch.float32, device=query.device
@@ -265,6 +274,9 @@ def paged_attention(
         grid = (num_tokens // plan.block_q + num_reqs, num_kv_heads * splits, 1)
     else:
         grid = (num_q_tiles, num_kv_heads * splits, num_reqs)
+    tiles_last = tiles_last and not plan.small_q
+    if tiles_last:  # the tile axis slowest (see the kernel's TILES_LAST)
+        grid = (grid[1], grid[0], 1) if flat else (grid[1], grid[2], grid[0])
     launch(grid, plan, {
         "long_qlen": long_qlen,
         "ZERO_PAD": splits == 1,  # with splits the combine kernel zeroes the padding rows
@@ -274,6 +286,7 @@ def paged_attention(
         "FLAT": flat,
         "REQ_BLOCK": 256 if on_gpu else 16,  # requests per load of the flat grid's search
         "ONE_TOKEN": 2 if apart else 0,
+        "TILES_LAST": tiles_last,
     })
     if splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
@@ -295,5 +308,6 @@ def paged_attention(
     return out
 
 
-__all__ = ["FLAT_GRID_ENV_VAR", "ONE_TOKEN_APART_MIN_BLOCK_M", "ONE_TOKEN_ENV_VAR", "AttentionPlan",
-           "FusedRope", "attention_plan", "paged_attention", "paged_attention_ref"]
+__all__ = ["FLAT_GRID_ENV_VAR", "ONE_TOKEN_APART_MIN_BLOCK_M", "ONE_TOKEN_ENV_VAR",
+           "TILES_LAST_ENV_VAR", "AttentionPlan", "FusedRope", "attention_plan",
+           "paged_attention", "paged_attention_ref"]

@@ -146,14 +146,30 @@ def _paged_attn_kernel(
     sinks_ptr: tl.tensor = None,
     SINKS: tl.constexpr = False,
     CHUNK: tl.constexpr = 0,
+    TILES_LAST: tl.constexpr = False,
 ) -> None:
     # Heaviest query tiles (latest positions) first: better tail balance in causal prefill.
-    # FLAT: program_id(0) counts every request's tiles (see flat_query_tile), the last ones
-    # first.
-    q_tile = num_q_tiles - 1 - tl.program_id(0)
-    pid_hs = tl.program_id(1)
-    req = tl.program_id(2)
-    flat_t = tl.num_programs(0) - 1 - tl.program_id(0)
+    # FLAT: the tile axis counts every request's tiles (see flat_query_tile), the last ones
+    # first. TILES_LAST: the grid is (kv head x split, request, query tile) rather than
+    # (query tile, kv head x split, request): blocks are dispatched in grid order (x fastest),
+    # so the whole grid starts with the last tiles (FLAT: (kv head x split, flat tile, 1)).
+    if TILES_LAST and FLAT:
+        tile_pid = tl.program_id(1)
+        num_tile_pids = tl.num_programs(1)
+        pid_hs = tl.program_id(0)
+        req = tl.program_id(2)
+    elif TILES_LAST:
+        tile_pid = tl.program_id(2)
+        num_tile_pids = tl.num_programs(2)
+        pid_hs = tl.program_id(0)
+        req = tl.program_id(1)
+    else:
+        tile_pid = tl.program_id(0)
+        num_tile_pids = tl.num_programs(0)
+        pid_hs = tl.program_id(1)
+        req = tl.program_id(2)
+    q_tile = num_q_tiles - 1 - tile_pid
+    flat_t = num_tile_pids - 1 - tile_pid
     kvh = pid_hs // num_splits
     split = pid_hs % num_splits
     offs_d = tl.arange(0, HEAD_DIM)

@@ -91,12 +91,21 @@ def _tma_prefill_kernel(
     DOT_FP32: tl.constexpr,
     FP32_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
+    TILES_LAST: tl.constexpr = False,
 ) -> None:
     pdl_prologue(PDL)
-    # Heaviest query tiles (latest positions) first: better tail balance.
-    q_tile = num_q_tiles - 1 - tl.program_id(0)
-    head = tl.program_id(1)
-    req = tl.program_id(2)
+    # Heaviest query tiles (latest positions) first: better tail balance. TILES_LAST: the grid
+    # is (head, request, query tile), so the whole grid starts with every head's and request's
+    # last tile (blocks are dispatched in grid order, x fastest); otherwise (query tile, head,
+    # request) orders the tiles within each head only.
+    if TILES_LAST:
+        q_tile = num_q_tiles - 1 - tl.program_id(2)
+        head = tl.program_id(0)
+        req = tl.program_id(1)
+    else:
+        q_tile = num_q_tiles - 1 - tl.program_id(0)
+        head = tl.program_id(1)
+        req = tl.program_id(2)
     kvh = head // GROUP
     q_start = tl.load(qsl_ptr + req)
     seq_len = tl.load(seq_lens_ptr + req)
@@ -238,6 +247,7 @@ def prefill_attention_tma(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    tiles_last: bool = False,
 ) -> torch.Tensor:
     """Causal attention of ``query`` ``[T, H, D]`` (a ``[T, H*D]`` view with TMA's alignment)
     whose step keys and values are ``key`` / ``value`` ``[T, Hk*D]`` (already in ``kv_cache``
@@ -246,7 +256,8 @@ def prefill_attention_tma(
     :func:`~mrv2_kernels.paged_attention.paged_attention`'s values; other rows (shorter
     requests, padding) are not written. The caller checks :func:`use_tma_prefill` and the
     paged kernel's input rules; tile arguments override the defaults (GPU: 64 x 64 tiles, 4
-    warps, 3 stages)."""
+    warps, 3 stages). ``tiles_last``: the grid's query-tile axis is its slowest (see the
+    kernel)."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     on_gpu = query.is_cuda
@@ -258,7 +269,9 @@ def prefill_attention_tma(
     value_desc = TensorDescriptor(value, list(value.shape), [value.stride(0), 1],
                                   [bn, head_dim])
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    _tma_prefill_kernel[(num_q_tiles, num_heads, num_reqs)](
+    grid = ((num_heads, num_reqs, num_q_tiles) if tiles_last
+            else (num_q_tiles, num_heads, num_reqs))
+    _tma_prefill_kernel[grid](
         query_desc, key_desc, value_desc, key_cache, value_cache, out,
         query_start_loc, seq_lens, block_table, scale * _LOG2E, num_q_tiles, min_query_len,
         out.stride(0), out.stride(1),
@@ -269,6 +282,6 @@ def prefill_attention_tma(
         DOT_FP32=(not on_gpu) or query.dtype == torch.float32,
         # fp32 on the GPU: 3xTF32 tensor-core dots, as the paged kernel; interpreter: exact
         FP32_PRECISION="tf32x3" if on_gpu else "ieee",
-        num_warps=num_warps or 4, **pdl(query),
+        num_warps=num_warps or 4, TILES_LAST=tiles_last, **pdl(query),
     )
     return out
