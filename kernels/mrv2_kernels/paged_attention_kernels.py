@@ -216,8 +216,8 @@ def _paged_attn_kernel(
     if ZERO_PAD:  # rows of padding tokens (past query_start_loc[num_reqs]) become zeros:
         # spread over all programs, so no memset launch is needed before the kernel
         num_real = tl.load(qsl_ptr + num_reqs)
-        pid = (tl.program_id(2) * tl.num_programs(1) + pid_hs) * tl.num_programs(0) \
-            + tl.program_id(0)
+        pid = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) \
+            * tl.num_programs(0) + tl.program_id(0)
         step = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
         for t in range(num_real + pid, num_tokens, step):
             for h in range(0, num_heads):

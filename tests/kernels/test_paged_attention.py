@@ -451,6 +451,31 @@ def test_flat_grid_gives_the_same_bits(reqs: list[tuple[int, int]], block_m: int
     assert (flat[b.num_real_tokens:] == 0).all()
 
 
+@pytest.mark.parametrize("flat", [False, True])
+def test_tiles_last_gives_the_same_bits(flat: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tiles_last`` (and ``MRV2_ATTN_TILES_LAST=1``): the prefill grid with its query-tile
+    axis slowest computes every tile as the default order does, bit for bit (padding rows
+    zeroed too); a decode plan ignores it."""
+    from mrv2_kernels.paged_attention import TILES_LAST_ENV_VAR
+
+    b = make_batch([(1, 9), (37, 37), (0, 4), (20, 45), (1, 30)], num_heads=4,
+                   num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32,
+                   pad_tokens=3, seed=12)
+    args = (b.query, b.kv_cache, b.qsl, b.seq_lens, b.block_table, b.scale)
+    want = paged_attention(*args, **b.bounds, block_m=16, flat_grid=flat, tiles_last=False,
+                           out=torch.full_like(b.query, float("nan")))
+    monkeypatch.setenv(TILES_LAST_ENV_VAR, "1")
+    got = paged_attention(*args, **b.bounds, block_m=16, flat_grid=flat,
+                          out=torch.full_like(b.query, float("nan")))
+    assert torch.equal(got, want) and not got.isnan().any()
+    _check(got, paged_attention_ref(*args, **b.bounds), b, torch.float32)
+    d = make_batch([(1, 9), (1, 30)], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4,
+                   dtype=torch.float32, seed=13)
+    dargs = (d.query, d.kv_cache, d.qsl, d.seq_lens, d.block_table, d.scale)
+    assert torch.equal(paged_attention(*dargs, **d.bounds, uniform_decode=True, tiles_last=True),
+                       paged_attention(*dargs, **d.bounds, uniform_decode=True, tiles_last=False))
+
+
 @pytest.mark.parametrize(("reqs", "flat", "dtype", "heads"), [
     (MIXED, True, torch.float32, (8, 2)),
     # one-token requests of 1, 15, 16 and 17 keys (around a 16-key tile), a one-token prompt,

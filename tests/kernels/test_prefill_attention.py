@@ -92,6 +92,25 @@ def test_tma_prefill_matches_reference(dtype: torch.dtype, heads: int, kv_heads:
     assert out[b.num_real_tokens:].isnan().all(), "a padding row was written"
 
 
+def test_tma_prefill_tiles_last_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tiles_last``: the grid (head, request, query tile) computes every tile as the default
+    (query tile, head, request) one does, bit for bit; padding rows stay unwritten."""
+    monkeypatch.setenv(TMA_PREFILL_ENV_VAR, "1")
+    b = make_batch(REQS, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4,
+                   dtype=torch.float32, pad_tokens=2, seed=7)
+    q, k, v = _step_kv(b, 4, 2, 16, seed=8)
+    outs = []
+    for last in (False, True):
+        out = torch.full_like(b.query, float("nan"))
+        prefill_attention_tma(q, k, v, b.kv_cache, b.qsl, b.seq_lens, b.block_table, b.scale,
+                              max_query_len=max(b.qlens), num_reqs=len(b.qlens), out=out,
+                              tiles_last=last)
+        outs.append(out)
+    real = b.num_real_tokens
+    assert torch.equal(outs[0][:real], outs[1][:real]) and not outs[1][:real].isnan().any()
+    assert outs[1][real:].isnan().all(), "a padding row was written"
+
+
 def test_tma_prefill_never_reads_the_cache_for_the_chunk(monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
     """The chunk's keys come from the step tensors: NaN in their cache slots changes nothing,
