@@ -353,3 +353,128 @@ def test_the_cli_takes_the_names(capsys: pytest.CaptureFixture[str]) -> None:
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", "m", flag, "harmony"])
         assert f"argument {flag}: invalid choice: 'harmony'" in capsys.readouterr().err
+
+
+def _both(text: str, size: int) -> tuple[list[Any], list[Any]]:
+    """The Responses API's output items of ``text`` (deltas of ``size`` characters), whole
+    and as the stream's final response gives them."""
+    args = (None, "resp", "m", True, SamplingParams(max_tokens=99), _Body(), ["r"],
+            [([1], None)], "openai_gptoss", OPENAI)
+    deltas = [text[i:i + size] for i in range(0, len(text), size)]
+    outputs = [_output(d, i == len(deltas) - 1, "stop" if i == len(deltas) - 1 else None)
+               for i, d in enumerate(deltas)]
+    whole = ResponsesStream(*args, request=ResponsesRequest(input="hi"))  # type: ignore[arg-type]
+    whole.answers = {"r": {0: _Answer()}}
+    for output in outputs:
+        whole.answers["r"][0].add(output.outputs[0])
+
+    async def events() -> list[dict[str, Any]]:
+        stream = ResponsesStream(*args, request=ResponsesRequest(input="hi"))  # type: ignore[arg-type]
+        stream.response_id = whole.response_id  # (the same ids)
+        sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        for output in outputs:
+            sink.put_nowait(output)
+        return [json.loads(line[6:]) async for chunk in stream.events(sink)
+                for line in chunk.splitlines() if line.startswith("data: ")]
+
+    return whole._whole()["output"], asyncio.run(events())[-1]["response"]["output"]
+
+
+def _texts(items: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    return [(i["type"], i["content"][0]["text"] if i.get("content") else i.get("name"))
+            for i in items]
+
+
+@pytest.mark.parametrize(("text", "want"), [
+    ("<|channel|>final<|message|>Four.<|end|><|start|>assistant" + A + "checked<|end|>",
+     [("message", "Four."), ("reasoning", "checked")]),
+    (A + "one<|end|><|start|>assistant<|channel|>commentary<|message|>pre<|end|>"
+     "<|start|>assistant<|channel|>analysis<|message|>two<|end|><|start|>assistant"
+     "<|channel|>final<|message|>done", [("reasoning", "one"), ("message", "pre"),
+                                         ("reasoning", "two"), ("message", "done")]),
+    (A + "one<|end|><|start|>assistant<|channel|>commentary<|message|>pre<|end|>" + PARIS,
+     [("reasoning", "one"), ("message", "pre"), ("function_call", "weather")]),
+])
+def test_the_items_follow_the_generation_order(text: str, want: list[tuple[str, str]]
+                                               ) -> None:
+    """Harmony's messages in any order (final text before the analysis, analysis after a
+    preamble): the whole answer's output items are the stream's, one item per run of a kind
+    in the order the model wrote them, as vLLM's (a message again after another kind holds
+    its own text, no separator before it), however the text came in deltas (several
+    messages in one: a step of several tokens)."""
+    for size in (1, 7, len(text)):
+        whole, streamed = _both(text, size)
+        assert _texts(whole) == want, size
+        for item in (*whole, *streamed):
+            item.pop("call_id", None)  # (a fresh one each parse)
+        assert whole == streamed, size
+
+
+def test_a_stored_answer_is_one_assistant_turn() -> None:
+    """An answer of several message items (a preamble, more analysis, the final text), whole
+    or streamed, is kept in the store as the chat route's message: one assistant turn, its
+    texts joined by a newline, with its calls."""
+    from mrv2.entrypoints.responses_store import ResponseStore
+
+    text = (A + "one<|end|><|start|>assistant<|channel|>commentary<|message|>pre<|end|>"
+            "<|start|>assistant<|channel|>analysis<|message|>two<|end|><|start|>assistant"
+            "<|channel|>final<|message|>done<|end|>" + PARIS)
+    args = (None, "resp", "m", True, SamplingParams(max_tokens=99), _Body(), ["r"],
+            [([1], None)], "openai_gptoss", OPENAI)
+    store = ResponseStore()
+    user = [{"role": "user", "content": "hi"}]
+    outputs = [_output(c, i == len(text) - 1, "stop" if i == len(text) - 1 else None)
+               for i, c in enumerate(text)]
+    whole = ResponsesStream(*args, request=ResponsesRequest(input="hi"), store=store,  # type: ignore[arg-type]
+                            conversation=user)
+    whole.answers = {"r": {0: _Answer()}}
+    for output in outputs:
+        whole.answers["r"][0].add(output.outputs[0])
+    whole._whole()
+
+    async def events() -> None:
+        stream = ResponsesStream(*args, request=ResponsesRequest(input="hi"), store=store,  # type: ignore[arg-type]
+                                 conversation=user)
+        sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        for output in outputs:
+            sink.put_nowait(output)
+        async for _ in stream.events(sink):
+            pass
+
+    asyncio.run(events())
+    assert len(store._items) == 2
+    for record in store._items.values():
+        assert [m["role"] for m in record.messages] == ["user", "assistant"]
+        assert record.messages[1]["content"] == "pre\ndone"
+        assert [c["function"]["name"] for c in record.messages[1]["tool_calls"]] == ["weather"]
+
+
+def test_the_usage_counts_the_reasoning_tokens() -> None:
+    """``output_tokens_details.reasoning_tokens``: the analysis message's tokens, from its
+    ``<|message|>`` to its ``<|end|>`` (a delta a token, as the engine gives them), whole and
+    streamed alike; not the headers', the final text's or the call's."""
+    deltas = ["<|channel|>", "analysis", "<|message|>", "Two", " cities", ".", "<|end|>",
+              "<|start|>", "assistant", "<|channel|>", "final", "<|message|>", "Hi", "."]
+    args = (None, "resp", "m", True, SamplingParams(max_tokens=99), _Body(), ["r"],
+            [([1], None)], "openai_gptoss", OPENAI)
+    last = len(deltas) - 1
+    outputs = [RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1],
+                             outputs=[CompletionOutput(0, d, [i], "stop" if i == last else None)],
+                             finished=i == last, delta=True) for i, d in enumerate(deltas)]
+    whole = ResponsesStream(*args, request=ResponsesRequest(input="hi"))  # type: ignore[arg-type]
+    whole.answers = {"r": {0: _Answer()}}
+    for output in outputs:
+        whole.answers["r"][0].add(output.outputs[0])
+    usage = whole._whole()["usage"]
+    assert usage["output_tokens"] == len(deltas)
+    assert usage["output_tokens_details"]["reasoning_tokens"] == 5
+
+    async def events() -> list[dict[str, Any]]:
+        stream = ResponsesStream(*args, request=ResponsesRequest(input="hi"))  # type: ignore[arg-type]
+        sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        for output in outputs:
+            sink.put_nowait(output)
+        return [json.loads(line[6:]) async for chunk in stream.events(sink)
+                for line in chunk.splitlines() if line.startswith("data: ")]
+
+    assert asyncio.run(events())[-1]["response"]["usage"] == usage

@@ -129,6 +129,10 @@ def test_tools_are_echoed_and_a_cut_message_is_incomplete(server: Served) -> Non
     ({"input": "x", "temperature": -1}, "temperature"),
     ({"input": "x", "reasoning": {"effort": "low", "summary": "auto"}}, "reasoning"),
     ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning"),
+    ({"input": "x", "include": ["message.output_text.logprob"]}, "include"),
+    ({"input": "x", "tool_choice": "required"}, "tool_choice"),  # (no tools to call)
+    ({"input": "x", "tool_choice": {"type": "function", "name": "f"}}, "tool_choice"),
+    ({"input": "x", "tool_choice": "sometimes"}, "tool_choice"),
 ])
 def test_what_it_cannot_honour_is_refused_by_name(server: Served, body: dict[str, Any],
                                                   param: str) -> None:
@@ -156,6 +160,11 @@ def test_the_thinking_is_a_reasoning_item(model_dir: Path) -> None:
                           if e.type == "response.reasoning_text.delta")
         assert thought == reasoning.content[0].text
         assert [i.type for i in events[-1].response.output] == ["reasoning", "message"]
+        # (all of it reasoning, as its tokens: but a first one held as it may open <think>)
+        details = whole.usage.output_tokens_details
+        assert whole.usage.output_tokens - 1 <= details.reasoning_tokens <= (
+            whole.usage.output_tokens)
+        assert events[-1].response.usage.output_tokens_details == details
         # (the reasoning's tokens are not the message's: no logprobs, whole or streamed)
         body = {**kwargs, "top_logprobs": 1}
         whole = httpx.post(f"{served.url}/v1/responses", headers=AUTH, timeout=60, json=body)
@@ -405,6 +414,22 @@ def test_the_message_text_has_logprobs(server: Served, ask: dict[str, Any]) -> N
     assert events[-1]["response"]["output"][-1]["content"][0]["logprobs"] == streamed
 
 
+def test_the_api_s_include_values_are_taken(server: Served) -> None:
+    """``include`` values of the API that ask for what this server's answers never hold
+    (built-in tools' results, encrypted reasoning: the reasoning item is in plain text) are
+    taken, as OpenAI's and vLLM's take them (Codex CLI sends ``reasoning.encrypted_content``
+    on every request); one that is no value of the API is a 400 naming the values."""
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 2,
+            "include": ["reasoning.encrypted_content", "file_search_call.results",
+                        "message.input_image.image_url"]}
+    response = httpx.post(f"{server.url}/v1/responses", headers=AUTH, timeout=60, json=body)
+    assert response.status_code == 200, response.text
+    response = httpx.post(f"{server.url}/v1/responses", headers=AUTH, timeout=60,
+                          json={**body, "include": ["usage"]})
+    assert response.status_code == 400, response.text
+    assert "message.output_text.logprobs" in response.json()["error"]["message"]
+
+
 def test_no_logprobs_unless_asked(server: Served) -> None:
     body = {"model": MODEL, "input": "Hello world", "temperature": 0, "max_output_tokens": 3}
     whole = httpx.post(f"{server.url}/v1/responses", headers=AUTH, timeout=60, json=body)
@@ -434,8 +459,8 @@ def test_reasoning_and_tags_are_not_in_the_message_logprobs() -> None:
     got = []
     for i, (text, token) in enumerate(deltas):
         lp = {token: Logprob(-float(token), 1, f"t{token}")}
-        thought, content, calls, logprobs = split.feed(text, [token], [lp],
-                                                       i == len(deltas) - 1)
-        got.append((thought, content, [x["token"] for x in logprobs]))
-    assert got == [("", "", []), ("hm", "", []), ("", "", []), ("", "", []),
-                   ("", "Hi", ["t4", "t5"]), ("", " you", ["t6"]), ("", "", [])]
+        runs, calls, logprobs = split.feed(text, [token], [lp], i == len(deltas) - 1)
+        got.append((runs, [x["token"] for x in logprobs]))
+    assert got == [([], []), ([("reasoning", "hm")], []), ([], []), ([], []),
+                   ([("content", "Hi")], ["t4", "t5"]), ([("content", " you")], ["t6"]),
+                   ([], [])]

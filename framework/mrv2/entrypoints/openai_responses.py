@@ -7,9 +7,12 @@ chat template; ``max_output_tokens``, ``temperature``, ``top_p`` and ``text.form
 (``json_schema``, ``json_object``: a structured output) map to the chat request's fields;
 ``top_logprobs`` (0 to 20) or ``include: ["message.output_text.logprobs"]`` asks for the
 message text's logprobs (the chat route's, on the ``output_text`` part and each streamed
-delta; which tokens the message's are: :class:`_Split`).
+delta; which tokens the message's are: :class:`_Split`); ``include``'s other values are
+taken (:data:`INCLUDABLE`), what is none of the API's is refused.
 The answer is a ``response`` object whose ``output`` holds a ``message`` item (and, behind
-``--reasoning-parser``, a ``reasoning`` item before it); ``status`` is ``incomplete`` with
+``--reasoning-parser``, a ``reasoning`` item before it; gpt-oss's harmony messages, which may
+come in any order, are an item per run of a kind in the order written, whole or streamed
+alike); ``status`` is ``incomplete`` with
 ``incomplete_details.reason = "max_output_tokens"`` when the answer was cut by the limit.
 Streamed (``"stream": true``), it comes as the API's typed server-sent events:
 ``response.created``, ``response.in_progress``, per item ``response.output_item.added``,
@@ -47,8 +50,8 @@ from mrv2.entrypoints.openai_protocol import (
     chat_logprobs,
     null_is_default,
 )
-from mrv2.entrypoints.reasoning import ReasoningStream, split_reasoning
-from mrv2.entrypoints.responses import Stream, _Answer, drain
+from mrv2.entrypoints.reasoning import ReasoningStream
+from mrv2.entrypoints.responses import Stream, drain
 from mrv2.entrypoints.responses_store import ResponseStore
 
 __all__ = ["ResponsesRequest", "ResponsesStream"]
@@ -56,6 +59,13 @@ __all__ = ["ResponsesRequest", "ResponsesStream"]
 _TEXT_PARTS = ("input_text", "output_text", "text")
 #: The ``include`` value that asks for the message text's logprobs.
 LOGPROBS = "message.output_text.logprobs"
+#: ``include``'s values, the API's: the logprobs are given; the others ask for what this
+#: server's answers never hold (built-in tools' results, input images' URLs, encrypted
+#: reasoning: the reasoning item is in plain text) and are taken, as vLLM takes them.
+INCLUDABLE = ("message.output_text.logprobs", "reasoning.encrypted_content",
+              "message.input_image.image_url", "file_search_call.results",
+              "web_search_call.results", "web_search_call.action.sources",
+              "computer_call_output.output.image_url", "code_interpreter_call.outputs")
 #: The chat request's fields that errors name, as the Responses API calls them.
 RENAMED = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
            "response_format": "text", "messages": "input", "prompt": "input"}
@@ -95,6 +105,15 @@ class ResponsesRequest(BaseModel):
     @classmethod
     def _salt_not_empty(cls, value: str | None) -> str | None:
         return check_cache_salt(value)
+
+    @field_validator("include")
+    @classmethod
+    def _includable(cls, value: list[str] | None) -> list[str] | None:
+        for name in value or ():
+            if name not in INCLUDABLE:
+                raise ValueError(f"{name!r} is not an include value; allowed values are "
+                                 f"{', '.join(INCLUDABLE)}")
+        return value
 
     _null_is_the_default = field_validator("stream", "store", "background",
                                            "parallel_tool_calls", mode="before")(null_is_default)
@@ -143,7 +162,8 @@ class ResponsesRequest(BaseModel):
             fields.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         if self.tools:
             fields["tools"] = [_chat_tool(t) for t in self.tools]
-            fields["tool_choice"] = _chat_tool_choice(self.tool_choice)
+        # (without tools too: the chat request refuses a forced call of none, as OpenAI)
+        fields["tool_choice"] = _chat_tool_choice(self.tool_choice)
         fmt = (self.text or {}).get("format")
         if fmt is not None:
             fields["response_format"] = _response_format(fmt)
@@ -273,11 +293,18 @@ class ResponsesStream(Stream):
 
     def _keep(self, response: dict[str, Any]) -> dict[str, Any]:
         """Store the final ``response`` with its conversation (the answer's message and calls
-        as chat messages after the input's); returns it."""
+        as chat messages after the input's: one assistant message, its message items' texts
+        joined by newlines as the chat route's content); returns it."""
         if self.store is not None:
             messages = list(self.conversation)
             for item in response["output"]:
-                if item["type"] != "reasoning":
+                if item["type"] == "reasoning":
+                    continue
+                last = messages[-1] if len(messages) > len(self.conversation) else None
+                if item["type"] == "message" and last is not None:  # (harmony's: one turn)
+                    text = item["content"][0]["text"]
+                    messages[-1] = {**last, "content": f"{last['content']}\n{text}"}
+                else:
                     _add_item(messages, item)
             self.store.put(response, messages)
         return response
@@ -297,53 +324,40 @@ class ResponsesStream(Stream):
             "previous_response_id": r.previous_response_id,
             "text": r.text or {"format": {"type": "text"}}, "usage": usage}
 
-    def _usage_of(self, output_tokens: int) -> dict[str, Any]:
+    def _usage_of(self, output_tokens: int, reasoning_tokens: int) -> dict[str, Any]:
         cached = sum(self.cached.values())
         return {"input_tokens": self.num_prompt,
                 "input_tokens_details": {"cached_tokens": cached},
                 "output_tokens": output_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                 "total_tokens": self.num_prompt + output_tokens}
 
     def _split(self) -> _Split:
         return _Split(self.reasoning, self.tools, self.parallel_tool_calls,
                       self.params.logprobs)
 
-    def _message_logprobs(self, answer: _Answer) -> list[dict[str, Any]]:
-        """The message's tokens' logprobs, the streamed deltas' (the answer's deltas split
-        again as they came); [] when not asked for."""
-        if self.params.logprobs is None or answer.logprobs is None:
-            return []
-        split, got, start = self._split(), [], 0
+    def _whole(self) -> dict[str, Any]:
+        """The answer's output items as its stream gives them (its deltas split again as
+        they came: the same items, in the order the model wrote them)."""
+        answer = self.answers[self.req_ids[0]][0]
+        out = answer.output(0)
+        split, items = self._split(), _Items(self.response_id[5:], lambda kind, **data: "")
+        calls: list[Any] = []
+        start = 0
         for i, (text, size) in enumerate(zip(answer.text, answer.sizes, strict=True)):
             end = start + size
             final = i == len(answer.sizes) - 1  # (the answer is finished)
-            got += split.feed(text, answer.token_ids[start:end], answer.logprobs[start:end],
-                              final)[3]
+            runs, found, logprobs = split.feed(
+                text, answer.token_ids[start:end],
+                None if answer.logprobs is None else answer.logprobs[start:end], final)
+            calls += found
+            items.feed(runs, logprobs)
             start = end
-        return got
-
-    def _whole(self) -> dict[str, Any]:
-        answer = self.answers[self.req_ids[0]][0]
-        out = answer.output(0)
-        thought, content = (split_reasoning(self.reasoning, out.text) if self.reasoning
-                            else (None, out.text))
-        calls: list[Any] = []
-        if self.tools is not None:
-            content, calls = self.tools.parse(out.text if self.tools.parser.harmony
-                                              else content or "")
-            calls = calls if self.parallel_tool_calls else calls[:1]
-        suffix = self.response_id[5:]
         length = out.finish_reason == "length"  # (the answer, its message, incomplete)
-        items = [] if not thought else [_reasoning_item(f"rs_{suffix}", thought, "completed")]
-        if content or not calls:
-            items.append(_message_item(f"msg_{suffix}", content or "",
-                                       "incomplete" if length else "completed",
-                                       self._message_logprobs(answer)))
-        items += [_call_item(f"fc_{suffix}_{i}", call, "completed")
-                  for i, call in enumerate(calls)]
-        return self._keep(self._response("incomplete" if length else "completed", items,
-                                         self._usage_of(len(out.token_ids)),
+        status = "incomplete" if length else "completed"
+        output, _ = items.close(calls, status)
+        usage = self._usage_of(len(out.token_ids), split.reasoning_tokens)
+        return self._keep(self._response(status, output, usage,
                                          "max_output_tokens" if length else None))
 
     async def events(self, sink: asyncio.Queue[RequestOutput | BaseException]
@@ -372,10 +386,10 @@ class ResponsesStream(Stream):
                         return
                     for c in item.outputs:
                         tokens += len(c.token_ids)
-                        thought, content, found, logprobs = split.feed(
+                        runs, found, logprobs = split.feed(
                             c.text, c.token_ids, c.logprobs, bool(c.finish_reason))
                         calls += found
-                        text += items.feed(thought, content, logprobs)
+                        text += items.feed(runs, logprobs)
                         reason = c.finish_reason or reason
                     if item.finished:
                         self.unfinished.discard(item.request_id)
@@ -387,7 +401,7 @@ class ResponsesStream(Stream):
             output, closing = items.close(calls, status)
             yield closing + event(
                 f"response.{status}", response=self._keep(self._response(
-                    status, output, self._usage_of(tokens),
+                    status, output, self._usage_of(tokens, split.reasoning_tokens),
                     "max_output_tokens" if length else None)))
         finally:
             self.abort_rest()
@@ -401,9 +415,10 @@ def _message_item(item_id: str, text: str, status: str,
 
 
 class _Split:
-    """One answer's text deltas split as they come: into reasoning (``--reasoning-parser``),
-    the message's text with its tokens' logprobs (``k``: the top tokens a position; None:
-    not asked for) and, when the answer ends, tool calls.
+    """One answer's text deltas split as they come: into runs of reasoning
+    (``--reasoning-parser``) and of the message's text, in the order the model wrote them
+    (harmony's messages may come in any order), the message text's logprobs (``k``: the top
+    tokens a position; None: not asked for) and, when the answer ends, tool calls.
 
     A token's logprob goes with the message text of its delta (the engine's output of a step);
     a delta that shows none (text held back as it may begin a tag, a character's first byte)
@@ -419,28 +434,58 @@ class _Split:
         self.parallel, self.k = parallel, k
         self.held_ids: list[int] = []
         self.held: list[Any] = []
+        #: The reasoning's tokens so far: a delta's where all the text it shows is reasoning,
+        #: or where it shows none in the reasoning (its tags, harmony's ``<|message|>`` and
+        #: ``<|end|>`` around the analysis).
+        self.reasoning_tokens = 0
+
+    def _in_reasoning(self) -> bool:
+        split = self.reasoning
+        if split is None:
+            return False
+        if split.harmony is not None:
+            return split.harmony.state == "body" and split.harmony.header.kind == "reasoning"
+        return split.state == "reasoning"
 
     def feed(self, text: str, token_ids: Any, logprobs: Any, final: bool
-             ) -> tuple[str, str, list[Any], list[dict[str, Any]]]:
-        """A delta's ``(reasoning, message text, calls, the message text's logprobs)``
-        (``final``: the answer's last; the calls come then)."""
+             ) -> tuple[list[tuple[str, str]], list[Any], list[dict[str, Any]]]:
+        """A delta's ``(runs, calls, the message text's logprobs)``: ``runs`` its
+        ``("reasoning" | "content", text)`` pieces in order (``final``: the answer's last;
+        the calls come then)."""
         split = self.reasoning
-        past = split is None or (split.harmony is None and split.state == "content")
-        thought, content = split.feed(text, final) if split is not None else ("", text)
+        harmony = split.harmony if split is not None else None
+        past = split is None or (harmony is None and split.state == "content")
+        was_reasoning = self._in_reasoning()
+        if harmony is not None:  # (its pieces, in the order written)
+            runs = [(p.kind, p.text) for p in harmony.feed(text, final)
+                    if p.kind in ("reasoning", "content") and p.text]
+        else:
+            thought, content = split.feed(text, final) if split is not None else ("", text)
+            runs = [r for r in (("reasoning", thought), ("content", content)) if r[1]]
         found: list[Any] = []
         if self.calling is not None:
-            content, found = self.calling.feed(
-                text if self.calling.parser.harmony else content, final)
+            if self.calling.parser.harmony:
+                said, found = self.calling.feed(text, final)
+                if harmony is None:  # (else its content is the reasoning split's, in order)
+                    runs = [r for r in runs if r[0] == "reasoning"] + [("content", said)]
+            else:
+                said, found = self.calling.feed(
+                    "".join(t for kind, t in runs if kind == "content"), final)
+                runs = [r for r in runs if r[0] == "reasoning"] + [("content", said)]
+            runs = [r for r in runs if r[1]]
             found = found if self.parallel else found[:1]
+        if (all(kind == "reasoning" for kind, _ in runs) and not found
+                and (runs or was_reasoning or self._in_reasoning())):
+            self.reasoning_tokens += len(token_ids)
         if self.k is None or logprobs is None:
-            return thought, content, found, []
+            return runs, found, []
         ids, lps = self.held_ids + list(token_ids), self.held + list(logprobs)
         self.held_ids, self.held = [], []
-        if content:
-            return thought, content, found, chat_logprobs(lps, ids, self.k)["content"]
-        if past and not (thought or found):
+        if any(kind == "content" for kind, _ in runs):
+            return runs, found, chat_logprobs(lps, ids, self.k)["content"]
+        if past and not (runs or found):
             self.held_ids, self.held = ids, lps
-        return thought, content, found, []
+        return runs, found, []
 
 
 def _call_item(item_id: str, call: Any, status: str, arguments: str | None = None
@@ -465,23 +510,31 @@ class _Items:
         self.output: list[dict[str, Any]] = []
         self.kind: str | None = None  # the open item's: "reasoning" or "message"
         self.item_id = ""  # the open item's (a kind's second item on: its number after it)
-        self.text = ""
+        self.text: list[str] = []  # the open item's, joined when it closes
         self.logprobs: list[dict[str, Any]] = []  # the open message's
+        self.again = False  # the open item is its kind's second or later, no text yet
 
-    def feed(self, thought: str, content: str, logprobs: list[dict[str, Any]]) -> str:
+    def feed(self, runs: list[tuple[str, str]], logprobs: list[dict[str, Any]]) -> str:
+        """A delta's runs of reasoning and message text (:meth:`_Split.feed`), in order; its
+        logprobs go with its first run of message text."""
         out = ""
-        if thought:
-            out += self._open("reasoning")
-            self.text += thought
-            out += self.event("response.reasoning_text.delta", item_id=self._id(),
-                              output_index=len(self.output), content_index=0, delta=thought)
-        if content:
-            out += self._open("message")
-            self.text += content
+        for kind, text in runs:
+            out += self._open("message" if kind == "content" else "reasoning")
+            if self.again:  # (harmony's separator of a kind's messages: not in a new item)
+                text, self.again = text.removeprefix("\n"), False
+            if not text:
+                continue
+            self.text.append(text)
+            if kind == "reasoning":
+                out += self.event("response.reasoning_text.delta", item_id=self._id(),
+                                  output_index=len(self.output), content_index=0,
+                                  delta=text)
+                continue
             self.logprobs += logprobs
             out += self.event("response.output_text.delta", item_id=self._id(),
-                              output_index=len(self.output), content_index=0, delta=content,
+                              output_index=len(self.output), content_index=0, delta=text,
                               logprobs=logprobs)
+            logprobs = []
         return out
 
     def close(self, calls: list[Any], status: str = "completed"
@@ -514,9 +567,10 @@ class _Items:
         if self.kind == kind:
             return ""
         out = self._close()
-        self.kind, self.text, self.logprobs = kind, "", []
+        self.kind, self.text, self.logprobs = kind, [], []
         # (harmony's analysis after a preamble: a kind's item again, with an id of its own)
         again = sum(i["type"] == kind for i in self.output)
+        self.again = again > 0
         self.item_id = (f"{'rs' if kind == 'reasoning' else 'msg'}_{self.suffix}"
                         + (f"_{again}" if again else ""))
         index = len(self.output)
@@ -536,7 +590,7 @@ class _Items:
     def _close(self, status: str = "completed") -> str:
         if self.kind is None:
             return ""
-        index, item_id, text = len(self.output), self._id(), self.text
+        index, item_id, text = len(self.output), self._id(), "".join(self.text)
         if self.kind == "reasoning":
             item = _reasoning_item(item_id, text, "completed")
             out = self.event("response.reasoning_text.done", item_id=item_id,
