@@ -210,3 +210,29 @@ def test_a_config_file_that_does_not_parse_names_the_file(
         EngineConfig.from_file(tmp_path / name)
     assert main(["generate", "--config", str(tmp_path / name)]) == 2
     assert f"{name}: not valid" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["auto", "AUTO", "-1"])
+def test_vllms_auto_max_model_len_is_refused_naming_the_allowed_values(
+        value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's ``--max-model-len auto`` / ``-1`` (the longest that fits in the KV cache) is not
+    mrv2's: refused naming the forms it takes, not as a malformed integer (the flag) or a
+    bare ``>= 1`` (a keyword, a config file)."""
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-model-len", value])
+    err = capsys.readouterr().err
+    assert "argument --max-model-len:" in err and "not supported" in err and "32k" in err
+    with pytest.raises(ValidationError, match="not supported.*leave it unset"):
+        EngineConfig.from_kwargs(max_model_len=-1 if value == "-1" else value)
+
+
+def test_vllms_short_flags() -> None:
+    """``-tp`` and ``-q`` (vLLM's short names of ``--tensor-parallel-size`` and
+    ``--quantization``, common in its recipes) were unrecognized arguments."""
+    from mrv2.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "/m", "-tp", "2", "-q", "fp8"])
+    config = config_from_cli(args, args.model_dir)
+    assert config.parallel.tensor_parallel_size == 2 and config.model.quantization == "fp8"

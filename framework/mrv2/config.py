@@ -135,6 +135,13 @@ class ModelConfig(_Section):
     def _dtype_alias(cls, value: Any) -> Any:
         return _DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
 
+    @field_validator("max_model_len", mode="before")
+    @classmethod
+    def _no_auto_max_model_len(cls, value: Any) -> Any:
+        if _is_auto_length(value):
+            raise ValueError(AUTO_MAX_MODEL_LEN_REFUSED)
+        return value
+
     @field_validator("chat_template")
     @classmethod
     def _read_chat_template(cls, value: str | None) -> str | None:
@@ -436,6 +443,11 @@ _FLAT_TO_SECTION: dict[str, str] = {
 }
 
 
+#: vLLM's short names of engine flags (``-tp 2``, as its recipes write them).
+_SHORT_FLAGS: dict[str, tuple[str, ...]] = {
+    "tensor_parallel_size": ("-tp",), "quantization": ("-q",)}
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """Add one ``--flag`` per engine field (``--max-model-len``), plus ``--config FILE``."""
     group = parser.add_argument_group("engine")
@@ -444,16 +456,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         for name, field in model.model_fields.items():
             if (section == "model" and name == "model") or (section, name) in _NOT_FLAT:
                 continue
-            flag = "--" + name.replace("_", "-")
+            flags = ["--" + name.replace("_", "-"), *_SHORT_FLAGS.get(name, ())]
             help_text = field.description or ""
             if field.annotation is bool:
                 group.add_argument(
-                    flag, dest=name, default=None, action=argparse.BooleanOptionalAction,
+                    *flags, dest=name, default=None, action=argparse.BooleanOptionalAction,
                     help=help_text,
                 )
             else:
                 group.add_argument(
-                    flag, dest=name, default=None,
+                    *flags, dest=name, default=None,
                     type=_CLI_TYPES.get(name) or _cli_type(field.annotation), help=help_text,
                 )
     group.add_argument(
@@ -495,6 +507,29 @@ def human_readable_int(text: str) -> int:
         f"expected an integer such as 32768, 32k (32000) or 32K (32768), got {text!r}")
 
 
+#: Why vLLM's ``max_model_len`` ``"auto"`` / ``-1`` is refused, and what is taken instead.
+AUTO_MAX_MODEL_LEN_REFUSED = (
+    "'auto' / -1 (vLLM's: the longest length that fits in the KV cache) is not supported: "
+    "give a length such as 32768, 32k (32000) or 32K (32768), or leave it unset for the "
+    "model's context length (the start-up log tells how many requests of it the KV cache "
+    "holds)")
+
+
+def _is_auto_length(value: Any) -> bool:
+    """vLLM's ``max_model_len`` ``"auto"`` or ``-1``."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("auto", "-1")
+    return isinstance(value, int) and not isinstance(value, bool) and value == -1
+
+
+def max_model_len_arg(text: str) -> int:
+    """``--max-model-len``: :func:`human_readable_int`; vLLM's ``auto`` / ``-1`` refused by
+    name."""
+    if _is_auto_length(text):
+        raise argparse.ArgumentTypeError(f"{text!r}: {AUTO_MAX_MODEL_LEN_REFUSED}")
+    return human_readable_int(text)
+
+
 def _int_or_json(text: str) -> Any:
     """``--limit-mm-per-prompt``: a count, or vLLM's JSON object of counts."""
     try:
@@ -516,7 +551,7 @@ def _json_value(text: str) -> Any:
 
 #: The argparse ``type`` of the flags :func:`_cli_type` does not derive (vLLM's forms).
 _CLI_TYPES: dict[str, Any] = {
-    "max_model_len": human_readable_int, "max_num_batched_tokens": human_readable_int,
+    "max_model_len": max_model_len_arg, "max_num_batched_tokens": human_readable_int,
     "limit_mm_per_prompt": _int_or_json,
 }
 

@@ -11,7 +11,7 @@ import pytest
 
 from mrv2 import EngineConfig
 from mrv2.contract.params import SamplingParams
-from mrv2.engine.generation_defaults import load_sampling_defaults
+from mrv2.engine.generation_defaults import load_sampling_defaults, max_tokens_limit
 from mrv2.engine.llm import LLM
 from mrv2.testing import make_tiny_checkpoint
 
@@ -39,6 +39,19 @@ def test_the_sampling_fields_of_the_file_are_the_defaults(tmp_path: Path) -> Non
     assert load_sampling_defaults(tmp_path / "no_file") == {}  # auto: a model without one
     other = _write(tmp_path / "other", {"repetition_penalty": 1.1, "top_p": None})
     assert load_sampling_defaults(folder, str(other)) == {"repetition_penalty": 1.1}
+
+
+def test_max_new_tokens_of_an_override_or_a_folder_limits_every_request() -> None:
+    """vLLM's ``--generation-config``: "If max_new_tokens is specified in generation config,
+    then it sets a server-wide limit on the number of output tokens for all requests": that
+    of ``override_generation_config`` or of a folder's file; a model's own file only sets the
+    default of requests that leave max_tokens unset (vLLM's fix of Qwen3-1.7B-Base's 2048)."""
+    assert max_tokens_limit("auto", {}, QWEN3_DEFAULTS) is None
+    assert max_tokens_limit("auto", {"max_new_tokens": 9}, {"max_tokens": 9}) == 9
+    assert max_tokens_limit("vllm", {"max_new_tokens": 9}, {"max_tokens": 9}) == 9
+    assert max_tokens_limit("none", {"temperature": 0.5}, {"temperature": 0.5}) is None
+    assert max_tokens_limit("/folder", {}, QWEN3_DEFAULTS) == 7
+    assert max_tokens_limit("/folder", {}, {"top_k": 3}) is None
 
 
 def test_bad_defaults_fail_naming_the_field(tmp_path: Path) -> None:
@@ -78,14 +91,20 @@ def test_openai_requests_take_the_defaults_for_unset_fields() -> None:
     plain = chat.sampling_params()
     assert (plain.temperature, plain.top_k, plain.top_p, plain.max_tokens) == (
         1.0, 0, 1.0, None)
+    # a completion's max_tokens left out is OpenAI's (and vLLM's) 16, whatever the model's
+    # max_new_tokens; sent as null, the model's (else the context left)
     completion = CompletionRequest.model_validate({"prompt": "hi"})
-    assert completion.sampling_params(QWEN3_DEFAULTS).max_tokens == 7  # OpenAI's 16 yields
+    assert completion.sampling_params(QWEN3_DEFAULTS).max_tokens == 16
     assert completion.sampling_params({"top_k": 20}).max_tokens == 16
+    null = CompletionRequest.model_validate({"prompt": "hi", "max_tokens": None})
+    assert null.sampling_params(QWEN3_DEFAULTS).max_tokens == 7
+    assert null.sampling_params({"top_k": 20}).max_tokens is None
     sent = CompletionRequest.model_validate({"prompt": "hi", "max_tokens": 16})
     assert sent.sampling_params(QWEN3_DEFAULTS).max_tokens == 16
     # where max_tokens came from the model (the server caps it at the context left)
-    assert completion.max_tokens_from_model(QWEN3_DEFAULTS)
-    assert not completion.max_tokens_from_model({"top_k": 20})
+    assert null.max_tokens_from_model(QWEN3_DEFAULTS)
+    assert not null.max_tokens_from_model({"top_k": 20})
+    assert not completion.max_tokens_from_model(QWEN3_DEFAULTS)
     assert not sent.max_tokens_from_model(QWEN3_DEFAULTS)
     assert chat.max_tokens_from_model(QWEN3_DEFAULTS) and not explicit.max_tokens_from_model(
         QWEN3_DEFAULTS)

@@ -411,11 +411,15 @@ def test_serve_without_server_packages_says_what_to_install(
 
 def test_the_models_sampling_defaults_fill_unset_fields(model_dir: Path) -> None:
     """``override_generation_config`` (as a model's generation_config.json would) sets what a
-    request leaves unset; what it sends wins."""
+    request leaves unset; what it sends wins, but for max_tokens: an override's
+    max_new_tokens is vLLM's server-wide limit (it had no effect on a request's own)."""
     defaults = {"max_new_tokens": 3, "temperature": 0.0}
     for served in serve(model_dir, {"override_generation_config": defaults}):
         assert served.engine.sampling_defaults == {"max_tokens": 3, "temperature": 0.0}
-        for body, tokens in (({}, 3), ({"max_tokens": 5}, 5)):
+        # a completion's max_tokens left out is OpenAI's (and vLLM's) 16, sent as null the
+        # model's default; either, and one sent, at most the limit
+        for body, tokens in (({"max_tokens": None}, 3), ({"max_tokens": 5}, 3), ({}, 3),
+                             ({"max_tokens": 2}, 2)):
             response = _post(served, "/v1/completions", {"model": MODEL, "prompt": "hi",
                                                           "ignore_eos": True, **body})
             assert response.status_code == 200, response.text
@@ -432,7 +436,7 @@ def test_a_models_max_new_tokens_is_capped_at_the_context_left(model_dir: Path) 
     max_tokens that long is still a 400."""
     for served in serve(model_dir, {"override_generation_config": {"max_new_tokens": 1000}}):
         body = {"model": MODEL, "prompt": [5, 6, 7, 8], "ignore_eos": True}
-        response = _post(served, "/v1/completions", body)
+        response = _post(served, "/v1/completions", {**body, "max_tokens": None})
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["completion_tokens"] == 64 - 4  # max_model_len 64
         error = _error(_post(served, "/v1/completions", {**body, "max_tokens": 1000}), 400)

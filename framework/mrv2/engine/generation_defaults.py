@@ -12,6 +12,10 @@ is greedy when its temperature is 0.
 ``"none"`` or ``"vllm"`` (no model defaults: mrv2's / vLLM's own), or a directory holding a
 ``generation_config.json``. ``ModelConfig.override_generation_config`` replaces or adds fields
 (the same names) on top of it.
+
+As vLLM's server, ``mrv2 serve`` also takes the ``max_new_tokens`` of an override, or of a
+directory's file, as a limit on every request's ``max_tokens`` (:func:`max_tokens_limit`); a
+model's own file only sets the default.
 """
 
 from __future__ import annotations
@@ -88,3 +92,18 @@ def load_sampling_defaults(
                     "--generation-config none turns them off)", defaults,
                     source or "override_generation_config")
     return defaults
+
+
+def max_tokens_limit(setting: str, overrides: dict[str, Any],
+                     defaults: dict[str, Any]) -> int | None:
+    """vLLM's server-wide limit on a request's ``max_tokens`` ("if max_new_tokens is specified
+    in generation config, then it sets a server-wide limit on the number of output tokens for
+    all requests"), as its server applies it: the ``max_new_tokens`` of ``overrides`` with
+    ``setting`` ``"auto"`` / ``"none"`` / ``"vllm"`` (a model's own file sets the default
+    only), else that of the directory's file and ``overrides`` (``defaults``: what
+    :func:`load_sampling_defaults` returned). None: no limit."""
+    if setting == "auto" or setting in NO_DEFAULTS:
+        value = overrides.get("max_new_tokens")
+    else:
+        value = defaults.get("max_tokens")
+    return None if value is None else int(value)

@@ -274,13 +274,12 @@ class CompletionRequest(_Request):
 
     def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """The request's SamplingParams; ``defaults`` (the model's sampling defaults) fill the
-        fields it leaves unset (``max_tokens`` too when the request does not send it)."""
+        fields it leaves unset; ``max_tokens`` left out is OpenAI's 16, as vLLM's (the model's
+        ``max_new_tokens`` only for one sent as null)."""
         _unsupported("suffix", self.suffix, None)
         if self.best_of is not None and self.best_of != self.n:
             _unsupported("best_of", self.best_of, f"None or n ({self.n})")
         max_tokens = self._requested_max()
-        if max_tokens is None and not (defaults and "max_tokens" in defaults):
-            max_tokens = self.max_tokens  # OpenAI's default of 16 unless the model has one
         if self.use_beam_search:
             for name, value, allowed in (("stream", self.stream, False),
                                          ("logprobs", self.logprobs, None),
@@ -291,7 +290,7 @@ class CompletionRequest(_Request):
         return self._sampling(max_tokens, self.logprobs, defaults)
 
     def _requested_max(self) -> int | None:
-        return self.max_tokens if "max_tokens" in self.model_fields_set else None
+        return self.max_tokens  # (16 when left out, as OpenAI's and vLLM's; None: sent null)
 
     def _prompt_logprobs(self) -> int | None:
         # ``echo`` with ``logprobs``: the prompt's tokens get theirs too (vLLM's rule)

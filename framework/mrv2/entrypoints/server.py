@@ -30,6 +30,7 @@ from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import SamplingParams, StructuredOutputsParams
 from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.engine import LLMEngine
+from mrv2.engine.generation_defaults import max_tokens_limit
 from mrv2.engine.media import split_chat_media
 from mrv2.engine.outputs import RequestOutput
 from mrv2.engine.request_inputs import truncation_room
@@ -271,6 +272,12 @@ def create_app(engine: LLMEngine | RemoteEngine,
                                "not_found_error", "lora_name") from None
             return Response(f"Success: LoRA adapter '{name}' removed successfully.")
 
+    #: An override's (or a generation config directory's) max_new_tokens: vLLM's limit on
+    #: every request's max_tokens (:func:`~mrv2.engine.generation_defaults.max_tokens_limit`).
+    limit = max_tokens_limit(engine.config.model.generation_config,
+                             engine.config.model.override_generation_config,
+                             engine.sampling_defaults)
+
     def field_error(error: ValueError, body: Any, params_only: bool = False) -> APIError:
         """A 400 naming the request's field ``error`` is about, its message led by that
         field's name where the message names another (a ``SamplingParams`` field the request
@@ -284,6 +291,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
     def params_of(body: Any) -> SamplingParams:
         try:
             params: SamplingParams = body.sampling_params(engine.sampling_defaults)
+            if params.max_tokens is not None and limit is not None and params.max_tokens > limit:
+                params = dataclasses.replace(params, max_tokens=limit)  # (vLLM's: min of both)
         except ValueError as error:
             raise field_error(error, body) from None
         if params.n > max_n:
