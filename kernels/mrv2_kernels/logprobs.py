@@ -3,7 +3,9 @@
 For each row ``b`` of ``logits`` and a chosen token ``t = tokens[b]``:
 
 - ``lse[b] = logsumexp_v logits[b, v]`` (so ``logprob(v) = logits[b, v] - lse[b]``),
-- ``rank[b] = 1 + #{v : logits[b, v] > logits[b, t]}`` (vLLM's rank: 1 is the most likely).
+- ``rank[b] = #{v : logits[b, v] >= logits[b, t]}`` (vLLM's rank, its
+  ``batched_count_greater_than``: 1 is the most likely; a token tied with others ranks after
+  all of them).
 
 The caller gathers the few logits it needs (top-k ids, the sampled id) and subtracts ``lse``.
 """
@@ -24,7 +26,7 @@ def logprob_stats_ref(
     x = logits.float()
     lse = torch.logsumexp(x, dim=-1)
     chosen = x.gather(1, tokens.long()[:, None])
-    rank = (x > chosen).sum(dim=-1) + 1
+    rank = (x >= chosen).sum(dim=-1)
     return lse, rank.to(torch.int64)
 
 
@@ -38,7 +40,7 @@ def _logprob_stats_kernel(
     rank_ptr: tl.tensor,
     BLOCK_V: tl.constexpr,
 ) -> None:
-    # One program per row: an online logsumexp and a count of logits above the chosen one.
+    # One program per row: an online logsumexp and a count of logits >= the chosen one.
     b = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + b * logits_stride
     chosen = tl.load(row_ptr + tl.load(tokens_ptr + b).to(tl.int64)).to(tl.float32)
@@ -54,9 +56,9 @@ def _logprob_stats_kernel(
         safe_m = tl.where(new_m == float("-inf"), 0.0, new_m)
         s = s * tl.exp(m - safe_m) + tl.sum(tl.exp(x - safe_m), axis=0)
         m = new_m
-        above += tl.sum((valid & (x > chosen)).to(tl.int64), axis=0)
+        above += tl.sum((valid & (x >= chosen)).to(tl.int64), axis=0)
     tl.store(lse_ptr + b, m + tl.log(s))
-    tl.store(rank_ptr + b, above + 1)
+    tl.store(rank_ptr + b, above)
 
 
 def logprob_stats_triton(

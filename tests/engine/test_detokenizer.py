@@ -200,6 +200,42 @@ def test_special_tokens_skipped_or_kept(tok: Tokenizer, decode_stream: bool) -> 
     assert skipped.output_text == tok.decode(ids[:-1])
 
 
+def wordpiece() -> Tokenizer:
+    """BERT's decoder: WordPiece joins tokens with spaces, added tokens included."""
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    for word in ("hello", "world", "##s"):
+        vocab[word] = len(vocab)
+    raw = RawTokenizer(models.WordPiece(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.decoder = decoders.WordPiece()
+    raw.add_special_tokens(SPECIALS)
+    return wrap(raw)
+
+
+@pytest.mark.parametrize("prompt", [[], [3]])
+def test_no_spaces_between_special_tokens(decode_stream: bool, prompt: list[int]) -> None:
+    """vLLM's fast detokenizer with ``spaces_between_special_tokens=False`` and special tokens
+    kept: an added token right after an added token comes as its bare text (the prompt's
+    last token does not count); with the default, or skipping them, it is the decode."""
+    tok = wordpiece()
+    ids = [4, 3, 2, 5, 1, 2, 2]  # hello <|end|> </s> world <s> </s> </s>
+    full = tok.decode(ids, skip_special_tokens=False)
+    assert full == "hello <|end|> </s> world <s> </s> </s>"
+    det = _detok(tok, decode_stream, prompt, skip=False, spaces_between_special_tokens=False)
+    deltas = [det.add_tokens([i]) for i in ids[:3]] + [det.add_tokens(ids[3:]), det.flush()]
+    assert "".join(deltas) == det.output_text == "hello <|end|></s> world <s></s></s>"
+    for skip, spaces in ((False, True), (True, False)):
+        det = _detok(tok, decode_stream, prompt, skip=skip, spaces_between_special_tokens=spaces)
+        det.add_tokens(ids)
+        det.flush()
+        assert det.output_text == tok.decode(ids, skip_special_tokens=skip)
+    for other in (byte_level_bpe(), sentencepiece_llama()):  # no space there to drop
+        ids = other.encode("hello", add_special_tokens=False) + [3, 2, 1, 3]
+        det = _detok(other, decode_stream, skip=False, spaces_between_special_tokens=False)
+        det.add_tokens(ids)
+        assert det.output_text == other.decode(ids, skip_special_tokens=False)
+
+
 def test_prompt_context_keeps_leading_space(decode_stream: bool) -> None:
     tok = _get("sentencepiece_llama")
     prompt = tok.encode("The capital of France is", add_special_tokens=False)

@@ -121,12 +121,13 @@ def test_sampling_params_truncate_prompt_tokens_keeps_the_prompts_last_tokens(ll
 
 
 def test_sampling_params_extra_args_and_spaces_between_special_tokens() -> None:
-    """``extra_args`` is kept (opaque, as vLLM's); ``spaces_between_special_tokens=False``,
-    which mrv2's detokenizer does not do, is refused by name rather than ignored."""
+    """``extra_args`` is kept (opaque, as vLLM's); ``spaces_between_special_tokens`` takes a
+    bool (what False does: test_detokenizer)."""
     assert SamplingParams(extra_args={"k": 1}).extra_args == {"k": 1}
     assert SamplingParams(spaces_between_special_tokens=True).spaces_between_special_tokens
+    assert not SamplingParams(spaces_between_special_tokens=False).spaces_between_special_tokens
     with pytest.raises(ValueError, match="spaces_between_special_tokens"):
-        SamplingParams(spaces_between_special_tokens=False)
+        SamplingParams(spaces_between_special_tokens="no")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="extra_args"):
         SamplingParams(extra_args=[1])  # type: ignore[arg-type]
 

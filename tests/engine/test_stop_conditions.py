@@ -128,6 +128,20 @@ def test_min_tokens_and_stop_strings(llm: LLM, free_run: list[int]) -> None:
         assert (out.finish_reason, out.stop_reason) == ("stop", stop)
 
 
+def test_the_tokenizers_eos_stops_with_no_stop_reason(llm: LLM) -> None:
+    """vLLM's check: the tokenizer's EOS first (no stop_reason), even when it is also a stop
+    token; under ignore_eos a stop token that is the EOS is named."""
+    tokenizer = llm.engine.tokenizer
+    assert tokenizer is not None and tokenizer.eos_token_id is not None
+    eos = tokenizer.eos_token_id
+    for extra, want in (({}, None), ({"stop_token_ids": [eos]}, None),
+                        ({"stop_token_ids": [eos], "ignore_eos": True}, eos)):
+        out = llm.generate(PROMPT, SamplingParams(max_tokens=4, allowed_token_ids=[eos],
+                                                  **extra), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == [eos]
+        assert (out.finish_reason, out.stop_reason) == ("stop", want)
+
+
 def test_eos_from_generation_config(ckpt: Path, free_run: list[int], tmp_path: Path) -> None:
     i = _first_new(free_run, 3)
     copy = tmp_path / "ckpt"
@@ -137,7 +151,10 @@ def test_eos_from_generation_config(ckpt: Path, free_run: list[int], tmp_path: P
     out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16),
                        use_tqdm=False)[0].outputs[0]
     assert out.token_ids == free_run[: i + 1]
-    assert (out.finish_reason, out.stop_reason) == ("stop", None)
+    # vLLM's: an EOS only the configs name is one of the stop tokens, named as stop_reason
+    # (the tokenizer's own EOS stops with none)
+    assert llm.engine.tokenizer is not None and llm.engine.tokenizer.eos_token_id != free_run[i]
+    assert (out.finish_reason, out.stop_reason) == ("stop", free_run[i])
     ignoring = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16,
                                                    ignore_eos=True), use_tqdm=False)[0]
     assert ignoring.outputs[0].token_ids == free_run

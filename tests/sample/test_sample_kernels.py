@@ -81,7 +81,20 @@ def test_logprob_stats(dtype: torch.dtype, block: int) -> None:
     chosen = full.gather(1, tokens[:, None]).squeeze(1)
     torch.testing.assert_close(logits.float().gather(1, tokens[:, None]).squeeze(1) - lse_t,
                                chosen, rtol=1e-5, atol=1e-5)
-    expected_rank = (full > chosen[:, None]).sum(-1) + 1
+    expected_rank = (full >= chosen[:, None]).sum(-1)
     assert torch.equal(rank_t, expected_rank)
     lse_d, rank_d = logprob_stats(logits, tokens)
     torch.testing.assert_close(lse_d, lse_r)
+
+
+@pytest.mark.parametrize("block", [4, 128])
+def test_logprob_stats_rank_at_ties_counts_the_ties(block: int) -> None:
+    """vLLM's rank is the number of entries whose logprob is >= the chosen one's
+    (``batched_count_greater_than``): a token tied with others ranks after all of them
+    (ties are common in bf16 logits)."""
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0, -1.0, 1.0, 0.5]])
+    for token, want in ((1, 3), (3, 3), (2, 5), (6, 5), (5, 8), (7, 6)):
+        tokens = torch.tensor([token])
+        for rank in (logprob_stats_ref(logits, tokens)[1],
+                     logprob_stats_triton(logits, tokens, block_v=block)[1]):
+            assert rank.tolist() == [want]

@@ -119,7 +119,7 @@ def test_sampler_logprobs_are_raw_log_softmax() -> None:
     torch.testing.assert_close(out.logprobs, full.gather(1, out.logprob_ids))
     assert torch.equal(out.logprob_ids[:, 1:], full.topk(3, dim=-1).indices)
     chosen = full.gather(1, out.tokens[:, None])
-    assert torch.equal(out.sampled_rank, (full > chosen).sum(-1) + 1)
+    assert torch.equal(out.sampled_rank, (full >= chosen).sum(-1))
 
 
 def test_prompt_logprobs_slices_bound_the_logits() -> None:
@@ -151,7 +151,7 @@ def test_prompt_logprobs_slices_bound_the_logits() -> None:
     targets_b = torch.tensor(prompt_b[1:4])
     torch.testing.assert_close(b.logprobs[:, 0], full[6:9].gather(1, targets_b[:, None])[:, 0])
     assert b.ids.shape == (3, 1)
-    ranks = (full[6:9] > full[6:9].gather(1, targets_b[:, None])).sum(-1) + 1
+    ranks = (full[6:9] >= full[6:9].gather(1, targets_b[:, None])).sum(-1)
     assert torch.equal(b.ranks, ranks)
 
 

@@ -89,6 +89,42 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(server: Served) -> None:
         == lp["token_logprobs"][:n]
 
 
+def test_echoed_prompt_top_logprobs_hold_logprobs_plus_one_entries(server: Served) -> None:
+    """With ``echo``, ``logprobs: 1`` and a larger ``prompt_logprobs`` an echoed prompt
+    position's ``top_logprobs`` holds 2 entries (the token's, then the top one), as vLLM's
+    (``num_output_top_logprobs >= i``); ``prompt_logprobs`` keeps all of them."""
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "ignore_eos": True,
+            "logprobs": 1, "echo": True, "prompt_logprobs": 3}
+    choice = _post(server.url, "completions", body).json()["choices"][0]
+    tops = choice["logprobs"]["top_logprobs"]
+    for top, full in zip(tops[1:], choice["prompt_logprobs"][1:], strict=False):
+        assert len(full) >= 3 and len(top) == 2
+        assert list(top.values()) == [e["logprob"] for e in list(full.values())[:2]]
+    assert all(len(top) <= 2 for top in tops[len(PROMPT):])
+
+
+def test_echo_with_max_tokens_0_answers_the_prompt_alone(server: Served) -> None:
+    """OpenAI's legacy scoring (vLLM's ``echo_without_generation``): ``echo`` with
+    ``max_tokens: 0`` gives each choice the prompt's text and its tokens' logprobs, no answer,
+    whole and streamed; without ``echo`` 0 is a 400 naming max_tokens."""
+    body = {"prompt": PROMPT, "max_tokens": 0, "temperature": 0, "logprobs": 1, "echo": True}
+    scored = _post(server.url, "completions", body).json()["choices"][0]
+    with_answer = _post(server.url, "completions", {**body, "max_tokens": 1}).json()
+    answer = with_answer["choices"][0]
+    n = len(PROMPT)
+    tokenizer = server.engine.tokenizer
+    assert tokenizer is not None
+    assert scored["text"] == tokenizer.decode(PROMPT, False)
+    assert answer["text"].startswith(scored["text"]) and len(answer["logprobs"]["tokens"]) == n + 1
+    assert scored["logprobs"] == {key: value[:n] for key, value in answer["logprobs"].items()}
+    assert scored["finish_reason"] == "length"
+    chunks = _chunks(server.url, body)
+    assert "".join(c["text"] for c in chunks) == scored["text"]
+    assert [t for c in chunks for t in c["logprobs"]["tokens"]] == scored["logprobs"]["tokens"]
+    bad = _post(server.url, "completions", {"prompt": PROMPT, "max_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+
+
 def test_a_streamed_echo_equals_the_whole_answer(server: Served) -> None:
     body = {"prompt": "Hello world", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
             "echo": True, "logprobs": 1, "n": 2}
@@ -216,3 +252,28 @@ def test_logprobs_past_a_float_are_clamped_as_vllm_clamps_them() -> None:
     completion = bodies[0]
     assert completion["token_logprobs"] == [-9999.0, -9999.0]
     assert completion["top_logprobs"][0] == {"a": -9999.0, "b": -0.25, "c": -9999.0}
+
+
+def test_spaces_between_special_tokens_is_taken(server: Served) -> None:
+    """vLLM's request field reaches the SamplingParams (it was ignored); a byte-level BPE
+    decoder puts no space between special tokens, so for this tokenizer False changes nothing
+    (what it drops elsewhere: test_detokenizer)."""
+    from mrv2.entrypoints.openai_protocol import CompletionRequest
+
+    fields = {"prompt": PROMPT, "spaces_between_special_tokens": False}
+    assert not CompletionRequest.model_validate(fields).sampling_params() \
+        .spaces_between_special_tokens
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "allowed_token_ids": [0, 2, 3],
+            "skip_special_tokens": False, "return_token_ids": True}
+    texts = []
+    for spaces in (True, False):
+        choice = _post(server.url, "completions",
+                       {**body, "spaces_between_special_tokens": spaces}).json()["choices"][0]
+        texts.append(choice["text"])
+    tokenizer = server.engine.tokenizer
+    assert tokenizer is not None
+    assert texts[0] == texts[1] == tokenizer.decode(choice["token_ids"], False)
+    bad = _post(server.url, "chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                 "spaces_between_special_tokens": "no"})
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "spaces_between_special_tokens"

@@ -138,8 +138,9 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     #: vLLM's opaque extra arguments (for custom logits processors): kept, never read by mrv2.
     extra_args: dict[str, Any] | None = None
-    #: vLLM's; only True (the default) is taken: mrv2's detokenizer does not drop the spaces
-    #: between special tokens, so False is refused rather than ignored.
+    #: vLLM's: False (with ``skip_special_tokens=False``) drops the space a decoder (WordPiece's)
+    #: puts before an added token that follows an added token, as vLLM's fast detokenizer does;
+    #: a no-op otherwise (byte-level BPE and sentencepiece decoders put none there).
     spaces_between_special_tokens: bool = True
     # Filled in by the engine (not user-facing): EOS ids masked by min_tokens, bad words as ids.
     _eos_token_ids: list[int] = field(default_factory=list, repr=False, compare=False)
@@ -232,9 +233,9 @@ class SamplingParams:
                "less max_tokens)")
         _check(self.extra_args is None or isinstance(self.extra_args, dict), "extra_args",
                self.extra_args, "None or a dict")
-        _check(self.spaces_between_special_tokens is True, "spaces_between_special_tokens",
-               self.spaces_between_special_tokens, "True (mrv2's detokenizer keeps the spaces "
-               "between special tokens; False is not supported)")
+        _check(isinstance(self.spaces_between_special_tokens, bool),
+               "spaces_between_special_tokens", self.spaces_between_special_tokens,
+               "true or false")
 
     @property
     def greedy(self) -> bool:

@@ -75,6 +75,12 @@ class IncrementalDetokenizer:
     -> " Paris").
     ``decode_stream=False`` decodes windows in Python even for a fast tokenizer (benchmarks,
     tests).
+
+    ``spaces_between_special_tokens=False`` with ``skip_special_tokens=False`` does what
+    vLLM's fast detokenizer does: an added token that follows an added token is emitted as
+    its bare text, without the space a decoder may put before it (WordPiece's: "[SEP] [PAD]"
+    becomes "[SEP][PAD]"); the text then is no longer exactly the decode. Otherwise it is a
+    no-op (as in vLLM).
     """
 
     def __init__(
@@ -85,6 +91,7 @@ class IncrementalDetokenizer:
         use_prompt_context: bool = False,
         *,
         decode_stream: bool = True,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.prompt_token_ids = list(prompt_token_ids)
@@ -98,6 +105,10 @@ class IncrementalDetokenizer:
         if not self._byte_values.keys().isdisjoint(self._skipped_ids):
             self._byte_values = {}
         self._num_ids = tokenizer.vocab_size  # ids past it (a padded embedding's) decode to ""
+        # {id: text} of added tokens whose space after another added token is dropped
+        self._bare_added = ({} if skip_special_tokens or spaces_between_special_tokens
+                            else tokenizer.added_tokens)
+        self._last_added = False  # (the prompt's last token is not counted, as in vLLM)
         # Context ids followed by output ids; the decoder has seen ``_ids[:_fed]`` (the rest is
         # a held byte run), and its window is ``_ids[_prefix_offset:]``.
         self._ids: list[int] = []
@@ -210,6 +221,10 @@ class IncrementalDetokenizer:
         for token_id in new_ids:
             token_id = int(token_id)
             ids.append(token_id)
+            bare = None
+            if self._bare_added:
+                bare = self._bare_added.get(token_id) if self._last_added else None
+                self._last_added = token_id in self._bare_added
             if token_id in self._byte_ids:
                 if not self._byte_run:
                     self._run_start = len(ids) - 1
@@ -240,7 +255,7 @@ class IncrementalDetokenizer:
             if delta:
                 self._prefix_offset = self._read_offset
                 self._read_offset = self._fed
-                deltas.append(delta)
+                deltas.append(delta if bare is None else bare)
         if not deltas:
             return ""
         delta = deltas[0] if len(deltas) == 1 else "".join(deltas)

@@ -356,6 +356,7 @@ class LLMEngine(WeightOps):
             detok = IncrementalDetokenizer(
                 self.tokenizer, request.prompt_token_ids, params.skip_special_tokens,
                 use_prompt_context=True,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
             )
         self.scheduler.add(request)
         holdback = 0
@@ -603,10 +604,14 @@ class LLMEngine(WeightOps):
                 not stop_id or params.include_stop_str_in_output):
             tracked.detokenizer.add_tokens([token])
         if stop_id:
-            if token in (params.stop_token_ids or ()):
-                self.scheduler.finish(request, "stop", token)
-            else:
+            # vLLM's: the tokenizer's EOS stops with no stop_reason; a stop token, and an EOS
+            # only the model's configs name (vLLM adds those to the stop tokens: Llama 3.1's
+            # <|eom_id|>), with its id
+            primary = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+            if token == primary and token in request.eos_token_ids:
                 self.scheduler.finish(request, "stop")
+            else:
+                self.scheduler.finish(request, "stop", token)
             return
         # the structured output is complete with this token (the late masks may have taken
         # the guide past it, over the rest of its step's tokens)

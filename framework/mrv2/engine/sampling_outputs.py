@@ -135,10 +135,14 @@ def _decode(tokenizer: Tokenizer | None, token: int) -> str | None:
 def _position(
     ids: list[int], values: list[float], rank: int, k: int, tokenizer: Tokenizer | None
 ) -> PositionLogprobs:
+    # vLLM's (``append_logprobs_for_next_position``): the chosen token first, then the top k
+    # with ranks 1..k; a chosen token among them keeps its place and takes its top-k rank
+    # (at a tie, not its count rank).
     entry = {ids[0]: Logprob(values[0], rank, _decode(tokenizer, ids[0]))}
     for j in range(1, min(k, len(ids) - 1) + 1):
-        if ids[j] not in entry:
-            entry[ids[j]] = Logprob(values[j], j, _decode(tokenizer, ids[j]))
+        held = entry.get(ids[j])
+        entry[ids[j]] = Logprob(values[j], j, held.decoded_token if held is not None
+                                else _decode(tokenizer, ids[j]))
     return entry
 
 

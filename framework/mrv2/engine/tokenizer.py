@@ -163,6 +163,13 @@ class Tokenizer:
         return sorted(ids)
 
     @cached_property
+    def added_tokens(self) -> dict[int, str]:
+        """``{id: text}`` of the added tokens (special or not), as vLLM's detokenizer reads
+        them for ``spaces_between_special_tokens=False``."""
+        return {int(i): str(getattr(tok, "content", tok))
+                for i, tok in getattr(self.hf, "added_tokens_decoder", {}).items()}
+
+    @cached_property
     def byte_fallback_ids(self) -> frozenset[int]:
         """Ids of sentencepiece byte-fallback tokens (``<0x41>``); empty for byte-level BPE."""
         pattern = re.compile(r"<0x[0-9A-Fa-f]{2}>")

@@ -5,6 +5,7 @@ field, not a coercion (an int is still a valid float)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -56,6 +57,9 @@ class _Request(BaseModel):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    #: vLLM's: False (with skip_special_tokens false) drops the space a decoder puts between
+    #: two added tokens (:class:`mrv2.engine.detokenizer.IncrementalDetokenizer`).
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -166,6 +170,7 @@ class _Request(BaseModel):
             logprobs=logprobs,
             prompt_logprobs=self._prompt_logprobs(),
             skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=bias,
             allowed_token_ids=self.allowed_token_ids,
@@ -255,7 +260,9 @@ class StreamOptions(BaseModel):
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    #: 0 only with ``echo`` (OpenAI's and vLLM's): the prompt alone, no answer
+    #: (:attr:`echo_only`).
+    max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -280,6 +287,11 @@ class CompletionRequest(_Request):
         if self.best_of is not None and self.best_of != self.n:
             _unsupported("best_of", self.best_of, f"None or n ({self.n})")
         max_tokens = self._requested_max()
+        if max_tokens == 0:
+            if not self.echo:
+                raise ValueError("SamplingParams.max_tokens=0 is invalid: expected an integer "
+                                 ">= 1 (0 only with echo: the prompt alone)")
+            max_tokens = 1  # (vLLM's: one token is generated, and not shown)
         if self.use_beam_search:
             for name, value, allowed in (("stream", self.stream, False),
                                          ("logprobs", self.logprobs, None),
@@ -291,6 +303,12 @@ class CompletionRequest(_Request):
 
     def _requested_max(self) -> int | None:
         return self.max_tokens  # (16 when left out, as OpenAI's and vLLM's; None: sent null)
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0`` (OpenAI's legacy scoring of a text): each choice is
+        the prompt, with its logprobs, and no answer."""
+        return self.echo and self.max_tokens == 0
 
     def _prompt_logprobs(self) -> int | None:
         # ``echo`` with ``logprobs``: the prompt's tokens get theirs too (vLLM's rule)
@@ -562,11 +580,15 @@ def _json_logprob(value: float) -> float:
 
 def completion_logprobs(positions: Sequence[PositionLogprobs | None], token_ids: list[int],
                         offset: int, token_text: Callable[[int], str] | None = None,
-                        as_ids: bool = False) -> tuple[dict[str, Any], int]:
+                        as_ids: bool = False, k: int | None = None
+                        ) -> tuple[dict[str, Any], int]:
     """OpenAI's legacy logprobs (tokens/token_logprobs/top_logprobs/text_offset); returns the
     text offset after the last token too. A position of ``None`` (an echoed prompt's first
     token) has no logprob and no top logprobs; its text is ``token_text(token)``. ``as_ids``
-    (vLLM's ``return_tokens_as_token_ids``): every token named ``token_id:N``."""
+    (vLLM's ``return_tokens_as_token_ids``): every token named ``token_id:N``. ``k`` (the
+    request's ``logprobs``): a position's ``top_logprobs`` holds its first ``k + 1`` entries
+    (the token's own, then the top ones), as vLLM's, though an echoed prompt's positions may
+    hold more (a larger ``prompt_logprobs``)."""
     tokens, token_lps, tops = [], [], []
     offsets: list[int] = []
     for token, pos in zip(token_ids, positions, strict=False):
@@ -581,7 +603,7 @@ def completion_logprobs(positions: Sequence[PositionLogprobs | None], token_ids:
         token_lps.append(_json_logprob(chosen.logprob) if chosen is not None else None)
         tops.append(None if pos is None else
                     {_token_text(lp, t, as_ids): _json_logprob(lp.logprob)
-                     for t, lp in pos.items()})
+                     for t, lp in itertools.islice(pos.items(), None if k is None else k + 1)})
         offsets.append(offset)
         offset += len(text)
     body = {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,

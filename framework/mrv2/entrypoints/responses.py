@@ -60,6 +60,9 @@ class Echo:
     token_text: Callable[[int], str] | None = None
     """A token's text (a completion's first prompt token's, which has no logprobs entry to
     name it)."""
+    only: bool = False
+    """A completion's ``max_tokens: 0``: the prompt alone (its one generated token, which
+    the usage counts as vLLM's does, is not shown)."""
 
 
 class _Choice:
@@ -150,12 +153,15 @@ class Stream:
         if self.chat:
             return chat_logprobs(lps, ids, self.params.logprobs, as_ids)
         echo = self.echo
+        if echo is not None and echo.only:
+            ids, lps = [], []
         if first and echo is not None:  # the prompt's tokens first
             prompt = self.prompt_lps.get(req_id) or []
             ids = self.encoded[self.order[req_id]][0] + ids
             lps = prompt + lps
         body, end = completion_logprobs(lps, ids, state.offset if state else 0,
-                                        echo.token_text if echo is not None else None, as_ids)
+                                        echo.token_text if echo is not None else None, as_ids,
+                                        self.params.logprobs)
         if state is not None:
             state.offset = end
         return body
@@ -163,6 +169,8 @@ class Stream:
     def _prompt_fields(self, req_id: str, first: bool, text: str) -> tuple[str, Any]:
         """A choice's text with the echoed prompt before it (its first part only), and its
         ``prompt_logprobs`` (None: not asked for, or not its first part)."""
+        if self.echo is not None and self.echo.only:
+            text = ""
         if not first:
             return text, None
         if self.echo is not None:

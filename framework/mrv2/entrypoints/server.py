@@ -362,7 +362,7 @@ def create_app(engine: LLMEngine | RemoteEngine,
             tok = tokenizer()
             echo = Echo([text if text is not None else tok.decode(ids, False)
                          for ids, text in encoded],
-                        lambda token: tok.decode([token], False))
+                        lambda token: tok.decode([token], False), body.echo_only)
         lora = lora_of(body)
         return await _serve(request, worker, "cmpl", lora.lora_name if lora else model_name,
                             encoded, params, body, False,
