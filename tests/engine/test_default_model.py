@@ -176,3 +176,21 @@ def test_default_model_answers() -> None:
         out = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)
     answer = tok.decode(out[0, len(prompt) :].tolist())
     assert "Paris" in answer, answer
+
+
+@pytest.mark.slow
+def test_gguf_tokenizer_drops_bytes_its_vocabulary_lacks() -> None:
+    """SmolLM2's vocabulary lacks a few bytes (control characters such as \\x06, \\x16): its own
+    tokenizer (no unknown token) and llama.cpp's drop them, where transformers' GGUF converter
+    (an unknown token with byte fallback) wrote <|endoftext|> (id 0) into the prompt. The rest
+    of the text tokenizes as SmolLM2's does: digits one by one, special tokens whole."""
+    tok = Tokenizer(dm.load_gguf_tokenizer(_require_gguf()))
+    for text in ("a\x06b", "x\x16\x1dy", "tab\x04"):
+        ids = tok.encode(text)
+        assert 0 not in ids, (text, ids)
+        assert tok.decode(ids) == text.translate({4: None, 6: None, 0x16: None, 0x1d: None})
+    assert tok.encode("Hello world!") == [19556, 905, 17]
+    assert tok.encode("12345") == [33, 34, 35, 36, 37]
+    assert tok.encode("<|im_start|>user\nhi<|im_end|>") == [1, 4093, 198, 6004, 2]
+    text = "café ñ 日本語 🤗 emoji\t\n\n  x don't"
+    assert tok.decode(tok.encode(text)) == text

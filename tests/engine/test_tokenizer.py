@@ -261,3 +261,29 @@ def test_llm_chat_passes_the_templates_own_variables(tmp_path: Path) -> None:
     assert out[0].prompt_token_ids == tok.encode("hi", add_special_tokens=False)
     with pytest.raises(ValueError, match="chat_template_kwargs: \\['messages'\\]"):
         llm.chat(messages, params, chat_template_kwargs={"messages": []})
+
+
+def test_llm_chat_gives_the_template_messages_as_vllm_does(tmp_path: Path) -> None:
+    """``LLM.chat`` renders messages as the server does (vLLM's ``parse_chat_messages``): an
+    assistant's calls with JSON-text ``arguments`` as objects, no ``content`` as "", its
+    ``reasoning`` also as ``reasoning_content`` (and the other way round)."""
+    from mrv2 import LLM, SamplingParams
+    from mrv2.testing import make_tiny_checkpoint, make_tiny_tokenizer
+
+    template = ("{% for m in messages %}[{{ m['content'] }}]"
+                "{% if m.reasoning_content is defined %}{{ m.reasoning_content }}|"
+                "{{ m.reasoning }}{% endif %}"
+                "{% for c in m.tool_calls or [] %}{{ c.function.arguments.city }}{% endfor %}"
+                "{% endfor %}")
+    make_tiny_checkpoint(tmp_path, "LlamaForCausalLM", vocab_size=320)
+    make_tiny_tokenizer(tmp_path)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", chat_template=template)
+    call = {"type": "function", "function": {"name": "w", "arguments": '{"city": "Paris"}'}}
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [call],
+                 "reasoning": "think"},
+                {"role": "tool", "content": "sunny"},
+                {"role": "assistant", "content": "ok", "reasoning_content": "more"}]
+    out = llm.chat(messages, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+    assert out[0].prompt == "[hi][]think|thinkParis[sunny][ok]more|more"
+    assert call["function"]["arguments"] == '{"city": "Paris"}'  # (the caller's, unchanged)

@@ -226,3 +226,81 @@ def test_continue_final_message_and_the_fields_this_server_refuses(server: Serve
         assert next(iter(extra)) in response.json()["error"]["message"]
     assert _post(server, "/v1/chat/completions", {**chat, "tool_choice": "none"}
                  ).status_code == 200
+
+
+#: What a message carries into the template, each field shown where the message has it.
+FIELDS = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}"
+          "{% if m.name is defined %}:{{ m.name }}{% endif %}]"
+          "{% if m.reasoning_content is defined %}<r>{{ m.reasoning_content }}|"
+          "{{ m.reasoning }}</r>{% endif %}{{ m['content'] }}"
+          "{% for c in m.tool_calls or [] %}{{ c.function.name }}"
+          "({{ c.function.arguments.city }}){% endfor %}{% endfor %}"
+          "{% for d in documents or [] %}<doc>{{ d.title }}: {{ d.text }}</doc>{% endfor %}"
+          "{% if add_generation_prompt %}>{% endif %}")
+
+
+def _bos_model(path: Any) -> Any:
+    """The tiny checkpoint whose tokenizer adds ``<s>`` (id 0) in front of a text, as Llama's."""
+    from mrv2.testing import make_tiny_checkpoint, make_tiny_tokenizer
+
+    make_tiny_checkpoint(path, "LlamaForCausalLM", vocab_size=320)
+    make_tiny_tokenizer(path)
+    file = path / "tokenizer.json"
+    data = json.loads(file.read_text())
+    data["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                   {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<s>": {"id": "<s>", "ids": [0], "tokens": ["<s>"]}}}
+    file.write_text(json.dumps(data))
+    return path
+
+
+def test_messages_reach_the_template_as_vllm_gives_them(tmp_path: Any) -> None:
+    """vLLM's rendering of chat messages: an earlier assistant turn's ``reasoning_content``
+    (or ``reasoning``) under both names, its calls' JSON-text ``arguments`` as objects,
+    ``name``, the ``developer`` role as sent; the request's ``documents`` reach the template;
+    the BOS the template writes is the only one (chat: no special tokens added, vLLM's
+    default), while a completion adds it unless ``add_special_tokens: false``; a
+    ``chat_template`` in the body is refused (vLLM without --trust-request-chat-template)."""
+    from conftest import serve
+
+    model = _bos_model(tmp_path)
+    tok = Tokenizer.from_pretrained(model)
+    assert tok.encode("Paris")[0] == 0  # (the tokenizer adds BOS)
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+    messages = [{"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": "Weather?", "name": "ann"},
+                {"role": "assistant", "content": "", "reasoning_content": "look it up",
+                 "tool_calls": [call]},
+                {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+                {"role": "assistant", "content": "Sunny.", "reasoning": "easy"},
+                {"role": "user", "content": "Thanks"}]
+    documents = [{"title": "Paris", "text": "It is sunny."}]
+    text = ("<s>[developer]Be brief.[user:ann]Weather?[assistant]<r>look it up|look it up</r>"
+            "weather(Paris)[tool]sunny[assistant]<r>easy|easy</r>Sunny.[user]Thanks")
+    for served in serve(model, engine_kwargs={"chat_template": FIELDS, "max_model_len": 256}):
+        got = _post(served, "/tokenize", {"messages": messages}).json()["tokens"]
+        assert got == tok.encode(text + ">", add_special_tokens=False)
+        assert got.count(0) == 1
+        chat = _post(served, "/v1/chat/completions", {
+            "messages": messages, "documents": documents, "max_tokens": 1})
+        assert chat.status_code == 200, chat.text
+        with_docs = text + "<doc>Paris: It is sunny.</doc>>"
+        assert chat.json()["usage"]["prompt_tokens"] == len(
+            tok.encode(with_docs, add_special_tokens=False))
+        for path in ("/v1/chat/completions", "/tokenize"):
+            own = _post(served, path, {"messages": messages, "max_tokens": 1,
+                                       "chat_template": "{{ messages[0]['content'] }}"})
+            assert own.status_code == 400, own.text
+            assert own.json()["error"]["param"] == "chat_template"
+        prompt = "<s>The capital"
+        for extra, count in (({}, len(tok.encode(prompt))),
+                             ({"add_special_tokens": False},
+                              len(tok.encode(prompt, add_special_tokens=False)))):
+            done = _post(served, "/v1/completions", {"prompt": prompt, "max_tokens": 1, **extra})
+            assert done.status_code == 200, done.text
+            assert done.json()["usage"]["prompt_tokens"] == count, extra
+        assert len(tok.encode(prompt)) == len(tok.encode(prompt, add_special_tokens=False)) + 1

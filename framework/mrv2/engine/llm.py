@@ -30,7 +30,7 @@ from mrv2.engine.outputs import (
 )
 from mrv2.engine.request_inputs import check_cache_salt, truncate_prompt
 from mrv2.engine.scoring import broadcast_pairs, check_scorer, cosine
-from mrv2.engine.tokenizer import check_template_kwargs
+from mrv2.engine.tokenizer import check_template_kwargs, template_message
 from mrv2.plugins import PluginManager
 
 Prompt = str | dict[str, Any]
@@ -399,6 +399,9 @@ class LLM:
         ``{"type": "image", "image": PIL.Image}``, ``{"type": "image_url", "image_url":
         {"url": "data:..."}}`` or ``{"type": "input_audio", "input_audio": {"data": "<base64
         WAV>", "format": "wav"}}`` (:mod:`mrv2.engine.media`), for a multimodal model.
+        Messages reach the template as the server's do (vLLM's): an assistant's ``tool_calls``
+        with JSON-text ``arguments`` as objects, its ``reasoning`` / ``reasoning_content``
+        under both names (:func:`~mrv2.engine.tokenizer.template_message`).
         ``chat_template_kwargs``: the template's own variables, as vLLM's (Qwen3:
         ``{"enable_thinking": False}``); ValueError naming the field on a reserved name.
         ``continue_final_message``: the reply continues the last message (an assistant's
@@ -420,7 +423,8 @@ class LLM:
         limit = self.engine.config.multimodal.limit_mm_per_prompt
         prompts: list[Prompt] = []
         for conversation in conversations:
-            template_messages, mm_data = split_chat_media(conversation, allow_remote, limit)
+            template_messages, mm_data = split_chat_media(
+                [template_message(m) for m in conversation], allow_remote, limit)
             text = tokenizer.render_chat_template(template_messages, add_generation_prompt,
                                                   tools=tools, **template_kwargs)
             # (as vLLM's: the output's ``prompt`` is the rendered text; it carries any BOS)

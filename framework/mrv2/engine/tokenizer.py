@@ -64,15 +64,17 @@ class Tokenizer:
     def render_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
         tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
-        **kwargs: Any
+        documents: list[dict[str, Any]] | None = None, **kwargs: Any
     ) -> str:
         """The chat template applied to ``messages``, as text: ``tools`` offered to the model,
-        the last message continued (``continue_final_message``); ``kwargs`` are the
-        template's own variables (``enable_thinking=False`` for Qwen3's:
-        :func:`check_template_kwargs`)."""
+        ``documents`` to ground its answer (a RAG template's), the last message continued
+        (``continue_final_message``); ``kwargs`` are the template's own variables
+        (``enable_thinking=False`` for Qwen3's: :func:`check_template_kwargs`)."""
         check_template_kwargs(kwargs)
         if tools:
             kwargs["tools"] = tools
+        if documents:
+            kwargs["documents"] = documents
         if continue_final_message:
             kwargs["continue_final_message"] = True
         if not self.chat_template:
@@ -231,6 +233,47 @@ def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
         raise ValueError(f"chat_template_kwargs: {reserved} are not template variables (the "
                          "chat template's own arguments); use the request's fields")
     return dict(kwargs)
+
+
+def template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A chat message as chat templates read it (vLLM's ``parse_chat_messages``), a copy: no
+    ``content`` as "", an assistant's ``reasoning`` (or ``reasoning_content``) under both
+    names (templates such as Qwen3's read the one, newer clients send the other), its
+    ``tool_calls`` with JSON-text ``arguments`` as objects (:func:`template_call`), none or an
+    empty list left out. ValueError naming the field on a malformed call in a list."""
+    out = dict(message)
+    if out.get("content") is None:
+        out["content"] = ""
+    if out.get("role") != "assistant":
+        return out
+    reasoning = out.get("reasoning")
+    if reasoning is None:
+        reasoning = out.get("reasoning_content")
+    if reasoning is not None:
+        out["reasoning"] = out["reasoning_content"] = reasoning
+    calls = out.get("tool_calls")
+    if isinstance(calls, list) and calls:
+        out["tool_calls"] = [template_call(c) for c in calls]
+    elif not calls:  # (None or []: the template's plain assistant turn, as vLLM's)
+        out.pop("tool_calls", None)
+    return out
+
+
+def template_call(call: Any) -> Any:
+    """An OpenAI tool call with its ``arguments`` JSON text parsed (a template indexes them;
+    an empty text as {}); ValueError naming the field on arguments that are not JSON."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise ValueError("messages[].tool_calls: each call must be {\"type\": \"function\", "
+                         "\"function\": {\"name\": ..., \"arguments\": ...}}")
+    function = dict(call["function"])
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            raise ValueError(f"messages[].tool_calls: arguments {arguments!r} are not JSON"
+                             ) from None
+    return {**call, "function": function}
 
 
 def _load_hf_tokenizer(path: Path, **kwargs: Any) -> Any:

@@ -6,7 +6,6 @@ field, not a coercion (an int is still a valid float)."""
 from __future__ import annotations
 
 import itertools
-import json
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -17,6 +16,7 @@ from mrv2.contract.params import RequestOutputKind, SamplingParams, StructuredOu
 from mrv2.engine.beam_search import BeamSearchParams
 from mrv2.engine.outputs import PositionLogprobs
 from mrv2.engine.request_inputs import check_cache_salt, last_tokens
+from mrv2.engine.tokenizer import template_message
 from mrv2.entrypoints.openai_embeddings import truncation
 
 #: Fields OpenAI's API types "... or null" whose null mrv2 took as a 400: null is the default.
@@ -267,6 +267,9 @@ class CompletionRequest(_Request):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    #: vLLM's: the tokenizer's special tokens (a BOS) added to a text prompt; false for a
+    #: prompt that already has them (a chat template rendered by the client).
+    add_special_tokens: bool = True
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each a string or a list of token ids."""
@@ -324,22 +327,27 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """The message as a chat template reads it: text content, and an assistant's
-        ``tool_calls`` (their JSON-text arguments as objects, as templates index them) or a
-        tool answer's ``tool_call_id`` / ``name``."""
+        """The message as a chat template reads it (:func:`~mrv2.engine.tokenizer.
+        template_message`, vLLM's): text content, an assistant's ``tool_calls`` (their
+        JSON-text arguments as objects, as templates index them) and ``reasoning`` /
+        ``reasoning_content`` (an earlier turn's thinking, both names), a tool answer's
+        ``tool_call_id``, a ``name``."""
         content = self.content
         if isinstance(content, list):  # content parts: the text ones, a line each (vLLM's)
             content = "\n".join(str(part.get("text", "")) for part in content
                                 if part.get("type", "text") == "text")
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         extra = self.model_extra or {}
-        for key in ("tool_call_id", "name"):
+        keys = ["tool_call_id", "name"]
+        if self.role == "assistant":  # (an earlier turn's thinking: an assistant's only)
+            keys += ["reasoning", "reasoning_content"]
+        for key in keys:
             if isinstance(extra.get(key), str):
                 message[key] = extra[key]
         calls = extra.get("tool_calls")
         if isinstance(calls, list) and calls:
-            message["tool_calls"] = [_template_call(c) for c in calls]
-        return message
+            message["tool_calls"] = calls
+        return template_message(message)
 
     @property
     def has_media(self) -> bool:
@@ -353,23 +361,6 @@ class ChatMessage(BaseModel):
         split_chat_media`): an assistant's ``tool_calls``, a tool answer's ``tool_call_id``
         and ``name`` kept."""
         return {**self.as_dict(), "content": self.content or ""}
-
-
-def _template_call(call: Any) -> Any:
-    """An OpenAI tool call with its ``arguments`` JSON text parsed (a template indexes
-    them); ValueError naming the field on arguments that are not JSON."""
-    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
-        raise ValueError("messages[].tool_calls: each call must be {\"type\": \"function\", "
-                         "\"function\": {\"name\": ..., \"arguments\": ...}}")
-    function = dict(call["function"])
-    arguments = function.get("arguments")
-    if isinstance(arguments, str):
-        try:
-            function["arguments"] = json.loads(arguments) if arguments.strip() else {}
-        except ValueError:
-            raise ValueError(f"messages[].tool_calls: arguments {arguments!r} are not JSON"
-                             ) from None
-    return {**call, "function": function}
 
 
 class ChatCompletionRequest(_Request):
@@ -391,6 +382,12 @@ class ChatCompletionRequest(_Request):
     #: (``--enable-auto-tool-choice``) parses its calls, one without refuses them.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    #: vLLM's: documents the chat template may ground the answer in (a RAG template's
+    #: ``documents``, each a dict such as ``{"title": ..., "text": ...}``).
+    documents: list[dict[str, Any]] | None = None
+    #: vLLM's: a chat template of the request's own; refused, as vLLM refuses it without
+    #: ``--trust-request-chat-template`` (the server renders the model's or --chat-template).
+    chat_template: str | None = None
     parallel_tool_calls: bool = True
     #: vLLM's: the answer starts with the last message's content when that message has the
     #: answer's role (``continue_final_message``: the assistant text it continues).
@@ -473,6 +470,8 @@ class TokenizeRequest(BaseModel):
     continue_final_message: bool = False
     #: Offered to the chat template, as a chat request's would be.
     tools: list[dict[str, Any]] | None = None
+    #: Refused, as a chat request's (:attr:`ChatCompletionRequest.chat_template`).
+    chat_template: str | None = None
     return_token_strs: bool = False
 
 

@@ -347,7 +347,7 @@ def create_app(engine: LLMEngine | RemoteEngine,
         encoded: list[tuple[list[int], str | None]] = []
         for p in prompts:
             if isinstance(p, str):
-                full = tokenizer().encode(p)
+                full = tokenizer().encode(p, body.add_special_tokens)
                 ids = body.truncate(full, room(body, params))
                 encoded.append((ids, p if ids is full else None))  # (the text: untruncated)
             else:
@@ -371,9 +371,17 @@ def create_app(engine: LLMEngine | RemoteEngine,
 
     async def chat_ids(messages: list[ChatMessage], add_generation_prompt: bool,
                        template_kwargs: dict[str, Any] | None, continue_final: bool = False,
-                       tools: list[dict[str, Any]] | None = None
+                       tools: list[dict[str, Any]] | None = None,
+                       documents: list[dict[str, Any]] | None = None,
+                       own_template: str | None = None
                        ) -> tuple[list[int], list[MultiModalItem]]:
-        """The prompt's token ids through the chat template, and its images' items."""
+        """The prompt's token ids through the chat template, and its images' items; a
+        template of the request's own (``own_template``) is a 400, as vLLM's without
+        ``--trust-request-chat-template``."""
+        if own_template is not None:
+            raise APIError(400, "chat_template: this server renders the model's chat template "
+                           "(or mrv2 serve --chat-template), not one sent with the request",
+                           param="chat_template")
         try:
             kwargs = check_template_kwargs(template_kwargs)
         except ValueError as error:
@@ -385,6 +393,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
             kwargs["continue_final_message"] = True
         if tools:
             kwargs["tools"] = tools
+        if documents:
+            kwargs["documents"] = documents
         if any(m.has_media for m in messages):
             allow_remote = engine.config.multimodal.allow_remote_media
             try:  # decoding and preprocessing images is CPU work: off the event loop
@@ -517,7 +527,7 @@ def create_app(engine: LLMEngine | RemoteEngine,
             params = dataclasses.replace(params, _reasoning=mark)
         ids, items = await chat_ids(body.messages, body.add_generation_prompt,
                                     body.template_kwargs(), body.continue_final_message,
-                                    body.tools)
+                                    body.tools, body.documents, body.chat_template)
         if items and body.truncate_prompt_tokens is not None:
             raise APIError(400, "truncate_prompt_tokens is not supported with images (it could "
                            "cut an image's rows)", param="truncate_prompt_tokens")
@@ -552,7 +562,7 @@ def create_app(engine: LLMEngine | RemoteEngine,
             assert body.messages is not None
             ids, _ = await chat_ids(body.messages, body.add_generation_prompt,
                                     body.chat_template_kwargs, body.continue_final_message,
-                                    body.tools)
+                                    body.tools, own_template=body.chat_template)
         strs = tokenizer().convert_ids_to_tokens(ids) if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
                 "token_strs": strs}

