@@ -153,6 +153,38 @@ def test_abort_frees_blocks_at_once(checkpoint: Path) -> None:
     _assert_clean(engine)
 
 
+@pytest.mark.parametrize("how", ["abort", "stop"])
+def test_a_reused_request_id_gets_none_of_the_old_requests_tokens(checkpoint: Path,
+                                                                  how: str) -> None:
+    """An id is free again once its request is aborted or finished, while with async
+    scheduling a step of the old request may still be in flight: that step's token is the
+    old request's and is dropped, never handed to the new request of the same id (it was:
+    the new request's output began with the old one's token)."""
+    engine = _llm(checkpoint).engine
+    first, second = PROMPTS[0], PROMPTS[1]
+    want = hf_greedy(checkpoint, second, NEW_TOKENS)
+    if how == "abort":
+        engine.add_request(first, _params(), request_id="x")
+        engine.step()
+        engine.step()
+        assert engine._in_flight  # (a step of "x" is in flight)
+        engine.abort("x")
+    else:  # stops on its second token while its third is in flight
+        stop = hf_greedy(checkpoint, first, 2)[1]
+        engine.add_request(first, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
+                                                 ignore_eos=True, stop_token_ids=[stop]),
+                           request_id="x")
+        while not engine.step():
+            pass
+        assert engine._in_flight
+    engine.add_request(second, _params(), request_id="x")
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert [o.outputs[0].token_ids for o in outputs] == [want]
+    _assert_clean(engine)
+
+
 def test_whole_prompt_cached_still_computes_last_token(checkpoint: Path) -> None:
     """A prompt whose every block is cached recomputes its last block, and still samples."""
     llm = _llm(checkpoint)

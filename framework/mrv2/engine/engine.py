@@ -149,6 +149,10 @@ class LLMEngine(WeightOps):
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self._requests: dict[str, TrackedRequest] = {}
         self._in_flight: deque[AsyncStepOutput] = deque()
+        #: Ids whose request ended (finished or aborted) while steps were in flight, each
+        #: with the newest of them: its results for the id, and those before it, are the
+        #: ended request's, never those of a new request given the same id since.
+        self._ended: dict[str, AsyncStepOutput] = {}
         #: Outputs of the steps a pause finished (:meth:`pause_generation`), for the next
         #: :meth:`step`.
         self._held: list[RequestOutput] = []
@@ -379,6 +383,7 @@ class LLMEngine(WeightOps):
             tracked = self._requests.pop(one, None)
             if tracked is not None:
                 self.scheduler.finish(tracked.request, "abort")  # its blocks are free at once
+                self._end(one)
         if not self.has_unfinished():
             self.runner.remove_requests(self.scheduler.take_finished_ids())  # idle: row too
 
@@ -388,8 +393,23 @@ class LLMEngine(WeightOps):
         engine is still referenced; requests still running are dropped. The engine takes no
         requests and no steps afterwards. Idempotent."""
         self._in_flight.clear()
+        self._ended.clear()
         self.runner.shutdown()
         self._shut_down = True
+
+    def _end(self, req_id: str) -> None:
+        """``req_id``'s request left ``_requests``: the steps in flight hold its results."""
+        if self._in_flight:
+            self._ended[req_id] = self._in_flight[-1]
+
+    def _steps_of(self, req_id: str) -> list[AsyncStepOutput]:
+        """The steps in flight that may hold results of the live request ``req_id`` (none
+        of those of an ended request of the same id)."""
+        steps = list(self._in_flight)
+        last = self._ended.get(req_id)
+        if last is not None:
+            steps = steps[next(i for i, s in enumerate(steps) if s is last) + 1:]
+        return steps
 
     def _check_open(self) -> None:
         if self._shut_down:
@@ -444,10 +464,20 @@ class LLMEngine(WeightOps):
         return outputs
 
     def _process(self, step: AsyncStepOutput) -> list[RequestOutput]:
+        outputs = self._process_step(step)
+        self._ended = {i: last for i, last in self._ended.items() if last is not step}
+        return outputs
+
+    def _process_step(self, step: AsyncStepOutput) -> list[RequestOutput]:
+        ended = set(self._ended)  # (ids of requests that ended: their results here are theirs)
+
+        def live(req_id: str) -> TrackedRequest | None:
+            return None if req_id in ended else self._requests.get(req_id)
+
         sampled = step.result()
         logprobs = step.logprobs()
         for req_id, vector in step.pooled().items():  # (embedding requests)
-            tracked = self._requests.get(req_id)
+            tracked = live(req_id)
             if tracked is None:
                 continue
             pooling, n = tracked.request.pooling_params, tracked.request.num_prompt_tokens
@@ -457,11 +487,11 @@ class LLMEngine(WeightOps):
             else:
                 tracked.embedding = vector
         for req_id, drafts in step.drafts().items():  # (structured outputs with speculation)
-            tracked = self._requests.get(req_id)
+            tracked = live(req_id)
             if tracked is not None:
                 tracked.drafts = drafts
         for req_id, first, ids, values, ranks in step.prompt_logprobs():
-            tracked = self._requests.get(req_id)
+            tracked = live(req_id)
             k = tracked.request.sampling_params.prompt_logprobs if tracked else None
             if tracked is not None and tracked.logprobs is not None and k is not None:
                 add_prompt_logprobs(tracked.logprobs, k, first, ids, values, ranks,
@@ -469,7 +499,7 @@ class LLMEngine(WeightOps):
         outputs = []
         interval = self.config.scheduler.stream_interval
         for req_id, tokens in sampled.items():
-            tracked = self._requests.get(req_id)
+            tracked = live(req_id)
             drafted = step.drafted.get(req_id)
             if drafted is not None:
                 self._count_drafts(drafted.num_drafts, len(tokens) - 1)
@@ -500,6 +530,7 @@ class LLMEngine(WeightOps):
             if request.finished:
                 outputs.append(tracked.output())
                 del self._requests[req_id]
+                self._end(req_id)
             elif tracked.stream and (
                     not tracked.sent_tokens
                     or len(request.output_token_ids) - tracked.sent_tokens >= interval):
@@ -541,7 +572,7 @@ class LLMEngine(WeightOps):
                 guide, request = tracked.guide, tracked.request
                 if guide is None or request.finished:
                     continue
-                in_flight = [token for step in self._in_flight
+                in_flight = [token for step in self._steps_of(request.req_id)
                              for token in step.result().get(request.req_id, ())]
                 for token in in_flight[guide.consumed - len(request.output_token_ids):]:
                     guide.advance(token)  # (the step's processing, later, skips these)
@@ -569,7 +600,7 @@ class LLMEngine(WeightOps):
         if not count:
             return []
         req_id, drafts = tracked.request.req_id, tracked.drafts
-        for step in reversed(self._in_flight):
+        for step in reversed(self._steps_of(req_id)):
             if req_id in step.result():
                 drafts = step.drafts().get(req_id)
                 break
