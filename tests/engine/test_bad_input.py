@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from mrv2 import LLM, EngineConfig, SamplingParams
+from mrv2.engine.engine import LLMEngine
 from mrv2.testing import make_tiny_checkpoint
 
 
@@ -118,6 +120,66 @@ def test_one_bad_prompt_runs_nothing_and_engine_keeps_serving(llm: LLM) -> None:
                 finished[out.request_id] = out.outputs[0].token_ids
     expected = llm.generate(good, params, use_tqdm=False)[0].outputs[0].token_ids
     assert finished == {first: expected}
+
+
+def _finish(engine: LLMEngine) -> dict[str, list[list[int]]]:
+    """Step ``engine`` until idle: each finished output's samples' tokens by request id."""
+    finished: dict[str, list[list[int]]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = [list(o.token_ids) for o in out.outputs]
+    return finished
+
+
+def test_ids_of_an_n_requests_samples_are_refused_before_any_state_changes(llm: LLM) -> None:
+    """A parent of ``n > 1`` takes its samples' ids (``<id>#n<i>``): a parent whose samples'
+    ids a request holds, or a request taking a sample's id of a parent in flight (one
+    already finished too: its output would be merged into the parent's), is refused
+    before anything is queued; the requests in flight finish under their own ids."""
+    engine = llm.engine
+    one = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    two = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, n=2)
+    engine.add_request([3, 4, 5], one, request_id="a#n1")
+    with pytest.raises(ValueError, match=r"'a' is already in use \(by its samples' ids "
+                                         r"\['a#n1'\]\)"):
+        engine.add_request([3, 4, 5], two, request_id="a")
+    assert engine.scheduler.num_unfinished == 1 and not engine._fanout.parents
+    engine.add_request([3, 4, 5], two, request_id="b#n0")  # a parent; then one of its id
+    with pytest.raises(ValueError, match="'b' is already in use"):
+        engine.add_request([3, 4, 5], two, request_id="b")
+    assert engine.scheduler.num_unfinished == 3
+    finished = _finish(engine)
+    assert set(finished) == {"a#n1", "b#n0"}
+    assert finished["a#n1"][0] == finished["b#n0"][0] == finished["b#n0"][1]
+    assert not engine._fanout.parents and not engine._fanout.child_parent
+
+
+def test_the_id_of_a_finished_sample_of_a_parent_in_flight_is_refused(ckpt: Path) -> None:
+    engine = LLM(str(ckpt), device="cpu", dtype="float32", block_size=4, max_model_len=64,
+                 max_num_seqs=1).engine  # (one request at a time: sample 0 ends first)
+    one = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine.add_request([3, 4, 5], SamplingParams(temperature=0, max_tokens=3,
+                                                 ignore_eos=True, n=2), request_id="c")
+    while "c#n0" in engine._requests:
+        assert engine.step() == []
+    assert "c#n1" in engine._requests
+    with pytest.raises(ValueError, match="'c#n0' is already in use"):
+        engine.add_request([3, 4, 5], one, request_id="c#n0")
+    finished = _finish(engine)
+    assert set(finished) == {"c"} and len(finished["c"]) == 2
+
+
+def test_an_id_left_to_the_engine_skips_the_ids_callers_took(llm: LLM) -> None:
+    """An id the engine numbers passes over a caller's own ids (and its samples' ids)
+    instead of refusing a request whose caller chose no id."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    engine._ids = itertools.count(1000)
+    engine.add_request([3, 4, 5], params, request_id="1000")
+    engine.add_request([3, 4, 5], params, request_id="1001#n1")
+    assert engine.add_request([3, 4, 5], SamplingParams(max_tokens=2, n=2)) == "1002"
+    assert set(_finish(engine)) == {"1000", "1001#n1", "1002"}
 
 
 def test_params_changed_after_submission_leave_the_request_as_submitted(llm: LLM) -> None:

@@ -5,6 +5,7 @@ configures from ``MRV2_LOGGING_LEVEL``."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from mrv2.config import EngineConfig
+from mrv2.contract.params import SamplingParams
 from mrv2.engine.engine import LLMEngine
 from mrv2.logs import LEVEL_ENV_VAR, _Handler, configure_logging, configured_level
 from mrv2.runner.startup import StartupReport
@@ -116,3 +118,42 @@ def test_the_kv_line_names_the_encoders_share(caplog: pytest.LogCaptureFixture) 
     text.facts.update(encoder_peak_bytes=0, encoder_kept_bytes=0)
     text.kv_cache(100, 16, 1 << 20, "bfloat16", 4096, 5 << 29)
     assert "activation peak 2.50 GiB (0.0 s)" in caplog.text
+
+
+def _cpu_budget_gb(path: Path, blocks: int, block_size: int = 4) -> float:
+    """A CPU KV budget (``cpu_kv_cache_gb``) of ``blocks`` float32 blocks of the checkpoint."""
+    cfg = json.loads((path / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_block = (cfg["num_hidden_layers"] * 2 * block_size * cfg["num_key_value_heads"]
+                 * head_dim * 4)
+    return (blocks + 0.5) * per_block / (1 << 30)
+
+
+def test_a_cache_too_small_for_one_max_model_len_request_refuses_to_start(
+        tmp_path: Path) -> None:
+    """vLLM's start-up check: a KV cache sized from memory that cannot hold one request of
+    max_model_len tokens is refused at start-up (naming max_model_len, what is needed and
+    held, and the longest length that fits), instead of an engine that then refuses every
+    request leaving max_tokens unset; at that length it starts and takes such requests."""
+    ckpt = make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM")
+    kwargs = {"model": str(ckpt), "device": "cpu", "dtype": "float32", "block_size": 4,
+              "cpu_kv_cache_gb": _cpu_budget_gb(ckpt, 20)}
+    with pytest.raises(ValueError, match=(
+            r"holds 20 blocks of 4 tokens \(80 tokens\), but one request of max_model_len "
+            r"256 tokens needs 64 blocks.*largest max_model_len that fits is about 80\. "
+            r"Raise cpu_kv_cache_gb, or lower max_model_len")):
+        LLMEngine(EngineConfig.from_kwargs(max_model_len=256, **kwargs))
+    engine = LLMEngine(EngineConfig.from_kwargs(max_model_len=80, **kwargs))
+    assert engine.block_manager.num_blocks == 20
+    assert engine.validate([1, 2, 3], SamplingParams(max_tokens=None)) == 77
+
+
+def test_a_sliding_window_model_is_counted_by_its_windows(tmp_path: Path) -> None:
+    """Every layer sliding: a request holds its window's blocks (and a step's), not
+    max_model_len's, so a cache far smaller than max_model_len tokens serves it."""
+    ckpt = make_tiny_checkpoint(tmp_path, "MistralForCausalLM", sliding_window=5)
+    engine = LLMEngine(EngineConfig.from_kwargs(
+        model=str(ckpt), device="cpu", dtype="float32", block_size=4, max_model_len=256,
+        max_num_batched_tokens=8, cpu_kv_cache_gb=_cpu_budget_gb(ckpt, 8)))
+    assert engine.runner.kv_table_windows == (5,) and engine.block_manager.num_blocks == 8
+    assert engine.validate([1, 2, 3], SamplingParams(max_tokens=None)) == 253

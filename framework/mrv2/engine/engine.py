@@ -48,6 +48,7 @@ from mrv2.engine.sampling_outputs import (
     TrackedRequest,
     add_prompt_logprobs,
     add_sample_logprobs,
+    child_id,
     prepare_params,
 )
 from mrv2.engine.scheduler import Scheduler
@@ -138,6 +139,11 @@ class LLMEngine(WeightOps):
                 logger.info("prefix caching off: %s keeps per-request recurrent state and "
                             "cache.state_snapshot_slots is 0", entry.architecture)
         self.block_manager, self.scheduler = self._new_scheduler()
+        try:
+            self._check_kv_capacity()
+        except BaseException:
+            self.runner.shutdown()  # tensor-parallel workers must not outlive a failed start
+            raise
         k = self.runner.num_speculative_tokens
         #: Request-steps by how many drafts they verified (``[d]``) and kept (``[a]``); every
         #: speculation count of :meth:`stats` derives from these two histograms.
@@ -199,6 +205,36 @@ class LLMEngine(WeightOps):
             scheduler.snapshots = StateSnapshots(self.state_snapshot_slots,
                                                  self.runner.block_size)
         return blocks, scheduler
+
+    def _check_kv_capacity(self) -> None:
+        """Refuse to start (vLLM's rule) when a KV cache sized from memory cannot hold one
+        request of ``max_model_len`` tokens, counted as :meth:`validate` counts it (sliding
+        tables hold their window and a step's tokens; a drafter's lookahead): every request
+        that leaves ``max_tokens`` unset would be refused. ``num_gpu_blocks_override`` is the
+        caller's own count, as in vLLM: not checked."""
+        cache = self.config.cache
+        num_blocks = self.block_manager.num_blocks
+        needed = self.scheduler.most_blocks(self.max_model_len)
+        if cache.num_gpu_blocks_override is not None or needed <= num_blocks:
+            return
+        tables, step = self.scheduler.tables, self.scheduler.max_step_tokens
+        low, high = 0, self.max_model_len  # the longest length that fits: in [low, high)
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if tables.most_held(mid, step) <= num_blocks else (low, mid)
+        size = self.block_manager.block_size
+        knob = ("cpu_kv_cache_gb" if self.runner.device.type == "cpu"
+                else "gpu_memory_utilization")
+        lookahead = self.scheduler.num_lookahead_tokens
+        slots = f" (with the drafter's {lookahead} lookahead slots)" if lookahead else ""
+        fits = (f"the largest max_model_len that fits is about {low}" if low
+                else "no max_model_len fits")
+        raise ValueError(
+            f"the KV cache holds {num_blocks} blocks of {size} tokens ({num_blocks * size} "
+            f"tokens), but one request of max_model_len {self.max_model_len} tokens needs "
+            f"{needed} blocks{slots}: no request could reach the model's max_model_len; "
+            f"{fits}. Raise {knob}, or lower max_model_len"
+        )
 
     def reset_after_warmup(self) -> None:
         """Forget what :func:`~mrv2.engine.warmup.warm_up`'s requests left: a new block
@@ -315,6 +351,8 @@ class LLMEngine(WeightOps):
         stream = stream and params.output_kind != RequestOutputKind.FINAL_ONLY
         mm_items = list(mm_items or [])
         req_id = request_id if request_id is not None else str(next(self._ids))
+        while request_id is None and self._ids_in_use(req_id, params.n):  # (a caller's own)
+            req_id = str(next(self._ids))
         self.runner.model_state.check_request(  # (the family's item checks, before queueing)
             NewRequest(req_id, prompt_token_ids, params, 0, [], mm_items=mm_items))
         budget = self.config.scheduler.max_num_batched_tokens
@@ -324,18 +362,26 @@ class LLMEngine(WeightOps):
                                  "tokens whose tokens attend to each other is computed in one "
                                  f"step; max_num_batched_tokens={budget} is smaller (raise it "
                                  f"to at least {item.length})")
-        if req_id in self._requests or req_id in self._fanout.parents:
-            raise ValueError(f"request id {req_id!r} is already in use")
+        in_use = self._ids_in_use(req_id, params.n)
+        if in_use:
+            whose = "" if in_use == [req_id] else f" (by its samples' ids {in_use})"
+            raise ValueError(f"request id {req_id!r} is already in use{whose}")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         params = prepare_params(params, self.eos_token_ids, self.tokenizer,
                                 len(prompt_token_ids))
         if params.n > 1:  # n sub-requests, merged into one output by self._fanout
             self.scheduler.check_room(params.n)  # (a part queued would run for nobody)
-            children = [(c, params.child(i, derive_seed(seed, i))) for i, c in
-                        enumerate(self._fanout.add(req_id, params.n, stream))]
-            for child, child_params in children:
-                self.add_request(prompt_token_ids, child_params, child, prompt, stream, priority,
-                                 mm_items, lora_request, cache_salt=cache_salt)
+            children = [child_id(req_id, i) for i in range(params.n)]
+            try:
+                for i, child in enumerate(children):
+                    self.add_request(prompt_token_ids, params.child(i, derive_seed(seed, i)),
+                                     child, prompt, stream, priority, mm_items, lora_request,
+                                     cache_salt=cache_salt)
+            except BaseException:
+                for child in children:  # (no samples left running for nobody)
+                    self.abort(child)
+                raise
+            self._fanout.add(req_id, params.n, stream)
             return req_id
         guide = None
         if params.structured_outputs is not None:
@@ -373,6 +419,15 @@ class LLMEngine(WeightOps):
         if params.logprobs is not None or params.prompt_logprobs is not None:
             self._requests[req_id].logprobs = LogprobState()
         return req_id
+
+    def _ids_in_use(self, req_id: str, n: int) -> list[str]:
+        """Which of ``req_id`` and, for ``n > 1``, its samples' ids (``child_id``) a request
+        in flight holds: a request's, a parent's, or a sample's of a parent in flight (its
+        output would be merged into that parent's)."""
+        ids = [req_id, *(child_id(req_id, i) for i in range(n if n > 1 else 0))]
+        fanout = self._fanout
+        return [i for i in ids
+                if i in self._requests or i in fanout.parents or i in fanout.child_parent]
 
     def abort(self, req_id: str) -> None:
         """Cancel a request (an ``n > 1`` parent: all its samples) wherever it is; unknown or

@@ -225,3 +225,23 @@ def test_gptq_checkpoint_with_quantized_input_projections(
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_the_start_up_kv_check_counts_only_the_attention_layers(tmp_path: Path) -> None:
+    """The start-up check that one request of max_model_len fits a KV cache sized from
+    memory counts the blocks the engine takes: its attention layers' (the Gated DeltaNet
+    layers keep a state a request, no blocks). Exactly that many blocks start; one fewer is
+    refused naming max_model_len."""
+    _checkpoint(tmp_path)
+    kwargs: dict[str, Any] = {"device": "cpu", "dtype": "float32", "block_size": 4,
+                              "max_model_len": 64}
+    runner = LLM(str(tmp_path), num_gpu_blocks_override=1, **kwargs).engine.runner
+    per_block = runner.kv.bytes_per_block(4, runner.dtype)
+    attention = sum(hasattr(layer, "self_attn") for layer in runner.model.model.layers)
+    assert 0 < attention < len(runner.model.model.layers)
+    assert per_block == attention * 2 * 4 * runner.hf_config.num_key_value_heads * (
+        runner.hf_config.head_dim) * 4
+    llm = LLM(str(tmp_path), cpu_kv_cache_gb=16.5 * per_block / (1 << 30), **kwargs)
+    assert llm.engine.block_manager.num_blocks == 16  # 64 tokens of 4
+    with pytest.raises(ValueError, match="max_model_len 64 tokens needs 16 blocks"):
+        LLM(str(tmp_path), cpu_kv_cache_gb=15.5 * per_block / (1 << 30), **kwargs)
