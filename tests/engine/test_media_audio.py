@@ -71,8 +71,9 @@ def test_split_chat_media_takes_input_audio() -> None:
     assert split_chat_media([{"role": "user", "content": [{"type": "text", "text": "x"}]}]
                             )[1] == {"image": []}
     with pytest.raises(ValueError, match=re.escape(
-            "messages[0].content[1].type: unsupported 'video_url'; allowed: 'text', 'image', "
-            "'image_url', 'input_audio'")):
+            "messages[0].content[1].type: unsupported 'video_url'; allowed: 'text', "
+            "'input_text', 'output_text', 'refusal', 'thinking', 'image', 'image_url', "
+            "'input_audio'")):
         split_chat_media([{"role": "user", "content": [{"type": "text", "text": "a"},
                                                        {"type": "video_url"}]}])
 

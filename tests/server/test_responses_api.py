@@ -127,7 +127,7 @@ def test_tools_are_echoed_and_a_cut_message_is_incomplete(server: Served) -> Non
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "text": {"format": {"type": "xml"}}}, "text"),
     ({"input": "x", "temperature": -1}, "temperature"),
-    ({"input": "x", "reasoning": {"effort": "low", "summary": "auto"}}, "reasoning"),
+    ({"input": "x", "reasoning": {"effort": "low", "summary": "brief"}}, "reasoning"),
     ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning"),
     ({"input": "x", "include": ["message.output_text.logprob"]}, "include"),
     ({"input": "x", "tool_choice": "required"}, "tool_choice"),  # (no tools to call)
@@ -366,6 +366,19 @@ def test_the_store_keeps_the_newest(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MRV2_RESPONSES_API_STORE_SIZE", "many")
     with pytest.raises(ValueError, match="MRV2_RESPONSES_API_STORE_SIZE"):
         store_from_env()
+
+
+@pytest.mark.parametrize("reasoning", [{"summary": "auto"}, {"effort": "low", "summary": "auto"},
+                                       {"effort": "minimal", "summary": "detailed"},
+                                       {"generate_summary": "concise"}])
+def test_a_reasoning_summary_is_taken_and_ignored(server: Served,
+                                                  reasoning: dict[str, Any]) -> None:
+    """vLLM takes OpenAI's ``reasoning`` object whole (Codex CLI sends ``summary: "auto"``):
+    its effort is the template's, a summary is not written."""
+    response = httpx.post(f"{server.url}/v1/responses", headers=AUTH, timeout=60, json={
+        "model": MODEL, "input": "x", "max_output_tokens": 1, "reasoning": reasoning})
+    assert response.status_code == 200, response.text
+    assert "reasoning" not in [item["type"] for item in response.json()["output"]]
 
 
 def test_null_flags_are_their_defaults(server: Served) -> None:

@@ -114,6 +114,18 @@ def test_chat_template_kwargs_reach_the_template(model_dir: Any) -> None:
             assert answer.status_code == 200, answer.text
             usage = answer.json()["usage"]
             assert usage.get("prompt_tokens", usage.get("input_tokens")) == len(low)
+        # vLLM's other efforts reach the template too; a summary (Codex CLI asks for "auto")
+        # is taken and ignored, as vLLM's
+        minimal = tok.encode("Reasoning: minimal Hello world!", add_special_tokens=False)
+        for path, body in (("/v1/chat/completions", {"messages": messages,
+                                                     "reasoning_effort": "minimal"}),
+                           ("/v1/responses", {"input": "Hello world!", "reasoning": {
+                               "effort": "minimal", "summary": "auto"}})):
+            answer = _post(served, path, {**body, "max_tokens": 2, "max_output_tokens": 2,
+                                          "temperature": 0})
+            assert answer.status_code == 200, answer.text
+            usage = answer.json()["usage"]
+            assert usage.get("prompt_tokens", usage.get("input_tokens")) == len(minimal)
         bad = _post(served, "/v1/chat/completions", {"messages": messages,
                                                      "reasoning_effort": "extreme"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning_effort"
@@ -291,6 +303,14 @@ def test_messages_reach_the_template_as_vllm_gives_them(tmp_path: Any) -> None:
         with_docs = text + "<doc>Paris: It is sunny.</doc>>"
         assert chat.json()["usage"]["prompt_tokens"] == len(
             tok.encode(with_docs, add_special_tokens=False))
+        # vLLM's add_special_tokens (chat and chat /tokenize: off by default): the BOS on top
+        bos = _post(served, "/tokenize", {"messages": messages, "add_special_tokens": True})
+        assert bos.json()["tokens"] == [0, *got]
+        for extra, count in (({}, 0), ({"add_special_tokens": True}, 1)):
+            chat = _post(served, "/v1/chat/completions", {
+                "messages": messages, "max_tokens": 1, **extra})
+            assert chat.status_code == 200, chat.text
+            assert chat.json()["usage"]["prompt_tokens"] == len(got) + count, extra
         for path in ("/v1/chat/completions", "/tokenize"):
             own = _post(served, path, {"messages": messages, "max_tokens": 1,
                                        "chat_template": "{{ messages[0]['content'] }}"})

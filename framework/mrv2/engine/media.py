@@ -3,9 +3,11 @@
 
 Chat messages (``LLM.chat``, the OpenAI server) may carry content lists of parts:
 ``{"type": "text", "text": ...}``, ``{"type": "image", "image": PIL.Image}`` or OpenAI's
-``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``.
-:func:`split_chat_media` replaces each image part with ``{"type": "image"}``. The family's
-chat template renders that as its placeholder (Qwen2.5-VL:
+``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``. Text comes as
+vLLM's chat_utils reads it (:func:`part_text`): ``text``, ``input_text`` and ``output_text``
+parts (their ``text``), ``refusal`` (its ``refusal``) and ``thinking`` (its ``thinking``); an
+empty one is dropped. :func:`split_chat_media` replaces each image part with
+``{"type": "image"}``. The family's chat template renders that as its placeholder (Qwen2.5-VL:
 ``<|vision_start|><|image_pad|><|vision_end|>``). The images are returned in order, for the
 input processor. :func:`load_image_url` decodes ``data:`` URIs; it fetches ``http(s)`` URLs
 only when allowed (``--allow-remote-media``), with a size cap and a deadline on the whole
@@ -38,8 +40,24 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MAX_AUDIO_BYTES", "MAX_IMAGE_BYTES", "decode_wav", "load_image_url",
-           "load_input_audio", "split_chat_media"]
+__all__ = ["MAX_AUDIO_BYTES", "MAX_IMAGE_BYTES", "TEXT_PARTS", "decode_wav",
+           "load_image_url", "load_input_audio", "part_text", "split_chat_media"]
+
+#: The content parts read as text (vLLM's chat_utils) -> the key holding their text.
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text",
+              "refusal": "refusal", "thinking": "thinking"}
+
+
+def part_text(part: Any) -> str | None:
+    """The text of a content part that is text (:data:`TEXT_PARTS`; a part without a
+    ``type`` is a ``text`` one), "" where it holds none (null: vLLM skips it); None for a
+    part that is not text (an image)."""
+    kind = part.get("type", "text") if isinstance(part, dict) else None
+    if kind not in TEXT_PARTS:
+        return None
+    value = part.get(TEXT_PARTS[kind])
+    return "" if value is None else str(value)
+
 
 #: Largest encoded image accepted (a data URI's payload or a fetched body).
 MAX_IMAGE_BYTES = 20 << 20
@@ -211,8 +229,9 @@ def split_chat_media(messages: Sequence[dict[str, Any]], allow_remote: bool = Fa
                 noun = "audio clips" if kind == "input_audio" else "images"
                 raise ValueError(f"{where}: more than {limit} {noun}; at most {limit} per "
                                  "prompt (--limit-mm-per-prompt)")
-            if kind == "text":
-                parts.append({"type": "text", "text": str(part.get("text", ""))})
+            if (text := part_text(part)) is not None:
+                if text:  # (an empty text part is dropped, as vLLM drops it)
+                    parts.append({"type": "text", "text": text})
             elif kind == "image":
                 if part.get("image") is None:
                     raise ValueError(f"{where}.image: missing (a PIL image)")
@@ -229,8 +248,9 @@ def split_chat_media(messages: Sequence[dict[str, Any]], allow_remote: bool = Fa
                 clips.append(load_input_audio(part.get("input_audio"), f"{where}.input_audio"))
                 parts.append({"type": "audio"})
             else:
-                raise ValueError(f"{where}.type: unsupported {kind!r}; allowed: 'text', "
-                                 "'image', 'image_url', 'input_audio'")
+                raise ValueError(f"{where}.type: unsupported {kind!r}; allowed: "
+                                 f"{', '.join(map(repr, TEXT_PARTS))}, 'image', 'image_url', "
+                                 "'input_audio'")
         out.append({**message, "content": parts})
     if not images and not clips:  # text parts only: a line each, as vLLM (and the server's
         # chat route) render them for a template that inserts the content as a string

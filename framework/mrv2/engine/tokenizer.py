@@ -91,12 +91,13 @@ class Tokenizer:
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
-        tokenize: bool = True, **kwargs: Any
+        tokenize: bool = True, add_special_tokens: bool = False, **kwargs: Any
     ) -> Any:
-        """Token ids of the rendered chat template (its text carries any BOS it wants);
+        """Token ids of the rendered chat template (its text carries any BOS it wants; with
+        ``add_special_tokens``, vLLM's chat field, the tokenizer's are added on top);
         ``tokenize=False``: the text (as transformers' and vLLM's users call it)."""
         text = self.render_chat_template(messages, add_generation_prompt, **kwargs)
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        return self.encode(text, add_special_tokens=add_special_tokens) if tokenize else text
 
     def set_chat_template(self, template: str) -> None:
         """Use ``template`` (Jinja text) instead of the tokenizer's own chat template."""
@@ -240,7 +241,7 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
     ``content`` as "", an assistant's ``reasoning`` (or ``reasoning_content``) under both
     names (templates such as Qwen3's read the one, newer clients send the other), its
     ``tool_calls`` with JSON-text ``arguments`` as objects (:func:`template_call`), none or an
-    empty list left out. ValueError naming the field on a malformed call in a list."""
+    empty list left out. ValueError naming the field on a call that is not a function's."""
     out = dict(message)
     if out.get("content") is None:
         out["content"] = ""
@@ -260,8 +261,10 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def template_call(call: Any) -> Any:
-    """An OpenAI tool call with its ``arguments`` JSON text parsed (a template indexes them;
-    an empty text as {}); ValueError naming the field on arguments that are not JSON."""
+    """An OpenAI tool call with its ``arguments`` JSON text parsed (a template indexes them);
+    as vLLM's ``_postprocess_messages``: a text that is not JSON (empty included), null or
+    anything but an object or a list is {}. ValueError naming the field on a call that is
+    not ``{"function": {...}}``."""
     if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
         raise ValueError("messages[].tool_calls: each call must be {\"type\": \"function\", "
                          "\"function\": {\"name\": ..., \"arguments\": ...}}")
@@ -269,10 +272,11 @@ def template_call(call: Any) -> Any:
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:
-            function["arguments"] = json.loads(arguments) if arguments.strip() else {}
-        except ValueError:
-            raise ValueError(f"messages[].tool_calls: arguments {arguments!r} are not JSON"
-                             ) from None
+            function["arguments"] = json.loads(arguments)
+        except ValueError:  # (vLLM's: an empty dict for any text that is not JSON)
+            function["arguments"] = {}
+    elif not isinstance(arguments, (dict, list)):
+        function["arguments"] = {}
     return {**call, "function": function}
 
 

@@ -14,10 +14,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from mrv2.contract.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from mrv2.engine.beam_search import BeamSearchParams
+from mrv2.engine.media import part_text
 from mrv2.engine.outputs import PositionLogprobs
 from mrv2.engine.request_inputs import check_cache_salt, last_tokens
 from mrv2.engine.tokenizer import template_message
 from mrv2.entrypoints.openai_embeddings import truncation
+
+#: The values of ``reasoning_effort`` (a chat request's) and ``reasoning.effort`` (a
+#: Responses request's), vLLM's and OpenAI's: the chat template's ``reasoning_effort``.
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 #: Fields OpenAI's API types "... or null" whose null mrv2 took as a 400: null is the default.
 NULL_IS_DEFAULT = ("n", "presence_penalty", "frequency_penalty", "stream", "logprobs", "echo",
@@ -333,9 +338,9 @@ class ChatMessage(BaseModel):
         ``reasoning_content`` (an earlier turn's thinking, both names), a tool answer's
         ``tool_call_id``, a ``name``."""
         content = self.content
-        if isinstance(content, list):  # content parts: the text ones, a line each (vLLM's)
-            content = "\n".join(str(part.get("text", "")) for part in content
-                                if part.get("type", "text") == "text")
+        if isinstance(content, list):  # content parts: the text ones, a line each (vLLM's:
+            # input_text, output_text, refusal and thinking parts too; empty ones dropped)
+            content = "\n".join(text for text in map(part_text, content) if text)
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         extra = self.model_extra or {}
         keys = ["tool_call_id", "name"]
@@ -353,8 +358,7 @@ class ChatMessage(BaseModel):
     def has_media(self) -> bool:
         """Whether a content part is not text (an image)."""
         return isinstance(self.content, list) and any(
-            isinstance(part, dict) and part.get("type", "text") != "text"
-            for part in self.content)
+            part_text(part) is None for part in self.content)
 
     def with_parts(self) -> dict[str, Any]:
         """:meth:`as_dict` with the content parts as sent (for :func:`~mrv2.engine.media.
@@ -373,8 +377,8 @@ class ChatCompletionRequest(_Request):
     #: The chat template's own variables (vLLM's field): ``{"enable_thinking": false}``.
     chat_template_kwargs: dict[str, Any] | None = None
     #: OpenAI's field: the chat template's ``reasoning_effort`` (gpt-oss's "Reasoning: low /
-    #: medium / high" line; a template without the variable ignores it).
-    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    #: medium / high" line; a template without the variable ignores it); vLLM's values.
+    reasoning_effort: ReasoningEffort | None = None
     #: Continue the last (assistant) message instead of opening a new one (vLLM's field;
     #: needs ``add_generation_prompt: false``).
     continue_final_message: bool = False
@@ -392,6 +396,9 @@ class ChatCompletionRequest(_Request):
     #: vLLM's: the answer starts with the last message's content when that message has the
     #: answer's role (``continue_final_message``: the assistant text it continues).
     echo: bool = False
+    #: vLLM's: the tokenizer's special tokens (a BOS) added to the rendered template, on top
+    #: of those the template writes (off by default, as the template writes them).
+    add_special_tokens: bool = False
 
     def template_kwargs(self) -> dict[str, Any] | None:
         """``chat_template_kwargs`` with ``reasoning_effort`` added (where set and not set
@@ -430,7 +437,7 @@ class ChatCompletionRequest(_Request):
                              "\"function\", \"function\": {\"name\": ..., \"parameters\": "
                              "{...}}}]")
         max_tokens = self._requested_max()
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs not in (None, 0) and not self.logprobs:  # (0: vLLM takes it)
             raise ValueError("SamplingParams.top_logprobs is invalid: needs logprobs=true")
         k = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling(max_tokens, k, defaults)
@@ -464,7 +471,9 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    add_special_tokens: bool = True
+    #: The tokenizer's special tokens added: by default to a ``prompt`` and not to the
+    #: rendered ``messages`` (vLLM's two tokenize requests' defaults, true and false).
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     continue_final_message: bool = False

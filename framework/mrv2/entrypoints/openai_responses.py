@@ -21,8 +21,9 @@ its text's deltas (``response.reasoning_text.delta`` or ``response.content_part.
 then ``response.completed`` (``response.incomplete`` for a cut answer). With the store on
 (:mod:`mrv2.entrypoints.responses_store`) answers are kept and ``previous_response_id``
 continues a conversation; without it that field is refused. ``reasoning.effort`` is the chat
-template's ``reasoning_effort`` (gpt-oss); ``background``, reasoning summaries, uploaded files
-and other input items are refused by name. Function tools work as in chat
+template's ``reasoning_effort`` (gpt-oss); a reasoning ``summary`` is taken and ignored (no
+summary is written), as vLLM's; ``background``, uploaded files and other input items are
+refused by name. Function tools work as in chat
 (``--tool-call-parser``, or a forced ``tool_choice``): the model's calls come back as
 ``function_call`` items (streamed whole when the answer ends), and ``function_call`` /
 ``function_call_output`` input items become the chat messages of an earlier call (on the
@@ -38,7 +39,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -47,6 +48,7 @@ from mrv2.engine.request_inputs import check_cache_salt
 from mrv2.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     ChatMessage,
+    ReasoningEffort,
     chat_logprobs,
     null_is_default,
 )
@@ -134,18 +136,23 @@ class ResponsesRequest(BaseModel):
         """The chat request this one is (after the conversation ``previous``, a stored
         response's, when ``previous_response_id`` names one); ValueError naming the field it
         cannot take."""
-        reasoning = dict(self.reasoning or {})
-        effort = reasoning.pop("effort", None)
-        if reasoning.get("summary") is None:
-            reasoning.pop("summary", None)
-        for name, bad in (("background", self.background), ("reasoning", bool(reasoning)),
-                          ("reasoning", effort not in (None, "low", "medium", "high"))):
-            if bad:
-                raise ValueError(f"SamplingParams.{name} is invalid: this server does not "
-                                 "support it in the Responses API (it runs no responses in "
-                                 "the background; of the reasoning options it takes effort "
-                                 "'low', 'medium' or 'high', the chat template's "
-                                 "reasoning_effort, and no summary)")
+        reasoning = self.reasoning or {}
+        effort = reasoning.get("effort")
+        if self.background:
+            raise ValueError("SamplingParams.background is invalid: this server does not "
+                             "support it in the Responses API (it runs no responses in the "
+                             "background)")
+        # (vLLM's: effort is the chat template's reasoning_effort; a summary is taken and
+        # ignored, as Codex CLI asks for one)
+        efforts, summaries = get_args(ReasoningEffort), ("auto", "concise", "detailed")
+        if effort is not None and effort not in efforts:
+            raise ValueError(f"SamplingParams.reasoning is invalid: effort {effort!r} is none "
+                             f"of {', '.join(map(repr, efforts))}")
+        for key in ("summary", "generate_summary"):
+            if reasoning.get(key) not in (None, *summaries):
+                raise ValueError(f"SamplingParams.reasoning is invalid: {key} "
+                                 f"{reasoning[key]!r} is none of "
+                                 f"{', '.join(map(repr, summaries))}")
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})

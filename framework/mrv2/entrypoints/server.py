@@ -373,10 +373,11 @@ def create_app(engine: LLMEngine | RemoteEngine,
                        template_kwargs: dict[str, Any] | None, continue_final: bool = False,
                        tools: list[dict[str, Any]] | None = None,
                        documents: list[dict[str, Any]] | None = None,
-                       own_template: str | None = None
+                       own_template: str | None = None, add_special_tokens: bool = False
                        ) -> tuple[list[int], list[MultiModalItem]]:
-        """The prompt's token ids through the chat template, and its images' items; a
-        template of the request's own (``own_template``) is a 400, as vLLM's without
+        """The prompt's token ids through the chat template (the tokenizer's special tokens
+        added on top with ``add_special_tokens``), and its images' items; a template of the
+        request's own (``own_template``) is a 400, as vLLM's without
         ``--trust-request-chat-template``."""
         if own_template is not None:
             raise APIError(400, "chat_template: this server renders the model's chat template "
@@ -400,12 +401,14 @@ def create_app(engine: LLMEngine | RemoteEngine,
             try:  # decoding and preprocessing images is CPU work: off the event loop
                 return await asyncio.to_thread(
                     _chat_with_media, engine, tokenizer(), [m.with_parts() for m in messages],
-                    add_generation_prompt, allow_remote, kwargs)
+                    add_generation_prompt, allow_remote,
+                    {**kwargs, "add_special_tokens": add_special_tokens})
             except (ValueError, TypeError) as error:
                 raise APIError(400, str(error), param="messages") from None
         try:
-            return tokenizer().apply_chat_template([m.as_dict() for m in messages],
-                                                   add_generation_prompt, **kwargs), []
+            return tokenizer().apply_chat_template(
+                [m.as_dict() for m in messages], add_generation_prompt,
+                add_special_tokens=add_special_tokens, **kwargs), []
         except (ValueError, TypeError) as error:
             raise APIError(400, f"could not apply the chat template: {error}",
                            param="messages") from None
@@ -527,7 +530,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
             params = dataclasses.replace(params, _reasoning=mark)
         ids, items = await chat_ids(body.messages, body.add_generation_prompt,
                                     body.template_kwargs(), body.continue_final_message,
-                                    body.tools, body.documents, body.chat_template)
+                                    body.tools, body.documents, body.chat_template,
+                                    body.add_special_tokens)
         if items and body.truncate_prompt_tokens is not None:
             raise APIError(400, "truncate_prompt_tokens is not supported with images (it could "
                            "cut an image's rows)", param="truncate_prompt_tokens")
@@ -557,12 +561,13 @@ def create_app(engine: LLMEngine | RemoteEngine,
             raise APIError(400, "give either prompt (text) or messages (chat), not both or "
                            "neither", param="prompt")
         if body.prompt is not None:
-            ids = tokenizer().encode(body.prompt, body.add_special_tokens)
+            ids = tokenizer().encode(body.prompt, body.add_special_tokens is not False)
         else:
             assert body.messages is not None
             ids, _ = await chat_ids(body.messages, body.add_generation_prompt,
                                     body.chat_template_kwargs, body.continue_final_message,
-                                    body.tools, own_template=body.chat_template)
+                                    body.tools, own_template=body.chat_template,
+                                    add_special_tokens=bool(body.add_special_tokens))
         strs = tokenizer().convert_ids_to_tokens(ids) if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
                 "token_strs": strs}
