@@ -106,6 +106,20 @@ def test_min_tokens_defers_stop(llm: LLM, free_run: list[int]) -> None:
     assert free_run[i] not in out.token_ids[: i + 2]
 
 
+def test_min_tokens_masks_the_eos_under_ignore_eos(llm: LLM) -> None:
+    """vLLM's rule: ``min_tokens`` masks every stop token, the EOS included even under
+    ``ignore_eos`` (its ``all_stop_token_ids``), so the first ``min_tokens`` outputs hold no
+    EOS; after them the request goes on through EOS tokens (ignored)."""
+    tokenizer = llm.engine.tokenizer
+    assert tokenizer is not None and tokenizer.eos_token_id is not None
+    eos = tokenizer.eos_token_id
+    params = SamplingParams(temperature=0, max_tokens=6, min_tokens=4, ignore_eos=True,
+                            logit_bias={eos: 100.0})  # (the bias makes the EOS the argmax)
+    out = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 6
+    assert eos not in out.token_ids[:4] and out.token_ids[4:] == [eos, eos]
+
+
 def test_min_tokens_and_stop_strings(llm: LLM, free_run: list[int]) -> None:
     """vLLM's rule: with ``min_tokens=k`` a stop string that ends in the text of the first k
     tokens does not stop the request (it stopped on token k), nor does a longer stop string

@@ -136,6 +136,23 @@ def test_n_fans_out_with_derived_seeds(llm: LLM) -> None:
     assert [o.token_ids for o in again[0].outputs] == [o.token_ids for o in outs]
 
 
+def test_negative_seeds_as_vllm(llm: LLM) -> None:
+    """vLLM's seeds: -1 means none (a random one), and any other int64, negative ones too,
+    seeds the request reproducibly (clients send ``seed: -1`` for "random")."""
+    assert SamplingParams(seed=-1).seed is None
+    prompt = [{"prompt_token_ids": [3, 1, 4]}]
+    runs = [llm.generate(prompt, SamplingParams(n=2, temperature=1.0, seed=seed, max_tokens=8,
+                                                ignore_eos=True), use_tqdm=False)[0]
+            for seed in (-5, -5, -2**63, 5)]
+    tokens = [[o.token_ids for o in r.outputs] for r in runs]
+    assert tokens[0] == tokens[1]  # reproducible
+    assert tokens[0][0] != tokens[0][1]  # the two samples differ
+    assert len({tuple(t[0]) for t in tokens[1:]}) == 3  # -5, -2**63 and 5: three seeds
+    unseeded = llm.generate(prompt, SamplingParams(temperature=1.0, seed=-1, max_tokens=8,
+                                                   ignore_eos=True), use_tqdm=False)[0]
+    assert len(unseeded.outputs[0].token_ids) == 8
+
+
 def test_allowed_bad_words_and_min_tokens(llm: LLM) -> None:
     tok = llm.get_tokenizer()
     allowed = [10, 20, 30]
@@ -159,6 +176,44 @@ def test_allowed_bad_words_and_min_tokens(llm: LLM) -> None:
     out_ids = llm.generate([{"prompt_token_ids": PROMPT}], eos,
                            use_tqdm=False)[0].outputs[0].token_ids
     assert len(out_ids) == 6 and free[1] not in out_ids
+
+
+def test_a_bad_word_with_a_leading_space_bans_the_bare_word_too(llm: LLM) -> None:
+    """vLLM's rule: a bad word is tokenized with its leading whitespace stripped and with one
+    space before it, so ``" w"`` bans ``w`` at the start of the output too (it banned only
+    the spaced form)."""
+    tok = llm.get_tokenizer()
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    free = llm.generate([{"prompt_token_ids": PROMPT}], greedy,
+                        use_tqdm=False)[0].outputs[0].token_ids
+    words = [(t, tok.decode([t])) for t in free]
+    words = [(t, w) for t, w in words if w.strip() == w and w and "\ufffd" not in w
+             and tok.encode(w, add_special_tokens=False) == [t]
+             and tok.encode(" " + w, add_special_tokens=False) != [t]]
+    assert words, f"no generated token of {free} is a word of its own: change PROMPT"
+    token, word = words[0]
+    banned = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                            bad_words=[" " + word])
+    out = llm.generate([{"prompt_token_ids": PROMPT}], banned,
+                       use_tqdm=False)[0].outputs[0].token_ids
+    assert token not in out and out != free
+
+
+def test_bad_words_past_the_models_vocabulary(llm: LLM) -> None:
+    """A bad word whose tokens include ids the model has no logit for (the tokenizer's added
+    tokens past the model's vocabulary) can never be completed: it bans nothing (it raised an
+    IndexError inside the step, failing the whole batch; on a GPU, a device-side assert)."""
+    tok = llm.get_tokenizer()
+    vocab = llm.engine.vocab_size
+    word = "Hello"
+    variants = [tok.encode(w, add_special_tokens=False) for w in (word, " " + word)]
+    assert all(v and max(v) >= vocab for v in variants), (variants, vocab)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": PROMPT}, {"prompt_token_ids": PROMPT[:5]}]
+    free = llm.generate(prompts, greedy, use_tqdm=False)
+    banned = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, bad_words=[word])
+    got = llm.generate(prompts, [banned, greedy], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in free]
 
 
 def test_logprobs_same_with_async_off(ckpt: Path, llm: LLM) -> None:

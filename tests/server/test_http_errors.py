@@ -59,6 +59,8 @@ def test_malformed_json(server: Served) -> None:
     ({"max_tokens": 3}, "prompt"),
     ({"prompt": [1, 100000]}, "prompt"),
     ({"prompt": "hi", "stop_token_ids": [999]}, "stop_token_ids"),
+    ({"prompt": "hi", "logit_bias": {"999": 1.0}}, "logit_bias"),
+    ({"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
     ({"prompt": "hi", "echo": True, "logprobs": 1, "prompt_logprobs": -1}, "prompt_logprobs"),
     ({"prompt": "hi", "suffix": "x"}, "suffix"),
     ({"prompt": "hi", "best_of": 3}, "best_of"),

@@ -89,7 +89,8 @@ class SamplingParams:
     """How to pick each next token and when to stop, per request (vLLM's names).
 
     ``temperature == 0`` is greedy. ``top_k`` of 0 or -1 disables top-k; ``top_p == 1`` disables
-    top-p. ``seed`` makes the request's samples reproducible whatever else is in the batch.
+    top-p. ``seed`` (any int64; -1 is none, as vLLM's) makes the request's samples reproducible
+    whatever else is in the batch.
 
     Penalties (vLLM's meanings): ``repetition_penalty`` divides positive / multiplies negative
     logits of tokens seen in the prompt or the output; ``frequency_penalty`` subtracts
@@ -159,6 +160,8 @@ class SamplingParams:
                self.stop, "a non-empty string or a list of non-empty strings")
         _check(self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)),
                "stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
+        if self.seed == -1 and _is_int(self.seed):  # vLLM's: -1 is no seed (a random one)
+            self.seed = None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -179,8 +182,8 @@ class SamplingParams:
                "an integer >= 1, or 0 / -1 to disable")
         _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", self.min_p,
                "a number in [0, 1]")
-        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63),
-               "seed", self.seed, "None or an integer in [0, 2**63)")
+        _check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**63),
+               "seed", self.seed, "None or an integer in [-2**63, 2**63) (-1: none)")
         _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
                "max_tokens", self.max_tokens, "None or an integer >= 1")
         _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",

@@ -368,7 +368,7 @@ class LLMEngine(WeightOps):
             raise ValueError(f"request id {req_id!r} is already in use{whose}")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         params = prepare_params(params, self.eos_token_ids, self.tokenizer,
-                                len(prompt_token_ids))
+                                len(prompt_token_ids), self.vocab_size)
         if params.n > 1:  # n sub-requests, merged into one output by self._fanout
             self.scheduler.check_room(params.n)  # (a part queued would run for nobody)
             children = [child_id(req_id, i) for i in range(params.n)]

@@ -103,26 +103,32 @@ class TrackedRequest:
 
 
 def prepare_params(params: SamplingParams, eos: frozenset[int], tokenizer: Tokenizer | None,
-                   num_prompt_tokens: int) -> SamplingParams:
+                   num_prompt_tokens: int, vocab_size: int | None = None) -> SamplingParams:
     """A copy of ``params`` (the caller's object may be shared by many requests) with the
-    engine-derived fields: EOS ids for ``min_tokens``, bad words as token ids, prompt length.
+    engine-derived fields: EOS ids for ``min_tokens`` (masked until it is reached, with or
+    without ``ignore_eos``), bad words as token ids, prompt length.
 
-    A bad word is tokenized as written and with a leading space (as vLLM does), each variant
-    banned separately.
+    A bad word is tokenized without its leading whitespace and with one space before it (as
+    vLLM does), each variant banned separately. With ``vocab_size`` (the model's logits), ids
+    past it (a tokenizer's added tokens the model has no logit for) are left out: such an EOS
+    is never sampled, nor a bad-word variant that holds one completed (the sampler's masks
+    index the logits by id).
     """
     # a deep copy: the caller may change or reuse its lists and dicts (logit_bias,
     # allowed_token_ids, ...) while the request runs; ``replace`` validates the copy again
     params = dataclasses.replace(copy.deepcopy(params))
     params._num_prompt_tokens = num_prompt_tokens
-    params._eos_token_ids = [] if params.ignore_eos else sorted(eos)
+    # (under ignore_eos too, as vLLM's ``all_stop_token_ids``: min_tokens masks the EOS)
+    params._eos_token_ids = sorted(t for t in eos if vocab_size is None or t < vocab_size)
     words: list[list[int]] = []
     if params.bad_words:
         if tokenizer is None:
             raise ValueError("SamplingParams.bad_words needs a tokenizer; this model has none")
         for word in params.bad_words:
-            for text in (word, " " + word.lstrip()):
+            for text in (word.lstrip(), " " + word.lstrip()):
                 ids = tokenizer.encode(text, add_special_tokens=False)
-                if ids and ids not in words:
+                if (ids and ids not in words
+                        and (vocab_size is None or max(ids) < vocab_size)):
                     words.append(ids)
     params._bad_words_token_ids = words
     return params
