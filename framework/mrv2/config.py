@@ -222,7 +222,8 @@ class SchedulerConfig(_Section):
     # (0.6B) of throughput, one run each, while a mixed step then stalls every running decode
     # for 341 ms instead of ~190 ms (8B); 4096 lost 0.8% / 4%.
     max_num_batched_tokens: int = Field(
-        default=8192, ge=1, description="tokens in one step at most (the token budget)"
+        default=8192, ge=1, description="tokens in one step at most (the token budget); "
+        "with chunked prefill off at least max_model_len (the default is raised to it)"
     )
     enable_chunked_prefill: bool = Field(default=True, description="split long prompts")
     async_scheduling: bool = Field(
@@ -239,6 +240,23 @@ class SchedulerConfig(_Section):
         description="'priority': waiting requests by (priority, arrival), lower first; "
         "preemption takes the largest",
     )
+
+    def fit_token_budget(self, max_model_len: int) -> None:
+        """vLLM's rule with chunked prefill off, where a prompt runs in one step: the default
+        ``max_num_batched_tokens`` is raised to ``max_model_len`` (else every longer prompt
+        would be refused), and a budget the caller set below it refuses to start. The
+        runner calls it once ``max_model_len`` is known, before sizing its buffers."""
+        if self.enable_chunked_prefill or self.max_num_batched_tokens >= max_model_len:
+            return
+        if "max_num_batched_tokens" in self.model_fields_set:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({max_model_len}) with chunked prefill off: every prompt "
+                "longer than it would be refused. Raise max_num_batched_tokens, lower "
+                "max_model_len, or enable chunked prefill")
+        self.max_num_batched_tokens = max_model_len
+        # (still the default's: a config used again for a longer model is raised again)
+        self.model_fields_set.discard("max_num_batched_tokens")
 
 
 class ParallelConfig(_Section):
@@ -354,7 +372,8 @@ class DeviceConfig(_Section):
         default=None, ge=0,
         description="steps with prompt tokens of up to this many tokens replay CUDA graphs "
                     "(padded to a captured token count); 0: they run eager; default: the "
-                    "token budget, 512 with a speculator",
+                    "token budget (at most 8192 with chunked prefill off), 512 with a "
+                    "speculator",
     )
     attention_backend: str | None = Field(
         default=None, description="registered attention backend (default: per device)"

@@ -374,3 +374,37 @@ def test_a_burst_of_new_rows_stages_as_one_at_a_time() -> None:
                                                                                       0, 4]
     with pytest.raises(ValueError, match="'1' would hold more blocks"):
         builder.stage_new_rows([0], [[1]], [[1, 2, 3, 4, 5]], [0], StagedEdits())
+
+
+def test_chunked_prefill_off_raises_the_default_token_budget_to_max_model_len(
+        ckpt: Path) -> None:
+    """vLLM's rule: with chunked prefill off the default token budget is at least
+    max_model_len (a prompt of the whole context runs in one step; the default 8192 refused
+    every longer prompt), and the runner's buffers follow it."""
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", block_size=16, cpu_kv_cache_gb=0.05,
+              enable_chunked_prefill=False,
+              hf_overrides={"max_position_embeddings": 9000})
+    engine = llm.engine
+    assert engine.max_model_len == 9000
+    assert engine.config.scheduler.max_num_batched_tokens == 9000
+    assert engine.runner.max_num_tokens == 9000
+    prompt = [1 + i % 200 for i in range(8500)]
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    assert engine.validate(prompt, params) == 2
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_chunked_prefill_off_refuses_an_explicit_budget_below_max_model_len(
+        ckpt: Path) -> None:
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(32\) is smaller than "
+                                         r"max_model_len \(64\)"):
+        LLM(str(ckpt), device="cpu", dtype="float32", block_size=4, max_model_len=64,
+            enable_chunked_prefill=False, max_num_batched_tokens=32)
+    # larger, or equal, is the caller's own budget; chunked prefill on: any budget
+    for kwargs in ({"enable_chunked_prefill": False, "max_num_batched_tokens": 100},
+                   {"max_num_batched_tokens": 32}):
+        llm = LLM(str(ckpt), device="cpu", dtype="float32", block_size=4, max_model_len=64,
+                  **kwargs)
+        assert llm.engine.config.scheduler.max_num_batched_tokens == kwargs[
+            "max_num_batched_tokens"]

@@ -44,7 +44,7 @@ def test_greedy_matches_hf(checkpoint: Path, expected: list[list[int]]) -> None:
     [
         {"async_scheduling": False},
         {"max_num_batched_tokens": 8},  # chunked prefill: every long prompt in pieces
-        {"enable_chunked_prefill": False, "max_num_batched_tokens": 64},
+        {"enable_chunked_prefill": False, "max_num_batched_tokens": 64, "max_model_len": 64},
         {"num_gpu_blocks_override": 14},  # tiny cache: requests wait, get preempted
         {"max_num_seqs": 1},
     ],

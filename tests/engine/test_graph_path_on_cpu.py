@@ -490,3 +490,25 @@ def test_graph_variant_of_plans(monkeypatch: pytest.MonkeyPatch) -> None:
     custom = Custom(4, 32, torch.device("cpu"))
     assert custom.graph_plans() == [Sampler.graph_plan]
     assert [custom.graph_variant(p) for p in (plain, top_k, greedy_top_k)] == [0, None, None]
+
+
+def test_mixed_graphs_default_cap_with_chunked_prefill_off() -> None:
+    """By default the mixed graphs reach the token budget; with chunked prefill off, whose
+    budget is raised to ``max_model_len``, at most the default budget's 8,192 tokens; 512
+    with a speculator; a cap given is taken as given."""
+    from types import SimpleNamespace
+
+    from mrv2.config import SchedulerConfig
+    from mrv2.runner.capture import max_mixed_graph_tokens
+
+    def runner(chunked: bool, budget: int, cap: int | None = None,
+               speculator: object = None) -> Any:
+        config = SimpleNamespace(device=SimpleNamespace(max_mixed_graph_tokens=cap),
+                                 scheduler=SchedulerConfig(enable_chunked_prefill=chunked))
+        return SimpleNamespace(config=config, speculator=speculator, max_num_tokens=budget)
+
+    assert max_mixed_graph_tokens(runner(True, 16384)) == 16384
+    assert max_mixed_graph_tokens(runner(False, 40960)) == 8192
+    assert max_mixed_graph_tokens(runner(False, 4096)) == 4096
+    assert max_mixed_graph_tokens(runner(False, 40960, speculator=object())) == 512
+    assert max_mixed_graph_tokens(runner(False, 40960, cap=32768)) == 32768

@@ -153,6 +153,44 @@ def test_abort_frees_blocks_at_once(checkpoint: Path) -> None:
     _assert_clean(engine)
 
 
+def test_aborting_one_sample_of_an_n_request_ends_that_sample_alone(checkpoint: Path) -> None:
+    """``abort`` of a sample's id (``child_id``) ends that sample with finish_reason "abort"
+    (vLLM's: the parent's output holds it as such); the parent finishes when its other
+    samples do, with their outputs (it never finished: its other outputs were swallowed and
+    its bookkeeping kept), and nothing is left behind."""
+    engine = _llm(checkpoint).engine
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    engine.add_request(PROMPTS[0], params, request_id="x")
+    engine.step()
+    engine.step()
+    engine.abort("x#n1")
+    outputs = []
+    while engine.wants_step():
+        outputs += engine.step()
+    assert [o.request_id for o in outputs] == ["x"] and outputs[0].finished
+    samples = outputs[0].outputs
+    assert [c.index for c in samples] == [0, 1, 2]
+    assert [c.finish_reason for c in samples] == ["length", "abort", "length"]
+    want = hf_greedy(checkpoint, PROMPTS[0], NEW_TOKENS)
+    assert samples[0].token_ids == samples[2].token_ids == want
+    assert samples[1].token_ids == want[:len(samples[1].token_ids)]
+    assert len(samples[1].token_ids) < NEW_TOKENS
+    assert not engine._fanout.parents and not engine._fanout.child_parent
+    _assert_clean(engine)
+    # every sample aborted, one at a time: the parent's output ends with the last of them
+    engine.add_request(PROMPTS[1], params, request_id="y")
+    engine.step()
+    for i in range(3):
+        engine.abort(f"y#n{i}")
+    outputs = []
+    while engine.wants_step():
+        outputs += engine.step()
+    assert [o.request_id for o in outputs] == ["y"] and outputs[0].finished
+    assert [c.finish_reason for c in outputs[0].outputs] == ["abort"] * 3
+    assert not engine._fanout.parents
+    _assert_clean(engine)
+
+
 @pytest.mark.parametrize("how", ["abort", "stop"])
 def test_a_reused_request_id_gets_none_of_the_old_requests_tokens(checkpoint: Path,
                                                                   how: str) -> None:

@@ -266,13 +266,16 @@ def test_stream_options_needs_stream(server: Served, path: str) -> None:
     assert ok.status_code == 200, ok.text
 
 
-def test_chat_top_logprobs_is_named(server: Served) -> None:
+@pytest.mark.parametrize("k", [30, -1, -2])
+def test_chat_top_logprobs_is_named(server: Served, k: int) -> None:
     """Too many chat ``top_logprobs`` is a 400 naming ``top_logprobs`` (the field sent), not
-    ``logprobs`` (a bool in chat)."""
-    error = _error(_post(server, "/v1/chat/completions", {
-        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
-        "top_logprobs": 30}), 400)
-    assert error["param"] == "top_logprobs" and "top_logprobs" in str(error["message"])
+    ``logprobs`` (a bool in chat); so is vLLM's -1 (the whole vocabulary: past the 20 it
+    allows by default, as vLLM refuses it), with or without ``logprobs``."""
+    for logprobs in (True, False):
+        error = _error(_post(server, "/v1/chat/completions", {
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+            "logprobs": logprobs, "top_logprobs": k}), 400)
+        assert error["param"] == "top_logprobs" and "top_logprobs" in str(error["message"])
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

@@ -477,3 +477,31 @@ def test_reasoning_and_tags_are_not_in_the_message_logprobs() -> None:
     assert got == [([], []), ([("reasoning", "hm")], []), ([], []), ([], []),
                    ([("content", "Hi")], ["t4", "t5"]), ([("content", " you")], ["t6"]),
                    ([], [])]
+
+
+def test_message_text_parts_are_joined_by_lines_and_a_refusal_part_is_text() -> None:
+    """A message's text parts are its content a line each (vLLM's chat_utils joins them with
+    "\\n"; they ran together), empty ones dropped; an assistant's output sent back holds
+    ``refusal`` parts (the API's ``ResponseOutputRefusal``): read as their text, as vLLM's
+    chat_utils reads them (they were refused); a call output's text parts a line each too."""
+    body = ResponsesRequest(input=[
+        {"role": "system", "content": [{"type": "input_text", "text": "Be brief."},
+                                       {"type": "input_text", "text": "Be kind."}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "Hi"},
+                                     {"type": "input_text", "text": ""},
+                                     {"type": "input_text", "text": "there"}]},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "refusal", "refusal": "I can't help with that."}]},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "One.", "annotations": []},
+                     {"type": "output_text", "text": "Two.", "annotations": []}]},
+        CALL, {"type": "function_call_output", "call_id": "call_1",
+               "output": [{"type": "input_text", "text": "sunny"},
+                          {"type": "input_text", "text": "warm"}]}])
+    messages = body.conversation()
+    assert [m["content"] for m in messages] == [
+        "Be brief.\nBe kind.", "Hi\nthere", "I can't help with that.", "One.\nTwo.",
+        "sunny\nwarm"]
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "assistant",
+                                             "tool"]
+    assert body.as_chat().messages[2].as_dict()["content"] == "I can't help with that."

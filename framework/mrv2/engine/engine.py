@@ -431,7 +431,10 @@ class LLMEngine(WeightOps):
 
     def abort(self, req_id: str) -> None:
         """Cancel a request (an ``n > 1`` parent: all its samples) wherever it is; unknown or
-        finished ids are ignored (so is everything once the engine is shut down)."""
+        finished ids are ignored (so is everything once the engine is shut down). One sample
+        of an ``n > 1`` parent (its ``child_id``) ends alone, with ``finish_reason="abort"``
+        in its parent's output, which the next :meth:`step` returns when that was the last
+        sample running (else when the others end; streamed: at once), as vLLM's."""
         if self._shut_down:
             return
         for one in self._fanout.discard(req_id) or [req_id]:
@@ -439,6 +442,12 @@ class LLMEngine(WeightOps):
             if tracked is not None:
                 self.scheduler.finish(tracked.request, "abort")  # its blocks are free at once
                 self._end(one)
+                if one in self._fanout.child_parent:  # (a sample of a parent still running)
+                    if tracked.detokenizer is not None:
+                        tracked.detokenizer.flush()
+                    merged = self._fanout.merge(tracked.output())
+                    if merged is not None:
+                        self._held.append(merged)
         if not self.has_unfinished():
             self.runner.remove_requests(self.scheduler.take_finished_ids())  # idle: row too
 

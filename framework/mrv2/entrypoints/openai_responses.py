@@ -43,6 +43,7 @@ from typing import Any, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from mrv2.engine.media import TEXT_PARTS, part_text
 from mrv2.engine.outputs import RequestOutput
 from mrv2.engine.request_inputs import check_cache_salt
 from mrv2.entrypoints.openai_protocol import (
@@ -58,7 +59,9 @@ from mrv2.entrypoints.responses_store import ResponseStore
 
 __all__ = ["ResponsesRequest", "ResponsesStream"]
 
-_TEXT_PARTS = ("input_text", "output_text", "text")
+#: The content parts read as text (vLLM's chat_utils': ``refusal`` ones too, as an
+#: assistant's output sent back may hold).
+_TEXT_PARTS = tuple(TEXT_PARTS)
 #: The ``include`` value that asks for the message text's logprobs.
 LOGPROBS = "message.output_text.logprobs"
 #: ``include``'s values, the API's: the logprobs are given; the others ask for what this
@@ -210,7 +213,7 @@ def _call_output(output: Any) -> str:
         if not all(isinstance(p, dict) and p.get("type") in _TEXT_PARTS for p in output):
             raise ValueError("SamplingParams.input is invalid: a function_call_output's "
                              "output must be a string or a list of input_text parts")
-        return "".join(str(p.get("text", "")) for p in output)
+        return _lines(output)
     return json.dumps(output)
 
 
@@ -252,13 +255,18 @@ def _message(item: Any) -> dict[str, Any]:
                              " are not supported (text and image parts only)")
         if "input_image" in kinds:  # the chat path's parts: it loads the images
             content = [_image_part(p) if p["type"] == "input_image"
-                       else {"type": "text", "text": str(p.get("text", ""))} for p in content]
+                       else {"type": "text", "text": part_text(p)} for p in content]
         else:
-            content = "".join(str(p.get("text", "")) for p in content)
+            content = _lines(content)
     if not isinstance(content, (str, list)):
         raise ValueError("SamplingParams.input is invalid: a message's content must be a "
                          "string or a list of text and image parts")
     return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def _lines(parts: list[Any]) -> str:
+    """Text parts' texts a line each, empty ones dropped (vLLM's chat_utils)."""
+    return "\n".join(text for text in map(part_text, parts) if text)
 
 
 def _image_part(part: dict[str, Any]) -> dict[str, Any]:

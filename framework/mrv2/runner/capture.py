@@ -76,12 +76,20 @@ def mixed_graph_slower(runner: Runner, tokens: int) -> bool:
 
 def max_mixed_graph_tokens(runner: Runner) -> int:
     """``max_mixed_graph_tokens``, by default the whole token budget: the graphs' pool
-    then holds the largest step's activations, which eager steps never need again. With a
+    then holds the largest step's activations, which eager steps never need again. With
+    chunked prefill off (a budget of ``max_model_len`` or more: 32K tokens, whose steps' host
+    cost is nothing beside their work), at most the default budget's 8,192. With a
     speculator, whose eager drafting after a mixed step needs activation memory beside the
     pool's: 512 (small steps are where the host costs most)."""
     cap = runner.config.device.max_mixed_graph_tokens
     if cap is None:
-        return 512 if runner.speculator is not None else runner.max_num_tokens
+        if runner.speculator is not None:
+            return 512
+        scheduler = runner.config.scheduler
+        if not scheduler.enable_chunked_prefill:
+            default = type(scheduler).model_fields["max_num_batched_tokens"].default
+            return int(min(runner.max_num_tokens, default))
+        return runner.max_num_tokens
     return cap
 
 def profile_batch(runner: Runner) -> InputBatch:

@@ -112,6 +112,7 @@ class Runner(BetweenSteps):
             self.hf_config = load_hf_config(model_dir, config.model.hf_overrides)
         self.dtype = resolve_dtype(config.model.dtype, self.hf_config, self.device)
         self.max_model_len = _max_model_len(config, text_config_of(self.hf_config))
+        config.scheduler.fit_token_budget(self.max_model_len)  # (before the buffers)
         self.block_size = config.cache.block_size
         registries = self.plugins.registries
         with self.startup.part("load"):
