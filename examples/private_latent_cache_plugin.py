@@ -464,8 +464,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_checkpoint(Path(tmp) / "toy-latent")
         weights, config = load_checkpoint(model_dir)
+        # attention_backend: another installed plugin may serve "latent" caches too (DeepSeek's
+        # "mla", registered first from its entry point); name ours.
         llm = LLM(str(model_dir), plugins=manager, device="cpu", dtype="float32", block_size=4,
-                  max_model_len=64, num_gpu_blocks_override=64)
+                  max_model_len=64, num_gpu_blocks_override=64, attention_backend=BACKEND_NAME)
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     kv = llm.engine.runner.kv

@@ -36,7 +36,7 @@ from mrv2.registry import (
 )
 
 __all__ = ["ENTRY_POINT_GROUP", "PluginError", "PluginInfo", "PluginManager",
-           "get_plugin_manager"]
+           "get_plugin_manager", "plugins_registered_in_code"]
 
 ENTRY_POINT_GROUP = "mrv2"
 
@@ -138,6 +138,12 @@ class PluginManager:
             infos.append(PluginInfo(name, version, source, hooks))
         return infos
 
+    def registered_in_code(self) -> list[tuple[str, object]]:
+        """Name and object of each plugin registered in code (not the core's defaults nor an
+        entry point's): what a spawned process must be handed, as it loads only the others."""
+        return [(name, plugin) for name, plugin in self.pm.list_name_plugin()
+                if self._sources.get(name, ("registered by code", ""))[0] == "registered by code"]
+
     @property
     def registries(self) -> Registries:
         """The registries, built on first use by calling every registration hook once."""
@@ -229,3 +235,9 @@ def get_plugin_manager() -> PluginManager:
     if _DEFAULT_MANAGER is None:
         _DEFAULT_MANAGER = PluginManager()
     return _DEFAULT_MANAGER
+
+
+def plugins_registered_in_code() -> list[tuple[str, object]]:
+    """:meth:`PluginManager.registered_in_code` of the process-wide manager; none (and no
+    entry point loaded here) while it has not been built."""
+    return [] if _DEFAULT_MANAGER is None else _DEFAULT_MANAGER.registered_in_code()

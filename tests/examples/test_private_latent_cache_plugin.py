@@ -231,3 +231,13 @@ def test_backend_skips_padding_rows(example: ModuleType) -> None:
         keys = flat[slots]
         probs = torch.softmax(query[row] @ keys.T * scale, dim=-1)
         torch.testing.assert_close(real[row], probs @ keys[:, :value_dim])
+
+
+def test_main_runs_beside_the_installed_plugins(example: ModuleType,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """``python examples/private_latent_cache_plugin.py`` as the docs run it: every installed
+    entry point loaded too, among them DeepSeek's "mla" backend of the same "latent" kind."""
+    assert "mla" in PluginManager().registries.attention_backends
+    assert example.main() == 0
+    out = capsys.readouterr().out
+    assert "backend 'toy-latent'" in out and "all match the direct reference" in out

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ import httpx
 import pytest
 from server_util import API_KEY, ENGINE_KWARGS, MODEL, Served
 
-from mrv2 import EngineConfig
+from mrv2 import EngineConfig, hookimpl, plugins
 from mrv2.engine.output_deltas import DeltaEncoder, OutputAccumulator
 from mrv2.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from mrv2.testing import serve_in_thread
@@ -318,3 +319,42 @@ def test_the_engine_process_logs_at_the_commands_level(
         root.setLevel(logging.NOTSET)
     err = capfd.readouterr().err
     assert "mrv2.runner: KV cache:" in err and "engine ready in" in err, err
+
+
+class InHousePlugin:
+    """A private plugin registered in code (a module's top level: the engine's process, which
+    loads plugins from their entry points only, gets it pickled)."""
+
+    @hookimpl
+    def mrv2_register_models(self, register: Any) -> None:
+        register("InHouseForCausalLM", "mrv2_llama.model:LlamaForCausalLM")
+
+
+def test_a_plugin_registered_in_code_reaches_the_engine_process(
+        server: Served, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The docs' in-code registration (``get_plugin_manager().register``, before the engine is
+    built) serves through ``mrv2 serve``'s default engine process too, as through ``LLM``."""
+    private = tmp_path / "in-house"
+    shutil.copytree(model_dir, private)
+    config = json.loads((private / "config.json").read_text())
+    config["architectures"] = ["InHouseForCausalLM"]
+    (private / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(plugins, "_DEFAULT_MANAGER", plugins.PluginManager())
+    plugins.get_plugin_manager().register(InHousePlugin(), name="in-house")
+    body = BODIES[0]
+    for url, engine in _remote(private):
+        assert engine.process.info.architecture == "InHouseForCausalLM"
+        assert _post(url, body).json()["choices"] == _post(server.url, body).json()["choices"]
+
+
+def test_a_plugin_that_cannot_reach_the_engine_process_is_a_clear_error(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    class Local:  # (a class inside a function: no pickle finds it)
+        @hookimpl
+        def mrv2_register_models(self, register: Any) -> None:
+            pass
+
+    monkeypatch.setattr(plugins, "_DEFAULT_MANAGER", plugins.PluginManager())
+    plugins.get_plugin_manager().register(Local(), name="local-plugin")
+    with pytest.raises(ValueError, match="'local-plugin'.*--no-engine-process"):
+        list(_remote(model_dir))

@@ -23,8 +23,10 @@ them with :class:`~mrv2.engine.output_deltas.OutputAccumulator`).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
+import pickle
 import signal
 import time
 from dataclasses import dataclass, field
@@ -37,6 +39,7 @@ from mrv2.engine.output_deltas import DeltaEncoder
 from mrv2.entrypoints.engine_calls import call_reply
 from mrv2.entrypoints.stack_sampler import PROFILE_ENV_VAR, StackSampler
 from mrv2.logs import configure_logging
+from mrv2.plugins import get_plugin_manager
 
 logger = logging.getLogger(__name__)
 
@@ -76,17 +79,20 @@ class EngineInfo:
 
 
 def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connection,
-                    log_level: int | None = None) -> None:
+                    log_level: int | None = None, plugins: bytes = b"") -> None:
     """The child's main: build the engine, say ready, then step while there is work and take
     commands between steps; returns on ``("stop",)`` or when the parent is gone.
     ``log_level``: the parent's :func:`~mrv2.logs.configured_level` (the child logs as the
-    ``mrv2`` command's parent does; None: it configures nothing)."""
+    ``mrv2`` command's parent does; None: it configures nothing). ``plugins``: the parent's
+    plugins registered in code, pickled (``(name, ("module", module name) or ("object",
+    plugin))`` pairs), registered here before the engine is built."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the parent stops us
     if log_level is not None:
         configure_logging(log_level)
     from mrv2.engine.engine import LLMEngine
 
     try:
+        _register_plugins(plugins)
         engine = LLMEngine(config)
     except BaseException as error:  # noqa: BLE001 (the parent reports it)
         outputs.send(("fatal", f"the engine could not start: {type(error).__name__}: {error}"))
@@ -155,6 +161,24 @@ def _stats(engine: Any, pauses: GCPauses) -> dict[str, Any]:
         stats["gpu_memory_allocated"] = torch.cuda.memory_allocated(device)
         stats["gpu_memory_reserved"] = torch.cuda.memory_reserved(device)
     return stats
+
+
+def _register_plugins(pickled: bytes) -> None:
+    """Register the parent's in-code plugins in this process's plugin manager."""
+    if not pickled:
+        return
+    try:
+        plugins = pickle.loads(pickled)
+    except Exception as error:  # noqa: BLE001 (unpickling raises many kinds)
+        raise RuntimeError(
+            f"the plugins registered in code in the server's process did not reach the "
+            f"engine's process ({type(error).__name__}: {error}): define their classes at a "
+            "module's top level, outside `if __name__ == \"__main__\":` (the spawned process "
+            "imports the main module without running that block)") from error
+    manager = get_plugin_manager()
+    for name, (kind, plugin) in plugins:
+        manager.register(importlib.import_module(plugin) if kind == "module" else plugin,
+                         name=name)
 
 
 def _loop(engine: Any, commands: Connection, outputs: Connection, pauses: GCPauses) -> None:

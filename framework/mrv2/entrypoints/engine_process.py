@@ -18,8 +18,10 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import pickle
 import threading
 import time
+import types
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +48,7 @@ from mrv2.entrypoints.engine_thread import LoopHandOver, QueueFullError, check_r
 from mrv2.entrypoints.engine_thread import _Sink as ThreadSink
 from mrv2.entrypoints.metrics import ServerMetrics
 from mrv2.logs import configured_level
+from mrv2.plugins import plugins_registered_in_code
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +58,27 @@ class _Sink(ThreadSink):
     """The engine thread's sink, and what the deltas need: an abort mark (set on the loop)."""
 
     aborted: bool = False
+
+
+def _plugins_registered_in_code() -> bytes:
+    """This process's plugins registered in code, pickled for the engine's process (spawned,
+    it loads plugins from their entry points only); a module plugin goes by its name. A
+    ``ValueError`` naming them where one does not pickle."""
+    registered = plugins_registered_in_code()
+    if not registered:
+        return b""
+    try:
+        return pickle.dumps([
+            (name, ("module", plugin.__name__) if isinstance(plugin, types.ModuleType)
+             else ("object", plugin)) for name, plugin in registered])
+    except Exception as error:  # noqa: BLE001 (pickle raises many kinds)
+        names = ", ".join(repr(name) for name, _ in registered)
+        raise ValueError(
+            f"the plugins registered in code ({names}) cannot reach the engine's process, "
+            f"which loads plugins from their entry points only: pickling them failed "
+            f"({type(error).__name__}: {error}). Define the plugin's class at a module's top "
+            "level, install it as a package with an entry point in group 'mrv2', or run the "
+            "engine on a thread of this process (mrv2 serve --no-engine-process)") from error
 
 
 class EngineProcess:
@@ -67,11 +91,12 @@ class EngineProcess:
     def __init__(self, config: EngineConfig, max_pending: int = 1024,
                  startup_timeout: float | None = None) -> None:
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+        in_code = _plugins_registered_in_code()  # (refused before anything starts)
         child_commands, self._commands = ctx.Pipe(duplex=False)
         self._outputs, child_outputs = ctx.Pipe(duplex=False)
         self._process = ctx.Process(target=run_engine_core, name="mrv2-engine-core",
                                     args=(config, child_commands, child_outputs,
-                                          configured_level()), daemon=True)
+                                          configured_level(), in_code), daemon=True)
         self._process.start()
         child_commands.close()
         child_outputs.close()
