@@ -39,6 +39,9 @@ step, and a grid that does not depend on ``max_query_len``: a CUDA graph of mixe
 padded token count bakes ``max_query_len = T`` and launches no more programs than the step
 needs. (H200, 2026-12-02: a mixed step of 16 prompts and 128 decodes 248 against 253 us on
 Qwen3-0.6B heads, 390 against 388 on Qwen3-8B heads; the throughput workload equal.)
+The flat grid runs its heaviest (latest) query tiles first across the whole grid: its tile
+axis is the slowest (``tiles_last``, :data:`TILES_LAST_ENV_VAR`; blocks are dispatched in grid
+order, x fastest).
 A prefill plan's one-token requests (a mixed step's decoding requests) may attend first in a
 launch of their own, in the decode plan's tiles, the prefill launch skipping them
 (``one_token_apart``; rule and measurements at :data:`ONE_TOKEN_APART_MIN_BLOCK_M`): in a query
@@ -77,9 +80,24 @@ from .prefill_attention import prefill_attention_tma, tma_prefill_min_query
 #: step's query tiles only (``paged_attention``'s ``flat_grid``, on by default).
 FLAT_GRID_ENV_VAR = "MRV2_ATTN_FLAT_GRID"
 
-#: ``1``: prefill grids with the query-tile axis slowest (``paged_attention``'s
-#: ``tiles_last``); anything else, or unset: the tile axis fastest.
+#: Prefill grids with the query-tile axis slowest (``paged_attention``'s ``tiles_last``):
+#: ``1`` every one (the paged kernel's flat grid and (tile, request) grid, the TMA kernel's);
+#: ``0`` none; unset: the paged kernel's flat grid only, the default prefill path (H100,
+#: 2026-12-06: 4 x 1,024 causal tokens 248 -> 292 TFLOP/s on Qwen3-8B heads, 204 -> 240 on
+#: Qwen3-0.6B's, the throughput workload's mixed step 362 -> 339 us on Qwen3-8B's and equal
+#: on 0.6B's; the (tile, request) grid's mixed step lost 273 -> 307 us on 0.6B's, the TMA
+#: kernel on 8B heads 344 -> 335 TFLOP/s).
 TILES_LAST_ENV_VAR = "MRV2_ATTN_TILES_LAST"
+
+
+def prefill_tiles_last(tiles_last: bool | None, flat: bool) -> bool:
+    """Whether a prefill grid (``flat``: the paged kernel's flat one; else the (tile,
+    request) grid or the TMA kernel's) has its tile axis slowest: ``tiles_last`` where given,
+    else :data:`TILES_LAST_ENV_VAR`'s rule."""
+    if tiles_last is not None:
+        return tiles_last
+    setting = os.environ.get(TILES_LAST_ENV_VAR, "").strip()
+    return setting == "1" if setting in ("0", "1") else flat
 #: A prefill plan's one-token requests (a mixed step's decoding requests) get a launch of their
 #: own in the decode plan's tiles (``paged_attention``'s ``one_token_apart``) where its tiles
 #: have at least :data:`ONE_TOKEN_APART_MIN_BLOCK_M` rows; ``1``: for every prefill plan, ``0``:
@@ -153,14 +171,13 @@ def paged_attention(
     query tiles only (see the module doc). ``one_token_apart`` (default: :data:`ONE_TOKEN_ENV_VAR`'s
     rule): a prefill plan's requests of one query token attend in a launch of their own
     first, in the decode plan's tiles (one query row per kv head's group instead of a query
-    tile in which one token is real). ``tiles_last`` (default: :data:`TILES_LAST_ENV_VAR` is
-    ``1``): a prefill plan's grid has its query-tile axis slowest, so the whole grid starts
-    with the heaviest tiles (the kernel's ``TILES_LAST``; the TMA kernel's too). Returns
+    tile in which one token is real). ``tiles_last`` (default: :func:`prefill_tiles_last`'s
+    rule, the flat grid's only): a prefill plan's grid has its query-tile axis slowest, so
+    the whole grid starts with the heaviest tiles (the kernel's ``TILES_LAST``; the TMA
+    kernel's too: blocks are dispatched in grid order, x fastest). Returns
     ``out`` (allocated when ``None``), query dtype.
     """
     num_heads, num_kv_heads, head_dim, block_size = _check_inputs(query, kv_cache)
-    if tiles_last is None:
-        tiles_last = os.environ.get(TILES_LAST_ENV_VAR) == "1"
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
         f"paged_attention (Triton) needs a power-of-2 head_dim >= 16, got {head_dim}"
     )
@@ -221,7 +238,8 @@ def paged_attention(
         long_qlen = tile
         prefill_attention_tma(query, *step_kv, kv_cache, qsl, seq_lens, block_table, scale,
                               max_query_len=max_query_len, num_reqs=num_reqs, out=out,
-                              min_query_len=long_qlen, tiles_last=tiles_last)
+                              min_query_len=long_qlen,
+                              tiles_last=prefill_tiles_last(tiles_last, False))
     if splits > 1:
         part_m = torch.empty(
             (num_tokens, num_heads, splits), dtype=torch.float32, device=query.device
@@ -274,7 +292,7 @@ def paged_attention(
         grid = (num_tokens // plan.block_q + num_reqs, num_kv_heads * splits, 1)
     else:
         grid = (num_q_tiles, num_kv_heads * splits, num_reqs)
-    tiles_last = tiles_last and not plan.small_q
+    tiles_last = not plan.small_q and prefill_tiles_last(tiles_last, flat)
     if tiles_last:  # the tile axis slowest (see the kernel's TILES_LAST)
         grid = (grid[1], grid[0], 1) if flat else (grid[1], grid[2], grid[0])
     launch(grid, plan, {
@@ -310,4 +328,4 @@ def paged_attention(
 
 __all__ = ["FLAT_GRID_ENV_VAR", "ONE_TOKEN_APART_MIN_BLOCK_M", "ONE_TOKEN_ENV_VAR",
            "TILES_LAST_ENV_VAR", "AttentionPlan", "FusedRope", "attention_plan",
-           "paged_attention", "paged_attention_ref"]
+           "paged_attention", "paged_attention_ref", "prefill_tiles_last"]

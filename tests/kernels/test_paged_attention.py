@@ -451,6 +451,21 @@ def test_flat_grid_gives_the_same_bits(reqs: list[tuple[int, int]], block_m: int
     assert (flat[b.num_real_tokens:] == 0).all()
 
 
+def test_tiles_last_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tile axis is slowest by default on the paged kernel's flat grid only (the default
+    prefill path); ``MRV2_ATTN_TILES_LAST`` 1 / 0 turns it on / off everywhere; a value
+    given wins."""
+    from mrv2_kernels.paged_attention import TILES_LAST_ENV_VAR, prefill_tiles_last
+
+    monkeypatch.delenv(TILES_LAST_ENV_VAR, raising=False)
+    assert prefill_tiles_last(None, True) and not prefill_tiles_last(None, False)
+    monkeypatch.setenv(TILES_LAST_ENV_VAR, "1")
+    assert prefill_tiles_last(None, True) and prefill_tiles_last(None, False)
+    monkeypatch.setenv(TILES_LAST_ENV_VAR, "0")
+    assert not prefill_tiles_last(None, True) and not prefill_tiles_last(None, False)
+    assert prefill_tiles_last(True, False) and not prefill_tiles_last(False, True)
+
+
 @pytest.mark.parametrize("flat", [False, True])
 def test_tiles_last_gives_the_same_bits(flat: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """``tiles_last`` (and ``MRV2_ATTN_TILES_LAST=1``): the prefill grid with its query-tile
