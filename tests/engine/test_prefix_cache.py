@@ -223,6 +223,37 @@ def test_a_reused_request_id_gets_none_of_the_old_requests_tokens(checkpoint: Pa
     _assert_clean(engine)
 
 
+def test_a_failed_step_leaves_no_ended_id_behind(checkpoint: Path) -> None:
+    """The ended ids whose newest step in flight was a step that failed (its processing
+    raised) are forgotten with it: a request given that id afterwards gets its tokens (it got
+    none: every later step's result for the id was dropped as the old request's, and it
+    never finished)."""
+    engine = _llm(checkpoint).engine
+    engine.add_request(PROMPTS[0], _params(), request_id="x")
+    engine.step()
+    engine.step()
+    assert engine._in_flight  # (a step of "x" is in flight)
+    engine.abort("x")
+    failing = engine._in_flight[-1]
+
+    def fail() -> None:
+        raise RuntimeError("the step failed")
+
+    failing.result = fail  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="the step failed"):
+        while engine.has_unfinished():
+            engine.step()
+    assert not engine._in_flight and not engine._ended
+    want = hf_greedy(checkpoint, PROMPTS[1], NEW_TOKENS)
+    engine.add_request(PROMPTS[1], _params(), request_id="x")
+    outputs = []
+    for _ in range(4 * NEW_TOKENS):
+        if not engine.has_unfinished():
+            break
+        outputs += engine.step()
+    assert [o.outputs[0].token_ids for o in outputs] == [want]
+
+
 def test_whole_prompt_cached_still_computes_last_token(checkpoint: Path) -> None:
     """A prompt whose every block is cached recomputes its last block, and still samples."""
     llm = _llm(checkpoint)

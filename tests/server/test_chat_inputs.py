@@ -68,6 +68,17 @@ def test_tool_call_arguments_not_json_are_an_empty_object(server: Served) -> Non
     assert chat.status_code == 200, chat.text
 
 
+def test_tool_call_arguments_of_json_text_that_is_no_object_are_an_empty_object() -> None:
+    """JSON text that decodes to null, a number, a string or a boolean is {} as those values
+    sent as such are (vLLM's ``_postprocess_messages``; a template indexes the arguments):
+    it reached the template as None, 42...; JSON text of an object or a list is parsed."""
+    for arguments in ("null", "42", '"x"', "true"):
+        call = {"type": "function", "function": {"name": "f", "arguments": arguments}}
+        assert template_call(call)["function"]["arguments"] == {}, arguments
+    call = {"type": "function", "function": {"name": "f", "arguments": "[1, 2]"}}
+    assert template_call(call)["function"]["arguments"] == [1, 2]
+
+
 def test_top_logprobs_zero_without_logprobs_is_taken(server: Served) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
     for extra in ({"top_logprobs": 0}, {"top_logprobs": 0, "logprobs": False}):

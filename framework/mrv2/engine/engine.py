@@ -528,9 +528,10 @@ class LLMEngine(WeightOps):
         return outputs
 
     def _process(self, step: AsyncStepOutput) -> list[RequestOutput]:
-        outputs = self._process_step(step)
-        self._ended = {i: last for i, last in self._ended.items() if last is not step}
-        return outputs
+        try:
+            return self._process_step(step)
+        finally:  # (a step that failed too: no later step holds an ended request's results)
+            self._ended = {i: last for i, last in self._ended.items() if last is not step}
 
     def _process_step(self, step: AsyncStepOutput) -> list[RequestOutput]:
         ended = set(self._ended)  # (ids of requests that ended: their results here are theirs)

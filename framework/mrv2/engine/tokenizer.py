@@ -272,11 +272,11 @@ def template_call(call: Any) -> Any:
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:
-            function["arguments"] = json.loads(arguments)
+            arguments = json.loads(arguments)
         except ValueError:  # (vLLM's: an empty dict for any text that is not JSON)
-            function["arguments"] = {}
-    elif not isinstance(arguments, (dict, list)):
-        function["arguments"] = {}
+            arguments = {}
+    # (JSON text of null, a number... too: the values the template cannot index)
+    function["arguments"] = arguments if isinstance(arguments, (dict, list)) else {}
     return {**call, "function": function}
 
 
