@@ -89,6 +89,9 @@ FLAT_GRID_ENV_VAR = "MRV2_ATTN_FLAT_GRID"
 #: kernel on 8B heads 344 -> 335 TFLOP/s).
 TILES_LAST_ENV_VAR = "MRV2_ATTN_TILES_LAST"
 
+#: The most blocks a CUDA grid's y or z axis holds (x: 2**31 - 1).
+MAX_GRID_YZ = 65535
+
 
 def prefill_tiles_last(tiles_last: bool | None, flat: bool) -> bool:
     """Whether a prefill grid (``flat``: the paged kernel's flat one; else the (tile,
@@ -239,7 +242,7 @@ def paged_attention(
         prefill_attention_tma(query, *step_kv, kv_cache, qsl, seq_lens, block_table, scale,
                               max_query_len=max_query_len, num_reqs=num_reqs, out=out,
                               min_query_len=long_qlen,
-                              tiles_last=prefill_tiles_last(tiles_last, False))
+                              tiles_last=prefill_tiles_last(tiles_last, False))  # (its guard)
     if splits > 1:
         part_m = torch.empty(
             (num_tokens, num_heads, splits), dtype=torch.float32, device=query.device
@@ -292,7 +295,10 @@ def paged_attention(
         grid = (num_tokens // plan.block_q + num_reqs, num_kv_heads * splits, 1)
     else:
         grid = (num_q_tiles, num_kv_heads * splits, num_reqs)
-    tiles_last = not plan.small_q and prefill_tiles_last(tiles_last, flat)
+    # (CUDA's grid y and z hold at most 65,535 blocks, x 2**31 - 1: a step of ~1M tokens in
+    # small tiles keeps its tile axis on x)
+    tiles_last = (not plan.small_q and prefill_tiles_last(tiles_last, flat)
+                  and grid[0] <= MAX_GRID_YZ)
     if tiles_last:  # the tile axis slowest (see the kernel's TILES_LAST)
         grid = (grid[1], grid[0], 1) if flat else (grid[1], grid[2], grid[0])
     launch(grid, plan, {

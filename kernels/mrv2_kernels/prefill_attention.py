@@ -269,6 +269,8 @@ def prefill_attention_tma(
     value_desc = TensorDescriptor(value, list(value.shape), [value.stride(0), 1],
                                   [bn, head_dim])
     key_cache, value_cache = kv_cache[0], kv_cache[1]
+    # (CUDA's grid z holds at most 65,535 blocks: longer steps keep the tiles on x)
+    tiles_last = tiles_last and num_q_tiles <= 65535
     grid = ((num_heads, num_reqs, num_q_tiles) if tiles_last
             else (num_q_tiles, num_heads, num_reqs))
     _tma_prefill_kernel[grid](

@@ -466,6 +466,34 @@ def test_tiles_last_default(monkeypatch: pytest.MonkeyPatch) -> None:
     assert prefill_tiles_last(True, False) and not prefill_tiles_last(False, True)
 
 
+def test_tiles_last_keeps_the_tiles_on_x_past_the_grid_limit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA's grid y and z hold 65,535 blocks: a step with more query tiles than that keeps
+    its tile axis on x (the default order) rather than failing to launch."""
+    from mrv2_kernels import paged_attention as module
+
+    grids: list[tuple[int, ...]] = []
+    real = module._paged_attn_kernel
+
+    class Recorder:
+        def __getitem__(self, grid: tuple[int, ...]) -> Any:
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(module, "_paged_attn_kernel", Recorder())
+    b = make_batch([(20, 45), (37, 37)], num_heads=4, num_kv_heads=2, head_dim=16,
+                   block_size=4, dtype=torch.float32, seed=14)
+    args = (b.query, b.kv_cache, b.qsl, b.seq_lens, b.block_table, b.scale)
+    last = paged_attention(*args, **b.bounds, block_m=16, flat_grid=True, tiles_last=True,
+                           one_token_apart=False)
+    tiles = grids[-1][1]
+    assert grids[-1] == (2, tiles, 1)  # (kv heads, tiles, 1): the tile axis on y
+    monkeypatch.setattr(module, "MAX_GRID_YZ", tiles - 1)
+    kept = paged_attention(*args, **b.bounds, block_m=16, flat_grid=True, tiles_last=True,
+                           one_token_apart=False)
+    assert grids[-1] == (tiles, 2, 1) and torch.equal(kept, last)
+
+
 @pytest.mark.parametrize("flat", [False, True])
 def test_tiles_last_gives_the_same_bits(flat: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """``tiles_last`` (and ``MRV2_ATTN_TILES_LAST=1``): the prefill grid with its query-tile
