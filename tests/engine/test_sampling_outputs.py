@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from mrv2.engine.sampling_outputs import LogprobState, add_prompt_logprobs, add_sample_logprobs
+from typing import cast
+
+import pytest
+
+from mrv2.contract.params import SamplingParams
+from mrv2.engine.sampling_outputs import (
+    LogprobState,
+    add_prompt_logprobs,
+    add_sample_logprobs,
+    prepare_params,
+)
+from mrv2.engine.tokenizer import Tokenizer
 
 
 def test_a_sampled_token_in_the_top_k_takes_its_top_k_rank() -> None:
@@ -22,3 +33,53 @@ def test_a_sampled_token_in_the_top_k_takes_its_top_k_rank() -> None:
     assert list(third) == [9, 7] and (third[9].rank, third[7].rank) == (5, 1)
     add_prompt_logprobs(state, 1, 1, [[3, 3, 8]], [[-1.0, -1.0, -1.0]], [2], None, 4)
     assert list(state.prompt[1]) == [3] and state.prompt[1][3].rank == 1
+
+
+class _WordTokenizer:
+    """A tokenizer of fixed encodings, for ``prepare_params``'s bad words."""
+
+    max_token_id = 20
+
+    def __init__(self, table: dict[str, list[int]]) -> None:
+        self.table = table
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.table[text])
+
+
+def _bad_words(words: list[str], table: dict[str, list[int]],
+               vocab_size: int | None = None) -> list[list[int]]:
+    params = SamplingParams(bad_words=words)
+    tok = cast(Tokenizer, _WordTokenizer(table))
+    return prepare_params(params, frozenset(), tok, 3, vocab_size)._bad_words_token_ids
+
+
+def test_bad_words_add_the_spaced_variant_only_as_vllm_does() -> None:
+    """vLLM's ``update_from_tokenizer``: the word without its leading whitespace, and the
+    space-prefixed variant only when it has as many tokens and another first token."""
+    table = {"foo": [1, 2], " foo": [3],          # fewer tokens: not banned
+             "bar": [5], " bar": [6],              # a word token of its own: banned
+             "baz": [7, 8], " baz": [7, 9],        # the same first token: not banned
+             "qux": [10, 11], " qux": [12, 11]}    # same length, another first token
+    assert _bad_words(["foo", " bar", "baz", "qux"], table) == [
+        [1, 2], [5], [6], [7, 8], [10, 11], [12, 11]]
+    # the model's vocabulary (not the tokenizer's) still drops a variant past its logits
+    assert _bad_words(["bar", "qux"], {**table, " bar": [16]}, vocab_size=15) == [
+        [5], [10, 11], [12, 11]]
+
+
+@pytest.mark.parametrize("table", [
+    {"x": [], " x": [4]},              # no tokens
+    {"x": [4], " x": []},
+    {"x": [21], " x": [4]},            # past the tokenizer's max token id
+    {"x": [4], " x": [21]},
+])
+def test_bad_words_that_tokenize_to_nothing_or_unknown_ids_are_refused(
+        table: dict[str, list[int]]) -> None:
+    with pytest.raises(ValueError, match=r"SamplingParams\.bad_words"):
+        _bad_words(["x"], table)
+
+
+def test_bad_words_spaced_variant_left_out_is_not_checked() -> None:
+    """vLLM checks only the variants it bans: a spaced variant of more tokens is ignored."""
+    assert _bad_words(["x"], {"x": [4], " x": [21, 5]}) == [[4]]

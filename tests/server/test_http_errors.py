@@ -9,6 +9,7 @@ import pytest
 from server_util import API_KEY, MODEL, Served
 
 from conftest import serve
+from mrv2.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -472,3 +473,25 @@ def test_served_model_names_on_the_command_line() -> None:
 
     args = build_parser().parse_args(["serve", "/m", "--served-model-name", "a", "b"])
     assert args.served_model_name == ["a", "b"] and args.model_dir == "/m"
+
+
+def test_logit_bias_is_clamped_to_the_openai_range() -> None:
+    """vLLM's server (``SamplingParams.from_optional``) clamps each bias to [-100, 100]
+    rather than refusing it."""
+    bias = {"5": 1000.0, "6": -1e9, "7": 3.5}
+    want = {5: 100.0, 6: -100.0, 7: 3.5}
+    completion = CompletionRequest.model_validate({"prompt": "hi", "logit_bias": bias})
+    chat = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], "logit_bias": bias})
+    assert completion.sampling_params().logit_bias == want
+    assert chat.sampling_params().logit_bias == want
+
+
+def test_logit_bias_past_100_and_bad_words_of_no_tokens(server: Served) -> None:
+    """A bias past 100 is clamped (vLLM's), so it is served; a bad word that is no tokens
+    (vLLM refuses it) is a 400 naming ``bad_words``."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "temperature": 0}
+    ok = _post(server, "/v1/completions", {**body, "logit_bias": {"5": 500}})
+    assert ok.status_code == 200, ok.text
+    error = _error(_post(server, "/v1/completions", {**body, "bad_words": [" "]}), 400)
+    assert error["param"] == "bad_words"

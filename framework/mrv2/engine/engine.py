@@ -48,6 +48,7 @@ from mrv2.engine.sampling_outputs import (
     TrackedRequest,
     add_prompt_logprobs,
     add_sample_logprobs,
+    bad_words_token_ids,
     child_id,
     prepare_params,
 )
@@ -274,6 +275,7 @@ class LLMEngine(WeightOps):
             lora.check(lora_request)
         n = len(prompt_token_ids)
         self.runner.sampler.check_params(params)
+        bad_words_token_ids(params, self.tokenizer, self.vocab_size)  # (refused words)
         if params.structured_outputs is not None:  # compiled and checked (then cached)
             self._structured_outputs().grammar(params.structured_outputs)
         room = self.max_model_len - n

@@ -108,11 +108,12 @@ def prepare_params(params: SamplingParams, eos: frozenset[int], tokenizer: Token
     engine-derived fields: EOS ids for ``min_tokens`` (masked until it is reached, with or
     without ``ignore_eos``), bad words as token ids, prompt length.
 
-    A bad word is tokenized without its leading whitespace and with one space before it (as
-    vLLM does), each variant banned separately. With ``vocab_size`` (the model's logits), ids
-    past it (a tokenizer's added tokens the model has no logit for) are left out: such an EOS
-    is never sampled, nor a bad-word variant that holds one completed (the sampler's masks
-    index the logits by id).
+    A bad word is tokenized without its leading whitespace and, where that is as many tokens
+    with another first token, with one space before it (vLLM's ``update_from_tokenizer``),
+    each variant banned separately; a word of no tokens, or of ids past the tokenizer's, is
+    refused. With ``vocab_size`` (the model's logits), ids past it (a tokenizer's added
+    tokens the model has no logit for) are left out: such an EOS is never sampled, nor a
+    bad-word variant that holds one completed (the sampler's masks index the logits by id).
     """
     # a deep copy: the caller may change or reuse its lists and dicts (logit_bias,
     # allowed_token_ids, ...) while the request runs; ``replace`` validates the copy again
@@ -120,18 +121,35 @@ def prepare_params(params: SamplingParams, eos: frozenset[int], tokenizer: Token
     params._num_prompt_tokens = num_prompt_tokens
     # (under ignore_eos too, as vLLM's ``all_stop_token_ids``: min_tokens masks the EOS)
     params._eos_token_ids = sorted(t for t in eos if vocab_size is None or t < vocab_size)
+    params._bad_words_token_ids = bad_words_token_ids(params, tokenizer, vocab_size)
+    return params
+
+
+def bad_words_token_ids(params: SamplingParams, tokenizer: Tokenizer | None,
+                        vocab_size: int | None = None) -> list[list[int]]:
+    """``params.bad_words`` as token-id sequences to ban (see :func:`prepare_params`);
+    raises ``ValueError`` for a word vLLM refuses."""
     words: list[list[int]] = []
     if params.bad_words:
         if tokenizer is None:
             raise ValueError("SamplingParams.bad_words needs a tokenizer; this model has none")
         for word in params.bad_words:
-            for text in (word.lstrip(), " " + word.lstrip()):
-                ids = tokenizer.encode(text, add_special_tokens=False)
-                if (ids and ids not in words
-                        and (vocab_size is None or max(ids) < vocab_size)):
-                    words.append(ids)
-    params._bad_words_token_ids = words
-    return params
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if not plain or not spaced:
+                raise ValueError(f"SamplingParams.bad_words={params.bad_words!r} is invalid: "
+                                 f"{word!r} is no tokens")
+            # vLLM's rule: the spaced variant only when it is a word token of its own
+            variants = [plain] + ([spaced] if len(spaced) == len(plain)
+                                  and spaced[0] != plain[0] else [])
+            for ids in variants:
+                if max(ids) > tokenizer.max_token_id:
+                    raise ValueError(
+                        f"SamplingParams.bad_words={params.bad_words!r} is invalid: {word!r} "
+                        f"is token ids {ids}, past the tokenizer's {tokenizer.max_token_id}")
+            words.extend(ids for ids in variants if ids not in words
+                         and (vocab_size is None or max(ids) < vocab_size))
+    return words
 
 
 def _decode(tokenizer: Tokenizer | None, token: int) -> str | None:

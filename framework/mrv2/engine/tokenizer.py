@@ -204,6 +204,12 @@ class Tokenizer:
     def __len__(self) -> int:
         return self.vocab_size
 
+    @cached_property
+    def max_token_id(self) -> int:
+        """The largest token id of the vocabulary, added tokens included (vLLM's
+        ``max_token_id``: ``max(get_vocab().values())``)."""
+        return int(max(self.hf.get_vocab().values()))
+
     @property
     def chat_template(self) -> str | dict[str, str] | None:
         template = getattr(self.hf, "chat_template", None)

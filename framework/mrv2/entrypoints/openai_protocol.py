@@ -152,7 +152,9 @@ class _Request(BaseModel):
         bias = None
         if self.logit_bias:
             try:
-                bias = {int(k): v for k, v in self.logit_bias.items()}
+                # each bias clamped to OpenAI's [-100, 100], as vLLM's server does
+                # (``SamplingParams.from_optional``) rather than refusing it
+                bias = {int(k): min(100.0, max(-100.0, v)) for k, v in self.logit_bias.items()}
             except ValueError:
                 raise ValueError(
                     f"SamplingParams.logit_bias={self.logit_bias!r} is invalid: "
