@@ -209,33 +209,13 @@ class LLMEngine(WeightOps):
 
     def _check_kv_capacity(self) -> None:
         """Refuse to start (vLLM's rule) when a KV cache sized from memory cannot hold one
-        request of ``max_model_len`` tokens, counted as :meth:`validate` counts it (sliding
-        tables hold their window and a step's tokens; a drafter's lookahead): every request
-        that leaves ``max_tokens`` unset would be refused. ``num_gpu_blocks_override`` is the
-        caller's own count, as in vLLM: not checked."""
-        cache = self.config.cache
-        num_blocks = self.block_manager.num_blocks
-        needed = self.scheduler.most_blocks(self.max_model_len)
-        if cache.num_gpu_blocks_override is not None or needed <= num_blocks:
-            return
-        tables, step = self.scheduler.tables, self.scheduler.max_step_tokens
-        low, high = 0, self.max_model_len  # the longest length that fits: in [low, high)
-        while high - low > 1:
-            mid = (low + high) // 2
-            low, high = (mid, high) if tables.most_held(mid, step) <= num_blocks else (low, mid)
-        size = self.block_manager.block_size
-        knob = ("cpu_kv_cache_gb" if self.runner.device.type == "cpu"
+        request of ``max_model_len`` tokens (:meth:`Scheduler.check_capacity`);
+        ``num_gpu_blocks_override`` is the caller's own count, as in vLLM: not checked."""
+        if self.config.cache.num_gpu_blocks_override is None:
+            self.scheduler.check_capacity(
+                self.max_model_len,
+                "cpu_kv_cache_gb" if self.runner.device.type == "cpu"
                 else "gpu_memory_utilization")
-        lookahead = self.scheduler.num_lookahead_tokens
-        slots = f" (with the drafter's {lookahead} lookahead slots)" if lookahead else ""
-        fits = (f"the largest max_model_len that fits is about {low}" if low
-                else "no max_model_len fits")
-        raise ValueError(
-            f"the KV cache holds {num_blocks} blocks of {size} tokens ({num_blocks * size} "
-            f"tokens), but one request of max_model_len {self.max_model_len} tokens needs "
-            f"{needed} blocks{slots}: no request could reach the model's max_model_len; "
-            f"{fits}. Raise {knob}, or lower max_model_len"
-        )
 
     def reset_after_warmup(self) -> None:
         """Forget what :func:`~mrv2.engine.warmup.warm_up`'s requests left: a new block

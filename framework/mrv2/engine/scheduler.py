@@ -234,6 +234,30 @@ class Scheduler:
         it could never be scheduled, and it would wait forever, never preempted."""
         return self.tables.most_held(self._with_lookahead(num_tokens), self.max_step_tokens)
 
+    def check_capacity(self, max_model_len: int, knob: str) -> None:
+        """ValueError unless the pool holds one request of ``max_model_len`` tokens, counted
+        as :meth:`most_blocks` counts it (sliding tables hold their window and a step's
+        tokens; the drafter's lookahead): else every request that leaves ``max_tokens`` unset
+        would be refused. The message names the blocks needed and held, the largest
+        ``max_model_len`` that fits, and ``knob`` (the setting that sizes the pool)."""
+        num_blocks, size = self.blocks.num_blocks, self.blocks.block_size
+        needed = self.most_blocks(max_model_len)
+        if needed <= num_blocks:
+            return
+        low, high = 0, max_model_len  # the longest length that fits: in [low, high)
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if self.most_blocks(mid) <= num_blocks else (low, mid)
+        lookahead = self.num_lookahead_tokens
+        slots = f" (with the drafter's {lookahead} lookahead slots)" if lookahead else ""
+        fits = (f"the largest max_model_len that fits is about {low}" if low
+                else "no max_model_len fits")
+        raise ValueError(
+            f"the KV cache holds {num_blocks} blocks of {size} tokens ({num_blocks * size} "
+            f"tokens), but one request of max_model_len {max_model_len} tokens needs "
+            f"{needed} blocks{slots}: no request could reach the model's max_model_len; "
+            f"{fits}. Raise {knob}, or lower max_model_len")
+
     def _with_lookahead(self, num_tokens: int) -> int:
         """Tokens whose KV slots a step must hold: its own plus the drafter's lookahead,
         within the context."""
