@@ -210,6 +210,13 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(tmp_path: Path) -> None:
     assert short[0].prompt_token_ids == PROMPTS[2]
     with pytest.raises(ValueError, match="truncate_prompt_tokens must be an int >= 1"):
         llm.classify({"prompt_token_ids": long}, use_tqdm=False, truncate_prompt_tokens=0)
+    # vLLM's -1: as many as the context holds (max_model_len, 64), as the server takes it
+    too_long = [1 + (3 * i) % 200 for i in range(70)]
+    for run in (llm.classify, llm.embed):
+        out = run({"prompt_token_ids": too_long}, use_tqdm=False, truncate_prompt_tokens=-1)
+        assert out[0].prompt_token_ids == too_long[-64:]
+    out = llm.encode({"prompt_token_ids": long}, use_tqdm=False, truncate_prompt_tokens=-1)
+    assert out[0].prompt_token_ids == long
 
 
 def test_encode_with_pooling_params_keeps_the_models_task(tmp_path: Path) -> None:

@@ -35,10 +35,15 @@ def _wait_idle(server: Served, timeout: float = 3.0) -> None:
     raise AssertionError(f"still running {timeout} s after the client left: {engine.stats()}")
 
 
-def _aborted(server: Served) -> int:
+def _aborted(server: Served, prefix: str = "mrv2_request_aborted_total", has: str = "") -> int:
     text = httpx.get(f"{server.url}/metrics", headers=AUTH).text
-    line = next(x for x in text.splitlines() if x.startswith("mrv2_request_aborted_total"))
+    line = next(x for x in text.splitlines() if x.startswith(prefix) and has in x)
     return int(float(line.split()[-1]))
+
+
+def _vllm_aborted(server: Served) -> int:
+    """vLLM's count of aborted sequences: ``vllm:request_success{finished_reason="abort"}``."""
+    return _aborted(server, "vllm:request_success_total{", 'finished_reason="abort"')
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
@@ -51,7 +56,7 @@ def test_client_gone_aborts(long_server: Served, path: str, stream: bool, n: int
         body["messages"] = [{"role": "user", "content": "Tell me a long story"}]
     else:
         body["prompt"] = "Once upon a time"
-    before = _aborted(long_server)
+    before, vllm_before = _aborted(long_server), _vllm_aborted(long_server)
     # non-streamed: the client gives up after 1 s of silence; streamed: after its first chunk
     with pytest.raises(httpx.ReadTimeout), httpx.stream(
             "POST", f"{long_server.url}{path}", json=body, headers=AUTH,
@@ -61,6 +66,7 @@ def test_client_gone_aborts(long_server: Served, path: str, stream: bool, n: int
                 raise httpx.ReadTimeout("leaving after the first chunk")
     _wait_idle(long_server)  # within 3 s of the client leaving
     assert _aborted(long_server) == before + 1  # aborted, not finished (8000 tokens)
+    assert _vllm_aborted(long_server) == vllm_before + n  # as vLLM counts them: each sequence
 
 
 def test_beam_search_client_gone_aborts(long_server: Served) -> None:

@@ -184,6 +184,9 @@ def test_a_client_that_leaves_has_its_request_aborted(remote: tuple[str, Any]) -
     assert engine.process.num_pending == 0
     text = httpx.get(f"{url}/metrics", headers=AUTH).text
     assert 'mrv2_request_aborted_total{model_name="tiny"} 1.0' in text
+    # (and on vLLM's series, where vLLM counts an aborted request)
+    assert ('vllm:request_success_total{engine="0",finished_reason="abort",model_name="tiny"} '
+            '1.0') in text
     for process in ("server", "engine"):  # each process's collector pauses
         assert f'mrv2_gc_pause_seconds_total{{model_name="tiny",process="{process}"}}' in text
 

@@ -154,16 +154,18 @@ def test_the_serve_logging_flags_reach_the_server(
                  "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                  "--allowed-origins", '["https://a.example"]', "--root-path", "/llm",
                  "--enable-prompt-tokens-details", "--enable-lora", "--lora-modules",
-                 "sql=/adapters/sql"]) == 0
+                 "sql=/adapters/sql", "--trust-request-chat-template"]) == 0
     assert calls == [
         {"log_stats": True, "uvicorn_log_level": "info", "access_log": True,
          "reasoning_parser": None, "tool_call_parser": None, "http": HTTPOptions(),
-         "enable_prompt_tokens_details": False, "lora_modules": []},
+         "enable_prompt_tokens_details": False, "lora_modules": [],
+         "trust_request_chat_template": False},
         {"log_stats": False, "uvicorn_log_level": "warning", "access_log": False,
          "reasoning_parser": "qwen3", "tool_call_parser": "hermes",
          "http": HTTPOptions(allowed_origins=("https://a.example",), root_path="/llm"),
          "enable_prompt_tokens_details": True,
-         "lora_modules": [LoRARequest("sql", 1, "/adapters/sql")]}]
+         "lora_modules": [LoRARequest("sql", 1, "/adapters/sql")],
+         "trust_request_chat_template": True}]
     # (--tool-call-parser alone serves, as vLLM's: test_http_options)
     for half in (["--enable-auto-tool-choice"],
                  ["--lora-modules", "sql=/adapters/sql"], ["--enable-lora", "--lora-modules",

@@ -324,3 +324,27 @@ def test_messages_reach_the_template_as_vllm_gives_them(tmp_path: Any) -> None:
             assert done.status_code == 200, done.text
             assert done.json()["usage"]["prompt_tokens"] == count, extra
         assert len(tok.encode(prompt)) == len(tok.encode(prompt, add_special_tokens=False)) + 1
+
+
+def test_trust_request_chat_template_renders_the_requests_template(model_dir: Any) -> None:
+    """vLLM's ``--trust-request-chat-template``: a request's own ``chat_template`` is
+    rendered instead of the model's, in chat completions and chat /tokenize (with the
+    request's ``chat_template_kwargs``); a request without one keeps the model's."""
+    from conftest import serve
+
+    messages = [{"role": "user", "content": "Hello world!"}]
+    own = "{% if shout is defined %}HEY {% endif %}{{ messages[0]['content'] }} ok"
+    tok = Tokenizer.from_pretrained(model_dir)
+    want = tok.encode("HEY Hello world! ok", add_special_tokens=False)
+    for served in serve(model_dir, trust_request_chat_template=True):
+        got = _post(served, "/tokenize", {"messages": messages, "chat_template": own,
+                                          "chat_template_kwargs": {"shout": True}})
+        assert got.status_code == 200, got.text
+        assert got.json()["tokens"] == want
+        chat = _post(served, "/v1/chat/completions", {
+            "messages": messages, "max_tokens": 1, "chat_template": own,
+            "chat_template_kwargs": {"shout": True}})
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["usage"]["prompt_tokens"] == len(want)
+        plain = _post(served, "/tokenize", {"messages": messages}).json()["tokens"]
+        assert plain == tok.apply_chat_template(messages, True)

@@ -228,7 +228,8 @@ class LLM:
         (default: whole, normalized unless the checkpoint's sentence-transformers
         configuration has no ``Normalize`` module). Requests of one call run in the same
         steps, as ``generate``'s; every prompt is validated before any is queued.
-        ``truncate_prompt_tokens``: keep each prompt's last so many tokens (vLLM's)."""
+        ``truncate_prompt_tokens``: keep each prompt's last so many tokens (vLLM's; -1:
+        ``max_model_len``)."""
         outputs = self._pool(prompts, _with_task(pooling_params, "embed"), use_tqdm,
                              lora_request, truncate_prompt_tokens)
         return [EmbeddingRequestOutput.of(o, EmbeddingOutput) for o in outputs]
@@ -283,7 +284,8 @@ class LLM:
         a sequence classifier (an ``XForSequenceClassification`` checkpoint): its ``score``
         head over the last token's final hidden state, softmax (the sigmoid of a single
         label's logit). ``llm.engine.id2label`` names the labels.
-        ``truncate_prompt_tokens``: keep each prompt's last so many tokens."""
+        ``truncate_prompt_tokens``: keep each prompt's last so many tokens (-1:
+        ``max_model_len``)."""
         outputs = self._pool(prompts, PoolingParams(task="classify"), use_tqdm, lora_request,
                              truncate_prompt_tokens)
         return [ClassificationRequestOutput.of(o, ClassificationOutput) for o in outputs]
@@ -341,14 +343,18 @@ class LLM:
               use_tqdm: bool, lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
               truncate_prompt_tokens: int | None = None) -> list[RequestOutput]:
         """Run ``prompts`` as pooling requests (each cut to its last ``truncate_prompt_tokens``
-        tokens when set); every one validated before any is queued."""
+        tokens when set; -1: ``max_model_len``, vLLM's); every one validated before any is
+        queued."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
         keep = truncate_prompt_tokens
         if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool)
-                                 or keep < 1):
-            raise ValueError(f"truncate_prompt_tokens must be an int >= 1 or None, got {keep!r}")
+                                 or (keep < 1 and keep != -1)):
+            raise ValueError("truncate_prompt_tokens must be an int >= 1, -1 (max_model_len, "
+                             f"vLLM's) or None, got {keep!r}")
+        if keep == -1:  # (a pooling prompt's longest, as the server's pooling routes take it)
+            keep = self.engine.max_model_len
         pooling.check(self.engine.hidden_size, self.engine.num_labels, self.engine.matryoshka,
                       self.engine.refused_pooling_tasks)
         loras = self._loras(lora_request, len(prompts))

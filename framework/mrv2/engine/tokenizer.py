@@ -64,12 +64,15 @@ class Tokenizer:
     def render_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
         tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
-        documents: list[dict[str, Any]] | None = None, **kwargs: Any
+        documents: list[dict[str, Any]] | None = None, chat_template: str | None = None,
+        **kwargs: Any
     ) -> str:
         """The chat template applied to ``messages``, as text: ``tools`` offered to the model,
         ``documents`` to ground its answer (a RAG template's), the last message continued
         (``continue_final_message``); ``kwargs`` are the template's own variables
-        (``enable_thinking=False`` for Qwen3's: :func:`check_template_kwargs`)."""
+        (``enable_thinking=False`` for Qwen3's: :func:`check_template_kwargs`).
+        ``chat_template``: Jinja text rendered instead of the tokenizer's own template (a
+        request's, vLLM's ``--trust-request-chat-template``)."""
         check_template_kwargs(kwargs)
         if tools:
             kwargs["tools"] = tools
@@ -77,7 +80,9 @@ class Tokenizer:
             kwargs["documents"] = documents
         if continue_final_message:
             kwargs["continue_final_message"] = True
-        if not self.chat_template:
+        if chat_template is not None:
+            kwargs["chat_template"] = chat_template
+        elif not self.chat_template:
             raise ValueError(
                 f"tokenizer of {self.model_dir or type(self.hf).__name__} has no chat template; "
                 "send a plain prompt instead of chat messages"

@@ -135,7 +135,8 @@ def _serve(args: argparse.Namespace) -> int:
                       reasoning_parser=args.reasoning_parser,
                       tool_call_parser=tool_call_parser, http=http,
                       enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                      lora_modules=loras)
+                      lora_modules=loras,
+                      trust_request_chat_template=args.trust_request_chat_template)
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -247,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-prompt-tokens-details", action="store_true",
                        help="usage carries prompt_tokens_details.cached_tokens (the prompt "
                        "tokens the prefix cache held)")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="render a chat request's own chat_template (else refused with "
+                       "a 400), as vLLM's flag")
     add_http_args(serve)
     add_cli_args(serve)
     serve.set_defaults(func=_serve)

@@ -242,7 +242,7 @@ class EngineProcess:
         entry.aborted = True
         self._accumulator.forget(req_id)
         if self.metrics is not None:
-            self.metrics.requests_aborted.inc()
+            self.metrics.observe_aborted(entry.num_seqs)
         with contextlib.suppress(OSError):
             self._send(("abort", req_id))
 

@@ -324,7 +324,7 @@ class EngineThread:
         elif command == "abort":
             aborted = self._sinks.pop(arg, None)
             if aborted is not None:
-                self.metrics.requests_aborted.inc()
+                self.metrics.observe_aborted(aborted.num_seqs)
                 self._finish_pending(aborted)
                 self.engine.abort(arg)
 

@@ -196,6 +196,13 @@ class ServerMetrics:
                 self.tpot.observe(decode_seconds / (num - 1))
                 self._vllm_tpot.observe(decode_seconds / (num - 1))
 
+    def observe_aborted(self, num_seqs: int) -> None:
+        """A request of ``num_seqs`` sequences was aborted (its client left): one request on
+        ``mrv2_request_aborted``, and each sequence on vLLM's
+        ``vllm:request_success{finished_reason="abort"}``, where vLLM counts aborts."""
+        self.requests_aborted.inc()
+        self._vllm_success.labels(self._name, "0", "abort").inc(num_seqs)
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every series."""
         return bytes(generate_latest(self.registry))

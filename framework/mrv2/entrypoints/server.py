@@ -117,7 +117,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
                tool_call_parser: str | None = None,
                http: HTTPOptions | None = None,
                enable_prompt_tokens_details: bool = False,
-               lora_modules: Sequence[LoRARequest] = ()) -> FastAPI:
+               lora_modules: Sequence[LoRARequest] = (),
+               trust_request_chat_template: bool = False) -> FastAPI:
     """The app; its worker (the engine thread, or the engine process's link) starts with the
     app and stops with it (``app.state.engine_thread``).
 
@@ -137,7 +138,10 @@ def create_app(engine: LLMEngine | RemoteEngine,
     ``enable_prompt_tokens_details``: usage carries ``prompt_tokens_details.cached_tokens``
     (the prompt tokens the prefix cache held), as vLLM's flag of that name.
     ``lora_modules`` (:mod:`mrv2.entrypoints.lora_modules`): LoRA adapters requests name in
-    their ``model`` field (the engine built with ``enable_lora``), each checked here."""
+    their ``model`` field (the engine built with ``enable_lora``), each checked here.
+    ``trust_request_chat_template``: a chat request's (and chat /tokenize's) own
+    ``chat_template`` is rendered instead of the model's, as vLLM's
+    ``--trust-request-chat-template``; without it, such a request is a 400."""
     http = http or HTTPOptions()
     http.check()
     check_reasoning_parser(reasoning_parser)
@@ -377,11 +381,12 @@ def create_app(engine: LLMEngine | RemoteEngine,
                        ) -> tuple[list[int], list[MultiModalItem]]:
         """The prompt's token ids through the chat template (the tokenizer's special tokens
         added on top with ``add_special_tokens``), and its images' items; a template of the
-        request's own (``own_template``) is a 400, as vLLM's without
-        ``--trust-request-chat-template``."""
-        if own_template is not None:
+        request's own (``own_template``) is rendered instead of the model's with
+        ``trust_request_chat_template``, else a 400 (vLLM's ``--trust-request-chat-template``)."""
+        if own_template is not None and not trust_request_chat_template:
             raise APIError(400, "chat_template: this server renders the model's chat template "
-                           "(or mrv2 serve --chat-template), not one sent with the request",
+                           "(or mrv2 serve --chat-template), not one sent with the request "
+                           "(unless started with --trust-request-chat-template)",
                            param="chat_template")
         try:
             kwargs = check_template_kwargs(template_kwargs)
@@ -396,6 +401,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
             kwargs["tools"] = tools
         if documents:
             kwargs["documents"] = documents
+        if own_template is not None:
+            kwargs["chat_template"] = own_template
         if any(m.has_media for m in messages):
             allow_remote = engine.config.multimodal.allow_remote_media
             try:  # decoding and preprocessing images is CPU work: off the event loop

@@ -80,7 +80,8 @@ def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: 
                reasoning_parser: str | None = None, tool_call_parser: str | None = None,
                http: HTTPOptions | None = None,
                enable_prompt_tokens_details: bool = False,
-               lora_modules: Sequence[LoRARequest] = ()) -> int:
+               lora_modules: Sequence[LoRARequest] = (),
+               trust_request_chat_template: bool = False) -> int:
     """Serve until interrupted (returns 0), or until the engine fails for good (a
     tensor-parallel worker died: the server answers 503 for a moment, then stops and returns
     1). ``log_stats``: a stats line every :func:`~mrv2.entrypoints.stats_logger.log_stats_interval`
@@ -89,7 +90,9 @@ def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: 
     ``host:port`` already (:func:`listen_socket`, which ``mrv2 serve`` calls before the
     engine loads, so a port in use fails at once); None binds it here. ``http``: CORS, the
     root path, TLS, the docs pages (:class:`~mrv2.entrypoints.http_options.HTTPOptions`).
-    ``lora_modules``: the adapters served by name (``--lora-modules``)."""
+    ``lora_modules``: the adapters served by name (``--lora-modules``).
+    ``trust_request_chat_template``: a request's own ``chat_template`` is rendered
+    (``--trust-request-chat-template``), not refused."""
     http = http or HTTPOptions()
     if engine.tokenizer is not None:
         engine.tokenizer.warm_up()  # the chat template compiled before the first request
@@ -98,7 +101,8 @@ def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: 
     freeze_startup_heap()
     app = create_app(engine, served_model_name, api_key, max_pending, max_n,
                      log_stats_interval() if log_stats else None, reasoning_parser,
-                     tool_call_parser, http, enable_prompt_tokens_details, lora_modules)
+                     tool_call_parser, http, enable_prompt_tokens_details, lora_modules,
+                     trust_request_chat_template)
     server = make_server(app, host, port, uvicorn_log_level, access_log, http)
     worker: EngineThread | EngineProcess = app.state.engine_thread
 
