@@ -287,3 +287,10 @@ def test_llm_chat_gives_the_template_messages_as_vllm_does(tmp_path: Path) -> No
     out = llm.chat(messages, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
     assert out[0].prompt == "[hi][]think|thinkParis[sunny][ok]more|more"
     assert call["function"]["arguments"] == '{"city": "Paris"}'  # (the caller's, unchanged)
+    # vLLM's chat_template argument (fifth positional): this call's template only
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1), False,
+                   None, "<{{ messages[0]['content'] }}>")
+    assert out[0].prompt == "<hi>"
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1),
+                   use_tqdm=False)
+    assert out[0].prompt == "[hi]"

@@ -393,6 +393,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template: str | None = None,
         *,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
@@ -412,8 +413,10 @@ class LLM:
         ``{"enable_thinking": False}``); ValueError naming the field on a reserved name.
         ``continue_final_message``: the reply continues the last message (an assistant's
         prefill) instead of starting a new one; needs ``add_generation_prompt=False``.
-        ``tools``: the tool definitions the template offers the model (vLLM's). The first
-        four arguments take vLLM's positional order; the others are keywords."""
+        ``tools``: the tool definitions the template offers the model (vLLM's).
+        ``chat_template``: Jinja text rendered instead of the model's template (vLLM's; this
+        call only). The first five arguments take vLLM's positional order; the others are
+        keywords."""
         tokenizer = self._require_tokenizer()
         template_kwargs = check_template_kwargs(chat_template_kwargs)
         if continue_final_message:
@@ -432,7 +435,8 @@ class LLM:
             template_messages, mm_data = split_chat_media(
                 [template_message(m) for m in conversation], allow_remote, limit)
             text = tokenizer.render_chat_template(template_messages, add_generation_prompt,
-                                                  tools=tools, **template_kwargs)
+                                                  tools=tools, chat_template=chat_template,
+                                                  **template_kwargs)
             # (as vLLM's: the output's ``prompt`` is the rendered text; it carries any BOS)
             prompt: dict[str, Any] = {
                 "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False),
