@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MAX_AUDIO_BYTES", "MAX_IMAGE_BYTES", "TEXT_PARTS", "decode_wav",
+__all__ = ["MAX_AUDIO_BYTES", "MAX_IMAGE_BYTES", "TEXT_PARTS", "decode_wav", "joined_text",
            "load_image_url", "load_input_audio", "part_text", "split_chat_media"]
 
 #: The content parts read as text (vLLM's chat_utils) -> the key holding their text.
@@ -57,6 +57,12 @@ def part_text(part: Any) -> str | None:
         return None
     value = part.get(TEXT_PARTS[kind])
     return "" if value is None else str(value)
+
+
+def joined_text(parts: Sequence[Any]) -> str:
+    """A message's content parts as one text, as vLLM's chat_utils joins them: the text
+    parts' texts (:func:`part_text`) a line each, empty ones dropped, other parts left out."""
+    return "\n".join(text for text in map(part_text, parts) if text)
 
 
 #: Largest encoded image accepted (a data URI's payload or a fetched body).
@@ -254,6 +260,6 @@ def split_chat_media(messages: Sequence[dict[str, Any]], allow_remote: bool = Fa
         out.append({**message, "content": parts})
     if not images and not clips:  # text parts only: a line each, as vLLM (and the server's
         # chat route) render them for a template that inserts the content as a string
-        out = [{**m, "content": "\n".join(p["text"] for p in m["content"])}
+        out = [{**m, "content": joined_text(m["content"])}
                if isinstance(m.get("content"), list) else m for m in out]
     return out, ({"image": images, "audio": clips} if clips else {"image": images})

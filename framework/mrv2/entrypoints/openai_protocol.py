@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from mrv2.contract.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from mrv2.engine.beam_search import BeamSearchParams
-from mrv2.engine.media import part_text
+from mrv2.engine.media import joined_text, part_text
 from mrv2.engine.outputs import PositionLogprobs
 from mrv2.engine.request_inputs import check_cache_salt, last_tokens
 from mrv2.engine.tokenizer import template_message
@@ -342,7 +342,7 @@ class ChatMessage(BaseModel):
         content = self.content
         if isinstance(content, list):  # content parts: the text ones, a line each (vLLM's:
             # input_text, output_text, refusal and thinking parts too; empty ones dropped)
-            content = "\n".join(text for text in map(part_text, content) if text)
+            content = joined_text(content)
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         extra = self.model_extra or {}
         keys = ["tool_call_id", "name"]

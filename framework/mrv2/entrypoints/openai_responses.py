@@ -43,7 +43,7 @@ from typing import Any, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from mrv2.engine.media import TEXT_PARTS, part_text
+from mrv2.engine.media import TEXT_PARTS, joined_text, part_text
 from mrv2.engine.outputs import RequestOutput
 from mrv2.engine.request_inputs import check_cache_salt
 from mrv2.entrypoints.openai_protocol import (
@@ -213,7 +213,7 @@ def _call_output(output: Any) -> str:
         if not all(isinstance(p, dict) and p.get("type") in _TEXT_PARTS for p in output):
             raise ValueError("SamplingParams.input is invalid: a function_call_output's "
                              "output must be a string or a list of input_text parts")
-        return _lines(output)
+        return joined_text(output)
     return json.dumps(output)
 
 
@@ -257,16 +257,11 @@ def _message(item: Any) -> dict[str, Any]:
             content = [_image_part(p) if p["type"] == "input_image"
                        else {"type": "text", "text": part_text(p)} for p in content]
         else:
-            content = _lines(content)
+            content = joined_text(content)
     if not isinstance(content, (str, list)):
         raise ValueError("SamplingParams.input is invalid: a message's content must be a "
                          "string or a list of text and image parts")
     return {"role": "system" if role == "developer" else role, "content": content}
-
-
-def _lines(parts: list[Any]) -> str:
-    """Text parts' texts a line each, empty ones dropped (vLLM's chat_utils)."""
-    return "\n".join(text for text in map(part_text, parts) if text)
 
 
 def _image_part(part: dict[str, Any]) -> dict[str, Any]:
