@@ -144,6 +144,19 @@ def test_engine_add_request_honours_truncate_prompt_tokens(llm: LLM) -> None:
     assert [o.prompt_token_ids for o in outputs] == [ids[-4:]]
 
 
+def test_last_tokens_rule() -> None:
+    """The one ``truncate_prompt_tokens`` rule (generation, pooling and the server's bodies):
+    the last k ids, -1 the room given, None all; a multimodal prompt is never cut."""
+    from mrv2.engine.request_inputs import last_tokens
+
+    ids = list(range(10))
+    assert last_tokens(ids, 4, 8) == ids[-4:] and last_tokens(ids, -1, 8) == ids[-8:]
+    assert last_tokens(ids, None, 3) is ids and last_tokens(ids, 12, 3) is ids
+    assert last_tokens(ids, 12, 3, multimodal=True) is ids
+    with pytest.raises(ValueError, match="would cut a multimodal prompt"):
+        last_tokens(ids, 4, 8, multimodal=True)
+
+
 def test_outputs_carry_the_lora_request(tmp_path: Any) -> None:
     """vLLM's ``RequestOutput.lora_request`` / ``CompletionOutput.lora_request``: the adapter
     the request ran through (None: the base model), n > 1 included."""

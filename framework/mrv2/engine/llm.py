@@ -28,7 +28,7 @@ from mrv2.engine.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from mrv2.engine.request_inputs import check_cache_salt, truncate_prompt
+from mrv2.engine.request_inputs import check_cache_salt, last_tokens, truncate_prompt
 from mrv2.engine.scoring import broadcast_pairs, check_scorer, cosine
 from mrv2.engine.tokenizer import check_template_kwargs, template_message
 from mrv2.plugins import PluginManager
@@ -353,20 +353,17 @@ class LLM:
                                  or (keep < 1 and keep != -1)):
             raise ValueError("truncate_prompt_tokens must be an int >= 1, -1 (max_model_len, "
                              f"vLLM's) or None, got {keep!r}")
-        if keep == -1:  # (a pooling prompt's longest, as the server's pooling routes take it)
-            keep = self.engine.max_model_len
         pooling.check(self.engine.hidden_size, self.engine.num_labels, self.engine.matryoshka,
                       self.engine.refused_pooling_tasks)
         loras = self._loras(lora_request, len(prompts))
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         salts = [_cache_salt(prompt) for prompt in prompts]
         encoded = [self._encode(prompt) for prompt in prompts]
-        if keep is not None:
-            if any(items and len(ids) > keep for ids, _, items in encoded):
-                raise ValueError("truncate_prompt_tokens would cut a multimodal prompt (its "
-                                 "placeholders must stay whole)")
-            encoded = [(ids[-keep:], None if len(ids) > keep else text, items)
-                       for ids, text, items in encoded]
+        if keep is not None:  # (-1: a pooling prompt's longest, as the server's routes take it)
+            cuts = [last_tokens(ids, keep, self.engine.max_model_len, bool(items))
+                    for ids, _, items in encoded]
+            encoded = [(cut, text if len(cut) == len(ids) else None, items)
+                       for cut, (ids, text, items) in zip(cuts, encoded, strict=True)]
         for (token_ids, _, _), lora in zip(encoded, loras, strict=True):
             self.engine.validate(token_ids, params, lora, pooling=True)
         return self._run(encoded, [params] * len(prompts), use_tqdm, loras, pooling, salts)

@@ -137,11 +137,17 @@ def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_
     params.check_vocab(vocab_size)
 
 
-def last_tokens(ids: list[int], keep: int | None, room: int) -> list[int]:
+def last_tokens(ids: list[int], keep: int | None, room: int, multimodal: bool = False
+                ) -> list[int]:
     """vLLM's ``truncate_prompt_tokens``: the last ``keep`` of ``ids`` (None: all of them;
-    -1: ``room``)."""
+    -1: ``room``). Raises ``ValueError`` where it would cut a ``multimodal`` prompt."""
     keep = room if keep == -1 else keep
-    return ids if keep is None or len(ids) <= keep else ids[-keep:]
+    if keep is None or len(ids) <= keep:
+        return ids
+    if multimodal:
+        raise ValueError("truncate_prompt_tokens would cut a multimodal prompt (its "
+                         "placeholders must stay whole)")
+    return ids[-keep:]
 
 
 def truncation_room(max_model_len: int, max_tokens: int | None) -> int:
@@ -155,12 +161,8 @@ def truncate_prompt(prompt_token_ids: list[int], params: SamplingParams, max_mod
     """The prompt's last ``params.truncate_prompt_tokens`` ids (:func:`last_tokens`, -1's
     :func:`truncation_room`). Raises ``ValueError`` where it would cut a ``multimodal``
     prompt."""
-    cut = last_tokens(prompt_token_ids, params.truncate_prompt_tokens,
-                      truncation_room(max_model_len, params.max_tokens))
-    if multimodal and len(cut) < len(prompt_token_ids):
-        raise ValueError("truncate_prompt_tokens would cut a multimodal prompt (its "
-                         "placeholders must stay whole)")
-    return cut
+    return last_tokens(prompt_token_ids, params.truncate_prompt_tokens,
+                       truncation_room(max_model_len, params.max_tokens), multimodal)
 
 
 def check_cache_salt(cache_salt: Any) -> str | None:
