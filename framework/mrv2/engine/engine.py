@@ -513,10 +513,11 @@ class LLMEngine(WeightOps):
         try:
             return self._process_step(step)
         finally:  # (a step that failed too: no later step holds an ended request's results)
-            self._ended = {i: last for i, last in self._ended.items() if last is not step}
+            if self._ended:
+                self._ended = {i: last for i, last in self._ended.items() if last is not step}
 
     def _process_step(self, step: AsyncStepOutput) -> list[RequestOutput]:
-        ended = set(self._ended)  # (ids of requests that ended: their results here are theirs)
+        ended = self._ended  # (ids of requests that ended: their results here are theirs)
 
         def live(req_id: str) -> TrackedRequest | None:
             return None if req_id in ended else self._requests.get(req_id)

@@ -70,6 +70,8 @@ VLLM_NAMES = {
     "mrv2_time_per_output_token_seconds": "vllm:request_time_per_output_token_seconds",
 }
 _VLLM_LABELS = ["model_name", "engine"]
+#: The ``engine`` label's value (vLLM's engine index: one engine).
+_VLLM_ENGINE = "0"
 
 # (name, help, key in LLMEngine.stats()) of the engine's own series.
 _GAUGES = (
@@ -138,7 +140,7 @@ class ServerMetrics:
                               ["model_name"], buckets=TPOT_BUCKETS, registry=reg).labels(name)
         # The same series under vLLM's names (and its labels, bucket edges), updated in the
         # same calls as the mrv2 ones above.
-        vllm, engine = VLLM_NAMES, "0"
+        vllm, engine = VLLM_NAMES, _VLLM_ENGINE
         self._vllm_prompt_tokens = Counter(
             vllm["mrv2_prompt_tokens"], "Number of prefill tokens processed.", _VLLM_LABELS,
             registry=reg).labels(name, engine)
@@ -190,7 +192,7 @@ class ServerMetrics:
         output token, and its seconds from the request's arrival to its end."""
         for reason, num, decode_seconds, e2e_seconds in sequences:
             self._success.labels(self._name, reason).inc()
-            self._vllm_success.labels(self._name, "0", reason).inc()
+            self._vllm_success.labels(self._name, _VLLM_ENGINE, reason).inc()
             self._vllm_e2e.observe(e2e_seconds)
             if decode_seconds is not None and num > 1:
                 self.tpot.observe(decode_seconds / (num - 1))
@@ -201,7 +203,7 @@ class ServerMetrics:
         ``mrv2_request_aborted``, and each sequence on vLLM's
         ``vllm:request_success{finished_reason="abort"}``, where vLLM counts aborts."""
         self.requests_aborted.inc()
-        self._vllm_success.labels(self._name, "0", "abort").inc(num_seqs)
+        self._vllm_success.labels(self._name, _VLLM_ENGINE, "abort").inc(num_seqs)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every series."""
@@ -216,7 +218,7 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats, label = self.metrics.stats, [self.model_name]
-        vllm_label = [self.model_name, "0"]
+        vllm_label = [self.model_name, _VLLM_ENGINE]
         for name, doc, key in _GAUGES:
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
             family.add_metric(label, float(stats.get(key, 0)))

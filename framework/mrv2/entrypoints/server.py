@@ -349,13 +349,14 @@ def create_app(engine: LLMEngine | RemoteEngine,
                            f"holds at once ({max_pending}: mrv2 serve --max-pending); send "
                            "fewer prompts per request", param="prompt")
         encoded: list[tuple[list[int], str | None]] = []
+        keep = room(body, params)  # (the same for every prompt of the request)
         for p in prompts:
             if isinstance(p, str):
                 full = tokenizer().encode(p, body.add_special_tokens)
-                ids = body.truncate(full, room(body, params))
+                ids = body.truncate(full, keep)
                 encoded.append((ids, p if ids is full else None))  # (the text: untruncated)
             else:
-                encoded.append((body.truncate(list(p), room(body, params)), None))
+                encoded.append((body.truncate(list(p), keep), None))
         for ids, _ in encoded:
             validate(ids, params, body)
         if body.use_beam_search:
