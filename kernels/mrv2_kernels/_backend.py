@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["ENV_VAR", "LOG2E", "LOG2E_C", "M_INIT", "PDL_EARLY_META_ENV_VAR",
+__all__ = ["ENV_VAR", "LOG2E", "LOG2E_C", "MAX_GRID_YZ", "M_INIT", "PDL_EARLY_META_ENV_VAR",
            "PDL_EARLY_WEIGHTS_ENV_VAR", "PDL_ENV_VAR", "arrival_counters", "cdiv",
            "cuda_event_ms", "default_block", "flat_query_tile", "last_to_arrive", "next_power_of_2",
            "online_softmax_step", "pdl", "pdl_early_meta", "pdl_early_weights", "pdl_enabled",
@@ -94,6 +94,9 @@ LOG2E_C = tl.constexpr(LOG2E)
 #: Finite "minus infinity" for the attention kernels' running maxima (rows that see no key stay
 #: NaN-free); a constexpr because compiled kernels may only read constexpr globals.
 M_INIT = tl.constexpr(-1.0e30)
+#: The most blocks a CUDA grid's y or z axis holds (x: 2**31 - 1): grids that put a tile axis
+#: there (the attention kernels' ``tiles_last``) keep it on x past this.
+MAX_GRID_YZ = 65535
 
 
 #: Whether Triton's interpreter runs the kernels (``TRITON_INTERPRET=1`` when this module was

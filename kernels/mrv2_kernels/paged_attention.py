@@ -66,6 +66,7 @@ import torch
 
 from ._backend import LOG2E as _LOG2E
 from ._backend import (
+    MAX_GRID_YZ,
     next_power_of_2,
     pdl,
     pdl_early_meta,
@@ -88,9 +89,6 @@ FLAT_GRID_ENV_VAR = "MRV2_ATTN_FLAT_GRID"
 #: on 0.6B's; the (tile, request) grid's mixed step lost 273 -> 307 us on 0.6B's, the TMA
 #: kernel on 8B heads 344 -> 335 TFLOP/s).
 TILES_LAST_ENV_VAR = "MRV2_ATTN_TILES_LAST"
-
-#: The most blocks a CUDA grid's y or z axis holds (x: 2**31 - 1).
-MAX_GRID_YZ = 65535
 
 
 def prefill_tiles_last(tiles_last: bool | None, flat: bool) -> bool:
@@ -242,7 +240,7 @@ def paged_attention(
         prefill_attention_tma(query, *step_kv, kv_cache, qsl, seq_lens, block_table, scale,
                               max_query_len=max_query_len, num_reqs=num_reqs, out=out,
                               min_query_len=long_qlen,
-                              tiles_last=prefill_tiles_last(tiles_last, False))  # (its guard)
+                              tiles_last=prefill_tiles_last(tiles_last, False))
     if splits > 1:
         part_m = torch.empty(
             (num_tokens, num_heads, splits), dtype=torch.float32, device=query.device

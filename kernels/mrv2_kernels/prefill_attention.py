@@ -50,7 +50,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._backend import LOG2E as _LOG2E
 from ._backend import M_INIT as _M_INIT
-from ._backend import cdiv, pdl, pdl_prologue
+from ._backend import MAX_GRID_YZ, cdiv, pdl, pdl_prologue
 from ._backend import online_softmax_step as _online_step
 
 __all__ = ["TMA_PREFILL_ENV_VAR", "prefill_attention_tma", "tma_prefill_min_query",
@@ -269,8 +269,7 @@ def prefill_attention_tma(
     value_desc = TensorDescriptor(value, list(value.shape), [value.stride(0), 1],
                                   [bn, head_dim])
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    # (CUDA's grid z holds at most 65,535 blocks: longer steps keep the tiles on x)
-    tiles_last = tiles_last and num_q_tiles <= 65535
+    tiles_last = tiles_last and num_q_tiles <= MAX_GRID_YZ  # (else the tiles stay on x)
     grid = ((num_heads, num_reqs, num_q_tiles) if tiles_last
             else (num_q_tiles, num_heads, num_reqs))
     _tma_prefill_kernel[grid](
