@@ -7,6 +7,7 @@
 # coldstart (scripts/probe_cold_start.py: the first request of each kind on an empty Triton cache, warm-up off and on),
 # gcgen0 (MRV2_GC_GEN0_THRESHOLD=20000 against Python's own, 256 streams through mrv2 serve),
 # longdecode (scripts/sweep_long_decode.py: decode attention's launch options at long contexts),
+# ttfttiles (one long prompt's TTFT, MRV2_ATTN_TILES_LAST=0 against the default),
 # verify46b (the forty-sixth session's fixes: integer layers, MLA, Qwen3-Next, Mistral 3, GEMM operands, Qwen-VL;
 # VERIFY_TESTS names the GPU test files' stems, VERIFY_CAP a file's seconds),
 # verify46 (the forty-fifth session's leftovers: structured outputs' GPU tests, a yarn-scaled 48k-token prompt),
@@ -856,6 +857,18 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
              --server-args "--tensor-parallel-size ${TP:-4} --max-model-len 4096 ${GLM47_ARGS:-}" \
              --variants ${GLM47_VARIANTS:-mtp_off mtp_on async_off mtp_on_async_off} 2>&1 \
              | tee "$OUT/glm47.log" | tail -24 ;;
+    ttfttiles) # TTFT of one long prompt (Qwen3-0.6B, TTFT_LEN tokens, default 32,000: attention is
+               # most of its prefill) with MRV2_ATTN_TILES_LAST=0 (the old grid order) and unset (the
+               # default: the paged flat grid heaviest-first), interleaved TTFT_ROUNDS times (default 2)
+               for r in $(seq "${TTFT_ROUNDS:-2}"); do for env in 0 default; do
+                 ( [ "$env" = 0 ] && export MRV2_ATTN_TILES_LAST=0
+                   timeout 150 python3 -m mrv2.entrypoints.cli bench latency --model Qwen3-0.6B \
+                     --batch-sizes 1 --prompt-len "${TTFT_LEN:-32000}" --new-tokens 4 --max-model-len 32768 \
+                     --json "$OUT/ttft_${env}_$r.json" > "$OUT/ttft_${env}_$r.log" 2>&1 )
+                 python3 -c "import json, sys; d = json.load(open(sys.argv[1])); \
+                   print('tiles_last', sys.argv[2], 'round', sys.argv[3], [(r['batch'], r['ttft_ms']) \
+                   for r in d['default'] if 'batch' in r])" "$OUT/ttft_${env}_$r.json" "$env" "$r" 2>&1 | tail -1
+               done; done ;;
     latency) python3 -m mrv2.entrypoints.cli bench latency --json "$OUT/latency.json" \
                ${LATENCY_ARGS:-} 2>&1 | tee "$OUT/latency.log" | tail -40 ;;
     tma_prefill) # the TMA prefill kernel (MRV2_TMA_PREFILL=1, off by default): its CUDA tests,
