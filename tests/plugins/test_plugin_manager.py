@@ -67,6 +67,23 @@ def test_every_bundled_architecture_has_its_install_hint() -> None:
         empty.resolve_model(["Phi3ForCausalLM"])
 
 
+def test_every_bundled_multimodal_model_names_its_media_encoders() -> None:
+    """A model that takes media (an input processor) names the submodules that run only on
+    media items (``CausalLM.media_encoders``): the byte floor leaves them out of a text step's
+    bytes, and a name that is not one of the model's attributes would leave them in."""
+    manager = PluginManager(autoload=True, allow=None, block=[])
+    media = {arch: entry for arch, entry in manager.registries.models.items()
+             if entry.input_processor is not None}
+    assert len(media) >= 10
+    for arch, entry in media.items():
+        model_cls = entry.load("model")
+        names = getattr(model_cls, "media_encoders", ())
+        assert names, arch
+        init = "\n".join(inspect.getsource(c) for c in model_cls.__mro__
+                         if c.__module__.startswith("mrv2_") and "__init__" in vars(c))
+        assert all(f"self.{name} = " in init for name in names), (arch, names)
+
+
 def test_plugins_that_load_image_processors_depend_on_pillow() -> None:
     """transformers' image processors need pillow (its PIL backend where torchvision is absent,
     and the torchvision one too): a family whose input processor loads one declares it, or an

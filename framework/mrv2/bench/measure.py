@@ -89,14 +89,24 @@ def gemm_rate(device: torch.device, n: int = 8192, repeats: int = 10) -> float:
     return 2 * n**3 / _median_seconds(lambda: torch.mm(a, b, out=out), repeats)
 
 
+def media_encoder_params(runner: Runner) -> list[torch.nn.Parameter]:
+    """The parameters of the model's media encoders (``CausalLM.media_encoders``: vision /
+    audio towers and projectors), which run on media items, never in a text step."""
+    modules = [getattr(runner.model, name, None)
+               for name in getattr(runner.model, "media_encoders", ())]
+    return [p for m in modules if isinstance(m, torch.nn.Module) for p in m.parameters()]
+
+
 def linear_flops(runner: Runner) -> tuple[int, int]:
     """``(per token, per logits row)``: FLOPs of the linear layers, 2 x the weights each
     multiplies. Embedding lookups cost none; the LM head costs per logits row (a tied head
     too); a token multiplies ``num_experts_per_tok`` of each routed-expert layer's experts.
-    Attention's own products (queries x keys, scores x values) are not counted, nor norms."""
+    Attention's own products (queries x keys, scores x values) are not counted, nor norms,
+    nor the media encoders (:func:`media_encoder_params`)."""
     modules = list(runner.model.modules())
     experts = expert_layers(runner)
     skip = {id(p) for layer in experts for p in layer.parameters()}
+    skip |= {id(p) for p in media_encoder_params(runner)}
     skip |= {id(m.weight) for m in modules if isinstance(m, VocabEmbedding | LMHead)}
     per_token = sum(p.numel() for p in runner.model.parameters()
                     if id(p) not in skip and p.dim() >= 2)
@@ -135,10 +145,12 @@ def _lookup_tables(runner: Runner) -> list[torch.Tensor]:
 
 def weight_bytes(runner: Runner) -> int:
     """Bytes of every parameter a step reads whatever its tokens: all of them but the routed
-    experts' (see :func:`expert_read_bytes`) and the untied embedding tables' (a row per
-    token: :func:`embedding_bytes_per_token`)."""
+    experts' (see :func:`expert_read_bytes`), the untied embedding tables' (a row per token:
+    :func:`embedding_bytes_per_token`) and the media encoders' (run per image, not per step:
+    :func:`media_encoder_params`)."""
     skip = {id(p) for layer in expert_layers(runner) for p in layer.parameters()}
     skip |= {id(table) for table in _lookup_tables(runner)}
+    skip |= {id(p) for p in media_encoder_params(runner)}
     return sum(p.numel() * p.element_size() for p in runner.model.parameters()
                if id(p) not in skip)
 

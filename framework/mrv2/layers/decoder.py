@@ -299,6 +299,10 @@ class CausalLM(nn.Module):
     checkpoints' names."""
 
     stacked_params: ClassVar[StackedMapping] = STACKED_PARAMS
+    #: Attributes holding submodules that run only on media items (a vision-language model's
+    #: vision / audio towers and projectors), never in a text step: the byte floor
+    #: (:func:`mrv2.bench.measure.weight_bytes`) leaves their parameters out.
+    media_encoders: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: Any, model: DecoderModel) -> None:
         super().__init__()

@@ -30,7 +30,7 @@ published layout (``language_model.model.*``, ``language_model.lm_head.*``, ``vi
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -54,6 +54,8 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
     """Gemma 4's multimodal checkpoint: its text decoder with the image and audio encoders
     its config has (module docstring). ``config`` is the composite ``Gemma4Config``
     (``self.hf_config``); ``self.config`` is its ``text_config``."""
+
+    media_encoders: ClassVar[tuple[str, ...]] = ("vision", "audio")
 
     def __init__(self, config: Any) -> None:
         super().__init__(vl_text_config(config, ARCHITECTURE))

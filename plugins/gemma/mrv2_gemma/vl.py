@@ -30,7 +30,7 @@ writes (``language_model.model.*``, ``language_model.lm_head.weight``, ``vision_
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -53,6 +53,8 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     """Gemma 3's vision-language checkpoint: the text decoder and the image encoder
     (``vision``; module docstring). ``config`` is the composite ``Gemma3Config``
     (``self.hf_config``); ``self.config`` is its ``text_config``."""
+
+    media_encoders: ClassVar[tuple[str, ...]] = ("vision",)
 
     def __init__(self, config: Any) -> None:
         super().__init__(vl_text_config(config, ARCHITECTURE))

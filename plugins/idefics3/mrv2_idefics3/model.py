@@ -79,6 +79,8 @@ class Idefics3ForConditionalGeneration(CausalLM):
 
     architecture: ClassVar[str] = "Idefics3ForConditionalGeneration"
 
+    media_encoders: ClassVar[tuple[str, ...]] = ("vision",)
+
     def __init__(self, config: Any) -> None:
         text = text_config(config, self.architecture)
         super().__init__(text, build_decoder(text))

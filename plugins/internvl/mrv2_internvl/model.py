@@ -20,7 +20,7 @@ layout without ``model.`` (``language_model.model.*``, ``language_model.lm_head.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -60,6 +60,8 @@ class InternVLForConditionalGeneration(CausalLM):
     """InternVL: the text decoder and the image encoder (``vision``; module doc). ``config``
     is the composite ``InternVLConfig`` (``self.hf_config``); ``self.config`` is its
     ``text_config``."""
+
+    media_encoders: ClassVar[tuple[str, ...]] = ("vision",)
 
     def __init__(self, config: Any) -> None:
         text = _text_config(config)

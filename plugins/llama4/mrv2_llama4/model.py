@@ -58,7 +58,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Iterable, Iterator
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -372,6 +372,8 @@ class Llama4ForConditionalGeneration(Llama4ForCausalLM):
     ``text_config`` (the LM head tied by the top-level ``tie_word_embeddings``), and the image
     encoder (``vision``, replicated under tensor parallelism; module doc). ``self.hf_config``
     is the composite config."""
+
+    media_encoders: ClassVar[tuple[str, ...]] = ("vision",)
 
     def __init__(self, config: Any) -> None:
         super().__init__(vl_text_config(config, "Llama4ForConditionalGeneration"))

@@ -24,7 +24,7 @@ Checkpoints load as LLaVA's do, plus ``model.image_newline`` / ``image_newline``
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -151,6 +151,8 @@ class LlavaNextForConditionalGeneration(CausalLM):
     """LLaVA-NeXT: LLaVA's text decoder and the anyres image encoder (``vision``; module
     doc). ``config`` is the composite ``LlavaNextConfig``; ``self.config`` its
     ``text_config``."""
+
+    media_encoders: ClassVar[tuple[str, ...]] = ("vision",)
 
     def __init__(self, config: Any) -> None:
         super().__init__(*build_decoder(text_config(config, ARCHITECTURE)))

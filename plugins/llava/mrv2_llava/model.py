@@ -21,7 +21,7 @@ Checkpoints load in transformers 5.17's names (``model.language_model.*``,
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -79,6 +79,8 @@ class LlavaForConditionalGeneration(CausalLM):
     """LLaVA: the text decoder and the image encoder (``vision``; module doc). ``config`` is
     the composite ``LlavaConfig`` (``self.hf_config``); ``self.config`` is its
     ``text_config``."""
+
+    media_encoders: ClassVar[tuple[str, ...]] = ("vision",)
 
     def __init__(self, config: Any) -> None:
         super().__init__(*build_decoder(text_config(config)))

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 
@@ -86,6 +86,8 @@ class Mistral3ForConditionalGeneration(CausalLM):
     """Mistral 3: Mistral's text decoder and the image encoder (``vision``; module doc).
     ``config`` is the composite ``Mistral3Config`` (``self.hf_config``); ``self.config`` is its
     ``text_config``."""
+
+    media_encoders: ClassVar[tuple[str, ...]] = ("vision",)
 
     def __init__(self, config: Any) -> None:
         text = vl_text_config(config, ARCHITECTURE)

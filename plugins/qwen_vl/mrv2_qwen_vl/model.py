@@ -47,6 +47,8 @@ class Qwen25VLForConditionalGeneration(CausalLM):
     #: The vision tower's class (built from ``config.vision_config``).
     tower_class: ClassVar[type[QwenVisionBase]] = Qwen25VisionTower
 
+    media_encoders: ClassVar[tuple[str, ...]] = ("visual",)
+
     def __init__(self, config: Any) -> None:
         text = vl_text_config(config)
         rope = get_mrope(text, head_dim_of(text))

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -110,6 +110,8 @@ class Qwen3VLTextModel(DecoderModel):
 class Qwen3VLForConditionalGeneration(CausalLM):
     """Qwen3-VL: Qwen3 text decoder with interleaved M-RoPE and deepstack, plus the vision
     tower (``visual``)."""
+
+    media_encoders: ClassVar[tuple[str, ...]] = ("visual",)
 
     def __init__(self, config: Any) -> None:
         text = vl_text_config(config)

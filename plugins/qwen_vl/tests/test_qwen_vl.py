@@ -489,6 +489,30 @@ def test_the_responses_api_takes_an_image(checkpoint: Path) -> None:
         assert caught.value.body["param"] == "input"  # type: ignore[index]
 
 
+def test_the_byte_floor_leaves_the_vision_tower_out(checkpoint: Path) -> None:
+    """A text step reads the language model and the LM head, not the vision tower (run per
+    image): the floor's weight bytes and the roofline's FLOPs count the text model alone."""
+    from mrv2 import EngineConfig
+    from mrv2.bench.measure import linear_flops, weight_bytes
+    from mrv2.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(checkpoint), device="cpu",
+                                                dtype="float32", block_size=4))
+    model = engine.runner.model
+    tower = {id(p) for p in model.visual.parameters()}
+    assert tower
+    text = [p for p in model.parameters() if id(p) not in tower]
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    table = 0 if tied else model.model.embed_tokens.weight.numel() * 4
+    assert weight_bytes(engine.runner) == sum(p.numel() * 4 for p in text) - table
+    with_tower = sum(p.numel() for p in model.visual.parameters() if p.dim() >= 2)
+    model.media_encoders = ()  # (the old count, for the difference)
+    flops_all = linear_flops(engine.runner)[0]
+    del model.media_encoders
+    assert flops_all - linear_flops(engine.runner)[0] == 2 * with_tower
+    engine.shutdown()
+
+
 def test_bench_multimodal_runs(checkpoint: Path) -> None:
     """``mrv2 bench multimodal`` on the tiny model (CPU): every row reported."""
     from mrv2.bench.multimodal import bench
