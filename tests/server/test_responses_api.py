@@ -133,6 +133,8 @@ def test_tools_are_echoed_and_a_cut_message_is_incomplete(server: Served) -> Non
     ({"input": "x", "tool_choice": "required"}, "tool_choice"),  # (no tools to call)
     ({"input": "x", "tool_choice": {"type": "function", "name": "f"}}, "tool_choice"),
     ({"input": "x", "tool_choice": "sometimes"}, "tool_choice"),
+    ({"input": "x", "truncation": "sometimes"}, "truncation"),
+    ({"input": "x", "truncation": True}, "truncation"),
 ])
 def test_what_it_cannot_honour_is_refused_by_name(server: Served, body: dict[str, Any],
                                                   param: str) -> None:
@@ -274,16 +276,67 @@ def test_a_call_output_of_text_parts_is_their_text(client: Any) -> None:
         "output": [{"type": "input_text", "text": "sunny"}]}]) == as_text
 
 
-def test_reasoning_items_sent_back_are_dropped(client: Any) -> None:
+def test_reasoning_items_sent_back_are_taken(client: Any) -> None:
     """An answer's output sent back as input (``input += response.output``, how the API's
-    guides continue after a call) holds its reasoning item: taken, and dropped as the store
-    drops it (chat templates keep no reasoning in history), not refused."""
+    guides continue after a call) holds its reasoning item: taken, not refused, as the
+    reasoning of its call (test_responses_context.py), which this template renders not."""
     items = [{"role": "user", "content": "Weather?"}, CALL,
              {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]
     reasoning = {"type": "reasoning", "id": "rs_1", "summary": [],
                  "content": [{"type": "reasoning_text", "text": "Call the tool."}]}
     assert _prompt_tokens(client, [items[0], reasoning, *items[1:]]) == _prompt_tokens(
         client, items)
+
+
+def _post(server: Served, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/responses", headers=AUTH, timeout=60,
+                      json={"model": MODEL, "temperature": 0, **body})
+
+
+def test_truncation_auto_drops_the_first_items(server: Served) -> None:
+    """``truncation: "auto"``: a conversation too long for the context (64 tokens here) loses
+    its first items, whole, until the prompt leaves room for ``max_output_tokens``: the
+    prompt is the instructions' and the fewest last items' that fit (OpenAI's "dropping
+    items from the beginning of the conversation"), whole and streamed; ``disabled``, the
+    default (null too), refuses it naming ``input``. The response echoes the setting."""
+    items = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"Hello world {i}"}
+             for i in range(9)]
+    tok = server.engine.tokenizer
+    assert tok is not None
+
+    def size(drop: int) -> int:
+        return len(tok.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                            *items[drop:]], True))
+
+    body = {"input": items, "instructions": "Be brief.", "max_output_tokens": 4}
+    want = next(k for k in range(len(items)) if size(k) <= 64 - 4)
+    assert want >= 2 and size(want) < 60  # (not all cut, nor to the last token)
+    answer = _post(server, {**body, "truncation": "auto"})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["input_tokens"] == size(want)
+    assert answer.json()["truncation"] == "auto"
+    events = _events(server, {"model": MODEL, **body, "truncation": "auto"})
+    assert events[-1]["response"]["usage"]["input_tokens"] == size(want)
+    for extra in ({}, {"truncation": None}, {"truncation": "disabled"}):
+        refused = _post(server, {**body, **extra})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "input"
+    assert _post(server, {"input": "Hi", "truncation": None,
+                          "max_output_tokens": 1}).json()["truncation"] == "disabled"
+
+
+def test_what_truncation_cannot_fit_is_refused_by_name(server: Served) -> None:
+    """``truncation: "auto"`` never cuts the last item: one too long for the context alone is
+    refused naming ``input`` (and the truncation); where ``max_output_tokens`` leaves even it
+    no room, the 400 names ``max_output_tokens``."""
+    long = _post(server, {"input": [{"role": "user", "content": "Hi"},
+                                    {"role": "user", "content": "hello world " * 30}],
+                          "truncation": "auto"})
+    assert long.status_code == 400 and long.json()["error"]["param"] == "input"
+    assert 'truncation "auto"' in long.json()["error"]["message"]
+    greedy = _post(server, {"input": [{"role": "user", "content": "hello world " * 5}] * 3,
+                            "truncation": "auto", "max_output_tokens": 60})
+    assert greedy.status_code == 400, greedy.text
+    assert greedy.json()["error"]["param"] == "max_output_tokens"
 
 
 def test_a_continuation_leaves_the_stored_conversation_as_it_was() -> None:

@@ -28,7 +28,12 @@ refused by name. Function tools work as in chat
 ``function_call`` items (streamed whole when the answer ends), and ``function_call`` /
 ``function_call_output`` input items become the chat messages of an earlier call (on the
 assistant message before it, if any: one turn) and its result; ``reasoning`` input items (an
-earlier answer's output sent back) are dropped, as chat templates drop reasoning from history.
+earlier answer's output sent back) are the ``reasoning`` of the assistant message after them,
+kept, as by the store, only for the turn under way: the reasoning before its calls, which
+gpt-oss's harmony format renders back as the analysis before each call
+(:mod:`mrv2.entrypoints.responses_context`). ``truncation: "auto"`` drops whole messages from
+the conversation's beginning (after its system messages) until the prompt leaves room for the
+answer; ``"disabled"``, the default, refuses a conversation too long for the context.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, get_args
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -48,13 +53,19 @@ from mrv2.engine.outputs import RequestOutput
 from mrv2.engine.request_inputs import check_cache_salt
 from mrv2.entrypoints.openai_protocol import (
     ChatCompletionRequest,
-    ChatMessage,
     ReasoningEffort,
     chat_logprobs,
     null_is_default,
 )
 from mrv2.entrypoints.reasoning import ReasoningStream
 from mrv2.entrypoints.responses import Stream, drain
+from mrv2.entrypoints.responses_context import (
+    TemplateMessage,
+    current_reasoning,
+    cut,
+    for_harmony,
+    truncation_cuts,
+)
 from mrv2.entrypoints.responses_store import ResponseStore
 
 __all__ = ["ResponsesRequest", "ResponsesStream"]
@@ -105,6 +116,9 @@ class ResponsesRequest(BaseModel):
     #: ``include: ["message.output_text.logprobs"]`` too (k = 0 when this is unset).
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     include: list[str] | None = None
+    #: ``auto``: a conversation too long for the context loses its first items
+    #: (:meth:`truncation_cuts`); ``disabled``: it is refused (a 400), as OpenAI's.
+    truncation: Literal["auto", "disabled"] = "disabled"
 
     @field_validator("cache_salt")
     @classmethod
@@ -120,7 +134,7 @@ class ResponsesRequest(BaseModel):
                                  f"{', '.join(INCLUDABLE)}")
         return value
 
-    _null_is_the_default = field_validator("stream", "store", "background",
+    _null_is_the_default = field_validator("stream", "store", "background", "truncation",
                                            "parallel_tool_calls", mode="before")(null_is_default)
 
     def conversation(self, previous: list[dict[str, Any]] | None = None
@@ -131,14 +145,20 @@ class ResponsesRequest(BaseModel):
         if isinstance(self.input, str):
             messages.append({"role": "user", "content": self.input})
         else:
-            for item in self.input:
-                _add_item(messages, item)
+            _add_items(messages, self.input)
         return messages
 
-    def as_chat(self, previous: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+    def truncation_cuts(self, previous: list[dict[str, Any]] | None = None) -> list[int]:
+        """The ``drop`` values :meth:`as_chat` takes, fewest first (``truncation: "auto"``
+        tries them: whole messages from the conversation's beginning)."""
+        return truncation_cuts(self.conversation(previous))
+
+    def as_chat(self, previous: list[dict[str, Any]] | None = None, harmony: bool = False,
+                drop: int = 0) -> ChatCompletionRequest:
         """The chat request this one is (after the conversation ``previous``, a stored
-        response's, when ``previous_response_id`` names one); ValueError naming the field it
-        cannot take."""
+        response's, when ``previous_response_id`` names one; ``drop``: without its first
+        messages, one of :meth:`truncation_cuts`), its messages as gpt-oss's template reads
+        them with ``harmony``; ValueError naming the field it cannot take."""
         reasoning = self.reasoning or {}
         effort = reasoning.get("effort")
         if self.background:
@@ -159,11 +179,14 @@ class ResponsesRequest(BaseModel):
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
-        messages += self.conversation(previous)
+        conversation = current_reasoning(self.conversation(previous))
+        if drop:
+            conversation = cut(conversation, drop)
+        messages += for_harmony(conversation) if harmony else conversation
         if not messages:
             raise ValueError("SamplingParams.input is invalid: no message in it")
         fields: dict[str, Any] = {
-            "messages": [ChatMessage(**m) for m in messages], "stream": self.stream,
+            "messages": [TemplateMessage(**m) for m in messages], "stream": self.stream,
             "temperature": self.temperature, "top_p": self.top_p,
             "max_completion_tokens": self.max_output_tokens,
             "parallel_tool_calls": self.parallel_tool_calls, "reasoning_effort": effort,
@@ -180,17 +203,56 @@ class ResponsesRequest(BaseModel):
         return ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
 
 
+def _kind(item: Any) -> str:
+    return item.get("type", "message") if isinstance(item, dict) else type(item).__name__
+
+
+def _add_items(messages: list[dict[str, Any]], items: list[Any]) -> None:
+    """Input items onto the chat messages (:func:`_add_item`); a reasoning item (an earlier
+    answer's, sent back as the API asks) is the ``reasoning`` of the assistant message the
+    next item makes or adds to (a message of the assistant's, a function call; several
+    joined by newlines), dropped where another role's message comes first."""
+    thoughts: list[str] = []
+    for item in items:
+        if _kind(item) == "reasoning":
+            text = _reasoning_text(item)
+            if text:
+                thoughts.append(text)
+            continue
+        _add_item(messages, item)
+        last = messages[-1]
+        if thoughts and last["role"] == "assistant" and _kind(item) in ("message",
+                                                                         "function_call"):
+            earlier = [last["reasoning"]] if last.get("reasoning") else []
+            messages[-1] = {**last, "reasoning": "\n".join(earlier + thoughts)}  # (a copy)
+        thoughts = []
+
+
+def _reasoning_text(item: dict[str, Any]) -> str:
+    """A reasoning item's text: its ``reasoning_text`` parts' (else, as vLLM's, its summary's:
+    another server's item), joined by newlines; encrypted content is not read."""
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        texts = [p["text"] for p in parts if isinstance(p, dict) and isinstance(
+            p.get("text"), str) and p["text"]] if isinstance(parts, list) else []
+        if texts:
+            return "\n".join(texts)
+    return ""
+
+
+def _chat_call(item: dict[str, Any]) -> dict[str, Any]:
+    """A ``function_call`` item as a chat message's tool call."""
+    return {"id": str(item.get("call_id", "")), "type": "function",
+            "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+
+
 def _add_item(messages: list[dict[str, Any]], item: Any) -> None:
-    """An input item onto the chat messages: a message, a function call of the model's (onto
-    the assistant message before it, the same turn: its ``tool_calls``), a function call's
-    output (a ``tool`` message); a reasoning item (an earlier answer's, sent back as the API
-    asks) is dropped, as the store drops it and chat templates drop it from history."""
-    kind = item.get("type", "message") if isinstance(item, dict) else type(item).__name__
-    if kind == "reasoning":
-        return
+    """An input item (not reasoning: :func:`_add_items`) onto the chat messages: a message, a
+    function call of the model's (onto the assistant message before it, the same turn: its
+    ``tool_calls``), a function call's output (a ``tool`` message)."""
+    kind = _kind(item)
     if kind == "function_call":
-        call = {"id": str(item.get("call_id", "")), "type": "function",
-                "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+        call = _chat_call(item)
         last = messages[-1] if messages else None
         if last is not None and last["role"] == "assistant":  # (a copy: it may be stored)
             messages[-1] = {**last, "tool_calls": [*last.get("tool_calls", []), call]}
@@ -302,21 +364,22 @@ class ResponsesStream(Stream):
         self.conversation = conversation or []
 
     def _keep(self, response: dict[str, Any]) -> dict[str, Any]:
-        """Store the final ``response`` with its conversation (the answer's message and calls
-        as chat messages after the input's: one assistant message, its message items' texts
-        joined by newlines as the chat route's content); returns it."""
+        """Store the final ``response`` with its conversation (the input's chat messages and
+        the answer's: one assistant message, its message items' texts joined by newlines as
+        the chat route's content, its calls, its reasoning items' texts likewise as its
+        ``reasoning``); returns it."""
         if self.store is not None:
-            messages = list(self.conversation)
-            for item in response["output"]:
-                if item["type"] == "reasoning":
-                    continue
-                last = messages[-1] if len(messages) > len(self.conversation) else None
-                if item["type"] == "message" and last is not None:  # (harmony's: one turn)
-                    text = item["content"][0]["text"]
-                    messages[-1] = {**last, "content": f"{last['content']}\n{text}"}
-                else:
-                    _add_item(messages, item)
-            self.store.put(response, messages)
+            output = response["output"]
+            texts = [i["content"][0]["text"] for i in output if i["type"] == "message"]
+            answer: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+            calls = [_chat_call(i) for i in output if i["type"] == "function_call"]
+            if calls:
+                answer["tool_calls"] = calls
+            thoughts = [t for i in output if i["type"] == "reasoning"
+                        if (t := _reasoning_text(i))]
+            if thoughts:
+                answer["reasoning"] = "\n".join(thoughts)
+            self.store.put(response, [*self.conversation, answer])
         return response
 
     def _response(self, status: str, output: list[dict[str, Any]],
@@ -331,7 +394,7 @@ class ResponsesStream(Stream):
             "temperature": self.params.temperature, "top_p": self.params.top_p,
             "tool_choice": "auto" if r.tool_choice is None else r.tool_choice,
             "tools": r.tools or [], "store": self.store is not None,
-            "previous_response_id": r.previous_response_id,
+            "previous_response_id": r.previous_response_id, "truncation": r.truncation,
             "text": r.text or {"format": {"type": "text"}}, "usage": usage}
 
     def _usage_of(self, output_tokens: int, reasoning_tokens: int) -> dict[str, Any]:

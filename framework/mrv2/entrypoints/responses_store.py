@@ -5,11 +5,11 @@ are kept in this process's memory, so a later request continues the conversation
 read and remove them.
 
 A stored response keeps its conversation as chat messages: the earlier turns, the request's
-input and the answer (its message text and function calls; reasoning is not carried, as chat
-templates drop it from history). A continuation's ``instructions`` are its own, not carried
-over, as in OpenAI's API. The store holds the :data:`DEFAULT_CAPACITY` most recent responses
-(``MRV2_RESPONSES_API_STORE_SIZE``), dropping the oldest first: it is memory, not a
-database, and lost when the server stops.
+input and the answer (its message text, function calls and reasoning: a continuation's prompt
+keeps the reasoning of the turn under way only, :mod:`mrv2.entrypoints.responses_context`).
+A continuation's ``instructions`` are its own, not carried over, as in OpenAI's API. The store
+holds the :data:`DEFAULT_CAPACITY` most recent responses (``MRV2_RESPONSES_API_STORE_SIZE``),
+dropping the oldest first: it is memory, not a database, and lost when the server stops.
 """
 
 from __future__ import annotations

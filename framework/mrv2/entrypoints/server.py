@@ -462,13 +462,18 @@ def create_app(engine: LLMEngine | RemoteEngine,
                                f"{body.previous_response_id!r}", "not_found_error",
                                "previous_response_id")
             previous = record.messages
+        # (gpt-oss: its template reads a call's analysis from the message's thinking)
+        harmony = keeps_special_tokens(reasoning_parser) or bool(
+            tool_parser is not None and tool_parser.harmony)
         try:
-            chat_body = body.as_chat(previous)
+            chat_body = body.as_chat(previous, harmony)
         except ValueError as error:
             raise APIError(400, str(error), param=value_error_param(str(error), body)) from None
         except ValidationError as error:  # a message the chat request refuses
             raise APIError(400, f"input: {error.errors()[0]['msg']}", param="input") from None
         try:
+            if body.truncation == "auto":
+                chat_body = await truncated(body, previous, harmony, chat_body)
             keep = stored if body.store else None
             return await run_chat(request, chat_body, ResponsesStream, {
                 "request": body, "store": keep,
@@ -484,6 +489,42 @@ def create_app(engine: LLMEngine | RemoteEngine,
     add_pooling_routes(app, engine, worker, parse, lora_of, tokenizer, model_name)
     if dev_mode():
         add_dev_routes(app, worker, json_object)
+
+    async def truncated(body: ResponsesRequest, previous: list[dict[str, Any]] | None,
+                        harmony: bool, whole: ChatCompletionRequest) -> ChatCompletionRequest:
+        """``truncation: "auto"``: the chat request of ``body`` (``whole``: all of its
+        conversation) without the fewest first messages (:meth:`ResponsesRequest.
+        truncation_cuts`) that leave its prompt room for the answer (what
+        ``truncate_prompt_tokens: -1`` keeps). Where none does, the most cut: too long for
+        the context even so, a 400 naming ``input``; else :func:`validate` names the
+        ``max_output_tokens`` that leaves it no room. Fewer dropped never makes a prompt
+        shorter: a binary search."""
+        keep = room(whole, params_of(whole))
+
+        async def size(drop: int) -> int:
+            chat = whole if drop == 0 else body.as_chat(previous, harmony, drop)
+            return len((await prompt_ids(chat))[0])
+
+        cuts = body.truncation_cuts(previous)
+        if await size(0) <= keep:
+            return whole
+        least = await size(cuts[-1])
+        if least >= engine.max_model_len:
+            raise APIError(400, f"input: too long for this model's context (max_model_len "
+                           f"{engine.max_model_len}) even with truncation \"auto\": what it "
+                           "keeps (the last message, the instructions and the system messages "
+                           f"the conversation opens with) is a prompt of {least} tokens",
+                           param="input")
+        if least > keep:
+            return body.as_chat(previous, harmony, cuts[-1])
+        low, high = 1, len(cuts) - 1  # (cuts[high] fits, cuts[0] does not)
+        while low < high:
+            mid = (low + high) // 2
+            if await size(cuts[mid]) <= keep:
+                high = mid
+            else:
+                low = mid + 1
+        return body.as_chat(previous, harmony, cuts[high])
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> dict[str, Any]:
@@ -536,10 +577,7 @@ def create_app(engine: LLMEngine | RemoteEngine,
         if (mark := grammar_mark(reasoning_parser)) and params.structured_outputs is not None:
             # the grammar holds what follows the thinking block (vLLM's reasoning-aware way)
             params = dataclasses.replace(params, _reasoning=mark)
-        ids, items = await chat_ids(body.messages, body.add_generation_prompt,
-                                    body.template_kwargs(), body.continue_final_message,
-                                    body.tools, body.documents, body.chat_template,
-                                    body.add_special_tokens)
+        ids, items = await prompt_ids(body)
         if items and body.truncate_prompt_tokens is not None:
             raise APIError(400, "truncate_prompt_tokens is not supported with images (it could "
                            "cut an image's rows)", param="truncate_prompt_tokens")
@@ -559,6 +597,13 @@ def create_app(engine: LLMEngine | RemoteEngine,
         return await _serve(request, worker, "chatcmpl", lora.lora_name if lora else model_name,
                             [(ids, None)], params, body, True, items, reasoning, calling,
                             enable_prompt_tokens_details, echo, stream_cls, extra, lora)
+
+    async def prompt_ids(body: ChatCompletionRequest) -> tuple[list[int], list[MultiModalItem]]:
+        """A chat request's prompt (:func:`chat_ids` of its fields)."""
+        return await chat_ids(body.messages, body.add_generation_prompt,
+                              body.template_kwargs(), body.continue_final_message,
+                              body.tools, body.documents, body.chat_template,
+                              body.add_special_tokens)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
