@@ -39,9 +39,11 @@ step, and a grid that does not depend on ``max_query_len``: a CUDA graph of mixe
 padded token count bakes ``max_query_len = T`` and launches no more programs than the step
 needs. (H200, 2026-12-02: a mixed step of 16 prompts and 128 decodes 248 against 253 us on
 Qwen3-0.6B heads, 390 against 388 on Qwen3-8B heads; the throughput workload equal.)
-The flat grid runs its heaviest (latest) query tiles first across the whole grid: its tile
-axis is the slowest (``tiles_last``, :data:`TILES_LAST_ENV_VAR`; blocks are dispatched in grid
-order, x fastest).
+The flat grid is one axis whose order each program finds on the device, so a CUDA graph
+serves both: in a step of short sequences its heaviest (latest) query tiles first across the
+whole grid (the tile axis slowest: blocks are dispatched in grid order), in a step whose
+longest sequence's keys (every kv head's) overflow the L2 cache one kv head after another
+(:func:`flat_tiles_last_keys`; ``tiles_last`` and :data:`TILES_LAST_ENV_VAR` force either).
 A prefill plan's one-token requests (a mixed step's decoding requests) may attend first in a
 launch of their own, in the decode plan's tiles, the prefill launch skipping them
 (``one_token_apart``; rule and measurements at :data:`ONE_TOKEN_APART_MIN_BLOCK_M`): in a query
@@ -59,6 +61,7 @@ path is not taken then (it reads the step's keys from the step's tensors, not th
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -83,7 +86,8 @@ FLAT_GRID_ENV_VAR = "MRV2_ATTN_FLAT_GRID"
 
 #: Prefill grids with the query-tile axis slowest (``paged_attention``'s ``tiles_last``):
 #: ``1`` every one (the paged kernel's flat grid and (tile, request) grid, the TMA kernel's);
-#: ``0`` none; unset: the paged kernel's flat grid only, the default prefill path (H100,
+#: ``0`` none; unset: the paged kernel's flat grid only, the default prefill path, in steps
+#: whose keys fit the L2 cache (:func:`flat_tiles_last_keys`; H100,
 #: 2026-12-06: 4 x 1,024 causal tokens 248 -> 292 TFLOP/s on Qwen3-8B heads, 204 -> 240 on
 #: Qwen3-0.6B's, the throughput workload's mixed step 362 -> 339 us on Qwen3-8B's and equal
 #: on 0.6B's; the (tile, request) grid's mixed step lost 273 -> 307 us on 0.6B's, the TMA
@@ -92,13 +96,46 @@ TILES_LAST_ENV_VAR = "MRV2_ATTN_TILES_LAST"
 
 
 def prefill_tiles_last(tiles_last: bool | None, flat: bool) -> bool:
-    """Whether a prefill grid (``flat``: the paged kernel's flat one; else the (tile,
-    request) grid or the TMA kernel's) has its tile axis slowest: ``tiles_last`` where given,
-    else :data:`TILES_LAST_ENV_VAR`'s rule."""
+    """Whether a prefill grid (``flat``: the paged kernel's flat one, whose default is in fact
+    per step: :func:`flat_tiles_last_keys`; else the (tile, request) grid or the TMA
+    kernel's) has its tile axis slowest: ``tiles_last`` where given, else
+    :data:`TILES_LAST_ENV_VAR`'s rule."""
     if tiles_last is not None:
         return tiles_last
     setting = os.environ.get(TILES_LAST_ENV_VAR, "").strip()
     return setting == "1" if setting in ("0", "1") else flat
+#: The flat grid's order where neither ``tiles_last`` nor :data:`TILES_LAST_ENV_VAR` sets it:
+#: its query tiles slowest in a step whose longest sequence's keys, every kv head's, fit in
+#: this fraction of the L2 cache; the kv-head axis slowest past that (H100, 2026-12-07: one
+#: Qwen3-0.6B prompt's TTFT, tiles slowest against heads slowest: 4,000 tokens 14.7 against
+#: 16.0 ms, 8,000 tokens 37.7 against 39.5, 16,000 tokens 119.4 against 117.0, 32,000 tokens
+#: 412 against 398: every head's keys at once overflow the L2 cache, 8 kv heads x 512 bytes a
+#: key is 32 MB at 8,000 keys and 64 MB at 16,000, the L2 50 MB).
+TILES_LAST_L2_FRACTION = 1.0
+
+
+@functools.lru_cache(maxsize=8)
+def _l2_bytes(device: torch.device) -> int:
+    """The L2 cache's bytes of a CUDA device (50 MiB, an H100's or H200's, elsewhere)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).L2_cache_size)
+    return 50 << 20
+
+
+def flat_tiles_last_keys(tiles_last: bool | None, kv_cache: torch.Tensor) -> int:
+    """The flat grid's order rule (the kernel's ``_flat_tile``): its query tiles slowest in a
+    step whose longest sequence has at most this many keys, else its kv heads slowest.
+    ``tiles_last`` (else :data:`TILES_LAST_ENV_VAR`) forces either order; by default, the
+    keys whose every kv head's K and V fill :data:`TILES_LAST_L2_FRACTION` of the L2 cache."""
+    if tiles_last is None:
+        setting = os.environ.get(TILES_LAST_ENV_VAR, "").strip()
+        tiles_last = setting == "1" if setting in ("0", "1") else None
+    if tiles_last is not None:
+        return 2**31 - 1 if tiles_last else -1
+    per_key = 2 * kv_cache.shape[-2] * kv_cache.shape[-1] * kv_cache.element_size()
+    return int(_l2_bytes(kv_cache.device) * TILES_LAST_L2_FRACTION) // per_key
+
+
 #: A prefill plan's one-token requests (a mixed step's decoding requests) get a launch of their
 #: own in the decode plan's tiles (``paged_attention``'s ``one_token_apart``) where its tiles
 #: have at least :data:`ONE_TOKEN_APART_MIN_BLOCK_M` rows; ``1``: for every prefill plan, ``0``:
@@ -173,9 +210,10 @@ def paged_attention(
     rule): a prefill plan's requests of one query token attend in a launch of their own
     first, in the decode plan's tiles (one query row per kv head's group instead of a query
     tile in which one token is real). ``tiles_last`` (default: :func:`prefill_tiles_last`'s
-    rule, the flat grid's only): a prefill plan's grid has its query-tile axis slowest, so
-    the whole grid starts with the heaviest tiles (the kernel's ``TILES_LAST``; the TMA
-    kernel's too: blocks are dispatched in grid order, x fastest). Returns
+    rule, for the flat grid :func:`flat_tiles_last_keys`' per step): a prefill plan's grid
+    has its query-tile axis slowest, so the whole grid starts with the heaviest tiles (the
+    kernel's ``TILES_LAST``; the TMA kernel's too: blocks are dispatched in grid order, x
+    fastest). Returns
     ``out`` (allocated when ``None``), query dtype.
     """
     num_heads, num_kv_heads, head_dim, block_size = _check_inputs(query, kv_cache)
@@ -260,11 +298,14 @@ def paged_attention(
         one_token_apart = (plan.block_m >= ONE_TOKEN_APART_MIN_BLOCK_M if setting is None
                            else setting != "0")
     apart = not plan.small_q and num_reqs > 1 and rope is None and one_token_apart
-    def launch(grid: tuple[int, int, int], p: AttentionPlan, flags: dict[str, Any]) -> None:
-        """``_paged_attn_kernel`` over ``grid`` with plan ``p``'s tiles and splits."""
+    def launch(grid: tuple[int, int, int], p: AttentionPlan, flags: dict[str, Any],
+               q_tiles: int | None = None) -> None:
+        """``_paged_attn_kernel`` over ``grid`` with plan ``p``'s tiles and splits
+        (``q_tiles``: the flat grid's tile count, for ``p.num_q_tiles``)."""
         _paged_attn_kernel[grid](
             query, key_cache, value_cache, out, part_m, part_l, part_acc, qsl, seq_lens,
-            block_table, scale * _LOG2E, p.num_q_tiles, num_heads, query.stride(0),
+            block_table, scale * _LOG2E, p.num_q_tiles if q_tiles is None else q_tiles,
+            num_heads, query.stride(0),
             query.stride(1), out.stride(0), out.stride(1), key_cache.stride(0),
             key_cache.stride(1), key_cache.stride(2), block_table.stride(0), p.num_splits,
             num_tokens, *rope_args, flags.pop("long_qlen", 0), num_reqs, sliding_window or 0,
@@ -289,16 +330,17 @@ def paged_attention(
                              num_reqs=num_reqs, uniform_decode=True, num_splits=1)
         launch((1, num_kv_heads, num_reqs), one, {"ZERO_PAD": False, "ROPE": False,
                                                   "QK_NORM": False, "ONE_TOKEN": 1})
-    if flat:
-        grid = (num_tokens // plan.block_q + num_reqs, num_kv_heads * splits, 1)
+    flat_tiles = num_tokens // plan.block_q + num_reqs
+    if flat:  # one axis: its order is picked on the device (the kernel's _flat_tile)
+        grid = (flat_tiles * num_kv_heads * splits, 1, 1)
     else:
         grid = (num_q_tiles, num_kv_heads * splits, num_reqs)
     # (CUDA's grid y and z hold at most 65,535 blocks, x 2**31 - 1: a step of ~1M tokens in
     # small tiles keeps its tile axis on x)
-    tiles_last = (not plan.small_q and prefill_tiles_last(tiles_last, flat)
-                  and grid[0] <= MAX_GRID_YZ)
-    if tiles_last:  # the tile axis slowest (see the kernel's TILES_LAST)
-        grid = (grid[1], grid[0], 1) if flat else (grid[1], grid[2], grid[0])
+    last = (not flat and not plan.small_q and prefill_tiles_last(tiles_last, flat)
+            and grid[0] <= MAX_GRID_YZ)
+    if last:  # the tile axis slowest (see the kernel's TILES_LAST)
+        grid = (grid[1], grid[2], grid[0])
     launch(grid, plan, {
         "long_qlen": long_qlen,
         "ZERO_PAD": splits == 1,  # with splits the combine kernel zeroes the padding rows
@@ -308,8 +350,9 @@ def paged_attention(
         "FLAT": flat,
         "REQ_BLOCK": 256 if on_gpu else 16,  # requests per load of the flat grid's search
         "ONE_TOKEN": 2 if apart else 0,
-        "TILES_LAST": tiles_last,
-    })
+        "TILES_LAST": last,
+        "tiles_last_keys": flat_tiles_last_keys(tiles_last, kv_cache) if flat else 0,
+    }, flat_tiles if flat else None)
     if splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
             part_m,
@@ -331,5 +374,6 @@ def paged_attention(
 
 
 __all__ = ["FLAT_GRID_ENV_VAR", "ONE_TOKEN_APART_MIN_BLOCK_M", "ONE_TOKEN_ENV_VAR",
-           "TILES_LAST_ENV_VAR", "AttentionPlan", "FusedRope", "attention_plan",
-           "paged_attention", "paged_attention_ref", "prefill_tiles_last"]
+           "TILES_LAST_ENV_VAR", "TILES_LAST_L2_FRACTION", "AttentionPlan", "FusedRope",
+           "attention_plan", "flat_tiles_last_keys", "paged_attention", "paged_attention_ref",
+           "prefill_tiles_last"]

@@ -12,7 +12,6 @@ import triton.language as tl
 from ._backend import LOG2E_C as _LOG2E_C
 from ._backend import M_INIT as _M_INIT
 from ._backend import (
-    flat_query_tile,
     kv_store_cast,
     pdl_prologue,
     pdl_release,
@@ -84,7 +83,49 @@ def _masked_keys(
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["num_q_tiles", "num_splits", "num_tokens", "num_reqs"])
+@triton.jit
+def _flat_tile(
+    qsl_ptr: tl.tensor, seq_lens_ptr: tl.tensor, num_reqs: tl.tensor, num_tiles: tl.tensor,
+    tiles_last_keys: tl.tensor, BLOCK_Q: tl.constexpr, REQ_BLOCK: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """``(request, query tile, kv head x split)`` of this program of the flat grid: a 1-D grid
+    of ``num_tiles`` flat query tiles (``flat_query_tile``'s numbering, the last ones, the
+    heaviest, first) x kv heads x splits, in one of two orders picked per step on the device:
+    the tile axis slowest where the step's longest sequence has at most ``tiles_last_keys``
+    keys (the whole grid starts with its heaviest tiles: the best tail), else the kv-head axis
+    slowest (the programs running at once read the keys of one or two kv heads, not every
+    head's: at long contexts every head's keys overflow the L2 cache). Every program takes the
+    same order (the same loads); the request search runs for both candidate tiles over the
+    same loads, so the choice adds no memory round trip."""
+    pid = tl.program_id(0)
+    n_hs = tl.num_programs(0) // num_tiles
+    t_last = num_tiles - 1 - pid // n_hs  # the tile axis slowest
+    t_first = num_tiles - 1 - pid % num_tiles  # the kv-head axis slowest
+    count_l = tl.full([], 0, tl.int32)
+    start_l = tl.full([], 0, tl.int32)
+    count_f = tl.full([], 0, tl.int32)
+    start_f = tl.full([], 0, tl.int32)
+    longest = tl.full([], 0, tl.int32)
+    for c in range(0, num_reqs, REQ_BLOCK):
+        i = c + tl.arange(0, REQ_BLOCK)
+        ok = i < num_reqs
+        first = tl.load(qsl_ptr + i, mask=ok, other=0) // BLOCK_Q + i
+        longest = tl.maximum(longest, tl.max(tl.load(seq_lens_ptr + i, mask=ok, other=0), 0))
+        seen = ok & (first <= t_last)
+        count_l += tl.sum(seen.to(tl.int32), axis=0)
+        start_l = tl.maximum(start_l, tl.max(tl.where(seen, first, 0), axis=0))
+        seen = ok & (first <= t_first)
+        count_f += tl.sum(seen.to(tl.int32), axis=0)
+        start_f = tl.maximum(start_f, tl.max(tl.where(seen, first, 0), axis=0))
+    last = longest <= tiles_last_keys
+    req = tl.where(last, count_l, count_f) - 1
+    q_tile = tl.where(last, t_last - start_l, t_first - start_f)
+    pid_hs = tl.where(last, pid % n_hs, pid // num_tiles)
+    return req, q_tile, pid_hs
+
+
+@triton.jit(do_not_specialize=["num_q_tiles", "num_splits", "num_tokens", "num_reqs",
+                                  "tiles_last_keys"])
 def _paged_attn_kernel(
     q_ptr: tl.tensor,
     k_ptr: tl.tensor,
@@ -147,43 +188,35 @@ def _paged_attn_kernel(
     SINKS: tl.constexpr = False,
     CHUNK: tl.constexpr = 0,
     TILES_LAST: tl.constexpr = False,
+    tiles_last_keys: tl.tensor = 0,
 ) -> None:
     # Heaviest query tiles (latest positions) first: better tail balance in causal prefill.
-    # FLAT: the tile axis counts every request's tiles (see flat_query_tile), the last ones
-    # first. TILES_LAST: the grid is (kv head x split, request, query tile) rather than
-    # (query tile, kv head x split, request): blocks are dispatched in grid order (x fastest),
-    # so the whole grid starts with the last tiles (FLAT: (kv head x split, flat tile, 1)).
-    if TILES_LAST and FLAT:
-        tile_pid = tl.program_id(1)
-        num_tile_pids = tl.num_programs(1)
-        pid_hs = tl.program_id(0)
-        req = tl.program_id(2)
-    elif TILES_LAST:
+    # FLAT: a 1-D grid over the step's query tiles x kv heads x splits, its order picked on
+    # the device per step (_flat_tile; its tile and head found with the step's metadata
+    # below). TILES_LAST (the (tile, request) grid): the grid is (kv head x split, request,
+    # query tile) rather than (query tile, kv head x split, request): blocks are dispatched in
+    # grid order (x fastest), so the whole grid starts with the last tiles.
+    if TILES_LAST and not FLAT:
         tile_pid = tl.program_id(2)
-        num_tile_pids = tl.num_programs(2)
         pid_hs = tl.program_id(0)
         req = tl.program_id(1)
-    else:
+    else:  # (FLAT: replaced by _flat_tile's)
         tile_pid = tl.program_id(0)
-        num_tile_pids = tl.num_programs(0)
         pid_hs = tl.program_id(1)
         req = tl.program_id(2)
     q_tile = num_q_tiles - 1 - tile_pid
-    flat_t = num_tile_pids - 1 - tile_pid
-    kvh = pid_hs // num_splits
-    split = pid_hs % num_splits
     offs_d = tl.arange(0, HEAD_DIM)
     HALF: tl.constexpr = HEAD_DIM // 2
     KV_FP8: tl.constexpr = k_ptr.dtype.element_ty == tl.float8e4nv
     rows = tl.arange(0, BLOCK_M)
     grp = rows % GROUP_P2
-    head = kvh * GROUP + grp
     t_new = tl.arange(0, BLOCK_Q)
     if EARLY_META or ROPE:  # the request's query range and length before the wait
         # (pdl_early_meta's rule: no PDL kernel writes step metadata or constant tables)
         pdl_release(PDL)
         if FLAT:
-            req, q_tile = flat_query_tile(qsl_ptr, num_reqs, flat_t, BLOCK_Q, REQ_BLOCK)
+            req, q_tile, pid_hs = _flat_tile(qsl_ptr, seq_lens_ptr, num_reqs, num_q_tiles,
+                                             tiles_last_keys, BLOCK_Q, REQ_BLOCK)
         q_start = tl.load(qsl_ptr + req)
         seq_len = tl.load(seq_lens_ptr + req)
         q_end = tl.load(qsl_ptr + req + 1)  # qlen is taken after the wait: nothing before it
@@ -211,7 +244,11 @@ def _paged_attn_kernel(
     else:
         pdl_prologue(PDL)
         if FLAT:
-            req, q_tile = flat_query_tile(qsl_ptr, num_reqs, flat_t, BLOCK_Q, REQ_BLOCK)
+            req, q_tile, pid_hs = _flat_tile(qsl_ptr, seq_lens_ptr, num_reqs, num_q_tiles,
+                                             tiles_last_keys, BLOCK_Q, REQ_BLOCK)
+    kvh = pid_hs // num_splits
+    split = pid_hs % num_splits
+    head = kvh * GROUP + grp
 
     if ZERO_PAD:  # rows of padding tokens (past query_start_loc[num_reqs]) become zeros:
         # spread over all programs, so no memset launch is needed before the kernel

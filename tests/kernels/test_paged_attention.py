@@ -466,10 +466,52 @@ def test_tiles_last_default(monkeypatch: pytest.MonkeyPatch) -> None:
     assert prefill_tiles_last(True, False) and not prefill_tiles_last(False, True)
 
 
+def test_flat_grid_order_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The flat grid's order, per step on the device: its tiles slowest while the longest
+    sequence's keys, every kv head's K and V, fit the L2 cache (50 MiB off CUDA); forced
+    either way by ``tiles_last`` or ``MRV2_ATTN_TILES_LAST``."""
+    from mrv2_kernels.paged_attention import TILES_LAST_ENV_VAR, flat_tiles_last_keys
+
+    kv = torch.empty(2, 3, 4, 8, 128, dtype=torch.bfloat16)  # 8 kv heads of 128: 4 KiB a key
+    monkeypatch.delenv(TILES_LAST_ENV_VAR, raising=False)
+    assert flat_tiles_last_keys(None, kv) == 12_800
+    assert flat_tiles_last_keys(None, kv.to(torch.float32)) == 6_400
+    assert flat_tiles_last_keys(True, kv) == 2**31 - 1 and flat_tiles_last_keys(False, kv) == -1
+    monkeypatch.setenv(TILES_LAST_ENV_VAR, "1")
+    assert flat_tiles_last_keys(None, kv) == 2**31 - 1
+    monkeypatch.setenv(TILES_LAST_ENV_VAR, "0")
+    assert flat_tiles_last_keys(None, kv) == -1 and flat_tiles_last_keys(True, kv) == 2**31 - 1
+
+
+@pytest.mark.parametrize("fraction", [1.0, 1e-4])
+def test_flat_grid_either_order_gives_the_same_bits(fraction: float,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The flat grid's order picked on the device (a step's longest sequence against the
+    rule's keys; here under and over them, the same batch): every (tile, kv head) computed
+    once, bit for bit the heads-slowest order's, padding rows zeroed, the reference's values."""
+    from mrv2_kernels import paged_attention as module
+
+    monkeypatch.delenv(module.TILES_LAST_ENV_VAR, raising=False)
+    monkeypatch.setattr(module, "TILES_LAST_L2_FRACTION", fraction)
+    b = make_batch([(1, 9), (37, 37), (0, 4), (20, 45), (1, 30)], num_heads=4,
+                   num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32,
+                   pad_tokens=3, seed=15)
+    args = (b.query, b.kv_cache, b.qsl, b.seq_lens, b.block_table, b.scale)
+    keys = module.flat_tiles_last_keys(None, b.kv_cache)
+    assert (int(b.seq_lens.max()) <= keys) == (fraction == 1.0)  # (both orders are tested)
+    want = paged_attention(*args, **b.bounds, block_m=16, flat_grid=True, tiles_last=False,
+                           out=torch.full_like(b.query, float("nan")))
+    got = paged_attention(*args, **b.bounds, block_m=16, flat_grid=True,
+                          out=torch.full_like(b.query, float("nan")))
+    assert torch.equal(got, want) and not got.isnan().any()
+    _check(got, paged_attention_ref(*args, **b.bounds), b, torch.float32)
+
+
 def test_tiles_last_keeps_the_tiles_on_x_past_the_grid_limit(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """CUDA's grid y and z hold 65,535 blocks: a step with more query tiles than that keeps
-    its tile axis on x (the default order) rather than failing to launch."""
+    its tile axis on x (the default order) rather than failing to launch. (The flat grid is
+    one axis, x, in either order.)"""
     from mrv2_kernels import paged_attention as module
 
     grids: list[tuple[int, ...]] = []
@@ -484,14 +526,17 @@ def test_tiles_last_keeps_the_tiles_on_x_past_the_grid_limit(
     b = make_batch([(20, 45), (37, 37)], num_heads=4, num_kv_heads=2, head_dim=16,
                    block_size=4, dtype=torch.float32, seed=14)
     args = (b.query, b.kv_cache, b.qsl, b.seq_lens, b.block_table, b.scale)
-    last = paged_attention(*args, **b.bounds, block_m=16, flat_grid=True, tiles_last=True,
+    flat = paged_attention(*args, **b.bounds, block_m=16, flat_grid=True, tiles_last=True,
                            one_token_apart=False)
-    tiles = grids[-1][1]
-    assert grids[-1] == (2, tiles, 1)  # (kv heads, tiles, 1): the tile axis on y
+    assert len(grids) == 1 and grids[-1][1:] == (1, 1)
+    last = paged_attention(*args, **b.bounds, block_m=16, flat_grid=False, tiles_last=True,
+                           one_token_apart=False)
+    tiles = grids[-1][2]
+    assert grids[-1] == (2, 2, tiles)  # (kv heads, requests, tiles): the tile axis on z
     monkeypatch.setattr(module, "MAX_GRID_YZ", tiles - 1)
-    kept = paged_attention(*args, **b.bounds, block_m=16, flat_grid=True, tiles_last=True,
+    kept = paged_attention(*args, **b.bounds, block_m=16, flat_grid=False, tiles_last=True,
                            one_token_apart=False)
-    assert grids[-1] == (tiles, 2, 1) and torch.equal(kept, last)
+    assert grids[-1] == (tiles, 2, 2) and torch.equal(kept, last) and torch.equal(kept, flat)
 
 
 @pytest.mark.parametrize("flat", [False, True])
