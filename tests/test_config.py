@@ -212,20 +212,33 @@ def test_a_config_file_that_does_not_parse_names_the_file(
     assert f"{name}: not valid" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("value", ["auto", "AUTO", "-1"])
-def test_vllms_auto_max_model_len_is_refused_naming_the_allowed_values(
-        value: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """vLLM's ``--max-model-len auto`` / ``-1`` (the longest that fits in the KV cache) is not
-    mrv2's: refused naming the forms it takes, not as a malformed integer (the flag) or a
-    bare ``>= 1`` (a keyword, a config file)."""
-    parser = argparse.ArgumentParser()
-    add_cli_args(parser)
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--max-model-len", value])
-    err = capsys.readouterr().err
-    assert "argument --max-model-len:" in err and "not supported" in err and "32k" in err
-    with pytest.raises(ValidationError, match="not supported.*leave it unset"):
-        EngineConfig.from_kwargs(max_model_len=-1 if value == "-1" else value)
+@pytest.mark.parametrize("value", ["auto", "AUTO", " auto ", "-1"])
+def test_vllms_auto_max_model_len_is_taken(value: str, tmp_path: Path) -> None:
+    """vLLM's ``max_model_len`` ``auto`` / ``-1`` (the longest that fits in the KV cache,
+    resolved at start-up) is taken as vLLM stores it, -1, from the flag (``mrv2 serve``,
+    ``mrv2 generate``), a keyword (``LLM``, ``EngineConfig.from_kwargs``), a config file and
+    an assignment; it was refused. Its readers at build time see no fixed length."""
+    from mrv2.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "/m", "--max-model-len", value])
+    configs = [config_from_cli(args, args.model_dir),
+               EngineConfig.from_kwargs(max_model_len=value),
+               EngineConfig.from_kwargs(max_model_len=-1)]
+    (tmp_path / "c.yaml").write_text(f"max_model_len: {value.strip()}\n")
+    configs.append(EngineConfig.from_file(tmp_path / "c.yaml"))
+    assigned = EngineConfig.from_kwargs(max_model_len=512)
+    assigned.model.max_model_len = value  # type: ignore[assignment]
+    for config in [*configs, assigned]:
+        assert config.model.max_model_len == -1 and config.model.auto_max_model_len
+        assert config.model.fixed_max_model_len is None
+    fixed = EngineConfig.from_kwargs(max_model_len=512).model
+    assert not fixed.auto_max_model_len and fixed.fixed_max_model_len == 512
+
+
+@pytest.mark.parametrize("value", [0, -2, "0"])
+def test_a_max_model_len_below_one_other_than_auto_is_refused(value: int | str) -> None:
+    with pytest.raises(ValidationError, match="expected a length >= 1, or 'auto' / -1"):
+        EngineConfig.from_kwargs(max_model_len=value)
 
 
 def test_vllms_short_flags() -> None:

@@ -86,7 +86,10 @@ class ModelConfig(_Section):
         default="auto", description="weights and activations dtype (also vLLM's 'half' = "
         "float16 and 'float' = float32)")
     max_model_len: int | None = Field(
-        default=None, ge=1, description="longest sequence (prompt + output); default from config"
+        default=None,
+        description="longest sequence (prompt + output); default from config; 'auto' or -1 "
+        "(vLLM's): the longest that fits in the KV cache, at most the model's (resolved at "
+        "start-up, logged)",
     )
     seed: int = Field(default=0, ge=0, description="seed of unseeded requests and dummy weights")
     load_format: Literal["auto", "safetensors", "dummy"] = Field(
@@ -137,10 +140,29 @@ class ModelConfig(_Section):
 
     @field_validator("max_model_len", mode="before")
     @classmethod
-    def _no_auto_max_model_len(cls, value: Any) -> Any:
-        if _is_auto_length(value):
-            raise ValueError(AUTO_MAX_MODEL_LEN_REFUSED)
+    def _auto_max_model_len(cls, value: Any) -> Any:
+        return AUTO_MAX_MODEL_LEN if _is_auto_length(value) else value
+
+    @field_validator("max_model_len")
+    @classmethod
+    def _positive_or_auto(cls, value: int | None) -> int | None:
+        if value is not None and value < 1 and value != AUTO_MAX_MODEL_LEN:
+            raise ValueError("expected a length >= 1, or 'auto' / -1 (the longest that fits "
+                             "in the KV cache)")
         return value
+
+    @property
+    def auto_max_model_len(self) -> bool:
+        """``max_model_len`` is ``"auto"`` / -1: the runner takes the longest length, at most
+        the model's, one request of which its KV cache holds."""
+        return self.max_model_len == AUTO_MAX_MODEL_LEN
+
+    @property
+    def fixed_max_model_len(self) -> int | None:
+        """``max_model_len`` where the caller gave a length; None where the model's context
+        length bounds it (unset, or ``"auto"``: the engine's ``max_model_len``, known once
+        the KV cache is sized, is at most that)."""
+        return None if self.auto_max_model_len else self.max_model_len
 
     @field_validator("chat_template")
     @classmethod
@@ -526,12 +548,9 @@ def human_readable_int(text: str) -> int:
         f"expected an integer such as 32768, 32k (32000) or 32K (32768), got {text!r}")
 
 
-#: Why vLLM's ``max_model_len`` ``"auto"`` / ``-1`` is refused, and what is taken instead.
-AUTO_MAX_MODEL_LEN_REFUSED = (
-    "'auto' / -1 (vLLM's: the longest length that fits in the KV cache) is not supported: "
-    "give a length such as 32768, 32k (32000) or 32K (32768), or leave it unset for the "
-    "model's context length (the start-up log tells how many requests of it the KV cache "
-    "holds)")
+#: ``max_model_len``'s value for vLLM's ``"auto"`` / ``-1`` (as vLLM stores it): the longest
+#: length that fits in the KV cache, at most the model's.
+AUTO_MAX_MODEL_LEN = -1
 
 
 def _is_auto_length(value: Any) -> bool:
@@ -542,11 +561,9 @@ def _is_auto_length(value: Any) -> bool:
 
 
 def max_model_len_arg(text: str) -> int:
-    """``--max-model-len``: :func:`human_readable_int`; vLLM's ``auto`` / ``-1`` refused by
-    name."""
-    if _is_auto_length(text):
-        raise argparse.ArgumentTypeError(f"{text!r}: {AUTO_MAX_MODEL_LEN_REFUSED}")
-    return human_readable_int(text)
+    """``--max-model-len``: :func:`human_readable_int`, or vLLM's ``auto`` / ``-1``
+    (:data:`AUTO_MAX_MODEL_LEN`)."""
+    return AUTO_MAX_MODEL_LEN if _is_auto_length(text) else human_readable_int(text)
 
 
 def _int_or_json(text: str) -> Any:

@@ -31,6 +31,7 @@ import math
 import mmap
 import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -159,6 +160,35 @@ def first_query_past(key: int, window: int) -> int:
     if isinstance(window, AttentionChunk):
         return -(-key // window) * window
     return key + window - 1
+
+
+def most_blocks_held(windows: Sequence[int | None], block_size: int, num_tokens: int,
+                     max_step_tokens: int, margin: int = 0) -> int:
+    """The most KV blocks, over block tables of ``windows`` (None: full attention), a request
+    of ``num_tokens`` tokens ever holds at once when a step computes at most
+    ``max_step_tokens`` of its tokens: every block of a full table; in a sliding or chunked
+    table the window before a step's first query, the step's tokens and ``margin`` (tokens a
+    step's result may take back: its drafts). The scheduler's count
+    (:meth:`~mrv2.engine.block_tables.BlockTables.most_held`) and :func:`longest_fitting`'s."""
+    per_table = -(-num_tokens // block_size)
+    span = margin + max_step_tokens + 2 * block_size
+    return sum(per_table if w is None else min(per_table, (span + w) // block_size)
+               for w in windows)
+
+
+def longest_fitting(num_blocks: int, windows: Sequence[int | None], block_size: int,
+                    max_step_tokens: int, margin: int, longest: int) -> int:
+    """The longest ``max_model_len``, at most ``longest``, one request of which a pool of
+    ``num_blocks`` holds, counted by :func:`most_blocks_held` (the other arguments its);
+    0 where not even one token fits. ``max_model_len="auto"``'s length, and the one the
+    scheduler's refusal of a pool too small names
+    (:meth:`~mrv2.engine.scheduler.Scheduler.check_capacity`)."""
+    low, high = 0, longest + 1  # a request of low tokens fits (0: none); of high, not
+    while high - low > 1:
+        mid = (low + high) // 2
+        fits = most_blocks_held(windows, block_size, mid, max_step_tokens, margin) <= num_blocks
+        low, high = (mid, high) if fits else (low, mid)
+    return low
 
 
 def shared_pages(specs: list[PagedKVSpec], num_blocks: int, block_size: int,

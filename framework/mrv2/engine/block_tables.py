@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mrv2.contract.kv_cache import first_query_past, first_visible
+from mrv2.contract.kv_cache import first_query_past, first_visible, most_blocks_held
 from mrv2.engine.block_manager import BlockHash, BlockManager
 from mrv2.engine.request import Request
 
@@ -81,11 +81,8 @@ class BlockTables:
         """The most blocks, over all tables, a request of ``num_tokens`` tokens ever holds at
         once when a step computes at most ``max_step_tokens`` of its tokens: a sliding
         table holds the window before a step's first query and the step's tokens."""
-        size = self.blocks.block_size
-        per_table = -(-num_tokens // size)
-        span = self.margin + max_step_tokens + 2 * size
-        return sum(per_table if w is None else min(per_table, (span + w) // size)
-                   for w in self.windows)
+        return most_blocks_held(self.windows, self.blocks.block_size, num_tokens,
+                                max_step_tokens, self.margin)
 
     def first_needed(self, window: int, position: int) -> int:
         """The first block a query at ``position`` (or up to :attr:`margin` before it) may

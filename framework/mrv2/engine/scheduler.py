@@ -25,6 +25,7 @@ from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 
 from mrv2.config import SchedulerConfig
+from mrv2.contract.kv_cache import longest_fitting
 from mrv2.contract.requests import NewRequest, SchedulerOutput
 from mrv2.engine.block_manager import BlockManager
 from mrv2.engine.block_tables import BlockTables
@@ -239,15 +240,14 @@ class Scheduler:
         as :meth:`most_blocks` counts it (sliding tables hold their window and a step's
         tokens; the drafter's lookahead): else every request that leaves ``max_tokens`` unset
         would be refused. The message names the blocks needed and held, the largest
-        ``max_model_len`` that fits, and ``knob`` (the setting that sizes the pool)."""
+        ``max_model_len`` that fits (:func:`~mrv2.contract.kv_cache.longest_fitting`, what
+        ``max_model_len="auto"`` takes), and ``knob`` (the setting that sizes the pool)."""
         num_blocks, size = self.blocks.num_blocks, self.blocks.block_size
         needed = self.most_blocks(max_model_len)
         if needed <= num_blocks:
             return
-        low, high = 0, max_model_len  # the longest length that fits: in [low, high)
-        while high - low > 1:
-            mid = (low + high) // 2
-            low, high = (mid, high) if self.most_blocks(mid) <= num_blocks else (low, mid)
+        low = longest_fitting(num_blocks, self.tables.windows, size, self.max_step_tokens,
+                              self.tables.margin, max_model_len)
         lookahead = self.num_lookahead_tokens
         slots = f" (with the drafter's {lookahead} lookahead slots)" if lookahead else ""
         fits = (f"the largest max_model_len that fits is about {low}" if low
@@ -256,7 +256,8 @@ class Scheduler:
             f"the KV cache holds {num_blocks} blocks of {size} tokens ({num_blocks * size} "
             f"tokens), but one request of max_model_len {max_model_len} tokens needs "
             f"{needed} blocks{slots}: no request could reach the model's max_model_len; "
-            f"{fits}. Raise {knob}, or lower max_model_len")
+            f"{fits}. Raise {knob}, or lower max_model_len (max_model_len='auto' takes the "
+            "longest that fits)")
 
     def _with_lookahead(self, num_tokens: int) -> int:
         """Tokens whose KV slots a step must hold: its own plus the drafter's lookahead,

@@ -5,22 +5,26 @@ backend (registered for the spec's kind). Block ids come from one pool, sized on
 groups. With one block table (the usual case) every layer has a tensor of its own and one block
 costs the sum of every layer's bytes per block; with sliding-window tables
 (:mod:`mrv2.runner.kv_tables`) layers of different tables share tensors (through pages where
-their layouts differ) and a block costs one table's layers.
+their layouts differ) and a block costs one table's layers. ``max_model_len="auto"`` then
+takes the longest length one request of which the pool holds (:func:`fit_max_model_len`).
 """
 
 from __future__ import annotations
 
 import gc
+from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
 
-from mrv2.config import CacheConfig
+from mrv2.config import CacheConfig, EngineConfig
 from mrv2.contract.kv_cache import (
     KVCacheGroup,
     KVCacheSpec,
     PagedKVSpec,
     group_specs,
+    longest_fitting,
+    most_blocks_held,
     shared_pages,
 )
 from mrv2.registry import Registries
@@ -155,3 +159,25 @@ def num_blocks_for(
             f"{per_block} bytes): raise gpu_memory_utilization or lower max_num_batched_tokens"
         )
     return int(blocks)
+
+
+def fit_max_model_len(config: EngineConfig, num_blocks: int, block_size: int,
+                      windows: Sequence[int | None], num_speculative_tokens: int,
+                      num_lookahead_tokens: int, bound: int, device: torch.device) -> int:
+    """``max_model_len="auto"`` (vLLM's): the longest length, at most ``bound``, one request
+    of which a pool of ``num_blocks`` holds, counted as the scheduler counts it
+    (:func:`~mrv2.contract.kv_cache.longest_fitting` over block tables of ``windows``, the
+    token budget and the drafter's lookahead; its drafts kept in a window), so the engine's
+    start-up check (``Scheduler.check_capacity``) passes. ValueError naming the setting that
+    sized the pool where not even one token fits."""
+    step = config.scheduler.max_num_batched_tokens + num_lookahead_tokens
+    fit = longest_fitting(num_blocks, windows, block_size, step, num_speculative_tokens, bound)
+    if fit < 1:
+        knob = ("num_gpu_blocks_override" if config.cache.num_gpu_blocks_override is not None
+                else "cpu_kv_cache_gb" if device.type == "cpu" else "gpu_memory_utilization")
+        needed = most_blocks_held(windows, block_size, 1, step, num_speculative_tokens)
+        raise ValueError(
+            f"max_model_len='auto': the KV cache holds {num_blocks} blocks, but a request of "
+            f"one token needs {needed} (one in each of the model's {len(windows)} block "
+            f"tables): not even one token fits. Raise {knob}")
+    return fit

@@ -55,7 +55,7 @@ from mrv2.runner.cuda_graphs import (
     Outputs,
     StepGraphs,
 )
-from mrv2.runner.kv_cache import KVCaches, num_blocks_for
+from mrv2.runner.kv_cache import KVCaches, fit_max_model_len, num_blocks_for
 from mrv2.runner.kv_tables import plan_tables, table_metadata, with_dummy_tables, without_windows
 from mrv2.runner.pooling import Pooled, RowPooler
 from mrv2.runner.sleep import Sleeper
@@ -184,6 +184,8 @@ class Runner(BetweenSteps):
             )) if per_block else (config.cache.num_gpu_blocks_override
                                   or self.max_num_reqs * self.max_blocks_per_req)
             self.kv.allocate(self.num_kv_blocks, self.block_size, self.dtype, self.device)
+        if config.model.auto_max_model_len:  # (what reads it from here on sees its length)
+            self._fit_max_model_len(per_block)
         self.startup.kv_cache(self.num_kv_blocks, self.block_size, per_block,
                               _kv_dtype_name(config.cache.kv_cache_dtype, self.dtype),
                               self.max_model_len, peak, self.kv_table_windows)
@@ -610,6 +612,22 @@ class Runner(BetweenSteps):
     def _profile_peak_bytes(self) -> int:
         return profile_peak_bytes(self)
 
+    def _fit_max_model_len(self, bytes_per_block: int) -> None:
+        """``max_model_len="auto"``: the longest length, at most the bound it was so far, one
+        request of which the KV cache holds (:func:`fit_max_model_len`). What was sized
+        before the cache (the state table's token columns and block tables, the input
+        buffers, the profiling step) keeps the bound's size: larger than needed, never
+        short."""
+        bound = self.max_model_len
+        if bytes_per_block:  # (else no KV cache layer: the blocks are bookkeeping, any fits)
+            lookahead = self.speculator.num_lookahead_tokens if self.speculator else 0
+            self.max_model_len = fit_max_model_len(
+                self.config, self.num_kv_blocks, self.block_size, self.kv_table_windows,
+                self.num_speculative_tokens, lookahead, bound, self.device)
+            self.max_blocks_per_req = -(-self.max_model_len // self.block_size)
+        self.startup.auto_max_model_len(self.max_model_len, bound, self.num_kv_blocks,
+                                        self.block_size, bytes_per_block)
+
 def _kv_dtype_name(kv_cache_dtype: str, dtype: torch.dtype) -> str:
     """The cache's element type: the model's for ``auto``."""
     return str(dtype).removeprefix("torch.") if kv_cache_dtype == "auto" else kv_cache_dtype
@@ -618,12 +636,16 @@ def _kv_dtype_name(kv_cache_dtype: str, dtype: torch.dtype) -> str:
 def _max_model_len(config: EngineConfig, hf_config: Any) -> int:
     """The engine's ``max_model_len``: the one asked for, at most the model's context limit
     (:func:`mrv2.layers.rotary.context_limit`: ``max_position_embeddings``, or longer by its
-    RoPE scaling, as vLLM derives it), which is the default."""
+    RoPE scaling, as vLLM derives it), which is the default. ``"auto"``: that limit, until
+    :meth:`Runner._fit_max_model_len` takes the longest length up to it that the KV cache
+    holds (the buffers sized before the cache keep the limit's size)."""
     limit, why = context_limit(hf_config)
-    requested = config.model.max_model_len
+    requested = config.model.fixed_max_model_len
     if requested is None:
         if limit is None:
-            raise ValueError(f"max_model_len is required: {why}")
+            auto = " ('auto' is at most the model's context length)" if (
+                config.model.auto_max_model_len) else ""
+            raise ValueError(f"max_model_len is required{auto}: {why}")
         return limit
     if limit is not None and requested > limit:
         raise ValueError(f"max_model_len={requested} exceeds {why}")

@@ -96,6 +96,20 @@ class StartupReport:
                  block_size, num_blocks * bytes_per_block / _GIB, kv_dtype, tables,
                  fit, max_model_len, peak, self.seconds.get("kv_cache", 0.0))
 
+    def auto_max_model_len(self, chosen: int, bound: int, num_blocks: int, block_size: int,
+                           bytes_per_block: int) -> None:
+        """After ``max_model_len="auto"`` took ``chosen`` (at most ``bound``, the model's
+        context length) from a pool of ``num_blocks``: vLLM's "Auto-fit max_model_len"
+        line."""
+        self.facts.update(max_model_len=chosen, auto_max_model_len_bound=bound)
+        if chosen >= bound:
+            self.log("max_model_len auto: %d, the model's context length, fits in the KV "
+                     "cache", chosen)
+        else:
+            self.log("max_model_len auto: %d, reduced from the model's %d: the longest "
+                     "request the KV cache (%s blocks of %d tokens, %.2f GiB) holds", chosen,
+                     bound, f"{num_blocks:,}", block_size, num_blocks * bytes_per_block / _GIB)
+
     def graphs(self, graphs: Any, pool_bytes: int, sets: int = 1) -> None:
         """After the CUDA graphs are captured: how many of each kind (in each of ``sets``
         sets: 2 with and without LoRA adapters' kernels), their memory."""

@@ -81,7 +81,7 @@ class DraftModelSpeculator(Speculator):
         # (the draft runs at every position the target does: its rotary table must reach them;
         # both lengths are max_position_embeddings, or longer by RoPE scaling: context_limit)
         draft_len, why = context_limit(text_config_of(hf_config))
-        max_model_len = self.config.model.max_model_len or context_limit(target)[0]
+        max_model_len = self.config.model.fixed_max_model_len or context_limit(target)[0]
         if draft_len is not None and max_model_len is not None and draft_len < max_model_len:
             raise ValueError(
                 f"speculative_config.model: the draft model's max_position_embeddings "

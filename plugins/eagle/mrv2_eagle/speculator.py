@@ -110,7 +110,7 @@ class _EagleBase(Speculator):
         # The head drafts at the target's positions, which RoPE scaling may take past both
         # max_position_embeddings: its tables reach them (rows as they were below).
         reach = max(max_position, context_limit(target)[0] or 0,
-                    self.config.model.max_model_len or 0)
+                    self.config.model.fixed_max_model_len or 0)
         for module in head.modules():
             if isinstance(module, RotaryEmbedding):
                 module.positions = max(module.positions, reach)

@@ -156,7 +156,7 @@ class Llama4ImageModelState(EncoderCacheModelState):
                  device: torch.device) -> None:
         if isinstance(model, Llama4ForCausalLM):
             model.size_rope_table(context_length(text_config_of(hf_config),
-                                                 config.model.max_model_len))
+                                                 config.model.fixed_max_model_len))
         super().__init__(model, hf_config, config, buffers, block_size, device)
         vision = model.vision
         self.patch_token = int(hf_config.image_token_index)

@@ -37,5 +37,5 @@ class Llama4ModelState(ModelState):
                  buffers: InputBuffers, block_size: int, device: torch.device) -> None:
         if isinstance(model, Llama4ForCausalLM):
             model.size_rope_table(context_length(text_config_of(hf_config),
-                                                 config.model.max_model_len))
+                                                 config.model.fixed_max_model_len))
         super().__init__(model, hf_config, config, buffers, block_size, device)

@@ -354,6 +354,26 @@ def test_engine_matches_hf_past_the_chunk(tmp_path: Path) -> None:
                               _hf_logits(hf, prompts[0]))
 
 
+def test_auto_max_model_len_sizes_the_rope_table_for_the_models_length(
+        tmp_path: Path) -> None:
+    """``max_model_len="auto"``: the RoPE table is built (before the KV cache is sized) for
+    the model's 256 positions, the bound of the length auto then takes: with a full and a
+    chunked table over 40 blocks of 4 and steps of 16 tokens, 104 (26 full blocks and at
+    most 14 chunked ones), which the scheduler's count allows; greedy tokens are HF's."""
+    hf = save_tiny_llama4(tmp_path, **CHUNKED)
+    prompt = [(7 * i) % 120 + 3 for i in range(40)]
+    with LLM(str(tmp_path), device="cpu", dtype="float32", block_size=4, max_model_len="auto",
+             max_num_batched_tokens=16, num_gpu_blocks_override=40) as llm:
+        runner, engine = llm.engine.runner, llm.engine
+        assert runner.model.model.layers[0].self_attn.rotary_emb.max_position == 256
+        assert engine.max_model_len == 104
+        engine.scheduler.check_capacity(104, "num_gpu_blocks_override")  # (passes)
+        out = llm.generate([{"prompt_token_ids": prompt}],
+                           SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                           use_tqdm=False)
+        assert list(out[0].outputs[0].token_ids) == _hf_tokens(hf, prompt, 8)
+
+
 def test_chunked_tables_with_drafts(tmp_path: Path) -> None:
     """n-gram drafts over the chunked layers' table (chunks of 8, blocks of 2, a small pool):
     the freeing keeps ``num_speculative_tokens`` positions more (a step's result may take

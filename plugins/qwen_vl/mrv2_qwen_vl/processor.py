@@ -210,7 +210,7 @@ class QwenVLInputProcessor(InputProcessor):
                            int(item.data["grid_thw"][2]) // self.merge,
                            float(item.data.get("time_interval", 1.0))) for item in items]
         limit = cast(int, context_limit(vl_text_config(self.hf_config))[0])
-        longest = max(num_tokens, self.config.model.max_model_len or limit)
+        longest = max(num_tokens, self.config.model.fixed_max_model_len or limit)
         extent = mrope_extent(grids, longest)
         if extent > limit:
             raise ValueError(f"{VIDEO_FIELD}: with these videos M-RoPE positions reach "
