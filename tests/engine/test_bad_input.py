@@ -42,7 +42,7 @@ def llm(ckpt: Path) -> LLM:
         ({"logprobs": -1}, "logprobs"),
         ({"prompt_logprobs": 21}, "prompt_logprobs"),
         ({"logit_bias": {-1: 1.0}}, "logit_bias"),
-        ({"logit_bias": {3: 101.0}}, "logit_bias"),
+        ({"logit_bias": {3: float("nan")}}, "logit_bias"),
         ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"bad_words": [""]}, "bad_words"),
         # values float32 cannot hold (the sampler's tables are float32: 1e39 and inf became
@@ -70,10 +70,10 @@ def test_invalid_sampling_params(kwargs: dict[str, object], message: str) -> Non
 
 def test_extreme_but_valid_sampling_values_keep_the_top_token(llm: LLM) -> None:
     """The smallest top_p float32 holds keeps the most likely token (greedy's tokens); the
-    largest temperature it holds samples among every token the masks allow (a choice's
+    largest temperature (2, vLLM's) samples among every token the masks allow (a choice's
     tokens only: the output is one of them); beam search refuses a non-finite
     length_penalty or temperature, naming it."""
-    from mrv2.contract.params import F32_MAX, F32_TINY
+    from mrv2.contract.params import F32_TINY, MAX_TEMPERATURE
     from mrv2.engine.beam_search import BeamSearchParams
 
     prompt = {"prompt_token_ids": [5, 6, 7]}
@@ -83,9 +83,9 @@ def test_extreme_but_valid_sampling_values_keep_the_top_token(llm: LLM) -> None:
                                                  ignore_eos=True, seed=1), use_tqdm=False)
     assert tiny[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
     allowed = [11, 12, 13]
-    hot = llm.generate([prompt], SamplingParams(temperature=F32_MAX, max_tokens=4, seed=2,
-                                                allowed_token_ids=allowed, ignore_eos=True),
-                       use_tqdm=False)
+    hot = llm.generate([prompt], SamplingParams(temperature=MAX_TEMPERATURE, max_tokens=4,
+                                                seed=2, allowed_token_ids=allowed,
+                                                ignore_eos=True), use_tqdm=False)
     assert set(hot[0].outputs[0].token_ids) <= set(allowed)
     for name, value in (("length_penalty", float("nan")), ("temperature", float("inf"))):
         with pytest.raises(ValueError, match=f"BeamSearchParams.{name}="):
@@ -140,7 +140,8 @@ def test_ids_of_an_n_requests_samples_are_refused_before_any_state_changes(llm: 
     before anything is queued; the requests in flight finish under their own ids."""
     engine = llm.engine
     one = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    two = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, n=2)
+    # (top_k=1: each sample greedy's tokens; greedy itself takes n=1 only, as vLLM's)
+    two = SamplingParams(top_k=1, max_tokens=3, ignore_eos=True, n=2)
     engine.add_request([3, 4, 5], one, request_id="a#n1")
     with pytest.raises(ValueError, match=r"'a' is already in use \(by its samples' ids "
                                          r"\['a#n1'\]\)"):
@@ -160,8 +161,8 @@ def test_the_id_of_a_finished_sample_of_a_parent_in_flight_is_refused(ckpt: Path
     engine = LLM(str(ckpt), device="cpu", dtype="float32", block_size=4, max_model_len=64,
                  max_num_seqs=1).engine  # (one request at a time: sample 0 ends first)
     one = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    engine.add_request([3, 4, 5], SamplingParams(temperature=0, max_tokens=3,
-                                                 ignore_eos=True, n=2), request_id="c")
+    engine.add_request([3, 4, 5], SamplingParams(top_k=1, max_tokens=3, ignore_eos=True, n=2),
+                       request_id="c")
     while "c#n0" in engine._requests:
         assert engine.step() == []
     assert "c#n1" in engine._requests

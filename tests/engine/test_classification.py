@@ -240,3 +240,37 @@ def test_encode_with_pooling_params_keeps_the_models_task(tmp_path: Path) -> Non
                    pooling_task="classify")
     with pytest.raises(ValueError, match="pooling_task='embed'.*task='classify'"):
         llm.embed({"prompt_token_ids": PROMPTS[0]}, PoolingParams(task="classify"))
+
+
+def test_use_activation_false_gives_the_raw_logits(tmp_path: Path) -> None:
+    """vLLM's ``PoolingParams(use_activation=False)``: ``LLM.classify`` answers the score
+    head's logits (HF's), ``LLM.score`` a reranker's logit (its sigmoid is the default
+    score), ``LLM.encode`` a classifier's logits too; for an embedding it is
+    ``normalize``."""
+    path = make_tiny_checkpoint(tmp_path / "cls", "Qwen3ForSequenceClassification", seed=4,
+                                num_labels=3)
+    llm = _llm(path)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    raw = PoolingParams(use_activation=False)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(
+        str(path), dtype=torch.float32).eval()
+    for out, ids in zip(llm.classify(prompts, use_tqdm=False, pooling_params=raw), PROMPTS,
+                        strict=True):
+        with torch.no_grad():
+            want = model(torch.tensor([ids])).logits[0].float()
+        torch.testing.assert_close(torch.tensor(out.outputs.probs), want, rtol=1e-4,
+                                   atol=1e-5)
+    encoded = llm.encode(prompts[:1], raw, use_tqdm=False)[0].outputs.data
+    torch.testing.assert_close(encoded.softmax(-1), _hf_probs(path, PROMPTS[0]), rtol=1e-4,
+                               atol=1e-5)
+    reranker = _llm(make_tiny_checkpoint(tmp_path / "rerank", "Qwen3ForSequenceClassification",
+                                         seed=5, num_labels=1))
+    query, docs = {"prompt_token_ids": [11, 12, 13]}, prompts
+    scores = [g.outputs.score for g in reranker.score(query, docs, use_tqdm=False)]
+    logits = [g.outputs.score for g in reranker.score(query, docs, use_tqdm=False,
+                                                      pooling_params=raw)]
+    assert torch.tensor(logits).sigmoid().tolist() == pytest.approx(scores, abs=1e-6)
+    assert PoolingParams(use_activation=False).normalize is False
+    assert PoolingParams(task="classify", use_activation=False).normalize is None
+    with pytest.raises(ValueError, match="use_activation=False disagrees with normalize"):
+        PoolingParams(normalize=True, use_activation=False)

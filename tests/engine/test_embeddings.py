@@ -159,7 +159,7 @@ def test_a_last_token_sentence_transformers_checkpoint(tmp_path: Path) -> None:
 def test_normalized_as_the_sentence_transformers_modules_say(tmp_path: Path) -> None:
     """Without a Normalize module in modules.json a request that does not say gets the raw
     state (vLLM's default from the sentence-transformers configuration); ``normalize=True``
-    still normalizes it."""
+    still normalizes it, and ``LLM.score`` is still the cosine similarity."""
     path = make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM", head_dim=16)
     _sentence_transformers(path, "lasttoken")
     raw = hf_states(path, PROMPTS[:1])[0]
@@ -168,6 +168,11 @@ def test_normalized_as_the_sentence_transformers_modules_say(tmp_path: Path) -> 
     _close(llm.embed(prompt, use_tqdm=False)[0].outputs.embedding, raw)
     _close(llm.embed(prompt, PoolingParams(normalize=True), use_tqdm=False)[0]
            .outputs.embedding, torch.nn.functional.normalize(raw, dim=-1))
+    # vLLM's LLM.score of an embedding model: the cosine similarity, unit vectors or not
+    score = llm.score(prompt, {"prompt_token_ids": PROMPTS[1]}, use_tqdm=False)[0]
+    other = hf_states(path, PROMPTS[1:2])[0]
+    assert abs(score.outputs.score
+               - float(torch.nn.functional.cosine_similarity(raw, other, dim=0))) < 1e-5
     engine = llm.engine
     req = engine.add_request(PROMPTS[0], GREEDY, pooling_params=PoolingParams())
     done = {}

@@ -169,7 +169,7 @@ def test_outputs_carry_the_lora_request(tmp_path: Any) -> None:
     llm = LLM(str(base), device="cpu", dtype="float32", block_size=4, max_model_len=64,
               enable_lora=True)
     lora = LoRARequest("a", 1, str(adapter))
-    params = SamplingParams(max_tokens=1, temperature=0, n=2, seed=0)
+    params = SamplingParams(max_tokens=1, n=2, seed=0)
     with_lora, plain = llm.generate(["hi", "hi"], params, use_tqdm=False,
                                     lora_request=[lora, None])
     assert with_lora.lora_request == lora and plain.lora_request is None

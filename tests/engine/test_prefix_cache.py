@@ -159,7 +159,8 @@ def test_aborting_one_sample_of_an_n_request_ends_that_sample_alone(checkpoint: 
     samples do, with their outputs (it never finished: its other outputs were swallowed and
     its bookkeeping kept), and nothing is left behind."""
     engine = _llm(checkpoint).engine
-    params = SamplingParams(n=3, temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    # (top_k=1: every sample greedy's tokens; greedy itself takes n=1 only, as vLLM's)
+    params = SamplingParams(n=3, top_k=1, max_tokens=NEW_TOKENS, ignore_eos=True)
     engine.add_request(PROMPTS[0], params, request_id="x")
     engine.step()
     engine.step()

@@ -28,7 +28,8 @@ def _llm(checkpoint: Path) -> LLM:
 
 
 def _params(n: int = 1) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, n=n)
+    # (top_k=1: greedy's tokens, for n > 1 too: greedy itself takes n=1 only, as vLLM's)
+    return SamplingParams(top_k=1, max_tokens=6, ignore_eos=True, n=n)
 
 
 def _run(llm: LLM, salt: str | None, n: int = 1) -> tuple[int, list[list[int]]]:

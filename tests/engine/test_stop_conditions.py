@@ -318,7 +318,7 @@ def test_stream_interval_sends_every_kth_token(ckpt: Path, free_run: list[int]) 
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     streamed = engine.add_request(llm.get_tokenizer().encode(PROMPT), params, stream=True)
     pair = engine.add_request(llm.get_tokenizer().encode(PROMPT),
-                              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=2),
+                              SamplingParams(top_k=1, max_tokens=10, ignore_eos=True, n=2),
                               stream=True)
     deltas: list[list[int]] = []
     texts: list[str] = []

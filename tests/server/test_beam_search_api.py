@@ -29,9 +29,9 @@ def _want(model_dir: Path, penalty: float) -> list[list[str]]:
     return [[tokenizer.decode(b.output_tokens) for b in o.sequences] for o in outs]
 
 
-def _texts(url: str, penalty: float) -> list[list[str]]:
+def _texts(url: str, penalty: float, **extra: Any) -> list[list[str]]:
     body = {"model": MODEL, "prompt": PROMPTS, "n": 3, "max_tokens": 5, "ignore_eos": True,
-            "use_beam_search": True, "length_penalty": penalty}
+            "use_beam_search": True, "length_penalty": penalty, **extra}
     answer = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=60).json()
     choices = sorted(answer["choices"], key=lambda c: c["index"])
     assert answer["usage"]["completion_tokens"] == 30
@@ -40,6 +40,8 @@ def _texts(url: str, penalty: float) -> list[list[str]]:
 
 def test_beams_are_the_engines(server: Served, model_dir: Path) -> None:
     assert _texts(server.url, 0.5) == _want(model_dir, 0.5)
+    # temperature 0 (BeamSearchParams' default): n is the beam width, no greedy n > 1
+    assert _texts(server.url, 0.5, temperature=0) == _want(model_dir, 0.5)
 
 
 def test_beams_through_the_engine_process(model_dir: Path) -> None:

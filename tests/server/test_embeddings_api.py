@@ -200,3 +200,89 @@ def test_a_pooling_server_refuses_generation(model_dir: Path, reference: LLM) ->
                               json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
         assert response.status_code == 400
         assert "runner='pooling'" in response.json()["error"]["message"]
+
+
+def test_chat_messages_embed_the_templated_chat(server: Served, reference: LLM) -> None:
+    """vLLM's chat form of ``/v1/embeddings`` and ``/pooling``: ``messages`` through the
+    chat template (no generation prompt, no special tokens on top by default), embedded as
+    one prompt; ``input`` and ``messages`` together, or neither, is a 400 naming them."""
+    from mrv2.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(server.model_dir)
+    messages = [{"role": "user", "content": "Hello world!"}]
+    for extra, prompted in [({}, False), ({"add_generation_prompt": True}, True)]:
+        ids = tok.apply_chat_template(messages, prompted)
+        want = _want(reference, [ids])[0]
+        for route, key in [("/v1/embeddings", "embedding"), ("/pooling", "data")]:
+            answer = httpx.post(f"{server.url}{route}", headers=AUTH, timeout=60, json={
+                "model": MODEL, "messages": messages, "encoding_format": "float",
+                **extra}).json()
+            np.testing.assert_allclose(answer["data"][0][key], want, rtol=1e-5, atol=1e-6)
+            assert answer["usage"]["prompt_tokens"] == len(ids)
+    for body in ({"input": "x", "messages": messages}, {}):
+        response = httpx.post(f"{server.url}/v1/embeddings", headers=AUTH, timeout=60,
+                              json={"model": MODEL, **body})
+        assert response.status_code == 400, response.text
+        assert "either input" in response.json()["error"]["message"]
+    media = [{"role": "user", "content": [{"type": "image_url",
+                                           "image_url": {"url": "data:image/png;base64,"}}]}]
+    response = httpx.post(f"{server.url}/v1/embeddings", headers=AUTH, timeout=60,
+                          json={"model": MODEL, "messages": media})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+
+
+def test_use_activation_is_normalize(server: Served, reference: LLM) -> None:
+    """vLLM's newer name of ``normalize`` (/v1/embeddings, /pooling): ``use_activation:
+    false`` answers the raw state; disagreeing with ``normalize`` is a 400 naming it."""
+    ids = [5, 9, 3, 17]
+    raw = reference.embed({"prompt_token_ids": ids}, PoolingParams(normalize=False),
+                          use_tqdm=False)[0].outputs.embedding
+    assert abs(np.linalg.norm(raw) - 1) > 0.1
+    for route, key in [("/v1/embeddings", "embedding"), ("/pooling", "data")]:
+        got = httpx.post(f"{server.url}{route}", headers=AUTH, timeout=60, json={
+            "model": MODEL, "input": ids, "encoding_format": "float",
+            "use_activation": False}).json()["data"][0][key]
+        np.testing.assert_allclose(got, raw, rtol=1e-5, atol=1e-6)
+        response = httpx.post(f"{server.url}{route}", headers=AUTH, timeout=60, json={
+            "model": MODEL, "input": ids, "use_activation": False, "normalize": True})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "use_activation"
+
+
+def test_add_special_tokens(tmp_path: Path) -> None:
+    """A text input gets the tokenizer's special tokens (its BOS) unless the request says
+    ``add_special_tokens: false`` (vLLM's field of /v1/embeddings, /classify, /pooling);
+    a chat's are the template's, none on top unless asked."""
+    import transformers
+    from tokenizers import processors
+
+    from conftest import serve
+    from mrv2.engine.tokenizer import Tokenizer
+    from mrv2.testing import make_tiny_checkpoint, make_tiny_tokenizer
+
+    make_tiny_checkpoint(tmp_path, "LlamaForCausalLM", vocab_size=320)
+    make_tiny_tokenizer(tmp_path)
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    bos = int(hf.convert_tokens_to_ids("<s>"))  # type: ignore[arg-type]  # (one token)
+    hf.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", bos)])
+    hf.save_pretrained(str(tmp_path))
+    text = "Hello world!"
+    bare = hf(text, add_special_tokens=False)["input_ids"]
+    messages = [{"role": "user", "content": text}]
+    chat = Tokenizer.from_pretrained(tmp_path).apply_chat_template(messages, False)
+    llm = LLM(str(tmp_path), **{k: v for k, v in ENGINE_KWARGS.items()
+                                if k not in ("num_gpu_blocks_override", "max_num_seqs")})
+    cases: list[tuple[dict[str, Any], list[int]]] = [
+        ({"input": text}, [bos, *bare]),
+        ({"input": text, "add_special_tokens": False}, bare),
+        ({"messages": messages}, chat),
+        ({"messages": messages, "add_special_tokens": True}, [bos, *chat])]
+    for served in serve(tmp_path):
+        for body, ids in cases:
+            want = llm.embed({"prompt_token_ids": ids}, use_tqdm=False)[0].outputs.embedding
+            got = httpx.post(f"{served.url}/v1/embeddings", headers=AUTH, timeout=60, json={
+                "model": MODEL, "encoding_format": "float", **body}).json()
+            assert got["usage"]["prompt_tokens"] == len(ids), body
+            np.testing.assert_allclose(got["data"][0]["embedding"], want, rtol=1e-5,
+                                       atol=1e-6)

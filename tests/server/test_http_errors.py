@@ -53,6 +53,8 @@ def test_malformed_json(server: Served) -> None:
 @pytest.mark.parametrize(("body", "param"), [
     ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
     ({"prompt": "hi", "temperature": -1}, "temperature"),
+    ({"prompt": "hi", "temperature": 2.5}, "temperature"),  # (vLLM's [0, 2])
+    ({"prompt": "hi", "temperature": 0, "n": 2}, "n"),  # (vLLM's: greedy takes n 1 only)
     ({"prompt": "hi", "top_p": 2.0}, "top_p"),
     ({"prompt": "hi", "n": 0}, "n"),
     ({"prompt": "hi", "logprobs": 50}, "logprobs"),

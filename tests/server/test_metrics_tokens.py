@@ -53,8 +53,8 @@ def test_the_engine_thread_counts_each_steps_tokens(model_dir: Path) -> None:
     loop = asyncio.new_event_loop()
     try:
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        worker.submit("r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
-                                                     n=2), None, sink, loop)
+        worker.submit("r", [5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True, n=2), None,
+                      sink, loop)
         deadline = time.monotonic() + 60
         while worker.num_pending and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -88,7 +88,8 @@ def test_score_and_rerank_give_the_rerankers_scores(checkpoints: dict[str, Path]
             assert [r["relevance_score"] for r in answer["results"]] == pytest.approx(
                 [want[i] for i in order], rel=1e-5, abs=1e-6)
             assert answer["results"][0]["document"] == {"tokens": DOCS[order[0]]}
-            assert answer["usage"]["total_tokens"] == sum(len(QUERY) + len(d) for d in DOCS)
+            tokens = sum(len(QUERY) + len(d) for d in DOCS)  # (vLLM's RerankUsage)
+            assert answer["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
 
 
 def test_text_pairs_are_the_tokenizers_pairs(tmp_path: Path) -> None:
@@ -231,7 +232,57 @@ def test_pooling_route_gives_every_tokens_labels(tmp_path: Path, process: bool) 
                 got = np.frombuffer(base64.b64decode(item["data"]), dtype="<f4")
                 np.testing.assert_allclose(got, w.outputs.data.numpy().ravel(), rtol=1e-5,
                                            atol=1e-6)
+            raw = _post(url, "/pooling", {"input": DOCS[:1], "use_activation": False}).json()
+            torch.testing.assert_close(torch.tensor(raw["data"][0]["data"]).softmax(-1),
+                                       want[0].outputs.data, rtol=1e-5, atol=1e-6)
             bad = _post(url, "/pooling", {"input": DOCS, "task": "reward"})
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "task"
     finally:
         engine.shutdown()
+
+
+def test_use_activation_false_gives_the_raw_logits(checkpoints: dict[str, Path]) -> None:
+    """vLLM's ``use_activation`` (older ``softmax``, ``activation``): false answers a
+    classifier's raw logits (/classify's ``probs``, /score's and /rerank's scores), whose
+    softmax (a reranker's: sigmoid) is the default answer."""
+    for url in _serve(checkpoints["classifier"]):
+        probs = _post(url, "/classify", {"input": DOCS}).json()["data"]
+        for name in ("use_activation", "softmax", "activation"):
+            logits = _post(url, "/classify", {"input": DOCS, name: False}).json()["data"]
+            for p, q in zip(probs, logits, strict=True):
+                assert torch.tensor(q["probs"]).softmax(-1).tolist() == pytest.approx(
+                    p["probs"], rel=1e-5, abs=1e-6)
+                assert q["label"] == p["label"]
+        same = _post(url, "/classify", {"input": DOCS, "use_activation": True}).json()
+        assert [d["probs"] for d in same["data"]] == [d["probs"] for d in probs]
+    for url in _serve(checkpoints["reranker"]):
+        want = [d["score"] for d in _post(url, "/score", {"text_1": QUERY,
+                                                          "text_2": DOCS}).json()["data"]]
+        raw = [d["score"] for d in _post(url, "/score", {
+            "text_1": QUERY, "text_2": DOCS, "use_activation": False}).json()["data"]]
+        assert torch.tensor(raw).sigmoid().tolist() == pytest.approx(want, rel=1e-5, abs=1e-6)
+        ranked = _post(url, "/rerank", {"query": QUERY, "documents": DOCS,
+                                        "use_activation": False}).json()["results"]
+        assert [r["relevance_score"] for r in ranked] == pytest.approx(
+            sorted(raw, reverse=True), rel=1e-5, abs=1e-6)
+
+
+def test_score_takes_vllms_other_field_names(checkpoints: dict[str, Path]) -> None:
+    """/score's two fields under each name vLLM takes (``text_1``/``text_2``,
+    ``data_1``/``data_2``, ``queries``/``documents``, ``queries``/``items``), with the
+    same scores; anything but one pair is a 400 naming the fields, and a bad item is
+    named by its field."""
+    for url in _serve(checkpoints["reranker"]):
+        want = _post(url, "/score", {"text_1": QUERY, "text_2": DOCS}).json()["data"]
+        for first, second in [("data_1", "data_2"), ("queries", "documents"),
+                              ("queries", "items")]:
+            got = _post(url, "/v1/score", {first: QUERY, second: DOCS})
+            assert got.status_code == 200, got.text
+            assert got.json()["data"] == want
+        for body in ({"text_1": QUERY}, {"queries": QUERY, "documents": DOCS, "items": DOCS},
+                     {"text_1": QUERY, "data_2": DOCS}):
+            response = _post(url, "/score", body)
+            assert response.status_code == 400, response.text
+            assert "give one pair of fields" in response.json()["error"]["message"]
+        response = _post(url, "/score", {"queries": QUERY, "documents": []})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "documents"

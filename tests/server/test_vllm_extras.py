@@ -126,7 +126,8 @@ def test_echo_with_max_tokens_0_answers_the_prompt_alone(server: Served) -> None
 
 
 def test_a_streamed_echo_equals_the_whole_answer(server: Served) -> None:
-    body = {"prompt": "Hello world", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+    # (top_k 1: greedy's answer, for n 2 too: greedy itself takes n 1 only, as vLLM's)
+    body = {"prompt": "Hello world", "max_tokens": 4, "top_k": 1, "ignore_eos": True,
             "echo": True, "logprobs": 1, "n": 2}
     whole = _post(server.url, "completions", body).json()["choices"]
     chunks = _chunks(server.url, body)
@@ -162,8 +163,7 @@ def test_continuous_usage_stats(server: Served, route: str) -> None:
     """vLLM's ``stream_options.continuous_usage_stats``: every chunk carries its choice's
     usage so far (the prompt's tokens, the choice's tokens up to that chunk), the last usage
     chunk the totals; without it chunks carry none."""
-    body: dict[str, Any] = {"max_tokens": 5, "temperature": 0, "ignore_eos": True, "n": 2,
-                            "stream": True}
+    body: dict[str, Any] = {"max_tokens": 5, "ignore_eos": True, "n": 2, "stream": True}
     body.update({"prompt": PROMPT} if route == "completions" else
                 {"messages": [{"role": "user", "content": "Hi"}]})
     chunks = []

@@ -192,8 +192,8 @@ def _sampling_json(text: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(f"--sampling-params sets {sorted(banned)}: the bench "
                                          "sets them (--new-tokens)")
     try:
-        SamplingParams(**value)
-    except (TypeError, ValueError) as exc:
+        SamplingParams(**{"temperature": 0.0, **value})  # (as the bench builds them: n > 1
+    except (TypeError, ValueError) as exc:             # without a temperature is refused)
         raise argparse.ArgumentTypeError(f"--sampling-params: {exc}") from None
     return value
 

@@ -150,6 +150,8 @@ def draw_spec(rng: random.Random, i: int, prompt_len: int, max_tokens: int, mix:
         stop=[rng.choice(STOP_WORDS)] if rng.random() < 0.3 else None,
         temperature=rng.choice((0.0, 0.8)), seed=rng.randrange(2**31),
     )
+    if spec.temperature == 0.0:
+        spec.n = 1  # (a greedy request takes n=1 only, as vLLM's: a 400 otherwise)
     if rng.random() < cancel_prob:
         if stream:
             spec.cancel_after_chunks = rng.randint(1, 8)

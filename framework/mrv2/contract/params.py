@@ -9,10 +9,18 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json as _json
+import logging
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
+logger = logging.getLogger(__name__)
+
 _GREEDY_EPS = 1e-5
+#: The lowest temperature above 0 (vLLM's ``_MAX_TEMP``): one in (0, 0.01) is raised to it, with
+#: a warning, as vLLM's ``SamplingParams`` does (dividing logits by less risks inf and NaN).
+MIN_TEMPERATURE = 0.01
+#: The highest temperature (vLLM's and OpenAI's range is [0, 2]).
+MAX_TEMPERATURE = 2.0
 #: Most top-k logprobs a request may ask for (vLLM's default ``max_logprobs``).
 MAX_LOGPROBS = 20
 
@@ -88,14 +96,18 @@ class StructuredOutputsParams:
 class SamplingParams:
     """How to pick each next token and when to stop, per request (vLLM's names).
 
-    ``temperature == 0`` is greedy. ``top_k`` of 0 or -1 disables top-k; ``top_p == 1`` disables
-    top-p. ``seed`` (any int64; -1 is none, as vLLM's) makes the request's samples reproducible
-    whatever else is in the batch.
+    ``temperature == 0`` is greedy; a temperature in (0, 0.01) is raised to 0.01 with a warning
+    and one above 2 refused (vLLM's rules); a greedy request has ``n == 1`` (vLLM refuses
+    ``n > 1`` copies of one greedy answer). ``top_k`` of 0 or -1 disables top-k; ``top_p == 1``
+    disables top-p. ``seed`` (any int64; -1 is none, as vLLM's) makes the request's samples
+    reproducible whatever else is in the batch.
 
     Penalties (vLLM's meanings): ``repetition_penalty`` divides positive / multiplies negative
     logits of tokens seen in the prompt or the output; ``frequency_penalty`` subtracts
     ``count * f`` and ``presence_penalty`` subtracts ``p`` for tokens of the output.
-    ``logit_bias`` adds to chosen logits; ``allowed_token_ids`` masks every other token;
+    ``logit_bias`` adds to chosen logits (any finite bias, as vLLM's ``SamplingParams``; its
+    server and mrv2's clamp a request's to OpenAI's [-100, 100]); ``allowed_token_ids`` masks
+    every other token;
     ``bad_words`` (strings, tokenized by the engine) ban a word's last token when its other
     tokens end the output; ``min_tokens`` masks EOS and ``stop_token_ids`` until that many
     tokens are out. ``logprobs=k`` returns the top-k plus the sampled token's logprob and rank
@@ -160,6 +172,11 @@ class SamplingParams:
                self.stop, "a non-empty string or a list of non-empty strings")
         _check(self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)),
                "stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
+        if _is_number(self.temperature) and 0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning("SamplingParams.temperature=%s is below %s, which risks inf or NaN "
+                           "in the sampler: raised to %s (as vLLM does)", self.temperature,
+                           MIN_TEMPERATURE, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
         if self.seed == -1 and _is_int(self.seed):  # vLLM's: -1 is no seed (a random one)
             self.seed = None
         if isinstance(self.stop, str):
@@ -174,8 +191,11 @@ class SamplingParams:
     def _validate(self) -> None:
         _check(isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1, "n",
                self.n, "an integer >= 1")
-        _check(_is_number(self.temperature) and self.temperature >= 0.0, "temperature",
-               self.temperature, "a finite number >= 0 (0 means greedy; at most 3.4e38)")
+        _check(_is_number(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE,
+               "temperature", self.temperature, f"a number in [0, {MAX_TEMPERATURE:g}] (0 "
+               "means greedy)")
+        _check(self.n == 1 or not self.greedy, "n", self.n,
+               "1 with greedy sampling (temperature 0: every sample would be the same)")
         _check(_is_number(self.top_p) and F32_TINY <= self.top_p <= 1.0, "top_p", self.top_p,
                "a number in (0, 1] (at least 1.2e-38, float32's smallest normal)")
         _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", self.top_k,
@@ -208,10 +228,10 @@ class SamplingParams:
             _check(value is None or (isinstance(value, int) and not isinstance(value, bool)
                                      and 0 <= value <= MAX_LOGPROBS),
                    name, value, f"None or an integer in [0, {MAX_LOGPROBS}]")
-        bias = self.logit_bias
+        bias = self.logit_bias  # (any finite bias, as vLLM's: only its server clamps them)
         _check(bias is None or (isinstance(bias, dict) and all(
-            _is_token(k) and _is_number(v) and -100.0 <= v <= 100.0 for k, v in bias.items())),
-               "logit_bias", bias, "None or a dict {token id >= 0: bias in [-100, 100]}")
+            _is_token(k) and _is_number(v) for k, v in bias.items())),
+               "logit_bias", bias, "None or a dict {token id >= 0: a finite number}")
         allowed = self.allowed_token_ids
         _check(allowed is None or (isinstance(allowed, list) and len(allowed) > 0
                                    and all(_is_token(t) for t in allowed)),

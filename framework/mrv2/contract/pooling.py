@@ -38,11 +38,16 @@ class PoolingParams:
     single label's). ``token_embed`` / ``token_classify``: the same for every prompt token
     (a token classifier's labels, a process reward model's per-step scores, multi-vector
     retrieval), one row per token; such a request reads no prefix cache (every token's state
-    is computed)."""
+    is computed).
+
+    ``use_activation`` (vLLM's): ``False`` asks a classifier for its raw logits instead of
+    probabilities (``classify``, ``token_classify``); for an embedding it is another name
+    of ``normalize`` (taken where ``normalize`` is None; the two may not disagree)."""
 
     normalize: bool | None = None
     dimensions: int | None = None
     task: str | None = None
+    use_activation: bool | None = None
 
     def __post_init__(self) -> None:
         if self.task is not None and self.task not in TASKS:
@@ -51,6 +56,12 @@ class PoolingParams:
         if self.kind.endswith("classify") and self.dimensions is not None:
             raise ValueError("PoolingParams.dimensions applies to task='embed' or "
                              "'token_embed' only")
+        if self.use_activation is not None and not self.kind.endswith("classify"):
+            if self.normalize is None:  # (an embedding's activation: its normalization)
+                object.__setattr__(self, "normalize", self.use_activation)
+            elif self.normalize != self.use_activation:
+                raise ValueError(f"PoolingParams.use_activation={self.use_activation} "
+                                 f"disagrees with normalize={self.normalize}; give one")
         if self.dimensions is not None and (not isinstance(self.dimensions, int)
                                             or isinstance(self.dimensions, bool)
                                             or self.dimensions < 1):

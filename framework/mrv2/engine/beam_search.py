@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mrv2.contract.lora import LoRARequest
-from mrv2.contract.params import F32_MAX, MAX_LOGPROBS, SamplingParams
+from mrv2.contract.params import F32_MAX, MAX_LOGPROBS, MAX_TEMPERATURE, SamplingParams
 
 __all__ = ["BeamSearch", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence",
            "beam_search"]
@@ -41,7 +41,8 @@ class BeamSearchParams:
                 ("max_tokens", self.max_tokens, isinstance(self.max_tokens, int)
                  and self.max_tokens >= 1, "an integer >= 1"),
                 ("temperature", self.temperature, isinstance(self.temperature, int | float)
-                 and 0 <= self.temperature <= F32_MAX, "a finite number >= 0"),
+                 and 0 <= self.temperature <= MAX_TEMPERATURE,  # (its steps' SamplingParams')
+                 f"a number in [0, {MAX_TEMPERATURE:g}]"),
                 ("length_penalty", self.length_penalty,
                  isinstance(self.length_penalty, int | float)
                  and abs(self.length_penalty) <= F32_MAX, "a finite number")):

@@ -279,15 +279,17 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         truncate_prompt_tokens: int | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> list[ClassificationRequestOutput]:
         """Each prompt's label probabilities, in prompt order (vLLM's ``LLM.classify``), from
         a sequence classifier (an ``XForSequenceClassification`` checkpoint): its ``score``
         head over the last token's final hidden state, softmax (the sigmoid of a single
-        label's logit). ``llm.engine.id2label`` names the labels.
+        label's logit); the raw logits with ``PoolingParams(use_activation=False)``.
+        ``llm.engine.id2label`` names the labels.
         ``truncate_prompt_tokens``: keep each prompt's last so many tokens (-1:
         ``max_model_len``)."""
-        outputs = self._pool(prompts, PoolingParams(task="classify"), use_tqdm, lora_request,
-                             truncate_prompt_tokens)
+        outputs = self._pool(prompts, _with_task(pooling_params, "classify"), use_tqdm,
+                             lora_request, truncate_prompt_tokens)
         return [ClassificationRequestOutput.of(o, ClassificationOutput) for o in outputs]
 
     def score(
@@ -297,6 +299,7 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: LoRARequest | None = None,
         truncate_prompt_tokens: int | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> list[ScoringRequestOutput]:
         """A score per pair (vLLM's ``LLM.score``): ``data_1`` one item against every item of
         ``data_2``, or the two lists item by item. A classifier of one label (a reranker)
@@ -304,7 +307,9 @@ class LLM:
         ``text_pair``; else ``data_1``'s tokens then ``data_2``'s, without its special
         tokens), and scores the sigmoid of its logit; an embedding model scores the
         cosine similarity of the two embeddings. ``truncate_prompt_tokens`` keeps the last so
-        many tokens of each prompt the model reads (a joined pair; each text)."""
+        many tokens of each prompt the model reads (a joined pair; each text).
+        ``pooling_params``: a reranker's (``use_activation=False``: its raw logit, vLLM's);
+        an embedding model's scores are cosines whatever they say."""
         firsts = [data_1] if isinstance(data_1, (str, dict)) else list(data_1)
         seconds = [data_2] if isinstance(data_2, (str, dict)) else list(data_2)
         pairs = broadcast_pairs(firsts, seconds)
@@ -318,7 +323,8 @@ class LLM:
                 a.prompt_token_ids + b.prompt_token_ids)
                 for i, (a, b) in enumerate(zip(out[:n], out[n:], strict=True))]
         joined = [{"prompt_token_ids": self._pair(a, b)} for a, b in pairs]
-        classified = self.classify(joined, use_tqdm, lora_request, truncate_prompt_tokens)
+        classified = self.classify(joined, use_tqdm, lora_request, truncate_prompt_tokens,
+                                   pooling_params)
         return [ScoringRequestOutput(f"score-{i}", ScoringOutput(c.outputs.probs[0]),
                                      c.prompt_token_ids)
                 for i, c in enumerate(classified)]

@@ -4,6 +4,7 @@ for each kind of model."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TypeVar
 
@@ -35,5 +36,9 @@ def check_scorer(num_labels: int | None) -> None:
 
 
 def cosine(a: Sequence[float], b: Sequence[float]) -> float:
-    """Two unit vectors' cosine similarity (their dot product), in float64."""
-    return float(sum(x * y for x, y in zip(a, b, strict=True)))
+    """Two vectors' cosine similarity, in float64: their dot product over their norms (an
+    embedding is not unit length where the model does not normalize, a sentence-transformers
+    checkpoint without a ``Normalize`` module); 0.0 where either is all zeros."""
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    norms = math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
+    return float(dot / norms) if norms > 0 else 0.0

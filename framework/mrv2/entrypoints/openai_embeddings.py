@@ -3,10 +3,12 @@ hidden state of its last token (:class:`~mrv2.contract.pooling.PoolingParams`), 
 as vLLM serves a decoder embedding model (Qwen3-Embedding, GTE-Qwen2, E5-Mistral).
 
 ``input`` is a string, a list of strings, a token id list or a list of them (at most
-:data:`MAX_INPUTS`); ``dimensions`` keeps the first so many entries (Matryoshka models; others
-refuse it, as vLLM's) before normalizing; ``encoding_format`` ``"base64"`` sends each vector
-as little-endian float32 bytes in base64, as OpenAI's client asks by default. The inputs of
-one request run in the same steps (beside any generation requests), each a prompt of its own.
+:data:`MAX_INPUTS`), or, instead, ``messages``: one chat rendered by the chat template
+(vLLM's chat form, :class:`InputRequest`); ``dimensions`` keeps the first so many entries
+(Matryoshka models; others refuse it, as vLLM's) before normalizing; ``encoding_format``
+``"base64"`` sends each vector as little-endian float32 bytes in base64, as OpenAI's client
+asks by default. The inputs of one request run in the same steps (beside any generation
+requests), each a prompt of its own.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mrv2.engine.request_inputs import last_tokens
 
-__all__ = ["MAX_INPUTS", "EmbeddingRequest", "PoolingRequest", "embedding_response",
-           "input_items", "truncation"]
+__all__ = ["MAX_INPUTS", "EmbeddingRequest", "InputRequest", "PoolingRequest",
+           "embedding_response", "input_items", "truncation"]
+
+Texts = str | list[str] | list[int] | list[list[int]]
 
 #: The most inputs one request may carry (OpenAI's limit).
 MAX_INPUTS = 2048
@@ -74,17 +78,49 @@ class PoolingRequest(BaseModel):
         return last_tokens(ids, self.truncate_prompt_tokens, longest)
 
 
-class EmbeddingRequest(PoolingRequest):
+class InputRequest(PoolingRequest):
+    """A body whose prompts are ``input`` (texts, token id lists) or, instead, one chat's
+    ``messages`` through the chat template (vLLM's chat form of ``/v1/embeddings``,
+    ``/classify`` and ``/pooling``: no generation prompt, no special tokens on top of the
+    template's by default). ``add_special_tokens`` (None: yes for ``input``, no for
+    ``messages``, vLLM's defaults) adds the tokenizer's special tokens (BOS...) to a text."""
+
+    input: Texts | None = None
+    #: Chat messages (checked as a chat request's where the route reads them).
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        """Each ``input``: a text or a token id list; ValueError naming the field on an
+        empty or too long list, or when ``input`` and ``messages`` are both given or
+        neither (a chat body has no ``input``: the caller reads ``messages``)."""
+        if (self.input is None) == (self.messages is None):
+            raise ValueError("input or messages: give either input (texts or token ids) or "
+                             "messages (a chat), not both or neither")
+        if self.input is None:
+            return []
+        return input_items(self.input, "input")
+
+    def special_tokens(self) -> bool:
+        """Whether a text gets the tokenizer's special tokens (``add_special_tokens``, by
+        default yes for ``input``, no for ``messages`` whose template has its own)."""
+        if self.add_special_tokens is not None:
+            return self.add_special_tokens
+        return self.messages is None
+
+
+class EmbeddingRequest(InputRequest):
     """``POST /v1/embeddings``' body."""
 
-    input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
     normalize: bool | None = None  # (vLLM's extra; None: the model's default)
-
-    def inputs(self) -> list[str | list[int]]:
-        """Each input: a text or a token id list; ValueError on an empty or too long list."""
-        return input_items(self.input, "input")
+    #: vLLM's newer name of ``normalize`` (the two may not disagree).
+    use_activation: bool | None = None
 
 
 def embedding_response(vectors: list[list[float]], num_prompt_tokens: int, model: str,

@@ -132,6 +132,11 @@ class _Request(BaseModel):
                  "return_token_ids": self.return_token_ids}
         return self._structured_fields() + [name for name, bad in given.items() if bad]
 
+    def sequences(self, params: SamplingParams) -> int:
+        """The sequences each prompt of the request runs at once: ``n`` (a beam search's
+        beams; ``params``, the request's, say 1 for it)."""
+        return self.n if self.use_beam_search else params.n
+
     def request_field(self, name: str) -> str:
         """The request's field that the ``SamplingParams`` field ``name`` came from."""
         return name
@@ -160,7 +165,9 @@ class _Request(BaseModel):
                     f"SamplingParams.logit_bias={self.logit_bias!r} is invalid: "
                     "expected token ids as keys") from None
         return SamplingParams(
-            n=self.n,
+            # (a beam search's n is its beam width, which beam_search_params reads: vLLM builds
+            # it no SamplingParams, so a greedy one of n beams is no greedy n > 1 to refuse)
+            n=1 if self.use_beam_search else self.n,
             temperature=pick("temperature", self.temperature, 1.0),
             top_p=pick("top_p", self.top_p, 1.0),
             top_k=pick("top_k", self.top_k, 0),

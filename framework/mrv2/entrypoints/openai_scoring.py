@@ -1,10 +1,12 @@
 """The pooling routes: OpenAI's ``POST /v1/embeddings``
 (:mod:`mrv2.entrypoints.openai_embeddings`), and vLLM's for sequence classifiers and scoring:
 
-- ``POST /classify``: each input's label probabilities (a sequence classifier's), with its
-  most likely label's name (``id2label``);
+- ``POST /classify``: each input's (or one chat's, ``messages``) label probabilities (a
+  sequence classifier's; raw logits with ``use_activation: false``), with its most likely
+  label's name (``id2label``);
 - ``POST /score`` (``/v1/score``): a score per ``(text_1, text_2)`` pair, one ``text_1``
-  against every ``text_2`` or the two lists item by item;
+  against every ``text_2`` or the two lists item by item (vLLM's other names of the two
+  fields too: ``data_1`` / ``data_2``, ``queries`` / ``documents``, ``queries`` / ``items``);
 - ``POST /rerank`` (``/v1/rerank``, ``/v2/rerank``; Jina's and Cohere's shape): the
   ``documents`` (texts, Cohere's ``{"text": ...}`` objects or token id lists) ordered by
   their score against ``query``, the best ``top_n``, each with its document unless
@@ -30,7 +32,7 @@ from typing import Any, Literal
 
 import numpy as np
 from fastapi import Request
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import RequestOutputKind, SamplingParams
@@ -38,43 +40,80 @@ from mrv2.contract.pooling import PoolingParams
 from mrv2.engine.scoring import broadcast_pairs, check_scorer, cosine
 from mrv2.entrypoints.openai_embeddings import (
     EmbeddingRequest,
+    InputRequest,
     PoolingRequest,
+    Texts,
     embedding_response,
     input_items,
 )
+from mrv2.entrypoints.openai_protocol import ChatMessage
 from mrv2.entrypoints.responses import APIError
 from mrv2.entrypoints.whole_answers import embed_through, unless_disconnected
 
 __all__ = ["ClassifyRequest", "PoolRequest", "RerankRequest", "ScoreRequest",
            "add_pooling_routes"]
 
-Texts = str | list[str] | list[int] | list[list[int]]
+#: A score request's two fields, each pair under the names vLLM takes.
+SCORE_FIELDS = (("text_1", "text_2"), ("data_1", "data_2"), ("queries", "documents"),
+                ("queries", "items"))
 
 
-class ClassifyRequest(PoolingRequest):
+class ActivationRequest(PoolingRequest):
+    """vLLM's switch of a classifier's activation, ``use_activation`` (older names
+    ``softmax``, ``activation``): ``false`` answers raw logits instead of probabilities
+    (softmax; a single label's sigmoid); for an embedding, ``normalize``'s other name."""
+
+    use_activation: bool | None = None
+    softmax: bool | None = None
+    activation: bool | None = None
+
+    def activated(self) -> bool | None:
+        """``use_activation``, else ``softmax``, else ``activation`` (vLLM's order; None:
+        unset, yes)."""
+        for value in (self.use_activation, self.softmax, self.activation):
+            if value is not None:
+                return value
+        return None
+
+
+class ClassifyRequest(InputRequest, ActivationRequest):
     """``POST /classify``'s body."""
 
-    input: Texts
 
+class PoolRequest(InputRequest, ActivationRequest):
+    """``POST /pooling``'s body (``use_activation``: an embedding's ``normalize``)."""
 
-class PoolRequest(PoolingRequest):
-    """``POST /pooling``'s body."""
-
-    input: Texts
     task: str | None = None  # (None: the model's own)
     dimensions: int | None = None
     normalize: bool | None = None  # (None: the model's default)
     encoding_format: Literal["float", "base64"] = "float"  # (base64: as /v1/embeddings')
 
 
-class ScoreRequest(PoolingRequest):
-    """``POST /score``'s body."""
+class ScoreRequest(ActivationRequest):
+    """``POST /score``'s body: one pair of :data:`SCORE_FIELDS`."""
 
-    text_1: Texts
-    text_2: Texts
+    text_1: Texts | None = None
+    text_2: Texts | None = None
+    data_1: Texts | None = None
+    data_2: Texts | None = None
+    queries: Texts | None = None
+    documents: Texts | None = None
+    items: Texts | None = None
+
+    def sides(self) -> tuple[tuple[str, Texts], tuple[str, Texts]]:
+        """The two fields given, each with its name; ValueError naming the fields when
+        they are not exactly one pair of :data:`SCORE_FIELDS`."""
+        given = {name for pair in SCORE_FIELDS for name in pair
+                 if getattr(self, name) is not None}
+        for first, second in SCORE_FIELDS:
+            if given == {first, second}:
+                return (first, getattr(self, first)), (second, getattr(self, second))
+        pairs = ", ".join(f"{a} and {b}" for a, b in SCORE_FIELDS)
+        raise ValueError(f"text_1: give one pair of fields ({pairs}); got "
+                         f"{sorted(given) or 'none'}")
 
 
-class RerankRequest(PoolingRequest):
+class RerankRequest(ActivationRequest):
     """``POST /rerank``'s body."""
 
     query: str | list[int]
@@ -98,11 +137,15 @@ class RerankRequest(PoolingRequest):
 def add_pooling_routes(app: Any, engine: Any, worker: Any,
                        parse: Callable[[Any, type[Any]], Awaitable[Any]],
                        lora_of: Callable[[Any], LoRARequest | None],
-                       tokenizer: Callable[[], Any], model_name: str) -> None:
+                       tokenizer: Callable[[], Any], model_name: str,
+                       chat_ids: Callable[..., Awaitable[tuple[list[int], list[Any]]]]
+                       ) -> None:
     """Add ``/v1/embeddings``, ``/classify``, ``/pooling``, ``/score`` and ``/rerank`` (and
     their aliases)
     to ``app``; the server's own helpers: ``parse`` (a body, its ``model`` checked),
-    ``lora_of`` (the adapter a body names) and ``tokenizer`` (400 when the model has none)."""
+    ``lora_of`` (the adapter a body names), ``tokenizer`` (400 when the model has none) and
+    ``chat_ids`` (chat messages' token ids and media items through the chat template, as a
+    chat request's)."""
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)
 
@@ -112,13 +155,36 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
         return (tokenizer().encode(item, add_special_tokens=special) if isinstance(item, str)
                 else list(item))
 
-    def prompts_of(body: ClassifyRequest | PoolRequest) -> list[list[int]]:
-        """The body's ``input`` as token ids, each cut as ``truncate_prompt_tokens`` says."""
+    async def prompts_of(body: InputRequest) -> list[list[int]]:
+        """The body's ``input`` (or its chat, ``messages``) as token ids, each cut as
+        ``truncate_prompt_tokens`` says."""
         try:
-            items = input_items(body.input, "input")
+            items = body.inputs()
         except ValueError as error:
             raise APIError(400, str(error), param="input") from None
-        return [body.truncate(encode(item), longest) for item in items]
+        if body.messages is None:
+            return [body.truncate(encode(item, body.special_tokens()), longest)
+                    for item in items]
+        try:
+            messages = [ChatMessage.model_validate(m) for m in body.messages]
+        except ValidationError as error:
+            raise APIError(400, f"messages: {error.errors()[0]['msg']}",
+                           param="messages") from None
+        if not messages:
+            raise APIError(400, "messages must hold at least one message", param="messages")
+        if any(m.has_media for m in messages):
+            raise APIError(400, "messages: images and audio are not supported in a pooling "
+                           "request's chat; send text content", param="messages")
+        ids, _ = await chat_ids(messages, body.add_generation_prompt,
+                                body.chat_template_kwargs, body.continue_final_message,
+                                own_template=body.chat_template,
+                                add_special_tokens=body.special_tokens())
+        return [body.truncate(ids, longest)]
+
+    def param_of(error: ValueError, default: str | None) -> str | None:
+        """The field a pooling parameter's ValueError names."""
+        return next((name for name in ("dimensions", "use_activation") if name in str(error)),
+                    default)
 
     async def pool(request: Request, body: PoolingRequest, prompts: list[list[int]],
                    pooling: PoolingParams, field: str | list[str]) -> list[list[float]]:
@@ -144,7 +210,8 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
             raise APIError(499, "the client disconnected")
         return data
 
-    async def scores(request: Request, body: PoolingRequest, firsts: list[str | list[int]],
+    async def scores(request: Request, body: ActivationRequest,
+                     firsts: list[str | list[int]],
                      seconds: list[str | list[int]], names: tuple[str, str]
                      ) -> tuple[list[float], int]:
         """Each pair's score and the prompt tokens read."""
@@ -165,7 +232,9 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
                                 if isinstance(a, str) and isinstance(b, str)
                                 else encode(a) + encode(b, special=False),
                                 longest) for a, b in pairs]
-        probs = await pool(request, body, joined, PoolingParams(task="classify"), names[1])
+        probs = await pool(request, body, joined,
+                           PoolingParams(task="classify", use_activation=body.activated()),
+                           names[1])
         return [p[0] for p in probs], sum(map(len, joined))
 
     def head(body: PoolingRequest, kind: str) -> dict[str, Any]:
@@ -181,17 +250,13 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
         """OpenAI's embeddings API (:mod:`mrv2.entrypoints.openai_embeddings`)."""
         body: EmbeddingRequest = await parse(request, EmbeddingRequest)
         try:
-            items = body.inputs()
-        except ValueError as error:
-            raise APIError(400, str(error), param="input") from None
-        pooling = PoolingParams(normalize=body.normalize, dimensions=body.dimensions)
-        try:
+            pooling = PoolingParams(normalize=body.normalize, dimensions=body.dimensions,
+                                    use_activation=body.use_activation)
             pooling.check(engine.hidden_size, None, engine.matryoshka,
                           engine.refused_pooling_tasks)
         except ValueError as error:
-            raise APIError(400, str(error), param="dimensions" if "dimensions" in str(error)
-                           else None) from None
-        prompts = [body.truncate(encode(item), longest) for item in items]
+            raise APIError(400, str(error), param=param_of(error, None)) from None
+        prompts = await prompts_of(body)
         lora = lora_of(body)  # (the adapter named now, unloaded or not later)
         vectors = await pool(request, body, prompts, pooling, "input")
         return embedding_response(vectors, sum(map(len, prompts)),
@@ -203,9 +268,11 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
     async def classify(request: Request) -> dict[str, Any]:
         """Each input's label probabilities (a sequence classifier)."""
         body: ClassifyRequest = await parse(request, ClassifyRequest)
-        prompts = prompts_of(body)
+        prompts = await prompts_of(body)
         answer = head(body, "classify")  # (the adapter named now, unloaded or not later)
-        probs = await pool(request, body, prompts, PoolingParams(task="classify"), "input")
+        probs = await pool(request, body, prompts,
+                           PoolingParams(task="classify", use_activation=body.activated()),
+                           "input")
         names = engine.id2label
         data = []
         for index, p in enumerate(probs):
@@ -219,15 +286,15 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
     async def pooling_route(request: Request) -> dict[str, Any]:
         """Each input's pooled data for the body's ``task`` (``LLM.encode``'s)."""
         body: PoolRequest = await parse(request, PoolRequest)
-        prompts = prompts_of(body)
+        prompts = await prompts_of(body)
         try:
             pooling = PoolingParams(task=body.task or engine.default_pooling_task,
-                                    normalize=body.normalize, dimensions=body.dimensions)
+                                    normalize=body.normalize, dimensions=body.dimensions,
+                                    use_activation=body.activated())
             pooling.check(engine.hidden_size, engine.num_labels, engine.matryoshka,
                           engine.refused_pooling_tasks)
         except ValueError as error:
-            raise APIError(400, str(error), param="dimensions" if "dimensions" in str(error)
-                           else "task") from None
+            raise APIError(400, str(error), param=param_of(error, "task")) from None
         answer = head(body, "pool")
         data = await pool(request, body, prompts, pooling, "input")
         items: list[Any] = data
@@ -243,12 +310,14 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
         """A score per ``(text_1, text_2)`` pair."""
         body: ScoreRequest = await parse(request, ScoreRequest)
         try:
-            firsts = input_items(body.text_1, "text_1")
-            seconds = input_items(body.text_2, "text_2")
+            (name_1, value_1), (name_2, value_2) = body.sides()
+            firsts = input_items(value_1, name_1)
+            seconds = input_items(value_2, name_2)
         except ValueError as error:
-            raise APIError(400, str(error), param=str(error).split(" ", 1)[0]) from None
+            raise APIError(400, str(error),
+                           param=str(error).split(" ", 1)[0].rstrip(":")) from None
         answer = head(body, "score")
-        values, tokens = await scores(request, body, firsts, seconds, ("text_1", "text_2"))
+        values, tokens = await scores(request, body, firsts, seconds, (name_1, name_2))
         return {**answer,
                 "data": [{"index": i, "object": "score", "score": v}
                          for i, v in enumerate(values)],
@@ -277,7 +346,8 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
                 results[-1]["document"] = ({"text": doc} if isinstance(doc, str)
                                            else {"tokens": doc})
         del answer["object"], answer["created"]
-        return {**answer, "usage": {"total_tokens": tokens}, "results": results}
+        return {**answer, "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                "results": results}
 
     for path in ("/score", "/v1/score"):
         app.post(path)(score)

@@ -299,8 +299,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
                 params = dataclasses.replace(params, max_tokens=limit)  # (vLLM's: min of both)
         except ValueError as error:
             raise field_error(error, body) from None
-        if params.n > max_n:
-            raise APIError(400, f"n={params.n} is invalid: this server allows 1 <= n <= "
+        if (n := body.sequences(params)) > max_n:
+            raise APIError(400, f"n={n} is invalid: this server allows 1 <= n <= "
                            f"{max_n} (mrv2 serve --max-n, --max-pending)", param="n")
         return params
 
@@ -343,9 +343,10 @@ def create_app(engine: LLMEngine | RemoteEngine,
             prompts = body.prompts()
         except ValueError as error:
             raise APIError(400, str(error), param="prompt") from None
-        if len(prompts) * params.n > max_pending:  # it could never run: not a 503 (retry)
-            raise APIError(400, f"prompt: {len(prompts)} prompts x n={params.n} are "
-                           f"{len(prompts) * params.n} sequences, more than this server ever "
+        n = body.sequences(params)
+        if len(prompts) * n > max_pending:  # it could never run: not a 503 (retry)
+            raise APIError(400, f"prompt: {len(prompts)} prompts x n={n} are "
+                           f"{len(prompts) * n} sequences, more than this server ever "
                            f"holds at once ({max_pending}: mrv2 serve --max-pending); send "
                            "fewer prompts per request", param="prompt")
         encoded: list[tuple[list[int], str | None]] = []
@@ -486,7 +487,7 @@ def create_app(engine: LLMEngine | RemoteEngine,
             error.param = sent if error.param is not None else None
             raise
 
-    add_pooling_routes(app, engine, worker, parse, lora_of, tokenizer, model_name)
+    add_pooling_routes(app, engine, worker, parse, lora_of, tokenizer, model_name, chat_ids)
     if dev_mode():
         add_dev_routes(app, worker, json_object)
 

@@ -30,7 +30,8 @@ Pooled = tuple[list[str], list[torch.Tensor]]
 class RowPooler:
     """The state-table rows of pooling requests, and their pooled vectors: embeddings, or a
     classifier's label probabilities through its ``head`` (``[N, hidden] -> [N, labels]``
-    logits; None: the model is no classifier)."""
+    logits, given raw where ``use_activation`` is False; None: the model is no
+    classifier)."""
 
     def __init__(self, head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self._rows: dict[int, PoolingParams] = {}
@@ -67,20 +68,26 @@ class RowPooler:
             index = torch.tensor(rows, dtype=torch.int64, pin_memory=hidden.is_cuda)
             index = batch.logits_indices[index.to(hidden.device, non_blocking=True)]
             selected = hidden.index_select(0, index)
-            probs = None
+            logits = probs = None
             if self.head is not None and any(p.kind == "classify" for _, p in last):
-                probs = label_probs(self.head(selected))  # (every pick's: one product)
+                logits = self.head(selected)  # (every pick's: one product)
+                probs = label_probs(logits)
             for k, (i, params) in enumerate(last):
                 req_ids.append(batch.req_ids[i])
-                vectors.append(probs[k] if params.kind == "classify" and probs is not None
-                               else self._embed(selected[k], params))
+                if params.kind == "classify" and logits is not None and probs is not None:
+                    vectors.append(logits[k].float() if params.use_activation is False
+                                   else probs[k])
+                else:
+                    vectors.append(self._embed(selected[k], params))
         starts = batch.query_start_loc_cpu
         for i, params in every:
             states = hidden[int(starts[i]):int(starts[i + 1])]
             req_ids.append(batch.req_ids[i])
             if params.kind == "token_classify":
                 assert self.head is not None  # (PoolingParams.check: a classifier's)
-                vectors.append(label_probs(self.head(states)))
+                logits = self.head(states)
+                vectors.append(logits.float() if params.use_activation is False
+                               else label_probs(logits))
             else:
                 vectors.append(self._embed(states, params))
         return req_ids, vectors
