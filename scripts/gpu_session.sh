@@ -7,7 +7,7 @@
 # coldstart (scripts/probe_cold_start.py: the first request of each kind on an empty Triton cache, warm-up off and on),
 # gcgen0 (MRV2_GC_GEN0_THRESHOLD=20000 against Python's own, 256 streams through mrv2 serve),
 # longdecode (scripts/sweep_long_decode.py: decode attention's launch options at long contexts),
-# verify48 (the flat grid's per-step order and max_model_len auto on CUDA),
+# verify48b (the eight-warp prefill register cap), verify48 (the flat grid's per-step order and max_model_len auto on CUDA),
 # ttfttiles (one long prompt's TTFT, MRV2_ATTN_TILES_LAST=0 against the default),
 # verify46b (the forty-sixth session's fixes: integer layers, MLA, Qwen3-Next, Mistral 3, GEMM operands, Qwen-VL;
 # VERIFY_TESTS names the GPU test files' stems, VERIFY_CAP a file's seconds),
@@ -858,6 +858,18 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
              --server-args "--tensor-parallel-size ${TP:-4} --max-model-len 4096 ${GLM47_ARGS:-}" \
              --variants ${GLM47_VARIANTS:-mtp_off mtp_on async_off mtp_on_async_off} 2>&1 \
              | tee "$OUT/glm47.log" | tail -24 ;;
+    verify48b) # the eight-warp prefill register cap (maxnreg 128: two programs an SM) with the flat
+               # grid's per-step order: the prefill bench in both orders, the paged-attention kernel
+               # tests compiled, the engine's GPU tests (VERIFY_S seconds in all, default 560)
+               end=$(( $(date +%s) + ${VERIFY_S:-560} ))
+               left() { local l=$(( end - $(date +%s) )); [ "$l" -lt "$1" ] && echo $(( l > 1 ? l : 1 )) || echo "$1"; }
+               timeout "$(left 130)" python3 -m mrv2_kernels.bench_attention --no-decode --layouts 8B 0.6B \
+                 --tiles-last > "$OUT/attn.log" 2>&1; grep -E "^order|causal:|^mixed step" "$OUT/attn.log" | head -16
+               timeout "$(left 90)" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_paged_attention.py \
+                 2>&1 | tee "$OUT/kernel_paged_attention.log" | grep -E "^FAILED|^ERROR|passed|failed" | tail -4 | sed "s/^/paged kernels: /"
+               timeout "$(left 300)" python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_engine.py \
+                 2>&1 | tee "$OUT/gpu_engine.log" | grep -cE "PASSED" | sed "s/^/engine passed: /"
+               grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_engine.log" | tail -4 ;;
     verify48) # the forty-eighth session's work on CUDA, within VERIFY_S seconds (default 560):
               # the flat grid's order picked per step on the device (the engine's GPU tests, the
               # paged-attention kernel tests compiled, one long prompt's TTFT at 32,000 and 4,000

@@ -483,6 +483,22 @@ def test_flat_grid_order_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     assert flat_tiles_last_keys(None, kv) == -1 and flat_tiles_last_keys(True, kv) == 2**31 - 1
 
 
+def test_prefill_register_cap() -> None:
+    """Eight-warp prefill plans (Qwen3-8B's 128 x 32 tiles) keep two programs on an SM on
+    CUDA (at most 128 registers); decode plans, narrower plans and the interpreter get no cap."""
+    from mrv2_kernels.paged_attention import AttentionPlan, prefill_register_cap
+
+    def plan(warps: int, small_q: bool) -> AttentionPlan:
+        return AttentionPlan(block_m=128, block_n=32, block_q=32, num_q_tiles=4, num_splits=1,
+                             num_warps=warps, num_stages=2, small_q=small_q)
+
+    assert prefill_register_cap(plan(8, False), True) == {"maxnreg": 128}
+    assert prefill_register_cap(plan(16, False), True) == {"maxnreg": 64}
+    assert prefill_register_cap(plan(4, False), True) == {}
+    assert prefill_register_cap(plan(8, True), True) == {}
+    assert prefill_register_cap(plan(8, False), False) == {}
+
+
 @pytest.mark.parametrize("fraction", [1.0, 1e-4])
 def test_flat_grid_either_order_gives_the_same_bits(fraction: float,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
