@@ -72,10 +72,36 @@ def test_required_keeps_the_tools_refs_working() -> None:
         forced_tool_choice("required", [tool("a", ["c"]), tool("b", ["f"])])
 
 
-def _check_named(message: dict[str, Any], finish: str) -> None:
+class _Body:
+    include_usage = False
+    continuous_usage = False
+
+
+def test_a_named_choice_finishes_with_stop() -> None:
+    """OpenAI's and vLLM's finish reasons of a whole answer with a forced call: a named
+    ``tool_choice``'s keeps the engine's (``stop``), ``required``'s is ``tool_calls``."""
+    from mrv2.contract.params import SamplingParams
+    from mrv2.entrypoints.responses import Stream
+    from mrv2.entrypoints.tool_calls import ToolCalling
+
+    for choice, text, finish in ((NAMED, '{"n": 3}', "stop"),
+                                 ("required", '[{"name": "pick", "parameters": {"n": 3}}]',
+                                  "tool_calls")):
+        parser, _ = forced_tool_choice(choice, TOOLS)
+        stream = Stream(None, "chatcmpl-x", "m", True, SamplingParams(max_tokens=9),  # type: ignore[arg-type]
+                        _Body(), ["r"], [([1], None)], tools=ToolCalling(parser, TOOLS))
+        out: dict[str, Any] = {"finish_reason": "stop"}
+        message = stream._message(text, out)
+        assert [c["function"]["name"] for c in message["tool_calls"]] == ["pick"]
+        assert out["finish_reason"] == finish, choice
+
+
+def _check_named(message: dict[str, Any], finish: str, called: str = "stop") -> None:
+    """A named choice's answer; ``called``: its finish reason with the call (a whole answer's
+    ``stop``, a stream's ``tool_calls``, as vLLM's)."""
     if message.get("tool_calls"):
         (call,) = message["tool_calls"]
-        assert call["function"]["name"] == "pick" and finish == "tool_calls"
+        assert call["function"]["name"] == "pick" and finish == called
         assert 0 <= json.loads(call["function"]["arguments"])["n"] <= 9
     else:  # ran out of max_tokens inside the JSON
         compact = re.sub(r"\s", "", message["content"])
@@ -115,7 +141,26 @@ def test_forced_calls_through_the_server(model_dir: Path, parser: str | None) ->
                     calls += c["delta"].get("tool_calls") or []
                     finish = c["finish_reason"] or finish
         assert finish is not None
-        _check_named({"content": streamed, "tool_calls": calls}, finish)
+        _check_named({"content": streamed, "tool_calls": calls}, finish, "tool_calls")
+        empty = httpx.post(url, headers=AUTH, timeout=60,
+                           json={**body, "tools": [], "tool_choice": "required"})
+        assert empty.status_code == 200, empty.text  # (no tools to force: a plain answer)
+        assert not empty.json()["choices"][0]["message"].get("tool_calls")
         both = httpx.post(url, headers=AUTH, timeout=60, json={
             **body, "tool_choice": NAMED, "response_format": {"type": "json_object"}})
         assert both.status_code == 400 and both.json()["error"]["param"] == "tool_choice"
+
+
+def test_required_with_no_tools_is_none() -> None:
+    """``tool_choice: "required"`` with an empty ``tools`` list is a plain answer (OpenAI's and
+    vLLM's), not a 400; without ``tools`` at all, or named, it is refused."""
+    from mrv2.entrypoints.openai_protocol import ChatCompletionRequest
+
+    messages = [{"role": "user", "content": "hi"}]
+    body = ChatCompletionRequest.model_validate(
+        {"messages": messages, "tools": [], "tool_choice": "required"})
+    assert body.sampling_params().structured_outputs is None
+    assert body.structured_source() is None
+    for bad in ({"tool_choice": "required"}, {"tools": [], "tool_choice": NAMED}):
+        with pytest.raises(ValueError, match="a forced call needs tools"):
+            ChatCompletionRequest.model_validate({"messages": messages, **bad}).sampling_params()

@@ -29,7 +29,14 @@ TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {
         "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
         "ratio": {"type": "number"}, "tags": {"type": "array"}, "opts": {"type": "object"},
         "nothing": {"type": "null"}, "either": {"type": ["null", "integer", "string"]}}}}},
-         {"type": "function", "function": {"name": "now"}}]
+         {"type": "function", "function": {"name": "now"}},
+         # pydantic's / LangChain's schemas: Optional[...] as anyOf, enums without a type
+         {"type": "function", "function": {"name": "plan", "parameters": {
+             "type": "object", "properties": {
+                 "n": {"anyOf": [{"type": "integer"}, {"type": "null"}], "default": None},
+                 "note": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                 "level": {"enum": [1, 2]}, "mode": {"enum": ["1", "2"]},
+                 "count": {"type": ["string", "integer"]}, "any": {"description": "?"}}}}}]
 
 Calls = list[tuple[str, dict[str, Any]]]
 
@@ -70,6 +77,7 @@ def _v31(name: str, arguments: str) -> str:
 
 HERMES = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 QC_CUT = "<tool_call>\n<function=weather>\n<parameter=city>\nPar"
+QC_DROPPED = "<tool_call>\n<function=weather>\n<parameter=city>\nParis\n<parameter=days>\n3"
 GLM_ARGS = "<tool_call>weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
 MM_CUT = '<minimax:tool_call>\n<invoke name="weather">\n<parameter name="city">Par'
 PARIS: Calls = [("weather", {"city": "Paris"})]
@@ -97,10 +105,21 @@ CASES: dict[str, list[tuple[str, str | None, Calls]]] = {
         (_qc("weather", city="\n  x = 1\n", days="-2"), None,  # one newline off each end
          [("weather", {"city": "\n  x = 1\n", "days": -2})]),
         (_qc("lookup", days="3"), None, [("lookup", {"days": "3"})]),  # no schema: text
+        (_qc("plan", n="3", note="null", level="2", mode="2", count="4", any="[1]"), None,
+         [("plan", {"n": 3, "note": None, "level": 2, "mode": "2", "count": 4,
+                    "any": "[1]"})]),  # (vLLM's: a value without a type is text)
+        (_qc("plan", n="null", note="x"), None, [("plan", {"n": None, "note": "x"})]),
         ("Run: <function=now>\n</function>", "Run: ", [("now", {})]),  # no <tool_call>
         (_qc("now") + "\n" + _qc("weather", city="Paris")[:-24], None,  # cut off, whole
          [("now", {}), *PARIS]),
         ("Hi\n" + QC_CUT, "Hi\n" + QC_CUT, []),  # cut off in a value
+        # </parameter> dropped (long contexts; vLLM's parser takes it): the value ends where
+        # the next parameter opens, or at </function>; not where the answer was cut off
+        (QC_DROPPED + "\n</function>\n</tool_call>", None,
+         [("weather", {"city": "Paris", "days": 3})]),
+        ("Hi\n" + QC_DROPPED, "Hi\n" + QC_DROPPED, []),
+        (_qc("weather", city="a <parameter=x> b"), None,  # tags that pair up: read as written
+         [("weather", {"city": "a <parameter=x> b"})]),
         ("<tool_call>\n<function=>\n</function>\n</tool_call>",
          "<tool_call>\n<function=>\n</function>\n</tool_call>", []),
         (_qc("now") + "<tool_call>\n<function=now>\njunk\n</function>",
@@ -115,6 +134,13 @@ CASES: dict[str, list[tuple[str, str | None, Calls]]] = {
         (_glm("weather", False, city="Paris", days="x"), None,  # GLM-4.7's: no newlines
          [("weather", {"city": "Paris", "days": "x"})]),
         ("<tool_call>now</tool_call>", None, [("now", {})]),
+        # anyOf / enum types; a value without a type is JSON where it parses (vLLM's); a
+        # string as written, whitespace and all
+        (_glm("plan", n="3", note="null", level="2", mode="2", any='{"k": [1]}', extra="7"),
+         None, [("plan", {"n": 3, "note": None, "level": 2, "mode": "2", "any": {"k": [1]},
+                          "extra": 7})]),
+        (_glm("plan", n=" null ", any=" a b ", count="x") + _glm("weather", city=" a\n"),
+         None, [("plan", {"n": None, "any": "a b", "count": "x"}), ("weather", {"city": " a\n"})]),
         (GLM_ARGS, None, PARIS),  # cut off after a whole argument
         ("<tool_call>now\n", None, [("now", {})]),
         ("x" + GLM_ARGS[:-12], "x" + GLM_ARGS[:-12], []),  # cut off in a value
@@ -144,6 +170,8 @@ CASES: dict[str, list[tuple[str, str | None, Calls]]] = {
         (_mm(_inv("weather", city="\n  New\nYork \n", days=" -2 ")), None,  # stripped
          [("weather", {"city": "New\nYork", "days": -2})]),
         (_mm(_inv("lookup", days="3")), None, [("lookup", {"days": "3"})]),  # no schema: text
+        (_mm(_inv("plan", n="3", note="null", level="1")), None,
+         [("plan", {"n": 3, "note": None, "level": 1})]),
         (_mm(_inv("now"))[:-len("</minimax:tool_call>")] + _inv("weather", city="Paris")[:-11],
          None, [("now", {}), *PARIS]),  # cut off after a whole argument
         ("Hi\n" + MM_CUT, "Hi\n" + MM_CUT, []),  # cut off in a value
@@ -231,6 +259,7 @@ CASES["openai"] = [  # (test_harmony.py has the format's cases)
 ]
 CASES["glm47"] = CASES["glm45"]
 CASES["llama4_pythonic"] = CASES["pythonic"]
+CASES["llama4_json"] = CASES["llama3_json"]
 for _cases in CASES.values():  # every format: plain text, a near-marker, nothing
     _cases += [("No tools needed.", "No tools needed.", []), ("a <tool_c b", "a <tool_c b", []),
                ("", None, [])]
@@ -244,7 +273,7 @@ def _calls(calls: list[Any]) -> Calls:
 def test_every_parser_is_tested_and_the_special_tokens_rule() -> None:
     assert sorted(CASES) == sorted(TOOL_CALL_PARSERS)
     assert {n for n, p in PARSERS.items() if p.special_tokens} == {
-        "glm45", "glm47", "deepseek_v3", "deepseek_v31", "openai"}
+        "hermes", "glm45", "glm47", "deepseek_v3", "deepseek_v31", "openai"}
     for marker in (DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END, DS_SEP):
         assert marker[:2] == "<\uff5c" and marker[-2:] == "\uff5c>" and "\u2581" in marker
 

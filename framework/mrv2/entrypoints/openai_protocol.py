@@ -434,7 +434,9 @@ class ChatCompletionRequest(_Request):
             raise ValueError(f"SamplingParams.tool_choice={self.tool_choice!r} is invalid: "
                              "expected 'none', 'auto', 'required' or {\"type\": \"function\", "
                              "\"function\": {\"name\": ...}}")
-        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+        # ("required" with an empty tools list is "none", as OpenAI's and vLLM's)
+        if self.tool_choice not in (None, "none", "auto") and not self.tools and not (
+                self.tool_choice == "required" and self.tools == []):
             raise ValueError(f"SamplingParams.tool_choice={self.tool_choice!r} is invalid: "
                              "a forced call needs tools")
         if self.tools is not None and not all(  # (parameters: a JSON schema object, or none)

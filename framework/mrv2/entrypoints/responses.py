@@ -287,7 +287,8 @@ class Stream:
                 calls = calls if self.parallel_tool_calls else calls[:1]
                 message["content"] = content
                 message["tool_calls"] = [call.as_dict() for call in calls]
-                choice["finish_reason"] = "tool_calls"
+                if not self.tools.parser.named:  # (a named tool_choice's: "stop", OpenAI's)
+                    choice["finish_reason"] = "tool_calls"
         return message
 
     def _chunk(self, choices: list[dict[str, Any]], usage: Any = None,

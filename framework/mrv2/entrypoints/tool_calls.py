@@ -7,7 +7,9 @@ How each model family writes its calls (``...``: more calls may follow):
   </tool_call>...``.
 * ``qwen3_coder`` (Qwen3-Coder): ``<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE
   \\n</parameter>...</function>\\n</tool_call>...``; a value is raw text (one leading and one
-  trailing newline dropped). A call may also open at ``<function=`` without ``<tool_call>``.
+  trailing newline dropped), ending at ``</parameter>`` or, where the model dropped that tag,
+  at the next ``<parameter=`` or ``</function>`` (vLLM's). A call may also open at
+  ``<function=`` without ``<tool_call>``.
 * ``glm45`` (GLM-4.5, GLM-4.6) and ``glm47`` (GLM-4.7, which writes no newline after the
   name; either parser reads both): ``<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>
   VALUE</arg_value>...</tool_call>...``.
@@ -19,9 +21,10 @@ How each model family writes its calls (``...``: more calls may follow):
   ```json\\n{...}\\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>``.
 * ``deepseek_v31`` (DeepSeek-V3.1): ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME
   <｜tool▁sep｜>{...}<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>``.
-* ``llama3_json`` (Llama 3.x): the whole answer, after optional whitespace and
-  ``<|python_tag|>``, is ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``), or
-  several such objects separated by ``;``. An answer that does not open so is content.
+* ``llama3_json`` (Llama 3.x) and ``llama4_json`` (Llama 4; vLLM's other name of the same
+  parser): the whole answer, after optional whitespace and ``<|python_tag|>``, is ``{"name":
+  ..., "parameters": {...}}`` (or ``"arguments"``), or several such objects separated by
+  ``;``. An answer that does not open so is content.
 * ``pythonic`` (Llama 3.2, Llama 4, ...) and ``llama4_pythonic`` (the same parser): the whole
   answer is a Python list of calls with keyword arguments, ``[get_weather(city="Paris",
   days=3), now()]``, optionally inside Llama 4's ``<|python_start|>`` ... ``<|python_end|>``;
@@ -40,8 +43,11 @@ The text before the first call is the message's ``content`` (None when empty); e
 becomes ``{"id", "type": "function", "function": {"name", "arguments": "<JSON text>"}}``.
 The XML-like formats (``qwen3_coder``, ``glm45``/``glm47``, ``minimax_m2``;
 :mod:`mrv2.entrypoints.tool_parsers_xml`) write values as text: each is typed by the request's
-``tools`` JSON schema (``integer``/``number``/``boolean``/``object``/``array``/``null``; a
-value that does not fit, or has no schema, stays a string).
+``tools`` JSON schema (``null``/``integer``/``number``/``boolean``/``object``/``array``, tried in
+that order, where its ``type``, an ``anyOf`` / ``oneOf`` branch or an ``enum`` value allows it:
+pydantic's ``Optional[int]`` is ``anyOf`` integer, null; a value that fits none, or has no
+schema, stays a string; ``glm45``/``glm47``: a value whose schema does not say ``string`` is read
+as JSON where it parses, as vLLM's GLM parser does).
 
 Failure rule (vLLM's): anything malformed (JSON that does not parse, no name, a structure cut
 off where it cannot be recovered) leaves the whole answer as content. A last call cut off by
@@ -50,10 +56,10 @@ call whose JSON does not parse is dropped, the rest of the answer kept: its text
 content.)
 
 Special tokens: DeepSeek's markers, GLM's tags and harmony's markers are special tokens of
-their tokenizers, which the detokenizer drops with ``skip_special_tokens`` (the request
-default). Those parsers say so (:attr:`ToolParser.special_tokens`), and the chat route then
-decodes a request that offers tools with ``skip_special_tokens=False``, as vLLM's
-``adjust_request`` does.
+their tokenizers, and ``<tool_call>`` is one in some Hermes models' tokenizers; the
+detokenizer drops them with ``skip_special_tokens`` (the request default). Those parsers say
+so (:attr:`ToolParser.special_tokens`), and the chat route then decodes a request that
+offers tools with ``skip_special_tokens=False``, as vLLM's ``adjust_request`` does.
 
 A stream (:class:`ToolCallStream`) sends the content as it arrives, holding back what may be
 the start of a call marker; from the first call on it holds everything (``openai``: only the
@@ -66,6 +72,7 @@ chunk). A choice that made calls finishes with ``finish_reason: "tool_calls"``.
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import re
 import uuid
@@ -118,7 +125,9 @@ class ToolParser:
     ``harmony``: gpt-oss's messages, read from the model's whole output (before any
     reasoning parser's split), the content apart from the calls wherever it is;
     ``outside``: the content in the text from the first marker on, outside the calls (none
-    where it is not given: what follows the first marker is the calls')."""
+    where it is not given: what follows the first marker is the calls');
+    ``named``: a named ``tool_choice``'s reader, whose whole (not streamed) answer keeps the
+    engine's finish reason (``stop``), as OpenAI's and vLLM's do, instead of ``tool_calls``."""
 
     name: str
     starts: tuple[str, ...]
@@ -127,6 +136,7 @@ class ToolParser:
     special_tokens: bool = False
     harmony: bool = False
     outside: Callable[[str], str] | None = None
+    named: bool = False
 
     def first_start(self, text: str) -> int:
         """Where the calls begin in ``text`` (-1: nowhere)."""
@@ -158,13 +168,21 @@ class ToolParser:
 # -- shared pieces ---------------------------------------------------------------------------
 
 def _json_call(value: Any) -> ToolCall:
-    """``{"name": ..., "arguments" | "parameters": {...}}`` as a call (ValueError: no name)."""
+    """``{"name": ..., "arguments" | "parameters": {...}}`` as a call (ValueError: no name);
+    arguments given as a string are the JSON it holds, or, where it holds none, that string
+    (its JSON text: a call's arguments are always JSON)."""
     name = value.get("name") if isinstance(value, dict) else None
     if not isinstance(name, str) or not name:
         raise ValueError("a call without a name")
     arguments = value.get("arguments", value.get("parameters", {}))
-    return ToolCall(name, arguments if isinstance(arguments, str)
-                    else json.dumps(arguments, ensure_ascii=False))
+    if isinstance(arguments, str):
+        with contextlib.suppress(ValueError):
+            arguments = json.loads(arguments, parse_constant=_not_json)
+    return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def _json_arguments(name: str, text: str) -> ToolCall:
@@ -305,7 +323,7 @@ def _xml(calls_of: Callable[[str, Tools], list[Call]]) -> Callable[[str, Tools],
 
 #: ``--tool-call-parser`` name -> format.
 PARSERS: dict[str, ToolParser] = {p.name: p for p in (
-    ToolParser("hermes", ("<tool_call>",), _hermes),
+    ToolParser("hermes", ("<tool_call>",), _hermes, special_tokens=True),
     ToolParser("qwen3_coder", ("<tool_call>", "<function="), _xml(qwen3_coder_calls)),
     ToolParser("glm45", ("<tool_call>",), _xml(glm_calls), special_tokens=True),
     ToolParser("glm47", ("<tool_call>",), _xml(glm_calls), special_tokens=True),
@@ -314,6 +332,7 @@ PARSERS: dict[str, ToolParser] = {p.name: p for p in (
     ToolParser("deepseek_v3", (DS_CALLS_BEGIN,), _deepseek_v3, special_tokens=True),
     ToolParser("deepseek_v31", (DS_CALLS_BEGIN,), _deepseek_v31, special_tokens=True),
     ToolParser("llama3_json", (PYTHON_TAG, "{"), _llama3_json, leading=True),
+    ToolParser("llama4_json", (PYTHON_TAG, "{"), _llama3_json, leading=True),
     ToolParser("pythonic", ("[", PYTHON_START), _pythonic, leading=True),
     ToolParser("llama4_pythonic", ("[", PYTHON_START), _pythonic, leading=True),
     ToolParser("openai", (CHANNEL, START), _openai, special_tokens=True, harmony=True),
@@ -404,7 +423,7 @@ def forced_tool_choice(tool_choice: str | Mapping[str, Any], tools: Tools,
         raise ValueError(f"SamplingParams.tool_choice names {name!r}, which tools lacks "
                          f"(tools: {', '.join(names)})")
     tool = tools[names.index(name)]
-    return (ToolParser("named", ("",), lambda text, _: _forced_calls(text, name)),
+    return (ToolParser("named", ("",), lambda text, _: _forced_calls(text, name), named=True),
             _parameters(tool))
 
 

@@ -28,15 +28,39 @@ def blocks(text: str, start: str, end: str) -> list[tuple[str, bool]]:
     return [(m.group(1), bool(m.group(2))) for m in found if m.group(1).strip()]
 
 
-def _schema_types(tools: Tools, name: str) -> dict[str, Any]:
-    """The JSON schema ``type`` of each parameter of the tool ``name`` (empty: unknown)."""
+#: A Python value's JSON type (an ``enum`` value's).
+_JSON_TYPE: dict[type, str] = {type(None): "null", bool: "boolean", int: "integer",
+                               float: "number", str: "string", list: "array", dict: "object"}
+
+
+def _types_of(schema: Any) -> list[str]:
+    """The JSON types a parameter's schema allows (vLLM's ``extract_types_from_schema``): its
+    ``type`` (one or a list), its ``enum`` values' types, and those of its ``anyOf`` /
+    ``oneOf`` / ``allOf`` branches (pydantic writes ``Optional[int]`` as ``{"anyOf":
+    [{"type": "integer"}, {"type": "null"}]}``); empty: unknown."""
+    if not isinstance(schema, Mapping):
+        return []
+    kinds = schema.get("type")
+    found = [k for k in (kinds if isinstance(kinds, list) else [kinds]) if isinstance(k, str)]
+    enum = schema.get("enum")
+    for value in enum if isinstance(enum, list) else []:
+        found.append(_JSON_TYPE.get(type(value), "string"))
+    for key in ("anyOf", "oneOf", "allOf"):
+        branches = schema.get(key)
+        for branch in branches if isinstance(branches, list) else []:
+            found += _types_of(branch)
+    return found
+
+
+def _schema_types(tools: Tools, name: str) -> dict[str, list[str]]:
+    """The JSON types each parameter of the tool ``name`` allows (:func:`_types_of`)."""
     for tool in tools:
         function = tool.get("function")
         if isinstance(function, Mapping) and function.get("name") == name:
             parameters = function.get("parameters")
             props = parameters.get("properties") if isinstance(parameters, Mapping) else None
             if isinstance(props, Mapping):
-                return {k: v.get("type") for k, v in props.items() if isinstance(v, Mapping)}
+                return {k: _types_of(v) for k, v in props.items()}
     return {}
 
 
@@ -46,6 +70,20 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?")
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    """A JSON number that fits a float (1e999 does not: it would be written back as
+    ``Infinity``, which is not JSON)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is not a finite number")
+    return value
+
+
+def _json(text: str) -> Any:
+    """``text`` as JSON (ValueError: not JSON, or a number no float holds)."""
+    return json.loads(text, parse_constant=_no_constant, parse_float=_finite)
 
 
 def _as_type(value: str, kind: Any) -> Any:
@@ -63,7 +101,7 @@ def _as_type(value: str, kind: Any) -> Any:
             raise ValueError(value)
         return text.lower() == "true"
     if kind in ("object", "array"):
-        parsed = json.loads(text, parse_constant=_no_constant)
+        parsed = _json(text)
         if not isinstance(parsed, dict if kind == "object" else list):
             raise ValueError(value)
         return parsed
@@ -71,25 +109,42 @@ def _as_type(value: str, kind: Any) -> Any:
         if text != "null":
             raise ValueError(value)
         return None
+    if kind == "json":  # (any JSON value)
+        return _json(text)
     return value
 
 
-def typed_call(name: str, pairs: list[tuple[str, str]], tools: Tools) -> Call:
-    """A call from text arguments, each typed by the tool's schema (``integer``/``number``/
-    ``boolean``/``object``/``array``/``null``, or the first of a list of types that fits; a
-    value that fits none, or has no schema, stays a string)."""
-    types = _schema_types(tools, name)
-    arguments: dict[str, Any] = {}
-    for key, value in pairs:
-        kinds = types.get(key)
-        for kind in kinds if isinstance(kinds, list) else [kinds]:
+#: The order in which a value is tried against the types its schema allows (vLLM's): a
+#: ``null`` is None, a number a number, ..., before any string.
+_PRIORITY = ("null", "integer", "number", "boolean", "object", "array")
+
+
+def _typed_value(value: str, kinds: list[str], loose: bool = False) -> Any:
+    """``value`` as the first of its schema's types (``kinds``) it fits, in the order of
+    :data:`_PRIORITY`; a string if it fits none of them. ``loose`` (GLM's, vLLM's rule): a value
+    whose schema does not say ``string`` is read as JSON where it parses (stripped)."""
+    for kind in _PRIORITY:
+        if kind in kinds:
             try:
-                arguments[key] = _as_type(value, kind)
-                break
+                return _as_type(value, kind)
             except ValueError:
                 continue
-        else:
-            arguments[key] = value
+    if loose and "string" not in kinds:
+        try:
+            return _as_type(value, "json")
+        except ValueError:
+            return value.strip()
+    return value
+
+
+def typed_call(name: str, pairs: list[tuple[str, str]], tools: Tools,
+               loose: bool = False) -> Call:
+    """A call from text arguments, each typed by the tool's schema (:func:`_typed_value`:
+    ``null``/``integer``/``number``/``boolean``/``object``/``array``, also where ``anyOf`` /
+    ``oneOf`` or an ``enum`` allows it; a value that fits none, or has no schema, stays a
+    string)."""
+    types = _schema_types(tools, name)
+    arguments = {key: _typed_value(value, types.get(key, []), loose) for key, value in pairs}
     return name, json.dumps(arguments, ensure_ascii=False)
 
 
@@ -108,16 +163,28 @@ def pairs_of(text: str, pattern: re.Pattern[str]) -> list[tuple[str, str]]:
 # -- Qwen3-Coder -----------------------------------------------------------------------------
 
 _PARAMETER = re.compile(r"\s*<parameter=([^>]*)>(.*?)</parameter>", re.DOTALL)
+#: A parameter whose ``</parameter>`` the model may have dropped (long contexts; vLLM's parser
+#: takes them too): its value ends where the next parameter opens, and in a closed
+#: ``<function=...>`` block (:data:`_CLOSED_DROPPED`) also at ``</function>`` (a block cut off
+#: by ``max_tokens`` in its last value is not a whole call). Read only where the tags do not
+#: pair up: a value may hold ``<parameter=`` text.
+_DROPPED = re.compile(r"\s*<parameter=([^>]*)>(.*?)(?:</parameter>|(?=<parameter=))",
+                      re.DOTALL)
+_CLOSED_DROPPED = re.compile(
+    r"\s*<parameter=([^>]*)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
 
 
 def qwen3_coder_calls(text: str, tools: Tools) -> list[Call]:
     calls = []
-    for body, _ in blocks(text, "<function=", "</function>"):
+    for body, closed in blocks(text, "<function=", "</function>"):
         name, sep, rest = body.partition(">")
         if not sep or not name.strip() or "\n" in name.strip():
             raise ValueError("a function without a name")
-        pairs = [(key, value.removeprefix("\n").removesuffix("\n"))
-                 for key, value in pairs_of(rest, _PARAMETER)]
+        try:
+            found = pairs_of(rest, _PARAMETER)
+        except ValueError:  # (a </parameter> dropped)
+            found = pairs_of(rest, _CLOSED_DROPPED if closed else _DROPPED)
+        pairs = [(key, value.removeprefix("\n").removesuffix("\n")) for key, value in found]
         calls.append(typed_call(name.strip(), pairs, tools))
     return calls
 
@@ -137,8 +204,8 @@ def glm_calls(text: str, tools: Tools) -> list[Call]:
             raise ValueError("a call without a name")
         if not closed and args < 0 and not head.endswith("\n"):
             raise ValueError("a call cut off in its name")
-        pairs = pairs_of(body[len(head):], _ARG)
-        calls.append(typed_call(name, [(k, v.strip()) for k, v in pairs], tools))
+        # (a string value as written, whitespace and all; others stripped: vLLM's)
+        calls.append(typed_call(name, pairs_of(body[len(head):], _ARG), tools, loose=True))
     return calls
 
 
