@@ -48,6 +48,12 @@ CASES = {
                lambda t: t in ("Paris", "London", 'New "York"')),
     "grammar": (StructuredOutputsParams(grammar='start: "(" NUM ("," NUM)? ")"\nNUM: /[0-9]/'),
                 lambda t: re.fullmatch(r"\([0-9](,[0-9])?\)", t) is not None),
+    # vLLM's EBNF (llama.cpp's GBNF, xgrammar's grammar syntax, which vLLM's docs use)
+    "ebnf": (StructuredOutputsParams(grammar='root ::= "(" num ("," num)? ")"\nnum ::= [0-9]'),
+             lambda t: re.fullmatch(r"\([0-9](,[0-9])?\)", t) is not None),
+    # (Lark's inlined start rule, whatever it holds, is still read as Lark)
+    "lark_inlined": (StructuredOutputsParams(grammar='?start: "a ::= b" | "c"'),
+                     lambda t: t in ("a ::= b", "c")),
 }
 
 
@@ -195,6 +201,14 @@ def test_constrained_steps_sample_in_the_graph_tail(tmp_path: Path) -> None:
      "structured_outputs.json is invalid: .*nonsense"),
     (StructuredOutputsParams(grammar="start: undefined_rule"),
      "structured_outputs.grammar is invalid: .*undefined_rule"),
+    (StructuredOutputsParams(grammar="root ::= undefined_rule"),
+     "structured_outputs.grammar is invalid: .*undefined_rule"),
+    (StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": {}}),
+     "structured_outputs.structural_tag is invalid: the \"format\" form .* xgrammar's"),
+    (StructuredOutputsParams(structural_tag={"structures": [{"begin": "<a>", "schema": {},
+                                                             "end": "</a>"}],
+                                             "triggers": ["<b"]}),
+     "structured_outputs.structural_tag is invalid: no trigger begins the structure '<a>'"),
 ])
 def test_a_bad_constraint_is_refused_before_work(llm: LLM, spec: StructuredOutputsParams,
                                                  message: str) -> None:
@@ -208,7 +222,8 @@ def test_a_bad_constraint_is_refused_before_work(llm: LLM, spec: StructuredOutpu
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({}, "exactly one of json, json_object, regex, choice, grammar \\(got none\\)"),
+    ({}, "exactly one of json, json_object, regex, choice, grammar, structural_tag "
+         "\\(got none\\)"),
     ({"regex": "a", "choice": ["b"]}, "\\(got regex, choice\\)"),
     ({"choice": []}, "structured_outputs.choice=\\[\\] is invalid"),
     ({"json": "{not json"}, "structured_outputs.json is invalid: expected a JSON schema"),
@@ -217,12 +232,117 @@ def test_a_bad_constraint_is_refused_before_work(llm: LLM, spec: StructuredOutpu
                                "true or false"),
     ({"regex": "a", "disable_any_whitespace": "no"},
      "structured_outputs.disable_any_whitespace='no' is invalid"),
+    ({"json": {}, "disable_additional_properties": 1},
+     "structured_outputs.disable_additional_properties=1 is invalid"),
+    ({"json": {}, "whitespace_pattern": ""}, "structured_outputs.whitespace_pattern='' is"),
+    ({"structural_tag": "[1]"}, "structured_outputs.structural_tag is invalid: expected a "
+                                "structural tag"),
+    ({"structural_tag": 3}, "structured_outputs.structural_tag is invalid"),
 ])
 def test_the_params_name_what_is_wrong(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         StructuredOutputsParams(**kwargs)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="structured_outputs=.*StructuredOutputsParams"):
         SamplingParams(structured_outputs={"regex": "a"})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
+def test_logprobs_are_those_of_the_masked_logits(llm: LLM, temperature: float) -> None:
+    """As vLLM's (its runner masks the logits before its sampler reads the raw logprobs): a
+    constrained request's logprobs put all the probability on the tokens its grammar allows
+    (the finite ones of the top 20, more than a choice ever allows, sum to 1), and a greedy
+    token is rank 1."""
+    import math
+
+    spec = StructuredOutputsParams(choice=["Paris", "London"])
+    params = SamplingParams(temperature=temperature, seed=5, max_tokens=10, logprobs=20,
+                            structured_outputs=spec)
+    for out in llm.generate(PROMPTS, params, use_tqdm=False):
+        sample = out.outputs[0]
+        assert sample.logprobs is not None and len(sample.logprobs) == len(sample.token_ids)
+        for token, position in zip(sample.token_ids, sample.logprobs, strict=True):
+            finite = [lp.logprob for lp in position.values() if lp.logprob > -math.inf]
+            assert len(finite) < 20 and sum(map(math.exp, finite)) == pytest.approx(1, abs=1e-4)
+            if temperature == 0.0:
+                assert position[token].rank == 1
+
+
+PROBES = (",", "}", "{", " ", "\n", "a", "h", "<", '"')
+
+
+def _allowed_after(llm: LLM, spec: StructuredOutputsParams, text: str) -> set[str]:
+    """Which of :data:`PROBES` (one token each) a fresh matcher of ``spec`` allows after it
+    consumed ``text``'s tokens."""
+    import numpy as np
+
+    from mrv2.engine.structured_outputs import fill_bitmasks
+
+    so = llm.engine._structured_outputs()
+    tokenizer = llm.get_tokenizer()
+    guide = so.guide(SamplingParams(structured_outputs=spec), [])
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        guide.advance(token)
+        assert not guide.matcher.is_error(), (text, guide.matcher.get_error())
+    row = np.empty((1, so.words), dtype=np.int32)
+    fill_bitmasks([guide], row)
+    allowed = set()
+    for probe in PROBES:
+        (token,) = tokenizer.encode(probe, add_special_tokens=False)
+        if int(row[0].view(np.uint32)[token // 32]) >> (token % 32) & 1:
+            allowed.add(probe)
+    return allowed
+
+
+def test_disable_additional_properties_closes_objects(llm: LLM) -> None:
+    """vLLM's ``disable_additional_properties``: an object schema that lists its properties
+    and says nothing of others takes no others (nested ones too); one that says keeps it."""
+    inner = {"type": "object", "properties": {"b": {"enum": [1]}}, "required": ["b"]}
+    schema = {"type": "object", "properties": {"a": inner}, "required": ["a"]}
+    for closed, after in ((True, {"}"}), (False, {",", "}"})):
+        spec = StructuredOutputsParams(json=schema, disable_any_whitespace=True,
+                                       disable_additional_properties=closed)
+        assert _allowed_after(llm, spec, '{"a":{"b":1') == after
+        assert _allowed_after(llm, spec, '{"a":{"b":1}') == after
+    stated = {**schema, "additionalProperties": {"type": "integer"}}
+    spec = StructuredOutputsParams(json=stated, disable_any_whitespace=True,
+                                   disable_additional_properties=True)
+    assert _allowed_after(llm, spec, '{"a":{"b":1}') == {",", "}"}
+    # an allOf's parts stay open (each closed would refuse the other's property: nothing
+    # could match, a 400); what lies inside them is closed
+    parts = {"allOf": [schema, {"type": "object", "properties": {"c": {"enum": [2]}},
+                                "required": ["c"]}]}
+    spec = StructuredOutputsParams(json=parts, disable_any_whitespace=True,
+                                   disable_additional_properties=True)
+    assert _allowed_after(llm, spec, '{"a":{"b":1') == {"}"}
+    assert "," in _allowed_after(llm, spec, '{"a":{"b":1}')
+
+
+def test_whitespace_pattern_is_the_whitespace_json_may_hold(llm: LLM) -> None:
+    """vLLM's ``whitespace_pattern``: the whitespace allowed between JSON tokens (by default
+    any; ``disable_any_whitespace``: none)."""
+    cases = ((None, False, {" ", "\n", '"', "}"}), ("[ ]?", False, {" ", '"', "}"}),
+             (None, True, {'"', "}"}))
+    for pattern, compact, after in cases:
+        spec = StructuredOutputsParams(json_object=True, whitespace_pattern=pattern,
+                                       disable_any_whitespace=compact)
+        assert _allowed_after(llm, spec, "{") == after, (pattern, compact)
+
+
+def test_a_structural_tag_holds_what_follows_each_trigger(llm: LLM) -> None:
+    """vLLM's structural tag: free text, in which a trigger opens its structure's ``begin``,
+    then JSON of its schema, then its ``end``; the text is free again after it."""
+    tag = {"type": "structural_tag", "triggers": ["<f="], "structures": [{
+        "begin": "<f=a>", "end": "</f>",
+        "schema": {"type": "object", "properties": {"x": {"enum": [1]}}, "required": ["x"],
+                   "additionalProperties": False}}]}
+    for given in (tag, json.dumps(tag)):
+        spec = StructuredOutputsParams(structural_tag=given, disable_any_whitespace=True)
+        assert {"h", "a", "{", "<", "\n"} <= _allowed_after(llm, spec, "hi ")
+        assert _allowed_after(llm, spec, "hi <f=") == {"a"}
+        assert _allowed_after(llm, spec, "hi <f=a>") == {"{"}
+        assert _allowed_after(llm, spec, 'hi <f=a>{"x":1') == {"}"}
+        assert _allowed_after(llm, spec, 'hi <f=a>{"x":1}') == {"<"}
+        assert {"h", "a", "{", "<"} <= _allowed_after(llm, spec, 'hi <f=a>{"x":1}</f> ')
 
 
 def test_draft_masks_are_the_masks_after_each_draft(llm: LLM) -> None:

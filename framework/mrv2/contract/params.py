@@ -43,40 +43,59 @@ class RequestOutputKind(enum.IntEnum):
 class StructuredOutputsParams:
     """What the output must match (vLLM's ``StructuredOutputsParams``): exactly one of a JSON
     schema (``json``: a dict or its text), any JSON object (``json_object=True``), a regular
-    expression (``regex``), one of several strings (``choice``), or a Lark grammar
-    (``grammar``); ``disable_any_whitespace`` makes JSON compact. The engine masks, at every
-    step, the tokens that cannot continue a match (:mod:`mrv2.engine.structured_outputs`), and
-    the request stops when the match is complete."""
+    expression (``regex``), one of several strings (``choice``), a grammar (``grammar``: Lark,
+    or EBNF / GBNF as llama.cpp and xgrammar write it: ``root ::= ...``), or structural tags
+    (``structural_tag``: vLLM's ``{"structures": [{"begin", "schema", "end"}], "triggers":
+    [...]}``, a dict or its JSON text: free text in which each ``begin`` opens a JSON value of
+    its ``schema``, closed by its ``end``). Options of the JSON kinds (a structural tag's
+    schemas included): ``disable_any_whitespace`` makes JSON compact, ``whitespace_pattern``
+    (a regex) is the whitespace allowed between JSON tokens, ``disable_additional_properties``
+    closes every object that lists its properties (``additionalProperties: false`` where the
+    schema says nothing). The engine masks, at every step, the tokens that cannot continue a
+    match (:mod:`mrv2.engine.structured_outputs`), and the request stops when the match is
+    complete."""
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
-    json_object: bool = False
+    #: (None, vLLM's default, is False)
+    json_object: bool | None = False
     #: JSON without whitespace between tokens (compact separators); by default any
     #: whitespace may appear there, as vLLM's default.
     disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
-        for flag in ("json_object", "disable_any_whitespace"):  # ("false" is no False)
+        if self.json_object is None:
+            self.json_object = False
+        for flag in ("json_object", "disable_any_whitespace",  # ("false" is no False)
+                     "disable_additional_properties"):
             _check(isinstance(getattr(self, flag), bool), f"structured_outputs.{flag}",
                    getattr(self, flag), "true or false")
         kinds = self.kinds()
         if len(kinds) != 1:
             raise ValueError(
                 "SamplingParams.structured_outputs is invalid: expected exactly one of json, "
-                f"json_object, regex, choice, grammar (got {', '.join(kinds) or 'none'})")
-        if self.json is not None:
-            if isinstance(self.json, str):
+                "json_object, regex, choice, grammar, structural_tag (got "
+                f"{', '.join(kinds) or 'none'})")
+        for name in ("json", "structural_tag"):
+            value = getattr(self, name)
+            if isinstance(value, str):
                 try:
-                    _json.loads(self.json)
+                    value = _json.loads(value)
                 except ValueError as error:
-                    raise ValueError("SamplingParams.structured_outputs.json is invalid: "
-                                     f"expected a JSON schema ({error})") from None
-            elif not isinstance(self.json, dict):
-                raise ValueError("SamplingParams.structured_outputs.json is invalid: expected "
-                                 "a JSON schema (a dict or its text)")
-        for name in ("regex", "grammar"):
+                    raise ValueError(f"SamplingParams.structured_outputs.{name} is invalid: "
+                                     f"expected {_JSON_OF[name]} ({error})") from None
+                if name == "structural_tag" and not isinstance(value, dict):
+                    raise ValueError("SamplingParams.structured_outputs.structural_tag is "
+                                     f"invalid: expected {_JSON_OF[name]}")
+            elif value is not None and not isinstance(value, dict):
+                raise ValueError(f"SamplingParams.structured_outputs.{name} is invalid: "
+                                 f"expected {_JSON_OF[name]} (a dict or its text)")
+        for name in ("regex", "grammar", "whitespace_pattern"):
             value = getattr(self, name)
             _check(value is None or (isinstance(value, str) and bool(value)),
                    f"structured_outputs.{name}", value, "a non-empty string")
@@ -87,9 +106,13 @@ class StructuredOutputsParams:
 
     def kinds(self) -> list[str]:
         """The constraint kinds set (valid params have one)."""
-        set_ = [name for name in ("json", "regex", "choice", "grammar")
+        set_ = [name for name in ("json", "regex", "choice", "grammar", "structural_tag")
                 if getattr(self, name) is not None]
         return set_ + (["json_object"] if self.json_object else [])
+
+
+_JSON_OF = {"json": "a JSON schema",
+            "structural_tag": 'a structural tag, {"structures": [...], "triggers": [...]}'}
 
 
 @dataclass

@@ -5,6 +5,7 @@ field, not a coercion (an int is still a valid float)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 from collections.abc import Callable, Sequence
@@ -81,14 +82,20 @@ class _Request(BaseModel):
     #: vLLM's: logprobs name their tokens ``token_id:N`` (for tokens no text can stand for).
     return_tokens_as_token_ids: bool = False
     #: OpenAI's ``{"type": "text" | "json_object" | "json_schema", "json_schema": {"name",
-    #: "schema", "strict"}}``; vLLM's ``structured_outputs`` (``json``, ``json_object``,
-    #: ``regex``, ``choice``, ``grammar``) and its older ``guided_*`` fields: one of them.
+    #: "schema", "strict"}}`` (and vLLM's ``"structural_tag"``, ``{"type", "structures",
+    #: "triggers"}``); vLLM's ``structured_outputs`` (``StructuredOutputsParams``' fields)
+    #: and its older ``guided_*`` fields (vLLM dropped them in 0.12 and ignores them since;
+    #: here they still hold): one of them.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    #: (vLLM's older fields too, until 0.12: a structural tag's JSON text, and the whitespace
+    #: a JSON constraint allows, whichever field gave it)
+    structural_tag: str | None = None
+    guided_whitespace_pattern: str | None = None
     #: vLLM's: mixed into the hash of the prompt's first prefix-cache block, so only requests
     #: of the same salt share cached blocks (a non-empty string).
     cache_salt: str | None = None
@@ -215,6 +222,13 @@ class _Request(BaseModel):
         if len(given) > 1:
             raise ValueError(f"SamplingParams.{names[1]} is invalid: give one of "
                              f"{', '.join(names)}, not several")
+        if given and self.guided_whitespace_pattern is not None:  # (none: ignored, as vLLM's)
+            try:
+                return dataclasses.replace(given[0],
+                                           whitespace_pattern=self.guided_whitespace_pattern)
+            except ValueError as error:
+                raise ValueError(str(error).replace("structured_outputs.whitespace_pattern",
+                                                    "guided_whitespace_pattern")) from None
         return given[0] if given else None
 
     def _structured_field(self, name: str) -> StructuredOutputsParams:
@@ -229,7 +243,10 @@ class _Request(BaseModel):
                 raise ValueError(f"SamplingParams.structured_outputs is invalid: unknown "
                                  f"{', '.join(unknown)} (allowed: "
                                  f"{', '.join(sorted(_STRUCTURED_KEYS))})")
-            return StructuredOutputsParams(**self.structured_outputs)
+            # (a null is the field's default, as vLLM's dataclass takes it: a client that
+            # sends every field of vLLM's StructuredOutputsParams sends the unset ones so)
+            return StructuredOutputsParams(**{k: v for k, v in self.structured_outputs.items()
+                                              if v is not None})
         return StructuredOutputsParams(**{_GUIDED[name]: getattr(self, name)})
 
     def truncate(self, ids: list[int], room: int) -> list[int]:
@@ -504,11 +521,10 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-_STRUCTURED_KEYS = frozenset({"json", "json_object", "regex", "choice", "grammar",
-                              "disable_any_whitespace"})
+_STRUCTURED_KEYS = frozenset(field.name for field in dataclasses.fields(StructuredOutputsParams))
 #: vLLM's older fields -> the ``StructuredOutputsParams`` field each sets.
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-           "guided_grammar": "grammar"}
+           "guided_grammar": "grammar", "structural_tag": "structural_tag"}
 
 
 def _response_format(fmt: dict[str, Any]) -> StructuredOutputsParams:
@@ -523,8 +539,10 @@ def _response_format(fmt: dict[str, Any]) -> StructuredOutputsParams:
             raise ValueError("SamplingParams.response_format is invalid: json_schema needs "
                              "{\"name\": ..., \"schema\": {...}}")
         return StructuredOutputsParams(json=schema)
+    if kind == "structural_tag":  # (vLLM's: the format itself is the tag)
+        return StructuredOutputsParams(structural_tag=fmt)
     raise ValueError(f"SamplingParams.response_format={fmt!r} is invalid: expected type "
-                     "text, json_object or json_schema")
+                     "text, json_object, json_schema or structural_tag")
 
 
 def _unsupported(name: str, value: object, allowed: object) -> None:

@@ -339,6 +339,10 @@ def create_app(engine: LLMEngine | RemoteEngine,
     async def completions(request: Request) -> Response:
         body: CompletionRequest = await parse(request, CompletionRequest)
         params = params_of(body)
+        if (mark := grammar_mark(reasoning_parser)) and params.structured_outputs is not None:
+            # as a chat request's, as vLLM's (whose grammar waits for the parser's end of the
+            # reasoning on every request): the prompt tells the engine where the block stands
+            params = dataclasses.replace(params, _reasoning=mark)
         try:
             prompts = body.prompts()
         except ValueError as error:

@@ -1,14 +1,16 @@
-"""The sampler stage: logits -> fp32 -> processors -> bias / masks -> penalties ->
-temperature -> min-p -> top-k/top-p -> Gumbel-max with stateless (seed, position, token) noise,
-then (when asked) logprobs of the raw logits.
+"""The sampler stage: logits -> structured outputs' masks -> fp32 -> processors -> bias / masks
+-> penalties -> temperature -> min-p -> top-k/top-p -> Gumbel-max with stateless (seed,
+position, token) noise, then (when asked) logprobs of the raw (masked) logits.
 
 Per-request parameters are read from the state table through ``idx_mapping``; which stages run
 is decided from CPU-side flags of the batch's rows, never by reading the device. The rarely used
 stages cost nothing (one integer test) while no live request uses them.
 
 Logprobs are those of the raw model distribution, before processors, penalties, bias and
-temperature (vLLM's default ``logprobs_mode="raw_logprobs"``): log-softmax is evaluated only at
-the top-k ids and the sampled id (``logits - logsumexp``), never for the whole vocabulary.
+temperature (vLLM's default ``logprobs_mode="raw_logprobs"``), but after a structured output's
+mask, as vLLM's (a token the grammar forbids has logprob -inf, and the others share all the
+probability): log-softmax is evaluated only at the top-k ids and the sampled id (``logits -
+logsumexp``), never for the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -261,6 +263,10 @@ class Sampler:
         """Sample one token per logits row of ``batch`` (``logits``: ``[num_logits, V]``)."""
         plan = plan if plan is not None else self.plan(batch)
         state = self.state
+        # structured outputs' masks first, in place on the model's logits (as on a decode
+        # graph's): a constrained request's logprobs are those of its masked logits, as vLLM's
+        # (its runner masks the logits before its sampler reads the raw logprobs)
+        self.apply_bitmasks(logits, plan)
         raw = logits
         if self.processors or plan.rare:  # in-place stages work on an fp32 copy
             logits = logits.float()
@@ -268,7 +274,6 @@ class Sampler:
                 logits = logits.clone()  # the in-place stages must not touch the raw logits
         for processor in self.processors:
             processor.apply(logits, batch, table)
-        self.apply_bitmasks(logits, plan)
         idx = batch.logits_idx_mapping
         if plan.rare:
             # bias and masks before the penalties, as vLLM: a repetition penalty scales a
