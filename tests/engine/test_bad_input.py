@@ -146,7 +146,7 @@ def test_ids_of_an_n_requests_samples_are_refused_before_any_state_changes(llm: 
     with pytest.raises(ValueError, match=r"'a' is already in use \(by its samples' ids "
                                          r"\['a#n1'\]\)"):
         engine.add_request([3, 4, 5], two, request_id="a")
-    assert engine.scheduler.num_unfinished == 1 and not engine._fanout.parents
+    assert engine.scheduler.num_unfinished == 1 and not engine._flight.fanout.parents
     engine.add_request([3, 4, 5], two, request_id="b#n0")  # a parent; then one of its id
     with pytest.raises(ValueError, match="'b' is already in use"):
         engine.add_request([3, 4, 5], two, request_id="b")
@@ -154,7 +154,7 @@ def test_ids_of_an_n_requests_samples_are_refused_before_any_state_changes(llm: 
     finished = _finish(engine)
     assert set(finished) == {"a#n1", "b#n0"}
     assert finished["a#n1"][0] == finished["b#n0"][0] == finished["b#n0"][1]
-    assert not engine._fanout.parents and not engine._fanout.child_parent
+    assert not engine._flight.fanout.parents and not engine._flight.fanout.child_parent
 
 
 def test_the_id_of_a_finished_sample_of_a_parent_in_flight_is_refused(ckpt: Path) -> None:
@@ -163,9 +163,9 @@ def test_the_id_of_a_finished_sample_of_a_parent_in_flight_is_refused(ckpt: Path
     one = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     engine.add_request([3, 4, 5], SamplingParams(top_k=1, max_tokens=3, ignore_eos=True, n=2),
                        request_id="c")
-    while "c#n0" in engine._requests:
+    while "c#n0" in engine._flight.requests:
         assert engine.step() == []
-    assert "c#n1" in engine._requests
+    assert "c#n1" in engine._flight.requests
     with pytest.raises(ValueError, match="'c#n0' is already in use"):
         engine.add_request([3, 4, 5], one, request_id="c#n0")
     finished = _finish(engine)
@@ -177,7 +177,7 @@ def test_an_id_left_to_the_engine_skips_the_ids_callers_took(llm: LLM) -> None:
     instead of refusing a request whose caller chose no id."""
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-    engine._ids = itertools.count(1000)
+    engine._flight.numbers = itertools.count(1000)
     engine.add_request([3, 4, 5], params, request_id="1000")
     engine.add_request([3, 4, 5], params, request_id="1001#n1")
     assert engine.add_request([3, 4, 5], SamplingParams(max_tokens=2, n=2)) == "1002"

@@ -38,7 +38,7 @@ def _start(engine: LLMEngine) -> list[str]:
 
 
 def _tokens_so_far(engine: LLMEngine, ids: list[str]) -> list[list[int]]:
-    return [list(engine._requests[i].request.output_token_ids) for i in ids]
+    return [list(engine._flight.requests[i].request.output_token_ids) for i in ids]
 
 
 def _finish(engine: LLMEngine, ids: list[str]) -> list[list[int]]:
@@ -65,7 +65,7 @@ def test_a_pause_without_an_update_changes_no_token(checkpoints: tuple[Path, Pat
     for _ in range(4):
         engine.step()
     llm.pause_generation(mode)
-    assert engine.is_paused() and not engine._in_flight
+    assert engine.is_paused() and not engine._flight.steps
     before = _tokens_so_far(engine, ids)
     assert all(0 < len(t) < NEW for t in before)
     held = engine.step()  # what the pause finished arrives, then nothing runs
@@ -222,10 +222,10 @@ def test_a_pause_that_ends_the_last_request_frees_its_row(checkpoints: tuple[Pat
     engine = llm.engine
     req_id = engine.add_request([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3,
                                                           ignore_eos=True))
-    request = engine._requests[req_id].request
+    request = engine._flight.requests[req_id].request
     while request.num_output_tokens < 3:  # (the last token is sampled, not yet read)
         engine.step()
-    assert engine._in_flight and len(engine.runner.table) == 1
+    assert engine._flight.steps and len(engine.runner.table) == 1
     llm.pause_generation(mode)
     assert engine.is_paused() and not engine.has_unfinished()
     assert len(engine.runner.table) == 0

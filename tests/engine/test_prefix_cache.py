@@ -176,7 +176,7 @@ def test_aborting_one_sample_of_an_n_request_ends_that_sample_alone(checkpoint: 
     assert samples[0].token_ids == samples[2].token_ids == want
     assert samples[1].token_ids == want[:len(samples[1].token_ids)]
     assert len(samples[1].token_ids) < NEW_TOKENS
-    assert not engine._fanout.parents and not engine._fanout.child_parent
+    assert not engine._flight.fanout.parents and not engine._flight.fanout.child_parent
     _assert_clean(engine)
     # every sample aborted, one at a time: the parent's output ends with the last of them
     engine.add_request(PROMPTS[1], params, request_id="y")
@@ -188,7 +188,7 @@ def test_aborting_one_sample_of_an_n_request_ends_that_sample_alone(checkpoint: 
         outputs += engine.step()
     assert [o.request_id for o in outputs] == ["y"] and outputs[0].finished
     assert [c.finish_reason for c in outputs[0].outputs] == ["abort"] * 3
-    assert not engine._fanout.parents
+    assert not engine._flight.fanout.parents
     _assert_clean(engine)
 
 
@@ -206,7 +206,7 @@ def test_a_reused_request_id_gets_none_of_the_old_requests_tokens(checkpoint: Pa
         engine.add_request(first, _params(), request_id="x")
         engine.step()
         engine.step()
-        assert engine._in_flight  # (a step of "x" is in flight)
+        assert engine._flight.steps  # (a step of "x" is in flight)
         engine.abort("x")
     else:  # stops on its second token while its third is in flight
         stop = hf_greedy(checkpoint, first, 2)[1]
@@ -215,7 +215,7 @@ def test_a_reused_request_id_gets_none_of_the_old_requests_tokens(checkpoint: Pa
                            request_id="x")
         while not engine.step():
             pass
-        assert engine._in_flight
+        assert engine._flight.steps
     engine.add_request(second, _params(), request_id="x")
     outputs = []
     while engine.has_unfinished():
@@ -233,9 +233,9 @@ def test_a_failed_step_leaves_no_ended_id_behind(checkpoint: Path) -> None:
     engine.add_request(PROMPTS[0], _params(), request_id="x")
     engine.step()
     engine.step()
-    assert engine._in_flight  # (a step of "x" is in flight)
+    assert engine._flight.steps  # (a step of "x" is in flight)
     engine.abort("x")
-    failing = engine._in_flight[-1]
+    failing = engine._flight.steps[-1]
 
     def fail() -> None:
         raise RuntimeError("the step failed")
@@ -244,7 +244,7 @@ def test_a_failed_step_leaves_no_ended_id_behind(checkpoint: Path) -> None:
     with pytest.raises(RuntimeError, match="the step failed"):
         while engine.has_unfinished():
             engine.step()
-    assert not engine._in_flight and not engine._ended
+    assert not engine._flight.steps and not engine._flight.ended
     want = hf_greedy(checkpoint, PROMPTS[1], NEW_TOKENS)
     engine.add_request(PROMPTS[1], _params(), request_id="x")
     outputs = []

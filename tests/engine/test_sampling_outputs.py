@@ -6,12 +6,13 @@ from typing import cast
 
 import pytest
 
+import mrv2.engine.sampling_outputs as sampling_outputs
 from mrv2.contract.params import SamplingParams
 from mrv2.engine.sampling_outputs import (
     LogprobState,
     add_prompt_logprobs,
     add_sample_logprobs,
-    prepare_params,
+    bad_words_token_ids,
 )
 from mrv2.engine.tokenizer import Tokenizer
 
@@ -36,7 +37,7 @@ def test_a_sampled_token_in_the_top_k_takes_its_top_k_rank() -> None:
 
 
 class _WordTokenizer:
-    """A tokenizer of fixed encodings, for ``prepare_params``'s bad words."""
+    """A tokenizer of fixed encodings, for ``bad_words_token_ids``."""
 
     max_token_id = 20
 
@@ -51,7 +52,7 @@ def _bad_words(words: list[str], table: dict[str, list[int]],
                vocab_size: int | None = None) -> list[list[int]]:
     params = SamplingParams(bad_words=words)
     tok = cast(Tokenizer, _WordTokenizer(table))
-    return prepare_params(params, frozenset(), tok, 3, vocab_size)._bad_words_token_ids
+    return bad_words_token_ids(params, tok, vocab_size)
 
 
 def test_bad_words_add_the_spaced_variant_only_as_vllm_does() -> None:
@@ -83,3 +84,35 @@ def test_bad_words_that_tokenize_to_nothing_or_unknown_ids_are_refused(
 def test_bad_words_spaced_variant_left_out_is_not_checked() -> None:
     """vLLM checks only the variants it bans: a spaced variant of more tokens is ignored."""
     assert _bad_words(["x"], {"x": [4], " x": [21, 5]}) == [[4]]
+
+
+def test_bad_words_keeps_the_newest_lists_and_never_a_refused_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """:class:`BadWords` tokenizes a word list once while it is among the
+    ``BAD_WORDS_KEPT`` newest asked for; a refused list raises its error each time."""
+    monkeypatch.setattr(sampling_outputs, "BAD_WORDS_KEPT", 2)
+    table = {"a": [1], " a": [2], "b": [3], " b": [3], "c": [4], " c": [5, 6],
+             "bad": [], " bad": [7]}
+    tok = _WordTokenizer(table)
+    asked: list[str] = []
+
+    def encode(text: str, add_special_tokens: bool = True) -> list[int]:
+        asked.append(text)
+        return list(table[text])
+
+    monkeypatch.setattr(tok, "encode", encode)
+    words = sampling_outputs.BadWords(cast(Tokenizer, tok), vocab_size=10)
+    assert words.token_ids(SamplingParams()) == [] and asked == []
+    for _ in range(2):
+        assert words.token_ids(SamplingParams(bad_words=["a", "b"])) == [[1], [2], [3]]
+    assert asked == ["a", " a", "b", " b"]  # (once)
+    words.token_ids(SamplingParams(bad_words=["c"]))
+    words.token_ids(SamplingParams(bad_words=["a", "b"]))  # (the newest again)
+    words.token_ids(SamplingParams(bad_words=["b"]))  # ["c"] goes: two kept
+    asked.clear()
+    words.token_ids(SamplingParams(bad_words=["a", "b"]))
+    words.token_ids(SamplingParams(bad_words=["c"]))
+    assert asked == ["c", " c"]
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"'bad' is no tokens"):
+            words.token_ids(SamplingParams(bad_words=["bad"]))

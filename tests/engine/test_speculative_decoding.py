@@ -338,18 +338,18 @@ def test_bad_words_requests_verify_drafts(checkpoint: Path, expected: list[list[
     drafts before it complete the word's other tokens (they lie in the state table before
     the row's position), so the tokens are those of a run without speculation, drafts drawn
     from that run or from the free run (which has the banned pairs)."""
-    import mrv2.engine.engine as engine_module
+    import mrv2.engine.request_ops as request_ops
 
     # banned pairs the free runs produce (after index 1, so a draft row meets them)
     words = [[e[i], e[i + 1]] for e in expected[:3] for i in (3, 6)]
-    prepare = engine_module.prepare_params
+    prepare = request_ops.prepare_params
 
     def with_words(*args: Any) -> SamplingParams:  # (no tokenizer here: the ids given)
         params = prepare(*args)
         params._bad_words_token_ids = [list(w) for w in words]
         return params
 
-    monkeypatch.setattr(engine_module, "prepare_params", with_words)
+    monkeypatch.setattr(request_ops, "prepare_params", with_words)
     prompts = PROMPTS[:3]
 
     def run(**kwargs: Any) -> tuple[list[list[int]], LLM]:

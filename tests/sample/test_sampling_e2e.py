@@ -216,6 +216,35 @@ def test_bad_words_past_the_models_vocabulary(llm: LLM) -> None:
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in free]
 
 
+def test_a_requests_bad_words_are_tokenized_once(llm: LLM,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request's bad words are tokenized once (each word plain and spaced): ``generate``
+    validates every prompt before queueing any, ``add_request`` validates again and then
+    prepares the params, and each sample of an ``n > 1`` request does both again (9 passes
+    here, 3 for ``n=1``); the server's validate-then-queue the same."""
+    engine = llm.engine
+    assert engine.tokenizer is not None
+    encode, calls = engine.tokenizer.encode, []
+
+    def counted(text: str, add_special_tokens: bool = True) -> list[int]:
+        calls.append(text)
+        return encode(text, add_special_tokens)
+
+    monkeypatch.setattr(engine.tokenizer, "encode", counted)
+    one_pass = ["capital", " capital", "France", " France"]
+    params = SamplingParams(temperature=1.0, seed=0, max_tokens=2, n=3,
+                            bad_words=one_pass[::2])
+    out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
+    assert len(out.outputs) == 3 and calls == one_pass
+    calls.clear()  # (the engine's own calls, as the server makes them)
+    params = SamplingParams(temperature=0, max_tokens=2, bad_words=["world"])
+    engine.validate(PROMPT, params)
+    engine.add_request(PROMPT, params, request_id="worded")
+    while engine.has_unfinished():
+        engine.step()
+    assert calls == ["world", " world"]
+
+
 def test_logprobs_same_with_async_off(ckpt: Path, llm: LLM) -> None:
     sync = LLM(str(ckpt), device="cpu", dtype="float32", block_size=4, max_model_len=128,
                max_num_batched_tokens=16, async_scheduling=False)

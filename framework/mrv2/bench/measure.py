@@ -240,7 +240,7 @@ def instrument(engine: Any) -> StepLog:
     runner.builder.build = build_and_keep
 
     def execute(scheduled: Any) -> Any:
-        requests = engine._requests
+        requests = engine._flight.requests
         seq = sum(requests[r].request.num_computed_tokens for r in scheduled.num_scheduled_tokens)
         log.steps.append((len(scheduled.num_scheduled_tokens),
                           scheduled.total_num_scheduled_tokens, seq))

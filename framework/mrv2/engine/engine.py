@@ -1,56 +1,43 @@
-"""The engine loop: validate, schedule, launch, and read outputs one step late.
+"""The engine loop: schedule, launch, and read outputs one step late (requests come in
+validated and queued by :class:`~mrv2.engine.request_ops.RequestOps`).
 
 With ``async_scheduling`` (the default) step N+1 is scheduled and launched before step N's
 tokens are read; a request that stops at step N wastes at most the one token of step N+1,
-which is discarded here.
+which is discarded here (:mod:`mrv2.engine.in_flight`: whose results a step holds for an id).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import logging
 import os
 import random
 import time
-from collections import deque
 from typing import Any
 
 import numpy as np
 
 from mrv2.config import EngineConfig
-from mrv2.contract.lora import LoRARequest
-from mrv2.contract.params import RequestOutputKind, SamplingParams, derive_seed
-from mrv2.contract.pooling import PoolingParams, matryoshka_of
-from mrv2.contract.requests import MultiModalItem, NewRequest, SchedulerOutput
+from mrv2.contract.pooling import matryoshka_of
+from mrv2.contract.requests import SchedulerOutput
 from mrv2.engine.block_manager import BlockManager
-from mrv2.engine.detokenizer import IncrementalDetokenizer
 from mrv2.engine.engine_stats import lora_stats, spec_stats
 from mrv2.engine.generation_defaults import load_sampling_defaults
+from mrv2.engine.in_flight import InFlight
 from mrv2.engine.outputs import RequestOutput
-from mrv2.engine.request import Request
 from mrv2.engine.request_inputs import (  # noqa: F401 (_load_tokenizer: tests import it here)
     _load_tokenizer,
-    check_cache_salt,
-    check_prompt,
-    check_runner,
     classifier_labels,
     default_pooling_task,
     make_input_processor,
     normalizes_embeddings,
-    process_multimodal,
     refused_pooling_tasks,
-    truncate_prompt,
 )
+from mrv2.engine.request_ops import RequestOps
 from mrv2.engine.sampling_outputs import (
-    FanOut,
-    LogprobState,
+    BadWords,
     TrackedRequest,
     add_prompt_logprobs,
     add_sample_logprobs,
-    bad_words_token_ids,
-    child_id,
-    prepare_params,
 )
 from mrv2.engine.scheduler import Scheduler
 from mrv2.engine.state_snapshots import StateSnapshots
@@ -74,9 +61,10 @@ logger = logging.getLogger(__name__)
 LATE_TOKEN_MASKS_ENV = "MRV2_LATE_TOKEN_MASKS"
 
 
-class LLMEngine(WeightOps):
+class LLMEngine(WeightOps, RequestOps):
     """Owns a :class:`Runner`, a :class:`Scheduler` and the requests in flight; its weight
-    and memory operations (``update_weights``, ``sleep``...) are :class:`WeightOps`'."""
+    and memory operations (``update_weights``, ``sleep``...) are :class:`WeightOps`', its
+    request operations (``validate``, ``add_request``, ``abort``...) :class:`RequestOps`'."""
 
     def __init__(self, config: EngineConfig, plugins: PluginManager | None = None) -> None:
         started = time.perf_counter()
@@ -154,19 +142,15 @@ class LLMEngine(WeightOps):
         #: generated, since the engine started (``stats()``: what a stats line divides by
         #: its interval).
         self.num_prompt_tokens = self.num_generation_tokens = 0
-        self._requests: dict[str, TrackedRequest] = {}
-        self._in_flight: deque[AsyncStepOutput] = deque()
-        #: Ids whose request ended (finished or aborted) while steps were in flight, each
-        #: with the newest of them: its results for the id, and those before it, are the
-        #: ended request's, never those of a new request given the same id since.
-        self._ended: dict[str, AsyncStepOutput] = {}
+        #: The requests and steps in flight, and which request each id names.
+        self._flight = InFlight()
+        #: Bad words' token ids, tokenized once a request (:meth:`validate`, then queueing).
+        self._bad_words = BadWords(self.tokenizer, self.vocab_size)
         #: Outputs of the steps a pause finished (:meth:`pause_generation`), for the next
         #: :meth:`step`.
         self._held: list[RequestOutput] = []
         self._shut_down = False
         self._seeds = random.Random(config.model.seed)
-        self._ids = itertools.count()
-        self._fanout = FanOut()
         self._structured: StructuredOutputs | None = None
         self._guided: set[str] = set()  # requests with a structured output (some may be done)
         #: Seconds the start-up warm-up took (None: it did not run; it runs on CUDA only).
@@ -221,255 +205,30 @@ class LLMEngine(WeightOps):
         """Forget what :func:`~mrv2.engine.warmup.warm_up`'s requests left: a new block
         manager (every block free, the prefix cache empty, its counters at zero), a new
         scheduler and zeroed speculation counts. The engine must be idle."""
-        if self.has_unfinished() or self._requests:
+        if self.has_unfinished() or self._flight.requests:
             raise RuntimeError("reset_after_warmup needs an idle engine: requests are in flight")
         self.block_manager, self.scheduler = self._new_scheduler()
         self._drafted_hist = [0] * len(self._drafted_hist)
         self._accepted_hist = [0] * len(self._accepted_hist)
         self.num_prompt_tokens = self.num_generation_tokens = 0
 
-    # -- requests ----------------------------------------------------------------------------
-
-    def process_multimodal(self, prompt_token_ids: list[int], mm_data: Any
-                           ) -> tuple[list[int], list[MultiModalItem]]:
-        """A prompt with ``multi_modal_data`` through the family's input processor: token ids
-        with the placeholders expanded, and the items for :meth:`add_request`. ValueError
-        naming the field on bad data or a text-only model."""
-        return process_multimodal(self.input_processor, self.runner.model_entry.architecture,
-                                  prompt_token_ids, mm_data)
-
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams,
-                 lora_request: LoRARequest | None = None, pooling: bool = False) -> int:
-        """Check a request (an embedding request with ``pooling``) can run; returns its
-        effective max_tokens. Raises ``ValueError``."""
-        self._check_open()
-        self._check_awake()
-        check_runner(self.config, pooling)
-        check_prompt(prompt_token_ids, params, self.max_model_len, self.runner.vocab_size,
-                     pooling)
-        if lora_request is not None:
-            lora = getattr(self.runner, "lora", None)
-            if lora is None:
-                raise ValueError(f"lora_request {lora_request.lora_name!r} given, but the "
-                                 "engine serves no adapters: start it with enable_lora=True")
-            lora.check(lora_request)
-        n = len(prompt_token_ids)
-        self.runner.sampler.check_params(params)
-        bad_words_token_ids(params, self.tokenizer, self.vocab_size)  # (refused words)
-        if params.structured_outputs is not None:  # compiled and checked (then cached)
-            self._structured_outputs().grammar(params.structured_outputs)
-        room = self.max_model_len - n
-        if pooling:  # (its one sampled token, dropped, may lie past the context: the token
-            room = max(room, 1)  # table takes no token there, and its KV is never computed)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        if not self.config.scheduler.enable_chunked_prefill:
-            budget = self.config.scheduler.max_num_batched_tokens
-            if n > budget:
-                raise ValueError(
-                    f"the prompt has {n} tokens, more than max_num_batched_tokens={budget}; "
-                    "enable chunked prefill or raise max_num_batched_tokens"
-                )
-        needed = self.scheduler.most_blocks(n + max_tokens)
-        if needed > self.block_manager.num_blocks:
-            lookahead = self.scheduler.num_lookahead_tokens
-            slots = f" (and the drafter's {lookahead} lookahead slots)" if lookahead else ""
-            raise ValueError(
-                f"prompt + max_tokens = {n + max_tokens} tokens{slots} needs {needed} KV "
-                f"blocks; the cache has {self.block_manager.num_blocks}"
-            )
-        return max_tokens
-
-    def add_request(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        prompt: str | None = None,
-        stream: bool = False,
-        priority: int = 0,
-        mm_items: list[MultiModalItem] | None = None,
-        lora_request: LoRARequest | None = None,
-        pooling_params: PoolingParams | None = None,
-        cache_salt: str | None = None,
-    ) -> str:
-        """Validate and queue a request; returns its id. Nothing is queued if it is invalid.
-
-        ``cache_salt`` (vLLM's): a non-empty string mixed into the hash of the request's first
-        prefix-cache block, so only requests of the same salt share cached blocks (tenants'
-        prefixes kept apart); its ``n`` samples share it.
-
-        ``pooling_params``: an embedding request (``params`` then only gives its
-        ``output_kind``): its output's ``embedding`` is its prompt's pooled final hidden
-        state (:class:`~mrv2.contract.pooling.PoolingParams`).
-
-        ``lora_request``: run the request through that LoRA adapter (``enable_lora``); its
-        adapter is read and checked against the model here.
-
-        ``mm_items``: multimodal inputs whose placeholder tokens lie in the prompt (a family's
-        processor makes them); the model's ``ModelState`` embeds them.
-
-        ``stream=True``: ``step()`` returns an output for this request after every new token
-        (every ``stream_interval``), with ``new_token_ids``/``new_text``; otherwise, or with
-        ``params.output_kind`` FINAL_ONLY, only its final output. ``output_kind`` DELTA: each
-        output holds only what is new (``RequestOutput.delta``). While a request with stop
-        strings runs, its outputs' text stops ``max(len(stop)) - 1`` characters short, so no
-        output shows text that a stop string then cuts off (as vLLM's).
-        """
-        check_cache_salt(cache_salt)
-        if pooling_params is None and params.truncate_prompt_tokens is not None:
-            cut = truncate_prompt(prompt_token_ids, params, self.max_model_len, bool(mm_items))
-            prompt = prompt if len(cut) == len(prompt_token_ids) else None
-            prompt_token_ids = cut
-        if pooling_params is not None:  # the prompt alone; its one sampled token is dropped
-            pooling_params.check(self.hidden_size, self.num_labels, self.matryoshka,
-                                 self.refused_pooling_tasks)
-            if pooling_params.normalize is None:  # (the model's default)
-                pooling_params = dataclasses.replace(pooling_params,
-                                                     normalize=self.normalize_embeddings)
-            params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
-                                    output_kind=params.output_kind)
-        max_tokens = self.validate(prompt_token_ids, params, lora_request,
-                                   pooling_params is not None)
-        stream = stream and params.output_kind != RequestOutputKind.FINAL_ONLY
-        mm_items = list(mm_items or [])
-        req_id = request_id if request_id is not None else str(next(self._ids))
-        while request_id is None and self._ids_in_use(req_id, params.n):  # (a caller's own)
-            req_id = str(next(self._ids))
-        self.runner.model_state.check_request(  # (the family's item checks, before queueing)
-            NewRequest(req_id, prompt_token_ids, params, 0, [], mm_items=mm_items))
-        budget = self.config.scheduler.max_num_batched_tokens
-        for item in mm_items:
-            if item.bidirectional and item.length > budget:
-                raise ValueError(f"multi_modal_data.{item.kind}: an {item.kind} of {item.length} "
-                                 "tokens whose tokens attend to each other is computed in one "
-                                 f"step; max_num_batched_tokens={budget} is smaller (raise it "
-                                 f"to at least {item.length})")
-        in_use = self._ids_in_use(req_id, params.n)
-        if in_use:
-            whose = "" if in_use == [req_id] else f" (by its samples' ids {in_use})"
-            raise ValueError(f"request id {req_id!r} is already in use{whose}")
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        params = prepare_params(params, self.eos_token_ids, self.tokenizer,
-                                len(prompt_token_ids), self.vocab_size)
-        if params.n > 1:  # n sub-requests, merged into one output by self._fanout
-            self.scheduler.check_room(params.n)  # (a part queued would run for nobody)
-            children = [child_id(req_id, i) for i in range(params.n)]
-            try:
-                for i, child in enumerate(children):
-                    self.add_request(prompt_token_ids, params.child(i, derive_seed(seed, i)),
-                                     child, prompt, stream, priority, mm_items, lora_request,
-                                     cache_salt=cache_salt)
-            except BaseException:
-                for child in children:  # (no samples left running for nobody)
-                    self.abort(child)
-                raise
-            self._fanout.add(req_id, params.n, stream)
-            return req_id
-        guide = None
-        if params.structured_outputs is not None:
-            guide = self._structured_outputs().guide(params, prompt_token_ids)
-        request = Request(
-            req_id=req_id,
-            prompt_token_ids=list(prompt_token_ids),
-            sampling_params=params,
-            seed=seed,
-            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
-            max_tokens=max_tokens,
-            priority=priority,
-            mm_items=mm_items,
-            lora_request=lora_request,
-            cache_salt=cache_salt,
-            pooling_params=pooling_params,
-        )
-        detok = None
-        if self.tokenizer is not None and params.detokenize:
-            # (the prompt's last tokens as context, as vLLM's: a sentencepiece model's first
-            # word keeps its leading space, so prompt + output reads as the model wrote it)
-            detok = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, params.skip_special_tokens,
-                use_prompt_context=True,
-                spaces_between_special_tokens=params.spaces_between_special_tokens,
-            )
-        self.scheduler.add(request)
-        holdback = 0
-        if params.stop and not params.include_stop_str_in_output:
-            holdback = max(len(s) for s in params.stop) - 1
-        self._requests[req_id] = TrackedRequest(request, prompt, detok, stream, guide=guide,
-                                          holdback=holdback)
-        if guide is not None:
-            self._guided.add(req_id)
-        if params.logprobs is not None or params.prompt_logprobs is not None:
-            self._requests[req_id].logprobs = LogprobState()
-        return req_id
-
-    def _ids_in_use(self, req_id: str, n: int) -> list[str]:
-        """Which of ``req_id`` and, for ``n > 1``, its samples' ids (``child_id``) a request
-        in flight holds: a request's, a parent's, or a sample's of a parent in flight (its
-        output would be merged into that parent's)."""
-        ids = [req_id, *(child_id(req_id, i) for i in range(n if n > 1 else 0))]
-        fanout = self._fanout
-        return [i for i in ids
-                if i in self._requests or i in fanout.parents or i in fanout.child_parent]
-
-    def abort(self, req_id: str) -> None:
-        """Cancel a request (an ``n > 1`` parent: all its samples) wherever it is; unknown or
-        finished ids are ignored (so is everything once the engine is shut down). One sample
-        of an ``n > 1`` parent (its ``child_id``) ends alone, with ``finish_reason="abort"``
-        in its parent's output, which the next :meth:`step` returns when that was the last
-        sample running (else when the others end; streamed: at once), as vLLM's."""
-        if self._shut_down:
-            return
-        for one in self._fanout.discard(req_id) or [req_id]:
-            tracked = self._requests.pop(one, None)
-            if tracked is not None:
-                self.scheduler.finish(tracked.request, "abort")  # its blocks are free at once
-                self._end(one)
-                if one in self._fanout.child_parent:  # (a sample of a parent still running)
-                    if tracked.detokenizer is not None:
-                        tracked.detokenizer.flush()
-                    merged = self._fanout.merge(tracked.output())
-                    if merged is not None:
-                        self._held.append(merged)
-        if not self.has_unfinished():
-            self.runner.remove_requests(self.scheduler.take_finished_ids())  # idle: row too
-
     def shutdown(self) -> None:
         """Stop what the engine started outside this process (tensor-parallel workers) and
         release the device memory it holds (the model, the KV cache...), even while the
         engine is still referenced; requests still running are dropped. The engine takes no
         requests and no steps afterwards. Idempotent."""
-        self._in_flight.clear()
-        self._ended.clear()
+        self._flight.clear_steps()
         self.runner.shutdown()
         self._shut_down = True
-
-    def _end(self, req_id: str) -> None:
-        """``req_id``'s request left ``_requests``: the steps in flight hold its results."""
-        if self._in_flight:
-            self._ended[req_id] = self._in_flight[-1]
-
-    def _steps_of(self, req_id: str) -> list[AsyncStepOutput]:
-        """The steps in flight that may hold results of the live request ``req_id`` (none
-        of those of an ended request of the same id)."""
-        steps = list(self._in_flight)
-        last = self._ended.get(req_id)
-        if last is not None:
-            steps = steps[next(i for i, s in enumerate(steps) if s is last) + 1:]
-        return steps
 
     def _check_open(self) -> None:
         if self._shut_down:
             raise RuntimeError("the engine is shut down (shutdown(), or the end of a `with "
                                "LLM(...)` block): build a new one")
 
-    @property
-    def vocab_size(self) -> int:
-        """Token ids run from 0 to this, exclusive (the model's vocabulary)."""
-        return int(self.runner.vocab_size)
-
     def has_unfinished(self) -> bool:
         """True while any request waits, runs or has output in flight."""
-        return self.scheduler.num_unfinished > 0 or bool(self._in_flight)
+        return self.scheduler.num_unfinished > 0 or bool(self._flight.steps)
 
     def wants_step(self) -> bool:
         """Whether :meth:`step` has work: outputs a pause held, or requests to run while the
@@ -496,12 +255,11 @@ class LLMEngine(WeightOps):
         if self._guided and scheduled.num_scheduled_tokens:
             self._fill_bitmasks(scheduled)
         if scheduled.num_scheduled_tokens:
-            self._in_flight.append(self.runner.execute(scheduled))
+            self._flight.steps.append(self.runner.execute(scheduled))
         else:
             self.runner.remove_requests(scheduled.finished_req_ids)
         keep = 1 if self.config.scheduler.async_scheduling and scheduled.num_scheduled_tokens else 0
-        while len(self._in_flight) > keep:
-            outputs.extend(self._process(self._in_flight.popleft()))
+        self._process_steps(outputs, keep)
         if not self.has_unfinished():
             self.runner.remove_requests(self.scheduler.take_finished_ids())  # idle: free now
         if self._draining:  # (pause_generation("wait"): paused once the started are done)
@@ -509,19 +267,21 @@ class LLMEngine(WeightOps):
             outputs, self._held = outputs + self._held, []
         return outputs
 
+    def _process_steps(self, outputs: list[RequestOutput], keep: int = 0) -> None:
+        """Process the oldest steps in flight until ``keep`` are left, each one's outputs
+        appended to ``outputs`` (a step that fails leaves those of the steps before it)."""
+        steps = self._flight.steps
+        while len(steps) > keep:
+            outputs.extend(self._process(steps.popleft()))
+
     def _process(self, step: AsyncStepOutput) -> list[RequestOutput]:
         try:
             return self._process_step(step)
         finally:  # (a step that failed too: no later step holds an ended request's results)
-            if self._ended:
-                self._ended = {i: last for i, last in self._ended.items() if last is not step}
+            self._flight.processed(step)
 
     def _process_step(self, step: AsyncStepOutput) -> list[RequestOutput]:
-        ended = self._ended  # (ids of requests that ended: their results here are theirs)
-
-        def live(req_id: str) -> TrackedRequest | None:
-            return None if req_id in ended else self._requests.get(req_id)
-
+        live = self._flight.live  # (None: the id's request ended; its results are its own)
         sampled = step.result()
         logprobs = step.logprobs()
         for req_id, vector in step.pooled().items():  # (embedding requests)
@@ -577,13 +337,12 @@ class LLMEngine(WeightOps):
                 tracked.detokenizer.flush()  # release text held back for an incomplete char
             if request.finished:
                 outputs.append(tracked.output())
-                del self._requests[req_id]
-                self._end(req_id)
+                self._flight.remove(req_id)
             elif tracked.stream and (
                     not tracked.sent_tokens
                     or len(request.output_token_ids) - tracked.sent_tokens >= interval):
                 outputs.append(tracked.output())
-        merged = [self._fanout.merge(o) for o in outputs]
+        merged = [self._flight.fanout.merge(o) for o in outputs]
         return [o for o in merged if o is not None]
 
     def _fill_bitmasks(self, scheduled: SchedulerOutput) -> None:
@@ -594,7 +353,7 @@ class LLMEngine(WeightOps):
         guided, late = [], False
         num_drafts = scheduled.num_draft_tokens
         for req_id in list(self._guided):
-            tracked = self._requests.get(req_id)
+            tracked = self._flight.requests.get(req_id)
             if tracked is None:  # finished or aborted
                 self._guided.discard(req_id)
             elif tracked.guide is not None and self.scheduler.samples_now(req_id):
@@ -620,7 +379,7 @@ class LLMEngine(WeightOps):
                 guide, request = tracked.guide, tracked.request
                 if guide is None or request.finished:
                     continue
-                in_flight = [token for step in self._steps_of(request.req_id)
+                in_flight = [token for step in self._flight.steps_of(request.req_id)
                              for token in step.result().get(request.req_id, ())]
                 for token in in_flight[guide.consumed - len(request.output_token_ids):]:
                     guide.advance(token)  # (the step's processing, later, skips these)
@@ -648,7 +407,7 @@ class LLMEngine(WeightOps):
         if not count:
             return []
         req_id, drafts = tracked.request.req_id, tracked.drafts
-        for step in reversed(self._steps_of(req_id)):
+        for step in reversed(self._flight.steps_of(req_id)):
             if req_id in step.result():
                 drafts = step.drafts().get(req_id)
                 break

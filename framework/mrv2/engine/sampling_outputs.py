@@ -1,5 +1,6 @@
 """Engine-side sampling extras: a request's tracking and its outputs (:class:`TrackedRequest`),
-logprob bookkeeping and ``n > 1`` fan-out / merge.
+its params' engine-derived fields (bad words as token ids: :class:`BadWords`), logprob
+bookkeeping and ``n > 1`` fan-out / merge.
 
 Kept out of ``engine.py`` so the loop stays short. Logprobs arrive with the sampled tokens
 (``AsyncStepOutput.logprobs()``) as ``(ids, values, rank)`` where ``ids[0]`` is the sampled
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +25,9 @@ from mrv2.engine.tokenizer import Tokenizer
 
 #: Separator of a parent request id and the sample index in its sub-request ids.
 CHILD_SEP = "#n"
+
+#: The bad-word lists whose token ids :class:`BadWords` keeps (the newest asked for).
+BAD_WORDS_KEPT = 64
 
 
 @dataclass
@@ -102,18 +108,14 @@ class TrackedRequest:
         return output
 
 
-def prepare_params(params: SamplingParams, eos: frozenset[int], tokenizer: Tokenizer | None,
+def prepare_params(params: SamplingParams, eos: frozenset[int], bad_words: list[list[int]],
                    num_prompt_tokens: int, vocab_size: int | None = None) -> SamplingParams:
     """A copy of ``params`` (the caller's object may be shared by many requests) with the
     engine-derived fields: EOS ids for ``min_tokens`` (masked until it is reached, with or
-    without ``ignore_eos``), bad words as token ids, prompt length.
-
-    A bad word is tokenized without its leading whitespace and, where that is as many tokens
-    with another first token, with one space before it (vLLM's ``update_from_tokenizer``),
-    each variant banned separately; a word of no tokens, or of ids past the tokenizer's, is
-    refused. With ``vocab_size`` (the model's logits), ids past it (a tokenizer's added
-    tokens the model has no logit for) are left out: such an EOS is never sampled, nor a
-    bad-word variant that holds one completed (the sampler's masks index the logits by id).
+    without ``ignore_eos``), the bad words' token ids (``bad_words``: those of
+    :func:`bad_words_token_ids`, copied), prompt length. With ``vocab_size`` (the model's
+    logits), EOS ids past it are left out: such an EOS is never sampled (the sampler's masks
+    index the logits by id).
     """
     # a deep copy: the caller may change or reuse its lists and dicts (logit_bias,
     # allowed_token_ids, ...) while the request runs; ``replace`` validates the copy again
@@ -121,14 +123,21 @@ def prepare_params(params: SamplingParams, eos: frozenset[int], tokenizer: Token
     params._num_prompt_tokens = num_prompt_tokens
     # (under ignore_eos too, as vLLM's ``all_stop_token_ids``: min_tokens masks the EOS)
     params._eos_token_ids = sorted(t for t in eos if vocab_size is None or t < vocab_size)
-    params._bad_words_token_ids = bad_words_token_ids(params, tokenizer, vocab_size)
+    params._bad_words_token_ids = [list(ids) for ids in bad_words]
     return params
 
 
 def bad_words_token_ids(params: SamplingParams, tokenizer: Tokenizer | None,
                         vocab_size: int | None = None) -> list[list[int]]:
-    """``params.bad_words`` as token-id sequences to ban (see :func:`prepare_params`);
-    raises ``ValueError`` for a word vLLM refuses."""
+    """``params.bad_words`` as token-id sequences to ban; raises ``ValueError`` for a word
+    vLLM refuses.
+
+    A bad word is tokenized without its leading whitespace and, where that is as many tokens
+    with another first token, with one space before it (vLLM's ``update_from_tokenizer``),
+    each variant banned separately; a word of no tokens, or of ids past the tokenizer's, is
+    refused. With ``vocab_size`` (the model's logits), ids past it (a tokenizer's added
+    tokens the model has no logit for) are left out: a variant that holds one is never
+    completed (the sampler's masks index the logits by id)."""
     words: list[list[int]] = []
     if params.bad_words:
         if tokenizer is None:
@@ -150,6 +159,37 @@ def bad_words_token_ids(params: SamplingParams, tokenizer: Tokenizer | None,
             words.extend(ids for ids in variants if ids not in words
                          and (vocab_size is None or max(ids) < vocab_size))
     return words
+
+
+class BadWords:
+    """:func:`bad_words_token_ids` for one engine's tokenizer and vocabulary, remembered
+    for the :data:`BAD_WORDS_KEPT` word lists asked for last: a request's words are tokenized
+    once, though :meth:`~mrv2.engine.engine.LLMEngine.validate` (the server's and ``LLM``'s
+    call, then ``add_request``'s own) and each sample of an ``n > 1`` request need them. A
+    list refused is not kept (each asking raises the same error). Thread-safe: the server
+    validates in its event loop's thread while the engine adds requests in its own."""
+
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int) -> None:
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._kept: OrderedDict[tuple[str, ...], list[list[int]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def token_ids(self, params: SamplingParams) -> list[list[int]]:
+        """``params.bad_words``' token-id sequences (kept ones: do not change them)."""
+        if not params.bad_words:
+            return []
+        key = tuple(params.bad_words)
+        with self._lock:
+            words = self._kept.get(key)
+            if words is not None:
+                self._kept.move_to_end(key)
+                return words
+        words = bad_words_token_ids(params, self.tokenizer, self.vocab_size)
+        with self._lock:
+            self._kept[key] = words
+            if len(self._kept) > BAD_WORDS_KEPT:
+                self._kept.popitem(last=False)
+        return words
 
 
 def _decode(tokenizer: Tokenizer | None, token: int) -> str | None:

@@ -17,6 +17,7 @@ from mrv2.runner.sleep import check_level, check_tags
 if TYPE_CHECKING:
     from mrv2.config import EngineConfig
     from mrv2.engine.block_manager import BlockManager
+    from mrv2.engine.in_flight import InFlight
 
 __all__ = ["PAUSE_MODES", "WeightOps"]
 
@@ -38,10 +39,8 @@ class WeightOps:
     _discarded: set[str] | None = None
 
     scheduler: Any
-    _in_flight: Any  # (deque of AsyncStepOutput)
+    _flight: InFlight
     _held: list[Any]
-    _requests: dict[str, Any]  # (TrackedRequest by id)
-    _fanout: Any
     #: Set by :meth:`pause_generation`: the engine takes no step until continued.
     _paused: bool = False
     #: ``pause_generation("wait")``: no new request starts; paused once none is left.
@@ -50,7 +49,7 @@ class WeightOps:
     def has_unfinished(self) -> bool:  # (the engine's)
         raise NotImplementedError
 
-    def _process(self, step: Any) -> list[Any]:  # (the engine's)
+    def _process_steps(self, outputs: list[Any], keep: int = 0) -> None:  # (the engine's)
         raise NotImplementedError
 
     def _check_open(self) -> None:  # (the engine's)
@@ -270,8 +269,7 @@ class WeightOps:
             self._draining = True
             self._drain_if_done()
             return
-        while self._in_flight:
-            self._held.extend(self._process(self._in_flight.popleft()))
+        self._process_steps(self._held)
         if mode == "recompute":
             self.scheduler.preempt_all()
         elif mode == "abort":
@@ -285,23 +283,21 @@ class WeightOps:
         left (their last steps processed)."""
         if not self._draining or self.scheduler.num_started:
             return
-        while self._in_flight:
-            self._held.extend(self._process(self._in_flight.popleft()))
+        self._process_steps(self._held)
         self._draining, self._paused = False, True
 
     def _abort_all(self) -> list[Any]:
         """End every request now (``pause_generation("abort")``): each one's output,
         finished with ``finish_reason="abort"`` (an ``n > 1`` request's merged)."""
         ended = []
-        for req_id, tracked in list(self._requests.items()):
+        for tracked in self._flight.remove_all():
             self.scheduler.finish(tracked.request, "abort")
             if tracked.detokenizer is not None:
                 tracked.detokenizer.flush()
             ended.append(tracked.output())
-            del self._requests[req_id]
         if not self.has_unfinished():
             self.runner.remove_requests(self.scheduler.take_finished_ids())
-        merged = [self._fanout.merge(o) for o in ended]
+        merged = [self._flight.fanout.merge(o) for o in ended]
         return [o for o in merged if o is not None]
 
     def continue_generation(self) -> None:
