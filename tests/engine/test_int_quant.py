@@ -248,8 +248,8 @@ def test_random_integer_weights_run(tmp_path: Path, method: str) -> None:
     llm = _llm(src, load_format="dummy", quantization=method)
     tokens = _greedy(llm)
     assert all(len(t) == 8 for t in tokens)
-    with pytest.raises(ValueError, match=r"not for a (GPTQ|AWQ|COMPRESSED-TENSORS) model"):
-        llm.engine.update_weights([])
+    llm.engine.update_weights([])  # (nothing to load: every layer as it was)
+    assert _greedy(llm) == tokens
 
 
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
@@ -292,6 +292,28 @@ def test_experts_with_one_group_per_channel_are_refused(tmp_path: Path) -> None:
         _llm(tmp_path / "q")
 
 
+def test_integer_experts_out_of_range_or_left_out_are_named(tmp_path: Path) -> None:
+    """A GPTQ MoE checkpoint with a tensor of expert 4 of 4 is refused naming the tensor and
+    the range; one without expert 3's tensors (their packed rows would stay uninitialized)
+    naming the stacks and the expert's projections."""
+    from mrv2.testing_checkpoints import save_checkpoint_like
+
+    src = make_tiny_checkpoint(tmp_path / "src", "Qwen3MoeForCausalLM", **MOE)
+    gptq_checkpoint(src, tmp_path / "q", tmp_path / "ref", group_size=16, experts=True)
+    tensors = {n: t.clone() for n, t in load_file(tmp_path / "q" / "model.safetensors").items()}
+    extra = {n.replace(".experts.0.", ".experts.4."): t.clone() for n, t in tensors.items()
+             if ".layers.1.mlp.experts.0.up_proj.qweight" in n}
+    save_checkpoint_like(tmp_path / "q", tmp_path / "extra", {**tensors, **extra})
+    with pytest.raises(ValueError, match=r"'model\.layers\.1\.mlp\.experts\.4\.up_proj\.qweight'"
+                                         r".*expert index must be in \[0, 4\), got 4"):
+        _llm(tmp_path / "extra")
+    fewer = {n: t for n, t in tensors.items() if ".layers.0.mlp.experts.3." not in n}
+    save_checkpoint_like(tmp_path / "q", tmp_path / "fewer", fewer)
+    with pytest.raises(ValueError, match=r"not found in the checkpoint: .*layers\.0\.mlp\.experts"
+                                         r"\.w13_\w+ \(experts\.3\.gate_proj\)"):
+        _llm(tmp_path / "fewer")
+
+
 def test_triton_experts_match_the_dequantized_experts(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The integer expert stack's own forward (the fused MoE kernel, interpreted) against the
@@ -331,3 +353,115 @@ def test_triton_experts_match_the_dequantized_experts(tmp_path: Path,
     got = kernel_layer(x, weights, ids.int())
     monkeypatch.setenv("MRV2_KERNELS", "torch")
     torch.testing.assert_close(got, plain(x, weights, ids.int()), rtol=1e-4, atol=1e-4)
+
+
+RELOAD_CASES = {
+    "gptq4-asym-act": ("gptq", dict(bits=4, group_size=16, sym=False, desc_act=True), {}),
+    "awq": ("awq", dict(group_size=16), {}),
+    "ct4-sym": ("ct", dict(bits=4, group_size=16, sym=True), {}),
+    "gptq-experts": ("gptq", dict(bits=4, group_size=16, sym=False, experts=True), MOE),
+}
+
+
+def _two_checkpoints(tmp_path: Path, case: str) -> tuple[Path, Path, list[int], list[int]]:
+    """Checkpoints A and B of ``case`` (different weights) and HF's greedy tokens of each on
+    their dequantized weights."""
+    fmt, opts, overrides = RELOAD_CASES[case]
+    arch = "Qwen3MoeForCausalLM" if overrides else "Qwen3ForCausalLM"
+    for seed, name in ((1, "a"), (2, "b")):
+        src = make_tiny_checkpoint(tmp_path / f"src{name}", arch, seed=seed, std=0.1,
+                                   **overrides)
+        WRITERS[fmt](src, tmp_path / name, tmp_path / f"ref{name}", **opts)  # type: ignore[operator]
+    want_a, want_b = (hf_greedy(tmp_path / f"ref{n}", PROMPTS[0], 8) for n in "ab")
+    assert want_a != want_b
+    return tmp_path / "a", tmp_path / "b", want_a, want_b
+
+
+def _one(llm: LLM) -> list[int]:
+    return llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False)[0].outputs[
+        0].token_ids
+
+
+@pytest.mark.parametrize("case", list(RELOAD_CASES))
+def test_integer_weights_update_and_reload(tmp_path: Path, case: str) -> None:
+    """An integer model's weights load again as at start-up (they were refused): B's
+    checkpoint into an engine started on A gives HF's tokens on B, ``reload_weights`` A's
+    again, and again (no input order, packing or dequantization applied twice); the names
+    loaded are the model's parameters."""
+    a, b, want_a, want_b = _two_checkpoints(tmp_path, case)
+    llm = _llm(a, max_model_len=64)
+    assert _one(llm) == want_a
+    names = {n for n, _ in llm.engine.runner.model.named_parameters()}
+    assert llm.engine.update_weights_from_disk(str(b)) == names
+    assert _one(llm) == want_b
+    for _ in range(2):
+        assert llm.reload_weights() == names
+        assert _one(llm) == want_a
+
+
+def test_integer_weights_given_in_part_on_the_cpu_are_refused(tmp_path: Path) -> None:
+    """The CPU dequantizes a layer whole: an update giving a layer's packed weight but not
+    its scales is refused, naming what to give, and the model keeps its weights."""
+    a, b, want_a, _ = _two_checkpoints(tmp_path, "gptq4-asym-act")
+    llm = _llm(a, max_model_len=64)
+    part = [(n, t) for n, t in load_file(b / "model.safetensors").items()
+            if n == "model.layers.0.self_attn.o_proj.qweight"]
+    with pytest.raises(ValueError, match="give all of its packed weight, scales and zero"):
+        llm.update_weights(part)
+    assert _one(llm) == want_a
+
+
+def _real_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's values, an integer layer's (or expert stack's) weight dequantized,
+    by the name of the plain layer the CPU makes of it."""
+    from mrv2.layers.int_quant_moe import IntFusedMoE
+
+    out: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, IntLinearMixin):
+            out[f"{prefix}weight"] = module.dequantized(torch.float32)
+        elif isinstance(module, IntFusedMoE):
+            for stack in ("w13", "w2"):
+                out[f"{prefix}{stack}_weight"] = module.dequantized(stack, torch.float32)
+        packed = isinstance(module, IntLinearMixin | IntFusedMoE)
+        for param_name, param in module.named_parameters(recurse=False):
+            if not packed or param_name.endswith("bias"):  # (not the scales)
+                out[prefix + param_name] = param.detach()
+    return out
+
+
+@pytest.mark.parametrize("case", ["gptq4-asym-act", "gptq-experts"])
+def test_packed_integer_weights_load_again_in_place(tmp_path: Path, case: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layers kept packed, as on a GPU: new weights land in the same tensors (the CUDA
+    graphs read them there) and give the real weights the CPU's dequantized load of that
+    checkpoint has (a ``desc_act`` layer's packed rows put in its input order once, the
+    expert stacks' zero points kept); a reload gives A's again."""
+    from mrv2.layers.int_quant_moe import IntFusedMoE
+
+    a, b, _, _ = _two_checkpoints(tmp_path, case)
+    want_a, want_b = (_real_weights(_llm(p, max_model_len=64).engine.runner.model)
+                      for p in (a, b))
+    monkeypatch.setattr(IntLinearMixin, "_become_plain", lambda self: None)
+    monkeypatch.setattr(IntFusedMoE, "_become_plain", lambda self: None)
+    llm = _llm(a, max_model_len=64)
+    model = llm.engine.runner.model
+    assert any(isinstance(m, IntLinearMixin) for m in model.modules())
+    if case == "gptq4-asym-act":
+        assert any(getattr(m, "input_order", None) is not None for m in model.modules())
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+
+    def same(want: dict[str, torch.Tensor]) -> None:
+        got = _real_weights(model)
+        assert got.keys() == want.keys()
+        for name, tensor in got.items():
+            torch.testing.assert_close(tensor, want[name], rtol=0, atol=0, msg=name)
+
+    same(want_a)
+    assert llm.engine.update_weights_from_disk(str(b)) == set(ptrs)
+    same(want_b)
+    for _ in range(2):
+        llm.reload_weights()
+        same(want_a)
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs

@@ -97,6 +97,22 @@ def test_some_modules_only(tmp_path: Path) -> None:
     assert logprobs(llm) == pytest.approx(want, abs=1e-5)
 
 
+def test_a_module_given_other_tensors_is_not_reordered_twice(tmp_path: Path) -> None:
+    """DeepSeek's MLA reorders its q and kv_a rows (interleaved RoPE) after loading; an
+    update of another of its tensors (``o_proj``, the same values) reruns its hook, which
+    must leave the rows it did not get as they are (it reordered them again: other tokens)."""
+    from safetensors.torch import load_file
+
+    architecture, overrides = FAMILIES["deepseek-v2-lite"]
+    a = make_tiny_checkpoint(tmp_path / "a", architecture, seed=1, std=0.15, **overrides)
+    llm = LLM(str(a), device="cpu", dtype="float32", block_size=4, max_model_len=64)
+    want = hf_greedy(a, PROMPT, 8)
+    assert _tokens(llm) == want
+    name = "model.layers.0.self_attn.o_proj.weight"
+    llm.update_weights([(name, load_file(str(a / "model.safetensors"))[name])])
+    assert _tokens(llm) == want
+
+
 def test_a_refused_load_changes_no_weight(tmp_path: Path) -> None:
     """A list of tensors, or a checkpoint directory, with a bad name or a bad shape past its
     first tensors is refused before any weight is written (no half-updated model); an

@@ -3,6 +3,8 @@ expert-read counter of the benchmarks' byte floor, and the MoE block against per
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -191,6 +193,67 @@ def test_expert_shape_mismatch_is_named() -> None:
     bad = {"mlp.experts.3.down_proj.weight": torch.randn(H, 13)}
     with pytest.raises(ValueError, match=r"experts\.3\.down_proj.*\(32, 12\).*\(32, 13\)"):
         load_stacked_weights(block, bad.items())
+
+
+def _expert_checkpoint() -> dict[str, torch.Tensor]:
+    """``_Block``'s tensors, one per expert and projection."""
+    g = torch.Generator().manual_seed(5)
+    ckpt = {"mlp.gate.weight": torch.randn(E, H, generator=g)}
+    for e in range(E):
+        for name, shape in (("gate_proj", (12, H)), ("up_proj", (12, H)), ("down_proj", (H, 12))):
+            ckpt[f"mlp.experts.{e}.{name}.weight"] = torch.randn(*shape, generator=g)
+    for name, shape in (("gate_proj", (20, H)), ("up_proj", (20, H)), ("down_proj", (H, 20))):
+        ckpt[f"mlp.shared_experts.{name}.weight"] = torch.randn(*shape, generator=g)
+    return ckpt
+
+
+class _Model(_Block):
+    stacked_params = (("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
+
+    def load_weights(self, weights: Any) -> set[str]:
+        return load_stacked_weights(self, weights, self.stacked_params)
+
+
+@pytest.mark.parametrize("name,match", [
+    ("mlp.experts.8.up_proj.weight", r"'mlp\.experts\.8\.up_proj\.weight'.*expert index must "
+                                     r"be in \[0, 8\), got 8"),
+    ("mlp.experts.12345.down_proj.weight", r"experts\.12345\.down_proj.*\[0, 8\), got 12345"),
+    ("mlp.experts.x.up_proj.weight", r"'mlp\.experts\.x\.up_proj\.weight' matches no parameter"),
+    ("mlp.experts.-1.up_proj.weight", r"'mlp\.experts\.-1\.up_proj\.weight' matches no param"),
+    ("mlp.experts.2.up_proj.weights", r"'mlp\.experts\.2\.up_proj\.weights' matches no param"),
+    ("mlp.experts.2.weight", r"'mlp\.experts\.2\.weight' matches no parameter"),
+])
+def test_an_expert_id_out_of_range_or_a_malformed_name_is_named(name: str, match: str) -> None:
+    """A checkpoint tensor of an expert past ``num_experts`` (or a name that is no expert
+    tensor's) is refused naming the tensor (and the allowed range), before it is written."""
+    from mrv2.model_loader import load_model_weights
+
+    model = _Model()
+    ckpt = _expert_checkpoint()
+    with pytest.raises(ValueError, match=match):
+        load_model_weights(model, [*ckpt.items(), (name, ckpt["mlp.experts.0.up_proj.weight"]
+                                                   .T if "down" in name else
+                                                   ckpt["mlp.experts.0.up_proj.weight"])])
+
+
+@pytest.mark.parametrize("left_out", ["mlp.experts.5.", "mlp.experts.7.up_proj.",
+                                      "mlp.experts.0.down_proj."])
+def test_an_expert_left_out_of_the_checkpoint_is_named(left_out: str) -> None:
+    """A checkpoint without some expert's gate, up or down tensor (its rows of the stack
+    would keep uninitialized memory) is refused naming the parameter and the expert's
+    tensors; an update of the weights (not strict) may give some experts only."""
+    from mrv2.model_loader import load_model_weights
+
+    ckpt = {k: v for k, v in _expert_checkpoint().items() if not k.startswith(left_out)}
+    expert = left_out.split(".")[2]
+    with pytest.raises(ValueError, match=rf"not found in the checkpoint: .*experts\.w(13|2)"
+                                         rf"_weight \(experts\.{expert}\.(gate|up|down)_proj\)"):
+        load_model_weights(_Model(), ckpt.items())
+    model = _Model()
+    load_model_weights(model, _expert_checkpoint().items())
+    some = {k: v for k, v in ckpt.items() if ".experts." in k}
+    assert load_model_weights(model, some.items(), strict=False) == {
+        "mlp.experts.w13_weight", "mlp.experts.w2_weight"}
 
 
 def test_expert_reads_count_distinct_experts_per_forward(

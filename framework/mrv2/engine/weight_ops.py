@@ -64,18 +64,14 @@ class WeightOps:
 
     def _check_loadable(self, what: str) -> None:
         """ValueError where weights cannot be loaded in place: an fp8 model (quantized at
-        load), a GPTQ / AWQ one (repacked at load)."""
+        load). Integer models (GPTQ, AWQ, compressed-tensors, MXFP4) take the checkpoint's
+        packed tensors again (``mrv2.model_loader.build.reloading``)."""
         from mrv2.layers.fp8 import fp8_config_of
-        from mrv2.layers.int_quant_config import int_quant_config_of
 
         hf_config, requested = self.runner.hf_config, self.config.model.quantization
         if fp8_config_of(hf_config, requested) is not None:
             raise ValueError(f"{what}: not for an fp8 model (its weights are quantized at "
                              "load)")
-        quant = int_quant_config_of(hf_config, requested)
-        if quant is not None:
-            raise ValueError(f"{what}: not for a {quant.method.upper()} model (its integer "
-                             "weights are repacked at load)")
 
     def _check_load(self, what: str) -> None:
         """Before weights load in place: the engine idle (or paused), no fp8 model, its

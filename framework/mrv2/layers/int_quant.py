@@ -61,7 +61,7 @@ from torch import nn
 from mrv2.layers.embedding import LMHead
 from mrv2.layers.int_quant_config import IntQuantConfig, rows_of
 from mrv2.layers.linear import FusedColumnLinear, LinearBase, RowLinear
-from mrv2.layers.weights import apply_moving_only
+from mrv2.layers.weights import apply_moving_only, is_fresh
 from mrv2_kernels.wna16_gemm import (
     dequantize_wna16,
     pack_along_k,
@@ -90,7 +90,7 @@ class IntLinearMixin(LinearBase):
         """Replace the float weight by the integer layout's parameters (on its device), under
         the checkpoint's names until :meth:`order_inputs` (after loading) gives them the
         layout's (``qweight``, ``scales``, ``qzeros``)."""
-        n, k = self.output_size, self.input_size
+        k = self.input_size
         device = self.weight.device
         group = quant.group_size
         if group <= 0 or (not quant.from_checkpoint and k % group):
@@ -103,23 +103,30 @@ class IntLinearMixin(LinearBase):
                              "not supported for row-parallel layers under tensor parallelism "
                              "(tensor_parallel_size > 1); use tensor_parallel_size=1")
         self.quant, self.group, self.model_dtype = quant, group, dtype
-        # GPTQ and AWQ store fp16 scales, compressed-tensors the model's dtype: kept as stored
-        scale_dtype = dtype if quant.method == "compressed-tensors" else torch.float16
         self.register_buffer("input_order", None, persistent=False)
         del self.weight
-        self._int_param("qweight", torch.empty(k * quant.bits // 32, n, dtype=torch.int32,
-                                               device=device))
-        self._int_param("scales", torch.empty(k // group, n, dtype=scale_dtype, device=device))
-        self._int_param("qzeros", torch.empty(k // group, n, dtype=torch.uint8, device=device),
-                        optional=quant.sym)
-        if quant.method != "awq":
-            self._int_param("g_idx", torch.empty(k, dtype=torch.int32, device=device),
-                            optional=True)
-        if quant.method == "compressed-tensors":  # [N, K] of the whole tensor: checked
-            self._int_param("weight_shape", torch.zeros(2, dtype=torch.int64, device=device),
-                            optional=True)
+        self._loading_params(device)
         if device.type != "meta":
             self.fill_defaults()
+
+    def _loading_params(self, device: torch.device, roles: tuple[str, ...] = (
+            "qweight", "scales", "qzeros", "g_idx", "weight_shape")) -> None:
+        """The checkpoint's tensors of ``roles`` as empty parameters under its names."""
+        quant, n, k, group = self.quant, self.output_size, self.input_size, self.group
+        # GPTQ and AWQ store fp16 scales, compressed-tensors the model's dtype: kept as stored
+        scale_dtype = self.model_dtype if quant.method == "compressed-tensors" else torch.float16
+        shapes: dict[str, tuple[tuple[int, ...], torch.dtype, bool]] = {
+            "qweight": ((k * quant.bits // 32, n), torch.int32, False),
+            "scales": ((k // group, n), scale_dtype, False),
+            "qzeros": ((k // group, n), torch.uint8, quant.sym)}
+        if quant.method != "awq":
+            shapes["g_idx"] = ((k,), torch.int32, True)
+        if quant.method == "compressed-tensors":  # [N, K] of the whole tensor: checked
+            shapes["weight_shape"] = ((2,), torch.int64, True)
+        for role in roles:
+            if role in shapes:
+                shape, dtype, optional = shapes[role]
+                self._int_param(role, torch.zeros(shape, dtype=dtype, device=device), optional)
 
     def role(self, role: str) -> nn.Parameter | None:
         """The parameter of ``role`` (``qweight``, ``scales``, ``qzeros``, ``g_idx``), under
@@ -144,6 +151,116 @@ class IntLinearMixin(LinearBase):
         param.optional = optional  # type: ignore[attr-defined]
         self.register_parameter(self.quant.name(role), param)
 
+    # ---------------------------------------------------------------- loading again
+
+    #: While the weights load again (:mod:`mrv2.layers.int_reload`): ``"alias"`` where the
+    #: checkpoint's names point at the served packed tensors (loaded in place), ``"fresh"``
+    #: where a layer the CPU made plain got new integer tensors (dequantized into a new
+    #: weight once complete); None otherwise.
+    _reload: str | None = None
+    #: Whether the tensors have the layout's names (:meth:`order_inputs` ran).
+    _laid_out: bool = False
+    #: (``"alias"``) whether the served layer had dropped its zero points.
+    _reload_zeros: bool = False
+    #: (``"fresh"``) the plain layer's weight and what made it integer, kept aside.
+    _reload_stash: tuple[nn.Parameter, Any]
+
+    def reopen_for_reload(self) -> None:
+        """The served packed tensors under the checkpoint's names again, loaded in place:
+        zero points dropped at load (all the midpoint) and ``g_idx`` come back as small
+        temporary parameters. :meth:`order_inputs` puts the layout back."""
+        quant = self.quant
+        dropped_zeros = self._parameters.get("qzeros") is None
+        for role in ("qweight", "scales", "qzeros"):
+            param = self._parameters.pop(role, None)
+            if param is not None:
+                self.register_parameter(quant.name(role), param)
+        device = cast(nn.Parameter, self.role("qweight")).device
+        if dropped_zeros:
+            self.__dict__.pop("qzeros", None)
+            self._loading_params(device, ("qzeros",))
+            cast(nn.Parameter, self.role("qzeros")).data.fill_(1 << (quant.bits - 1))
+        self._loading_params(device, ("g_idx", "weight_shape"))
+        g_idx = self.role("g_idx")
+        if g_idx is not None:
+            g_idx.data.copy_(torch.arange(self.input_size, dtype=torch.int32) // self.group)
+        self._reload, self._reload_zeros, self._laid_out = "alias", dropped_zeros, False
+
+    def abandon_reload(self) -> None:
+        """Back to the served layer after a load that gave it nothing (or failed): the
+        layout's names (``"alias"``), or the plain layer with its weight (``"fresh"``)."""
+        for attr in ("_g_idx_shards", "_rows_loaded"):
+            self.__dict__.pop(attr, None)
+        if self._reload == "alias":
+            for role in ("qweight", "scales", "qzeros"):
+                param = self._parameters.pop(self.quant.name(role), None)
+                if param is not None:
+                    self.register_parameter(role, param)
+            for role in ("g_idx", "weight_shape"):
+                self._parameters.pop(self.quant.name(role), None)
+            if self._reload_zeros:
+                self._parameters.pop("qzeros", None)
+                self.qzeros = None
+            self._reload, self._laid_out = None, True
+        elif self._reload == "fresh":
+            stash, origin = self.__dict__.pop("_reload_stash")
+            for role in ("qweight", "scales", "qzeros", "g_idx", "weight_shape"):
+                self._parameters.pop(self.quant.name(role), None)
+            self._buffers.pop("input_order", None)
+            for attr in ("quant", "group", "_reload"):
+                self.__dict__.pop(attr, None)
+            self.__class__ = self.base_class  # type: ignore[assignment]
+            self.weight = stash
+            self._int_origin = origin
+
+    def _reload_in_place(self, g_idx: torch.Tensor | None) -> None:
+        """The end of an in-place load (``"alias"``): freshly loaded packed rows put in the
+        served input order; an input order or zero points the served layer does not have
+        (its forward, and the CUDA graphs recorded from it, would leave them out) refused."""
+        order = None
+        if g_idx is not None and is_fresh(g_idx):
+            order = self._group_order(g_idx.data)
+            if (order is None) != (self.input_order is None):
+                raise ValueError("new weights of a quantized layer with another input order "
+                                 "(desc_act / g_idx) than the served one's: not loaded in "
+                                 "place; restart the engine on the new checkpoint")
+            if order is not None and self.input_order is not None:
+                self.input_order.copy_(order)
+        if self.input_order is not None and is_fresh(self.qweight):
+            ints = unpack_along_k(self.qweight.data, self.quant.bits)
+            self.qweight.data.copy_(pack_along_k(ints[self.input_order], self.quant.bits))
+        if self._reload_zeros:
+            zeros = self._parameters.pop("qzeros")
+            self.qzeros = None
+            if zeros is not None and is_fresh(zeros) and not bool(
+                    (zeros.data == 1 << (self.quant.bits - 1)).all()):
+                raise ValueError("new weights of a symmetric quantized layer (its zero points "
+                                 "all the midpoint, dropped at load) with other zero points: "
+                                 "not loaded in place; restart the engine on the new "
+                                 "checkpoint")
+
+    def _group_order(self, g_idx: torch.Tensor) -> torch.Tensor | None:
+        """The input order that makes ``g_idx``'s groups contiguous; None: already so."""
+        natural = torch.arange(self.input_size, device=g_idx.device,
+                               dtype=torch.int32) // self.group
+        if torch.equal(g_idx, natural):
+            return None
+        order = torch.argsort(g_idx.long(), stable=True)
+        if not torch.equal(g_idx[order], natural):
+            raise ValueError(f"g_idx does not put {self.group} inputs in each group")
+        return order
+
+    def _fresh_complete(self) -> bool | None:
+        """For a ``"fresh"`` load: True where every output row of the packed weight, the
+        scales and (asymmetric) the zero points was loaded, False where only some were,
+        None where nothing was (the layer keeps its weight)."""
+        rows: dict[str, set[tuple[int, int]]] = getattr(self, "_rows_loaded", {})
+        if not any(is_fresh(p) for p in self._parameters.values()):
+            return None
+        need = ["qweight", "scales"] + ([] if self.quant.sym else ["qzeros"])
+        return all(sum(size for _, size in rows.get(role, ())) == self.output_size
+                   for role in need)
+
     # ---------------------------------------------------------------- loading
 
     def _place(self, param: nn.Parameter, rows_first: torch.Tensor, shard_id: object,
@@ -152,6 +269,10 @@ class IntLinearMixin(LinearBase):
         one row per output) into ``param`` (``[., N]``; ``packed``: along K) at this rank's
         part of shard ``shard_id``."""
         start, size = self.shard_rows(shard_id)
+        if self._reload == "fresh":  # (which rows came: the layer is dequantized once whole)
+            role = next(r for r in ("qweight", "scales", "qzeros") if self.role(r) is param)
+            self.__dict__.setdefault("_rows_loaded", {}).setdefault(role, set()).add(
+                (start, size))
         if isinstance(self, FusedColumnLinear) and shard_id is not None:
             part = self.shard_part(rows_first, shard_id)
         elif isinstance(self, RowLinear) and self.tp_size > 1 and per_group:
@@ -210,7 +331,7 @@ class IntLinearMixin(LinearBase):
             if self.quant.group_size > 0:  # (else one group, 0, on every rank)
                 mine = mine - self.tp_rank * (self.input_size // self.group)
         seen: set[object] = getattr(self, "_g_idx_shards", set())
-        if seen and not torch.equal(param.data.cpu(), mine.cpu()):
+        if seen and not param.is_meta and not torch.equal(param.data.cpu(), mine.cpu()):
             raise ValueError(f"shard {shard_id!r}'s g_idx differs from that of shard(s) "
                              f"{sorted(seen, key=str)}: the shards of a fused layer must "
                              "share their input order")
@@ -230,7 +351,7 @@ class IntLinearMixin(LinearBase):
     def process_weights_after_loading(self) -> None:
         """:meth:`order_inputs`; on the CPU dequantize and become the plain layer again."""
         self.order_inputs()
-        if self.qweight.device.type == "cpu":
+        if isinstance(self, IntLinearMixin) and self.qweight.device.type == "cpu":
             with torch.no_grad():
                 self._become_plain()
 
@@ -238,7 +359,21 @@ class IntLinearMixin(LinearBase):
         """Give the tensors the layout's names, order a ``desc_act`` layer's inputs by group
         (its packed rows, and the gather of its input), drop zero points that are all the
         midpoint. Done once: a second call (a model's own hook that needed it first, then the
-        layer's) changes nothing."""
+        layer's) changes nothing. After a load of new weights (:meth:`reopen_for_reload`)
+        the served layout is kept in place; a CPU layer that got none of its tensors is its
+        plain self again, one that got some of them but not all refuses (its weight is
+        dequantized whole)."""
+        if self._reload == "fresh":
+            complete = self._fresh_complete()
+            if not complete:
+                self.abandon_reload()
+                if complete is False:
+                    raise ValueError(
+                        f"new weights of a quantized {type(self).__name__} "
+                        f"({self.input_size} -> {self.output_size}) on the CPU, where it is "
+                        "dequantized at load: give all of its packed weight, scales and zero "
+                        "points (every shard), not some")
+                return
         with torch.no_grad():
             for role in ("qweight", "scales", "qzeros"):
                 param = self._parameters.pop(self.quant.name(role), None)
@@ -246,15 +381,18 @@ class IntLinearMixin(LinearBase):
                     self.register_parameter(role, param)
             g_idx = self._parameters.pop(self.quant.name("g_idx"), None)
             self._parameters.pop("weight_shape", None)
-            self.__dict__.pop("_g_idx_shards", None)
-            k = self.input_size
+            for attr in ("_g_idx_shards", "_rows_loaded"):
+                self.__dict__.pop(attr, None)
+            self._laid_out = True
+            if self._reload == "alias":
+                self._reload = None
+                self._reload_in_place(g_idx)
+                return
+            self._reload = None
+            self.__dict__.pop("_reload_stash", None)
             if g_idx is not None:
-                natural = torch.arange(k, device=g_idx.device, dtype=torch.int32) // self.group
-                if not torch.equal(g_idx.data, natural):
-                    order = torch.argsort(g_idx.data.long(), stable=True)
-                    if not torch.equal(g_idx.data[order], natural):
-                        raise ValueError(f"g_idx does not put {self.group} inputs in each "
-                                         "group")
+                order = self._group_order(g_idx.data)
+                if order is not None:
                     ints = unpack_along_k(self.qweight.data, self.quant.bits)
                     self.qweight.data = pack_along_k(ints[order], self.quant.bits)
                     self.input_order = order
@@ -263,18 +401,21 @@ class IntLinearMixin(LinearBase):
                 self._parameters.pop("qzeros")
                 self.qzeros = None
 
-    def reorder_rows(self, reorder: Callable[[torch.Tensor], object]) -> None:
+    def reorder_rows(self, reorder: Callable[[torch.Tensor], object],
+                     fresh_only: bool = False) -> None:
         """Run ``reorder`` (in place on a contiguous tensor whose rows are the layer's
         outputs: a model's permutation of its rows) on the packed weight, the scales and the
         zero points (whose columns are the outputs) and the bias (after
-        :meth:`order_inputs`)."""
+        :meth:`order_inputs`); ``fresh_only``: on those loaded since the weights were last
+        processed (:func:`~mrv2.layers.weights.is_fresh`: the others are reordered
+        already)."""
         with torch.no_grad():
             for param in (self.qweight, self.scales, self.qzeros):
-                if param is not None:
+                if param is not None and (is_fresh(param) or not fresh_only):
                     rows = param.data.T.contiguous()
                     reorder(rows)
                     param.data.copy_(rows.T)
-            if self.bias is not None:
+            if self.bias is not None and (is_fresh(self.bias) or not fresh_only):
                 reorder(self.bias.data[:, None])
 
     def _become_plain(self) -> None:
@@ -284,10 +425,12 @@ class IntLinearMixin(LinearBase):
         for name in ("qweight", "scales", "qzeros"):
             self._parameters.pop(name, None)
         self._buffers.pop("input_order", None)
+        origin = (type(self), self.quant, self.group, self.model_dtype)
         for attr in ("quant", "group", "qzeros"):
             self.__dict__.pop(attr, None)
         self.__class__ = self.base_class  # type: ignore[assignment]
         self.weight = weight
+        self._int_origin = origin  # (what mrv2.layers.int_reload makes integer again)
         LinearBase.process_weights_after_loading(self)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
@@ -324,14 +467,20 @@ class IntLMHead(LMHead):
     def int_init(self, quant: IntQuantConfig) -> None:
         """Add the checkpoint's tensors (``[V, K]`` integers, ``[V, K/G]`` scales and zero
         points, ``g_idx [K]``) as parameters under its names; ``weight`` is filled from them."""
-        n, k = self.num_embeddings, self.embedding_dim
+        k = self.embedding_dim
         group = quant.group_size if quant.group_size > 0 else k
         if k % group:
             raise ValueError(f"the quantized LM head's inputs ({k}) must divide into groups "
                              f"of {group} (quantization_config.group_size)")
-        self.quant, self.group, self.int_loaded = quant, group, set()
-        device = self.weight.device
+        self.quant, self.group = quant, group
         self.weight.optional = True  # type: ignore[attr-defined]
+        self._int_params()
+
+    def _int_params(self) -> None:
+        quant, group = self.quant, self.group
+        n, k = self.num_embeddings, self.embedding_dim
+        self.int_loaded = set()
+        device = self.weight.device
         scale_dtype = torch.float32 if quant.method == "compressed-tensors" else torch.float16
         shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
             "qweight": ((n, k), torch.uint8), "scales": ((n, k // group), scale_dtype),
@@ -368,10 +517,41 @@ class IntLMHead(LMHead):
                           lambda f: super(IntLMHead, self)._apply(f, recurse), fn)
         return self
 
+    _reload: str | None = None
+
+    def reopen_for_reload(self) -> bool:
+        """After loading (the checkpoint's tensors dropped): take them again, as at start-up
+        (new weights dequantized into ``weight`` in place); False where they are still
+        there."""
+        if self._parameters.get(self.quant.name("qweight")) is not None:
+            return False
+        self._int_params()
+        self._reload = "fresh"
+        return True
+
+    def abandon_reload(self) -> None:
+        """The checkpoint's tensors dropped again, ``weight`` as it was."""
+        for role in ("qweight", "scales", "qzeros", "g_idx", "weight_shape"):
+            self._parameters.pop(self.quant.name(role), None)
+        self._reload = None
+
     def process_weights_after_loading(self) -> None:
         """Dequantize the checkpoint's tensors into this rank's rows of ``weight`` (once: they
-        are dropped), then the plain head's layout."""
+        are dropped), then the plain head's layout. After new weights
+        (:meth:`reopen_for_reload`): where none of the head's came, it keeps its weight;
+        where only some did, a ValueError (it is dequantized whole)."""
         roles = ("qweight", "scales", "qzeros", "g_idx", "weight_shape")
+        if self._reload is not None:
+            need = {"qweight", "scales"} | (set() if self.quant.sym else {"qzeros"})
+            got = need & self.int_loaded
+            if got != need:
+                self.abandon_reload()
+                if got:
+                    raise ValueError("new weights of the quantized LM head: give all of its "
+                                     f"{', '.join(sorted(need))} tensors, not some")
+                super().process_weights_after_loading()
+                return
+            self._reload = None
         params = {r: self._parameters.get(self.quant.name(r)) for r in roles}
         if params["qweight"] is not None:
             shape = params["weight_shape"]

@@ -33,7 +33,7 @@ from torch import nn
 
 from mrv2.layers.int_quant_config import IntQuantConfig, rows_of
 from mrv2.layers.moe import FusedMoE
-from mrv2.layers.weights import apply_moving_only
+from mrv2.layers.weights import apply_moving_only, is_fresh
 from mrv2_kernels.fused_moe import IntExperts, fused_moe
 from mrv2_kernels.fused_moe_int import dequantize_int_experts
 from mrv2_kernels.wna16_gemm import pack_along_k
@@ -73,29 +73,113 @@ class IntFusedMoE(FusedMoE):
         start = self.tp_rank * self.rank_inter  # (rank_inter: FusedMoE's, unpadded)
         self.pad_before = start % group
         self.intermediate_size = -(-(self.pad_before + self.rank_inter) // group) * group
-        e, inter, hidden = self.local_experts, self.intermediate_size, self.hidden_size
+        e, inter = self.local_experts, self.intermediate_size
         self.quant, self.model_dtype = quant, dtype
         device = self.w13_weight.device
         del self.w13_weight, self.w2_weight
         if self.w13_bias is not None:  # laid out as the padded rows are
             self.w13_bias = nn.Parameter(torch.empty(e, 2 * inter, device=device))
             self.w13_bias.weight_loader = self.bias_loader  # type: ignore[attr-defined]
-        scale_dtype = {"compressed-tensors": dtype, "mxfp4": torch.uint8}.get(quant.method,
-                                                                             torch.float16)
-        shapes = {"w13": (e, 2 * inter, hidden), "w2": (e, hidden, inter)}
-        for stack, (n_e, rows, k) in shapes.items():
-            self._param(stack, "qweight", torch.empty(n_e, rows, k // pack, dtype=torch.int32,
-                                                      device=device))
-            self._param(stack, "scales", torch.empty(n_e, rows, k // group, dtype=scale_dtype,
-                                                     device=device))
-            self._param(stack, "qzeros", torch.empty(n_e, rows, k // group, dtype=torch.uint8,
-                                                     device=device), optional=quant.sym)
-            if quant.method not in ("awq", "mxfp4"):  # checked: the natural order, not kept
-                self._param(stack, "g_idx", torch.empty(0, device=device), optional=True)
-            if quant.method == "compressed-tensors":
-                self._param(stack, "weight_shape", torch.empty(0, device=device), optional=True)
+        self._loading_params(device)
         if device.type != "meta":
             self.fill_defaults()
+
+    def _loading_params(self, device: torch.device, roles: tuple[str, ...] = (
+            "qweight", "scales", "qzeros", "g_idx", "weight_shape")) -> None:
+        """Both stacks' tensors of ``roles`` as empty parameters under the checkpoint's
+        names."""
+        quant, group, pack = self.quant, self.quant.group_size, 32 // self.quant.bits
+        e, inter, hidden = self.local_experts, self.intermediate_size, self.hidden_size
+        scale_dtype = {"compressed-tensors": self.model_dtype, "mxfp4": torch.uint8}.get(
+            quant.method, torch.float16)
+        shapes = {"w13": (2 * inter, hidden), "w2": (hidden, inter)}
+        for stack, (rows, k) in shapes.items():
+            made: dict[str, tuple[torch.Tensor, bool]] = {
+                "qweight": (torch.zeros(e, rows, k // pack, dtype=torch.int32, device=device),
+                            False),
+                "scales": (torch.zeros(e, rows, k // group, dtype=scale_dtype, device=device),
+                           False),
+                "qzeros": (torch.zeros(e, rows, k // group, dtype=torch.uint8, device=device),
+                           quant.sym)}
+            if quant.method not in ("awq", "mxfp4"):  # checked: the natural order, not kept
+                made["g_idx"] = (torch.empty(0, device=device), True)
+            if quant.method == "compressed-tensors":
+                made["weight_shape"] = (torch.empty(0, device=device), True)
+            for role in roles:
+                if role in made:
+                    self._param(stack, role, *made[role])
+
+    # ---------------------------------------------------------------- loading again
+
+    #: While the weights load again (:func:`~mrv2.layers.int_reload.reopen_int_layers`):
+    #: ``"alias"`` (the served packed stacks under the checkpoint's names, loaded in
+    #: place) or ``"fresh"`` (a stack the CPU made plain, with new integer stacks); else None.
+    _reload: str | None = None
+    #: Whether the stacks have the layout's names (:meth:`finish_loading` ran).
+    _laid_out: bool = False
+    #: (``"alias"``) whether the served stacks had dropped their zero points.
+    _reload_zeros: bool = False
+    #: (``"fresh"``) the plain stacks' weights and what made them integer, kept aside.
+    _reload_stash: tuple[Any, Any]
+
+    def reopen_for_reload(self) -> None:
+        """The served stacks under the checkpoint's names again, loaded in place; zero
+        points dropped at load come back as the midpoint."""
+        dropped_zeros = self._parameters.get("w13_qzeros") is None
+        for stack in _STACKS:
+            for role in ("qweight", "scales", "qzeros"):
+                param = self._parameters.pop(f"{stack}_{role}", None)
+                if param is not None:
+                    self.register_parameter(self._name(stack, role), param)
+            if dropped_zeros:
+                self.__dict__.pop(f"{stack}_qzeros", None)
+        device = cast(nn.Parameter, self.role("w13", "qweight")).device
+        if dropped_zeros:
+            self._loading_params(device, ("qzeros",))
+            for stack in _STACKS:
+                cast(nn.Parameter, self.role(stack, "qzeros")).data.fill_(
+                    1 << (self.quant.bits - 1))
+        self._loading_params(device, ("g_idx", "weight_shape"))
+        self._reload, self._reload_zeros, self._laid_out = "alias", dropped_zeros, False
+
+    def abandon_reload(self) -> None:
+        """Back to the served stacks after a load that gave them nothing (or failed)."""
+        self.__dict__.pop("_experts_loaded", None)
+        if self._reload == "alias":
+            for stack in _STACKS:
+                for role in ("qweight", "scales", "qzeros"):
+                    param = self._parameters.pop(self._name(stack, role), None)
+                    if param is not None:
+                        self.register_parameter(f"{stack}_{role}", param)
+                for role in ("g_idx", "weight_shape"):
+                    self._parameters.pop(self._name(stack, role), None)
+                if self._reload_zeros:
+                    self._parameters.pop(f"{stack}_qzeros", None)
+                    setattr(self, f"{stack}_qzeros", None)
+            self._reload, self._laid_out = None, True
+        elif self._reload == "fresh":
+            stash, origin = self.__dict__.pop("_reload_stash")
+            for name in [n for n in self._parameters
+                         if n.startswith(_STACKS) and not n.endswith("_bias")]:
+                self._parameters.pop(name)
+            for attr in ("quant", "_reload"):
+                self.__dict__.pop(attr, None)
+            self.__class__ = FusedMoE  # type: ignore[assignment]
+            self.w13_weight, self.w2_weight = stash
+            self._int_origin = origin
+
+    def _fresh_complete(self) -> bool | None:
+        """For a ``"fresh"`` load: True where every local expert's gate, up and down got
+        their packed weights, scales and (asymmetric) zero points, False where only some
+        did, None where nothing came (the stack keeps its weights)."""
+        got: dict[tuple[str, str], set[tuple[int, str]]] = getattr(self, "_experts_loaded", {})
+        if not got:
+            return None
+        roles = ["qweight", "scales"] + ([] if self.quant.sym else ["qzeros"])
+        want = {"w13": {(e, k) for e in range(self.local_experts) for k in ("gate", "up")},
+                "w2": {(e, "down") for e in range(self.local_experts)}}
+        return all(got.get((stack, role), set()) == want[stack]
+                   for stack in _STACKS for role in roles)
 
     def _name(self, stack: str, role: str) -> str:
         return f"{stack}_{self.quant.name(role)}"
@@ -134,6 +218,10 @@ class IntFusedMoE(FusedMoE):
         expert = self.local_expert(expert_id)
         if expert is None:
             return None  # another rank's expert (expert parallelism)
+        if self._reload == "fresh":  # (which experts came: the stacks dequantize once whole)
+            stack = "w2" if kind == "down" else "w13"
+            self.__dict__.setdefault("_experts_loaded", {}).setdefault(
+                (stack, role), set()).add((expert, kind))
         if role == "weight_shape":
             return None  # (the shapes are checked when the tensors land)
         if role == "g_idx":
@@ -194,7 +282,7 @@ class IntFusedMoE(FusedMoE):
         """:meth:`finish_loading`; on the CPU, dequantized experts (a plain
         :class:`FusedMoE`)."""
         self.finish_loading()
-        if self.w13_qweight.device.type == "cpu":
+        if isinstance(self, IntFusedMoE) and self.w13_qweight.device.type == "cpu":
             with torch.no_grad():
                 self._become_plain()
 
@@ -208,7 +296,31 @@ class IntFusedMoE(FusedMoE):
 
     def finish_loading(self) -> None:
         """The layout's names; zero points dropped where all are the midpoint; the padding
-        rows' scales and biases zeroed (whatever was loaded or drawn)."""
+        rows' scales and biases zeroed (whatever was loaded or drawn). After new weights
+        (:meth:`reopen_for_reload`) the served layout is kept in place (zero points it
+        dropped, new ones not all the midpoint, refused); a CPU stack that got none of its
+        experts' tensors keeps its weights, one that got some but not all refuses."""
+        if self._reload == "fresh":
+            complete = self._fresh_complete()
+            if not complete:
+                self.abandon_reload()
+                if complete is False:
+                    raise ValueError(
+                        f"new weights of quantized experts ({self.num_experts} experts) on the "
+                        "CPU, where they are dequantized at load: give every expert's gate, "
+                        "up and down packed weights, scales and zero points, not some")
+                return
+            self.__dict__.pop("_reload_stash", None)
+            self.__dict__.pop("_experts_loaded", None)
+        if self._reload == "alias":
+            self._reload = None
+            self.__dict__.pop("_experts_loaded", None)
+            with torch.no_grad():
+                for rows in self.padding_rows():
+                    cast(nn.Parameter, self.role("w13", "scales")).data[:, rows] = 0
+            self._close_in_place()
+            return
+        self._reload = None
         with torch.no_grad():
             for rows in self.padding_rows():
                 cast(nn.Parameter, self.role("w13", "scales")).data[:, rows] = 0
@@ -227,6 +339,29 @@ class IntFusedMoE(FusedMoE):
                 for stack in _STACKS:
                     self._parameters.pop(f"{stack}_qzeros")
                     setattr(self, f"{stack}_qzeros", None)
+        self._laid_out = True
+
+    def _close_in_place(self) -> None:
+        """The end of an in-place load (``"alias"``): the layout's names back; zero points
+        the served stacks dropped (all the midpoint) must still be the midpoint (the kernels
+        recorded without them would leave others out)."""
+        mid = 1 << (self.quant.bits - 1)
+        for stack in _STACKS:
+            for role in ("qweight", "scales", "qzeros"):
+                param = self._parameters.pop(self._name(stack, role), None)
+                if param is not None:
+                    self.register_parameter(f"{stack}_{role}", param)
+            for role in ("g_idx", "weight_shape"):
+                self._parameters.pop(self._name(stack, role), None)
+            if self._reload_zeros:
+                zeros = self._parameters.pop(f"{stack}_qzeros", None)
+                setattr(self, f"{stack}_qzeros", None)
+                if zeros is not None and is_fresh(zeros) and not bool((zeros.data == mid).all()):
+                    raise ValueError("new weights of symmetric quantized experts (zero points "
+                                     "all the midpoint, dropped at load) with other zero "
+                                     "points: not loaded in place; restart the engine on the "
+                                     "new checkpoint")
+        self._laid_out = True
 
     def _become_plain(self) -> None:
         w13, w2 = (nn.Parameter(self.dequantized(s, self.model_dtype), requires_grad=False)
@@ -236,10 +371,12 @@ class IntFusedMoE(FusedMoE):
             self._parameters.pop(name)
         for stack in _STACKS:
             self.__dict__.pop(f"{stack}_qzeros", None)
+        origin = (self.quant, self.model_dtype)
         self.__class__ = FusedMoE  # type: ignore[assignment]
         self.w13_weight, self.w2_weight = w13, w2
         for param in (w13, w2):
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self._int_origin = origin  # (what reopen_plain_experts makes it again)
 
     def dequantized(self, stack: str, dtype: torch.dtype) -> torch.Tensor:
         """Stack ``stack``'s (``"w13"`` / ``"w2"``) real weights ``[E, N, K]`` in ``dtype``."""
@@ -266,6 +403,21 @@ class IntFusedMoE(FusedMoE):
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, {self.quant.method} {self.quant.bits}-bit, "
                 f"group={self.quant.group_size}")
+
+
+def reopen_plain_experts(moe: nn.Module) -> None:
+    """Experts the CPU dequantized (:meth:`IntFusedMoE._become_plain`) integer again, with
+    empty checkpoint-named stacks to load (``"fresh"``), their weights kept aside."""
+    quant, dtype = moe.__dict__.pop("_int_origin")
+    stash = (moe._parameters.pop("w13_weight"), moe._parameters.pop("w2_weight"))
+    moe.__class__ = IntFusedMoE
+    int_moe = cast(IntFusedMoE, moe)
+    int_moe.quant, int_moe.model_dtype = quant, dtype
+    device = cast(nn.Parameter, stash[0]).device
+    int_moe._loading_params(device)
+    int_moe.fill_defaults()
+    int_moe._reload_stash = (stash, (quant, dtype))
+    int_moe._reload = "fresh"
 
 
 def experts_to_int(moe: FusedMoE, quant: IntQuantConfig, dtype: torch.dtype) -> IntFusedMoE:

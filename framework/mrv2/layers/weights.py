@@ -49,7 +49,8 @@ def shard_coverage() -> Iterator[ShardCoverage]:
 
 
 def missing_shards(coverage: ShardCoverage) -> list[str]:
-    """``"param (checkpoint fragment)"`` for each shard of a fused parameter that
+    """``"param (checkpoint fragment)"`` for each shard of a fused parameter (or of a stacked
+    expert parameter: each expert's gate, up or down, :func:`expert_shards`) that
     ``coverage`` saw loaded in part but never got (its rows would hold uninitialized
     memory)."""
     return [f"{name} ({fragment})" for name, (wanted, got) in sorted(coverage.items())
@@ -110,6 +111,22 @@ def load_param(
     except ValueError as e:
         what = f"checkpoint tensor {source!r}" if source else "checkpoint tensor"
         raise ValueError(f"cannot load {what} into parameter {name!r}: {e}") from e
+    param.fresh_load = True  # type: ignore[attr-defined]
+
+
+def is_fresh(param: torch.Tensor | None) -> bool:
+    """Whether ``param`` got a checkpoint tensor (:func:`load_param`) since the modules last
+    processed their weights (``mrv2.model_loader.build.process_weights_after_loading``
+    clears the mark): what a module's hook may reorder or repack in place. A hook that
+    transforms only its fresh tensors can run again after a load of some of them (an
+    update of the weights) without transforming the others twice."""
+    return bool(getattr(param, "fresh_load", False))
+
+
+def clear_fresh(model: nn.Module) -> None:
+    """Forget :func:`is_fresh`'s marks of every parameter of ``model``."""
+    for param in model.parameters():
+        param.__dict__.pop("fresh_load", None)
 
 
 def checkpoint_target(
@@ -142,7 +159,10 @@ def load_stacked_weights(
     A routed expert's tensor goes to its shard of the stacked expert weights
     (:func:`expert_weight_target`); otherwise a name containing ``.{checkpoint_fragment}.`` of a
     ``stacked`` entry goes to shard ``shard_id`` of the fused parameter. A name matching no
-    parameter is an error.
+    parameter is an error, unless its tensor has no elements: transformers builds and saves
+    a zero-width layer where a config sizes one 0 (DeepSeek's and GLM's
+    ``n_shared_experts: 0``, Qwen2-MoE's ``shared_expert_intermediate_size: 0``), which adds
+    nothing and which mrv2's families do not build.
     """
     params = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -156,17 +176,52 @@ def load_stacked_weights(
             continue
         name, shard_id = target
         if name not in params:
+            if isinstance(tensor, torch.Tensor) and tensor.numel() == 0:
+                continue  # a zero-width layer of a zero-size config: no values, no layer here
             raise ValueError(
                 f"checkpoint tensor {ckpt_name!r} matches no parameter of "
                 f"{type(model).__name__} (looked for {name!r})"
             )
         load_param(name, params[name], tensor, shard_id, source=ckpt_name)
         loaded.add(name)
-        if coverage is not None and shard_id is not None:  # (not an expert's: no mapping's)
-            stack = next((f for f in wanted if f".{f}." in name), None)
-            if stack is not None and shard_id in wanted[stack]:
-                coverage.setdefault(name, (wanted[stack], set()))[1].add(shard_id)
+        if coverage is None or shard_id is None:
+            continue
+        if name not in coverage and _is_expert_shard(shard_id):
+            shards = expert_shards(model, name)
+            if shards is not None:
+                coverage[name] = (shards, set())
+        if name in coverage:
+            if shard_id in coverage[name][0]:
+                coverage[name][1].add(shard_id)
+            continue
+        stack = next((f for f in wanted if f".{f}." in name), None)
+        if stack is not None and shard_id in wanted[stack]:
+            coverage.setdefault(name, (wanted[stack], set()))[1].add(shard_id)
     return loaded
+
+
+def _is_expert_shard(shard_id: Any) -> bool:
+    return (isinstance(shard_id, tuple) and len(shard_id) == 2
+            and isinstance(shard_id[0], int) and shard_id[1] in ("gate", "up", "down"))
+
+
+def expert_shards(model: nn.Module, name: str) -> dict[Any, str] | None:
+    """Every ``(expert, kind)`` shard a stacked expert parameter ``name`` (``...experts.
+    w13_<tensor>``: gate and up of each expert; ``w2_<tensor>``: down) takes from a
+    checkpoint of one tensor per expert, with the checkpoint fragment that fills it; None
+    where the parameter's module has no ``num_experts``. A whole-checkpoint load checks
+    them (:func:`missing_shards`): an expert the checkpoint leaves out would keep
+    uninitialized memory."""
+    module_name, _, param = name.rpartition(".")
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        return None
+    experts = getattr(module, "num_experts", None)
+    if not isinstance(experts, int):
+        return None
+    kinds = ("down",) if param.startswith("w2_") else ("gate", "up")
+    return {(e, kind): f"experts.{e}.{kind}_proj" for e in range(experts) for kind in kinds}
 
 
 def apply_moving_only(module: nn.Module, names: Iterable[str],

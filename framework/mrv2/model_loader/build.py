@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -12,6 +14,7 @@ from torch import nn
 from mrv2.config import EngineConfig
 from mrv2.layers.fp8 import Fp8Config
 from mrv2.layers.int_quant_config import IntQuantConfig
+from mrv2.layers.weights import clear_fresh
 from mrv2.registry import ModelEntry, Registries
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -345,16 +348,61 @@ def fp8_layer_names(model: nn.Module, names: list[str]) -> list[str]:
     return out
 
 
+class Reload:
+    """What :func:`reloading` yields: :meth:`names` of a load's parameters as laid out."""
+
+    def __init__(self, model: nn.Module, reopened: list[nn.Module]) -> None:
+        ids = {id(m) for m in reopened}
+        self.model = model
+        self.prefixes = [f"{n}." for n, m in model.named_modules() if id(m) in ids]
+
+    def names(self, loaded: set[str]) -> set[str]:
+        """``loaded`` (the names the load filled: a reopened integer layer's under the
+        checkpoint's names) as the model names its parameters now."""
+        hit = {p for p in self.prefixes if any(n.startswith(p) for n in loaded)}
+        if not hit:
+            return loaded
+        out = {n for n in loaded if not any(n.startswith(p) for p in hit)}
+        for prefix in hit:
+            module = self.model.get_submodule(prefix[:-1])
+            out |= {prefix + n for n, _ in module.named_parameters(recurse=False)}
+        return out
+
+
+@contextlib.contextmanager
+def reloading(model: nn.Module) -> Iterator[Reload]:
+    """Around a load of new weights into a model already loaded and processed (an update
+    of the weights, a reload; ``Runner.load_weights``, and its check on meta tensors): its
+    integer layers, expert stacks and quantized LM head take the checkpoint's tensors under
+    its names again (:func:`~mrv2.layers.int_reload.reopen_int_layers`), their hooks lay out
+    what was loaded as the first load did, and on leaving those whose hook did not run go
+    back as they were; the fresh marks (:func:`~mrv2.layers.weights.is_fresh`) are
+    forgotten."""
+    from mrv2.layers.int_reload import abandon_reloads, reopen_int_layers
+
+    reopened = reopen_int_layers(model)
+    try:
+        yield Reload(model, reopened)
+    finally:
+        abandon_reloads(reopened)
+        clear_fresh(model)
+
+
 def process_weights_after_loading(model: nn.Module, changed: set[str] | None = None) -> None:
     """Let every module that has one run its ``process_weights_after_loading()`` (a layout for
     the device, say) once its weights are loaded and on the device; with ``changed`` (the
     parameter names loaded again: ``LLMEngine.update_weights``) only the modules holding one
     of them, parents before children, as at load."""
+    chosen = []  # (first: a parent's hook may rename its children's parameters)
     for name, module in model.named_modules():
-        hook = getattr(module, "process_weights_after_loading", None)
-        if not callable(hook):
+        if not callable(getattr(module, "process_weights_after_loading", None)):
             continue
         prefix = f"{name}." if name else ""
         if changed is None or any(f"{prefix}{p}" in changed
                                   for p, _ in module.named_parameters()):
-            hook()
+            chosen.append(module)
+    try:
+        for module in chosen:  # (the hook of its class now: a parent's may have changed it)
+            module.process_weights_after_loading()
+    finally:
+        clear_fresh(model)

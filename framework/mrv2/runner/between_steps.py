@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from mrv2.contract.batch import InputBatch
-from mrv2.model_loader.build import process_weights_after_loading
+from mrv2.model_loader.build import process_weights_after_loading, reloading
 from mrv2.model_loader.loader import load_model_weights
 from mrv2.runner.sleep import Sleeper
 
@@ -59,10 +59,11 @@ class BetweenSteps:
         then rerun ``process_weights_after_loading`` of the modules they changed; returns the
         parameter names loaded (``LLMEngine.update_weights``; the CUDA graphs read the same
         memory). A name the model does not have is a ValueError."""
-        with torch.no_grad():
-            loaded = load_model_weights(self.model, weights, strict=False)
-        process_weights_after_loading(self.model, changed=loaded)
-        return loaded
+        with reloading(self.model) as reload:  # (integer layers: the checkpoint's names)
+            with torch.no_grad():
+                loaded = load_model_weights(self.model, weights, strict=False)
+            process_weights_after_loading(self.model, changed=loaded)
+            return reload.names(loaded)
 
     def check_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Run the model's loader over ``weights`` with every parameter (and persistent
@@ -70,7 +71,7 @@ class BetweenSteps:
         have, or a tensor of the wrong shape, raises as :meth:`load_weights` would, but before
         any weight is written (none is: the copies land on the meta device;
         ``LLMEngine.update_weights`` of a list, a checkpoint directory's load)."""
-        with torch.no_grad(), _meta_parameters(self.model):
+        with torch.no_grad(), reloading(self.model), _meta_parameters(self.model):
             load_model_weights(self.model, weights, strict=False)
 
     # -- sleep mode --------------------------------------------------------------------------

@@ -46,6 +46,7 @@ from mrv2.layers.fp8 import FP8, Fp8LinearMixin
 from mrv2.layers.int_quant import IntLinearMixin
 from mrv2.layers.linear import LinearBase, split_evenly
 from mrv2.layers.rotary import rope_parameters_of, rope_rows_to_halves
+from mrv2.layers.weights import is_fresh
 from mrv2_kernels.mla_attention import flat_grid_enabled, mla_cache_write, mla_decode_attention
 
 #: The eps of DeepSeek's q_a / kv_a RMSNorms (HF builds them with the default).
@@ -86,14 +87,17 @@ class MLABackend(AttentionBackend):
 
 
 def _row_tensors(layer: LinearBase) -> list[torch.Tensor]:
-    """Every tensor indexed by the layer's output rows (this rank's, once loaded), 2-D: the
-    weight (an fp8 one viewed as bytes), its per-row fp8 scales, the bias."""
+    """Every tensor indexed by the layer's output rows (this rank's, once loaded) that was
+    loaded since the weights were last processed (:func:`~mrv2.layers.weights.is_fresh`:
+    a tensor not given again is in the halves order already), 2-D: the weight (an fp8 one
+    viewed as bytes), its per-row fp8 scales, the bias."""
     weight = layer.weight.data
-    rows = [weight.view(torch.uint8) if weight.dtype == FP8 else weight]
+    rows = [weight.view(torch.uint8) if weight.dtype == FP8 else weight] if is_fresh(
+        layer.weight) else []
     scale = getattr(layer, "weight_scale_inv", None)
-    if scale is not None:
+    if scale is not None and is_fresh(scale):
         rows.append(scale.data)
-    if layer.bias is not None:
+    if layer.bias is not None and is_fresh(layer.bias):
         rows.append(layer.bias.data[:, None])
     return rows
 
@@ -167,7 +171,8 @@ class MLAAttention(KVCacheLayer):
         return LatentKVSpec(self.rank + self.rope_dim)
 
     def process_weights_after_loading(self) -> None:
-        """Rope rows to the half-split order (interleaved checkpoints) and the per-head
+        """Rope rows to the half-split order (interleaved checkpoints; the rows loaded since
+        the last call only: a load of other tensors leaves them) and the per-head
         up-projections out of ``kv_b_proj`` (an fp8 one dequantized), for this rank's heads:
         the loaded column-parallel weights and their per-row scales hold only those. Runs
         before the linears' own hooks."""
@@ -184,7 +189,7 @@ class MLAAttention(KVCacheLayer):
                     reorder = functools.partial(rope_rows_to_halves, head_dim=head_dim,
                                                 rope_dim=self.rope_dim)
                     if isinstance(layer, IntLinearMixin):
-                        layer.reorder_rows(reorder)
+                        layer.reorder_rows(reorder, fresh_only=True)
                     else:
                         for rows in _row_tensors(layer):
                             reorder(rows)

@@ -128,17 +128,23 @@ def mamba2_mixer(config: Any, family: str) -> Mamba2Mixer:
 
 
 def feed_forward(config: Any, family: str) -> MoEBlock | GatedMLP:
-    """Granite's ``block_sparse_moe`` with the ``shared_mlp`` as its shared expert, or (no
+    """Granite's ``block_sparse_moe`` with the ``shared_mlp`` as its shared expert (none
+    where ``shared_intermediate_size`` is 0: HF's zero-width MLP adds nothing), or (no
     experts, or Bamba: no ``num_local_experts``) a dense SwiGLU MLP."""
     act = str(config.hidden_act)
     experts = int(getattr(config, "num_local_experts", 0) or 0)
-    shared = getattr(config, "shared_intermediate_size", None) or config.intermediate_size
+    shared = getattr(config, "shared_intermediate_size", None)
+    shared = int(config.intermediate_size if shared is None else shared)
     if act not in MLP_ACTIVATIONS or (experts and act != "silu"):
         raise ValueError(f"{family}: hidden_act must be 'silu' (the gated MLPs' and experts' "
                          f"activation), got {act!r}")
-    mlp = GatedMLP(config.hidden_size, int(shared), act,
-                   bias=bool(getattr(config, "mlp_bias", False)))
+    if shared < 0 or not (shared or experts):
+        raise ValueError(f"{family}: shared_intermediate_size = {shared}: must be at least 1 "
+                         "(0 only with num_local_experts: a layer with neither adds nothing)")
+    mlp = GatedMLP(config.hidden_size, shared, act,
+                   bias=bool(getattr(config, "mlp_bias", False))) if shared else None
     if not experts:
+        assert mlp is not None
         return mlp
     router = SoftmaxTopKRouter(config.hidden_size, experts, int(config.num_experts_per_tok),
                                renormalize=True)

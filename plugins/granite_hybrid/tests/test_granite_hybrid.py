@@ -41,6 +41,8 @@ VARIANTS: dict[str, tuple[Any, dict[str, Any]]] = {
                                               "attention_bias": True}),
     "bamba": (save_tiny_bamba, {}),
     "one-group": (save_tiny_granite_hybrid, {"mamba_n_groups": 1}),
+    # HF's zero-width shared MLP (saved as empty tensors) adds nothing: mrv2 builds none
+    "moe-no-shared": (save_tiny_granite_hybrid, {"shared_intermediate_size": 0}),
 }
 Checkpoint = tuple[Path, torch.nn.Module, list[list[int]]]
 
@@ -67,7 +69,9 @@ def _prompt_logprobs_match(llm: LLM, hf: torch.nn.Module) -> None:
     ("moe-nope", {"num_gpu_blocks_override": 12}),
     ("dense-rope", {"max_num_batched_tokens": 8}),
     ("bamba", {"max_num_batched_tokens": 8}),
-], ids=["moe-nope-chunked", "moe-nope-preempt", "dense-rope-chunked", "bamba-chunked"])
+    ("moe-no-shared", {}),
+], ids=["moe-nope-chunked", "moe-nope-preempt", "dense-rope-chunked", "bamba-chunked",
+        "moe-no-shared"])
 def test_greedy_and_logprobs_match_hf(checkpoints: dict[str, Checkpoint], variant: str,
                                       kwargs: dict[str, Any]) -> None:
     path, hf, want = checkpoints[variant]
@@ -142,6 +146,9 @@ def test_structure_and_names(checkpoints: dict[str, Checkpoint]) -> None:
     assert rope is not None and rope.rotary_dim == 8  # (half of each 16-dim head)
     every = {n for n, _ in bamba.named_parameters()}
     assert load_model_weights(bamba, iter_safetensors(bamba_path)) == every
+    no_shared = GraniteMoeHybridForCausalLM(
+        transformers.AutoConfig.from_pretrained(checkpoints["moe-no-shared"][0]))
+    assert no_shared.model.layers[0].block_sparse_moe.shared_experts is None
 
 
 def test_refusals(checkpoints: dict[str, Checkpoint]) -> None:
@@ -165,6 +172,8 @@ def test_refusals(checkpoints: dict[str, Checkpoint]) -> None:
         GraniteMoeHybridForCausalLM(bad(position_embedding_type="alibi"))
     with pytest.raises(ValueError, match="time_step_limit must be"):
         GraniteMoeHybridForCausalLM(bad(time_step_limit=(0.5, 0.1)))
+    with pytest.raises(ValueError, match="shared_intermediate_size = 0: must be at least 1"):
+        GraniteMoeHybridForCausalLM(bad(shared_intermediate_size=0, num_local_experts=0))
     legacy = bad(layer_types=None)
     legacy.layers_block_type = None
     with pytest.raises(ValueError, match="names no layers"):

@@ -11,7 +11,7 @@ is non-zero; those layers keep a dense MLP of ``intermediate_size``. Experts are
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -43,11 +43,26 @@ def qwen3_moe_block(config: PretrainedConfig, shared: bool = False) -> MoEBlock:
     router = SoftmaxTopKRouter(config.hidden_size, config.num_experts,
                                config.num_experts_per_tok, bool(config.norm_topk_prob))
     experts = FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size)
-    size = int(getattr(config, "shared_expert_intermediate_size", 0) or 0) if shared else 0
+    size = shared_expert_size(config) if shared else 0
     if not size:
         return MoEBlock(router, experts)
     return MoEBlock(router, experts, GatedMLP(config.hidden_size, size, config.hidden_act),
                     shared_expert_gate=True)
+
+
+def shared_expert_size(config: Any) -> int:
+    """``shared_expert_intermediate_size`` (0: none, or the field absent)."""
+    return int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
+
+
+def skip_absent_shared_expert(name: str, config: Any) -> str | None:
+    """None for a gated shared expert's ``shared_expert_gate`` where the config sizes the
+    expert 0 (HF builds a zero-width expert and its gate anyway, their product 0, and saves
+    both: the expert's empty tensors are skipped by the loader, the gate here); else
+    ``name``."""
+    if ".mlp.shared_expert_gate." in name and not shared_expert_size(config):
+        return None
+    return name
 
 
 class Qwen3MoeForCausalLM(CausalLM):
@@ -88,4 +103,6 @@ class Qwen2MoeForCausalLM(CausalLM):
         super().__init__(config, DecoderModel(config, layer))
 
     def rename(self, name: str) -> str | None:
+        if skip_absent_shared_expert(name, self.config) is None:
+            return None
         return super().rename(name.replace(".mlp.shared_expert.", ".mlp.shared_experts."))

@@ -65,9 +65,11 @@ from mrv2.layers import (
 from mrv2.layers.int_quant import IntLinearMixin
 from mrv2.layers.linear import LinearBase, norm_linear, resolve_tp, split_evenly
 from mrv2.layers.moe import is_sparse_layer
+from mrv2.layers.weights import is_fresh
 from mrv2_kernels.chunk_delta_rule import gated_delta_rule_auto
 from mrv2_kernels.linear_attention import causal_conv1d
 from mrv2_kernels.norm import gated_rms_norm
+from mrv2_qwen.qwen3_moe import shared_expert_size, skip_absent_shared_expert
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -138,10 +140,13 @@ def _load_ungrouped(base: Any, param: nn.Parameter, loaded: torch.Tensor,
 
 def _rows_by_kind(linear: LinearBase) -> bool:
     """Whether a projection's rows are regrouped (:meth:`GatedDeltaNet.
-    process_weights_after_loading`): its weight's mark, or the layer's where its weight is
-    packed integers."""
+    process_weights_after_loading`): its weight's mark, or, where its weight is packed
+    integers, none of its row tensors loaded since the last regrouping
+    (:func:`~mrv2.layers.weights.is_fresh`)."""
     weight = linear._parameters.get("weight")
-    return bool(getattr(weight if weight is not None else linear, "rows_by_kind", False))
+    if weight is not None:
+        return bool(getattr(weight, "rows_by_kind", False))
+    return not any(is_fresh(p) for p in linear._parameters.values())
 
 
 def _copy(param: nn.Parameter, src: torch.Tensor, what: str) -> None:
@@ -228,9 +233,8 @@ class GatedDeltaNet(RequestStateLayer):
                 linear.process_weights_after_loading()  # layer's own first (the CPU's: plain)
             if _rows_by_kind(linear) or linear.row_order is None:
                 continue
-            if isinstance(linear, IntLinearMixin):  # (kept packed: their output columns)
-                linear.reorder_rows(linear.row_order)
-                linear.rows_by_kind = True  # type: ignore[assignment]
+            if isinstance(linear, IntLinearMixin):  # (kept packed: their output columns;
+                linear.reorder_rows(linear.row_order, fresh_only=True)  # those loaded anew)
                 continue
             weight = linear.weight
             with torch.no_grad():
@@ -315,7 +319,7 @@ def qwen3_next_mlp(config: Any, layer_idx: int) -> nn.Module:
                                config.num_experts_per_tok, bool(config.norm_topk_prob))
     experts = FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size)
     shared = None
-    if int(getattr(config, "shared_expert_intermediate_size", 0) or 0) > 0:
+    if shared_expert_size(config) > 0:
         shared = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size,
                           config.hidden_act)
     return MoEBlock(router, experts, shared, shared_expert_gate=shared is not None)
@@ -363,7 +367,8 @@ class Qwen3NextForCausalLM(CausalLM):
             config, i, types[i], cache_idx[i], rope)))
 
     def rename(self, name: str) -> str | None:
-        if name.startswith(("mtp.", "model.mtp.")):
+        if name.startswith(("mtp.", "model.mtp.")) or skip_absent_shared_expert(
+                name, self.config) is None:
             return None
         name = name.replace(".mlp.shared_expert.", ".mlp.shared_experts.")
         name = name.replace(".linear_attn.conv1d.weight", ".linear_attn.conv_weight")

@@ -44,6 +44,7 @@ from mrv2.layers import STACKED_PARAMS, LMHead, RMSNorm, VocabEmbedding, get_rop
 from mrv2.layers.linear import LinearBase
 from mrv2.layers.mtp import SharedHeadMTP
 from mrv2.layers.weights import StackedMapping, load_stacked_weights
+from mrv2_qwen.qwen3_moe import skip_absent_shared_expert
 from mrv2_qwen.qwen3_next import Qwen3NextLayer, layer_types_of
 
 #: Checkpoint name prefixes of the MTP head (``model.mtp.``: the same tensors one level down).
@@ -143,7 +144,8 @@ class Qwen3NextMTP(SharedHeadMTP):
                 break
         else:
             return None
-        if "rotary_emb.inv_freq" in rest:
+        if "rotary_emb.inv_freq" in rest or skip_absent_shared_expert(rest,
+                                                                     self.config) is None:
             return None
         return rest.replace(".mlp.shared_expert.", ".mlp.shared_experts.")
 

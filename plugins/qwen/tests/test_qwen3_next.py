@@ -17,6 +17,7 @@ import transformers
 
 from mrv2 import LLM, SamplingParams
 from mrv2.layers import MoEBlock
+from mrv2.layers.int_quant import IntLinearMixin
 from mrv2.testing import hf_greedy
 from mrv2.testing_engine import (
     check_prompt_logprobs,
@@ -225,6 +226,20 @@ def test_gptq_checkpoint_with_quantized_input_projections(
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
+    llm.reload_weights()  # (the rows regrouped once again, not twice)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+    # kept packed (a GPU's layout): a reload regroups the packed rows it loaded, once
+    monkeypatch.setattr(IntLinearMixin, "_become_plain", lambda self: None)
+    packed = LLM(str(tmp_path / "q"), device="cpu", dtype="float32", block_size=4)
+    projections = [m for m in packed.engine.runner.model.modules()
+                   if isinstance(m, IntLinearMixin) and m.row_order is not None]
+    assert projections
+    before = [m.dequantized(torch.float32) for m in projections]
+    packed.reload_weights()
+    for layer, weight in zip(projections, before, strict=True):
+        assert torch.equal(layer.dequantized(torch.float32), weight)
 
 
 def test_the_start_up_kv_check_counts_only_the_attention_layers(tmp_path: Path) -> None:
@@ -245,3 +260,22 @@ def test_the_start_up_kv_check_counts_only_the_attention_layers(tmp_path: Path) 
     assert llm.engine.block_manager.num_blocks == 16  # 64 tokens of 4
     with pytest.raises(ValueError, match="max_model_len 64 tokens needs 16 blocks"):
         LLM(str(tmp_path), cpu_kv_cache_gb=15.5 * per_block / (1 << 30), **kwargs)
+
+
+def test_zero_size_shared_expert_matches_hf(tmp_path: Path) -> None:
+    """``shared_expert_intermediate_size: 0``: HF builds a zero-width shared expert and its
+    gate (their product adds nothing) and saves both; mrv2 builds neither, loads the
+    checkpoint (the empty tensors and the gate passed over) and gives HF's tokens and
+    prompt log-probabilities."""
+    hf = save_tiny_qwen3_next(tmp_path, shared_expert_intermediate_size=0)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", block_size=4)
+    blocks = [m for m in llm.engine.runner.model.modules() if isinstance(m, MoEBlock)]
+    assert blocks and all(b.shared_experts is None and b.shared_expert_gate is None
+                          for b in blocks)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(tmp_path, PROMPTS[0], 8)
+    ids = PROMPTS[2]
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0]
+    check_prompt_logprobs(llm, {"prompt_token_ids": ids}, ids, logits)
