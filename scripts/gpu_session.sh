@@ -859,17 +859,21 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
              --variants ${GLM47_VARIANTS:-mtp_off mtp_on async_off mtp_on_async_off} 2>&1 \
              | tee "$OUT/glm47.log" | tail -24 ;;
     verify48b) # the eight-warp prefill register cap (maxnreg 128: two programs an SM) with the flat
-               # grid's per-step order: the prefill bench in both orders, the paged-attention kernel
-               # tests compiled, the engine's GPU tests (VERIFY_S seconds in all, default 560)
+               # grid's per-step order: the prefill bench in both orders, the engine's GPU tests, the
+               # structured-outputs and sampler GPU tests (VERIFY_S seconds in all, default 560)
                end=$(( $(date +%s) + ${VERIFY_S:-560} ))
                left() { local l=$(( end - $(date +%s) )); [ "$l" -lt "$1" ] && echo $(( l > 1 ? l : 1 )) || echo "$1"; }
                timeout "$(left 130)" python3 -m mrv2_kernels.bench_attention --no-decode --layouts 8B 0.6B \
                  --tiles-last > "$OUT/attn.log" 2>&1; grep -E "^order|causal:|^mixed step" "$OUT/attn.log" | head -16
-               timeout "$(left 90)" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_paged_attention.py \
-                 2>&1 | tee "$OUT/kernel_paged_attention.log" | grep -E "^FAILED|^ERROR|passed|failed" | tail -4 | sed "s/^/paged kernels: /"
-               timeout "$(left 300)" python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_engine.py \
+               timeout "$(left 170)" python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_engine.py \
                  2>&1 | tee "$OUT/gpu_engine.log" | grep -cE "PASSED" | sed "s/^/engine passed: /"
-               grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_engine.log" | tail -4 ;;
+               grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_engine.log" | tail -4
+               # then the session's sampler change (structured outputs' masks before the logprobs)
+               for t in structured_outputs sampler; do
+                 [ "$(left 30)" -lt 25 ] && break
+                 timeout "$(left 120)" python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_$t.py 2>&1 \
+                   | tee "$OUT/gpu_$t.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -4 | sed "s/^/$t: /"
+               done ;;
     verify48) # the forty-eighth session's work on CUDA, within VERIFY_S seconds (default 560):
               # the flat grid's order picked per step on the device (the engine's GPU tests, the
               # paged-attention kernel tests compiled, one long prompt's TTFT at 32,000 and 4,000
