@@ -217,6 +217,9 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(tmp_path: Path) -> None:
         assert out[0].prompt_token_ids == too_long[-64:]
     out = llm.encode({"prompt_token_ids": long}, use_tqdm=False, truncate_prompt_tokens=-1)
     assert out[0].prompt_token_ids == long
+    for run in (llm.classify, llm.embed):  # (vLLM's: a cut longer than the context, refused)
+        with pytest.raises(ValueError, match=r"truncate_prompt_tokens value \(65\) is greater"):
+            run({"prompt_token_ids": long}, use_tqdm=False, truncate_prompt_tokens=65)
 
 
 def test_encode_with_pooling_params_keeps_the_models_task(tmp_path: Path) -> None:

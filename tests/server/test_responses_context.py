@@ -1,7 +1,9 @@
 """What the chat template is given of a Responses API conversation
 (:mod:`mrv2.entrypoints.responses_context`): an earlier answer's reasoning before its call,
 sent back as input items or kept by the store, is rendered back (gpt-oss: the analysis before
-the call, as harmony asks), a finished turn's is not; ``truncation: "auto"``'s cuts."""
+the call, as harmony asks), a finished turn's is not; ``truncation: "auto"``'s cuts. The chat
+route's assistant messages sent back with ``reasoning`` / ``reasoning_content`` and calls
+likewise (gpt-oss)."""
 
 from __future__ import annotations
 
@@ -17,9 +19,14 @@ from mrv2.contract.params import SamplingParams
 from mrv2.engine.outputs import CompletionOutput, RequestOutput
 from mrv2.engine.tokenizer import Tokenizer
 from mrv2.entrypoints.harmony import MARKERS
+from mrv2.entrypoints.openai_protocol import ChatMessage
 from mrv2.entrypoints.openai_responses import ResponsesRequest, ResponsesStream
 from mrv2.entrypoints.responses import _Answer
-from mrv2.entrypoints.responses_context import current_reasoning, truncation_cuts
+from mrv2.entrypoints.responses_context import (
+    current_reasoning,
+    harmony_messages,
+    truncation_cuts,
+)
 from mrv2.entrypoints.responses_store import ResponseStore
 from mrv2.entrypoints.tool_calls import ToolCalling, get_tool_parser
 from mrv2.testing import make_tiny_checkpoint, make_tiny_tokenizer
@@ -141,6 +148,80 @@ def _check_follow_ups(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
     done = follow_up([user, REASONING, CALL, OUTPUT, REASONING, answer,
                       {"role": "user", "content": "And Rome?"}])
     assert THOUGHT not in done and "<|channel|>final<|message|>Sunny." in done
+
+
+CHAT_CALL = {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+
+def test_a_chat_calls_reasoning_is_rendered_back(harmony_dir: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpt-oss through /v1/chat/completions (vLLM's harmony chat route): an assistant message
+    sent back with its ``reasoning_content`` (or ``reasoning``) and ``tool_calls`` is the
+    analysis before the call in the follow-up's prompt (its preamble content after it: the
+    template refuses a call with both); a finished turn's is not rendered."""
+    from conftest import serve
+
+    for served in serve(harmony_dir, {"max_model_len": 512}, reasoning_parser="openai_gptoss"):
+        _check_chat_follow_ups(served, monkeypatch)
+
+
+def _check_chat_follow_ups(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    prompts: list[str] = []
+    add, tok = served.engine.add_request, served.engine.tokenizer
+    assert tok is not None
+
+    def spy(ids: list[int], *args: Any, **kwargs: Any) -> Any:
+        prompts.append(tok.decode(ids, skip_special_tokens=False))
+        return add(ids, *args, **kwargs)
+
+    monkeypatch.setattr(served.engine, "add_request", spy)
+
+    def follow_up(messages: list[dict[str, Any]]) -> str:
+        response = httpx.post(f"{served.url}/v1/chat/completions", headers=AUTH, timeout=60,
+                              json={"model": MODEL, "messages": messages, "temperature": 0,
+                                    "max_tokens": 1})
+        assert response.status_code == 200, response.text
+        return prompts.pop()
+
+    user = {"role": "user", "content": "Weather?"}
+    tool = {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
+    call = {"role": "assistant", "content": None, "reasoning_content": THOUGHT,
+            "tool_calls": [CHAT_CALL]}
+    assert BEFORE_THE_CALL in follow_up([user, call, tool])
+    preamble = {"role": "assistant", "content": "Checking.", "reasoning": THOUGHT,
+                "tool_calls": [CHAT_CALL]}
+    assert (ANALYSIS + THOUGHT + "\nChecking.<|end|><|start|>assistant to=functions."
+            in follow_up([user, preamble, tool]))
+    answer = {"role": "assistant", "content": "Sunny.", "reasoning": "It is sunny."}
+    done = follow_up([user, call, tool, answer, {"role": "user", "content": "Rome?"}])
+    assert THOUGHT not in done and "<|channel|>final<|message|>Sunny." in done
+
+
+def test_harmony_messages_keep_what_needs_no_change() -> None:
+    """Only the assistant calls with reasoning (and the finished turns' reasoning) change;
+    other messages are the ones sent (content parts kept); twice is once; the calls' analysis
+    is the reasoning of the turn under way only."""
+    parts = ChatMessage(role="user", content=[{"type": "text", "text": "Weather?"}])
+    call = ChatMessage.model_validate({"role": "assistant", "content": "",
+                                       "reasoning_content": "r1", "tool_calls": [CHAT_CALL]})
+    tool = ChatMessage.model_validate({"role": "tool", "content": "sunny",
+                                       "tool_call_id": "call_1"})
+    answer = ChatMessage.model_validate({"role": "assistant", "content": "Sunny.",
+                                         "reasoning": "r2"})
+    again = ChatMessage.model_validate({"role": "assistant", "content": "Checking.",
+                                        "reasoning": "r3", "tool_calls": [CHAT_CALL]})
+    messages = [parts, call, tool, answer, parts, again]
+    got = harmony_messages(messages)
+    assert got[0] is parts and got[2] is tool and got[4] is parts
+    dicts = [m.as_dict() for m in got]
+    assert [d.get("thinking") for d in dicts] == [None] * 5 + ["r3\nChecking."]
+    assert not any(k in d for d in dicts for k in ("reasoning", "reasoning_content"))
+    assert dicts[5]["content"] == "" and dicts[1]["content"] == ""
+    assert [m.as_dict() for m in harmony_messages(got)] == dicts
+    broken = ChatMessage.model_validate({"role": "assistant", "content": "", "reasoning": "r",
+                                         "tool_calls": ["x"]})
+    assert harmony_messages([broken])[0] is broken  # (the rendering's 400 names it)
 
 
 class _Body:

@@ -189,6 +189,24 @@ def test_truncate_prompt_tokens_minus_one_is_the_context(server: Served) -> None
             assert bad.json()["error"]["param"] == "truncate_prompt_tokens"
 
 
+def test_a_pooling_cut_longer_than_the_context_is_refused(server: Served) -> None:
+    """vLLM's pooling routes: ``truncate_prompt_tokens`` above max_model_len is a 400, however
+    short the prompt (max_model_len itself is taken)."""
+    limit = server.engine.max_model_len
+    bodies: dict[str, dict[str, Any]] = {
+        "/v1/embeddings": {"input": "Hello"}, "/pooling": {"input": "Hello"},
+        "/classify": {"input": "Hello"}, "/v1/score": {"text_1": "Hello", "text_2": "world"},
+        "/rerank": {"query": "Hello", "documents": ["world"]}}
+    for route, body in bodies.items():
+        bad = _post(server, route, {**body, "truncate_prompt_tokens": limit + 1})
+        assert bad.status_code == 400, (route, bad.text)
+        error = bad.json()["error"]
+        assert error["param"] == "truncate_prompt_tokens", route
+        assert "Please request a smaller truncation size." in error["message"]
+    ok = _post(server, "/v1/embeddings", {"input": "Hello", "truncate_prompt_tokens": limit})
+    assert ok.status_code == 200, ok.text
+
+
 def test_bad_words_never_come_out(server: Served) -> None:
     body = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0,
             "ignore_eos": True}

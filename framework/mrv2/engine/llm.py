@@ -28,7 +28,12 @@ from mrv2.engine.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from mrv2.engine.request_inputs import check_cache_salt, last_tokens, truncate_prompt
+from mrv2.engine.request_inputs import (
+    check_cache_salt,
+    check_truncation,
+    last_tokens,
+    truncate_prompt,
+)
 from mrv2.engine.scoring import broadcast_pairs, check_scorer, cosine
 from mrv2.engine.tokenizer import check_template_kwargs, template_message
 from mrv2.plugins import PluginManager
@@ -359,6 +364,7 @@ class LLM:
                                  or (keep < 1 and keep != -1)):
             raise ValueError("truncate_prompt_tokens must be an int >= 1, -1 (max_model_len, "
                              f"vLLM's) or None, got {keep!r}")
+        check_truncation(keep, self.engine.max_model_len)
         pooling.check(self.engine.hidden_size, self.engine.num_labels, self.engine.matryoshka,
                       self.engine.refused_pooling_tasks)
         loras = self._loras(lora_request, len(prompts))

@@ -16,7 +16,8 @@ from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.tokenizer import Tokenizer
 from mrv2.registry import ModelEntry, import_object
 
-__all__ = ["check_cache_salt", "check_prompt", "check_runner", "classifier_labels",
+__all__ = ["check_cache_salt", "check_prompt", "check_runner", "check_truncation",
+           "classifier_labels",
            "make_input_processor", "normalizes_embeddings", "process_multimodal",
            "last_tokens", "refused_pooling_tasks", "truncate_prompt", "truncation_room"]
 
@@ -148,6 +149,15 @@ def last_tokens(ids: list[int], keep: int | None, room: int, multimodal: bool = 
         raise ValueError("truncate_prompt_tokens would cut a multimodal prompt (its "
                          "placeholders must stay whole)")
     return ids[-keep:]
+
+
+def check_truncation(keep: int | None, longest: int) -> None:
+    """vLLM's bound on a pooling prompt's ``truncate_prompt_tokens``: at most ``longest`` (the
+    model's ``max_model_len``), else a ValueError naming it (vLLM's 400), however short the
+    prompt."""
+    if keep is not None and keep > longest:
+        raise ValueError(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
+                         f"({longest}). Please request a smaller truncation size.")
 
 
 def truncation_room(max_model_len: int, max_tokens: int | None) -> int:

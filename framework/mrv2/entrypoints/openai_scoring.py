@@ -28,7 +28,7 @@ import base64
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 from fastapi import Request
@@ -37,6 +37,7 @@ from pydantic import Field, ValidationError
 from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import RequestOutputKind, SamplingParams
 from mrv2.contract.pooling import PoolingParams
+from mrv2.engine.request_inputs import check_truncation
 from mrv2.engine.scoring import broadcast_pairs, check_scorer, cosine
 from mrv2.entrypoints.openai_embeddings import (
     EmbeddingRequest,
@@ -52,6 +53,9 @@ from mrv2.entrypoints.whole_answers import embed_through, unless_disconnected
 
 __all__ = ["ClassifyRequest", "PoolRequest", "RerankRequest", "ScoreRequest",
            "add_pooling_routes"]
+
+#: A pooling route's body.
+Body = TypeVar("Body", bound=PoolingRequest)
 
 #: A score request's two fields, each pair under the names vLLM takes.
 SCORE_FIELDS = (("text_1", "text_2"), ("data_1", "data_2"), ("queries", "documents"),
@@ -151,6 +155,16 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
 
     longest = engine.max_model_len  # (a pooling prompt's longest: truncate_prompt_tokens -1's)
 
+    async def parsed(request: Request, kind: type[Body]) -> Body:
+        """The route's body (``parse``'s), its ``truncate_prompt_tokens`` at most the context:
+        vLLM's 400 otherwise, before any prompt is read (however short)."""
+        body: Body = await parse(request, kind)
+        try:
+            check_truncation(body.truncate_prompt_tokens, longest)
+        except ValueError as error:
+            raise APIError(400, str(error), param="truncate_prompt_tokens") from None
+        return body
+
     def encode(item: str | list[int], special: bool = True) -> list[int]:
         return (tokenizer().encode(item, add_special_tokens=special) if isinstance(item, str)
                 else list(item))
@@ -248,7 +262,7 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> dict[str, Any]:
         """OpenAI's embeddings API (:mod:`mrv2.entrypoints.openai_embeddings`)."""
-        body: EmbeddingRequest = await parse(request, EmbeddingRequest)
+        body: EmbeddingRequest = await parsed(request, EmbeddingRequest)
         try:
             pooling = PoolingParams(normalize=body.normalize, dimensions=body.dimensions,
                                     use_activation=body.use_activation)
@@ -267,7 +281,7 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
     @app.post("/classify")
     async def classify(request: Request) -> dict[str, Any]:
         """Each input's label probabilities (a sequence classifier)."""
-        body: ClassifyRequest = await parse(request, ClassifyRequest)
+        body: ClassifyRequest = await parsed(request, ClassifyRequest)
         prompts = await prompts_of(body)
         answer = head(body, "classify")  # (the adapter named now, unloaded or not later)
         probs = await pool(request, body, prompts,
@@ -285,7 +299,7 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
     @app.post("/pooling")
     async def pooling_route(request: Request) -> dict[str, Any]:
         """Each input's pooled data for the body's ``task`` (``LLM.encode``'s)."""
-        body: PoolRequest = await parse(request, PoolRequest)
+        body: PoolRequest = await parsed(request, PoolRequest)
         prompts = await prompts_of(body)
         try:
             pooling = PoolingParams(task=body.task or engine.default_pooling_task,
@@ -308,7 +322,7 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
 
     async def score(request: Request) -> dict[str, Any]:
         """A score per ``(text_1, text_2)`` pair."""
-        body: ScoreRequest = await parse(request, ScoreRequest)
+        body: ScoreRequest = await parsed(request, ScoreRequest)
         try:
             (name_1, value_1), (name_2, value_2) = body.sides()
             firsts = input_items(value_1, name_1)
@@ -325,7 +339,7 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
 
     async def rerank(request: Request) -> dict[str, Any]:
         """``documents`` by their score against ``query``, best first (``top_n`` of them)."""
-        body: RerankRequest = await parse(request, RerankRequest)
+        body: RerankRequest = await parsed(request, RerankRequest)
         try:
             query = input_items(body.query, "query")
             documents = body.document_items()

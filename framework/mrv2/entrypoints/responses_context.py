@@ -1,5 +1,6 @@
 """What the chat template is given of a Responses API conversation (its chat messages: a
-stored response's and the request's input, :mod:`mrv2.entrypoints.openai_responses`).
+stored response's and the request's input, :mod:`mrv2.entrypoints.openai_responses`), and of
+a chat request's messages for gpt-oss (:func:`harmony_messages`).
 
 * Reasoning. An earlier answer's reasoning (its ``reasoning`` items sent back as input, or kept
   by the store) is its assistant message's ``reasoning``, kept only after the conversation's
@@ -10,7 +11,11 @@ stored response's and the request's input, :mod:`mrv2.entrypoints.openai_respons
   none before its last user message).
 * Harmony (gpt-oss). Its template reads the analysis before a call from the assistant
   message's ``thinking`` (from its ``content`` when it has none, and refuses both): the
-  reasoning, then a preamble the message holds as its content, are the ``thinking``.
+  reasoning, then a preamble the message holds as its content, are the ``thinking``. The
+  chat route does the same with an assistant message's ``reasoning`` (or
+  ``reasoning_content``) sent back with its ``tool_calls``, as vLLM's chat route renders it
+  (``parse_chat_inputs_to_harmony_messages``: the analysis before the calls, a finished
+  turn's dropped); other templates get the message as before (both names, content kept).
 * ``truncation: "auto"``. Where the conversation may be cut (:func:`truncation_cuts`): whole
   messages from its beginning, after its leading system (developer) messages, which stay as
   the request's ``instructions`` do; never the last, and never so that a tool's result opens
@@ -19,11 +24,16 @@ stored response's and the request's input, :mod:`mrv2.entrypoints.openai_respons
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from mrv2.entrypoints.openai_protocol import ChatMessage
 
-__all__ = ["TemplateMessage", "current_reasoning", "cut", "for_harmony", "truncation_cuts"]
+__all__ = ["TemplateMessage", "current_reasoning", "cut", "for_harmony", "harmony_messages",
+           "truncation_cuts"]
+
+#: The names an assistant message's reasoning comes under (vLLM's and the older one).
+REASONING_KEYS = ("reasoning", "reasoning_content")
 
 
 class TemplateMessage(ChatMessage):
@@ -42,26 +52,48 @@ def _is_answer(message: dict[str, Any]) -> bool:
     return message.get("role") == "assistant" and not message.get("tool_calls")
 
 
+def _without_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in message.items() if k not in REASONING_KEYS}
+
+
 def current_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``messages`` with the ``reasoning`` of finished turns left out (module doc): kept only
-    on the messages after the last answer (copies; the others as they are)."""
+    """``messages`` with the ``reasoning`` (``reasoning_content``) of finished turns left out
+    (module doc): kept only on the messages after the last answer (copies; the others as they
+    are)."""
     last = max((i for i, m in enumerate(messages) if _is_answer(m)), default=-1)
-    return [{k: v for k, v in m.items() if k != "reasoning"}
-            if i <= last and "reasoning" in m else m for i, m in enumerate(messages)]
+    return [_without_reasoning(m) if i <= last and any(k in m for k in REASONING_KEYS) else m
+            for i, m in enumerate(messages)]
 
 
 def for_harmony(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``messages`` as gpt-oss's chat template reads them: an assistant call's reasoning (and
-    a preamble in its content, after it) as its ``thinking``, its content empty."""
+    a preamble in its content, after it) as its ``thinking``, its content empty and its
+    reasoning keys dropped (copies; the others as they are: twice is once)."""
     out = []
     for m in messages:
-        reasoning, content = m.get("reasoning"), m.get("content")
+        reasoning = m.get("reasoning") or m.get("reasoning_content")
+        content = m.get("content")
         if (m.get("role") == "assistant" and m.get("tool_calls") and reasoning
                 and isinstance(content, str)):
-            m = {**m, "thinking": "\n".join(t for t in (reasoning, content) if t),
-                 "content": ""}
+            m = {**_without_reasoning(m), "content": "",
+                 "thinking": "\n".join(t for t in (reasoning, content) if t)}
         out.append(m)
     return out
+
+
+def harmony_messages(messages: Sequence[ChatMessage]) -> list[ChatMessage]:
+    """A chat request's ``messages`` as gpt-oss's chat template reads them (module doc): the
+    assistant calls' reasoning of the turn under way as their ``thinking``
+    (:func:`for_harmony`), a finished turn's left out (:func:`current_reasoning`); the
+    messages that keep what they had as they are (their content parts too), all of them
+    where one is malformed (a call that is not a function's: the rendering refuses it)."""
+    try:
+        plain = [m.as_dict() for m in messages]
+    except ValueError:
+        return list(messages)
+    kept = for_harmony(current_reasoning(plain))
+    return [m if k is p else TemplateMessage(**k)
+            for m, p, k in zip(messages, plain, kept, strict=True)]
 
 
 def _pinned(messages: list[dict[str, Any]]) -> int:
