@@ -2,13 +2,15 @@
 streams cut anywhere give the same content and calls; the chat route passes tools to the
 template and messages with calls back into it; answers carry ``tool_calls`` and finish with
 ``tool_calls``, streamed or not; without the flags, tools are refused as before; a parser whose
-markers are special tokens (glm45) decodes a request with tools keeping them. The other
-formats, text only: test_tool_parsers.py."""
+markers are special tokens (glm45) decodes a request with tools keeping them; a mistral server
+whose tokenizer has ``[TOOL_CALLS]`` as a special token answers calls (ids Mistral's template
+takes). The other formats, text only: test_tool_parsers.py."""
 
 from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from mrv2.entrypoints.tool_calls import (
     get_tool_parser,
     parse_tool_calls,
 )
+from mrv2.testing import make_tiny_checkpoint, make_tiny_tokenizer
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 HERMES = ToolCalling(get_tool_parser("hermes"))
@@ -82,7 +85,7 @@ def test_a_stream_cut_anywhere_gives_the_whole_answer() -> None:
 def test_the_parser_name_is_checked() -> None:
     assert check_tool_call_parser("hermes") == "hermes"
     allowed = ("hermes, qwen3_coder, glm45, glm47, minimax_m2, deepseek_v3, deepseek_v31, "
-               "llama3_json, llama4_json, pythonic, llama4_pythonic, openai")
+               "llama3_json, llama4_json, pythonic, llama4_pythonic, mistral, openai")
     for name in allowed.split(", "):
         assert check_tool_call_parser(name) == name == get_tool_parser(name).name
     with pytest.raises(ValueError, match=f"tool_call_parser='json': allowed values are "
@@ -246,3 +249,69 @@ def test_a_glm_answer_through_the_stream() -> None:
     assert last["delta"]["content"] == "" and last["finish_reason"] == "tool_calls"
     assert [json.loads(c["function"]["arguments"]) for c in last["delta"]["tool_calls"]] == [
         {"city": "Paris", "days": 3}]
+
+
+#: Mistral's template's check of an earlier call's id (Mistral Small 3.x's, abridged).
+MISTRAL_TEMPLATE = (
+    "{% if tools %}[AVAILABLE_TOOLS]{{ tools|length }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{% for m in messages %}{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "{% if c.id is not string or c.id|length != 9 %}{{ raise_exception('Tool call IDs should "
+    "be alphanumeric strings with length 9!') }}{% endif %}[TOOL_CALLS]"
+    "{{ c['function']['name'] }}[CALL_ID]{{ c.id }}[ARGS]{{ c['function']['arguments']|tojson }}"
+    "{% endfor %}{% elif m['role'] == 'tool' %}[TOOL_RESULTS]{{ m['tool_call_id'] }}"
+    "{% else %}{{ m['role'] }}: {{ m['content'] }}{% endif %}{% endfor %}")
+
+
+def _sse(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line[6:]) for line in text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_a_mistral_server_with_special_tokens(tmp_path: Path) -> None:
+    """``--tool-call-parser mistral`` with a tokenizer whose ``[TOOL_CALLS]`` and ``[ARGS]``
+    are special tokens (as in Mistral's): an answer made of them (forced by a grammar of their
+    token ids) is decoded keeping them and comes back as a call, whole and streamed, its id 9
+    letters and digits, which Mistral's template takes back in the next turn (it refuses
+    ``call_...``); the default decode would have lost the markers."""
+    from conftest import serve
+
+    make_tiny_checkpoint(tmp_path, "LlamaForCausalLM", vocab_size=320)
+    make_tiny_tokenizer(tmp_path, special_tokens=["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"])
+    tok = Tokenizer.from_pretrained(tmp_path)
+    text = 'Hi[TOOL_CALLS]weather[ARGS]{"city": "Paris"}'
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == 'Hiweather{"city": "Paris"}'
+    calls_id, args_id = tok.hf.convert_tokens_to_ids(["[TOOL_CALLS]", "[ARGS]"])
+    grammar = (f'start: "Hi" <[{calls_id}]> "weather" <[{args_id}]> '
+               + json.dumps('{"city": "Paris"}'))
+    question = {"role": "user", "content": "Weather?"}
+    body = {"messages": [question], "tools": TOOLS, "max_tokens": 40, "temperature": 0,
+            "structured_outputs": {"grammar": grammar}}
+    url = "/v1/chat/completions"
+    for served in serve(tmp_path, engine_kwargs={"chat_template": MISTRAL_TEMPLATE,
+                                                 "max_model_len": 128},
+                        tool_call_parser="mistral"):
+        answer = httpx.post(served.url + url, headers=AUTH, timeout=60, json=body).json()
+        choice = answer["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", answer
+        assert choice["message"]["content"] == "Hi"
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"] == {"name": "weather", "arguments": '{"city": "Paris"}'}
+        assert re.fullmatch(r"[A-Za-z0-9]{9}", call["id"]), call
+        chunks = _sse(httpx.post(served.url + url, headers=AUTH, timeout=60,
+                                 json={**body, "stream": True}).text)
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+        assert "".join(d.get("content") or "" for d in deltas) == "Hi"
+        (streamed,) = [c for d in deltas for c in d.get("tool_calls") or []]
+        assert streamed["function"] == call["function"]
+        assert re.fullmatch(r"[A-Za-z0-9]{9}", streamed["id"]), streamed
+        assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        # the next turn: the call and its answer go back into Mistral's template
+        turn = [question, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": call["id"], "content": "sunny"}]
+        again = httpx.post(served.url + url, headers=AUTH, timeout=60,
+                           json={"messages": turn, "tools": TOOLS, "max_tokens": 2})
+        assert again.status_code == 200, again.text
+        turn[1] = {**turn[1], "tool_calls": [{**call, "id": "call_0123456789abcdef"}]}
+        refused = httpx.post(served.url + url, headers=AUTH, timeout=60,
+                             json={"messages": turn, "tools": TOOLS, "max_tokens": 2})
+        assert refused.status_code == 400 and "length 9" in refused.text, refused.text

@@ -2,12 +2,13 @@
 several calls, arguments typed by the tools' schema, malformed answers left as content, a last
 call cut off), and streams cut in random small pieces that give the same content and calls
 without ever sending what turns out to be (a part of) a call marker (``minimax_m2``'s also a
-character at a time and cut in two anywhere)."""
+character at a time and cut in two anywhere); ``mistral``'s call ids are 9 letters and digits."""
 
 from __future__ import annotations
 
 import json
 import random
+import re
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from mrv2.entrypoints.tool_calls import (
     PARSERS,
     TOOL_CALL_PARSERS,
     ToolCallStream,
+    mistral_call_id,
     parse_tool_calls,
 )
 
@@ -247,6 +249,44 @@ CASES: dict[str, list[tuple[str, str | None, Calls]]] = {
         ("[now()] and more", "[now()] and more", []),
     ],
 }
+
+_MS_LIST = '[{"name": "weather", "arguments": {"city": "Paris"}}, {"arguments": {}, "name": "now"}]'
+_MS_NOW = '[TOOL_CALLS]now[ARGS]{}'
+CASES["mistral"] = [
+    # tokenizers v11+ (Mistral Small 3.2, Magistral, Devstral, Ministral 3): NAME[ARGS]{...}
+    ('Let me check.[TOOL_CALLS]weather[ARGS]{"city": "Paris", "days": 3}' + _MS_NOW,
+     "Let me check.", [("weather", {"city": "Paris", "days": 3}), ("now", {})]),
+    ('[TOOL_CALLS]weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris"}', None, PARIS),
+    ('[TOOL_CALLS]weather{"city": "Paris"}', None, PARIS),  # [ARGS] not decoded: at "{"
+    ('[TOOL_CALLS] weather [ARGS] {"city": "Zürich"} ', None, [("weather", {"city": "Zürich"})]),
+    ('[TOOL_CALLS]weather[ARGS]{"city": "Paris"}\nDone.', None, PARIS),  # text after: dropped
+    ('[TOOL_CALLS]plan[ARGS]{"n": "3", "opts": {"a": [1, {"b": null}]}}', None,
+     [("plan", {"n": "3", "opts": {"a": [1, {"b": None}]}})]),  # as written, nested
+    # older tokenizers (Mistral 7B v0.3, Nemo, Small 3.1): a JSON list after [TOOL_CALLS]
+    ("[TOOL_CALLS] " + _MS_LIST, None, [*PARIS, ("now", {})]),
+    ("Sure.[TOOL_CALLS]" + _MS_LIST + "\nextra trailing data", "Sure.", [*PARIS, ("now", {})]),
+    ('[TOOL_CALLS]  junk [{"name": "weather", "arguments": {"city": "Paris"}}] trail', None,
+     PARIS),  # vLLM's fallback: the list found in the text
+    ('[TOOL_CALLS][{"name": "weather", "arguments": "{\\"city\\": \\"Paris\\"}"}]', None,
+     PARIS),  # arguments as a JSON string
+    ('[TOOL_CALLS] {"name": "weather", "arguments": {"city": "Paris"}}', None, PARIS),
+    (f"[TOOL_CALLS]{_MS_LIST}{_MS_NOW}", None, [*PARIS, ("now", {}), ("now", {})]),
+    # malformed: the whole answer is content
+    ('Hi[TOOL_CALLS]weather[ARGS]{"city": "Par', 'Hi[TOOL_CALLS]weather[ARGS]{"city": "Par', []),
+    ("[TOOL_CALLS]weat", "[TOOL_CALLS]weat", []),  # cut off in the name
+    ("Hi[TOOL_CALLS]", "Hi[TOOL_CALLS]", []),
+    (_MS_NOW + "[TOOL_CALLS]wea", _MS_NOW + "[TOOL_CALLS]wea", []),  # the next one cut off
+    ("[TOOL_CALLS]weather[ARGS]{city: Paris}", "[TOOL_CALLS]weather[ARGS]{city: Paris}", []),
+    ("[TOOL_CALLS]weather[ARGS][1, 2]", "[TOOL_CALLS]weather[ARGS][1, 2]", []),
+    ("[TOOL_CALLS][ARGS]{}", "[TOOL_CALLS][ARGS]{}", []),  # no name
+    ("[TOOL_CALLS]get weather{}", "[TOOL_CALLS]get weather{}", []),
+    ("[TOOL_CALLS] not json at all", "[TOOL_CALLS] not json at all", []),
+    ('[TOOL_CALLS] [{"arguments": {}}]', '[TOOL_CALLS] [{"arguments": {}}]', []),
+    ("[TOOL_CALLS] []", "[TOOL_CALLS] []", []),
+    ('[TOOL_CALLS] [{"name": "now"', '[TOOL_CALLS] [{"name": "now"', []),
+    ("See [docs](x) and [TOOL_CALL", "See [docs](x) and [TOOL_CALL", []),
+    (HERMES, HERMES, []),  # another format's call: content
+]
 _HARMONY_CALL = ('<|start|>assistant<|channel|>commentary to=functions.weather '
                  '<|constrain|>json<|message|>{"city": "Paris", "days": 3}<|call|>')
 CASES["openai"] = [  # (test_harmony.py has the format's cases)
@@ -273,7 +313,7 @@ def _calls(calls: list[Any]) -> Calls:
 def test_every_parser_is_tested_and_the_special_tokens_rule() -> None:
     assert sorted(CASES) == sorted(TOOL_CALL_PARSERS)
     assert {n for n, p in PARSERS.items() if p.special_tokens} == {
-        "hermes", "glm45", "glm47", "deepseek_v3", "deepseek_v31", "openai"}
+        "hermes", "glm45", "glm47", "deepseek_v3", "deepseek_v31", "mistral", "openai"}
     for marker in (DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END, DS_SEP):
         assert marker[:2] == "<\uff5c" and marker[-2:] == "\uff5c>" and "\u2581" in marker
 
@@ -282,7 +322,7 @@ def test_every_parser_is_tested_and_the_special_tokens_rule() -> None:
 def test_whole_answers(parser: str, text: str, content: str | None, calls: Calls) -> None:
     got_content, got_calls = parse_tool_calls(text, parser, TOOLS)
     assert (got_content, _calls(got_calls)) == (content, calls)
-    assert all(c.id.startswith("call_") for c in got_calls)
+    assert all(_id_fits(parser, c.id) for c in got_calls)
     if got_calls:  # arguments are JSON text, non-ASCII kept as is
         assert all(json.dumps(json.loads(c.arguments), ensure_ascii=False) == c.arguments
                    for c in got_calls)
@@ -309,6 +349,34 @@ def test_a_stream_in_small_pieces_gives_the_whole_answer(parser: str) -> None:
                 assert (content or "").startswith(sent), (text, deltas[:i + 1])
                 assert not piece_calls or i == len(deltas) - 1  # calls go out at the end
             assert ((sent or None), _calls(got)) == (content, calls), (text, deltas)
+            assert all(_id_fits(parser, c.id) for c in got)
+
+
+def _id_fits(parser: str, call_id: str) -> bool:
+    """``mistral``'s ids are 9 letters and digits (Mistral's templates refuse others), the
+    others' ``call_`` and 24 hex digits."""
+    if parser == "mistral":
+        return re.fullmatch(r"[A-Za-z0-9]{9}", call_id) is not None
+    return re.fullmatch(r"call_[0-9a-f]{24}", call_id) is not None
+
+
+def test_mistral_call_ids() -> None:
+    """Each call its own id of 9 letters and digits (vLLM's ``MistralToolCall``), drawn from
+    the OS's randomness (a seeded ``random`` would repeat them across servers)."""
+    ids = {mistral_call_id() for _ in range(2000)}
+    assert len(ids) == 2000 and all(re.fullmatch(r"[A-Za-z0-9]{9}", i) for i in ids)
+    assert set("".join(ids)) == set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                    "0123456789")
+    state = random.getstate()
+    try:
+        random.seed(0)
+        first = mistral_call_id()
+        random.seed(0)
+        assert mistral_call_id() != first
+    finally:
+        random.setstate(state)
+    _, calls = parse_tool_calls("[TOOL_CALLS]" + _MS_LIST, "mistral")
+    assert len({c.id for c in calls}) == 2
 
 
 @pytest.mark.parametrize(("text", "content", "calls"), CASES["minimax_m2"])
@@ -332,6 +400,7 @@ def test_a_stream_holds_a_markers_beginning() -> None:
     assert ToolCallStream("deepseek_v3").feed("Hi <｜tool▁cal") == ("Hi ", [])
     assert ToolCallStream("qwen3_coder").feed("Hi <func") == ("Hi ", [])
     assert ToolCallStream("minimax_m2").feed("Hi <minimax:tool") == ("Hi ", [])
+    assert ToolCallStream("mistral").feed("Hi [TOOL_CA") == ("Hi ", [])
     stream = ToolCallStream("llama3_json")
     assert stream.feed(" \n<|py") == ("", [])
     assert stream.feed("thon") == ("", [])

@@ -72,7 +72,8 @@ class Tokenizer:
         (``continue_final_message``); ``kwargs`` are the template's own variables
         (``enable_thinking=False`` for Qwen3's: :func:`check_template_kwargs`).
         ``chat_template``: Jinja text rendered instead of the tokenizer's own template (a
-        request's, vLLM's ``--trust-request-chat-template``)."""
+        request's, vLLM's ``--trust-request-chat-template``). ValueError where the template
+        refuses the messages (its ``raise_exception``) or does not render."""
         check_template_kwargs(kwargs)
         if tools:
             kwargs["tools"] = tools
@@ -87,9 +88,14 @@ class Tokenizer:
                 f"tokenizer of {self.model_dir or type(self.hf).__name__} has no chat template; "
                 "send a plain prompt instead of chat messages"
             )
-        text = self.hf.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
-        )
+        from jinja2 import TemplateError
+
+        try:
+            text = self.hf.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
+            )
+        except TemplateError as error:  # its raise_exception(...), a bad template: ValueError
+            raise ValueError(str(error)) from error  # (a server's 400, as vLLM's)
         if not isinstance(text, str):
             raise TypeError(f"chat template rendered {type(text).__name__}, expected str")
         return text

@@ -238,8 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "Qwen3), qwen3_coder (Qwen3-Coder), glm45 (GLM-4.5/4.6), glm47 "
                        "(GLM-4.7), minimax_m2 (MiniMax-M2), deepseek_v3 (DeepSeek-V3), "
                        "deepseek_v31 (DeepSeek-V3.1), llama3_json / llama4_json (Llama 3.x, 4), "
-                       "pythonic / llama4_pythonic (Llama 3.2, 4), openai (gpt-oss's harmony "
-                       "format)")
+                       "pythonic / llama4_pythonic (Llama 3.2, 4), mistral (Mistral, "
+                       "Ministral, Magistral, Devstral: [TOOL_CALLS]), openai (gpt-oss's "
+                       "harmony format)")
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's log level (default info)")

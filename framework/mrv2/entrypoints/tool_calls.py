@@ -30,6 +30,14 @@ How each model family writes its calls (``...``: more calls may follow):
   days=3), now()]``, optionally inside Llama 4's ``<|python_start|>`` ... ``<|python_end|>``;
   values are Python literals (``True``/``False``/``None`` become JSON's), read with
   ``ast.literal_eval`` (nothing is executed). An answer that does not open so is content.
+* ``mistral`` (Mistral 7B v0.3, Mistral Nemo, Mistral Small, Ministral, Magistral, Devstral):
+  ``[TOOL_CALLS]`` then the older (tokenizers before v11) JSON list ``[{"name": ...,
+  "arguments": {...}}, ...]`` (or a lone object; vLLM's fallback too: the first ``[{`` to the
+  last ``}]`` after other text), or the newer ``NAME[ARGS]{...}``, one ``[TOOL_CALLS]`` a call
+  (``NAME{...}`` where ``[ARGS]`` was not decoded; ``NAME[CALL_ID]ID[ARGS]{...}``: the model's
+  id is not used); either format after each ``[TOOL_CALLS]``; text after the JSON is dropped
+  (vLLM's). The ids are 9 letters and digits (vLLM's ``MistralToolCall``): Mistral's chat
+  templates refuse others.
 * ``openai`` (gpt-oss): OpenAI's harmony messages (:mod:`mrv2.entrypoints.harmony`); each
   message ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}`` (ended
   by ``<|call|>``, or by the text: ``<|call|>`` is an EOS) is a call. This parser reads the
@@ -55,11 +63,12 @@ off where it cannot be recovered) leaves the whole answer as content. A last cal
 call whose JSON does not parse is dropped, the rest of the answer kept: its text was never
 content.)
 
-Special tokens: DeepSeek's markers, GLM's tags and harmony's markers are special tokens of
-their tokenizers, and ``<tool_call>`` is one in some Hermes models' tokenizers; the
-detokenizer drops them with ``skip_special_tokens`` (the request default). Those parsers say
-so (:attr:`ToolParser.special_tokens`), and the chat route then decodes a request that
-offers tools with ``skip_special_tokens=False``, as vLLM's ``adjust_request`` does.
+Special tokens: DeepSeek's markers, GLM's tags, harmony's markers and Mistral's
+``[TOOL_CALLS]`` / ``[ARGS]`` / ``[CALL_ID]`` are special tokens of their tokenizers, and
+``<tool_call>`` is one in some Hermes models' tokenizers; the detokenizer drops them with
+``skip_special_tokens`` (the request default). Those parsers say so
+(:attr:`ToolParser.special_tokens`), and the chat route then decodes a request that offers
+tools with ``skip_special_tokens=False``, as vLLM's ``adjust_request`` does.
 
 A stream (:class:`ToolCallStream`) sends the content as it arrives, holding back what may be
 the start of a call marker; from the first call on it holds everything (``openai``: only the
@@ -75,6 +84,8 @@ import ast
 import contextlib
 import json
 import re
+import secrets
+import string
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -127,7 +138,8 @@ class ToolParser:
     ``outside``: the content in the text from the first marker on, outside the calls (none
     where it is not given: what follows the first marker is the calls');
     ``named``: a named ``tool_choice``'s reader, whose whole (not streamed) answer keeps the
-    engine's finish reason (``stop``), as OpenAI's and vLLM's do, instead of ``tool_calls``."""
+    engine's finish reason (``stop``), as OpenAI's and vLLM's do, instead of ``tool_calls``;
+    ``call_id``: makes the calls' ids (None: :class:`ToolCall`'s ``call_...``)."""
 
     name: str
     starts: tuple[str, ...]
@@ -137,6 +149,7 @@ class ToolParser:
     harmony: bool = False
     outside: Callable[[str], str] | None = None
     named: bool = False
+    call_id: Callable[[], str] | None = None
 
     def first_start(self, text: str) -> int:
         """Where the calls begin in ``text`` (-1: nowhere)."""
@@ -161,6 +174,9 @@ class ToolParser:
             calls = []
         if not calls:
             return (text or None), []
+        if self.call_id is not None:
+            for call in calls:
+                call.id = self.call_id()
         rest = self.outside(text[first:]) if self.outside is not None else ""
         return (text[:first] + rest or None), calls
 
@@ -290,6 +306,60 @@ def _pythonic(text: str, tools: Tools) -> list[ToolCall]:
     return calls
 
 
+MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+_MISTRAL_NAME = re.compile(r"[^\s\[\]{}]+")
+_MISTRAL_LIST = re.compile(r"\[\s*\{.*\}\s*\]", re.DOTALL)  # (vLLM's fallback)
+_ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+def mistral_call_id() -> str:
+    """A Mistral call id: 9 letters and digits (vLLM's ``MistralToolCall.generate_random_id``;
+    mistral-common's validator and Mistral's chat templates refuse any other)."""
+    return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
+
+
+def _mistral_list(body: str) -> list[ToolCall]:
+    """The older format's JSON list of calls (text after it dropped; a lone object taken)."""
+    value, _ = json.JSONDecoder().raw_decode(body)
+    items = [value] if isinstance(value, dict) else value
+    if not isinstance(items, list) or not items:
+        raise ValueError("not a list of calls")
+    return [_json_call(item) for item in items]
+
+
+def _mistral_call(segment: str) -> ToolCall:
+    """The newer format's ``NAME[ARGS]{...}`` (or ``NAME{...}``, ``NAME[CALL_ID]ID[ARGS]
+    {...}``); text after the arguments' JSON dropped."""
+    head, sep, arguments = segment.partition(MISTRAL_ARGS)
+    if not sep:  # (decoded without [ARGS]: vLLM's name ends at the first "{")
+        brace = segment.find("{")
+        if brace < 0:
+            raise ValueError("a call without arguments")
+        head, arguments = segment[:brace], segment[brace:]
+    name = head.partition(MISTRAL_CALL_ID)[0].strip()
+    if not _MISTRAL_NAME.fullmatch(name):
+        raise ValueError(f"not a function name: {name!r}")
+    value, _ = json.JSONDecoder().raw_decode(arguments.lstrip())
+    if not isinstance(value, dict):
+        raise ValueError("arguments that are not a JSON object")
+    return ToolCall(name, json.dumps(value, ensure_ascii=False))
+
+
+def _mistral(text: str, tools: Tools) -> list[ToolCall]:
+    calls = []
+    for segment in text.split(MISTRAL_CALLS)[1:]:
+        body = segment.strip()
+        if not body.startswith(("[", "{")) and MISTRAL_ARGS not in segment and not (
+                _MISTRAL_NAME.fullmatch(segment.partition("{")[0].strip())):
+            found = _MISTRAL_LIST.search(body)  # text before a list (vLLM's fallback)
+            body = found.group() if found else body
+        if body.startswith(("[", "{")):  # (no name opens so)
+            calls += _mistral_list(body)
+        else:
+            calls.append(_mistral_call(segment))
+    return calls
+
+
 def _harmony_call(piece: Piece) -> ToolCall | None:
     """A harmony call message as a call; None where its name is empty or its JSON arguments
     do not parse (cut off by ``max_tokens``): not a call, and not content either. Empty JSON
@@ -335,6 +405,8 @@ PARSERS: dict[str, ToolParser] = {p.name: p for p in (
     ToolParser("llama4_json", (PYTHON_TAG, "{"), _llama3_json, leading=True),
     ToolParser("pythonic", ("[", PYTHON_START), _pythonic, leading=True),
     ToolParser("llama4_pythonic", ("[", PYTHON_START), _pythonic, leading=True),
+    ToolParser("mistral", (MISTRAL_CALLS,), _mistral, special_tokens=True,
+               call_id=mistral_call_id),
     ToolParser("openai", (CHANNEL, START), _openai, special_tokens=True, harmony=True),
 )}
 #: ``--tool-call-parser`` values.
