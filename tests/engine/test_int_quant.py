@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 from mrv2 import LLM, SamplingParams
 from mrv2.config import EngineConfig
-from mrv2.layers.int_quant import IntLinearMixin, apply_int_quant
+from mrv2.layers.int_model import apply_int_quant
+from mrv2.layers.int_quant import IntLinearMixin
 from mrv2.layers.int_quant_config import int_quant_config_of
 from mrv2.layers.linear import LinearBase, MergedColumnLinear
 from mrv2.testing import hf_greedy, make_tiny_checkpoint
@@ -92,7 +93,7 @@ def test_quantized_lm_head_rank_rows(tmp_path: Path) -> None:
     dequantized head (zeros past the vocabulary); a tied head is refused by name."""
     from mrv2.distributed.parallel_state import as_rank
     from mrv2.layers.embedding import LMHead, VocabEmbedding
-    from mrv2.layers.int_quant import int_lm_head
+    from mrv2.layers.int_lm_head import int_lm_head
 
     src = make_tiny_checkpoint(tmp_path / "src", "Qwen3ForCausalLM", tie_word_embeddings=False,
                                vocab_size=200)

@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from mrv2 import LLM, SamplingParams
-from mrv2.layers.int_quant import IntLinearMixin, apply_int_quant
+from mrv2.layers.int_model import apply_int_quant
+from mrv2.layers.int_quant import IntLinearMixin
 from mrv2.layers.int_quant_config import int_quant_config_of
 from mrv2.layers.linear import MergedColumnLinear
 from mrv2.testing import TINY_FAMILIES, hf_greedy, make_tiny_checkpoint

@@ -8,7 +8,8 @@ import torch
 
 from mrv2.distributed import parallel_state
 from mrv2.layers.fp8 import to_fp8
-from mrv2.layers.int_quant import IntLinearMixin, apply_int_quant
+from mrv2.layers.int_model import apply_int_quant
+from mrv2.layers.int_quant import IntLinearMixin
 from mrv2.layers.int_quant_config import IntQuantConfig
 from mrv2.layers.linear import ColumnLinear, MergedColumnLinear, QKVLinear
 

@@ -42,23 +42,22 @@ many groups).
 On the CPU the weight is dequantized once after loading and the layer is a plain one again,
 as FP8's (:mod:`mrv2.layers.fp8`). With random weights (``load_format="dummy"``) and
 ``quantization="gptq"`` / ``"awq"`` every linear layer gets random 4-bit weights in groups of
-128 (benchmarks). Routed experts in these formats: :mod:`mrv2.layers.int_quant_moe`. An
-untied LM head the checkpoint quantizes (GPTQModel's ``quantization_config.lm_head: true``)
-is dequantized into the model dtype after loading (:class:`IntLMHead`).
+128 (benchmarks). Which of a model's layers become integer, their random weights and their
+memory: :mod:`mrv2.layers.int_model`. Routed experts in these formats:
+:mod:`mrv2.layers.int_quant_moe`. An untied LM head the checkpoint quantizes (GPTQModel's
+``quantization_config.lm_head: true``) is dequantized into the model dtype after loading
+(:mod:`mrv2.layers.int_lm_head`). Loading the weights again: :mod:`mrv2.layers.int_reload`.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
-import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 from torch import nn
 
-from mrv2.layers.embedding import LMHead
 from mrv2.layers.int_quant_config import IntQuantConfig, rows_of
 from mrv2.layers.linear import FusedColumnLinear, LinearBase, RowLinear
 from mrv2.layers.weights import apply_moving_only, is_fresh
@@ -69,7 +68,6 @@ from mrv2_kernels.wna16_gemm import (
     wna16_linear,
 )
 
-logger = logging.getLogger(__name__)
 
 class IntLinearMixin(LinearBase):
     """Mixed into a linear layer's class by :func:`to_int`: packed integer weights, group
@@ -454,146 +452,6 @@ class IntLinearMixin(LinearBase):
                 f"group={self.group}")
 
 
-class IntLMHead(LMHead):
-    """An untied LM head a checkpoint stores quantized (GPTQModel's ``quantization_config.lm_head:
-    true``): the checkpoint's tensors load as one row per vocabulary entry (whole, on every
-    rank) and are dequantized after loading into the head's model-dtype ``weight`` (this
-    rank's rows), the head then running as an ordinary one (made by :func:`int_lm_head`)."""
-
-    quant: IntQuantConfig
-    group: int
-    int_loaded: set[str]
-
-    def int_init(self, quant: IntQuantConfig) -> None:
-        """Add the checkpoint's tensors (``[V, K]`` integers, ``[V, K/G]`` scales and zero
-        points, ``g_idx [K]``) as parameters under its names; ``weight`` is filled from them."""
-        k = self.embedding_dim
-        group = quant.group_size if quant.group_size > 0 else k
-        if k % group:
-            raise ValueError(f"the quantized LM head's inputs ({k}) must divide into groups "
-                             f"of {group} (quantization_config.group_size)")
-        self.quant, self.group = quant, group
-        self.weight.optional = True  # type: ignore[attr-defined]
-        self._int_params()
-
-    def _int_params(self) -> None:
-        quant, group = self.quant, self.group
-        n, k = self.num_embeddings, self.embedding_dim
-        self.int_loaded = set()
-        device = self.weight.device
-        scale_dtype = torch.float32 if quant.method == "compressed-tensors" else torch.float16
-        shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
-            "qweight": ((n, k), torch.uint8), "scales": ((n, k // group), scale_dtype),
-            "qzeros": ((n, k // group), torch.uint8), "g_idx": ((k,), torch.int32)}
-        if quant.method == "compressed-tensors":
-            shapes["weight_shape"] = ((2,), torch.int64)
-        for role, (shape, dtype) in shapes.items():
-            param = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device),
-                                 requires_grad=False)
-            param.weight_loader = functools.partial(self._load_int, role)  # type: ignore[attr-defined]
-            param.optional = role not in ("qweight", "scales")  # type: ignore[attr-defined]
-            self.register_parameter(quant.name(role), param)
-
-    def _load_int(self, role: str, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if role == "weight_shape":
-            value = loaded.to(torch.int64)
-        elif role == "g_idx":
-            value = loaded.to(torch.int32)
-        else:
-            value = rows_of(self.quant, role, loaded)
-            if role == "qzeros" and param.shape[0] < value.shape[0] < param.shape[0] + 32:
-                value = value[: param.shape[0]]  # (packed along the vocabulary: its padding)
-        if value.shape != param.shape:
-            raise ValueError(f"the LM head's {self.quant.name(role)} expects "
-                             f"{tuple(param.shape)} after unpacking, the checkpoint tensor "
-                             f"gives {tuple(value.shape)}")
-        with torch.no_grad():
-            param.data.copy_(value)
-        self.int_loaded.add(role)
-
-    def _apply(self, fn: Any, recurse: bool = True) -> IntLMHead:
-        # ``model.to(dtype)`` must move the scales, never cast them (dequantized after it)
-        apply_moving_only(self, [self.quant.name("scales")],
-                          lambda f: super(IntLMHead, self)._apply(f, recurse), fn)
-        return self
-
-    _reload: str | None = None
-
-    def reopen_for_reload(self) -> bool:
-        """After loading (the checkpoint's tensors dropped): take them again, as at start-up
-        (new weights dequantized into ``weight`` in place); False where they are still
-        there."""
-        if self._parameters.get(self.quant.name("qweight")) is not None:
-            return False
-        self._int_params()
-        self._reload = "fresh"
-        return True
-
-    def abandon_reload(self) -> None:
-        """The checkpoint's tensors dropped again, ``weight`` as it was."""
-        for role in ("qweight", "scales", "qzeros", "g_idx", "weight_shape"):
-            self._parameters.pop(self.quant.name(role), None)
-        self._reload = None
-
-    def process_weights_after_loading(self) -> None:
-        """Dequantize the checkpoint's tensors into this rank's rows of ``weight`` (once: they
-        are dropped), then the plain head's layout. After new weights
-        (:meth:`reopen_for_reload`): where none of the head's came, it keeps its weight;
-        where only some did, a ValueError (it is dequantized whole)."""
-        roles = ("qweight", "scales", "qzeros", "g_idx", "weight_shape")
-        if self._reload is not None:
-            need = {"qweight", "scales"} | (set() if self.quant.sym else {"qzeros"})
-            got = need & self.int_loaded
-            if got != need:
-                self.abandon_reload()
-                if got:
-                    raise ValueError("new weights of the quantized LM head: give all of its "
-                                     f"{', '.join(sorted(need))} tensors, not some")
-                super().process_weights_after_loading()
-                return
-            self._reload = None
-        params = {r: self._parameters.get(self.quant.name(r)) for r in roles}
-        if params["qweight"] is not None:
-            shape = params["weight_shape"]
-            if "weight_shape" in self.int_loaded and shape is not None and shape.tolist() != [
-                    self.num_embeddings, self.embedding_dim]:
-                raise ValueError(f"the LM head's weight_shape {shape.tolist()} is not "
-                                 f"{[self.num_embeddings, self.embedding_dim]}")
-            k = self.embedding_dim
-            g_idx = params["g_idx"]
-            groups = (g_idx.data.long() if g_idx is not None and "g_idx" in self.int_loaded
-                      else torch.arange(k, device=self.weight.device) // self.group)
-            mid = float(1 << (self.quant.bits - 1))
-            zeros = params["qzeros"] if "qzeros" in self.int_loaded else None
-            q, scales = params["qweight"], params["scales"]
-            assert q is not None and scales is not None
-            out = self.weight.data  # this rank's rows (zeros past the vocabulary)
-            end = min(self.num_embeddings, self.vocab_start + out.shape[0])
-            with torch.no_grad():
-                out.zero_()
-                for start in range(self.vocab_start, end, 4096):  # (bounded temporaries)
-                    rows = slice(start, min(start + 4096, end))
-                    z = mid if zeros is None else zeros.data[rows].float()[:, groups]
-                    out[start - self.vocab_start:rows.stop - self.vocab_start] = (
-                        (q.data[rows].float() - z) * scales.data[rows].float()[:, groups]
-                    ).to(out.dtype)
-            for role in roles:
-                self._parameters.pop(self.quant.name(role), None)
-        super().process_weights_after_loading()
-
-
-def int_lm_head(head: LMHead, quant: IntQuantConfig) -> IntLMHead:
-    """Make ``head`` (untied) an :class:`IntLMHead` in place (before loading); a tied head (the
-    embedding's weight) is a ValueError naming the settings."""
-    if head.tied:
-        raise ValueError("quantization_config.lm_head = true with tie_word_embeddings = true: "
-                         "a quantized LM head tied to the embedding is not supported")
-    head.__class__ = IntLMHead
-    int_head = cast(IntLMHead, head)
-    int_head.int_init(quant)
-    return int_head
-
-
 _INT_CLASSES: dict[type[LinearBase], type[IntLinearMixin]] = {}
 
 
@@ -609,120 +467,3 @@ def to_int(layer: LinearBase, quant: IntQuantConfig,
     int_layer = cast(IntLinearMixin, layer)
     int_layer.int_init(quant, dtype)
     return int_layer
-
-
-def apply_int_quant(model: nn.Module, quant: IntQuantConfig,
-                    checkpoint_layers: Iterable[str] | None = None,
-                    dtype: torch.dtype = torch.float32) -> int:
-    """Make the model's linear layers and routed experts integer-weight before loading: those
-    ``checkpoint_layers`` names (the modules the checkpoint's packed weights load into), or
-    with None every linear layer not in ``quant.skip`` and every expert stack. Returns how
-    many."""
-    from mrv2.layers.int_quant_moe import IntFusedMoE, experts_to_int
-    from mrv2.layers.moe import FusedMoE
-
-    chosen = None if checkpoint_layers is None else set(checkpoint_layers)
-    count = 0
-    for name, module in model.named_modules():
-        if chosen is not None and name not in chosen:
-            continue
-        if isinstance(module, LinearBase) and not isinstance(module, IntLinearMixin):
-            if quant.experts_only or chosen is None and any(s in name for s in quant.skip):
-                continue
-            to_int(module, quant, dtype)
-            count += 1
-        elif type(module) is FusedMoE:
-            experts_to_int(module, quant, dtype)
-            count += 1
-        elif chosen is not None and type(module) is LMHead:  # (random weights: float head)
-            int_lm_head(module, quant)
-            count += 1
-    if chosen is not None and count < len(chosen):
-        done = {n for n, m in model.named_modules()
-                if isinstance(m, (IntLinearMixin, IntFusedMoE, IntLMHead))}
-        raise ValueError(f"the checkpoint quantizes {sorted(chosen - done)[0]}, which is not "
-                         f"a linear layer or an expert stack of {type(model).__name__}")
-    return count
-
-
-def _int_modules(model: nn.Module) -> list[Any]:
-    from mrv2.layers.int_quant_moe import IntFusedMoE
-
-    return [m for m in model.modules() if isinstance(m, (IntLinearMixin, IntFusedMoE))]
-
-
-def fill_int_defaults(model: nn.Module) -> None:
-    """Every integer layer's ``fill_defaults`` (after ``to_empty``)."""
-    for module in _int_modules(model):
-        module.fill_defaults()
-
-
-def int_layer_names(model: nn.Module, names: Iterable[str]) -> list[str]:
-    """The model's module names the checkpoint's packed weights (``*.qweight``,
-    ``*.weight_packed``) load into (through the model's ``rename`` and stacking): linear
-    layers, and the expert stacks their experts' tensors go to (``<experts>.w13_qweight``)."""
-    from mrv2.layers.weights import checkpoint_target
-
-    rename = getattr(model, "rename", lambda name: name)
-    stacked = getattr(model, "stacked_params", ())
-    out = []
-    for name in names:
-        if not name.endswith((".qweight", ".weight_packed")):
-            continue
-        target = checkpoint_target(name, stacked, rename)
-        if target is None:
-            continue
-        module, _, param = target[0].rpartition(".")
-        out.append(module if param.startswith(("w13_", "w2_")) else
-                   target[0][: -len("." + name.rsplit(".", 1)[1])])
-    return out
-
-
-def draw_int_weights(model: nn.Module, seed: int, std: float) -> None:
-    """Random integer weights for ``load_format="dummy"``: uniform integers, scales that give
-    the weights a spread of about ``std``, random zero points near the midpoint."""
-    from mrv2.layers.int_quant_moe import IntFusedMoE
-
-    gen: dict[torch.device, torch.Generator] = {}
-    with torch.no_grad():
-        for module in _int_modules(model):
-            if isinstance(module, IntFusedMoE):
-                roles = [(module.role(s, "qweight"), module.role(s, "scales"),
-                          module.role(s, "qzeros")) for s in ("w13", "w2")]
-            else:
-                roles = [(module.role("qweight"), module.role("scales"), module.role("qzeros"))]
-            levels = 1 << module.quant.bits
-            for qweight, scales, zeros in roles:
-                assert qweight is not None and scales is not None
-                dev = qweight.device
-                g = gen.setdefault(dev, torch.Generator(dev).manual_seed(seed))
-                top = 1 << 31
-                for rows in qweight.data.view(-1, qweight.shape[-1]).split(1 << 16):
-                    rows.copy_(torch.randint(-top, top, rows.shape, generator=g, device=dev,
-                                             dtype=torch.int64).to(torch.int32))
-                if module.quant.fp4:  # uniform codes: an rms of 2.93 units
-                    scales.data.fill_(127 + round(math.log2(std / 2.93)))
-                else:
-                    scales.data.fill_(std * (12 ** 0.5) / levels)
-                if zeros is not None and not module.quant.sym:
-                    mid = levels // 2
-                    zeros.data.copy_(torch.randint(mid - 1, mid + 2, zeros.shape, generator=g,
-                                                   device=dev))
-
-
-def log_int_memory(model: nn.Module, dtype: torch.dtype) -> None:
-    """Log the integer layers' bytes and what they save against ``dtype``."""
-    own = saved = 0
-    width = torch.empty((), dtype=dtype).element_size()
-    for module in _int_modules(model):
-        b = sum(p.numel() * p.element_size() for p in module.parameters()
-                if p is not getattr(module, "bias", None))
-        own += b
-        if isinstance(module, IntLinearMixin):
-            saved += module.input_size * module.output_size * width - b
-        else:  # an expert stack: 3 * E * H * I weights
-            saved += 3 * module.num_experts * module.hidden_size * module.intermediate_size \
-                * width - b
-    if own:
-        logger.info("integer linear weights: %.2f GB (%.2f GB saved against %s)", own / 1e9,
-                    saved / 1e9, dtype)

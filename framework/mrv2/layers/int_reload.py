@@ -18,7 +18,8 @@ from typing import cast
 
 from torch import nn
 
-from mrv2.layers.int_quant import IntLinearMixin, IntLMHead
+from mrv2.layers.int_lm_head import IntLMHead
+from mrv2.layers.int_quant import IntLinearMixin
 from mrv2.layers.int_quant_moe import IntFusedMoE, reopen_plain_experts
 from mrv2.layers.linear import LinearBase
 

@@ -207,7 +207,7 @@ def build_model(
     from mrv2.distributed.parallel_state import expert_parallel_build
     from mrv2.layers.embedding import PoolingLogits
     from mrv2.layers.fp8 import fp8_config_of, log_fp8_memory
-    from mrv2.layers.int_quant import fill_int_defaults, log_int_memory
+    from mrv2.layers.int_model import fill_int_defaults, log_int_memory
     from mrv2.layers.int_quant_config import int_quant_config_of
     from mrv2.model_loader.classification import add_score_head, is_classifier, score_from_tokens
     from mrv2.model_loader.loader import check_kv_cache_scales
@@ -293,9 +293,9 @@ def apply_checkpoint_fp8(model: nn.Module, fp8: Fp8Config, model_dir: str, dummy
 def apply_checkpoint_int_quant(model: nn.Module, quant: IntQuantConfig, model_dir: str,
                                dummy: bool, dtype: torch.dtype) -> None:
     """Make ``model``'s linear layers integer-weight before its weights load
-    (:func:`mrv2.layers.int_quant.apply_int_quant`): those the checkpoint in ``model_dir``
+    (:func:`mrv2.layers.int_model.apply_int_quant`): those the checkpoint in ``model_dir``
     holds a ``qweight`` for, or all with random weights."""
-    from mrv2.layers.int_quant import apply_int_quant, int_layer_names
+    from mrv2.layers.int_model import apply_int_quant, int_layer_names
     from mrv2.model_loader.loader import checkpoint_names
 
     names = (None if dummy or quant.experts_only
@@ -307,7 +307,7 @@ def load_or_draw_weights(model: nn.Module, config: EngineConfig, model_dir: str)
     """Load ``model``'s weights from the checkpoint in ``model_dir``, or draw them (fp8 layers
     included) with ``load_format="dummy"``."""
     from mrv2.layers.fp8 import draw_fp8_weights
-    from mrv2.layers.int_quant import draw_int_weights
+    from mrv2.layers.int_model import draw_int_weights
     from mrv2.model_loader.classification import score_head
     from mrv2.model_loader.loader import init_dummy_weights, iter_safetensors, load_model_weights
 

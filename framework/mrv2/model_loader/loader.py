@@ -231,7 +231,7 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dtype in fp8 or not param.is_floating_point():
-                continue  # drawn by their layer (mrv2.layers.fp8, mrv2.layers.int_quant)
+                continue  # drawn by their layer (mrv2.layers.fp8, mrv2.layers.int_model)
             if id(param) in norm_weights:
                 param.fill_(1.0)
             elif name.endswith("bias"):

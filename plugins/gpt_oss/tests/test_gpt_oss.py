@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from mrv2 import LLM, SamplingParams
 from mrv2.layers import head_dim_of
-from mrv2.layers.int_quant import apply_int_quant
+from mrv2.layers.int_model import apply_int_quant
 from mrv2.layers.int_quant_config import int_quant_config_of
 from mrv2.model_loader import iter_safetensors, load_model_weights
 from mrv2.model_loader.build import process_weights_after_loading
