@@ -144,6 +144,26 @@ def test_engine_add_request_honours_truncate_prompt_tokens(llm: LLM) -> None:
     assert [o.prompt_token_ids for o in outputs] == [ids[-4:]]
 
 
+def test_a_cut_longer_than_the_context_is_refused_offline(llm: LLM) -> None:
+    """vLLM's offline bound: ``truncate_prompt_tokens`` above max_model_len is a ValueError,
+    however short the prompt (``LLM.generate``, ``LLM.chat``, ``LLMEngine.add_request``);
+    max_model_len itself (and -1) is taken."""
+    limit = llm.engine.max_model_len
+    too_long = SamplingParams(max_tokens=1, temperature=0, truncate_prompt_tokens=limit + 1)
+    message = rf"truncate_prompt_tokens value \({limit + 1}\) is greater than max_model_len"
+    with pytest.raises(ValueError, match=message):
+        llm.generate("hi", too_long, use_tqdm=False)
+    with pytest.raises(ValueError, match=message):
+        llm.chat([{"role": "user", "content": "hi"}], too_long, use_tqdm=False)
+    with pytest.raises(ValueError, match=message):
+        llm.engine.add_request([5, 6, 7], too_long, request_id="too-long")
+    assert not llm.engine.has_unfinished()
+    for keep in (limit, -1):
+        params = SamplingParams(max_tokens=1, temperature=0, truncate_prompt_tokens=keep)
+        out = llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)[0]
+        assert out.prompt_token_ids == [5, 6, 7]
+
+
 def test_last_tokens_rule() -> None:
     """The one ``truncate_prompt_tokens`` rule (generation, pooling and the server's bodies):
     the last k ids, -1 the room given, None all; a multimodal prompt is never cut."""

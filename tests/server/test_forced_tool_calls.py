@@ -49,6 +49,19 @@ def test_the_schemas_and_readers() -> None:
             forced_tool_choice(bad, TOOLS)
 
 
+def test_forced_calls_take_the_servers_call_ids() -> None:
+    """A forced call's id: ``call_`` and 24 hex digits, or the server's parser's (mistral's 9
+    letters and digits, which Mistral's templates require: vLLM's ``MistralToolCall``)."""
+    from mrv2.entrypoints.tool_calls import get_tool_parser
+
+    mistral = get_tool_parser("mistral").call_id
+    for choice, text in ((NAMED, '{"n": 3}'), ("required", '[{"name": "noop", "parameters": {}}]')):
+        (call,) = forced_tool_choice(choice, TOOLS)[0].parse(text)[1]
+        assert re.fullmatch(r"call_[0-9a-f]{24}", call.id), call
+        (call,) = forced_tool_choice(choice, TOOLS, call_id=mistral)[0].parse(text)[1]
+        assert re.fullmatch(r"[A-Za-z0-9]{9}", call.id), call
+
+
 def test_required_keeps_the_tools_refs_working() -> None:
     """Tools whose parameters refer to their own ``$defs`` (pydantic's schemas): ``required``'s
     one schema holds them at its root, where ``#/$defs/...`` points (vLLM's way), and it

@@ -207,6 +207,34 @@ def test_a_pooling_cut_longer_than_the_context_is_refused(server: Served) -> Non
     assert ok.status_code == 200, ok.text
 
 
+def test_a_generation_cut_longer_than_the_room_is_refused(server: Served) -> None:
+    """vLLM's generation routes: ``truncate_prompt_tokens`` above max_model_len less the
+    request's own max_tokens (max_completion_tokens; none given: the context) is a 400 naming
+    it, however short the prompt; the bound itself is taken."""
+    limit = server.engine.max_model_len
+    cases: list[tuple[str, dict[str, Any], int, str]] = [
+        ("/v1/completions", {"prompt": "Hello", "max_tokens": 4}, limit - 4, "max_tokens"),
+        ("/v1/completions", {"prompt": [5, 6]}, limit - 16, "max_tokens"),  # (OpenAI's 16)
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                  "max_completion_tokens": 3}, limit - 3,
+         "max_completion_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                  "max_tokens": 2}, limit - 2, "max_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}, limit,
+         "max_model_len")]
+    for route, body, most, named in cases:
+        for extra in ({}, {"stream": True}):
+            bad = _post(server, route, {**body, **extra, "truncate_prompt_tokens": most + 1})
+            assert bad.status_code == 400, (route, body, bad.text)
+            error = bad.json()["error"]
+            assert error["param"] == "truncate_prompt_tokens", error
+            assert f"truncate_prompt_tokens={most + 1}" in error["message"] or \
+                f"({most + 1}) is greater than" in error["message"], error
+            assert named in error["message"] and "smaller truncation size" in error["message"]
+        ok = _post(server, route, {**body, "truncate_prompt_tokens": most})
+        assert ok.status_code == 200, (route, body, ok.text)
+
+
 def test_bad_words_never_come_out(server: Served) -> None:
     body = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0,
             "ignore_eos": True}

@@ -3,8 +3,8 @@ streams cut anywhere give the same content and calls; the chat route passes tool
 template and messages with calls back into it; answers carry ``tool_calls`` and finish with
 ``tool_calls``, streamed or not; without the flags, tools are refused as before; a parser whose
 markers are special tokens (glm45) decodes a request with tools keeping them; a mistral server
-whose tokenizer has ``[TOOL_CALLS]`` as a special token answers calls (ids Mistral's template
-takes). The other formats, text only: test_tool_parsers.py."""
+whose tokenizer has ``[TOOL_CALLS]`` as a special token answers calls, forced ones too (ids
+Mistral's template takes). The other formats, text only: test_tool_parsers.py."""
 
 from __future__ import annotations
 
@@ -315,3 +315,46 @@ def test_a_mistral_server_with_special_tokens(tmp_path: Path) -> None:
         refused = httpx.post(served.url + url, headers=AUTH, timeout=60,
                              json={"messages": turn, "tools": TOOLS, "max_tokens": 2})
         assert refused.status_code == 400 and "length 9" in refused.text, refused.text
+
+
+def test_a_mistral_servers_forced_calls_have_mistral_ids(tmp_path: Path) -> None:
+    """A forced call (``tool_choice`` named or ``required``: a grammar, not the parser) on a
+    ``--tool-call-parser mistral`` server gets the parser's 9-character id, as vLLM gives a
+    Mistral model's forced calls (``MistralToolCall``), whole and streamed; Mistral's template
+    takes it back in the next turn (it refused the ``call_...`` ids given before). The
+    answer is fixed: the grammar and ``allowed_token_ids`` (no whitespace) leave one text."""
+    from conftest import serve
+
+    make_tiny_checkpoint(tmp_path, "LlamaForCausalLM", vocab_size=320)
+    make_tiny_tokenizer(tmp_path, special_tokens=["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"])
+    tok = Tokenizer.from_pretrained(tmp_path)
+    tools = [{"type": "function", "function": {"name": "noop", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}}]
+    assert tok.eos_token_id is not None
+    allowed = sorted({*tok.encode('[{"name":"noop","parameters":{}}]', add_special_tokens=False),
+                      tok.eos_token_id})
+    question = {"role": "user", "content": "Go"}
+    body = {"messages": [question], "tools": tools, "max_tokens": 60, "temperature": 0,
+            "allowed_token_ids": allowed, "parallel_tool_calls": False}
+    url = "/v1/chat/completions"
+    named = {"type": "function", "function": {"name": "noop"}}
+    for served in serve(tmp_path, engine_kwargs={"chat_template": MISTRAL_TEMPLATE,
+                                                 "max_model_len": 128},
+                        tool_call_parser="mistral"):
+        for choice in (named, "required"):
+            answer = httpx.post(served.url + url, headers=AUTH, timeout=60,
+                                json={**body, "tool_choice": choice}).json()
+            (call,) = answer["choices"][0]["message"]["tool_calls"]
+            assert call["function"] == {"name": "noop", "arguments": "{}"}, answer
+            assert re.fullmatch(r"[A-Za-z0-9]{9}", call["id"]), call
+            chunks = _sse(httpx.post(served.url + url, headers=AUTH, timeout=60,
+                                     json={**body, "tool_choice": choice, "stream": True}).text)
+            (streamed,) = [c for chunk in chunks if chunk["choices"]
+                           for c in chunk["choices"][0]["delta"].get("tool_calls") or []]
+            assert streamed["function"]["name"] == "noop"
+            assert re.fullmatch(r"[A-Za-z0-9]{9}", streamed["id"]), streamed
+            turn = [question, {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": call["id"], "content": "done"}]
+            again = httpx.post(served.url + url, headers=AUTH, timeout=60,
+                               json={"messages": turn, "tools": tools, "max_tokens": 2})
+            assert again.status_code == 200, again.text

@@ -151,11 +151,19 @@ def last_tokens(ids: list[int], keep: int | None, room: int, multimodal: bool = 
     return ids[-keep:]
 
 
-def check_truncation(keep: int | None, longest: int) -> None:
-    """vLLM's bound on a pooling prompt's ``truncate_prompt_tokens``: at most ``longest`` (the
-    model's ``max_model_len``), else a ValueError naming it (vLLM's 400), however short the
-    prompt."""
-    if keep is not None and keep > longest:
+def check_truncation(keep: int | None, longest: int, max_tokens: int = 0,
+                     name: str = "max_tokens") -> None:
+    """vLLM's bound on ``truncate_prompt_tokens``: at most ``longest`` (the model's
+    ``max_model_len``) less ``max_tokens`` (a generation request's own answer length, the
+    server's field ``name``; 0: a pooling or offline prompt's, whose bound is the context),
+    else a ValueError naming it (vLLM's 400), however short the prompt. -1 always passes."""
+    if keep is None:
+        return
+    if max_tokens and keep > longest - max_tokens:
+        raise ValueError(f"truncate_prompt_tokens={keep} cannot be greater than max_model_len "
+                         f"- {name} = {longest} - {max_tokens} = {longest - max_tokens}. "
+                         "Please request a smaller truncation size.")
+    if keep > longest:
         raise ValueError(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
                          f"({longest}). Please request a smaller truncation size.")
 
@@ -169,8 +177,9 @@ def truncation_room(max_model_len: int, max_tokens: int | None) -> int:
 def truncate_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int,
                     multimodal: bool = False) -> list[int]:
     """The prompt's last ``params.truncate_prompt_tokens`` ids (:func:`last_tokens`, -1's
-    :func:`truncation_room`). Raises ``ValueError`` where it would cut a ``multimodal``
-    prompt."""
+    :func:`truncation_room`). Raises ``ValueError`` for a cut above ``max_model_len`` (vLLM's
+    offline bound, :func:`check_truncation`) or where it would cut a ``multimodal`` prompt."""
+    check_truncation(params.truncate_prompt_tokens, max_model_len)
     return last_tokens(prompt_token_ids, params.truncate_prompt_tokens,
                        truncation_room(max_model_len, params.max_tokens), multimodal)
 

@@ -30,6 +30,7 @@ def add_completion_routes(app: FastAPI, serving: Serving) -> None:
     async def completions(request: Request) -> Response:
         body: CompletionRequest = await serving.parse(request, CompletionRequest)
         params = serving.params_of(body)
+        serving.check_truncation(body, params)
         if ((mark := grammar_mark(serving.reasoning_parser))
                 and params.structured_outputs is not None):
             # as a chat request's, as vLLM's (whose grammar waits for the parser's end of the
@@ -86,6 +87,7 @@ async def run_chat(serving: Serving, request: Request, body: ChatCompletionReque
     completions' by default): its tools (a forced call a structured output), the reasoning
     parser's marks, its prompt truncated and checked, then run or beam searched."""
     params = serving.params_of(body)
+    serving.check_truncation(body, params)
     tool_parser, reasoning_parser = serving.tool_parser, serving.reasoning_parser
     forced = body.tools and body.tool_choice not in (None, "none", "auto")
     if body.tools and tool_parser is None and not forced and body.tool_choice != "none":
@@ -101,8 +103,9 @@ async def run_chat(serving: Serving, request: Request, body: ChatCompletionReque
                            "the request gives another (response_format, structured_outputs "
                            "or guided_*)", param="tool_choice")
         try:
-            parser, schema = forced_tool_choice(body.tool_choice, body.tools,
-                                                body.parallel_tool_calls)
+            parser, schema = forced_tool_choice(  # (ids: the server's parser's, vLLM's)
+                body.tool_choice, body.tools, body.parallel_tool_calls,
+                tool_parser.call_id if tool_parser is not None else None)
         except ValueError as error:
             raise APIError(400, str(error), param="tool_choice") from None
         params = dataclasses.replace(params,

@@ -27,7 +27,7 @@ from mrv2.engine.engine import LLMEngine
 from mrv2.engine.generation_defaults import max_tokens_limit
 from mrv2.engine.media import split_chat_media
 from mrv2.engine.outputs import RequestOutput
-from mrv2.engine.request_inputs import truncation_room
+from mrv2.engine.request_inputs import check_truncation, truncation_room
 from mrv2.engine.tokenizer import check_template_kwargs
 from mrv2.entrypoints.engine_process import EngineProcess, RemoteEngine
 from mrv2.entrypoints.engine_thread import EngineThread, QueueFullError
@@ -145,6 +145,22 @@ class Serving:
         engine = self.engine
         own = 0 if body.max_tokens_from_model(engine.sampling_defaults) else params.max_tokens
         return truncation_room(engine.max_model_len, own)
+
+    def check_truncation(self, body: Any, params: SamplingParams) -> None:
+        """vLLM's bound on a generation request's ``truncate_prompt_tokens``: at most the
+        context less the request's own max_tokens (none, or a model default's: the context),
+        else a 400 naming it, however short the prompt. A max_tokens above the context is
+        left to :meth:`validate`'s 400 (vLLM refuses it first)."""
+        engine = self.engine
+        own = (0 if body.max_tokens_from_model(engine.sampling_defaults)
+               else params.max_tokens or 0)
+        if own > engine.max_model_len:
+            return
+        try:
+            check_truncation(body.truncate_prompt_tokens, engine.max_model_len, own,
+                             body.request_field("max_tokens"))
+        except ValueError as error:
+            raise APIError(400, str(error), param="truncate_prompt_tokens") from None
 
     def validate(self, ids: list[int], params: SamplingParams, body: Any) -> None:
         """A 503 while the engine takes no requests; a 400 for a prompt the engine refuses,

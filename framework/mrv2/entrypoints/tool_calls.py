@@ -452,12 +452,16 @@ def _parameters(tool: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def forced_tool_choice(tool_choice: str | Mapping[str, Any], tools: Tools,
-                       parallel_tool_calls: bool = True) -> tuple[ToolParser, dict[str, Any]]:
+                       parallel_tool_calls: bool = True,
+                       call_id: Callable[[], str] | None = None
+                       ) -> tuple[ToolParser, dict[str, Any]]:
     """``tool_choice`` ``"required"`` or ``{"type": "function", "function": {"name": N}}`` as
     vLLM does it, by structured outputs: the JSON schema the answer must match (a named
     choice: that tool's parameters; ``required``: a list of ``{"name", "parameters"}``, one
     item with ``parallel_tool_calls`` false; the tools' ``$defs`` moved to its root, where
-    their ``#/$defs/...`` references point) and the parser that reads it into calls.
+    their ``#/$defs/...`` references point) and the parser that reads it into calls, their
+    ids made by ``call_id`` (the server's parser's, as :attr:`ToolParser.call_id`: vLLM gives
+    a Mistral model's forced calls Mistral's ids too; None: ``call_...``).
     ValueError naming ``tool_choice`` for a name no tool has or another form."""
     names = [t["function"]["name"] for t in tools]
     if tool_choice == "required":
@@ -483,7 +487,8 @@ def forced_tool_choice(tool_choice: str | Mapping[str, Any], tools: Tools,
                                   "items": {"anyOf": items}, **defs}
         if not parallel_tool_calls:
             schema["maxItems"] = 1
-        return ToolParser("required", ("",), lambda text, _: _forced_calls(text, None)), schema
+        return ToolParser("required", ("",), lambda text, _: _forced_calls(text, None),
+                          call_id=call_id), schema
     function = tool_choice.get("function") if isinstance(tool_choice, Mapping) else None
     name = function.get("name") if isinstance(function, Mapping) else None
     if not (isinstance(tool_choice, Mapping) and tool_choice.get("type") == "function"
@@ -495,8 +500,8 @@ def forced_tool_choice(tool_choice: str | Mapping[str, Any], tools: Tools,
         raise ValueError(f"SamplingParams.tool_choice names {name!r}, which tools lacks "
                          f"(tools: {', '.join(names)})")
     tool = tools[names.index(name)]
-    return (ToolParser("named", ("",), lambda text, _: _forced_calls(text, name), named=True),
-            _parameters(tool))
+    return (ToolParser("named", ("",), lambda text, _: _forced_calls(text, name), named=True,
+                       call_id=call_id), _parameters(tool))
 
 
 @dataclass(frozen=True)
