@@ -67,6 +67,20 @@ _FIELD = "SamplingParams.structured_outputs"
 #: The tokens gpt-oss may write between ``<|channel|>final`` and ``<|message|>`` (a content
 #: type: `` <|constrain|>json``), its answer still held to the grammar (vLLM's 20).
 HARMONY_HEADER_GAP = 20
+#: The thinking blocks a structured output's ``SamplingParams._reasoning`` names (the server's
+#: reasoning parser's convention): its start and end tags (each one token of the tokenizer),
+#: and where the answer starts: ``prompt`` (in the block if the prompt's last start tag stands
+#: after its last end tag, past it if the prompt closed it, else ``qwen3``'s first token may
+#: open it and ``deepseek_r1``'s answer opens in it), ``open`` (the model opens the block
+#: itself: the first token may be the start tag, whatever the prompt holds: Magistral's
+#: system prompt writes both tags, Gemma 4's are not in it).
+THINK_BLOCKS: dict[str, tuple[str, str, str]] = {
+    "qwen3": ("<think>", "</think>", "prompt"),
+    "deepseek_r1": ("<think>", "</think>", "prompt"),
+    "seed_oss": ("<seed:think>", "</seed:think>", "prompt"),
+    "mistral": ("[THINK]", "[/THINK]", "open"),
+    "gemma4": ("<|channel>", "<channel|>", "open"),
+}
 logger = logging.getLogger(__name__)
 
 
@@ -386,8 +400,7 @@ class StructuredOutputs:
         self._tokenizer: Any = None
         self._executor: Any = None
         self._grammars: dict[str, str] = {}
-        self._tags: tuple[int, int] | None = None
-        self._tags_looked_up = False
+        self._tags: dict[tuple[str, str], tuple[int, int] | None] = {}
         self._final: tuple[int, ...] | None = None  # (): looked up, not in this tokenizer
 
     @property
@@ -430,9 +443,11 @@ class StructuredOutputs:
     def guide(self, params: SamplingParams, prompt_token_ids: list[int]) -> Guide:
         """A fresh matcher over ``params.structured_outputs``' grammar (:meth:`grammar`,
         cached); with ``params._reasoning`` (the server's reasoning parser) it holds only what
-        follows the thinking block: from the start if the prompt closed the block (Qwen3 with
-        ``enable_thinking: false``), after ``</think>`` if the prompt opened it (DeepSeek-R1),
-        and for ``qwen3`` otherwise the first token may open it instead."""
+        follows the thinking block (:data:`THINK_BLOCKS`: its tags by the mark): from the
+        start if the prompt closed the block (Qwen3 with ``enable_thinking: false``), after
+        the end tag if the prompt opened it (DeepSeek-R1), and for ``qwen3`` otherwise (and
+        always for a block the model opens itself, Magistral's) the first token may open it
+        instead."""
         assert params.structured_outputs is not None
         matcher = _llguidance().LLMatcher(self.tokenizer,
                                           self.grammar(params.structured_outputs))
@@ -442,15 +457,18 @@ class StructuredOutputs:
             final = self._harmony_final()
             return Guide(matcher, self, None if final is None else (-1, final, "reasoning"),
                          gap=HARMONY_HEADER_GAP)
-        tags = self._think_tags() if params._reasoning else None
-        if tags is None:
+        block = THINK_BLOCKS.get(params._reasoning or "")
+        tags = self._think_tags(block[0], block[1]) if block is not None else None
+        if block is None or tags is None:
             return Guide(matcher, self)
         start, end = tags
         opened = max((i for i, t in enumerate(prompt_token_ids) if t == start), default=-1)
         closed = max((i for i, t in enumerate(prompt_token_ids) if t == end), default=-1)
-        if closed > opened:
+        if block[2] == "open":
+            phase = "open"  # the model opens the block itself, or answers at once
+        elif closed > opened:
             phase = "grammar"  # the template closed the block: no reasoning
-        elif opened >= 0 or params._reasoning == "deepseek_r1":
+        elif opened >= 0 or params._reasoning in ("deepseek_r1", "seed_oss"):
             phase = "reasoning"
         else:
             phase = "open"
@@ -470,17 +488,17 @@ class StructuredOutputs:
                                "of this tokenizer; the grammar holds from the first token")
         return self._final or None
 
-    def _think_tags(self) -> tuple[int, int] | None:
-        """The ``<think>`` / ``</think>`` token ids (None, logged once, where either is not
-        one token: the grammar then holds from the first token)."""
-        if not self._tags_looked_up:
-            self._tags_looked_up = True
+    def _think_tags(self, start: str = "<think>", end: str = "</think>"
+                    ) -> tuple[int, int] | None:
+        """The token ids of a thinking block's tags (``<think>`` / ``</think>`` by default;
+        None, logged once, where either is not one token: the grammar then holds from the
+        first token)."""
+        if (start, end) not in self._tags:
             ids = [self.hf_tokenizer.encode(tag, add_special_tokens=False)
-                   for tag in ("<think>", "</think>")]
-            if all(len(i) == 1 for i in ids):
-                self._tags = (ids[0][0], ids[1][0])
-            else:
-                logger.warning("structured outputs: <think> / </think> are not single tokens "
-                               "of this tokenizer; the grammar holds from the first token")
-        return self._tags
-
+                   for tag in (start, end)]
+            tags = (ids[0][0], ids[1][0]) if all(len(i) == 1 for i in ids) else None
+            self._tags[start, end] = tags
+            if tags is None:
+                logger.warning("structured outputs: %s / %s are not single tokens of this "
+                               "tokenizer; the grammar holds from the first token", start, end)
+        return self._tags[start, end]

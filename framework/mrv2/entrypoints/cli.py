@@ -229,7 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "reasoning_content (qwen3: the output opens the block; deepseek_r1: "
                        "the prompt does; minimax_m2: MiniMax-M2's, as deepseek_r1; "
                        "minimax_m2_append_think: MiniMax-M2's block left in the content, its "
-                       "<think> put back; openai_gptoss: gpt-oss's harmony analysis channel)")
+                       "<think> put back; openai_gptoss: gpt-oss's harmony analysis channel; "
+                       "deepseek_v3 / glm45 / glm47 / holo2 / exaone4 / nemotron_v3: as "
+                       "deepseek_r1 where the request's chat_template_kwargs turn thinking "
+                       "on; ernie45: "
+                       "ERNIE-4.5 Thinking's; seed_oss: <seed:think>; mistral: Magistral's "
+                       "[THINK]; gemma4: Gemma 4's <|channel>thought; granite: Granite's "
+                       "'Here is my thought process:' text)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="chat requests may offer tools (tool_choice \"auto\"); the "
                        "model's calls come back as tool_calls (needs --tool-call-parser)")

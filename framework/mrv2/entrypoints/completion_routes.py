@@ -14,7 +14,13 @@ from fastapi.responses import Response
 
 from mrv2.contract.params import StructuredOutputsParams
 from mrv2.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
-from mrv2.entrypoints.reasoning import grammar_mark, keeps_special_tokens, prompt_reasoning
+from mrv2.entrypoints.reasoning import (
+    grammar_mark,
+    keeps_special_tokens,
+    prompt_reasoning,
+    request_parser,
+    structured_refusal,
+)
 from mrv2.entrypoints.responses import APIError, Echo, Stream
 from mrv2.entrypoints.serving import Serving
 from mrv2.entrypoints.tool_calls import TOOL_CALL_PARSERS, ToolCalling, forced_tool_choice
@@ -88,7 +94,10 @@ async def run_chat(serving: Serving, request: Request, body: ChatCompletionReque
     parser's marks, its prompt truncated and checked, then run or beam searched."""
     params = serving.params_of(body)
     serving.check_truncation(body, params)
-    tool_parser, reasoning_parser = serving.tool_parser, serving.reasoning_parser
+    # (deepseek_v3, glm45...: the template's thinking switch says how the answer reads)
+    kwargs = body.template_kwargs()
+    tool_parser = serving.tool_parser
+    reasoning_parser = request_parser(serving.reasoning_parser, kwargs)
     forced = body.tools and body.tool_choice not in (None, "none", "auto")
     if body.tools and tool_parser is None and not forced and body.tool_choice != "none":
         raise APIError(400, "tools: this server parses no tool calls; start it with "
@@ -117,6 +126,9 @@ async def run_chat(serving: Serving, request: Request, body: ChatCompletionReque
             params = dataclasses.replace(params, skip_special_tokens=False)
     if keeps_special_tokens(reasoning_parser):  # (harmony's markers, likewise)
         params = dataclasses.replace(params, skip_special_tokens=False)
+    if params.structured_outputs is not None and (
+            refused := structured_refusal(reasoning_parser, kwargs)):
+        raise APIError(400, refused, param="chat_template_kwargs")
     if (mark := grammar_mark(reasoning_parser)) and params.structured_outputs is not None:
         # the grammar holds what follows the thinking block (vLLM's reasoning-aware way)
         params = dataclasses.replace(params, _reasoning=mark)

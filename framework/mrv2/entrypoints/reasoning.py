@@ -27,6 +27,37 @@ The conventions, as vLLM's parsers:
   server decodes a chat request with ``skip_special_tokens=False`` (:func:`keeps_special_tokens`),
   and no marker reaches the client. Text that opens with no harmony header is content.
 
+* ``deepseek_v3`` (DeepSeek-V3.1 / V3.2): ``deepseek_r1``'s where the request's
+  ``chat_template_kwargs`` turn thinking on (``thinking`` or ``enable_thinking`` true: the
+  template opens the block), else no split (the whole output is content). ``glm45`` /
+  ``glm47`` (GLM-4.5 / 4.6 / 4.7) and ``holo2`` (Holo2, on Qwen3-VL; vLLM's
+  ``DeepSeekV3ReasoningWithThinkingParser`` all three): the same with thinking on unless
+  the request sets either switch (GLM's template closes the block with
+  ``enable_thinking: false``). ``exaone4`` (EXAONE 4.0): ``enable_thinking``
+  alone decides. ``nemotron_v3`` (Nemotron 3 Nano): ``deepseek_r1``'s, but with
+  ``enable_thinking: false`` an output that does not open ``<think>`` is content
+  (``qwen3``'s: vLLM's whole answer likewise, its stream would call it reasoning).
+* ``ernie45`` (ERNIE-4.5 Thinking): ``deepseek_r1``'s; the newlines after ``</think>`` are
+  dropped, and a content wrapped in ``<response>...</response>`` is what the wrapper holds
+  (what follows its last ``</response>`` is dropped).
+* ``seed_oss`` (Seed-OSS): ``deepseek_r1``'s with ``<seed:think>`` / ``</seed:think>``.
+* ``mistral`` (Magistral): ``[THINK]...[/THINK]``, special tokens (the request is decoded
+  keeping them, :func:`keeps_special_tokens`); the block may open anywhere (text before it
+  is content, a ``[/THINK]`` before any ``[THINK]`` is dropped), a block not closed is
+  reasoning to the end, an output with no ``[THINK]`` is content.
+* ``gemma4`` (Gemma 4): ``<|channel>thought\\n...<channel|>`` (special tokens, kept): the
+  output may open the block (the ``thought\\n`` label dropped), else it is content.
+* ``granite`` (Granite 3.2 / 3.3 with ``thinking: true``): plain-text markers: an output
+  that opens with "Here is my thought process:" (or "Here's ...") is reasoning up to
+  "Here is my response:" (or "Here's ..."), content after it; any other output is content.
+  A thought process cut off before its response is reasoning (vLLM's stream; its whole
+  answer calls it content). The engine cannot hold a grammar after text markers: a
+  structured output of a request that turns ``thinking`` on is refused (400,
+  :func:`structured_refusal`); without it the grammar holds from the first token.
+
+The parsers that read the chat template's switches are resolved per request
+(:func:`request_parser`) to one of the others, or to ``identity`` (no split: all content).
+
 A stream is split as it arrives (:class:`ReasoningStream`): text that may still turn out to
 be part of a tag is held back until the next delta decides it, so no tag ever reaches the
 client (but ``minimax_m2_append_think``'s, which are content) and no text is lost or
@@ -35,21 +66,67 @@ repeated.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from mrv2.entrypoints.harmony import HarmonyStream
 
 #: ``--reasoning-parser`` values.
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "openai_gptoss", "minimax_m2",
-                     "minimax_m2_append_think")
+                     "minimax_m2_append_think", "deepseek_v3", "glm45", "glm47", "exaone4",
+                     "nemotron_v3", "ernie45", "seed_oss", "mistral", "gemma4", "granite",
+                     "holo2")
 #: The parsers of a ``<think>`` block, each with the convention the engine's structured
 #: outputs know it by (the grammar holds what follows the block; vLLM's MiniMax-M2 parsers
 #: end the reasoning at ``</think>`` as DeepSeek-R1's does, ``minimax_m2_append_think``
 #: included, though it leaves the block in the content).
 THINK_PARSERS = {"qwen3": "qwen3", "deepseek_r1": "deepseek_r1", "minimax_m2": "deepseek_r1",
-                 "minimax_m2_append_think": "deepseek_r1"}
+                 "minimax_m2_append_think": "deepseek_r1", "ernie45": "deepseek_r1"}
+#: The other parsers' marks for the engine (:data:`mrv2.engine.structured_outputs.THINK_BLOCKS`
+#: : their own tags; gpt-oss's harmony headers).
+OTHER_MARKS = {"openai_gptoss": "openai_gptoss", "seed_oss": "seed_oss", "mistral": "mistral",
+               "gemma4": "gemma4"}
+#: ``deepseek_v3``'s with thinking on unless a request's switch says otherwise (vLLM's
+#: ``DeepSeekV3ReasoningWithThinkingParser``: GLM-4.5 / 4.6 / 4.7, Holo2).
+THINKING_BY_DEFAULT = ("glm45", "glm47", "holo2")
+#: What :func:`request_parser` resolves a request's parser to besides the others: no split.
+IDENTITY = "identity"
 
 START, END = "<think>", "</think>"
+GRANITE_THINK = ("Here is my thought process:", "Here's my thought process:")
+GRANITE_RESPONSE = ("Here is my response:", "Here's my response:")
+RESPONSE, RESPONSE_END = "<response>", "</response>"
+
+
+@dataclass(frozen=True)
+class Block:
+    """A parser's thinking block: the tags that open and close it (any of each), and
+    ``opens``: ``output`` (the output may open with it, leading whitespace allowed; else it
+    is all content), ``prompt`` (the template opened it: the output starts in it, a start
+    tag there dropped), ``anywhere`` (Magistral's: text before it is content); ``label``: text
+    dropped right after the start tag; ``again``: an end tag written again in the content is
+    dropped; ``response``: ERNIE's content (newlines after the block dropped, a
+    ``<response>`` wrapper taken off)."""
+
+    starts: tuple[str, ...]
+    ends: tuple[str, ...]
+    opens: str
+    label: str = ""
+    again: bool = False
+    response: bool = False
+
+
+BLOCKS = {
+    "qwen3": Block((START,), (END,), "output"),
+    "deepseek_r1": Block((START,), (END,), "prompt"),
+    "minimax_m2": Block((START,), (END,), "prompt", again=True),
+    "ernie45": Block((START,), (END,), "prompt", response=True),
+    "seed_oss": Block(("<seed:think>",), ("</seed:think>",), "prompt"),
+    "mistral": Block(("[THINK]",), ("[/THINK]",), "anywhere"),
+    "gemma4": Block(("<|channel>",), ("<channel|>",), "output", label="thought\n"),
+    "granite": Block(GRANITE_THINK, GRANITE_RESPONSE, "output"),
+}
 
 
 def check_reasoning_parser(name: str | None) -> str | None:
@@ -60,11 +137,42 @@ def check_reasoning_parser(name: str | None) -> str | None:
     return name
 
 
+def request_parser(kind: str | None, kwargs: Mapping[str, Any] | None) -> str | None:
+    """The parser of one request's answer: those that read the chat template's thinking
+    switches (``kwargs``: the request's ``chat_template_kwargs``; none for a completion)
+    resolved to ``deepseek_r1``'s, ``qwen3``'s or :data:`IDENTITY`; ``kind`` otherwise."""
+    kw = kwargs or {}
+    thinking, enable = kw.get("thinking"), kw.get("enable_thinking")
+    if kind == "deepseek_v3" or (kind in THINKING_BY_DEFAULT
+                                 and (thinking is not None or enable is not None)):
+        return "deepseek_r1" if bool(thinking) or bool(enable) else IDENTITY
+    if kind in THINKING_BY_DEFAULT:  # (thinking unless the request turns it off)
+        return "deepseek_r1"
+    if kind == "exaone4":
+        return "deepseek_r1" if bool(enable) else IDENTITY
+    if kind == "nemotron_v3":
+        return "qwen3" if enable is False else "deepseek_r1"
+    return kind
+
+
+def structured_refusal(kind: str | None, kwargs: Mapping[str, Any] | None) -> str | None:
+    """Why a structured output cannot be held under the parser ``kind`` for a request with
+    these ``chat_template_kwargs`` (None: it can): Granite's thought process ends at a text
+    marker, which the engine's grammar cannot wait for."""
+    if kind == "granite" and bool((kwargs or {}).get("thinking")):
+        return ("a structured output is not supported with --reasoning-parser granite and "
+                "chat_template_kwargs thinking: true (the thought process ends at a text "
+                "marker, which the grammar cannot wait for); turn thinking off")
+    return None
+
+
 def grammar_mark(kind: str | None) -> str | None:
-    """What a structured output is marked with under the reasoning parser ``kind``
-    (``SamplingParams._reasoning``: the convention the engine knows, its grammar then holding
-    only what follows the thinking); None: no mark, the grammar holds from the first token."""
-    return kind if kind == "openai_gptoss" else THINK_PARSERS.get(kind or "")
+    """What a structured output is marked with under the (request's) reasoning parser
+    ``kind`` (``SamplingParams._reasoning``: the convention the engine knows, its grammar
+    then holding only what follows the thinking); None: no mark, the grammar holds from the
+    first token (no parser, :data:`IDENTITY`, ``granite``)."""
+    kind = request_parser(kind, None)
+    return OTHER_MARKS.get(kind or "") or THINK_PARSERS.get(kind or "")
 
 
 def prompt_reasoning(kind: str | None, prompt: list[int],
@@ -92,6 +200,12 @@ def prompt_reasoning(kind: str | None, prompt: list[int],
 def keeps_special_tokens(kind: str | None) -> bool:
     """Whether the parser's markers are special tokens, which a request must be decoded
     keeping (``skip_special_tokens=False``)."""
+    return kind in ("openai_gptoss", "mistral", "gemma4")
+
+
+def harmony_format(kind: str | None) -> bool:
+    """Whether the parser reads gpt-oss's harmony messages (whose chat template reads an
+    assistant call's reasoning as its thinking)."""
     return kind == "openai_gptoss"
 
 
@@ -111,15 +225,34 @@ def held_tag_prefix(text: str, tag: str) -> int:
     return 0
 
 
+def _find(text: str, tags: tuple[str, ...]) -> tuple[int, str]:
+    """The first of ``tags`` in ``text``: its index (-1: none) and the tag."""
+    found = [(i, t) for t in tags if (i := text.find(t)) >= 0]
+    return min(found) if found else (-1, "")
+
+
+def _held(text: str, tags: tuple[str, ...]) -> int:
+    return max(held_tag_prefix(text, t) for t in tags)
+
+
 class ReasoningStream:
-    """Splits one choice's text deltas into ``(reasoning, content)`` deltas."""
+    """Splits one choice's text deltas into ``(reasoning, content)`` deltas. ``state``:
+    ``start`` (the output's first characters may still open the block), ``reasoning`` or
+    ``content`` (past the reasoning: the Responses API reads it)."""
 
     def __init__(self, kind: str) -> None:
-        check_reasoning_parser(kind)
+        if kind != IDENTITY:
+            check_reasoning_parser(kind)
+        kind = request_parser(kind, None) or kind  # (a switched parser's default)
         self.kind = kind
+        self.block = BLOCKS.get(kind)
         self.state = "start"  # until the output's first characters say whether it opens <think>
         self.pending = ""  # text not yet sent: it may still be (part of) a tag
         self.harmony = HarmonyStream() if kind == "openai_gptoss" else None
+        self.label = self.block is not None and bool(self.block.label)  # (still to drop)
+        self.lead = self.block is not None and self.block.response  # ERNIE's content's start
+        self.wrapped = False  # ERNIE's content opened <response>
+        self.stray = False  # Magistral's output dropped an end tag before any block
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
         """The next delta of the output's text; ``final``: nothing follows (held text goes
@@ -131,32 +264,101 @@ class ReasoningStream:
         if self.kind == "minimax_m2_append_think":  # all content, the prompt's <think> first
             opened, self.state = self.state == "start", "content"
             return "", START + delta if opened else delta
+        if self.block is None:  # identity: no split
+            self.state = "content"
+            return "", delta
         text = self.pending + delta
         self.pending = ""
-        reasoning = content = ""
-        while text:
-            if self.state == "start":
-                stripped = text.lstrip()
-                if stripped.startswith(START):
-                    text, self.state = stripped[len(START):], "reasoning"
-                elif START.startswith(stripped) and not final:
-                    self.pending = text  # whitespace or a part of <think>: wait
-                    break
-                else:  # no opening tag: qwen3's output is all content, R1's opens reasoning
-                    self.state = "content" if self.kind == "qwen3" else "reasoning"
-                continue
-            if self.state == "content" and self.kind != "minimax_m2":
-                content += text
-                break
-            # the text up to </think> (reasoning; minimax_m2's content drops a </think> again)
-            end = text.find(END)
-            cut = end if end >= 0 else len(text) - (0 if final else held_tag_prefix(text, END))
-            if self.state == "content":
-                content += text[:cut]
-            else:
-                reasoning += text[:cut]
-            if end < 0:
+        out = {"reasoning": "", "content": ""}
+        while text and self.pending == "":
+            step = getattr(self, f"_{self.state}")
+            text = step(text, final, out)
+        return out["reasoning"], out["content"]
+
+    def _start(self, text: str, final: bool, out: dict[str, str]) -> str:
+        block = self.block
+        assert block is not None
+        if block.opens == "anywhere":  # Magistral: content up to the start tag
+            tags = block.starts + (() if self.stray else block.ends)
+            at, tag = _find(text, tags)
+            if at < 0:
+                cut = len(text) - (0 if final else _held(text, tags))
+                out["content"] += text[:cut]
                 self.pending = text[cut:]
-                break
-            text, self.state = text[end + len(END):], "content"
-        return reasoning, content
+                return ""
+            out["content"] += text[:at]
+            if tag in block.starts:
+                self.state = "reasoning"
+            else:
+                self.stray = True  # the first end tag before the block: dropped
+            return text[at + len(tag):]
+        stripped = text.lstrip()
+        for tag in block.starts:
+            if stripped.startswith(tag):
+                self.state = "reasoning"
+                return stripped[len(tag):]
+        if any(tag.startswith(stripped) for tag in block.starts) and not final:
+            self.pending = text  # whitespace or a part of a start tag: wait
+            return ""
+        # no opening tag: qwen3's output is all content, R1's opens in the reasoning
+        self.state = "content" if block.opens == "output" else "reasoning"
+        self.label = self.label and self.state == "reasoning"
+        return text
+
+    def _reasoning(self, text: str, final: bool, out: dict[str, str]) -> str:
+        block = self.block
+        assert block is not None
+        if self.label:  # gemma4's "thought\n" after the start tag
+            if text.startswith(block.label):
+                text, self.label = text[len(block.label):], False
+            elif block.label.startswith(text) and not final:
+                self.pending = text
+                return ""
+            else:
+                self.label = False
+            if not text:
+                return ""
+        at, tag = _find(text, block.ends)
+        cut = at if at >= 0 else len(text) - (0 if final else _held(text, block.ends))
+        out["reasoning"] += text[:cut]
+        if at < 0:
+            self.pending = text[cut:]
+            return ""
+        self.state = "content"
+        return text[at + len(tag):]
+
+    def _content(self, text: str, final: bool, out: dict[str, str]) -> str:
+        block = self.block
+        assert block is not None
+        if self.lead:  # ERNIE: newlines after </think> dropped, then maybe <response>
+            text = text.lstrip("\n")
+            if not text:
+                return ""
+            if text.startswith(RESPONSE):
+                text, self.wrapped = text[len(RESPONSE):], True
+            elif RESPONSE.startswith(text) and not final:
+                self.pending = text
+                return ""
+            self.lead = False
+            if not text:
+                return ""
+        if self.wrapped:  # up to the last </response> (held from one until the next)
+            at = text.rfind(RESPONSE_END)
+            if final:
+                out["content"] += text[:at] if at >= 0 else text
+                return ""
+            cut = at if at >= 0 else len(text) - held_tag_prefix(text, RESPONSE_END)
+            out["content"] += text[:cut]
+            self.pending = text[cut:]
+            return ""
+        if not block.again:
+            out["content"] += text
+            return ""
+        # minimax_m2: a </think> again in the content is dropped
+        at, tag = _find(text, block.ends)
+        cut = at if at >= 0 else len(text) - (0 if final else _held(text, block.ends))
+        out["content"] += text[:cut]
+        if at < 0:
+            self.pending = text[cut:]
+            return ""
+        return text[at + len(tag):]

@@ -38,7 +38,7 @@ from mrv2.entrypoints.openai_protocol import (
     validation_error_body,
     value_error_param,
 )
-from mrv2.entrypoints.reasoning import keeps_special_tokens
+from mrv2.entrypoints.reasoning import harmony_format
 from mrv2.entrypoints.responses import APIError, Echo, Stream
 from mrv2.entrypoints.responses_context import harmony_messages
 from mrv2.entrypoints.tool_calls import ToolCalling, ToolParser
@@ -220,7 +220,7 @@ class Serving:
             kwargs["documents"] = documents
         if own_template is not None:
             kwargs["chat_template"] = own_template
-        if keeps_special_tokens(self.reasoning_parser) or (
+        if harmony_format(self.reasoning_parser) or (
                 self.tool_parser is not None and self.tool_parser.harmony):
             messages = harmony_messages(messages)  # (gpt-oss: a call's reasoning, its thinking)
         engine = self.engine
