@@ -18,7 +18,7 @@ from PIL import Image
 
 from mrv2.engine import media
 from mrv2.engine.media import load_image_url, split_chat_media
-from mrv2.entrypoints.openai_protocol import ChatMessage
+from mrv2.entrypoints.openai_messages import ChatMessage
 
 
 def _png() -> bytes:

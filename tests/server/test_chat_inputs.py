@@ -12,7 +12,7 @@ from server_util import API_KEY, MODEL, Served
 
 from mrv2.engine.media import split_chat_media
 from mrv2.engine.tokenizer import Tokenizer, template_call
-from mrv2.entrypoints.openai_protocol import ChatMessage
+from mrv2.entrypoints.openai_messages import ChatMessage
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 

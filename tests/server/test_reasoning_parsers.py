@@ -302,9 +302,9 @@ def _streamed(served: Any, body: dict[str, Any]) -> tuple[str, str]:
 def test_the_responses_api_counts_the_reasoning_tokens(kind: str, deltas: list[str]) -> None:
     """The Responses API's split (reasoning items, ``reasoning_tokens``) reads each parser's
     stream: the block's tokens, its markers included, are reasoning; the answer's are not."""
-    from mrv2.entrypoints.openai_responses import _Split
+    from mrv2.entrypoints.responses_output import AnswerSplit
 
-    split = _Split(kind, None, True, None)
+    split = AnswerSplit(kind, None, True, None)
     runs = []
     for i, text in enumerate(deltas):
         runs += split.feed(text, [i], None, i == len(deltas) - 1)[0]

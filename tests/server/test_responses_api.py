@@ -513,15 +513,15 @@ def test_an_out_of_range_top_logprobs_is_refused(server: Served, k: int) -> None
 
 
 def test_reasoning_and_tags_are_not_in_the_message_logprobs() -> None:
-    """The rule of ``_Split``: a token's logprob goes with its delta's message text; a delta
+    """The rule of ``AnswerSplit``: a token's logprob goes with its delta's message text; a delta
     showing none past the reasoning (a character's first byte) holds its tokens for the next;
     the reasoning's tokens (its end tag's too) and those held at the end are in none."""
     from mrv2.engine.outputs import Logprob
-    from mrv2.entrypoints.openai_responses import _Split
+    from mrv2.entrypoints.responses_output import AnswerSplit
 
     deltas = [("<think>", 1), ("hm", 2), ("</think>", 3), ("", 4), ("Hi", 5), (" you", 6),
               ("", 7)]
-    split = _Split("qwen3", None, True, 0)
+    split = AnswerSplit("qwen3", None, True, 0)
     got = []
     for i, (text, token) in enumerate(deltas):
         lp = {token: Logprob(-float(token), 1, f"t{token}")}

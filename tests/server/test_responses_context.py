@@ -19,7 +19,7 @@ from mrv2.contract.params import SamplingParams
 from mrv2.engine.outputs import CompletionOutput, RequestOutput
 from mrv2.engine.tokenizer import Tokenizer
 from mrv2.entrypoints.harmony import MARKERS
-from mrv2.entrypoints.openai_protocol import ChatMessage
+from mrv2.entrypoints.openai_messages import ChatMessage
 from mrv2.entrypoints.openai_responses import ResponsesRequest, ResponsesStream
 from mrv2.entrypoints.responses import _Answer
 from mrv2.entrypoints.responses_context import (

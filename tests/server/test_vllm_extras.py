@@ -237,7 +237,7 @@ def test_logprobs_past_a_float_are_clamped_as_vllm_clamps_them() -> None:
     import math
 
     from mrv2.engine.outputs import Logprob
-    from mrv2.entrypoints.openai_protocol import (
+    from mrv2.entrypoints.openai_logprobs import (
         chat_logprobs,
         completion_logprobs,
         prompt_logprobs_body,

@@ -1,25 +1,25 @@
-"""Pydantic models of the OpenAI-compatible API (requests), plus error and logprob helpers.
+"""Pydantic models of the OpenAI-compatible API's completion and chat requests (their
+SamplingParams), and the request field an error is about (:func:`value_error_param`).
 
 Validation is strict, as OpenAI's: ``"stream": "yes"`` or ``"n": "2"`` is a 400 naming the
-field, not a coercion (an int is still a valid float)."""
+field, not a coercion (an int is still a valid float). A chat message:
+:mod:`~mrv2.entrypoints.openai_messages`; error bodies: :mod:`~mrv2.entrypoints.openai_errors`;
+logprobs: :mod:`~mrv2.entrypoints.openai_logprobs`; ``/tokenize`` and ``/detokenize``:
+:mod:`~mrv2.entrypoints.openai_tokenize`."""
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import re
-from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from mrv2.contract.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from mrv2.engine.beam_search import BeamSearchParams
-from mrv2.engine.media import joined_text, part_text
-from mrv2.engine.outputs import PositionLogprobs
 from mrv2.engine.request_inputs import check_cache_salt, last_tokens
-from mrv2.engine.tokenizer import template_message
 from mrv2.entrypoints.openai_embeddings import truncation
+from mrv2.entrypoints.openai_messages import ChatMessage
 
 #: The values of ``reasoning_effort`` (a chat request's) and ``reasoning.effort`` (a
 #: Responses request's), vLLM's and OpenAI's: the chat template's ``reasoning_effort``.
@@ -351,48 +351,6 @@ class CompletionRequest(_Request):
         return self.prompt_logprobs
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        """The message as a chat template reads it (:func:`~mrv2.engine.tokenizer.
-        template_message`, vLLM's): text content, an assistant's ``tool_calls`` (their
-        JSON-text arguments as objects, as templates index them) and ``reasoning`` /
-        ``reasoning_content`` (an earlier turn's thinking, both names), a tool answer's
-        ``tool_call_id``, a ``name``."""
-        content = self.content
-        if isinstance(content, list):  # content parts: the text ones, a line each (vLLM's:
-            # input_text, output_text, refusal and thinking parts too; empty ones dropped)
-            content = joined_text(content)
-        message: dict[str, Any] = {"role": self.role, "content": content or ""}
-        extra = self.model_extra or {}
-        keys = ["tool_call_id", "name"]
-        if self.role == "assistant":  # (an earlier turn's thinking: an assistant's only)
-            keys += ["reasoning", "reasoning_content"]
-        for key in keys:
-            if isinstance(extra.get(key), str):
-                message[key] = extra[key]
-        calls = extra.get("tool_calls")
-        if isinstance(calls, list) and calls:
-            message["tool_calls"] = calls
-        return template_message(message)
-
-    @property
-    def has_media(self) -> bool:
-        """Whether a content part is not text (an image)."""
-        return isinstance(self.content, list) and any(
-            part_text(part) is None for part in self.content)
-
-    def with_parts(self) -> dict[str, Any]:
-        """:meth:`as_dict` with the content parts as sent (for :func:`~mrv2.engine.media.
-        split_chat_media`): an assistant's ``tool_calls``, a tool answer's ``tool_call_id``
-        and ``name`` kept."""
-        return {**self.as_dict(), "content": self.content or ""}
-
-
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)  # deprecated by OpenAI, still sent
@@ -490,37 +448,6 @@ class ChatCompletionRequest(_Request):
         return name
 
 
-class TokenizeRequest(BaseModel):
-    """``POST /tokenize`` (vLLM's): a text ``prompt``, or chat ``messages`` through the
-    model's chat template."""
-
-    model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    #: The tokenizer's special tokens added: by default to a ``prompt`` and not to the
-    #: rendered ``messages`` (vLLM's two tokenize requests' defaults, true and false).
-    add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
-    continue_final_message: bool = False
-    #: Offered to the chat template, as a chat request's would be.
-    tools: list[dict[str, Any]] | None = None
-    #: Refused, as a chat request's (:attr:`ChatCompletionRequest.chat_template`).
-    chat_template: str | None = None
-    return_token_strs: bool = False
-
-
-class DetokenizeRequest(BaseModel):
-    """``POST /detokenize`` (vLLM's): token ids back to text."""
-
-    model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)
-
-    model: str | None = None
-    tokens: list[int]
-
-
 _STRUCTURED_KEYS = frozenset(field.name for field in dataclasses.fields(StructuredOutputsParams))
 #: vLLM's older fields -> the ``StructuredOutputsParams`` field each sets.
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -555,27 +482,6 @@ def _unsupported(name: str, value: object, allowed: object) -> None:
 _Request.model_rebuild()
 CompletionRequest.model_rebuild()
 ChatCompletionRequest.model_rebuild()
-TokenizeRequest.model_rebuild()
-
-ErrorType = Literal["invalid_request_error", "authentication_error", "not_found_error",
-                    "server_error", "service_unavailable"]
-
-
-def error_body(message: str, type_: str, param: str | None = None,
-               code: int | str | None = None) -> dict[str, Any]:
-    """OpenAI's error JSON."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def validation_error_body(error: ValidationError) -> dict[str, Any]:
-    """A pydantic error as OpenAI's 400 body, naming the first bad field."""
-    items = error.errors()
-    lines, param = [], None
-    for item in items:
-        where = ".".join(str(part) for part in item["loc"])
-        param = param or (str(item["loc"][0]) if item["loc"] else None)
-        lines.append(f"{where}: {item['msg']} (got {item.get('input')!r})")
-    return error_body("; ".join(lines), "invalid_request_error", param, 400)
 
 
 _PARAM = re.compile(r"SamplingParams\.(\w+)")
@@ -594,84 +500,3 @@ def value_error_param(message: str, body: Any = None) -> str | None:
     elif "prompt" in message:
         name = "prompt" if "max_tokens" not in message else "max_tokens"
     return body.request_field(name) if name and isinstance(body, _Request) else name
-
-
-# -- logprobs -------------------------------------------------------------------------------
-
-
-def _token_text(lp: Any, token: int, as_ids: bool = False) -> str:
-    if as_ids or lp.decoded_token is None:
-        return f"token_id:{token}"
-    return str(lp.decoded_token)
-
-
-#: The lowest logprob an answer shows (vLLM's clamp): -inf (a token no sampling can give) and
-#: NaN are not JSON.
-MIN_LOGPROB = -9999.0
-
-
-def _json_logprob(value: float) -> float:
-    """``value`` clamped to :data:`MIN_LOGPROB` (NaN, which compares false, too)."""
-    return value if value > MIN_LOGPROB else MIN_LOGPROB
-
-
-def completion_logprobs(positions: Sequence[PositionLogprobs | None], token_ids: list[int],
-                        offset: int, token_text: Callable[[int], str] | None = None,
-                        as_ids: bool = False, k: int | None = None
-                        ) -> tuple[dict[str, Any], int]:
-    """OpenAI's legacy logprobs (tokens/token_logprobs/top_logprobs/text_offset); returns the
-    text offset after the last token too. A position of ``None`` (an echoed prompt's first
-    token) has no logprob and no top logprobs; its text is ``token_text(token)``. ``as_ids``
-    (vLLM's ``return_tokens_as_token_ids``): every token named ``token_id:N``. ``k`` (the
-    request's ``logprobs``): a position's ``top_logprobs`` holds its first ``k + 1`` entries
-    (the token's own, then the top ones), as vLLM's, though an echoed prompt's positions may
-    hold more (a larger ``prompt_logprobs``)."""
-    tokens, token_lps, tops = [], [], []
-    offsets: list[int] = []
-    for token, pos in zip(token_ids, positions, strict=False):
-        chosen = pos.get(token) if pos is not None else None
-        if as_ids:
-            text = f"token_id:{token}"
-        elif chosen is not None:
-            text = _token_text(chosen, token)
-        else:
-            text = token_text(token) if token_text is not None else ""
-        tokens.append(text)
-        token_lps.append(_json_logprob(chosen.logprob) if chosen is not None else None)
-        tops.append(None if pos is None else
-                    {_token_text(lp, t, as_ids): _json_logprob(lp.logprob)
-                     for t, lp in itertools.islice(pos.items(), None if k is None else k + 1)})
-        offsets.append(offset)
-        offset += len(text)
-    body = {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-            "text_offset": offsets}
-    return body, offset
-
-
-def prompt_logprobs_body(positions: list[PositionLogprobs | None] | None) -> Any:
-    """vLLM's ``prompt_logprobs``: per prompt token ``None`` (the first) or ``{token id:
-    {logprob, rank, decoded_token}}`` (the token itself and the top k)."""
-    if positions is None:
-        return None
-    return [None if pos is None else {
-        str(t): {"logprob": _json_logprob(lp.logprob), "rank": lp.rank,
-                 "decoded_token": lp.decoded_token}
-        for t, lp in pos.items()} for pos in positions]
-
-
-def chat_logprobs(positions: list[PositionLogprobs], token_ids: list[int],
-                  k: int, as_ids: bool = False) -> dict[str, Any]:
-    """OpenAI's chat logprobs: ``{"content": [{token, logprob, bytes, top_logprobs}]}``
-    (``as_ids``: tokens named ``token_id:N``)."""
-    content = []
-    for token, pos in zip(token_ids, positions, strict=False):
-        chosen = pos.get(token)
-        if chosen is None:
-            continue
-        text = _token_text(chosen, token, as_ids)
-        top = sorted(pos.items(), key=lambda x: x[1].rank or 0)
-        tops = [{"token": _token_text(lp, t, as_ids), "logprob": _json_logprob(lp.logprob),
-                 "bytes": list(_token_text(lp, t, as_ids).encode())} for t, lp in top[:k]]
-        content.append({"token": text, "logprob": _json_logprob(chosen.logprob),
-                        "bytes": list(text.encode()), "top_logprobs": tops})
-    return {"content": content}

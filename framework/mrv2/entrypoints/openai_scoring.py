@@ -47,7 +47,7 @@ from mrv2.entrypoints.openai_embeddings import (
     embedding_response,
     input_items,
 )
-from mrv2.entrypoints.openai_protocol import ChatMessage
+from mrv2.entrypoints.openai_messages import ChatMessage
 from mrv2.entrypoints.responses import APIError
 from mrv2.entrypoints.whole_answers import embed_through, unless_disconnected
 

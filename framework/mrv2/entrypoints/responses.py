@@ -24,10 +24,10 @@ from mrv2.contract.params import SamplingParams
 from mrv2.engine.outputs import CompletionOutput, RequestOutput
 from mrv2.entrypoints.engine_process import EngineProcess
 from mrv2.entrypoints.engine_thread import EngineThread
-from mrv2.entrypoints.openai_protocol import (
+from mrv2.entrypoints.openai_errors import error_body
+from mrv2.entrypoints.openai_logprobs import (
     chat_logprobs,
     completion_logprobs,
-    error_body,
     prompt_logprobs_body,
 )
 from mrv2.entrypoints.reasoning import ReasoningStream, split_reasoning

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from mrv2.entrypoints.openai_protocol import ChatMessage
+from mrv2.entrypoints.openai_messages import ChatMessage
 
 __all__ = ["TemplateMessage", "current_reasoning", "cut", "for_harmony", "harmony_messages",
            "truncation_cuts"]

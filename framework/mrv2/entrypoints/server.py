@@ -40,8 +40,9 @@ from mrv2.entrypoints.engine_thread import EngineThread
 from mrv2.entrypoints.http_options import HTTPOptions
 from mrv2.entrypoints.lora_modules import LoRAModules, model_cards, runtime_updating
 from mrv2.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
-from mrv2.entrypoints.openai_protocol import DetokenizeRequest, TokenizeRequest, error_body
+from mrv2.entrypoints.openai_errors import error_body
 from mrv2.entrypoints.openai_scoring import add_pooling_routes
+from mrv2.entrypoints.openai_tokenize import DetokenizeRequest, TokenizeRequest
 from mrv2.entrypoints.reasoning import check_reasoning_parser
 from mrv2.entrypoints.responses import APIError
 from mrv2.entrypoints.responses_routes import add_responses_routes

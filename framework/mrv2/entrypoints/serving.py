@@ -32,12 +32,9 @@ from mrv2.engine.tokenizer import check_template_kwargs
 from mrv2.entrypoints.engine_process import EngineProcess, RemoteEngine
 from mrv2.entrypoints.engine_thread import EngineThread, QueueFullError
 from mrv2.entrypoints.lora_modules import LoRAModules
-from mrv2.entrypoints.openai_protocol import (
-    ChatCompletionRequest,
-    ChatMessage,
-    validation_error_body,
-    value_error_param,
-)
+from mrv2.entrypoints.openai_errors import validation_error_body
+from mrv2.entrypoints.openai_messages import ChatMessage
+from mrv2.entrypoints.openai_protocol import ChatCompletionRequest, value_error_param
 from mrv2.entrypoints.reasoning import harmony_format
 from mrv2.entrypoints.responses import APIError, Echo, Stream
 from mrv2.entrypoints.responses_context import harmony_messages
