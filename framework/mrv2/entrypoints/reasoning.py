@@ -318,14 +318,11 @@ class ReasoningStream:
                 self.label = False
             if not text:
                 return ""
-        at, tag = _find(text, block.ends)
-        cut = at if at >= 0 else len(text) - (0 if final else _held(text, block.ends))
-        out["reasoning"] += text[:cut]
-        if at < 0:
-            self.pending = text[cut:]
+        rest = self._upto_end(text, final, out, "reasoning")
+        if rest is None:
             return ""
         self.state = "content"
-        return text[at + len(tag):]
+        return rest
 
     def _content(self, text: str, final: bool, out: dict[str, str]) -> str:
         block = self.block
@@ -355,10 +352,19 @@ class ReasoningStream:
             out["content"] += text
             return ""
         # minimax_m2: a </think> again in the content is dropped
+        rest = self._upto_end(text, final, out, "content")
+        return "" if rest is None else rest
+
+    def _upto_end(self, text: str, final: bool, out: dict[str, str], key: str) -> str | None:
+        """``text`` onto ``out[key]`` up to the block's first end tag: what follows the tag,
+        or None where ``text`` holds none (its tail that may begin one held back, unless
+        ``final``)."""
+        block = self.block
+        assert block is not None
         at, tag = _find(text, block.ends)
         cut = at if at >= 0 else len(text) - (0 if final else _held(text, block.ends))
-        out["content"] += text[:cut]
+        out[key] += text[:cut]
         if at < 0:
             self.pending = text[cut:]
-            return ""
+            return None
         return text[at + len(tag):]

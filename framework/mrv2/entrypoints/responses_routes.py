@@ -17,7 +17,6 @@ from pydantic import ValidationError
 from mrv2.entrypoints.completion_routes import run_chat
 from mrv2.entrypoints.openai_protocol import ChatCompletionRequest, value_error_param
 from mrv2.entrypoints.openai_responses import RENAMED, ResponsesRequest, ResponsesStream
-from mrv2.entrypoints.reasoning import harmony_format
 from mrv2.entrypoints.responses import APIError
 from mrv2.entrypoints.responses_store import STORE_ENV, ResponseStore
 from mrv2.entrypoints.serving import Serving
@@ -48,9 +47,7 @@ def add_responses_routes(app: FastAPI, serving: Serving, stored: ResponseStore |
                                "previous_response_id")
             previous = record.messages
         # (gpt-oss: its template reads a call's analysis from the message's thinking)
-        tool_parser = serving.tool_parser
-        harmony = harmony_format(serving.reasoning_parser) or bool(
-            tool_parser is not None and tool_parser.harmony)
+        harmony = serving.harmony
         try:
             chat_body = body.as_chat(previous, harmony)
         except ValueError as error:

@@ -62,6 +62,10 @@ class Serving:
         self.adapters = adapters
         self.max_pending, self.max_n = max_pending, max_n
         self.reasoning_parser, self.tool_parser = reasoning_parser, tool_parser
+        #: gpt-oss's harmony format (its reasoning parser or tool parser): a call's reasoning
+        #: goes to its template as the message's thinking (:func:`harmony_messages`).
+        self.harmony = harmony_format(reasoning_parser) or bool(
+            tool_parser is not None and tool_parser.harmony)
         self.prompt_tokens_details = prompt_tokens_details
         self.trust_request_chat_template = trust_request_chat_template
         #: An override's (or a generation config directory's) max_new_tokens: vLLM's limit on
@@ -217,8 +221,7 @@ class Serving:
             kwargs["documents"] = documents
         if own_template is not None:
             kwargs["chat_template"] = own_template
-        if harmony_format(self.reasoning_parser) or (
-                self.tool_parser is not None and self.tool_parser.harmony):
+        if self.harmony:
             messages = harmony_messages(messages)  # (gpt-oss: a call's reasoning, its thinking)
         engine = self.engine
         if any(m.has_media for m in messages):

@@ -147,15 +147,7 @@ class IntFusedMoE(FusedMoE):
         self.__dict__.pop("_experts_loaded", None)
         if self._reload == "alias":
             for stack in _STACKS:
-                for role in ("qweight", "scales", "qzeros"):
-                    param = self._parameters.pop(self._name(stack, role), None)
-                    if param is not None:
-                        self.register_parameter(f"{stack}_{role}", param)
-                for role in ("g_idx", "weight_shape"):
-                    self._parameters.pop(self._name(stack, role), None)
-                if self._reload_zeros:
-                    self._parameters.pop(f"{stack}_qzeros", None)
-                    setattr(self, f"{stack}_qzeros", None)
+                self._served_names(stack)
             self._reload, self._laid_out = None, True
         elif self._reload == "fresh":
             stash, origin = self.__dict__.pop("_reload_stash")
@@ -347,21 +339,29 @@ class IntFusedMoE(FusedMoE):
         recorded without them would leave others out)."""
         mid = 1 << (self.quant.bits - 1)
         for stack in _STACKS:
-            for role in ("qweight", "scales", "qzeros"):
-                param = self._parameters.pop(self._name(stack, role), None)
-                if param is not None:
-                    self.register_parameter(f"{stack}_{role}", param)
-            for role in ("g_idx", "weight_shape"):
-                self._parameters.pop(self._name(stack, role), None)
-            if self._reload_zeros:
-                zeros = self._parameters.pop(f"{stack}_qzeros", None)
-                setattr(self, f"{stack}_qzeros", None)
-                if zeros is not None and is_fresh(zeros) and not bool((zeros.data == mid).all()):
-                    raise ValueError("new weights of symmetric quantized experts (zero points "
-                                     "all the midpoint, dropped at load) with other zero "
-                                     "points: not loaded in place; restart the engine on the "
-                                     "new checkpoint")
+            zeros = self._served_names(stack)
+            if zeros is not None and is_fresh(zeros) and not bool((zeros.data == mid).all()):
+                raise ValueError("new weights of symmetric quantized experts (zero points "
+                                 "all the midpoint, dropped at load) with other zero "
+                                 "points: not loaded in place; restart the engine on the "
+                                 "new checkpoint")
         self._laid_out = True
+
+    def _served_names(self, stack: str) -> nn.Parameter | None:
+        """``stack``'s served tensors back under the layout's names, the reload's names of
+        its order and shape dropped; where the served stack had dropped its zero points (all
+        the midpoint), it has none again: those the reload loaded are returned (else None)."""
+        for role in ("qweight", "scales", "qzeros"):
+            param = self._parameters.pop(self._name(stack, role), None)
+            if param is not None:
+                self.register_parameter(f"{stack}_{role}", param)
+        for role in ("g_idx", "weight_shape"):
+            self._parameters.pop(self._name(stack, role), None)
+        if not self._reload_zeros:
+            return None
+        zeros = self._parameters.pop(f"{stack}_qzeros", None)
+        setattr(self, f"{stack}_qzeros", None)
+        return zeros
 
     def _become_plain(self) -> None:
         w13, w2 = (nn.Parameter(self.dequantized(s, self.model_dtype), requires_grad=False)
