@@ -6,12 +6,12 @@ DeepSeek-R1's convention), as :data:`mrv2.engine.structured_outputs.THINK_BLOCKS
 from __future__ import annotations
 
 import pytest
+from test_structured_outputs import CHOICES, _think
 
-from mrv2 import LLM, SamplingParams, StructuredOutputsParams
+from mrv2 import LLM
 from mrv2.testing import make_tiny_checkpoint, make_tiny_tokenizer
 
 TAGS = ["[THINK]", "[/THINK]", "<seed:think>", "</seed:think>"]
-CHOICES = ["Paris", "London"]
 
 
 @pytest.fixture(scope="module")
@@ -26,16 +26,6 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> tuple[LLM, dict[str, int]]:
     return llm, {t: i[0] for t, i in ids.items()}
 
 
-def _run(llm: LLM, prompt: list[int], reasoning: str | None, bias: dict[int, float],
-         seed: int = 0) -> tuple[str, list[int]]:
-    params = SamplingParams(temperature=0.9, seed=seed, max_tokens=30, logit_bias=bias,
-                            structured_outputs=StructuredOutputsParams(choice=CHOICES),
-                            _reasoning=reasoning)
-    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
-    assert out.finish_reason == "stop"
-    return out.text, list(out.token_ids)
-
-
 @pytest.mark.parametrize("seed", range(2))
 def test_magistrals_first_token_may_open_the_block(llm: tuple[LLM, dict[str, int]],
                                                    seed: int) -> None:
@@ -47,9 +37,9 @@ def test_magistrals_first_token_may_open_the_block(llm: tuple[LLM, dict[str, int
     start, end = ids["[THINK]"], ids["[/THINK]"]
     bias = {start: 60.0, end: 100.0}
     for prompt in ([5, 6, 7], [5, start, 6, end, 7]):
-        text, out = _run(model, prompt, "mistral", bias, seed)
+        text, out = _think(model, prompt, "mistral", bias, seed)
         assert out[:2] == [start, end] and text in CHOICES, (prompt, out)
-    text, out = _run(model, [5, 6, 7], None, bias, seed)
+    text, out = _think(model, [5, 6, 7], None, bias, seed)
     assert start not in out and end not in out and text in CHOICES
 
 
@@ -60,7 +50,7 @@ def test_seed_oss_holds_after_its_own_end_tag(llm: tuple[LLM, dict[str, int]]) -
     model, ids = llm
     start, end = ids["<seed:think>"], ids["</seed:think>"]
     for prompt in ([5, 6, start], [5, 6]):
-        text, out = _run(model, prompt, "seed_oss", {end: 100.0})
+        text, out = _think(model, prompt, "seed_oss", {end: 100.0})
         assert out[0] == end and text in CHOICES, (prompt, out)
-    text, out = _run(model, [5, start, end], "seed_oss", {end: 100.0})
+    text, out = _think(model, [5, start, end], "seed_oss", {end: 100.0})
     assert end not in out and text in CHOICES

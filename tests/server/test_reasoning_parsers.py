@@ -7,7 +7,6 @@ structured output is marked with, which decode keeping special tokens, the CLI's
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 from server_util import API_KEY
+from test_reasoning import _chat, _streamed
 
 from mrv2.entrypoints.reasoning import (
     IDENTITY,
@@ -272,25 +272,6 @@ def test_the_server_resolves_each_requests_parser(tmp_path: Path,
         assert r.json()["error"]["param"] == "chat_template_kwargs"
         message = _chat(served, {**body, **choice})["choices"][0]["message"]
         assert message["content"] in ("Paris", "London") and seen.pop() == (True, None)
-
-
-def _chat(served: Any, body: dict[str, Any]) -> dict[str, Any]:
-    response = httpx.post(f"{served.url}/v1/chat/completions", headers=AUTH, timeout=60,
-                          json=body)
-    assert response.status_code == 200, response.text
-    return dict(response.json())
-
-
-def _streamed(served: Any, body: dict[str, Any]) -> tuple[str, str]:
-    reasoning = content = ""
-    with httpx.stream("POST", f"{served.url}/v1/chat/completions", headers=AUTH, timeout=60,
-                      json={**body, "stream": True}) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                for choice in json.loads(line[6:])["choices"]:
-                    reasoning += choice["delta"].get("reasoning_content") or ""
-                    content += choice["delta"].get("content") or ""
-    return reasoning, content
 
 
 @pytest.mark.parametrize(("kind", "deltas"), [

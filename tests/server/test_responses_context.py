@@ -8,6 +8,7 @@ likewise (gpt-oss)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +120,11 @@ def test_reasoning_before_a_call_is_rendered_back(harmony_dir: Path,
         _check_follow_ups(served, monkeypatch)
 
 
-def _check_follow_ups(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+def _prompts_of(served: Served, monkeypatch: pytest.MonkeyPatch, path: str,
+                body: Callable[[list[dict[str, Any]]], dict[str, Any]]
+                ) -> Callable[[list[dict[str, Any]]], str]:
+    """A call of route ``path`` with ``body(items)`` (answered 200): the prompt the engine
+    got for it, decoded with its special tokens."""
     prompts: list[str] = []
     add, tok = served.engine.add_request, served.engine.tokenizer
     assert tok is not None
@@ -131,12 +136,18 @@ def _check_follow_ups(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(served.engine, "add_request", spy)
 
     def follow_up(items: list[dict[str, Any]]) -> str:
-        response = httpx.post(f"{served.url}/v1/responses", headers=AUTH, timeout=60,
-                              json={"model": MODEL, "tools": TOOLS, "temperature": 0,
-                                    "max_output_tokens": 1, "input": items})
+        response = httpx.post(f"{served.url}{path}", headers=AUTH, timeout=60,
+                              json=body(items))
         assert response.status_code == 200, response.text
         return prompts.pop()
 
+    return follow_up
+
+
+def _check_follow_ups(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    follow_up = _prompts_of(served, monkeypatch, "/v1/responses", lambda items: {
+        "model": MODEL, "tools": TOOLS, "temperature": 0, "max_output_tokens": 1,
+        "input": items})
     user = {"role": "user", "content": "Weather?"}
     assert BEFORE_THE_CALL in follow_up([user, REASONING, CALL, OUTPUT])
     preamble = {"type": "message", "role": "assistant",
@@ -167,23 +178,8 @@ def test_a_chat_calls_reasoning_is_rendered_back(harmony_dir: Path,
 
 
 def _check_chat_follow_ups(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
-    prompts: list[str] = []
-    add, tok = served.engine.add_request, served.engine.tokenizer
-    assert tok is not None
-
-    def spy(ids: list[int], *args: Any, **kwargs: Any) -> Any:
-        prompts.append(tok.decode(ids, skip_special_tokens=False))
-        return add(ids, *args, **kwargs)
-
-    monkeypatch.setattr(served.engine, "add_request", spy)
-
-    def follow_up(messages: list[dict[str, Any]]) -> str:
-        response = httpx.post(f"{served.url}/v1/chat/completions", headers=AUTH, timeout=60,
-                              json={"model": MODEL, "messages": messages, "temperature": 0,
-                                    "max_tokens": 1})
-        assert response.status_code == 200, response.text
-        return prompts.pop()
-
+    follow_up = _prompts_of(served, monkeypatch, "/v1/chat/completions", lambda messages: {
+        "model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 1})
     user = {"role": "user", "content": "Weather?"}
     tool = {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
     call = {"role": "assistant", "content": None, "reasoning_content": THOUGHT,
