@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from mrv2 import LLM, SamplingParams
 from mrv2.layers.int_model import apply_int_quant
@@ -148,3 +148,60 @@ def test_gpt_oss_mxfp4_experts_through_the_engine(tmp_path: Path) -> None:
         "num_local_experts": 8, "num_experts_per_tok": 4, "sliding_window": 8})
     mxfp4_checkpoint(src, tmp_path / "q", tmp_path / "ref")
     _check_with_graphs(tmp_path / "q", [hf_greedy(tmp_path / "ref", p, 16) for p in PROMPTS])
+
+
+RELOADS: dict[str, tuple[str, dict[str, Any]]] = {
+    "gptq-desc-act": ("Qwen3ForCausalLM", {}),
+    "awq": ("Qwen3ForCausalLM", {}),
+    "gptq-experts": ("Qwen3MoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 2,
+                                             "moe_intermediate_size": 128}),
+}
+
+
+@pytest.mark.parametrize("case", list(RELOADS))
+def test_packed_integer_weights_update_and_reload_under_graphs(tmp_path: Path,
+                                                               case: str) -> None:
+    """On CUDA the integer layers stay packed (the W4A16 GEMM and the integer fused MoE read
+    them): an engine with CUDA graphs started on A and given B's checkpoint generates HF's
+    tokens on B's dequantized weights (fp32), and ``reload_weights`` A's again, twice (no
+    input order, packing or zero point applied twice); every parameter keeps its storage,
+    where the captured graphs read it."""
+    arch, extra = RELOADS[case]
+    paths = {}
+    for seed, name in ((1, "a"), (2, "b")):
+        src = make_tiny_checkpoint(tmp_path / f"src{name}", arch, seed=seed, **ARCH, **extra)
+        if extra:
+            file = src / "model.safetensors"
+            save_file({n: t * 8 if ".experts." in n else t for n, t in load_file(file).items()},
+                      file)
+            gptq_checkpoint(src, tmp_path / name, tmp_path / f"ref{name}", group_size=64,
+                            sym=False, experts=True)
+        elif case == "awq":
+            awq_checkpoint(src, tmp_path / name, tmp_path / f"ref{name}", group_size=64)
+        else:
+            gptq_checkpoint(src, tmp_path / name, tmp_path / f"ref{name}", group_size=64,
+                            sym=False, desc_act=True)
+        paths[name] = [hf_greedy(tmp_path / f"ref{name}", p, 16) for p in PROMPTS]
+    assert paths["a"] != paths["b"]
+    llm = LLM(str(tmp_path / "a"), device="cuda", dtype="float32", block_size=16,
+              gpu_memory_utilization=0.3)
+    from mrv2.layers.int_quant_moe import IntFusedMoE
+
+    model = llm.engine.runner.model
+    kept = IntFusedMoE if extra else IntLinearMixin
+    assert any(isinstance(m, kept) for m in model.modules())  # (packed, not made plain)
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+    def tokens() -> list[list[int]]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    assert tokens() == paths["a"]
+    assert llm.engine.update_weights_from_disk(str(tmp_path / "b")) == set(ptrs)
+    assert tokens() == paths["b"]
+    for _ in range(2):
+        llm.reload_weights()
+        assert tokens() == paths["a"]
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs
+    llm.shutdown()
