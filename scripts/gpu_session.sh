@@ -7,6 +7,8 @@
 # coldstart (scripts/probe_cold_start.py: the first request of each kind on an empty Triton cache, warm-up off and on),
 # gcgen0 (MRV2_GC_GEN0_THRESHOLD=20000 against Python's own, 256 streams through mrv2 serve),
 # longdecode (scripts/sweep_long_decode.py: decode attention's launch options at long contexts),
+# verify49 (packed integer weights reloaded under graphs, gpt-oss's MXFP4 test, then scripts/kernel_audit.py:
+# every Triton variant a workload compiled, flagged for spills and register cliffs),
 # verify48b (the eight-warp prefill register cap), verify48 (the flat grid's per-step order and max_model_len auto on CUDA),
 # ttfttiles (one long prompt's TTFT, MRV2_ATTN_TILES_LAST=0 against the default),
 # verify46b (the forty-sixth session's fixes: integer layers, MLA, Qwen3-Next, Mistral 3, GEMM operands, Qwen-VL;
@@ -858,6 +860,17 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
              --server-args "--tensor-parallel-size ${TP:-4} --max-model-len 4096 ${GLM47_ARGS:-}" \
              --variants ${GLM47_VARIANTS:-mtp_off mtp_on async_off mtp_on_async_off} 2>&1 \
              | tee "$OUT/glm47.log" | tail -24 ;;
+    verify49) # the forty-ninth session's GPU work, within VERIFY_S seconds (default 560): packed
+              # integer weights updated and reloaded under CUDA graphs, gpt-oss's MXFP4 engine
+              # test (cut by call 2's cap), then scripts/kernel_audit.py over AUDIT_MODELS
+              end=$(( $(date +%s) + ${VERIFY_S:-560} ))
+              left() { local l=$(( end - $(date +%s) )); [ "$l" -lt "$1" ] && echo $(( l > 1 ? l : 1 )) || echo "$1"; }
+              timeout "$(left 170)" python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_int_quant.py \
+                -k "update_and_reload or gpt_oss" 2>&1 | tee "$OUT/gpu_int_reload.log" \
+                | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -6 | sed "s/^/int reload: /"
+              timeout "$(left 380)" python3 scripts/kernel_audit.py --models \
+                ${AUDIT_MODELS:-Qwen3-8B Qwen3-0.6B Qwen3-30B-A3B:4 gpt-oss-20b:4} > "$OUT/kernel_audit.log" 2>&1
+              grep -vE "^-" "$OUT/kernel_audit.log" | cut -c1-150 | tail -30 ;;
     verify48b) # the eight-warp prefill register cap (maxnreg 128: two programs an SM) with the flat
                # grid's per-step order: the prefill bench in both orders, the engine's GPU tests, the
                # structured-outputs and sampler GPU tests (VERIFY_S seconds in all, default 560)
