@@ -84,8 +84,9 @@ def test_a_stream_cut_anywhere_gives_the_whole_answer() -> None:
 
 def test_the_parser_name_is_checked() -> None:
     assert check_tool_call_parser("hermes") == "hermes"
-    allowed = ("hermes, qwen3_coder, glm45, glm47, minimax_m2, deepseek_v3, deepseek_v31, "
-               "llama3_json, llama4_json, pythonic, llama4_pythonic, mistral, openai")
+    allowed = ("hermes, qwen3_coder, qwen3_xml, glm45, glm47, minimax_m2, deepseek_v3, "
+               "deepseek_v31, deepseek_v32, kimi_k2, llama3_json, llama4_json, pythonic, "
+               "llama4_pythonic, mistral, openai")
     for name in allowed.split(", "):
         assert check_tool_call_parser(name) == name == get_tool_parser(name).name
     with pytest.raises(ValueError, match=f"tool_call_parser='json': allowed values are "

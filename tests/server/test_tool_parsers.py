@@ -2,7 +2,8 @@
 several calls, arguments typed by the tools' schema, malformed answers left as content, a last
 call cut off), and streams cut in random small pieces that give the same content and calls
 without ever sending what turns out to be (a part of) a call marker (``minimax_m2``'s also a
-character at a time and cut in two anywhere); ``mistral``'s call ids are 9 letters and digits."""
+character at a time and cut in two anywhere); ``mistral``'s call ids are 9 letters and digits,
+``kimi_k2``'s the model's own (test_tool_parsers_more.py has more of the newer formats)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,14 @@ from mrv2.entrypoints.tool_calls import (
     ToolCallStream,
     mistral_call_id,
     parse_tool_calls,
+)
+from mrv2.entrypoints.tool_parsers_more import (
+    DSML,
+    DSML_CALLS,
+    KIMI_ARGUMENTS,
+    KIMI_CALL,
+    KIMI_CALL_END,
+    KIMI_SECTIONS,
 )
 
 TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {
@@ -77,10 +86,31 @@ def _v31(name: str, arguments: str) -> str:
     return f"{DS_CALL_BEGIN}{name}{DS_SEP}{arguments}{DS_CALL_END}"
 
 
+def _kimi(call_id: str, arguments: str) -> str:
+    return f"{KIMI_CALL}{call_id}{KIMI_ARGUMENTS}{arguments}{KIMI_CALL_END}"
+
+
+def _dsml(*invokes: str) -> str:
+    """A deepseek_v32 block of invokes."""
+    return f"{DSML_CALLS}\n" + "".join(invokes) + f"</{DSML}function_calls>"
+
+
+def _dinv(name: str, typed: dict[str, str] | None = None, **strings: str) -> str:
+    """A deepseek_v32 invoke: ``strings`` written with ``string="true"``, ``typed`` with
+    ``string="false"``."""
+    params = [(k, v, "true") for k, v in strings.items()] + [
+        (k, v, "false") for k, v in (typed or {}).items()]
+    body = "".join(f'<{DSML}parameter name="{k}" string="{s}">{v}</{DSML}parameter>\n'
+                   for k, v, s in params)
+    return f'<{DSML}invoke name="{name}">\n{body}</{DSML}invoke>\n'
+
+
 HERMES = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 QC_CUT = "<tool_call>\n<function=weather>\n<parameter=city>\nPar"
 QC_DROPPED = "<tool_call>\n<function=weather>\n<parameter=city>\nParis\n<parameter=days>\n3"
 GLM_ARGS = "<tool_call>weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+KIMI, KIMI_END = KIMI_SECTIONS[0], "<|tool_calls_section_end|>"
+DS_CUT = f'{DSML_CALLS}\n<{DSML}invoke name="weather">\n<{DSML}parameter name="city" string="tr'
 MM_CUT = '<minimax:tool_call>\n<invoke name="weather">\n<parameter name="city">Par'
 PARIS: Calls = [("weather", {"city": "Paris"})]
 
@@ -184,6 +214,73 @@ CASES: dict[str, list[tuple[str, str | None, Calls]]] = {
          _mm('<invoke name="now">\njunk\n</invoke>'), []),
         (_mm(), _mm(), []),  # a block without an invoke
         (HERMES, HERMES, []),  # another format's call: content
+    ],
+    "qwen3_xml": [  # qwen3_coder's, and the text between and after the calls is content
+        ("Sure.\n" + _qc("weather", city="Paris", days="3") + "\nAnd:\n" + _qc("now") + "\n",
+         "Sure.\n\nAnd:\n", [("weather", {"city": "Paris", "days": 3}), ("now", {})]),
+        (_qc("weather", opts="{'a': True, 'b': None}", tags="('x', 1)", nothing="None",
+             either="None", city="None", days="None"), None,  # (Qwen3.5's None; literals)
+         [("weather", {"opts": {"a": True, "b": None}, "tags": ["x", 1], "nothing": None,
+                       "either": None, "city": "None", "days": "None"})]),
+        (_qc("weather", opts="{1, 2}", tags="[1e999]", metric="yes") + "Done.", "Done.",
+         [("weather", {"opts": "{1, 2}", "tags": "[1e999]", "metric": "yes"})]),
+        (_qc("plan", n="None", note="None", any="None"), None,
+         [("plan", {"n": None, "note": None, "any": "None"})]),
+        ("Run: <function=now>\n</function> ok", "Run:  ok", [("now", {})]),
+        (_qc("now") + "\n" + _qc("weather", city="Paris")[:-24], None,  # cut off, whole
+         [("now", {}), *PARIS]),
+        ("Hi\n" + QC_CUT, "Hi\n" + QC_CUT, []),  # cut off in a value
+        (HERMES, HERMES, []),
+    ],
+    "deepseek_v32": [
+        ("Checking.\n\n" + _dsml(_dinv("weather", {"days": "3"}, city="杭州"), _dinv(
+            "weather", {"metric": "true", "tags": '["a", 1]', "opts": '{"x": null}',
+                        "either": "7", "nothing": "null"}, city="Lyon")),
+         "Checking.\n\n", [("weather", {"city": "杭州", "days": 3}), (
+             "weather", {"city": "Lyon", "metric": True, "tags": ["a", 1], "opts": {"x": None},
+                         "either": 7, "nothing": None})]),
+        # string="true": as written; string="false" without a schema: JSON where it parses
+        (_dsml(_dinv("weather", city=" a <b>\n", days="3")) + "\nDropped.", None,
+         [("weather", {"city": " a <b>\n", "days": "3"})]),
+        (_dsml(_dinv("lookup", {"n": "3", "o": '{"k": [1]}', "s": " two words "})), None,
+         [("lookup", {"n": 3, "o": {"k": [1]}, "s": "two words"})]),
+        (_dsml(_dinv("plan", {"n": "null", "level": "2", "count": "4"}, note="null")), None,
+         [("plan", {"n": None, "level": 2, "count": 4, "note": "null"})]),
+        # a lone wrapper the tool lacks, around the tool's parameters: unwrapped (vLLM's)
+        (_dsml(_dinv("weather", {"arguments": '{"city": "Paris"}'}),
+               _dinv("weather", input='{"city": "Paris"}'),
+               _dinv("weather", {"input": '{"zzz": 1}'})), None,
+         [*PARIS, *PARIS, ("weather", {"input": {"zzz": 1}})]),
+        (f'{DSML_CALLS}<{DSML}invoke name="weather"><{DSML}parameter name="days">3'
+         f"</{DSML}parameter></{DSML}invoke>", None, [("weather", {"days": 3})]),  # no string=
+        (_dsml(_dinv("now")).removesuffix(f"</{DSML}function_calls>")
+         + _dinv("weather", city="Paris").removesuffix(f"</{DSML}invoke>\n"), None,
+         [("now", {}), *PARIS]),  # cut off after a whole parameter
+        ("Hi" + DS_CUT, "Hi" + DS_CUT, []),  # cut off in a parameter
+        (_dsml(f'<{DSML}invoke name="">\n</{DSML}invoke>'),
+         _dsml(f'<{DSML}invoke name="">\n</{DSML}invoke>'), []),
+        (_dsml(f'<{DSML}invoke name="now">\njunk\n</{DSML}invoke>'),
+         _dsml(f'<{DSML}invoke name="now">\njunk\n</{DSML}invoke>'), []),
+        (HERMES, HERMES, []),
+    ],
+    "kimi_k2": [
+        ("Let me check." + KIMI + _kimi("functions.weather:0", '{"city": "Paris"}')
+         + _kimi(" functions.now:1 ", " {} ") + KIMI_END + "Dropped.", "Let me check.",
+         [*PARIS, ("now", {})]),
+        (KIMI_SECTIONS[1] + _kimi("weather:0", '{"city": "Paris"}'), None, PARIS),
+        (KIMI + _kimi("functions.weather:0", '{"city": "Paris"}').removesuffix(KIMI_CALL_END),
+         None, PARIS),  # cut off, whole
+        (KIMI + _kimi("functions.weather:0", '{"city": "Pa'),
+         KIMI + _kimi("functions.weather:0", '{"city": "Pa'), []),
+        (KIMI + _kimi("weather", "{}"), KIMI + _kimi("weather", "{}"), []),  # no :IDX
+        (KIMI + _kimi("functions.:0", "{}"), KIMI + _kimi("functions.:0", "{}"), []),
+        (KIMI + _kimi("functions.now:0", "[1]"), KIMI + _kimi("functions.now:0", "[1]"), []),
+        (KIMI + _kimi("functions.now:0", '{"x": NaN}'),
+         KIMI + _kimi("functions.now:0", '{"x": NaN}'), []),
+        (KIMI + _kimi("functions.now:0", '{"x": 1e999}'),
+         KIMI + _kimi("functions.now:0", '{"x": 1e999}'), []),
+        (KIMI + KIMI_END, KIMI + KIMI_END, []),
+        (HERMES, HERMES, []),
     ],
     "deepseek_v3": [
         ("Checking." + DS_CALLS_BEGIN + _v3("weather", '{"city": "Paris"}') + "\n"
@@ -313,7 +410,8 @@ def _calls(calls: list[Any]) -> Calls:
 def test_every_parser_is_tested_and_the_special_tokens_rule() -> None:
     assert sorted(CASES) == sorted(TOOL_CALL_PARSERS)
     assert {n for n, p in PARSERS.items() if p.special_tokens} == {
-        "hermes", "glm45", "glm47", "deepseek_v3", "deepseek_v31", "mistral", "openai"}
+        "hermes", "glm45", "glm47", "deepseek_v3", "deepseek_v31", "deepseek_v32", "kimi_k2",
+        "mistral", "openai"}
     for marker in (DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END, DS_SEP):
         assert marker[:2] == "<\uff5c" and marker[-2:] == "\uff5c>" and "\u2581" in marker
 
@@ -353,10 +451,13 @@ def test_a_stream_in_small_pieces_gives_the_whole_answer(parser: str) -> None:
 
 
 def _id_fits(parser: str, call_id: str) -> bool:
-    """``mistral``'s ids are 9 letters and digits (Mistral's templates refuse others), the
-    others' ``call_`` and 24 hex digits."""
+    """``mistral``'s ids are 9 letters and digits (Mistral's templates refuse others),
+    ``kimi_k2``'s the model's ``functions.NAME:IDX``, the others' ``call_`` and 24 hex
+    digits."""
     if parser == "mistral":
         return re.fullmatch(r"[A-Za-z0-9]{9}", call_id) is not None
+    if parser == "kimi_k2":
+        return re.fullmatch(r"(functions\.)?\w+:\d+", call_id) is not None
     return re.fullmatch(r"call_[0-9a-f]{24}", call_id) is not None
 
 

@@ -241,9 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "model's calls come back as tool_calls (needs --tool-call-parser)")
     serve.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                        help="how the model writes its calls (vLLM's names): hermes (Qwen2.5, "
-                       "Qwen3), qwen3_coder (Qwen3-Coder), glm45 (GLM-4.5/4.6), glm47 "
-                       "(GLM-4.7), minimax_m2 (MiniMax-M2), deepseek_v3 (DeepSeek-V3), "
-                       "deepseek_v31 (DeepSeek-V3.1), llama3_json / llama4_json (Llama 3.x, 4), "
+                       "Qwen3), qwen3_coder / qwen3_xml (Qwen3-Coder), glm45 (GLM-4.5/4.6), "
+                       "glm47 (GLM-4.7), minimax_m2 (MiniMax-M2), deepseek_v3 (DeepSeek-V3), "
+                       "deepseek_v31 (DeepSeek-V3.1), deepseek_v32 (DeepSeek-V3.2), kimi_k2 "
+                       "(Kimi-K2), llama3_json / llama4_json (Llama 3.x, 4), "
                        "pythonic / llama4_pythonic (Llama 3.2, 4), mistral (Mistral, "
                        "Ministral, Magistral, Devstral: [TOOL_CALLS]), openai (gpt-oss's "
                        "harmony format)")

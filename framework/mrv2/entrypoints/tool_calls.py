@@ -21,6 +21,8 @@ How each model family writes its calls (``...``: more calls may follow):
   ```json\\n{...}\\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>``.
 * ``deepseek_v31`` (DeepSeek-V3.1): ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME
   <｜tool▁sep｜>{...}<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>``.
+* ``qwen3_xml``, ``deepseek_v32`` (DeepSeek-V3.2's DSML) and ``kimi_k2`` (Kimi-K2, whose
+  ``functions.NAME:IDX`` is the call's id): :mod:`mrv2.entrypoints.tool_parsers_more`.
 * ``llama3_json`` (Llama 3.x) and ``llama4_json`` (Llama 4; vLLM's other name of the same
   parser): the whole answer, after optional whitespace and ``<|python_tag|>``, is ``{"name":
   ..., "parameters": {...}}`` (or ``"arguments"``), or several such objects separated by
@@ -49,13 +51,13 @@ How each model family writes its calls (``...``: more calls may follow):
 
 The text before the first call is the message's ``content`` (None when empty); each call
 becomes ``{"id", "type": "function", "function": {"name", "arguments": "<JSON text>"}}``.
-The XML-like formats (``qwen3_coder``, ``glm45``/``glm47``, ``minimax_m2``;
-:mod:`mrv2.entrypoints.tool_parsers_xml`) write values as text: each is typed by the request's
-``tools`` JSON schema (``null``/``integer``/``number``/``boolean``/``object``/``array``, tried in
-that order, where its ``type``, an ``anyOf`` / ``oneOf`` branch or an ``enum`` value allows it:
-pydantic's ``Optional[int]`` is ``anyOf`` integer, null; a value that fits none, or has no
-schema, stays a string; ``glm45``/``glm47``: a value whose schema does not say ``string`` is read
-as JSON where it parses, as vLLM's GLM parser does).
+The XML-like formats (``qwen3_coder``, ``qwen3_xml``, ``glm45``/``glm47``, ``minimax_m2``,
+``deepseek_v32``; :mod:`mrv2.entrypoints.tool_parsers_xml`) write values as text: each is typed
+by the request's ``tools`` JSON schema (``null``/``integer``/``number``/``boolean``/``object``/
+``array``, tried in that order, where its ``type``, an ``anyOf`` / ``oneOf`` branch or an
+``enum`` value allows it: pydantic's ``Optional[int]`` is ``anyOf`` integer, null; a value that
+fits none, or has no schema, stays a string; ``glm45``/``glm47``: a value whose schema does not
+say ``string`` is read as JSON where it parses, as vLLM's GLM parser does).
 
 Failure rule (vLLM's): anything malformed (JSON that does not parse, no name, a structure cut
 off where it cannot be recovered) leaves the whole answer as content. A last call cut off by
@@ -91,6 +93,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from mrv2.entrypoints import tool_parsers_more as more
 from mrv2.entrypoints.harmony import CHANNEL, START, HarmonyStream, Piece, parse_harmony
 from mrv2.entrypoints.reasoning import held_tag_prefix
 from mrv2.entrypoints.tool_parsers_xml import (
@@ -395,12 +398,18 @@ def _xml(calls_of: Callable[[str, Tools], list[Call]]) -> Callable[[str, Tools],
 PARSERS: dict[str, ToolParser] = {p.name: p for p in (
     ToolParser("hermes", ("<tool_call>",), _hermes, special_tokens=True),
     ToolParser("qwen3_coder", ("<tool_call>", "<function="), _xml(qwen3_coder_calls)),
+    ToolParser("qwen3_xml", ("<tool_call>", "<function="), _xml(more.qwen3_xml_calls),
+               outside=more.qwen3_xml_outside),
     ToolParser("glm45", ("<tool_call>",), _xml(glm_calls), special_tokens=True),
     ToolParser("glm47", ("<tool_call>",), _xml(glm_calls), special_tokens=True),
     ToolParser("minimax_m2", (MINIMAX_CALLS,), _xml(minimax_m2_calls),
                outside=minimax_m2_outside),
     ToolParser("deepseek_v3", (DS_CALLS_BEGIN,), _deepseek_v3, special_tokens=True),
     ToolParser("deepseek_v31", (DS_CALLS_BEGIN,), _deepseek_v31, special_tokens=True),
+    ToolParser("deepseek_v32", (more.DSML_CALLS,), _xml(more.deepseek_v32_calls),
+               special_tokens=True),
+    ToolParser("kimi_k2", more.KIMI_SECTIONS, lambda text, tools: [  # (the model's ids)
+        ToolCall(*call) for call in more.kimi_k2_calls(text, tools)], special_tokens=True),
     ToolParser("llama3_json", (PYTHON_TAG, "{"), _llama3_json, leading=True),
     ToolParser("llama4_json", (PYTHON_TAG, "{"), _llama3_json, leading=True),
     ToolParser("pythonic", ("[", PYTHON_START), _pythonic, leading=True),

@@ -9,6 +9,7 @@ failure rule); this module imports nothing of ``tool_calls``.
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import re
@@ -81,14 +82,23 @@ def _finite(text: str) -> float:
     return value
 
 
-def _json(text: str) -> Any:
+def strict_json(text: str) -> Any:
     """``text`` as JSON (ValueError: not JSON, or a number no float holds)."""
     return json.loads(text, parse_constant=_no_constant, parse_float=_finite)
 
 
-def _as_type(value: str, kind: Any) -> Any:
+def _python(text: str) -> Any:
+    """A Python literal (``{'k': True}``) as a JSON value (ValueError: not one; nothing is
+    executed)."""
+    try:
+        return strict_json(json.dumps(ast.literal_eval(text), allow_nan=False))
+    except (SyntaxError, TypeError, MemoryError, RecursionError) as error:  # (TypeError: a set)
+        raise ValueError(f"not a Python literal: {error}") from None
+
+
+def _as_type(value: str, kind: Any, python: bool = False) -> Any:
     """``value`` as the schema type ``kind`` (unknown: the string); ValueError if it does not
-    fit."""
+    fit. ``python``: also ``None`` for null and a Python literal for an object or array."""
     text = value.strip()
     if kind in ("integer", "number") and _INTEGER.fullmatch(text):
         return int(text)
@@ -101,16 +111,21 @@ def _as_type(value: str, kind: Any) -> Any:
             raise ValueError(value)
         return text.lower() == "true"
     if kind in ("object", "array"):
-        parsed = _json(text)
+        try:
+            parsed = strict_json(text)
+        except ValueError:
+            if not python:
+                raise
+            parsed = _python(text)
         if not isinstance(parsed, dict if kind == "object" else list):
             raise ValueError(value)
         return parsed
     if kind == "null":
-        if text != "null":
+        if text != "null" and not (python and text == "None"):
             raise ValueError(value)
         return None
     if kind == "json":  # (any JSON value)
-        return _json(text)
+        return strict_json(text)
     return value
 
 
@@ -119,14 +134,16 @@ def _as_type(value: str, kind: Any) -> Any:
 _PRIORITY = ("null", "integer", "number", "boolean", "object", "array")
 
 
-def _typed_value(value: str, kinds: list[str], loose: bool = False) -> Any:
+def _typed_value(value: str, kinds: list[str], loose: bool = False, python: bool = False
+                 ) -> Any:
     """``value`` as the first of its schema's types (``kinds``) it fits, in the order of
     :data:`_PRIORITY`; a string if it fits none of them. ``loose`` (GLM's, vLLM's rule): a value
-    whose schema does not say ``string`` is read as JSON where it parses (stripped)."""
+    whose schema does not say ``string`` is read as JSON where it parses (stripped).
+    ``python``: :func:`_as_type`'s."""
     for kind in _PRIORITY:
         if kind in kinds:
             try:
-                return _as_type(value, kind)
+                return _as_type(value, kind, python)
             except ValueError:
                 continue
     if loose and "string" not in kinds:
@@ -138,13 +155,14 @@ def _typed_value(value: str, kinds: list[str], loose: bool = False) -> Any:
 
 
 def typed_call(name: str, pairs: list[tuple[str, str]], tools: Tools,
-               loose: bool = False) -> Call:
+               loose: bool = False, python: bool = False) -> Call:
     """A call from text arguments, each typed by the tool's schema (:func:`_typed_value`:
     ``null``/``integer``/``number``/``boolean``/``object``/``array``, also where ``anyOf`` /
     ``oneOf`` or an ``enum`` allows it; a value that fits none, or has no schema, stays a
-    string)."""
+    string; ``python``: :func:`_as_type`'s)."""
     types = _schema_types(tools, name)
-    arguments = {key: _typed_value(value, types.get(key, []), loose) for key, value in pairs}
+    arguments = {key: _typed_value(value, types.get(key, []), loose, python)
+                 for key, value in pairs}
     return name, json.dumps(arguments, ensure_ascii=False)
 
 
@@ -174,7 +192,8 @@ _CLOSED_DROPPED = re.compile(
     r"\s*<parameter=([^>]*)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
 
 
-def qwen3_coder_calls(text: str, tools: Tools) -> list[Call]:
+def qwen3_coder_calls(text: str, tools: Tools, python: bool = False) -> list[Call]:
+    """Every ``<function=NAME>`` block's call (``python``: :func:`_as_type`'s)."""
     calls = []
     for body, closed in blocks(text, "<function=", "</function>"):
         name, sep, rest = body.partition(">")
@@ -185,7 +204,7 @@ def qwen3_coder_calls(text: str, tools: Tools) -> list[Call]:
         except ValueError:  # (a </parameter> dropped)
             found = pairs_of(rest, _CLOSED_DROPPED if closed else _DROPPED)
         pairs = [(key, value.removeprefix("\n").removesuffix("\n")) for key, value in found]
-        calls.append(typed_call(name.strip(), pairs, tools))
+        calls.append(typed_call(name.strip(), pairs, tools, python=python))
     return calls
 
 
