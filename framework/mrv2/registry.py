@@ -47,6 +47,8 @@ KNOWN_PACKAGES: dict[str, str] = {
     "InternVLForConditionalGeneration": "mrv2-plugin-internvl",
     "Phi3ForCausalLM": "mrv2-plugin-phi",
     "Olmo2ForCausalLM": "mrv2-plugin-olmo",
+    "Olmo3ForCausalLM": "mrv2-plugin-olmo",
+    "OlmoeForCausalLM": "mrv2-plugin-olmo",
     "MiniMaxM2ForCausalLM": "mrv2-plugin-minimax",
     "Exaone4ForCausalLM": "mrv2-plugin-exaone",
     "Ernie4_5ForCausalLM": "mrv2-plugin-ernie",

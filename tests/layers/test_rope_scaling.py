@@ -96,3 +96,30 @@ def test_a_longer_table_keeps_the_rows_below_max_position(params: dict[str, Any]
     new = rope._table(torch.device("cpu"))
     assert new.shape[0] == rope.positions >= 2048
     assert torch.equal(new[:2048], old)
+
+
+@pytest.mark.parametrize("kind", ["sliding_attention", "full_attention"])
+def test_get_rope_of_a_layer_type_matches_transformers(kind: str) -> None:
+    """OLMo 3's per-layer-type ``rope_parameters`` (a checkpoint's flat ``rope_scaling``
+    lands on the full-attention layers only): each kind's table as HF's rotary embedding
+    computes it; a flat config gives every kind its one RoPE."""
+    from transformers.models.olmo3.modeling_olmo3 import Olmo3RotaryEmbedding
+
+    from mrv2.layers.rotary import get_rope
+
+    legacy: dict[str, Any] = {  # (config.json's fields as OLMo 3's checkpoints write them)
+        "rope_theta": 5e5, "rope_scaling": {
+            "rope_type": "yarn", "factor": 8.0, "attention_factor": 1.2,
+            "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1}}
+    config = transformers.Olmo3Config(hidden_size=64, num_attention_heads=4,
+                                      max_position_embeddings=512, **legacy)
+    positions = torch.arange(512)
+    cos, sin = Olmo3RotaryEmbedding(config)(torch.zeros(1), positions[None], kind)
+    half = cos.shape[-1] // 2
+    expected = torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1)
+    table = get_rope(config, 16, kind)._table(torch.device("cpu"))
+    torch.testing.assert_close(table, expected, atol=1e-4, rtol=1e-4)
+    flat = transformers.Qwen3Config(hidden_size=64, num_attention_heads=4, head_dim=16,
+                                    max_position_embeddings=256, rope_parameters=YARN)
+    assert torch.equal(get_rope(flat, 16, kind)._table(torch.device("cpu")),
+                       get_rope(flat, 16)._table(torch.device("cpu")))

@@ -308,13 +308,26 @@ class RotaryEmbedding(nn.Module):
         )
 
 
-def get_rope(config: Any, head_dim: int) -> RotaryEmbedding:
+def get_rope(config: Any, head_dim: int, layer_type: str | None = None) -> RotaryEmbedding:
     """The RoPE of an HF decoder config (``partial_rotary_factor`` honoured: the rotated
     dimensions, or with ``proportional`` RoPE the frequencies kept over the whole head); its
     table reaches :func:`context_limit`, past ``max_position_embeddings`` where RoPE scaling
-    extends the context."""
-    base, scaling = rope_parameters_of(config)
+    extends the context.
+
+    ``layer_type`` (``"sliding_attention"``, ``"full_attention"``): the RoPE of that kind of
+    layer, where transformers 5 keeps one ``rope_parameters`` entry per layer type (OLMo 3:
+    YaRN on the full-attention layers only); a config with one flat ``rope_parameters`` gives
+    every layer type the same."""
     params = getattr(config, "rope_parameters", None) or {}
+    per_type = params.get(layer_type) if layer_type is not None else None
+    if isinstance(per_type, Mapping):
+        params = per_type
+        if "rope_theta" not in params:
+            raise ValueError(f"config.json rope_parameters[{layer_type!r}] has no rope_theta")
+        base = float(params["rope_theta"])
+        scaling = None if _rope_type(params) == "default" else dict(params)
+    else:
+        base, scaling = rope_parameters_of(config)
     partial = float(
         params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     )

@@ -1,18 +1,22 @@
-"""mrv2 model plugin for OLMo 2. Exports resolve lazily: importing this is cheap."""
+"""mrv2 model plugin for OLMo 2, OLMo 3 and OLMoE. Exports resolve lazily: importing this is
+cheap."""
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mrv2_olmo.model import Olmo2ForCausalLM
+    from mrv2_olmo.model import Olmo2ForCausalLM, Olmo3ForCausalLM
+    from mrv2_olmo.olmoe import OlmoeForCausalLM
 
-__all__ = ["Olmo2ForCausalLM"]
+__all__ = ["Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM"]
+
+_MODULES = {"Olmo2ForCausalLM": "mrv2_olmo.model", "Olmo3ForCausalLM": "mrv2_olmo.model",
+            "OlmoeForCausalLM": "mrv2_olmo.olmoe"}
 
 
 def __getattr__(name: str) -> Any:
-    if name == "Olmo2ForCausalLM":
-        from mrv2_olmo.model import Olmo2ForCausalLM
-
-        return Olmo2ForCausalLM
+    if name in _MODULES:
+        return getattr(importlib.import_module(_MODULES[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""mrv2 plugin entry point of OLMo 2: registers its architecture, lazily."""
+"""mrv2 plugin entry point of the OLMo family: registers its architectures, lazily."""
 
 from collections.abc import Callable
 
@@ -7,6 +7,9 @@ from mrv2 import hookimpl
 
 @hookimpl
 def mrv2_register_models(register: Callable[..., None]) -> None:
-    """``Olmo2ForCausalLM`` (OLMo 2 1B-32B); it uses the core's default decoder-only
-    ModelState."""
+    """``Olmo2ForCausalLM`` (OLMo 2 1B-32B), ``Olmo3ForCausalLM`` (OLMo 3 7B / 32B: OLMo 2's
+    layers with sliding-window local layers) and ``OlmoeForCausalLM`` (OLMoE-1B-7B); they use
+    the core's default decoder-only ModelState."""
     register("Olmo2ForCausalLM", "mrv2_olmo.model:Olmo2ForCausalLM")
+    register("Olmo3ForCausalLM", "mrv2_olmo.model:Olmo3ForCausalLM")
+    register("OlmoeForCausalLM", "mrv2_olmo.olmoe:OlmoeForCausalLM")
