@@ -249,3 +249,22 @@ def test_vllms_short_flags() -> None:
     args = build_parser().parse_args(["serve", "/m", "-tp", "2", "-q", "fp8"])
     config = config_from_cli(args, args.model_dir)
     assert config.parallel.tensor_parallel_size == 2 and config.model.quantization == "fp8"
+
+
+def test_vllms_scheduling_policy_names() -> None:
+    """vLLM's ``--scheduling-policy`` flag and ``scheduling_policy`` keyword (``LLM(...,
+    scheduling_policy="priority")``, a config file's key) set ``policy``; the flag was an
+    unrecognized argument and the keyword an unknown one."""
+    from mrv2.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "/m", "--scheduling-policy", "priority"])
+    assert config_from_cli(args, args.model_dir).scheduler.policy == "priority"
+    args = build_parser().parse_args(["serve", "/m", "--policy", "priority"])
+    assert config_from_cli(args, args.model_dir).scheduler.policy == "priority"
+    assert EngineConfig.from_kwargs(scheduling_policy="priority").scheduler.policy == "priority"
+    assert EngineConfig.from_kwargs(scheduling_policy="fcfs", policy="fcfs").scheduler.policy \
+        == "fcfs"
+    with pytest.raises(ValueError, match="disagree"):
+        EngineConfig.from_kwargs(scheduling_policy="priority", policy="fcfs")
+    with pytest.raises(ValidationError, match="policy"):
+        EngineConfig.from_kwargs(scheduling_policy="lifo")

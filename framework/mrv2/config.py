@@ -259,8 +259,9 @@ class SchedulerConfig(_Section):
     )
     policy: Literal["fcfs", "priority"] = Field(
         default="fcfs",
-        description="'priority': waiting requests by (priority, arrival), lower first; "
-        "preemption takes the largest",
+        description="'fcfs' or 'priority' (vLLM's --scheduling-policy): waiting requests "
+        "by (priority, arrival), lower first; preemption takes the largest. Under 'fcfs' a "
+        "request's priority must be 0",
     )
 
     def fit_token_budget(self, max_model_len: int) -> None:
@@ -429,6 +430,11 @@ class EngineConfig(_Section):
         for key, value in kwargs.items():
             if key == "speculative_config":  # vLLM's name: a dict, or JSON text (the CLI's)
                 key, value = "speculative", _speculative_dict(value)
+            elif key == "scheduling_policy":  # vLLM's name of ``policy``
+                if kwargs.get("policy", value) != value:
+                    raise ValueError(f"policy={kwargs['policy']!r} and scheduling_policy="
+                                     f"{value!r} disagree: give one of them")
+                key = "policy"
             if key in _SECTIONS and isinstance(value, dict):
                 sections[key].update(value)
             elif key in _FLAT_TO_SECTION:
@@ -437,7 +443,7 @@ class EngineConfig(_Section):
                 top[key] = value
             else:
                 known = ", ".join(sorted({*_FLAT_TO_SECTION, *_SECTIONS, "logits_processors",
-                                          "speculative_config"}))
+                                          "speculative_config", "scheduling_policy"}))
                 raise ValueError(f"unknown engine argument {key!r}; known arguments: {known}")
         data: dict[str, Any] = {**top, **{k: v for k, v in sections.items() if v}}
         return cls.model_validate(data)
@@ -484,9 +490,10 @@ _FLAT_TO_SECTION: dict[str, str] = {
 }
 
 
-#: vLLM's short names of engine flags (``-tp 2``, as its recipes write them).
+#: vLLM's other names of engine flags (``-tp 2``, as its recipes write them).
 _SHORT_FLAGS: dict[str, tuple[str, ...]] = {
-    "tensor_parallel_size": ("-tp",), "quantization": ("-q",)}
+    "tensor_parallel_size": ("-tp",), "quantization": ("-q",),
+    "policy": ("--scheduling-policy",)}
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

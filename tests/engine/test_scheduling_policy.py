@@ -130,6 +130,27 @@ def test_engine_priority_and_overload(llm: LLM) -> None:
     assert stats["num_running"] == stats["num_waiting"] == 0 and stats["kv_usage"] == 0.0
 
 
+def test_a_nonzero_priority_is_refused_under_fcfs(tmp_path: Path) -> None:
+    """vLLM's rule: a priority other than 0 needs the "priority" policy; under "fcfs" the
+    engine and ``LLM.generate`` refuse it (ValueError naming it), nothing queued. It was taken
+    and ignored: the request ran in arrival order."""
+    checkpoint: Path = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM")
+    llm = LLM(str(checkpoint), device="cpu", dtype="float32", block_size=4)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    with pytest.raises(ValueError, match="Got priority 3 but Priority scheduling is not "
+                       "enabled: the scheduling policy is 'fcfs'"):
+        engine.add_request([1, 2, 3], params, request_id="x", priority=3)
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        engine.add_request([1, 2, 3], params, request_id="x", priority=1.5)  # type: ignore[arg-type]
+    assert not engine.has_unfinished()
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}]
+    with pytest.raises(ValueError, match="Got priority -1 but Priority scheduling"):
+        llm.generate(prompts, params, use_tqdm=False, priority=[0, -1])
+    assert not engine.has_unfinished()
+    assert len(llm.generate(prompts, params, use_tqdm=False, priority=[0, 0])) == 2
+
+
 def test_samples_of_a_request_are_queued_all_or_none(llm: LLM) -> None:
     """``n=2`` with room for one more request in the waiting queue: refused whole, nothing
     queued, its id free for the retry. The first sample was queued, then the second refused:

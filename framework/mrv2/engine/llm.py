@@ -30,6 +30,7 @@ from mrv2.engine.outputs import (
 )
 from mrv2.engine.request_inputs import (
     check_cache_salt,
+    check_priority,
     check_truncation,
     last_tokens,
     truncate_prompt,
@@ -110,7 +111,8 @@ class LLM:
 
         ``lora_request``: the LoRA adapter of every prompt, or one per prompt (None: the base
         model); the engine must be built with ``enable_lora=True``.
-        ``priority``: one per prompt (vLLM's; lower first under ``policy="priority"``).
+        ``priority``: one per prompt (vLLM's; lower first under ``policy="priority"``, and
+        all 0 under ``"fcfs"``: else ``ValueError``, as vLLM's).
 
         Every prompt is validated before any is queued: one bad prompt raises ``ValueError``
         and nothing runs.
@@ -134,6 +136,8 @@ class LLM:
             raise ValueError(f"got {len(priorities)} priority for {len(prompts)} prompts")
         if not all(isinstance(p, int) and not isinstance(p, bool) for p in priorities):
             raise ValueError(f"priority must be a list of ints, got {priority!r}")
+        for rank in priorities:  # (vLLM's: any but 0 needs the "priority" policy)
+            check_priority(rank, self.engine.config.scheduler.policy)
         salts = [_cache_salt(prompt) for prompt in prompts]
         encoded = [self._truncate(self._encode(prompt), params)
                    for prompt, params in zip(prompts, params_list, strict=True)]

@@ -16,7 +16,7 @@ from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.tokenizer import Tokenizer
 from mrv2.registry import ModelEntry, import_object
 
-__all__ = ["check_cache_salt", "check_prompt", "check_runner", "check_truncation",
+__all__ = ["check_cache_salt", "check_priority", "check_prompt", "check_runner", "check_truncation",
            "classifier_labels",
            "make_input_processor", "normalizes_embeddings", "process_multimodal",
            "last_tokens", "refused_pooling_tasks", "truncate_prompt", "truncation_room"]
@@ -190,6 +190,26 @@ def check_cache_salt(cache_salt: Any) -> str | None:
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
         raise ValueError(f"cache_salt must be a non-empty string if given, got {cache_salt!r}")
     return cache_salt
+
+
+#: A request's ``priority`` bounds (vLLM's: a signed 64-bit integer).
+PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
+
+
+def check_priority(priority: Any, policy: str) -> int:
+    """A request's ``priority`` (vLLM's; lower runs first): an int, and 0 unless the
+    scheduling ``policy`` is ``"priority"`` (vLLM's refusal); ValueError naming the field
+    otherwise."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"priority must be an integer, got {priority!r}")
+    if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise ValueError(f"priority must be a 64-bit signed integer, got {priority}")
+    if priority != 0 and policy != "priority":
+        raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled: "
+                         f"the scheduling policy is {policy!r} (start the server with "
+                         "--scheduling-policy priority, or the engine with "
+                         "policy=\"priority\")")
+    return priority
 
 
 def make_input_processor(path: str | None, model_dir: str, hf_config: Any,

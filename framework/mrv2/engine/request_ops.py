@@ -22,6 +22,7 @@ from mrv2.engine.outputs import RequestOutput
 from mrv2.engine.request import Request
 from mrv2.engine.request_inputs import (
     check_cache_salt,
+    check_priority,
     check_prompt,
     check_runner,
     process_multimodal,
@@ -143,6 +144,9 @@ class RequestOps:
         prefix-cache block, so only requests of the same salt share cached blocks (tenants'
         prefixes kept apart); its ``n`` samples share it.
 
+        ``priority`` (vLLM's): under the ``"priority"`` policy lower values run first; any
+        other than 0 is refused (ValueError) under ``"fcfs"``, as vLLM's.
+
         ``pooling_params``: an embedding request (``params`` then only gives its
         ``output_kind``): its output's ``embedding`` is its prompt's pooled final hidden
         state (:class:`~mrv2.contract.pooling.PoolingParams`).
@@ -161,6 +165,7 @@ class RequestOps:
         output shows text that a stop string then cuts off (as vLLM's).
         """
         check_cache_salt(cache_salt)
+        check_priority(priority, self.config.scheduler.policy)
         if pooling_params is None and params.truncate_prompt_tokens is not None:
             cut = truncate_prompt(prompt_token_ids, params, self.max_model_len, bool(mm_items))
             prompt = prompt if len(cut) == len(prompt_token_ids) else None

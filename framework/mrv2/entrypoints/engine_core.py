@@ -8,8 +8,9 @@ session). Here the engine steps in a child process (vLLM's engine core) and the 
 process keeps HTTP, tokenization and the streams.
 
 Messages, parent to child (``commands``): ``("add", req_id, ids, params, prompt, mm_items,
-lora, pooling)`` (answered by an ``("ack", req_id, error or None)``), ``("abort", req_id)`` and
-``("stop",)``. Child to parent (``outputs``):
+lora, pooling, cache_salt, priority)`` (answered by an ``("ack", req_id, error or None)``),
+``("call", call_id, op, arg)`` (answered by an ``("ack", call_id, reply)``), ``("abort",
+req_id)`` and ``("stop",)``. Child to parent (``outputs``):
 ``("ready", info)`` once the engine is built, ``("outputs", deltas, stats)`` after every step
 with output (``stats``: the engine's counters at most every :data:`STATS_INTERVAL_S`, else
 None), ``("stats", stats)`` when it goes idle, ``("failed", message, req_ids)`` when a
@@ -198,11 +199,12 @@ def _loop(engine: Any, commands: Connection, outputs: Connection, pauses: GCPaus
             if kind == "stop":
                 return
             if kind == "add":
-                _, req_id, ids, params, prompt, mm_items, lora, pooling, salt = message
+                _, req_id, ids, params, prompt, mm_items, lora, pooling, salt, rank = message
                 try:
                     engine.add_request(ids, params, request_id=req_id, prompt=prompt,
                                        stream=True, mm_items=mm_items, lora_request=lora,
-                                       pooling_params=pooling, cache_salt=salt)
+                                       pooling_params=pooling, cache_salt=salt,
+                                       priority=rank)
                 except Exception as error:  # (ValueError: the request's own fault)
                     outputs.send(("ack", req_id, f"{type(error).__name__}: {error}"
                                   if not isinstance(error, ValueError) else str(error)))

@@ -177,9 +177,9 @@ class EngineProcess:
                     mm_items: list[MultiModalItem] | None = None,
                     lora: LoRARequest | None = None,
                     pooling: PoolingParams | None = None,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, priority: int = 0) -> None:
         """Add a request (through adapter ``lora``, if any; its prefix-cache blocks salted
-        with ``cache_salt``, if any) once the engine accepts it;
+        with ``cache_salt``, if any; scheduled by ``priority``) once the engine accepts it;
         ``ValueError`` (the engine's message) if it refuses, :class:`QueueFullError` past
         ``max_pending`` sequences."""
         entry = _Sink(loop, sink, time.monotonic(), num_prompt=len(prompt_token_ids),
@@ -192,7 +192,7 @@ class EngineProcess:
             self._sinks[req_id] = entry
             self._acks[req_id] = (loop, ack)
         message = ("add", req_id, prompt_token_ids, params, prompt, mm_items, lora, pooling,
-                   cache_salt)
+                   cache_salt, priority)
         try:
             if mm_items:  # media tensors: a long write, off the event loop
                 await asyncio.to_thread(self._send, message)

@@ -197,9 +197,10 @@ class EngineThread:
                mm_items: list[MultiModalItem] | None = None,
                lora: LoRARequest | None = None,
                pooling: PoolingParams | None = None,
-               cache_salt: str | None = None) -> None:
+               cache_salt: str | None = None, priority: int = 0) -> None:
         """Queue a (validated) request (through adapter ``lora``, if any; its prefix-cache
-        blocks salted with ``cache_salt``, if any); its outputs go to ``sink``. Raises
+        blocks salted with ``cache_salt``, if any; scheduled by ``priority``); its outputs
+        go to ``sink``. Raises
         :class:`QueueFullError` when its ``n`` sequences would take the server past
         ``max_pending`` sequences in flight."""
         with self._lock:
@@ -209,7 +210,7 @@ class EngineThread:
             # (queued under the lock: a shutdown, which marks itself under it first, finds it)
             self._commands.put(("add", (req_id, prompt_token_ids, params, prompt, sink, loop,
                                         time.monotonic(), mm_items, lora, pooling,
-                                        cache_salt)))
+                                        cache_salt, priority)))
 
     async def admit(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None, sink: asyncio.Queue[RequestOutput | BaseException],
@@ -217,11 +218,11 @@ class EngineThread:
                     mm_items: list[MultiModalItem] | None = None,
                     lora: LoRARequest | None = None,
                     pooling: PoolingParams | None = None,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, priority: int = 0) -> None:
         """:meth:`submit` (the server awaits either worker's ``admit``; this one has nothing
         to wait for: the engine checked the request on the loop already)."""
         self.submit(req_id, prompt_token_ids, params, prompt, sink, loop, mm_items, lora,
-                    pooling, cache_salt)
+                    pooling, cache_salt, priority)
 
     def abort(self, req_id: str) -> None:
         """Cancel a request (run on the engine thread); unknown or finished ids are ignored."""
@@ -310,12 +311,13 @@ class EngineThread:
             return
         if command == "add":
             (req_id, ids, params, prompt, sink_queue, loop, arrival, mm_items, lora, pool,
-             salt) = arg
+             salt, priority) = arg
             sink = _Sink(loop, sink_queue, arrival, num_prompt=len(ids), num_seqs=params.n)
             try:
                 self.engine.add_request(ids, params, request_id=req_id, prompt=prompt,
                                         stream=True, mm_items=mm_items, lora_request=lora,
-                                        pooling_params=pool, cache_salt=salt)
+                                        pooling_params=pool, cache_salt=salt,
+                                        priority=priority)
             except Exception as error:
                 self._finish_pending(sink)
                 _put(sink, error)

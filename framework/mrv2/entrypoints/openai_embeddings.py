@@ -66,6 +66,8 @@ class PoolingRequest(BaseModel):
     user: str | None = None
     #: Keep only the prompt's last k tokens; -1: as many as the context holds (vLLM's).
     truncate_prompt_tokens: int | None = None
+    #: vLLM's: lower runs first under ``--scheduling-policy priority`` (0 under ``fcfs``).
+    priority: int = 0
 
     @field_validator("truncate_prompt_tokens")
     @classmethod

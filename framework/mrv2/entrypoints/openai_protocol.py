@@ -99,6 +99,9 @@ class _Request(BaseModel):
     #: vLLM's: mixed into the hash of the prompt's first prefix-cache block, so only requests
     #: of the same salt share cached blocks (a non-empty string).
     cache_salt: str | None = None
+    #: vLLM's: lower runs first under ``--scheduling-policy priority``; any but 0 is refused
+    #: under ``fcfs`` (:meth:`~mrv2.entrypoints.serving.Serving.parse`).
+    priority: int = 0
 
     @field_validator("cache_salt")
     @classmethod

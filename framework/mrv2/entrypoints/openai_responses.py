@@ -116,6 +116,8 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     #: vLLM's: only requests of the same salt share prefix-cache blocks (a non-empty string).
     cache_salt: str | None = None
+    #: vLLM's: lower runs first under ``--scheduling-policy priority`` (0 under ``fcfs``).
+    priority: int = 0
     #: The message text's logprobs, with this many top tokens a position (0 to 20); with
     #: ``include: ["message.output_text.logprobs"]`` too (k = 0 when this is unset).
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -194,7 +196,7 @@ class ResponsesRequest(BaseModel):
             "temperature": self.temperature, "top_p": self.top_p,
             "max_completion_tokens": self.max_output_tokens,
             "parallel_tool_calls": self.parallel_tool_calls, "reasoning_effort": effort,
-            "cache_salt": self.cache_salt}
+            "cache_salt": self.cache_salt, "priority": self.priority}
         if self.top_logprobs is not None or LOGPROBS in (self.include or ()):
             fields.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         if self.tools:

@@ -219,7 +219,7 @@ def add_pooling_routes(app: Any, engine: Any, worker: Any,
             except ValueError as error:
                 raise APIError(400, str(error), param=name) from None
         data = await unless_disconnected(request, embed_through(worker, prompts, params, lora,
-                                                                pooling))
+                                                                pooling, body.priority))
         if data is None:
             raise APIError(499, "the client disconnected")
         return data

@@ -27,7 +27,7 @@ from mrv2.engine.engine import LLMEngine
 from mrv2.engine.generation_defaults import max_tokens_limit
 from mrv2.engine.media import split_chat_media
 from mrv2.engine.outputs import RequestOutput
-from mrv2.engine.request_inputs import check_truncation, truncation_room
+from mrv2.engine.request_inputs import check_priority, check_truncation, truncation_room
 from mrv2.engine.tokenizer import check_template_kwargs
 from mrv2.entrypoints.engine_process import EngineProcess, RemoteEngine
 from mrv2.entrypoints.engine_thread import EngineThread, QueueFullError
@@ -88,7 +88,8 @@ class Serving:
 
     async def parse(self, request: Request, cls: type[Any]) -> Any:
         """The request's body as ``cls`` (a 400 naming the bad field), its ``model`` one this
-        server serves (else a 404)."""
+        server serves (else a 404); its ``priority`` 0 unless the scheduling policy is
+        ``"priority"`` (vLLM's 400), before any work."""
         data = await self.json_object(request)
         try:
             body = cls.model_validate(data)
@@ -101,6 +102,10 @@ class Serving:
             raise APIError(404, f"the model {body.model!r} does not exist; this server has "
                            f"{', '.join(map(repr, [*names, *adapters.by_name]))}",
                            "not_found_error", "model")
+        try:
+            check_priority(getattr(body, "priority", 0), self.engine.config.scheduler.policy)
+        except ValueError as error:
+            raise APIError(400, str(error), param="priority") from None
         return body
 
     def lora_of(self, body: Any) -> LoRARequest | None:
@@ -264,7 +269,7 @@ class Serving:
         lora = self.lora_of(body)
         outputs = await unless_disconnected(request, beam_search_through(
             self.worker, prompts, beams, engine.eos_token_ids, engine.max_model_len, lora,
-            body.cache_salt))
+            body.cache_salt, body.priority))
         if outputs is None:
             return Response(status_code=499)  # (as Stream.collect: nobody reads it)
         return JSONResponse(beam_answer_body(outputs, prompts, engine.tokenizer,
@@ -289,7 +294,7 @@ class Serving:
         try:
             for req_id, (ids, text) in zip(req_ids, encoded, strict=True):
                 await worker.admit(req_id, ids, params, text, sink, loop, mm_items, lora,
-                                   cache_salt=body.cache_salt)
+                                   cache_salt=body.cache_salt, priority=body.priority)
                 submitted.append(req_id)
         except QueueFullError as error:
             for req_id in submitted:

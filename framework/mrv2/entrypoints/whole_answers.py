@@ -33,11 +33,11 @@ T = TypeVar("T")
 async def final_outputs(worker: EngineThread | EngineProcess, prompts: list[list[int]],
                         params: SamplingParams, lora: LoRARequest | None = None,
                         pooling: PoolingParams | None = None, kind: str = "req",
-                        param: str = "prompt", cache_salt: str | None = None
-                        ) -> list[RequestOutput]:
+                        param: str = "prompt", cache_salt: str | None = None,
+                        priority: int = 0) -> list[RequestOutput]:
     """Submit every prompt (through adapter ``lora``; embedding requests with ``pooling``;
-    salted with ``cache_salt``)
-    and return each one's final output, in order. Refused by the engine: a 400 naming
+    salted with ``cache_salt``; scheduled by ``priority``) and return each one's final
+    output, in order. Refused by the engine: a 400 naming
     ``param``; a full server: 503; a failed engine: 500. If one is refused, or the client
     leaves, every request of the batch not yet finished is aborted."""
     loop = asyncio.get_running_loop()
@@ -49,7 +49,7 @@ async def final_outputs(worker: EngineThread | EngineProcess, prompts: list[list
     try:
         for req_id, ids in zip(req_ids, prompts, strict=True):
             await worker.admit(req_id, ids, params, None, sink, loop, None, lora, pooling,
-                               cache_salt)
+                               cache_salt, priority)
             submitted.append(req_id)
         while len(finals) < len(req_ids):
             item = await sink.get()
@@ -70,9 +70,11 @@ async def final_outputs(worker: EngineThread | EngineProcess, prompts: list[list
 
 async def embed_through(worker: EngineThread | EngineProcess, prompts: list[list[int]],
                         params: SamplingParams, lora: LoRARequest | None,
-                        pooling: PoolingParams) -> list[list[float]]:
-    """Each prompt's embedding, in order (one embedding request a prompt)."""
-    outputs = await final_outputs(worker, prompts, params, lora, pooling, "embd", "input")
+                        pooling: PoolingParams, priority: int = 0) -> list[list[float]]:
+    """Each prompt's embedding, in order (one embedding request a prompt, scheduled by
+    ``priority``)."""
+    outputs = await final_outputs(worker, prompts, params, lora, pooling, "embd", "input",
+                                  priority=priority)
     return [output.embedding or [] for output in outputs]
 
 
@@ -97,14 +99,15 @@ async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) ->
 async def beam_search_through(worker: EngineThread | EngineProcess, prompts: list[list[int]],
                               params: BeamSearchParams, eos: frozenset[int],
                               max_model_len: int, lora: LoRARequest | None,
-                              cache_salt: str | None = None) -> list[BeamSearchOutput]:
+                              cache_salt: str | None = None, priority: int = 0
+                              ) -> list[BeamSearchOutput]:
     """Beam search (vLLM's ``use_beam_search``) through the worker: each step's beams as
     one-token requests (:class:`~mrv2.engine.beam_search.BeamSearch`), salted with
-    ``cache_salt``."""
+    ``cache_salt``, scheduled by ``priority``."""
     search = BeamSearch(prompts, params, eos, max_model_len)
     while requests := search.requests():
         outputs = await final_outputs(worker, requests, search.step_params, lora, kind="beam",
-                                      cache_salt=cache_salt)
+                                      cache_salt=cache_salt, priority=priority)
         search.advance([(o.outputs[0].logprobs or [{}])[0] if o.outputs else {}
                         for o in outputs])
     return search.outputs()
