@@ -189,6 +189,10 @@ class SamplingParams:
     # The server's reasoning parser ("qwen3", "deepseek_r1", "openai_gptoss"): the grammar
     # holds only after the thinking block (gpt-oss: after <|channel|>final<|message|>).
     _reasoning: str | None = field(default=None, repr=False, compare=False)
+    # Beam search's steps (:mod:`mrv2.engine.beam_search`): the prompt's last k tokens are a
+    # beam's output so far, already held to ``structured_outputs``; the grammar consumes them
+    # before the first sample (the thinking block is looked for in the tokens before them).
+    _grammar_prefix: int = field(default=0, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check(self.stop is None or isinstance(self.stop, (str, list, tuple)), "stop",

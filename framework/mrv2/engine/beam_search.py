@@ -5,18 +5,36 @@ candidates are ranked by cumulative logprob and the best ``beam_width`` go on; a
 ending in EOS is complete. At the end the complete and the live beams are ranked by
 ``cum_logprob / len(tokens) ** length_penalty`` (``tokens``: prompt and output, EOS not
 counted) and the best ``beam_width`` returned, best first.
+
+With a structured output (``BeamSearchParams.structured_outputs``, vLLM's) each beam keeps its
+own grammar state (a :class:`~mrv2.engine.structured_outputs.Guide`; a candidate forks its
+beam's): a step's request carries the constraint and the beam's output so far
+(``SamplingParams._grammar_prefix``: the engine's matcher replays it, as vLLM's beam search
+does, O(output) a step), so its top logprobs are those of the tokens the grammar allows (the
+masked distribution's, as every constrained request's); a candidate the grammar refuses is
+dropped, and one that completes the match ends its beam (``stop``), as EOS does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mrv2.contract.lora import LoRARequest
-from mrv2.contract.params import F32_MAX, MAX_LOGPROBS, MAX_TEMPERATURE, SamplingParams
+from mrv2.contract.params import (
+    F32_MAX,
+    MAX_LOGPROBS,
+    MAX_TEMPERATURE,
+    SamplingParams,
+    StructuredOutputsParams,
+)
+
+if TYPE_CHECKING:
+    from mrv2.engine.structured_outputs import Guide, StructuredOutputs
 
 __all__ = ["BeamSearch", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence",
            "beam_search"]
@@ -25,13 +43,18 @@ __all__ = ["BeamSearch", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequ
 @dataclass(frozen=True)
 class BeamSearchParams:
     """vLLM's beam search parameters (``beam_width`` at most ``MAX_LOGPROBS // 2``: a step
-    reads each beam's top ``2 * beam_width`` tokens)."""
+    reads each beam's top ``2 * beam_width`` tokens); ``structured_outputs`` holds every beam
+    to a JSON schema, regex, choice or grammar (vLLM's)."""
 
     beam_width: int
     max_tokens: int
     ignore_eos: bool = False
     temperature: float = 0.0
     length_penalty: float = 1.0
+    structured_outputs: StructuredOutputsParams | None = None
+    #: The server's reasoning parser's mark (``SamplingParams._reasoning``): the grammar holds
+    #: what follows the thinking block.
+    _reasoning: str | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         top = MAX_LOGPROBS // 2
@@ -49,6 +72,10 @@ class BeamSearchParams:
             if not ok or isinstance(value, bool):
                 raise ValueError(f"BeamSearchParams.{name}={value!r} is invalid: expected "
                                  f"{allowed}")
+        if not (self.structured_outputs is None
+                or isinstance(self.structured_outputs, StructuredOutputsParams)):
+            raise ValueError(f"BeamSearchParams.structured_outputs={self.structured_outputs!r} "
+                             "is invalid: expected None or a StructuredOutputsParams")
 
 
 @dataclass
@@ -62,6 +89,8 @@ class BeamSearchSequence:
     cum_logprob: float = 0.0
     text: str | None = None
     finish_reason: str | None = None
+    #: The beam's grammar state (a structured output's; None: free), dropped at the end.
+    guide: Guide | None = field(default=None, repr=False, compare=False)
 
     @property
     def output_tokens(self) -> list[int]:
@@ -91,18 +120,29 @@ def _score(beam: BeamSearchSequence, eos: frozenset[int],
 
 class BeamSearch:
     """The beams of some prompts, step by step, whoever runs the steps' requests
-    (:func:`beam_search` on an engine; ``mrv2 serve`` through its worker)."""
+    (:func:`beam_search` on an engine; ``mrv2 serve`` through its worker); a structured
+    output's grammar states come from ``structured`` (the engine's tokenizer's; required
+    with ``params.structured_outputs``, whose bad grammar is a ValueError here)."""
 
     def __init__(self, prompts: list[list[int]], params: BeamSearchParams,
-                 eos_token_ids: frozenset[int], max_model_len: int) -> None:
+                 eos_token_ids: frozenset[int], max_model_len: int,
+                 structured: StructuredOutputs | None = None) -> None:
         self.params = params
         self.eos = frozenset() if params.ignore_eos else eos_token_ids
         self.max_model_len = max_model_len
-        #: Each step's requests: one token, the top ``2 * beam_width`` logprobs.
+        #: Each step's requests: one token, the top ``2 * beam_width`` logprobs (with a
+        #: structured output: the constraint, and the beams' outputs so far to replay).
         self.step_params = SamplingParams(temperature=params.temperature, max_tokens=1,
                                           ignore_eos=True, logprobs=2 * params.beam_width,
-                                          seed=0)
+                                          seed=0, structured_outputs=params.structured_outputs,
+                                          _reasoning=params._reasoning)
         self.live = [[BeamSearchSequence(list(p), len(p))] for p in prompts]
+        if params.structured_outputs is not None:
+            if structured is None:
+                raise ValueError("BeamSearchParams.structured_outputs needs the engine's "
+                                 "structured outputs (its tokenizer)")
+            for beams in self.live:
+                beams[0].guide = structured.guide(self.step_params, beams[0].tokens)
         self.done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
         self.steps = 0
         self._asked: list[tuple[int, BeamSearchSequence]] = []
@@ -112,6 +152,9 @@ class BeamSearch:
         self._asked = []
         if self.steps >= self.params.max_tokens:
             return []
+        if self.params.structured_outputs is not None:  # (every live beam has steps tokens)
+            self.step_params = dataclasses.replace(self.step_params,
+                                                   _grammar_prefix=self.steps)
         for i, beams in enumerate(self.live):
             for beam in beams:
                 if len(beam.tokens) >= self.max_model_len:
@@ -133,11 +176,19 @@ class BeamSearch:
         candidates: list[list[BeamSearchSequence]] = [[] for _ in self.live]
         for (i, beam), top in zip(self._asked, tops, strict=True):
             for token, lp in top.items():
+                guide = None
+                if beam.guide is not None:  # (a token the mask refused has logprob -inf)
+                    if lp.logprob == -math.inf:
+                        continue
+                    guide = beam.guide.fork()
+                    guide.advance(token)
+                    if guide.broken:
+                        continue
                 grown = BeamSearchSequence(beam.tokens + [token], beam.num_prompt_tokens,
                                            beam.logprobs + [lp.logprob],
-                                           beam.cum_logprob + lp.logprob)
-                if token in self.eos:
-                    grown.finish_reason = "stop"
+                                           beam.cum_logprob + lp.logprob, guide=guide)
+                if token in self.eos or (guide is not None and guide.done):
+                    grown.finish_reason = "stop"  # (EOS, or the match complete)
                     self.done[i].append(grown)
                 else:
                     candidates[i].append(grown)
@@ -152,6 +203,8 @@ class BeamSearch:
         for i, beams in enumerate(self.live):
             for beam in beams:
                 beam.finish_reason = beam.finish_reason or "length"
+            for beam in self.done[i] + beams:
+                beam.guide = None  # (their matchers go)
             ranked = sorted(self.done[i] + beams, reverse=True,
                             key=lambda b: _score(b, self.eos, self.params.length_penalty))
             ranked = ranked[: self.params.beam_width]
@@ -169,7 +222,10 @@ def beam_search(engine: Any, prompts: list[list[int]], params: BeamSearchParams,
     :class:`~mrv2.engine.engine.LLMEngine`), each through its adapter of ``loras`` (None:
     the base model) and with its ``cache_salt`` of ``salts`` (None: unsalted); every prompt
     is validated before any runs."""
-    search = BeamSearch(prompts, params, frozenset(engine.eos_token_ids), engine.max_model_len)
+    structured = (engine._structured_outputs() if params.structured_outputs is not None
+                  else None)
+    search = BeamSearch(prompts, params, frozenset(engine.eos_token_ids), engine.max_model_len,
+                        structured)
     adapters = list(loras) if loras is not None else [None] * len(prompts)
     cache_salts = list(salts) if salts is not None else [None] * len(prompts)
     for prompt, lora in zip(prompts, adapters, strict=True):

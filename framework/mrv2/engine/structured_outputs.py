@@ -292,6 +292,19 @@ class Guide:
         consumed tentatively and rolled back (:func:`fill_draft_bitmasks`, for one)."""
         fill_draft_bitmasks([self], [drafts], [out])
 
+    def fork(self) -> Guide:
+        """An independent copy (its own matcher, a deep copy): beam search's candidates each
+        go on from their beam's state."""
+        twin = Guide(self.matcher.deep_copy(), self.owner,
+                     (self.think_start, self.think_end, self.phase), self.gap)
+        twin.tail, twin.consumed, twin.done_at = self.tail, self.consumed, self.done_at
+        return twin
+
+    @property
+    def broken(self) -> bool:
+        """The grammar refused a token (the matcher's error state)."""
+        return self.phase == "grammar" and bool(self.matcher.is_error())
+
     @property
     def done(self) -> bool:
         """The match is complete (only the end may follow), or broken."""
@@ -447,7 +460,29 @@ class StructuredOutputs:
         start if the prompt closed the block (Qwen3 with ``enable_thinking: false``), after
         the end tag if the prompt opened it (DeepSeek-R1), and for ``qwen3`` otherwise (and
         always for a block the model opens itself, Magistral's) the first token may open it
-        instead."""
+        instead. With ``params._grammar_prefix`` (k: beam search's steps) the prompt's last k
+        tokens are consumed first, the thinking block looked for in those before them."""
+        assert params.structured_outputs is not None
+        prefix = params._grammar_prefix
+        if not 0 <= prefix <= len(prompt_token_ids):
+            raise ValueError(f"SamplingParams._grammar_prefix={prefix} is invalid: expected "
+                             f"0 to the prompt's length ({len(prompt_token_ids)})")
+        if not prefix:
+            return self._fresh_guide(params, prompt_token_ids)
+        # (beam search: the beam's output so far, consumed as the request's own would be,
+        # then counted as none of this request's: its first sample is its first output)
+        cut = len(prompt_token_ids) - prefix
+        guide = self._fresh_guide(params, prompt_token_ids[:cut])
+        for token in prompt_token_ids[cut:]:
+            guide.advance(token)
+            if guide.broken:
+                raise ValueError(f"SamplingParams._grammar_prefix={prefix} is invalid: the "
+                                 f"grammar refuses the prompt's token {token} there")
+        guide.consumed, guide.done_at = 0, None
+        return guide
+
+    def _fresh_guide(self, params: SamplingParams, prompt_token_ids: list[int]) -> Guide:
+        """:meth:`guide` of a request whose output starts after ``prompt_token_ids``."""
         assert params.structured_outputs is not None
         matcher = _llguidance().LLMatcher(self.tokenizer,
                                           self.grammar(params.structured_outputs))

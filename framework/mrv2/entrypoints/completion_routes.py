@@ -141,7 +141,8 @@ async def run_chat(serving: Serving, request: Request, body: ChatCompletionReque
     reasoning = prompt_reasoning(  # (qwen3's thinking models open the block in the prompt)
         reasoning_parser, ids, lambda text: serving.tokenizer().encode(text, False))
     if body.use_beam_search:
-        # (a structured output, stop strings, biases...: refused with the params)
+        # (stop strings, biases...: refused with the params; a structured output holds the
+        # beams)
         for name, bad in (("stream", body.stream), ("logprobs", body.logprobs),
                           ("tools", bool(body.tools)), ("echo", body.echo)):
             if bad:

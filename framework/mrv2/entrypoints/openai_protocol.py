@@ -122,15 +122,17 @@ class _Request(BaseModel):
                                     max_tokens=params.max_tokens or max(room, 1),
                                     ignore_eos=self.ignore_eos,
                                     temperature=params.temperature,
-                                    length_penalty=self.length_penalty)
+                                    length_penalty=self.length_penalty,
+                                    structured_outputs=params.structured_outputs,
+                                    _reasoning=params._reasoning)
         except ValueError as error:
             name = "n" if "beam_width" in str(error) else "length_penalty"
             raise ValueError(f"SamplingParams.{name}: {error}") from None
 
     def beam_search_ignores(self) -> list[str]:
         """The fields the request gives that beam search does not honour (it takes ``n``,
-        ``max_tokens``, ``ignore_eos``, ``temperature`` and ``length_penalty``): constraints
-        on the tokens (stops, biases, penalties, a structured output) and per-token extras."""
+        ``max_tokens``, ``ignore_eos``, ``temperature``, ``length_penalty`` and a structured
+        output): constraints on the tokens (stops, biases, penalties) and per-token extras."""
         given = {"stop": bool(self.stop), "stop_token_ids": bool(self.stop_token_ids),
                  "logit_bias": bool(self.logit_bias), "bad_words": bool(self.bad_words),
                  "allowed_token_ids": self.allowed_token_ids is not None,
@@ -140,7 +142,7 @@ class _Request(BaseModel):
                  "min_tokens": self.min_tokens != 0,
                  "prompt_logprobs": self.prompt_logprobs is not None,
                  "return_token_ids": self.return_token_ids}
-        return self._structured_fields() + [name for name, bad in given.items() if bad]
+        return [name for name, bad in given.items() if bad]
 
     def sequences(self, params: SamplingParams) -> int:
         """The sequences each prompt of the request runs at once: ``n`` (a beam search's
@@ -158,7 +160,8 @@ class _Request(BaseModel):
         if self.use_beam_search and (ignored := self.beam_search_ignores()):
             raise ValueError(f"SamplingParams.{ignored[0]} is invalid with use_beam_search: "
                              f"beam search does not honour {', '.join(ignored)} (it takes n, "
-                             "max_tokens, ignore_eos, temperature and length_penalty)")
+                             "max_tokens, ignore_eos, temperature, length_penalty and a "
+                             "structured output)")
         d = defaults or {}  # the model's (generation_config.json) for the fields left unset
 
         def pick(name: str, value: Any, fallback: Any) -> Any:

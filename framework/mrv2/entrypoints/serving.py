@@ -23,11 +23,13 @@ from pydantic import ValidationError
 from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import SamplingParams
 from mrv2.contract.requests import MultiModalItem
+from mrv2.engine.beam_search import BeamSearch
 from mrv2.engine.engine import LLMEngine
 from mrv2.engine.generation_defaults import max_tokens_limit
 from mrv2.engine.media import split_chat_media
 from mrv2.engine.outputs import RequestOutput
 from mrv2.engine.request_inputs import check_priority, check_truncation, truncation_room
+from mrv2.engine.structured_outputs import StructuredOutputs
 from mrv2.engine.tokenizer import check_template_kwargs
 from mrv2.entrypoints.engine_process import EngineProcess, RemoteEngine
 from mrv2.entrypoints.engine_thread import EngineThread, QueueFullError
@@ -58,6 +60,7 @@ class Serving:
                  reasoning_parser: str | None, tool_parser: ToolParser | None,
                  prompt_tokens_details: bool, trust_request_chat_template: bool) -> None:
         self.engine, self.worker = engine, worker
+        self._structured: StructuredOutputs | None = None
         self.names, self.model_name = names, names[0]
         self.adapters = adapters
         self.max_pending, self.max_n = max_pending, max_n
@@ -267,14 +270,30 @@ class Serving:
         except ValueError as error:
             raise APIError(400, str(error), param=value_error_param(str(error))) from None
         lora = self.lora_of(body)
+        try:  # (a structured output's grammar, checked against the tokenizer here)
+            search = BeamSearch(prompts, beams, engine.eos_token_ids, engine.max_model_len,
+                                self._beam_grammars() if beams.structured_outputs else None)
+        except ValueError as error:
+            raise self.field_error(error, body) from None
         outputs = await unless_disconnected(request, beam_search_through(
-            self.worker, prompts, beams, engine.eos_token_ids, engine.max_model_len, lora,
-            body.cache_salt, body.priority))
+            self.worker, search, lora, body.cache_salt, body.priority))
         if outputs is None:
             return Response(status_code=499)  # (as Stream.collect: nobody reads it)
         return JSONResponse(beam_answer_body(outputs, prompts, engine.tokenizer,
                                              lora.lora_name if lora else self.model_name, chat,
                                              reasoning))
+
+    def _beam_grammars(self) -> StructuredOutputs:
+        """The grammar states of beam search's beams (:class:`StructuredOutputs` over the
+        engine's tokenizer, this process's own: built at the first constrained search)."""
+        if self._structured is None:
+            engine = self.engine
+            if engine.tokenizer is None:
+                raise ValueError("SamplingParams.structured_outputs needs a tokenizer; this "
+                                 "model has none")
+            self._structured = StructuredOutputs(engine.tokenizer.hf, engine.vocab_size,
+                                                 sorted(engine.eos_token_ids))
+        return self._structured
 
     async def serve(self, request: Request, kind: str, model: str,
                     encoded: list[tuple[list[int], str | None]], params: SamplingParams,

@@ -17,7 +17,7 @@ from fastapi import Request
 from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import SamplingParams
 from mrv2.contract.pooling import PoolingParams
-from mrv2.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from mrv2.engine.beam_search import BeamSearch, BeamSearchOutput
 from mrv2.engine.outputs import RequestOutput
 from mrv2.entrypoints.engine_process import EngineProcess
 from mrv2.entrypoints.engine_thread import EngineThread, QueueFullError
@@ -96,15 +96,12 @@ async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) ->
     return None if left else task.result()
 
 
-async def beam_search_through(worker: EngineThread | EngineProcess, prompts: list[list[int]],
-                              params: BeamSearchParams, eos: frozenset[int],
-                              max_model_len: int, lora: LoRARequest | None,
-                              cache_salt: str | None = None, priority: int = 0
-                              ) -> list[BeamSearchOutput]:
-    """Beam search (vLLM's ``use_beam_search``) through the worker: each step's beams as
-    one-token requests (:class:`~mrv2.engine.beam_search.BeamSearch`), salted with
-    ``cache_salt``, scheduled by ``priority``."""
-    search = BeamSearch(prompts, params, eos, max_model_len)
+async def beam_search_through(worker: EngineThread | EngineProcess, search: BeamSearch,
+                              lora: LoRARequest | None, cache_salt: str | None = None,
+                              priority: int = 0) -> list[BeamSearchOutput]:
+    """Beam search (vLLM's ``use_beam_search``) through the worker: each step's beams of
+    ``search`` as one-token requests, salted with ``cache_salt``, scheduled by
+    ``priority``."""
     while requests := search.requests():
         outputs = await final_outputs(worker, requests, search.step_params, lora, kind="beam",
                                       cache_salt=cache_salt, priority=priority)
@@ -118,15 +115,16 @@ def beam_answer_body(outputs: list[BeamSearchOutput], prompts: list[list[int]],
                      reasoning: str | None = None) -> dict[str, Any]:
     """The completions (or, with ``chat``, chat completions) answer of beam search: each
     prompt's beams as choices, best first."""
-    choices = []
+    choices: list[dict[str, Any]] = []
     completion_tokens = 0
     skip = not (chat and keeps_special_tokens(reasoning))  # (the parser reads the markers)
-    for i, output in enumerate(outputs):
-        for j, beam in enumerate(output.sequences):
+    for output in outputs:
+        for beam in output.sequences:
             completion_tokens += len(beam.output_tokens)
             text = (tokenizer.decode(beam.output_tokens, skip_special_tokens=skip)
                     if tokenizer is not None else "")
-            choice: dict[str, Any] = {"index": i * len(output.sequences) + j,
+            # (a running index: a structured output may leave a prompt fewer than n beams)
+            choice: dict[str, Any] = {"index": len(choices),
                                       "logprobs": None, "finish_reason": beam.finish_reason,
                                       "stop_reason": None}
             if chat:
