@@ -30,7 +30,7 @@ the pool (its own block table: :mod:`mrv2.runner.kv_tables`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,7 +48,6 @@ from mrv2.layers import (
     norm_linear,
 )
 from mrv2.layers.embedding import ScaledEmbedding
-from mrv2.layers.rotary import context_limit
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -66,21 +65,6 @@ def _check(config: PretrainedConfig, softcaps: bool) -> None:
     if not kinds <= {"sliding_attention", "full_attention"}:
         raise ValueError(f"config.json layer_types holds {sorted(kinds)}: allowed values are "
                          "'sliding_attention' and 'full_attention'")
-
-
-def gemma3_rope(config: PretrainedConfig, kind: str, head_dim: int) -> RotaryEmbedding:
-    """The RoPE of ``kind`` layers (``"sliding_attention"`` / ``"full_attention"``) from
-    ``config.rope_parameters[kind]`` (transformers 5; older configs' ``rope_local_base_freq``
-    / ``rope_theta`` / ``rope_scaling`` are converted into it when the config loads)."""
-    every = getattr(config, "rope_parameters", None) or {}
-    params = every.get(kind) if isinstance(every, Mapping) else None
-    if params is None:
-        raise ValueError(f"config.json rope_parameters has no {kind!r} entry")
-    rope_type = str(params.get("rope_type", params.get("type", "default")))
-    scaling = None if rope_type == "default" else dict(params)
-    return RotaryEmbedding(head_dim, max_position=int(config.max_position_embeddings),
-                           base=float(params["rope_theta"]), scaling=scaling,
-                           positions=context_limit(config)[0])
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -142,7 +126,7 @@ class Gemma3ForCausalLM(_Gemma):
     def __init__(self, config: PretrainedConfig) -> None:
         _check(config, softcaps=False)
         head_dim = head_dim_of(config)
-        ropes = {kind: gemma3_rope(config, kind, head_dim) for kind in set(config.layer_types)}
+        ropes = {kind: get_rope(config, head_dim, kind) for kind in set(config.layer_types)}
         super().__init__(config, lambda i: GemmaDecoderLayer(
             config, i, ropes[config.layer_types[i]], qk_norm=True))
 
