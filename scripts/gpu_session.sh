@@ -7,7 +7,7 @@
 # coldstart (scripts/probe_cold_start.py: the first request of each kind on an empty Triton cache, warm-up off and on),
 # gcgen0 (MRV2_GC_GEN0_THRESHOLD=20000 against Python's own, 256 streams through mrv2 serve),
 # longdecode (scripts/sweep_long_decode.py: decode attention's launch options at long contexts),
-# verify49 (packed integer weights reloaded under graphs, gpt-oss's MXFP4 test, then scripts/kernel_audit.py:
+# targets49 (issue 16's targets, cheapest first, within VERIFY_S), verify49 (packed integer weights reloaded under graphs, gpt-oss's MXFP4 test, then scripts/kernel_audit.py:
 # every Triton variant a workload compiled, flagged for spills and register cliffs),
 # verify48b (the eight-warp prefill register cap), verify48 (the flat grid's per-step order and max_model_len auto on CUDA),
 # ttfttiles (one long prompt's TTFT, MRV2_ATTN_TILES_LAST=0 against the default),
@@ -860,6 +860,22 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
              --server-args "--tensor-parallel-size ${TP:-4} --max-model-len 4096 ${GLM47_ARGS:-}" \
              --variants ${GLM47_VARIANTS:-mtp_off mtp_on async_off mtp_on_async_off} 2>&1 \
              | tee "$OUT/glm47.log" | tail -24 ;;
+    targets49) # issue 16's targets within VERIFY_S seconds (default 460), the cheapest first: batch-1
+               # TPOT of Qwen3-0.6B, prefill attention on 8B heads (4 x 1,024 causal), then the
+               # throughput workload on Qwen3-0.6B and Qwen3-8B (each bench's own table)
+               end=$(( $(date +%s) + ${VERIFY_S:-460} ))
+               left() { local l=$(( end - $(date +%s) )); [ "$l" -lt "$1" ] && echo $(( l > 1 ? l : 1 )) || echo "$1"; }
+               timeout "$(left 80)" python3 -m mrv2.entrypoints.cli bench latency --model Qwen3-0.6B \
+                 --batch-sizes 1 --new-tokens 128 --json "$OUT/latency_06b.json" > "$OUT/latency_06b.log" 2>&1
+               grep -iE "tpot|batch" "$OUT/latency_06b.log" | tail -3
+               timeout "$(left 70)" python3 -m mrv2_kernels.bench_attention --no-decode --layouts 8B \
+                 > "$OUT/attn.log" 2>&1; grep -E "causal" "$OUT/attn.log" | head -3
+               for m in Qwen3-0.6B Qwen3-8B; do
+                 [ "$(left 60)" -lt 55 ] && break
+                 timeout "$(left 170)" python3 -m mrv2.entrypoints.cli bench throughput --model "$m" \
+                   --json "$OUT/throughput_$m.json" > "$OUT/throughput_$m.log" 2>&1
+                 grep -iE "tok/s|floor" "$OUT/throughput_$m.log" | tail -3 | sed "s/^/$m: /"
+               done ;;
     verify49) # the forty-ninth session's GPU work, within VERIFY_S seconds (default 560): packed
               # integer weights updated and reloaded under CUDA graphs, gpt-oss's MXFP4 engine
               # test (cut by call 2's cap), then scripts/kernel_audit.py over AUDIT_MODELS
