@@ -867,14 +867,14 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                left() { local l=$(( end - $(date +%s) )); [ "$l" -lt "$1" ] && echo $(( l > 1 ? l : 1 )) || echo "$1"; }
                timeout "$(left 80)" python3 -m mrv2.entrypoints.cli bench latency --model Qwen3-0.6B \
                  --batch-sizes 1 --new-tokens 128 --json "$OUT/latency_06b.json" > "$OUT/latency_06b.log" 2>&1
-               grep -iE "tpot|batch" "$OUT/latency_06b.log" | tail -3
+               grep -E "tpot_ms" "$OUT/latency_06b.log" | head -2
                timeout "$(left 70)" python3 -m mrv2_kernels.bench_attention --no-decode --layouts 8B \
                  > "$OUT/attn.log" 2>&1; grep -E "causal" "$OUT/attn.log" | head -3
                for m in Qwen3-0.6B Qwen3-8B; do
                  [ "$(left 60)" -lt 55 ] && break
                  timeout "$(left 170)" python3 -m mrv2.entrypoints.cli bench throughput --model "$m" \
                    --json "$OUT/throughput_$m.json" > "$OUT/throughput_$m.log" 2>&1
-                 grep -iE "tok/s|floor" "$OUT/throughput_$m.log" | tail -3 | sed "s/^/$m: /"
+                 grep -E "\"output_tok_s\"|floor_fraction" "$OUT/throughput_$m.log" | head -2 | sed "s/^/$m: /"
                done ;;
     verify49) # the forty-ninth session's GPU work, within VERIFY_S seconds (default 560): packed
               # integer weights updated and reloaded under CUDA graphs, gpt-oss's MXFP4 engine
