@@ -19,3 +19,23 @@ class Served:
     url: str
     engine: LLMEngine
     model_dir: Path
+
+
+def join_tool_calls(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A chat stream's ``delta.tool_calls`` entries joined into whole calls, checking vLLM's
+    shape on the way: a call's first entry has its (next) index, id, type and name; the
+    others have only its index and an arguments piece, the last call's (calls do not
+    interleave)."""
+    calls: list[dict[str, Any]] = []
+    for entry in entries:
+        if "id" in entry:
+            assert entry["index"] == len(calls) and entry["type"] == "function", entry
+            assert entry["function"]["name"] and entry["id"], entry
+            calls.append({"id": entry["id"], "type": "function",
+                          "function": dict(entry["function"])})
+        else:
+            assert set(entry) == {"index", "function"} and set(entry["function"]) == {
+                "arguments"}, entry
+            assert calls and entry["index"] == len(calls) - 1, entry
+            calls[-1]["function"]["arguments"] += entry["function"]["arguments"]
+    return calls

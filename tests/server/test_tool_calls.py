@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_util import API_KEY
+from server_util import API_KEY, join_tool_calls
 
 from mrv2.contract.params import SamplingParams
 from mrv2.engine.outputs import CompletionOutput, RequestOutput
@@ -24,11 +24,11 @@ from mrv2.engine.tokenizer import Tokenizer
 from mrv2.entrypoints.responses import Stream
 from mrv2.entrypoints.tool_calls import (
     ToolCalling,
-    ToolCallStream,
     check_tool_call_parser,
     get_tool_parser,
     parse_tool_calls,
 )
+from mrv2.entrypoints.tool_stream import ToolCallStream
 from mrv2.testing import make_tiny_checkpoint, make_tiny_tokenizer
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -78,8 +78,8 @@ def test_a_stream_cut_anywhere_gives_the_whole_answer() -> None:
             stream = ToolCallStream()
             parts = [stream.feed(d, final=i == len(deltas) - 1) for i, d in enumerate(deltas)]
             assert ("".join(c for c, _ in parts) or None) == content, (text, deltas)
-            assert _calls([c for _, cs in parts for c in cs]) == calls
-            assert all(not cs for _, cs in parts[:-1])  # calls go out when the choice ends
+            joined = join_tool_calls([p.as_dict() for _, ps in parts for p in ps])
+            assert [(c["function"]["name"], c["function"]["arguments"]) for c in joined] == calls
 
 
 def test_the_parser_name_is_checked() -> None:
@@ -302,8 +302,9 @@ def test_a_mistral_server_with_special_tokens(tmp_path: Path) -> None:
                                  json={**body, "stream": True}).text)
         deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
         assert "".join(d.get("content") or "" for d in deltas) == "Hi"
-        (streamed,) = [c for d in deltas for c in d.get("tool_calls") or []]
-        assert streamed["function"] == call["function"]
+        pieces = [c for d in deltas for c in d.get("tool_calls") or []]
+        (streamed,) = join_tool_calls(pieces)
+        assert streamed["function"] == call["function"] and len(pieces) > 2  # (in pieces)
         assert re.fullmatch(r"[A-Za-z0-9]{9}", streamed["id"]), streamed
         assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
         # the next turn: the call and its answer go back into Mistral's template
@@ -350,9 +351,10 @@ def test_a_mistral_servers_forced_calls_have_mistral_ids(tmp_path: Path) -> None
             assert re.fullmatch(r"[A-Za-z0-9]{9}", call["id"]), call
             chunks = _sse(httpx.post(served.url + url, headers=AUTH, timeout=60,
                                      json={**body, "tool_choice": choice, "stream": True}).text)
-            (streamed,) = [c for chunk in chunks if chunk["choices"]
-                           for c in chunk["choices"][0]["delta"].get("tool_calls") or []]
-            assert streamed["function"]["name"] == "noop"
+            (streamed,) = join_tool_calls([
+                c for chunk in chunks if chunk["choices"]
+                for c in chunk["choices"][0]["delta"].get("tool_calls") or []])
+            assert streamed["function"] == {"name": "noop", "arguments": "{}"}
             assert re.fullmatch(r"[A-Za-z0-9]{9}", streamed["id"]), streamed
             turn = [question, {"role": "assistant", "content": None, "tool_calls": [call]},
                     {"role": "tool", "tool_call_id": call["id"], "content": "done"}]

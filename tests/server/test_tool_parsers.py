@@ -1,9 +1,11 @@
 """Every ``--tool-call-parser`` format, text only: whole answers (content before the calls,
 several calls, arguments typed by the tools' schema, malformed answers left as content, a last
-call cut off), and streams cut in random small pieces that give the same content and calls
-without ever sending what turns out to be (a part of) a call marker (``minimax_m2``'s also a
-character at a time and cut in two anywhere); ``mistral``'s call ids are 9 letters and digits,
-``kimi_k2``'s the model's own (test_tool_parsers_more.py has more of the newer formats)."""
+call cut off), and streams cut in random small pieces that give the same content and calls (a
+call's argument pieces joined: its arguments text to the byte; of a malformed answer, at most a
+call's beginning) without ever sending what turns out to be (a part of) a call marker
+(``minimax_m2``'s also a character at a time and cut in two anywhere); ``mistral``'s call ids
+are 9 letters and digits, ``kimi_k2``'s the model's own (test_tool_parsers_more.py has more of
+the newer formats)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import re
 from typing import Any
 
 import pytest
+from server_util import join_tool_calls
 
 from mrv2.entrypoints.tool_calls import (
     DS_CALL_BEGIN,
@@ -22,7 +25,6 @@ from mrv2.entrypoints.tool_calls import (
     DS_SEP,
     PARSERS,
     TOOL_CALL_PARSERS,
-    ToolCallStream,
     mistral_call_id,
     parse_tool_calls,
 )
@@ -34,6 +36,7 @@ from mrv2.entrypoints.tool_parsers_more import (
     KIMI_CALL_END,
     KIMI_SECTIONS,
 )
+from mrv2.entrypoints.tool_stream import ToolCallStream
 
 TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {
     "type": "object", "properties": {
@@ -407,6 +410,10 @@ def _calls(calls: list[Any]) -> Calls:
     return [(c.name, json.loads(c.arguments)) for c in calls]
 
 
+def _joined(calls: list[dict[str, Any]]) -> Calls:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
 def test_every_parser_is_tested_and_the_special_tokens_rule() -> None:
     assert sorted(CASES) == sorted(TOOL_CALL_PARSERS)
     assert {n for n, p in PARSERS.items() if p.special_tokens} == {
@@ -439,15 +446,22 @@ def test_a_stream_in_small_pieces_gives_the_whole_answer(parser: str) -> None:
             deltas = deltas or [""]
             stream, sent, got = ToolCallStream(parser, TOOLS), "", []
             for i, delta in enumerate(deltas):
-                piece, piece_calls = stream.feed(delta, final=i == len(deltas) - 1)
+                piece, pieces = stream.feed(delta, final=i == len(deltas) - 1)
                 sent += piece
-                got += piece_calls
+                got += [p.as_dict() for p in pieces]
                 # nothing sent turns out to be (a part of) a marker: the content so far is
                 # always a beginning of the final content
                 assert (content or "").startswith(sent), (text, deltas[:i + 1])
-                assert not piece_calls or i == len(deltas) - 1  # calls go out at the end
-            assert ((sent or None), _calls(got)) == (content, calls), (text, deltas)
-            assert all(_id_fits(parser, c.id) for c in got)
+            joined = join_tool_calls(got)
+            assert all(_id_fits(parser, c["id"]) for c in joined)
+            assert stream.called == bool(calls)  # (the choice finishes with tool_calls)
+            if not calls:  # malformed, or cut off: a call begun may have gone out, not more
+                assert len(joined) <= 1 and (content or "").startswith(sent)
+                continue
+            assert ((sent or None), _joined(joined)) == (content, calls), (text, deltas)
+            # the arguments pieces join into the whole answer's text, to the byte
+            assert [c["function"]["arguments"] for c in joined] == [
+                c.arguments for c in parse_tool_calls(text, parser, TOOLS)[1]]
 
 
 def _id_fits(parser: str, call_id: str) -> bool:
@@ -490,11 +504,12 @@ def test_a_minimax_stream_split_anywhere_gives_the_whole_answer(
         deltas = deltas or [""]
         stream, sent, got = ToolCallStream("minimax_m2", TOOLS), "", []
         for i, delta in enumerate(deltas):
-            piece, piece_calls = stream.feed(delta, final=i == len(deltas) - 1)
+            piece, pieces = stream.feed(delta, final=i == len(deltas) - 1)
             sent += piece
-            got += piece_calls
+            got += [p.as_dict() for p in pieces]
             assert (content or "").startswith(sent), (text, deltas[:i + 1])
-        assert ((sent or None), _calls(got)) == (content, calls), (text, deltas)
+        assert ((sent or None), _joined(join_tool_calls(got))) == (content, calls), (
+            text, deltas)
 
 
 def test_a_stream_holds_a_markers_beginning() -> None:

@@ -12,13 +12,13 @@ from typing import Any
 
 import httpx
 import pytest
-from server_util import API_KEY
+from server_util import API_KEY, join_tool_calls
 
 from mrv2.contract.params import SamplingParams
 from mrv2.engine.outputs import CompletionOutput, RequestOutput
 from mrv2.engine.tokenizer import Tokenizer
 from mrv2.entrypoints.responses import Stream
-from mrv2.entrypoints.tool_calls import ToolCalling, ToolCallStream, get_tool_parser
+from mrv2.entrypoints.tool_calls import ToolCalling, get_tool_parser
 from mrv2.entrypoints.tool_parsers_more import (
     DSML,
     DSML_CALLS,
@@ -27,6 +27,7 @@ from mrv2.entrypoints.tool_parsers_more import (
     KIMI_CALL_END,
     KIMI_SECTIONS,
 )
+from mrv2.entrypoints.tool_stream import ToolCallStream
 from mrv2.testing import make_tiny_checkpoint, make_tiny_tokenizer
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -70,13 +71,16 @@ def test_a_stream_split_anywhere_gives_the_whole_answer(parser: str) -> None:
     for deltas in splits:
         stream, sent, got = ToolCallStream(parser, TOOLS), "", []
         for i, delta in enumerate(deltas):
-            piece, piece_calls = stream.feed(delta, final=i == len(deltas) - 1)
+            piece, pieces = stream.feed(delta, final=i == len(deltas) - 1)
             sent += piece
-            got += piece_calls
+            got += [p.as_dict() for p in pieces]
             assert content.startswith(sent), (deltas[:i + 1])
-        assert (sent, _calls(got)) == (content, CALLS), deltas
+        joined = join_tool_calls(got)
+        assert (sent, [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                       for c in joined]) == (content, CALLS), deltas
         if parser == "kimi_k2":  # the model's ids, as vLLM keeps them
-            assert [c.id for c in got] == ["functions.get_weather:0", "functions.get_weather:1"]
+            assert [c["id"] for c in joined] == ["functions.get_weather:0",
+                                                 "functions.get_weather:1"]
 
 
 class _Body:
@@ -168,6 +172,8 @@ def test_a_kimi_k2_server_with_special_tokens(tmp_path: Path) -> None:
                                  json={**body, "stream": True}).text)
         deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
         assert "".join(d.get("content") or "" for d in deltas) == "Hi"
-        (streamed,) = [c for d in deltas for c in d.get("tool_calls") or []]
+        pieces = [c for d in deltas for c in d.get("tool_calls") or []]
+        (streamed,) = join_tool_calls(pieces)  # (its arguments in pieces)
         assert (streamed["id"], streamed["function"]) == (got["id"], got["function"])
+        assert len(pieces) > 2
         assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"

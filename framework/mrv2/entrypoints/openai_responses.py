@@ -275,7 +275,6 @@ class ResponsesStream(Stream):
         answer = self.answers[self.req_ids[0]][0]
         out = answer.output(0)
         split, items = self._split(), OutputItems(self.response_id[5:], lambda kind, **data: "")
-        calls: list[Any] = []
         start = 0
         for i, (text, size) in enumerate(zip(answer.text, answer.sizes, strict=True)):
             end = start + size
@@ -283,12 +282,11 @@ class ResponsesStream(Stream):
             runs, found, logprobs = split.feed(
                 text, answer.token_ids[start:end],
                 None if answer.logprobs is None else answer.logprobs[start:end], final)
-            calls += found
-            items.feed(runs, logprobs)
+            items.feed(runs, logprobs, found)
             start = end
         length = out.finish_reason == "length"  # (the answer, its message, incomplete)
         status = "incomplete" if length else "completed"
-        output, _ = items.close(calls, status)
+        output, _ = items.close(status)
         usage = self._usage_of(len(out.token_ids), split.reasoning_tokens)
         return self._keep(self._response(status, output, usage,
                                          "max_output_tokens" if length else None))
@@ -303,7 +301,6 @@ class ResponsesStream(Stream):
 
         items = OutputItems(self.response_id[5:], event)
         split = self._split()
-        calls: list[Any] = []
         tokens, reason = 0, None
         try:
             yield (event("response.created", response=self._response("in_progress", [], None))
@@ -321,8 +318,7 @@ class ResponsesStream(Stream):
                         tokens += len(c.token_ids)
                         runs, found, logprobs = split.feed(
                             c.text, c.token_ids, c.logprobs, bool(c.finish_reason))
-                        calls += found
-                        text += items.feed(runs, logprobs)
+                        text += items.feed(runs, logprobs, found)
                         reason = c.finish_reason or reason
                     if item.finished:
                         self.unfinished.discard(item.request_id)
@@ -331,7 +327,7 @@ class ResponsesStream(Stream):
                     yield text
             length = reason == "length"
             status = "incomplete" if length else "completed"
-            output, closing = items.close(calls, status)
+            output, closing = items.close(status)
             yield closing + event(
                 f"response.{status}", response=self._keep(self._response(
                     status, output, self._usage_of(tokens, split.reasoning_tokens),

@@ -74,7 +74,7 @@ class _Choice:
         self.tokens = 0  # its tokens so far (continuous usage)
         #: The choice's ``--reasoning-parser`` split, as its text arrives (chat only).
         self.reasoning = ReasoningStream(reasoning) if reasoning else None
-        #: Its tool calls, held until it finishes (a chat request with tools).
+        #: Its tool calls' split (a chat request with tools).
         self.tool_calls = tools.stream() if tools is not None else None
 
 
@@ -406,8 +406,8 @@ class Stream:
 
     def _delta(self, state: _Choice, text: str, choice: dict[str, Any], final: bool
                ) -> dict[str, Any]:
-        """A chat choice's next delta: reasoning apart, content, and its tool calls when it
-        finishes (the choice then finishes with ``tool_calls``)."""
+        """A chat choice's next delta: reasoning apart, content, and the next pieces of its
+        tool calls (a choice whose answer has calls finishes with ``tool_calls``)."""
         delta: dict[str, Any] = {}
         whole = text
         if state.reasoning is not None:
@@ -415,11 +415,12 @@ class Stream:
             if thought:
                 delta["reasoning_content"] = thought
         if state.tool_calls is not None:
-            text, calls = state.tool_calls.feed(
+            text, pieces = state.tool_calls.feed(
                 whole if state.tool_calls.parser.harmony else text, final)
-            if calls:
-                calls = calls if self.parallel_tool_calls else calls[:1]
-                delta["tool_calls"] = [call.as_dict(i) for i, call in enumerate(calls)]
+            pieces = [p for p in pieces if self.parallel_tool_calls or p.index == 0]
+            if pieces:
+                delta["tool_calls"] = [piece.as_dict() for piece in pieces]
+            if final and state.tool_calls.called:
                 choice["finish_reason"] = "tool_calls"
         delta["content"] = text
         return delta

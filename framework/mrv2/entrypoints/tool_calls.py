@@ -72,12 +72,10 @@ Special tokens: DeepSeek's markers, GLM's tags, harmony's markers and Mistral's
 (:attr:`ToolParser.special_tokens`), and the chat route then decodes a request that offers
 tools with ``skip_special_tokens=False``, as vLLM's ``adjust_request`` does.
 
-A stream (:class:`ToolCallStream`) sends the content as it arrives, holding back what may be
-the start of a call marker; from the first call on it holds everything (``openai``: only the
-calls' messages; content after them still streams; ``minimax_m2``: the content between and
-after its blocks goes out at the end), and the calls go out whole, each in one delta, when
-the choice finishes (OpenAI's protocol lets a call's arguments come in one
-chunk). A choice that made calls finishes with ``finish_reason: "tool_calls"``.
+A stream (:class:`mrv2.entrypoints.tool_stream.ToolCallStream`) sends the content as it
+arrives and each call's arguments in pieces as the model writes them, as vLLM's parsers do
+(the formats whose arguments are a JSON object; the others' calls go out whole when the
+choice finishes). A choice that made calls finishes with ``finish_reason: "tool_calls"``.
 """
 
 from __future__ import annotations
@@ -91,11 +89,10 @@ import string
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mrv2.entrypoints import tool_parsers_more as more
-from mrv2.entrypoints.harmony import CHANNEL, START, HarmonyStream, Piece, parse_harmony
-from mrv2.entrypoints.reasoning import held_tag_prefix
+from mrv2.entrypoints.harmony import CHANNEL, START, Piece, parse_harmony
 from mrv2.entrypoints.tool_parsers_xml import (
     MINIMAX_CALLS,
     Call,
@@ -106,6 +103,9 @@ from mrv2.entrypoints.tool_parsers_xml import (
     qwen3_coder_calls,
 )
 from mrv2.entrypoints.tool_parsers_xml import blocks as _blocks
+
+if TYPE_CHECKING:
+    from mrv2.entrypoints.tool_stream import ToolCallStream
 
 
 @dataclass
@@ -119,13 +119,11 @@ class ToolCall:
     def __post_init__(self) -> None:
         self.id = self.id or f"call_{uuid.uuid4().hex[:24]}"
 
-    def as_dict(self, index: int | None = None) -> dict[str, Any]:
-        """OpenAI's ``tool_calls`` entry (with ``index`` in a stream's delta)."""
-        call: dict[str, Any] = {"id": self.id, "type": "function",
-                                "function": {"name": self.name, "arguments": self.arguments}}
-        if index is not None:
-            call["index"] = index
-        return call
+    def as_dict(self) -> dict[str, Any]:
+        """OpenAI's ``tool_calls`` entry (a stream's: :class:`mrv2.entrypoints.tool_stream.
+        CallDelta`)."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
 
 
 @dataclass(frozen=True)
@@ -142,7 +140,8 @@ class ToolParser:
     where it is not given: what follows the first marker is the calls');
     ``named``: a named ``tool_choice``'s reader, whose whole (not streamed) answer keeps the
     engine's finish reason (``stop``), as OpenAI's and vLLM's do, instead of ``tool_calls``;
-    ``call_id``: makes the calls' ids (None: :class:`ToolCall`'s ``call_...``)."""
+    ``call_id``: makes the calls' ids (None: :class:`ToolCall`'s ``call_...``);
+    ``function``: a named ``tool_choice``'s function (the answer is its arguments)."""
 
     name: str
     starts: tuple[str, ...]
@@ -153,6 +152,7 @@ class ToolParser:
     outside: Callable[[str], str] | None = None
     named: bool = False
     call_id: Callable[[], str] | None = None
+    function: str = ""
 
     def first_start(self, text: str) -> int:
         """Where the calls begin in ``text`` (-1: nowhere)."""
@@ -510,7 +510,7 @@ def forced_tool_choice(tool_choice: str | Mapping[str, Any], tools: Tools,
                          f"(tools: {', '.join(names)})")
     tool = tools[names.index(name)]
     return (ToolParser("named", ("",), lambda text, _: _forced_calls(text, name), named=True,
-                       call_id=call_id), _parameters(tool))
+                       call_id=call_id, function=name), _parameters(tool))
 
 
 @dataclass(frozen=True)
@@ -527,55 +527,6 @@ class ToolCalling:
 
     def stream(self) -> ToolCallStream:
         """A splitter for one streamed choice."""
+        from mrv2.entrypoints.tool_stream import ToolCallStream  # (it reads these formats)
+
         return ToolCallStream(self.parser, self.tools)
-
-
-class ToolCallStream:
-    """Splits one choice's content deltas into content to send now and, at the end, calls."""
-
-    def __init__(self, parser: str | ToolParser = "hermes", tools: Tools = ()) -> None:
-        self.parser, self.tools = get_tool_parser(parser), tools
-        self.held = ""  # text not sent yet: a possible marker start, or everything from a call
-        # "open": a leading parser's answer so far may still open with a marker; "text":
-        # content, a marker may come; "calls": holding the calls; "plain": content only.
-        self.state = "open" if self.parser.leading else "text"
-        #: ``harmony``: the messages' split, and the calls read so far
-        self.harmony = HarmonyStream() if self.parser.harmony else None
-        self.calls: list[ToolCall] = []
-
-    def feed(self, delta: str, final: bool = False) -> tuple[str, list[ToolCall]]:
-        """The next content delta (``harmony``: of the model's whole output); ``final``: the
-        choice finished (the calls, if any, come back now, or the held text as content when
-        it held none)."""
-        if self.harmony is not None:
-            said, found = _harmony_split(self.harmony.feed(delta, final))
-            self.calls += found
-            return said, self.calls if final else []
-        text, starts = self.held + delta, self.parser.starts
-        self.held, before = "", ""
-        if self.state == "open":
-            stripped = text.lstrip()
-            if self.parser.first_start(text) == 0:
-                self.state = "calls"
-            elif not final and any(s.startswith(stripped) for s in starts):
-                self.held = text  # whitespace, or a part of a marker: wait
-                return "", []
-            else:
-                self.state = "plain"
-        if self.state == "plain":
-            return text, []
-        if self.state == "text":
-            first = self.parser.first_start(text)
-            if first < 0:
-                keep = 0 if final else max(held_tag_prefix(text, s) for s in starts)
-                self.held = text[len(text) - keep:]
-                return text[: len(text) - keep], []
-            self.state = "calls"
-            before, text = text[:first], text[first:]
-        if not final:
-            self.held = text
-            return before, []
-        content, calls = self.parser.parse(text, self.tools)
-        if calls:
-            return before + (content or ""), calls
-        return before + text, []  # not calls after all: the held text is content

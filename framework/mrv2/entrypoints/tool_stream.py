@@ -1,0 +1,482 @@
+"""A streamed chat answer's tool calls (:class:`ToolCallStream`): the content as it arrives,
+and each call as :class:`CallDelta` pieces, as vLLM streams them.
+
+The content streams as it comes, holding back what may be the start of a call marker; from
+the first call on, the text is the calls' (``openai``: only the calls' messages; content
+after them still streams; ``minimax_m2``: the content between and after its blocks goes out at
+the end). A call's first piece carries its index, id and name with the first part of its
+arguments (``{``); later pieces of that index carry only more of its arguments, and the
+pieces of an index, joined, are the arguments text of the whole answer's call (the same
+string, re-serialized as the parsers write it: :mod:`mrv2.entrypoints.json_stream`). A piece
+holds only what is certain: an unfinished number or escape waits, and a call's closing brace
+waits until the next call begins or the answer ends.
+
+The formats whose arguments are a JSON object in the text stream them so: ``hermes``,
+``llama3_json`` / ``llama4_json``, ``mistral``, ``deepseek_v3``, ``deepseek_v31``, ``kimi_k2``
+(its ids the model's), ``openai`` and the forced ``tool_choice`` readers (where a call is one
+JSON object, its ``"name"`` comes before its ``"arguments"`` / ``"parameters"``). The others
+(the XML-like formats, whose values are typed by the tools' schemas, and ``pythonic``), and a
+call written otherwise (its arguments a string, or before its name), send each call whole when
+the answer ends. When the answer ends it is parsed whole, as the non-streamed answer is: the
+rest of each call's arguments (its closing brace at least) and any call that did not stream go
+out then. A stream cannot take back what it sent: where the answer turns out malformed or cut
+off (``max_tokens``) after a call went out (or a call went out otherwise than the whole answer
+reads it: a key given twice), what went out stands and nothing more of that call comes; the
+choice finishes with ``tool_calls`` only where the whole answer has calls
+(:attr:`ToolCallStream.called`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mrv2.entrypoints.harmony import HarmonyStream
+from mrv2.entrypoints.json_stream import JsonStream
+from mrv2.entrypoints.reasoning import held_tag_prefix
+from mrv2.entrypoints.tool_calls import (
+    DS_CALL_BEGIN,
+    DS_CALL_END,
+    DS_SEP,
+    MISTRAL_ARGS,
+    MISTRAL_CALL_ID,
+    MISTRAL_CALLS,
+    PYTHON_TAG,
+    ToolCall,
+    ToolParser,
+    _harmony_call,
+    get_tool_parser,
+)
+from mrv2.entrypoints.tool_parsers_more import _KIMI_ID as KIMI_ID
+from mrv2.entrypoints.tool_parsers_more import KIMI_ARGUMENTS, KIMI_CALL, KIMI_CALL_END
+from mrv2.entrypoints.tool_parsers_xml import Tools
+
+__all__ = ["CallDelta", "ToolCallStream"]
+
+
+@dataclass
+class CallDelta:
+    """One streamed piece of a call: its ``index`` and the next piece of its ``arguments``
+    text; the call's first piece also carries its ``id`` and ``name`` (empty on the others)."""
+
+    index: int
+    arguments: str
+    name: str = ""
+    id: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The chat stream's ``delta.tool_calls`` entry (vLLM's: id, type and name on the
+        call's first piece only)."""
+        if not self.name:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        return {"index": self.index, "id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+# -- where a call's arguments begin ----------------------------------------------------------
+
+class _Wait(Exception):
+    """The text so far cannot tell yet."""
+
+
+class _Fail(Exception):
+    """Not a call written so that its arguments can stream."""
+
+
+_JSON_WS = " \t\n\r"
+_JSON_STRING = re.compile(r'"(?:[^"\\\x00-\x1f]|\\.)*"', re.DOTALL)
+_OPEN_STRING = re.compile(r'"(?:[^"\\\x00-\x1f]|\\.)*\\?\Z', re.DOTALL)
+_WORD = re.compile(r"\w*")
+_MISTRAL_NAME = re.compile(r"[^\s\[\]{}]+")
+
+
+def _ws(text: str, pos: int, python: bool = False) -> int:
+    """Past the whitespace at ``pos`` (JSON's, or ``python``: ``str.strip``'s)."""
+    while pos < len(text) and (text[pos].isspace() if python else text[pos] in _JSON_WS):
+        pos += 1
+    return pos
+
+
+def _lit(text: str, pos: int, literal: str) -> int:
+    """Past ``literal`` at ``pos``."""
+    if text.startswith(literal, pos):
+        return pos + len(literal)
+    if literal.startswith(text[pos:]):
+        raise _Wait
+    raise _Fail
+
+
+def _opt(text: str, pos: int, literal: str) -> int:
+    """Past ``literal`` at ``pos`` if it is there."""
+    if text.startswith(literal, pos):
+        return pos + len(literal)
+    if literal.startswith(text[pos:]):
+        raise _Wait
+    return pos
+
+
+def _json_string(text: str, pos: int) -> tuple[str, int]:
+    """The JSON string at ``pos`` and where it ends."""
+    match = _JSON_STRING.match(text, pos)
+    if match is None:
+        raise _Wait if _OPEN_STRING.match(text, pos) or pos == len(text) else _Fail
+    try:
+        return json.loads(match.group()), match.end()
+    except ValueError:
+        raise _Fail from None
+
+
+def _object_head(text: str, pos: int) -> tuple[str, int]:
+    """``{"name": NAME, "arguments" | "parameters": `` at ``pos`` (other members with string
+    values may come before the arguments: ``"type": "function"``): the name, and where the
+    arguments begin."""
+    pos, name = _lit(text, _ws(text, pos), "{"), ""
+    while True:
+        key, pos = _json_string(text, _ws(text, pos))
+        pos = _lit(text, _ws(text, pos), ":")
+        if key in ("arguments", "parameters"):
+            if not name:
+                raise _Fail
+            return name, pos
+        value, pos = _json_string(text, _ws(text, pos))
+        name = value if key == "name" else name
+        pos = _lit(text, _ws(text, pos), ",")
+
+
+def _after(text: str, pos: int, marker: str) -> int:
+    """Past the next ``marker`` from ``pos``."""
+    at = text.find(marker, pos)
+    if at < 0:
+        raise _Wait
+    return at + len(marker)
+
+
+#: A format's next call: ``(text from the first marker, where the last call's arguments
+#: ended (0: none yet), how the last call was written (None: none yet))`` -> ``(its name,
+#: where its arguments begin, how it is written, its id as the model wrote it ("": made
+#: here))``; raises _Wait or _Fail.
+Head = Callable[[str, int, "str | None"], tuple[str, int, str, str]]
+
+
+def _hermes(text: str, pos: int, last: str | None) -> tuple[str, int, str, str]:
+    if last is not None:  # (the call's object, then its block, end)
+        pos = _lit(text, _ws(text, _lit(text, _ws(text, pos), "}")), "</tool_call>")
+    return (*_object_head(text, _after(text, pos, "<tool_call>")), "object", "")
+
+
+def _llama3_json(text: str, pos: int, last: str | None) -> tuple[str, int, str, str]:
+    if last is None:
+        pos = _opt(text, _ws(text, pos, python=True), PYTHON_TAG)
+    else:
+        pos = _lit(text, _ws(text, _lit(text, _ws(text, pos), "}"), python=True), ";")
+    return (*_object_head(text, _ws(text, pos, python=True)), "object", "")
+
+
+def _mistral(text: str, pos: int, last: str | None) -> tuple[str, int, str, str]:
+    if last in ("list", "object"):
+        pos = _ws(text, _lit(text, _ws(text, pos), "}"))
+        if last == "list":
+            if pos == len(text):
+                raise _Wait
+            if text[pos] == ",":
+                return (*_object_head(text, pos + 1), "list", "")
+    start = _after(text, pos, MISTRAL_CALLS)
+    pos = _ws(text, start, python=True)
+    if pos == len(text):
+        raise _Wait
+    if text[pos] in "[{":  # the older format: a list of calls, or one
+        return (*_object_head(text, pos + (text[pos] == "[")),
+                "list" if text[pos] == "[" else "object", "")
+    found = [i for i in (text.find("[", pos), text.find("{", pos)) if i >= 0]
+    if not found:
+        raise _Wait
+    at = min(found)
+    name = text[start:at].strip()
+    if not _MISTRAL_NAME.fullmatch(name):
+        raise _Fail
+    if text[at] == "{":  # (NAME{...}: [ARGS] not decoded)
+        return name, at, "call", ""
+    try:
+        return name, _lit(text, at, MISTRAL_ARGS), "call", ""
+    except _Fail:
+        return name, _after(text, _lit(text, at, MISTRAL_CALL_ID), MISTRAL_ARGS), "call", ""
+
+
+def _deepseek_v31(text: str, pos: int, last: str | None) -> tuple[str, int, str, str]:
+    if last is not None:
+        pos = _lit(text, _ws(text, pos), DS_CALL_END)
+    start = _after(text, pos, DS_CALL_BEGIN)
+    sep, end = text.find(DS_SEP, start), text.find(DS_CALL_END, start)
+    if end >= 0 and (sep < 0 or end < sep):
+        raise _Fail
+    if sep < 0:
+        raise _Wait
+    name = text[start:sep].strip()
+    if not name:
+        raise _Fail
+    return name, sep + len(DS_SEP), "call", ""
+
+
+def _deepseek_v3(text: str, pos: int, last: str | None) -> tuple[str, int, str, str]:
+    if last is not None:  # (```, then the call's end)
+        pos = _lit(text, _ws(text, _lit(text, _ws(text, pos), "```"), python=True),
+                   DS_CALL_END)
+    pos = _ws(text, _after(text, pos, DS_CALL_BEGIN), python=True)
+    word = _WORD.match(text, pos)
+    assert word is not None  # (it matches the empty string)
+    pos = _lit(text, _ws(text, word.end(), python=True), DS_SEP)
+    newline = text.find("\n", pos)
+    if newline < 0 or DS_CALL_END in text[pos:newline]:
+        raise _Fail if DS_CALL_END in text[pos:] else _Wait
+    name = text[pos:newline].strip()
+    if not name:
+        raise _Fail
+    pos = _opt(text, _lit(text, _ws(text, newline + 1, python=True), "```"), "json")
+    end = _ws(text, pos, python=True)
+    if "\n" not in text[pos:end]:
+        raise _Wait if end == len(text) else _Fail
+    return name, pos, "call", ""
+
+
+def _kimi_k2(text: str, pos: int, last: str | None) -> tuple[str, int, str, str]:
+    """Kimi-K2's calls: the model's id ``functions.NAME:IDX`` names the function."""
+    if last is not None:
+        pos = _lit(text, _ws(text, pos), KIMI_CALL_END)
+    start = _after(text, pos, KIMI_CALL)
+    sep, end = text.find(KIMI_ARGUMENTS, start), text.find(KIMI_CALL_END, start)
+    if end >= 0 and (sep < 0 or end < sep):
+        raise _Fail
+    if sep < 0:
+        raise _Wait
+    match = KIMI_ID.fullmatch(text, start, sep)
+    if match is None:
+        raise _Fail
+    call_id = match.group(1)
+    name = call_id.rpartition(":")[0].rpartition(".")[2]
+    if not name:
+        raise _Fail
+    return name, sep + len(KIMI_ARGUMENTS), "call", call_id
+
+
+def _named(name: str) -> Head:
+    """A named ``tool_choice``'s answer: the arguments object, one call."""
+    def head(text: str, pos: int, last: str | None) -> tuple[str, int, str, str]:
+        if last is not None:
+            raise _Wait
+        return name, 0, "call", ""
+    return head
+
+
+def _required(text: str, pos: int, last: str | None) -> tuple[str, int, str, str]:
+    """``tool_choice: required``'s answer: a list of ``{"name", "parameters"}``."""
+    if last is None:
+        return (*_object_head(text, _lit(text, _ws(text, pos), "[")), "list", "")
+    pos = _lit(text, _ws(text, _lit(text, _ws(text, pos), "}")), ",")
+    return (*_object_head(text, pos), "list", "")
+
+
+#: The formats whose calls stream their arguments (the others: each call whole at the end),
+#: and the marker that ends a call's text where the whole answer's parser cuts it there
+#: (arguments that reach it before they close are malformed, even inside a JSON string).
+HEADS: dict[str, tuple[Head, str]] = {
+    "hermes": (_hermes, "</tool_call>"), "llama3_json": (_llama3_json, ""),
+    "llama4_json": (_llama3_json, ""), "mistral": (_mistral, MISTRAL_CALLS),
+    "deepseek_v3": (_deepseek_v3, "```"), "deepseek_v31": (_deepseek_v31, DS_CALL_END),
+    "kimi_k2": (_kimi_k2, KIMI_CALL_END), "required": (_required, "")}
+
+
+# -- the stream ------------------------------------------------------------------------------
+
+@dataclass
+class _Call:
+    """A call being streamed: its name, its arguments' reader (None: raw text, harmony's
+    non-JSON content types), where they begin in the text and how much of it was read, and
+    its index once its first piece went out."""
+
+    name: str
+    json: JsonStream | None
+    at: int = 0
+    read: int = 0
+    index: int | None = None
+    held: str = ""  # its opening brace, until a key or its end follows (``{bad}``: nothing)
+    id: str = ""  # the model's (none: made when its first piece goes out)
+
+
+class ToolCallStream:
+    """Splits one choice's content deltas into content to send now and :class:`CallDelta`
+    pieces of its calls (module doc)."""
+
+    def __init__(self, parser: str | ToolParser = "hermes", tools: Tools = ()) -> None:
+        self.parser, self.tools = get_tool_parser(parser), tools
+        self.held = ""  # text not sent yet: a possible marker start, or everything from a call
+        # "open": a leading parser's answer so far may still open with a marker; "text":
+        # content, a marker may come; "calls": holding the calls; "plain": content only.
+        self.state = "open" if self.parser.leading else "text"
+        #: ``harmony``: the messages' split
+        self.harmony = HarmonyStream() if self.parser.harmony else None
+        self.head: Head | None
+        self.head, self.end = ((_named(self.parser.function), "") if self.parser.function
+                               else HEADS.get(self.parser.name, (None, "")))
+        #: Each call sent so far (by index): its name, id and arguments sent.
+        self.sent: list[ToolCall] = []
+        self.call: _Call | None = None  # the call being streamed
+        self.last: str | None = None  # how the last call found was written
+        self.pos = 0  # where the last call's arguments ended
+        self.due: int | None = None  # a call whose closing brace waits for the next call
+        #: The choice finished with calls (it finishes with ``tool_calls``).
+        self.called = False
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list[CallDelta]]:
+        """The next content delta (``harmony``: of the model's whole output): the content
+        to send and the calls' pieces; ``final``: the choice finished (the rest of the
+        calls, or the held text as content when it held none)."""
+        if self.harmony is not None:
+            return self._harmony(delta, final)
+        text, starts = self.held + delta, self.parser.starts
+        self.held, before = "", ""
+        if self.state == "open":
+            stripped = text.lstrip()
+            if self.parser.first_start(text) == 0:
+                self.state = "calls"
+            elif not final and any(s.startswith(stripped) for s in starts):
+                self.held = text  # whitespace, or a part of a marker: wait
+                return "", []
+            else:
+                self.state = "plain"
+        if self.state == "plain":
+            return text, []
+        if self.state == "text":
+            first = self.parser.first_start(text)
+            if first < 0:
+                keep = 0 if final else max(held_tag_prefix(text, s) for s in starts)
+                self.held = text[len(text) - keep:]
+                return text[: len(text) - keep], []
+            self.state = "calls"
+            before, text = text[:first], text[first:]
+        self.held = text
+        if not final:
+            return before, self._follow()
+        content, calls = self.parser.parse(text, self.tools)
+        if calls:
+            self.called = True
+            return before + (content or ""), self._rest(calls)
+        return before + ("" if self.sent else text), []  # (no calls: the held text is content)
+
+    def _start(self, name: str, reader: JsonStream | None, at: int, call_id: str
+               ) -> list[CallDelta]:
+        """A call found (the one due its closing brace gets it now)."""
+        out = []
+        if self.due is not None:
+            out.append(self._piece(self.due, "}"))
+            self.due = None
+        self.call = _Call(name, reader, at, at, id=call_id)
+        return out
+
+    def _piece(self, index: int, text: str) -> CallDelta:
+        self.sent[index].arguments += text
+        return CallDelta(index, text)
+
+    def _read(self, text: str) -> list[CallDelta]:
+        """The open call's arguments in ``text`` (from where it was read to): its next piece."""
+        call = self.call
+        assert call is not None
+        stop = -1
+        if self.end:  # (up to the call's end marker, or what may begin it)
+            stop = text.find(self.end, max(call.at, call.read - len(self.end)))
+            text = text[:stop] if stop >= 0 else text[:len(text) - held_tag_prefix(
+                text, self.end)]
+        new, call.read = text[call.read:], max(len(text), call.read)
+        if call.json is not None:
+            call.json.feed(new)
+            if stop >= 0 and not call.json.done:  # (nothing of the call lies past it)
+                call.json.failed = True
+            new = call.held + call.json.take()
+            call.held = new if call.index is None and new == "{" and not call.json.done else ""
+        if not new or call.held:
+            return []
+        if call.index is not None:
+            return [self._piece(call.index, new)]
+        made = ToolCall(call.name, new, call.id or (
+            self.parser.call_id() if self.parser.call_id else ""))
+        call.index = len(self.sent)
+        self.sent.append(made)
+        return [CallDelta(call.index, new, made.name, made.id)]
+
+    def _follow(self) -> list[CallDelta]:
+        """The pieces of the calls in :attr:`held` that are certain now."""
+        out: list[CallDelta] = []
+        while self.head is not None:
+            if self.call is None:
+                try:
+                    name, at, self.last, call_id = self.head(self.held, self.pos, self.last)
+                except _Wait:
+                    break
+                except _Fail:
+                    self.head = None  # (the rest goes out when the answer ends)
+                    break
+                out += self._start(name, JsonStream(), at, call_id)
+            call = self.call
+            assert call is not None and call.json is not None
+            out += self._read(self.held)
+            if call.json.failed:
+                self.head = None
+            if not call.json.done:
+                break
+            self.pos, self.due, self.call = call.at + call.json.end, call.index, None
+        return out
+
+    def _rest(self, calls: list[ToolCall]) -> list[CallDelta]:
+        """The whole answer's calls: what of them did not go out yet."""
+        out = []
+        for index, call in enumerate(calls):
+            if index >= len(self.sent):
+                out.append(CallDelta(index, call.arguments, call.name, call.id))
+                continue
+            sent = self.sent[index]
+            call.id = sent.id
+            rest = call.arguments[len(sent.arguments):]
+            if call.name == sent.name and call.arguments.startswith(sent.arguments) and rest:
+                out.append(self._piece(index, rest))
+        return out
+
+    # -- harmony (gpt-oss) -------------------------------------------------------------------
+
+    def _harmony(self, delta: str, final: bool) -> tuple[str, list[CallDelta]]:
+        """Harmony's content, and each call message's arguments as they come."""
+        assert self.harmony is not None
+        said, out = [], []
+        for piece in self.harmony.feed(delta, final):
+            if piece.kind == "content":
+                said.append(piece.text)
+            elif piece.kind == "call":
+                out += self._harmony_end(_harmony_call(piece))
+        stream = self.harmony
+        header = stream.header
+        if stream.state == "body" and header.kind == "call" and header.name:
+            if self.call is None:
+                json_args = header.content_type is None or "json" in header.content_type
+                self.call = _Call(header.name, JsonStream() if json_args else None)
+            call = self.call
+            if call.json is not None or call.index is not None or stream.call.strip():
+                out += self._read(stream.call)
+        return "".join(said), out
+
+    def _harmony_end(self, call: ToolCall | None) -> list[CallDelta]:
+        """A call message ended: ``call`` what it is (None: not a call)."""
+        was, self.call = self.call, None
+        if call is not None:
+            self.called = True
+        if was is None or was.index is None:  # (it did not stream)
+            if call is None:
+                return []
+            call.id = self.parser.call_id() if self.parser.call_id else call.id
+            self.sent.append(call)
+            return [CallDelta(len(self.sent) - 1, call.arguments, call.name, call.id)]
+        sent = self.sent[was.index]
+        if call is None or not call.arguments.startswith(sent.arguments):
+            return []  # (what went out stands)
+        rest = call.arguments[len(sent.arguments):]
+        return [self._piece(was.index, rest)] if rest else []
