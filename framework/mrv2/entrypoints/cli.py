@@ -235,7 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "on; ernie45: "
                        "ERNIE-4.5 Thinking's; seed_oss: <seed:think>; mistral: Magistral's "
                        "[THINK]; gemma4: Gemma 4's <|channel>thought; granite: Granite's "
-                       "'Here is my thought process:' text)")
+                       "'Here is my thought process:' text; kimi_k2: as deepseek_r1, a "
+                       "tool-call section also ends the thinking, chat_template_kwargs "
+                       "thinking: false turns it off; olmo3 / step3: as deepseek_r1; "
+                       "step3p5: as deepseek_r1, the newlines around </think> dropped; "
+                       "hunyuan_a13b: Hunyuan-A13B's <think> / <answer>; mimo: as qwen3)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="chat requests may offer tools (tool_choice \"auto\"); the "
                        "model's calls come back as tool_calls (needs --tool-call-parser)")

@@ -54,13 +54,32 @@ The conventions, as vLLM's parsers:
   answer calls it content). The engine cannot hold a grammar after text markers: a
   structured output of a request that turns ``thinking`` on is refused (400,
   :func:`structured_refusal`); without it the grammar holds from the first token.
+* ``kimi_k2`` (Kimi-K2 Thinking): ``deepseek_r1``'s, and a tool-call section
+  (``<|tool_calls_section_begin|>``) opened in the thinking ends it too: the section stays
+  in the content, where the ``kimi_k2`` tool-call parser reads it; a request whose
+  ``chat_template_kwargs`` set ``thinking`` false is not split. (Where both come, the first
+  one ends it: vLLM's stream; its whole answer looks for ``</think>`` first.)
+* ``olmo3`` (Olmo 3 Think, whose template opens ``<think>`` in the prompt) and ``step3``
+  (Step3): ``deepseek_r1``'s (an output cut off before ``</think>`` is reasoning: vLLM's
+  stream; ``olmo3``'s whole answer calls it content); ``step3`` leaves a ``<think>`` the
+  model writes in the reasoning, as vLLM's. ``step3p5`` (Step-3.5): ``deepseek_r1``'s, and
+  one newline right before ``</think>`` and one right after it are dropped (a cut-off
+  reasoning's last newline too).
+* ``hunyuan_a13b`` (Hunyuan-A13B): the output may open with ``<think>\\n``; the reasoning
+  runs to ``\\n</think>\\n<answer>\\n`` (or without its first newline), the content to
+  ``\\n</answer>`` (what follows is dropped); an output that does not open the block is
+  content (up to a ``\\n</answer>`` likewise), a thinking cut off is reasoning (vLLM's
+  stream). The tags are plain text (several tokens): a structured output holds from the
+  first token, so the model answers without thinking, and the answer is content.
+* ``mimo`` (Xiaomi MiMo): ``qwen3``'s (vLLM's same parser).
 
 The parsers that read the chat template's switches are resolved per request
 (:func:`request_parser`) to one of the others, or to ``identity`` (no split: all content).
 
 A stream is split as it arrives (:class:`ReasoningStream`): text that may still turn out to
 be part of a tag is held back until the next delta decides it, so no tag ever reaches the
-client (but ``minimax_m2_append_think``'s, which are content) and no text is lost or
+client (but ``minimax_m2_append_think``'s and Kimi-K2's tool-call section, which are
+content, and the ``<think>`` a Step3 model writes, which is reasoning) and no text is lost or
 repeated.
 """
 
@@ -76,13 +95,15 @@ from mrv2.entrypoints.harmony import HarmonyStream
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "openai_gptoss", "minimax_m2",
                      "minimax_m2_append_think", "deepseek_v3", "glm45", "glm47", "exaone4",
                      "nemotron_v3", "ernie45", "seed_oss", "mistral", "gemma4", "granite",
-                     "holo2")
+                     "holo2", "kimi_k2", "olmo3", "step3", "step3p5", "hunyuan_a13b", "mimo")
 #: The parsers of a ``<think>`` block, each with the convention the engine's structured
 #: outputs know it by (the grammar holds what follows the block; vLLM's MiniMax-M2 parsers
 #: end the reasoning at ``</think>`` as DeepSeek-R1's does, ``minimax_m2_append_think``
 #: included, though it leaves the block in the content).
 THINK_PARSERS = {"qwen3": "qwen3", "deepseek_r1": "deepseek_r1", "minimax_m2": "deepseek_r1",
-                 "minimax_m2_append_think": "deepseek_r1", "ernie45": "deepseek_r1"}
+                 "minimax_m2_append_think": "deepseek_r1", "ernie45": "deepseek_r1",
+                 "kimi_k2": "deepseek_r1", "olmo3": "deepseek_r1", "step3": "deepseek_r1",
+                 "step3p5": "deepseek_r1", "mimo": "qwen3"}
 #: The other parsers' marks for the engine (:data:`mrv2.engine.structured_outputs.THINK_BLOCKS`
 #: : their own tags; gpt-oss's harmony headers).
 OTHER_MARKS = {"openai_gptoss": "openai_gptoss", "seed_oss": "seed_oss", "mistral": "mistral",
@@ -97,6 +118,8 @@ START, END = "<think>", "</think>"
 GRANITE_THINK = ("Here is my thought process:", "Here's my thought process:")
 GRANITE_RESPONSE = ("Here is my response:", "Here's my response:")
 RESPONSE, RESPONSE_END = "<response>", "</response>"
+KIMI_TOOLS = "<|tool_calls_section_begin|>"
+HUNYUAN_ANSWER = "</think>\n<answer>\n"
 
 
 @dataclass(frozen=True)
@@ -107,7 +130,10 @@ class Block:
     tag there dropped), ``anywhere`` (Magistral's: text before it is content); ``label``: text
     dropped right after the start tag; ``again``: an end tag written again in the content is
     dropped; ``response``: ERNIE's content (newlines after the block dropped, a
-    ``<response>`` wrapper taken off)."""
+    ``<response>`` wrapper taken off); ``kept``: the end tags that stay in the content
+    (Kimi-K2's tool-call section); ``trim``: one newline right after the end tag dropped
+    (Step-3.5's; the one before it is an end tag of its own) and a cut-off reasoning's last;
+    ``closes``: where the content ends (what follows is dropped: Hunyuan's ``</answer>``)."""
 
     starts: tuple[str, ...]
     ends: tuple[str, ...]
@@ -115,6 +141,9 @@ class Block:
     label: str = ""
     again: bool = False
     response: bool = False
+    kept: tuple[str, ...] = ()
+    trim: bool = False
+    closes: str = ""
 
 
 BLOCKS = {
@@ -126,6 +155,13 @@ BLOCKS = {
     "mistral": Block(("[THINK]",), ("[/THINK]",), "anywhere"),
     "gemma4": Block(("<|channel>",), ("<channel|>",), "output", label="thought\n"),
     "granite": Block(GRANITE_THINK, GRANITE_RESPONSE, "output"),
+    "kimi_k2": Block((START,), (END, KIMI_TOOLS), "prompt", kept=(KIMI_TOOLS,)),
+    "olmo3": Block((START,), (END,), "prompt"),
+    "step3": Block((), (END,), "prompt"),
+    "step3p5": Block((START,), ("\n" + END, END), "prompt", trim=True),
+    "hunyuan_a13b": Block((START + "\n",), ("\n" + HUNYUAN_ANSWER, HUNYUAN_ANSWER), "output",
+                          closes="\n</answer>"),
+    "mimo": Block((START,), (END,), "output"),
 }
 
 
@@ -152,6 +188,8 @@ def request_parser(kind: str | None, kwargs: Mapping[str, Any] | None) -> str | 
         return "deepseek_r1" if bool(enable) else IDENTITY
     if kind == "nemotron_v3":
         return "qwen3" if enable is False else "deepseek_r1"
+    if kind == "kimi_k2" and "thinking" in kw and not thinking:  # (vLLM's: on by default)
+        return IDENTITY
     return kind
 
 
@@ -178,12 +216,12 @@ def grammar_mark(kind: str | None) -> str | None:
 def prompt_reasoning(kind: str | None, prompt: list[int],
                      encode: Callable[[str], list[int]]) -> str | None:
     """The parser of an answer to ``prompt`` (token ids; ``encode``: text to ids, no special
-    tokens added): ``qwen3``'s to a prompt that opened the ``<think>`` block (its last
-    ``<think>`` after its last ``</think>``: Qwen3's thinking models' template) is
-    ``deepseek_r1``'s, the answer opening in the reasoning (the engine's structured outputs
-    likewise hold the grammar from its ``</think>``); ``kind`` otherwise, or where either tag
-    is not one token."""
-    if kind != "qwen3":
+    tokens added): ``qwen3``'s (or ``mimo``'s) to a prompt that opened the ``<think>``
+    block (its last ``<think>`` after its last ``</think>``: Qwen3's thinking models'
+    template) is ``deepseek_r1``'s, the answer opening in the reasoning (the engine's
+    structured outputs likewise hold the grammar from its ``</think>``); ``kind`` otherwise,
+    or where either tag is not one token."""
+    if kind not in ("qwen3", "mimo"):
         return kind
     tags = [encode(tag) for tag in (START, END)]
     if not all(len(ids) == 1 for ids in tags):
@@ -253,6 +291,8 @@ class ReasoningStream:
         self.lead = self.block is not None and self.block.response  # ERNIE's content's start
         self.wrapped = False  # ERNIE's content opened <response>
         self.stray = False  # Magistral's output dropped an end tag before any block
+        self.trimming = False  # Step-3.5's newline after </think> still to drop
+        self.closed = False  # Hunyuan's content ended (</answer>): the rest is dropped
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
         """The next delta of the output's text; ``final``: nothing follows (held text goes
@@ -322,6 +362,7 @@ class ReasoningStream:
         if rest is None:
             return ""
         self.state = "content"
+        self.trimming = block.trim
         return rest
 
     def _content(self, text: str, final: bool, out: dict[str, str]) -> str:
@@ -348,6 +389,16 @@ class ReasoningStream:
             out["content"] += text[:cut]
             self.pending = text[cut:]
             return ""
+        if self.trimming:  # Step-3.5: one newline right after </think> dropped
+            text, self.trimming = text.removeprefix("\n"), False
+        if block.closes:  # Hunyuan: the content up to </answer>, nothing after it
+            at = -1 if self.closed else text.find(block.closes)
+            cut = (0 if self.closed else at if at >= 0
+                   else len(text) - (0 if final else held_tag_prefix(text, block.closes)))
+            out["content"] += text[:cut]
+            self.closed = self.closed or at >= 0
+            self.pending = "" if self.closed else text[cut:]
+            return ""
         if not block.again:
             out["content"] += text
             return ""
@@ -363,8 +414,11 @@ class ReasoningStream:
         assert block is not None
         at, tag = _find(text, block.ends)
         cut = at if at >= 0 else len(text) - (0 if final else _held(text, block.ends))
-        out[key] += text[:cut]
+        part = text[:cut]
+        if at < 0 and final and block.trim and key == "reasoning":
+            part = part.removesuffix("\n")  # (Step-3.5's cut-off reasoning's last newline)
+        out[key] += part
         if at < 0:
             self.pending = text[cut:]
             return None
-        return text[at + len(tag):]
+        return text[at if tag in block.kept else at + len(tag):]  # (Kimi's tool section)
