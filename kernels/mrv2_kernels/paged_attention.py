@@ -32,7 +32,9 @@ kernel skips them.
 
 No host syncs: grids come from ``num_reqs``, ``max_query_len`` and ``max_seq_len``; programs
 past a request's real work exit early. A prefill plan's programs walk the step's query tiles
-(``flat_grid``, the default; ``MRV2_ATTN_FLAT_GRID=0`` turns it off), each finding its request
+(``flat_grid``; by default unless prompts of about one length make the (tile, request) grid
+no larger: :func:`prefill_flat_grid`; ``MRV2_ATTN_FLAT_GRID=0`` / ``1`` forces either), each
+finding its request
 in ``query_start_loc`` (one vector load): ``T // block_q + num_reqs`` programs per kv head
 rather than ``ceil(max_query_len / block_q) * num_reqs``, most of which exit at once in a mixed
 step, and a grid that does not depend on ``max_query_len``: a CUDA graph of mixed steps at a
@@ -81,7 +83,8 @@ from .paged_attention_ref import _check_inputs, _check_local, paged_attention_re
 from .prefill_attention import prefill_attention_tma, tma_prefill_min_query
 
 #: ``0``: prefill plans launch one program per (query tile bound, request) instead of over the
-#: step's query tiles only (``paged_attention``'s ``flat_grid``, on by default).
+#: step's query tiles only (``paged_attention``'s ``flat_grid``); ``1``: always over the step's
+#: query tiles; unset: :func:`prefill_flat_grid`'s rule.
 FLAT_GRID_ENV_VAR = "MRV2_ATTN_FLAT_GRID"
 
 #: Prefill grids with the query-tile axis slowest (``paged_attention``'s ``tiles_last``):
@@ -104,6 +107,25 @@ def prefill_tiles_last(tiles_last: bool | None, flat: bool) -> bool:
         return tiles_last
     setting = os.environ.get(TILES_LAST_ENV_VAR, "").strip()
     return setting == "1" if setting in ("0", "1") else flat
+def prefill_flat_grid(flat_grid: bool | None, grid_tiles: int, flat_tiles: int,
+                      num_reqs: int) -> bool:
+    """Whether a prefill plan launches the flat grid (``flat_tiles`` programs a kv head) rather
+    than the (tile, request) grid (``grid_tiles``: query tiles of the longest query times
+    requests): ``flat_grid`` where given, else :data:`FLAT_GRID_ENV_VAR`'s, else the flat
+    grid unless the other launches no more programs over several requests: a batch of
+    prompts of about one length (4 x 1,024 causal tokens on Qwen3-8B heads, H100 2026-12-07:
+    the (tile, request) grid, tiles slowest, 111.9 us against the flat grid's 123.9-127.1; on
+    Qwen3-0.6B heads 72.9 against 73.6-73.9), where its programs need no request search. A
+    mixed step, or one captured in a CUDA graph (``max_query_len`` baked at the token count),
+    launches the flat grid: there the other's programs are mostly empty."""
+    if flat_grid is not None:
+        return flat_grid
+    setting = os.environ.get(FLAT_GRID_ENV_VAR, "").strip()
+    if setting in ("0", "1"):
+        return setting == "1"
+    return num_reqs < 2 or grid_tiles > flat_tiles
+
+
 #: The flat grid's order where neither ``tiles_last`` nor :data:`TILES_LAST_ENV_VAR` sets it:
 #: its query tiles slowest in a step whose longest sequence's keys, every kv head's, fit in
 #: this fraction of the L2 cache; the kv-head axis slowest past that (H100, 2026-12-07: one
@@ -308,8 +330,9 @@ def paged_attention(
         part_m = part_l = part_acc = out  # unused
 
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    flat = (not plan.small_q and (flat_grid if flat_grid is not None
-                                  else os.environ.get(FLAT_GRID_ENV_VAR, "1") != "0"))
+    flat_tiles = num_tokens // plan.block_q + num_reqs
+    flat = not plan.small_q and prefill_flat_grid(flat_grid, num_q_tiles * num_reqs,
+                                                  flat_tiles, num_reqs)
     if one_token_apart is None:
         setting = os.environ.get(ONE_TOKEN_ENV_VAR)
         one_token_apart = (plan.block_m >= ONE_TOKEN_APART_MIN_BLOCK_M if setting is None
@@ -347,14 +370,17 @@ def paged_attention(
                              num_reqs=num_reqs, uniform_decode=True, num_splits=1)
         launch((1, num_kv_heads, num_reqs), one, {"ZERO_PAD": False, "ROPE": False,
                                                   "QK_NORM": False, "ONE_TOKEN": 1})
-    flat_tiles = num_tokens // plan.block_q + num_reqs
     if flat:  # one axis: its order is picked on the device (the kernel's _flat_tile)
         grid = (flat_tiles * num_kv_heads * splits, 1, 1)
     else:
         grid = (num_q_tiles, num_kv_heads * splits, num_reqs)
     # (CUDA's grid y and z hold at most 65,535 blocks, x 2**31 - 1: a step of ~1M tokens in
     # small tiles keeps its tile axis on x)
-    last = (not flat and not plan.small_q and prefill_tiles_last(tiles_last, flat)
+    # (the (tile, request) grid over prompts of about one length: its tiles slowest while the
+    # step's keys fit the L2 cache, as the flat grid's rule; else TILES_LAST_ENV_VAR's rule)
+    order = (tiles_last if tiles_last is not None or num_q_tiles * num_reqs > flat_tiles
+             else key_span <= flat_tiles_last_keys(None, kv_cache))
+    last = (not flat and not plan.small_q and prefill_tiles_last(order, flat)
             and grid[0] <= MAX_GRID_YZ)
     if last:  # the tile axis slowest (see the kernel's TILES_LAST)
         grid = (grid[1], grid[2], grid[0])
@@ -393,4 +419,4 @@ def paged_attention(
 __all__ = ["FLAT_GRID_ENV_VAR", "ONE_TOKEN_APART_MIN_BLOCK_M", "ONE_TOKEN_ENV_VAR",
            "TILES_LAST_ENV_VAR", "TILES_LAST_L2_FRACTION", "AttentionPlan", "FusedRope",
            "attention_plan", "flat_tiles_last_keys", "paged_attention", "paged_attention_ref",
-           "prefill_register_cap", "prefill_tiles_last"]
+           "prefill_flat_grid", "prefill_register_cap", "prefill_tiles_last"]

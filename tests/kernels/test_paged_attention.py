@@ -483,6 +483,58 @@ def test_flat_grid_order_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     assert flat_tiles_last_keys(None, kv) == -1 and flat_tiles_last_keys(True, kv) == 2**31 - 1
 
 
+def test_prefill_grid_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The (tile, request) grid for prompts of about one length (no more programs than the
+    flat grid, several requests), its tiles slowest while the keys fit the L2 cache; the flat
+    grid otherwise (a mixed step, one request, a CUDA graph's baked ``max_query_len``);
+    ``flat_grid`` and ``MRV2_ATTN_FLAT_GRID`` force either. Same bits as the flat grid."""
+    from mrv2_kernels import paged_attention as module
+
+    monkeypatch.delenv(module.FLAT_GRID_ENV_VAR, raising=False)
+    monkeypatch.delenv(module.TILES_LAST_ENV_VAR, raising=False)
+    rule = module.prefill_flat_grid
+    assert not rule(None, 4 * 32, 4096 // 32 + 4, 4)  # 4 x 1,024 in 32-query tiles
+    assert rule(None, 16 * 144, 8192 // 32 + 144, 144)  # the workload's mixed step
+    assert rule(None, 128, 4096 // 32 + 1, 1)  # one prompt: the flat grid's per-step order
+    assert rule(True, 1, 100, 4) and not rule(False, 1000, 10, 4)
+    monkeypatch.setenv(module.FLAT_GRID_ENV_VAR, "1")
+    assert rule(None, 4 * 32, 4096 // 32 + 4, 4)
+    monkeypatch.setenv(module.FLAT_GRID_ENV_VAR, "0")
+    assert not rule(None, 16 * 144, 8192 // 32 + 144, 144)
+    monkeypatch.delenv(module.FLAT_GRID_ENV_VAR)
+
+    launches: list[tuple[Any, bool, bool]] = []
+
+    class Recorded:
+        def __getitem__(self, grid: Any) -> Any:
+            def run(*args: Any, **kwargs: Any) -> Any:
+                launches.append((grid, kwargs["FLAT"], kwargs["TILES_LAST"]))
+                return plain[grid](*args, **kwargs)
+            return run
+
+    plain = module._paged_attn_kernel
+    uniform = make_batch([(12, 20), (11, 19), (12, 12)], num_heads=4, num_kv_heads=2,
+                         head_dim=16, block_size=4, dtype=torch.float32, pad_tokens=0, seed=5)
+    args = (uniform.query, uniform.kv_cache, uniform.qsl, uniform.seq_lens,
+            uniform.block_table, uniform.scale)
+    want = paged_attention(*args, **uniform.bounds, block_m=16, flat_grid=True)
+    monkeypatch.setattr(module, "_paged_attn_kernel", Recorded())
+    got = paged_attention(*args, **uniform.bounds, block_m=16)
+    assert [(flat, last) for _, flat, last in launches] == [(False, True)]
+    assert launches[0][0][2] == 2  # (tiles slowest: on z; 12 queries in 8-query tiles)
+    assert torch.equal(got, want)
+    launches.clear()  # keys past the L2 rule: the kv heads slowest
+    monkeypatch.setattr(module, "flat_tiles_last_keys", lambda t, kv: 19)
+    paged_attention(*args, **uniform.bounds, block_m=16)
+    assert [(flat, last) for _, flat, last in launches] == [(False, False)]
+    launches.clear()
+    mixed = make_batch(MIXED, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4,
+                       dtype=torch.float32, pad_tokens=1, seed=3)
+    paged_attention(mixed.query, mixed.kv_cache, mixed.qsl, mixed.seq_lens, mixed.block_table,
+                    mixed.scale, **mixed.bounds, block_m=16, one_token_apart=False)
+    assert [flat for _, flat, _ in launches] == [True]
+
+
 def test_prefill_register_cap() -> None:
     """Eight-warp prefill plans (Qwen3-8B's 128 x 32 tiles) keep two programs on an SM on
     CUDA (at most 128 registers); decode plans, narrower plans and the interpreter get no cap."""
