@@ -62,6 +62,100 @@ def test_forced_calls_take_the_servers_call_ids() -> None:
         assert re.fullmatch(r"[A-Za-z0-9]{9}", call.id), call
 
 
+def test_kimi_k2s_forced_calls_take_kimis_ids() -> None:
+    """A ``kimi_k2`` server's forced calls get Kimi's ids, ``functions.NAME:IDX`` (vLLM's
+    ``make_tool_call_id``), IDX counting the conversation's earlier calls, then this answer's;
+    a whole and a streamed answer alike. The other parsers' forced ids are as they were, and
+    a ``kimi_k2`` answer's own calls keep the model's ids."""
+    from mrv2.entrypoints.tool_calls import get_tool_parser
+    from mrv2.entrypoints.tool_stream import ToolCallStream
+
+    kimi = get_tool_parser("kimi_k2").forced_id
+    required = '[{"name": "pick", "parameters": {"n": 1}}, {"name": "noop", "parameters": {}}]'
+    for choice, text, ids in ((NAMED, '{"n": 3}', ["functions.pick:3"]),
+                              ("required", required, ["functions.pick:3", "functions.noop:4"])):
+        parser, _ = forced_tool_choice(choice, TOOLS, call_id=kimi, earlier=3)
+        assert [c.id for c in parser.parse(text)[1]] == ids
+        stream, entries = ToolCallStream(parser, TOOLS), []
+        for i, char in enumerate(text):
+            entries += [p.as_dict() for p in stream.feed(char, final=i == len(text) - 1)[1]]
+        assert [c["id"] for c in join_tool_calls(entries)] == ids
+        _, (first, *_) = forced_tool_choice(choice, TOOLS, call_id=kimi)[0].parse(text)
+        assert first.id == ids[0].replace(":3", ":0")  # (no earlier calls)
+    for name in ("hermes", "mistral", "deepseek_v31"):
+        assert get_tool_parser(name).forced_id is None
+    _, (call,) = get_tool_parser("kimi_k2").parse(
+        '<|tool_calls_section_begin|><|tool_call_begin|>functions.pick:7'
+        '<|tool_call_argument_begin|>{"n": 1}<|tool_call_end|>')
+    assert call.id == "functions.pick:7"
+
+
+def test_the_kimi_k2_servers_forced_ids_count_the_conversations_calls(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chat route counts the calls of the messages' assistant ``tool_calls`` (the Responses
+    API: its ``function_call`` input items) and gives a ``kimi_k2`` server's forced calls ids
+    from there; the answers' calls (whole and streamed) have those ids."""
+    from conftest import serve
+    from mrv2.engine.tokenizer import Tokenizer
+    from mrv2.entrypoints import completion_routes
+
+    made: list[Any] = []
+
+    def spy(*args: Any, **kwargs: Any) -> Any:  # (the route's reader, kept)
+        result = forced_tool_choice(*args, **kwargs)
+        made.append(result[0])
+        return result
+
+    monkeypatch.setattr(completion_routes, "forced_tool_choice", spy)
+
+    def call(name: str, index: int) -> dict[str, Any]:
+        return {"id": f"functions.{name}:{index}", "type": "function",
+                "function": {"name": name, "arguments": "{}"}}
+
+    messages = [{"role": "user", "content": "go"},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [call("noop", 0), call("noop", 1)]},
+                {"role": "tool", "tool_call_id": "functions.noop:0", "content": "a"},
+                {"role": "tool", "tool_call_id": "functions.noop:1", "content": "b"},
+                {"role": "assistant", "content": "", "tool_calls": [call("noop", 2)]},
+                {"role": "tool", "tool_call_id": "functions.noop:2", "content": "c"},
+                {"role": "assistant", "content": "ok", "tool_calls": []},
+                {"role": "user", "content": "pick"}]
+    tok = Tokenizer.from_pretrained(model_dir)
+    spaces = {str(i): -100 for i in range(tok.vocab_size) if any(
+        c.isspace() for c in tok.decode([i], False))}
+    closed = {"type": "object", "additionalProperties": False, "properties": {}}
+    tools = [TOOLS[0], {"type": "function", "function": {"name": "noop", "parameters": closed}}]
+    # (a finite language, whitespace banned: every answer is a whole call within max_tokens)
+    body = {"model": MODEL, "messages": messages, "tools": tools, "max_tokens": 60,
+            "temperature": 0, "logit_bias": spaces, "parallel_tool_calls": False}
+    for served in serve(model_dir, {"max_model_len": 256}, tool_call_parser="kimi_k2"):
+        url = f"{served.url}/v1/chat/completions"
+        for choice, stream in ((NAMED, False), ("required", False), (NAMED, True)):
+            r = httpx.post(url, headers=AUTH, timeout=60,
+                           json={**body, "tool_choice": choice, "stream": stream})
+            assert r.status_code == 200, r.text
+            if stream:
+                entries = [e for line in r.text.splitlines()
+                           if line.startswith("data: {") for c in json.loads(line[6:])[
+                               "choices"] for e in c["delta"].get("tool_calls") or []]
+                calls = join_tool_calls(entries)
+            else:
+                calls = r.json()["choices"][0]["message"].get("tool_calls") or []
+            (only,) = calls
+            assert only["id"] == f"functions.{only['function']['name']}:3", only
+            assert made[-1].earlier == 3 and made[-1].make_id("noop", 1) == "functions.noop:4"
+        r = httpx.post(f"{served.url}/v1/responses", headers=AUTH, timeout=60, json={
+            "model": MODEL, "tool_choice": "required", "max_output_tokens": 3, "input": [
+                {"role": "user", "content": "go"},
+                {"type": "function_call", "call_id": "functions.noop:0", "name": "noop",
+                 "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "functions.noop:0", "output": "a"}],
+            "tools": [{"type": "function", "name": "pick", "parameters": PICK}]})
+        assert r.status_code == 200, r.text
+        assert made[-1].earlier == 1 and made[-1].make_id("pick", 0) == "functions.pick:1"
+
+
 def test_required_keeps_the_tools_refs_working() -> None:
     """Tools whose parameters refer to their own ``$defs`` (pydantic's schemas): ``required``'s
     one schema holds them at its root, where ``#/$defs/...`` points (vLLM's way), and it

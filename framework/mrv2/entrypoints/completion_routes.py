@@ -111,10 +111,11 @@ async def run_chat(serving: Serving, request: Request, body: ChatCompletionReque
             raise APIError(400, "tool_choice: a forced call is a structured output, and "
                            "the request gives another (response_format, structured_outputs "
                            "or guided_*)", param="tool_choice")
+        call_ids = None if tool_parser is None else tool_parser.forced_id or tool_parser.call_id
         try:
             parser, schema = forced_tool_choice(  # (ids: the server's parser's, vLLM's)
-                body.tool_choice, body.tools, body.parallel_tool_calls,
-                tool_parser.call_id if tool_parser is not None else None)
+                body.tool_choice, body.tools, body.parallel_tool_calls, call_ids,
+                sum(m.tool_call_count for m in body.messages))
         except ValueError as error:
             raise APIError(400, str(error), param="tool_choice") from None
         params = dataclasses.replace(params,

@@ -8,14 +8,17 @@ What is held back: a number or ``true``/``false``/``null`` until it ends (``1`` 
 until the next six characters show whether a low one follows), and the object's closing
 brace (:meth:`JsonStream.closing`: the caller sends it when the call is over). What the raw
 text cannot become (a control character in a string, a key given twice, a bad escape or
-literal, anything but an object at the top) stops the stream (:attr:`JsonStream.failed`):
-nothing more comes out, and what came out stays a beginning of the text a valid object with
-that beginning would give. This module imports nothing of mrv2.
+literal, a number json would write back as ``NaN`` or ``Infinity``, which is not JSON and the
+tool-call parsers refuse: ``NaN``, ``-Infinity``, ``1e999``; anything but an object at the top)
+stops the stream (:attr:`JsonStream.failed`): nothing more comes out, and what came out stays
+a beginning of the text a valid object with that beginning would give. This module imports
+nothing of mrv2.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 
 __all__ = ["JsonStream"]
@@ -160,12 +163,13 @@ class JsonStream:
         self.expect = "after"
 
     def _scalar_end(self) -> None:
-        try:  # (json's own reading: 1.0e2 -> 100.0, -0 -> 0, 1e999 -> Infinity)
+        try:  # (json's own reading: 1.0e2 -> 100.0, -0 -> 0)
             value = json.loads(self.scalar)
         except ValueError:
             self.failed = True
             return
-        if isinstance(value, (str, list, dict)):
+        if isinstance(value, (str, list, dict)) or (
+                isinstance(value, float) and not math.isfinite(value)):  # (NaN, 1e999)
             self.failed = True
             return
         self.out.append(json.dumps(value))

@@ -44,6 +44,13 @@ class ChatMessage(BaseModel):
         return template_message(message)
 
     @property
+    def tool_call_count(self) -> int:
+        """How many tool calls the message holds (an assistant's ``tool_calls``; vLLM's
+        ``get_history_tool_calls_cnt`` counts them)."""
+        calls = (self.model_extra or {}).get("tool_calls")
+        return len(calls) if self.role == "assistant" and isinstance(calls, list) else 0
+
+    @property
     def has_media(self) -> bool:
         """Whether a content part is not text (an image)."""
         return isinstance(self.content, list) and any(

@@ -60,10 +60,12 @@ fits none, or has no schema, stays a string; ``glm45``/``glm47``: a value whose 
 say ``string`` is read as JSON where it parses, as vLLM's GLM parser does).
 
 Failure rule (vLLM's): anything malformed (JSON that does not parse, no name, a structure cut
-off where it cannot be recovered) leaves the whole answer as content. A last call cut off by
-``max_tokens`` still counts if what came is whole (its JSON, its arguments). (``openai``: a
-call whose JSON does not parse is dropped, the rest of the answer kept: its text was never
-content.)
+off where it cannot be recovered) leaves the whole answer as content; so does, in any format's
+arguments, a number that would be written back as ``NaN`` or ``Infinity``, which is not JSON
+(a client's ``JSON.parse`` fails): ``NaN``, ``Infinity``, ``-Infinity`` (Python's json reads
+them) and numbers no float holds (``1e999``). A last call cut off by ``max_tokens`` still
+counts if what came is whole (its JSON, its arguments). (``openai``: a call whose JSON does
+not parse is dropped, the rest of the answer kept: its text was never content.)
 
 Special tokens: DeepSeek's markers, GLM's tags, harmony's markers and Mistral's
 ``[TOOL_CALLS]`` / ``[ARGS]`` / ``[CALL_ID]`` are special tokens of their tokenizers, and
@@ -101,6 +103,8 @@ from mrv2.entrypoints.tool_parsers_xml import (
     minimax_m2_calls,
     minimax_m2_outside,
     qwen3_coder_calls,
+    strict_json,
+    strict_json_at,
 )
 from mrv2.entrypoints.tool_parsers_xml import blocks as _blocks
 
@@ -126,6 +130,11 @@ class ToolCall:
                 "function": {"name": self.name, "arguments": self.arguments}}
 
 
+#: Makes a call's id: ``(its function's name, its index) -> id``, the index counting the calls
+#: before it in the conversation (the messages' assistant ``tool_calls``) and in the answer.
+CallId = Callable[[str, int], str]
+
+
 @dataclass(frozen=True)
 class ToolParser:
     """One ``--tool-call-parser`` format.
@@ -140,7 +149,11 @@ class ToolParser:
     where it is not given: what follows the first marker is the calls');
     ``named``: a named ``tool_choice``'s reader, whose whole (not streamed) answer keeps the
     engine's finish reason (``stop``), as OpenAI's and vLLM's do, instead of ``tool_calls``;
-    ``call_id``: makes the calls' ids (None: :class:`ToolCall`'s ``call_...``);
+    ``call_id``: makes the calls' ids (None: :class:`ToolCall`'s ``call_...``, or the model's
+    where the format writes them: ``kimi_k2``);
+    ``forced_id``: the ids of the calls a server with this parser forces by ``tool_choice``
+    (None: ``call_id``'s; ``kimi_k2``: Kimi's ``functions.NAME:IDX``, as vLLM gives them);
+    ``earlier``: the tool calls already in the conversation, where ``call_id``'s index begins;
     ``function``: a named ``tool_choice``'s function (the answer is its arguments)."""
 
     name: str
@@ -151,8 +164,16 @@ class ToolParser:
     harmony: bool = False
     outside: Callable[[str], str] | None = None
     named: bool = False
-    call_id: Callable[[], str] | None = None
+    call_id: CallId | None = None
+    forced_id: CallId | None = None
+    earlier: int = 0
     function: str = ""
+
+    def make_id(self, name: str, index: int) -> str:
+        """The id of the answer's call ``index`` (from 0), whose function is ``name``:
+        :attr:`call_id`'s, counting the conversation's calls before the answer too; "" where
+        the parser makes none (:class:`ToolCall`'s ``call_...``)."""
+        return "" if self.call_id is None else self.call_id(name, self.earlier + index)
 
     def first_start(self, text: str) -> int:
         """Where the calls begin in ``text`` (-1: nowhere)."""
@@ -178,13 +199,19 @@ class ToolParser:
         if not calls:
             return (text or None), []
         if self.call_id is not None:
-            for call in calls:
-                call.id = self.call_id()
+            for index, call in enumerate(calls):
+                call.id = self.make_id(call.name, index)
         rest = self.outside(text[first:]) if self.outside is not None else ""
         return (text[:first] + rest or None), calls
 
 
 # -- shared pieces ---------------------------------------------------------------------------
+
+def _dumps(arguments: Any) -> str:
+    """A call's arguments as JSON text (non-ASCII as is; ValueError for a float that is not
+    finite, which json would write as ``NaN`` / ``Infinity``: not JSON)."""
+    return json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+
 
 def _json_call(value: Any) -> ToolCall:
     """``{"name": ..., "arguments" | "parameters": {...}}`` as a call (ValueError: no name);
@@ -196,27 +223,24 @@ def _json_call(value: Any) -> ToolCall:
     arguments = value.get("arguments", value.get("parameters", {}))
     if isinstance(arguments, str):
         with contextlib.suppress(ValueError):
-            arguments = json.loads(arguments, parse_constant=_not_json)
-    return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
-
-
-def _not_json(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
+            arguments = strict_json(arguments)
+    return ToolCall(name, _dumps(arguments))
 
 
 def _json_arguments(name: str, text: str) -> ToolCall:
-    """A call whose arguments are a JSON object's text (ValueError: bad JSON, no name)."""
-    arguments = json.loads(text)
+    """A call whose arguments are a JSON object's text (ValueError: bad JSON, a number that is
+    not JSON's or no float holds, no name)."""
+    arguments = strict_json(text)
     if not name or not isinstance(arguments, dict):
         raise ValueError("a call without a name or an arguments object")
-    return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+    return ToolCall(name, _dumps(arguments))
 
 
 # -- the formats -----------------------------------------------------------------------------
 
 def _hermes(text: str, tools: Tools) -> list[ToolCall]:
-    return [_json_call(json.loads(body)) for body, _ in _blocks(text, "<tool_call>",
-                                                                 "</tool_call>")]
+    return [_json_call(strict_json(body)) for body, _ in _blocks(text, "<tool_call>",
+                                                                  "</tool_call>")]
 
 
 #: DeepSeek's markers (full-width bars U+FF5C, U+2581 for spaces).
@@ -252,10 +276,10 @@ PYTHON_TAG = "<|python_tag|>"
 
 def _llama3_json(text: str, tools: Tools) -> list[ToolCall]:
     body = text.lstrip().removeprefix(PYTHON_TAG)
-    decoder, calls, pos = json.JSONDecoder(), [], 0
+    calls, pos = [], 0
     while True:
         pos = len(body) - len(body[pos:].lstrip())
-        value, pos = decoder.raw_decode(body, pos)
+        value, pos = strict_json_at(body, pos)
         calls.append(_json_call(value))
         rest = body[pos:].lstrip()
         if not rest or rest == ";":
@@ -302,7 +326,7 @@ def _pythonic(text: str, tools: Tools) -> list[ToolCall]:
                 raise ValueError("not a call with keyword arguments")
             arguments[keyword.arg] = _python_value(keyword.value)
         try:  # (1e999: ValueError; a set, ..., or tuple keys inside: TypeError)
-            text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+            text = _dumps(arguments)
         except TypeError as error:
             raise ValueError(f"not JSON values: {error}") from None
         calls.append(ToolCall(name, text))
@@ -321,9 +345,13 @@ def mistral_call_id() -> str:
     return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
 
 
+def _mistral_id(name: str, index: int) -> str:
+    return mistral_call_id()  # (random: neither the name nor the index shows)
+
+
 def _mistral_list(body: str) -> list[ToolCall]:
     """The older format's JSON list of calls (text after it dropped; a lone object taken)."""
-    value, _ = json.JSONDecoder().raw_decode(body)
+    value, _ = strict_json_at(body)
     items = [value] if isinstance(value, dict) else value
     if not isinstance(items, list) or not items:
         raise ValueError("not a list of calls")
@@ -342,10 +370,10 @@ def _mistral_call(segment: str) -> ToolCall:
     name = head.partition(MISTRAL_CALL_ID)[0].strip()
     if not _MISTRAL_NAME.fullmatch(name):
         raise ValueError(f"not a function name: {name!r}")
-    value, _ = json.JSONDecoder().raw_decode(arguments.lstrip())
+    value, _ = strict_json_at(arguments.lstrip())
     if not isinstance(value, dict):
         raise ValueError("arguments that are not a JSON object")
-    return ToolCall(name, json.dumps(value, ensure_ascii=False))
+    return ToolCall(name, _dumps(value))
 
 
 def _mistral(text: str, tools: Tools) -> list[ToolCall]:
@@ -409,13 +437,14 @@ PARSERS: dict[str, ToolParser] = {p.name: p for p in (
     ToolParser("deepseek_v32", (more.DSML_CALLS,), _xml(more.deepseek_v32_calls),
                special_tokens=True),
     ToolParser("kimi_k2", more.KIMI_SECTIONS, lambda text, tools: [  # (the model's ids)
-        ToolCall(*call) for call in more.kimi_k2_calls(text, tools)], special_tokens=True),
+        ToolCall(*call) for call in more.kimi_k2_calls(text, tools)], special_tokens=True,
+               forced_id=more.kimi_call_id),
     ToolParser("llama3_json", (PYTHON_TAG, "{"), _llama3_json, leading=True),
     ToolParser("llama4_json", (PYTHON_TAG, "{"), _llama3_json, leading=True),
     ToolParser("pythonic", ("[", PYTHON_START), _pythonic, leading=True),
     ToolParser("llama4_pythonic", ("[", PYTHON_START), _pythonic, leading=True),
     ToolParser("mistral", (MISTRAL_CALLS,), _mistral, special_tokens=True,
-               call_id=mistral_call_id),
+               call_id=_mistral_id),
     ToolParser("openai", (CHANNEL, START), _openai, special_tokens=True, harmony=True),
 )}
 #: ``--tool-call-parser`` values.
@@ -449,7 +478,7 @@ def _forced_calls(text: str, name: str | None) -> list[ToolCall]:
     ``{"name", "parameters"}`` (ValueError: not that JSON, e.g. cut off by max_tokens)."""
     if name is not None:
         return [_json_arguments(name, text)]
-    value = json.loads(text)
+    value = strict_json(text)
     if not isinstance(value, list) or not value:
         raise ValueError("no list of calls")
     return [_json_call(item) for item in value]
@@ -461,16 +490,17 @@ def _parameters(tool: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def forced_tool_choice(tool_choice: str | Mapping[str, Any], tools: Tools,
-                       parallel_tool_calls: bool = True,
-                       call_id: Callable[[], str] | None = None
-                       ) -> tuple[ToolParser, dict[str, Any]]:
+                       parallel_tool_calls: bool = True, call_id: CallId | None = None,
+                       earlier: int = 0) -> tuple[ToolParser, dict[str, Any]]:
     """``tool_choice`` ``"required"`` or ``{"type": "function", "function": {"name": N}}`` as
     vLLM does it, by structured outputs: the JSON schema the answer must match (a named
     choice: that tool's parameters; ``required``: a list of ``{"name", "parameters"}``, one
     item with ``parallel_tool_calls`` false; the tools' ``$defs`` moved to its root, where
     their ``#/$defs/...`` references point) and the parser that reads it into calls, their
-    ids made by ``call_id`` (the server's parser's, as :attr:`ToolParser.call_id`: vLLM gives
-    a Mistral model's forced calls Mistral's ids too; None: ``call_...``).
+    ids made by ``call_id`` (the server's parser's :attr:`ToolParser.forced_id`, else its
+    ``call_id``: vLLM gives a Mistral model's forced calls Mistral's ids, a Kimi-K2's Kimi's;
+    None: ``call_...``), the first numbered ``earlier`` (the calls already in the
+    conversation).
     ValueError naming ``tool_choice`` for a name no tool has or another form."""
     names = [t["function"]["name"] for t in tools]
     if tool_choice == "required":
@@ -497,7 +527,7 @@ def forced_tool_choice(tool_choice: str | Mapping[str, Any], tools: Tools,
         if not parallel_tool_calls:
             schema["maxItems"] = 1
         return ToolParser("required", ("",), lambda text, _: _forced_calls(text, None),
-                          call_id=call_id), schema
+                          call_id=call_id, earlier=earlier), schema
     function = tool_choice.get("function") if isinstance(tool_choice, Mapping) else None
     name = function.get("name") if isinstance(function, Mapping) else None
     if not (isinstance(tool_choice, Mapping) and tool_choice.get("type") == "function"
@@ -510,7 +540,7 @@ def forced_tool_choice(tool_choice: str | Mapping[str, Any], tools: Tools,
                          f"(tools: {', '.join(names)})")
     tool = tools[names.index(name)]
     return (ToolParser("named", ("",), lambda text, _: _forced_calls(text, name), named=True,
-                       call_id=call_id, function=name), _parameters(tool))
+                       call_id=call_id, earlier=earlier, function=name), _parameters(tool))
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@
   reads it). The model's ``functions.NAME:IDX`` (or ``NAME:IDX``) is the call's id, as vLLM
   keeps it (Kimi's template writes it back in the next turn); the name is what follows its
   last ``.`` before the ``:``. Arguments are a JSON object. Its markers are special tokens.
+  A call the server forces (``tool_choice`` named or ``required``) gets an id of that form too
+  (:func:`kimi_call_id`, vLLM's), IDX counting the calls already in the conversation.
 * ``qwen3_xml`` (Qwen3-Coder, Qwen3.5): ``qwen3_coder``'s format and values, with what vLLM's
   ``qwen3_xml`` parser reads besides: the text between and after the calls is content too
   (blank text is not), a value whose schema allows ``null`` may be written ``None`` (Qwen3.5's
@@ -59,6 +61,13 @@ def _json_object(text: str) -> str:
     if not isinstance(value, dict):
         raise ValueError("arguments that are not a JSON object")
     return json.dumps(value, ensure_ascii=False, allow_nan=False)
+
+
+def kimi_call_id(name: str, index: int) -> str:
+    """Kimi-K2's id of a call the server makes (a forced ``tool_choice``'s): ``functions.NAME:
+    IDX``, IDX counting the calls before it in the conversation and the answer (vLLM's
+    ``make_tool_call_id``)."""
+    return f"functions.{name}:{index}"
 
 
 def kimi_k2_calls(text: str, tools: Tools) -> list[tuple[str, str, str]]:

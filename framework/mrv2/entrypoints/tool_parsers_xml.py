@@ -82,9 +82,20 @@ def _finite(text: str) -> float:
     return value
 
 
+#: json's decoder, refusing what it reads beyond JSON (``NaN``, ``Infinity``, ``-Infinity``) and
+#: numbers no float holds (``1e999``): written back, either would not be JSON.
+_STRICT = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite)
+
+
 def strict_json(text: str) -> Any:
     """``text`` as JSON (ValueError: not JSON, or a number no float holds)."""
     return json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+
+
+def strict_json_at(text: str, pos: int = 0) -> tuple[Any, int]:
+    """The JSON value that begins at ``text[pos]`` and where it ends (text may follow it),
+    read as :func:`strict_json` reads (ValueError likewise)."""
+    return _STRICT.raw_decode(text, pos)
 
 
 def _python(text: str) -> Any:
@@ -163,7 +174,7 @@ def typed_call(name: str, pairs: list[tuple[str, str]], tools: Tools,
     types = _schema_types(tools, name)
     arguments = {key: _typed_value(value, types.get(key, []), loose, python)
                  for key, value in pairs}
-    return name, json.dumps(arguments, ensure_ascii=False)
+    return name, json.dumps(arguments, ensure_ascii=False, allow_nan=False)
 
 
 def pairs_of(text: str, pattern: re.Pattern[str]) -> list[tuple[str, str]]:

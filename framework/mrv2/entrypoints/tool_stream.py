@@ -399,8 +399,7 @@ class ToolCallStream:
             return []
         if call.index is not None:
             return [self._piece(call.index, new)]
-        made = ToolCall(call.name, new, call.id or (
-            self.parser.call_id() if self.parser.call_id else ""))
+        made = ToolCall(call.name, new, call.id or self.parser.make_id(call.name, len(self.sent)))
         call.index = len(self.sent)
         self.sent.append(made)
         return [CallDelta(call.index, new, made.name, made.id)]
@@ -472,7 +471,7 @@ class ToolCallStream:
         if was is None or was.index is None:  # (it did not stream)
             if call is None:
                 return []
-            call.id = self.parser.call_id() if self.parser.call_id else call.id
+            call.id = self.parser.make_id(call.name, len(self.sent)) or call.id
             self.sent.append(call)
             return [CallDelta(len(self.sent) - 1, call.arguments, call.name, call.id)]
         sent = self.sent[was.index]
