@@ -145,12 +145,12 @@ def test_kimi_k2s_thinking_switch(kwargs: dict[str, Any] | None, want: str) -> N
 
 
 def test_marks_and_prompts() -> None:
-    """Structured outputs: the ``<think>`` parsers as DeepSeek-R1's (MiMo as Qwen3's);
-    Hunyuan's plain-text tags get no mark (the grammar holds from the first token, so its
-    answer is content); none keeps special tokens or is refused. MiMo's answer to a prompt
+    """Structured outputs: the ``<think>`` parsers as DeepSeek-R1's (MiMo as Qwen3's;
+    Step-3.5 its own, a newline free after ``</think>``); Hunyuan's its own (its plain-text
+    answer tag); none keeps special tokens or is refused. MiMo's answer to a prompt
     that opened the block opens in its reasoning, as Qwen3's."""
     marks = {"kimi_k2": "deepseek_r1", "olmo3": "deepseek_r1", "step3": "deepseek_r1",
-             "step3p5": "deepseek_r1", "mimo": "qwen3", "hunyuan_a13b": None}
+             "step3p5": "step3p5", "mimo": "qwen3", "hunyuan_a13b": "hunyuan_a13b"}
     for kind, mark in marks.items():
         assert grammar_mark(kind) == mark, kind
         assert not keeps_special_tokens(kind)

@@ -38,7 +38,14 @@ template) is free until ``</think>``; otherwise (``qwen3``) the first token may 
 grammar's or ``<think>``, which frees it until ``</think>``. gpt-oss (``openai_gptoss``, its
 harmony messages) is free until it opens its final answer, ``<|channel|>final<|message|>``
 (a content type may come between: ``<|channel|>final <|constrain|>json<|message|>``; vLLM's
-rule): its analysis and any tool call are not held to the grammar.
+rule): its analysis and any tool call are not held to the grammar. Where the tokenizer spells
+the end tag with several tokens (Olmo 3's plain-text ``</think>``, Hunyuan-A13B's
+``</think>\n<answer>\n``) it is found in the bytes of the output's tokens, however the model
+splits it (:mod:`mrv2.engine.think_tags`), and the grammar holds from the next token; a token
+that would complete the tag and go on past it is not allowed. (A start tag of several tokens
+cannot be offered beside the grammar's first token: there the grammar holds from the first
+token unless the prompt opened the block.) Step-3.5's first token after ``</think>`` may be
+the newline its parser drops (vLLM leaves that one token free; here only the newline is).
 
 With speculative decoding a constrained request verifies its drafts as a free one does: a
 step that samples one copies the drafts proposed after it to the host with its tokens
@@ -60,6 +67,7 @@ from typing import Any, cast
 import numpy as np
 
 from mrv2.contract.params import SamplingParams, StructuredOutputsParams
+from mrv2.engine.think_tags import TextTag
 
 __all__ = ["Guide", "StructuredOutputs", "fill_bitmasks", "fill_draft_bitmasks", "grammar_of"]
 
@@ -68,19 +76,30 @@ _FIELD = "SamplingParams.structured_outputs"
 #: type: `` <|constrain|>json``), its answer still held to the grammar (vLLM's 20).
 HARMONY_HEADER_GAP = 20
 #: The thinking blocks a structured output's ``SamplingParams._reasoning`` names (the server's
-#: reasoning parser's convention): its start and end tags (each one token of the tokenizer),
-#: and where the answer starts: ``prompt`` (in the block if the prompt's last start tag stands
-#: after its last end tag, past it if the prompt closed it, else ``qwen3``'s first token may
-#: open it and ``deepseek_r1``'s answer opens in it), ``open`` (the model opens the block
-#: itself: the first token may be the start tag, whatever the prompt holds: Magistral's
-#: system prompt writes both tags, Gemma 4's are not in it).
+#: reasoning parser's convention): its start and end tags (one token of the tokenizer each, or
+#: plain text that several tokens spell: the end tag is then found in the output's text,
+#: :class:`~mrv2.engine.think_tags.TextTag`), and where the answer starts: ``prompt`` (in the
+#: block if the prompt's last start tag stands after its last end tag, past it if the prompt
+#: closed it, else ``qwen3``'s first token may open it and ``deepseek_r1``'s answer opens in
+#: it), ``open`` (the model opens the block itself: the first token may be the start tag,
+#: whatever the prompt holds: Magistral's system prompt writes both tags, Gemma 4's are not in
+#: it). A start tag of several tokens cannot be offered beside the grammar's first token: where
+#: the model would have to open the block itself, the grammar holds from the first token.
 THINK_BLOCKS: dict[str, tuple[str, str, str]] = {
     "qwen3": ("<think>", "</think>", "prompt"),
     "deepseek_r1": ("<think>", "</think>", "prompt"),
     "seed_oss": ("<seed:think>", "</seed:think>", "prompt"),
+    "step3p5": ("<think>", "</think>", "prompt"),
+    "hunyuan_a13b": ("<think>\n", "</think>\n<answer>\n", "prompt"),
     "mistral": ("[THINK]", "[/THINK]", "open"),
     "gemma4": ("<|channel>", "<channel|>", "open"),
 }
+#: The marks whose answer opens in the block where the prompt says nothing of it (DeepSeek-R1's).
+OPENS_IN_BLOCK = ("deepseek_r1", "seed_oss", "step3p5")
+#: The marks whose first token after the block may be a newline the grammar does not hold
+#: (Step-3.5 writes one after ``</think>``, which its parser drops; vLLM leaves that token
+#: free, here only the newline is added to the grammar's first tokens).
+NEWLINE_AFTER = ("step3p5",)
 logger = logging.getLogger(__name__)
 
 
@@ -224,8 +243,9 @@ def _structural_tag_grammar(spec: StructuredOutputsParams) -> str:
 
 #: A guide's phases: "grammar" (every token masked by the matcher); "reasoning" (a thinking
 #: model's block: nothing masked, until its end tag); "open" (qwen3's first token: the
-#: matcher's tokens or the block's start tag).
-_PHASES = ("grammar", "reasoning", "open")
+#: matcher's tokens or the block's start tag); "lead" (the first token after the block: the
+#: matcher's tokens or the guide's ``lead``, Step-3.5's newline).
+_PHASES = ("grammar", "reasoning", "open", "lead")
 
 
 class Guide:
@@ -235,15 +255,20 @@ class Guide:
     gpt-oss: ``<|channel|>final<|message|>``), and the phase to start in; ``gap``: how many
     tokens may stand before the end sequence's last one, after the others: gpt-oss's header
     may carry a content type, ``<|channel|>final <|constrain|>json<|message|>``, as vLLM
-    allows)."""
+    allows); ``spell``: the end tag where the tokenizer spells it with several tokens (matched
+    on their text; ``think``'s end ids are then unused); ``lead``: a token that may come first
+    after the block, not held to the grammar (Step-3.5's newline; -1: none))."""
 
     def __init__(self, matcher: Any, owner: StructuredOutputs,
-                 think: tuple[int, tuple[int, ...], str] | None = None, gap: int = 0) -> None:
+                 think: tuple[int, tuple[int, ...], str] | None = None, gap: int = 0,
+                 spell: TextTag | None = None, lead: int = -1) -> None:
         self.matcher, self.owner = matcher, owner
         self.think_start, self.think_end, self.phase = think or (-1, (), "grammar")
-        self.gap = gap
+        self.gap, self.spell, self.lead = gap, spell, lead
         #: The last tokens of the reasoning phase (up to the end sequence's length + gap).
         self.tail: tuple[int, ...] = ()
+        #: With ``spell``: the output's last bytes that may begin its tag.
+        self.text = b""
         #: Tokens advanced over: the request's output so far, or past it by the tokens of
         #: steps whose results arrived but are not processed yet (late masks).
         self.consumed = 0
@@ -258,14 +283,22 @@ class Guide:
         grammar's, not the thinking block's)."""
         self.consumed += 1
         if self.phase == "reasoning":
-            self.tail = (*self.tail, token)[-(len(self.think_end) + self.gap):]
-            if self._reasoning_ended():
-                self.phase = "grammar"
+            if self.spell is not None:
+                self.text, ended = self.spell.feed(self.text, token)
+            else:
+                self.tail = (*self.tail, token)[-(len(self.think_end) + self.gap):]
+                ended = self._reasoning_ended()
+            if ended:
+                self.phase = "lead" if self.lead >= 0 else "grammar"
             return False
         if self.phase == "open":
             self.phase = "grammar"
             if token == self.think_start:
                 self.phase = "reasoning"
+                return False
+        elif self.phase == "lead":
+            self.phase = "grammar"
+            if token == self.lead:
                 return False
         self.matcher.consume_token(token)
         if self.done_at is None and self.done:
@@ -296,8 +329,10 @@ class Guide:
         """An independent copy (its own matcher, a deep copy): beam search's candidates each
         go on from their beam's state."""
         twin = Guide(self.matcher.deep_copy(), self.owner,
-                     (self.think_start, self.think_end, self.phase), self.gap)
-        twin.tail, twin.consumed, twin.done_at = self.tail, self.consumed, self.done_at
+                     (self.think_start, self.think_end, self.phase), self.gap, self.spell,
+                     self.lead)
+        twin.tail, twin.text = self.tail, self.text
+        twin.consumed, twin.done_at = self.consumed, self.done_at
         return twin
 
     @property
@@ -342,7 +377,7 @@ def fill_draft_bitmasks(guides: list[Guide | None], drafts: list[list[int]],
             out[i][:] = -1
         else:
             live.append(i)
-    saved = {i: (g.phase, g.consumed, g.done_at, g.tail)
+    saved = {i: (g.phase, g.consumed, g.done_at, g.tail, g.text)
              for i in live if (g := guides[i]) is not None}
     taken = dict.fromkeys(live, 0)
     try:
@@ -370,18 +405,20 @@ def fill_draft_bitmasks(guides: list[Guide | None], drafts: list[list[int]],
                     after.append(i)
             live, level = after, level + 1
     finally:
-        for i, (phase, consumed, done_at, tail) in saved.items():
+        for i, (phase, consumed, done_at, tail, text) in saved.items():
             guide = cast(Guide, guides[i])
             if taken[i]:
                 guide.matcher.rollback(taken[i])
-            guide.phase, guide.consumed, guide.done_at, guide.tail = (phase, consumed, done_at,
-                                                                      tail)
+            guide.phase, guide.consumed, guide.done_at = phase, consumed, done_at
+            guide.tail, guide.text = tail, text
 
 
 def _compute(guides: list[Guide], out: np.ndarray) -> None:
     """The guides' masks into ``out``'s rows: one guide on this thread, several on
     llguidance's thread pool (the GIL released; H200 host: 16 cores); a guide in its thinking
-    block allows every token, one that may still open it also its start tag."""
+    block allows every token (but, where its end tag is text, those that would carry text past
+    the tag: :meth:`TextTag.restrict`), one that may still open it also its start tag, one just
+    past it also its ``lead``."""
     if not guides:
         return
     owner = guides[0].owner
@@ -398,8 +435,12 @@ def _compute(guides: list[Guide], out: np.ndarray) -> None:
     for i, g in enumerate(guides):
         if g.phase == "reasoning":
             out[i] = -1  # every token
+            if g.spell is not None:
+                g.spell.restrict(g.text, out.view(np.uint32)[i])
         elif g.phase == "open":  # or the thinking block's start
             out.view(np.uint32)[i, g.think_start // 32] |= np.uint32(1 << g.think_start % 32)
+        elif g.phase == "lead":  # or the token that may follow the block (a newline)
+            out.view(np.uint32)[i, g.lead // 32] |= np.uint32(1 << g.lead % 32)
 
 
 class StructuredOutputs:
@@ -413,7 +454,10 @@ class StructuredOutputs:
         self._tokenizer: Any = None
         self._executor: Any = None
         self._grammars: dict[str, str] = {}
-        self._tags: dict[tuple[str, str], tuple[int, int] | None] = {}
+        self._ids: dict[str, int] = {}  # a tag's token id (-1: several tokens)
+        self._spelled: dict[str, TextTag] = {}
+        self._vocab: list[bytes] | None = None
+        self._warned: set[str] = set()
         self._final: tuple[int, ...] | None = None  # (): looked up, not in this tokenizer
 
     @property
@@ -493,21 +537,36 @@ class StructuredOutputs:
             return Guide(matcher, self, None if final is None else (-1, final, "reasoning"),
                          gap=HARMONY_HEADER_GAP)
         block = THINK_BLOCKS.get(params._reasoning or "")
-        tags = self._think_tags(block[0], block[1]) if block is not None else None
-        if block is None or tags is None:
+        if block is None:
             return Guide(matcher, self)
-        start, end = tags
-        opened = max((i for i, t in enumerate(prompt_token_ids) if t == start), default=-1)
-        closed = max((i for i, t in enumerate(prompt_token_ids) if t == end), default=-1)
-        if block[2] == "open":
+        start_tag, end_tag, opens = block
+        start, end = self._token_id(start_tag), self._token_id(end_tag)
+        if start >= 0 and end >= 0:  # (the ids: as fast as it gets)
+            opened = max((i for i, t in enumerate(prompt_token_ids) if t == start), default=-1)
+            closed = max((i for i, t in enumerate(prompt_token_ids) if t == end), default=-1)
+        else:  # a tag of several tokens: the prompt's text
+            text = self.tokenizer.decode_bytes(prompt_token_ids)
+            opened, closed = text.rfind(start_tag.encode()), text.rfind(end_tag.encode())
+        if opens == "open":
             phase = "open"  # the model opens the block itself, or answers at once
         elif closed > opened:
             phase = "grammar"  # the template closed the block: no reasoning
-        elif opened >= 0 or params._reasoning in ("deepseek_r1", "seed_oss"):
+        elif opened >= 0 or params._reasoning in OPENS_IN_BLOCK:
             phase = "reasoning"
         else:
             phase = "open"
-        return Guide(matcher, self, (start, (end,), phase))
+        if phase == "open" and start < 0:
+            if start_tag not in self._warned:
+                self._warned.add(start_tag)
+                logger.warning("structured outputs: %r is not one token of this tokenizer, so "
+                               "the first token cannot open the thinking block: the grammar "
+                               "holds from the first token unless the prompt opened it",
+                               start_tag)
+            phase = "grammar"
+        spell = self._spell(end_tag) if end < 0 else None
+        lead = self._token_id("\n") if params._reasoning in NEWLINE_AFTER else -1
+        return Guide(matcher, self, (start, (end,) if end >= 0 else (), phase), spell=spell,
+                     lead=lead)
 
     def _harmony_final(self) -> tuple[int, ...] | None:
         """The token ids of ``<|channel|>final<|message|>`` (None, logged once, where the
@@ -523,17 +582,22 @@ class StructuredOutputs:
                                "of this tokenizer; the grammar holds from the first token")
         return self._final or None
 
-    def _think_tags(self, start: str = "<think>", end: str = "</think>"
-                    ) -> tuple[int, int] | None:
-        """The token ids of a thinking block's tags (``<think>`` / ``</think>`` by default;
-        None, logged once, where either is not one token: the grammar then holds from the
-        first token)."""
-        if (start, end) not in self._tags:
-            ids = [self.hf_tokenizer.encode(tag, add_special_tokens=False)
-                   for tag in (start, end)]
-            tags = (ids[0][0], ids[1][0]) if all(len(i) == 1 for i in ids) else None
-            self._tags[start, end] = tags
-            if tags is None:
-                logger.warning("structured outputs: %s / %s are not single tokens of this "
-                               "tokenizer; the grammar holds from the first token", start, end)
-        return self._tags[start, end]
+    def _token_id(self, tag: str) -> int:
+        """The token id of ``tag`` (-1 where the tokenizer spells it with several tokens)."""
+        if tag not in self._ids:
+            ids = self.hf_tokenizer.encode(tag, add_special_tokens=False)
+            self._ids[tag] = ids[0] if len(ids) == 1 else -1
+        return self._ids[tag]
+
+    def _spell(self, tag: str) -> TextTag:
+        """``tag`` (several tokens) matched on the text of the tokens (built once: every
+        token's bytes, read from the tokenizer; a special token's are empty, as the text the
+        parser reads skips it)."""
+        if tag not in self._spelled:
+            if self._vocab is None:
+                tokenizer = self.tokenizer
+                self._vocab = [b"" if tokenizer.is_special_token(i)
+                               else tokenizer.decode_bytes([i])
+                               for i in range(min(tokenizer.vocab_size, self.vocab_size))]
+            self._spelled[tag] = TextTag(tag.encode(), self._vocab, self.words)
+        return self._spelled[tag]

@@ -62,15 +62,20 @@ The conventions, as vLLM's parsers:
 * ``olmo3`` (Olmo 3 Think, whose template opens ``<think>`` in the prompt) and ``step3``
   (Step3): ``deepseek_r1``'s (an output cut off before ``</think>`` is reasoning: vLLM's
   stream; ``olmo3``'s whole answer calls it content); ``step3`` leaves a ``<think>`` the
-  model writes in the reasoning, as vLLM's. ``step3p5`` (Step-3.5): ``deepseek_r1``'s, and
+  model writes in the reasoning, as vLLM's. Olmo 3's tags are plain text (several tokens): a
+  structured output's grammar holds from the token after ``</think>``, found in the output's
+  text however the model splits it. ``step3p5`` (Step-3.5): ``deepseek_r1``'s, and
   one newline right before ``</think>`` and one right after it are dropped (a cut-off
-  reasoning's last newline too).
+  reasoning's last newline too); a structured output may write that newline before its
+  grammar's first token (vLLM leaves that token free).
 * ``hunyuan_a13b`` (Hunyuan-A13B): the output may open with ``<think>\\n``; the reasoning
   runs to ``\\n</think>\\n<answer>\\n`` (or without its first newline), the content to
   ``\\n</answer>`` (what follows is dropped); an output that does not open the block is
   content (up to a ``\\n</answer>`` likewise), a thinking cut off is reasoning (vLLM's
-  stream). The tags are plain text (several tokens): a structured output holds from the
-  first token, so the model answers without thinking, and the answer is content.
+  stream). The tags are plain text (several tokens): a structured output holds what follows
+  ``</think>\\n<answer>\\n`` (found in the output's text) where the prompt opened the block,
+  and from the first token otherwise (the model cannot open the block itself: the answer is
+  content).
 * ``mimo`` (Xiaomi MiMo): ``qwen3``'s (vLLM's same parser).
 
 The parsers that read the chat template's switches are resolved per request
@@ -103,11 +108,11 @@ REASONING_PARSERS = ("qwen3", "deepseek_r1", "openai_gptoss", "minimax_m2",
 THINK_PARSERS = {"qwen3": "qwen3", "deepseek_r1": "deepseek_r1", "minimax_m2": "deepseek_r1",
                  "minimax_m2_append_think": "deepseek_r1", "ernie45": "deepseek_r1",
                  "kimi_k2": "deepseek_r1", "olmo3": "deepseek_r1", "step3": "deepseek_r1",
-                 "step3p5": "deepseek_r1", "mimo": "qwen3"}
+                 "step3p5": "step3p5", "mimo": "qwen3"}
 #: The other parsers' marks for the engine (:data:`mrv2.engine.structured_outputs.THINK_BLOCKS`
 #: : their own tags; gpt-oss's harmony headers).
 OTHER_MARKS = {"openai_gptoss": "openai_gptoss", "seed_oss": "seed_oss", "mistral": "mistral",
-               "gemma4": "gemma4"}
+               "gemma4": "gemma4", "hunyuan_a13b": "hunyuan_a13b"}
 #: ``deepseek_v3``'s with thinking on unless a request's switch says otherwise (vLLM's
 #: ``DeepSeekV3ReasoningWithThinkingParser``: GLM-4.5 / 4.6 / 4.7, Holo2).
 THINKING_BY_DEFAULT = ("glm45", "glm47", "holo2")
