@@ -7,7 +7,7 @@
 # coldstart (scripts/probe_cold_start.py: the first request of each kind on an empty Triton cache, warm-up off and on),
 # gcgen0 (MRV2_GC_GEN0_THRESHOLD=20000 against Python's own, 256 streams through mrv2 serve),
 # longdecode (scripts/sweep_long_decode.py: decode attention's launch options at long contexts),
-# targets49 (issue 16's targets, cheapest first, within VERIFY_S), verify49 (packed integer weights reloaded under graphs, gpt-oss's MXFP4 test, then scripts/kernel_audit.py:
+# quick49 (the default prefill grid on 8B heads, packed integer reloads; ~2 min), targets49 (issue 16's targets, cheapest first, within VERIFY_S), verify49 (packed integer weights reloaded under graphs, gpt-oss's MXFP4 test, then scripts/kernel_audit.py:
 # every Triton variant a workload compiled, flagged for spills and register cliffs),
 # verify48b (the eight-warp prefill register cap), verify48 (the flat grid's per-step order and max_model_len auto on CUDA),
 # ttfttiles (one long prompt's TTFT, MRV2_ATTN_TILES_LAST=0 against the default),
@@ -860,6 +860,13 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
              --server-args "--tensor-parallel-size ${TP:-4} --max-model-len 4096 ${GLM47_ARGS:-}" \
              --variants ${GLM47_VARIANTS:-mtp_off mtp_on async_off mtp_on_async_off} 2>&1 \
              | tee "$OUT/glm47.log" | tail -24 ;;
+    quick49) # what ~2 minutes of a fresh machine can show: the default prefill grid on 8B heads
+             # (4 x 1,024 causal: now the (tile, request) grid), then packed integer reloads
+             timeout 75 python3 -m mrv2_kernels.bench_attention --no-decode --layouts 8B \
+               > "$OUT/attn.log" 2>&1; grep -E "causal" "$OUT/attn.log" | head -3
+             timeout "${QUICK_S:-60}" python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_int_quant.py \
+               -k "update_and_reload" 2>&1 | tee "$OUT/gpu_int_reload.log" \
+               | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -4 ;;
     targets49) # issue 16's targets within VERIFY_S seconds (default 460), the cheapest first: batch-1
                # TPOT of Qwen3-0.6B, prefill attention on 8B heads (4 x 1,024 causal), then the
                # throughput workload on Qwen3-0.6B and Qwen3-8B (each bench's own table)
