@@ -147,8 +147,8 @@ def _calls(calls: list[dict[str, Any]]) -> list[tuple[str, Any]]:
 @pytest.mark.parametrize("reasoning", sorted(MESSAGES))
 def test_a_chat_choice_through_both_parsers(reasoning: str) -> None:
     """The reasoning parser splits the answer, the tool-call parser reads what it left as
-    content: the same message whole and streamed a character (a token) at a time, the calls
-    sent whole at the end, finishing with ``tool_calls``."""
+    content: the same message whole and streamed a character (a token) at a time, each call
+    sent whole when its invoke closes, finishing with ``tool_calls``."""
     choice: dict[str, Any] = {"finish_reason": "stop"}
     message = _stream(reasoning)._parsed_message(ANSWER, choice)
     thought, content = MESSAGES[reasoning]
@@ -165,7 +165,8 @@ def test_a_chat_choice_through_both_parsers(reasoning: str) -> None:
             got["reasoning_content"] += delta.get("reasoning_content", "")
             got["content"] += delta["content"]
             assert "<minimax" not in delta["content"]
-            assert not delta.get("tool_calls") or final
+            if delta.get("tool_calls"):  # (each call whole, when its invoke closes)
+                assert ANSWER[:i + 1].endswith("</invoke>"), ANSWER[:i + 1]
             got["calls"] += _calls(delta.get("tool_calls", []))
             assert chunk["finish_reason"] == ("tool_calls" if final else None)
     assert (got["reasoning_content"] or None, got["content"], got["calls"]) == (

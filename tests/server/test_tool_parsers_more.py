@@ -91,8 +91,8 @@ class _Body:
 def test_a_deepseek_v32_answer_through_the_reasoning_parser() -> None:
     """DeepSeek-V3.2 with thinking on (``--reasoning-parser deepseek_v3`` splits as
     ``deepseek_r1``): the reasoning apart, the content before the block, the calls typed;
-    the same message whole and streamed a character (a token) at a time, the calls sent whole
-    at the end, finishing with ``tool_calls``."""
+    the same message whole and streamed a character (a token) at a time, each call sent whole
+    when its invoke closes, finishing with ``tool_calls``."""
     answer = "The user wants the weather.</think>" + DSML_ANSWER
 
     def stream() -> Stream:
@@ -118,7 +118,9 @@ def test_a_deepseek_v32_answer_through_the_reasoning_parser() -> None:
             delta = chunk["delta"]
             got["reasoning_content"] += delta.get("reasoning_content", "")
             got["content"] += delta["content"]
-            assert DSML not in delta["content"] and (not delta.get("tool_calls") or final)
+            assert DSML not in delta["content"]
+            if delta.get("tool_calls"):  # (each call whole, when its invoke closes)
+                assert answer[:i + 1].endswith(f"</{DSML}invoke>"), answer[:i + 1]
             calls += [(c["function"]["name"], json.loads(c["function"]["arguments"]))
                       for c in delta.get("tool_calls", [])]
             assert chunk["finish_reason"] == ("tool_calls" if final else None)

@@ -195,12 +195,14 @@ def test_a_call_that_goes_wrong_after_it_went_out_stands() -> None:
     assert _pieces(stream, list(text)) == (text, [[]] * len(text))
 
 
-def test_formats_that_do_not_stream_send_each_call_whole_at_the_end() -> None:
+def test_an_xml_call_goes_out_whole_when_its_block_closes() -> None:
+    """(Its arguments typed by the tools' schemas once its block is whole: in one piece.)"""
     text = "<tool_call>\n<function=now>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>"
     said, feeds = _pieces(ToolCallStream("qwen3_coder"), list(text))
-    assert said == "" and not any(feeds[:-1])
-    assert feeds[-1] == [{"index": 0, "id": feeds[-1][0]["id"], "type": "function",
-                          "function": {"name": "now", "arguments": '{"x": "1"}'}}]
+    closed = text.index("</function>") + len("</function>") - 1
+    assert said == "" and not any(feeds[:closed] + feeds[closed + 1:])
+    assert feeds[closed] == [{"index": 0, "id": feeds[closed][0]["id"], "type": "function",
+                              "function": {"name": "now", "arguments": '{"x": "1"}'}}]
 
 
 def test_forced_calls_stream() -> None:

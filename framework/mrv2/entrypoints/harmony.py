@@ -157,7 +157,7 @@ class HarmonyStream:
         self.state = "boundary"
         self.pending = ""  # text held back: a possible marker, or a header not yet whole
         self.header = Header("drop")  # the open message's
-        self.call = ""  # the open call's arguments so far
+        self.call: list[str] = []  # the open call's arguments so far, in pieces
         self.sent: set[str] = set()  # the kinds that gave text already
         self.join = False  # the open message's first text opens with a newline
 
@@ -213,7 +213,7 @@ class HarmonyStream:
         return out
 
     def _open(self, header: Header) -> None:
-        self.state, self.header, self.call = "body", header, ""
+        self.state, self.header, self.call = "body", header, []
         self.join = header.kind in self.sent
 
     def _add(self, text: str, out: list[Piece]) -> None:
@@ -221,7 +221,7 @@ class HarmonyStream:
         if not text or kind == "drop":
             return
         if kind == "call":
-            self.call += text
+            self.call.append(text)
             return
         if self.join:
             text, self.join = "\n" + text, False
@@ -233,9 +233,9 @@ class HarmonyStream:
 
     def _close(self, out: list[Piece], ended: bool) -> None:
         if self.header.kind == "call":
-            out.append(Piece("call", self.call, self.header.name, self.header.content_type,
-                             ended))
-        self.header, self.call = Header("drop"), ""
+            out.append(Piece("call", "".join(self.call), self.header.name,
+                             self.header.content_type, ended))
+        self.header, self.call = Header("drop"), []
 
 
 def parse_harmony(text: str) -> list[Piece]:

@@ -262,9 +262,12 @@ def split_reasoning(kind: str, text: str) -> tuple[str | None, str | None]:
 def held_tag_prefix(text: str, tag: str) -> int:
     """How many trailing characters of ``text`` may begin ``tag`` (a stream holds them back
     until the next delta decides; the tool-call parser uses it too)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
+    n, last = min(len(tag) - 1, len(text)), text[-1:]
+    while n > 0:  # (only where the tag has the text's last character: a delta's usual work)
+        n = tag.rfind(last, 0, n) + 1
+        if n and text.endswith(tag[:n]):
             return n
+        n -= 1
     return 0
 
 

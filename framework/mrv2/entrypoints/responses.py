@@ -32,6 +32,7 @@ from mrv2.entrypoints.openai_logprobs import (
 )
 from mrv2.entrypoints.reasoning import ReasoningStream, split_reasoning
 from mrv2.entrypoints.tool_calls import ToolCalling
+from mrv2.entrypoints.tool_stream import ToolCallStream
 
 __all__ = ["APIError", "Echo", "Stream", "disconnected", "drain"]
 
@@ -75,7 +76,8 @@ class _Choice:
         #: The choice's ``--reasoning-parser`` split, as its text arrives (chat only).
         self.reasoning = ReasoningStream(reasoning) if reasoning else None
         #: Its tool calls' split (a chat request with tools).
-        self.tool_calls = tools.stream() if tools is not None else None
+        self.tool_calls = (ToolCallStream(tools.parser, tools.tools) if tools is not None
+                           else None)
 
 
 class _Answer:

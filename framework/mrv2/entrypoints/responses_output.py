@@ -12,7 +12,7 @@ from typing import Any
 
 from mrv2.entrypoints.openai_logprobs import chat_logprobs
 from mrv2.entrypoints.reasoning import ReasoningStream
-from mrv2.entrypoints.tool_stream import CallDelta
+from mrv2.entrypoints.tool_stream import CallDelta, ToolCallStream
 
 __all__ = ["AnswerSplit", "OutputItems"]
 
@@ -42,7 +42,7 @@ class AnswerSplit:
     def __init__(self, reasoning: str | None, tools: Any, parallel: bool,
                  k: int | None) -> None:
         self.reasoning = ReasoningStream(reasoning) if reasoning else None
-        self.calling = tools.stream() if tools is not None else None
+        self.calling = ToolCallStream(tools.parser, tools.tools) if tools is not None else None
         self.parallel, self.k = parallel, k
         self.held_ids: list[int] = []
         self.held: list[Any] = []

@@ -76,8 +76,8 @@ tools with ``skip_special_tokens=False``, as vLLM's ``adjust_request`` does.
 
 A stream (:class:`mrv2.entrypoints.tool_stream.ToolCallStream`) sends the content as it
 arrives and each call's arguments in pieces as the model writes them, as vLLM's parsers do
-(the formats whose arguments are a JSON object; the others' calls go out whole when the
-choice finishes). A choice that made calls finishes with ``finish_reason: "tool_calls"``.
+(the formats whose arguments are a JSON object; the others' calls go out whole, each when
+its block closes). A choice that made calls finishes with ``finish_reason: "tool_calls"``.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ import string
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mrv2.entrypoints import tool_parsers_more as more
 from mrv2.entrypoints.harmony import CHANNEL, START, Piece, parse_harmony
@@ -107,9 +107,6 @@ from mrv2.entrypoints.tool_parsers_xml import (
     strict_json_at,
 )
 from mrv2.entrypoints.tool_parsers_xml import blocks as _blocks
-
-if TYPE_CHECKING:
-    from mrv2.entrypoints.tool_stream import ToolCallStream
 
 
 @dataclass
@@ -554,9 +551,3 @@ class ToolCalling:
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """A finished answer's ``(content, calls)``."""
         return self.parser.parse(text, self.tools)
-
-    def stream(self) -> ToolCallStream:
-        """A splitter for one streamed choice."""
-        from mrv2.entrypoints.tool_stream import ToolCallStream  # (it reads these formats)
-
-        return ToolCallStream(self.parser, self.tools)

@@ -14,16 +14,22 @@ waits until the next call begins or the answer ends.
 The formats whose arguments are a JSON object in the text stream them so: ``hermes``,
 ``llama3_json`` / ``llama4_json``, ``mistral``, ``deepseek_v3``, ``deepseek_v31``, ``kimi_k2``
 (its ids the model's), ``openai`` and the forced ``tool_choice`` readers (where a call is one
-JSON object, its ``"name"`` comes before its ``"arguments"`` / ``"parameters"``). The others
-(the XML-like formats, whose values are typed by the tools' schemas, and ``pythonic``), and a
-call written otherwise (its arguments a string, or before its name), send each call whole when
-the answer ends. When the answer ends it is parsed whole, as the non-streamed answer is: the
-rest of each call's arguments (its closing brace at least) and any call that did not stream go
-out then. A stream cannot take back what it sent: where the answer turns out malformed or cut
+JSON object, its ``"name"`` comes before its ``"arguments"`` / ``"parameters"``). The XML-like
+formats (whose values are typed by the tools' schemas) and ``pythonic`` send each call whole,
+in one piece, as soon as its own block is closed (:mod:`mrv2.entrypoints.tool_stream_whole`);
+a call written otherwise (its arguments a string, or before its name) goes out whole when the
+answer ends. When the answer ends it is parsed whole, as the non-streamed answer is: the rest
+of each call's arguments (its closing brace at least) and any call that did not stream go out
+then. A stream cannot take back what it sent: where the answer turns out malformed or cut
 off (``max_tokens``) after a call went out (or a call went out otherwise than the whole answer
 reads it: a key given twice), what went out stands and nothing more of that call comes; the
 choice finishes with ``tool_calls`` only where the whole answer has calls
 (:attr:`ToolCallStream.called`).
+
+A delta costs work in proportion to its own length, however long the call: the text is kept
+in the pieces it came in (joined once, for the whole answer's parse), only the text not read
+yet is scanned (a call's arguments by its :class:`JsonStream`, which keeps its own state), and
+while the next call's marker has not shown, only the new text is searched for it.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ from mrv2.entrypoints.tool_calls import (
 from mrv2.entrypoints.tool_parsers_more import _KIMI_ID as KIMI_ID
 from mrv2.entrypoints.tool_parsers_more import KIMI_ARGUMENTS, KIMI_CALL, KIMI_CALL_END
 from mrv2.entrypoints.tool_parsers_xml import Tools
+from mrv2.entrypoints.tool_stream_whole import BLOCKS, BlockCalls, PythonCalls
 
 __all__ = ["CallDelta", "ToolCallStream"]
 
@@ -79,7 +86,11 @@ class CallDelta:
 # -- where a call's arguments begin ----------------------------------------------------------
 
 class _Wait(Exception):
-    """The text so far cannot tell yet."""
+    """The text so far cannot tell yet (``marker``: nothing changes until it shows)."""
+
+    def __init__(self, marker: str = "") -> None:
+        super().__init__(marker)
+        self.marker = marker
 
 
 class _Fail(Exception):
@@ -150,7 +161,7 @@ def _after(text: str, pos: int, marker: str) -> int:
     """Past the next ``marker`` from ``pos``."""
     at = text.find(marker, pos)
     if at < 0:
-        raise _Wait
+        raise _Wait(marker)
     return at + len(marker)
 
 
@@ -293,38 +304,66 @@ HEADS: dict[str, tuple[Head, str]] = {
 @dataclass
 class _Call:
     """A call being streamed: its name, its arguments' reader (None: raw text, harmony's
-    non-JSON content types), where they begin in the text and how much of it was read, and
-    its index once its first piece went out."""
+    non-JSON content types), how much of the window (harmony: of its message's pieces) was
+    read and how much of its text left the window, and its index once its first piece went
+    out."""
 
     name: str
     json: JsonStream | None
-    at: int = 0
     read: int = 0
+    cut: int = 0
     index: int | None = None
-    held: str = ""  # its opening brace, until a key or its end follows (``{bad}``: nothing)
+    held: str = ""  # its opening brace, until a key or its end follows (``{bad}``: nothing);
+    # raw arguments: their leading whitespace, until more follows
     id: str = ""  # the model's (none: made when its first piece goes out)
+
+
+@dataclass
+class _Sent:
+    """A call that went out: its name, id and the pieces of its arguments sent so far."""
+
+    name: str
+    id: str
+    parts: list[str]
+
+    @property
+    def arguments(self) -> str:
+        return "".join(self.parts)
 
 
 class ToolCallStream:
     """Splits one choice's content deltas into content to send now and :class:`CallDelta`
-    pieces of its calls (module doc)."""
+    pieces of its calls (module doc). The work of a delta is proportional to it, however long
+    the call: the text is kept as the deltas came (joined once, for the whole answer's parse),
+    and only what is not read yet is scanned."""
 
     def __init__(self, parser: str | ToolParser = "hermes", tools: Tools = ()) -> None:
         self.parser, self.tools = get_tool_parser(parser), tools
-        self.held = ""  # text not sent yet: a possible marker start, or everything from a call
+        self.held = ""  # content not sent yet: what may begin a marker
+        self.pieces: list[str] = []  # the text from the first call marker on
         # "open": a leading parser's answer so far may still open with a marker; "text":
-        # content, a marker may come; "calls": holding the calls; "plain": content only.
+        # content, a marker may come; "calls": the calls' text; "plain": content only.
         self.state = "open" if self.parser.leading else "text"
         #: ``harmony``: the messages' split
         self.harmony = HarmonyStream() if self.parser.harmony else None
         self.head: Head | None
         self.head, self.end = ((_named(self.parser.function), "") if self.parser.function
                                else HEADS.get(self.parser.name, (None, "")))
-        #: Each call sent so far (by index): its name, id and arguments sent.
-        self.sent: list[ToolCall] = []
+        #: The formats whose calls go out whole, each when its block closes.
+        self.whole: BlockCalls | PythonCalls | None = None
+        if self.parser.name in BLOCKS and not self.parser.function:
+            self.whole = BlockCalls(self.parser.calls_of, tools, *BLOCKS[self.parser.name])
+        elif self.parser.name in ("pythonic", "llama4_pythonic"):
+            self.whole = PythonCalls(self.parser.calls_of, tools)
+        #: Each call sent so far (by index).
+        self.sent: list[_Sent] = []
         self.call: _Call | None = None  # the call being streamed
         self.last: str | None = None  # how the last call found was written
-        self.pos = 0  # where the last call's arguments ended
+        self.window = ""  # the calls' text still to read (a call's: from its arguments on)
+        self.pos = 0  # where the last call's arguments ended in the window
+        self.wait = ""  # the marker the next call's head waits for (none: it waits for text)
+        self.gap: list[str] = []  # the text since the head last looked, while it waits so
+        self.wait_tail = ""  # the end of the text read, where that marker may begin
         self.due: int | None = None  # a call whose closing brace waits for the next call
         #: The choice finished with calls (it finishes with ``tool_calls``).
         self.called = False
@@ -335,6 +374,8 @@ class ToolCallStream:
         calls, or the held text as content when it held none)."""
         if self.harmony is not None:
             return self._harmony(delta, final)
+        if self.state == "calls":
+            return self._calls(delta, final)
         text, starts = self.held + delta, self.parser.starts
         self.held, before = "", ""
         if self.state == "open":
@@ -356,75 +397,120 @@ class ToolCallStream:
                 return text[: len(text) - keep], []
             self.state = "calls"
             before, text = text[:first], text[first:]
-        self.held = text
+        said, pieces = self._calls(text, final)
+        return before + said, pieces
+
+    def _calls(self, text: str, final: bool) -> tuple[str, list[CallDelta]]:
+        """The calls' next text."""
+        self.pieces.append(text)
         if not final:
-            return before, self._follow()
-        content, calls = self.parser.parse(text, self.tools)
+            return "", self._whole(text) if self.whole is not None else self._follow(text)
+        whole = "".join(self.pieces)
+        content, calls = self.parser.parse(whole, self.tools)
         if calls:
             self.called = True
-            return before + (content or ""), self._rest(calls)
-        return before + ("" if self.sent else text), []  # (no calls: the held text is content)
+            return content or "", self._rest(calls)
+        return "" if self.sent else whole, []  # (no calls: the held text is content)
 
-    def _start(self, name: str, reader: JsonStream | None, at: int, call_id: str
-               ) -> list[CallDelta]:
+    def _start(self, name: str, reader: JsonStream | None, call_id: str) -> list[CallDelta]:
         """A call found (the one due its closing brace gets it now)."""
         out = []
         if self.due is not None:
             out.append(self._piece(self.due, "}"))
             self.due = None
-        self.call = _Call(name, reader, at, at, id=call_id)
+        self.call = _Call(name, reader, id=call_id)
         return out
 
     def _piece(self, index: int, text: str) -> CallDelta:
-        self.sent[index].arguments += text
+        self.sent[index].parts.append(text)
         return CallDelta(index, text)
 
-    def _read(self, text: str) -> list[CallDelta]:
-        """The open call's arguments in ``text`` (from where it was read to): its next piece."""
-        call = self.call
-        assert call is not None
-        stop = -1
-        if self.end:  # (up to the call's end marker, or what may begin it)
-            stop = text.find(self.end, max(call.at, call.read - len(self.end)))
-            text = text[:stop] if stop >= 0 else text[:len(text) - held_tag_prefix(
-                text, self.end)]
-        new, call.read = text[call.read:], max(len(text), call.read)
-        if call.json is not None:
-            call.json.feed(new)
-            if stop >= 0 and not call.json.done:  # (nothing of the call lies past it)
-                call.json.failed = True
-            new = call.held + call.json.take()
-            call.held = new if call.index is None and new == "{" and not call.json.done else ""
-        if not new or call.held:
+    def _emit(self, call: _Call, new: str) -> list[CallDelta]:
+        """The next piece of ``call``'s arguments (its first: with its index, id and name)."""
+        if not new:
             return []
         if call.index is not None:
             return [self._piece(call.index, new)]
-        made = ToolCall(call.name, new, call.id or self.parser.make_id(call.name, len(self.sent)))
+        made = ToolCall(call.name, new,
+                        call.id or self.parser.make_id(call.name, len(self.sent)))
         call.index = len(self.sent)
-        self.sent.append(made)
+        self.sent.append(_Sent(made.name, made.id, [new]))
         return [CallDelta(call.index, new, made.name, made.id)]
 
-    def _follow(self) -> list[CallDelta]:
-        """The pieces of the calls in :attr:`held` that are certain now."""
+    def _json(self, call: _Call, raw: str, stop: bool) -> list[CallDelta]:
+        """The call's next raw arguments text (``stop``: its end marker came)."""
+        assert call.json is not None
+        call.json.feed(raw)
+        if stop and not call.json.done:  # (nothing of the call lies past it)
+            call.json.failed = True
+        new = call.held + call.json.take()
+        call.held = new if call.index is None and new == "{" and not call.json.done else ""
+        return [] if call.held else self._emit(call, new)
+
+    def _read(self) -> list[CallDelta]:
+        """The open call's arguments in the window (from where it was read to): its next
+        piece; what was read leaves the window (but what may begin the end marker)."""
+        call, text = self.call, self.window
+        assert call is not None and call.json is not None
+        stop, upto = -1, len(text)
+        if self.end:  # (up to the call's end marker, or what may begin it)
+            stop = text.find(self.end, max(0, call.read - len(self.end)))
+            upto = stop if stop >= 0 else len(text) - held_tag_prefix(text, self.end)
+        raw, call.read = text[call.read:upto], max(upto, call.read)
+        out = self._json(call, raw, stop >= 0)
+        if not call.json.done:
+            cut = max(0, call.read - len(self.end))
+            self.window, call.read, call.cut = text[cut:], call.read - cut, call.cut + cut
+        return out
+
+    def _follow(self, delta: str) -> list[CallDelta]:
+        """The pieces of the calls that ``delta`` made certain."""
+        if self.head is None:
+            return []
+        if self.wait:  # (the head reads nothing new until its marker shows)
+            seen = self.wait_tail + delta
+            if self.wait not in seen:
+                self.gap.append(delta)
+                self.wait_tail = seen[max(0, len(seen) - len(self.wait) + 1):]
+                return []
+            self.window += "".join(self.gap) + delta
+            self.wait, self.gap = "", []
+        else:
+            self.window += delta
         out: list[CallDelta] = []
         while self.head is not None:
             if self.call is None:
                 try:
-                    name, at, self.last, call_id = self.head(self.held, self.pos, self.last)
-                except _Wait:
+                    name, at, self.last, call_id = self.head(self.window, self.pos, self.last)
+                except _Wait as wait:
+                    self.wait = wait.marker
+                    self.wait_tail = self.window[max(0, len(self.window) - len(self.wait) + 1):]
                     break
                 except _Fail:
                     self.head = None  # (the rest goes out when the answer ends)
                     break
-                out += self._start(name, JsonStream(), at, call_id)
+                out += self._start(name, JsonStream(), call_id)
+                self.window, self.pos = self.window[at:], 0
             call = self.call
             assert call is not None and call.json is not None
-            out += self._read(self.held)
+            out += self._read()
             if call.json.failed:
                 self.head = None
             if not call.json.done:
                 break
-            self.pos, self.due, self.call = call.at + call.json.end, call.index, None
+            self.pos, self.due, self.call = call.json.end - call.cut, call.index, None
+        if self.head is None:
+            self.window = ""
+        return out
+
+    def _whole(self, text: str) -> list[CallDelta]:
+        """The calls whose blocks ``text`` closed, each whole."""
+        assert self.whole is not None
+        out = []
+        for call in self.whole.feed(text):
+            call_id = self.parser.make_id(call.name, len(self.sent)) or call.id
+            self.sent.append(_Sent(call.name, call_id, [call.arguments]))
+            out.append(CallDelta(len(self.sent) - 1, call.arguments, call.name, call_id))
         return out
 
     def _rest(self, calls: list[ToolCall]) -> list[CallDelta]:
@@ -435,9 +521,9 @@ class ToolCallStream:
                 out.append(CallDelta(index, call.arguments, call.name, call.id))
                 continue
             sent = self.sent[index]
-            call.id = sent.id
-            rest = call.arguments[len(sent.arguments):]
-            if call.name == sent.name and call.arguments.startswith(sent.arguments) and rest:
+            call.id, arguments = sent.id, sent.arguments
+            rest = call.arguments[len(arguments):]
+            if call.name == sent.name and call.arguments.startswith(arguments) and rest:
                 out.append(self._piece(index, rest))
         return out
 
@@ -459,8 +545,14 @@ class ToolCallStream:
                 json_args = header.content_type is None or "json" in header.content_type
                 self.call = _Call(header.name, JsonStream() if json_args else None)
             call = self.call
-            if call.json is not None or call.index is not None or stream.call.strip():
-                out += self._read(stream.call)
+            new, call.read = "".join(stream.call[call.read:]), len(stream.call)
+            if call.json is not None:
+                out += self._json(call, new, False)
+            else:  # (raw text: from its first non-blank character on)
+                call.held += new
+                if call.index is not None or call.held.strip():
+                    new, call.held = call.held, ""
+                    out += self._emit(call, new)
         return "".join(said), out
 
     def _harmony_end(self, call: ToolCall | None) -> list[CallDelta]:
@@ -472,10 +564,10 @@ class ToolCallStream:
             if call is None:
                 return []
             call.id = self.parser.make_id(call.name, len(self.sent)) or call.id
-            self.sent.append(call)
+            self.sent.append(_Sent(call.name, call.id, [call.arguments]))
             return [CallDelta(len(self.sent) - 1, call.arguments, call.name, call.id)]
-        sent = self.sent[was.index]
-        if call is None or not call.arguments.startswith(sent.arguments):
+        sent = self.sent[was.index].arguments
+        if call is None or not call.arguments.startswith(sent):
             return []  # (what went out stands)
-        rest = call.arguments[len(sent.arguments):]
+        rest = call.arguments[len(sent):]
         return [self._piece(was.index, rest)] if rest else []

@@ -1,0 +1,254 @@
+"""The calls of a streamed answer in the formats whose calls go out whole (the XML-like ones and
+``pythonic``), each as soon as its own block is closed: :class:`BlockCalls` and
+:class:`PythonCalls` read the text from the first call marker on as it comes, in work
+proportional to the new text, and give each call once it is certain, read by the format's own
+parser from that block alone (which reads it as it reads it within the whole answer).
+
+Where a call is certain: an XML-like call at its closing tag (``</function>``,
+``</tool_call>``, ``</invoke>``, or the closing tag of the block around the invokes, which ends
+its last one as the whole answer's parser has it); a ``pythonic`` call once the ``,`` or ``]``
+after it shows. A block the parser refuses makes the whole answer no call (its failure rule):
+nothing more goes out (:attr:`BlockCalls.failed`), the whole answer's parse decides.
+
+Why a call's arguments do not stream parameter by parameter: a value is typed by the tool's
+schema only once it is whole, a key given twice keeps its first place with its last value,
+``qwen3_coder`` re-reads every value of a block whose ``</parameter>`` tags do not pair up,
+and ``deepseek_v32`` unwraps a lone ``arguments`` parameter: a piece sent early could differ
+from the whole answer's arguments, and a stream cannot take a piece back.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from mrv2.entrypoints.reasoning import held_tag_prefix
+from mrv2.entrypoints.tool_calls import PYTHON_START, ToolCall
+from mrv2.entrypoints.tool_parsers_more import (
+    _DSML_INVOKE,
+    _DSML_INVOKE_END,
+    DSML_CALLS,
+    DSML_CALLS_END,
+)
+from mrv2.entrypoints.tool_parsers_xml import (
+    _INVOKE,
+    _INVOKE_END,
+    MINIMAX_CALLS,
+    MINIMAX_CALLS_END,
+    Tools,
+)
+
+__all__ = ["BLOCKS", "BlockCalls", "PythonCalls"]
+
+#: A format's calls: the text of its blocks -> their calls (ValueError: malformed).
+CallsOf = Callable[[str, Tools], list[ToolCall]]
+Tags = tuple[str, str]
+
+#: The formats whose calls are blocks: ``(the block around the calls, or None; a call's
+#: block)``, each as ``(opening tag, closing tag)`` (no two of a format's tags can overlap).
+BLOCKS: dict[str, tuple[Tags | None, Tags]] = {
+    "qwen3_coder": (None, ("<function=", "</function>")),
+    "qwen3_xml": (None, ("<function=", "</function>")),
+    "glm45": (None, ("<tool_call>", "</tool_call>")),
+    "glm47": (None, ("<tool_call>", "</tool_call>")),
+    "minimax_m2": ((MINIMAX_CALLS, MINIMAX_CALLS_END), (_INVOKE, _INVOKE_END)),
+    "deepseek_v32": ((DSML_CALLS, DSML_CALLS_END), (_DSML_INVOKE, _DSML_INVOKE_END)),
+}
+
+
+class BlockCalls:
+    """An XML-like format's calls as their blocks close (module doc), found as the whole
+    answer's parser finds them: a block from its opening tag to the first closing tag after
+    it (an invoke at the latest where the block around it ends); text between is skipped."""
+
+    def __init__(self, calls_of: CallsOf, tools: Tools, outer: Tags | None, inner: Tags
+                 ) -> None:
+        self.calls_of, self.tools, self.outer, self.inner = calls_of, tools, outer, inner
+        # "out": before a block around the calls; "between": before a call's block (within
+        # the block around them, if any); "call": in a call's block
+        self.state = "out" if outer is not None else "between"
+        self.rest = ""  # text not read yet: what may begin a tag
+        self.body: list[str] = []  # the open call's block's text so far
+        self.failed = False
+
+    def feed(self, text: str) -> list[ToolCall]:
+        """The next text: the calls it closed."""
+        if self.failed:
+            return []
+        text, self.rest = self.rest + text, ""
+        out: list[ToolCall] = []
+        while text and not self.failed:
+            text = self._step(text, out)
+        return out
+
+    def _step(self, text: str, out: list[ToolCall]) -> str:
+        """Reads ``text`` up to the next tag that changes the state: what is left of it."""
+        start, end = self.inner
+        opening, closing = self.outer or ("", "")
+        if self.state == "out":
+            at = text.find(opening)
+            if at < 0:
+                self._hold(text, opening, "")
+                return ""
+            self.state = "between"
+            return text[at + len(opening):]
+        stop = text.find(closing) if closing else -1
+        if self.state == "between":
+            at = text.find(start)
+            if at >= 0 and (stop < 0 or at + len(start) <= stop):
+                self.state, self.body = "call", []
+                return text[at + len(start):]
+            if stop >= 0:  # (the block around the calls ended)
+                self.state = "out"
+                return text[stop + len(closing):]
+            self._hold(text, start, closing)
+            return ""
+        at = text.find(end)
+        if at >= 0 and (stop < 0 or at + len(end) <= stop):
+            self._close(text[:at], end, out)
+            self.state = "between"
+            return text[at + len(end):]
+        if stop >= 0:  # (an invoke without its closing tag: it ends with the block around)
+            self._close(text[:stop], "", out)
+            self.state = "out"
+            return text[stop + len(closing):]
+        keep = self._hold(text, end, closing)
+        self.body.append(text[:len(text) - keep])
+        return ""
+
+    def _hold(self, text: str, tag: str, other: str) -> int:
+        """Keeps the end of ``text`` that may begin ``tag`` or ``other``: how much."""
+        keep = max(held_tag_prefix(text, tag), held_tag_prefix(text, other) if other else 0)
+        self.rest = text[len(text) - keep:] if keep else ""
+        return keep
+
+    def _close(self, last: str, end: str, out: list[ToolCall]) -> None:
+        """A call's block closed (``end``: its closing tag; "": the block around it ended
+        it): its calls, read from that block alone."""
+        block = self.inner[0] + "".join(self.body) + last + end
+        if self.outer is not None:
+            block = self.outer[0] + block + self.outer[1]
+        self.body = []
+        try:
+            out += self.calls_of(block, self.tools)
+        except (ValueError, RecursionError):  # (the whole answer is no call)
+            self.failed = True
+
+
+_CODE = re.compile(r"[^'\"#()\[\]{},]+")  # Python text with nothing to track
+_IN_STRING = {q: re.compile(r"[^\\" + q + "]+") for q in "'\""}
+
+
+class PythonCalls:
+    """``pythonic``'s calls (``[f(a=1), g()]``, optionally after ``<|python_start|>``), each
+    once the ``,`` or ``]`` after it shows (module doc): its element of the list, read by the
+    parser as a list of that one call. Strings (of any quoting) and comments are skipped, so a
+    bracket or comma in them is not the list's."""
+
+    def __init__(self, calls_of: CallsOf, tools: Tools) -> None:
+        self.calls_of, self.tools = calls_of, tools
+        self.state = "lead"  # before the list's "[" ("tagged": after <|python_start|>),
+        # "list": in it, "done": past its "]" (or not a list of calls: nothing more)
+        self.rest = ""  # text not read yet (what may begin a marker, a quote or an escape)
+        self.depth = 1  # the brackets open within the list, its own included
+        self.quote = ""  # the open string's quote (its three for a triple one), "#": a comment
+        self.element: list[str] = []  # the list element's text so far
+
+    def feed(self, text: str) -> list[ToolCall]:
+        """The next text: the calls it made certain."""
+        if self.state == "done":
+            return []
+        text, self.rest = self.rest + text, ""
+        if self.state != "list":
+            text = self._lead(text)
+            if self.state != "list":
+                return []
+        out: list[ToolCall] = []
+        mark, (i, held) = 0, self._scan(text, 0)
+        while not held and i < len(text):
+            char = text[i]
+            if char in "([{":
+                self.depth += 1
+            elif self.depth > 1:  # (within the element)
+                self.depth -= char != ","
+            elif char == ",":  # an element ends
+                out += self._element(text[mark:i])
+                mark = i + 1
+            else:  # the list ends ("]"; ")" or "}": it is no list, the whole parse decides)
+                if char == "]":
+                    out += self._element(text[mark:i])
+                self.state = "done"
+                return out
+            i, held = self._scan(text, i + 1)
+        self.element.append(text[mark:i])
+        self.rest = text[i:]
+        return out
+
+    def _lead(self, text: str) -> str:
+        """Before the list: what follows its ``[`` (the state then ``list``)."""
+        text = text.lstrip()
+        if self.state == "lead" and text.startswith(PYTHON_START):
+            text, self.state = text[len(PYTHON_START):].lstrip(), "tagged"
+        if not text or (self.state == "lead" and PYTHON_START.startswith(text)):
+            self.rest = text
+            return ""
+        if text[0] != "[":
+            self.state = "done"  # (the whole answer's parse decides)
+            return ""
+        self.state = "list"
+        return text[1:]
+
+    def _scan(self, text: str, i: int) -> tuple[int, bool]:
+        """From ``i``: past strings, comments and plain text, to the next bracket or comma
+        (``len(text)``: none), or to a quote or escape that needs more text (held: True)."""
+        n = len(text)
+        while i < n:
+            quote = self.quote
+            if quote == "#":
+                newline = text.find("\n", i)
+                if newline < 0:
+                    return n, False
+                self.quote, i = "", newline + 1
+            elif quote:
+                match = _IN_STRING[quote[0]].match(text, i)
+                i = match.end() if match is not None else i
+                if i == n:
+                    return n, False
+                if text[i] == "\\":
+                    if i + 1 == n:
+                        return i, True
+                    i += 2
+                elif text.startswith(quote, i):
+                    self.quote, i = "", i + len(quote)
+                elif n - i < 3 and quote.startswith(text[i:]):  # (a triple quote's end?)
+                    return i, True
+                else:
+                    i += 1
+            else:
+                match = _CODE.match(text, i)
+                if match is not None:
+                    i = match.end()
+                    continue
+                char = text[i]
+                if char == "#":
+                    self.quote, i = "#", i + 1
+                elif char in "'\"":
+                    if text.startswith(char * 3, i):
+                        self.quote, i = char * 3, i + 3
+                    elif n - i < 3 and (char * 3).startswith(text[i:]):  # ("", or '''?)
+                        return i, True
+                    else:
+                        self.quote, i = char, i + 1
+                else:
+                    return i, False
+        return n, False
+
+    def _element(self, tail: str) -> list[ToolCall]:
+        """A list element ended: its call, read as a list of it alone (a comment may end
+        it: the newline)."""
+        text, self.element = "".join(self.element) + tail, []
+        try:
+            return self.calls_of("[" + text + "\n]", self.tools)
+        except (ValueError, RecursionError):  # (not a call; or none: a trailing comma)
+            self.state = "done"
+            return []
