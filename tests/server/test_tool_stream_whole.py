@@ -12,10 +12,10 @@ import json
 import random
 import tracemalloc
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 from server_util import join_tool_calls
+from test_tool_stream import _pieces
 
 from mrv2.entrypoints.tool_calls import parse_tool_calls
 from mrv2.entrypoints.tool_parsers_more import DSML, DSML_CALLS, DSML_CALLS_END
@@ -75,15 +75,6 @@ ANSWERS: dict[str, list[str]] = {
 ANSWERS["llama4_pythonic"] = ANSWERS["pythonic"]
 
 
-def _feed(stream: ToolCallStream, deltas: list[str]) -> tuple[str, list[list[dict[str, Any]]]]:
-    content, feeds = "", []
-    for i, delta in enumerate(deltas):
-        said, pieces = stream.feed(delta, final=i == len(deltas) - 1)
-        content += said
-        feeds.append([p.as_dict() for p in pieces])
-    return content, feeds
-
-
 def test_every_whole_format_streams() -> None:
     assert set(ANSWERS) == set(BLOCKS) | {"pythonic", "llama4_pythonic"}
 
@@ -98,7 +89,7 @@ def test_each_call_goes_out_whole_when_its_block_closes(parser: str, text: str) 
                            for n in (rng.randint(2, 30) for _ in range(8))]
     for deltas in cuts:
         stream = ToolCallStream(parser, TOOLS)
-        said, feeds = _feed(stream, deltas)
+        said, feeds = _pieces(stream, deltas)
         entries = [p for feed in feeds for p in feed]
         joined = join_tool_calls(entries)  # (checks the shape)
         assert said == (content or "") and stream.called
@@ -130,7 +121,7 @@ def test_each_call_goes_out_whole_when_its_block_closes(parser: str, text: str) 
 def test_a_malformed_answer_stops_the_stream(parser: str, text: str, sent: int) -> None:
     assert parse_tool_calls(text, parser, TOOLS) == (text, [])
     stream = ToolCallStream(parser, TOOLS)
-    said, feeds = _feed(stream, list(text))
+    said, feeds = _pieces(stream, list(text))
     assert len(join_tool_calls([p for feed in feeds for p in feed])) == sent
     assert not feeds[-1] and not stream.called and said == ("" if sent else text)
 
