@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from mrv2.config import EngineConfig, add_cli_args, config_from_cli, format_validation_error
+from mrv2.config import EngineConfig, format_validation_error
+from mrv2.config_cli import add_cli_args, config_from_cli
 
 
 def test_flat_kwargs_land_in_sections() -> None:

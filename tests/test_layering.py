@@ -19,6 +19,7 @@ LAYERS = [
     "registry",      # what plugins registered (imports nothing of mrv2)
     "logs",          # the mrv2 command's logging (imports nothing of mrv2)
     "config",        # pydantic settings (imports nothing of mrv2)
+    "config_cli",    # the engine's CLI flags (on config)
     "distributed",   # tensor-parallel group, collectives, step channel (nothing of mrv2)
     "contract",      # params, requests, batch, state table, KV specs, ModelState, Speculator
     "attention",     # attention backends

@@ -3,17 +3,15 @@
 Every section validates at construction: a bad value raises ``pydantic.ValidationError`` naming
 the field and what is allowed. ``EngineConfig.from_kwargs`` takes vLLM's flat EngineArgs names
 (``max_model_len=...``), ``EngineConfig.from_file`` a YAML or JSON file of the same flat names or
-of sections, and :func:`add_cli_args` / :func:`config_from_cli` turn them into CLI flags.
+of sections, and :mod:`mrv2.config_cli` turns them into CLI flags.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import re
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -27,6 +25,10 @@ from pydantic import (
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 #: vLLM's other names of a dtype (``--dtype half``), stored as the names above.
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+#: ``logprobs_mode`` values mrv2 computes (vLLM's processed_* modes are refused).
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits")
+#: ``tokenizer_mode`` values mrv2 loads ('hf' is vLLM's other name of 'auto').
+TOKENIZER_MODES = ("auto", "hf", "slow")
 
 
 def positive_number_from_env(name: str, kind: type[int] | type[float], what: str
@@ -133,6 +135,45 @@ class ModelConfig(_Section):
         "the tokenizer's (chat completions, LLM.chat, /tokenize); checked before anything loads",
     )
 
+    max_logprobs: int = Field(
+        default=20, ge=-1,
+        description="most logprobs / prompt_logprobs one request may ask for (vLLM's; -1: "
+        "the whole vocabulary); a request asking more is refused naming the field",
+    )
+    logprobs_mode: str = Field(
+        default="raw_logprobs",
+        description="what logprobs report (vLLM's): 'raw_logprobs' (log-softmax of the "
+        "model's logits) or 'raw_logits' (the logits themselves); prompt logprobs are "
+        "log-probabilities either way. 'processed_logprobs' / 'processed_logits' (after "
+        "penalties, temperature, top-k/top-p) are refused",
+    )
+    tokenizer_mode: str = Field(
+        default="auto",
+        description="'auto' (or vLLM's 'hf': the fast tokenizer where there is one) or "
+        "'slow' (use_fast=False, as vLLM: the Python tokenizer where transformers has one "
+        "for the checkpoint); vLLM's 'mistral' and 'custom' are refused",
+    )
+    trust_remote_code: bool = Field(
+        default=False,
+        description="let the tokenizer's own code (tokenizer_config.json's auto_map) load; "
+        "mrv2 runs its own model code, never the checkpoint's",
+    )
+    revision: str | None = Field(
+        default=None,
+        description="vLLM's hub revision, accepted for its scripts: mrv2 loads a local "
+        "directory, which has no revision (vLLM ignores it for a local path too)",
+    )
+    tokenizer_revision: str | None = Field(
+        default=None, description="as revision, for the tokenizer (no effect on a directory)")
+    code_revision: str | None = Field(
+        default=None, description="as revision, for the model's code (no effect: mrv2 runs "
+        "its own model code)")
+    download_dir: str | None = Field(
+        default=None,
+        description="vLLM's directory for hub downloads, accepted for its scripts: mrv2 "
+        "downloads nothing (it loads the --model directory), so it has no effect",
+    )
+
     @field_validator("dtype", mode="before")
     @classmethod
     def _dtype_alias(cls, value: Any) -> Any:
@@ -164,6 +205,26 @@ class ModelConfig(_Section):
         the KV cache is sized, is at most that)."""
         return None if self.auto_max_model_len else self.max_model_len
 
+    @field_validator("logprobs_mode")
+    @classmethod
+    def _supported_logprobs_mode(cls, value: str) -> str:
+        if value not in LOGPROBS_MODES:
+            why = (" is not supported: mrv2 computes logprobs from the raw logits only"
+                   if value in ("processed_logprobs", "processed_logits") else "")
+            raise ValueError(f"logprobs_mode={value!r}{why}; allowed: "
+                             + ", ".join(map(repr, LOGPROBS_MODES)))
+        return value
+
+    @field_validator("tokenizer_mode")
+    @classmethod
+    def _supported_tokenizer_mode(cls, value: str) -> str:
+        if value not in TOKENIZER_MODES:
+            why = (" is not supported (mrv2 loads Hugging Face tokenizers only)"
+                   if value in ("mistral", "custom") else "")
+            raise ValueError(f"tokenizer_mode={value!r}{why}; allowed: "
+                             + ", ".join(map(repr, TOKENIZER_MODES)))
+        return value
+
     @field_validator("chat_template")
     @classmethod
     def _read_chat_template(cls, value: str | None) -> str | None:
@@ -182,6 +243,28 @@ class MultiModalConfig(_Section):
         default=False,
         description="fetch http(s) image URLs (off: data: URIs and in-memory images only)",
     )
+
+    mm_processor_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="keyword arguments for the model's Hugging Face image processor, as JSON "
+        "('{\"max_pixels\": 1003520}'); refused at start-up where the processor takes no "
+        "such argument",
+    )
+    allowed_local_media_path: str | None = Field(
+        default=None,
+        description="a directory whose files requests may name as file:// image URLs (off: "
+        "no local files are read)",
+    )
+
+    @field_validator("allowed_local_media_path")
+    @classmethod
+    def _existing_directory(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        path = Path(value).expanduser()
+        if not path.is_dir():
+            raise ValueError(f"allowed_local_media_path={value!r} is not a directory")
+        return str(path.resolve())
 
     @field_validator("limit_mm_per_prompt", mode="before")
     @classmethod
@@ -216,6 +299,26 @@ class CacheConfig(_Section):
         default=2.0, gt=0.0, allow_inf_nan=False,
         description="KV cache size on the CPU device, in GiB"
     )
+    kv_cache_memory_bytes: int | None = Field(
+        default=None, ge=1,
+        description="KV cache size in bytes (vLLM's; also 8G, 512M...), on any device, instead "
+        "of gpu_memory_utilization's fraction (or cpu_kv_cache_gb)",
+    )
+    swap_space: float = Field(
+        default=0.0, ge=0.0,
+        description="vLLM's CPU swap space in GiB, accepted and unused: mrv2 preempts by "
+        "recomputing, as vLLM's V1 engine does, and never swaps the KV cache out",
+    )
+    cpu_offload_gb: float = Field(
+        default=0.0, ge=0.0,
+        description="vLLM's weight offload to CPU memory in GiB: mrv2 keeps every weight on "
+        "the device; 0 is accepted, more is refused",
+    )
+    calculate_kv_scales: bool = Field(
+        default=False,
+        description="vLLM's computed fp8 KV scales: mrv2's fp8 KV cache uses a scale of 1.0; "
+        "off is accepted, on is refused",
+    )
     enable_prefix_caching: bool = Field(
         default=True, description="reuse the KV of full blocks shared with earlier requests"
     )
@@ -234,6 +337,22 @@ class CacheConfig(_Section):
         description="KV cache element type: 'auto' (the model's dtype) or 'fp8' / 'fp8_e4m3' "
         "(float8 e4m3, values saturated to +-448)",
     )
+
+    @field_validator("cpu_offload_gb")
+    @classmethod
+    def _nothing_offloaded(cls, value: float) -> float:
+        if value > 0:
+            raise ValueError(f"cpu_offload_gb={value:g} is not supported: mrv2 keeps every "
+                             "weight on the device; allowed: 0")
+        return value
+
+    @field_validator("calculate_kv_scales")
+    @classmethod
+    def _no_kv_scales(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("calculate_kv_scales=True is not supported: mrv2's fp8 KV cache "
+                             "uses a scale of 1.0; allowed: False")
+        return value
 
 
 class SchedulerConfig(_Section):
@@ -294,6 +413,10 @@ class ParallelConfig(_Section):
         description="split mixture-of-experts layers by whole experts across the ranks "
         "(each rank holds num_experts / tensor_parallel_size of them) instead of splitting "
         "every expert's columns; attention stays tensor-parallel")
+    disable_custom_all_reduce: bool = Field(
+        default=False,
+        description="vLLM's flag, accepted for its scripts: mrv2 has no custom all-reduce "
+        "(NCCL's always), so it changes nothing")
 
 
 class LoRAConfig(_Section):
@@ -401,6 +524,24 @@ class DeviceConfig(_Section):
     attention_backend: str | None = Field(
         default=None, description="registered attention backend (default: per device)"
     )
+    cuda_graph_sizes: list[int] | None = Field(
+        default=None,
+        description="decode CUDA graphs' batch sizes (vLLM's): one value N: 1, 2, 4, then every "
+        "8 up to N (default 512; every 16 past 256); several: those sizes. At most "
+        "max_num_seqs; larger decode batches run eager",
+    )
+    max_seq_len_to_capture: int | None = Field(
+        default=None, ge=1,
+        description="vLLM's context bound of CUDA graphs, accepted for its scripts: mrv2's "
+        "graphs serve every length up to max_model_len, so it changes nothing",
+    )
+
+    @field_validator("cuda_graph_sizes")
+    @classmethod
+    def _positive_sizes(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (not value or any(size < 1 for size in value)):
+            raise ValueError(f"expected one or more batch sizes >= 1, got {value}")
+        return value
 
 
 class EngineConfig(_Section):
@@ -490,71 +631,6 @@ _FLAT_TO_SECTION: dict[str, str] = {
 }
 
 
-#: vLLM's other names of engine flags (``-tp 2``, as its recipes write them).
-_SHORT_FLAGS: dict[str, tuple[str, ...]] = {
-    "tensor_parallel_size": ("-tp",), "quantization": ("-q",),
-    "policy": ("--scheduling-policy",)}
-
-
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    """Add one ``--flag`` per engine field (``--max-model-len``), plus ``--config FILE``."""
-    group = parser.add_argument_group("engine")
-    group.add_argument("--config", default=None, help="YAML or JSON file of engine arguments")
-    for section, model in _SECTIONS.items():
-        for name, field in model.model_fields.items():
-            if (section == "model" and name == "model") or (section, name) in _NOT_FLAT:
-                continue
-            flags = ["--" + name.replace("_", "-"), *_SHORT_FLAGS.get(name, ())]
-            help_text = field.description or ""
-            if field.annotation is bool:
-                group.add_argument(
-                    *flags, dest=name, default=None, action=argparse.BooleanOptionalAction,
-                    help=help_text,
-                )
-            else:
-                group.add_argument(
-                    *flags, dest=name, default=None,
-                    type=_CLI_TYPES.get(name) or _cli_type(field.annotation), help=help_text,
-                )
-    group.add_argument(
-        "--logits-processors", dest="logits_processors", default=None, nargs="*",
-        help="registered logits processors to apply",
-    )
-    group.add_argument(
-        "--speculative-config", dest="speculative_config", default=None,
-        help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
-        '"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
-    )
-
-
-def _cli_type(annotation: Any) -> Any:
-    """The argparse ``type`` of a field: int or float where every allowed value is one."""
-    values = get_args(annotation) or (annotation,)
-    if get_origin(annotation) is Literal and all(isinstance(v, int) for v in values):
-        return int
-    if get_origin(annotation) is dict:
-        return _json_value
-    kinds = {v for v in values if v is not type(None)}
-    if kinds == {int}:
-        return int
-    if kinds == {float}:
-        return float
-    return str
-
-
-def human_readable_int(text: str) -> int:
-    """A token count as vLLM's ``--max-model-len`` takes it: ``4096``, or with a decimal
-    (``32k`` = 32000, ``25.6k``) or binary (``32K`` = 32768, ``1M``) suffix."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", text.strip())
-    number, suffix = match.groups() if match else ("", "")
-    if suffix.islower():
-        return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
-    if number.isdigit():
-        return int(number) * 1024 ** ("KMGT".index(suffix) + 1 if suffix else 0)
-    raise argparse.ArgumentTypeError(
-        f"expected an integer such as 32768, 32k (32000) or 32K (32768), got {text!r}")
-
-
 #: ``max_model_len``'s value for vLLM's ``"auto"`` / ``-1`` (as vLLM stores it): the longest
 #: length that fits in the KV cache, at most the model's.
 AUTO_MAX_MODEL_LEN = -1
@@ -566,52 +642,6 @@ def _is_auto_length(value: Any) -> bool:
         return value.strip().lower() in ("auto", "-1")
     return isinstance(value, int) and not isinstance(value, bool) and value == -1
 
-
-def max_model_len_arg(text: str) -> int:
-    """``--max-model-len``: :func:`human_readable_int`, or vLLM's ``auto`` / ``-1``
-    (:data:`AUTO_MAX_MODEL_LEN`)."""
-    return AUTO_MAX_MODEL_LEN if _is_auto_length(text) else human_readable_int(text)
-
-
-def _int_or_json(text: str) -> Any:
-    """``--limit-mm-per-prompt``: a count, or vLLM's JSON object of counts."""
-    try:
-        return int(text)
-    except ValueError:
-        return _json_value(text)
-
-
-def _json_value(text: str) -> Any:
-    """A mapping flag's value (``--hf-overrides``), parsed as JSON; argparse names the flag
-    on an error (a value of another JSON type is the field's ValidationError)."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(
-            f"not valid JSON ({error}): expected an object such as "
-            f"'{{\"num_hidden_layers\": 40}}', got {text!r}") from None
-
-
-#: The argparse ``type`` of the flags :func:`_cli_type` does not derive (vLLM's forms).
-_CLI_TYPES: dict[str, Any] = {
-    "max_model_len": max_model_len_arg, "max_num_batched_tokens": human_readable_int,
-    "limit_mm_per_prompt": _int_or_json,
-}
-
-
-def config_from_cli(args: argparse.Namespace, model: str | None) -> EngineConfig:
-    """Build the config from parsed CLI flags; flags given override the ``--config`` file."""
-    given: dict[str, Any] = {
-        name: getattr(args, name)
-        for name in [*_FLAT_TO_SECTION, "logits_processors", "speculative_config"]
-        if name != "model" and getattr(args, name, None) is not None
-    }
-    if model is not None:
-        given["model"] = model
-    config_file = getattr(args, "config", None)
-    if config_file:
-        return EngineConfig.from_file(config_file, **given)
-    return EngineConfig.from_kwargs(**given)
 
 
 def _speculative_dict(value: Any) -> dict[str, Any]:

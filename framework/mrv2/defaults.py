@@ -55,7 +55,8 @@ def mrv2_make_sampler(
     method = config.speculative.rejection_sample_method
     return Sampler(config.scheduler.max_num_seqs, vocab_size, device, processors,
                    verify_method=None if method == "strict" else method,
-                   synthetic_rate=config.speculative.synthetic_acceptance_rate)
+                   synthetic_rate=config.speculative.synthetic_acceptance_rate,
+                   logprobs_mode=config.model.logprobs_mode)
 
 
 @hookimpl(trylast=True)

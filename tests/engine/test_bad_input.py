@@ -40,7 +40,7 @@ def llm(ckpt: Path) -> LLM:
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"frequency_penalty": -3}, "frequency_penalty"),
         ({"logprobs": -1}, "logprobs"),
-        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": -3}, "prompt_logprobs"),  # (above max_logprobs: the engine)
         ({"logit_bias": {-1: 1.0}}, "logit_bias"),
         ({"logit_bias": {3: float("nan")}}, "logit_bias"),
         ({"allowed_token_ids": []}, "allowed_token_ids"),

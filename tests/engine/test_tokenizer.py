@@ -214,7 +214,8 @@ def test_a_chat_template_from_the_config(tok_dir: Path, tmp_path: Path) -> None:
 
     from pydantic import ValidationError
 
-    from mrv2.config import EngineConfig, add_cli_args, config_from_cli
+    from mrv2.config import EngineConfig
+    from mrv2.config_cli import add_cli_args, config_from_cli
     from mrv2.engine.engine import _load_tokenizer
 
     inline = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"

@@ -199,7 +199,7 @@ def test_warm_up_is_a_config_field_and_a_flag() -> None:
     assert EngineConfig.from_kwargs(warmup=False).device.warmup is False
     import argparse
 
-    from mrv2.config import add_cli_args, config_from_cli
+    from mrv2.config_cli import add_cli_args, config_from_cli
 
     parser = argparse.ArgumentParser()
     add_cli_args(parser)

@@ -21,7 +21,8 @@ _GREEDY_EPS = 1e-5
 MIN_TEMPERATURE = 0.01
 #: The highest temperature (vLLM's and OpenAI's range is [0, 2]).
 MAX_TEMPERATURE = 2.0
-#: Most top-k logprobs a request may ask for (vLLM's default ``max_logprobs``).
+#: Most top-k logprobs a request may ask for by default (vLLM's default ``max_logprobs``;
+#: ``EngineConfig.model.max_logprobs`` sets the engine's).
 MAX_LOGPROBS = 20
 
 
@@ -253,8 +254,9 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or (isinstance(value, int) and not isinstance(value, bool)
-                                     and 0 <= value <= MAX_LOGPROBS),
-                   name, value, f"None or an integer in [0, {MAX_LOGPROBS}]")
+                                     and value >= 0),
+                   name, value, "None or an integer >= 0 (at most the engine's max_logprobs, "
+                   f"{MAX_LOGPROBS} by default)")
         bias = self.logit_bias  # (any finite bias, as vLLM's: only its server clamps them)
         _check(bias is None or (isinstance(bias, dict) and all(
             _is_token(k) and _is_number(v) for k, v in bias.items())),
@@ -312,6 +314,16 @@ class SamplingParams:
         for name, tokens in named:
             for token in tokens:
                 _check(token < vocab_size, name, token, f"token ids in [0, {vocab_size})")
+
+    def check_logprobs(self, max_logprobs: int, vocab_size: int) -> None:
+        """Raise if ``logprobs`` or ``prompt_logprobs`` asks for more than the engine's
+        ``max_logprobs`` (vLLM's; -1: the whole vocabulary)."""
+        most = vocab_size if max_logprobs == -1 else max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or value <= most, name, value,
+                   f"None or an integer in [0, {most}] (the engine's max_logprobs"
+                   + (" = -1: the vocabulary's size)" if max_logprobs == -1 else ")"))
 
     def child(self, index: int, seed: int) -> SamplingParams:
         """The params of sample ``index`` of an ``n > 1`` request: ``n=1`` and its own seed."""

@@ -222,6 +222,10 @@ def beam_search(engine: Any, prompts: list[list[int]], params: BeamSearchParams,
     :class:`~mrv2.engine.engine.LLMEngine`), each through its adapter of ``loras`` (None:
     the base model) and with its ``cache_salt`` of ``salts`` (None: unsalted); every prompt
     is validated before any runs."""
+    mode = engine.config.model.logprobs_mode
+    if mode != "raw_logprobs":  # (beams are ranked by their summed log-probabilities)
+        raise ValueError(f"beam search needs logprobs_mode='raw_logprobs', the engine's is "
+                         f"{mode!r}")
     structured = (engine._structured_outputs() if params.structured_outputs is not None
                   else None)
     search = BeamSearch(prompts, params, frozenset(engine.eos_token_ids), engine.max_model_len,

@@ -31,6 +31,7 @@ from mrv2.engine.request_inputs import (  # noqa: F401 (_load_tokenizer: tests i
     make_input_processor,
     normalizes_embeddings,
     refused_pooling_tasks,
+    tokenizer_kwargs,
 )
 from mrv2.engine.request_ops import RequestOps
 from mrv2.engine.sampling_outputs import (
@@ -53,6 +54,7 @@ from mrv2.executor import make_runner
 from mrv2.model_loader.build import text_config_of
 from mrv2.plugins import PluginManager
 from mrv2.runner.async_output import AsyncStepOutput
+from mrv2.runner.kv_cache import kv_budget_knob
 
 logger = logging.getLogger(__name__)
 
@@ -77,12 +79,14 @@ class LLMEngine(WeightOps, RequestOps):
             config.model.override_generation_config)
         named = config.model.tokenizer  # (a tokenizer of its own must load: before the weights)
         tokenizer = (None if named is None
-                     else _load_tokenizer(named, config.model.chat_template, required=True))
+                     else _load_tokenizer(named, config.model.chat_template, required=True,
+                                          kwargs=tokenizer_kwargs(config.model)))
         self.runner = make_runner(config, plugins)
         model_dir = config.model.model or self.runner.model_dir
         self.tokenizer: Tokenizer | None = (  # (a named one loaded, or raised, above)
             tokenizer if tokenizer is not None
-            else _load_tokenizer(model_dir, config.model.chat_template))
+            else _load_tokenizer(model_dir, config.model.chat_template,
+                                 kwargs=tokenizer_kwargs(config.model)))
         # the tokenizer's EOS (vLLM's primary one) and every one the model's configs name
         eos = load_generation_eos(model_dir)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -197,9 +201,7 @@ class LLMEngine(WeightOps, RequestOps):
         ``num_gpu_blocks_override`` is the caller's own count, as in vLLM: not checked."""
         if self.config.cache.num_gpu_blocks_override is None:
             self.scheduler.check_capacity(
-                self.max_model_len,
-                "cpu_kv_cache_gb" if self.runner.device.type == "cpu"
-                else "gpu_memory_utilization")
+                self.max_model_len, kv_budget_knob(self.config.cache, self.runner.device))
 
     def reset_after_warmup(self) -> None:
         """Forget what :func:`~mrv2.engine.warmup.warm_up`'s requests left: a new block

@@ -446,7 +446,8 @@ class LLM:
         prompts: list[Prompt] = []
         for conversation in conversations:
             template_messages, mm_data = split_chat_media(
-                [template_message(m) for m in conversation], allow_remote, limit)
+                [template_message(m) for m in conversation], allow_remote, limit,
+                self.engine.config.multimodal.allowed_local_media_path)
             text = tokenizer.render_chat_template(template_messages, add_generation_prompt,
                                                   tools=tools, chat_template=chat_template,
                                                   **template_kwargs)

@@ -10,7 +10,8 @@ empty one is dropped. :func:`split_chat_media` replaces each image part with
 ``{"type": "image"}``. The family's chat template renders that as its placeholder (Qwen2.5-VL:
 ``<|vision_start|><|image_pad|><|vision_end|>``). The images are returned in order, for the
 input processor. :func:`load_image_url` decodes ``data:`` URIs; it fetches ``http(s)`` URLs
-only when allowed (``--allow-remote-media``), with a size cap and a deadline on the whole
+only when allowed (``--allow-remote-media``), and reads ``file://`` URLs of files under
+``--allowed-local-media-path`` only, with a size cap and a deadline on the whole
 fetch, following at most a few redirects, to ``http(s)`` only. A decoded image is turned
 upright by its EXIF orientation, as HF's ``load_image`` does. A prompt's parts past
 ``--limit-mm-per-prompt`` are refused before anything is decoded or fetched. Every failure
@@ -36,6 +37,7 @@ import urllib.parse
 import urllib.request
 import wave
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -103,8 +105,11 @@ def _decode(raw: bytes, where: str) -> Any:
         raise ValueError(f"{where}: could not decode the image: {error}") from error
 
 
-def load_image_url(url: str, allow_remote: bool = False, where: str = "image_url") -> Any:
-    """A PIL image from a ``data:`` URI, or from an ``http(s)`` URL when ``allow_remote``."""
+def load_image_url(url: str, allow_remote: bool = False, where: str = "image_url",
+                   local_root: str | None = None) -> Any:
+    """A PIL image from a ``data:`` URI, from an ``http(s)`` URL when ``allow_remote``, or
+    from a ``file://`` URL of a file under the directory ``local_root``
+    (``--allowed-local-media-path``) when given."""
     if url.startswith("data:"):
         header, _, payload = url.partition(",")
         if not header.endswith(";base64"):
@@ -119,8 +124,32 @@ def load_image_url(url: str, allow_remote: bool = False, where: str = "image_url
             raise ValueError(f"{where}: remote URLs are not fetched (start with "
                              "--allow-remote-media to allow it); send the image as a data: URI")
         return _decode(_fetch(url, where), where)
+    if url.startswith("file:"):
+        if local_root is None:
+            raise ValueError(f"{where}: file:// URLs are not read (start with "
+                             "--allowed-local-media-path DIR to allow the files under DIR)")
+        return _decode(_read_local(url, local_root, where), where)
     raise ValueError(f"{where}: unsupported URL {url[:40]!r}; allowed: data: URIs"
-                     + (", http(s)" if allow_remote else ""))
+                     + (", http(s)" if allow_remote else "")
+                     + (f", file:// under {local_root}" if local_root is not None else ""))
+
+
+def _read_local(url: str, local_root: str, where: str) -> bytes:
+    """The bytes of the file a ``file://`` ``url`` names, at most ``MAX_IMAGE_BYTES + 1`` of
+    them; ValueError naming ``where`` unless it is a file under ``local_root`` (links
+    resolved first: a link out of it is refused)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise ValueError(f"{where}: a file:// URL names a file of this host, got {url[:80]!r}")
+    path = Path(urllib.parse.unquote(parts.path)).resolve()
+    if not path.is_relative_to(local_root):
+        raise ValueError(f"{where}: {str(path)!r} is not under the allowed local media path "
+                         f"{local_root!r} (--allowed-local-media-path)")
+    try:
+        with path.open("rb") as file:
+            return file.read(MAX_IMAGE_BYTES + 1)
+    except OSError as error:
+        raise ValueError(f"{where}: could not read {str(path)!r}: {error.strerror}") from None
 
 
 def _fetch(url: str, where: str) -> bytes:
@@ -209,14 +238,16 @@ def load_input_audio(spec: Any, where: str = "input_audio") -> tuple[np.ndarray,
 
 
 def split_chat_media(messages: Sequence[dict[str, Any]], allow_remote: bool = False,
-                     limit: int | None = None
+                     limit: int | None = None, local_root: str | None = None
                      ) -> tuple[list[dict[str, Any]], dict[str, list[Any]]]:
     """``(messages with image parts as {"type": "image"} and input_audio parts as {"type":
     "audio"}, multi_modal_data)``: ``{"image": [images in order]}``, plus ``"audio":
     [(samples, rate) in order]`` when a part is audio (so an image-only input processor
-    sees the one key it takes). ``limit`` (``--limit-mm-per-prompt``): a ValueError naming the
-    first image or audio part past that many of its kind, before it is decoded or fetched.
-    Without an image or audio part, a message's text parts become one string, a line each."""
+    sees the one key it takes). ``local_root`` (``--allowed-local-media-path``): image URLs
+    may be ``file://`` ones of files under it. ``limit`` (``--limit-mm-per-prompt``): a
+    ValueError naming the first image or audio part past that many of its kind, before it
+    is decoded or fetched. Without an image or audio part, a message's text parts become
+    one string, a line each."""
     out: list[dict[str, Any]] = []
     images: list[Any] = []
     clips: list[tuple[np.ndarray, int]] = []
@@ -248,7 +279,8 @@ def split_chat_media(messages: Sequence[dict[str, Any]], allow_remote: bool = Fa
                 url = spec.get("url") if isinstance(spec, dict) else spec
                 if not isinstance(url, str):
                     raise ValueError(f"{where}.image_url: expected {{'url': '...'}}")
-                images.append(load_image_url(url, allow_remote, f"{where}.image_url"))
+                images.append(load_image_url(url, allow_remote, f"{where}.image_url",
+                                             local_root))
                 parts.append({"type": "image"})
             elif kind == "input_audio":
                 clips.append(load_input_audio(part.get("input_audio"), f"{where}.input_audio"))

@@ -9,9 +9,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mrv2.config import EngineConfig
+from mrv2.config import EngineConfig, ModelConfig
 from mrv2.contract.input_processor import InputProcessor
-from mrv2.contract.params import SamplingParams
+from mrv2.contract.params import MAX_LOGPROBS, SamplingParams
 from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.tokenizer import Tokenizer
 from mrv2.registry import ModelEntry, import_object
@@ -118,10 +118,12 @@ def check_runner(config: EngineConfig, pooling: bool) -> None:
 
 
 def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int,
-                 vocab_size: int, pooling: bool = False) -> None:
+                 vocab_size: int, pooling: bool = False,
+                 max_logprobs: int = MAX_LOGPROBS) -> None:
     """The checks of a request that need no engine state: a prompt of 1 to
     ``max_model_len - 1`` ids in the vocabulary (a pooling request's: to ``max_model_len``,
-    as vLLM's; its one sampled token is dropped), and the params' token ids. ``ValueError``
+    as vLLM's; its one sampled token is dropped), the params' token ids, and their logprobs
+    counts at most ``max_logprobs`` (``--max-logprobs``). ``ValueError``
     naming the field (``LLMEngine.validate`` and the server's ``RemoteEngine`` run it)."""
     n = len(prompt_token_ids)
     if n == 0:
@@ -136,6 +138,7 @@ def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_
     if bad:
         raise ValueError(f"prompt token ids must be in [0, {vocab_size}); got {bad[:5]}")
     params.check_vocab(vocab_size)
+    params.check_logprobs(max_logprobs, vocab_size)
 
 
 def last_tokens(ids: list[int], keep: int | None, room: int, multimodal: bool = False
@@ -219,10 +222,40 @@ def make_input_processor(path: str | None, model_dir: str, hf_config: Any,
     or empty: a text-only model), built for the checkpoint at ``model_dir``. ``entry``: the
     registration it comes from, named in the error where the path does not import."""
     if not path:
+        apply_mm_processor_kwargs(None, config.multimodal.mm_processor_kwargs)
         return None
     cls = entry.load("input_processor") if entry is not None else import_object(path)
     processor: InputProcessor = cls(model_dir, hf_config, tokenizer, config)
+    apply_mm_processor_kwargs(processor, config.multimodal.mm_processor_kwargs, model_dir)
     return processor
+
+
+def apply_mm_processor_kwargs(processor: InputProcessor | None, kwargs: dict[str, Any],
+                              model_dir: str = "") -> None:
+    """``--mm-processor-kwargs`` (vLLM's): the HF image processor of ``processor`` loaded
+    again from ``model_dir`` with them (``{"max_pixels": N}``), as ``from_pretrained`` takes
+    them. ValueError naming the field where the model takes no images or the processor has
+    no such setting (transformers would ignore it)."""
+    if not kwargs:
+        return
+    hf = getattr(processor, "image_processor", None)
+    if hf is None:
+        why = ("the model takes text only" if processor is None
+               else getattr(processor, "images_refused", "") or "the model has no image "
+               "processor")
+        raise ValueError(f"mm_processor_kwargs={kwargs}: {why}")
+    assert processor is not None
+    cls = type(hf)
+    typed = getattr(cls, "valid_kwargs", None)  # (transformers 5: the settings' TypedDict)
+    known = set(getattr(typed, "__required_keys__", ())) | set(
+        getattr(typed, "__optional_keys__", ()))
+    unknown = sorted(k for k in kwargs if k not in known and not hasattr(hf, k))
+    if unknown or not hasattr(cls, "from_pretrained"):
+        what = (f"has no setting {', '.join(map(repr, unknown))}" if unknown
+                else "takes no settings")
+        raise ValueError(f"mm_processor_kwargs: the image processor {cls.__name__} {what}")
+    processor.image_processor = cls.from_pretrained(model_dir, local_files_only=True,
+                                                    **kwargs)
 
 
 def process_multimodal(processor: InputProcessor | None, architecture: str,
@@ -238,13 +271,25 @@ def process_multimodal(processor: InputProcessor | None, architecture: str,
     return processor.process(list(prompt_token_ids), mm_data)
 
 
-def _load_tokenizer(path: str, chat_template: str | None = None, required: bool = False
-                    ) -> Tokenizer | None:
+def tokenizer_kwargs(model: ModelConfig) -> dict[str, Any]:
+    """``AutoTokenizer.from_pretrained``'s keywords for ``tokenizer_mode`` ('slow': the Python
+    tokenizer) and ``trust_remote_code``."""
+    kwargs: dict[str, Any] = {}
+    if model.tokenizer_mode == "slow":
+        kwargs["use_fast"] = False
+    if model.trust_remote_code:
+        kwargs["trust_remote_code"] = True
+    return kwargs
+
+
+def _load_tokenizer(path: str, chat_template: str | None = None, required: bool = False,
+                    kwargs: dict[str, Any] | None = None) -> Tokenizer | None:
     """The tokenizer at ``path`` (None where there is none), its chat template replaced by
-    ``chat_template`` (``--chat-template``) when given. ``required`` (a tokenizer named on its
-    own, ``--tokenizer``): a ValueError naming the field where none loads."""
+    ``chat_template`` (``--chat-template``) when given; ``kwargs``: :func:`tokenizer_kwargs`.
+    ``required`` (a tokenizer named on its own, ``--tokenizer``): a ValueError naming the
+    field where none loads."""
     try:
-        tokenizer = Tokenizer(path)
+        tokenizer = Tokenizer(path, **(kwargs or {}))
     except (OSError, ValueError) as error:
         if required:
             raise ValueError(f"tokenizer={path!r}: {error}; give a directory holding a "

@@ -92,7 +92,7 @@ class RequestOps:
         self._check_awake()
         check_runner(self.config, pooling)
         check_prompt(prompt_token_ids, params, self.max_model_len, self.runner.vocab_size,
-                     pooling)
+                     pooling, self.config.model.max_logprobs)
         if lora_request is not None:
             lora = getattr(self.runner, "lora", None)
             if lora is None:

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
-from mrv2.config import add_cli_args, config_from_cli, format_validation_error
+from mrv2.config import format_validation_error
+from mrv2.config_cli import add_cli_args, config_from_cli
 from mrv2.entrypoints.http_options import add_http_args
 from mrv2.entrypoints.reasoning import REASONING_PARSERS
 from mrv2.entrypoints.tool_calls import TOOL_CALL_PARSERS

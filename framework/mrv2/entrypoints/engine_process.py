@@ -40,6 +40,7 @@ from mrv2.engine.request_inputs import (
     check_runner,
     make_input_processor,
     process_multimodal,
+    tokenizer_kwargs,
 )
 from mrv2.engine.tokenizer import Tokenizer
 from mrv2.entrypoints.engine_calls import reply_result
@@ -416,7 +417,8 @@ class RemoteEngine:
         self.sampling_defaults = info.sampling_defaults
         self.tokenizer: Tokenizer | None = _load_tokenizer(
             config.model.tokenizer or info.model_dir, config.model.chat_template,
-            required=config.model.tokenizer is not None)
+            required=config.model.tokenizer is not None,
+            kwargs=tokenizer_kwargs(config.model))
         self.input_processor: InputProcessor | None = make_input_processor(
             info.input_processor, info.model_dir, info.hf_config, self.tokenizer, config)
 
@@ -426,7 +428,8 @@ class RemoteEngine:
         ids, the params' token ids); the engine makes the rest (``lora``'s adapter too) when
         it adds the request."""
         check_runner(self.config, pooling)
-        check_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size, pooling)
+        check_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size, pooling,
+                     self.config.model.max_logprobs)
 
     def process_multimodal(self, prompt_token_ids: list[int], mm_data: Any
                            ) -> tuple[list[int], list[MultiModalItem]]:

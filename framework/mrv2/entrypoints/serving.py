@@ -342,7 +342,8 @@ def _chat_with_media(engine: LLMEngine | RemoteEngine, tokenizer: Any,
     """Token ids and multimodal items of chat messages with image or audio parts (ValueError
     on bad input: the caller answers 400)."""
     template_messages, mm_data = split_chat_media(
-        messages, allow_remote, engine.config.multimodal.limit_mm_per_prompt)
+        messages, allow_remote, engine.config.multimodal.limit_mm_per_prompt,
+        engine.config.multimodal.allowed_local_media_path)
     ids = tokenizer.apply_chat_template(template_messages, add_generation_prompt,
                                         **template_kwargs)
     return engine.process_multimodal(ids, mm_data)

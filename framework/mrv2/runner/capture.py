@@ -34,8 +34,8 @@ def capture_set(runner: Runner, capture: Callable[[InputBatch, Callable[[], Any]
     """One set of the runner's graphs (:meth:`~mrv2.runner.runner.Runner.capture_graphs`): the
     mixed graphs, the uniform-decode graphs, the drafting graphs and the sampling tails."""
     query_lens = sorted({1, 1 + runner.num_speculative_tokens})
-    runner.graphs = graphs = StepGraphs(capture_sizes(runner.max_num_reqs), query_lens,
-                                      runner.max_num_tokens)
+    sizes = capture_sizes(runner.max_num_reqs, sizes=runner.config.device.cuda_graph_sizes)
+    runner.graphs = graphs = StepGraphs(sizes, query_lens, runner.max_num_tokens)
     mixed: dict[int, tuple[int, int]] = {}
     if runner.model_state.mixed_step_graphs and all(b.mixed_step_graphs
                                                   for b in runner.kv.backends):

@@ -51,7 +51,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -101,8 +101,15 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def capture_sizes(max_num_reqs: int, limit: int = 512) -> list[int]:
-    """1, 2, 4, 8, then every 8 up to 256, then every 16, capped at ``max_num_reqs``."""
+def capture_sizes(max_num_reqs: int, limit: int = 512,
+                  sizes: Sequence[int] | None = None) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to 256, then every 16, capped at ``min(max_num_reqs,
+    limit)``; ``sizes`` given (``cuda_graph_sizes``, vLLM's): one value is the cap instead of
+    ``limit``, several are the sizes themselves (those up to ``max_num_reqs``)."""
+    if sizes is not None and len(sizes) > 1:
+        return sorted({s for s in sizes if s <= max_num_reqs})
+    if sizes:
+        limit = sizes[0]
     top = min(max_num_reqs, limit)
     sizes = [s for s in (1, 2, 4) if s <= top]
     sizes += list(range(8, min(top, 256) + 1, 8))

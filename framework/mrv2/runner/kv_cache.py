@@ -130,8 +130,8 @@ class KVCaches:
 def num_blocks_for(
     cache: CacheConfig, per_block: int, device: torch.device, peak_bytes: int = 0
 ) -> int:
-    """How many blocks of ``per_block`` bytes fit: the override, else the CPU budget, else
-    device memory left.
+    """How many blocks of ``per_block`` bytes fit: the override, else ``kv_cache_memory_bytes``
+    (on any device), else the CPU budget, else device memory left.
 
     On CUDA: ``gpu_memory_utilization`` of total memory, less what is in use now (weights,
     other processes) and less the profiling forward's activation peak ``peak_bytes``.
@@ -139,7 +139,9 @@ def num_blocks_for(
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
     parts = ""
-    if device.type == "cpu":
+    if cache.kv_cache_memory_bytes is not None:  # (vLLM's: the size asked, not checked)
+        budget = cache.kv_cache_memory_bytes
+    elif device.type == "cpu":
         budget = int(cache.cpu_kv_cache_gb * _GIB)
     else:
         # An engine of this process that nobody references any more (a test's, a notebook's
@@ -156,9 +158,18 @@ def num_blocks_for(
     if blocks < 1:
         raise RuntimeError(
             f"no memory left for the KV cache (budget {budget / _GIB:.2f} GiB{parts}; one block "
-            f"{per_block} bytes): raise gpu_memory_utilization or lower max_num_batched_tokens"
-        )
+            f"{per_block} bytes): raise {kv_budget_knob(cache, device)} or lower "
+            "max_num_batched_tokens")
     return int(blocks)
+
+
+def kv_budget_knob(cache: CacheConfig, device: torch.device) -> str:
+    """The setting that sized the KV cache (what an error tells the user to raise)."""
+    if cache.num_gpu_blocks_override is not None:
+        return "num_gpu_blocks_override"
+    if cache.kv_cache_memory_bytes is not None:
+        return "kv_cache_memory_bytes"
+    return "cpu_kv_cache_gb" if device.type == "cpu" else "gpu_memory_utilization"
 
 
 def fit_max_model_len(config: EngineConfig, num_blocks: int, block_size: int,
@@ -173,8 +184,7 @@ def fit_max_model_len(config: EngineConfig, num_blocks: int, block_size: int,
     step = config.scheduler.max_num_batched_tokens + num_lookahead_tokens
     fit = longest_fitting(num_blocks, windows, block_size, step, num_speculative_tokens, bound)
     if fit < 1:
-        knob = ("num_gpu_blocks_override" if config.cache.num_gpu_blocks_override is not None
-                else "cpu_kv_cache_gb" if device.type == "cpu" else "gpu_memory_utilization")
+        knob = kv_budget_knob(config.cache, device)
         needed = most_blocks_held(windows, block_size, 1, step, num_speculative_tokens)
         raise ValueError(
             f"max_model_len='auto': the KV cache holds {num_blocks} blocks, but a request of "

@@ -421,7 +421,9 @@ class Runner(BetweenSteps):
         if isinstance(out, torch.Tensor):  # a plugin sampler returning bare tokens
             out = SamplerOutput(out)
         samples = step_samples(batch, out.tokens, step.do_sample_dev, out.verify)
-        out = kept_token_logprobs(batch, logits, out, samples)
+        out = kept_token_logprobs(
+            batch, logits, out, samples,
+            getattr(self.sampler, "logprobs_mode", "raw_logprobs") == "raw_logits")
         num_drafts = step.num_drafts_dev
         if num_drafts is None:
             num_drafts = self._no_drafts[: batch.num_reqs]

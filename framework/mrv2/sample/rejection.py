@@ -92,7 +92,7 @@ def step_samples(
 
 
 def kept_token_logprobs(batch: InputBatch, logits: torch.Tensor, out: SamplerOutput,
-                        samples: StepSamples) -> SamplerOutput:
+                        samples: StepSamples, raw_logits: bool = False) -> SamplerOutput:
     """``out`` with each logits row's logprobs those of the token the step kept at its
     position, after drafts verified other than strictly (``out.verify``): a rejected
     position's token is a resample of ``max(p - q, 0)`` (or, synthetic, another token), not
@@ -105,6 +105,6 @@ def kept_token_logprobs(batch: InputBatch, logits: torch.Tensor, out: SamplerOut
     request, offset = batch.logits_row_offsets(n)
     kept = samples.tokens[request, offset.clamp(max=samples.tokens.shape[1] - 1)]
     tokens = torch.where(kept >= 0, kept, out.tokens[:n])
-    ids, values, rank = token_logprobs(logits[:n], tokens, k)
+    ids, values, rank = token_logprobs(logits[:n], tokens, k, raw_logits)
     return dataclasses.replace(out, logprob_ids=ids, logprobs=values, sampled_rank=rank)
 

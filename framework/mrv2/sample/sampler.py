@@ -1,6 +1,7 @@
 """The sampler stage: logits -> structured outputs' masks -> fp32 -> processors -> bias / masks
 -> penalties -> temperature -> min-p -> top-k/top-p -> Gumbel-max with stateless (seed,
-position, token) noise, then (when asked) logprobs of the raw (masked) logits.
+position, token) noise, then (when asked) logprobs of the raw (masked) logits (or, with
+``logprobs_mode="raw_logits"``, the raw logits themselves).
 
 Per-request parameters are read from the state table through ``idx_mapping``; which stages run
 is decided from CPU-side flags of the batch's rows, never by reading the device. The rarely used
@@ -113,9 +114,12 @@ class Sampler:
     def __init__(
         self, max_num_reqs: int, vocab_size: int, device: torch.device,
         processors: list[LogitsProcessor] | None = None, verify_method: str | None = None,
-        synthetic_rate: float | None = None,
+        synthetic_rate: float | None = None, logprobs_mode: str = "raw_logprobs",
     ) -> None:
         self.processors = list(processors or [])
+        #: What logprobs report (``EngineConfig.model.logprobs_mode``): "raw_logprobs" or
+        #: "raw_logits" (the model's logits at the same ids).
+        self.logprobs_mode = logprobs_mode
         self.state = SamplingState(max_num_reqs, vocab_size, device)
         #: The non-strict rejection method in use ("probabilistic", "synthetic") or None: steps
         #: with drafts then keep :class:`VerifyInputs` (probabilistic: unless all greedy, which
@@ -331,14 +335,14 @@ class Sampler:
                                   batch.logits_positions, self.synthetic_rate)
         return self._with_logprobs(raw, out, plan, verify)
 
-    @staticmethod
-    def _with_logprobs(raw: torch.Tensor, out: torch.Tensor, plan: SamplePlan,
+    def _with_logprobs(self, raw: torch.Tensor, out: torch.Tensor, plan: SamplePlan,
                        verify: VerifyInputs | None = None) -> SamplerOutput:
         """The sampled ``out`` with their log-probabilities from the ``raw`` logits where the
         plan asks for them."""
         if plan.max_logprobs < 0:
             return SamplerOutput(out, verify=verify)
-        ids, values, rank = token_logprobs(raw, out, plan.max_logprobs)
+        ids, values, rank = token_logprobs(raw, out, plan.max_logprobs,
+                                           self.logprobs_mode == "raw_logits")
         return SamplerOutput(out, ids, values, rank, verify)
 
     @staticmethod

@@ -397,7 +397,8 @@ def test_chat_with_image_parts(checkpoint: Path) -> None:
         llm.chat(over, GREEDY, use_tqdm=False)
     for url, message in [("data:image/png;base64,AAAA", "could not decode"),
                          ("https://example.com/cat.png", "remote URLs are not fetched"),
-                         ("file:///etc/passwd", "unsupported URL")]:
+                         ("file:///etc/passwd", "file:// URLs are not read"),
+                         ("ftp://example.com/cat.png", "unsupported URL")]:
         bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
         where = re.escape("messages[0].content[0].image_url: ")
         with pytest.raises(ValueError, match=where + message):
