@@ -136,6 +136,7 @@ def test_the_serve_logging_flags_reach_the_server(
     from mrv2 import LoRARequest
     from mrv2.entrypoints.cli import main
     from mrv2.entrypoints.http_options import HTTPOptions
+    from mrv2.entrypoints.serve_options import ServeOptions
 
     calls: list[dict[str, Any]] = []
 
@@ -159,13 +160,13 @@ def test_the_serve_logging_flags_reach_the_server(
         {"log_stats": True, "uvicorn_log_level": "info", "access_log": True,
          "reasoning_parser": None, "tool_call_parser": None, "http": HTTPOptions(),
          "enable_prompt_tokens_details": False, "lora_modules": [],
-         "trust_request_chat_template": False},
+         "trust_request_chat_template": False, "options": ServeOptions()},
         {"log_stats": False, "uvicorn_log_level": "warning", "access_log": False,
          "reasoning_parser": "qwen3", "tool_call_parser": "hermes",
          "http": HTTPOptions(allowed_origins=("https://a.example",), root_path="/llm"),
          "enable_prompt_tokens_details": True,
          "lora_modules": [LoRARequest("sql", 1, "/adapters/sql")],
-         "trust_request_chat_template": True}]
+         "trust_request_chat_template": True, "options": ServeOptions()}]
     # (--tool-call-parser alone serves, as vLLM's: test_http_options)
     for half in (["--enable-auto-tool-choice"],
                  ["--lora-modules", "sql=/adapters/sql"], ["--enable-lora", "--lora-modules",

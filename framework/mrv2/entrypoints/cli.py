@@ -14,6 +14,7 @@ from mrv2.config import format_validation_error
 from mrv2.config_cli import add_cli_args, config_from_cli
 from mrv2.entrypoints.http_options import add_http_args
 from mrv2.entrypoints.reasoning import REASONING_PARSERS
+from mrv2.entrypoints.serve_options import add_serve_args
 from mrv2.entrypoints.tool_calls import TOOL_CALL_PARSERS
 from mrv2.logs import configure_logging
 
@@ -62,6 +63,7 @@ def _serve(args: argparse.Namespace) -> int:
     from mrv2.engine.gc_pauses import gen0_threshold
     from mrv2.entrypoints.http_options import HTTPOptions
     from mrv2.entrypoints.lora_modules import parse_lora_modules
+    from mrv2.entrypoints.serve_options import ServeOptions
     from mrv2.entrypoints.stats_logger import log_stats_interval
 
     try:  # the environment's settings and the HTTP flags refused before the engine starts
@@ -70,6 +72,7 @@ def _serve(args: argparse.Namespace) -> int:
             log_stats_interval()
         http = HTTPOptions.from_args(args)
         http.check()
+        options = ServeOptions.from_args(args)
         for flag, value in (("--max-pending", args.max_pending), ("--max-n", args.max_n)):
             if value < 1:
                 raise ValueError(f"{flag}={value}: expected >= 1")
@@ -95,6 +98,9 @@ def _serve(args: argparse.Namespace) -> int:
     if args.tool_call_parser is not None and tool_call_parser is None:
         logger.info("--tool-call-parser without --enable-auto-tool-choice: tool_choice \"auto\" "
                     "is refused, as vLLM's; a forced tool_choice needs no parser")
+    if args.max_log_len is not None:
+        logger.info("--max-log-len: mrv2 never logs prompts (accepted for vLLM's scripts; "
+                    "no effect)")
     if args.log_requests is not None:
         logger.info("--%s-log-requests: mrv2 never logs request contents (accepted for vLLM's "
                     "scripts; no effect)", "enable" if args.log_requests else "disable")
@@ -137,7 +143,8 @@ def _serve(args: argparse.Namespace) -> int:
                       tool_call_parser=tool_call_parser, http=http,
                       enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                       lora_modules=loras,
-                      trust_request_chat_template=args.trust_request_chat_template)
+                      trust_request_chat_template=args.trust_request_chat_template,
+                      options=options)
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -195,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None,
                        help="require Authorization: Bearer KEY on every route but /health, "
-                       "/metrics, /version, /tokenize and /detokenize (default: the "
+                       "/metrics, /version, /tokenize, /detokenize, /load and "
+                       "/tokenizer_info (default: the "
                        "VLLM_API_KEY environment variable, as vLLM's)")
     serve.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
                        default=None, help="vLLM's flag, accepted for its launch scripts: "
@@ -266,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="render a chat request's own chat_template (else refused with "
                        "a 400), as vLLM's flag")
     add_http_args(serve)
+    add_serve_args(serve)
     add_cli_args(serve)
     serve.set_defaults(func=_serve)
 

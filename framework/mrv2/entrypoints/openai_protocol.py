@@ -13,7 +13,14 @@ import dataclasses
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+)
 
 from mrv2.contract.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from mrv2.engine.beam_search import BeamSearchParams
@@ -79,8 +86,9 @@ class _Request(BaseModel):
     #: vLLM's: the prompt's and each choice's token ids beside the text (streamed: the
     #: prompt's in the first chunk, each chunk its new ids).
     return_token_ids: bool = False
-    #: vLLM's: logprobs name their tokens ``token_id:N`` (for tokens no text can stand for).
-    return_tokens_as_token_ids: bool = False
+    #: vLLM's: logprobs name their tokens ``token_id:N`` (for tokens no text can stand for);
+    #: unset: the server's ``--return-tokens-as-token-ids``.
+    return_tokens_as_token_ids: bool | None = None
     #: OpenAI's ``{"type": "text" | "json_object" | "json_schema", "json_schema": {"name",
     #: "schema", "strict"}}`` (and vLLM's ``"structural_tag"``, ``{"type", "structures",
     #: "triggers"}``); vLLM's ``structured_outputs`` (``StructuredOutputsParams``' fields)
@@ -102,6 +110,8 @@ class _Request(BaseModel):
     #: vLLM's: lower runs first under ``--scheduling-policy priority``; any but 0 is refused
     #: under ``fcfs`` (:meth:`~mrv2.entrypoints.serving.Serving.parse`).
     priority: int = 0
+    #: ``--enable-force-include-usage``: a stream ends with its usage, asked for or not.
+    _force_usage: bool = PrivateAttr(default=False)
 
     @field_validator("cache_salt")
     @classmethod
@@ -277,7 +287,10 @@ class _Request(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+        """A stream's usage chunk: ``stream_options.include_usage``, or the server's
+        ``--enable-force-include-usage``."""
+        return bool(self.stream and (self._force_usage or (
+            self.stream_options and self.stream_options.include_usage)))
 
     @property
     def continuous_usage(self) -> bool:
@@ -389,6 +402,14 @@ class ChatCompletionRequest(_Request):
     #: vLLM's: the tokenizer's special tokens (a BOS) added to the rendered template, on top
     #: of those the template writes (off by default, as the template writes them).
     add_special_tokens: bool = False
+    #: The server's ``--response-role``.
+    _response_role: str = PrivateAttr(default="assistant")
+
+    @property
+    def answer_role(self) -> str:
+        """The answer's role (vLLM's): the server's ``--response-role`` with a generation
+        prompt, else the last message's."""
+        return self._response_role if self.add_generation_prompt else self.messages[-1].role
 
     def template_kwargs(self) -> dict[str, Any] | None:
         """``chat_template_kwargs`` with ``reasoning_effort`` added (where set and not set
@@ -399,13 +420,11 @@ class ChatCompletionRequest(_Request):
 
     def echo_text(self) -> str:
         """What ``echo`` puts before the answer: the last message's text if it is the
-        answer's role (``assistant``, or the last message's own without a generation
-        prompt), else nothing."""
+        answer's role (:attr:`answer_role`), else nothing."""
         if not self.echo:
             return ""
         last = self.messages[-1]
-        role = "assistant" if self.add_generation_prompt else last.role
-        return str(last.as_dict()["content"] or "") if last.role == role else ""
+        return str(last.as_dict()["content"] or "") if last.role == self.answer_role else ""
 
     def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """The request's SamplingParams; ``defaults`` (the model's sampling defaults) fill the

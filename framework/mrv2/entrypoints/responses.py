@@ -129,6 +129,9 @@ class Stream:
         self.encoded, self.echo = encoded, echo if not chat else None
         #: chat's ``echo``: the last message's text, before the answer's content
         self.chat_echo = echo.texts[0] if chat and echo is not None else ""
+        #: a chat answer's role (``--response-role``, or the last message's without a
+        #: generation prompt)
+        self.role = str(getattr(body, "answer_role", "assistant"))
         #: request id -> its prompt logprobs (they come with its first output)
         self.prompt_lps: dict[str, list[Any] | None] = {}
         self.num_prompt = sum(len(ids) for ids, _ in encoded)
@@ -276,7 +279,7 @@ class Stream:
         return message
 
     def _parsed_message(self, text: str, choice: dict[str, Any]) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": text}
+        message: dict[str, Any] = {"role": self.role, "content": text}
         if self.reasoning:
             message["reasoning_content"], message["content"] = split_reasoning(
                 self.reasoning, text)
@@ -313,7 +316,7 @@ class Stream:
             if self.chat:
                 yield "".join(self._chunk([{"index": self._index(r, i), "logprobs": None,
                                             "finish_reason": None,
-                                            "delta": {"role": "assistant", "content": ""}}],
+                                            "delta": {"role": self.role, "content": ""}}],
                                           self._running_usage(r, 0),
                                           self.encoded[0][0] if self._token_ids and not (
                                               j or i) else None)

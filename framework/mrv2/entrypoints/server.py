@@ -47,6 +47,12 @@ from mrv2.entrypoints.reasoning import check_reasoning_parser
 from mrv2.entrypoints.responses import APIError
 from mrv2.entrypoints.responses_routes import add_responses_routes
 from mrv2.entrypoints.responses_store import store_from_env
+from mrv2.entrypoints.serve_options import (
+    LoadTracker,
+    RequestIdHeader,
+    ServeOptions,
+    tokenizer_info,
+)
 from mrv2.entrypoints.serving import Serving
 from mrv2.entrypoints.stats_logger import StatsLogger, log_stats_forever
 from mrv2.entrypoints.tool_calls import get_tool_parser
@@ -57,7 +63,8 @@ logger = logging.getLogger(__name__)
 
 
 #: The routes ``--api-key`` leaves open: they read nothing of a request's and change nothing.
-OPEN_ROUTES = frozenset({"/health", "/metrics", "/version", "/tokenize", "/detokenize"})
+OPEN_ROUTES = frozenset({"/health", "/metrics", "/version", "/tokenize", "/detokenize",
+                         "/load", "/tokenizer_info"})
 
 
 class _CheckKey:
@@ -94,7 +101,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
                http: HTTPOptions | None = None,
                enable_prompt_tokens_details: bool = False,
                lora_modules: Sequence[LoRARequest] = (),
-               trust_request_chat_template: bool = False) -> FastAPI:
+               trust_request_chat_template: bool = False,
+               options: ServeOptions | None = None) -> FastAPI:
     """The app; its worker (the engine thread, or the engine process's link) starts with the
     app and stops with it (``app.state.engine_thread``).
 
@@ -117,8 +125,12 @@ def create_app(engine: LLMEngine | RemoteEngine,
     their ``model`` field (the engine built with ``enable_lora``), each checked here.
     ``trust_request_chat_template``: a chat request's (and chat /tokenize's) own
     ``chat_template`` is rendered instead of the model's, as vLLM's
-    ``--trust-request-chat-template``; without it, such a request is a 400."""
+    ``--trust-request-chat-template``; without it, such a request is a 400.
+    ``options`` (:mod:`mrv2.entrypoints.serve_options`): vLLM's frontend flags of the
+    answers (the response role, forced usage, default template variables, request id
+    headers, ``/load``, ``/tokenizer_info``...)."""
     http = http or HTTPOptions()
+    options = options or ServeOptions()
     http.check()
     check_reasoning_parser(reasoning_parser)
     tool_parser = None if tool_call_parser is None else get_tool_parser(tool_call_parser)
@@ -161,8 +173,13 @@ def create_app(engine: LLMEngine | RemoteEngine,
     app = FastAPI(title="mrv2", on_startup=[worker.start, start_stats_lines],
                   on_shutdown=[stop_stats_lines, worker.stop, metrics.close],
                   **http.fastapi_kwargs())
+    load = [0]  # (--enable-server-load-tracking: the requests in flight, GET /load)
+    if options.enable_server_load_tracking:
+        app.add_middleware(LoadTracker, counter=load)
     if api_key is not None:
         app.add_middleware(_CheckKey, api_key=api_key)
+    if options.enable_request_id_headers:  # (a 401 carries it too)
+        app.add_middleware(RequestIdHeader)
     http.add_cors(app)  # outermost: preflights answered before the key is asked for
     app.state.engine_thread = worker
     app.state.model_name = model_name
@@ -170,10 +187,16 @@ def create_app(engine: LLMEngine | RemoteEngine,
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, error: APIError) -> JSONResponse:
+        if options.log_error_stack:
+            logger.error("%s %s: %d %s", request.method, request.url.path, error.status,
+                         error.message, exc_info=error)
         return error.response()
 
     @app.exception_handler(Exception)
     async def on_error(request: Request, error: Exception) -> JSONResponse:
+        if options.log_error_stack:
+            logger.error("%s %s: internal error", request.method, request.url.path,
+                         exc_info=error)
         return JSONResponse(error_body(f"internal error: {error}", "server_error", None, 500),
                             status_code=500)
 
@@ -193,10 +216,24 @@ def create_app(engine: LLMEngine | RemoteEngine,
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    @app.get("/load")
+    async def server_load() -> dict[str, int]:
+        """vLLM's: the generation and pooling requests in flight (always 0 without
+        ``--enable-server-load-tracking``)."""
+        return {"server_load": load[0]}
+
+    if options.enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def get_tokenizer_info() -> dict[str, Any]:
+            """vLLM's: the tokenizer's settings and the chat template."""
+            tok = tokenizer()
+            return tokenizer_info(tok.hf, tok.chat_template)
+
     serving = Serving(engine, worker, names, adapters, max_pending=max_pending, max_n=max_n,
                       reasoning_parser=reasoning_parser, tool_parser=tool_parser,
                       prompt_tokens_details=enable_prompt_tokens_details,
-                      trust_request_chat_template=trust_request_chat_template)
+                      trust_request_chat_template=trust_request_chat_template,
+                      options=options)
     json_object, parse, tokenizer = serving.json_object, serving.parse, serving.tokenizer
 
     if runtime_updating():

@@ -20,6 +20,7 @@ from mrv2.engine.gc_pauses import freeze_startup_heap
 from mrv2.entrypoints.engine_process import EngineProcess, RemoteEngine
 from mrv2.entrypoints.engine_thread import EngineThread
 from mrv2.entrypoints.http_options import HTTPOptions
+from mrv2.entrypoints.serve_options import ServeOptions
 from mrv2.entrypoints.server import DEFAULT_MAX_N, create_app
 from mrv2.entrypoints.stack_sampler import PROFILE_ENV_VAR, StackSampler
 from mrv2.entrypoints.stats_logger import log_stats_interval
@@ -50,13 +51,15 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 def make_server(app: FastAPI, host: str, port: int, log_level: str = "info",
-                access_log: bool = True, http: HTTPOptions | None = None) -> Any:
-    """uvicorn's server for ``app`` (the root path and TLS from ``http``), which logs where
-    it listens also when handed a socket bound already (uvicorn says so for its own only)."""
+                access_log: bool = True, http: HTTPOptions | None = None,
+                options: ServeOptions | None = None) -> Any:
+    """uvicorn's server for ``app`` (the root path and TLS from ``http``; the bound on a
+    request's head from ``options``), which logs where it listens also when handed a socket
+    bound already (uvicorn says so for its own only)."""
     import uvicorn
 
-    options = http or HTTPOptions()
-    scheme = options.scheme
+    http = http or HTTPOptions()
+    scheme = http.scheme
 
     class Server(uvicorn.Server):
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -67,8 +70,10 @@ def make_server(app: FastAPI, host: str, port: int, log_level: str = "info",
                     "Uvicorn running on %s://%s:%d (Press CTRL+C to quit)", scheme,
                     f"[{name[0]}]" if ":" in str(name[0]) else name[0], name[1])
 
+    h11_size = (options or ServeOptions()).h11_max_incomplete_event_size
     return Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                 access_log=access_log, **options.uvicorn_kwargs()))
+                                 access_log=access_log, h11_max_incomplete_event_size=h11_size,
+                                 **http.uvicorn_kwargs()))
 
 
 def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: int = 8000,
@@ -81,7 +86,8 @@ def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: 
                http: HTTPOptions | None = None,
                enable_prompt_tokens_details: bool = False,
                lora_modules: Sequence[LoRARequest] = (),
-               trust_request_chat_template: bool = False) -> int:
+               trust_request_chat_template: bool = False,
+               options: ServeOptions | None = None) -> int:
     """Serve until interrupted (returns 0), or until the engine fails for good (a
     tensor-parallel worker died: the server answers 503 for a moment, then stops and returns
     1). ``log_stats``: a stats line every :func:`~mrv2.entrypoints.stats_logger.log_stats_interval`
@@ -92,7 +98,8 @@ def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: 
     root path, TLS, the docs pages (:class:`~mrv2.entrypoints.http_options.HTTPOptions`).
     ``lora_modules``: the adapters served by name (``--lora-modules``).
     ``trust_request_chat_template``: a request's own ``chat_template`` is rendered
-    (``--trust-request-chat-template``), not refused."""
+    (``--trust-request-chat-template``), not refused. ``options``: vLLM's frontend flags
+    (:mod:`~mrv2.entrypoints.serve_options`)."""
     http = http or HTTPOptions()
     if engine.tokenizer is not None:
         engine.tokenizer.warm_up()  # the chat template compiled before the first request
@@ -102,8 +109,8 @@ def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: 
     app = create_app(engine, served_model_name, api_key, max_pending, max_n,
                      log_stats_interval() if log_stats else None, reasoning_parser,
                      tool_call_parser, http, enable_prompt_tokens_details, lora_modules,
-                     trust_request_chat_template)
-    server = make_server(app, host, port, uvicorn_log_level, access_log, http)
+                     trust_request_chat_template, options)
+    server = make_server(app, host, port, uvicorn_log_level, access_log, http, options)
     worker: EngineThread | EngineProcess = app.state.engine_thread
 
     def stop_soon(error: BaseException) -> None:

@@ -40,6 +40,7 @@ from mrv2.entrypoints.openai_protocol import ChatCompletionRequest, value_error_
 from mrv2.entrypoints.reasoning import harmony_format
 from mrv2.entrypoints.responses import APIError, Echo, Stream
 from mrv2.entrypoints.responses_context import harmony_messages
+from mrv2.entrypoints.serve_options import ServeOptions
 from mrv2.entrypoints.tool_calls import ToolCalling, ToolParser
 from mrv2.entrypoints.whole_answers import (
     beam_answer_body,
@@ -58,8 +59,11 @@ class Serving:
     def __init__(self, engine: LLMEngine | RemoteEngine, worker: EngineThread | EngineProcess,
                  names: list[str], adapters: LoRAModules, *, max_pending: int, max_n: int,
                  reasoning_parser: str | None, tool_parser: ToolParser | None,
-                 prompt_tokens_details: bool, trust_request_chat_template: bool) -> None:
+                 prompt_tokens_details: bool, trust_request_chat_template: bool,
+                 options: ServeOptions | None = None) -> None:
         self.engine, self.worker = engine, worker
+        #: ``mrv2 serve``'s answer flags (:mod:`~mrv2.entrypoints.serve_options`)
+        self.options = options or ServeOptions()
         self._structured: StructuredOutputs | None = None
         self.names, self.model_name = names, names[0]
         self.adapters = adapters
@@ -109,7 +113,25 @@ class Serving:
             check_priority(getattr(body, "priority", 0), self.engine.config.scheduler.policy)
         except ValueError as error:
             raise APIError(400, str(error), param="priority") from None
+        self._server_defaults(body)
         return body
+
+    def _server_defaults(self, body: Any) -> None:
+        """The server's flags where the request leaves them to it (vLLM's): the answer's
+        role, token ids as logprobs' tokens, a stream's forced usage, the chat template's
+        default variables (under the request's own)."""
+        options = self.options
+        if isinstance(body, ChatCompletionRequest):
+            body._response_role = options.response_role
+        if getattr(body, "return_tokens_as_token_ids", False) is None:
+            body.return_tokens_as_token_ids = options.return_tokens_as_token_ids
+        if options.enable_force_include_usage and hasattr(body, "_force_usage"):
+            body._force_usage = True
+        if options.default_chat_template_kwargs and hasattr(body, "chat_template_kwargs"):
+            own = body.chat_template_kwargs
+            if own is None or isinstance(own, dict):  # (else: chat_ids' 400 names it)
+                body.chat_template_kwargs = {**options.default_chat_template_kwargs,
+                                             **(own or {})}
 
     def lora_of(self, body: Any) -> LoRARequest | None:
         """The adapter the request's ``model`` names (None: the base model); a 404 if it was
@@ -243,7 +265,9 @@ class Serving:
                 raise APIError(400, str(error), param="messages") from None
         try:
             return self.tokenizer().apply_chat_template(
-                [m.as_dict() for m in messages], add_generation_prompt,
+                self.options.content_parts([m.as_dict() for m in messages],
+                                           [m.content for m in messages]),
+                add_generation_prompt,
                 add_special_tokens=add_special_tokens, **kwargs), []
         except (ValueError, TypeError) as error:
             raise APIError(400, f"could not apply the chat template: {error}",
@@ -251,10 +275,14 @@ class Serving:
 
     async def prompt_ids(self, body: ChatCompletionRequest
                          ) -> tuple[list[int], list[MultiModalItem]]:
-        """A chat request's prompt (:meth:`chat_ids` of its fields)."""
+        """A chat request's prompt (:meth:`chat_ids` of its fields; no tools for
+        ``tool_choice: "none"`` with ``--exclude-tools-when-tool-choice-none``)."""
+        tools = body.tools
+        if body.tool_choice == "none" and self.options.exclude_tools_when_tool_choice_none:
+            tools = None
         return await self.chat_ids(body.messages, body.add_generation_prompt,
                                    body.template_kwargs(), body.continue_final_message,
-                                   body.tools, body.documents, body.chat_template,
+                                   tools, body.documents, body.chat_template,
                                    body.add_special_tokens)
 
     async def beam_answer(self, request: Request, body: Any, params: SamplingParams,
@@ -281,7 +309,8 @@ class Serving:
             return Response(status_code=499)  # (as Stream.collect: nobody reads it)
         return JSONResponse(beam_answer_body(outputs, prompts, engine.tokenizer,
                                              lora.lora_name if lora else self.model_name, chat,
-                                             reasoning))
+                                             reasoning, getattr(body, "answer_role",
+                                                                "assistant")))
 
     def _beam_grammars(self) -> StructuredOutputs:
         """The grammar states of beam search's beams (:class:`StructuredOutputs` over the

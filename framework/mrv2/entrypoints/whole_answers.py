@@ -112,9 +112,9 @@ async def beam_search_through(worker: EngineThread | EngineProcess, search: Beam
 
 def beam_answer_body(outputs: list[BeamSearchOutput], prompts: list[list[int]],
                      tokenizer: Any, model: str, chat: bool,
-                     reasoning: str | None = None) -> dict[str, Any]:
+                     reasoning: str | None = None, role: str = "assistant") -> dict[str, Any]:
     """The completions (or, with ``chat``, chat completions) answer of beam search: each
-    prompt's beams as choices, best first."""
+    prompt's beams as choices, best first (a chat message's role ``role``)."""
     choices: list[dict[str, Any]] = []
     completion_tokens = 0
     skip = not (chat and keeps_special_tokens(reasoning))  # (the parser reads the markers)
@@ -130,7 +130,7 @@ def beam_answer_body(outputs: list[BeamSearchOutput], prompts: list[list[int]],
             if chat:
                 thought, content = (split_reasoning(reasoning, text) if reasoning
                                     else (None, text))
-                choice["message"] = {"role": "assistant", "content": content,
+                choice["message"] = {"role": role, "content": content,
                                      "reasoning_content": thought, "tool_calls": []}
             else:
                 choice["text"] = text
