@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -29,6 +30,8 @@ _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits")
 #: ``tokenizer_mode`` values mrv2 loads ('hf' is vLLM's other name of 'auto').
 TOKENIZER_MODES = ("auto", "hf", "slow")
+#: ``model_impl`` values mrv2 runs (its own implementations; vLLM's 'vllm' names them too).
+MODEL_IMPLS = ("auto", "vllm")
 
 
 def positive_number_from_env(name: str, kind: type[int] | type[float], what: str
@@ -168,6 +171,16 @@ class ModelConfig(_Section):
     code_revision: str | None = Field(
         default=None, description="as revision, for the model's code (no effect: mrv2 runs "
         "its own model code)")
+    model_impl: str = Field(
+        default="auto",
+        description="vLLM's choice of model implementation: 'auto' and 'vllm' run mrv2's own "
+        "(the only ones it has); 'transformers' and 'terratorch' are refused",
+    )
+    disable_cascade_attn: bool = Field(
+        default=False,
+        description="vLLM's flag, accepted for its scripts: mrv2 has no cascade attention, so "
+        "it changes nothing",
+    )
     download_dir: str | None = Field(
         default=None,
         description="vLLM's directory for hub downloads, accepted for its scripts: mrv2 "
@@ -223,6 +236,16 @@ class ModelConfig(_Section):
                    if value in ("mistral", "custom") else "")
             raise ValueError(f"tokenizer_mode={value!r}{why}; allowed: "
                              + ", ".join(map(repr, TOKENIZER_MODES)))
+        return value
+
+    @field_validator("model_impl")
+    @classmethod
+    def _own_model_impl(cls, value: str) -> str:
+        if value not in MODEL_IMPLS:
+            why = (" is not supported: mrv2 runs its own model implementations only"
+                   if value in ("transformers", "terratorch") else "")
+            raise ValueError(f"model_impl={value!r}{why}; allowed: "
+                             + ", ".join(map(repr, MODEL_IMPLS)))
         return value
 
     @field_validator("chat_template")
@@ -376,12 +399,37 @@ class SchedulerConfig(_Section):
         description="a streamed request's output every this many tokens (its first token and "
         "its end at once): fewer, larger chunks for less host work a token under load",
     )
+    long_prefill_token_threshold: int = Field(
+        default=0, ge=0,
+        description="the most tokens of one request a step computes (vLLM's; 0: no cap but "
+        "the token budget): a long prompt's prefill takes steps of at most this many tokens, "
+        "leaving the rest of the budget to other requests (also with chunked prefill off, "
+        "as in vLLM)",
+    )
+    max_num_partial_prefills: int = Field(
+        default=1, ge=1,
+        description="vLLM's concurrent partial prefills, which its V1 engine refuses too: 1 "
+        "is accepted, more is refused (long_prefill_token_threshold caps a prompt's chunks)",
+    )
+    max_long_partial_prefills: int = Field(
+        default=1, ge=1, description="as max_num_partial_prefills: 1 is accepted, more is "
+        "refused")
     policy: Literal["fcfs", "priority"] = Field(
         default="fcfs",
         description="'fcfs' or 'priority' (vLLM's --scheduling-policy): waiting requests "
         "by (priority, arrival), lower first; preemption takes the largest. Under 'fcfs' a "
         "request's priority must be 0",
     )
+
+    @field_validator("max_num_partial_prefills", "max_long_partial_prefills")
+    @classmethod
+    def _no_concurrent_partial_prefills(cls, value: int, info: ValidationInfo) -> int:
+        if value > 1:
+            raise ValueError(
+                f"{info.field_name}={value} is not supported: concurrent partial prefill "
+                "(vLLM's V1 engine refuses it too); allowed: 1. long_prefill_token_threshold "
+                "caps the tokens one prompt takes a step")
+        return value
 
     def fit_token_budget(self, max_model_len: int) -> None:
         """vLLM's rule with chunked prefill off, where a prompt runs in one step: the default
@@ -413,10 +461,28 @@ class ParallelConfig(_Section):
         description="split mixture-of-experts layers by whole experts across the ranks "
         "(each rank holds num_experts / tensor_parallel_size of them) instead of splitting "
         "every expert's columns; attention stays tensor-parallel")
+    pipeline_parallel_size: int = Field(
+        default=1, ge=1,
+        description="vLLM's pipeline parallelism (-pp): mrv2 splits a model by tensor "
+        "parallelism only (tensor_parallel_size); 1 is accepted, more is refused")
+    data_parallel_size: int = Field(
+        default=1, ge=1,
+        description="vLLM's data parallelism (-dp): mrv2 runs one replica (split by "
+        "tensor_parallel_size); 1 is accepted, more is refused: start one server per replica")
     disable_custom_all_reduce: bool = Field(
         default=False,
         description="vLLM's flag, accepted for its scripts: mrv2 has no custom all-reduce "
         "(NCCL's always), so it changes nothing")
+
+
+    @field_validator("pipeline_parallel_size", "data_parallel_size")
+    @classmethod
+    def _tensor_parallel_only(cls, value: int, info: ValidationInfo) -> int:
+        if value > 1:
+            raise ValueError(
+                f"{info.field_name}={value} is not supported: mrv2 does tensor parallelism "
+                "only (tensor_parallel_size / -tp); allowed: 1")
+        return value
 
 
 class LoRAConfig(_Section):
@@ -576,6 +642,13 @@ class EngineConfig(_Section):
                     raise ValueError(f"policy={kwargs['policy']!r} and scheduling_policy="
                                      f"{value!r} disagree: give one of them")
                 key = "policy"
+            elif key == "max_cudagraph_capture_size":  # vLLM's: cuda_graph_sizes' one value
+                if value is None:
+                    continue
+                if kwargs.get("cuda_graph_sizes") is not None:
+                    raise ValueError("give cuda_graph_sizes or max_cudagraph_capture_size, "
+                                     "not both")
+                key, value = "cuda_graph_sizes", [value]
             if key in _SECTIONS and isinstance(value, dict):
                 sections[key].update(value)
             elif key in _FLAT_TO_SECTION:
@@ -584,7 +657,8 @@ class EngineConfig(_Section):
                 top[key] = value
             else:
                 known = ", ".join(sorted({*_FLAT_TO_SECTION, *_SECTIONS, "logits_processors",
-                                          "speculative_config", "scheduling_policy"}))
+                                          "speculative_config", "scheduling_policy",
+                                          "max_cudagraph_capture_size"}))
                 raise ValueError(f"unknown engine argument {key!r}; known arguments: {known}")
         data: dict[str, Any] = {**top, **{k: v for k, v in sections.items() if v}}
         return cls.model_validate(data)

@@ -22,7 +22,8 @@ from mrv2.config import (
 #: vLLM's other names of engine flags (``-tp 2``, as its recipes write them).
 _SHORT_FLAGS: dict[str, tuple[str, ...]] = {
     "tensor_parallel_size": ("-tp",), "quantization": ("-q",),
-    "policy": ("--scheduling-policy",)}
+    "policy": ("--scheduling-policy",), "pipeline_parallel_size": ("-pp",),
+    "data_parallel_size": ("-dp",), "enable_expert_parallel": ("-ep",)}
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -49,11 +50,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                     type=_CLI_TYPES.get(name) or _cli_type(field.annotation), help=help_text,
                 )
     group.add_argument(
+        "--max-cudagraph-capture-size", dest="max_cudagraph_capture_size", default=None,
+        type=int, help="vLLM's largest decode CUDA graph: --cuda-graph-sizes N (1, 2, 4, "
+        "then every 8 up to N; every 16 past 256)")
+    group.add_argument(
         "--logits-processors", dest="logits_processors", default=None, nargs="*",
         help="registered logits processors to apply",
     )
     group.add_argument(
-        "--speculative-config", dest="speculative_config", default=None,
+        "--speculative-config", "-sc", dest="speculative_config", default=None,
         help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
     )
@@ -125,7 +130,8 @@ def config_from_cli(args: argparse.Namespace, model: str | None) -> EngineConfig
     """Build the config from parsed CLI flags; flags given override the ``--config`` file."""
     given: dict[str, Any] = {
         name: getattr(args, name)
-        for name in [*_FLAT_TO_SECTION, "logits_processors", "speculative_config"]
+        for name in [*_FLAT_TO_SECTION, "logits_processors", "speculative_config",
+                     "max_cudagraph_capture_size"]
         if name != "model" and getattr(args, name, None) is not None
     }
     if model is not None:

@@ -222,6 +222,28 @@ class Scheduler:
             k = min(k, self.max_model_len - request.num_tokens - 1)
         return max(k, 0)
 
+    def _capped(self, num_tokens: int) -> int:
+        """``num_tokens``, at most ``long_prefill_token_threshold`` (where set): the most of
+        one request's tokens (a prompt's chunk, a decode and its drafts) one step computes,
+        as vLLM's V1 scheduler caps them."""
+        threshold = self.config.long_prefill_token_threshold
+        return min(num_tokens, threshold) if threshold > 0 else num_tokens
+
+    @staticmethod
+    def _item_chunk(request: Request, start: int, n: int, budget: int) -> int:
+        """:meth:`Request.chunk_size` of the ``n`` tokens from ``start``; where
+        ``long_prefill_token_threshold`` cut ``n`` below the budget and a bidirectional item
+        longer than the threshold starts there, that whole item (within the budget): else
+        the request would never run (its item can't be split)."""
+        chunk = request.chunk_size(start, n)
+        if chunk <= 0 and n < budget:
+            rest = next((item.offset + item.length - start for item in request.mm_items
+                         if item.bidirectional and item.offset <= start < item.offset
+                         + item.length), 0)
+            if rest <= budget:
+                chunk = rest
+        return chunk
+
     @property
     def max_step_tokens(self) -> int:
         """The most tokens of one request a step holds KV slots for: the token budget and the
@@ -337,14 +359,14 @@ class Scheduler:
             if (request.num_pending and not self.late_token_masks
                     and request.sampling_params.structured_outputs is not None):
                 continue  # its next token's mask needs the one in flight (structured outputs)
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = min(request.num_tokens - request.num_computed_tokens, self._capped(budget))
             if request.mm_items and request.num_computed_tokens < request.num_prompt_tokens:
                 # (no step ends inside a bidirectional item, a one-token step neither)
-                n = request.chunk_size(request.num_computed_tokens, n)
+                n = self._item_chunk(request, request.num_computed_tokens, n, budget)
                 request.waits_for_item = n <= 0
             if n <= 0:
                 continue
-            drafts = (self._num_drafts(request, budget)
+            drafts = (self._num_drafts(request, self._capped(budget))
                       if n == 1 and request.sampled_last_step else 0)
             n += drafts
             if self.tables.may_free(request):  # blocks out of a sliding window: to the pool
@@ -444,13 +466,13 @@ class Scheduler:
             if resumed < num_hit:
                 hit, held_from = tables.find_prefix(request.block_hashes[:resumed])
         computed = len(hit[0]) * size
-        n = request.num_tokens - computed
+        n = self._capped(request.num_tokens - computed)  # (as vLLM: before the budget's test)
         if n > budget:
             if not self.config.enable_chunked_prefill and not request.num_preemptions:
                 return False  # (a resumed request may exceed the budget: it recomputes in chunks)
             n = budget
         if request.mm_items:  # (no step ends inside a bidirectional item)
-            n = request.chunk_size(computed, n)
+            n = self._item_chunk(request, computed, n, budget)
             if n <= 0:
                 return False
         end = self._with_lookahead(computed + n)
