@@ -15,7 +15,8 @@ from mrv2.config_cli import add_cli_args, config_from_cli
 from mrv2.entrypoints.http_options import add_http_args
 from mrv2.entrypoints.reasoning import REASONING_PARSERS
 from mrv2.entrypoints.serve_options import add_serve_args
-from mrv2.entrypoints.tool_calls import TOOL_CALL_PARSERS
+from mrv2.entrypoints.serve_plugins import add_plugin_args, preload_tool_parser_plugins
+from mrv2.entrypoints.tool_calls import PARSERS
 from mrv2.logs import configure_logging
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ def _serve(args: argparse.Namespace) -> int:
     from mrv2.entrypoints.http_options import HTTPOptions
     from mrv2.entrypoints.lora_modules import parse_lora_modules
     from mrv2.entrypoints.serve_options import ServeOptions
+    from mrv2.entrypoints.serve_plugins import engine_process_choice, load_middleware
     from mrv2.entrypoints.stats_logger import log_stats_interval
 
     try:  # the environment's settings and the HTTP flags refused before the engine starts
@@ -73,6 +75,8 @@ def _serve(args: argparse.Namespace) -> int:
         http = HTTPOptions.from_args(args)
         http.check()
         options = ServeOptions.from_args(args)
+        engine_process = engine_process_choice(args)
+        middleware = load_middleware(args.middleware)
         for flag, value in (("--max-pending", args.max_pending), ("--max-n", args.max_n)):
             if value < 1:
                 raise ValueError(f"{flag}={value}: expected >= 1")
@@ -114,7 +118,7 @@ def _serve(args: argparse.Namespace) -> int:
                   f"{error.strerror or error}", file=sys.stderr)
             return 2
 
-    own_process = args.engine_process
+    own_process = engine_process
     if own_process is None:  # the default: a process of its own, but not under torchrun
         own_process = not launched_by_torchrun()
     elif own_process and launched_by_torchrun():
@@ -144,7 +148,7 @@ def _serve(args: argparse.Namespace) -> int:
                       enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                       lora_modules=loras,
                       trust_request_chat_template=args.trust_request_chat_template,
-                      options=options)
+                      options=options, middleware=middleware)
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -252,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="chat requests may offer tools (tool_choice \"auto\"); the "
                        "model's calls come back as tool_calls (needs --tool-call-parser)")
-    serve.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+    serve.add_argument("--tool-call-parser", default=None, choices=tuple(PARSERS),
                        help="how the model writes its calls (vLLM's names): hermes (Qwen2.5, "
                        "Qwen3), qwen3_coder / qwen3_xml (Qwen3-Coder), glm45 (GLM-4.5/4.6), "
                        "glm47 (GLM-4.7), minimax_m2 (MiniMax-M2), deepseek_v3 (DeepSeek-V3), "
@@ -260,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "(Kimi-K2), llama3_json / llama4_json (Llama 3.x, 4), "
                        "pythonic / llama4_pythonic (Llama 3.2, 4), mistral (Mistral, "
                        "Ministral, Magistral, Devstral: [TOOL_CALLS]), openai (gpt-oss's "
-                       "harmony format)")
+                       "harmony format), or a name a --tool-parser-plugin file registers")
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's log level (default info)")
@@ -275,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "a 400), as vLLM's flag")
     add_http_args(serve)
     add_serve_args(serve)
+    add_plugin_args(serve)
     add_cli_args(serve)
     serve.set_defaults(func=_serve)
 
@@ -309,6 +314,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``mrv2`` console script."""
+    try:  # (before the parser: --tool-call-parser takes the names the file registers)
+        preload_tool_parser_plugins(sys.argv[1:] if argv is None else argv)
+    except ValueError as error:
+        print(f"mrv2 serve: {error}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

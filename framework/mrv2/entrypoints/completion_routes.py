@@ -23,7 +23,7 @@ from mrv2.entrypoints.reasoning import (
 )
 from mrv2.entrypoints.responses import APIError, Echo, Stream
 from mrv2.entrypoints.serving import Serving
-from mrv2.entrypoints.tool_calls import TOOL_CALL_PARSERS, ToolCalling, forced_tool_choice
+from mrv2.entrypoints.tool_calls import PARSERS, ToolCalling, forced_tool_choice
 
 __all__ = ["add_completion_routes", "run_chat"]
 
@@ -102,7 +102,7 @@ async def run_chat(serving: Serving, request: Request, body: ChatCompletionReque
     if body.tools and tool_parser is None and not forced and body.tool_choice != "none":
         raise APIError(400, "tools: this server parses no tool calls; start it with "
                        "--enable-auto-tool-choice --tool-call-parser NAME (one of "
-                       f"{', '.join(TOOL_CALL_PARSERS)}), or force a call with "
+                       f"{', '.join(PARSERS)}), or force a call with "
                        "tool_choice", param="tools")
     calling = None
     if forced:  # "required" or named: a structured output (vLLM's way), read back as calls

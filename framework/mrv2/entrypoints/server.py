@@ -53,6 +53,7 @@ from mrv2.entrypoints.serve_options import (
     ServeOptions,
     tokenizer_info,
 )
+from mrv2.entrypoints.serve_plugins import add_middleware
 from mrv2.entrypoints.serving import Serving
 from mrv2.entrypoints.stats_logger import StatsLogger, log_stats_forever
 from mrv2.entrypoints.tool_calls import get_tool_parser
@@ -102,7 +103,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
                enable_prompt_tokens_details: bool = False,
                lora_modules: Sequence[LoRARequest] = (),
                trust_request_chat_template: bool = False,
-               options: ServeOptions | None = None) -> FastAPI:
+               options: ServeOptions | None = None,
+               middleware: Sequence[Any] = ()) -> FastAPI:
     """The app; its worker (the engine thread, or the engine process's link) starts with the
     app and stops with it (``app.state.engine_thread``).
 
@@ -128,7 +130,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
     ``--trust-request-chat-template``; without it, such a request is a 400.
     ``options`` (:mod:`mrv2.entrypoints.serve_options`): vLLM's frontend flags of the
     answers (the response role, forced usage, default template variables, request id
-    headers, ``/load``, ``/tokenizer_info``...)."""
+    headers, ``/load``, ``/tokenizer_info``...). ``middleware``: ``--middleware``'s classes
+    and functions (:mod:`mrv2.entrypoints.serve_plugins`), added outermost."""
     http = http or HTTPOptions()
     options = options or ServeOptions()
     http.check()
@@ -180,7 +183,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
         app.add_middleware(_CheckKey, api_key=api_key)
     if options.enable_request_id_headers:  # (a 401 carries it too)
         app.add_middleware(RequestIdHeader)
-    http.add_cors(app)  # outermost: preflights answered before the key is asked for
+    http.add_cors(app)  # preflights answered before the key is asked for
+    add_middleware(app, middleware)  # (--middleware: outermost, as vLLM adds them last)
     app.state.engine_thread = worker
     app.state.model_name = model_name
     created = int(time.time())

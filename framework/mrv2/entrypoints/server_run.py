@@ -87,7 +87,7 @@ def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: 
                enable_prompt_tokens_details: bool = False,
                lora_modules: Sequence[LoRARequest] = (),
                trust_request_chat_template: bool = False,
-               options: ServeOptions | None = None) -> int:
+               options: ServeOptions | None = None, middleware: Sequence[Any] = ()) -> int:
     """Serve until interrupted (returns 0), or until the engine fails for good (a
     tensor-parallel worker died: the server answers 503 for a moment, then stops and returns
     1). ``log_stats``: a stats line every :func:`~mrv2.entrypoints.stats_logger.log_stats_interval`
@@ -99,7 +99,8 @@ def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: 
     ``lora_modules``: the adapters served by name (``--lora-modules``).
     ``trust_request_chat_template``: a request's own ``chat_template`` is rendered
     (``--trust-request-chat-template``), not refused. ``options``: vLLM's frontend flags
-    (:mod:`~mrv2.entrypoints.serve_options`)."""
+    (:mod:`~mrv2.entrypoints.serve_options`). ``middleware``: ``--middleware``'s
+    (:func:`~mrv2.entrypoints.serve_plugins.load_middleware`), added to the app."""
     http = http or HTTPOptions()
     if engine.tokenizer is not None:
         engine.tokenizer.warm_up()  # the chat template compiled before the first request
@@ -109,7 +110,7 @@ def run_server(engine: LLMEngine | RemoteEngine, host: str = "127.0.0.1", port: 
     app = create_app(engine, served_model_name, api_key, max_pending, max_n,
                      log_stats_interval() if log_stats else None, reasoning_parser,
                      tool_call_parser, http, enable_prompt_tokens_details, lora_modules,
-                     trust_request_chat_template, options)
+                     trust_request_chat_template, options, middleware)
     server = make_server(app, host, port, uvicorn_log_level, access_log, http, options)
     worker: EngineThread | EngineProcess = app.state.engine_thread
 

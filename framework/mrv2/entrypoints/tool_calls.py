@@ -444,15 +444,39 @@ PARSERS: dict[str, ToolParser] = {p.name: p for p in (
                call_id=_mistral_id),
     ToolParser("openai", (CHANNEL, START), _openai, special_tokens=True, harmony=True),
 )}
-#: ``--tool-call-parser`` values.
+#: The built-in ``--tool-call-parser`` values (:func:`register_tool_parser` adds others to
+#: :data:`PARSERS`).
 TOOL_CALL_PARSERS = tuple(PARSERS)
+
+
+def register_tool_parser(parser: ToolParser) -> ToolParser:
+    """Add a ``--tool-call-parser`` format under ``parser.name`` (what a
+    ``--tool-parser-plugin`` file calls; vLLM's ``ToolParserManager.register_module``).
+
+    The format is a :class:`ToolParser`: ``starts``, the markers that open the calls, and
+    ``calls_of``, a function ``(text, tools) -> list[ToolCall]`` given the answer from the first
+    marker on and the request's ``tools``, raising ValueError when the text is malformed (the
+    answer is then content). Its calls stream whole when the answer ends. A name taken
+    already (a built-in parser's, or another plugin's) is a ValueError naming it. Returns
+    ``parser``."""
+    if not isinstance(parser, ToolParser):
+        raise ValueError(f"register_tool_parser: expected a ToolParser, got "
+                         f"{type(parser).__name__}")
+    if not parser.name or parser.name in PARSERS:
+        raise ValueError(f"tool parser {parser.name!r} is registered already"
+                         if parser.name else "a tool parser needs a name")
+    if not parser.starts or not callable(parser.calls_of):
+        raise ValueError(f"tool parser {parser.name!r}: needs its markers (starts) and a "
+                         "calls_of function")
+    PARSERS[parser.name] = parser
+    return parser
 
 
 def check_tool_call_parser(name: str | None) -> str | None:
     """``name`` if it is a parser (or None); ValueError listing the parsers otherwise."""
     if name is not None and name not in PARSERS:
         raise ValueError(f"tool_call_parser={name!r}: allowed values are "
-                         f"{', '.join(TOOL_CALL_PARSERS)}")
+                         f"{', '.join(PARSERS)}")
     return name
 
 
