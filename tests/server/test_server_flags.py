@@ -212,7 +212,51 @@ def test_chat_template_content_format(flagged: Served, plain: Served) -> None:
         {"role": "user", "content": [{"type": "text", "text": "a"},
                                      {"type": "text", "text": "b"}]}]
     assert _rendered(flagged.url, template, messages) == "L1:text=be brief;/L2:text=a;text=b;/"
-    assert _rendered(plain.url, template, messages) == "S:be brief/S:a\nb/"
+    # auto (vLLM's): a template that loops over a message's content is given parts
+    assert _rendered(plain.url, template, messages) == "L1:text=be brief;/L2:text=a;text=b;/"
+    # ... one that reads no parts (the same content as a string test) one string
+    plain_template = ("{% for m in messages %}{% if m['content'] is string %}S:"
+                      "{{ m['content'] }}{% else %}L{% endif %}/{% endfor %}")
+    assert _rendered(plain.url, plain_template, messages) == "S:be brief/S:a\nb/"
+    # a template written for parts alone (no string case): the texts, not its characters
+    parts_only = ("{% for m in messages %}{% for p in m['content'] %}{{ p['text'] }};"
+                  "{% endfor %}/{% endfor %}")
+    assert _rendered(plain.url, parts_only, messages) == "be brief;/a;b;/"
+
+
+def test_content_format_auto_reads_the_servers_template(plain: Served) -> None:
+    """auto detects on the template the server renders (its tokenizer's, or the one of
+    --chat-template), the chat route's too; the start-up log names what it found."""
+    tokenizer = plain.engine.tokenizer
+    assert tokenizer is not None
+    own = tokenizer.hf.chat_template
+    parts_only = ("{% for m in messages %}<|{{ m['role'] }}|>{% for p in m['content'] %}"
+                  "{{ p['text'] }}{% endfor %}</s>{% endfor %}")
+    messages = [{"role": "user", "content": "Hello world"}]
+    try:
+        tokenizer.set_chat_template(parts_only)
+        ids = _post(plain.url, "/tokenize", {"messages": messages,
+                                             "add_generation_prompt": False})
+        assert ids.status_code == 200, ids.text
+        assert ids.json()["tokens"] == tokenizer.encode("<|user|>Hello world</s>", False)
+        answer = _post(plain.url, "/v1/chat/completions", {"messages": messages,
+                                                            "max_tokens": 1})
+        assert answer.json()["usage"]["prompt_tokens"] == len(ids.json()["tokens"])
+    finally:
+        tokenizer.set_chat_template(own)
+
+
+def test_content_format_auto_is_logged_at_start(plain: Served,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    from mrv2.entrypoints.server import create_app
+
+    name = "mrv2.entrypoints.content_format"
+    with caplog.at_level(logging.INFO, logger=name):
+        create_app(plain.engine, MODEL, API_KEY)
+        create_app(plain.engine, MODEL, API_KEY, options=_options(
+            "--chat-template-content-format", "openai"))  # (no detection: no line)
+    lines = [r.getMessage() for r in caplog.records if r.name == name]
+    assert len(lines) == 1 and "content format detected: 'string'" in lines[0]
 
 
 def test_exclude_tools_when_tool_choice_none(flagged: Served, plain: Served) -> None:

@@ -11,8 +11,10 @@ names and meanings (:class:`ServeOptions`):
   ``chat_template_kwargs`` (the request's keys win).
 - ``--chat-template-content-format auto|string|openai``: how a message's text content
   reaches the chat template: ``string`` (a text, the parts a line each) or ``openai`` (a
-  list of ``{"type": "text", "text": ...}`` parts); ``auto`` is mrv2's ``string`` for text
-  (messages with images or audio always pass their parts).
+  list of ``{"type": "text", "text": ...}`` parts); ``auto``, vLLM's, ``openai`` for a
+  template that loops over a message's content, else ``string``
+  (:mod:`~mrv2.entrypoints.content_format`; messages with images or audio always pass their
+  parts).
 - ``--exclude-tools-when-tool-choice-none``: ``tool_choice: "none"`` leaves the tools out of
   the prompt (else the template still lists them, as vLLM's default).
 - ``--enable-request-id-headers``: every answer carries ``X-Request-Id`` (the request's own
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from mrv2.engine.media import part_text
+from mrv2.entrypoints.content_format import resolve_content_format
 
 if TYPE_CHECKING:  # (the CLI imports this module without the server's packages)
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -108,12 +111,14 @@ class ServeOptions:
             enable_server_load_tracking=args.enable_server_load_tracking,
             h11_max_incomplete_event_size=args.h11_max_incomplete_event_size)
 
-    def content_parts(self, messages: list[dict[str, Any]], contents: list[Any]
-                      ) -> list[dict[str, Any]]:
-        """Text-only messages (``messages``, their content a string) as the template reads
-        them: with ``openai``, each content (``contents``, as sent) a list of text parts,
-        empty ones dropped; else as given."""
-        if self.chat_template_content_format != "openai":
+    def content_parts(self, messages: list[dict[str, Any]], contents: list[Any],
+                      template: str | None = None) -> list[dict[str, Any]]:
+        """Text-only messages (``messages``, their content a string) as the chat template
+        ``template`` reads them: with ``openai`` (``auto``'s for a template that loops over
+        a message's content: :func:`~mrv2.entrypoints.content_format.detect_content_format`)
+        each content (``contents``, as sent) a list of text parts, empty ones dropped; else
+        as given."""
+        if resolve_content_format(self.chat_template_content_format, template) != "openai":
             return messages
         return [{**m, "content": [{"type": "text", "text": text}
                                   for text in _texts(content) if text]}
@@ -217,7 +222,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--chat-template-content-format", default="auto",
                        choices=["auto", "string", "openai"],
                        help="a message's text content in the chat template: string (one "
-                       "text; auto's) or openai (a list of {type: text, text} parts)")
+                       "text) or openai (a list of {type: text, text} parts); auto: openai "
+                       "where the template loops over a message's content, else string")
     group.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                        help="tool_choice \"none\" leaves the tools out of the prompt")
     group.add_argument("--enable-request-id-headers", action="store_true",

@@ -31,6 +31,7 @@ from mrv2.engine.outputs import RequestOutput
 from mrv2.engine.request_inputs import check_priority, check_truncation, truncation_room
 from mrv2.engine.structured_outputs import StructuredOutputs
 from mrv2.engine.tokenizer import check_template_kwargs
+from mrv2.entrypoints.content_format import log_content_format, template_in_use
 from mrv2.entrypoints.engine_process import EngineProcess, RemoteEngine
 from mrv2.entrypoints.engine_thread import EngineThread, QueueFullError
 from mrv2.entrypoints.lora_modules import LoRAModules
@@ -75,6 +76,8 @@ class Serving:
             tool_parser is not None and tool_parser.harmony)
         self.prompt_tokens_details = prompt_tokens_details
         self.trust_request_chat_template = trust_request_chat_template
+        if self.options.chat_template_content_format == "auto" and engine.tokenizer is not None:
+            log_content_format(engine.tokenizer.chat_template)  # (vLLM's line, once)
         #: An override's (or a generation config directory's) max_new_tokens: vLLM's limit on
         #: every request's max_tokens (:func:`~mrv2.engine.generation_defaults.max_tokens_limit`).
         self.limit = max_tokens_limit(engine.config.model.generation_config,
@@ -263,10 +266,13 @@ class Serving:
                     {**kwargs, "add_special_tokens": add_special_tokens})
             except (ValueError, TypeError) as error:
                 raise APIError(400, str(error), param="messages") from None
+        tokenizer = self.tokenizer()
+        template = (own_template if own_template is not None
+                    else template_in_use(tokenizer.chat_template, bool(tools)))
         try:
-            return self.tokenizer().apply_chat_template(
+            return tokenizer.apply_chat_template(
                 self.options.content_parts([m.as_dict() for m in messages],
-                                           [m.content for m in messages]),
+                                           [m.content for m in messages], template),
                 add_generation_prompt,
                 add_special_tokens=add_special_tokens, **kwargs), []
         except (ValueError, TypeError) as error:
