@@ -23,6 +23,8 @@ from pydantic import (
     model_validator,
 )
 
+from mrv2 import config_compat
+
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 #: vLLM's other names of a dtype (``--dtype half``), stored as the names above.
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
@@ -596,13 +598,18 @@ class DeviceConfig(_Section):
         "8 up to N (default 512; every 16 past 256); several: those sizes. At most "
         "max_num_seqs; larger decode batches run eager",
     )
+    cudagraph_capture_sizes: list[int] | None = Field(
+        default=None,
+        description="vLLM's exact decode CUDA graph batch sizes (one value: that size only); "
+        "instead of cuda_graph_sizes. Those up to max_num_seqs are captured",
+    )
     max_seq_len_to_capture: int | None = Field(
         default=None, ge=1,
         description="vLLM's context bound of CUDA graphs, accepted for its scripts: mrv2's "
         "graphs serve every length up to max_model_len, so it changes nothing",
     )
 
-    @field_validator("cuda_graph_sizes")
+    @field_validator("cuda_graph_sizes", "cudagraph_capture_sizes")
     @classmethod
     def _positive_sizes(cls, value: list[int] | None) -> list[int] | None:
         if value is not None and (not value or any(size < 1 for size in value)):
@@ -632,6 +639,7 @@ class EngineConfig(_Section):
         Section dicts (``cache={"block_size": 16}``) are accepted too. Unknown names raise a
         ``ValueError`` listing the known ones.
         """
+        kwargs = config_compat.translate(kwargs)  # vLLM's compilation_config, -O, no-ops
         sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
         top: dict[str, Any] = {}
         for key, value in kwargs.items():
@@ -658,7 +666,8 @@ class EngineConfig(_Section):
             else:
                 known = ", ".join(sorted({*_FLAT_TO_SECTION, *_SECTIONS, "logits_processors",
                                           "speculative_config", "scheduling_policy",
-                                          "max_cudagraph_capture_size"}))
+                                          "max_cudagraph_capture_size",
+                                          *config_compat.COMPAT_ARGUMENTS}))
                 raise ValueError(f"unknown engine argument {key!r}; known arguments: {known}")
         data: dict[str, Any] = {**top, **{k: v for k, v in sections.items() if v}}
         return cls.model_validate(data)

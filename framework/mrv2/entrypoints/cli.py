@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from mrv2.config import format_validation_error
 from mrv2.config_cli import add_cli_args, config_from_cli
+from mrv2.config_compat import expand_dotted_args
 from mrv2.entrypoints.http_options import add_http_args
 from mrv2.entrypoints.reasoning import REASONING_PARSERS
 from mrv2.entrypoints.serve_options import add_serve_args
@@ -319,8 +320,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         print(f"mrv2 serve: {error}", file=sys.stderr)
         return 2
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    parser = build_parser()  # (vLLM's -cc.key=value forms: -O.key=value, -O's whole value)
+    args = parser.parse_args(expand_dotted_args(list(sys.argv[1:] if argv is None else argv)))
     try:
         configure_logging()
         return int(args.func(args))

@@ -34,7 +34,9 @@ def capture_set(runner: Runner, capture: Callable[[InputBatch, Callable[[], Any]
     """One set of the runner's graphs (:meth:`~mrv2.runner.runner.Runner.capture_graphs`): the
     mixed graphs, the uniform-decode graphs, the drafting graphs and the sampling tails."""
     query_lens = sorted({1, 1 + runner.num_speculative_tokens})
-    sizes = capture_sizes(runner.max_num_reqs, sizes=runner.config.device.cuda_graph_sizes)
+    device = runner.config.device
+    sizes = capture_sizes(runner.max_num_reqs, sizes=device.cuda_graph_sizes,
+                          exact=device.cudagraph_capture_sizes)
     runner.graphs = graphs = StepGraphs(sizes, query_lens, runner.max_num_tokens)
     mixed: dict[int, tuple[int, int]] = {}
     if runner.model_state.mixed_step_graphs and all(b.mixed_step_graphs

@@ -101,13 +101,16 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def capture_sizes(max_num_reqs: int, limit: int = 512,
-                  sizes: Sequence[int] | None = None) -> list[int]:
+def capture_sizes(max_num_reqs: int, limit: int = 512, sizes: Sequence[int] | None = None,
+                  exact: Sequence[int] | None = None) -> list[int]:
     """1, 2, 4, 8, then every 8 up to 256, then every 16, capped at ``min(max_num_reqs,
     limit)``; ``sizes`` given (``cuda_graph_sizes``, vLLM's): one value is the cap instead of
-    ``limit``, several are the sizes themselves (those up to ``max_num_reqs``)."""
-    if sizes is not None and len(sizes) > 1:
-        return sorted({s for s in sizes if s <= max_num_reqs})
+    ``limit``, several are the sizes themselves; ``exact`` given (vLLM's
+    ``cudagraph_capture_sizes``): the sizes themselves, even one. Only those up to
+    ``max_num_reqs`` of a list are kept."""
+    if exact is not None or (sizes is not None and len(sizes) > 1):
+        return sorted({s for s in (exact if exact is not None else sizes or ())
+                       if s <= max_num_reqs})
     if sizes:
         limit = sizes[0]
     top = min(max_num_reqs, limit)
