@@ -9,6 +9,7 @@ of sections, and :mod:`mrv2.config_cli` turns them into CLI flags.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -617,6 +618,85 @@ class DeviceConfig(_Section):
         return value
 
 
+class StructuredOutputsConfig(_Section):
+    """vLLM's ``structured_outputs_config`` (``--structured-outputs-config '{...}'``): the
+    engine's defaults of structured outputs. mrv2's grammar engine is llguidance (vLLM's
+    ``guidance`` backend) whatever ``backend`` says: ``auto`` and ``guidance`` are it;
+    ``xgrammar`` and ``outlines`` (whose JSON objects take no property the schema does not
+    list) are llguidance with ``disable_additional_properties``; ``lm-format-enforcer`` is
+    llguidance as it is (a JSON schema, regex, choice or grammar means the same there; a
+    grammar may be Lark or the GBNF / EBNF xgrammar reads). Unknown keys are refused."""
+
+    backend: Literal["auto", "guidance", "xgrammar", "outlines", "lm-format-enforcer"] = Field(
+        default="auto", description="vLLM's grammar backend: mrv2 always uses llguidance")
+    disable_fallback: bool = Field(
+        default=False, description="accepted: llguidance has no other backend to fall back to "
+        "(a constraint it cannot compile is refused either way)")
+    disable_any_whitespace: bool = Field(
+        default=False, description="every request's JSON compact (no whitespace between "
+        "tokens), as if it set disable_any_whitespace")
+    disable_additional_properties: bool = Field(
+        default=False, description="every request's object schemas that list their properties "
+        "and say nothing of others take no others (additionalProperties: false)")
+    reasoning_parser: str = Field(
+        default="", description="the server's --reasoning-parser (one of them may be given, "
+        "or both the same)")
+    reasoning_parser_plugin: str = Field(
+        default="", description="refused: mrv2's reasoning parsers are built in")
+    enable_in_reasoning: bool = Field(
+        default=False, description="hold the thinking block to the grammar too (by default "
+        "the grammar holds only what follows it)")
+
+    @field_validator("reasoning_parser_plugin")
+    @classmethod
+    def _no_plugin(cls, value: str) -> str:
+        if value:
+            raise ValueError("reasoning parser plugins are not supported: mrv2's reasoning "
+                             "parsers are built in (give reasoning_parser)")
+        return value
+
+    @model_validator(mode="after")
+    def _note_backend(self) -> StructuredOutputsConfig:
+        if self.backend not in ("auto", "guidance"):
+            logging.getLogger(__name__).info(
+                "structured_outputs_config.backend=%r: mrv2 uses llguidance (vLLM's "
+                "'guidance')%s", self.backend, ", object schemas closed as that backend's"
+                if self.closes_objects else "")
+        return self
+
+    @property
+    def closes_objects(self) -> bool:
+        """Object schemas are closed by default: ``disable_additional_properties``, or a
+        backend whose objects take only the properties they list (xgrammar, outlines)."""
+        return self.disable_additional_properties or self.backend in ("xgrammar", "outlines")
+
+    def server_reasoning_parser(self, flag: str | None) -> str | None:
+        """The server's reasoning parser: ``flag`` (``--reasoning-parser``) or this config's
+        ``reasoning_parser``; ValueError where both are given and differ."""
+        mine = self.reasoning_parser or None
+        if flag is not None and mine is not None and flag != mine:
+            raise ValueError(f"--reasoning-parser {flag} and structured_outputs_config."
+                             f"reasoning_parser={mine!r} disagree: give one of them")
+        return flag or mine
+
+    @staticmethod
+    def from_json(value: Any) -> dict[str, Any]:
+        """vLLM's ``structured_outputs_config`` value (a mapping, its JSON text: the CLI's,
+        or a :class:`StructuredOutputsConfig`) as a mapping; ValueError otherwise."""
+        if isinstance(value, StructuredOutputsConfig):
+            return value.model_dump(exclude_unset=True)
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"structured_outputs_config is not valid JSON: {error}"
+                                 ) from None
+        if not isinstance(value, dict):
+            raise ValueError("structured_outputs_config must be a mapping such as "
+                             f"{{\"backend\": \"guidance\"}}; got {value!r}")
+        return value
+
+
 class EngineConfig(_Section):
     """The whole engine configuration."""
 
@@ -628,6 +708,8 @@ class EngineConfig(_Section):
     device: DeviceConfig = Field(default_factory=DeviceConfig)
     multimodal: MultiModalConfig = Field(default_factory=MultiModalConfig)
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
+    structured_outputs: StructuredOutputsConfig = Field(
+        default_factory=StructuredOutputsConfig)
     logits_processors: list[str] = Field(
         default_factory=list, description="registered logits processors to apply, by name"
     )
@@ -645,6 +727,8 @@ class EngineConfig(_Section):
         for key, value in kwargs.items():
             if key == "speculative_config":  # vLLM's name: a dict, or JSON text (the CLI's)
                 key, value = "speculative", _speculative_dict(value)
+            elif key == "structured_outputs_config":  # vLLM's name: a dict, or JSON text
+                key, value = "structured_outputs", StructuredOutputsConfig.from_json(value)
             elif key == "scheduling_policy":  # vLLM's name of ``policy``
                 if kwargs.get("policy", value) != value:
                     raise ValueError(f"policy={kwargs['policy']!r} and scheduling_policy="
@@ -667,6 +751,7 @@ class EngineConfig(_Section):
                 known = ", ".join(sorted({*_FLAT_TO_SECTION, *_SECTIONS, "logits_processors",
                                           "speculative_config", "scheduling_policy",
                                           "max_cudagraph_capture_size",
+                                          "structured_outputs_config",
                                           *config_compat.COMPAT_ARGUMENTS}))
                 raise ValueError(f"unknown engine argument {key!r}; known arguments: {known}")
         data: dict[str, Any] = {**top, **{k: v for k, v in sections.items() if v}}

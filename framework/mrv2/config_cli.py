@@ -68,6 +68,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
     )
+    group.add_argument(
+        "--structured-outputs-config", dest="structured_outputs_config", default=None,
+        help='structured outputs\' defaults as JSON (vLLM\'s), e.g. \'{"backend": "guidance", '
+        '"disable_any_whitespace": true}\': backend (always llguidance), disable_fallback, '
+        'disable_any_whitespace, disable_additional_properties, reasoning_parser, '
+        'enable_in_reasoning',
+    )
 
 
 def _add_compat_args(group: argparse._ArgumentGroup) -> None:
@@ -174,7 +181,7 @@ def config_from_cli(args: argparse.Namespace, model: str | None) -> EngineConfig
     given: dict[str, Any] = {
         name: getattr(args, name)
         for name in [*_FLAT_TO_SECTION, "logits_processors", "speculative_config",
-                     "max_cudagraph_capture_size"]
+                     "max_cudagraph_capture_size", "structured_outputs_config"]
         if name != "model" and getattr(args, name, None) is not None
     }
     given.update(_compat_given(args))

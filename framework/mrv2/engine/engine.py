@@ -426,7 +426,8 @@ class LLMEngine(WeightOps, RequestOps):
                 raise ValueError("SamplingParams.structured_outputs needs a tokenizer; this "
                                  "model has none")
             self._structured = StructuredOutputs(self.tokenizer.hf, self.vocab_size,
-                                                 sorted(self.eos_token_ids))
+                                                 sorted(self.eos_token_ids),
+                                                 self.config.structured_outputs)
         return self._structured
 
     def _check_stop(self, tracked: TrackedRequest, token: int) -> None:

@@ -46,6 +46,8 @@ that would complete the tag and go on past it is not allowed. (A start tag of se
 cannot be offered beside the grammar's first token: there the grammar holds from the first
 token unless the prompt opened the block.) Step-3.5's first token after ``</think>`` may be
 the newline its parser drops (vLLM leaves that one token free; here only the newline is).
+With ``structured_outputs_config``'s ``enable_in_reasoning`` the grammar holds from the first
+token whatever the parser (the thinking block too), as vLLM's.
 
 With speculative decoding a constrained request verifies its drafts as a free one does: a
 step that samples one copies the drafts proposed after it to the host with its tokens
@@ -62,12 +64,15 @@ import dataclasses
 import json
 import logging
 import re
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from mrv2.contract.params import SamplingParams, StructuredOutputsParams
 from mrv2.engine.think_tags import TextTag
+
+if TYPE_CHECKING:
+    from mrv2.config import StructuredOutputsConfig
 
 __all__ = ["Guide", "StructuredOutputs", "fill_bitmasks", "fill_draft_bitmasks", "grammar_of"]
 
@@ -445,10 +450,18 @@ def _compute(guides: list[Guide], out: np.ndarray) -> None:
 
 class StructuredOutputs:
     """An engine's structured-outputs side: the llguidance tokenizer (built at the first
-    constrained request), the checked grammars and each request's matchers."""
+    constrained request), the checked grammars and each request's matchers; ``config``
+    (``EngineConfig.structured_outputs``, vLLM's ``structured_outputs_config``): every
+    request's JSON compact (``disable_any_whitespace``) or its objects closed
+    (``disable_additional_properties``, or backend ``xgrammar`` / ``outlines``) as if it
+    asked, and with ``enable_in_reasoning`` the grammar holds the thinking block too."""
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int],
+                 config: StructuredOutputsConfig | None = None) -> None:
         self.hf_tokenizer, self.vocab_size = hf_tokenizer, vocab_size
+        self.compact = config is not None and config.disable_any_whitespace
+        self.closed = config is not None and config.closes_objects
+        self.in_reasoning = config is not None and config.enable_in_reasoning
         self.eos_token_ids = list(eos_token_ids)
         self.words = (vocab_size + 31) // 32
         self._tokenizer: Any = None
@@ -480,7 +493,14 @@ class StructuredOutputs:
         """``spec`` compiled and checked against the tokenizer (the last 256 kept: a server
         sees the same schema again and again); ValueError naming the field when it is not
         a valid constraint. (The key keeps the schema's key order: the grammar writes an
-        object's properties in the order the schema lists them.)"""
+        object's properties in the order the schema lists them.) The engine's defaults
+        (``config``) apply to every request."""
+        if (self.compact and not spec.disable_any_whitespace) or (
+                self.closed and not spec.disable_additional_properties):
+            spec = dataclasses.replace(
+                spec, disable_any_whitespace=spec.disable_any_whitespace or self.compact,
+                disable_additional_properties=spec.disable_additional_properties
+                or self.closed)
         key = json.dumps(dataclasses.astuple(spec))
         grammar = self._grammars.get(key)
         if grammar is None:
@@ -532,6 +552,8 @@ class StructuredOutputs:
                                           self.grammar(params.structured_outputs))
         if matcher.is_error():
             raise ValueError(f"{_FIELD} is invalid: {matcher.get_error()}")
+        if self.in_reasoning:  # (enable_in_reasoning: the thinking block held too)
+            return Guide(matcher, self)
         if params._reasoning == "openai_gptoss":  # the prompt ends in <|start|>assistant
             final = self._harmony_final()
             return Guide(matcher, self, None if final is None else (-1, final, "reasoning"),

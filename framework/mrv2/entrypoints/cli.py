@@ -14,7 +14,7 @@ from mrv2.config import format_validation_error
 from mrv2.config_cli import add_cli_args, config_from_cli
 from mrv2.config_compat import expand_dotted_args
 from mrv2.entrypoints.http_options import add_http_args
-from mrv2.entrypoints.reasoning import REASONING_PARSERS
+from mrv2.entrypoints.reasoning import REASONING_PARSERS, check_reasoning_parser
 from mrv2.entrypoints.serve_options import add_serve_args
 from mrv2.entrypoints.serve_plugins import add_plugin_args, preload_tool_parser_plugins
 from mrv2.entrypoints.tool_calls import PARSERS
@@ -77,6 +77,8 @@ def _serve(args: argparse.Namespace) -> int:
         http.check()
         options = ServeOptions.from_args(args)
         engine_process = engine_process_choice(args)
+        reasoning_parser = check_reasoning_parser(  # (structured_outputs_config's too)
+            config.structured_outputs.server_reasoning_parser(args.reasoning_parser))
         middleware = load_middleware(args.middleware)
         for flag, value in (("--max-pending", args.max_pending), ("--max-n", args.max_n)):
             if value < 1:
@@ -144,7 +146,7 @@ def _serve(args: argparse.Namespace) -> int:
                       args.max_pending, args.max_n, log_stats=not args.disable_log_stats,
                       uvicorn_log_level=args.uvicorn_log_level,
                       access_log=not args.disable_uvicorn_access_log, sock=sock,
-                      reasoning_parser=args.reasoning_parser,
+                      reasoning_parser=reasoning_parser,
                       tool_call_parser=tool_call_parser, http=http,
                       enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                       lora_modules=loras,

@@ -114,8 +114,9 @@ def create_app(engine: LLMEngine | RemoteEngine,
     line every interval while the engine has work (:mod:`mrv2.entrypoints.stats_logger`).
     ``served_model_name``: the name requests give (default: the model's path), or several
     (vLLM's aliases): requests may give any, answers and metrics carry the first.
-    ``reasoning_parser`` (:mod:`mrv2.entrypoints.reasoning`): chat answers carry the model's
-    ``<think>`` text (gpt-oss: its ``analysis`` channel) as ``reasoning_content``.
+    ``reasoning_parser`` (:mod:`mrv2.entrypoints.reasoning`; or the engine config's
+    ``structured_outputs.reasoning_parser``, which may not differ): chat answers carry the
+    model's ``<think>`` text (gpt-oss: its ``analysis`` channel) as ``reasoning_content``.
     ``tool_call_parser``
     (:mod:`mrv2.entrypoints.tool_calls`): chat requests may offer ``tools``, and answers
     carry the model's calls as ``tool_calls``; without one, ``tools`` are refused. ``http``
@@ -135,6 +136,9 @@ def create_app(engine: LLMEngine | RemoteEngine,
     http = http or HTTPOptions()
     options = options or ServeOptions()
     http.check()
+    structured = getattr(getattr(engine, "config", None), "structured_outputs", None)
+    if structured is not None:  # (structured_outputs_config.reasoning_parser, vLLM's too)
+        reasoning_parser = structured.server_reasoning_parser(reasoning_parser)
     check_reasoning_parser(reasoning_parser)
     tool_parser = None if tool_call_parser is None else get_tool_parser(tool_call_parser)
     if max_n < 1 or max_pending < 1:
