@@ -169,6 +169,11 @@ class ModelConfig(_Section):
         description="vLLM's hub revision, accepted for its scripts: mrv2 loads a local "
         "directory, which has no revision (vLLM ignores it for a local path too)",
     )
+    skip_tokenizer_init: bool = Field(
+        default=False,
+        description="load no tokenizer (vLLM's): prompts must be token ids, outputs carry "
+        "token ids and empty text; stop strings, bad words, chat and text prompts are refused",
+    )
     tokenizer_revision: str | None = Field(
         default=None, description="as revision, for the tokenizer (no effect on a directory)")
     code_revision: str | None = Field(

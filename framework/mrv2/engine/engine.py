@@ -77,14 +77,15 @@ class LLMEngine(WeightOps, RequestOps):
         self.sampling_defaults = load_sampling_defaults(
             config.model.model, config.model.generation_config,
             config.model.override_generation_config)
-        named = config.model.tokenizer  # (a tokenizer of its own must load: before the weights)
+        skip = config.model.skip_tokenizer_init  # (vLLM's: no tokenizer at all)
+        named = None if skip else config.model.tokenizer  # (its own must load: before weights)
         tokenizer = (None if named is None
                      else _load_tokenizer(named, config.model.chat_template, required=True,
                                           kwargs=tokenizer_kwargs(config.model)))
         self.runner = make_runner(config, plugins)
         model_dir = config.model.model or self.runner.model_dir
         self.tokenizer: Tokenizer | None = (  # (a named one loaded, or raised, above)
-            tokenizer if tokenizer is not None
+            tokenizer if tokenizer is not None or skip
             else _load_tokenizer(model_dir, config.model.chat_template,
                                  kwargs=tokenizer_kwargs(config.model)))
         # the tokenizer's EOS (vLLM's primary one) and every one the model's configs name

@@ -15,6 +15,12 @@ from mrv2.contract.params import SamplingParams
 from mrv2.contract.pooling import TASKS, PoolingParams
 from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from mrv2.engine.content_format import (
+    CONTENT_FORMATS,
+    resolve_content_format,
+    template_in_use,
+    text_parts,
+)
 from mrv2.engine.engine import LLMEngine
 from mrv2.engine.media import split_chat_media
 from mrv2.engine.outputs import (
@@ -424,6 +430,7 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_content_format: str = "auto",
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, with the chat template.
 
@@ -440,9 +447,20 @@ class LLM:
         prefill) instead of starting a new one; needs ``add_generation_prompt=False``.
         ``tools``: the tool definitions the template offers the model (vLLM's).
         ``chat_template``: Jinja text rendered instead of the model's template (vLLM's; this
-        call only). The first five arguments take vLLM's positional order; the others are
-        keywords."""
-        tokenizer = self._require_tokenizer()
+        call only). ``chat_template_content_format`` (vLLM's): how a text message's content
+        reaches the template: ``"string"`` one text (parts joined a line each), ``"openai"``
+        a list of ``{"type": "text", "text": ...}`` parts, ``"auto"`` the one the template
+        reads (parts where it loops over a message's content, as the server's
+        ``--chat-template-content-format auto``: :mod:`mrv2.engine.content_format`); messages
+        with images or audio always keep their parts. The first five arguments take vLLM's
+        positional order; the others are keywords."""
+        if chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format={chat_template_content_format!r}; "
+                             f"allowed: {', '.join(map(repr, CONTENT_FORMATS))}")
+        tokenizer = self._require_tokenizer("LLM.chat (its chat template) and text prompts")
+        template = (chat_template if chat_template is not None
+                    else template_in_use(tokenizer.chat_template, bool(tools)))
+        as_parts = resolve_content_format(chat_template_content_format, template) == "openai"
         template_kwargs = check_template_kwargs(chat_template_kwargs)
         if continue_final_message:
             if add_generation_prompt:
@@ -460,6 +478,10 @@ class LLM:
             template_messages, mm_data = split_chat_media(
                 [template_message(m) for m in conversation], allow_remote, limit,
                 self.engine.config.multimodal.allowed_local_media_path)
+            if as_parts and not any(mm_data.values()):  # (text only: the template's parts)
+                template_messages = [
+                    {**m, "content": text_parts(original.get("content"))}
+                    for m, original in zip(template_messages, conversation, strict=True)]
             text = tokenizer.render_chat_template(template_messages, add_generation_prompt,
                                                   tools=tools, chat_template=chat_template,
                                                   **template_kwargs)
@@ -474,9 +496,15 @@ class LLM:
             prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
-    def _require_tokenizer(self) -> Any:
+    def _require_tokenizer(self, use: str = "text prompts") -> Any:
+        """The engine's tokenizer; ValueError naming ``use`` (what needs it) where none
+        loaded: ``skip_tokenizer_init=True`` (vLLM's), or a model directory without one."""
         if self.engine.tokenizer is None:
-            raise ValueError("this model directory has no tokenizer; pass prompt_token_ids")
+            why = ("skip_tokenizer_init=True loads no tokenizer"
+                   if self.engine.config.model.skip_tokenizer_init
+                   else "this model directory has no tokenizer")
+            raise ValueError(f"{use} need a tokenizer and {why}; pass "
+                             "{'prompt_token_ids': [...]}")
         return self.engine.tokenizer
 
     def _encode(self, prompt: Prompt) -> Encoded:

@@ -101,6 +101,11 @@ class RequestOps:
             lora.check(lora_request)
         n = len(prompt_token_ids)
         self.runner.sampler.check_params(params)
+        if params.stop and self.tokenizer is None:  # (matched in the text: there is none)
+            why = ("skip_tokenizer_init=True loads no tokenizer"
+                   if self.config.model.skip_tokenizer_init else "this model has no tokenizer")
+            raise ValueError(f"SamplingParams.stop (stop strings) needs the output text; {why}"
+                             ": stop on token ids with stop_token_ids")
         self._bad_words.token_ids(params)  # (refused words; kept for add_request)
         if params.structured_outputs is not None:  # compiled and checked (then cached)
             self._structured_outputs().grammar(params.structured_outputs)

@@ -415,10 +415,10 @@ class RemoteEngine:
             config.model.runner = "pooling"
         self.eos_token_ids = info.eos_token_ids
         self.sampling_defaults = info.sampling_defaults
-        self.tokenizer: Tokenizer | None = _load_tokenizer(
-            config.model.tokenizer or info.model_dir, config.model.chat_template,
-            required=config.model.tokenizer is not None,
-            kwargs=tokenizer_kwargs(config.model))
+        self.tokenizer: Tokenizer | None = None if config.model.skip_tokenizer_init else (
+            _load_tokenizer(config.model.tokenizer or info.model_dir, config.model.chat_template,
+                            required=config.model.tokenizer is not None,
+                            kwargs=tokenizer_kwargs(config.model)))
         self.input_processor: InputProcessor | None = make_input_processor(
             info.input_processor, info.model_dir, info.hf_config, self.tokenizer, config)
 

@@ -217,11 +217,17 @@ class Serving:
                 f"({params.max_tokens} > {limit} - {num}); ask for at most {limit - num}",
                 param=name)
 
-    def tokenizer(self) -> Any:
-        """The model's tokenizer (a 400 when it has none)."""
+    def tokenizer(self, param: str = "prompt") -> Any:
+        """The model's tokenizer (a 400 naming ``param`` when none loaded: the model has none,
+        or ``--skip-tokenizer-init``; chat messages need its template)."""
         if self.engine.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer: send prompts as token id lists",
-                           param="prompt")
+            why = ("--skip-tokenizer-init loads no tokenizer"
+                   if self.engine.config.model.skip_tokenizer_init
+                   else "this model has no tokenizer")
+            use = ("chat messages need the chat template" if param == "messages"
+                   else "text prompts need a tokenizer")
+            raise APIError(400, f"{use} and {why}: send /v1/completions prompts as token id "
+                           "lists", param=param)
         return self.engine.tokenizer
 
     async def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
@@ -261,12 +267,12 @@ class Serving:
             allow_remote = engine.config.multimodal.allow_remote_media
             try:  # decoding and preprocessing images is CPU work: off the event loop
                 return await asyncio.to_thread(
-                    _chat_with_media, engine, self.tokenizer(),
+                    _chat_with_media, engine, self.tokenizer("messages"),
                     [m.with_parts() for m in messages], add_generation_prompt, allow_remote,
                     {**kwargs, "add_special_tokens": add_special_tokens})
             except (ValueError, TypeError) as error:
                 raise APIError(400, str(error), param="messages") from None
-        tokenizer = self.tokenizer()
+        tokenizer = self.tokenizer("messages")
         template = (own_template if own_template is not None
                     else template_in_use(tokenizer.chat_template, bool(tools)))
         try:
