@@ -83,6 +83,17 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
 
+def _one_of(field: str, value: str, allowed: tuple[str, ...], known: tuple[str, ...],
+            why: str) -> str:
+    """``value`` where ``allowed`` holds it, else ValueError naming ``field`` and the allowed
+    values (and ``why`` for vLLM's values mrv2 does not take, ``known``)."""
+    if value not in allowed:
+        reason = f" is not supported: {why}" if value in known else ""
+        raise ValueError(f"{field}={value!r}{reason}; allowed: "
+                         + ", ".join(map(repr, allowed)))
+    return value
+
+
 class ModelConfig(_Section):
     """What to load and how: checkpoint directory, dtype, context length, seed."""
 
@@ -229,32 +240,21 @@ class ModelConfig(_Section):
     @field_validator("logprobs_mode")
     @classmethod
     def _supported_logprobs_mode(cls, value: str) -> str:
-        if value not in LOGPROBS_MODES:
-            why = (" is not supported: mrv2 computes logprobs from the raw logits only"
-                   if value in ("processed_logprobs", "processed_logits") else "")
-            raise ValueError(f"logprobs_mode={value!r}{why}; allowed: "
-                             + ", ".join(map(repr, LOGPROBS_MODES)))
-        return value
+        return _one_of("logprobs_mode", value, LOGPROBS_MODES, (
+            "processed_logprobs", "processed_logits"),
+            "mrv2 computes logprobs from the raw logits only")
 
     @field_validator("tokenizer_mode")
     @classmethod
     def _supported_tokenizer_mode(cls, value: str) -> str:
-        if value not in TOKENIZER_MODES:
-            why = (" is not supported (mrv2 loads Hugging Face tokenizers only)"
-                   if value in ("mistral", "custom") else "")
-            raise ValueError(f"tokenizer_mode={value!r}{why}; allowed: "
-                             + ", ".join(map(repr, TOKENIZER_MODES)))
-        return value
+        return _one_of("tokenizer_mode", value, TOKENIZER_MODES, ("mistral", "custom"),
+                       "mrv2 loads Hugging Face tokenizers only")
 
     @field_validator("model_impl")
     @classmethod
     def _own_model_impl(cls, value: str) -> str:
-        if value not in MODEL_IMPLS:
-            why = (" is not supported: mrv2 runs its own model implementations only"
-                   if value in ("transformers", "terratorch") else "")
-            raise ValueError(f"model_impl={value!r}{why}; allowed: "
-                             + ", ".join(map(repr, MODEL_IMPLS)))
-        return value
+        return _one_of("model_impl", value, MODEL_IMPLS, ("transformers", "terratorch"),
+                       "mrv2 runs its own model implementations only")
 
     @field_validator("chat_template")
     @classmethod

@@ -110,23 +110,11 @@ def test_bad_values_name_the_flag(flags: list[str], message: str) -> None:
 
 def test_serve_passes_them_to_the_server(monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture[str]) -> None:
-    import mrv2.engine.engine as engine_module
-    import mrv2.entrypoints.server_run as run_module
-    from mrv2.entrypoints.cli import main
+    from test_serve_plugins import _run
 
-    seen: dict[str, Any] = {}
-
-    def run_server(*args: Any, **kwargs: Any) -> int:
-        seen.update(kwargs)
-        return 0
-
-    monkeypatch.setattr(engine_module, "LLMEngine", lambda config: object())
-    monkeypatch.setattr(run_module, "run_server", run_server)
-    monkeypatch.setattr(run_module, "listen_socket", lambda host, port: None)
-    base = ["serve", "m", "--device", "cpu", "--load-format", "dummy", "--no-engine-process"]
-    assert main([*base, *FLAGS]) == 0
-    assert seen["options"] == _options(*FLAGS)
-    assert main([*base, "--default-chat-template-kwargs", "true"]) == 2
+    code, seen = _run(monkeypatch, *FLAGS)
+    assert code == 0 and seen["options"] == _options(*FLAGS)
+    assert _run(monkeypatch, "--default-chat-template-kwargs", "true")[0] == 2
     assert "--default-chat-template-kwargs='true': expected a JSON object" in (
         capsys.readouterr().err)
 
