@@ -160,13 +160,13 @@ def test_the_serve_logging_flags_reach_the_server(
         {"log_stats": True, "uvicorn_log_level": "info", "access_log": True,
          "reasoning_parser": None, "tool_call_parser": None, "http": HTTPOptions(),
          "enable_prompt_tokens_details": False, "lora_modules": [],
-         "trust_request_chat_template": False, "options": ServeOptions()},
+         "trust_request_chat_template": False, "options": ServeOptions(), "middleware": []},
         {"log_stats": False, "uvicorn_log_level": "warning", "access_log": False,
          "reasoning_parser": "qwen3", "tool_call_parser": "hermes",
          "http": HTTPOptions(allowed_origins=("https://a.example",), root_path="/llm"),
          "enable_prompt_tokens_details": True,
          "lora_modules": [LoRARequest("sql", 1, "/adapters/sql")],
-         "trust_request_chat_template": True, "options": ServeOptions()}]
+         "trust_request_chat_template": True, "options": ServeOptions(), "middleware": []}]
     # (--tool-call-parser alone serves, as vLLM's: test_http_options)
     for half in (["--enable-auto-tool-choice"],
                  ["--lora-modules", "sql=/adapters/sql"], ["--enable-lora", "--lora-modules",
