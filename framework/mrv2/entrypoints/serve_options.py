@@ -38,8 +38,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from mrv2.engine.media import part_text
-from mrv2.entrypoints.content_format import resolve_content_format
+from mrv2.engine.content_format import resolve_content_format, text_parts
 
 if TYPE_CHECKING:  # (the CLI imports this module without the server's packages)
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -120,18 +119,8 @@ class ServeOptions:
         as given."""
         if resolve_content_format(self.chat_template_content_format, template) != "openai":
             return messages
-        return [{**m, "content": [{"type": "text", "text": text}
-                                  for text in _texts(content) if text]}
+        return [{**m, "content": text_parts(content)}
                 for m, content in zip(messages, contents, strict=True)]
-
-
-def _texts(content: Any) -> list[str]:
-    """A message's content as sent: a string, or its text parts' texts."""
-    if isinstance(content, str):
-        return [content]
-    if isinstance(content, list):
-        return [t for t in map(part_text, content) if t is not None]
-    return []
 
 
 class RequestIdHeader:
