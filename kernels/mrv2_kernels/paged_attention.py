@@ -330,9 +330,8 @@ def paged_attention(
         part_m = part_l = part_acc = out  # unused
 
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    flat_tiles = num_tokens // plan.block_q + num_reqs
-    flat = not plan.small_q and prefill_flat_grid(flat_grid, num_q_tiles * num_reqs,
-                                                  flat_tiles, num_reqs)
+    flat_tiles, grid_tiles = num_tokens // plan.block_q + num_reqs, num_q_tiles * num_reqs
+    flat = not plan.small_q and prefill_flat_grid(flat_grid, grid_tiles, flat_tiles, num_reqs)
     if one_token_apart is None:
         setting = os.environ.get(ONE_TOKEN_ENV_VAR)
         one_token_apart = (plan.block_m >= ONE_TOKEN_APART_MIN_BLOCK_M if setting is None
@@ -374,12 +373,12 @@ def paged_attention(
         grid = (flat_tiles * num_kv_heads * splits, 1, 1)
     else:
         grid = (num_q_tiles, num_kv_heads * splits, num_reqs)
-    # (CUDA's grid y and z hold at most 65,535 blocks, x 2**31 - 1: a step of ~1M tokens in
-    # small tiles keeps its tile axis on x)
     # (the (tile, request) grid over prompts of about one length: its tiles slowest while the
     # step's keys fit the L2 cache, as the flat grid's rule; else TILES_LAST_ENV_VAR's rule)
-    order = (tiles_last if tiles_last is not None or num_q_tiles * num_reqs > flat_tiles
+    order = (tiles_last if tiles_last is not None or grid_tiles > flat_tiles
              else key_span <= flat_tiles_last_keys(None, kv_cache))
+    # (CUDA's grid y and z hold at most 65,535 blocks, x 2**31 - 1: a step of ~1M tokens in
+    # small tiles keeps its tile axis on x)
     last = (not flat and not plan.small_q and prefill_tiles_last(order, flat)
             and grid[0] <= MAX_GRID_YZ)
     if last:  # the tile axis slowest (see the kernel's TILES_LAST)
