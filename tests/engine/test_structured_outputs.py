@@ -270,8 +270,9 @@ def test_logprobs_are_those_of_the_masked_logits(llm: LLM, temperature: float) -
 PROBES = (",", "}", "{", " ", "\n", "a", "h", "<", '"')
 
 
-def _allowed_after(llm: LLM, spec: StructuredOutputsParams, text: str) -> set[str]:
-    """Which of :data:`PROBES` (one token each) a fresh matcher of ``spec`` allows after it
+def _allowed_after(llm: LLM, spec: StructuredOutputsParams, text: str,
+                   probes: tuple[str, ...] = PROBES) -> set[str]:
+    """Which of ``probes`` (one token each) a fresh matcher of ``spec`` allows after it
     consumed ``text``'s tokens."""
     import numpy as np
 
@@ -286,7 +287,7 @@ def _allowed_after(llm: LLM, spec: StructuredOutputsParams, text: str) -> set[st
     row = np.empty((1, so.words), dtype=np.int32)
     fill_bitmasks([guide], row)
     allowed = set()
-    for probe in PROBES:
+    for probe in probes:
         (token,) = tokenizer.encode(probe, add_special_tokens=False)
         if int(row[0].view(np.uint32)[token // 32]) >> (token % 32) & 1:
             allowed.add(probe)

@@ -10,14 +10,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 from pydantic import ValidationError
+from test_structured_outputs import _allowed_after as allowed_after
 
 from mrv2 import LLM, EngineConfig, SamplingParams, StructuredOutputsParams
 from mrv2.config import StructuredOutputsConfig
 from mrv2.config_cli import add_cli_args, config_from_cli
-from mrv2.engine.structured_outputs import fill_bitmasks
 from mrv2.testing import make_tiny_checkpoint, make_tiny_tokenizer
 
 ENGINE = dict(device="cpu", dtype="float32", block_size=4)
@@ -39,20 +38,7 @@ def _llm(checkpoint: Path, config: dict[str, Any] | None = None) -> LLM:
 
 def _allowed_after(llm: LLM, spec: StructuredOutputsParams, text: str) -> set[str]:
     """Which of :data:`PROBES` a fresh matcher of ``spec`` allows after ``text``'s tokens."""
-    so = llm.engine._structured_outputs()
-    tokenizer = llm.get_tokenizer()
-    guide = so.guide(SamplingParams(structured_outputs=spec), [])
-    for token in tokenizer.encode(text, add_special_tokens=False):
-        guide.advance(token)
-        assert not guide.matcher.is_error(), (text, guide.matcher.get_error())
-    row = np.empty((1, so.words), dtype=np.int32)
-    fill_bitmasks([guide], row)
-    allowed = set()
-    for probe in PROBES:
-        (token,) = tokenizer.encode(probe, add_special_tokens=False)
-        if int(row[0].view(np.uint32)[token // 32]) >> (token % 32) & 1:
-            allowed.add(probe)
-    return allowed
+    return allowed_after(llm, spec, text, PROBES)
 
 
 # ---- the config ----------------------------------------------------------------------------
