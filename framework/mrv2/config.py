@@ -726,7 +726,7 @@ class EngineConfig(_Section):
         Section dicts (``cache={"block_size": 16}``) are accepted too. Unknown names raise a
         ``ValueError`` listing the known ones.
         """
-        kwargs = config_compat.translate(kwargs)  # vLLM's compilation_config, -O, no-ops
+        kwargs = config_compat.translate(kwargs)  # vLLM's compilation_config, -O, names
         sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
         top: dict[str, Any] = {}
         for key, value in kwargs.items():
@@ -734,18 +734,6 @@ class EngineConfig(_Section):
                 key, value = "speculative", _speculative_dict(value)
             elif key == "structured_outputs_config":  # vLLM's name: a dict, or JSON text
                 key, value = "structured_outputs", StructuredOutputsConfig.from_json(value)
-            elif key == "scheduling_policy":  # vLLM's name of ``policy``
-                if kwargs.get("policy", value) != value:
-                    raise ValueError(f"policy={kwargs['policy']!r} and scheduling_policy="
-                                     f"{value!r} disagree: give one of them")
-                key = "policy"
-            elif key == "max_cudagraph_capture_size":  # vLLM's: cuda_graph_sizes' one value
-                if value is None:
-                    continue
-                if kwargs.get("cuda_graph_sizes") is not None:
-                    raise ValueError("give cuda_graph_sizes or max_cudagraph_capture_size, "
-                                     "not both")
-                key, value = "cuda_graph_sizes", [value]
             if key in _SECTIONS and isinstance(value, dict):
                 sections[key].update(value)
             elif key in _FLAT_TO_SECTION:
@@ -754,10 +742,9 @@ class EngineConfig(_Section):
                 top[key] = value
             else:
                 known = ", ".join(sorted({*_FLAT_TO_SECTION, *_SECTIONS, "logits_processors",
-                                          "speculative_config", "scheduling_policy",
-                                          "max_cudagraph_capture_size",
-                                          "structured_outputs_config",
-                                          *config_compat.COMPAT_ARGUMENTS}))
+                                          "speculative_config", "structured_outputs_config",
+                                          *config_compat.COMPAT_ARGUMENTS,
+                                          *config_compat.RENAMED_ARGUMENTS}))
                 raise ValueError(f"unknown engine argument {key!r}; known arguments: {known}")
         data: dict[str, Any] = {**top, **{k: v for k, v in sections.items() if v}}
         return cls.model_validate(data)

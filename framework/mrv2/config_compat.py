@@ -30,12 +30,16 @@ COMPILATION_KEYS = ("cudagraph_mode", "cudagraph_capture_sizes", "max_cudagraph_
 NO_OP_ARGUMENTS = ("hf_token", "ignore_patterns", "max_parallel_loading_workers")
 #: The flat names :func:`translate` consumes (for ``EngineConfig.from_kwargs``' error list).
 COMPAT_ARGUMENTS = ("compilation_config", "optimization_level", *NO_OP_ARGUMENTS)
+#: vLLM's other names of mrv2's fields, which :func:`translate` renames (``policy``, one
+#: ``cuda_graph_sizes`` value).
+RENAMED_ARGUMENTS = ("scheduling_policy", "max_cudagraph_capture_size")
 
 
 def translate(kwargs: dict[str, Any]) -> dict[str, Any]:
     """``kwargs`` with vLLM's compilation arguments replaced by mrv2's fields
     (``enforce_eager``, ``max_mixed_graph_tokens``, ``cudagraph_capture_sizes``,
-    ``max_cudagraph_capture_size``) and the no-op ones dropped. ValueError naming the key on a
+    ``cuda_graph_sizes``), vLLM's other names (:data:`RENAMED_ARGUMENTS`) by mrv2's and the
+    no-op ones dropped. ValueError naming the key on a
     value mrv2 cannot honour or on arguments that disagree."""
     out = {k: v for k, v in kwargs.items() if k not in COMPAT_ARGUMENTS}
     derived: dict[str, Any] = {}
@@ -74,6 +78,17 @@ def translate(kwargs: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"max_cudagraph_capture_size={largest} must be the largest of "
                              f"cudagraph_capture_sizes={sizes}: give one of them")
         del out["max_cudagraph_capture_size"]
+    if "scheduling_policy" in out:  # vLLM's name of ``policy``
+        policy = out.pop("scheduling_policy")
+        if out.get("policy", policy) != policy:
+            raise ValueError(f"policy={out['policy']!r} and scheduling_policy={policy!r} "
+                             "disagree: give one of them")
+        out["policy"] = policy
+    largest = out.pop("max_cudagraph_capture_size", None)
+    if largest is not None:  # vLLM's: cuda_graph_sizes' one value
+        if out.get("cuda_graph_sizes") is not None:
+            raise ValueError("give cuda_graph_sizes or max_cudagraph_capture_size, not both")
+        out["cuda_graph_sizes"] = [largest]
     return out
 
 
