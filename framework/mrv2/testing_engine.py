@@ -154,6 +154,28 @@ def check_bf16_graphs_against_eager(graphs: Sequence[Sequence[int]],
     assert sum(g[0] == w[0] for g, w in zip(graphs, fp32, strict=True)) >= n - 1
 
 
+def check_greedy_up_to_ties(got: Sequence[int], prompt: Sequence[int],
+                            logprobs: Callable[[list[int]], torch.Tensor],
+                            tol: float) -> float:
+    """``got``, greedy tokens of a low-precision engine after ``prompt``, checked token by token
+    against a reference fed the engine's own sequence: ``logprobs(ids)`` gives the reference's
+    log-probabilities ``[len(ids), vocab]``. Each token must be the reference's argmax or within
+    ``tol`` of it: in bf16 a near tie may go either way, and after it the sequences part, so
+    comparing with the reference's own greedy tokens would test the rounding, not the engine.
+    Returns the largest gap seen, the reference's best less the engine's token."""
+    ids = [*prompt, *got]
+    ref = logprobs(ids).float()
+    assert ref.shape[0] == len(ids), (ref.shape, len(ids))
+    worst = 0.0
+    for i, token in enumerate(got):
+        row = ref[len(prompt) - 1 + i]
+        gap = float(row.max() - row[token])
+        assert gap <= tol, (f"token {i} ({token}) is {gap:.3f} below the reference's best "
+                            f"({int(row.argmax())}), more than {tol}")
+        worst = max(worst, gap)
+    return worst
+
+
 def check_state_prefix_cache(path: str | Path, max_tokens: int = 6,
                              **llm_kwargs: Any) -> LLM:
     """A model with per-request state (linear attention, Mamba) under prefix caching: greedy
