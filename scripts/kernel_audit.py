@@ -87,9 +87,13 @@ def compiled_kernels() -> list[dict[str, Any]]:
         fns = [o for o in gc.get_objects() if isinstance(o, JITFunction)]
     for fn in fns:
         variants: list[Any] = []
+        constants: list[dict[str, Any]] = []
         for caches in fn.device_caches.values():
-            variants.extend(k for k in caches[0].values() if getattr(k, "n_regs", None) is not None)
-        constants = [_constexprs(fn, k) for k in variants]
+            specs = _specializations(caches[1])
+            for key, kernel in caches[0].items():
+                if getattr(kernel, "n_regs", None) is not None:
+                    variants.append(kernel)
+                    constants.append(_constexprs(fn, kernel, specs.get(key)))
         varying = {n for c in constants for n, v in c.items()
                    if any(o.get(n) != v for o in constants)}
         for kernel, consts in zip(variants, constants, strict=True):
@@ -102,11 +106,28 @@ def compiled_kernels() -> list[dict[str, Any]]:
     return rows
 
 
-def _constexprs(fn: Any, kernel: Any) -> dict[str, Any]:
-    src = getattr(kernel, "src", None)
-    values = getattr(src, "constexprs", None) or {}
+def _specializations(key_cache: Any) -> dict[str, tuple[Any, ...]]:
+    """A device's kernel cache key -> the launch's specialization (one ``(kind, value)`` pair a
+    parameter, ``("constexpr", value)`` for a constexpr), read off Triton's key cache, whose
+    keys are ``(specialization, options)``: compiled kernels keep no constexprs of their own."""
+    out: dict[str, tuple[Any, ...]] = {}
+    for key, cache_key in (key_cache.items() if isinstance(key_cache, dict) else ()):
+        if isinstance(key, tuple) and key and isinstance(key[0], tuple):
+            out[cache_key] = key[0]
+    return out
+
+
+def _constexprs(fn: Any, kernel: Any, spec: tuple[Any, ...] | None) -> dict[str, Any]:
+    """A variant's constexprs by name: from its launch's specialization, else from the
+    kernel's source object where a Triton version keeps one."""
     names = list(getattr(fn, "arg_names", []))
     out: dict[str, Any] = {}
+    if spec is not None:
+        for name, entry in zip(names, spec, strict=False):
+            if isinstance(entry, tuple) and len(entry) == 2 and entry[0] == "constexpr":
+                out[name] = entry[1]
+        return out
+    values = getattr(getattr(kernel, "src", None), "constexprs", None) or {}
     for path, value in values.items():
         index = path[0] if isinstance(path, tuple) else path
         if isinstance(index, int) and index < len(names):

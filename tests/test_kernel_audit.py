@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
+from typing import Any
 
 _SPEC = importlib.util.spec_from_file_location(
     "kernel_audit", Path(__file__).parents[1] / "scripts" / "kernel_audit.py")
@@ -61,18 +62,26 @@ def test_compiled_variants_are_read_from_the_jit_caches() -> None:
     # (built directly: under TRITON_INTERPRET=1 ``triton.jit`` gives an interpreted function)
     audited = JITFunction(_audited)
 
-    def variant(block: int, regs: int | None) -> SimpleNamespace:
+    def variant(regs: int | None, block: int | None = None) -> SimpleNamespace:
         k = SimpleNamespace(metadata=SimpleNamespace(num_warps=4, num_stages=2, shared=2048),
-                            n_spills=0, src=SimpleNamespace(constexprs={(1,): block, (2,): 1}))
+                            n_spills=0)
+        if block is not None:  # (a Triton that keeps the source's constexprs on the kernel)
+            k.src = SimpleNamespace(constexprs={(1,): block, (2,): 1})
         if regs is not None:
             k.n_regs = regs
         return k
 
-    caches = {"a": variant(64, 40), "b": variant(128, 72), "c": variant(256, None)}
-    audited.device_caches = {0: (caches, {}, None, None, None)}
+    # Triton 3.6's caches: kernels by cache key, and the key cache from (specialization,
+    # options) to that key, the specialization one (kind, value) pair a parameter.
+    def spec(block: int) -> tuple[tuple[str, Any], ...]:
+        return (("*bf16", "D"), ("constexpr", block), ("constexpr", 1))
+
+    caches = {"a": variant(40), "b": variant(72), "c": variant(None), "d": variant(56, 32)}
+    keys = {(spec(64), "opts"): "a", (spec(128), "opts"): "b", (spec(256), "opts"): "c"}
+    audited.device_caches = {0: (caches, keys, None, None, None)}
     rows = [r for r in audit.compiled_kernels() if r["kernel"] == "_audited"]
-    assert sorted((r["registers"], r["constexprs"]["BLOCK"]) for r in rows) == [(40, 64),
-                                                                                (72, 128)]
+    assert sorted((r["registers"], r["constexprs"]["BLOCK"]) for r in rows) == [
+        (40, 64), (56, 32), (72, 128)]
     assert all("WIDE" not in r["constexprs"] for r in rows)  # (the same in every variant)
 
 
