@@ -7,6 +7,7 @@
 # coldstart (scripts/probe_cold_start.py: the first request of each kind on an empty Triton cache, warm-up off and on),
 # gcgen0 (MRV2_GC_GEN0_THRESHOLD=20000 against Python's own, 256 streams through mrv2 serve),
 # longdecode (scripts/sweep_long_decode.py: decode attention's launch options at long contexts),
+# verify50 (the decode register cap A/B, its kernel tests, the VL bf16 tests, kernel_audit with constexprs),
 # quick49 (the default prefill grid on 8B heads, packed integer reloads; ~2 min), targets49 (issue 16's targets, cheapest first, within VERIFY_S), verify49 (packed integer weights reloaded under graphs, gpt-oss's MXFP4 test, then scripts/kernel_audit.py:
 # every Triton variant a workload compiled, flagged for spills and register cliffs),
 # verify48b (the eight-warp prefill register cap), verify48 (the flat grid's per-step order and max_model_len auto on CUDA),
@@ -860,6 +861,29 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
              --server-args "--tensor-parallel-size ${TP:-4} --max-model-len 4096 ${GLM47_ARGS:-}" \
              --variants ${GLM47_VARIANTS:-mtp_off mtp_on async_off mtp_on_async_off} 2>&1 \
              | tee "$OUT/glm47.log" | tail -24 ;;
+    verify50) # the fiftieth session's GPU work within VERIFY_S seconds (default 560): (1) the
+              # decode register cap (MRV2_ATTN_DECODE_MAXNREG) A/B, 0 / 1 / 0 in turn: the decode
+              # table and the throughput workload's decode steps of bench_attention; (2) the
+              # paged-attention kernel tests on CUDA with the cap on; (3) the Idefics3 and LLaVA
+              # bf16 tests, checked up to near ties; (4) kernel_audit on Qwen3-8B (constexprs now)
+              end=$(( $(date +%s) + ${VERIFY_S:-560} ))
+              left() { local l=$(( end - $(date +%s) )); [ "$l" -lt "$1" ] && echo $(( l > 1 ? l : 1 )) || echo "$1"; }
+              for cap in 0 1 0 1; do
+                MRV2_ATTN_DECODE_MAXNREG=$cap timeout "$(left 45)" python3 -m mrv2_kernels.bench_attention \
+                  --layouts 8B 0.6B > "$OUT/attn_cap$cap.log" 2>&1
+                grep -E "^decode " "$OUT/attn_cap$cap.log" | sed "s/^/cap $cap: /"
+                MRV2_ATTN_DECODE_MAXNREG=$cap timeout "$(left 45)" python3 -m mrv2_kernels.bench_attention \
+                  --workload --layouts 8B > "$OUT/workload_cap$cap.log" 2>&1
+                tail -1 "$OUT/workload_cap$cap.log" | sed "s/^/cap $cap workload: /"
+              done
+              MRV2_ATTN_DECODE_MAXNREG=1 timeout "$(left 120)" python3 -m pytest -q -p no:cacheprovider \
+                tests/kernels/test_paged_attention.py 2>&1 | tee "$OUT/paged_cap1.log" | tail -2
+              timeout "$(left 120)" python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_idefics3.py \
+                tests/gpu/test_gpu_llava.py -k bf16 2>&1 | tee "$OUT/vl_bf16.log" \
+                | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -6
+              timeout "$(left 150)" python3 scripts/kernel_audit.py --models ${AUDIT_MODELS:-Qwen3-8B} \
+                > "$OUT/kernel_audit.log" 2>&1
+              grep -vE "^-" "$OUT/kernel_audit.log" | cut -c1-200 | tail -16 ;;
     quick49) # what ~2 minutes of a fresh machine can show: the default prefill grid on 8B heads
              # (4 x 1,024 causal: now the (tile, request) grid), then packed integer reloads
              timeout 75 python3 -m mrv2_kernels.bench_attention --no-decode --layouts 8B \

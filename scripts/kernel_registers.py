@@ -8,6 +8,7 @@ specialization follows a real launch's (pointers and strides divisible by 16).
 
     python scripts/kernel_registers.py            # Qwen3-8B's and Qwen3-0.6B's prefill tiles
     python scripts/kernel_registers.py --cap 128  # with the launcher's maxnreg
+    python scripts/kernel_registers.py --layouts 8B-decode 0.6B-decode --cap 200
 """
 
 from __future__ import annotations
@@ -41,6 +42,14 @@ LAYOUTS: dict[str, dict[str, Any]] = {
            "num_warps": 8},
     "0.6B": {"GROUP": 2, "GROUP_P2": 2, "BLOCK_Q": 32, "BLOCK_M": 64, "BLOCK_N": 64,
              "num_warps": 4},
+    # Decode plans (a program a request and kv head, from a program an SM: 2 warps), rope and
+    # the q/k norm fused, keys split: MRV2_ATTN_DECODE_MAXNREG's cases (--cap 200).
+    "8B-decode": {"GROUP": 4, "GROUP_P2": 4, "BLOCK_Q": 4, "BLOCK_M": 16, "BLOCK_N": 64,
+                  "FLAT": False, "ZERO_PAD": False, "ROPE": True, "QK_NORM": True,
+                  "USE_SPLITS": True, "num_warps": 2},
+    "0.6B-decode": {"GROUP": 2, "GROUP_P2": 2, "BLOCK_Q": 8, "BLOCK_M": 16, "BLOCK_N": 64,
+                    "FLAT": False, "ZERO_PAD": False, "ROPE": True, "QK_NORM": True,
+                    "USE_SPLITS": True, "num_warps": 2},
 }
 _COMMON = {"HEAD_DIM": 128, "KV_BLOCK_SIZE": 16, "USE_SPLITS": False, "ZERO_PAD": True,
            "DOT_FP32": False, "FP32_PRECISION": "tf32x3", "PDL": True, "EARLY_META": True,
@@ -88,16 +97,17 @@ def resources(constants: dict[str, Any], num_warps: int, num_stages: int = 2,
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cap", type=int, default=None, help="maxnreg, as the launcher passes it")
-    p.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
+    p.add_argument("--layouts", nargs="*", default=["8B", "0.6B"], choices=list(LAYOUTS))
     args = p.parse_args()
     for name in args.layouts:
         layout = dict(LAYOUTS[name])
         warps = layout.pop("num_warps")
         got = resources({**_COMMON, **layout}, warps, maxnreg=args.cap)
         resident = 65536 // (32 * warps * max(got["registers"], 1))
-        print(f"{name:>4} prefill ({warps} warps, cap {args.cap}): {got['registers']} "
-              f"registers, {got['shared']} B shared, {got['spilled']} B spilled: "
-              f"{resident} program(s) an SM by registers")
+        kind = "decode" if name.endswith("decode") else "prefill"
+        print(f"{name.removesuffix('-decode'):>4} {kind} ({warps} warps, cap {args.cap}): "
+              f"{got['registers']} registers, {got['shared']} B shared, "
+              f"{got['spilled']} B spilled: {resident} program(s) an SM by registers")
 
 
 if __name__ == "__main__":

@@ -166,11 +166,36 @@ def flat_tiles_last_keys(tiles_last: bool | None, kv_cache: torch.Tensor) -> int
 PREFILL_MAX_REGS_WARPS = 8
 
 
+#: Decode plans' register cap, opt-in until timed: ``1`` caps 2-warp programs at 200 registers
+#: and 4-warp ones at 128, one more program an SM by registers (5 against 4, 4 against 3);
+#: another integer caps every decode plan at that many; unset or ``0``: no cap. ptxas for
+#: sm_90 (``scripts/kernel_registers.py``'s decode tiles, Qwen3-8B and 0.6B heads, rope fused or
+#: not, splits or not): 214-255 registers at 2 warps and 147-151 at 4 uncapped, 0 bytes spilled
+#: at either cap, 38 KiB of shared memory (5 programs fit it). The H100 audit of 2026-12-07 saw
+#: those variants flagged as register cliffs (``scripts/kernel_audit.py``).
+DECODE_REG_CAP_ENV_VAR = "MRV2_ATTN_DECODE_MAXNREG"
+_DECODE_CAPS = {2: 200, 4: 128}
+
+
 def prefill_register_cap(plan: AttentionPlan, on_gpu: bool) -> dict[str, int]:
     """The paged kernel's launch options for ``plan``: on CUDA, a prefill plan of
     :data:`PREFILL_MAX_REGS_WARPS` warps or more keeps two programs on an SM (64K registers:
-    ``maxnreg``); nothing otherwise (the interpreter takes no such option)."""
-    if not on_gpu or plan.small_q or plan.num_warps < PREFILL_MAX_REGS_WARPS:
+    ``maxnreg``); a decode plan gets :data:`DECODE_REG_CAP_ENV_VAR`'s cap where set; nothing
+    otherwise (the interpreter takes no such option)."""
+    if not on_gpu:
+        return {}
+    if plan.small_q:
+        setting = os.environ.get(DECODE_REG_CAP_ENV_VAR, "").strip() or "0"
+        if not setting.isdigit():
+            raise ValueError(f"{DECODE_REG_CAP_ENV_VAR}={setting!r}: expected 0, 1 or a "
+                             "register count (24-255)")
+        value = int(setting)
+        cap = _DECODE_CAPS.get(plan.num_warps) if value == 1 else value
+        if cap and not 24 <= cap <= 255:
+            raise ValueError(f"{DECODE_REG_CAP_ENV_VAR}={setting!r}: expected 0, 1 or a "
+                             "register count (24-255)")
+        return {"maxnreg": cap} if cap else {}
+    if plan.num_warps < PREFILL_MAX_REGS_WARPS:
         return {}
     return {"maxnreg": 65536 // (2 * 32 * plan.num_warps)}
 
