@@ -861,26 +861,31 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
              --server-args "--tensor-parallel-size ${TP:-4} --max-model-len 4096 ${GLM47_ARGS:-}" \
              --variants ${GLM47_VARIANTS:-mtp_off mtp_on async_off mtp_on_async_off} 2>&1 \
              | tee "$OUT/glm47.log" | tail -24 ;;
-    verify50) # the fiftieth session's GPU work within VERIFY_S seconds (default 560): (1) the
-              # decode register cap (MRV2_ATTN_DECODE_MAXNREG) A/B, 0 / 1 / 0 in turn: the decode
-              # table and the throughput workload's decode steps of bench_attention; (2) the
-              # paged-attention kernel tests on CUDA with the cap on; (3) the Idefics3 and LLaVA
-              # bf16 tests, checked up to near ties; (4) kernel_audit on Qwen3-8B (constexprs now)
+    verify50) # the fiftieth session's GPU work within VERIFY_S seconds (default 560), most wanted
+              # first: (1) the Idefics3 and LLaVA bf16 tests, checked up to near ties; (2) the
+              # decode register cap (MRV2_ATTN_DECODE_MAXNREG) A/B: the throughput
+              # workload's decode steps of bench_attention 0 / 1 / 0 / 1, then its decode table; (3)
+              # the paged-attention kernel tests on CUDA with the cap on; (4) kernel_audit on
+              # Qwen3-8B (constexprs now)
               end=$(( $(date +%s) + ${VERIFY_S:-560} ))
               left() { local l=$(( end - $(date +%s) )); [ "$l" -lt "$1" ] && echo $(( l > 1 ? l : 1 )) || echo "$1"; }
-              for cap in 0 1 0 1; do
-                MRV2_ATTN_DECODE_MAXNREG=$cap timeout "$(left 45)" python3 -m mrv2_kernels.bench_attention \
-                  --layouts 8B 0.6B > "$OUT/attn_cap$cap.log" 2>&1
-                grep -E "^decode " "$OUT/attn_cap$cap.log" | sed "s/^/cap $cap: /"
-                MRV2_ATTN_DECODE_MAXNREG=$cap timeout "$(left 45)" python3 -m mrv2_kernels.bench_attention \
-                  --workload --layouts 8B > "$OUT/workload_cap$cap.log" 2>&1
-                tail -1 "$OUT/workload_cap$cap.log" | sed "s/^/cap $cap workload: /"
-              done
-              MRV2_ATTN_DECODE_MAXNREG=1 timeout "$(left 120)" python3 -m pytest -q -p no:cacheprovider \
-                tests/kernels/test_paged_attention.py 2>&1 | tee "$OUT/paged_cap1.log" | tail -2
               timeout "$(left 120)" python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_idefics3.py \
                 tests/gpu/test_gpu_llava.py -k bf16 2>&1 | tee "$OUT/vl_bf16.log" \
                 | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -6
+              for run in a b; do for cap in 0 1; do
+                MRV2_ATTN_DECODE_MAXNREG=$cap timeout "$(left 45)" python3 -m mrv2_kernels.bench_attention \
+                  --workload --layouts 8B 0.6B > "$OUT/workload_cap${cap}_$run.log" 2>&1
+                grep -A1 "^workload" "$OUT/workload_cap${cap}_$run.log" | paste - - | cut -c1-120 \
+                  | sed "s/^/cap $cap ($run): /"
+              done; done
+              for cap in 0 1; do  # the decode table (rows print as they finish)
+                MRV2_ATTN_DECODE_MAXNREG=$cap timeout "$(left 60)" python3 -m mrv2_kernels.bench_attention \
+                  --layouts 8B > "$OUT/attn_cap$cap.log" 2>&1
+                grep -E "^ *(32|64|128|256) +(256|1024|4096) " "$OUT/attn_cap$cap.log" | head -9 \
+                  | sed "s/^/cap $cap decode: /"
+              done
+              MRV2_ATTN_DECODE_MAXNREG=1 timeout "$(left 120)" python3 -m pytest -q -p no:cacheprovider \
+                tests/kernels/test_paged_attention.py 2>&1 | tee "$OUT/paged_cap1.log" | tail -2
               timeout "$(left 150)" python3 scripts/kernel_audit.py --models ${AUDIT_MODELS:-Qwen3-8B} \
                 > "$OUT/kernel_audit.log" 2>&1
               grep -vE "^-" "$OUT/kernel_audit.log" | cut -c1-200 | tail -16 ;;
