@@ -247,13 +247,13 @@ def test_warm_up_readies_structured_outputs(tmp_path: Path,
     then builds nothing), and the engine is left as a cold one; without llguidance the
     warm-up leaves it out."""
     from mrv2.contract.params import StructuredOutputsParams
-    from mrv2.engine import structured_outputs
+    from mrv2.engine import grammars
     from mrv2.testing import make_tiny_tokenizer
 
     path = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM", vocab_size=320)
     make_tiny_tokenizer(path)
     built: list[int] = []
-    llg = structured_outputs._llguidance()
+    llg = grammars.load_llguidance()
     from_tokenizer = llg.hf.from_tokenizer
 
     def spy(*args: Any, **kwargs: Any) -> Any:
