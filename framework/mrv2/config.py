@@ -647,18 +647,11 @@ class StructuredOutputsConfig(_Section):
         default="", description="the server's --reasoning-parser (one of them may be given, "
         "or both the same)")
     reasoning_parser_plugin: str = Field(
-        default="", description="refused: mrv2's reasoning parsers are built in")
+        default="", description="the server's --reasoning-parser-plugin: a Python file "
+        "registering reasoning parsers (one of them may be given, or both the same)")
     enable_in_reasoning: bool = Field(
         default=False, description="hold the thinking block to the grammar too (by default "
         "the grammar holds only what follows it)")
-
-    @field_validator("reasoning_parser_plugin")
-    @classmethod
-    def _no_plugin(cls, value: str) -> str:
-        if value:
-            raise ValueError("reasoning parser plugins are not supported: mrv2's reasoning "
-                             "parsers are built in (give reasoning_parser)")
-        return value
 
     @model_validator(mode="after")
     def _note_backend(self) -> StructuredOutputsConfig:
@@ -682,6 +675,16 @@ class StructuredOutputsConfig(_Section):
         if flag is not None and mine is not None and flag != mine:
             raise ValueError(f"--reasoning-parser {flag} and structured_outputs_config."
                              f"reasoning_parser={mine!r} disagree: give one of them")
+        return flag or mine
+
+    def server_reasoning_parser_plugin(self, flag: str | None) -> str | None:
+        """The server's reasoning parser plugin file: ``flag``
+        (``--reasoning-parser-plugin``) or this config's ``reasoning_parser_plugin``;
+        ValueError where both are given and differ."""
+        mine = self.reasoning_parser_plugin or None
+        if flag is not None and mine is not None and flag != mine:
+            raise ValueError(f"--reasoning-parser-plugin {flag} and structured_outputs_config."
+                             f"reasoning_parser_plugin={mine!r} disagree: give one of them")
         return flag or mine
 
     @staticmethod

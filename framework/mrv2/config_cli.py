@@ -73,6 +73,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help='structured outputs\' defaults as JSON (vLLM\'s), e.g. \'{"backend": "guidance", '
         '"disable_any_whitespace": true}\': backend (always llguidance), disable_fallback, '
         'disable_any_whitespace, disable_additional_properties, reasoning_parser, '
+        'reasoning_parser_plugin, '
         'enable_in_reasoning',
     )
 

@@ -52,6 +52,13 @@ def test_the_config_by_vllms_name_as_a_mapping_json_text_a_flag_and_a_file(
         assert (config.backend, config.disable_any_whitespace, config.enable_in_reasoning,
                 config.disable_additional_properties) == ("guidance", True, True, False)
     assert EngineConfig().structured_outputs.backend == "auto"
+    plugin = {"reasoning_parser_plugin": "/x/plugin.py"}  # (the server loads it)
+    config = EngineConfig.from_kwargs(structured_outputs_config=plugin).structured_outputs
+    assert config.server_reasoning_parser_plugin(None) == "/x/plugin.py"
+    assert config.server_reasoning_parser_plugin("/x/plugin.py") == "/x/plugin.py"
+    with pytest.raises(ValueError, match="--reasoning-parser-plugin /y.py and "
+                                         "structured_outputs_config.reasoning_parser_plugin"):
+        config.server_reasoning_parser_plugin("/y.py")
     parser = argparse.ArgumentParser()
     add_cli_args(parser)
     args = parser.parse_args(["--structured-outputs-config", json.dumps(given)])
@@ -66,7 +73,6 @@ def test_the_config_by_vllms_name_as_a_mapping_json_text_a_flag_and_a_file(
     ({"disable_any_whitespce": True}, "structured_outputs.disable_any_whitespce"),
     ({"backend": "llama.cpp"}, "structured_outputs.backend"),
     ({"disable_any_whitespace": "maybe"}, "structured_outputs.disable_any_whitespace"),
-    ({"reasoning_parser_plugin": "/x/plugin.py"}, "reasoning parser plugins are not supported"),
 ])
 def test_unknown_keys_and_bad_values_are_refused_by_name(value: dict[str, Any],
                                                          message: str) -> None:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from mrv2.engine.engine import LLMEngine
 
 API_KEY = "sk-test"
@@ -39,3 +41,23 @@ def join_tool_calls(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
             assert calls and entry["index"] == len(calls) - 1, entry
             calls[-1]["function"]["arguments"] += entry["function"]["arguments"]
     return calls
+
+
+def run_serve_cli(monkeypatch: pytest.MonkeyPatch, *flags: str) -> tuple[int, dict[str, Any]]:
+    """``mrv2 serve`` with ``flags``, the engine and the server faked: its exit code and what
+    it passed to the server."""
+    import mrv2.engine.engine as engine_module
+    import mrv2.entrypoints.server_run as run_module
+    from mrv2.entrypoints.cli import main
+
+    seen: dict[str, Any] = {}
+
+    def run_server(*args: Any, **kwargs: Any) -> int:
+        seen.update(kwargs)
+        return 0
+
+    monkeypatch.setattr(engine_module, "LLMEngine", lambda config: object())
+    monkeypatch.setattr(run_module, "run_server", run_server)
+    monkeypatch.setattr(run_module, "listen_socket", lambda host, port: None)
+    base = ["serve", "m", "--device", "cpu", "--load-format", "dummy", "--no-engine-process"]
+    return main([*base, *flags]), seen

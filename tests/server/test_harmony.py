@@ -354,10 +354,12 @@ def test_the_cli_takes_the_names(capsys: pytest.CaptureFixture[str]) -> None:
                                       "--enable-auto-tool-choice", "--tool-call-parser",
                                       "openai"])
     assert (args.reasoning_parser, args.tool_call_parser) == ("openai_gptoss", "openai")
-    for flag in ("--reasoning-parser", "--tool-call-parser"):
-        with pytest.raises(SystemExit):
-            build_parser().parse_args(["serve", "m", flag, "harmony"])
-        assert f"argument {flag}: invalid choice: 'harmony'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m", "--tool-call-parser", "harmony"])
+    assert "argument --tool-call-parser: invalid choice: 'harmony'" in capsys.readouterr().err
+    # (a reasoning parser's name is checked once a --reasoning-parser-plugin file is loaded)
+    with pytest.raises(ValueError, match="reasoning_parser='harmony': allowed values are"):
+        check_reasoning_parser("harmony")
 
 
 def _both(text: str, size: int) -> tuple[list[Any], list[Any]]:

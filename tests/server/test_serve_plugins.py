@@ -10,11 +10,11 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from server_util import API_KEY, MODEL, join_tool_calls
+from server_util import run_serve_cli as _run
 
 from mrv2.entrypoints.cli import main
 from mrv2.entrypoints.tool_calls import PARSERS, ToolCall, ToolParser, register_tool_parser
@@ -62,7 +62,7 @@ def parsers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The registered parsers put back after the test (a plugin adds to them)."""
     import mrv2.entrypoints.serve_plugins as serve_plugins
 
-    monkeypatch.setattr(serve_plugins, "_LOADED", set())
+    monkeypatch.setattr(serve_plugins, "_LOADED", {})
     before = dict(PARSERS)
     yield
     PARSERS.clear()
@@ -76,25 +76,6 @@ def middleware_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "my_middleware", raising=False)
     return "my_middleware"
-
-
-def _run(monkeypatch: pytest.MonkeyPatch, *flags: str) -> tuple[int, dict[str, Any]]:
-    """``mrv2 serve`` with ``flags``, the engine and the server faked: its exit code and what
-    it passed to the server."""
-    import mrv2.engine.engine as engine_module
-    import mrv2.entrypoints.server_run as run_module
-
-    seen: dict[str, Any] = {}
-
-    def run_server(*args: Any, **kwargs: Any) -> int:
-        seen.update(kwargs)
-        return 0
-
-    monkeypatch.setattr(engine_module, "LLMEngine", lambda config: object())
-    monkeypatch.setattr(run_module, "run_server", run_server)
-    monkeypatch.setattr(run_module, "listen_socket", lambda host, port: None)
-    base = ["serve", "m", "--device", "cpu", "--load-format", "dummy", "--no-engine-process"]
-    return main([*base, *flags]), seen
 
 
 def test_a_plugin_parser_answers_whole_and_streamed(

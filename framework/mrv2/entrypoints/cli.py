@@ -14,7 +14,7 @@ from mrv2.config import format_validation_error
 from mrv2.config_cli import add_cli_args, config_from_cli
 from mrv2.config_compat import expand_dotted_args
 from mrv2.entrypoints.http_options import add_http_args
-from mrv2.entrypoints.reasoning import REASONING_PARSERS, check_reasoning_parser
+from mrv2.entrypoints.reasoning import check_reasoning_parser
 from mrv2.entrypoints.serve_options import add_serve_args
 from mrv2.entrypoints.serve_plugins import add_plugin_args, preload_tool_parser_plugins
 from mrv2.entrypoints.tool_calls import PARSERS
@@ -66,7 +66,11 @@ def _serve(args: argparse.Namespace) -> int:
     from mrv2.entrypoints.http_options import HTTPOptions
     from mrv2.entrypoints.lora_modules import parse_lora_modules
     from mrv2.entrypoints.serve_options import ServeOptions
-    from mrv2.entrypoints.serve_plugins import engine_process_choice, load_middleware
+    from mrv2.entrypoints.serve_plugins import (
+        engine_process_choice,
+        load_middleware,
+        load_reasoning_parser_plugin,
+    )
     from mrv2.entrypoints.stats_logger import log_stats_interval
 
     try:  # the environment's settings and the HTTP flags refused before the engine starts
@@ -77,8 +81,12 @@ def _serve(args: argparse.Namespace) -> int:
         http.check()
         options = ServeOptions.from_args(args)
         engine_process = engine_process_choice(args)
-        reasoning_parser = check_reasoning_parser(  # (structured_outputs_config's too)
-            config.structured_outputs.server_reasoning_parser(args.reasoning_parser))
+        structured = config.structured_outputs  # (its reasoning_parser[_plugin] too)
+        plugin = structured.server_reasoning_parser_plugin(args.reasoning_parser_plugin)
+        if plugin is not None:  # (before the name is checked: it may be the plugin's)
+            load_reasoning_parser_plugin(plugin)
+        reasoning_parser = check_reasoning_parser(
+            structured.server_reasoning_parser(args.reasoning_parser))
         middleware = load_middleware(args.middleware)
         for flag, value in (("--max-pending", args.max_pending), ("--max-n", args.max_n)):
             if value < 1:
@@ -240,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="no stats line (throughput, requests, KV cache, prefix cache hits) "
                        "every MRV2_LOG_STATS_INTERVAL seconds (default 10) while the engine "
                        "has work")
-    serve.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+    serve.add_argument("--reasoning-parser", default=None, metavar="NAME",
                        help="chat answers carry the model's <think> text as "
                        "reasoning_content (qwen3: the output opens the block; deepseek_r1: "
                        "the prompt does; minimax_m2: MiniMax-M2's, as deepseek_r1; "
@@ -255,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "tool-call section also ends the thinking, chat_template_kwargs "
                        "thinking: false turns it off; olmo3 / step3: as deepseek_r1; "
                        "step3p5: as deepseek_r1, the newlines around </think> dropped; "
-                       "hunyuan_a13b: Hunyuan-A13B's <think> / <answer>; mimo: as qwen3)")
+                       "hunyuan_a13b: Hunyuan-A13B's <think> / <answer>; mimo: as qwen3; "
+                       "or a name a --reasoning-parser-plugin file registers)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="chat requests may offer tools (tool_choice \"auto\"); the "
                        "model's calls come back as tool_calls (needs --tool-call-parser)")

@@ -14,6 +14,7 @@ from fastapi.responses import Response
 
 from mrv2.contract.params import StructuredOutputsParams
 from mrv2.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from mrv2.entrypoints.reasoning import PLUGINS as REASONING_PLUGINS
 from mrv2.entrypoints.reasoning import (
     grammar_mark,
     keeps_special_tokens,
@@ -129,7 +130,8 @@ async def run_chat(serving: Serving, request: Request, body: ChatCompletionReque
         params = dataclasses.replace(params, skip_special_tokens=False)
     if params.structured_outputs is not None and (
             refused := structured_refusal(reasoning_parser, kwargs)):
-        raise APIError(400, refused, param="chat_template_kwargs")
+        raise APIError(400, refused, param=None if reasoning_parser in REASONING_PLUGINS
+                       else "chat_template_kwargs")
     if (mark := grammar_mark(reasoning_parser)) and params.structured_outputs is not None:
         # the grammar holds what follows the thinking block (vLLM's reasoning-aware way)
         params = dataclasses.replace(params, _reasoning=mark)

@@ -81,6 +81,16 @@ The conventions, as vLLM's parsers:
 The parsers that read the chat template's switches are resolved per request
 (:func:`request_parser`) to one of the others, or to ``identity`` (no split: all content).
 
+A ``--reasoning-parser-plugin`` file adds parsers of its own with
+:func:`register_reasoning_parser` (vLLM's ``ReasoningParserManager.register_module``); its
+:class:`ReasoningParser` is either tags, read by the built-in parsers' machinery (a
+:class:`Block`), or a splitter of the built-ins' contract (:class:`ReasoningSplitter`)::
+
+    from mrv2.entrypoints.reasoning import Block, ReasoningParser, register_reasoning_parser
+
+    register_reasoning_parser(ReasoningParser("my_tags", Block(("<plan>",), ("</plan>",),
+                                                               "output")))
+
 A stream is split as it arrives (:class:`ReasoningStream`): text that may still turn out to
 be part of a tag is held back until the next delta decides it, so no tag ever reaches the
 client (but ``minimax_m2_append_think``'s and Kimi-K2's tool-call section, which are
@@ -92,7 +102,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from mrv2.entrypoints.harmony import HarmonyStream
 
@@ -170,11 +180,96 @@ BLOCKS = {
 }
 
 
+#: The engine's conventions a plugin's parser may name for structured outputs
+#: (:attr:`ReasoningParser.grammar`: :data:`mrv2.engine.structured_outputs.THINK_BLOCKS`'s, and
+#: gpt-oss's harmony headers).
+ENGINE_MARKS = ("qwen3", "deepseek_r1", "seed_oss", "step3p5", "hunyuan_a13b", "mistral",
+                "gemma4", "openai_gptoss")
+
+
+class ReasoningSplitter(Protocol):
+    """What a plugin's :attr:`ReasoningParser.splitter` makes, one for each choice: the
+    built-in parsers' contract (:class:`ReasoningStream`)."""
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
+        """The next text delta of the output: its ``(reasoning, content)`` parts to send now
+        (text that may still be part of a tag held back for the next delta); ``final``:
+        nothing follows (send what is held). A whole answer is one call with ``final``."""
+        ...
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    """A ``--reasoning-parser`` a ``--reasoning-parser-plugin`` file registers
+    (:func:`register_reasoning_parser`), named ``name``. Either ``block``: its tags, split as
+    the built-in parsers split theirs (:class:`Block`: where the block opens, its start and
+    end tags; a tag split across deltas is held back, never sent), or ``splitter``: a class
+    (or any function of no arguments) making a :class:`ReasoningSplitter` for each choice,
+    which splits the streamed deltas and, fed once with ``final``, the whole answer.
+    ``special_tokens``: its tags are special tokens (a chat request is decoded keeping them,
+    ``skip_special_tokens: false``). ``grammar``: the engine's convention whose thinking block
+    a structured output waits for (one of :data:`ENGINE_MARKS`; its tags must be the model's);
+    None: a structured output is refused (400) under this parser, as the engine cannot tell
+    where its reasoning ends."""
+
+    name: str
+    block: Block | None = None
+    splitter: Callable[[], ReasoningSplitter] | None = None
+    special_tokens: bool = False
+    grammar: str | None = None
+
+
+#: The parsers plugins registered (:func:`register_reasoning_parser`), by name.
+PLUGINS: dict[str, ReasoningParser] = {}
+
+
+def register_reasoning_parser(parser: ReasoningParser) -> ReasoningParser:
+    """Add ``parser`` (what a ``--reasoning-parser-plugin`` file calls; vLLM's
+    ``ReasoningParserManager.register_module``): ``--reasoning-parser`` then takes its name.
+    ValueError for a name taken already (a built-in parser's or another plugin's), for
+    neither or both of ``block`` and ``splitter``, for a block whose tags cannot open and
+    close it, and for a ``grammar`` the engine does not know. Returns ``parser``."""
+    if not isinstance(parser, ReasoningParser):
+        raise ValueError("register_reasoning_parser: expected a ReasoningParser, got "
+                         f"{type(parser).__name__}")
+    name = parser.name
+    if not name or not isinstance(name, str):
+        raise ValueError("a reasoning parser needs a name")
+    if name in REASONING_PARSERS or name in PLUGINS or name == IDENTITY:
+        raise ValueError(f"reasoning parser {name!r} is registered already")
+    if (parser.block is None) == (parser.splitter is None):
+        raise ValueError(f"reasoning parser {name!r}: give its block (tags) or its splitter, "
+                         "one of them")
+    block = parser.block
+    if block is not None:
+        if not isinstance(block, Block) or block.opens not in ("output", "prompt", "anywhere"):
+            raise ValueError(f"reasoning parser {name!r}: block must be a Block whose opens "
+                             "is 'output', 'prompt' or 'anywhere'")
+        if (not isinstance(block.starts, tuple) or not isinstance(block.ends, tuple)
+                or not block.ends or (block.opens != "prompt" and not block.starts)
+                or not all(isinstance(t, str) and t for t in block.starts + block.ends)):
+            raise ValueError(f"reasoning parser {name!r}: its block needs tuples of end tags "
+                             "(and of start tags, unless the prompt opens it), none empty")
+    elif not callable(parser.splitter):
+        raise ValueError(f"reasoning parser {name!r}: splitter must be a class or function")
+    if parser.grammar is not None and parser.grammar not in ENGINE_MARKS:
+        raise ValueError(f"reasoning parser {name!r}: grammar={parser.grammar!r}: expected "
+                         f"one of {', '.join(ENGINE_MARKS)} (or None)")
+    PLUGINS[name] = parser
+    return parser
+
+
+def reasoning_parser_names() -> tuple[str, ...]:
+    """The ``--reasoning-parser`` values: the built-in ones, then the plugins'."""
+    return REASONING_PARSERS + tuple(PLUGINS)
+
+
 def check_reasoning_parser(name: str | None) -> str | None:
     """``name`` if it is a parser (or None); ValueError listing the parsers otherwise."""
-    if name is not None and name not in REASONING_PARSERS:
+    if name is not None and name not in REASONING_PARSERS and name not in PLUGINS:
         raise ValueError(f"reasoning_parser={name!r}: allowed values are "
-                         f"{', '.join(REASONING_PARSERS)}")
+                         f"{', '.join(reasoning_parser_names())} (or a name a "
+                         "--reasoning-parser-plugin file registers)")
     return name
 
 
@@ -202,6 +297,11 @@ def structured_refusal(kind: str | None, kwargs: Mapping[str, Any] | None) -> st
     """Why a structured output cannot be held under the parser ``kind`` for a request with
     these ``chat_template_kwargs`` (None: it can): Granite's thought process ends at a text
     marker, which the engine's grammar cannot wait for."""
+    plugin = PLUGINS.get(kind or "")
+    if plugin is not None and plugin.grammar is None:
+        return (f"a structured output is not supported with --reasoning-parser {kind} (the "
+                "plugin's parser names no grammar convention: the engine cannot tell where "
+                "its reasoning ends)")
     if kind == "granite" and bool((kwargs or {}).get("thinking")):
         return ("a structured output is not supported with --reasoning-parser granite and "
                 "chat_template_kwargs thinking: true (the thought process ends at a text "
@@ -215,6 +315,9 @@ def grammar_mark(kind: str | None) -> str | None:
     then holding only what follows the thinking); None: no mark, the grammar holds from the
     first token (no parser, :data:`IDENTITY`, ``granite``)."""
     kind = request_parser(kind, None)
+    plugin = PLUGINS.get(kind or "")
+    if plugin is not None:
+        return plugin.grammar
     return OTHER_MARKS.get(kind or "") or THINK_PARSERS.get(kind or "")
 
 
@@ -243,7 +346,9 @@ def prompt_reasoning(kind: str | None, prompt: list[int],
 def keeps_special_tokens(kind: str | None) -> bool:
     """Whether the parser's markers are special tokens, which a request must be decoded
     keeping (``skip_special_tokens=False``)."""
-    return kind in ("openai_gptoss", "mistral", "gemma4")
+    plugin = PLUGINS.get(kind or "")
+    return plugin.special_tokens if plugin is not None else kind in (
+        "openai_gptoss", "mistral", "gemma4")
 
 
 def harmony_format(kind: str | None) -> bool:
@@ -292,6 +397,11 @@ class ReasoningStream:
         kind = request_parser(kind, None) or kind  # (a switched parser's default)
         self.kind = kind
         self.block = BLOCKS.get(kind)
+        plugin = PLUGINS.get(kind)
+        #: A plugin's splitter (:class:`ReasoningSplitter`; a plugin's tags: :attr:`block`).
+        self.splitter = None if plugin is None or plugin.splitter is None else plugin.splitter()
+        if plugin is not None and plugin.block is not None:
+            self.block = plugin.block
         self.state = "start"  # until the output's first characters say whether it opens <think>
         self.pending = ""  # text not yet sent: it may still be (part of) a tag
         self.harmony = HarmonyStream() if kind == "openai_gptoss" else None
@@ -309,6 +419,8 @@ class ReasoningStream:
             pieces = self.harmony.feed(delta, final)
             return ("".join(p.text for p in pieces if p.kind == "reasoning"),
                     "".join(p.text for p in pieces if p.kind == "content"))
+        if self.splitter is not None:
+            return self._plugin(delta, final)
         if self.kind == "minimax_m2_append_think":  # all content, the prompt's <think> first
             opened, self.state = self.state == "start", "content"
             return "", START + delta if opened else delta
@@ -322,6 +434,23 @@ class ReasoningStream:
             step = getattr(self, f"_{self.state}")
             text = step(text, final, out)
         return out["reasoning"], out["content"]
+
+    def _plugin(self, delta: str, final: bool) -> tuple[str, str]:
+        """A plugin's splitter's parts (TypeError naming the parser where they are not two
+        strings); :attr:`state` from them: ``content`` after a delta with content,
+        ``reasoning`` after one with reasoning only."""
+        assert self.splitter is not None
+        parts = self.splitter.feed(delta, final)
+        if not (isinstance(parts, tuple) and len(parts) == 2
+                and all(isinstance(p, str) for p in parts)):
+            raise TypeError(f"reasoning parser {self.kind!r}: feed returned {parts!r}, "
+                            "expected (reasoning, content) strings")
+        reasoning, content = parts
+        if content:
+            self.state = "content"
+        elif reasoning:
+            self.state = "reasoning"
+        return reasoning, content
 
     def _start(self, text: str, final: bool, out: dict[str, str]) -> str:
         block = self.block

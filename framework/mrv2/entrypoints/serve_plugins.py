@@ -15,6 +15,39 @@
 
       register_tool_parser(ToolParser("my_format", ("CALL ",), calls))
 
+  A parser may also stream its calls (:attr:`~mrv2.entrypoints.tool_calls.ToolParser.stream`,
+  :mod:`mrv2.entrypoints.tool_stream`); without it its calls go out when the answer ends.
+- ``--reasoning-parser-plugin PATH``: a Python file, imported before ``--reasoning-parser``
+  is checked, which registers reasoning parsers with
+  :func:`mrv2.entrypoints.reasoning.register_reasoning_parser` (vLLM's flag: its files call
+  ``ReasoningParserManager.register_module``); ``--reasoning-parser NAME`` then takes their
+  names. A parser is tags (a :class:`~mrv2.entrypoints.reasoning.Block`, split as the
+  built-in parsers split theirs) or a class whose ``feed(delta, final)`` returns the
+  ``(reasoning, content)`` parts of each delta (the whole answer: one call with ``final``)::
+
+      from mrv2.entrypoints.reasoning import ReasoningParser, register_reasoning_parser
+
+      class Split:  # one for each choice: what precedes the first "=>" is reasoning
+          def __init__(self):
+              self.held, self.done = "", False
+
+          def feed(self, delta, final=False):
+              if self.done:
+                  return "", delta
+              text = self.held + delta
+              before, sep, after = text.partition("=>")
+              if sep:
+                  self.held, self.done = "", True
+                  return before, after
+              keep = 0 if final or not text.endswith("=") else 1  # (may begin "=>")
+              self.held = text[len(text) - keep:]
+              return text[:len(text) - keep], ""
+
+      register_reasoning_parser(ReasoningParser("arrow", splitter=Split))
+
+  A file that registers none is refused; so is a name no file or built-in parser has.
+  ``structured_outputs_config``'s ``reasoning_parser_plugin`` is the same (the two may not
+  differ).
 - ``--middleware module.attr`` (repeatable): an ASGI middleware added to the app, as vLLM's: a
   class is added with ``app.add_middleware(cls)``, a function with
   ``app.middleware("http")(function)`` (``async def f(request, call_next)``).
@@ -36,33 +69,57 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["add_plugin_args", "add_middleware", "engine_process_choice",
-           "load_middleware", "load_tool_parser_plugin", "preload_tool_parser_plugins"]
+           "load_middleware", "load_reasoning_parser_plugin", "load_tool_parser_plugin",
+           "preload_tool_parser_plugins"]
 
-_LOADED: set[str] = set()  # the plugin files imported (their real paths)
+#: The plugin files imported (their real paths), each with the reasoning parsers it
+#: registered.
+_LOADED: dict[str, tuple[str, ...]] = {}
 
 
-def load_tool_parser_plugin(path: str) -> None:
-    """Import the ``--tool-parser-plugin`` file ``path`` (its module named after the file,
-    as vLLM's), once a process; ValueError naming the flag when it is missing or fails to
-    import."""
-    flag = f"--tool-parser-plugin={path}"
+def _load_plugin(path: str, flag: str) -> tuple[str, ...]:
+    """Import the plugin file ``path`` (its module named after the file, as vLLM's), once a
+    process: the reasoning parsers it registered; ValueError naming ``flag`` when it is
+    missing or fails to import."""
+    from mrv2.entrypoints.reasoning import PLUGINS
+
+    flag = f"{flag}={path}"
     if not os.path.isfile(path):
         raise ValueError(f"{flag}: no such file")
-    if os.path.realpath(path) in _LOADED:  # (main() again in one process: imported once)
-        return
-    name = os.path.splitext(os.path.basename(path))[0] or "tool_parser_plugin"
+    real = os.path.realpath(path)
+    if real in _LOADED:  # (main() again in one process, or both flags: imported once)
+        return _LOADED[real]
+    name = os.path.splitext(os.path.basename(path))[0] or "parser_plugin"
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ValueError(f"{flag}: not a Python file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
+    before = set(PLUGINS)
     try:
         spec.loader.exec_module(module)
     except Exception as error:  # (any error of the user's file, named with the flag)
         sys.modules.pop(name, None)
         raise ValueError(f"{flag}: failed to import: {type(error).__name__}: {error}"
                          ) from error
-    _LOADED.add(os.path.realpath(path))
+    _LOADED[real] = tuple(n for n in PLUGINS if n not in before)
+    return _LOADED[real]
+
+
+def load_tool_parser_plugin(path: str) -> None:
+    """Import the ``--tool-parser-plugin`` file ``path`` (:func:`_load_plugin`)."""
+    _load_plugin(path, "--tool-parser-plugin")
+
+
+def load_reasoning_parser_plugin(path: str) -> tuple[str, ...]:
+    """Import the ``--reasoning-parser-plugin`` file ``path`` (:func:`_load_plugin`): the
+    reasoning parsers it registered; ValueError naming the flag where it registered none."""
+    names = _load_plugin(path, "--reasoning-parser-plugin")
+    if not names:
+        raise ValueError(f"--reasoning-parser-plugin={path}: the file registered no reasoning "
+                         "parser (it calls mrv2.entrypoints.reasoning.register_reasoning_parser"
+                         "(ReasoningParser(NAME, ...)))")
+    return names
 
 
 def preload_tool_parser_plugins(argv: Sequence[str]) -> None:
@@ -133,6 +190,10 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> None:
                        help="a Python file registering tool-call formats "
                        "(mrv2.entrypoints.tool_calls.register_tool_parser) whose names "
                        "--tool-call-parser then takes")
+    group.add_argument("--reasoning-parser-plugin", default=None, metavar="PATH",
+                       help="a Python file registering reasoning parsers "
+                       "(mrv2.entrypoints.reasoning.register_reasoning_parser) whose names "
+                       "--reasoning-parser then takes")
     group.add_argument("--middleware", action="append", default=[], metavar="MODULE.ATTR",
                        help="an ASGI middleware class, or an async function (request, "
                        "call_next), added to the app (repeatable)")

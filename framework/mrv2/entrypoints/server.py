@@ -53,7 +53,7 @@ from mrv2.entrypoints.serve_options import (
     ServeOptions,
     tokenizer_info,
 )
-from mrv2.entrypoints.serve_plugins import add_middleware
+from mrv2.entrypoints.serve_plugins import add_middleware, load_reasoning_parser_plugin
 from mrv2.entrypoints.serving import Serving
 from mrv2.entrypoints.stats_logger import StatsLogger, log_stats_forever
 from mrv2.entrypoints.tool_calls import get_tool_parser
@@ -115,7 +115,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
     ``served_model_name``: the name requests give (default: the model's path), or several
     (vLLM's aliases): requests may give any, answers and metrics carry the first.
     ``reasoning_parser`` (:mod:`mrv2.entrypoints.reasoning`; or the engine config's
-    ``structured_outputs.reasoning_parser``, which may not differ): chat answers carry the
+    ``structured_outputs.reasoning_parser``, which may not differ; its
+    ``reasoning_parser_plugin`` file is imported first): chat answers carry the
     model's ``<think>`` text (gpt-oss: its ``analysis`` channel) as ``reasoning_content``.
     ``tool_call_parser``
     (:mod:`mrv2.entrypoints.tool_calls`): chat requests may offer ``tools``, and answers
@@ -138,6 +139,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
     http.check()
     structured = getattr(getattr(engine, "config", None), "structured_outputs", None)
     if structured is not None:  # (structured_outputs_config.reasoning_parser, vLLM's too)
+        if structured.reasoning_parser_plugin:  # (its parsers, before the name is checked)
+            load_reasoning_parser_plugin(structured.reasoning_parser_plugin)
         reasoning_parser = structured.server_reasoning_parser(reasoning_parser)
     check_reasoning_parser(reasoning_parser)
     tool_parser = None if tool_call_parser is None else get_tool_parser(tool_call_parser)

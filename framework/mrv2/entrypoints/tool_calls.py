@@ -151,7 +151,11 @@ class ToolParser:
     ``forced_id``: the ids of the calls a server with this parser forces by ``tool_choice``
     (None: ``call_id``'s; ``kimi_k2``: Kimi's ``functions.NAME:IDX``, as vLLM gives them);
     ``earlier``: the tool calls already in the conversation, where ``call_id``'s index begins;
-    ``function``: a named ``tool_choice``'s function (the answer is its arguments)."""
+    ``function``: a named ``tool_choice``'s function (the answer is its arguments);
+    ``stream``: a plugin's streaming reader, made for each choice from the request's tools,
+    whose ``feed(text)`` gets the text from the first marker on as it comes and returns what
+    it made certain: whole :class:`ToolCall`'s, or pieces of a call's arguments
+    (:class:`mrv2.entrypoints.tool_stream.CallDelta`; :mod:`mrv2.entrypoints.tool_stream`)."""
 
     name: str
     starts: tuple[str, ...]
@@ -165,6 +169,7 @@ class ToolParser:
     forced_id: CallId | None = None
     earlier: int = 0
     function: str = ""
+    stream: Callable[[Tools], Any] | None = None
 
     def make_id(self, name: str, index: int) -> str:
         """The id of the answer's call ``index`` (from 0), whose function is ``name``:
@@ -456,7 +461,8 @@ def register_tool_parser(parser: ToolParser) -> ToolParser:
     The format is a :class:`ToolParser`: ``starts``, the markers that open the calls, and
     ``calls_of``, a function ``(text, tools) -> list[ToolCall]`` given the answer from the first
     marker on and the request's ``tools``, raising ValueError when the text is malformed (the
-    answer is then content). Its calls stream whole when the answer ends. A name taken
+    answer is then content). Its calls stream whole when the answer ends, or, with
+    ``stream``, as its reader finds them (:mod:`mrv2.entrypoints.tool_stream`). A name taken
     already (a built-in parser's, or another plugin's) is a ValueError naming it. Returns
     ``parser``."""
     if not isinstance(parser, ToolParser):
@@ -468,6 +474,9 @@ def register_tool_parser(parser: ToolParser) -> ToolParser:
     if not parser.starts or not callable(parser.calls_of):
         raise ValueError(f"tool parser {parser.name!r}: needs its markers (starts) and a "
                          "calls_of function")
+    if parser.stream is not None and not callable(parser.stream):
+        raise ValueError(f"tool parser {parser.name!r}: stream must be a class or function "
+                         "of the request's tools")
     PARSERS[parser.name] = parser
     return parser
 

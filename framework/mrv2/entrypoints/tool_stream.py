@@ -26,6 +26,16 @@ reads it: a key given twice), what went out stands and nothing more of that call
 choice finishes with ``tool_calls`` only where the whole answer has calls
 (:attr:`ToolCallStream.called`).
 
+A ``--tool-parser-plugin`` parser streams with its reader (``ToolParser.stream``: a class or
+function of the request's ``tools``, made for each choice; vLLM's
+``extract_tool_calls_streaming``): its ``feed(text)`` gets the text from the first marker on
+as it comes (what ``calls_of`` reads whole) and returns what it made certain, in order: whole
+``ToolCall``'s, or :class:`CallDelta`'s: a call's first piece (the next ``index`` from 0, its
+``name``; an ``id`` of "" is made as the parser's) or more of the last call's arguments (its
+``index``, no name). The answer's end is parsed whole (``calls_of``), as every format's: what
+the reader did not send goes out then. An item out of order, or a ValueError, ends its
+stream (what went out stands). Without a reader, the calls go out when the answer ends.
+
 A delta costs work in proportion to its own length, however long the call: the text is kept
 in the pieces it came in (joined once, for the whole answer's parse), only the text not read
 yet is scanned (a call's arguments by its :class:`JsonStream`, which keeps its own state), and
@@ -59,28 +69,9 @@ from mrv2.entrypoints.tool_calls import (
 from mrv2.entrypoints.tool_parsers_more import _KIMI_ID as KIMI_ID
 from mrv2.entrypoints.tool_parsers_more import KIMI_ARGUMENTS, KIMI_CALL, KIMI_CALL_END
 from mrv2.entrypoints.tool_parsers_xml import Tools
-from mrv2.entrypoints.tool_stream_whole import BLOCKS, BlockCalls, PythonCalls
+from mrv2.entrypoints.tool_stream_whole import BLOCKS, BlockCalls, CallDelta, PythonCalls
 
 __all__ = ["CallDelta", "ToolCallStream"]
-
-
-@dataclass
-class CallDelta:
-    """One streamed piece of a call: its ``index`` and the next piece of its ``arguments``
-    text; the call's first piece also carries its ``id`` and ``name`` (empty on the others)."""
-
-    index: int
-    arguments: str
-    name: str = ""
-    id: str = ""
-
-    def as_dict(self) -> dict[str, Any]:
-        """The chat stream's ``delta.tool_calls`` entry (vLLM's: id, type and name on the
-        call's first piece only)."""
-        if not self.name:
-            return {"index": self.index, "function": {"arguments": self.arguments}}
-        return {"index": self.index, "id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
 
 
 # -- where a call's arguments begin ----------------------------------------------------------
@@ -355,6 +346,9 @@ class ToolCallStream:
             self.whole = BlockCalls(self.parser.calls_of, tools, *BLOCKS[self.parser.name])
         elif self.parser.name in ("pythonic", "llama4_pythonic"):
             self.whole = PythonCalls(self.parser.calls_of, tools)
+        #: A plugin's reader (:attr:`ToolParser.stream`; None: none, or it went wrong).
+        self.custom: Any = (self.parser.stream(tools) if self.parser.stream is not None
+                            and not self.parser.function else None)
         #: Each call sent so far (by index).
         self.sent: list[_Sent] = []
         self.call: _Call | None = None  # the call being streamed
@@ -404,6 +398,8 @@ class ToolCallStream:
         """The calls' next text."""
         self.pieces.append(text)
         if not final:
+            if self.custom is not None:
+                return "", self._custom(text)
             return "", self._whole(text) if self.whole is not None else self._follow(text)
         whole = "".join(self.pieces)
         content, calls = self.parser.parse(whole, self.tools)
@@ -511,6 +507,35 @@ class ToolCallStream:
             call_id = self.parser.make_id(call.name, len(self.sent)) or call.id
             self.sent.append(_Sent(call.name, call_id, [call.arguments]))
             out.append(CallDelta(len(self.sent) - 1, call.arguments, call.name, call_id))
+        return out
+
+    def _custom(self, text: str) -> list[CallDelta]:
+        """What a plugin's reader made certain in ``text`` (module doc); an item out of
+        order, or its ValueError, ends its stream (the rest goes out when the answer ends)."""
+        try:
+            found = self.custom.feed(text)
+        except (ValueError, RecursionError):
+            found = [None]
+        found = found if isinstance(found, list | tuple) else [None]
+        out = []
+        for item in found:
+            index = len(self.sent)
+            if isinstance(item, ToolCall):  # (a whole call)
+                item = CallDelta(index, item.arguments, item.name,
+                                 self.parser.make_id(item.name, index) or item.id)
+            if not (isinstance(item, CallDelta) and isinstance(item.arguments, str)):
+                self.custom = None
+                break
+            if item.index == index and item.name:  # a call's first piece
+                call_id = (item.id or self.parser.make_id(item.name, index)
+                           or ToolCall(item.name, "").id)
+                self.sent.append(_Sent(item.name, call_id, [item.arguments]))
+                out.append(CallDelta(index, item.arguments, item.name, call_id))
+            elif item.index == index - 1 >= 0 and not item.name and not item.id:
+                out += [self._piece(item.index, item.arguments)] if item.arguments else []
+            else:
+                self.custom = None
+                break
         return out
 
     def _rest(self, calls: list[ToolCall]) -> list[CallDelta]:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from mrv2.entrypoints.reasoning import held_tag_prefix
 from mrv2.entrypoints.tool_calls import PYTHON_START, ToolCall
@@ -38,7 +40,7 @@ from mrv2.entrypoints.tool_parsers_xml import (
     Tools,
 )
 
-__all__ = ["BLOCKS", "BlockCalls", "PythonCalls"]
+__all__ = ["BLOCKS", "BlockCalls", "CallDelta", "PythonCalls"]
 
 #: A format's calls: the text of its blocks -> their calls (ValueError: malformed).
 CallsOf = Callable[[str, Tools], list[ToolCall]]
@@ -54,6 +56,25 @@ BLOCKS: dict[str, tuple[Tags | None, Tags]] = {
     "minimax_m2": ((MINIMAX_CALLS, MINIMAX_CALLS_END), (_INVOKE, _INVOKE_END)),
     "deepseek_v32": ((DSML_CALLS, DSML_CALLS_END), (_DSML_INVOKE, _DSML_INVOKE_END)),
 }
+
+
+@dataclass
+class CallDelta:
+    """One streamed piece of a call: its ``index`` and the next piece of its ``arguments``
+    text; the call's first piece also carries its ``id`` and ``name`` (empty on the others)."""
+
+    index: int
+    arguments: str
+    name: str = ""
+    id: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The chat stream's ``delta.tool_calls`` entry (vLLM's: id, type and name on the
+        call's first piece only)."""
+        if not self.name:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        return {"index": self.index, "id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
 
 
 class BlockCalls:
