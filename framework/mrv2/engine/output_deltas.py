@@ -24,9 +24,10 @@ ChoiceDelta = tuple[int, list[int], int, str, "str | None", "int | str | None",
 #: One request's change: (request id, finished, its choices' deltas, its prompt's tokens
 #: found in the prefix cache, whether the request's outputs are deltas, its prompt logprobs
 #: (in its first message only; None otherwise or when not asked for), an embedding
-#: request's vector (None otherwise, or not yet)).
+#: request's vector (None otherwise, or not yet), its time in queue (seconds; in its finished
+#: message, else None)).
 OutputDelta = tuple[str, bool, list[ChoiceDelta], int, bool, "list[Any] | None",
-                    "list[float] | None"]
+                    "list[float] | None", "float | None"]
 
 
 class DeltaEncoder:
@@ -44,7 +45,7 @@ class DeltaEncoder:
             choices = [(c.index, c.token_ids, 0, c.text, c.finish_reason, c.stop_reason,
                         c.logprobs, c.cumulative_logprob) for c in output.outputs]
             return (output.request_id, output.finished, choices, output.num_cached_tokens,
-                    True, output.prompt_logprobs, output.embedding)
+                    True, output.prompt_logprobs, output.embedding, output.time_in_queue)
         prompt = None
         if output.prompt_logprobs is not None and output.request_id not in self._prompt_sent:
             prompt = output.prompt_logprobs
@@ -65,7 +66,7 @@ class DeltaEncoder:
                 self._sent.pop((output.request_id, c.index), None)
             self._prompt_sent.discard(output.request_id)
         return (output.request_id, output.finished, choices, output.num_cached_tokens, False,
-                prompt, output.embedding)
+                prompt, output.embedding, output.time_in_queue)
 
     def forget(self, request_id: str) -> None:
         """An aborted request: drop what was sent of it."""
@@ -84,7 +85,7 @@ class OutputAccumulator:
         self._outputs: dict[str, RequestOutput] = {}
 
     def apply(self, delta: OutputDelta) -> RequestOutput:
-        req_id, finished, choices, cached, is_delta, prompt, embedding = delta
+        req_id, finished, choices, cached, is_delta, prompt, embedding, queued = delta
         if is_delta:  # a delta request's output, as the engine made it
             outs = [CompletionOutput(index, text, ids, reason, stop, cumulative, logprobs)
                     for index, ids, _, text, reason, stop, logprobs, cumulative in choices]
@@ -93,7 +94,7 @@ class OutputAccumulator:
                                  new_token_ids=[t for c in outs for t in c.token_ids],
                                  new_text="".join(c.text for c in outs),
                                  num_cached_tokens=cached, prompt_logprobs=prompt, delta=True,
-                                 embedding=embedding)
+                                 embedding=embedding, time_in_queue=queued)
         output = self._outputs.get(req_id)
         if output is None:
             output = RequestOutput(request_id=req_id, prompt=None, prompt_token_ids=[],
@@ -118,6 +119,7 @@ class OutputAccumulator:
         output.new_token_ids = new_ids
         output.finished = finished
         output.num_cached_tokens = cached
+        output.time_in_queue = queued
         if prompt is not None:
             output.prompt_logprobs = prompt
         if embedding is not None:

@@ -83,6 +83,9 @@ class RequestOutput:
     lora_request: LoRARequest | None = None
     """The LoRA adapter the request ran through (None: the base model), as vLLM's (in
     process: ``mrv2 serve``'s engine process does not send it back)."""
+    time_in_queue: float | None = None
+    """Seconds from the request's arrival at the engine to its first step (of ``n > 1``
+    samples: the first sample's), in its finished output only (None before)."""
 
     def add(self, later: RequestOutput) -> None:
         """Fold ``later``, this request's next output, into this one (changed in place), as
@@ -95,6 +98,8 @@ class RequestOutput:
                              f"{later.delta}) into one of {self.request_id!r} (delta="
                              f"{self.delta})")
         self.finished, self.num_cached_tokens = later.finished, later.num_cached_tokens
+        if later.time_in_queue is not None:
+            self.time_in_queue = later.time_in_queue
         if later.embedding is not None:
             self.embedding = later.embedding
         if self.prompt_logprobs is None:

@@ -64,6 +64,9 @@ class Request:
     the decodes)."""
     num_preemptions: int = 0
     first_token_time: float | None = None
+    scheduled_time: float | None = None
+    """When the scheduler first gave it a step (``time.monotonic()``; None until then): its
+    time in queue is this less ``arrival_time`` (a traced request's span reports it)."""
     priority: int = 0
     """Scheduling priority under the "priority" policy: lower values run first."""
     arrival_index: int = 0

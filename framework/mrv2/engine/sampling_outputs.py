@@ -101,6 +101,8 @@ class TrackedRequest:
             embedding=self.embedding,
             lora_request=request.lora_request,
         )
+        if request.finished and request.scheduled_time is not None:
+            output.time_in_queue = request.scheduled_time - request.arrival_time
         if lp is not None and params.prompt_logprobs is not None and not (
                 delta and self.sent_any):
             output.prompt_logprobs = list(lp.prompt)
@@ -293,6 +295,8 @@ class FanOut:
             lora_request=output.lora_request,
         )
         if finished:
+            queued = [o.time_in_queue for o in latest.values() if o.time_in_queue is not None]
+            merged.time_in_queue = min(queued, default=None)
             self.discard(parent)
         return merged
 

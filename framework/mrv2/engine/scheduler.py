@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import time
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 
@@ -490,6 +491,8 @@ class Scheduler:
         request.num_computed_tokens = computed
         if not request.num_preemptions:
             request.num_cached_tokens = computed
+            if request.scheduled_time is None:  # (its time in queue ends here)
+                request.scheduled_time = time.monotonic()
             if looked_up:  # (as vLLM's: a resumed request's lookup is no new prompt's)
                 self.blocks.record_query(request.num_tokens, computed)
         request.status = RequestStatus.RUNNING

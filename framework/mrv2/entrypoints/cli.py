@@ -119,6 +119,10 @@ def _serve(args: argparse.Namespace) -> int:
     if args.log_requests is not None:
         logger.info("--%s-log-requests: mrv2 never logs request contents (accepted for vLLM's "
                     "scripts; no effect)", "enable" if args.log_requests else "disable")
+    if options.collect_detailed_traces:
+        logger.info("--collect-detailed-traces %s: accepted; mrv2 times no model forward per "
+                    "request, so the llm_request spans carry the same attributes as without "
+                    "it", ",".join(options.collect_detailed_traces))
     api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None
     sock = None  # the server's socket, bound before anything loads (torchrun: rank 0's)
     if not launched_by_torchrun() or os.environ.get("RANK", "0") == "0":

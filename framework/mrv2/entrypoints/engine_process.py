@@ -24,7 +24,7 @@ import time
 import types
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mrv2.config import EngineConfig
 from mrv2.contract.input_processor import InputProcessor
@@ -50,6 +50,9 @@ from mrv2.entrypoints.engine_thread import _Sink as ThreadSink
 from mrv2.entrypoints.metrics import ServerMetrics
 from mrv2.logs import configured_level
 from mrv2.plugins import plugins_registered_in_code
+
+if TYPE_CHECKING:
+    from mrv2.entrypoints.tracing import RequestTrace
 
 logger = logging.getLogger(__name__)
 
@@ -178,13 +181,15 @@ class EngineProcess:
                     mm_items: list[MultiModalItem] | None = None,
                     lora: LoRARequest | None = None,
                     pooling: PoolingParams | None = None,
-                    cache_salt: str | None = None, priority: int = 0) -> None:
+                    cache_salt: str | None = None, priority: int = 0,
+                    trace: RequestTrace | None = None) -> None:
         """Add a request (through adapter ``lora``, if any; its prefix-cache blocks salted
-        with ``cache_salt``, if any; scheduled by ``priority``) once the engine accepts it;
+        with ``cache_salt``, if any; scheduled by ``priority``; ``trace``: its span made when
+        it finishes, if any) once the engine accepts it;
         ``ValueError`` (the engine's message) if it refuses, :class:`QueueFullError` past
         ``max_pending`` sequences."""
         entry = _Sink(loop, sink, time.monotonic(), num_prompt=len(prompt_token_ids),
-                      num_seqs=params.n)
+                      num_seqs=params.n, trace=trace)
         ack: asyncio.Future[str | None] = loop.create_future()
         with self._lock:
             check_room(self.fatal, self._stopped, self._pending, params.n, self.max_pending,
@@ -337,6 +342,7 @@ class EngineProcess:
     def _deliver(self, deltas: list[OutputDelta], now: float) -> None:
         """Account each delta (TTFT, TPOT, finished counts) and hand it to its loop."""
         metrics = self.metrics
+        traced: list[tuple[_Sink, list[tuple[str, int, float | None, float]], Any]] = []
         with self._lock:
             for delta in deltas:
                 req_id, finished, choices = delta[:3]
@@ -355,9 +361,16 @@ class EngineProcess:
                 if finished:
                     del self._sinks[req_id]
                     self._pending -= entry.num_seqs
+                    lengths = entry.finished_lengths(now)
                     if metrics is not None:
-                        metrics.observe_finished(entry.finished_lengths(now))
+                        metrics.observe_finished(lengths)
+                    if entry.trace is not None:
+                        traced.append((entry, lengths, delta[7]))
                 self._hand_over.add(entry.loop, (entry, delta))
+        for entry, lengths, queued in traced:  # (outside the lock, before the answers end)
+            assert entry.trace is not None
+            entry.trace.finish(entry.arrival, entry.first, now, entry.num_prompt, lengths,
+                               queued)
         self._hand_over.post()
 
     def _apply(self, batch: list[tuple[_Sink, OutputDelta]]) -> None:

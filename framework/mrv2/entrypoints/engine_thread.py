@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import SamplingParams
@@ -34,6 +34,9 @@ from mrv2.engine.engine import LLMEngine
 from mrv2.engine.outputs import RequestOutput
 from mrv2.entrypoints.engine_calls import call_reply, reply_result
 from mrv2.entrypoints.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from mrv2.entrypoints.tracing import RequestTrace
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +78,8 @@ class _Sink:
     reasons: dict[int, str] = field(default_factory=dict)
     #: Per choice: when its finish reason came (its own decode ends there, not the request's).
     ends: dict[int, float] = field(default_factory=dict)
+    #: What makes its span when it finishes (``--otlp-traces-endpoint``), or None.
+    trace: RequestTrace | None = None
 
     def count(self, index: int, tokens: int, reason: str | None, total: bool = False,
               now: float = 0.0) -> int:
@@ -197,10 +202,11 @@ class EngineThread:
                mm_items: list[MultiModalItem] | None = None,
                lora: LoRARequest | None = None,
                pooling: PoolingParams | None = None,
-               cache_salt: str | None = None, priority: int = 0) -> None:
+               cache_salt: str | None = None, priority: int = 0,
+               trace: RequestTrace | None = None) -> None:
         """Queue a (validated) request (through adapter ``lora``, if any; its prefix-cache
-        blocks salted with ``cache_salt``, if any; scheduled by ``priority``); its outputs
-        go to ``sink``. Raises
+        blocks salted with ``cache_salt``, if any; scheduled by ``priority``; ``trace``: its
+        span made when it finishes, if any); its outputs go to ``sink``. Raises
         :class:`QueueFullError` when its ``n`` sequences would take the server past
         ``max_pending`` sequences in flight."""
         with self._lock:
@@ -210,7 +216,7 @@ class EngineThread:
             # (queued under the lock: a shutdown, which marks itself under it first, finds it)
             self._commands.put(("add", (req_id, prompt_token_ids, params, prompt, sink, loop,
                                         time.monotonic(), mm_items, lora, pooling,
-                                        cache_salt, priority)))
+                                        cache_salt, priority, trace)))
 
     async def admit(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None, sink: asyncio.Queue[RequestOutput | BaseException],
@@ -218,11 +224,12 @@ class EngineThread:
                     mm_items: list[MultiModalItem] | None = None,
                     lora: LoRARequest | None = None,
                     pooling: PoolingParams | None = None,
-                    cache_salt: str | None = None, priority: int = 0) -> None:
+                    cache_salt: str | None = None, priority: int = 0,
+                    trace: RequestTrace | None = None) -> None:
         """:meth:`submit` (the server awaits either worker's ``admit``; this one has nothing
         to wait for: the engine checked the request on the loop already)."""
         self.submit(req_id, prompt_token_ids, params, prompt, sink, loop, mm_items, lora,
-                    pooling, cache_salt, priority)
+                    pooling, cache_salt, priority, trace)
 
     def abort(self, req_id: str) -> None:
         """Cancel a request (run on the engine thread); unknown or finished ids are ignored."""
@@ -311,8 +318,9 @@ class EngineThread:
             return
         if command == "add":
             (req_id, ids, params, prompt, sink_queue, loop, arrival, mm_items, lora, pool,
-             salt, priority) = arg
-            sink = _Sink(loop, sink_queue, arrival, num_prompt=len(ids), num_seqs=params.n)
+             salt, priority, trace) = arg
+            sink = _Sink(loop, sink_queue, arrival, num_prompt=len(ids), num_seqs=params.n,
+                         trace=trace)
             try:
                 self.engine.add_request(ids, params, request_id=req_id, prompt=prompt,
                                         stream=True, mm_items=mm_items, lora_request=lora,
@@ -346,7 +354,11 @@ class EngineThread:
         if output.finished:
             del self._sinks[output.request_id]
             self._finish_pending(sink)
-            self.metrics.observe_finished(sink.finished_lengths(now))
+            lengths = sink.finished_lengths(now)
+            self.metrics.observe_finished(lengths)
+            if sink.trace is not None:
+                sink.trace.finish(sink.arrival, sink.first, now, sink.num_prompt, lengths,
+                                  output.time_in_queue)
         self._hand_over.add(sink.loop, (sink, output), key=output.request_id)
 
     def _fail_all(self, error: BaseException) -> None:

@@ -27,6 +27,15 @@ names and meanings (:class:`ServeOptions`):
   requests in flight (``{"server_load": N}``; 0 without the flag, as vLLM's).
 - ``--h11-max-incomplete-event-size BYTES``: uvicorn's bound on an HTTP request's head
   (vLLM's default, 4 MiB).
+- ``--otlp-traces-endpoint URL``: an OpenTelemetry ``llm_request`` span per finished
+  completion or chat request, exported by OTLP to ``URL`` (:mod:`~mrv2.entrypoints.tracing`;
+  needs ``mrv2[tracing]``, checked at start-up).
+- ``--collect-detailed-traces model|worker|all`` (several, or comma-separated): vLLM's
+  per-request model forward and execute times. Accepted (it needs
+  ``--otlp-traces-endpoint``, as vLLM's), and the spans stay the same: mrv2 times no model
+  forward per request, which would take a device sync a step; the spans' prefill, decode
+  and inference times (from the scheduler's first step and the tokens' arrival) are what
+  mrv2 measures of the model.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from mrv2.engine.content_format import resolve_content_format, text_parts
+from mrv2.entrypoints.tracing import DETAILED_TRACE_MODULES, check_tracing_available
 
 if TYPE_CHECKING:  # (the CLI imports this module without the server's packages)
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -75,6 +85,8 @@ class ServeOptions:
     log_error_stack: bool = False
     enable_server_load_tracking: bool = False
     h11_max_incomplete_event_size: int = H11_MAX_INCOMPLETE_EVENT_SIZE
+    otlp_traces_endpoint: str | None = None
+    collect_detailed_traces: tuple[str, ...] = ()
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeOptions:
@@ -96,6 +108,17 @@ class ServeOptions:
         if args.h11_max_incomplete_event_size < 1:
             raise ValueError(f"--h11-max-incomplete-event-size="
                              f"{args.h11_max_incomplete_event_size}: expected >= 1 byte")
+        endpoint = args.otlp_traces_endpoint or None
+        detailed = tuple(value for given in args.collect_detailed_traces or ()
+                         for value in given.split(",") if value)
+        for value in detailed:
+            if value not in DETAILED_TRACE_MODULES:
+                raise ValueError(f"--collect-detailed-traces={value!r}: expected "
+                                 f"{', '.join(DETAILED_TRACE_MODULES)}")
+        if detailed and endpoint is None:  # (vLLM's rule)
+            raise ValueError("--collect-detailed-traces requires --otlp-traces-endpoint")
+        if endpoint is not None:
+            check_tracing_available()  # (the packages named now, before the engine loads)
         return cls(
             response_role=args.response_role,
             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
@@ -108,7 +131,8 @@ class ServeOptions:
             enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
             log_error_stack=args.log_error_stack,
             enable_server_load_tracking=args.enable_server_load_tracking,
-            h11_max_incomplete_event_size=args.h11_max_incomplete_event_size)
+            h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+            otlp_traces_endpoint=endpoint, collect_detailed_traces=detailed)
 
     def content_parts(self, messages: list[dict[str, Any]], contents: list[Any],
                       template: str | None = None) -> list[dict[str, Any]]:
@@ -230,3 +254,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                        default=H11_MAX_INCOMPLETE_EVENT_SIZE, metavar="BYTES",
                        help="uvicorn's bound on an HTTP request's head (default 4 MiB, "
                        "vLLM's)")
+    group = parser.add_argument_group("tracing (vLLM's OpenTelemetry flags)")
+    group.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                       help="send an OpenTelemetry span (llm_request: ids, sampling "
+                       "parameters, token counts, finish reasons, queue / first-token / "
+                       "prefill / decode / end-to-end times) per finished completion or chat "
+                       "request to this OTLP collector (gRPC; OTEL_EXPORTER_OTLP_TRACES_"
+                       "PROTOCOL=http/protobuf for HTTP); a traceparent header makes it a "
+                       "child of the caller's span. Needs pip install 'mrv2[tracing]'")
+    group.add_argument("--collect-detailed-traces", nargs="+", default=None,
+                       metavar="{model,worker,all}",
+                       help="vLLM's per-request model forward / execute times; accepted "
+                       "(needs --otlp-traces-endpoint) but the spans stay the same: mrv2 "
+                       "times no model forward per request (that would sync the device every "
+                       "step); the spans' prefill / decode / inference times are what it "
+                       "measures")

@@ -57,6 +57,7 @@ from mrv2.entrypoints.serve_plugins import add_middleware, load_reasoning_parser
 from mrv2.entrypoints.serving import Serving
 from mrv2.entrypoints.stats_logger import StatsLogger, log_stats_forever
 from mrv2.entrypoints.tool_calls import get_tool_parser
+from mrv2.entrypoints.tracing import RequestTracer
 
 #: Default bound on a request's ``n`` (``mrv2 serve --max-n``); OpenAI's own API allows 128.
 DEFAULT_MAX_N = 64
@@ -132,7 +133,8 @@ def create_app(engine: LLMEngine | RemoteEngine,
     ``--trust-request-chat-template``; without it, such a request is a 400.
     ``options`` (:mod:`mrv2.entrypoints.serve_options`): vLLM's frontend flags of the
     answers (the response role, forced usage, default template variables, request id
-    headers, ``/load``, ``/tokenizer_info``...). ``middleware``: ``--middleware``'s classes
+    headers, ``/load``, ``/tokenizer_info``, OpenTelemetry spans: ``app.state.tracer``).
+    ``middleware``: ``--middleware``'s classes
     and functions (:mod:`mrv2.entrypoints.serve_plugins`), added outermost."""
     http = http or HTTPOptions()
     options = options or ServeOptions()
@@ -180,9 +182,15 @@ def create_app(engine: LLMEngine | RemoteEngine,
         for task in tasks:
             task.cancel()
 
+    tracer = None  # (--otlp-traces-endpoint: spans exported until the server stops)
+    if options.otlp_traces_endpoint is not None:
+        tracer = RequestTracer.start(options.otlp_traces_endpoint,
+                                     options.collect_detailed_traces)
     app = FastAPI(title="mrv2", on_startup=[worker.start, start_stats_lines],
-                  on_shutdown=[stop_stats_lines, worker.stop, metrics.close],
+                  on_shutdown=[stop_stats_lines, worker.stop, metrics.close,
+                               *([tracer.shutdown] if tracer is not None else [])],
                   **http.fastapi_kwargs())
+    app.state.tracer = tracer
     load = [0]  # (--enable-server-load-tracking: the requests in flight, GET /load)
     if options.enable_server_load_tracking:
         app.add_middleware(LoadTracker, counter=load)
@@ -244,7 +252,7 @@ def create_app(engine: LLMEngine | RemoteEngine,
                       reasoning_parser=reasoning_parser, tool_parser=tool_parser,
                       prompt_tokens_details=enable_prompt_tokens_details,
                       trust_request_chat_template=trust_request_chat_template,
-                      options=options)
+                      options=options, tracer=tracer)
     json_object, parse, tokenizer = serving.json_object, serving.parse, serving.tokenizer
 
     if runtime_updating():

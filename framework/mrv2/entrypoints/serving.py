@@ -43,6 +43,7 @@ from mrv2.entrypoints.responses import APIError, Echo, Stream
 from mrv2.entrypoints.responses_context import harmony_messages
 from mrv2.entrypoints.serve_options import ServeOptions
 from mrv2.entrypoints.tool_calls import ToolCalling, ToolParser
+from mrv2.entrypoints.tracing import RequestTracer, warn_untraced
 from mrv2.entrypoints.whole_answers import (
     beam_answer_body,
     beam_search_through,
@@ -61,8 +62,11 @@ class Serving:
                  names: list[str], adapters: LoRAModules, *, max_pending: int, max_n: int,
                  reasoning_parser: str | None, tool_parser: ToolParser | None,
                  prompt_tokens_details: bool, trust_request_chat_template: bool,
-                 options: ServeOptions | None = None) -> None:
+                 options: ServeOptions | None = None,
+                 tracer: RequestTracer | None = None) -> None:
         self.engine, self.worker = engine, worker
+        #: ``--otlp-traces-endpoint``'s: a span per finished generation request (or None)
+        self.tracer = tracer
         #: ``mrv2 serve``'s answer flags (:mod:`~mrv2.entrypoints.serve_options`)
         self.options = options or ServeOptions()
         self._structured: StructuredOutputs | None = None
@@ -351,10 +355,18 @@ class Serving:
         base = f"{kind}-{uuid.uuid4().hex}"
         req_ids = [f"{base}-{i}" for i in range(len(encoded))]
         submitted: list[str] = []
+        tracer, context = self.tracer, None
+        if tracer is None:
+            warn_untraced(request.headers)
+        else:
+            context = tracer.context_of(request.headers)
         try:
             for req_id, (ids, text) in zip(req_ids, encoded, strict=True):
+                trace = None if tracer is None else tracer.request(req_id, model, params,
+                                                                   context)
                 await worker.admit(req_id, ids, params, text, sink, loop, mm_items, lora,
-                                   cache_salt=body.cache_salt, priority=body.priority)
+                                   cache_salt=body.cache_salt, priority=body.priority,
+                                   trace=trace)
                 submitted.append(req_id)
         except QueueFullError as error:
             for req_id in submitted:
