@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 import pytest
+from server_util import join_tool_calls
 
 from mrv2.contract.params import SamplingParams
 from mrv2.engine.outputs import CompletionOutput, RequestOutput
@@ -150,13 +151,15 @@ def _calls(calls: list[dict[str, Any]]) -> list[tuple[str, Any]]:
 def test_a_chat_choice_through_both_parsers(reasoning: str) -> None:
     """The reasoning parser splits the answer, the tool-call parser reads what it left as
     content: the same message whole and streamed a character (a token) at a time, each call
-    sent whole when its invoke closes, finishing with ``tool_calls``."""
+    sent by pieces (its name, then a parameter at a time, the end with its invoke), finishing
+    with ``tool_calls``."""
     choice: dict[str, Any] = {"finish_reason": "stop"}
     message = _stream(reasoning)._parsed_message(ANSWER, choice)
     thought, content = MESSAGES[reasoning]
     assert (message.get("reasoning_content"), message["content"]) == (thought, content)
     assert _calls(message["tool_calls"]) == CALLS and choice["finish_reason"] == "tool_calls"
-    stream, got = _stream(reasoning), {"reasoning_content": "", "content": "", "calls": []}
+    stream, got = _stream(reasoning), {"reasoning_content": "", "content": ""}
+    entries: list[dict[str, Any]] = []
     for i, char in enumerate(ANSWER):
         final = i == len(ANSWER) - 1
         out = RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1], finished=final,
@@ -167,9 +170,10 @@ def test_a_chat_choice_through_both_parsers(reasoning: str) -> None:
             got["reasoning_content"] += delta.get("reasoning_content", "")
             got["content"] += delta["content"]
             assert "<minimax" not in delta["content"]
-            if delta.get("tool_calls"):  # (each call whole, when its invoke closes)
-                assert ANSWER[:i + 1].endswith("</invoke>"), ANSWER[:i + 1]
-            got["calls"] += _calls(delta.get("tool_calls", []))
+            if delta.get("tool_calls"):  # (with a tag's end: the head's, a parameter's...)
+                assert ANSWER[:i + 1].endswith(('">', "</parameter>", "</invoke>"))
+            entries += delta.get("tool_calls", [])
             assert chunk["finish_reason"] == ("tool_calls" if final else None)
-    assert (got["reasoning_content"] or None, got["content"], got["calls"]) == (
-        thought, content, CALLS)
+    assert (got["reasoning_content"] or None, got["content"], _calls(join_tool_calls(
+        entries))) == (thought, content, CALLS)
+    assert len(entries) == 2 * len(CALLS) + sum(len(args) for _, args in CALLS)

@@ -91,8 +91,9 @@ class _Body:
 def test_a_deepseek_v32_answer_through_the_reasoning_parser() -> None:
     """DeepSeek-V3.2 with thinking on (``--reasoning-parser deepseek_v3`` splits as
     ``deepseek_r1``): the reasoning apart, the content before the block, the calls typed;
-    the same message whole and streamed a character (a token) at a time, each call sent whole
-    when its invoke closes, finishing with ``tool_calls``."""
+    the same message whole and streamed a character (a token) at a time, each call sent by
+    pieces (its name, a parameter at a time, the end with its invoke), finishing with
+    ``tool_calls``."""
     answer = "The user wants the weather.</think>" + DSML_ANSWER
 
     def stream() -> Stream:
@@ -108,7 +109,7 @@ def test_a_deepseek_v32_answer_through_the_reasoning_parser() -> None:
             for c in message["tool_calls"]] == CALLS
     assert choice["finish_reason"] == "tool_calls"
     live, got = stream(), {"reasoning_content": "", "content": ""}
-    calls: list[tuple[str, Any]] = []
+    entries: list[dict[str, Any]] = []
     for i, char in enumerate(answer):
         final = i == len(answer) - 1
         out = RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1], finished=final,
@@ -119,11 +120,13 @@ def test_a_deepseek_v32_answer_through_the_reasoning_parser() -> None:
             got["reasoning_content"] += delta.get("reasoning_content", "")
             got["content"] += delta["content"]
             assert DSML not in delta["content"]
-            if delta.get("tool_calls"):  # (each call whole, when its invoke closes)
-                assert answer[:i + 1].endswith(f"</{DSML}invoke>"), answer[:i + 1]
-            calls += [(c["function"]["name"], json.loads(c["function"]["arguments"]))
-                      for c in delta.get("tool_calls", [])]
+            if delta.get("tool_calls"):  # (the name, a parameter, the end: with its tag's)
+                assert answer[:i + 1].endswith(('">', f"</{DSML}parameter>",
+                                                f"</{DSML}invoke>")), answer[:i + 1]
+            entries += delta.get("tool_calls", [])
             assert chunk["finish_reason"] == ("tool_calls" if final else None)
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+             for c in join_tool_calls(entries)]
     assert (got["reasoning_content"], got["content"], calls) == (*want, CALLS)
 
 

@@ -195,14 +195,16 @@ def test_a_call_that_goes_wrong_after_it_went_out_stands() -> None:
     assert _pieces(stream, list(text)) == (text, [[]] * len(text))
 
 
-def test_an_xml_call_goes_out_whole_when_its_block_closes() -> None:
-    """(Its arguments typed by the tools' schemas once its block is whole: in one piece.)"""
+def test_an_xml_call_streams_by_parameter() -> None:
+    """(Its name once read, each value typed by the tools' schemas once whole, the closing
+    brace with its block: :mod:`test_tool_stream_xml`.)"""
     text = "<tool_call>\n<function=now>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>"
     said, feeds = _pieces(ToolCallStream("qwen3_coder"), list(text))
-    closed = text.index("</function>") + len("</function>") - 1
-    assert said == "" and not any(feeds[:closed] + feeds[closed + 1:])
-    assert feeds[closed] == [{"index": 0, "id": feeds[closed][0]["id"], "type": "function",
-                              "function": {"name": "now", "arguments": '{"x": "1"}'}}]
+    sent = {text[:i + 1]: feed for i, feed in enumerate(feeds) if feed}
+    assert said == "" and [[p["function"] for p in feed] for feed in sent.values()] == [
+        [{"name": "now", "arguments": ""}], [{"arguments": '{"x": "1"'}], [{"arguments": "}"}]]
+    assert [at.endswith(e) for at, e in zip(sent, ("=now>", "</parameter>", "</function>"),
+                                            strict=True)] == [True] * 3
 
 
 def test_forced_calls_stream() -> None:

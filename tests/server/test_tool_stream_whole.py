@@ -1,5 +1,6 @@
-"""Streamed tool calls, the formats whose calls go out whole (the XML-like ones, ``pythonic``):
-each call as soon as its own block closes (before the answer ends when several are written),
+"""Streamed tool calls, the block formats (the XML-like ones, whose arguments stream by
+parameter: :mod:`test_tool_stream_xml`) and ``pythonic``, whose calls go out whole: each call
+as soon as its element of the list closes (before the answer ends when several are written),
 one piece with its index, id, name and whole arguments, byte-identical to the non-streamed
 answer's, fed a character at a time and in random pieces; a malformed block stops the stream
 (what went out stands); the text of strings and comments does not end a ``pythonic`` call.
@@ -79,9 +80,9 @@ def test_every_whole_format_streams() -> None:
     assert set(ANSWERS) == set(BLOCKS) | {"pythonic", "llama4_pythonic"}
 
 
-@pytest.mark.parametrize(("parser", "text"),
-                         [(p, t) for p, texts in ANSWERS.items() for t in texts])
-def test_each_call_goes_out_whole_when_its_block_closes(parser: str, text: str) -> None:
+@pytest.mark.parametrize(("parser", "text"), [
+    (p, t) for p, texts in ANSWERS.items() for t in texts if p not in BLOCKS])
+def test_each_call_goes_out_whole_when_it_closes(parser: str, text: str) -> None:
     content, calls = parse_tool_calls(text, parser, TOOLS)
     assert len(calls) >= 2
     rng = random.Random(0)
@@ -102,8 +103,7 @@ def test_each_call_goes_out_whole_when_its_block_closes(parser: str, text: str) 
     sent = [i for i, c in enumerate(text) if stream.feed(c)[1]]
     assert len(sent) >= len(calls) - 1
     for at in sent:
-        assert text[:at + 1].endswith(("</function>", "</tool_call>", "</invoke>",
-                                       f"</{DSML}invoke>", "</minimax:tool_call>", ",", "]"))
+        assert text[:at + 1].endswith((",", "]"))
 
 
 @pytest.mark.parametrize(("parser", "text", "sent"), [

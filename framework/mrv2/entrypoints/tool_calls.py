@@ -76,8 +76,9 @@ tools with ``skip_special_tokens=False``, as vLLM's ``adjust_request`` does.
 
 A stream (:class:`mrv2.entrypoints.tool_stream.ToolCallStream`) sends the content as it
 arrives and each call's arguments in pieces as the model writes them, as vLLM's parsers do
-(the formats whose arguments are a JSON object; the others' calls go out whole, each when
-its block closes). A choice that made calls finishes with ``finish_reason: "tool_calls"``.
+(the formats whose arguments are a JSON object; the XML-like formats' a parameter at a time;
+``pythonic``'s calls go out whole, each when it closes). A choice that made calls finishes
+with ``finish_reason: "tool_calls"``.
 """
 
 from __future__ import annotations

@@ -15,14 +15,18 @@ The formats whose arguments are a JSON object in the text stream them so: ``herm
 ``llama3_json`` / ``llama4_json``, ``mistral``, ``deepseek_v3``, ``deepseek_v31``, ``kimi_k2``
 (its ids the model's), ``openai`` and the forced ``tool_choice`` readers (where a call is one
 JSON object, its ``"name"`` comes before its ``"arguments"`` / ``"parameters"``). The XML-like
-formats (whose values are typed by the tools' schemas) and ``pythonic`` send each call whole,
-in one piece, as soon as its own block is closed (:mod:`mrv2.entrypoints.tool_stream_whole`);
-a call written otherwise (its arguments a string, or before its name) goes out whole when the
-answer ends. When the answer ends it is parsed whole, as the non-streamed answer is: the rest
-of each call's arguments (its closing brace at least) and any call that did not stream go out
-then. A stream cannot take back what it sent: where the answer turns out malformed or cut
-off (``max_tokens``) after a call went out (or a call went out otherwise than the whole answer
-reads it: a key given twice), what went out stands and nothing more of that call comes; the
+formats (``qwen3_coder``, ``qwen3_xml``, ``glm45`` / ``glm47``, ``minimax_m2``,
+``deepseek_v32``) send a call's name alone as soon as it is read, then its arguments a
+parameter at a time as each closes, typed by the tools' schemas, and ``}`` with its block
+(:mod:`mrv2.entrypoints.tool_stream_xml`); ``pythonic`` sends each call whole, in one piece,
+as soon as it closes (:mod:`mrv2.entrypoints.tool_stream_whole`); a call written otherwise
+(its arguments a string, or before its name) goes out whole when the answer ends. When the
+answer ends it is parsed whole, as the non-streamed answer is: the rest of each call's
+arguments (its closing brace at least) and any call that did not stream go out then. A stream
+cannot take back what it sent: where the answer turns out malformed or cut off
+(``max_tokens``) after a call went out (or a call went out otherwise than the whole answer
+reads it), what went out stands and nothing more of that call comes (an XML-like call's key
+given twice: its closing brace, the pieces reading as the whole answer's arguments); the
 choice finishes with ``tool_calls`` only where the whole answer has calls
 (:attr:`ToolCallStream.called`).
 
@@ -60,6 +64,7 @@ from mrv2.entrypoints.tool_calls import (
     MISTRAL_ARGS,
     MISTRAL_CALL_ID,
     MISTRAL_CALLS,
+    PARSERS,
     PYTHON_TAG,
     ToolCall,
     ToolParser,
@@ -70,6 +75,7 @@ from mrv2.entrypoints.tool_parsers_more import _KIMI_ID as KIMI_ID
 from mrv2.entrypoints.tool_parsers_more import KIMI_ARGUMENTS, KIMI_CALL, KIMI_CALL_END
 from mrv2.entrypoints.tool_parsers_xml import Tools
 from mrv2.entrypoints.tool_stream_whole import BLOCKS, BlockCalls, CallDelta, PythonCalls
+from mrv2.entrypoints.tool_stream_xml import FORMATS, reads_as
 
 __all__ = ["CallDelta", "ToolCallStream"]
 
@@ -340,10 +346,15 @@ class ToolCallStream:
         self.head: Head | None
         self.head, self.end = ((_named(self.parser.function), "") if self.parser.function
                                else HEADS.get(self.parser.name, (None, "")))
-        #: The formats whose calls go out whole, each when its block closes.
+        #: The formats whose calls are blocks (their arguments by parameter where this module
+        #: knows the parser: a registered parser of a built-in name sends each call whole).
         self.whole: BlockCalls | PythonCalls | None = None
         if self.parser.name in BLOCKS and not self.parser.function:
-            self.whole = BlockCalls(self.parser.calls_of, tools, *BLOCKS[self.parser.name])
+            known = PARSERS.get(self.parser.name)
+            form = FORMATS.get(self.parser.name) if known is not None and (
+                known.calls_of is self.parser.calls_of) else None
+            self.whole = BlockCalls(self.parser.calls_of, tools, *BLOCKS[self.parser.name],
+                                    form)
         elif self.parser.name in ("pythonic", "llama4_pythonic"):
             self.whole = PythonCalls(self.parser.calls_of, tools)
         #: A plugin's reader (:attr:`ToolParser.stream`; None: none, or it went wrong).
@@ -500,13 +511,17 @@ class ToolCallStream:
         return out
 
     def _whole(self, text: str) -> list[CallDelta]:
-        """The calls whose blocks ``text`` closed, each whole."""
+        """The pieces of the block formats' calls that ``text`` made certain."""
         assert self.whole is not None
         out = []
-        for call in self.whole.feed(text):
-            call_id = self.parser.make_id(call.name, len(self.sent)) or call.id
-            self.sent.append(_Sent(call.name, call_id, [call.arguments]))
-            out.append(CallDelta(len(self.sent) - 1, call.arguments, call.name, call_id))
+        for part in self.whole.feed(text):
+            if not part.name:  # (more of the last call's arguments)
+                out.append(self._piece(len(self.sent) - 1, part.arguments))
+                continue
+            call_id = (self.parser.make_id(part.name, len(self.sent)) or part.id
+                       or ToolCall(part.name, "").id)
+            self.sent.append(_Sent(part.name, call_id, [part.arguments]))
+            out.append(CallDelta(len(self.sent) - 1, part.arguments, part.name, call_id))
         return out
 
     def _custom(self, text: str) -> list[CallDelta]:
@@ -550,6 +565,8 @@ class ToolCallStream:
             rest = call.arguments[len(arguments):]
             if call.name == sent.name and call.arguments.startswith(arguments) and rest:
                 out.append(self._piece(index, rest))
+            elif call.name == sent.name and reads_as(arguments + "}", call.arguments):
+                out.append(self._piece(index, "}"))  # (a key given twice)
         return out
 
     # -- harmony (gpt-oss) -------------------------------------------------------------------

@@ -1,20 +1,18 @@
-"""The calls of a streamed answer in the formats whose calls go out whole (the XML-like ones and
-``pythonic``), each as soon as its own block is closed: :class:`BlockCalls` and
-:class:`PythonCalls` read the text from the first call marker on as it comes, in work
-proportional to the new text, and give each call once it is certain, read by the format's own
-parser from that block alone (which reads it as it reads it within the whole answer).
+"""The calls of a streamed answer in the formats whose calls are blocks (the XML-like ones) and
+``pythonic``'s: :class:`BlockCalls` and :class:`PythonCalls` read the text from the first
+call marker on as it comes, in work proportional to the new text, as :class:`Part` pieces.
 
-Where a call is certain: an XML-like call at its closing tag (``</function>``,
-``</tool_call>``, ``</invoke>``, or the closing tag of the block around the invokes, which ends
-its last one as the whole answer's parser has it); a ``pythonic`` call once the ``,`` or ``]``
-after it shows. A block the parser refuses makes the whole answer no call (its failure rule):
-nothing more goes out (:attr:`BlockCalls.failed`), the whole answer's parse decides.
-
-Why a call's arguments do not stream parameter by parameter: a value is typed by the tool's
-schema only once it is whole, a key given twice keeps its first place with its last value,
-``qwen3_coder`` re-reads every value of a block whose ``</parameter>`` tags do not pair up,
-and ``deepseek_v32`` unwraps a lone ``arguments`` parameter: a piece sent early could differ
-from the whole answer's arguments, and a stream cannot take a piece back.
+An XML-like call's name goes out as soon as its head is read, then its arguments parameter by
+parameter as each closes, the rest (``}``) when its block closes
+(:mod:`mrv2.entrypoints.tool_stream_xml`); where a piece could differ from the whole answer's
+reading, the rest of the call waits for its block, read then by the format's own parser from
+that block alone (which reads it as it reads it within the whole answer). A block closes at its
+closing tag (``</function>``, ``</tool_call>``, ``</invoke>``, or the closing tag of the block
+around the invokes, which ends its last one as the whole answer's parser has it). A
+``pythonic`` call goes out whole once the ``,`` or ``]`` after it shows (its values are Python
+literals, whole only there). A block the parser refuses makes the whole answer no call (its
+failure rule): nothing more goes out (:attr:`BlockCalls.failed`; what went out stands), the
+whole answer's parse decides.
 """
 
 from __future__ import annotations
@@ -39,8 +37,9 @@ from mrv2.entrypoints.tool_parsers_xml import (
     MINIMAX_CALLS_END,
     Tools,
 )
+from mrv2.entrypoints.tool_stream_xml import ArgumentStream, Format, Part
 
-__all__ = ["BLOCKS", "BlockCalls", "CallDelta", "PythonCalls"]
+__all__ = ["BLOCKS", "BlockCalls", "CallDelta", "Part", "PythonCalls"]
 
 #: A format's calls: the text of its blocks -> their calls (ValueError: malformed).
 CallsOf = Callable[[str, Tools], list[ToolCall]]
@@ -78,31 +77,34 @@ class CallDelta:
 
 
 class BlockCalls:
-    """An XML-like format's calls as their blocks close (module doc), found as the whole
-    answer's parser finds them: a block from its opening tag to the first closing tag after
-    it (an invoke at the latest where the block around it ends); text between is skipped."""
+    """An XML-like format's calls as they come (module doc), found as the whole answer's
+    parser finds them: a block from its opening tag to the first closing tag after it (an
+    invoke at the latest where the block around it ends); text between is skipped. ``form``:
+    how a call's arguments stream (None: each call whole when its block closes)."""
 
-    def __init__(self, calls_of: CallsOf, tools: Tools, outer: Tags | None, inner: Tags
-                 ) -> None:
+    def __init__(self, calls_of: CallsOf, tools: Tools, outer: Tags | None, inner: Tags,
+                 form: Format | None = None) -> None:
         self.calls_of, self.tools, self.outer, self.inner = calls_of, tools, outer, inner
+        self.form = form
         # "out": before a block around the calls; "between": before a call's block (within
         # the block around them, if any); "call": in a call's block
         self.state = "out" if outer is not None else "between"
         self.rest = ""  # text not read yet: what may begin a tag
         self.body: list[str] = []  # the open call's block's text so far
+        self.call: ArgumentStream | None = None  # the open call's arguments (form's)
         self.failed = False
 
-    def feed(self, text: str) -> list[ToolCall]:
-        """The next text: the calls it closed."""
+    def feed(self, text: str) -> list[Part]:
+        """The next text: the parts of calls it made certain."""
         if self.failed:
             return []
         text, self.rest = self.rest + text, ""
-        out: list[ToolCall] = []
+        out: list[Part] = []
         while text and not self.failed:
             text = self._step(text, out)
         return out
 
-    def _step(self, text: str, out: list[ToolCall]) -> str:
+    def _step(self, text: str, out: list[Part]) -> str:
         """Reads ``text`` up to the next tag that changes the state: what is left of it."""
         start, end = self.inner
         opening, closing = self.outer or ("", "")
@@ -118,6 +120,8 @@ class BlockCalls:
             at = text.find(start)
             if at >= 0 and (stop < 0 or at + len(start) <= stop):
                 self.state, self.body = "call", []
+                if self.form is not None:
+                    self.call = ArgumentStream(self.form, self.tools)
                 return text[at + len(start):]
             if stop >= 0:  # (the block around the calls ended)
                 self.state = "out"
@@ -134,8 +138,14 @@ class BlockCalls:
             self.state = "out"
             return text[stop + len(closing):]
         keep = self._hold(text, end, closing)
-        self.body.append(text[:len(text) - keep])
+        self._body(text[:len(text) - keep], out)
         return ""
+
+    def _body(self, text: str, out: list[Part]) -> None:
+        """More of the open call's block."""
+        self.body.append(text)
+        if self.call is not None:
+            out += self.call.feed(text)
 
     def _hold(self, text: str, tag: str, other: str) -> int:
         """Keeps the end of ``text`` that may begin ``tag`` or ``other``: how much."""
@@ -143,17 +153,21 @@ class BlockCalls:
         self.rest = text[len(text) - keep:] if keep else ""
         return keep
 
-    def _close(self, last: str, end: str, out: list[ToolCall]) -> None:
+    def _close(self, last: str, end: str, out: list[Part]) -> None:
         """A call's block closed (``end``: its closing tag; "": the block around it ended
-        it): its calls, read from that block alone."""
-        block = self.inner[0] + "".join(self.body) + last + end
+        it): its calls, read from that block alone (what of them did not go out yet)."""
+        self._body(last, out)
+        block = self.inner[0] + "".join(self.body) + end
         if self.outer is not None:
             block = self.outer[0] + block + self.outer[1]
-        self.body = []
+        call, self.body, self.call = self.call, [], None
         try:
-            out += self.calls_of(block, self.tools)
+            calls = self.calls_of(block, self.tools)
         except (ValueError, RecursionError):  # (the whole answer is no call)
             self.failed = True
+            return
+        out += call.close(calls) if call is not None else [
+            Part(c.arguments, c.name, c.id) for c in calls]
 
 
 _CODE = re.compile(r"[^'\"#()\[\]{},]+")  # Python text with nothing to track
@@ -175,8 +189,8 @@ class PythonCalls:
         self.quote = ""  # the open string's quote (its three for a triple one), "#": a comment
         self.element: list[str] = []  # the list element's text so far
 
-    def feed(self, text: str) -> list[ToolCall]:
-        """The next text: the calls it made certain."""
+    def feed(self, text: str) -> list[Part]:
+        """The next text: the calls it made certain, each whole."""
         if self.state == "done":
             return []
         text, self.rest = self.rest + text, ""
@@ -184,7 +198,7 @@ class PythonCalls:
             text = self._lead(text)
             if self.state != "list":
                 return []
-        out: list[ToolCall] = []
+        out: list[Part] = []
         mark, (i, held) = 0, self._scan(text, 0)
         while not held and i < len(text):
             char = text[i]
@@ -264,12 +278,13 @@ class PythonCalls:
                     return i, False
         return n, False
 
-    def _element(self, tail: str) -> list[ToolCall]:
+    def _element(self, tail: str) -> list[Part]:
         """A list element ended: its call, read as a list of it alone (a comment may end
         it: the newline)."""
         text, self.element = "".join(self.element) + tail, []
         try:
-            return self.calls_of("[" + text + "\n]", self.tools)
+            return [Part(c.arguments, c.name, c.id)
+                    for c in self.calls_of("[" + text + "\n]", self.tools)]
         except (ValueError, RecursionError):  # (not a call; or none: a trailing comma)
             self.state = "done"
             return []
