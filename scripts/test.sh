@@ -11,4 +11,5 @@ export OMP_NUM_THREADS=1
 workers=${MRV2_TEST_WORKERS:-2}
 case " $* " in *" -m gpu "*|*" -mgpu "*) workers=${MRV2_TEST_WORKERS:-0} ;; esac
 [ -n "${MRV2_TEST_GPU:-}" ] && workers=${MRV2_TEST_WORKERS:-0}
-exec .venv/bin/python -m pytest -q -n "$workers" --dist loadscope "$@"
+# (the 25 slowest tests listed last: where the suite's minutes go, as families join)
+exec .venv/bin/python -m pytest -q -n "$workers" --dist loadscope --durations=25 "$@"
