@@ -862,7 +862,9 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
              --variants ${GLM47_VARIANTS:-mtp_off mtp_on async_off mtp_on_async_off} 2>&1 \
              | tee "$OUT/glm47.log" | tail -24 ;;
     verify50) # the fiftieth session's GPU work within VERIFY_S seconds (default 560), most wanted
-              # first: (1) the Idefics3 and LLaVA bf16 tests, checked up to near ties; (2) the
+              # first: (1) the Idefics3 and LLaVA bf16 tests, checked up to near ties; (1b) the
+              # fused split combine (MRV2_ATTN_FUSED_COMBINE): its kernel tests on CUDA, then
+              # Qwen3-0.6B's batch-1 TPOT 0 / 1 / 0 / 1 (issue 16's 0.6 ms target); (2) the
               # decode register cap (MRV2_ATTN_DECODE_MAXNREG) A/B: the throughput
               # workload's decode steps of bench_attention 0 / 1 / 0 / 1, then its decode table; (3)
               # the paged-attention kernel tests on CUDA with the cap on; (4) kernel_audit on
@@ -872,6 +874,14 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
               timeout "$(left 120)" python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_idefics3.py \
                 tests/gpu/test_gpu_llava.py -k bf16 2>&1 | tee "$OUT/vl_bf16.log" \
                 | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -6
+              timeout "$(left 60)" python3 -m pytest -q -p no:cacheprovider \
+                tests/kernels/test_paged_attention_fused_combine.py 2>&1 | tee "$OUT/fused_combine.log" | tail -1
+              for run in a b; do for fc in 0 1; do  # the fused split combine: batch-1 TPOT
+                MRV2_ATTN_FUSED_COMBINE=$fc timeout "$(left 70)" python3 -m mrv2.entrypoints.cli bench \
+                  latency --model Qwen3-0.6B --batch-sizes 1 --new-tokens 128 \
+                  --json "$OUT/latency_fc${fc}_$run.json" > "$OUT/latency_fc${fc}_$run.log" 2>&1
+                grep -E "tpot_ms" "$OUT/latency_fc${fc}_$run.log" | head -1 | sed "s/^/fused combine $fc ($run): /"
+              done; done
               for run in a b; do for cap in 0 1; do
                 MRV2_ATTN_DECODE_MAXNREG=$cap timeout "$(left 45)" python3 -m mrv2_kernels.bench_attention \
                   --workload --layouts 8B 0.6B > "$OUT/workload_cap${cap}_$run.log" 2>&1

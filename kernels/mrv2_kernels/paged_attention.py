@@ -72,6 +72,7 @@ import torch
 from ._backend import LOG2E as _LOG2E
 from ._backend import (
     MAX_GRID_YZ,
+    arrival_counters,
     next_power_of_2,
     pdl,
     pdl_early_meta,
@@ -124,6 +125,22 @@ def prefill_flat_grid(flat_grid: bool | None, grid_tiles: int, flat_tiles: int,
     if setting in ("0", "1"):
         return setting == "1"
     return num_reqs < 2 or grid_tiles > flat_tiles
+
+
+#: ``1``: a split decode plan's partials are merged by each query tile's last split program to
+#: finish (an arrival counter a tile, ``last_to_arrive`` as the split-K GEMMs do) instead of by
+#: ``_combine_splits_kernel`` launched after it: a kernel boundary less a layer where decode
+#: splits keys (batch 1 on Qwen3-0.6B, H100 2026-12-06: the combine launches moved the step's
+#: end 2.1 us each, 59 of 792 us). Opt-in until timed on a GPU; ``0`` or unset: the launch.
+FUSED_COMBINE_ENV_VAR = "MRV2_ATTN_FUSED_COMBINE"
+
+
+def split_combine_fused(fused_combine: bool | None, on_gpu: bool) -> bool:
+    """Whether split decode programs merge their partials themselves: ``fused_combine`` where
+    given, else on CUDA where :data:`FUSED_COMBINE_ENV_VAR` is ``1``."""
+    if fused_combine is not None:
+        return fused_combine
+    return on_gpu and os.environ.get(FUSED_COMBINE_ENV_VAR, "").strip() == "1"
 
 
 #: The flat grid's order where neither ``tiles_last`` nor :data:`TILES_LAST_ENV_VAR` sets it:
@@ -241,6 +258,7 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
     attention_chunk: int | None = None,
     tiles_last: bool | None = None,
+    fused_combine: bool | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of ``query`` ``[T, H, D]`` over ``kv_cache``; see the module doc.
 
@@ -277,8 +295,9 @@ def paged_attention(
     rule, for the flat grid :func:`flat_tiles_last_keys`' per step): a prefill plan's grid
     has its query-tile axis slowest, so the whole grid starts with the heaviest tiles (the
     kernel's ``TILES_LAST``; the TMA kernel's too: blocks are dispatched in grid order, x
-    fastest). Returns
-    ``out`` (allocated when ``None``), query dtype.
+    fastest). ``fused_combine`` (default: :func:`split_combine_fused`'s rule): a split decode
+    plan's splits are merged by each query tile's last split program to finish, not by a
+    combine launch after the kernel. Returns ``out`` (allocated when ``None``), query dtype.
     """
     num_heads, num_kv_heads, head_dim, block_size = _check_inputs(query, kv_cache)
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
@@ -408,9 +427,16 @@ def paged_attention(
             and grid[0] <= MAX_GRID_YZ)
     if last:  # the tile axis slowest (see the kernel's TILES_LAST)
         grid = (grid[1], grid[2], grid[0])
+    # Splits merged by each tile's last split program (MRV2_ATTN_FUSED_COMBINE): counters
+    # allocated outside graph capture; none big enough during one: the combine kernel
+    counters = (arrival_counters(query.device, num_q_tiles * num_kv_heads * num_reqs)
+                if splits > 1 and not flat and split_combine_fused(fused_combine, on_gpu)
+                else None)
     launch(grid, plan, {
         "long_qlen": long_qlen,
-        "ZERO_PAD": splits == 1,  # with splits the combine kernel zeroes the padding rows
+        # with splits the combine (kernel or fused) zeroes no padding rows: these programs do
+        "ZERO_PAD": splits == 1 or counters is not None,
+        **({} if counters is None else {"counters_ptr": counters, "FUSED_COMBINE": True}),
         "ROPE": rope is not None,
         "QK_NORM": rope is not None and rope.qk_norm is not None,
         "SKIP_LONG": long_qlen > 0,
@@ -420,7 +446,7 @@ def paged_attention(
         "TILES_LAST": last,
         "tiles_last_keys": flat_tiles_last_keys(tiles_last, kv_cache) if flat else 0,
     }, flat_tiles if flat else None)
-    if splits > 1:
+    if splits > 1 and counters is None:
         _combine_splits_kernel[(num_tokens, num_heads)](
             part_m,
             part_l,
@@ -440,7 +466,9 @@ def paged_attention(
     return out
 
 
-__all__ = ["FLAT_GRID_ENV_VAR", "ONE_TOKEN_APART_MIN_BLOCK_M", "ONE_TOKEN_ENV_VAR",
+__all__ = ["FLAT_GRID_ENV_VAR", "FUSED_COMBINE_ENV_VAR", "ONE_TOKEN_APART_MIN_BLOCK_M",
+           "ONE_TOKEN_ENV_VAR",
            "TILES_LAST_ENV_VAR", "TILES_LAST_L2_FRACTION", "AttentionPlan", "FusedRope",
            "attention_plan", "flat_tiles_last_keys", "paged_attention", "paged_attention_ref",
-           "prefill_flat_grid", "prefill_register_cap", "prefill_tiles_last"]
+           "prefill_flat_grid", "prefill_register_cap", "prefill_tiles_last",
+           "split_combine_fused"]
