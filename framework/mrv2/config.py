@@ -9,7 +9,6 @@ of sections, and :mod:`mrv2.config_cli` turns them into CLI flags.
 from __future__ import annotations
 
 import json
-import logging
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -152,6 +151,13 @@ class ModelConfig(_Section):
         "the tokenizer's (chat completions, LLM.chat, /tokenize); checked before anything loads",
     )
 
+    disable_sliding_window: bool = Field(
+        default=False,
+        description="vLLM's: a model with a sliding window (Mistral, the local layers of "
+        "Gemma 2/3/4, gpt-oss, OLMo 3, Qwen2 with use_sliding_window...) attends over all "
+        "keys on every layer, and max_model_len is at most the window (its default; a longer "
+        "one is refused); no effect on a model without one",
+    )
     max_logprobs: int = Field(
         default=20, ge=-1,
         description="most logprobs / prompt_logprobs one request may ask for (vLLM's; -1: "
@@ -653,14 +659,16 @@ class StructuredOutputsConfig(_Section):
         default=False, description="hold the thinking block to the grammar too (by default "
         "the grammar holds only what follows it)")
 
-    @model_validator(mode="after")
-    def _note_backend(self) -> StructuredOutputsConfig:
-        if self.backend not in ("auto", "guidance"):
-            logging.getLogger(__name__).info(
-                "structured_outputs_config.backend=%r: mrv2 uses llguidance (vLLM's "
-                "'guidance')%s", self.backend, ", object schemas closed as that backend's"
-                if self.closes_objects else "")
-        return self
+    def backend_note(self) -> str | None:
+        """What the engine logs at start-up where ``backend`` names another grammar engine
+        than llguidance, else None. Logged by the engine once (its own process's), not on
+        validation: a config is validated again on every field assigned and when passed on
+        as a :class:`StructuredOutputsConfig`."""
+        if self.backend in ("auto", "guidance"):
+            return None
+        return (f"structured_outputs_config.backend={self.backend!r}: mrv2 uses llguidance "
+                "(vLLM's 'guidance')" + (", object schemas closed as that backend's"
+                                          if self.closes_objects else ""))
 
     @property
     def closes_objects(self) -> bool:

@@ -5,6 +5,9 @@ chunked prefill) are HF's."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -86,3 +89,69 @@ def test_sliding_tables_with_drafts(tmp_path: Path) -> None:
     assert 0 < kept < proposed, (kept, proposed)
     assert llm.engine.scheduler.tables.num_freed > 0
     assert llm.engine.block_manager.num_free_blocks == 10
+
+
+def test_disable_sliding_window_attends_over_every_key_up_to_the_window(
+        tmp_path: Path) -> None:
+    """vLLM's ``--disable-sliding-window``: every layer attends over all keys (no window, no
+    table of its own), ``max_model_len`` is the window (a longer one is refused, a prompt past
+    it is the usual too-long error), and the greedy tokens are HF's with the window removed.
+    Without a window (none set, or Qwen2's ``use_sliding_window`` false) it changes nothing."""
+    path = make_tiny_checkpoint(tmp_path / "m", "MistralForCausalLM", std=0.15,
+                                sliding_window=12)
+    plain = tmp_path / "plain"  # the same checkpoint, its window removed: HF's reference
+    shutil.copytree(path, plain)
+    config = json.loads((plain / "config.json").read_text())
+    (plain / "config.json").write_text(json.dumps({**config, "sliding_window": None}))
+    kwargs: dict[str, Any] = dict(device="cpu", dtype="float32", block_size=4,
+                                  max_num_batched_tokens=8)
+    llm = LLM(str(path), disable_sliding_window=True, **kwargs)
+    runner = llm.engine.runner
+    assert [layer.self_attn.attn.sliding_window for layer in runner.model.model.layers] == [
+        None, None]
+    assert runner.kv_table_windows == (None,)
+    assert llm.engine.max_model_len == runner.max_model_len == 12
+    prompts = [[5, 17, 42, 9, 100, 3], [64]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(plain, p, 6) for p in prompts]
+    with pytest.raises(ValueError, match="the prompt has 12 tokens, but max_model_len is 12"):
+        llm.generate([{"prompt_token_ids": list(range(2, 14))}], params, use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len=64 exceeds the model's sliding_window=12"):
+        LLM(str(path), disable_sliding_window=True, max_model_len=64, **kwargs)
+    # no window: the flag changes nothing (max_model_len stays max_position_embeddings)
+    qwen2 = make_tiny_checkpoint(tmp_path / "q", "Qwen2ForCausalLM", sliding_window=6,
+                                 use_sliding_window=False)
+    for checkpoint in (plain, qwen2):
+        engine = LLM(str(checkpoint), disable_sliding_window=True, **kwargs).engine
+        assert engine.max_model_len == 256 and engine.runner.kv_table_windows == (None,)
+
+
+def test_disable_sliding_window_keeps_the_layers_kinds(tmp_path: Path) -> None:
+    """Gemma 3's local layers (their own RoPE) and gpt-oss's: full attention under the flag,
+    each layer's RoPE as built, ``max_model_len`` the window; greedy tokens within it are the
+    same as with the window (a query there sees no more keys than the window holds), and
+    ``mrv2 serve --disable-sliding-window`` sets it."""
+    from mrv2.config_cli import add_cli_args, config_from_cli
+    from mrv2.testing import TINY_FAMILIES
+
+    for family in ("gemma3", "gpt-oss"):
+        arch, overrides = TINY_FAMILIES[family]
+        path = make_tiny_checkpoint(tmp_path / family, arch, std=0.15, **overrides)
+        kwargs: dict[str, Any] = dict(device="cpu", dtype="float32", block_size=4)
+        windowed, full = (LLM(str(path), disable_sliding_window=flag, **kwargs)
+                          for flag in (False, True))
+        window = int(overrides["sliding_window"])
+        assert full.engine.max_model_len == window < windowed.engine.max_model_len
+        assert full.engine.runner.kv_table_windows == (None,)
+        assert windowed.engine.runner.kv_table_windows == (None, window)
+        prompt = [{"prompt_token_ids": [5, 17]}]
+        params = SamplingParams(temperature=0.0, max_tokens=window - 2, ignore_eos=True)
+        assert ([o.outputs[0].token_ids for o in full.generate(prompt, params, use_tqdm=False)]
+                == [o.outputs[0].token_ids
+                    for o in windowed.generate(prompt, params, use_tqdm=False)]), family
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(["--disable-sliding-window"])
+    assert config_from_cli(args, "m").model.disable_sliding_window
+    assert not config_from_cli(parser.parse_args([]), "m").model.disable_sliding_window

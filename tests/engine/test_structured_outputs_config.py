@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from test_structured_outputs import _allowed_after as allowed_after
 from mrv2 import LLM, EngineConfig, SamplingParams, StructuredOutputsParams
 from mrv2.config import StructuredOutputsConfig
 from mrv2.config_cli import add_cli_args, config_from_cli
+from mrv2.engine.engine import LLMEngine
 from mrv2.testing import make_tiny_checkpoint, make_tiny_tokenizer
 
 ENGINE = dict(device="cpu", dtype="float32", block_size=4)
@@ -66,6 +68,27 @@ def test_the_config_by_vllms_name_as_a_mapping_json_text_a_flag_and_a_file(
     path = tmp_path / "engine.json"
     path.write_text(json.dumps({"structured_outputs_config": given}))
     assert EngineConfig.from_file(path).structured_outputs.enable_in_reasoning
+
+
+def test_the_backend_note_is_logged_once_per_engine(checkpoint: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A backend other than llguidance is noted once, when the engine starts: not again each
+    time the config is validated (passed on as a ``StructuredOutputsConfig``, a field
+    assigned), which logged it up to three times here; ``guidance`` is not noted."""
+    caplog.set_level(logging.INFO, logger="mrv2")
+    config = EngineConfig.from_kwargs(
+        model=str(checkpoint), **ENGINE,
+        structured_outputs_config=StructuredOutputsConfig(backend="xgrammar"))
+    config.structured_outputs.disable_any_whitespace = True
+    LLMEngine(config).shutdown()
+    notes = [r.getMessage() for r in caplog.records if "mrv2 uses llguidance" in r.getMessage()]
+    assert notes == ["structured_outputs_config.backend='xgrammar': mrv2 uses llguidance "
+                     "(vLLM's 'guidance'), object schemas closed as that backend's"], notes
+    caplog.clear()
+    LLMEngine(EngineConfig.from_kwargs(model=str(checkpoint), **ENGINE,
+                                       structured_outputs_config={"backend": "guidance"})
+              ).shutdown()
+    assert not [r for r in caplog.records if "mrv2 uses llguidance" in r.getMessage()]
 
 
 @pytest.mark.parametrize(("value", "message"), [

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from mrv2.contract.params import SamplingParams
 from mrv2.engine.engine import LLMEngine
 
 API_KEY = "sk-test"
@@ -21,6 +23,20 @@ class Served:
     url: str
     engine: LLMEngine
     model_dir: Path
+
+
+def spy_add_request(monkeypatch: pytest.MonkeyPatch, engine: LLMEngine,
+                    record: Callable[[SamplingParams], object]) -> None:
+    """Wrap ``engine.add_request`` for the rest of the test (``monkeypatch`` undoes it) so
+    that each request's sampling params go to ``record`` before the engine queues it: what
+    a route made of a request's fields."""
+    add = engine.add_request
+
+    def add_request(ids: list[int], params: SamplingParams, *args: Any, **kwargs: Any) -> Any:
+        record(params)
+        return add(ids, params, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", add_request)
 
 
 def join_tool_calls(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -306,7 +306,8 @@ def test_the_engine_process_samples_itself_under_the_profile_variable(
 def test_the_engine_process_logs_at_the_commands_level(
         model_dir: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """The ``mrv2`` command configured logging: the child logs its start-up report (the KV
-    cache, the engine ready) to the same stderr at the same level."""
+    cache, the engine ready, a structured-outputs backend note) to the same stderr at the same
+    level, each line once (the note is the engine's, not the config's)."""
     import logging
 
     from mrv2.logs import _Handler, configure_logging
@@ -314,7 +315,8 @@ def test_the_engine_process_logs_at_the_commands_level(
     root = logging.getLogger("mrv2")
     configure_logging("INFO")
     try:
-        for url, _ in _remote(model_dir):
+        config = EngineConfig.from_kwargs(structured_outputs_config={"backend": "outlines"})
+        for url, _ in _remote(model_dir, structured_outputs_config=config.structured_outputs):
             assert _post(url, {"prompt": [5, 6], "max_tokens": 2}).status_code == 200
     finally:
         for handler in [h for h in root.handlers if isinstance(h, _Handler)]:
@@ -322,6 +324,7 @@ def test_the_engine_process_logs_at_the_commands_level(
         root.setLevel(logging.NOTSET)
     err = capfd.readouterr().err
     assert "mrv2.runner: KV cache:" in err and "engine ready in" in err, err
+    assert err.count("structured_outputs_config.backend='outlines': mrv2 uses llguidance") == 1
 
 
 class InHousePlugin:

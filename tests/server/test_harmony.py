@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_util import API_KEY, join_tool_calls
+from server_util import API_KEY, join_tool_calls, spy_add_request
 
 from mrv2.contract.params import SamplingParams
 from mrv2.engine.detokenizer import IncrementalDetokenizer
@@ -314,12 +314,6 @@ def test_the_server_keeps_special_tokens_for_harmony(model_dir: Path,
 
     seen: list[tuple[bool, str | None]] = []
 
-    def spy(add: Any) -> Any:
-        def add_request(ids: list[int], params: SamplingParams, *args: Any, **kwargs: Any
-                        ) -> Any:
-            seen.append((params.skip_special_tokens, params._reasoning))
-            return add(ids, params, *args, **kwargs)
-        return add_request
 
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}}]
@@ -334,7 +328,8 @@ def test_the_server_keeps_special_tokens_for_harmony(model_dir: Path,
                ("chat", {"tools": tools, "tool_choice": "none"}, True)]}
     for reasoning, runs in cases.items():
         for served in serve(model_dir, reasoning_parser=reasoning, tool_call_parser="openai"):
-            monkeypatch.setattr(served.engine, "add_request", spy(served.engine.add_request))
+            spy_add_request(monkeypatch, served.engine,
+                            lambda p: seen.append((p.skip_special_tokens, p._reasoning)))
             for route, extra, skip in runs:
                 body = {**chat, **extra} if route == "chat" else {"prompt": "Hi",
                                                                   "max_tokens": 3}

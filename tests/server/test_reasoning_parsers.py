@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_util import API_KEY
+from server_util import API_KEY, spy_add_request
 from test_reasoning import _chat, _streamed
 
 from mrv2.entrypoints.reasoning import (
@@ -236,18 +236,14 @@ def test_the_server_resolves_each_requests_parser(tmp_path: Path,
     make_tiny_tokenizer(path, special_tokens=["<think>", "</think>", "[THINK]", "[/THINK]"])
     seen: list[tuple[bool, str | None]] = []
 
-    def spy(add: Any) -> Any:
-        def add_request(ids: list[int], params: Any, *args: Any, **kwargs: Any) -> Any:
-            seen.append((params.skip_special_tokens, params._reasoning))
-            return add(ids, params, *args, **kwargs)
-        return add_request
 
     body: dict[str, Any] = {"messages": [{"role": "user", "content": "Hello world!"}],
                             "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     think = {"chat_template_kwargs": {"thinking": True}}
     choice = {"guided_choice": ["Paris", "London"]}
     for served in serve(path, reasoning_parser="deepseek_v3"):
-        monkeypatch.setattr(served.engine, "add_request", spy(served.engine.add_request))
+        spy_add_request(monkeypatch, served.engine,
+                        lambda p: seen.append((p.skip_special_tokens, p._reasoning)))
         plain = _chat(served, body)["choices"][0]["message"]
         assert plain["content"] and plain["reasoning_content"] is None
         thought = _chat(served, {**body, **think})["choices"][0]["message"]
@@ -259,13 +255,15 @@ def test_the_server_resolves_each_requests_parser(tmp_path: Path,
             _chat(served, {**body, **choice, **extra})
             assert seen.pop() == (True, mark)
     for served in serve(path, reasoning_parser="mistral"):
-        monkeypatch.setattr(served.engine, "add_request", spy(served.engine.add_request))
+        spy_add_request(monkeypatch, served.engine,
+                        lambda p: seen.append((p.skip_special_tokens, p._reasoning)))
         _chat(served, body)
         assert seen.pop() == (False, None)
         _chat(served, {**body, **choice})
         assert seen.pop() == (False, "mistral")
     for served in serve(path, reasoning_parser="granite"):
-        monkeypatch.setattr(served.engine, "add_request", spy(served.engine.add_request))
+        spy_add_request(monkeypatch, served.engine,
+                        lambda p: seen.append((p.skip_special_tokens, p._reasoning)))
         r = httpx.post(f"{served.url}/v1/chat/completions", headers=AUTH, timeout=60,
                        json={**body, **choice, **think})
         assert r.status_code == 400 and "granite" in r.json()["error"]["message"], r.text

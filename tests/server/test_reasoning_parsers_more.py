@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from server_util import spy_add_request
 from test_reasoning import _chat, _streamed
 
 from mrv2.entrypoints.reasoning import (
@@ -204,18 +205,13 @@ def test_the_server_reads_kimi_k2s_switch(tmp_path: Path,
     make_tiny_tokenizer(path, special_tokens=["<think>", "</think>"])
     seen: list[str | None] = []
 
-    def spy(add: Any) -> Any:
-        def add_request(ids: list[int], params: Any, *args: Any, **kwargs: Any) -> Any:
-            seen.append(params._reasoning)
-            return add(ids, params, *args, **kwargs)
-        return add_request
 
     body: dict[str, Any] = {"messages": [{"role": "user", "content": "Hello world!"}],
                             "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     off = {"chat_template_kwargs": {"thinking": False}}
     choice = {"guided_choice": ["Paris", "London"]}
     for served in serve(path, reasoning_parser="kimi_k2"):
-        monkeypatch.setattr(served.engine, "add_request", spy(served.engine.add_request))
+        spy_add_request(monkeypatch, served.engine, lambda p: seen.append(p._reasoning))
         thought = _chat(served, body)["choices"][0]["message"]
         assert thought["reasoning_content"] and thought["content"] is None
         plain = _chat(served, {**body, **off})["choices"][0]["message"]

@@ -512,6 +512,25 @@ def test_an_out_of_range_top_logprobs_is_refused(server: Served, k: int) -> None
     assert response.json()["error"]["param"] == "top_logprobs"
 
 
+def test_top_logprobs_is_bounded_by_the_engines_max_logprobs(model_dir: Path) -> None:
+    """``top_logprobs`` past 20 is taken up to ``--max-logprobs`` (vLLM's Responses protocol
+    sets no bound of its own: the engine's max_logprobs does, as for chat); past it, a 400
+    naming the field. (It was refused past 20 whatever the engine allowed.)"""
+    from conftest import serve
+
+    body = {"model": MODEL, "input": "Hello world", "temperature": 0, "max_output_tokens": 3}
+    for served in serve(model_dir, engine_kwargs={"max_logprobs": 30}):
+        response = httpx.post(f"{served.url}/v1/responses", headers=AUTH, timeout=60,
+                              json={**body, "top_logprobs": 25})
+        assert response.status_code == 200, response.text
+        logprobs = response.json()["output"][-1]["content"][0]["logprobs"]
+        assert logprobs and all(len(lp["top_logprobs"]) == 25 for lp in logprobs)
+        refused = httpx.post(f"{served.url}/v1/responses", headers=AUTH, timeout=60,
+                             json={**body, "top_logprobs": 31})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == "top_logprobs"
+
+
 def test_reasoning_and_tags_are_not_in_the_message_logprobs() -> None:
     """The rule of ``AnswerSplit``: a token's logprob goes with its delta's message text; a delta
     showing none past the reasoning (a character's first byte) holds its tokens for the next;

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_util import API_KEY, MODEL, Served
+from server_util import API_KEY, MODEL, Served, spy_add_request
 
 from mrv2 import StructuredOutputsParams
 from mrv2.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -201,11 +201,6 @@ def test_a_reasoning_server_holds_only_what_follows_the_thinking_block(
 
     seen: list[str | None] = []
 
-    def spy(add: Any) -> Any:
-        def add_request(ids: list[int], params: Any, *args: Any, **kwargs: Any) -> Any:
-            seen.append(params._reasoning)
-            return add(ids, params, *args, **kwargs)
-        return add_request
 
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 20}
     tools = [{"type": "function", "function": {"name": "f", "parameters": SCHEMA}}]
@@ -214,7 +209,7 @@ def test_a_reasoning_server_holds_only_what_follows_the_thinking_block(
               "qwen3")]
     for parser in ("qwen3", None):
         for served in serve(model_dir, reasoning_parser=parser):
-            monkeypatch.setattr(served.engine, "add_request", spy(served.engine.add_request))
+            spy_add_request(monkeypatch, served.engine, lambda p: seen.append(p._reasoning))
             for extra, want in cases:
                 r = httpx.post(f"{served.url}/v1/chat/completions", headers=AUTH, timeout=60,
                                json={**body, **extra})

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_util import API_KEY, join_tool_calls
+from server_util import API_KEY, join_tool_calls, spy_add_request
 
 from mrv2.contract.params import SamplingParams
 from mrv2.engine.outputs import CompletionOutput, RequestOutput
@@ -198,16 +198,10 @@ def test_a_parser_with_special_tokens_keeps_them(model_dir: Path, parser: str,
                             "temperature": 0}
     seen: list[bool] = []
 
-    def spy(add: Any) -> Any:
-        def add_request(ids: list[int], params: SamplingParams, *args: Any, **kwargs: Any
-                        ) -> Any:
-            seen.append(params.skip_special_tokens)
-            return add(ids, params, *args, **kwargs)
-        return add_request
 
     for served in serve(model_dir, engine_kwargs={"chat_template": TEMPLATE},
                         tool_call_parser=parser):
-        monkeypatch.setattr(served.engine, "add_request", spy(served.engine.add_request))
+        spy_add_request(monkeypatch, served.engine, lambda p: seen.append(p.skip_special_tokens))
         cases: list[tuple[dict[str, Any], bool]] = [
             ({}, False), ({"stream": True}, False), ({"tool_choice": "none"}, True),
             ({"tools": None}, True), ({"skip_special_tokens": True}, False)]

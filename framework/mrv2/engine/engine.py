@@ -71,6 +71,9 @@ class LLMEngine(WeightOps, RequestOps):
     def __init__(self, config: EngineConfig, plugins: PluginManager | None = None) -> None:
         started = time.perf_counter()
         self.config = config
+        note = config.structured_outputs.backend_note()
+        if note is not None:  # (here, not on validation: once, in the engine's process)
+            logger.info("%s", note)
         #: SamplingParams defaults from the model's generation config (``generation_config``
         #: / ``override_generation_config``) for the fields a request leaves unset; checked
         #: before the weights load.

@@ -5,11 +5,11 @@ string or ``input_text`` / ``output_text`` / ``input_image`` parts, images for a
 vision-language model as the chat route takes them) become chat messages through the model's
 chat template; ``max_output_tokens``, ``temperature``, ``top_p`` and ``text.format``
 (``json_schema``, ``json_object``: a structured output) map to the chat request's fields;
-``top_logprobs`` (0 to 20) or ``include: ["message.output_text.logprobs"]`` asks for the
-message text's logprobs (the chat route's, on the ``output_text`` part and each streamed
-delta; which tokens the message's are: :class:`~mrv2.entrypoints.responses_output.
-AnswerSplit`); ``include``'s other values are taken (:data:`INCLUDABLE`), what is none of the
-API's is refused.
+``top_logprobs`` (0 up to ``--max-logprobs``, 20 by default) or ``include:
+["message.output_text.logprobs"]`` asks for the message text's logprobs (the chat route's,
+on the ``output_text`` part and each streamed delta; which tokens the message's are:
+:class:`~mrv2.entrypoints.responses_output.AnswerSplit`); ``include``'s other values are
+taken (:data:`INCLUDABLE`), what is none of the API's is refused.
 The answer is a ``response`` object whose ``output`` holds a ``message`` item (and, behind
 ``--reasoning-parser``, a ``reasoning`` item before it; gpt-oss's harmony messages, which may
 come in any order, are an item per run of a kind in the order written, whole or streamed
@@ -118,9 +118,11 @@ class ResponsesRequest(BaseModel):
     cache_salt: str | None = None
     #: vLLM's: lower runs first under ``--scheduling-policy priority`` (0 under ``fcfs``).
     priority: int = 0
-    #: The message text's logprobs, with this many top tokens a position (0 to 20); with
-    #: ``include: ["message.output_text.logprobs"]`` too (k = 0 when this is unset).
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    #: The message text's logprobs, with this many top tokens a position (0 up to the
+    #: engine's ``max_logprobs``, ``--max-logprobs``, which the engine checks: vLLM's protocol
+    #: sets no bound of its own); with ``include: ["message.output_text.logprobs"]`` too
+    #: (k = 0 when this is unset).
+    top_logprobs: int | None = Field(default=None, ge=0)
     include: list[str] | None = None
     #: ``auto``: a conversation too long for the context loses its first items
     #: (:meth:`truncation_cuts`); ``disabled``: it is refused (a 400), as OpenAI's.

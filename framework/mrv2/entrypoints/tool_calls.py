@@ -394,7 +394,7 @@ def _mistral(text: str, tools: Tools) -> list[ToolCall]:
     return calls
 
 
-def _harmony_call(piece: Piece) -> ToolCall | None:
+def harmony_call(piece: Piece) -> ToolCall | None:
     """A harmony call message as a call; None where its name is empty or its JSON arguments
     do not parse (cut off by ``max_tokens``): not a call, and not content either. Empty JSON
     arguments are ``{}`` where a marker ended the message (else it may have been cut off
@@ -411,7 +411,7 @@ def _harmony_call(piece: Piece) -> ToolCall | None:
 
 def _harmony_split(pieces: list[Piece]) -> tuple[str, list[ToolCall]]:
     """The content and the calls of harmony pieces (reasoning dropped)."""
-    calls = [c for p in pieces if p.kind == "call" and (c := _harmony_call(p)) is not None]
+    calls = [c for p in pieces if p.kind == "call" and (c := harmony_call(p)) is not None]
     return "".join(p.text for p in pieces if p.kind == "content"), calls
 
 

@@ -51,7 +51,8 @@ from mrv2.entrypoints.tool_parsers_xml import (
 KIMI_SECTIONS = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
 KIMI_CALL, KIMI_ARGUMENTS, KIMI_CALL_END = (
     "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
-_KIMI_ID = re.compile(r"\s*([^<>\s]+:\d+)\s*")
+#: A Kimi-K2 call id (``functions.NAME:INDEX``) between its markers.
+KIMI_ID = re.compile(r"\s*([^<>\s]+:\d+)\s*")
 
 
 def _json_object(text: str) -> str:
@@ -76,7 +77,7 @@ def kimi_k2_calls(text: str, tools: Tools) -> list[tuple[str, str, str]]:
     calls = []
     for body, _ in blocks(text, KIMI_CALL, KIMI_CALL_END):
         head, sep, arguments = body.partition(KIMI_ARGUMENTS)
-        match = _KIMI_ID.fullmatch(head)
+        match = KIMI_ID.fullmatch(head)
         if not sep or match is None:
             raise ValueError("a call without an id NAME:INDEX and its arguments")
         call_id = match.group(1)
@@ -111,16 +112,17 @@ def qwen3_xml_outside(text: str) -> str:
 
 DSML = "｜DSML｜"  # (full-width bars, U+FF5C)
 DSML_CALLS, DSML_CALLS_END = f"<{DSML}function_calls>", f"</{DSML}function_calls>"
-_DSML_INVOKE, _DSML_INVOKE_END = f"<{DSML}invoke", f"</{DSML}invoke>"
-_DSML_NAME = re.compile(r'\s+name="([^"\n]*)"\s*>')
-_DSML_PARAMETER = re.compile(
+#: A DSML call's block markers (its name attribute follows the opening one).
+DSML_INVOKE, DSML_INVOKE_END = f"<{DSML}invoke", f"</{DSML}invoke>"
+DSML_NAME = re.compile(r'\s+name="([^"\n]*)"\s*>')
+DSML_PARAMETER = re.compile(
     rf'\s*<{DSML}parameter\s+name="([^"\n]*)"(?:\s+string="(true|false)")?\s*>(.*?)'
     rf"</{DSML}parameter>", re.DOTALL)
 #: The wrappers a model may put around a call's arguments (vLLM's repair).
-_WRAPPERS = ("arguments", "input")
+ARGUMENT_WRAPPERS = ("arguments", "input")
 
 
-def _properties(tools: Tools, name: str) -> Mapping[str, Any]:
+def tool_properties(tools: Tools, name: str) -> Mapping[str, Any]:
     """The tool ``name``'s parameters' properties (empty: no tool or no schema)."""
     for tool in tools:
         function = tool.get("function")
@@ -137,7 +139,7 @@ def _unwrapped(arguments: dict[str, Any], properties: Mapping[str, Any]) -> dict
     if len(arguments) != 1 or not properties:
         return arguments
     ((key, inner),) = arguments.items()
-    if key not in _WRAPPERS or key in properties:
+    if key not in ARGUMENT_WRAPPERS or key in properties:
         return arguments
     if isinstance(inner, str):
         try:
@@ -151,11 +153,11 @@ def _unwrapped(arguments: dict[str, Any], properties: Mapping[str, Any]) -> dict
 
 def _dsml_call(body: str, tools: Tools) -> Call:
     """One invoke (``body``: what follows ``<｜DSML｜invoke``)."""
-    head = _DSML_NAME.match(body)
+    head = DSML_NAME.match(body)
     if head is None or not head.group(1).strip():
         raise ValueError("an invoke without a name")
     name, pos, found = head.group(1).strip(), head.end(), []
-    while (match := _DSML_PARAMETER.match(body, pos)) is not None:
+    while (match := DSML_PARAMETER.match(body, pos)) is not None:
         found.append((match.group(1).strip(), match.group(2) == "true", match.group(3)))
         pos = match.end()
     if body[pos:].strip() or any(not key for key, _, _ in found):
@@ -163,7 +165,7 @@ def _dsml_call(body: str, tools: Tools) -> Call:
     typed = json.loads(typed_call(name, [(k, v) for k, as_text, v in found if not as_text],
                                   tools, loose=True)[1])
     arguments = {key: value if as_text else typed[key] for key, as_text, value in found}
-    return name, json.dumps(_unwrapped(arguments, _properties(tools, name)),
+    return name, json.dumps(_unwrapped(arguments, tool_properties(tools, name)),
                             ensure_ascii=False, allow_nan=False)
 
 
@@ -171,4 +173,4 @@ def deepseek_v32_calls(text: str, tools: Tools) -> list[Call]:
     """Every invoke of every ``<｜DSML｜function_calls>`` block."""
     return [_dsml_call(body, tools)
             for block, _ in blocks(text, DSML_CALLS, DSML_CALLS_END)
-            for body, _ in blocks(block, _DSML_INVOKE, _DSML_INVOKE_END)]
+            for body, _ in blocks(block, DSML_INVOKE, DSML_INVOKE_END)]

@@ -53,7 +53,7 @@ def _types_of(schema: Any) -> list[str]:
     return found
 
 
-def _schema_types(tools: Tools, name: str) -> dict[str, list[str]]:
+def schema_types(tools: Tools, name: str) -> dict[str, list[str]]:
     """The JSON types each parameter of the tool ``name`` allows (:func:`_types_of`)."""
     for tool in tools:
         function = tool.get("function")
@@ -145,7 +145,7 @@ def _as_type(value: str, kind: Any, python: bool = False) -> Any:
 _PRIORITY = ("null", "integer", "number", "boolean", "object", "array")
 
 
-def _typed_value(value: str, kinds: list[str], loose: bool = False, python: bool = False
+def typed_value(value: str, kinds: list[str], loose: bool = False, python: bool = False
                  ) -> Any:
     """``value`` as the first of its schema's types (``kinds``) it fits, in the order of
     :data:`_PRIORITY`; a string if it fits none of them. ``loose`` (GLM's, vLLM's rule): a value
@@ -167,12 +167,12 @@ def _typed_value(value: str, kinds: list[str], loose: bool = False, python: bool
 
 def typed_call(name: str, pairs: list[tuple[str, str]], tools: Tools,
                loose: bool = False, python: bool = False) -> Call:
-    """A call from text arguments, each typed by the tool's schema (:func:`_typed_value`:
+    """A call from text arguments, each typed by the tool's schema (:func:`typed_value`:
     ``null``/``integer``/``number``/``boolean``/``object``/``array``, also where ``anyOf`` /
     ``oneOf`` or an ``enum`` allows it; a value that fits none, or has no schema, stays a
     string; ``python``: :func:`_as_type`'s)."""
-    types = _schema_types(tools, name)
-    arguments = {key: _typed_value(value, types.get(key, []), loose, python)
+    types = schema_types(tools, name)
+    arguments = {key: typed_value(value, types.get(key, []), loose, python)
                  for key, value in pairs}
     return name, json.dumps(arguments, ensure_ascii=False, allow_nan=False)
 
@@ -191,13 +191,13 @@ def pairs_of(text: str, pattern: re.Pattern[str]) -> list[tuple[str, str]]:
 
 # -- Qwen3-Coder -----------------------------------------------------------------------------
 
-_PARAMETER = re.compile(r"\s*<parameter=([^>]*)>(.*?)</parameter>", re.DOTALL)
+PARAMETER = re.compile(r"\s*<parameter=([^>]*)>(.*?)</parameter>", re.DOTALL)
 #: A parameter whose ``</parameter>`` the model may have dropped (long contexts; vLLM's parser
 #: takes them too): its value ends where the next parameter opens, and in a closed
 #: ``<function=...>`` block (:data:`_CLOSED_DROPPED`) also at ``</function>`` (a block cut off
 #: by ``max_tokens`` in its last value is not a whole call). Read only where the tags do not
 #: pair up: a value may hold ``<parameter=`` text.
-_DROPPED = re.compile(r"\s*<parameter=([^>]*)>(.*?)(?:</parameter>|(?=<parameter=))",
+DROPPED = re.compile(r"\s*<parameter=([^>]*)>(.*?)(?:</parameter>|(?=<parameter=))",
                       re.DOTALL)
 _CLOSED_DROPPED = re.compile(
     r"\s*<parameter=([^>]*)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
@@ -211,9 +211,9 @@ def qwen3_coder_calls(text: str, tools: Tools, python: bool = False) -> list[Cal
         if not sep or not name.strip() or "\n" in name.strip():
             raise ValueError("a function without a name")
         try:
-            found = pairs_of(rest, _PARAMETER)
+            found = pairs_of(rest, PARAMETER)
         except ValueError:  # (a </parameter> dropped)
-            found = pairs_of(rest, _CLOSED_DROPPED if closed else _DROPPED)
+            found = pairs_of(rest, _CLOSED_DROPPED if closed else DROPPED)
         pairs = [(key, value.removeprefix("\n").removesuffix("\n")) for key, value in found]
         calls.append(typed_call(name.strip(), pairs, tools, python=python))
     return calls
@@ -221,7 +221,7 @@ def qwen3_coder_calls(text: str, tools: Tools, python: bool = False) -> list[Cal
 
 # -- GLM-4.5 / 4.6 / 4.7 ---------------------------------------------------------------------
 
-_ARG = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+ARG = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
 
 def glm_calls(text: str, tools: Tools) -> list[Call]:
@@ -235,7 +235,7 @@ def glm_calls(text: str, tools: Tools) -> list[Call]:
         if not closed and args < 0 and not head.endswith("\n"):
             raise ValueError("a call cut off in its name")
         # (a string value as written, whitespace and all; others stripped: vLLM's)
-        calls.append(typed_call(name, pairs_of(body[len(head):], _ARG), tools, loose=True))
+        calls.append(typed_call(name, pairs_of(body[len(head):], ARG), tools, loose=True))
     return calls
 
 
@@ -243,17 +243,18 @@ def glm_calls(text: str, tools: Tools) -> list[Call]:
 
 #: MiniMax-M2's call block markers (plain text in its tokenizer, not special tokens).
 MINIMAX_CALLS, MINIMAX_CALLS_END = "<minimax:tool_call>", "</minimax:tool_call>"
-_INVOKE, _INVOKE_END = "<invoke name=", "</invoke>"
+#: A MiniMax-M2 call's block markers (the name follows the opening one).
+MINIMAX_INVOKE, MINIMAX_INVOKE_END = "<invoke name=", "</invoke>"
 #: A name as MiniMax-M2 writes it: in double quotes, single quotes, or bare.
 _QUOTED = r"""\s*("[^"\n]*"|'[^'\n]*'|[^\s"'>]+)\s*>"""
-_INVOKE_NAME = re.compile(_QUOTED)
-_MINIMAX_PARAMETER = re.compile(r"\s*<parameter name=" + _QUOTED + "(.*?)</parameter>",
+INVOKE_NAME = re.compile(_QUOTED)
+MINIMAX_PARAMETER = re.compile(r"\s*<parameter name=" + _QUOTED + "(.*?)</parameter>",
                                 re.DOTALL)
 _MINIMAX_BLOCK = re.compile(re.escape(MINIMAX_CALLS) + "(?:.*?)(?:"
                             + re.escape(MINIMAX_CALLS_END) + r"|\Z)", re.DOTALL)
 
 
-def _unquoted(name: str, what: str) -> str:
+def unquoted(name: str, what: str) -> str:
     if len(name) >= 2 and name[0] == name[-1] and name[0] in "\"'":
         name = name[1:-1].strip()
     if not name:
@@ -266,13 +267,13 @@ def minimax_m2_calls(text: str, tools: Tools) -> list[Call]:
     ignored); values with surrounding whitespace stripped, as vLLM's parser does."""
     calls = []
     for block, _ in blocks(text, MINIMAX_CALLS, MINIMAX_CALLS_END):
-        for body, _ in blocks(block, _INVOKE, _INVOKE_END):
-            head = _INVOKE_NAME.match(body)
+        for body, _ in blocks(block, MINIMAX_INVOKE, MINIMAX_INVOKE_END):
+            head = INVOKE_NAME.match(body)
             if head is None:
                 raise ValueError("an invoke without a name")
-            name = _unquoted(head.group(1), "an invoke")
-            pairs = [(_unquoted(key, "a parameter"), value.strip())
-                     for key, value in pairs_of(body[head.end():], _MINIMAX_PARAMETER)]
+            name = unquoted(head.group(1), "an invoke")
+            pairs = [(unquoted(key, "a parameter"), value.strip())
+                     for key, value in pairs_of(body[head.end():], MINIMAX_PARAMETER)]
             calls.append(typed_call(name, pairs, tools))
     return calls
 

@@ -68,11 +68,10 @@ from mrv2.entrypoints.tool_calls import (
     PYTHON_TAG,
     ToolCall,
     ToolParser,
-    _harmony_call,
     get_tool_parser,
+    harmony_call,
 )
-from mrv2.entrypoints.tool_parsers_more import _KIMI_ID as KIMI_ID
-from mrv2.entrypoints.tool_parsers_more import KIMI_ARGUMENTS, KIMI_CALL, KIMI_CALL_END
+from mrv2.entrypoints.tool_parsers_more import KIMI_ARGUMENTS, KIMI_CALL, KIMI_CALL_END, KIMI_ID
 from mrv2.entrypoints.tool_parsers_xml import Tools
 from mrv2.entrypoints.tool_stream_whole import BLOCKS, BlockCalls, CallDelta, PythonCalls
 from mrv2.entrypoints.tool_stream_xml import FORMATS, reads_as
@@ -579,7 +578,7 @@ class ToolCallStream:
             if piece.kind == "content":
                 said.append(piece.text)
             elif piece.kind == "call":
-                out += self._harmony_end(_harmony_call(piece))
+                out += self._harmony_end(harmony_call(piece))
         stream = self.harmony
         header = stream.header
         if stream.state == "body" and header.kind == "call" and header.name:

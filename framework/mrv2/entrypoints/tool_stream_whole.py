@@ -25,16 +25,16 @@ from typing import Any
 from mrv2.entrypoints.reasoning import held_tag_prefix
 from mrv2.entrypoints.tool_calls import PYTHON_START, ToolCall
 from mrv2.entrypoints.tool_parsers_more import (
-    _DSML_INVOKE,
-    _DSML_INVOKE_END,
     DSML_CALLS,
     DSML_CALLS_END,
+    DSML_INVOKE,
+    DSML_INVOKE_END,
 )
 from mrv2.entrypoints.tool_parsers_xml import (
-    _INVOKE,
-    _INVOKE_END,
     MINIMAX_CALLS,
     MINIMAX_CALLS_END,
+    MINIMAX_INVOKE,
+    MINIMAX_INVOKE_END,
     Tools,
 )
 from mrv2.entrypoints.tool_stream_xml import ArgumentStream, Format, Part
@@ -52,8 +52,8 @@ BLOCKS: dict[str, tuple[Tags | None, Tags]] = {
     "qwen3_xml": (None, ("<function=", "</function>")),
     "glm45": (None, ("<tool_call>", "</tool_call>")),
     "glm47": (None, ("<tool_call>", "</tool_call>")),
-    "minimax_m2": ((MINIMAX_CALLS, MINIMAX_CALLS_END), (_INVOKE, _INVOKE_END)),
-    "deepseek_v32": ((DSML_CALLS, DSML_CALLS_END), (_DSML_INVOKE, _DSML_INVOKE_END)),
+    "minimax_m2": ((MINIMAX_CALLS, MINIMAX_CALLS_END), (MINIMAX_INVOKE, MINIMAX_INVOKE_END)),
+    "deepseek_v32": ((DSML_CALLS, DSML_CALLS_END), (DSML_INVOKE, DSML_INVOKE_END)),
 }
 
 

@@ -33,22 +33,22 @@ from typing import Any
 
 from mrv2.entrypoints.tool_calls import ToolCall
 from mrv2.entrypoints.tool_parsers_more import (
-    _DSML_NAME,
-    _DSML_PARAMETER,
-    _WRAPPERS,
+    ARGUMENT_WRAPPERS,
     DSML,
-    _properties,
+    DSML_NAME,
+    DSML_PARAMETER,
+    tool_properties,
 )
 from mrv2.entrypoints.tool_parsers_xml import (
-    _ARG,
-    _DROPPED,
-    _INVOKE_NAME,
-    _MINIMAX_PARAMETER,
-    _PARAMETER,
+    ARG,
+    DROPPED,
+    INVOKE_NAME,
+    MINIMAX_PARAMETER,
+    PARAMETER,
     Tools,
-    _schema_types,
-    _typed_value,
-    _unquoted,
+    schema_types,
+    typed_value,
+    unquoted,
 )
 
 __all__ = ["FORMATS", "ArgumentStream", "Format", "Part", "reads_as"]
@@ -98,7 +98,7 @@ def _qwen_pair(python: bool) -> Pair:
              name: str) -> tuple[str, Any]:
         key = match.group(1).strip()
         value = match.group(2).removeprefix("\n").removesuffix("\n")
-        return key, _typed_value(value, types.get(key, []), python=python)
+        return key, typed_value(value, types.get(key, []), python=python)
     return pair
 
 
@@ -113,24 +113,24 @@ def _glm_head(text: str) -> tuple[str, int]:
 def _glm_pair(match: re.Match[str], types: dict[str, list[str]], first: bool, tools: Tools,
               name: str) -> tuple[str, Any]:
     key = match.group(1).strip()
-    return key, _typed_value(match.group(2), types.get(key, []), loose=True)
+    return key, typed_value(match.group(2), types.get(key, []), loose=True)
 
 
 def _minimax_head(text: str) -> tuple[str, int]:
-    match = _INVOKE_NAME.match(text)
+    match = INVOKE_NAME.match(text)
     if match is None:  # (a quoted name may hold ">": the block's parse reads it)
         raise ValueError("not a name read early")
-    return _unquoted(match.group(1), "an invoke"), match.end()
+    return unquoted(match.group(1), "an invoke"), match.end()
 
 
 def _minimax_pair(match: re.Match[str], types: dict[str, list[str]], first: bool,
                   tools: Tools, name: str) -> tuple[str, Any]:
-    key = _unquoted(match.group(1), "a parameter")
-    return key, _typed_value(match.group(2).strip(), types.get(key, []))
+    key = unquoted(match.group(1), "a parameter")
+    return key, typed_value(match.group(2).strip(), types.get(key, []))
 
 
 def _dsml_head(text: str) -> tuple[str, int]:
-    match = _DSML_NAME.match(text)
+    match = DSML_NAME.match(text)
     if match is None or not match.group(1).strip():
         raise ValueError("not a name read early")
     return match.group(1).strip(), match.end()
@@ -141,23 +141,23 @@ def _dsml_pair(match: re.Match[str], types: dict[str, list[str]], first: bool, t
     key, as_text, value = match.group(1).strip(), match.group(2) == "true", match.group(3)
     if not key:
         raise ValueError("a parameter without a name")
-    if first and key in _WRAPPERS:
-        properties = _properties(tools, name)
+    if first and key in ARGUMENT_WRAPPERS:
+        properties = tool_properties(tools, name)
         if properties and key not in properties:
             raise ValueError("a wrapper the parser may unwrap")
-    return key, value if as_text else _typed_value(value, types.get(key, []), loose=True)
+    return key, value if as_text else typed_value(value, types.get(key, []), loose=True)
 
 
-_QWEN = (_qwen_head, ">", "</parameter>", (_PARAMETER, _DROPPED))
-_GLM = Format(_glm_head, "<arg_key>", "</arg_value>", (_ARG,), _glm_pair)
+_QWEN = (_qwen_head, ">", "</parameter>", (PARAMETER, DROPPED))
+_GLM = Format(_glm_head, "<arg_key>", "</arg_value>", (ARG,), _glm_pair)
 #: The formats whose arguments stream parameter by parameter (``BLOCKS``' formats).
 FORMATS: dict[str, Format] = {
     "qwen3_coder": Format(*_QWEN, _qwen_pair(False)),
     "qwen3_xml": Format(*_QWEN, _qwen_pair(True)),
     "glm45": _GLM, "glm47": _GLM,
-    "minimax_m2": Format(_minimax_head, ">", "</parameter>", (_MINIMAX_PARAMETER,),
+    "minimax_m2": Format(_minimax_head, ">", "</parameter>", (MINIMAX_PARAMETER,),
                          _minimax_pair),
-    "deepseek_v32": Format(_dsml_head, ">", f"</{DSML}parameter>", (_DSML_PARAMETER,),
+    "deepseek_v32": Format(_dsml_head, ">", f"</{DSML}parameter>", (DSML_PARAMETER,),
                            _dsml_pair),
 }
 
@@ -220,7 +220,7 @@ class ArgumentStream:
         except ValueError:
             self.state = "hold"
             return ""
-        self.state, self.types = "params", _schema_types(self.tools, self.name)
+        self.state, self.types = "params", schema_types(self.tools, self.name)
         out.append(Part("", self.name))
         return text[at:]
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
+from torch import nn
 
 from mrv2.contract.attention import RopeInputs
 from mrv2.contract.forward_context import get_forward_context
@@ -156,3 +157,30 @@ class Attention(KVCacheLayer):
             + (f", logit_softcap={self.logit_softcap}" if self.logit_softcap else "")
             + (f", attention_chunk={self.attention_chunk}" if self.attention_chunk else "")
         )
+
+
+def config_sliding_window(config: Any) -> int | None:
+    """The window an HF text config gives its local layers: ``sliding_window``, None where it
+    sets none or ``use_sliding_window`` is false (Qwen2's default). Which layers are local is
+    :func:`mrv2.layers.sliding_window_of`'s; ``disable_sliding_window`` caps ``max_model_len``
+    to this window, as vLLM does."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
+
+
+def disable_sliding_windows(model: nn.Module) -> int:
+    """``disable_sliding_window``: every module of ``model`` whose ``sliding_window`` is a
+    window (an int: the core's :class:`Attention`, a family's own layer that keeps its window
+    under that name) attends over all keys from now on, its window set to None (before the
+    KV cache specs are read: the layers then share the full-attention block tables). The
+    model's structure stays as built (Gemma's per-kind RoPE, EXAONE 4's NoPE global layers),
+    as vLLM's with its config's window cleared. Returns how many modules changed."""
+    changed = 0
+    for module in model.modules():
+        window = getattr(module, "sliding_window", None)
+        if isinstance(window, int) and not isinstance(window, bool):
+            cast(Any, module).sliding_window = None
+            changed += 1
+    return changed

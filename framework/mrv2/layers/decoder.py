@@ -17,7 +17,7 @@ from typing import Any, ClassVar, cast
 import torch
 from torch import nn
 
-from mrv2.layers.attention import Attention
+from mrv2.layers.attention import Attention, config_sliding_window
 from mrv2.layers.embedding import LMHead, VocabEmbedding
 from mrv2.layers.linear import QKVLinear, RowLinear, norm_linear
 from mrv2.layers.mlp import GatedMLP
@@ -40,14 +40,14 @@ def sliding_window_of(config: Any, layer_idx: int) -> int | None:
     none where ``use_sliding_window`` is false; else on the layers ``config.layer_types`` calls
     ``"sliding_attention"`` (Gemma 3, Qwen2 and SmolLM3 with ``use_sliding_window``), else on
     every layer (Mistral); None: all keys before it."""
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
+    window = config_sliding_window(config)
+    if window is None:
         return None  # (SmolLM3 lists sliding layer types it does not use unless told to)
     types = getattr(config, "layer_types", None)
     if types is not None:  # (a layer past the list, an MTP layer: full attention)
         sliding = layer_idx < len(types) and types[layer_idx] == "sliding_attention"
-        return int(window) if sliding else None
-    return int(window)
+        return window if sliding else None
+    return window
 
 
 def head_dim_of(config: Any) -> int:

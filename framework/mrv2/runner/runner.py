@@ -32,6 +32,7 @@ from mrv2.contract.staged_edits import StagedEdits
 from mrv2.contract.staging import Uploader
 from mrv2.contract.state_table import RequestStateTable, RowInfo
 from mrv2.distributed.parallel_state import agree_min, tp_rank, tp_size
+from mrv2.layers.attention import config_sliding_window, disable_sliding_windows
 from mrv2.layers.rotary import context_limit
 from mrv2.lora import make_lora_manager
 from mrv2.model_loader.build import (
@@ -63,7 +64,7 @@ from mrv2.runner.startup import StartupReport, device_bytes_in_use
 from mrv2.runner.state_rows import StateRows
 from mrv2.sample.prompt_logprobs import PromptLogprobs
 from mrv2.sample.rejection import kept_token_logprobs, step_samples
-from mrv2.sample.sampler import SamplePlan, SamplerOutput
+from mrv2.sample.sampler import SamplePlan, Sampler, SamplerOutput
 from mrv2_kernels.input_prep import post_update
 
 #: What :meth:`Runner.shutdown` lets go of: everything that holds device memory.
@@ -111,7 +112,12 @@ class Runner(BetweenSteps):
         with self.startup.part("config"):  # mostly transformers' import (see StartupReport)
             self.hf_config = load_hf_config(model_dir, config.model.hf_overrides)
         self.dtype = resolve_dtype(config.model.dtype, self.hf_config, self.device)
-        self.max_model_len = _max_model_len(config, text_config_of(self.hf_config))
+        #: The window ``disable_sliding_window`` caps ``max_model_len`` to (None: the flag is
+        #: off, or the model has no window: nothing changes), as vLLM's.
+        self.disabled_window = (config_sliding_window(text_config_of(self.hf_config))
+                                if config.model.disable_sliding_window else None)
+        self.max_model_len = _max_model_len(config, text_config_of(self.hf_config),
+                                            self.disabled_window)
         config.scheduler.fit_token_budget(self.max_model_len)  # (before the buffers)
         self.block_size = config.cache.block_size
         registries = self.plugins.registries
@@ -119,6 +125,8 @@ class Runner(BetweenSteps):
             self.model, self.model_entry = build_model(
                 config, model_dir, self.hf_config, registries, self.device, self.dtype
             )
+        if self.disabled_window is not None:  # (before any cache spec is read)
+            disable_sliding_windows(self.model)
         self.startup.weights(self.model_entry.architecture, self.model, tp_size())
         self.vocab_size = int(text_config_of(self.hf_config).vocab_size)
 
@@ -142,7 +150,7 @@ class Runner(BetweenSteps):
             self.model, self.hf_config, config, self.buffers, self.block_size, self.device
         )
         hook = self.plugins.hook
-        self.sampler = hook.mrv2_make_sampler(
+        self.sampler: Sampler = hook.mrv2_make_sampler(
             config=config, registries=registries, vocab_size=self.vocab_size, device=self.device
         )
         self.speculator = hook.mrv2_make_speculator(
@@ -421,9 +429,7 @@ class Runner(BetweenSteps):
         if isinstance(out, torch.Tensor):  # a plugin sampler returning bare tokens
             out = SamplerOutput(out)
         samples = step_samples(batch, out.tokens, step.do_sample_dev, out.verify)
-        out = kept_token_logprobs(
-            batch, logits, out, samples,
-            getattr(self.sampler, "logprobs_mode", "raw_logprobs") == "raw_logits")
+        out = kept_token_logprobs(batch, logits, out, samples, self.sampler.raw_logits)
         num_drafts = step.num_drafts_dev
         if num_drafts is None:
             num_drafts = self._no_drafts[: batch.num_reqs]
@@ -635,13 +641,17 @@ def _kv_dtype_name(kv_cache_dtype: str, dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.") if kv_cache_dtype == "auto" else kv_cache_dtype
 
 
-def _max_model_len(config: EngineConfig, hf_config: Any) -> int:
+def _max_model_len(config: EngineConfig, hf_config: Any, window: int | None = None) -> int:
     """The engine's ``max_model_len``: the one asked for, at most the model's context limit
     (:func:`mrv2.layers.rotary.context_limit`: ``max_position_embeddings``, or longer by its
-    RoPE scaling, as vLLM derives it), which is the default. ``"auto"``: that limit, until
+    RoPE scaling, as vLLM derives it; at most ``window``, the sliding window
+    ``disable_sliding_window`` removed), which is the default. ``"auto"``: that limit, until
     :meth:`Runner._fit_max_model_len` takes the longest length up to it that the KV cache
     holds (the buffers sized before the cache keep the limit's size)."""
     limit, why = context_limit(hf_config)
+    if window is not None and (limit is None or window < limit):
+        limit, why = window, (f"the model's sliding_window={window} (disable_sliding_window: "
+                              "full attention up to the window's length, as vLLM)")
     requested = config.model.fixed_max_model_len
     if requested is None:
         if limit is None:

@@ -111,14 +111,17 @@ class Sampler:
     runner tells it when a request takes or leaves a row and after each step's post-update.
     """
 
+    #: What logprobs report (``EngineConfig.model.logprobs_mode``): "raw_logprobs" or
+    #: "raw_logits" (the model's logits at the same ids). A class default too, so a subclass
+    #: that builds itself without ``Sampler.__init__`` reports logprobs.
+    logprobs_mode: str = "raw_logprobs"
+
     def __init__(
         self, max_num_reqs: int, vocab_size: int, device: torch.device,
         processors: list[LogitsProcessor] | None = None, verify_method: str | None = None,
         synthetic_rate: float | None = None, logprobs_mode: str = "raw_logprobs",
     ) -> None:
         self.processors = list(processors or [])
-        #: What logprobs report (``EngineConfig.model.logprobs_mode``): "raw_logprobs" or
-        #: "raw_logits" (the model's logits at the same ids).
         self.logprobs_mode = logprobs_mode
         self.state = SamplingState(max_num_reqs, vocab_size, device)
         #: The non-strict rejection method in use ("probabilistic", "synthetic") or None: steps
@@ -126,6 +129,11 @@ class Sampler:
         #: is verified strictly; synthetic: always, for the noise keys).
         self.verify_method = verify_method
         self.synthetic_rate = synthetic_rate if verify_method == "synthetic" else None
+
+    @property
+    def raw_logits(self) -> bool:
+        """True when logprobs report the raw logits (``logprobs_mode="raw_logits"``)."""
+        return self.logprobs_mode == "raw_logits"
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -341,8 +349,7 @@ class Sampler:
         plan asks for them."""
         if plan.max_logprobs < 0:
             return SamplerOutput(out, verify=verify)
-        ids, values, rank = token_logprobs(raw, out, plan.max_logprobs,
-                                           self.logprobs_mode == "raw_logits")
+        ids, values, rank = token_logprobs(raw, out, plan.max_logprobs, self.raw_logits)
         return SamplerOutput(out, ids, values, rank, verify)
 
     @staticmethod
