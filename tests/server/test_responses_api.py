@@ -193,8 +193,8 @@ def test_a_forced_function_call_is_a_function_call_item(client: Any) -> None:
               "max_output_tokens": 50, "tools": TOOLS,
               "tool_choice": {"type": "function", "name": "get_weather"}}
 
-    def calls_of(output: Any) -> list[Any]:
-        return [i for i in output if i.type == "function_call"]
+    def calls_of(output: Any) -> list[Any]:  # (a call cut by the limit is "incomplete")
+        return [i for i in output if i.type == "function_call" and i.status == "completed"]
 
     response = next((r for r in (client.responses.create(**kwargs) for _ in range(8))
                      if calls_of(r.output)), None)
@@ -211,6 +211,25 @@ def test_a_forced_function_call_is_a_function_call_item(client: Any) -> None:
     assert len(done) == 1 and done[0].arguments == final.arguments
     assert "".join(d.delta for d in deltas) == final.arguments
     assert json.loads(final.arguments)["city"] in ("Paris", "Rome")
+
+
+def test_a_call_cut_by_the_limit_closes_incomplete() -> None:
+    """A streamed call still open when the answer is cut by ``max_output_tokens`` closes
+    ``incomplete``, as the response does (its arguments may be half a JSON object: a client
+    that runs ``completed`` calls must not run it); a call closed before the cut by the next
+    call stays ``completed``."""
+    from mrv2.entrypoints.responses_output import OutputItems
+    from mrv2.entrypoints.tool_stream import CallDelta
+
+    items = OutputItems("x", lambda kind, **fields: "")
+    items.feed([], [], [CallDelta(0, '{"city": "Rome"}', "get_weather", "call_0"),
+                        CallDelta(1, '{"city": "Pa', "get_weather", "call_1")])
+    output, _ = items.close("incomplete")
+    assert [(i["call_id"], i["status"]) for i in output] == [("call_0", "completed"),
+                                                            ("call_1", "incomplete")]
+    items = OutputItems("y", lambda kind, **fields: "")
+    items.feed([], [], [CallDelta(0, '{"city": "Rome"}', "get_weather", "call_0")])
+    assert items.close("completed")[0][0]["status"] == "completed"
 
 
 def test_function_call_items_in_the_input(client: Any) -> None:

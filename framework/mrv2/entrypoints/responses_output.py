@@ -177,9 +177,9 @@ class OutputItems:
 
     def close(self, status: str = "completed") -> tuple[list[dict[str, Any]], str]:
         """The answer's output items, and the events that close them: the open item; a
-        message item, empty if no content came, where there are no calls. The message item
-        closed here has the answer's ``status`` (``incomplete``: cut by
-        ``max_output_tokens``)."""
+        message item, empty if no content came, where there are no calls. The message or
+        function call item closed here has the answer's ``status`` (``incomplete``: cut by
+        ``max_output_tokens``; a call cut there may hold half its arguments)."""
         has_item = self.kind in ("message", "function_call") or any(
             i["type"] in ("message", "function_call") for i in self.output)
         out = self._open("message") if not has_item else ""
@@ -219,7 +219,7 @@ class OutputItems:
         index, item_id, text = len(self.output), self._id(), "".join(self.text)
         if self.kind == "function_call":
             assert self.call is not None
-            item = _call_item(item_id, self.call, "completed", text)
+            item = _call_item(item_id, self.call, status, text)
             out = self.event("response.function_call_arguments.done", item_id=item_id,
                              output_index=index, arguments=text)
         elif self.kind == "reasoning":
