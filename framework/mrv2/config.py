@@ -191,6 +191,8 @@ class ModelConfig(_Section):
         description="load no tokenizer (vLLM's): prompts must be token ids, outputs carry "
         "token ids and empty text; stop strings, bad words, chat and text prompts are refused",
     )
+    enable_prompt_embeds: bool = Field(default=False, description="take prompts given as "
+        "embeddings (vLLM's; 'prompt_embeds'), from trusted clients: the server loads them")
     tokenizer_revision: str | None = Field(
         default=None, description="as revision, for the tokenizer (no effect on a directory)")
     code_revision: str | None = Field(

@@ -26,6 +26,7 @@ from mrv2.contract.attention import AttentionMetadata
 from mrv2.contract.batch import InputBatch, InputBuffers, last_token_indices
 from mrv2.contract.forward_context import BidirectionalSpan
 from mrv2.contract.kv_cache import KVCacheSpec, layer_specs
+from mrv2.contract.prompt_embeds import PromptEmbedsRows
 from mrv2.contract.request_state import (
     allocate_request_states,
     request_state_layers,
@@ -45,6 +46,12 @@ class ModelState:
     work for any step of a padded size, reading only the persistent buffers and the batch's
     CPU-known bounds, at least for the steps :meth:`mixed_graph_allowed` accepts. ``False``:
     every step with prompt tokens runs eager (nothing captured for them)."""
+
+    prompt_embeds_supported: bool = True
+    """Whether prompts given as embeddings (``enable_prompt_embeds``) may reach this model: the
+    default :meth:`prepare_inputs` splices them over ``model.embed_input_ids``' rows. A state
+    whose model reads more than ``inputs_embeds`` from the prompt's token ids says ``False``:
+    the runner then refuses the flag at start-up, naming the architecture."""
 
     def __init__(
         self,
@@ -83,6 +90,9 @@ class ModelState:
             f"(1 + speculative tokens) + {self.request_state_slots} snapshot slots")
         #: One row's bytes across every layer (what one request reads and writes a step).
         self.request_state_row_bytes = self.request_state_bytes // rows
+        #: The prompt embeddings of requests given as embeddings (the runner fills it; the
+        #: default :meth:`prepare_inputs` splices a step's rows).
+        self.prompt_embeds = PromptEmbedsRows(device, dtype)
 
     @property
     def keeps_request_state(self) -> bool:
@@ -132,14 +142,18 @@ class ModelState:
     def prepare_inputs(self, batch: InputBatch) -> dict[str, Any]:
         """``model.forward`` keyword arguments: token ids and positions of the padded step.
 
-        When :meth:`get_mm_embeddings` returns rows, the token embeddings
+        When :meth:`get_mm_embeddings` returns rows, or the step computes rows of a prompt
+        given as embeddings (:attr:`prompt_embeds`), the token embeddings
         (``model.embed_input_ids``) come with them spliced in, as ``inputs_embeds``.
         """
         inputs: dict[str, Any] = {"input_ids": batch.input_ids, "positions": batch.positions}
         mm = self.get_mm_embeddings(batch)
-        if mm is not None:
+        given = self.prompt_embeds.step_rows(batch)
+        if mm is not None or given is not None:
             embeds: torch.Tensor = cast(Any, self.model).embed_input_ids(batch.input_ids)
-            embeds.index_copy_(0, mm.token_indices, mm.embeddings.to(embeds.dtype))
+            for rows in (mm, given):
+                if rows is not None:
+                    embeds.index_copy_(0, rows.token_indices, rows.embeddings.to(embeds.dtype))
             inputs["inputs_embeds"] = embeds
         return inputs
 

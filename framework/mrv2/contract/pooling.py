@@ -4,7 +4,7 @@ asks for, as vLLM's ``PoolingParams`` names it."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 
@@ -104,3 +104,16 @@ class PoolingParams:
             raise ValueError(f"dimensions={self.dimensions} is invalid: this model's "
                              f"embeddings have {hidden_size} (1 <= dimensions <= "
                              f"{hidden_size})")
+
+
+def with_task(pooling_params: PoolingParams | None, task: str | None) -> PoolingParams:
+    """``pooling_params`` (None: the defaults) for ``task`` (None: its own), as vLLM's
+    ``LLM.encode`` sets them: ValueError naming both where the params name another task."""
+    params = pooling_params or PoolingParams()
+    if task is None or params.task == task:
+        return params
+    if params.task is not None:
+        raise ValueError(f"pooling_task={task!r} differs from pooling_params.task="
+                         f"{params.task!r}: one cannot overwrite the other (leave "
+                         "PoolingParams.task unset)")
+    return replace(params, task=task)

@@ -12,7 +12,8 @@ from tqdm import tqdm
 from mrv2.config import EngineConfig
 from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import SamplingParams
-from mrv2.contract.pooling import TASKS, PoolingParams
+from mrv2.contract.pooling import TASKS, PoolingParams, with_task
+from mrv2.contract.prompt_embeds import embeds_prompt
 from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from mrv2.engine.content_format import (
@@ -48,11 +49,14 @@ from mrv2.plugins import PluginManager
 Prompt = str | dict[str, Any]
 """A string, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``, either with
 ``"multi_modal_data": {"image": PIL.Image or [images]}`` for a multimodal model and with
-``"cache_salt": "..."`` (vLLM's: only prompts of the same salt share prefix-cache blocks)."""
+``"cache_salt": "..."`` (vLLM's: only prompts of the same salt share prefix-cache blocks);
+or ``{"prompt_embeds": tensor}`` (vLLM's EmbedsPrompt, ``[length, hidden_size]``; needs
+``enable_prompt_embeds=True``)."""
 
 Encoded = tuple[list[int], str | None, list[MultiModalItem]]
 #: The keys a prompt dict may have (vLLM's TextPrompt / TokensPrompt fields mrv2 reads).
-_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data", "cache_salt"})
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data", "cache_salt",
+                          "prompt_embeds"})
 
 _TQDM_MIN_REQUESTS = 8
 
@@ -176,7 +180,7 @@ class LLM:
         salts = [_cache_salt(prompt) for prompt in prompts]
         encoded = [self._encode(prompt) for prompt in prompts]
         if any(items for _, _, items in encoded):
-            raise ValueError("beam_search takes text prompts only (no multi_modal_data)")
+            raise ValueError("beam_search takes text or token prompts (no media, no prompt_embeds)")
         return beam_search(self.engine, [ids for ids, _, _ in encoded], params, loras, salts)
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -257,7 +261,7 @@ class LLM:
         steps, as ``generate``'s; every prompt is validated before any is queued.
         ``truncate_prompt_tokens``: keep each prompt's last so many tokens (vLLM's; -1:
         ``max_model_len``)."""
-        outputs = self._pool(prompts, _with_task(pooling_params, "embed"), use_tqdm,
+        outputs = self._pool(prompts, with_task(pooling_params, "embed"), use_tqdm,
                              lora_request, truncate_prompt_tokens)
         return [EmbeddingRequestOutput.of(o, EmbeddingOutput) for o in outputs]
 
@@ -280,7 +284,7 @@ class LLM:
         if pooling_task is not None and pooling_task not in TASKS:
             raise ValueError(f"pooling_task must be one of {list(TASKS)}, got "
                              f"{pooling_task!r}")
-        params = _with_task(pooling_params, pooling_task)
+        params = with_task(pooling_params, pooling_task)
         if params.task is None:  # (neither names one: the model's own)
             params = dataclasses.replace(params, task=self.engine.default_pooling_task)
         outputs = self._pool(prompts, params, use_tqdm, lora_request, truncate_prompt_tokens)
@@ -315,7 +319,7 @@ class LLM:
         ``llm.engine.id2label`` names the labels.
         ``truncate_prompt_tokens``: keep each prompt's last so many tokens (-1:
         ``max_model_len``)."""
-        outputs = self._pool(prompts, _with_task(pooling_params, "classify"), use_tqdm,
+        outputs = self._pool(prompts, with_task(pooling_params, "classify"), use_tqdm,
                              lora_request, truncate_prompt_tokens)
         return [ClassificationRequestOutput.of(o, ClassificationOutput) for o in outputs]
 
@@ -359,6 +363,8 @@ class LLM:
     def _pair(self, first: Prompt, second: Prompt) -> list[int]:
         """A pair's prompt: two texts as the tokenizer pairs them (vLLM's ``text_pair``), else
         the first's ids then the second's (a text's without its special tokens)."""
+        if any(isinstance(p, dict) and "prompt_embeds" in p for p in (first, second)):
+            raise ValueError("score takes text or token pairs (no prompt_embeds)")
         texts = [_text_of(first), _text_of(second)]
         if texts[0] is not None and texts[1] is not None:
             return self._require_tokenizer().encode_pair(texts[0], texts[1])
@@ -514,6 +520,9 @@ class LLM:
         if unknown:  # (ignored, it would not do what its sender meant)
             raise ValueError(f"unknown prompt field(s) {unknown}; a prompt dict takes "
                              f"{sorted(_PROMPT_KEYS)}")
+        if isinstance(prompt, dict) and "prompt_embeds" in prompt:  # (vLLM's EmbedsPrompt)
+            ids, item = embeds_prompt(prompt, self.engine)
+            return ids, None, [item]
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
@@ -582,19 +591,6 @@ def _text_of(prompt: Prompt) -> str | None:
             and "prompt_token_ids" not in prompt and "multi_modal_data" not in prompt):
         return str(prompt["prompt"])
     return None
-
-
-def _with_task(pooling_params: PoolingParams | None, task: str | None) -> PoolingParams:
-    """``pooling_params`` (None: the defaults) for ``task`` (None: its own), as vLLM's
-    ``LLM.encode`` sets them: ValueError naming both where the params name another task."""
-    params = pooling_params or PoolingParams()
-    if task is None or params.task == task:
-        return params
-    if params.task is not None:
-        raise ValueError(f"pooling_task={task!r} differs from pooling_params.task="
-                         f"{params.task!r}: one cannot overwrite the other (leave "
-                         "PoolingParams.task unset)")
-    return dataclasses.replace(params, task=task)
 
 
 def _cache_salt(prompt: Prompt) -> str | None:

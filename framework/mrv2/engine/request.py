@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import SamplingParams
 from mrv2.contract.pooling import PoolingParams
+from mrv2.contract.prompt_embeds import PROMPT_EMBEDS_KIND, rows_digest
 from mrv2.contract.requests import MultiModalItem
 from mrv2.engine.block_manager import BlockHash, hash_block
 from mrv2.engine.state_snapshots import StateSave
@@ -133,12 +134,15 @@ class Request:
 
     def block_extra_keys(self, block_index: int, block_size: int) -> tuple[Hashable, ...] | None:
         """Extra hash keys of a block: the content hashes of the multimodal items whose
-        placeholders overlap it (with where the overlap starts in the item), the request's
+        placeholders overlap it (with where the overlap starts in the item; a prompt given as
+        embeddings: the digest of the block's rows, so prompts sharing leading rows share
+        blocks, as vLLM's), the request's
         LoRA adapter (a prompt's KV under one adapter is not another's) and, for the first
         block only, its cache salt (as vLLM's); none for plain text."""
         start, end = block_index * block_size, (block_index + 1) * block_size
         keys: tuple[Hashable, ...] = tuple(
-            (item.content_hash, max(start - item.offset, 0)) for item in self.mm_items
+            rows_digest(item, start, end) if item.kind == PROMPT_EMBEDS_KIND
+            else (item.content_hash, max(start - item.offset, 0)) for item in self.mm_items
             if item.offset < end and item.offset + item.length > start)
         if self.lora_request is not None:  # an adapter's KV is its own
             keys += (("lora", self.lora_request.lora_int_id),)

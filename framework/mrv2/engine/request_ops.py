@@ -14,6 +14,7 @@ from mrv2.contract.input_processor import InputProcessor
 from mrv2.contract.lora import LoRARequest
 from mrv2.contract.params import RequestOutputKind, SamplingParams, derive_seed
 from mrv2.contract.pooling import PoolingParams
+from mrv2.contract.prompt_embeds import check_given_embeds, split_prompt_embeds
 from mrv2.contract.requests import MultiModalItem, NewRequest
 from mrv2.engine.block_manager import BlockManager
 from mrv2.engine.detokenizer import IncrementalDetokenizer
@@ -171,6 +172,9 @@ class RequestOps:
         """
         check_cache_salt(cache_salt)
         check_priority(priority, self.config.scheduler.policy)
+        embeds = check_given_embeds(list(mm_items or []), prompt_token_ids,
+                                    params.prompt_logprobs, self.config.model.enable_prompt_embeds,
+                                    self.hidden_size)
         if pooling_params is None and params.truncate_prompt_tokens is not None:
             cut = truncate_prompt(prompt_token_ids, params, self.max_model_len, bool(mm_items))
             prompt = prompt if len(cut) == len(prompt_token_ids) else None
@@ -190,7 +194,8 @@ class RequestOps:
         flight = self._flight
         req_id = request_id if request_id is not None else flight.new_id(params.n)
         self.runner.model_state.check_request(  # (the family's item checks, before queueing)
-            NewRequest(req_id, prompt_token_ids, params, 0, [], mm_items=mm_items))
+            split_prompt_embeds(NewRequest(req_id, prompt_token_ids, params, 0, [],
+                                           mm_items=mm_items))[0])
         budget = self.config.scheduler.max_num_batched_tokens
         for item in mm_items:
             if item.bidirectional and item.length > budget:
@@ -237,8 +242,9 @@ class RequestOps:
         if self.tokenizer is not None and params.detokenize:
             # (the prompt's last tokens as context, as vLLM's: a sentencepiece model's first
             # word keeps its leading space, so prompt + output reads as the model wrote it)
-            detok = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, params.skip_special_tokens,
+            detok = IncrementalDetokenizer(  # (embeddings: placeholder ids, no context)
+                self.tokenizer, [] if embeds else request.prompt_token_ids,
+                params.skip_special_tokens,
                 use_prompt_context=True,
                 spaces_between_special_tokens=params.spaces_between_special_tokens,
             )

@@ -1,11 +1,12 @@
-"""OpenAI's text generation routes: ``POST /v1/completions`` (prompts as text or token ids)
-and ``POST /v1/chat/completions`` (messages through the chat template, with tool calls and
-the reasoning parser); each answers with one body or streams by server-sent events, or by
-beam search (``use_beam_search``). :func:`run_chat` is the chat path, which the Responses
-API (:mod:`mrv2.entrypoints.responses_routes`) takes too."""
+"""OpenAI's text generation routes: ``POST /v1/completions`` (prompts as text or token ids,
+or vLLM's ``prompt_embeds``) and ``POST /v1/chat/completions`` (messages through the chat
+template, with tool calls and the reasoning parser); each answers with one body or streams by
+server-sent events, or by beam search (``use_beam_search``). :func:`run_chat` is the chat
+path, which the Responses API (:mod:`mrv2.entrypoints.responses_routes`) takes too."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any
 
@@ -13,7 +14,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from mrv2.contract.params import StructuredOutputsParams
+from mrv2.contract.requests import MultiModalItem
 from mrv2.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from mrv2.entrypoints.prompt_embeds_http import load_prompt_embeds
 from mrv2.entrypoints.reasoning import PLUGINS as REASONING_PLUGINS
 from mrv2.entrypoints.reasoning import (
     grammar_mark,
@@ -48,12 +51,15 @@ def add_completion_routes(app: FastAPI, serving: Serving) -> None:
         except ValueError as error:
             raise APIError(400, str(error), param="prompt") from None
         n, max_pending = body.sequences(params), serving.max_pending
-        if len(prompts) * n > max_pending:  # it could never run: not a 503 (retry)
-            raise APIError(400, f"prompt: {len(prompts)} prompts x n={n} are "
-                           f"{len(prompts) * n} sequences, more than this server ever "
+        embeds = body.prompt_embeds
+        total = len(prompts) + (len(embeds) if isinstance(embeds, list) else embeds is not None)
+        if total * n > max_pending:  # it could never run: not a 503 (retry)
+            raise APIError(400, f"prompt: {total} prompts x n={n} are "
+                           f"{total * n} sequences, more than this server ever "
                            f"holds at once ({max_pending}: mrv2 serve --max-pending); send "
                            "fewer prompts per request", param="prompt")
-        encoded: list[tuple[list[int], str | None]] = []
+        given = await _given_embeds(serving, body)  # (answered first, as vLLM's)
+        encoded: list[tuple[list[int], str | None]] = [(ids, None) for ids, _ in given]
         keep = serving.room(body, params)  # (the same for every prompt of the request)
         for p in prompts:
             if isinstance(p, str):
@@ -75,16 +81,36 @@ def add_completion_routes(app: FastAPI, serving: Serving) -> None:
                          for ids, text in encoded],
                         lambda token: tok.decode([token], False), body.echo_only)
         lora = serving.lora_of(body)
+        items = ([[item] for _, item in given] + [[] for _ in prompts]) if given else None
         return await serving.serve(request, "cmpl",
                                    lora.lora_name if lora else serving.model_name,
                                    encoded, params, body, False,
                                    prompt_tokens_details=serving.prompt_tokens_details,
-                                   echo=echo, lora=lora)
+                                   echo=echo, lora=lora, prompt_items=items)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body: ChatCompletionRequest = await serving.parse(request, ChatCompletionRequest)
         return await run_chat(serving, request, body)
+
+
+async def _given_embeds(serving: Serving, body: CompletionRequest
+                        ) -> list[tuple[list[int], MultiModalItem]]:
+    """The request's ``prompt_embeds`` (none: empty), loaded and checked off the event loop
+    (decoding and hashing a large tensor takes a while); a 400 naming the field for a bad one,
+    or one with what needs prompt tokens (echo, beam search, a truncation, prompt logprobs)."""
+    if body.prompt_embeds is None:
+        return []
+    for name, bad in (("echo", body.echo), ("use_beam_search", body.use_beam_search),
+                      ("truncate_prompt_tokens", body.truncate_prompt_tokens is not None),
+                      ("prompt_logprobs", body.prompt_logprobs is not None)):
+        if bad:
+            raise APIError(400, f"{name}: not with prompt_embeds (a prompt given as "
+                           "embeddings has no tokens)", param=name)
+    try:
+        return await asyncio.to_thread(load_prompt_embeds, body.prompt_embeds, serving.engine)
+    except ValueError as error:
+        raise APIError(400, str(error), param="prompt_embeds") from None
 
 
 async def run_chat(serving: Serving, request: Request, body: ChatCompletionRequest,

@@ -309,7 +309,10 @@ class StreamOptions(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    #: vLLM's: prompts given as embeddings, each the base64 of a ``torch.save``'d
+    #: ``[length, hidden_size]`` tensor (``--enable-prompt-embeds``); answered before ``prompt``.
+    prompt_embeds: str | list[str] | None = None
     #: 0 only with ``echo`` (OpenAI's and vLLM's): the prompt alone, no answer
     #: (:attr:`echo_only`).
     max_tokens: int | None = Field(default=16, ge=0)
@@ -324,6 +327,10 @@ class CompletionRequest(_Request):
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each a string or a list of token ids."""
         p = self.prompt
+        if p is None:
+            if self.prompt_embeds is None:
+                raise ValueError("prompt is required (or prompt_embeds)")
+            return []
         if isinstance(p, str):
             return [p]
         if not p:

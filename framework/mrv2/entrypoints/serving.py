@@ -346,9 +346,11 @@ class Serving:
                     reasoning: str | None = None, tools: ToolCalling | None = None,
                     prompt_tokens_details: bool = False, echo: Echo | None = None,
                     stream_cls: type[Stream] = Stream, extra: dict[str, Any] | None = None,
-                    lora: LoRARequest | None = None) -> Response:
-        """Submit every prompt (with ``mm_items``: one chat prompt's images; through adapter
-        ``lora``, if any); answer with one JSON body or an SSE stream."""
+                    lora: LoRARequest | None = None,
+                    prompt_items: list[list[MultiModalItem]] | None = None) -> Response:
+        """Submit every prompt (with ``mm_items``: one chat prompt's images, or
+        ``prompt_items``: each prompt's items; through adapter ``lora``, if any); answer with
+        one JSON body or an SSE stream."""
         worker = self.worker
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -361,10 +363,11 @@ class Serving:
         else:
             context = tracer.context_of(request.headers)
         try:
-            for req_id, (ids, text) in zip(req_ids, encoded, strict=True):
+            for i, (req_id, (ids, text)) in enumerate(zip(req_ids, encoded, strict=True)):
                 trace = None if tracer is None else tracer.request(req_id, model, params,
                                                                    context)
-                await worker.admit(req_id, ids, params, text, sink, loop, mm_items, lora,
+                items = prompt_items[i] if prompt_items is not None else mm_items
+                await worker.admit(req_id, ids, params, text, sink, loop, items, lora,
                                    cache_salt=body.cache_salt, priority=body.priority,
                                    trace=trace)
                 submitted.append(req_id)

@@ -30,10 +30,9 @@ from mrv2.contract.requests import NewRequest, SchedulerOutput
 from mrv2.contract.samples import SpeculatorInputs, StepSamples
 from mrv2.contract.staged_edits import StagedEdits
 from mrv2.contract.staging import Uploader
-from mrv2.contract.state_table import RequestStateTable, RowInfo
+from mrv2.contract.state_table import RequestStateTable
 from mrv2.distributed.parallel_state import agree_min, tp_rank, tp_size
 from mrv2.layers.attention import config_sliding_window, disable_sliding_windows
-from mrv2.layers.rotary import context_limit
 from mrv2.lora import make_lora_manager
 from mrv2.model_loader.build import (
     CausalLM,
@@ -44,6 +43,13 @@ from mrv2.model_loader.build import (
 )
 from mrv2.model_loader.classification import score_head
 from mrv2.plugins import PluginManager, get_plugin_manager
+from mrv2.runner.admission import (
+    add_requests,
+    check_prompt_embeds,
+    engine_max_model_len,
+    kv_dtype_name,
+    remove_requests,
+)
 from mrv2.runner.async_output import AsyncStepOutput, PinnedRing
 from mrv2.runner.batch_builder import BatchBuilder, StepPlan
 from mrv2.runner.between_steps import BetweenSteps
@@ -116,8 +122,8 @@ class Runner(BetweenSteps):
         #: off, or the model has no window: nothing changes), as vLLM's.
         self.disabled_window = (config_sliding_window(text_config_of(self.hf_config))
                                 if config.model.disable_sliding_window else None)
-        self.max_model_len = _max_model_len(config, text_config_of(self.hf_config),
-                                            self.disabled_window)
+        self.max_model_len = engine_max_model_len(config, text_config_of(self.hf_config),
+                                                  self.disabled_window)
         config.scheduler.fit_token_budget(self.max_model_len)  # (before the buffers)
         self.block_size = config.cache.block_size
         registries = self.plugins.registries
@@ -183,7 +189,7 @@ class Runner(BetweenSteps):
         self.buffers.add_block_tables(self.kv.layout.num_tables - 1)
         self.builder = BatchBuilder(self.table, self.buffers, self.block_size,
                                     self.max_num_tokens, self.num_speculative_tokens)
-        self.builder.mixed_graph_allowed = self.model_state.mixed_graph_allowed
+        self.builder.mixed_graph_allowed = check_prompt_embeds(self)
         per_block = self.kv.bytes_per_block(self.block_size, self.dtype)
         with self.startup.part("kv_cache"):
             peak = self._profile_peak_bytes()
@@ -195,7 +201,7 @@ class Runner(BetweenSteps):
         if config.model.auto_max_model_len:  # (what reads it from here on sees its length)
             self._fit_max_model_len(per_block)
         self.startup.kv_cache(self.num_kv_blocks, self.block_size, per_block,
-                              _kv_dtype_name(config.cache.kv_cache_dtype, self.dtype),
+                              kv_dtype_name(config.cache.kv_cache_dtype, self.dtype),
                               self.max_model_len, peak, self.kv_table_windows)
         if self.speculator is not None:
             self.speculator.bind_kv_caches(self.kv.tensors, self.kv.backends)
@@ -270,50 +276,12 @@ class Runner(BetweenSteps):
     # -- requests ----------------------------------------------------------------------------
 
     def _add_requests(self, requests: list[NewRequest], staged: StagedEdits) -> None:
-        """Give a step's new requests their rows and stage their tokens, blocks and sampling
-        columns, all requests checked first (one staged put per table for all of them: a
-        burst of prompts costs ~26 µs of host time a request when staged one at a time)."""
-        for request in requests:
-            n = len(request.token_ids)
-            if not 0 < n <= self.max_model_len:
-                raise ValueError(
-                    f"request {request.req_id!r} has {n} tokens; allowed 1..{self.max_model_len}"
-                )
-            if len(request.block_ids) > self.max_blocks_per_req:
-                raise ValueError(f"request {request.req_id!r} holds too many blocks")
-            self.sampler.check_params(request.sampling_params)
-            self.model_state.check_request(request)
-        if self.lora is not None:
-            self.lora.check_requests(requests)
-        elif any(r.lora_request is not None for r in requests):
-            raise ValueError("a request names a LoRA adapter but enable_lora is off")
-        rows = [self.table.allocate(RowInfo(r.req_id, r.num_computed_tokens, len(r.token_ids),
-                                            len(r.token_ids))) for r in requests]
-        self.builder.stage_new_rows(rows, [r.token_ids for r in requests],
-                                    [r.block_ids for r in requests],
-                                    [r.num_computed_tokens for r in requests], staged,
-                                    [r.extra_block_ids for r in requests])
-        self.sampler.add_requests(requests, rows, staged)
-        if self.lora is not None:
-            self.lora.add_requests(requests, rows, staged)
-        self.pooler.add(requests, rows)
-        self.state_rows.add_requests(requests, rows, staged)
-        for request, row in zip(requests, rows, strict=True):
-            self.model_state.add_request(request, row)
+        """Give a step's new requests their rows (:func:`mrv2.runner.admission.add_requests`)."""
+        add_requests(self, requests, staged)
 
     def remove_requests(self, req_ids: list[str]) -> None:
-        """Free the rows of finished, aborted or preempted requests (``execute`` does it too).
-        An id without a row is passed over: a request admitted to a step that failed before
-        it got one (an adapter that could no longer be read), aborted since."""
-        for req_id in req_ids:
-            if req_id not in self.table.rows:
-                continue
-            row = self.table.release(req_id)
-            self.sampler.remove_request(row)
-            self.model_state.remove_request(req_id, row)
-            if self.lora is not None:
-                self.lora.remove_request(row)
-            self.pooler.remove(row)
+        """Free finished, aborted or preempted requests' rows (:func:`remove_requests`)."""
+        remove_requests(self, req_ids)
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -635,30 +603,3 @@ class Runner(BetweenSteps):
             self.max_blocks_per_req = -(-self.max_model_len // self.block_size)
         self.startup.auto_max_model_len(self.max_model_len, bound, self.num_kv_blocks,
                                         self.block_size, bytes_per_block)
-
-def _kv_dtype_name(kv_cache_dtype: str, dtype: torch.dtype) -> str:
-    """The cache's element type: the model's for ``auto``."""
-    return str(dtype).removeprefix("torch.") if kv_cache_dtype == "auto" else kv_cache_dtype
-
-
-def _max_model_len(config: EngineConfig, hf_config: Any, window: int | None = None) -> int:
-    """The engine's ``max_model_len``: the one asked for, at most the model's context limit
-    (:func:`mrv2.layers.rotary.context_limit`: ``max_position_embeddings``, or longer by its
-    RoPE scaling, as vLLM derives it; at most ``window``, the sliding window
-    ``disable_sliding_window`` removed), which is the default. ``"auto"``: that limit, until
-    :meth:`Runner._fit_max_model_len` takes the longest length up to it that the KV cache
-    holds (the buffers sized before the cache keep the limit's size)."""
-    limit, why = context_limit(hf_config)
-    if window is not None and (limit is None or window < limit):
-        limit, why = window, (f"the model's sliding_window={window} (disable_sliding_window: "
-                              "full attention up to the window's length, as vLLM)")
-    requested = config.model.fixed_max_model_len
-    if requested is None:
-        if limit is None:
-            auto = " ('auto' is at most the model's context length)" if (
-                config.model.auto_max_model_len) else ""
-            raise ValueError(f"max_model_len is required{auto}: {why}")
-        return limit
-    if limit is not None and requested > limit:
-        raise ValueError(f"max_model_len={requested} exceeds {why}")
-    return requested

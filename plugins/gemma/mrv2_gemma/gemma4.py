@@ -407,6 +407,9 @@ class Gemma4ForCausalLM(CausalLM):
         model = Gemma4TextModel(
             config, lambda i: Gemma4DecoderLayer(config, i, ropes[types[i]]))
         super().__init__(config, model)
+        #: Prompts given as embeddings can't reach a model with per-layer embeddings (they
+        #: read the prompt's token ids too): the runner refuses ``enable_prompt_embeds``.
+        self.prompt_embeds_supported = not model.ple_dim
         cap = getattr(config, "final_logit_softcapping", None)
         self.final_softcap = None if cap is None else float(cap)
         first = first_shared_layer(config)

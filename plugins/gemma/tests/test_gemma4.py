@@ -291,3 +291,21 @@ def test_bad_configs_name_the_field(overrides: dict[str, Any], match: str) -> No
     config = transformers.Gemma4TextConfig(**_text(**overrides))
     with pytest.raises(ValueError, match=match):
         Gemma4ForCausalLM(config)
+
+
+def test_per_layer_embeddings_refuse_prompt_embeds(tmp_path: Path) -> None:
+    """A model with per-layer embeddings reads the prompt's token ids beside their embeddings:
+    ``enable_prompt_embeds`` is refused at start-up, naming the architecture; without them
+    (PLAIN) prompts given as embeddings run."""
+    _save_text(tmp_path / "ple", **FULL)
+    with pytest.raises(ValueError, match="Gemma4ForCausalLM model takes no prompt embeddings"):
+        LLM(str(tmp_path / "ple"), device="cpu", dtype="float32", enable_prompt_embeds=True)
+    _save_text(tmp_path / "plain", **PLAIN)
+    llm = LLM(str(tmp_path / "plain"), device="cpu", dtype="float32", block_size=4,
+              enable_prompt_embeds=True)
+    ids = [5, 17, 42, 9, 100]
+    embeds = llm.engine.runner.model.embed_input_ids(torch.tensor(ids)).detach()
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    by_ids, by_embeds = llm.generate([{"prompt_token_ids": ids}, {"prompt_embeds": embeds}],
+                                     params, use_tqdm=False)
+    assert by_embeds.outputs[0].token_ids == by_ids.outputs[0].token_ids
