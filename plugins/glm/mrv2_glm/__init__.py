@@ -1,24 +1,29 @@
-"""mrv2 model plugin for the GLM-4.5 / 4.6 / 4.7 family (``Glm4MoeForCausalLM``) and its
-multi-token-prediction layers. Exports resolve lazily: importing this is cheap."""
+"""mrv2 model plugin for the GLM family: GLM-4.5 / 4.6 / 4.7 (``Glm4MoeForCausalLM``) and its
+multi-token-prediction layers, the GLM-4 dense models (``GlmForCausalLM``,
+``Glm4ForCausalLM``) and GLM-4.7-Flash (``Glm4MoeLiteForCausalLM``). Exports resolve lazily:
+importing this is cheap."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from mrv2_glm.dense import Glm4ForCausalLM, GlmForCausalLM
+    from mrv2_glm.lite import Glm4MoeLiteForCausalLM
     from mrv2_glm.model import Glm4MoeForCausalLM
     from mrv2_glm.mtp import Glm4MoeMTP
 
-__all__ = ["Glm4MoeForCausalLM", "Glm4MoeMTP"]
+__all__ = ["Glm4ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "Glm4MoeMTP",
+           "GlmForCausalLM"]
+
+#: Export -> the module defining it.
+_MODULES = {"Glm4MoeForCausalLM": "model", "Glm4MoeMTP": "mtp", "GlmForCausalLM": "dense",
+            "Glm4ForCausalLM": "dense", "Glm4MoeLiteForCausalLM": "lite"}
 
 
 def __getattr__(name: str) -> Any:
-    if name == "Glm4MoeForCausalLM":
-        from mrv2_glm.model import Glm4MoeForCausalLM
+    if name in _MODULES:
+        import importlib
 
-        return Glm4MoeForCausalLM
-    if name == "Glm4MoeMTP":
-        from mrv2_glm.mtp import Glm4MoeMTP
-
-        return Glm4MoeMTP
+        return getattr(importlib.import_module(f"mrv2_glm.{_MODULES[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,5 +1,6 @@
 """The GLM plugin as a distribution: its entry point and ``mrv2 plugins`` listing, running a GLM
-checkpoint with only this plugin allowed, and no import of another family's plugin."""
+checkpoint with only this plugin allowed, and no import of another family's plugin (but
+GLM-4.7-Flash's of DeepSeek's MLA, declared as the ``mla`` extra)."""
 
 from __future__ import annotations
 
@@ -19,18 +20,25 @@ from mrv2.testing import hf_greedy, make_tiny_checkpoint
 
 PLUGIN_DIR = Path(__file__).resolve().parents[1]
 PACKAGE_DIR = PLUGIN_DIR / "mrv2_glm"
-OTHER_FAMILIES = ("mrv2_qwen", "mrv2_llama")
+OTHER_FAMILIES = ("mrv2_qwen", "mrv2_llama", "mrv2_deepseek")
+#: The one module that may import another family's plugin, and what: GLM-4.7-Flash runs
+#: mrv2-plugin-deepseek's MLA (the ``mla`` extra).
+ALLOWED = {"lite.py": ("mrv2_deepseek.mla", "mrv2_deepseek.model")}
 
 
 def test_distribution_and_entry_point() -> None:
     dist = metadata.distribution("mrv2-plugin-glm")
     assert dist.version == "0.1.0"
-    assert dist.requires == ["mrv2>=0.1"]  # nothing of another family's plugin
+    # nothing of another family's plugin, but for the extra GLM-4.7-Flash needs
+    assert [r for r in dist.requires or [] if "extra ==" not in r] == ["mrv2>=0.1"]
     assert [(ep.group, ep.name, ep.value) for ep in dist.entry_points] == [
         ("mrv2", "glm", "mrv2_glm.plugin")]
     text = (PLUGIN_DIR / "pyproject.toml").read_text()
     assert 'name = "mrv2-plugin-glm"' in text and 'dependencies = ["mrv2>=0.1"]' in text
-    assert set(mrv2_glm.__all__) == {"Glm4MoeForCausalLM", "Glm4MoeMTP"}
+    assert 'mla = ["mrv2-plugin-deepseek>=0.1"]' in text
+    assert set(mrv2_glm.__all__) == {"Glm4MoeForCausalLM", "Glm4MoeMTP", "GlmForCausalLM",
+                                     "Glm4ForCausalLM", "Glm4MoeLiteForCausalLM"}
+    assert mrv2_glm.Glm4ForCausalLM.__name__ == "Glm4ForCausalLM"
     assert mrv2_glm.Glm4MoeMTP.__name__ == "Glm4MoeMTP"
     with pytest.raises(AttributeError):
         _ = mrv2_glm.Nope
@@ -45,11 +53,15 @@ def test_cli_lists_the_plugin(capsys: pytest.CaptureFixture[str]) -> None:
                      out, re.M), out
     assert re.search(r"^    Glm4MoeForCausalLM  \(glm: mrv2_glm\.model:Glm4MoeForCausalLM\)$",
                      out, re.M), out
+    for arch, module in (("GlmForCausalLM", "dense"), ("Glm4ForCausalLM", "dense"),
+                         ("Glm4MoeLiteForCausalLM", "lite")):
+        assert f"    {arch}  (glm: mrv2_glm.{module}:{arch})\n" in out, out
 
 
 def test_no_module_imports_another_family() -> None:
     modules = sorted(PACKAGE_DIR.rglob("*.py"))
-    assert {m.name for m in modules} >= {"__init__.py", "plugin.py", "model.py", "mtp.py"}
+    assert {m.name for m in modules} >= {"__init__.py", "plugin.py", "model.py", "mtp.py",
+                                         "dense.py", "lite.py"}
     for module in modules:
         for node in ast.walk(ast.parse(module.read_text(), str(module))):
             names: list[str] = []
@@ -58,6 +70,8 @@ def test_no_module_imports_another_family() -> None:
             elif isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
             for name in names:
+                if name in ALLOWED.get(module.name, ()):
+                    continue
                 assert not name.startswith(OTHER_FAMILIES), f"{module.name} imports {name}"
 
 
