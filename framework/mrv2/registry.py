@@ -40,6 +40,8 @@ KNOWN_PACKAGES: dict[str, str] = {
     "Mamba2ForCausalLM": "mrv2-plugin-mamba",
     "Llama4ForCausalLM": "mrv2-plugin-llama4",
     "Llama4ForConditionalGeneration": "mrv2-plugin-llama4",
+    "HunYuanDenseV1ForCausalLM": "mrv2-plugin-hunyuan",
+    "HunYuanMoEV1ForCausalLM": "mrv2-plugin-hunyuan",
     "Qwen2VLForConditionalGeneration": "mrv2-plugin-qwen-vl",
     "Qwen3VLMoeForConditionalGeneration": "mrv2-plugin-qwen-vl",
     "Gemma2ForCausalLM": "mrv2-plugin-gemma",

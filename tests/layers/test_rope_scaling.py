@@ -123,3 +123,35 @@ def test_get_rope_of_a_layer_type_matches_transformers(kind: str) -> None:
                                     max_position_embeddings=256, rope_parameters=YARN)
     assert torch.equal(get_rope(flat, 16, kind)._table(torch.device("cpu")),
                        get_rope(flat, 16)._table(torch.device("cpu")))
+
+
+@pytest.mark.parametrize("alpha", [50.0, 1000.0])
+def test_ntk_alpha_matches_transformers_hunyuan(alpha: float) -> None:
+    """Hunyuan's ``dynamic`` RoPE with an ``alpha`` (config.json's ``rope_scaling`` as its
+    checkpoints write it, YaRN-like keys included): one larger base for every position, as
+    HF's HunYuan rotary embedding computes it; ``factor`` 1 leaves the context as it is."""
+    from transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense import (
+        HunYuanDenseV1RotaryEmbedding,
+    )
+
+    from mrv2.layers.rotary import context_limit, get_rope
+
+    legacy: dict[str, Any] = {"rope_theta": 1e4, "rope_scaling": {
+        "alpha": alpha, "beta_fast": 32, "beta_slow": 1, "factor": 1.0, "mscale": 1.0,
+        "mscale_all_dim": 1.0, "type": "dynamic"}}
+    config = transformers.HunYuanDenseV1Config(hidden_size=64, num_attention_heads=4,
+                                               head_dim=16, max_position_embeddings=512,
+                                               **legacy)
+    positions = torch.arange(512)
+    cos, sin = HunYuanDenseV1RotaryEmbedding(config)(torch.zeros(1), positions[None])
+    expected = torch.cat([cos[0, :, :8], sin[0, :, :8]], dim=-1)
+    table = get_rope(config, 16)._table(torch.device("cpu"))
+    torch.testing.assert_close(table, expected, atol=1e-4, rtol=1e-4)
+    assert context_limit(config)[0] == 512
+
+
+def test_dynamic_ntk_without_alpha_is_refused() -> None:
+    """Plain dynamic NTK (the base rescaled by each sequence's length) is not implemented:
+    the error says so at construction."""
+    with pytest.raises(NotImplementedError, match="rope type 'dynamic' without alpha"):
+        RotaryEmbedding(16, 256, 1e4, {"rope_type": "dynamic", "factor": 2.0})

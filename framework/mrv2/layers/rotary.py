@@ -8,7 +8,10 @@ switches every position of a sequence to the long factors once it outgrows the o
 length, so the two differ only past it), ``proportional`` (Gemma 4's global layers: the whole
 head is rotated, but only its first ``int(partial_rotary_factor * head_dim // 2)`` frequencies
 are RoPE's, exponents over the whole ``head_dim``; the other pairs get frequency 0 and stay as
-they are, which pairs dimensions differently from a partial ``rotary_dim``). The
+they are, which pairs dimensions differently from a partial ``rotary_dim``), ``dynamic`` with
+an ``alpha`` (Hunyuan's NTK-alpha RoPE: a fixed base ``rope_theta * alpha ** (d / (d - 2))``
+over the ``d`` rotated dimensions, as transformers' HunYuan models and vLLM compute it; plain
+dynamic NTK, without ``alpha``, rescales with the sequence length and is refused). The
 parameters come either from a transformers 5 ``rope_parameters`` dict (holding ``rope_theta``
 too) or from the older ``rope_theta`` + ``rope_scaling`` pair; :func:`rope_parameters_of` reads
 both.
@@ -25,7 +28,8 @@ from torch import nn
 
 from mrv2_kernels.rotary import KVWrite, QKNorm, rotary_embedding
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional",
+                        "dynamic (with alpha)")
 
 
 def rope_parameters_of(config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -53,8 +57,13 @@ def _inv_freq(
     device: torch.device | None = None,
 ) -> torch.Tensor:
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device) / rotary_dim
-    inv_freq = 1.0 / (base**exponents)
     rope_type = "default" if scaling is None else _rope_type(scaling)
+    if rope_type == "dynamic":
+        assert scaling is not None
+        base = _ntk_alpha_base(rotary_dim, base, scaling)
+    inv_freq = 1.0 / (base**exponents)
+    if rope_type == "dynamic":
+        return inv_freq.float()
     if rope_type == "default":
         return inv_freq.float()
     assert scaling is not None
@@ -72,6 +81,22 @@ def _inv_freq(
     raise NotImplementedError(
         f"rope type {rope_type!r} is not supported; supported types: {SUPPORTED_ROPE_TYPES}"
     )
+
+
+def _ntk_alpha_base(rotary_dim: int, base: float, scaling: Mapping[str, Any]) -> float:
+    """NTK-alpha RoPE (Hunyuan's ``rope_type: dynamic`` with ``alpha``): a larger base,
+    ``base * alpha ** (rotary_dim / (rotary_dim - 2))``, for every position (HF's HunYuan
+    rotary embedding and vLLM's ``DynamicNTKAlphaRotaryEmbedding``). Plain dynamic NTK (no
+    ``alpha``: the base grows with each sequence's length) is a ``NotImplementedError``."""
+    alpha = scaling.get("alpha")
+    if alpha is None:
+        raise NotImplementedError(
+            f"rope type 'dynamic' without alpha (dynamic NTK scaling by sequence length) is "
+            f"not supported; supported types: {SUPPORTED_ROPE_TYPES}; got {dict(scaling)}")
+    if float(alpha) <= 0 or rotary_dim <= 2:
+        raise ValueError(f"rope_parameters.alpha must be > 0 (got {alpha}) over more than 2 "
+                         f"rotary dims (got {rotary_dim})")
+    return float(base) * float(alpha) ** (rotary_dim / (rotary_dim - 2))
 
 
 def _longrope_inv_freq(inv_freq: torch.Tensor, scaling: Mapping[str, Any], which: str
