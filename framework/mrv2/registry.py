@@ -59,6 +59,8 @@ KNOWN_PACKAGES: dict[str, str] = {
     "Ernie4_5ForCausalLM": "mrv2-plugin-ernie",
     "Ernie4_5_MoeForCausalLM": "mrv2-plugin-ernie",
     "GptOssForCausalLM": "mrv2-plugin-gpt-oss",
+    "CohereForCausalLM": "mrv2-plugin-cohere",
+    "Cohere2ForCausalLM": "mrv2-plugin-cohere",
     "LlamaForCausalLM": "mrv2-contrib-llama",
     "MistralForCausalLM": "mrv2-contrib-llama",
     "MixtralForCausalLM": "mrv2-contrib-llama",

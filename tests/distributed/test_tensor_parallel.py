@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU (gloo, two processes): every family gives the same greedy and
 seeded tokens at TP=2 as at TP=1, with prefix caching on (two prompts share a prefix), for
-dense models with split and with replicated key/value heads, MoE (experts split inside), GLM's
-partial rotary with shared experts, DeepSeek's MLA, and an FP8 block-quantized checkpoint.
+dense models with split and with replicated key/value heads (Cohere's per-head q/k norms
+among them), MoE (experts split inside), GLM's partial rotary with shared experts,
+DeepSeek's MLA, and an FP8 block-quantized checkpoint.
 A bad split fails with an error naming the field, before any worker process starts."""
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # one key/value head: both ranks hold it
     "llama-one-kv-head": ("LlamaForCausalLM", {"num_key_value_heads": 1, "vocab_size": 255}),
     **TINY_FAMILIES,
+    # per-head q/k LayerNorms (each rank's heads' rows), one key/value head on both ranks
+    "cohere-qk-norm": ("CohereForCausalLM", {"use_qk_norm": True, "num_key_value_heads": 1}),
     "deepseek-v3": ("DeepseekV3ForCausalLM", {**TINY_MLA, "q_lora_rank": 24, "n_group": 2,
                                               "topk_group": 1}),
 }
