@@ -19,7 +19,8 @@ LAYERS = [
     "registry",      # what plugins registered (imports nothing of mrv2)
     "logs",          # the mrv2 command's logging (imports nothing of mrv2)
     "config_compat", # vLLM's compilation / optimization arguments (imports nothing of mrv2)
-    "config",        # pydantic settings (on config_compat)
+    "config_sections",  # the config's smaller pydantic sections (imports nothing of mrv2)
+    "config",        # pydantic settings (on config_compat, config_sections)
     "config_cli",    # the engine's CLI flags (on config)
     "distributed",   # tensor-parallel group, collectives, step channel (nothing of mrv2)
     "contract",      # params, requests, batch, state table, KV specs, ModelState, Speculator
