@@ -1,0 +1,19 @@
+"""mrv2 model plugin for Liquid AI's LFM2 (``Lfm2ForCausalLM``: LFM2-350M, 700M, 1.2B, 2.6B).
+Exports resolve lazily: importing this is cheap."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mrv2_lfm2.model import Lfm2ForCausalLM
+
+__all__ = ["Lfm2ForCausalLM"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from mrv2_lfm2 import model
+
+        return getattr(model, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
