@@ -36,6 +36,8 @@ KNOWN_PACKAGES: dict[str, str] = {
     "NemotronHForCausalLM": "mrv2-plugin-nemotron-h",
     "GraniteMoeHybridForCausalLM": "mrv2-plugin-granite-hybrid",
     "BambaForCausalLM": "mrv2-plugin-granite-hybrid",
+    "GraniteMoeForCausalLM": "mrv2-plugin-granite-hybrid",
+    "GraniteMoeSharedForCausalLM": "mrv2-plugin-granite-hybrid",
     "FalconH1ForCausalLM": "mrv2-plugin-falcon-h1",
     "Mamba2ForCausalLM": "mrv2-plugin-mamba",
     "Llama4ForCausalLM": "mrv2-plugin-llama4",

@@ -127,14 +127,20 @@ def mamba2_mixer(config: Any, family: str) -> Mamba2Mixer:
         norm_per_group=False)
 
 
-def feed_forward(config: Any, family: str) -> MoEBlock | GatedMLP:
-    """Granite's ``block_sparse_moe`` with the ``shared_mlp`` as its shared expert (none
-    where ``shared_intermediate_size`` is 0: HF's zero-width MLP adds nothing), or (no
-    experts, or Bamba: no ``num_local_experts``) a dense SwiGLU MLP."""
+def shared_size_of(config: Any) -> int:
+    """The ``shared_mlp``'s width: ``shared_intermediate_size``, else (Bamba: none)
+    ``intermediate_size``."""
+    shared = getattr(config, "shared_intermediate_size", None)
+    return int(config.intermediate_size if shared is None else shared)
+
+
+def feed_forward(config: Any, family: str, shared: int) -> MoEBlock | GatedMLP:
+    """Granite's ``block_sparse_moe`` with the ``shared_mlp`` of width ``shared`` as its
+    shared expert (none where ``shared`` is 0: HF's zero-width MLP adds nothing, Granite
+    3.x's ``GraniteMoe`` has none), or (no experts, or Bamba: no ``num_local_experts``) a
+    dense SwiGLU MLP."""
     act = str(config.hidden_act)
     experts = int(getattr(config, "num_local_experts", 0) or 0)
-    shared = getattr(config, "shared_intermediate_size", None)
-    shared = int(config.intermediate_size if shared is None else shared)
     if act not in MLP_ACTIVATIONS or (experts and act != "silu"):
         raise ValueError(f"{family}: hidden_act must be 'silu' (the gated MLPs' and experts' "
                          f"activation), got {act!r}")
@@ -159,7 +165,8 @@ class HybridLayer(nn.Module):
     before it joins the residual stream (the add fused into the next norm)."""
 
     def __init__(self, config: Any, kind: str, cache_idx: int, rope: RotaryEmbedding | None,
-                 attn_scale: float | None, residual_multiplier: float, family: str) -> None:
+                 attn_scale: float | None, residual_multiplier: float, family: str,
+                 shared: int) -> None:
         super().__init__()
         self.kind = kind
         self.residual_multiplier = residual_multiplier
@@ -173,7 +180,7 @@ class HybridLayer(nn.Module):
             bias = bool(getattr(config, "attention_bias", False))
             self.self_attn = SelfAttention(config, cache_idx, rope, qkv_bias=bias, o_bias=bias,
                                            scale=attn_scale)
-        ffn = feed_forward(config, family)
+        ffn = feed_forward(config, family, shared)
         self.block_sparse_moe: MoEBlock | None = ffn if isinstance(ffn, MoEBlock) else None
         self.shared_mlp: GatedMLP | None = ffn if isinstance(ffn, GatedMLP) else None
 
@@ -214,13 +221,15 @@ class GraniteMoeHybridForCausalLM(CausalLM):
 
     def __init__(self, config: PretrainedConfig) -> None:
         family = self.family
-        types = block_types_of(config, family)
+        types = self._layer_types(config)
         cache_idx = [types[:i].count("full_attention") for i in range(len(types))]
         rope = get_rope(config, head_dim_of(config)) if self._uses_rope(config) else None
         scale = self._attention_scale(config)
         m = float(getattr(config, "residual_multiplier", 1.0) or 1.0)
+        shared = self._shared_size(config)
         model = DecoderModel(config, lambda i: HybridLayer(
-            config, types[i], cache_idx[i], rope, scale, m, family), num_layers=len(types))
+            config, types[i], cache_idx[i], rope, scale, m, family, shared),
+            num_layers=len(types))
         multiplier = float(getattr(config, "embedding_multiplier", 1.0) or 1.0)
         if multiplier != 1.0:
             model.embed_tokens = ScaledEmbedding(config.vocab_size, config.hidden_size,
@@ -229,6 +238,12 @@ class GraniteMoeHybridForCausalLM(CausalLM):
         self.block_types = types
         self.logits_scaling = float(getattr(config, "logits_scaling", 1.0) or 1.0)
         self.moe = int(getattr(config, "num_local_experts", 0) or 0) > 0
+
+    def _layer_types(self, config: Any) -> list[str]:
+        return block_types_of(config, self.family)
+
+    def _shared_size(self, config: Any) -> int:
+        return shared_size_of(config)
 
     def _uses_rope(self, config: Any) -> bool:
         kind = getattr(config, "position_embedding_type", None)

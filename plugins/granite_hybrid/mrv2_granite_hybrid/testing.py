@@ -1,5 +1,5 @@
-"""Tiny random Granite 4.0-H and Bamba checkpoints for the plugin's CPU tests and the GPU
-tests."""
+"""Tiny random Granite 4.0-H, Bamba and Granite 3.x MoE checkpoints for the plugin's CPU tests
+and the GPU tests."""
 
 from __future__ import annotations
 
@@ -44,6 +44,22 @@ TINY_BAMBA: dict[str, Any] = {
 }
 
 
+#: A 3-layer Granite 3.x MoE (GQA attention with RoPE; 4 experts, top 2): every multiplier
+#: away from 1 (the embeddings' small enough that the tied LM head's greedy tokens do not
+#: just repeat one token). ``GraniteMoeShared`` adds a shared expert of
+#: ``shared_intermediate_size``.
+TINY_GRANITE_MOE: dict[str, Any] = {
+    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 48, "num_hidden_layers": 3,
+    "num_attention_heads": 4, "num_key_value_heads": 2,
+    "num_local_experts": 4, "num_experts_per_tok": 2,
+    "embedding_multiplier": 0.5, "attention_multiplier": 0.2, "residual_multiplier": 1.2,
+    "logits_scaling": 1.7,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "max_position_embeddings": 256, "tie_word_embeddings": True,
+    "eos_token_id": 1, "bos_token_id": 0, "pad_token_id": 0,
+}
+
+
 def _redraw(hf: torch.nn.Module) -> None:
     """Weights far from their init; the SSM's decays in a real range (``A`` in [1, 4.5],
     ``dt_bias`` in [-3, 0]: ``dt`` on both sides of the clamp's ends)."""
@@ -80,5 +96,24 @@ def save_tiny_bamba(path: str | Path, **overrides: Any) -> torch.nn.Module:
     torch.manual_seed(0)
     hf = transformers.BambaForCausalLM(config).float().eval()
     _redraw(hf)
+    hf.save_pretrained(path)
+    return hf
+
+
+def save_tiny_granite_moe(path: str | Path, shared: bool = False,
+                          **overrides: Any) -> torch.nn.Module:
+    """Save a random fp32 HF ``GraniteMoeForCausalLM`` (``shared``:
+    ``GraniteMoeSharedForCausalLM``, ``shared_intermediate_size`` 80 unless overridden) of
+    :data:`TINY_GRANITE_MOE` (``overrides`` change fields) to ``path``; returns HF's model."""
+    import transformers
+
+    name = "GraniteMoeShared" if shared else "GraniteMoe"
+    fields = {**TINY_GRANITE_MOE, **({"shared_intermediate_size": 80} if shared else {}),
+              **overrides}
+    config = getattr(transformers, name + "Config")(**fields)
+    config.architectures = [name + "ForCausalLM"]
+    torch.manual_seed(0)
+    hf = getattr(transformers, name + "ForCausalLM")(config).float().eval()
+    redraw_weights(hf, std=0.15)
     hf.save_pretrained(path)
     return hf
