@@ -257,3 +257,27 @@ def test_tensor_parallel_ranks_splice_the_same_rows(checkpoint: Path) -> None:
                  tensor_parallel_size=tp, enable_prompt_embeds=True) as llm:
             got[tp] = _tokens(llm, prompts)
     assert got[2] == got[1]
+
+
+@pytest.mark.parametrize("architecture", ["GraniteForCausalLM", "GraniteMoeForCausalLM"])
+def test_given_embeddings_follow_the_familys_hf_scaling(tmp_path: Path,
+                                                        architecture: str) -> None:
+    """Prompt embeddings mean what the family's HF model does with ``inputs_embeds``: Granite
+    multiplies them by ``embedding_multiplier`` after its lookup, so raw table rows given as
+    the prompt are the token prompt (the engine scales them on arrival, the model's
+    ``prompt_embeds_scale``; Gemma's and Falcon-H1's HF models scale inside the lookup, and
+    given rows arrive as they are)."""
+    import transformers
+
+    extra: dict[str, Any] = {"embedding_multiplier": 3.0}
+    if architecture == "GraniteMoeForCausalLM":
+        extra.update(num_local_experts=4, num_experts_per_tok=2)
+    path = make_tiny_checkpoint(tmp_path, architecture, std=0.15, **extra)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    with torch.no_grad():
+        raw = hf.get_input_embeddings()(torch.tensor(PROMPT)).detach().clone()
+    llm = _llm(path)
+    model: Any = llm.engine.runner.model
+    assert model.prompt_embeds_scale == 3.0
+    ids, embeds = _tokens(llm, [{"prompt_token_ids": PROMPT}, {"prompt_embeds": raw}])
+    assert embeds == ids == _hf_greedy_embeds(path, raw, len(embeds))

@@ -60,7 +60,8 @@ class GraniteForCausalLM(CausalLM):
 
         model = DecoderModel(config, layer)
         model.embed_tokens = ScaledEmbedding(config.vocab_size, config.hidden_size,
-                                             float(config.embedding_multiplier))
+                                             float(config.embedding_multiplier),
+                                             scales_given=True)  # (HF scales inputs_embeds)
         super().__init__(config, model)
         self.logits_scaling = float(config.logits_scaling)
 

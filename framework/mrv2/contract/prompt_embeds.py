@@ -163,6 +163,10 @@ class PromptEmbedsRows:
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.device = device
         self.dtype = dtype
+        #: What given rows are multiplied by on arrival, in the model dtype (the model's
+        #: ``prompt_embeds_scale``: Granite's HF models scale ``inputs_embeds``; set by the
+        #: runner at start-up).
+        self.scale = 1.0
         self._rows: dict[int, tuple[str, torch.Tensor]] = {}
         #: The last step's key and rows: the same step asked again gets the same rows (the
         #: first call let go of the requests it finished), as the encoder cache's.
@@ -178,7 +182,8 @@ class PromptEmbedsRows:
         data: torch.Tensor = item.data
         if self.device.type == "cuda":
             data = data.pin_memory()
-        self._rows[row] = (req_id, data.to(self.device, non_blocking=True).to(self.dtype))
+        rows = data.to(self.device, non_blocking=True).to(self.dtype)
+        self._rows[row] = (req_id, rows * self.scale if self.scale != 1.0 else rows)
 
     def remove(self, row: int) -> None:
         """The request in ``row`` left."""

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from mrv2.layers.attention import Attention, config_sliding_window
-from mrv2.layers.embedding import LMHead, VocabEmbedding
+from mrv2.layers.embedding import LMHead, ScaledEmbedding, VocabEmbedding
 from mrv2.layers.linear import QKVLinear, RowLinear, norm_linear
 from mrv2.layers.mlp import GatedMLP
 from mrv2.layers.norm import RMSNorm, ShardedRMSNorm
@@ -323,6 +323,14 @@ class CausalLM(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T]`` token ids -> ``[T, hidden_size]`` input embeddings."""
         return cast(torch.Tensor, self.model.embed_tokens(input_ids))
+
+    @property
+    def prompt_embeds_scale(self) -> float:
+        """What prompts given as embeddings are multiplied by as they arrive, as the family's
+        HF model multiplies its ``inputs_embeds`` (a :class:`ScaledEmbedding` whose
+        ``scales_given`` is set: Granite's ``embedding_multiplier``); 1 otherwise."""
+        embed = getattr(self.model, "embed_tokens", None)
+        return embed.scale if isinstance(embed, ScaledEmbedding) and embed.scales_given else 1.0
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` -> ``[N, vocab_size]`` in the model dtype."""

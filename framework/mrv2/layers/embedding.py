@@ -73,10 +73,15 @@ class ScaledEmbedding(VocabEmbedding):
     tensor is made per call (nor copied to the device inside a CUDA graph's capture)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, scale: float,
-                 round_scale: bool = False) -> None:
+                 round_scale: bool = False, scales_given: bool = False) -> None:
         super().__init__(num_embeddings, embedding_dim)
         self.scale = float(scale)
         self.round_scale = round_scale
+        #: The family's HF model multiplies embeddings it is given (``inputs_embeds``) too,
+        #: after the lookup (Granite's ``embedding_multiplier``), so prompts given as
+        #: embeddings are scaled as they arrive; False: HF scales inside its embedding module
+        #: (Gemma, Falcon-H1), and given embeddings are taken as they are.
+        self.scales_given = scales_given
         self._scales: dict[torch.dtype, float] = {}
 
     def _scale_for(self, dtype: torch.dtype) -> float:

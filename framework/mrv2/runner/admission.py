@@ -31,6 +31,7 @@ def check_prompt_embeds(runner: Runner) -> Callable[[list[int], list[int], list[
     state = runner.model_state
     if runner.config.model.enable_prompt_embeds:
         check_prompt_embeds_support(runner.model, state, runner.model_entry.architecture)
+        state.prompt_embeds.scale = float(getattr(runner.model, "prompt_embeds_scale", 1.0))
     family, given = state.mixed_graph_allowed, state.prompt_embeds
 
     def allowed(rows: list[int], num_computed: list[int], query_lens: list[int]) -> bool:

@@ -233,7 +233,7 @@ class GraniteMoeHybridForCausalLM(CausalLM):
         multiplier = float(getattr(config, "embedding_multiplier", 1.0) or 1.0)
         if multiplier != 1.0:
             model.embed_tokens = ScaledEmbedding(config.vocab_size, config.hidden_size,
-                                                 multiplier)
+                                                 multiplier, scales_given=True)
         super().__init__(config, model)
         self.block_types = types
         self.logits_scaling = float(getattr(config, "logits_scaling", 1.0) or 1.0)
