@@ -464,8 +464,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_checkpoint(Path(tmp) / "toy-latent")
         weights, config = load_checkpoint(model_dir)
-        # attention_backend: another installed plugin may serve "latent" caches too (DeepSeek's
-        # "mla", registered first from its entry point); name ours.
+        # attention_backend: the core serves "latent" caches too (multi-head latent attention's
+        # "mla"); a model's own plugin's backend comes first, named here to say so.
         llm = LLM(str(model_dir), plugins=manager, device="cpu", dtype="float32", block_size=4,
                   max_model_len=64, num_gpu_blocks_override=64, attention_backend=BACKEND_NAME)
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

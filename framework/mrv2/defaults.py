@@ -23,11 +23,16 @@ from mrv2.sample.sampler import Sampler
 
 @hookimpl
 def mrv2_register_attention_backends(register: Callable[..., None]) -> None:
-    """Triton on CUDA, the plain-torch reference everywhere (the CPU's default)."""
+    """Paged K/V caches: Triton on CUDA, the plain-torch reference everywhere (the CPU's
+    default). ``"latent"`` caches (multi-head latent attention, :mod:`mrv2.layers.mla`):
+    ``mla``, the absorbed form (Triton on CUDA, the torch reference on the CPU), whichever
+    family's layers use it."""
     register("triton", "mrv2.attention.triton_backend:TritonAttentionBackend", devices=("cuda",),
              cache_kinds=("paged_kv",))
     register("torch", "mrv2.attention.torch_backend:TorchAttentionBackend",
              devices=("cpu", "cuda"), cache_kinds=("paged_kv",))
+    register("mla", "mrv2.attention.mla_backend:MLABackend", devices=("cuda", "cpu"),
+             cache_kinds=("latent",))
 
 
 @hookimpl

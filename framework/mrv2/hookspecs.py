@@ -70,8 +70,10 @@ def mrv2_register_attention_backends(register: Callable[..., None]) -> None:
     ``devices`` the device types it runs on, ``cache_kinds`` the
     :class:`~mrv2.contract.kv_cache.KVCacheSpec` kinds it serves (a plugin whose layers declare
     a new kind registers its backend here). Each KV cache group gets the first backend
-    registered for its device and kind; ``--attention-backend NAME`` picks another for the
-    groups whose kind it serves. Called once, at start.
+    registered for its device and kind by the plugin that registered the model, else the first
+    registered by any (the core's ``triton``, ``torch`` and ``mla`` come first);
+    ``--attention-backend NAME`` picks another for the groups whose kind it serves. Called
+    once, at start.
     """
 
 

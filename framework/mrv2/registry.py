@@ -199,12 +199,15 @@ class Registries:
         raise ValueError(message)
 
     def attention_backend_for(
-        self, device_type: str, cache_kind: str, name: str | None = None
+        self, device_type: str, cache_kind: str, name: str | None = None,
+        owner: str | None = None,
     ) -> NamedEntry:
         """The backend for layers of ``cache_kind`` on ``device_type``.
 
         ``name`` (the ``attention_backend`` setting) wins where it serves ``cache_kind``; else
-        the first backend registered for that device and kind.
+        the first backend that plugin ``owner`` (the one that registered the model) registered
+        for that device and kind, as a plugin bringing a model and the backend its layers call
+        expects; else the first backend registered for them (the core's come first).
         """
         if name is not None:
             if name not in self.attention_backends:
@@ -213,7 +216,10 @@ class Registries:
             entry = self.attention_backends[name]
             if cache_kind in entry.cache_kinds:
                 return entry
-        for entry in self.attention_backends.values():
+        entries = list(self.attention_backends.values())
+        if owner is not None:  # (a stable sort: the owner's first, each side in order)
+            entries.sort(key=lambda e: e.plugin != owner)
+        for entry in entries:
             if device_type in entry.devices and cache_kind in entry.cache_kinds:
                 return entry
         served = sorted({k for e in self.attention_backends.values() for k in e.cache_kinds})

@@ -236,7 +236,7 @@ def test_backend_skips_padding_rows(example: ModuleType) -> None:
 def test_main_runs_beside_the_installed_plugins(example: ModuleType,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """``python examples/private_latent_cache_plugin.py`` as the docs run it: every installed
-    entry point loaded too, among them DeepSeek's "mla" backend of the same "latent" kind."""
+    entry point loaded too, beside the core's "mla" backend of the same "latent" kind."""
     assert "mla" in PluginManager().registries.attention_backends
     assert example.main() == 0
     out = capsys.readouterr().out

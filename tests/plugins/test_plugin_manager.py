@@ -30,15 +30,41 @@ def test_core_defaults_register_through_hooks() -> None:
     names = [info.name for info in manager.list_plugins()]
     assert names == ["mrv2.defaults"]
     backends = manager.registries.attention_backends
-    assert set(backends) == {"triton", "torch"}
+    assert list(backends) == ["triton", "torch", "mla"]
     assert manager.registries.attention_backend_for("cpu", "paged_kv").name == "torch"
     assert manager.registries.attention_backend_for("cuda", "paged_kv").name == "triton"
     assert manager.registries.attention_backend_for("cuda", "paged_kv", "torch").name == "torch"
+    # multi-head latent attention's cache is the core's, whichever family uses it
+    for device in ("cpu", "cuda"):
+        entry = manager.registries.attention_backend_for(device, "latent")
+        assert (entry.name, entry.plugin) == ("mla", "mrv2.defaults")
+    assert entry.load().__module__ == "mrv2.attention.mla_backend"
     with pytest.raises(ValueError, match="no attention backend registered for KV cache kind "
-                                         "'latent' on device 'cpu'"):
-        manager.registries.attention_backend_for("cpu", "latent")
+                                         "'toy' on device 'cpu' \\(kinds with a backend: "
+                                         "latent, paged_kv\\)"):
+        manager.registries.attention_backend_for("cpu", "toy")
     assert set(manager.registries.speculators) == {"draft_model", "ngram"}
     assert manager.registries.models == {}
+
+
+def test_a_models_own_backend_serves_its_cache_kind_before_the_cores() -> None:
+    """A plugin that brings a model and a backend for a kind the core serves too (``"latent"``,
+    the core's ``mla``) gets its own for its model; other models keep the core's; the
+    ``attention_backend`` setting still wins."""
+
+    def backends(register: Callable[..., None]) -> None:
+        register("own", "pkg:OwnLatent", devices=("cpu",), cache_kinds=("latent",))
+
+    manager = PluginManager(autoload=False)
+    manager.register(_plugin("mine", mrv2_register_attention_backends=backends), name="mine")
+    registries = manager.registries
+    assert list(registries.attention_backends) == ["triton", "torch", "mla", "own"]
+    assert registries.attention_backend_for("cpu", "latent", owner="mine").name == "own"
+    assert registries.attention_backend_for("cpu", "latent", owner="other").name == "mla"
+    assert registries.attention_backend_for("cpu", "latent").name == "mla"
+    assert registries.attention_backend_for("cuda", "latent", owner="mine").name == "mla"
+    assert registries.attention_backend_for("cpu", "latent", "mla", owner="mine").name == "mla"
+    assert registries.attention_backend_for("cpu", "paged_kv", owner="mine").name == "torch"
 
 
 def test_known_packages_register_what_they_advertise() -> None:

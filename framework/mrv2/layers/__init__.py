@@ -1,5 +1,6 @@
-"""Shared model layers: linear, norm, rotary, embedding, activation, attention, MLP, MoE, and the
-decoder-only outer classes (:class:`DecoderModel`, :class:`CausalLM`)."""
+"""Shared model layers: linear, norm, rotary, embedding, activation, attention (multi-head latent
+attention too: :mod:`mrv2.layers.mla`), MLP, MoE, and the decoder-only outer classes
+(:class:`DecoderModel`, :class:`CausalLM`)."""
 
 from mrv2.layers.activation import SiluAndMul
 from mrv2.layers.attention import Attention
@@ -26,6 +27,7 @@ from mrv2.layers.linear import (
     norm_linear,
 )
 from mrv2.layers.mamba import Mamba2Mixer
+from mrv2.layers.mla import MLAAttention, MLADecoderLayer, mla_rope
 from mrv2.layers.mlp import GatedMLP
 from mrv2.layers.moe import FusedMoE, GroupedTopKRouter, MoEBlock, SoftmaxTopKRouter
 from mrv2.layers.norm import RMSNorm, ShardedRMSNorm
@@ -50,6 +52,8 @@ __all__ = [
     "GroupedTopKRouter",
     "LMHead",
     "LinearBase",
+    "MLAAttention",
+    "MLADecoderLayer",
     "Mamba2Mixer",
     "MergedColumnLinear",
     "MoEBlock",
@@ -64,6 +68,7 @@ __all__ = [
     "VocabEmbedding",
     "get_rope",
     "head_dim_of",
+    "mla_rope",
     "sliding_window_of",
     "norm_linear",
     "norm_mlp",

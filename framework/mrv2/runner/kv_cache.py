@@ -43,7 +43,10 @@ class KVCaches:
     def __init__(
         self, specs: dict[int, KVCacheSpec], registries: Registries, device: torch.device,
         backend_name: str | None, kv_cache_dtype: str = "auto", allow_empty: bool = False,
+        owner: str | None = None,
     ) -> None:
+        """``owner``: the plugin that registered the model, whose own backend for a cache kind
+        serves it before another's (:meth:`~mrv2.registry.Registries.attention_backend_for`)."""
         if not specs and not allow_empty:
             raise ValueError("the model declares no KV cache layer (no KVCacheLayer modules)")
         if sorted(specs) != list(range(len(specs))):
@@ -53,7 +56,8 @@ class KVCaches:
         self.backends: list[Any] = [None] * len(specs)
         by_name: dict[str, Any] = {}
         for spec, layers in group_specs(specs):
-            entry = registries.attention_backend_for(device.type, spec.kind, backend_name)
+            entry = registries.attention_backend_for(device.type, spec.kind, backend_name,
+                                                     owner)
             if entry.name not in by_name:
                 by_name[entry.name] = entry.load()()
             self.groups.append(KVCacheGroup(spec, layers, entry.name))

@@ -180,7 +180,8 @@ class Runner(BetweenSteps):
         # (a model of state-space layers only has no KV cache layer: its blocks are the
         # scheduler's bookkeeping and prefix caching's hashes, no memory)
         self.kv = KVCaches(specs, registries, self.device, config.device.attention_backend,
-                           config.cache.kv_cache_dtype, allow_empty=self.keeps_request_state)
+                           config.cache.kv_cache_dtype, allow_empty=self.keeps_request_state,
+                           owner=entry.plugin)
         self.kv.layout = plan_tables(specs, self.block_size, self.max_model_len)
         #: Each block table's sliding window (None: full attention), table 0 first: the
         #: scheduler frees a sliding table's blocks that fall out of its window.

@@ -1,13 +1,14 @@
 """mrv2 model plugin for DeepSeek-V2 / V2-Lite / V3 (``DeepseekV2ForCausalLM``,
-``DeepseekV3ForCausalLM``): multi-head latent attention over a latent KV cache, and MoE.
-Exports resolve lazily: importing this is cheap."""
+``DeepseekV3ForCausalLM``): the core's multi-head latent attention (:mod:`mrv2.layers.mla`) over
+a latent KV cache, and MoE. Exports resolve lazily: importing this is cheap (``MLAAttention`` and
+``MLABackend`` are the core's, re-exported for compatibility)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mrv2_deepseek.mla import MLAAttention, MLABackend
+    from mrv2.layers.mla import MLAAttention, MLABackend
     from mrv2_deepseek.model import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 
 __all__ = ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "MLAAttention", "MLABackend"]
@@ -19,7 +20,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(model, name)
     if name in ("MLAAttention", "MLABackend"):
-        from mrv2_deepseek import mla
+        from mrv2.layers import mla
 
         return getattr(mla, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

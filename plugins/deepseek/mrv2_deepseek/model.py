@@ -1,7 +1,7 @@
 """DeepSeek-V2 / V2-Lite (``DeepseekV2ForCausalLM``) and DeepSeek-V3 (``DeepseekV3ForCausalLM``),
 as transformers models them.
 
-- Attention: multi-head latent attention (:mod:`mrv2_deepseek.mla`): an optional
+- Attention: the core's multi-head latent attention (:mod:`mrv2.layers.mla`): an optional
   ``q_lora_rank`` (V2-Lite has none), ``kv_lora_rank``, ``qk_nope_head_dim``,
   ``qk_rope_head_dim``, ``v_head_dim``; RoPE over the ``qk_rope_head_dim`` part only, interleaved
   pairs (V2 always; V3 per ``rope_interleave``), YaRN with DeepSeek's ``mscale`` /
@@ -14,7 +14,7 @@ as transformers models them.
   group-limited top-k over ``n_group`` / ``topk_group``, renormalized per ``norm_topk_prob``);
   V2 with softmax scores, ``greedy`` or ``group_limited_greedy`` (groups ranked by their best
   expert), not renormalized; both times ``routed_scaling_factor``.
-- Tensor parallelism: MLA splits its heads across the ranks (see :mod:`mrv2_deepseek.mla`);
+- Tensor parallelism: MLA splits its heads across the ranks (see :mod:`mrv2.layers.mla`);
   the MoE (every expert's intermediate dimension), shared experts and dense MLPs split as the
   core's layers do; the MTP layers' blocks are built the same way.
 - V3 checkpoints keep ``num_nextn_predict_layers`` MTP layers after the main ones
@@ -36,16 +36,18 @@ from mrv2.layers import (
     GroupedTopKRouter,
     MoEBlock,
     RotaryEmbedding,
-    rope_parameters_of,
 )
+from mrv2.layers.mla import MLAAttention, MLADecoderLayer, mla_rope
 from mrv2.layers.moe import shared_expert_moe
 from mrv2.layers.mtp import MultiTokenPredictor, build_mtp
-from mrv2.layers.rotary import context_limit
 from mrv2.layers.weights import StackedMapping
-from mrv2_deepseek.mla import MLAAttention, MLADecoderLayer
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+
+# (mla_rope moved into the core, :mod:`mrv2.layers.mla`; still importable from here)
+__all__ = ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "deepseek_layer", "mla_rope",
+           "moe_block", "validate_config"]
 
 #: ``model.layers.{i}.rest`` of a checkpoint tensor name.
 LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -115,15 +117,6 @@ def deepseek_layer(config: PretrainedConfig, layer_idx: int, rope: RotaryEmbeddi
         mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
                        bias=mlp_bias_of(config, v3))
     return MLADecoderLayer(config, attn, mlp)
-
-
-def mla_rope(config: PretrainedConfig) -> RotaryEmbedding:
-    """RoPE over ``qk_rope_head_dim`` (YaRN per the config), in the half-split layout the
-    permuted projections produce; its table reaches the context YaRN derives)."""
-    base, scaling = rope_parameters_of(config)
-    return RotaryEmbedding(int(config.qk_rope_head_dim),
-                           max_position=int(config.max_position_embeddings), base=base,
-                           scaling=scaling, positions=context_limit(config)[0])
 
 
 class _DeepseekForCausalLM(CausalLM):

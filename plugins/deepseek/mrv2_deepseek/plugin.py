@@ -1,5 +1,5 @@
-"""mrv2 plugin entry point of the DeepSeek family: registers its architectures and the MLA
-attention backend of its ``"latent"`` KV cache, lazily."""
+"""mrv2 plugin entry point of the DeepSeek family: registers its architectures, lazily. (The
+``mla`` attention backend of their ``"latent"`` KV cache is the core's: :mod:`mrv2.defaults`.)"""
 
 from collections.abc import Callable
 
@@ -12,11 +12,3 @@ def mrv2_register_models(register: Callable[..., None]) -> None:
     the core's default decoder-only ModelState serves both."""
     register("DeepseekV2ForCausalLM", "mrv2_deepseek.model:DeepseekV2ForCausalLM")
     register("DeepseekV3ForCausalLM", "mrv2_deepseek.model:DeepseekV3ForCausalLM")
-
-
-@hookimpl
-def mrv2_register_attention_backends(register: Callable[..., None]) -> None:
-    """``mla``: the absorbed-form paged MLA attention (Triton on CUDA, the torch reference on
-    the CPU) for ``"latent"`` caches."""
-    register("mla", "mrv2_deepseek.mla:MLABackend", devices=("cuda", "cpu"),
-             cache_kinds=("latent",))

@@ -15,12 +15,12 @@ import transformers
 
 from mrv2 import LLM, SamplingParams
 from mrv2.attention import ForwardContext, set_forward_context
+from mrv2.attention.mla_backend import MLABackend
 from mrv2.contract.kv_cache import LatentKVSpec, layer_specs
 from mrv2.model_loader import iter_safetensors, load_model_weights
 from mrv2.model_loader.build import process_weights_after_loading
 from mrv2.testing import hf_greedy, redraw_weights, step_inputs, step_metadata
 from mrv2.testing_checkpoints import fp8_checkpoint
-from mrv2_deepseek.mla import MLABackend
 from mrv2_deepseek.model import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 
 VOCAB = 128
@@ -203,3 +203,21 @@ def test_config_errors_name_the_field() -> None:
     config = transformers.DeepseekV3Config(**{**COMMON, "qk_rope_head_dim": 7})
     with pytest.raises(ValueError, match=r"config.qk_rope_head_dim = 7: must be even"):
         DeepseekV3ForCausalLM(config)
+
+
+def test_mla_is_the_cores_and_the_old_module_re_exports_it() -> None:
+    """MLA lives in the core (:mod:`mrv2.layers.mla`, the backend registered by the core's own
+    plugin); ``mrv2_deepseek.mla`` and ``mrv2_deepseek.model.mla_rope`` still give the same
+    objects to plugins written against them, and this plugin registers no backend of its own."""
+    import mrv2_deepseek
+    from mrv2.layers import mla as core
+    from mrv2_deepseek import mla, model, plugin
+
+    assert set(mla.__all__) == {"LATENT_NORM_EPS", "MLAAttention", "MLABackend",
+                                "MLADecoderLayer", "mla_rope"}
+    for name in mla.__all__:
+        assert getattr(mla, name) is getattr(core, name), name
+    assert model.mla_rope is core.mla_rope
+    assert mrv2_deepseek.MLAAttention is core.MLAAttention
+    assert mrv2_deepseek.MLABackend is core.MLABackend
+    assert not hasattr(plugin, "mrv2_register_attention_backends")

@@ -20,12 +20,12 @@ import transformers
 
 from mrv2 import LLM, SamplingParams
 from mrv2.attention import ForwardContext, set_forward_context
+from mrv2.attention.mla_backend import MLABackend
 from mrv2.distributed import parallel_state
 from mrv2.layers.linear import ColumnLinear, LinearBase, RowLinear
+from mrv2.layers.mla import MLAAttention, mla_rope
 from mrv2.testing import make_tiny_checkpoint, redraw_weights, step_inputs, step_metadata
 from mrv2.testing_checkpoints import fp8_checkpoint, make_mtp_checkpoint
-from mrv2_deepseek.mla import MLAAttention, MLABackend
-from mrv2_deepseek.model import mla_rope
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16

@@ -3,11 +3,9 @@ multi-head latent attention with GLM-4.5's mixture of experts.
 
 - Attention: MLA (``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``,
   ``v_head_dim``; RoPE over the ``qk_rope_head_dim`` part, interleaved per ``rope_interleave``)
-  over a latent KV cache of ``kv_lora_rank + qk_rope_head_dim`` values per token. This is
-  ``mrv2-plugin-deepseek``'s layer (:class:`mrv2_deepseek.mla.MLAAttention`, its decoder layer
-  and its RoPE), reused as it is, and that plugin's ``mla`` attention backend serves the latent
-  cache: GLM-4.7-Flash needs ``mrv2-plugin-deepseek`` installed (and allowed, where
-  ``MRV2_PLUGINS`` lists plugins) beside this one.
+  over a latent KV cache of ``kv_lora_rank + qk_rope_head_dim`` values per token: the core's
+  layer (:class:`mrv2.layers.mla.MLAAttention`, its decoder layer and its RoPE), and the core's
+  ``mla`` attention backend serves the latent cache; no other plugin is needed.
 - MLP: per ``mlp_layer_types`` (``"dense"`` / ``"sparse"``; checkpoints that give
   ``first_k_dense_replace`` instead: that many dense layers first) a dense SwiGLU MLP of
   ``intermediate_size`` or GLM-4.5's MoE block (:func:`mrv2_glm.model.glm4_moe_block`:
@@ -25,18 +23,10 @@ from typing import TYPE_CHECKING, Any, cast
 from torch import nn
 
 from mrv2.layers import CausalLM, DecoderModel, GatedMLP, RotaryEmbedding
+from mrv2.layers.mla import MLAAttention, MLADecoderLayer, mla_rope
 from mrv2.layers.mtp import MultiTokenPredictor, build_mtp
 from mrv2.layers.weights import StackedMapping
 from mrv2_glm.model import glm4_moe_block, partial_rotary_factor_of
-
-try:
-    from mrv2_deepseek.mla import MLAAttention, MLADecoderLayer
-    from mrv2_deepseek.model import mla_rope
-except ImportError as error:
-    raise ImportError(
-        "Glm4MoeLiteForCausalLM (GLM-4.7-Flash) runs DeepSeek's multi-head latent attention "
-        "from mrv2-plugin-deepseek, which is not installed: pip install mrv2-plugin-deepseek"
-    ) from error
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

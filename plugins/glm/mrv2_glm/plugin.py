@@ -9,7 +9,7 @@ from mrv2 import hookimpl
 def mrv2_register_models(register: Callable[..., None]) -> None:
     """GLM-4.5 / 4.5-Air / 4.6 / 4.7 (``Glm4MoeForCausalLM``), GLM-4-9B-chat-hf
     (``GlmForCausalLM``), GLM-4-0414 / GLM-Z1 (``Glm4ForCausalLM``) and GLM-4.7-Flash
-    (``Glm4MoeLiteForCausalLM``, which also needs mrv2-plugin-deepseek's MLA); the core's
+    (``Glm4MoeLiteForCausalLM``, on the core's multi-head latent attention); the core's
     default decoder-only ModelState serves them all."""
     register("Glm4MoeForCausalLM", "mrv2_glm.model:Glm4MoeForCausalLM")
     register("GlmForCausalLM", "mrv2_glm.dense:GlmForCausalLM")

@@ -7,8 +7,6 @@ preemption); the published checkpoints' tensor names; config errors name the fie
 from __future__ import annotations
 
 import copy
-import importlib
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +17,7 @@ import transformers
 import mrv2_glm
 from mrv2 import LLM, SamplingParams
 from mrv2.attention import ForwardContext, set_forward_context
+from mrv2.attention.mla_backend import MLABackend
 from mrv2.contract.kv_cache import LatentKVSpec, layer_specs
 from mrv2.layers import head_dim_of
 from mrv2.layers.weights import checkpoint_target
@@ -35,7 +34,6 @@ from mrv2.testing import (
     step_metadata,
 )
 from mrv2.testing_engine import check_prompt_logprobs
-from mrv2_deepseek.mla import MLABackend
 
 VOCAB = 128
 DENSE: dict[str, Any] = {
@@ -278,13 +276,6 @@ def test_lite_mtp_layer_drafts_and_keeps_greedy_tokens(tmp_path: Path) -> None:
     assert outputs[0] == outputs[1]
     assert outputs[0] == [hf_greedy(path, p, 8) for p in PROMPTS[:2]]
     assert llm.engine.stats()["spec_num_draft_tokens"] > 0
-
-
-def test_lite_without_the_deepseek_plugin_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "mrv2_deepseek.mla", None)  # (as if not installed)
-    monkeypatch.delitem(sys.modules, "mrv2_glm.lite", raising=False)
-    with pytest.raises(ImportError, match=r"pip install mrv2-plugin-deepseek"):
-        importlib.import_module("mrv2_glm.lite")
 
 
 @pytest.mark.parametrize("arch", ["GlmForCausalLM", "Glm4ForCausalLM"])

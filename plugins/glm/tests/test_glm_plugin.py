@@ -1,6 +1,6 @@
-"""The GLM plugin as a distribution: its entry point and ``mrv2 plugins`` listing, running a GLM
-checkpoint with only this plugin allowed, and no import of another family's plugin (but
-GLM-4.7-Flash's of DeepSeek's MLA, declared as the ``mla`` extra)."""
+"""The GLM plugin as a distribution: its entry point and ``mrv2 plugins`` listing, running GLM
+checkpoints (GLM-4.7-Flash's multi-head latent attention included: the core's) with only this
+plugin allowed, and no import of another family's plugin."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,21 +22,19 @@ from mrv2.testing import hf_greedy, make_tiny_checkpoint
 PLUGIN_DIR = Path(__file__).resolve().parents[1]
 PACKAGE_DIR = PLUGIN_DIR / "mrv2_glm"
 OTHER_FAMILIES = ("mrv2_qwen", "mrv2_llama", "mrv2_deepseek")
-#: The one module that may import another family's plugin, and what: GLM-4.7-Flash runs
-#: mrv2-plugin-deepseek's MLA (the ``mla`` extra).
-ALLOWED = {"lite.py": ("mrv2_deepseek.mla", "mrv2_deepseek.model")}
 
 
 def test_distribution_and_entry_point() -> None:
     dist = metadata.distribution("mrv2-plugin-glm")
     assert dist.version == "0.1.0"
-    # nothing of another family's plugin, but for the extra GLM-4.7-Flash needs
+    # nothing of another family's plugin (an install made before GLM-4.7-Flash's MLA moved
+    # into the core may still list the old "mla" extra in its metadata)
     assert [r for r in dist.requires or [] if "extra ==" not in r] == ["mrv2>=0.1"]
     assert [(ep.group, ep.name, ep.value) for ep in dist.entry_points] == [
         ("mrv2", "glm", "mrv2_glm.plugin")]
     text = (PLUGIN_DIR / "pyproject.toml").read_text()
     assert 'name = "mrv2-plugin-glm"' in text and 'dependencies = ["mrv2>=0.1"]' in text
-    assert 'mla = ["mrv2-plugin-deepseek>=0.1"]' in text
+    assert "optional-dependencies" not in text and "mrv2-plugin-deepseek" not in text
     assert set(mrv2_glm.__all__) == {"Glm4MoeForCausalLM", "Glm4MoeMTP", "GlmForCausalLM",
                                      "Glm4ForCausalLM", "Glm4MoeLiteForCausalLM"}
     assert mrv2_glm.Glm4ForCausalLM.__name__ == "Glm4ForCausalLM"
@@ -70,8 +69,6 @@ def test_no_module_imports_another_family() -> None:
             elif isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
             for name in names:
-                if name in ALLOWED.get(module.name, ()):
-                    continue
                 assert not name.startswith(OTHER_FAMILIES), f"{module.name} imports {name}"
 
 
@@ -84,15 +81,28 @@ main(["plugins"])
 llm = LLM(sys.argv[1], device="cpu", dtype="float32", block_size=4)
 params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 out = llm.generate([{"prompt_token_ids": [5, 17, 42, 9]}], params, use_tqdm=False)
-others = [m for m in ("mrv2_qwen", "mrv2_llama") if m in sys.modules]
+others = [m for m in ("mrv2_qwen", "mrv2_llama", "mrv2_deepseek") if m in sys.modules]
 print("RESULT " + json.dumps({"tokens": out[0].outputs[0].token_ids, "others": others}))
 """
 
 
-def test_runs_with_only_the_glm_plugin(tmp_path: Path) -> None:
-    path = make_tiny_checkpoint(tmp_path, "Glm4MoeForCausalLM", n_routed_experts=4,
-                                num_experts_per_tok=2, moe_intermediate_size=32,
-                                first_k_dense_replace=1)
+#: ``{architecture: make_tiny_checkpoint overrides}`` run with only this plugin allowed.
+ALONE: dict[str, dict[str, Any]] = {
+    "Glm4MoeForCausalLM": {"n_routed_experts": 4, "num_experts_per_tok": 2,
+                           "moe_intermediate_size": 32, "first_k_dense_replace": 1},
+    # GLM-4.7-Flash: the core's MLA layer and its "mla" backend for the latent cache, no
+    # mrv2-plugin-deepseek (not allowed here, not imported)
+    "Glm4MoeLiteForCausalLM": {
+        "q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+        "v_head_dim": 12, "num_key_value_heads": 4, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+        "mlp_layer_types": ["dense", "sparse"], "tie_word_embeddings": False, "std": 0.15},
+}
+
+
+@pytest.mark.parametrize("arch", list(ALONE))
+def test_runs_with_only_the_glm_plugin(tmp_path: Path, arch: str) -> None:
+    path = make_tiny_checkpoint(tmp_path, arch, **ALONE[arch])
     env = {**os.environ, "MRV2_PLUGINS": "glm", "MRV2_PLUGIN_AUTOLOAD": "1",
            "OMP_NUM_THREADS": "1"}
     env.pop("MRV2_PLUGINS_BLOCK", None)
@@ -102,7 +112,8 @@ def test_runs_with_only_the_glm_plugin(tmp_path: Path) -> None:
     out = proc.stdout
     listed = re.findall(r"^(\S+) \S+  \[", out, re.M)
     assert listed == ["mrv2.defaults", "glm"], out
-    assert "Glm4MoeForCausalLM  (glm:" in out and "Qwen3ForCausalLM" not in out
+    assert f"{arch}  (glm:" in out and "Qwen3ForCausalLM" not in out
+    assert "DeepseekV3ForCausalLM" not in out and "attention backends: triton, torch, mla\n" in out
     result = json.loads(out.split("RESULT ", 1)[1])
     assert result["others"] == []
     assert result["tokens"] == hf_greedy(path, [5, 17, 42, 9], 6)
