@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 _PRELUDE = r"""
+import inspect
 import sys
 import triton
 try:
@@ -39,6 +40,10 @@ except ImportError:
     sys.exit(3)
 
 def build(fn, ptrs, consts, descs=None, divisible=(), **opts):
+    # constexprs the script leaves out take their defaults, as in a launch that omits them
+    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr
+                 and p.name not in consts and p.default is not inspect.Parameter.empty},
+              **consts}
     sig = {n: "i32" for n in fn.arg_names}
     sig.update({p.name: "fp32" for p in fn.params if p.annotation == "fp32"})  # float args
     sig.update(ptrs)
