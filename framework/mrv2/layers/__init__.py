@@ -34,6 +34,8 @@ from mrv2.layers.norm import RMSNorm, ShardedRMSNorm
 from mrv2.layers.rotary import (
     RotaryEmbedding,
     get_rope,
+    qk_rows_to_halves,
+    rope_heads_to_halves,
     rope_parameters_of,
     rope_rows_to_halves,
 )
@@ -73,6 +75,8 @@ __all__ = [
     "norm_linear",
     "norm_mlp",
     "projection_norms",
+    "qk_rows_to_halves",
+    "rope_heads_to_halves",
     "rope_parameters_of",
     "rope_rows_to_halves",
 ]

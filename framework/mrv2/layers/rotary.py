@@ -381,3 +381,43 @@ def rope_rows_to_halves(rows: torch.Tensor, head_dim: int, rope_dim: int | None 
     heads = rows.view(-1, head_dim, *rows.shape[1:])[:, head_dim - rope_dim:]
     heads.copy_(heads[:, order.to(rows.device)])
     return rows
+
+
+#: fp8 element types: their rows are moved as bytes.
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def rope_heads_to_halves(rows: torch.Tensor, head_dim: int, rotary_dim: int | None = None,
+                         leading: bool = False) -> torch.Tensor:
+    """:func:`rope_rows_to_halves` as a new tensor: ``rows`` ``[heads * head_dim, ...]`` may
+    be a read-only view of a checkpoint, fp8 (moved as bytes) or not contiguous. Each head's
+    ``rotary_dim`` rows (all by default) are reordered: its last ones (DeepSeek's layout), or
+    with ``leading`` its first ones (GLM's partial rotary). ValueError unless ``rows`` holds
+    whole heads of an even rotary part."""
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    if rows.dim() == 0 or rows.shape[0] % head_dim or rotary_dim % 2:
+        raise ValueError(f"expects whole heads of {head_dim} rows ({rotary_dim} rotated, an "
+                         f"even count), got shape {tuple(rows.shape)}")
+    raw = rows.view(torch.uint8) if rows.dtype in _FP8 else rows
+    out = raw.clone(memory_format=torch.contiguous_format)
+    if leading and rotary_dim < head_dim:
+        per_head = out.view(-1, head_dim, *out.shape[1:])
+        rotated = per_head[:, :rotary_dim].contiguous()
+        rope_rows_to_halves(rotated.view(-1, *out.shape[1:]), rotary_dim)
+        per_head[:, :rotary_dim] = rotated
+    else:
+        rope_rows_to_halves(out, head_dim, rotary_dim)
+    return out.view(rows.dtype) if rows.dtype in _FP8 else out
+
+
+def qk_rows_to_halves(qkv: Any, rows: torch.Tensor, rotary_dim: int | None = None,
+                      leading: bool = False) -> torch.Tensor:
+    """``rows`` ``[q + 2 kv, ...]``, indexed as this rank's output of ``qkv`` (a
+    :class:`~mrv2.layers.linear.QKVLinear`), with its q and k heads' rotary rows in the halves
+    order (:func:`rope_heads_to_halves`), in place; v untouched. What a fused projection's
+    ``row_order`` is for an interleaved-RoPE family (a LoRA adapter's ``B``: the weight's rows
+    are reordered as they load). Returns ``rows``."""
+    for start, size in ((0, qkv.q_size), (qkv.q_size, qkv.kv_size)):
+        part = rows[start:start + size]
+        part.copy_(rope_heads_to_halves(part, qkv.head_dim, rotary_dim, leading))
+    return rows

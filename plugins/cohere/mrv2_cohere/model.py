@@ -14,8 +14,8 @@ Command A).
   ``repeat_interleave`` cos/sin and pairwise ``rotate_half``; GPT-J's layout), where the core
   rotates halves ``(x_i, x_{i + d/2})``. As the q and k projections of a RoPE layer load,
   each head's output rows (weight, bias, per-row fp8 scales) are put in the halves order,
-  even rows then odd (:func:`pairs_to_halves`); q and k permuted alike keep their scores, v
-  and o are untouched, and a LoRA adapter's ``B`` rows take the same order
+  even rows then odd (:func:`~mrv2.layers.rope_heads_to_halves`); q and k permuted alike
+  keep their scores, v and o are untouched, and a LoRA adapter's ``B`` rows take the same order
   (``qkv_proj.row_order``). Checkpoint layouts that cannot be reordered by rows (GPTQ / AWQ
   packed integers) are refused by name.
 - ``use_qk_norm`` (Command R+): q and k each normalized per head by a LayerNorm over
@@ -46,12 +46,12 @@ from mrv2.layers import (
     CausalLM,
     DecoderModel,
     GatedMLP,
-    QKVLinear,
     RMSNorm,
     SelfAttention,
     get_rope,
     head_dim_of,
-    rope_rows_to_halves,
+    qk_rows_to_halves,
+    rope_heads_to_halves,
     sliding_window_of,
 )
 from mrv2.layers.rotary import RotaryEmbedding
@@ -59,32 +59,9 @@ from mrv2.layers.rotary import RotaryEmbedding
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: A q/k tensor of a layer's attention, by its parameter name: (layer, q/k, proj or
 #: layernorm, what).
 _QK = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qk])_(proj|layernorm)\.(\w+)$")
-
-
-def pairs_to_halves(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """``rows`` ``[heads * head_dim, ...]`` with each head's rows reordered from interleaved
-    RoPE pairs to halves (even rows, then odd), as a new tensor (``rows`` may be a read-only
-    view of the checkpoint; fp8 moved as bytes)."""
-    if rows.dim() == 0 or rows.shape[0] % head_dim or head_dim % 2:
-        raise ValueError(f"expects whole heads of {head_dim} (even) rows, got shape "
-                         f"{tuple(rows.shape)}")
-    raw = rows.view(torch.uint8) if rows.dtype in _FP8 else rows
-    out = rope_rows_to_halves(raw.clone(memory_format=torch.contiguous_format), head_dim)
-    return out.view(rows.dtype) if rows.dtype in _FP8 else out
-
-
-def halves_qk_rows(qkv: QKVLinear, rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` indexed as this rank's ``qkv`` output, its q and k heads' rows in the halves
-    order, in place (``LinearBase.row_order``: what a LoRA adapter's ``B`` takes; the weight's
-    rows are reordered as they load)."""
-    for start, size in ((0, qkv.q_size), (qkv.q_size, qkv.kv_size)):
-        part = rows[start:start + size]
-        part.copy_(pairs_to_halves(part, qkv.head_dim))
-    return rows
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -170,7 +147,7 @@ class CohereAttention(SelfAttention):
             self.k_layernorm = HeadLayerNorm(qkv.total_kv_heads, d, qkv.first_kv_head,
                                              qkv.num_kv_heads, eps)
         if rope is not None:
-            qkv.row_order = functools.partial(halves_qk_rows, qkv)
+            qkv.row_order = functools.partial(qk_rows_to_halves, qkv)
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """After the QKV projection: the q/k norms (unfused: the core fuses RMS norms only),
@@ -261,10 +238,10 @@ class _Cohere(CausalLM):
             if t.numel() % d:
                 raise ValueError(f"checkpoint tensor {name!r} {tuple(t.shape)}: expects "
                                  f"[heads, {d}]")
-            return pairs_to_halves(t.reshape(-1), d).reshape(t.shape)
+            return rope_heads_to_halves(t.reshape(-1), d).reshape(t.shape)
         if what in ("weight", "bias", "weight_scale", "weight_scale_inv") and (
                 t.dim() >= 1 and t.shape[0] == rows):
-            return pairs_to_halves(t, d)
+            return rope_heads_to_halves(t, d)
         if what.endswith("scale") and t.numel() == 1 or (
                 what == "weight_scale_inv" and t.dim() == 2 and -(-rows // t.shape[0]) % d == 0):
             return t  # (no row leaves its block)

@@ -43,43 +43,22 @@ from mrv2.layers import (
     GroupedTopKRouter,
     LMHead,
     MoEBlock,
-    QKVLinear,
     SelfAttention,
     get_rope,
     head_dim_of,
-    rope_rows_to_halves,
+    qk_rows_to_halves,
+    rope_heads_to_halves,
 )
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: Each head's q/k rows from RoPE pairs to halves (a module name: the reorder test swaps it).
+deinterleave_heads = rope_heads_to_halves
 #: A checkpoint tensor of a q or k projection: (``q`` / ``k``, what it is).
 _QK = re.compile(r"\.self_attn\.([qk])_proj\.(\w+)$")
 #: The published multi-token-prediction modules (``model.mtp_block.0.*``, ``mtp_emb_norm``...).
 _MTP = re.compile(r"(^|\.)mtp_")
-
-
-def deinterleave_heads(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """``rows`` ``[heads * head_dim, ...]`` with each head's rows reordered from interleaved
-    RoPE pairs to halves (even rows, then odd), as a new tensor (``rows`` may be a read-only
-    view of the checkpoint)."""
-    if rows.dim() == 0 or rows.shape[0] % head_dim or head_dim % 2:
-        raise ValueError(f"expects whole heads of {head_dim} (even) rows, got shape "
-                         f"{tuple(rows.shape)}")
-    raw = rows.view(torch.uint8) if rows.dtype in _FP8 else rows  # (fp8: moved as bytes)
-    out = rope_rows_to_halves(raw.clone(memory_format=torch.contiguous_format), head_dim)
-    return out.view(rows.dtype) if rows.dtype in _FP8 else out
-
-
-def deinterleave_qk_rows(qkv: QKVLinear, rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` ``[q + 2 kv, ...]``, indexed as this rank's ``qkv`` output, with its q and k
-    heads' rows in the halves order, in place (``LinearBase.row_order``: what a LoRA
-    adapter's ``B`` takes; the weight's rows are reordered as they load)."""
-    for start, size in ((0, qkv.q_size), (qkv.q_size, qkv.kv_size)):
-        part = rows[start:start + size]
-        part.copy_(deinterleave_heads(part, qkv.head_dim))
-    return rows
 
 
 def is_moe_layer(config: Any, layer_idx: int) -> bool:
@@ -125,7 +104,7 @@ class _Ernie(CausalLM):
         def layer(i: int) -> DecoderLayer:
             attention = SelfAttention(config, i, rope, qkv_bias=bias, o_bias=bias)
             qkv = attention.qkv_proj
-            qkv.row_order = functools.partial(deinterleave_qk_rows, qkv)
+            qkv.row_order = functools.partial(qk_rows_to_halves, qkv)
             return DecoderLayer(config, attention, make_mlp(i))
 
         super().__init__(config, DecoderModel(config, layer))

@@ -6,9 +6,9 @@ GLM-4-9B-hf) and ``Glm4ForCausalLM`` (GLM-4-9B-0414, GLM-4-32B-0414, GLM-Z1).
   configs) in *interleaved* pairs ``(x0, x1), (x2, x3), ...`` (GPT-J's layout); the rest of
   the head passes through. The core rotates halves (``(x_i, x_{i + r/2})``), so as each q/k
   projection tensor loads, every head's first ``rotary_dim`` output rows (weight and bias) are
-  put in the halves order, even rows then odd (:func:`deinterleave_rope_rows`): q and k move
-  alike, so the scores are GLM's, and v / o are untouched. The whole checkpoint tensor is
-  permuted before a rank takes its heads; a LoRA adapter's ``B`` rows take the same order
+  put in the halves order, even rows then odd (:func:`~mrv2.layers.rope_heads_to_halves`):
+  q and k move alike, so the scores are GLM's, and v / o are untouched. The whole checkpoint
+  tensor is permuted before a rank takes its heads; a LoRA adapter's ``B`` rows take the same order
   (``qkv_proj.row_order``).
 - MLP: SwiGLU of ``intermediate_size`` with gate and up stored as one ``mlp.gate_up_proj``
   (``[gate | up]``), cut into its parts as it loads so tensor parallelism splits each as
@@ -37,13 +37,13 @@ from mrv2.layers import (
     DecoderLayer,
     DecoderModel,
     GatedMLP,
-    QKVLinear,
     RMSNorm,
     SelfAttention,
     get_rope,
     head_dim_of,
     norm_mlp,
-    rope_rows_to_halves,
+    qk_rows_to_halves,
+    rope_heads_to_halves,
 )
 from mrv2.layers.linear import norm_linear
 from mrv2_glm.model import partial_rotary_factor_of
@@ -53,34 +53,8 @@ if TYPE_CHECKING:
 
 #: A checkpoint tensor of a q or k projection: (``q`` / ``k``, what it is).
 _QK = re.compile(r"\.self_attn\.([qk])_proj\.(\w+)$")
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: The fused gate/up projection's tensors.
 _GATE_UP = ".mlp.gate_up_proj."
-
-
-def deinterleave_rope_rows(rows: torch.Tensor, head_dim: int, rotary_dim: int) -> torch.Tensor:
-    """``rows`` ``[heads * head_dim, ...]`` with each head's first ``rotary_dim`` rows put from
-    interleaved RoPE pairs into halves (even rows, then odd), in place (``rows`` contiguous).
-    Returns ``rows``."""
-    if rows.dim() == 0 or rows.shape[0] % head_dim:
-        raise ValueError(f"expects whole heads of {head_dim} rows, got shape "
-                         f"{tuple(rows.shape)}")
-    heads = rows.shape[0] // head_dim
-    per_head = rows.view(heads, head_dim, -1)
-    rotated = per_head[:, :rotary_dim].reshape(heads * rotary_dim, -1)  # (a copy)
-    rope_rows_to_halves(rotated, rotary_dim)
-    per_head[:, :rotary_dim] = rotated.view(heads, rotary_dim, -1)
-    return rows
-
-
-def deinterleave_qk_rows(qkv: QKVLinear, rotary_dim: int, rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` ``[q + 2 kv, ...]``, indexed as this rank's ``qkv`` output, with its q and k
-    heads' rotary rows in the halves order, in place (``LinearBase.row_order``: what a LoRA
-    adapter's ``B`` takes; the weight's rows are reordered as they load)."""
-    for start, size in ((0, qkv.q_size), (qkv.q_size, qkv.kv_size)):
-        part = rows[start:start + size]
-        part.copy_(deinterleave_rope_rows(part.contiguous(), qkv.head_dim, rotary_dim))
-    return rows
 
 
 def validate_config(config: Any, arch: str) -> int:
@@ -150,7 +124,8 @@ class _GlmDense(CausalLM):
         def layer(i: int) -> nn.Module:
             attention = SelfAttention(config, i, rope, qkv_bias=bias, o_bias=False)
             qkv = attention.qkv_proj
-            qkv.row_order = functools.partial(deinterleave_qk_rows, qkv, self._rotary_dim)
+            qkv.row_order = functools.partial(qk_rows_to_halves, qkv,
+                                              rotary_dim=self._rotary_dim, leading=True)
             mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
             if self.sandwich:
                 return Glm4DecoderLayer(config, attention, mlp)
@@ -165,10 +140,7 @@ class _GlmDense(CausalLM):
         rows, d = self._qk_rows[kind], self._head_dim
         if what in ("weight", "bias", "weight_scale", "weight_scale_inv") and (
                 t.dim() >= 1 and t.shape[0] == rows):
-            raw = t.view(torch.uint8) if t.dtype in _FP8 else t
-            out = deinterleave_rope_rows(raw.clone(memory_format=torch.contiguous_format), d,
-                                         self._rotary_dim)
-            return out.view(t.dtype) if t.dtype in _FP8 else out
+            return rope_heads_to_halves(t, d, self._rotary_dim, leading=True)
         if what.endswith("scale") and t.numel() == 1 or (
                 what == "weight_scale_inv" and t.dim() == 2 and -(-rows // t.shape[0]) % d == 0):
             return t  # (no row leaves its block)

@@ -73,12 +73,12 @@ from mrv2.layers import (
     FusedMoE,
     GatedMLP,
     MoEBlock,
-    QKVLinear,
     RotaryEmbedding,
     SelfAttention,
     head_dim_of,
+    qk_rows_to_halves,
+    rope_heads_to_halves,
     rope_parameters_of,
-    rope_rows_to_halves,
 )
 from mrv2.layers.weights import load_text_and_encoder
 from mrv2.model_loader.build import vl_text_config, vl_text_name
@@ -88,7 +88,8 @@ __all__ = ["Llama4Attention", "Llama4ForCausalLM", "Llama4ForConditionalGenerati
            "Llama4MoE", "Llama4Router", "attention_temperature", "chunked_layers",
            "moe_layers", "rope_layers"]
 
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: Each head's q/k rows from RoPE pairs to halves (a module name: the reorder test swaps it).
+_halves = rope_heads_to_halves
 #: A q or k projection's checkpoint tensor (after renaming): layer, ``q`` / ``k``, what it is.
 _QK = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qk])_proj\.(\w+)$")
 #: HF's stacked routed experts (after renaming).
@@ -141,27 +142,6 @@ def attention_temperature(positions: torch.Tensor, floor_scale: float, attn_scal
     return torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
 
 
-def _halves(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """``rows`` ``[heads * head_dim, ...]`` with each head's rows from RoPE pairs to halves,
-    as a new tensor (``rows`` may be a read-only view of the checkpoint; fp8 moved as
-    bytes)."""
-    if rows.dim() == 0 or rows.shape[0] % head_dim or head_dim % 2:
-        raise ValueError(f"expects whole heads of {head_dim} (even) rows, got shape "
-                         f"{tuple(rows.shape)}")
-    raw = rows.view(torch.uint8) if rows.dtype in _FP8 else rows
-    out = rope_rows_to_halves(raw.clone(memory_format=torch.contiguous_format), head_dim)
-    return out.view(rows.dtype) if rows.dtype in _FP8 else out
-
-
-def _halves_qk_rows(qkv: QKVLinear, rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` indexed as this rank's ``qkv`` output, its q and k heads' rows in the halves
-    order, in place (``LinearBase.row_order``: a LoRA adapter's ``B``)."""
-    for start, size in ((0, qkv.q_size), (qkv.q_size, qkv.kv_size)):
-        part = rows[start:start + size]
-        part.copy_(_halves(part, qkv.head_dim))
-    return rows
-
-
 class Llama4Attention(SelfAttention):
     """:class:`~mrv2.layers.SelfAttention` with Llama 4's per-layer options (module
     docstring): RoPE (``rope``) or NoPE (None), the weightless q/k norm of the RoPE layers,
@@ -190,7 +170,7 @@ class Llama4Attention(SelfAttention):
         self._unit: torch.Tensor | None = None
         if rope is not None:
             qkv = self.qkv_proj
-            qkv.row_order = functools.partial(_halves_qk_rows, qkv)
+            qkv.row_order = functools.partial(qk_rows_to_halves, qkv)
 
     def unit_weight(self, like: torch.Tensor) -> torch.Tensor:
         """Ones ``[head_dim]`` of ``like``'s dtype and device: the weight that makes the core's
