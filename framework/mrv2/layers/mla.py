@@ -61,7 +61,8 @@ from mrv2.layers.rotary import (
 )
 from mrv2.layers.weights import is_fresh
 
-__all__ = ["LATENT_NORM_EPS", "MLAAttention", "MLABackend", "MLADecoderLayer", "mla_rope"]
+__all__ = ["LATENT_NORM_EPS", "MLAAttention", "MLABackend", "MLADecoderLayer", "check_mla_config",
+           "mla_rope"]
 
 #: The eps of DeepSeek's q_a / kv_a RMSNorms (HF builds them with the default).
 LATENT_NORM_EPS = 1e-6
@@ -81,6 +82,24 @@ def _row_tensors(layer: LinearBase) -> list[torch.Tensor]:
     if layer.bias is not None and is_fresh(layer.bias):
         rows.append(layer.bias.data[:, None])
     return rows
+
+
+def check_mla_config(config: Any, arch: str) -> None:
+    """ValueError naming the field where ``config``'s attention is not an MLA layout this module
+    runs (before anything is built): the latent and head sizes at least 1, an even rotated
+    part, ``q_lora_rank`` None or at least 1; and the MLPs' ``silu``, which every MLA family
+    here has."""
+
+    def need(ok: bool, field: str, what: str) -> None:
+        if not ok:
+            raise ValueError(f"{arch}: config.{field} = {getattr(config, field, None)!r}: {what}")
+
+    need(config.hidden_act == "silu", "hidden_act", "the experts and MLPs support 'silu' only")
+    for field in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        need(int(getattr(config, field, 0) or 0) >= 1, field, "must be at least 1")
+    need(int(config.qk_rope_head_dim) % 2 == 0, "qk_rope_head_dim", "must be even (RoPE pairs)")
+    q_lora = getattr(config, "q_lora_rank", None)
+    need(q_lora is None or int(q_lora) >= 1, "q_lora_rank", "must be None or at least 1")
 
 
 def mla_rope(config: Any) -> RotaryEmbedding:

@@ -37,7 +37,7 @@ from mrv2.layers import (
     MoEBlock,
     RotaryEmbedding,
 )
-from mrv2.layers.mla import MLAAttention, MLADecoderLayer, mla_rope
+from mrv2.layers.mla import MLAAttention, MLADecoderLayer, check_mla_config, mla_rope
 from mrv2.layers.moe import shared_expert_moe
 from mrv2.layers.mtp import MultiTokenPredictor, build_mtp
 from mrv2.layers.weights import StackedMapping
@@ -63,12 +63,7 @@ def validate_config(config: Any, arch: str, v3: bool) -> None:
         if not ok:
             raise ValueError(f"{arch}: config.{field} = {getattr(config, field, None)!r}: {what}")
 
-    need(config.hidden_act == "silu", "hidden_act", "the experts and MLPs support 'silu' only")
-    for field in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-        need(int(getattr(config, field, 0) or 0) >= 1, field, "must be at least 1")
-    need(int(config.qk_rope_head_dim) % 2 == 0, "qk_rope_head_dim", "must be even (RoPE pairs)")
-    q_lora = getattr(config, "q_lora_rank", None)
-    need(q_lora is None or int(q_lora) >= 1, "q_lora_rank", "must be None or at least 1")
+    check_mla_config(config, arch)
     experts = int(config.n_routed_experts)
     need(experts >= 1, "n_routed_experts", "must be at least 1")
     need(int(config.n_shared_experts or 0) >= 0, "n_shared_experts", "must be >= 0")

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 from torch import nn
 
 from mrv2.layers import CausalLM, DecoderModel, GatedMLP, RotaryEmbedding
-from mrv2.layers.mla import MLAAttention, MLADecoderLayer, mla_rope
+from mrv2.layers.mla import MLAAttention, MLADecoderLayer, check_mla_config, mla_rope
 from mrv2.layers.mtp import MultiTokenPredictor, build_mtp
 from mrv2.layers.weights import StackedMapping
 from mrv2_glm.model import glm4_moe_block, partial_rotary_factor_of
@@ -57,12 +57,7 @@ def validate_config(config: Any) -> None:
         if not ok:
             raise ValueError(f"{ARCH}: config.{field} = {getattr(config, field, None)!r}: {what}")
 
-    need(config.hidden_act == "silu", "hidden_act", "the experts and MLPs support 'silu' only")
-    for field in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-        need(int(getattr(config, field, 0) or 0) >= 1, field, "must be at least 1")
-    need(int(config.qk_rope_head_dim) % 2 == 0, "qk_rope_head_dim", "must be even (RoPE pairs)")
-    q_lora = getattr(config, "q_lora_rank", None)
-    need(q_lora is None or int(q_lora) >= 1, "q_lora_rank", "must be None or at least 1")
+    check_mla_config(config, ARCH)
     need(partial_rotary_factor_of(config) == 1.0, "partial_rotary_factor",
          "MLA rotates the whole qk_rope_head_dim part (1.0 only)")
     types = mlp_layer_types_of(config)
