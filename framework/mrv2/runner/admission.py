@@ -26,12 +26,14 @@ __all__ = ["add_requests", "check_prompt_embeds", "engine_max_model_len", "kv_dt
 
 def check_prompt_embeds(runner: Runner) -> Callable[[list[int], list[int], list[int]], bool]:
     """With ``enable_prompt_embeds``, a ValueError naming the architecture where the model
-    can't take them; the batch builder's mixed-graph test: the ModelState's, and no step
-    computing prompt-embedding rows (they are spliced in on the host's say-so)."""
+    can't take them; the batch builder's mixed-graph test: the ModelState's, and (with the flag
+    on only, nothing to check per step otherwise) no step computing prompt-embedding rows
+    (they are spliced in on the host's say-so)."""
     state = runner.model_state
-    if runner.config.model.enable_prompt_embeds:
-        check_prompt_embeds_support(runner.model, state, runner.model_entry.architecture)
-        state.prompt_embeds.scale = float(getattr(runner.model, "prompt_embeds_scale", 1.0))
+    if not runner.config.model.enable_prompt_embeds:  # (no request holds any: add_requests)
+        return state.mixed_graph_allowed
+    check_prompt_embeds_support(runner.model, state, runner.model_entry.architecture)
+    state.prompt_embeds.scale = float(getattr(runner.model, "prompt_embeds_scale", 1.0))
     family, given = state.mixed_graph_allowed, state.prompt_embeds
 
     def allowed(rows: list[int], num_computed: list[int], query_lens: list[int]) -> bool:
