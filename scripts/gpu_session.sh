@@ -7,8 +7,6 @@
 # coldstart (scripts/probe_cold_start.py: the first request of each kind on an empty Triton cache, warm-up off and on),
 # gcgen0 (MRV2_GC_GEN0_THRESHOLD=20000 against Python's own, 256 streams through mrv2 serve),
 # longdecode (scripts/sweep_long_decode.py: decode attention's launch options at long contexts),
-# verify50 (the VL bf16 tests, the session's new GPU tests, the fused split combine's tests and batch-1 TPOT A/B),
-# verify50b (the decode register cap A/B, its kernel tests, kernel_audit with constexprs),
 # quick49 (the default prefill grid on 8B heads, packed integer reloads; ~2 min), targets49 (issue 16's targets, cheapest first, within VERIFY_S), verify49 (packed integer weights reloaded under graphs, gpt-oss's MXFP4 test, then scripts/kernel_audit.py:
 # every Triton variant a workload compiled, flagged for spills and register cliffs),
 # verify48b (the eight-warp prefill register cap), verify48 (the flat grid's per-step order and max_model_len auto on CUDA),
@@ -862,52 +860,6 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
              --server-args "--tensor-parallel-size ${TP:-4} --max-model-len 4096 ${GLM47_ARGS:-}" \
              --variants ${GLM47_VARIANTS:-mtp_off mtp_on async_off mtp_on_async_off} 2>&1 \
              | tee "$OUT/glm47.log" | tail -24 ;;
-    verify50) # the fiftieth session's GPU work within VERIFY_S seconds (default 560), most wanted
-              # first: (1) the Idefics3 and LLaVA bf16 tests, checked up to near ties; (2) the new
-              # GPU tests: prompt embeddings, Hunyuan, Cohere (and, if present, LFM2); (3) the
-              # fused split combine (MRV2_ATTN_FUSED_COMBINE): its kernel tests on CUDA, then
-              # Qwen3-0.6B's batch-1 TPOT 0 / 1 / 0 / 1 (issue 16's 0.6 ms target)
-              end=$(( $(date +%s) + ${VERIFY_S:-560} ))
-              left() { local l=$(( end - $(date +%s) )); [ "$l" -lt "$1" ] && echo $(( l > 1 ? l : 1 )) || echo "$1"; }
-              timeout "$(left 120)" python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_idefics3.py \
-                tests/gpu/test_gpu_llava.py -k bf16 2>&1 | tee "$OUT/vl_bf16.log" \
-                | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -6
-              for t in prompt_embeds hunyuan cohere lfm2; do
-                [ -f "tests/gpu/test_gpu_$t.py" ] || continue
-                timeout "$(left 120)" python3 -m pytest -v -p no:cacheprovider -m gpu "tests/gpu/test_gpu_$t.py" \
-                  2>&1 | tee "$OUT/gpu_$t.log" | grep -E "FAILED|ERROR|passed|failed" | tail -3 | sed "s/^/$t: /"
-              done
-              timeout "$(left 60)" python3 -m pytest -q -p no:cacheprovider \
-                tests/kernels/test_paged_attention_fused_combine.py 2>&1 | tee "$OUT/fused_combine.log" | tail -1
-              for run in a b; do for fc in 0 1; do  # the fused split combine: batch-1 TPOT
-                MRV2_ATTN_FUSED_COMBINE=$fc timeout "$(left 70)" python3 -m mrv2.entrypoints.cli bench \
-                  latency --model Qwen3-0.6B --batch-sizes 1 --new-tokens 128 \
-                  --json "$OUT/latency_fc${fc}_$run.json" > "$OUT/latency_fc${fc}_$run.log" 2>&1
-                grep -E "tpot_ms" "$OUT/latency_fc${fc}_$run.log" | head -1 | sed "s/^/fused combine $fc ($run): /"
-              done; done ;;
-    verify50b) # the decode register cap (MRV2_ATTN_DECODE_MAXNREG) within VERIFY_S seconds (default
-               # 560): the throughput workload's decode steps of bench_attention 0 / 1 / 0 / 1, its
-               # decode table, the paged-attention kernel tests on CUDA with the cap on, then
-               # kernel_audit over AUDIT_MODELS (default Qwen3-8B; constexprs shown now)
-              end=$(( $(date +%s) + ${VERIFY_S:-560} ))
-              left() { local l=$(( end - $(date +%s) )); [ "$l" -lt "$1" ] && echo $(( l > 1 ? l : 1 )) || echo "$1"; }
-              for run in a b; do for cap in 0 1; do
-                MRV2_ATTN_DECODE_MAXNREG=$cap timeout "$(left 45)" python3 -m mrv2_kernels.bench_attention \
-                  --workload --layouts 8B 0.6B > "$OUT/workload_cap${cap}_$run.log" 2>&1
-                grep -A1 "^workload" "$OUT/workload_cap${cap}_$run.log" | paste - - | cut -c1-120 \
-                  | sed "s/^/cap $cap ($run): /"
-              done; done
-              for cap in 0 1; do  # the decode table (rows print as they finish)
-                MRV2_ATTN_DECODE_MAXNREG=$cap timeout "$(left 60)" python3 -m mrv2_kernels.bench_attention \
-                  --layouts 8B > "$OUT/attn_cap$cap.log" 2>&1
-                grep -E "^ *(32|64|128|256) +(256|1024|4096) " "$OUT/attn_cap$cap.log" | head -9 \
-                  | sed "s/^/cap $cap decode: /"
-              done
-              MRV2_ATTN_DECODE_MAXNREG=1 timeout "$(left 120)" python3 -m pytest -q -p no:cacheprovider \
-                tests/kernels/test_paged_attention.py 2>&1 | tee "$OUT/paged_cap1.log" | tail -2
-              timeout "$(left 150)" python3 scripts/kernel_audit.py --models ${AUDIT_MODELS:-Qwen3-8B} \
-                > "$OUT/kernel_audit.log" 2>&1
-              grep -vE "^-" "$OUT/kernel_audit.log" | cut -c1-200 | tail -16 ;;
     quick49) # what ~2 minutes of a fresh machine can show: the default prefill grid on 8B heads
              # (4 x 1,024 causal: now the (tile, request) grid), then packed integer reloads
              timeout 75 python3 -m mrv2_kernels.bench_attention --no-decode --layouts 8B \

@@ -43,7 +43,8 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "0.6B": {"GROUP": 2, "GROUP_P2": 2, "BLOCK_Q": 32, "BLOCK_M": 64, "BLOCK_N": 64,
              "num_warps": 4},
     # Decode plans (a program a request and kv head, from a program an SM: 2 warps), rope and
-    # the q/k norm fused, keys split: MRV2_ATTN_DECODE_MAXNREG's cases (--cap 200).
+    # the q/k norm fused, keys split (--cap 200: a decode register cap, timed on an H100 and
+    # dropped, 2026-12-07: the workload's decode attention 3-7% slower under it).
     "8B-decode": {"GROUP": 4, "GROUP_P2": 4, "BLOCK_Q": 4, "BLOCK_M": 16, "BLOCK_N": 64,
                   "FLAT": False, "ZERO_PAD": False, "ROPE": True, "QK_NORM": True,
                   "USE_SPLITS": True, "num_warps": 2},

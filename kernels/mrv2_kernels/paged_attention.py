@@ -72,7 +72,6 @@ import torch
 from ._backend import LOG2E as _LOG2E
 from ._backend import (
     MAX_GRID_YZ,
-    arrival_counters,
     next_power_of_2,
     pdl,
     pdl_early_meta,
@@ -127,22 +126,6 @@ def prefill_flat_grid(flat_grid: bool | None, grid_tiles: int, flat_tiles: int,
     return num_reqs < 2 or grid_tiles > flat_tiles
 
 
-#: ``1``: a split decode plan's partials are merged by each query tile's last split program to
-#: finish (an arrival counter a tile, ``last_to_arrive`` as the split-K GEMMs do) instead of by
-#: ``_combine_splits_kernel`` launched after it: a kernel boundary less a layer where decode
-#: splits keys (batch 1 on Qwen3-0.6B, H100 2026-12-06: the combine launches moved the step's
-#: end 2.1 us each, 59 of 792 us). Opt-in until timed on a GPU; ``0`` or unset: the launch.
-FUSED_COMBINE_ENV_VAR = "MRV2_ATTN_FUSED_COMBINE"
-
-
-def split_combine_fused(fused_combine: bool | None, on_gpu: bool) -> bool:
-    """Whether split decode programs merge their partials themselves: ``fused_combine`` where
-    given, else on CUDA where :data:`FUSED_COMBINE_ENV_VAR` is ``1``."""
-    if fused_combine is not None:
-        return fused_combine
-    return on_gpu and os.environ.get(FUSED_COMBINE_ENV_VAR, "").strip() == "1"
-
-
 #: The flat grid's order where neither ``tiles_last`` nor :data:`TILES_LAST_ENV_VAR` sets it:
 #: its query tiles slowest in a step whose longest sequence's keys, every kv head's, fit in
 #: this fraction of the L2 cache; the kv-head axis slowest past that (H100, 2026-12-07: one
@@ -183,36 +166,11 @@ def flat_tiles_last_keys(tiles_last: bool | None, kv_cache: torch.Tensor) -> int
 PREFILL_MAX_REGS_WARPS = 8
 
 
-#: Decode plans' register cap, opt-in until timed: ``1`` caps 2-warp programs at 200 registers
-#: and 4-warp ones at 128, one more program an SM by registers (5 against 4, 4 against 3);
-#: another integer caps every decode plan at that many; unset or ``0``: no cap. ptxas for
-#: sm_90 (``scripts/kernel_registers.py``'s decode tiles, Qwen3-8B and 0.6B heads, rope fused or
-#: not, splits or not): 214-255 registers at 2 warps and 147-151 at 4 uncapped, 0 bytes spilled
-#: at either cap, 38 KiB of shared memory (5 programs fit it). The H100 audit of 2026-12-07 saw
-#: those variants flagged as register cliffs (``scripts/kernel_audit.py``).
-DECODE_REG_CAP_ENV_VAR = "MRV2_ATTN_DECODE_MAXNREG"
-_DECODE_CAPS = {2: 200, 4: 128}
-
-
 def prefill_register_cap(plan: AttentionPlan, on_gpu: bool) -> dict[str, int]:
     """The paged kernel's launch options for ``plan``: on CUDA, a prefill plan of
     :data:`PREFILL_MAX_REGS_WARPS` warps or more keeps two programs on an SM (64K registers:
-    ``maxnreg``); a decode plan gets :data:`DECODE_REG_CAP_ENV_VAR`'s cap where set; nothing
-    otherwise (the interpreter takes no such option)."""
-    if not on_gpu:
-        return {}
-    if plan.small_q:
-        setting = os.environ.get(DECODE_REG_CAP_ENV_VAR, "").strip() or "0"
-        if not setting.isdigit():
-            raise ValueError(f"{DECODE_REG_CAP_ENV_VAR}={setting!r}: expected 0, 1 or a "
-                             "register count (24-255)")
-        value = int(setting)
-        cap = _DECODE_CAPS.get(plan.num_warps) if value == 1 else value
-        if cap and not 24 <= cap <= 255:
-            raise ValueError(f"{DECODE_REG_CAP_ENV_VAR}={setting!r}: expected 0, 1 or a "
-                             "register count (24-255)")
-        return {"maxnreg": cap} if cap else {}
-    if plan.num_warps < PREFILL_MAX_REGS_WARPS:
+    ``maxnreg``); nothing otherwise (the interpreter takes no such option)."""
+    if not on_gpu or plan.small_q or plan.num_warps < PREFILL_MAX_REGS_WARPS:
         return {}
     return {"maxnreg": 65536 // (2 * 32 * plan.num_warps)}
 
@@ -258,7 +216,6 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
     attention_chunk: int | None = None,
     tiles_last: bool | None = None,
-    fused_combine: bool | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of ``query`` ``[T, H, D]`` over ``kv_cache``; see the module doc.
 
@@ -295,9 +252,8 @@ def paged_attention(
     rule, for the flat grid :func:`flat_tiles_last_keys`' per step): a prefill plan's grid
     has its query-tile axis slowest, so the whole grid starts with the heaviest tiles (the
     kernel's ``TILES_LAST``; the TMA kernel's too: blocks are dispatched in grid order, x
-    fastest). ``fused_combine`` (default: :func:`split_combine_fused`'s rule): a split decode
-    plan's splits are merged by each query tile's last split program to finish, not by a
-    combine launch after the kernel. Returns ``out`` (allocated when ``None``), query dtype.
+    fastest). Returns
+    ``out`` (allocated when ``None``), query dtype.
     """
     num_heads, num_kv_heads, head_dim, block_size = _check_inputs(query, kv_cache)
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
@@ -427,16 +383,9 @@ def paged_attention(
             and grid[0] <= MAX_GRID_YZ)
     if last:  # the tile axis slowest (see the kernel's TILES_LAST)
         grid = (grid[1], grid[2], grid[0])
-    # Splits merged by each tile's last split program (MRV2_ATTN_FUSED_COMBINE): counters
-    # allocated outside graph capture; none big enough during one: the combine kernel
-    counters = (arrival_counters(query.device, num_q_tiles * num_kv_heads * num_reqs)
-                if splits > 1 and not flat and split_combine_fused(fused_combine, on_gpu)
-                else None)
     launch(grid, plan, {
         "long_qlen": long_qlen,
-        # with splits the combine (kernel or fused) zeroes no padding rows: these programs do
-        "ZERO_PAD": splits == 1 or counters is not None,
-        **({} if counters is None else {"counters_ptr": counters, "FUSED_COMBINE": True}),
+        "ZERO_PAD": splits == 1,  # with splits the combine kernel zeroes the padding rows
         "ROPE": rope is not None,
         "QK_NORM": rope is not None and rope.qk_norm is not None,
         "SKIP_LONG": long_qlen > 0,
@@ -446,7 +395,7 @@ def paged_attention(
         "TILES_LAST": last,
         "tiles_last_keys": flat_tiles_last_keys(tiles_last, kv_cache) if flat else 0,
     }, flat_tiles if flat else None)
-    if splits > 1 and counters is None:
+    if splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
             part_m,
             part_l,
@@ -466,9 +415,7 @@ def paged_attention(
     return out
 
 
-__all__ = ["FLAT_GRID_ENV_VAR", "FUSED_COMBINE_ENV_VAR", "ONE_TOKEN_APART_MIN_BLOCK_M",
-           "ONE_TOKEN_ENV_VAR",
+__all__ = ["FLAT_GRID_ENV_VAR", "ONE_TOKEN_APART_MIN_BLOCK_M", "ONE_TOKEN_ENV_VAR",
            "TILES_LAST_ENV_VAR", "TILES_LAST_L2_FRACTION", "AttentionPlan", "FusedRope",
            "attention_plan", "flat_tiles_last_keys", "paged_attention", "paged_attention_ref",
-           "prefill_flat_grid", "prefill_register_cap", "prefill_tiles_last",
-           "split_combine_fused"]
+           "prefill_flat_grid", "prefill_register_cap", "prefill_tiles_last"]

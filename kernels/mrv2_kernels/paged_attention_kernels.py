@@ -1,9 +1,8 @@
 """The Triton kernels of :mod:`mrv2_kernels.paged_attention` (its docstring describes them
 and their plans; the launcher, :func:`~mrv2_kernels.paged_attention.paged_attention`, lives
 there): ``_paged_attn_kernel`` (prefill / mixed and split decode programs over the paged
-cache, with the fused RoPE, sliding window, chunked local attention, soft-cap and sinks; with
-``FUSED_COMBINE`` a tile's last split merges the splits' partials itself, ``_combine_rows``)
-and ``_combine_splits_kernel`` (a token's split partials into its output row)."""
+cache, with the fused RoPE, sliding window, chunked local attention, soft-cap and sinks) and
+``_combine_splits_kernel`` (a token's split partials into its output row)."""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ from ._backend import LOG2E_C as _LOG2E_C
 from ._backend import M_INIT as _M_INIT
 from ._backend import (
     kv_store_cast,
-    last_to_arrive,
     pdl_prologue,
     pdl_release,
     pdl_wait,
@@ -191,8 +189,6 @@ def _paged_attn_kernel(
     CHUNK: tl.constexpr = 0,
     TILES_LAST: tl.constexpr = False,
     tiles_last_keys: tl.tensor = 0,
-    counters_ptr: tl.tensor = None,
-    FUSED_COMBINE: tl.constexpr = False,
 ) -> None:
     # Heaviest query tiles (latest positions) first: better tail balance in causal prefill.
     # FLAT: a 1-D grid over the step's query tiles x kv heads x splits, its order picked on
@@ -415,14 +411,6 @@ def _paged_attn_kernel(
             acc,
             mask=row_valid[:, None],
         )
-        if FUSED_COMBINE:  # the tile's last split to finish combines them all (no combine
-            # launch): its counter among the (request, tile, kv head) groups of the grid
-            kv_heads = num_heads // GROUP
-            group_id = (req * num_q_tiles + q_tile) * kv_heads + kvh
-            if last_to_arrive(counters_ptr + group_id, num_splits):
-                _combine_rows(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, q_row, head,
-                              row_valid, offs_d, num_heads, num_splits, stride_ot, stride_oh,
-                              HEAD_DIM)
     else:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / l_safe[:, None]
@@ -431,36 +419,6 @@ def _paged_attn_kernel(
             o.to(out_ptr.dtype.element_ty),
             mask=row_valid[:, None],
         )
-
-
-@triton.jit
-def _combine_rows(part_m_ptr: tl.tensor, part_l_ptr: tl.tensor, part_acc_ptr: tl.tensor,
-                  out_ptr: tl.tensor, q_row: tl.tensor, head: tl.tensor, row_valid: tl.tensor,
-                  offs_d: tl.tensor, num_heads: tl.tensor, num_splits: tl.tensor,
-                  stride_ot: tl.tensor, stride_oh: tl.tensor, HEAD_DIM: tl.constexpr) -> None:
-    """The fused combine of the last split program of a query tile: every split's partial of
-    its rows (read past the L1 cache: other programs wrote them), merged with a running max
-    (the same sums as ``_combine_splits_kernel``'s, in split order), into the output rows."""
-    base = (q_row * num_heads + head) * num_splits
-    m_run = tl.full(base.shape, _M_INIT, tl.float32)
-    l_run = tl.zeros(base.shape, tl.float32)
-    o = tl.zeros([base.shape[0], HEAD_DIM], tl.float32)
-    for s in range(0, num_splits):
-        m_s = tl.load(part_m_ptr + base + s, mask=row_valid, other=_M_INIT,
-                      cache_modifier=".cg")
-        l_s = tl.load(part_l_ptr + base + s, mask=row_valid, other=0.0, cache_modifier=".cg")
-        a_s = tl.load(part_acc_ptr + (base + s)[:, None] * HEAD_DIM + offs_d[None, :],
-                      mask=row_valid[:, None], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m_run, m_s)
-        alpha = tl.math.exp2(m_run - m_new)
-        beta = tl.math.exp2(m_s - m_new)
-        l_run = l_run * alpha + l_s * beta
-        o = o * alpha[:, None] + a_s * beta[:, None]
-        m_run = m_new
-    l_run = tl.where(l_run > 0.0, l_run, 1.0)
-    o = o / l_run[:, None]
-    tl.store(out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_splits"])

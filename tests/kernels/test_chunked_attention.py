@@ -230,7 +230,7 @@ ptrs = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "out_ptr": bf, "part_m_ptr": f32,
 common = dict(HEAD_DIM=128, KV_BLOCK_SIZE=16, DOT_FP32=False, FP32_PRECISION="tf32x3",
               PDL=True, EARLY_META=False, SKIP_LONG=False, GROUP=5, GROUP_P2=8,
               ZERO_PAD=True, REQ_BLOCK=256, ONE_TOKEN=0, SLIDING=False, CAP=0.0,
-              SINKS=False, sinks_ptr=None, CHUNK=8192, FUSED_COMBINE=False, counters_ptr=None)
+              SINKS=False, sinks_ptr=None, CHUNK=8192)
 # Llama 4 Scout's heads (40 over 8): a prefill plan's tiles over a bf16 cache; split decode
 # with RoPE inside over an fp8 cache
 build(m._paged_attn_kernel, ptrs,

@@ -196,7 +196,6 @@ ptrs = {"q_ptr": bf, "k_ptr": f8, "v_ptr": f8, "out_ptr": bf, "part_m_ptr": f32,
 common = dict(HEAD_DIM=128, KV_BLOCK_SIZE=16, DOT_FP32=False, FP32_PRECISION="tf32x3",
               PDL=True, EARLY_META=False, SKIP_LONG=False, GROUP=4, GROUP_P2=4, ZERO_PAD=True,
               REQ_BLOCK=256, ONE_TOKEN=0, SLIDING=False, CAP=0.0, SINKS=False, sinks_ptr=None,
-              FUSED_COMBINE=False, counters_ptr=None,
               CHUNK=0)
 # prefill plan (8B heads' tiles), split decode with RoPE and the KV store inside
 build(m._paged_attn_kernel, ptrs,

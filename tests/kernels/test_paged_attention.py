@@ -535,15 +535,10 @@ def test_prefill_grid_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [flat for _, flat, _ in launches] == [True]
 
 
-def test_prefill_register_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prefill_register_cap() -> None:
     """Eight-warp prefill plans (Qwen3-8B's 128 x 32 tiles) keep two programs on an SM on
-    CUDA (at most 128 registers); narrower plans and the interpreter get no cap, decode plans
-    only MRV2_ATTN_DECODE_MAXNREG's (1: a program more an SM; N: N registers)."""
-    from mrv2_kernels.paged_attention import (
-        DECODE_REG_CAP_ENV_VAR,
-        AttentionPlan,
-        prefill_register_cap,
-    )
+    CUDA (at most 128 registers); decode plans, narrower plans and the interpreter get no cap."""
+    from mrv2_kernels.paged_attention import AttentionPlan, prefill_register_cap
 
     def plan(warps: int, small_q: bool) -> AttentionPlan:
         return AttentionPlan(block_m=128, block_n=32, block_q=32, num_q_tiles=4, num_splits=1,
@@ -554,20 +549,6 @@ def test_prefill_register_cap(monkeypatch: pytest.MonkeyPatch) -> None:
     assert prefill_register_cap(plan(4, False), True) == {}
     assert prefill_register_cap(plan(8, True), True) == {}
     assert prefill_register_cap(plan(8, False), False) == {}
-    monkeypatch.setenv(DECODE_REG_CAP_ENV_VAR, "1")
-    assert prefill_register_cap(plan(2, True), True) == {"maxnreg": 200}
-    assert prefill_register_cap(plan(4, True), True) == {"maxnreg": 128}
-    assert prefill_register_cap(plan(8, True), True) == {}  # (no 8-warp decode plan yet)
-    assert prefill_register_cap(plan(2, True), False) == {}
-    assert prefill_register_cap(plan(8, False), True) == {"maxnreg": 128}  # prefill: its own
-    monkeypatch.setenv(DECODE_REG_CAP_ENV_VAR, "168")
-    assert prefill_register_cap(plan(2, True), True) == {"maxnreg": 168}
-    monkeypatch.setenv(DECODE_REG_CAP_ENV_VAR, "0")
-    assert prefill_register_cap(plan(2, True), True) == {}
-    for bad in ("auto", "300", "8"):
-        monkeypatch.setenv(DECODE_REG_CAP_ENV_VAR, bad)
-        with pytest.raises(ValueError, match="MRV2_ATTN_DECODE_MAXNREG=.*expected 0, 1 or"):
-            prefill_register_cap(plan(2, True), True)
 
 
 @pytest.mark.parametrize("fraction", [1.0, 1e-4])

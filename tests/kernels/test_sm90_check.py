@@ -90,8 +90,7 @@ for group, warps in ((2, 2), (4, 4)):  # Qwen3-0.6B / 8B heads
                PDL=True, EARLY_META=True, ROPE=True, QK_NORM=True, SKIP_LONG=False,
                GROUP=group, GROUP_P2=group, BLOCK_Q=16 // group, BLOCK_M=16, BLOCK_N=64,
                USE_SPLITS=True, ZERO_PAD=False, FLAT=False, REQ_BLOCK=256, ONE_TOKEN=0,
-               SLIDING=False, CAP=0.0, SINKS=False, sinks_ptr=None, FUSED_COMBINE=False,
-               counters_ptr=None),
+               SLIDING=False, CAP=0.0, SINKS=False, sinks_ptr=None),
           num_warps=warps, num_stages=2)
 build(pa._combine_splits_kernel, {"part_m_ptr": f32, "part_l_ptr": f32, "part_acc_ptr": f32,
                                   "out_ptr": bf, "qsl_ptr": i32},
