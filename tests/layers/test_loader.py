@@ -11,7 +11,15 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from mrv2.layers import LMHead, MergedColumnLinear, QKVLinear, RMSNorm, RowLinear, VocabEmbedding
+from mrv2.layers import (
+    LayerNorm,
+    LMHead,
+    MergedColumnLinear,
+    QKVLinear,
+    RMSNorm,
+    RowLinear,
+    VocabEmbedding,
+)
 from mrv2.model_loader import (
     default_weight_loader,
     init_dummy_weights,
@@ -185,6 +193,10 @@ def test_dummy_weights() -> None:
     assert torch.isfinite(w).all() and 0 < w.std() < 0.1
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
     assert not torch.equal(a.layer.qkv_proj.weight, c.layer.qkv_proj.weight)
+    ln = nn.ModuleDict({"ln": LayerNorm(8), "plain": LayerNorm(8, affine=False)})
+    init_dummy_weights(ln, seed=3)  # a LayerNorm's weight is a norm's: ones; its bias zeros
+    assert torch.equal(ln["ln"].weight, torch.ones(8)) and torch.equal(ln["ln"].bias,
+                                                                        torch.zeros(8))
 
 
 def test_a_missing_part_of_a_fused_parameter_is_an_error() -> None:

@@ -30,7 +30,7 @@ from mrv2.layers.mamba import Mamba2Mixer
 from mrv2.layers.mla import MLAAttention, MLADecoderLayer, mla_rope
 from mrv2.layers.mlp import GatedMLP
 from mrv2.layers.moe import FusedMoE, GroupedTopKRouter, MoEBlock, SoftmaxTopKRouter
-from mrv2.layers.norm import RMSNorm, ShardedRMSNorm
+from mrv2.layers.norm import LayerNorm, RMSNorm, ShardedRMSNorm
 from mrv2.layers.rotary import (
     RotaryEmbedding,
     get_rope,
@@ -53,6 +53,7 @@ __all__ = [
     "GatedMLP",
     "GroupedTopKRouter",
     "LMHead",
+    "LayerNorm",
     "LinearBase",
     "MLAAttention",
     "MLADecoderLayer",

@@ -21,7 +21,7 @@ from mrv2.layers.attention import Attention, config_sliding_window
 from mrv2.layers.embedding import LMHead, ScaledEmbedding, VocabEmbedding
 from mrv2.layers.linear import QKVLinear, RowLinear, norm_linear
 from mrv2.layers.mlp import GatedMLP
-from mrv2.layers.norm import RMSNorm, ShardedRMSNorm
+from mrv2.layers.norm import LayerNorm, RMSNorm, ShardedRMSNorm
 from mrv2.layers.rotary import RotaryEmbedding
 from mrv2.layers.weights import StackedMapping, load_stacked_weights
 
@@ -230,7 +230,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         count = config.num_hidden_layers if num_layers is None else num_layers
         self.layers = nn.ModuleList(make_layer(i) for i in range(count))
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm: RMSNorm | LayerNorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.hidden_size = int(config.hidden_size)
         #: ``[max_num_tokens, len(ids) * hidden]``, set by :meth:`keep_aux_hidden_states`.
         self.aux_hidden_states: torch.Tensor | None = None

@@ -1,5 +1,5 @@
-"""RMSNorm, optionally fused with the residual add that precedes it, and its tensor-parallel
-form over a projection split across ranks (:class:`ShardedRMSNorm`)."""
+"""RMSNorm and LayerNorm, each optionally fused with the residual add that precedes it, and
+RMSNorm's tensor-parallel form over a projection split across ranks (:class:`ShardedRMSNorm`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from mrv2.distributed.parallel_state import all_reduce
+from mrv2_kernels.layer_norm import layer_norm
 from mrv2_kernels.norm import rms_norm
 
 
@@ -34,6 +35,35 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last dimension, computed in fp32 and rounded once to the input dtype
+    (torch's ``layer_norm`` in bf16 / fp16, HF's ``nn.LayerNorm`` and Cohere's norm alike).
+
+    ``bias=False``: no shift (Cohere); ``affine=False``: neither scale nor shift (OLMo). The
+    parameters are ``weight`` and ``bias``, a checkpoint's names. ``forward(x, residual)``
+    first adds ``residual`` and returns ``(normed, new_residual)`` as :class:`RMSNorm` does,
+    from one fused kernel (:func:`mrv2_kernels.layer_norm.layer_norm`) on the Triton path,
+    which writes ``new_residual`` into ``residual``'s storage: use the returned residual.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True,
+                 affine: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size)) if affine else None
+        self.bias = nn.Parameter(torch.zeros(hidden_size)) if affine and bias else None
+        self.hidden_size = hidden_size
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return layer_norm(x, self.weight, self.bias, self.eps, residual)
+
+    def extra_repr(self) -> str:
+        return (f"{self.hidden_size}, eps={self.eps}, weight={self.weight is not None}, "
+                f"bias={self.bias is not None}")
 
 
 class ShardedRMSNorm(nn.Module):

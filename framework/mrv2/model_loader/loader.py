@@ -22,7 +22,7 @@ from safetensors import safe_open
 from torch import nn
 
 from mrv2.layers.embedding import PoolingLogits
-from mrv2.layers.norm import RMSNorm
+from mrv2.layers.norm import LayerNorm, RMSNorm
 from mrv2.layers.weights import (  # noqa: F401 (re-exported: mrv2.model_loader's names)
     StackedMapping,
     default_weight_loader,
@@ -225,7 +225,8 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
     For ``--load-format dummy``: throughput does not depend on the values, but they must be
     finite and small so the activations stay sane.
     """
-    norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    norm_weights = {id(m.weight) for m in model.modules()
+                    if isinstance(m, (RMSNorm, LayerNorm)) and m.weight is not None}
     fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
     generators: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():

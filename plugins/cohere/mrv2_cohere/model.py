@@ -7,9 +7,9 @@ Command A).
   HF's order (``(x + attn) + mlp``; a layer hands on ``(x + attn, mlp)`` as the core's layers
   hand on ``(hidden, residual)``, and the next one, or the final norm, adds them).
 - The norms are LayerNorms without a bias (mean subtracted, fp32 math, the weight multiplied
-  in fp32: HF's ``CohereLayerNorm``, ``layer_norm_eps``), not RMSNorms: the core's fused
-  norm + GEMV kernel of decode steps does not apply, and the norm runs before the
-  projections (the unfused path).
+  in fp32: HF's ``CohereLayerNorm``, ``layer_norm_eps``), not RMSNorms: the core's
+  :class:`~mrv2.layers.LayerNorm` (one kernel with the residual add); the fused norm + GEMV
+  kernel of decode steps, an RMSNorm's, does not apply.
 - RoPE over interleaved pairs ``(x0, x1), (x2, x3), ...`` of each head (HF's
   ``repeat_interleave`` cos/sin and pairwise ``rotate_half``; GPT-J's layout), where the core
   rotates halves ``(x_i, x_{i + d/2})``. As the q and k projections of a RoPE layer load,
@@ -46,7 +46,7 @@ from mrv2.layers import (
     CausalLM,
     DecoderModel,
     GatedMLP,
-    RMSNorm,
+    LayerNorm,
     SelfAttention,
     get_rope,
     head_dim_of,
@@ -65,7 +65,8 @@ _QK = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qk])_(proj|layernorm)\.(\
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's ``CohereLayerNorm`` over the last dimension: ``(x - mean) / sqrt(var + eps)`` in
+    """HF's ``CohereLayerNorm`` with a weight per head (:class:`HeadLayerNorm`'s) over the last
+    dimension: ``(x - mean) / sqrt(var + eps)`` in
     fp32, times ``weight`` (broadcast over the leading dimensions) in fp32, in ``x``'s dtype;
     no bias. A weight of the last dimension's size and ``x``'s dtype goes to torch's layer
     norm whole (one kernel: it normalizes and scales in fp32 and rounds once, as HF)."""
@@ -73,25 +74,6 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
     if weight.shape == shape and weight.dtype == x.dtype:
         return F.layer_norm(x, shape, weight, None, eps)
     return (F.layer_norm(x.float(), shape, None, None, eps) * weight.float()).to(x.dtype)
-
-
-class CohereLayerNorm(RMSNorm):
-    """The hidden states' norm (module docstring): a LayerNorm with
-    :class:`~mrv2.layers.RMSNorm`'s call convention, ``forward(x)`` the normed ``x``,
-    ``forward(x, residual)`` ``(normed, x + residual)``. It takes RMSNorm's place (the
-    decoder's final norm; ``--load-format dummy`` fills its weight with ones) with a
-    ``forward`` of its own, so :func:`~mrv2.layers.norm_linear` never fuses it as an RMS
-    norm."""
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            return layer_norm(x, self.weight, self.eps)
-        x = x + residual
-        return layer_norm(x, self.weight, self.eps), x
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}, layer_norm"
 
 
 class HeadLayerNorm(nn.Module):
@@ -172,13 +154,16 @@ class CohereDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
-        self.input_layernorm = CohereLayerNorm(config.hidden_size, eps=float(config.layer_norm_eps))
+        self.input_layernorm = LayerNorm(config.hidden_size, eps=float(config.layer_norm_eps),
+                                         bias=False)
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        x = hidden_states if residual is None else hidden_states + residual
-        normed = cast(torch.Tensor, self.input_layernorm(x))
+        if residual is None:
+            x, normed = hidden_states, cast(torch.Tensor, self.input_layernorm(hidden_states))
+        else:  # the add and the norm in one kernel
+            normed, x = self.input_layernorm(hidden_states, residual)
         attn = cast(torch.Tensor, self.self_attn(positions, normed))
         return x + attn, cast(torch.Tensor, self.mlp(normed))
 
@@ -202,7 +187,7 @@ class _Cohere(CausalLM):
         shape = SimpleNamespace(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
                                 num_hidden_layers=config.num_hidden_layers, rms_norm_eps=eps)
         model = DecoderModel(shape, layer)
-        model.norm = CohereLayerNorm(config.hidden_size, eps=eps)
+        model.norm = LayerNorm(config.hidden_size, eps=eps, bias=False)
         super().__init__(config, model)
         scale = getattr(config, "logit_scale", None)
         #: What the LM head's logits are multiplied by (HF's ``logit_scale``; 1 where unset).
