@@ -64,6 +64,7 @@ KNOWN_PACKAGES: dict[str, str] = {
     "CohereForCausalLM": "mrv2-plugin-cohere",
     "Cohere2ForCausalLM": "mrv2-plugin-cohere",
     "Lfm2ForCausalLM": "mrv2-plugin-lfm2",
+    "Lfm2MoeForCausalLM": "mrv2-plugin-lfm2",
     "LlamaForCausalLM": "mrv2-contrib-llama",
     "MistralForCausalLM": "mrv2-contrib-llama",
     "MixtralForCausalLM": "mrv2-contrib-llama",

@@ -3,7 +3,8 @@ through the engine on the Triton causal-conv kernel (decode and prefill paths, t
 and prefix caching's snapshots) and the fused norm + GEMV of decode steps: fp32 greedy tokens
 are HF's with CUDA graphs (decode and mixed steps) and without, prompts split across steps,
 requests preempted and prefixes resumed from state snapshots; bf16 graphs on and off agree and
-start with HF's tokens; a step never synchronizes.
+start with HF's tokens; a step never synchronizes. LFM2-MoE alike: dense layers, then sparse
+MoE blocks (the sigmoid router with its expert bias, the fused experts' Triton kernels).
 
 Run on a CUDA machine with ``MRV2_TEST_GPU=1 python -m pytest -m gpu``.
 """
@@ -29,6 +30,22 @@ ARCH: dict[str, Any] = {"hidden_size": 256, "intermediate_size": 768, "block_mul
                         "num_hidden_layers": 6,
                         "layer_types": ["conv", "conv", "full_attention", "conv",
                                         "full_attention", "conv"]}
+#: LFM2-MoE of the same shape: two dense layers (a convolution and an attention layer), then
+#: MoE blocks of 16 experts of 128, 4 a token (LFM2-8B-A1B: 32 of 1792, 4 a token).
+MOE_ARCH: dict[str, Any] = {**ARCH, "moe_intermediate_size": 128, "num_experts": 16,
+                            "num_experts_per_tok": 4, "num_dense_layers": 2,
+                            "layer_types": ["conv", "full_attention", "conv", "conv",
+                                            "full_attention", "conv"]}
+MOE_ARCH.pop("block_multiple_of")
+
+
+def _save(tmp_path: Path, moe: bool, **overrides: Any) -> None:
+    from mrv2_lfm2.testing import save_tiny_lfm2, save_tiny_lfm2_moe
+
+    if moe:
+        save_tiny_lfm2_moe(tmp_path, **{**MOE_ARCH, **overrides})
+    else:
+        save_tiny_lfm2(tmp_path, **{**ARCH, **overrides})
 
 
 def _generate(path: Path, dtype: str, prompts: list[list[int]] = PROMPTS,
@@ -45,14 +62,13 @@ def _generate(path: Path, dtype: str, prompts: list[list[int]] = PROMPTS,
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("overrides", [
-    {},
-    {"conv_bias": False, "tie_word_embeddings": True, "conv_L_cache": 4},
-], ids=["biased-untied", "tied-width4"])
-def test_lfm2_with_graphs(tmp_path: Path, overrides: dict[str, Any]) -> None:
-    from mrv2_lfm2.testing import save_tiny_lfm2
-
-    save_tiny_lfm2(tmp_path, **{**ARCH, **overrides})
+@pytest.mark.parametrize("moe,overrides", [
+    (False, {}),
+    (False, {"conv_bias": False, "tie_word_embeddings": True, "conv_L_cache": 4}),
+    (True, {}),
+], ids=["biased-untied", "tied-width4", "moe"])
+def test_lfm2_with_graphs(tmp_path: Path, moe: bool, overrides: dict[str, Any]) -> None:
+    _save(tmp_path, moe, **overrides)
     expected = [hf_greedy(tmp_path, p, 40) for p in PROMPTS]
     assert _generate(tmp_path, "float32") == expected
     assert _generate(tmp_path, "float32", enforce_eager=True) == expected
@@ -65,10 +81,9 @@ def test_lfm2_with_graphs(tmp_path: Path, overrides: dict[str, Any]) -> None:
     assert sum(g[0] == e[0] for g, e in zip(graphs, expected, strict=True)) >= len(PROMPTS) - 1
 
 
-def test_lfm2_steps_never_synchronize(tmp_path: Path) -> None:
-    from mrv2_lfm2.testing import save_tiny_lfm2
-
-    save_tiny_lfm2(tmp_path, **ARCH)
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_lfm2_steps_never_synchronize(tmp_path: Path, moe: bool) -> None:
+    _save(tmp_path, moe)
     config = EngineConfig.from_kwargs(model=str(tmp_path), device="cuda", dtype="bfloat16",
                                       gpu_memory_utilization=0.3)
     runner = Runner.from_config(config)

@@ -1,5 +1,6 @@
-"""mrv2 model plugin for Liquid AI's LFM2 (``Lfm2ForCausalLM``: LFM2-350M, 700M, 1.2B, 2.6B).
-Exports resolve lazily: importing this is cheap."""
+"""mrv2 model plugin for Liquid AI's LFM2 (``Lfm2ForCausalLM``: LFM2-350M, 700M, 1.2B, 2.6B)
+and LFM2-MoE (``Lfm2MoeForCausalLM``: LFM2-8B-A1B). Exports resolve lazily: importing this is
+cheap."""
 
 from __future__ import annotations
 
@@ -7,11 +8,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mrv2_lfm2.model import Lfm2ForCausalLM
+    from mrv2_lfm2.moe import Lfm2MoeForCausalLM
 
-__all__ = ["Lfm2ForCausalLM"]
+__all__ = ["Lfm2ForCausalLM", "Lfm2MoeForCausalLM"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "Lfm2MoeForCausalLM":
+        from mrv2_lfm2 import moe
+
+        return moe.Lfm2MoeForCausalLM
     if name in __all__:
         from mrv2_lfm2 import model
 

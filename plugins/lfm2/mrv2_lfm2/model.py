@@ -30,6 +30,9 @@ by default (``tie_embedding`` / ``tie_word_embeddings``).
 Tensor parallelism: the convolution by channels (``hidden_size`` divisible by the ranks: each
 rank projects, convolves and gates its slice of ``B``, ``C`` and ``x``, all-reduces after
 ``out_proj``), the attention by heads, the MLP by columns.
+
+LFM2-MoE (:mod:`mrv2_lfm2.moe`) is these layers with other feed-forwards
+(:meth:`Lfm2ForCausalLM.feed_forward_of`).
 """
 
 from __future__ import annotations
@@ -191,11 +194,12 @@ class ShortConv(RequestStateLayer):
 
 class Lfm2Layer(nn.Module):
     """One LFM2 layer (module docstring): ``operator_norm``, then ``conv`` or ``self_attn``,
-    then ``ffn_norm`` and ``feed_forward``; the residual add fused into the next norm, as the
-    core's decoder layers do (HF keeps the residual stream in the model dtype too)."""
+    then ``ffn_norm`` and ``feed_forward`` (the module given: LFM2's SwiGLU, or LFM2-MoE's
+    dense SwiGLU or MoE block); the residual add fused into the next norm, as the core's
+    decoder layers do (HF keeps the residual stream in the model dtype too)."""
 
     def __init__(self, config: Any, kind: str, cache_idx: int,
-                 rope: RotaryEmbedding | None) -> None:
+                 rope: RotaryEmbedding | None, feed_forward: nn.Module) -> None:
         super().__init__()
         shape = shape_of(config)
         eps = shape.rms_norm_eps
@@ -209,7 +213,7 @@ class Lfm2Layer(nn.Module):
                                   bool(getattr(config, "conv_bias", False)))
         else:
             self.self_attn = SelfAttention(shape, cache_idx, rope, qk_norm=True)
-        self.feed_forward = GatedMLP(shape.hidden_size, ff_dim_of(config), "silu")
+        self.feed_forward = feed_forward
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,9 +249,16 @@ class Lfm2ForCausalLM(CausalLM):
         shape = shape_of(config)
         rope = get_rope(config, shape.head_dim) if "full_attention" in types else None
         cache_idx = [types[:i].count("full_attention") for i in range(len(types))]
-        model = DecoderModel(shape, lambda i: Lfm2Layer(config, types[i], cache_idx[i], rope))
+        model = DecoderModel(shape, lambda i: Lfm2Layer(
+            config, types[i], cache_idx[i], rope, self.feed_forward_of(config, i)))
         super().__init__(config, model)
         self.layer_types = types
+
+    @classmethod
+    def feed_forward_of(cls, config: Any, layer_idx: int) -> nn.Module:
+        """Layer ``layer_idx``'s feed-forward: LFM2's SwiGLU of :func:`ff_dim_of` (a
+        subclass, LFM2-MoE, gives its own per layer)."""
+        return GatedMLP(int(config.hidden_size), ff_dim_of(config), "silu")
 
     def rename(self, name: str) -> str | None:
         """HF's names onto this model's: ``model.embedding_norm`` (the final norm) -> the

@@ -8,6 +8,8 @@ from mrv2 import hookimpl
 @hookimpl
 def mrv2_register_models(register: Callable[..., None]) -> None:
     """``Lfm2ForCausalLM`` (LFM2-350M / 700M / 1.2B / 2.6B: short gated convolution and
-    attention layers); it uses the core's default decoder-only ModelState (which allocates
-    the convolution layers' per-request state)."""
+    attention layers) and ``Lfm2MoeForCausalLM`` (LFM2-8B-A1B: the same layers, sparse MoE
+    feed-forwards after the first ``num_dense_layers``); they use the core's default
+    decoder-only ModelState (which allocates the convolution layers' per-request state)."""
     register("Lfm2ForCausalLM", "mrv2_lfm2.model:Lfm2ForCausalLM")
+    register("Lfm2MoeForCausalLM", "mrv2_lfm2.moe:Lfm2MoeForCausalLM")
