@@ -2,7 +2,7 @@
 seeded tokens at TP=2 as at TP=1, with prefix caching on (two prompts share a prefix), for
 dense models with split and with replicated key/value heads (Cohere's per-head q/k norms
 among them), MoE (experts split inside), GLM's partial rotary with shared experts,
-DeepSeek's MLA, and an FP8 block-quantized checkpoint.
+DeepSeek's MLA, dots.llm1 and Phi-3.5-MoE, and an FP8 block-quantized checkpoint.
 A bad split fails with an error naming the field, before any worker process starts."""
 
 from __future__ import annotations
@@ -26,6 +26,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "cohere-qk-norm": ("CohereForCausalLM", {"use_qk_norm": True, "num_key_value_heads": 1}),
     "deepseek-v3": ("DeepseekV3ForCausalLM", {**TINY_MLA, "q_lora_rank": 24, "n_group": 2,
                                               "topk_group": 1}),
+    # DeepSeek-V3's MoE (groups, shared expert, a dense layer) under per-head q/k norms
+    "dots1": ("Dots1ForCausalLM", {"n_routed_experts": 8, "num_experts_per_tok": 2,
+                                   "moe_intermediate_size": 32, "n_shared_experts": 1,
+                                   "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2}),
+    # biased LayerNorms (replicated), attention and LM head (vocabulary rows); SparseMixer
+    "phimoe": ("PhimoeForCausalLM", {"num_local_experts": 4, "intermediate_size": 32,
+                                     "attention_bias": True, "lm_head_bias": True}),
 }
 PREFIX = [3 + i for i in range(9)]
 PROMPTS = [[5, 17, 42, 9, 100, 3, 77], PREFIX + [30, 31], PREFIX + [40], [64]]
@@ -51,7 +58,8 @@ def test_tp2_equals_tp1(family: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("family", ["qwen3-moe", "glm4-moe", "deepseek-v2-lite", "gpt-oss",
-                                    "ernie4.5-moe", "fp8-experts", "gptq-experts"])
+                                    "ernie4.5-moe", "dots1", "phimoe", "fp8-experts",
+                                    "gptq-experts"])
 def test_expert_parallel_equals_one_rank(family: str, tmp_path: Path) -> None:
     """``enable_expert_parallel`` at TP=2: each rank holds half the experts whole (shared
     experts and attention still split by columns / heads; gpt-oss's expert biases on the

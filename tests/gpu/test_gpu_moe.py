@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mrv2 import LLM, SamplingParams
-from mrv2.testing import hf_greedy, make_tiny_checkpoint
+from mrv2 import LLM, EngineConfig, Runner, SamplingParams
+from mrv2.testing import hf_greedy, make_tiny_checkpoint, run_steps_without_sync
 
 pytestmark = pytest.mark.gpu
 
@@ -24,6 +24,22 @@ FAMILIES = {
                            "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1,
                            "partial_rotary_factor": 0.5, "attention_bias": True,
                            "routed_scaling_factor": 2.0},
+    # DeepSeek-V3's MoE under GQA with per-head q/k norms: the fused rotary + norm kernel,
+    # the grouped router kernel, a shared expert, a dense layer
+    "Dots1ForCausalLM": {**COMMON, "n_routed_experts": 16, "n_shared_experts": 1,
+                         "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1,
+                         "norm_topk_prob": True, "routed_scaling_factor": 2.5, "std": 0.15},
+    # SparseMixer's top-2 (torch ops in the graphs), biased LayerNorms (the unfused norm path
+    # in decode graphs), biased attention and LM head, LongRoPE with its mscales
+    "PhimoeForCausalLM": {**COMMON, "num_local_experts": 16, "num_experts_per_tok": 2,
+                          "intermediate_size": 96, "attention_bias": True,
+                          "lm_head_bias": True, "std": 0.15,
+                          "rope_parameters": {
+                              "rope_type": "longrope", "rope_theta": 10000.0,
+                              "short_factor": [1.0 + 0.05 * i for i in range(32)],
+                              "long_factor": [1.5 + 0.1 * i for i in range(32)],
+                              "short_mscale": 1.25, "long_mscale": 1.2,
+                              "original_max_position_embeddings": 64}},
 }
 
 
@@ -44,6 +60,16 @@ def test_fp32_greedy_matches_hf_graphs_on_and_off(ckpt: Path) -> None:
     expected = [hf_greedy(ckpt, p, 24) for p in PROMPTS]
     assert _greedy(ckpt, dtype="float32") == expected
     assert _greedy(ckpt, dtype="float32", enforce_eager=True) == expected
+
+
+def test_steps_never_synchronize(ckpt: Path) -> None:
+    """No step of the family (its router included) reads the device from the host."""
+    config = EngineConfig.from_kwargs(model=str(ckpt), device="cuda", dtype="bfloat16",
+                                      gpu_memory_utilization=0.3)
+    runner = Runner.from_config(config)
+    assert runner.graphs is not None
+    assert run_steps_without_sync(runner, PROMPTS)
+    runner.shutdown()
 
 
 def test_bf16_graphs_on_off_agree(ckpt: Path) -> None:

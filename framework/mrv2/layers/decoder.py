@@ -155,7 +155,7 @@ def projection_norms(qkv: QKVLinear, eps: float) -> tuple[ShardedRMSNorm, Sharde
 
 
 def norm_mlp(
-    norm: RMSNorm, mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
+    norm: RMSNorm | LayerNorm, mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The second half of a pre-norm block: ``mlp(norm(x + residual))`` and the new residual.
 
@@ -181,8 +181,10 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm: RMSNorm | LayerNorm = RMSNorm(config.hidden_size,
+                                                             eps=config.rms_norm_eps)
+        self.post_attention_layernorm: RMSNorm | LayerNorm = RMSNorm(config.hidden_size,
+                                                                      eps=config.rms_norm_eps)
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None

@@ -22,7 +22,7 @@ from torch import nn
 
 from mrv2.distributed.parallel_state import all_reduce, tp_rank
 from mrv2.distributed.parallel_state import tp_size as group_size
-from mrv2.layers.norm import RMSNorm
+from mrv2.layers.norm import LayerNorm, RMSNorm
 from mrv2_kernels.cpu_linear import onednn_linear_available
 from mrv2_kernels.norm import silu_and_mul as silu_and_mul_op
 from mrv2_kernels.norm_gemv import decode_linear, norm_gemv
@@ -315,7 +315,7 @@ class QKVLinear(FusedColumnLinear):
 
 
 def norm_linear(
-    norm: RMSNorm,
+    norm: RMSNorm | LayerNorm,
     linear: LinearBase,
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -333,7 +333,8 @@ def norm_linear(
     quantized linear, another norm) always take the unfused path. Treat ``residual`` as
     consumed.
     """
-    if (type(norm).forward is RMSNorm.forward and linear.runs_plain()
+    if (isinstance(norm, RMSNorm) and type(norm).forward is RMSNorm.forward
+            and linear.runs_plain()
             and type(linear).reduce is LinearBase.reduce):
         return norm_gemv(x, linear.weight, linear.bias, norm_weight=norm.weight, eps=norm.eps,
                          residual=residual, gated=silu_and_mul)

@@ -3,18 +3,18 @@
 Supported HF rope types: ``default``, ``linear``, ``llama3``, ``yarn`` (with DeepSeek's
 ``mscale`` / ``mscale_all_dim`` attention factor, which scales the cos/sin table) and
 ``longrope`` (Phi-3.5 / Phi-4-mini: ``short_factor`` frequencies for positions below
-``original_max_position_embeddings``, ``long_factor`` ones from there, as vLLM does; HF
-switches every position of a sequence to the long factors once it outgrows the original
-length, so the two differ only past it), ``proportional`` (Gemma 4's global layers: the whole
-head is rotated, but only its first ``int(partial_rotary_factor * head_dim // 2)`` frequencies
-are RoPE's, exponents over the whole ``head_dim``; the other pairs get frequency 0 and stay as
-they are, which pairs dimensions differently from a partial ``rotary_dim``), ``dynamic`` with
-an ``alpha`` (Hunyuan's NTK-alpha RoPE: a fixed base ``rope_theta * alpha ** (d / (d - 2))``
-over the ``d`` rotated dimensions, as transformers' HunYuan models and vLLM compute it; plain
-dynamic NTK, without ``alpha``, rescales with the sequence length and is refused). The
-parameters come either from a transformers 5 ``rope_parameters`` dict (holding ``rope_theta``
-too) or from the older ``rope_theta`` + ``rope_scaling`` pair; :func:`rope_parameters_of` reads
-both.
+``original_max_position_embeddings``, ``long_factor`` ones from there, as vLLM does; HF switches
+every position of a sequence to the long factors once it outgrows the original length, so the
+two differ only past it; the rows scaled by the config's ``short_mscale`` / ``long_mscale``
+where it has them, Phi-3.5-MoE's), ``proportional`` (Gemma 4's global layers: the whole head is
+rotated, but only its first ``int(partial_rotary_factor * head_dim // 2)`` frequencies are
+RoPE's, exponents over the whole ``head_dim``; the other pairs get frequency 0 and stay as they
+are, which pairs dimensions differently from a partial ``rotary_dim``), ``dynamic`` with an
+``alpha`` (Hunyuan's NTK-alpha RoPE: a fixed base ``rope_theta * alpha ** (d / (d - 2))`` over
+the ``d`` rotated dimensions, as transformers' HunYuan models and vLLM compute it; plain dynamic
+NTK, without ``alpha``, rescales with the sequence length and is refused). The parameters come
+either from a transformers 5 ``rope_parameters`` dict (holding ``rope_theta`` too) or from the
+older ``rope_theta`` + ``rope_scaling`` pair; :func:`rope_parameters_of` reads both.
 """
 
 from __future__ import annotations
@@ -195,6 +195,17 @@ def attention_factor_of(scaling: Mapping[str, Any] | None, max_position: int) ->
     return _yarn_mscale(factor)
 
 
+def longrope_mscales(scaling: Mapping[str, Any], attention_factor: float
+                     ) -> tuple[float, float]:
+    """The factors LongRoPE's cos/sin rows are multiplied by: ``(short, long)``, for the rows
+    below ``original_max_position_embeddings`` and from there on. A config's own
+    ``short_mscale`` / ``long_mscale`` (Phi-3.5-MoE's, which HF's PhiMoE and vLLM apply), else
+    ``attention_factor`` for both."""
+    short, long = scaling.get("short_mscale"), scaling.get("long_mscale")
+    return (attention_factor if short is None else float(short),
+            attention_factor if long is None else float(long))
+
+
 #: Rope types whose config already states the scaled length in ``max_position_embeddings``
 #: (vLLM's rule; ``su`` is longrope's old name, ``mrope`` Qwen-VL's unscaled M-RoPE).
 _LENGTH_STATED = ("llama3", "longrope", "su", "mrope")
@@ -291,7 +302,14 @@ class RotaryEmbedding(nn.Module):
                 plain = _inv_freq(self.rotary_dim, self.base, None, device).double()
                 long_freq = _longrope_inv_freq(plain, self.scaling, "long_factor")
                 freqs[original:] = torch.outer(positions[original:], long_freq)
-            self._cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * self.attention_factor
+                short_scale, long_scale = longrope_mscales(self.scaling, self.attention_factor)
+                table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+                table[:original] *= short_scale
+                table[original:] *= long_scale
+                self._cos_sin = table
+            else:
+                self._cos_sin = (torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+                                 * self.attention_factor)
         return self._cos_sin
 
     def whole_head_table(self, positions: torch.Tensor) -> torch.Tensor | None:

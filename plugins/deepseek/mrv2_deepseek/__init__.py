@@ -1,7 +1,8 @@
 """mrv2 model plugin for DeepSeek-V2 / V2-Lite / V3 (``DeepseekV2ForCausalLM``,
 ``DeepseekV3ForCausalLM``): the core's multi-head latent attention (:mod:`mrv2.layers.mla`) over
-a latent KV cache, and MoE. Exports resolve lazily: importing this is cheap (``MLAAttention`` and
-``MLABackend`` are the core's, re-exported for compatibility)."""
+a latent KV cache, and MoE; and rednote's dots.llm1 (``Dots1ForCausalLM``: V3's MoE under GQA
+attention). Exports resolve lazily: importing this is cheap (``MLAAttention`` and ``MLABackend``
+are the core's, re-exported for compatibility)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mrv2.layers.mla import MLAAttention, MLABackend
+    from mrv2_deepseek.dots1 import Dots1ForCausalLM
     from mrv2_deepseek.model import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 
-__all__ = ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "MLAAttention", "MLABackend"]
+__all__ = ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Dots1ForCausalLM", "MLAAttention",
+           "MLABackend"]
 
 
 def __getattr__(name: str) -> Any:
@@ -19,6 +22,10 @@ def __getattr__(name: str) -> Any:
         from mrv2_deepseek import model
 
         return getattr(model, name)
+    if name == "Dots1ForCausalLM":
+        from mrv2_deepseek import dots1
+
+        return dots1.Dots1ForCausalLM
     if name in ("MLAAttention", "MLABackend"):
         from mrv2.layers import mla
 

@@ -25,6 +25,7 @@ as transformers models them.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from torch import nn
@@ -46,8 +47,8 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 # (mla_rope moved into the core, :mod:`mrv2.layers.mla`; still importable from here)
-__all__ = ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "deepseek_layer", "mla_rope",
-           "moe_block", "validate_config"]
+__all__ = ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "check_moe_config", "config_check",
+           "deepseek_layer", "deepseek_mlp", "mla_rope", "moe_block", "validate_config"]
 
 #: ``model.layers.{i}.rest`` of a checkpoint tensor name.
 LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -55,19 +56,33 @@ LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 GATE_UP: StackedMapping = (("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
 
 
-def validate_config(config: Any, arch: str, v3: bool) -> None:
-    """Raise a ``ValueError`` naming the field if ``config`` is not a DeepSeek model this plugin
-    runs (before anything is built)."""
+def config_check(config: Any, arch: str) -> Callable[[bool, str, str], None]:
+    """``need(ok, field, what)``: a ``ValueError`` naming ``arch`` and ``config.field`` with its
+    value unless ``ok``."""
 
     def need(ok: bool, field: str, what: str) -> None:
         if not ok:
             raise ValueError(f"{arch}: config.{field} = {getattr(config, field, None)!r}: {what}")
 
-    check_mla_config(config, arch)
-    experts = int(config.n_routed_experts)
+    return need
+
+
+def check_moe_config(config: Any, arch: str) -> None:
+    """The DeepSeek MoE's fields (routed and shared experts, dense layers first), as a
+    ``ValueError`` naming the field; DeepSeek-V2/V3 and dots.llm1 share them."""
+    need = config_check(config, arch)
+    experts = int(config.n_routed_experts or 0)
     need(experts >= 1, "n_routed_experts", "must be at least 1")
     need(int(config.n_shared_experts or 0) >= 0, "n_shared_experts", "must be >= 0")
-    need(int(config.first_k_dense_replace) >= 0, "first_k_dense_replace", "must be >= 0")
+    need(int(config.first_k_dense_replace or 0) >= 0, "first_k_dense_replace", "must be >= 0")
+
+
+def validate_config(config: Any, arch: str, v3: bool) -> None:
+    """Raise a ``ValueError`` naming the field if ``config`` is not a DeepSeek model this plugin
+    runs (before anything is built)."""
+    need = config_check(config, arch)
+    check_mla_config(config, arch)
+    check_moe_config(config, arch)
     if v3:
         need(getattr(config, "topk_method", "noaux_tc") == "noaux_tc", "topk_method",
              "DeepSeek-V3 routes with 'noaux_tc' only")
@@ -105,13 +120,16 @@ def deepseek_layer(config: PretrainedConfig, layer_idx: int, rope: RotaryEmbeddi
     dense MLP (``layer_idx < first_k_dense_replace``) or the MoE block."""
     interleaved = bool(getattr(config, "rope_interleave", True)) if v3 else True
     attn = MLAAttention(config, layer_idx if cache_idx is None else cache_idx, rope, interleaved)
-    mlp: nn.Module
-    if layer_idx >= config.first_k_dense_replace:
-        mlp = moe_block(config, v3)
-    else:
-        mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
-                       bias=mlp_bias_of(config, v3))
-    return MLADecoderLayer(config, attn, mlp)
+    return MLADecoderLayer(config, attn, deepseek_mlp(config, layer_idx, v3))
+
+
+def deepseek_mlp(config: PretrainedConfig, layer_idx: int, v3: bool) -> nn.Module:
+    """Layer ``layer_idx``'s MLP: a dense SwiGLU MLP of ``intermediate_size`` below
+    ``first_k_dense_replace``, the MoE block (:func:`moe_block`) from there on."""
+    if layer_idx >= int(config.first_k_dense_replace or 0):
+        return moe_block(config, v3)
+    return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                    bias=mlp_bias_of(config, v3))
 
 
 class _DeepseekForCausalLM(CausalLM):

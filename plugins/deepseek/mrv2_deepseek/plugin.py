@@ -8,7 +8,9 @@ from mrv2 import hookimpl
 
 @hookimpl
 def mrv2_register_models(register: Callable[..., None]) -> None:
-    """DeepSeek-V2 / V2-Lite (``DeepseekV2ForCausalLM``) and V3 (``DeepseekV3ForCausalLM``);
-    the core's default decoder-only ModelState serves both."""
+    """DeepSeek-V2 / V2-Lite (``DeepseekV2ForCausalLM``), V3 (``DeepseekV3ForCausalLM``) and
+    rednote's dots.llm1 (``Dots1ForCausalLM``: V3's MoE under GQA attention); the core's
+    default decoder-only ModelState serves them all."""
     register("DeepseekV2ForCausalLM", "mrv2_deepseek.model:DeepseekV2ForCausalLM")
     register("DeepseekV3ForCausalLM", "mrv2_deepseek.model:DeepseekV3ForCausalLM")
+    register("Dots1ForCausalLM", "mrv2_deepseek.dots1:Dots1ForCausalLM")

@@ -1,4 +1,5 @@
-"""mrv2 model plugin for the Phi family. Exports resolve lazily: importing this is cheap."""
+"""mrv2 model plugin for the Phi family (Phi-3 / Phi-4, Phi-3.5-MoE). Exports resolve lazily:
+importing this is cheap."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mrv2_phi.model import Phi3ForCausalLM
+    from mrv2_phi.phimoe import PhiMoEForCausalLM, PhimoeForCausalLM
 
-__all__ = ["Phi3ForCausalLM"]
+__all__ = ["Phi3ForCausalLM", "PhiMoEForCausalLM", "PhimoeForCausalLM"]
 
 
 def __getattr__(name: str) -> Any:
@@ -15,4 +17,8 @@ def __getattr__(name: str) -> Any:
         from mrv2_phi.model import Phi3ForCausalLM
 
         return Phi3ForCausalLM
+    if name in ("PhiMoEForCausalLM", "PhimoeForCausalLM"):
+        from mrv2_phi import phimoe
+
+        return getattr(phimoe, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
