@@ -74,6 +74,11 @@ KNOWN_PACKAGES: dict[str, str] = {
     "SmolLM3ForCausalLM": "mrv2-contrib-llama",
     "GraniteForCausalLM": "mrv2-contrib-llama",
     "SeedOssForCausalLM": "mrv2-contrib-llama",
+    "MinistralForCausalLM": "mrv2-contrib-llama",
+    "Ministral3ForCausalLM": "mrv2-contrib-llama",
+    "ArceeForCausalLM": "mrv2-contrib-llama",
+    "ApertusForCausalLM": "mrv2-contrib-llama",
+    "HeliumForCausalLM": "mrv2-contrib-llama",
 }
 
 #: Which package registers a speculative method, for the "unknown speculative method" error.

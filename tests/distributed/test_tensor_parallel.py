@@ -1,8 +1,9 @@
 """Tensor parallelism on the CPU (gloo, two processes): every family gives the same greedy and
 seeded tokens at TP=2 as at TP=1, with prefix caching on (two prompts share a prefix), for
 dense models with split and with replicated key/value heads (Cohere's per-head q/k norms
-among them), MoE (experts split inside), GLM's partial rotary with shared experts,
-DeepSeek's MLA, dots.llm1 and Phi-3.5-MoE, and an FP8 block-quantized checkpoint.
+among them; Apertus' dense xIELU MLPs, Helium's reordered interleaved-RoPE rows), MoE
+(experts split inside), GLM's partial rotary with shared experts, DeepSeek's MLA, dots.llm1
+and Phi-3.5-MoE, and an FP8 block-quantized checkpoint.
 A bad split fails with an error naming the field, before any worker process starts."""
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     **TINY_FAMILIES,
     # per-head q/k LayerNorms (each rank's heads' rows), one key/value head on both ranks
     "cohere-qk-norm": ("CohereForCausalLM", {"use_qk_norm": True, "num_key_value_heads": 1}),
+    # dense xIELU MLPs split by columns (each layer's scalars on both ranks), q/k RMSNorms
+    "apertus": ("ApertusForCausalLM", {}),
+    # interleaved RoPE: the whole q/k tensors reordered before a rank takes its heads
+    "helium": ("HeliumForCausalLM", {"head_dim": 16, "attention_bias": True}),
     "deepseek-v3": ("DeepseekV3ForCausalLM", {**TINY_MLA, "q_lora_rank": 24, "n_group": 2,
                                               "topk_group": 1}),
     # DeepSeek-V3's MoE (groups, shared expert, a dense layer) under per-head q/k norms

@@ -12,7 +12,11 @@ def mrv2_register_models(register: Callable[..., None]) -> None:
     config's ``sliding_window`` on every layer where it is set), ``MixtralForCausalLM`` (its
     layers with routed experts), ``SmolLM3ForCausalLM`` (NoPE layers), ``GraniteForCausalLM``
     (its four multipliers), ``SeedOssForCausalLM`` (Llama's decoder, the output projection's
-    bias set apart)."""
+    bias set apart), ``MinistralForCausalLM`` (Llama's decoder, ``layer_types``' sliding and
+    full layers), and the variants of :mod:`mrv2_llama.variants`: ``ArceeForCausalLM``
+    (squared-ReLU dense MLPs), ``ApertusForCausalLM`` (xIELU dense MLPs, q/k norms),
+    ``HeliumForCausalLM`` (interleaved RoPE), ``Ministral3ForCausalLM`` (queries scaled by
+    position)."""
     for arch in ("LlamaForCausalLM", "MistralForCausalLM"):
         register(arch, "mrv2_llama.model:LlamaForCausalLM",
                  model_state="mrv2_llama.state:LlamaModelState")
@@ -20,3 +24,7 @@ def mrv2_register_models(register: Callable[..., None]) -> None:
     register("SmolLM3ForCausalLM", "mrv2_llama.model:SmolLM3ForCausalLM")
     register("GraniteForCausalLM", "mrv2_llama.granite:GraniteForCausalLM")
     register("SeedOssForCausalLM", "mrv2_llama.model:LlamaForCausalLM")
+    register("MinistralForCausalLM", "mrv2_llama.model:LlamaForCausalLM")
+    for arch in ("ArceeForCausalLM", "ApertusForCausalLM", "HeliumForCausalLM",
+                 "Ministral3ForCausalLM"):
+        register(arch, f"mrv2_llama.variants:{arch}")

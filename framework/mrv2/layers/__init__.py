@@ -2,16 +2,19 @@
 attention too: :mod:`mrv2.layers.mla`), MLP, MoE, and the decoder-only outer classes
 (:class:`DecoderModel`, :class:`CausalLM`)."""
 
-from mrv2.layers.activation import SiluAndMul
+from mrv2.layers.activation import XIELU, ReLUSquared, SiluAndMul
 from mrv2.layers.attention import Attention
 from mrv2.layers.decoder import (
+    QKV_PARAMS,
     STACKED_PARAMS,
     CausalLM,
     DecoderLayer,
     DecoderModel,
     PostNormDecoderLayer,
+    ScaledQueryAttention,
     SelfAttention,
     head_dim_of,
+    llama4_query_scaling,
     norm_mlp,
     projection_norms,
     sliding_window_of,
@@ -28,25 +31,29 @@ from mrv2.layers.linear import (
 )
 from mrv2.layers.mamba import Mamba2Mixer
 from mrv2.layers.mla import MLAAttention, MLADecoderLayer, mla_rope
-from mrv2.layers.mlp import GatedMLP
+from mrv2.layers.mlp import DenseMLP, GatedMLP
 from mrv2.layers.moe import FusedMoE, GroupedTopKRouter, MoEBlock, SoftmaxTopKRouter
 from mrv2.layers.norm import LayerNorm, RMSNorm, ShardedRMSNorm
 from mrv2.layers.rotary import (
     RotaryEmbedding,
     get_rope,
     qk_rows_to_halves,
+    qk_tensor_to_halves,
     rope_heads_to_halves,
     rope_parameters_of,
     rope_rows_to_halves,
 )
 
 __all__ = [
+    "QKV_PARAMS",
     "STACKED_PARAMS",
+    "XIELU",
     "Attention",
     "CausalLM",
     "ColumnLinear",
     "DecoderLayer",
     "DecoderModel",
+    "DenseMLP",
     "PostNormDecoderLayer",
     "FusedColumnLinear",
     "FusedMoE",
@@ -62,21 +69,25 @@ __all__ = [
     "MoEBlock",
     "QKVLinear",
     "RMSNorm",
+    "ReLUSquared",
     "ShardedRMSNorm",
     "RotaryEmbedding",
     "RowLinear",
+    "ScaledQueryAttention",
     "SelfAttention",
     "SiluAndMul",
     "SoftmaxTopKRouter",
     "VocabEmbedding",
     "get_rope",
     "head_dim_of",
+    "llama4_query_scaling",
     "mla_rope",
     "sliding_window_of",
     "norm_linear",
     "norm_mlp",
     "projection_norms",
     "qk_rows_to_halves",
+    "qk_tensor_to_halves",
     "rope_heads_to_halves",
     "rope_parameters_of",
     "rope_rows_to_halves",

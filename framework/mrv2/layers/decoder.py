@@ -1,16 +1,19 @@
 """The pieces every decoder-only family shares: its attention, its pre-norm layer, the layer
 stack and the causal LM.
 
-A family picks its attention options (:class:`SelfAttention`: biases, q/k norm, RoPE) and its
-MLP (a dense :class:`~mrv2.layers.mlp.GatedMLP` or a :class:`~mrv2.layers.moe.MoEBlock`) per
-layer, puts them in a :class:`DecoderLayer` (``layer(positions, hidden_states, residual) ->
-(hidden_states, residual)``, the residual add fused into the next norm) and builds
-:class:`DecoderModel` and :class:`CausalLM` around it; the embedding, the final norm, the LM
-head (tied or not), the ``inputs_embeds`` path and the checkpoint-name mapping are here once.
+A family picks its attention options (:class:`SelfAttention`: biases, q/k norm, RoPE; or
+:class:`ScaledQueryAttention`, queries scaled by position) and its MLP (a
+:class:`~mrv2.layers.mlp.GatedMLP`, a non-gated :class:`~mrv2.layers.mlp.DenseMLP` or a
+:class:`~mrv2.layers.moe.MoEBlock`) per layer, puts them in a :class:`DecoderLayer`
+(``layer(positions, hidden_states, residual) -> (hidden_states, residual)``, the residual add
+fused into the next norm) and builds :class:`DecoderModel` and :class:`CausalLM` around it;
+the embedding, the final norm, the LM head (tied or not), the ``inputs_embeds`` path and the
+checkpoint-name mapping are here once.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar, cast
 
@@ -20,7 +23,7 @@ from torch import nn
 from mrv2.layers.attention import Attention, config_sliding_window
 from mrv2.layers.embedding import LMHead, ScaledEmbedding, VocabEmbedding
 from mrv2.layers.linear import QKVLinear, RowLinear, norm_linear
-from mrv2.layers.mlp import GatedMLP
+from mrv2.layers.mlp import DenseMLP, GatedMLP
 from mrv2.layers.norm import LayerNorm, RMSNorm, ShardedRMSNorm
 from mrv2.layers.rotary import RotaryEmbedding
 from mrv2.layers.weights import StackedMapping, load_stacked_weights
@@ -33,6 +36,9 @@ STACKED_PARAMS: StackedMapping = (
     ("gate_up_proj", "gate_proj", 0),
     ("gate_up_proj", "up_proj", 1),
 )
+#: Only the attention's q/k/v fused: the mapping of a family whose MLPs' ``up_proj`` stands
+#: alone (:class:`~mrv2.layers.mlp.DenseMLP`).
+QKV_PARAMS: StackedMapping = STACKED_PARAMS[:3]
 
 
 def sliding_window_of(config: Any, layer_idx: int) -> int | None:
@@ -141,6 +147,41 @@ class SelfAttention(nn.Module):
             param.data.copy_(loaded.narrow(0, rank * heads, heads))
 
 
+def llama4_query_scaling(config: Any, where: str = "config.json rope_parameters"
+                         ) -> tuple[float, float]:
+    """``(beta, original_max_position_embeddings)`` of ``config.rope_parameters`` (HF's
+    ``llama_4_scaling_beta``: Ministral 3), for :class:`ScaledQueryAttention`; ValueError
+    naming the fields (``where``: where they are read) if either is missing or not usable."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    beta, original = (params.get(k) for k in ("llama_4_scaling_beta",
+                                              "original_max_position_embeddings"))
+    if beta is None or original is None or not math.isfinite(float(beta)) \
+            or float(original) <= 0:
+        raise ValueError(f"{where}: Ministral 3 needs a finite llama_4_scaling_beta and a "
+                         f"positive original_max_position_embeddings, got {beta!r} and "
+                         f"{original!r}")
+    return float(beta), float(original)
+
+
+class ScaledQueryAttention(SelfAttention):
+    """:class:`SelfAttention` with each query times ``1 + beta * log(1 + floor(p /
+    original))`` (``p``: its position; ``scaling`` ``(beta, original)`` from
+    :func:`llama4_query_scaling`), HF's ``get_llama_4_attn_scale`` of Ministral 3 (applied
+    there after the rotation; the same per-token factor before it). No q/k norms."""
+
+    def __init__(self, config: Any, layer_idx: int, rope: RotaryEmbedding | None,
+                 scaling: tuple[float, float], **kwargs: Any) -> None:
+        super().__init__(config, layer_idx, rope, **kwargs)
+        self.beta, self.original = scaling
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(qkv)
+        scale = torch.log1p(torch.floor(positions.float() / self.original)) * self.beta + 1.0
+        q = q * scale.to(q.dtype)[:, None]  # (HF: the factor rounded to the query's dtype)
+        out = self.attn(q, k, v, positions=positions, rotary=self.rotary_emb)
+        return cast(torch.Tensor, self.o_proj(out))
+
+
 def projection_norms(qkv: QKVLinear, eps: float) -> tuple[ShardedRMSNorm, ShardedRMSNorm]:
     """RMSNorms over the whole query and key projections of ``qkv`` (all heads at once: OLMo 2,
     MiniMax-M2), each holding this rank's heads' slice of the checkpoint's weight; key heads
@@ -159,12 +200,16 @@ def norm_mlp(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The second half of a pre-norm block: ``mlp(norm(x + residual))`` and the new residual.
 
-    A :class:`~mrv2.layers.mlp.GatedMLP` runs its gate/up projection fused with the norm
-    (:func:`~mrv2.layers.linear.norm_linear`); any other MLP (a MoE block) after the norm.
+    A SwiGLU :class:`~mrv2.layers.mlp.GatedMLP` runs its gate/up projection fused with the
+    norm (:func:`~mrv2.layers.linear.norm_linear`), a :class:`~mrv2.layers.mlp.DenseMLP` its
+    up projection; any other MLP (a MoE block) after the norm.
     """
     if isinstance(mlp, GatedMLP) and mlp.hidden_act == "silu":
         act, residual = norm_linear(norm, mlp.gate_up_proj, x, residual, silu_and_mul=True)
         return mlp.down_proj(act), residual
+    if isinstance(mlp, DenseMLP):
+        up, residual = norm_linear(norm, mlp.up_proj, x, residual)
+        return mlp.down_proj(mlp.act_fn(up)), residual
     if residual is None:
         return mlp(norm(x)), x
     normed, residual = norm(x, residual)

@@ -35,17 +35,13 @@ from torch import nn
 from mrv2.contract.forward_context import get_forward_context
 from mrv2.contract.request_state import RequestStateLayer, StateShapes
 from mrv2.distributed.parallel_state import all_reduce
+from mrv2.layers.activation import relu2
 from mrv2.layers.linear import MergedColumnLinear, RowLinear, resolve_tp, split_evenly
 from mrv2_kernels.chunk_delta_rule import gated_delta_rule_auto
 from mrv2_kernels.linear_attention import causal_conv1d
 from mrv2_kernels.norm import gated_rms_norm
 
 __all__ = ["MAMBA_ACTIVATIONS", "GroupGatedRMSNorm", "InProj", "Mamba2Mixer", "relu2"]
-
-
-def relu2(x: torch.Tensor) -> torch.Tensor:
-    """Squared ReLU (HF's ``ACT2FN["relu2"]``)."""
-    return torch.square(F.relu(x))
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,19 @@
-"""The gated (SwiGLU) MLP of most decoders, and the dense MLP of MoE families' shared experts."""
+"""The gated (SwiGLU) MLP of most decoders (and of MoE families' shared experts), and the dense
+(non-gated) MLP of a few (Arcee's squared ReLU, Apertus' xIELU)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from mrv2.layers.activation import ACTIVATIONS
-from mrv2.layers.linear import MergedColumnLinear, RowLinear, resolve_tp, split_evenly
+from mrv2.layers.activation import ACTIVATIONS, dense_activation
+from mrv2.layers.linear import (
+    ColumnLinear,
+    MergedColumnLinear,
+    RowLinear,
+    resolve_tp,
+    split_evenly,
+)
 
 
 class GatedMLP(nn.Module):
@@ -39,3 +46,26 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DenseMLP(nn.Module):
+    """``down_proj(act(up_proj(x)))``, no gate (HF's ``NemotronMLP``: Arcee, Apertus);
+    ``act`` by HF's ``hidden_act`` name (:data:`~mrv2.layers.activation.DENSE_ACTIVATIONS`:
+    ``relu2``, ``xielu``, whose learned parameters load as ``mlp.act_fn.*``).
+
+    Its ``up_proj`` is a checkpoint tensor of its own: a family using it leaves ``up_proj``
+    out of its ``stacked_params`` (:data:`~mrv2.layers.decoder.QKV_PARAMS`). A decoder layer
+    runs the norm before it fused with ``up_proj`` (:func:`~mrv2.layers.decoder.norm_mlp`).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str,
+                 bias: bool = False) -> None:
+        super().__init__()
+        self.act_fn = dense_activation(hidden_act)
+        self.hidden_act = hidden_act
+        split_evenly(intermediate_size, resolve_tp(None)[1], "the MLP's intermediate_size")
+        self.up_proj = ColumnLinear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = RowLinear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.up_proj(x)))

@@ -21,9 +21,8 @@ published layout (``language_model.model.*``, ``language_model.lm_head.weight``,
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar
 
 import torch
 
@@ -32,9 +31,11 @@ from mrv2.layers import (
     DecoderLayer,
     DecoderModel,
     GatedMLP,
+    ScaledQueryAttention,
     SelfAttention,
     get_rope,
     head_dim_of,
+    llama4_query_scaling,
 )
 from mrv2.layers.weights import load_text_and_encoder
 from mrv2.model_loader.build import vl_text_config, vl_text_name
@@ -49,37 +50,10 @@ TEXT_KINDS = ("llama", "ministral", "ministral3", "mistral")
 
 def query_scaling(text: Any) -> tuple[float, float] | None:
     """Ministral 3's per-position query scale ``(beta, original_max_position_embeddings)``
-    (HF's ``get_llama_4_attn_scale``; None for the other decoders); ValueError naming the
-    field where ``rope_parameters`` lacks it (HF's forward fails then too)."""
+    (the core's :func:`~mrv2.layers.llama4_query_scaling`; None for the other decoders)."""
     if text.model_type != "ministral3":
         return None
-    params = dict(getattr(text, "rope_parameters", None) or {})
-    beta, original = (params.get(k) for k in ("llama_4_scaling_beta",
-                                              "original_max_position_embeddings"))
-    if beta is None or original is None or not math.isfinite(float(beta)) \
-            or float(original) <= 0:
-        raise ValueError(f"text_config.rope_parameters: Ministral 3 needs a finite "
-                         f"llama_4_scaling_beta and a positive original_max_position_embeddings,"
-                         f" got {beta!r} and {original!r}")
-    return float(beta), float(original)
-
-
-class ScaledQueryAttention(SelfAttention):
-    """The core's attention with each query times ``1 + beta * log(1 + floor(p / original))``
-    (``p``: its position), HF's Ministral 3 (there after the rotation; the same per-token
-    factor before it)."""
-
-    def __init__(self, config: Any, layer_idx: int, rope: Any, scaling: tuple[float, float],
-                 **kwargs: Any) -> None:
-        super().__init__(config, layer_idx, rope, **kwargs)
-        self.beta, self.original = scaling
-
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(qkv)
-        scale = torch.log1p(torch.floor(positions.float() / self.original)) * self.beta + 1.0
-        q = q * scale.to(q.dtype)[:, None]  # (HF: the factor rounded to the query's dtype)
-        out = self.attn(q, k, v, positions=positions, rotary=self.rotary_emb)
-        return cast(torch.Tensor, self.o_proj(out))
+    return llama4_query_scaling(text, "text_config.rope_parameters")
 
 
 class Mistral3ForConditionalGeneration(CausalLM):
