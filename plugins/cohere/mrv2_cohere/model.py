@@ -51,6 +51,7 @@ from mrv2.layers import (
     get_rope,
     head_dim_of,
     qk_rows_to_halves,
+    qk_tensor_to_halves,
     rope_heads_to_halves,
     sliding_window_of,
 )
@@ -224,16 +225,7 @@ class _Cohere(CausalLM):
                 raise ValueError(f"checkpoint tensor {name!r} {tuple(t.shape)}: expects "
                                  f"[heads, {d}]")
             return rope_heads_to_halves(t.reshape(-1), d).reshape(t.shape)
-        if what in ("weight", "bias", "weight_scale", "weight_scale_inv") and (
-                t.dim() >= 1 and t.shape[0] == rows):
-            return rope_heads_to_halves(t, d)
-        if what.endswith("scale") and t.numel() == 1 or (
-                what == "weight_scale_inv" and t.dim() == 2 and -(-rows // t.shape[0]) % d == 0):
-            return t  # (no row leaves its block)
-        raise ValueError(f"checkpoint tensor {name!r} {tuple(t.shape)}: Cohere's RoPE layers "
-                         f"rotate interleaved pairs, for which mrv2 reorders the q/k "
-                         f"projections' rows as they load; this tensor's layout (a packed "
-                         f"integer format?) does not allow it")
+        return qk_tensor_to_halves(name, what, t, rows, d, "Cohere")
 
     def _convert(self, weights: Iterable[tuple[str, torch.Tensor]]
                  ) -> Iterator[tuple[str, torch.Tensor]]:
