@@ -68,6 +68,8 @@ KNOWN_PACKAGES: dict[str, str] = {
     "Cohere2ForCausalLM": "mrv2-plugin-cohere",
     "Lfm2ForCausalLM": "mrv2-plugin-lfm2",
     "Lfm2MoeForCausalLM": "mrv2-plugin-lfm2",
+    "GPTNeoXForCausalLM": "mrv2-plugin-neox",
+    "StableLmForCausalLM": "mrv2-plugin-neox",
     "LlamaForCausalLM": "mrv2-contrib-llama",
     "MistralForCausalLM": "mrv2-contrib-llama",
     "MixtralForCausalLM": "mrv2-contrib-llama",

@@ -1,0 +1,168 @@
+"""The pieces GPT-NeoX and StableLM share: StableLM's per-head q/k LayerNorms, GPT-NeoX's
+plain (ungated) MLP and the block of both, parallel or sequential, on the core's
+:class:`~mrv2.layers.LayerNorm` (weight and bias; one kernel with the residual add before it).
+
+The core's fused decode kernels for RMSNorms (the norm + GEMV kernel, the per-head RMS q/k
+norm inside the RoPE kernel) do not apply: each LayerNorm runs before the projection after it.
+The rotation, partial in both families (the first ``rotary_dim`` dims of each head, halves
+layout), is the core's RoPE kernel, run before attention (the attention kernel rotates whole
+heads only).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mrv2.layers import ColumnLinear, LayerNorm, RotaryEmbedding, RowLinear, SelfAttention
+
+#: The MLP's activation by HF ``hidden_act`` name, as transformers computes it (``gelu``:
+#: erf; ``gelu_new`` and ``gelu_fast``: its tanh formulas; ``gelu_pytorch_tanh``: torch's).
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: 0.5 * x * (1.0 + torch.tanh(
+        math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0)))),
+    "gelu_fast": lambda x: 0.5 * x * (1.0 + torch.tanh(
+        x * 0.7978845608 * (1.0 + 0.044715 * x * x))),
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+class HeadLayerNorm(nn.Module):
+    """StableLM's q or k norm (HF's ``StableLmLayerNormPerHead``): a LayerNorm without a bias
+    over each head's ``head_dim`` entries, each head with its own weight. This rank keeps
+    ``heads`` of the checkpoint's ``total_heads`` from head ``first``: ``weight`` ``[heads,
+    head_dim]``, row ``h`` from the checkpoint's ``norms.{first + h}.weight``
+    (:meth:`load_head`). ``forward(x)``: ``x`` ``[T, heads * head_dim]`` -> normed, same shape
+    (fp32 math, rounded once, as torch's LayerNorm kernel)."""
+
+    def __init__(self, total_heads: int, head_dim: int, first: int, heads: int,
+                 eps: float) -> None:
+        super().__init__()
+        self.total_heads, self.first, self.eps = total_heads, first, eps
+        self.weight = nn.Parameter(torch.ones(heads, head_dim))
+
+    def load_head(self, head: int, loaded: torch.Tensor) -> bool:
+        """Checkpoint head ``head``'s weight ``[head_dim]`` into its row where this rank keeps
+        that head; whether it does. A head out of ``0 .. total_heads - 1`` or a weight of
+        another size is a ``ValueError``."""
+        heads, head_dim = self.weight.shape
+        if not 0 <= head < self.total_heads or tuple(loaded.shape) != (head_dim,):
+            raise ValueError(f"expects heads 0..{self.total_heads - 1} of [{head_dim}] each, "
+                             f"got head {head} of {tuple(loaded.shape)}")
+        if not self.first <= head < self.first + heads:
+            return False
+        with torch.no_grad():
+            self.weight.data[head - self.first].copy_(loaded)
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        heads, head_dim = self.weight.shape
+        per_head = x.reshape(-1, heads, head_dim).float()
+        normed = F.layer_norm(per_head, (head_dim,), None, None, self.eps) * self.weight.float()
+        return normed.to(x.dtype).reshape(x.shape)
+
+    def extra_repr(self) -> str:
+        heads, head_dim = self.weight.shape
+        return (f"heads={heads} of {self.total_heads} from {self.first}, "
+                f"head_dim={head_dim}, eps={self.eps}")
+
+
+class QKNormAttention(SelfAttention):
+    """:class:`~mrv2.layers.SelfAttention` with StableLM's per-head q/k LayerNorms
+    (``q_layernorm`` / ``k_layernorm``: :class:`HeadLayerNorm`, this rank's heads) run on the
+    projections' output before the rotation."""
+
+    def __init__(self, config: Any, layer_idx: int, rope: RotaryEmbedding | None, *,
+                 qkv_bias: bool, eps: float) -> None:
+        super().__init__(config, layer_idx, rope, qkv_bias=qkv_bias)
+        qkv, d = self.qkv_proj, self.head_dim
+        self.q_layernorm = HeadLayerNorm(qkv.num_heads * qkv.tp_size, d,
+                                         qkv.tp_rank * qkv.num_heads, qkv.num_heads, eps)
+        self.k_layernorm = HeadLayerNorm(qkv.total_kv_heads, d, qkv.first_kv_head,
+                                         qkv.num_kv_heads, eps)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """The q/k norms (unfused: the core fuses RMS norms only), the rotation, attention,
+        the output projection."""
+        q, k, v = self.qkv_proj.split(qkv)
+        q, k = self.q_layernorm(q), self.k_layernorm(k)
+        out = self.attn(q, k, v, positions=positions, rotary=self.rotary_emb)
+        return cast(torch.Tensor, self.o_proj(out))
+
+
+class DenseMLP(nn.Module):
+    """GPT-NeoX's MLP: ``down_proj(act(up_proj(x)))`` with biases (HF's ``dense_h_to_4h`` /
+    ``dense_4h_to_h``), ``act`` one of :data:`ACTIVATIONS`; split over tensor-parallel ranks
+    by columns, then rows."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str) -> None:
+        super().__init__()
+        if hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act must be one of {', '.join(map(repr, ACTIVATIONS))}, "
+                             f"got {hidden_act!r}")
+        self.hidden_act = hidden_act
+        self.act_fn = ACTIVATIONS[hidden_act]
+        self.up_proj = ColumnLinear(hidden_size, intermediate_size, bias=True)
+        self.down_proj = RowLinear(intermediate_size, hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cast(torch.Tensor, self.down_proj(self.act_fn(self.up_proj(x))))
+
+    def extra_repr(self) -> str:
+        return f"act={self.hidden_act}"
+
+
+class NeoXLayer(nn.Module):
+    """A GPT-NeoX / StableLM block (HF's names: ``input_layernorm``, ``self_attn``,
+    ``post_attention_layernorm``, ``mlp``), ``forward(positions, hidden, residual)`` ->
+    ``(hidden, residual)`` whose sum is the layer's output (the core's convention; the next
+    layer or the final norm adds them), with ``x = hidden + residual``:
+
+    - sequential (``parallel=False``): ``y = x + attn(ln1(x))``, then ``y + mlp(ln2(y))``;
+    - parallel: ``x + attn(ln1(x)) + mlp(n)`` with ``n = ln2(x)`` (GPT-NeoX's
+      ``use_parallel_residual``: its own norm) or, without ``post_attention_layernorm``
+      (``mlp_norm=False``: StableLM's), ``n = ln1(x)``. The sum in HF's order: GPT-NeoX's
+      ``(mlp + attn) + x``, StableLM's ``(x + attn) + mlp`` (``mlp_first``).
+    """
+
+    def __init__(self, hidden_size: int, eps: float, self_attn: SelfAttention, mlp: nn.Module,
+                 *, parallel: bool, mlp_norm: bool = True, mlp_first: bool = False) -> None:
+        super().__init__()
+        if not parallel and not mlp_norm:
+            raise ValueError("a sequential block needs its post_attention_layernorm")
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.parallel, self.mlp_first = parallel, mlp_first
+        self.input_layernorm = LayerNorm(hidden_size, eps)
+        self.post_attention_layernorm = LayerNorm(hidden_size, eps) if mlp_norm else None
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # (the residual adds run inside the norms' kernel, which may write the sum into the
+        # residual's storage: the residual handed in is not read again)
+        if residual is None:
+            x, normed = hidden_states, cast(torch.Tensor, self.input_layernorm(hidden_states))
+        else:
+            normed, x = cast(tuple[torch.Tensor, torch.Tensor],
+                             self.input_layernorm(hidden_states, residual))
+        attn = cast(torch.Tensor, self.self_attn(positions, normed))
+        post = self.post_attention_layernorm
+        if not self.parallel:
+            assert post is not None
+            normed, y = cast(tuple[torch.Tensor, torch.Tensor], post(attn, x))
+            return cast(torch.Tensor, self.mlp(normed)), y
+        mlp = cast(torch.Tensor, self.mlp(normed if post is None else post(x)))
+        return (mlp + attn, x) if self.mlp_first else (x + attn, mlp)
+
+    def extra_repr(self) -> str:
+        return "parallel" if self.parallel else "sequential"
