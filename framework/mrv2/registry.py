@@ -24,6 +24,8 @@ KNOWN_PACKAGES: dict[str, str] = {
     "GlmForCausalLM": "mrv2-plugin-glm",
     "Glm4ForCausalLM": "mrv2-plugin-glm",
     "Glm4MoeLiteForCausalLM": "mrv2-plugin-glm",
+    "Glm4vForConditionalGeneration": "mrv2-plugin-glm",
+    "Glm4vMoeForConditionalGeneration": "mrv2-plugin-glm",
     "DeepseekV2ForCausalLM": "mrv2-plugin-deepseek",
     "DeepseekV3ForCausalLM": "mrv2-plugin-deepseek",
     "Dots1ForCausalLM": "mrv2-plugin-deepseek",

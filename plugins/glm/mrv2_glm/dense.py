@@ -38,6 +38,7 @@ from mrv2.layers import (
     DecoderModel,
     GatedMLP,
     RMSNorm,
+    RotaryEmbedding,
     SelfAttention,
     get_rope,
     head_dim_of,
@@ -113,7 +114,7 @@ class _GlmDense(CausalLM):
         arch = type(self).__name__
         self._rotary_dim = validate_config(config, arch)
         self._head_dim = head_dim = head_dim_of(config)
-        rope = get_rope(config, head_dim)
+        rope = self.make_rope(config, head_dim, self._rotary_dim)
         bias = bool(getattr(config, "attention_bias", True))
         heads = int(config.num_attention_heads)
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
@@ -132,6 +133,12 @@ class _GlmDense(CausalLM):
             return DecoderLayer(config, attention, mlp)
 
         super().__init__(config, DecoderModel(config, layer))
+
+    @classmethod
+    def make_rope(cls, config: Any, head_dim: int, rotary_dim: int) -> RotaryEmbedding:
+        """The RoPE every layer shares (``rotary_dim`` of each head's dims rotated, in the
+        halves order the q/k rows are put in): the config's 1-D RoPE (GLM-4.1V: M-RoPE)."""
+        return get_rope(config, head_dim)
 
     def _qk_tensor(self, name: str, kind: str, what: str, t: torch.Tensor) -> torch.Tensor:
         """A q/k projection's checkpoint tensor with each head's rotary rows in the halves

@@ -131,10 +131,15 @@ class Glm4MoeForCausalLM(CausalLM):
 
     def __init__(self, config: PretrainedConfig) -> None:
         validate_config(config)
-        rope = get_rope(config, head_dim_of(config))
+        rope = self.make_rope(config)
         super().__init__(
             config, DecoderModel(config, lambda i: glm4_moe_layer(config, i, rope))
         )
+
+    @classmethod
+    def make_rope(cls, config: Any) -> RotaryEmbedding:
+        """The RoPE every layer shares: the config's (GLM-4.5V: M-RoPE)."""
+        return get_rope(config, head_dim_of(config))
 
     def rename(self, name: str) -> str | None:
         """Checkpoint name -> parameter name; None for the MTP layers' tensors."""

@@ -1,6 +1,7 @@
 """The GLM plugin as a distribution: its entry point and ``mrv2 plugins`` listing, running GLM
 checkpoints (GLM-4.7-Flash's multi-head latent attention included: the core's) with only this
-plugin allowed, and no import of another family's plugin."""
+plugin allowed, and no import of another family's plugin (but the vision-language GLM-4.1V /
+4.5V modules' of Qwen-VL's M-RoPE, model state and tower pieces, a declared dependency)."""
 
 from __future__ import annotations
 
@@ -21,22 +22,29 @@ from mrv2.testing import hf_greedy, make_tiny_checkpoint
 
 PLUGIN_DIR = Path(__file__).resolve().parents[1]
 PACKAGE_DIR = PLUGIN_DIR / "mrv2_glm"
-OTHER_FAMILIES = ("mrv2_qwen", "mrv2_llama", "mrv2_deepseek")
+OTHER_FAMILIES = ("mrv2_qwen", "mrv2_qwen_vl", "mrv2_llama", "mrv2_deepseek")
+#: The GLM-V modules, which build on ``mrv2_qwen_vl`` (``mrv2-plugin-qwen-vl``, a dependency).
+VISION_MODULES = ("glm4v.py", "glm4v_inputs.py", "vision_glm4v.py", "testing_glm4v.py")
+DEPENDENCIES = ["mrv2>=0.1", "mrv2-plugin-qwen-vl>=0.1", "pillow"]
 
 
 def test_distribution_and_entry_point() -> None:
     dist = metadata.distribution("mrv2-plugin-glm")
     assert dist.version == "0.1.0"
-    # nothing of another family's plugin (an install made before GLM-4.7-Flash's MLA moved
-    # into the core may still list the old "mla" extra in its metadata)
-    assert [r for r in dist.requires or [] if "extra ==" not in r] == ["mrv2>=0.1"]
+    # nothing of another family's plugin but Qwen-VL's for GLM-V (an install made before
+    # GLM-4.7-Flash's MLA moved into the core may still list the old "mla" extra in its
+    # metadata)
+    assert [r for r in dist.requires or [] if "extra ==" not in r] == DEPENDENCIES
     assert [(ep.group, ep.name, ep.value) for ep in dist.entry_points] == [
         ("mrv2", "glm", "mrv2_glm.plugin")]
     text = (PLUGIN_DIR / "pyproject.toml").read_text()
-    assert 'name = "mrv2-plugin-glm"' in text and 'dependencies = ["mrv2>=0.1"]' in text
+    assert 'name = "mrv2-plugin-glm"' in text
+    assert f"dependencies = {json.dumps(DEPENDENCIES)}" in text
     assert "optional-dependencies" not in text and "mrv2-plugin-deepseek" not in text
     assert set(mrv2_glm.__all__) == {"Glm4MoeForCausalLM", "Glm4MoeMTP", "GlmForCausalLM",
-                                     "Glm4ForCausalLM", "Glm4MoeLiteForCausalLM"}
+                                     "Glm4ForCausalLM", "Glm4MoeLiteForCausalLM",
+                                     "Glm4vForConditionalGeneration",
+                                     "Glm4vMoeForConditionalGeneration"}
     assert mrv2_glm.Glm4ForCausalLM.__name__ == "Glm4ForCausalLM"
     assert mrv2_glm.Glm4MoeMTP.__name__ == "Glm4MoeMTP"
     with pytest.raises(AttributeError):
@@ -53,7 +61,9 @@ def test_cli_lists_the_plugin(capsys: pytest.CaptureFixture[str]) -> None:
     assert re.search(r"^    Glm4MoeForCausalLM  \(glm: mrv2_glm\.model:Glm4MoeForCausalLM\)$",
                      out, re.M), out
     for arch, module in (("GlmForCausalLM", "dense"), ("Glm4ForCausalLM", "dense"),
-                         ("Glm4MoeLiteForCausalLM", "lite")):
+                         ("Glm4MoeLiteForCausalLM", "lite"),
+                         ("Glm4vForConditionalGeneration", "glm4v"),
+                         ("Glm4vMoeForConditionalGeneration", "glm4v")):
         assert f"    {arch}  (glm: mrv2_glm.{module}:{arch})\n" in out, out
 
 
@@ -69,7 +79,10 @@ def test_no_module_imports_another_family() -> None:
             elif isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
             for name in names:
-                assert not name.startswith(OTHER_FAMILIES), f"{module.name} imports {name}"
+                package = name.split(".")[0]
+                if package == "mrv2_qwen_vl" and module.name in VISION_MODULES:
+                    continue
+                assert package not in OTHER_FAMILIES, f"{module.name} imports {name}"
 
 
 SCRIPT = """

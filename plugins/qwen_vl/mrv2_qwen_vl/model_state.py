@@ -73,7 +73,7 @@ class QwenVLModelState(EncoderCacheModelState):
         :attr:`encoder_cache_bytes` (released embeddings the cache may keep)."""
         patch = int(self.hf_config.vision_config.patch_size)
         grids = [largest_image_grid(max_prompt_tokens, self.merge, patch,
-                                    _max_pixels(self.config.model.model))]
+                                    self.image_max_pixels())]
         if self.video_is_one_item:
             frame_pixels = Qwen2VideoSettings.load(self.config.model.model).max_pixels
             grids.append(largest_video_grid(max_prompt_tokens, self.merge, patch, frame_pixels))
@@ -85,6 +85,11 @@ class QwenVLModelState(EncoderCacheModelState):
                 cast(Any, self.model).embed_images(pixels, [grid])
                 del pixels
         return self.encoder_cache_bytes
+
+    def image_max_pixels(self) -> int | None:
+        """The most pixels the image processor leaves an image: its ``max_pixels``
+        (``size.longest_edge``); None where the checkpoint has none to read."""
+        return _max_pixels(self.config.model.model)
 
     # -- per request -------------------------------------------------------------------------
 

@@ -218,12 +218,15 @@ def frequency_components(section: Sequence[int], interleaved: bool) -> torch.Ten
 class MRotaryEmbedding(RotaryEmbedding):
     """RoPE over ``[3, T]`` M-RoPE positions (``mrope_section``: frequencies per component,
     summing to ``rotary_dim / 2``; chunked or ``interleaved`` layout, see the module doc);
-    ``[T]`` positions rotate as plain RoPE."""
+    ``[T]`` positions rotate as plain RoPE. ``rotary_dim`` (default the whole head): a partial
+    rotation of each head's first dims, the rest passed through (GLM-4.1V / GLM-4.5V)."""
 
     def __init__(self, head_dim: int, max_position: int, mrope_section: Sequence[int],
                  base: float = 10000.0, scaling: Mapping[str, Any] | None = None,
-                 interleaved: bool = False, positions: int | None = None) -> None:
-        super().__init__(head_dim, max_position, base, scaling, positions=positions)
+                 interleaved: bool = False, positions: int | None = None,
+                 rotary_dim: int | None = None) -> None:
+        super().__init__(head_dim, max_position, base, scaling, rotary_dim=rotary_dim,
+                         positions=positions)
         section = [int(s) for s in mrope_section]
         if len(section) != 3 or sum(section) != self.rotary_dim // 2:
             raise ValueError(f"mrope_section must be 3 sizes summing to rotary_dim / 2 = "
@@ -263,11 +266,14 @@ class MRotaryEmbedding(RotaryEmbedding):
 
 
 def get_mrope(config: Any, head_dim: int, *, interleaved: bool = False,
-              default_section: Sequence[int] = (16, 24, 24)) -> MRotaryEmbedding:
+              default_section: Sequence[int] = (16, 24, 24),
+              rotary_dim: int | None = None) -> MRotaryEmbedding:
     """The M-RoPE of a Qwen-VL text config (``mrope_section`` from ``rope_parameters`` or
     ``rope_scaling``; ``default_section`` when absent: HF's ``[16, 24, 24]`` for Qwen2.5-VL,
     ``[24, 20, 20]`` for Qwen3-VL). ``interleaved`` picks the layout (the family decides:
-    HF's Qwen3-VL interleaves whatever the config's ``mrope_interleaved`` says)."""
+    HF's Qwen3-VL interleaves whatever the config's ``mrope_interleaved`` says).
+    ``rotary_dim``: the rotated dims of each head where fewer than ``head_dim`` (GLM-4.1V's
+    ``partial_rotary_factor``)."""
     base, scaling = rope_parameters_of(config)
     params = dict(getattr(config, "rope_parameters", None) or {})
     params.update(getattr(config, "rope_scaling", None) or {})
@@ -276,4 +282,5 @@ def get_mrope(config: Any, head_dim: int, *, interleaved: bool = False,
             "mrope", "default"):
         scaling = None
     return MRotaryEmbedding(head_dim, int(config.max_position_embeddings), section, base,
-                            scaling, interleaved, positions=context_limit(config)[0])
+                            scaling, interleaved, positions=context_limit(config)[0],
+                            rotary_dim=rotary_dim)
