@@ -72,6 +72,8 @@ KNOWN_PACKAGES: dict[str, str] = {
     "Lfm2MoeForCausalLM": "mrv2-plugin-lfm2",
     "GPTNeoXForCausalLM": "mrv2-plugin-neox",
     "StableLmForCausalLM": "mrv2-plugin-neox",
+    "Starcoder2ForCausalLM": "mrv2-plugin-starcoder",
+    "GPTBigCodeForCausalLM": "mrv2-plugin-starcoder",
     "LlamaForCausalLM": "mrv2-contrib-llama",
     "MistralForCausalLM": "mrv2-contrib-llama",
     "MixtralForCausalLM": "mrv2-contrib-llama",

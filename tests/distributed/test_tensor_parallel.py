@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU (gloo, two processes): every family gives the same greedy and
 seeded tokens at TP=2 as at TP=1, with prefix caching on (two prompts share a prefix), for
 dense models with split and with replicated key/value heads (Cohere's per-head q/k norms
-among them; Apertus' dense xIELU MLPs, Helium's reordered interleaved-RoPE rows), MoE
+among them; Apertus' dense xIELU MLPs, Helium's reordered interleaved-RoPE rows, StarCoder's
+absolute position embeddings), MoE
 (experts split inside), GLM's partial rotary with shared experts, DeepSeek's MLA, dots.llm1
 and Phi-3.5-MoE, and an FP8 block-quantized checkpoint.
 A bad split fails with an error naming the field, before any worker process starts."""
@@ -25,6 +26,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     **TINY_FAMILIES,
     # per-head q/k LayerNorms (each rank's heads' rows), one key/value head on both ranks
     "cohere-qk-norm": ("CohereForCausalLM", {"use_qk_norm": True, "num_key_value_heads": 1}),
+    # StarCoder: one key/value head on both ranks, the absolute position table replicated
+    "gpt-bigcode-mqa": ("GPTBigCodeForCausalLM", {"multi_query": True, "num_key_value_heads": 1}),
     # dense xIELU MLPs split by columns (each layer's scalars on both ranks), q/k RMSNorms
     "apertus": ("ApertusForCausalLM", {}),
     # interleaved RoPE: the whole q/k tensors reordered before a rank takes its heads

@@ -79,6 +79,17 @@ def test_per_layer_rope_parameters_keep_max_position_embeddings() -> None:
     assert context_limit(config) == (4096, "the model's max_position_embeddings=4096")
 
 
+def test_context_limit_names_the_configs_own_field() -> None:
+    """A config class that maps ``max_position_embeddings`` to a field of its own (GPT-2's and
+    GPTBigCode's ``n_positions``) is told by that name, the one its config.json holds."""
+    from mrv2.layers.rotary import context_limit
+
+    config = transformers.GPTBigCodeConfig(n_positions=512)
+    assert context_limit(config) == (512, "the model's n_positions=512")
+    config = transformers.Qwen3Config(max_position_embeddings=512)
+    assert context_limit(config) == (512, "the model's max_position_embeddings=512")
+
+
 @pytest.mark.parametrize("params", [YARN, {**YARN, "factor": None},
                                     {"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0},
                                     LONGROPE])

@@ -236,11 +236,16 @@ def context_limit(config: Any) -> tuple[int | None, str]:
     longer :func:`rope_scaled_length` of its RoPE scaling (never below
     ``max_position_embeddings``, which positions always reach); None where the config has
     no ``max_position_embeddings``. The engine's ``max_model_len`` may not pass it, and
-    rotary tables are built to reach it (:func:`get_rope`). ``why`` names its source."""
+    rotary tables are built to reach it (:func:`get_rope`). ``why`` names its source, by the
+    config's own field name (``n_positions`` where the config class maps it so: GPT-2,
+    GPTBigCode)."""
     limit = getattr(config, "max_position_embeddings", None)
     if limit is None:
         return None, "config.json has no max_position_embeddings"
-    why = f"the model's max_position_embeddings={limit}"
+    # (the config's own name for it: GPT-2-style configs map it to n_positions)
+    field = getattr(type(config), "attribute_map", {}).get("max_position_embeddings",
+                                                            "max_position_embeddings")
+    why = f"the model's {field}={limit}"
     scaled = rope_scaled_length(config)
     if scaled is None or scaled <= int(limit):
         return int(limit), why
