@@ -86,5 +86,21 @@ def test_dense_mlp_names_the_supported_activations() -> None:
     assert sorted(n for n, _ in mlp.named_parameters()) == [
         "act_fn.alpha_n", "act_fn.alpha_p", "act_fn.beta", "act_fn.eps", "down_proj.weight",
         "up_proj.weight"]
-    with pytest.raises(ValueError, match=r"'relu2', 'xielu'.*got 'silu'"):
-        DenseMLP(16, 24, "silu")
+    with pytest.raises(ValueError, match=r"hidden_act must be one of 'relu2', .*'gelu_10'"):
+        DenseMLP(16, 24, "gelu_10")
+    with pytest.raises(ValueError, match=r"activation_function must be one of"):
+        DenseMLP(16, 24, "gelu_10", act_field="activation_function")
+
+
+@pytest.mark.parametrize("name", ["gelu", "gelu_pytorch_tanh", "gelu_new", "gelu_fast",
+                                  "quick_gelu", "relu", "silu", "relu2"])
+def test_elementwise_activations_are_hfs(name: str) -> None:
+    """Each parameter-free dense activation against transformers' ACT2FN of the same name,
+    fp32 and bf16 (the same ops in the input dtype: bit for bit)."""
+    from transformers.activations import ACT2FN
+
+    x = torch.randn(4, 33, generator=torch.Generator().manual_seed(5)) * 3
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        torch.testing.assert_close(DenseMLP(8, 8, name).act_fn(xd), ACT2FN[name](xd),
+                                   rtol=0, atol=0)

@@ -3,7 +3,9 @@ dense (non-gated) MLPs, ``act(x)`` elementwise."""
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -88,14 +90,55 @@ class XIELU(nn.Module):
         )
 
 
-#: Dense (non-gated) MLP activations by HF ``hidden_act`` name.
-DENSE_ACTIVATIONS: dict[str, type[nn.Module]] = {"relu2": ReLUSquared, "xielu": XIELU}
+def _gelu_new(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3.0))))
 
 
-def dense_activation(name: str, **kwargs: Any) -> nn.Module:
-    """The :data:`DENSE_ACTIVATIONS` module of HF's ``hidden_act`` ``name``; ValueError
-    naming the supported ones for any other."""
+def _gelu_fast(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
+
+
+#: Elementwise activations as HF's ``ACT2FN`` computes them in torch, in the input dtype
+#: (``gelu``: erf; ``gelu_new`` / ``gelu_fast``: its tanh formulas; ``gelu_pytorch_tanh``:
+#: torch's tanh approximation; ``quick_gelu``: ``x * sigmoid(1.702 x)``).
+_ELEMENTWISE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": _gelu_new,
+    "gelu_fast": _gelu_fast,
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+class Elementwise(nn.Module):
+    """One of HF's parameter-free activations by name (:data:`DENSE_ACTIVATIONS`)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.fn = _ELEMENTWISE[name]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+    def extra_repr(self) -> str:
+        return self.name
+
+
+#: Dense (non-gated) MLP activations by HF ``hidden_act`` name: a module factory each (xIELU
+#: takes its initial values as keywords).
+DENSE_ACTIVATIONS: dict[str, Callable[..., nn.Module]] = {
+    "relu2": ReLUSquared, "xielu": XIELU,
+    **{name: functools.partial(Elementwise, name) for name in _ELEMENTWISE},
+}
+
+
+def dense_activation(name: str, field: str = "hidden_act", **kwargs: Any) -> nn.Module:
+    """The :data:`DENSE_ACTIVATIONS` module of HF's activation ``name`` (``config.<field>``);
+    ValueError naming the field and the supported ones for any other."""
     if name not in DENSE_ACTIVATIONS:
-        raise ValueError(f"hidden_act must be one of {', '.join(map(repr, DENSE_ACTIVATIONS))} "
+        raise ValueError(f"{field} must be one of {', '.join(map(repr, DENSE_ACTIVATIONS))} "
                          f"for a dense (non-gated) MLP, got {name!r}")
     return DENSE_ACTIVATIONS[name](**kwargs)

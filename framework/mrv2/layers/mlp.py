@@ -49,9 +49,11 @@ class GatedMLP(nn.Module):
 
 
 class DenseMLP(nn.Module):
-    """``down_proj(act(up_proj(x)))``, no gate (HF's ``NemotronMLP``: Arcee, Apertus);
-    ``act`` by HF's ``hidden_act`` name (:data:`~mrv2.layers.activation.DENSE_ACTIVATIONS`:
-    ``relu2``, ``xielu``, whose learned parameters load as ``mlp.act_fn.*``).
+    """``down_proj(act(up_proj(x)))``, no gate (HF's ``NemotronMLP``: Arcee, Apertus; GPT-NeoX's
+    and StarCoder's MLPs); ``act`` by HF's ``hidden_act`` name
+    (:data:`~mrv2.layers.activation.DENSE_ACTIVATIONS`: ``relu2``, ``xielu``, whose learned
+    parameters load as ``mlp.act_fn.*``, the GELU variants, ``relu``, ``silu``; ``act_field``:
+    the config field an error names).
 
     Its ``up_proj`` is a checkpoint tensor of its own: a family using it leaves ``up_proj``
     out of its ``stacked_params`` (:data:`~mrv2.layers.decoder.QKV_PARAMS`). A decoder layer
@@ -59,9 +61,9 @@ class DenseMLP(nn.Module):
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str,
-                 bias: bool = False) -> None:
+                 bias: bool = False, act_field: str = "hidden_act") -> None:
         super().__init__()
-        self.act_fn = dense_activation(hidden_act)
+        self.act_fn = dense_activation(hidden_act, act_field)
         self.hidden_act = hidden_act
         split_evenly(intermediate_size, resolve_tp(None)[1], "the MLP's intermediate_size")
         self.up_proj = ColumnLinear(hidden_size, intermediate_size, bias=bias)

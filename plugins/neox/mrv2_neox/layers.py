@@ -11,29 +11,13 @@ heads only).
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mrv2.layers import ColumnLinear, LayerNorm, RotaryEmbedding, RowLinear, SelfAttention
-
-#: The MLP's activation by HF ``hidden_act`` name, as transformers computes it (``gelu``:
-#: erf; ``gelu_new`` and ``gelu_fast``: its tanh formulas; ``gelu_pytorch_tanh``: torch's).
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_new": lambda x: 0.5 * x * (1.0 + torch.tanh(
-        math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0)))),
-    "gelu_fast": lambda x: 0.5 * x * (1.0 + torch.tanh(
-        x * 0.7978845608 * (1.0 + 0.044715 * x * x))),
-    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
-    "relu": F.relu,
-    "silu": F.silu,
-}
+from mrv2.layers import LayerNorm, RotaryEmbedding, SelfAttention
 
 
 class HeadLayerNorm(nn.Module):
@@ -97,28 +81,6 @@ class QKNormAttention(SelfAttention):
         q, k = self.q_layernorm(q), self.k_layernorm(k)
         out = self.attn(q, k, v, positions=positions, rotary=self.rotary_emb)
         return cast(torch.Tensor, self.o_proj(out))
-
-
-class DenseMLP(nn.Module):
-    """GPT-NeoX's MLP: ``down_proj(act(up_proj(x)))`` with biases (HF's ``dense_h_to_4h`` /
-    ``dense_4h_to_h``), ``act`` one of :data:`ACTIVATIONS`; split over tensor-parallel ranks
-    by columns, then rows."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str) -> None:
-        super().__init__()
-        if hidden_act not in ACTIVATIONS:
-            raise ValueError(f"hidden_act must be one of {', '.join(map(repr, ACTIVATIONS))}, "
-                             f"got {hidden_act!r}")
-        self.hidden_act = hidden_act
-        self.act_fn = ACTIVATIONS[hidden_act]
-        self.up_proj = ColumnLinear(hidden_size, intermediate_size, bias=True)
-        self.down_proj = RowLinear(intermediate_size, hidden_size, bias=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cast(torch.Tensor, self.down_proj(self.act_fn(self.up_proj(x))))
-
-    def extra_repr(self) -> str:
-        return f"act={self.hidden_act}"
 
 
 class NeoXLayer(nn.Module):

@@ -47,6 +47,7 @@ from mrv2.layers import (
     STACKED_PARAMS,
     CausalLM,
     DecoderModel,
+    DenseMLP,
     GatedMLP,
     LayerNorm,
     RotaryEmbedding,
@@ -54,7 +55,7 @@ from mrv2.layers import (
     get_rope,
 )
 from mrv2.layers.weights import StackedMapping
-from mrv2_neox.layers import DenseMLP, HeadLayerNorm, NeoXLayer, QKNormAttention
+from mrv2_neox.layers import HeadLayerNorm, NeoXLayer, QKNormAttention
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -114,7 +115,8 @@ class GPTNeoXForCausalLM(CausalLM):
 
         def layer(i: int) -> NeoXLayer:
             attention = SelfAttention(shape, i, rope, qkv_bias=bias, o_bias=bias)
-            mlp = DenseMLP(hidden, int(config.intermediate_size), str(config.hidden_act))
+            mlp = DenseMLP(hidden, int(config.intermediate_size), str(config.hidden_act),
+                           bias=True)
             return NeoXLayer(hidden, eps, attention, mlp, parallel=parallel, mlp_first=True)
 
         model = DecoderModel(shape, layer)

@@ -38,9 +38,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mrv2.layers import QKV_PARAMS, CausalLM, DecoderLayer, DecoderModel, LayerNorm, SelfAttention
+from mrv2.layers import (
+    QKV_PARAMS,
+    CausalLM,
+    DecoderLayer,
+    DecoderModel,
+    DenseMLP,
+    LayerNorm,
+    SelfAttention,
+)
 from mrv2.layers.weights import StackedMapping
-from mrv2_starcoder.model import StarcoderMLP, activation_of, decoder_shape, pre_norm_layer
+from mrv2_starcoder.model import decoder_shape, pre_norm_layer
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -113,11 +121,12 @@ class GPTBigCodeForCausalLM(CausalLM):
         scale = head_dim ** -0.5 if getattr(config, "scale_attn_weights", True) else 1.0
         eps = float(config.layer_norm_epsilon)
         inner = getattr(config, "n_inner", None) or 4 * hidden
-        act = activation_of(config, "activation_function")
+        act = str(config.activation_function)
 
         def layer(i: int) -> DecoderLayer:
             attention = SelfAttention(shape, i, None, qkv_bias=True, o_bias=True, scale=scale)
-            return pre_norm_layer(hidden, eps, attention, StarcoderMLP(hidden, inner, act, True))
+            mlp = DenseMLP(hidden, inner, act, bias=True, act_field="activation_function")
+            return pre_norm_layer(hidden, eps, attention, mlp)
 
         model = GPTBigCodeModel(decoder_shape(int(config.vocab_size), hidden,
                                               int(config.num_hidden_layers), eps),

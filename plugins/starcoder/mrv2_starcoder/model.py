@@ -17,23 +17,16 @@ and the pieces it shares with :mod:`mrv2_starcoder.gpt_bigcode` (StarCoder, Sant
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, ClassVar, cast
-
-import torch
-import torch.nn.functional as F
-from torch import nn
+from typing import TYPE_CHECKING, ClassVar
 
 from mrv2.layers import (
     QKV_PARAMS,
     CausalLM,
-    ColumnLinear,
     DecoderLayer,
     DecoderModel,
+    DenseMLP,
     LayerNorm,
-    RowLinear,
     SelfAttention,
     get_rope,
     head_dim_of,
@@ -44,51 +37,8 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 
-def _gelu_new(x: torch.Tensor) -> torch.Tensor:
-    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))
-
-
-def _gelu_fast(x: torch.Tensor) -> torch.Tensor:
-    return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
-
-
-#: The activations of the non-gated MLPs, by HF's ``ACT2FN`` names, each as HF computes it.
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_new": _gelu_new,
-    "gelu_fast": _gelu_fast,
-    "relu": F.relu,
-    "silu": F.silu,
-}
-
-
-def activation_of(config: Any, field: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The function ``config.<field>`` names; a ValueError naming the field otherwise."""
-    name = getattr(config, field)
-    if name not in ACTIVATIONS:
-        raise ValueError(f"{field}={name!r} is not supported; supported: {sorted(ACTIVATIONS)}")
-    return ACTIVATIONS[name]
-
-
-class StarcoderMLP(nn.Module):
-    """``down_proj(act(up_proj(x)))``, no gate (HF's ``c_fc`` / ``c_proj``); ``up_proj``
-    splits its rows and ``down_proj`` its columns over tensor-parallel ranks."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int,
-                 act: Callable[[torch.Tensor], torch.Tensor], bias: bool) -> None:
-        super().__init__()
-        self.act = act
-        self.up_proj = ColumnLinear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = RowLinear(intermediate_size, hidden_size, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, hidden]`` (normed) -> ``[T, hidden]``."""
-        return cast(torch.Tensor, self.down_proj(self.act(self.up_proj(x))))
-
-
 def pre_norm_layer(hidden_size: int, eps: float, self_attn: SelfAttention,
-                   mlp: StarcoderMLP) -> DecoderLayer:
+                   mlp: DenseMLP) -> DecoderLayer:
     """The core's pre-norm :class:`~mrv2.layers.DecoderLayer` (``input_layernorm``,
     ``self_attn``, ``post_attention_layernorm``, ``mlp``) with LayerNorms with biases."""
     layer = DecoderLayer(SimpleNamespace(hidden_size=hidden_size, rms_norm_eps=eps),
@@ -116,12 +66,12 @@ class Starcoder2ForCausalLM(CausalLM):
         rope = get_rope(config, head_dim)
         eps = float(config.norm_epsilon)
         bias = bool(getattr(config, "use_bias", True))
-        act = activation_of(config, "hidden_act")
+        act = str(config.hidden_act)
         hidden = int(config.hidden_size)
 
         def layer(i: int) -> DecoderLayer:
             attention = SelfAttention(config, i, rope, qkv_bias=bias, o_bias=bias)
-            mlp = StarcoderMLP(hidden, int(config.intermediate_size), act, bias)
+            mlp = DenseMLP(hidden, int(config.intermediate_size), act, bias)
             return pre_norm_layer(hidden, eps, attention, mlp)
 
         model = DecoderModel(decoder_shape(int(config.vocab_size), hidden,
