@@ -7,6 +7,7 @@
 # coldstart (scripts/probe_cold_start.py: the first request of each kind on an empty Triton cache, warm-up off and on),
 # gcgen0 (MRV2_GC_GEN0_THRESHOLD=20000 against Python's own, 256 streams through mrv2 serve),
 # longdecode (scripts/sweep_long_decode.py: decode attention's launch options at long contexts),
+# verify51 (the LayerNorm kernel's tests, the session's new families' GPU tests, 0.6B batch-1 TPOT),
 # quick49 (the default prefill grid on 8B heads, packed integer reloads; ~2 min), targets49 (issue 16's targets, cheapest first, within VERIFY_S), verify49 (packed integer weights reloaded under graphs, gpt-oss's MXFP4 test, then scripts/kernel_audit.py:
 # every Triton variant a workload compiled, flagged for spills and register cliffs),
 # verify48b (the eight-warp prefill register cap), verify48 (the flat grid's per-step order and max_model_len auto on CUDA),
@@ -860,6 +861,24 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
              --server-args "--tensor-parallel-size ${TP:-4} --max-model-len 4096 ${GLM47_ARGS:-}" \
              --variants ${GLM47_VARIANTS:-mtp_off mtp_on async_off mtp_on_async_off} 2>&1 \
              | tee "$OUT/glm47.log" | tail -24 ;;
+    verify51) # the fifty-first session's work on CUDA within VERIFY_S seconds (default 560): the
+              # LayerNorm kernel's tests, then the GPU test files VERIFY_TESTS names (default: the
+              # session's new families and the tests its changes touch; each capped at VERIFY_CAP
+              # seconds, -v so a failure has its name), then Qwen3-0.6B's batch-1 TPOT
+              end=$(( $(date +%s) + ${VERIFY_S:-560} ))
+              left() { local l=$(( end - $(date +%s) )); [ "$l" -lt "$1" ] && echo $(( l > 1 ? l : 1 )) || echo "$1"; }
+              timeout "$(left 60)" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_layer_norm.py \
+                2>&1 | tee "$OUT/layer_norm.log" | tail -1 | sed "s/^/layer_norm kernel: /"
+              for t in ${VERIFY_TESTS:-neox starcoder llama_variants glm4v lfm2 cohere moe idefics3}; do
+                [ -f "tests/gpu/test_gpu_$t.py" ] || { echo "$t: no tests/gpu/test_gpu_$t.py"; continue; }
+                [ "$(left 20)" -lt 15 ] && { echo "$t: no time left"; continue; }
+                timeout "$(left "${VERIFY_CAP:-120}")" python3 -m pytest -v -p no:cacheprovider -m gpu \
+                  "tests/gpu/test_gpu_$t.py" 2>&1 | tee "$OUT/gpu_$t.log" \
+                  | grep -E "^FAILED|^ERROR|FAILED|passed|failed" | tail -4 | sed "s/^/$t: /"
+              done
+              [ "$(left 60)" -ge 50 ] && { timeout "$(left 60)" python3 -m mrv2.entrypoints.cli bench latency \
+                --model Qwen3-0.6B --batch-sizes 1 --new-tokens 128 --json "$OUT/latency_06b.json" \
+                > "$OUT/latency_06b.log" 2>&1; grep -E "tpot_ms" "$OUT/latency_06b.log" | head -1; } ;;
     quick49) # what ~2 minutes of a fresh machine can show: the default prefill grid on 8B heads
              # (4 x 1,024 causal: now the (tile, request) grid), then packed integer reloads
              timeout 75 python3 -m mrv2_kernels.bench_attention --no-decode --layouts 8B \
