@@ -52,7 +52,8 @@ LAYOUTS: dict[str, dict[str, Any]] = {
                     "FLAT": False, "ZERO_PAD": False, "ROPE": True, "QK_NORM": True,
                     "USE_SPLITS": True, "num_warps": 2},
 }
-_COMMON = {"HEAD_DIM": 128, "KV_BLOCK_SIZE": 16, "USE_SPLITS": False, "ZERO_PAD": True,
+_COMMON = {"HEAD_DIM": 128, "HEAD_DIM_P2": 128, "KV_BLOCK_SIZE": 16, "USE_SPLITS": False,
+           "ZERO_PAD": True,
            "DOT_FP32": False, "FP32_PRECISION": "tf32x3", "PDL": True, "EARLY_META": True,
            "ROPE": False, "QK_NORM": False, "SKIP_LONG": False, "FLAT": True,
            "REQ_BLOCK": 256, "ONE_TOKEN": 0}

@@ -25,6 +25,14 @@ One kernel family, two configurations chosen on the host from CPU-known bounds o
   PDL-launched kernels in CUDA graphs (batch 1, 256 keys: 7.0 against 6.5 us) and left decode
   TPOT unchanged, BENCHMARKS.md 2026-12-01.)
 
+Any head_dim: the kernels' tiles are :func:`~mrv2_kernels.paged_attention_plan.head_tile`
+wide (the next power of two, at least 16); a head_dim that is not a power of two (80, 96,
+160: Phi-3-mini, Pythia-2.8B, StableLM-2-12B...) is masked to its real width in every load
+and store, as vLLM's Triton attention pads its head size. Power-of-2 head dims >= 16 compile
+without those masks. The fused RoPE (``rope=``) and the TMA prefill take power-of-2 head dims
+only: for others the RoPE kernel runs first (with its cache write) and the paged kernel
+attends.
+
 With raw q/k/v (``rope=``) and a prefill plan, where :func:`~mrv2_kernels.prefill_attention.
 use_tma_prefill` allows it (``MRV2_TMA_PREFILL=1``, a Hopper GPU), requests of a query tile or
 more attend in :mod:`mrv2_kernels.prefill_attention` (the step's keys through TMA) and this
@@ -78,7 +86,13 @@ from ._backend import (
 )
 from .kv_cache import FP8_KV_DTYPE
 from .paged_attention_kernels import _combine_splits_kernel, _paged_attn_kernel
-from .paged_attention_plan import AttentionPlan, FusedRope, attention_plan, fused_rope_launch
+from .paged_attention_plan import (
+    AttentionPlan,
+    FusedRope,
+    attention_plan,
+    fused_rope_launch,
+    head_tile,
+)
 from .paged_attention_ref import _check_inputs, _check_local, paged_attention_ref
 from .prefill_attention import prefill_attention_tma, tma_prefill_min_query
 
@@ -166,11 +180,20 @@ def flat_tiles_last_keys(tiles_last: bool | None, kv_cache: torch.Tensor) -> int
 PREFILL_MAX_REGS_WARPS = 8
 
 
-def prefill_register_cap(plan: AttentionPlan, on_gpu: bool) -> dict[str, int]:
-    """The paged kernel's launch options for ``plan``: on CUDA, a prefill plan of
-    :data:`PREFILL_MAX_REGS_WARPS` warps or more keeps two programs on an SM (64K registers:
-    ``maxnreg``); nothing otherwise (the interpreter takes no such option)."""
-    if not on_gpu or plan.small_q or plan.num_warps < PREFILL_MAX_REGS_WARPS:
+#: Head tiles wider than this get no register cap: a 128-row tile's fp32 accumulator alone
+#: fills 128 registers a thread at 8 warps from 256 columns (Gemma's heads, or a padded 160),
+#: and ptxas refuses the cap ("Insufficient registers", sm_90).
+PREFILL_MAX_REGS_HEAD_TILE = 128
+
+
+def prefill_register_cap(plan: AttentionPlan, on_gpu: bool, head_dim: int) -> dict[str, int]:
+    """The paged kernel's launch options for ``plan`` and heads of ``head_dim``: on CUDA, a
+    prefill plan of :data:`PREFILL_MAX_REGS_WARPS` warps or more keeps two programs on an SM
+    (64K registers: ``maxnreg``) where its head tile is at most
+    :data:`PREFILL_MAX_REGS_HEAD_TILE` wide; nothing otherwise (the interpreter takes no such
+    option)."""
+    if (not on_gpu or plan.small_q or plan.num_warps < PREFILL_MAX_REGS_WARPS
+            or head_tile(head_dim) > PREFILL_MAX_REGS_HEAD_TILE):
         return {}
     return {"maxnreg": 65536 // (2 * 32 * plan.num_warps)}
 
@@ -256,9 +279,7 @@ def paged_attention(
     ``out`` (allocated when ``None``), query dtype.
     """
     num_heads, num_kv_heads, head_dim, block_size = _check_inputs(query, kv_cache)
-    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
-        f"paged_attention (Triton) needs a power-of-2 head_dim >= 16, got {head_dim}"
-    )
+    head_dim_p2 = head_tile(head_dim)
     assert query.stride(-1) == 1 and kv_cache.stride(-1) == 1, "head_dim must be contiguous"
     assert block_table.dtype in (torch.int32, torch.int64), "block_table must be integer"
     assert kv_cache.dtype in (query.dtype, FP8_KV_DTYPE), (
@@ -349,7 +370,8 @@ def paged_attention(
             key_cache.stride(1), key_cache.stride(2), block_table.stride(0), p.num_splits,
             num_tokens, *rope_args, flags.pop("long_qlen", 0), num_reqs, sliding_window or 0,
             GROUP=group, GROUP_P2=next_power_of_2(group), BLOCK_Q=p.block_q, BLOCK_M=p.block_m,
-            BLOCK_N=p.block_n, HEAD_DIM=head_dim, KV_BLOCK_SIZE=block_size,
+            BLOCK_N=p.block_n, HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2,
+            KV_BLOCK_SIZE=block_size,
             USE_SPLITS=p.num_splits > 1, DOT_FP32=dot_fp32,
             # fp32 models on GPU: 3xTF32 tensor-core dots (about fp32 accurate); interpreter:
             # exact.
@@ -359,7 +381,7 @@ def paged_attention(
             **({} if attention_chunk is None else {"CHUNK": int(attention_chunk)}),
             CAP=0.0 if logit_softcap is None else float(logit_softcap) / scale,
             **({} if sinks is None else {"sinks_ptr": sinks, "SINKS": True}),
-            **flags, **pdl(query), **prefill_register_cap(p, on_gpu),
+            **flags, **pdl(query), **prefill_register_cap(p, on_gpu, head_dim),
         )
 
     if apart:
@@ -409,6 +431,7 @@ def paged_attention(
             splits,
             SPLITS_P2=next_power_of_2(splits),
             HEAD_DIM=head_dim,
+            HEAD_DIM_P2=head_dim_p2,
             num_warps=4 if on_gpu else 1,
             **pdl(query),
         )
@@ -416,6 +439,7 @@ def paged_attention(
 
 
 __all__ = ["FLAT_GRID_ENV_VAR", "ONE_TOKEN_APART_MIN_BLOCK_M", "ONE_TOKEN_ENV_VAR",
-           "TILES_LAST_ENV_VAR", "TILES_LAST_L2_FRACTION", "AttentionPlan", "FusedRope",
-           "attention_plan", "flat_tiles_last_keys", "paged_attention", "paged_attention_ref",
-           "prefill_flat_grid", "prefill_register_cap", "prefill_tiles_last"]
+           "PREFILL_MAX_REGS_HEAD_TILE", "TILES_LAST_ENV_VAR", "TILES_LAST_L2_FRACTION",
+           "AttentionPlan", "FusedRope", "attention_plan", "flat_tiles_last_keys", "head_tile",
+           "paged_attention", "paged_attention_ref", "prefill_flat_grid", "prefill_register_cap",
+           "prefill_tiles_last"]

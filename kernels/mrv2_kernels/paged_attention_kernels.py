@@ -2,7 +2,14 @@
 and their plans; the launcher, :func:`~mrv2_kernels.paged_attention.paged_attention`, lives
 there): ``_paged_attn_kernel`` (prefill / mixed and split decode programs over the paged
 cache, with the fused RoPE, sliding window, chunked local attention, soft-cap and sinks) and
-``_combine_splits_kernel`` (a token's split partials into its output row)."""
+``_combine_splits_kernel`` (a token's split partials into its output row).
+
+Head dims: every tile is ``HEAD_DIM_P2`` wide (a power of two >= 16, what ``tl.arange`` and
+``tl.dot`` take); a ``HEAD_DIM`` that is not one (80, 96, 160...) pads it (``PAD``, a
+compile-time constant), every load and store of a head masked to its real ``HEAD_DIM``
+columns, the padding read as zeros (adding nothing to a score, giving nothing to an output)
+and never written. Power-of-2 head dims compile without those masks. The fused RoPE
+(``ROPE``) takes power-of-2 head dims only (the launcher rotates others first)."""
 
 from __future__ import annotations
 
@@ -19,6 +26,18 @@ from ._backend import (
 )
 from ._backend import online_softmax_step as _online_step
 from .rotary import _norm_rotate
+
+
+@triton.jit
+def _head_mask(mask: tl.tensor, offs_d: tl.tensor, HEAD_DIM: tl.constexpr,
+               PAD: tl.constexpr) -> tl.tensor:
+    """``mask`` ``[R, 1]`` for a ``[R, HEAD_DIM_P2]`` tile of heads: with ``PAD``, also the
+    columns past ``HEAD_DIM`` off; without, ``mask`` itself (no extra work)."""
+    if PAD:  # noqa: SIM108 (a constexpr branch: nothing compiled without PAD)
+        out = mask & (offs_d < HEAD_DIM)[None, :]
+    else:
+        out = mask
+    return out
 
 
 @triton.jit
@@ -41,16 +60,18 @@ def _masked_keys(
     pos: tl.tensor, first_pos: tl.tensor, window: tl.tensor, key_lo: tl.tensor,
     row_lo: tl.tensor, head_off: tl.tensor, stride_kb: tl.tensor, stride_ks: tl.tensor,
     qk_scale: tl.tensor, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    KV_BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, KV_FP8: tl.constexpr,
-    FP32_PRECISION: tl.constexpr, CAP: tl.constexpr, SLIDING: tl.constexpr,
-    CHUNK: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr,
+    KV_FP8: tl.constexpr, FP32_PRECISION: tl.constexpr, CAP: tl.constexpr,
+    SLIDING: tl.constexpr, CHUNK: tl.constexpr,
 ) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """The key tiles ``[lo, hi)`` with every score masked: keys past ``seq_len`` or a row's
     position, before a row's window (``SLIDING``: ``pos - window + 1``, the tile's first row
     ``first_pos``) or its chunk (``CHUNK``: ``row_lo`` ``[BLOCK_M]``, the tile's lowest
-    ``key_lo``), whose keys are not read either. Returns ``(acc, m_i, l_i)``."""
+    ``key_lo``), whose keys are not read either; columns past ``HEAD_DIM`` (a padded tile)
+    read as zeros. Returns ``(acc, m_i, l_i)``."""
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_DIM_P2)
+    PAD: tl.constexpr = HEAD_DIM_P2 != HEAD_DIM
     for start in range(lo, hi, BLOCK_N):
         n = start + offs_n
         n_ok = n < seq_len
@@ -65,8 +86,9 @@ def _masked_keys(
             + head_off
             + offs_d[None, :]
         )
-        k = tl.load(k_ptr + kv_off, mask=n_ok[:, None], other=0.0)
-        v = tl.load(v_ptr + kv_off, mask=n_ok[:, None], other=0.0)
+        kv_ok = _head_mask(n_ok[:, None], offs_d, HEAD_DIM, PAD)
+        k = tl.load(k_ptr + kv_off, mask=kv_ok, other=0.0)
+        v = tl.load(v_ptr + kv_off, mask=kv_ok, other=0.0)
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -169,6 +191,7 @@ def _paged_attn_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr,
     USE_SPLITS: tl.constexpr,
     ZERO_PAD: tl.constexpr,
@@ -205,7 +228,9 @@ def _paged_attn_kernel(
         pid_hs = tl.program_id(1)
         req = tl.program_id(2)
     q_tile = num_q_tiles - 1 - tile_pid
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_DIM_P2)  # the head's columns: HEAD_DIM real, the rest padding
+    PAD: tl.constexpr = HEAD_DIM_P2 != HEAD_DIM
+    tl.static_assert(not (ROPE and PAD), "the fused RoPE takes power-of-2 head dims only")
     HALF: tl.constexpr = HEAD_DIM // 2
     KV_FP8: tl.constexpr = k_ptr.dtype.element_ty == tl.float8e4nv
     rows = tl.arange(0, BLOCK_M)
@@ -259,8 +284,12 @@ def _paged_attn_kernel(
         for t in range(num_real + pid, num_tokens, step):
             for h in range(0, num_heads):
                 row64 = tl.full([], 0, tl.int64) + t  # int64 offsets (t may be a Python int)
-                tl.store(out_ptr + row64 * stride_ot + h * stride_oh + offs_d,
-                         tl.zeros([HEAD_DIM], dtype=out_ptr.dtype.element_ty))
+                zeros = tl.zeros([HEAD_DIM_P2], dtype=out_ptr.dtype.element_ty)
+                if PAD:
+                    tl.store(out_ptr + row64 * stride_ot + h * stride_oh + offs_d, zeros,
+                             mask=offs_d < HEAD_DIM)
+                else:
+                    tl.store(out_ptr + row64 * stride_ot + h * stride_oh + offs_d, zeros)
 
     # seq_len is loaded before the early exit: its load then overlaps query_start_loc's instead
     # of waiting for it (one memory round trip less before the first key tile is requested).
@@ -295,7 +324,8 @@ def _paged_attn_kernel(
                               qw1, qw2, eps, QK_NORM)
         q = tl.join(q1, q2).permute(0, 2, 1).reshape(BLOCK_M, HEAD_DIM)  # [q1 | q2]
     else:
-        q = tl.load(q_ptrs + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+        q = tl.load(q_ptrs + offs_d[None, :],
+                    mask=_head_mask(row_valid[:, None], offs_d, HEAD_DIM, PAD), other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
     elif KV_FP8:  # fp16 dots (see the key loop): bf16 -> fp16 is exact within fp16's range
@@ -359,7 +389,7 @@ def _paged_attn_kernel(
 
     m_i = tl.full([BLOCK_M], _M_INIT, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], dtype=tl.float32)
     if SINKS:  # a key of each head's own, valued zero, at its learned score (gpt-oss): in the
         # running max and sum from the start, once per row (by split 0 of a split row)
         sink = tl.load(sinks_ptr + head, mask=grp < GROUP, other=0.0).to(tl.float32)
@@ -374,8 +404,8 @@ def _paged_attn_kernel(
         acc, m_i, l_i = _masked_keys(q, acc, m_i, l_i, k_ptr, v_ptr, bt_row, lo, fast, seq_len,
                                      pos, ctx_len + tile_start, window, key_lo, row_lo,
                                      head_off, stride_kb, stride_ks, qk_scale, BLOCK_N,
-                                     HEAD_DIM, KV_BLOCK_SIZE, DOT_FP32, KV_FP8, FP32_PRECISION,
-                                     CAP, SLIDING, CHUNK)
+                                     HEAD_DIM, HEAD_DIM_P2, KV_BLOCK_SIZE, DOT_FP32, KV_FP8,
+                                     FP32_PRECISION, CAP, SLIDING, CHUNK)
     for start in range(fast, mid, BLOCK_N):
         n = start + offs_n
         blk = tl.load(bt_row + n // KV_BLOCK_SIZE).to(tl.int64)
@@ -385,8 +415,12 @@ def _paged_attn_kernel(
             + head_off
             + offs_d[None, :]
         )
-        k = tl.load(k_ptr + kv_off)
-        v = tl.load(v_ptr + kv_off)
+        if PAD:  # (the padding columns only: these keys are all real)
+            k = tl.load(k_ptr + kv_off, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+            v = tl.load(v_ptr + kv_off, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptr + kv_off)
+            v = tl.load(v_ptr + kv_off)
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -398,10 +432,11 @@ def _paged_attn_kernel(
 
     acc, m_i, l_i = _masked_keys(q, acc, m_i, l_i, k_ptr, v_ptr, bt_row, mid, hi, seq_len, pos,
                                  ctx_len + tile_start, window, key_lo, row_lo, head_off,
-                                 stride_kb, stride_ks, qk_scale, BLOCK_N, HEAD_DIM,
+                                 stride_kb, stride_ks, qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_P2,
                                  KV_BLOCK_SIZE, DOT_FP32, KV_FP8, FP32_PRECISION, CAP, SLIDING,
                                  CHUNK)
 
+    row_ok = _head_mask(row_valid[:, None], offs_d, HEAD_DIM, PAD)
     if USE_SPLITS:
         part = (q_row * num_heads + head) * num_splits + split
         tl.store(part_m_ptr + part, m_i, mask=row_valid)
@@ -409,7 +444,7 @@ def _paged_attn_kernel(
         tl.store(
             part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
             acc,
-            mask=row_valid[:, None],
+            mask=row_ok,
         )
     else:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -417,7 +452,7 @@ def _paged_attn_kernel(
         tl.store(
             out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
             o.to(out_ptr.dtype.element_ty),
-            mask=row_valid[:, None],
+            mask=row_ok,
         )
 
 
@@ -435,12 +470,14 @@ def _combine_splits_kernel(
     num_splits: tl.tensor,
     SPLITS_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
     PDL: tl.constexpr,
 ) -> None:
     pdl_prologue(PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_DIM_P2)  # (a padded head: the columns past HEAD_DIM masked)
+    PAD: tl.constexpr = HEAD_DIM_P2 != HEAD_DIM
     out_ptrs = out_ptr + tok * stride_ot + head * stride_oh + offs_d
     # The partials are loaded without waiting for the real-token count (no branch before the
     # loads: both round trips overlap); a padding token's partials were never written and
@@ -452,7 +489,8 @@ def _combine_splits_kernel(
     m = tl.load(part_m_ptr + part, mask=s_ok, other=_M_INIT)
     l_s = tl.load(part_l_ptr + part, mask=s_ok, other=0.0)
     acc = tl.load(
-        part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0
+        part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=_head_mask(s_ok[:, None], offs_d, HEAD_DIM, PAD), other=0.0
     )
     m_max = tl.max(m, 0)
     w = tl.math.exp2(m - m_max)
@@ -460,4 +498,7 @@ def _combine_splits_kernel(
     o = tl.sum(w[:, None] * acc, 0)
     l_tot = tl.where(l_tot > 0.0, l_tot, 1.0)
     o = tl.where(tok < num_real, o / l_tot, 0.0)  # padding token: zeros, whatever it read
-    tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty))
+    if PAD:
+        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    else:
+        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty))

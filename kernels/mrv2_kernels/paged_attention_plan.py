@@ -17,6 +17,13 @@ from .rotary import QKNorm, rotary_embedding_triton
 _MAX_SPLITS = 64
 
 
+def head_tile(head_dim: int) -> int:
+    """The paged kernels' tile width for heads of ``head_dim``: the next power of two, at
+    least 16 (``tl.arange`` and ``tl.dot``'s rule); a wider tile is masked to ``head_dim``."""
+    if head_dim < 1:
+        raise ValueError(f"paged_attention needs a head_dim >= 1, got {head_dim}")
+    return max(16, next_power_of_2(head_dim))
+
 
 def _default_config(
     on_gpu: bool, small_q: bool, rows: int, head_dim: int, elem_size: int, group_p2: int
@@ -113,8 +120,9 @@ def attention_plan(
     on_gpu = query.is_cuda
     rows = max_query_len * group_p2
     small_q = rows <= 16 or (uniform_decode and rows <= 128)
-    bm, bn, warps, stages = _default_config(on_gpu, small_q, rows, head_dim, query.element_size(),
-                                            group_p2)
+    # (tiles of a padded head: as wide as the next power of two)
+    bm, bn, warps, stages = _default_config(on_gpu, small_q, rows, head_tile(head_dim),
+                                            query.element_size(), group_p2)
     bm = max(block_m if block_m is not None else bm, group_p2)
     bn = block_n if block_n is not None else bn
     assert bm & (bm - 1) == 0 and bn & (bn - 1) == 0, "block_m and block_n must be powers of 2"
@@ -144,6 +152,19 @@ def attention_plan(
     )
 
 
+def rope_in_kernel(plan: AttentionPlan, head_dim: int, num_tokens: int) -> bool:
+    """Whether the paged kernel rotates the query and stores the step's keys itself
+    (:class:`FusedRope`) under ``plan``: split decode plans (one query tile, several
+    splits) of a power-of-2 ``head_dim`` (its rotation walks ``head_dim // 2`` halves
+    unpadded) only. Others run the RoPE kernel (with its cache write) first: a prefill plan's
+    program per query tile cannot store other tiles' keys first; an unsplit decode plan
+    (many requests, several waves of programs) pays more for the rotation's registers and
+    its step before the key loop than for the RoPE launch (H200, Qwen3-0.6B batch 64: 1.935
+    against 1.808 ms a step; BENCHMARKS.md 2026-12-01, seventh session)."""
+    return (plan.small_q and plan.num_q_tiles == 1 and plan.num_splits > 1 and num_tokens > 0
+            and head_tile(head_dim) == head_dim)
+
+
 @dataclass(frozen=True)
 class FusedRope:
     """What :func:`paged_attention` needs to take the step's raw query, key and value: it
@@ -151,8 +172,9 @@ class FusedRope:
     ``rotary_dim == head_dim``) and stores the key and value at ``slot_mapping`` itself.
 
     Split small-query plans (decode and spec decode at batches of up to a few dozen
-    requests) do it inside the attention kernel: one launch per layer less than RoPE then
-    attention. Other plans run the RoPE kernel (with its cache write) first."""
+    requests) of a power-of-2 head_dim do it inside the attention kernel: one launch per
+    layer less than RoPE then attention. Other plans (and other head dims) run the RoPE
+    kernel (with its cache write) first (:func:`rope_in_kernel`)."""
 
     positions: torch.Tensor
     """``[T]`` the query tokens' positions (rows of ``cos_sin``)."""
@@ -187,8 +209,9 @@ def fused_rope_launch(
     """How :func:`~mrv2_kernels.paged_attention.paged_attention` takes ``rope`` under ``plan``:
     ``(query, rope, rope_args, step_kv)``.
 
-    Split decode plans keep ``rope`` (the attention kernel rotates and stores the step's keys
-    itself, ``rope_args`` its arguments). Every other plan runs the RoPE kernel (with its
+    Split decode plans of a power-of-2 head_dim keep ``rope`` (:func:`rope_in_kernel`: the
+    attention kernel rotates and stores the step's keys itself, ``rope_args`` its
+    arguments). Every other plan runs the RoPE kernel (with its
     cache write) here first and gets the rotated ``query`` and ``rope = None``; a prefill plan
     that can read the step's keys through TMA also gets them as ``step_kv``. Without ``rope``,
     ``rope_args`` are unused placeholders of the kernel's argument types.
@@ -204,14 +227,8 @@ def fused_rope_launch(
         if rope.cos_sin.dim() != 2 or rope.cos_sin.shape[1] != head_dim:
             raise ValueError(f"FusedRope.cos_sin must be [max_position, {head_dim}], got "
                              f"{tuple(rope.cos_sin.shape)}")
-        if not (plan.small_q and plan.num_q_tiles == 1 and plan.num_splits > 1) \
-                or num_tokens == 0:
-            # Prefill plans: a program per query tile cannot store other tiles' keys first.
-            # Unsplit decode (many requests, several waves of programs): the rotation's
-            # registers and its step before the key loop cost more than the RoPE launch
-            # (H200, Qwen3-0.6B batch 64: 1.935 against 1.808 ms a step; BENCHMARKS.md
-            # 2026-12-01, seventh session). Both run the RoPE kernel (with its cache write)
-            # first.
+        if not rope_in_kernel(plan, head_dim, num_tokens):
+            # (rope_in_kernel's rule) the RoPE kernel, with its cache write, first
             q2, k2 = rotary_embedding_triton(
                 rope.positions, query.reshape(num_tokens, num_heads * head_dim), key,
                 rope.cos_sin, head_dim, head_dim, rope.qk_norm,

@@ -205,9 +205,13 @@ def _tma_ready(t: torch.Tensor) -> bool:
 def use_tma_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether :func:`prefill_attention_tma` takes a prefill step with these tensors (query
     ``[T, H, D]``; key / value ``[T, Hk*D]``, as 2-D views): :data:`TMA_PREFILL_ENV_VAR` is
-    ``1``, the device has TMA (CUDA, compute capability 9.0+; or the interpreter) and the
-    three tensors follow TMA's alignment rules. Metadata only."""
+    ``1``, the device has TMA (CUDA, compute capability 9.0+; or the interpreter), the head
+    dim is a power of two >= 16 (a TMA block's width; the paged kernel pads the others) and
+    the three tensors follow TMA's alignment rules. Metadata only."""
     if os.environ.get(TMA_PREFILL_ENV_VAR, "").strip() != "1":
+        return False
+    head_dim = query.shape[-1]
+    if head_dim < 16 or head_dim & (head_dim - 1):
         return False
     q2 = query.reshape(query.shape[0], -1) if query.dim() == 3 and query.stride(1) == \
         query.shape[2] else query

@@ -1,5 +1,6 @@
-"""GPU: GPT-NeoX and StableLM through the engine on the Triton kernels, at a published head
-size (128): a Pythia-shaped ``GPTNeoXForCausalLM`` (parallel blocks, LayerNorms with biases,
+"""GPU: GPT-NeoX and StableLM through the engine on the Triton kernels, at published head
+sizes (128; Pythia-2.8B's 80 and StableLM-2-12B's 160, which the paged attention pads to 128
+and 256 and masks): a Pythia-shaped ``GPTNeoXForCausalLM`` (parallel blocks, LayerNorms with biases,
 the fused per-head q/k/v split as it loads, a quarter of each head rotated by the RoPE kernel
 before attention, a biased gelu MLP, an untied head) and a StableLM-2-12B-shaped
 ``StableLmForCausalLM`` (per-head q/k LayerNorms, q/k/v biases, GQA, the parallel block off
@@ -34,6 +35,13 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "stablelm-12b": ("StableLmForCausalLM", {**SHAPE, "qk_layernorm": True,
                                              "use_qkv_bias": True,
                                              "use_parallel_residual": True}),
+    # head sizes that are not powers of two: Pythia-2.8B's 80 (20 rotated dims), StableLM-2-12B's
+    # own 160 (GQA, per-head q/k LayerNorms over 160)
+    "pythia-2.8b": ("GPTNeoXForCausalLM", {**SHAPE, "hidden_size": 320,
+                                           "num_key_value_heads": 4}),
+    "stablelm-12b-160": ("StableLmForCausalLM", {**SHAPE, "hidden_size": 640,
+                                                 "qk_layernorm": True, "use_qkv_bias": True,
+                                                 "use_parallel_residual": True}),
 }
 #: A small KV pool: the longest request (137 tokens, 9 blocks) fits, not all four at once.
 PREEMPTING_BLOCKS = 12

@@ -227,7 +227,8 @@ ptrs = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "out_ptr": bf, "part_m_ptr": f32,
         "part_l_ptr": f32, "part_acc_ptr": f32, "qsl_ptr": i32, "seq_lens_ptr": i32,
         "block_table_ptr": i32, "pos_ptr": "*i64", "cos_sin_ptr": f32, "q_w_ptr": bf,
         "k_w_ptr": bf, "new_k_ptr": bf, "new_v_ptr": bf, "slot_ptr": "*i64"}
-common = dict(HEAD_DIM=128, KV_BLOCK_SIZE=16, DOT_FP32=False, FP32_PRECISION="tf32x3",
+common = dict(HEAD_DIM=128, HEAD_DIM_P2=128, KV_BLOCK_SIZE=16, DOT_FP32=False,
+              FP32_PRECISION="tf32x3",
               PDL=True, EARLY_META=False, SKIP_LONG=False, GROUP=5, GROUP_P2=8,
               ZERO_PAD=True, REQ_BLOCK=256, ONE_TOKEN=0, SLIDING=False, CAP=0.0,
               SINKS=False, sinks_ptr=None, CHUNK=8192)

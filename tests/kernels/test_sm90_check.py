@@ -41,7 +41,8 @@ def test_passes_one_value_a_thread() -> None:
 # The decode step's kernels at the H200's tiles, which no other sm_90 test builds: the fused
 # norm + GEMV (qkv, gate/up with the SwiGLU, o as a plain GEMV), RMSNorm, SiLU-and-mul, the
 # skinny split-K GEMM, RoPE with the KV write, the split decode attention plan with its fused
-# RoPE and the combine, and the sampler's logprob and penalty kernels.
+# RoPE and the combine (and both at a head_dim of 96, padded), and the sampler's logprob
+# and penalty kernels.
 _DECODE_SCRIPT = r"""
 from mrv2_kernels import logprobs as lp
 from mrv2_kernels import norm as nm
@@ -86,7 +87,8 @@ attn = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "out_ptr": bf, "part_m_ptr": f32,
         "k_w_ptr": bf, "new_k_ptr": bf, "new_v_ptr": bf, "slot_ptr": i64}
 for group, warps in ((2, 2), (4, 4)):  # Qwen3-0.6B / 8B heads
     build(pa._paged_attn_kernel, attn,
-          dict(HEAD_DIM=128, KV_BLOCK_SIZE=16, DOT_FP32=False, FP32_PRECISION="tf32x3",
+          dict(HEAD_DIM=128, HEAD_DIM_P2=128, KV_BLOCK_SIZE=16, DOT_FP32=False,
+               FP32_PRECISION="tf32x3",
                PDL=True, EARLY_META=True, ROPE=True, QK_NORM=True, SKIP_LONG=False,
                GROUP=group, GROUP_P2=group, BLOCK_Q=16 // group, BLOCK_M=16, BLOCK_N=64,
                USE_SPLITS=True, ZERO_PAD=False, FLAT=False, REQ_BLOCK=256, ONE_TOKEN=0,
@@ -94,7 +96,19 @@ for group, warps in ((2, 2), (4, 4)):  # Qwen3-0.6B / 8B heads
           num_warps=warps, num_stages=2)
 build(pa._combine_splits_kernel, {"part_m_ptr": f32, "part_l_ptr": f32, "part_acc_ptr": f32,
                                   "out_ptr": bf, "qsl_ptr": i32},
-      dict(SPLITS_P2=32, HEAD_DIM=128, PDL=True), num_warps=4)
+      dict(SPLITS_P2=32, HEAD_DIM=128, HEAD_DIM_P2=128, PDL=True), num_warps=4)
+# a head_dim of 96 (Phi-3-mini, GPT-NeoX-20B): 128-wide tiles masked to 96 columns, split
+# decode without the fused RoPE (the launcher rotates first for such heads) and the combine
+build(pa._paged_attn_kernel, attn,
+      dict(HEAD_DIM=96, HEAD_DIM_P2=128, KV_BLOCK_SIZE=16, DOT_FP32=False,
+           FP32_PRECISION="tf32x3", PDL=True, EARLY_META=True, ROPE=False, QK_NORM=False,
+           SKIP_LONG=False, GROUP=4, GROUP_P2=4, BLOCK_Q=4, BLOCK_M=16, BLOCK_N=64,
+           USE_SPLITS=True, ZERO_PAD=False, FLAT=False, REQ_BLOCK=256, ONE_TOKEN=0,
+           SLIDING=False, CAP=0.0, SINKS=False, sinks_ptr=None),
+      num_warps=4, num_stages=2)
+build(pa._combine_splits_kernel, {"part_m_ptr": f32, "part_l_ptr": f32, "part_acc_ptr": f32,
+                                  "out_ptr": bf, "qsl_ptr": i32},
+      dict(SPLITS_P2=32, HEAD_DIM=96, HEAD_DIM_P2=128, PDL=True), num_warps=4)
 """
 
 
@@ -102,4 +116,4 @@ def test_decode_kernels_compile_for_sm90_without_repeated_math(tmp_path: Path) -
     from sm90 import compile_for_sm90
 
     built = compile_for_sm90(_DECODE_SCRIPT, tmp_path)
-    assert sum(len(v) for v in built.values()) == 12, built
+    assert sum(len(v) for v in built.values()) == 14, built

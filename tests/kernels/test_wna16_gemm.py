@@ -229,7 +229,8 @@ attn = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "out_ptr": bf, "part_m_ptr": f32,
 # a local, soft-capped layer with sinks: the prefill tiles and the split decode ones
 for bm, bn, splits, warps in ((128, 32, False, 8), (16, 64, True, 2)):
     build(pa._paged_attn_kernel, attn,
-          dict(HEAD_DIM=128, KV_BLOCK_SIZE=16, DOT_FP32=False, FP32_PRECISION="tf32x3",
+          dict(HEAD_DIM=128, HEAD_DIM_P2=128, KV_BLOCK_SIZE=16, DOT_FP32=False,
+               FP32_PRECISION="tf32x3",
                PDL=True, EARLY_META=False, ROPE=splits, QK_NORM=splits, SKIP_LONG=False,
                GROUP=4, GROUP_P2=4, BLOCK_Q=bm // 4, BLOCK_M=bm, BLOCK_N=bn,
                USE_SPLITS=splits, ZERO_PAD=not splits, FLAT=not splits, REQ_BLOCK=256,
