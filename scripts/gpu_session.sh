@@ -8,6 +8,7 @@
 # gcgen0 (MRV2_GC_GEN0_THRESHOLD=20000 against Python's own, 256 streams through mrv2 serve),
 # longdecode (scripts/sweep_long_decode.py: decode attention's launch options at long contexts),
 # verify51 (the LayerNorm kernel's tests, the session's new families' GPU tests, 0.6B batch-1 TPOT),
+# verify51b (the kernel tests of the LayerNorm and padded heads on CUDA, then what verify51 left),
 # quick49 (the default prefill grid on 8B heads, packed integer reloads; ~2 min), targets49 (issue 16's targets, cheapest first, within VERIFY_S), verify49 (packed integer weights reloaded under graphs, gpt-oss's MXFP4 test, then scripts/kernel_audit.py:
 # every Triton variant a workload compiled, flagged for spills and register cliffs),
 # verify48b (the eight-warp prefill register cap), verify48 (the flat grid's per-step order and max_model_len auto on CUDA),
@@ -879,6 +880,21 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
               [ "$(left 60)" -ge 50 ] && { timeout "$(left 60)" python3 -m mrv2.entrypoints.cli bench latency \
                 --model Qwen3-0.6B --batch-sizes 1 --new-tokens 128 --json "$OUT/latency_06b.json" \
                 > "$OUT/latency_06b.log" 2>&1; grep -E "tpot_ms" "$OUT/latency_06b.log" | head -1; } ;;
+    verify51b) # after verify51, within VERIFY_S seconds (default 330), most wanted first: the
+               # LayerNorm and padded-head attention kernel tests on CUDA, the padded-head GPT-NeoX /
+               # StableLM GPU cases, GLM-4.1V / 4.5V's GPU tests, the paged-attention kernel tests,
+               # LFM2-MoE's no-sync test, SmolVLM's bf16 test
+               end=$(( $(date +%s) + ${VERIFY_S:-330} ))
+               left() { local l=$(( end - $(date +%s) )); [ "$l" -lt "$1" ] && echo $(( l > 1 ? l : 1 )) || echo "$1"; }
+               run() { local name=$1 cap=$2; shift 2; [ "$(left 20)" -lt 15 ] && { echo "$name: no time left"; return; }
+                 timeout "$(left "$cap")" python3 -m pytest -v -p no:cacheprovider "$@" 2>&1 | tee "$OUT/$name.log" \
+                   | grep -E "^FAILED|^ERROR| passed| failed" | tail -4 | sed "s/^/$name: /"; }
+               run kernels_ln_heads 90 tests/kernels/test_layer_norm.py tests/kernels/test_paged_attention_head_dims.py
+               run gpu_neox_padded 80 -m gpu tests/gpu/test_gpu_neox.py -k "2.8b or 160"
+               run gpu_glm4v 100 -m gpu tests/gpu/test_gpu_glm4v.py
+               run kernels_paged 60 tests/kernels/test_paged_attention.py
+               run gpu_lfm2_moe_sync 40 -m gpu tests/gpu/test_gpu_lfm2.py -k "synchronize and moe"
+               run gpu_smolvlm 60 -m gpu tests/gpu/test_gpu_idefics3.py -k "bf16 and smolvlm" ;;
     quick49) # what ~2 minutes of a fresh machine can show: the default prefill grid on 8B heads
              # (4 x 1,024 causal: now the (tile, request) grid), then packed integer reloads
              timeout 75 python3 -m mrv2_kernels.bench_attention --no-decode --layouts 8B \
