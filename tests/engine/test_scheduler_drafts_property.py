@@ -224,6 +224,19 @@ def run(case: Case) -> Stats:
     return stats
 
 
+def random_step(rng: random.Random) -> Step:
+    """Up to two arrivals (a prefix of :data:`BASE` and up to six tokens of 1-3, 1-12 tokens
+    to generate) and, one step in eight, an abort. (Drawn from a seed rather than by
+    Hypothesis token by token: Hypothesis' draws of every step's lists cost more than serving
+    the workload, and the examples' count is what finds the scheduler's rare interleavings.)"""
+    arrivals = []
+    for _ in range(rng.randint(0, 2)):
+        tail = [rng.randint(1, 3) for _ in range(rng.randint(0, 6))]
+        arrivals.append((BASE[:rng.randint(0, len(BASE))] + tail or [1], rng.randint(1, 12)))
+    abort = rng.randint(0, 31)
+    return Step(arrivals, abort if abort < 4 else None)
+
+
 @st.composite
 def cases(draw: st.DrawFn) -> Case:
     """A model's block tables, a scheduler with drafts, an acceptance rate and a workload."""
@@ -231,11 +244,8 @@ def cases(draw: st.DrawFn) -> Case:
     window: int = draw(st.integers(1, 17), label="window")
     if draw(st.booleans(), label="chunked"):
         window = AttentionChunk(window)
-    prompts = st.builds(lambda prefix, tail: BASE[:prefix] + tail or [1],
-                        st.integers(0, len(BASE)), st.lists(st.integers(1, 3), max_size=6))
-    arrivals = st.lists(st.tuples(prompts, st.integers(1, 12)), max_size=2)
     num_steps = draw(st.integers(1, 30), label="steps")
-    aborts = st.integers(0, 31).map(lambda i: i if i < 4 else None)  # one step in eight
+    workload = random.Random(draw(st.integers(0, 2**32 - 1), label="workload"))
     return Case(
         block_size=draw(st.sampled_from([1, 2, 4]), label="block_size"),
         num_blocks=draw(st.integers(6, 80), label="num_blocks"),
@@ -251,8 +261,7 @@ def cases(draw: st.DrawFn) -> Case:
                                       (None, window, window)]), label="tables"),
         p_accept=draw(st.floats(0, 1), label="p_accept"),
         seed=draw(st.integers(0, 2**16), label="seed"),
-        steps=draw(st.lists(st.builds(Step, arrivals, aborts), min_size=num_steps,
-                            max_size=num_steps)),
+        steps=[random_step(workload) for _ in range(num_steps)],
     )
 
 
