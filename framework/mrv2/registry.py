@@ -55,6 +55,7 @@ KNOWN_PACKAGES: dict[str, str] = {
     "Gemma4ForConditionalGeneration": "mrv2-plugin-gemma",
     "Mistral3ForConditionalGeneration": "mrv2-plugin-mistral3",
     "InternVLForConditionalGeneration": "mrv2-plugin-internvl",
+    "PhiForCausalLM": "mrv2-plugin-phi",
     "Phi3ForCausalLM": "mrv2-plugin-phi",
     "PhiMoEForCausalLM": "mrv2-plugin-phi",
     "PhimoeForCausalLM": "mrv2-plugin-phi",

@@ -1,10 +1,12 @@
-"""GPU: GPT-NeoX and StableLM through the engine on the Triton kernels, at published head
+"""GPU: GPT-NeoX, StableLM and phi-2 through the engine on the Triton kernels, at published head
 sizes (128; Pythia-2.8B's 80 and StableLM-2-12B's 160, which the paged attention pads to 128
 and 256 and masks): a Pythia-shaped ``GPTNeoXForCausalLM`` (parallel blocks, LayerNorms with biases,
 the fused per-head q/k/v split as it loads, a quarter of each head rotated by the RoPE kernel
 before attention, a biased gelu MLP, an untied head) and a StableLM-2-12B-shaped
 ``StableLmForCausalLM`` (per-head q/k LayerNorms, q/k/v biases, GQA, the parallel block off
-the input norm, a SwiGLU MLP). fp32 greedy tokens are HF's with CUDA graphs (decode and mixed
+the input norm, a SwiGLU MLP), and a phi-2-shaped ``PhiForCausalLM`` (head_dim 80, 32 dims
+rotated, the parallel block off one biased LayerNorm, biased projections, a gelu_new MLP, a
+biased untied head). fp32 greedy tokens are HF's with CUDA graphs (decode and mixed
 steps) and without, prompts split across steps, in a small KV pool (requests preempted); bf16
 graphs on and off agree and start with HF's tokens; a step never synchronizes.
 
@@ -42,6 +44,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "stablelm-12b-160": ("StableLmForCausalLM", {**SHAPE, "hidden_size": 640,
                                                  "qk_layernorm": True, "use_qkv_bias": True,
                                                  "use_parallel_residual": True}),
+    # phi-2's head size 80 (partial_rotary_factor 0.4: 32 rotated dims)
+    "phi-2": ("PhiForCausalLM", {**SHAPE, "hidden_size": 320, "num_key_value_heads": 4,
+                                 "partial_rotary_factor": 0.4, "hidden_act": "gelu_new"}),
 }
 #: A small KV pool: the longest request (137 tokens, 9 blocks) fits, not all four at once.
 PREEMPTING_BLOCKS = 12
