@@ -1,14 +1,16 @@
-"""GPU: GPT-NeoX, StableLM and phi-2 through the engine on the Triton kernels, at published head
-sizes (128; Pythia-2.8B's 80 and StableLM-2-12B's 160, which the paged attention pads to 128
-and 256 and masks): a Pythia-shaped ``GPTNeoXForCausalLM`` (parallel blocks, LayerNorms with biases,
-the fused per-head q/k/v split as it loads, a quarter of each head rotated by the RoPE kernel
-before attention, a biased gelu MLP, an untied head) and a StableLM-2-12B-shaped
-``StableLmForCausalLM`` (per-head q/k LayerNorms, q/k/v biases, GQA, the parallel block off
-the input norm, a SwiGLU MLP), and a phi-2-shaped ``PhiForCausalLM`` (head_dim 80, 32 dims
-rotated, the parallel block off one biased LayerNorm, biased projections, a gelu_new MLP, a
-biased untied head). fp32 greedy tokens are HF's with CUDA graphs (decode and mixed
-steps) and without, prompts split across steps, in a small KV pool (requests preempted); bf16
-graphs on and off agree and start with HF's tokens; a step never synchronizes.
+"""GPU: GPT-NeoX, StableLM, GPT-J and phi-2 through the engine on the Triton kernels, at
+published head sizes (128; Pythia-2.8B's 80 and StableLM-2-12B's 160, which the paged attention
+pads to 128 and 256 and masks): a Pythia-shaped ``GPTNeoXForCausalLM`` (parallel blocks,
+LayerNorms with biases, the fused per-head q/k/v split as it loads, a quarter of each head
+rotated by the RoPE kernel before attention, a biased gelu MLP, an untied head), a
+StableLM-2-12B-shaped ``StableLmForCausalLM`` (per-head q/k LayerNorms, q/k/v biases, GQA, the
+parallel block off the input norm, a SwiGLU MLP), a GPT-J-6B-shaped ``GPTJForCausalLM`` (a
+quarter of each head rotated in interleaved pairs, its q/k rows reordered as they load; a
+biased head) and a phi-2-shaped ``PhiForCausalLM`` (head_dim 80, 32 dims rotated, the parallel
+block off one biased LayerNorm, biased projections, a gelu_new MLP, a biased untied head). fp32
+greedy tokens are HF's with CUDA graphs (decode and mixed steps) and without, prompts split
+across steps, in a small KV pool (requests preempted); bf16 graphs on and off agree and start
+with HF's tokens; a step never synchronizes.
 
 Run on a CUDA machine with ``MRV2_TEST_GPU=1 python -m pytest -m gpu``.
 """
@@ -37,6 +39,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "stablelm-12b": ("StableLmForCausalLM", {**SHAPE, "qk_layernorm": True,
                                              "use_qkv_bias": True,
                                              "use_parallel_residual": True}),
+    # GPT-J-6B's quarter of each head (64 of 256) rotated in interleaved pairs: 32 of 128
+    "gptj": ("GPTJForCausalLM", {**SHAPE, "num_key_value_heads": 4, "rotary_dim": 32}),
     # head sizes that are not powers of two: Pythia-2.8B's 80 (20 rotated dims), StableLM-2-12B's
     # own 160 (GQA, per-head q/k LayerNorms over 160)
     "pythia-2.8b": ("GPTNeoXForCausalLM", {**SHAPE, "hidden_size": 320,

@@ -447,16 +447,19 @@ def qk_rows_to_halves(qkv: Any, rows: torch.Tensor, rotary_dim: int | None = Non
 
 
 def qk_tensor_to_halves(name: str, what: str, t: torch.Tensor, rows: int, head_dim: int,
-                        family: str) -> torch.Tensor:
+                        family: str, *, rotary_dim: int | None = None, leading: bool = False
+                        ) -> torch.Tensor:
     """A q or k projection's checkpoint tensor (``name``; ``what``: its last part, ``weight``,
     ``bias``, ``weight_scale``...) of a family whose RoPE rotates interleaved pairs, with each
-    head's rows in the halves order (:func:`rope_heads_to_halves`; ``rows``: the whole
-    projection's output rows): the weight, the bias and per-row scales permuted; a per-tensor
-    scale, and block scales whose blocks hold whole heads, kept as they are. Any other layout
-    (GPTQ's / AWQ's packed integers) is a ValueError naming the tensor and ``family``."""
+    head's rows in the halves order (:func:`rope_heads_to_halves`, ``rotary_dim`` and
+    ``leading`` passed on: a partial rotation of each head's first dims is GPT-J's; ``rows``:
+    the whole projection's output rows): the weight, the bias and per-row scales permuted; a
+    per-tensor scale, and block scales whose blocks hold whole heads, kept as they are. Any
+    other layout (GPTQ's / AWQ's packed integers) is a ValueError naming the tensor and
+    ``family``."""
     if what in ("weight", "bias", "weight_scale", "weight_scale_inv") and (
             t.dim() >= 1 and t.shape[0] == rows):
-        return rope_heads_to_halves(t, head_dim)
+        return rope_heads_to_halves(t, head_dim, rotary_dim, leading)
     if what.endswith("scale") and t.numel() == 1 or (
             what == "weight_scale_inv" and t.dim() == 2 and -(-rows // t.shape[0]) % head_dim == 0):
         return t  # (no row leaves its block)

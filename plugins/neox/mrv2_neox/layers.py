@@ -1,12 +1,12 @@
-"""The pieces GPT-NeoX and StableLM share: StableLM's per-head q/k LayerNorms, GPT-NeoX's
-plain (ungated) MLP and the block of both, parallel or sequential, on the core's
-:class:`~mrv2.layers.LayerNorm` (weight and bias; one kernel with the residual add before it).
+"""The pieces GPT-NeoX, StableLM and GPT-J share: StableLM's per-head q/k LayerNorms and the
+block of all three, parallel or sequential, on the core's :class:`~mrv2.layers.LayerNorm`
+(weight and bias; one kernel with the residual add before it).
 
 The core's fused decode kernels for RMSNorms (the norm + GEMV kernel, the per-head RMS q/k
 norm inside the RoPE kernel) do not apply: each LayerNorm runs before the projection after it.
-The rotation, partial in both families (the first ``rotary_dim`` dims of each head, halves
-layout), is the core's RoPE kernel, run before attention (the attention kernel rotates whole
-heads only).
+The rotation, partial in all three (the first ``rotary_dim`` dims of each head, halves
+layout; GPT-J's q/k rows reordered to it as they load), is the core's RoPE kernel, run before
+attention (the attention kernel rotates whole heads only).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class QKNormAttention(SelfAttention):
 
 
 class NeoXLayer(nn.Module):
-    """A GPT-NeoX / StableLM block (HF's names: ``input_layernorm``, ``self_attn``,
+    """A GPT-NeoX / StableLM / GPT-J block (HF's names: ``input_layernorm``, ``self_attn``,
     ``post_attention_layernorm``, ``mlp``), ``forward(positions, hidden, residual)`` ->
     ``(hidden, residual)`` whose sum is the layer's output (the core's convention; the next
     layer or the final norm adds them), with ``x = hidden + residual``:
@@ -92,8 +92,9 @@ class NeoXLayer(nn.Module):
     - sequential (``parallel=False``): ``y = x + attn(ln1(x))``, then ``y + mlp(ln2(y))``;
     - parallel: ``x + attn(ln1(x)) + mlp(n)`` with ``n = ln2(x)`` (GPT-NeoX's
       ``use_parallel_residual``: its own norm) or, without ``post_attention_layernorm``
-      (``mlp_norm=False``: StableLM's), ``n = ln1(x)``. The sum in HF's order: GPT-NeoX's
-      ``(mlp + attn) + x``, StableLM's ``(x + attn) + mlp`` (``mlp_first``).
+      (``mlp_norm=False``: StableLM's, GPT-J's), ``n = ln1(x)``. The sum in HF's order:
+      GPT-NeoX's and GPT-J's ``(mlp + attn) + x`` (``mlp_first``), StableLM's
+      ``(x + attn) + mlp``.
     """
 
     def __init__(self, hidden_size: int, eps: float, self_attn: SelfAttention, mlp: nn.Module,

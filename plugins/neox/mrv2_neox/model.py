@@ -72,10 +72,12 @@ _HEAD_NORM = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qk])_layernorm\.no
                         r"\.weight$")
 
 
-def _shape(config: PretrainedConfig, kv_heads: int | None = None) -> SimpleNamespace:
+def config_shape(config: PretrainedConfig, kv_heads: int | None = None,
+                 eps_field: str = "layer_norm_eps") -> SimpleNamespace:
     """What the core's decoder and attention read of ``config``: the head size as HF's
     attention derives it (``hidden_size // num_attention_heads``), ``kv_heads`` key/value
-    heads (as many as query heads by default), the LayerNorms' eps."""
+    heads (as many as query heads by default), the LayerNorms' eps (``config.<eps_field>``:
+    GPT-J's is ``layer_norm_epsilon``)."""
     hidden, heads = int(config.hidden_size), int(config.num_attention_heads)
     arch = type(config).__name__
     if hidden % heads:
@@ -89,7 +91,7 @@ def _shape(config: PretrainedConfig, kv_heads: int | None = None) -> SimpleNames
         vocab_size=int(config.vocab_size), hidden_size=hidden,
         num_hidden_layers=int(config.num_hidden_layers), num_attention_heads=heads,
         num_key_value_heads=kv, head_dim=hidden // heads,
-        rms_norm_eps=float(config.layer_norm_eps))
+        rms_norm_eps=float(getattr(config, eps_field)))
 
 
 def _rope(config: PretrainedConfig, head_dim: int) -> RotaryEmbedding | None:
@@ -107,7 +109,7 @@ class GPTNeoXForCausalLM(CausalLM):
         entry for entry in STACKED_PARAMS if entry[0] == "qkv_proj")
 
     def __init__(self, config: PretrainedConfig) -> None:
-        shape = _shape(config)
+        shape = config_shape(config)
         rope = _rope(config, shape.head_dim)
         bias = bool(getattr(config, "attention_bias", True))
         parallel = bool(getattr(config, "use_parallel_residual", True))
@@ -179,7 +181,7 @@ class StableLmForCausalLM(CausalLM):
 
     def __init__(self, config: PretrainedConfig) -> None:
         heads = int(config.num_attention_heads)
-        shape = _shape(config, int(getattr(config, "num_key_value_heads", None) or heads))
+        shape = config_shape(config, int(getattr(config, "num_key_value_heads", None) or heads))
         rope = _rope(config, shape.head_dim)
         qkv_bias = bool(getattr(config, "use_qkv_bias", False))
         qk_norm = bool(getattr(config, "qk_layernorm", False))

@@ -1,9 +1,11 @@
-"""GPT-NeoX (``GPTNeoXForCausalLM``) and StableLM (``StableLmForCausalLM``) against HF
-transformers on tiny random checkpoints saved with ``save_pretrained``: prefill and decode
-logits through the paged cache (LayerNorms with biases, partial RoPE over each head's first
-dims, parallel and sequential blocks, GPT-NeoX's fused per-head q/k/v split as it loads and its
-ungated biased MLP, StableLM's q/k/v biases, per-head q/k LayerNorms and GQA, tied and untied
-heads), the same on the Triton kernels (interpreted), greedy tokens and prompt
+"""GPT-NeoX (``GPTNeoXForCausalLM``), StableLM (``StableLmForCausalLM``) and GPT-J
+(``GPTJForCausalLM``) against HF transformers on tiny random checkpoints saved with
+``save_pretrained``: prefill and decode logits through the paged cache (LayerNorms with biases,
+partial RoPE over each head's first dims, parallel and sequential blocks, GPT-NeoX's fused
+per-head q/k/v split as it loads and its ungated biased MLP, StableLM's q/k/v biases, per-head
+q/k LayerNorms and GQA, GPT-J's interleaved partial RoPE (q/k rows reordered as they load) and
+biased head, tied and untied heads), the same on the Triton kernels (interpreted), greedy
+tokens and prompt
 log-probabilities through the engine with prompts split over steps, tensor parallelism (each
 rank's heads of the fused q/k/v and of the q/k norms), and the loader's refusals."""
 
@@ -22,10 +24,11 @@ from mrv2.model_loader import iter_safetensors, load_model_weights
 from mrv2.testing import check_steps_against_hf, hf_greedy, make_tiny_checkpoint, poisoned_caches
 from mrv2.testing_checkpoints import make_lora_adapter, merge_lora_checkpoint
 from mrv2.testing_engine import check_prompt_logprobs
+from mrv2_neox.gptj import GPTJForCausalLM
 from mrv2_neox.layers import HeadLayerNorm
 from mrv2_neox.model import GPTNeoXForCausalLM, StableLmForCausalLM
 
-NEOX, STABLELM = "GPTNeoXForCausalLM", "StableLmForCausalLM"
+NEOX, STABLELM, GPTJ = "GPTNeoXForCausalLM", "StableLmForCausalLM", "GPTJForCausalLM"
 CASES: dict[str, tuple[str, type[Any], dict[str, Any]]] = {
     # Pythia: parallel residual, rotary_pct 0.25 (4 of 16 dims), gelu, untied embed_out;
     # TINY's num_key_value_heads (2) is not GPT-NeoX's: HF and mrv2 ignore it
@@ -41,7 +44,13 @@ CASES: dict[str, tuple[str, type[Any], dict[str, Any]]] = {
         "qk_layernorm": True, "use_qkv_bias": True, "use_parallel_residual": True}),
     # StableLM-2-1.6B: q/k/v biases, sequential blocks, partial_rotary_factor 0.25
     "stablelm-2": (STABLELM, StableLmForCausalLM, {"use_qkv_bias": True}),
+    # GPT-J: the parallel block off ln_1, 6 of 16 dims rotated in interleaved pairs, gelu_new
+    # MLP n_inner wide (TINY's intermediate_size is not GPT-J's: HF and mrv2 ignore it), the
+    # biased untied lm_head
+    "gptj": (GPTJ, GPTJForCausalLM, {"rotary_dim": 6, "n_inner": 96}),
 }
+#: The dims of each 16-wide head RoPE rotates, by case.
+ROTARY = {"neox-sequential": 8, "gptj": 6}
 PROMPTS = [[5, 17, 42, 9, 100, 3, 77, 8, 8, 250], [3 + i for i in range(9)] + [40], [64]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -72,24 +81,25 @@ def test_logits_match_hf(tmp_path: Path, case: str) -> None:
     model, config = _load(path, case)
     layers = list(model.model.layers)
     attention = [layer.self_attn for layer in layers]
-    rotary = 8 if case == "neox-sequential" else 4  # of head_dim 16
+    rotary = ROTARY.get(case, 4)  # of head_dim 16
     assert all(a.rotary_emb.rotary_dim == rotary and a.head_dim == 16 for a in attention)
-    kv_heads = 4 if CASES[case][0] == NEOX else 2
+    kv_heads = 2 if CASES[case][0] == STABLELM else 4
     assert all(a.qkv_proj.num_kv_heads == kv_heads for a in attention)
     assert all(isinstance(a.q_layernorm, HeadLayerNorm) == (case == "stablelm-12b")
                for a in attention if hasattr(a, "q_layernorm")) and (
         hasattr(attention[0], "q_layernorm") == (case == "stablelm-12b"))
     assert isinstance(model.model.norm, LayerNorm)
-    assert all(layer.parallel == (case in ("pythia", "stablelm-12b")) for layer in layers)
-    # StableLM's parallel block has no post-attention norm
-    assert all((layer.post_attention_layernorm is None) == (case == "stablelm-12b")
+    assert all(layer.parallel == (case in ("pythia", "stablelm-12b", "gptj"))
+               for layer in layers)
+    # StableLM's and GPT-J's parallel blocks have no post-attention norm
+    assert all((layer.post_attention_layernorm is None) == (case in ("stablelm-12b", "gptj"))
                for layer in layers)
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     assert tied == (case == "neox-sequential")
     _check_steps(path, model, config)
 
 
-@pytest.mark.parametrize("case", ["pythia", "stablelm-12b"])
+@pytest.mark.parametrize("case", ["pythia", "stablelm-12b", "gptj"])
 def test_logits_match_hf_on_the_triton_kernels(tmp_path: Path, case: str,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The same steps on the GPU's kernels, interpreted (``MRV2_KERNELS=triton``; the Triton

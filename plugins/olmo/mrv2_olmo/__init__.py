@@ -1,5 +1,5 @@
-"""mrv2 model plugin for OLMo 2, OLMo 3 and OLMoE. Exports resolve lazily: importing this is
-cheap."""
+"""mrv2 model plugin for OLMo 1, OLMo 2, OLMo 3 and OLMoE. Exports resolve lazily: importing
+this is cheap."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mrv2_olmo.model import Olmo2ForCausalLM, Olmo3ForCausalLM
+    from mrv2_olmo.model import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoForCausalLM
     from mrv2_olmo.olmoe import OlmoeForCausalLM
 
-__all__ = ["Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM"]
+__all__ = ["Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoForCausalLM", "OlmoeForCausalLM"]
 
-_MODULES = {"Olmo2ForCausalLM": "mrv2_olmo.model", "Olmo3ForCausalLM": "mrv2_olmo.model",
-            "OlmoeForCausalLM": "mrv2_olmo.olmoe"}
+_MODULES = {"OlmoForCausalLM": "mrv2_olmo.model", "Olmo2ForCausalLM": "mrv2_olmo.model",
+            "Olmo3ForCausalLM": "mrv2_olmo.model", "OlmoeForCausalLM": "mrv2_olmo.olmoe"}
 
 
 def __getattr__(name: str) -> Any:

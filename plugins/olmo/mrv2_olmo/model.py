@@ -1,8 +1,17 @@
-"""OLMo 2 (``Olmo2ForCausalLM``) and OLMo 3 (``Olmo3ForCausalLM``): post-norm decoders. Each
-block's output is normalized before it joins the residual stream (``post_attention_layernorm``,
-``post_feedforward_layernorm``; there are no pre-norms), and the query and key projections are
-RMS-normalized over all their heads at once (``q_norm`` over ``num_heads * head_dim``
-features, not per head) before RoPE.
+"""OLMo 1 (``OlmoForCausalLM``), OLMo 2 (``Olmo2ForCausalLM``) and OLMo 3
+(``Olmo3ForCausalLM``).
+
+OLMo 1 (OLMo-1B / 7B, OLMo-7B-0424 / 0724): Llama's pre-norm layers whose norms have no
+parameters at all (HF's ``OlmoLayerNorm``: a LayerNorm without weight or bias, eps 1e-5, the
+final norm too; the core's :class:`~mrv2.layers.LayerNorm` with ``affine=False``), a SwiGLU
+MLP, RoPE over whole heads, q/k/v/o biases per ``attention_bias``; ``clip_qkv`` (0424 / 0724:
+8): the q, k and v projections' outputs each clamped to ``[-clip_qkv, clip_qkv]`` before the
+rotation (:class:`ClippedAttention`). The head is tied or not per ``tie_word_embeddings``.
+
+OLMo 2 and OLMo 3 are post-norm decoders. Each block's output is normalized before it joins
+the residual stream (``post_attention_layernorm``, ``post_feedforward_layernorm``; there are
+no pre-norms), and the query and key projections are RMS-normalized over all their heads at
+once (``q_norm`` over ``num_heads * head_dim`` features, not per head) before RoPE.
 
 OLMo 3 adds local layers: ``config.layer_types`` marks most layers ``sliding_attention`` (a
 query sees its last ``sliding_window`` keys, its own included: the core's
@@ -18,12 +27,17 @@ each rank normalizes its heads by the mean square all-reduced over every rank's
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from mrv2.layers import (
     CausalLM,
+    DecoderLayer,
     DecoderModel,
     GatedMLP,
+    LayerNorm,
     PostNormDecoderLayer,
     RotaryEmbedding,
     SelfAttention,
@@ -38,6 +52,55 @@ if TYPE_CHECKING:
 
 #: The layer types OLMo 3's ``config.layer_types`` may hold.
 LAYER_TYPES = ("sliding_attention", "full_attention")
+#: OLMo 1's parameter-free LayerNorms' eps (HF's ``OlmoLayerNorm``: fixed, not a config field).
+OLMO_NORM_EPS = 1e-5
+
+
+class ClippedAttention(SelfAttention):
+    """:class:`~mrv2.layers.SelfAttention` whose q, k and v projections' outputs are clamped
+    to ``[-clip, clip]`` (OLMo 1's ``clip_qkv``; HF clamps each of the three, the same as the
+    fused output at once) before RoPE; ``clip`` None: no clamp."""
+
+    def __init__(self, config: Any, layer_idx: int, rope: RotaryEmbedding | None, *,
+                 clip: float | None, qkv_bias: bool = False, o_bias: bool = False) -> None:
+        super().__init__(config, layer_idx, rope, qkv_bias=qkv_bias, o_bias=o_bias)
+        self.clip = clip
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        if self.clip is not None:
+            qkv = qkv.clamp(-self.clip, self.clip)
+        return super().attend(positions, qkv)
+
+    def extra_repr(self) -> str:
+        return f"clip_qkv={self.clip}"
+
+
+class OlmoForCausalLM(CausalLM):
+    """OLMo 1 in the mrv2 model contract (module docstring)."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        clip_qkv = getattr(config, "clip_qkv", None)
+        clip = None if clip_qkv is None else float(clip_qkv)
+        rope = get_rope(config, head_dim_of(config))
+        bias = bool(getattr(config, "attention_bias", False))
+        hidden = int(config.hidden_size)
+        # (what the core's layer and decoder read; the norms they build are replaced)
+        shape = SimpleNamespace(vocab_size=config.vocab_size, hidden_size=hidden,
+                                num_hidden_layers=config.num_hidden_layers,
+                                rms_norm_eps=OLMO_NORM_EPS)
+
+        def layer(i: int) -> DecoderLayer:
+            attention = ClippedAttention(config, i, rope, clip=clip, qkv_bias=bias,
+                                         o_bias=bias)
+            mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_act)
+            block = DecoderLayer(shape, attention, mlp)
+            block.input_layernorm = LayerNorm(hidden, OLMO_NORM_EPS, affine=False)
+            block.post_attention_layernorm = LayerNorm(hidden, OLMO_NORM_EPS, affine=False)
+            return block
+
+        model = DecoderModel(shape, layer)
+        model.norm = LayerNorm(hidden, OLMO_NORM_EPS, affine=False)
+        super().__init__(config, model)
 
 
 class Olmo2ForCausalLM(CausalLM):

@@ -1,6 +1,7 @@
-"""Olmo3ForCausalLM and OlmoeForCausalLM against HF transformers on tiny random checkpoints:
-every logit of a prefill and a decode step through the paged cache, and greedy tokens through
-the engine (chunked prefill, prompts and outputs past OLMo 3's window)."""
+"""OlmoForCausalLM, Olmo3ForCausalLM and OlmoeForCausalLM against HF transformers on tiny
+random checkpoints: every logit of a prefill and a decode step through the paged cache, greedy
+tokens and the prompt's log-probabilities through the engine (chunked prefill, prompts and
+outputs past OLMo 3's window)."""
 
 from __future__ import annotations
 
@@ -21,11 +22,17 @@ from mrv2.testing import (
     make_tiny_checkpoint,
     poisoned_caches,
 )
+from mrv2.testing_engine import check_prompt_logprobs
 
 PROMPTS = [[5, 17, 42, 9, 100, 3, 77, 8, 8, 250, 11], [3 + i for i in range(13)], [64]]
 
 #: ``{name: (architecture, make_tiny_checkpoint overrides, each layer's window)}``.
 FAMILIES: dict[str, tuple[str, dict[str, Any], list[int | None]]] = {
+    # OLMo 1: parameter-free LayerNorms, a tied head (OLMo-1B's)
+    "olmo": ("OlmoForCausalLM", {"tie_word_embeddings": True}, [None, None]),
+    # OLMo-7B-0424's clip_qkv (8 there), 1 here: q, k and v are ~1.2 in scale at std 0.15,
+    # so many entries are clamped; an untied head
+    "olmo-clip_qkv": ("OlmoForCausalLM", {"clip_qkv": 1.0}, [None, None]),
     # a local layer (window 4, shorter than the prompts) with plain RoPE, then a global one
     # with its own base and YaRN: each layer type's rope_parameters entry
     "olmo3": ("Olmo3ForCausalLM", {
@@ -56,10 +63,14 @@ def test_logits_and_greedy_tokens_match_hf(tmp_path: Path, family: str) -> None:
     check_steps_against_hf(model, hf, caches, (11, 3, 13), vocab=config.vocab_size,
                            max_len=16)
 
-    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=8)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(path, p, 8) for p in PROMPTS]
+    with LLM(str(path), device="cpu", dtype="float32", block_size=4,
+             max_num_batched_tokens=8) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(path, p, 8) for p in PROMPTS]
+        with torch.no_grad():
+            logits = hf(torch.tensor([PROMPTS[1]])).logits[0]
+        check_prompt_logprobs(llm, {"prompt_token_ids": PROMPTS[1]}, PROMPTS[1], logits)
 
 
 
