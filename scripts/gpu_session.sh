@@ -890,7 +890,7 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                  timeout "$(left "$cap")" python3 -m pytest -v -p no:cacheprovider "$@" 2>&1 | tee "$OUT/$name.log" \
                    | grep -E "^FAILED|^ERROR| passed| failed" | tail -4 | sed "s/^/$name: /"; }
                run kernels_ln_heads 90 tests/kernels/test_layer_norm.py tests/kernels/test_paged_attention_head_dims.py
-               run gpu_neox_padded 80 -m gpu tests/gpu/test_gpu_neox.py -k "2.8b or 160"
+               run gpu_neox_new 100 -m gpu tests/gpu/test_gpu_neox.py -k "2.8b or 160 or gptj or phi"
                run gpu_glm4v 100 -m gpu tests/gpu/test_gpu_glm4v.py
                run kernels_paged 60 tests/kernels/test_paged_attention.py
                run gpu_lfm2_moe_sync 40 -m gpu tests/gpu/test_gpu_lfm2.py -k "synchronize and moe"
