@@ -446,4 +446,9 @@ class DistributedRunner(Runner):
             except subprocess.TimeoutExpired:
                 worker.proc.kill()
                 worker.proc.wait(5.0)
+            if (worker.proc.returncode or 0) > 0:  # a rank that failed leaving says why
+                with contextlib.suppress(OSError, ValueError):
+                    logger.warning("tensor-parallel worker rank %d left with exit code %d: %s",
+                                   worker.rank, worker.proc.returncode,
+                                   worker.errors.read().strip() or "(no error text)")
             worker.errors.close()
