@@ -2,7 +2,8 @@
 shared expert) through the engine on the Triton state kernels: fp32 greedy tokens are HF's with
 CUDA graphs (decode and mixed steps) and without, prompts split across steps and requests
 preempted, and with n-gram speculation (rejected drafts leave no trace in the state); bf16
-graphs on and off agree and start with HF's tokens; a step never synchronizes.
+graphs on and off agree and start with HF's tokens; a step never synchronizes. Qwen3.5 (dense
+and MoE) in the graphs test too.
 
 Run on a CUDA machine with ``MRV2_TEST_GPU=1 python -m pytest -m gpu``.
 """
@@ -35,17 +36,33 @@ def _generate(path: Path, dtype: str, prompts: list[list[int]] = PROMPTS,
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_qwen3_next_with_graphs(tmp_path: Path) -> None:
+def _save(family: str, path: Path) -> None:
+    """The tiny checkpoint of ``family`` at :data:`ARCH`'s sizes (Qwen3.5's dense one without
+    the experts' fields)."""
+    from mrv2_qwen.testing import save_tiny_qwen3_5, save_tiny_qwen3_next
+
+    if family == "qwen3_next":
+        save_tiny_qwen3_next(path, **ARCH)
+        return
+    moe = family == "qwen3_5_moe"
+    arch = {k: v for k, v in ARCH.items() if moe or "expert" not in k}
+    if moe:
+        arch.pop("intermediate_size")
+    save_tiny_qwen3_5(path, moe=moe, **arch)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
+def test_qwen3_next_with_graphs(tmp_path: Path, family: str) -> None:
     """With a prompt of 130 tokens, past the chunked delta rule's threshold, the first step's
     prompts take the chunked kernels eagerly as in a mixed graph (whose padded token count is
     its query bound), so bf16 graphs and eager run the same kernels (a step of shorter prompts
-    would run token-serial eagerly: TF32 products against fp32 ones, another bf16 rounding)."""
+    would run token-serial eagerly: TF32 products against fp32 ones, another bf16 rounding).
+    Qwen3.5 (dense and MoE: its projections loaded by kind) alike."""
     from mrv2_kernels.chunk_delta_rule import CHUNKED_MIN_QUERY_LEN_DELTA
-    from mrv2_qwen.testing import save_tiny_qwen3_next
 
     prompts = [*PROMPTS, [1 + (11 * i + 3) % 120 for i in range(130)]]
     assert len(prompts[-1]) >= CHUNKED_MIN_QUERY_LEN_DELTA
-    save_tiny_qwen3_next(tmp_path, **ARCH)
+    _save(family, tmp_path)
     expected = [hf_greedy(tmp_path, p, 40) for p in prompts]
     assert _generate(tmp_path, "float32", prompts) == expected
     assert _generate(tmp_path, "float32", prompts, enforce_eager=True) == expected

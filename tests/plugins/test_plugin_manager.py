@@ -96,10 +96,12 @@ def test_every_bundled_architecture_has_its_install_hint() -> None:
 def test_every_bundled_multimodal_model_names_its_media_encoders() -> None:
     """A model that takes media (an input processor) names the submodules that run only on
     media items (``CausalLM.media_encoders``): the byte floor leaves them out of a text step's
-    bytes, and a name that is not one of the model's attributes would leave them in."""
+    bytes, and a name that is not one of the model's attributes would leave them in. A
+    processor that refuses all media (``InputProcessor.text_only``) has none to name."""
     manager = PluginManager(autoload=True, allow=None, block=[])
     media = {arch: entry for arch, entry in manager.registries.models.items()
-             if entry.input_processor is not None}
+             if entry.input_processor is not None
+             and not entry.load("input_processor").text_only}
     assert len(media) >= 10
     for arch, entry in media.items():
         model_cls = entry.load("model")

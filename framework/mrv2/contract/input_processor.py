@@ -16,7 +16,7 @@ import importlib.util
 import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -37,6 +37,10 @@ class InputProcessor:
     ordered by offset, each with a ``content_hash`` that names its content (prefix caching
     and encoder caches key on it).
     """
+
+    #: Whether :meth:`process` refuses every media item, whatever it is (a checkpoint whose
+    #: encoder is not supported yet: the model runs text only and has no media encoders).
+    text_only: ClassVar[bool] = False
 
     def __init__(self, model_dir: str, hf_config: Any, tokenizer: Any, config: EngineConfig
                  ) -> None:

@@ -7,11 +7,20 @@ from mrv2 import hookimpl
 
 @hookimpl
 def mrv2_register_models(register: Callable[..., None]) -> None:
-    """Qwen2/2.5, Qwen3 dense, Qwen2-MoE, Qwen3-MoE and Qwen3-Next models; they use the
-    core's default decoder-only ModelState (Qwen3-Next's per-request linear-attention state
-    included)."""
+    """Qwen2/2.5, Qwen3 dense, Qwen2-MoE, Qwen3-MoE, Qwen3-Next and Qwen3.5 (dense and MoE)
+    models; they use the core's default decoder-only ModelState (Qwen3-Next's and Qwen3.5's
+    per-request linear-attention state included). Qwen3.5's vision-language checkpoints
+    (``*ForConditionalGeneration``) serve text prompts: their input processor refuses
+    media (the vision tower is not yet supported)."""
     register("Qwen2ForCausalLM", "mrv2_qwen.model:Qwen2ForCausalLM")
     register("Qwen3ForCausalLM", "mrv2_qwen.model:Qwen3ForCausalLM")
     register("Qwen3MoeForCausalLM", "mrv2_qwen.qwen3_moe:Qwen3MoeForCausalLM")
     register("Qwen2MoeForCausalLM", "mrv2_qwen.qwen3_moe:Qwen2MoeForCausalLM")
     register("Qwen3NextForCausalLM", "mrv2_qwen.qwen3_next:Qwen3NextForCausalLM")
+    register("Qwen3_5ForCausalLM", "mrv2_qwen.qwen3_5:Qwen3_5ForCausalLM")
+    register("Qwen3_5MoeForCausalLM", "mrv2_qwen.qwen3_5:Qwen3_5MoeForCausalLM")
+    register("Qwen3_5ForConditionalGeneration", "mrv2_qwen.qwen3_5:Qwen3_5ForConditionalGeneration",
+             input_processor="mrv2_qwen.qwen3_5:Qwen3_5TextOnlyInputs")
+    register("Qwen3_5MoeForConditionalGeneration",
+             "mrv2_qwen.qwen3_5:Qwen3_5MoeForConditionalGeneration",
+             input_processor="mrv2_qwen.qwen3_5:Qwen3_5TextOnlyInputs")

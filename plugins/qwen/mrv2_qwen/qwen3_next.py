@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -183,8 +183,7 @@ class GatedDeltaNet(RequestStateLayer):
                              f"the experts' activation), got {config.hidden_act!r}")
         hidden = int(config.hidden_size)
         size = self.tp_size
-        self.in_proj_qkvz = ColumnLinear(hidden, (2 * self.key_dim + 2 * self.value_dim) * size)
-        self.in_proj_ba = ColumnLinear(hidden, 2 * self.num_v_heads * size)
+        self.build_in_projections(hidden)
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, self.kernel_size))
         self.conv_weight.weight_loader = self._load_conv  # type: ignore[attr-defined]
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
@@ -193,9 +192,16 @@ class GatedDeltaNet(RequestStateLayer):
             param.weight_loader = self._load_heads  # type: ignore[attr-defined]
         self.norm = GatedRMSNorm(self.head_v_dim, float(config.rms_norm_eps))
         self.out_proj = RowLinear(self.value_dim * size, hidden)
-        # After loading, both projections' rows are regrouped from per key head ([q, k, v, z]
-        # and [b, a] per group) to per kind ([q | k | v | z], [b | a]): the convolution reads
-        # q, k, v as one slice of the output and the gates come without a copy.
+
+    def build_in_projections(self, hidden: int) -> None:
+        """``in_proj_qkvz`` and ``in_proj_ba``, this rank's rows of every kind, which the
+        forward reads as ``[q | k | v | z]`` and ``[b | a]``. Qwen3-Next's checkpoints group
+        the rows per key head (``[q, k, v, z]`` and ``[b, a]`` per group): they are regrouped
+        by kind after loading (:meth:`process_weights_after_loading`), so the convolution
+        reads q, k, v as one slice of the output and the gates come without a copy."""
+        size = self.tp_size
+        self.in_proj_qkvz = ColumnLinear(hidden, (2 * self.key_dim + 2 * self.value_dim) * size)
+        self.in_proj_ba = ColumnLinear(hidden, 2 * self.num_v_heads * size)
         r = self.num_v_heads // self.num_k_heads
         group = [self.head_k_dim, self.head_k_dim, r * self.head_v_dim, r * self.head_v_dim]
         for linear, sizes in ((self.in_proj_qkvz, group), (self.in_proj_ba, [r, r])):
@@ -244,6 +250,11 @@ class GatedDeltaNet(RequestStateLayer):
                         linear.row_order(param.data)
             weight.rows_by_kind = True  # type: ignore[attr-defined]
 
+    def in_projections_by_kind(self) -> bool:
+        """Whether the input projections' rows are laid out by kind yet (here: regrouped
+        after loading)."""
+        return _rows_by_kind(self.in_proj_qkvz)
+
     def request_state_shapes(self) -> StateShapes:
         return {"conv": ((self.kernel_size - 1, self.conv_dim), None),
                 "recurrent": ((self.num_v_heads, self.head_k_dim, self.head_v_dim),
@@ -260,7 +271,7 @@ class GatedDeltaNet(RequestStateLayer):
         qsl, seq_lens, rows = md.query_start_loc[: n + 1], md.seq_lens[:n], ctx.state_rows[:n]
         t = x.shape[0]
         hk, hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
-        if not _rows_by_kind(self.in_proj_qkvz):
+        if not self.in_projections_by_kind():
             raise RuntimeError("GatedDeltaNet: the projections' rows are not regrouped yet "
                                "(process_weights_after_loading runs after loading)")
         proj = self.in_proj_qkvz(x)  # [q | k | v | z]
@@ -312,11 +323,14 @@ class GatedAttention(nn.Module):
 
 
 def qwen3_next_mlp(config: Any, layer_idx: int) -> nn.Module:
-    """The gated-shared-expert MoE on sparse layers, else a dense SwiGLU."""
-    if not is_sparse_layer(config, layer_idx):
+    """The gated-shared-expert MoE on sparse layers, else a dense SwiGLU. A config without
+    ``num_experts`` (Qwen3.5's dense one) is dense throughout; one without ``norm_topk_prob``
+    (Qwen3.5-MoE's, whose router always does) renormalizes the picked weights."""
+    if getattr(config, "num_experts", None) is None or not is_sparse_layer(config, layer_idx):
         return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
     router = SoftmaxTopKRouter(config.hidden_size, config.num_experts,
-                               config.num_experts_per_tok, bool(config.norm_topk_prob))
+                               config.num_experts_per_tok,
+                               bool(getattr(config, "norm_topk_prob", True)))
     experts = FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size)
     shared = None
     if shared_expert_size(config) > 0:
@@ -329,11 +343,11 @@ class Qwen3NextLayer(nn.Module):
     """One pre-norm layer: ``linear_attn`` or ``self_attn`` per its type, then the MLP."""
 
     def __init__(self, config: Any, layer_idx: int, kind: str, cache_idx: int,
-                 rope: RotaryEmbedding) -> None:
+                 rope: RotaryEmbedding, delta_net: type[GatedDeltaNet] | None = None) -> None:
         super().__init__()
         self.linear = kind == "linear_attention"
         if self.linear:
-            self.linear_attn = GatedDeltaNet(config)
+            self.linear_attn = (delta_net or GatedDeltaNet)(config)
         else:
             self.self_attn = GatedAttention(config, cache_idx, rope)
         self.mlp = qwen3_next_mlp(config, layer_idx)
@@ -359,12 +373,15 @@ class Qwen3NextLayer(nn.Module):
 class Qwen3NextForCausalLM(CausalLM):
     """Qwen3-Next in the mrv2 model contract (module docstring)."""
 
+    #: The linear-attention mixer (Qwen3.5's lays its projections out otherwise).
+    delta_net: ClassVar[type[GatedDeltaNet]] = GatedDeltaNet
+
     def __init__(self, config: PretrainedConfig) -> None:
         types = layer_types_of(config)
         rope = get_rope(config, head_dim_of(config))
         cache_idx = [types[:i].count("full_attention") for i in range(len(types))]
         super().__init__(config, DecoderModel(config, lambda i: Qwen3NextLayer(
-            config, i, types[i], cache_idx[i], rope)))
+            config, i, types[i], cache_idx[i], rope, type(self).delta_net)))
 
     def rename(self, name: str) -> str | None:
         if name.startswith(("mtp.", "model.mtp.")) or skip_absent_shared_expert(

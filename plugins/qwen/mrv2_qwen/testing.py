@@ -1,5 +1,6 @@
 """Tiny random Qwen3-Next checkpoints for the plugin's CPU tests and the GPU tests, with an MTP
-head (random, or one that drafts the last token repeated)."""
+head (random, or one that drafts the last token repeated); tiny Qwen3.5 ones (dense, MoE,
+vision-language)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,61 @@ def save_tiny_qwen3_next(path: str | Path, **overrides: Any) -> torch.nn.Module:
             if hasattr(layer, "linear_attn"):
                 layer.linear_attn.A_log.uniform_(0.0, 2.7)
                 layer.linear_attn.dt_bias.uniform_(-0.5, 0.5)
+    hf.save_pretrained(path)
+    return hf
+
+
+#: The MoE fields of :data:`TINY_QWEN3_NEXT` (Qwen3.5's dense config has none of them).
+_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+               "shared_expert_intermediate_size")
+#: A tiny Qwen3.5 text config: :data:`TINY_QWEN3_NEXT`'s sizes and layer types, its M-RoPE over
+#: half of each head (four frequencies in sections 2, 1, 1; interleaved as the published ones).
+TINY_QWEN3_5: dict[str, Any] = {
+    **{k: v for k, v in TINY_QWEN3_NEXT.items()
+       if k not in (*_MOE_FIELDS, "decoder_sparse_step", "mlp_only_layers")},
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                        "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
+                        "mrope_interleaved": True},
+}
+#: A one-block vision tower for the vision-language checkpoints (its weights are skipped).
+TINY_QWEN3_5_VISION: dict[str, Any] = {
+    "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4,
+    "temporal_patch_size": 2, "spatial_merge_size": 2, "out_hidden_size": 64,
+    "num_position_embeddings": 16,
+}
+
+
+def save_tiny_qwen3_5(path: str | Path, moe: bool = False, conditional: bool = False,
+                      **overrides: Any) -> torch.nn.Module:
+    """Save a random fp32 HF Qwen3.5 of :data:`TINY_QWEN3_5` to ``path`` (``moe``: Qwen3.5-MoE,
+    the experts of :data:`TINY_QWEN3_NEXT` on every layer; ``conditional``: the
+    ``*ForConditionalGeneration`` checkpoint, with a :data:`TINY_QWEN3_5_VISION` tower;
+    ``overrides`` change text-config fields), weights redrawn and decays set as
+    :func:`save_tiny_qwen3_next` does; returns HF's model."""
+    import transformers
+
+    text = {**TINY_QWEN3_5, **({k: TINY_QWEN3_NEXT[k] for k in _MOE_FIELDS} if moe else {}),
+            **overrides}
+    if moe:
+        text.pop("intermediate_size")
+    name = "Qwen3_5Moe" if moe else "Qwen3_5"
+    if conditional:
+        config = getattr(transformers, f"{name}Config")(
+            text_config=text, vision_config=TINY_QWEN3_5_VISION,
+            tie_word_embeddings=False)
+        arch = f"{name}ForConditionalGeneration"
+    else:
+        config = getattr(transformers, f"{name}TextConfig")(**text)
+        arch = f"{name}ForCausalLM"
+    config.architectures = [arch]
+    torch.manual_seed(0)
+    hf = getattr(transformers, arch)(config).float().eval()
+    redraw_weights(hf, std=0.15)
+    with torch.no_grad():
+        for module in hf.modules():
+            if hasattr(module, "A_log") and hasattr(module, "dt_bias"):
+                module.A_log.uniform_(0.0, 2.7)
+                module.dt_bias.uniform_(-0.5, 0.5)
     hf.save_pretrained(path)
     return hf
 

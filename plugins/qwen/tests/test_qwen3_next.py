@@ -67,7 +67,7 @@ def test_prefix_cache_resumes_from_state_snapshots(tmp_path: Path, chunked: bool
     more through the chunked delta rule (its snapshots inside a chunk, its resumed rows)."""
     from mrv2_kernels import chunk_delta_rule
 
-    monkeypatch.setattr(chunk_delta_rule, "CHUNKED_MIN_QUERY_LEN", 4 if chunked else 10**9)
+    monkeypatch.setattr(chunk_delta_rule, "CHUNKED_MIN_QUERY_LEN_DELTA", 4 if chunked else 10**9)
     monkeypatch.setenv(chunk_delta_rule.CHUNKED_ENV_VAR, "1")  # (the delta rule: opt-in)
     _checkpoint(tmp_path)
     check_state_prefix_cache(tmp_path)
@@ -82,7 +82,7 @@ def test_speculative_decoding_keeps_only_accepted_states(
     through the chunked delta rule (verifies beside prompt chunks, its kept states)."""
     from mrv2_kernels import chunk_delta_rule
 
-    monkeypatch.setattr(chunk_delta_rule, "CHUNKED_MIN_QUERY_LEN", 4 if chunked else 10**9)
+    monkeypatch.setattr(chunk_delta_rule, "CHUNKED_MIN_QUERY_LEN_DELTA", 4 if chunked else 10**9)
     monkeypatch.setenv(chunk_delta_rule.CHUNKED_ENV_VAR, "1")  # (the delta rule: opt-in)
     _checkpoint(tmp_path)
     check_state_speculation(tmp_path, enable_prefix_caching=True)

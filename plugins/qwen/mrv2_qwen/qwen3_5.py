@@ -1,0 +1,140 @@
+"""Qwen3.5 (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM`` and, for text prompts, their
+``*ForConditionalGeneration`` checkpoints): Qwen3-Next's hybrid text model
+(:mod:`mrv2_qwen.qwen3_next`: Gated DeltaNet and gated full-attention layers per
+``layer_types``, zero-centered RMSNorms, the gated per-value-head norm, the attention's output
+gate, RoPE over the first ``partial_rotary_factor`` of each head), with three differences:
+
+* the Gated DeltaNet's checkpoint projections are ``in_proj_qkv`` (``[q | k | v]``, each over
+  all heads), ``in_proj_z``, ``in_proj_b`` and ``in_proj_a``, already laid out by kind: they
+  load as shards of the same fused ``in_proj_qkvz`` / ``in_proj_ba`` (each shard split across
+  the tensor-parallel ranks by heads), and nothing is regrouped after loading;
+* Qwen3.5's MLP is a dense SwiGLU on every layer; Qwen3.5-MoE's the routed experts (softmax
+  top-k, always renormalized) plus the gated shared expert on every layer;
+* the RoPE is M-RoPE (``mrope_section``): for text, whose three position ids are equal, it is
+  the ordinary rotation of the rotary dimensions, which is what runs here.
+
+The ``*ForConditionalGeneration`` checkpoints hold the text model under
+``model.language_model.`` (the config's ``text_config``) beside the vision tower
+(``model.visual.``), whose tensors are skipped: a prompt with ``multi_modal_data`` is refused
+when it arrives (:class:`Qwen3_5TextOnlyInputs`). The MTP head (``mtp.*``) is not loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from mrv2.config import EngineConfig
+from mrv2.contract.input_processor import InputProcessor
+from mrv2.contract.requests import MultiModalItem
+from mrv2.layers import STACKED_PARAMS
+from mrv2.layers.linear import MergedColumnLinear
+from mrv2.layers.weights import StackedMapping
+from mrv2.model_loader.build import vl_text_config, vl_text_name
+from mrv2_qwen.qwen3_next import GatedDeltaNet, Qwen3NextForCausalLM
+
+#: The vision tower's checkpoint prefixes (skipped).
+VISION_PREFIXES = ("model.visual.", "visual.")
+_QKV = ".linear_attn.in_proj_qkv.weight"
+
+
+class Qwen3_5GatedDeltaNet(GatedDeltaNet):  # noqa: N801 (HF's class names)
+    """Qwen3.5's Gated DeltaNet: Qwen3-Next's (:class:`~mrv2_qwen.qwen3_next.GatedDeltaNet`)
+    with projections laid out by kind in the checkpoint: ``in_proj_qkvz`` takes shards
+    ``q, k, v, z`` (0-3), ``in_proj_ba`` shards ``b, a`` (0, 1), each split across the ranks
+    by heads, so this rank's rows are ``[q_r | k_r | v_r | z_r]`` and ``[b_r | a_r]`` as
+    loaded."""
+
+    def build_in_projections(self, hidden: int) -> None:
+        size = self.tp_size
+        key, value = self.key_dim * size, self.value_dim * size
+        self.in_proj_qkvz = MergedColumnLinear(hidden, [key, key, value, value])
+        self.in_proj_ba = MergedColumnLinear(hidden, [self.num_v_heads * size] * 2)
+
+    def in_projections_by_kind(self) -> bool:
+        return True
+
+    def process_weights_after_loading(self) -> None:
+        """Nothing to regroup (the projections' own hooks run after this one)."""
+
+
+class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):  # noqa: N801 (HF's class names)
+    """Qwen3.5 / Qwen3.5-MoE in the mrv2 model contract (module docstring): the dense MLP
+    where the config has no ``num_experts``, the experts with the gated shared expert where
+    it has."""
+
+    delta_net = Qwen3_5GatedDeltaNet
+    stacked_params: ClassVar[StackedMapping] = (
+        *STACKED_PARAMS,
+        ("in_proj_qkvz", "in_proj_q", 0), ("in_proj_qkvz", "in_proj_k", 1),
+        ("in_proj_qkvz", "in_proj_v", 2), ("in_proj_qkvz", "in_proj_z", 3),
+        ("in_proj_ba", "in_proj_b", 0), ("in_proj_ba", "in_proj_a", 1),
+    )
+
+    def _split_qkv(self, weights: Iterable[tuple[str, torch.Tensor]]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each ``in_proj_qkv.weight`` as its ``in_proj_q`` / ``in_proj_k`` / ``in_proj_v``
+        rows (``linear_num_key_heads * linear_key_head_dim`` for q and k)."""
+        key = int(self.config.linear_num_key_heads) * int(self.config.linear_key_head_dim)
+        for name, tensor in weights:
+            if not name.endswith(_QKV):
+                yield name, tensor
+                continue
+            stem = name[: -len(_QKV)] + ".linear_attn.in_proj_"
+            q, k, v = tensor.split([key, key, tensor.shape[0] - 2 * key])
+            yield from ((stem + "q.weight", q), (stem + "k.weight", k), (stem + "v.weight", v))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """HF checkpoint tensors (Qwen3-Next's loader: norms as ``1 + w``, ``mtp.*``
+        skipped), ``in_proj_qkv`` split into its three shards."""
+        return super().load_weights(self._split_qkv(weights))
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):  # noqa: N801 (HF's class names)
+    """A Qwen3.5 / Qwen3.5-MoE vision-language checkpoint served for text prompts: the text
+    model from ``text_config`` (the LM head tied by the top-level ``tie_word_embeddings``),
+    its tensors from ``model.language_model.*``; the vision tower's skipped (not yet
+    supported: :class:`Qwen3_5TextOnlyInputs` refuses media). ``self.hf_config`` is the
+    composite config."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(vl_text_config(config, type(self).__name__))
+        self.hf_config = config
+
+    def rename(self, name: str) -> str | None:
+        """``model.language_model.*`` as ``model.*``; the vision tower's tensors None."""
+        if name.startswith(VISION_PREFIXES):
+            return None
+        return super().rename(vl_text_name(name))
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):  # noqa: N801 (HF's class names)
+    """Qwen3.5-MoE (e.g. Qwen3.5-35B-A3B): :class:`Qwen3_5ForCausalLM` with its experts."""
+
+
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):  # noqa: N801
+    """Qwen3.5-MoE's vision-language checkpoints, for text prompts
+    (:class:`Qwen3_5ForConditionalGeneration`)."""
+
+
+class Qwen3_5TextOnlyInputs(InputProcessor):  # noqa: N801 (HF's class names)
+    """The input processor of the ``*ForConditionalGeneration`` checkpoints: text prompts
+    only. Any ``multi_modal_data`` (images, videos) is refused as the request arrives, before
+    anything of it runs: the vision tower is not yet supported."""
+
+    text_only = True
+
+    def __init__(self, model_dir: str, hf_config: Any, tokenizer: Any, config: EngineConfig
+                 ) -> None:
+        super().__init__(model_dir, hf_config, tokenizer, config)
+        arch = (list(getattr(hf_config, "architectures", None) or []) or ["Qwen3.5"])[0]
+        self.images_refused = (f"{arch}'s vision tower is not yet supported by mrv2: send "
+                               f"text prompts only")
+
+    def process(self, prompt_token_ids: list[int], mm_data: Mapping[str, Any]
+                ) -> tuple[list[int], list[MultiModalItem]]:
+        """Always a ValueError naming ``multi_modal_data`` and its keys."""
+        keys = ", ".join(sorted(map(str, mm_data))) or "empty"
+        raise ValueError(f"multi_modal_data ({keys}): {self.images_refused}")
