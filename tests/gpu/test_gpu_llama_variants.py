@@ -4,7 +4,10 @@ with ``up_proj`` in decode steps; YaRN), Apertus (xIELU dense MLPs, per-head q/k
 into the rotation; Llama 3 RoPE), Helium (interleaved RoPE: q/k rows reordered as they load,
 rotated inside the attention kernel; biased q/k/v), Ministral 8B (sliding layers on block
 tables of their own beside full ones; prompts and outputs past the window) and Ministral 3
-(queries scaled by position past ``original_max_position_embeddings``; YaRN). fp32 greedy
+(queries scaled by position past ``original_max_position_embeddings``; YaRN), Granite SWA
+(sliding layers with learned attention sinks, a RoPE base per layer, one NoPE) and, from
+``mrv2-plugin-nemotron-h``, Nemotron-4 (``1 + weight`` LayerNorms on the unfused norm path,
+squared-ReLU dense MLPs, half of each head rotated). fp32 greedy
 tokens are HF's with CUDA graphs (decode and mixed steps) and without, prompts split across
 steps; bf16 graphs on and off agree and start with HF's tokens; a step never synchronizes.
 
@@ -45,6 +48,12 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "ministral3": ("Ministral3ForCausalLM", {
         **SHAPE, "rope_parameters": {**YARN, "mscale": 1.0, "mscale_all_dim": 1.0,
                                      "llama_4_scaling_beta": 0.5}}),
+    "granite-swa": ("GraniteSWAForCausalLM", {
+        **SHAPE, "sliding_window": 24, "layer_types": [FULL, SLIDING] * 2,
+        "layer_rope_theta": [1e4, 0, 5e5, 1e4], "embedding_multiplier": 0.5,
+        "attention_multiplier": 0.05, "residual_multiplier": 1.2, "logits_scaling": 1.7}),
+    "nemotron": ("NemotronForCausalLM", {**SHAPE, "hidden_act": "relu2",
+                                         "tie_word_embeddings": False}),
 }
 
 

@@ -40,6 +40,18 @@ FAMILIES = {
                               "long_factor": [1.5 + 0.1 * i for i in range(32)],
                               "short_mscale": 1.25, "long_mscale": 1.2,
                               "original_max_position_embeddings": 64}},
+    # OLMo 2's post-norm layers (whole-projection q/k norms) around OLMoE's experts
+    "FlexOlmoForCausalLM": {**COMMON, "num_experts": 16, "intermediate_size": 96,
+                            "std": 0.15, "pad_token_id": 0},
+    # Granite's MoE with sliding layers (window shorter than the long prompt), learned sinks,
+    # a RoPE base per layer (one NoPE) and its multipliers
+    "GraniteMoeSWAForCausalLM": {**COMMON, "num_local_experts": 16, "intermediate_size": 96,
+                                 "sliding_window": 8, "std": 0.15,
+                                 "layer_types": ["sliding_attention", "full_attention",
+                                                 "sliding_attention"],
+                                 "layer_rope_theta": [1e4, 0, 5e5],
+                                 "attention_multiplier": 0.1, "embedding_multiplier": 0.5,
+                                 "residual_multiplier": 1.2, "logits_scaling": 1.7},
 }
 
 

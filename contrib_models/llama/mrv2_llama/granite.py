@@ -2,11 +2,18 @@
 config: the token embeddings times ``embedding_multiplier``, the scores scaled by
 ``attention_multiplier`` (in place of ``head_dim ** -0.5``), each block's output times
 ``residual_multiplier`` before it joins the residual stream, and the logits divided by
-``logits_scaling``."""
+``logits_scaling``.
+
+Granite SWA (``GraniteSWAForCausalLM``) adds to those layers, on the core's attention:
+local layers (``config.layer_types``' ``sliding_attention``: a query sees its last
+``sliding_window`` keys, its own included), a learned attention sink per head (``sinks``:
+HF scales each head's output by ``sigmoid(logsumexp(scores) - sink)``, the same as one more
+logit in the softmax's denominator, gpt-oss's sinks) and a RoPE base per layer
+(``layer_rope_theta``; 0: that layer is NoPE)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -18,6 +25,7 @@ from mrv2.layers import (
     SelfAttention,
     get_rope,
     head_dim_of,
+    layer_ropes,
     norm_linear,
 )
 from mrv2.layers.decoder import norm_mlp
@@ -25,6 +33,8 @@ from mrv2.layers.embedding import ScaledEmbedding
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+
+    from mrv2.layers import RotaryEmbedding
 
 
 class GraniteDecoderLayer(DecoderLayer):
@@ -46,14 +56,17 @@ class GraniteDecoderLayer(DecoderLayer):
 class GraniteForCausalLM(CausalLM):
     """Granite causal LM in the mrv2 model contract (module docstring)."""
 
+    #: Whether each attention layer has a learned sink per head (Granite SWA).
+    sinks: ClassVar[bool] = False
+
     def __init__(self, config: PretrainedConfig) -> None:
-        rope = get_rope(config, head_dim_of(config))
+        ropes = self._ropes(config)
         bias = bool(getattr(config, "attention_bias", False))
         mlp_bias = bool(getattr(config, "mlp_bias", False))
 
         def layer(i: int) -> GraniteDecoderLayer:
-            attn = SelfAttention(config, i, rope, qkv_bias=bias, o_bias=bias,
-                                 scale=float(config.attention_multiplier))
+            attn = SelfAttention(config, i, ropes[i], qkv_bias=bias, o_bias=bias,
+                                 scale=float(config.attention_multiplier), sinks=self.sinks)
             mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
                            bias=mlp_bias)
             return GraniteDecoderLayer(config, attn, mlp)
@@ -67,3 +80,19 @@ class GraniteForCausalLM(CausalLM):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return super().compute_logits(hidden_states) / self.logits_scaling
+
+    def _ropes(self, config: PretrainedConfig) -> list[RotaryEmbedding | None]:
+        """Each layer's RoPE: the config's on every layer."""
+        return [get_rope(config, head_dim_of(config))] * int(config.num_hidden_layers)
+
+
+class GraniteSWAForCausalLM(GraniteForCausalLM):
+    """Granite SWA in the mrv2 model contract (module docstring): Granite's layers, local ones
+    per ``layer_types``, attention sinks, a RoPE base per layer."""
+
+    sinks: ClassVar[bool] = True
+
+    def _ropes(self, config: PretrainedConfig) -> list[RotaryEmbedding | None]:
+        """A RoPE per ``layer_rope_theta`` entry (0: none)."""
+        return layer_ropes(config, head_dim_of(config),
+                           getattr(config, "layer_rope_theta", None))

@@ -37,6 +37,7 @@ from mrv2.layers.norm import LayerNorm, RMSNorm, ShardedRMSNorm
 from mrv2.layers.rotary import (
     RotaryEmbedding,
     get_rope,
+    layer_ropes,
     qk_rows_to_halves,
     qk_tensor_to_halves,
     rope_heads_to_halves,
@@ -80,6 +81,7 @@ __all__ = [
     "VocabEmbedding",
     "get_rope",
     "head_dim_of",
+    "layer_ropes",
     "llama4_query_scaling",
     "mla_rope",
     "sliding_window_of",

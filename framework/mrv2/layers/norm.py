@@ -46,15 +46,32 @@ class LayerNorm(nn.Module):
     first adds ``residual`` and returns ``(normed, new_residual)`` as :class:`RMSNorm` does,
     from one fused kernel (:func:`mrv2_kernels.layer_norm.layer_norm`) on the Triton path,
     which writes ``new_residual`` into ``residual``'s storage: use the returned residual.
+
+    ``weight_offset``: a constant the scale is the checkpoint's ``weight`` plus (Nemotron's
+    ``LayerNorm1P``: ``1 + weight``), added once as the weight loads, in the parameter's dtype
+    (as HF adds it to its own parameter); the kernel sees the sum.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True,
-                 affine: bool = True) -> None:
+                 affine: bool = True, weight_offset: float = 0.0) -> None:
         super().__init__()
         self.eps = eps
+        self.weight_offset = float(weight_offset)
         self.weight = nn.Parameter(torch.ones(hidden_size)) if affine else None
         self.bias = nn.Parameter(torch.zeros(hidden_size)) if affine and bias else None
         self.hidden_size = hidden_size
+        if weight_offset and not affine:
+            raise ValueError("weight_offset needs a weight (affine=True)")
+        if self.weight is not None and self.weight_offset:
+            self.weight.weight_loader = self._load_offset  # type: ignore[attr-defined]
+
+    def _load_offset(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if param.shape != loaded.shape:
+            raise ValueError(f"parameter expects shape {tuple(param.shape)}, checkpoint "
+                             f"tensor has {tuple(loaded.shape)}")
+        with torch.no_grad():
+            param.data.copy_(loaded)
+            param.data.add_(self.weight_offset)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -63,7 +80,8 @@ class LayerNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"{self.hidden_size}, eps={self.eps}, weight={self.weight is not None}, "
-                f"bias={self.bias is not None}")
+                f"bias={self.bias is not None}"
+                + (f", weight_offset={self.weight_offset}" if self.weight_offset else ""))
 
 
 class ShardedRMSNorm(nn.Module):

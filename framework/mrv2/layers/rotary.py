@@ -20,7 +20,7 @@ older ``rope_theta`` + ``rope_scaling`` pair; :func:`rope_parameters_of` reads b
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -356,7 +356,8 @@ class RotaryEmbedding(nn.Module):
         )
 
 
-def get_rope(config: Any, head_dim: int, layer_type: str | None = None) -> RotaryEmbedding:
+def get_rope(config: Any, head_dim: int, layer_type: str | None = None,
+             theta: float | None = None) -> RotaryEmbedding:
     """The RoPE of an HF decoder config (``partial_rotary_factor`` honoured: the rotated
     dimensions, or with ``proportional`` RoPE the frequencies kept over the whole head); its
     table reaches :func:`context_limit`, past ``max_position_embeddings`` where RoPE scaling
@@ -365,7 +366,8 @@ def get_rope(config: Any, head_dim: int, layer_type: str | None = None) -> Rotar
     ``layer_type`` (``"sliding_attention"``, ``"full_attention"``): the RoPE of that kind of
     layer, where transformers 5 keeps one ``rope_parameters`` entry per layer type (OLMo 3:
     YaRN on the full-attention layers only); a config with one flat ``rope_parameters`` gives
-    every layer type the same."""
+    every layer type the same. ``theta``: the base in place of the config's ``rope_theta``
+    (a per-layer base: Granite SWA's ``layer_rope_theta``), its scaling kept."""
     params = getattr(config, "rope_parameters", None) or {}
     per_type = params.get(layer_type) if layer_type is not None else None
     if isinstance(per_type, Mapping):
@@ -381,6 +383,8 @@ def get_rope(config: Any, head_dim: int, layer_type: str | None = None) -> Rotar
     )
     if scaling is not None and _rope_type(scaling) == "proportional":
         partial = 1.0  # (the factor picks frequencies: _proportional_inv_freq)
+    if theta is not None:
+        base = float(theta)
     return RotaryEmbedding(
         head_dim,
         max_position=int(config.max_position_embeddings),
@@ -389,6 +393,22 @@ def get_rope(config: Any, head_dim: int, layer_type: str | None = None) -> Rotar
         rotary_dim=int(head_dim * partial),
         positions=context_limit(config)[0],
     )
+
+
+def layer_ropes(config: Any, head_dim: int, thetas: Sequence[float | None] | None
+                ) -> list[RotaryEmbedding | None]:
+    """One RoPE per layer from a base per layer (``thetas``, one per ``num_hidden_layers``;
+    0: that layer rotates nothing, NoPE), layers of one base sharing one table; ``thetas``
+    None: every layer :func:`get_rope`'s. ValueError where the list's length is wrong."""
+    count = int(config.num_hidden_layers)
+    if thetas is None:
+        rope = get_rope(config, head_dim)
+        return [rope] * count
+    if len(thetas) != count:
+        raise ValueError(f"config.json: a RoPE base per layer must list {count} values (one a "
+                         f"layer), got {len(thetas)}")
+    tables = {float(t): get_rope(config, head_dim, theta=float(t)) for t in set(thetas) if t}
+    return [tables[float(t)] if t else None for t in thetas]
 
 
 def rope_rows_to_halves(rows: torch.Tensor, head_dim: int, rope_dim: int | None = None

@@ -1,5 +1,6 @@
 """mrv2 model plugin for IBM's Granite mixture-of-experts and hybrid Mamba-2 checkpoints:
-Granite 3.x MoE (``GraniteMoeForCausalLM``, ``GraniteMoeSharedForCausalLM``), Granite 4.0-H
+Granite 3.x MoE (``GraniteMoeForCausalLM``, ``GraniteMoeSharedForCausalLM``,
+``GraniteMoeSWAForCausalLM``), Granite 4.0-H
 (``GraniteMoeHybridForCausalLM``) and Bamba (``BambaForCausalLM``). Exports resolve lazily:
 importing this is cheap."""
 
@@ -11,12 +12,14 @@ if TYPE_CHECKING:
     from mrv2_granite_hybrid.granite_moe import (
         GraniteMoeForCausalLM,
         GraniteMoeSharedForCausalLM,
+        GraniteMoeSWAForCausalLM,
     )
     from mrv2_granite_hybrid.model import BambaForCausalLM, GraniteMoeHybridForCausalLM
 
 __all__ = ["BambaForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeHybridForCausalLM",
-           "GraniteMoeSharedForCausalLM"]
-_MODULES = {"GraniteMoeForCausalLM": "granite_moe", "GraniteMoeSharedForCausalLM": "granite_moe"}
+           "GraniteMoeSWAForCausalLM", "GraniteMoeSharedForCausalLM"]
+_MODULES = {"GraniteMoeForCausalLM": "granite_moe", "GraniteMoeSharedForCausalLM": "granite_moe",
+            "GraniteMoeSWAForCausalLM": "granite_moe"}
 
 
 def __getattr__(name: str) -> Any:

@@ -16,6 +16,13 @@ rows then its up rows, loaded as the fused ``w13``; ``output_linear`` ``[E, H, I
 for ``GraniteMoeShared``, the ``shared_mlp`` (SwiGLU of ``shared_intermediate_size``; none
 where that is 0, as HF builds none) added to the experts' output.
 
+Granite MoE SWA (``GraniteMoeSWAForCausalLM``) is ``GraniteMoeShared`` (its shared expert
+none unless ``shared_intermediate_size`` is set) with Granite SWA's attention, on the core's:
+local layers per ``config.layer_types`` (a query sees its last ``sliding_window`` keys, its
+own included), a learned sink per head (``self_attn.sinks``; HF scales each head's output by
+``sigmoid(logsumexp(scores) - sink)``, the same as one more logit in the softmax's
+denominator: gpt-oss's sinks) and a RoPE base per layer (``layer_rope_theta``; 0: NoPE).
+
 Checkpoint names: the published ones (``input_linear`` / ``output_linear`` /
 ``router.layer``, what transformers still saves) and transformers 5's in-memory ones
 (``experts.gate_up_proj`` / ``down_proj``, ``router.weight``), mapped by Granite 4.0-H's
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from mrv2.layers import RotaryEmbedding, head_dim_of, layer_ropes
 from mrv2_granite_hybrid.model import GraniteMoeHybridForCausalLM
 
 
@@ -54,3 +62,16 @@ class GraniteMoeSharedForCausalLM(GraniteMoeForCausalLM):
 
     def _shared_size(self, config: Any) -> int:
         return int(getattr(config, "shared_intermediate_size", 0) or 0)
+
+
+class GraniteMoeSWAForCausalLM(GraniteMoeSharedForCausalLM):
+    """Granite MoE SWA in the mrv2 model contract (module docstring): Granite MoE's layers,
+    local ones per ``layer_types``, attention sinks, a RoPE base per layer."""
+
+    family: ClassVar[str] = "Granite MoE SWA"
+    sinks: ClassVar[bool] = True
+
+    def _ropes(self, config: Any, count: int) -> list[RotaryEmbedding | None]:
+        """A RoPE per ``layer_rope_theta`` entry (0: none)."""
+        return layer_ropes(config, head_dim_of(config),
+                           getattr(config, "layer_rope_theta", None))

@@ -159,14 +159,15 @@ def feed_forward(config: Any, family: str, shared: int) -> MoEBlock | GatedMLP:
 
 
 class HybridLayer(nn.Module):
-    """One layer (module docstring): ``input_layernorm``, then ``mamba`` or ``self_attn``,
+    """One layer (module docstring): ``input_layernorm``, then ``mamba`` or ``self_attn``
+    (``sinks``: with a learned attention sink per head, Granite MoE SWA),
     ``post_attention_layernorm``, then ``block_sparse_moe`` (its shared expert: the
     checkpoint's ``shared_mlp``) or ``shared_mlp``; each output times ``residual_multiplier``
     before it joins the residual stream (the add fused into the next norm)."""
 
     def __init__(self, config: Any, kind: str, cache_idx: int, rope: RotaryEmbedding | None,
                  attn_scale: float | None, residual_multiplier: float, family: str,
-                 shared: int) -> None:
+                 shared: int, sinks: bool = False) -> None:
         super().__init__()
         self.kind = kind
         self.residual_multiplier = residual_multiplier
@@ -179,7 +180,7 @@ class HybridLayer(nn.Module):
         else:
             bias = bool(getattr(config, "attention_bias", False))
             self.self_attn = SelfAttention(config, cache_idx, rope, qkv_bias=bias, o_bias=bias,
-                                           scale=attn_scale)
+                                           scale=attn_scale, sinks=sinks)
         ffn = feed_forward(config, family, shared)
         self.block_sparse_moe: MoEBlock | None = ffn if isinstance(ffn, MoEBlock) else None
         self.shared_mlp: GatedMLP | None = ffn if isinstance(ffn, GatedMLP) else None
@@ -208,6 +209,8 @@ class GraniteMoeHybridForCausalLM(CausalLM):
     """Granite 4.0-H in the mrv2 model contract (module docstring)."""
 
     family: ClassVar[str] = "Granite 4.0-H"
+    #: Whether the attention layers have a learned sink per head (Granite MoE SWA).
+    sinks: ClassVar[bool] = False
     #: Checkpoint name fragments -> this model's (published and transformers 5 names).
     renames: ClassVar[tuple[tuple[str, str], ...]] = (
         (".block_sparse_moe.router.layer.weight", ".block_sparse_moe.gate.weight"),
@@ -223,12 +226,12 @@ class GraniteMoeHybridForCausalLM(CausalLM):
         family = self.family
         types = self._layer_types(config)
         cache_idx = [types[:i].count("full_attention") for i in range(len(types))]
-        rope = get_rope(config, head_dim_of(config)) if self._uses_rope(config) else None
+        ropes = self._ropes(config, len(types))
         scale = self._attention_scale(config)
         m = float(getattr(config, "residual_multiplier", 1.0) or 1.0)
         shared = self._shared_size(config)
         model = DecoderModel(config, lambda i: HybridLayer(
-            config, types[i], cache_idx[i], rope, scale, m, family, shared),
+            config, types[i], cache_idx[i], ropes[i], scale, m, family, shared, self.sinks),
             num_layers=len(types))
         multiplier = float(getattr(config, "embedding_multiplier", 1.0) or 1.0)
         if multiplier != 1.0:
@@ -244,6 +247,11 @@ class GraniteMoeHybridForCausalLM(CausalLM):
 
     def _shared_size(self, config: Any) -> int:
         return shared_size_of(config)
+
+    def _ropes(self, config: Any, count: int) -> list[RotaryEmbedding | None]:
+        """Each of the ``count`` layers' RoPE: the config's one where :meth:`_uses_rope`."""
+        rope = get_rope(config, head_dim_of(config)) if self._uses_rope(config) else None
+        return [rope] * count
 
     def _uses_rope(self, config: Any) -> bool:
         kind = getattr(config, "position_embedding_type", None)
@@ -302,6 +310,11 @@ class BambaForCausalLM(GraniteMoeHybridForCausalLM):
         (".pre_ff_layernorm.", ".post_attention_layernorm."),
         ("model.final_layernorm.", "model.norm."),
     )
+
+    def _ropes(self, config: Any, count: int) -> list[RotaryEmbedding | None]:
+        """Each of the ``count`` layers' RoPE: the config's one where :meth:`_uses_rope`."""
+        rope = get_rope(config, head_dim_of(config)) if self._uses_rope(config) else None
+        return [rope] * count
 
     def _uses_rope(self, config: Any) -> bool:
         return True

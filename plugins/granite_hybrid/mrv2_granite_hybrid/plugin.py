@@ -8,14 +8,17 @@ from mrv2 import hookimpl
 
 @hookimpl
 def mrv2_register_models(register: Callable[..., None]) -> None:
-    """``GraniteMoeHybridForCausalLM`` (Granite 4.0-H Micro / Tiny / Small: Mamba-2 and
-    attention layers, MoE or dense), ``BambaForCausalLM``, and Granite 3.x's attention-only
+    """``GraniteMoeHybridForCausalLM`` (Granite 4.0-H Micro / Tiny / Small: Mamba-2 and attention
+    layers, MoE or dense), ``BambaForCausalLM``, and Granite 3.x's attention-only
     ``GraniteMoeForCausalLM`` / ``GraniteMoeSharedForCausalLM`` (routed experts, plus a shared
-    one); all use the core's default decoder-only ModelState (which allocates the Mamba-2
-    mixers' per-request state)."""
+    one) / ``GraniteMoeSWAForCausalLM`` (with sliding-window layers and attention sinks); all
+    use the core's default decoder-only ModelState (which allocates the Mamba-2 mixers'
+    per-request state)."""
     register("GraniteMoeHybridForCausalLM",
              "mrv2_granite_hybrid.model:GraniteMoeHybridForCausalLM")
     register("BambaForCausalLM", "mrv2_granite_hybrid.model:BambaForCausalLM")
     register("GraniteMoeForCausalLM", "mrv2_granite_hybrid.granite_moe:GraniteMoeForCausalLM")
     register("GraniteMoeSharedForCausalLM",
              "mrv2_granite_hybrid.granite_moe:GraniteMoeSharedForCausalLM")
+    register("GraniteMoeSWAForCausalLM",
+             "mrv2_granite_hybrid.granite_moe:GraniteMoeSWAForCausalLM")

@@ -100,14 +100,16 @@ def save_tiny_bamba(path: str | Path, **overrides: Any) -> torch.nn.Module:
     return hf
 
 
-def save_tiny_granite_moe(path: str | Path, shared: bool = False,
+def save_tiny_granite_moe(path: str | Path, shared: bool = False, swa: bool = False,
                           **overrides: Any) -> torch.nn.Module:
     """Save a random fp32 HF ``GraniteMoeForCausalLM`` (``shared``:
-    ``GraniteMoeSharedForCausalLM``, ``shared_intermediate_size`` 80 unless overridden) of
-    :data:`TINY_GRANITE_MOE` (``overrides`` change fields) to ``path``; returns HF's model."""
+    ``GraniteMoeSharedForCausalLM``, ``shared_intermediate_size`` 80 unless overridden;
+    ``swa``: ``GraniteMoeSWAForCausalLM``, its attention sinks drawn in [-1, 2), far from HF's
+    zeros) of :data:`TINY_GRANITE_MOE` (``overrides`` change fields) to ``path``; returns
+    HF's model."""
     import transformers
 
-    name = "GraniteMoeShared" if shared else "GraniteMoe"
+    name = "GraniteMoeSWA" if swa else "GraniteMoeShared" if shared else "GraniteMoe"
     fields = {**TINY_GRANITE_MOE, **({"shared_intermediate_size": 80} if shared else {}),
               **overrides}
     config = getattr(transformers, name + "Config")(**fields)
@@ -115,5 +117,9 @@ def save_tiny_granite_moe(path: str | Path, shared: bool = False,
     torch.manual_seed(0)
     hf = getattr(transformers, name + "ForCausalLM")(config).float().eval()
     redraw_weights(hf, std=0.15)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith("self_attn.sinks"):
+                param.uniform_(-1.0, 2.0)
     hf.save_pretrained(path)
     return hf

@@ -22,13 +22,23 @@ from mrv2_granite_hybrid.testing import save_tiny_granite_moe
 
 PROMPTS = [[5, 17, 42, 9, 100, 3, 77], [8, 8, 120], [1 + (7 * i) % 120 for i in range(29)]]
 MAX_TOKENS = 8
-#: name -> (shared expert, overrides): GraniteMoe with tied embeddings (as granite-3.x
+#: name -> (architecture, overrides): GraniteMoe with tied embeddings (as granite-3.x
 #: 1b-a400m / 3b-a800m); GraniteMoeShared with its shared expert, an untied LM head and
-#: attention biases; GraniteMoeShared with ``shared_intermediate_size`` 0 (no shared MLP).
-VARIANTS: dict[str, tuple[bool, dict[str, Any]]] = {
-    "moe": (False, {}),
-    "shared": (True, {"tie_word_embeddings": False, "attention_bias": True}),
-    "shared-zero": (True, {"shared_intermediate_size": 0}),
+#: attention biases; GraniteMoeShared with ``shared_intermediate_size`` 0 (no shared MLP);
+#: GraniteMoeSWA with windows shorter than the prompts (local and global layers), sinks far
+#: from HF's zeros and a RoPE base per layer (one NoPE), without and with a shared expert.
+SWA: dict[str, Any] = {"layer_types": ["sliding_attention", "full_attention",
+                                       "sliding_attention"],
+                       "sliding_window": 5, "layer_rope_theta": [10000.0, 0, 500.0]}
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "moe": ("GraniteMoeForCausalLM", {}),
+    "shared": ("GraniteMoeSharedForCausalLM",
+               {"tie_word_embeddings": False, "attention_bias": True}),
+    "shared-zero": ("GraniteMoeSharedForCausalLM", {"shared_intermediate_size": 0}),
+    "swa": ("GraniteMoeSWAForCausalLM", SWA),
+    "swa-shared": ("GraniteMoeSWAForCausalLM",
+                   {**SWA, "sliding_window": 3, "shared_intermediate_size": 80,
+                    "tie_word_embeddings": False}),
 }
 Checkpoint = tuple[Path, torch.nn.Module]
 
@@ -36,9 +46,10 @@ Checkpoint = tuple[Path, torch.nn.Module]
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Checkpoint]:
     out = {}
-    for name, (shared, overrides) in VARIANTS.items():
+    for name, (arch, overrides) in VARIANTS.items():
         path = tmp_path_factory.mktemp(name)
-        out[name] = (path, save_tiny_granite_moe(path, shared=shared, **overrides))
+        out[name] = (path, save_tiny_granite_moe(path, shared="Shared" in arch,
+                                                 swa="SWA" in arch, **overrides))
     return out
 
 
@@ -50,8 +61,7 @@ def test_greedy_and_prompt_logprobs_match_hf(checkpoints: dict[str, Checkpoint],
     llm = LLM(str(path), device="cpu", dtype="float32", block_size=4,
               max_num_batched_tokens=8)
     arch = type(llm.engine.runner.model).__name__
-    assert arch == ("GraniteMoeSharedForCausalLM" if VARIANTS[variant][0]
-                    else "GraniteMoeForCausalLM")
+    assert arch == VARIANTS[variant][0]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want

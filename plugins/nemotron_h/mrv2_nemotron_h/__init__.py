@@ -7,13 +7,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mrv2_nemotron_h.model import NemotronHForCausalLM
+    from mrv2_nemotron_h.nemotron import NemotronForCausalLM
 
-__all__ = ["NemotronHForCausalLM"]
+__all__ = ["NemotronForCausalLM", "NemotronHForCausalLM"]
 
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from mrv2_nemotron_h import model
+        import importlib
 
-        return getattr(model, name)
+        module = "nemotron" if name == "NemotronForCausalLM" else "model"
+        return getattr(importlib.import_module(f"mrv2_nemotron_h.{module}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

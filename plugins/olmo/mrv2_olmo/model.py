@@ -48,6 +48,7 @@ from mrv2.layers import (
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from torch import nn
     from transformers import PretrainedConfig
 
 #: The layer types OLMo 3's ``config.layer_types`` may hold.
@@ -126,17 +127,20 @@ class Olmo3ForCausalLM(CausalLM):
         super().__init__(config, olmo_decoder(config, lambda i: ropes[types[i]]))
 
 
-def olmo_decoder(config: PretrainedConfig, rope_of: Callable[[int], RotaryEmbedding]
-                 ) -> DecoderModel:
+def olmo_decoder(config: PretrainedConfig, rope_of: Callable[[int], RotaryEmbedding],
+                 mlp_of: Callable[[], nn.Module] | None = None) -> DecoderModel:
     """The post-norm layer stack of OLMo 2 / 3: layer ``i`` rotates with ``rope_of(i)`` and
     attends over the config's sliding window where its layer type is local
-    (:func:`mrv2.layers.sliding_window_of`, inside :class:`~mrv2.layers.SelfAttention`)."""
+    (:func:`mrv2.layers.sliding_window_of`, inside :class:`~mrv2.layers.SelfAttention`);
+    its MLP ``mlp_of()`` (default: the SwiGLU of ``intermediate_size``; FlexOlmo: OLMoE's
+    experts)."""
     bias = bool(getattr(config, "attention_bias", False))
 
     def layer(i: int) -> PostNormDecoderLayer:
         attention = SelfAttention(config, i, rope_of(i), qkv_bias=bias, o_bias=bias,
                                   qk_norm="projection")
-        mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        mlp = (GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+               if mlp_of is None else mlp_of())
         return PostNormDecoderLayer(config, attention, mlp)
 
     return DecoderModel(config, layer)

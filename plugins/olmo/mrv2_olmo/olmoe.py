@@ -7,6 +7,12 @@ weights renormalized to sum to 1 where ``norm_topk_prob`` says so; no shared exp
 config's ``sliding_window``, where one is set, applies to every layer (as HF's).
 
 HF's ``clip_qkv`` (clamping q, k and v) is refused: no published OLMoE checkpoint sets it.
+
+FlexOlmo (``FlexOlmoForCausalLM``: FlexOlmo-7x7B-1T and its RT variant) puts OLMoE's experts
+in OLMo 2's post-norm layers: attention, ``post_attention_layernorm``, residual add; experts,
+``post_feedforward_layernorm``, residual add (no pre-norms; q/k norms over whole
+projections); the router as OLMoE's (softmax top-``num_experts_per_tok``, renormalized per
+``norm_topk_prob``: false in the published checkpoints).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from mrv2.layers import (
     get_rope,
     head_dim_of,
 )
+from mrv2_olmo.model import olmo_decoder
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -37,16 +44,22 @@ def olmoe_block(config: PretrainedConfig) -> MoEBlock:
                                      config.intermediate_size))
 
 
+def check_olmoe_config(config: PretrainedConfig) -> None:
+    """ValueError naming the field for what OLMoE's and FlexOlmo's layers here cannot run:
+    ``clip_qkv``, experts other than SwiGLU."""
+    if getattr(config, "clip_qkv", None) is not None:
+        raise ValueError(f"config.json clip_qkv = {config.clip_qkv!r}: clamping q, k and v "
+                         "is not supported (OLMoE's published checkpoints set it to null)")
+    if config.hidden_act != "silu":
+        raise ValueError(f"OLMoE experts support hidden_act 'silu' only, got "
+                         f"{config.hidden_act!r}")
+
+
 class OlmoeForCausalLM(CausalLM):
     """OLMoE in the mrv2 model contract (module docstring)."""
 
     def __init__(self, config: PretrainedConfig) -> None:
-        if getattr(config, "clip_qkv", None) is not None:
-            raise ValueError(f"config.json clip_qkv = {config.clip_qkv!r}: clamping q, k and v "
-                             "is not supported (OLMoE's published checkpoints set it to null)")
-        if config.hidden_act != "silu":
-            raise ValueError(f"OLMoE experts support hidden_act 'silu' only, got "
-                             f"{config.hidden_act!r}")
+        check_olmoe_config(config)
         rope = get_rope(config, head_dim_of(config))
         bias = bool(getattr(config, "attention_bias", False))
 
@@ -56,3 +69,14 @@ class OlmoeForCausalLM(CausalLM):
             return DecoderLayer(config, attention, olmoe_block(config))
 
         super().__init__(config, DecoderModel(config, layer))
+
+
+class FlexOlmoForCausalLM(CausalLM):
+    """FlexOlmo in the mrv2 model contract: OLMo 2's post-norm layers with OLMoE's experts
+    (module docstring)."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        check_olmoe_config(config)
+        rope = get_rope(config, head_dim_of(config))
+        super().__init__(config, olmo_decoder(config, lambda i: rope,
+                                              lambda: olmoe_block(config)))

@@ -1,7 +1,7 @@
-"""OlmoForCausalLM, Olmo3ForCausalLM and OlmoeForCausalLM against HF transformers on tiny
-random checkpoints: every logit of a prefill and a decode step through the paged cache, greedy
-tokens and the prompt's log-probabilities through the engine (chunked prefill, prompts and
-outputs past OLMo 3's window)."""
+"""OlmoForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM and FlexOlmoForCausalLM against HF
+transformers on tiny random checkpoints: every logit of a prefill and a decode step through the
+paged cache, greedy tokens and the prompt's log-probabilities through the engine (chunked
+prefill, prompts and outputs past OLMo 3's window)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], list[int | None]]] = {
     "olmoe": ("OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
                                    "intermediate_size": 32, "norm_topk_prob": False},
               [None, None]),
+    # FlexOlmo: OLMo 2's post-norm layers with OLMoE's experts (top-2 of 4, as they are)
+    "flex-olmo": ("FlexOlmoForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
+                                          "intermediate_size": 32}, [None, None]),
 }
 
 
