@@ -172,6 +172,7 @@ def test_no_pdl_kernel_writes_step_metadata() -> None:
                 launching.add(path.relative_to(root).as_posix())
     assert launching == {
         "kernels/mrv2_kernels/causal_conv1d.py",  # conv outputs, conv state rows
+        "kernels/mrv2_kernels/layer_norm.py",  # the normed activations (and the residual)
         "kernels/mrv2_kernels/chunk_delta_rule.py",  # WY scratch, delta-rule outputs, state rows
         "kernels/mrv2_kernels/linear_attention.py",  # delta-rule outputs, state rows
         "kernels/mrv2_kernels/lora.py",  # the shrink's scratch, the layer's output (adds)
