@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ._backend import cdiv, default_block, next_power_of_2, pdl, pdl_prologue, use_triton
-from .norm import _rows_input, _rows_view, _writable_like
+from .norm import _residual_rows, _rows_view
 
 __all__ = ["layer_norm", "layer_norm_ref", "layer_norm_triton"]
 
@@ -121,17 +121,7 @@ def layer_norm_triton(
     if out3 is None:
         raise ValueError("layer_norm: out must be viewable as [A, B, H] with a contiguous "
                          "last dim")
-    x3 = _rows_input(x)
-    r3 = ro3 = x3  # placeholders without a residual (HAS_RESIDUAL is False)
-    res_out = None
-    if residual is not None:
-        r3 = _rows_input(residual)
-        in_place = _rows_view(residual) if _writable_like(residual, x) else None
-        if in_place is not None:
-            res_out, ro3 = residual, in_place
-        else:
-            res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-            ro3 = _rows_input(res_out)
+    x3, r3, ro3, res_out = _residual_rows(x, residual)
     if out.numel() == 0:
         return out if res_out is None else (out, res_out)
     num_rows = x3.shape[0] * x3.shape[1]

@@ -136,6 +136,23 @@ def _writable_like(t: torch.Tensor, x: torch.Tensor) -> bool:
     return t.dtype == x.dtype and all(s != 0 or n <= 1 for s, n in strides)
 
 
+def _residual_rows(x: torch.Tensor, residual: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A fused add-and-norm's row views: ``(x3, residual3, new_residual3, new_residual)``.
+    The new residual is ``residual`` itself, written in place, where it has ``x``'s shape and
+    dtype and a row view; else a fresh tensor. Without a residual: ``x3`` three times (unread
+    placeholders) and None."""
+    x3 = _rows_input(x)
+    if residual is None:
+        return x3, x3, x3, None
+    r3 = _rows_input(residual)
+    in_place = _rows_view(residual) if _writable_like(residual, x) else None
+    if in_place is not None:
+        return x3, r3, in_place, residual
+    res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return x3, r3, _rows_input(res_out), res_out
+
+
 def rms_norm_ref(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -220,17 +237,7 @@ def rms_norm_triton(
     out3 = _rows_view(out)
     if out3 is None:
         raise ValueError("out must be viewable as [A, B, H] with a contiguous last dim")
-    x3 = _rows_input(x)
-    r3 = ro3 = x3  # placeholders when there is no residual (HAS_RESIDUAL is False)
-    res_out = None
-    if residual is not None:
-        r3 = _rows_input(residual)
-        in_place = _rows_view(residual) if _writable_like(residual, x) else None
-        if in_place is not None:
-            res_out, ro3 = residual, in_place
-        else:
-            res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-            ro3 = _rows_input(res_out)
+    x3, r3, ro3, res_out = _residual_rows(x, residual)
     if out.numel() == 0:
         return out if res_out is None else (out, res_out)
     num_rows = x3.shape[0] * x3.shape[1]
