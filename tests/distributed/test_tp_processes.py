@@ -26,7 +26,7 @@ from mrv2.config import EngineConfig
 from mrv2.distributed.channel import ChannelClosed, ShmRing
 from mrv2.engine.engine import LLMEngine
 from mrv2.executor.tensor_parallel import WorkerDiedError
-from mrv2.testing import make_tiny_checkpoint, make_tiny_tokenizer
+from mrv2.testing import make_tiny_checkpoint, make_tiny_tokenizer, rank_and_args
 from mrv2.testing_checkpoints import make_lora_adapter
 
 
@@ -92,7 +92,9 @@ def test_three_ranks_then_one_killed_the_others_leave_at_shutdown(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Three ranks (a vocabulary of 256, not divisible by 3: the last rank's rows padded)
     give one rank's tokens. Then rank 1 is killed: shutdown tells rank 2, idle and waiting
-    for a step, to leave (the ring closed), rather than kill it after waiting 10 s."""
+    for a step, to leave (the ring closed), rather than kill it after waiting 10 s. (Rank 2
+    idle for sure: CI saw it exit 1 from inside the last step's logits gather, rank 1 killed
+    while rank 2 still waited for its part.)"""
     monkeypatch.setenv("MRV2_TP_ABORT_S", "1")
     model = make_tiny_checkpoint(tmp_path / "m", "Qwen3ForCausalLM", num_attention_heads=6,
                                  num_key_value_heads=3, head_dim=16, intermediate_size=192,
@@ -112,6 +114,12 @@ def test_three_ranks_then_one_killed_the_others_leave_at_shutdown(
             for out in engine.step():
                 got = list(out.outputs[0].token_ids)
         assert got == want
+        # Every rank past the steps' collectives before rank 1 dies: ranks leave a collective
+        # at different times (rank 2 may still wait for rank 1's part of the logits' gather
+        # after rank 0 has its own), and a rank killed inside one fails the others, rightly.
+        # An RPC answered by every rank comes after all of them on the FIFO step channel.
+        ranks = runner.collective_rpc(rank_and_args)  # type: ignore[attr-defined]
+        assert ranks == [(0, ()), (1, ()), (2, ())]
         first, second = runner.worker_pids  # type: ignore[attr-defined]
         os.kill(first, signal.SIGKILL)
         start = time.monotonic()  # (noticed while idle: rank 2 is in no collective)
