@@ -195,6 +195,16 @@ def projection_norms(qkv: QKVLinear, eps: float) -> tuple[ShardedRMSNorm, Sharde
     return q, k
 
 
+#: Builds one of a decoder's norms (each call a new module): what :class:`DecoderLayer` and
+#: :class:`DecoderModel` take for LayerNorm families (``lambda: LayerNorm(hidden, eps)``).
+NormFactory = Callable[[], RMSNorm | LayerNorm]
+
+
+def rms_norm_of(config: Any) -> NormFactory:
+    """The default norm factory: an RMSNorm of ``config.hidden_size`` and ``rms_norm_eps``."""
+    return lambda: RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
 def norm_mlp(
     norm: RMSNorm | LayerNorm, mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,16 +230,17 @@ class DecoderLayer(nn.Module):
     """A pre-norm decoder layer: ``input_layernorm``, ``self_attn`` (a :class:`SelfAttention`),
     ``post_attention_layernorm``, ``mlp`` (HF's names). Each norm runs fused with the
     projection after it where it can (:func:`~mrv2.layers.linear.norm_linear`,
-    :func:`norm_mlp`): one launch per decode step instead of three."""
+    :func:`norm_mlp`): one launch per decode step instead of three. ``norm``: what builds both
+    norms (default: the config's RMSNorm; a LayerNorm family passes its own)."""
 
-    def __init__(self, config: Any, self_attn: SelfAttention, mlp: nn.Module) -> None:
+    def __init__(self, config: Any, self_attn: SelfAttention, mlp: nn.Module,
+                 norm: NormFactory | None = None) -> None:
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
-        self.input_layernorm: RMSNorm | LayerNorm = RMSNorm(config.hidden_size,
-                                                             eps=config.rms_norm_eps)
-        self.post_attention_layernorm: RMSNorm | LayerNorm = RMSNorm(config.hidden_size,
-                                                                      eps=config.rms_norm_eps)
+        make = norm or rms_norm_of(config)
+        self.input_layernorm: RMSNorm | LayerNorm = make()
+        self.post_attention_layernorm: RMSNorm | LayerNorm = make()
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
@@ -271,13 +282,14 @@ class DecoderModel(nn.Module):
     """
 
     def __init__(
-        self, config: Any, make_layer: Callable[[int], nn.Module], num_layers: int | None = None
+        self, config: Any, make_layer: Callable[[int], nn.Module], num_layers: int | None = None,
+        norm: NormFactory | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         count = config.num_hidden_layers if num_layers is None else num_layers
         self.layers = nn.ModuleList(make_layer(i) for i in range(count))
-        self.norm: RMSNorm | LayerNorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm: RMSNorm | LayerNorm = (norm or rms_norm_of(config))()
         self.hidden_size = int(config.hidden_size)
         #: ``[max_num_tokens, len(ids) * hidden]``, set by :meth:`keep_aux_hidden_states`.
         self.aux_hidden_states: torch.Tensor | None = None

@@ -35,7 +35,6 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Iterable, Iterator
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -184,11 +183,8 @@ class _Cohere(CausalLM):
             mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
             return CohereDecoderLayer(config, attention, mlp)
 
-        # (the core's decoder reads rms_norm_eps for its final norm, replaced here)
-        shape = SimpleNamespace(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-                                num_hidden_layers=config.num_hidden_layers, rms_norm_eps=eps)
-        model = DecoderModel(shape, layer)
-        model.norm = LayerNorm(config.hidden_size, eps=eps, bias=False)
+        model = DecoderModel(config, layer,
+                             norm=lambda: LayerNorm(config.hidden_size, eps=eps, bias=False))
         super().__init__(config, model)
         scale = getattr(config, "logit_scale", None)
         #: What the LM head's logits are multiplied by (HF's ``logit_scale``; 1 where unset).

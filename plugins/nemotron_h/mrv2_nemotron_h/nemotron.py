@@ -17,7 +17,6 @@ q/k/v/o biases per ``attention_bias``; the head is untied unless ``tie_word_embe
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, ClassVar
 
 from mrv2.layers import (
@@ -48,9 +47,6 @@ class NemotronForCausalLM(CausalLM):
         rope = get_rope(config, head_dim_of(config))
         attn_bias = bool(getattr(config, "attention_bias", False))
         mlp_bias = bool(getattr(config, "mlp_bias", False))
-        # (what the core's layer and decoder read; the norms they build are replaced)
-        shape = SimpleNamespace(vocab_size=config.vocab_size, hidden_size=hidden,
-                                num_hidden_layers=config.num_hidden_layers, rms_norm_eps=eps)
 
         def norm() -> LayerNorm:
             return LayerNorm(hidden, eps, weight_offset=1.0)
@@ -58,10 +54,6 @@ class NemotronForCausalLM(CausalLM):
         def layer(i: int) -> DecoderLayer:
             attention = SelfAttention(config, i, rope, qkv_bias=attn_bias, o_bias=attn_bias)
             mlp = DenseMLP(hidden, config.intermediate_size, config.hidden_act, bias=mlp_bias)
-            block = DecoderLayer(shape, attention, mlp)
-            block.input_layernorm, block.post_attention_layernorm = norm(), norm()
-            return block
+            return DecoderLayer(config, attention, mlp, norm=norm)
 
-        model = DecoderModel(shape, layer)
-        model.norm = norm()
-        super().__init__(config, model)
+        super().__init__(config, DecoderModel(config, layer, norm=norm))

@@ -99,10 +99,9 @@ class GPTJForCausalLM(CausalLM):
             return NeoXLayer(hidden, eps, attention, mlp, parallel=True, mlp_norm=False,
                              mlp_first=True)
 
-        model = DecoderModel(shape, layer)
-        model.norm = LayerNorm(hidden, eps)
-        super().__init__(config, model)
-        tied = model.embed_tokens if self.tie_word_embeddings else None
+        super().__init__(config, DecoderModel(shape, layer,
+                                              norm=lambda: LayerNorm(hidden, eps)))
+        tied = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = LMHead(shape.vocab_size, hidden, bias=True, tied_to=tied)
         self._head_dim = head_dim
         self._qk_rows = shape.num_attention_heads * head_dim

@@ -121,9 +121,8 @@ class GPTNeoXForCausalLM(CausalLM):
                            bias=True)
             return NeoXLayer(hidden, eps, attention, mlp, parallel=parallel, mlp_first=True)
 
-        model = DecoderModel(shape, layer)
-        model.norm = LayerNorm(hidden, eps)
-        super().__init__(config, model)
+        super().__init__(config, DecoderModel(shape, layer,
+                                              norm=lambda: LayerNorm(hidden, eps)))
         self._heads, self._head_dim = shape.num_attention_heads, shape.head_dim
 
     def rename(self, name: str) -> str | None:
@@ -195,9 +194,8 @@ class StableLmForCausalLM(CausalLM):
             return NeoXLayer(hidden, eps, attention, mlp, parallel=parallel,
                              mlp_norm=not parallel)
 
-        model = DecoderModel(shape, layer)
-        model.norm = LayerNorm(hidden, eps)
-        super().__init__(config, model)
+        super().__init__(config, DecoderModel(shape, layer,
+                                              norm=lambda: LayerNorm(hidden, eps)))
 
     def _head_norm(self, name: str, layer: int, kind: str) -> HeadLayerNorm:
         layers = self.model.layers

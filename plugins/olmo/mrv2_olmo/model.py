@@ -27,7 +27,6 @@ each rank normalizes its heads by the mean square all-reduced over every rank's
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -85,23 +84,17 @@ class OlmoForCausalLM(CausalLM):
         rope = get_rope(config, head_dim_of(config))
         bias = bool(getattr(config, "attention_bias", False))
         hidden = int(config.hidden_size)
-        # (what the core's layer and decoder read; the norms they build are replaced)
-        shape = SimpleNamespace(vocab_size=config.vocab_size, hidden_size=hidden,
-                                num_hidden_layers=config.num_hidden_layers,
-                                rms_norm_eps=OLMO_NORM_EPS)
+
+        def norm() -> LayerNorm:
+            return LayerNorm(hidden, OLMO_NORM_EPS, affine=False)
 
         def layer(i: int) -> DecoderLayer:
             attention = ClippedAttention(config, i, rope, clip=clip, qkv_bias=bias,
                                          o_bias=bias)
             mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_act)
-            block = DecoderLayer(shape, attention, mlp)
-            block.input_layernorm = LayerNorm(hidden, OLMO_NORM_EPS, affine=False)
-            block.post_attention_layernorm = LayerNorm(hidden, OLMO_NORM_EPS, affine=False)
-            return block
+            return DecoderLayer(config, attention, mlp, norm=norm)
 
-        model = DecoderModel(shape, layer)
-        model.norm = LayerNorm(hidden, OLMO_NORM_EPS, affine=False)
-        super().__init__(config, model)
+        super().__init__(config, DecoderModel(config, layer, norm=norm))
 
 
 class Olmo2ForCausalLM(CausalLM):

@@ -136,9 +136,8 @@ class PhiForCausalLM(CausalLM):
                            bias=True)
             return PhiDecoderLayer(hidden, eps, attention, mlp)
 
-        model = DecoderModel(shape, layer)
-        model.norm = LayerNorm(hidden, eps)
-        super().__init__(config, model)
+        super().__init__(config, DecoderModel(shape, layer,
+                                              norm=lambda: LayerNorm(hidden, eps)))
         tied = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = LMHead(shape.vocab_size, hidden, bias=True, tied_to=tied)
 

@@ -123,19 +123,17 @@ class PhiMoEForCausalLM(CausalLM):
         experts = int(config.num_local_experts)
         jitter = float(getattr(config, "router_jitter_noise", 0.0) or 0.0)
 
+        def norm() -> LayerNorm:
+            return LayerNorm(config.hidden_size, eps)
+
         def layer(i: int) -> DecoderLayer:
             attention = SelfAttention(config, i, rope, qkv_bias=bias, o_bias=bias)
             router = SparseMixerRouter(config.hidden_size, experts, jitter)
             moe = MoEBlock(router, FusedMoE(experts, config.hidden_size,
                                             config.intermediate_size))
-            block = DecoderLayer(config, attention, moe)
-            block.input_layernorm = LayerNorm(config.hidden_size, eps)
-            block.post_attention_layernorm = LayerNorm(config.hidden_size, eps)
-            return block
+            return DecoderLayer(config, attention, moe, norm=norm)
 
-        model = DecoderModel(config, layer)
-        model.norm = LayerNorm(config.hidden_size, eps)
-        super().__init__(config, model)
+        super().__init__(config, DecoderModel(config, layer, norm=norm))
         if getattr(config, "lm_head_bias", False):
             tied = self.model.embed_tokens if self.tie_word_embeddings else None
             self.lm_head = LMHead(config.vocab_size, config.hidden_size, bias=True, tied_to=tied)

@@ -47,8 +47,8 @@ from mrv2.layers import (
     LayerNorm,
     SelfAttention,
 )
+from mrv2.layers.decoder import NormFactory
 from mrv2.layers.weights import StackedMapping
-from mrv2_starcoder.model import decoder_shape, pre_norm_layer
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -84,8 +84,8 @@ class GPTBigCodeModel(DecoderModel):
     added to its input embeddings (module docstring)."""
 
     def __init__(self, config: Any, make_layer: Callable[[int], nn.Module],
-                 num_positions: int) -> None:
-        super().__init__(config, make_layer)
+                 num_positions: int, norm: NormFactory) -> None:
+        super().__init__(config, make_layer, norm=norm)
         self.wpe = PositionEmbedding(num_positions, int(config.hidden_size))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -123,16 +123,16 @@ class GPTBigCodeForCausalLM(CausalLM):
         inner = getattr(config, "n_inner", None) or 4 * hidden
         act = str(config.activation_function)
 
+        def norm() -> LayerNorm:
+            return LayerNorm(hidden, eps)
+
         def layer(i: int) -> DecoderLayer:
             attention = SelfAttention(shape, i, None, qkv_bias=True, o_bias=True, scale=scale)
             mlp = DenseMLP(hidden, inner, act, bias=True, act_field="activation_function")
-            return pre_norm_layer(hidden, eps, attention, mlp)
+            return DecoderLayer(shape, attention, mlp, norm=norm)
 
-        model = GPTBigCodeModel(decoder_shape(int(config.vocab_size), hidden,
-                                              int(config.num_hidden_layers), eps),
-                                layer, int(config.max_position_embeddings))
-        model.norm = LayerNorm(hidden, eps)
-        super().__init__(config, model)
+        super().__init__(config, GPTBigCodeModel(config, layer,
+                                                 int(config.max_position_embeddings), norm))
         self._head_dim, self._heads, self._kv_heads = head_dim, heads, kv_heads
 
     def rename(self, name: str) -> str | None:

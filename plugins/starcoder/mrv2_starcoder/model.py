@@ -17,7 +17,6 @@ and the pieces it shares with :mod:`mrv2_starcoder.gpt_bigcode` (StarCoder, Sant
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, ClassVar
 
 from mrv2.layers import (
@@ -37,25 +36,6 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 
-def pre_norm_layer(hidden_size: int, eps: float, self_attn: SelfAttention,
-                   mlp: DenseMLP) -> DecoderLayer:
-    """The core's pre-norm :class:`~mrv2.layers.DecoderLayer` (``input_layernorm``,
-    ``self_attn``, ``post_attention_layernorm``, ``mlp``) with LayerNorms with biases."""
-    layer = DecoderLayer(SimpleNamespace(hidden_size=hidden_size, rms_norm_eps=eps),
-                         self_attn, mlp)
-    layer.input_layernorm = LayerNorm(hidden_size, eps)
-    layer.post_attention_layernorm = LayerNorm(hidden_size, eps)
-    return layer
-
-
-def decoder_shape(vocab_size: int, hidden_size: int, num_layers: int, eps: float
-                  ) -> SimpleNamespace:
-    """What :class:`~mrv2.layers.DecoderModel` reads of a config (its final RMSNorm's
-    ``rms_norm_eps`` too, which a :class:`~mrv2.layers.LayerNorm` then replaces)."""
-    return SimpleNamespace(vocab_size=vocab_size, hidden_size=hidden_size,
-                           num_hidden_layers=num_layers, rms_norm_eps=eps)
-
-
 class Starcoder2ForCausalLM(CausalLM):
     """StarCoder2 in the mrv2 model contract (module docstring)."""
 
@@ -69,15 +49,15 @@ class Starcoder2ForCausalLM(CausalLM):
         act = str(config.hidden_act)
         hidden = int(config.hidden_size)
 
+        def norm() -> LayerNorm:
+            return LayerNorm(hidden, eps)
+
         def layer(i: int) -> DecoderLayer:
             attention = SelfAttention(config, i, rope, qkv_bias=bias, o_bias=bias)
             mlp = DenseMLP(hidden, int(config.intermediate_size), act, bias)
-            return pre_norm_layer(hidden, eps, attention, mlp)
+            return DecoderLayer(config, attention, mlp, norm=norm)
 
-        model = DecoderModel(decoder_shape(int(config.vocab_size), hidden,
-                                           int(config.num_hidden_layers), eps), layer)
-        model.norm = LayerNorm(hidden, eps)
-        super().__init__(config, model)
+        super().__init__(config, DecoderModel(config, layer, norm=norm))
 
     def rename(self, name: str) -> str | None:
         """HF's ``mlp.c_fc`` / ``mlp.c_proj`` as ``mlp.up_proj`` / ``mlp.down_proj``."""
