@@ -252,6 +252,48 @@ class DecoderLayer(nn.Module):
         return norm_mlp(self.post_attention_layernorm, self.mlp, hidden_states, residual)
 
 
+class ParallelDecoderLayer(nn.Module):
+    """A parallel block (GPT-J, GPT-NeoX's ``use_parallel_residual``, StableLM's, phi-1/2's,
+    Cohere's): attention and MLP side by side off one stream ``x = hidden + residual``, HF's
+    names ``input_layernorm``, ``self_attn``, ``mlp`` and, with ``mlp_norm``,
+    ``post_attention_layernorm``. It computes ``x + attn(ln1(x)) + mlp(n)`` where ``n`` is
+    ``ln1(x)``, or ``post_attention_layernorm(x)`` with ``mlp_norm`` (GPT-NeoX: the MLP's
+    own norm of the same stream).
+
+    ``forward(positions, hidden, residual)`` returns ``(hidden, residual)`` whose sum (taken
+    by the next layer's norm kernel, or the final norm's) is the block's output, summed in the
+    checkpoint family's order so the rounding matches: ``residual_last`` gives ``(attn + mlp)
+    + x`` (GPT-NeoX, GPT-J, phi), otherwise ``(x + attn) + mlp`` (StableLM, Cohere). The
+    first residual add runs inside ``input_layernorm``'s kernel, which may write the sum into
+    the residual's storage: the residual handed in is not read again.
+    """
+
+    def __init__(self, self_attn: SelfAttention, mlp: nn.Module, norm: NormFactory, *,
+                 residual_last: bool, mlp_norm: bool = False) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm: RMSNorm | LayerNorm = norm()
+        self.post_attention_layernorm: RMSNorm | LayerNorm | None = norm() if mlp_norm else None
+        self.residual_last = residual_last
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            x, normed = hidden_states, cast(torch.Tensor, self.input_layernorm(hidden_states))
+        else:
+            normed, x = cast(tuple[torch.Tensor, torch.Tensor],
+                             self.input_layernorm(hidden_states, residual))
+        attn = cast(torch.Tensor, self.self_attn(positions, normed))
+        post = self.post_attention_layernorm
+        mlp = cast(torch.Tensor, self.mlp(normed if post is None else post(x)))
+        return (attn + mlp, x) if self.residual_last else (x + attn, mlp)
+
+    def extra_repr(self) -> str:
+        return f"residual_last={self.residual_last}"
+
+
 class PostNormDecoderLayer(nn.Module):
     """A post-norm decoder layer (OLMo 2, EXAONE 4): attention and MLP each followed by its
     norm (``post_attention_layernorm``, ``post_feedforward_layernorm``), then the residual add;

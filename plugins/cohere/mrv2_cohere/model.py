@@ -46,6 +46,7 @@ from mrv2.layers import (
     DecoderModel,
     GatedMLP,
     LayerNorm,
+    ParallelDecoderLayer,
     SelfAttention,
     get_rope,
     head_dim_of,
@@ -145,29 +146,6 @@ class CohereAttention(SelfAttention):
             ", qk_norm" if self.q_layernorm is not None else "")
 
 
-class CohereDecoderLayer(nn.Module):
-    """A parallel block (module docstring): ``input_layernorm``, then ``self_attn`` and
-    ``mlp`` side by side on its output. ``forward(positions, hidden, residual)`` returns
-    ``(x + attn, mlp)`` with ``x = hidden + residual`` (``hidden`` in the first layer)."""
-
-    def __init__(self, config: Any, self_attn: CohereAttention, mlp: nn.Module) -> None:
-        super().__init__()
-        self.self_attn = self_attn
-        self.mlp = mlp
-        self.input_layernorm = LayerNorm(config.hidden_size, eps=float(config.layer_norm_eps),
-                                         bias=False)
-
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            x, normed = hidden_states, cast(torch.Tensor, self.input_layernorm(hidden_states))
-        else:  # the add and the norm in one kernel
-            normed, x = self.input_layernorm(hidden_states, residual)
-        attn = cast(torch.Tensor, self.self_attn(positions, normed))
-        return x + attn, cast(torch.Tensor, self.mlp(normed))
-
-
 class _Cohere(CausalLM):
     """What both Cohere models share (module docstring): the parallel blocks, the LayerNorms,
     the q/k rows of the RoPE layers reordered as they load, the scaled logits."""
@@ -178,13 +156,15 @@ class _Cohere(CausalLM):
         rope = get_rope(config, head_dim) if any(rope_layers) else None
         eps = float(config.layer_norm_eps)
 
-        def layer(i: int) -> CohereDecoderLayer:
+        def norm() -> LayerNorm:
+            return LayerNorm(config.hidden_size, eps=eps, bias=False)
+
+        def layer(i: int) -> ParallelDecoderLayer:
             attention = CohereAttention(config, i, rope if rope_layers[i] else None, qk_norm)
             mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
-            return CohereDecoderLayer(config, attention, mlp)
+            return ParallelDecoderLayer(attention, mlp, norm, residual_last=False)
 
-        model = DecoderModel(config, layer,
-                             norm=lambda: LayerNorm(config.hidden_size, eps=eps, bias=False))
+        model = DecoderModel(config, layer, norm=norm)
         super().__init__(config, model)
         scale = getattr(config, "logit_scale", None)
         #: What the LM head's logits are multiplied by (HF's ``logit_scale``; 1 where unset).

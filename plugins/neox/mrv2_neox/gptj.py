@@ -1,7 +1,7 @@
 """EleutherAI's GPT-J (``GPTJForCausalLM``: GPT-J-6B and its fine-tunes), as HF transformers'
 ``modeling_gptj``.
 
-- A parallel block (:class:`~mrv2_neox.layers.NeoXLayer`, StableLM's form: no
+- A parallel block (:class:`~mrv2.layers.ParallelDecoderLayer`, StableLM's form: no
   ``post_attention_layernorm``): ``ln_1`` feeds both the attention and the MLP, summed as HF
   does, ``(attn + mlp) + x``. LayerNorms with a bias (``layer_norm_epsilon``), the final
   ``ln_f`` too.
@@ -41,13 +41,13 @@ from mrv2.layers import (
     DenseMLP,
     LayerNorm,
     LMHead,
+    ParallelDecoderLayer,
     RotaryEmbedding,
     SelfAttention,
     qk_rows_to_halves,
     qk_tensor_to_halves,
 )
 from mrv2.layers.weights import StackedMapping
-from mrv2_neox.layers import NeoXLayer
 from mrv2_neox.model import config_shape
 
 if TYPE_CHECKING:
@@ -89,18 +89,19 @@ class GPTJForCausalLM(CausalLM):
                                base=GPTJ_ROPE_BASE, rotary_dim=self._rotary_dim)
         inner = getattr(config, "n_inner", None) or 4 * hidden
 
-        def layer(i: int) -> NeoXLayer:
+        def norm() -> LayerNorm:
+            return LayerNorm(hidden, eps)
+
+        def layer(i: int) -> ParallelDecoderLayer:
             attention = SelfAttention(shape, i, rope)
             attention.qkv_proj.row_order = functools.partial(
                 qk_rows_to_halves, attention.qkv_proj, rotary_dim=self._rotary_dim,
                 leading=True)
             mlp = DenseMLP(hidden, int(inner), str(config.activation_function), bias=True,
                            act_field="activation_function")
-            return NeoXLayer(hidden, eps, attention, mlp, parallel=True, mlp_norm=False,
-                             mlp_first=True)
+            return ParallelDecoderLayer(attention, mlp, norm, residual_last=True)
 
-        super().__init__(config, DecoderModel(shape, layer,
-                                              norm=lambda: LayerNorm(hidden, eps)))
+        super().__init__(config, DecoderModel(shape, layer, norm=norm))
         tied = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = LMHead(shape.vocab_size, hidden, bias=True, tied_to=tied)
         self._head_dim = head_dim

@@ -1,6 +1,7 @@
-"""The pieces GPT-NeoX, StableLM and GPT-J share: StableLM's per-head q/k LayerNorms and the
-block of all three, parallel or sequential, on the core's :class:`~mrv2.layers.LayerNorm`
-(weight and bias; one kernel with the residual add before it).
+"""StableLM's per-head q/k LayerNorms and the attention that runs them. The blocks of GPT-NeoX,
+StableLM and GPT-J are the core's (:class:`~mrv2.layers.ParallelDecoderLayer` or
+:class:`~mrv2.layers.DecoderLayer`) on its :class:`~mrv2.layers.LayerNorm` (weight and bias;
+one kernel with the residual add before it).
 
 The core's fused decode kernels for RMSNorms (the norm + GEMV kernel, the per-head RMS q/k
 norm inside the RoPE kernel) do not apply: each LayerNorm runs before the projection after it.
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mrv2.layers import LayerNorm, RotaryEmbedding, SelfAttention
+from mrv2.layers import RotaryEmbedding, SelfAttention
 
 
 class HeadLayerNorm(nn.Module):
@@ -81,51 +82,3 @@ class QKNormAttention(SelfAttention):
         q, k = self.q_layernorm(q), self.k_layernorm(k)
         out = self.attn(q, k, v, positions=positions, rotary=self.rotary_emb)
         return cast(torch.Tensor, self.o_proj(out))
-
-
-class NeoXLayer(nn.Module):
-    """A GPT-NeoX / StableLM / GPT-J block (HF's names: ``input_layernorm``, ``self_attn``,
-    ``post_attention_layernorm``, ``mlp``), ``forward(positions, hidden, residual)`` ->
-    ``(hidden, residual)`` whose sum is the layer's output (the core's convention; the next
-    layer or the final norm adds them), with ``x = hidden + residual``:
-
-    - sequential (``parallel=False``): ``y = x + attn(ln1(x))``, then ``y + mlp(ln2(y))``;
-    - parallel: ``x + attn(ln1(x)) + mlp(n)`` with ``n = ln2(x)`` (GPT-NeoX's
-      ``use_parallel_residual``: its own norm) or, without ``post_attention_layernorm``
-      (``mlp_norm=False``: StableLM's, GPT-J's), ``n = ln1(x)``. The sum in HF's order:
-      GPT-NeoX's and GPT-J's ``(mlp + attn) + x`` (``mlp_first``), StableLM's
-      ``(x + attn) + mlp``.
-    """
-
-    def __init__(self, hidden_size: int, eps: float, self_attn: SelfAttention, mlp: nn.Module,
-                 *, parallel: bool, mlp_norm: bool = True, mlp_first: bool = False) -> None:
-        super().__init__()
-        if not parallel and not mlp_norm:
-            raise ValueError("a sequential block needs its post_attention_layernorm")
-        self.self_attn = self_attn
-        self.mlp = mlp
-        self.parallel, self.mlp_first = parallel, mlp_first
-        self.input_layernorm = LayerNorm(hidden_size, eps)
-        self.post_attention_layernorm = LayerNorm(hidden_size, eps) if mlp_norm else None
-
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # (the residual adds run inside the norms' kernel, which may write the sum into the
-        # residual's storage: the residual handed in is not read again)
-        if residual is None:
-            x, normed = hidden_states, cast(torch.Tensor, self.input_layernorm(hidden_states))
-        else:
-            normed, x = cast(tuple[torch.Tensor, torch.Tensor],
-                             self.input_layernorm(hidden_states, residual))
-        attn = cast(torch.Tensor, self.self_attn(positions, normed))
-        post = self.post_attention_layernorm
-        if not self.parallel:
-            assert post is not None
-            normed, y = cast(tuple[torch.Tensor, torch.Tensor], post(attn, x))
-            return cast(torch.Tensor, self.mlp(normed)), y
-        mlp = cast(torch.Tensor, self.mlp(normed if post is None else post(x)))
-        return (mlp + attn, x) if self.mlp_first else (x + attn, mlp)
-
-    def extra_repr(self) -> str:
-        return "parallel" if self.parallel else "sequential"

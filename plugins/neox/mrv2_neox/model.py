@@ -11,8 +11,9 @@ Both families:
   in halves (HF's ``rotate_half``: the core's layout, no rows to reorder), the rest pass
   through; ``partial_rotary_factor`` from ``rope_parameters`` (transformers 5 converts
   GPT-NeoX's ``rotary_pct`` / ``rotary_emb_base`` and StableLM's top-level factor into it).
-- ``use_parallel_residual``: ``x + attn(ln1(x)) + mlp(n)``, or the sequential block
-  (:class:`~mrv2_neox.layers.NeoXLayer`).
+- ``use_parallel_residual``: ``x + attn(ln1(x)) + mlp(n)`` (the core's
+  :class:`~mrv2.layers.ParallelDecoderLayer`), or the sequential block (the core's
+  :class:`~mrv2.layers.DecoderLayer` on LayerNorms).
 
 GPT-NeoX: multi-head attention (a stray ``num_key_value_heads`` is ignored, as HF does), the
 fused ``attention.query_key_value`` checkpoint tensor laid out per head as ``[heads, 3,
@@ -42,20 +43,23 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
+from torch import nn
 
 from mrv2.layers import (
     STACKED_PARAMS,
     CausalLM,
+    DecoderLayer,
     DecoderModel,
     DenseMLP,
     GatedMLP,
     LayerNorm,
+    ParallelDecoderLayer,
     RotaryEmbedding,
     SelfAttention,
     get_rope,
 )
 from mrv2.layers.weights import StackedMapping
-from mrv2_neox.layers import HeadLayerNorm, NeoXLayer, QKNormAttention
+from mrv2_neox.layers import HeadLayerNorm, QKNormAttention
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -115,14 +119,19 @@ class GPTNeoXForCausalLM(CausalLM):
         parallel = bool(getattr(config, "use_parallel_residual", True))
         hidden, eps = shape.hidden_size, shape.rms_norm_eps
 
-        def layer(i: int) -> NeoXLayer:
+        def norm() -> LayerNorm:
+            return LayerNorm(hidden, eps)
+
+        def layer(i: int) -> nn.Module:
             attention = SelfAttention(shape, i, rope, qkv_bias=bias, o_bias=bias)
             mlp = DenseMLP(hidden, int(config.intermediate_size), str(config.hidden_act),
                            bias=True)
-            return NeoXLayer(hidden, eps, attention, mlp, parallel=parallel, mlp_first=True)
+            if parallel:
+                return ParallelDecoderLayer(attention, mlp, norm, residual_last=True,
+                                            mlp_norm=True)
+            return DecoderLayer(shape, attention, mlp, norm=norm)
 
-        super().__init__(config, DecoderModel(shape, layer,
-                                              norm=lambda: LayerNorm(hidden, eps)))
+        super().__init__(config, DecoderModel(shape, layer, norm=norm))
         self._heads, self._head_dim = shape.num_attention_heads, shape.head_dim
 
     def rename(self, name: str) -> str | None:
@@ -187,15 +196,18 @@ class StableLmForCausalLM(CausalLM):
         parallel = bool(getattr(config, "use_parallel_residual", False))
         hidden, eps = shape.hidden_size, shape.rms_norm_eps
 
-        def layer(i: int) -> NeoXLayer:
+        def norm() -> LayerNorm:
+            return LayerNorm(hidden, eps)
+
+        def layer(i: int) -> nn.Module:
             attention = (QKNormAttention(shape, i, rope, qkv_bias=qkv_bias, eps=eps) if qk_norm
                          else SelfAttention(shape, i, rope, qkv_bias=qkv_bias))
             mlp = GatedMLP(hidden, int(config.intermediate_size), str(config.hidden_act))
-            return NeoXLayer(hidden, eps, attention, mlp, parallel=parallel,
-                             mlp_norm=not parallel)
+            if parallel:
+                return ParallelDecoderLayer(attention, mlp, norm, residual_last=False)
+            return DecoderLayer(shape, attention, mlp, norm=norm)
 
-        super().__init__(config, DecoderModel(shape, layer,
-                                              norm=lambda: LayerNorm(hidden, eps)))
+        super().__init__(config, DecoderModel(shape, layer, norm=norm))
 
     def _head_norm(self, name: str, layer: int, kind: str) -> HeadLayerNorm:
         layers = self.model.layers

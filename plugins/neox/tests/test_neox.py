@@ -19,7 +19,7 @@ import torch
 import transformers
 
 from mrv2 import LLM, LoRARequest, SamplingParams
-from mrv2.layers import LayerNorm
+from mrv2.layers import LayerNorm, ParallelDecoderLayer
 from mrv2.model_loader import iter_safetensors, load_model_weights
 from mrv2.testing import check_steps_against_hf, hf_greedy, make_tiny_checkpoint, poisoned_caches
 from mrv2.testing_checkpoints import make_lora_adapter, merge_lora_checkpoint
@@ -89,8 +89,12 @@ def test_logits_match_hf(tmp_path: Path, case: str) -> None:
                for a in attention if hasattr(a, "q_layernorm")) and (
         hasattr(attention[0], "q_layernorm") == (case == "stablelm-12b"))
     assert isinstance(model.model.norm, LayerNorm)
-    assert all(layer.parallel == (case in ("pythia", "stablelm-12b", "gptj"))
-               for layer in layers)
+    assert all(isinstance(layer, ParallelDecoderLayer)
+               == (case in ("pythia", "stablelm-12b", "gptj")) for layer in layers)
+    # the sums in HF's order: (attn + mlp) + x for GPT-NeoX and GPT-J, (x + attn) + mlp for
+    # StableLM
+    assert all(layer.residual_last == (case != "stablelm-12b") for layer in layers
+               if isinstance(layer, ParallelDecoderLayer))
     # StableLM's and GPT-J's parallel blocks have no post-attention norm
     assert all((layer.post_attention_layernorm is None) == (case in ("stablelm-12b", "gptj"))
                for layer in layers)

@@ -2,8 +2,9 @@
 ``modeling_phi``:
 
 - a parallel block off one LayerNorm with a bias: ``x + attn(ln(x)) + mlp(ln(x))``, summed in
-  HF's order, ``(attn + mlp) + x`` (:class:`PhiDecoderLayer`; the residual add runs in the
-  next norm's kernel, the core's :class:`~mrv2.layers.LayerNorm`), and a final LayerNorm
+  HF's order, ``(attn + mlp) + x`` (the core's :class:`~mrv2.layers.ParallelDecoderLayer`;
+  the residual add runs in the next norm's kernel, the core's
+  :class:`~mrv2.layers.LayerNorm`), and a final LayerNorm
   (``model.final_layernorm``);
 - attention with biases on ``q_proj`` / ``k_proj`` / ``v_proj`` and on the output projection
   ``dense``, the head size ``config.head_dim`` or ``hidden_size // num_attention_heads``
@@ -28,7 +29,6 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
-from torch import nn
 
 from mrv2.layers import (
     QKV_PARAMS,
@@ -37,6 +37,7 @@ from mrv2.layers import (
     DenseMLP,
     LayerNorm,
     LMHead,
+    ParallelDecoderLayer,
     RotaryEmbedding,
     SelfAttention,
     get_rope,
@@ -75,33 +76,6 @@ class PhiAttention(SelfAttention):
         return cast(torch.Tensor, self.o_proj(out))
 
 
-class PhiDecoderLayer(nn.Module):
-    """Phi's parallel block (HF's names: ``input_layernorm``, ``self_attn``, ``mlp``):
-    ``forward(positions, hidden, residual)`` -> ``(attn + mlp, x)`` with ``x = hidden +
-    residual`` (added inside the input norm's kernel), whose sum is HF's ``attn + mlp + x``:
-    the next layer's norm, or the final one, adds them."""
-
-    def __init__(self, hidden_size: int, eps: float, self_attn: SelfAttention,
-                 mlp: nn.Module) -> None:
-        super().__init__()
-        self.input_layernorm = LayerNorm(hidden_size, eps)
-        self.self_attn = self_attn
-        self.mlp = mlp
-
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # (the kernel may write the sum into the residual's storage: the residual handed in
-        # is not read again)
-        if residual is None:
-            x, normed = hidden_states, cast(torch.Tensor, self.input_layernorm(hidden_states))
-        else:
-            normed, x = cast(tuple[torch.Tensor, torch.Tensor],
-                             self.input_layernorm(hidden_states, residual))
-        attn = cast(torch.Tensor, self.self_attn(positions, normed))
-        return attn + cast(torch.Tensor, self.mlp(normed)), x
-
-
 def _shape(config: PretrainedConfig) -> SimpleNamespace:
     """What the core's decoder and attention read of ``config`` (Phi's config has LayerNorm's
     ``layer_norm_eps``, not the ``rms_norm_eps`` the core's defaults read)."""
@@ -129,15 +103,17 @@ class PhiForCausalLM(CausalLM):
         hidden, eps = shape.hidden_size, shape.rms_norm_eps
         qk_norm = bool(getattr(config, "qk_layernorm", False))
 
-        def layer(i: int) -> PhiDecoderLayer:
+        def norm() -> LayerNorm:
+            return LayerNorm(hidden, eps)
+
+        def layer(i: int) -> ParallelDecoderLayer:
             attention = (PhiAttention(shape, i, rope, eps) if qk_norm
                          else SelfAttention(shape, i, rope, qkv_bias=True, o_bias=True))
             mlp = DenseMLP(hidden, int(config.intermediate_size), str(config.hidden_act),
                            bias=True)
-            return PhiDecoderLayer(hidden, eps, attention, mlp)
+            return ParallelDecoderLayer(attention, mlp, norm, residual_last=True)
 
-        super().__init__(config, DecoderModel(shape, layer,
-                                              norm=lambda: LayerNorm(hidden, eps)))
+        super().__init__(config, DecoderModel(shape, layer, norm=norm))
         tied = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = LMHead(shape.vocab_size, hidden, bias=True, tied_to=tied)
 
