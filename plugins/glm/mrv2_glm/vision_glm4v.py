@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mrv2_qwen_vl.vision import (
-    _activation,
+    GatedVisionMLP,
     _apply_rope,
     _as_int,
     _group_segments,
@@ -80,28 +80,13 @@ class _Attention(nn.Module):
         return projected
 
 
-class _GatedMLP(nn.Module):
-    """``down(act(gate(x)) * up(x))``, no biases."""
-
-    def __init__(self, dim: int, hidden: int, act: str) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-        self.act = _activation(act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-        return out
-
-
 class _Block(nn.Module):
     def __init__(self, cfg: Any, dim: int, num_heads: int, eps: float) -> None:
         super().__init__()
         self.norm1 = _RMSNorm(dim, eps)
         self.norm2 = _RMSNorm(dim, eps)
         self.attn = _Attention(dim, num_heads, bool(getattr(cfg, "attention_bias", False)))
-        self.mlp = _GatedMLP(dim, int(cfg.out_hidden_size), str(cfg.hidden_act))
+        self.mlp = GatedVisionMLP(dim, int(cfg.out_hidden_size), str(cfg.hidden_act), bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 groups: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -110,22 +95,17 @@ class _Block(nn.Module):
         return out
 
 
-class _Merger(nn.Module):
-    """``proj``, LayerNorm, GELU (erf), then a gated MLP of ``hidden`` (checkpoint names)."""
+class _Merger(GatedVisionMLP):
+    """``proj``, LayerNorm, GELU (erf), then a gated MLP of ``hidden`` without biases
+    (checkpoint names)."""
 
     def __init__(self, dim: int, hidden: int, act: str) -> None:
-        super().__init__()
+        super().__init__(dim, hidden, act, bias=False)
         self.proj = nn.Linear(dim, dim, bias=False)
         self.post_projection_norm = nn.LayerNorm(dim)
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-        self.act = _activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.gelu(self.post_projection_norm(self.proj(x)))
-        out: torch.Tensor = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-        return out
+        return super().forward(F.gelu(self.post_projection_norm(self.proj(x))))
 
 
 class _PositionEmbedding(nn.Module):

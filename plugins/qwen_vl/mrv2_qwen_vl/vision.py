@@ -124,12 +124,16 @@ class _PatchEmbed(nn.Module):
         return out
 
 
-class _GatedMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str) -> None:
+class GatedVisionMLP(nn.Module):
+    """A vision tower's gated MLP, ``down_proj(act(gate_proj(x)) * up_proj(x))`` (HF's names),
+    the three linears biased or not (Qwen2.5-VL's blocks: biased; GLM-4.1V's blocks and
+    merger: not)."""
+
+    def __init__(self, dim: int, hidden: int, act: str, bias: bool = True) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=True)
-        self.up_proj = nn.Linear(dim, hidden, bias=True)
-        self.down_proj = nn.Linear(hidden, dim, bias=True)
+        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
         self.act = _activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -393,7 +397,7 @@ class Qwen25VisionTower(QwenVisionBase):
         act = str(getattr(cfg, "hidden_act", "silu"))
         self.blocks = nn.ModuleList(
             _VisionBlock(self.hidden_size, self.num_heads,
-                         _GatedMLP(self.hidden_size, int(cfg.intermediate_size), act))
+                         GatedVisionMLP(self.hidden_size, int(cfg.intermediate_size), act))
             for _ in range(self.depth)
         )
         self.merger = _PatchMerger(self.hidden_size, self.out_hidden_size,
