@@ -1,5 +1,7 @@
-"""GPU: Qwen2.5-VL (``mrv2-plugin-qwen-vl``) with images: fp32 tokens equal the CPU engine's
-(which equals HF, ``plugins/qwen_vl/tests``), bf16 graphs on/off agree, and neither text-only
+"""GPU: Qwen2-VL, Qwen2.5-VL, Qwen3-VL (``mrv2-plugin-qwen-vl``) and Qwen3.5-MoE's
+vision-language checkpoint (``mrv2-plugin-qwen`` on it: the hybrid text model) with images:
+fp32 tokens equal the CPU engine's (which equals HF, ``plugins/qwen_vl/tests``,
+``plugins/qwen/tests/test_qwen3_5_vl.py``), bf16 graphs on/off agree, and neither text-only
 nor image steps synchronize with the host.
 
 Run on a CUDA machine with ``MRV2_TEST_GPU=1 python -m pytest -m gpu``.
@@ -21,10 +23,17 @@ testing = pytest.importorskip("mrv2_qwen_vl.testing")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+def _qwen3_5_vl(path: Path) -> Path:
+    from mrv2_qwen.testing import save_tiny_qwen3_5_vl
+
+    save_tiny_qwen3_5_vl(path, moe=True)
+    return path
+
+
+@pytest.fixture(scope="module", params=["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3.5-moe"])
 def ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     make = {"qwen2-vl": testing.make_tiny_qwen2_vl, "qwen2.5-vl": testing.make_tiny_qwen_vl,
-            "qwen3-vl": testing.make_tiny_qwen3_vl}[request.param]
+            "qwen3-vl": testing.make_tiny_qwen3_vl, "qwen3.5-moe": _qwen3_5_vl}[request.param]
     return Path(make(tmp_path_factory.mktemp("qwen_vl")))
 
 

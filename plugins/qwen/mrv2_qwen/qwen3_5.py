@@ -15,8 +15,10 @@ gate, RoPE over the first ``partial_rotary_factor`` of each head), with three di
 
 The ``*ForConditionalGeneration`` checkpoints hold the text model under
 ``model.language_model.`` (the config's ``text_config``) beside the vision tower
-(``model.visual.``), whose tensors are skipped: a prompt with ``multi_modal_data`` is refused
-when it arrives (:class:`Qwen3_5TextOnlyInputs`). The MTP head (``mtp.*``) is not loaded.
+(``model.visual.``), whose tensors are skipped here: a prompt with ``multi_modal_data`` is
+refused when it arrives (:class:`Qwen3_5TextOnlyInputs`). That is how they serve where
+``mrv2-plugin-qwen-vl`` is not installed; where it is, the plugin registers them with the
+vision tower (:mod:`mrv2_qwen.qwen3_5_vl`). The MTP head (``mtp.*``) is not loaded.
 """
 
 from __future__ import annotations
@@ -95,9 +97,9 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):  # noqa: N801 (HF's class names)
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):  # noqa: N801 (HF's class names)
     """A Qwen3.5 / Qwen3.5-MoE vision-language checkpoint served for text prompts: the text
     model from ``text_config`` (the LM head tied by the top-level ``tie_word_embeddings``),
-    its tensors from ``model.language_model.*``; the vision tower's skipped (not yet
-    supported: :class:`Qwen3_5TextOnlyInputs` refuses media). ``self.hf_config`` is the
-    composite config."""
+    its tensors from ``model.language_model.*``; the vision tower's skipped
+    (:class:`Qwen3_5TextOnlyInputs` refuses media: ``mrv2-plugin-qwen-vl`` is not
+    installed). ``self.hf_config`` is the composite config."""
 
     def __init__(self, config: Any) -> None:
         super().__init__(vl_text_config(config, type(self).__name__))
@@ -122,7 +124,7 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):  # no
 class Qwen3_5TextOnlyInputs(InputProcessor):  # noqa: N801 (HF's class names)
     """The input processor of the ``*ForConditionalGeneration`` checkpoints: text prompts
     only. Any ``multi_modal_data`` (images, videos) is refused as the request arrives, before
-    anything of it runs: the vision tower is not yet supported."""
+    anything of it runs, naming the plugin that serves them (``mrv2-plugin-qwen-vl``)."""
 
     text_only = True
 
@@ -130,8 +132,9 @@ class Qwen3_5TextOnlyInputs(InputProcessor):  # noqa: N801 (HF's class names)
                  ) -> None:
         super().__init__(model_dir, hf_config, tokenizer, config)
         arch = (list(getattr(hf_config, "architectures", None) or []) or ["Qwen3.5"])[0]
-        self.images_refused = (f"{arch}'s vision tower is not yet supported by mrv2: send "
-                               f"text prompts only")
+        self.images_refused = (f"{arch} takes images and videos where "
+                               f"mrv2-plugin-qwen-vl is installed (pip install "
+                               f"mrv2-plugin-qwen-vl); without it, send text prompts only")
 
     def process(self, prompt_token_ids: list[int], mm_data: Mapping[str, Any]
                 ) -> tuple[list[int], list[MultiModalItem]]:

@@ -378,10 +378,16 @@ class Qwen3NextForCausalLM(CausalLM):
 
     def __init__(self, config: PretrainedConfig) -> None:
         types = layer_types_of(config)
-        rope = get_rope(config, head_dim_of(config))
+        rope = type(self).rope_of(config)
         cache_idx = [types[:i].count("full_attention") for i in range(len(types))]
         super().__init__(config, DecoderModel(config, lambda i: Qwen3NextLayer(
             config, i, types[i], cache_idx[i], rope, type(self).delta_net)))
+
+    @staticmethod
+    def rope_of(config: Any) -> RotaryEmbedding:
+        """The full-attention layers' rotation: RoPE over the first ``partial_rotary_factor``
+        of each head (Qwen3.5's vision-language model: M-RoPE)."""
+        return get_rope(config, head_dim_of(config))
 
     def rename(self, name: str) -> str | None:
         if name.startswith(("mtp.", "model.mtp.")) or skip_absent_shared_expert(

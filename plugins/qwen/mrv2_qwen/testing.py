@@ -59,46 +59,72 @@ TINY_QWEN3_5: dict[str, Any] = {
                         "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
                         "mrope_interleaved": True},
 }
-#: A one-block vision tower for the vision-language checkpoints (its weights are skipped).
-TINY_QWEN3_5_VISION: dict[str, Any] = {
-    "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4,
-    "temporal_patch_size": 2, "spatial_merge_size": 2, "out_hidden_size": 64,
-    "num_position_embeddings": 16,
-}
+def _text_fields(moe: bool, overrides: dict[str, Any]) -> dict[str, Any]:
+    text = {**TINY_QWEN3_5, **({k: TINY_QWEN3_NEXT[k] for k in _MOE_FIELDS} if moe else {}),
+            **overrides}
+    if moe:
+        text.pop("intermediate_size")
+    return text
+
+
+def _save(path: str | Path, config: Any, arch: str) -> torch.nn.Module:
+    import transformers
+
+    config.architectures = [arch]
+    torch.manual_seed(0)
+    hf = getattr(transformers, arch)(config).float().eval()
+    redraw_weights(hf, std=0.15)
+    with torch.no_grad():  # every Gated DeltaNet's decays in a real range
+        for module in hf.modules():
+            if hasattr(module, "A_log") and hasattr(module, "dt_bias"):
+                module.A_log.uniform_(0.0, 2.7)
+                module.dt_bias.uniform_(-0.5, 0.5)
+    hf.save_pretrained(path)
+    return hf
 
 
 def save_tiny_qwen3_5(path: str | Path, moe: bool = False, conditional: bool = False,
                       **overrides: Any) -> torch.nn.Module:
     """Save a random fp32 HF Qwen3.5 of :data:`TINY_QWEN3_5` to ``path`` (``moe``: Qwen3.5-MoE,
     the experts of :data:`TINY_QWEN3_NEXT` on every layer; ``conditional``: the
-    ``*ForConditionalGeneration`` checkpoint, with a :data:`TINY_QWEN3_5_VISION` tower;
-    ``overrides`` change text-config fields), weights redrawn and decays set as
+    ``*ForConditionalGeneration`` checkpoint, :func:`save_tiny_qwen3_5_vl`'s; ``overrides``
+    change text-config fields), weights redrawn and decays set as
     :func:`save_tiny_qwen3_next` does; returns HF's model."""
     import transformers
 
-    text = {**TINY_QWEN3_5, **({k: TINY_QWEN3_NEXT[k] for k in _MOE_FIELDS} if moe else {}),
-            **overrides}
-    if moe:
-        text.pop("intermediate_size")
-    name = "Qwen3_5Moe" if moe else "Qwen3_5"
     if conditional:
-        config = getattr(transformers, f"{name}Config")(
-            text_config=text, vision_config=TINY_QWEN3_5_VISION,
-            tie_word_embeddings=False)
-        arch = f"{name}ForConditionalGeneration"
-    else:
-        config = getattr(transformers, f"{name}TextConfig")(**text)
-        arch = f"{name}ForCausalLM"
-    config.architectures = [arch]
-    torch.manual_seed(0)
-    hf = getattr(transformers, arch)(config).float().eval()
-    redraw_weights(hf, std=0.15)
-    with torch.no_grad():
-        for module in hf.modules():
-            if hasattr(module, "A_log") and hasattr(module, "dt_bias"):
-                module.A_log.uniform_(0.0, 2.7)
-                module.dt_bias.uniform_(-0.5, 0.5)
-    hf.save_pretrained(path)
+        return save_tiny_qwen3_5_vl(path, moe, **overrides)
+    name = "Qwen3_5Moe" if moe else "Qwen3_5"
+    config = getattr(transformers, f"{name}TextConfig")(**_text_fields(moe, overrides))
+    return _save(path, config, f"{name}ForCausalLM")
+
+
+def save_tiny_qwen3_5_vl(path: str | Path, moe: bool = False, **overrides: Any
+                         ) -> torch.nn.Module:
+    """Save a random fp32 HF Qwen3.5 (``moe``: Qwen3.5-MoE) vision-language checkpoint that
+    takes images: :data:`TINY_QWEN3_5`'s text model (``overrides`` change its fields) over
+    Qwen-VL's tiny vocabulary, with Qwen3-VL's tiny three-block tower (no deepstack: Qwen3.5
+    has none), its image / video processors and tokenizer (``mrv2_qwen_vl.testing``: the
+    special tokens' ids there); returns HF's model."""
+    import transformers
+
+    from mrv2_qwen_vl.testing import (
+        END,
+        IMAGE,
+        QWEN3_VISION,
+        START,
+        VIDEO,
+        save_qwen3_vl_processors,
+    )
+
+    vision = {k: v for k, v in QWEN3_VISION.items() if k != "deepstack_visual_indexes"}
+    name = "Qwen3_5Moe" if moe else "Qwen3_5"
+    config = getattr(transformers, f"{name}Config")(
+        text_config=_text_fields(moe, {"vocab_size": 320, **overrides}), vision_config=vision,
+        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
+        vision_end_token_id=END, tie_word_embeddings=False)
+    hf = _save(path, config, f"{name}ForConditionalGeneration")
+    save_qwen3_vl_processors(path)
     return hf
 
 

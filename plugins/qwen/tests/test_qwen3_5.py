@@ -1,22 +1,24 @@
 """Qwen3.5 (Qwen3-Next's hybrid with its projections laid out by kind, a dense MLP or the
 experts on every layer, text M-RoPE) through the engine against HF transformers: dense and MoE,
-causal-LM and vision-language checkpoints (text prompts; media refused), greedy tokens of
-several requests at once (HF's full forward per token) and every prompt position's
+causal-LM and vision-language checkpoints (text prompts here; images in test_qwen3_5_vl.py),
+greedy tokens of several requests at once (HF's full forward per token) and every prompt position's
 log-probability, with the whole prompts in one step through the chunked delta rule or split
 across steps."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from mrv2 import LLM, SamplingParams
+from mrv2.config import EngineConfig
 from mrv2.layers import MoEBlock
 from mrv2.layers.linear import MergedColumnLinear
 from mrv2.testing_engine import check_prompt_logprobs, tokens_at_tp
-from mrv2_qwen.qwen3_5 import Qwen3_5GatedDeltaNet
+from mrv2_qwen.qwen3_5 import Qwen3_5GatedDeltaNet, Qwen3_5TextOnlyInputs
 from mrv2_qwen.testing import save_tiny_qwen3_5
 
 PROMPTS = [[5, 17, 42, 9, 100, 3, 77], [8, 8, 120], [1 + (7 * i) % 120 for i in range(29)]]
@@ -37,8 +39,7 @@ def test_greedy_and_logprobs_match_hf(tmp_path: Path, variant: str, chunked: boo
     """``whole``: every prompt in the first step, the 29-token one through the chunked delta
     rule (its threshold lowered); ``chunked``: prompts split across steps of 8 tokens (the
     recurrent and convolution states carried between them). The vision-language checkpoints
-    load the text model (the vision tower's tensors skipped) and refuse an image before any
-    work, naming ``multi_modal_data``."""
+    (their vision tower loaded too) serve text prompts alike."""
     from mrv2_kernels import chunk_delta_rule
 
     monkeypatch.setattr(chunk_delta_rule, "CHUNKED_MIN_QUERY_LEN_DELTA", 16)
@@ -60,17 +61,41 @@ def test_greedy_and_logprobs_match_hf(tmp_path: Path, variant: str, chunked: boo
     with torch.no_grad():
         logits = hf(torch.tensor([ids])).logits[0]
     check_prompt_logprobs(llm, {"prompt_token_ids": ids}, ids, logits)
-    if not variant.endswith("_vl"):
-        return
-    arch = "Qwen3_5MoeForConditionalGeneration" if variant == "moe_vl" else (
-        "Qwen3_5ForConditionalGeneration")
-    with pytest.raises(ValueError, match=rf"multi_modal_data \(image\): {arch}'s vision tower "
-                                         r"is not yet supported"):
-        llm.generate([{"prompt_token_ids": PROMPTS[1]},
-                      {"prompt_token_ids": PROMPTS[0],
-                       "multi_modal_data": {"image": torch.zeros(3, 8, 8)}}],
-                     params, use_tqdm=False)
-    assert not llm.engine.has_unfinished()  # (nothing of the batch queued)
+
+
+def test_without_the_vl_plugin_images_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where ``mrv2-plugin-qwen-vl`` is not installed, the vision-language checkpoints
+    register as text-only models whose input processor refuses media before any work,
+    naming ``multi_modal_data`` and the plugin to install; where it is, they register with
+    its model state and input processor."""
+    import importlib.util
+
+    from mrv2_qwen import plugin
+
+    def registered(installed: bool) -> dict[str, tuple[str, dict[str, str]]]:
+        found = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+            found(name, *a) if installed or name != "mrv2_qwen_vl" else None))
+        table: dict[str, tuple[str, dict[str, str]]] = {}
+        plugin.mrv2_register_models(lambda arch, model, **kw: table.__setitem__(
+            arch, (model, kw)))
+        monkeypatch.undo()
+        return table
+
+    with_vl, without = registered(True), registered(False)
+    for arch in ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"):
+        assert with_vl[arch] == (
+            "mrv2_qwen.qwen3_5_vl:Qwen3_5VLForConditionalGeneration",
+            {"model_state": "mrv2_qwen_vl.model_state:Qwen3VLModelState",
+             "input_processor": "mrv2_qwen_vl.processor:QwenVLInputProcessor"})
+        assert without[arch] == (f"mrv2_qwen.qwen3_5:{arch}", {
+            "input_processor": "mrv2_qwen.qwen3_5:Qwen3_5TextOnlyInputs"})
+    hf_config = SimpleNamespace(architectures=["Qwen3_5MoeForConditionalGeneration"])
+    processor = Qwen3_5TextOnlyInputs("", hf_config, None, EngineConfig())
+    with pytest.raises(ValueError, match=r"multi_modal_data \(image, video\): "
+                                         r"Qwen3_5MoeForConditionalGeneration takes images and "
+                                         r"videos where mrv2-plugin-qwen-vl is installed"):
+        processor.process([1, 2], {"video": [], "image": []})
 
 
 def test_tensor_parallel_matches_hf(tmp_path: Path) -> None:

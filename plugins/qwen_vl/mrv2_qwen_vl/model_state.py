@@ -204,7 +204,9 @@ class Qwen3VLModelState(QwenVLModelState):
         if rows is None:
             self._deepstack = None
             return None
-        self._deepstack = DeepstackRows(rows.token_indices, rows.embeddings[:, 1:])
+        # (a model without deepstack features, Qwen3.5's, caches column 0 alone)
+        self._deepstack = (DeepstackRows(rows.token_indices, rows.embeddings[:, 1:])
+                           if rows.embeddings.shape[1] > 1 else None)
         return MultiModalEmbeddings(rows.token_indices, rows.embeddings[:, 0])
 
     def prepare_inputs(self, batch: InputBatch) -> dict[str, Any]:

@@ -14,7 +14,8 @@ import torch
 from mrv2.testing import make_tiny_tokenizer, random_image, redraw_weights
 
 __all__ = ["END", "IMAGE", "QWEN3_VIDEO_PROCESSOR", "START", "VIDEO", "make_tiny_qwen2_vl",
-           "make_tiny_qwen3_vl", "make_tiny_qwen_vl", "random_image", "random_patches"]
+           "make_tiny_qwen3_vl", "make_tiny_qwen_vl", "random_image", "random_patches",
+           "save_qwen3_vl_processors"]
 
 #: The ids make_tiny_tokenizer gives the four special tokens (checked when building).
 START, END, IMAGE, VIDEO = 293, 294, 295, 296
@@ -133,9 +134,6 @@ def make_tiny_qwen3_vl(path: str | Path, text: dict[str, Any] | None = None,
     ``moe``: Qwen3-VL-MoE (:data:`QWEN3_MOE`: routed experts in layers 0 and 1, a dense MLP in
     layer 2)."""
     import transformers
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
 
     path = Path(path)
     arch = "Qwen3VLMoe" if moe else "Qwen3VL"
@@ -149,6 +147,20 @@ def make_tiny_qwen3_vl(path: str | Path, text: dict[str, Any] | None = None,
     model = getattr(transformers, f"{arch}ForConditionalGeneration")(config).eval()
     redraw_weights(model, std=0.1)
     model.save_pretrained(path)
+    save_qwen3_vl_processors(path)
+    return path
+
+
+def save_qwen3_vl_processors(path: str | Path) -> None:
+    """Qwen3-VL's processors for a tiny checkpoint in ``path`` (Qwen3.5's too): the image
+    processor (16-pixel patches, images of 4 to 64 merged tokens; the released config's
+    image processor type), the video processor (:data:`QWEN3_VIDEO_PROCESSOR`) and the
+    tokenizer."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    path = Path(path)
     Qwen2VLImageProcessorPil(
         size={"shortest_edge": 4 * 32 * 32, "longest_edge": 64 * 32 * 32}, patch_size=16,
         merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
@@ -160,7 +172,6 @@ def make_tiny_qwen3_vl(path: str | Path, text: dict[str, Any] | None = None,
     (path / "video_preprocessor_config.json").write_text(
         json.dumps(QWEN3_VIDEO_PROCESSOR, indent=2))
     _save_tokenizer(path)
-    return path
 
 
 def _save_tokenizer(path: Path) -> None:

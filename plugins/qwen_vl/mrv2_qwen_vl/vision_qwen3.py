@@ -196,10 +196,12 @@ class Qwen3VisionTower(QwenVisionBase):
     same attributes). Parameter names mirror the checkpoint's (``patch_embed.proj``,
     ``pos_embed``, ``blocks.{i}.{norm1,norm2,attn.qkv,attn.proj,mlp.linear_fc{1,2}}``,
     ``merger.{norm,linear_fc1,linear_fc2}``, ``deepstack_merger_list.{j}.*``);
-    ``patch_embed.proj.weight`` is kept 2-D ``[D, C*T*P*P]``.
+    ``patch_embed.proj.weight`` is kept 2-D ``[D, C*T*P*P]``. ``deepstack=False``: no
+    deepstack mergers whatever the config lists (Qwen3.5's tower, whose config keeps
+    Qwen3-VL's default ``deepstack_visual_indexes`` while its model has none).
     """
 
-    def __init__(self, vision_config: Any) -> None:
+    def __init__(self, vision_config: Any, deepstack: bool = True) -> None:
         super().__init__(vision_config)
         cfg = vision_config
         self.num_position_embeddings = int(cfg.num_position_embeddings)
@@ -209,7 +211,8 @@ class Qwen3VisionTower(QwenVisionBase):
         # deepstack_visual_indexes[j] is the block after which deepstack merger j runs. HF
         # emits the features in block order (first occurrence of a repeated index wins;
         # indexes outside [0, depth) never fire).
-        self.deepstack_visual_indexes = [int(i) for i in cfg.deepstack_visual_indexes]
+        self.deepstack_visual_indexes = ([int(i) for i in cfg.deepstack_visual_indexes]
+                                         if deepstack else [])
         self._deepstack_after: dict[int, int] = {}
         for j, layer in enumerate(self.deepstack_visual_indexes):
             if 0 <= layer < self.depth:
