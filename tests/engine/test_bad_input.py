@@ -263,7 +263,7 @@ def test_unknown_architecture_and_missing_files(tmp_path: Path, ckpt: Path) -> N
     weird = tmp_path / "weird"
     shutil.copytree(ckpt, weird)
     config = json.loads((weird / "config.json").read_text())
-    config["architectures"] = ["JambaForCausalLM"]
+    config["architectures"] = ["RwkvForCausalLM"]
     (weird / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"registered architectures: .*LlamaForCausalLM.*"
                                          r"Install a plugin that registers it"):

@@ -31,6 +31,7 @@ from mrv2.layers.linear import (
     norm_linear,
 )
 from mrv2.layers.mamba import Mamba2Mixer
+from mrv2.layers.mamba1 import Mamba1Mixer
 from mrv2.layers.mla import MLAAttention, MLADecoderLayer, mla_rope
 from mrv2.layers.mlp import DenseMLP, GatedMLP
 from mrv2.layers.moe import FusedMoE, GroupedTopKRouter, MoEBlock, SoftmaxTopKRouter
@@ -67,6 +68,7 @@ __all__ = [
     "LinearBase",
     "MLAAttention",
     "MLADecoderLayer",
+    "Mamba1Mixer",
     "Mamba2Mixer",
     "MergedColumnLinear",
     "MoEBlock",

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 
-from mrv2.layers import CausalLM, DecoderModel, Mamba2Mixer, RMSNorm, norm_linear
+from mrv2.layers import CausalLM, DecoderModel, Mamba1Mixer, Mamba2Mixer, RMSNorm, norm_linear
 from mrv2.layers.linear import resolve_tp
 from mrv2.layers.mamba import MAMBA_ACTIVATIONS
 from mrv2.layers.weights import StackedMapping
@@ -111,15 +111,18 @@ def mamba2_mixer(config: Any) -> Mamba2Mixer:
 
 
 class Mamba2Block(torch.nn.Module):
-    """One pre-norm block: ``norm``, then ``mixer``, added to the residual stream (the add
+    """One pre-norm block (Mamba-2's, and Mamba-1's with its mixer passed in): ``norm``, then
+    ``mixer``, added to the residual stream (the add
     fused into the next block's norm, as the core's decoder layers do; with an fp32 residual
     stream in a lower-precision model, HF's separate fp32 add and rounded norm input)."""
 
-    def __init__(self, config: Any, residual_in_fp32: bool) -> None:
+    def __init__(self, config: Any, residual_in_fp32: bool,
+                 mixer: Mamba2Mixer | Mamba1Mixer | None = None) -> None:
         super().__init__()
         self.residual_in_fp32 = residual_in_fp32
         self.norm = RMSNorm(int(config.hidden_size), eps=float(config.layer_norm_epsilon))
-        self.mixer = mamba2_mixer(config)
+        #: The mixer (default: Mamba-2's from the config; Mamba-1 families pass theirs).
+        self.mixer = mixer if mixer is not None else mamba2_mixer(config)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,10 +168,16 @@ class Mamba2ForCausalLM(CausalLM):
         shape = SimpleNamespace(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
                                 num_hidden_layers=layers,
                                 rms_norm_eps=float(config.layer_norm_epsilon))
-        model = DecoderModel(shape, lambda i: Mamba2Block(config, fp32))
+        model = DecoderModel(shape, lambda i: Mamba2Block(config, fp32,
+                                                          self.make_mixer(config)))
         model.norm = FinalNorm(int(config.hidden_size), eps=float(config.layer_norm_epsilon))
         super().__init__(config, model)
         self.residual_in_fp32 = fp32
+
+    @staticmethod
+    def make_mixer(config: Any) -> Mamba2Mixer | Mamba1Mixer:
+        """One layer's mixer from the config (Mamba-2's here)."""
+        return mamba2_mixer(config)
 
     def rename(self, name: str) -> str | None:
         """``backbone.*`` onto the core's ``model.*`` names (``embeddings`` / ``embedding``
@@ -183,6 +192,6 @@ class Mamba2ForCausalLM(CausalLM):
         return super().rename(name)
 
     @property
-    def mixers(self) -> list[Mamba2Mixer]:
+    def mixers(self) -> list[Mamba2Mixer | Mamba1Mixer]:
         """Every layer's mixer, in order."""
         return [cast(Mamba2Block, layer).mixer for layer in self.model.layers]

@@ -1,4 +1,5 @@
-"""mrv2 plugin entry point of Mamba-2: registers its architecture, lazily."""
+"""mrv2 plugin entry point of the Mamba families (Mamba-2, Mamba-1, FalconMamba, Jamba):
+registers their architectures, lazily."""
 
 from collections.abc import Callable
 
@@ -11,3 +12,8 @@ def mrv2_register_models(register: Callable[..., None]) -> None:
     it uses the core's default decoder-only ModelState, which allocates the mixers'
     per-request state, and declares no KV cache layer (the blocks are bookkeeping only)."""
     register("Mamba2ForCausalLM", "mrv2_mamba.model:Mamba2ForCausalLM")
+    # Mamba-1 mixers (the core's Mamba1Mixer): state-spaces mamba-*-hf and Falcon-Mamba (no
+    # KV cache layer, as Mamba-2), and Jamba (Mamba-1 layers, attention layers, MoE)
+    register("MambaForCausalLM", "mrv2_mamba.mamba1:MambaForCausalLM")
+    register("FalconMambaForCausalLM", "mrv2_mamba.mamba1:FalconMambaForCausalLM")
+    register("JambaForCausalLM", "mrv2_mamba.jamba:JambaForCausalLM")

@@ -73,3 +73,51 @@ def hf_gated_norm_per_group(n_groups: int) -> Iterator[None]:
         yield
     finally:
         cls.forward = original  # type: ignore[method-assign]
+
+
+#: A 3-layer Mamba-1: 128 channels (``expand`` 2 over a hidden size of 64), a 16-wide state
+#: per channel, a time step of rank 8, biased projections, the LM head untied.
+TINY_MAMBA1: dict[str, Any] = {
+    "vocab_size": 128, "hidden_size": 64, "expand": 2, "state_size": 16, "conv_kernel": 4,
+    "time_step_rank": 8, "num_hidden_layers": 3, "use_bias": True, "use_conv_bias": True,
+    "hidden_act": "silu", "layer_norm_epsilon": 1e-5, "residual_in_fp32": True,
+    "tie_word_embeddings": False, "eos_token_id": 1, "bos_token_id": 0, "pad_token_id": 0,
+    "use_associative_scan": False,
+}
+
+#: A 4-layer Jamba: Mamba-1 layers 0, 2, 3 (as TINY_MAMBA1's mixers), attention at layer 1
+#: (4 query heads, 2 KV heads), 4 experts (top 2) at layers 1 and 3, dense MLPs elsewhere.
+TINY_JAMBA: dict[str, Any] = {
+    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4,
+    "num_experts_per_tok": 2, "expert_layer_period": 2, "expert_layer_offset": 1,
+    "attn_layer_period": 3, "attn_layer_offset": 1, "mamba_d_state": 16, "mamba_d_conv": 4,
+    "mamba_expand": 2, "mamba_dt_rank": 8, "mamba_conv_bias": True, "mamba_proj_bias": False,
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 256, "use_mamba_kernels": False,
+    "use_associative_scan": False, "tie_word_embeddings": False, "eos_token_id": 1,
+    "bos_token_id": 0, "pad_token_id": 0,
+}
+
+
+def save_tiny_mamba1(path: str | Path, family: str = "Mamba", **overrides: Any
+                     ) -> torch.nn.Module:
+    """Save a random fp32 HF ``{family}ForCausalLM`` (``Mamba``, ``FalconMamba`` or ``Jamba``)
+    of :data:`TINY_MAMBA1` (Jamba: :data:`TINY_JAMBA`; ``overrides`` change fields) to
+    ``path``, weights redrawn far from their init and the SSM's decays in a real range (``A``
+    in [-4.5, -1], ``dt_proj``'s bias in [-3, 0]); returns HF's model."""
+    import transformers
+
+    base = TINY_JAMBA if family == "Jamba" else TINY_MAMBA1
+    config = getattr(transformers, f"{family}Config")(**{**base, **overrides})
+    config.architectures = [f"{family}ForCausalLM"]
+    torch.manual_seed(0)
+    hf = getattr(transformers, f"{family}ForCausalLM")(config).float().eval()
+    redraw_weights(hf, std=0.15)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith("A_log"):
+                param.uniform_(0.0, 1.5)
+            elif name.endswith("dt_proj.bias"):
+                param.uniform_(-3.0, 0.0)
+    hf.save_pretrained(path)
+    return hf
