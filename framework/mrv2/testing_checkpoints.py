@@ -17,7 +17,9 @@ from mrv2.testing import redraw_weights
 def fp8_checkpoint(src: str | Path, dst: str | Path, reference: str | Path,
                    block: tuple[int, int] = (128, 128)) -> None:
     """Save ``src`` (a tiny checkpoint) as an FP8 checkpoint is published in ``dst``: every
-    projection weight (``*_proj.weight``) as e4m3 with a ``weight_scale_inv`` per ``block``, the
+    projection weight (``*_proj.weight``; a sparse-attention indexer's ``wq_b`` and ``wk``, not
+    its ``weights_proj``, as DeepSeek-V3.2 publishes them) as e4m3 with a
+    ``weight_scale_inv`` per ``block``, the
     routed experts (transformers 5's stacked ``experts.gate_up_proj`` / ``experts.down_proj``)
     split per expert as DeepSeek-V3 and GLM-4.5-FP8 publish them
     (``experts.{j}.{gate,up,down}_proj.weight`` and their ``weight_scale_inv``), and
@@ -55,7 +57,10 @@ def fp8_checkpoint(src: str | Path, dst: str | Path, reference: str | Path,
                     up = quantize(f"{prefix}.{e}.up_proj.weight", t[e, inter:])
                     parts.append(torch.cat([gate, up]))
             dequantized[name] = torch.stack(parts).contiguous()
-        elif name.endswith("_proj.weight") and t.dim() == 2:
+        elif name.endswith(".indexer.weights_proj.weight"):
+            quantized[name] = dequantized[name] = t  # (DeepSeek-V3.2-FP8 keeps it in bf16)
+        elif name.endswith(("_proj.weight", ".indexer.wq_b.weight", ".indexer.wk.weight")) and (
+                t.dim() == 2):
             dequantized[name] = quantize(name, t)
         else:
             quantized[name] = dequantized[name] = t

@@ -3,7 +3,8 @@ seeded tokens at TP=2 as at TP=1, with prefix caching on (two prompts share a pr
 dense models with split and with replicated key/value heads (Cohere's per-head q/k norms
 among them; Apertus' dense xIELU MLPs, Helium's reordered interleaved-RoPE rows, StarCoder's
 absolute position embeddings), MoE
-(experts split inside), GLM's partial rotary with shared experts, DeepSeek's MLA, dots.llm1
+(experts split inside), GLM's partial rotary with shared experts, DeepSeek's MLA (and V3.2's
+sparse form), dots.llm1
 and Phi-3.5-MoE, and an FP8 block-quantized checkpoint.
 A bad split fails with an error naming the field, before any worker process starts."""
 
@@ -34,6 +35,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "helium": ("HeliumForCausalLM", {"head_dim": 16, "attention_bias": True}),
     "deepseek-v3": ("DeepseekV3ForCausalLM", {**TINY_MLA, "q_lora_rank": 24, "n_group": 2,
                                               "topk_group": 1}),
+    # DeepSeek Sparse Attention: the indexer replicated (one selection on both ranks), heads split;
+    # a top-k of 4 below the prompts' lengths
+    "deepseek-v32": ("DeepseekV32ForCausalLM", {**TINY_MLA, "q_lora_rank": 24, "n_group": 2,
+                                                "topk_group": 1, "index_topk": 4,
+                                                "index_n_heads": 4, "index_head_dim": 16}),
     # DeepSeek-V3's MoE (groups, shared expert, a dense layer) under per-head q/k norms
     "dots1": ("Dots1ForCausalLM", {"n_routed_experts": 8, "num_experts_per_tok": 2,
                                    "moe_intermediate_size": 32, "n_shared_experts": 1,

@@ -217,30 +217,50 @@ class MLAAttention(KVCacheLayer):
             else:
                 self.w_uk, self.w_uv_t = w_uk.contiguous(), w_uv_t.contiguous()
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def project(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[
+            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The step's projections: ``(q_nope [T, h, nope], q_pe [T, h, P] roped, latent [T, R]
+        normed, k_pe [T, P] roped, q_resid)``, ``q_resid`` the normed query latent
+        (``q_a_layernorm(q_a_proj(x))``; None without ``q_lora_rank``), which DeepSeek's
+        sparse attention indexer reads (:mod:`mrv2.layers.sparse_mla`)."""
         num_tokens, h = x.shape[0], self.num_heads
+        q_resid = None
         if self.q_proj is not None:
             q = self.q_proj(x)
         else:
             assert self.q_a_proj is not None and self.q_a_layernorm is not None
             assert self.q_b_proj is not None
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_resid)
         q = q.view(num_tokens, h, self.qk_dim)
         q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent.contiguous())
         q_pe, k_pe = self.rotary_emb(positions, q_pe.contiguous(), k_pe.contiguous())
+        return (q_nope, q_pe.reshape(num_tokens, h, self.rope_dim), latent,
+                k_pe.reshape(num_tokens, self.rope_dim), q_resid)
+
+    def absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """``q_nope`` ``[T, h, nope]`` times ``W_UK``: the per-head query latents ``[T, h, R]``."""
+        assert self.w_uk is not None and self.w_uv_t is not None, "weights not processed"
+        return torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1).contiguous()
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """The per-head weighted latents ``[T, h, R]`` through ``W_UV`` and ``o_proj``."""
+        assert self.w_uv_t is not None, "weights not processed"
+        num_tokens = out.shape[0]
+        values = torch.bmm(out.transpose(0, 1), self.w_uv_t).transpose(0, 1)
+        return cast(torch.Tensor, self.o_proj(
+            values.reshape(num_tokens, self.num_heads * self.v_dim)))
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q_nope, q_pe, latent, k_pe, _ = self.project(positions, x)
         ctx = get_forward_context()
         cache = ctx.kv_cache(self.layer_idx)
         backend = cast(MLABackend, ctx.backend(self.layer_idx))
-        backend.write(latent, k_pe.reshape(num_tokens, self.rope_dim), cache,
-                      ctx.metadata.slot_mapping)
-        assert self.w_uk is not None and self.w_uv_t is not None, "weights not processed"
-        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
-        out = backend.forward(q_latent.contiguous(), q_pe.reshape(num_tokens, h, self.rope_dim),
-                              cache, ctx.metadata, self.scale)
-        values = torch.bmm(out.transpose(0, 1), self.w_uv_t).transpose(0, 1)
-        return cast(torch.Tensor, self.o_proj(values.reshape(num_tokens, h * self.v_dim)))
+        backend.write(latent, k_pe, cache, ctx.metadata.slot_mapping)
+        out = backend.forward(self.absorb(q_nope), q_pe, cache, ctx.metadata, self.scale)
+        return self.output(out)
 
 
 class MLADecoderLayer(nn.Module):

@@ -49,15 +49,15 @@ def mlp_layer_types_of(config: Any) -> list[str]:
     return [str(t) for t in types]
 
 
-def validate_config(config: Any) -> None:
-    """Raise a ``ValueError`` naming the field if ``config`` is not a GLM-4.7-Flash layout this
-    plugin runs (before anything is built)."""
+def validate_config(config: Any, arch: str = ARCH) -> None:
+    """Raise a ``ValueError`` naming ``arch`` and the field if ``config`` is not a
+    GLM-4.7-Flash layout this plugin runs (before anything is built; GLM-5's too)."""
 
     def need(ok: bool, field: str, what: str) -> None:
         if not ok:
-            raise ValueError(f"{ARCH}: config.{field} = {getattr(config, field, None)!r}: {what}")
+            raise ValueError(f"{arch}: config.{field} = {getattr(config, field, None)!r}: {what}")
 
-    check_mla_config(config, ARCH)
+    check_mla_config(config, arch)
     need(partial_rotary_factor_of(config) == 1.0, "partial_rotary_factor",
          "MLA rotates the whole qk_rope_head_dim part (1.0 only)")
     types = mlp_layer_types_of(config)

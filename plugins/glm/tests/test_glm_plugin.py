@@ -43,7 +43,7 @@ def test_distribution_and_entry_point() -> None:
     assert "optional-dependencies" not in text and "mrv2-plugin-deepseek" not in text
     assert set(mrv2_glm.__all__) == {"Glm4MoeForCausalLM", "Glm4MoeMTP", "GlmForCausalLM",
                                      "Glm4ForCausalLM", "Glm4MoeLiteForCausalLM",
-                                     "Glm4vForConditionalGeneration",
+                                     "GlmMoeDsaForCausalLM", "Glm4vForConditionalGeneration",
                                      "Glm4vMoeForConditionalGeneration"}
     assert mrv2_glm.Glm4ForCausalLM.__name__ == "Glm4ForCausalLM"
     assert mrv2_glm.Glm4MoeMTP.__name__ == "Glm4MoeMTP"
@@ -61,7 +61,7 @@ def test_cli_lists_the_plugin(capsys: pytest.CaptureFixture[str]) -> None:
     assert re.search(r"^    Glm4MoeForCausalLM  \(glm: mrv2_glm\.model:Glm4MoeForCausalLM\)$",
                      out, re.M), out
     for arch, module in (("GlmForCausalLM", "dense"), ("Glm4ForCausalLM", "dense"),
-                         ("Glm4MoeLiteForCausalLM", "lite"),
+                         ("Glm4MoeLiteForCausalLM", "lite"), ("GlmMoeDsaForCausalLM", "dsa"),
                          ("Glm4vForConditionalGeneration", "glm4v"),
                          ("Glm4vMoeForConditionalGeneration", "glm4v")):
         assert f"    {arch}  (glm: mrv2_glm.{module}:{arch})\n" in out, out

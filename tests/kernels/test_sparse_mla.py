@@ -1,0 +1,85 @@
+"""The DSA kernels (:mod:`mrv2_kernels.sparse_mla`) against their torch references: the
+indexer's scores over a paged key cache (positions past each token and padding rows ``-inf``),
+and latent attention over selected slots (``-1`` entries skipped, a row with none zero); both
+compiled for sm_90 at DeepSeek-V3.2's shapes."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from mrv2_kernels.sparse_mla import (
+    indexer_logits_ref,
+    indexer_logits_triton,
+    sparse_mla_attention_ref,
+    sparse_mla_attention_triton,
+)
+
+DEVICE = "cuda" if os.environ.get("MRV2_TEST_GPU") and torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_match_refs(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    heads, dim, blocks, block_size, span = 5, 24, 12, 4, 19
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+
+    k_cache = rand(blocks, block_size, dim)
+    block_table = torch.randperm(blocks, generator=gen)[:10].view(2, 5).int().to(DEVICE)
+    # request 0: 3 tokens at 9..11; request 1: 4 tokens at 14..17; two padding rows
+    token_req = torch.tensor([0, 0, 0, 1, 1, 1, 1, -1, -1], dtype=torch.int32, device=DEVICE)
+    token_pos = torch.tensor([9, 10, 11, 14, 15, 16, 17, -1, -1], dtype=torch.int32,
+                             device=DEVICE)
+    q, weights = rand(9, heads, dim), rand(9, heads).float()
+    out = torch.full((9, span), float("nan"), device=DEVICE)
+    got = indexer_logits_triton(q, weights, k_cache, block_table, token_req, token_pos, 0.3,
+                                out, block_n=8)
+    ref = indexer_logits_ref(q, weights, k_cache, block_table, token_req, token_pos, 0.3,
+                             torch.empty_like(out))
+    assert torch.equal(torch.isinf(got), torch.isinf(ref)) and torch.isinf(ref[7:]).all()
+    assert torch.isinf(ref[0, 10:]).all() and torch.isfinite(ref[0, :10]).all()
+    torch.testing.assert_close(got, ref, atol=1e-2, rtol=1e-2)
+
+    rank, rope, num_heads, top = 32, 16, 3, 6
+    cache = rand(blocks, block_size, rank + rope)
+    slots = torch.randint(0, blocks * block_size, (4, top), generator=gen).to(DEVICE)
+    slots[1, 2:] = -1
+    slots[2] = -1
+    q_latent, q_pe = rand(4, num_heads, rank), rand(4, num_heads, rope)
+    out2 = torch.full((4, num_heads, rank), float("nan"), dtype=dtype, device=DEVICE)
+    got2 = sparse_mla_attention_triton(q_latent, q_pe, cache, slots, 0.2, out2, block_n=16)
+    ref2 = sparse_mla_attention_ref(q_latent, q_pe, cache, slots, 0.2,
+                                    torch.empty_like(out2))
+    assert (ref2[2] == 0).all()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got2.float(), ref2.float(), atol=tol, rtol=tol)
+
+
+_SM90_SCRIPT = r"""
+from mrv2_kernels import sparse_mla as m
+
+bf, f32, i32 = "*bf16", "*fp32", "*i32"
+build(m._indexer_logits_kernel,
+      {"q_ptr": bf, "w_ptr": f32, "k_ptr": bf, "bt_ptr": i32, "req_ptr": i32, "pos_ptr": i32,
+       "out_ptr": f32},
+      dict(HEADS=64, DIM=128, BLOCK_H=64, BLOCK_D=128, BLOCK_N=64, KV_BLOCK_SIZE=16,
+           DOT_FP32=False, FP32_PRECISION="tf32x3"), num_warps=4)
+build(m._sparse_mla_kernel,
+      {"ql_ptr": bf, "qp_ptr": bf, "cache_ptr": bf, "slot_ptr": "*i64", "out_ptr": bf},
+      dict(HEADS=128, RANK=512, ROPE=64, RANK_P2=512, ROPE_P2=64, BLOCK_H=16, BLOCK_N=32,
+           KV_BLOCK_SIZE=16, DOT_FP32=False, FP32_PRECISION="tf32x3"), num_warps=4)
+"""
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the GPU run compiles them for real")
+def test_kernels_compile_for_sm90(tmp_path: Any) -> None:
+    from sm90 import compile_for_sm90
+
+    shared = [size for sizes in compile_for_sm90(_SM90_SCRIPT, tmp_path).values()
+              for size in sizes]
+    assert len(shared) == 2 and max(shared) <= 200 * 1024, shared
