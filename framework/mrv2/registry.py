@@ -28,6 +28,7 @@ KNOWN_PACKAGES: dict[str, str] = {
     "GlmForCausalLM": "mrv2-plugin-glm",
     "Glm4ForCausalLM": "mrv2-plugin-glm",
     "Glm4MoeLiteForCausalLM": "mrv2-plugin-glm",
+    "SolarOpenForCausalLM": "mrv2-plugin-glm",
     "Glm4vForConditionalGeneration": "mrv2-plugin-glm",
     "Glm4vMoeForConditionalGeneration": "mrv2-plugin-glm",
     "GlmMoeDsaForCausalLM": "mrv2-plugin-glm",
@@ -35,6 +36,8 @@ KNOWN_PACKAGES: dict[str, str] = {
     "DeepseekV3ForCausalLM": "mrv2-plugin-deepseek",
     "DeepseekV32ForCausalLM": "mrv2-plugin-deepseek",
     "Dots1ForCausalLM": "mrv2-plugin-deepseek",
+    "AfmoeForCausalLM": "mrv2-plugin-deepseek",
+    "YoutuForCausalLM": "mrv2-plugin-deepseek",
     "Qwen2_5_VLForConditionalGeneration": "mrv2-plugin-qwen-vl",
     "Qwen3VLForConditionalGeneration": "mrv2-plugin-qwen-vl",
     "Gemma3ForConditionalGeneration": "mrv2-plugin-gemma",
@@ -77,6 +80,7 @@ KNOWN_PACKAGES: dict[str, str] = {
     "FlexOlmoForCausalLM": "mrv2-plugin-olmo",
     "MiniMaxM2ForCausalLM": "mrv2-plugin-minimax",
     "Exaone4ForCausalLM": "mrv2-plugin-exaone",
+    "ExaoneMoeForCausalLM": "mrv2-plugin-exaone",
     "Ernie4_5ForCausalLM": "mrv2-plugin-ernie",
     "Ernie4_5_MoeForCausalLM": "mrv2-plugin-ernie",
     "GptOssForCausalLM": "mrv2-plugin-gpt-oss",
@@ -101,6 +105,8 @@ KNOWN_PACKAGES: dict[str, str] = {
     "ArceeForCausalLM": "mrv2-contrib-llama",
     "ApertusForCausalLM": "mrv2-contrib-llama",
     "HeliumForCausalLM": "mrv2-contrib-llama",
+    "Jais2ForCausalLM": "mrv2-contrib-llama",
+    "NanoChatForCausalLM": "mrv2-contrib-llama",
 }
 
 #: Which package registers a speculative method, for the "unknown speculative method" error.

@@ -1,5 +1,5 @@
-"""GPU: FP8 linear layers (block-FP8 GEMM) and DeepSeek's MLA (Triton latent-cache kernels)
-through the engine with CUDA graphs.
+"""GPU: FP8 linear layers (block-FP8 GEMM) and DeepSeek's MLA (Triton latent-cache kernels;
+Youtu-LLM's too) through the engine with CUDA graphs.
 
 Run on a CUDA machine with ``MRV2_TEST_GPU=1 python -m pytest -m gpu``.
 """
@@ -107,3 +107,17 @@ def test_deepseek_fp8_checkpoint_with_graphs(deepseek: Path, tmp_path: Path) -> 
     assert [g[:4] for g in graphs] == [e[:4] for e in eager]
     agree = sum(g[0] == e[0] for g, e in zip(graphs, expected, strict=True))
     assert agree >= len(PROMPTS) - 1
+
+
+def test_youtu_mla_dense_fp32_greedy_matches_hf_with_graphs_on_and_off(tmp_path: Path
+                                                                        ) -> None:
+    """Youtu-LLM: DeepSeek-V3's MLA (q LoRA, interleaved RoPE) over dense MLPs, tied
+    embeddings, on the latent-cache kernels."""
+    path = make_tiny_checkpoint(
+        tmp_path / "youtu", "YoutuForCausalLM", std=0.15, vocab_size=512, hidden_size=256,
+        intermediate_size=512, num_hidden_layers=3, num_attention_heads=16,
+        num_key_value_heads=16, q_lora_rank=96, kv_lora_rank=128, qk_nope_head_dim=32,
+        qk_rope_head_dim=64, v_head_dim=32, max_position_embeddings=512)
+    expected = [hf_greedy(path, p, 16) for p in PROMPTS]
+    assert _generate(path, "float32") == expected
+    assert _generate(path, "float32", enforce_eager=True) == expected

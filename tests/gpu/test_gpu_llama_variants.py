@@ -1,11 +1,14 @@
 """GPU: the Llama-like variants of ``mrv2-contrib-llama`` through the engine on the Triton
 kernels, at the published head size (128): Arcee AFM (squared-ReLU dense MLPs, their norm fused
-with ``up_proj`` in decode steps; YaRN), Apertus (xIELU dense MLPs, per-head q/k RMSNorms fused
+with ``up_proj`` in decode steps; YaRN), Jais 2 (the same MLPs under biased LayerNorms, every
+attention projection biased), Apertus (xIELU dense MLPs, per-head q/k RMSNorms fused
 into the rotation; Llama 3 RoPE), Helium (interleaved RoPE: q/k rows reordered as they load,
 rotated inside the attention kernel; biased q/k/v), Ministral 8B (sliding layers on block
-tables of their own beside full ones; prompts and outputs past the window) and Ministral 3
-(queries scaled by position past ``original_max_position_embeddings``; YaRN), Granite SWA
-(sliding layers with learned attention sinks, a RoPE base per layer, one NoPE) and, from
+tables of their own beside full ones; prompts and outputs past the window), Ministral 3
+(queries scaled by position past ``original_max_position_embeddings``; YaRN), nanochat
+(weightless norms fused as ones, reversed RoPE inside the attention kernel, soft-capped
+logits), Granite SWA (sliding layers with learned attention sinks, a RoPE base per layer, one
+NoPE) and, from
 ``mrv2-plugin-nemotron-h``, Nemotron-4 (``1 + weight`` LayerNorms on the unfused norm path,
 squared-ReLU dense MLPs, half of each head rotated). fp32 greedy
 tokens are HF's with CUDA graphs (decode and mixed steps) and without, prompts split across
@@ -40,11 +43,14 @@ LLAMA3 = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_fac
 SLIDING, FULL = "sliding_attention", "full_attention"
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "arcee": ("ArceeForCausalLM", {**SHAPE, "hidden_act": "relu2", "rope_parameters": YARN}),
+    "jais2": ("Jais2ForCausalLM", {**SHAPE, "hidden_act": "relu2", "attention_bias": True,
+                                   "mlp_bias": True}),
     "apertus": ("ApertusForCausalLM", {**SHAPE, "hidden_act": "xielu",
                                        "rope_parameters": LLAMA3}),
     "helium": ("HeliumForCausalLM", {**SHAPE, "attention_bias": True}),
     "ministral": ("MinistralForCausalLM", {**SHAPE, "sliding_window": 24,
                                            "layer_types": [SLIDING, FULL] * 2}),
+    "nanochat": ("NanoChatForCausalLM", {**SHAPE, "attention_bias": True}),
     "ministral3": ("Ministral3ForCausalLM", {
         **SHAPE, "rope_parameters": {**YARN, "mscale": 1.0, "mscale_all_dim": 1.0,
                                      "llama_4_scaling_beta": 0.5}}),

@@ -29,6 +29,24 @@ FAMILIES = {
     "Dots1ForCausalLM": {**COMMON, "n_routed_experts": 16, "n_shared_experts": 1,
                          "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1,
                          "norm_topk_prob": True, "routed_scaling_factor": 2.5, "std": 0.15},
+    # K-EXAONE: pre-norm blocks, per-head q/k norms, sliding RoPE layers (window shorter
+    # than the long prompt) and a global NoPE one, V3's grouped router and a shared expert
+    "ExaoneMoeForCausalLM": {**COMMON, "num_experts": 16, "num_shared_experts": 1,
+                             "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1,
+                             "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+                             "sliding_window": 8, "std": 0.15,
+                             "layer_types": ["sliding_attention", "sliding_attention",
+                                             "full_attention"]},
+    # AFMoE: sandwich norms around gated attention (sliding RoPE layers, a global NoPE one)
+    # and V3's one-group sigmoid router with its expert bias, shared experts, muP embeddings
+    "AfmoeForCausalLM": {**COMMON, "num_experts": 16, "num_shared_experts": 1,
+                         "num_dense_layers": 1, "route_scale": 2.5, "mup_enabled": True,
+                         "sliding_window": 8, "global_attn_every_n_layers": 3, "std": 0.15},
+    # Solar Open: GLM-4.5's MoE on every layer under Llama's attention (q/k/v biases)
+    "SolarOpenForCausalLM": {**COMMON, "n_routed_experts": 16, "n_shared_experts": 1,
+                             "n_group": 4, "topk_group": 2, "norm_topk_prob": True,
+                             "routed_scaling_factor": 2.5, "attention_bias": True,
+                             "std": 0.15},
     # SparseMixer's top-2 (torch ops in the graphs), biased LayerNorms (the unfused norm path
     # in decode graphs), biased attention and LM head, LongRoPE with its mscales
     "PhimoeForCausalLM": {**COMMON, "num_local_experts": 16, "num_experts_per_tok": 2,

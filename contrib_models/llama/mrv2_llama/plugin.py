@@ -15,8 +15,11 @@ def mrv2_register_models(register: Callable[..., None]) -> None:
     layer), ``SeedOssForCausalLM`` (Llama's decoder, the output projection's bias set apart),
     ``MinistralForCausalLM`` (Llama's decoder, ``layer_types``' sliding and full layers), and
     the variants of :mod:`mrv2_llama.variants`: ``ArceeForCausalLM`` (squared-ReLU dense MLPs),
+    ``Jais2ForCausalLM`` (Arcee's layers under biased LayerNorms),
     ``ApertusForCausalLM`` (xIELU dense MLPs, q/k norms), ``HeliumForCausalLM`` (interleaved
-    RoPE), ``Ministral3ForCausalLM`` (queries scaled by position)."""
+    RoPE), ``Ministral3ForCausalLM`` (queries scaled by position); and
+    ``NanoChatForCausalLM`` (:mod:`mrv2_llama.nanochat`: weightless norms, RoPE the other way,
+    soft-capped logits)."""
     for arch in ("LlamaForCausalLM", "MistralForCausalLM"):
         register(arch, "mrv2_llama.model:LlamaForCausalLM",
                  model_state="mrv2_llama.state:LlamaModelState")
@@ -27,5 +30,6 @@ def mrv2_register_models(register: Callable[..., None]) -> None:
     register("SeedOssForCausalLM", "mrv2_llama.model:LlamaForCausalLM")
     register("MinistralForCausalLM", "mrv2_llama.model:LlamaForCausalLM")
     for arch in ("ArceeForCausalLM", "ApertusForCausalLM", "HeliumForCausalLM",
-                 "Ministral3ForCausalLM"):
+                 "Ministral3ForCausalLM", "Jais2ForCausalLM"):
         register(arch, f"mrv2_llama.variants:{arch}")
+    register("NanoChatForCausalLM", "mrv2_llama.nanochat:NanoChatForCausalLM")

@@ -1,9 +1,13 @@
 """Llama-like decoders that differ from Llama in one or two places, as transformers 5.17 builds
-them (``transformers.models.{arcee,helium,ministral3,apertus}``):
+them (``transformers.models.{arcee,helium,ministral3,apertus,jais2}``):
 
 - Arcee AFM (``ArceeForCausalLM``: AFM-4.5B): Llama's attention (biases per
   ``attention_bias``), a dense MLP ``down_proj(relu2(up_proj(x)))`` (squared ReLU, no gate;
   biases per ``mlp_bias``).
+- Inception's Jais 2 (``Jais2ForCausalLM``: Jais-2-8B-Chat): Arcee's layers (a dense
+  squared-ReLU MLP of ``hidden_act``, biases per ``mlp_bias``; all four attention projections
+  biased per ``attention_bias``) under LayerNorms with biases (``layer_norm_eps``) in place of
+  the RMSNorms, the final norm too.
 - Swiss AI Apertus (``ApertusForCausalLM``: Apertus 8B / 70B): Llama's attention with per-head
   q/k RMSNorms before the rotation, Llama 3 RoPE scaling, a dense MLP with the xIELU activation
   whose ``alpha_p`` / ``alpha_n`` (before their softplus) and ``beta`` / ``eps`` each layer
@@ -44,6 +48,7 @@ from mrv2.layers import (
     DecoderModel,
     DenseMLP,
     GatedMLP,
+    LayerNorm,
     ScaledQueryAttention,
     SelfAttention,
     get_rope,
@@ -52,6 +57,7 @@ from mrv2.layers import (
     qk_rows_to_halves,
     qk_tensor_to_halves,
 )
+from mrv2.layers.decoder import NormFactory
 from mrv2.layers.weights import StackedMapping
 
 if TYPE_CHECKING:
@@ -63,11 +69,13 @@ _QK = re.compile(r"\.self_attn\.([qk])_proj\.(\w+)$")
 
 class _DenseMLPDecoder(CausalLM):
     """Llama's attention (biases per ``attention_bias``; per-head q/k RMSNorms with
-    ``qk_norm``) and a dense :class:`~mrv2.layers.DenseMLP` of ``hidden_act``."""
+    ``qk_norm``) and a dense :class:`~mrv2.layers.DenseMLP` of ``hidden_act``; ``norm``: what
+    builds every norm (default the config's RMSNorm)."""
 
     stacked_params: ClassVar[StackedMapping] = QKV_PARAMS
 
-    def __init__(self, config: PretrainedConfig, qk_norm: bool, mlp_bias: bool) -> None:
+    def __init__(self, config: PretrainedConfig, qk_norm: bool, mlp_bias: bool,
+                 norm: NormFactory | None = None) -> None:
         rope = get_rope(config, head_dim_of(config))
         bias = bool(getattr(config, "attention_bias", False))
 
@@ -75,9 +83,9 @@ class _DenseMLPDecoder(CausalLM):
             attn = SelfAttention(config, i, rope, qkv_bias=bias, o_bias=bias, qk_norm=qk_norm)
             mlp = DenseMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
                            bias=mlp_bias)
-            return DecoderLayer(config, attn, mlp)
+            return DecoderLayer(config, attn, mlp, norm=norm)
 
-        super().__init__(config, DecoderModel(config, layer))
+        super().__init__(config, DecoderModel(config, layer, norm=norm))
 
 
 class ArceeForCausalLM(_DenseMLPDecoder):
@@ -86,6 +94,16 @@ class ArceeForCausalLM(_DenseMLPDecoder):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__(config, qk_norm=False,
                          mlp_bias=bool(getattr(config, "mlp_bias", False)))
+
+
+class Jais2ForCausalLM(_DenseMLPDecoder):
+    """Jais 2 in the mrv2 model contract (module docstring)."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        hidden, eps = int(config.hidden_size), float(config.layer_norm_eps)
+        super().__init__(config, qk_norm=False,
+                         mlp_bias=bool(getattr(config, "mlp_bias", False)),
+                         norm=lambda: LayerNorm(hidden, eps))
 
 
 class ApertusForCausalLM(_DenseMLPDecoder):

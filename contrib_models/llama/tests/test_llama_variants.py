@@ -1,14 +1,16 @@
-"""Arcee AFM, Apertus, Helium, Ministral 8B and Ministral 3 (text-only) against HF
-transformers on tiny random checkpoints: greedy tokens through the engine (prompts split over
+"""Arcee AFM, Jais 2, Apertus, Helium, Ministral 8B, Ministral 3 (text-only) and nanochat against
+HF transformers on tiny random checkpoints: greedy tokens through the engine (prompts split over
 steps of 8 tokens, block size 4) and every prompt position's log-probability.
 
 Each case sets what makes the family differ from Llama apart: Arcee's squared-ReLU dense MLP
-(YaRN RoPE, biased projections); Apertus' xIELU with each layer's own ``alpha_p`` /
-``alpha_n`` / ``beta`` (the checkpoint's, away from HF's init values), per-head q/k norms,
-Llama 3 RoPE; Helium's interleaved RoPE (its q/k rows reordered as they load, q/k/v biased,
-the output projection not); Ministral's sliding layers (a window of 5, shorter than the
-prompts) beside full ones; Ministral 3's queries scaled by position past
-``original_max_position_embeddings`` (8, within the prompts) with YaRN."""
+(YaRN RoPE, biased projections); Jais 2's biased LayerNorms around the same layers; Apertus'
+xIELU with each layer's own ``alpha_p`` / ``alpha_n`` / ``beta`` (the checkpoint's, away from
+HF's init values), per-head q/k norms, Llama 3 RoPE; Helium's interleaved RoPE (its q/k rows
+reordered as they load, q/k/v biased, the output projection not); Ministral's sliding layers (a
+window of 5, shorter than the prompts) beside full ones; Ministral 3's queries scaled by
+position past ``original_max_position_embeddings`` (8, within the prompts) with YaRN; nanochat's
+weightless norms (the embeddings normed too), reversed RoPE, squared-ReLU ``fc1`` / ``fc2`` MLP,
+biased attention and soft-capped logits."""
 
 from __future__ import annotations
 
@@ -34,11 +36,15 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "arcee": ("ArceeForCausalLM", {"hidden_act": "relu2", "attention_bias": True,
                                    "mlp_bias": True, "rope_parameters": YARN}),
+    "jais2": ("Jais2ForCausalLM", {"hidden_act": "relu2", "attention_bias": True,
+                                   "mlp_bias": True, "layer_norm_eps": 1e-4}),
     "apertus": ("ApertusForCausalLM", {"hidden_act": "xielu", "rope_parameters": LLAMA3}),
     "helium": ("HeliumForCausalLM", {"head_dim": 16, "attention_bias": True}),
     "ministral": ("MinistralForCausalLM", {"head_dim": 16, "num_hidden_layers": 3,
                                            "sliding_window": 5,
                                            "layer_types": [SLIDING, FULL, SLIDING]}),
+    "nanochat": ("NanoChatForCausalLM", {"head_dim": 16, "attention_bias": True,
+                                         "final_logit_softcapping": 3.0}),
     "ministral3": ("Ministral3ForCausalLM", {
         "head_dim": 16, "rope_parameters": {**YARN, "mscale": 1.0, "mscale_all_dim": 1.0,
                                             "llama_4_scaling_beta": 0.5}}),

@@ -122,6 +122,11 @@ class SelfAttention(nn.Module):
         """Everything after the QKV projection: q/k norms, RoPE, attention, output projection.
         RoPE runs inside the attention layer, where the backend can write the KV cache in the
         same kernel."""
+        return cast(torch.Tensor, self.o_proj(self.attention_output(positions, qkv)))
+
+    def attention_output(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """:meth:`attend` without the output projection: ``[T, this rank's heads *
+        head_dim]``, for a family that changes it first (AFMoE's output gate)."""
         q, k, v = self.qkv_proj.split(qkv)
         norms = None
         if self.projection_norm and self.q_norm is not None and self.k_norm is not None:
@@ -133,9 +138,9 @@ class SelfAttention(nn.Module):
             k = cast(torch.Tensor, self.k_norm(k.reshape(-1, d))).reshape(k.shape)
         elif self.q_norm is not None and self.k_norm is not None:
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        out = self.attn(q, k, v, positions=positions, rotary=self.rotary_emb, qk_norm=norms,
-                        sinks=self.sinks)
-        return cast(torch.Tensor, self.o_proj(out))
+        return cast(torch.Tensor, self.attn(q, k, v, positions=positions,
+                                            rotary=self.rotary_emb, qk_norm=norms,
+                                            sinks=self.sinks))
 
     def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         """This rank's heads of the checkpoint's ``sinks`` ``[num_attention_heads]``."""

@@ -21,12 +21,21 @@ class RMSNorm(nn.Module):
     transformers, the normed value is cast back to the input dtype before the weight multiply.
     One fused kernel (:func:`mrv2_kernels.norm.rms_norm`) on the Triton path, which writes
     ``new_residual`` into ``residual``'s storage: use the returned residual, not the argument.
+
+    ``affine=False``: no learned scale (HF's weightless ``L2Norm``: NanoChat, Llama 4's q/k
+    norm); ``weight`` is then a buffer of ones that no checkpoint fills, so every fused path
+    runs as for a learned one.
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    weight: torch.Tensor
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, affine: bool = True) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        if affine:
+            self.weight = nn.Parameter(torch.ones(hidden_size))
+        else:
+            self.register_buffer("weight", torch.ones(hidden_size), persistent=False)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

@@ -268,6 +268,9 @@ class RotaryEmbedding(nn.Module):
     math reads (YaRN without ``factor``, LongRoPE's attention factor); ``positions`` only
     sizes the table (the longest context: RoPE scaling may reach past
     ``max_position_embeddings``), its rows the same whatever their number.
+
+    :attr:`reverse` (set before first use): rotate by minus each angle, the table's sines
+    negated (NanoChat's ``rotate_half``, whose signs are flipped against Llama's).
     """
 
     def __init__(
@@ -296,6 +299,7 @@ class RotaryEmbedding(nn.Module):
         self.attention_factor = attention_factor_of(self.scaling, max_position)
         _inv_freq(self.rotary_dim, base, self.scaling)  # fail on an unsupported type right away
         self._cos_sin: torch.Tensor | None = None
+        self.reverse = False
 
     def _table(self, device: torch.device) -> torch.Tensor:
         if self._cos_sin is None or self._cos_sin.device != device:
@@ -315,6 +319,8 @@ class RotaryEmbedding(nn.Module):
             else:
                 self._cos_sin = (torch.cat([freqs.cos(), freqs.sin()], dim=-1)
                                  * self.attention_factor)
+            if self.reverse:
+                self._cos_sin[:, self.rotary_dim // 2:].neg_()
         return self._cos_sin
 
     def whole_head_table(self, positions: torch.Tensor) -> torch.Tensor | None:
@@ -352,7 +358,7 @@ class RotaryEmbedding(nn.Module):
         return (
             f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, "
             f"max_position={self.max_position}, positions={self.positions}, base={self.base}, "
-            f"scaling={self.scaling}"
+            f"scaling={self.scaling}" + (", reverse" if self.reverse else "")
         )
 
 

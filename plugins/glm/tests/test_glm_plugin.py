@@ -44,7 +44,7 @@ def test_distribution_and_entry_point() -> None:
     assert set(mrv2_glm.__all__) == {"Glm4MoeForCausalLM", "Glm4MoeMTP", "GlmForCausalLM",
                                      "Glm4ForCausalLM", "Glm4MoeLiteForCausalLM",
                                      "GlmMoeDsaForCausalLM", "Glm4vForConditionalGeneration",
-                                     "Glm4vMoeForConditionalGeneration"}
+                                     "Glm4vMoeForConditionalGeneration", "SolarOpenForCausalLM"}
     assert mrv2_glm.Glm4ForCausalLM.__name__ == "Glm4ForCausalLM"
     assert mrv2_glm.Glm4MoeMTP.__name__ == "Glm4MoeMTP"
     with pytest.raises(AttributeError):
@@ -63,7 +63,8 @@ def test_cli_lists_the_plugin(capsys: pytest.CaptureFixture[str]) -> None:
     for arch, module in (("GlmForCausalLM", "dense"), ("Glm4ForCausalLM", "dense"),
                          ("Glm4MoeLiteForCausalLM", "lite"), ("GlmMoeDsaForCausalLM", "dsa"),
                          ("Glm4vForConditionalGeneration", "glm4v"),
-                         ("Glm4vMoeForConditionalGeneration", "glm4v")):
+                         ("Glm4vMoeForConditionalGeneration", "glm4v"),
+                         ("SolarOpenForCausalLM", "solar_open")):
         assert f"    {arch}  (glm: mrv2_glm.{module}:{arch})\n" in out, out
 
 
