@@ -8,6 +8,7 @@
 # gcgen0 (MRV2_GC_GEN0_THRESHOLD=20000 against Python's own, 256 streams through mrv2 serve),
 # longdecode (scripts/sweep_long_decode.py: decode attention's launch options at long contexts),
 # verify51 (the LayerNorm kernel's tests, the session's new families' GPU tests, 0.6B batch-1 TPOT),
+# verify52 (the new kernels' tests, then the new families' GPU test files),
 # verify51b (the kernel tests of the LayerNorm and padded heads on CUDA, then what verify51 left),
 # quick49 (the default prefill grid on 8B heads, packed integer reloads; ~2 min), targets49 (issue 16's targets, cheapest first, within VERIFY_S), verify49 (packed integer weights reloaded under graphs, gpt-oss's MXFP4 test, then scripts/kernel_audit.py:
 # every Triton variant a workload compiled, flagged for spills and register cliffs),
@@ -862,6 +863,23 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
              --server-args "--tensor-parallel-size ${TP:-4} --max-model-len 4096 ${GLM47_ARGS:-}" \
              --variants ${GLM47_VARIANTS:-mtp_off mtp_on async_off mtp_on_async_off} 2>&1 \
              | tee "$OUT/glm47.log" | tail -24 ;;
+    verify52) # the fifty-second session's work on CUDA within VERIFY_S seconds (default 560), most
+              # wanted first: the new kernels' tests (selective scan, sparse MLA), then the GPU
+              # test files VERIFY_TESTS names (each capped at VERIFY_CAP seconds, -v so a failure
+              # has its name): Mamba-1 / FalconMamba / Jamba, DeepSeek-V3.2 / GLM-5, the Qwen-VL
+              # file with Qwen3.5's images, the MoE file with K-EXAONE / AFMoE / Solar Open
+              end=$(( $(date +%s) + ${VERIFY_S:-560} ))
+              left() { local l=$(( end - $(date +%s) )); [ "$l" -lt "$1" ] && echo $(( l > 1 ? l : 1 )) || echo "$1"; }
+              timeout "$(left 90)" python3 -m pytest -v -p no:cacheprovider tests/kernels/test_selective_scan.py \
+                tests/kernels/test_sparse_mla.py 2>&1 | tee "$OUT/kernels52.log" \
+                | grep -E "^FAILED|^ERROR| passed| failed" | tail -4 | sed "s/^/kernels52: /"
+              for t in ${VERIFY_TESTS:-mamba1 dsa qwen_vl moe llama_variants}; do
+                [ -f "tests/gpu/test_gpu_$t.py" ] || { echo "$t: no tests/gpu/test_gpu_$t.py"; continue; }
+                [ "$(left 20)" -lt 15 ] && { echo "$t: no time left"; continue; }
+                timeout "$(left "${VERIFY_CAP:-120}")" python3 -m pytest -v -p no:cacheprovider -m gpu \
+                  "tests/gpu/test_gpu_$t.py" ${VERIFY_K:+-k "$VERIFY_K"} 2>&1 | tee "$OUT/gpu_$t.log" \
+                  | grep -E "^FAILED|^ERROR|FAILED|passed|failed" | tail -4 | sed "s/^/$t: /"
+              done ;;
     verify51) # the fifty-first session's work on CUDA within VERIFY_S seconds (default 560): the
               # LayerNorm kernel's tests, then the GPU test files VERIFY_TESTS names (default: the
               # session's new families and the tests its changes touch; each capped at VERIFY_CAP
