@@ -35,6 +35,7 @@ KNOWN_PACKAGES: dict[str, str] = {
     "DeepseekV2ForCausalLM": "mrv2-plugin-deepseek",
     "DeepseekV3ForCausalLM": "mrv2-plugin-deepseek",
     "DeepseekV32ForCausalLM": "mrv2-plugin-deepseek",
+    "KimiLinearForCausalLM": "mrv2-plugin-kimi",
     "Dots1ForCausalLM": "mrv2-plugin-deepseek",
     "AfmoeForCausalLM": "mrv2-plugin-deepseek",
     "YoutuForCausalLM": "mrv2-plugin-deepseek",

@@ -459,12 +459,15 @@ def gated_delta_rule_auto(
     the token-serial :func:`~mrv2_kernels.linear_attention.gated_delta_rule`; every keyword of
     the latter (``state_table``, ``gate_params``, ``dt_limits``, ``skip``, ``out_dtype``,
     ``row_slots``) passed on. Same results up to fp32 rounding either way (TF32's where every
-    operand and the output are 16-bit, on the GPU: :func:`chunk_gated_delta_rule_triton`)."""
+    operand and the output are 16-bit, on the GPU: :func:`chunk_gated_delta_rule_triton`). A
+    per-key-channel ``g`` ``[T, Hv, K]`` (Kimi Delta Attention) always runs token-serial: the
+    chunked form takes per-head decays only."""
     kw: dict[str, Any] = dict(delta=delta, state_table=state_table, gate_params=gate_params,
                               dt_limits=dt_limits, skip=skip, out_dtype=out_dtype,
                               row_slots=row_slots)
-    if prefer_chunked(q.shape[0], query_start_loc.shape[0] - 1, max_query_len,
-                      CHUNKED_MIN_QUERY_LEN_DELTA if delta else CHUNKED_MIN_QUERY_LEN):
+    if g.dim() == 2 and prefer_chunked(
+            q.shape[0], query_start_loc.shape[0] - 1, max_query_len,
+            CHUNKED_MIN_QUERY_LEN_DELTA if delta else CHUNKED_MIN_QUERY_LEN):
         return chunk_gated_delta_rule(q, k, v, g, beta, state, query_start_loc, seq_lens,
                                       state_rows, scale, l2norm_qk,
                                       serial_below=CHUNKED_SERIAL_BELOW, **kw)

@@ -106,7 +106,9 @@ def causal_conv1d(
 
 
 def _check_gdr(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-               beta: torch.Tensor, state: torch.Tensor) -> None:
+               beta: torch.Tensor, state: torch.Tensor, vector_gate: bool = False) -> None:
+    """The shapes and the state's dtype (``vector_gate``: ``g`` may also be ``[T, Hv, K]``,
+    one decay per key channel; the token-serial forms take it, the chunked one does not)."""
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
         raise ValueError(f"q, k must be [T, Hk, K] and v [T, Hv, V], got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -114,10 +116,11 @@ def _check_gdr(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     hv, dv = v.shape[1:]
     if hk == 0 or hv % hk:
         raise ValueError(f"the v heads ({hv}) must be a multiple of the q/k heads ({hk})")
-    for name, t in (("g", g), ("beta", beta)):
-        if t.shape != (num_tokens, hv):
-            raise ValueError(f"{name} must have shape ({num_tokens}, {hv}), got "
-                             f"{tuple(t.shape)}")
+    if beta.shape != (num_tokens, hv):
+        raise ValueError(f"beta must have shape ({num_tokens}, {hv}), got {tuple(beta.shape)}")
+    if g.shape != (num_tokens, hv) and not (vector_gate and g.shape == (num_tokens, hv, dk)):
+        vec = f" or ({num_tokens}, {hv}, {dk})" if vector_gate else ""
+        raise ValueError(f"g must have shape ({num_tokens}, {hv}){vec}, got {tuple(g.shape)}")
     if state.dim() != 4 or state.shape[1:] != (hv, dk, dv):
         raise ValueError(f"state must be [R, {hv}, {dk}, {dv}], got {tuple(state.shape)}")
     if state.dtype != torch.float32:
@@ -135,8 +138,9 @@ def gated_delta_rule_ref(
 ) -> torch.Tensor:
     """Plain-torch specification of :func:`gated_delta_rule` (reads the metadata on the host):
     token by token, as HF transformers' ``torch_recurrent_gated_delta_rule`` (``delta=False``:
-    the Mamba-2 SSM recurrence)."""
-    _check_gdr(q, k, v, g, beta, state)
+    the Mamba-2 SSM recurrence; a ``[T, Hv, K]`` ``g``: its ``recurrent_kimi_delta_attention``,
+    Kimi Delta Attention's per-channel decay)."""
+    _check_gdr(q, k, v, g, beta, state, vector_gate=True)
     g, beta = resolve_gates(g, beta, v, gate_params, dt_limits, skip)
     _check_meta(query_start_loc, seq_lens, state_rows)
     _check_table(state_table)
@@ -159,7 +163,8 @@ def gated_delta_rule_ref(
         qs = qs * scale
         vs, gs, bs = v[bos:eos].float(), g[bos:eos].float(), beta[bos:eos].float()
         for t in range(length):
-            s = s * gs[t].exp()[:, None, None]
+            # the decay scales the state's rows: per head, or per key channel ([Hv, K])
+            s = s * (gs[t].exp()[:, :, None] if gs.dim() == 3 else gs[t].exp()[:, None, None])
             upd = vs[t]
             if delta:
                 upd = upd - (s * ks[t][:, :, None]).sum(1)  # v - S^T k: [Hv, V]
@@ -180,9 +185,14 @@ def gates_from_logits(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
                       dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated DeltaNet's decay and write strength from the projections' raw values (HF's
     Qwen3-Next): ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``, fp32,
-    ``A_log`` and ``dt_bias`` per v head."""
-    _check_gate_params(a, a_log, dt_bias)
-    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    ``A_log`` and ``dt_bias`` per v head. With ``a`` ``[T, Hv, K]`` (Kimi Delta Attention's
+    per-channel decay, HF's ``KimiLinearForgetGate``): ``A_log`` ``[Hv]``, ``dt_bias``
+    ``[Hv, K]``, ``g`` ``[T, Hv, K]``."""
+    _check_gate_params(a, a_log, dt_bias, b.shape[-1])
+    neg_a = -a_log.float().exp()
+    if a.dim() == 3:
+        neg_a = neg_a[:, None]
+    g = neg_a * F.softplus(a.float() + dt_bias.float())
     return g, torch.sigmoid(b.float())
 
 
@@ -192,8 +202,11 @@ def resolve_gates(g: torch.Tensor, beta: torch.Tensor, v: torch.Tensor,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The references' gates: the keywords checked, then ``g`` and ``beta`` as given, or made
     from the raw projections (:func:`gates_from_logits`; with ``dt_limits``
-    :func:`mamba_gates`)."""
+    :func:`mamba_gates`, per-head ``g`` only)."""
     _check_extras(v, gate_params, dt_limits, skip)
+    if g.dim() == 3 and dt_limits is not None:
+        raise ValueError("dt_limits (Mamba-2 gates) takes a per-head g [T, Hv], not a "
+                         "per-channel one")
     if gate_params is None:
         return g, beta
     if dt_limits is None:
@@ -207,16 +220,21 @@ def check_triton_args(
     seq_lens: torch.Tensor, state_rows: torch.Tensor, state_table: torch.Tensor | None,
     gate_params: tuple[torch.Tensor, torch.Tensor] | None,
     dt_limits: tuple[float, float] | None, skip: torch.Tensor | None,
+    vector_gate: bool = False,
 ) -> int:
     """What both Triton forms of the delta rule check before launching (``op``: the name their
     errors give): shapes, metadata, the table and the keywords, the dtypes, the state's
-    contiguous last dim, ``K <= MAX_K``. Returns the sequence count ``N``."""
-    _check_gdr(q, k, v, g, beta, state)
+    contiguous last dim, ``K <= MAX_K``. Returns the sequence count ``N``. ``vector_gate``:
+    ``g`` may be per key channel (the token-serial form's)."""
+    _check_gdr(q, k, v, g, beta, state, vector_gate)
     n = _check_meta(query_start_loc, seq_lens, state_rows)
     _check_table(state_table)
     if gate_params is not None:
-        _check_gate_params(g, *gate_params)
+        _check_gate_params(g, *gate_params, beta.shape[-1])
     _check_extras(v, gate_params, dt_limits, skip)
+    if g.dim() == 3 and dt_limits is not None:
+        raise ValueError("dt_limits (Mamba-2 gates) takes a per-head g [T, Hv], not a "
+                         "per-channel one")
     for t in (q, k, v, beta):
         if t.dtype not in _KERNEL_DTYPES:
             raise TypeError(f"{op} takes fp32/bf16/fp16, got {t.dtype}")
@@ -262,11 +280,16 @@ def _check_extras(v: torch.Tensor, gate_params: tuple[torch.Tensor, torch.Tensor
                          f"{tuple(skip.shape)}")
 
 
-def _check_gate_params(a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> None:
-    hv = a.shape[-1]
+def _check_gate_params(a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                       hv: int | None = None) -> None:
+    """``A_log`` ``[Hv]`` and ``dt_bias`` ``[Hv]`` (``a`` ``[T, Hv]``) or ``[Hv, K]`` (``a``
+    ``[T, Hv, K]``: a per-channel decay); ``hv``: the v heads (default ``a``'s last dim)."""
+    vector = a.dim() == 3
+    hv = a.shape[1] if vector else (a.shape[-1] if hv is None else hv)
+    want = {"A_log": (hv,), "dt_bias": (hv, a.shape[2]) if vector else (hv,)}
     for name, t in (("A_log", a_log), ("dt_bias", dt_bias)):
-        if t.shape != (hv,):
-            raise ValueError(f"gate_params: {name} must have shape ({hv},), got "
+        if tuple(t.shape) != want[name]:
+            raise ValueError(f"gate_params: {name} must have shape {want[name]}, got "
                              f"{tuple(t.shape)}")
 
 
@@ -279,13 +302,15 @@ def _gated_delta_rule_kernel(
     dt_hi: float,
     num_seqs: int, num_tokens: int, max_len: int, scale: float, dim_k: int, dim_v: int,
     group: int, q_st: int, q_sh: int, k_st: int, k_sh: int, v_st: int, v_sh: int,
-    g_st: int, g_sh: int, b_st: int, b_sh: int, o_st: int, o_sh: int,
+    g_st: int, g_sh: int, g_sk: int, b_st: int, b_sh: int, o_st: int, o_sh: int,
     s_sr: int, s_sh: int, s_sk: int,
     L2NORM: tl.constexpr, DELTA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_T: tl.constexpr, HAS_TABLE: tl.constexpr, RAW_GATES: tl.constexpr,
     MAMBA_GATES: tl.constexpr, HAS_SKIP: tl.constexpr, ROW_SLOTS: tl.constexpr,
-    PDL: tl.constexpr, EARLY: tl.constexpr = False,
+    PDL: tl.constexpr, EARLY: tl.constexpr = False, VEC_GATE: tl.constexpr = False,
 ) -> None:
+    # VEC_GATE: g is [T, Hv, K], one decay per key channel (Kimi Delta Attention; dt_bias
+    # [Hv, K] with RAW_GATES); off, the per-head scalar decay, compiled as before.
     # EARLY (pdl_early_meta's rule): the step's metadata, the state table, the gates'
     # parameters and the initial state tile are loaded before the wait for the previous
     # kernel, only q/k/v and the gates after it. No PDL kernel writes them: a layer's state
@@ -341,7 +366,11 @@ def _gated_delta_rule_kernel(
     s = tl.load(state_ptr + src_row * s_sr + tile, mask=smask & has_init, other=0.0)
     if RAW_GATES:  # g and beta from the raw projections: gates_from_logits / mamba_gates
         neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
-        dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+        if VEC_GATE:
+            dt_bias = tl.load(dt_bias_ptr + h * dim_k + kk, mask=kmask, other=0.0).to(
+                tl.float32)
+        else:
+            dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
     if HAS_SKIP:
         skip = tl.load(skip_ptr + h).to(tl.float32)
     if EARLY:
@@ -352,7 +381,11 @@ def _gated_delta_rule_kernel(
         qt = tl.load(q_ptr + t64 * q_st + hk * q_sh + kk, mask=kmask, other=0.0).to(tl.float32)
         kt = tl.load(k_ptr + t64 * k_st + hk * k_sh + kk, mask=kmask, other=0.0).to(tl.float32)
         vt = tl.load(v_ptr + t64 * v_st + h * v_sh + vv, mask=vmask, other=0.0).to(tl.float32)
-        gt = tl.load(g_ptr + t64 * g_st + h * g_sh).to(tl.float32)
+        if VEC_GATE:
+            gt = tl.load(g_ptr + t64 * g_st + h * g_sh + kk * g_sk, mask=kmask,
+                         other=0.0).to(tl.float32)
+        else:
+            gt = tl.load(g_ptr + t64 * g_st + h * g_sh).to(tl.float32)
         bt = tl.load(beta_ptr + t64 * b_st + h * b_sh).to(tl.float32)
         if RAW_GATES:
             gt, bt = raw_gates(gt, bt, neg_a, dt_bias, dt_lo, dt_hi, MAMBA_GATES)
@@ -361,7 +394,10 @@ def _gated_delta_rule_kernel(
             qt = qt * tl.rsqrt(tl.sum(qt * qt, axis=0) + 1e-6)
             kt = kt * tl.rsqrt(tl.sum(kt * kt, axis=0) + 1e-6)
         qt = qt * scale
-        s = s * tl.exp(gt)
+        if VEC_GATE:  # noqa: SIM108 (constexpr: one branch compiled)
+            s = s * tl.exp(gt)[:, None]  # (the state's rows, per key channel)
+        else:
+            s = s * tl.exp(gt)
         if DELTA:
             vt = vt - tl.sum(s * kt[:, None], axis=0)  # v - S^T k: [BLOCK_V]
         s = s + kt[:, None] * (vt * bt)[None, :]
@@ -405,7 +441,9 @@ def gated_delta_rule_triton(
     :func:`mrv2_kernels.chunk_delta_rule.chunk_gated_delta_rule_triton`'s ``serial_below``);
     ``out``: the ``[T, Hv, V]`` buffer to write (``out_dtype`` is then its dtype)."""
     n = check_triton_args("gated_delta_rule_triton", q, k, v, g, beta, state, query_start_loc,
-                          seq_lens, state_rows, state_table, gate_params, dt_limits, skip)
+                          seq_lens, state_rows, state_table, gate_params, dt_limits, skip,
+                          vector_gate=True)
+    vector = g.dim() == 3
     slots = check_row_slots(row_slots)
     num_tokens, hk, dk = q.shape
     hv, dv = v.shape[1:]
@@ -433,12 +471,13 @@ def gated_delta_rule_triton(
         n, num_tokens, num_tokens if max_len is None else max_len, float(scale), dk, dv,
         hv // hk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
+        g.stride(0), g.stride(1), g.stride(2) if vector else 0, beta.stride(0),
+        beta.stride(1), out.stride(0), out.stride(1),
         state.stride(0), state.stride(1), state.stride(2),
         L2NORM=l2norm_qk, DELTA=delta, BLOCK_K=block_k, BLOCK_V=bv, BLOCK_T=8,
         HAS_TABLE=state_table is not None, RAW_GATES=gate_params is not None,
         MAMBA_GATES=dt_limits is not None, HAS_SKIP=skip is not None, ROW_SLOTS=slots,
-        num_warps=warps, EARLY=pdl_early_meta(v, default=True),
+        num_warps=warps, EARLY=pdl_early_meta(v, default=True), VEC_GATE=vector,
         **pdl(v),
     )
     return out
@@ -456,7 +495,9 @@ def gated_delta_rule(
     """Varlen gated delta rule with a per-row fp32 matrix state (Qwen3-Next's linear attention).
 
     ``q``, ``k`` ``[T, Hk, K]``; ``v`` ``[T, Hv, V]`` with ``Hv`` a multiple of ``Hk`` (v head
-    ``h`` reads q/k head ``h // (Hv // Hk)``); ``g`` ``[T, Hv]`` fp32 log decay (``<= 0``);
+    ``h`` reads q/k head ``h // (Hv // Hk)``); ``g`` ``[T, Hv]`` fp32 log decay (``<= 0``), or
+    ``[T, Hv, K]``: one per key channel, ``S = diag(exp(g)) S`` (Kimi Delta Attention, HF's
+    ``recurrent_kimi_delta_attention``; with ``gate_params``, ``dt_bias`` is then ``[Hv, K]``);
     ``beta`` ``[T, Hv]`` (already sigmoid-ed); ``state`` ``[R, Hv, K, V]`` fp32; the metadata as
     in the module docstring. Per sequence and v head, from ``S = state[row, h]`` if ``start >
     0`` else zeros, for each token in fp32: ``q, k`` l2-normalised (``rsqrt(sum(x^2) + 1e-6)``)

@@ -201,15 +201,16 @@ def spills(fn, consts, warps, state="*fp32"):
         f.write(k.asm["ptx"])
     out = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
                          capture_output=True, text=True).stderr
-    name = f"{fn.__name__}/{consts['ROW_SLOTS']}"
+    name = f"{fn.__name__}/{consts['ROW_SLOTS']}" + ("/vec" if consts.get("VEC_GATE") else "")
     print(name, sum(int(b) for b in re.findall(r"(\d+) bytes spill stores", out)))
 
 
 for slots in (1, 4):  # one state row a sequence, and speculative decoding's 1 + 3
     gdr = dict(L2NORM=True, DELTA=True, BLOCK_K=128, BLOCK_V=16, BLOCK_T=8, HAS_TABLE=True,
                RAW_GATES=True, MAMBA_GATES=False, HAS_SKIP=False, ROW_SLOTS=slots, PDL=True,
-               EARLY=True)
+               EARLY=True, VEC_GATE=False)
     spills(la._gated_delta_rule_kernel, gdr, 4)
+    spills(la._gated_delta_rule_kernel, {**gdr, "VEC_GATE": True}, 4)  # (Kimi's KDA)
     conv = dict(WIDTH=4, HAS_BIAS=False, SILU=True, BLOCK_T=16, BLOCK_D=256, BLOCK_W=4,
                 HAS_TABLE=True, ROW_SLOTS=slots, PDL=True, EARLY=True)
     spills(cc._causal_conv1d_kernel, conv, 8, state="*bf16")
@@ -217,7 +218,8 @@ for slots in (1, 4):  # one state row a sequence, and speculative decoding's 1 +
 
 
 def test_decode_kernels_do_not_spill_on_sm90(tmp_path: Path) -> None:
-    """The delta rule (K = 128, the launch's [K, 16] tiles in 4 warps) and the conv (16 x 256
+    """The delta rule (K = 128, the launch's [K, 16] tiles in 4 warps; per-head decays, and
+    Kimi Delta Attention's per-channel ones) and the conv (16 x 256
     tiles in 8 warps) with the snapshot table and raw gates, their metadata and initial state
     loaded before the PDL wait (the GPU's default), one state row a sequence and four
     (speculative decoding's ``row_slots``), compiled for sm_90 and read by ptxas: no register
@@ -234,5 +236,6 @@ def test_decode_kernels_do_not_spill_on_sm90(tmp_path: Path) -> None:
         pytest.skip("no sm_90 ahead-of-time compile or ptxas in this Triton")
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = dict(line.split() for line in proc.stdout.splitlines())
-    assert got == {f"{k}/{n}": "0" for k in ("_gated_delta_rule_kernel",
-                                              "_causal_conv1d_kernel") for n in (1, 4)}, got
+    assert got == {f"{k}/{n}{v}": "0" for k, vs in (("_gated_delta_rule_kernel", ("", "/vec")),
+                                                    ("_causal_conv1d_kernel", ("",)))
+                   for n in (1, 4) for v in vs}, got

@@ -30,6 +30,9 @@ permuted (even dimensions first, then odd) at load time: both sides move togethe
 dot product is unchanged, and the rotary kernel stays the shared one (:func:`mla_rope` builds
 it from the config; ``interleaved_rope=False`` where a checkpoint already rotates halves).
 
+No RoPE (``rope=None``: Kimi-Linear's MLA layers): the ``qk_rope_head_dim`` parts of the query
+and the cached key are used as projected, unrotated.
+
 A family builds its layers from :class:`MLAAttention` (HF's ``self_attn.*`` names) and
 :class:`MLADecoderLayer` around its own MLP / MoE; the core registers the backend, so no other
 plugin is needed.
@@ -115,14 +118,14 @@ class MLAAttention(KVCacheLayer):
     """Multi-head latent attention (HF's ``self_attn.*`` names): ``q_proj`` (or ``q_a_proj``,
     ``q_a_layernorm``, ``q_b_proj`` with ``q_lora_rank``), ``kv_a_proj_with_mqa``,
     ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``; caches ``kv_lora_rank + qk_rope_head_dim``
-    values per token in KV cache layer ``layer_idx``.
+    values per token in KV cache layer ``layer_idx``. ``rope`` None: no rotation (the module).
 
     With tensor parallelism (see the module) :attr:`num_heads` is this rank's head count,
     ``num_attention_heads / tensor_parallel_size`` (:attr:`total_num_heads` all of them);
     ``q_a_proj`` and ``kv_a_proj_with_mqa`` are replicated, ``q_proj`` / ``q_b_proj`` and
     ``kv_b_proj`` hold this rank's heads, ``o_proj`` sums the ranks' partial outputs."""
 
-    def __init__(self, config: Any, layer_idx: int, rope: RotaryEmbedding,
+    def __init__(self, config: Any, layer_idx: int, rope: RotaryEmbedding | None,
                  interleaved_rope: bool) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -156,8 +159,9 @@ class MLAAttention(KVCacheLayer):
         # over this rank's heads' values; the partial outputs are all-reduced
         self.o_proj = RowLinear(total * self.v_dim, hidden, bias=bias)
         self.rotary_emb = rope
-        self.interleaved_rope = interleaved_rope
-        if interleaved_rope:  # (a LoRA adapter's q rows take the reorder of the weight's)
+        #: (no RoPE: nothing rotates, so no row order to change)
+        self.interleaved_rope = interleaved_rope and rope is not None
+        if self.interleaved_rope:  # (a LoRA adapter's q rows take the reorder of the weight's)
             q_rows = self.q_proj if self.q_proj is not None else self.q_b_proj
             assert q_rows is not None
             q_rows.row_order = functools.partial(
@@ -236,7 +240,9 @@ class MLAAttention(KVCacheLayer):
         q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent.contiguous())
-        q_pe, k_pe = self.rotary_emb(positions, q_pe.contiguous(), k_pe.contiguous())
+        q_pe, k_pe = q_pe.contiguous(), k_pe.contiguous()
+        if self.rotary_emb is not None:  # (None: no RoPE, the parts used as projected)
+            q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
         return (q_nope, q_pe.reshape(num_tokens, h, self.rope_dim), latent,
                 k_pe.reshape(num_tokens, self.rope_dim), q_resid)
 
