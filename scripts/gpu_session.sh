@@ -866,14 +866,14 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
     verify52) # the fifty-second session's work on CUDA within VERIFY_S seconds (default 560), most
               # wanted first: the new kernels' tests (selective scan, sparse MLA), then the GPU
               # test files VERIFY_TESTS names (each capped at VERIFY_CAP seconds, -v so a failure
-              # has its name): Mamba-1 / FalconMamba / Jamba, DeepSeek-V3.2 / GLM-5, the Qwen-VL
+              # has its name): Mamba-1 / FalconMamba / Jamba, DeepSeek-V3.2 / GLM-5, Kimi-Linear, the Qwen-VL
               # file with Qwen3.5's images, the MoE file with K-EXAONE / AFMoE / Solar Open
               end=$(( $(date +%s) + ${VERIFY_S:-560} ))
               left() { local l=$(( end - $(date +%s) )); [ "$l" -lt "$1" ] && echo $(( l > 1 ? l : 1 )) || echo "$1"; }
               timeout "$(left 90)" python3 -m pytest -v -p no:cacheprovider tests/kernels/test_selective_scan.py \
                 tests/kernels/test_sparse_mla.py 2>&1 | tee "$OUT/kernels52.log" \
                 | grep -E "^FAILED|^ERROR| passed| failed" | tail -4 | sed "s/^/kernels52: /"
-              for t in ${VERIFY_TESTS:-mamba1 dsa qwen_vl moe llama_variants}; do
+              for t in ${VERIFY_TESTS:-mamba1 dsa kimi qwen_vl moe llama_variants}; do
                 [ -f "tests/gpu/test_gpu_$t.py" ] || { echo "$t: no tests/gpu/test_gpu_$t.py"; continue; }
                 [ "$(left 20)" -lt 15 ] && { echo "$t: no time left"; continue; }
                 timeout "$(left "${VERIFY_CAP:-120}")" python3 -m pytest -v -p no:cacheprovider -m gpu \
