@@ -59,3 +59,30 @@ def test_allocation_sizes_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
                                          r"\(0, 2\); every dimension must be >= 1"):
         allocate_request_states([_Layer({"bad": ((0, 2), None)})], 2, torch.float32,
                                 torch.device("cpu"))
+
+
+def test_step_states_read_the_forward_context() -> None:
+    """A layer's :meth:`~RequestStateLayer.step_states`: the step's ``n`` requests' rows of the
+    metadata and the context's state arguments as they are; outside a forward with state rows,
+    a RuntimeError naming the layer."""
+    from mrv2.contract.attention import AttentionMetadata
+    from mrv2.contract.forward_context import ForwardContext, set_forward_context
+
+    layer = _Layer({"conv": ((3, 5), None)})
+    md = AttentionMetadata(
+        num_reqs=2, num_tokens=6, max_query_len=4, max_seq_len=9,
+        query_start_loc=torch.tensor([0, 4, 5, 5], dtype=torch.int32),
+        seq_lens=torch.tensor([9, 3, 0], dtype=torch.int32),
+        block_table=torch.zeros(3, 4, dtype=torch.int32),
+        slot_mapping=torch.zeros(6, dtype=torch.int64), block_size=4)
+    table = torch.zeros(4, 6, dtype=torch.int32)
+    rows = torch.tensor([3, 1, 0], dtype=torch.int32)
+    with set_forward_context(ForwardContext(md, [], [], state_rows=rows, state_table=table,
+                                            state_row_slots=2)):
+        st = layer.step_states()
+    assert st.query_start_loc.tolist() == [0, 4, 5] and st.seq_lens.tolist() == [9, 3]
+    assert st.rows.tolist() == [3, 1] and st.state_table is table
+    assert (st.row_slots, st.max_query_len) == (2, 4)
+    with set_forward_context(ForwardContext(md, [], [])), \
+            pytest.raises(RuntimeError, match="_Layer needs the forward context's state_rows"):
+        layer.step_states()

@@ -37,12 +37,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-__all__ = ["RequestStateLayer", "allocate_request_states", "request_state_layers",
+from mrv2.contract.forward_context import get_forward_context
+
+__all__ = ["RequestStateLayer", "StepStates", "allocate_request_states", "request_state_layers",
            "snapshot_slots", "state_row_slots"]
 
 #: ``cache.state_snapshot_slots``'s default bound.
@@ -50,6 +52,22 @@ DEFAULT_SNAPSHOT_SLOTS = 64
 
 StateShapes = dict[str, tuple[tuple[int, ...], torch.dtype | None]]
 """``{name: (per-request shape, dtype)}``; dtype None: the model's."""
+
+
+class StepStates(NamedTuple):
+    """A forward's view of its step's per-request states: what every state kernel of
+    :mod:`mrv2_kernels.recurrent_state`'s contract takes (:meth:`RequestStateLayer.step_states`).
+    ``query_start_loc`` ``[n + 1]``, ``seq_lens`` ``[n]`` and ``rows`` ``[n]`` of the step's
+    ``n`` requests (device tensors); ``state_table`` (prefix caching's snapshots, or None) and
+    ``row_slots`` (speculative decoding's rows per request) passed on as they are;
+    ``max_query_len`` the step's longest chunk (a bound: a graph's padded token count)."""
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    rows: torch.Tensor
+    state_table: torch.Tensor | None
+    row_slots: int
+    max_query_len: int
 
 
 class RequestStateLayer(nn.Module):
@@ -65,6 +83,18 @@ class RequestStateLayer(nn.Module):
     def request_state_shapes(self) -> StateShapes:
         """``{name: (shape of one request's tensor, dtype or None for the model's)}``."""
         raise NotImplementedError(f"{type(self).__name__} must implement request_state_shapes()")
+
+    def step_states(self) -> StepStates:
+        """The running forward's :class:`StepStates`; a ``RuntimeError`` naming the layer
+        outside a forward of a model with per-request state (no ``state_rows``)."""
+        ctx = get_forward_context()
+        if ctx.state_rows is None:
+            raise RuntimeError(f"{type(self).__name__} needs the forward context's state_rows "
+                               f"(set by the runner for a model with per-request state)")
+        md = ctx.metadata
+        n = md.num_reqs
+        return StepStates(md.query_start_loc[: n + 1], md.seq_lens[:n], ctx.state_rows[:n],
+                          ctx.state_table, ctx.state_row_slots, md.max_query_len)
 
 
 def request_state_layers(model: nn.Module) -> list[RequestStateLayer]:

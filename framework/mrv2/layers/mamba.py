@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mrv2.contract.forward_context import get_forward_context
 from mrv2.contract.request_state import RequestStateLayer, StateShapes
 from mrv2.distributed.parallel_state import all_reduce
 from mrv2.layers.activation import relu2
@@ -260,13 +259,8 @@ class Mamba2Mixer(RequestStateLayer):
     def mix(self, proj: torch.Tensor) -> torch.Tensor:
         """After ``in_proj`` (``[T, z | xBC | dt]``, e.g. fused with the norm before it):
         convolve, scan, gate-norm, project."""
-        ctx = get_forward_context()
-        if ctx.state_rows is None:
-            raise RuntimeError("Mamba2Mixer needs the forward context's state_rows (set by "
-                               "the runner for a model with per-request state)")
-        md = ctx.metadata
-        n = md.num_reqs
-        qsl, seq_lens, rows = md.query_start_loc[: n + 1], md.seq_lens[:n], ctx.state_rows[:n]
+        st = self.step_states()
+        qsl, seq_lens, rows = st.query_start_loc, st.seq_lens, st.rows
         t = proj.shape[0]
         h, p, g, s = self.num_heads, self.head_dim, self.num_groups, self.state_size
         z, xbc, dt = proj.split([self.intermediate, self.conv_dim, h], dim=-1)
@@ -274,17 +268,17 @@ class Mamba2Mixer(RequestStateLayer):
         silu = self.act_name in ("silu", "swish")
         xbc = causal_conv1d(xbc, self.conv_weight, self.conv_bias, states["conv"], qsl,
                             seq_lens, rows, "silu" if silu else None,
-                            state_table=ctx.state_table, row_slots=ctx.state_row_slots)
+                            state_table=st.state_table, row_slots=st.row_slots)
         if not silu:
             xbc = self.act(xbc)
         xs, b, c = xbc.split([self.intermediate, self.bc_dim, self.bc_dim], dim=-1)
         # the gates from the raw dt, and y + D x, inside the op (fp32 out)
         y = gated_delta_rule_auto(
             c.view(t, g, s), b.view(t, g, s), xs.view(t, h, p), dt, dt, states["ssm"], qsl,
-            seq_lens, rows, 1.0, False, delta=False, state_table=ctx.state_table,
+            seq_lens, rows, 1.0, False, delta=False, state_table=st.state_table,
             gate_params=(self.A_log, self.dt_bias), dt_limits=(self.dt_min, self.dt_max),
-            skip=self.D, out_dtype=torch.float32, max_query_len=md.max_query_len,
-            row_slots=ctx.state_row_slots,
+            skip=self.D, out_dtype=torch.float32, max_query_len=st.max_query_len,
+            row_slots=st.row_slots,
         ).view(t, h * p)
         if self.norm is None:  # (HF: the fp32 output times silu of the gate in its dtype)
             out = (y * F.silu(z)).to(proj.dtype)

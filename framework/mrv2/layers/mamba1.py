@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mrv2.contract.forward_context import get_forward_context
 from mrv2.contract.request_state import RequestStateLayer, StateShapes
 from mrv2.layers.linear import ColumnLinear, RowLinear, resolve_tp, split_evenly
 from mrv2.layers.mamba import MAMBA_ACTIVATIONS, InProj
@@ -136,19 +135,14 @@ class Mamba1Mixer(RequestStateLayer):
     def mix(self, proj: torch.Tensor) -> torch.Tensor:
         """After ``in_proj`` (``[T, x | z]``, e.g. fused with the norm before it): convolve,
         project ``dt`` / ``B`` / ``C``, scan, gate, project."""
-        ctx = get_forward_context()
-        if ctx.state_rows is None:
-            raise RuntimeError("Mamba1Mixer needs the forward context's state_rows (set by "
-                               "the runner for a model with per-request state)")
-        md = ctx.metadata
-        n = md.num_reqs
-        qsl, seq_lens, rows = md.query_start_loc[: n + 1], md.seq_lens[:n], ctx.state_rows[:n]
+        st = self.step_states()
+        qsl, seq_lens, rows = st.query_start_loc, st.seq_lens, st.rows
         xs, z = proj.split([self.intermediate, self.intermediate], dim=-1)
         states = self.request_states
         silu = self.act_name in ("silu", "swish")
         xs = causal_conv1d(xs, self.conv_weight, self.conv_bias, states["conv"], qsl,
                            seq_lens, rows, "silu" if silu else None,
-                           state_table=ctx.state_table, row_slots=ctx.state_row_slots)
+                           state_table=st.state_table, row_slots=st.row_slots)
         if not silu:
             xs = self.act(xs)
         params = cast(torch.Tensor, self.x_proj(xs))
@@ -159,8 +153,8 @@ class Mamba1Mixer(RequestStateLayer):
         # (dt_proj's bias joins in fp32 inside the scan, as HF's ``delta_bias``)
         dt = F.linear(dt, self.dt_proj.weight)
         y = selective_scan(xs, dt, self.A_log, b, c, self.D, z, self.dt_proj.bias,
-                           states["ssm"], qsl, seq_lens, rows, state_table=ctx.state_table,
-                           out_dtype=proj.dtype, row_slots=ctx.state_row_slots)
+                           states["ssm"], qsl, seq_lens, rows, state_table=st.state_table,
+                           out_dtype=proj.dtype, row_slots=st.row_slots)
         return cast(torch.Tensor, self.out_proj(y))
 
     def extra_repr(self) -> str:

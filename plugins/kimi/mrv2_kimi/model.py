@@ -43,7 +43,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 import torch
 from torch import nn
 
-from mrv2.contract.forward_context import get_forward_context
 from mrv2.contract.request_state import RequestStateLayer, StateShapes
 from mrv2.layers import CausalLM, DecoderModel, FusedMoE, GatedMLP, GroupedTopKRouter, MoEBlock
 from mrv2.layers.linear import (
@@ -171,25 +170,20 @@ class KimiDeltaAttention(RequestStateLayer):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` (normed) -> ``[T, hidden]`` (``positions`` unused: no RoPE); the
         step's requests' states advance."""
-        ctx = get_forward_context()
-        if ctx.state_rows is None:
-            raise RuntimeError("KimiDeltaAttention needs the forward context's state_rows (set "
-                               "by the runner for a model with per-request state)")
-        md = ctx.metadata
-        n = md.num_reqs
-        qsl, seq_lens, rows = md.query_start_loc[: n + 1], md.seq_lens[:n], ctx.state_rows[:n]
+        st = self.step_states()
+        qsl, seq_lens, rows = st.query_start_loc, st.seq_lens, st.rows
         t, h, d = x.shape[0], self.num_heads, self.head_dim
         states = self.request_states
         mixed = causal_conv1d(self.qkv_proj(x), self.conv1d.weight, None, states["conv"], qsl,
-                              seq_lens, rows, "silu", state_table=ctx.state_table,
-                              row_slots=ctx.state_row_slots)
+                              seq_lens, rows, "silu", state_table=st.state_table,
+                              row_slots=st.row_slots)
         q, k, v = (part.view(t, h, d) for part in torch.split(mixed, self.dim, dim=-1))
         raw_decay = self.f_b_proj(self.f_a_proj(x)).view(t, h, d)
         out = gated_delta_rule_auto(
             q, k, v, raw_decay, self.b_proj(x), states["recurrent"], qsl, seq_lens, rows,
-            d ** -0.5, l2norm_qk=True, state_table=ctx.state_table,
-            gate_params=(self.A_log, self.dt_bias.view(h, d)), max_query_len=md.max_query_len,
-            row_slots=ctx.state_row_slots)
+            d ** -0.5, l2norm_qk=True, state_table=st.state_table,
+            gate_params=(self.A_log, self.dt_bias.view(h, d)), max_query_len=st.max_query_len,
+            row_slots=st.row_slots)
         gate = self.g_b_proj(self.g_a_proj(x)).view(t, h, d)
         o = out.float()
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -43,7 +43,6 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from mrv2.contract.forward_context import get_forward_context
 from mrv2.contract.request_state import RequestStateLayer, StateShapes
 from mrv2.layers import (
     CausalLM,
@@ -175,17 +174,11 @@ class ShortConv(RequestStateLayer):
     def mix(self, proj: torch.Tensor) -> torch.Tensor:
         """After ``in_proj`` (``[T, B | C | x]``, e.g. fused with the norm before it): gate,
         convolve, gate, project."""
-        ctx = get_forward_context()
-        if ctx.state_rows is None:
-            raise RuntimeError("ShortConv needs the forward context's state_rows (set by the "
-                               "runner for a model with per-request state)")
-        md = ctx.metadata
-        n = md.num_reqs
+        st = self.step_states()
         b, c, x = proj.split(self.channels, dim=-1)
         y = causal_conv1d(b * x, self.conv_weight, self.conv_bias,
-                          self.request_states["conv"], md.query_start_loc[: n + 1],
-                          md.seq_lens[:n], ctx.state_rows[:n], None,
-                          state_table=ctx.state_table, row_slots=ctx.state_row_slots)
+                          self.request_states["conv"], st.query_start_loc, st.seq_lens,
+                          st.rows, None, state_table=st.state_table, row_slots=st.row_slots)
         return cast(torch.Tensor, self.out_proj(c * y))
 
     def extra_repr(self) -> str:

@@ -43,7 +43,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mrv2.contract.forward_context import get_forward_context
 from mrv2.contract.request_state import RequestStateLayer, StateShapes
 from mrv2.layers import (
     Attention,
@@ -262,13 +261,8 @@ class GatedDeltaNet(RequestStateLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` (normed) -> ``[T, hidden]``; the step's requests' states advance."""
-        ctx = get_forward_context()
-        if ctx.state_rows is None:
-            raise RuntimeError("GatedDeltaNet needs the forward context's state_rows (set by "
-                               "the runner for a model with per-request state)")
-        md = ctx.metadata
-        n = md.num_reqs
-        qsl, seq_lens, rows = md.query_start_loc[: n + 1], md.seq_lens[:n], ctx.state_rows[:n]
+        st = self.step_states()
+        qsl, seq_lens, rows = st.query_start_loc, st.seq_lens, st.rows
         t = x.shape[0]
         hk, hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         if not self.in_projections_by_kind():
@@ -278,14 +272,14 @@ class GatedDeltaNet(RequestStateLayer):
         ba = self.in_proj_ba(x)  # [b | a]
         states = self.request_states
         mixed = causal_conv1d(proj[:, : self.conv_dim], self.conv_weight, None, states["conv"],
-                              qsl, seq_lens, rows, "silu", state_table=ctx.state_table,
-                              row_slots=ctx.state_row_slots)
+                              qsl, seq_lens, rows, "silu", state_table=st.state_table,
+                              row_slots=st.row_slots)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         out = gated_delta_rule_auto(
             q.view(t, hk, dk), k.view(t, hk, dk), v.view(t, hv, dv), ba[:, hv:], ba[:, :hv],
             states["recurrent"], qsl, seq_lens, rows, dk ** -0.5, l2norm_qk=True,
-            state_table=ctx.state_table, gate_params=(self.A_log, self.dt_bias),
-            max_query_len=md.max_query_len, row_slots=ctx.state_row_slots)
+            state_table=st.state_table, gate_params=(self.A_log, self.dt_bias),
+            max_query_len=st.max_query_len, row_slots=st.row_slots)
         out = gated_rms_norm(out.view(t, hv * dv), proj[:, self.conv_dim:], self.norm.weight,
                              self.norm.eps, dv, norm_before_gate=True)
         return cast(torch.Tensor, self.out_proj(out.reshape(t, hv * dv)))
