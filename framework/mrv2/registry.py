@@ -89,6 +89,7 @@ KNOWN_PACKAGES: dict[str, str] = {
     "Cohere2ForCausalLM": "mrv2-plugin-cohere",
     "Lfm2ForCausalLM": "mrv2-plugin-lfm2",
     "Lfm2MoeForCausalLM": "mrv2-plugin-lfm2",
+    "Lfm2VlForConditionalGeneration": "mrv2-plugin-lfm2",
     "GPTNeoXForCausalLM": "mrv2-plugin-neox",
     "StableLmForCausalLM": "mrv2-plugin-neox",
     "GPTJForCausalLM": "mrv2-plugin-neox",

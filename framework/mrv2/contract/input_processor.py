@@ -14,17 +14,21 @@ import hashlib
 import importlib
 import importlib.util
 import json
+import platform
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 from mrv2.config import EngineConfig
 from mrv2.contract.requests import MultiModalItem
 
 __all__ = ["InputProcessor", "content_hash", "load_image_processor", "preprocessor_config",
-           "processor_settings", "run_image_processor", "splice_placeholders"]
+           "processor_settings", "resize_uint8", "rgb_pixels", "run_image_processor",
+           "splice_placeholders"]
 
 
 class InputProcessor:
@@ -247,3 +251,50 @@ def load_image_processor(model_dir: str | Path, default_type: str) -> Any:
         raise ValueError(f"image processor {kind!r} needs torchvision, and transformers has no "
                          f"PIL backend {name!r} for it")
     return cls.from_pretrained(str(path), local_files_only=True)
+
+
+def rgb_pixels(image: Any, convert_rgb: bool = True) -> torch.Tensor:
+    """An image as ``uint8`` ``[3, H, W]``: a PIL image (converted to RGB where
+    ``convert_rgb``, as HF converts it) or a ``uint8`` ``[H, W, 3]`` array; ValueError naming
+    ``multi_modal_data.image`` for anything else."""
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        if image.mode != "RGB" and convert_rgb:
+            image = image.convert("RGB")
+        array = np.array(image, copy=True)
+    elif isinstance(image, np.ndarray):
+        array = np.ascontiguousarray(image)
+    else:
+        raise ValueError(f"multi_modal_data.image: expects PIL images or uint8 [H, W, 3] "
+                         f"arrays, got {type(image).__name__}")
+    if array.dtype != np.uint8 or array.ndim != 3 or array.shape[2] != 3 \
+            or min(array.shape[:2]) < 1:
+        raise ValueError(f"multi_modal_data.image: an image must be RGB uint8 [H, W, 3], got "
+                         f"{array.dtype} {tuple(array.shape)}"
+                         + (" (do_convert_rgb is false)" if not convert_rgb else ""))
+    return torch.from_numpy(array).permute(2, 0, 1).contiguous()
+
+
+def resize_uint8(pixels: torch.Tensor, size: tuple[int, int], mode: str = "bilinear"
+                 ) -> torch.Tensor:
+    """torchvision's ``resize`` of ``uint8`` ``[3, H, W]`` CPU pixels to ``size`` with
+    antialiasing, restated (what HF's torchvision-backed image processors do, for the families
+    that have no PIL backend): ``torch.nn.functional.interpolate`` with ``antialias=True``
+    (bilinear, or bicubic for ``mode="bicubic"``) on the ``uint8`` tensor where torchvision
+    does that (bicubic; bilinear where the CPU's capability is AVX2 or AVX512, or on ARM64, as
+    torchvision 0.29 decides: pytorch/vision#9190 added AVX512), else in fp32, then rounded
+    (bicubic clamped first) to ``uint8``: the same torch call torchvision makes, so the same
+    pixels on the same CPU. Pixels already of ``size`` come back unchanged, as from
+    torchvision."""
+    if tuple(pixels.shape[-2:]) == tuple(size):
+        return pixels
+    native = mode == "bicubic" or torch.backends.cpu.get_cpu_capability() in (
+        "AVX2", "AVX512") or platform.machine() in ("aarch64", "arm64")
+    x = pixels[None] if native else pixels[None].to(torch.float32)
+    x = F.interpolate(x, size=list(size), mode=mode, align_corners=False, antialias=True)
+    if not native:
+        if mode == "bicubic":
+            x = x.clamp_(min=0, max=255)
+        x = x.round_().to(torch.uint8)
+    return x[0]

@@ -15,18 +15,20 @@ padded with zeros on the right and bottom to the canvas, rescaled and normalized
 of the canvas choice is HF's, types included (:func:`best_canvas`, :func:`resize_target`:
 float32 where HF's sides are tensors), so the same sizes come out.
 
-**Pixels.** RGB ``uint8`` ``[3, H, W]`` (PIL's ``convert("RGB")`` where ``do_convert_rgb``,
-as HF converts). :func:`resize` is torchvision's ``resize`` of a ``uint8`` CPU image
+**Pixels.** RGB ``uint8`` ``[3, H, W]`` (PIL's ``convert("RGB")`` where ``do_convert_rgb``, as
+HF converts). :func:`resize` (the core's ``resize_uint8``, with :func:`rgb_pixels` in
+:mod:`mrv2.contract.input_processor`) is torchvision's ``resize`` of a ``uint8`` CPU image
 restated: ``torch.nn.functional.interpolate`` with ``antialias=True`` (bilinear, or bicubic
 for ``resample: 3``), on the ``uint8`` tensor where torchvision does that (bicubic; bilinear
-where the CPU's capability is AVX2), else in fp32, then rounded (bicubic clamped first) to
-``uint8``. It is the same torch call torchvision makes, so the pixels are those of HF's fast
-processor on the same CPU (read from torchvision's source; torchvision itself is not
-installed here to run). PIL's bilinear resize differs from it by one level of 255 here and
-there, as torch's ``uint8`` and fp32 paths differ from each other. Rescale and normalize are
-HF's Llama 4 override: the ``uint8`` pixels to bf16, times ``rescale_factor``, minus
-``image_mean``, over ``image_std`` (both as bf16), each op rounded to bf16; the tiles stay
-bf16 (``[tiles, 3, S, S]``, what HF returns), cast to the model's dtype by the encoder.
+where the CPU's capability is AVX2 or AVX512, or on ARM64), else in fp32, then rounded
+(bicubic clamped first) to ``uint8``. It is the same torch call torchvision makes, so the
+pixels are those of HF's fast processor on the same CPU (read from torchvision 0.29's source;
+torchvision itself is not installed here to run). PIL's bilinear resize differs from it by one
+level of 255 here and there, as torch's ``uint8`` and fp32 paths differ from each other.
+Rescale and normalize are HF's Llama 4 override: the ``uint8`` pixels to bf16, times
+``rescale_factor``, minus ``image_mean``, over ``image_std`` (both as bf16), each op rounded
+to bf16; the tiles stay bf16 (``[tiles, 3, S, S]``, what HF returns), cast to the model's
+dtype by the encoder.
 
 **Prompt.** One ``<|image|>`` in the prompt per image is replaced by
 ``<|image_start|>``, then for a tiled image each row's tiles of ``N`` ``<|patch|>`` tokens
@@ -43,9 +45,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
+
+from mrv2.contract.input_processor import resize_uint8 as resize
+from mrv2.contract.input_processor import rgb_pixels
 
 __all__ = ["IMAGE_TOKENS", "ImageSettings", "ImageTokens", "best_canvas", "image_layout",
            "layout_length", "normalize", "preprocess", "resize", "resize_target",
@@ -186,45 +190,6 @@ def resize_target(image_size: tuple[int, int], canvas: torch.Tensor, tile: int,
     else:
         new_h, new_w = target_h, min(math.floor(width * scale_h), target_w)
     return max(int(new_h), 1), max(int(new_w), 1)
-
-
-def rgb_pixels(image: Any, convert_rgb: bool = True) -> torch.Tensor:
-    """An image as ``uint8`` ``[3, H, W]``: a PIL image (converted to RGB where
-    ``convert_rgb``, as HF converts it) or a ``uint8`` ``[H, W, 3]`` array; ValueError naming
-    ``multi_modal_data.image`` for anything else."""
-    from PIL import Image
-
-    if isinstance(image, Image.Image):
-        if image.mode != "RGB" and convert_rgb:
-            image = image.convert("RGB")
-        array = np.array(image, copy=True)
-    elif isinstance(image, np.ndarray):
-        array = np.ascontiguousarray(image)
-    else:
-        raise ValueError(f"multi_modal_data.image: expects PIL images or uint8 [H, W, 3] "
-                         f"arrays, got {type(image).__name__}")
-    if array.dtype != np.uint8 or array.ndim != 3 or array.shape[2] != 3 \
-            or min(array.shape[:2]) < 1:
-        raise ValueError(f"multi_modal_data.image: an image must be RGB uint8 [H, W, 3], got "
-                         f"{array.dtype} {tuple(array.shape)}"
-                         + (" (do_convert_rgb is false)" if not convert_rgb else ""))
-    return torch.from_numpy(array).permute(2, 0, 1).contiguous()
-
-
-def resize(pixels: torch.Tensor, size: tuple[int, int], mode: str = "bilinear") -> torch.Tensor:
-    """torchvision's ``resize`` of ``uint8`` ``[3, H, W]`` CPU pixels to ``size`` with
-    antialiasing, restated (module doc): the pixels unchanged at their own size; ``uint8``
-    in and out."""
-    if tuple(pixels.shape[-2:]) == tuple(size):
-        return pixels
-    native = mode == "bicubic" or "AVX2" in torch.backends.cpu.get_cpu_capability()
-    x = pixels[None] if native else pixels[None].to(torch.float32)
-    x = F.interpolate(x, size=list(size), mode=mode, align_corners=False, antialias=True)
-    if not native:
-        if mode == "bicubic":
-            x = x.clamp_(min=0, max=255)
-        x = x.round_().to(torch.uint8)
-    return x[0]
 
 
 def normalize(pixels: torch.Tensor, settings: ImageSettings) -> torch.Tensor:
