@@ -66,6 +66,8 @@ KNOWN_PACKAGES: dict[str, str] = {
     "Qwen3VLMoeForConditionalGeneration": "mrv2-plugin-qwen-vl",
     "Gemma2ForCausalLM": "mrv2-plugin-gemma",
     "Gemma3ForCausalLM": "mrv2-plugin-gemma",
+    "Gemma3nForCausalLM": "mrv2-plugin-gemma",
+    "Gemma3nForConditionalGeneration": "mrv2-plugin-gemma",
     "Gemma4ForCausalLM": "mrv2-plugin-gemma",
     "Gemma4ForConditionalGeneration": "mrv2-plugin-gemma",
     "Mistral3ForConditionalGeneration": "mrv2-plugin-mistral3",

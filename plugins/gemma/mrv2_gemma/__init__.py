@@ -5,16 +5,22 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from mrv2_gemma.gemma3n import Gemma3nForCausalLM, Gemma3nForConditionalGeneration
     from mrv2_gemma.gemma4 import Gemma4ForCausalLM
     from mrv2_gemma.gemma4_vl import Gemma4ForConditionalGeneration
     from mrv2_gemma.model import Gemma2ForCausalLM, Gemma3ForCausalLM
     from mrv2_gemma.vl import Gemma3ForConditionalGeneration
 
 __all__ = ["Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
-           "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"]
+           "Gemma3nForCausalLM", "Gemma3nForConditionalGeneration", "Gemma4ForCausalLM",
+           "Gemma4ForConditionalGeneration"]
 
 
 def __getattr__(name: str) -> Any:
+    if name.startswith("Gemma3n"):
+        from mrv2_gemma import gemma3n
+
+        return getattr(gemma3n, name)
     if name == "Gemma4ForCausalLM":
         from mrv2_gemma import gemma4
 

@@ -74,7 +74,8 @@ __all__ = ["Gemma4ForCausalLM", "check_gemma4", "kv_source", "layer_shape"]
 
 _KINDS = ("sliding_attention", "full_attention")
 _PER_LAYER_FIELDS = {"head_dim", "num_key_value_heads"}
-_ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+#: HF's activation names -> the per-layer input gate's activation (Gemma 3n's too).
+GATE_ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
 #: HF's activation names -> the fused expert kernels' GLU.
 _EXPERT_ACTS = {"gelu_pytorch_tanh": "gelu_tanh", "silu": "silu"}
@@ -331,7 +332,7 @@ class Gemma4DecoderLayer(nn.Module):
         ple = int(config.hidden_size_per_layer_input or 0)
         self.per_layer_input_gate: LinearBase | None = None
         if ple:
-            self.act = _ACTS[act]
+            self.act = GATE_ACTS[act]
             self.per_layer_input_gate = LinearBase(hidden, ple)
             self.per_layer_projection = LinearBase(ple, hidden)
             self.post_per_layer_input_norm = RMSNorm(hidden, eps=eps)
@@ -399,13 +400,16 @@ class Gemma4TextModel(DecoderModel):
 class Gemma4ForCausalLM(CausalLM):
     """Gemma 4's text decoder in the mrv2 model contract (module docstring)."""
 
-    def __init__(self, config: Any) -> None:
-        check_gemma4(config)
+    def __init__(self, config: Any, model: Gemma4TextModel | None = None) -> None:
+        """``model``: a decoder of the same checkpoint layout built by a subclass (Gemma 3n's,
+        its config checked there); None: Gemma 4's from ``config``."""
         types = list(config.layer_types)
-        ropes = {kind: gemma4_rope(config, kind, layer_shape(config, types.index(kind))[0])
-                 for kind in set(types)}
-        model = Gemma4TextModel(
-            config, lambda i: Gemma4DecoderLayer(config, i, ropes[types[i]]))
+        if model is None:
+            check_gemma4(config)
+            ropes = {kind: gemma4_rope(config, kind, layer_shape(config, types.index(kind))[0])
+                     for kind in set(types)}
+            model = Gemma4TextModel(
+                config, lambda i: Gemma4DecoderLayer(config, i, ropes[types[i]]))
         super().__init__(config, model)
         #: Prompts given as embeddings can't reach a model with per-layer embeddings (they
         #: read the prompt's token ids too): the runner refuses ``enable_prompt_embeds``.
@@ -415,7 +419,7 @@ class Gemma4ForCausalLM(CausalLM):
         first = first_shared_layer(config)
         #: Layers with no keys or values of their own; global layers whose values are keys.
         self.shared = {i for i in range(len(types)) if i >= first}
-        self.k_eq_v = {i for i in range(first) if config.attention_k_eq_v
+        self.k_eq_v = {i for i in range(first) if getattr(config, "attention_k_eq_v", False)
                        and types[i] == "full_attention"}
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,8 @@ def mrv2_register_models(register: Callable[..., None]) -> None:
     spans that attend both ways) and input processor (the checkpoint's image processor).
     Gemma 4's text decoder (``Gemma4ForCausalLM``), and its multimodal checkpoints
     (``Gemma4ForConditionalGeneration``) with text, images and audio (video refused by their
+    input processor). Gemma 3n's text decoder (``Gemma3nForCausalLM``) and its multimodal
+    checkpoints (``Gemma3nForConditionalGeneration``) for text prompts (media refused by their
     input processor)."""
     register("Gemma3ForCausalLM", "mrv2_gemma.model:Gemma3ForCausalLM")
     register("Gemma2ForCausalLM", "mrv2_gemma.model:Gemma2ForCausalLM")
@@ -25,3 +27,7 @@ def mrv2_register_models(register: Callable[..., None]) -> None:
              "mrv2_gemma.gemma4_vl:Gemma4ForConditionalGeneration",
              model_state="mrv2_gemma.gemma4_inputs:Gemma4VLModelState",
              input_processor="mrv2_gemma.gemma4_inputs:Gemma4InputProcessor")
+    register("Gemma3nForCausalLM", "mrv2_gemma.gemma3n:Gemma3nForCausalLM")
+    register("Gemma3nForConditionalGeneration",
+             "mrv2_gemma.gemma3n:Gemma3nForConditionalGeneration",
+             input_processor="mrv2_gemma.gemma3n:Gemma3nTextOnlyInputs")
