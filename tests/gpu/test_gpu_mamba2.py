@@ -3,7 +3,9 @@ engine on the Triton state kernels (the causal conv and the delta-free gated del
 greedy tokens are HF's with CUDA graphs (decode and mixed steps) and without, prompts split
 across steps, under a small block budget, and with prefix caching resuming from state
 snapshots; bf16 (an fp32 residual stream, as the published configs) with graphs on and off
-agree and start with HF's tokens; a step never synchronizes.
+agree and start with HF's tokens; a step never synchronizes. Zamba2 (Mamba-2 layers and two
+shared attention blocks, three invocations each with its own KV cache layer and adapters): the
+same checks against HF, and dummy weights load.
 
 The two-group checkpoint's references are HF's with its gated norm made per group (the
 original Mamba-2's, which the plugin runs: :func:`mrv2_mamba.testing.hf_gated_norm_per_group`).
@@ -82,3 +84,20 @@ def test_mamba2_steps_never_synchronize(tmp_path: Path) -> None:
     tokens = run_steps_without_sync(runner, PROMPTS)
     assert tokens
     runner.shutdown()
+
+
+#: Zamba2 at real head sizes: 8 Mamba heads of 64 over ``mamba_expand`` 2 x 256, a 64-wide
+#: state, attention over 512 channels in 8 heads of 64, adapters of rank 16; hybrid layers
+#: 1, 3, 4 on two shared blocks (TINY_ZAMBA2's layout).
+ZAMBA2: dict[str, Any] = {"hidden_size": 256, "n_mamba_heads": 8, "mamba_d_state": 64,
+                          "chunk_size": 32, "num_attention_heads": 8, "num_key_value_heads": 8,
+                          "intermediate_size": 512, "adapter_rank": 16}
+
+
+def test_zamba2_with_graphs(tmp_path: Path) -> None:
+    from mrv2_mamba.testing import save_tiny_zamba2
+
+    save_tiny_zamba2(tmp_path, **ZAMBA2)
+    _check(tmp_path, 1)  # (HF's Zamba2 norms per group already: the patch changes nothing)
+    dummy = _generate(tmp_path, "bfloat16", load_format="dummy")
+    assert [len(d) for d in dummy] == [40] * len(PROMPTS)

@@ -1,4 +1,5 @@
-"""mrv2 plugin entry point of the Mamba families (Mamba-2, Mamba-1, FalconMamba, Jamba):
+"""mrv2 plugin entry point of the Mamba families (Mamba-2, Mamba-1, FalconMamba, Jamba,
+Zamba2):
 registers their architectures, lazily."""
 
 from collections.abc import Callable
@@ -17,3 +18,5 @@ def mrv2_register_models(register: Callable[..., None]) -> None:
     register("MambaForCausalLM", "mrv2_mamba.mamba1:MambaForCausalLM")
     register("FalconMambaForCausalLM", "mrv2_mamba.mamba1:FalconMambaForCausalLM")
     register("JambaForCausalLM", "mrv2_mamba.jamba:JambaForCausalLM")
+    # Zamba2: Mamba-2 layers and shared attention blocks, a KV cache layer per invocation
+    register("Zamba2ForCausalLM", "mrv2_mamba.zamba2:Zamba2ForCausalLM")

@@ -121,3 +121,43 @@ def save_tiny_mamba1(path: str | Path, family: str = "Mamba", **overrides: Any
                 param.uniform_(-3.0, 0.0)
     hf.save_pretrained(path)
     return hf
+
+
+#: A 5-layer Zamba2: Mamba-2 layers (4 heads of 16 channels, 2 groups of a 16-wide state,
+#: chunks of 8 tokens) and hybrid layers 1, 3, 4 invoking 2 shared blocks (block 0 twice:
+#: invocations 0 and 2; block 1 once), attention over 64 channels in 4 heads of 16 (2 KV
+#: heads would be refused with adapters: 4), RoPE, q/k/v and MLP adapters of rank 8, exact
+#: GELU, the LM head tied.
+TINY_ZAMBA2: dict[str, Any] = {
+    "vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 5,
+    "layers_block_type": ["mamba", "hybrid", "mamba", "hybrid", "hybrid"],
+    "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_ngroups": 2,
+    "n_mamba_heads": 4, "chunk_size": 8, "time_step_min": 0.05, "intermediate_size": 48,
+    "hidden_act": "gelu", "num_attention_heads": 4, "num_key_value_heads": 4,
+    "num_mem_blocks": 2, "use_shared_attention_adapter": True, "adapter_rank": 8,
+    "use_mem_rope": True, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "rms_norm_eps": 1e-5, "max_position_embeddings": 256, "use_mamba_kernels": False,
+    "tie_word_embeddings": True, "eos_token_id": 1, "bos_token_id": 0, "pad_token_id": 0,
+}
+
+
+def save_tiny_zamba2(path: str | Path, **overrides: Any) -> torch.nn.Module:
+    """Save a random fp32 HF ``Zamba2ForCausalLM`` of :data:`TINY_ZAMBA2` (``overrides``
+    change fields) to ``path``, weights redrawn far from their init (the adapters too) and the
+    SSM's decays in a real range (``A`` in [-4.5, -1], ``dt_bias`` in [-3, 0]: some ``dt``
+    below the ``time_step_min`` clamp); returns HF's model."""
+    import transformers
+
+    config = transformers.Zamba2Config(**{**TINY_ZAMBA2, **overrides})
+    config.architectures = ["Zamba2ForCausalLM"]
+    torch.manual_seed(0)
+    hf = transformers.Zamba2ForCausalLM(config).float().eval()
+    redraw_weights(hf, std=0.15)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith("A_log"):
+                param.uniform_(0.0, 1.5)
+            elif name.endswith("dt_bias"):
+                param.uniform_(-3.0, 0.0)
+    hf.save_pretrained(path)
+    return hf
