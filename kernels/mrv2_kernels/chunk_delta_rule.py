@@ -70,6 +70,13 @@ decoding: :mod:`mrv2_kernels.recurrent_state`): the states after the sequence's 
 ``row_slots - 1`` counts but its final one, the same product each, into their counts' rows;
 the final state into the final count's row.
 
+**A decay per key channel** (Kimi Delta Attention: ``g`` ``[T, Hv, K]``, with
+``gate_params`` a ``dt_bias`` ``[Hv, K]``): the same op with ``exp(G_i - G_j)`` a diagonal
+matrix, in four launches of :mod:`mrv2_kernels.chunk_kda_kernels` (its docstring: the algebra,
+and the split into ``SUB``-token blocks that keeps every exponent ``<= 0`` for decays down to
+``exp(-20)`` a token), every keyword but ``dt_limits`` (Mamba-2's per-head gates); its scratch
+adds ``4 K + 4`` bytes a token and v head (``G`` and ``beta``).
+
 **Precision.** Products take fp32 operands; ``input_precision`` on the GPU is ``"tf32x3"``
 (fp32 accuracy on tensor cores, as the attention kernels) where any of q / k / v or the output
 is fp32, else ``"tf32"`` (H100, Qwen3-Next's heads, 300 bf16 tokens: states 8e-4 from the fp32
@@ -102,6 +109,12 @@ import torch
 from ._backend import cdiv, default_block, next_power_of_2, pdl
 from ._backend import use_triton as _use_triton
 from .chunk_delta_rule_kernels import _chunk_out_kernel, _chunk_state_kernel, _chunk_wy_kernel
+from .chunk_kda_kernels import (
+    _kda_gates_kernel,
+    _kda_out_kernel,
+    _kda_state_kernel,
+    _kda_wy_kernel,
+)
 from .linear_attention import _L2_EPS, _check_gdr, check_triton_args, resolve_gates
 from .linear_attention import gated_delta_rule as _serial_gated_delta_rule
 from .linear_attention import gated_delta_rule_triton as _serial_triton
@@ -174,8 +187,11 @@ def _chunked_sequence(
         sl = slice(c0, min(c0 + chunk, length))
         qc, kc, vc, gc, bc = qs[:, sl], ks[:, sl], vs[:, sl], gs[:, sl], bs[:, sl]
         size = qc.shape[1]
-        gcum = gc.cumsum(-1)  # [Hv, c]
         causal = torch.ones(size, size, dtype=torch.bool, device=qs.device).tril()
+        if gc.dim() == 3:  # a decay per key channel
+            out[:, sl], s = _chunk_per_channel(qc, kc, vc, gc, bc, s, causal, delta)
+            continue
+        gcum = gc.cumsum(-1)  # [Hv, c]
         diff = (gcum[:, :, None] - gcum[:, None, :]).masked_fill(~causal, float("-inf"))
         decay = diff.exp()  # exp(G_i - G_j) for i >= j, else 0
         if delta:
@@ -190,6 +206,32 @@ def _chunked_sequence(
         last = gcum[:, -1:]  # [Hv, 1]
         kd = kc * (last - gcum).exp()[..., None]
         s = s * last.exp()[..., None] + kd.transpose(1, 2) @ u
+    return out, s
+
+
+def _chunk_per_channel(
+    qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, gc: torch.Tensor, bc: torch.Tensor,
+    s: torch.Tensor, causal: torch.Tensor, delta: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of :func:`_chunked_sequence` with ``gc`` ``[Hv, c, K]`` (Kimi Delta
+    Attention): the decays ``exp(G_ic - G_jc)`` formed per channel, ``[Hv, c, c, K]``, masked
+    to ``i >= j`` before the ``exp``. Returns the chunk's outputs and the state after it."""
+    dv = vc.shape[-1]
+    gcum = gc.cumsum(1)  # [Hv, c, K]
+    diff = gcum[:, :, None, :] - gcum[:, None, :, :]
+    decay = diff.masked_fill(~causal[None, :, :, None], float("-inf")).exp()
+    if delta:
+        a = (bc[:, :, None] * torch.einsum("hik,hjk,hijk->hij", kc, kc, decay)).tril(-1)
+        eye = torch.eye(a.shape[-1], dtype=torch.float32, device=a.device)
+        rhs = torch.cat([bc[..., None] * vc, bc[..., None] * gcum.exp() * kc], -1)
+        wy = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
+        u = wy[..., :dv] - wy[..., dv:] @ s
+    else:
+        u = bc[..., None] * vc
+    p = torch.einsum("hik,hjk,hijk->hij", qc, kc, decay)
+    out = (qc * gcum.exp()) @ s + p @ u
+    last = gcum[:, -1:, :]  # [Hv, 1, K]
+    s = s * last.exp().transpose(1, 2) + (kc * (last - gcum).exp()).transpose(1, 2) @ u
     return out, s
 
 
@@ -209,8 +251,9 @@ def chunk_gated_delta_rule_ref(
     docstring's algebra). A snapshot after ``c`` tokens (``state_table``) runs the same math
     over the first ``c`` tokens alone, and so does each state ``row_slots`` keeps. A second
     formulation of the op, independent of the token-serial reference and of the kernels; same
-    results up to fp32 rounding."""
-    _check_gdr(q, k, v, g, beta, state)
+    results up to fp32 rounding. A ``[T, Hv, K]`` ``g`` (a decay per key channel, Kimi Delta
+    Attention) forms each chunk's per-channel decays ``[Hv, C, C, K]`` whole."""
+    _check_gdr(q, k, v, g, beta, state, vector_gate=True)
     g, beta = resolve_gates(g, beta, v, gate_params, dt_limits, skip)
     _check_meta(query_start_loc, seq_lens, state_rows)
     _check_table(state_table)
@@ -234,7 +277,8 @@ def chunk_gated_delta_rule_ref(
             ks = ks * torch.rsqrt((ks * ks).sum(-1, keepdim=True) + _L2_EPS)
         qs = qs * scale
         vs = v[bos:eos].float().transpose(0, 1)
-        gs, bs = g[bos:eos].float().T, beta[bos:eos].float().T  # [Hv, L]
+        gs = g[bos:eos].float().transpose(0, 1)  # [Hv, L] (per channel: [Hv, L, K])
+        bs = beta[bos:eos].float().T  # [Hv, L]
         o, s = _chunked_sequence(qs, ks, vs, gs, bs, s0, chunk, delta)
         if skip is not None:
             o = o + skip.float()[:, None, None] * vs
@@ -300,10 +344,13 @@ def chunk_gated_delta_rule_triton(
     as :func:`~mrv2_kernels.linear_attention.gated_delta_rule`'s (the module docstring says
     how). ``serial_below``: sequences of fewer tokens (a mixed step's decodes) run in the
     token-serial kernel, launched ahead of these (a one-token chunk costs these kernels a
-    whole chunk's work), the chunked kernels skipping them on the device."""
+    whole chunk's work), the chunked kernels skipping them on the device. A ``[T, Hv, K]``
+    ``g`` (a decay per key channel) runs :mod:`mrv2_kernels.chunk_kda_kernels`' launches
+    (:func:`_launch_kda`; ``scan_warps`` / ``scan_stages`` default to 8 / 1 on the GPU there,
+    ``block_k`` to 16)."""
     n = check_triton_args("chunk_gated_delta_rule_triton", q, k, v, g, beta, state,
                           query_start_loc, seq_lens, state_rows, state_table, gate_params,
-                          dt_limits, skip)
+                          dt_limits, skip, vector_gate=True)
     row_slots_n = check_row_slots(row_slots)
     num_tokens, hk, dk = q.shape
     hv, dv = v.shape[1:]
@@ -349,6 +396,16 @@ def chunk_gated_delta_rule_triton(
     # (flat per head: the WY kernel's [C, C] tiles live there first, dk * dv may be smaller)
     slots = cdiv(num_tokens, c) + n
     h_buf = _empty((slots, hv, max(dk * dv, c * c)), torch.float32, v.device)
+    if g.dim() == 3:  # a decay per key channel (Kimi Delta Attention): chunk_kda_kernels
+        tbl = state_rows if state_table is None else state_table
+        _launch_kda(q, k, v, g, beta, state, query_start_loc, seq_lens, state_rows, tbl, out,
+                    h_buf, gate_params, skip, n, min_len, float(scale), l2norm_qk, delta,
+                    state_table is not None, row_slots_n,
+                    dict(CHUNK=c, SUB=sub, BLOCK_K=block_k or (16 if on_gpu else bk),
+                         BLOCK_V=bv, BLOCK_V_OUT=bvo, PREC=prec,
+                         scan_warps=scan_warps or (8 if on_gpu and bv >= 32 else warps_scan),
+                         scan_stages=scan_stages or 1))
+        return out
     if delta and n > 0:
         wk = _empty((num_tokens, hv, dk), torch.float32, v.device)
         wv = _empty((num_tokens, hv, dv), torch.float32, v.device)
@@ -396,6 +453,73 @@ def chunk_gated_delta_rule_triton(
         **pdl(v),
     )
     return out
+
+
+def _launch_kda(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, qsl: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor,
+    tbl: torch.Tensor, out: torch.Tensor, h_buf: torch.Tensor,
+    gate_params: tuple[torch.Tensor, torch.Tensor] | None, skip: torch.Tensor | None,
+    n: int, min_len: int, scale: float, l2norm_qk: bool, delta: bool, has_table: bool,
+    row_slots: int, t: dict[str, Any],
+) -> None:
+    """:func:`chunk_gated_delta_rule_triton`'s launches for a ``[T, Hv, K]`` ``g`` (the
+    kernels and their algebra: :mod:`mrv2_kernels.chunk_kda_kernels`): the gates kernel
+    (``G`` and ``beta`` into fp32 scratch), the WY kernel (``delta``), the scan, the output
+    kernel; ``t``: the tiles and launch settings the caller picked. GPU defaults differ from
+    the per-head path's where ptxas (sm_90, K = V = 128) said so: ``BLOCK_K = 16`` for the WY
+    and output kernels, 8 warps each (no spills; 32 spilled 4 / 1,064 bytes), the scan in 8
+    warps, 1 stage (208 bytes spilled, 316 with ``row_slots`` 4, against 2,316 / 1,532 in 4
+    warps with 2; the per-head scan spills 1,184 at its defaults). Not yet timed on a GPU."""
+    num_tokens, hk, dk = q.shape
+    hv, dv = v.shape[1:]
+    on_gpu = v.is_cuda
+    c, slots = t["CHUNK"], h_buf.shape[0]
+    tile_min = 16 if on_gpu else 1
+    a_log, dt_bias = ((g, g) if gate_params is None
+                      else (gate_params[0].contiguous(), gate_params[1].contiguous()))
+    gc = _empty((num_tokens, hv, dk), torch.float32, v.device)  # G, per key channel
+    bt = _empty((num_tokens, hv), torch.float32, v.device)  # beta
+    if n > 0:
+        _kda_gates_kernel[(slots, hv)](
+            g, beta, a_log, dt_bias, gc, bt, qsl, n, min_len, dk, g.stride(0), g.stride(1),
+            g.stride(2), beta.stride(0), beta.stride(1), gc.stride(0), gc.stride(1),
+            bt.stride(0),
+            CHUNK=c, BLOCK_K=t["BLOCK_K"], REQ_BLOCK=_REQ_BLOCK,
+            RAW_GATES=gate_params is not None, num_warps=4 if on_gpu else 1, **pdl(v))
+    if delta and n > 0:
+        wk = _empty((num_tokens, hv, dk), torch.float32, v.device)
+        wv = _empty((num_tokens, hv, dv), torch.float32, v.device)
+        _kda_wy_kernel[(slots, hv)](
+            k, v, gc, bt, wk, wv, h_buf, qsl, n, min_len, dk, dv, hv // hk,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), gc.stride(0), gc.stride(1),
+            bt.stride(0), wk.stride(0), wk.stride(1), wv.stride(0), wv.stride(1),
+            h_buf.stride(0), h_buf.stride(1),
+            L2NORM=l2norm_qk, CHUNK=c, SUB=t["SUB"],
+            LOG2_BLOCKS=(c // t["SUB"]).bit_length() - 1, BLOCK_K=t["BLOCK_K"],
+            BLOCK_V=t["BLOCK_V_OUT"], REQ_BLOCK=_REQ_BLOCK, PREC=t["PREC"],
+            num_warps=8 if on_gpu else 1, **pdl(v))
+    else:
+        wk = wv = out  # not read
+    _kda_state_kernel[(n + 1, hv, cdiv(dv, t["BLOCK_V"]))](
+        k, v, gc, bt, wk, wv, h_buf, state, out, qsl, seq_lens, rows, tbl, n, num_tokens,
+        min_len, dk, dv, hv // hk, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        gc.stride(0), gc.stride(1), bt.stride(0), wk.stride(0), wk.stride(1), wv.stride(0),
+        wv.stride(1), h_buf.stride(0), h_buf.stride(1), out.stride(0), out.stride(1),
+        state.stride(0), state.stride(1), state.stride(2), tbl.stride(0),
+        L2NORM=l2norm_qk, DELTA=delta, CHUNK=c, BLOCK_KF=max(tile_min, next_power_of_2(dk)),
+        BLOCK_V=t["BLOCK_V"], BLOCK_T=8, PREC=t["PREC"], HAS_TABLE=has_table,
+        ROW_SLOTS=row_slots, num_warps=t["scan_warps"], num_stages=t["scan_stages"], **pdl(v))
+    if n == 0:
+        return
+    _kda_out_kernel[(slots, hv, cdiv(dv, t["BLOCK_V_OUT"]))](  # (8 warps: no spills)
+        q, k, v, gc, bt, wv, h_buf, out, qsl, g if skip is None else skip.contiguous(), n,
+        min_len, scale, dk, dv, hv // hk, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), gc.stride(0), gc.stride(1), bt.stride(0), wv.stride(0),
+        wv.stride(1), h_buf.stride(0), h_buf.stride(1), out.stride(0), out.stride(1),
+        L2NORM=l2norm_qk, DELTA=delta, CHUNK=c, SUB=t["SUB"], BLOCK_K=t["BLOCK_K"],
+        BLOCK_V=t["BLOCK_V_OUT"], REQ_BLOCK=_REQ_BLOCK, PREC=t["PREC"],
+        HAS_SKIP=skip is not None, num_warps=8 if on_gpu else 1, **pdl(v))
 
 
 def chunk_gated_delta_rule(
@@ -460,12 +584,12 @@ def gated_delta_rule_auto(
     the latter (``state_table``, ``gate_params``, ``dt_limits``, ``skip``, ``out_dtype``,
     ``row_slots``) passed on. Same results up to fp32 rounding either way (TF32's where every
     operand and the output are 16-bit, on the GPU: :func:`chunk_gated_delta_rule_triton`). A
-    per-key-channel ``g`` ``[T, Hv, K]`` (Kimi Delta Attention) always runs token-serial: the
-    chunked form takes per-head decays only."""
+    per-key-channel ``g`` ``[T, Hv, K]`` (Kimi Delta Attention) goes by the same rule (its
+    chunked kernels: :mod:`mrv2_kernels.chunk_kda_kernels`)."""
     kw: dict[str, Any] = dict(delta=delta, state_table=state_table, gate_params=gate_params,
                               dt_limits=dt_limits, skip=skip, out_dtype=out_dtype,
                               row_slots=row_slots)
-    if g.dim() == 2 and prefer_chunked(
+    if prefer_chunked(
             q.shape[0], query_start_loc.shape[0] - 1, max_query_len,
             CHUNKED_MIN_QUERY_LEN_DELTA if delta else CHUNKED_MIN_QUERY_LEN):
         return chunk_gated_delta_rule(q, k, v, g, beta, state, query_start_loc, seq_lens,

@@ -108,7 +108,7 @@ def causal_conv1d(
 def _check_gdr(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                beta: torch.Tensor, state: torch.Tensor, vector_gate: bool = False) -> None:
     """The shapes and the state's dtype (``vector_gate``: ``g`` may also be ``[T, Hv, K]``,
-    one decay per key channel; the token-serial forms take it, the chunked one does not)."""
+    one decay per key channel; every form of the op takes it)."""
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
         raise ValueError(f"q, k must be [T, Hk, K] and v [T, Hv, V], got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -225,7 +225,7 @@ def check_triton_args(
     """What both Triton forms of the delta rule check before launching (``op``: the name their
     errors give): shapes, metadata, the table and the keywords, the dtypes, the state's
     contiguous last dim, ``K <= MAX_K``. Returns the sequence count ``N``. ``vector_gate``:
-    ``g`` may be per key channel (the token-serial form's)."""
+    ``g`` may be per key channel (both forms take it)."""
     _check_gdr(q, k, v, g, beta, state, vector_gate)
     n = _check_meta(query_start_loc, seq_lens, state_rows)
     _check_table(state_table)

@@ -11,6 +11,7 @@ Run on a CUDA machine with ``MRV2_TEST_GPU=1 python -m pytest -m gpu``.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -101,3 +102,30 @@ def test_kimi_linear_speculative_decoding_and_prefix_cache(tmp_path: Path) -> No
         llm.shutdown()
         assert [o.outputs[0].token_ids for o in outs] == expected, kwargs
         assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
+
+
+def test_kimi_linear_long_prompts_run_chunked(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts of 300 and 200 tokens (past ``CHUNKED_MIN_QUERY_LEN_DELTA``, several chunks of
+    64 and a remainder) through KDA's chunked kernels (the per-channel decay's), beside a short
+    one: fp32 greedy tokens are HF's eager, in CUDA graphs and with the prompts split into
+    steps of 128 tokens (each resuming from the state the last left)."""
+    from mrv2_kernels import chunk_delta_rule as cdr
+
+    dims: list[int] = []
+    chunked = cdr.chunk_gated_delta_rule
+
+    def spy(*args: Any, **kw: Any) -> Any:
+        dims.append(args[3].dim())  # g: [T, H, K]
+        return chunked(*args, **kw)
+
+    monkeypatch.delenv(cdr.CHUNKED_ENV_VAR, raising=False)
+    monkeypatch.setattr(cdr, "chunk_gated_delta_rule", spy)
+    _save(tmp_path)
+    prompts = [[1 + (13 * i + 5) % 120 for i in range(300)],
+               [1 + (7 * i) % 120 for i in range(200)], [8, 8, 120]]
+    expected = [hf_greedy(tmp_path, p, 40) for p in prompts]
+    assert _generate(tmp_path, "float32", prompts, enforce_eager=True) == expected
+    assert dims and set(dims) == {3}
+    assert _generate(tmp_path, "float32", prompts) == expected
+    assert _generate(tmp_path, "float32", prompts, max_num_batched_tokens=128) == expected

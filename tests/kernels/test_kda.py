@@ -142,22 +142,32 @@ def test_vector_gate_ref_matches_hf() -> None:
         bos += length
 
 
-def test_vector_gate_routes_token_serial(monkeypatch: pytest.MonkeyPatch) -> None:
-    """:func:`gated_delta_rule_auto` runs a per-channel ``g`` token-serial even where a long
-    prompt would go chunked (the chunked form refuses it, by its shape), with the same
-    result as the reference."""
+def test_vector_gate_auto_goes_chunked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """:func:`gated_delta_rule_auto` runs a per-channel ``g`` chunked where a long prompt
+    does (it ran token-serial at every length before), with the reference's result; Mamba-2's
+    ``dt_limits`` still refuse it in every form."""
     monkeypatch.setattr(cdr, "CHUNKED_MIN_QUERY_LEN_DELTA", 2)
+    monkeypatch.delenv(cdr.CHUNKED_ENV_VAR, raising=False)
+    chunked = cdr.chunk_gated_delta_rule
+    calls: list[int] = []
+
+    def spy(*args: object, **kw: object) -> torch.Tensor:
+        calls.append(len(args))
+        return chunked(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cdr, "chunk_gated_delta_rule", spy)
     batch = make_batch([(6, 0, 0), (1, 4, 1)])
     q, k, v, g, beta, state0 = kda_inputs(1, 1, 8, 8, F32, batch.num_tokens, seed=40)
     want_state, got_state = state0.clone(), state0.clone()
     want = gated_delta_rule_ref(q, k, v, g, beta, want_state, *batch.meta, 0.5)
     got = cdr.gated_delta_rule_auto(q, k, v, g, beta, got_state, *batch.meta, 0.5,
                                     max_query_len=6)
+    assert calls
     close(got, want, F32)
     torch.testing.assert_close(got_state, want_state, rtol=1e-4, atol=1e-5)
-    with pytest.raises(ValueError, match=r"g must have shape \(7, 1\), got \(7, 1, 8\)"):
-        cdr.chunk_gated_delta_rule(q, k, v, g, beta, got_state, *batch.meta, 0.5)
-    with pytest.raises(ValueError, match="per-channel"):
-        gated_delta_rule_ref(q, k, v, g, beta, got_state, *batch.meta, 0.5,
-                             gate_params=(torch.zeros(1), torch.zeros(1, 8)),
-                             dt_limits=(0.0, 1.0))
+    for fn in (gated_delta_rule_ref, cdr.chunk_gated_delta_rule_ref,
+               cdr.chunk_gated_delta_rule_triton):
+        with pytest.raises(ValueError, match="per-channel"):
+            fn(q, k, v, g, beta, got_state, *batch.meta, 0.5,
+               gate_params=(torch.zeros(1, device=DEVICE), torch.zeros(1, 8, device=DEVICE)),
+               dt_limits=(0.0, 1.0))

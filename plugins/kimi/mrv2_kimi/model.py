@@ -19,7 +19,9 @@ DeepSeek-V3-style MoE, as transformers models it.
   request the layer keeps the convolutions' last inputs and the recurrent state
   (:mod:`mrv2.contract.request_state`), so prefix caching keeps snapshots of it and
   speculative decoding keeps it after each token of a verify step, as for Qwen3-Next.
-  The per-channel decay has no chunked form here: prompts run the token-serial kernel too.
+  Prompts past the delta rule's threshold run its chunked form
+  (:func:`mrv2_kernels.chunk_delta_rule.gated_delta_rule_auto`; the per-channel kernels:
+  :mod:`mrv2_kernels.chunk_kda_kernels`), decodes the token-serial kernel.
 * ``"full_attention"``: the core's MLA (:mod:`mrv2.layers.mla`) with no rotation at all (HF's
   ``KimiLinearAttention``: the ``qk_rope_head_dim`` part of the query and of the shared key is
   used as projected), softmax scale ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``.

@@ -43,13 +43,32 @@ def _registered() -> None:
 
 
 @pytest.mark.parametrize("mode", ["plain", "chunked", "prefix_cache", "speculation",
-                                  "tensor_parallel"])
-def test_greedy_and_logprobs_match_hf(tmp_path: Path, mode: str) -> None:
+                                  "tensor_parallel", "plain_chunked_kda",
+                                  "prefix_cache_chunked_kda"])
+def test_greedy_and_logprobs_match_hf(tmp_path: Path, mode: str,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """HF's greedy tokens and prompt log-probabilities, whole prompts or in chunks of 8; with
     prefix caching, requests resuming from state snapshots; with n-gram speculation, rejected
     drafts leaving no trace in the KDA states; over two ranks (CPU processes: each holds one
     KDA head, its conv channels, decays and states, half the MLA heads and of each expert),
-    which needs the plugin installed (its entry point: the workers load plugins from there)."""
+    which needs the plugin installed (its entry point: the workers load plugins from there).
+    ``*_chunked_kda``: every query of 4 tokens or more through the chunked delta rule's
+    per-channel form (its snapshots and resumed rows with prefix caching)."""
+    chunked_calls: list[int] = []
+    kda = mode.endswith("_chunked_kda")
+    if kda:
+        from mrv2_kernels import chunk_delta_rule
+
+        chunked = chunk_delta_rule.chunk_gated_delta_rule
+
+        def spy(*args: Any, **kw: Any) -> torch.Tensor:
+            chunked_calls.append(args[3].dim())  # g: [T, H, K]
+            return chunked(*args, **kw)
+
+        monkeypatch.setattr(chunk_delta_rule, "CHUNKED_MIN_QUERY_LEN_DELTA", 4)
+        monkeypatch.setenv(chunk_delta_rule.CHUNKED_ENV_VAR, "1")
+        monkeypatch.setattr(chunk_delta_rule, "chunk_gated_delta_rule", spy)
+        mode = mode.removesuffix("_chunked_kda")
     if mode == "tensor_parallel" and not any(
             ep.name == "kimi" for ep in metadata.entry_points(group="mrv2")):
         pytest.skip("tensor parallel workers load plugins from entry points: install "
@@ -57,6 +76,7 @@ def test_greedy_and_logprobs_match_hf(tmp_path: Path, mode: str) -> None:
     hf = save_tiny_kimi_linear(tmp_path)
     if mode == "prefix_cache":
         check_state_prefix_cache(tmp_path)
+        assert not kda or chunked_calls and set(chunked_calls) == {3}
         return
     if mode == "speculation":
         check_state_speculation(tmp_path, enable_prefix_caching=True)
@@ -77,6 +97,7 @@ def test_greedy_and_logprobs_match_hf(tmp_path: Path, mode: str) -> None:
     with torch.no_grad():
         logits = hf(torch.tensor([ids])).logits[0]
     check_prompt_logprobs(llm, {"prompt_token_ids": ids}, ids, logits)
+    assert not kda or chunked_calls and set(chunked_calls) == {3}
 
 
 def test_structure_names_and_dummy_weights(tmp_path: Path) -> None:
