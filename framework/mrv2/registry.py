@@ -91,6 +91,7 @@ KNOWN_PACKAGES: dict[str, str] = {
     "GptOssForCausalLM": "mrv2-plugin-gpt-oss",
     "CohereForCausalLM": "mrv2-plugin-cohere",
     "Cohere2ForCausalLM": "mrv2-plugin-cohere",
+    "AyaVisionForConditionalGeneration": "mrv2-plugin-cohere",
     "Lfm2ForCausalLM": "mrv2-plugin-lfm2",
     "Lfm2MoeForCausalLM": "mrv2-plugin-lfm2",
     "Lfm2VlForConditionalGeneration": "mrv2-plugin-lfm2",
