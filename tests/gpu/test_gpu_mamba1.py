@@ -22,6 +22,8 @@ pytestmark = pytest.mark.gpu
 
 PROMPTS = [[5, 17, 42, 9, 100, 3, 77] * 6, [8, 8, 120], [1 + (7 * i) % 120 for i in range(97)],
            [64]]
+#: Mamba configs carry no ``max_position_embeddings`` (Jamba's attention layers do: as long).
+MAX_MODEL_LEN = 512
 #: Real mixer sizes (512 channels, a 16-wide state per channel, a time step of rank 16).
 ARCH: dict[str, dict[str, Any]] = {
     "Mamba": {"hidden_size": 256, "expand": 2, "state_size": 16, "time_step_rank": 16,
@@ -29,10 +31,9 @@ ARCH: dict[str, dict[str, Any]] = {
     "FalconMamba": {"hidden_size": 256, "expand": 2, "state_size": 16, "time_step_rank": 16,
                     "num_hidden_layers": 4, "use_bias": False, "tie_word_embeddings": True},
     "Jamba": {"hidden_size": 256, "intermediate_size": 512, "mamba_dt_rank": 16,
-              "num_attention_heads": 4, "num_key_value_heads": 2},
+              "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": MAX_MODEL_LEN},
 }
-#: Mamba configs carry no ``max_position_embeddings``.
-MAX_MODEL_LEN = 512
 
 
 def _generate(path: Path, dtype: str, prompts: list[list[int]] = PROMPTS,
