@@ -1,5 +1,5 @@
-"""GPU: MTP speculation (GLM-4.x's and DeepSeek-V3's MTP layers drafting) with its drafting in
-CUDA graphs.
+"""GPU: MTP speculation (GLM-4.x's, DeepSeek-V3's, and DeepSeek-V3.2's / GLM-5's sparse-attention
+MTP layers drafting) with its drafting in CUDA graphs.
 
 Run on a CUDA machine with ``MRV2_TEST_GPU=1 python -m pytest -m gpu``.
 """
@@ -58,6 +58,39 @@ def deepseek(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                DeepseekV3DecoderLayer, **DEEPSEEK_V3)
 
 
+DSA: dict[str, Any] = {
+    **DEEPSEEK_V3, "hidden_size": 256, "num_attention_heads": 16, "num_key_value_heads": 16,
+    "q_lora_rank": 96, "kv_lora_rank": 128, "qk_rope_head_dim": 64, "n_group": 2,
+    "topk_group": 1, "index_topk": 16, "index_n_heads": 16, "index_head_dim": 128,
+}
+#: ``{family: (architecture, HF module, extra config fields)}``: the sparse-attention families.
+DSA_CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "deepseek-v32": ("DeepseekV32ForCausalLM", "deepseek_v32.modeling_deepseek_v32", {}),
+    "glm-moe-dsa": ("GlmMoeDsaForCausalLM", "glm_moe_dsa.modeling_glm_moe_dsa",
+                    {"num_hidden_layers": 3, "indexer_types": ["full", "shared", "full"]}),
+}
+
+
+def _dsa_checkpoint(path: Path, family: str) -> Path:
+    """A tiny DeepSeek-V3.2 / GLM-5 whose MTP layer is HF's decoder layer of index
+    ``num_hidden_layers`` (the MoE, an indexer of its own), under the published names."""
+    import copy
+    import importlib
+
+    arch, module, fields = DSA_CASES[family]
+    layer_cls = getattr(importlib.import_module(f"transformers.models.{module}"),
+                        arch.replace("ForCausalLM", "DecoderLayer"))
+
+    def mtp_block(config: Any, index: int) -> Any:
+        config = copy.deepcopy(config)
+        config.mlp_layer_types = [*config.mlp_layer_types, "sparse"]
+        if getattr(config, "indexer_types", None) is not None:
+            config.indexer_types = [*config.indexer_types, "full"]
+        return layer_cls(config, index)
+
+    return make_mtp_checkpoint(path, arch, mtp_block, **{**DSA, **fields})
+
+
 def _greedy(ckpt: Path, **kwargs: Any) -> tuple[list[list[int]], LLM]:
     llm = LLM(str(ckpt), device="cuda", dtype="float32", block_size=16,
               gpu_memory_utilization=0.3, **kwargs)
@@ -66,10 +99,14 @@ def _greedy(ckpt: Path, **kwargs: Any) -> tuple[list[list[int]], LLM]:
     return [o.outputs[0].token_ids for o in outs], llm
 
 
-@pytest.mark.parametrize("family", ["glm", "deepseek"])
-def test_mtp_greedy_equals_plain_with_drafting_graphs(family: str,
-                                                      request: pytest.FixtureRequest) -> None:
-    ckpt = request.getfixturevalue("ckpt" if family == "glm" else "deepseek")
+@pytest.mark.parametrize("family", ["glm", "deepseek", *DSA_CASES])
+def test_mtp_greedy_equals_plain_with_drafting_graphs(
+        family: str, request: pytest.FixtureRequest,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    if family in DSA_CASES:  # the MTP layer's indexer selects 16 of up to ~60 tokens
+        ckpt = _dsa_checkpoint(tmp_path_factory.mktemp(family), family)
+    else:
+        ckpt = request.getfixturevalue("ckpt" if family == "glm" else "deepseek")
     plain = _greedy(ckpt)[0]
     got, llm = _greedy(ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     assert got == plain

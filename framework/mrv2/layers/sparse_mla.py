@@ -42,13 +42,14 @@ from mrv2.contract.forward_context import get_forward_context
 from mrv2.contract.kv_cache import KVCacheLayer, LatentKVSpec
 from mrv2.layers.linear import LinearBase
 from mrv2.layers.mla import MLAAttention
+from mrv2.layers.mtp import mtp_layer_count
 from mrv2.layers.norm import LayerNorm
 from mrv2.layers.rotary import RotaryEmbedding
 from mrv2_kernels.mla_attention import mla_cache_write
 from mrv2_kernels.sparse_mla import indexer_logits, sparse_mla_attention
 
 __all__ = ["DSAIndexer", "SparseMLAAttention", "check_dsa_config", "indexer_cache_layers",
-           "sparse_mla_attention_layer", "token_maps"]
+           "mtp_indexer_cache_layer", "sparse_mla_attention_layer", "token_maps"]
 
 #: ``metadata.derived`` keys: the step's token maps, the last full indexer's slots.
 _MAPS_KEY = "dsa_token_maps"
@@ -230,6 +231,16 @@ def indexer_cache_layers(config: Any, types: list[str] | None = None) -> list[in
     for kind in types:
         indices.append(count + sum(i is not None for i in indices) if kind == "full" else None)
     return indices
+
+
+def mtp_indexer_cache_layer(config: Any, cache_idx: int) -> int:
+    """The indexer KV cache layer of the MTP layer whose attention caches in layer
+    ``cache_idx``: ``cache_idx + num_nextn_predict_layers``, i.e. after every MTP layer's
+    attention (MTP layer ``i`` of a drafter caching from ``first_layer_idx`` keeps its latents
+    in ``first_layer_idx + i`` and its indexer keys in ``first_layer_idx + count + i``, so the
+    drafter's cache layers stay contiguous). An MTP layer always runs an indexer of its own
+    (as vLLM runs DeepSeek-V3.2's and GLM-5's), whatever the main layers share."""
+    return cache_idx + mtp_layer_count(config)
 
 
 def sparse_mla_attention_layer(config: Any, layer_idx: int, rope: RotaryEmbedding,
