@@ -39,6 +39,7 @@ KNOWN_PACKAGES: dict[str, str] = {
     "Dots1ForCausalLM": "mrv2-plugin-deepseek",
     "AfmoeForCausalLM": "mrv2-plugin-deepseek",
     "YoutuForCausalLM": "mrv2-plugin-deepseek",
+    "LongcatFlashForCausalLM": "mrv2-plugin-deepseek",
     "Qwen2_5_VLForConditionalGeneration": "mrv2-plugin-qwen-vl",
     "Qwen3VLForConditionalGeneration": "mrv2-plugin-qwen-vl",
     "Gemma3ForConditionalGeneration": "mrv2-plugin-gemma",

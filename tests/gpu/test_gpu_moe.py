@@ -6,6 +6,7 @@ Run on a CUDA machine with ``MRV2_TEST_GPU=1 python -m pytest -m gpu``.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,7 +19,7 @@ PROMPTS = [[5, 17, 42, 9, 100, 3, 77], [8, 8, 250], [1 + i % 200 for i in range(
 COMMON = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
           "num_key_value_heads": 2, "head_dim": 64, "num_experts_per_tok": 4,
           "moe_intermediate_size": 96, "num_hidden_layers": 3}
-FAMILIES = {
+FAMILIES: dict[str, dict[str, Any]] = {
     "Qwen3MoeForCausalLM": {**COMMON, "num_experts": 16, "norm_topk_prob": True},
     "Glm4MoeForCausalLM": {**COMMON, "n_routed_experts": 16, "n_shared_experts": 1,
                            "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1,
@@ -70,6 +71,14 @@ FAMILIES = {
                                  "layer_rope_theta": [1e4, 0, 5e5],
                                  "attention_multiplier": 0.1, "embedding_multiplier": 0.5,
                                  "residual_multiplier": 1.2, "logits_scaling": 1.7},
+    # LongCat-Flash: two MLA sublayers a layer (KV cache layers 2i, 2i+1) on the latent-cache
+    # kernels, a shortcut MoE whose softmax router also picks zero-computation experts
+    "LongcatFlashForCausalLM": {**COMMON, "num_layers": 2, "num_hidden_layers": 4,
+                                "num_key_value_heads": 4, "n_routed_experts": 16,
+                                "zero_expert_num": 8, "expert_ffn_hidden_size": 96,
+                                "routed_scaling_factor": 2.0, "q_lora_rank": 96,
+                                "kv_lora_rank": 128, "qk_nope_head_dim": 32,
+                                "qk_rope_head_dim": 64, "v_head_dim": 32, "std": 0.15},
 }
 
 
@@ -79,7 +88,7 @@ def ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
                                 **FAMILIES[request.param])
 
 
-def _greedy(ckpt: Path, **kwargs: object) -> list[list[int]]:
+def _greedy(ckpt: Path, **kwargs: Any) -> list[list[int]]:
     llm = LLM(str(ckpt), device="cuda", block_size=16, gpu_memory_utilization=0.3, **kwargs)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
