@@ -873,7 +873,7 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
               timeout "$(left 90)" python3 -m pytest -v -p no:cacheprovider tests/kernels/test_selective_scan.py \
                 tests/kernels/test_sparse_mla.py 2>&1 | tee "$OUT/kernels52.log" \
                 | grep -E "^FAILED|^ERROR| passed| failed" | tail -4 | sed "s/^/kernels52: /"
-              for t in ${VERIFY_TESTS:-mamba1 dsa kimi qwen_vl moe gemma3n lfm2_vl olmo_hybrid mamba2 llama_variants}; do
+              for t in ${VERIFY_TESTS:-mamba1 dsa kimi qwen_vl moe gemma3n lfm2_vl olmo_hybrid mamba2 minimax aya_vision mtp llama_variants}; do
                 [ -f "tests/gpu/test_gpu_$t.py" ] || { echo "$t: no tests/gpu/test_gpu_$t.py"; continue; }
                 [ "$(left 20)" -lt 15 ] && { echo "$t: no time left"; continue; }
                 timeout "$(left "${VERIFY_CAP:-120}")" python3 -m pytest -v -p no:cacheprovider -m gpu \
