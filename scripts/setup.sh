@@ -25,7 +25,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   step "installing torch (a large download: the longest step, often a few minutes)"
   $PIP install -q "torch==2.13.0" 2>/dev/null || $PIP install -q torch
 fi
-step "installing mrv2, its Triton kernels, the Qwen, Qwen-VL, GLM, DeepSeek, Gemma, Phi, OLMo, gpt-oss, MiniMax, EXAONE, ERNIE, Mistral 3, InternVL, LLaVA, Idefics3 / SmolVLM, Nemotron-H, Granite MoE / 4.0-H / Bamba, Falcon-H1, Mamba-2, Llama 4, Hunyuan, Cohere Command, LFM2, GPT-NeoX / StableLM, StarCoder, Kimi-Linear, MTP, EAGLE and Llama plugins, the server (FastAPI," \
+step "installing mrv2, its Triton kernels, the Qwen, Qwen-VL, GLM, DeepSeek, Gemma, Phi, OLMo, gpt-oss, MiniMax, EXAONE, ERNIE, Mistral 3, InternVL, LLaVA, Idefics3 / SmolVLM, Nemotron-H, Granite MoE / 4.0-H / Bamba, Falcon-H1, Mamba / Jamba / Zamba2, Llama 4, Hunyuan, Cohere Command, LFM2, GPT-NeoX / StableLM, StarCoder, Kimi-Linear, MTP, EAGLE and Llama plugins, the server (FastAPI," \
   "uvicorn, prometheus_client) and the test tools"
 # (PYTHONWARNINGS: setuptools warns at length about every editable install)
 PYTHONWARNINGS=ignore $PIP install -q -e ".[serve,test]" -e plugins/qwen -e plugins/glm -e plugins/mtp \
