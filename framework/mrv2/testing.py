@@ -184,6 +184,41 @@ def redraw_weights(module: torch.nn.Module, seed: int = 0, std: float = 0.15) ->
                 tensor.copy_((torch.rand(tensor.shape, generator=gen) - 0.5) * 0.6)
 
 
+#: :func:`save_tiny_model`'s ``uniform`` for Mamba-2-style SSM decays in a trained model's
+#: range: ``A = exp(A_log)`` in [1, 4.5], ``dt_bias`` in [-3, 0] (``dt`` on both sides of the
+#: clamp's ends).
+SSM_DECAYS: dict[str, tuple[float, float]] = {"dt_bias": (-3.0, 0.0), "A_log": (0.0, 1.5)}
+#: :func:`save_tiny_model`'s ``uniform`` for Gated DeltaNet / KDA decays in a trained model's
+#: range: ``A`` in [1, 16], ``dt_bias`` near 0.
+DELTA_NET_DECAYS: dict[str, tuple[float, float]] = {"A_log": (0.0, 2.7), "dt_bias": (-0.5, 0.5)}
+
+
+def save_tiny_model(path: str | Path, architecture: str, config: Any, std: float = 0.15,
+                    uniform: dict[str, tuple[float, float]] | None = None) -> torch.nn.Module:
+    """Build HF's ``architecture`` (a class of ``transformers``) from ``config`` (its
+    ``architectures`` set to it) at seed 0 in fp32, redraw every weight far from its init
+    (:func:`redraw_weights` with ``std``), then each parameter or buffer whose name ends with
+    a key of ``uniform`` uniformly in its ``(low, high)`` (module by module, the keys' order
+    within one) (:data:`SSM_DECAYS`,
+    :data:`DELTA_NET_DECAYS`: decays in a trained model's range), save it to ``path``
+    (safetensors) and return it: the tiny checkpoints' one recipe."""
+    import transformers
+
+    config.architectures = [architecture]
+    torch.manual_seed(0)
+    model = getattr(transformers, architecture)(config).float().eval()
+    redraw_weights(model, std=std)
+    with torch.no_grad():  # a module at a time, in ``uniform``'s order within each
+        for prefix, module in model.named_modules():
+            own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+            for suffix, (low, high) in (uniform or {}).items():
+                for name, tensor in own:
+                    if f"{prefix}.{name}".endswith(suffix):
+                        tensor.uniform_(low, high)
+    model.save_pretrained(path)
+    return model
+
+
 def step_metadata(
     contexts: list[int], queries: list[int], tables: list[list[int]], num_pad: int = 0,
     block_size: int = TEST_BLOCK_SIZE,

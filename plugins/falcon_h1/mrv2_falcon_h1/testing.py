@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from mrv2.testing import redraw_weights
+from mrv2.testing import SSM_DECAYS, save_tiny_model
 
 #: A 3-layer Falcon-H1: each layer attention (4 heads of 24, 2 key/value heads: ``head_dim``
 #: apart from ``hidden_size / heads``) beside a Mamba-2 mixer (8 heads of 16 in 2 groups:
@@ -40,15 +40,4 @@ def save_tiny_falcon_h1(path: str | Path, **overrides: Any) -> torch.nn.Module:
     import transformers
 
     config = transformers.FalconH1Config(**{**TINY_FALCON_H1, **overrides})
-    config.architectures = ["FalconH1ForCausalLM"]
-    torch.manual_seed(0)
-    hf = transformers.FalconH1ForCausalLM(config).float().eval()
-    redraw_weights(hf, std=0.15)
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if name.endswith("A_log"):
-                param.uniform_(0.0, 1.5)
-            elif name.endswith("dt_bias"):
-                param.uniform_(-3.0, 0.0)
-    hf.save_pretrained(path)
-    return hf
+    return save_tiny_model(path, "FalconH1ForCausalLM", config, uniform=SSM_DECAYS)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from mrv2.testing import redraw_weights
+from mrv2.testing import SSM_DECAYS, save_tiny_model
 
 #: A 4-layer Granite 4.0-H: Mamba-2 mixers (8 heads of 16 in 2 groups: each rank one group at
 #: TP=2) around two attention layers (GQA), MoE of 4 experts (top 2) plus the shared MLP;
@@ -60,30 +60,13 @@ TINY_GRANITE_MOE: dict[str, Any] = {
 }
 
 
-def _redraw(hf: torch.nn.Module) -> None:
-    """Weights far from their init; the SSM's decays in a real range (``A`` in [1, 4.5],
-    ``dt_bias`` in [-3, 0]: ``dt`` on both sides of the clamp's ends)."""
-    redraw_weights(hf, std=0.15)
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if name.endswith("A_log"):
-                param.uniform_(0.0, 1.5)
-            elif name.endswith("dt_bias"):
-                param.uniform_(-3.0, 0.0)
-
-
 def save_tiny_granite_hybrid(path: str | Path, **overrides: Any) -> torch.nn.Module:
     """Save a random fp32 HF Granite 4.0-H of :data:`TINY_GRANITE_HYBRID` (``overrides``
     change fields) to ``path``; returns HF's model."""
     import transformers
 
     config = transformers.GraniteMoeHybridConfig(**{**TINY_GRANITE_HYBRID, **overrides})
-    config.architectures = ["GraniteMoeHybridForCausalLM"]
-    torch.manual_seed(0)
-    hf = transformers.GraniteMoeHybridForCausalLM(config).float().eval()
-    _redraw(hf)
-    hf.save_pretrained(path)
-    return hf
+    return save_tiny_model(path, "GraniteMoeHybridForCausalLM", config, uniform=SSM_DECAYS)
 
 
 def save_tiny_bamba(path: str | Path, **overrides: Any) -> torch.nn.Module:
@@ -92,12 +75,7 @@ def save_tiny_bamba(path: str | Path, **overrides: Any) -> torch.nn.Module:
     import transformers
 
     config = transformers.BambaConfig(**{**TINY_BAMBA, **overrides})
-    config.architectures = ["BambaForCausalLM"]
-    torch.manual_seed(0)
-    hf = transformers.BambaForCausalLM(config).float().eval()
-    _redraw(hf)
-    hf.save_pretrained(path)
-    return hf
+    return save_tiny_model(path, "BambaForCausalLM", config, uniform=SSM_DECAYS)
 
 
 def save_tiny_granite_moe(path: str | Path, shared: bool = False, swa: bool = False,
@@ -113,13 +91,5 @@ def save_tiny_granite_moe(path: str | Path, shared: bool = False, swa: bool = Fa
     fields = {**TINY_GRANITE_MOE, **({"shared_intermediate_size": 80} if shared else {}),
               **overrides}
     config = getattr(transformers, name + "Config")(**fields)
-    config.architectures = [name + "ForCausalLM"]
-    torch.manual_seed(0)
-    hf = getattr(transformers, name + "ForCausalLM")(config).float().eval()
-    redraw_weights(hf, std=0.15)
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if name.endswith("self_attn.sinks"):
-                param.uniform_(-1.0, 2.0)
-    hf.save_pretrained(path)
-    return hf
+    return save_tiny_model(path, name + "ForCausalLM", config,
+                           uniform={"self_attn.sinks": (-1.0, 2.0)})

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from mrv2.testing import redraw_weights
+from mrv2.testing import DELTA_NET_DECAYS, save_tiny_model
 
 #: A 4-layer Kimi-Linear: KDA layers 0, 1 and 3, an MLA layer 2 (no q LoRA), a dense MLP on
 #: layer 0 and the MoE (four experts in two groups, a shared expert) on the others.
@@ -33,14 +33,4 @@ def save_tiny_kimi_linear(path: str | Path, **overrides: Any) -> torch.nn.Module
     import transformers
 
     config = transformers.KimiLinearConfig(**{**TINY_KIMI_LINEAR, **overrides})
-    config.architectures = ["KimiLinearForCausalLM"]
-    torch.manual_seed(0)
-    hf = transformers.KimiLinearForCausalLM(config).float().eval()
-    redraw_weights(hf, std=0.15)
-    with torch.no_grad():
-        for module in hf.modules():
-            if hasattr(module, "A_log") and hasattr(module, "dt_bias"):
-                module.A_log.uniform_(0.0, 2.7)
-                module.dt_bias.uniform_(-0.5, 0.5)
-    hf.save_pretrained(path)
-    return hf
+    return save_tiny_model(path, "KimiLinearForCausalLM", config, uniform=DELTA_NET_DECAYS)

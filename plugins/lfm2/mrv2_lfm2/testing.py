@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from mrv2.testing import redraw_weights
+from mrv2.testing import redraw_weights, save_tiny_model
 
 #: A 4-layer LFM2: convolution layers (width 4: a prompt of more than 3 tokens fills the
 #: state) around two attention layers (4 heads of 16, 2 key/value heads), biases on the
@@ -31,12 +31,7 @@ def save_tiny_lfm2(path: str | Path, **overrides: Any) -> torch.nn.Module:
     import transformers
 
     config = transformers.Lfm2Config(**{**TINY_LFM2, **overrides})
-    config.architectures = ["Lfm2ForCausalLM"]
-    torch.manual_seed(0)
-    hf = transformers.Lfm2ForCausalLM(config).float().eval()
-    redraw_weights(hf, std=0.15)
-    hf.save_pretrained(path)
-    return hf
+    return save_tiny_model(path, "Lfm2ForCausalLM", config)
 
 
 #: A 5-layer LFM2-MoE: a convolution and an attention layer with dense SwiGLUs of 96
@@ -65,17 +60,8 @@ def save_tiny_lfm2_moe(path: str | Path, **overrides: Any) -> torch.nn.Module:
     import transformers
 
     config = transformers.Lfm2MoeConfig(**{**TINY_LFM2_MOE, **overrides})
-    config.architectures = ["Lfm2MoeForCausalLM"]
-    torch.manual_seed(0)
-    hf = transformers.Lfm2MoeForCausalLM(config).float().eval()
-    redraw_weights(hf, std=0.15)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, buffer in hf.named_buffers():
-            if name.endswith(".feed_forward.expert_bias"):
-                buffer.copy_((torch.rand(buffer.shape, generator=gen) - 0.5) * 0.6)
-    hf.save_pretrained(path)
-    return hf
+    return save_tiny_model(path, "Lfm2MoeForCausalLM", config,
+                           uniform={".feed_forward.expert_bias": (-0.3, 0.3)})
 
 
 #: The tiny LFM2-VL's tokenizer specials: the image token, HF's layout tags (tiles up to 4 x 4).

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from mrv2.testing import redraw_weights
+from mrv2.testing import save_tiny_model
 
 __all__ = ["IMAGE_PREPROCESSOR", "TEMPLATE", "TINY_LLAMA4", "TINY_VISION", "hf_image_inputs",
            "save_tiny_llama4", "save_tiny_llama4_images", "save_tiny_llama4_vl"]
@@ -66,12 +66,7 @@ def save_tiny_llama4(path: str | Path, std: float = 0.15, **overrides: Any) -> t
     import transformers
 
     config = transformers.Llama4TextConfig(**{**TINY_LLAMA4, **overrides})
-    config.architectures = ["Llama4ForCausalLM"]
-    torch.manual_seed(0)
-    hf = transformers.Llama4ForCausalLM(config).float().eval()
-    redraw_weights(hf, std=std)
-    hf.save_pretrained(path)
-    return hf
+    return save_tiny_model(path, "Llama4ForCausalLM", config, std=std)
 
 
 def _save_vl(path: str | Path, std: float, text: dict[str, Any], ids: tuple[int, int, int]
@@ -83,12 +78,7 @@ def _save_vl(path: str | Path, std: float, text: dict[str, Any], ids: tuple[int,
     config = transformers.Llama4Config(
         text_config=text, vision_config=dict(TINY_VISION), image_token_index=ids[0],
         boi_token_index=ids[1], eoi_token_index=ids[2], tie_word_embeddings=False)
-    config.architectures = ["Llama4ForConditionalGeneration"]
-    torch.manual_seed(0)
-    hf = transformers.Llama4ForConditionalGeneration(config).float().eval()
-    redraw_weights(hf, std=std)
-    hf.save_pretrained(path)
-    return hf
+    return save_tiny_model(path, "Llama4ForConditionalGeneration", config, std=std)
 
 
 def save_tiny_llama4_vl(path: str | Path, std: float = 0.15, **overrides: Any

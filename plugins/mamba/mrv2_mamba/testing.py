@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from mrv2.testing import redraw_weights
+from mrv2.testing import SSM_DECAYS, save_tiny_model
 
 #: A 3-layer Mamba-2: 8 heads of 16 channels (``expand`` 2 over a hidden size of 64) in 2
 #: groups (each rank one group at TP=2) of a 16-wide state; HF's chunked scan in chunks of 8
@@ -34,16 +34,7 @@ def save_tiny_mamba2(path: str | Path, **overrides: Any) -> torch.nn.Module:
     import transformers
 
     config = transformers.Mamba2Config(**{**TINY_MAMBA2, **overrides})
-    config.architectures = ["Mamba2ForCausalLM"]
-    torch.manual_seed(0)
-    hf = transformers.Mamba2ForCausalLM(config).float().eval()
-    redraw_weights(hf, std=0.15)
-    with torch.no_grad():
-        for layer in hf.backbone.layers:
-            layer.mixer.A_log.uniform_(0.0, 1.5)
-            layer.mixer.dt_bias.uniform_(-3.0, 0.0)
-    hf.save_pretrained(path)
-    return hf
+    return save_tiny_model(path, "Mamba2ForCausalLM", config, uniform=SSM_DECAYS)
 
 
 def _per_group_forward(n_groups: int) -> Any:
@@ -109,18 +100,8 @@ def save_tiny_mamba1(path: str | Path, family: str = "Mamba", **overrides: Any
 
     base = TINY_JAMBA if family == "Jamba" else TINY_MAMBA1
     config = getattr(transformers, f"{family}Config")(**{**base, **overrides})
-    config.architectures = [f"{family}ForCausalLM"]
-    torch.manual_seed(0)
-    hf = getattr(transformers, f"{family}ForCausalLM")(config).float().eval()
-    redraw_weights(hf, std=0.15)
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if name.endswith("A_log"):
-                param.uniform_(0.0, 1.5)
-            elif name.endswith("dt_proj.bias"):
-                param.uniform_(-3.0, 0.0)
-    hf.save_pretrained(path)
-    return hf
+    return save_tiny_model(path, f"{family}ForCausalLM", config,
+                           uniform={"A_log": (0.0, 1.5), "dt_proj.bias": (-3.0, 0.0)})
 
 
 #: A 5-layer Zamba2: Mamba-2 layers (4 heads of 16 channels, 2 groups of a 16-wide state,
@@ -149,15 +130,4 @@ def save_tiny_zamba2(path: str | Path, **overrides: Any) -> torch.nn.Module:
     import transformers
 
     config = transformers.Zamba2Config(**{**TINY_ZAMBA2, **overrides})
-    config.architectures = ["Zamba2ForCausalLM"]
-    torch.manual_seed(0)
-    hf = transformers.Zamba2ForCausalLM(config).float().eval()
-    redraw_weights(hf, std=0.15)
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if name.endswith("A_log"):
-                param.uniform_(0.0, 1.5)
-            elif name.endswith("dt_bias"):
-                param.uniform_(-3.0, 0.0)
-    hf.save_pretrained(path)
-    return hf
+    return save_tiny_model(path, "Zamba2ForCausalLM", config, uniform=SSM_DECAYS)

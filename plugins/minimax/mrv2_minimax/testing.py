@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from mrv2.testing import redraw_weights
+from mrv2.testing import save_tiny_model
 
 #: A 4-layer MiniMax-Text-01: lightning attention on layers 0, 2 and 3, softmax attention on
 #: layer 1, four experts (top 2) everywhere, residual factors away from 1, HF's lightning
@@ -33,9 +33,4 @@ def save_tiny_minimax(path: str | Path, **overrides: Any) -> torch.nn.Module:
     import transformers
 
     config = transformers.MiniMaxConfig(**{**TINY_MINIMAX, **overrides})
-    config.architectures = ["MiniMaxForCausalLM"]
-    torch.manual_seed(0)
-    hf = transformers.MiniMaxForCausalLM(config).float().eval()
-    redraw_weights(hf, std=0.15)
-    hf.save_pretrained(path)
-    return hf
+    return save_tiny_model(path, "MiniMaxForCausalLM", config)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from mrv2.testing import redraw_weights
+from mrv2.testing import SSM_DECAYS, save_tiny_model
 
 #: A 5-layer Nemotron-H: two Mamba-2 mixers (4 heads in 2 groups), one attention layer (GQA,
 #: no RoPE), two squared-ReLU MLPs; HF's chunked scan in chunks of 8 tokens (several per
@@ -32,14 +32,4 @@ def save_tiny_nemotron_h(path: str | Path, **overrides: Any) -> torch.nn.Module:
     import transformers
 
     config = transformers.NemotronHConfig(**{**TINY_NEMOTRON_H, **overrides})
-    config.architectures = ["NemotronHForCausalLM"]
-    torch.manual_seed(0)
-    hf = transformers.NemotronHForCausalLM(config).float().eval()
-    redraw_weights(hf, std=0.15)
-    with torch.no_grad():
-        for layer in hf.model.layers:
-            if layer.block_type == "linear_attention":
-                layer.mixer.A_log.uniform_(0.0, 1.5)
-                layer.mixer.dt_bias.uniform_(-3.0, 0.0)
-    hf.save_pretrained(path)
-    return hf
+    return save_tiny_model(path, "NemotronHForCausalLM", config, uniform=SSM_DECAYS)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from mrv2.testing import redraw_weights
+from mrv2.testing import SSM_DECAYS, save_tiny_model
 
 #: A 4-layer OLMo hybrid: Gated DeltaNet layers 0, 2, 3 (2 key heads of 16, 4 value heads of
 #: 16: two value heads per key head), attention at layer 1 (4 query heads, 2 KV heads) with
@@ -32,15 +32,4 @@ def save_tiny_olmo_hybrid(path: str | Path, **overrides: Any) -> torch.nn.Module
     import transformers
 
     config = transformers.OlmoHybridConfig(**{**TINY_OLMO_HYBRID, **overrides})
-    config.architectures = ["OlmoHybridForCausalLM"]
-    torch.manual_seed(0)
-    hf = transformers.OlmoHybridForCausalLM(config).float().eval()
-    redraw_weights(hf, std=0.15)
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if name.endswith("A_log"):
-                param.uniform_(0.0, 1.5)
-            elif name.endswith("dt_bias"):
-                param.uniform_(-3.0, 0.0)
-    hf.save_pretrained(path)
-    return hf
+    return save_tiny_model(path, "OlmoHybridForCausalLM", config, uniform=SSM_DECAYS)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from mrv2.testing import redraw_weights
+from mrv2.testing import DELTA_NET_DECAYS, redraw_weights, save_tiny_model
 
 #: A 4-layer Qwen3-Next: three Gated DeltaNet layers and one gated full-attention layer,
 #: twice as many value heads as key heads, the MoE with a gated shared expert (dense layer 1).
@@ -34,17 +34,7 @@ def save_tiny_qwen3_next(path: str | Path, **overrides: Any) -> torch.nn.Module:
     import transformers
 
     config = transformers.Qwen3NextConfig(**{**TINY_QWEN3_NEXT, **overrides})
-    config.architectures = ["Qwen3NextForCausalLM"]
-    torch.manual_seed(0)
-    hf = transformers.Qwen3NextForCausalLM(config).float().eval()
-    redraw_weights(hf, std=0.15)
-    with torch.no_grad():
-        for layer in hf.model.layers:
-            if hasattr(layer, "linear_attn"):
-                layer.linear_attn.A_log.uniform_(0.0, 2.7)
-                layer.linear_attn.dt_bias.uniform_(-0.5, 0.5)
-    hf.save_pretrained(path)
-    return hf
+    return _save(path, config, "Qwen3NextForCausalLM")
 
 
 #: The MoE fields of :data:`TINY_QWEN3_NEXT` (Qwen3.5's dense config has none of them).
@@ -68,19 +58,7 @@ def _text_fields(moe: bool, overrides: dict[str, Any]) -> dict[str, Any]:
 
 
 def _save(path: str | Path, config: Any, arch: str) -> torch.nn.Module:
-    import transformers
-
-    config.architectures = [arch]
-    torch.manual_seed(0)
-    hf = getattr(transformers, arch)(config).float().eval()
-    redraw_weights(hf, std=0.15)
-    with torch.no_grad():  # every Gated DeltaNet's decays in a real range
-        for module in hf.modules():
-            if hasattr(module, "A_log") and hasattr(module, "dt_bias"):
-                module.A_log.uniform_(0.0, 2.7)
-                module.dt_bias.uniform_(-0.5, 0.5)
-    hf.save_pretrained(path)
-    return hf
+    return save_tiny_model(path, arch, config, uniform=DELTA_NET_DECAYS)
 
 
 def save_tiny_qwen3_5(path: str | Path, moe: bool = False, conditional: bool = False,
