@@ -7,6 +7,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MRV2_PLUGIN_AUTOLOAD", "1")
 if not os.environ.get("MRV2_TEST_GPU"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # tensor-parallel workers forked from a pre-imported process (mrv2.executor.zygote): the
+    # suite builds ~100 tensor-parallel engines, each worker ~6 s of imports otherwise
+    os.environ.setdefault("MRV2_WORKER_ZYGOTE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

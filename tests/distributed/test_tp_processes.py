@@ -30,6 +30,13 @@ from mrv2.testing import make_tiny_checkpoint, make_tiny_tokenizer, rank_and_arg
 from mrv2.testing_checkpoints import make_lora_adapter
 
 
+@pytest.fixture(autouse=True)
+def _fresh_interpreter_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests check the default launch (``python -m mrv2.executor.worker`` per rank):
+    no zygote (``test_zygote.py`` has its own)."""
+    monkeypatch.delenv("MRV2_WORKER_ZYGOTE", raising=False)
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), "Qwen3ForCausalLM",

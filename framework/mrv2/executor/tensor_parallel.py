@@ -63,6 +63,7 @@ from mrv2.executor.worker import (
     ready_key,
     reply_of,
 )
+from mrv2.executor.zygote import ForkedWorker, worker_zygote, zygote_enabled
 from mrv2.model_loader.build import check_shardable, load_hf_config
 from mrv2.plugins import PluginManager, get_plugin_manager
 from mrv2.runner.async_output import AsyncStepOutput
@@ -88,23 +89,32 @@ def launched_by_torchrun() -> bool:
 @dataclass
 class _Worker:
     rank: int
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | ForkedWorker
     errors: Any  # the read end of the worker's error pipe
 
 
-def _start_and_watch(ref: weakref.ref[DistributedRunner], command: list[str], write_fd: int,
+def _start_worker(write_fd: int) -> subprocess.Popen[bytes] | ForkedWorker:
+    """A worker process whose error pipe is ``write_fd``: a fresh interpreter, or a fork of
+    the zygote with ``MRV2_WORKER_ZYGOTE=1`` (:mod:`mrv2.executor.zygote`)."""
+    if zygote_enabled():
+        return worker_zygote().fork(write_fd)
+    return subprocess.Popen([sys.executable, "-m", "mrv2.executor.worker", str(write_fd)],
+                            stdin=subprocess.PIPE, pass_fds=(write_fd,))
+
+
+def _start_and_watch(ref: weakref.ref[DistributedRunner], write_fd: int,
                      started: queue.Queue[Any], registered: queue.Queue[_Worker | None]
                      ) -> None:
-    """A watchdog thread: start the worker (``command``; its process, or the error, goes to
-    ``started``), wait for it to exit, then tell its runner (if it still exists: the thread
-    holds no reference, so a dropped engine is freed).
+    """A watchdog thread: start the worker (:func:`_start_worker`; its process, or the error,
+    goes to ``started``), wait for it to exit, then tell its runner (if it still exists: the
+    thread holds no reference, so a dropped engine is freed).
 
     The worker is started from this thread, which lives as long as the worker: Linux sends
     the parent-death signal (the worker's ``PR_SET_PDEATHSIG``) when the *thread* that
     started a process ends, so a worker started by the thread building the engine would be
     killed as soon as that thread ended (an engine built in a short-lived thread)."""
     try:
-        proc = subprocess.Popen(command, stdin=subprocess.PIPE, pass_fds=(write_fd,))
+        proc = _start_worker(write_fd)
     except BaseException as error:
         started.put(error)
         return
@@ -179,7 +189,7 @@ class DistributedRunner(Runner):
     # -- processes ---------------------------------------------------------------------------
 
     def _spawn(self, config: EngineConfig, model_dir: str, size: int, store_port: int) -> None:
-        """Start ``python -m mrv2.executor.worker`` for ranks 1..size-1 and a watchdog each."""
+        """Start a worker (:func:`_start_worker`) for ranks 1..size-1 and a watchdog each."""
         assert isinstance(self._channel, ShmRing)
         for rank in range(1, size):
             read_fd, write_fd = os.pipe()
@@ -189,8 +199,7 @@ class DistributedRunner(Runner):
             registered: queue.Queue[_Worker | None] = queue.Queue()
             threading.Thread(
                 target=_start_and_watch, daemon=True, name=f"mrv2-tp-watch{rank}",
-                args=(weakref.ref(self), [sys.executable, "-m", "mrv2.executor.worker",
-                                          str(write_fd)], write_fd, started, registered),
+                args=(weakref.ref(self), write_fd, started, registered),
             ).start()
             proc = started.get()
             os.close(write_fd)
