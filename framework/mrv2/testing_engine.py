@@ -176,6 +176,20 @@ def check_greedy_up_to_ties(got: Sequence[int], prompt: Sequence[int],
     return worst
 
 
+STATE_TEST_BLOCKS = 256
+"""KV blocks of the engines :func:`check_state_prefix_cache` and
+:func:`check_state_speculation` build (1,024 tokens at their block size of 4; their requests
+allocate under 80 blocks in all, so none cached is evicted): the CPU default (2 GiB) of a
+tiny model is millions of blocks, seconds to list and to free at each engine."""
+
+
+def _small_kv_cache(llm_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``llm_kwargs`` with :data:`STATE_TEST_BLOCKS` KV blocks unless they size the cache."""
+    if {"num_gpu_blocks_override", "kv_cache_memory_bytes", "cpu_kv_cache_gb"} & set(llm_kwargs):
+        return llm_kwargs
+    return {"num_gpu_blocks_override": STATE_TEST_BLOCKS, **llm_kwargs}
+
+
 def check_state_prefix_cache(path: str | Path, max_tokens: int = 6,
                              **llm_kwargs: Any) -> LLM:
     """A model with per-request state (linear attention, Mamba) under prefix caching: greedy
@@ -186,9 +200,12 @@ def check_state_prefix_cache(path: str | Path, max_tokens: int = 6,
     resumes there), and a repeated prompt once more after the rows were reused; asserts the
     cached token counts each request reports. Then those prompts all at once, and through an
     engine of one snapshot slot; then the slots one step writes, neither read nor evicted by
-    another admission of that step. Returns the first LLM."""
+    another admission of that step. Returns the first LLM. Each engine holds
+    :data:`STATE_TEST_BLOCKS` KV blocks unless ``llm_kwargs`` size the cache: no cached block
+    is evicted (asserted), as with the CPU default."""
     from mrv2.testing import hf_greedy
 
+    llm_kwargs = _small_kv_cache(llm_kwargs)
     base = [3 + (11 * i) % 97 for i in range(23)]
     share = [base[:13] + [50 + i, 7, 90 - i, 31 + 2 * i] for i in range(3)]
     llm = LLM(str(path), device="cpu", dtype="float32", block_size=4,
@@ -220,8 +237,10 @@ def check_state_prefix_cache(path: str | Path, max_tokens: int = 6,
         assert [o.outputs[0].token_ids for o in outs] == [wants[tuple(p)] for p in prompts]
     tight_snaps = tight.engine.scheduler.snapshots
     assert tight_snaps is not None and tight_snaps.num_evicted > 0
+    _assert_no_block_evicted(tight)
     tight.engine.shutdown()
     _check_snapshots_of_one_step(path, base, params, **llm_kwargs)
+    _assert_no_block_evicted(llm)
     return llm
 
 
@@ -245,6 +264,7 @@ def _check_snapshots_of_one_step(path: str | Path, base: list[int], params: Samp
     n = params.max_tokens or 0
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(path, p, n)
                                                       for p in (saver, reader)]
+    _assert_no_block_evicted(wide)
     wide.engine.shutdown()
     other = [5 + (13 * i) % 89 for i in range(14)]  # saves after 12 as base[:13] does
     single = LLM(str(path), device="cpu", dtype="float32", block_size=4,
@@ -253,7 +273,15 @@ def _check_snapshots_of_one_step(path: str | Path, base: list[int], params: Samp
                     use_tqdm=False)
     again = single.generate([{"prompt_token_ids": other}], params, use_tqdm=False)[0]
     assert again.outputs[0].token_ids == hf_greedy(path, other, n)
+    _assert_no_block_evicted(single)
     single.engine.shutdown()
+
+
+def _assert_no_block_evicted(llm: LLM) -> None:
+    """No cached KV block of ``llm`` was evicted: its cache (:data:`STATE_TEST_BLOCKS` blocks)
+    changed none of the prefix hits the checks expect."""
+    evicted = llm.engine.block_manager.num_evictions
+    assert evicted == 0, f"{evicted} cached KV blocks evicted: the cache is too small"
 
 
 def check_state_speculation(path: str | Path, max_tokens: int = 20,
@@ -263,9 +291,11 @@ def check_state_speculation(path: str | Path, max_tokens: int = 20,
     themselves (so drafts come, and the random model keeps some and rejects others: asserted
     from the engine's counts), several requests at once, prompts split across steps (chunks
     of 8 tokens), block size 4; under prefix caching the same prompts once more, each resuming
-    from a state snapshot. Returns the engine's stats."""
+    from a state snapshot. Returns the engine's stats. The engine holds
+    :data:`STATE_TEST_BLOCKS` KV blocks unless ``llm_kwargs`` size the cache."""
     from mrv2.testing import hf_greedy
 
+    llm_kwargs = _small_kv_cache(llm_kwargs)
     motif = [[5, 9, 13, 17, 21], [40, 3, 40, 3, 40, 3, 7], [60 + i % 4 for i in range(11)]]
     prompts = [m * 3 for m in motif] + [[11, 12, 13, 14] * 2 + [11, 12]]
     llm = LLM(str(path), device="cpu", dtype="float32", block_size=4,
@@ -285,5 +315,6 @@ def check_state_speculation(path: str | Path, max_tokens: int = 20,
     stats = dict(llm.engine.stats())
     drafted, kept = stats["spec_num_draft_tokens"], stats["spec_num_accepted_tokens"]
     assert 0 < kept < drafted, (kept, drafted)  # drafts both kept and rejected
+    _assert_no_block_evicted(llm)
     llm.engine.shutdown()
     return stats

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 
@@ -76,8 +77,10 @@ class Op:
             self.x = randn(tokens, dim, seed=1)
             self.w, self.b = randn(dim, WIDTH, seed=2, scale=0.5), randn(dim, seed=3)
             self.state0 = randn(ROWS, WIDTH - 1, dim, seed=4)
-            self.fn: Callable[..., torch.Tensor] = (causal_conv1d_triton if triton
-                                                    else causal_conv1d_ref)
+            # (Triton: channel blocks of 4, so two programs a sequence, the second masked,
+            # each resuming and storing its slice of the snapshots)
+            self.fn: Callable[..., torch.Tensor] = (partial(causal_conv1d_triton, block_d=4)
+                                                    if triton else causal_conv1d_ref)
         else:
             self.q = randn(tokens, HK, DK, seed=5)
             self.k = randn(tokens, HK, DK, seed=6)

@@ -82,12 +82,26 @@ def test_greedy_and_logprobs_match_hf(checkpoint: tuple[Path, Any, list[list[int
     check_prompt_logprobs(llm, {"prompt_token_ids": ids}, ids, logits)
 
 
+#: The prefix-cache test's mixers: 2 heads in one group (heads per group still 2), so the
+#: interpreted kernels launch half the programs a step: one per head (the delta rule's grid is
+#: ``(N + 1, heads, 1)``) and one 64-channel block of the conv's 48 channels (16 + 2 x 16,
+#: where the module's 96 take two).
+SNAPSHOT_MIXERS = {"mamba_num_heads": 2, "n_groups": 1}
+
+
+@pytest.fixture(scope="module")
+def snapshot_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("nemotron_h_snapshots")
+    save_tiny_nemotron_h(path, **SNAPSHOT_MIXERS)
+    return path
+
+
 @pytest.mark.parametrize("triton", [False, True], ids=["ref", "triton"])
 def test_prefix_cache_resumes_from_state_snapshots(
-        checkpoint: tuple[Path, Any, list[list[int]]], monkeypatch: pytest.MonkeyPatch,
-        triton: bool) -> None:
+        snapshot_checkpoint: Path, monkeypatch: pytest.MonkeyPatch, triton: bool) -> None:
     """Requests resume from snapshots of the SSM and conv states
-    through the reference ops and through the Triton kernels (interpreted)."""
+    through the reference ops and through the Triton kernels (interpreted), on
+    :data:`SNAPSHOT_MIXERS`' narrower mixers (the same layers and snapshot paths)."""
     if triton:
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("the Triton kernels on the CPU need TRITON_INTERPRET=1")
@@ -98,7 +112,7 @@ def test_prefix_cache_resumes_from_state_snapshots(
 
         monkeypatch.setattr(chunk_delta_rule, "_use_triton", lambda t: True)
         monkeypatch.setattr(chunk_delta_rule, "CHUNKED_MIN_QUERY_LEN", 4)
-    check_state_prefix_cache(checkpoint[0], max_tokens=4)
+    check_state_prefix_cache(snapshot_checkpoint, max_tokens=4)
 
 
 def test_structure_and_names(checkpoint: tuple[Path, Any, list[list[int]]]) -> None:
