@@ -33,8 +33,15 @@ from mrv2.testing_checkpoints import make_lora_adapter
 @pytest.fixture(autouse=True)
 def _fresh_interpreter_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     """These tests check the default launch (``python -m mrv2.executor.worker`` per rank):
-    no zygote (``test_zygote.py`` has its own)."""
+    no zygote (``test_zygote.py`` has its own), unless a test asks for :func:`forked`."""
     monkeypatch.delenv("MRV2_WORKER_ZYGOTE", raising=False)
+
+
+@pytest.fixture
+def forked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers forked from the zygote: for the tests of what the ranks compute, not of how
+    their processes start and end (four engines' fresh interpreters cost ~25 s)."""
+    monkeypatch.setenv("MRV2_WORKER_ZYGOTE", "1")
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +172,7 @@ def test_an_engine_built_in_a_thread_that_ended_keeps_its_workers(model: Path) -
     assert [w.proc.returncode for w in workers] == [0]
 
 
+@pytest.mark.usefixtures("forked")
 def test_workers_take_rank0s_lora_adapter_not_its_files(model: Path, tmp_path: Path) -> None:
     """Rank 0 reads and checks an adapter when its request comes in; the workers used to
     read the files themselves at its first step: removed since (or rewritten), the worker
@@ -323,6 +331,7 @@ def test_shutdown_drops_the_graphs_before_leaving_the_group(
     assert time.monotonic() - start < 10  # the workers left with rank 0, none was killed
 
 
+@pytest.mark.usefixtures("forked")
 def test_structured_outputs_under_tensor_parallelism(model: Path) -> None:
     """Every rank masks with rank 0's bitmasks, filled during the forward (async scheduling:
     the step goes out as "execute_late" and the masks follow) or with the step (the request
@@ -356,6 +365,7 @@ def test_structured_outputs_under_tensor_parallelism(model: Path) -> None:
     assert all(len(t) == 5 and t[:3].isdigit() and t[3] == "-" for ts in two for t in ts), two
 
 
+@pytest.mark.usefixtures("forked")
 def test_every_rank_loads_new_weights_and_sleeps(model: Path, tmp_path: Path) -> None:
     """RL under tensor parallelism: ``update_weights`` sends each whole tensor to every rank
     (its name on the step channel, its bytes by broadcast) and each loads its part, so two
