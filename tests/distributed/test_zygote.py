@@ -49,22 +49,45 @@ def test_workers_fork_from_one_zygote_until_the_environment_changes(
     pids = []
     for _ in range(2):
         with _llm(model, 2) as llm:
-            (worker,) = llm.engine.runner.worker_pids  # type: ignore[attr-defined]
+            (worker,) = llm.engine.runner.worker_pids
             pids.append(_parent_of(worker))
             assert _tokens(llm) == want
-            assert isinstance(llm.engine.runner._workers[0].proc,  # type: ignore[attr-defined]
+            assert isinstance(llm.engine.runner._workers[0].proc,
                               zygote.ForkedWorker)
-        assert llm.engine.runner._workers[0].proc.returncode == 0  # type: ignore[attr-defined]
+        assert llm.engine.runner._workers[0].proc.returncode == 0
     first = zygote.worker_zygote()
     assert pids == [first.proc.pid] * 2  # (one zygote, the workers' parent)
     monkeypatch.setenv("MRV2_TEST_ZYGOTE_MARK", "1")  # a worker must see it: a new zygote
     with _llm(model, 2) as llm:
-        (worker,) = llm.engine.runner.worker_pids  # type: ignore[attr-defined]
+        (worker,) = llm.engine.runner.worker_pids
         env = Path(f"/proc/{worker}/environ").read_bytes().split(b"\0")
         assert b"MRV2_TEST_ZYGOTE_MARK=1" in env
         assert _parent_of(worker) == zygote.worker_zygote().proc.pid != first.proc.pid
         assert _tokens(llm) == want
-    assert first.proc.poll() is not None and not first.alive  # the old one left
+    assert first.proc.wait(10) == 0 and not first.alive  # the old one left
+
+
+def test_a_retired_zygote_leaves_with_its_last_worker() -> None:
+    """A replaced zygote keeps the workers it forked (a running engine's) and leaves after
+    the last; a worker that gets no spec says why on its error pipe and exits 1."""
+    z = zygote.Zygote()
+    read_fd, write_fd = os.pipe()
+    try:
+        worker = z.fork(write_fd)
+    finally:
+        os.close(write_fd)
+    z.retire()
+    assert z.proc.poll() is None and z.alive  # (its worker waits for its spec)
+    assert worker.stdin is not None
+    worker.stdin.close()
+    assert worker.wait(60) == 1
+    with os.fdopen(read_fd) as errors:
+        assert errors.read().startswith("EOFError")
+    assert z.proc.wait(10) == 0
+    deadline = time.monotonic() + 5
+    while z.alive and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not z.alive
 
 
 def test_a_killed_forked_worker_ends_the_engine_naming_it(
@@ -72,7 +95,7 @@ def test_a_killed_forked_worker_ends_the_engine_naming_it(
     monkeypatch.setenv("MRV2_WORKER_ZYGOTE", "1")
     llm = _llm(model, 2)
     try:
-        (worker,) = llm.engine.runner.worker_pids  # type: ignore[attr-defined]
+        (worker,) = llm.engine.runner.worker_pids
         os.kill(worker, signal.SIGKILL)
         deadline = time.monotonic() + 20
         with pytest.raises(WorkerDiedError, match="rank 1 died: killed by signal 9"):

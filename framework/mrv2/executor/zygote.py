@@ -33,6 +33,8 @@ from typing import IO, Any
 
 #: Variables that change under a running process without meaning a new environment.
 _VOLATILE = frozenset({"PYTEST_CURRENT_TEST"})
+#: Seconds a fork request may wait for the zygote (its imports first, on its first request).
+FORK_TIMEOUT_S = 300.0
 
 
 def zygote_enabled() -> bool:
@@ -100,6 +102,7 @@ class Zygote:
         self._pids: queue.Queue[int | None] = queue.Queue()
         self._workers: dict[int, ForkedWorker] = {}
         self._early: dict[int, int] = {}  # exits read before their worker was registered
+        self._retired = False  # replaced: leaves once its last worker has exited
         self.alive = True
         threading.Thread(target=self._read, daemon=True, name="mrv2-zygote-read").start()
 
@@ -133,8 +136,12 @@ class Zygote:
                 worker = self._workers.pop(pid, None)
                 if worker is None:
                     self._early[pid] = code
+                done = self._retired and not self._workers
             if worker is not None:
                 worker._exited(code)
+            if done:
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_RDWR)
         self.alive = False
         self._pids.put(None)
         with self._state:
@@ -153,7 +160,12 @@ class Zygote:
                     raise RuntimeError("the worker zygote has exited")
                 socket.send_fds(self._sock, [pickle.dumps(("fork", os.getcwd()))],
                                 [read_fd, error_fd])
-                pid = self._pids.get(timeout=60.0)
+                try:
+                    pid = self._pids.get(timeout=FORK_TIMEOUT_S)
+                except queue.Empty:  # (a late reply would answer the next request: retire)
+                    self.alive = False
+                    raise RuntimeError(f"the worker zygote started no worker within "
+                                       f"{FORK_TIMEOUT_S:.0f} s") from None
         except BaseException:
             os.close(write_fd)
             raise
@@ -170,6 +182,15 @@ class Zygote:
         if code is not None:
             worker._exited(code)
         return worker
+
+    def retire(self) -> None:
+        """Stop the zygote once its last worker has exited (now, if it has none): an engine
+        still running keeps its workers."""
+        with self._state:
+            self._retired = True
+            idle = not self._workers
+        if idle:
+            self.close()
 
     def close(self) -> None:
         """Stop the zygote (its workers with it) and wait for it."""
@@ -194,7 +215,7 @@ def worker_zygote() -> Zygote:
     with _zygote_lock:
         if _zygote is not None and (not _zygote.alive
                                     or _zygote.environment != _environment()):
-            _zygote.close()
+            _zygote.retire()
             _zygote = None
         if _zygote is None:
             _zygote = Zygote()
