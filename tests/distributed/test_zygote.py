@@ -90,6 +90,22 @@ def test_a_retired_zygote_leaves_with_its_last_worker() -> None:
     assert not z.alive
 
 
+def test_a_second_engine_in_the_process_is_refused(
+        model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One tensor-parallel engine per process: a second one fails at once, naming the
+    first, and the first serves on (it used to hang: its group waited for ranks that never
+    joined)."""
+    monkeypatch.setenv("MRV2_WORKER_ZYGOTE", "1")
+    with _llm(model, 2) as first:
+        want = _tokens(first)
+        with pytest.raises(RuntimeError, match=r"tensor-parallel engine \(2 ranks\) is "
+                                               r"already running in this process"):
+            _llm(model, 2)
+        assert _tokens(first) == want
+    with _llm(model, 2) as again:  # after shutdown, a new one starts
+        assert _tokens(again) == want
+
+
 def test_a_killed_forked_worker_ends_the_engine_naming_it(
         model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MRV2_WORKER_ZYGOTE", "1")

@@ -139,6 +139,12 @@ class DistributedRunner(Runner):
     def __init__(self, config: EngineConfig, model_dir: str,
                  plugins: PluginManager | None = None) -> None:
         size = config.parallel.tensor_parallel_size
+        if tp_group().size > 1 and not launched_by_torchrun():  # (before any state: a
+            # failed start's shutdown() must not end the running engine's group; a second
+            # group would wait for ranks that never join)
+            raise RuntimeError(
+                f"a tensor-parallel engine ({tp_group().size} ranks) is already running in "
+                "this process: shut it down first (one tensor-parallel engine per process)")
         self._workers: list[_Worker] = []
         self._failure: WorkerDiedError | None = None
         self._stopped = threading.Event()
