@@ -77,16 +77,41 @@ def test_bf16_graphs_on_off_agree_and_dummy_weights_run(checkpoint: Path) -> Non
     assert [len(t) for t in dummy] == [4] * len(PROMPTS)
 
 
+#: Bound on the mean |engine - HF| prompt log-probability (nats) of the FP8 checkpoint. This
+#: random model is chaotic: plain bf16 is off HF's fp32 by 0.33-0.35 on average (up to 5 at a
+#: position); with the FP8 GEMMs' activation quantization (per token and 128-group) emulated
+#: on the CPU, 0.83-0.88, and first greedy tokens then agree with HF's for 1 to 4 of the 5
+#: prompts, by chance. A wrong weight scale or layout is off by ~log(vocab) = 6.
+FP8_LOGPROB_MEAN = 1.5
+
+
 def test_fp8_checkpoint_with_graphs(checkpoint: Path, tmp_path: Path) -> None:
-    """MLA, the indexer's wq_b / wk, dense MLP and experts in FP8: the first tokens agree with
-    HF's on the dequantized weights; graphs on and off agree."""
+    """MLA, the indexer's wq_b / wk, dense MLP and experts in FP8: graphs on and off agree,
+    and the prompts' log-probabilities track HF's on the dequantized weights (fp32, CPU) within
+    :data:`FP8_LOGPROB_MEAN` (not first tokens: W8A8 flips them on this model)."""
     fp8_checkpoint(checkpoint, tmp_path / "fp8", tmp_path / "ref")
-    expected = [hf_greedy(tmp_path / "ref", p, 16) for p in PROMPTS]
     graphs = _generate(tmp_path / "fp8", "bfloat16", max_tokens=16)
     eager = _generate(tmp_path / "fp8", "bfloat16", max_tokens=16, enforce_eager=True)
     assert [g[:4] for g in graphs] == [e[:4] for e in eager]
-    agree = sum(g[0] == e[0] for g, e in zip(graphs, expected, strict=True))
-    assert agree >= len(PROMPTS) - 1
+    llm = LLM(str(tmp_path / "fp8"), device="cuda", dtype="bfloat16", block_size=16,
+              gpu_memory_utilization=0.3)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "ref"),
+                                                           dtype=torch.float32).eval()
+    errors = []
+    for prompt in (p for p in PROMPTS if len(p) > 1):
+        out = llm.generate([{"prompt_token_ids": prompt}],
+                           SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        mine = out[0].prompt_logprobs
+        assert mine is not None
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        for pos in range(1, len(prompt)):
+            got = mine[pos]
+            assert got is not None
+            errors.append(abs(got[prompt[pos]].logprob - float(ref[pos - 1, prompt[pos]])))
+    llm.shutdown()
+    mean = sum(errors) / len(errors)
+    assert mean < FP8_LOGPROB_MEAN, (mean, max(errors))
 
 
 def test_steps_run_without_host_syncs(checkpoint: Path) -> None:
