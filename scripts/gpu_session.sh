@@ -8,6 +8,7 @@
 # gcgen0 (MRV2_GC_GEN0_THRESHOLD=20000 against Python's own, 256 streams through mrv2 serve),
 # longdecode (scripts/sweep_long_decode.py: decode attention's launch options at long contexts),
 # verify51 (the LayerNorm kernel's tests, the session's new families' GPU tests, 0.6B batch-1 TPOT),
+# verify53 (what the fifty-third session's calls left: each "file:k1,k2" of VERIFY53, -k "k1 or k2"),
 # verify52 (the new kernels' tests, then the new families' GPU test files),
 # verify51b (the kernel tests of the LayerNorm and padded heads on CUDA, then what verify51 left),
 # quick49 (the default prefill grid on 8B heads, packed integer reloads; ~2 min), targets49 (issue 16's targets, cheapest first, within VERIFY_S), verify49 (packed integer weights reloaded under graphs, gpt-oss's MXFP4 test, then scripts/kernel_audit.py:
@@ -863,6 +864,19 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
              --server-args "--tensor-parallel-size ${TP:-4} --max-model-len 4096 ${GLM47_ARGS:-}" \
              --variants ${GLM47_VARIANTS:-mtp_off mtp_on async_off mtp_on_async_off} 2>&1 \
              | tee "$OUT/glm47.log" | tail -24 ;;
+    verify53) # what the fifty-third session's two calls left, within VERIFY_S seconds (default
+              # 560): the cases its per-file caps cut (Jamba, Kimi-Linear: a larger cap; Qwen3.5
+              # images, Zamba2, the Llama variants, the rest of the MoE file, Youtu's FP8 MLA),
+              # and its two test fixes (Aya bf16, the DSA FP8 case); VERIFY53 overrides the list
+              end=$(( $(date +%s) + ${VERIFY_S:-560} ))
+              left() { local l=$(( end - $(date +%s) )); [ "$l" -lt "$1" ] && echo $(( l > 1 ? l : 1 )) || echo "$1"; }
+              for item in ${VERIFY53:-dsa:fp8 aya_vision:bf16 mamba1:Jamba kimi: qwen_vl:qwen3.5 mamba2:zamba2 llama_variants: moe:Glm4Moe,GraniteMoeSWA,Longcat,Phimoe,Qwen3Moe,SolarOpen fp8_mla:youtu}; do
+                t=${item%%:*}; k=${item#*:}; k=${k//,/ or }  # (commas: -k alternatives)
+                [ "$(left 20)" -lt 15 ] && { echo "$t: no time left"; continue; }
+                timeout "$(left "${VERIFY_CAP:-240}")" python3 -m pytest -v -p no:cacheprovider -m gpu \
+                  "tests/gpu/test_gpu_$t.py" ${k:+-k "$k"} 2>&1 | tee "$OUT/gpu53_$t.log" \
+                  | grep -E "^FAILED|^ERROR|passed|failed" | tail -4 | sed "s/^/$t: /"
+              done ;;
     verify52) # the fifty-second session's work on CUDA within VERIFY_S seconds (default 560), most
               # wanted first: the new kernels' tests (selective scan, sparse MLA), then the GPU
               # test files VERIFY_TESTS names (each capped at VERIFY_CAP seconds, -v so a failure
