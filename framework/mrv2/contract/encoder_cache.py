@@ -27,7 +27,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -76,6 +76,18 @@ class EncoderCacheModelState(ModelState):
     def embed_item(self, item: MultiModalItem) -> torch.Tensor:
         """The encoder's output for ``item``: ``[item.length, ...]`` rows on the device, row
         ``j`` for placeholder ``item.offset + j`` (what :meth:`get_mm_embeddings` slices)."""
+
+    def splice_features(self, token_ids: Sequence[int], features: torch.Tensor,
+                        token: int) -> torch.Tensor:
+        """An item's rows where its span mixes layout tokens with encoder features (tiled
+        images): the model's text embeddings of ``token_ids``, in ``features``' dtype, with
+        ``features`` in order at the rows holding ``token``."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        rows = cast(torch.Tensor, cast(Any, self.model).embed_input_ids(
+            to_device(ids, torch.int64, self.device))).to(features.dtype)
+        where = to_device(np.flatnonzero(ids == token), torch.int64, self.device)
+        rows[where] = features  # (staged indices: no host sync)
+        return rows
 
     def check_item(self, request: NewRequest, item: MultiModalItem) -> None:
         """Raise a ValueError naming the request for an item the family can't embed (called

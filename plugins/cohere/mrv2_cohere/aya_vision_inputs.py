@@ -33,7 +33,6 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any, cast
 
-import numpy as np
 import torch
 
 from mrv2.contract.encoder_cache import EncoderCacheModelState
@@ -44,7 +43,6 @@ from mrv2.contract.input_processor import (
     run_image_processor,
 )
 from mrv2.contract.requests import MultiModalItem, NewRequest
-from mrv2.contract.staging import to_device
 from mrv2_cohere.aya_vision import tokens_per_tile
 
 __all__ = ["AyaVisionInputProcessor", "AyaVisionModelState", "image_prompt"]
@@ -241,12 +239,7 @@ class AyaVisionModelState(EncoderCacheModelState):
         model = cast(Any, self.model)
         features = model.embed_image(self.upload(cast(torch.Tensor,
                                                       item.data["pixel_values"])))
-        ids = np.asarray(item.data["token_ids"], dtype=np.int64)
-        rows = model.embed_input_ids(to_device(ids, torch.int64, self.device))
-        rows = rows.to(features.dtype)
-        where = to_device(np.flatnonzero(ids == self.image_token), torch.int64, self.device)
-        rows[where] = features  # (staged indices: no host sync)
-        return cast(torch.Tensor, rows)
+        return self.splice_features(item.data["token_ids"], features, self.image_token)
 
     def profile_encoder(self, max_prompt_tokens: int) -> int:
         """The encoder over the most tiles an image may have (``max_patches`` and the

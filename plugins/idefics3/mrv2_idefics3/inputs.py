@@ -50,7 +50,6 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any, cast
 
-import numpy as np
 import torch
 
 from mrv2.contract.encoder_cache import EncoderCacheModelState
@@ -62,7 +61,6 @@ from mrv2.contract.input_processor import (
     splice_placeholders,
 )
 from mrv2.contract.requests import MultiModalItem, NewRequest
-from mrv2.contract.staging import to_device
 from mrv2_idefics3.vision import square, tokens_per_tile
 
 __all__ = ["Idefics3InputProcessor", "Idefics3ModelState", "image_prompt", "layout_length"]
@@ -275,12 +273,7 @@ class Idefics3ModelState(EncoderCacheModelState):
         model = cast(Any, self.model)
         features = model.embed_image(self.upload(cast(torch.Tensor,
                                                       item.data["pixel_values"])))
-        ids = np.asarray(item.data["token_ids"], dtype=np.int64)
-        rows = model.embed_input_ids(to_device(ids, torch.int64, self.device))
-        rows = rows.to(features.dtype)
-        where = to_device(np.flatnonzero(ids == self.image_token), torch.int64, self.device)
-        rows[where] = features  # (staged indices: no host sync)
-        return cast(torch.Tensor, rows)
+        return self.splice_features(item.data["token_ids"], features, self.image_token)
 
     def profile_encoder(self, max_prompt_tokens: int) -> int:
         """The encoder over the most tiles one image may have (``ceil(size.longest_edge /

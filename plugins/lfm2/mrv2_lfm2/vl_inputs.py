@@ -42,7 +42,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, cast
 
-import numpy as np
 import torch
 
 from mrv2.contract.encoder_cache import EncoderCacheModelState
@@ -55,7 +54,6 @@ from mrv2.contract.input_processor import (
     splice_placeholders,
 )
 from mrv2.contract.requests import MultiModalItem, NewRequest
-from mrv2.contract.staging import to_device
 
 __all__ = ["ImageSettings", "Lfm2VlInputProcessor", "Lfm2VlModelState", "preprocess"]
 
@@ -349,12 +347,7 @@ class Lfm2VlModelState(EncoderCacheModelState):
         model = cast(Any, self.model)
         features = model.embed_image(self.upload(cast(torch.Tensor, item.data["patches"])),
                                      item.data["shapes"])
-        ids = np.asarray(item.data["token_ids"], dtype=np.int64)
-        rows = model.embed_input_ids(to_device(ids, torch.int64, self.device))
-        rows = rows.to(features.dtype)
-        where = to_device(np.flatnonzero(ids == self.image_token), torch.int64, self.device)
-        rows[where] = features  # (staged indices: no host sync)
-        return cast(torch.Tensor, rows)
+        return self.splice_features(item.data["token_ids"], features, self.image_token)
 
     def profile_encoder(self, max_prompt_tokens: int) -> int:
         """The encoder over the largest image (``max_tiles`` tiles of ``tile_size`` and a

@@ -31,7 +31,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, cast
 
-import numpy as np
 import torch
 
 from mrv2.contract.encoder_cache import EncoderCacheModelState
@@ -42,7 +41,6 @@ from mrv2.contract.input_processor import (
     splice_placeholders,
 )
 from mrv2.contract.requests import MultiModalItem, NewRequest
-from mrv2.contract.staging import to_device
 from mrv2.model_loader.build import text_config_of
 from mrv2_llama4.images import (
     IMAGE_TOKENS,
@@ -187,12 +185,7 @@ class Llama4ImageModelState(EncoderCacheModelState):
         model = cast(Any, self.model)
         features = model.embed_image(self.upload(cast(torch.Tensor,
                                                       item.data["pixel_values"])))
-        ids = np.asarray(item.data["token_ids"], dtype=np.int64)
-        rows = model.embed_input_ids(to_device(ids, torch.int64, self.device))
-        rows = rows.to(features.dtype)
-        where = to_device(np.flatnonzero(ids == self.patch_token), torch.int64, self.device)
-        rows[where] = features  # (staged indices: no host sync)
-        return cast(torch.Tensor, rows)
+        return self.splice_features(item.data["token_ids"], features, self.patch_token)
 
     def profile_encoder(self, max_prompt_tokens: int) -> int:
         """The encoder over the most tiles one image may have (``max_patches`` from
