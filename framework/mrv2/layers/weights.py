@@ -270,6 +270,29 @@ def load_text_and_encoder(load_text: Callable[[Iterable[tuple[str, torch.Tensor]
     return loaded | {f"{name}.{n}" for n in encoder.load_weights(held)}
 
 
+def tower_target_name(ckpt_name: str, prefixes: tuple[str, ...], tower: str,
+                      built_layers: int, total_layers: int) -> str | None:
+    """A :func:`load_encoder_weights` ``target_name`` for a LLaVA-style checkpoint: a vision
+    tower under ``tower`` (``"vision_tower."``, its HF ``vision_model.`` level dropped) and a
+    projector, both under ``prefixes`` (HF's ``model.`` dropped). None for other names, for
+    the tower's ``post_layernorm`` / ``head`` / ``embeddings.position_ids`` (never run), and
+    for encoder layers ``built_layers..total_layers-1`` (past the deepest feature layer, not
+    built)."""
+    if not ckpt_name.startswith(prefixes):
+        return None
+    name = ckpt_name.removeprefix("model.")
+    if not name.startswith(tower):
+        return name
+    rest = name.removeprefix(tower).removeprefix("vision_model.")
+    if rest.startswith(("post_layernorm.", "head.")) or rest == "embeddings.position_ids":
+        return None
+    if rest.startswith("encoder.layers."):
+        index = rest.split(".")[2]
+        if index.isdigit() and built_layers <= int(index) < total_layers:
+            return None  # (past the deepest feature layer: never run)
+    return tower + rest
+
+
 def load_encoder_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                          target_name: Callable[[str], str | None], what: str, *,
                          hint: str = "", buffers: bool = False,

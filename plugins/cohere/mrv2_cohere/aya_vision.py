@@ -50,7 +50,7 @@ from torch import nn
 
 from mrv2.layers import sliding_window_of
 from mrv2.layers.vision import VisionEncoder, VisionEncoderLayer, vision_activation
-from mrv2.layers.weights import load_encoder_weights, load_text_and_encoder
+from mrv2.layers.weights import load_encoder_weights, load_text_and_encoder, tower_target_name
 from mrv2.model_loader.build import vl_text_config, vl_text_name
 from mrv2_cohere.model import _Cohere
 
@@ -207,20 +207,8 @@ class AyaVisionEncoder(nn.Module):
                                     "Aya Vision encoder", hint="vision_config")
 
     def _parameter_name(self, ckpt_name: str) -> str | None:
-        if not ckpt_name.startswith(VISION_CHECKPOINT_PREFIXES):
-            return None
-        name = ckpt_name.removeprefix("model.")
-        if not name.startswith(_TOWER):
-            return name
-        rest = name.removeprefix(_TOWER).removeprefix("vision_model.")
-        if rest.startswith(("post_layernorm.", "head.")) or rest == "embeddings.position_ids":
-            return None
-        if rest.startswith("encoder.layers."):
-            index = rest.split(".")[2]
-            if index.isdigit() and len(self.vision_tower.encoder.layers) <= int(index) \
-                    < self.num_hidden_layers:
-                return None  # (past the deepest feature layer: never run)
-        return _TOWER + rest
+        return tower_target_name(ckpt_name, VISION_CHECKPOINT_PREFIXES, _TOWER,
+                                 len(self.vision_tower.encoder.layers), self.num_hidden_layers)
 
 
 class AyaVisionForConditionalGeneration(_Cohere):

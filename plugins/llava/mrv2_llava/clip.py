@@ -49,7 +49,7 @@ from torch import nn
 
 from mrv2.layers.vision import VisionEncoder, VisionEncoderLayer
 from mrv2.layers.vision import vision_activation as activation
-from mrv2.layers.weights import load_encoder_weights
+from mrv2.layers.weights import load_encoder_weights, tower_target_name
 
 __all__ = ["TOWER_KINDS", "VISION_CHECKPOINT_PREFIXES", "LlavaVisionEncoder", "activation",
            "image_tokens"]
@@ -225,17 +225,5 @@ class LlavaVisionEncoder(nn.Module):
     def _parameter_name(self, ckpt_name: str) -> str | None:
         """The encoder's parameter name of a checkpoint name (None: not the encoder's, or a
         tensor it does not use)."""
-        if not ckpt_name.startswith(VISION_CHECKPOINT_PREFIXES):
-            return None
-        name = ckpt_name.removeprefix("model.")
-        if not name.startswith(_TOWER):
-            return name
-        rest = name.removeprefix(_TOWER).removeprefix("vision_model.")
-        if rest.startswith(("post_layernorm.", "head.")) or rest == "embeddings.position_ids":
-            return None
-        if rest.startswith("encoder.layers."):
-            index = rest.split(".")[2]
-            if index.isdigit() and len(self.vision_tower.encoder.layers) <= int(index) \
-                    < self.num_hidden_layers:
-                return None  # (past the deepest feature layer: never run)
-        return _TOWER + rest
+        return tower_target_name(ckpt_name, VISION_CHECKPOINT_PREFIXES, _TOWER,
+                                 len(self.vision_tower.encoder.layers), self.num_hidden_layers)
