@@ -9,6 +9,7 @@
 # longdecode (scripts/sweep_long_decode.py: decode attention's launch options at long contexts),
 # verify51 (the LayerNorm kernel's tests, the session's new families' GPU tests, 0.6B batch-1 TPOT),
 # verify53 (what the fifty-third session's calls left: each "file:k1,k2" of VERIFY53, -k "k1 or k2"),
+# verify54 (the DSA top-k's kernel tests and bench, DSA's GPU tests, the new families, then verify53's list),
 # verify52 (the new kernels' tests, then the new families' GPU test files),
 # verify51b (the kernel tests of the LayerNorm and padded heads on CUDA, then what verify51 left),
 # quick49 (the default prefill grid on 8B heads, packed integer reloads; ~2 min), targets49 (issue 16's targets, cheapest first, within VERIFY_S), verify49 (packed integer weights reloaded under graphs, gpt-oss's MXFP4 test, then scripts/kernel_audit.py:
@@ -864,6 +865,26 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
              --server-args "--tensor-parallel-size ${TP:-4} --max-model-len 4096 ${GLM47_ARGS:-}" \
              --variants ${GLM47_VARIANTS:-mtp_off mtp_on async_off mtp_on_async_off} 2>&1 \
              | tee "$OUT/glm47.log" | tail -24 ;;
+    verify54) # the fifty-fourth session's work within VERIFY_S seconds (default 560): the DSA
+              # kernels' tests on CUDA (the indexer's top-k), their bench against torch.topk over
+              # max_model_len, DeepSeek-V3.2 / GLM-5's GPU tests, the session's new families
+              # (VERIFY54_NEW), then verify53's list (VERIFY53) in what is left
+              end=$(( $(date +%s) + ${VERIFY_S:-560} ))
+              left() { local l=$(( end - $(date +%s) )); [ "$l" -lt "$1" ] && echo $(( l > 1 ? l : 1 )) || echo "$1"; }
+              timeout "$(left 60)" python3 -m pytest -v -p no:cacheprovider tests/kernels/test_sparse_mla.py \
+                2>&1 | tee "$OUT/kernels54.log" | grep -E "^FAILED|^ERROR| passed| failed" | tail -4 \
+                | sed "s/^/kernels54: /"
+              timeout "$(left 90)" python3 -m mrv2_kernels.bench_dsa_indexer 2>&1 \
+                | tee "$OUT/bench_dsa_indexer.log" | tail -12
+              for item in dsa: ${VERIFY54_NEW:-cohere2_moe: cohere2_vision: step3:} \
+                  ${VERIFY53:-aya_vision:bf16 mamba1:Jamba kimi: qwen_vl:qwen3.5 mamba2:zamba2 llama_variants: moe:Glm4Moe,GraniteMoeSWA,Longcat,Phimoe,Qwen3Moe,SolarOpen fp8_mla:youtu}; do
+                t=${item%%:*}; k=${item#*:}; k=${k//,/ or }
+                [ -f "tests/gpu/test_gpu_$t.py" ] || { echo "$t: no tests/gpu/test_gpu_$t.py"; continue; }
+                [ "$(left 20)" -lt 15 ] && { echo "$t: no time left"; continue; }
+                timeout "$(left "${VERIFY_CAP:-150}")" python3 -m pytest -v -p no:cacheprovider -m gpu \
+                  "tests/gpu/test_gpu_$t.py" ${k:+-k "$k"} 2>&1 | tee "$OUT/gpu54_$t.log" \
+                  | grep -E "^FAILED|^ERROR|passed|failed" | tail -4 | sed "s/^/$t: /"
+              done ;;
     verify53) # what the fifty-third session's two calls left, within VERIFY_S seconds (default
               # 560): the cases its per-file caps cut (Jamba, Kimi-Linear: a larger cap; Qwen3.5
               # images, Zamba2, the Llama variants, the rest of the MoE file, Youtu's FP8 MLA),

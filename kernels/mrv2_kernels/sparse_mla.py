@@ -3,18 +3,21 @@ of indexer keys, and absorbed multi-head latent attention over a top-k set of ca
 references in sparse_mla_ref.
 
 * :func:`indexer_logits`: ``out[t, s] = sum_h w[t, h] * relu(scale * q[t, h] . k[s])`` for
-  every cached key position ``s <= pos(t)`` of token ``t``'s request, ``-inf`` elsewhere. The
-  key cache is one vector per token, ``[num_blocks, block_size, D]``, addressed through the
-  request's block table like the latent cache. A program per (token, tile of ``BLOCK_N``
-  key positions); tiles wholly past the token only store ``-inf``.
+  every cached key position ``s <= pos(t)`` of token ``t``'s request; the kernel leaves the
+  columns past that (and padding rows) unwritten (the reference writes ``-inf`` there), as
+  nothing reads them. The key cache is one vector per token, ``[num_blocks, block_size, D]``,
+  addressed through the request's block table like the latent cache. A program per (token,
+  split), each split looping over every ``splits``-th tile of ``BLOCK_N`` key positions up to
+  the token's own: the launch and the work follow the real context, not the width of
+  ``out`` (``max_model_len`` under CUDA graphs).
 * :func:`sparse_mla_attention`: MLA in the absorbed form (see
   :mod:`~mrv2_kernels.mla_attention`) of token ``t`` over the cache rows ``slots[t]`` (flat
   slots, ``-1``: none), online softmax in base 2. A program per (token, head tile); the
   selected rows are gathered ``BLOCK_N`` at a time and each serves every head of the tile as
   key and value.
 
-The top-k between them is ``torch.topk`` on the device (the layer's,
-:mod:`mrv2.layers.sparse_mla`). Neither kernel reads anything back to the host; bf16 is
+The top-k between them is :func:`mrv2_kernels.indexer_topk.indexer_topk_slots` (bounded by
+each row's position as well). Neither kernel reads anything back to the host; bf16 is
 converted to fp32 right after loading on the interpreter and for fp32 caches.
 """
 
@@ -35,6 +38,9 @@ from .sparse_mla_ref import (
     indexer_logits_ref,
     sparse_mla_attention_ref,
 )
+
+#: Programs the indexer's score kernel aims to launch on a GPU (a few per SM).
+_PROGRAMS = 1024
 
 __all__ = [
     "indexer_logits",
@@ -57,42 +63,46 @@ def _indexer_logits_kernel(
     FP32_PRECISION: tl.constexpr,
 ) -> None:
     tok = tl.program_id(0).to(tl.int64)
-    tile = tl.program_id(1)
-    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     req = tl.load(req_ptr + tok)
     pos = tl.load(pos_ptr + tok)
-    out_ptrs = out_ptr + tok * stride_ot + offs_n
-    in_span = offs_n < span
-    if (req < 0) | (tile * BLOCK_N > pos):
-        tl.store(out_ptrs, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=in_span)
+    if req < 0:
         return
-    visible = in_span & (offs_n <= pos)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     q = tl.load(q_ptr + tok * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
                 mask=(offs_h[:, None] < HEADS) & (offs_d[None, :] < DIM), other=0.0)
     w = tl.load(w_ptr + tok * stride_wt + offs_h, mask=offs_h < HEADS, other=0.0).to(tl.float32)
-    block = tl.load(bt_ptr + req.to(tl.int64) * stride_bt + offs_n // KV_BLOCK_SIZE,
-                    mask=visible, other=0).to(tl.int64)
-    rows = block * stride_kb + (offs_n % KV_BLOCK_SIZE) * stride_ks
-    k = tl.load(k_ptr + rows[:, None] + offs_d[None, :],
-                mask=visible[:, None] & (offs_d[None, :] < DIM), other=0.0)
     if DOT_FP32:
-        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=FP32_PRECISION)
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = tl.maximum(s * scale, 0.0)
-    logits = tl.sum(s * w[:, None], 0)
-    tl.store(out_ptrs, tl.where(visible, logits, float("-inf")), mask=in_span)
+        q = q.to(tl.float32)
+    bt_row = bt_ptr + req.to(tl.int64) * stride_bt
+    last = tl.minimum(pos, span - 1)
+    # this program's tiles: every num_programs(1)-th one up to the token's own position
+    for tile in range(tl.program_id(1), last // BLOCK_N + 1, tl.num_programs(1)):
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        visible = offs_n <= last
+        block = tl.load(bt_row + offs_n // KV_BLOCK_SIZE, mask=visible, other=0).to(tl.int64)
+        rows = block * stride_kb + (offs_n % KV_BLOCK_SIZE) * stride_ks
+        k = tl.load(k_ptr + rows[:, None] + offs_d[None, :],
+                    mask=visible[:, None] & (offs_d[None, :] < DIM), other=0.0)
+        if DOT_FP32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=FP32_PRECISION)
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.maximum(s * scale, 0.0)
+        logits = tl.sum(s * w[:, None], 0)
+        tl.store(out_ptr + tok * stride_ot + offs_n, logits, mask=visible)
 
 
 def indexer_logits_triton(
     q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
     token_req: torch.Tensor, token_pos: torch.Tensor, scale: float, out: torch.Tensor,
-    *, block_n: int | None = None,
+    *, block_n: int | None = None, splits: int | None = None,
 ) -> torch.Tensor:
-    """:func:`indexer_logits_ref` as a Triton kernel (a program per token and ``block_n``
-    key positions). ``q`` rows ``[H, D]`` must be contiguous per token."""
+    """:func:`indexer_logits_ref` as a Triton kernel, writing only the visible positions
+    (``s <= pos(t)`` of real rows): a program per token and split of its ``block_n``-key
+    tiles (``splits`` of them, each taking every ``splits``-th tile up to the token's
+    position, so the launch does not grow with the width of ``out``). ``q`` rows ``[H, D]``
+    must be contiguous per token."""
     _check_logits(q, weights, k_cache, token_req, token_pos, out)
     num_tokens, heads, dim = q.shape
     span = out.shape[1]
@@ -101,7 +111,10 @@ def indexer_logits_triton(
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and out.stride(1) == 1, "rows contiguous"
     on_gpu = q.is_cuda
     block_n = block_n or (64 if on_gpu else 16)
-    _indexer_logits_kernel[(num_tokens, cdiv(span, block_n))](
+    tiles = cdiv(span, block_n)
+    # enough programs to fill the GPU whatever the batch; one per token on the interpreter
+    splits = min(tiles, splits or (max(1, cdiv(_PROGRAMS, num_tokens)) if on_gpu else 1))
+    _indexer_logits_kernel[(num_tokens, splits)](
         q, weights, k_cache, block_table, token_req, token_pos, out, float(scale), span,
         q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1),
         block_table.stride(0), out.stride(0),
@@ -119,8 +132,9 @@ def indexer_logits(
     token_req: torch.Tensor, token_pos: torch.Tensor, scale: float, out: torch.Tensor,
     **kwargs: Any,
 ) -> torch.Tensor:
-    """The indexer's scores (:func:`indexer_logits_ref`): Triton (see :func:`use_triton`) or
-    the reference."""
+    """The indexer's scores (:func:`indexer_logits_ref`; the columns past each token's
+    position are not part of the result): Triton (see :func:`use_triton`) or the
+    reference."""
     if use_triton(q):
         return indexer_logits_triton(q, weights, k_cache, block_table, token_req, token_pos,
                                      scale, out, **kwargs)

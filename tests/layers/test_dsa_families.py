@@ -7,7 +7,8 @@ indexer RoPE, a ``"shared"`` layer reusing the previous layer's top-k).
 first checks that HF's logits with the selection turned off (a top-k past every context)
 differ from the sparse ones, then compares every logit of a prefill step (with padding) and a
 decode step through the latent and indexer caches (poisoned where unwritten), and greedy
-tokens through ``LLM`` with chunked prefill (8 tokens a step: later chunks and decode steps
+tokens (the steps also through the Triton kernels: the indexer's scores, written only up
+to each token, and its top-k) through ``LLM`` with chunked prefill (8 tokens a step: later chunks and decode steps
 read the indexer keys of earlier steps from the cache) and with prefix caching (a second
 prompt sharing whole blocks with the first); an FP8 checkpoint against HF on its dequantized
 weights, and dummy weights. The MTP layer (``build_mtp``: sparse MLA with an indexer of its
@@ -119,7 +120,8 @@ def check_steps(model: Any, hf: torch.nn.Module, num_indexers: int) -> None:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_sparse_attention_matches_hf(tmp_path: Path, case: str) -> None:
+def test_sparse_attention_matches_hf(tmp_path: Path, case: str,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
     arch, _, num_indexers = CASES[case]
     hf = save_hf(tmp_path, case)
     # the selection matters: dense attention (top-k past every context) gives other logits
@@ -132,6 +134,9 @@ def test_sparse_attention_matches_hf(tmp_path: Path, case: str) -> None:
     load_model_weights(model, iter_safetensors(tmp_path))
     process_weights_after_loading(model)
     check_steps(model.eval(), hf, num_indexers)
+    with monkeypatch.context() as patch:  # the Triton kernels (interpreted) as on a GPU
+        patch.setenv("MRV2_KERNELS", "triton")
+        check_steps(model, hf, num_indexers)
 
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     expected = [hf_greedy(tmp_path, p, 8) for p in PROMPTS]

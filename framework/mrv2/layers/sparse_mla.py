@@ -21,10 +21,13 @@ reuses a block's indexer keys with its latents.
 
 Per step: the indexer writes its keys, scores every query against its request's cached keys
 (:func:`mrv2_kernels.sparse_mla.indexer_logits`, ``[T, max_seq_len]``, in chunks of query
-rows), takes ``torch.topk`` on the device and turns the positions into flat cache slots
-through the block table; :func:`mrv2_kernels.sparse_mla.sparse_mla_attention` attends over
-those slots. GLM-5's ``"shared"`` layers (``indexer_types``) have no indexer and reuse the
-last full layer's slots of the same step (kept in the step metadata's ``derived`` scratch).
+rows) and picks each row's best as flat cache slots through the block table
+(:func:`mrv2_kernels.indexer_topk.indexer_topk_slots`, a radix select); both kernels touch
+only the positions up to each token's own, so a decode step under CUDA graphs, whose
+``max_seq_len`` is ``max_model_len``, costs what its real contexts cost;
+:func:`mrv2_kernels.sparse_mla.sparse_mla_attention` attends over those slots. GLM-5's
+``"shared"`` layers (``indexer_types``) have no indexer and reuse the last full layer's slots
+of the same step (kept in the step metadata's ``derived`` scratch).
 
 Tensor parallelism: the indexer is replicated (every rank computes the same selection); the
 attention heads split as MLA's do.
@@ -45,6 +48,7 @@ from mrv2.layers.mla import MLAAttention
 from mrv2.layers.mtp import mtp_layer_count
 from mrv2.layers.norm import LayerNorm
 from mrv2.layers.rotary import RotaryEmbedding
+from mrv2_kernels.indexer_topk import indexer_topk_slots
 from mrv2_kernels.mla_attention import mla_cache_write
 from mrv2_kernels.sparse_mla import indexer_logits, sparse_mla_attention
 
@@ -165,7 +169,6 @@ class DSAIndexer(KVCacheLayer):
         token_req, token_pos = token_maps(metadata, num_tokens)
         span = max(1, int(metadata.max_seq_len))
         top = min(self.index_topk, span)
-        block_size = cache.shape[1]
         slots = torch.empty(num_tokens, top, dtype=torch.int64, device=x.device)
         rows = max(1, _LOGITS_BUDGET // span)
         for t0 in range(0, num_tokens, rows):
@@ -173,12 +176,8 @@ class DSAIndexer(KVCacheLayer):
             logits = torch.empty(t1 - t0, span, dtype=torch.float32, device=x.device)
             indexer_logits(q[t0:t1], weights[t0:t1], cache, metadata.block_table,
                            token_req[t0:t1], token_pos[t0:t1], self.scale, logits)
-            values, index = logits.topk(top, dim=-1)
-            req = token_req[t0:t1].long().clamp(min=0)[:, None]
-            blocks = metadata.block_table[req, (index // block_size).clamp(
-                max=metadata.block_table.shape[1] - 1)].long()
-            chosen = blocks * block_size + index % block_size
-            slots[t0:t1] = torch.where(values > float("-inf"), chosen, -1)
+            indexer_topk_slots(logits, token_req[t0:t1], token_pos[t0:t1],
+                               metadata.block_table, cache.shape[1], slots[t0:t1])
         return slots
 
 
