@@ -6,14 +6,15 @@ indexer RoPE, a ``"shared"`` layer reusing the previous layer's top-k).
 ``index_topk`` is 4 and the prompts are longer, so the selection changes the result: the test
 first checks that HF's logits with the selection turned off (a top-k past every context)
 differ from the sparse ones, then compares every logit of a prefill step (with padding) and a
-decode step through the latent and indexer caches (poisoned where unwritten), and greedy
-tokens (the steps also through the Triton kernels: the indexer's scores, written only up
-to each token, and its top-k) through ``LLM`` with chunked prefill (8 tokens a step: later chunks and decode steps
-read the indexer keys of earlier steps from the cache) and with prefix caching (a second
-prompt sharing whole blocks with the first); an FP8 checkpoint against HF on its dequantized
-weights, and dummy weights. The MTP layer (``build_mtp``: sparse MLA with an indexer of its
-own and indexer cache layer, the MoE, enorm / hnorm / eh_proj) against a plain-torch MTP step
-over HF's decoder layer, and greedy tokens with ``mtp`` speculation equal to those without."""
+decode step through the latent and indexer caches (poisoned where unwritten), both steps
+also through the Triton kernels (the indexer's scores, written only up to each token, and
+its top-k), and greedy tokens through ``LLM`` with chunked prefill (8 tokens a step: later
+chunks and decode steps read the indexer keys of earlier steps from the cache) and with
+prefix caching (a second prompt sharing whole blocks with the first); an FP8 checkpoint
+against HF on its dequantized weights, and dummy weights. The MTP layer (``build_mtp``:
+sparse MLA with an indexer of its own and indexer cache layer, the MoE, enorm / hnorm /
+eh_proj) against a plain-torch MTP step over HF's decoder layer, and greedy tokens with
+``mtp`` speculation equal to those without."""
 
 from __future__ import annotations
 
