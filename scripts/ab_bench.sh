@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A/B on the GPU machine (device tool): `mrv2 bench BENCH` (latency or throughput) of the wheels
 # in .whl-old (a baseline commit, built with `pip wheel --no-deps -w .whl-old . plugins/qwen
-# plugins/glm plugins/mtp plugins/eagle plugins/deepseek plugins/qwen_vl plugins/gemma plugins/phi plugins/olmo plugins/gpt_oss plugins/minimax plugins/exaone plugins/ernie plugins/mistral3 plugins/internvl plugins/llava plugins/idefics3 plugins/nemotron_h plugins/granite_hybrid plugins/falcon_h1 plugins/mamba plugins/llama4 plugins/hunyuan plugins/cohere plugins/lfm2 plugins/neox plugins/starcoder plugins/kimi contrib_models/llama` in a worktree of it) against .whl (this tree), interleaved ROUNDS times so
+# plugins/glm plugins/mtp plugins/eagle plugins/deepseek plugins/qwen_vl plugins/gemma plugins/phi plugins/olmo plugins/gpt_oss plugins/minimax plugins/exaone plugins/ernie plugins/mistral3 plugins/internvl plugins/llava plugins/idefics3 plugins/nemotron_h plugins/granite_hybrid plugins/falcon_h1 plugins/mamba plugins/llama4 plugins/hunyuan plugins/cohere plugins/lfm2 plugins/neox plugins/starcoder plugins/kimi plugins/step contrib_models/llama` in a worktree of it) against .whl (this tree), interleaved ROUNDS times so
 # drift hits both alike. Usage: scripts/ab_bench.sh latency|throughput [bench args...].
 # JSON results go to $OUT; one line per run prints.
 set -uo pipefail

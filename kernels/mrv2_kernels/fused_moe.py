@@ -13,7 +13,8 @@ rows, ``w2`` ``[E, H, I]``, ``topk_weights`` ``[T, K]`` fp32, ``topk_ids`` ``[T,
 The roundings are those of the unfused layers (a gate/up linear, ``silu_and_mul``, a down
 linear). Biases (``w13_bias`` ``[E, 2I]``, ``w2_bias`` ``[E, H]``) join the fp32 products
 before those roundings (the down bias before the routing weight), and ``activation`` may be
-gpt-oss's clamped ``"swigluoai"`` instead of SiLU (:func:`~mrv2_kernels.fused_moe_ref.glu`).
+gpt-oss's clamped ``"swigluoai"``, GeGLU or Step's clamped SiLU ``"silu_clamp"`` instead of
+SiLU (:func:`~mrv2_kernels.fused_moe_ref.glu`).
 ``topk_ids`` outside ``[0, E)`` are not allowed: nothing checks them, and the Triton path
 does not skip them safely (the GEMMs' alignment leaves such a pair out, so its row of the
 combine's input is never written and, with the fused combine, its token's arrival count

@@ -53,7 +53,11 @@ def _glu(gate: tl.tensor, up: tl.tensor, ACT: tl.constexpr, limit: float) -> tl.
     (``"swigluoai"``, gpt-oss), ``g * sigmoid(1.702 g) * (u + 1)`` of ``g = min(gate, limit)``,
     ``u = clamp(up, -limit, limit)``; 2 (``"gelu_tanh"``, GeGLU: Gemma 4), ``0.5 g (1 +
     tanh(sqrt(2 / pi) (g + 0.044715 g^3))) * up``, tanh as ``1 - 2 / (exp(2 z) + 1)`` (exact at
-    both ends in fp32: the exponential saturates to 0 or inf)."""
+    both ends in fp32: the exponential saturates to 0 or inf); 3 (``"silu_clamp"``, Step-3.5 /
+    3.7), ``min(silu(gate), limit) * clamp(up, -limit, limit)``."""
+    if ACT == 3:
+        s = tl.minimum(gate / (1.0 + tl.exp(-gate)), limit)
+        return s * tl.minimum(tl.maximum(up, -limit), limit)
     if ACT == 2:
         z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
         return 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)) * up

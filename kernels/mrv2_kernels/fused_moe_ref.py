@@ -14,9 +14,9 @@ from .fused_moe_int import IntExperts, check_int_args, dequantize_int_experts
 
 __all__ = ["ACTIVATIONS", "PLAIN", "SWIGLUOAI_ALPHA", "Epilogue", "fused_moe_ref", "glu"]
 
-#: The gated activations of the contract: ``silu(gate) * up``, and gpt-oss's clamped
-#: ``"swigluoai"`` (:func:`glu`).
-ACTIVATIONS = ("silu", "swigluoai", "gelu_tanh")
+#: The gated activations of the contract: ``silu(gate) * up``, gpt-oss's clamped
+#: ``"swigluoai"``, Gemma 4's GeGLU and Step's clamped SiLU ``"silu_clamp"`` (:func:`glu`).
+ACTIVATIONS = ("silu", "swigluoai", "gelu_tanh", "silu_clamp")
 #: ``swigluoai``'s sigmoid slope (gpt-oss).
 SWIGLUOAI_ALPHA = 1.702
 
@@ -40,7 +40,7 @@ def check_epilogue(w13: torch.Tensor, w2: torch.Tensor, epi: Epilogue) -> Epilog
     if epi.activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}; got "
                          f"{epi.activation!r}")
-    if epi.activation == "swigluoai" and not epi.swiglu_limit > 0:
+    if epi.activation in ("swigluoai", "silu_clamp") and not epi.swiglu_limit > 0:
         raise ValueError(f"swiglu_limit must be positive, got {epi.swiglu_limit}")
     e, two_i = w13.shape[0], w13.shape[1]
     hidden = w2.shape[1]
@@ -58,9 +58,12 @@ def glu(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu",
         swiglu_limit: float = 7.0) -> torch.Tensor:
     """The gated activation of fp32 ``gate`` / ``up``: ``silu(gate) * up``; (``swigluoai``)
     ``g * sigmoid(1.702 g) * (u + 1)`` of ``g = min(gate, limit)`` and ``u = clamp(up, -limit,
+    limit)``; (``silu_clamp``, Step-3.5 / 3.7) ``min(silu(gate), limit) * clamp(up, -limit,
     limit)``; or (``gelu_tanh``, GeGLU: Gemma 4) ``gelu(gate, approximate="tanh") * up``."""
     if activation == "gelu_tanh":
         return F.gelu(gate, approximate="tanh") * up
+    if activation == "silu_clamp":
+        return F.silu(gate).clamp(max=swiglu_limit) * up.clamp(-swiglu_limit, swiglu_limit)
     if activation == "swigluoai":
         g = gate.clamp(max=swiglu_limit)
         u = up.clamp(-swiglu_limit, swiglu_limit)

@@ -99,6 +99,8 @@ def test_reference_is_hf_gpt_oss_experts() -> None:
     (4, torch.float32, "swigluoai", False, None, None),
     (6, torch.float32, "gelu_tanh", False, True, None),
     (5, torch.bfloat16, "gelu_tanh", True, None, None),
+    (6, torch.float32, "silu_clamp", False, True, None),
+    (5, torch.bfloat16, "silu_clamp", False, None, 4),
 ])
 def test_triton_matches_reference(tokens: int, dtype: torch.dtype, activation: str,
                                   bias: bool, combine: bool | None, valid: int | None) -> None:
@@ -246,7 +248,7 @@ def test_mxfp4_triton_matches_reference(tokens: int, dtype: torch.dtype, valid: 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"activation": "gelu"},
-     r"activation must be one of silu, swigluoai, gelu_tanh; got 'gelu'"),
+     r"activation must be one of silu, swigluoai, gelu_tanh, silu_clamp; got 'gelu'"),
     ({"activation": "swigluoai", "swiglu_limit": 0.0}, r"swiglu_limit must be positive"),
     ({"w13_bias": torch.zeros(E, INTER)}, r"w13_bias must be \(4, 64\)"),
     ({"w2_bias": torch.zeros(E, H + 1)}, r"w2_bias must be \(4, 64\)"),

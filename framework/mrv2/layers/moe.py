@@ -60,8 +60,9 @@ class FusedMoE(nn.Module):
 
     ``bias``: ``w13_bias`` ``[E, 2I]`` (gate then up) and ``w2_bias`` ``[E, H]`` on the
     projections; ``activation``: ``"silu"`` (``silu(gate) * up``), gpt-oss's clamped
-    ``"swigluoai"`` (:func:`mrv2_kernels.fused_moe_ref.glu`, clamped at ``swiglu_limit``) or
-    Gemma 4's GeGLU ``"gelu_tanh"``.
+    ``"swigluoai"`` (:func:`mrv2_kernels.fused_moe_ref.glu`, clamped at ``swiglu_limit``),
+    Gemma 4's GeGLU ``"gelu_tanh"`` or Step's clamped SiLU ``"silu_clamp"`` (``min(silu(gate),
+    swiglu_limit) * clamp(up, -swiglu_limit, swiglu_limit)``).
 
     Tensor parallelism splits every expert's intermediate dimension: a rank holds ``I / size``
     gate, up and down columns of each expert (tensor parallelism inside the experts; the
