@@ -33,6 +33,10 @@ HF transformers 4.x did; transformers 5's ``AyaVisionForConditionalGeneration`` 
 own ``lm_head`` without the scale (greedy tokens are the same; log-probabilities differ where
 ``logit_scale != 1``).
 
+Command A Vision (:mod:`mrv2_cohere.cohere2_vision`) is this model with the encoder's
+``last_hidden_state`` choice: every tower layer and ``post_layernorm``, no projector
+``layernorm``.
+
 Checkpoint names: ``model.vision_tower.*`` / ``vision_tower.*`` (optionally
 ``vision_tower.vision_model.*``), ``[model.]multi_modal_projector.*``, the decoder's as
 ``model.language_model.*`` / ``language_model.model.*`` with ``lm_head.weight`` or
@@ -115,25 +119,30 @@ class _Embeddings(nn.Module):
 
 
 class _Tower(nn.Module):
-    """The SigLIP tower's used part: the embeddings and the first ``layers`` layers."""
+    """The SigLIP tower's used part: the embeddings, the first ``layers`` layers and, with
+    ``post_norm``, ``post_layernorm`` (HF's ``last_hidden_state``)."""
 
-    def __init__(self, vc: Any, size: int, patch: int, layers: int) -> None:
+    def __init__(self, vc: Any, size: int, patch: int, layers: int, post_norm: bool) -> None:
         super().__init__()
-        dim = int(vc.hidden_size)
+        dim, eps = int(vc.hidden_size), float(vc.layer_norm_eps)
         act = vision_activation("vision_config.hidden_act", str(vc.hidden_act))
         self.embeddings = _Embeddings(int(getattr(vc, "num_channels", 3)), dim, size, patch)
         self.encoder = VisionEncoder(
             VisionEncoderLayer(dim, int(vc.num_attention_heads), int(vc.intermediate_size), act,
-                               float(vc.layer_norm_eps)) for _ in range(layers))
+                               eps) for _ in range(layers))
+        self.post_layernorm = nn.LayerNorm(dim, eps=eps) if post_norm else None
 
 
 class _Projector(nn.Module):
-    """HF's ``AyaVisionMultiModalProjector`` (module doc)."""
+    """HF's ``AyaVisionMultiModalProjector`` (module doc); ``eps`` None: no ``layernorm``
+    (``Cohere2VisionMultiModalProjector``)."""
 
-    def __init__(self, in_dim: int, hidden: int, out_dim: int, factor: int, eps: float) -> None:
+    def __init__(self, in_dim: int, hidden: int, out_dim: int, factor: int, eps: float | None
+                 ) -> None:
         super().__init__()
         self.factor = factor
-        self.layernorm = nn.LayerNorm(in_dim * factor * factor, eps=eps)
+        self.layernorm = (None if eps is None
+                          else nn.LayerNorm(in_dim * factor * factor, eps=eps))
         self.linear_1 = nn.Linear(in_dim * factor * factor, hidden)
         self.linear_2 = nn.Linear(hidden // 2, out_dim)
 
@@ -145,7 +154,8 @@ class _Projector(nn.Module):
         return x.reshape(n, g // f, g // f, -1).permute(0, 2, 1, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.linear_1(self.layernorm(self.shuffle(x)))
+        x = self.shuffle(x)
+        x = self.linear_1(x if self.layernorm is None else self.layernorm(x))
         value, gate = x.chunk(2, dim=-1)
         out: torch.Tensor = self.linear_2(F.silu(gate) * value)
         return out.flatten(1, 2)
@@ -155,36 +165,46 @@ class AyaVisionEncoder(nn.Module):
     """Tiles -> Aya Vision's image tokens: the SigLIP tower, the selected features and the
     projector (module doc). ``config``: the composite ``AyaVisionConfig``; ValueError naming
     the field for one not supported. ``image_size`` is the tile side :meth:`forward` takes,
-    ``tokens_per_tile`` the tokens a tile gives."""
+    ``tokens_per_tile`` the tokens a tile gives.
 
-    def __init__(self, config: Any) -> None:
+    ``last_hidden_state``: Command A Vision's choice instead of Aya's (its
+    ``Cohere2VisionConfig`` has no ``vision_feature_layer``): every layer and
+    ``post_layernorm`` (HF's ``last_hidden_state``), and a projector without ``layernorm``.
+    ``architecture`` names the model in errors."""
+
+    def __init__(self, config: Any, *, last_hidden_state: bool = False,
+                 architecture: str = "AyaVisionForConditionalGeneration") -> None:
         super().__init__()
         vc = config.vision_config
         kind = getattr(vc, "model_type", None)
         if kind != "siglip_vision_model":
             raise ValueError(f"config.json vision_config.model_type = {kind!r} is not supported "
-                             "for AyaVisionForConditionalGeneration; supported: "
-                             "['siglip_vision_model']")
-        strategy = config.vision_feature_select_strategy
-        if strategy not in ("default", "full"):
-            raise ValueError(f"vision_feature_select_strategy={strategy!r}: must be 'default' "
-                             "or 'full'")
-        if strategy == "default":
-            raise ValueError("vision_feature_select_strategy='default' leaves no square grid "
-                             "for the pixel shuffle; Aya Vision uses 'full'")
+                             f"for {architecture}; supported: ['siglip_vision_model']")
+        self.num_hidden_layers = int(vc.num_hidden_layers)
+        if last_hidden_state:
+            self.feature_layer = self.num_hidden_layers
+        else:
+            strategy = config.vision_feature_select_strategy
+            if strategy not in ("default", "full"):
+                raise ValueError(f"vision_feature_select_strategy={strategy!r}: must be "
+                                 "'default' or 'full'")
+            if strategy == "default":
+                raise ValueError("vision_feature_select_strategy='default' leaves no square "
+                                 "grid for the pixel shuffle; Aya Vision uses 'full'")
+            self.feature_layer = _feature_layers(config)[0]
         self.tokens_per_tile = tokens_per_tile(config)
         self.image_size = _side("vision_config.image_size", vc.image_size)
         patch = _side("vision_config.patch_size", vc.patch_size)
         self.num_channels = int(getattr(vc, "num_channels", 3))
-        self.feature_layer = _feature_layers(config)[0]
-        self.num_hidden_layers = int(vc.num_hidden_layers)
-        self.vision_tower = _Tower(vc, self.image_size, patch, self.feature_layer)
+        self.vision_tower = _Tower(vc, self.image_size, patch, self.feature_layer,
+                                   post_norm=last_hidden_state)
         text_hidden = int(config.text_config.hidden_size)
         hidden = int(getattr(config, "alignment_intermediate_size", None) or text_hidden)
         self.multi_modal_projector = _Projector(
             int(vc.hidden_size), hidden, text_hidden,
             int(getattr(config, "downsample_factor", 2)),
-            float(getattr(config, "adapter_layer_norm_eps", 1e-6)))
+            None if last_hidden_state else float(getattr(config, "adapter_layer_norm_eps",
+                                                         1e-6)))
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``[N, C, S, S]`` tiles (any float dtype) -> ``[N * tokens_per_tile, text_hidden]``
@@ -197,6 +217,8 @@ class AyaVisionEncoder(nn.Module):
         x = tower.embeddings(pixel_values.to(tower.embeddings.patch_embedding.weight.dtype))
         for layer in tower.encoder.layers:  # (up to the feature layer)
             x = layer(x)
+        if tower.post_layernorm is not None:
+            x = tower.post_layernorm(x)
         out: torch.Tensor = self.multi_modal_projector(x)
         return out.flatten(0, 1)
 
@@ -207,8 +229,15 @@ class AyaVisionEncoder(nn.Module):
                                     "Aya Vision encoder", hint="vision_config")
 
     def _parameter_name(self, ckpt_name: str) -> str | None:
-        return tower_target_name(ckpt_name, VISION_CHECKPOINT_PREFIXES, _TOWER,
-                                 len(self.vision_tower.encoder.layers), self.num_hidden_layers)
+        target = tower_target_name(ckpt_name, VISION_CHECKPOINT_PREFIXES, _TOWER,
+                                   len(self.vision_tower.encoder.layers), self.num_hidden_layers)
+        if (target is None and self.vision_tower.post_layernorm is not None
+                and ckpt_name.startswith(VISION_CHECKPOINT_PREFIXES)):
+            rest = ckpt_name.removeprefix("model.").removeprefix(_TOWER)
+            rest = rest.removeprefix("vision_model.")
+            if rest.startswith("post_layernorm."):  # (run here: HF's last_hidden_state)
+                return _TOWER + rest
+        return target
 
 
 class AyaVisionForConditionalGeneration(_Cohere):
@@ -233,7 +262,11 @@ class AyaVisionForConditionalGeneration(_Cohere):
             raise ValueError(f"config.json text_config.model_type = {kind!r} is not supported "
                              f"for {self.architecture}; supported: {list(TEXT_KINDS)}")
         self.hf_config = config
-        self.vision = AyaVisionEncoder(config)
+        self.vision = self.make_encoder(config)
+
+    def make_encoder(self, config: Any) -> AyaVisionEncoder:
+        """The image encoder (Aya Vision's: :class:`AyaVisionEncoder` of ``config``)."""
+        return AyaVisionEncoder(config)
 
     def embed_image(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """One image's tiles ``[tiles, 3, S, S]`` -> ``[tiles * tokens_per_tile, hidden]`` in

@@ -1,5 +1,7 @@
 """Aya Vision's images: the input processor (prompt expansion, the checkpoint's tiling image
-processor) and the model state (the encoder cache, each step's image rows).
+processor) and the model state (the encoder cache, each step's image rows). Command A Vision
+(:mod:`mrv2_cohere.cohere2_vision`) shares the model state and
+:class:`TiledImageInputProcessor`'s expansion loop, with its own layout and tiling.
 
 **Placeholders.** HF's ``AyaVisionProcessor`` replaces each ``<image>`` of the *text* (its
 ``image_token``, as the chat template writes it) before tokenizing; the model's
@@ -45,7 +47,8 @@ from mrv2.contract.input_processor import (
 from mrv2.contract.requests import MultiModalItem, NewRequest
 from mrv2_cohere.aya_vision import tokens_per_tile
 
-__all__ = ["AyaVisionInputProcessor", "AyaVisionModelState", "image_prompt"]
+__all__ = ["AyaVisionInputProcessor", "AyaVisionModelState", "TiledImageInputProcessor",
+           "image_prompt"]
 
 #: HF ``AyaVisionProcessor``'s token names and sizes, by its ``__init__`` argument names.
 DEFAULTS: dict[str, Any] = {
@@ -93,16 +96,91 @@ def find_runs(ids: Sequence[int], patterns: Sequence[Sequence[int]]) -> list[tup
     return found
 
 
-class AyaVisionInputProcessor(InputProcessor):
-    """Aya Vision's :class:`~mrv2.contract.input_processor.InputProcessor` (module doc).
-    :attr:`per_tile` is the image tokens of a tile."""
+class TiledImageInputProcessor(InputProcessor):
+    """What Aya Vision's and Command A Vision's input processors share: each image's
+    placeholder (one of :attr:`patterns`, a run of ids) replaced by :meth:`layout` of its tile
+    count, the tiles from the checkpoint's image processor with ``crop_to_patches`` on, one
+    item per image (``pixel_values`` and the layout's ``token_ids``, for
+    :class:`AyaVisionModelState`). A subclass sets :attr:`image_token` (the id each image
+    feature lands on), :attr:`per_tile`, :attr:`patterns`, :attr:`placeholder_label` (the
+    placeholders as an error message names them), :attr:`family` and the image processor,
+    and implements :meth:`layout`."""
+
+    family = "this model"
 
     def __init__(self, model_dir: str, hf_config: Any, tokenizer: Any, config: Any) -> None:
         super().__init__(model_dir, hf_config, tokenizer, config)
         self.image_token = int(hf_config.image_token_id)
         self.per_tile = tokens_per_tile(hf_config)
-        self.names = _settings(model_dir)
         self.patterns: list[list[int]] = [[self.image_token]]
+        self.placeholder_label = f"token {self.image_token}"
+
+    def layout(self, tiles: int) -> list[int]:
+        """The token ids of an image of ``tiles`` frames, as HF's processor makes them."""
+        raise NotImplementedError
+
+    def check_tile_size(self, hf_config: Any) -> None:
+        """Refuse images (naming the field) where the image processor's ``size`` is not the
+        model's tile (``vision_config.image_size``)."""
+        size = getattr(self.image_processor, "size", None)
+        side = int(hf_config.vision_config.image_size)
+        if self.image_processor is not None and (
+                getattr(size, "height", None), getattr(size, "width", None)) != (side, side):
+            self.image_processor = None
+            self.images_refused = (f"preprocessor_config.json size={size!r}: the model's tiles "
+                                   f"are {side} x {side} (vision_config.image_size)")
+
+    def process(self, prompt_token_ids: list[int], mm_data: Mapping[str, Any]
+                ) -> tuple[list[int], list[MultiModalItem]]:
+        """Expand each image's placeholder (module doc) and make the images' items;
+        ValueError naming the field for bad input."""
+        unknown = sorted(key for key in mm_data if key != "image")
+        if unknown:
+            raise ValueError(f"multi_modal_data has unsupported keys {unknown}; allowed: "
+                             f"'image' ({self.family} takes images only)")
+        images = mm_data.get("image", [])
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        if len(images) > self.limit_per_prompt:
+            raise ValueError(f"multi_modal_data.image: {len(images)} images; at most "
+                             f"{self.limit_per_prompt} per prompt (--limit-mm-per-prompt)")
+        runs = find_runs(prompt_token_ids, self.patterns)
+        if len(runs) != len(images):
+            raise ValueError(
+                f"multi_modal_data.image: {len(images)} images but the prompt has {len(runs)} "
+                f"image placeholders ({self.placeholder_label}); put one per image")
+        if not images:
+            return list(prompt_token_ids), []
+        self.require_images()
+        out = run_image_processor(self.image_processor, images, crop_to_patches=True)
+        pixels = cast(torch.Tensor, out["pixel_values"])
+        counts = [int(n) for n in out["num_patches"]]
+        firsts = list(accumulate(counts, initial=0))
+        ids: list[int] = []
+        items: list[MultiModalItem] = []
+        start = 0
+        for n, (place, length) in enumerate(runs):
+            ids.extend(prompt_token_ids[start:place])
+            tiles = pixels[firsts[n]:firsts[n + 1]].contiguous()
+            layout = self.layout(counts[n])
+            items.append(MultiModalItem("image", {"pixel_values": tiles, "token_ids": layout},
+                                        content_hash(tiles), len(ids), len(layout)))
+            ids.extend(layout)
+            start = place + length
+        ids.extend(prompt_token_ids[start:])
+        return ids, items
+
+
+class AyaVisionInputProcessor(TiledImageInputProcessor):
+    """Aya Vision's :class:`~mrv2.contract.input_processor.InputProcessor` (module doc).
+    :attr:`per_tile` is the image tokens of a tile."""
+
+    family = "Aya Vision"
+
+    def __init__(self, model_dir: str, hf_config: Any, tokenizer: Any, config: Any) -> None:
+        super().__init__(model_dir, hf_config, tokenizer, config)
+        self.names = _settings(model_dir)
+        self.placeholder_label = (f"{self.names['image_token']} or "
+                                  f"{self.names['img_patch_token']}, token {self.image_token}")
         self._layouts: dict[int, list[int]] = {}
         if tokenizer is None:
             self.images_refused = (f"{hf_config.architectures} needs the checkpoint's tokenizer "
@@ -135,13 +213,7 @@ class AyaVisionInputProcessor(InputProcessor):
             return
         self.start_id, self.end_id = int(ends[0]), int(ends[1])
         self.load_images(model_dir, "GotOcr2ImageProcessor")
-        size = getattr(self.image_processor, "size", None)
-        side = int(hf_config.vision_config.image_size)
-        if self.image_processor is not None and (
-                getattr(size, "height", None), getattr(size, "width", None)) != (side, side):
-            self.image_processor = None
-            self.images_refused = (f"preprocessor_config.json size={size!r}: the model's tiles "
-                                   f"are {side} x {side} (vision_config.image_size)")
+        self.check_tile_size(hf_config)
 
     def layout(self, tiles: int) -> list[int]:
         """The token ids of an image of ``tiles`` frames, as HF's processor makes them;
@@ -160,52 +232,12 @@ class AyaVisionInputProcessor(InputProcessor):
             self._layouts[tiles] = out
         return self._layouts[tiles]
 
-    def process(self, prompt_token_ids: list[int], mm_data: Mapping[str, Any]
-                ) -> tuple[list[int], list[MultiModalItem]]:
-        """Expand each image's placeholder (module doc) and make the images' items;
-        ValueError naming the field for bad input."""
-        unknown = sorted(key for key in mm_data if key != "image")
-        if unknown:
-            raise ValueError(f"multi_modal_data has unsupported keys {unknown}; allowed: "
-                             "'image' (Aya Vision takes images only)")
-        images = mm_data.get("image", [])
-        images = list(images) if isinstance(images, (list, tuple)) else [images]
-        if len(images) > self.limit_per_prompt:
-            raise ValueError(f"multi_modal_data.image: {len(images)} images; at most "
-                             f"{self.limit_per_prompt} per prompt (--limit-mm-per-prompt)")
-        runs = find_runs(prompt_token_ids, self.patterns)
-        if len(runs) != len(images):
-            raise ValueError(
-                f"multi_modal_data.image: {len(images)} images but the prompt has {len(runs)} "
-                f"image placeholders ({self.names['image_token']} or "
-                f"{self.names['img_patch_token']}, token {self.image_token}); put one per "
-                "image")
-        if not images:
-            return list(prompt_token_ids), []
-        self.require_images()
-        out = run_image_processor(self.image_processor, images, crop_to_patches=True)
-        pixels = cast(torch.Tensor, out["pixel_values"])
-        counts = [int(n) for n in out["num_patches"]]
-        firsts = list(accumulate(counts, initial=0))
-        ids: list[int] = []
-        items: list[MultiModalItem] = []
-        start = 0
-        for n, (place, length) in enumerate(runs):
-            ids.extend(prompt_token_ids[start:place])
-            tiles = pixels[firsts[n]:firsts[n + 1]].contiguous()
-            layout = self.layout(counts[n])
-            items.append(MultiModalItem("image", {"pixel_values": tiles, "token_ids": layout},
-                                        content_hash(tiles), len(ids), len(layout)))
-            ids.extend(layout)
-            start = place + length
-        ids.extend(prompt_token_ids[start:])
-        return ids, items
-
 
 class AyaVisionModelState(EncoderCacheModelState):
-    """The model state of ``AyaVisionForConditionalGeneration``: an image's rows are the
-    encoder's features at its ``<|IMG_PATCH|>`` rows (tile by tile, the thumbnail last) and
-    the layout tokens' text embeddings at the others."""
+    """The model state of ``AyaVisionForConditionalGeneration`` and
+    ``Cohere2VisionForConditionalGeneration``: an image's rows are the encoder's features at
+    its ``<|IMG_PATCH|>`` rows (``image_token_id``; tile by tile, the thumbnail last) and the
+    layout tokens' text embeddings at the others."""
 
     def __init__(self, model: Any, hf_config: Any, config: Any, buffers: Any, block_size: int,
                  device: torch.device) -> None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -47,6 +47,7 @@ from mrv2.layers import (
     GatedMLP,
     LayerNorm,
     ParallelDecoderLayer,
+    RMSNorm,
     SelfAttention,
     get_rope,
     head_dim_of,
@@ -150,21 +151,30 @@ class _Cohere(CausalLM):
     """What both Cohere models share (module docstring): the parallel blocks, the LayerNorms,
     the q/k rows of the RoPE layers reordered as they load, the scaled logits."""
 
-    def __init__(self, config: PretrainedConfig, rope_layers: list[bool], qk_norm: bool
-                 ) -> None:
+    def __init__(self, config: PretrainedConfig, rope_layers: list[bool], qk_norm: bool,
+                 mlp: Callable[[int], nn.Module] | None = None,
+                 norm: Callable[[], LayerNorm | RMSNorm] | None = None) -> None:
+        """``mlp(i)``: layer ``i``'s MLP (default: a gated MLP of ``intermediate_size``);
+        ``norm()``: a hidden-state norm (default: the bias-free LayerNorm of
+        ``layer_norm_eps``)."""
         head_dim = head_dim_of(config)
         rope = get_rope(config, head_dim) if any(rope_layers) else None
         eps = float(config.layer_norm_eps)
 
-        def norm() -> LayerNorm:
+        def layer_norm() -> LayerNorm:
             return LayerNorm(config.hidden_size, eps=eps, bias=False)
+
+        def dense(i: int) -> nn.Module:
+            return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+
+        make_norm = norm or layer_norm
+        make_mlp = mlp or dense
 
         def layer(i: int) -> ParallelDecoderLayer:
             attention = CohereAttention(config, i, rope if rope_layers[i] else None, qk_norm)
-            mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
-            return ParallelDecoderLayer(attention, mlp, norm, residual_last=False)
+            return ParallelDecoderLayer(attention, make_mlp(i), make_norm, residual_last=False)
 
-        model = DecoderModel(config, layer, norm=norm)
+        model = DecoderModel(config, layer, norm=make_norm)
         super().__init__(config, model)
         scale = getattr(config, "logit_scale", None)
         #: What the LM head's logits are multiplied by (HF's ``logit_scale``; 1 where unset).
