@@ -28,16 +28,21 @@ def _greedy(path: Path, **kwargs: object) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("block", [(128, 128), (16, 32)])
+@pytest.mark.parametrize(("block", "tied"), [((128, 128), False), ((16, 32), True)])
 def test_fp8_checkpoint_matches_hf_on_dequantized_weights(tmp_path: Path,
-                                                          block: tuple[int, int]) -> None:
+                                                          block: tuple[int, int],
+                                                          tied: bool) -> None:
     """Blocks of 128 cover a whole tiny layer; blocks of 16 x 32 make the fused q/k/v and
-    gate/up shards start mid-block of the fused weight (per-row scales place them)."""
-    src = make_tiny_checkpoint(tmp_path / "src", "Qwen3ForCausalLM")
+    gate/up shards start mid-block of the fused weight (per-row scales place them). ``tied``:
+    the LM head is the embedding (Qwen3-0.6B-FP8), one tensor after the meta-device build."""
+    src = make_tiny_checkpoint(tmp_path / "src", "Qwen3ForCausalLM", tie_word_embeddings=tied)
     fp8_checkpoint(src, tmp_path / "fp8", tmp_path / "ref", block)
     expected = [hf_greedy(tmp_path / "ref", p, 10) for p in PROMPTS]
     assert _greedy(tmp_path / "fp8") == expected
     assert _greedy(tmp_path / "ref") == expected
+    llm = LLM(str(tmp_path / "fp8"), device="cpu", dtype="float32", load_format="dummy")
+    model = llm.engine.runner.model
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
 
 
 def test_quantization_fp8_quantizes_a_bf16_checkpoint(tmp_path: Path) -> None:

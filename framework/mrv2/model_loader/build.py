@@ -256,7 +256,7 @@ def build_model(
         kept = ("weight_loader", "optional")
         attrs = {n: {a: getattr(p, a) for a in kept if hasattr(p, a)}
                  for n, p in model.named_parameters()}
-        model.to_empty(device=device)
+        to_empty_keeping_ties(model, device)
         for name, param in model.named_parameters():
             for attr, value in attrs.get(name, {}).items():
                 if not hasattr(param, attr):
@@ -274,6 +274,23 @@ def build_model(
     if int_quant is not None:
         log_int_memory(model, dtype)
     return model, entry
+
+
+def to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
+    """``model.to_empty(device=device)`` with every parameter that several modules shared
+    still shared: ``to_empty`` makes a new tensor per module, which unties a tied LM head from
+    its embedding (a tied fp8 checkpoint then failed to load, its ``lm_head.weight`` missing;
+    with random weights the head was drawn apart from the embedding)."""
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for attr, param in module._parameters.items():
+            if param is not None:
+                slots.setdefault(id(param), []).append((module, attr))
+    model.to_empty(device=device)
+    for shared in slots.values():
+        owner, attr = shared[0]
+        for module, other in shared[1:]:
+            module._parameters[other] = owner._parameters[attr]
 
 
 def apply_checkpoint_fp8(model: nn.Module, fp8: Fp8Config, model_dir: str, dummy: bool,
