@@ -1,14 +1,21 @@
 """Tensor-parallel workers forked from the zygote (``MRV2_WORKER_ZYGOTE=1``,
 :mod:`mrv2.executor.zygote`): rank 0's tokens as with one rank, one zygote for engine after
-engine, a new one when the environment changes, and a killed worker ends the engine naming it,
-as with workers started as fresh interpreters."""
+engine, a new one when the environment changes (the last two kept), and a killed worker ends
+the engine naming it, as with workers started as fresh interpreters. A function forked with
+:meth:`~mrv2.executor.zygote.Zygote.fork_call` (the server's engine process) gets its
+arguments, the caller's file descriptors, stdout, stderr, working directory and ``sys.path``,
+and reports its exit as a spawned ``multiprocessing`` child would."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import pickle
 import signal
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -62,9 +69,16 @@ def test_workers_fork_from_one_zygote_until_the_environment_changes(
         (worker,) = llm.engine.runner.worker_pids
         env = Path(f"/proc/{worker}/environ").read_bytes().split(b"\0")
         assert b"MRV2_TEST_ZYGOTE_MARK=1" in env
-        assert _parent_of(worker) == zygote.worker_zygote().proc.pid != first.proc.pid
+        second = zygote.worker_zygote()
+        assert _parent_of(worker) == second.proc.pid != first.proc.pid
         assert _tokens(llm) == want
-    assert first.proc.wait(10) == 0 and not first.alive  # the old one left
+    monkeypatch.delenv("MRV2_TEST_ZYGOTE_MARK")  # back: the first one, kept
+    assert zygote.worker_zygote() is first and first.alive
+    monkeypatch.setenv("MRV2_TEST_ZYGOTE_MARK", "2")  # a third: the least recent one leaves
+    third = zygote.worker_zygote()
+    assert third not in (first, second) and first.alive
+    assert second.proc.wait(10) == 0 and not second.alive
+    third.proc.kill()  # (unused: not left importing; the next call drops it)
 
 
 def test_a_retired_zygote_leaves_with_its_last_worker() -> None:
@@ -121,3 +135,74 @@ def test_a_killed_forked_worker_ends_the_engine_naming_it(
     finally:
         llm.shutdown()
     assert zygote.worker_zygote().alive  # (the zygote serves the next engine)
+
+
+def _forked_target(fds: list[int], message: str, code: int) -> None:
+    """What :meth:`~mrv2.executor.zygote.Zygote.fork_call` runs in the child (a top-level
+    function: pickled by name)."""
+    reply_fd, request_fd = fds
+    with os.fdopen(request_fd, "rb") as requests, os.fdopen(reply_fd, "wb") as replies:
+        asked = requests.read()
+        pickle.dump({"message": message, "asked": asked, "cwd": os.getcwd(),
+                     "parent": os.getppid(), "path": sys.path,
+                     "authkey": bytes(multiprocessing.current_process().authkey)}, replies)
+    print(f"forked child says {message}", flush=True)
+    os.write(2, b"forked child on stderr\n")
+    if code:
+        raise RuntimeError(f"forked child fails with {message}")
+
+
+def test_a_forked_call_gets_its_arguments_and_descriptors(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """A top-level function forked with two pipe ends: its pickled arguments, the pipes (one
+    read, one written), the caller's working directory, ``sys.path`` (this test module is
+    found by it), ``multiprocessing`` key, stdout and stderr; exit code 0, or 1 with the
+    traceback when it raises."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path / "extra"))
+    z = zygote.worker_zygote()
+    for code in (0, 1):
+        reply_read, reply_write = os.pipe()
+        request_read, request_write = os.pipe()
+        try:
+            process = z.fork_call(_forked_target, (f"hello {code}", code),
+                                  [reply_write, request_read])
+        finally:
+            os.close(reply_write)
+            os.close(request_read)
+        with os.fdopen(request_write, "wb") as requests:
+            requests.write(b"x" * 200_000)  # (more than a pipe holds)
+        with os.fdopen(reply_read, "rb") as replies:
+            got: dict[str, Any] = pickle.load(replies)
+        process.join(30)
+        assert not process.is_alive() and process.exitcode == code
+        assert got["message"] == f"hello {code}" and got["asked"] == b"x" * 200_000
+        assert got["cwd"] == str(tmp_path) and got["parent"] == z.proc.pid
+        assert got["path"] == sys.path  # (and the key a tensor's shared storage needs)
+        assert got["authkey"] == bytes(multiprocessing.current_process().authkey)
+        out, err = capfd.readouterr()
+        assert f"forked child says hello {code}" in out and "forked child on stderr" in err
+        assert ("RuntimeError: forked child fails with hello 1" in err) == (code == 1)
+
+
+def test_a_killed_forked_call_reports_the_signal() -> None:
+    """A forked call killed by a signal: its exit code is the negative signal, as a
+    ``multiprocessing.Process``'s (the engine process's owner names it so)."""
+    read_fd, write_fd = os.pipe()
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        process = zygote.worker_zygote().fork_call(_forked_target, ("blocked", 0),
+                                                   [null, read_fd])
+    finally:
+        os.close(read_fd)
+        os.close(null)
+    try:
+        assert process.pid is not None and process.is_alive()  # (it waits on the pipe)
+        process.join(0.2)
+        assert process.is_alive() and process.exitcode is None
+        process.kill()
+        process.join(30)
+        assert process.exitcode == -signal.SIGKILL and not process.is_alive()
+    finally:
+        os.close(write_fd)

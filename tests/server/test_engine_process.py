@@ -191,14 +191,26 @@ def test_a_client_that_leaves_has_its_request_aborted(remote: tuple[str, Any]) -
         assert f'mrv2_gc_pause_seconds_total{{model_name="tiny",process="{process}"}}' in text
 
 
-def test_a_dead_engine_process_makes_the_server_answer_503(model_dir: Path) -> None:
+@pytest.mark.parametrize("zygote", ["1", "0"], ids=["forked", "spawned"])
+def test_a_dead_engine_process_makes_the_server_answer_503(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch, zygote: str) -> None:
+    """Killed, the engine process is named with its signal, forked from the zygote
+    (``MRV2_WORKER_ZYGOTE=1``, the CPU suite's) or spawned (the default)."""
+    from multiprocessing.process import BaseProcess
+
+    from mrv2.executor.zygote import ForkedWorker
+
+    monkeypatch.setenv("MRV2_WORKER_ZYGOTE", zygote)
     for url, engine in _remote(model_dir):
+        assert isinstance(engine.process._process,
+                          ForkedWorker if zygote == "1" else BaseProcess)
         assert _post(url, {"prompt": [5, 6], "max_tokens": 3}).status_code == 200
         engine.process._process.kill()
         deadline = time.monotonic() + 30
         while httpx.get(f"{url}/health").status_code == 200 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert httpx.get(f"{url}/health").status_code == 503
+        assert str(engine.process.fatal) == "the engine process exited (-9)"
         response = _post(url, {"prompt": [5, 6], "max_tokens": 3})
         assert response.status_code == 503 and "engine" in response.json()["error"]["message"]
         break

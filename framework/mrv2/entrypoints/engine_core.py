@@ -44,7 +44,7 @@ from mrv2.plugins import get_plugin_manager
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EngineInfo", "run_engine_core"]
+__all__ = ["EngineInfo", "run_engine_core", "run_engine_core_on_fds"]
 
 #: Seconds between the engine counters sent with outputs (``/metrics`` reads the latest).
 STATS_INTERVAL_S = 0.1
@@ -129,6 +129,16 @@ def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connect
             sampler.stop()
             sampler.write(f"{profile}.engine")
         engine.shutdown()
+
+
+def run_engine_core_on_fds(fds: list[int], config: EngineConfig, log_level: int | None = None,
+                           plugins: bytes = b"") -> None:
+    """:func:`run_engine_core` in a process forked by the zygote
+    (:meth:`~mrv2.executor.zygote.Zygote.fork_call`): ``fds`` are the commands pipe's reading
+    end and the outputs pipe's writing end."""
+    commands_fd, outputs_fd = fds
+    run_engine_core(config, Connection(commands_fd, writable=False),
+                    Connection(outputs_fd, readable=False), log_level, plugins)
 
 
 class _LockedConnection:

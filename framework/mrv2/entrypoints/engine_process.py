@@ -24,7 +24,8 @@ import time
 import types
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mrv2.config import EngineConfig
 from mrv2.contract.input_processor import InputProcessor
@@ -44,10 +45,11 @@ from mrv2.engine.request_inputs import (
 )
 from mrv2.engine.tokenizer import Tokenizer
 from mrv2.entrypoints.engine_calls import reply_result
-from mrv2.entrypoints.engine_core import EngineInfo, run_engine_core
+from mrv2.entrypoints.engine_core import EngineInfo, run_engine_core, run_engine_core_on_fds
 from mrv2.entrypoints.engine_thread import LoopHandOver, QueueFullError, check_room
 from mrv2.entrypoints.engine_thread import _Sink as ThreadSink
 from mrv2.entrypoints.metrics import ServerMetrics
+from mrv2.executor.zygote import worker_zygote, zygote_enabled
 from mrv2.logs import configured_level
 from mrv2.plugins import plugins_registered_in_code
 
@@ -85,6 +87,54 @@ def _plugins_registered_in_code() -> bytes:
             "engine on a thread of this process (mrv2 serve --no-engine-process)") from error
 
 
+class ChildProcess(Protocol):
+    """The engine's child process as :class:`EngineProcess` handles it: a
+    ``multiprocessing.Process`` (spawned) or a
+    :class:`~mrv2.executor.zygote.ForkedWorker` (forked by the zygote)."""
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def exitcode(self) -> int | None: ...
+
+    def is_alive(self) -> bool: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+def _start_child(config: EngineConfig, plugins: bytes
+                 ) -> tuple[ChildProcess, Connection, Connection]:
+    """The engine's child process, the commands pipe's sending end and the outputs pipe's
+    receiving end: forked by the zygote with ``MRV2_WORKER_ZYGOTE=1`` (a process imported
+    once, :mod:`mrv2.executor.zygote`), else spawned (CUDA cannot be forked)."""
+    ctx = multiprocessing.get_context("spawn")
+    child_commands, commands = ctx.Pipe(duplex=False)
+    outputs, child_outputs = ctx.Pipe(duplex=False)
+    try:
+        process: ChildProcess
+        if zygote_enabled():
+            process = worker_zygote().fork_call(
+                run_engine_core_on_fds, (config, configured_level(), plugins),
+                [child_commands.fileno(), child_outputs.fileno()])
+        else:
+            spawned = ctx.Process(target=run_engine_core, name="mrv2-engine-core",
+                                  args=(config, child_commands, child_outputs,
+                                        configured_level(), plugins), daemon=True)
+            spawned.start()
+            process = spawned
+    except BaseException:
+        commands.close()
+        outputs.close()
+        raise
+    finally:
+        child_commands.close()
+        child_outputs.close()
+    return process, commands, outputs
+
+
 class EngineProcess:
     """Starts the engine's child process and carries requests and outputs to and from it.
 
@@ -94,16 +144,8 @@ class EngineProcess:
 
     def __init__(self, config: EngineConfig, max_pending: int = 1024,
                  startup_timeout: float | None = None) -> None:
-        ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
         in_code = _plugins_registered_in_code()  # (refused before anything starts)
-        child_commands, self._commands = ctx.Pipe(duplex=False)
-        self._outputs, child_outputs = ctx.Pipe(duplex=False)
-        self._process = ctx.Process(target=run_engine_core, name="mrv2-engine-core",
-                                    args=(config, child_commands, child_outputs,
-                                          configured_level(), in_code), daemon=True)
-        self._process.start()
-        child_commands.close()
-        child_outputs.close()
+        self._process, self._commands, self._outputs = _start_child(config, in_code)
         self.max_pending = max_pending
         self.metrics: ServerMetrics | None = None
         self.fatal: BaseException | None = None
@@ -307,6 +349,7 @@ class EngineProcess:
                 with self._lock:
                     stopped = self._stopped
                 if not stopped:
+                    self._process.join(5)  # (its exit code, not None, in the message)
                     self.mark_fatal(RuntimeError(
                         f"the engine process exited ({self._process.exitcode})"))
                 return
