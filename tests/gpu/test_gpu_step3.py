@@ -3,7 +3,11 @@ attention, sliding layers with their own head count and full RoPE beside full la
 partial RoPE, sigmoid-routed and clamped experts with a shared expert) through the engine on
 the Triton kernels: fp32 greedy tokens are HF's with CUDA graphs and without, prompts split
 across steps and requests preempted; bf16 graphs on and off agree and mostly start with HF's
-tokens; a step never synchronizes.
+tokens; a step never synchronizes. Images (the 2-D RoPE tower over each image's crops and
+global view, HF's ``<patch_start>`` / ``<im_start>`` layout): fp32 greedy tokens and prompt
+log-probabilities (image rows included) are HF's with graphs on and off, images split across
+steps, beside a text prompt past the window; HF is fed the engine's own pixels (the image
+processor is checked against HF's plan on the CPU).
 
 Run on a CUDA machine with ``MRV2_TEST_GPU=1 python -m pytest -m gpu``.
 """
@@ -11,11 +15,13 @@ Run on a CUDA machine with ``MRV2_TEST_GPU=1 python -m pytest -m gpu``.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from mrv2 import LLM, EngineConfig, Runner, SamplingParams
-from mrv2.testing import run_steps_without_sync
+from mrv2.testing import random_image, run_steps_without_sync
 
 pytestmark = pytest.mark.gpu
 
@@ -83,3 +89,62 @@ def test_step3p7_steps_never_synchronize(tmp_path: Path) -> None:
     assert runner.graphs is not None
     assert run_steps_without_sync(runner, PROMPTS)
     runner.shutdown()
+
+
+def _image_inputs(items: list[Any]) -> dict[str, Any]:
+    """HF's image arguments for the engine's items (its pixels, on CUDA)."""
+    if not items:
+        return {}
+    crops = torch.cat([item.data["pixel_values_local"] for item in items]).cuda()
+    return {"pixel_values": torch.cat([item.data["pixel_values"] for item in items]).cuda(),
+            "pixel_values_local": crops if crops.shape[0] else None,
+            "num_local_patches": [item.data["pixel_values_local"].shape[0] for item in items]}
+
+
+def test_step3p7_images_fp32_graphs(tmp_path: Path) -> None:
+    """fp32, graphs on and off, steps of 32 tokens: HF's greedy tokens for two prompts with
+    images (3 x 2 crops and a newline; no crops) and a text prompt; the two-image prompt's
+    log-probabilities (image rows included) within 2e-3 of HF's forward."""
+    from mrv2_step.testing import save_tiny_step3p7_vl
+
+    model, patch = save_tiny_step3p7_vl(tmp_path, **ARCH)
+    hf: Any = model.cuda().eval()
+    hf.generation_config.eos_token_id = None
+    a, b = random_image(168, 336, seed=1), random_image(130, 120, seed=2)
+    requests: list[dict[str, Any]] = [
+        {"prompt_token_ids": [5, 17, patch, 9, 3, patch, 7], "multi_modal_data": {"image": [a, b]}},
+        {"prompt_token_ids": [patch, 64, 8], "multi_modal_data": {"image": [a]}},
+        {"prompt_token_ids": PROMPTS[2]}]
+    for eager in (False, True):
+        llm = LLM(str(tmp_path), device="cuda", dtype="float32", block_size=16,
+                  gpu_memory_utilization=0.3, max_num_batched_tokens=32, enforce_eager=eager)
+        processor = llm.engine.input_processor
+        assert processor is not None
+        expanded = [processor.process(r["prompt_token_ids"],
+                                      {"image": r.get("multi_modal_data", {}).get("image", [])})
+                    for r in requests]
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        got = [list(o.outputs[0].token_ids)
+               for o in llm.generate(requests, params, use_tqdm=False)]
+        lp = llm.generate([requests[0]], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                          use_tqdm=False)[0].prompt_logprobs
+        llm.shutdown()
+        want = []
+        for ids, items in expanded:
+            with torch.no_grad():
+                out = hf.generate(torch.tensor([ids], device="cuda"),
+                                  attention_mask=torch.ones(1, len(ids), device="cuda"),
+                                  max_new_tokens=16, do_sample=False, **_image_inputs(items))
+            want.append([int(t) for t in out[0, len(ids):]])
+        assert got == want, eager
+        ids, items = expanded[0]
+        assert len(ids) > 32  # (split across steps)
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids], device="cuda"), **_image_inputs(items)).logits[0]
+        ref = torch.log_softmax(logits.float(), dim=-1)
+        assert lp is not None and len(lp) == len(ids)
+        for pos in range(1, len(ids)):
+            mine = lp[pos]
+            assert mine is not None
+            assert mine[ids[pos]].logprob == pytest.approx(float(ref[pos - 1, ids[pos]]),
+                                                           abs=2e-3), (eager, pos)

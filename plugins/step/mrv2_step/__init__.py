@@ -1,7 +1,8 @@
 """mrv2 model plugin for StepFun's Step-3.7 (``Step3p7ForConditionalGeneration``,
 stepfun-ai/Step-3.7-Flash): its text decoder (gated grouped-query attention, sliding-window
-and full layers with a RoPE each, sigmoid-routed experts with a shared expert). Exports
-resolve lazily: importing this is cheap."""
+and full layers with a RoPE each, sigmoid-routed experts with a shared expert) and its images
+(a 2-D RoPE vision tower over HF's global view and local crops). Exports resolve lazily:
+importing this is cheap."""
 
 from __future__ import annotations
 

@@ -26,15 +26,15 @@ Step-3.5 text decoder under a vision tower), its text decoder as transformers 5.
   expert ``share_expert.*``), which transformers 5.17's ``save_pretrained`` writes too; experts
   per expert (``moe.experts.{e}.*`` or ``moe.{e}.*``); or transformers' in-memory names
   (``model.language_model.*``). The multi-token-prediction layers past
-  ``num_hidden_layers`` and the vision tower's and projector's tensors are skipped: images are
-  not served (a prompt's ``multi_modal_data`` is refused, naming the field).
+  ``num_hidden_layers`` are skipped; the vision tower's and projector's tensors go to the
+  image encoder (:mod:`mrv2_step.vision`; images: :mod:`mrv2_step.vision_inputs`).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +55,9 @@ from mrv2.layers import (
     head_dim_of,
     norm_mlp,
 )
+from mrv2.layers.weights import load_text_and_encoder
 from mrv2.model_loader.build import vl_text_config, vl_text_name
+from mrv2_step.vision import VISION_CHECKPOINT_PREFIXES, Step3p7VisionEncoder
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -242,8 +244,10 @@ _STACKED_EXPERTS = {".moe.gate_proj.weight": "gate_proj", ".moe.up_proj.weight":
 
 
 class Step3p7ForConditionalGeneration(CausalLM):
-    """Step-3.7's text decoder in the mrv2 model contract (module docstring); built from the
-    composite config's ``text_config``."""
+    """Step-3.7 in the mrv2 model contract: the text decoder (module docstring), built from
+    the composite config's ``text_config``, and the image encoder (``vision``)."""
+
+    media_encoders: ClassVar[tuple[str, ...]] = ("vision",)
 
     def __init__(self, config: PretrainedConfig) -> None:
         text = vl_text_config(config, ARCH)
@@ -255,6 +259,13 @@ class Step3p7ForConditionalGeneration(CausalLM):
                  for kind in sorted(set(text.layer_types))}
         super().__init__(text, DecoderModel(text, lambda i: StepDecoderLayer(text, i, ropes,
                                                                            heads[i])))
+        self.hf_config = config
+        self.vision = Step3p7VisionEncoder(config)
+
+    def embed_image(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Views ``[N, 3, H, W]`` of one size -> ``[N * features, hidden]`` in the model
+        dtype, view by view (HF's ``get_image_features``)."""
+        return self.vision(pixel_values).to(self.model.embed_tokens.weight.dtype)
 
     def rename(self, name: str) -> str | None:
         """Checkpoint name -> parameter name (module docstring); None skips the vision
@@ -290,5 +301,8 @@ class Step3p7ForConditionalGeneration(CausalLM):
                 yield name, tensor
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """HF checkpoint tensors (module docstring); returns the parameter names loaded."""
-        return super().load_weights(self._expanded(weights))
+        """HF checkpoint tensors (module docstring): the encoder's through its loader; returns
+        the parameter names loaded."""
+        return load_text_and_encoder(lambda text: super(Step3p7ForConditionalGeneration, self)
+                                     .load_weights(self._expanded(text)), self.vision,
+                                     VISION_CHECKPOINT_PREFIXES, weights, "vision")

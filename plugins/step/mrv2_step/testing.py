@@ -27,10 +27,17 @@ TINY_STEP3P7_TEXT: dict[str, Any] = {
     "query_pre_attn_scalar": 24, "max_position_embeddings": 256, "pad_token_id": 0,
     "eos_token_id": 1, "bos_token_id": 0,
 }
-#: A 2-layer vision tower of 56-pixel images (its tensors are in the checkpoint; mrv2 skips
-#: them: images are not served).
+#: A 2-layer vision tower whose position table is 168 pixels a side (12 x 12 patches of 14):
+#: :data:`TINY_STEP3P7_IMAGES`' global view uses it as is, the 112-pixel crops resized.
 TINY_STEP3P7_VISION: dict[str, Any] = {
-    "width": 32, "layers": 2, "heads": 2, "image_size": 56, "patch_size": 14, "mlp_ratio": 2.0,
+    "width": 32, "layers": 2, "heads": 2, "image_size": 168, "patch_size": 14,
+    "mlp_ratio": 2.0, "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0},
+}
+#: The image processor's settings of the tiny checkpoints: a 168-pixel global view (9 image
+#: tokens), 112-pixel crops (4 tokens each), images over 400 pixels scaled down.
+TINY_STEP3P7_IMAGES: dict[str, Any] = {
+    "image_processor_type": "Step3p7ImageProcessor", "size": {"height": 168, "width": 168},
+    "patch_size": 112, "max_image_size": 400,
 }
 
 
@@ -45,6 +52,31 @@ def save_tiny_step3p7(path: str | Path, **text_overrides: Any) -> torch.nn.Modul
         text_config={**TINY_STEP3P7_TEXT, **text_overrides},
         vision_config=dict(TINY_STEP3P7_VISION), image_token_id=127)
     return save_tiny_model(path, "Step3p7ForConditionalGeneration", config)
+
+
+def save_tiny_step3p7_vl(path: str | Path, **text_overrides: Any
+                         ) -> tuple[torch.nn.Module, int]:
+    """:func:`save_tiny_step3p7` (``text_overrides`` change the text config) with a tokenizer
+    holding Step's image tokens (:data:`mrv2_step.vision_inputs.TOKENS`), ``image_token_id``
+    its ``<im_patch>`` and the image processor's settings (:data:`TINY_STEP3P7_IMAGES`);
+    returns HF's model and the ``<im_patch>`` id."""
+    import json
+
+    import transformers
+
+    from mrv2.testing import make_tiny_tokenizer
+    from mrv2_step.vision_inputs import TOKENS
+
+    path = Path(path)
+    make_tiny_tokenizer(path, vocab_size=300, special_tokens=tuple(TOKENS.values()))
+    tokenizer: Any = transformers.AutoTokenizer.from_pretrained(str(path))
+    patch = int(tokenizer.convert_tokens_to_ids(TOKENS["image"]))
+    config = transformers.Step3p7Config(
+        text_config={**TINY_STEP3P7_TEXT, **text_overrides, "vocab_size": len(tokenizer) + 8},
+        vision_config=dict(TINY_STEP3P7_VISION), image_token_id=patch)
+    hf = save_tiny_model(path, "Step3p7ForConditionalGeneration", config)
+    (path / "preprocessor_config.json").write_text(json.dumps(TINY_STEP3P7_IMAGES))
+    return hf, patch
 
 
 def hf_greedy_step3p7(model_dir: str | Path, prompts: list[list[int]], max_new_tokens: int,

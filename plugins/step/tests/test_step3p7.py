@@ -2,8 +2,8 @@
 ``Step3p7ForConditionalGeneration`` checkpoint, text prompts): greedy tokens of several requests
 at once and every prompt position's log-probability, whole prompts or split across steps
 (sliding and full layers with their own heads and RoPE, the gated attention, dense, routed
-and clamped experts); the names loaded, dummy weights, and the refusals (images, configs it
-cannot run)."""
+and clamped experts); the names loaded, dummy weights, and the refusals (images without a
+tokenizer, configs it cannot run); images: test_step3p7_vision.py."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import transformers
 from mrv2 import LLM, SamplingParams
 from mrv2.layers import MoEBlock
 from mrv2.plugins import get_plugin_manager
+from mrv2.testing import random_image
 from mrv2.testing_engine import check_prompt_logprobs, tokens_at_tp
 from mrv2_step.model import ClampedGatedMLP, Step3p7ForConditionalGeneration
 from mrv2_step.testing import save_tiny_step3p7
@@ -76,10 +77,11 @@ def test_greedy_and_logprobs_match_hf(tmp_path: Path, mode: str) -> None:
     with torch.no_grad():
         logits = hf(torch.tensor([ids])).logits[0]
     check_prompt_logprobs(llm, {"prompt_token_ids": ids}, ids, logits)
-    if mode == "plain":  # a prompt with an image: refused by name, the engine unharmed
-        with pytest.raises(ValueError, match=r"multi_modal_data: "
-                                             r"Step3p7ForConditionalGeneration takes text only"):
-            llm.generate([{"prompt_token_ids": [127, 5, 6], "multi_modal_data": {"image": []}}],
+    if mode == "plain":  # images without the image tokens' tokenizer: refused by name
+        with pytest.raises(ValueError, match=r"multi_modal_data\.image: .*needs the "
+                                             r"checkpoint's tokenizer"):
+            llm.generate([{"prompt_token_ids": [127, 5, 6],
+                           "multi_modal_data": {"image": random_image(20, 20, seed=0)}}],
                          params, use_tqdm=False)
         again = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
         assert again[0].outputs[0].token_ids == want[0]
@@ -87,7 +89,8 @@ def test_greedy_and_logprobs_match_hf(tmp_path: Path, mode: str) -> None:
 
 def test_structure_names_and_dummy_weights(tmp_path: Path) -> None:
     """Per-layer heads, RoPE, windows and MLPs as the config says; every parameter loaded
-    from the published layout (vision tensors skipped); dummy weights run; bad configs are
+    from the published layout (the decoder's renames skip the vision tensors: the encoder
+    loads them); dummy weights run; bad configs are
     refused naming the field."""
     save_tiny_step3p7(tmp_path)
     config = transformers.AutoConfig.from_pretrained(tmp_path)
