@@ -15,7 +15,7 @@ from mrv2.testing import redraw_weights
 
 
 def fp8_checkpoint(src: str | Path, dst: str | Path, reference: str | Path,
-                   block: tuple[int, int] = (128, 128)) -> None:
+                   block: tuple[int, int] = (128, 128), also: Sequence[str] = ()) -> None:
     """Save ``src`` (a tiny checkpoint) as an FP8 checkpoint is published in ``dst``: every
     projection weight (``*_proj.weight``; a sparse-attention indexer's ``wq_b`` and ``wk``, not
     its ``weights_proj``, as DeepSeek-V3.2 publishes them) as e4m3 with a
@@ -24,7 +24,8 @@ def fp8_checkpoint(src: str | Path, dst: str | Path, reference: str | Path,
     split per expert as DeepSeek-V3 and GLM-4.5-FP8 publish them
     (``experts.{j}.{gate,up,down}_proj.weight`` and their ``weight_scale_inv``), and
     ``quantization_config`` in its config; and in ``reference`` the same model with those
-    weights dequantized (what HF should run to match)."""
+    weights dequantized (what HF should run to match). ``also``: name endings of further 2-D
+    weights quantized so (Qwen3.5-FP8's ``.in_proj_qkv.weight``, ``.in_proj_z.weight``)."""
     import json
     import shutil
 
@@ -59,8 +60,8 @@ def fp8_checkpoint(src: str | Path, dst: str | Path, reference: str | Path,
             dequantized[name] = torch.stack(parts).contiguous()
         elif name.endswith(".indexer.weights_proj.weight"):
             quantized[name] = dequantized[name] = t  # (DeepSeek-V3.2-FP8 keeps it in bf16)
-        elif name.endswith(("_proj.weight", ".indexer.wq_b.weight", ".indexer.wk.weight")) and (
-                t.dim() == 2):
+        elif name.endswith(("_proj.weight", ".indexer.wq_b.weight", ".indexer.wk.weight",
+                            *also)) and t.dim() == 2:
             dequantized[name] = quantize(name, t)
         else:
             quantized[name] = dequantized[name] = t

@@ -28,7 +28,9 @@ exactly the tensors of a dense layer. Two source layouts are read:
 
 The reference keeps the source's names and shapes (stacked stays stacked, gate and up
 concatenated back), holding the dequantized values. The router (``mlp.gate.weight``) and
-anything else not named ``*_proj.weight`` stays unquantized.
+anything else not named ``*_proj.weight`` stays unquantized, unless a writer's ``also`` names
+its ending (Qwen3.5's ``.in_proj_qkv.weight``, ``.in_proj_z.weight``: 2-D weights quantized as
+the others).
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ def is_stacked_experts(name: str, tensor: torch.Tensor) -> bool:
 
 def gptq_checkpoint(src: str | Path, dst: str | Path, reference: str | Path, *, bits: int = 4,
                     group_size: int = 32, desc_act: bool = False, sym: bool = True,
-                    seed: int = 0, experts: bool = False, lm_head: bool = False) -> None:
+                    seed: int = 0, experts: bool = False, lm_head: bool = False,
+                    also: tuple[str, ...] = ()) -> None:
     """Save ``src`` as a GPTQ checkpoint (``checkpoint_format: "gptq"``, i.e. "v1") in ``dst``
     and its dequantized twin in ``reference``.
 
@@ -121,11 +124,12 @@ def gptq_checkpoint(src: str | Path, dst: str | Path, reference: str | Path, *, 
         "sym": sym, "checkpoint_format": "gptq", "static_groups": False,
         "true_sequential": True, "damp_percent": 0.01,
         **({"lm_head": True} if lm_head else {})}, experts,
-        extra=("lm_head.weight",) if lm_head else ())
+        extra=("lm_head.weight",) if lm_head else (), also=also)
 
 
 def awq_checkpoint(src: str | Path, dst: str | Path, reference: str | Path, *,
-                   group_size: int = 32, seed: int = 0, experts: bool = False) -> None:
+                   group_size: int = 32, seed: int = 0, experts: bool = False,
+                   also: tuple[str, ...] = ()) -> None:
     """Save ``src`` as an AWQ checkpoint (4 bits, zero point, GEMM version) in ``dst`` and its
     dequantized twin in ``reference``.
 
@@ -164,13 +168,13 @@ def awq_checkpoint(src: str | Path, dst: str | Path, reference: str | Path, *,
 
     _rewrite(src, dst, reference, quantize, {
         "quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
-        "version": "gemm", "modules_to_not_convert": None}, experts)
+        "version": "gemm", "modules_to_not_convert": None}, experts, also=also)
 
 
 def compressed_tensors_checkpoint(src: str | Path, dst: str | Path, reference: str | Path, *,
                                   bits: int = 4, group_size: int = 32, sym: bool = True,
                                   actorder: bool = False, seed: int = 0,
-                                  experts: bool = False) -> None:
+                                  experts: bool = False, also: tuple[str, ...] = ()) -> None:
     """Save ``src`` as an llm-compressor / compressed-tensors checkpoint (``format:
     "pack-quantized"``, W4A16 or W8A16) in ``dst`` and its dequantized twin in ``reference``.
 
@@ -234,7 +238,7 @@ def compressed_tensors_checkpoint(src: str | Path, dst: str | Path, reference: s
         "quantization_status": "compressed", "ignore": ["lm_head"], "kv_cache_scheme": None,
         "config_groups": {"group_0": {
             "targets": ["Linear"], "input_activations": None, "output_activations": None,
-            "weights": weights}}}, experts)
+            "weights": weights}}}, experts, also=also)
 
 
 #: e2m1's magnitudes, by the low three bits of a code (bit 3: the sign).
@@ -284,17 +288,19 @@ def _mxfp4_experts(name: str, t: torch.Tensor, quantized: dict[str, torch.Tensor
 
 
 def _rewrite(src: str | Path, dst: str | Path, reference: str | Path, quantize: _Quantizer,
-             quant_config: dict[str, Any], experts: bool, extra: tuple[str, ...] = ()
-             ) -> None:
+             quant_config: dict[str, Any], experts: bool, extra: tuple[str, ...] = (),
+             also: tuple[str, ...] = ()) -> None:
     """Copy ``src`` to ``dst`` and ``reference``, quantize its weights (with ``experts``, the
-    routed experts too, split per expert if stacked; the 2-D weights named in ``extra`` too)
+    routed experts too, split per expert if stacked; the 2-D weights named in ``extra`` and
+    those whose names end in one of ``also`` too)
     into ``dst`` and their dequantized values into ``reference``, and set ``dst``'s
     ``quantization_config``."""
     def convert(name: str, t: torch.Tensor, quantized: dict[str, torch.Tensor]
                 ) -> torch.Tensor:
         if experts and is_stacked_experts(name, t):
             return _quantize_stacked_experts(name, t, quantize, quantized)
-        if is_quantized_weight(name, t, experts=experts) or name in extra:
+        if is_quantized_weight(name, t, experts=experts) or name in extra or (
+                also and name.endswith(also) and t.dim() == 2):
             packed, real = quantize(name, t)
             quantized.update(packed)
             return real

@@ -3,7 +3,8 @@ shared expert) through the engine on the Triton state kernels: fp32 greedy token
 CUDA graphs (decode and mixed steps) and without, prompts split across steps and requests
 preempted, and with n-gram speculation (rejected drafts leave no trace in the state); bf16
 graphs on and off agree and start with HF's tokens; a step never synchronizes. Qwen3.5 (dense
-and MoE) in the graphs test too.
+and MoE) in the graphs test too; Qwen3.5 with its delta-net projections in FP8 and GPTQ,
+and LoRA adapters on the delta-net projections (both families).
 
 Run on a CUDA machine with ``MRV2_TEST_GPU=1 python -m pytest -m gpu``.
 """
@@ -132,3 +133,65 @@ def test_qwen3_next_mtp_drafts_in_graphs(tmp_path: Path) -> None:
         llm.shutdown()
         assert [o.outputs[0].token_ids for o in outs] == expected, kwargs
         assert stats["spec_num_draft_tokens"] > 0, stats
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "gptq"])
+def test_qwen3_5_quantized_delta_net_projections(tmp_path: Path, fmt: str) -> None:
+    """Qwen3.5-MoE with its Gated DeltaNet ``in_proj_qkv`` (split into q, k and v as it
+    loads) and ``in_proj_z`` quantized as the other projections: block FP8 (128 x 128, as
+    Qwen3.5-*-FP8) on the FP8 GEMM kernel, GPTQ (act-order) on the integer kernel, the fused
+    ``in_proj_qkvz`` kept quantized. GPTQ in fp32 gives HF's greedy tokens on the dequantized
+    weights, graphs on and off; in bf16 (FP8's activations quantized per token group) graphs
+    on and off agree and start with HF's tokens."""
+    from mrv2 import testing_quant
+    from mrv2.layers.fp8 import Fp8LinearMixin
+    from mrv2.layers.int_quant import IntLinearMixin
+    from mrv2.testing_checkpoints import fp8_checkpoint
+
+    also = (".in_proj_qkv.weight", ".in_proj_z.weight")
+    src, q, ref = tmp_path / "src", tmp_path / "q", tmp_path / "ref"
+    _save("qwen3_5_moe", src)
+    if fmt == "fp8":
+        fp8_checkpoint(src, q, ref, also=also)
+    else:
+        testing_quant.gptq_checkpoint(src, q, ref, group_size=64, desc_act=True, also=also)
+    expected = [hf_greedy(ref, p, 40) for p in PROMPTS]
+    if fmt == "gptq":
+        assert _generate(q, "float32") == expected
+        assert _generate(q, "float32", enforce_eager=True) == expected
+    llm = LLM(str(q), device="cuda", dtype="bfloat16", block_size=16,
+              gpu_memory_utilization=0.3)
+    kind = Fp8LinearMixin if fmt == "fp8" else IntLinearMixin
+    fused = [m.in_proj_qkvz for m in llm.engine.runner.model.modules()
+             if hasattr(m, "in_proj_qkvz")]
+    assert fused and all(isinstance(layer, kind) for layer in fused)
+    llm.shutdown()
+    del llm  # (its KV cache counts as in use for the next engine's budget until freed)
+    graphs = _generate(q, "bfloat16")
+    eager = _generate(q, "bfloat16", enforce_eager=True)
+    assert [g[:4] for g in graphs] == [e[:4] for e in eager]
+    assert sum(g[0] == e[0] for g, e in zip(graphs, expected, strict=True)) >= len(PROMPTS) - 1
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_lora_on_the_delta_net_with_graphs(tmp_path: Path, family: str) -> None:
+    """A LoRA adapter on every Gated DeltaNet projection (Qwen3-Next's ``in_proj_qkvz`` /
+    ``in_proj_ba``, rows regrouped as the weight's; Qwen3.5's ``in_proj_qkv`` / ``in_proj_z``
+    / ``in_proj_b`` / ``in_proj_a``) and ``out_proj``, and on the attention's ``q_proj`` /
+    ``o_proj``, through the Triton LoRA kernels: fp32 greedy tokens are HF's on the adapter
+    merged into the base, in CUDA graphs and eager."""
+    import torch
+
+    from mrv2_qwen.testing import lora_against_merged
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _save(family, tmp_path / "base")
+    targets = ("in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b",
+               "in_proj_a", "out_proj", "q_proj", "o_proj")
+    for eager in (False, True):
+        got, want, plain = lora_against_merged(
+            tmp_path / "base", tmp_path / f"eager{eager}", targets, PROMPTS[:2], 16,
+            device="cuda", block_size=16, gpu_memory_utilization=0.3, max_model_len=128,
+            enforce_eager=eager)
+        assert want != plain
+        assert got == want, eager

@@ -18,7 +18,11 @@ import torch
 from torch import nn
 
 StackedMapping = Sequence[tuple[str, str, Any]]
-"""``(fused_fragment, checkpoint_fragment, shard_id)``, e.g. ``("qkv_proj", "q_proj", "q")``."""
+"""``(fused_fragment, checkpoint_fragment, shard_id)``, e.g. ``("qkv_proj", "q_proj", "q")``.
+A ``shard_id`` that is a tuple of several shard ids (``("in_proj_qkvz", "in_proj_qkv", (0, 1,
+2))``) names a checkpoint tensor of those shards together that the model splits into them
+before loading (Qwen3.5's ``in_proj_qkv``): it maps the name to its layer (the quantized
+layers' discovery, LoRA adapters) but is never loaded, nor awaited, itself."""
 
 _EXPERT_NAME = re.compile(
     r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\."
@@ -169,6 +173,8 @@ def load_stacked_weights(
     coverage = _COVERAGE.get()
     wanted: dict[str, dict[Any, str]] = {}  # fused fragment -> {shard id: checkpoint fragment}
     for fused, fragment, shard in stacked:
+        if isinstance(shard, tuple) and not _is_expert_shard(shard):
+            continue  # (a tensor of several shards, split by the model before loading)
         wanted.setdefault(fused, {}).setdefault(shard, fragment)
     for ckpt_name, tensor in weights:
         target = checkpoint_target(ckpt_name, stacked, rename)

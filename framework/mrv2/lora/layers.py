@@ -1,7 +1,8 @@
 """LoRA slots on a model's linear layers.
 
 :func:`add_lora_slots` gives every adaptable linear layer of a model (the attention and MLP
-projections of the text model, :data:`TARGET_NAMES`) ``max_loras`` adapter slots and a forward
+projections of the text model, :data:`TARGET_NAMES`, and those the model's class names in
+``lora_targets``) ``max_loras`` adapter slots and a forward
 that adds each token's adapter update (:func:`mrv2_kernels.lora.lora_apply`). The layer's
 class is swapped for a subclass, so every attribute the model reads stays as it was; the fused
 norm + product kernel of decode steps steps aside for these layers while adapters run
@@ -38,7 +39,8 @@ from mrv2_kernels.lora import lora_apply
 from mrv2_kernels.norm_gemv import decode_linear
 
 #: The linear layers that take adapters, by their last name: the usual attention and MLP
-#: projections (HF's names, and mrv2's fused ones).
+#: projections (HF's names, and mrv2's fused ones); a model class adds its own names as
+#: ``lora_targets`` (:func:`target_names`).
 TARGET_NAMES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj",
                           "up_proj", "down_proj", "gate_up_proj"})
 
@@ -130,8 +132,15 @@ def is_tower_module(name: str) -> bool:
     return any(p.startswith(("visual", "vision")) for p in name.split("."))
 
 
-def _adaptable(name: str, module: torch.nn.Module) -> bool:
-    return (isinstance(module, LinearBase) and name.rsplit(".", 1)[-1] in TARGET_NAMES
+def target_names(model: torch.nn.Module) -> frozenset[str]:
+    """The last names of ``model``'s adaptable layers: :data:`TARGET_NAMES` and those its class
+    adds as ``lora_targets`` (a family's own projections, e.g. Qwen3-Next's
+    ``in_proj_qkvz``)."""
+    return TARGET_NAMES | frozenset(getattr(model, "lora_targets", ()))
+
+
+def _adaptable(name: str, module: torch.nn.Module, names: frozenset[str]) -> bool:
+    return (isinstance(module, LinearBase) and name.rsplit(".", 1)[-1] in names
             and not is_tower_module(name))
 
 
@@ -140,8 +149,9 @@ def add_lora_slots(model: torch.nn.Module, max_loras: int, max_rank: int,
     """Give each adaptable linear layer of ``model`` ``max_loras`` zeroed slots of rank
     ``max_rank`` (on its weight's device, in ``dtype``: the model's); returns them by name."""
     layers: dict[str, LoRALinearMixin] = {}
+    names = target_names(model)
     for name, module in list(model.named_modules()):
-        if not _adaptable(name, module):
+        if not _adaptable(name, module, names):
             continue
         assert isinstance(module, LinearBase)
         shards = len(shard_ids(module))

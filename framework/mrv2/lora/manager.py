@@ -31,11 +31,11 @@ from mrv2.distributed.parallel_state import tp_rank, tp_size
 from mrv2.layers.weights import checkpoint_target
 from mrv2.lora.adapter import AdapterWeights, read_adapter
 from mrv2.lora.layers import (
-    TARGET_NAMES,
     LoRALinearMixin,
     add_lora_slots,
     is_tower_module,
     shard_ids,
+    target_names,
 )
 
 logger = logging.getLogger("mrv2.lora")
@@ -53,9 +53,10 @@ class LoRAManager:
         self.device = device
         self.dtype = dtype
         self.layers = add_lora_slots(model, config.max_loras, config.max_lora_rank, dtype)
+        self._targets = target_names(model)
         if not self.layers:
             raise ValueError(f"enable_lora: {type(model).__name__} has no linear layer "
-                             f"adapters can target (named {sorted(TARGET_NAMES)})")
+                             f"adapters can target (named {sorted(self._targets)})")
         #: Device bytes of every slot of every layer (allocated before the KV cache is sized).
         self.slot_bytes = sum(t.numel() * t.element_size() for layer in self.layers.values()
                               for t in (layer.lora_a, layer.lora_b))
@@ -170,7 +171,7 @@ class LoRAManager:
         if layer is None or target is None:
             raise ValueError(
                 f"LoRA adapter {lora.lora_name!r}: module {module!r} is not an adaptable "
-                f"layer of this model (adapters may target {', '.join(sorted(TARGET_NAMES))} "
+                f"layer of this model (adapters may target {', '.join(sorted(self._targets))} "
                 "of the text model)")
         return layer, target[1]
 
@@ -284,11 +285,17 @@ def _by_shard(lora: LoRARequest, module: str, layer: LoRALinearMixin, shard: Any
               b: torch.Tensor) -> list[tuple[Any, torch.Tensor]]:
     """``b``'s rows by the shard of ``layer`` they adapt: all of them ``shard``'s, or, for an
     adapter of a module the model fuses that names it whole (Phi-3's ``qkv_proj``,
-    ``gate_up_proj``), each shard's rows of the fused ``B`` (the shards share its ``A``)."""
+    ``gate_up_proj``), each shard's rows of the fused ``B`` (the shards share its ``A``); a
+    ``shard`` that is a tuple of shard ids (a module of several of the layer's shards: Qwen3.5's
+    ``in_proj_qkv``, shards ``(0, 1, 2)`` of ``in_proj_qkvz``) those shards' rows."""
     shards = shard_ids(layer)
-    if shard is not None or shards == [None]:
+    if isinstance(shard, tuple) and shard and all(s in shards for s in shard):
+        whole = dict(zip(shards, layer.whole_shard_rows(), strict=True))
+        shards, sizes = list(shard), [whole[s] for s in shard]
+    elif shard is not None or shards == [None]:
         return [(shard, b)]
-    sizes = layer.whole_shard_rows()
+    else:
+        sizes = layer.whole_shard_rows()
     if b.dim() != 2 or b.shape[0] != sum(sizes):
         raise ValueError(f"LoRA adapter {lora.lora_name!r}: module {module!r} has lora_B "
                          f"{tuple(b.shape)}; the model's fused layer has {sum(sizes)} output "

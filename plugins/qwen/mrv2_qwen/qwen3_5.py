@@ -7,7 +7,10 @@ gate, RoPE over the first ``partial_rotary_factor`` of each head), with three di
 * the Gated DeltaNet's checkpoint projections are ``in_proj_qkv`` (``[q | k | v]``, each over
   all heads), ``in_proj_z``, ``in_proj_b`` and ``in_proj_a``, already laid out by kind: they
   load as shards of the same fused ``in_proj_qkvz`` / ``in_proj_ba`` (each shard split across
-  the tensor-parallel ranks by heads), and nothing is regrouped after loading;
+  the tensor-parallel ranks by heads), and nothing is regrouped after loading; the one
+  ``in_proj_qkv`` tensor is split into q, k and v as it loads, a quantized checkpoint's
+  tensors of it too (Qwen3.5-FP8's block scales, GPTQ / AWQ / compressed-tensors' packed
+  weights, scales and zero points: :func:`split_rows`);
 * Qwen3.5's MLP is a dense SwiGLU on every layer; Qwen3.5-MoE's the routed experts (softmax
   top-k, always renormalized) plus the gated shared expert on every layer;
 * the RoPE is M-RoPE (``mrope_section``): for text, whose three position ids are equal, it is
@@ -39,7 +42,41 @@ from mrv2_qwen.qwen3_next import GatedDeltaNet, Qwen3NextForCausalLM
 
 #: The vision tower's checkpoint prefixes (skipped).
 VISION_PREFIXES = ("model.visual.", "visual.")
-_QKV = ".linear_attn.in_proj_qkv.weight"
+_QKV = ".linear_attn.in_proj_qkv."
+#: The tensors of a (quantized) layer indexed by its output rows on dimension 0 (float and FP8
+#: weights and biases, block scales; compressed-tensors' packed weights, scales, zero points)
+_ROWS_FIRST = ("weight", "bias", "weight_scale_inv", "weight_packed", "weight_scale",
+               "weight_zero_point")
+#: ... on dimension 1 (GPTQ's and AWQ's packed weights, zero points and scales)...
+_ROWS_SECOND = ("qweight", "qzeros", "scales")
+#: ... and by none (each shard takes the whole: the input columns' groups).
+_SHARED = ("g_idx", "weight_g_idx")
+
+
+def split_rows(name: str, tensor: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """Checkpoint tensor ``name`` (``<layer>.<role>``) of a layer of ``sum(sizes)`` output
+    rows as the tensors of its parts of ``sizes`` rows, whatever the layer's format: a float
+    or block-FP8 weight and its ``weight_scale_inv``, GPTQ / AWQ / compressed-tensors tensors
+    (packed or grouped along the rows: each part's share of them, which must be whole).
+    ValueError naming the tensor where a part's rows do not fall on a whole packed word or
+    scale block, or for an unknown role."""
+    role = name.rsplit(".", 1)[-1]
+    total = sum(sizes)
+    if role in _SHARED:
+        return [tensor] * len(sizes)
+    if role == "weight_shape":  # compressed-tensors' [N, K]
+        return [torch.tensor([n, int(tensor[1])], dtype=tensor.dtype) for n in sizes]
+    if role not in _ROWS_FIRST + _ROWS_SECOND:
+        raise ValueError(f"{name}: cannot split a {role!r} tensor by output rows")
+    dim = 0 if role in _ROWS_FIRST else 1
+    if tensor.dim() <= dim:  # (a per-tensor scale: no rows to split)
+        raise ValueError(f"{name}: cannot split a {tuple(tensor.shape)} tensor by output rows")
+    rows = tensor.shape[dim]  # (the rows, or their packed words or blocks)
+    if any(n * rows % total for n in sizes):
+        raise ValueError(f"{name}: {tuple(tensor.shape)} does not split into parts of "
+                         f"{sizes} output rows (each part must fill whole packed words or "
+                         f"scale blocks: {rows} of them for {total} rows)")
+    return list(tensor.split([n * rows // total for n in sizes], dim))
 
 
 class Qwen3_5GatedDeltaNet(GatedDeltaNet):  # noqa: N801 (HF's class names)
@@ -73,20 +110,28 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):  # noqa: N801 (HF's class names)
         ("in_proj_qkvz", "in_proj_q", 0), ("in_proj_qkvz", "in_proj_k", 1),
         ("in_proj_qkvz", "in_proj_v", 2), ("in_proj_qkvz", "in_proj_z", 3),
         ("in_proj_ba", "in_proj_b", 0), ("in_proj_ba", "in_proj_a", 1),
+        # (split into q, k, v before loading: :meth:`_split_qkv`; this entry names its layer
+        # for the quantized layers' discovery and for LoRA adapters of ``in_proj_qkv``)
+        ("in_proj_qkvz", "in_proj_qkv", (0, 1, 2)),
     )
 
     def _split_qkv(self, weights: Iterable[tuple[str, torch.Tensor]]
                    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Each ``in_proj_qkv.weight`` as its ``in_proj_q`` / ``in_proj_k`` / ``in_proj_v``
-        rows (``linear_num_key_heads * linear_key_head_dim`` for q and k)."""
-        key = int(self.config.linear_num_key_heads) * int(self.config.linear_key_head_dim)
+        """Each ``in_proj_qkv.*`` tensor as its ``in_proj_q`` / ``in_proj_k`` /
+        ``in_proj_v`` parts (``linear_num_key_heads * linear_key_head_dim`` rows for q and k):
+        the weight, or a quantized checkpoint's tensors (FP8's block scales, GPTQ / AWQ /
+        compressed-tensors' packed weights, scales and zero points: :func:`split_rows`)."""
+        cfg = self.config
+        key = int(cfg.linear_num_key_heads) * int(cfg.linear_key_head_dim)
+        sizes = [key, key, int(cfg.linear_num_value_heads) * int(cfg.linear_value_head_dim)]
         for name, tensor in weights:
-            if not name.endswith(_QKV):
+            if _QKV not in name:
                 yield name, tensor
                 continue
-            stem = name[: -len(_QKV)] + ".linear_attn.in_proj_"
-            q, k, v = tensor.split([key, key, tensor.shape[0] - 2 * key])
-            yield from ((stem + "q.weight", q), (stem + "k.weight", k), (stem + "v.weight", v))
+            stem, _, role = name.partition(_QKV)
+            parts = split_rows(name, tensor, sizes)
+            for kind, part in zip("qkv", parts, strict=True):
+                yield f"{stem}.linear_attn.in_proj_{kind}.{role}", part
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """HF checkpoint tensors (Qwen3-Next's loader: norms as ``1 + w``, ``mtp.*``

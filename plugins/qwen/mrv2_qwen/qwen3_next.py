@@ -369,6 +369,11 @@ class Qwen3NextForCausalLM(CausalLM):
 
     #: The linear-attention mixer (Qwen3.5's lays its projections out otherwise).
     delta_net: ClassVar[type[GatedDeltaNet]] = GatedDeltaNet
+    #: The Gated DeltaNet's projections take LoRA adapters too (beside the attention's and
+    #: the dense MLPs'; the routed experts take none): an adapter's ``in_proj_qkvz`` /
+    #: ``in_proj_ba`` ``B`` rows are regrouped as the weight's (``row_order``).
+    lora_targets: ClassVar[frozenset[str]] = frozenset({"in_proj_qkvz", "in_proj_ba",
+                                                        "out_proj"})
 
     def __init__(self, config: PretrainedConfig) -> None:
         types = layer_types_of(config)

@@ -176,3 +176,31 @@ def identity_mtp(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
         out[f"mtp.{norm}.weight"] = torch.zeros(hidden)
     return out
+
+
+def lora_against_merged(base: str | Path, root: str | Path, targets: tuple[str, ...],
+                        prompts: list[list[int]], max_tokens: int = 8,
+                        exclude: str | None = ".experts.", **llm_kwargs: Any
+                        ) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """A random rank-4 PEFT adapter of checkpoint ``base`` on every ``targets`` module (but
+    those whose names hold ``exclude``: the routed experts, which take no adapters), saved
+    under ``root``: ``(the engine's greedy tokens with it, HF's on the adapter merged into the
+    base, HF's on the base)`` for each of ``prompts`` (``llm_kwargs``: the engine's, beside
+    the CPU, fp32, 4-token blocks and ``enable_lora``)."""
+    from mrv2 import LLM, LoRARequest, SamplingParams
+    from mrv2.testing import hf_greedy
+    from mrv2.testing_checkpoints import make_lora_adapter, merge_lora_checkpoint
+
+    root = Path(root)
+    adapter = make_lora_adapter(base, root / "lora", rank=4, seed=3, targets=targets,
+                                exclude=exclude)
+    merged = merge_lora_checkpoint(base, adapter, root / "merged")
+    want = [hf_greedy(merged, p, max_tokens) for p in prompts]
+    plain = [hf_greedy(base, p, max_tokens) for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    kwargs: dict[str, Any] = {"device": "cpu", "dtype": "float32", "block_size": 4,
+                              "max_model_len": 64, "enable_lora": True, **llm_kwargs}
+    with LLM(str(base), **kwargs) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                            lora_request=LoRARequest("lora", 1, str(adapter)))
+    return [list(o.outputs[0].token_ids) for o in outs], want, plain

@@ -279,3 +279,22 @@ def test_zero_size_shared_expert_matches_hf(tmp_path: Path) -> None:
     with torch.no_grad():
         logits = hf(torch.tensor([ids])).logits[0]
     check_prompt_logprobs(llm, {"prompt_token_ids": ids}, ids, logits)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_lora_on_the_delta_net_and_attention_matches_merged(tmp_path: Path, tp: int) -> None:
+    """A LoRA adapter on the Gated DeltaNet's ``in_proj_qkvz`` / ``in_proj_ba`` (rows grouped
+    per key head as the checkpoint's: its ``B`` regrouped as the weight is) and ``out_proj``,
+    on the gated attention's projections, the dense MLP and the shared experts: greedy tokens
+    equal HF's on the adapter merged into the base, on one rank and over two (each its
+    key-head groups)."""
+    from mrv2_qwen.testing import lora_against_merged
+
+    _checkpoint(tmp_path / "base")
+    got, want, plain = lora_against_merged(
+        tmp_path / "base", tmp_path, ("in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj",
+                                      "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                      "down_proj"),
+        PROMPTS[:2], tensor_parallel_size=tp)
+    assert want != plain  # (the adapter changes the tokens)
+    assert got == want
