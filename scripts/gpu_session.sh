@@ -876,7 +876,7 @@ Achieved Occupancy|Registers Per|Stall|No Eligible" "$OUT/ncu_decode_$kv.log" | 
                 | sed "s/^/kernels54: /"
               timeout "$(left 90)" python3 -m mrv2_kernels.bench_dsa_indexer 2>&1 \
                 | tee "$OUT/bench_dsa_indexer.log" | tail -12
-              for item in dsa: ${VERIFY54_NEW:-engine_process_zygote: cohere2_moe: cohere2_vision: step3:} \
+              for item in dsa: ${VERIFY54_NEW:-engine_process_zygote: cohere2_moe: cohere2_vision: step3: qwen3_next:quantized,lora} \
                   ${VERIFY53:-aya_vision:bf16 mamba1:Jamba kimi: qwen_vl:qwen3.5 mamba2:zamba2 llama_variants: moe:Glm4Moe,GraniteMoeSWA,Longcat,Phimoe,Qwen3Moe,SolarOpen fp8_mla:youtu}; do
                 t=${item%%:*}; k=${item#*:}; k=${k//,/ or }
                 [ -f "tests/gpu/test_gpu_$t.py" ] || { echo "$t: no tests/gpu/test_gpu_$t.py"; continue; }
