@@ -148,3 +148,30 @@ def test_step3p7_images_fp32_graphs(tmp_path: Path) -> None:
             assert mine is not None
             assert mine[ids[pos]].logprob == pytest.approx(float(ref[pos - 1, ids[pos]]),
                                                            abs=2e-3), (eager, pos)
+
+
+def test_step3p7_mtp_speculation_with_graphs(tmp_path: Path) -> None:
+    """fp32, CUDA graphs on (the drafting steps' too): greedy tokens with the checkpoint's
+    two MTP layers drafting two tokens a step (a sliding dense layer, then a full one with
+    the experts), prompts split across steps or not, are those without speculation; drafts
+    are accepted (MTP layers made to agree with the model about half the time) and
+    rejected."""
+    from mrv2_step.testing import make_mtp_layers_agree, save_tiny_step3p7_mtp
+
+    save_tiny_step3p7_mtp(tmp_path, [("sliding_attention", "dense"),
+                                     ("full_attention", "sparse")], **ARCH)
+    make_mtp_layers_agree(tmp_path, scale=2000.0)
+    plain = _generate(tmp_path, "float32")
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    for chunk in (None, 32):
+        kwargs: dict[str, Any] = {} if chunk is None else {"max_num_batched_tokens": chunk}
+        llm = LLM(str(tmp_path), device="cuda", dtype="float32", block_size=16,
+                  gpu_memory_utilization=0.3, speculative_config=spec, **kwargs)
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        stats = llm.engine.stats()
+        graphs = llm.engine.runner.graphs
+        assert graphs is not None and graphs.draft_graphs
+        llm.shutdown()
+        assert [o.outputs[0].token_ids for o in outs] == plain, chunk
+        assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats

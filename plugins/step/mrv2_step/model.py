@@ -26,8 +26,9 @@ Step-3.5 text decoder under a vision tower), its text decoder as transformers 5.
   expert ``share_expert.*``), which transformers 5.17's ``save_pretrained`` writes too; experts
   per expert (``moe.experts.{e}.*`` or ``moe.{e}.*``); or transformers' in-memory names
   (``model.language_model.*``). The multi-token-prediction layers past
-  ``num_hidden_layers`` are skipped; the vision tower's and projector's tensors go to the
-  image encoder (:mod:`mrv2_step.vision`; images: :mod:`mrv2_step.vision_inputs`).
+  ``num_hidden_layers`` are skipped here and built by :meth:`build_mtp`
+  (:mod:`mrv2_step.mtp`) for the ``mtp`` speculator; the vision tower's and projector's
+  tensors go to the image encoder (:mod:`mrv2_step.vision`; images: :mod:`mrv2_step.vision_inputs`).
 """
 
 from __future__ import annotations
@@ -55,8 +56,10 @@ from mrv2.layers import (
     head_dim_of,
     norm_mlp,
 )
+from mrv2.layers.mtp import build_mtp
 from mrv2.layers.weights import load_text_and_encoder
 from mrv2.model_loader.build import vl_text_config, vl_text_name
+from mrv2_step.mtp import Step3p7MTP, mtp_layer_kinds
 from mrv2_step.vision import VISION_CHECKPOINT_PREFIXES, Step3p7VisionEncoder
 
 if TYPE_CHECKING:
@@ -243,6 +246,31 @@ _STACKED_EXPERTS = {".moe.gate_proj.weight": "gate_proj", ".moe.up_proj.weight":
                     ".moe.down_proj.weight": "down_proj"}
 
 
+def step_block_name(name: str) -> str:
+    """A checkpoint's decoder-layer tensor name with the core's MoE names (:data:`_RENAMES`,
+    per-expert tensors as ``mlp.experts.{e}.*``)."""
+    for old, new in _RENAMES:
+        name = name.replace(old, new)
+    return _PER_EXPERT.sub(r".mlp.experts.\1.", name)
+
+
+def expand_step_tensors(weights: Iterable[tuple[str, torch.Tensor]]
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stacked published experts as one tensor per expert (the core's names), norm
+    weights as ``1 + w``; the rest as they come."""
+    for name, tensor in weights:
+        stacked = next((s for s in _STACKED_EXPERTS if name.endswith(s)), None)
+        if stacked is not None:
+            prefix = name[:-len(stacked)] + ".mlp.experts"
+            kind = _STACKED_EXPERTS[stacked]
+            for e in range(tensor.shape[0]):
+                yield f"{prefix}.{e}.{kind}.weight", tensor[e]
+        elif name.endswith("norm.weight") and "vision" not in name:
+            yield name, tensor.float() + 1.0
+        else:
+            yield name, tensor
+
+
 class Step3p7ForConditionalGeneration(CausalLM):
     """Step-3.7 in the mrv2 model contract: the text decoder (module docstring), built from
     the composite config's ``text_config``, and the image encoder (``vision``)."""
@@ -259,6 +287,7 @@ class Step3p7ForConditionalGeneration(CausalLM):
                  for kind in sorted(set(text.layer_types))}
         super().__init__(text, DecoderModel(text, lambda i: StepDecoderLayer(text, i, ropes,
                                                                            heads[i])))
+        self._ropes = ropes  # (the MTP layers' too)
         self.hf_config = config
         self.vision = Step3p7VisionEncoder(config)
 
@@ -279,30 +308,30 @@ class Step3p7ForConditionalGeneration(CausalLM):
         if (len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit()
                 and int(parts[2]) >= int(self.config.num_hidden_layers)):
             return None  # a multi-token-prediction layer
-        for old, new in _RENAMES:
-            name = name.replace(old, new)
-        name = _PER_EXPERT.sub(r".mlp.experts.\1.", name)
-        return super().rename(name)
+        return super().rename(step_block_name(name))
 
-    def _expanded(self, weights: Iterable[tuple[str, torch.Tensor]]
-                  ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The stacked published experts as one tensor per expert (the core's names), norm
-        weights as ``1 + w``; the rest as they come."""
-        for name, tensor in weights:
-            stacked = next((s for s in _STACKED_EXPERTS if name.endswith(s)), None)
-            if stacked is not None:
-                prefix = name[:-len(stacked)] + ".mlp.experts"
-                kind = _STACKED_EXPERTS[stacked]
-                for e in range(tensor.shape[0]):
-                    yield f"{prefix}.{e}.{kind}.weight", tensor[e]
-            elif name.endswith("norm.weight") and "vision" not in name:
-                yield name, tensor.float() + 1.0
-            else:
-                yield name, tensor
+    def build_mtp(self, first_layer_idx: int | None = None) -> Step3p7MTP:
+        """The checkpoint's MTP layers (:mod:`mrv2_step.mtp`) for the ``mtp`` speculator,
+        sharing this model's embedding and LM head, their attention caching from
+        ``first_layer_idx`` (default ``num_hidden_layers``); weights unloaded (see
+        :func:`mrv2.layers.mtp.build_mtp`). A ``ValueError`` names the text config's field
+        when the config declares no MTP layers or none it can run."""
+        text = self.config
+        mtp_layer_kinds(text)  # (before anything is built)
+
+        def block(layer_config: Any, cache_idx: int) -> nn.Module:
+            kind = layer_config.layer_types[cache_idx]
+            heads = int(text.num_attention_heads)
+            if kind == "sliding_attention":
+                heads = int(getattr(text, "num_sliding_attention_heads", None) or heads)
+            return StepDecoderLayer(layer_config, cache_idx, self._ropes, heads)
+
+        return cast(Step3p7MTP, build_mtp(self, Step3p7MTP, block, expand_step_tensors,
+                                          step_block_name, first_layer_idx))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """HF checkpoint tensors (module docstring): the encoder's through its loader; returns
         the parameter names loaded."""
         return load_text_and_encoder(lambda text: super(Step3p7ForConditionalGeneration, self)
-                                     .load_weights(self._expanded(text)), self.vision,
+                                     .load_weights(expand_step_tensors(text)), self.vision,
                                      VISION_CHECKPOINT_PREFIXES, weights, "vision")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -97,3 +97,130 @@ def hf_greedy_step3p7(model_dir: str | Path, prompts: list[list[int]], max_new_t
                 ids.append(int(logits.argmax()))
             out.append(ids[len(prompt):])
     return out
+
+
+def save_tiny_step3p7_mtp(path: str | Path, mtp_layers: list[tuple[str, str]],
+                          **text_overrides: Any) -> torch.nn.Module:
+    """:func:`save_tiny_step3p7` plus MTP layers of ``(attention type, MLP type)``
+    ``mtp_layers``, laid out as the published checkpoints are (transformers does not model
+    them): the config lists them as the hub configs do (``num_nextn_predict_layers``, the
+    per-layer lists padded with their entries; transformers splits those into
+    ``mtp_layer_types`` / ``mtp_mlp_layer_types``), the tensors of layer ``N + i`` are a Step
+    decoder block (HF's, saved in the published layout) plus ``enorm``, ``hnorm``,
+    ``eh_proj``, ``transformer.shared_head.norm`` and ``transformer.shared_head.output`` (the
+    LM head's copy). Returns HF's model of ``N + len(mtp_layers)`` main layers whose last ones
+    are the MTP layers' blocks (the reference: :func:`hf_mtp_reference`)."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    text = {**TINY_STEP3P7_TEXT, **text_overrides}
+    main, count = int(text["num_hidden_layers"]), len(mtp_layers)
+    kinds = list(text["layer_types"]) + [k for k, _ in mtp_layers]
+
+    def by_kind(field: str) -> list[Any]:  # the MTP layers' RoPE: their type's main layers'
+        values = list(text[field])
+        return values + [values[list(text["layer_types"]).index(k)] for k, _ in mtp_layers]
+
+    moe = [int(i) for i in str(text["moe_layers_enum"]).split(",")]
+    moe += [main + i for i, (_, mlp) in enumerate(mtp_layers) if mlp == "sparse"]
+    padded = {"layer_types": kinds, "rope_theta": by_kind("rope_theta"),
+              "partial_rotary_factors": by_kind("partial_rotary_factors"),
+              "moe_layers_enum": ",".join(map(str, moe)),
+              "swiglu_limits": list(text["swiglu_limits"]) + [0] * count,
+              "swiglu_limits_shared": list(text["swiglu_limits_shared"]) + [0] * count}
+    big = transformers.Step3p7Config(
+        text_config={**text, **padded, "num_hidden_layers": main + count},
+        vision_config=dict(TINY_STEP3P7_VISION), image_token_id=127)
+    hf = save_tiny_model(path, "Step3p7ForConditionalGeneration", big)
+    config = transformers.Step3p7Config(
+        text_config={**text, **padded, "num_nextn_predict_layers": count},
+        vision_config=dict(TINY_STEP3P7_VISION), image_token_id=127)
+    config.architectures = ["Step3p7ForConditionalGeneration"]
+    config.save_pretrained(path)
+    tensors = load_file(path / "model.safetensors")
+    head = next(t for name, t in tensors.items() if name.endswith("lm_head.weight"))
+    hidden = int(text["hidden_size"])
+    gen = torch.Generator().manual_seed(11)
+    for i in range(count):
+        prefix = f"model.layers.{main + i}."
+        assert any(name.startswith(prefix) for name in tensors), sorted(tensors)[:5]
+        for norm in ("enorm", "hnorm", "transformer.shared_head.norm"):
+            tensors[f"{prefix}{norm}.weight"] = torch.randn(hidden, generator=gen) * 0.3
+        tensors[prefix + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) * 0.1
+        tensors[prefix + "transformer.shared_head.output.weight"] = head.clone()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return hf
+
+
+def hf_mtp_reference(model_dir: str | Path, big: Any, index: int,
+                     input_ids: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Logits ``[T, vocab]`` of MTP layer ``index`` of the checkpoint
+    :func:`save_tiny_step3p7_mtp` saved at ``model_dir`` over one sequence, as transformers'
+    ``MtpLayer`` computes them (its block: ``big``'s layer ``N + index``, eager attention
+    with a causal mask, within the window on a sliding layer; then ``shared_head.norm`` and
+    the LM head): ``input_ids`` ``[T]`` the tokens at positions ``1 .. T``,
+    ``hidden_states`` ``[T, H]`` the main model's final hidden states at ``0 .. T - 1``."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers.modeling_layers import MtpLayer
+    from transformers.models.step3p7 import modeling_step3p7 as hf_step
+
+    text = big.config.text_config
+    main = json.loads((Path(model_dir) / "config.json").read_text())["text_config"]
+    layer_idx = int(main["num_hidden_layers"]) + index
+    lm = big.model.language_model
+    block = lm.layers[layer_idx]
+    layer = MtpLayer(text, hf_step.Step3p7DecoderLayer, hf_step.Step3p7RMSNorm, layer_idx)
+    layer.mtp_block = block
+    tensors = load_file(Path(model_dir) / "model.safetensors")
+    prefix = f"model.layers.{layer_idx}."
+    with torch.no_grad():
+        for mine, theirs in (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"),
+                             ("post_norm", "transformer.shared_head.norm")):
+            getattr(layer, mine).weight.copy_(tensors[f"{prefix}{theirs}.weight"])
+        text._attn_implementation = "eager"
+        block.self_attn.config._attn_implementation = "eager"
+        n = input_ids.shape[0]
+        pos = torch.arange(n)
+        allowed = pos[None, :] <= pos[:, None]
+        if text.layer_types[layer_idx] == "sliding_attention":
+            allowed &= pos[:, None] - pos[None, :] < int(text.sliding_window)
+        mask = torch.zeros(n, n).masked_fill(~allowed, float("-inf"))[None, None]
+        embeds = big.get_input_embeddings()(input_ids[None])
+        rope = lm.rotary_emb(embeds, pos[None], text.layer_types[layer_idx])
+        out = layer(embeds, hidden_states[None], position_embeddings=rope,
+                    attention_mask=mask, position_ids=pos[None], past_key_values=None)
+        return cast(torch.Tensor, big.lm_head(out)[0])
+
+
+def make_mtp_layers_agree(path: str | Path, scale: float = 20.0) -> None:
+    """Rewrite the checkpoint :func:`save_tiny_step3p7_mtp` saved at ``path`` so its MTP
+    layers often draft what the main model then samples (the speculator's accepting path):
+    the token embedding ``scale`` times larger (the main layers then change the residual
+    little: the model is near a bigram model), each MTP layer's ``eh_proj`` passing its
+    normed token embedding through at the main residual's size, its ``enorm`` plain and its
+    ``shared_head.norm`` the final norm's (the MTP layer then predicts, from the token it is
+    given, near what the main model predicts from that token)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    text = json.loads((path / "config.json").read_text())["text_config"]
+    main, hidden = int(text["num_hidden_layers"]), int(text["hidden_size"])
+    tensors = load_file(path / "model.safetensors")
+    embed = next(n for n in tensors if n.endswith("embed_tokens.weight"))
+    tensors[embed] = tensors[embed] * scale
+    size = float(tensors[embed].pow(2).mean().sqrt())
+    final = next(n for n in tensors if n.endswith("norm.weight") and ".layers." not in n
+                 and "vision" not in n)
+    for i in range(int(text["num_nextn_predict_layers"])):
+        prefix = f"model.layers.{main + i}."
+        proj = torch.zeros(hidden, 2 * hidden)
+        proj[:, :hidden] = torch.eye(hidden) * size
+        tensors[prefix + "eh_proj.weight"] = proj
+        tensors[prefix + "enorm.weight"] = torch.zeros(hidden)
+        tensors[prefix + "transformer.shared_head.norm.weight"] = tensors[final].clone()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
