@@ -91,7 +91,8 @@ def test_mamba2_steps_never_synchronize(tmp_path: Path) -> None:
 #: 1, 3, 4 on two shared blocks (TINY_ZAMBA2's layout).
 ZAMBA2: dict[str, Any] = {"hidden_size": 256, "n_mamba_heads": 8, "mamba_d_state": 64,
                           "chunk_size": 32, "num_attention_heads": 8, "num_key_value_heads": 8,
-                          "intermediate_size": 512, "adapter_rank": 16}
+                          "intermediate_size": 512, "adapter_rank": 16,
+                          "max_position_embeddings": MAX_MODEL_LEN}
 
 
 def test_zamba2_with_graphs(tmp_path: Path) -> None:

@@ -85,8 +85,9 @@ def test_steps_never_synchronize(ckpt: Path) -> None:
 def test_the_memory_profile_counts_the_vision_tower(ckpt: Path) -> None:
     """The KV cache is sized after a profile that ran the tower on the largest image a prompt
     may carry, and reserved the encoder cache's budget."""
+    # (256: the Qwen3.5 checkpoint's max_position_embeddings, which bounds max_model_len)
     llm = LLM(str(ckpt), device="cuda", dtype="bfloat16", block_size=16,
-              gpu_memory_utilization=0.3, max_model_len=512)
+              gpu_memory_utilization=0.3, max_model_len=256)
     facts = llm.engine.runner.startup.facts
     state = llm.engine.runner.model_state
     assert facts["encoder_peak_bytes"] > 0
