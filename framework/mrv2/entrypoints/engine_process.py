@@ -49,7 +49,7 @@ from mrv2.entrypoints.engine_core import EngineInfo, run_engine_core, run_engine
 from mrv2.entrypoints.engine_thread import LoopHandOver, QueueFullError, check_room
 from mrv2.entrypoints.engine_thread import _Sink as ThreadSink
 from mrv2.entrypoints.metrics import ServerMetrics
-from mrv2.executor.zygote import worker_zygote, zygote_enabled
+from mrv2.executor.zygote import preload, worker_zygote, zygote_enabled
 from mrv2.logs import configured_level
 from mrv2.plugins import plugins_registered_in_code
 
@@ -85,6 +85,9 @@ def _plugins_registered_in_code() -> bytes:
             f"({type(error).__name__}: {error}). Define the plugin's class at a module's top "
             "level, install it as a package with an entry point in group 'mrv2', or run the "
             "engine on a thread of this process (mrv2 serve --no-engine-process)") from error
+
+
+preload("mrv2.entrypoints.engine_core")  # (a forked engine process finds the engine imported)
 
 
 class ChildProcess(Protocol):

@@ -56,8 +56,26 @@ def zygote_enabled() -> bool:
     return os.environ.get("MRV2_WORKER_ZYGOTE", "0") == "1"
 
 
+#: Modules a zygote imports beside the worker's, named by the higher layers that fork their
+#: own processes from it (:func:`preload`; the server's engine process), so this module
+#: imports nothing above the executor.
+_PRELOADS: list[str] = []
+
+
+def preload(module: str) -> None:
+    """Have zygotes started from now on import ``module`` too (a top-level target's module,
+    given by the layer that forks it with :meth:`Zygote.fork_call`); a zygote started before
+    gets a successor with it at the next :func:`worker_zygote`."""
+    if module not in _PRELOADS:
+        _PRELOADS.append(module)
+
+
 def _environment() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in _VOLATILE}
+    """What a zygote is keyed by: ``os.environ`` less the volatile variables, and what it
+    preloads."""
+    env = {k: v for k, v in os.environ.items() if k not in _VOLATILE}
+    env[" preloads"] = ",".join(_PRELOADS)  # (a key no variable can have)
+    return env
 
 
 class ForkedWorker:
@@ -139,8 +157,8 @@ class Zygote:
     def _run(sock: socket.socket, started: queue.Queue[Any]) -> None:
         try:
             proc = subprocess.Popen([sys.executable, "-m", "mrv2.executor.zygote",
-                                     str(sock.fileno())], stdin=subprocess.DEVNULL,
-                                    pass_fds=(sock.fileno(),))
+                                     str(sock.fileno()), ",".join(_PRELOADS)],
+                                    stdin=subprocess.DEVNULL, pass_fds=(sock.fileno(),))
         except BaseException as error:
             started.put(error)
             return
@@ -301,17 +319,21 @@ def worker_zygote() -> Zygote:
 # -- the zygote process --------------------------------------------------------------------
 
 
-def _preload() -> None:
-    """What every worker imports before it builds its runner."""
+def _preload(modules: list[str]) -> None:
+    """What every worker imports before it builds its runner, then ``modules``
+    (:func:`preload`'s)."""
+    import importlib
+
     import transformers.modeling_rope_utils  # noqa: F401
     import transformers.models.auto.auto_factory  # noqa: F401 (torch._dynamo, sympy...)
     from transformers.models.auto import configuration_auto  # noqa: F401
 
-    import mrv2.entrypoints.engine_core  # noqa: F401 (the engine process's: the engine)
     import mrv2.executor.worker  # noqa: F401 (torch, the runner)
     from mrv2.plugins import get_plugin_manager
 
     get_plugin_manager()
+    for module in modules:
+        importlib.import_module(module)
 
 
 def _child(kind: str, fds: list[int], cwd: str, std: tuple[int, ...], zygote: int) -> int:
@@ -381,7 +403,8 @@ def _report_exits(sock: socket.socket, children: set[int]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m mrv2.executor.zygote SOCKET_FD``: import, then fork a process per request
+    """``python -m mrv2.executor.zygote SOCKET_FD [MODULE,...]``: import (the worker's modules,
+    then those named), then fork a process per request
     until the socket closes. Ctrl-C (which reaches the caller's process group) is ignored: the
     caller stops the zygote, and an engine process forked here stops when its server says."""
     sock = socket.socket(fileno=int(argv[1]))
@@ -389,7 +412,7 @@ def main(argv: list[str]) -> int:
 
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _preload()
+    _preload([m for m in (argv[2] if len(argv) > 2 else "").split(",") if m])
     import torch
 
     if torch.cuda.is_initialized():  # (a fork could not use the GPU)
