@@ -15,7 +15,8 @@ from mrv2.testing import redraw_weights
 
 
 def fp8_checkpoint(src: str | Path, dst: str | Path, reference: str | Path,
-                   block: tuple[int, int] = (128, 128), also: Sequence[str] = ()) -> None:
+                   block: tuple[int, int] = (128, 128), also: Sequence[str] = (),
+                   stacked: Sequence[str] = (), keep: Sequence[str] = ()) -> None:
     """Save ``src`` (a tiny checkpoint) as an FP8 checkpoint is published in ``dst``: every
     projection weight (``*_proj.weight``; a sparse-attention indexer's ``wq_b`` and ``wk``, not
     its ``weights_proj``, as DeepSeek-V3.2 publishes them) as e4m3 with a
@@ -25,7 +26,11 @@ def fp8_checkpoint(src: str | Path, dst: str | Path, reference: str | Path,
     (``experts.{j}.{gate,up,down}_proj.weight`` and their ``weight_scale_inv``), and
     ``quantization_config`` in its config; and in ``reference`` the same model with those
     weights dequantized (what HF should run to match). ``also``: name endings of further 2-D
-    weights quantized so (Qwen3.5-FP8's ``.in_proj_qkv.weight``, ``.in_proj_z.weight``)."""
+    weights quantized so (Qwen3.5-FP8's ``.in_proj_qkv.weight``, ``.in_proj_z.weight``).
+    ``stacked``: name endings of 3-D expert stacks ``[E, N, K]`` quantized expert by expert
+    and kept stacked, their ``weight_scale_inv`` ``[E, ceil(N/bn), ceil(K/bk)]`` stacked too
+    (Step-3.5/3.7-FP8's ``.moe.gate_proj.weight``, ``.moe.up_proj.weight``,
+    ``.moe.down_proj.weight``). ``keep``: name prefixes left as they are (a vision tower)."""
     import json
     import shutil
 
@@ -46,7 +51,15 @@ def fp8_checkpoint(src: str | Path, dst: str | Path, reference: str | Path,
         return dequantize_weight_block_fp8(w8, scale, block, t.dtype).contiguous()
 
     for name, t in tensors.items():
-        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")) and t.dim() == 3:
+        if keep and name.startswith(tuple(keep)):
+            quantized[name] = dequantized[name] = t
+        elif stacked and name.endswith(tuple(stacked)) and t.dim() == 3:
+            pairs = [quantize_weight_block_fp8(t[e], block) for e in range(t.shape[0])]
+            quantized[name] = torch.stack([w8 for w8, _ in pairs]).contiguous()
+            quantized[name + "_scale_inv"] = torch.stack([s for _, s in pairs]).contiguous()
+            dequantized[name] = torch.stack([dequantize_weight_block_fp8(w8, s, block, t.dtype)
+                                             for w8, s in pairs]).contiguous()
+        elif name.endswith((".experts.gate_up_proj", ".experts.down_proj")) and t.dim() == 3:
             prefix, kind = name.rsplit(".", 1)
             inter = t.shape[1] // 2
             parts = []

@@ -179,3 +179,32 @@ def test_step3p7_mtp_speculation_with_graphs(tmp_path: Path) -> None:
         llm.shutdown()
         assert [o.outputs[0].token_ids for o in outs] == plain, chunk
         assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
+
+
+def test_step3p7_fp8_checkpoint(tmp_path: Path) -> None:
+    """Block FP8 as Step-3.5-Flash-FP8 is published (128 x 128 blocks; the routed experts
+    stacked per layer with stacked ``weight_scale_inv``, split per expert as they load): the
+    experts run on the fused MoE's FP8 path and the projections on the FP8 GEMM; in bf16
+    (activations quantized per token group) graphs on and off agree and start with HF's
+    greedy tokens on the dequantized checkpoint."""
+    from mrv2.layers.fp8 import Fp8FusedMoE, Fp8LinearMixin
+    from mrv2.testing_checkpoints import fp8_checkpoint
+    from mrv2_step.testing import hf_greedy_step3p7
+
+    src, fp8, ref = tmp_path / "src", tmp_path / "fp8", tmp_path / "ref"
+    _save(src)
+    fp8_checkpoint(src, fp8, ref, stacked=(".moe.gate_proj.weight", ".moe.up_proj.weight",
+                                           ".moe.down_proj.weight"),
+                   keep=("vision_model.", "vit_large_projector."))
+    expected = hf_greedy_step3p7(ref, PROMPTS, 40)  # (HF on the CPU, as above)
+    llm = LLM(str(fp8), device="cuda", dtype="bfloat16", block_size=16,
+              gpu_memory_utilization=0.3)
+    modules = list(llm.engine.runner.model.modules())
+    assert sum(isinstance(m, Fp8FusedMoE) for m in modules) == 3  # layers 1-3
+    assert all(isinstance(m.g_proj, Fp8LinearMixin) for m in modules if hasattr(m, "g_proj"))
+    llm.shutdown()
+    del llm  # (its KV cache counts as in use for the next engine's budget until freed)
+    graphs = _generate(fp8, "bfloat16")
+    eager = _generate(fp8, "bfloat16", enforce_eager=True)
+    assert [g[:4] for g in graphs] == [e[:4] for e in eager]
+    assert sum(g[0] == e[0] for g, e in zip(graphs, expected, strict=True)) >= len(PROMPTS) - 1

@@ -23,9 +23,11 @@ Step-3.5 text decoder under a vision tower), its text decoder as transformers 5.
 - Checkpoints: the published layout (``model.layers.*``; the experts stacked per layer as
   ``moe.gate_proj`` / ``moe.up_proj`` ``[E, I, H]`` and ``moe.down_proj`` ``[E, H, I]``, the
   router ``moe.gate.weight`` (kept fp32, as vLLM runs it) and ``moe.router_bias``, the shared
-  expert ``share_expert.*``), which transformers 5.17's ``save_pretrained`` writes too; experts
-  per expert (``moe.experts.{e}.*`` or ``moe.{e}.*``); or transformers' in-memory names
-  (``model.language_model.*``). The multi-token-prediction layers past
+  expert ``share_expert.*``), which transformers 5.17's ``save_pretrained`` writes too (a
+  block-FP8 checkpoint, as Step-3.5-Flash-FP8: the stacked experts in e4m3 with stacked
+  ``moe.*_proj.weight_scale_inv`` ``[E, ...]``, split per expert with them; an fp8 router is
+  refused); experts per expert (``moe.experts.{e}.*`` or ``moe.{e}.*``); or transformers'
+  in-memory names (``model.language_model.*``). The multi-token-prediction layers past
   ``num_hidden_layers`` are skipped here and built by :meth:`build_mtp`
   (:mod:`mrv2_step.mtp`) for the ``mtp`` speculator; the vision tower's and projector's
   tensors go to the image encoder (:mod:`mrv2_step.vision`; images: :mod:`mrv2_step.vision_inputs`).
@@ -241,14 +243,25 @@ _RENAMES = (
 )
 #: Per-expert checkpoints' names: ``moe.experts.{e}.*`` and the older ``moe.{e}.*``.
 _PER_EXPERT = re.compile(r"\.moe\.(?:experts\.)?(\d+)\.")
-#: The published stacked experts: ``moe.<kind>.weight`` ``[E, ...]``.
-_STACKED_EXPERTS = {".moe.gate_proj.weight": "gate_proj", ".moe.up_proj.weight": "up_proj",
-                    ".moe.down_proj.weight": "down_proj"}
+#: The published stacked experts: ``moe.<kind>.weight`` ``[E, ...]`` and, in an FP8
+#: checkpoint (Step-3.5-Flash-FP8), their block scales ``moe.<kind>.weight_scale_inv``
+#: ``[E, ceil(N/bn), ceil(K/bk)]``.
+_STACKED_EXPERTS = re.compile(r"\.moe\.(gate_proj|up_proj|down_proj)\.(weight(?:_scale_inv)?)$")
+#: An FP8 router's scales (the router runs unquantized: refused).
+_ROUTER_SCALE = re.compile(r"\.moe\.gate\.weight_scale(?:_inv)?$")
 
 
 def step_block_name(name: str) -> str:
     """A checkpoint's decoder-layer tensor name with the core's MoE names (:data:`_RENAMES`,
-    per-expert tensors as ``mlp.experts.{e}.*``)."""
+    per-expert tensors as ``mlp.experts.{e}.*``; a stacked expert tensor as its first
+    expert's, the parameter it fills). A ``ValueError`` names ``quantization_config`` for a
+    checkpoint whose router is quantized."""
+    if _ROUTER_SCALE.search(name):
+        raise ValueError(
+            f"{ARCH}: config.json quantization_config: the checkpoint quantizes the MoE "
+            f"router ({name}); the router runs unquantized here (fp32, as vLLM runs it), so "
+            f"only checkpoints that keep moe.gate.weight unquantized are supported")
+    name = _STACKED_EXPERTS.sub(r".mlp.experts.0.\1.\2", name)
     for old, new in _RENAMES:
         name = name.replace(old, new)
     return _PER_EXPERT.sub(r".mlp.experts.\1.", name)
@@ -256,15 +269,15 @@ def step_block_name(name: str) -> str:
 
 def expand_step_tensors(weights: Iterable[tuple[str, torch.Tensor]]
                         ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The stacked published experts as one tensor per expert (the core's names), norm
-    weights as ``1 + w``; the rest as they come."""
+    """The stacked published experts (and an FP8 checkpoint's stacked scales) as one tensor
+    per expert (the core's names), norm weights as ``1 + w``; the rest as they come."""
     for name, tensor in weights:
-        stacked = next((s for s in _STACKED_EXPERTS if name.endswith(s)), None)
+        stacked = _STACKED_EXPERTS.search(name)
         if stacked is not None:
-            prefix = name[:-len(stacked)] + ".mlp.experts"
-            kind = _STACKED_EXPERTS[stacked]
+            prefix = name[:stacked.start()] + ".mlp.experts"
+            kind, suffix = stacked.groups()
             for e in range(tensor.shape[0]):
-                yield f"{prefix}.{e}.{kind}.weight", tensor[e]
+                yield f"{prefix}.{e}.{kind}.{suffix}", tensor[e]
         elif name.endswith("norm.weight") and "vision" not in name:
             yield name, tensor.float() + 1.0
         else:
