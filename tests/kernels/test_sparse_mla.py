@@ -13,7 +13,11 @@ from typing import Any
 import pytest
 import torch
 
-from mrv2_kernels.indexer_topk import indexer_topk_slots_ref, indexer_topk_slots_triton
+from mrv2_kernels.indexer_topk import (
+    indexer_topk_slots_full_width,
+    indexer_topk_slots_ref,
+    indexer_topk_slots_triton,
+)
 from mrv2_kernels.sparse_mla import (
     indexer_logits_ref,
     indexer_logits_triton,
@@ -102,6 +106,14 @@ def test_topk_slots_match_ref() -> None:
     got = indexer_topk_slots_triton(logits, token_req, token_pos, block_table.to(DEVICE),
                                     block_size, out[:, :top], block=16)
     assert torch.equal(got.cpu(), ref) and (out[:, top] == 7).all()
+    # torch.topk over the full width, past each row filled with -inf: the same sets where no
+    # tie sits at the threshold (rows 0, 1, 4, 5, 6)
+    full = indexer_topk_slots_full_width(logits.clone(), token_req, token_pos,
+                                         block_table.to(DEVICE), block_size,
+                                         torch.full((rows, top), 7, dtype=torch.int64,
+                                                    device=DEVICE)).cpu()
+    plain = [0, 1, 4, 5, 6]
+    assert torch.equal(full[plain].sort(dim=1).values, ref[plain].sort(dim=1).values)
 
 
 _SM90_SCRIPT = r"""

@@ -6,12 +6,13 @@ indexer RoPE, a ``"shared"`` layer reusing the previous layer's top-k).
 ``index_topk`` is 4 and the prompts are longer, so the selection changes the result: the test
 first checks that HF's logits with the selection turned off (a top-k past every context)
 differ from the sparse ones, then compares every logit of a prefill step (with padding) and a
-decode step through the latent and indexer caches (poisoned where unwritten), both steps
-also through the Triton kernels (the indexer's scores, written only up to each token, and
-its top-k), and greedy tokens through ``LLM`` with chunked prefill (8 tokens a step: later
-chunks and decode steps read the indexer keys of earlier steps from the cache) and with
-prefix caching (a second prompt sharing whole blocks with the first); an FP8 checkpoint
-against HF on its dequantized weights, and dummy weights. The MTP layer (``build_mtp``:
+decode step through the latent and indexer caches (poisoned where unwritten), with the
+full-width top-k of wide rows and through the Triton kernels (the indexer's scores, written
+only up to each token, and its bounded top-k), and greedy tokens through ``LLM`` with
+chunked prefill (8 tokens a step: later chunks and decode steps read the indexer keys of
+earlier steps from the cache) and with prefix caching (a second prompt sharing whole blocks
+with the first); an FP8 checkpoint against HF on its dequantized weights, and dummy
+weights. The MTP layer (``build_mtp``:
 sparse MLA with an indexer of its own and indexer cache layer, the MoE, enorm / hnorm /
 eh_proj) against a plain-torch MTP step over HF's decoder layer, and greedy tokens with
 ``mtp`` speculation equal to those without."""
@@ -31,6 +32,7 @@ from mrv2 import LLM, SamplingParams
 from mrv2.attention import ForwardContext, set_forward_context
 from mrv2.attention.mla_backend import MLABackend
 from mrv2.contract.kv_cache import LatentKVSpec, layer_specs
+from mrv2.layers import sparse_mla
 from mrv2.model_loader import iter_safetensors, load_model_weights
 from mrv2.model_loader.build import process_weights_after_loading
 from mrv2.testing import (
@@ -134,7 +136,9 @@ def test_sparse_attention_matches_hf(tmp_path: Path, case: str,
     model = getattr(importlib.import_module(MODULES[arch]), arch)(config)
     load_model_weights(model, iter_safetensors(tmp_path))
     process_weights_after_loading(model)
-    check_steps(model.eval(), hf, num_indexers)
+    with monkeypatch.context() as patch:  # torch.topk over the full width (wide rows)
+        patch.setattr(sparse_mla, "BOUNDED_TOPK_MAX_SPAN", 0)
+        check_steps(model.eval(), hf, num_indexers)
     with monkeypatch.context() as patch:  # the Triton kernels (interpreted) as on a GPU
         patch.setenv("MRV2_KERNELS", "triton")
         check_steps(model, hf, num_indexers)

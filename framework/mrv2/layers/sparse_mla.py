@@ -22,9 +22,12 @@ reuses a block's indexer keys with its latents.
 Per step: the indexer writes its keys, scores every query against its request's cached keys
 (:func:`mrv2_kernels.sparse_mla.indexer_logits`, ``[T, max_seq_len]``, in chunks of query
 rows) and picks each row's best as flat cache slots through the block table
-(:func:`mrv2_kernels.indexer_topk.indexer_topk_slots`, a radix select); both kernels touch
-only the positions up to each token's own, so a decode step under CUDA graphs, whose
-``max_seq_len`` is ``max_model_len``, costs what its real contexts cost;
+(:func:`mrv2_kernels.indexer_topk.indexer_topk_slots`, a radix select a program per row,
+reading only the positions up to each token's own, for rows up to
+:data:`BOUNDED_TOPK_MAX_SPAN` wide; ``torch.topk`` over the full width past that, where one
+program a row is slower, after filling the columns past each token with ``-inf``); the
+score kernel computes only up to each token's own position, so under CUDA graphs, whose
+``max_seq_len`` is ``max_model_len``, it costs what the real contexts cost;
 :func:`mrv2_kernels.sparse_mla.sparse_mla_attention` attends over those slots. GLM-5's
 ``"shared"`` layers (``indexer_types``) have no indexer and reuse the last full layer's slots
 of the same step (kept in the step metadata's ``derived`` scratch).
@@ -35,6 +38,7 @@ attention heads split as MLA's do.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -48,7 +52,7 @@ from mrv2.layers.mla import MLAAttention
 from mrv2.layers.mtp import mtp_layer_count
 from mrv2.layers.norm import LayerNorm
 from mrv2.layers.rotary import RotaryEmbedding
-from mrv2_kernels.indexer_topk import indexer_topk_slots
+from mrv2_kernels.indexer_topk import indexer_topk_slots, indexer_topk_slots_full_width
 from mrv2_kernels.mla_attention import mla_cache_write
 from mrv2_kernels.sparse_mla import indexer_logits, sparse_mla_attention
 
@@ -60,6 +64,13 @@ _MAPS_KEY = "dsa_token_maps"
 _SLOTS_KEY = "dsa_topk_slots"
 #: fp32 indexer scores one chunk of query rows may hold (256 MiB).
 _LOGITS_BUDGET = 1 << 26
+#: The widest score rows (``metadata.max_seq_len``: the step's longest context, or
+#: ``max_model_len`` under CUDA graphs) whose top-k the per-row bounded kernel takes; wider
+#: ones go to ``torch.topk`` over the full width. On an H100 the bounded kernel was 3.7-5.7x
+#: faster at 2,048 positions of 163,840, even at 32,768 and 0.27-0.69x at 131,072 (one
+#: program a row; ``mrv2_kernels.bench_dsa_indexer``, BENCHMARKS.md 2026-12-07).
+#: ``MRV2_DSA_BOUNDED_TOPK=1`` takes it at every width (to measure it).
+BOUNDED_TOPK_MAX_SPAN = 16384
 #: HF's eps of the indexer's ``k_norm``.
 INDEXER_NORM_EPS = 1e-6
 
@@ -171,13 +182,16 @@ class DSAIndexer(KVCacheLayer):
         top = min(self.index_topk, span)
         slots = torch.empty(num_tokens, top, dtype=torch.int64, device=x.device)
         rows = max(1, _LOGITS_BUDGET // span)
+        bounded = span <= BOUNDED_TOPK_MAX_SPAN or os.environ.get(
+            "MRV2_DSA_BOUNDED_TOPK") == "1"
+        select = indexer_topk_slots if bounded else indexer_topk_slots_full_width
         for t0 in range(0, num_tokens, rows):
             t1 = min(num_tokens, t0 + rows)
             logits = torch.empty(t1 - t0, span, dtype=torch.float32, device=x.device)
             indexer_logits(q[t0:t1], weights[t0:t1], cache, metadata.block_table,
                            token_req[t0:t1], token_pos[t0:t1], self.scale, logits)
-            indexer_topk_slots(logits, token_req[t0:t1], token_pos[t0:t1],
-                               metadata.block_table, cache.shape[1], slots[t0:t1])
+            select(logits, token_req[t0:t1], token_pos[t0:t1], metadata.block_table,
+                   cache.shape[1], slots[t0:t1])
         return slots
 
 
