@@ -80,16 +80,13 @@ class InputProcessor:
         """``(token ids with expanded placeholders, items)``; ValueError on bad input."""
         raise NotImplementedError
 
-    def images_and_places(self, prompt_token_ids: list[int], mm_data: Mapping[str, Any],
-                          placeholder: int, label: str | None = None, *,
-                          only_with_items: bool = False, note: str = ""
-                          ) -> tuple[list[Any], list[int]]:
-        """The checks every image family makes before it processes a prompt's images: the
-        images of ``mm_data["image"]`` (one item or a list) and the prompt positions of the
-        ``placeholder`` token, one per image. ValueError naming the field for another key
-        (``only_with_items``: only keys that carry items count; ``note`` ends that message),
-        more images than ``--limit-mm-per-prompt``, or as many placeholders as images
-        (``label``: the placeholder's name in that message)."""
+    def checked_images(self, mm_data: Mapping[str, Any], *, only_with_items: bool = False,
+                       note: str = "") -> list[Any]:
+        """The images of ``mm_data["image"]`` (one item or a list); ValueError naming the
+        field for another key (``only_with_items``: only keys that carry items count;
+        ``note`` ends that message) or more images than ``--limit-mm-per-prompt``. The first
+        half of :meth:`images_and_places`, for a family that finds its placeholders another
+        way."""
         unknown = sorted(key for key, value in mm_data.items() if key != "image"
                          and (not only_with_items or _has_items(value)))
         if unknown:
@@ -100,6 +97,19 @@ class InputProcessor:
         if len(images) > self.limit_per_prompt:
             raise ValueError(f"multi_modal_data.image: {len(images)} images; at most "
                              f"{self.limit_per_prompt} per prompt (--limit-mm-per-prompt)")
+        return images
+
+    def images_and_places(self, prompt_token_ids: list[int], mm_data: Mapping[str, Any],
+                          placeholder: int, label: str | None = None, *,
+                          only_with_items: bool = False, note: str = ""
+                          ) -> tuple[list[Any], list[int]]:
+        """The checks every image family makes before it processes a prompt's images: the
+        images of ``mm_data["image"]`` (one item or a list) and the prompt positions of the
+        ``placeholder`` token, one per image. ValueError naming the field for another key
+        (``only_with_items``: only keys that carry items count; ``note`` ends that message),
+        more images than ``--limit-mm-per-prompt``, or as many placeholders as images
+        (``label``: the placeholder's name in that message)."""
+        images = self.checked_images(mm_data, only_with_items=only_with_items, note=note)
         places = [i for i, t in enumerate(prompt_token_ids) if t == placeholder]
         if len(places) != len(images):
             name = f"token {placeholder}" + (f", {label}" if label else "")

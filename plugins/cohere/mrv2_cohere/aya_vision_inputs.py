@@ -134,15 +134,7 @@ class TiledImageInputProcessor(InputProcessor):
                 ) -> tuple[list[int], list[MultiModalItem]]:
         """Expand each image's placeholder (module doc) and make the images' items;
         ValueError naming the field for bad input."""
-        unknown = sorted(key for key in mm_data if key != "image")
-        if unknown:
-            raise ValueError(f"multi_modal_data has unsupported keys {unknown}; allowed: "
-                             f"'image' ({self.family} takes images only)")
-        images = mm_data.get("image", [])
-        images = list(images) if isinstance(images, (list, tuple)) else [images]
-        if len(images) > self.limit_per_prompt:
-            raise ValueError(f"multi_modal_data.image: {len(images)} images; at most "
-                             f"{self.limit_per_prompt} per prompt (--limit-mm-per-prompt)")
+        images = self.checked_images(mm_data, note=f" ({self.family} takes images only)")
         runs = find_runs(prompt_token_ids, self.patterns)
         if len(runs) != len(images):
             raise ValueError(
