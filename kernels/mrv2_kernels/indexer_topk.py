@@ -40,6 +40,24 @@ def _check(logits: torch.Tensor, token_req: torch.Tensor, token_pos: torch.Tenso
     assert out.shape[1] <= logits.shape[1], "top must not exceed the logits' width"
 
 
+def _visible(token_req: torch.Tensor, token_pos: torch.Tensor, num_tokens: int, span: int,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(request [T] int64, visible [T, span])``: the columns up to each row's position, none
+    on padding rows."""
+    req, pos = token_req[:num_tokens].long(), token_pos[:num_tokens].long()
+    n = torch.arange(span, device=device)
+    return req, (n[None, :] <= pos[:, None]) & (req[:, None] >= 0)
+
+
+def _slots(block_table: torch.Tensor, req: torch.Tensor, positions: torch.Tensor,
+           block_size: int) -> torch.Tensor:
+    """Flat cache slots of ``positions`` ``[T, k]`` of each row's request (any value where a
+    position is past the block table: the callers mask those)."""
+    blocks = block_table[req.clamp(min=0)[:, None], (positions // block_size).clamp(
+        max=block_table.shape[1] - 1)].long()
+    return blocks * block_size + positions % block_size
+
+
 def indexer_topk_slots_ref(logits: torch.Tensor, token_req: torch.Tensor,
                            token_pos: torch.Tensor, block_table: torch.Tensor,
                            block_size: int, out: torch.Tensor) -> torch.Tensor:
@@ -52,18 +70,15 @@ def indexer_topk_slots_ref(logits: torch.Tensor, token_req: torch.Tensor,
     top = out.shape[1]
     if num_tokens == 0 or top == 0:
         return out
-    req, pos = token_req[:num_tokens].long(), token_pos[:num_tokens].long()
-    n = torch.arange(span, device=logits.device)
-    visible = (n[None, :] <= pos[:, None]) & (req[:, None] >= 0)
+    req, visible = _visible(token_req, token_pos, num_tokens, span, logits.device)
     bits = logits.view(torch.int32).long() & 0xFFFFFFFF
     key = torch.where(bits >= 1 << 31, bits ^ 0xFFFFFFFF, bits | 1 << 31)  # float order
     key = torch.where(visible, key + (1 << 32), 0)  # visible first, then by score
     best = torch.sort(key, dim=1, descending=True, stable=True).indices[:, :top]
     taken = key.gather(1, best) > 0
     chosen = torch.sort(torch.where(taken, best, span), dim=1).values  # in position order
-    blocks = block_table[req.clamp(min=0)[:, None], (chosen // block_size).clamp(
-        max=block_table.shape[1] - 1)].long()
-    out.copy_(torch.where(chosen < span, blocks * block_size + chosen % block_size, -1))
+    slots = _slots(block_table, req, chosen, block_size)
+    out.copy_(torch.where(chosen < span, slots, -1))
     return out
 
 
@@ -81,12 +96,10 @@ def indexer_topk_slots_full_width(logits: torch.Tensor, token_req: torch.Tensor,
     top = out.shape[1]
     if num_tokens == 0 or top == 0:
         return out
-    req, pos = token_req[:num_tokens].long(), token_pos[:num_tokens].long()
-    past = (torch.arange(span, device=logits.device)[None, :] > pos[:, None]) | (req[:, None] < 0)
-    values, index = logits.masked_fill_(past, float("-inf")).topk(top, dim=-1)
-    blocks = block_table[req.clamp(min=0)[:, None], (index // block_size).clamp(
-        max=block_table.shape[1] - 1)].long()
-    out.copy_(torch.where(values > float("-inf"), blocks * block_size + index % block_size, -1))
+    req, visible = _visible(token_req, token_pos, num_tokens, span, logits.device)
+    values, index = logits.masked_fill_(~visible, float("-inf")).topk(top, dim=-1)
+    slots = _slots(block_table, req, index, block_size)
+    out.copy_(torch.where(values > float("-inf"), slots, -1))
     return out
 
 
